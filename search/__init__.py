@@ -1,0 +1,34 @@
+"""poplar-ext's batch-allocation search: profiles + cluster + global batch -> plan.
+
+Pure: imports numpy and scipy only (never torch or deepspeed), so it runs on a laptop.
+"""
+
+from search.errors import FormatError
+from search.formats import (
+    Cluster,
+    Plan,
+    Prediction,
+    Profile,
+    RankPlan,
+    Sample,
+    load_cluster,
+    load_plan,
+    load_profile,
+    load_profiles,
+    save_plan,
+)
+
+__all__ = [
+    "Cluster",
+    "FormatError",
+    "Plan",
+    "Prediction",
+    "Profile",
+    "RankPlan",
+    "Sample",
+    "load_cluster",
+    "load_plan",
+    "load_profile",
+    "load_profiles",
+    "save_plan",
+]

@@ -1,0 +1,127 @@
+"""Small typed accessors over parsed JSON that report errors with a field path.
+
+Kept apart from `formats` so that the schema code reads as a list of fields, not as
+isinstance checks. Every failure is a `FormatError` naming the source and the path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from search.errors import FormatError
+
+_MISSING = object()
+
+
+def describe(value: Any) -> str:
+    """A short human description of a JSON value for error messages."""
+    if value is _MISSING:
+        return "nothing (the field is missing)"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"number {value!r}"
+    if isinstance(value, str):
+        shown = value if len(value) <= 60 else value[:57] + "..."
+        return f"string {shown!r}"
+    if isinstance(value, list):
+        return f"a list of {len(value)} items"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+class Node:
+    """A position in a JSON document: the value, its source file and its dotted path."""
+
+    def __init__(self, value: Any, source: str, path: str = "") -> None:
+        self.value = value
+        self.source = source
+        self.path = path
+
+    # -- navigation ------------------------------------------------------------------
+    def _child_path(self, key: str | int) -> str:
+        if isinstance(key, int):
+            return f"{self.path}[{key}]"
+        return f"{self.path}.{key}" if self.path else key
+
+    def fail(self, expected: str, found: Any = _MISSING, *, raw_found: str | None = None) -> FormatError:
+        """Build (not raise) the error for this position."""
+        shown = raw_found if raw_found is not None else describe(self.value if found is _MISSING else found)
+        return FormatError(self.source, self.path or "(top level)", expected, shown)
+
+    def obj(self) -> "Node":
+        if not isinstance(self.value, dict):
+            raise self.fail("an object")
+        return self
+
+    def field(self, key: str) -> "Node":
+        """The child `key`; an error if it is missing."""
+        self.obj()
+        if key not in self.value:
+            raise FormatError(self.source, self._child_path(key), "a value", describe(_MISSING))
+        return Node(self.value[key], self.source, self._child_path(key))
+
+    def optional(self, key: str) -> "Node | None":
+        """The child `key`, or None when it is absent or null."""
+        self.obj()
+        if self.value.get(key) is None:
+            return None
+        return Node(self.value[key], self.source, self._child_path(key))
+
+    def items(self, *, min_length: int = 0) -> list["Node"]:
+        if not isinstance(self.value, list):
+            raise self.fail("a list")
+        if len(self.value) < min_length:
+            raise self.fail(f"a list of at least {min_length} item(s)")
+        return [Node(v, self.source, self._child_path(i)) for i, v in enumerate(self.value)]
+
+    def entries(self) -> list[tuple[str, "Node"]]:
+        self.obj()
+        return [(k, Node(v, self.source, self._child_path(k))) for k, v in self.value.items()]
+
+    # -- scalars -----------------------------------------------------------------------
+    def integer(self, *, minimum: int | None = None, maximum: int | None = None) -> int:
+        v = self.value
+        # bool is an int subclass in Python; true/false is never a count.
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.fail(_range_text("an integer", minimum, maximum))
+        if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
+            raise self.fail(_range_text("an integer", minimum, maximum))
+        return v
+
+    def number(self, *, minimum: float | None = None, positive: bool = False) -> float:
+        v = self.value
+        what = "a positive number" if positive else _range_text("a number", minimum, None)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self.fail(what)
+        if positive and v <= 0:
+            raise self.fail(what)
+        if minimum is not None and v < minimum:
+            raise self.fail(what)
+        return float(v)
+
+    def string(self, *, choices: tuple[str, ...] | None = None) -> str:
+        v = self.value
+        if not isinstance(v, str) or not v.strip():
+            raise self.fail("a non-empty string" if choices is None else _choices_text(choices))
+        if choices is not None and v not in choices:
+            raise self.fail(_choices_text(choices))
+        return v
+
+
+def _range_text(kind: str, minimum: float | None, maximum: float | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f"{kind} from {minimum} to {maximum}"
+    if minimum is not None:
+        return f"{kind} >= {minimum}"
+    if maximum is not None:
+        return f"{kind} <= {maximum}"
+    return kind
+
+
+def _choices_text(choices: tuple[str, ...]) -> str:
+    return "one of " + ", ".join(repr(c) for c in choices)

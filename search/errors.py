@@ -1,0 +1,26 @@
+"""The one error type for bad input files.
+
+Every loader in `search.formats` raises `FormatError`, whose message always has the
+shape ``source: field.path: expected X, found Y`` so that a user can go straight to the
+offending line of the offending file.
+"""
+
+from __future__ import annotations
+
+
+class FormatError(ValueError):
+    """A profile, cluster description or plan that does not follow its schema.
+
+    Attributes:
+        source: the file (or other origin) the data came from.
+        field: the dotted path of the offending field, e.g. ``samples[2].micro_batch_size``.
+        expected: what the schema asks for.
+        found: what was there instead.
+    """
+
+    def __init__(self, source: str, field: str, expected: str, found: str) -> None:
+        self.source = source
+        self.field = field
+        self.expected = expected
+        self.found = found
+        super().__init__(f"{source}: {field}: expected {expected}, found {found}")

@@ -1,0 +1,481 @@
+"""The three file formats that connect profiling, search and training.
+
+* Profile: one device type measured (or modelled) at one ZeRO stage for one model.
+* Cluster description: which device types sit on which node, in rank order.
+* Plan: per-rank micro-batch sizes and accumulation counts, plus what was predicted.
+
+All are JSON, documented field by field in ``profiles/README.md``. Loaders validate
+everything and raise `FormatError` (``file: field.path: expected X, found Y``);
+writers produce exactly what the loaders accept. Pure Python: no torch, no numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from search._validate import Node
+from search.errors import FormatError
+
+PROFILE_SCHEMA_VERSION = 1
+CLUSTER_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 1
+ZERO_STAGES = (0, 1, 2, 3)
+POLICIES = ("uniform", "proportional", "poplar")
+PROFILE_SOURCES = ("measured", "modelled")
+
+
+# ----------------------------------------------------------------------------------
+# Profiles
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    """Identity of the model a profile was taken with."""
+
+    name: str
+    """Human-readable model name, e.g. ``gpt-124m``."""
+    fingerprint: str
+    """Hash of the architecture and parameter shapes; profiles of another model never mix."""
+    num_parameters: int
+    """Total parameter count."""
+    dtype: str
+    """Training dtype: ``float32``, ``bfloat16`` or ``float16``."""
+    sequence_length: int | None = None
+    """Tokens per sample for sequence models (None when it does not apply)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One measured (or modelled) micro-batch size."""
+
+    micro_batch_size: int
+    """Samples in one micro-step on one rank."""
+    micro_step_time_s: float
+    """One forward + backward at this size on this device under this stage (median)."""
+    peak_memory_bytes: int
+    """Peak device memory during that micro-step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Emulation:
+    """How an emulated device type is made from a real one."""
+
+    slowdown: float
+    """Compute is slowed by this factor (1.0 = as fast as the real device)."""
+    memory_capacity_bytes: int
+    """The memory the emulated device pretends to have."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """One device type at one ZeRO stage for one model: the search's only input on speed."""
+
+    device_type: str
+    memory_capacity_bytes: int
+    zero_stage: int
+    world_size: int
+    model: ModelInfo
+    max_micro_batch_size: int
+    """Largest micro-batch that fits; 0 means the model does not fit at this stage."""
+    samples: tuple[Sample, ...]
+    optimizer_step_time_s: float
+    """Time of the accumulation boundary: optimizer step plus boundary collectives."""
+    emulated: Emulation | None
+    measured_with: dict[str, Any]
+    """Provenance. ``source`` is ``measured`` or ``modelled``; the rest (library
+    versions, host, hardware, date, or the analytic model used) is free-form."""
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    @property
+    def source(self) -> str:
+        """``measured`` or ``modelled``."""
+        return self.measured_with["source"]
+
+    @property
+    def fingerprint(self) -> str:
+        """Content hash of the whole profile: plans record which profiles made them."""
+        return content_fingerprint(profile_to_dict(self))
+
+
+def _parse_emulation(node: Node) -> Emulation:
+    return Emulation(
+        slowdown=node.field("slowdown").number(positive=True),
+        memory_capacity_bytes=node.field("memory_capacity_bytes").integer(minimum=1),
+    )
+
+
+def _check_schema_version(root: Node, expected: int) -> None:
+    version = root.field("schema_version")
+    if isinstance(version.value, bool) or version.value != expected:
+        raise version.fail(f"schema_version {expected}")
+
+
+def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
+    """Validate parsed JSON and build a `Profile`; raises `FormatError`."""
+    root = Node(data, source).obj()
+    _check_schema_version(root, PROFILE_SCHEMA_VERSION)
+    m = root.field("model").obj()
+    seq = m.optional("sequence_length")
+    model = ModelInfo(
+        name=m.field("name").string(),
+        fingerprint=m.field("fingerprint").string(),
+        num_parameters=m.field("num_parameters").integer(minimum=1),
+        dtype=m.field("dtype").string(choices=("float32", "bfloat16", "float16")),
+        sequence_length=None if seq is None else seq.integer(minimum=1),
+    )
+    max_mbs_node = root.field("max_micro_batch_size")
+    max_mbs = max_mbs_node.integer(minimum=0)
+    samples: list[Sample] = []
+    sample_nodes = root.field("samples").items(min_length=0 if max_mbs == 0 else 1)
+    for node in sample_nodes:
+        node.obj()
+        samples.append(
+            Sample(
+                micro_batch_size=node.field("micro_batch_size").integer(minimum=1),
+                micro_step_time_s=node.field("micro_step_time_s").number(positive=True),
+                peak_memory_bytes=node.field("peak_memory_bytes").integer(minimum=1),
+            )
+        )
+    # Sizes must be strictly increasing: the curve fit relies on it and a duplicate
+    # size means two measurements were merged wrongly upstream.
+    for i in range(1, len(samples)):
+        if samples[i].micro_batch_size <= samples[i - 1].micro_batch_size:
+            raise sample_nodes[i].field("micro_batch_size").fail(
+                f"a micro_batch_size larger than the previous sample's ({samples[i - 1].micro_batch_size})"
+            )
+    if samples and samples[-1].micro_batch_size > max_mbs:
+        raise max_mbs_node.fail(
+            f"at least the largest sampled micro_batch_size ({samples[-1].micro_batch_size})"
+        )
+    emulated_node = root.optional("emulated")
+    provenance = root.field("measured_with").obj()
+    provenance.field("source").string(choices=PROFILE_SOURCES)
+    return Profile(
+        device_type=root.field("device_type").string(),
+        memory_capacity_bytes=root.field("memory_capacity_bytes").integer(minimum=1),
+        zero_stage=root.field("zero_stage").integer(minimum=0, maximum=3),
+        world_size=root.field("world_size").integer(minimum=1),
+        model=model,
+        max_micro_batch_size=max_mbs,
+        samples=tuple(samples),
+        optimizer_step_time_s=root.field("optimizer_step_time_s").number(minimum=0.0),
+        emulated=None if emulated_node is None else _parse_emulation(emulated_node.obj()),
+        measured_with=dict(provenance.value),
+    )
+
+
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    """The JSON form of a profile (the inverse of `profile_from_dict`)."""
+    data = dataclasses.asdict(profile)
+    data["samples"] = [dataclasses.asdict(s) for s in profile.samples]
+    # schema_version first: it is the first thing a reader of the file looks for.
+    return {"schema_version": data.pop("schema_version"), **data}
+
+
+# ----------------------------------------------------------------------------------
+# Cluster description
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class DeviceGroup:
+    """`count` devices of one type on a node."""
+
+    device_type: str
+    count: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterNode:
+    """One machine; its devices get consecutive ranks, as the deepspeed launcher numbers them."""
+
+    name: str
+    devices: tuple[DeviceGroup, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceTypeInfo:
+    """Extra facts about a device type; today only an optional emulation."""
+
+    emulation: Emulation | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Which device type each rank has."""
+
+    nodes: tuple[ClusterNode, ...]
+    device_types: dict[str, DeviceTypeInfo] = field(default_factory=dict)
+    schema_version: int = CLUSTER_SCHEMA_VERSION
+
+    @property
+    def rank_device_types(self) -> tuple[str, ...]:
+        """Device type of every rank, rank 0 first (node order, then device order)."""
+        return tuple(
+            group.device_type for node in self.nodes for group in node.devices for _ in range(group.count)
+        )
+
+    @property
+    def world_size(self) -> int:
+        return len(self.rank_device_types)
+
+    def type_counts(self) -> dict[str, int]:
+        """Number of ranks of each device type, in order of first appearance."""
+        counts: dict[str, int] = {}
+        for device_type in self.rank_device_types:
+            counts[device_type] = counts.get(device_type, 0) + 1
+        return counts
+
+    def emulation_of(self, device_type: str) -> Emulation | None:
+        """The emulation declared for `device_type`, or None when it is real."""
+        info = self.device_types.get(device_type)
+        return None if info is None else info.emulation
+
+
+def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
+    """Validate parsed JSON and build a `Cluster`; raises `FormatError`."""
+    root = Node(data, source).obj()
+    _check_schema_version(root, CLUSTER_SCHEMA_VERSION)
+    nodes: list[ClusterNode] = []
+    seen_names: set[str] = set()
+    for node in root.field("nodes").items(min_length=1):
+        node.obj()
+        name_node = node.field("name")
+        name = name_node.string()
+        if name in seen_names:
+            raise name_node.fail("a node name not used by an earlier node")
+        seen_names.add(name)
+        groups = tuple(
+            DeviceGroup(
+                device_type=g.obj().field("device_type").string(),
+                count=g.field("count").integer(minimum=1),
+            )
+            for g in node.field("devices").items(min_length=1)
+        )
+        nodes.append(ClusterNode(name=name, devices=groups))
+    device_types: dict[str, DeviceTypeInfo] = {}
+    types_node = root.optional("device_types")
+    used = {g.device_type for n in nodes for g in n.devices}
+    if types_node is not None:
+        for type_name, info in types_node.entries():
+            if type_name not in used:
+                raise info.fail(
+                    "a device type that some node uses", raw_found=f"{type_name!r}, which no node lists"
+                )
+            emulation = info.obj().optional("emulation")
+            device_types[type_name] = DeviceTypeInfo(
+                emulation=None if emulation is None else _parse_emulation(emulation.obj())
+            )
+    return Cluster(nodes=tuple(nodes), device_types=device_types)
+
+
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """The JSON form of a cluster description."""
+    return {
+        "schema_version": cluster.schema_version,
+        "nodes": [
+            {"name": n.name, "devices": [dataclasses.asdict(g) for g in n.devices]} for n in cluster.nodes
+        ],
+        "device_types": {
+            name: {"emulation": None if info.emulation is None else dataclasses.asdict(info.emulation)}
+            for name, info in cluster.device_types.items()
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------
+# Plans
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class RankPlan:
+    """What one rank runs each iteration."""
+
+    rank: int
+    device_type: str
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What the cost model predicts for a plan."""
+
+    iteration_time_s: float
+    samples_per_s: float
+    ideal_samples_per_s: float
+    """Sum over ranks of each device's best standalone throughput under the same stage."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Per-rank allocation for one training job. Plain data: it never asks which rank runs it."""
+
+    policy: str
+    zero_stage: int
+    global_batch_size: int
+    ranks: tuple[RankPlan, ...]
+    predicted: Prediction
+    profile_fingerprints: dict[str, str]
+    """Device type -> `Profile.fingerprint` of the profile the plan was made from."""
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+
+def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
+    """Validate parsed JSON and build a `Plan`; raises `FormatError`.
+
+    Checks the plan's own consistency (ranks numbered 0..N-1 in order, samples sum
+    to the global batch). Whether it suits a given stage, cluster and device memory
+    is checked where those are known (`search.check_plan`, the runtime).
+    """
+    root = Node(data, source).obj()
+    _check_schema_version(root, PLAN_SCHEMA_VERSION)
+    ranks: list[RankPlan] = []
+    for index, node in enumerate(root.field("ranks").items(min_length=1)):
+        node.obj()
+        rank_node = node.field("rank")
+        if rank_node.integer(minimum=0) != index:
+            raise rank_node.fail(f"rank {index} (ranks listed in order from 0)")
+        ranks.append(
+            RankPlan(
+                rank=index,
+                device_type=node.field("device_type").string(),
+                micro_batch_size=node.field("micro_batch_size").integer(minimum=1),
+                gradient_accumulation_steps=node.field("gradient_accumulation_steps").integer(minimum=1),
+            )
+        )
+    gbs_node = root.field("global_batch_size")
+    global_batch_size = gbs_node.integer(minimum=1)
+    total = sum(r.samples_per_iteration for r in ranks)
+    if total != global_batch_size:
+        raise gbs_node.fail(
+            f"the sum over ranks of micro_batch_size * gradient_accumulation_steps ({total})"
+        )
+    p = root.field("predicted").obj()
+    fingerprints = {
+        name: node.string() for name, node in root.field("profile_fingerprints").entries()
+    }
+    return Plan(
+        policy=root.field("policy").string(choices=POLICIES),
+        zero_stage=root.field("zero_stage").integer(minimum=0, maximum=3),
+        global_batch_size=global_batch_size,
+        ranks=tuple(ranks),
+        predicted=Prediction(
+            iteration_time_s=p.field("iteration_time_s").number(positive=True),
+            samples_per_s=p.field("samples_per_s").number(positive=True),
+            ideal_samples_per_s=p.field("ideal_samples_per_s").number(positive=True),
+        ),
+        profile_fingerprints=fingerprints,
+    )
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The JSON form of a plan."""
+    data = dataclasses.asdict(plan)
+    data["ranks"] = [dataclasses.asdict(r) for r in plan.ranks]
+    return {"schema_version": data.pop("schema_version"), **data}
+
+
+# ----------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """Parse a JSON file; unreadable files and bad JSON are `FormatError`s naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise FormatError(str(path), "(file)", "a readable JSON file", f"{type(exc).__name__}: {exc.strerror or exc}") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FormatError(
+            str(path), f"(line {exc.lineno}, column {exc.colno})", "valid JSON", exc.msg
+        ) from exc
+
+
+def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
+    """Write JSON so that the file is either complete or untouched (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    """Load and validate one profile file."""
+    return profile_from_dict(read_json(path), source=str(path))
+
+
+def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
+    """Load every ``*.json`` profile directly in `directory` (sorted by file name).
+
+    Two files for the same (device type, ZeRO stage, model fingerprint) are an error:
+    silently picking one would make plans depend on file-name order.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FormatError(str(directory), "(directory)", "a directory of profile JSON files", "no such directory")
+    profiles: list[Profile] = []
+    origin: dict[tuple[str, int, str], Path] = {}
+    for path in sorted(directory.glob("*.json")):
+        profile = load_profile(path)
+        key = (profile.device_type, profile.zero_stage, profile.model.fingerprint)
+        if key in origin:
+            raise FormatError(
+                str(path),
+                "device_type",
+                "one profile per (device type, ZeRO stage, model)",
+                f"a second profile for {key[0]!r} at stage {key[1]} (the first is {origin[key].name})",
+            )
+        origin[key] = path
+        profiles.append(profile)
+    if not profiles:
+        raise FormatError(str(directory), "(directory)", "at least one profile *.json file", "none")
+    return profiles
+
+
+def load_cluster(path: str | os.PathLike[str]) -> Cluster:
+    """Load and validate a cluster description."""
+    return cluster_from_dict(read_json(path), source=str(path))
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Load and validate a plan."""
+    return plan_from_dict(read_json(path), source=str(path))
+
+
+def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
+    write_json_atomic(profile_to_dict(profile), path)
+
+
+def save_cluster(cluster: Cluster, path: str | os.PathLike[str]) -> None:
+    write_json_atomic(cluster_to_dict(cluster), path)
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+    write_json_atomic(plan_to_dict(plan), path)
+
+
+def content_fingerprint(data: Any) -> str:
+    """Stable short hash of JSON-able data (canonical key order)."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
