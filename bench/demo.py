@@ -1,0 +1,264 @@
+"""`poplar-bench demo`: the policies compared on an emulated heterogeneous CPU cluster.
+
+The parent process imports torch and deepspeed once, forks one process per rank
+(forked ranks start in about a second instead of a fresh import each), and waits for
+them with a timeout. The ranks (`bench.demo_worker`) profile, search, train every
+policy and measure; each writes its measurements to a JSON file, because a rank that
+gloo aborts cannot report any other way. The parent turns those files into the
+report (`assemble_report`, pure, unit tested) and writes JSON, markdown and PNG.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.demo_config import DemoSettings, demo_cluster
+from bench.report import REPORT_SCHEMA, demo_goals, derive_comparisons, machine_description, repetitions, utc_now, write_report
+from search.formats import read_json
+
+POLICIES = ("uniform", "proportional", "poplar")
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr, with the time since the demo started."""
+    print(f"[poplar-bench demo] {message}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _preimport() -> float:
+    """Import what every rank needs before forking, so that each rank starts fast."""
+    start = time.perf_counter()
+    import deepspeed  # noqa: F401
+    import torch._dynamo  # noqa: F401  (imported lazily by the first deepspeed.initialize)
+
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (same reason)
+    except ImportError:
+        pass  # other deepspeed versions: the first initialize is merely slower
+    import bench.demo_worker  # noqa: F401
+
+    return time.perf_counter() - start
+
+
+def run_ranks(settings: DemoSettings, work_dir: Path) -> list[dict[str, Any]]:
+    """Fork the ranks, wait for all of them (or the timeout), return their result files.
+
+    A rank that fails writes ``rank<N>.error``; a rank that hangs is killed at the
+    timeout. Either way the error names the rank and what it said.
+    """
+    from bench import demo_worker
+
+    context = multiprocessing.get_context("fork")
+    port = _free_port()
+    processes = [
+        context.Process(target=demo_worker.worker_main, args=(rank, settings, str(work_dir), port), name=f"demo-rank{rank}")
+        for rank in range(settings.world_size)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + settings.timeout_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    hung = [p for p in processes if p.is_alive()]
+    for process in hung:
+        process.kill()
+        process.join(5)
+    errors = []
+    for rank in range(settings.world_size):
+        error_file = work_dir / f"rank{rank}.error"
+        if error_file.exists():
+            errors.append(f"rank {rank}: {error_file.read_text().strip()}")
+    if hung:
+        errors.append(f"ranks {[processes.index(p) for p in hung]} still running after {settings.timeout_s:.0f} s, killed")
+    failed = [i for i, p in enumerate(processes) if p.exitcode not in (0, None) and p not in hung]
+    if failed and not errors:
+        errors.append(f"ranks {failed} exited with codes {[processes[i].exitcode for i in failed]}")
+    if errors:
+        raise RuntimeError("the demo's ranks failed:\n" + "\n".join(errors))
+    return [read_json(work_dir / f"rank{rank}.json") for rank in range(settings.world_size)]
+
+
+def run_demo(settings: DemoSettings, *, out_dir: Path, name: str = "demo") -> list[Path]:
+    """Run the whole demo and write its report; returns the report's paths."""
+    started = time.perf_counter()
+    progress(f"importing torch and deepspeed; {settings.world_size} ranks will be forked")
+    import_s = _preimport()
+    progress(f"imports took {import_s:.1f} s; profile cache: {settings.cache_dir()}")
+    with tempfile.TemporaryDirectory(prefix="poplar-demo-") as tmp:
+        work_dir = Path(tmp)
+        rank_results = run_ranks(settings, work_dir)
+        plans = read_json(work_dir / "plans.json")
+    total_s = time.perf_counter() - started
+    report = assemble_report(settings, rank_results, plans, timings={"import_s": import_s, "total_s": total_s})
+    paths = write_report(report, out_dir, name)
+    progress(f"done in {time.perf_counter() - started:.0f} s")
+    for line in _goal_lines(report):
+        progress(line)
+    return paths
+
+
+def _goal_lines(report: dict[str, Any]) -> list[str]:
+    lines = []
+    scenario = report["scenarios"][0]
+    for entry in scenario["policies"]:
+        if entry["status"] != "ok":
+            lines.append(f"{entry['policy']}: {entry['message']}")
+            continue
+        lines.append(
+            f"{entry['policy']:>12}: {entry['measured']['samples_per_s']:.1f} samples/s measured, "
+            f"{entry['predicted']['samples_per_s']:.1f} predicted"
+            + (f", {entry['speedup_over_uniform']:.2f}x uniform" if entry.get("speedup_over_uniform") else "")
+            + (f", {entry['share_of_ideal']:.2f} of ideal" if entry.get("share_of_ideal") else "")
+        )
+    for goal in scenario["goals"]:
+        value = "-" if goal["value"] is None else f"{goal['value']:.3g}"
+        lines.append(f"goal {goal['goal']} {goal['target']}: {value} ({'met' if goal['met'] else 'MISSED'})")
+    return lines
+
+
+# ----------------------------------------------------------------------------------
+# Pure: rank result files -> report
+# ----------------------------------------------------------------------------------
+def measured_iteration_times_s(rank_results: list[dict[str, Any]], policy: str) -> list[float]:
+    """Per measured iteration, the slowest rank's time from the common start to the end of its step."""
+    per_rank = [r["policies"][policy]["iteration_time_s"] for r in rank_results]
+    lengths = {len(times) for times in per_rank}
+    assert len(lengths) == 1, f"ranks measured different numbers of iterations for {policy}: {lengths}"
+    return [max(values) for values in zip(*per_rank)]
+
+
+def measured_ideal_samples_per_s(rank_results: list[dict[str, Any]]) -> float:
+    """Sum over ranks of each rank's best standalone throughput (micro-steps only)."""
+    total = 0.0
+    for result in rank_results:
+        best = max(
+            point["micro_batch_size"] / statistics.median(point["micro_step_time_s"])
+            for point in result["standalone"]
+        )
+        total += best
+    return total
+
+
+def _standalone_curve(result: dict[str, Any]) -> list[dict[str, float]]:
+    curve = []
+    for point in sorted(result["standalone"], key=lambda p: p["micro_batch_size"]):
+        median_s = statistics.median(point["micro_step_time_s"])
+        curve.append(
+            {"micro_batch_size": point["micro_batch_size"], "micro_step_time_s": median_s, "samples_per_s": point["micro_batch_size"] / median_s}
+        )
+    return curve
+
+
+def assemble_report(
+    settings: DemoSettings,
+    rank_results: list[dict[str, Any]],
+    plans: dict[str, Any],
+    *,
+    timings: dict[str, float],
+) -> dict[str, Any]:
+    """Build the demo report from the ranks' result files and the search's plans.
+
+    `plans` maps each policy to ``{status, message, plan (plan JSON or None),
+    predicted_busy_s (per rank), predicted {iteration_time_s, samples_per_s}}``,
+    written by rank 0 (see `bench.demo_worker`), plus ``profiles`` (device type ->
+    curve at the demo's stage and profile provenance) and ``ideal_predicted``.
+    """
+    cluster = demo_cluster(settings)
+    entries = []
+    for policy in POLICIES:
+        info = plans["policies"][policy]
+        if info["status"] != "ok":
+            entries.append({"policy": policy, "status": info["status"], "message": info["message"], "zero_stage": None, "ranks": [], "predicted": None, "measured": None})
+            continue
+        plan = info["plan"]
+        iteration = measured_iteration_times_s(rank_results, policy)
+        median_s = statistics.median(iteration)
+        ranks = []
+        for rank_plan, result in zip(plan["ranks"], rank_results):
+            busy = result["policies"][policy]["busy_s"]
+            ranks.append(
+                {
+                    "rank": rank_plan["rank"],
+                    "device_type": rank_plan["device_type"],
+                    "micro_batch_size": rank_plan["micro_batch_size"],
+                    "gradient_accumulation_steps": rank_plan["gradient_accumulation_steps"],
+                    "predicted_busy_s": info["predicted_busy_s"][rank_plan["rank"]],
+                    "measured_busy_s": repetitions(busy),
+                }
+            )
+        entries.append(
+            {
+                "policy": policy,
+                "status": "ok",
+                "message": info["message"],
+                "zero_stage": plan["zero_stage"],
+                "global_batch_size": plan["global_batch_size"],
+                "ranks": ranks,
+                "predicted": info["predicted"],
+                "measured": {
+                    "iteration_time_s": repetitions(iteration),
+                    "samples_per_s": plan["global_batch_size"] / median_s,
+                },
+            }
+        )
+    device_types = {}
+    for device in settings.devices:
+        device_types[device.name] = {
+            "source": "emulated",
+            "emulation": {"slowdown": device.slowdown, "memory_capacity_bytes": device.memory_capacity_bytes},
+            "profile": plans["profiles"].get(device.name, {}).get("provenance"),
+        }
+    # The figure's curves are the standalone measurements of this run; the profiled
+    # curves (possibly from the cache) are kept alongside for comparison.
+    curves = {result["device_type"]: _standalone_curve(result) for result in rank_results}
+    scenario = {
+        "name": f"{settings.world_size} CPU ranks emulating " + ", ".join(d.name for d in settings.devices),
+        "cluster": {"world_size": cluster.world_size, "type_counts": cluster.type_counts(), "file": None},
+        "model": plans["model"],
+        "device_types": device_types,
+        "global_batch_size": settings.global_batch_size,
+        "ideal_samples_per_s": {"predicted": plans.get("ideal_predicted"), "measured": measured_ideal_samples_per_s(rank_results)},
+        "curves": curves,
+        "profiled_curves": {name: info["curve"] for name, info in plans["profiles"].items()},
+        "policies": entries,
+    }
+    derive_comparisons(scenario)
+    scenario["goals"] = demo_goals(scenario)
+    return {
+        "schema": REPORT_SCHEMA,
+        "kind": "demo",
+        "title": "poplar-bench demo: allocation policies on an emulated heterogeneous CPU cluster",
+        "created_utc": utc_now(),
+        "machine": machine_description(),
+        "data_source": "measured on CPU ranks with EMULATED device types (compute slowdown, memory capacity), real DeepSpeed",
+        "notes": [
+            "Devices are emulated: each rank is a CPU process (1 thread); a slower type sleeps (slowdown - 1) x the CPU time of its micro-step; its memory capacity is a declared limit.",
+            f"ZeRO stage {settings.zero_stage}; each policy ran {settings.warmup_iterations} warm-up + {settings.rounds} rounds x {settings.iterations} measured iterations, policies interleaved per round; figures are medians, every repetition is in the JSON.",
+            "Iteration time: from a barrier to the end of the optimizer step on the slowest rank. Busy time: from that barrier until the rank reaches the boundary gradient reduction (its own micro-steps, without waiting).",
+            "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication), measured in this run.",
+            "Other processes on this machine were not controlled; its load shows in the repetitions.",
+        ],
+        "timings_s": {**timings, **{f"rank{r['rank']}_{k}": v for r in rank_results for k, v in r["timings_s"].items()}},
+        "settings": _settings_dict(settings),
+        "scenarios": [scenario],
+    }
+
+
+def _settings_dict(settings: DemoSettings) -> dict[str, Any]:
+    import dataclasses
+
+    data = dataclasses.asdict(settings)
+    data["profile_cache_dir"] = str(settings.cache_dir())
+    return data

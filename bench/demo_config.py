@@ -1,0 +1,137 @@
+"""What the demo runs: the emulated cluster, the model, the DeepSpeed config, the schedule.
+
+Kept free of torch and deepspeed so that `poplar-bench --help` and the unit tests
+stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from search.formats import Cluster, ClusterNode, DeviceGroup, DeviceTypeInfo, Emulation
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoDevice:
+    """One emulated device type of the demo cluster (one rank each)."""
+
+    name: str
+    slowdown: float
+    """Compute slowdown against the real CPU core the rank runs on."""
+    memory_capacity_bytes: int
+    """Emulated memory: the profiler's peak-memory measurements are checked against it."""
+
+
+def default_devices() -> tuple[DemoDevice, ...]:
+    # cpu-4x has the least memory, so uniform (DeepSpeed's one micro-batch for all)
+    # is held to its small micro-batch while the others could take far more.
+    return (
+        DemoDevice(name="cpu-fast", slowdown=1.0, memory_capacity_bytes=8192 * MIB),
+        DemoDevice(name="cpu-2x", slowdown=2.0, memory_capacity_bytes=8192 * MIB),
+        DemoDevice(name="cpu-4x", slowdown=4.0, memory_capacity_bytes=8192 * MIB),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoModel:
+    """Shape of the toy GPT (poplar_ext.toy_gpt.GPTConfig fields); ~0.9M parameters."""
+
+    vocab_size: int = 256
+    sequence_length: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    hidden_size: int = 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoSettings:
+    """Everything the demo's behaviour depends on; the CLI sets a few of these."""
+
+    devices: tuple[DemoDevice, ...] = field(default_factory=default_devices)
+    """One rank per device, in rank order."""
+    model: DemoModel = field(default_factory=DemoModel)
+    zero_stage: int = 1
+    """ZeRO stage of every policy's run. Stage 1 shards optimizer states and, like
+    stage 0, communicates only at the accumulation boundary, so each rank's busy
+    time can be measured apart from its waiting."""
+    global_batch_size: int = 96
+    """Samples per iteration, the same for every policy."""
+    max_micro_batch_size: int = 48
+    """Largest micro-batch the profiler tries on any device."""
+    iterations: int = 4
+    """Measured iterations per policy in each round."""
+    warmup_iterations: int = 1
+    """Unmeasured iterations before the first round of each policy."""
+    rounds: int = 3
+    """Each round runs every policy in turn, so background load hits all policies alike."""
+    standalone_repeats: int = 5
+    """Micro-steps timed per size when measuring each device's standalone throughput."""
+    profile_cache_dir: Path | None = None
+    """None: ``$XDG_CACHE_HOME/poplar-ext/demo-profiles`` (``~/.cache`` when unset)."""
+    force_profile: bool = False
+    """Measure again even when cached profiles exist."""
+    seed: int = 0
+    timeout_s: float = 600.0
+    """The whole multi-rank run is abandoned (ranks killed) after this long."""
+
+    def __post_init__(self) -> None:
+        if len(self.devices) < 2:
+            raise ValueError(f"devices: expected at least 2 emulated devices, found {len(self.devices)}")
+        if self.zero_stage not in (0, 1):
+            raise ValueError(f"zero_stage: expected 0 or 1 (stages that communicate only at the boundary), found {self.zero_stage!r}")
+        for name in ("global_batch_size", "max_micro_batch_size", "iterations", "rounds", "standalone_repeats"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, found {value!r}")
+        if self.global_batch_size < len(self.devices):
+            raise ValueError(
+                f"global_batch_size: expected at least one sample per rank ({len(self.devices)}), found {self.global_batch_size}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def cache_dir(self) -> Path:
+        if self.profile_cache_dir is not None:
+            return Path(self.profile_cache_dir)
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "poplar-ext" / "demo-profiles"
+
+
+def demo_cluster(settings: DemoSettings) -> Cluster:
+    """One node, one rank per emulated device type, with the emulations declared."""
+    return Cluster(
+        nodes=(
+            ClusterNode(
+                name="localhost",
+                devices=tuple(DeviceGroup(device_type=d.name, count=1) for d in settings.devices),
+            ),
+        ),
+        device_types={
+            d.name: DeviceTypeInfo(emulation=Emulation(slowdown=d.slowdown, memory_capacity_bytes=d.memory_capacity_bytes))
+            for d in settings.devices
+        },
+    )
+
+
+def deepspeed_config(settings: DemoSettings, *, micro_batch_size: int = 1, gradient_accumulation_steps: int = 1) -> dict[str, Any]:
+    """An ordinary DeepSpeed config for the demo (the poplar section is added per policy).
+
+    Gradient clipping is set explicitly: DeepSpeed 0.19.8 defaults it to 1.0.
+    """
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "train_batch_size": micro_batch_size * gradient_accumulation_steps * settings.world_size,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": settings.zero_stage},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }

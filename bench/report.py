@@ -1,0 +1,358 @@
+"""Benchmark reports: one JSON file, a markdown table and a PNG figure per report.
+
+A report is plain JSON-able data built by `bench.demo` (measured) or `bench.simulate`
+(predicted). Every report says which machine made it and, per device type, whether
+the device was real, emulated or modelled. This module only derives comparisons
+(speedup, share of the ideal, prediction error) and renders; it measures nothing.
+
+Report layout (``schema``: ``poplar-bench-report/1``)::
+
+    {kind, title, created_utc, machine, data_source, notes, scenarios: [
+        {name, cluster {world_size, type_counts, file}, model {name, num_parameters},
+         device_types {type: {source, emulation}}, global_batch_size,
+         ideal_samples_per_s {predicted, measured}, curves {type: [{micro_batch_size,
+         micro_step_time_s, samples_per_s}]},
+         policies: [{policy, status, message, zero_stage, global_batch_size,
+                     ranks: [{rank, device_type, micro_batch_size,
+                              gradient_accumulation_steps, predicted_busy_s,
+                              measured_busy_s {median, repetitions} | null}],
+                     predicted {iteration_time_s, samples_per_s},
+                     measured {iteration_time_s {median, repetitions}, samples_per_s} | null,
+                     prediction_error, speedup_over_uniform, share_of_ideal}],
+         goals: [{goal, value, target, met}]}]}
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+from search.formats import write_json_atomic
+
+REPORT_SCHEMA = "poplar-bench-report/1"
+_LIBRARIES = ("poplar-ext", "torch", "deepspeed", "numpy", "scipy", "matplotlib")
+
+
+def machine_description() -> dict[str, Any]:
+    """The machine a report was made on; library versions read without importing them."""
+    versions = {}
+    for name in _LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass  # not Linux: platform.processor() below is the fallback
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_model or platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "gpus": None,
+        "libraries": versions,
+    }
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def repetitions(values: list[float]) -> dict[str, Any]:
+    """A measured figure: its median and every repetition."""
+    if not values:
+        raise ValueError("values: expected at least one repetition, found none")
+    return {"median": statistics.median(values), "repetitions": list(values)}
+
+
+def summarise_allocation(ranks: list[dict[str, Any]]) -> str:
+    """``A100-80GB: 8x 12*2; A100-40GB: 8x 4*2`` (ranks x micro-batch*accumulation), per type."""
+    groups: dict[str, dict[tuple[int, int], int]] = {}
+    for r in ranks:
+        key = (r["micro_batch_size"], r["gradient_accumulation_steps"])
+        by_type = groups.setdefault(r["device_type"], {})
+        by_type[key] = by_type.get(key, 0) + 1
+    parts = []
+    for device_type, combos in groups.items():
+        shown = ", ".join(f"{count}x {mbs}*{gas}" for (mbs, gas), count in combos.items())
+        parts.append(f"{device_type}: {shown}")
+    return "; ".join(parts)
+
+
+def _throughput(entry: dict[str, Any]) -> tuple[float | None, str]:
+    """The policy's samples/s and whether it is measured or predicted (measured wins)."""
+    if entry.get("measured"):
+        return entry["measured"]["samples_per_s"], "measured"
+    if entry.get("predicted"):
+        return entry["predicted"]["samples_per_s"], "predicted"
+    return None, "none"
+
+
+def derive_comparisons(scenario: dict[str, Any]) -> dict[str, Any]:
+    """Fill in prediction_error, speedup_over_uniform and share_of_ideal for each policy.
+
+    Measured figures are compared with the measured ideal and the measured uniform
+    run; predicted figures (simulation) with the predicted ones. The prediction
+    error is (predicted - measured) / measured iteration time.
+    """
+    entries = {e["policy"]: e for e in scenario["policies"]}
+    uniform = entries.get("uniform")
+    uniform_rate, uniform_kind = _throughput(uniform) if uniform and uniform["status"] == "ok" else (None, "none")
+    ideal = scenario.get("ideal_samples_per_s") or {}
+    for entry in scenario["policies"]:
+        entry["prediction_error"] = None
+        entry["speedup_over_uniform"] = None
+        entry["share_of_ideal"] = None
+        if entry["status"] != "ok":
+            continue
+        rate, kind = _throughput(entry)
+        if entry.get("measured") and entry.get("predicted"):
+            measured_s = entry["measured"]["iteration_time_s"]["median"]
+            entry["prediction_error"] = (entry["predicted"]["iteration_time_s"] - measured_s) / measured_s
+        if uniform_rate and kind == uniform_kind:
+            entry["speedup_over_uniform"] = rate / uniform_rate
+        if ideal.get(kind):
+            entry["share_of_ideal"] = rate / ideal[kind]
+    return scenario
+
+
+def demo_goals(scenario: dict[str, Any]) -> list[dict[str, Any]]:
+    """The demo's goals, evaluated (reported, never asserted)."""
+    entries = {e["policy"]: e for e in scenario["policies"] if e["status"] == "ok"}
+    goals: list[dict[str, Any]] = []
+    poplar = entries.get("poplar")
+    if poplar is None:
+        return [{"goal": "poplar policy produced a plan", "value": None, "target": None, "met": False}]
+    share = poplar.get("share_of_ideal")
+    goals.append({"goal": "poplar share of the measured ideal", "value": share, "target": ">= 0.9", "met": share is not None and share >= 0.9})
+    for entry in entries.values():
+        error = entry.get("prediction_error")
+        goals.append(
+            {
+                "goal": f"{entry['policy']} |prediction error|",
+                "value": error,
+                "target": "<= 0.10",
+                "met": error is not None and abs(error) <= 0.10,
+            }
+        )
+    poplar_rate, _ = _throughput(poplar)
+    for other in ("uniform", "proportional"):
+        if other in entries:
+            other_rate, _ = _throughput(entries[other])
+            goals.append(
+                {
+                    "goal": f"poplar faster than {other}",
+                    "value": poplar_rate / other_rate if other_rate else None,
+                    "target": "> 1 (ratio of samples/s)",
+                    "met": bool(other_rate) and poplar_rate > other_rate,
+                }
+            )
+    return goals
+
+
+# ----------------------------------------------------------------------------------
+# Markdown
+# ----------------------------------------------------------------------------------
+def _fmt(value: float | None, pattern: str = "{:.3g}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:+.1f}%"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """A readable summary: provenance first, then one table per scenario."""
+    machine = report["machine"]
+    lines = [
+        f"# {report['title']}",
+        "",
+        f"- data: **{report['data_source']}**",
+        f"- made {report['created_utc']} on {machine.get('hostname')} ({machine.get('cpu')}, "
+        f"{machine.get('usable_cpus')} usable CPUs, GPUs: {machine.get('gpus') or 'none'}; "
+        f"python {machine.get('python')}, torch {machine['libraries'].get('torch')}, "
+        f"deepspeed {machine['libraries'].get('deepspeed')})",
+    ]
+    for note in report.get("notes", []):
+        lines.append(f"- {note}")
+    for scenario in report["scenarios"]:
+        lines += ["", f"## {scenario['name']}", ""]
+        devices = ", ".join(
+            f"{name} ({info['source']}{'' if not info.get('emulation') else ': ' + _emulation_text(info['emulation'])})"
+            for name, info in scenario["device_types"].items()
+        )
+        ideal = scenario.get("ideal_samples_per_s") or {}
+        lines.append(
+            f"{scenario['cluster']['world_size']} ranks: {devices}. Model {scenario['model']['name']} "
+            f"({scenario['model']['num_parameters']:,} parameters). Global batch {scenario['global_batch_size']}. "
+            f"Ideal samples/s: measured {_fmt(ideal.get('measured'))}, predicted {_fmt(ideal.get('predicted'))}."
+        )
+        lines += [
+            "",
+            "| policy | ZeRO stage | allocation (ranks x micro-batch*accumulation) | iteration s measured | iteration s predicted | prediction error | samples/s measured | samples/s predicted | speedup over uniform | share of ideal |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for e in scenario["policies"]:
+            if e["status"] != "ok":
+                lines.append(f"| {e['policy']} | - | infeasible: {e['message']} | - | - | - | - | - | - | - |")
+                continue
+            measured = e.get("measured") or {}
+            lines.append(
+                "| {policy} | {stage} | {alloc} | {mt} | {pt} | {err} | {ms} | {ps} | {sp} | {share} |".format(
+                    policy=e["policy"],
+                    stage=e["zero_stage"],
+                    alloc=summarise_allocation(e["ranks"]),
+                    mt=_fmt(measured.get("iteration_time_s", {}).get("median")),
+                    pt=_fmt(e["predicted"]["iteration_time_s"]),
+                    err=_pct(e.get("prediction_error")),
+                    ms=_fmt(measured.get("samples_per_s")),
+                    ps=_fmt(e["predicted"]["samples_per_s"]),
+                    sp=_fmt(e.get("speedup_over_uniform"), "{:.2f}x"),
+                    share=_fmt(e.get("share_of_ideal"), "{:.2f}"),
+                )
+            )
+        if scenario.get("goals"):
+            lines += ["", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
+            for g in scenario["goals"]:
+                lines.append(f"| {g['goal']} | {_fmt(g['value'])} | {g['target']} | {'yes' if g['met'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _emulation_text(emulation: dict[str, Any]) -> str:
+    return f"slowdown {emulation['slowdown']:g}, memory {emulation['memory_capacity_bytes'] / 2**20:.0f} MiB"
+
+
+# ----------------------------------------------------------------------------------
+# Figure
+# ----------------------------------------------------------------------------------
+def render_figure(report: dict[str, Any], path: Path, *, featured: int = 0) -> None:
+    """Device performance curves, per-rank time per iteration under each policy and,
+    for multi-scenario reports, poplar's predicted speedup against world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never open a window, work without a display
+    import matplotlib.pyplot as plt
+
+    scenarios = report["scenarios"]
+    scenario = scenarios[featured]
+    panels = 3 if len(scenarios) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6.0 * panels, 4.6))
+    _plot_curves(axes[0], scenarios, scenario)
+    _plot_rank_times(axes[1], scenario)
+    if panels == 3:
+        _plot_speedups(axes[2], scenarios)
+    fig.suptitle(f"{report['title']}\n{report['data_source']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_curves(ax: Any, scenarios: list[dict[str, Any]], featured: dict[str, Any]) -> None:
+    shown: set[str] = set()
+    for scenario in [featured] + [s for s in scenarios if s["model"]["name"] == featured["model"]["name"]]:
+        for device_type, points in scenario.get("curves", {}).items():
+            if device_type in shown or not points:
+                continue
+            shown.add(device_type)
+            source = scenario["device_types"].get(device_type, {}).get("source", "?")
+            line = ax.plot(
+                [p["micro_batch_size"] for p in points],
+                [p["samples_per_s"] for p in points],
+                marker="o",
+                label=f"{device_type} ({source})",
+            )[0]
+            profiled = scenario.get("profiled_curves", {}).get(device_type)
+            if profiled:
+                ax.plot(
+                    [p["micro_batch_size"] for p in profiled],
+                    [p["samples_per_s"] for p in profiled],
+                    linestyle=":",
+                    color=line.get_color(),
+                    label=f"{device_type} profile",
+                )
+    ax.set_xlabel("micro-batch size")
+    ax.set_ylabel("samples/s (one device, micro-steps only)")
+    ax.set_title(f"device performance curves, {featured['model']['name']}", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def _plot_rank_times(ax: Any, scenario: dict[str, Any]) -> None:
+    entries = [e for e in scenario["policies"] if e["status"] == "ok"]
+    world_size = scenario["cluster"]["world_size"]
+    per_rank = world_size <= 16
+    width = 0.8 / max(1, len(entries))
+    labels: list[str] = []
+    for index, entry in enumerate(entries):
+        if per_rank:
+            labels = [f"r{r['rank']}\n{r['device_type']}" for r in entry["ranks"]]
+            measured = [
+                (r.get("measured_busy_s") or {}).get("median") for r in entry["ranks"]
+            ]
+            predicted = [r.get("predicted_busy_s") for r in entry["ranks"]]
+        else:
+            by_type: dict[str, list[dict[str, Any]]] = {}
+            for r in entry["ranks"]:
+                by_type.setdefault(r["device_type"], []).append(r)
+            labels = list(by_type)
+            predicted = [statistics.mean(r["predicted_busy_s"] for r in ranks) for ranks in by_type.values()]
+            measured = [None] * len(labels)
+        xs = [i + (index - (len(entries) - 1) / 2) * width for i in range(len(labels))]
+        has_measured = any(m is not None for m in measured)
+        heights = [m if m is not None else 0.0 for m in measured] if has_measured else predicted
+        bars = ax.bar(xs, heights, width=width, label=f"{entry['policy']} (stage {entry['zero_stage']})")
+        if has_measured:
+            ax.scatter(xs, predicted, marker="_", s=200, color="black", zorder=3)
+        iteration = (entry.get("measured") or {}).get("iteration_time_s", {}).get("median") or entry["predicted"]["iteration_time_s"]
+        ax.axhline(iteration, color=bars.patches[0].get_facecolor(), linestyle="--", linewidth=0.8)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=7)
+    what = "bars: measured busy time, black: predicted" if any(
+        (r.get("measured_busy_s") or None) for e in entries for r in e["ranks"]
+    ) else ("predicted busy time" + ("" if per_rank else ", mean per device type"))
+    ax.set_ylabel("seconds per iteration")
+    ax.set_title(f"time per iteration per rank ({what};\ndashed: iteration time)\n{scenario['name']}", fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _plot_speedups(ax: Any, scenarios: list[dict[str, Any]]) -> None:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for scenario in scenarios:
+        poplar = next((e for e in scenario["policies"] if e["policy"] == "poplar"), None)
+        if poplar is None or poplar.get("speedup_over_uniform") is None:
+            continue
+        key = f"{'+'.join(scenario['cluster']['type_counts'])}, {scenario['model']['name']}"
+        series.setdefault(key, []).append((scenario["cluster"]["world_size"], poplar["speedup_over_uniform"]))
+    for key, points in series.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("poplar speedup over uniform (predicted)")
+    ax.set_title("predicted speedup against cluster size", fontsize=9)
+    ax.legend(fontsize=6)
+    ax.grid(alpha=0.3)
+
+
+def write_report(report: dict[str, Any], out_dir: str | os.PathLike[str], name: str) -> list[Path]:
+    """Write ``name.json``, ``name.md`` and ``name.png`` into `out_dir`; returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path, png_path = (out_dir / f"{name}.{ext}" for ext in ("json", "md", "png"))
+    write_json_atomic(report, json_path)
+    md_path.write_text(render_markdown(report), encoding="utf-8")
+    render_figure(report, png_path)
+    return [json_path, md_path, png_path]

@@ -1,0 +1,154 @@
+"""Report assembly and rendering (bench/report.py, bench/demo.py's pure part), on synthetic data."""
+
+import json
+
+import pytest
+
+from bench import demo, report
+from bench.demo_config import DemoDevice, DemoSettings, deepspeed_config, demo_cluster
+
+SETTINGS = DemoSettings(
+    devices=(
+        DemoDevice(name="fast", slowdown=1.0, memory_capacity_bytes=1 << 30),
+        DemoDevice(name="slow", slowdown=2.0, memory_capacity_bytes=1 << 29),
+    ),
+    global_batch_size=12,
+)
+
+
+def _plan(policy, allocation):
+    return {
+        "schema_version": 1,
+        "policy": policy,
+        "zero_stage": 1,
+        "global_batch_size": 12,
+        "ranks": [
+            {"rank": r, "device_type": t, "micro_batch_size": b, "gradient_accumulation_steps": s}
+            for r, (t, b, s) in enumerate(allocation)
+        ],
+        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 12.0, "ideal_samples_per_s": 15.0},
+        "profile_fingerprints": {},
+    }
+
+
+def _plans():
+    policies = {
+        "uniform": {"status": "ok", "message": "m", "plan": _plan("uniform", [("fast", 2, 3), ("slow", 2, 3)]), "predicted_busy_s": [0.6, 1.2], "predicted": {"iteration_time_s": 1.25, "samples_per_s": 9.6}},
+        "proportional": {"status": "infeasible", "message": "no way", "plan": None},
+        "poplar": {"status": "ok", "message": "m", "plan": _plan("poplar", [("fast", 8, 1), ("slow", 4, 1)]), "predicted_busy_s": [0.8, 0.8], "predicted": {"iteration_time_s": 0.85, "samples_per_s": 14.1}},
+    }
+    return {
+        "policies": policies,
+        "model": {"name": "toy", "num_parameters": 1000},
+        "profiles": {"fast": {"curve": [], "provenance": {"source": "measured"}}, "slow": {"curve": [], "provenance": {"source": "measured"}}},
+        "ideal_predicted": 15.0,
+    }
+
+
+def _rank(rank, device_type, uniform_iter, poplar_iter, standalone):
+    return {
+        "rank": rank,
+        "device_type": device_type,
+        "timings_s": {"profile_s": 1.0},
+        "policies": {
+            "uniform": {"iteration_time_s": uniform_iter, "busy_s": [0.5] * len(uniform_iter)},
+            "poplar": {"iteration_time_s": poplar_iter, "busy_s": [0.7] * len(poplar_iter)},
+        },
+        "standalone": [{"micro_batch_size": b, "micro_step_time_s": ts} for b, ts in standalone],
+    }
+
+
+def _assembled():
+    ranks = [
+        _rank(0, "fast", [1.0, 1.1, 1.2], [0.7, 0.9, 0.8], [(4, [0.4, 0.5, 0.4]), (8, [0.8, 0.8, 0.9])]),
+        _rank(1, "slow", [1.3, 1.2, 1.4], [0.8, 0.8, 0.9], [(4, [0.8, 0.8, 0.8])]),
+    ]
+    return demo.assemble_report(SETTINGS, ranks, _plans(), timings={"total_s": 9.0})
+
+
+def test_iteration_time_is_the_slowest_rank_per_iteration_and_the_median_is_reported():
+    scenario = _assembled()["scenarios"][0]
+    uniform = next(e for e in scenario["policies"] if e["policy"] == "uniform")
+    assert uniform["measured"]["iteration_time_s"]["repetitions"] == [1.3, 1.2, 1.4]
+    assert uniform["measured"]["iteration_time_s"]["median"] == 1.3
+    assert uniform["measured"]["samples_per_s"] == pytest.approx(12 / 1.3)
+
+
+def test_ideal_is_the_sum_of_each_ranks_best_standalone_throughput():
+    scenario = _assembled()["scenarios"][0]
+    # fast: max(4/0.4, 8/0.8) = 10; slow: 4/0.8 = 5
+    assert scenario["ideal_samples_per_s"]["measured"] == pytest.approx(15.0)
+
+
+def test_comparisons_use_measured_figures():
+    scenario = _assembled()["scenarios"][0]
+    poplar = next(e for e in scenario["policies"] if e["policy"] == "poplar")
+    assert poplar["speedup_over_uniform"] == pytest.approx((12 / 0.9) / (12 / 1.3))
+    assert poplar["share_of_ideal"] == pytest.approx((12 / 0.9) / 15.0)
+    assert poplar["prediction_error"] == pytest.approx((0.85 - 0.9) / 0.9)
+
+
+def test_goals_are_evaluated_not_asserted():
+    goals = {g["goal"]: g for g in _assembled()["scenarios"][0]["goals"]}
+    assert goals["poplar share of the measured ideal"]["met"] is False  # 0.89
+    assert goals["poplar faster than uniform"]["met"] is True
+    assert goals["poplar |prediction error|"]["met"] is True  # 5.6%
+    assert goals["uniform |prediction error|"]["met"] is True  # -3.8%
+    assert "poplar faster than proportional" not in goals  # proportional was infeasible
+
+
+def test_every_report_says_what_was_emulated_and_where_it_ran():
+    data = _assembled()
+    assert "EMULATED" in data["data_source"]
+    assert data["scenarios"][0]["device_types"]["slow"]["source"] == "emulated"
+    assert data["machine"]["cpu_count"] >= 1 and "deepspeed" in data["machine"]["libraries"]
+
+
+def test_write_report_writes_json_markdown_and_png(tmp_path):
+    paths = report.write_report(_assembled(), tmp_path, "demo")
+    assert [p.name for p in paths] == ["demo.json", "demo.md", "demo.png"]
+    assert json.loads(paths[0].read_text())["kind"] == "demo"
+    markdown = paths[1].read_text()
+    assert "| poplar | 1 | fast: 1x 8*1; slow: 1x 4*1 |" in markdown
+    assert "infeasible: no way" in markdown and "EMULATED" in markdown
+    assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summarise_allocation_groups_ranks_by_type_and_allocation():
+    ranks = [
+        {"device_type": "A", "micro_batch_size": 4, "gradient_accumulation_steps": 2},
+        {"device_type": "A", "micro_batch_size": 4, "gradient_accumulation_steps": 2},
+        {"device_type": "B", "micro_batch_size": 1, "gradient_accumulation_steps": 8},
+    ]
+    assert report.summarise_allocation(ranks) == "A: 2x 4*2; B: 1x 1*8"
+
+
+def test_repetitions_need_at_least_one_value():
+    with pytest.raises(ValueError, match=r"values: expected at least one repetition, found none"):
+        report.repetitions([])
+
+
+def test_demo_cluster_declares_every_emulation_in_rank_order():
+    cluster = demo_cluster(SETTINGS)
+    assert cluster.rank_device_types == ("fast", "slow")
+    assert cluster.emulation_of("slow").slowdown == 2.0
+
+
+def test_demo_deepspeed_config_sets_clipping_and_a_consistent_nominal_batch():
+    config = deepspeed_config(SETTINGS, micro_batch_size=3, gradient_accumulation_steps=2)
+    assert config["gradient_clipping"] == 1.0
+    assert config["train_batch_size"] == 3 * 2 * 2
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"devices": (DemoDevice(name="x", slowdown=1.0, memory_capacity_bytes=1),)}, r"devices: expected at least 2 emulated devices, found 1"),
+        ({"zero_stage": 2}, r"zero_stage: expected 0 or 1 .*found 2"),
+        ({"iterations": 0}, r"iterations: expected an integer >= 1, found 0"),
+        ({"global_batch_size": 2, "devices": SETTINGS.devices * 2}, r"global_batch_size: expected at least one sample per rank \(4\), found 2"),
+    ],
+)
+def test_bad_demo_settings_are_value_errors(changes, message):
+    with pytest.raises(ValueError, match=message):
+        DemoSettings(**{"devices": SETTINGS.devices, **changes})
