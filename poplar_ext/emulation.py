@@ -1,0 +1,151 @@
+"""Emulated device types: a real rank made slower and given a smaller memory.
+
+A cluster description may declare a device type as emulated (a compute slowdown
+factor and a memory capacity), so that a CPU machine, or one GPU shared by several
+processes, can stand in for a heterogeneous cluster. This module is the only place
+that applies an emulation; the profiler, the search and the engine treat emulated
+and real device types alike and only call in here.
+
+How a slowdown is applied: the rank runs its real compute, the block is timed by
+the process's CPU time (`time.process_time`), and afterwards the rank sleeps
+``(slowdown - 1) * cpu_time``. CPU time and not wall time, because wall time
+includes waiting in gloo collectives and, when there are more ranks than cores,
+waiting for a core: multiplying those would slow a rank for time that is not its
+compute. On CUDA the CPU time says nothing about the kernels, so there the block is
+synchronised and timed by wall time (`clock="cuda"`).
+
+How a memory capacity is applied: `check_emulated_memory` compares a measured peak
+(see the profiler's memory measurement) with the capacity and raises
+`EmulatedOutOfMemoryError`, a `RuntimeError` like a real out-of-memory.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from search.formats import Cluster, Emulation
+
+Clock = Literal["process", "cuda"]
+
+
+class EmulatedOutOfMemoryError(RuntimeError):
+    """A measured peak exceeded an emulated device's memory capacity."""
+
+
+def emulation_for_rank(cluster: Cluster, rank: int) -> Emulation | None:
+    """The emulation of `rank`'s device type in `cluster`, or None when it is a real device."""
+    device_types = cluster.rank_device_types
+    if not 0 <= rank < len(device_types):
+        raise ValueError(
+            f"rank: expected a rank of the cluster description (0..{len(device_types) - 1}), found {rank}"
+        )
+    return cluster.emulation_of(device_types[rank])
+
+
+def device_label(device_type: str, emulation: Emulation | None) -> str:
+    """How logs and results name a device: always says whether it is real or emulated.
+
+    ``"a100 (real)"`` or ``"cpu-slow (emulated: 3.0x slower, 2.0 GB)"``.
+    """
+    if emulation is None:
+        return f"{device_type} (real)"
+    memory_gb = emulation.memory_capacity_bytes / 1e9
+    return f"{device_type} (emulated: {emulation.slowdown:g}x slower, {memory_gb:.1f} GB)"
+
+
+def limit_cpu_threads() -> None:
+    """Give this process one intra-op thread; call once per rank when training on CPU.
+
+    With one thread, the process CPU time of a block equals its compute time (a
+    multi-threaded op would add the time of every thread and overstate it), and ranks
+    sharing a few cores do not fight over them, so per-rank timings stay comparable.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def check_emulated_memory(emulation: Emulation | None, peak_memory_bytes: int, *, device_type: str = "") -> None:
+    """Raise `EmulatedOutOfMemoryError` when `peak_memory_bytes` exceeds the emulated capacity.
+
+    Does nothing for a real device (`emulation` None): a real device raises its own
+    out-of-memory error.
+    """
+    if emulation is None or peak_memory_bytes <= emulation.memory_capacity_bytes:
+        return
+    name = f"{device_type} " if device_type else ""
+    raise EmulatedOutOfMemoryError(
+        f"emulated device {name}out of memory: peak {peak_memory_bytes} bytes exceeds its "
+        f"capacity of {emulation.memory_capacity_bytes} bytes"
+    )
+
+
+class ComputeSlowdown:
+    """Times blocks of compute and sleeps to make them `emulation.slowdown` times longer.
+
+    Use as a context manager (``with slowdown: ...``) or with `start()` / `stop()`
+    when the block spans calls (the engine starts at forward and stops after
+    backward). With `emulation` None it only measures and never sleeps, so callers
+    need no special case for real devices.
+    """
+
+    def __init__(self, emulation: Emulation | None, *, clock: Clock = "process") -> None:
+        if clock not in ("process", "cuda"):
+            raise ValueError(f"clock: expected 'process' or 'cuda', found {clock!r}")
+        self.emulation = emulation
+        self.clock = clock
+        self.compute_time_s = 0.0
+        """Measured compute time of the last block."""
+        self.delay_s = 0.0
+        """Time slept after the last block."""
+        self._started_at: float | None = None
+
+    @property
+    def running(self) -> bool:
+        """True between `start()` and `stop()`."""
+        return self._started_at is not None
+
+    def _now(self) -> float:
+        if self.clock == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+
+    def start(self) -> None:
+        """Begin timing a block; a second `start()` before `stop()` is ignored."""
+        if self._started_at is None:
+            self._started_at = self._now()
+
+    def stop(self) -> float:
+        """End the block, sleep the emulated extra time and return it (seconds)."""
+        if self._started_at is None:
+            return 0.0
+        self.compute_time_s = max(0.0, self._now() - self._started_at)
+        self._started_at = None
+        self.delay_s = 0.0 if self.emulation is None else (self.emulation.slowdown - 1.0) * self.compute_time_s
+        # A slowdown below 1 cannot make real compute faster: it is clamped to no delay.
+        if self.delay_s > 0.0:
+            time.sleep(self.delay_s)
+        else:
+            self.delay_s = 0.0
+        return self.delay_s
+
+    def __enter__(self) -> "ComputeSlowdown":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+__all__ = [
+    "ComputeSlowdown",
+    "EmulatedOutOfMemoryError",
+    "check_emulated_memory",
+    "device_label",
+    "emulation_for_rank",
+    "limit_cpu_threads",
+]

@@ -1,0 +1,123 @@
+"""Emulated device types: which rank is emulated, the slowdown arithmetic, the memory check."""
+
+from __future__ import annotations
+
+import pytest
+
+from poplar_ext import emulation as emu
+from search.formats import Emulation, cluster_from_dict
+
+SLOW = Emulation(slowdown=3.0, memory_capacity_bytes=2_000_000_000)
+
+
+def _cluster():
+    return cluster_from_dict(
+        {
+            "schema_version": 1,
+            "nodes": [
+                {"name": "n0", "devices": [{"device_type": "cpu-fast", "count": 1}]},
+                {"name": "n1", "devices": [{"device_type": "cpu-slow", "count": 2}]},
+            ],
+            "device_types": {"cpu-slow": {"emulation": {"slowdown": 3.0, "memory_capacity_bytes": 2_000_000_000}}},
+        }
+    )
+
+
+def test_emulation_for_rank_follows_node_order():
+    cluster = _cluster()
+    assert emu.emulation_for_rank(cluster, 0) is None
+    assert emu.emulation_for_rank(cluster, 1) == SLOW
+    assert emu.emulation_for_rank(cluster, 2) == SLOW
+
+
+def test_emulation_for_rank_outside_the_cluster():
+    with pytest.raises(ValueError, match=r"rank: expected a rank of the cluster description \(0..2\), found 3"):
+        emu.emulation_for_rank(_cluster(), 3)
+
+
+def test_device_label_says_real_or_emulated():
+    assert emu.device_label("a100", None) == "a100 (real)"
+    assert emu.device_label("cpu-slow", SLOW) == "cpu-slow (emulated: 3x slower, 2.0 GB)"
+
+
+def test_memory_within_capacity_passes():
+    emu.check_emulated_memory(SLOW, 2_000_000_000)
+    emu.check_emulated_memory(None, 10**15)
+
+
+def test_memory_over_capacity_raises():
+    with pytest.raises(emu.EmulatedOutOfMemoryError, match="cpu-slow out of memory: peak 2000000001 bytes"):
+        emu.check_emulated_memory(SLOW, 2_000_000_001, device_type="cpu-slow")
+
+
+def test_emulated_oom_is_a_runtime_error():
+    assert issubclass(emu.EmulatedOutOfMemoryError, RuntimeError)
+
+
+class _FakeClock:
+    """process_time that advances only when told, and a sleep that records."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def process_time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = _FakeClock()
+    monkeypatch.setattr(emu.time, "process_time", fake.process_time)
+    monkeypatch.setattr(emu.time, "sleep", fake.sleep)
+    return fake
+
+
+def test_slowdown_sleeps_the_extra_time_of_cpu_time(clock):
+    slowdown = emu.ComputeSlowdown(SLOW)
+    with slowdown:
+        clock.now += 0.5
+    assert clock.slept == [pytest.approx(1.0)]
+    assert slowdown.compute_time_s == pytest.approx(0.5)
+    assert slowdown.delay_s == pytest.approx(1.0)
+
+
+def test_real_device_measures_without_sleeping(clock):
+    slowdown = emu.ComputeSlowdown(None)
+    slowdown.start()
+    clock.now += 0.25
+    assert slowdown.stop() == 0.0
+    assert clock.slept == []
+    assert slowdown.compute_time_s == pytest.approx(0.25)
+
+
+def test_second_start_keeps_the_first(clock):
+    slowdown = emu.ComputeSlowdown(SLOW)
+    slowdown.start()
+    clock.now += 1.0
+    slowdown.start()
+    clock.now += 1.0
+    slowdown.stop()
+    assert slowdown.compute_time_s == pytest.approx(2.0)
+    assert not slowdown.running
+
+
+def test_stop_without_start_does_nothing(clock):
+    assert emu.ComputeSlowdown(SLOW).stop() == 0.0
+    assert clock.slept == []
+
+
+def test_slowdown_below_one_never_sleeps(clock):
+    slowdown = emu.ComputeSlowdown(Emulation(slowdown=0.5, memory_capacity_bytes=1))
+    with slowdown:
+        clock.now += 1.0
+    assert clock.slept == []
+    assert slowdown.delay_s == 0.0
+
+
+def test_unknown_clock():
+    with pytest.raises(ValueError, match="clock: expected 'process' or 'cuda', found 'wall'"):
+        emu.ComputeSlowdown(None, clock="wall")
