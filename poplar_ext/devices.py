@@ -1,0 +1,187 @@
+"""Device identity: the one table that turns what the hardware reports into a device type.
+
+Profiles, cluster descriptions and plans name device types like ``A100-80GB``. The
+hardware reports ``NVIDIA A100-SXM4-80GB`` or ``NVIDIA A100 80GB PCIe``; this module
+is the only place that maps one to the other, through `DEVICE_NAME_TABLE`, read in
+order, first match wins. A name that no row matches gets a warning and an explicit
+fallback built from the reported name and memory, never a silent constant.
+
+Emulated device types are not read from hardware: they are whatever the cluster
+description declares (see `rank_device_type`).
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from search.formats import Cluster, Emulation
+
+CPU_DEVICE_TYPE = "cpu"
+"""The device type of a rank that trains on the CPU (real, not emulated)."""
+
+
+class UnknownDeviceWarning(UserWarning):
+    """The hardware reported a name that `DEVICE_NAME_TABLE` does not know."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceNameRule:
+    """One row of the normalising table."""
+
+    pattern: str
+    """Regular expression searched (case-insensitively) in the name the hardware reports."""
+    device_type: str
+    """The device type a matching device gets, e.g. ``A100-80GB``."""
+    min_memory_gib: float = 0.0
+    """Match only devices with at least this much total memory (GiB): tells apart
+    models whose reported name omits the memory size (``NVIDIA A100`` 40 vs 80 GB)."""
+
+
+# Order matters: specific rows before general ones (V100S before V100, A100 80 GB
+# before A100 40 GB, "A10" must not catch "A100"). Memory thresholds sit between
+# the two sizes a model comes in, well below the nominal size because CUDA reports
+# a little less than the marketing figure (an 80 GB A100 reports ~79.2 GiB).
+DEVICE_NAME_TABLE: tuple[DeviceNameRule, ...] = (
+    DeviceNameRule(pattern=r"\bH200\b", device_type="H200-141GB"),
+    DeviceNameRule(pattern=r"\bH100\b.*\bNVL\b", device_type="H100-94GB"),
+    DeviceNameRule(pattern=r"\bH100\b", device_type="H100-80GB"),
+    DeviceNameRule(pattern=r"\bH800\b", device_type="H800-80GB"),
+    DeviceNameRule(pattern=r"\bA800\b", device_type="A800-80GB", min_memory_gib=60),
+    DeviceNameRule(pattern=r"\bA800\b", device_type="A800-40GB"),
+    DeviceNameRule(pattern=r"\bA100\b", device_type="A100-80GB", min_memory_gib=60),
+    DeviceNameRule(pattern=r"\bA100\b", device_type="A100-40GB"),
+    DeviceNameRule(pattern=r"\bV100S\b", device_type="V100S-32GB"),
+    DeviceNameRule(pattern=r"\bV100\b", device_type="V100-32GB", min_memory_gib=24),
+    DeviceNameRule(pattern=r"\bV100\b", device_type="V100-16GB"),
+    DeviceNameRule(pattern=r"\bL40S\b", device_type="L40S-48GB"),
+    DeviceNameRule(pattern=r"\bL40\b", device_type="L40-48GB"),
+    DeviceNameRule(pattern=r"\bL4\b", device_type="L4-24GB"),
+    DeviceNameRule(pattern=r"\bA10G\b", device_type="A10G-24GB"),
+    DeviceNameRule(pattern=r"\bA10\b", device_type="A10-24GB"),
+    DeviceNameRule(pattern=r"\bA40\b", device_type="A40-48GB"),
+    DeviceNameRule(pattern=r"\bRTX A6000\b", device_type="RTXA6000-48GB"),
+    DeviceNameRule(pattern=r"\bRTX 4090\b", device_type="RTX4090-24GB"),
+    DeviceNameRule(pattern=r"\bRTX 3090\b", device_type="RTX3090-24GB"),
+    DeviceNameRule(pattern=r"\bT4\b", device_type="T4-16GB"),
+    DeviceNameRule(pattern=r"\bP100\b", device_type="P100-16GB", min_memory_gib=14),
+    DeviceNameRule(pattern=r"\bP100\b", device_type="P100-12GB"),
+)
+
+_VENDOR_PREFIX = re.compile(r"^(nvidia|tesla|amd)\s+", re.IGNORECASE)
+
+
+def fallback_device_type(reported_name: str, total_memory_bytes: int) -> str:
+    """The device type an unknown device gets: its reported name, cleaned, plus its memory.
+
+    ``NVIDIA GeForce RTX 2080 Ti`` with 11 GB -> ``GeForce-RTX-2080-Ti-11GB``.
+    """
+    name = reported_name.strip()
+    while True:
+        stripped = _VENDOR_PREFIX.sub("", name)
+        if stripped == name:
+            break
+        name = stripped
+    name = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") or "unknown-device"
+    return f"{name}-{round(total_memory_bytes / 1e9)}GB"
+
+
+def normalize_device_name(reported_name: str, *, total_memory_bytes: int) -> str:
+    """The device type of a device that reports `reported_name` and has `total_memory_bytes`.
+
+    Looks `reported_name` up in `DEVICE_NAME_TABLE`; an unknown name warns
+    (`UnknownDeviceWarning`) and returns `fallback_device_type`.
+    """
+    if not reported_name.strip():
+        raise ValueError("reported_name: expected the device name the hardware reports, found an empty string")
+    if total_memory_bytes < 1:
+        raise ValueError(f"total_memory_bytes: expected an integer >= 1, found {total_memory_bytes}")
+    memory_gib = total_memory_bytes / 2**30
+    for rule in DEVICE_NAME_TABLE:
+        if memory_gib >= rule.min_memory_gib and re.search(rule.pattern, reported_name, re.IGNORECASE):
+            return rule.device_type
+    fallback = fallback_device_type(reported_name, total_memory_bytes)
+    warnings.warn(
+        f"unknown device {reported_name!r} ({memory_gib:.1f} GiB): using the device type {fallback!r}; "
+        "add a row to poplar_ext.devices.DEVICE_NAME_TABLE to name it like the others",
+        UnknownDeviceWarning,
+        stacklevel=2,
+    )
+    return fallback
+
+
+def hardware_device_type(device: torch.device) -> str:
+    """The device type of `device` as its hardware reports it (``cpu`` for the CPU)."""
+    if device.type == "cpu":
+        return CPU_DEVICE_TYPE
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return normalize_device_name(props.name, total_memory_bytes=int(props.total_memory))
+    raise ValueError(f"device: expected a 'cpu' or 'cuda' device, found {device}")
+
+
+def hardware_description(device: torch.device) -> str:
+    """One line for people: what the hardware is (recorded in profiles' provenance)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return (
+            f"{props.name}, {props.total_memory / 2**30:.1f} GiB, "
+            f"compute capability {props.major}.{props.minor}, CUDA {torch.version.cuda}"
+        )
+    if device.type == "cpu":
+        return f"CPU {_cpu_model_name()} ({platform.machine()})"
+    raise ValueError(f"device: expected a 'cpu' or 'cuda' device, found {device}")
+
+
+def _cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def rank_device_type(cluster: Cluster, rank: int, device: torch.device) -> tuple[str, Emulation | None]:
+    """The device type `rank` profiles and trains as, and its emulation (None when real).
+
+    An emulated type is whatever the cluster description declares. A real type is
+    read from the hardware and must be the one the cluster description declares for
+    that rank: profiles named after one device but measured on another would
+    silently mislead the search.
+    """
+    declared = cluster.rank_device_types
+    if not 0 <= rank < len(declared):
+        raise ValueError(
+            f"rank: expected a rank of the cluster description (0..{len(declared) - 1}), found {rank}"
+        )
+    emulation = cluster.emulation_of(declared[rank])
+    if emulation is not None:
+        return declared[rank], emulation
+    measured = hardware_device_type(device)
+    if measured != declared[rank]:
+        raise ValueError(
+            f"cluster: expected rank {rank}'s device type to be the one its hardware reports "
+            f"({measured!r}, {hardware_description(device)}), found {declared[rank]!r}; "
+            "name it so in the cluster description, or declare it emulated under device_types"
+        )
+    return measured, None
+
+
+__all__ = [
+    "CPU_DEVICE_TYPE",
+    "DEVICE_NAME_TABLE",
+    "DeviceNameRule",
+    "UnknownDeviceWarning",
+    "fallback_device_type",
+    "hardware_description",
+    "hardware_device_type",
+    "normalize_device_name",
+    "rank_device_type",
+]

@@ -1,0 +1,47 @@
+"""Model fingerprint: which architecture a profile was measured with.
+
+Two models with the same module classes, parameter and buffer names, shapes and
+dtypes train at the same speed and in the same memory, so they share profiles;
+anything else gets another fingerprint and is measured again. Weights' values do not
+matter and are not read (hashing 100M parameters would cost seconds).
+
+Compute it on the model as built, before DeepSpeed wraps it: ZeRO-3 replaces
+parameters by empty placeholders.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from search.formats import content_fingerprint
+
+
+def _qualified_class_name(module: nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def model_description(model: nn.Module) -> dict[str, Any]:
+    """The JSON-able facts the fingerprint hashes (handy for seeing why two differ)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, found {type(model).__name__}")
+    return {
+        "modules": [[name, _qualified_class_name(module)] for name, module in model.named_modules()],
+        "parameters": [
+            [name, list(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
+            for name, p in model.named_parameters()
+        ],
+        "buffers": [
+            [name, list(b.shape), str(b.dtype).removeprefix("torch.")] for name, b in model.named_buffers()
+        ],
+    }
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Stable short hash of `model`'s architecture (classes, parameter names, shapes, dtypes)."""
+    return content_fingerprint(model_description(model))
+
+
+__all__ = ["model_description", "model_fingerprint"]

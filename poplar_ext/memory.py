@@ -1,0 +1,125 @@
+"""Peak memory of one block of work, and the memory a rank may use.
+
+CUDA: the caching allocator's peak (`torch.cuda.reset_peak_memory_stats` +
+`torch.cuda.max_memory_allocated`). CPU: the process's resident-set high-water mark.
+DeepSpeed's CPU `max_memory_allocated` and `tracemalloc` miss torch's own
+allocations, so on CPU the kernel's accounting is the only complete one:
+``malloc_trim(0)`` hands freed heap pages back (so the mark starts from what is
+really live), writing ``5`` to ``/proc/self/clear_refs`` resets ``VmHWM`` to the
+current resident size, and ``VmHWM`` in ``/proc/self/status`` is read afterwards.
+The CPU figure is the whole process (interpreter, libraries, model, optimizer
+state, activations): that is what must fit in the rank's share of RAM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import os
+from pathlib import Path
+
+import torch
+
+_PROC_STATUS = Path("/proc/self/status")
+_PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for the errors a too-large micro-batch produces (real, not emulated).
+
+    `torch.OutOfMemoryError` (CUDA), and the plain `RuntimeError` that CPU
+    allocations and some CUDA paths raise with "out of memory" in the message.
+    """
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if isinstance(exc, RuntimeError):
+        # CPU: "DefaultCPUAllocator: can't allocate memory: you tried to allocate ..."
+        text = str(exc).lower()
+        return "out of memory" in text or "can't allocate memory" in text
+    return False
+
+
+def _malloc_trim() -> None:
+    # Without it glibc keeps freed pages resident and the "reset" high-water mark
+    # starts from a stale level; absent libc (musl, macOS) the mark is only coarser.
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    libc = ctypes.CDLL(name)
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _read_status_kib(field: str) -> int:
+    for line in _PROC_STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            # "VmHWM:    123456 kB"
+            return int(line.split()[1])
+    raise RuntimeError(f"{_PROC_STATUS}: no {field} line (not a Linux /proc?)")
+
+
+def cpu_peak_supported() -> bool:
+    """Whether this process can reset and read its resident high-water mark (Linux)."""
+    return _PROC_STATUS.exists() and _PROC_CLEAR_REFS.exists()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak measurement on `device` (call right before the measured block)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    if device.type != "cpu":
+        raise ValueError(f"device: expected a 'cpu' or 'cuda' device, found {device}")
+    _malloc_trim()
+    _PROC_CLEAR_REFS.write_text("5")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory on `device` since the last `reset_peak_memory`, in bytes."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    if device.type != "cpu":
+        raise ValueError(f"device: expected a 'cpu' or 'cuda' device, found {device}")
+    return _read_status_kib("VmHWM") * 1024
+
+
+def physical_memory_bytes() -> int:
+    """Total physical RAM of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_memory_capacity_bytes(device: torch.device, *, local_world_size: int) -> int:
+    """Memory one rank may use on `device` (before any emulation applies).
+
+    CUDA: the device's total memory (each rank owns one device). CPU: physical RAM
+    divided by the ranks that share this machine.
+    """
+    if local_world_size < 1:
+        raise ValueError(f"local_world_size: expected an integer >= 1, found {local_world_size}")
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type != "cpu":
+        raise ValueError(f"device: expected a 'cpu' or 'cuda' device, found {device}")
+    return physical_memory_bytes() // local_world_size
+
+
+def release_memory(device: torch.device) -> None:
+    """Give freed memory back after an out-of-memory, so the next trial starts clean."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        _malloc_trim()
+
+
+__all__ = [
+    "cpu_peak_supported",
+    "device_memory_capacity_bytes",
+    "is_out_of_memory",
+    "peak_memory_bytes",
+    "physical_memory_bytes",
+    "release_memory",
+    "reset_peak_memory",
+]

@@ -1,0 +1,97 @@
+"""Device names: one ordered table, warnings and explicit fallbacks for unknown names."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from poplar_ext.devices import (
+    UnknownDeviceWarning,
+    hardware_description,
+    hardware_device_type,
+    normalize_device_name,
+    rank_device_type,
+)
+from search.formats import cluster_from_dict
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("reported", "memory_gib", "expected"),
+    [
+        ("NVIDIA A100-SXM4-80GB", 79.2, "A100-80GB"),
+        ("NVIDIA A100 80GB PCIe", 79.2, "A100-80GB"),
+        ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"),
+        ("NVIDIA A100-PCIE-40GB", 39.4, "A100-40GB"),
+        ("NVIDIA H100 80GB HBM3", 79.1, "H100-80GB"),
+        ("NVIDIA H100 PCIe", 79.1, "H100-80GB"),
+        ("NVIDIA H100 NVL", 93.1, "H100-94GB"),
+        ("NVIDIA H200", 139.8, "H200-141GB"),
+        ("NVIDIA A800-SXM4-80GB", 79.2, "A800-80GB"),
+        ("Tesla V100-SXM2-16GB", 15.8, "V100-16GB"),
+        ("Tesla V100-SXM2-32GB", 31.7, "V100-32GB"),
+        ("Tesla V100S-PCIE-32GB", 31.7, "V100S-32GB"),
+        ("Tesla T4", 14.7, "T4-16GB"),
+        ("NVIDIA A10G", 22.0, "A10G-24GB"),
+        ("NVIDIA A10", 22.0, "A10-24GB"),
+        ("NVIDIA L4", 22.0, "L4-24GB"),
+        ("NVIDIA GeForce RTX 4090", 23.6, "RTX4090-24GB"),
+    ],
+)
+def test_known_names_are_normalised_without_a_warning(reported: str, memory_gib: float, expected: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert normalize_device_name(reported, total_memory_bytes=int(memory_gib * GiB)) == expected
+
+
+def test_an_unknown_name_warns_and_falls_back_to_its_cleaned_name_and_memory() -> None:
+    with pytest.warns(UnknownDeviceWarning, match="unknown device 'NVIDIA GeForce RTX 2080 Ti'"):
+        name = normalize_device_name("NVIDIA GeForce RTX 2080 Ti", total_memory_bytes=11_000_000_000)
+    assert name == "GeForce-RTX-2080-Ti-11GB"
+
+
+def test_an_empty_name_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="reported_name: expected the device name the hardware reports"):
+        normalize_device_name("  ", total_memory_bytes=GiB)
+
+
+def test_a_non_positive_memory_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="total_memory_bytes: expected an integer >= 1, found 0"):
+        normalize_device_name("Tesla T4", total_memory_bytes=0)
+
+
+def test_the_cpu_is_cpu() -> None:
+    assert hardware_device_type(torch.device("cpu")) == "cpu"
+    assert hardware_description(torch.device("cpu")).startswith("CPU ")
+
+
+def _cluster(device_types: dict) -> object:
+    return cluster_from_dict(
+        {
+            "schema_version": 1,
+            "nodes": [{"name": "n0", "devices": [{"device_type": "cpu", "count": 1}, {"device_type": "slow", "count": 1}]}],
+            "device_types": device_types,
+        }
+    )
+
+
+def test_an_emulated_rank_takes_its_type_from_the_cluster_and_a_real_one_from_the_hardware() -> None:
+    cluster = _cluster({"slow": {"emulation": {"slowdown": 3.0, "memory_capacity_bytes": 10**9}}})
+    cpu = torch.device("cpu")
+    assert rank_device_type(cluster, 0, cpu) == ("cpu", None)
+    device_type, emulation = rank_device_type(cluster, 1, cpu)
+    assert device_type == "slow" and emulation is not None and emulation.slowdown == 3.0
+
+
+def test_a_real_rank_declared_as_another_device_is_a_value_error() -> None:
+    cluster = _cluster({})
+    with pytest.raises(ValueError, match="cluster: expected rank 1's device type to be the one its hardware reports \\('cpu'"):
+        rank_device_type(cluster, 1, torch.device("cpu"))
+
+
+def test_a_rank_outside_the_cluster_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=r"rank: expected a rank of the cluster description \(0..1\), found 2"):
+        rank_device_type(_cluster({}), 2, torch.device("cpu"))

@@ -1,0 +1,68 @@
+"""Peak memory measurement and out-of-memory recognition (CPU; CUDA parts in tests/gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poplar_ext import memory
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(not memory.cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")
+
+
+def test_cpu_peak_sees_a_torch_allocation_and_resets_after_it_is_freed() -> None:
+    memory.reset_peak_memory(CPU)
+    before = memory.peak_memory_bytes(CPU)
+    block = torch.ones(25_000_000)  # 100 MB, touched so it is resident
+    during = memory.peak_memory_bytes(CPU)
+    del block
+    memory.reset_peak_memory(CPU)
+    after = memory.peak_memory_bytes(CPU)
+    assert during - before >= 95_000_000
+    # The high-water mark is back near the starting level, not stuck at the spike.
+    assert after - before < 20_000_000
+
+
+def test_cpu_peak_keeps_a_spike_that_was_freed_before_reading() -> None:
+    memory.reset_peak_memory(CPU)
+    before = memory.peak_memory_bytes(CPU)
+    spike = torch.ones(25_000_000)
+    del spike
+    assert memory.peak_memory_bytes(CPU) - before >= 95_000_000
+
+
+def test_capacity_of_a_cpu_rank_is_its_share_of_ram() -> None:
+    total = memory.physical_memory_bytes()
+    assert memory.device_memory_capacity_bytes(CPU, local_world_size=4) == total // 4
+
+
+def test_capacity_rejects_zero_local_ranks() -> None:
+    with pytest.raises(ValueError, match="local_world_size: expected an integer >= 1, found 0"):
+        memory.device_memory_capacity_bytes(CPU, local_world_size=0)
+
+
+def test_unsupported_device_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="device: expected a 'cpu' or 'cuda' device, found meta"):
+        memory.reset_peak_memory(torch.device("meta"))
+
+
+def test_a_cpu_allocation_failure_is_recognised_as_out_of_memory() -> None:
+    with pytest.raises(RuntimeError) as info:
+        torch.empty(10**15)  # 4 PB: refused by the allocator, nothing is touched
+    assert memory.is_out_of_memory(info.value)
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+        (RuntimeError("CUDA error: out of memory"), True),
+        (MemoryError(), True),
+        (RuntimeError("shape mismatch"), False),
+        (ValueError("out of memory"), False),
+    ],
+)
+def test_out_of_memory_classification(exc: BaseException, expected: bool) -> None:
+    assert memory.is_out_of_memory(exc) is expected
