@@ -1,0 +1,176 @@
+"""Which samples each rank trains on: one seeded stream, cut into per-rank micro-batches.
+
+The data is one endless *stream* of epoch permutations laid end to end: epoch e's
+order is a permutation of ``range(num_samples)`` seeded by ``(seed, e)`` (or the
+identity without shuffling). Stream position p holds sample
+``permutation(p // num_samples)[p % num_samples]``.
+
+Iteration i (one optimizer step) consumes stream positions ``[i*B, (i+1)*B)`` where
+``B = sum_r b_r * s_r`` is the global batch. Within the iteration, rank r takes a
+contiguous chunk of ``b_r * s_r`` positions, ranks in order (rank 0 first), and cuts
+it into ``s_r`` micro-batches of ``b_r`` samples.
+
+Remainder rule: nothing is dropped or padded. When ``num_samples`` is not a multiple
+of B, the iteration that reaches the end of an epoch takes its remaining positions
+from the start of the next epoch's permutation. So every sample is used exactly once
+per pass over the data (per epoch of the stream), whatever the allocation, and every
+micro-batch is full, which the loss weighting (`poplar_ext.weighting`) relies on.
+
+The position (samples consumed, a multiple of B) is all a resume needs: the engine
+stores it in the checkpoint and restarts the sampler there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch.utils.data
+
+from search.formats import Plan
+
+
+def rank_offsets(samples_per_rank: Sequence[int]) -> list[int]:
+    """Start of each rank's chunk within an iteration: ranks' chunks in rank order."""
+    offsets, total = [], 0
+    for count in samples_per_rank:
+        offsets.append(total)
+        total += count
+    return offsets
+
+
+class SampleStream:
+    """Epoch permutations laid end to end; `indices(start, count)` reads a window."""
+
+    def __init__(self, *, num_samples: int, seed: int = 0, shuffle: bool = True) -> None:
+        if num_samples < 1:
+            raise ValueError(f"num_samples: expected an integer >= 1, found {num_samples}")
+        self.num_samples = num_samples
+        self.seed = seed
+        self.shuffle = shuffle
+        # The last permutation used: reads move forward through one epoch at a time.
+        self._cached_epoch = -1
+        self._cached_order: np.ndarray | None = None
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The sample order of `epoch` (a permutation of ``range(num_samples)``)."""
+        if epoch != self._cached_epoch:
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            else:
+                order = np.arange(self.num_samples)
+            self._cached_epoch, self._cached_order = epoch, order
+        assert self._cached_order is not None
+        return self._cached_order
+
+    def indices(self, start: int, count: int) -> list[int]:
+        """Sample indices at stream positions ``[start, start + count)``."""
+        assert start >= 0 and count >= 0
+        out: list[int] = []
+        position, end = start, start + count
+        while position < end:
+            epoch, offset = divmod(position, self.num_samples)
+            take = min(end - position, self.num_samples - offset)
+            out.extend(self.epoch_order(epoch)[offset : offset + take].tolist())
+            position += take
+        return out
+
+
+class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Yields one rank's micro-batches (lists of sample indices) for a DataLoader.
+
+    Pass it as ``DataLoader(dataset, batch_sampler=sampler)``; each item is one
+    micro-batch of `micro_batch_size` samples, `gradient_accumulation_steps` of them
+    per iteration. Every rank builds its own sampler from the same plan and seed.
+
+    One pass (``iter``) covers `iterations_per_pass` iterations (default: enough for
+    one epoch, ``ceil(num_samples / B)``); the next pass continues the stream where the
+    last one stopped. `set_position` moves to a checkpointed position.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_samples: int,
+        micro_batch_sizes: Sequence[int],
+        gradient_accumulation_steps: Sequence[int],
+        rank: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        consumed_samples: int = 0,
+        iterations_per_pass: int | None = None,
+    ) -> None:
+        if len(micro_batch_sizes) != len(gradient_accumulation_steps) or not micro_batch_sizes:
+            raise ValueError(
+                "micro_batch_sizes and gradient_accumulation_steps: expected one entry per rank in each, found "
+                f"{len(micro_batch_sizes)} and {len(gradient_accumulation_steps)}"
+            )
+        if not 0 <= rank < len(micro_batch_sizes):
+            raise ValueError(f"rank: expected 0..{len(micro_batch_sizes) - 1}, found {rank}")
+        self.stream = SampleStream(num_samples=num_samples, seed=seed, shuffle=shuffle)
+        self.rank = rank
+        self.micro_batch_size = micro_batch_sizes[rank]
+        """Samples in each of this rank's micro-batches (b_r)."""
+        self.gradient_accumulation_steps = gradient_accumulation_steps[rank]
+        """This rank's micro-batches per iteration (s_r)."""
+        samples_per_rank = [b * s for b, s in zip(micro_batch_sizes, gradient_accumulation_steps)]
+        self.global_batch_size = sum(samples_per_rank)
+        """Samples per iteration over all ranks (B)."""
+        self._offset = rank_offsets(samples_per_rank)[rank]
+        if iterations_per_pass is None:
+            iterations_per_pass = math.ceil(num_samples / self.global_batch_size)
+        if iterations_per_pass < 1:
+            raise ValueError(f"iterations_per_pass: expected an integer >= 1, found {iterations_per_pass}")
+        self.iterations_per_pass = iterations_per_pass
+        self.next_iteration = 0
+        """The iteration the next pass starts at (advances as micro-batches are yielded)."""
+        self.set_position(consumed_samples)
+
+    @classmethod
+    def from_plan(cls, plan: Plan, *, rank: int, num_samples: int, **options) -> "PlanBatchSampler":
+        """The sampler of `rank` under `plan` (options as in the constructor)."""
+        return cls(
+            num_samples=num_samples,
+            micro_batch_sizes=[r.micro_batch_size for r in plan.ranks],
+            gradient_accumulation_steps=[r.gradient_accumulation_steps for r in plan.ranks],
+            rank=rank,
+            **options,
+        )
+
+    @property
+    def consumed_samples(self) -> int:
+        """Stream position where the next pass starts (samples of all ranks)."""
+        return self.next_iteration * self.global_batch_size
+
+    def set_position(self, consumed_samples: int) -> None:
+        """Continue from a position saved in a checkpoint (a multiple of the global batch)."""
+        if consumed_samples < 0 or consumed_samples % self.global_batch_size:
+            raise ValueError(
+                f"consumed_samples: expected a non-negative multiple of the global batch "
+                f"({self.global_batch_size}), found {consumed_samples}"
+            )
+        self.next_iteration = consumed_samples // self.global_batch_size
+
+    def micro_batches(self, iteration: int) -> list[list[int]]:
+        """This rank's micro-batches in `iteration` (pure: depends on nothing else)."""
+        start = iteration * self.global_batch_size + self._offset
+        chunk = self.stream.indices(start, self.micro_batch_size * self.gradient_accumulation_steps)
+        b = self.micro_batch_size
+        return [chunk[k * b : (k + 1) * b] for k in range(self.gradient_accumulation_steps)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        first = self.next_iteration
+        for iteration in range(first, first + self.iterations_per_pass):
+            batches = self.micro_batches(iteration)
+            yield from batches[:-1]
+            # Advanced before the last micro-batch is handed out: a consumer that
+            # breaks right after it has finished the iteration.
+            self.next_iteration = iteration + 1
+            yield batches[-1]
+
+    def __len__(self) -> int:
+        return self.iterations_per_pass * self.gradient_accumulation_steps
+
+
+__all__ = ["PlanBatchSampler", "SampleStream", "rank_offsets"]

@@ -1,0 +1,48 @@
+"""The loss weight reproduces the global-batch gradient under DeepSpeed's (1/W) * sum rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poplar_ext.weighting import loss_weight, weight_loss
+
+
+def test_mean_weight():
+    assert loss_weight(world_size=3, micro_batch_size=2, global_batch_size=12) == pytest.approx(0.5)
+
+
+def test_sum_weight():
+    assert loss_weight(world_size=3, micro_batch_size=2, global_batch_size=12, reduction="sum") == pytest.approx(0.25)
+
+
+def test_unknown_reduction():
+    with pytest.raises(ValueError, match="loss_reduction: expected 'mean' or 'sum', found 'none'"):
+        loss_weight(world_size=1, micro_batch_size=1, global_batch_size=1, reduction="none")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_deepspeed_rule_gives_the_global_mean_gradient(reduction):
+    # Ranks with uneven (micro-batch size, accumulation count); DeepSpeed sums the
+    # gradients of what reaches backward over ranks and micro-steps, then divides by W.
+    allocation = [(3, 2), (1, 4), (5, 1)]
+    world_size = len(allocation)
+    global_batch = sum(b * s for b, s in allocation)
+    torch.manual_seed(0)
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(global_batch, 4)
+
+    def per_sample_loss(rows):
+        return (rows @ w).sin()
+
+    per_sample_loss(x).mean().backward()
+    expected = w.grad.clone()
+    w.grad = None
+    start = 0
+    for b, s in allocation:
+        for _ in range(s):
+            losses = per_sample_loss(x[start : start + b])
+            loss = losses.mean() if reduction == "mean" else losses.sum()
+            weight_loss(loss, world_size=world_size, micro_batch_size=b, global_batch_size=global_batch, reduction=reduction).backward()
+            start += b
+    assert torch.allclose(w.grad / world_size, expected, atol=1e-6)
