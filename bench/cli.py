@@ -1,0 +1,253 @@
+"""`poplar-bench`: the benchmark harness's command line.
+
+Thin: each subcommand parses its options and calls a pure function of its module,
+importing it only when that subcommand runs (``simulate`` never imports torch).
+
+Exit codes: 0 success, 1 the benchmark failed, 2 bad input (which option or file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from search.errors import FormatError
+
+_BENCH_DIR = Path(__file__).resolve().parent
+
+
+def default_output_dir() -> Path:
+    """``bench/results`` of the checkout when running from one (an editable install),
+    otherwise the current directory."""
+    checkout = _BENCH_DIR.parent
+    if (checkout / "pyproject.toml").is_file() and (_BENCH_DIR / "results").is_dir():
+        return _BENCH_DIR / "results"
+    return Path.cwd()
+
+
+_OUTPUT_HELP = (
+    "directory for the report files (default: bench/results of the poplar-ext checkout when "
+    "poplar-ext is installed from a checkout, as with `pip install -e .`, from whatever directory "
+    "you run it; otherwise the current directory)"
+)
+
+
+def _stage(text: str) -> str | int:
+    if text == "auto":
+        return "auto"
+    if text in ("0", "1", "2", "3"):
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected auto, 0, 1, 2 or 3, found {text!r}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------------
+# simulate
+# ----------------------------------------------------------------------------------
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="compare the policies by prediction on clusters of any size",
+        description=(
+            "Compare uniform, proportional and poplar by the search's prediction. With no options: "
+            "every shipped cluster in bench/clusters/ (pairs of GPU types, 8 to 4096 GPUs) with every "
+            "model preset, using profiles MODELLED from datasheet specs (bench/gpu_model.py). With "
+            "--profiles: your profiles (measured or not) for the given clusters."
+        ),
+    )
+    p.add_argument("--cluster", action="append", type=Path, help="cluster description JSON (repeatable; default: the shipped ones)")
+    p.add_argument("--profiles", type=Path, help="directory of profile JSON files (default: modelled profiles)")
+    p.add_argument("--model", action="append", help="model preset for modelled profiles (repeatable; default: all presets)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--samples-per-rank", type=_positive_int, default=None, help="global batch = this * world size (default 16)")
+    batch.add_argument("--global-batch-size", type=_positive_int, default=None, help="the same global batch for every cluster")
+    p.add_argument("--zero-stage", type=_stage, default="auto", help="auto (default) or 0-3")
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.add_argument("--name", default="simulation", help="report file stem (default: simulation)")
+    p.set_defaults(run=_run_simulate)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from bench import gpu_model, simulate
+    from bench.cluster_files import CLUSTER_DIR
+    from bench.report import write_report
+    from search.formats import load_cluster, load_profiles
+
+    cluster_paths = args.cluster or sorted(CLUSTER_DIR.glob("*.json"), key=_cluster_sort_key)
+    samples_per_rank = args.samples_per_rank or simulate.DEFAULT_SAMPLES_PER_RANK
+    if args.profiles is not None:
+        if args.model:
+            raise ValueError("--model: only for modelled profiles, found it together with --profiles")
+        profiles = tuple(load_profiles(args.profiles))
+        cases = []
+        for path in cluster_paths:
+            cluster = load_cluster(path)
+            cases.append(
+                simulate.SimulationCase(
+                    name=Path(path).stem,
+                    cluster=cluster,
+                    profiles=profiles,
+                    global_batch_size=args.global_batch_size or samples_per_rank * cluster.world_size,
+                    zero_stage=args.zero_stage,
+                    cluster_file=_shown_path(path),
+                )
+            )
+    else:
+        shapes = [gpu_model.model_shape(name) for name in (args.model or [s.name for s in gpu_model.MODEL_SHAPES])]
+        cases = simulate.shipped_cases(cluster_paths, shapes, samples_per_rank=samples_per_rank, zero_stage=args.zero_stage)
+        cases = [
+            dataclasses.replace(
+                c,
+                global_batch_size=args.global_batch_size or c.global_batch_size,
+                cluster_file=_shown_path(c.cluster_file),
+            )
+            for c in cases
+        ]
+    for index, case in enumerate(cases, 1):
+        print(f"[{index}/{len(cases)}] {case.name}: {case.cluster.world_size} ranks", file=sys.stderr, flush=True)
+    report = simulate.simulation_report(cases)
+    out_dir = args.output_dir or default_output_dir()
+    for path in write_report(report, out_dir, args.name):
+        print(path)
+    return 0
+
+
+def _cluster_sort_key(path: Path) -> tuple[str, int]:
+    stem, _, size = path.stem.rpartition("-x")
+    return (stem, int(size) if size.isdigit() else 0)
+
+
+def _shown_path(path: str | Path | None) -> str | None:
+    """Paths inside the checkout are written relative to it, so reports do not name a home directory."""
+    if path is None:
+        return None
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(_BENCH_DIR.parent))
+    except ValueError:
+        return str(path)
+
+
+# ----------------------------------------------------------------------------------
+# demo
+# ----------------------------------------------------------------------------------
+def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
+    from bench.demo_config import DemoSettings
+
+    defaults = DemoSettings()
+    p = subparsers.add_parser(
+        "demo",
+        help="train on an emulated 3-rank heterogeneous CPU cluster with each policy and compare",
+        description=(
+            "Three CPU ranks emulate three device types (cpu-fast, cpu-2x: 2x slower, cpu-4x: 4x slower "
+            "with less memory). With the project's toy GPT and real DeepSpeed ZeRO, it profiles each type "
+            "(reusing cached profiles), searches a plan per policy (uniform, proportional, poplar), trains "
+            "each for a fixed number of iterations in one launch, and reports measured against predicted "
+            "iteration time, speedup over uniform and share of the measured ideal. Writes NAME.json, "
+            "NAME.md and NAME.png."
+        ),
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.add_argument("--name", default="demo", help="report file stem (default: demo)")
+    p.add_argument("--iterations", type=_positive_int, default=defaults.iterations, help=f"measured iterations per policy and round (default {defaults.iterations})")
+    p.add_argument("--rounds", type=_positive_int, default=defaults.rounds, help=f"rounds; each round runs every policy in turn (default {defaults.rounds})")
+    p.add_argument("--global-batch-size", type=_positive_int, default=defaults.global_batch_size, help=f"samples per iteration (default {defaults.global_batch_size})")
+    p.add_argument("--profile-cache", type=Path, default=None, help="profile cache directory (default: ~/.cache/poplar-ext/demo-profiles, or $XDG_CACHE_HOME)")
+    p.add_argument("--force-profile", action="store_true", help="measure again even when cached profiles exist")
+    p.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from bench import demo
+    from bench.demo_config import DemoSettings
+
+    settings = DemoSettings(
+        iterations=args.iterations,
+        rounds=args.rounds,
+        global_batch_size=args.global_batch_size,
+        profile_cache_dir=args.profile_cache,
+        force_profile=args.force_profile,
+    )
+    paths = demo.run_demo(settings, out_dir=args.output_dir or default_output_dir(), name=args.name)
+    for path in paths:
+        print(path)
+    return 0
+
+
+# ----------------------------------------------------------------------------------
+# search-speed and overhead: modules owned by the search and runtime engineers
+# ----------------------------------------------------------------------------------
+def add_search_speed_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("search-speed", help="search time against cluster size and number of device types")
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.set_defaults(run=_run_search_speed)
+
+
+def _run_search_speed(args: argparse.Namespace) -> int:
+    from bench import search_speed
+
+    result = search_speed.run_search_speed()
+    for path in search_speed.write_report(result, args.output_dir or default_output_dir()) or []:
+        print(path)
+    return 0
+
+
+def add_overhead_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("overhead", help="poplar_ext against raw DeepSpeed at the same uniform allocation")
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.set_defaults(run=_run_overhead)
+
+
+def _run_overhead(args: argparse.Namespace) -> int:
+    from bench import runtime_overhead
+
+    result = runtime_overhead.run_overhead()
+    for path in runtime_overhead.write_report(result, args.output_dir or default_output_dir()) or []:
+        print(path)
+    return 0
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    add_demo_parser,
+    add_simulate_parser,
+    add_search_speed_parser,
+    add_overhead_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="poplar-bench",
+        description="poplar-ext benchmarks: the emulated-cluster demo, large-cluster simulation, search speed.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{demo,simulate,search-speed,overhead}")
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``poplar-bench`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FormatError) as exc:
+        print(f"poplar-bench {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
