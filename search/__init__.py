@@ -3,6 +3,7 @@
 Pure: imports numpy and scipy only (never torch or deepspeed), so it runs on a laptop.
 """
 
+from search.api import PlanPrediction, SearchResult, StageReport, check_plan, predict, search_plan
 from search.errors import FormatError
 from search.formats import (
     Cluster,
@@ -19,6 +20,12 @@ from search.formats import (
 )
 
 __all__ = [
+    "PlanPrediction",
+    "SearchResult",
+    "StageReport",
+    "check_plan",
+    "predict",
+    "search_plan",
     "Cluster",
     "FormatError",
     "Plan",

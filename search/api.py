@@ -1,0 +1,377 @@
+"""The search's public entry points: `search_plan`, `check_plan`, `predict`.
+
+`search_plan` picks the ZeRO stage (or uses the one given) and the global batch (or
+uses the one given), runs one allocation policy, and returns a `SearchResult` whose
+status is ``ok`` or ``infeasible``; it raises only for bad input (`ValueError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from search.cost import StageModel, build_stage_model
+from search.formats import ZERO_STAGES, Cluster, Plan, Prediction, Profile, RankPlan
+from search.policies import POLICY_NAMES, PolicyResult, allocate, best_global_batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageReport:
+    """How one ZeRO stage fared in a search."""
+
+    zero_stage: int
+    """The stage."""
+    status: str
+    """``chosen``, ``slower`` or ``infeasible``."""
+    iteration_time_s: float | None
+    """Predicted iteration time of the stage's best allocation (None when infeasible)."""
+    samples_per_s: float | None
+    """Predicted throughput of that allocation (None when infeasible)."""
+    global_batch_size: int | None
+    """Global batch of that allocation (None when infeasible)."""
+    reason: str
+    """Why it won, why it lost (how much slower) or why it is infeasible; a full sentence."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    """The outcome of `search_plan`: a plan, or the reason there is none."""
+
+    status: str
+    """``ok`` or ``infeasible``."""
+    message: str
+    """One line for people: what was chosen and why, or why nothing could be."""
+    plan: Plan | None
+    """The plan when status is ``ok``."""
+    policy: str
+    """The policy that was run."""
+    zero_stage: int | None
+    """The stage of the plan (None when infeasible)."""
+    stage_reports: tuple[StageReport, ...]
+    """One per evaluated stage, in stage order."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanPrediction:
+    """What the cost model predicts for a plan, rank by rank."""
+
+    zero_stage: int
+    """The plan's stage."""
+    rank_micro_step_time_s: tuple[float, ...]
+    """Time of one micro-step of each rank at its micro-batch size."""
+    rank_busy_time_s: tuple[float, ...]
+    """Per-rank compute per iteration: accumulation steps * micro-step time."""
+    boundary_s: float
+    """Accumulation boundary (largest optimizer_step_time_s among the plan's device types)."""
+    iteration_time_s: float
+    """Predicted iteration time (see `search.cost`)."""
+    samples_per_s: float
+    """Global batch / iteration time."""
+    ideal_samples_per_s: float
+    """Sum over ranks of each device's best standalone throughput at this stage."""
+
+
+# ----------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------
+def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Profile]]:
+    """Profiles by stage and device type; ValueError for mixed models or duplicates."""
+    if isinstance(profiles, Profile) or not isinstance(profiles, Sequence):
+        raise ValueError(f"profiles: expected a list of search.formats.Profile, found {type(profiles).__name__}")
+    for index, profile in enumerate(profiles):
+        if not isinstance(profile, Profile):
+            raise ValueError(f"profiles[{index}]: expected a search.formats.Profile, found {type(profile).__name__}")
+    if not profiles:
+        raise ValueError("profiles: expected at least one profile, found none")
+    models = sorted({(p.model.fingerprint, p.model.name) for p in profiles})
+    if len(models) > 1:
+        shown = ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
+        raise ValueError(f"profiles: expected profiles of one model, found {len(models)} models: {shown}")
+    by_stage: dict[int, dict[str, Profile]] = {}
+    for profile in profiles:
+        stage = by_stage.setdefault(profile.zero_stage, {})
+        if profile.device_type in stage:
+            raise ValueError(
+                f"profiles: expected one profile per (device type, ZeRO stage), found two for "
+                f"{profile.device_type!r} at stage {profile.zero_stage}"
+            )
+        stage[profile.device_type] = profile
+    return by_stage
+
+
+def _check_arguments(
+    cluster: Cluster,
+    global_batch_size: int | None,
+    zero_stage: int | str,
+    policy: str,
+    max_global_batch_size: int | None,
+) -> None:
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster: expected a search.formats.Cluster, found {type(cluster).__name__}")
+    for name, value in (("global_batch_size", global_batch_size), ("max_global_batch_size", max_global_batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"{name}: expected None or an integer >= 1, found {value!r}")
+    if zero_stage != "auto" and (isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES):
+        raise ValueError(f"zero_stage: expected 'auto' or one of 0, 1, 2, 3, found {zero_stage!r}")
+    if policy not in POLICY_NAMES:
+        raise ValueError(f"policy: expected one of {', '.join(map(repr, POLICY_NAMES))}, found {policy!r}")
+    if global_batch_size is not None and max_global_batch_size is not None and global_batch_size > max_global_batch_size:
+        raise ValueError(
+            f"global_batch_size: expected at most max_global_batch_size ({max_global_batch_size}), found {global_batch_size}"
+        )
+
+
+# ----------------------------------------------------------------------------------
+# search_plan
+# ----------------------------------------------------------------------------------
+def _evaluate_stage(
+    stage: int,
+    by_stage: dict[int, dict[str, Profile]],
+    cluster: Cluster,
+    policy: str,
+    global_batch_size: int | None,
+    max_global_batch_size: int | None,
+) -> tuple[StageModel | None, PolicyResult]:
+    profiles = by_stage.get(stage, {})
+    types = list(cluster.type_counts())
+    missing = [t for t in types if t not in profiles]
+    if missing:
+        return None, PolicyResult(allocation=None, reason=f"No profile for {', '.join(missing)} at stage {stage}.")
+    too_big = [t for t in types if profiles[t].max_micro_batch_size == 0]
+    if too_big:
+        return None, PolicyResult(
+            allocation=None,
+            reason=f"The model does not fit {', '.join(too_big)} at stage {stage} (max_micro_batch_size 0).",
+        )
+    model = build_stage_model(profiles, cluster.rank_device_types, stage)
+    if global_batch_size is not None:
+        return model, allocate(policy, model, global_batch_size)
+    return model, best_global_batch(policy, model, max_global_batch_size)
+
+
+def _plan(model: StageModel, outcome: PolicyResult, policy: str) -> Plan:
+    allocation = outcome.allocation
+    assert allocation is not None
+    ranks = tuple(
+        RankPlan(
+            rank=rank,
+            device_type=model.devices[int(index)].device_type,
+            micro_batch_size=int(micro),
+            gradient_accumulation_steps=int(steps),
+        )
+        for rank, (index, micro, steps) in enumerate(
+            zip(model.rank_device_index, allocation.micro_batch_sizes, allocation.accumulation_steps)
+        )
+    )
+    return Plan(
+        policy=policy,
+        zero_stage=model.zero_stage,
+        global_batch_size=allocation.global_batch_size,
+        ranks=ranks,
+        predicted=Prediction(
+            iteration_time_s=allocation.iteration_time_s,
+            samples_per_s=allocation.samples_per_s,
+            ideal_samples_per_s=model.ideal_samples_per_s,
+        ),
+        profile_fingerprints={d.device_type: d.profile.fingerprint for d in model.devices},
+    )
+
+
+def _world_size_note(model: StageModel, world_size: int) -> str:
+    sizes = sorted({d.profile.world_size for d in model.devices})
+    if sizes == [world_size]:
+        return ""
+    shown = ", ".join(map(str, sizes))
+    return (
+        f" Profiles were taken at world size {shown}, the cluster has {world_size} ranks: their memory caps "
+        "and boundary times are used as measured."
+    )
+
+
+def search_plan(
+    profiles: Sequence[Profile],
+    cluster: Cluster,
+    *,
+    global_batch_size: int | None = None,
+    zero_stage: int | str = "auto",
+    policy: str = "poplar",
+    max_global_batch_size: int | None = None,
+) -> SearchResult:
+    """Search per-rank micro-batches and accumulation counts for `cluster`.
+
+    Args:
+        profiles: profiles of one model (several device types and stages); every
+            device type of the cluster needs at least one.
+        cluster: which device type each rank has.
+        global_batch_size: samples per iteration; None picks the one with the highest
+            predicted throughput (see `search.policies.best_global_batch`).
+        zero_stage: 0..3, or ``"auto"`` to evaluate every stage and keep the fastest.
+        policy: ``poplar``, ``uniform`` or ``proportional`` (`search.policies`).
+        max_global_batch_size: upper bound for the automatic global batch.
+
+    Returns:
+        A `SearchResult`; infeasible problems are a status with a reason.
+
+    Raises:
+        ValueError: bad input (wrong types, profiles of several models, a device type
+            of the cluster that no profile covers).
+    """
+    _check_arguments(cluster, global_batch_size, zero_stage, policy, max_global_batch_size)
+    by_stage = _check_profiles(profiles)
+    covered = {t for stage in by_stage.values() for t in stage}
+    unknown = [t for t in cluster.type_counts() if t not in covered]
+    if unknown:
+        raise ValueError(
+            f"cluster: expected device types that the profiles cover ({', '.join(sorted(covered))}), "
+            f"found {', '.join(repr(t) for t in unknown)} with no profile"
+        )
+    stages = list(ZERO_STAGES) if zero_stage == "auto" else [int(zero_stage)]
+    outcomes = {
+        stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size)
+        for stage in stages
+    }
+    feasible = {s: (m, o) for s, (m, o) in outcomes.items() if o.ok}
+    if not feasible:
+        reasons = " ".join(f"Stage {s}: {o.reason}" for s, (_, o) in outcomes.items())
+        reports = tuple(
+            StageReport(zero_stage=s, status="infeasible", iteration_time_s=None, samples_per_s=None,
+                        global_batch_size=None, reason=o.reason)
+            for s, (_, o) in outcomes.items()
+        )
+        return SearchResult(status="infeasible", message=f"No feasible plan ({policy}). {reasons}", plan=None,
+                            policy=policy, zero_stage=None, stage_reports=reports)
+
+    def score(stage: int) -> tuple[float, int]:
+        allocation = feasible[stage][1].allocation
+        # Fixed batch: shortest iteration; automatic batch: highest throughput. Ties: lower stage.
+        value = allocation.iteration_time_s if global_batch_size is not None else -allocation.samples_per_s
+        return value, stage
+
+    chosen = min(feasible, key=score)
+    best = feasible[chosen][1].allocation
+    reports = []
+    for stage, (_, outcome) in outcomes.items():
+        allocation = outcome.allocation
+        if allocation is None:
+            reports.append(StageReport(zero_stage=stage, status="infeasible", iteration_time_s=None,
+                                       samples_per_s=None, global_batch_size=None, reason=outcome.reason))
+            continue
+        if stage == chosen:
+            status = "chosen"
+            if len(feasible) > 1:
+                reason = "Fastest feasible stage."
+            else:
+                reason = "The only stage evaluated." if len(stages) == 1 else "The only feasible stage."
+        else:
+            status = "slower"
+            slower_pct = 100.0 * (best.samples_per_s / allocation.samples_per_s - 1.0)
+            reason = f"{slower_pct:.1f}% lower predicted throughput than stage {chosen}."
+        reports.append(StageReport(zero_stage=stage, status=status, iteration_time_s=allocation.iteration_time_s,
+                                   samples_per_s=allocation.samples_per_s,
+                                   global_batch_size=allocation.global_batch_size, reason=reason))
+    model, outcome = feasible[chosen]
+    plan = _plan(model, outcome, policy)
+    if global_batch_size is None:
+        limit = f"up to {max_global_batch_size}" if max_global_batch_size is not None else "in the default range"
+        batch_text = f"global batch {plan.global_batch_size} (chosen for the highest predicted throughput {limit})"
+    else:
+        batch_text = f"global batch {plan.global_batch_size}"
+    share = plan.predicted.samples_per_s / plan.predicted.ideal_samples_per_s
+    message = (
+        f"{policy} at ZeRO stage {chosen}{' (auto)' if zero_stage == 'auto' else ''}: {batch_text}, "
+        f"predicted {plan.predicted.iteration_time_s:.4g} s per iteration, "
+        f"{plan.predicted.samples_per_s:.4g} samples/s ({100 * share:.1f}% of ideal)."
+    )
+    if outcome.note:
+        message += f" Note: {outcome.note}."
+    message += _world_size_note(model, cluster.world_size)
+    return SearchResult(status="ok", message=message, plan=plan, policy=policy, zero_stage=chosen,
+                        stage_reports=tuple(reports))
+
+
+# ----------------------------------------------------------------------------------
+# check_plan, predict
+# ----------------------------------------------------------------------------------
+def _some(items: list[str], limit: int = 3) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None = None) -> list[str]:
+    """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
+
+    Checks the world size, each rank's device type, the stage rule (stages 2 and 3:
+    one accumulation count on every rank) and, with `profiles`, that every device type
+    has a profile at the plan's stage and that no micro-batch exceeds its cap.
+    """
+    problems: list[str] = []
+    if plan.world_size != cluster.world_size:
+        problems.append(f"The plan has {plan.world_size} ranks but the cluster has {cluster.world_size}.")
+    wrong = [
+        f"rank {r.rank} ({r.device_type} in the plan, {actual} in the cluster)"
+        for r, actual in zip(plan.ranks, cluster.rank_device_types)
+        if r.device_type != actual
+    ]
+    if wrong:
+        problems.append(f"Device types differ from the cluster's at {_some(wrong)}.")
+    if plan.zero_stage >= 2:
+        counts = sorted({r.gradient_accumulation_steps for r in plan.ranks})
+        if len(counts) > 1:
+            problems.append(
+                f"ZeRO stage {plan.zero_stage} needs the same gradient_accumulation_steps on every rank, "
+                f"but the plan has {', '.join(map(str, counts))}."
+            )
+    if profiles is not None:
+        models = {p.model.fingerprint for p in profiles}
+        if len(models) > 1:
+            problems.append(f"The profiles describe {len(models)} different models; expected one.")
+        at_stage = {p.device_type: p for p in profiles if p.zero_stage == plan.zero_stage}
+        types = list(dict.fromkeys(r.device_type for r in plan.ranks))
+        missing = [t for t in types if t not in at_stage]
+        if missing:
+            problems.append(f"No profile at ZeRO stage {plan.zero_stage} for {', '.join(missing)}.")
+        over = [
+            f"rank {r.rank} ({r.device_type}: {r.micro_batch_size} > {at_stage[r.device_type].max_micro_batch_size})"
+            for r in plan.ranks
+            if r.device_type in at_stage and r.micro_batch_size > at_stage[r.device_type].max_micro_batch_size
+        ]
+        if over:
+            problems.append(f"micro_batch_size is above the profile's max_micro_batch_size at {_some(over)}.")
+    return problems
+
+
+def predict(plan: Plan, profiles: Sequence[Profile]) -> PlanPrediction:
+    """Per-rank busy time and the iteration time the cost model predicts for `plan`.
+
+    Raises ValueError when a device type has no profile at the plan's stage or a
+    micro-batch is outside 1..max_micro_batch_size of its profile.
+    """
+    by_stage = _check_profiles(profiles)
+    at_stage = by_stage.get(plan.zero_stage, {})
+    types = list(dict.fromkeys(r.device_type for r in plan.ranks))
+    missing = [t for t in types if t not in at_stage or at_stage[t].max_micro_batch_size == 0]
+    if missing:
+        raise ValueError(
+            f"profiles: expected a profile that fits the model at ZeRO stage {plan.zero_stage} for every device "
+            f"type of the plan, found none for {', '.join(missing)}"
+        )
+    model = build_stage_model(at_stage, [r.device_type for r in plan.ranks], plan.zero_stage)
+    sizes = np.array([r.micro_batch_size for r in plan.ranks], dtype=np.int64)
+    steps = np.array([r.gradient_accumulation_steps for r in plan.ranks], dtype=np.int64)
+    micro = model.rank_micro_step_times_s(sizes)
+    iteration = model.iteration_time_s(sizes, steps)
+    return PlanPrediction(
+        zero_stage=plan.zero_stage,
+        rank_micro_step_time_s=tuple(micro.tolist()),
+        rank_busy_time_s=tuple((micro * steps).tolist()),
+        boundary_s=model.boundary_s,
+        iteration_time_s=iteration,
+        samples_per_s=plan.global_batch_size / iteration,
+        ideal_samples_per_s=model.ideal_samples_per_s,
+    )

@@ -1,0 +1,616 @@
+"""Allocation policies: who runs how many samples per micro-step, and how many micro-steps.
+
+All three share one signature, ``allocate(policy, model, global_batch_size)`` and
+``best_global_batch(policy, model, max_global_batch_size)``, and return a
+`PolicyResult`: an `Allocation` or the reason there is none.
+
+* ``uniform`` (what DeepSpeed does): one micro-batch size and one accumulation count
+  for every rank; the largest micro-batch that fits the smallest device and divides
+  ``B / W``.
+* ``proportional`` (Whale): per-micro-step shares proportional to each device's
+  measured throughput at its largest micro-batch, clipped to [1, max micro-batch],
+  largest-remainder rounding; one accumulation count for all ranks, the smallest
+  that lets the shares fit.
+* ``poplar``: the allocation with the smallest predicted iteration time under the
+  cost model (`search.cost`), exactly: integer micro-batches, ``sum b_r s_r == B``,
+  per-rank memory caps, every rank at least one sample, and the stage's rule (one
+  accumulation count at stages 2 and 3; per-rank counts at stages 0 and 1).
+
+Ranks of one device type are identical, so every policy works per type and splits a
+type's share evenly (sizes differ by at most one where the rule allows).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from scipy.signal import fftconvolve
+
+from search.cost import StageModel
+
+POLICY_NAMES = ("poplar", "uniform", "proportional")
+
+AUTO_ACCUMULATION_STEPS = 8
+"""Without a maximum global batch, the auto search looks at batches up to this many
+micro-steps of every rank at its largest micro-batch."""
+
+MAX_BREAKPOINTS = 2_000_000
+"""Stage 0/1 auto-batch search evaluates at most this many capacity levels."""
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Allocation:
+    """Per-rank micro-batch sizes and accumulation counts, rank order."""
+
+    micro_batch_sizes: np.ndarray
+    """Samples per micro-step, per rank."""
+    accumulation_steps: np.ndarray
+    """Micro-steps per iteration, per rank."""
+    iteration_time_s: float
+    """Predicted by the stage's cost model."""
+
+    @property
+    def global_batch_size(self) -> int:
+        return int(np.sum(self.micro_batch_sizes * self.accumulation_steps))
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch_size / self.iteration_time_s
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PolicyResult:
+    """An allocation, or the reason a policy has none."""
+
+    allocation: Allocation | None
+    reason: str = ""
+    """Why there is no allocation (a full sentence); empty when there is one."""
+    note: str = ""
+    """Anything the user should know about how the allocation was chosen."""
+
+    @property
+    def ok(self) -> bool:
+        return self.allocation is not None
+
+
+def _infeasible(reason: str) -> PolicyResult:
+    return PolicyResult(allocation=None, reason=reason)
+
+
+def _finish(model: StageModel, groups: list[list[tuple[int, int, int]]]) -> Allocation:
+    """Expand per-type groups ``(micro_batch, accumulation, count)`` to rank order."""
+    sizes = np.empty(model.world_size, dtype=np.int64)
+    steps = np.empty(model.world_size, dtype=np.int64)
+    for index, type_groups in enumerate(groups):
+        ranks = np.flatnonzero(model.rank_device_index == index)
+        start = 0
+        for micro, accumulation, count in type_groups:
+            sizes[ranks[start : start + count]] = micro
+            steps[ranks[start : start + count]] = accumulation
+            start += count
+        assert start == len(ranks), "every rank of a type gets exactly one group"
+    return Allocation(
+        micro_batch_sizes=sizes,
+        accumulation_steps=steps,
+        iteration_time_s=model.iteration_time_s(sizes, steps),
+    )
+
+
+def _check_batch(model: StageModel, global_batch_size: int) -> str:
+    if global_batch_size < model.world_size:
+        return (
+            f"The global batch {global_batch_size} is smaller than the {model.world_size} ranks; "
+            "every rank needs at least one sample per iteration."
+        )
+    return ""
+
+
+def _divisors(n: int) -> np.ndarray:
+    small = np.arange(1, math.isqrt(n) + 1, dtype=np.int64)
+    small = small[n % small == 0]
+    return np.unique(np.concatenate([small, n // small]))
+
+
+def _default_max_batch(model: StageModel) -> int:
+    return AUTO_ACCUMULATION_STEPS * model.total_max_micro_batch
+
+
+# ----------------------------------------------------------------------------------
+# uniform
+# ----------------------------------------------------------------------------------
+def _uniform(model: StageModel, global_batch_size: int) -> PolicyResult:
+    world = model.world_size
+    if global_batch_size % world:
+        return _infeasible(
+            f"The global batch {global_batch_size} is not a multiple of the {world} ranks; "
+            "uniform gives every rank the same micro-batch and accumulation count."
+        )
+    per_rank = global_batch_size // world
+    smallest_cap = min(d.max_micro_batch_size for d in model.devices)
+    divisors = _divisors(per_rank)
+    micro = int(divisors[divisors <= smallest_cap].max())
+    return _uniform_allocation(model, micro, per_rank // micro)
+
+
+def _uniform_allocation(model: StageModel, micro: int, steps: int) -> PolicyResult:
+    groups = [[(micro, steps, d.num_ranks)] for d in model.devices]
+    return PolicyResult(allocation=_finish(model, groups))
+
+
+def _uniform_best(model: StageModel, max_batch: int) -> PolicyResult:
+    world = model.world_size
+    smallest_cap = min(d.max_micro_batch_size for d in model.devices)
+    micro = np.arange(1, smallest_cap + 1, dtype=np.int64)
+    steps = max_batch // (world * micro)
+    valid = steps >= 1
+    if not np.any(valid):
+        return _infeasible(_check_batch(model, max_batch))
+    slowest = np.max([d.step_time_table_s[:smallest_cap] for d in model.devices], axis=0)
+    time = steps * slowest + model.boundary_s
+    rate = np.where(valid, world * micro * steps / time, -1.0)
+    best = int(np.argmax(rate))
+    return _uniform_allocation(model, int(micro[best]), int(steps[best]))
+
+
+# ----------------------------------------------------------------------------------
+# proportional (Whale)
+# ----------------------------------------------------------------------------------
+def _proportional_weights(model: StageModel) -> np.ndarray:
+    """Measured throughput of each type at its largest micro-batch (samples/s)."""
+    return np.array([d.max_micro_batch_size / d.step_time_table_s[-1] for d in model.devices])
+
+
+def _proportional_split(model: StageModel, total: int) -> list[list[tuple[int, int]]] | None:
+    """Split `total` samples per micro-step over ranks in proportion to throughput.
+
+    Shares are ``clip(scale * weight, 1, cap)`` with the scale found by bisection,
+    then floored, and the remaining samples go one each to the ranks with the largest
+    remainders (ties: type order, then rank order). Returns per type a list of
+    ``(micro_batch, count)`` or None when `total` cannot fit.
+    """
+    counts = model.counts
+    caps = np.array([d.max_micro_batch_size for d in model.devices], dtype=np.int64)
+    if total < counts.sum() or total > int(counts @ caps):
+        return None
+    weights = _proportional_weights(model)
+
+    def shares(scale: float) -> np.ndarray:
+        return np.clip(scale * weights, 1.0, caps)
+
+    lo, hi = 0.0, float(caps.max() / weights.min())
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if counts @ shares(mid) < total:
+            lo = mid
+        else:
+            hi = mid
+    exact = counts * shares(hi)
+    amounts = np.clip(np.floor(exact).astype(np.int64), counts, counts * caps)
+    # Largest remainder over type totals (ranks of one type are interchangeable); the
+    # loop also absorbs the bisection's last-digit error, so it may run more than once.
+    order = sorted(range(len(counts)), key=lambda i: (-(exact[i] - amounts[i]), i))
+    left = total - int(amounts.sum())
+    while left > 0:
+        for i in order:
+            if left > 0 and amounts[i] < counts[i] * caps[i]:
+                amounts[i] += 1
+                left -= 1
+    while left < 0:
+        for i in reversed(order):
+            if left < 0 and amounts[i] > counts[i]:
+                amounts[i] -= 1
+                left += 1
+    return [_even_split(int(a), int(n)) for a, n in zip(amounts, counts)]
+
+
+def _even_split(amount: int, count: int) -> list[tuple[int, int]]:
+    """`amount` samples over `count` identical ranks: sizes differ by at most one, larger first."""
+    base, extra = divmod(amount, count)
+    groups = [(base + 1, extra), (base, count - extra)]
+    return [g for g in groups if g[1] > 0]
+
+
+def _proportional(model: StageModel, global_batch_size: int) -> PolicyResult:
+    for steps in _divisors(global_batch_size):
+        split = _proportional_split(model, global_batch_size // int(steps))
+        if split is not None:
+            groups = [[(micro, int(steps), count) for micro, count in g] for g in split]
+            return PolicyResult(allocation=_finish(model, groups))
+    return _infeasible(
+        f"No accumulation count s divides the global batch {global_batch_size} so that B / s lies between "
+        f"the {model.world_size} ranks and {model.total_max_micro_batch} (every rank at its largest micro-batch)."
+    )
+
+
+def _proportional_best(model: StageModel, max_batch: int) -> PolicyResult:
+    weights = _proportional_weights(model)
+    caps = np.array([d.max_micro_batch_size for d in model.devices])
+    scale = float(np.min(caps / weights))
+    per_step = int(model.counts @ np.maximum(1, np.floor(scale * weights + 1e-9)).astype(np.int64))
+    per_step = min(per_step, max_batch)
+    if per_step < model.world_size:
+        return _infeasible(_check_batch(model, max_batch))
+    steps = max(1, max_batch // per_step)
+    split = _proportional_split(model, per_step)
+    assert split is not None, "per_step lies between the world size and the total cap"
+    groups = [[(micro, steps, count) for micro, count in g] for g in split]
+    return PolicyResult(allocation=_finish(model, groups))
+
+
+# ----------------------------------------------------------------------------------
+# poplar, stages 2 and 3: one accumulation count, balanced micro-step time
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _Levels:
+    """Micro-step time levels and, at each, how many samples every type can take."""
+
+    times_s: np.ndarray
+    """Candidate micro-step times (sorted): every table value at or above the slowest size-1 step."""
+    caps: np.ndarray
+    """caps[d, k]: largest micro-batch of type d whose time is <= times_s[k]."""
+    capacity: np.ndarray
+    """Samples per micro-step with every rank at its cap, per level (non-decreasing)."""
+
+
+def _levels(model: StageModel) -> _Levels:
+    tables = [d.step_time_table_s for d in model.devices]
+    floor_s = max(t[0] for t in tables)
+    times = np.unique(np.concatenate(tables))
+    times = times[times >= floor_s]
+    caps = np.stack([np.searchsorted(t, times, side="right") for t in tables])
+    return _Levels(times_s=times, caps=caps, capacity=model.counts @ caps)
+
+
+def _trim(model: StageModel, caps: np.ndarray, total: int) -> list[list[tuple[int, int]]]:
+    """Lower per-type sizes from `caps` until they sum to `total`, slowest micro-step first.
+
+    Whole types are lowered one size at a time (so identical ranks stay equal); the
+    last step lowers only some ranks of one type (they then differ by one). Ties go
+    to the type at the smaller size, which keeps a faster device from getting less.
+    """
+    sizes = caps.astype(np.int64).copy()
+    counts = model.counts
+    excess = int(counts @ sizes) - total
+    assert excess >= 0
+    while excess > 0:
+        best = None
+        for i, device in enumerate(model.devices):
+            if sizes[i] <= 1:
+                continue
+            key = (-device.step_time_table_s[sizes[i] - 1], sizes[i], i)
+            if best is None or key < best:
+                best = key
+        assert best is not None, "total >= world size leaves a rank above size 1"
+        i = best[2]
+        if counts[i] <= excess:
+            sizes[i] -= 1
+            excess -= int(counts[i])
+        else:
+            groups = [[(int(s), int(c))] for s, c in zip(sizes, counts)]
+            groups[i] = [(int(sizes[i]), int(counts[i] - excess)), (int(sizes[i]) - 1, excess)]
+            return groups
+    return [[(int(s), int(c))] for s, c in zip(sizes, counts)]
+
+
+def _synchronised_time(levels: _Levels, model: StageModel, steps: np.ndarray, per_step: np.ndarray) -> np.ndarray:
+    """Best iteration time for each (accumulation count, samples per micro-step) pair."""
+    index = np.searchsorted(levels.capacity, per_step, side="left")
+    return steps * levels.times_s[np.minimum(index, len(levels.times_s) - 1)] + model.boundary_s
+
+
+def _poplar_synchronised(model: StageModel, global_batch_size: int) -> PolicyResult:
+    levels = _levels(model)
+    steps = _divisors(global_batch_size)
+    per_step = global_batch_size // steps
+    valid = (per_step >= model.world_size) & (per_step <= levels.capacity[-1])
+    if not np.any(valid):
+        return _infeasible(
+            f"No accumulation count s divides the global batch {global_batch_size} so that B / s lies between "
+            f"the {model.world_size} ranks and {int(levels.capacity[-1])} (every rank at its largest "
+            f"micro-batch); stage {model.zero_stage} needs the same count on every rank."
+        )
+    steps, per_step = steps[valid], per_step[valid]
+    times = _synchronised_time(levels, model, steps, per_step)
+    best = int(np.argmin(times))  # first minimum: the fewest micro-steps among ties
+    level = int(np.searchsorted(levels.capacity, per_step[best], side="left"))
+    split = _trim(model, levels.caps[:, level], int(per_step[best]))
+    groups = [[(micro, int(steps[best]), count) for micro, count in g] for g in split]
+    return PolicyResult(allocation=_finish(model, groups))
+
+
+def _poplar_synchronised_best(model: StageModel, max_batch: int) -> PolicyResult:
+    levels = _levels(model)
+    # Capacity levels with as many micro-steps as the maximum allows ...
+    per_step = np.unique(levels.capacity[levels.capacity <= max_batch])
+    steps = max_batch // per_step
+    # ... and, for each count, the largest batch under the maximum.
+    edge_steps = np.arange(1, min(max_batch // model.world_size, 100_000) + 1, dtype=np.int64)
+    edge_per_step = max_batch // edge_steps
+    keep = edge_per_step <= levels.capacity[-1]
+    steps = np.concatenate([steps, edge_steps[keep]])
+    per_step = np.concatenate([per_step, edge_per_step[keep]])
+    if len(steps) == 0:
+        return _infeasible(_check_batch(model, max_batch))
+    rate = steps * per_step / _synchronised_time(levels, model, steps, per_step)
+    best = int(np.argmax(rate))
+    return _poplar_synchronised(model, int(steps[best] * per_step[best]))
+
+
+# ----------------------------------------------------------------------------------
+# poplar, stages 0 and 1: per-rank accumulation counts, balanced busy time
+# ----------------------------------------------------------------------------------
+def _steps_within(time_s: float, table: np.ndarray) -> np.ndarray:
+    """For each size, the most micro-steps ``s`` with ``s * t(b) <= time_s`` (same float product as the cost model)."""
+    steps = np.floor(time_s / table)
+    steps = np.where((steps + 1) * table <= time_s, steps + 1, steps)
+    steps = np.where(steps * table > time_s, steps - 1, steps)
+    return steps.astype(np.int64)
+
+
+def _max_work(time_s: float, table: np.ndarray) -> int:
+    """Most samples one rank can run within `time_s`."""
+    return int(np.max(np.arange(1, len(table) + 1) * _steps_within(time_s, table)))
+
+
+def _capacity(model: StageModel, time_s: float) -> int:
+    return sum(d.num_ranks * _max_work(time_s, d.step_time_table_s) for d in model.devices)
+
+
+def _next_breakpoint(model: StageModel, time_s: float) -> float:
+    """The smallest ``s * t(b)`` over all types and sizes that is larger than `time_s`."""
+    return min(
+        float(np.min((_steps_within(time_s, d.step_time_table_s) + 1) * d.step_time_table_s)) for d in model.devices
+    )
+
+
+def _min_time_for(model: StageModel, total: int) -> float:
+    """Smallest busy time at which the ranks together can run `total` samples (ignoring exactness)."""
+    low = max(float(d.step_time_table_s[0]) for d in model.devices)
+    if _capacity(model, low) >= total:
+        return low
+    high = math.ceil(total / model.world_size) * low
+    while True:
+        candidate = _next_breakpoint(model, low)
+        if _capacity(model, candidate) >= total:
+            return candidate
+        mid = (low + high) / 2
+        if mid <= candidate or mid >= high:
+            low = candidate  # too close for bisection: step from breakpoint to breakpoint
+        elif _capacity(model, mid) >= total:
+            high = mid
+        else:
+            low = mid
+
+
+def _sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """{x + y} of two sets given as boolean masks over [0, cap], truncated to [0, cap]."""
+    cap = len(a)
+    if cap <= 512:
+        out = np.convolve(a.astype(np.int64), b.astype(np.int64))[:cap] > 0
+    else:
+        out = fftconvolve(a.astype(float), b.astype(float))[:cap] > 0.5
+    return out
+
+
+class _TypeSums:
+    """Which reductions (below each rank's maximum) n identical ranks can make together.
+
+    ``powers[j]`` is the set of sums of ``2**j`` single-rank reductions; the n-fold
+    set is the sum of the powers in n's binary expansion. Kept so that a reachable
+    total can be split back into per-rank reductions, as evenly as possible.
+    """
+
+    def __init__(self, single: np.ndarray, count: int) -> None:
+        self.count = count
+        self.powers = [single]
+        while (1 << len(self.powers)) <= count:
+            last = self.powers[-1]
+            self.powers.append(last if last.all() else _sumset(last, last))
+        self.bits = [j for j in range(len(self.powers)) if count >> j & 1]
+        self.partials = [np.eye(1, len(single), dtype=bool)[0]]
+        for j in self.bits:
+            self.partials.append(_sumset(self.partials[-1], self.powers[j]))
+        self._split = lru_cache(maxsize=None)(self._split_uncached)
+
+    @property
+    def reachable(self) -> np.ndarray:
+        return self.partials[-1]
+
+    @staticmethod
+    def _closest_pair(left: np.ndarray, right: np.ndarray, total: int, target: float) -> int:
+        """A ``u`` in `left` with ``total - u`` in `right`, closest to `target`."""
+        candidates = np.flatnonzero(left[: total + 1] & right[total::-1])
+        assert len(candidates), "total was reachable"
+        return int(candidates[np.argmin(np.abs(candidates - target))])
+
+    def _split_uncached(self, j: int, total: int) -> tuple[tuple[int, int], ...]:
+        if total == 0:
+            return ((0, 1 << j),)
+        if j == 0:
+            return ((total, 1),)
+        half = self.powers[j - 1]
+        u = self._closest_pair(half, half, total, total / 2)
+        merged = Counter(dict(self._split(j - 1, u)))
+        merged.update(dict(self._split(j - 1, total - u)))
+        return tuple(sorted(merged.items()))
+
+    def split(self, total: int) -> Counter:
+        """Per-rank reductions summing to `total`: reduction -> number of ranks."""
+        result: Counter = Counter()
+        ranks_left = self.count
+        for position in range(len(self.bits) - 1, -1, -1):
+            j = self.bits[position]
+            share = total * (1 << j) / ranks_left
+            u = self._closest_pair(self.powers[j], self.partials[position], total, share)
+            result.update(dict(self._split(j, u)))
+            total -= u
+            ranks_left -= 1 << j
+        assert total == 0
+        return result
+
+
+def _realise(table: np.ndarray, work: int, time_s: float) -> tuple[int, int]:
+    """(micro_batch, steps) with product `work` and the shortest busy time <= `time_s`."""
+    sizes = np.arange(1, min(len(table), work) + 1)
+    sizes = sizes[work % sizes == 0]
+    busy = (work // sizes) * table[sizes - 1]
+    ok = busy <= time_s
+    assert np.any(ok), "work was taken from the achievable set"
+    sizes, busy = sizes[ok], busy[ok]
+    best = np.flatnonzero(busy == busy.min()).max()  # ties: the larger micro-batch
+    return int(sizes[best]), int(work // sizes[best])
+
+
+def _exact_at(model: StageModel, time_s: float, total: int) -> list[list[tuple[int, int, int]]] | None:
+    """An allocation of exactly `total` samples with every rank busy <= `time_s`, or None."""
+    maxima, reductions = [], []
+    for device in model.devices:
+        table = device.step_time_table_s
+        steps = _steps_within(time_s, table)
+        maxima.append(int(np.max(np.arange(1, len(table) + 1) * steps)))
+    deficit = int(model.counts @ np.array(maxima)) - total
+    assert deficit >= 0
+    for device, top in zip(model.devices, maxima):
+        table = device.step_time_table_s
+        steps = _steps_within(time_s, table)
+        single = np.zeros(deficit + 1, dtype=bool)
+        for size, most in zip(range(1, len(table) + 1), steps):
+            fewest = max(1, -(-(top - deficit) // size))
+            if most >= fewest:
+                single[top - size * np.arange(fewest, most + 1)] = True
+        reductions.append(single)
+    sums = [_TypeSums(single, device.num_ranks) for single, device in zip(reductions, model.devices)]
+    chain = [np.eye(1, deficit + 1, dtype=bool)[0]]
+    for type_sums in sums:
+        chain.append(_sumset(chain[-1], type_sums.reachable))
+    if not chain[-1][deficit]:
+        return None
+    groups: list[list[tuple[int, int, int]]] = [[] for _ in model.devices]
+    left = deficit
+    for i in range(len(sums) - 1, -1, -1):
+        share = left * model.devices[i].num_ranks / sum(d.num_ranks for d in model.devices[: i + 1])
+        x = _TypeSums._closest_pair(sums[i].reachable, chain[i], left, share)
+        per_work: Counter = Counter()
+        for reduction, count in sums[i].split(x).items():
+            per_work[maxima[i] - reduction] += count
+        merged: Counter = Counter()
+        for work, count in per_work.items():
+            merged[_realise(model.devices[i].step_time_table_s, work, time_s)] += count
+        groups[i] = [(micro, steps, count) for (micro, steps), count in sorted(merged.items(), key=lambda kv: -kv[0][0] * kv[0][1])]
+        left -= x
+    return groups
+
+
+def _poplar_independent(model: StageModel, global_batch_size: int) -> PolicyResult:
+    time_s = _min_time_for(model, global_batch_size)
+    while True:
+        groups = _exact_at(model, time_s, global_batch_size)
+        if groups is not None:
+            return PolicyResult(allocation=_finish(model, groups))
+        time_s = _next_breakpoint(model, time_s)
+
+
+def _breakpoints(model: StageModel, low_s: float, high_s: float) -> np.ndarray:
+    """All ``s * t(b)`` values in [low_s, high_s], sorted."""
+    parts = []
+    for device in model.devices:
+        table = device.step_time_table_s
+        most = _steps_within(high_s, table)
+        fewest = np.maximum(1, np.ceil(low_s / table)).astype(np.int64)
+        for t, first, last in zip(table, fewest, most):
+            if last >= first:
+                parts.append(np.arange(first, last + 1) * t)
+    values = np.unique(np.concatenate(parts)) if parts else np.empty(0)
+    return values[(values >= low_s) & (values <= high_s)]
+
+
+def _poplar_independent_best(model: StageModel, max_batch: int) -> PolicyResult:
+    at_max = _poplar_independent(model, max_batch)
+    assert at_max.allocation is not None
+    best_rate = at_max.allocation.samples_per_s
+    # A capacity level (every rank at its most work within a time) is the best batch for
+    # its time, so only levels can beat the maximum batch. A level at time T runs at
+    # most ideal * T / (T + boundary) samples/s: levels below `cut` cannot win.
+    ideal = model.ideal_samples_per_s
+    boundary = model.boundary_s
+    cut = best_rate * boundary / (ideal - best_rate) if ideal > best_rate else math.inf
+    floor_s = max(float(d.step_time_table_s[0]) for d in model.devices)
+    high = _min_time_for(model, max_batch)
+    times = _breakpoints(model, max(cut, floor_s), high)
+    note = ""
+    if len(times) > MAX_BREAKPOINTS:
+        times = times[-MAX_BREAKPOINTS:]
+        note = f"only the {MAX_BREAKPOINTS} largest capacity levels were compared"
+    best_batch, best_time = max_batch, None
+    for chunk in np.array_split(times, max(1, len(times) // 4096)):
+        if len(chunk) == 0:
+            continue
+        capacity = np.zeros(len(chunk), dtype=np.int64)
+        for device in model.devices:
+            table = device.step_time_table_s
+            steps = np.floor(chunk[:, None] / table[None, :])
+            steps = np.where((steps + 1) * table <= chunk[:, None], steps + 1, steps)
+            steps = np.where(steps * table > chunk[:, None], steps - 1, steps)
+            work = (steps * np.arange(1, len(table) + 1)).max(axis=1).astype(np.int64)
+            capacity += device.num_ranks * work
+        rate = np.where(capacity <= max_batch, capacity / (chunk + boundary), -1.0)
+        k = int(np.argmax(rate))
+        if rate[k] > best_rate:
+            best_rate, best_batch, best_time = float(rate[k]), int(capacity[k]), float(chunk[k])
+    if best_time is None:
+        return PolicyResult(allocation=at_max.allocation, note=note)
+    groups = _exact_at(model, best_time, best_batch)
+    assert groups is not None, "a capacity level is reachable at its own time"
+    return PolicyResult(allocation=_finish(model, groups), note=note)
+
+
+# ----------------------------------------------------------------------------------
+# The one entry point per question
+# ----------------------------------------------------------------------------------
+def _check_policy(policy: str) -> None:
+    if policy not in POLICY_NAMES:
+        raise ValueError(f"policy: expected one of {', '.join(map(repr, POLICY_NAMES))}, found {policy!r}")
+
+
+def allocate(policy: str, model: StageModel, global_batch_size: int) -> PolicyResult:
+    """Allocate exactly `global_batch_size` samples per iteration with `policy`."""
+    _check_policy(policy)
+    reason = _check_batch(model, global_batch_size)
+    if reason:
+        return _infeasible(reason)
+    if policy == "uniform":
+        return _uniform(model, global_batch_size)
+    if policy == "proportional":
+        return _proportional(model, global_batch_size)
+    if model.synchronised_micro_steps:
+        return _poplar_synchronised(model, global_batch_size)
+    return _poplar_independent(model, global_batch_size)
+
+
+def best_global_batch(policy: str, model: StageModel, max_global_batch_size: int | None = None) -> PolicyResult:
+    """The allocation with the highest predicted samples/s over global batches up to a maximum.
+
+    Without `max_global_batch_size` the maximum is `AUTO_ACCUMULATION_STEPS` micro-steps
+    of every rank at its largest micro-batch. Candidates per policy: ``uniform`` every
+    micro-batch up to the smallest cap with the most accumulation steps that fit;
+    ``proportional`` the largest per-micro-step batch whose proportional shares fit,
+    times the most accumulation steps that fit; ``poplar`` every capacity level (all
+    ranks at their most samples within a time level, the only batches that leave no
+    rank idle) and the maximum itself.
+    """
+    _check_policy(policy)
+    max_batch = _default_max_batch(model) if max_global_batch_size is None else max_global_batch_size
+    reason = _check_batch(model, max_batch)
+    if reason:
+        return _infeasible(reason)
+    if policy == "uniform":
+        return _uniform_best(model, max_batch)
+    if policy == "proportional":
+        return _proportional_best(model, max_batch)
+    if model.synchronised_micro_steps:
+        return _poplar_synchronised_best(model, max_batch)
+    return _poplar_independent_best(model, max_batch)
