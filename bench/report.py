@@ -15,7 +15,8 @@ Report layout (``schema``: ``poplar-bench-report/1``)::
          policies: [{policy, status, message, zero_stage, global_batch_size,
                      ranks: [{rank, device_type, micro_batch_size,
                               gradient_accumulation_steps, predicted_busy_s,
-                              measured_busy_s {median, repetitions} | null}],
+                              measured_busy_s {median, repetitions} | null,
+                              count (optional: this many consecutive ranks alike)}],
                      predicted {iteration_time_s, samples_per_s},
                      measured {iteration_time_s {median, repetitions}, samples_per_s} | null,
                      prediction_error, speedup_over_uniform, share_of_ideal}],
@@ -77,13 +78,30 @@ def repetitions(values: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(values), "repetitions": list(values)}
 
 
+def group_ranks(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Merge runs of consecutive ranks whose entries are equal apart from the rank number.
+
+    Each merged entry keeps the first ``rank`` and gets ``count``; large simulated
+    clusters stay a few entries long instead of thousands.
+    """
+    groups: list[dict[str, Any]] = []
+    for entry in ranks:
+        content = {k: v for k, v in entry.items() if k not in ("rank", "count")}
+        last = groups[-1] if groups else None
+        if last is not None and {k: v for k, v in last.items() if k not in ("rank", "count")} == content:
+            last["count"] += entry.get("count", 1)
+        else:
+            groups.append({"rank": entry["rank"], "count": entry.get("count", 1), **content})
+    return groups
+
+
 def summarise_allocation(ranks: list[dict[str, Any]]) -> str:
     """``A100-80GB: 8x 12*2; A100-40GB: 8x 4*2`` (ranks x micro-batch*accumulation), per type."""
     groups: dict[str, dict[tuple[int, int], int]] = {}
     for r in ranks:
         key = (r["micro_batch_size"], r["gradient_accumulation_steps"])
         by_type = groups.setdefault(r["device_type"], {})
-        by_type[key] = by_type.get(key, 0) + 1
+        by_type[key] = by_type.get(key, 0) + r.get("count", 1)
     parts = []
     for device_type, combos in groups.items():
         shown = ", ".join(f"{count}x {mbs}*{gas}" for (mbs, gas), count in combos.items())
@@ -284,8 +302,8 @@ def _plot_curves(ax: Any, scenarios: list[dict[str, Any]], featured: dict[str, A
                 )
     ax.set_xlabel("micro-batch size")
     ax.set_ylabel("samples/s (one device, micro-steps only)")
-    ax.set_title(f"device performance curves, {featured['model']['name']}", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_title(f"device performance curves, {featured['model']['name']}\n(at the ZeRO stage of each scenario's poplar plan)", fontsize=9)
+    _legend(ax, 7)
     ax.grid(alpha=0.3)
 
 
@@ -297,7 +315,10 @@ def _plot_rank_times(ax: Any, scenario: dict[str, Any]) -> None:
     labels: list[str] = []
     for index, entry in enumerate(entries):
         if per_rank:
-            labels = [f"r{r['rank']}\n{r['device_type']}" for r in entry["ranks"]]
+            labels = [
+                f"r{r['rank']}" + (f"-{r['rank'] + r['count'] - 1}" if r.get("count", 1) > 1 else "") + f"\n{r['device_type']}"
+                for r in entry["ranks"]
+            ]
             measured = [
                 (r.get("measured_busy_s") or {}).get("median") for r in entry["ranks"]
             ]
@@ -307,7 +328,10 @@ def _plot_rank_times(ax: Any, scenario: dict[str, Any]) -> None:
             for r in entry["ranks"]:
                 by_type.setdefault(r["device_type"], []).append(r)
             labels = list(by_type)
-            predicted = [statistics.mean(r["predicted_busy_s"] for r in ranks) for ranks in by_type.values()]
+            predicted = [
+                sum(r["predicted_busy_s"] * r.get("count", 1) for r in ranks) / sum(r.get("count", 1) for r in ranks)
+                for ranks in by_type.values()
+            ]
             measured = [None] * len(labels)
         xs = [i + (index - (len(entries) - 1) / 2) * width for i in range(len(labels))]
         has_measured = any(m is not None for m in measured)
@@ -324,7 +348,7 @@ def _plot_rank_times(ax: Any, scenario: dict[str, Any]) -> None:
     ) else ("predicted busy time" + ("" if per_rank else ", mean per device type"))
     ax.set_ylabel("seconds per iteration")
     ax.set_title(f"time per iteration per rank ({what};\ndashed: iteration time)\n{scenario['name']}", fontsize=8)
-    ax.legend(fontsize=7)
+    _legend(ax, 7)
     ax.grid(alpha=0.3, axis="y")
 
 
@@ -343,8 +367,13 @@ def _plot_speedups(ax: Any, scenarios: list[dict[str, Any]]) -> None:
     ax.set_xlabel("GPUs")
     ax.set_ylabel("poplar speedup over uniform (predicted)")
     ax.set_title("predicted speedup against cluster size", fontsize=9)
-    ax.legend(fontsize=6)
+    _legend(ax, 6)
     ax.grid(alpha=0.3)
+
+
+def _legend(ax: Any, fontsize: int) -> None:
+    if ax.get_legend_handles_labels()[0]:  # an empty legend only warns
+        ax.legend(fontsize=fontsize)
 
 
 def write_report(report: dict[str, Any], out_dir: str | os.PathLike[str], name: str) -> list[Path]:

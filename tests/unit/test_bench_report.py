@@ -123,6 +123,18 @@ def test_summarise_allocation_groups_ranks_by_type_and_allocation():
     assert report.summarise_allocation(ranks) == "A: 2x 4*2; B: 1x 1*8"
 
 
+def test_group_ranks_merges_consecutive_alike_ranks_only():
+    ranks = [
+        {"rank": 0, "device_type": "A", "micro_batch_size": 4, "gradient_accumulation_steps": 2},
+        {"rank": 1, "device_type": "A", "micro_batch_size": 4, "gradient_accumulation_steps": 2},
+        {"rank": 2, "device_type": "B", "micro_batch_size": 1, "gradient_accumulation_steps": 8},
+        {"rank": 3, "device_type": "A", "micro_batch_size": 4, "gradient_accumulation_steps": 2},
+    ]
+    groups = report.group_ranks(ranks)
+    assert [(g["rank"], g["count"], g["device_type"]) for g in groups] == [(0, 2, "A"), (2, 1, "B"), (3, 1, "A")]
+    assert report.summarise_allocation(groups) == "A: 3x 4*2; B: 1x 1*8"
+
+
 def test_repetitions_need_at_least_one_value():
     with pytest.raises(ValueError, match=r"values: expected at least one repetition, found none"):
         report.repetitions([])

@@ -1,0 +1,224 @@
+"""Compare the allocation policies by prediction on clusters of any size.
+
+Pure (search + numpy/scipy, no torch): each scenario is a cluster description plus
+profiles (measured ones from a directory, or modelled ones from `bench.gpu_model`),
+and for each policy the search's plan and its predicted per-rank busy time,
+iteration time and throughput go into a `bench.report` scenario. Nothing here is a
+measurement; the report says so, and says which profiles were modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import gpu_model
+from bench.report import REPORT_SCHEMA, derive_comparisons, group_ranks, machine_description, utc_now
+from search import predict, search_plan
+from search.formats import Cluster, Profile, load_cluster
+
+POLICY_ORDER = ("uniform", "proportional", "poplar")
+DEFAULT_SAMPLES_PER_RANK = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulationCase:
+    """One cluster with the profiles of its device types."""
+
+    name: str
+    """Scenario name shown in reports."""
+    cluster: Cluster
+    profiles: tuple[Profile, ...]
+    """Profiles of every device type in the cluster (any stages the search should consider)."""
+    global_batch_size: int | None
+    """Samples per iteration; None lets each policy's search choose (not comparable across policies)."""
+    zero_stage: str | int = "auto"
+    """``auto`` (each policy keeps its fastest stage) or a stage 0-3."""
+    cluster_file: str | None = None
+    """Where the cluster came from, for the report."""
+
+
+def modelled_case(
+    cluster: Cluster,
+    shape: gpu_model.ModelShape,
+    *,
+    name: str,
+    samples_per_rank: int = DEFAULT_SAMPLES_PER_RANK,
+    zero_stage: str | int = "auto",
+    cluster_file: str | None = None,
+    assumptions: gpu_model.Assumptions | None = None,
+) -> SimulationCase:
+    """A case whose profiles come from the analytic GPU model at the cluster's world size."""
+    if samples_per_rank < 1:
+        raise ValueError(f"samples_per_rank: expected an integer >= 1, found {samples_per_rank!r}")
+    profiles = gpu_model.modelled_profiles(
+        cluster.rank_device_types, shape, world_size=cluster.world_size, assumptions=assumptions
+    )
+    return SimulationCase(
+        name=name,
+        cluster=cluster,
+        profiles=tuple(profiles),
+        global_batch_size=samples_per_rank * cluster.world_size,
+        zero_stage=zero_stage,
+        cluster_file=cluster_file,
+    )
+
+
+def _busy_times_s(prediction: Any) -> list[float]:
+    """Per-rank busy time per iteration from the search's `predict` result."""
+    return [float(t) for t in prediction.rank_busy_time_s]
+
+
+def _device_sources(case: SimulationCase) -> dict[str, dict[str, Any]]:
+    sources: dict[str, dict[str, Any]] = {}
+    for device_type in case.cluster.type_counts():
+        profile = next((p for p in case.profiles if p.device_type == device_type), None)
+        emulation = case.cluster.emulation_of(device_type) or (profile.emulated if profile else None)
+        if profile is not None and profile.source == "modelled":
+            source = "modelled"
+        elif emulation is not None:
+            source = "emulated"
+        else:
+            source = "measured"
+        sources[device_type] = {
+            "source": source,
+            "emulation": None
+            if emulation is None
+            else {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes},
+        }
+    return sources
+
+
+def curves_at_stage(profiles: tuple[Profile, ...] | list[Profile], device_types: list[str], zero_stage: int) -> dict[str, list[dict[str, float]]]:
+    """Each device type's profiled samples at `zero_stage`, with samples/s added."""
+    curves: dict[str, list[dict[str, float]]] = {}
+    for device_type in device_types:
+        profile = next((p for p in profiles if p.device_type == device_type and p.zero_stage == zero_stage), None)
+        curves[device_type] = (
+            []
+            if profile is None
+            else [
+                {
+                    "micro_batch_size": s.micro_batch_size,
+                    "micro_step_time_s": s.micro_step_time_s,
+                    "samples_per_s": s.micro_batch_size / s.micro_step_time_s,
+                }
+                for s in profile.samples
+            ]
+        )
+    return curves
+
+
+def policy_entry(policy: str, result: Any, profiles: tuple[Profile, ...] | list[Profile]) -> dict[str, Any]:
+    """A report entry for one policy's `SearchResult`, with its predicted per-rank busy times."""
+    if result.status != "ok":
+        return {"policy": policy, "status": result.status, "message": result.message, "zero_stage": None, "ranks": [], "predicted": None, "measured": None}
+    plan = result.plan
+    prediction = predict(plan, list(profiles))
+    busy = _busy_times_s(prediction)
+    return {
+        "policy": policy,
+        "status": "ok",
+        "message": result.message,
+        "zero_stage": plan.zero_stage,
+        "global_batch_size": plan.global_batch_size,
+        # Consecutive alike ranks are merged (`count`): thousands of ranks stay readable.
+        "ranks": group_ranks([
+            {
+                "rank": r.rank,
+                "device_type": r.device_type,
+                "micro_batch_size": r.micro_batch_size,
+                "gradient_accumulation_steps": r.gradient_accumulation_steps,
+                "predicted_busy_s": busy[r.rank],
+                "measured_busy_s": None,
+            }
+            for r in plan.ranks
+        ]),
+        "predicted": {
+            "iteration_time_s": float(prediction.iteration_time_s),
+            "samples_per_s": float(prediction.samples_per_s),
+        },
+        "ideal_samples_per_s": plan.predicted.ideal_samples_per_s,
+        "measured": None,
+    }
+
+
+def simulate_case(case: SimulationCase, *, policies: tuple[str, ...] = POLICY_ORDER) -> dict[str, Any]:
+    """Run the search for every policy on one case; returns a report scenario."""
+    profiles = list(case.profiles)
+    entries = [
+        policy_entry(
+            policy,
+            search_plan(profiles, case.cluster, global_batch_size=case.global_batch_size, zero_stage=case.zero_stage, policy=policy),
+            profiles,
+        )
+        for policy in policies
+    ]
+    ok = [e for e in entries if e["status"] == "ok"]
+    # Policies may settle on different stages; the ideal is the best any stage allows.
+    ideal = max((e["ideal_samples_per_s"] for e in ok), default=None)
+    featured = next((e for e in ok if e["policy"] == "poplar"), ok[0] if ok else None)
+    device_types = list(case.cluster.type_counts())
+    first = profiles[0]
+    scenario = {
+        "name": case.name,
+        "cluster": {"world_size": case.cluster.world_size, "type_counts": case.cluster.type_counts(), "file": case.cluster_file},
+        "model": {"name": first.model.name, "num_parameters": first.model.num_parameters},
+        "device_types": _device_sources(case),
+        "global_batch_size": featured["global_batch_size"] if featured else case.global_batch_size,
+        "ideal_samples_per_s": {"predicted": ideal, "measured": None},
+        "curves": curves_at_stage(profiles, device_types, featured["zero_stage"]) if featured else {},
+        "policies": entries,
+        "goals": [],
+    }
+    return derive_comparisons(scenario)
+
+
+def simulation_report(cases: list[SimulationCase], *, title: str = "poplar-bench simulate: policies compared by prediction") -> dict[str, Any]:
+    """A full report over `cases` (see `bench.report` for the layout)."""
+    scenarios = [simulate_case(case) for case in cases]
+    modelled = sorted({t for s in scenarios for t, info in s["device_types"].items() if info["source"] == "modelled"})
+    notes = [
+        "Every figure is a prediction of the search's cost model; nothing was run on these GPUs.",
+    ]
+    if modelled:
+        notes.append(
+            "Profiles of " + ", ".join(modelled) + " are MODELLED from vendor datasheet figures with the "
+            "assumptions in bench/gpu_model.py (assumed MFU, network bandwidth, overheads), not measured."
+        )
+    return {
+        "schema": REPORT_SCHEMA,
+        "kind": "simulation",
+        "title": title,
+        "created_utc": utc_now(),
+        "machine": machine_description(),
+        "data_source": "predicted" + (" from modelled profiles" if modelled else " from the given profiles"),
+        "notes": notes,
+        "scenarios": scenarios,
+    }
+
+
+def shipped_cases(
+    cluster_files: list[Path],
+    shapes: list[gpu_model.ModelShape],
+    *,
+    samples_per_rank: int = DEFAULT_SAMPLES_PER_RANK,
+    zero_stage: str | int = "auto",
+) -> list[SimulationCase]:
+    """Modelled cases for every (cluster file, model shape)."""
+    cases = []
+    for shape in shapes:
+        for path in cluster_files:
+            cluster = load_cluster(path)
+            cases.append(
+                modelled_case(
+                    cluster,
+                    shape,
+                    name=f"{Path(path).stem}, {shape.name}",
+                    samples_per_rank=samples_per_rank,
+                    zero_stage=zero_stage,
+                    cluster_file=str(path),
+                )
+            )
+    return cases

@@ -1,0 +1,84 @@
+"""`poplar-bench` command line (bench/cli.py): options, exit codes, output files."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import cli
+from bench.cluster_files import CLUSTER_DIR
+
+SMALL_CLUSTER = CLUSTER_DIR / "a100-80gb+a100-40gb-x8.json"
+
+
+def test_simulate_writes_the_three_report_files(tmp_path, capsys):
+    code = cli.main(["simulate", "--cluster", str(SMALL_CLUSTER), "--model", "gpt2-xl-1.5b", "--output-dir", str(tmp_path), "--name", "s"])
+    assert code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.md", "s.png"]
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["kind"] == "simulation" and len(report["scenarios"]) == 1
+    # Paths inside the checkout are written relative to it.
+    assert report["scenarios"][0]["cluster"]["file"] == "bench/clusters/a100-80gb+a100-40gb-x8.json"
+    assert str(tmp_path / "s.json") in capsys.readouterr().out
+
+
+def test_simulate_global_batch_size_applies_to_every_policy(tmp_path):
+    code = cli.main(["simulate", "--cluster", str(SMALL_CLUSTER), "--model", "gpt2-xl-1.5b", "--global-batch-size", "64", "--output-dir", str(tmp_path)])
+    assert code == 0
+    scenario = json.loads((tmp_path / "simulation.json").read_text())["scenarios"][0]
+    assert {e["global_batch_size"] for e in scenario["policies"]} == {64}
+
+
+def test_a_bad_cluster_file_exits_2_naming_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 1, "nodes": []}')
+    assert cli.main(["simulate", "--cluster", str(bad), "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.json: nodes: expected" in err
+    assert not (tmp_path / "simulation.json").exists()
+
+
+def test_an_unknown_model_exits_2(tmp_path, capsys):
+    assert cli.main(["simulate", "--cluster", str(SMALL_CLUSTER), "--model", "gpt-9", "--output-dir", str(tmp_path)]) == 2
+    assert "model: expected one of the model presets" in capsys.readouterr().err
+
+
+def test_profiles_and_model_together_exit_2(tmp_path, capsys):
+    assert cli.main(["simulate", "--profiles", str(tmp_path), "--model", "gpt2-xl-1.5b", "--output-dir", str(tmp_path)]) == 2
+    assert "--model: only for modelled profiles" in capsys.readouterr().err
+
+
+def test_a_bad_stage_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["simulate", "--zero-stage", "5"])
+    assert exit_info.value.code == 2
+    assert "expected auto, 0, 1, 2 or 3, found '5'" in capsys.readouterr().err
+
+
+def test_a_subcommand_is_required(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2
+
+
+def test_default_output_dir_is_the_checkouts_bench_results():
+    assert cli.default_output_dir() == Path(cli.__file__).resolve().parent / "results"
+
+
+def test_demo_help_says_where_reports_go(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "bench/results" in out and "--iterations" in out and "--profile-cache" in out
+
+
+def test_simulate_never_imports_torch(tmp_path):
+    code = (
+        "import sys; from bench import cli; "
+        f"rc = cli.main(['simulate', '--cluster', {str(SMALL_CLUSTER)!r}, '--model', 'gpt2-xl-1.5b', '--output-dir', {str(tmp_path)!r}]); "
+        "assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr

@@ -1,0 +1,110 @@
+"""`bench.simulate`: policies compared by prediction on modelled and given profiles."""
+
+import dataclasses
+
+import pytest
+
+from bench import cluster_files, gpu_model, simulate
+from bench.report import write_report
+from search.formats import Cluster, ClusterNode, DeviceGroup
+
+SHAPE = gpu_model.model_shape("gpt2-xl-1.5b")
+
+
+def _case(first="A100-80GB", second="A100-40GB", world_size=8, shape=SHAPE, **kwargs):
+    cluster = cluster_files.pair_cluster(first, second, world_size=world_size)
+    return simulate.modelled_case(cluster, shape, name=f"{first}+{second} x{world_size}", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def scenario():
+    return simulate.simulate_case(_case())
+
+
+def _entries(scenario):
+    return {e["policy"]: e for e in scenario["policies"]}
+
+
+def test_every_policy_gets_a_plan_at_the_same_global_batch(scenario):
+    entries = _entries(scenario)
+    assert set(entries) == {"uniform", "proportional", "poplar"}
+    assert {e["status"] for e in entries.values()} == {"ok"}
+    assert {e["global_batch_size"] for e in entries.values()} == {16 * 8}
+    for entry in entries.values():
+        assert sum(r["micro_batch_size"] * r["gradient_accumulation_steps"] * r["count"] for r in entry["ranks"]) == 16 * 8
+
+
+def test_poplar_is_predicted_no_slower_than_the_baselines(scenario):
+    entries = _entries(scenario)
+    poplar = entries["poplar"]["predicted"]["iteration_time_s"]
+    assert poplar <= entries["uniform"]["predicted"]["iteration_time_s"] * (1 + 1e-9)
+    assert poplar <= entries["proportional"]["predicted"]["iteration_time_s"] * (1 + 1e-9)
+    assert entries["poplar"]["speedup_over_uniform"] >= 1.0
+    assert entries["uniform"]["speedup_over_uniform"] == pytest.approx(1.0)
+
+
+def test_share_of_ideal_is_a_fraction(scenario):
+    for entry in scenario["policies"]:
+        assert 0 < entry["share_of_ideal"] <= 1 + 1e-9
+
+
+def test_per_rank_busy_times_fit_in_the_iteration(scenario):
+    for entry in scenario["policies"]:
+        assert sum(r["count"] for r in entry["ranks"]) == 8
+        busy = [r["predicted_busy_s"] for r in entry["ranks"]]
+        assert max(busy) <= entry["predicted"]["iteration_time_s"]
+        assert entry["measured"] is None and entry["prediction_error"] is None
+
+
+def test_modelled_devices_are_labelled_modelled_everywhere(scenario):
+    assert {info["source"] for info in scenario["device_types"].values()} == {"modelled"}
+    report = simulate.simulation_report([_case()])
+    assert "modelled" in report["data_source"]
+    assert any("MODELLED" in note and "A100-40GB" in note for note in report["notes"])
+
+
+def test_curves_cover_every_device_type_at_the_featured_stage(scenario):
+    assert set(scenario["curves"]) == {"A100-80GB", "A100-40GB"}
+    for points in scenario["curves"].values():
+        assert points and all(p["samples_per_s"] > 0 for p in points)
+
+
+def test_infeasible_policies_are_reported_not_raised(tmp_path):
+    # 6.7B parameters at ZeRO-0 fit neither a V100-16GB nor a T4.
+    case = _case("V100-16GB", "T4-16GB", shape=gpu_model.model_shape("gpt3-6.7b"), zero_stage=0)
+    scenario = simulate.simulate_case(case)
+    assert {e["status"] for e in scenario["policies"]} == {"infeasible"}
+    assert all(e["message"] for e in scenario["policies"])
+    report = simulate.simulation_report([case])
+    paths = write_report(report, tmp_path, "sim")
+    assert "infeasible" in paths[1].read_text()
+
+
+def test_given_measured_profiles_are_labelled_measured():
+    case = _case()
+    relabelled = tuple(
+        dataclasses.replace(p, measured_with={"source": "measured", "host": "test"}) for p in case.profiles
+    )
+    scenario = simulate.simulate_case(dataclasses.replace(case, profiles=relabelled))
+    assert {info["source"] for info in scenario["device_types"].values()} == {"measured"}
+
+
+def test_a_large_cluster_simulates_and_reports_per_type_means(tmp_path):
+    report = simulate.simulation_report([_case(world_size=8), _case(world_size=512)])
+    assert report["scenarios"][1]["cluster"]["world_size"] == 512
+    for entry in report["scenarios"][1]["policies"]:
+        # Consecutive alike ranks are merged: a handful of entries, not 512.
+        assert len(entry["ranks"]) <= 4 and sum(r["count"] for r in entry["ranks"]) == 512
+    paths = write_report(report, tmp_path, "sim")
+    assert paths[2].stat().st_size > 1000
+
+
+def test_samples_per_rank_must_be_positive():
+    with pytest.raises(ValueError, match=r"samples_per_rank: expected an integer >= 1, found 0"):
+        _case(samples_per_rank=0)
+
+
+def test_an_unmodelled_device_type_is_a_value_error():
+    cluster = Cluster(nodes=(ClusterNode(name="n", devices=(DeviceGroup(device_type="MI300X", count=2),)),))
+    with pytest.raises(ValueError, match=r"device_type: expected one of the modelled GPU types .* found 'MI300X'"):
+        simulate.modelled_case(cluster, SHAPE, name="x")
