@@ -429,7 +429,9 @@ def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
     """Load every ``*.json`` profile directly in `directory` (sorted by file name).
 
     Two files for the same (device type, ZeRO stage, model fingerprint) are an error:
-    silently picking one would make plans depend on file-name order.
+    silently picking one would make plans depend on file-name order. A cluster
+    description (top-level ``nodes``) or a plan (top-level ``ranks``) kept next to the
+    profiles is skipped, so one directory can hold a whole example.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -437,7 +439,10 @@ def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
     profiles: list[Profile] = []
     origin: dict[tuple[str, int, str], Path] = {}
     for path in sorted(directory.glob("*.json")):
-        profile = load_profile(path)
+        data = read_json(path)
+        if isinstance(data, dict) and "device_type" not in data and ("nodes" in data or "ranks" in data):
+            continue
+        profile = profile_from_dict(data, source=str(path))
         key = (profile.device_type, profile.zero_stage, profile.model.fingerprint)
         if key in origin:
             raise FormatError(
