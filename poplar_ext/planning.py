@@ -1,0 +1,190 @@
+"""Which plan a training job runs: from a plan file, or searched at start from profiles.
+
+Every check that can refuse a plan runs on every rank *before* the rank enters any
+collective: all ranks read the same files, so all raise the same ValueError and none
+is left waiting for the others. When the plan is searched at start, rank 0 runs the
+search and broadcasts the plan (or the reason it failed) to all ranks, which then
+check it the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from search.errors import FormatError
+from search.formats import Cluster, Plan, Profile, load_plan, load_profiles, plan_from_dict, plan_to_dict
+from poplar_ext.config import PoplarConfig
+
+ALL_STAGES = (0, 1, 2, 3)
+
+
+def runtime_plan_problems(plan: Plan, cluster: Cluster, *, world_size: int, zero_stage: int | None) -> list[str]:
+    """What makes `plan` unrunnable in this job (sentences; [] when fine).
+
+    Only what the runtime alone knows: the job's world size and the DeepSpeed config's
+    stage. The rest (device types, the stage 2/3 rule of one accumulation count, whose
+    breach would hang the job, micro-batch caps) is `search.check_plan`'s.
+    """
+    problems = []
+    if plan.world_size != world_size:
+        problems.append(f"The plan names {plan.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
+    if cluster.world_size != world_size:
+        problems.append(f"The cluster description names {cluster.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
+    if zero_stage is not None and zero_stage != plan.zero_stage:
+        problems.append(
+            f"The plan is for ZeRO stage {plan.zero_stage} but the DeepSpeed config sets zero_optimization.stage {zero_stage}."
+        )
+    return problems
+
+
+def check_plan_for_job(
+    plan: Plan,
+    cluster: Cluster,
+    *,
+    world_size: int,
+    zero_stage: int | None,
+    profiles: list[Profile] | None = None,
+    source: str = "plan",
+) -> None:
+    """Raise ValueError listing every reason `plan` cannot run in this job.
+
+    Combines `runtime_plan_problems` with the search's `check_plan` (device types
+    against the cluster, the stage rule, micro-batch sizes against the profiles' largest).
+    """
+    from search import check_plan
+
+    problems = runtime_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage)
+    problems += [p for p in check_plan(plan, cluster, profiles) if p not in problems]
+    if problems:
+        raise ValueError(f"{source}: this plan cannot run: " + " ".join(problems))
+
+
+def obtain_missing_profiles(
+    missing: list[tuple[str, int]], *, poplar_config: PoplarConfig, cluster: Cluster
+) -> list[Profile]:
+    """Profiles for the (device type, ZeRO stage) pairs in `missing`.
+
+    Today: raises ValueError saying exactly what is missing and what to run. The
+    profiler replaces this one function to measure them instead.
+    """
+    by_stage: dict[int, list[str]] = {}
+    for device_type, stage in missing:
+        by_stage.setdefault(stage, []).append(device_type)
+    lacking = "; ".join(f"stage {stage}: {', '.join(types)}" for stage, types in sorted(by_stage.items()))
+    stages = ",".join(str(s) for s in sorted(by_stage))
+    raise ValueError(
+        f"poplar.profiles: no plan was given and {poplar_config.profiles} lacks profiles for these device types "
+        f"and ZeRO stages ({lacking}). Run: poplar-profile --cluster {poplar_config.cluster} "
+        f"--zero-stages {stages} --output {poplar_config.profiles} (with your model), or give poplar.plan."
+    )
+
+
+def _available_profiles(poplar_config: PoplarConfig, model_fingerprint: str | None) -> list[Profile]:
+    if poplar_config.profiles is None or not poplar_config.profiles.is_dir():
+        return []
+    try:
+        profiles = load_profiles(poplar_config.profiles)
+    except FormatError as exc:
+        if not any(poplar_config.profiles.glob("*.json")):
+            return []
+        raise ValueError(f"poplar.profiles: {exc}") from exc
+    if model_fingerprint is not None:
+        profiles = [p for p in profiles if p.model.fingerprint == model_fingerprint]
+    return profiles
+
+
+def profiles_for_search(
+    poplar_config: PoplarConfig, cluster: Cluster, *, zero_stage: int | None, model_fingerprint: str | None = None
+) -> list[Profile]:
+    """The profiles the search needs: every device type at the stage (or, with no stage
+    set, at every stage where all types have one); missing ones come from
+    `obtain_missing_profiles`."""
+    profiles = _available_profiles(poplar_config, model_fingerprint)
+    have = {(p.device_type, p.zero_stage) for p in profiles}
+    types = list(cluster.type_counts())
+    stages = ALL_STAGES if zero_stage is None else (zero_stage,)
+    complete = [s for s in stages if all((t, s) in have for t in types)]
+    if not complete:
+        missing = [(t, s) for s in stages for t in types if (t, s) not in have]
+        profiles = profiles + obtain_missing_profiles(missing, poplar_config=poplar_config, cluster=cluster)
+        complete = list(stages)
+    return [p for p in profiles if p.zero_stage in complete and p.device_type in types]
+
+
+def _search_on_this_rank(
+    poplar_config: PoplarConfig, cluster: Cluster, profiles: list[Profile], *, zero_stage: int | None, global_batch_size: int | None
+) -> dict[str, Any]:
+    from search import search_plan
+
+    result = search_plan(
+        profiles,
+        cluster,
+        global_batch_size=global_batch_size,
+        zero_stage="auto" if zero_stage is None else zero_stage,
+        policy=poplar_config.policy,
+        max_global_batch_size=poplar_config.max_global_batch_size,
+    )
+    if result.status != "ok":
+        return {"error": f"poplar: the plan search found no feasible plan: {result.message}"}
+    return {"plan": plan_to_dict(result.plan)}
+
+
+def resolve_plan(
+    poplar_config: PoplarConfig,
+    cluster: Cluster,
+    *,
+    world_size: int,
+    rank: int,
+    zero_stage: int | None,
+    global_batch_size: int | None = None,
+    model_fingerprint: str | None = None,
+    broadcast: Callable[[Any], Any],
+) -> Plan:
+    """The plan this job runs, checked; raises the same ValueError on every rank if it cannot.
+
+    `zero_stage`: the stage the DeepSpeed config sets, or None to take the plan's (or
+    let the search choose). `global_batch_size`: for the search when ``poplar`` has
+    none (the DeepSpeed config's train_batch_size). `broadcast(obj)` returns rank 0's
+    `obj` on every rank; it is called only when a plan is searched, and it may set up
+    the process group first. With a plan file no collective happens here.
+    """
+    if poplar_config.plan is not None:
+        try:
+            plan = load_plan(poplar_config.plan)
+        except FormatError as exc:
+            raise ValueError(f"poplar.plan: {exc}") from exc
+        profiles = _available_profiles(poplar_config, model_fingerprint) or None
+        check_plan_for_job(
+            plan, cluster, world_size=world_size, zero_stage=zero_stage, profiles=profiles, source=str(poplar_config.plan)
+        )
+        return plan
+    # Everything up to the broadcast reads only files that every rank shares, so a
+    # missing profile raises on every rank before any of them waits for the others.
+    profiles = profiles_for_search(poplar_config, cluster, zero_stage=zero_stage, model_fingerprint=model_fingerprint)
+    payload: dict[str, Any] | None = None
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            payload = _search_on_this_rank(
+                poplar_config,
+                cluster,
+                profiles,
+                zero_stage=zero_stage,
+                global_batch_size=poplar_config.global_batch_size or global_batch_size,
+            )
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait in the broadcast: tell them
+            failure = exc
+            payload = {"error": f"poplar: the plan search failed on rank 0: {type(exc).__name__}: {exc}"}
+    payload = broadcast(payload)
+    if failure is not None:
+        raise failure
+    if "error" in payload:
+        raise ValueError(payload["error"])
+    plan = plan_from_dict(payload["plan"], source="<plan searched at start>")
+    check_plan_for_job(
+        plan, cluster, world_size=world_size, zero_stage=zero_stage, profiles=profiles, source="<plan searched at start>"
+    )
+    return plan
+
+
+__all__ = ["check_plan_for_job", "obtain_missing_profiles", "profiles_for_search", "resolve_plan", "runtime_plan_problems"]

@@ -1,0 +1,117 @@
+"""Shared pieces of the runtime's multi-process tests: files, models, a reference run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from poplar_ext.data import SampleStream
+from poplar_ext.toy_gpt import GPT, GPTConfig, SyntheticTokens
+
+TINY = GPTConfig(vocab_size=32, sequence_length=8, num_layers=1, num_heads=2, hidden_size=16)
+NUM_SAMPLES = 25
+"""Not a multiple of any global batch used here: iterations straddle epochs."""
+CLIP = 0.3
+"""Small enough that the global gradient is clipped in the first steps."""
+
+
+def write_cluster(path: Path, *, fast: int = 1, slow: int = 2, slowdown: float = 1.5) -> Path:
+    """A cluster of `fast` real CPU ranks followed by `slow` emulated slower ones."""
+    nodes = [{"name": "n0", "devices": [{"device_type": "cpu-fast", "count": fast}]}]
+    types = {}
+    if slow:
+        nodes.append({"name": "n1", "devices": [{"device_type": "cpu-slow", "count": slow}]})
+        types["cpu-slow"] = {"emulation": {"slowdown": slowdown, "memory_capacity_bytes": 2_000_000_000}}
+    path.write_text(json.dumps({"schema_version": 1, "nodes": nodes, "device_types": types}))
+    return path
+
+
+def write_plan(path: Path, allocation: list[tuple[int, int]], *, stage: int, device_types: list[str]) -> Path:
+    """A hand-written plan: (micro_batch_size, gradient_accumulation_steps) per rank."""
+    ranks = [
+        {"rank": r, "device_type": t, "micro_batch_size": b, "gradient_accumulation_steps": s}
+        for r, ((b, s), t) in enumerate(zip(allocation, device_types))
+    ]
+    plan = {
+        "schema_version": 1,
+        "policy": "poplar",
+        "zero_stage": stage,
+        "global_batch_size": sum(b * s for b, s in allocation),
+        "ranks": ranks,
+        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+        "profile_fingerprints": {},
+    }
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if name == "adam":
+        # eps well above the default: the attention key bias's true gradient is exactly
+        # zero (softmax ignores a constant added to every key), so its gradient is pure
+        # rounding noise (~1e-9) whose value depends on summation order, and Adam with
+        # eps=1e-8 turns any noise into lr-sized steps, in any two implementations.
+        return torch.optim.Adam(params, lr=0.01, eps=1e-4)
+    raise ValueError(name)
+
+
+def ds_config(*, cluster: Path, plan: Path, stage: int, **poplar) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # replaced by the plan's
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10_000,
+        "poplar": {"cluster": str(cluster), "plan": str(plan), "log_interval_steps": 0, **poplar},
+    }
+
+
+def dataset() -> SyntheticTokens:
+    return SyntheticTokens(num_samples=NUM_SAMPLES, sequence_length=TINY.sequence_length, vocab_size=TINY.vocab_size)
+
+
+def full_parameters(engine) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, on every rank (gathered at ZeRO stage 3)."""
+    import deepspeed
+
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=engine.zero_optimization_stage() == 3):
+        return {name: p.detach().clone() for name, p in params.items()}
+
+
+def train_steps(engine, loader, steps: int) -> None:
+    """The ordinary DeepSpeed loop, for `steps` optimizer steps."""
+    done = 0
+    for tokens in loader:
+        engine.backward(engine(tokens))
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        done += boundary
+        if done == steps:
+            return
+    raise AssertionError(f"the loader ended after {done} of {steps} steps")
+
+
+def reference_parameters(optimizer_name: str, global_batch_size: int, steps: int, *, seed: int = 0):
+    """One process training on the concatenated global batch; also the pre-clip norms."""
+    model = GPT(TINY)
+    optimizer = make_optimizer(optimizer_name, model.parameters())
+    data = dataset()
+    stream = SampleStream(num_samples=NUM_SAMPLES, seed=seed)
+    norms = []
+    for step in range(steps):
+        batch = torch.stack([data[i] for i in stream.indices(step * global_batch_size, global_batch_size)])
+        optimizer.zero_grad()
+        model(batch).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, norms
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)

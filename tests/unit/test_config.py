@@ -1,0 +1,144 @@
+"""The poplar section and the nominal per-rank DeepSpeed config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from poplar_ext.config import (
+    configured_zero_stage,
+    load_deepspeed_config,
+    nominal_deepspeed_config,
+    poplar_config_from_dict,
+)
+from search.formats import plan_from_dict
+
+BASE = Path("/cfg")
+
+
+def _parse(**section):
+    return poplar_config_from_dict({"cluster": "cluster.json", "plan": "plan.json", **section}, base_dir=BASE)
+
+
+def _plan(allocation, stage=1):
+    return plan_from_dict(
+        {
+            "schema_version": 1,
+            "policy": "poplar",
+            "zero_stage": stage,
+            "global_batch_size": sum(b * s for b, s in allocation),
+            "ranks": [
+                {"rank": r, "device_type": "x", "micro_batch_size": b, "gradient_accumulation_steps": s}
+                for r, (b, s) in enumerate(allocation)
+            ],
+            "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+            "profile_fingerprints": {},
+        }
+    )
+
+
+def test_defaults_and_relative_paths():
+    cfg = _parse()
+    assert cfg.cluster == BASE / "cluster.json" and cfg.plan == BASE / "plan.json"
+    assert (cfg.profiles, cfg.policy, cfg.seed, cfg.shuffle, cfg.loss_reduction, cfg.log_interval_steps) == (
+        None, "poplar", 0, True, "mean", 10,
+    )
+
+
+def test_absolute_paths_stay():
+    assert _parse(profiles="/p").profiles == Path("/p")
+
+
+def test_section_not_an_object():
+    with pytest.raises(ValueError, match="poplar: expected an object"):
+        poplar_config_from_dict(["cluster.json"], base_dir=BASE)
+
+
+def test_unknown_key():
+    with pytest.raises(ValueError, match=r"poplar.polcy: expected one of the keys .*found 'an unknown key'"):
+        _parse(polcy="uniform")
+
+
+def test_missing_cluster():
+    with pytest.raises(ValueError, match="poplar.cluster: expected the path of a cluster description, found None"):
+        poplar_config_from_dict({"plan": "p.json"}, base_dir=BASE)
+
+
+def test_neither_plan_nor_profiles():
+    with pytest.raises(ValueError, match="expected 'plan' .* or 'profiles' .*found neither"):
+        poplar_config_from_dict({"cluster": "c.json"}, base_dir=BASE)
+
+
+def test_bad_policy():
+    with pytest.raises(ValueError, match=r"poplar.policy: expected one of \['uniform', 'proportional', 'poplar'\], found 'fast'"):
+        _parse(policy="fast")
+
+
+def test_bad_seed():
+    with pytest.raises(ValueError, match="poplar.seed: expected an integer >= 0, found -1"):
+        _parse(seed=-1)
+
+
+def test_bad_shuffle():
+    with pytest.raises(ValueError, match="poplar.shuffle: expected true or false, found 'yes'"):
+        _parse(shuffle="yes")
+
+
+def test_bad_reduction():
+    with pytest.raises(ValueError, match="poplar.loss_reduction: expected 'mean' or 'sum', found 'none'"):
+        _parse(loss_reduction="none")
+
+
+def test_bad_global_batch():
+    with pytest.raises(ValueError, match="poplar.global_batch_size: expected an integer >= 1, found 0"):
+        _parse(global_batch_size=0)
+
+
+def test_bad_path():
+    with pytest.raises(ValueError, match="poplar.plan: expected a path"):
+        _parse(plan=3)
+
+
+def test_config_from_a_file_resolves_against_its_directory(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"poplar": {}}))
+    data, base_dir = load_deepspeed_config(args=SimpleNamespace(deepspeed_config=str(tmp_path / "ds.json")))
+    assert data == {"poplar": {}} and base_dir == tmp_path
+
+
+def test_config_given_twice():
+    with pytest.raises(ValueError, match="expected exactly one of .* found config, args.deepspeed_config"):
+        load_deepspeed_config({"a": 1}, args=SimpleNamespace(deepspeed_config="x.json"))
+
+
+def test_config_file_unreadable(tmp_path):
+    with pytest.raises(ValueError, match="config: expected a readable JSON file"):
+        load_deepspeed_config(str(tmp_path / "missing.json"))
+
+
+def test_configured_stage():
+    assert configured_zero_stage({}) is None
+    assert configured_zero_stage({"zero_optimization": {"stage": 2}}) == 2
+
+
+def test_configured_stage_out_of_range():
+    with pytest.raises(ValueError, match="zero_optimization.stage: expected 0, 1, 2 or 3, found 4"):
+        configured_zero_stage({"zero_optimization": {"stage": 4}})
+
+
+def test_nominal_config_is_valid_per_rank():
+    plan = _plan([(4, 1), (2, 3)], stage=1)
+    user = {"train_batch_size": 10, "gradient_clipping": 1.0, "poplar": {}}
+    nominal = nominal_deepspeed_config(user, plan, 1)
+    assert nominal["train_micro_batch_size_per_gpu"] == 2
+    assert nominal["gradient_accumulation_steps"] == 3
+    assert nominal["train_batch_size"] == 2 * 3 * 2
+    assert nominal["zero_optimization"] == {"stage": 1}
+    assert user["train_batch_size"] == 10  # the user's dict is not modified
+
+
+def test_nominal_config_refuses_another_global_batch():
+    with pytest.raises(ValueError, match=r"train_batch_size: expected the plan's global batch \(10\) or no value, found 12"):
+        nominal_deepspeed_config({"train_batch_size": 12}, _plan([(4, 1), (2, 3)]), 0)
