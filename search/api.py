@@ -270,7 +270,7 @@ def search_plan(
                 reason = "The only stage evaluated." if len(stages) == 1 else "The only feasible stage."
         else:
             status = "slower"
-            slower_pct = 100.0 * (best.samples_per_s / allocation.samples_per_s - 1.0)
+            slower_pct = 100.0 * (1.0 - allocation.samples_per_s / best.samples_per_s)
             reason = f"{slower_pct:.1f}% lower predicted throughput than stage {chosen}."
         reports.append(StageReport(zero_stage=stage, status=status, iteration_time_s=allocation.iteration_time_s,
                                    samples_per_s=allocation.samples_per_s,

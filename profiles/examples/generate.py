@@ -1,0 +1,37 @@
+"""Regenerate the shipped example: modelled profiles of a GPT-2-small-sized model on
+A100-80GB and V100-16GB at ZeRO stages 0-3, and the 8-GPU cluster they describe.
+
+The numbers are MODELLED, not measured: they come from the analytic GPU model in
+bench/gpu_model.py (vendor datasheet figures plus the stated assumptions, which every
+profile repeats in ``measured_with``). Run from the repository root:
+
+    python profiles/examples/generate.py
+"""
+
+from pathlib import Path
+
+from bench.gpu_model import ModelShape, gpu_spec, modelled_profile
+from search.formats import Cluster, ClusterNode, DeviceGroup, save_cluster, save_profile
+
+HERE = Path(__file__).resolve().parent
+SHAPE = ModelShape(name="gpt2-small-124m", num_layers=12, hidden_size=768, num_heads=12, sequence_length=1024, vocab_size=50257)
+DEVICES = {"A100-80GB": 4, "V100-16GB": 4}
+
+
+def main() -> None:
+    world_size = sum(DEVICES.values())
+    for name in DEVICES:
+        for stage in (0, 1, 2, 3):
+            profile = modelled_profile(gpu_spec(name), SHAPE, zero_stage=stage, world_size=world_size)
+            save_profile(profile, HERE / f"{SHAPE.name}.{name.lower()}.stage{stage}.json")
+    cluster = Cluster(
+        nodes=tuple(
+            ClusterNode(name=f"node{i}", devices=(DeviceGroup(device_type=name, count=count),))
+            for i, (name, count) in enumerate(DEVICES.items())
+        )
+    )
+    save_cluster(cluster, HERE / "cluster.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""`poplar-search` (search/cli.py): exit codes, output files, table and JSON output."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from search.cli import build_parser, main
+from search.formats import load_plan, load_profiles
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "profiles" / "examples"
+CLUSTER = EXAMPLES / "cluster.json"
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_readme_command_prints_a_table(capsys):
+    code, out, err = run(capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 512)
+    assert code == 0 and err == ""
+    assert "global batch 512" in out and "% of ideal" in out
+    assert "0-3    A100-80GB" in out and "4-7    V100-16GB" in out
+    assert "stage  status" in out
+
+
+def test_output_is_written_and_valid(capsys, tmp_path):
+    target = tmp_path / "plan.json"
+    code, out, _ = run(capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 256,
+                       "--zero-stage", 2, "--output", target, "--format", "json")
+    assert code == 0
+    plan = load_plan(target)
+    assert plan.global_batch_size == 256 and plan.zero_stage == 2
+    assert json.loads(out) == json.loads(target.read_text())
+
+
+def test_policy_all_compares_and_prints_every_plan_as_json(capsys):
+    code, out, _ = run(capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 512, "--policy", "all")
+    assert code == 0
+    for name in ("poplar", "uniform", "proportional"):
+        assert f"\n{name} " in out
+    assert "poplar speed-up" in out and "Plan of the poplar policy" in out
+    code, out, _ = run(capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--policy", "all", "--format", "json",
+                       "--max-global-batch-size", 1000)
+    data = json.loads(out)
+    assert set(data) == {"poplar", "uniform", "proportional"}
+    assert all(plan["global_batch_size"] <= 1000 for plan in data.values())
+
+
+def test_infeasible_exits_1_with_reason_and_writes_nothing(capsys, tmp_path):
+    target = tmp_path / "plan.json"
+    code, out, err = run(capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 4, "--output", target)
+    assert code == 1 and out == ""
+    assert err.startswith("poplar-search: infeasible: ") and "smaller than the 8 ranks" in err
+    assert not target.exists()
+
+
+def test_bad_profile_exits_2_naming_file_and_field(capsys, tmp_path):
+    profiles = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, profiles)
+    bad = profiles / "gpt2-small-124m.v100-16gb.stage1.json"
+    data = json.loads(bad.read_text())
+    data["samples"][0]["micro_step_time_s"] = -1
+    bad.write_text(json.dumps(data))
+    target = tmp_path / "plan.json"
+    code, out, err = run(capsys, "--profiles", profiles, "--cluster", CLUSTER, "--output", target)
+    assert code == 2 and out == "" and not target.exists()
+    assert err.strip().count("\n") == 0
+    assert f"{bad}: samples[0].micro_step_time_s: expected a positive number, found number -1" in err
+
+
+def test_unknown_device_type_exits_2(capsys, tmp_path):
+    cluster = json.loads(CLUSTER.read_text())
+    cluster["nodes"][1]["devices"][0]["device_type"] = "H100-80GB"
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(cluster))
+    code, _, err = run(capsys, "--profiles", EXAMPLES, "--cluster", path)
+    assert code == 2 and "found 'H100-80GB' with no profile" in err and str(path) in err
+
+
+def test_missing_cluster_file_exits_2(capsys, tmp_path):
+    code, _, err = run(capsys, "--profiles", EXAMPLES, "--cluster", tmp_path / "nope.json")
+    assert code == 2 and "nope.json: (file): expected a readable JSON file" in err
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--cluster", "c.json"], "the following arguments are required: --profiles"),
+        (["--profiles", "d", "--cluster", "c", "--zero-stage", "4"], "expected auto, 0, 1, 2 or 3, found '4'"),
+        (["--profiles", "d", "--cluster", "c", "--global-batch-size", "0"], "expected a positive integer, found '0'"),
+        (["--profiles", "d", "--cluster", "c", "--policy", "best"], "invalid choice: 'best'"),
+    ],
+)
+def test_bad_arguments_exit_2_on_one_line(capsys, argv, match):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert match in err and err.count("\n") == 1
+
+
+def test_help_describes_formats_and_exit_codes(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    assert "profiles/README.md" in out and "exit status" in out and "1  infeasible" in out
+
+
+def test_parser_works_as_a_subcommand():
+    import argparse
+
+    root = argparse.ArgumentParser(prog="poplar")
+    build_parser(root.add_subparsers(dest="command"))
+    args = root.parse_args(["search", "--profiles", "d", "--cluster", "c", "--zero-stage", "auto"])
+    assert args.command == "search" and args.zero_stage == "auto" and args.policy == "poplar"
+
+
+def test_profiles_directory_may_hold_the_cluster_description():
+    profiles = load_profiles(EXAMPLES)
+    assert len(profiles) == 8
+    assert {p.source for p in profiles} == {"modelled"}
