@@ -1,0 +1,75 @@
+"""Train the toy GPT with poplar_ext under the deepspeed launcher or torchrun.
+
+    deepspeed --num_gpus 2 examples/train.py --deepspeed_config examples/ds_config.json
+    torchrun --nproc_per_node 2 examples/train.py --deepspeed_config examples/ds_config.json
+
+The loop is the ordinary DeepSpeed one; only ``poplar_ext.initialize`` differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import deepspeed
+import torch
+
+import poplar_ext
+from poplar_ext.toy_gpt import GPT, GPTConfig, SyntheticTokens
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The deepspeed launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead.
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train")
+    parser.add_argument("--num-samples", type=int, default=500, help="size of the synthetic data set")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--result", help="rank 0 writes a JSON summary of the run here")
+    deepspeed.add_config_arguments(parser)
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    shape = GPTConfig(vocab_size=64, sequence_length=16, num_layers=2, num_heads=2, hidden_size=32)
+    model = GPT(shape)
+    data = SyntheticTokens(num_samples=args.num_samples, sequence_length=shape.sequence_length, vocab_size=shape.vocab_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    engine, optimizer, loader, _ = poplar_ext.initialize(
+        args=args, model=model, optimizer=optimizer, model_parameters=model.parameters(), training_data=data
+    )
+    steps, losses = 0, []
+    started = time.perf_counter()
+    while steps < args.steps:
+        for tokens in loader:
+            loss = engine(tokens.to(engine.device))
+            engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            if boundary:
+                steps += 1
+                losses.append(float(loss))
+                if steps == args.steps:
+                    break
+    elapsed_s = time.perf_counter() - started
+    if engine.global_rank == 0 and args.result:
+        summary = {
+            "steps": steps,
+            "world_size": engine.world_size,
+            "global_batch_size": engine.train_batch_size(),
+            "rank0_device": engine.device_label,
+            "rank0_micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+            "rank0_gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+            "consumed_samples": engine.consumed_samples,
+            "samples_per_s": engine.consumed_samples / elapsed_s,
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+        }
+        with open(args.result, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

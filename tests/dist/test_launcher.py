@@ -1,0 +1,54 @@
+"""The example script under the real launchers (deepspeed and torchrun), CPU/gloo.
+
+Each launch costs ~25 s (fresh interpreters import deepspeed), so there is one
+run per launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 3
+
+
+def _launch(launcher: list[str], tmp_path: Path) -> tuple[dict, str]:
+    result = tmp_path / "result.json"
+    command = launcher + [
+        str(REPO / "examples" / "train.py"),
+        "--deepspeed_config", str(REPO / "examples" / "ds_config.json"),
+        "--steps", str(STEPS),
+        "--result", str(result),
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{log[-4000:]}"
+    return json.loads(result.read_text()), log
+
+
+def _check(summary: dict, log: str) -> None:
+    assert summary["world_size"] == 2
+    assert summary["global_batch_size"] == 12  # the plan's, not DeepSpeed's nominal 4*2*2
+    assert (summary["rank0_micro_batch_size"], summary["rank0_gradient_accumulation_steps"]) == (4, 2)
+    assert summary["consumed_samples"] == STEPS * 12
+    assert summary["rank0_device"] == "cpu-fast (real)"
+    assert "rank 1: cpu-slow (emulated: 2x slower, 2.0 GB), micro-batch 2 x 2" in log
+
+
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
+def test_deepspeed_launcher(tmp_path):
+    _check(*_launch(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())], tmp_path))
+
+
+def test_torchrun(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    _check(*_launch(launcher, tmp_path))
