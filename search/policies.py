@@ -351,39 +351,43 @@ def _steps_within(time_s: float, table: np.ndarray) -> np.ndarray:
     return steps.astype(np.int64)
 
 
-def _max_work(time_s: float, table: np.ndarray) -> int:
-    """Most samples one rank can run within `time_s`."""
-    return int(np.max(np.arange(1, len(table) + 1) * _steps_within(time_s, table)))
+class _FlatTables:
+    """All types' tables end to end, so that capacity at a time is one vectorised pass."""
 
+    def __init__(self, model: StageModel) -> None:
+        tables = [d.step_time_table_s for d in model.devices]
+        self.times_s = np.concatenate(tables)
+        self.sizes = np.concatenate([np.arange(1, len(t) + 1) for t in tables])
+        self.starts = np.cumsum([0] + [len(t) for t in tables[:-1]])
+        self.counts = model.counts
+        self.floor_s = max(float(t[0]) for t in tables)
 
-def _capacity(model: StageModel, time_s: float) -> int:
-    return sum(d.num_ranks * _max_work(time_s, d.step_time_table_s) for d in model.devices)
+    def capacity(self, time_s: float) -> int:
+        """Samples all ranks can run within `time_s`, each at its most."""
+        work = self.sizes * _steps_within(time_s, self.times_s)
+        return int(self.counts @ np.maximum.reduceat(work, self.starts))
 
+    def next_breakpoint(self, time_s: float) -> float:
+        """The smallest ``s * t(b)`` over all types and sizes that is larger than `time_s`."""
+        return float(np.min((_steps_within(time_s, self.times_s) + 1) * self.times_s))
 
-def _next_breakpoint(model: StageModel, time_s: float) -> float:
-    """The smallest ``s * t(b)`` over all types and sizes that is larger than `time_s`."""
-    return min(
-        float(np.min((_steps_within(time_s, d.step_time_table_s) + 1) * d.step_time_table_s)) for d in model.devices
-    )
-
-
-def _min_time_for(model: StageModel, total: int) -> float:
-    """Smallest busy time at which the ranks together can run `total` samples (ignoring exactness)."""
-    low = max(float(d.step_time_table_s[0]) for d in model.devices)
-    if _capacity(model, low) >= total:
-        return low
-    high = math.ceil(total / model.world_size) * low
-    while True:
-        candidate = _next_breakpoint(model, low)
-        if _capacity(model, candidate) >= total:
-            return candidate
-        mid = (low + high) / 2
-        if mid <= candidate or mid >= high:
-            low = candidate  # too close for bisection: step from breakpoint to breakpoint
-        elif _capacity(model, mid) >= total:
-            high = mid
-        else:
-            low = mid
+    def min_time_for(self, total: int, world_size: int) -> float:
+        """Smallest busy time at which the ranks together can run `total` samples (ignoring exactness)."""
+        low = self.floor_s
+        if self.capacity(low) >= total:
+            return low
+        high = math.ceil(total / world_size) * low
+        while True:
+            candidate = self.next_breakpoint(low)
+            if self.capacity(candidate) >= total:
+                return candidate
+            mid = (low + high) / 2
+            if mid <= candidate or mid >= high:
+                low = candidate  # too close for bisection: step from breakpoint to breakpoint
+            elif self.capacity(mid) >= total:
+                high = mid
+            else:
+                low = mid
 
 
 def _sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -506,26 +510,60 @@ def _exact_at(model: StageModel, time_s: float, total: int) -> list[list[tuple[i
 
 
 def _poplar_independent(model: StageModel, global_batch_size: int) -> PolicyResult:
-    time_s = _min_time_for(model, global_batch_size)
+    flat = _FlatTables(model)
+    time_s = flat.min_time_for(global_batch_size, model.world_size)
     while True:
         groups = _exact_at(model, time_s, global_batch_size)
         if groups is not None:
             return PolicyResult(allocation=_finish(model, groups))
-        time_s = _next_breakpoint(model, time_s)
+        time_s = flat.next_breakpoint(time_s)
 
 
-def _breakpoints(model: StageModel, low_s: float, high_s: float) -> np.ndarray:
-    """All ``s * t(b)`` values in [low_s, high_s], sorted."""
-    parts = []
-    for device in model.devices:
+def _first_steps_from(low_s: float, table: np.ndarray) -> np.ndarray:
+    """For each size, the fewest micro-steps ``s >= 1`` with ``s * t(b) >= low_s``."""
+    steps = np.maximum(1, np.ceil(low_s / table))
+    steps = np.where((steps > 1) & ((steps - 1) * table >= low_s), steps - 1, steps)
+    steps = np.where(steps * table < low_s, steps + 1, steps)
+    return steps.astype(np.int64)
+
+
+def _capacity_levels(model: StageModel, low_s: float, high_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """Every time ``s * t(b)`` in [low_s, high_s] and the capacity (samples of all ranks) at it.
+
+    A rank's most work within T is the largest ``b * s`` among its (b, s) with
+    ``s * t(b) <= T``; sorted by time, that is a running maximum per type.
+    """
+    times, types, work, start = [], [], [], []
+    for index, device in enumerate(model.devices):
         table = device.step_time_table_s
-        most = _steps_within(high_s, table)
-        fewest = np.maximum(1, np.ceil(low_s / table)).astype(np.int64)
-        for t, first, last in zip(table, fewest, most):
-            if last >= first:
-                parts.append(np.arange(first, last + 1) * t)
-    values = np.unique(np.concatenate(parts)) if parts else np.empty(0)
-    return values[(values >= low_s) & (values <= high_s)]
+        first = _first_steps_from(low_s, table)
+        last = _steps_within(high_s, table)
+        sizes = np.arange(1, len(table) + 1)
+        start.append(int(np.max(sizes * (first - 1))))
+        per_size = np.maximum(0, last - first + 1)
+        size_index = np.repeat(np.arange(len(table)), per_size)
+        offsets = np.arange(len(size_index)) - np.repeat(np.cumsum(per_size) - per_size, per_size)
+        steps = first[size_index] + offsets
+        times.append(steps * table[size_index])
+        work.append(steps * sizes[size_index])
+        types.append(np.full(len(size_index), index))
+    times_all, types_all, work_all = np.concatenate(times), np.concatenate(types), np.concatenate(work)
+    order = np.argsort(times_all, kind="stable")
+    times_all, types_all, work_all = times_all[order], types_all[order], work_all[order]
+    capacity = np.zeros(len(times_all), dtype=np.int64)
+    for index, device in enumerate(model.devices):
+        own = np.where(types_all == index, work_all, start[index])
+        capacity += device.num_ranks * np.maximum.accumulate(own) if len(own) else 0
+    # Only the last of equal times sees every (b, s) at that time.
+    last_of_time = np.r_[times_all[1:] != times_all[:-1], True] if len(times_all) else np.zeros(0, dtype=bool)
+    return times_all[last_of_time], capacity[last_of_time]
+
+
+def _level_count(model: StageModel, low_s: float, high_s: float) -> int:
+    return sum(
+        int(np.sum(np.maximum(0, _steps_within(high_s, d.step_time_table_s) - _first_steps_from(low_s, d.step_time_table_s) + 1)))
+        for d in model.devices
+    )
 
 
 def _poplar_independent_best(model: StageModel, max_batch: int) -> PolicyResult:
@@ -539,31 +577,20 @@ def _poplar_independent_best(model: StageModel, max_batch: int) -> PolicyResult:
     boundary = model.boundary_s
     cut = best_rate * boundary / (ideal - best_rate) if ideal > best_rate else math.inf
     floor_s = max(float(d.step_time_table_s[0]) for d in model.devices)
-    high = _min_time_for(model, max_batch)
-    times = _breakpoints(model, max(cut, floor_s), high)
+    high = _FlatTables(model).min_time_for(max_batch, model.world_size)
+    low = max(cut, floor_s)
     note = ""
-    if len(times) > MAX_BREAKPOINTS:
-        times = times[-MAX_BREAKPOINTS:]
-        note = f"only the {MAX_BREAKPOINTS} largest capacity levels were compared"
-    best_batch, best_time = max_batch, None
-    for chunk in np.array_split(times, max(1, len(times) // 4096)):
-        if len(chunk) == 0:
-            continue
-        capacity = np.zeros(len(chunk), dtype=np.int64)
-        for device in model.devices:
-            table = device.step_time_table_s
-            steps = np.floor(chunk[:, None] / table[None, :])
-            steps = np.where((steps + 1) * table <= chunk[:, None], steps + 1, steps)
-            steps = np.where(steps * table > chunk[:, None], steps - 1, steps)
-            work = (steps * np.arange(1, len(table) + 1)).max(axis=1).astype(np.int64)
-            capacity += device.num_ranks * work
-        rate = np.where(capacity <= max_batch, capacity / (chunk + boundary), -1.0)
-        k = int(np.argmax(rate))
-        if rate[k] > best_rate:
-            best_rate, best_batch, best_time = float(rate[k]), int(capacity[k]), float(chunk[k])
-    if best_time is None:
+    while low < high and _level_count(model, low, high) > MAX_BREAKPOINTS:
+        low = (low + high) / 2
+        note = f"capacity levels below {low:.4g} s were not compared (more than {MAX_BREAKPOINTS})"
+    if low > high:
         return PolicyResult(allocation=at_max.allocation, note=note)
-    groups = _exact_at(model, best_time, best_batch)
+    times, capacity = _capacity_levels(model, low, high)
+    rate = np.where(capacity <= max_batch, capacity / (times + boundary), -1.0)
+    if len(rate) == 0 or rate.max() <= best_rate:
+        return PolicyResult(allocation=at_max.allocation, note=note)
+    k = int(np.argmax(rate))
+    groups = _exact_at(model, float(times[k]), int(capacity[k]))
     assert groups is not None, "a capacity level is reachable at its own time"
     return PolicyResult(allocation=_finish(model, groups), note=note)
 
