@@ -84,16 +84,16 @@ def full_parameters(engine) -> dict[str, torch.Tensor]:
 
 
 def train_steps(engine, loader, steps: int) -> None:
-    """The ordinary DeepSpeed loop, for `steps` optimizer steps."""
+    """The ordinary DeepSpeed loop, for `steps` optimizer steps (over as many passes as needed)."""
     done = 0
-    for tokens in loader:
-        engine.backward(engine(tokens))
-        boundary = engine.is_gradient_accumulation_boundary()
-        engine.step()
-        done += boundary
-        if done == steps:
-            return
-    raise AssertionError(f"the loader ended after {done} of {steps} steps")
+    while True:
+        for tokens in loader:
+            engine.backward(engine(tokens))
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            done += boundary
+            if done == steps:
+                return
 
 
 def reference_parameters(optimizer_name: str, global_batch_size: int, steps: int, *, seed: int = 0):

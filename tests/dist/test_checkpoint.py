@@ -1,0 +1,111 @@
+"""Checkpoint and resume through DeepSpeed: same samples, same parameters; another plan is refused.
+
+One forked group of 3 ranks, ZeRO stages 1 (per-rank accumulation counts) and 3.
+The loader is built by the user from `engine.create_batch_sampler`, so this also
+covers the own-DataLoader path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_ranks
+
+import _training as t
+
+TOTAL_STEPS = 5
+SAVE_AFTER = 2
+ALLOCATIONS = {1: [(3, 2), (1, 3), (2, 1)], 3: [(2, 2), (1, 2), (3, 2)]}
+OTHER_ALLOCATION = [(1, 2), (3, 3), (2, 1)]  # same stage (1), other batches
+TYPES = ["cpu-fast", "cpu-slow", "cpu-slow"]
+
+
+class _RecordingSampler:
+    """Passes micro-batches through and remembers their sample indices."""
+
+    def __init__(self, sampler, seen):
+        self.sampler, self.seen = sampler, seen
+
+    def __iter__(self):
+        for batch in self.sampler:
+            self.seen.append(list(batch))
+            yield batch
+
+    def __len__(self):
+        return len(self.sampler)
+
+
+def _engine(files, stage, plan_key=None):
+    import poplar_ext
+
+    model = t.GPT(t.TINY)
+    engine, *_ = poplar_ext.initialize(
+        model=model,
+        optimizer=t.make_optimizer("adam", model.parameters()),
+        config=t.ds_config(cluster=files["cluster"], plan=files[plan_key or stage], stage=stage),
+    )
+    seen = []
+    data = t.dataset()
+    loader = torch.utils.data.DataLoader(data, batch_sampler=_RecordingSampler(engine.create_batch_sampler(len(data)), seen))
+    return engine, loader, seen
+
+
+def _run(files):
+    out = {}
+    for stage in (1, 3):
+        engine, loader, straight_seen = _engine(files, stage)
+        t.train_steps(engine, loader, TOTAL_STEPS)
+        straight = t.full_parameters(engine)
+
+        engine, loader, first_seen = _engine(files, stage)
+        t.train_steps(engine, loader, SAVE_AFTER)
+        engine.save_checkpoint(files["checkpoints"] / f"stage{stage}", tag="step2")
+        before_consumed = engine.consumed_samples
+
+        engine, loader, resumed_seen = _engine(files, stage)  # a fresh model: the weights come from the checkpoint
+        path, _ = engine.load_checkpoint(files["checkpoints"] / f"stage{stage}", tag="step2")
+        assert path is not None
+        resumed_consumed = engine.consumed_samples
+        t.train_steps(engine, loader, TOTAL_STEPS - SAVE_AFTER)
+        out[stage] = {
+            "max_difference": t.max_difference(straight, t.full_parameters(engine)),
+            "same_samples": first_seen + resumed_seen == straight_seen,
+            "consumed": (before_consumed, resumed_consumed, engine.consumed_samples),
+        }
+    engine, _, _ = _engine(files, 1, plan_key="other")
+    try:
+        engine.load_checkpoint(files["checkpoints"] / "stage1", tag="step2")
+        out["other_plan"] = "loaded"
+    except ValueError as exc:
+        out["other_plan"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("checkpoint")
+    files = {"cluster": t.write_cluster(tmp / "cluster.json"), "checkpoints": tmp / "checkpoints"}
+    for stage, allocation in ALLOCATIONS.items():
+        files[stage] = t.write_plan(tmp / f"plan{stage}.json", allocation, stage=stage, device_types=TYPES)
+    files["other"] = t.write_plan(tmp / "other.json", OTHER_ALLOCATION, stage=1, device_types=TYPES)
+    return run_ranks(_run, world_size=3, tmp_path=tmp, args=(files,), timeout_s=240)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_resume_reaches_the_uninterrupted_parameters(results, stage):
+    for rank_result in results:
+        assert rank_result[stage]["max_difference"] <= 1e-6
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_resume_continues_with_the_same_samples(results, stage):
+    global_batch = sum(b * s for b, s in ALLOCATIONS[stage])
+    for rank_result in results:
+        assert rank_result[stage]["same_samples"]
+        assert rank_result[stage]["consumed"] == (SAVE_AFTER * global_batch, SAVE_AFTER * global_batch, TOTAL_STEPS * global_batch)
+
+
+def test_another_plan_is_refused_on_every_rank(results):
+    for rank_result in results:
+        assert "was saved with the plan" in rank_result["other_plan"]
+        assert "resume with the checkpoint's plan" in rank_result["other_plan"]
