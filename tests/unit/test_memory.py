@@ -66,3 +66,11 @@ def test_a_cpu_allocation_failure_is_recognised_as_out_of_memory() -> None:
 )
 def test_out_of_memory_classification(exc: BaseException, expected: bool) -> None:
     assert memory.is_out_of_memory(exc) is expected
+
+
+def test_steady_allocator_is_set_on_glibc() -> None:
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert memory.steady_cpu_allocator() is True

@@ -1,0 +1,356 @@
+"""`profile_model`: measure every device type of the job at every requested ZeRO stage.
+
+Run by every rank of the job (deepspeed launcher, torchrun), like training. For each
+stage it reuses the cached profiles whose keys match (`poplar_ext.profiler_cache`)
+and measures the others inside one DeepSpeed engine per stage
+(`poplar_ext.profiler_measure`). Rank 0 alone reads and writes the cache directory
+(atomically) and sends the profiles to the others, so every rank returns the same list.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from poplar_ext.emulation import device_label, limit_cpu_threads
+from poplar_ext.fingerprint import model_fingerprint
+from poplar_ext.memory import steady_cpu_allocator
+from poplar_ext.profiler_cache import ProfileKey, ds_config_fingerprint, find_cached_profile, store_profile
+from poplar_ext.profiler_measure import (
+    JobLayout,
+    LossFn,
+    MeasureSettings,
+    StageMeasurement,
+    TrialEvent,
+    TypeStageResult,
+    build_layout,
+    default_loss,
+    stage_ds_config,
+)
+from search.formats import (
+    ZERO_STAGES,
+    Cluster,
+    ModelInfo,
+    Profile,
+    load_cluster,
+    profile_from_dict,
+    profile_to_dict,
+    read_json,
+)
+
+Progress = Callable[[str], None]
+
+
+def log_progress(line: str) -> None:
+    """The default progress sink: one line on stderr (called on rank 0 only)."""
+    print(f"[poplar-profile] {line}", file=sys.stderr, flush=True)
+
+
+def training_dtype(ds_config: Mapping[str, Any]) -> str:
+    """``bfloat16``, ``float16`` or ``float32``, as the DeepSpeed config trains."""
+    for section, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
+        value = ds_config.get(section)
+        if isinstance(value, Mapping) and value.get("enabled", False):
+            return dtype
+    return "float32"
+
+
+@dataclass
+class _ProgressReporter:
+    """Turns trial events into log lines with an estimated time left."""
+
+    sink: Progress | None
+    layout: JobLayout
+    stages_left: int
+    started_at: float = 0.0
+    trials_done: int = 0
+    trials_per_stage: float | None = None
+    stage_trials: int = 0
+
+    def say(self, line: str) -> None:
+        if self.sink is not None and self.layout.rank == 0:
+            self.sink(line)
+
+    def stage_started(self, stage: int, types: Iterable[str]) -> None:
+        if not self.started_at:
+            self.started_at = time.monotonic()
+        self.stages_left -= 1
+        self.stage_trials = 0
+        labels = ", ".join(device_label(t, self.layout.emulations[t]) for t in types)
+        self.say(f"ZeRO-{stage}: measuring {labels}")
+
+    def stage_finished(self) -> None:
+        self.trials_per_stage = (
+            self.stage_trials
+            if self.trials_per_stage is None
+            else (self.trials_per_stage + self.stage_trials) / 2
+        )
+
+    def trial(self, event: TrialEvent) -> None:
+        self.trials_done += 1
+        self.stage_trials += 1
+        elapsed = time.monotonic() - self.started_at
+        per_trial = elapsed / self.trials_done
+        later = self.stages_left * (self.trials_per_stage or self.stage_trials + event.remaining_trials_estimate)
+        left_s = per_trial * (event.remaining_trials_estimate + later)
+        sizes = ", ".join(f"{t} micro-batch {b}" for t, b in event.sizes.items())
+        self.say(f"ZeRO-{event.zero_stage} {event.phase}: {sizes}; about {left_s:.0f} s left")
+
+
+def _local_world_size() -> int:
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 1
+
+
+def _job_device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().current_device_name()
+    return torch.device(name)
+
+
+def _validate(zero_stages: Iterable[int], cache_dir: str | os.PathLike[str]) -> tuple[int, ...]:
+    stages = tuple(zero_stages)
+    if not stages or any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):
+        raise ValueError(f"zero_stages: expected distinct stages among 0, 1, 2, 3, found {list(stages)}")
+    if Path(cache_dir).exists() and not Path(cache_dir).is_dir():
+        raise ValueError(f"cache_dir: expected a directory, found the file {cache_dir}")
+    return tuple(sorted(stages))
+
+
+def _broadcast(obj: Any) -> Any:
+    if dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def profile_model(
+    *,
+    model_factory: Callable[[], torch.nn.Module],
+    make_batch: Callable[[int], Any],
+    ds_config: Mapping[str, Any] | str | os.PathLike[str],
+    cluster: Cluster | str | os.PathLike[str],
+    zero_stages: Iterable[int] = ZERO_STAGES,
+    micro_batch_sizes: Iterable[int] | None = None,
+    cache_dir: str | os.PathLike[str] = "profiles",
+    force: bool = False,
+    progress: Progress | None = log_progress,
+    loss_fn: LossFn | None = None,
+    optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    model_name: str | None = None,
+    sequence_length: int | None = None,
+    warmup_micro_steps: int = 1,
+    repeats: int = 3,
+    micro_batch_size_limit: int = 256,
+) -> list[Profile]:
+    """Profiles of every device type in the job at every stage of `zero_stages` (collective).
+
+    Every rank calls it with the same arguments. For each (device type, stage) a
+    cached profile in `cache_dir` with the same keys is returned as it is (unless
+    `force`); the others are measured and written there by rank 0. Returns the same
+    list, stage by stage in job order of device types, on every rank.
+
+    model_factory: builds a fresh model (called once per stage measured, plus once
+        for the fingerprint); its forward returns the loss unless `loss_fn` is given.
+    make_batch: ``make_batch(micro_batch_size)`` -> one micro-batch (a tensor, tuple
+        or dict of tensors; moved to the device here). It is never called when every
+        profile comes from the cache.
+    ds_config: the DeepSpeed config (dict or JSON file); batch sizes and the stage
+        are set per engine, everything else (dtype, optimizer, offload) is used as is.
+    cluster: the cluster description (or its file): device type of every rank, and
+        the emulation of emulated types.
+    micro_batch_sizes: sizes for the time curve (default: 1, 2, 3, 4, 6, 8, 12, ...
+        up to the largest that fits).
+    progress: called on rank 0 with one line per trial (device type, stage, size,
+        estimated time left); None for silence.
+    loss_fn: ``loss_fn(engine, batch) -> loss`` when the model does not return it.
+    optimizer_factory: builds the optimizer from the parameters when the DeepSpeed
+        config has no ``optimizer`` section.
+    model_name: for people and file names (default: the model's class name).
+    sequence_length: tokens per sample, part of the cache key (None: not a sequence model).
+    micro_batch_size_limit: the probe never tries a larger micro-batch.
+    """
+    stages = _validate(zero_stages, cache_dir)
+    settings = MeasureSettings(
+        warmup_micro_steps=warmup_micro_steps,
+        repeats=repeats,
+        micro_batch_size_limit=micro_batch_size_limit,
+        micro_batch_sizes=None if micro_batch_sizes is None else tuple(micro_batch_sizes),
+    )
+    if not isinstance(ds_config, Mapping):
+        ds_config = read_json(ds_config)
+        if not isinstance(ds_config, dict):
+            raise ValueError(f"ds_config: expected a JSON object, found {type(ds_config).__name__}")
+    if not isinstance(cluster, Cluster):
+        cluster = load_cluster(cluster)
+    cache_dir = Path(cache_dir)
+    loss_fn = loss_fn or default_loss
+
+    import deepspeed
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+    device = _job_device()
+    if device.type == "cpu":
+        limit_cpu_threads()
+        steady_cpu_allocator()
+    layout = build_layout(cluster, device, local_world_size=_local_world_size())
+
+    first_model: list[torch.nn.Module] = [model_factory()]
+    fingerprint = model_fingerprint(first_model[0])
+    model_info = ModelInfo(
+        name=model_name or type(first_model[0]).__name__.lower(),
+        fingerprint=fingerprint,
+        num_parameters=sum(p.numel() for p in first_model[0].parameters()),
+        dtype=training_dtype(ds_config),
+        sequence_length=sequence_length,
+    )
+    versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
+    config_fp = ds_config_fingerprint(ds_config)
+
+    def key(device_type: str, stage: int) -> ProfileKey:
+        return ProfileKey(
+            model_fingerprint=fingerprint,
+            device_type=device_type,
+            emulation=layout.emulations[device_type],
+            zero_stage=stage,
+            world_size=layout.world_size,
+            dtype=model_info.dtype,
+            sequence_length=sequence_length,
+            torch_version=versions["torch"],
+            deepspeed_version=versions["deepspeed"],
+            ds_config_fingerprint=config_fp,
+        )
+
+    cached: dict[tuple[str, int], dict[str, Any]] = {}
+    if layout.rank == 0 and not force:
+        for stage in stages:
+            for t in layout.type_names:
+                found = find_cached_profile(cache_dir, key(t, stage))
+                if found is not None:
+                    cached[(t, stage)] = profile_to_dict(found)
+    cached = _broadcast(cached)
+
+    def build_engine(stage: int) -> Any:
+        model = first_model.pop() if first_model else model_factory()
+        if model_fingerprint(model) != fingerprint:
+            raise ValueError("model_factory: expected the same architecture on every call, found another one")
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = None if optimizer_factory is None else optimizer_factory(params)
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=params,
+            optimizer=optimizer,
+            config=stage_ds_config(ds_config, zero_stage=stage, world_size=layout.world_size),
+        )
+        return engine
+
+    reporter = _ProgressReporter(
+        sink=progress,
+        layout=layout,
+        stages_left=sum(1 for s in stages if any((t, s) not in cached for t in layout.type_names)),
+    )
+    produced: dict[tuple[str, int], dict[str, Any]] = dict(cached)
+    for stage in stages:
+        for t in layout.type_names:
+            if (t, stage) in cached:
+                reporter.say(f"ZeRO-{stage}: {device_label(t, layout.emulations[t])} from the cache (not measured)")
+        to_measure = tuple(t for t in layout.type_names if (t, stage) not in cached)
+        if not to_measure:
+            continue
+        reporter.stage_started(stage, to_measure)
+        started = time.monotonic()
+        results = StageMeasurement(
+            layout=layout,
+            zero_stage=stage,
+            types_to_measure=to_measure,
+            build_engine=build_engine,
+            make_batch=make_batch,
+            loss_fn=loss_fn,
+            settings=settings,
+            on_trial=reporter.trial,
+        ).run()
+        reporter.stage_finished()
+        stage_seconds = time.monotonic() - started
+        for t, result in results.items():
+            if not result.complete:
+                reporter.say(f"ZeRO-{stage}: {t} not profiled: {result.probe.get('abandoned')}")
+                continue
+            profile = _make_profile(
+                result, layout=layout, stage=stage, model=model_info, versions=versions,
+                config_fp=config_fp, settings=settings, stage_seconds=stage_seconds,
+            )
+            if layout.rank == 0:
+                path = store_profile(cache_dir, profile)
+                reporter.say(
+                    f"ZeRO-{stage}: {t}: largest micro-batch {profile.max_micro_batch_size}, "
+                    f"{len(profile.samples)} sizes, {stage_seconds:.1f} s -> {path}"
+                )
+            produced[(t, stage)] = profile_to_dict(profile)
+    produced = _broadcast(produced if layout.rank == 0 else None)
+    return [
+        profile_from_dict(produced[(t, s)], source=f"<profile {t} ZeRO-{s}>")
+        for s in stages
+        for t in layout.type_names
+        if (t, s) in produced
+    ]
+
+
+def _make_profile(
+    result: TypeStageResult,
+    *,
+    layout: JobLayout,
+    stage: int,
+    model: ModelInfo,
+    versions: dict[str, str],
+    config_fp: str,
+    settings: MeasureSettings,
+    stage_seconds: float,
+) -> Profile:
+    t = result.device_type
+    emulation = layout.emulations[t]
+    cuda = layout.device.type == "cuda"
+    return Profile(
+        device_type=t,
+        memory_capacity_bytes=layout.capacities_bytes[t],
+        zero_stage=stage,
+        world_size=layout.world_size,
+        model=model,
+        max_micro_batch_size=result.max_micro_batch_size,
+        samples=result.samples,
+        optimizer_step_time_s=result.optimizer_step_time_s,
+        emulated=emulation,
+        measured_with={
+            "source": "measured",
+            **versions,
+            "python": platform.python_version(),
+            "host": layout.hosts[t],
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "hardware": layout.hardware[t],
+            "device": "emulated" if emulation is not None else "real",
+            "ds_config_fingerprint": config_fp,
+            "timing": "CUDA events, median" if cuda else "process CPU time, median",
+            "memory": "torch.cuda.max_memory_allocated" if cuda else "process VmHWM",
+            "warmup_micro_steps": settings.warmup_micro_steps,
+            "repeats": settings.repeats,
+            "ranks_measured": len(layout.ranks_of(t)),
+            "largest_micro_batch_probe": result.probe,
+            "stage_profiling_time_s": round(stage_seconds, 3),
+        },
+    )
+
+
+__all__ = ["log_progress", "profile_model", "training_dtype"]

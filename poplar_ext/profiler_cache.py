@@ -1,0 +1,149 @@
+"""The profile cache: a directory of profile JSON files, looked up by what is inside them.
+
+A profile is reused when every key that decides its numbers matches (`ProfileKey`):
+model fingerprint, device type (and its emulation), ZeRO stage, world size, dtype,
+sequence length, torch and DeepSpeed versions, and the DeepSpeed settings that change
+speed or memory. File names are for people only; lookups never parse them.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from search.errors import FormatError
+from search.formats import Emulation, Profile, content_fingerprint, load_profile, save_profile
+
+# DeepSpeed settings that do not change per-micro-step speed or memory, or that the
+# profiler sets itself; everything else in the config is part of the cache key.
+_CONFIG_KEYS_NOT_IN_KEY = frozenset(
+    {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "memory_breakdown",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comet",
+        "poplar",
+        "checkpoint",
+    }
+)
+
+
+def ds_config_fingerprint(ds_config: Mapping[str, Any]) -> str:
+    """Hash of the DeepSpeed settings that change speed or memory (not batch sizes, not the stage)."""
+    relevant = {k: copy.deepcopy(v) for k, v in ds_config.items() if k not in _CONFIG_KEYS_NOT_IN_KEY}
+    zero = relevant.get("zero_optimization")
+    if isinstance(zero, dict):
+        zero.pop("stage", None)
+    return content_fingerprint(relevant)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileKey:
+    """Everything that must match for a stored profile to stand for a new measurement."""
+
+    model_fingerprint: str
+    """`poplar_ext.fingerprint.model_fingerprint` of the model."""
+    device_type: str
+    """Device type as normalised (`poplar_ext.devices`) or as declared emulated."""
+    emulation: Emulation | None
+    """The emulation of an emulated type; another slowdown or capacity is another device."""
+    zero_stage: int
+    world_size: int
+    """Ranks in the job: ZeRO partitions, and so memory, depend on it."""
+    dtype: str
+    """``float32``, ``bfloat16`` or ``float16``."""
+    sequence_length: int | None
+    torch_version: str
+    deepspeed_version: str
+    ds_config_fingerprint: str
+    """`ds_config_fingerprint` of the DeepSpeed config."""
+
+    @classmethod
+    def of_profile(cls, profile: Profile) -> "ProfileKey | None":
+        """The key of a stored profile; None for one that was not measured by this profiler."""
+        provenance = profile.measured_with
+        if provenance.get("source") != "measured":
+            return None
+        try:
+            torch_version = str(provenance["torch"])
+            deepspeed_version = str(provenance["deepspeed"])
+            config_fp = str(provenance["ds_config_fingerprint"])
+        except KeyError:
+            return None
+        return cls(
+            model_fingerprint=profile.model.fingerprint,
+            device_type=profile.device_type,
+            emulation=profile.emulated,
+            zero_stage=profile.zero_stage,
+            world_size=profile.world_size,
+            dtype=profile.model.dtype,
+            sequence_length=profile.model.sequence_length,
+            torch_version=torch_version,
+            deepspeed_version=deepspeed_version,
+            ds_config_fingerprint=config_fp,
+        )
+
+
+def _stored_profiles(cache_dir: Path) -> list[tuple[Path, Profile]]:
+    found: list[tuple[Path, Profile]] = []
+    if not cache_dir.is_dir():
+        return found
+    for path in sorted(cache_dir.glob("*.json")):
+        try:
+            found.append((path, load_profile(path)))
+        except FormatError as exc:
+            # Not fatal here: the profile is measured again and the bad file is named.
+            warnings.warn(f"profile cache: ignoring a file that is not a valid profile: {exc}", stacklevel=3)
+    return found
+
+
+def find_cached_profile(cache_dir: str | Path, key: ProfileKey) -> Profile | None:
+    """The stored profile whose key equals `key`, or None."""
+    for _, profile in _stored_profiles(Path(cache_dir)):
+        if ProfileKey.of_profile(profile) == key:
+            return profile
+    return None
+
+
+def profile_file_name(profile: Profile) -> str:
+    """A readable file name, e.g. ``gpt-a1b2c3d4-A100-80GB-zero2.json`` (never parsed)."""
+    fingerprint = profile.model.fingerprint.split(":")[-1][:8]
+    stem = f"{profile.model.name}-{fingerprint}-{profile.device_type}-zero{profile.zero_stage}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", stem) + ".json"
+
+
+def store_profile(cache_dir: str | Path, profile: Profile) -> Path:
+    """Write `profile` atomically into `cache_dir` and return its path.
+
+    `search.formats.load_profiles` allows one profile per (device type, ZeRO stage,
+    model fingerprint) in a directory, so a stored profile with that triple (another
+    world size, library version, ...) is replaced, in its own file.
+    """
+    cache_dir = Path(cache_dir)
+    target = cache_dir / profile_file_name(profile)
+    triple = (profile.device_type, profile.zero_stage, profile.model.fingerprint)
+    for path, stored in _stored_profiles(cache_dir):
+        if (stored.device_type, stored.zero_stage, stored.model.fingerprint) == triple:
+            target = path
+            break
+    save_profile(profile, target)
+    return target
+
+
+__all__ = [
+    "ProfileKey",
+    "ds_config_fingerprint",
+    "find_cached_profile",
+    "profile_file_name",
+    "store_profile",
+]

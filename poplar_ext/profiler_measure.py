@@ -1,0 +1,638 @@
+"""The measurement loop: one DeepSpeed engine per ZeRO stage, trials agreed by all ranks.
+
+Run collectively by every rank of the job. A *trial* is a few micro-steps
+(warm-up + repeats) at one micro-batch size per device type: ranks of a measured
+type run that type's size, every other rank runs micro-batch 1 unmeasured, so every
+rank runs the same number of micro-steps (ZeRO-2/3 communicate on every one).
+After each trial all ranks agree, by one all-reduce (MAX), on which types ran out
+of memory (real or emulated) and on each type's peak memory; every decision that
+follows (next size, stop, rebuild the engine) is computed from those agreed
+numbers, so all ranks take it alike and none waits in a collective another skips.
+
+Own work, not waiting (see profiles/README.md): on CPU a micro-step is timed by
+the process CPU time (gloo's blocking waits use none), on CUDA by events while the
+other device types run micro-batch 1, and only one type is measured at a time at
+ZeRO-2/3, where micro-steps communicate. An emulated type's time is its compute
+time times its slowdown: the time its emulated rank spends in training
+(`poplar_ext.emulation.ComputeSlowdown`), without sleeping here for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from poplar_ext.devices import hardware_description, rank_device_type
+from poplar_ext.emulation import EmulatedOutOfMemoryError, check_emulated_memory
+from poplar_ext.memory import (
+    device_memory_capacity_bytes,
+    is_out_of_memory,
+    peak_memory_bytes,
+    release_memory,
+    reset_peak_memory,
+)
+from poplar_ext.profiler_sizes import LargestFitSearch, dense_sizes
+from search.formats import Cluster, Emulation, Sample
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(engine, batch) -> loss``: one forward through the engine, a scalar loss."""
+
+# Outcome of one trial on one rank; agreement takes the maximum over ranks.
+_OK, _EMULATED_OOM, _REAL_OOM, _ERROR = 0, 1, 2, 3
+
+# Large enough that the engine never reaches an accumulation boundary on its own:
+# the profiler places every boundary itself with set_gradient_accumulation_boundary.
+_NOMINAL_ACCUMULATION_STEPS = 1_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureSettings:
+    """How much to measure."""
+
+    warmup_micro_steps: int = 1
+    """Unmeasured micro-steps at each size before the measured ones."""
+    repeats: int = 3
+    """Measured micro-steps per size (their median is the sample's time)."""
+    micro_batch_size_limit: int = 256
+    """Never try a micro-batch larger than this (the probe stops there)."""
+    micro_batch_sizes: tuple[int, ...] | None = None
+    """Sizes for the time curve; None: a dense geometric set up to the largest that fits."""
+    memory_margin: float = 0.1
+    """Fraction of a real device's memory kept free where probing past the prediction is unsafe."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_micro_steps < 0:
+            raise ValueError(f"warmup_micro_steps: expected an integer >= 0, found {self.warmup_micro_steps}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats: expected an integer >= 1, found {self.repeats}")
+        if self.micro_batch_size_limit < 1:
+            raise ValueError(f"micro_batch_size_limit: expected an integer >= 1, found {self.micro_batch_size_limit}")
+        if self.micro_batch_sizes is not None and (
+            not self.micro_batch_sizes or any(b < 1 for b in self.micro_batch_sizes)
+        ):
+            raise ValueError(
+                f"micro_batch_sizes: expected a non-empty list of integers >= 1, found {list(self.micro_batch_sizes)}"
+            )
+        if not 0.0 <= self.memory_margin < 1.0:
+            raise ValueError(f"memory_margin: expected a fraction in [0, 1), found {self.memory_margin}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobLayout:
+    """Which device type every rank of the job has, agreed by all ranks."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    """This rank's device."""
+    rank_types: tuple[str, ...]
+    """Device type of every rank, rank 0 first."""
+    emulations: dict[str, Emulation | None]
+    capacities_bytes: dict[str, int]
+    """Memory of each type: the emulated capacity, or the smallest real one among its ranks."""
+    hardware: dict[str, str]
+    """What the first rank of each type runs on, for people."""
+    hosts: dict[str, str]
+    """Host name of the first rank of each type."""
+
+    @property
+    def type_names(self) -> tuple[str, ...]:
+        """Device types in order of first appearance."""
+        return tuple(dict.fromkeys(self.rank_types))
+
+    @property
+    def my_type(self) -> str:
+        return self.rank_types[self.rank]
+
+    def ranks_of(self, device_type: str) -> tuple[int, ...]:
+        return tuple(r for r, t in enumerate(self.rank_types) if t == device_type)
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree_max(values: list[float], device: torch.device) -> list[float]:
+    # NCCL reduces CUDA tensors only; gloo reduces CPU tensors.
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.float64, device=on)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def build_layout(cluster: Cluster, device: torch.device, *, local_world_size: int) -> JobLayout:
+    """Agree on every rank's device type (collective). Raises the same ValueError on every rank."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if cluster.world_size != world_size:
+        # Every rank reads the same cluster file: all raise here, before any collective.
+        raise ValueError(
+            f"cluster: expected a cluster description with {world_size} ranks (WORLD_SIZE), "
+            f"found {cluster.world_size}"
+        )
+    mine: dict[str, Any] = {"host": socket.gethostname()}
+    try:
+        mine["type"], mine["emulation"] = rank_device_type(cluster, rank, device)
+        mine["capacity"] = device_memory_capacity_bytes(device, local_world_size=local_world_size)
+        mine["hardware"] = hardware_description(device)
+    except ValueError as exc:
+        mine["error"] = str(exc)
+    everyone = gather_objects(mine)
+    errors = [f"rank {r}: {info['error']}" for r, info in enumerate(everyone) if "error" in info]
+    if errors:
+        raise ValueError("; ".join(errors))
+    rank_types = tuple(info["type"] for info in everyone)
+    emulations: dict[str, Emulation | None] = {}
+    capacities: dict[str, int] = {}
+    hardware: dict[str, str] = {}
+    hosts: dict[str, str] = {}
+    for info in everyone:
+        t = info["type"]
+        if t not in emulations:
+            emulations[t] = info["emulation"]
+            hardware[t] = info["hardware"]
+            hosts[t] = info["host"]
+            capacities[t] = info["capacity"]
+        capacities[t] = min(capacities[t], info["capacity"])
+    for t, emulation in emulations.items():
+        if emulation is not None:
+            capacities[t] = emulation.memory_capacity_bytes
+    return JobLayout(
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        rank_types=rank_types,
+        emulations=emulations,
+        capacities_bytes=capacities,
+        hardware=hardware,
+        hosts=hosts,
+    )
+
+
+def stage_ds_config(ds_config: Mapping[str, Any], *, zero_stage: int, world_size: int) -> dict[str, Any]:
+    """The user's DeepSpeed config for one profiling engine at `zero_stage`.
+
+    The batch keys are nominal (DeepSpeed never inspects the batch tensor), and
+    ``memory_breakdown`` is off because it resets the CUDA peak counters itself.
+    """
+    config = copy.deepcopy(dict(ds_config))
+    config.pop("poplar", None)
+    zero = dict(config.get("zero_optimization") or {})
+    zero["stage"] = zero_stage
+    config["zero_optimization"] = zero
+    config["train_micro_batch_size_per_gpu"] = 1
+    config["gradient_accumulation_steps"] = _NOMINAL_ACCUMULATION_STEPS
+    config["train_batch_size"] = _NOMINAL_ACCUMULATION_STEPS * world_size
+    config["memory_breakdown"] = False
+    config["wall_clock_breakdown"] = False
+    config["steps_per_print"] = 2**31 - 1
+    return config
+
+
+def default_loss(engine: Any, batch: Any) -> torch.Tensor:
+    """``engine(**batch)``, ``engine(*batch)`` or ``engine(batch)``: the model returns the loss."""
+    if isinstance(batch, Mapping):
+        return engine(**batch)
+    if isinstance(batch, (tuple, list)):
+        return engine(*batch)
+    return engine(batch)
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """`batch` (tensors, possibly nested in tuples, lists, dicts) on `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: move_to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(move_to_device(v, device) for v in batch)
+    return batch
+
+
+@dataclass(kw_only=True)
+class TypeStageResult:
+    """What was measured for one device type at one stage (identical on every rank)."""
+
+    device_type: str
+    complete: bool
+    """False when the stage was abandoned before this type was fully measured."""
+    max_micro_batch_size: int
+    samples: tuple[Sample, ...]
+    optimizer_step_time_s: float
+    probe: dict[str, Any]
+    """How the largest micro-batch was found (provenance, for people)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialEvent:
+    """One finished trial, for progress reports."""
+
+    zero_stage: int
+    phase: str
+    """``probe`` (finding the largest micro-batch) or ``sweep`` (filling in the curve)."""
+    sizes: dict[str, int]
+    """Micro-batch size tried per device type."""
+    remaining_trials_estimate: int
+    """Rough count of trials left at this stage."""
+
+
+@dataclass
+class _TrialOutcome:
+    flags: dict[str, int]
+    peaks: dict[str, int]
+    own_times_s: list[float]
+    rebuild: bool
+
+
+@dataclass
+class _TypeRecord:
+    search: LargestFitSearch
+    own_times_s: dict[int, list[float]] = field(default_factory=dict)
+    peaks: dict[int, int] = field(default_factory=dict)
+    warmup_failed: bool = False
+    """The optimizer step at micro-batch 1 already ran out of memory: nothing fits."""
+    boundary_peak_bytes: int | None = None
+    """Peak memory of that first optimizer step (it allocates the optimizer state)."""
+
+
+class StageMeasurement:
+    """One ZeRO stage: the engine, the trials and the records, on one rank."""
+
+    def __init__(
+        self,
+        *,
+        layout: JobLayout,
+        zero_stage: int,
+        types_to_measure: tuple[str, ...],
+        build_engine: Callable[[int], Any],
+        make_batch: Callable[[int], Any],
+        loss_fn: LossFn,
+        settings: MeasureSettings,
+        on_trial: Callable[[TrialEvent], None] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.zero_stage = zero_stage
+        self.types_to_measure = types_to_measure
+        self.build_engine = build_engine
+        self.make_batch = make_batch
+        self.loss_fn = loss_fn
+        self.settings = settings
+        self.on_trial = on_trial
+        self.engine: Any = None
+        self._batches: dict[int, Any] = {}
+        self.error: str | None = None
+
+    # -- engine ------------------------------------------------------------------
+    def _batch(self, size: int) -> Any:
+        if size not in self._batches:
+            # Only the last size is kept: batches of large sizes hold memory.
+            self._batches = {size: move_to_device(self.make_batch(size), self.layout.device)}
+        return self._batches[size]
+
+    def _drop_engine(self) -> None:
+        if self.engine is not None:
+            destroy = getattr(self.engine, "destroy", None)
+            if destroy is not None:
+                destroy()
+        self.engine = None
+        self._batches = {}
+        release_memory(self.layout.device)
+
+    def _micro_step(self, size: int, *, boundary: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        loss = self.loss_fn(self.engine, self._batch(size))
+        self.engine.backward(loss, scale_wrt_gas=False)
+        del loss
+        self.engine.step()
+
+    def _timed_micro_step(self, size: int) -> float:
+        """Own time of one non-boundary micro-step, in seconds."""
+        device = self.layout.device
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._micro_step(size, boundary=False)
+            end.record()
+            end.synchronize()
+            elapsed_s = start.elapsed_time(end) / 1000.0
+        else:
+            started = time.process_time()
+            self._micro_step(size, boundary=False)
+            elapsed_s = time.process_time() - started
+        emulation = self.layout.emulations[self.layout.my_type]
+        slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
+        return elapsed_s * slowdown
+
+    def _classify(self, exc: Exception) -> int:
+        if isinstance(exc, EmulatedOutOfMemoryError):
+            return _EMULATED_OOM
+        if is_out_of_memory(exc):
+            return _REAL_OOM
+        self.error = f"rank {self.layout.rank}: {type(exc).__name__}: {exc}"
+        return _ERROR
+
+    def _agree(self, flag: int, peak: int, measured: bool) -> tuple[dict[str, int], dict[str, int], bool]:
+        """All ranks' flags and peaks per type (MAX); raises on every rank after a non-OOM error."""
+        types = self.layout.type_names
+        slot = types.index(self.layout.my_type)
+        values = [0.0] * (2 * len(types) + 2)
+        if measured:
+            values[slot] = float(flag)
+            values[len(types) + slot] = float(peak)
+        else:
+            # A rank running the unmeasured micro-batch 1: only failures that end the stage count.
+            values[-2] = float(flag)
+        values[-1] = float(flag == _ERROR)
+        agreed = _agree_max(values, self.layout.device)
+        if agreed[-1]:
+            errors = [e for e in gather_objects(self.error) if e]
+            raise RuntimeError("profiling failed: " + "; ".join(errors))
+        flags = {t: int(agreed[i]) for i, t in enumerate(types)}
+        peaks = {t: int(agreed[len(types) + i]) for i, t in enumerate(types)}
+        flags["__unmeasured__"] = int(agreed[-2])
+        return flags, peaks, any(v == _REAL_OOM for v in flags.values())
+
+    # -- trials --------------------------------------------------------------------
+    def _start_engine(self, records: dict[str, _TypeRecord]) -> bool:
+        """Build the engine and take one optimizer step at micro-batch 1 (collective).
+
+        The step allocates the optimizer state, which every later micro-step's peak
+        must include. A measured type whose boundary peak exceeds its emulated memory
+        does not fit at all. Returns False when the stage cannot run in this job.
+        """
+        self.engine = self.build_engine(self.zero_stage)
+        my_type = self.layout.my_type
+        measured = my_type in records and not records[my_type].warmup_failed
+        flag, peak = _OK, 0
+        try:
+            reset_peak_memory(self.layout.device)
+            self._micro_step(1, boundary=True)
+            peak = peak_memory_bytes(self.layout.device)
+            if measured:
+                check_emulated_memory(self.layout.emulations[my_type], peak, device_type=my_type)
+        except Exception as exc:  # noqa: BLE001 - classified; every rank must reach the agreement
+            flag = self._classify(exc)
+        flags, peaks, real_oom = self._agree(flag, peak, measured=True)
+        for t, record in records.items():
+            if flags[t] != _OK:
+                record.warmup_failed = True
+            if record.boundary_peak_bytes is None:
+                record.boundary_peak_bytes = peaks[t]
+        self.engine.set_gradient_accumulation_boundary(False)
+        return not real_oom
+
+    def _trial(self, sizes: dict[str, int]) -> _TrialOutcome:
+        my_type = self.layout.my_type
+        measured = my_type in sizes
+        size = sizes.get(my_type, 1)
+        flag, peak = _OK, 0
+        own_times: list[float] = []
+        # One reset per trial, not per micro-step: on CPU the reset hands freed pages
+        # back to the kernel, and faulting them in again would be timed as compute.
+        # The high-water mark read after each micro-step covers all since the reset.
+        reset_peak_memory(self.layout.device)
+        for index in range(self.settings.warmup_micro_steps + self.settings.repeats):
+            try:
+                elapsed_s = self._timed_micro_step(size)
+                step_peak = peak_memory_bytes(self.layout.device)
+                peak = max(peak, step_peak)
+                if measured:
+                    check_emulated_memory(self.layout.emulations[my_type], step_peak, device_type=my_type)
+            except Exception as exc:  # noqa: BLE001 - classified; every rank must reach the agreement
+                flag = self._classify(exc)
+                if flag != _EMULATED_OOM:
+                    # A real failure leaves the engine unusable: stop computing. (At ZeRO-2/3 the
+                    # other ranks may already wait in a collective; see profiles/README.md.)
+                    break
+                continue
+            if index >= self.settings.warmup_micro_steps:
+                own_times.append(elapsed_s)
+        flags, peaks, real_oom = self._agree(flag, peak, measured=measured)
+        return _TrialOutcome(flags=flags, peaks=peaks, own_times_s=own_times, rebuild=real_oom)
+
+    def _run_trial(self, sizes: dict[str, int], records: dict[str, _TypeRecord], phase: str) -> _TrialOutcome:
+        outcome = self._trial(sizes)
+        my_type = self.layout.my_type
+        for t, size in sizes.items():
+            fits = outcome.flags[t] == _OK
+            if fits:
+                records[t].peaks[size] = outcome.peaks[t]
+                if t == my_type:
+                    records[t].own_times_s[size] = outcome.own_times_s
+            if phase == "probe":
+                records[t].search.record(size, fits=fits, peak_memory_bytes=outcome.peaks[t] if fits else None)
+        if outcome.flags["__unmeasured__"] == _REAL_OOM:
+            raise _StageAbandoned("a real out-of-memory on a rank running the unmeasured micro-batch 1")
+        if outcome.rebuild:
+            self._drop_engine()
+            if not self._start_engine(records):
+                raise _StageAbandoned("a real out-of-memory at micro-batch 1 after a rebuild")
+        if self.on_trial is not None and self.layout.rank == 0:
+            self.on_trial(
+                TrialEvent(
+                    zero_stage=self.zero_stage,
+                    phase=phase,
+                    sizes=dict(sizes),
+                    remaining_trials_estimate=self._remaining_estimate(records),
+                )
+            )
+        return outcome
+
+    def _remaining_estimate(self, records: dict[str, _TypeRecord]) -> int:
+        remaining = 0
+        for record in records.values():
+            s = record.search
+            target = s.largest_fitting if s.next_size() is None else (s.predicted or s.limit)
+            todo = [b for b in self._sweep_sizes(max(target, 1)) if b not in record.peaks]
+            remaining = max(remaining, len(todo) + (0 if s.next_size() is None else 2))
+        return remaining
+
+    def _sweep_sizes(self, largest: int) -> list[int]:
+        if self.settings.micro_batch_sizes is not None:
+            return sorted({b for b in self.settings.micro_batch_sizes if b <= largest} | {largest})
+        return dense_sizes(largest)
+
+    def _measure_group(self, group: tuple[str, ...], records: dict[str, _TypeRecord]) -> None:
+        while True:
+            proposals = {t: records[t].search.next_size() for t in group if not records[t].warmup_failed}
+            sizes = {t: b for t, b in proposals.items() if b is not None}
+            if not sizes:
+                break
+            self._run_trial(sizes, records, "probe")
+        todo = {
+            t: [b for b in self._sweep_sizes(records[t].search.largest_fitting) if b not in records[t].peaks]
+            for t in group
+            if records[t].search.largest_fitting > 0 and not records[t].warmup_failed
+        }
+        for index in range(max((len(v) for v in todo.values()), default=0)):
+            sizes = {t: v[index] for t, v in todo.items() if index < len(v)}
+            self._run_trial(sizes, records, "sweep")
+
+    def _measure_boundary(self) -> float:
+        """This rank's accumulation-boundary time beyond an ordinary micro-step (seconds).
+
+        All ranks run micro-batch 1, so waiting for another rank is at most the
+        difference of one micro-batch-1 micro-step, and that is subtracted: the
+        slowest rank's ordinary micro-step is the reference every rank waits for.
+        """
+        device = self.layout.device
+        emulation = self.layout.emulations[self.layout.my_type]
+        extra = 0.0 if emulation is None else max(0.0, emulation.slowdown - 1.0)
+        differences: list[float] = []
+        step_times: list[float] = []
+
+        def synchronize() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        for index in range(self.settings.warmup_micro_steps + self.settings.repeats):
+            dist.barrier()
+            started = time.perf_counter()
+            self._micro_step(1, boundary=False)
+            synchronize()
+            ordinary_s = time.perf_counter() - started
+            slowest_ordinary_s = _agree_max([ordinary_s], device)[0]
+            dist.barrier()
+            started = time.perf_counter()
+            self.engine.set_gradient_accumulation_boundary(True)
+            loss = self.loss_fn(self.engine, self._batch(1))
+            self.engine.backward(loss, scale_wrt_gas=False)
+            del loss
+            synchronize()
+            step_started_wall, step_started_cpu = time.perf_counter(), time.process_time()
+            self.engine.step()
+            synchronize()
+            step_wall_s = time.perf_counter() - step_started_wall
+            step_own_s = step_wall_s if device.type == "cuda" else time.process_time() - step_started_cpu
+            boundary_s = time.perf_counter() - started
+            self.engine.set_gradient_accumulation_boundary(False)
+            if index >= self.settings.warmup_micro_steps:
+                differences.append(boundary_s - slowest_ordinary_s)
+                step_times.append(step_own_s)
+        return max(0.0, statistics.median(differences) + extra * statistics.median(step_times))
+
+    # -- the stage -----------------------------------------------------------------
+    def run(self) -> dict[str, TypeStageResult]:
+        """Measure every type in `types_to_measure` at this stage (collective)."""
+        layout = self.layout
+        records = {
+            t: _TypeRecord(
+                search=LargestFitSearch(
+                    capacity_bytes=layout.capacities_bytes[t],
+                    limit=self.settings.micro_batch_size_limit,
+                    exact=self._probing_past_prediction_is_safe(t),
+                    margin=self.settings.memory_margin,
+                )
+            )
+            for t in self.types_to_measure
+        }
+        abandoned: str | None = None
+        boundary_s: float | None = None
+        try:
+            if not self._start_engine(records):
+                raise _StageAbandoned("a real out-of-memory at micro-batch 1")
+            for group in self._groups():
+                self._measure_group(group, records)
+            boundary_s = self._measure_boundary()
+        except _StageAbandoned as exc:
+            abandoned = str(exc)
+        finally:
+            self._drop_engine()
+        return self._results(records, boundary_s, abandoned)
+
+    def _probing_past_prediction_is_safe(self, device_type: str) -> bool:
+        # Emulated capacities are checked after the micro-step, outside any collective.
+        # A real out-of-memory is caught where it strikes: safe at ZeRO-0/1, whose
+        # ordinary micro-steps do not communicate, and on CUDA only (on CPU the
+        # kernel's out-of-memory killer may strike first).
+        if self.layout.emulations[device_type] is not None:
+            return True
+        return self.zero_stage in (0, 1) and self.layout.device.type == "cuda"
+
+    def _groups(self) -> list[tuple[str, ...]]:
+        # CPU time ignores waiting, and ZeRO-0/1 micro-steps do not communicate: all
+        # types at once. Otherwise one type at a time, the others at micro-batch 1.
+        if self.layout.device.type == "cpu" or self.zero_stage in (0, 1):
+            return [self.types_to_measure] if self.types_to_measure else []
+        return [(t,) for t in self.types_to_measure]
+
+    def _results(
+        self, records: dict[str, _TypeRecord], boundary_s: float | None, abandoned: str | None
+    ) -> dict[str, TypeStageResult]:
+        mine = {
+            "type": self.layout.my_type,
+            "times": {b: statistics.median(v) for b, v in records[self.layout.my_type].own_times_s.items() if v}
+            if self.layout.my_type in records
+            else {},
+            "boundary_s": boundary_s,
+        }
+        everyone = gather_objects(mine)
+        results: dict[str, TypeStageResult] = {}
+        for t, record in records.items():
+            of_type = [e for e in everyone if e["type"] == t]
+            search = record.search
+            largest = 0 if record.warmup_failed else search.largest_fitting
+            samples = []
+            for size in sorted(record.peaks):
+                times = [e["times"][size] for e in of_type if size in e["times"]]
+                if size <= largest and times:
+                    samples.append(
+                        Sample(
+                            micro_batch_size=size,
+                            micro_step_time_s=max(statistics.median(times), 1e-9),
+                            peak_memory_bytes=max(1, record.peaks[size]),
+                        )
+                    )
+            boundaries = [e["boundary_s"] for e in of_type if e["boundary_s"] is not None]
+            probe = {
+                "largest_fitting": largest,
+                "smallest_failing": search.smallest_failing,
+                "predicted_largest": search.predicted,
+                "limited_by_micro_batch_size_limit": search.limited_by_limit,
+                "probed_past_prediction": search.exact,
+                "optimizer_step_peak_memory_bytes": record.boundary_peak_bytes,
+            }
+            if abandoned is not None:
+                probe["abandoned"] = abandoned
+            results[t] = TypeStageResult(
+                device_type=t,
+                complete=abandoned is None or record.warmup_failed,
+                max_micro_batch_size=largest if samples else 0,
+                samples=tuple(samples) if largest else (),
+                optimizer_step_time_s=statistics.median(boundaries) if boundaries and largest else 0.0,
+                probe=probe,
+            )
+        gc.collect()
+        return results
+
+
+class _StageAbandoned(Exception):
+    """A real device cannot run micro-batch 1 at this stage: nothing more can be measured."""
+
+
+__all__ = [
+    "JobLayout",
+    "LossFn",
+    "MeasureSettings",
+    "StageMeasurement",
+    "TrialEvent",
+    "TypeStageResult",
+    "build_layout",
+    "default_loss",
+    "gather_objects",
+    "move_to_device",
+    "stage_ds_config",
+]

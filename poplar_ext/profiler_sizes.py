@@ -1,0 +1,149 @@
+"""Which micro-batch sizes the profiler tries: the memory fit and the largest-size probe.
+
+Pure logic (no torch, no process group), so every rank computes the same decisions
+from the same agreed numbers, and tests drive it without a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def dense_sizes(largest: int) -> list[int]:
+    """Micro-batch sizes dense enough for the time curve: 1, 2, 3, 4, 6, 8, 12, 16, 24, ... and `largest`.
+
+    Powers of two and the midpoints between them (about two sizes per doubling),
+    which keeps the relative gap between neighbours at or under 50 %.
+    """
+    if largest < 0:
+        raise ValueError(f"largest: expected an integer >= 0, found {largest}")
+    sizes: set[int] = set()
+    power = 1
+    while power <= largest:
+        sizes.add(power)
+        if power >= 2 and power + power // 2 <= largest:
+            sizes.add(power + power // 2)
+        power *= 2
+    if largest >= 1:
+        sizes.add(largest)
+    return sorted(sizes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryFit:
+    """Peak memory as a straight line of the micro-batch size: ``intercept + slope * b``."""
+
+    intercept_bytes: float
+    """Memory that does not depend on the micro-batch (model, gradients, optimizer state)."""
+    bytes_per_sample: float
+    """Extra peak memory per sample (activations)."""
+
+    def predict_bytes(self, micro_batch_size: int) -> float:
+        """Predicted peak at `micro_batch_size`."""
+        return self.intercept_bytes + self.bytes_per_sample * micro_batch_size
+
+    def largest_fitting(self, capacity_bytes: float) -> int | None:
+        """Largest micro-batch predicted to fit in `capacity_bytes` (None: no limit seen).
+
+        A flat or falling line (measurement noise on a tiny model) predicts no
+        limit; the caller then grows by doubling until a real trial fails.
+        """
+        if self.bytes_per_sample <= 0:
+            return None
+        return max(0, int((capacity_bytes - self.intercept_bytes) // self.bytes_per_sample))
+
+
+def fit_memory(points: dict[int, int]) -> MemoryFit | None:
+    """Least-squares line through (micro-batch size, peak bytes); None below two sizes."""
+    if len(points) < 2:
+        return None
+    xs = list(points)
+    ys = [float(points[x]) for x in xs]
+    mean_x = sum(xs) / len(xs)
+    mean_y = sum(ys) / len(ys)
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+    slope = sxy / sxx
+    return MemoryFit(intercept_bytes=mean_y - slope * mean_x, bytes_per_sample=slope)
+
+
+@dataclass(kw_only=True)
+class LargestFitSearch:
+    """Finds the largest micro-batch that fits, trial by trial, for one device type at one stage.
+
+    ``next_size()`` proposes a size, the caller runs it on every rank of the type and
+    reports ``record(size, fits=..., peak_memory_bytes=...)``. Sizes grow by doubling
+    from 1 (each also serves as a timing sample) up to what the memory fit predicts,
+    then the prediction is confirmed by a real run; after a failure the search bisects.
+
+    With `exact` the search also runs the size just above the confirmed one, so the
+    result is the largest size that fits with the next one failing. Without it (a real
+    device whose out-of-memory could strike inside a collective) it only runs sizes
+    predicted to fit with `margin` to spare, and its result may be conservative.
+    """
+
+    capacity_bytes: int
+    """The memory the device type has (real or emulated)."""
+    limit: int
+    """Never try a micro-batch larger than this."""
+    exact: bool
+    """Whether trying a size predicted not to fit is safe."""
+    margin: float = 0.1
+    """Fraction of the capacity kept free when `exact` is off."""
+    largest_fitting: int = 0
+    """Largest size run without running out of memory so far (0: none yet)."""
+    smallest_failing: int | None = None
+    """Smallest size that ran out of memory so far (None: none yet)."""
+    predicted: int | None = None
+    """The memory fit's latest prediction of the largest size."""
+    peaks: dict[int, int] = field(default_factory=dict)
+    """Measured peak memory of every size that fitted."""
+
+    def __post_init__(self) -> None:
+        if self.limit < 1:
+            raise ValueError(f"limit: expected an integer >= 1, found {self.limit}")
+        if self.capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes: expected an integer >= 1, found {self.capacity_bytes}")
+
+    @property
+    def _ceiling(self) -> int:
+        """Largest size still worth trying (exclusive bound minus one)."""
+        return self.limit if self.smallest_failing is None else min(self.limit, self.smallest_failing - 1)
+
+    def next_size(self) -> int | None:
+        """The next size to run, or None when the search is finished."""
+        lo, ceiling = self.largest_fitting, self._ceiling
+        if lo >= ceiling:
+            return None
+        if lo == 0:
+            return 1
+        if self.smallest_failing is not None:
+            # A real failure: the line was wrong somewhere above lo; bisect.
+            return (lo + ceiling + 1) // 2
+        fit = fit_memory(self.peaks)
+        usable = self.capacity_bytes if self.exact else self.capacity_bytes * (1.0 - self.margin)
+        self.predicted = None if fit is None else fit.largest_fitting(usable)
+        if self.predicted is None:
+            return min(2 * lo, ceiling)
+        if self.predicted > lo:
+            return min(self.predicted, 2 * lo, ceiling)
+        # Predicted not to fit above lo: confirm that only where failing is safe.
+        return lo + 1 if self.exact else None
+
+    def record(self, size: int, *, fits: bool, peak_memory_bytes: int | None = None) -> None:
+        """The outcome of running `size` (its peak memory when it fitted)."""
+        if fits:
+            assert size > self.largest_fitting, "sizes are proposed in increasing order while they fit"
+            self.largest_fitting = size
+            if peak_memory_bytes is not None:
+                self.peaks[size] = peak_memory_bytes
+        else:
+            self.smallest_failing = size if self.smallest_failing is None else min(self.smallest_failing, size)
+
+    @property
+    def limited_by_limit(self) -> bool:
+        """True when the result is the size limit, not the device's memory."""
+        return self.largest_fitting >= self.limit
+
+
+__all__ = ["LargestFitSearch", "MemoryFit", "dense_sizes", "fit_memory"]

@@ -1,0 +1,148 @@
+"""The profile cache: lookups compare the keys stored inside the files, never file names."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from poplar_ext.profiler_cache import (
+    ProfileKey,
+    ds_config_fingerprint,
+    find_cached_profile,
+    profile_file_name,
+    store_profile,
+)
+from search.formats import Emulation, ModelInfo, Profile, Sample, load_profiles
+
+CONFIG = {"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+
+
+def _profile(**changes) -> Profile:
+    profile = Profile(
+        device_type="A100-80GB",
+        memory_capacity_bytes=80 * 10**9,
+        zero_stage=2,
+        world_size=4,
+        model=ModelInfo(name="gpt", fingerprint="sha256:0123456789abcdef", num_parameters=10, dtype="bfloat16", sequence_length=128),
+        max_micro_batch_size=4,
+        samples=(Sample(micro_batch_size=4, micro_step_time_s=0.1, peak_memory_bytes=10**9),),
+        optimizer_step_time_s=0.01,
+        emulated=None,
+        measured_with={
+            "source": "measured",
+            "torch": "2.13.0",
+            "deepspeed": "0.19.8",
+            "ds_config_fingerprint": ds_config_fingerprint(CONFIG),
+        },
+    )
+    return dataclasses.replace(profile, **changes)
+
+
+def _key(**changes) -> ProfileKey:
+    key = ProfileKey(
+        model_fingerprint="sha256:0123456789abcdef",
+        device_type="A100-80GB",
+        emulation=None,
+        zero_stage=2,
+        world_size=4,
+        dtype="bfloat16",
+        sequence_length=128,
+        torch_version="2.13.0",
+        deepspeed_version="0.19.8",
+        ds_config_fingerprint=ds_config_fingerprint(CONFIG),
+    )
+    return dataclasses.replace(key, **changes)
+
+
+def test_a_stored_profile_is_found_by_its_key(tmp_path: Path) -> None:
+    store_profile(tmp_path, _profile())
+    assert find_cached_profile(tmp_path, _key()) == _profile()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_fingerprint": "sha256:ffffffffffffffff"},
+        {"device_type": "V100-16GB"},
+        {"emulation": Emulation(slowdown=2.0, memory_capacity_bytes=10**9)},
+        {"zero_stage": 3},
+        {"world_size": 8},
+        {"dtype": "float32"},
+        {"sequence_length": 256},
+        {"torch_version": "2.12.0"},
+        {"deepspeed_version": "0.19.9"},
+        {"ds_config_fingerprint": ds_config_fingerprint({**CONFIG, "fp16": {"enabled": True}})},
+    ],
+)
+def test_any_changed_key_misses(tmp_path: Path, change: dict) -> None:
+    store_profile(tmp_path, _profile())
+    assert find_cached_profile(tmp_path, _key(**change)) is None
+
+
+def test_file_names_are_never_parsed(tmp_path: Path) -> None:
+    path = store_profile(tmp_path, _profile())
+    path.rename(tmp_path / "renamed-by-someone.json")
+    assert find_cached_profile(tmp_path, _key()) == _profile()
+
+
+def test_a_modelled_profile_is_never_reused_as_measured(tmp_path: Path) -> None:
+    store_profile(tmp_path, _profile(measured_with={"source": "modelled", "model": "datasheet"}))
+    assert find_cached_profile(tmp_path, _key()) is None
+
+
+def test_a_broken_file_is_ignored_with_a_warning_naming_it(tmp_path: Path) -> None:
+    store_profile(tmp_path, _profile())
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="profile cache: ignoring .*broken.json"):
+        assert find_cached_profile(tmp_path, _key()) == _profile()
+
+
+def test_a_missing_directory_is_an_empty_cache(tmp_path: Path) -> None:
+    assert find_cached_profile(tmp_path / "absent", _key()) is None
+
+
+def test_storing_replaces_the_profile_with_the_same_type_stage_and_model(tmp_path: Path) -> None:
+    # load_profiles allows one profile per (device type, stage, model) in a directory.
+    first = store_profile(tmp_path, _profile())
+    first.rename(tmp_path / "old-name.json")
+    second = store_profile(tmp_path, _profile(world_size=8))
+    assert second == tmp_path / "old-name.json"
+    assert [p.world_size for p in load_profiles(tmp_path)] == [8]
+
+
+def test_other_stages_and_types_sit_side_by_side(tmp_path: Path) -> None:
+    store_profile(tmp_path, _profile())
+    store_profile(tmp_path, _profile(zero_stage=3))
+    store_profile(tmp_path, _profile(device_type="V100-16GB"))
+    assert len(load_profiles(tmp_path)) == 3
+
+
+def test_the_file_name_is_readable() -> None:
+    assert profile_file_name(_profile()) == "gpt-01234567-A100-80GB-zero2.json"
+
+
+def test_key_of_a_stored_profile_round_trips() -> None:
+    assert ProfileKey.of_profile(_profile()) == _key()
+
+
+def test_config_fingerprint_ignores_batch_sizes_the_stage_and_the_poplar_section() -> None:
+    other = {
+        **CONFIG,
+        "train_batch_size": 64,
+        "gradient_accumulation_steps": 4,
+        "zero_optimization": {"stage": 3},
+        "poplar": {"cluster": "c.json"},
+    }
+    assert ds_config_fingerprint(other) == ds_config_fingerprint(CONFIG)
+    offload = {**CONFIG, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert ds_config_fingerprint(offload) != ds_config_fingerprint(CONFIG)
+    assert CONFIG["zero_optimization"] == {"stage": 2}, "the caller's config is not modified"
+
+
+def test_stored_json_holds_every_key(tmp_path: Path) -> None:
+    data = json.loads(store_profile(tmp_path, _profile()).read_text())
+    assert data["measured_with"]["torch"] == "2.13.0"
+    assert data["model"]["fingerprint"] == "sha256:0123456789abcdef"
