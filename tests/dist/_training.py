@@ -59,14 +59,16 @@ def make_optimizer(name: str, params):
     raise ValueError(name)
 
 
-def ds_config(*, cluster: Path, plan: Path, stage: int, **poplar) -> dict:
+def ds_config(*, cluster: Path, plan: Path | None, stage: int, **poplar) -> dict:
+    if plan is not None:
+        poplar["plan"] = str(plan)
     return {
         "train_micro_batch_size_per_gpu": 1,  # replaced by the plan's
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10_000,
-        "poplar": {"cluster": str(cluster), "plan": str(plan), "log_interval_steps": 0, **poplar},
+        "poplar": {"cluster": str(cluster), "log_interval_steps": 0, **poplar},
     }
 
 

@@ -40,6 +40,7 @@ import multiprocessing
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -122,6 +123,9 @@ def _rank_main(
     log_fd = os.open(Path(out_dir) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
+    # pytest's capture replaced sys.stdout/stderr by objects writing to its own files.
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
     exit_code = 0
     try:
         os.environ.update(
@@ -157,6 +161,12 @@ def _rank_main(
         with open(result_path, "wb") as f:
             pickle.dump(("error", traceback.format_exc()), f)
         exit_code = 1
+    # os._exit skips Python's buffer flushing: flush the rank's output to its log first.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
     # Skip the parent's atexit handlers and pytest's teardown that the fork copied.
     os._exit(exit_code)
 

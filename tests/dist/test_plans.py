@@ -1,0 +1,125 @@
+"""Plans that cannot run are refused on every rank before any collective; plans
+searched at start reach every rank.
+
+The bad cases run with no process group set up in advance: a rank that went on
+to DeepSpeed's rendezvous while another raised would wait there until the
+harness's timeout, so passing here means no rank entered any collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+from harness import run_ranks
+
+import _training as t
+from search.formats import ModelInfo, save_profile
+from search.synthetic import synthetic_profile
+
+TYPES = ["cpu-fast", "cpu-slow", "cpu-slow"]
+
+
+def _initialize(files, *, stage, **poplar):
+    import poplar_ext
+
+    model = t.GPT(t.TINY)
+    config = t.ds_config(cluster=files["cluster"], plan=files.get(poplar.pop("plan_key", None)), stage=stage)
+    config["poplar"].update(poplar)
+    return poplar_ext.initialize(model=model, optimizer=t.make_optimizer("sgd", model.parameters()), config=config)
+
+
+BAD_CASES = {
+    "two_ranks": dict(stage=1, plan_key="two_ranks"),
+    "stage2_uneven_counts": dict(stage=2, plan_key="stage2_uneven_counts"),
+    "stage_differs": dict(stage=0, plan_key="stage1"),
+    "over_max_micro_batch": dict(stage=1, plan_key="stage1", profiles_key="profiles"),
+    "missing_profiles": dict(stage=1, profiles_key="partial_profiles"),
+}
+
+
+def _refusals(files):
+    messages = {}
+    for name, case in BAD_CASES.items():
+        case = dict(case)
+        profiles_key = case.pop("profiles_key", None)
+        if profiles_key:
+            case["profiles"] = str(files[profiles_key])
+        try:
+            _initialize(files, **case)
+            messages[name] = "accepted"
+        except ValueError as exc:
+            messages[name] = str(exc)
+    # Last, the good case: searched on rank 0 and broadcast (the first collective).
+    engine, *_ = _initialize(files, stage=1, profiles=str(files["profiles"]), global_batch_size=12)
+    searched = [(r.micro_batch_size, r.gradient_accumulation_steps) for r in engine.plan.ranks]
+    return {"messages": messages, "searched": searched, "rank": int(os.environ["RANK"])}
+
+
+def _profiles(directory, fingerprint, types_and_caps):
+    directory.mkdir()
+    model = ModelInfo(name="tiny-gpt", fingerprint=fingerprint, num_parameters=1, dtype="float32")
+    for device_type, cap, seconds_per_sample in types_and_caps:
+        profile = synthetic_profile(
+            device_type, zero_stage=1, max_micro_batch_size=cap, overhead_s=0.001,
+            seconds_per_sample=seconds_per_sample, world_size=3,
+        )
+        save_profile(dataclasses.replace(profile, model=model), directory / f"{device_type}-stage1.json")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from poplar_ext.fingerprint import model_fingerprint
+
+    tmp = tmp_path_factory.mktemp("plans")
+    fingerprint = model_fingerprint(t.GPT(t.TINY))
+    files = {
+        "cluster": t.write_cluster(tmp / "cluster.json"),
+        "two_ranks": t.write_plan(tmp / "two.json", [(2, 1), (2, 1)], stage=1, device_types=TYPES[:2]),
+        "stage2_uneven_counts": t.write_plan(tmp / "s2.json", [(2, 1), (2, 2), (2, 1)], stage=2, device_types=TYPES),
+        "stage1": t.write_plan(tmp / "s1.json", [(8, 1), (3, 1), (2, 1)], stage=1, device_types=TYPES),
+        # cpu-slow can hold at most 2 samples per micro-step
+        "profiles": _profiles(tmp / "profiles", fingerprint, [("cpu-fast", 16, 0.001), ("cpu-slow", 2, 0.003)]),
+        "partial_profiles": _profiles(tmp / "partial", fingerprint, [("cpu-fast", 16, 0.001)]),
+    }
+    return run_ranks(_refusals, world_size=3, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=120)
+
+
+def _messages(results, case):
+    messages = [r["messages"][case] for r in results]
+    assert len(set(messages)) == 1, f"ranks disagree: {messages}"
+    return messages[0]
+
+
+def test_plan_for_another_world_size(results):
+    message = _messages(results, "two_ranks")
+    assert "The plan names 2 ranks but the job has 3 (WORLD_SIZE)." in message
+
+
+def test_stage2_with_per_rank_counts(results):
+    assert "ZeRO stage 2 needs the same gradient_accumulation_steps on every rank" in _messages(results, "stage2_uneven_counts")
+
+
+def test_plan_stage_differs_from_config(results):
+    message = _messages(results, "stage_differs")
+    assert "The plan is for ZeRO stage 1 but the DeepSpeed config sets zero_optimization.stage 0." in message
+
+
+def test_micro_batch_over_the_profiles_largest(results):
+    message = _messages(results, "over_max_micro_batch")
+    assert "micro_batch_size is above the profile's max_micro_batch_size at rank 1 (cpu-slow: 3 > 2)" in message
+
+
+def test_missing_profiles_say_what_to_run(results):
+    message = _messages(results, "missing_profiles")
+    assert "lacks profiles for these device types and ZeRO stages (stage 1: cpu-slow)" in message
+    assert "Run: poplar-profile" in message
+
+
+def test_searched_plan_reaches_every_rank(results):
+    plans = [r["searched"] for r in results]
+    assert plans[0] == plans[1] == plans[2]
+    assert sum(b * s for b, s in plans[0]) == 12
+    assert all(b <= 2 for b, _ in plans[0][1:])  # within cpu-slow's cap
