@@ -151,8 +151,8 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="train on an emulated 3-rank heterogeneous CPU cluster with each policy and compare",
         description=(
-            "Three CPU ranks emulate three device types (cpu-fast, cpu-2x: 2x slower, cpu-4x: 4x slower "
-            "with less memory). With the project's toy GPT and real DeepSpeed ZeRO, it profiles each type "
+            "Three CPU ranks emulate three device types (cpu-fast; cpu-medium, 2x slower; cpu-slow, 4x slower "
+            "with the least memory). With the project's toy GPT and real DeepSpeed ZeRO, it profiles each type "
             "(reusing cached profiles), searches a plan per policy (uniform, proportional, poplar), trains "
             "each for a fixed number of iterations in one launch, and reports measured against predicted "
             "iteration time, speedup over uniform and share of the measured ideal. Writes NAME.json, "
@@ -164,7 +164,13 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--iterations", type=_positive_int, default=defaults.iterations, help=f"measured iterations per policy and round (default {defaults.iterations})")
     p.add_argument("--rounds", type=_positive_int, default=defaults.rounds, help=f"rounds; each round runs every policy in turn (default {defaults.rounds})")
     p.add_argument("--global-batch-size", type=_positive_int, default=defaults.global_batch_size, help=f"samples per iteration (default {defaults.global_batch_size})")
-    p.add_argument("--profile-cache", type=Path, default=None, help="profile cache directory (default: ~/.cache/poplar-ext/demo-profiles, or $XDG_CACHE_HOME)")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where the emulated cluster and the cached profiles are kept; a second run reuses them "
+        "(default: $XDG_CACHE_HOME/poplar-ext/demo, ~/.cache/poplar-ext/demo when unset)",
+    )
     p.add_argument("--force-profile", action="store_true", help="measure again even when cached profiles exist")
     p.set_defaults(run=_run_demo)
 
@@ -177,7 +183,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         iterations=args.iterations,
         rounds=args.rounds,
         global_batch_size=args.global_batch_size,
-        profile_cache_dir=args.profile_cache,
+        cache_dir=args.cache_dir,
         force_profile=args.force_profile,
     )
     paths = demo.run_demo(settings, out_dir=args.output_dir or default_output_dir(), name=args.name)
@@ -190,7 +196,13 @@ def _run_demo(args: argparse.Namespace) -> int:
 # search-speed and overhead: modules owned by the search and runtime engineers
 # ----------------------------------------------------------------------------------
 def add_search_speed_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("search-speed", help="search time against cluster size and number of device types")
+    p = subparsers.add_parser(
+        "search-speed",
+        help="search time against cluster size and number of device types",
+        description="Time search_plan for 8 to 4096 ranks and 1 to 6 device types (median of repeats); "
+        "writes search_speed.json and search_speed.md (bench/search_speed.py).",
+    )
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed repeats per cell (default 5)")
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
     p.set_defaults(run=_run_search_speed)
 
@@ -198,14 +210,19 @@ def add_search_speed_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_search_speed(args: argparse.Namespace) -> int:
     from bench import search_speed
 
-    result = search_speed.run_search_speed()
+    result = search_speed.run_search_speed(repeats=args.repeats)
     for path in search_speed.write_report(result, args.output_dir or default_output_dir()) or []:
         print(path)
     return 0
 
 
 def add_overhead_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("overhead", help="poplar_ext against raw DeepSpeed at the same uniform allocation")
+    p = subparsers.add_parser(
+        "overhead",
+        help="poplar_ext against raw DeepSpeed at the same uniform allocation",
+        description="Per-iteration overhead of poplar_ext.initialize against deepspeed.initialize "
+        "(bench/runtime_overhead.py); writes runtime_overhead.json and .md.",
+    )
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
     p.set_defaults(run=_run_overhead)
 

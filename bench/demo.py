@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.demo_config import DemoSettings, demo_cluster
+from bench.demo_config import DemoSettings
 from bench.report import REPORT_SCHEMA, demo_goals, derive_comparisons, machine_description, repetitions, utc_now, write_report
-from search.formats import read_json
+from search.formats import cluster_from_dict, read_json
 
 POLICIES = ("uniform", "proportional", "poplar")
 
@@ -95,7 +95,7 @@ def run_demo(settings: DemoSettings, *, out_dir: Path, name: str = "demo") -> li
     started = time.perf_counter()
     progress(f"importing torch and deepspeed; {settings.world_size} ranks will be forked")
     import_s = _preimport()
-    progress(f"imports took {import_s:.1f} s; profile cache: {settings.cache_dir()}")
+    progress(f"imports took {import_s:.1f} s; cache: {settings.cache_root()}")
     with tempfile.TemporaryDirectory(prefix="poplar-demo-") as tmp:
         work_dir = Path(tmp)
         rank_results = run_ranks(settings, work_dir)
@@ -172,10 +172,11 @@ def assemble_report(
 
     `plans` maps each policy to ``{status, message, plan (plan JSON or None),
     predicted_busy_s (per rank), predicted {iteration_time_s, samples_per_s}}``,
-    written by rank 0 (see `bench.demo_worker`), plus ``profiles`` (device type ->
-    curve at the demo's stage and profile provenance) and ``ideal_predicted``.
+    written by rank 0 (see `bench.demo_worker`), plus ``cluster`` (the cluster
+    description JSON the ranks agreed on), ``profiles`` (device type -> curve at
+    the demo's stage and profile provenance) and ``ideal_predicted``.
     """
-    cluster = demo_cluster(settings)
+    cluster = cluster_from_dict(plans["cluster"])
     entries = []
     for policy in POLICIES:
         info = plans["policies"][policy]
@@ -214,17 +215,19 @@ def assemble_report(
             }
         )
     device_types = {}
-    for device in settings.devices:
-        device_types[device.name] = {
-            "source": "emulated",
-            "emulation": {"slowdown": device.slowdown, "memory_capacity_bytes": device.memory_capacity_bytes},
-            "profile": plans["profiles"].get(device.name, {}).get("provenance"),
+    for name in cluster.type_counts():
+        emulation = cluster.emulation_of(name)
+        device_types[name] = {
+            "source": "emulated" if emulation else "real",
+            "emulation": None if emulation is None else {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes},
+            "max_micro_batch_size": plans["profiles"].get(name, {}).get("max_micro_batch_size"),
+            "profile": plans["profiles"].get(name, {}).get("provenance"),
         }
     # The figure's curves are the standalone measurements of this run; the profiled
     # curves (possibly from the cache) are kept alongside for comparison.
     curves = {result["device_type"]: _standalone_curve(result) for result in rank_results}
     scenario = {
-        "name": f"{settings.world_size} CPU ranks emulating " + ", ".join(d.name for d in settings.devices),
+        "name": f"{cluster.world_size} CPU ranks emulating " + ", ".join(cluster.type_counts()),
         "cluster": {"world_size": cluster.world_size, "type_counts": cluster.type_counts(), "file": None},
         "model": plans["model"],
         "device_types": device_types,
@@ -232,6 +235,7 @@ def assemble_report(
         "ideal_samples_per_s": {"predicted": plans.get("ideal_predicted"), "measured": measured_ideal_samples_per_s(rank_results)},
         "curves": curves,
         "profiled_curves": {name: info["curve"] for name, info in plans["profiles"].items()},
+        "profiles_from_cache": all(r.get("profile_cache_hit") for r in rank_results),
         "policies": entries,
     }
     derive_comparisons(scenario)
@@ -247,7 +251,9 @@ def assemble_report(
             "Devices are emulated: each rank is a CPU process (1 thread); a slower type sleeps (slowdown - 1) x the CPU time of its micro-step; its memory capacity is a declared limit.",
             f"ZeRO stage {settings.zero_stage}; each policy ran {settings.warmup_iterations} warm-up + {settings.rounds} rounds x {settings.iterations} measured iterations, policies interleaved per round; figures are medians, every repetition is in the JSON.",
             "Iteration time: from a barrier to the end of the optimizer step on the slowest rank. Busy time: from that barrier until the rank reaches the boundary gradient reduction (its own micro-steps, without waiting).",
-            "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication), measured in this run.",
+            "The demo ends each emulated micro-step (and its sleep) before the boundary gradient reduction, as a slow device finishes computing before it communicates; poplar_ext's engine would otherwise sleep after DeepSpeed's backward, after the reduction.",
+            "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication, ranks measured one at a time), measured in this run at the profile's best and largest micro-batch.",
+            "Predictions come from the profiles, which time each micro-step by process CPU time x slowdown; measurements are wall time, so load from other processes on the machine shows as prediction error.",
             "Other processes on this machine were not controlled; its load shows in the repetitions.",
         ],
         "timings_s": {**timings, **{f"rank{r['rank']}_{k}": v for r in rank_results for k, v in r["timings_s"].items()}},
@@ -260,5 +266,5 @@ def _settings_dict(settings: DemoSettings) -> dict[str, Any]:
     import dataclasses
 
     data = dataclasses.asdict(settings)
-    data["profile_cache_dir"] = str(settings.cache_dir())
+    data["cache_dir"] = str(settings.cache_root())
     return data

@@ -63,6 +63,9 @@ def machine_description() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "gpus": None,
+        # Other processes slow a CPU benchmark down; this says how busy the machine was
+        # (1, 5 and 15 minute averages when the report was written).
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "libraries": versions,
     }
 
@@ -199,7 +202,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"- data: **{report['data_source']}**",
         f"- made {report['created_utc']} on {machine.get('hostname')} ({machine.get('cpu')}, "
-        f"{machine.get('usable_cpus')} usable CPUs, GPUs: {machine.get('gpus') or 'none'}; "
+        f"{machine.get('usable_cpus')} usable CPUs, GPUs: {machine.get('gpus') or 'none'}, "
+        f"load average {_load_text(machine.get('load_average'))}; "
         f"python {machine.get('python')}, torch {machine['libraries'].get('torch')}, "
         f"deepspeed {machine['libraries'].get('deepspeed')})",
     ]
@@ -216,6 +220,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{scenario['cluster']['world_size']} ranks: {devices}. Model {scenario['model']['name']} "
             f"({scenario['model']['num_parameters']:,} parameters). Global batch {scenario['global_batch_size']}. "
             f"Ideal samples/s: measured {_fmt(ideal.get('measured'))}, predicted {_fmt(ideal.get('predicted'))}."
+            + ("" if "profiles_from_cache" not in scenario else
+               f" Profiles: {'reused from the cache' if scenario['profiles_from_cache'] else 'measured in this run'}.")
         )
         lines += [
             "",
@@ -246,6 +252,10 @@ def render_markdown(report: dict[str, Any]) -> str:
             for g in scenario["goals"]:
                 lines.append(f"| {g['goal']} | {_fmt(g['value'])} | {g['target']} | {'yes' if g['met'] else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def _load_text(load: list[float] | None) -> str:
+    return "unknown" if not load else " / ".join(f"{x:.1f}" for x in load) + " (1 / 5 / 15 min)"
 
 
 def _emulation_text(emulation: dict[str, Any]) -> str:

@@ -71,7 +71,7 @@ def test_demo_help_says_where_reports_go(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--help"])
     out = capsys.readouterr().out
-    assert "bench/results" in out and "--iterations" in out and "--profile-cache" in out
+    assert "bench/results" in out and "--iterations" in out and "--cache-dir" in out
 
 
 def test_simulate_never_imports_torch(tmp_path):
@@ -82,3 +82,19 @@ def test_simulate_never_imports_torch(tmp_path):
     )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
+
+
+def test_search_speed_runs_the_search_engineers_benchmark(tmp_path, monkeypatch):
+    from bench import search_speed
+
+    calls = []
+    real = search_speed.run_search_speed
+
+    def small(**kwargs):
+        calls.append(kwargs)
+        return real(rank_counts=(8,), type_counts=(1,), repeats=kwargs["repeats"])
+
+    monkeypatch.setattr(search_speed, "run_search_speed", small)
+    assert cli.main(["search-speed", "--repeats", "1", "--output-dir", str(tmp_path)]) == 0
+    assert calls == [{"repeats": 1}]
+    assert (tmp_path / "search_speed.json").exists() and (tmp_path / "search_speed.md").exists()

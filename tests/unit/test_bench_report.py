@@ -5,12 +5,13 @@ import json
 import pytest
 
 from bench import demo, report
-from bench.demo_config import DemoDevice, DemoSettings, deepspeed_config, demo_cluster
+from bench.demo_config import DemoDevice, DemoSettings, deepspeed_config, demo_cluster, memory_capacity_bytes
+from search.formats import cluster_to_dict
 
 SETTINGS = DemoSettings(
     devices=(
-        DemoDevice(name="fast", slowdown=1.0, memory_capacity_bytes=1 << 30),
-        DemoDevice(name="slow", slowdown=2.0, memory_capacity_bytes=1 << 29),
+        DemoDevice(name="fast", slowdown=1.0, memory_headroom_bytes=1 << 30),
+        DemoDevice(name="slow", slowdown=2.0, memory_headroom_bytes=1 << 29),
     ),
     global_batch_size=12,
 )
@@ -42,6 +43,7 @@ def _plans():
         "model": {"name": "toy", "num_parameters": 1000},
         "profiles": {"fast": {"curve": [], "provenance": {"source": "measured"}}, "slow": {"curve": [], "provenance": {"source": "measured"}}},
         "ideal_predicted": 15.0,
+        "cluster": cluster_to_dict(demo_cluster(SETTINGS, baseline_bytes=300 << 20)),
     }
 
 
@@ -141,21 +143,29 @@ def test_repetitions_need_at_least_one_value():
 
 
 def test_demo_cluster_declares_every_emulation_in_rank_order():
-    cluster = demo_cluster(SETTINGS)
+    cluster = demo_cluster(SETTINGS, baseline_bytes=300 << 20)
     assert cluster.rank_device_types == ("fast", "slow")
     assert cluster.emulation_of("slow").slowdown == 2.0
+    assert cluster.emulation_of("slow").memory_capacity_bytes == (320 << 20) + (1 << 29)
 
 
-def test_demo_deepspeed_config_sets_clipping_and_a_consistent_nominal_batch():
-    config = deepspeed_config(SETTINGS, micro_batch_size=3, gradient_accumulation_steps=2)
+def test_memory_capacity_rounds_the_baseline_up_to_32_mib():
+    device = SETTINGS.devices[0]
+    assert memory_capacity_bytes(device, 320 << 20) == (320 << 20) + (1 << 30)
+    assert memory_capacity_bytes(device, (320 << 20) + 1) == (352 << 20) + (1 << 30)
+
+
+def test_demo_deepspeed_config_sets_clipping_and_the_true_global_batch_only():
+    config = deepspeed_config(SETTINGS)
     assert config["gradient_clipping"] == 1.0
-    assert config["train_batch_size"] == 3 * 2 * 2
+    assert config["train_batch_size"] == 12
+    assert "train_micro_batch_size_per_gpu" not in config and "gradient_accumulation_steps" not in config
 
 
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"devices": (DemoDevice(name="x", slowdown=1.0, memory_capacity_bytes=1),)}, r"devices: expected at least 2 emulated devices, found 1"),
+        ({"devices": (DemoDevice(name="x", slowdown=1.0, memory_headroom_bytes=1),)}, r"devices: expected at least 2 emulated devices, found 1"),
         ({"zero_stage": 2}, r"zero_stage: expected 0 or 1 .*found 2"),
         ({"iterations": 0}, r"iterations: expected an integer >= 1, found 0"),
         ({"global_batch_size": 2, "devices": SETTINGS.devices * 2}, r"global_batch_size: expected at least one sample per rank \(4\), found 2"),

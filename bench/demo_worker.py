@@ -1,0 +1,412 @@
+"""One rank of `poplar-bench demo` (forked by `bench.demo`).
+
+Phases, all ranks together:
+
+1. profile every device type at the demo's ZeRO stage (the profiler's cache makes a
+   second run skip the measurement);
+2. rank 0 searches a plan per policy and writes them; every rank reads them;
+3. one `poplar_ext.initialize` engine per policy; rounds of measured iterations,
+   the policies interleaved so that background load hits them alike;
+4. each rank's standalone throughput (its micro-steps alone, no communication), the
+   measured ideal.
+
+Each rank writes ``rank<N>.json`` (or ``rank<N>.error``) into the work directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from bench.demo_config import BASELINE_ROUNDING_BYTES, DemoSettings, deepspeed_config, demo_cluster
+from search.errors import FormatError
+from search.formats import (
+    Cluster,
+    Profile,
+    cluster_to_dict,
+    load_cluster,
+    load_plan,
+    plan_to_dict,
+    read_json,
+    save_cluster,
+    save_plan,
+    write_json_atomic,
+)
+
+POLICIES = ("uniform", "proportional", "poplar")
+_PG_TIMEOUT_S = 180
+
+
+def worker_main(rank: int, settings: DemoSettings, work_dir: str, port: int) -> None:
+    """Entry point of a forked rank: run, then write the result or the traceback."""
+    work = Path(work_dir)
+    exit_code = 0
+    try:
+        result = run_rank(rank, settings, work, port)
+        write_json_atomic(result, work / f"rank{rank}.json")
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent as text
+        (work / f"rank{rank}.error").write_text(traceback.format_exc())
+        exit_code = 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the parent's atexit handlers and multiprocessing's cleanup inherited by fork.
+    os._exit(exit_code)
+
+
+def _say(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"[poplar-bench demo] {message}", file=sys.stderr, flush=True)
+
+
+def _timed(timings: dict[str, float], key: str, fn: Callable[[], Any]) -> Any:
+    start = time.perf_counter()
+    value = fn()
+    timings[key] = time.perf_counter() - start
+    return value
+
+
+def run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[str, Any]:
+    """All phases on one rank; returns this rank's measurements."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(settings.world_size),
+        LOCAL_WORLD_SIZE=str(settings.world_size),
+    )
+    import deepspeed
+
+    from poplar_ext.emulation import limit_cpu_threads
+
+    limit_cpu_threads()
+    timings: dict[str, float] = {}
+    _timed(
+        timings,
+        "init_distributed_s",
+        lambda: deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=_PG_TIMEOUT_S), verbose=False),
+    )
+    cluster_path = work / "cluster.json"
+    cluster = _timed(timings, "cluster_s", lambda: agreed_cluster(settings, cluster_path))
+    device_type = cluster.rank_device_types[rank]
+
+    _say(rank, f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} (cache: {settings.profiles_dir()})")
+    profiles, cache_hit = _timed(timings, "profile_s", lambda: profile_devices(settings, cluster_path))
+    _say(rank, f"profiles {'from the cache' if cache_hit else 'measured'} in {timings['profile_s']:.1f} s")
+
+    if rank == 0:
+        write_json_atomic(make_plans(settings, profiles, cluster, work), work / "plans.json")
+    dist.barrier()
+    plans = read_json(work / "plans.json")
+
+    policies = [p for p in POLICIES if plans["policies"][p]["status"] == "ok"]
+    engines = {}
+    for policy in policies:
+        plan_path = work / f"plan-{policy}.json"
+        engines[policy] = _timed(timings, f"initialize_{policy}_s", lambda: build_engine(settings, cluster_path, plan_path))
+    _say(rank, "engines ready (first initialize {:.1f} s); training {} for {} rounds x {} iterations".format(
+        timings.get(f"initialize_{policies[0]}_s", 0.0) if policies else 0.0, ", ".join(policies), settings.rounds, settings.iterations))
+
+    measured: dict[str, dict[str, list[float]]] = {p: {"iteration_time_s": [], "busy_s": [], "boundary_wait_s": []} for p in policies}
+    for engine in engines.values():
+        for _ in range(settings.warmup_iterations):
+            engine.run_iteration()
+    for round_index in range(settings.rounds):
+        for policy in policies:
+            for _ in range(settings.iterations):
+                iteration_s, busy_s, wait_s = engines[policy].run_iteration()
+                measured[policy]["iteration_time_s"].append(iteration_s)
+                measured[policy]["busy_s"].append(busy_s)
+                measured[policy]["boundary_wait_s"].append(wait_s)
+            _say(rank, f"round {round_index + 1}/{settings.rounds} {policy}: rank 0 iteration median {statistics.median(measured[policy]['iteration_time_s']):.3f} s")
+
+    _say(rank, "measuring each rank's standalone throughput (the ideal)")
+    profile = next(p for p in profiles if p.device_type == device_type)
+    standalone = _timed(timings, "standalone_s", lambda: measure_standalone(settings, cluster, rank, profile))
+    dist.barrier()
+    return {
+        "rank": rank,
+        "device_type": device_type,
+        "timings_s": timings,
+        "profile_cache_hit": cache_hit,
+        "policies": measured,
+        "standalone": standalone,
+    }
+
+
+# ----------------------------------------------------------------------------------
+# Phase 0: the emulated cluster
+# ----------------------------------------------------------------------------------
+def measure_baseline_bytes(settings: DemoSettings) -> int:
+    """This process's peak memory for the model, its gradients and Adam state at micro-batch 1.
+
+    The profiler measures the whole process on CPU, so emulated capacities are set
+    above this baseline (which depends on the machine and library versions).
+    """
+    from poplar_ext.memory import peak_memory_bytes, release_memory, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    reset_peak_memory(cpu)
+    model = _make_model(settings)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(_batch(settings, 1)).backward()
+    optimizer.step()
+    peak = peak_memory_bytes(cpu)
+    del model, optimizer
+    release_memory(cpu)
+    return peak
+
+
+def _baseline_of(cluster: Cluster, settings: DemoSettings) -> int | None:
+    """The baseline a stored demo cluster was made with, or None when it does not fit `settings`."""
+    if cluster.rank_device_types != tuple(d.name for d in settings.devices):
+        return None
+    baselines = set()
+    for device in settings.devices:
+        emulation = cluster.emulation_of(device.name)
+        if emulation is None or emulation.slowdown != device.slowdown:
+            return None
+        baselines.add(emulation.memory_capacity_bytes - device.memory_headroom_bytes)
+    if len(baselines) != 1:
+        return None
+    (baseline,) = baselines
+    return baseline if baseline > 0 and baseline % BASELINE_ROUNDING_BYTES == 0 else None
+
+
+def agreed_cluster(settings: DemoSettings, cluster_path: Path) -> Cluster:
+    """The emulated cluster, the same on every rank, written to `cluster_path`.
+
+    The capacities depend on the measured baseline; the cluster is kept in the
+    profile cache and reused while the baseline still fits under it, so the
+    profiles cached for it (keyed by the emulation) are reused on the next run.
+    """
+    baseline = torch.tensor([measure_baseline_bytes(settings)], dtype=torch.int64)
+    dist.all_reduce(baseline, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        stored = settings.cluster_file()
+        cluster = None
+        if stored.exists() and not settings.force_profile:
+            try:
+                candidate = load_cluster(stored)
+            except FormatError:
+                candidate = None  # a damaged file is replaced below
+            stored_baseline = None if candidate is None else _baseline_of(candidate, settings)
+            if stored_baseline is not None and stored_baseline >= int(baseline):
+                cluster = candidate
+        if cluster is None:
+            cluster = demo_cluster(settings, baseline_bytes=int(baseline))
+            save_cluster(cluster, stored)
+        save_cluster(cluster, cluster_path)
+    dist.barrier()
+    return load_cluster(cluster_path)
+
+
+# ----------------------------------------------------------------------------------
+# Phase 1: profiles
+# ----------------------------------------------------------------------------------
+def _make_model(settings: DemoSettings) -> torch.nn.Module:
+    from poplar_ext.toy_gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(**dataclasses.asdict(settings.model)), seed=settings.seed)
+
+
+def _batch(settings: DemoSettings, micro_batch_size: int) -> torch.Tensor:
+    """Random tokens: the content does not change the time of a step."""
+    generator = torch.Generator().manual_seed(settings.seed * 7919 + micro_batch_size)
+    return torch.randint(0, settings.model.vocab_size, (micro_batch_size, settings.model.sequence_length + 1), generator=generator)
+
+
+def _cached_fingerprints(cache_dir: Path) -> set[str]:
+    """Fingerprints of the profiles already in the cache (to tell reuse from measurement)."""
+    from search.formats import load_profile
+
+    found = set()
+    for path in cache_dir.glob("*.json") if cache_dir.is_dir() else []:
+        try:
+            found.add(load_profile(path).fingerprint)
+        except FormatError:
+            continue  # damaged: the profiler measures again
+    return found
+
+
+def profile_devices(settings: DemoSettings, cluster_path: Path) -> tuple[list[Profile], bool]:
+    """Profiles of every device type at the demo's stage from the profiler, and whether
+    all of them came from its cache."""
+    from poplar_ext.profiler import profile_model
+
+    cache_dir = settings.profiles_dir()
+    before = _cached_fingerprints(cache_dir)
+    profiles = profile_model(
+        model_factory=lambda: _make_model(settings),
+        make_batch=lambda size: _batch(settings, size),
+        ds_config=deepspeed_config(settings),
+        cluster=cluster_path,
+        zero_stages=(settings.zero_stage,),
+        cache_dir=cache_dir,
+        force=settings.force_profile,
+        progress=_rank0_progress,
+        model_name="toy-gpt",
+        sequence_length=settings.model.sequence_length,
+        micro_batch_size_limit=settings.max_micro_batch_size,
+    )
+    return profiles, all(p.fingerprint in before for p in profiles)
+
+
+def _rank0_progress(line: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[poplar-bench demo] profiler: {line}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------
+# Phase 2: plans (rank 0)
+# ----------------------------------------------------------------------------------
+def make_plans(settings: DemoSettings, profiles: list[Profile], cluster: Cluster, work: Path) -> dict[str, Any]:
+    """Search every policy, write each plan to ``plan-<policy>.json`` in `work`, and
+    return what `bench.demo.assemble_report` reads as ``plans``."""
+    from search import predict, search_plan
+
+    out: dict[str, Any] = {"policies": {}, "cluster": cluster_to_dict(cluster)}
+    for policy in POLICIES:
+        result = search_plan(profiles, cluster, global_batch_size=settings.global_batch_size, zero_stage=settings.zero_stage, policy=policy)
+        if result.status != "ok":
+            out["policies"][policy] = {"status": result.status, "message": result.message, "plan": None}
+            continue
+        save_plan(result.plan, work / f"plan-{policy}.json")
+        prediction = predict(result.plan, profiles)
+        out["policies"][policy] = {
+            "status": "ok",
+            "message": result.message,
+            "plan": plan_to_dict(result.plan),
+            "predicted_busy_s": [float(t) for t in prediction.rank_busy_time_s],
+            "predicted": {"iteration_time_s": float(prediction.iteration_time_s), "samples_per_s": float(prediction.samples_per_s)},
+        }
+        out["ideal_predicted"] = max(out.get("ideal_predicted", 0.0), result.plan.predicted.ideal_samples_per_s)
+    first = profiles[0]
+    out["model"] = {"name": first.model.name, "num_parameters": first.model.num_parameters, "fingerprint": first.model.fingerprint}
+    out["profiles"] = {
+        p.device_type: {
+            "curve": [
+                {"micro_batch_size": s.micro_batch_size, "micro_step_time_s": s.micro_step_time_s, "samples_per_s": s.micro_batch_size / s.micro_step_time_s}
+                for s in p.samples
+            ],
+            "max_micro_batch_size": p.max_micro_batch_size,
+            "optimizer_step_time_s": p.optimizer_step_time_s,
+            "provenance": {**p.measured_with, "emulated": None if p.emulated is None else dataclasses.asdict(p.emulated)},
+        }
+        for p in profiles
+        if p.zero_stage == settings.zero_stage
+    }
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# Phase 3: training with each policy
+# ----------------------------------------------------------------------------------
+class PolicyRun:
+    """One poplar_ext engine and this rank's share of a plan; times whole iterations."""
+
+    def __init__(self, engine: Any, batch: torch.Tensor, accumulation_steps: int) -> None:
+        self.engine = engine
+        self.batch = batch
+        self.accumulation_steps = accumulation_steps
+        self._boundary_wait_s = 0.0
+        inner = engine.deepspeed_engine  # poplar_ext.PoplarEngine wraps the real engine
+        original = inner.allreduce_gradients
+        slowdown = getattr(engine, "_slowdown", None)
+
+        def timed_allreduce(*args: Any, **kwargs: Any) -> Any:
+            boundary = inner.is_gradient_accumulation_boundary()
+            if boundary and slowdown is not None and slowdown.running:
+                # A slow device finishes its compute before it communicates: end the
+                # emulated micro-step (and its sleep) before the boundary reduction,
+                # not after DeepSpeed's backward returns, which would let the other
+                # ranks reduce and then wait for the sleep in the step's all-gather.
+                slowdown.stop()
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                # Stages 0 and 1 communicate only here: the time spent in this call
+                # is waiting for the other ranks (plus a small reduction), not work.
+                if boundary:
+                    self._boundary_wait_s += time.perf_counter() - start
+
+        inner.allreduce_gradients = timed_allreduce
+
+    def run_iteration(self) -> tuple[float, float, float]:
+        """One iteration from a common start: (iteration s, busy s, boundary wait s)."""
+        self._boundary_wait_s = 0.0
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(self.accumulation_steps):
+            loss = self.engine(self.batch)
+            self.engine.backward(loss)
+            backward_end = time.perf_counter()
+            self.engine.step()
+        end = time.perf_counter()
+        busy = backward_end - start - self._boundary_wait_s
+        return end - start, busy, self._boundary_wait_s
+
+
+def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) -> PolicyRun:
+    """`poplar_ext.initialize` with this policy's plan, as a user's script would call it."""
+    import poplar_ext
+
+    plan = load_plan(plan_path)
+    rank_plan = plan.ranks[dist.get_rank()]
+    config = deepspeed_config(settings)
+    config["poplar"] = {"cluster": str(cluster_path), "plan": str(plan_path)}
+    model = _make_model(settings)
+    engine, _, _, _ = poplar_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return PolicyRun(engine, _batch(settings, rank_plan.micro_batch_size), rank_plan.gradient_accumulation_steps)
+
+
+# ----------------------------------------------------------------------------------
+# Phase 4: standalone throughput (the measured ideal)
+# ----------------------------------------------------------------------------------
+def standalone_sizes(profile: Profile) -> list[int]:
+    """The profiled size of best throughput and the largest: the best measured one is the ideal."""
+    best = max(profile.samples, key=lambda s: s.micro_batch_size / s.micro_step_time_s).micro_batch_size
+    return sorted({best, profile.max_micro_batch_size})
+
+
+def measure_standalone(settings: DemoSettings, cluster: Cluster, rank: int, profile: Profile) -> list[dict[str, Any]]:
+    """This rank's micro-step time alone (forward + backward, emulated slowdown, no
+    communication), `settings.standalone_repeats` times after one warm-up per size.
+
+    Ranks take turns, so that each device's standalone figure is measured without
+    the other ranks competing for the machine's cores.
+    """
+    from poplar_ext.emulation import ComputeSlowdown, emulation_for_rank
+
+    points: list[dict[str, Any]] = []
+    for turn in range(dist.get_world_size()):
+        if turn == rank:
+            slowdown = ComputeSlowdown(emulation_for_rank(cluster, rank))
+            model = _make_model(settings)
+            for size in standalone_sizes(profile):
+                batch = _batch(settings, size)
+                times = []
+                for repeat in range(settings.standalone_repeats + 1):
+                    model.zero_grad(set_to_none=True)
+                    start = time.perf_counter()
+                    with slowdown:
+                        model(batch).backward()
+                    if repeat:  # the first is a warm-up
+                        times.append(time.perf_counter() - start)
+                points.append({"micro_batch_size": size, "micro_step_time_s": times})
+        dist.barrier()
+    return points
