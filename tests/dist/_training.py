@@ -82,7 +82,7 @@ def full_parameters(engine) -> dict[str, torch.Tensor]:
 
     params = dict(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values()), enabled=engine.zero_optimization_stage() == 3):
-        return {name: p.detach().clone() for name, p in params.items()}
+        return {name: p.detach().float().cpu().clone() for name, p in params.items()}
 
 
 def train_steps(engine, loader, steps: int) -> None:
@@ -90,7 +90,7 @@ def train_steps(engine, loader, steps: int) -> None:
     done = 0
     while True:
         for tokens in loader:
-            engine.backward(engine(tokens))
+            engine.backward(engine(tokens.to(engine.device)))
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             done += boundary

@@ -1,0 +1,86 @@
+"""Plan resolution without processes: a plan file, a search at start, missing profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from poplar_ext.config import poplar_config_from_dict
+from poplar_ext.planning import resolve_plan
+from search.formats import load_cluster, save_profile
+from search.synthetic import synthetic_profile
+
+
+@pytest.fixture
+def cluster_path(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"schema_version": 1, "nodes": [
+        {"name": "n0", "devices": [{"device_type": "fast", "count": 1}, {"device_type": "slow", "count": 1}]}]}))
+    return path
+
+
+def _profiles(directory, types):
+    directory.mkdir()
+    for device_type, seconds_per_sample in types:
+        profile = synthetic_profile(device_type, zero_stage=1, max_micro_batch_size=16, overhead_s=0.001,
+                                    seconds_per_sample=seconds_per_sample, world_size=2)
+        save_profile(profile, directory / f"{device_type}.json")
+    return directory
+
+
+def _resolve(cluster_path, section, *, world_size=2, zero_stage=1, broadcasts=None):
+    config = poplar_config_from_dict({"cluster": str(cluster_path), **section}, base_dir=cluster_path.parent)
+
+    def broadcast(obj):
+        if broadcasts is not None:
+            broadcasts.append(obj)
+        return obj
+
+    return resolve_plan(config, load_cluster(cluster_path), world_size=world_size, rank=0,
+                        zero_stage=zero_stage, broadcast=broadcast)
+
+
+def test_search_at_start_broadcasts_the_plan(cluster_path, tmp_path):
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    broadcasts = []
+    plan = _resolve(cluster_path, {"profiles": str(directory), "global_batch_size": 20}, broadcasts=broadcasts)
+    assert plan.global_batch_size == 20 and plan.zero_stage == 1
+    assert plan.ranks[0].samples_per_iteration > plan.ranks[1].samples_per_iteration  # the fast rank gets more
+    assert len(broadcasts) == 1 and "plan" in broadcasts[0]
+
+
+def test_missing_profiles_name_type_stage_and_command(cluster_path, tmp_path):
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001)])
+    with pytest.raises(ValueError, match=r"lacks profiles for these device types and ZeRO stages \(stage 1: slow\)\. Run: poplar-profile"):
+        _resolve(cluster_path, {"profiles": str(directory)})
+
+
+def test_no_profile_directory_at_all(cluster_path, tmp_path):
+    with pytest.raises(ValueError, match=r"\(stage 0: fast, slow; stage 1: fast, slow; stage 2: fast, slow; stage 3: fast, slow\)"):
+        _resolve(cluster_path, {"profiles": str(tmp_path / "none")}, zero_stage=None)
+
+
+def test_missing_profiles_raise_before_any_broadcast(cluster_path, tmp_path):
+    broadcasts = []
+    with pytest.raises(ValueError, match="lacks profiles"):
+        _resolve(cluster_path, {"profiles": str(tmp_path / "none")}, broadcasts=broadcasts)
+    assert broadcasts == []
+
+
+def test_infeasible_search_is_a_value_error_on_every_rank(cluster_path, tmp_path):
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    with pytest.raises(ValueError, match="the plan search found no feasible plan"):
+        _resolve(cluster_path, {"profiles": str(directory), "global_batch_size": 1})
+
+
+def test_broken_plan_file(cluster_path, tmp_path):
+    (tmp_path / "plan.json").write_text("{")
+    with pytest.raises(ValueError, match=r"poplar.plan: .*plan.json: \(line 1, column 2\): expected valid JSON"):
+        _resolve(cluster_path, {"plan": str(tmp_path / "plan.json")})
+
+
+def test_cluster_of_another_size(cluster_path, tmp_path):
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    with pytest.raises(ValueError, match=r"The cluster description names 2 ranks but the job has 3 \(WORLD_SIZE\)"):
+        _resolve(cluster_path, {"profiles": str(directory), "global_batch_size": 20}, world_size=3)
