@@ -190,8 +190,8 @@ def agreed_cluster(settings: DemoSettings, cluster_path: Path) -> Cluster:
     """The emulated cluster, the same on every rank, written to `cluster_path`.
 
     The capacities depend on the measured baseline; the cluster is kept in the
-    profile cache and reused while the baseline still fits under it, so the
-    profiles cached for it (keyed by the emulation) are reused on the next run.
+    cache directory and reused while every capacity is still above the baseline, so
+    the profiles cached for it (keyed by the emulation) are reused on the next run.
     """
     baseline = torch.tensor([measure_baseline_bytes(settings)], dtype=torch.int64)
     dist.all_reduce(baseline, op=dist.ReduceOp.MAX)
@@ -204,7 +204,11 @@ def agreed_cluster(settings: DemoSettings, cluster_path: Path) -> Cluster:
             except FormatError:
                 candidate = None  # a damaged file is replaced below
             stored_baseline = None if candidate is None else _baseline_of(candidate, settings)
-            if stored_baseline is not None and stored_baseline >= int(baseline):
+            # Reused while every emulated capacity is still above today's baseline: the
+            # baseline drifts by a few MiB from run to run, and a new cluster would
+            # make every cached profile (keyed by the emulation) useless.
+            smallest_headroom = min(d.memory_headroom_bytes for d in settings.devices)
+            if stored_baseline is not None and int(baseline) < stored_baseline + smallest_headroom:
                 cluster = candidate
         if cluster is None:
             cluster = demo_cluster(settings, baseline_bytes=int(baseline))
