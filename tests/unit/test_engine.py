@@ -1,0 +1,163 @@
+"""The engine proxy against a stand-in DeepSpeed engine: weighting, counting, logging, checkpoints."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from poplar_ext.config import poplar_config_from_dict
+from poplar_ext.emulation import ComputeSlowdown
+from poplar_ext.engine import CLIENT_STATE_KEY, PoplarEngine
+from search.formats import Emulation, plan_from_dict, plan_to_dict
+
+
+def _plan(allocation, stage=1):
+    return plan_from_dict({
+        "schema_version": 1, "policy": "poplar", "zero_stage": stage,
+        "global_batch_size": sum(b * s for b, s in allocation),
+        "ranks": [{"rank": r, "device_type": "x", "micro_batch_size": b, "gradient_accumulation_steps": s}
+                  for r, (b, s) in enumerate(allocation)],
+        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+        "profile_fingerprints": {},
+    })
+
+
+class FakeDeepSpeedEngine:
+    """Records what the proxy passes on; accumulation boundary every `gas` micro-steps."""
+
+    def __init__(self, gas):
+        self.gas, self.micro_steps, self.global_steps = gas, 0, 0
+        self.backward_calls, self.saved = [], None
+        self.some_attribute = "from deepspeed"
+
+    def __call__(self, x):
+        return x.sum()
+
+    def backward(self, loss, **kwargs):
+        self.backward_calls.append((float(loss), kwargs))
+
+    def is_gradient_accumulation_boundary(self):
+        return (self.micro_steps + 1) % self.gas == 0
+
+    def step(self):
+        if self.is_gradient_accumulation_boundary():
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, **kwargs):
+        self.saved = client_state
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        return ("path/to/ckpt", dict(self.saved)) if self.saved is not None else (None, None)
+
+
+def _engine(plan, rank=0, slowdown=None, **poplar):
+    config = poplar_config_from_dict({"cluster": "c.json", "plan": "p.json", **poplar}, base_dir=__import__("pathlib").Path("."))
+    fake = FakeDeepSpeedEngine(plan.ranks[rank].gradient_accumulation_steps)
+    return PoplarEngine(fake, plan=plan, rank=rank, poplar_config=config, device_label="x (real)", slowdown=slowdown), fake
+
+
+def test_backward_weights_the_loss_and_disables_deepspeeds_scaling():
+    engine, fake = _engine(_plan([(3, 2), (1, 3)]), rank=0)  # W=2, b=3, B=9
+    engine.backward(torch.tensor(1.5))
+    assert fake.backward_calls == [(pytest.approx(1.5 * 2 * 3 / 9), {"scale_wrt_gas": False})]
+
+
+def test_sum_reduced_loss_weight():
+    engine, fake = _engine(_plan([(3, 2), (1, 3)]), rank=1, loss_reduction="sum")
+    engine.backward(torch.tensor(1.0))
+    assert fake.backward_calls[0][0] == pytest.approx(2 / 9)
+
+
+def test_backward_refuses_scale_wrt_gas():
+    engine, _ = _engine(_plan([(2, 1)]))
+    with pytest.raises(ValueError, match="backward: scale_wrt_gas is set by poplar_ext"):
+        engine.backward(torch.tensor(1.0), scale_wrt_gas=True)
+
+
+def test_steps_count_true_samples_and_log_them(caplog):
+    engine, _ = _engine(_plan([(3, 2), (1, 3)]), log_interval_steps=2)
+    with caplog.at_level(logging.INFO, logger="poplar_ext"):
+        for _ in range(3 * 2):  # three iterations of rank 0's two micro-steps
+            engine.backward(engine(torch.ones(3)))
+            engine.step()
+    assert engine.consumed_samples == 27
+    assert engine.train_batch_size() == 9
+    lines = [r.getMessage() for r in caplog.records if "poplar step" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("poplar step 2: true global batch 9 samples,")
+    assert "x (real), micro-batch 3 x 2" in lines[0]
+    assert engine.last_samples_per_s == pytest.approx(9 / engine.last_iteration_time_s)
+
+
+def test_everything_else_is_deepspeeds():
+    engine, _ = _engine(_plan([(2, 1)]))
+    assert engine.some_attribute == "from deepspeed"
+    with pytest.raises(AttributeError):
+        engine.no_such_attribute
+
+
+def test_emulated_window_is_forward_to_backward(monkeypatch):
+    slowdown = ComputeSlowdown(Emulation(slowdown=2.0, memory_capacity_bytes=1))
+    events = []
+    monkeypatch.setattr(slowdown, "start", lambda: events.append("start"))
+    monkeypatch.setattr(slowdown, "stop", lambda: events.append("stop") or 0.0)
+    engine, _ = _engine(_plan([(2, 1)]), slowdown=slowdown)
+    engine.backward(engine(torch.ones(2)))
+    engine.step()
+    assert events == ["start", "start", "stop"]  # the second start (in backward) is a no-op on a running timer
+
+
+def test_checkpoint_keeps_plan_and_position():
+    plan = _plan([(3, 2), (1, 3)])
+    engine, fake = _engine(plan)
+    for _ in range(4):
+        engine.backward(engine(torch.ones(3)))
+        engine.step()
+    engine.save_checkpoint("dir", client_state={"mine": 1})
+    assert fake.saved[CLIENT_STATE_KEY]["consumed_samples"] == 18
+    assert fake.saved[CLIENT_STATE_KEY]["plan"] == plan_to_dict(plan)
+    resumed, resumed_fake = _engine(plan)
+    sampler = resumed.create_batch_sampler(100)
+    resumed_fake.saved = fake.saved
+    path, client_state = resumed.load_checkpoint("dir")
+    assert client_state == {"mine": 1}
+    assert resumed.consumed_samples == 18 and sampler.consumed_samples == 18
+
+
+def test_checkpoint_of_another_plan_is_refused():
+    engine, fake = _engine(_plan([(3, 2), (1, 3)]))
+    engine.save_checkpoint("dir")
+    other, other_fake = _engine(_plan([(2, 2), (2, 3)]))
+    other_fake.saved = fake.saved
+    with pytest.raises(ValueError, match=r"was saved with the plan .*'ranks': \[\(3, 2\), \(1, 3\)\].* but this job runs"):
+        other.load_checkpoint("dir")
+
+
+def test_checkpoint_with_another_seed_is_refused():
+    engine, fake = _engine(_plan([(2, 1)]))
+    engine.save_checkpoint("dir")
+    other, other_fake = _engine(_plan([(2, 1)]), seed=5)
+    other_fake.saved = fake.saved
+    with pytest.raises(ValueError, match="saved with poplar.seed 0 and shuffle True, this job has 5 and True"):
+        other.load_checkpoint("dir")
+
+
+def test_checkpoint_not_made_by_poplar_ext_is_refused():
+    engine, fake = _engine(_plan([(2, 1)]))
+    fake.saved = {"other": 1}
+    with pytest.raises(ValueError, match="was not saved by poplar_ext"):
+        engine.load_checkpoint("dir")
+
+
+def test_no_checkpoint_found_passes_through():
+    engine, _ = _engine(_plan([(2, 1)]))
+    assert engine.load_checkpoint("dir") == (None, None)
+
+
+def test_initialize_needs_the_poplar_section():
+    import poplar_ext
+
+    with pytest.raises(ValueError, match="DeepSpeed config: expected a top-level 'poplar' section"):
+        poplar_ext.initialize(model=torch.nn.Linear(1, 1), config={"train_batch_size": 1})
