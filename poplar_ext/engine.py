@@ -16,7 +16,9 @@ What happens underneath, on every rank:
    that gradients are exactly those of the mean loss over the global batch; on an
    emulated device type the forward..backward window is slowed
    (`poplar_ext.emulation`); at each optimizer step it counts the samples consumed and
-   logs the true global batch and samples/s. Everything else is delegated.
+   logs the true global batch and samples/s. Everything else is delegated (the
+   emulated window ends where DeepSpeed starts reducing gradients: see
+   `PoplarEngine._end_emulated_compute_before_reduction`).
 4. The training dataloader (when ``training_data`` is given) yields this rank's
    micro-batches from the shared data stream (`poplar_ext.data`).
 """
@@ -107,6 +109,24 @@ class PoplarEngine:
         self._slowdown = slowdown
         self._samplers: list[PlanBatchSampler] = []
         self._last_boundary_time: float | None = None
+        if slowdown is not None:
+            self._end_emulated_compute_before_reduction()
+
+    def _end_emulated_compute_before_reduction(self) -> None:
+        # DeepSpeed's backward ends by calling allreduce_gradients (the boundary
+        # all-reduce at stages 0/1, the reduction epilogue at stage 2). A slow device
+        # finishes its compute before it communicates, so the emulated window ends (and
+        # its sleep happens) there: sleeping after the reduction would add this rank's
+        # sleep on top of its wait for the others, and count gloo's CPU time as compute.
+        engine = self.deepspeed_engine
+        reduce = engine.allreduce_gradients
+
+        def allreduce_after_emulated_compute(*args: Any, **kwargs: Any) -> Any:
+            if self._slowdown is not None:
+                self._slowdown.stop()
+            return reduce(*args, **kwargs)
+
+        engine.allreduce_gradients = allreduce_after_emulated_compute
 
     # -- delegation --------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -142,7 +162,7 @@ class PoplarEngine:
         )
         result = self.deepspeed_engine.backward(weighted, scale_wrt_gas=False, **kwargs)
         if self._slowdown is not None:
-            self._slowdown.stop()
+            self._slowdown.stop()  # a no-op unless no reduction ended the window (no_sync)
         return result
 
     def step(self, *args: Any, **kwargs: Any) -> Any:

@@ -29,7 +29,7 @@ class FakeDeepSpeedEngine:
 
     def __init__(self, gas):
         self.gas, self.micro_steps, self.global_steps = gas, 0, 0
-        self.backward_calls, self.saved = [], None
+        self.backward_calls, self.saved, self.events = [], None, []
         self.some_attribute = "from deepspeed"
 
     def __call__(self, x):
@@ -37,6 +37,10 @@ class FakeDeepSpeedEngine:
 
     def backward(self, loss, **kwargs):
         self.backward_calls.append((float(loss), kwargs))
+        self.allreduce_gradients()  # as DeepSpeed's backward epilogue does
+
+    def allreduce_gradients(self):
+        self.events.append("reduce")
 
     def is_gradient_accumulation_boundary(self):
         return (self.micro_steps + 1) % self.gas == 0
@@ -98,15 +102,18 @@ def test_everything_else_is_deepspeeds():
         engine.no_such_attribute
 
 
-def test_emulated_window_is_forward_to_backward(monkeypatch):
-    slowdown = ComputeSlowdown(Emulation(slowdown=2.0, memory_capacity_bytes=1))
-    events = []
-    monkeypatch.setattr(slowdown, "start", lambda: events.append("start"))
-    monkeypatch.setattr(slowdown, "stop", lambda: events.append("stop") or 0.0)
-    engine, _ = _engine(_plan([(2, 1)]), slowdown=slowdown)
-    engine.backward(engine(torch.ones(2)))
+def test_emulated_window_sleeps_before_the_gradient_reduction(monkeypatch):
+    from poplar_ext import emulation
+
+    clock = iter(range(100))
+    monkeypatch.setattr(emulation.time, "process_time", lambda: float(next(clock)))
+    slowdown = ComputeSlowdown(Emulation(slowdown=3.0, memory_capacity_bytes=1))
+    engine, fake = _engine(_plan([(2, 1)]), slowdown=slowdown)
+    monkeypatch.setattr(emulation.time, "sleep", lambda s: fake.events.append(f"sleep {s:g}"))
+    engine.backward(engine(torch.ones(2)))  # forward starts the window at 0, the reduction ends it at 1
     engine.step()
-    assert events == ["start", "start", "stop"]  # the second start (in backward) is a no-op on a running timer
+    assert fake.events == ["sleep 2", "reduce"]
+    assert not slowdown.running
 
 
 def test_checkpoint_keeps_plan_and_position():
