@@ -469,42 +469,166 @@ def _realise(table: np.ndarray, work: int, time_s: float) -> tuple[int, int]:
     return int(sizes[best]), int(work // sizes[best])
 
 
+def _work_groups(table: np.ndarray, per_work: Counter, time_s: float) -> list[tuple[int, int, int]]:
+    """Per-rank work counts -> ``(micro_batch, steps, count)`` groups, most work first."""
+    merged: Counter = Counter()
+    for work, count in per_work.items():
+        if count:
+            merged[_realise(table, work, time_s)] += count
+    return [(micro, steps, count) for (micro, steps), count in sorted(merged.items(), key=lambda kv: -kv[0][0] * kv[0][1])]
+
+
+def _achievable_work(table: np.ndarray, time_s: float, most: int) -> np.ndarray:
+    """Sorted sample counts one rank can run within `time_s` (some b * s with s * t(b) <= time_s)."""
+    mask = np.zeros(most + 1, dtype=bool)
+    for size, steps in enumerate(_steps_within(time_s, table), start=1):
+        if steps >= 1:
+            mask[size : size * steps + 1 : size] = True
+    return np.flatnonzero(mask)
+
+
+def _two_level_at(model: StageModel, time_s: float, total: int, maxima: list[int]) -> list[list[tuple[int, int, int]]] | None:
+    """Fast path of `_exact_at`: within each type, every rank runs one of two adjacent achievable counts.
+
+    Type totals are proportional to capacity, clipped to what each type can run
+    (water-filling); one type (each tried in turn) absorbs the rounding. Returns None
+    when this shape cannot hit `total`.
+    """
+    counts = [d.num_ranks for d in model.devices]
+    values = [_achievable_work(d.step_time_table_s, time_s, m) for d, m in zip(model.devices, maxima)]
+    low = np.array([n * int(v[0]) for n, v in zip(counts, values)], dtype=float)
+    high = np.array([n * int(v[-1]) for n, v in zip(counts, values)], dtype=float)
+    # Shares in proportion to capacity, clipped to what each type can run (water-filling).
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if np.clip(mid * high, low, high).sum() < total:
+            lo = mid
+        else:
+            hi = mid
+    share = np.clip(hi * high, low, high)
+    share *= total / share.sum()
+
+    def near(i: int, target: float, spread: int) -> list[tuple[int, int, int]]:
+        """Totals ``(total, level, ranks one level up)`` of type i around `target`, nearest first.
+
+        Level l puts every rank at ``a[l]`` and `up` of them at ``a[l + 1]``.
+        """
+        n, a = counts[i], values[i]
+        clipped = min(max(target, n * a[0]), n * a[-1])
+        centre = min(int(np.searchsorted(n * a, clipped, side="right")) - 1, len(a) - 1)
+        found = {n * int(a[-1]): (n * int(a[-1]), len(a) - 1, 0)}
+        for level in range(max(0, centre - 2), min(len(a) - 1, centre + 3)):
+            gap = int(a[level + 1] - a[level])
+            middle = int(round((clipped - n * int(a[level])) / gap))
+            for up in range(max(0, middle - spread), min(n, middle + spread) + 1):
+                found.setdefault(n * int(a[level]) + up * gap, (n * int(a[level]) + up * gap, level, up))
+        return sorted(found.values(), key=lambda pick: (abs(pick[0] - target), pick[0]))
+
+    def two_level(n: int, a: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For each wanted total of n ranks: (reachable?, level, up), vectorised."""
+        inside = (n * a[0] <= wanted) & (wanted <= n * a[-1])
+        level = np.clip(np.searchsorted(n * a, wanted, side="right") - 1, 0, len(a) - 1)
+        gap = np.where(level < len(a) - 1, a[np.minimum(level + 1, len(a) - 1)] - a[level], 1)
+        offset = wanted - n * a[level]
+        ok = inside & (offset % gap == 0) & ((level < len(a) - 1) | (offset == 0))
+        return ok, level, np.where(ok, offset // gap, 0)
+
+    def exactly(i: int, wanted: int) -> tuple[int, int, int, int | None] | None:
+        """Type i's ranks in two adjacent levels, or failing that all but one of them
+        with the odd rank at any count it can run: ``(total, level, up, odd)``."""
+        n, a = counts[i], values[i]
+        ok, level, up = two_level(n, a, np.array([wanted]))
+        if ok[0]:
+            return (wanted, int(level[0]), int(up[0]), None)
+        if n == 1:
+            return None
+        ok, level, up = two_level(n - 1, a, wanted - a)
+        hits = np.flatnonzero(ok)
+        if len(hits) == 0:
+            return None
+        # The odd rank as close to the others as possible.
+        k = hits[np.argmin(np.abs(a[hits] * (n - 1) - (wanted - a[hits])))]
+        return (wanted, int(level[k]), int(up[k]), int(a[k]))
+
+    def groups_of(picks: dict[int, tuple]) -> list[list[tuple[int, int, int]]]:
+        groups = []
+        for i, pick in sorted(picks.items()):
+            _, level, up = pick[:3]
+            odd = pick[3] if len(pick) > 3 else None
+            per_work: Counter = Counter()
+            if up:
+                per_work[int(values[i][level + 1])] += up
+            per_work[int(values[i][level])] += counts[i] - up - (odd is not None)
+            if odd is not None:
+                per_work[odd] += 1
+            groups.append(_work_groups(model.devices[i].step_time_table_s, per_work, time_s))
+        return groups
+
+    if len(counts) == 1:
+        pick = exactly(0, total)
+        return None if pick is None else groups_of({0: pick})
+    # The last type absorbs the rounding exactly; the one before it may move a few
+    # steps off its share to make that possible.
+    for last in range(len(counts) - 1, -1, -1):
+        order = [j for j in range(len(counts)) if j != last]
+        carry = 0.0
+        picks: dict[int, tuple[int, int, int]] = {}
+        for i in order[:-1]:
+            target = share[i] + carry
+            picks[i] = near(i, target, 0)[0]
+            carry = target - picks[i][0]
+        second = order[-1]
+        fixed = sum(p[0] for p in picks.values())
+        for candidate in near(second, share[second] + carry, 32):
+            pick = exactly(last, total - fixed - candidate[0])
+            if pick is not None:
+                return groups_of({**picks, second: candidate, last: pick})
+    return None
+
+
 def _exact_at(model: StageModel, time_s: float, total: int) -> list[list[tuple[int, int, int]]] | None:
-    """An allocation of exactly `total` samples with every rank busy <= `time_s`, or None."""
-    maxima, reductions = [], []
+    """An allocation of exactly `total` samples with every rank busy <= `time_s`, or None.
+
+    Tries `_two_level_at` first; otherwise decides exactly with sumsets of the per-rank
+    reductions below each rank's maximum (`_TypeSums`).
+    """
+    maxima = []
     for device in model.devices:
         table = device.step_time_table_s
-        steps = _steps_within(time_s, table)
-        maxima.append(int(np.max(np.arange(1, len(table) + 1) * steps)))
+        maxima.append(int(np.max(np.arange(1, len(table) + 1) * _steps_within(time_s, table))))
     deficit = int(model.counts @ np.array(maxima)) - total
     assert deficit >= 0
+    fast = _two_level_at(model, time_s, total, maxima)
+    if fast is not None:
+        return fast
+    # Decide exactly with per-rank deltas from whichever end is nearer: down from every
+    # rank's maximum, or up from one sample each.
+    headroom = total - model.world_size
+    downward = deficit <= headroom
+    target = deficit if downward else headroom
+    singles = []
     for device, top in zip(model.devices, maxima):
-        table = device.step_time_table_s
-        steps = _steps_within(time_s, table)
-        single = np.zeros(deficit + 1, dtype=bool)
-        for size, most in zip(range(1, len(table) + 1), steps):
-            fewest = max(1, -(-(top - deficit) // size))
-            if most >= fewest:
-                single[top - size * np.arange(fewest, most + 1)] = True
-        reductions.append(single)
-    sums = [_TypeSums(single, device.num_ranks) for single, device in zip(reductions, model.devices)]
-    chain = [np.eye(1, deficit + 1, dtype=bool)[0]]
+        values = _achievable_work(device.step_time_table_s, time_s, top)
+        deltas = top - values if downward else values - 1
+        single = np.zeros(target + 1, dtype=bool)
+        single[deltas[deltas <= target]] = True
+        singles.append(single)
+    sums = [_TypeSums(single, device.num_ranks) for single, device in zip(singles, model.devices)]
+    chain = [np.eye(1, target + 1, dtype=bool)[0]]
     for type_sums in sums:
         chain.append(_sumset(chain[-1], type_sums.reachable))
-    if not chain[-1][deficit]:
+    if not chain[-1][target]:
         return None
     groups: list[list[tuple[int, int, int]]] = [[] for _ in model.devices]
-    left = deficit
+    left = target
     for i in range(len(sums) - 1, -1, -1):
         share = left * model.devices[i].num_ranks / sum(d.num_ranks for d in model.devices[: i + 1])
         x = _TypeSums._closest_pair(sums[i].reachable, chain[i], left, share)
         per_work: Counter = Counter()
-        for reduction, count in sums[i].split(x).items():
-            per_work[maxima[i] - reduction] += count
-        merged: Counter = Counter()
-        for work, count in per_work.items():
-            merged[_realise(model.devices[i].step_time_table_s, work, time_s)] += count
-        groups[i] = [(micro, steps, count) for (micro, steps), count in sorted(merged.items(), key=lambda kv: -kv[0][0] * kv[0][1])]
+        for delta, count in sums[i].split(x).items():
+            per_work[maxima[i] - delta if downward else 1 + delta] += count
+        groups[i] = _work_groups(model.devices[i].step_time_table_s, per_work, time_s)
         left -= x
     return groups
 

@@ -158,3 +158,16 @@ def test_large_cluster_is_exact_and_even():
         for batch in (4096 * 16 + 7, None):
             result = allocate("poplar", model, batch) if batch else best_global_batch("poplar", model)
             check_allocation(model, result.allocation, batch)
+
+
+@pytest.mark.parametrize("batch", [4096, 3 * 4096 + 1, 200_003])
+def test_stage_0_with_a_huge_slack_stays_exact(batch):
+    # The size-1 step of a slow type pins the time; the big type could run 100x more than
+    # needed, so the exact sum must come from the fast two-level construction.
+    profiles = {
+        "pin": synthetic_profile("pin", zero_stage=0, max_micro_batch_size=1, overhead_s=0.1, seconds_per_sample=0.02),
+        "big": synthetic_profile("big", zero_stage=0, max_micro_batch_size=700, overhead_s=0.001, seconds_per_sample=0.0005),
+    }
+    model = build_stage_model(profiles, ["pin", "big"] * 2048, 0)
+    result = allocate("poplar", model, batch)
+    check_allocation(model, result.allocation, batch)
