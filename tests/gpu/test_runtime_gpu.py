@@ -3,6 +3,9 @@
 Ranks: one per visible GPU (nccl allows one rank per GPU); with a single GPU the
 job has one rank, which still runs an uneven micro-batch/accumulation plan through
 the CUDA path. Ranks are forked before the parent touches CUDA (the harness checks).
+
+Outcome so far: written in a session without a GPU; skipped there, never run on CUDA
+yet. Replace this line with the outcome when they have run on a GPU machine.
 """
 
 from __future__ import annotations
