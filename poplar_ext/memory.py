@@ -59,6 +59,19 @@ _MMAP_THRESHOLD_MAX_BYTES = 32 * 2**20  # glibc refuses larger values on 64-bit
 _TRIM_THRESHOLD_BYTES = 2**30
 
 
+_TRACKING_THRESHOLD_BYTES = 128 * 2**10  # glibc's own default, but fixed
+
+
+def _mallopt(mmap_threshold_bytes: int, trim_threshold_bytes: int) -> bool:
+    name = ctypes.util.find_library("c")
+    mallopt = None if name is None else getattr(ctypes.CDLL(name), "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes)
+    )
+
+
 def steady_cpu_allocator() -> bool:
     """Make glibc keep freed memory for reuse instead of returning it after every step.
 
@@ -67,16 +80,41 @@ def steady_cpu_allocator() -> bool:
     zeroing then counts as process CPU time (up to half of it on small models), and
     the time depends on the history of sizes run before. With fixed thresholds
     every step after the first reuses the same pages, as a GPU's caching allocator
-    does. Peak measurement is unaffected: `reset_peak_memory` trims explicitly.
-    Process-wide; returns False where the C library has no ``mallopt`` (not glibc).
+    does. Process-wide; returns False where the C library has no ``mallopt`` (not glibc).
     """
-    name = ctypes.util.find_library("c")
-    mallopt = None if name is None else getattr(ctypes.CDLL(name), "mallopt", None)
-    if mallopt is None:
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX_BYTES)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
-    )
+    return _mallopt(_MMAP_THRESHOLD_MAX_BYTES, _TRIM_THRESHOLD_BYTES)
+
+
+def _tracking_cpu_allocator() -> bool:
+    # Every block above 128 KiB its own mapping, unmapped when freed, and the heap
+    # trimmed: resident memory then follows live memory, so the high-water mark is
+    # the live peak (reused holes of a fragmented heap would add megabytes of noise).
+    return _mallopt(_TRACKING_THRESHOLD_BYTES, _TRACKING_THRESHOLD_BYTES)
+
+
+class MeasuredPeak:
+    """Peak memory of the block it wraps: ``with MeasuredPeak(device) as peak: ...; peak.bytes``.
+
+    On CPU it switches glibc to tracking live memory for the block (slower: blocks
+    are mapped afresh) and back to `steady_cpu_allocator` afterwards, so time the
+    steps outside it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.bytes = 0
+        """The peak, in bytes (set when the block ends, also when it raised)."""
+
+    def __enter__(self) -> "MeasuredPeak":
+        if self.device.type == "cpu":
+            _tracking_cpu_allocator()
+        reset_peak_memory(self.device)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.bytes = peak_memory_bytes(self.device)
+        if self.device.type == "cpu":
+            steady_cpu_allocator()
 
 
 def _read_status_kib(field: str) -> int:
@@ -142,6 +180,7 @@ def release_memory(device: torch.device) -> None:
 
 
 __all__ = [
+    "MeasuredPeak",
     "cpu_peak_supported",
     "device_memory_capacity_bytes",
     "is_out_of_memory",

@@ -32,13 +32,7 @@ import torch.distributed as dist
 
 from poplar_ext.devices import hardware_description, rank_device_type
 from poplar_ext.emulation import EmulatedOutOfMemoryError, check_emulated_memory
-from poplar_ext.memory import (
-    device_memory_capacity_bytes,
-    is_out_of_memory,
-    peak_memory_bytes,
-    release_memory,
-    reset_peak_memory,
-)
+from poplar_ext.memory import MeasuredPeak, device_memory_capacity_bytes, is_out_of_memory, release_memory
 from poplar_ext.profiler_sizes import LargestFitSearch, dense_sizes
 from search.formats import Cluster, Emulation, Sample
 
@@ -378,9 +372,9 @@ class StageMeasurement:
         measured = my_type in records and not records[my_type].warmup_failed
         flag, peak = _OK, 0
         try:
-            reset_peak_memory(self.layout.device)
-            self._micro_step(1, boundary=True)
-            peak = peak_memory_bytes(self.layout.device)
+            with MeasuredPeak(self.layout.device) as measured_peak:
+                self._micro_step(1, boundary=True)
+            peak = measured_peak.bytes
             if measured:
                 check_emulated_memory(self.layout.emulations[my_type], peak, device_type=my_type)
         except Exception as exc:  # noqa: BLE001 - classified; every rank must reach the agreement
@@ -398,30 +392,48 @@ class StageMeasurement:
         my_type = self.layout.my_type
         measured = my_type in sizes
         size = sizes.get(my_type, 1)
+        # Python's cyclic collector runs when allocation counts say so, not when the
+        # work does: a collection inside one timed micro-step and not another is noise.
+        gc.collect()
+        gc.disable()
+        try:
+            flag, peak, own_times = self._micro_steps(size, measured)
+        finally:
+            gc.enable()
+        flags, peaks, real_oom = self._agree(flag, peak, measured=measured)
+        return _TrialOutcome(flags=flags, peaks=peaks, own_times_s=own_times, rebuild=real_oom)
+
+    def _micro_steps(self, size: int, measured: bool) -> tuple[int, int, list[float]]:
+        """One memory micro-step, then warm-up and timed ones: (flag, peak bytes, own times).
+
+        The memory is measured in its own micro-step, not in the timed ones: on CPU
+        tracking the live peak means mapping every block afresh, whose page faults
+        would be timed as compute. Every rank runs every micro-step, also after an
+        emulated out-of-memory, so that all run the same number (ZeRO-2/3 communicate
+        in each); a real one stops this rank (see profiles/README.md for what remains).
+        """
+        my_type = self.layout.my_type
         flag, peak = _OK, 0
         own_times: list[float] = []
-        # One reset per trial, not per micro-step: on CPU the reset hands freed pages
-        # back to the kernel, and faulting them in again would be timed as compute.
-        # The high-water mark read after each micro-step covers all since the reset.
-        reset_peak_memory(self.layout.device)
+        try:
+            with MeasuredPeak(self.layout.device) as measured_peak:
+                self._micro_step(size, boundary=False)
+            peak = measured_peak.bytes
+            if measured:
+                check_emulated_memory(self.layout.emulations[my_type], peak, device_type=my_type)
+        except Exception as exc:  # noqa: BLE001 - classified; every rank must reach the agreement
+            flag = self._classify(exc)
+            if flag != _EMULATED_OOM:
+                return flag, peak, own_times
         for index in range(self.settings.warmup_micro_steps + self.settings.repeats):
             try:
                 elapsed_s = self._timed_micro_step(size)
-                step_peak = peak_memory_bytes(self.layout.device)
-                peak = max(peak, step_peak)
-                if measured:
-                    check_emulated_memory(self.layout.emulations[my_type], step_peak, device_type=my_type)
             except Exception as exc:  # noqa: BLE001 - classified; every rank must reach the agreement
-                flag = self._classify(exc)
-                if flag != _EMULATED_OOM:
-                    # A real failure leaves the engine unusable: stop computing. (At ZeRO-2/3 the
-                    # other ranks may already wait in a collective; see profiles/README.md.)
-                    break
-                continue
+                flag = max(flag, self._classify(exc))
+                break
             if index >= self.settings.warmup_micro_steps:
                 own_times.append(elapsed_s)
-        flags, peaks, real_oom = self._agree(flag, peak, measured=measured)
-        return _TrialOutcome(flags=flags, peaks=peaks, own_times_s=own_times, rebuild=real_oom)
+        return flag, peak, own_times
 
     def _run_trial(self, sizes: dict[str, int], records: dict[str, _TypeRecord], phase: str) -> _TrialOutcome:
         outcome = self._trial(sizes)
@@ -484,45 +496,42 @@ class StageMeasurement:
     def _measure_boundary(self) -> float:
         """This rank's accumulation-boundary time beyond an ordinary micro-step (seconds).
 
-        All ranks run micro-batch 1, so waiting for another rank is at most the
-        difference of one micro-batch-1 micro-step, and that is subtracted: the
-        slowest rank's ordinary micro-step is the reference every rank waits for.
+        Every rank runs micro-batch 1, with a barrier before each timed part, so no
+        rank waits for another's forward. The boundary's extra reduction is the
+        boundary backward minus an ordinary backward; the optimizer step is timed
+        alone (its CPU part slowed by an emulated slowdown, like compute).
         """
         device = self.layout.device
         emulation = self.layout.emulations[self.layout.my_type]
         extra = 0.0 if emulation is None else max(0.0, emulation.slowdown - 1.0)
-        differences: list[float] = []
-        step_times: list[float] = []
 
-        def synchronize() -> None:
+        def timed(block: Callable[[], None]) -> tuple[float, float]:
+            dist.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            block()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            return time.perf_counter() - wall, time.process_time() - cpu
 
-        for index in range(self.settings.warmup_micro_steps + self.settings.repeats):
-            dist.barrier()
-            started = time.perf_counter()
-            self._micro_step(1, boundary=False)
-            synchronize()
-            ordinary_s = time.perf_counter() - started
-            slowest_ordinary_s = _agree_max([ordinary_s], device)[0]
-            dist.barrier()
-            started = time.perf_counter()
-            self.engine.set_gradient_accumulation_boundary(True)
+        def backward(boundary: bool) -> Callable[[], None]:
+            self.engine.set_gradient_accumulation_boundary(boundary)
             loss = self.loss_fn(self.engine, self._batch(1))
-            self.engine.backward(loss, scale_wrt_gas=False)
-            del loss
-            synchronize()
-            step_started_wall, step_started_cpu = time.perf_counter(), time.process_time()
+            return lambda: self.engine.backward(loss, scale_wrt_gas=False)
+
+        ordinary_s, boundary_s, step_s = [], [], []
+        for index in range(self.settings.warmup_micro_steps + self.settings.repeats):
+            ordinary_wall, _ = timed(backward(False))
             self.engine.step()
-            synchronize()
-            step_wall_s = time.perf_counter() - step_started_wall
-            step_own_s = step_wall_s if device.type == "cuda" else time.process_time() - step_started_cpu
-            boundary_s = time.perf_counter() - started
+            boundary_wall, _ = timed(backward(True))
+            step_wall, step_cpu = timed(self.engine.step)
             self.engine.set_gradient_accumulation_boundary(False)
             if index >= self.settings.warmup_micro_steps:
-                differences.append(boundary_s - slowest_ordinary_s)
-                step_times.append(step_own_s)
-        return max(0.0, statistics.median(differences) + extra * statistics.median(step_times))
+                ordinary_s.append(ordinary_wall)
+                boundary_s.append(boundary_wall)
+                # On CUDA the CPU time says nothing about the kernels: slow the wall time.
+                step_s.append(step_wall + extra * (step_wall if device.type == "cuda" else step_cpu))
+        reduction_s = max(0.0, statistics.median(boundary_s) - statistics.median(ordinary_s))
+        return reduction_s + statistics.median(step_s)
 
     # -- the stage -----------------------------------------------------------------
     def run(self) -> dict[str, TypeStageResult]:

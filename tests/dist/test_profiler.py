@@ -1,0 +1,334 @@
+"""The profiler on real DeepSpeed engines, 2-3 forked CPU ranks, emulated device types.
+
+Two forked groups share the checks to keep the time down: one measures, re-checks
+the largest micro-batch by hand, reuses the cache and re-measures a changed model;
+the other survives a forced out-of-memory and a type that fits nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+from harness import run_ranks
+
+from search.formats import load_profiles
+
+MB = 10**6
+DS_CONFIG = {
+    "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+    "gradient_clipping": 0.0,
+    "zero_allow_untested_optimizer": True,
+}
+LIMIT = 8
+"""micro_batch_size_limit: keeps the largest sizes, and so the test, short."""
+
+
+def _model_config(num_layers: int = 1):
+    from poplar_ext.toy_gpt import GPTConfig
+
+    return GPTConfig(vocab_size=1024, sequence_length=64, num_layers=num_layers, num_heads=2, hidden_size=32)
+
+
+def _wide_model():
+    """Little compute, ~100 MB of activations per sample: sizes sit far apart in memory,
+    farther than the few megabytes a process's resident size drifts by."""
+    import torch
+    from torch import nn
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(8, 8)
+            self.scale = nn.Parameter(torch.ones(2**20))
+
+        def forward(self, x):
+            return torch.tanh(self.inner(x).unsqueeze(-1) * self.scale).mean()
+
+    return Wide()
+
+
+def _wide_batch(micro_batch_size: int):
+    import torch
+
+    return torch.ones(micro_batch_size, 8)
+
+
+def _resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _agreed_resident_bytes() -> int:
+    """The largest resident size among the ranks: the base the emulated capacities sit on."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(_resident_bytes())], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
+def _cluster(types: list[tuple[str, float, int]]):
+    from search.formats import cluster_from_dict
+
+    return cluster_from_dict(
+        {
+            "schema_version": 1,
+            "nodes": [{"name": "n0", "devices": [{"device_type": name, "count": 1} for name, _, _ in types]}],
+            "device_types": {
+                name: {"emulation": {"slowdown": slowdown, "memory_capacity_bytes": capacity}}
+                for name, slowdown, capacity in types
+            },
+        }
+    )
+
+
+class _Batches:
+    """make_batch that counts its calls: no call means nothing was measured."""
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.calls = 0
+
+    def __call__(self, micro_batch_size: int):
+        import torch
+
+        self.calls += 1
+        generator = torch.Generator().manual_seed(micro_batch_size)
+        shape = (micro_batch_size, self.cfg.sequence_length + 1)
+        return torch.randint(0, self.cfg.vocab_size, shape, generator=generator)
+
+
+def _peak_of_micro_step(model_factory, make_batch, micro_batch_size: int) -> int:
+    """Peak memory of one ZeRO-0 micro-step at `micro_batch_size` on a fresh engine, done
+    as the profiler does (one optimizer step first, so the optimizer state exists)."""
+    import deepspeed
+    import torch
+
+    from poplar_ext.memory import MeasuredPeak
+    from poplar_ext.profiler_measure import stage_ds_config
+
+    model = model_factory()
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=list(model.parameters()),
+        config=stage_ds_config(DS_CONFIG, zero_stage=0, world_size=2),
+    )
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(engine(make_batch(1)), scale_wrt_gas=False)
+    engine.step()
+    engine.set_gradient_accumulation_boundary(False)
+    batch = make_batch(micro_batch_size)
+    gc.collect()
+    with MeasuredPeak(torch.device("cpu")) as peak:
+        engine.backward(engine(batch), scale_wrt_gas=False)
+        engine.step()
+    engine.destroy()
+    return peak.bytes
+
+
+def _memory_run(cache_dir: str) -> dict:
+    """The wide model with a roomy type and a cramped one, then their largest sizes by hand."""
+    import torch
+    import torch.distributed as dist
+
+    from poplar_ext.memory import MeasuredPeak
+    from poplar_ext.profiler import profile_model
+
+    # Capacities a few samples above this process's fixed memory, in the middle
+    # between two sizes (the engine adds some tens of MB: far less than a sample).
+    peaks = []
+    for size in (1, 2):
+        model = _wide_model()
+        gc.collect()
+        with MeasuredPeak(torch.device("cpu")) as peak:
+            model(_wide_batch(size)).backward()
+        peaks.append(peak.bytes)
+        del model
+    per_sample = peaks[1] - peaks[0]
+    tensor = torch.tensor([float(peaks[0] - per_sample), float(per_sample)], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    fixed, per_sample = (int(v) for v in tensor.tolist())
+    cluster = _cluster([("roomy", 1.0, fixed + int(5.5 * per_sample)), ("cramped", 1.0, fixed + int(2.5 * per_sample))])
+    profiles = profile_model(
+        model_factory=_wide_model, make_batch=_wide_batch, ds_config=DS_CONFIG, cluster=cluster,
+        zero_stages=(0,), cache_dir=cache_dir, micro_batch_size_limit=LIMIT, repeats=1, progress=None,
+    )
+    mine = profiles[dist.get_rank()]
+    largest = max(1, mine.max_micro_batch_size)
+    gc.collect()
+    # Every rank builds both engines: deepspeed.initialize is collective.
+    return {
+        "profiles": profiles,
+        "per_sample_bytes": per_sample,
+        "peak_at_largest": _peak_of_micro_step(_wide_model, _wide_batch, largest),
+        "peak_above_largest": _peak_of_micro_step(_wide_model, _wide_batch, largest + 1),
+    }
+
+
+def _measure_reuse_and_remeasure(cache_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from poplar_ext.profiler import profile_model
+    from poplar_ext.toy_gpt import GPT
+
+    rank = dist.get_rank()
+    # Room for every size up to the limit: this run is about time and the cache.
+    base = _agreed_resident_bytes()
+    cluster = _cluster([("fast", 1.0, base + 2000 * MB), ("slow", 3.0, base + 2000 * MB)])
+    cfg = _model_config()
+    lines: list[str] = []
+    common = dict(
+        ds_config=DS_CONFIG, cluster=cluster, cache_dir=cache_dir, model_name="toy",
+        sequence_length=cfg.sequence_length, micro_batch_size_limit=LIMIT, repeats=5, progress=lines.append,
+    )
+
+    first_batches = _Batches(cfg)
+    first = profile_model(model_factory=lambda: GPT(cfg), make_batch=first_batches, zero_stages=(0, 2), **common)
+
+    second_batches = _Batches(cfg)
+    second = profile_model(model_factory=lambda: GPT(cfg), make_batch=second_batches, zero_stages=(0, 2), **common)
+
+    changed_cfg = _model_config(num_layers=2)
+    changed_batches = _Batches(changed_cfg)
+    changed = profile_model(
+        model_factory=lambda: GPT(changed_cfg), make_batch=changed_batches, zero_stages=(0,), **common
+    )
+    memory = _memory_run(str(Path(cache_dir) / "wide"))
+    return {
+        "memory": memory,
+        "first": first,
+        "second": second,
+        "changed": changed,
+        "batches": (first_batches.calls, second_batches.calls, changed_batches.calls),
+        "progress": lines,
+    }
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> tuple[list[dict], Path]:
+    tmp_path = tmp_path_factory.mktemp("profiler")
+    cache_dir = tmp_path / "profiles"
+    results = run_ranks(
+        _measure_reuse_and_remeasure, world_size=2, tmp_path=tmp_path, args=(str(cache_dir),), timeout_s=240,
+    )
+    return results, cache_dir
+
+
+def _by_type(profiles, stage):
+    return {p.device_type: p for p in profiles if p.zero_stage == stage}
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_slowdown_three_measures_three_times_slower(measured, stage) -> None:
+    results, _ = measured
+    profiles = _by_type(results[0]["first"], stage)
+    fast = {s.micro_batch_size: s.micro_step_time_s for s in profiles["fast"].samples}
+    slow = {s.micro_batch_size: s.micro_step_time_s for s in profiles["slow"].samples}
+    common = sorted(set(fast) & set(slow))
+    assert len(common) >= 4
+    # Summed over the curve: one size's CPU time wobbles by 10-20 % when other
+    # processes share the cores, the curve as a whole far less.
+    ratio = sum(slow[b] for b in common) / sum(fast[b] for b in common)
+    per_size = [round(slow[b] / fast[b], 2) for b in common]
+    assert ratio == pytest.approx(3.0, rel=0.15), per_size
+
+
+def test_smaller_memory_gives_a_smaller_largest_micro_batch_that_really_fits(measured) -> None:
+    results, _ = measured
+    memory = [r["memory"] for r in results]
+    profiles = {p.device_type: p for p in memory[0]["profiles"]}
+    assert 0 < profiles["cramped"].max_micro_batch_size < profiles["roomy"].max_micro_batch_size < LIMIT
+    for rank, profile in enumerate(profiles.values()):
+        probe = profile.measured_with["largest_micro_batch_probe"]
+        assert probe["largest_fitting"] == profile.max_micro_batch_size
+        assert probe["smallest_failing"] == profile.max_micro_batch_size + 1
+        assert profile.samples[-1].micro_batch_size == profile.max_micro_batch_size
+        assert profile.samples[-1].peak_memory_bytes <= profile.memory_capacity_bytes
+        # Measured again by hand on a fresh engine: it fits, one more sample does not.
+        recheck = memory[rank]
+        assert recheck["peak_at_largest"] <= profile.memory_capacity_bytes < recheck["peak_above_largest"]
+
+
+def test_profiles_are_written_with_their_keys_and_provenance(measured) -> None:
+    results, cache_dir = measured
+    on_disk = {(p.device_type, p.zero_stage, p.model.fingerprint): p for p in load_profiles(cache_dir)}
+    for profile in results[0]["first"]:
+        stored = on_disk[(profile.device_type, profile.zero_stage, profile.model.fingerprint)]
+        assert stored == profile
+        assert profile.world_size == 2 and profile.model.dtype == "float32"
+        assert profile.emulated is not None and profile.measured_with["device"] == "emulated"
+        assert profile.measured_with["source"] == "measured"
+        assert profile.optimizer_step_time_s > 0
+    assert results[1]["first"] == results[0]["first"], "every rank returns the same profiles"
+
+
+def test_second_run_reuses_the_cache_and_a_changed_model_is_measured(measured) -> None:
+    results, _ = measured
+    first_calls, second_calls, changed_calls = results[0]["batches"]
+    assert first_calls > 0 and changed_calls > 0
+    assert second_calls == 0, "nothing measured: make_batch was never called"
+    assert results[1]["batches"][1] == 0
+    assert results[0]["second"] == results[0]["first"]
+    assert results[0]["changed"][0].model.fingerprint != results[0]["first"][0].model.fingerprint
+    assert any("from the cache" in line for line in results[0]["progress"])
+
+
+def test_progress_names_type_stage_size_and_time_left(measured) -> None:
+    results, _ = measured
+    lines = results[0]["progress"]
+    assert any("ZeRO-2 probe: fast micro-batch 1" in line and "s left" in line for line in lines), lines[:5]
+    assert results[1]["progress"] == [], "only rank 0 reports"
+
+
+def _survive_out_of_memory(cache_dir: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from poplar_ext.profiler import profile_model
+    from poplar_ext.toy_gpt import GPT
+
+    rank = dist.get_rank()
+    base = _agreed_resident_bytes()
+    cfg = _model_config()
+    cluster = _cluster(
+        [("fast", 1.0, base + 220 * MB), ("flaky", 1.0, base + 220 * MB), ("tiny", 1.0, base // 2)]
+    )
+
+    def model_factory():
+        model = GPT(cfg)
+        if rank == 1:
+            # A real out-of-memory in the middle of the forward, as a device that runs
+            # out raises it (not an emulated capacity): from micro-batch 5 up.
+            def fail(module, inputs):
+                if inputs[0].shape[0] >= 5:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (forced by the test)")
+
+            model.head.register_forward_pre_hook(fail)
+        return model
+
+    profiles = profile_model(
+        model_factory=model_factory, make_batch=_Batches(cfg), ds_config=DS_CONFIG, cluster=cluster,
+        zero_stages=(0, 1), cache_dir=cache_dir, micro_batch_size_limit=8, repeats=1, progress=None,
+    )
+    return {"rank": rank, "profiles": profiles, "pid": os.getpid()}
+
+
+def test_forced_out_of_memory_leaves_every_rank_alive_and_profiles_written(tmp_path) -> None:
+    cache_dir = tmp_path / "profiles"
+    results = run_ranks(_survive_out_of_memory, world_size=3, tmp_path=tmp_path, args=(str(cache_dir),), timeout_s=180)
+    assert [r["rank"] for r in results] == [0, 1, 2], "every rank returned"
+    written = {(p.device_type, p.zero_stage): p for p in load_profiles(cache_dir)}
+    assert set(written) == {(t, s) for t in ("fast", "flaky", "tiny") for s in (0, 1)}
+    for stage in (0, 1):
+        assert written[("fast", stage)].max_micro_batch_size == 8
+        flaky = written[("flaky", stage)]
+        assert flaky.max_micro_batch_size == 4
+        assert flaky.measured_with["largest_micro_batch_probe"]["smallest_failing"] == 5
+        # A type whose memory holds not even micro-batch 1: a valid profile saying so.
+        tiny = written[("tiny", stage)]
+        assert tiny.max_micro_batch_size == 0 and tiny.samples == ()
