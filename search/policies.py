@@ -38,6 +38,9 @@ AUTO_ACCUMULATION_STEPS = 8
 """Without a maximum global batch, the auto search looks at batches up to this many
 micro-steps of every rank at its largest micro-batch."""
 
+SMALL_DELTA = 4096
+"""Stage 0/1 exact sums within this many samples of either end are decided by sumsets directly."""
+
 MAX_BREAKPOINTS = 2_000_000
 """Stage 0/1 auto-batch search evaluates at most this many capacity levels."""
 
@@ -599,14 +602,16 @@ def _exact_at(model: StageModel, time_s: float, total: int) -> list[list[tuple[i
         maxima.append(int(np.max(np.arange(1, len(table) + 1) * _steps_within(time_s, table))))
     deficit = int(model.counts @ np.array(maxima)) - total
     assert deficit >= 0
-    fast = _two_level_at(model, time_s, total, maxima)
-    if fast is not None:
-        return fast
     # Decide exactly with per-rank deltas from whichever end is nearer: down from every
-    # rank's maximum, or up from one sample each.
+    # rank's maximum, or up from one sample each. Small problems go straight to the
+    # sumsets; large ones first try the (usually successful) two-level construction.
     headroom = total - model.world_size
     downward = deficit <= headroom
     target = deficit if downward else headroom
+    if target > SMALL_DELTA:
+        fast = _two_level_at(model, time_s, total, maxima)
+        if fast is not None:
+            return fast
     singles = []
     for device, top in zip(model.devices, maxima):
         values = _achievable_work(device.step_time_table_s, time_s, top)
