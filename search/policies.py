@@ -364,6 +364,13 @@ class _FlatTables:
         self.starts = np.cumsum([0] + [len(t) for t in tables[:-1]])
         self.counts = model.counts
         self.floor_s = max(float(t[0]) for t in tables)
+        self.ideal_samples_per_s = model.ideal_samples_per_s
+        # Rank r runs at least floor(T / t(b*)) * b* > T * rate_r - b* samples within T
+        # (b* its best size), so capacity >= T * ideal - slack.
+        self.slack = sum(
+            d.num_ranks * int(np.argmax(np.arange(1, d.max_micro_batch_size + 1) / d.step_time_table_s) + 1)
+            for d in model.devices
+        )
 
     def capacity(self, time_s: float) -> int:
         """Samples all ranks can run within `time_s`, each at its most."""
@@ -379,7 +386,14 @@ class _FlatTables:
         low = self.floor_s
         if self.capacity(low) >= total:
             return low
-        high = math.ceil(total / world_size) * low
+        # Capacity is at most T * ideal and at least T * ideal - slack: bracket from both.
+        low = max(low, total / self.ideal_samples_per_s * (1 - 1e-12))
+        high = math.ceil(total / world_size) * self.floor_s
+        bound = (total + self.slack) / self.ideal_samples_per_s * (1 + 1e-12)
+        if low < bound < high and self.capacity(bound) >= total:
+            high = bound
+        if self.capacity(low) >= total:
+            low = self.floor_s
         while True:
             candidate = self.next_breakpoint(low)
             if self.capacity(candidate) >= total:
