@@ -360,7 +360,10 @@ def initialize(
         mesh_param=mesh_param,
         **extra,
     )
-    # DeepSpeed's own throughput lines use the batch size it was given: make it the true one.
+    # DeepSpeed's own bookkeeping (samples/s lines, global_samples for monitors and
+    # checkpoints) reads the batch size it was given: make it the true one. Its batch
+    # checks ran during initialize; nothing after them compares it with the per-rank values.
+    engine._config.train_batch_size = plan.global_batch_size
     if hasattr(engine, "tput_timer"):
         engine.tput_timer.batch_size = plan.global_batch_size
     slowdown = None

@@ -71,6 +71,7 @@ def _run(files):
             "max_difference": t.max_difference(straight, t.full_parameters(engine)),
             "same_samples": first_seen + resumed_seen == straight_seen,
             "consumed": (before_consumed, resumed_consumed, engine.consumed_samples),
+            "deepspeed_global_samples": engine.global_samples,
         }
     engine, _, _ = _engine(files, 1, plan_key="other")
     try:
@@ -103,6 +104,7 @@ def test_resume_continues_with_the_same_samples(results, stage):
     for rank_result in results:
         assert rank_result[stage]["same_samples"]
         assert rank_result[stage]["consumed"] == (SAVE_AFTER * global_batch, SAVE_AFTER * global_batch, TOTAL_STEPS * global_batch)
+        assert rank_result[stage]["deepspeed_global_samples"] == TOTAL_STEPS * global_batch  # true, not nominal
 
 
 def test_another_plan_is_refused_on_every_rank(results):
