@@ -21,6 +21,11 @@ What happens underneath, on every rank:
    `PoplarEngine._end_emulated_compute_before_reduction`).
 4. The training dataloader (when ``training_data`` is given) yields this rank's
    micro-batches from the shared data stream (`poplar_ext.data`).
+
+An emulated memory capacity is not measured during training (a peak check on one rank
+would need all ranks to agree before any could stop): it is enforced through the plan,
+whose micro-batches `search.check_plan` holds to the profiles' largest, and the
+profiler measured those against the emulated capacity.
 """
 
 from __future__ import annotations
