@@ -238,7 +238,13 @@ def search_plan(
     }
     feasible = {s: (m, o) for s, (m, o) in outcomes.items() if o.ok}
     if not feasible:
-        reasons = " ".join(f"Stage {s}: {o.reason}" for s, (_, o) in outcomes.items())
+        by_reason: dict[str, list[int]] = {}
+        for stage, (_, outcome) in outcomes.items():
+            by_reason.setdefault(outcome.reason, []).append(stage)
+        reasons = " ".join(
+            f"Stage{'s' if len(group) > 1 else ''} {', '.join(map(str, group))}: {reason}"
+            for reason, group in by_reason.items()
+        )
         reports = tuple(
             StageReport(zero_stage=s, status="infeasible", iteration_time_s=None, samples_per_s=None,
                         global_batch_size=None, reason=o.reason)
