@@ -223,6 +223,8 @@ def search_plan(
             of the cluster that no profile covers).
     """
     _check_arguments(cluster, global_batch_size, zero_stage, policy, max_global_batch_size)
+    global_batch_size = None if global_batch_size is None else int(global_batch_size)
+    max_global_batch_size = None if max_global_batch_size is None else int(max_global_batch_size)
     by_stage = _check_profiles(profiles)
     covered = {t for stage in by_stage.values() for t in stage}
     unknown = [t for t in cluster.type_counts() if t not in covered]

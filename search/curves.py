@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.interpolate import PchipInterpolator
 
 from search.formats import Profile
 
@@ -80,6 +79,10 @@ class StepTimeCurve:
         else:
             low_slope = min((times[1] - times[0]) / (sizes[1] - sizes[0]), times[0] / sizes[0])
             high_slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
+            # Imported here: scipy.interpolate takes ~0.7 s to import, and `import search`
+            # (which every user of search.formats pays) should not.
+            from scipy.interpolate import PchipInterpolator
+
             inside = PchipInterpolator(sizes, times, extrapolate=False)(np.clip(x, sizes[0], sizes[-1]))
         below = times[0] + low_slope * (x - sizes[0])
         above = times[-1] + high_slope * (x - sizes[-1])

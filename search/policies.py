@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from scipy.signal import fftconvolve
 
 from search.cost import StageModel
 
@@ -413,6 +412,8 @@ def _sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if cap <= 512:
         out = np.convolve(a.astype(np.int64), b.astype(np.int64))[:cap] > 0
     else:
+        from scipy.signal import fftconvolve  # here: a slow import that most searches never need
+
         out = fftconvolve(a.astype(float), b.astype(float))[:cap] > 0.5
     return out
 
