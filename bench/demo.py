@@ -234,6 +234,7 @@ def assemble_report(
         "global_batch_size": settings.global_batch_size,
         "ideal_samples_per_s": {"predicted": plans.get("ideal_predicted"), "measured": measured_ideal_samples_per_s(rank_results)},
         "curves": curves,
+        "curves_kind": "measured alone in this run",
         "profiled_curves": {name: info["curve"] for name, info in plans["profiles"].items()},
         "profiles_from_cache": all(r.get("profile_cache_hit") for r in rank_results),
         "policies": entries,
@@ -248,7 +249,7 @@ def assemble_report(
         "machine": machine_description(),
         "data_source": "measured on CPU ranks with EMULATED device types (compute slowdown, memory capacity), real DeepSpeed",
         "notes": [
-            "Devices are emulated: each rank is a CPU process (1 thread); a slower type sleeps (slowdown - 1) x the CPU time of its micro-step; its memory capacity is a declared limit.",
+            "Devices are emulated: each rank is a CPU process (1 thread); an emulated micro-step lasts slowdown x its CPU time of wall time (the rank sleeps what is left after computing), so a rank that waited for a core is not slowed twice; a type's memory capacity is a declared limit above the ranks' measured baseline.",
             f"ZeRO stage {settings.zero_stage}; each policy ran {settings.warmup_iterations} warm-up + {settings.rounds} rounds x {settings.iterations} measured iterations, policies interleaved per round; figures are medians, every repetition is in the JSON.",
             "Iteration time: from a barrier to the end of the optimizer step on the slowest rank. Busy time: from that barrier until the rank reaches the boundary gradient reduction (its own micro-steps, without waiting).",
             "The demo ends each emulated micro-step (and its sleep) before the boundary gradient reduction, as a slow device finishes computing before it communicates; poplar_ext's engine would otherwise sleep after DeepSpeed's backward, after the reduction.",

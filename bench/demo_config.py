@@ -30,14 +30,15 @@ class DemoDevice:
 
 def default_devices() -> tuple[DemoDevice, ...]:
     # Relative speeds 1 : 1/2 : 1/4, like the issue's fast / 2x slower / 4x slower.
-    # Even the fast type is 2x slower than a core, so the three ranks together need
-    # 1/2 + 1/4 + 1/8 of a core and do not compete for a 2-core machine's cores
-    # (real devices do not share compute). Slower types get less memory, as on real
+    # Even the fast type is 3x slower than a core, so the three ranks together need
+    # 1/3 + 1/6 + 1/12 of a core and do not compete for a 2-core machine's cores
+    # (real devices do not share compute), and a rank that waits for a core while
+    # other processes run still meets its emulated duration (see PaddedSlowdown). Slower types get less memory, as on real
     # mixed clusters: uniform (one micro-batch for all) is held to cpu-slow's.
     return (
-        DemoDevice(name="cpu-fast", slowdown=2.0, memory_headroom_bytes=192 * MIB),
-        DemoDevice(name="cpu-medium", slowdown=4.0, memory_headroom_bytes=96 * MIB),
-        DemoDevice(name="cpu-slow", slowdown=8.0, memory_headroom_bytes=48 * MIB),
+        DemoDevice(name="cpu-fast", slowdown=3.0, memory_headroom_bytes=192 * MIB),
+        DemoDevice(name="cpu-medium", slowdown=6.0, memory_headroom_bytes=96 * MIB),
+        DemoDevice(name="cpu-slow", slowdown=12.0, memory_headroom_bytes=48 * MIB),
     )
 
 
@@ -63,11 +64,11 @@ class DemoSettings:
     """ZeRO stage of every policy's run. Stage 1 shards optimizer states and, like
     stage 0, communicates only at the accumulation boundary, so each rank's busy
     time can be measured apart from its waiting."""
-    global_batch_size: int = 144
+    global_batch_size: int = 192
     """Samples per iteration, the same for every policy."""
     max_micro_batch_size: int = 48
     """Largest micro-batch the profiler tries on any device."""
-    iterations: int = 3
+    iterations: int = 2
     """Measured iterations per policy in each round."""
     warmup_iterations: int = 1
     """Unmeasured iterations before the first round of each policy."""

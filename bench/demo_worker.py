@@ -319,6 +319,53 @@ def make_plans(settings: DemoSettings, profiles: list[Profile], cluster: Cluster
 # ----------------------------------------------------------------------------------
 # Phase 3: training with each policy
 # ----------------------------------------------------------------------------------
+class PaddedSlowdown:
+    """An emulated slowdown whose block lasts ``slowdown x CPU time`` of wall time.
+
+    Same interface as `poplar_ext.emulation.ComputeSlowdown` (``start``, ``stop``,
+    ``running``, context manager), which sleeps ``(slowdown - 1) x CPU time`` after
+    the block: a rank that also waited for a core (three ranks and whatever else
+    runs on a 2-core machine) is then slowed twice. Sleeping only what is left of
+    the target duration models a device that has its compute to itself, and is
+    exactly the time the profiler records for an emulated type (CPU time x slowdown).
+    CPU only (process CPU time).
+    """
+
+    def __init__(self, emulation: Any) -> None:
+        self.emulation = emulation
+        self.compute_time_s = 0.0
+        self.delay_s = 0.0
+        self._cpu_started_at: float | None = None
+        self._wall_started_at = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self._cpu_started_at is not None
+
+    def start(self) -> None:
+        if self._cpu_started_at is None:
+            self._cpu_started_at = time.process_time()
+            self._wall_started_at = time.perf_counter()
+
+    def stop(self) -> float:
+        if self._cpu_started_at is None:
+            return 0.0
+        self.compute_time_s = max(0.0, time.process_time() - self._cpu_started_at)
+        self._cpu_started_at = None
+        slowdown = 1.0 if self.emulation is None else max(1.0, self.emulation.slowdown)
+        self.delay_s = max(0.0, slowdown * self.compute_time_s - (time.perf_counter() - self._wall_started_at))
+        if self.delay_s > 0.0:
+            time.sleep(self.delay_s)
+        return self.delay_s
+
+    def __enter__(self) -> "PaddedSlowdown":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
 class PolicyRun:
     """One poplar_ext engine and this rank's share of a plan; times whole iterations."""
 
@@ -330,6 +377,9 @@ class PolicyRun:
         inner = engine.deepspeed_engine  # poplar_ext.PoplarEngine wraps the real engine
         original = inner.allreduce_gradients
         slowdown = getattr(engine, "_slowdown", None)
+        if slowdown is not None:
+            # The engine calls only start() and stop() on it (see PaddedSlowdown).
+            slowdown = engine._slowdown = PaddedSlowdown(slowdown.emulation)
 
         def timed_allreduce(*args: Any, **kwargs: Any) -> Any:
             boundary = inner.is_gradient_accumulation_boundary()
@@ -394,12 +444,12 @@ def measure_standalone(settings: DemoSettings, cluster: Cluster, rank: int, prof
     Ranks take turns, so that each device's standalone figure is measured without
     the other ranks competing for the machine's cores.
     """
-    from poplar_ext.emulation import ComputeSlowdown, emulation_for_rank
+    from poplar_ext.emulation import emulation_for_rank
 
     points: list[dict[str, Any]] = []
     for turn in range(dist.get_world_size()):
         if turn == rank:
-            slowdown = ComputeSlowdown(emulation_for_rank(cluster, rank))
+            slowdown = PaddedSlowdown(emulation_for_rank(cluster, rank))
             model = _make_model(settings)
             for size in standalone_sizes(profile):
                 batch = _batch(settings, size)

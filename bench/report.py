@@ -299,7 +299,7 @@ def _plot_curves(ax: Any, scenarios: list[dict[str, Any]], featured: dict[str, A
                 [p["micro_batch_size"] for p in points],
                 [p["samples_per_s"] for p in points],
                 marker="o",
-                label=f"{device_type} ({source})",
+                label=f"{device_type} ({source}), {scenario.get('curves_kind', 'profile')}",
             )[0]
             profiled = scenario.get("profiled_curves", {}).get(device_type)
             if profiled:

@@ -169,6 +169,7 @@ def simulate_case(case: SimulationCase, *, policies: tuple[str, ...] = POLICY_OR
         "global_batch_size": featured["global_batch_size"] if featured else case.global_batch_size,
         "ideal_samples_per_s": {"predicted": ideal, "measured": None},
         "curves": curves_at_stage(profiles, device_types, featured["zero_stage"]) if featured else {},
+        "curves_kind": "profile",
         "policies": entries,
         "goals": [],
     }
