@@ -5,6 +5,7 @@ import itertools
 
 import numpy as np
 import pytest
+from scipy.optimize import Bounds, LinearConstraint, milp
 
 from search.cost import build_stage_model
 from search.policies import allocate, best_global_batch
@@ -171,3 +172,62 @@ def test_stage_0_with_a_huge_slack_stays_exact(batch):
     model = build_stage_model(profiles, ["pin", "big"] * 2048, 0)
     result = allocate("poplar", model, batch)
     check_allocation(model, result.allocation, batch)
+
+
+def milp_best_time(model, batch):
+    """The optimum under the cost model by scipy.optimize.milp (binary choice per rank)."""
+    world = model.world_size
+    tables = [model.devices[i].step_time_table_s for i in model.rank_device_index]
+    best = np.inf
+    if model.synchronised_micro_steps:
+        # per accumulation count s: binary x[r, b]; minimise z >= t_r(b) for the chosen b
+        for steps in (s for s in range(1, batch + 1) if batch % s == 0):
+            options = [(r, b) for r in range(world) for b in range(1, len(tables[r]) + 1)]
+            best = min(best, _solve(options, tables, world, batch // steps, lambda b: b, steps))
+        return best
+    # stages 0/1: binary x[r, (b, s)] with b * s samples; minimise z >= s * t_r(b)
+    options = [(r, (b, s)) for r in range(world) for b in range(1, len(tables[r]) + 1) for s in range(1, batch // b + 1)]
+    return _solve(options, tables, world, batch, lambda bs: bs[0] * bs[1], 1)
+
+
+def _solve(options, tables, world, samples, work_of, steps):
+    def busy(r, choice):
+        if isinstance(choice, tuple):
+            return choice[1] * tables[r][choice[0] - 1]
+        return tables[r][choice - 1]
+
+    n = len(options) + 1  # last variable: z
+    cost = np.zeros(n)
+    cost[-1] = 1.0
+    one_each = np.zeros((world, n))
+    total = np.zeros((1, n))
+    makespan = np.zeros((world, n))
+    for k, (r, choice) in enumerate(options):
+        one_each[r, k] = 1
+        total[0, k] = work_of(choice)
+        makespan[r, k] = busy(r, choice)
+    makespan[:, -1] = -1
+    constraints = [
+        LinearConstraint(one_each, 1, 1),
+        LinearConstraint(total, samples, samples),
+        LinearConstraint(makespan, -np.inf, 0),
+    ]
+    integrality = np.r_[np.ones(n - 1), 0]
+    result = milp(cost, constraints=constraints, integrality=integrality, bounds=Bounds(np.r_[np.zeros(n - 1), 0], np.r_[np.ones(n - 1), np.inf]))
+    return steps * result.fun if result.status == 0 else np.inf
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_poplar_equals_the_milp_optimum_on_larger_clusters(seed):
+    rng = np.random.default_rng(500 + seed)
+    stage = seed % 4
+    model = random_model(rng, stage=stage, num_ranks=int(rng.integers(4, 7)), num_types=3, max_cap=8)
+    batch = int(rng.integers(model.world_size, 4 * model.world_size))
+    result = allocate("poplar", model, batch)
+    best = milp_best_time(model, batch)
+    if not np.isfinite(best):
+        assert not result.ok
+        return
+    check_allocation(model, result.allocation, batch)
+    # milp solves in floating point: equal up to its tolerance, never better than poplar
+    assert result.allocation.iteration_time_s - model.boundary_s == pytest.approx(best, rel=1e-6)
