@@ -33,7 +33,7 @@ def _model_config(num_layers: int = 1):
 
 
 def _wide_model():
-    """Little compute, ~100 MB of activations per sample: sizes sit far apart in memory,
+    """Little compute, ~50 MB of activations per sample: sizes sit far apart in memory,
     farther than the few megabytes a process's resident size drifts by."""
     import torch
     from torch import nn
@@ -42,7 +42,7 @@ def _wide_model():
         def __init__(self) -> None:
             super().__init__()
             self.inner = nn.Linear(8, 8)
-            self.scale = nn.Parameter(torch.ones(2**20))
+            self.scale = nn.Parameter(torch.ones(2**19))
 
         def forward(self, x):
             return torch.tanh(self.inner(x).unsqueeze(-1) * self.scale).mean()
@@ -156,7 +156,8 @@ def _memory_run(cache_dir: str) -> dict:
     cluster = _cluster([("roomy", 1.0, fixed + int(5.5 * per_sample)), ("cramped", 1.0, fixed + int(2.5 * per_sample))])
     profiles = profile_model(
         model_factory=_wide_model, make_batch=_wide_batch, ds_config=DS_CONFIG, cluster=cluster,
-        zero_stages=(0,), cache_dir=cache_dir, micro_batch_size_limit=LIMIT, repeats=1, progress=None,
+        zero_stages=(0,), cache_dir=cache_dir, micro_batch_size_limit=LIMIT, warmup_micro_steps=0, repeats=1,
+        progress=None,
     )
     mine = profiles[dist.get_rank()]
     largest = max(1, mine.max_micro_batch_size)

@@ -1,0 +1,296 @@
+"""``poplar-profile``: measure every device type of a job at each ZeRO stage, like training.
+
+Run it under the launcher that runs training, so that every rank measures its own
+device::
+
+    deepspeed --num_gpus 8 $(which poplar-profile) --deepspeed_config ds.json \\
+        --cluster cluster.json --model mymodels:build_model --batch mymodels:make_batch
+
+or with the built-in toy GPT (no downloads)::
+
+    deepspeed --num_gpus 1 $(which poplar-profile) --deepspeed_config ds.json \\
+        --cluster cluster.json --model toy-gpt --layers 12 --hidden-size 768 --heads 12
+
+Thin: parsing and input checks here, the work in `poplar_ext.profiler.profile_model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Sequence
+
+from search.errors import FormatError
+from search.formats import ZERO_STAGES
+
+BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
+
+
+class UsageError(ValueError):
+    """Bad command-line input: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage dump
+        raise UsageError(message)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The argument parser (standalone, or filled into a subcommand's `parser`)."""
+    parser = parser or _Parser(
+        prog="poplar-profile",
+        description=(
+            "Measure each device type of the job at each ZeRO stage (micro-step time curve, "
+            "optimizer-step time, peak memory, largest micro-batch) and write one profile per "
+            "(model, device type, stage). Run it under the deepspeed launcher or torchrun, like "
+            "training; profiles already in --output-dir with the same keys are reused."
+        ),
+        epilog=(
+            "Example: deepspeed --num_gpus 2 $(which poplar-profile) --deepspeed_config ds.json "
+            "--cluster cluster.json --model toy-gpt --zero-stages 0,2"
+        ),
+    )
+    parser.add_argument(
+        "--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", required=True, metavar="FILE",
+        help="the DeepSpeed JSON config training uses (dtype, optimizer, ZeRO settings; batch sizes are set per measurement)",
+    )
+    parser.add_argument(
+        "--cluster", required=True, metavar="FILE",
+        help="cluster description: the device type of every rank, and the emulation of emulated types",
+    )
+    parser.add_argument(
+        "--model", required=True, metavar="MODULE:FACTORY",
+        help=f"a zero-argument function that builds the model (its forward returns the loss), or one of {', '.join(BUILTIN_MODELS)}",
+    )
+    parser.add_argument(
+        "--batch", metavar="MODULE:FACTORY",
+        help="make_batch(micro_batch_size) -> one micro-batch; required unless --model is built in",
+    )
+    parser.add_argument(
+        "--zero-stages", default="0,1,2,3", metavar="LIST", help="comma-separated ZeRO stages to profile (default: 0,1,2,3)"
+    )
+    parser.add_argument("--output-dir", default="profiles", metavar="DIR", help="profile cache directory (default: profiles)")
+    parser.add_argument("--force", action="store_true", help="measure again even where a matching profile exists")
+    parser.add_argument(
+        "--micro-batch-sizes", metavar="LIST",
+        help="comma-separated sizes for the time curve (default: 1,2,3,4,6,8,12,... up to the largest that fits)",
+    )
+    parser.add_argument(
+        "--max-micro-batch-size", type=int, default=256, metavar="N", help="never try a larger micro-batch (default: 256)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, metavar="N", help="timed micro-steps per size; the median counts (default: 3)")
+    parser.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed micro-steps per size first (default: 1)")
+    parser.add_argument("--model-name", metavar="NAME", help="name in the profiles and file names (default: from the model)")
+    parser.add_argument(
+        "--sequence-length", type=int, metavar="N",
+        help="tokens per sample; part of the cache key (built-in models: their context length, default 512 for gpt2-small, 64 for toy-gpt)",
+    )
+    toy = parser.add_argument_group("built-in models (--model toy-gpt)")
+    toy.add_argument("--layers", type=int, default=2, metavar="N", help="transformer blocks (default: 2)")
+    toy.add_argument("--hidden-size", type=int, default=128, metavar="N", help="width (default: 128)")
+    toy.add_argument("--heads", type=int, default=4, metavar="N", help="attention heads (default: 4)")
+    toy.add_argument("--vocab-size", type=int, default=1024, metavar="N", help="token ids (default: 1024)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    # Appended by the deepspeed launcher; the rank comes from the environment.
+    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def _int_list(text: str, *, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UsageError(f"{option}: expected comma-separated integers, found {text!r}") from None
+    if not values:
+        raise UsageError(f"{option}: expected at least one integer, found {text!r}")
+    return values
+
+
+def _load_callable(spec: str, *, option: str) -> Callable[..., Any]:
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise UsageError(f"{option}: expected MODULE:FACTORY (e.g. mymodels:build), found {spec!r}")
+    # Like `python -m`: modules next to where the command is run are importable.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"{option}: cannot import module {module_name!r}: {exc}") from None
+    target = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise UsageError(f"{option}: module {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise UsageError(f"{option}: expected a callable at {spec!r}, found {type(target).__name__}")
+    return target
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileCommand:
+    """A checked command line: everything `profile_model` needs."""
+
+    ds_config: dict[str, Any]
+    cluster_path: Path
+    model_factory: Callable[[], Any]
+    make_batch: Callable[[int], Any]
+    model_name: str | None
+    sequence_length: int | None
+    zero_stages: tuple[int, ...]
+    output_dir: Path
+    force: bool
+    micro_batch_sizes: tuple[int, ...] | None
+    max_micro_batch_size: int
+    repeats: int
+    warmup_micro_steps: int
+    quiet: bool
+
+
+def _builtin_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int], Any], str, int]:
+    from poplar_ext.toy_gpt import GPT, GPTConfig
+
+    if args.model == "gpt2-small":
+        cfg = GPTConfig.gpt2_small(sequence_length=args.sequence_length or 512)
+    else:
+        for option, value in (("--layers", args.layers), ("--hidden-size", args.hidden_size), ("--heads", args.heads), ("--vocab-size", args.vocab_size)):
+            if value < 1:
+                raise UsageError(f"{option}: expected an integer >= 1, found {value}")
+        if args.hidden_size % args.heads:
+            raise UsageError(f"--hidden-size: expected a multiple of --heads ({args.heads}), found {args.hidden_size}")
+        cfg = GPTConfig(
+            vocab_size=args.vocab_size, sequence_length=args.sequence_length or 64,
+            num_layers=args.layers, num_heads=args.heads, hidden_size=args.hidden_size,
+        )
+
+    def make_batch(micro_batch_size: int) -> Any:
+        import torch
+
+        generator = torch.Generator().manual_seed(micro_batch_size)
+        return torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.sequence_length + 1), generator=generator)
+
+    name = args.model if args.model == "gpt2-small" else f"toy-gpt-{cfg.num_layers}x{cfg.hidden_size}"
+    return (lambda: GPT(cfg)), make_batch, name, cfg.sequence_length
+
+
+def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
+    """Parse and check the command line; raises `UsageError` (one line) on bad input."""
+    args = build_parser().parse_args(argv)
+    stages = _int_list(args.zero_stages, option="--zero-stages")
+    if any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):
+        raise UsageError(f"--zero-stages: expected distinct stages among 0,1,2,3, found {args.zero_stages!r}")
+    sizes = None if args.micro_batch_sizes is None else _int_list(args.micro_batch_sizes, option="--micro-batch-sizes")
+    if sizes is not None and min(sizes) < 1:
+        raise UsageError(f"--micro-batch-sizes: expected integers >= 1, found {args.micro_batch_sizes!r}")
+    for option, value, minimum in (
+        ("--max-micro-batch-size", args.max_micro_batch_size, 1),
+        ("--repeats", args.repeats, 1),
+        ("--warmup", args.warmup, 0),
+        ("--sequence-length", args.sequence_length if args.sequence_length is not None else 1, 1),
+    ):
+        if value < minimum:
+            raise UsageError(f"{option}: expected an integer >= {minimum}, found {value}")
+    config_path = Path(args.deepspeed_config)
+    try:
+        ds_config = json.loads(config_path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"--deepspeed_config: cannot read {config_path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--deepspeed_config: {config_path} is not valid JSON: {exc.msg} (line {exc.lineno})") from None
+    if not isinstance(ds_config, dict):
+        raise UsageError(f"--deepspeed_config: expected a JSON object in {config_path}, found {type(ds_config).__name__}")
+    cluster_path = Path(args.cluster)
+    from search.formats import load_cluster
+
+    try:
+        load_cluster(cluster_path)
+    except FormatError as exc:
+        raise UsageError(f"--cluster: {exc}") from None
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UsageError(f"--output-dir: expected a directory, found the file {output_dir}")
+    if args.model in BUILTIN_MODELS:
+        if args.batch is not None:
+            raise UsageError(f"--batch: the built-in model {args.model} makes its own batches; leave --batch out")
+        model_factory, make_batch, name, sequence_length = _builtin_model(args)
+    else:
+        if args.batch is None:
+            raise UsageError("--batch: required with a --model of your own (MODULE:FACTORY taking the micro-batch size)")
+        model_factory = _load_callable(args.model, option="--model")
+        make_batch = _load_callable(args.batch, option="--batch")
+        name, sequence_length = None, args.sequence_length
+    return ProfileCommand(
+        ds_config=ds_config,
+        cluster_path=cluster_path,
+        model_factory=model_factory,
+        make_batch=make_batch,
+        model_name=args.model_name or name,
+        sequence_length=sequence_length,
+        zero_stages=tuple(sorted(stages)),
+        output_dir=output_dir,
+        force=args.force,
+        micro_batch_sizes=sizes,
+        max_micro_batch_size=args.max_micro_batch_size,
+        repeats=args.repeats,
+        warmup_micro_steps=args.warmup,
+        quiet=args.quiet,
+    )
+
+
+def run(command: ProfileCommand) -> list[Any]:
+    """Profile as `command` says (collective: every rank runs it); returns the profiles."""
+    from poplar_ext.profiler import log_progress, profile_model
+
+    return profile_model(
+        model_factory=command.model_factory,
+        make_batch=command.make_batch,
+        ds_config=command.ds_config,
+        cluster=command.cluster_path,
+        zero_stages=command.zero_stages,
+        micro_batch_sizes=command.micro_batch_sizes,
+        cache_dir=command.output_dir,
+        force=command.force,
+        progress=None if command.quiet else log_progress,
+        model_name=command.model_name,
+        sequence_length=command.sequence_length,
+        warmup_micro_steps=command.warmup_micro_steps,
+        repeats=command.repeats,
+        micro_batch_size_limit=command.max_micro_batch_size,
+    )
+
+
+def summary(profiles: Sequence[Any]) -> str:
+    """One line per profile, for the end of a run."""
+    lines = ["device type       stage  largest micro-batch  sizes  optimizer step"]
+    for p in profiles:
+        lines.append(
+            f"{p.device_type:<17} {p.zero_stage:>5}  {p.max_micro_batch_size:>19}  {len(p.samples):>5}  "
+            f"{p.optimizer_step_time_s * 1e3:>11.1f} ms"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``poplar-profile``; returns the exit status."""
+    try:
+        command = parse_command(argv)
+    except UsageError as exc:
+        print(f"poplar-profile: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        profiles = run(command)
+    except (ValueError, FormatError) as exc:
+        print(f"poplar-profile: error: {exc}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(summary(profiles))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

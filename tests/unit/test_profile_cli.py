@@ -1,0 +1,95 @@
+"""poplar-profile's command line: checked input, one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from poplar_ext.profile_cli import main, parse_command
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "bf16": {"enabled": True}}))
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "n", "devices": [{"device_type": "cpu", "count": 2}]}]}))
+    module = tmp_path / "my_models.py"
+    module.write_text(
+        "import torch\n"
+        "def build():\n    return torch.nn.Linear(2, 1)\n"
+        "def batch(b):\n    return torch.ones(b, 2)\n"
+        "NOT_CALLABLE = 3\n"
+    )
+    return {"ds": str(ds), "cluster": str(cluster), "dir": str(tmp_path)}
+
+
+def _args(files: dict[str, str], *extra: str) -> list[str]:
+    return ["--deepspeed_config", files["ds"], "--cluster", files["cluster"], *extra]
+
+
+def test_builtin_toy_gpt_with_size_options(files) -> None:
+    command = parse_command(_args(files, "--model", "toy-gpt", "--layers", "3", "--hidden-size", "64", "--heads", "2", "--zero-stages", "2,0", "--local_rank=1"))
+    assert command.zero_stages == (0, 2)
+    assert command.model_name == "toy-gpt-3x64" and command.sequence_length == 64
+    model = command.model_factory()
+    assert len(model.blocks) == 3
+    assert tuple(command.make_batch(5).shape) == (5, 65)
+    assert command.ds_config["bf16"] == {"enabled": True}
+
+
+def test_own_model_and_batch_factories_are_imported(files, monkeypatch) -> None:
+    monkeypatch.chdir(files["dir"])
+    command = parse_command(_args(files, "--model", "my_models:build", "--batch", "my_models:batch", "--micro-batch-sizes", "1,2,4"))
+    assert command.model_factory().in_features == 2
+    assert command.make_batch(3).shape[0] == 3
+    assert command.micro_batch_sizes == (1, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--model", "toy-gpt", "--zero-stages", "0,4"], "--zero-stages: expected distinct stages among 0,1,2,3, found '0,4'"),
+        (["--model", "toy-gpt", "--zero-stages", "a"], "--zero-stages: expected comma-separated integers, found 'a'"),
+        (["--model", "toy-gpt", "--micro-batch-sizes", "0,2"], "--micro-batch-sizes: expected integers >= 1"),
+        (["--model", "toy-gpt", "--repeats", "0"], "--repeats: expected an integer >= 1, found 0"),
+        (["--model", "toy-gpt", "--hidden-size", "30", "--heads", "4"], "--hidden-size: expected a multiple of --heads"),
+        (["--model", "my_models:build"], "--batch: required with a --model of your own"),
+        (["--model", "nomodule:build", "--batch", "x:y"], "--model: cannot import module 'nomodule'"),
+        (["--model", "my_models:missing", "--batch", "my_models:batch"], "--model: module 'my_models' has no attribute 'missing'"),
+        (["--model", "my_models:NOT_CALLABLE", "--batch", "my_models:batch"], "--model: expected a callable"),
+        (["--model", "justaname", "--batch", "my_models:batch"], "--model: expected MODULE:FACTORY"),
+        (["--model", "toy-gpt", "--batch", "my_models:batch"], "--batch: the built-in model toy-gpt makes its own batches"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(files, monkeypatch, capsys, extra, message) -> None:
+    monkeypatch.chdir(files["dir"])
+    assert main(_args(files, *extra)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("poplar-profile: error: ")
+    assert message in err
+
+
+def test_missing_required_option_is_one_line(capsys) -> None:
+    assert main(["--model", "toy-gpt"]) == 2
+    assert capsys.readouterr().err == (
+        "poplar-profile: error: the following arguments are required: --deepspeed_config/--deepspeed-config, --cluster\n"
+    )
+
+
+def test_bad_files_are_named(files, tmp_path, capsys) -> None:
+    (tmp_path / "bad.json").write_text("[1")
+    assert main(["--deepspeed_config", str(tmp_path / "bad.json"), "--cluster", files["cluster"], "--model", "toy-gpt"]) == 2
+    assert "--deepspeed_config: " in capsys.readouterr().err
+    assert main(["--deepspeed_config", files["ds"], "--cluster", str(tmp_path / "none.json"), "--model", "toy-gpt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("poplar-profile: error: --cluster: ") and "none.json" in err
+
+
+def test_help_names_the_launcher(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    assert "deepspeed launcher" in capsys.readouterr().out
