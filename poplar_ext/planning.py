@@ -74,8 +74,9 @@ def obtain_missing_profiles(
     stages = ",".join(str(s) for s in sorted(by_stage))
     raise ValueError(
         f"poplar.profiles: no plan was given and {poplar_config.profiles} lacks profiles for these device types "
-        f"and ZeRO stages ({lacking}). Run: poplar-profile --cluster {poplar_config.cluster} "
-        f"--zero-stages {stages} --output {poplar_config.profiles} (with your model), or give poplar.plan."
+        f"and ZeRO stages ({lacking}). Measure them with poplar-profile under your training launcher: "
+        f"deepspeed --num_gpus N $(which poplar-profile) --deepspeed_config DS.json --cluster {poplar_config.cluster} "
+        f"--model MODULE:FACTORY --zero-stages {stages} --output-dir {poplar_config.profiles}; or give poplar.plan."
     )
 
 

@@ -115,7 +115,8 @@ def test_micro_batch_over_the_profiles_largest(results):
 def test_missing_profiles_say_what_to_run(results):
     message = _messages(results, "missing_profiles")
     assert "lacks profiles for these device types and ZeRO stages (stage 1: cpu-slow)" in message
-    assert "Run: poplar-profile" in message
+    assert "$(which poplar-profile) --deepspeed_config DS.json --cluster" in message
+    assert "--zero-stages 1 --output-dir" in message
 
 
 def test_searched_plan_reaches_every_rank(results):

@@ -52,7 +52,7 @@ def test_search_at_start_broadcasts_the_plan(cluster_path, tmp_path):
 
 def test_missing_profiles_name_type_stage_and_command(cluster_path, tmp_path):
     directory = _profiles(tmp_path / "profiles", [("fast", 0.001)])
-    with pytest.raises(ValueError, match=r"lacks profiles for these device types and ZeRO stages \(stage 1: slow\)\. Run: poplar-profile"):
+    with pytest.raises(ValueError, match=r"lacks profiles for these device types and ZeRO stages \(stage 1: slow\)\. Measure them with poplar-profile.*--zero-stages 1 --output-dir "):
         _resolve(cluster_path, {"profiles": str(directory)})
 
 
