@@ -60,6 +60,7 @@ def main() -> None:
             "world_size": engine.world_size,
             "global_batch_size": engine.train_batch_size(),
             "rank0_device": engine.device_label,
+            "devices": list(engine.rank_device_labels),
             "rank0_micro_batch_size": engine.train_micro_batch_size_per_gpu(),
             "rank0_gradient_accumulation_steps": engine.gradient_accumulation_steps(),
             "consumed_samples": engine.consumed_samples,

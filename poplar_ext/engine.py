@@ -94,6 +94,7 @@ class PoplarEngine:
         poplar_config: PoplarConfig,
         device_label: str,
         slowdown: ComputeSlowdown | None,
+        rank_device_labels: tuple[str, ...] = (),
     ) -> None:
         self.deepspeed_engine = engine
         """The real DeepSpeedEngine."""
@@ -104,6 +105,8 @@ class PoplarEngine:
         self.poplar_config = poplar_config
         self.device_label = device_label
         """This rank's device, saying whether it is real or emulated."""
+        self.rank_device_labels = rank_device_labels
+        """Every rank's device label, rank 0 first."""
         self.consumed_samples = 0
         """Samples (of all ranks) consumed by the optimizer steps so far: the data position."""
         self.last_iteration_time_s: float | None = None
@@ -339,7 +342,8 @@ def initialize(
     on_cpu = _on_cpu()
     if on_cpu:
         limit_cpu_threads()
-    label = device_label(cluster.rank_device_types[info.rank], emulation)
+    labels = tuple(device_label(t, cluster.emulation_of(t)) for t in cluster.rank_device_types)
+    label = labels[info.rank]
     rank_plan = plan.ranks[info.rank]
     logger.info(
         "rank %d: %s, micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
@@ -375,7 +379,8 @@ def initialize(
     if emulation is not None:
         slowdown = ComputeSlowdown(emulation, clock="process" if on_cpu else "cuda")
     wrapped = PoplarEngine(
-        engine, plan=plan, rank=info.rank, poplar_config=poplar_config, device_label=label, slowdown=slowdown
+        engine, plan=plan, rank=info.rank, poplar_config=poplar_config, device_label=label, slowdown=slowdown,
+        rank_device_labels=labels,
     )
     dataloader = None
     if training_data is not None:

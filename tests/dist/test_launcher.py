@@ -41,6 +41,7 @@ def _check(summary: dict, log: str) -> None:
     assert (summary["rank0_micro_batch_size"], summary["rank0_gradient_accumulation_steps"]) == (4, 2)
     assert summary["consumed_samples"] == STEPS * 12
     assert summary["rank0_device"] == "cpu-fast (real)"
+    assert summary["devices"] == ["cpu-fast (real)", "cpu-slow (emulated: 2x slower, 2.0 GB)"]
     assert "rank 1: cpu-slow (emulated: 2x slower, 2.0 GB), micro-batch 2 x 2" in log
 
 
