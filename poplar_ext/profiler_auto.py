@@ -1,0 +1,91 @@
+"""Profiles measured from inside `poplar_ext.initialize`, for the fully automatic mode.
+
+When a job has no plan and its profile directory lacks some (device type, stage),
+`poplar_ext.initialize` measures them with the model and training data it was
+given, then searches a plan and trains. This module turns initialize's arguments
+into what `profile_model` needs: a fresh copy of the model per stage (taken before
+DeepSpeed wraps it), micro-batches collated from the first samples of the training
+data, and an optimizer like the user's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Mapping
+
+import torch
+
+from search.formats import Cluster, Profile
+
+MeasureMissing = Callable[[list[tuple[str, int]], Cluster], list[Profile]]
+"""``measure(missing, cluster) -> profiles``: the (device type, stage) pairs measured."""
+
+
+def _optimizer_factory(optimizer: Any, ds_config: Mapping[str, Any]) -> Callable[[list], Any] | None:
+    if "optimizer" in ds_config:
+        return None  # DeepSpeed builds it from the config
+    if optimizer is None:
+        raise ValueError(
+            "poplar: profiling the missing profiles needs an optimizer: give one in the DeepSpeed config "
+            "('optimizer') or as initialize(optimizer=...)"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        # The user's optimizer holds the user's parameters: build the same kind for each copy.
+        return lambda params: type(optimizer)(params, **optimizer.defaults)
+    if callable(optimizer):
+        return optimizer  # DeepSpeed's own convention: a callable taking the parameters
+    raise ValueError(f"optimizer: expected a torch optimizer or a callable, found {type(optimizer).__name__}")
+
+
+def missing_profiles_measurer(
+    *,
+    model: torch.nn.Module,
+    training_data: Any,
+    collate_fn: Callable[[list], Any] | None,
+    optimizer: Any,
+    ds_config: Mapping[str, Any],
+    profiles_dir: Any,
+    micro_batch_size_limit: int | None,
+    progress: Callable[[str], None] | None = None,
+) -> MeasureMissing:
+    """A function that measures missing profiles with initialize's model and data (collective).
+
+    Call the result before DeepSpeed sees `model`: each measured stage gets a deep
+    copy of it. Micro-batch ``b`` is the first ``b`` samples of
+    `training_data` (repeated when the data set is smaller) put together by
+    `collate_fn` (default: torch's default collate); the model's forward returns the
+    loss, as in the training loop. The largest micro-batch tried is
+    `micro_batch_size_limit` (the global batch when known: no plan can use more).
+    """
+    from poplar_ext.profiler import log_progress, profile_model
+
+    if len(training_data) < 1:
+        raise ValueError("training_data: expected at least one sample to build micro-batches from, found none")
+    collate = collate_fn or torch.utils.data.default_collate
+    optimizer_factory = _optimizer_factory(optimizer, ds_config)
+
+    def make_batch(micro_batch_size: int) -> Any:
+        return collate([training_data[i % len(training_data)] for i in range(micro_batch_size)])
+
+    def measure(missing: list[tuple[str, int]], cluster: Cluster) -> list[Profile]:
+        stages = sorted({stage for _, stage in missing})
+        profiles = profile_model(
+            # initialize measures before DeepSpeed sees `model`: it is still as the user built it.
+            model_factory=lambda: copy.deepcopy(model),
+            make_batch=make_batch,
+            ds_config=ds_config,
+            cluster=cluster,
+            zero_stages=stages,
+            cache_dir=profiles_dir,
+            progress=log_progress if progress is None else progress,
+            optimizer_factory=optimizer_factory,
+            model_name=type(model).__name__.lower(),
+            micro_batch_size_limit=micro_batch_size_limit or 256,
+        )
+        wanted = set(missing)
+        return [p for p in profiles if (p.device_type, p.zero_stage) in wanted]
+
+    return measure
+
+
+__all__ = ["MeasureMissing", "missing_profiles_measurer"]
