@@ -59,14 +59,26 @@ def check_plan_for_job(
         raise ValueError(f"{source}: this plan cannot run: " + " ".join(problems))
 
 
+MeasureMissing = Callable[[list[tuple[str, int]], Cluster], list[Profile]]
+"""``measure(missing, cluster) -> profiles`` (see `poplar_ext.profiler_auto`); collective."""
+
+
 def obtain_missing_profiles(
-    missing: list[tuple[str, int]], *, poplar_config: PoplarConfig, cluster: Cluster
+    missing: list[tuple[str, int]],
+    *,
+    poplar_config: PoplarConfig,
+    cluster: Cluster,
+    measure_missing: MeasureMissing | None = None,
 ) -> list[Profile]:
     """Profiles for the (device type, ZeRO stage) pairs in `missing`.
 
-    Today: raises ValueError saying exactly what is missing and what to run. The
-    profiler replaces this one function to measure them instead.
+    Measured by `measure_missing` when given: the automatic mode, where initialize
+    had the model and the training data (every rank calls it alike, it is
+    collective). Otherwise raises ValueError saying exactly what is missing and what
+    to run.
     """
+    if measure_missing is not None:
+        return measure_missing(missing, cluster)
     by_stage: dict[int, list[str]] = {}
     for device_type, stage in missing:
         by_stage.setdefault(stage, []).append(device_type)
@@ -76,7 +88,8 @@ def obtain_missing_profiles(
         f"poplar.profiles: no plan was given and {poplar_config.profiles} lacks profiles for these device types "
         f"and ZeRO stages ({lacking}). Measure them with poplar-profile under your training launcher: "
         f"deepspeed --num_gpus N $(which poplar-profile) --deepspeed_config DS.json --cluster {poplar_config.cluster} "
-        f"--model MODULE:FACTORY --zero-stages {stages} --output-dir {poplar_config.profiles}; or give poplar.plan."
+        f"--model MODULE:FACTORY --batch MODULE:FACTORY --zero-stages {stages} --output-dir {poplar_config.profiles}; "
+        "or give poplar.plan; or pass training_data to poplar_ext.initialize to measure them automatically."
     )
 
 
@@ -95,7 +108,12 @@ def _available_profiles(poplar_config: PoplarConfig, model_fingerprint: str | No
 
 
 def profiles_for_search(
-    poplar_config: PoplarConfig, cluster: Cluster, *, zero_stage: int | None, model_fingerprint: str | None = None
+    poplar_config: PoplarConfig,
+    cluster: Cluster,
+    *,
+    zero_stage: int | None,
+    model_fingerprint: str | None = None,
+    measure_missing: MeasureMissing | None = None,
 ) -> list[Profile]:
     """The profiles the search needs: every device type at the stage (or, with no stage
     set, at every stage where all types have one); missing ones come from
@@ -107,7 +125,9 @@ def profiles_for_search(
     complete = [s for s in stages if all((t, s) in have for t in types)]
     if not complete:
         missing = [(t, s) for s in stages for t in types if (t, s) not in have]
-        profiles = profiles + obtain_missing_profiles(missing, poplar_config=poplar_config, cluster=cluster)
+        profiles = profiles + obtain_missing_profiles(
+            missing, poplar_config=poplar_config, cluster=cluster, measure_missing=measure_missing
+        )
         complete = list(stages)
     return [p for p in profiles if p.zero_stage in complete and p.device_type in types]
 
@@ -140,6 +160,7 @@ def resolve_plan(
     global_batch_size: int | None = None,
     model_fingerprint: str | None = None,
     broadcast: Callable[[Any], Any],
+    measure_missing: MeasureMissing | None = None,
 ) -> Plan:
     """The plan this job runs, checked; raises the same ValueError on every rank if it cannot.
 
@@ -161,7 +182,9 @@ def resolve_plan(
         return plan
     # Everything up to the broadcast reads only files that every rank shares, so a
     # missing profile raises on every rank before any of them waits for the others.
-    profiles = profiles_for_search(poplar_config, cluster, zero_stage=zero_stage, model_fingerprint=model_fingerprint)
+    profiles = profiles_for_search(
+        poplar_config, cluster, zero_stage=zero_stage, model_fingerprint=model_fingerprint, measure_missing=measure_missing
+    )
     payload: dict[str, Any] | None = None
     failure: BaseException | None = None
     if rank == 0:
