@@ -327,6 +327,17 @@ def initialize(
         from poplar_ext.fingerprint import model_fingerprint as fingerprint_of
 
         model_fingerprint = fingerprint_of(model)
+    measure_missing = None
+    if model is not None and training_data is not None and poplar_config.plan is None:
+        # Fully automatic mode: missing profiles are measured with this model and data.
+        from poplar_ext.profiler_auto import missing_profiles_measurer
+
+        measure_missing = missing_profiles_measurer(
+            model=model, training_data=training_data, collate_fn=collate_fn, optimizer=optimizer,
+            ds_config=ds_config, profiles_dir=poplar_config.profiles,
+            micro_batch_size_limit=poplar_config.global_batch_size or ds_config.get("train_batch_size")
+            or poplar_config.max_global_batch_size,
+        )
     plan = resolve_plan(
         poplar_config,
         cluster,
@@ -336,6 +347,7 @@ def initialize(
         global_batch_size=ds_config.get("train_batch_size"),
         model_fingerprint=model_fingerprint,
         broadcast=broadcast_from_rank0,
+        measure_missing=measure_missing,
     )
     nominal = nominal_deepspeed_config(ds_config, plan, info.rank)
     emulation = emulation_for_rank(cluster, info.rank)
