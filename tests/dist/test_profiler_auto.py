@@ -1,0 +1,76 @@
+"""Fully automatic mode: initialize with no plan and no profiles measures, searches, trains."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from harness import run_ranks
+
+import _training as t
+from search.formats import load_profiles
+
+GLOBAL_BATCH = 8
+
+
+def _train_from_nothing(cluster_path: str, profiles_dir: str) -> dict:
+    import torch
+
+    import poplar_ext
+
+    model = t.GPT(t.TINY)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {
+        # No zero_optimization.stage: the search chooses it.
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10_000,
+        "poplar": {
+            "cluster": cluster_path,
+            "profiles": profiles_dir,
+            "global_batch_size": GLOBAL_BATCH,
+            "log_interval_steps": 0,
+        },
+    }
+    engine, _, loader, _ = poplar_ext.initialize(
+        model=model, optimizer=optimizer, training_data=t.dataset(), config=config
+    )
+    losses = []
+    for step, tokens in enumerate(loader):
+        loss = engine(tokens.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+        if engine.global_steps == 3:
+            break
+    return {
+        "plan": [(r.micro_batch_size, r.gradient_accumulation_steps) for r in engine.plan.ranks],
+        "stage": engine.plan.zero_stage,
+        "global_batch": engine.plan.global_batch_size,
+        "steps": engine.global_steps,
+        "losses": losses,
+    }
+
+
+def test_initialize_profiles_searches_and_trains_from_nothing(tmp_path) -> None:
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({
+        "schema_version": 1,
+        "nodes": [{"name": "n0", "devices": [{"device_type": "fast", "count": 1}, {"device_type": "slow", "count": 1}]}],
+        "device_types": {
+            "fast": {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 8 * 10**9}},
+            "slow": {"emulation": {"slowdown": 3.0, "memory_capacity_bytes": 8 * 10**9}},
+        },
+    }))
+    profiles_dir = tmp_path / "profiles"
+    results = run_ranks(
+        _train_from_nothing, world_size=2, tmp_path=tmp_path, args=(str(cluster), str(profiles_dir)), timeout_s=240
+    )
+    written = {(p.device_type, p.zero_stage) for p in load_profiles(profiles_dir)}
+    assert written == {(d, s) for d in ("fast", "slow") for s in (0, 1, 2, 3)}, "every stage profiled for the search"
+    first = results[0]
+    assert all(r["plan"] == first["plan"] and r["stage"] == first["stage"] for r in results)
+    assert first["global_batch"] == GLOBAL_BATCH and first["steps"] == 3
+    (fast_b, fast_s), (slow_b, slow_s) = first["plan"]
+    assert fast_b * fast_s > slow_b * slow_s, "the 3x slower type gets fewer samples"
+    assert all(math.isfinite(x) for r in results for x in r["losses"])
