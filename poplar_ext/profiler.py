@@ -114,10 +114,17 @@ def _local_world_size() -> int:
 
 
 def _job_device() -> torch.device:
+    """This rank's device, made current (DeepSpeed does it only when the first engine is built,
+    and collectives before that, such as NCCL's all_gather_object, use the current device)."""
     from deepspeed.accelerator import get_accelerator
 
-    name = get_accelerator().current_device_name()
-    return torch.device(name)
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cuda":
+        return torch.device(accelerator.current_device_name())
+    # Several ranks may share one GPU (emulated device types on one machine).
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _validate(zero_stages: Iterable[int], cache_dir: str | os.PathLike[str]) -> tuple[int, ...]:
