@@ -253,7 +253,7 @@ def assemble_report(
             f"ZeRO stage {settings.zero_stage}; each policy ran {settings.warmup_iterations} warm-up + {settings.rounds} rounds x {settings.iterations} measured iterations, policies interleaved per round; figures are medians, every repetition is in the JSON.",
             "Iteration time: from a barrier to the end of the optimizer step on the slowest rank. Busy time: from that barrier until the rank reaches the boundary gradient reduction (its own micro-steps, without waiting).",
             "The demo ends each emulated micro-step (and its sleep) before the boundary gradient reduction, as a slow device finishes computing before it communicates; poplar_ext's engine would otherwise sleep after DeepSpeed's backward, after the reduction.",
-            "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication, ranks measured one at a time), measured in this run at the profile's best and largest micro-batch.",
+            "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication, so no waiting; all ranks at once, as in training), measured in this run at the profile's best and largest micro-batch.",
             "Predictions come from the profiles, which time each micro-step by process CPU time x slowdown; measurements are wall time, so load from other processes on the machine shows as prediction error.",
             "Other processes on this machine were not controlled; its load shows in the repetitions.",
         ],

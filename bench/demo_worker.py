@@ -438,29 +438,29 @@ def standalone_sizes(profile: Profile) -> list[int]:
 
 
 def measure_standalone(settings: DemoSettings, cluster: Cluster, rank: int, profile: Profile) -> list[dict[str, Any]]:
-    """This rank's micro-step time alone (forward + backward, emulated slowdown, no
-    communication), `settings.standalone_repeats` times after one warm-up per size.
+    """This rank's micro-step time on its own (forward + backward, emulated slowdown, no
+    communication, so no waiting for other ranks), `settings.standalone_repeats` times
+    after one warm-up per size.
 
-    Ranks take turns, so that each device's standalone figure is measured without
-    the other ranks competing for the machine's cores.
+    All ranks measure at the same time, as they train: the machine's shared caches
+    and memory bandwidth are then as busy as during training, and the ideal is
+    comparable with the training runs.
     """
     from poplar_ext.emulation import emulation_for_rank
 
+    slowdown = PaddedSlowdown(emulation_for_rank(cluster, rank))
+    model = _make_model(settings)
     points: list[dict[str, Any]] = []
-    for turn in range(dist.get_world_size()):
-        if turn == rank:
-            slowdown = PaddedSlowdown(emulation_for_rank(cluster, rank))
-            model = _make_model(settings)
-            for size in standalone_sizes(profile):
-                batch = _batch(settings, size)
-                times = []
-                for repeat in range(settings.standalone_repeats + 1):
-                    model.zero_grad(set_to_none=True)
-                    start = time.perf_counter()
-                    with slowdown:
-                        model(batch).backward()
-                    if repeat:  # the first is a warm-up
-                        times.append(time.perf_counter() - start)
-                points.append({"micro_batch_size": size, "micro_step_time_s": times})
-        dist.barrier()
+    for size in standalone_sizes(profile):
+        batch = _batch(settings, size)
+        times = []
+        for repeat in range(settings.standalone_repeats + 1):
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            with slowdown:
+                model(batch).backward()
+            if repeat:  # the first is a warm-up
+                times.append(time.perf_counter() - start)
+        points.append({"micro_batch_size": size, "micro_step_time_s": times})
+    dist.barrier()
     return points
