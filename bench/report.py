@@ -207,6 +207,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"python {machine.get('python')}, torch {machine['libraries'].get('torch')}, "
         f"deepspeed {machine['libraries'].get('deepspeed')})",
     ]
+    timings = report.get("timings_s") or {}
+    if "total_s" in timings:
+        lines.append(f"- the run took {timings['total_s']:.0f} s (imports {timings.get('import_s', 0):.0f} s)")
     for note in report.get("notes", []):
         lines.append(f"- {note}")
     for scenario in report["scenarios"]:
@@ -247,6 +250,22 @@ def render_markdown(report: dict[str, Any]) -> str:
                     share=_fmt(e.get("share_of_ideal"), "{:.2f}"),
                 )
             )
+        measured_ranks = [
+            (e, r) for e in scenario["policies"] if e["status"] == "ok" for r in e["ranks"] if r.get("measured_busy_s")
+        ]
+        if measured_ranks:
+            lines += [
+                "",
+                "Per rank, busy time per iteration (its own micro-steps, without waiting for the others):",
+                "",
+                "| policy | rank | device type | micro-batch * accumulation | busy s measured (median) | busy s predicted |",
+                "| --- | --- | --- | --- | --- | --- |",
+            ]
+            for e, r in measured_ranks:
+                lines.append(
+                    f"| {e['policy']} | {r['rank']} | {r['device_type']} | {r['micro_batch_size']} * {r['gradient_accumulation_steps']} "
+                    f"| {_fmt(r['measured_busy_s']['median'])} | {_fmt(r['predicted_busy_s'])} |"
+                )
         if scenario.get("goals"):
             lines += ["", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
             for g in scenario["goals"]:
