@@ -369,14 +369,19 @@ class PaddedSlowdown:
 class PolicyRun:
     """One poplar_ext engine and this rank's share of a plan; times whole iterations."""
 
-    def __init__(self, engine: Any, batch: torch.Tensor, accumulation_steps: int) -> None:
+    def __init__(self, engine: Any, batch: torch.Tensor, accumulation_steps: int, *, emulated: bool) -> None:
         self.engine = engine
         self.batch = batch
         self.accumulation_steps = accumulation_steps
         self._boundary_wait_s = 0.0
         inner = engine.deepspeed_engine  # poplar_ext.PoplarEngine wraps the real engine
         original = inner.allreduce_gradients
-        slowdown = getattr(engine, "_slowdown", None)
+        slowdown = engine.__dict__.get("_slowdown")
+        if emulated and slowdown is None:
+            raise RuntimeError(
+                "poplar_ext.PoplarEngine keeps its emulated slowdown somewhere other than `_slowdown`; "
+                "bench/demo_worker.py replaces it (PaddedSlowdown) and must follow"
+            )
         if slowdown is not None:
             # The engine calls only start() and stop() on it (see PaddedSlowdown).
             slowdown = engine._slowdown = PaddedSlowdown(slowdown.emulation)
@@ -425,7 +430,8 @@ def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) ->
     config["poplar"] = {"cluster": str(cluster_path), "plan": str(plan_path)}
     model = _make_model(settings)
     engine, _, _, _ = poplar_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return PolicyRun(engine, _batch(settings, rank_plan.micro_batch_size), rank_plan.gradient_accumulation_steps)
+    emulated = load_cluster(cluster_path).emulation_of(rank_plan.device_type) is not None
+    return PolicyRun(engine, _batch(settings, rank_plan.micro_batch_size), rank_plan.gradient_accumulation_steps, emulated=emulated)
 
 
 # ----------------------------------------------------------------------------------
