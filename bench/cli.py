@@ -186,7 +186,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         force_profile=args.force_profile,
     )
-    paths = demo.run_demo(settings, out_dir=args.output_dir or default_output_dir(), name=args.name)
+    try:
+        paths = demo.run_demo(settings, out_dir=args.output_dir or default_output_dir(), name=args.name)
+    except RuntimeError as exc:  # a rank failed: its traceback is in the message
+        print(f"poplar-bench demo: {exc}", file=sys.stderr)
+        return 1
     for path in paths:
         print(path)
     return 0

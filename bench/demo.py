@@ -52,25 +52,36 @@ def _preimport() -> float:
     return time.perf_counter() - start
 
 
-def run_ranks(settings: DemoSettings, work_dir: Path) -> list[dict[str, Any]]:
+def run_ranks(settings: DemoSettings, work_dir: Path, *, target: Any = None) -> list[dict[str, Any]]:
     """Fork the ranks, wait for all of them (or the timeout), return their result files.
 
-    A rank that fails writes ``rank<N>.error``; a rank that hangs is killed at the
-    timeout. Either way the error names the rank and what it said.
+    `target(rank, settings, work_dir, port)` is each rank's entry point
+    (`bench.demo_worker.worker_main` unless given). A rank that fails writes
+    ``rank<N>.error``; the others are then stopped a few seconds later instead of
+    waiting in a collective for the process-group timeout; a rank that hangs is
+    killed at `settings.timeout_s`. Either way the error names the rank and what it said.
     """
-    from bench import demo_worker
+    if target is None:
+        from bench.demo_worker import worker_main as target
 
     context = multiprocessing.get_context("fork")
     port = _free_port()
     processes = [
-        context.Process(target=demo_worker.worker_main, args=(rank, settings, str(work_dir), port), name=f"demo-rank{rank}")
+        context.Process(target=target, args=(rank, settings, str(work_dir), port), name=f"demo-rank{rank}")
         for rank in range(settings.world_size)
     ]
     for process in processes:
         process.start()
     deadline = time.monotonic() + settings.timeout_s
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
+    failed_at: float | None = None
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        # A failed rank leaves the others waiting in a collective until the process
+        # group times out: give them a moment to fail too, then stop them.
+        if failed_at is None and any((work_dir / f"rank{r}.error").exists() for r in range(settings.world_size)):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 5.0:
+            break
+        time.sleep(0.2)
     hung = [p for p in processes if p.is_alive()]
     for process in hung:
         process.kill()
@@ -80,7 +91,7 @@ def run_ranks(settings: DemoSettings, work_dir: Path) -> list[dict[str, Any]]:
         error_file = work_dir / f"rank{rank}.error"
         if error_file.exists():
             errors.append(f"rank {rank}: {error_file.read_text().strip()}")
-    if hung:
+    if hung and failed_at is None:
         errors.append(f"ranks {[processes.index(p) for p in hung]} still running after {settings.timeout_s:.0f} s, killed")
     failed = [i for i, p in enumerate(processes) if p.exitcode not in (0, None) and p not in hung]
     if failed and not errors:

@@ -131,7 +131,8 @@ def run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[s
                 measured[policy]["iteration_time_s"].append(iteration_s)
                 measured[policy]["busy_s"].append(busy_s)
                 measured[policy]["boundary_wait_s"].append(wait_s)
-            _say(rank, f"round {round_index + 1}/{settings.rounds} {policy}: rank 0 iteration median {statistics.median(measured[policy]['iteration_time_s']):.3f} s")
+            this_round = measured[policy]["iteration_time_s"][-settings.iterations :]
+            _say(rank, f"round {round_index + 1}/{settings.rounds} {policy}: {statistics.median(this_round):.2f} s per iteration (rank 0)")
 
     _say(rank, "measuring each rank's standalone throughput (the ideal)")
     profile = next(p for p in profiles if p.device_type == device_type)
