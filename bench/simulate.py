@@ -83,6 +83,8 @@ def _device_sources(case: SimulationCase) -> dict[str, dict[str, Any]]:
             source = "measured"
         sources[device_type] = {
             "source": source,
+            # Who made a modelled profile: bench.gpu_model, or whatever its file says.
+            "modelled_by": None if source != "modelled" else str(profile.measured_with.get("model", "unknown (see the profile's measured_with)")),
             "emulation": None
             if emulation is None
             else {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes},
@@ -179,15 +181,21 @@ def simulate_case(case: SimulationCase, *, policies: tuple[str, ...] = POLICY_OR
 def simulation_report(cases: list[SimulationCase], *, title: str = "poplar-bench simulate: policies compared by prediction") -> dict[str, Any]:
     """A full report over `cases` (see `bench.report` for the layout)."""
     scenarios = [simulate_case(case) for case in cases]
-    modelled = sorted({t for s in scenarios for t, info in s["device_types"].items() if info["source"] == "modelled"})
+    modelled: dict[str, set[str]] = {}
+    for scenario in scenarios:
+        for device_type, info in scenario["device_types"].items():
+            if info["source"] == "modelled":
+                modelled.setdefault(info["modelled_by"], set()).add(device_type)
     notes = [
         "Every figure is a prediction of the search's cost model; nothing was run on these GPUs.",
     ]
-    if modelled:
-        notes.append(
-            "Profiles of " + ", ".join(modelled) + " are MODELLED from vendor datasheet figures with the "
-            "assumptions in bench/gpu_model.py (assumed MFU, network bandwidth, overheads), not measured."
+    for modelled_by, types in sorted(modelled.items()):
+        how = (
+            "from vendor datasheet figures with the assumptions in bench/gpu_model.py (assumed MFU, network bandwidth, overheads)"
+            if modelled_by == gpu_model.MODEL_VERSION
+            else f"by {modelled_by}"
         )
+        notes.append(f"Profiles of {', '.join(sorted(types))} are MODELLED {how}, not measured.")
     return {
         "schema": REPORT_SCHEMA,
         "kind": "simulation",

@@ -80,6 +80,16 @@ def test_infeasible_policies_are_reported_not_raised(tmp_path):
     assert "infeasible" in paths[1].read_text()
 
 
+def test_profiles_modelled_elsewhere_are_not_credited_to_gpu_model():
+    case = _case()
+    relabelled = tuple(
+        dataclasses.replace(p, measured_with={"source": "modelled", "model": "someone's spreadsheet"}) for p in case.profiles
+    )
+    report = simulate.simulation_report([dataclasses.replace(case, profiles=relabelled)])
+    assert any("MODELLED by someone's spreadsheet" in note for note in report["notes"])
+    assert not any("gpu_model" in note for note in report["notes"])
+
+
 def test_given_measured_profiles_are_labelled_measured():
     case = _case()
     relabelled = tuple(
