@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -230,13 +231,12 @@ def test_slowdown_three_measures_three_times_slower(measured, stage) -> None:
     profiles = _by_type(results[0]["first"], stage)
     fast = {s.micro_batch_size: s.micro_step_time_s for s in profiles["fast"].samples}
     slow = {s.micro_batch_size: s.micro_step_time_s for s in profiles["slow"].samples}
-    common = sorted(set(fast) & set(slow))
-    assert len(common) >= 4
-    # Summed over the curve: one size's CPU time wobbles by 10-20 % when other
-    # processes share the cores, the curve as a whole far less.
-    ratio = sum(slow[b] for b in common) / sum(fast[b] for b in common)
-    per_size = [round(slow[b] / fast[b], 2) for b in common]
-    assert ratio == pytest.approx(3.0, rel=0.15), per_size
+    ratios = [slow[b] / fast[b] for b in sorted(set(fast) & set(slow))]
+    assert len(ratios) >= 4
+    # The median over the curve's sizes: when other processes share the machine, one
+    # size's CPU time is now and then off by a third (a burst of interference during
+    # most of its repeats); the curve as a whole holds the factor.
+    assert statistics.median(ratios) == pytest.approx(3.0, rel=0.15), [round(r, 2) for r in ratios]
 
 
 def test_smaller_memory_gives_a_smaller_largest_micro_batch_that_really_fits(measured) -> None:
