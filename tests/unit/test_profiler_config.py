@@ -1,0 +1,75 @@
+"""What the profiler hands DeepSpeed: per-stage configs, the dtype, the optimizer of the automatic mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poplar_ext.profiler import training_dtype
+from poplar_ext.profiler_auto import missing_profiles_measurer
+from poplar_ext.profiler_measure import MeasureSettings, default_loss, move_to_device, stage_ds_config
+
+USER_CONFIG = {
+    "train_batch_size": 96,
+    "gradient_accumulation_steps": 4,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 1, "overlap_comm": True},
+    "memory_breakdown": True,
+    "poplar": {"cluster": "c.json"},
+}
+
+
+def test_stage_config_sets_the_stage_and_nominal_batches_and_keeps_the_rest() -> None:
+    config = stage_ds_config(USER_CONFIG, zero_stage=3, world_size=4)
+    assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True}
+    assert config["train_batch_size"] == config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * 4
+    assert config["bf16"] == {"enabled": True}
+    assert config["memory_breakdown"] is False, "it would reset the CUDA peak counters"
+    assert "poplar" not in config
+    assert USER_CONFIG["zero_optimization"]["stage"] == 1, "the caller's config is not modified"
+
+
+@pytest.mark.parametrize(
+    ("config", "dtype"),
+    [({}, "float32"), ({"bf16": {"enabled": True}}, "bfloat16"), ({"fp16": {"enabled": True}}, "float16"), ({"fp16": {"enabled": False}}, "float32")],
+)
+def test_training_dtype(config, dtype) -> None:
+    assert training_dtype(config) == dtype
+
+
+def test_settings_reject_bad_values() -> None:
+    with pytest.raises(ValueError, match="repeats: expected an integer >= 1, found 0"):
+        MeasureSettings(repeats=0)
+    with pytest.raises(ValueError, match=r"micro_batch_sizes: expected a non-empty list of integers >= 1, found \[0\]"):
+        MeasureSettings(micro_batch_sizes=(0,))
+
+
+def test_batches_reach_the_model_as_tensor_tuple_or_dict() -> None:
+    calls = []
+
+    def engine(*args, **kwargs):
+        calls.append((len(args), sorted(kwargs)))
+        return torch.zeros(())
+
+    default_loss(engine, torch.ones(2))
+    default_loss(engine, (torch.ones(2), torch.ones(2)))
+    default_loss(engine, {"x": torch.ones(2)})
+    assert calls == [(1, []), (2, []), (0, ["x"])]
+    moved = move_to_device({"a": [torch.ones(1)], "b": 3}, torch.device("cpu"))
+    assert moved["b"] == 3 and moved["a"][0].device.type == "cpu"
+
+
+def test_automatic_mode_needs_an_optimizer() -> None:
+    with pytest.raises(ValueError, match="poplar: profiling the missing profiles needs an optimizer"):
+        missing_profiles_measurer(
+            model=torch.nn.Linear(2, 1), training_data=[torch.ones(2)], collate_fn=None, optimizer=None,
+            ds_config={}, profiles_dir="p", micro_batch_size_limit=8,
+        )
+
+
+def test_automatic_mode_needs_training_samples() -> None:
+    with pytest.raises(ValueError, match="training_data: expected at least one sample"):
+        missing_profiles_measurer(
+            model=torch.nn.Linear(2, 1), training_data=[], collate_fn=None, optimizer=None,
+            ds_config={"optimizer": {"type": "SGD"}}, profiles_dir="p", micro_batch_size_limit=8,
+        )
