@@ -257,12 +257,16 @@ def profile_model(
             raise ValueError("model_factory: expected the same architecture on every call, found another one")
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = None if optimizer_factory is None else optimizer_factory(params)
-        engine, *_ = deepspeed.initialize(
-            model=model,
-            model_parameters=params,
-            optimizer=optimizer,
-            config=stage_ds_config(ds_config, zero_stage=stage, world_size=layout.world_size),
-        )
+        try:
+            engine, *_ = deepspeed.initialize(
+                model=model,
+                model_parameters=params,
+                optimizer=optimizer,
+                config=stage_ds_config(ds_config, zero_stage=stage, world_size=layout.world_size),
+            )
+        except AssertionError as exc:
+            # DeepSpeed checks configs with assert; the same config fails alike on every rank.
+            raise ValueError(f"ds_config: DeepSpeed refused it at ZeRO stage {stage}: {exc}") from exc
         return engine
 
     reporter = _ProgressReporter(

@@ -1,0 +1,64 @@
+"""poplar-profile's entry point on forked ranks (as under the launcher, without its start-up cost)."""
+
+from __future__ import annotations
+
+import json
+
+from harness import run_ranks
+
+from search.formats import load_profiles
+
+
+def _run_cli(argv: list[str]) -> int:
+    from poplar_ext.profile_cli import main
+
+    return main(argv)
+
+
+def test_cli_profiles_the_toy_gpt_and_then_reuses_it(tmp_path, capfd) -> None:
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({
+        "schema_version": 1,
+        "nodes": [{"name": "n0", "devices": [{"device_type": "big", "count": 1}, {"device_type": "small", "count": 1}]}],
+        "device_types": {
+            "big": {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 8 * 10**9}},
+            "small": {"emulation": {"slowdown": 2.0, "memory_capacity_bytes": 8 * 10**9}},
+        },
+    }))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+    }))
+    out = tmp_path / "profiles"
+    argv = [
+        "--local_rank=0", "--deepspeed_config", str(ds), "--cluster", str(cluster), "--model", "toy-gpt",
+        "--layers", "1", "--hidden-size", "32", "--heads", "2", "--vocab-size", "128", "--sequence-length", "16",
+        "--zero-stages", "1", "--max-micro-batch-size", "4", "--repeats", "1", "--output-dir", str(out),
+    ]
+    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path / "first", args=(argv,), timeout_s=120) == [0, 0]
+    profiles = load_profiles(out)
+    assert sorted((p.device_type, p.zero_stage, p.max_micro_batch_size) for p in profiles) == [("big", 1, 4), ("small", 1, 4)]
+    assert {p.model.name for p in profiles} == {"toy-gpt-1x32"} and {p.model.sequence_length for p in profiles} == {16}
+    written = {p.device_type: p.measured_with["date"] for p in profiles}
+    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path / "second", args=(argv,), timeout_s=120) == [0, 0]
+    assert {p.device_type: p.measured_with["date"] for p in load_profiles(out)} == written, "reused, not re-measured"
+    logs = "\n".join(path.read_text() for path in (tmp_path / "second").rglob("rank0.log"))
+    assert "from the cache (not measured)" in logs and "largest micro-batch" in logs
+
+
+def test_cli_bad_input_exits_2_on_every_rank(tmp_path) -> None:
+    argv = ["--deepspeed_config", "x.json", "--cluster", "y.json", "--model", "toy-gpt", "--zero-stages", "7"]
+    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), init_process_group=False, timeout_s=60) == [2, 2]
+
+
+def test_cli_config_deepspeed_refuses_exits_2_on_every_rank(tmp_path) -> None:
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "cpu", "count": 2}]}]}))
+    ds = tmp_path / "ds.json"
+    # DeepSpeed asserts that ZeRO gets a tested optimizer unless told otherwise.
+    ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    argv = ["--deepspeed_config", str(ds), "--cluster", str(cluster), "--model", "toy-gpt", "--zero-stages", "1",
+            "--output-dir", str(tmp_path / "p")]
+    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=60) == [2, 2]
+    log = next(tmp_path.rglob("rank0.log")).read_text()
+    assert "poplar-profile: error: ds_config: DeepSpeed refused it at ZeRO stage 1: You are using an untested ZeRO Optimizer" in log
