@@ -68,6 +68,10 @@ class DemoSettings:
     """Samples per iteration, the same for every policy."""
     max_micro_batch_size: int = 48
     """Largest micro-batch the profiler tries on any device."""
+    profile_repeats: int = 5
+    """Measured micro-steps per size when profiling (median). The search picks the
+    sizes whose profiled times look best, so noise in the profile turns into plans
+    that are slower than predicted; more repeats than the profiler's default of 3."""
     iterations: int = 2
     """Measured iterations per policy in each round."""
     warmup_iterations: int = 1
@@ -90,7 +94,7 @@ class DemoSettings:
             raise ValueError(f"devices: expected at least 2 emulated devices, found {len(self.devices)}")
         if self.zero_stage not in (0, 1):
             raise ValueError(f"zero_stage: expected 0 or 1 (stages that communicate only at the boundary), found {self.zero_stage!r}")
-        for name in ("global_batch_size", "max_micro_batch_size", "iterations", "rounds", "standalone_repeats"):
+        for name in ("global_batch_size", "max_micro_batch_size", "profile_repeats", "iterations", "rounds", "standalone_repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, found {value!r}")
