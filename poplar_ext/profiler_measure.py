@@ -10,7 +10,8 @@ follows (next size, stop, rebuild the engine) is computed from those agreed
 numbers, so all ranks take it alike and none waits in a collective another skips.
 
 Own work, not waiting (see profiles/README.md): on CPU a micro-step is timed by
-the process CPU time (gloo's blocking waits use none), on CUDA by events while the
+the CPU time of the thread that computes it (torch runs one intra-op thread per rank
+here; gloo's blocking waits use none, and its own threads' work is communication), on CUDA by events while the
 other device types run micro-batch 1, and only one type is measured at a time at
 ZeRO-2/3, where micro-steps communicate. An emulated type's time is its compute
 time times its slowdown: the time its emulated rank spends in training
@@ -323,9 +324,9 @@ class StageMeasurement:
             end.synchronize()
             elapsed_s = start.elapsed_time(end) / 1000.0
         else:
-            started = time.process_time()
+            started = time.thread_time()
             self._micro_step(size, boundary=False)
-            elapsed_s = time.process_time() - started
+            elapsed_s = time.thread_time() - started
         emulation = self.layout.emulations[self.layout.my_type]
         slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
         return elapsed_s * slowdown
