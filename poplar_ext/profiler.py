@@ -189,6 +189,9 @@ def profile_model(
     model_name: for people and file names (default: the model's class name).
     sequence_length: tokens per sample, part of the cache key (None: not a sequence model).
     micro_batch_size_limit: the probe never tries a larger micro-batch.
+
+    On CPU it sets, process-wide, one torch thread (`emulation.limit_cpu_threads`)
+    and glibc's allocator thresholds (`memory.steady_cpu_allocator`).
     """
     stages = _validate(zero_stages, cache_dir)
     settings = MeasureSettings(

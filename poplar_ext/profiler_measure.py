@@ -510,11 +510,11 @@ class StageMeasurement:
 
         def timed(block: Callable[[], None]) -> tuple[float, float]:
             dist.barrier()
-            wall, cpu = time.perf_counter(), time.process_time()
+            wall, cpu = time.perf_counter(), time.thread_time()
             block()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            return time.perf_counter() - wall, time.process_time() - cpu
+            return time.perf_counter() - wall, time.thread_time() - cpu
 
         def backward(boundary: bool) -> Callable[[], None]:
             self.engine.set_gradient_accumulation_boundary(boundary)
