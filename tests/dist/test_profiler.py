@@ -160,10 +160,10 @@ def _memory_run(cache_dir: str) -> dict:
     cluster = _cluster([("roomy", 1.0, halfway_above(4)), ("cramped", 1.0, halfway_above(2))])
     profiles = profile_model(
         model_factory=_wide_model, make_batch=_wide_batch, ds_config=DS_CONFIG, cluster=cluster,
-        zero_stages=(0,), cache_dir=cache_dir, micro_batch_size_limit=LIMIT, warmup_micro_steps=0, repeats=1,
+        zero_stages=(0, 3), cache_dir=cache_dir, micro_batch_size_limit=LIMIT, warmup_micro_steps=0, repeats=1,
         progress=None,
     )
-    largest = max(1, profiles[dist.get_rank()].max_micro_batch_size)
+    largest = max(1, profiles[dist.get_rank()].max_micro_batch_size)  # stage 0
     # Every rank builds the engine: deepspeed.initialize is collective.
     at_largest, above_largest = _peaks_of_micro_steps(_wide_model, _wide_batch, (largest, largest + 1))
     return {
@@ -242,7 +242,14 @@ def test_slowdown_three_measures_three_times_slower(measured) -> None:
 def test_smaller_memory_gives_a_smaller_largest_micro_batch_that_really_fits(measured) -> None:
     results, _ = measured
     memory = [r["memory"] for r in results]
-    profiles = {p.device_type: p for p in memory[0]["profiles"]}
+    stage3 = _by_type(memory[0]["profiles"], 3)
+    # At ZeRO-3, where every micro-step communicates, an emulated out-of-memory is
+    # survived too (the capacities were set at stage 0; stage 3 holds less per rank).
+    assert 0 < stage3["cramped"].max_micro_batch_size < stage3["roomy"].max_micro_batch_size < LIMIT
+    for profile in stage3.values():
+        probe = profile.measured_with["largest_micro_batch_probe"]
+        assert probe["smallest_failing"] == profile.max_micro_batch_size + 1
+    profiles = _by_type(memory[0]["profiles"], 0)
     assert (profiles["cramped"].max_micro_batch_size, profiles["roomy"].max_micro_batch_size) == (2, 4)
     for rank, profile in enumerate(profiles.values()):
         probe = profile.measured_with["largest_micro_batch_probe"]
