@@ -25,14 +25,13 @@ from poplar_ext.emulation import device_label, limit_cpu_threads
 from poplar_ext.fingerprint import model_fingerprint
 from poplar_ext.memory import steady_cpu_allocator
 from poplar_ext.profiler_cache import ProfileKey, ds_config_fingerprint, find_cached_profile, store_profile
+from poplar_ext.profiler_layout import JobLayout, build_layout
 from poplar_ext.profiler_measure import (
-    JobLayout,
     LossFn,
     MeasureSettings,
     StageMeasurement,
     TrialEvent,
     TypeStageResult,
-    build_layout,
     default_loss,
     stage_ds_config,
 )

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -31,11 +30,11 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from poplar_ext.devices import hardware_description, rank_device_type
 from poplar_ext.emulation import EmulatedOutOfMemoryError, check_emulated_memory
-from poplar_ext.memory import MeasuredPeak, device_memory_capacity_bytes, is_out_of_memory, release_memory
+from poplar_ext.memory import MeasuredPeak, is_out_of_memory, release_memory
+from poplar_ext.profiler_layout import JobLayout, agree_max, gather_objects
 from poplar_ext.profiler_sizes import LargestFitSearch, dense_sizes
-from search.formats import Cluster, Emulation, Sample
+from search.formats import Sample
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(engine, batch) -> loss``: one forward through the engine, a scalar loss."""
@@ -78,102 +77,6 @@ class MeasureSettings:
             )
         if not 0.0 <= self.memory_margin < 1.0:
             raise ValueError(f"memory_margin: expected a fraction in [0, 1), found {self.memory_margin}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobLayout:
-    """Which device type every rank of the job has, agreed by all ranks."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-    """This rank's device."""
-    rank_types: tuple[str, ...]
-    """Device type of every rank, rank 0 first."""
-    emulations: dict[str, Emulation | None]
-    capacities_bytes: dict[str, int]
-    """Memory of each type: the emulated capacity, or the smallest real one among its ranks."""
-    hardware: dict[str, str]
-    """What the first rank of each type runs on, for people."""
-    hosts: dict[str, str]
-    """Host name of the first rank of each type."""
-
-    @property
-    def type_names(self) -> tuple[str, ...]:
-        """Device types in order of first appearance."""
-        return tuple(dict.fromkeys(self.rank_types))
-
-    @property
-    def my_type(self) -> str:
-        return self.rank_types[self.rank]
-
-    def ranks_of(self, device_type: str) -> tuple[int, ...]:
-        return tuple(r for r, t in enumerate(self.rank_types) if t == device_type)
-
-
-def gather_objects(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order, on every rank."""
-    if dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _agree_max(values: list[float], device: torch.device) -> list[float]:
-    # NCCL reduces CUDA tensors only; gloo reduces CPU tensors.
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    tensor = torch.tensor(values, dtype=torch.float64, device=on)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
-
-
-def build_layout(cluster: Cluster, device: torch.device, *, local_world_size: int) -> JobLayout:
-    """Agree on every rank's device type (collective). Raises the same ValueError on every rank."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if cluster.world_size != world_size:
-        # Every rank reads the same cluster file: all raise here, before any collective.
-        raise ValueError(
-            f"cluster: expected a cluster description with {world_size} ranks (WORLD_SIZE), "
-            f"found {cluster.world_size}"
-        )
-    mine: dict[str, Any] = {"host": socket.gethostname()}
-    try:
-        mine["type"], mine["emulation"] = rank_device_type(cluster, rank, device)
-        mine["capacity"] = device_memory_capacity_bytes(device, local_world_size=local_world_size)
-        mine["hardware"] = hardware_description(device)
-    except ValueError as exc:
-        mine["error"] = str(exc)
-    everyone = gather_objects(mine)
-    errors = [f"rank {r}: {info['error']}" for r, info in enumerate(everyone) if "error" in info]
-    if errors:
-        raise ValueError("; ".join(errors))
-    rank_types = tuple(info["type"] for info in everyone)
-    emulations: dict[str, Emulation | None] = {}
-    capacities: dict[str, int] = {}
-    hardware: dict[str, str] = {}
-    hosts: dict[str, str] = {}
-    for info in everyone:
-        t = info["type"]
-        if t not in emulations:
-            emulations[t] = info["emulation"]
-            hardware[t] = info["hardware"]
-            hosts[t] = info["host"]
-            capacities[t] = info["capacity"]
-        capacities[t] = min(capacities[t], info["capacity"])
-    for t, emulation in emulations.items():
-        if emulation is not None:
-            capacities[t] = emulation.memory_capacity_bytes
-    return JobLayout(
-        rank=rank,
-        world_size=world_size,
-        device=device,
-        rank_types=rank_types,
-        emulations=emulations,
-        capacities_bytes=capacities,
-        hardware=hardware,
-        hosts=hosts,
-    )
 
 
 def stage_ds_config(ds_config: Mapping[str, Any], *, zero_stage: int, world_size: int) -> dict[str, Any]:
@@ -351,7 +254,7 @@ class StageMeasurement:
             # A rank running the unmeasured micro-batch 1: only failures that end the stage count.
             values[-2] = float(flag)
         values[-1] = float(flag == _ERROR)
-        agreed = _agree_max(values, self.layout.device)
+        agreed = agree_max(values, self.layout.device)
         if agreed[-1]:
             errors = [e for e in gather_objects(self.error) if e]
             raise RuntimeError("profiling failed: " + "; ".join(errors))
@@ -636,15 +539,12 @@ class _StageAbandoned(Exception):
 
 
 __all__ = [
-    "JobLayout",
     "LossFn",
     "MeasureSettings",
     "StageMeasurement",
     "TrialEvent",
     "TypeStageResult",
-    "build_layout",
     "default_loss",
-    "gather_objects",
     "move_to_device",
     "stage_ds_config",
 ]
