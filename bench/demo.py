@@ -208,6 +208,7 @@ def assemble_report(
                     "gradient_accumulation_steps": rank_plan["gradient_accumulation_steps"],
                     "predicted_busy_s": info["predicted_busy_s"][rank_plan["rank"]],
                     "measured_busy_s": repetitions(busy),
+                    "measured_boundary_wait_s": repetitions(result["policies"][policy]["boundary_wait_s"]),
                 }
             )
         entries.append(
@@ -246,6 +247,14 @@ def assemble_report(
         "ideal_samples_per_s": {"predicted": plans.get("ideal_predicted"), "measured": measured_ideal_samples_per_s(rank_results)},
         "curves": curves,
         "curves_kind": "measured alone in this run",
+        # Every repetition of the standalone measurements behind the measured ideal.
+        "standalone": {
+            result["device_type"]: [
+                {"micro_batch_size": p["micro_batch_size"], "micro_step_time_s": repetitions(p["micro_step_time_s"])}
+                for p in result["standalone"]
+            ]
+            for result in rank_results
+        },
         "profiled_curves": {name: info["curve"] for name, info in plans["profiles"].items()},
         "profiles_from_cache": all(r.get("profile_cache_hit") for r in rank_results),
         "policies": entries,

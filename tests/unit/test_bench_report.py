@@ -53,8 +53,8 @@ def _rank(rank, device_type, uniform_iter, poplar_iter, standalone):
         "device_type": device_type,
         "timings_s": {"profile_s": 1.0},
         "policies": {
-            "uniform": {"iteration_time_s": uniform_iter, "busy_s": [0.5] * len(uniform_iter)},
-            "poplar": {"iteration_time_s": poplar_iter, "busy_s": [0.7] * len(poplar_iter)},
+            "uniform": {"iteration_time_s": uniform_iter, "busy_s": [0.5] * len(uniform_iter), "boundary_wait_s": [0.1] * len(uniform_iter)},
+            "poplar": {"iteration_time_s": poplar_iter, "busy_s": [0.7] * len(poplar_iter), "boundary_wait_s": [0.1] * len(poplar_iter)},
         },
         "standalone": [{"micro_batch_size": b, "micro_step_time_s": ts} for b, ts in standalone],
     }
@@ -80,6 +80,8 @@ def test_ideal_is_the_sum_of_each_ranks_best_standalone_throughput():
     scenario = _assembled()["scenarios"][0]
     # fast: max(4/0.4, 8/0.8) = 10; slow: 4/0.8 = 5
     assert scenario["ideal_samples_per_s"]["measured"] == pytest.approx(15.0)
+    # ... and every repetition behind it is kept.
+    assert scenario["standalone"]["fast"][1]["micro_step_time_s"] == {"median": 0.8, "repetitions": [0.8, 0.8, 0.9]}
 
 
 def test_comparisons_use_measured_figures():
