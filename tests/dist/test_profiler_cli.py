@@ -62,3 +62,24 @@ def test_cli_config_deepspeed_refuses_exits_2_on_every_rank(tmp_path) -> None:
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=60) == [2, 2]
     log = next(tmp_path.rglob("rank0.log")).read_text()
     assert "poplar-profile: error: ds_config: DeepSpeed refused it at ZeRO stage 1: You are using an untested ZeRO Optimizer" in log
+
+
+def test_cli_profiles_real_cpu_ranks(tmp_path) -> None:
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "cpu", "count": 2}]}]}))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0}))
+    argv = [
+        "--deepspeed_config", str(ds), "--cluster", str(cluster), "--model", "toy-gpt", "--layers", "1",
+        "--hidden-size", "32", "--heads", "2", "--vocab-size", "128", "--sequence-length", "16",
+        "--zero-stages", "0", "--max-micro-batch-size", "4", "--repeats", "1", "--output-dir", str(tmp_path / "p"),
+    ]
+    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [0, 0]
+    (profile,) = load_profiles(tmp_path / "p")
+    from poplar_ext.memory import physical_memory_bytes
+
+    assert profile.device_type == "cpu" and profile.emulated is None and profile.measured_with["device"] == "real"
+    assert profile.memory_capacity_bytes == physical_memory_bytes() // 2, "a CPU rank's share of RAM"
+    assert profile.max_micro_batch_size == 4 and profile.measured_with["hardware"].startswith("CPU ")
+    # Past the prediction is unsafe on a real CPU (the kernel's out-of-memory killer).
+    assert profile.measured_with["largest_micro_batch_probe"]["probed_past_prediction"] is False
