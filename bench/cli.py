@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from search.cli import parse_positive_int as _positive_int
+from search.cli import parse_zero_stage as _stage
 from search.errors import FormatError
 
 _BENCH_DIR = Path(__file__).resolve().parent
@@ -33,24 +35,6 @@ _OUTPUT_HELP = (
     "poplar-ext is installed from a checkout, as with `pip install -e .`, from whatever directory "
     "you run it; otherwise the current directory)"
 )
-
-
-def _stage(text: str) -> str | int:
-    if text == "auto":
-        return "auto"
-    if text in ("0", "1", "2", "3"):
-        return int(text)
-    raise argparse.ArgumentTypeError(f"expected auto, 0, 1, 2 or 3, found {text!r}")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
-    return value
 
 
 # ----------------------------------------------------------------------------------
