@@ -78,7 +78,7 @@ class DemoSettings:
     """Unmeasured iterations before the first round of each policy."""
     rounds: int = 3
     """Each round runs every policy in turn, so background load hits all policies alike."""
-    standalone_repeats: int = 3
+    standalone_repeats: int = 5
     """Micro-steps timed per size when measuring each device's standalone throughput."""
     cache_dir: Path | None = None
     """Where the demo keeps its emulated cluster (``cluster.json``) and the profiler's

@@ -458,17 +458,18 @@ def measure_standalone(settings: DemoSettings, cluster: Cluster, rank: int, prof
 
     slowdown = PaddedSlowdown(emulation_for_rank(cluster, rank))
     model = _make_model(settings)
-    points: list[dict[str, Any]] = []
-    for size in standalone_sizes(profile):
-        batch = _batch(settings, size)
-        times = []
-        for repeat in range(settings.standalone_repeats + 1):
+    sizes = standalone_sizes(profile)
+    batches = {size: _batch(settings, size) for size in sizes}
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    # Sizes interleaved within each repeat, so that a burst of load on the machine
+    # does not land on all the repeats of one size.
+    for repeat in range(settings.standalone_repeats + 1):
+        for size in sizes:
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             with slowdown:
-                model(batch).backward()
-            if repeat:  # the first is a warm-up
-                times.append(time.perf_counter() - start)
-        points.append({"micro_batch_size": size, "micro_step_time_s": times})
+                model(batches[size]).backward()
+            if repeat:  # the first round is a warm-up
+                times[size].append(time.perf_counter() - start)
     dist.barrier()
-    return points
+    return [{"micro_batch_size": size, "micro_step_time_s": times[size]} for size in sizes]
