@@ -321,80 +321,23 @@ def make_plans(settings: DemoSettings, profiles: list[Profile], cluster: Cluster
 # ----------------------------------------------------------------------------------
 # Phase 3: training with each policy
 # ----------------------------------------------------------------------------------
-class PaddedSlowdown:
-    """An emulated slowdown whose block lasts ``slowdown x CPU time`` of wall time.
-
-    Same interface as `poplar_ext.emulation.ComputeSlowdown` (``start``, ``stop``,
-    ``running``, context manager), which sleeps ``(slowdown - 1) x CPU time`` after
-    the block: a rank that also waited for a core (three ranks and whatever else
-    runs on a 2-core machine) is then slowed twice. Sleeping only what is left of
-    the target duration models a device that has its compute to itself, and is
-    exactly the time the profiler records for an emulated type (CPU time x slowdown).
-    CPU only (process CPU time).
-    """
-
-    def __init__(self, emulation: Any) -> None:
-        self.emulation = emulation
-        self.compute_time_s = 0.0
-        self.delay_s = 0.0
-        self._cpu_started_at: float | None = None
-        self._wall_started_at = 0.0
-
-    @property
-    def running(self) -> bool:
-        return self._cpu_started_at is not None
-
-    def start(self) -> None:
-        if self._cpu_started_at is None:
-            self._cpu_started_at = time.process_time()
-            self._wall_started_at = time.perf_counter()
-
-    def stop(self) -> float:
-        if self._cpu_started_at is None:
-            return 0.0
-        self.compute_time_s = max(0.0, time.process_time() - self._cpu_started_at)
-        self._cpu_started_at = None
-        slowdown = 1.0 if self.emulation is None else max(1.0, self.emulation.slowdown)
-        self.delay_s = max(0.0, slowdown * self.compute_time_s - (time.perf_counter() - self._wall_started_at))
-        if self.delay_s > 0.0:
-            time.sleep(self.delay_s)
-        return self.delay_s
-
-    def __enter__(self) -> "PaddedSlowdown":
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-
 class PolicyRun:
     """One poplar_ext engine and this rank's share of a plan; times whole iterations."""
 
-    def __init__(self, engine: Any, batch: torch.Tensor, accumulation_steps: int, *, emulated: bool) -> None:
+    def __init__(self, engine: Any, batch: torch.Tensor, accumulation_steps: int) -> None:
         self.engine = engine
         self.batch = batch
         self.accumulation_steps = accumulation_steps
         self._boundary_wait_s = 0.0
         inner = engine.deepspeed_engine  # poplar_ext.PoplarEngine wraps the real engine
-        original = inner.allreduce_gradients
-        slowdown = engine.__dict__.get("_slowdown")
-        if emulated and slowdown is None:
-            raise RuntimeError(
-                "poplar_ext.PoplarEngine keeps its emulated slowdown somewhere other than `_slowdown`; "
-                "bench/demo_worker.py replaces it (PaddedSlowdown) and must follow"
-            )
-        if slowdown is not None:
-            # The engine calls only start() and stop() on it (see PaddedSlowdown).
-            slowdown = engine._slowdown = PaddedSlowdown(slowdown.emulation)
+        original = inner.allreduce_gradients  # the engine's: it ends the emulated window first
+        slowdown = engine.emulated_compute
 
         def timed_allreduce(*args: Any, **kwargs: Any) -> Any:
             boundary = inner.is_gradient_accumulation_boundary()
-            if boundary and slowdown is not None and slowdown.running:
-                # A slow device finishes its compute before it communicates: end the
-                # emulated micro-step (and its sleep) before the boundary reduction,
-                # not after DeepSpeed's backward returns, which would let the other
-                # ranks reduce and then wait for the sleep in the step's all-gather.
+            if slowdown is not None:
+                # The engine ends the emulated window (and sleeps) here anyway; ending
+                # it before the clock starts keeps that sleep out of the boundary wait.
                 slowdown.stop()
             start = time.perf_counter()
             try:
@@ -432,8 +375,7 @@ def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) ->
     config["poplar"] = {"cluster": str(cluster_path), "plan": str(plan_path)}
     model = _make_model(settings)
     engine, _, _, _ = poplar_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
-    emulated = load_cluster(cluster_path).emulation_of(rank_plan.device_type) is not None
-    return PolicyRun(engine, _batch(settings, rank_plan.micro_batch_size), rank_plan.gradient_accumulation_steps, emulated=emulated)
+    return PolicyRun(engine, _batch(settings, rank_plan.micro_batch_size), rank_plan.gradient_accumulation_steps)
 
 
 # ----------------------------------------------------------------------------------
@@ -454,9 +396,9 @@ def measure_standalone(settings: DemoSettings, cluster: Cluster, rank: int, prof
     and memory bandwidth are then as busy as during training, and the ideal is
     comparable with the training runs.
     """
-    from poplar_ext.emulation import emulation_for_rank
+    from poplar_ext.emulation import ComputeSlowdown, emulation_for_rank
 
-    slowdown = PaddedSlowdown(emulation_for_rank(cluster, rank))
+    slowdown = ComputeSlowdown(emulation_for_rank(cluster, rank))
     model = _make_model(settings)
     sizes = standalone_sizes(profile)
     batches = {size: _batch(settings, size) for size in sizes}

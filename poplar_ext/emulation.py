@@ -6,13 +6,20 @@ processes, can stand in for a heterogeneous cluster. This module is the only pla
 that applies an emulation; the profiler, the search and the engine treat emulated
 and real device types alike and only call in here.
 
-How a slowdown is applied: the rank runs its real compute, the block is timed by
-the process's CPU time (`time.process_time`), and afterwards the rank sleeps
-``(slowdown - 1) * cpu_time``. CPU time and not wall time, because wall time
-includes waiting in gloo collectives and, when there are more ranks than cores,
-waiting for a core: multiplying those would slow a rank for time that is not its
-compute. On CUDA the CPU time says nothing about the kernels, so there the block is
-synchronised and timed by wall time (`clock="cuda"`).
+How a slowdown is applied: the rank runs its real compute and the block is given a
+wall duration of ``slowdown * compute_time``: at its end the rank sleeps whatever
+is left of that target (``slowdown * compute_time - wall time already spent``, or
+nothing). On CPU the compute time is the CPU time of the calling thread
+(`time.thread_time`), the same clock the profiler times micro-steps by, so an
+emulated rank trains exactly as long as its profile predicts. CPU time and not wall
+time, because wall time includes waiting in gloo collectives and, when there are
+more ranks than cores, waiting for a core: multiplying those would slow a rank for
+time that is not its compute. Padding to a target instead of sleeping
+``(slowdown - 1) * compute_time`` on top means a rank that already lost wall time
+waiting for a core (or in a collective) is not slowed twice: it models a device
+that has its compute to itself. On CUDA the CPU time says nothing about the
+kernels, so there the block is synchronised and timed by wall time
+(`clock="cuda"`), and the rank sleeps ``(slowdown - 1) * wall time``.
 
 How a memory capacity is applied: `check_emulated_memory` compares a measured peak
 (see the profiler's memory measurement) with the capacity and raises
@@ -26,7 +33,7 @@ from typing import Literal
 
 from search.formats import Cluster, Emulation
 
-Clock = Literal["process", "cuda"]
+Clock = Literal["thread", "cuda"]
 
 
 class EmulatedOutOfMemoryError(RuntimeError):
@@ -82,7 +89,7 @@ def check_emulated_memory(emulation: Emulation | None, peak_memory_bytes: int, *
 
 
 class ComputeSlowdown:
-    """Times blocks of compute and sleeps to make them `emulation.slowdown` times longer.
+    """Times blocks of compute and pads them to `emulation.slowdown` times their compute time.
 
     Use as a context manager (``with slowdown: ...``) or with `start()` / `stop()`
     when the block spans calls (the engine starts at forward and stops after
@@ -90,29 +97,32 @@ class ComputeSlowdown:
     need no special case for real devices.
     """
 
-    def __init__(self, emulation: Emulation | None, *, clock: Clock = "process") -> None:
-        if clock not in ("process", "cuda"):
-            raise ValueError(f"clock: expected 'process' or 'cuda', found {clock!r}")
+    def __init__(self, emulation: Emulation | None, *, clock: Clock = "thread") -> None:
+        if clock not in ("thread", "cuda"):
+            raise ValueError(f"clock: expected 'thread' or 'cuda', found {clock!r}")
         self.emulation = emulation
         self.clock = clock
         self.compute_time_s = 0.0
         """Measured compute time of the last block."""
         self.delay_s = 0.0
         """Time slept after the last block."""
-        self._started_at: float | None = None
+        self._started_at: tuple[float, float] | None = None
+        """(compute clock, wall clock) at `start()`."""
 
     @property
     def running(self) -> bool:
         """True between `start()` and `stop()`."""
         return self._started_at is not None
 
-    def _now(self) -> float:
+    def _now(self) -> tuple[float, float]:
+        """(compute clock, wall clock) now, in seconds."""
         if self.clock == "cuda":
             import torch
 
             torch.cuda.synchronize()
-            return time.perf_counter()
-        return time.process_time()
+            wall = time.perf_counter()
+            return wall, wall
+        return time.thread_time(), time.perf_counter()
 
     def start(self) -> None:
         """Begin timing a block; a second `start()` before `stop()` is ignored."""
@@ -120,17 +130,17 @@ class ComputeSlowdown:
             self._started_at = self._now()
 
     def stop(self) -> float:
-        """End the block, sleep the emulated extra time and return it (seconds)."""
+        """End the block, sleep what is left of its emulated duration and return that sleep (seconds)."""
         if self._started_at is None:
             return 0.0
-        self.compute_time_s = max(0.0, self._now() - self._started_at)
+        (compute_start, wall_start), (compute_end, wall_end) = self._started_at, self._now()
         self._started_at = None
-        self.delay_s = 0.0 if self.emulation is None else (self.emulation.slowdown - 1.0) * self.compute_time_s
-        # A slowdown below 1 cannot make real compute faster: it is clamped to no delay.
+        self.compute_time_s = max(0.0, compute_end - compute_start)
+        # A slowdown below 1 cannot make real compute faster: it is clamped to 1 (no delay).
+        slowdown = 1.0 if self.emulation is None else max(1.0, self.emulation.slowdown)
+        self.delay_s = max(0.0, slowdown * self.compute_time_s - (wall_end - wall_start))
         if self.delay_s > 0.0:
             time.sleep(self.delay_s)
-        else:
-            self.delay_s = 0.0
         return self.delay_s
 
     def __enter__(self) -> "ComputeSlowdown":

@@ -136,6 +136,16 @@ class PoplarEngine:
 
         engine.allreduce_gradients = allreduce_after_emulated_compute
 
+    @property
+    def emulated_compute(self) -> ComputeSlowdown | None:
+        """This rank's emulated slowdown (None on a real device).
+
+        Its window runs from forward to the gradient reduction (and over the optimizer
+        step at a boundary); `emulated_compute.stop()` ends it early, e.g. to time a
+        collective without the emulated sleep in it.
+        """
+        return self._slowdown
+
     # -- delegation --------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
         # Only called for names not found on the proxy itself.
@@ -176,7 +186,16 @@ class PoplarEngine:
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's step; at an accumulation boundary also counts and logs the iteration."""
         boundary = self.deepspeed_engine.is_gradient_accumulation_boundary()
-        result = self.deepspeed_engine.step(*args, **kwargs)
+        # The optimizer step is compute too: an emulated device runs it slower, as the
+        # profiler measures it (its optimizer_step_time_s).
+        emulate = boundary and self._slowdown is not None
+        if emulate:
+            self._slowdown.start()
+        try:
+            result = self.deepspeed_engine.step(*args, **kwargs)
+        finally:
+            if emulate:
+                self._slowdown.stop()
         if boundary:
             self._end_of_iteration()
         return result
@@ -389,7 +408,7 @@ def initialize(
         engine.tput_timer.batch_size = plan.global_batch_size
     slowdown = None
     if emulation is not None:
-        slowdown = ComputeSlowdown(emulation, clock="process" if on_cpu else "cuda")
+        slowdown = ComputeSlowdown(emulation, clock="thread" if on_cpu else "cuda")
     wrapped = PoplarEngine(
         engine, plan=plan, rank=info.rank, poplar_config=poplar_config, device_label=label, slowdown=slowdown,
         rank_device_labels=labels,

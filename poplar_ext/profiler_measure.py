@@ -405,11 +405,11 @@ class StageMeasurement:
         Every rank runs micro-batch 1, with a barrier before each timed part, so no
         rank waits for another's forward. The boundary's extra reduction is the
         boundary backward minus an ordinary backward; the optimizer step is timed
-        alone (its CPU part slowed by an emulated slowdown, like compute).
+        alone (an emulated type's lasts slowdown x its compute time, as in training).
         """
         device = self.layout.device
         emulation = self.layout.emulations[self.layout.my_type]
-        extra = 0.0 if emulation is None else max(0.0, emulation.slowdown - 1.0)
+        slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
 
         def timed(block: Callable[[], None]) -> tuple[float, float]:
             dist.barrier()
@@ -434,8 +434,11 @@ class StageMeasurement:
             if index >= self.settings.warmup_micro_steps:
                 ordinary_s.append(ordinary_wall)
                 boundary_s.append(boundary_wall)
-                # On CUDA the CPU time says nothing about the kernels: slow the wall time.
-                step_s.append(step_wall + extra * (step_wall if device.type == "cuda" else step_cpu))
+                # As training emulates it (ComputeSlowdown): the step lasts slowdown x its
+                # compute time, or its wall time if that is longer. On CUDA the CPU time
+                # says nothing about the kernels: the wall time is the compute time.
+                compute_s = step_wall if device.type == "cuda" else step_cpu
+                step_s.append(max(step_wall, slowdown * compute_s))
         reduction_s = max(0.0, statistics.median(boundary_s) - statistics.median(ordinary_s))
         return reduction_s + statistics.median(step_s)
 

@@ -55,14 +55,23 @@ def test_emulated_oom_is_a_runtime_error():
 
 
 class _FakeClock:
-    """process_time that advances only when told, and a sleep that records."""
+    """Thread CPU time and wall time that advance only when told, and a sleep that records."""
 
     def __init__(self) -> None:
         self.now = 100.0
+        self.wall = 500.0
         self.slept: list[float] = []
 
-    def process_time(self) -> float:
+    def compute(self, seconds: float) -> None:
+        """A block of compute on a core of its own: CPU time and wall time advance alike."""
+        self.now += seconds
+        self.wall += seconds
+
+    def thread_time(self) -> float:
         return self.now
+
+    def perf_counter(self) -> float:
+        return self.wall
 
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
@@ -71,7 +80,8 @@ class _FakeClock:
 @pytest.fixture
 def clock(monkeypatch):
     fake = _FakeClock()
-    monkeypatch.setattr(emu.time, "process_time", fake.process_time)
+    monkeypatch.setattr(emu.time, "thread_time", fake.thread_time)
+    monkeypatch.setattr(emu.time, "perf_counter", fake.perf_counter)
     monkeypatch.setattr(emu.time, "sleep", fake.sleep)
     return fake
 
@@ -79,16 +89,28 @@ def clock(monkeypatch):
 def test_slowdown_sleeps_the_extra_time_of_cpu_time(clock):
     slowdown = emu.ComputeSlowdown(SLOW)
     with slowdown:
-        clock.now += 0.5
+        clock.compute(0.5)
     assert clock.slept == [pytest.approx(1.0)]
     assert slowdown.compute_time_s == pytest.approx(0.5)
     assert slowdown.delay_s == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("waited_s, expected_sleep_s", [(0.7, 0.3), (1.0, 0.0), (5.0, 0.0)])
+def test_wall_time_lost_waiting_counts_towards_the_emulated_duration(clock, waited_s, expected_sleep_s):
+    # 0.5 s of compute, slowdown 3: the block must last 1.5 s of wall time. Time it
+    # already lost waiting (for a core, or in a collective) is not slept again.
+    slowdown = emu.ComputeSlowdown(SLOW)
+    with slowdown:
+        clock.compute(0.5)
+        clock.wall += waited_s
+    assert clock.slept == ([pytest.approx(expected_sleep_s)] if expected_sleep_s else [])
+    assert slowdown.delay_s == pytest.approx(expected_sleep_s)
+
+
 def test_real_device_measures_without_sleeping(clock):
     slowdown = emu.ComputeSlowdown(None)
     slowdown.start()
-    clock.now += 0.25
+    clock.compute(0.25)
     assert slowdown.stop() == 0.0
     assert clock.slept == []
     assert slowdown.compute_time_s == pytest.approx(0.25)
@@ -97,9 +119,9 @@ def test_real_device_measures_without_sleeping(clock):
 def test_second_start_keeps_the_first(clock):
     slowdown = emu.ComputeSlowdown(SLOW)
     slowdown.start()
-    clock.now += 1.0
+    clock.compute(1.0)
     slowdown.start()
-    clock.now += 1.0
+    clock.compute(1.0)
     slowdown.stop()
     assert slowdown.compute_time_s == pytest.approx(2.0)
     assert not slowdown.running
@@ -113,11 +135,11 @@ def test_stop_without_start_does_nothing(clock):
 def test_slowdown_below_one_never_sleeps(clock):
     slowdown = emu.ComputeSlowdown(Emulation(slowdown=0.5, memory_capacity_bytes=1))
     with slowdown:
-        clock.now += 1.0
+        clock.compute(1.0)
     assert clock.slept == []
     assert slowdown.delay_s == 0.0
 
 
 def test_unknown_clock():
-    with pytest.raises(ValueError, match="clock: expected 'process' or 'cuda', found 'wall'"):
+    with pytest.raises(ValueError, match="clock: expected 'thread' or 'cuda', found 'wall'"):
         emu.ComputeSlowdown(None, clock="wall")

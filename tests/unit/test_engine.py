@@ -46,6 +46,7 @@ class FakeDeepSpeedEngine:
         return (self.micro_steps + 1) % self.gas == 0
 
     def step(self):
+        self.events.append("step")
         if self.is_gradient_accumulation_boundary():
             self.global_steps += 1
         self.micro_steps += 1
@@ -102,18 +103,47 @@ def test_everything_else_is_deepspeeds():
         engine.no_such_attribute
 
 
+def _one_second_of_compute_per_reading(monkeypatch, emulation):
+    """Each reading of the clocks is 1 s later in CPU time and in wall time (a core to itself)."""
+    seconds = {"now": -1.0}
+
+    def thread_time():
+        seconds["now"] += 1.0
+        return seconds["now"]
+
+    monkeypatch.setattr(emulation.time, "thread_time", thread_time)
+    monkeypatch.setattr(emulation.time, "perf_counter", lambda: seconds["now"])
+
+
 def test_emulated_window_sleeps_before_the_gradient_reduction(monkeypatch):
     from poplar_ext import emulation
 
-    clock = iter(range(100))
-    monkeypatch.setattr(emulation.time, "process_time", lambda: float(next(clock)))
+    _one_second_of_compute_per_reading(monkeypatch, emulation)
     slowdown = ComputeSlowdown(Emulation(slowdown=3.0, memory_capacity_bytes=1))
     engine, fake = _engine(_plan([(2, 1)]), slowdown=slowdown)
     monkeypatch.setattr(emulation.time, "sleep", lambda s: fake.events.append(f"sleep {s:g}"))
     engine.backward(engine(torch.ones(2)))  # forward starts the window at 0, the reduction ends it at 1
-    engine.step()
-    assert fake.events == ["sleep 2", "reduce"]
+    engine.step()  # a boundary: the optimizer step is emulated compute too (2 to 3 on the clock)
+    assert fake.events == ["sleep 2", "reduce", "step", "sleep 2"]
     assert not slowdown.running
+    assert engine.emulated_compute is slowdown
+
+
+def test_ordinary_micro_step_leaves_the_optimizer_step_alone(monkeypatch):
+    from poplar_ext import emulation
+
+    _one_second_of_compute_per_reading(monkeypatch, emulation)
+    slowdown = ComputeSlowdown(Emulation(slowdown=3.0, memory_capacity_bytes=1))
+    engine, fake = _engine(_plan([(2, 2)]), slowdown=slowdown)
+    monkeypatch.setattr(emulation.time, "sleep", lambda s: fake.events.append(f"sleep {s:g}"))
+    engine.backward(engine(torch.ones(2)))
+    engine.step()  # not a boundary (2 accumulation steps): no emulated window around it
+    assert fake.events == ["sleep 2", "reduce", "step"]
+
+
+def test_real_device_has_no_emulated_compute():
+    engine, _ = _engine(_plan([(2, 1)]))
+    assert engine.emulated_compute is None
 
 
 def test_checkpoint_keeps_plan_and_position():
