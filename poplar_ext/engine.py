@@ -373,6 +373,12 @@ def initialize(
     on_cpu = _on_cpu()
     if on_cpu:
         limit_cpu_threads()
+        # The allocator the profiler timed the micro-steps under: without it glibc
+        # returns activation memory after every step and faulting it back in costs
+        # CPU time that the profiles (and so the plan's predictions) do not contain.
+        from poplar_ext.memory import steady_cpu_allocator
+
+        steady_cpu_allocator()
     labels = tuple(device_label(t, cluster.emulation_of(t)) for t in cluster.rank_device_types)
     label = labels[info.rank]
     rank_plan = plan.ranks[info.rank]
