@@ -9,6 +9,8 @@ A DeepSpeed JSON config plus a top-level section::
         "policy": "poplar",               # search policy (uniform, proportional, poplar)
         "global_batch_size": 96,          # for the search; default: train_batch_size
         "max_global_batch_size": null,    # for the search when no global batch is given
+        "zero_stage": "auto",             # the search picks the stage; or 0-3; absent: the
+                                          #   DeepSpeed config's zero_optimization.stage, else auto
         "seed": 0,                        # data shuffle seed
         "shuffle": true,
         "loss_reduction": "mean",         # how the training loss reduces over a micro-batch
@@ -50,6 +52,8 @@ class PoplarConfig:
     """Global batch for the search; default: the DeepSpeed config's train_batch_size, else the search picks."""
     max_global_batch_size: int | None = None
     """Upper bound for the search when it picks the global batch."""
+    zero_stage: int | str | None = None
+    """``"auto"`` (the search picks), 0-3, or None (zero_optimization.stage decides, else auto)."""
     seed: int = 0
     """Seed of the per-epoch data shuffle."""
     shuffle: bool = True
@@ -111,6 +115,9 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path) -> PoplarConfig:
     if reduction not in REDUCTIONS:
         raise _fail("loss_reduction", "'mean' or 'sum'", reduction)
     log_interval = _optional_int(section, "log_interval_steps", 0)
+    zero_stage = section.get("zero_stage")
+    if zero_stage is not None and (type(zero_stage) not in (int, str) or zero_stage not in ("auto", 0, 1, 2, 3)):
+        raise _fail("zero_stage", "'auto' or 0, 1, 2, 3", zero_stage)
     return PoplarConfig(
         cluster=cluster,
         plan=plan,
@@ -122,6 +129,7 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path) -> PoplarConfig:
         shuffle=shuffle,
         loss_reduction=reduction,
         log_interval_steps=10 if log_interval is None else log_interval,
+        zero_stage=zero_stage,
     )
 
 
@@ -168,6 +176,25 @@ def configured_zero_stage(ds_config: dict) -> int | None:
     return stage
 
 
+def requested_zero_stage(poplar_config: PoplarConfig, ds_config: dict) -> int | None:
+    """The ZeRO stage to train at, or None for the plan's (or the search's) choice.
+
+    ``poplar.zero_stage`` wins when set; ``"auto"`` then needs zero_optimization.stage
+    absent (the search may pick any stage), and a number must agree with it.
+    Without ``poplar.zero_stage``, zero_optimization.stage decides; absent too: auto.
+    """
+    configured = configured_zero_stage(ds_config)
+    requested = poplar_config.zero_stage
+    if requested is None:
+        return configured
+    if configured is not None and requested != configured:
+        raise ValueError(
+            f"{SECTION}.zero_stage: expected {configured} (as zero_optimization.stage) or no zero_optimization.stage, "
+            f"found {requested!r} beside zero_optimization.stage {configured}"
+        )
+    return None if requested == "auto" else requested
+
+
 def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int) -> dict:
     """The config DeepSpeed gets on `rank`: valid on its own, with this rank's batch values.
 
@@ -197,4 +224,5 @@ __all__ = [
     "load_deepspeed_config",
     "nominal_deepspeed_config",
     "poplar_config_from_dict",
+    "requested_zero_stage",
 ]

@@ -42,7 +42,7 @@ from search.formats import Plan, load_cluster, plan_to_dict
 from poplar_ext.config import (
     SECTION,
     PoplarConfig,
-    configured_zero_stage,
+    requested_zero_stage,
     load_deepspeed_config,
     nominal_deepspeed_config,
     poplar_config_from_dict,
@@ -362,7 +362,7 @@ def initialize(
         cluster,
         world_size=info.world_size,
         rank=info.rank,
-        zero_stage=configured_zero_stage(ds_config),
+        zero_stage=requested_zero_stage(poplar_config, ds_config),
         global_batch_size=ds_config.get("train_batch_size"),
         model_fingerprint=model_fingerprint,
         broadcast=broadcast_from_rank0,

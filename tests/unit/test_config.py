@@ -11,6 +11,7 @@ import pytest
 from poplar_ext.config import (
     configured_zero_stage,
     load_deepspeed_config,
+    requested_zero_stage,
     nominal_deepspeed_config,
     poplar_config_from_dict,
 )
@@ -126,6 +127,41 @@ def test_configured_stage():
 def test_configured_stage_out_of_range():
     with pytest.raises(ValueError, match="zero_optimization.stage: expected 0, 1, 2 or 3, found 4"):
         configured_zero_stage({"zero_optimization": {"stage": 4}})
+
+
+def test_poplar_zero_stage_values():
+    assert _parse(zero_stage="auto").zero_stage == "auto"
+    assert _parse(zero_stage=3).zero_stage == 3
+    assert _parse().zero_stage is None
+
+
+@pytest.mark.parametrize("bad", ["AUTO", 4, -1, True, 2.0, [2]])
+def test_poplar_zero_stage_bad(bad):
+    with pytest.raises(ValueError, match=r"poplar.zero_stage: expected 'auto' or 0, 1, 2, 3, found "):
+        _parse(zero_stage=bad)
+
+
+def test_requested_stage_auto_lets_the_search_pick():
+    assert requested_zero_stage(_parse(zero_stage="auto"), {}) is None
+    assert requested_zero_stage(_parse(zero_stage="auto"), {"zero_optimization": {"offload_param": {}}}) is None
+
+
+def test_requested_stage_without_poplar_zero_stage_is_deepspeeds():
+    assert requested_zero_stage(_parse(), {"zero_optimization": {"stage": 2}}) == 2
+    assert requested_zero_stage(_parse(), {}) is None
+
+
+def test_requested_stage_number():
+    assert requested_zero_stage(_parse(zero_stage=1), {}) == 1
+    assert requested_zero_stage(_parse(zero_stage=1), {"zero_optimization": {"stage": 1}}) == 1
+
+
+def test_requested_stage_conflicts_with_deepspeeds():
+    with pytest.raises(ValueError, match=r"poplar.zero_stage: expected 2 \(as zero_optimization.stage\) or no "
+                       r"zero_optimization.stage, found 'auto' beside zero_optimization.stage 2"):
+        requested_zero_stage(_parse(zero_stage="auto"), {"zero_optimization": {"stage": 2}})
+    with pytest.raises(ValueError, match=r"found 3 beside zero_optimization.stage 2"):
+        requested_zero_stage(_parse(zero_stage=3), {"zero_optimization": {"stage": 2}})
 
 
 def test_nominal_config_is_valid_per_rank():
