@@ -32,7 +32,8 @@ def runtime_plan_problems(plan: Plan, cluster: Cluster, *, world_size: int, zero
         problems.append(f"The cluster description names {cluster.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
     if zero_stage is not None and zero_stage != plan.zero_stage:
         problems.append(
-            f"The plan is for ZeRO stage {plan.zero_stage} but the DeepSpeed config sets zero_optimization.stage {zero_stage}."
+            f"The plan is for ZeRO stage {plan.zero_stage} but the config asks for stage {zero_stage} "
+            "(zero_optimization.stage or poplar.zero_stage)."
         )
     return problems
 
@@ -87,7 +88,7 @@ def obtain_missing_profiles(
     raise ValueError(
         f"poplar.profiles: no plan was given and {poplar_config.profiles} lacks profiles for these device types "
         f"and ZeRO stages ({lacking}). Measure them with poplar-profile under your training launcher: "
-        f"deepspeed --num_gpus N $(which poplar-profile) --deepspeed_config DS.json --cluster {poplar_config.cluster} "
+        f"deepspeed --num_gpus N --module poplar_ext.profile_cli --deepspeed_config DS.json --cluster {poplar_config.cluster} "
         f"--model MODULE:FACTORY --batch MODULE:FACTORY --zero-stages {stages} --output-dir {poplar_config.profiles}; "
         "or give poplar.plan; or pass training_data to poplar_ext.initialize to measure them automatically."
     )
@@ -119,16 +120,28 @@ def profiles_for_search(
     set, at every stage where all types have one); missing ones come from
     `obtain_missing_profiles`."""
     profiles = _available_profiles(poplar_config, model_fingerprint)
-    have = {(p.device_type, p.zero_stage) for p in profiles}
     types = list(cluster.type_counts())
     stages = ALL_STAGES if zero_stage is None else (zero_stage,)
-    complete = [s for s in stages if all((t, s) in have for t in types)]
+
+    def complete_stages() -> list[int]:
+        have = {(p.device_type, p.zero_stage) for p in profiles}
+        return [s for s in stages if all((t, s) in have for t in types)]
+
+    complete = complete_stages()
     if not complete:
+        have = {(p.device_type, p.zero_stage) for p in profiles}
         missing = [(t, s) for s in stages for t in types if (t, s) not in have]
         profiles = profiles + obtain_missing_profiles(
             missing, poplar_config=poplar_config, cluster=cluster, measure_missing=measure_missing
         )
-        complete = list(stages)
+        # The measurement may come back without some (type, stage): recount, never assume.
+        complete = complete_stages()
+        if not complete:
+            have = {(p.device_type, p.zero_stage) for p in profiles}
+            still = "; ".join(f"{t} at stage {s}" for s in stages for t in types if (t, s) not in have)
+            raise ValueError(
+                f"poplar.profiles: after profiling, no ZeRO stage has a profile of every device type (missing: {still})"
+            )
     return [p for p in profiles if p.zero_stage in complete and p.device_type in types]
 
 

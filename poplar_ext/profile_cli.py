@@ -3,13 +3,17 @@
 Run it under the launcher that runs training, so that every rank measures its own
 device::
 
-    deepspeed --num_gpus 8 $(which poplar-profile) --deepspeed_config ds.json \\
+    deepspeed --num_gpus 8 --module poplar_ext.profile_cli --deepspeed_config ds.json \\
         --cluster cluster.json --model mymodels:build_model --batch mymodels:make_batch
 
 or with the built-in toy GPT (no downloads)::
 
-    deepspeed --num_gpus 1 $(which poplar-profile) --deepspeed_config ds.json \\
+    deepspeed --num_gpus 1 --module poplar_ext.profile_cli --deepspeed_config ds.json \\
         --cluster cluster.json --model toy-gpt --layers 12 --hidden-size 768 --heads 12
+
+(``--module`` runs it as ``python -m``: ``$(which poplar-profile)`` also works where
+that path is the real script, not a pyenv or conda shim the launcher cannot run;
+with torchrun: ``torchrun --nproc_per_node 8 -m poplar_ext.profile_cli ...``.)
 
 Thin: parsing and input checks here, the work in `poplar_ext.profiler.profile_model`.
 """
@@ -51,8 +55,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
             "training; profiles already in --output-dir with the same keys are reused."
         ),
         epilog=(
-            "Example: deepspeed --num_gpus 2 $(which poplar-profile) --deepspeed_config ds.json "
-            "--cluster cluster.json --model toy-gpt --zero-stages 0,2"
+            "Example: deepspeed --num_gpus 2 --module poplar_ext.profile_cli --deepspeed_config ds.json "
+            "--cluster cluster.json --model toy-gpt --zero-stages 0,2 "
+            "(torchrun: torchrun --nproc_per_node 2 -m poplar_ext.profile_cli ...)"
         ),
     )
     parser.add_argument(

@@ -104,7 +104,7 @@ def test_stage2_with_per_rank_counts(results):
 
 def test_plan_stage_differs_from_config(results):
     message = _messages(results, "stage_differs")
-    assert "The plan is for ZeRO stage 1 but the DeepSpeed config sets zero_optimization.stage 0." in message
+    assert "The plan is for ZeRO stage 1 but the config asks for stage 0 (zero_optimization.stage or poplar.zero_stage)." in message
 
 
 def test_micro_batch_over_the_profiles_largest(results):
@@ -115,7 +115,7 @@ def test_micro_batch_over_the_profiles_largest(results):
 def test_missing_profiles_say_what_to_run(results):
     message = _messages(results, "missing_profiles")
     assert "lacks profiles for these device types and ZeRO stages (stage 1: cpu-slow)" in message
-    assert "$(which poplar-profile) --deepspeed_config DS.json --cluster" in message
+    assert "--module poplar_ext.profile_cli --deepspeed_config DS.json --cluster" in message
     assert "--zero-stages 1 --output-dir" in message
 
 

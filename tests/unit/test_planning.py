@@ -84,3 +84,42 @@ def test_cluster_of_another_size(cluster_path, tmp_path):
     directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
     with pytest.raises(ValueError, match=r"The cluster description names 2 ranks but the job has 3 \(WORLD_SIZE\)"):
         _resolve(cluster_path, {"profiles": str(directory), "global_batch_size": 20}, world_size=3)
+
+
+def _measurer(stages_it_returns, calls):
+    """A stand-in for the profiler: records what it was asked, returns profiles of some stages."""
+
+    def measure(missing, cluster):
+        calls.append(sorted(missing))
+        return [
+            synthetic_profile(device_type, zero_stage=stage, max_micro_batch_size=16, overhead_s=0.001,
+                              seconds_per_sample=0.001, world_size=2)
+            for device_type, stage in missing if stage in stages_it_returns
+        ]
+
+    return measure
+
+
+def _for_search(cluster_path, directory, measure, zero_stage=None):
+    from poplar_ext.planning import profiles_for_search
+
+    config = poplar_config_from_dict({"cluster": str(cluster_path), "profiles": str(directory)}, base_dir=cluster_path.parent)
+    return profiles_for_search(config, load_cluster(cluster_path), zero_stage=zero_stage, measure_missing=measure)
+
+
+def test_measured_stages_are_recounted_after_profiling(cluster_path, tmp_path):
+    # Asked for every stage, the profiler brings back stages 1 and 3 only (say the
+    # model fits no device at 0 and 2): the search gets those two stages, not four.
+    calls = []
+    profiles = _for_search(cluster_path, tmp_path / "none", _measurer({1, 3}, calls))
+    assert len(calls) == 1 and len(calls[0]) == 8
+    assert sorted({(p.device_type, p.zero_stage) for p in profiles}) == [
+        ("fast", 1), ("fast", 3), ("slow", 1), ("slow", 3)]
+
+
+def test_profiling_that_brings_back_no_complete_stage_says_what_is_missing(cluster_path, tmp_path):
+    calls = []
+    with pytest.raises(ValueError, match=r"after profiling, no ZeRO stage has a profile of every device type "
+                                         r"\(missing: fast at stage 2; slow at stage 2\)"):
+        _for_search(cluster_path, tmp_path / "none", _measurer(set(), calls), zero_stage=2)
+    assert calls == [[("fast", 2), ("slow", 2)]]
