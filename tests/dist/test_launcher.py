@@ -1,7 +1,8 @@
-"""The example script under the real launchers (deepspeed and torchrun), CPU/gloo.
+"""The example script under the real launchers (deepspeed and torchrun), and
+poplar-profile under the deepspeed launcher as the docs give it; CPU/gloo.
 
-Each launch costs ~25 s (fresh interpreters import deepspeed), so there is one
-run per launcher.
+Each launch costs 10-25 s (fresh interpreters import deepspeed), so there is one
+run per launcher and form.
 """
 
 from __future__ import annotations
@@ -53,3 +54,32 @@ def test_deepspeed_launcher(tmp_path):
 def test_torchrun(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     _check(*_launch(launcher, tmp_path))
+
+
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
+def test_profiler_as_a_module_under_the_deepspeed_launcher(tmp_path):
+    # The form the docs and error messages give: `--module` runs `python -m`, which
+    # works wherever poplar_ext is importable (a pyenv shim from `which` does not).
+    cluster = {
+        "schema_version": 1,
+        "nodes": [{"name": "localhost", "devices": [{"device_type": "cpu-fast", "count": 1}, {"device_type": "cpu-slow", "count": 1}]}],
+        "device_types": {
+            "cpu-fast": {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 8_000_000_000}},
+            "cpu-slow": {"emulation": {"slowdown": 2.0, "memory_capacity_bytes": 8_000_000_000}},
+        },
+    }
+    (tmp_path / "cluster.json").write_text(json.dumps(cluster))
+    (tmp_path / "ds.json").write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 0.001}}}))
+    command = [
+        "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "poplar_ext.profile_cli",
+        "--deepspeed_config", "ds.json", "--cluster", "cluster.json", "--model", "toy-gpt", "--layers", "1",
+        "--hidden-size", "32", "--heads", "2", "--vocab-size", "64", "--sequence-length", "16",
+        "--zero-stages", "1", "--max-micro-batch-size", "2", "--repeats", "1", "--warmup", "0", "--output-dir", "prof",
+    ]
+    done = subprocess.run(command, cwd=tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    written = sorted(p.name for p in (tmp_path / "prof").glob("*.json"))
+    assert len(written) == 2 and written[0].endswith("cpu-fast-zero1.json") and written[1].endswith("cpu-slow-zero1.json")
+    profile = json.loads((tmp_path / "prof" / written[1]).read_text())
+    assert profile["device_type"] == "cpu-slow" and profile["emulated"]["slowdown"] == 2.0
