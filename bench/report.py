@@ -405,12 +405,19 @@ def _legend(ax: Any, fontsize: int) -> None:
         ax.legend(fontsize=fontsize)
 
 
-def write_report(report: dict[str, Any], out_dir: str | os.PathLike[str], name: str) -> list[Path]:
-    """Write ``name.json``, ``name.md`` and ``name.png`` into `out_dir`; returns the paths."""
+def write_json_and_markdown(report: dict[str, Any], markdown: str, out_dir: str | os.PathLike[str], name: str) -> list[Path]:
+    """Write ``name.json`` (the report) and ``name.md`` (`markdown`) into `out_dir`; returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path, png_path = (out_dir / f"{name}.{ext}" for ext in ("json", "md", "png"))
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
     write_json_atomic(report, json_path)
-    md_path.write_text(render_markdown(report), encoding="utf-8")
+    md_path.write_text(markdown, encoding="utf-8")
+    return [json_path, md_path]
+
+
+def write_report(report: dict[str, Any], out_dir: str | os.PathLike[str], name: str) -> list[Path]:
+    """Write ``name.json``, ``name.md`` and ``name.png`` into `out_dir`; returns the paths."""
+    paths = write_json_and_markdown(report, render_markdown(report), out_dir, name)
+    png_path = Path(out_dir) / f"{name}.png"
     render_figure(report, png_path)
-    return [json_path, md_path, png_path]
+    return [*paths, png_path]

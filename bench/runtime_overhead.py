@@ -32,8 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.report import machine_description, utc_now
-from search.formats import write_json_atomic
+from bench.report import machine_description, utc_now, write_json_and_markdown
 
 GOAL_RATIO = 1.02
 WORLD_SIZE = 2
@@ -345,12 +344,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """Write ``runtime_overhead.json`` and ``runtime_overhead.md`` into `out_dir`; returns the paths."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out_dir / "runtime_overhead.json", out_dir / "runtime_overhead.md"
-    write_json_atomic(report, json_path)
-    md_path.write_text(render_markdown(report), encoding="utf-8")
-    return [json_path, md_path]
+    return write_json_and_markdown(report, render_markdown(report), out_dir, "runtime_overhead")
 
 
 def main(argv: list[str] | None = None) -> int:

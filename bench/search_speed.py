@@ -22,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import machine_description, utc_now
+from bench.report import machine_description, utc_now, write_json_and_markdown
 from search import search_plan
-from search.formats import write_json_atomic
 from search.synthetic import random_profiles, simple_cluster
 
 RANK_COUNTS = (8, 16, 64, 256, 1024, 4096)
@@ -123,12 +122,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """Write ``search_speed.json`` and ``search_speed.md`` into `out_dir`; returns the paths."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out_dir / "search_speed.json", out_dir / "search_speed.md"
-    write_json_atomic(report, json_path)
-    md_path.write_text(render_markdown(report), encoding="utf-8")
-    return [json_path, md_path]
+    return write_json_and_markdown(report, render_markdown(report), out_dir, "search_speed")
 
 
 def main(argv: list[str] | None = None) -> int:
