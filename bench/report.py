@@ -162,9 +162,9 @@ def demo_goals(scenario: dict[str, Any]) -> list[dict[str, Any]]:
         error = entry.get("prediction_error")
         goals.append(
             {
-                "goal": f"{entry['policy']} |prediction error|",
+                "goal": f"{entry['policy']} prediction error",
                 "value": error,
-                "target": "<= 0.10",
+                "target": "between -0.10 and +0.10",
                 "met": error is not None and abs(error) <= 0.10,
             }
         )
@@ -188,6 +188,11 @@ def demo_goals(scenario: dict[str, Any]) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------
 def _fmt(value: float | None, pattern: str = "{:.3g}") -> str:
     return "-" if value is None else pattern.format(value)
+
+
+def _cell(text: Any) -> str:
+    """Text for a markdown table cell: a bare '|' would end the cell."""
+    return str(text).replace("|", "\\|")
 
 
 def _pct(value: float | None) -> str:
@@ -269,7 +274,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         if scenario.get("goals"):
             lines += ["", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
             for g in scenario["goals"]:
-                lines.append(f"| {g['goal']} | {_fmt(g['value'])} | {g['target']} | {'yes' if g['met'] else 'NO'} |")
+                lines.append(f"| {_cell(g['goal'])} | {_fmt(g['value'])} | {_cell(g['target'])} | {'yes' if g['met'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
