@@ -270,7 +270,7 @@ def assemble_report(
         "data_source": "measured on CPU ranks with EMULATED device types (compute slowdown, memory capacity), real DeepSpeed",
         "notes": [
             "Devices are emulated (poplar_ext.emulation): each rank is a CPU process (1 thread); an emulated micro-step, and the optimizer step at the boundary, last slowdown x their thread CPU time of wall time (the rank sleeps what is left after computing), so a rank that waited for a core is not slowed twice; a type's memory capacity is a declared limit above the ranks' measured baseline.",
-            f"ZeRO stage {settings.zero_stage}; each policy ran {settings.warmup_iterations} warm-up + {settings.rounds} rounds x {settings.iterations} measured iterations, policies interleaved per round; figures are medians, every repetition is in the JSON.",
+            f"ZeRO stage {settings.zero_stage}; {settings.rounds} rounds, policies interleaved per round; in each round each policy ran {settings.warmup_iterations} unmeasured warm-up + {settings.iterations} measured iterations (warm-up after every switch of engine); figures are medians, every repetition is in the JSON.",
             "Iteration time: from a barrier to the end of the optimizer step on the slowest rank. Busy time: from that barrier until the rank reaches the boundary gradient reduction (its own micro-steps, without waiting).",
             "The engine ends each emulated micro-step (and its sleep) before the gradient reduction, as a slow device finishes computing before it communicates.",
             "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication, so no waiting; all ranks at once, as in training), measured in this run at the profile's best and largest micro-batch.",

@@ -75,7 +75,7 @@ class DemoSettings:
     iterations: int = 2
     """Measured iterations per policy in each round."""
     warmup_iterations: int = 1
-    """Unmeasured iterations before the first round of each policy."""
+    """Unmeasured iterations of each policy at the start of every round (after the switch of engine)."""
     rounds: int = 3
     """Each round runs every policy in turn, so background load hits all policies alike."""
     standalone_repeats: int = 5

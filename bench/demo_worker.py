@@ -121,11 +121,14 @@ def run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[s
         timings.get(f"initialize_{policies[0]}_s", 0.0) if policies else 0.0, ", ".join(policies), settings.rounds, settings.iterations))
 
     measured: dict[str, dict[str, list[float]]] = {p: {"iteration_time_s": [], "busy_s": [], "boundary_wait_s": []} for p in policies}
-    for engine in engines.values():
-        for _ in range(settings.warmup_iterations):
-            engine.run_iteration()
     for round_index in range(settings.rounds):
         for policy in policies:
+            # The policies share this process: the first steps after a switch find the
+            # other engine's memory and caches (their micro-steps took up to twice the
+            # CPU time of later ones). A job trains one engine throughout, as the
+            # profiles were measured: warm up after every switch, unmeasured.
+            for _ in range(settings.warmup_iterations):
+                engines[policy].run_iteration()
             for _ in range(settings.iterations):
                 iteration_s, busy_s, wait_s = engines[policy].run_iteration()
                 measured[policy]["iteration_time_s"].append(iteration_s)
@@ -403,15 +406,16 @@ def measure_standalone(settings: DemoSettings, cluster: Cluster, rank: int, prof
     sizes = standalone_sizes(profile)
     batches = {size: _batch(settings, size) for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}
-    # Sizes interleaved within each repeat, so that a burst of load on the machine
-    # does not land on all the repeats of one size.
-    for repeat in range(settings.standalone_repeats + 1):
-        for size in sizes:
+    # One size at a time, as the profiler and training run them: the first steps
+    # after a change of size are slower (memory and caches laid out for the other),
+    # and alternating sizes would make every step such a first one.
+    for size in sizes:
+        for repeat in range(settings.standalone_repeats + 1):
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             with slowdown:
                 model(batches[size]).backward()
-            if repeat:  # the first round is a warm-up
+            if repeat:  # the first is a warm-up
                 times[size].append(time.perf_counter() - start)
     dist.barrier()
     return [{"micro_batch_size": size, "micro_step_time_s": times[size]} for size in sizes]
