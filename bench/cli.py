@@ -140,8 +140,8 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
             "(reusing cached profiles), searches a plan per policy (uniform, proportional, poplar), trains "
             "each for a fixed number of iterations in one launch, and reports measured against predicted "
             "iteration time, speedup over uniform and share of the measured ideal. Writes NAME.json, "
-            "NAME.md and NAME.png. About 2.5 minutes on 2 cores the first time, under 2 minutes when "
-            "the profiles come from the cache."
+            "NAME.md and NAME.png. On a 2-core VM: 2-4 minutes the first time (profiling), 1.5-2.5 minutes "
+            "when the profiles come from the cache."
         ),
     )
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
