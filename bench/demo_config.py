@@ -33,7 +33,8 @@ def default_devices() -> tuple[DemoDevice, ...]:
     # Even the fast type is 3x slower than a core, so the three ranks together need
     # 1/3 + 1/6 + 1/12 of a core and do not compete for a 2-core machine's cores
     # (real devices do not share compute), and a rank that waits for a core while
-    # other processes run still meets its emulated duration (see poplar_ext.emulation.ComputeSlowdown). Slower types get less memory, as on real
+    # other processes run still meets its emulated duration (see
+    # poplar_ext.emulation.ComputeSlowdown). Slower types get less memory, as on real
     # mixed clusters: uniform (one micro-batch for all) is held to cpu-slow's.
     return (
         DemoDevice(name="cpu-fast", slowdown=3.0, memory_headroom_bytes=192 * MIB),

@@ -123,10 +123,10 @@ def run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[s
     measured: dict[str, dict[str, list[float]]] = {p: {"iteration_time_s": [], "busy_s": [], "boundary_wait_s": []} for p in policies}
     for round_index in range(settings.rounds):
         for policy in policies:
-            # The policies share this process: the first steps after a switch find the
-            # other engine's memory and caches (their micro-steps took up to twice the
-            # CPU time of later ones). A job trains one engine throughout, as the
-            # profiles were measured: warm up after every switch, unmeasured.
+            # The policies share this process, and in one instrumented run the first
+            # micro-steps after a switch took up to twice the CPU time of later ones (a
+            # single-process check did not reproduce it). A job trains one engine
+            # throughout, as the profiles were measured: warm up after every switch.
             for _ in range(settings.warmup_iterations):
                 engines[policy].run_iteration()
             for _ in range(settings.iterations):

@@ -123,22 +123,24 @@ def profiles_for_search(
     types = list(cluster.type_counts())
     stages = ALL_STAGES if zero_stage is None else (zero_stage,)
 
-    def complete_stages() -> list[int]:
+    def missing_pairs() -> list[tuple[str, int]]:
         have = {(p.device_type, p.zero_stage) for p in profiles}
-        return [s for s in stages if all((t, s) in have for t in types)]
+        return [(t, s) for s in stages for t in types if (t, s) not in have]
 
-    complete = complete_stages()
+    def complete_stages(missing: list[tuple[str, int]]) -> list[int]:
+        return [s for s in stages if all(stage != s for _, stage in missing)]
+
+    missing = missing_pairs()
+    complete = complete_stages(missing)
     if not complete:
-        have = {(p.device_type, p.zero_stage) for p in profiles}
-        missing = [(t, s) for s in stages for t in types if (t, s) not in have]
         profiles = profiles + obtain_missing_profiles(
             missing, poplar_config=poplar_config, cluster=cluster, measure_missing=measure_missing
         )
         # The measurement may come back without some (type, stage): recount, never assume.
-        complete = complete_stages()
+        missing = missing_pairs()
+        complete = complete_stages(missing)
         if not complete:
-            have = {(p.device_type, p.zero_stage) for p in profiles}
-            still = "; ".join(f"{t} at stage {s}" for s in stages for t in types if (t, s) not in have)
+            still = "; ".join(f"{t} at stage {s}" for t, s in missing)
             raise ValueError(
                 f"poplar.profiles: after profiling, no ZeRO stage has a profile of every device type (missing: {still})"
             )
