@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from search.curves import fit_curve, isotonic_non_decreasing
+from search.curves import fit_curve
 from search.synthetic import synthetic_profile
 
 
@@ -19,8 +19,10 @@ def profile_with(sizes, times, cap):
 
 
 def test_isotonic_pools_violators_into_their_mean():
-    np.testing.assert_allclose(isotonic_non_decreasing([1.0, 3.0, 2.0, 4.0]), [1.0, 2.5, 2.5, 4.0])
-    np.testing.assert_allclose(isotonic_non_decreasing([3.0, 2.0, 1.0]), [2.0, 2.0, 2.0])
+    curve = fit_curve(profile_with([1, 2, 3, 4], [1.0, 3.0, 2.0, 4.0], cap=4))
+    np.testing.assert_allclose(curve.knot_times_s, [1.0, 2.5, 2.5, 4.0])
+    curve = fit_curve(profile_with([1, 2, 3], [3.0, 2.0, 1.0], cap=3))
+    np.testing.assert_allclose(curve.knot_times_s, [2.0, 2.0, 2.0])
 
 
 def test_curve_passes_through_monotone_samples_and_extrapolates_linearly():
