@@ -69,6 +69,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from bench.report import write_report
     from search.formats import load_cluster, load_profiles
 
+    _warn_if_no_figure("simulate")
     cluster_paths = args.cluster or sorted(CLUSTER_DIR.glob("*.json"), key=_cluster_sort_key)
     samples_per_rank = args.samples_per_rank or simulate.DEFAULT_SAMPLES_PER_RANK
     if args.profiles is not None:
@@ -140,8 +141,8 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
             "(reusing cached profiles), searches a plan per policy (uniform, proportional, poplar), trains "
             "each for a fixed number of iterations in one launch, and reports measured against predicted "
             "iteration time, speedup over uniform and share of the measured ideal. Writes NAME.json, "
-            "NAME.md and NAME.png. On a 2-core VM: 2-4 minutes the first time (profiling), 1.5-2.5 minutes "
-            "when the profiles come from the cache."
+            "NAME.md and NAME.png (the figure needs matplotlib: pip install 'poplar-ext[bench]'). On a 2-core "
+            "VM: about 3 minutes the first time (profiling), 1.5-2.5 minutes when the profiles come from the cache."
         ),
     )
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
@@ -160,9 +161,24 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_demo)
 
 
+def _warn_if_no_figure(command: str) -> None:
+    """Say at the start, not after minutes of work, that the figure will be missing."""
+    from bench.report import FIGURE_NEEDS, figure_available
+
+    if not figure_available():
+        print(
+            f"poplar-bench {command}: the PNG figure needs {FIGURE_NEEDS}, which is not installed; "
+            "the JSON and markdown reports are written without it",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from bench import demo
     from bench.demo_config import DemoSettings
+
+    _warn_if_no_figure("demo")
 
     settings = DemoSettings(
         iterations=args.iterations,

@@ -21,9 +21,8 @@ from typing import Any
 
 from bench.demo_config import DemoSettings
 from bench.report import REPORT_SCHEMA, demo_goals, derive_comparisons, machine_description, repetitions, utc_now, write_report
-from search.formats import cluster_from_dict, read_json
+from search.formats import POLICIES, cluster_from_dict, read_json
 
-POLICIES = ("uniform", "proportional", "poplar")
 
 
 def progress(message: str) -> None:
@@ -42,6 +41,12 @@ def _preimport() -> float:
     start = time.perf_counter()
     import deepspeed  # noqa: F401
     import torch._dynamo  # noqa: F401  (imported lazily by the first deepspeed.initialize)
+
+    from poplar_ext.hardware.cpu_process import skip_deepspeed_shm_op
+
+    # The ranks (forked from here) train on CPU: DeepSpeed's inference-only
+    # shared-memory op would otherwise be compiled on a fresh machine (~50 s).
+    skip_deepspeed_shm_op()
 
     try:
         import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (same reason)
@@ -269,7 +274,7 @@ def assemble_report(
         "machine": machine_description(),
         "data_source": "measured on CPU ranks with EMULATED device types (compute slowdown, memory capacity), real DeepSpeed",
         "notes": [
-            "Devices are emulated (poplar_ext.emulation): each rank is a CPU process (1 thread); an emulated micro-step, and the optimizer step at the boundary, last slowdown x their thread CPU time of wall time (the rank sleeps what is left after computing), so a rank that waited for a core is not slowed twice; a type's memory capacity is a declared limit above the ranks' measured baseline.",
+            "Devices are emulated (poplar_ext.hardware.emulation): each rank is a CPU process (1 thread); an emulated micro-step, and the optimizer step at the boundary, last slowdown x their thread CPU time of wall time (the rank sleeps what is left after computing), so a rank that waited for a core is not slowed twice; a type's memory capacity is a declared limit above the ranks' measured baseline.",
             f"ZeRO stage {settings.zero_stage}; {settings.rounds} rounds, policies interleaved per round; in each round each policy ran {settings.warmup_iterations} unmeasured warm-up + {settings.iterations} measured iterations (warm-up after every switch of engine); figures are medians, every repetition is in the JSON.",
             "Iteration time: from a barrier to the end of the optimizer step on the slowest rank. Busy time: from that barrier until the rank reaches the boundary gradient reduction (its own micro-steps, without waiting).",
             "The engine ends each emulated micro-step (and its sleep) before the gradient reduction, as a slow device finishes computing before it communicates.",

@@ -34,7 +34,7 @@ def default_devices() -> tuple[DemoDevice, ...]:
     # 1/3 + 1/6 + 1/12 of a core and do not compete for a 2-core machine's cores
     # (real devices do not share compute), and a rank that waits for a core while
     # other processes run still meets its emulated duration (see
-    # poplar_ext.emulation.ComputeSlowdown). Slower types get less memory, as on real
+    # poplar_ext.hardware.emulation.ComputeSlowdown). Slower types get less memory, as on real
     # mixed clusters: uniform (one micro-batch for all) is held to cpu-slow's.
     return (
         DemoDevice(name="cpu-fast", slowdown=3.0, memory_headroom_bytes=192 * MIB),
@@ -45,7 +45,7 @@ def default_devices() -> tuple[DemoDevice, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class DemoModel:
-    """Shape of the toy GPT (poplar_ext.toy_gpt.GPTConfig fields); ~0.9M parameters."""
+    """Shape of the toy GPT (poplar_ext.models.toy_gpt.GPTConfig fields); ~0.9M parameters."""
 
     vocab_size: int = 256
     sequence_length: int = 64
@@ -159,11 +159,12 @@ def deepspeed_config(settings: DemoSettings) -> dict[str, Any]:
 
     poplar_ext gives each rank its nominal micro-batch and accumulation count from
     the plan, and the profiler sets its own. Gradient clipping is set explicitly:
-    DeepSpeed 0.19.8 defaults it to 1.0.
+    DeepSpeed 0.19.8 defaults it to 1.0. ``torch_adam`` makes DeepSpeed use torch's
+    Adam: its own Adam on CPU is a C++ op it compiles on first use (~70 s on 2 cores).
     """
     return {
         "train_batch_size": settings.global_batch_size,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": settings.zero_stage},
         "gradient_clipping": 1.0,
         "steps_per_print": 1_000_000,

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from bench.demo_config import BASELINE_ROUNDING_BYTES, DemoSettings, deepspeed_config, demo_cluster
 from search.errors import FormatError
 from search.formats import (
+    POLICIES,
     Cluster,
     Profile,
     cluster_to_dict,
@@ -43,7 +44,6 @@ from search.formats import (
     write_json_atomic,
 )
 
-POLICIES = ("uniform", "proportional", "poplar")
 _PG_TIMEOUT_S = 180
 
 
@@ -90,7 +90,7 @@ def run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[s
     )
     import deepspeed
 
-    from poplar_ext.emulation import limit_cpu_threads
+    from poplar_ext.hardware.cpu_process import limit_cpu_threads
 
     limit_cpu_threads()
     timings: dict[str, float] = {}
@@ -160,7 +160,7 @@ def measure_baseline_bytes(settings: DemoSettings) -> int:
     The profiler measures the whole process on CPU, so emulated capacities are set
     above this baseline (which depends on the machine and library versions).
     """
-    from poplar_ext.memory import peak_memory_bytes, release_memory, reset_peak_memory
+    from poplar_ext.hardware.memory import peak_memory_bytes, release_memory, reset_peak_memory
 
     cpu = torch.device("cpu")
     reset_peak_memory(cpu)
@@ -226,7 +226,7 @@ def agreed_cluster(settings: DemoSettings, cluster_path: Path) -> Cluster:
 # Phase 1: profiles
 # ----------------------------------------------------------------------------------
 def _make_model(settings: DemoSettings) -> torch.nn.Module:
-    from poplar_ext.toy_gpt import GPT, GPTConfig
+    from poplar_ext.models.toy_gpt import GPT, GPTConfig
 
     return GPT(GPTConfig(**dataclasses.asdict(settings.model)), seed=settings.seed)
 
@@ -375,7 +375,9 @@ def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) ->
     plan = load_plan(plan_path)
     rank_plan = plan.ranks[dist.get_rank()]
     config = deepspeed_config(settings)
-    config["poplar"] = {"cluster": str(cluster_path), "plan": str(plan_path)}
+    # One thread (emulation times compute by the thread's CPU time) and the allocator
+    # the profiler measured under: the demo owns its processes and asks for both.
+    config["poplar"] = {"cluster": str(cluster_path), "plan": str(plan_path), "cpu_threads": 1, "steady_cpu_allocator": True}
     model = _make_model(settings)
     engine, _, _, _ = poplar_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
     return PolicyRun(engine, _batch(settings, rank_plan.micro_batch_size), rank_plan.gradient_accumulation_steps)
@@ -399,7 +401,7 @@ def measure_standalone(settings: DemoSettings, cluster: Cluster, rank: int, prof
     and memory bandwidth are then as busy as during training, and the ideal is
     comparable with the training runs.
     """
-    from poplar_ext.emulation import ComputeSlowdown, emulation_for_rank
+    from poplar_ext.hardware.emulation import ComputeSlowdown, emulation_for_rank
 
     slowdown = ComputeSlowdown(emulation_for_rank(cluster, rank))
     model = _make_model(settings)

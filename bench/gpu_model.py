@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from search.formats import ModelInfo, Profile, Sample, content_fingerprint
+from search.formats import ZERO_STAGES, ModelInfo, Profile, Sample, content_fingerprint
 
 GIB = 1 << 30
 MODEL_VERSION = "bench.gpu_model/1"
@@ -330,7 +330,7 @@ def modelled_profile(spec: GpuSpec, shape: ModelShape, *, zero_stage: int, world
     )
 
 
-def modelled_profiles(device_types: list[str] | tuple[str, ...], shape: ModelShape, *, world_size: int, zero_stages: tuple[int, ...] = (0, 1, 2, 3), assumptions: Assumptions | None = None) -> list[Profile]:
+def modelled_profiles(device_types: list[str] | tuple[str, ...], shape: ModelShape, *, world_size: int, zero_stages: tuple[int, ...] = ZERO_STAGES, assumptions: Assumptions | None = None) -> list[Profile]:
     """Modelled profiles for every (device type, stage); unknown device types raise ValueError."""
     specs = [gpu_spec(name) for name in dict.fromkeys(device_types)]
     return [

@@ -33,7 +33,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from search.formats import write_json_atomic
+from search.formats import POLICIES, write_json_atomic
 
 REPORT_SCHEMA = "poplar-bench-report/1"
 _LIBRARIES = ("poplar-ext", "torch", "deepspeed", "numpy", "scipy", "matplotlib")
@@ -169,7 +169,7 @@ def demo_goals(scenario: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     poplar_rate, _ = _throughput(poplar)
-    for other in ("uniform", "proportional"):
+    for other in (p for p in POLICIES if p != "poplar"):
         if other in entries:
             other_rate, _ = _throughput(entries[other])
             goals.append(
@@ -420,9 +420,25 @@ def write_json_and_markdown(report: dict[str, Any], markdown: str, out_dir: str 
     return [json_path, md_path]
 
 
+FIGURE_NEEDS = "matplotlib (pip install 'poplar-ext[bench]')"
+"""What the PNG figure needs; the JSON and markdown reports need nothing beyond poplar-ext."""
+
+
+def figure_available() -> bool:
+    """Whether the PNG figure can be drawn here (matplotlib is an optional dependency)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def write_report(report: dict[str, Any], out_dir: str | os.PathLike[str], name: str) -> list[Path]:
-    """Write ``name.json``, ``name.md`` and ``name.png`` into `out_dir`; returns the paths."""
+    """Write ``name.json``, ``name.md`` and, where matplotlib is installed, ``name.png`` into
+    `out_dir`; returns the paths written. Check `figure_available` before long work."""
     paths = write_json_and_markdown(report, render_markdown(report), out_dir, name)
+    if not figure_available():
+        return paths
     png_path = Path(out_dir) / f"{name}.png"
     render_figure(report, png_path)
     return [*paths, png_path]

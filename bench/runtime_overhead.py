@@ -101,9 +101,9 @@ def _rank_main(rank: int, port: int, directory: str, blocks: int, block_iteratio
     import torch.distributed as dist
 
     import poplar_ext
-    from poplar_ext.toy_gpt import GPT, GPTConfig, SyntheticTokens
+    from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
 
-    torch.set_num_threads(1)  # as poplar_ext does on CPU: the raw run gets the same
+    torch.set_num_threads(1)  # this bench owns its processes: one thread for both engines alike
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=120))
     configs = _files(Path(directory)) if rank == 0 else None
     box = [configs]
@@ -176,9 +176,9 @@ def measure_wrapper_cost(*, iterations: int = 20_000, repeats: int = 5) -> dict[
     """
     import torch
 
-    from poplar_ext.config import poplar_config_from_dict
-    from poplar_ext.engine import PoplarEngine
-    from poplar_ext.data import PlanBatchSampler
+    from poplar_ext.runtime.config import poplar_config_from_dict
+    from poplar_ext.runtime.engine import PoplarEngine
+    from poplar_ext.runtime.data import PlanBatchSampler
     from search.formats import plan_from_dict
 
     with tempfile.TemporaryDirectory() as directory:

@@ -16,9 +16,8 @@ from typing import Any
 from bench import gpu_model
 from bench.report import REPORT_SCHEMA, derive_comparisons, group_ranks, machine_description, utc_now
 from search import predict, search_plan
-from search.formats import Cluster, Profile, load_cluster
+from search.formats import POLICIES, Cluster, Profile, load_cluster
 
-POLICY_ORDER = ("uniform", "proportional", "poplar")
 DEFAULT_SAMPLES_PER_RANK = 16
 
 
@@ -146,7 +145,7 @@ def policy_entry(policy: str, result: Any, profiles: tuple[Profile, ...] | list[
     }
 
 
-def simulate_case(case: SimulationCase, *, policies: tuple[str, ...] = POLICY_ORDER) -> dict[str, Any]:
+def simulate_case(case: SimulationCase, *, policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
     """Run the search for every policy on one case; returns a report scenario."""
     profiles = list(case.profiles)
     entries = [

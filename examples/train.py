@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 
 import deepspeed
 import torch
 
 import poplar_ext
-from poplar_ext.toy_gpt import GPT, GPTConfig, SyntheticTokens
+from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
+    # poplar_ext logs each rank's allocation and the true samples/s at INFO; the script decides where.
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(name)s] %(message)s")
     shape = GPTConfig(vocab_size=64, sequence_length=16, num_layers=2, num_heads=2, hidden_size=32)
     model = GPT(shape)
     data = SyntheticTokens(num_samples=args.num_samples, sequence_length=shape.sequence_length, vocab_size=shape.vocab_size)

@@ -1,6 +1,20 @@
-"""poplar-ext: DeepSpeed ZeRO with per-rank micro-batches for mixed GPU clusters."""
+"""poplar-ext: DeepSpeed ZeRO with per-rank micro-batches for mixed GPU clusters.
 
-from poplar_ext.engine import PoplarEngine, initialize
+The package tree is the data flow: `hardware` (what each rank runs on) feeds the
+`profiler` (profiles of each device type), the search (the top-level ``search``
+package, no torch) turns profiles into a plan, and the `runtime` trains that plan
+in DeepSpeed. `collectives` holds every collective the package issues; `models`
+holds the toy GPT used by the demo and the examples.
+
+Logs go to the ``poplar_ext`` logger, which only has a `logging.NullHandler`: the
+application decides where they go.
+"""
+
+import logging
+
 from poplar_ext.profiler import profile_model
+from poplar_ext.runtime import PlanBatchSampler, PoplarEngine, initialize
 
-__all__ = ["PoplarEngine", "initialize", "profile_model"]
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__ = ["PlanBatchSampler", "PoplarEngine", "initialize", "profile_model"]

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from search.cost import StageModel, build_stage_model
-from search.formats import ZERO_STAGES, Cluster, Plan, Prediction, Profile, RankPlan
-from search.policies import POLICY_NAMES, PolicyResult, allocate, best_global_batch
+from search.formats import POLICIES, ZERO_STAGES, Cluster, Plan, Prediction, Profile, RankPlan
+from search.policies import PolicyResult, allocate, best_global_batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,8 +119,8 @@ def _check_arguments(
             raise ValueError(f"{name}: expected None or an integer >= 1, found {value!r}")
     if zero_stage != "auto" and (isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES):
         raise ValueError(f"zero_stage: expected 'auto' or one of 0, 1, 2, 3, found {zero_stage!r}")
-    if policy not in POLICY_NAMES:
-        raise ValueError(f"policy: expected one of {', '.join(map(repr, POLICY_NAMES))}, found {policy!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {', '.join(map(repr, POLICIES))}, found {policy!r}")
     if global_batch_size is not None and max_global_batch_size is not None and global_batch_size > max_global_batch_size:
         raise ValueError(
             f"global_batch_size: expected at most max_global_batch_size ({max_global_batch_size}), found {global_batch_size}"

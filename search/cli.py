@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from search.api import SearchResult, predict, search_plan
 from search.errors import FormatError
-from search.formats import load_cluster, load_profiles, plan_to_dict, write_json_atomic
-from search.policies import AUTO_ACCUMULATION_STEPS, POLICY_NAMES
+from search.formats import POLICIES, load_cluster, load_profiles, plan_to_dict, write_json_atomic
+from search.policies import AUTO_ACCUMULATION_STEPS
 
 EXIT_OK = 0
 EXIT_INFEASIBLE = 1
@@ -91,7 +91,7 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
                         help="upper bound for the automatic global batch")
     parser.add_argument("--zero-stage", type=parse_zero_stage, default="auto", metavar="auto|0|1|2|3",
                         help="ZeRO stage; auto evaluates every stage that has profiles and keeps the fastest (default)")
-    parser.add_argument("--policy", choices=(*POLICY_NAMES, "all"), default="poplar",
+    parser.add_argument("--policy", choices=(*POLICIES, "all"), default="poplar",
                         help="poplar: fastest predicted allocation (default); uniform: DeepSpeed's one micro-batch "
                              "for all; proportional: Whale's throughput-proportional shares; all: compare them")
     parser.add_argument("--output", metavar="PLAN.json", help="write the (poplar) plan here, only on success")
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         profiles = load_profiles(args.profiles)
         cluster = load_cluster(args.cluster)
-        policies = list(POLICY_NAMES) if args.policy == "all" else [args.policy]
+        policies = list(POLICIES) if args.policy == "all" else [args.policy]
         results = {
             policy: search_plan(
                 profiles, cluster, global_batch_size=args.global_batch_size, zero_stage=args.zero_stage,
@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"{prog}: error: {exc} (profiles: {args.profiles}, cluster: {args.cluster})", file=sys.stderr)
         return EXIT_BAD_INPUT
-    main_result = results[policies[0]]
+    # With --policy all, poplar's plan is the one reported on and written.
+    main_result = results["poplar" if args.policy == "all" else args.policy]
     if not main_result.ok:
         print(f"{prog}: infeasible: {main_result.message}", file=sys.stderr)
         return EXIT_INFEASIBLE

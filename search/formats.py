@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from search._validate import Node
+from search.validation import Node
 from search.errors import FormatError
 
 PROFILE_SCHEMA_VERSION = 1
@@ -397,6 +397,8 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise FormatError(str(path), "(file)", "a readable JSON file", f"{type(exc).__name__}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise FormatError(str(path), "(file)", "a UTF-8 JSON file", f"a byte that is not UTF-8 at offset {exc.start}") from exc
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

@@ -26,16 +26,15 @@ import numpy as np
 
 from search.allocation import Allocation, PolicyResult, batch_problem, divisors, finish, infeasible
 from search.cost import StageModel
+from search.formats import POLICIES
 from search.poplar_independent import poplar_independent, poplar_independent_best
 from search.poplar_synchronised import poplar_synchronised, poplar_synchronised_best
-
-POLICY_NAMES = ("poplar", "uniform", "proportional")
 
 AUTO_ACCUMULATION_STEPS = 8
 """Without a maximum global batch, the auto search looks at batches up to this many
 micro-steps of every rank at its largest micro-batch."""
 
-__all__ = ["AUTO_ACCUMULATION_STEPS", "POLICY_NAMES", "Allocation", "PolicyResult", "allocate", "best_global_batch"]
+__all__ = ["AUTO_ACCUMULATION_STEPS", "Allocation", "PolicyResult", "allocate", "best_global_batch"]
 
 
 def _default_max_batch(model: StageModel) -> int:
@@ -168,8 +167,8 @@ def _proportional_best(model: StageModel, max_batch: int) -> PolicyResult:
 # The one entry point per question
 # ----------------------------------------------------------------------------------
 def _check_policy(policy: str) -> None:
-    if policy not in POLICY_NAMES:
-        raise ValueError(f"policy: expected one of {', '.join(map(repr, POLICY_NAMES))}, found {policy!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {', '.join(map(repr, POLICIES))}, found {policy!r}")
 
 
 def allocate(policy: str, model: StageModel, global_batch_size: int) -> PolicyResult:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from search.formats import Cluster, ClusterNode, DeviceGroup, ModelInfo, Profile, Sample
+from search.formats import ZERO_STAGES, Cluster, ClusterNode, DeviceGroup, ModelInfo, Profile, Sample
 
 SYNTHETIC_MODEL = ModelInfo(name="synthetic", fingerprint="synthetic-model", num_parameters=1_000_000, dtype="float32")
 
@@ -52,7 +52,7 @@ def random_profiles(
     rng: np.random.Generator,
     device_types: list[str],
     *,
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+    zero_stages: tuple[int, ...] = ZERO_STAGES,
     max_cap: int = 64,
 ) -> list[Profile]:
     """One seeded random profile per (device type, stage)."""

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from poplar_ext.data import SampleStream
-from poplar_ext.toy_gpt import GPT, GPTConfig, SyntheticTokens
+from poplar_ext.runtime.data import SampleStream
+from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
 
 TINY = GPTConfig(vocab_size=32, sequence_length=8, num_layers=1, num_heads=2, hidden_size=16)
 NUM_SAMPLES = 25

@@ -100,6 +100,12 @@ def preimport_for_fork() -> None:
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
     import torch._dynamo  # noqa: F401
 
+    from poplar_ext.hardware.cpu_process import skip_deepspeed_shm_op
+
+    # The ranks train on CPU: DeepSpeed's inference-only shared-memory op would cost
+    # a ~50 s compile on a fresh machine.
+    skip_deepspeed_shm_op()
+
 
 def free_port() -> int:
     """A TCP port that was free a moment ago (the OS picks it)."""

@@ -69,9 +69,10 @@ def test_profiler_as_a_module_under_the_deepspeed_launcher(tmp_path):
         },
     }
     (tmp_path / "cluster.json").write_text(json.dumps(cluster))
-    (tmp_path / "ds.json").write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 0.001}}}))
+    # torch_adam: DeepSpeed's own CPU Adam is a C++ op compiled on first use (~70 s).
+    (tmp_path / "ds.json").write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}}}))
     command = [
-        "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "poplar_ext.profile_cli",
+        "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "poplar_ext.profiler",
         "--deepspeed_config", "ds.json", "--cluster", "cluster.json", "--model", "toy-gpt", "--layers", "1",
         "--hidden-size", "32", "--heads", "2", "--vocab-size", "64", "--sequence-length", "16",
         "--zero-stages", "1", "--max-micro-batch-size", "2", "--repeats", "1", "--warmup", "0", "--output-dir", "prof",

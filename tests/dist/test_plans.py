@@ -71,7 +71,7 @@ def _profiles(directory, fingerprint, types_and_caps):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from poplar_ext.fingerprint import model_fingerprint
+    from poplar_ext.profiler.fingerprint import model_fingerprint
 
     tmp = tmp_path_factory.mktemp("plans")
     fingerprint = model_fingerprint(t.GPT(t.TINY))
@@ -115,7 +115,7 @@ def test_micro_batch_over_the_profiles_largest(results):
 def test_missing_profiles_say_what_to_run(results):
     message = _messages(results, "missing_profiles")
     assert "lacks profiles for these device types and ZeRO stages (stage 1: cpu-slow)" in message
-    assert "--module poplar_ext.profile_cli --deepspeed_config DS.json --cluster" in message
+    assert "--module poplar_ext.profiler --deepspeed_config DS.json --cluster" in message
     assert "--zero-stages 1 --output-dir" in message
 
 

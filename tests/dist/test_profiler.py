@@ -28,7 +28,7 @@ LIMIT = 8
 
 
 def _model_config(num_layers: int = 1):
-    from poplar_ext.toy_gpt import GPTConfig
+    from poplar_ext.models.toy_gpt import GPTConfig
 
     return GPTConfig(vocab_size=1024, sequence_length=64, num_layers=num_layers, num_heads=2, hidden_size=32)
 
@@ -112,8 +112,8 @@ def _peaks_of_micro_steps(model_factory, make_batch, sizes: tuple[int, ...]) -> 
     import deepspeed
     import torch
 
-    from poplar_ext.memory import MeasuredPeak
-    from poplar_ext.profiler_measure import stage_ds_config
+    from poplar_ext.hardware.memory import MeasuredPeak
+    from poplar_ext.profiler.measure import stage_ds_config
 
     model = model_factory()
     engine, *_ = deepspeed.initialize(
@@ -176,7 +176,7 @@ def _memory_run(cache_dir: str) -> dict:
 
 def _measure_reuse_and_remeasure(cache_dir: str) -> dict:
     from poplar_ext.profiler import profile_model
-    from poplar_ext.toy_gpt import GPT
+    from poplar_ext.models.toy_gpt import GPT
 
     # Room for every size up to the limit: this run is about time and the cache.
     base = _agreed_resident_bytes()
@@ -298,7 +298,7 @@ def _survive_out_of_memory(cache_dir: str) -> dict:
     import torch.distributed as dist
 
     from poplar_ext.profiler import profile_model
-    from poplar_ext.toy_gpt import GPT
+    from poplar_ext.models.toy_gpt import GPT
 
     rank = dist.get_rank()
     base = _agreed_resident_bytes()

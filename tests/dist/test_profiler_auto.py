@@ -19,7 +19,7 @@ def _train_from_nothing(cluster_path: str, profiles_dir: str) -> dict:
 
     import poplar_ext
 
-    from poplar_ext.toy_gpt import SyntheticTokens
+    from poplar_ext.models.toy_gpt import SyntheticTokens
 
     # Enough compute per sample that the time curves rise with the micro-batch.
     model = t.GPT(CONFIG)

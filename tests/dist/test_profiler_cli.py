@@ -10,7 +10,7 @@ from search.formats import load_profiles
 
 
 def _run_cli(argv: list[str]) -> int:
-    from poplar_ext.profile_cli import main
+    from poplar_ext.profiler.cli import main
 
     return main(argv)
 
@@ -76,7 +76,7 @@ def test_cli_profiles_real_cpu_ranks(tmp_path) -> None:
     ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [0, 0]
     (profile,) = load_profiles(tmp_path / "p")
-    from poplar_ext.memory import physical_memory_bytes
+    from poplar_ext.hardware.memory import physical_memory_bytes
 
     assert profile.device_type == "cpu" and profile.emulated is None and profile.measured_with["device"] == "real"
     assert profile.memory_capacity_bytes == physical_memory_bytes() // 2, "a CPU rank's share of RAM"

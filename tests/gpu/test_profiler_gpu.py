@@ -30,9 +30,9 @@ DS_CONFIG = {
 def _profile_real_gpus(cache_dir: str) -> dict:
     import torch.distributed as dist
 
-    from poplar_ext.devices import hardware_device_type
+    from poplar_ext.hardware.devices import hardware_device_type
     from poplar_ext.profiler import profile_model
-    from poplar_ext.toy_gpt import GPT, GPTConfig
+    from poplar_ext.models.toy_gpt import GPT, GPTConfig
     from search.formats import cluster_from_dict
 
     import deepspeed

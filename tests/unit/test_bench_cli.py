@@ -98,3 +98,32 @@ def test_search_speed_runs_the_search_engineers_benchmark(tmp_path, monkeypatch)
     assert cli.main(["search-speed", "--repeats", "1", "--output-dir", str(tmp_path)]) == 0
     assert calls == [{"repeats": 1}]
     assert (tmp_path / "search_speed.json").exists() and (tmp_path / "search_speed.md").exists()
+
+
+def _without_matplotlib(monkeypatch):
+    # A None entry in sys.modules makes `import matplotlib` raise ImportError.
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+
+
+def test_without_matplotlib_simulate_writes_json_and_markdown_and_says_so_first(tmp_path, capsys, monkeypatch):
+    _without_matplotlib(monkeypatch)
+    code = cli.main(["simulate", "--cluster", str(SMALL_CLUSTER), "--model", "gpt2-xl-1.5b", "--output-dir", str(tmp_path), "--name", "s"])
+    assert code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.md"]
+    err = capsys.readouterr().err
+    warning = "the PNG figure needs matplotlib"
+    assert warning in err and err.index(warning) < err.index("[1/1]")  # before the work, not after
+
+
+def test_without_matplotlib_the_demo_warns_before_it_starts(tmp_path, capsys, monkeypatch):
+    _without_matplotlib(monkeypatch)
+    from bench import demo
+
+    def no_demo(settings, *, out_dir, name):
+        assert "the PNG figure needs matplotlib" in capsys.readouterr().err  # said before any work
+        return []
+
+    monkeypatch.setattr(demo, "run_demo", no_demo)
+    assert cli.main(["demo", "--output-dir", str(tmp_path)]) == 0

@@ -118,6 +118,18 @@ def test_write_report_writes_json_markdown_and_png(tmp_path):
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_write_report_without_matplotlib_writes_json_and_markdown(tmp_path, monkeypatch):
+    import sys
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    assert report.figure_available() is False
+    paths = report.write_report(_assembled(), tmp_path, "demo")
+    assert [p.name for p in paths] == ["demo.json", "demo.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.json", "demo.md"]
+
+
 def test_summarise_allocation_groups_ranks_by_type_and_allocation():
     ranks = [
         {"device_type": "A", "micro_batch_size": 4, "gradient_accumulation_steps": 2},

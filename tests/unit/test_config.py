@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from poplar_ext.config import (
+from poplar_ext.runtime.config import (
     configured_zero_stage,
     load_deepspeed_config,
     requested_zero_stage,
@@ -59,12 +60,12 @@ def test_section_not_an_object():
 
 
 def test_unknown_key():
-    with pytest.raises(ValueError, match=r"poplar.polcy: expected one of the keys .*found 'an unknown key'"):
+    with pytest.raises(ValueError, match=r"poplar.polcy: expected one of the keys .*found an unknown key"):
         _parse(polcy="uniform")
 
 
 def test_missing_cluster():
-    with pytest.raises(ValueError, match="poplar.cluster: expected the path of a cluster description, found None"):
+    with pytest.raises(ValueError, match=r"poplar.cluster: expected the path of a cluster description, found nothing \(the field is missing\)"):
         poplar_config_from_dict({"plan": "p.json"}, base_dir=BASE)
 
 
@@ -74,27 +75,27 @@ def test_neither_plan_nor_profiles():
 
 
 def test_bad_policy():
-    with pytest.raises(ValueError, match=r"poplar.policy: expected one of \['uniform', 'proportional', 'poplar'\], found 'fast'"):
+    with pytest.raises(ValueError, match=r"poplar.policy: expected one of 'uniform', 'proportional', 'poplar', found string 'fast'"):
         _parse(policy="fast")
 
 
 def test_bad_seed():
-    with pytest.raises(ValueError, match="poplar.seed: expected an integer >= 0, found -1"):
+    with pytest.raises(ValueError, match="poplar.seed: expected an integer >= 0, found number -1"):
         _parse(seed=-1)
 
 
 def test_bad_shuffle():
-    with pytest.raises(ValueError, match="poplar.shuffle: expected true or false, found 'yes'"):
+    with pytest.raises(ValueError, match="poplar.shuffle: expected true or false, found string 'yes'"):
         _parse(shuffle="yes")
 
 
 def test_bad_reduction():
-    with pytest.raises(ValueError, match="poplar.loss_reduction: expected 'mean' or 'sum', found 'none'"):
+    with pytest.raises(ValueError, match="poplar.loss_reduction: expected one of 'mean', 'sum', found string 'none'"):
         _parse(loss_reduction="none")
 
 
 def test_bad_global_batch():
-    with pytest.raises(ValueError, match="poplar.global_batch_size: expected an integer >= 1, found 0"):
+    with pytest.raises(ValueError, match="poplar.global_batch_size: expected an integer >= 1, found number 0"):
         _parse(global_batch_size=0)
 
 
@@ -105,8 +106,8 @@ def test_bad_path():
 
 def test_config_from_a_file_resolves_against_its_directory(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps({"poplar": {}}))
-    data, base_dir = load_deepspeed_config(args=SimpleNamespace(deepspeed_config=str(tmp_path / "ds.json")))
-    assert data == {"poplar": {}} and base_dir == tmp_path
+    data, base_dir, source = load_deepspeed_config(args=SimpleNamespace(deepspeed_config=str(tmp_path / "ds.json")))
+    assert data == {"poplar": {}} and base_dir == tmp_path and source == str(tmp_path / "ds.json")
 
 
 def test_config_given_twice():
@@ -115,7 +116,7 @@ def test_config_given_twice():
 
 
 def test_config_file_unreadable(tmp_path):
-    with pytest.raises(ValueError, match="config: expected a readable JSON file"):
+    with pytest.raises(ValueError, match=r"missing.json: \(file\): expected a readable JSON file \(given as config\)"):
         load_deepspeed_config(str(tmp_path / "missing.json"))
 
 
@@ -125,7 +126,7 @@ def test_configured_stage():
 
 
 def test_configured_stage_out_of_range():
-    with pytest.raises(ValueError, match="zero_optimization.stage: expected 0, 1, 2 or 3, found 4"):
+    with pytest.raises(ValueError, match="zero_optimization.stage: expected an integer from 0 to 3, found number 4"):
         configured_zero_stage({"zero_optimization": {"stage": 4}})
 
 
@@ -137,7 +138,7 @@ def test_poplar_zero_stage_values():
 
 @pytest.mark.parametrize("bad", ["AUTO", 4, -1, True, 2.0, [2]])
 def test_poplar_zero_stage_bad(bad):
-    with pytest.raises(ValueError, match=r"poplar.zero_stage: expected 'auto' or 0, 1, 2, 3, found "):
+    with pytest.raises(ValueError, match=r"poplar.zero_stage: expected 'auto' or an integer from 0 to 3, found "):
         _parse(zero_stage=bad)
 
 
@@ -178,3 +179,49 @@ def test_nominal_config_is_valid_per_rank():
 def test_nominal_config_refuses_another_global_batch():
     with pytest.raises(ValueError, match=r"train_batch_size: expected the plan's global batch \(10\) or no value, found 12"):
         nominal_deepspeed_config({"train_batch_size": 12}, _plan([(4, 1), (2, 3)]), 0)
+
+
+def test_cpu_process_options_default_to_leaving_the_process_alone():
+    cfg = _parse()
+    assert cfg.cpu_threads is None and cfg.steady_cpu_allocator is False
+    cfg = _parse(cpu_threads=1, steady_cpu_allocator=True)
+    assert cfg.cpu_threads == 1 and cfg.steady_cpu_allocator is True
+
+
+@pytest.mark.parametrize(
+    ("key", "bad", "message"),
+    [
+        ("cpu_threads", 0, "poplar.cpu_threads: expected an integer >= 1, found number 0"),
+        ("cpu_threads", "1", "poplar.cpu_threads: expected an integer >= 1, found string '1'"),
+        ("steady_cpu_allocator", 1, "poplar.steady_cpu_allocator: expected true or false, found number 1"),
+    ],
+)
+def test_cpu_process_options_bad(key, bad, message):
+    with pytest.raises(ValueError, match=message):
+        _parse(**{key: bad})
+
+
+def test_errors_name_the_config_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"poplar": {"cluster": "c.json", "plan": "p.json", "seed": -1}}))
+    data, base_dir, source = load_deepspeed_config(str(path))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: poplar.seed: expected an integer >= 0, found number -1$"):
+        poplar_config_from_dict(data["poplar"], base_dir=base_dir, source=source)
+
+
+@pytest.mark.parametrize("zero", [None, [], "2", 3])
+def test_zero_optimization_not_an_object(zero):
+    with pytest.raises(ValueError, match="zero_optimization: expected an object, found "):
+        configured_zero_stage({"zero_optimization": zero})
+
+
+def test_zero_stage_as_a_float_is_refused():
+    with pytest.raises(ValueError, match="zero_optimization.stage: expected an integer from 0 to 3, found number 1.0"):
+        configured_zero_stage({"zero_optimization": {"stage": 1.0}})
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_bytes(b'{"poplar": "' + bytes([0xFF]) + b'"}')
+    with pytest.raises(ValueError, match=re.escape(f"{path}: (file): expected a UTF-8 JSON file (given as config)")):
+        load_deepspeed_config(str(path))

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poplar_ext.data import PlanBatchSampler, SampleStream, rank_offsets
+from poplar_ext.runtime.data import PlanBatchSampler, SampleStream, rank_offsets
 
 allocations = st.lists(
     st.tuples(st.integers(1, 7), st.integers(1, 4)), min_size=1, max_size=5

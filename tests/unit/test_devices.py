@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from poplar_ext.devices import (
+from poplar_ext.hardware.devices import (
     UnknownDeviceWarning,
     hardware_description,
     hardware_device_type,

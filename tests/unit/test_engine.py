@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 
-from poplar_ext.config import poplar_config_from_dict
-from poplar_ext.emulation import ComputeSlowdown
-from poplar_ext.engine import CLIENT_STATE_KEY, PoplarEngine
+from poplar_ext.runtime.config import poplar_config_from_dict
+from poplar_ext.hardware.emulation import ComputeSlowdown
+from poplar_ext.runtime.engine import CLIENT_STATE_KEY, PoplarEngine
 from search.formats import Emulation, plan_from_dict, plan_to_dict
 
 
@@ -116,7 +116,7 @@ def _one_second_of_compute_per_reading(monkeypatch, emulation):
 
 
 def test_emulated_window_sleeps_before_the_gradient_reduction(monkeypatch):
-    from poplar_ext import emulation
+    from poplar_ext.hardware import emulation
 
     _one_second_of_compute_per_reading(monkeypatch, emulation)
     slowdown = ComputeSlowdown(Emulation(slowdown=3.0, memory_capacity_bytes=1))
@@ -130,7 +130,7 @@ def test_emulated_window_sleeps_before_the_gradient_reduction(monkeypatch):
 
 
 def test_ordinary_micro_step_leaves_the_optimizer_step_alone(monkeypatch):
-    from poplar_ext import emulation
+    from poplar_ext.hardware import emulation
 
     _one_second_of_compute_per_reading(monkeypatch, emulation)
     slowdown = ComputeSlowdown(Emulation(slowdown=3.0, memory_capacity_bytes=1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poplar_ext import memory
+from poplar_ext.hardware import memory
 
 CPU = torch.device("cpu")
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from poplar_ext.config import poplar_config_from_dict
-from poplar_ext.planning import resolve_plan
+from poplar_ext.runtime.config import poplar_config_from_dict
+from poplar_ext.runtime.planning import resolve_plan
 from search.formats import load_cluster, save_profile
 from search.synthetic import synthetic_profile
 
@@ -101,7 +101,7 @@ def _measurer(pairs_it_returns, calls):
 
 
 def _for_search(cluster_path, directory, measure, zero_stage=None):
-    from poplar_ext.planning import profiles_for_search
+    from poplar_ext.runtime.planning import profiles_for_search
 
     config = poplar_config_from_dict({"cluster": str(cluster_path), "profiles": str(directory)}, base_dir=cluster_path.parent)
     return profiles_for_search(config, load_cluster(cluster_path), zero_stage=zero_stage, measure_missing=measure)

@@ -146,7 +146,7 @@ def test_infeasible_cases_have_reasons():
 
 def test_unknown_policy_is_a_value_error():
     profiles = {"a": synthetic_profile("a", zero_stage=0, max_micro_batch_size=2, overhead_s=0.1, seconds_per_sample=0.01)}
-    with pytest.raises(ValueError, match=r"policy: expected one of 'poplar', 'uniform', 'proportional', found 'best'"):
+    with pytest.raises(ValueError, match=r"policy: expected one of 'uniform', 'proportional', 'poplar', found 'best'"):
         allocate("best", build_stage_model(profiles, ["a"], 0), 4)
 
 

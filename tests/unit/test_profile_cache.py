@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from poplar_ext.profiler_cache import (
+from poplar_ext.profiler.cache import (
     ProfileKey,
     ds_config_fingerprint,
     find_cached_profile,

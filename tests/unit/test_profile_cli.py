@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from poplar_ext.profile_cli import main, parse_command
+from poplar_ext.profiler.cli import main, parse_command
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from poplar_ext.profiler import training_dtype
-from poplar_ext.profiler_auto import missing_profiles_measurer
-from poplar_ext.profiler_measure import MeasureSettings, default_loss, move_to_device, stage_ds_config
+from poplar_ext.profiler.auto import missing_profiles_measurer
+from poplar_ext.profiler.measure import MeasureSettings, default_loss, move_to_device, stage_ds_config
 
 USER_CONFIG = {
     "train_batch_size": 96,

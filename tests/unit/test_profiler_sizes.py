@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from poplar_ext.profiler_sizes import LargestFitSearch, MemoryFit, dense_sizes, fit_memory
+from poplar_ext.profiler.sizes import LargestFitSearch, MemoryFit, dense_sizes, fit_memory
 
 MB = 10**6
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poplar_ext.weighting import loss_weight, weight_loss
+from poplar_ext.runtime.weighting import loss_weight, weight_loss
 
 
 def test_mean_weight():
@@ -17,7 +17,7 @@ def test_sum_weight():
 
 
 def test_unknown_reduction():
-    with pytest.raises(ValueError, match="loss_reduction: expected 'mean' or 'sum', found 'none'"):
+    with pytest.raises(ValueError, match="loss_reduction: expected one of 'mean', 'sum', found 'none'"):
         loss_weight(world_size=1, micro_batch_size=1, global_batch_size=1, reduction="none")
 
 

@@ -14,8 +14,13 @@ A DeepSpeed JSON config plus a top-level section::
         "seed": 0,                        # data shuffle seed
         "shuffle": true,
         "loss_reduction": "mean",         # how the training loss reduces over a micro-batch
-        "log_interval_steps": 10          # true global batch and samples/s every N steps; 0: never
+        "log_interval_steps": 10,         # true global batch and samples/s every N steps; 0: never
+        "cpu_threads": null,              # CPU only: torch threads for this process; null: unchanged
+        "steady_cpu_allocator": false     # CPU only: glibc keeps freed memory (as the profiler measures)
     }
+
+Every field is documented on `PoplarConfig`. Errors name the file and the field:
+``ds.json: poplar.seed: expected an integer >= 0, found number -1``.
 
 Relative paths are relative to the config file's directory (to the working
 directory when the config is a dict). DeepSpeed ignores unknown top-level keys, so
@@ -25,15 +30,19 @@ the same file also works with plain ``deepspeed.initialize``.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from search.formats import POLICIES, Plan
-from poplar_ext.weighting import REDUCTIONS
+from poplar_ext.runtime.weighting import REDUCTIONS
+from search.errors import FormatError
+from search.formats import POLICIES, ZERO_STAGES, Plan, read_json
+from search.validation import Node
 
 SECTION = "poplar"
+
+DICT_SOURCE = "<DeepSpeed config dict>"
+"""How error messages name a DeepSpeed config given as a dict rather than a file."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,79 +71,81 @@ class PoplarConfig:
     """``mean``: the loss given to backward is a mean over the micro-batch; ``sum``: a sum."""
     log_interval_steps: int = 10
     """Log the true global batch and samples/s every this many optimizer steps (0: never)."""
+    cpu_threads: int | None = None
+    """On CPU, torch intra-op threads for this process (``torch.set_num_threads``); None: leave
+    torch's setting. Emulated device types need 1 (their compute is timed by the thread's CPU time)."""
+    steady_cpu_allocator: bool = False
+    """On CPU, keep glibc's freed memory for reuse (the allocator the profiler times under);
+    process-wide, see `poplar_ext.hardware.memory.steady_cpu_allocator`."""
+    source: str = DICT_SOURCE
+    """The DeepSpeed config file the section came from (not a key of the section: for messages)."""
 
 
-def _fail(key: str, expected: str, found: Any) -> ValueError:
-    return ValueError(f"{SECTION}.{key}: expected {expected}, found {found!r}")
+_KEYS = tuple(f.name for f in fields(PoplarConfig) if f.name != "source")
 
 
-def _optional_int(section: dict, key: str, minimum: int) -> int | None:
-    value = section.get(key)
-    if value is None:
+def _path(node: Node | None, base_dir: Path) -> Path | None:
+    if node is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _fail(key, f"an integer >= {minimum}", value)
-    return value
-
-
-def _path(section: dict, key: str, base_dir: Path) -> Path | None:
-    value = section.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise _fail(key, "a path (a non-empty string)", value)
-    path = Path(value)
+    if not isinstance(node.value, str) or not node.value:
+        raise node.fail("a path (a non-empty string)")
+    path = Path(node.value)
     return path if path.is_absolute() else base_dir / path
 
 
-def poplar_config_from_dict(section: Any, *, base_dir: Path) -> PoplarConfig:
-    """Validate the ``poplar`` section; raises ValueError naming the field."""
+def _optional_int(node: Node | None, minimum: int) -> int | None:
+    return None if node is None else node.integer(minimum=minimum)
+
+
+def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_SOURCE) -> PoplarConfig:
+    """Validate the ``poplar`` section; raises `FormatError` (a ValueError) naming `source` and the field.
+
+    `source` is the DeepSpeed config file the section came from (for messages).
+    """
+    root = Node(section, source, SECTION)
     if not isinstance(section, dict):
-        raise ValueError(f"{SECTION}: expected an object with at least 'cluster' and 'plan' or 'profiles', found {section!r}")
-    known = {f.name for f in fields(PoplarConfig)}
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise _fail(unknown[0], f"one of the keys {sorted(known)}", "an unknown key")
-    cluster = _path(section, "cluster", base_dir)
+        raise root.fail("an object with at least 'cluster' and 'plan' or 'profiles'")
+    root.keys_within(_KEYS)
+    cluster = _path(root.optional("cluster"), base_dir)
     if cluster is None:
-        raise _fail("cluster", "the path of a cluster description", None)
-    plan = _path(section, "plan", base_dir)
-    profiles = _path(section, "profiles", base_dir)
+        raise root.child("cluster").fail("the path of a cluster description")
+    plan = _path(root.optional("plan"), base_dir)
+    profiles = _path(root.optional("profiles"), base_dir)
     if plan is None and profiles is None:
-        raise ValueError(f"{SECTION}: expected 'plan' (a plan file) or 'profiles' (a directory to search a plan from), found neither")
-    policy = section.get("policy", "poplar")
-    if policy not in POLICIES:
-        raise _fail("policy", f"one of {list(POLICIES)}", policy)
-    seed = section.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise _fail("seed", "an integer >= 0", seed)
-    shuffle = section.get("shuffle", True)
-    if not isinstance(shuffle, bool):
-        raise _fail("shuffle", "true or false", shuffle)
-    reduction = section.get("loss_reduction", "mean")
-    if reduction not in REDUCTIONS:
-        raise _fail("loss_reduction", "'mean' or 'sum'", reduction)
-    log_interval = _optional_int(section, "log_interval_steps", 0)
-    zero_stage = section.get("zero_stage")
-    if zero_stage is not None and (type(zero_stage) not in (int, str) or zero_stage not in ("auto", 0, 1, 2, 3)):
-        raise _fail("zero_stage", "'auto' or 0, 1, 2, 3", zero_stage)
+        raise root.fail(
+            "'plan' (a plan file) or 'profiles' (a directory to search a plan from)", raw_found="neither"
+        )
+    policy = root.optional("policy")
+    reduction = root.optional("loss_reduction")
+    seed = root.optional("seed")
+    shuffle = root.optional("shuffle")
+    log_interval = root.optional("log_interval_steps")
+    steady = root.optional("steady_cpu_allocator")
+    zero_stage_node = root.optional("zero_stage")
+    zero_stage = None if zero_stage_node is None else zero_stage_node.value
+    if zero_stage_node is not None and zero_stage != "auto":
+        if type(zero_stage) is not int or zero_stage not in ZERO_STAGES:
+            raise zero_stage_node.fail("'auto' or an integer from 0 to 3")
     return PoplarConfig(
         cluster=cluster,
         plan=plan,
         profiles=profiles,
-        policy=policy,
-        global_batch_size=_optional_int(section, "global_batch_size", 1),
-        max_global_batch_size=_optional_int(section, "max_global_batch_size", 1),
-        seed=seed,
-        shuffle=shuffle,
-        loss_reduction=reduction,
-        log_interval_steps=10 if log_interval is None else log_interval,
+        policy="poplar" if policy is None else policy.string(choices=POLICIES),
+        global_batch_size=_optional_int(root.optional("global_batch_size"), 1),
+        max_global_batch_size=_optional_int(root.optional("max_global_batch_size"), 1),
+        seed=0 if seed is None else seed.integer(minimum=0),
+        shuffle=True if shuffle is None else shuffle.boolean(),
+        loss_reduction="mean" if reduction is None else reduction.string(choices=REDUCTIONS),
+        log_interval_steps=10 if log_interval is None else log_interval.integer(minimum=0),
         zero_stage=zero_stage,
+        cpu_threads=_optional_int(root.optional("cpu_threads"), 1),
+        steady_cpu_allocator=False if steady is None else steady.boolean(),
+        source=source,
     )
 
 
-def load_deepspeed_config(config: Any = None, *, config_params: Any = None, args: Any = None) -> tuple[dict, Path]:
-    """The DeepSpeed config as a dict, and the directory relative paths start from.
+def load_deepspeed_config(config: Any = None, *, config_params: Any = None, args: Any = None) -> tuple[dict, Path, str]:
+    """The DeepSpeed config as a dict, the directory relative paths start from, and its name for messages.
 
     Accepts what ``deepspeed.initialize`` accepts: `config` (dict or path),
     `config_params` (its older name) or ``args.deepspeed_config`` (a path).
@@ -153,27 +164,25 @@ def load_deepspeed_config(config: Any = None, *, config_params: Any = None, args
         )
     name, value = given[0]
     if isinstance(value, dict):
-        return copy.deepcopy(value), Path.cwd()
+        return copy.deepcopy(value), Path.cwd(), DICT_SOURCE
     if not isinstance(value, (str, Path)):
         raise ValueError(f"{name}: expected a dict or the path of a JSON file, found {type(value).__name__}")
     path = Path(value)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{name}: expected a readable JSON file, found {path} ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{name}: expected a JSON object in {path}, found {type(data).__name__}")
-    return data, path.resolve().parent
+        data = read_json(path)
+    except FormatError as exc:
+        raise FormatError(exc.source, exc.field, f"{exc.expected} (given as {name})", exc.found) from exc
+    Node(data, str(path)).obj()
+    return data, path.resolve().parent, str(path)
 
 
-def configured_zero_stage(ds_config: dict) -> int | None:
+def configured_zero_stage(ds_config: dict, *, source: str = DICT_SOURCE) -> int | None:
     """The ZeRO stage the DeepSpeed config sets explicitly, or None (the plan decides)."""
-    stage = ds_config.get("zero_optimization", {}).get("stage")
-    if stage is None:
+    root = Node(ds_config, source)
+    if "zero_optimization" not in ds_config:
         return None
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_optimization.stage: expected 0, 1, 2 or 3, found {stage!r}")
-    return stage
+    stage = root.field("zero_optimization").obj().optional("stage")
+    return None if stage is None else stage.integer(minimum=0, maximum=3)
 
 
 def requested_zero_stage(poplar_config: PoplarConfig, ds_config: dict) -> int | None:
@@ -183,19 +192,21 @@ def requested_zero_stage(poplar_config: PoplarConfig, ds_config: dict) -> int | 
     absent (the search may pick any stage), and a number must agree with it.
     Without ``poplar.zero_stage``, zero_optimization.stage decides; absent too: auto.
     """
-    configured = configured_zero_stage(ds_config)
+    configured = configured_zero_stage(ds_config, source=poplar_config.source)
     requested = poplar_config.zero_stage
     if requested is None:
         return configured
     if configured is not None and requested != configured:
-        raise ValueError(
-            f"{SECTION}.zero_stage: expected {configured} (as zero_optimization.stage) or no zero_optimization.stage, "
-            f"found {requested!r} beside zero_optimization.stage {configured}"
+        raise FormatError(
+            poplar_config.source,
+            f"{SECTION}.zero_stage",
+            f"{configured} (as zero_optimization.stage) or no zero_optimization.stage",
+            f"{requested!r} beside zero_optimization.stage {configured}",
         )
     return None if requested == "auto" else requested
 
 
-def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int) -> dict:
+def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: str = DICT_SOURCE) -> dict:
     """The config DeepSpeed gets on `rank`: valid on its own, with this rank's batch values.
 
     DeepSpeed only checks ``train_batch_size == micro * accumulation * W`` locally, so
@@ -205,8 +216,8 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int) -> dict:
     """
     given = ds_config.get("train_batch_size")
     if given is not None and given != plan.global_batch_size:
-        raise ValueError(
-            f"train_batch_size: expected the plan's global batch ({plan.global_batch_size}) or no value, found {given!r}"
+        raise FormatError(
+            source, "train_batch_size", f"the plan's global batch ({plan.global_batch_size}) or no value", repr(given)
         )
     rank_plan = plan.ranks[rank]
     nominal = copy.deepcopy(ds_config)
@@ -218,6 +229,7 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int) -> dict:
 
 
 __all__ = [
+    "DICT_SOURCE",
     "PoplarConfig",
     "SECTION",
     "configured_zero_stage",

@@ -18,7 +18,8 @@ import torch
 from search.formats import Cluster, Profile
 
 MeasureMissing = Callable[[list[tuple[str, int]], Cluster], list[Profile]]
-"""``measure(missing, cluster) -> profiles``: the (device type, stage) pairs measured."""
+"""``measure(missing, cluster) -> profiles``: the (device type, stage) pairs measured; collective
+(every rank calls it alike). `poplar_ext.runtime.planning` calls one when profiles are missing."""
 
 
 def _optimizer_factory(optimizer: Any, ds_config: Mapping[str, Any]) -> Callable[[list], Any] | None:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from poplar_ext.profiler.auto import MeasureMissing
+from poplar_ext.runtime.config import PoplarConfig
 from search.errors import FormatError
-from search.formats import Cluster, Plan, Profile, load_plan, load_profiles, plan_from_dict, plan_to_dict
-from poplar_ext.config import PoplarConfig
-
-ALL_STAGES = (0, 1, 2, 3)
+from search.formats import ZERO_STAGES, Cluster, Plan, Profile, load_plan, load_profiles, plan_from_dict, plan_to_dict
 
 
 def runtime_plan_problems(plan: Plan, cluster: Cluster, *, world_size: int, zero_stage: int | None) -> list[str]:
@@ -60,10 +59,6 @@ def check_plan_for_job(
         raise ValueError(f"{source}: this plan cannot run: " + " ".join(problems))
 
 
-MeasureMissing = Callable[[list[tuple[str, int]], Cluster], list[Profile]]
-"""``measure(missing, cluster) -> profiles`` (see `poplar_ext.profiler_auto`); collective."""
-
-
 def obtain_missing_profiles(
     missing: list[tuple[str, int]],
     *,
@@ -88,7 +83,7 @@ def obtain_missing_profiles(
     raise ValueError(
         f"poplar.profiles: no plan was given and {poplar_config.profiles} lacks profiles for these device types "
         f"and ZeRO stages ({lacking}). Measure them with poplar-profile under your training launcher: "
-        f"deepspeed --num_gpus N --module poplar_ext.profile_cli --deepspeed_config DS.json --cluster {poplar_config.cluster} "
+        f"deepspeed --num_gpus N --module poplar_ext.profiler --deepspeed_config DS.json --cluster {poplar_config.cluster} "
         f"--model MODULE:FACTORY --batch MODULE:FACTORY --zero-stages {stages} --output-dir {poplar_config.profiles}; "
         "or give poplar.plan; or pass training_data to poplar_ext.initialize to measure them automatically."
     )
@@ -121,7 +116,7 @@ def profiles_for_search(
     `obtain_missing_profiles`."""
     profiles = _available_profiles(poplar_config, model_fingerprint)
     types = list(cluster.type_counts())
-    stages = ALL_STAGES if zero_stage is None else (zero_stage,)
+    stages = ZERO_STAGES if zero_stage is None else (zero_stage,)
 
     def missing_pairs() -> list[tuple[str, int]]:
         have = {(p.device_type, p.zero_stage) for p in profiles}

@@ -1,6 +1,6 @@
-"""Which device type every rank of the job has, agreed collectively, and two small collectives.
+"""Which device type every rank of the job has, agreed collectively.
 
-Every rank reads its own device (`poplar_ext.devices`), all ranks exchange what they
+Every rank reads its own device (`poplar_ext.hardware.devices`), all ranks exchange what they
 found, and each builds the same `JobLayout`; an error found on any rank is raised on
 every rank, so none is left waiting in a collective.
 """
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from poplar_ext.devices import hardware_description, rank_device_type
-from poplar_ext.memory import device_memory_capacity_bytes
+from poplar_ext.collectives import gather_objects, process_group_rank
+from poplar_ext.hardware.devices import hardware_description, rank_device_type
+from poplar_ext.hardware.memory import device_memory_capacity_bytes
 from search.formats import Cluster, Emulation
 
 
@@ -50,27 +50,9 @@ class JobLayout:
         return tuple(r for r, t in enumerate(self.rank_types) if t == device_type)
 
 
-def gather_objects(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order, on every rank."""
-    if dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def agree_max(values: list[float], device: torch.device) -> list[float]:
-    """The element-wise maximum of `values` over all ranks (collective)."""
-    # NCCL reduces CUDA tensors only; gloo reduces CPU tensors.
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    tensor = torch.tensor(values, dtype=torch.float64, device=on)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
-
-
 def build_layout(cluster: Cluster, device: torch.device, *, local_world_size: int) -> JobLayout:
     """Agree on every rank's device type (collective). Raises the same ValueError on every rank."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = process_group_rank()
     if cluster.world_size != world_size:
         # Every rank reads the same cluster file: all raise here, before any collective.
         raise ValueError(
@@ -116,4 +98,4 @@ def build_layout(cluster: Cluster, device: torch.device, *, local_world_size: in
     )
 
 
-__all__ = ["JobLayout", "agree_max", "build_layout", "gather_objects"]
+__all__ = ["JobLayout", "build_layout"]

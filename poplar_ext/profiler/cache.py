@@ -52,9 +52,9 @@ class ProfileKey:
     """Everything that must match for a stored profile to stand for a new measurement."""
 
     model_fingerprint: str
-    """`poplar_ext.fingerprint.model_fingerprint` of the model."""
+    """`poplar_ext.profiler.fingerprint.model_fingerprint` of the model."""
     device_type: str
-    """Device type as normalised (`poplar_ext.devices`) or as declared emulated."""
+    """Device type as normalised (`poplar_ext.hardware.devices`) or as declared emulated."""
     emulation: Emulation | None
     """The emulation of an emulated type; another slowdown or capacity is another device."""
     zero_stage: int

@@ -1,9 +1,9 @@
 """`profile_model`: measure every device type of the job at every requested ZeRO stage.
 
 Run by every rank of the job (deepspeed launcher, torchrun), like training. For each
-stage it reuses the cached profiles whose keys match (`poplar_ext.profiler_cache`)
+stage it reuses the cached profiles whose keys match (`poplar_ext.profiler.cache`)
 and measures the others inside one DeepSpeed engine per stage
-(`poplar_ext.profiler_measure`). Rank 0 alone reads and writes the cache directory
+(`poplar_ext.profiler.measure`). Rank 0 alone reads and writes the cache directory
 (atomically) and sends the profiles to the others, so every rank returns the same list.
 """
 
@@ -13,20 +13,22 @@ import os
 import platform
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 
-from poplar_ext.emulation import device_label, limit_cpu_threads
-from poplar_ext.fingerprint import model_fingerprint
-from poplar_ext.memory import steady_cpu_allocator
-from poplar_ext.profiler_cache import ProfileKey, ds_config_fingerprint, find_cached_profile, store_profile
-from poplar_ext.profiler_layout import JobLayout, build_layout
-from poplar_ext.profiler_measure import (
+from poplar_ext.collectives import broadcast_from_rank0, ensure_process_group, local_world_size
+from poplar_ext.hardware.cpu_process import cpu_threads
+from poplar_ext.hardware.emulation import device_label
+from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocator
+from poplar_ext.profiler.cache import ProfileKey, ds_config_fingerprint, find_cached_profile, store_profile
+from poplar_ext.profiler.fingerprint import model_fingerprint
+from poplar_ext.profiler.layout import JobLayout, build_layout
+from poplar_ext.profiler.measure import (
     LossFn,
     MeasureSettings,
     StageMeasurement,
@@ -105,13 +107,6 @@ class _ProgressReporter:
         self.say(f"ZeRO-{event.zero_stage} {event.phase}: {sizes}; about {left_s:.0f} s left")
 
 
-def _local_world_size() -> int:
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        if os.environ.get(name):
-            return int(os.environ[name])
-    return 1
-
-
 def _job_device() -> torch.device:
     """This rank's device, made current (DeepSpeed does it only when the first engine is built,
     and collectives before that, such as NCCL's all_gather_object, use the current device)."""
@@ -133,14 +128,6 @@ def _validate(zero_stages: Iterable[int], cache_dir: str | os.PathLike[str]) -> 
     if Path(cache_dir).exists() and not Path(cache_dir).is_dir():
         raise ValueError(f"cache_dir: expected a directory, found the file {cache_dir}")
     return tuple(sorted(stages))
-
-
-def _broadcast(obj: Any) -> Any:
-    if dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def profile_model(
@@ -189,8 +176,9 @@ def profile_model(
     sequence_length: tokens per sample, part of the cache key (None: not a sequence model).
     micro_batch_size_limit: the probe never tries a larger micro-batch.
 
-    On CPU it sets, process-wide, one torch thread (`emulation.limit_cpu_threads`)
-    and glibc's allocator thresholds (`memory.steady_cpu_allocator`).
+    On CPU it measures with one torch thread and glibc's steady allocator
+    (`poplar_ext.hardware.cpu_process`), and on return gives the previous thread
+    count back and leaves glibc's default thresholds (`memory.default_cpu_allocator`).
     """
     stages = _validate(zero_stages, cache_dir)
     settings = MeasureSettings(
@@ -208,15 +196,51 @@ def profile_model(
     cache_dir = Path(cache_dir)
     loss_fn = loss_fn or default_loss
 
+    ensure_process_group()
+    device = _job_device()
+    with _measuring_process(device):
+        return _profile(
+            model_factory=model_factory, make_batch=make_batch, ds_config=ds_config, cluster=cluster,
+            stages=stages, settings=settings, cache_dir=cache_dir, force=force, progress=progress,
+            loss_fn=loss_fn, optimizer_factory=optimizer_factory, model_name=model_name,
+            sequence_length=sequence_length, device=device,
+        )
+
+
+@contextmanager
+def _measuring_process(device: torch.device) -> Iterator[None]:
+    """On CPU: one torch thread and the steady allocator while measuring (see `profile_model`)."""
+    if device.type != "cpu":
+        yield
+        return
+    with cpu_threads(1):
+        steady_cpu_allocator()
+        try:
+            yield
+        finally:
+            default_cpu_allocator()
+
+
+def _profile(
+    *,
+    model_factory: Callable[[], torch.nn.Module],
+    make_batch: Callable[[int], Any],
+    ds_config: Mapping[str, Any],
+    cluster: Cluster,
+    stages: tuple[int, ...],
+    settings: MeasureSettings,
+    cache_dir: Path,
+    force: bool,
+    progress: Progress | None,
+    loss_fn: LossFn,
+    optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None,
+    model_name: str | None,
+    sequence_length: int | None,
+    device: torch.device,
+) -> list[Profile]:
     import deepspeed
 
-    if not dist.is_initialized():
-        deepspeed.init_distributed()
-    device = _job_device()
-    if device.type == "cpu":
-        limit_cpu_threads()
-        steady_cpu_allocator()
-    layout = build_layout(cluster, device, local_world_size=_local_world_size())
+    layout = build_layout(cluster, device, local_world_size=local_world_size())
 
     first_model: list[torch.nn.Module] = [model_factory()]
     fingerprint = model_fingerprint(first_model[0])
@@ -251,7 +275,7 @@ def profile_model(
                 found = find_cached_profile(cache_dir, key(t, stage))
                 if found is not None:
                     cached[(t, stage)] = profile_to_dict(found)
-    cached = _broadcast(cached)
+    cached = broadcast_from_rank0(cached)
 
     def build_engine(stage: int) -> Any:
         model = first_model.pop() if first_model else model_factory()
@@ -313,7 +337,7 @@ def profile_model(
                     f"{len(profile.samples)} sizes, {stage_seconds:.1f} s -> {path}"
                 )
             produced[(t, stage)] = profile_to_dict(profile)
-    produced = _broadcast(produced if layout.rank == 0 else None)
+    produced = broadcast_from_rank0(produced if layout.rank == 0 else None)
     return [
         profile_from_dict(produced[(t, s)], source=f"<profile {t} ZeRO-{s}>")
         for s in stages

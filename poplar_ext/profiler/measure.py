@@ -15,7 +15,7 @@ here; gloo's blocking waits use none, and its own threads' work is communication
 other device types run micro-batch 1, and only one type is measured at a time at
 ZeRO-2/3, where micro-steps communicate. An emulated type's time is its compute
 time times its slowdown: the time its emulated rank spends in training
-(`poplar_ext.emulation.ComputeSlowdown`), without sleeping here for it.
+(`poplar_ext.hardware.emulation.ComputeSlowdown`), without sleeping here for it.
 """
 
 from __future__ import annotations
@@ -28,19 +28,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
-import torch.distributed as dist
 
-from poplar_ext.emulation import EmulatedOutOfMemoryError, check_emulated_memory
-from poplar_ext.memory import MeasuredPeak, is_out_of_memory, release_memory
-from poplar_ext.profiler_layout import JobLayout, agree_max, gather_objects
-from poplar_ext.profiler_sizes import LargestFitSearch, dense_sizes
+from poplar_ext.collectives import agree_max, barrier, gather_objects
+from poplar_ext.hardware.emulation import EmulatedOutOfMemoryError, check_emulated_memory
+from poplar_ext.hardware.memory import MeasuredPeak, is_out_of_memory, release_memory
+from poplar_ext.profiler.layout import JobLayout
+from poplar_ext.profiler.sizes import LargestFitSearch, dense_sizes
 from search.formats import Sample
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(engine, batch) -> loss``: one forward through the engine, a scalar loss."""
 
 # Outcome of one trial on one rank; agreement takes the maximum over ranks.
-_OK, _EMULATED_OOM, _REAL_OOM, _ERROR = 0, 1, 2, 3
+_OK, _EMULATED_OOM, _REAL_OOM, _ERROR = range(4)
 
 # Large enough that the engine never reaches an accumulation boundary on its own:
 # the profiler places every boundary itself with set_gradient_accumulation_boundary.
@@ -412,7 +412,7 @@ class StageMeasurement:
         slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
 
         def timed(block: Callable[[], None]) -> tuple[float, float]:
-            dist.barrier()
+            barrier()
             wall, cpu = time.perf_counter(), time.thread_time()
             block()
             if device.type == "cuda":

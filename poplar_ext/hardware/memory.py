@@ -59,7 +59,7 @@ _MMAP_THRESHOLD_MAX_BYTES = 32 * 2**20  # glibc refuses larger values on 64-bit
 _TRIM_THRESHOLD_BYTES = 2**30
 
 
-_TRACKING_THRESHOLD_BYTES = 128 * 2**10  # glibc's own default, but fixed
+_DEFAULT_THRESHOLD_BYTES = 128 * 2**10  # glibc's default for both
 
 
 def _mallopt(mmap_threshold_bytes: int, trim_threshold_bytes: int) -> bool:
@@ -85,11 +85,16 @@ def steady_cpu_allocator() -> bool:
     return _mallopt(_MMAP_THRESHOLD_MAX_BYTES, _TRIM_THRESHOLD_BYTES)
 
 
-def _tracking_cpu_allocator() -> bool:
-    # Every block above 128 KiB its own mapping, unmapped when freed, and the heap
-    # trimmed: resident memory then follows live memory, so the high-water mark is
-    # the live peak (reused holes of a fragmented heap would add megabytes of noise).
-    return _mallopt(_TRACKING_THRESHOLD_BYTES, _TRACKING_THRESHOLD_BYTES)
+def default_cpu_allocator() -> bool:
+    """glibc's default thresholds (128 KiB), fixed: what `steady_cpu_allocator` undoes.
+
+    Every block above 128 KiB gets its own mapping, unmapped when freed, and the heap
+    is trimmed: resident memory then follows live memory, so a high-water mark is the
+    live peak (reused holes of a fragmented heap would add megabytes of noise).
+    Setting the values fixes them, which turns off glibc's dynamic mmap threshold.
+    Process-wide; returns False where the C library has no ``mallopt`` (not glibc).
+    """
+    return _mallopt(_DEFAULT_THRESHOLD_BYTES, _DEFAULT_THRESHOLD_BYTES)
 
 
 class MeasuredPeak:
@@ -107,7 +112,7 @@ class MeasuredPeak:
 
     def __enter__(self) -> "MeasuredPeak":
         if self.device.type == "cpu":
-            _tracking_cpu_allocator()
+            default_cpu_allocator()
         reset_peak_memory(self.device)
         return self
 
@@ -184,6 +189,7 @@ def release_memory(device: torch.device) -> None:
 __all__ = [
     "MeasuredPeak",
     "cpu_peak_supported",
+    "default_cpu_allocator",
     "device_memory_capacity_bytes",
     "is_out_of_memory",
     "peak_memory_bytes",

@@ -14,7 +14,7 @@ Remainder rule: nothing is dropped or padded. When ``num_samples`` is not a mult
 of B, the iteration that reaches the end of an epoch takes its remaining positions
 from the start of the next epoch's permutation. So every sample is used exactly once
 per pass over the data (per epoch of the stream), whatever the allocation, and every
-micro-batch is full, which the loss weighting (`poplar_ext.weighting`) relies on.
+micro-batch is full, which the loss weighting (`poplar_ext.runtime.weighting`) relies on.
 
 The position (samples consumed, a multiple of B) is all a resume needs: the engine
 stores it in the checkpoint and restarts the sampler there.

@@ -107,7 +107,7 @@ def normalize_device_name(reported_name: str, *, total_memory_bytes: int) -> str
     fallback = fallback_device_type(reported_name, total_memory_bytes)
     warnings.warn(
         f"unknown device {reported_name!r} ({memory_gib:.1f} GiB): using the device type {fallback!r}; "
-        "add a row to poplar_ext.devices.DEVICE_NAME_TABLE to name it like the others",
+        "add a row to poplar_ext.hardware.devices.DEVICE_NAME_TABLE to name it like the others",
         UnknownDeviceWarning,
         stacklevel=2,
     )

@@ -17,16 +17,16 @@ clipping (clipping acts on the already exact global gradient).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 Reduction = Literal["mean", "sum"]
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS: tuple[Reduction, ...] = get_args(Reduction)
 
 
 def loss_weight(*, world_size: int, micro_batch_size: int, global_batch_size: int, reduction: Reduction = "mean") -> float:
     """The factor for a rank's micro-batch loss: ``W * b_r / B`` (mean) or ``W / B`` (sum)."""
     if reduction not in REDUCTIONS:
-        raise ValueError(f"loss_reduction: expected 'mean' or 'sum', found {reduction!r}")
+        raise ValueError(f"loss_reduction: expected one of {', '.join(map(repr, REDUCTIONS))}, found {reduction!r}")
     assert world_size >= 1 and micro_batch_size >= 1 and global_batch_size >= micro_batch_size
     if reduction == "mean":
         return world_size * micro_batch_size / global_batch_size

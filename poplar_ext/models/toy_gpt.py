@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from poplar_ext.runtime.weighting import REDUCTIONS
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -92,11 +94,9 @@ class GPT(nn.Module):
         # loss weighting in poplar_ext assumes a loss that is a mean over samples.
         per_token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
         per_sample = per_token.view(targets.shape).mean(dim=1)
-        if reduction == "mean":
-            return per_sample.mean()
-        if reduction == "sum":
-            return per_sample.sum()
-        raise ValueError(f"reduction: expected 'mean' or 'sum', found {reduction!r}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction: expected one of {', '.join(map(repr, REDUCTIONS))}, found {reduction!r}")
+        return per_sample.mean() if reduction == "mean" else per_sample.sum()
 
 
 def num_parameters(model: nn.Module) -> int:

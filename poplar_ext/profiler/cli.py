@@ -3,17 +3,17 @@
 Run it under the launcher that runs training, so that every rank measures its own
 device::
 
-    deepspeed --num_gpus 8 --module poplar_ext.profile_cli --deepspeed_config ds.json \\
+    deepspeed --num_gpus 8 --module poplar_ext.profiler --deepspeed_config ds.json \\
         --cluster cluster.json --model mymodels:build_model --batch mymodels:make_batch
 
 or with the built-in toy GPT (no downloads)::
 
-    deepspeed --num_gpus 1 --module poplar_ext.profile_cli --deepspeed_config ds.json \\
+    deepspeed --num_gpus 1 --module poplar_ext.profiler --deepspeed_config ds.json \\
         --cluster cluster.json --model toy-gpt --layers 12 --hidden-size 768 --heads 12
 
 (``--module`` runs it as ``python -m``: ``$(which poplar-profile)`` also works where
 that path is the real script, not a pyenv or conda shim the launcher cannot run;
-with torchrun: ``torchrun --nproc_per_node 8 -m poplar_ext.profile_cli ...``.)
+with torchrun: ``torchrun --nproc_per_node 8 -m poplar_ext.profiler ...``.)
 
 Thin: parsing and input checks here, the work in `poplar_ext.profiler.profile_model`.
 """
@@ -55,9 +55,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
             "training; profiles already in --output-dir with the same keys are reused."
         ),
         epilog=(
-            "Example: deepspeed --num_gpus 2 --module poplar_ext.profile_cli --deepspeed_config ds.json "
+            "Example: deepspeed --num_gpus 2 --module poplar_ext.profiler --deepspeed_config ds.json "
             "--cluster cluster.json --model toy-gpt --zero-stages 0,2 "
-            "(torchrun: torchrun --nproc_per_node 2 -m poplar_ext.profile_cli ...)"
+            "(torchrun: torchrun --nproc_per_node 2 -m poplar_ext.profiler ...)"
         ),
     )
     parser.add_argument(
@@ -158,7 +158,7 @@ class ProfileCommand:
 
 
 def _builtin_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int], Any], str, int]:
-    from poplar_ext.toy_gpt import GPT, GPTConfig
+    from poplar_ext.models.toy_gpt import GPT, GPTConfig
 
     if args.model == "gpt2-small":
         cfg = GPTConfig.gpt2_small(sequence_length=args.sequence_length or 512)
@@ -249,7 +249,15 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
 
 def run(command: ProfileCommand) -> list[Any]:
     """Profile as `command` says (collective: every rank runs it); returns the profiles."""
+    from deepspeed.accelerator import get_accelerator
+
+    from poplar_ext.hardware.cpu_process import skip_deepspeed_shm_op
     from poplar_ext.profiler import log_progress, profile_model
+
+    if get_accelerator().device_name() == "cpu":
+        # This command owns its process: spare it DeepSpeed's compile of an op that
+        # only inference uses (see poplar_ext.hardware.cpu_process).
+        skip_deepspeed_shm_op()
 
     return profile_model(
         model_factory=command.model_factory,

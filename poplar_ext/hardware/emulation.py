@@ -61,18 +61,6 @@ def device_label(device_type: str, emulation: Emulation | None) -> str:
     return f"{device_type} (emulated: {emulation.slowdown:g}x slower, {memory_gb:.1f} GB)"
 
 
-def limit_cpu_threads() -> None:
-    """Give this process one intra-op thread; call once per rank when training on CPU.
-
-    With one thread, the process CPU time of a block equals its compute time (a
-    multi-threaded op would add the time of every thread and overstate it), and ranks
-    sharing a few cores do not fight over them, so per-rank timings stay comparable.
-    """
-    import torch
-
-    torch.set_num_threads(1)
-
-
 def check_emulated_memory(emulation: Emulation | None, peak_memory_bytes: int, *, device_type: str = "") -> None:
     """Raise `EmulatedOutOfMemoryError` when `peak_memory_bytes` exceeds the emulated capacity.
 
@@ -157,5 +145,4 @@ __all__ = [
     "check_emulated_memory",
     "device_label",
     "emulation_for_rank",
-    "limit_cpu_threads",
 ]

@@ -1,7 +1,10 @@
 """Small typed accessors over parsed JSON that report errors with a field path.
 
-Kept apart from `formats` so that the schema code reads as a list of fields, not as
-isinstance checks. Every failure is a `FormatError` naming the source and the path.
+The one validation style of the project: the file formats (`search.formats`) and the
+``poplar`` section of a DeepSpeed config (`poplar_ext.runtime.config`) read their
+fields through `Node`, so that every failure is a `FormatError` of one shape,
+``FILE: field.path: expected X, found Y``. Kept apart from the schemas so that they
+read as lists of fields, not as isinstance checks.
 """
 
 from __future__ import annotations
@@ -65,6 +68,11 @@ class Node:
             raise FormatError(self.source, self._child_path(key), "a value", describe(_MISSING))
         return Node(self.value[key], self.source, self._child_path(key))
 
+    def child(self, key: str) -> "Node":
+        """The child `key` whether or not it is there, to report on (a missing one says so)."""
+        self.obj()
+        return Node(self.value.get(key, _MISSING), self.source, self._child_path(key))
+
     def optional(self, key: str) -> "Node | None":
         """The child `key`, or None when it is absent or null."""
         self.obj()
@@ -78,6 +86,16 @@ class Node:
         if len(self.value) < min_length:
             raise self.fail(f"a list of at least {min_length} item(s)")
         return [Node(v, self.source, self._child_path(i)) for i, v in enumerate(self.value)]
+
+    def keys_within(self, known: tuple[str, ...] | list[str]) -> "Node":
+        """This object, checked to hold no key outside `known`."""
+        self.obj()
+        unknown = sorted(set(self.value) - set(known))
+        if unknown:
+            raise FormatError(
+                self.source, self._child_path(unknown[0]), f"one of the keys {sorted(known)}", "an unknown key"
+            )
+        return self
 
     def entries(self) -> list[tuple[str, "Node"]]:
         self.obj()
@@ -103,6 +121,11 @@ class Node:
         if minimum is not None and v < minimum:
             raise self.fail(what)
         return float(v)
+
+    def boolean(self) -> bool:
+        if not isinstance(self.value, bool):
+            raise self.fail("true or false")
+        return self.value
 
     def string(self, *, choices: tuple[str, ...] | None = None) -> str:
         v = self.value

@@ -1,0 +1,7 @@
+"""``python -m poplar_ext.profiler`` (and ``deepspeed --module poplar_ext.profiler``): `poplar-profile`."""
+
+import sys
+
+from poplar_ext.profiler.cli import main
+
+sys.exit(main())

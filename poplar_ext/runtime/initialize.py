@@ -1,0 +1,192 @@
+"""`poplar_ext.initialize`: DeepSpeed's initialize, with a plan's per-rank batches.
+
+What a user changes in an ordinary DeepSpeed script: ``deepspeed.initialize`` becomes
+``poplar_ext.initialize`` (same arguments, same four return values) and the DeepSpeed
+config gets a top-level ``poplar`` section (see `poplar_ext.runtime.config`). The loop stays
+``loss = engine(batch); engine.backward(loss); engine.step()``.
+
+What happens underneath, on every rank:
+
+1. The plan is resolved and checked before any collective (`poplar_ext.runtime.planning`).
+2. DeepSpeed gets a valid nominal config with this rank's micro-batch size b_r and
+   accumulation count s_r (``train_batch_size = b_r * s_r * W``); DeepSpeed never
+   compares configs across ranks.
+3. The returned engine is a `PoplarEngine` (`poplar_ext.runtime.engine`) over the real
+   ``DeepSpeedEngine``.
+4. The training dataloader (when ``training_data`` is given) yields this rank's
+   micro-batches from the shared data stream (`poplar_ext.runtime.data`).
+
+Process-wide state is left alone unless the ``poplar`` section asks
+(``cpu_threads``, ``steady_cpu_allocator``): what is applied is logged. Logs go to the
+``poplar_ext`` logger, which has no handler of its own; configure logging (e.g.
+``logging.basicConfig(level=logging.INFO)``) to see them.
+
+An emulated memory capacity is not measured during training (a peak check on one rank
+would need all ranks to agree before any could stop): it is enforced through the plan,
+whose micro-batches `search.check_plan` holds to the profiles' largest, and the
+profiler measured those against the emulated capacity.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+
+from poplar_ext.collectives import broadcast_from_rank0, rank_info_from_env
+from poplar_ext.hardware.cpu_process import limit_cpu_threads
+from poplar_ext.hardware.emulation import ComputeSlowdown, device_label, emulation_for_rank
+from poplar_ext.hardware.memory import steady_cpu_allocator
+from poplar_ext.runtime.config import (
+    SECTION,
+    PoplarConfig,
+    load_deepspeed_config,
+    nominal_deepspeed_config,
+    poplar_config_from_dict,
+    requested_zero_stage,
+)
+from poplar_ext.runtime.engine import PoplarEngine
+from poplar_ext.runtime.planning import resolve_plan
+from search.formats import load_cluster
+
+logger = logging.getLogger(__name__)
+
+
+def _on_cpu() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
+def _apply_cpu_process_settings(poplar_config: PoplarConfig, *, on_cpu: bool, emulated: bool, rank: int) -> None:
+    """What ``poplar.cpu_threads`` and ``poplar.steady_cpu_allocator`` ask for, logged; nothing else."""
+    if poplar_config.cpu_threads is not None:
+        previous = limit_cpu_threads(poplar_config.cpu_threads)
+        logger.info("poplar.cpu_threads: torch intra-op threads set to %d (were %d)", poplar_config.cpu_threads, previous)
+    if poplar_config.steady_cpu_allocator and on_cpu:
+        if steady_cpu_allocator():
+            logger.info("poplar.steady_cpu_allocator: glibc now keeps freed memory for reuse (process-wide)")
+        else:
+            logger.warning("poplar.steady_cpu_allocator: this C library has no mallopt (not glibc); allocator unchanged")
+    if emulated and on_cpu and torch.get_num_threads() > 1:
+        logger.warning(
+            "rank %d emulates its device type with %d torch threads, but emulation times compute by this thread's "
+            "CPU time and misses the others: set poplar.cpu_threads to 1",
+            rank, torch.get_num_threads(),
+        )
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: dict | str | None = None,
+    mesh_param: Any = None,
+    config_params: dict | str | None = None,
+) -> tuple[PoplarEngine, Any, torch.utils.data.DataLoader | None, Any]:
+    """``deepspeed.initialize`` with the plan of the config's ``poplar`` section.
+
+    Same arguments and return values: ``(engine, optimizer, training_dataloader,
+    lr_scheduler)``. The engine is a `PoplarEngine`; the dataloader (None without
+    `training_data`) yields this rank's micro-batches. Raises ValueError, on every
+    rank alike and before any collective, for a bad config or a plan that cannot run.
+    """
+    import deepspeed
+
+    ds_config, base_dir, source = load_deepspeed_config(config, config_params=config_params, args=args)
+    if SECTION not in ds_config:
+        raise ValueError(
+            f"DeepSpeed config: expected a top-level '{SECTION}' section (with 'cluster' and 'plan' or 'profiles'), "
+            f"found none in {source}; use deepspeed.initialize for a run without one"
+        )
+    poplar_config = poplar_config_from_dict(ds_config[SECTION], base_dir=base_dir, source=source)
+    info = rank_info_from_env()
+    cluster = load_cluster(poplar_config.cluster)
+    model_fingerprint = None
+    if poplar_config.profiles is not None and model is not None:
+        from poplar_ext.profiler.fingerprint import model_fingerprint as fingerprint_of
+
+        model_fingerprint = fingerprint_of(model)
+    measure_missing = None
+    if model is not None and training_data is not None and poplar_config.plan is None:
+        # Fully automatic mode: missing profiles are measured with this model and data.
+        from poplar_ext.profiler.auto import missing_profiles_measurer
+
+        measure_missing = missing_profiles_measurer(
+            model=model, training_data=training_data, collate_fn=collate_fn, optimizer=optimizer,
+            ds_config=ds_config, profiles_dir=poplar_config.profiles,
+            micro_batch_size_limit=poplar_config.global_batch_size or ds_config.get("train_batch_size")
+            or poplar_config.max_global_batch_size,
+        )
+    plan = resolve_plan(
+        poplar_config,
+        cluster,
+        world_size=info.world_size,
+        rank=info.rank,
+        zero_stage=requested_zero_stage(poplar_config, ds_config),
+        global_batch_size=ds_config.get("train_batch_size"),
+        model_fingerprint=model_fingerprint,
+        broadcast=broadcast_from_rank0,
+        measure_missing=measure_missing,
+    )
+    nominal = nominal_deepspeed_config(ds_config, plan, info.rank, source=source)
+    emulation = emulation_for_rank(cluster, info.rank)
+    on_cpu = _on_cpu()
+    _apply_cpu_process_settings(poplar_config, on_cpu=on_cpu, emulated=emulation is not None, rank=info.rank)
+    labels = tuple(device_label(t, cluster.emulation_of(t)) for t in cluster.rank_device_types)
+    label = labels[info.rank]
+    rank_plan = plan.ranks[info.rank]
+    logger.info(
+        "rank %d: %s, micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
+        info.rank, label, rank_plan.micro_batch_size, rank_plan.gradient_accumulation_steps,
+        plan.global_batch_size, plan.zero_stage,
+    )
+    # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
+    ds_args = None
+    if args is not None:
+        ds_args = copy.copy(args)
+        if hasattr(ds_args, "deepspeed_config"):
+            ds_args.deepspeed_config = None
+    extra = {} if distributed_port is None else {"distributed_port": distributed_port}
+    engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+        args=ds_args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        dist_init_required=dist_init_required,
+        config=nominal,
+        mesh_param=mesh_param,
+        **extra,
+    )
+    # DeepSpeed's own bookkeeping (samples/s lines, global_samples for monitors and
+    # checkpoints) reads the batch size it was given: make it the true one. Its batch
+    # checks ran during initialize; nothing after them compares it with the per-rank values.
+    engine._config.train_batch_size = plan.global_batch_size
+    if hasattr(engine, "tput_timer"):
+        engine.tput_timer.batch_size = plan.global_batch_size
+    slowdown = None
+    if emulation is not None:
+        slowdown = ComputeSlowdown(emulation, clock="thread" if on_cpu else "cuda")
+    wrapped = PoplarEngine(
+        engine, plan=plan, rank=info.rank, poplar_config=poplar_config, device_label=label, slowdown=slowdown,
+        rank_device_labels=labels,
+    )
+    dataloader = None
+    if training_data is not None:
+        sampler = wrapped.create_batch_sampler(len(training_data))
+        dataloader = torch.utils.data.DataLoader(training_data, batch_sampler=sampler, collate_fn=collate_fn)
+    return wrapped, ds_optimizer, dataloader, ds_scheduler
+
+
+__all__ = ["initialize"]
