@@ -1,12 +1,14 @@
 """Which micro-batch sizes the profiler tries: the memory fit and the largest-size probe.
 
-Pure logic (no torch, no process group), so every rank computes the same decisions
+Pure logic (numpy, no torch, no process group), so every rank computes the same decisions
 from the same agreed numbers, and tests drive it without a model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 def dense_sizes(largest: int) -> list[int]:
@@ -57,14 +59,8 @@ def fit_memory(points: dict[int, int]) -> MemoryFit | None:
     """Least-squares line through (micro-batch size, peak bytes); None below two sizes."""
     if len(points) < 2:
         return None
-    xs = list(points)
-    ys = [float(points[x]) for x in xs]
-    mean_x = sum(xs) / len(xs)
-    mean_y = sum(ys) / len(ys)
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
-    slope = sxy / sxx
-    return MemoryFit(intercept_bytes=mean_y - slope * mean_x, bytes_per_sample=slope)
+    slope, intercept = np.polyfit(list(points), [float(v) for v in points.values()], deg=1)
+    return MemoryFit(intercept_bytes=float(intercept), bytes_per_sample=float(slope))
 
 
 @dataclass(kw_only=True)
