@@ -13,7 +13,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from search.cost import StageModel, build_stage_model
-from search.formats import POLICIES, ZERO_STAGES, Cluster, Plan, Prediction, Profile, RankPlan
+from search.formats import (
+    MAX_GLOBAL_BATCH_SIZE,
+    MAX_MICRO_BATCH_SIZE,
+    MAX_WORLD_SIZE,
+    POLICIES,
+    ZERO_STAGES,
+    Cluster,
+    Plan,
+    Prediction,
+    Profile,
+    RankPlan,
+)
 from search.policies import PolicyResult, allocate, best_global_batch
 
 
@@ -87,6 +98,12 @@ def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Profile]
     for index, profile in enumerate(profiles):
         if not isinstance(profile, Profile):
             raise ValueError(f"profiles[{index}]: expected a search.formats.Profile, found {type(profile).__name__}")
+        if profile.max_micro_batch_size > MAX_MICRO_BATCH_SIZE:
+            # Profiles made in Python skip the file checks; the step-time table has one entry per size.
+            raise ValueError(
+                f"profiles[{index}].max_micro_batch_size: expected at most {MAX_MICRO_BATCH_SIZE} (the search's limit), "
+                f"found {profile.max_micro_batch_size}"
+            )
     if not profiles:
         raise ValueError("profiles: expected at least one profile, found none")
     models = sorted({(p.model.fingerprint, p.model.name) for p in profiles})
@@ -115,8 +132,14 @@ def _check_arguments(
     if not isinstance(cluster, Cluster):
         raise ValueError(f"cluster: expected a search.formats.Cluster, found {type(cluster).__name__}")
     for name, value in (("global_batch_size", global_batch_size), ("max_global_batch_size", max_global_batch_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
-            raise ValueError(f"{name}: expected None or an integer >= 1, found {value!r}")
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= MAX_GLOBAL_BATCH_SIZE
+        ):
+            raise ValueError(
+                f"{name}: expected None or an integer from 1 to {MAX_GLOBAL_BATCH_SIZE} (the search's limit), found {value!r}"
+            )
+    if cluster.world_size > MAX_WORLD_SIZE:
+        raise ValueError(f"cluster: expected at most {MAX_WORLD_SIZE} ranks (the search's limit), found {cluster.world_size}")
     if zero_stage != "auto" and (isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES):
         raise ValueError(f"zero_stage: expected 'auto' or one of 0, 1, 2, 3, found {zero_stage!r}")
     if policy not in POLICIES:

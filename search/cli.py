@@ -8,16 +8,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from collections.abc import Sequence
 
 from search.api import SearchResult, predict, search_plan
 from search.errors import FormatError
-from search.formats import POLICIES, load_cluster, load_profiles, plan_to_dict, write_json_atomic
+from search.formats import (
+    MAX_GLOBAL_BATCH_SIZE,
+    MAX_MICRO_BATCH_SIZE,
+    MAX_WORLD_SIZE,
+    POLICIES,
+    load_cluster,
+    load_profiles,
+    plan_to_dict,
+    write_json_atomic,
+)
 from search.policies import AUTO_ACCUMULATION_STEPS
 
 EXIT_OK = 0
 EXIT_INFEASIBLE = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERNAL_ERROR = 3
 
 DESCRIPTION = """\
 Search per-rank micro-batch sizes and gradient-accumulation counts for a DeepSpeed
@@ -45,7 +56,12 @@ exit status:
   1  infeasible: no plan satisfies the constraints; the reason is on stderr
   2  bad input: an unreadable or invalid file (the message names the file and the
      field), an unknown device type, or bad arguments
+  3  an internal error of poplar-search (a bug: please report it with the output of
+     --debug, which shows the traceback)
 No output file is written, not even partly, unless the exit status is 0.
+
+Limits (what the search is built for): global batches up to {MAX_GLOBAL_BATCH_SIZE}, micro-batches
+up to {MAX_MICRO_BATCH_SIZE} samples, clusters up to {MAX_WORLD_SIZE} ranks; larger values are bad input.
 """
 
 
@@ -96,6 +112,7 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
                              "for all; proportional: Whale's throughput-proportional shares; all: compare them")
     parser.add_argument("--output", metavar="PLAN.json", help="write the (poplar) plan here, only on success")
     parser.add_argument("--format", choices=("table", "json"), default="table", help="what to print (default: table)")
+    parser.add_argument("--debug", action="store_true", help="on an internal error, print the traceback")
     return parser
 
 
@@ -217,13 +234,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `poplar-search`; returns the exit status (0 ok, 1 infeasible, 2 bad input)."""
+    """Entry point of `poplar-search`; returns the exit status (0 ok, 1 infeasible, 2 bad input, 3 a bug)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or an argument error (2, already printed)
         return int(exc.code or 0)
-    return run(args)
+    try:
+        return run(args)
+    except Exception as exc:  # noqa: BLE001 - anything run() did not expect is a bug: say so in one line
+        if args.debug:
+            traceback.print_exc()
+        print(
+            f"poplar-search: internal error: {type(exc).__name__}: {exc} (a bug in poplar-search; "
+            "run again with --debug for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL_ERROR
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from search.validation import Node
+from search.validation import MAX_JSON_DEPTH, Node, json_depth
 from search.errors import FormatError
 
 PROFILE_SCHEMA_VERSION = 1
@@ -29,6 +29,24 @@ PLAN_SCHEMA_VERSION = 1
 ZERO_STAGES = (0, 1, 2, 3)
 POLICIES = ("uniform", "proportional", "poplar")
 PROFILE_SOURCES = ("measured", "modelled")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# What the search can do, so that no input makes it run out of memory or time: every
+# size in a file and every argument of the search is held to these, with a message.
+MAX_GLOBAL_BATCH_SIZE = 2**31
+"""Samples per iteration over all ranks."""
+MAX_MICRO_BATCH_SIZE = 2**20
+"""Samples per micro-step on one rank (the step-time table has one entry per size)."""
+MAX_WORLD_SIZE = 2**16
+"""Ranks in a cluster, a plan or a profile's job."""
+MIN_TIME_S = 1e-9
+"""Shortest micro-step or iteration time a file may state (the profiler's own floor)."""
+MAX_TIME_S = 1e6
+"""Longest time a file may state (about 11 days)."""
+MAX_BYTES = 2**62
+"""Largest memory size or parameter count a file may state."""
+MAX_SLOWDOWN = 1e4
+"""Largest compute slowdown of an emulated device type."""
 
 
 # ----------------------------------------------------------------------------------
@@ -103,10 +121,16 @@ class Profile:
         return content_fingerprint(profile_to_dict(self))
 
 
+def _keys(cls: type) -> tuple[str, ...]:
+    """The JSON keys of a format's object: its dataclass's fields (one source for both)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def _parse_emulation(node: Node) -> Emulation:
+    node.keys_within(_keys(Emulation))
     return Emulation(
-        slowdown=node.field("slowdown").number(positive=True),
-        memory_capacity_bytes=node.field("memory_capacity_bytes").integer(minimum=1),
+        slowdown=node.field("slowdown").number(positive=True, maximum=MAX_SLOWDOWN),
+        memory_capacity_bytes=node.field("memory_capacity_bytes").integer(minimum=1, maximum=MAX_BYTES),
     )
 
 
@@ -118,28 +142,28 @@ def _check_schema_version(root: Node, expected: int) -> None:
 
 def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
     """Validate parsed JSON and build a `Profile`; raises `FormatError`."""
-    root = Node(data, source).obj()
+    root = Node(data, source).obj().keys_within(_keys(Profile))
     _check_schema_version(root, PROFILE_SCHEMA_VERSION)
-    m = root.field("model").obj()
+    m = root.field("model").obj().keys_within(_keys(ModelInfo))
     seq = m.optional("sequence_length")
     model = ModelInfo(
         name=m.field("name").string(),
         fingerprint=m.field("fingerprint").string(),
-        num_parameters=m.field("num_parameters").integer(minimum=1),
-        dtype=m.field("dtype").string(choices=("float32", "bfloat16", "float16")),
-        sequence_length=None if seq is None else seq.integer(minimum=1),
+        num_parameters=m.field("num_parameters").integer(minimum=1, maximum=MAX_BYTES),
+        dtype=m.field("dtype").string(choices=DTYPES),
+        sequence_length=None if seq is None else seq.integer(minimum=1, maximum=MAX_BYTES),
     )
     max_mbs_node = root.field("max_micro_batch_size")
-    max_mbs = max_mbs_node.integer(minimum=0)
+    max_mbs = max_mbs_node.integer(minimum=0, maximum=MAX_MICRO_BATCH_SIZE)
     samples: list[Sample] = []
     sample_nodes = root.field("samples").items(min_length=0 if max_mbs == 0 else 1)
     for node in sample_nodes:
-        node.obj()
+        node.obj().keys_within(_keys(Sample))
         samples.append(
             Sample(
-                micro_batch_size=node.field("micro_batch_size").integer(minimum=1),
-                micro_step_time_s=node.field("micro_step_time_s").number(positive=True),
-                peak_memory_bytes=node.field("peak_memory_bytes").integer(minimum=1),
+                micro_batch_size=node.field("micro_batch_size").integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
+                micro_step_time_s=node.field("micro_step_time_s").number(minimum=MIN_TIME_S, maximum=MAX_TIME_S),
+                peak_memory_bytes=node.field("peak_memory_bytes").integer(minimum=1, maximum=MAX_BYTES),
             )
         )
     # Sizes must be strictly increasing: the curve fit relies on it and a duplicate
@@ -154,17 +178,18 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
             f"at least the largest sampled micro_batch_size ({samples[-1].micro_batch_size})"
         )
     emulated_node = root.optional("emulated")
-    provenance = root.field("measured_with").obj()
+    # Free-form provenance, but JSON that the fingerprint can hash.
+    provenance = root.field("measured_with").obj().within_depth(MAX_JSON_DEPTH)
     provenance.field("source").string(choices=PROFILE_SOURCES)
     return Profile(
         device_type=root.field("device_type").string(),
-        memory_capacity_bytes=root.field("memory_capacity_bytes").integer(minimum=1),
+        memory_capacity_bytes=root.field("memory_capacity_bytes").integer(minimum=1, maximum=MAX_BYTES),
         zero_stage=root.field("zero_stage").integer(minimum=0, maximum=3),
-        world_size=root.field("world_size").integer(minimum=1),
+        world_size=root.field("world_size").integer(minimum=1, maximum=MAX_WORLD_SIZE),
         model=model,
         max_micro_batch_size=max_mbs,
         samples=tuple(samples),
-        optimizer_step_time_s=root.field("optimizer_step_time_s").number(minimum=0.0),
+        optimizer_step_time_s=root.field("optimizer_step_time_s").number(minimum=0.0, maximum=MAX_TIME_S),
         emulated=None if emulated_node is None else _parse_emulation(emulated_node.obj()),
         measured_with=dict(provenance.value),
     )
@@ -238,25 +263,28 @@ class Cluster:
 
 def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
     """Validate parsed JSON and build a `Cluster`; raises `FormatError`."""
-    root = Node(data, source).obj()
+    root = Node(data, source).obj().keys_within(_keys(Cluster))
     _check_schema_version(root, CLUSTER_SCHEMA_VERSION)
     nodes: list[ClusterNode] = []
     seen_names: set[str] = set()
+    world_size = 0
     for node in root.field("nodes").items(min_length=1):
-        node.obj()
+        node.obj().keys_within(_keys(ClusterNode))
         name_node = node.field("name")
         name = name_node.string()
         if name in seen_names:
             raise name_node.fail("a node name not used by an earlier node")
         seen_names.add(name)
-        groups = tuple(
-            DeviceGroup(
-                device_type=g.obj().field("device_type").string(),
-                count=g.field("count").integer(minimum=1),
-            )
-            for g in node.field("devices").items(min_length=1)
-        )
-        nodes.append(ClusterNode(name=name, devices=groups))
+        groups = []
+        for g in node.field("devices").items(min_length=1):
+            g.obj().keys_within(_keys(DeviceGroup))
+            count_node = g.field("count")
+            count = count_node.integer(minimum=1, maximum=MAX_WORLD_SIZE)
+            world_size += count
+            if world_size > MAX_WORLD_SIZE:
+                raise count_node.fail(f"a count that keeps the cluster within {MAX_WORLD_SIZE} ranks (the search's limit)")
+            groups.append(DeviceGroup(device_type=g.field("device_type").string(), count=count))
+        nodes.append(ClusterNode(name=name, devices=tuple(groups)))
     device_types: dict[str, DeviceTypeInfo] = {}
     types_node = root.optional("device_types")
     used = {g.device_type for n in nodes for g in n.devices}
@@ -266,7 +294,7 @@ def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
                 raise info.fail(
                     "a device type that some node uses", raw_found=f"{type_name!r}, which no node lists"
                 )
-            emulation = info.obj().optional("emulation")
+            emulation = info.obj().keys_within(_keys(DeviceTypeInfo)).optional("emulation")
             device_types[type_name] = DeviceTypeInfo(
                 emulation=None if emulation is None else _parse_emulation(emulation.obj())
             )
@@ -339,11 +367,11 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
     to the global batch). Whether it suits a given stage, cluster and device memory
     is checked where those are known (`search.check_plan`, the runtime).
     """
-    root = Node(data, source).obj()
+    root = Node(data, source).obj().keys_within(_keys(Plan))
     _check_schema_version(root, PLAN_SCHEMA_VERSION)
     ranks: list[RankPlan] = []
-    for index, node in enumerate(root.field("ranks").items(min_length=1)):
-        node.obj()
+    for index, node in enumerate(root.field("ranks").items(min_length=1, max_length=MAX_WORLD_SIZE)):
+        node.obj().keys_within(_keys(RankPlan))
         rank_node = node.field("rank")
         if rank_node.integer(minimum=0) != index:
             raise rank_node.fail(f"rank {index} (ranks listed in order from 0)")
@@ -351,18 +379,20 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
             RankPlan(
                 rank=index,
                 device_type=node.field("device_type").string(),
-                micro_batch_size=node.field("micro_batch_size").integer(minimum=1),
-                gradient_accumulation_steps=node.field("gradient_accumulation_steps").integer(minimum=1),
+                micro_batch_size=node.field("micro_batch_size").integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
+                gradient_accumulation_steps=node.field("gradient_accumulation_steps").integer(
+                    minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE
+                ),
             )
         )
     gbs_node = root.field("global_batch_size")
-    global_batch_size = gbs_node.integer(minimum=1)
+    global_batch_size = gbs_node.integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE)
     total = sum(r.samples_per_iteration for r in ranks)
     if total != global_batch_size:
         raise gbs_node.fail(
             f"the sum over ranks of micro_batch_size * gradient_accumulation_steps ({total})"
         )
-    p = root.field("predicted").obj()
+    p = root.field("predicted").obj().keys_within(_keys(Prediction))
     fingerprints = {
         name: node.string() for name, node in root.field("profile_fingerprints").entries()
     }
@@ -400,11 +430,16 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     except UnicodeDecodeError as exc:
         raise FormatError(str(path), "(file)", "a UTF-8 JSON file", f"a byte that is not UTF-8 at offset {exc.start}") from exc
     try:
-        return json.loads(text)
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise FormatError(
             str(path), f"(line {exc.lineno}, column {exc.colno})", "valid JSON", exc.msg
         ) from exc
+    except RecursionError:
+        data = None
+    if data is None and text.strip() != "null" or json_depth(data) > MAX_JSON_DEPTH:
+        raise FormatError(str(path), "(file)", f"JSON nested at most {MAX_JSON_DEPTH} deep", "deeper nesting")
+    return data
 
 
 def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:

@@ -9,6 +9,7 @@ read as lists of fields, not as isinstance checks.
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any
 
@@ -80,21 +81,27 @@ class Node:
             return None
         return Node(self.value[key], self.source, self._child_path(key))
 
-    def items(self, *, min_length: int = 0) -> list["Node"]:
+    def items(self, *, min_length: int = 0, max_length: int | None = None) -> list["Node"]:
         if not isinstance(self.value, list):
             raise self.fail("a list")
         if len(self.value) < min_length:
             raise self.fail(f"a list of at least {min_length} item(s)")
+        if max_length is not None and len(self.value) > max_length:
+            raise self.fail(f"a list of at most {max_length} items")
         return [Node(v, self.source, self._child_path(i)) for i, v in enumerate(self.value)]
 
     def keys_within(self, known: tuple[str, ...] | list[str]) -> "Node":
-        """This object, checked to hold no key outside `known`."""
+        """This object, checked to hold no key outside `known` (a misspelt key is never ignored)."""
         self.obj()
-        unknown = sorted(set(self.value) - set(known))
-        if unknown:
-            raise FormatError(
-                self.source, self._child_path(unknown[0]), f"one of the keys {sorted(known)}", "an unknown key"
-            )
+        for key in self.value:
+            if key not in known:
+                raise FormatError(self.source, self._child_path(key), _known_keys_text(key, known), f"the unknown key {key!r}")
+        return self
+
+    def within_depth(self, limit: int) -> "Node":
+        """This value, checked to nest lists and objects at most `limit` deep."""
+        if json_depth(self.value) > limit:
+            raise self.fail(f"JSON nested at most {limit} deep", raw_found="deeper nesting")
         return self
 
     def entries(self) -> list[tuple[str, "Node"]]:
@@ -111,16 +118,23 @@ class Node:
             raise self.fail(_range_text("an integer", minimum, maximum))
         return v
 
-    def number(self, *, minimum: float | None = None, positive: bool = False) -> float:
+    def number(self, *, minimum: float | None = None, maximum: float | None = None, positive: bool = False) -> float:
         v = self.value
-        what = "a positive number" if positive else _range_text("a number", minimum, None)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if positive:
+            what = "a positive number" if maximum is None else f"a positive number <= {maximum:g}"
+        else:
+            what = _range_text("a number", minimum, maximum)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise self.fail(what)
-        if positive and v <= 0:
+        try:
+            value = float(v)
+        except OverflowError:  # an integer too large for a float
+            raise self.fail(what) from None
+        if not math.isfinite(value) or (positive and value <= 0):
             raise self.fail(what)
-        if minimum is not None and v < minimum:
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
             raise self.fail(what)
-        return float(v)
+        return value
 
     def boolean(self) -> bool:
         if not isinstance(self.value, bool):
@@ -136,14 +150,37 @@ class Node:
         return v
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of lists and objects accepted anywhere (the formats need 4)."""
+
+
+def json_depth(value: Any) -> int:
+    """How deep lists and objects nest in `value` (0 for a scalar); iterative, so any depth is safe."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            depth += 1
+            deepest = max(deepest, depth)
+            stack.extend((child, depth) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def _range_text(kind: str, minimum: float | None, maximum: float | None) -> str:
+    shown = [None if v is None else (f"{v:g}" if isinstance(v, float) else str(v)) for v in (minimum, maximum)]
     if minimum is not None and maximum is not None:
-        return f"{kind} from {minimum} to {maximum}"
+        return f"{kind} from {shown[0]} to {shown[1]}"
     if minimum is not None:
-        return f"{kind} >= {minimum}"
+        return f"{kind} >= {shown[0]}"
     if maximum is not None:
-        return f"{kind} <= {maximum}"
+        return f"{kind} <= {shown[1]}"
     return kind
+
+
+def _known_keys_text(key: str, known: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"one of the keys {', '.join(map(repr, sorted(known)))}{hint}"
 
 
 def _choices_text(choices: tuple[str, ...]) -> str:

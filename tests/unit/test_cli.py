@@ -69,7 +69,7 @@ def test_bad_profile_exits_2_naming_file_and_field(capsys, tmp_path):
     code, out, err = run(capsys, "--profiles", profiles, "--cluster", CLUSTER, "--output", target)
     assert code == 2 and out == "" and not target.exists()
     assert err.strip().count("\n") == 0
-    assert f"{bad}: samples[0].micro_step_time_s: expected a positive number, found number -1" in err
+    assert f"{bad}: samples[0].micro_step_time_s: expected a number from 1e-09 to 1e+06, found number -1" in err
 
 
 def test_unknown_device_type_exits_2(capsys, tmp_path):

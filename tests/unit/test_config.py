@@ -60,7 +60,7 @@ def test_section_not_an_object():
 
 
 def test_unknown_key():
-    with pytest.raises(ValueError, match=r"poplar.polcy: expected one of the keys .*found an unknown key"):
+    with pytest.raises(ValueError, match=r"poplar.polcy: expected one of the keys .* \(did you mean 'policy'\?\), found the unknown key 'polcy'"):
         _parse(polcy="uniform")
 
 

@@ -99,9 +99,9 @@ def test_profiles_of_two_models_are_bad_input(profiles, cluster):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"global_batch_size": 0}, r"global_batch_size: expected None or an integer >= 1, found 0"),
-        ({"global_batch_size": 2.5}, r"global_batch_size: expected None or an integer >= 1, found 2.5"),
-        ({"max_global_batch_size": True}, r"max_global_batch_size: expected None or an integer >= 1, found True"),
+        ({"global_batch_size": 0}, r"global_batch_size: expected None or an integer from 1 to 2147483648 \(the search.s limit\), found 0"),
+        ({"global_batch_size": 2.5}, r"global_batch_size: expected None or an integer from 1 to 2147483648 \(the search.s limit\), found 2.5"),
+        ({"max_global_batch_size": True}, r"max_global_batch_size: expected None or an integer from 1 to 2147483648 \(the search.s limit\), found True"),
         ({"zero_stage": 4}, r"zero_stage: expected 'auto' or one of 0, 1, 2, 3, found 4"),
         ({"policy": "fastest"}, r"policy: expected one of 'uniform', 'proportional', 'poplar', found 'fastest'"),
         ({"global_batch_size": 50, "max_global_batch_size": 40}, r"global_batch_size: expected at most max_global_batch_size \(40\), found 50"),
