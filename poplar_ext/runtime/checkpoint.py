@@ -25,9 +25,15 @@ def _allocation(plan_dict: dict) -> dict:
     }
 
 
-def poplar_client_state(plan: Plan, *, consumed_samples: int, seed: int, shuffle: bool) -> dict:
+def poplar_client_state(plan: Plan, *, consumed_samples: int, seed: int, shuffle: bool, drop_last: bool = False) -> dict:
     """What poplar-ext stores in a checkpoint: the plan and where the data stream stands."""
-    return {"plan": plan_to_dict(plan), "consumed_samples": consumed_samples, "seed": seed, "shuffle": shuffle}
+    return {
+        "plan": plan_to_dict(plan),
+        "consumed_samples": consumed_samples,
+        "seed": seed,
+        "shuffle": shuffle,
+        "drop_last": drop_last,
+    }
 
 
 def restored_consumed_samples(path: str | Path, client_state: dict, current: dict) -> tuple[int, dict]:
@@ -52,6 +58,12 @@ def restored_consumed_samples(path: str | Path, client_state: dict, current: dic
         raise ValueError(
             f"load_checkpoint: {path} was saved with poplar.seed {saved['seed']} and shuffle {saved['shuffle']}, "
             f"this job has {current['seed']} and {current['shuffle']}; the data order would differ"
+        )
+    saved_drop_last = saved.get("drop_last", False)  # absent in checkpoints made before the option
+    if saved_drop_last != current["drop_last"]:
+        raise ValueError(
+            f"load_checkpoint: {path} was saved with poplar.drop_last {saved_drop_last}, this job has "
+            f"{current['drop_last']}; the samples of each epoch would differ"
         )
     return saved["consumed_samples"], client_state
 

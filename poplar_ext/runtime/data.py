@@ -5,24 +5,30 @@ order is a permutation of ``range(num_samples)`` seeded by ``(seed, e)`` (or the
 identity without shuffling). Stream position p holds sample
 ``permutation(p // num_samples)[p % num_samples]``.
 
-Iteration i (one optimizer step) consumes stream positions ``[i*B, (i+1)*B)`` where
-``B = sum_r b_r * s_r`` is the global batch. Within the iteration, rank r takes a
+Iteration i (one optimizer step) consumes ``B = sum_r b_r * s_r`` stream positions
+(the global batch) from its start, ``i * B``. Within the iteration, rank r takes a
 contiguous chunk of ``b_r * s_r`` positions, ranks in order (rank 0 first), and cuts
 it into ``s_r`` micro-batches of ``b_r`` samples.
 
-Remainder rule: nothing is dropped or padded. When ``num_samples`` is not a multiple
-of B, the iteration that reaches the end of an epoch takes its remaining positions
-from the start of the next epoch's permutation. So every sample is used exactly once
-per pass over the data (per epoch of the stream), whatever the allocation, and every
-micro-batch is full, which the loss weighting (`poplar_ext.runtime.weighting`) relies on.
+Epochs, as a loop ``for epoch in range(E): for batch in loader:`` sees them: one pass
+over the loader is one epoch, the iterations that *start* in that epoch of the
+stream. When ``num_samples`` is not a multiple of B, the last iteration of an epoch
+takes its remaining samples from the start of the next epoch's permutation: nothing
+is dropped or padded, every sample is used exactly once per epoch of the stream,
+whatever the allocation, every micro-batch is full (the loss weighting,
+`poplar_ext.runtime.weighting`, relies on it), and E passes train E epochs give or
+take the part of one batch. Passes then have ``floor`` or ``ceil(num_samples / B)``
+iterations. With ``drop_last`` (``poplar.drop_last``) a pass instead ends at the
+epoch boundary: ``floor(num_samples / B)`` iterations per epoch, and the last
+``num_samples mod B`` positions of each epoch's shuffle are not trained in it.
 
-The position (samples consumed, a multiple of B) is all a resume needs: the engine
-stores it in the checkpoint and restarts the sampler there.
+A data set smaller than the global batch is an error: one iteration would hold a
+sample twice. The position (samples consumed, a multiple of B) is all a resume
+needs: the engine stores it in the checkpoint and restarts the sampler there.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -84,9 +90,10 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
     micro-batch of `micro_batch_size` samples, `gradient_accumulation_steps` of them
     per iteration. Every rank builds its own sampler from the same plan and seed.
 
-    One pass (``iter``) covers `iterations_per_pass` iterations (default: enough for
-    one epoch, ``ceil(num_samples / B)``); the next pass continues the stream where the
-    last one stopped. `set_position` moves to a checkpointed position.
+    One pass (``iter``) is the rest of the current epoch (see the module docstring):
+    a loop ``for epoch in range(E): for batch in loader:`` trains E epochs. With
+    `iterations_per_pass` a pass is that many iterations instead, continuing the
+    stream. `set_position` moves to a checkpointed position.
     """
 
     def __init__(
@@ -100,6 +107,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         shuffle: bool = True,
         consumed_samples: int = 0,
         iterations_per_pass: int | None = None,
+        drop_last: bool = False,
     ) -> None:
         if len(micro_batch_sizes) != len(gradient_accumulation_steps) or not micro_batch_sizes:
             raise ValueError(
@@ -117,12 +125,19 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         samples_per_rank = [b * s for b, s in zip(micro_batch_sizes, gradient_accumulation_steps)]
         self.global_batch_size = sum(samples_per_rank)
         """Samples per iteration over all ranks (B)."""
+        if num_samples < self.global_batch_size:
+            raise ValueError(
+                f"num_samples: expected at least the global batch ({self.global_batch_size} samples), found {num_samples}: "
+                "one iteration would train some samples twice; use a larger data set or a smaller global batch"
+            )
         self._offset = rank_offsets(samples_per_rank)[rank]
-        if iterations_per_pass is None:
-            iterations_per_pass = math.ceil(num_samples / self.global_batch_size)
-        if iterations_per_pass < 1:
+        if iterations_per_pass is not None and iterations_per_pass < 1:
             raise ValueError(f"iterations_per_pass: expected an integer >= 1, found {iterations_per_pass}")
         self.iterations_per_pass = iterations_per_pass
+        """Iterations in one pass, or None: a pass is the rest of the current epoch."""
+        self.drop_last = drop_last
+        """End each epoch's last pass at the epoch boundary (see the module docstring)."""
+        self._iterations_per_epoch = num_samples // self.global_batch_size
         self.next_iteration = 0
         """The iteration the next pass starts at (advances as micro-batches are yielded)."""
         self.set_position(consumed_samples)
@@ -140,7 +155,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     @property
     def consumed_samples(self) -> int:
-        """Stream position where the next pass starts (samples of all ranks)."""
+        """Samples (of all ranks) trained before the next iteration: iterations x B."""
         return self.next_iteration * self.global_batch_size
 
     def set_position(self, consumed_samples: int) -> None:
@@ -152,16 +167,41 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             )
         self.next_iteration = consumed_samples // self.global_batch_size
 
+    def iteration_start(self, iteration: int) -> int:
+        """Stream position of the first sample of `iteration`."""
+        if not self.drop_last:
+            return iteration * self.global_batch_size
+        epoch, within = divmod(iteration, self._iterations_per_epoch)
+        return epoch * self.stream.num_samples + within * self.global_batch_size
+
+    def epoch_of(self, iteration: int) -> int:
+        """The epoch `iteration` belongs to: the one it starts in."""
+        if self.drop_last:
+            return iteration // self._iterations_per_epoch
+        return iteration * self.global_batch_size // self.stream.num_samples
+
+    def first_iteration_of(self, epoch: int) -> int:
+        """The first iteration that starts in `epoch`."""
+        if self.drop_last:
+            return epoch * self._iterations_per_epoch
+        return -(-epoch * self.stream.num_samples // self.global_batch_size)
+
+    def _pass_end(self) -> int:
+        """The iteration after the last one of the pass that starts at `next_iteration`."""
+        if self.iterations_per_pass is not None:
+            return self.next_iteration + self.iterations_per_pass
+        return self.first_iteration_of(self.epoch_of(self.next_iteration) + 1)
+
     def micro_batches(self, iteration: int) -> list[list[int]]:
         """This rank's micro-batches in `iteration` (pure: depends on nothing else)."""
-        start = iteration * self.global_batch_size + self._offset
+        start = self.iteration_start(iteration) + self._offset
         chunk = self.stream.indices(start, self.micro_batch_size * self.gradient_accumulation_steps)
         b = self.micro_batch_size
         return [chunk[k * b : (k + 1) * b] for k in range(self.gradient_accumulation_steps)]
 
     def __iter__(self) -> Iterator[list[int]]:
-        first = self.next_iteration
-        for iteration in range(first, first + self.iterations_per_pass):
+        first, end = self.next_iteration, self._pass_end()
+        for iteration in range(first, end):
             batches = self.micro_batches(iteration)
             yield from batches[:-1]
             # Advanced before the last micro-batch is handed out: a consumer that
@@ -170,7 +210,8 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             yield batches[-1]
 
     def __len__(self) -> int:
-        return self.iterations_per_pass * self.gradient_accumulation_steps
+        """Micro-batches in the next pass."""
+        return (self._pass_end() - self.next_iteration) * self.gradient_accumulation_steps
 
 
 __all__ = ["PlanBatchSampler", "SampleStream", "rank_offsets"]

@@ -37,8 +37,9 @@ def test_rank_offsets():
 
 
 @settings(max_examples=60, deadline=None)
-@given(allocation=allocations, num_samples=st.integers(1, 60), epochs=st.integers(1, 3))
-def test_every_sample_exactly_once_per_epoch(allocation, num_samples, epochs):
+@given(allocation=allocations, extra_samples=st.integers(0, 60), epochs=st.integers(1, 3))
+def test_every_sample_exactly_once_per_epoch(allocation, extra_samples, epochs):
+    num_samples = sum(b * s for b, s in allocation) + extra_samples  # at least one global batch
     samplers = _samplers(allocation, num_samples)
     global_batch = samplers[0].global_batch_size
     used = []
@@ -56,8 +57,9 @@ def test_every_sample_exactly_once_per_epoch(allocation, num_samples, epochs):
 
 
 @settings(max_examples=40, deadline=None)
-@given(allocation=allocations, num_samples=st.integers(1, 40), stop=st.integers(0, 6), total=st.integers(1, 8))
-def test_resume_continues_with_the_same_samples(allocation, num_samples, stop, total):
+@given(allocation=allocations, extra_samples=st.integers(0, 40), stop=st.integers(0, 6), total=st.integers(1, 8))
+def test_resume_continues_with_the_same_samples(allocation, extra_samples, stop, total):
+    num_samples = sum(b * s for b, s in allocation) + extra_samples
     uninterrupted = [list(s) for s in _samplers(allocation, num_samples, iterations_per_pass=total + stop)]
     first = [list(s) for s in _samplers(allocation, num_samples, iterations_per_pass=stop)] if stop else None
     consumed = stop * sum(b * s for b, s in allocation)
@@ -130,3 +132,64 @@ def test_allocation_lists_of_different_lengths():
 def test_empty_data_set():
     with pytest.raises(ValueError, match="num_samples: expected an integer >= 1, found 0"):
         SampleStream(num_samples=0)
+
+
+def test_a_data_set_smaller_than_the_global_batch_is_an_error():
+    with pytest.raises(ValueError, match=r"num_samples: expected at least the global batch \(12 samples\), found 10: one iteration would train some samples twice"):
+        _samplers([(3, 2), (2, 3)], num_samples=10)
+
+
+def _pass(samplers):
+    """One pass over every rank's loader, as indices in stream order, and the iterations it had."""
+    per_rank = [list(s) for s in samplers]
+    iterations = len(per_rank[0]) // samplers[0].gradient_accumulation_steps
+    used = []
+    for i in range(iterations):
+        for rank, s in enumerate(samplers):
+            steps = s.gradient_accumulation_steps
+            used.extend(idx for batch in per_rank[rank][i * steps : (i + 1) * steps] for idx in batch)
+    return used, iterations
+
+
+@settings(max_examples=60, deadline=None)
+@given(allocation=allocations, extra_samples=st.integers(0, 50), epochs=st.integers(1, 5))
+def test_a_pass_over_the_loader_is_an_epoch(allocation, extra_samples, epochs):
+    """`for epoch in range(E): for batch in loader:` trains E epochs, give or take part of one batch."""
+    global_batch = sum(b * s for b, s in allocation)
+    num_samples = global_batch + extra_samples
+    samplers = _samplers(allocation, num_samples)
+    stream = samplers[0].stream
+    position = 0
+    for epoch in range(epochs):
+        expected_iterations = len(samplers[0]) // samplers[0].gradient_accumulation_steps
+        used, iterations = _pass(samplers)
+        assert iterations == expected_iterations  # len() announced the pass
+        # The pass holds the iterations that start in this epoch ...
+        assert epoch * num_samples <= position < (epoch + 1) * num_samples
+        assert (position + (iterations - 1) * global_batch) < (epoch + 1) * num_samples <= position + iterations * global_batch
+        assert used == stream.indices(position, iterations * global_batch)
+        position += iterations * global_batch
+    # ... so E passes end within one batch after E epochs.
+    assert epochs * num_samples <= position < epochs * num_samples + global_batch
+
+
+@settings(max_examples=60, deadline=None)
+@given(allocation=allocations, extra_samples=st.integers(0, 50), epochs=st.integers(1, 4))
+def test_drop_last_ends_every_pass_at_the_epoch_boundary(allocation, extra_samples, epochs):
+    global_batch = sum(b * s for b, s in allocation)
+    num_samples = global_batch + extra_samples
+    samplers = _samplers(allocation, num_samples, drop_last=True)
+    for epoch in range(epochs):
+        used, iterations = _pass(samplers)
+        assert iterations == num_samples // global_batch
+        # Distinct samples, all from this epoch's order, from its start.
+        order = samplers[0].stream.epoch_order(epoch).tolist()
+        assert used == order[: iterations * global_batch]
+
+
+def test_resuming_mid_epoch_finishes_that_epoch():
+    (whole,) = _samplers([(2, 1)], num_samples=11)  # B = 2: epoch 0 has iterations 0..5 (5 starts at 10)
+    assert len(whole) == 6
+    (resumed,) = _samplers([(2, 1)], num_samples=11, consumed_samples=8)
+    assert len(resumed) == 2 and list(resumed) == list(whole)[4:]
+    assert len(resumed) == 5  # the next pass is epoch 1: iterations 6..10 (10 starts at 20 < 22)
