@@ -14,5 +14,6 @@ Read in the order a job meets them:
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.initialize import initialize
+from poplar_ext.runtime.planning import StalePlanWarning
 
-__all__ = ["PlanBatchSampler", "PoplarEngine", "initialize"]
+__all__ = ["PlanBatchSampler", "PoplarEngine", "StalePlanWarning", "initialize"]

@@ -7,12 +7,14 @@ A DeepSpeed JSON config plus a top-level section::
         "plan": "plan.json",              # a plan from poplar-search, or instead:
         "profiles": "profiles/",          # profiles to search a plan from at start
         "policy": "poplar",               # search policy (uniform, proportional, poplar)
-        "global_batch_size": 96,          # for the search; default: train_batch_size
-        "max_global_batch_size": null,    # for the search when no global batch is given
+        "global_batch_size": 96,          # default: DeepSpeed's (train_batch_size, or micro x
+                                          #   accumulation x ranks); "auto": the search picks
+        "max_global_batch_size": null,    # upper bound for "auto"
         "zero_stage": "auto",             # the search picks the stage; or 0-3; absent: the
                                           #   DeepSpeed config's zero_optimization.stage, else auto
         "seed": 0,                        # data shuffle seed
         "shuffle": true,
+        "drop_last": false,               # true: each pass over the loader ends at the epoch boundary
         "loss_reduction": "mean",         # how the training loss reduces over a micro-batch
         "log_interval_steps": 10,         # true global batch and samples/s every N steps; 0: never
         "cpu_threads": null,              # CPU only: torch threads for this process; null: unchanged
@@ -36,10 +38,13 @@ from typing import Any
 
 from poplar_ext.runtime.weighting import REDUCTIONS
 from search.errors import FormatError
-from search.formats import POLICIES, ZERO_STAGES, Plan, read_json
+from search.formats import MAX_GLOBAL_BATCH_SIZE, POLICIES, ZERO_STAGES, Plan, read_json
 from search.validation import Node
 
 SECTION = "poplar"
+
+AUTO = "auto"
+"""The value that leaves a batch size to poplar-ext (DeepSpeed's and Hugging Face's convention)."""
 
 DICT_SOURCE = "<DeepSpeed config dict>"
 """How error messages name a DeepSpeed config given as a dict rather than a file."""
@@ -57,16 +62,21 @@ class PoplarConfig:
     """Directory of profiles: searched when there is no plan, and used to check a plan."""
     policy: str = "poplar"
     """Search policy when searching at start."""
-    global_batch_size: int | None = None
-    """Global batch for the search; default: the DeepSpeed config's train_batch_size, else the search picks."""
+    global_batch_size: int | str | None = None
+    """Samples per optimizer step over all ranks; ``"auto"``: the search picks the batch with the
+    highest predicted throughput; None: the DeepSpeed config's (see `requested_global_batch_size`)."""
     max_global_batch_size: int | None = None
-    """Upper bound for the search when it picks the global batch."""
+    """Upper bound for the batch the search picks under ``"auto"``."""
     zero_stage: int | str | None = None
     """``"auto"`` (the search picks), 0-3, or None (zero_optimization.stage decides, else auto)."""
     seed: int = 0
     """Seed of the per-epoch data shuffle."""
     shuffle: bool = True
     """Shuffle each epoch (False: samples in index order)."""
+    drop_last: bool = False
+    """End each pass over the loader at the epoch boundary, leaving the last ``num_samples mod B``
+    samples of each epoch's order untrained in it; default: the last iteration of an epoch takes
+    them and the first samples of the next epoch (see `poplar_ext.runtime.data`)."""
     loss_reduction: str = "mean"
     """``mean``: the loss given to backward is a mean over the micro-batch; ``sum``: a sum."""
     log_interval_steps: int = 10
@@ -93,8 +103,16 @@ def _path(node: Node | None, base_dir: Path) -> Path | None:
     return path if path.is_absolute() else base_dir / path
 
 
-def _optional_int(node: Node | None, minimum: int) -> int | None:
-    return None if node is None else node.integer(minimum=minimum)
+def _optional_int(node: Node | None, minimum: int, maximum: int | None = None) -> int | None:
+    return None if node is None else node.integer(minimum=minimum, maximum=maximum)
+
+
+def _batch_or_auto(node: Node | None) -> int | str | None:
+    if node is None or node.value == AUTO:
+        return None if node is None else AUTO
+    if isinstance(node.value, bool) or not isinstance(node.value, int) or not 1 <= node.value <= MAX_GLOBAL_BATCH_SIZE:
+        raise node.fail(f"an integer from 1 to {MAX_GLOBAL_BATCH_SIZE} or {AUTO!r}")
+    return node.value
 
 
 def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_SOURCE) -> PoplarConfig:
@@ -119,6 +137,7 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
     reduction = root.optional("loss_reduction")
     seed = root.optional("seed")
     shuffle = root.optional("shuffle")
+    drop_last = root.optional("drop_last")
     log_interval = root.optional("log_interval_steps")
     steady = root.optional("steady_cpu_allocator")
     zero_stage_node = root.optional("zero_stage")
@@ -131,10 +150,11 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
         plan=plan,
         profiles=profiles,
         policy="poplar" if policy is None else policy.string(choices=POLICIES),
-        global_batch_size=_optional_int(root.optional("global_batch_size"), 1),
-        max_global_batch_size=_optional_int(root.optional("max_global_batch_size"), 1),
+        global_batch_size=_batch_or_auto(root.optional("global_batch_size")),
+        max_global_batch_size=_optional_int(root.optional("max_global_batch_size"), 1, MAX_GLOBAL_BATCH_SIZE),
         seed=0 if seed is None else seed.integer(minimum=0),
         shuffle=True if shuffle is None else shuffle.boolean(),
+        drop_last=False if drop_last is None else drop_last.boolean(),
         loss_reduction="mean" if reduction is None else reduction.string(choices=REDUCTIONS),
         log_interval_steps=10 if log_interval is None else log_interval.integer(minimum=0),
         zero_stage=zero_stage,
@@ -206,6 +226,71 @@ def requested_zero_stage(poplar_config: PoplarConfig, ds_config: dict) -> int | 
     return None if requested == "auto" else requested
 
 
+@dataclass(frozen=True, kw_only=True)
+class GlobalBatchRequest:
+    """The global batch a job asks for, and which setting says so."""
+
+    size: int | str | None
+    """Samples per optimizer step; ``"auto"`` (the search picks); None (nothing set: a plan decides)."""
+    origin: str
+    """The setting it comes from, for messages (e.g. ``train_batch_size``)."""
+
+
+_DEEPSPEED_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _deepspeed_batch_value(root: Node, key: str) -> int | None:
+    node = root.optional(key)
+    if node is None or node.value == AUTO:  # Hugging Face's "auto": left to whoever fills it in
+        return None
+    return node.integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE)
+
+
+def deepspeed_global_batch_size(ds_config: dict, *, world_size: int, source: str = DICT_SOURCE) -> GlobalBatchRequest:
+    """The global batch DeepSpeed would train with this config on `world_size` ranks.
+
+    ``train_batch_size`` when set; otherwise ``train_micro_batch_size_per_gpu x
+    gradient_accumulation_steps (default 1) x world_size``; ``"auto"`` values count
+    as unset. When all three are set they must agree, as DeepSpeed requires.
+    """
+    root = Node(ds_config, source).obj()
+    total, micro, accumulation = (_deepspeed_batch_value(root, key) for key in _DEEPSPEED_BATCH_KEYS)
+    if total is not None and micro is not None and accumulation is not None and total != micro * accumulation * world_size:
+        raise root.child("train_batch_size").fail(
+            f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size "
+            f"({micro} x {accumulation} x {world_size} = {micro * accumulation * world_size}), as DeepSpeed requires"
+        )
+    if total is not None:
+        return GlobalBatchRequest(size=total, origin="train_batch_size")
+    if micro is not None:
+        steps = 1 if accumulation is None else accumulation
+        return GlobalBatchRequest(
+            size=micro * steps * world_size,
+            origin=f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size ({micro} x {steps} x {world_size})",
+        )
+    return GlobalBatchRequest(size=None, origin="")
+
+
+def requested_global_batch_size(poplar_config: PoplarConfig, ds_config: dict, *, world_size: int) -> GlobalBatchRequest:
+    """The global batch the job trains: ``poplar.global_batch_size``, else DeepSpeed's.
+
+    Both set to different numbers, or ``"auto"`` beside a DeepSpeed batch, is a
+    `FormatError`: the config would say two things.
+    """
+    deepspeed = deepspeed_global_batch_size(ds_config, world_size=world_size, source=poplar_config.source)
+    requested = poplar_config.global_batch_size
+    if requested is None:
+        return deepspeed
+    if deepspeed.size is not None and requested != deepspeed.size:
+        raise FormatError(
+            poplar_config.source,
+            f"{SECTION}.global_batch_size",
+            f"the DeepSpeed config's global batch ({deepspeed.size}, from {deepspeed.origin}) or no {SECTION}.global_batch_size",
+            repr(requested),
+        )
+    return GlobalBatchRequest(size=requested, origin=f"{SECTION}.global_batch_size")
+
+
 def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: str = DICT_SOURCE) -> dict:
     """The config DeepSpeed gets on `rank`: valid on its own, with this rank's batch values.
 
@@ -215,7 +300,7 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
     must equal the plan's global batch (it is then replaced).
     """
     given = ds_config.get("train_batch_size")
-    if given is not None and given != plan.global_batch_size:
+    if given is not None and given != AUTO and given != plan.global_batch_size:
         raise FormatError(
             source, "train_batch_size", f"the plan's global batch ({plan.global_batch_size}) or no value", repr(given)
         )
@@ -229,12 +314,16 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
 
 
 __all__ = [
+    "AUTO",
     "DICT_SOURCE",
+    "GlobalBatchRequest",
     "PoplarConfig",
     "SECTION",
     "configured_zero_stage",
+    "deepspeed_global_batch_size",
     "load_deepspeed_config",
     "nominal_deepspeed_config",
     "poplar_config_from_dict",
+    "requested_global_batch_size",
     "requested_zero_stage",
 ]

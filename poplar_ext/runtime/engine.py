@@ -24,7 +24,7 @@ from poplar_ext.hardware.emulation import ComputeSlowdown
 from poplar_ext.runtime.checkpoint import CLIENT_STATE_KEY, poplar_client_state, restored_consumed_samples
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.weighting import weight_loss
+from poplar_ext.runtime.weighting import loss_weight, weight_loss
 from search.formats import Plan
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,33 @@ class PoplarEngine:
         self._last_boundary_time: float | None = None
         if slowdown is not None:
             self._end_emulated_compute_before_reduction()
+        self._weight_direct_backward()
+
+    def _weight_direct_backward(self) -> None:
+        # DeepSpeed lets `loss.backward()` and `engine.scale(loss).backward()` run on the
+        # engine's output (ZeRO stages 1-3; at stage 0 it refuses them itself): hooks on
+        # the output divide its gradient by this rank's accumulation count, which with
+        # uneven plans is not the global batch's mean. Its per-tensor hook is looked up
+        # at every forward; ours keeps DeepSpeed's decision of whether to scale (not on
+        # engine.backward's own graph) and applies the plan's weight instead.
+        engine = self.deepspeed_engine
+        divide_by_accumulation = getattr(engine, "_backward_prologue_per_tensor", None)
+        if divide_by_accumulation is None:  # a DeepSpeed without torch-style backward
+            return
+        weight = loss_weight(
+            world_size=self.plan.world_size,
+            micro_batch_size=self.rank_plan.micro_batch_size,
+            global_batch_size=self.plan.global_batch_size,
+            reduction=self.poplar_config.loss_reduction,
+        )
+
+        def weight_instead_of_dividing(grad: Any) -> Any:
+            scaled = divide_by_accumulation(grad)
+            if scaled is grad:  # DeepSpeed leaves this gradient alone (engine.backward weighted it)
+                return grad
+            return (grad.float() * weight).to(grad.dtype)
+
+        engine._backward_prologue_per_tensor = weight_instead_of_dividing
 
     def _end_emulated_compute_before_reduction(self) -> None:
         # DeepSpeed's backward ends by calling allreduce_gradients (the boundary
@@ -203,6 +230,7 @@ class PoplarEngine:
             shuffle=self.poplar_config.shuffle,
             consumed_samples=self.consumed_samples,
             iterations_per_pass=iterations_per_pass,
+            drop_last=self.poplar_config.drop_last,
         )
         self._samplers.append(sampler)
         return sampler
@@ -214,6 +242,7 @@ class PoplarEngine:
             consumed_samples=self.consumed_samples,
             seed=self.poplar_config.seed,
             shuffle=self.poplar_config.shuffle,
+            drop_last=self.poplar_config.drop_last,
         )
 
     def save_checkpoint(self, save_dir: str | Path, tag: Any = None, client_state: dict | None = None, **kwargs: Any) -> Any:

@@ -45,6 +45,7 @@ from poplar_ext.runtime.config import (
     load_deepspeed_config,
     nominal_deepspeed_config,
     poplar_config_from_dict,
+    requested_global_batch_size,
     requested_zero_stage,
 )
 from poplar_ext.runtime.engine import PoplarEngine
@@ -75,6 +76,46 @@ def _apply_cpu_process_settings(poplar_config: PoplarConfig, *, on_cpu: bool, em
             "rank %d emulates its device type with %d torch threads, but emulation times compute by this thread's "
             "CPU time and misses the others: set poplar.cpu_threads to 1",
             rank, torch.get_num_threads(),
+        )
+
+
+def _refuse_other_parallelism(*, mpu: Any, mesh_param: Any, model: Any, ds_config: dict, source: str) -> None:
+    """Data parallelism only: the loss weight and the sampler take every rank for a data-parallel rank."""
+    unsupported = []
+    if mpu is not None:
+        unsupported.append("mpu= (a model-parallel unit: tensor or pipeline parallelism)")
+    if mesh_param is not None:
+        unsupported.append("mesh_param= (a device mesh with model or sequence parallelism)")
+    if (ds_config.get("sequence_parallel_size") or 1) != 1:
+        unsupported.append(f"sequence_parallel_size {ds_config['sequence_parallel_size']!r} in {source}")
+    tensor_parallel = ds_config.get("tensor_parallel")
+    if isinstance(tensor_parallel, dict) and (tensor_parallel.get("autotp_size") or 1) != 1:
+        unsupported.append(f"tensor_parallel.autotp_size {tensor_parallel['autotp_size']!r} in {source}")
+    if isinstance(model, torch.nn.Module):
+        from deepspeed.moe.layer import MoE
+        from deepspeed.pipe import PipelineModule
+
+        if isinstance(model, PipelineModule):
+            unsupported.append("a PipelineModule (pipeline parallelism)")
+        if any(isinstance(module, MoE) for module in model.modules()):
+            unsupported.append("MoE layers (expert-parallel groups)")
+    if unsupported:
+        raise ValueError(
+            "poplar_ext.initialize: expected data parallelism only, found " + "; ".join(unsupported) + ". "
+            "poplar-ext weights each rank's loss and splits the data as if every rank were a data-parallel rank, "
+            "so with other parallelism its gradients would be wrong; use deepspeed.initialize for this job"
+        )
+
+
+def _check_training_data(training_data: Any) -> None:
+    if training_data is None:
+        return
+    if isinstance(training_data, torch.utils.data.IterableDataset) or not hasattr(training_data, "__len__"):
+        raise ValueError(
+            f"training_data: expected a map-style dataset (with __len__ and __getitem__), found "
+            f"{type(training_data).__name__}, which has no indices to split among the ranks by the plan; "
+            "give a map-style Dataset, or pass no training_data and feed each rank its plan's micro-batches "
+            "(engine.rank_plan) yourself"
         )
 
 
@@ -109,7 +150,10 @@ def initialize(
             f"found none in {source}; use deepspeed.initialize for a run without one"
         )
     poplar_config = poplar_config_from_dict(ds_config[SECTION], base_dir=base_dir, source=source)
+    _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
+    _check_training_data(training_data)
     info = rank_info_from_env()
+    global_batch = requested_global_batch_size(poplar_config, ds_config, world_size=info.world_size)
     cluster = load_cluster(poplar_config.cluster)
     model_fingerprint = None
     if poplar_config.profiles is not None and model is not None:
@@ -124,8 +168,8 @@ def initialize(
         measure_missing = missing_profiles_measurer(
             model=model, training_data=training_data, collate_fn=collate_fn, optimizer=optimizer,
             ds_config=ds_config, profiles_dir=poplar_config.profiles,
-            micro_batch_size_limit=poplar_config.global_batch_size or ds_config.get("train_batch_size")
-            or poplar_config.max_global_batch_size,
+            # No plan can give one rank more than the global batch.
+            micro_batch_size_limit=global_batch.size if isinstance(global_batch.size, int) else poplar_config.max_global_batch_size,
         )
     plan = resolve_plan(
         poplar_config,
@@ -133,7 +177,7 @@ def initialize(
         world_size=info.world_size,
         rank=info.rank,
         zero_stage=requested_zero_stage(poplar_config, ds_config),
-        global_batch_size=ds_config.get("train_batch_size"),
+        global_batch=global_batch,
         model_fingerprint=model_fingerprint,
         broadcast=broadcast_from_rank0,
         measure_missing=measure_missing,

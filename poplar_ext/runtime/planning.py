@@ -5,26 +5,61 @@ collective: all ranks read the same files, so all raise the same ValueError and 
 is left waiting for the others. When the plan is searched at start, rank 0 runs the
 search and broadcasts the plan (or the reason it failed) to all ranks, which then
 check it the same way.
+
+A plan file made from other profiles than those in ``poplar.profiles`` (another
+measurement, another model) still runs when it fits them, but its predictions are
+not those of the profiles present: `resolve_plan` then warns (`StalePlanWarning`,
+naming the device types) so that the user searches the plan again. A plan written
+by hand carries no fingerprints and is not compared. Make the warning an error with
+``warnings.simplefilter("error", StalePlanWarning)``.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 from poplar_ext.profiler.auto import MeasureMissing
-from poplar_ext.runtime.config import PoplarConfig
+from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
 from search.errors import FormatError
 from search.formats import ZERO_STAGES, Cluster, Plan, Profile, load_plan, load_profiles, plan_from_dict, plan_to_dict
 
 
-def runtime_plan_problems(plan: Plan, cluster: Cluster, *, world_size: int, zero_stage: int | None) -> list[str]:
+class StalePlanWarning(UserWarning):
+    """A plan was made from other profiles than the ones the job has (see the module docstring)."""
+
+
+def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
+    """Device types whose profile at the plan's stage is not the one the plan was made from."""
+    at_stage = {p.device_type: p for p in profiles if p.zero_stage == plan.zero_stage}
+    return [
+        device_type
+        for device_type, fingerprint in plan.profile_fingerprints.items()
+        if device_type in at_stage and at_stage[device_type].fingerprint != fingerprint
+    ]
+
+
+def runtime_plan_problems(
+    plan: Plan,
+    cluster: Cluster,
+    *,
+    world_size: int,
+    zero_stage: int | None,
+    global_batch: GlobalBatchRequest | None = None,
+) -> list[str]:
     """What makes `plan` unrunnable in this job (sentences; [] when fine).
 
-    Only what the runtime alone knows: the job's world size and the DeepSpeed config's
-    stage. The rest (device types, the stage 2/3 rule of one accumulation count, whose
-    breach would hang the job, micro-batch caps) is `search.check_plan`'s.
+    Only what the runtime alone knows: the job's world size, the DeepSpeed config's
+    stage and global batch. The rest (device types, the stage 2/3 rule of one
+    accumulation count, whose breach would hang the job, micro-batch caps) is
+    `search.check_plan`'s.
     """
     problems = []
+    if global_batch is not None and isinstance(global_batch.size, int) and global_batch.size != plan.global_batch_size:
+        problems.append(
+            f"The plan's global batch is {plan.global_batch_size} but the config asks for {global_batch.size} "
+            f"({global_batch.origin})."
+        )
     if plan.world_size != world_size:
         problems.append(f"The plan names {plan.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
     if cluster.world_size != world_size:
@@ -45,6 +80,7 @@ def check_plan_for_job(
     zero_stage: int | None,
     profiles: list[Profile] | None = None,
     source: str = "plan",
+    global_batch: GlobalBatchRequest | None = None,
 ) -> None:
     """Raise ValueError listing every reason `plan` cannot run in this job.
 
@@ -53,7 +89,7 @@ def check_plan_for_job(
     """
     from search import check_plan
 
-    problems = runtime_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage)
+    problems = runtime_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=global_batch)
     problems += [p for p in check_plan(plan, cluster, profiles) if p not in problems]
     if problems:
         raise ValueError(f"{source}: this plan cannot run: " + " ".join(problems))
@@ -145,6 +181,7 @@ def profiles_for_search(
 def _search_on_this_rank(
     poplar_config: PoplarConfig, cluster: Cluster, profiles: list[Profile], *, zero_stage: int | None, global_batch_size: int | None
 ) -> dict[str, Any]:
+    """The search's plan as JSON, or the reason there is none; `global_batch_size` None: the search picks."""
     from search import search_plan
 
     result = search_plan(
@@ -167,7 +204,7 @@ def resolve_plan(
     world_size: int,
     rank: int,
     zero_stage: int | None,
-    global_batch_size: int | None = None,
+    global_batch: GlobalBatchRequest | None = None,
     model_fingerprint: str | None = None,
     broadcast: Callable[[Any], Any],
     measure_missing: MeasureMissing | None = None,
@@ -175,11 +212,15 @@ def resolve_plan(
     """The plan this job runs, checked; raises the same ValueError on every rank if it cannot.
 
     `zero_stage`: the stage the DeepSpeed config sets, or None to take the plan's (or
-    let the search choose). `global_batch_size`: for the search when ``poplar`` has
-    none (the DeepSpeed config's train_batch_size). `broadcast(obj)` returns rank 0's
-    `obj` on every rank; it is called only when a plan is searched, and it may set up
-    the process group first. With a plan file no collective happens here.
+    let the search choose). `global_batch`: the batch the config asks for
+    (`poplar_ext.runtime.config.requested_global_batch_size`; default: what
+    ``poplar.global_batch_size`` says): a plan file must have it, the search uses it
+    (``"auto"``: picks one). `broadcast(obj)` returns rank 0's `obj` on every rank; it
+    is called only when a plan is searched, and it may set up the process group
+    first. With a plan file no collective happens here.
     """
+    if global_batch is None:
+        global_batch = GlobalBatchRequest(size=poplar_config.global_batch_size, origin=f"{SECTION}.global_batch_size")
     if poplar_config.plan is not None:
         try:
             plan = load_plan(poplar_config.plan)
@@ -187,9 +228,25 @@ def resolve_plan(
             raise ValueError(f"poplar.plan: {exc}") from exc
         profiles = _available_profiles(poplar_config, model_fingerprint) or None
         check_plan_for_job(
-            plan, cluster, world_size=world_size, zero_stage=zero_stage, profiles=profiles, source=str(poplar_config.plan)
+            plan, cluster, world_size=world_size, zero_stage=zero_stage, profiles=profiles,
+            source=str(poplar_config.plan), global_batch=global_batch,
         )
+        stale = [] if profiles is None else stale_profile_types(plan, profiles)
+        if stale:
+            warnings.warn(
+                f"{poplar_config.plan}: this plan was made from other profiles of {', '.join(stale)} than those in "
+                f"{poplar_config.profiles}: it fits them, but its predicted times are not theirs; search the plan "
+                "again with poplar-search to plan from the profiles you have",
+                StalePlanWarning,
+                stacklevel=2,
+            )
         return plan
+    if global_batch.size is None:
+        raise ValueError(
+            f"{poplar_config.source}: no global batch for the plan search: set train_batch_size (or "
+            f"train_micro_batch_size_per_gpu and gradient_accumulation_steps) or {SECTION}.global_batch_size, "
+            f"or {SECTION}.global_batch_size: \"{AUTO}\" to let the search pick the fastest"
+        )
     # Everything up to the broadcast reads only files that every rank shares, so a
     # missing profile raises on every rank before any of them waits for the others.
     profiles = profiles_for_search(
@@ -204,7 +261,7 @@ def resolve_plan(
                 cluster,
                 profiles,
                 zero_stage=zero_stage,
-                global_batch_size=poplar_config.global_batch_size or global_batch_size,
+                global_batch_size=None if global_batch.size == AUTO else global_batch.size,
             )
         except Exception as exc:  # noqa: BLE001 - the other ranks wait in the broadcast: tell them
             failure = exc
@@ -221,4 +278,12 @@ def resolve_plan(
     return plan
 
 
-__all__ = ["check_plan_for_job", "obtain_missing_profiles", "profiles_for_search", "resolve_plan", "runtime_plan_problems"]
+__all__ = [
+    "StalePlanWarning",
+    "check_plan_for_job",
+    "obtain_missing_profiles",
+    "profiles_for_search",
+    "resolve_plan",
+    "runtime_plan_problems",
+    "stale_profile_types",
+]

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+import torch
+
 Reduction = Literal["mean", "sum"]
 REDUCTIONS: tuple[Reduction, ...] = get_args(Reduction)
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def loss_weight(*, world_size: int, micro_batch_size: int, global_batch_size: int, reduction: Reduction = "mean") -> float:
@@ -35,10 +38,17 @@ def loss_weight(*, world_size: int, micro_batch_size: int, global_batch_size: in
 
 def weight_loss(loss, *, world_size: int, micro_batch_size: int, global_batch_size: int, reduction: Reduction = "mean"):
     """`loss` times `loss_weight(...)`: what the engine passes to DeepSpeed's backward
-    (with ``scale_wrt_gas=False``)."""
-    return loss * loss_weight(
+    (with ``scale_wrt_gas=False``).
+
+    A bf16 or fp16 loss is weighted in fp32 (the result is fp32): a weight like 3/11
+    rounded to bf16's 8 significant bits would be off by up to 0.4%.
+    """
+    weight = loss_weight(
         world_size=world_size, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, reduction=reduction
     )
+    if getattr(loss, "dtype", None) in _HALF_DTYPES:
+        return loss.float() * weight
+    return loss * weight
 
 
 __all__ = ["REDUCTIONS", "loss_weight", "weight_loss"]

@@ -63,7 +63,6 @@ def ds_config(*, cluster: Path, plan: Path | None, stage: int, **poplar) -> dict
     if plan is not None:
         poplar["plan"] = str(plan)
     return {
-        "train_micro_batch_size_per_gpu": 1,  # replaced by the plan's
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,

@@ -60,3 +60,72 @@ def test_matches_single_process_on_the_global_batch(distributed_results, stage, 
     expected, norms = t.reference_parameters(opt, global_batch, STEPS)
     assert max(norms) > t.CLIP, "clipping must be active for this test to cover it"
     assert t.max_difference(distributed_results[(stage, opt)], expected) <= 1e-6
+
+
+# -- the user calls backward on the loss instead of engine.backward ---------------------
+DIRECT = [(stage, how) for stage in (1, 2, 3) for how in ("loss.backward", "engine.scale")]
+
+
+def _train_direct(engine, loader, how):
+    done = 0
+    while True:
+        for tokens in loader:
+            loss = engine(tokens.to(engine.device))
+            (loss if how == "loss.backward" else engine.scale(loss)).backward()
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            done += boundary
+            if done == STEPS:
+                return
+
+
+def _train_direct_all(files):
+    import poplar_ext
+
+    results = {}
+    for stage, how in DIRECT:
+        model = t.GPT(t.TINY)
+        engine, _, loader, _ = poplar_ext.initialize(
+            model=model,
+            optimizer=t.make_optimizer("sgd", model.parameters()),
+            training_data=t.dataset(),
+            config=t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage),
+        )
+        _train_direct(engine, loader, how)
+        params = t.full_parameters(engine)
+        if int(os.environ["RANK"]) == 0:
+            results[(stage, how)] = params
+    # Stage 0: DeepSpeed refuses a backward it cannot see, on every rank, before any step.
+    model = t.GPT(t.TINY)
+    engine, _, loader, _ = poplar_ext.initialize(
+        model=model, optimizer=t.make_optimizer("sgd", model.parameters()), training_data=t.dataset(),
+        config=t.ds_config(cluster=files["cluster"], plan=files[0], stage=0),
+    )
+    try:
+        engine(next(iter(loader)).to(engine.device)).backward()
+        results["stage0"] = "accepted"
+    except RuntimeError as exc:
+        results["stage0"] = str(exc)
+    return results
+
+
+@pytest.fixture(scope="module")
+def direct_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("direct")
+    types = ["cpu-fast", "cpu-slow", "cpu-slow"]
+    files = {"cluster": t.write_cluster(tmp / "cluster.json")}
+    for stage in (0, 1, 2, 3):
+        files[stage] = t.write_plan(tmp / f"plan{stage}.json", _allocation(stage), stage=stage, device_types=types)
+    return run_ranks(_train_direct_all, world_size=3, tmp_path=tmp, args=(files,), timeout_s=240)
+
+
+@pytest.mark.parametrize("stage,how", DIRECT)
+def test_backward_on_the_loss_is_exact_too(direct_results, stage, how):
+    global_batch = sum(b * s for b, s in _allocation(stage))
+    expected, _ = t.reference_parameters("sgd", global_batch, STEPS)
+    assert t.max_difference(direct_results[0][(stage, how)], expected) <= 1e-6
+
+
+def test_backward_on_the_loss_at_stage_0_is_refused_on_every_rank(direct_results):
+    for rank in direct_results:
+        assert "use engine.backward(loss)" in rank["stage0"], rank["stage0"]

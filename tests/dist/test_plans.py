@@ -35,7 +35,7 @@ BAD_CASES = {
     "stage2_uneven_counts": dict(stage=2, plan_key="stage2_uneven_counts"),
     "stage_differs": dict(stage=0, plan_key="stage1"),
     "over_max_micro_batch": dict(stage=1, plan_key="stage1", profiles_key="profiles"),
-    "missing_profiles": dict(stage=1, profiles_key="partial_profiles"),
+    "missing_profiles": dict(stage=1, profiles_key="partial_profiles", global_batch_size=12),
 }
 
 

@@ -26,7 +26,11 @@ def _train_from_nothing(cluster_path: str, profiles_dir: str) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = SyntheticTokens(num_samples=64, sequence_length=CONFIG.sequence_length, vocab_size=CONFIG.vocab_size)
     config = {
-        # No zero_optimization.stage: the search chooses it.
+        # No zero_optimization.stage: the search chooses it. Hugging Face's "auto"
+        # batch values leave the batch to poplar (a TypeError in automatic mode once).
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
         "gradient_clipping": 1.0,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10_000,

@@ -95,7 +95,7 @@ def test_bad_reduction():
 
 
 def test_bad_global_batch():
-    with pytest.raises(ValueError, match="poplar.global_batch_size: expected an integer >= 1, found number 0"):
+    with pytest.raises(ValueError, match="poplar.global_batch_size: expected an integer from 1 to 2147483648 or 'auto', found number 0"):
         _parse(global_batch_size=0)
 
 
@@ -225,3 +225,60 @@ def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
     path.write_bytes(b'{"poplar": "' + bytes([0xFF]) + b'"}')
     with pytest.raises(ValueError, match=re.escape(f"{path}: (file): expected a UTF-8 JSON file (given as config)")):
         load_deepspeed_config(str(path))
+
+
+# -- which global batch a job trains ---------------------------------------------------
+from poplar_ext.runtime.config import deepspeed_global_batch_size, requested_global_batch_size  # noqa: E402
+
+
+def test_deepspeeds_global_batch_from_micro_batch_and_accumulation():
+    request = deepspeed_global_batch_size(
+        {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 2}, world_size=4
+    )
+    assert request.size == 128 and "16 x 2 x 4" in request.origin
+    assert deepspeed_global_batch_size({"train_micro_batch_size_per_gpu": 3}, world_size=2).size == 6
+    assert deepspeed_global_batch_size({"train_batch_size": 96}, world_size=4).size == 96
+    assert deepspeed_global_batch_size({}, world_size=4).size is None
+
+
+@pytest.mark.parametrize("auto_key", ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"])
+def test_hugging_face_auto_values_count_as_unset(auto_key):
+    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    assert deepspeed_global_batch_size(config, world_size=2).size is None
+    config = {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, auto_key: "auto"}
+    assert deepspeed_global_batch_size(config, world_size=2).size == 24
+
+
+def test_deepspeeds_three_batch_values_must_agree():
+    config = {"train_batch_size": 100, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 2}
+    with pytest.raises(ValueError, match=r"train_batch_size: expected train_micro_batch_size_per_gpu x gradient_accumulation_steps "
+                                         r"x world size \(16 x 2 x 4 = 128\), as DeepSpeed requires, found number 100"):
+        deepspeed_global_batch_size(config, world_size=4)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "96", True])
+def test_deepspeed_batch_values_are_checked(bad):
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu: expected an integer from 1 to 2147483648"):
+        deepspeed_global_batch_size({"train_micro_batch_size_per_gpu": bad}, world_size=2)
+
+
+def test_the_search_does_not_override_what_deepspeed_says():
+    # micro-batch and accumulation but no train_batch_size: DeepSpeed's product, not the search's pick.
+    request = requested_global_batch_size(_parse(), {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}, world_size=3)
+    assert request.size == 96
+    assert requested_global_batch_size(_parse(global_batch_size="auto"), {}, world_size=3).size == "auto"
+    assert requested_global_batch_size(_parse(global_batch_size=12), {"train_batch_size": "auto"}, world_size=3).size == 12
+    assert requested_global_batch_size(_parse(), {}, world_size=3).size is None
+
+
+@pytest.mark.parametrize("poplar_batch", [64, "auto"])
+def test_two_global_batches_are_an_error(poplar_batch):
+    with pytest.raises(ValueError, match=r"poplar.global_batch_size: expected the DeepSpeed config's global batch \(96, from "
+                                         r"train_batch_size\) or no poplar.global_batch_size"):
+        requested_global_batch_size(_parse(global_batch_size=poplar_batch), {"train_batch_size": 96}, world_size=3)
+
+
+def test_drop_last_option():
+    assert _parse().drop_last is False and _parse(drop_last=True).drop_last is True
+    with pytest.raises(ValueError, match="poplar.drop_last: expected true or false, found string 'yes'"):
+        _parse(drop_last="yes")

@@ -198,3 +198,45 @@ def test_initialize_needs_the_poplar_section():
 
     with pytest.raises(ValueError, match="DeepSpeed config: expected a top-level 'poplar' section"):
         poplar_ext.initialize(model=torch.nn.Linear(1, 1), config={"train_batch_size": 1})
+
+
+# -- what poplar_ext cannot train is refused before anything starts ------------------------
+_SECTION = {"poplar": {"cluster": "c.json", "plan": "p.json"}}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "config", "message"),
+    [
+        ({"mpu": object()}, {}, r"expected data parallelism only, found mpu= \(a model-parallel unit"),
+        ({"mesh_param": (2, 2)}, {}, r"found mesh_param= \(a device mesh"),
+        ({}, {"sequence_parallel_size": 2}, r"found sequence_parallel_size 2 in <DeepSpeed config dict>"),
+        ({}, {"tensor_parallel": {"autotp_size": 2}}, r"found tensor_parallel.autotp_size 2"),
+    ],
+)
+def test_other_parallelism_is_refused(kwargs, config, message):
+    import poplar_ext
+
+    with pytest.raises(ValueError, match=message):
+        poplar_ext.initialize(model=torch.nn.Linear(1, 1), config={**config, **_SECTION}, **kwargs)
+
+
+def test_moe_layers_are_refused():
+    import poplar_ext
+    from deepspeed.moe.layer import MoE
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model.moe = MoE.__new__(MoE)  # an MoE layer, without building its expert groups
+    torch.nn.Module.__init__(model.moe)
+    with pytest.raises(ValueError, match=r"found MoE layers \(expert-parallel groups\)"):
+        poplar_ext.initialize(model=model, config=_SECTION)
+
+
+def test_an_iterable_dataset_is_refused_with_what_to_do():
+    import poplar_ext
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield torch.zeros(1)
+
+    with pytest.raises(ValueError, match=r"training_data: expected a map-style dataset .* found Stream"):
+        poplar_ext.initialize(model=torch.nn.Linear(1, 1), training_data=Stream(), config=_SECTION)

@@ -53,18 +53,18 @@ def test_search_at_start_broadcasts_the_plan(cluster_path, tmp_path):
 def test_missing_profiles_name_type_stage_and_command(cluster_path, tmp_path):
     directory = _profiles(tmp_path / "profiles", [("fast", 0.001)])
     with pytest.raises(ValueError, match=r"lacks profiles for these device types and ZeRO stages \(stage 1: slow\)\. Measure them with poplar-profile.*--zero-stages 1 --output-dir "):
-        _resolve(cluster_path, {"profiles": str(directory)})
+        _resolve(cluster_path, {"profiles": str(directory), "global_batch_size": 20})
 
 
 def test_no_profile_directory_at_all(cluster_path, tmp_path):
     with pytest.raises(ValueError, match=r"\(stage 0: fast, slow; stage 1: fast, slow; stage 2: fast, slow; stage 3: fast, slow\)"):
-        _resolve(cluster_path, {"profiles": str(tmp_path / "none")}, zero_stage=None)
+        _resolve(cluster_path, {"profiles": str(tmp_path / "none"), "global_batch_size": "auto"}, zero_stage=None)
 
 
 def test_missing_profiles_raise_before_any_broadcast(cluster_path, tmp_path):
     broadcasts = []
     with pytest.raises(ValueError, match="lacks profiles"):
-        _resolve(cluster_path, {"profiles": str(tmp_path / "none")}, broadcasts=broadcasts)
+        _resolve(cluster_path, {"profiles": str(tmp_path / "none"), "global_batch_size": 20}, broadcasts=broadcasts)
     assert broadcasts == []
 
 
@@ -123,3 +123,56 @@ def test_profiling_that_brings_back_no_complete_stage_says_what_is_missing(clust
                                          r"\(missing: fast at stage 2; slow at stage 2\)"):
         _for_search(cluster_path, tmp_path / "none", _measurer(set(), calls), zero_stage=2)
     assert calls == [[("fast", 2), ("slow", 2)]]
+
+
+# -- a plan file against the job's global batch and profiles -------------------------------
+import dataclasses  # noqa: E402
+import warnings  # noqa: E402
+
+from poplar_ext.runtime.config import GlobalBatchRequest  # noqa: E402
+from poplar_ext.runtime.planning import StalePlanWarning  # noqa: E402
+from search import search_plan  # noqa: E402
+from search.formats import load_profiles, save_plan  # noqa: E402
+
+
+def _searched_plan(cluster_path, directory, tmp_path, batch=20):
+    result = search_plan(load_profiles(directory), load_cluster(cluster_path), global_batch_size=batch, zero_stage=1)
+    save_plan(result.plan, tmp_path / "plan.json")
+    return tmp_path / "plan.json"
+
+
+def test_a_plan_for_another_global_batch_is_refused(cluster_path, tmp_path):
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    plan = _searched_plan(cluster_path, directory, tmp_path)
+    config = poplar_config_from_dict({"cluster": str(cluster_path), "plan": str(plan)}, base_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"The plan's global batch is 20 but the config asks for 32 \(train_batch_size\)"):
+        resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=0, zero_stage=1, broadcast=lambda o: o,
+                     global_batch=GlobalBatchRequest(size=32, origin="train_batch_size"))
+
+
+def test_no_global_batch_for_the_search_says_what_to_set(cluster_path, tmp_path):
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    with pytest.raises(ValueError, match=r"no global batch for the plan search: set train_batch_size .* or "
+                                         r'poplar.global_batch_size: "auto" to let the search pick'):
+        _resolve(cluster_path, {"profiles": str(directory)})
+
+
+def test_auto_lets_the_search_pick_the_batch(cluster_path, tmp_path):
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    plan = _resolve(cluster_path, {"profiles": str(directory), "global_batch_size": "auto", "max_global_batch_size": 40})
+    assert 2 <= plan.global_batch_size <= 40
+
+
+def test_a_plan_from_other_profiles_warns(cluster_path, tmp_path):
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    plan = _searched_plan(cluster_path, directory, tmp_path)
+    section = {"cluster": str(cluster_path), "plan": str(plan), "profiles": str(directory)}
+    config = poplar_config_from_dict(section, base_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the profiles the plan was made from: no warning
+        resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=0, zero_stage=1, broadcast=lambda o: o)
+    # Measured again: slow's profile changed.
+    slow = next(p for p in load_profiles(directory) if p.device_type == "slow")
+    save_profile(dataclasses.replace(slow, optimizer_step_time_s=slow.optimizer_step_time_s + 0.5), directory / "slow.json")
+    with pytest.warns(StalePlanWarning, match=r"plan.json: this plan was made from other profiles of slow than those in .*search the plan again"):
+        resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=0, zero_stage=1, broadcast=lambda o: o)

@@ -46,3 +46,12 @@ def test_deepspeed_rule_gives_the_global_mean_gradient(reduction):
             weight_loss(loss, world_size=world_size, micro_batch_size=b, global_batch_size=global_batch, reduction=reduction).backward()
             start += b
     assert torch.allclose(w.grad / world_size, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_loss_is_weighted_in_fp32(dtype):
+    loss = torch.tensor(1.0, dtype=dtype)
+    weighted = weight_loss(loss, world_size=3, micro_batch_size=3, global_batch_size=11)
+    assert weighted.dtype == torch.float32
+    assert float(weighted) == pytest.approx(9 / 11, rel=1e-7)  # bf16 would be off by up to 0.4%
+    assert abs(float(loss * (9 / 11)) - 9 / 11) > 1e-4  # what multiplying in the loss's dtype gives
