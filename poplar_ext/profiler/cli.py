@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -201,16 +200,15 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
         if value < minimum:
             raise UsageError(f"{option}: expected an integer >= {minimum}, found {value}")
     config_path = Path(args.deepspeed_config)
+    from search.formats import load_cluster, read_json
+
     try:
-        ds_config = json.loads(config_path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"--deepspeed_config: cannot read {config_path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--deepspeed_config: {config_path} is not valid JSON: {exc.msg} (line {exc.lineno})") from None
+        ds_config = read_json(config_path)  # names the file for unreadable, non-UTF-8 or invalid JSON
+    except FormatError as exc:
+        raise UsageError(f"--deepspeed_config: {exc}") from None
     if not isinstance(ds_config, dict):
         raise UsageError(f"--deepspeed_config: expected a JSON object in {config_path}, found {type(ds_config).__name__}")
     cluster_path = Path(args.cluster)
-    from search.formats import load_cluster
 
     try:
         load_cluster(cluster_path)

@@ -126,6 +126,11 @@ def obtain_missing_profiles(
 
 
 def _available_profiles(poplar_config: PoplarConfig, model_fingerprint: str | None) -> list[Profile]:
+    if poplar_config.profiles is not None and poplar_config.profiles.exists() and not poplar_config.profiles.is_dir():
+        raise ValueError(
+            f"{poplar_config.source}: {SECTION}.profiles: expected a directory of profiles (one is made when "
+            f"missing), found the file {poplar_config.profiles}"
+        )
     if poplar_config.profiles is None or not poplar_config.profiles.is_dir():
         return []
     try:

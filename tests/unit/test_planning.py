@@ -176,3 +176,9 @@ def test_a_plan_from_other_profiles_warns(cluster_path, tmp_path):
     save_profile(dataclasses.replace(slow, optimizer_step_time_s=slow.optimizer_step_time_s + 0.5), directory / "slow.json")
     with pytest.warns(StalePlanWarning, match=r"plan.json: this plan was made from other profiles of slow than those in .*search the plan again"):
         resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=0, zero_stage=1, broadcast=lambda o: o)
+
+
+def test_profiles_that_name_a_file_are_refused(cluster_path, tmp_path):
+    (tmp_path / "profiles.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"poplar.profiles: expected a directory of profiles .*, found the file .*profiles.json"):
+        _resolve(cluster_path, {"profiles": str(tmp_path / "profiles.json"), "global_batch_size": 20})

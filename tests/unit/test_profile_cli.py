@@ -93,3 +93,12 @@ def test_help_names_the_launcher(capsys) -> None:
         main(["--help"])
     assert info.value.code == 0
     assert "deepspeed launcher" in capsys.readouterr().out
+
+
+def test_a_deepspeed_config_that_is_not_utf8_is_named(files, tmp_path, capsys) -> None:
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes('{"optimizer": {"type": "Adam"}, "note": "caf\u00e9"}'.encode("latin-1"))
+    assert main(["--deepspeed_config", str(bad), "--cluster", files["cluster"], "--model", "toy-gpt"]) == 2
+    err = capsys.readouterr().err
+    assert f"--deepspeed_config: {bad}: (file): expected a UTF-8 JSON file, found a byte that is not UTF-8" in err
+    assert len(err.strip().splitlines()) == 1
