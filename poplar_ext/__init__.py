@@ -12,9 +12,10 @@ application decides where they go.
 
 import logging
 
+from poplar_ext.hardware.discovery import discover_cluster
 from poplar_ext.profiler import profile_model
 from poplar_ext.runtime import PlanBatchSampler, PoplarEngine, StalePlanWarning, initialize
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = ["PlanBatchSampler", "PoplarEngine", "StalePlanWarning", "initialize", "profile_model"]
+__all__ = ["PlanBatchSampler", "PoplarEngine", "StalePlanWarning", "discover_cluster", "initialize", "profile_model"]

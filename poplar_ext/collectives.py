@@ -1,71 +1,44 @@
-"""Where this process sits in the job, and every collective poplar-ext issues.
+"""The process group, and every collective poplar-ext issues.
 
 Each collective is defined here once, so that the rule the design sets (rank 0
 decides, all receive; no rank takes a branch into a collective that another rank
 skips) can be read in one place:
 
 * `broadcast_from_rank0`: rank 0's object on every rank (plans, profiles, errors);
+* `decided_by_rank0`: a decision only rank 0 can take (from files only its node has),
+  with its result, or its error, on every rank;
 * `gather_objects`: every rank's object on every rank (device facts, measurements);
 * `agree_max`: the element-wise maximum of a list of numbers (trial outcomes);
 * `barrier`: every rank waits for the others (before a timed block).
+
+`ensure_process_group` sets the group up through DeepSpeed (its launcher, torchrun
+or mpirun) and selects this rank's device before any of these runs.
 
 With one rank each is the identity and needs no process group.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 
-@dataclass(frozen=True, kw_only=True)
-class RankInfo:
-    """This process's place in the job, as the launcher (deepspeed, torchrun) set it."""
+def ensure_process_group(**init_options: Any) -> Any:
+    """Set up the process group (``deepspeed.init_distributed``, unless it exists) and select this
+    rank's device; returns the device (``torch.device``). Call before any collective.
+    `init_options` go to ``deepspeed.init_distributed`` (e.g. ``distributed_port``).
 
-    rank: int
-    """Global rank (RANK)."""
-    local_rank: int
-    """Rank on this node (LOCAL_RANK)."""
-    world_size: int
-    """Number of ranks (WORLD_SIZE)."""
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}: expected an integer, found {value!r}") from None
-
-
-def rank_info_from_env() -> RankInfo:
-    """RANK, LOCAL_RANK and WORLD_SIZE from the environment (a single process when unset)."""
-    world_size = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"environment: expected 0 <= RANK < WORLD_SIZE, found RANK={rank}, WORLD_SIZE={world_size}")
-    return RankInfo(rank=rank, local_rank=_env_int("LOCAL_RANK", rank), world_size=world_size)
-
-
-def local_world_size() -> int:
-    """Ranks on this node, as the launcher says (LOCAL_WORLD_SIZE, or MPI's LOCAL_SIZE); 1 when unset."""
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
-        if os.environ.get(name):
-            return _env_int(name, 1)
-    return 1
-
-
-def ensure_process_group() -> None:
-    """Set up the default process group through ``deepspeed.init_distributed`` unless it exists."""
+    DeepSpeed's setup also discovers rank and world size under ``mpirun`` (its MPI
+    mode), so read them afterwards (`process_group_rank`), not from the environment.
+    """
     import torch.distributed as dist
+
+    from poplar_ext.hardware.devices import select_job_device
 
     if not dist.is_initialized():
         import deepspeed
 
-        deepspeed.init_distributed()
+        deepspeed.init_distributed(**init_options)
+    return select_job_device()
 
 
 def broadcast_from_rank0(obj: Any) -> Any:
@@ -78,6 +51,31 @@ def broadcast_from_rank0(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def decided_by_rank0(decide: Callable[[], Any], *, rank: int, broadcast: Callable[[Any], Any] = broadcast_from_rank0) -> Any:
+    """`decide()` run on rank 0 alone (it may read files only rank 0's node has), its result on
+    every rank; what it raises is raised on every rank, so no rank waits for one that failed.
+
+    The result must be picklable. A `ValueError` (bad input) is a ValueError everywhere;
+    any other exception is a RuntimeError naming it on the other ranks.
+    """
+    outcome: dict[str, Any] | None = None
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            outcome = {"result": decide()}
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait in the broadcast: tell them
+            failure = exc
+            outcome = {"error": str(exc), "value_error": isinstance(exc, ValueError), "type": type(exc).__name__}
+    outcome = broadcast(outcome)
+    if failure is not None:
+        raise failure
+    if "error" in outcome:
+        if outcome["value_error"]:
+            raise ValueError(outcome["error"])
+        raise RuntimeError(f"rank 0 failed: {outcome['type']}: {outcome['error']}")
+    return outcome["result"]
 
 
 def gather_objects(obj: Any) -> list[Any]:
@@ -118,13 +116,11 @@ def process_group_rank() -> tuple[int, int]:
 
 
 __all__ = [
-    "RankInfo",
     "agree_max",
     "barrier",
     "broadcast_from_rank0",
+    "decided_by_rank0",
     "ensure_process_group",
     "gather_objects",
-    "local_world_size",
     "process_group_rank",
-    "rank_info_from_env",
 ]

@@ -462,6 +462,11 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     return profile_from_dict(read_json(path), source=str(path))
 
 
+def is_cluster_or_plan(data: Any) -> bool:
+    """Whether parsed JSON is a cluster description or a plan (kept beside profiles, not one)."""
+    return isinstance(data, dict) and "device_type" not in data and ("nodes" in data or "ranks" in data)
+
+
 def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
     """Load every ``*.json`` profile directly in `directory` (sorted by file name).
 
@@ -477,7 +482,7 @@ def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
     origin: dict[tuple[str, int, str], Path] = {}
     for path in sorted(directory.glob("*.json")):
         data = read_json(path)
-        if isinstance(data, dict) and "device_type" not in data and ("nodes" in data or "ranks" in data):
+        if is_cluster_or_plan(data):
             continue
         profile = profile_from_dict(data, source=str(path))
         key = (profile.device_type, profile.zero_stage, profile.model.fingerprint)

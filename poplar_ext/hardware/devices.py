@@ -7,11 +7,12 @@ order, first match wins. A name that no row matches gets a warning and an explic
 fallback built from the reported name and memory, never a silent constant.
 
 Emulated device types are not read from hardware: they are whatever the cluster
-description declares (see `rank_device_type`).
+description declares (see `declared_type_problem`).
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import warnings
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from search.formats import Cluster, Emulation
+from search.formats import Emulation
 
 CPU_DEVICE_TYPE = "cpu"
 """The device type of a rank that trains on the CPU (real, not emulated)."""
@@ -148,34 +149,54 @@ def _cpu_model_name() -> str:
     return platform.processor() or "unknown"
 
 
-def rank_device_type(cluster: Cluster, rank: int, device: torch.device) -> tuple[str, Emulation | None]:
-    """The device type `rank` profiles and trains as, and its emulation (None when real).
+def declared_type_problem(declared: str, emulation: Emulation | None, hardware_type: str) -> str | None:
+    """Why a rank whose hardware is `hardware_type` cannot be the `declared` type, or None.
 
-    An emulated type is whatever the cluster description declares. A real type is
-    read from the hardware and must be the one the cluster description declares for
-    that rank: profiles named after one device but measured on another would
-    silently mislead the search.
+    The one rule for the runtime and the profiler: a real type is the one the hardware
+    reports through `DEVICE_NAME_TABLE`; an emulated type is whatever the cluster
+    description declares (it is made from the real device, not read from it).
     """
-    declared = cluster.rank_device_types
-    if not 0 <= rank < len(declared):
-        raise ValueError(
-            f"rank: expected a rank of the cluster description (0..{len(declared) - 1}), found {rank}"
-        )
-    emulation = cluster.emulation_of(declared[rank])
-    if emulation is not None:
-        return declared[rank], emulation
-    measured = hardware_device_type(device)
-    if measured != declared[rank]:
-        raise ValueError(
-            f"cluster: expected rank {rank}'s device type to be the one its hardware reports "
-            f"({measured!r}, {hardware_description(device)}), found {declared[rank]!r}; "
-            "name it so in the cluster description, or declare it emulated under device_types"
-        )
-    return measured, None
+    if emulation is not None or declared == hardware_type:
+        return None
+    return (
+        f"the cluster description says {declared!r}; name it {hardware_type!r} as its hardware reports it, "
+        "or declare it emulated under device_types"
+    )
+
+
+def cuda_device_index(local_rank: int, device_count: int) -> int:
+    """The CUDA device a rank uses: its local rank, or, with more local ranks than visible
+    devices (ranks sharing GPUs, or CUDA_VISIBLE_DEVICES giving each process one), the
+    local rank modulo the devices it sees."""
+    if device_count < 1:
+        raise ValueError(f"device_count: expected at least one visible CUDA device, found {device_count}")
+    if local_rank < 0:
+        raise ValueError(f"LOCAL_RANK: expected an integer >= 0, found {local_rank}")
+    return local_rank % device_count
+
+
+def select_job_device() -> torch.device:
+    """This rank's device, made current; call once, before the first collective.
+
+    On CUDA every collective (NCCL's broadcasts and gathers included) runs on the
+    current device, so without this every local rank would use cuda:0. LOCAL_RANK is
+    read after the launcher (or DeepSpeed's MPI discovery) has set it.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cuda":
+        return torch.device(accelerator.current_device_name())
+    index = cuda_device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 __all__ = [
     "CPU_DEVICE_TYPE",
+    "cuda_device_index",
+    "declared_type_problem",
+    "select_job_device",
     "DEVICE_NAME_TABLE",
     "DeviceNameRule",
     "UnknownDeviceWarning",
@@ -183,5 +204,4 @@ __all__ = [
     "hardware_description",
     "hardware_device_type",
     "normalize_device_name",
-    "rank_device_type",
 ]

@@ -160,23 +160,6 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def device_memory_capacity_bytes(device: torch.device, *, local_world_size: int) -> int:
-    """Memory one rank may use on `device` (before any emulation applies).
-
-    CUDA: the device's total memory, shared evenly when there are more ranks on this
-    machine than devices (ranks emulating device types on one GPU). CPU: physical
-    RAM divided by the ranks that share this machine.
-    """
-    if local_world_size < 1:
-        raise ValueError(f"local_world_size: expected an integer >= 1, found {local_world_size}")
-    if device.type == "cuda":
-        ranks_per_device = -(-local_world_size // torch.cuda.device_count())
-        return int(torch.cuda.get_device_properties(device).total_memory) // ranks_per_device
-    if device.type != "cpu":
-        raise ValueError(f"device: expected a 'cpu' or 'cuda' device, found {device}")
-    return physical_memory_bytes() // local_world_size
-
-
 def release_memory(device: torch.device) -> None:
     """Give freed memory back after an out-of-memory, so the next trial starts clean."""
     gc.collect()
@@ -190,7 +173,6 @@ __all__ = [
     "MeasuredPeak",
     "cpu_peak_supported",
     "default_cpu_allocator",
-    "device_memory_capacity_bytes",
     "is_out_of_memory",
     "peak_memory_bytes",
     "physical_memory_bytes",

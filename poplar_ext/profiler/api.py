@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from poplar_ext.collectives import broadcast_from_rank0, ensure_process_group, local_world_size
+from poplar_ext.collectives import broadcast_from_rank0, ensure_process_group
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.emulation import device_label
 from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocator
@@ -42,7 +42,6 @@ from search.formats import (
     Cluster,
     ModelInfo,
     Profile,
-    load_cluster,
     profile_from_dict,
     profile_to_dict,
     read_json,
@@ -107,20 +106,6 @@ class _ProgressReporter:
         self.say(f"ZeRO-{event.zero_stage} {event.phase}: {sizes}; about {left_s:.0f} s left")
 
 
-def _job_device() -> torch.device:
-    """This rank's device, made current (DeepSpeed does it only when the first engine is built,
-    and collectives before that, such as NCCL's all_gather_object, use the current device)."""
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cuda":
-        return torch.device(accelerator.current_device_name())
-    # Several ranks may share one GPU (emulated device types on one machine).
-    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
 def _validate(zero_stages: Iterable[int], cache_dir: str | os.PathLike[str]) -> tuple[int, ...]:
     stages = tuple(zero_stages)
     if not stages or any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):
@@ -135,7 +120,7 @@ def profile_model(
     model_factory: Callable[[], torch.nn.Module],
     make_batch: Callable[[int], Any],
     ds_config: Mapping[str, Any] | str | os.PathLike[str],
-    cluster: Cluster | str | os.PathLike[str],
+    cluster: Cluster | str | os.PathLike[str] | None = None,
     zero_stages: Iterable[int] = ZERO_STAGES,
     micro_batch_sizes: Iterable[int] | None = None,
     cache_dir: str | os.PathLike[str] = "profiles",
@@ -163,8 +148,9 @@ def profile_model(
         profile comes from the cache.
     ds_config: the DeepSpeed config (dict or JSON file); batch sizes and the stage
         are set per engine, everything else (dtype, optimizer, offload) is used as is.
-    cluster: the cluster description (or its file): device type of every rank, and
-        the emulation of emulated types.
+    cluster: the cluster description, or its file (read by rank 0 alone), or None to
+        discover it from the hardware: device type of every rank, and the emulation of
+        emulated types. Real types must be what the hardware reports.
     micro_batch_sizes: sizes for the time curve (default: 1, 2, 3, 4, 6, 8, 12, ...
         up to the largest that fits).
     progress: called on rank 0 with one line per trial (device type, stage, size,
@@ -191,13 +177,10 @@ def profile_model(
         ds_config = read_json(ds_config)
         if not isinstance(ds_config, dict):
             raise ValueError(f"ds_config: expected a JSON object, found {type(ds_config).__name__}")
-    if not isinstance(cluster, Cluster):
-        cluster = load_cluster(cluster)
     cache_dir = Path(cache_dir)
     loss_fn = loss_fn or default_loss
 
-    ensure_process_group()
-    device = _job_device()
+    device = ensure_process_group()
     with _measuring_process(device):
         return _profile(
             model_factory=model_factory, make_batch=make_batch, ds_config=ds_config, cluster=cluster,
@@ -226,7 +209,7 @@ def _profile(
     model_factory: Callable[[], torch.nn.Module],
     make_batch: Callable[[int], Any],
     ds_config: Mapping[str, Any],
-    cluster: Cluster,
+    cluster: Cluster | str | os.PathLike[str] | None,
     stages: tuple[int, ...],
     settings: MeasureSettings,
     cache_dir: Path,
@@ -240,7 +223,7 @@ def _profile(
 ) -> list[Profile]:
     import deepspeed
 
-    layout = build_layout(cluster, device, local_world_size=local_world_size())
+    layout = build_layout(cluster, device)
 
     first_model: list[torch.nn.Module] = [model_factory()]
     fingerprint = model_fingerprint(first_model[0])

@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from search.errors import FormatError
-from search.formats import Emulation, Profile, content_fingerprint, load_profile, save_profile
+from search.formats import (
+    Emulation,
+    Profile,
+    content_fingerprint,
+    is_cluster_or_plan,
+    profile_from_dict,
+    read_json,
+    save_profile,
+)
 
 # DeepSpeed settings that do not change per-micro-step speed or memory, or that the
 # profiler sets itself; everything else in the config is part of the cache key.
@@ -100,7 +108,10 @@ def _stored_profiles(cache_dir: Path) -> list[tuple[Path, Profile]]:
         return found
     for path in sorted(cache_dir.glob("*.json")):
         try:
-            found.append((path, load_profile(path)))
+            data = read_json(path)
+            if is_cluster_or_plan(data):  # e.g. the cluster poplar-profile discovered
+                continue
+            found.append((path, profile_from_dict(data, source=str(path))))
         except FormatError as exc:
             # Not fatal here: the profile is measured again and the bad file is named.
             warnings.warn(f"profile cache: ignoring a file that is not a valid profile: {exc}", stacklevel=3)

@@ -32,6 +32,8 @@ from search.errors import FormatError
 from search.formats import ZERO_STAGES
 
 BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
+DISCOVERED_CLUSTER_FILE = "cluster.json"
+"""Where, in the output directory, a run without --cluster writes the cluster it discovered."""
 
 
 class UsageError(ValueError):
@@ -64,8 +66,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="the DeepSpeed JSON config training uses (dtype, optimizer, ZeRO settings; batch sizes are set per measurement)",
     )
     parser.add_argument(
-        "--cluster", required=True, metavar="FILE",
-        help="cluster description: the device type of every rank, and the emulation of emulated types",
+        "--cluster", metavar="FILE",
+        help="cluster description: the device type of every rank, and the emulation of emulated types; read by "
+        "rank 0 alone and checked against every rank's hardware (default: discovered from the hardware and "
+        "written as cluster.json next to the profiles, for poplar-search)",
     )
     parser.add_argument(
         "--model", required=True, metavar="MODULE:FACTORY",
@@ -141,7 +145,8 @@ class ProfileCommand:
     """A checked command line: everything `profile_model` needs."""
 
     ds_config: dict[str, Any]
-    cluster_path: Path
+    cluster_path: Path | None
+    """None: the cluster is discovered from the hardware and written next to the profiles."""
     model_factory: Callable[[], Any]
     make_batch: Callable[[int], Any]
     model_name: str | None
@@ -200,7 +205,7 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
         if value < minimum:
             raise UsageError(f"{option}: expected an integer >= {minimum}, found {value}")
     config_path = Path(args.deepspeed_config)
-    from search.formats import load_cluster, read_json
+    from search.formats import read_json
 
     try:
         ds_config = read_json(config_path)  # names the file for unreadable, non-UTF-8 or invalid JSON
@@ -208,12 +213,8 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
         raise UsageError(f"--deepspeed_config: {exc}") from None
     if not isinstance(ds_config, dict):
         raise UsageError(f"--deepspeed_config: expected a JSON object in {config_path}, found {type(ds_config).__name__}")
-    cluster_path = Path(args.cluster)
-
-    try:
-        load_cluster(cluster_path)
-    except FormatError as exc:
-        raise UsageError(f"--cluster: {exc}") from None
+    # The cluster file is read by rank 0 alone, inside the job (other nodes need not have it).
+    cluster_path = None if args.cluster is None else Path(args.cluster)
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise UsageError(f"--output-dir: expected a directory, found the file {output_dir}")
@@ -249,19 +250,30 @@ def run(command: ProfileCommand) -> list[Any]:
     """Profile as `command` says (collective: every rank runs it); returns the profiles."""
     from deepspeed.accelerator import get_accelerator
 
+    from poplar_ext.collectives import process_group_rank
     from poplar_ext.hardware.cpu_process import skip_deepspeed_shm_op
+    from poplar_ext.hardware.discovery import discover_cluster
     from poplar_ext.profiler import log_progress, profile_model
+    from search.formats import save_cluster
 
     if get_accelerator().device_name() == "cpu":
         # This command owns its process: spare it DeepSpeed's compile of an op that
         # only inference uses (see poplar_ext.hardware.cpu_process).
         skip_deepspeed_shm_op()
 
+    cluster = command.cluster_path
+    if cluster is None:
+        cluster = discover_cluster()
+        if process_group_rank()[0] == 0:
+            target = command.output_dir / DISCOVERED_CLUSTER_FILE
+            save_cluster(cluster, target)
+            if not command.quiet:
+                log_progress(f"the cluster read from the hardware: {target}")
     return profile_model(
         model_factory=command.model_factory,
         make_batch=command.make_batch,
         ds_config=command.ds_config,
-        cluster=command.cluster_path,
+        cluster=cluster,
         zero_stages=command.zero_stages,
         micro_batch_sizes=command.micro_batch_sizes,
         cache_dir=command.output_dir,

@@ -1,21 +1,20 @@
 """Which device type every rank of the job has, agreed collectively.
 
-Every rank reads its own device (`poplar_ext.hardware.devices`), all ranks exchange what they
-found, and each builds the same `JobLayout`; an error found on any rank is raised on
-every rank, so none is left waiting in a collective.
+Every rank reads its own device, all ranks exchange what they found
+(`poplar_ext.hardware.discovery`), rank 0 settles the cluster description, and each
+rank builds the same `JobLayout`; an error is raised on every rank, so none is left
+waiting in a collective.
 """
 
 from __future__ import annotations
 
-import socket
+import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from poplar_ext.collectives import gather_objects, process_group_rank
-from poplar_ext.hardware.devices import hardware_description, rank_device_type
-from poplar_ext.hardware.memory import device_memory_capacity_bytes
+from poplar_ext.collectives import process_group_rank
+from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts, memory_capacity_bytes
 from search.formats import Cluster, Emulation
 
 
@@ -27,6 +26,8 @@ class JobLayout:
     world_size: int
     device: torch.device
     """This rank's device."""
+    cluster: Cluster
+    """The job's cluster description (from the file, or discovered), checked against the hardware."""
     rank_types: tuple[str, ...]
     """Device type of every rank, rank 0 first."""
     emulations: dict[str, Emulation | None]
@@ -50,39 +51,29 @@ class JobLayout:
         return tuple(r for r, t in enumerate(self.rank_types) if t == device_type)
 
 
-def build_layout(cluster: Cluster, device: torch.device, *, local_world_size: int) -> JobLayout:
-    """Agree on every rank's device type (collective). Raises the same ValueError on every rank."""
+def build_layout(cluster: Cluster | str | os.PathLike[str] | None, device: torch.device) -> JobLayout:
+    """Agree on the cluster and every rank's device type (collective); the same ValueError on every rank.
+
+    `cluster`: a description, a file (read by rank 0 alone) or None (discovered from
+    the hardware). Real device types must be what the hardware reports
+    (`poplar_ext.hardware.discovery.agreed_cluster`).
+    """
     rank, world_size = process_group_rank()
-    if cluster.world_size != world_size:
-        # Every rank reads the same cluster file: all raise here, before any collective.
-        raise ValueError(
-            f"cluster: expected a cluster description with {world_size} ranks (WORLD_SIZE), "
-            f"found {cluster.world_size}"
-        )
-    mine: dict[str, Any] = {"host": socket.gethostname()}
-    try:
-        mine["type"], mine["emulation"] = rank_device_type(cluster, rank, device)
-        mine["capacity"] = device_memory_capacity_bytes(device, local_world_size=local_world_size)
-        mine["hardware"] = hardware_description(device)
-    except ValueError as exc:
-        mine["error"] = str(exc)
-    everyone = gather_objects(mine)
-    errors = [f"rank {r}: {info['error']}" for r, info in enumerate(everyone) if "error" in info]
-    if errors:
-        raise ValueError("; ".join(errors))
-    rank_types = tuple(info["type"] for info in everyone)
+    facts = gather_device_facts(device)
+    agreed = agreed_cluster(cluster, facts, rank=rank, name="cluster")
+    rank_types = agreed.rank_device_types
     emulations: dict[str, Emulation | None] = {}
     capacities: dict[str, int] = {}
     hardware: dict[str, str] = {}
     hosts: dict[str, str] = {}
-    for info in everyone:
-        t = info["type"]
+    for fact, t in zip(facts, rank_types):
+        capacity = memory_capacity_bytes(facts, fact.rank)
         if t not in emulations:
-            emulations[t] = info["emulation"]
-            hardware[t] = info["hardware"]
-            hosts[t] = info["host"]
-            capacities[t] = info["capacity"]
-        capacities[t] = min(capacities[t], info["capacity"])
+            emulations[t] = agreed.emulation_of(t)
+            hardware[t] = fact.hardware
+            hosts[t] = fact.host
+            capacities[t] = capacity
+        capacities[t] = min(capacities[t], capacity)
     for t, emulation in emulations.items():
         if emulation is not None:
             capacities[t] = emulation.memory_capacity_bytes
@@ -90,6 +81,7 @@ def build_layout(cluster: Cluster, device: torch.device, *, local_world_size: in
         rank=rank,
         world_size=world_size,
         device=device,
+        cluster=agreed,
         rank_types=rank_types,
         emulations=emulations,
         capacities_bytes=capacities,

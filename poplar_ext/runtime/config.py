@@ -3,7 +3,7 @@
 A DeepSpeed JSON config plus a top-level section::
 
     "poplar": {
-        "cluster": "cluster.json",        # required: device type of every rank
+        "cluster": "cluster.json",        # device type of every rank; absent: read from the hardware
         "plan": "plan.json",              # a plan from poplar-search, or instead:
         "profiles": "profiles/",          # profiles to search a plan from at start
         "policy": "poplar",               # search policy (uniform, proportional, poplar)
@@ -54,8 +54,9 @@ DICT_SOURCE = "<DeepSpeed config dict>"
 class PoplarConfig:
     """The validated ``poplar`` section."""
 
-    cluster: Path
-    """Cluster description: which device type (real or emulated) each rank has."""
+    cluster: Path | None = None
+    """Cluster description: which device type (real or emulated) each rank has; read by rank 0
+    alone and checked against every rank's hardware. None: discovered from the hardware."""
     plan: Path | None = None
     """A plan file; when absent, a plan is searched from `profiles` at start."""
     profiles: Path | None = None
@@ -122,11 +123,9 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
     """
     root = Node(section, source, SECTION)
     if not isinstance(section, dict):
-        raise root.fail("an object with at least 'cluster' and 'plan' or 'profiles'")
+        raise root.fail("an object with at least 'plan' or 'profiles'")
     root.keys_within(_KEYS)
     cluster = _path(root.optional("cluster"), base_dir)
-    if cluster is None:
-        raise root.child("cluster").fail("the path of a cluster description")
     plan = _path(root.optional("plan"), base_dir)
     profiles = _path(root.optional("profiles"), base_dir)
     if plan is None and profiles is None:

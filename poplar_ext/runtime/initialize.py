@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 
-from poplar_ext.collectives import broadcast_from_rank0, rank_info_from_env
+from poplar_ext.collectives import broadcast_from_rank0, ensure_process_group, process_group_rank
 from poplar_ext.hardware.cpu_process import limit_cpu_threads
+from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts
 from poplar_ext.hardware.emulation import ComputeSlowdown, device_label, emulation_for_rank
 from poplar_ext.hardware.memory import steady_cpu_allocator
 from poplar_ext.runtime.config import (
@@ -50,7 +51,6 @@ from poplar_ext.runtime.config import (
 )
 from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.planning import resolve_plan
-from search.formats import load_cluster
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +152,12 @@ def initialize(
     poplar_config = poplar_config_from_dict(ds_config[SECTION], base_dir=base_dir, source=source)
     _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
     _check_training_data(training_data)
-    info = rank_info_from_env()
-    global_batch = requested_global_batch_size(poplar_config, ds_config, world_size=info.world_size)
-    cluster = load_cluster(poplar_config.cluster)
+    # DeepSpeed's own discovery first (launcher, torchrun or mpirun), then this rank's device.
+    device = ensure_process_group(**({} if distributed_port is None else {"distributed_port": distributed_port}))
+    rank, world_size = process_group_rank()
+    global_batch = requested_global_batch_size(poplar_config, ds_config, world_size=world_size)
+    # The hardware is the truth: the cluster file (rank 0's) is checked against every rank's device.
+    cluster = agreed_cluster(poplar_config.cluster, gather_device_facts(device), rank=rank, name=f"{SECTION}.cluster")
     model_fingerprint = None
     if poplar_config.profiles is not None and model is not None:
         from poplar_ext.profiler.fingerprint import model_fingerprint as fingerprint_of
@@ -174,24 +177,24 @@ def initialize(
     plan = resolve_plan(
         poplar_config,
         cluster,
-        world_size=info.world_size,
-        rank=info.rank,
+        world_size=world_size,
+        rank=rank,
         zero_stage=requested_zero_stage(poplar_config, ds_config),
         global_batch=global_batch,
         model_fingerprint=model_fingerprint,
         broadcast=broadcast_from_rank0,
         measure_missing=measure_missing,
     )
-    nominal = nominal_deepspeed_config(ds_config, plan, info.rank, source=source)
-    emulation = emulation_for_rank(cluster, info.rank)
+    nominal = nominal_deepspeed_config(ds_config, plan, rank, source=source)
+    emulation = emulation_for_rank(cluster, rank)
     on_cpu = _on_cpu()
-    _apply_cpu_process_settings(poplar_config, on_cpu=on_cpu, emulated=emulation is not None, rank=info.rank)
+    _apply_cpu_process_settings(poplar_config, on_cpu=on_cpu, emulated=emulation is not None, rank=rank)
     labels = tuple(device_label(t, cluster.emulation_of(t)) for t in cluster.rank_device_types)
-    label = labels[info.rank]
-    rank_plan = plan.ranks[info.rank]
+    label = labels[rank]
+    rank_plan = plan.ranks[rank]
     logger.info(
         "rank %d: %s, micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
-        info.rank, label, rank_plan.micro_batch_size, rank_plan.gradient_accumulation_steps,
+        rank, label, rank_plan.micro_batch_size, rank_plan.gradient_accumulation_steps,
         plan.global_batch_size, plan.zero_stage,
     )
     # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
@@ -223,7 +226,7 @@ def initialize(
     if emulation is not None:
         slowdown = ComputeSlowdown(emulation, clock="thread" if on_cpu else "cuda")
     wrapped = PoplarEngine(
-        engine, plan=plan, rank=info.rank, poplar_config=poplar_config, device_label=label, slowdown=slowdown,
+        engine, plan=plan, rank=rank, poplar_config=poplar_config, device_label=label, slowdown=slowdown,
         rank_device_labels=labels,
     )
     dataloader = None

@@ -1,10 +1,10 @@
 """Which plan a training job runs: from a plan file, or searched at start from profiles.
 
-Every check that can refuse a plan runs on every rank *before* the rank enters any
-collective: all ranks read the same files, so all raise the same ValueError and none
-is left waiting for the others. When the plan is searched at start, rank 0 runs the
-search and broadcasts the plan (or the reason it failed) to all ranks, which then
-check it the same way.
+Rank 0 decides, all receive: only rank 0 reads the plan and profile files (a node
+without them is fine), checks the plan and broadcasts it, or the reason it cannot
+run, which every rank then raises; no rank takes a branch into a collective from
+files only it can see. Missing profiles are measured by every rank together when
+`initialize` had the model and the data (the automatic mode).
 
 A plan file made from other profiles than those in ``poplar.profiles`` (another
 measurement, another model) still runs when it fits them, but its predictions are
@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
+from poplar_ext.collectives import decided_by_rank0
 from poplar_ext.profiler.auto import MeasureMissing
 from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
 from search.errors import FormatError
@@ -144,6 +145,31 @@ def _available_profiles(poplar_config: PoplarConfig, model_fingerprint: str | No
     return profiles
 
 
+def _profile_gaps(
+    profiles: list[Profile], cluster: Cluster, zero_stage: int | None
+) -> tuple[list[tuple[str, int]], list[int]]:
+    """The (device type, stage) pairs without a profile, and the stages where no type lacks one."""
+    types = list(cluster.type_counts())
+    stages = ZERO_STAGES if zero_stage is None else (zero_stage,)
+    have = {(p.device_type, p.zero_stage) for p in profiles}
+    missing = [(t, s) for s in stages for t in types if (t, s) not in have]
+    complete = [s for s in stages if all(stage != s for _, stage in missing)]
+    return missing, complete
+
+
+def _searchable(profiles: list[Profile], cluster: Cluster, zero_stage: int | None) -> list[Profile]:
+    """The profiles of the cluster's types at the stages every type has; ValueError when there are none."""
+    # A measurement may come back without some (type, stage): recount, never assume.
+    missing, complete = _profile_gaps(profiles, cluster, zero_stage)
+    if not complete:
+        still = "; ".join(f"{t} at stage {s}" for t, s in missing)
+        raise ValueError(
+            f"poplar.profiles: after profiling, no ZeRO stage has a profile of every device type (missing: {still})"
+        )
+    types = set(cluster.type_counts())
+    return [p for p in profiles if p.zero_stage in complete and p.device_type in types]
+
+
 def profiles_for_search(
     poplar_config: PoplarConfig,
     cluster: Cluster,
@@ -154,39 +180,21 @@ def profiles_for_search(
 ) -> list[Profile]:
     """The profiles the search needs: every device type at the stage (or, with no stage
     set, at every stage where all types have one); missing ones come from
-    `obtain_missing_profiles`."""
+    `obtain_missing_profiles`. Reads the profile files: in a job, rank 0's business
+    (`resolve_plan` splits this into rank 0's reading and everyone's measuring)."""
     profiles = _available_profiles(poplar_config, model_fingerprint)
-    types = list(cluster.type_counts())
-    stages = ZERO_STAGES if zero_stage is None else (zero_stage,)
-
-    def missing_pairs() -> list[tuple[str, int]]:
-        have = {(p.device_type, p.zero_stage) for p in profiles}
-        return [(t, s) for s in stages for t in types if (t, s) not in have]
-
-    def complete_stages(missing: list[tuple[str, int]]) -> list[int]:
-        return [s for s in stages if all(stage != s for _, stage in missing)]
-
-    missing = missing_pairs()
-    complete = complete_stages(missing)
+    missing, complete = _profile_gaps(profiles, cluster, zero_stage)
     if not complete:
         profiles = profiles + obtain_missing_profiles(
             missing, poplar_config=poplar_config, cluster=cluster, measure_missing=measure_missing
         )
-        # The measurement may come back without some (type, stage): recount, never assume.
-        missing = missing_pairs()
-        complete = complete_stages(missing)
-        if not complete:
-            still = "; ".join(f"{t} at stage {s}" for t, s in missing)
-            raise ValueError(
-                f"poplar.profiles: after profiling, no ZeRO stage has a profile of every device type (missing: {still})"
-            )
-    return [p for p in profiles if p.zero_stage in complete and p.device_type in types]
+    return _searchable(profiles, cluster, zero_stage)
 
 
-def _search_on_this_rank(
+def _search(
     poplar_config: PoplarConfig, cluster: Cluster, profiles: list[Profile], *, zero_stage: int | None, global_batch_size: int | None
-) -> dict[str, Any]:
-    """The search's plan as JSON, or the reason there is none; `global_batch_size` None: the search picks."""
+) -> Plan:
+    """The search's plan; ValueError with the reason when there is none. `global_batch_size` None: the search picks."""
     from search import search_plan
 
     result = search_plan(
@@ -198,8 +206,8 @@ def _search_on_this_rank(
         max_global_batch_size=poplar_config.max_global_batch_size,
     )
     if result.status != "ok":
-        return {"error": f"poplar: the plan search found no feasible plan: {result.message}"}
-    return {"plan": plan_to_dict(result.plan)}
+        raise ValueError(f"poplar: the plan search found no feasible plan: {result.message}")
+    return result.plan
 
 
 def resolve_plan(
@@ -220,67 +228,77 @@ def resolve_plan(
     let the search choose). `global_batch`: the batch the config asks for
     (`poplar_ext.runtime.config.requested_global_batch_size`; default: what
     ``poplar.global_batch_size`` says): a plan file must have it, the search uses it
-    (``"auto"``: picks one). `broadcast(obj)` returns rank 0's `obj` on every rank; it
-    is called only when a plan is searched, and it may set up the process group
-    first. With a plan file no collective happens here.
+    (``"auto"``: picks one). `broadcast(obj)` returns rank 0's `obj` on every rank.
+
+    Only rank 0 reads files (the plan, the profiles): the other ranks' nodes need
+    none of them. Rank 0 decides and broadcasts (`decided_by_rank0`): the plan, or
+    which profiles must be measured (every rank then measures, collectively), or the
+    error that every rank raises.
     """
     if global_batch is None:
         global_batch = GlobalBatchRequest(size=poplar_config.global_batch_size, origin=f"{SECTION}.global_batch_size")
-    if poplar_config.plan is not None:
-        try:
-            plan = load_plan(poplar_config.plan)
-        except FormatError as exc:
-            raise ValueError(f"poplar.plan: {exc}") from exc
-        profiles = _available_profiles(poplar_config, model_fingerprint) or None
+
+    def checked(plan: Plan, profiles: list[Profile] | None, source: str) -> Plan:
         check_plan_for_job(
-            plan, cluster, world_size=world_size, zero_stage=zero_stage, profiles=profiles,
-            source=str(poplar_config.plan), global_batch=global_batch,
+            plan, cluster, world_size=world_size, zero_stage=zero_stage, profiles=profiles, source=source,
+            global_batch=global_batch,
         )
-        stale = [] if profiles is None else stale_profile_types(plan, profiles)
-        if stale:
+        return plan
+
+    if poplar_config.plan is not None:
+        plan_path = poplar_config.plan
+
+        def read_plan_file() -> dict[str, Any]:
+            try:
+                plan = load_plan(plan_path)
+            except FormatError as exc:
+                raise ValueError(f"poplar.plan: {exc}") from exc
+            profiles = _available_profiles(poplar_config, model_fingerprint) or None
+            checked(plan, profiles, str(plan_path))
+            return {"plan": plan_to_dict(plan), "stale": [] if profiles is None else stale_profile_types(plan, profiles)}
+
+        decision = decided_by_rank0(read_plan_file, rank=rank, broadcast=broadcast)
+        if decision["stale"]:
             warnings.warn(
-                f"{poplar_config.plan}: this plan was made from other profiles of {', '.join(stale)} than those in "
+                f"{plan_path}: this plan was made from other profiles of {', '.join(decision['stale'])} than those in "
                 f"{poplar_config.profiles}: it fits them, but its predicted times are not theirs; search the plan "
                 "again with poplar-search to plan from the profiles you have",
                 StalePlanWarning,
                 stacklevel=2,
             )
-        return plan
+        return plan_from_dict(decision["plan"], source=str(plan_path))
     if global_batch.size is None:
         raise ValueError(
             f"{poplar_config.source}: no global batch for the plan search: set train_batch_size (or "
             f"train_micro_batch_size_per_gpu and gradient_accumulation_steps) or {SECTION}.global_batch_size, "
             f"or {SECTION}.global_batch_size: \"{AUTO}\" to let the search pick the fastest"
         )
-    # Everything up to the broadcast reads only files that every rank shares, so a
-    # missing profile raises on every rank before any of them waits for the others.
-    profiles = profiles_for_search(
-        poplar_config, cluster, zero_stage=zero_stage, model_fingerprint=model_fingerprint, measure_missing=measure_missing
-    )
-    payload: dict[str, Any] | None = None
-    failure: BaseException | None = None
-    if rank == 0:
-        try:
-            payload = _search_on_this_rank(
-                poplar_config,
-                cluster,
-                profiles,
-                zero_stage=zero_stage,
-                global_batch_size=None if global_batch.size == AUTO else global_batch.size,
-            )
-        except Exception as exc:  # noqa: BLE001 - the other ranks wait in the broadcast: tell them
-            failure = exc
-            payload = {"error": f"poplar: the plan search failed on rank 0: {type(exc).__name__}: {exc}"}
-    payload = broadcast(payload)
-    if failure is not None:
-        raise failure
-    if "error" in payload:
-        raise ValueError(payload["error"])
-    plan = plan_from_dict(payload["plan"], source="<plan searched at start>")
-    check_plan_for_job(
-        plan, cluster, world_size=world_size, zero_stage=zero_stage, profiles=profiles, source="<plan searched at start>"
-    )
-    return plan
+
+    # Rank 0 reads the profiles (only its node needs them) and says what is missing; a
+    # missing profile that cannot be measured raises on every rank before anyone measures.
+    def profiles_to_measure() -> list[tuple[str, int]]:
+        missing, complete = _profile_gaps(_available_profiles(poplar_config, model_fingerprint), cluster, zero_stage)
+        if complete:
+            return []
+        if measure_missing is None:
+            obtain_missing_profiles(missing, poplar_config=poplar_config, cluster=cluster)  # raises what to run
+        return missing
+
+    missing = decided_by_rank0(profiles_to_measure, rank=rank, broadcast=broadcast)
+    measured = measure_missing(missing, cluster) if missing else []  # collective: every rank measures
+
+    def search() -> dict[str, Any]:
+        # The measured profiles were also written to the directory (rank 0 stores them): count each once.
+        stored = _available_profiles(poplar_config, model_fingerprint)
+        have = {(p.device_type, p.zero_stage) for p in stored}
+        profiles = _searchable(stored + [p for p in measured if (p.device_type, p.zero_stage) not in have], cluster, zero_stage)
+        plan = _search(
+            poplar_config, cluster, profiles, zero_stage=zero_stage,
+            global_batch_size=None if global_batch.size == AUTO else global_batch.size,
+        )
+        return plan_to_dict(checked(plan, profiles, "<plan searched at start>"))
+
+    return plan_from_dict(decided_by_rank0(search, rank=rank, broadcast=broadcast), source="<plan searched at start>")
 
 
 __all__ = [

@@ -17,10 +17,17 @@ CLIP = 0.3
 """Small enough that the global gradient is clipped in the first steps."""
 
 
-def write_cluster(path: Path, *, fast: int = 1, slow: int = 2, slowdown: float = 1.5) -> Path:
-    """A cluster of `fast` real CPU ranks followed by `slow` emulated slower ones."""
-    nodes = [{"name": "n0", "devices": [{"device_type": "cpu-fast", "count": fast}]}]
+def write_cluster(path: Path, *, fast: int = 1, slow: int = 2, slowdown: float = 1.5, fast_type: str = "cpu") -> Path:
+    """A cluster of `fast` real ranks followed by `slow` emulated slower ones.
+
+    The real type must be what the hardware reports (``cpu`` on CPU ranks); any other
+    `fast_type` is declared emulated with no slowdown (e.g. on a GPU, whose name the
+    parent process cannot read without initialising CUDA before the ranks fork).
+    """
+    nodes = [{"name": "n0", "devices": [{"device_type": fast_type, "count": fast}]}]
     types = {}
+    if fast_type != "cpu":
+        types[fast_type] = {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 2_000_000_000}}
     if slow:
         nodes.append({"name": "n1", "devices": [{"device_type": "cpu-slow", "count": slow}]})
         types["cpu-slow"] = {"emulation": {"slowdown": slowdown, "memory_capacity_bytes": 2_000_000_000}}

@@ -17,7 +17,7 @@ TOTAL_STEPS = 5
 SAVE_AFTER = 2
 ALLOCATIONS = {1: [(3, 2), (1, 3), (2, 1)], 3: [(2, 2), (1, 2), (3, 2)]}
 OTHER_ALLOCATION = [(1, 2), (3, 3), (2, 1)]  # same stage (1), other batches
-TYPES = ["cpu-fast", "cpu-slow", "cpu-slow"]
+TYPES = ["cpu", "cpu-slow", "cpu-slow"]
 
 
 class _RecordingSampler:

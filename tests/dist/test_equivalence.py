@@ -47,7 +47,7 @@ def _train_all(files):
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("equivalence")
-    types = ["cpu-fast", "cpu-slow", "cpu-slow"]
+    types = ["cpu", "cpu-slow", "cpu-slow"]
     files = {"cluster": t.write_cluster(tmp / "cluster.json")}
     for stage in (0, 1, 2, 3):
         files[stage] = t.write_plan(tmp / f"plan{stage}.json", _allocation(stage), stage=stage, device_types=types)
@@ -112,7 +112,7 @@ def _train_direct_all(files):
 @pytest.fixture(scope="module")
 def direct_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("direct")
-    types = ["cpu-fast", "cpu-slow", "cpu-slow"]
+    types = ["cpu", "cpu-slow", "cpu-slow"]
     files = {"cluster": t.write_cluster(tmp / "cluster.json")}
     for stage in (0, 1, 2, 3):
         files[stage] = t.write_plan(tmp / f"plan{stage}.json", _allocation(stage), stage=stage, device_types=types)

@@ -41,8 +41,8 @@ def _check(summary: dict, log: str) -> None:
     assert summary["global_batch_size"] == 12  # the plan's, not DeepSpeed's nominal 4*2*2
     assert (summary["rank0_micro_batch_size"], summary["rank0_gradient_accumulation_steps"]) == (4, 2)
     assert summary["consumed_samples"] == STEPS * 12
-    assert summary["rank0_device"] == "cpu-fast (real)"
-    assert summary["devices"] == ["cpu-fast (real)", "cpu-slow (emulated: 2x slower, 2.0 GB)"]
+    assert summary["rank0_device"] == "cpu (real)"
+    assert summary["devices"] == ["cpu (real)", "cpu-slow (emulated: 2x slower, 2.0 GB)"]
     assert "rank 1: cpu-slow (emulated: 2x slower, 2.0 GB), micro-batch 2 x 2" in log
 
 

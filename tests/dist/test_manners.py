@@ -36,7 +36,7 @@ def _initialize(tmp, **poplar):
     library.setLevel(logging.INFO)
     try:
         model = t.GPT(t.TINY)
-        plan = t.write_plan(tmp / "plan.json", [(2, 1), (1, 2)], stage=1, device_types=["cpu-fast", "cpu-slow"])
+        plan = t.write_plan(tmp / "plan.json", [(2, 1), (1, 2)], stage=1, device_types=["cpu", "cpu-slow"])
         config = t.ds_config(cluster=t.write_cluster(tmp / "cluster.json", slow=1), plan=plan, stage=1, **poplar)
         poplar_ext.initialize(model=model, optimizer=t.make_optimizer("sgd", model.parameters()), config=config)
     finally:

@@ -18,7 +18,7 @@ import _training as t
 from search.formats import ModelInfo, save_profile
 from search.synthetic import synthetic_profile
 
-TYPES = ["cpu-fast", "cpu-slow", "cpu-slow"]
+TYPES = ["cpu", "cpu-slow", "cpu-slow"]
 
 
 def _initialize(files, *, stage, **poplar):
@@ -81,8 +81,8 @@ def results(tmp_path_factory):
         "stage2_uneven_counts": t.write_plan(tmp / "s2.json", [(2, 1), (2, 2), (2, 1)], stage=2, device_types=TYPES),
         "stage1": t.write_plan(tmp / "s1.json", [(8, 1), (3, 1), (2, 1)], stage=1, device_types=TYPES),
         # cpu-slow can hold at most 2 samples per micro-step
-        "profiles": _profiles(tmp / "profiles", fingerprint, [("cpu-fast", 16, 0.001), ("cpu-slow", 2, 0.003)]),
-        "partial_profiles": _profiles(tmp / "partial", fingerprint, [("cpu-fast", 16, 0.001)]),
+        "profiles": _profiles(tmp / "profiles", fingerprint, [("cpu", 16, 0.001), ("cpu-slow", 2, 0.003)]),
+        "partial_profiles": _profiles(tmp / "partial", fingerprint, [("cpu", 16, 0.001)]),
     }
     return run_ranks(_refusals, world_size=3, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=120)
 

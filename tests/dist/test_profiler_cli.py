@@ -83,3 +83,48 @@ def test_cli_profiles_real_cpu_ranks(tmp_path) -> None:
     assert profile.max_micro_batch_size == 4 and profile.measured_with["hardware"].startswith("CPU ")
     # Past the prediction is unsafe on a real CPU (the kernel's out-of-memory killer).
     assert profile.measured_with["largest_micro_batch_probe"]["probed_past_prediction"] is False
+
+
+def test_without_a_cluster_file_the_cluster_is_discovered_and_written_for_poplar_search(tmp_path) -> None:
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0}))
+    argv = [
+        "--deepspeed_config", str(ds), "--model", "toy-gpt", "--layers", "1", "--hidden-size", "32", "--heads", "2",
+        "--vocab-size", "128", "--sequence-length", "16", "--zero-stages", "0", "--max-micro-batch-size", "2",
+        "--repeats", "1", "--output-dir", str(tmp_path / "p"),
+    ]
+    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [0, 0]
+    from search.formats import load_cluster
+
+    cluster = load_cluster(tmp_path / "p" / "cluster.json")
+    assert cluster.rank_device_types == ("cpu", "cpu") and cluster.device_types == {}
+    (profile,) = load_profiles(tmp_path / "p")  # the cluster file beside the profiles is not a profile
+    assert profile.device_type == "cpu"
+    from search.cli import main as search_main
+
+    assert search_main(["--profiles", str(tmp_path / "p"), "--cluster", str(tmp_path / "p" / "cluster.json"),
+                        "--global-batch-size", "4"]) == 0
+
+
+def test_a_cluster_file_only_rank_0_lacks_is_an_error_on_every_rank(tmp_path) -> None:
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    argv = ["--deepspeed_config", str(ds), "--cluster", str(tmp_path / "none.json"), "--model", "toy-gpt",
+            "--zero-stages", "1", "--output-dir", str(tmp_path / "p")]
+    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=60) == [2, 2]
+    for log in tmp_path.rglob("rank*.log"):
+        assert "poplar-profile: error: cluster: " in log.read_text() and "none.json" in log.read_text()
+
+
+def test_a_cluster_file_that_misnames_the_hardware_is_an_error_on_every_rank(tmp_path) -> None:
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "A100-80GB", "count": 2}]}]}))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    argv = ["--deepspeed_config", str(ds), "--cluster", str(cluster), "--model", "toy-gpt", "--zero-stages", "1",
+            "--output-dir", str(tmp_path / "p")]
+    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=60) == [2, 2]
+    for log in tmp_path.rglob("rank*.log"):
+        text = log.read_text()
+        assert "does not match the hardware: Rank 0 on" in text and "Rank 1 on" in text
+        assert "the cluster description says 'A100-80GB'; name it 'cpu'" in text

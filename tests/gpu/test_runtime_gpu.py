@@ -64,8 +64,8 @@ def _files(tmp_path: Path) -> dict:
     import _training as t
 
     world_size = _world_size()
-    files = {"cluster": t.write_cluster(tmp_path / "cluster.json", fast=1, slow=world_size - 1)}
-    types = ["cpu-fast"] + ["cpu-slow"] * (world_size - 1)
+    files = {"cluster": t.write_cluster(tmp_path / "cluster.json", fast=1, slow=world_size - 1, fast_type="gpu-fast")}
+    types = ["gpu-fast"] + ["cpu-slow"] * (world_size - 1)
     for stage in (0, 1, 2, 3):
         files[stage] = t.write_plan(tmp_path / f"plan{stage}.json", _allocation(stage, world_size), stage=stage, device_types=types)
     return files

@@ -64,9 +64,8 @@ def test_unknown_key():
         _parse(polcy="uniform")
 
 
-def test_missing_cluster():
-    with pytest.raises(ValueError, match=r"poplar.cluster: expected the path of a cluster description, found nothing \(the field is missing\)"):
-        poplar_config_from_dict({"plan": "p.json"}, base_dir=BASE)
+def test_without_a_cluster_file_the_cluster_is_read_from_the_hardware():
+    assert poplar_config_from_dict({"plan": "p.json"}, base_dir=BASE).cluster is None
 
 
 def test_neither_plan_nor_profiles():

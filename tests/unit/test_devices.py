@@ -12,9 +12,8 @@ from poplar_ext.hardware.devices import (
     hardware_description,
     hardware_device_type,
     normalize_device_name,
-    rank_device_type,
+    declared_type_problem,
 )
-from search.formats import cluster_from_dict
 
 GiB = 2**30
 
@@ -68,30 +67,16 @@ def test_the_cpu_is_cpu() -> None:
     assert hardware_description(torch.device("cpu")).startswith("CPU ")
 
 
-def _cluster(device_types: dict) -> object:
-    return cluster_from_dict(
-        {
-            "schema_version": 1,
-            "nodes": [{"name": "n0", "devices": [{"device_type": "cpu", "count": 1}, {"device_type": "slow", "count": 1}]}],
-            "device_types": device_types,
-        }
+def test_an_emulated_type_is_declared_and_a_real_one_read_from_the_hardware() -> None:
+    from search.formats import Emulation
+
+    emulation = Emulation(slowdown=3.0, memory_capacity_bytes=10**9)
+    assert declared_type_problem("slow", emulation, hardware_device_type(torch.device("cpu"))) is None
+    assert declared_type_problem("cpu", None, "cpu") is None
+
+
+def test_a_real_rank_declared_as_another_device_is_a_problem() -> None:
+    problem = declared_type_problem("slow", None, hardware_device_type(torch.device("cpu")))
+    assert problem == (
+        "the cluster description says 'slow'; name it 'cpu' as its hardware reports it, or declare it emulated under device_types"
     )
-
-
-def test_an_emulated_rank_takes_its_type_from_the_cluster_and_a_real_one_from_the_hardware() -> None:
-    cluster = _cluster({"slow": {"emulation": {"slowdown": 3.0, "memory_capacity_bytes": 10**9}}})
-    cpu = torch.device("cpu")
-    assert rank_device_type(cluster, 0, cpu) == ("cpu", None)
-    device_type, emulation = rank_device_type(cluster, 1, cpu)
-    assert device_type == "slow" and emulation is not None and emulation.slowdown == 3.0
-
-
-def test_a_real_rank_declared_as_another_device_is_a_value_error() -> None:
-    cluster = _cluster({})
-    with pytest.raises(ValueError, match="cluster: expected rank 1's device type to be the one its hardware reports \\('cpu'"):
-        rank_device_type(cluster, 1, torch.device("cpu"))
-
-
-def test_a_rank_outside_the_cluster_is_a_value_error() -> None:
-    with pytest.raises(ValueError, match=r"rank: expected a rank of the cluster description \(0..1\), found 2"):
-        rank_device_type(_cluster({}), 2, torch.device("cpu"))

@@ -33,16 +33,6 @@ def test_cpu_peak_keeps_a_spike_that_was_freed_before_reading() -> None:
     assert memory.peak_memory_bytes(CPU) - before >= 95_000_000
 
 
-def test_capacity_of_a_cpu_rank_is_its_share_of_ram() -> None:
-    total = memory.physical_memory_bytes()
-    assert memory.device_memory_capacity_bytes(CPU, local_world_size=4) == total // 4
-
-
-def test_capacity_rejects_zero_local_ranks() -> None:
-    with pytest.raises(ValueError, match="local_world_size: expected an integer >= 1, found 0"):
-        memory.device_memory_capacity_bytes(CPU, local_world_size=0)
-
-
 def test_unsupported_device_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="device: expected a 'cpu' or 'cuda' device, found meta"):
         memory.reset_peak_memory(torch.device("meta"))

@@ -47,7 +47,8 @@ def test_search_at_start_broadcasts_the_plan(cluster_path, tmp_path):
     plan = _resolve(cluster_path, {"profiles": str(directory), "global_batch_size": 20}, broadcasts=broadcasts)
     assert plan.global_batch_size == 20 and plan.zero_stage == 1
     assert plan.ranks[0].samples_per_iteration > plan.ranks[1].samples_per_iteration  # the fast rank gets more
-    assert len(broadcasts) == 1 and "plan" in broadcasts[0]
+    # Rank 0 says what must be measured (nothing), then sends the plan.
+    assert [b["result"] for b in broadcasts][0] == [] and "ranks" in broadcasts[1]["result"]
 
 
 def test_missing_profiles_name_type_stage_and_command(cluster_path, tmp_path):
@@ -61,11 +62,25 @@ def test_no_profile_directory_at_all(cluster_path, tmp_path):
         _resolve(cluster_path, {"profiles": str(tmp_path / "none"), "global_batch_size": "auto"}, zero_stage=None)
 
 
-def test_missing_profiles_raise_before_any_broadcast(cluster_path, tmp_path):
+def test_missing_profiles_are_rank_0s_error_sent_to_every_rank(cluster_path, tmp_path):
+    # Only rank 0 reads the profiles: the others learn of the error from its broadcast,
+    # so a node without the profile directory never enters a measuring collective.
     broadcasts = []
     with pytest.raises(ValueError, match="lacks profiles"):
         _resolve(cluster_path, {"profiles": str(tmp_path / "none"), "global_batch_size": 20}, broadcasts=broadcasts)
-    assert broadcasts == []
+    assert len(broadcasts) == 1 and "lacks profiles" in broadcasts[0]["error"]
+
+
+def test_ranks_other_than_0_read_no_file(cluster_path, tmp_path):
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    plan = _resolve(cluster_path, {"profiles": str(directory), "global_batch_size": 20})
+    config = poplar_config_from_dict(
+        {"cluster": str(cluster_path), "profiles": str(tmp_path / "absent"), "global_batch_size": 20}, base_dir=tmp_path
+    )
+    decisions = iter([{"result": []}, {"result": __import__("search.formats", fromlist=["plan_to_dict"]).plan_to_dict(plan)}])
+    received = resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=1, zero_stage=1,
+                            broadcast=lambda obj: next(decisions))
+    assert received == plan
 
 
 def test_infeasible_search_is_a_value_error_on_every_rank(cluster_path, tmp_path):

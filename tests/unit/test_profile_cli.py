@@ -75,7 +75,7 @@ def test_bad_input_exits_2_with_one_line(files, monkeypatch, capsys, extra, mess
 def test_missing_required_option_is_one_line(capsys) -> None:
     assert main(["--model", "toy-gpt"]) == 2
     assert capsys.readouterr().err == (
-        "poplar-profile: error: the following arguments are required: --deepspeed_config/--deepspeed-config, --cluster\n"
+        "poplar-profile: error: the following arguments are required: --deepspeed_config/--deepspeed-config\n"
     )
 
 
@@ -83,9 +83,7 @@ def test_bad_files_are_named(files, tmp_path, capsys) -> None:
     (tmp_path / "bad.json").write_text("[1")
     assert main(["--deepspeed_config", str(tmp_path / "bad.json"), "--cluster", files["cluster"], "--model", "toy-gpt"]) == 2
     assert "--deepspeed_config: " in capsys.readouterr().err
-    assert main(["--deepspeed_config", files["ds"], "--cluster", str(tmp_path / "none.json"), "--model", "toy-gpt"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("poplar-profile: error: --cluster: ") and "none.json" in err
+    # A missing --cluster file is rank 0's error, sent to every rank: tests/dist/test_profiler_cli.py.
 
 
 def test_help_names_the_launcher(capsys) -> None:

@@ -1,0 +1,197 @@
+"""The job's devices as the hardware reports them, gathered from every rank.
+
+The hardware is the truth: a cluster description says which device type each rank
+has, but CUDA's device order, torchrun's rendezvous or a hostfile decide which card
+a rank really gets. So every rank reads its own device (`local_device_facts`, no
+collective), the ranks exchange what they read (`gather_device_facts`, one
+collective), and everything after that is pure, the same on every rank:
+
+* `cluster_from_facts`: the job's cluster description in rank order (one node per
+  run of consecutive ranks on a host), for jobs that give no cluster file;
+* `cluster_mismatches`: the ranks whose real device is not the type a cluster file
+  declares (emulated types are declared, not read, and are exempt);
+* `memory_capacity_bytes`: the memory one rank may use: its device's, shared only
+  among ranks that really use the same device (CPU ranks of a host share its RAM).
+
+`agreed_cluster` gives the job's cluster on every rank: a file read by rank 0 alone
+(other nodes need not have it) or the discovered one, checked against the hardware.
+`discover_cluster` does the whole exchange; `poplar_ext` exports it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from poplar_ext.hardware.devices import CPU_DEVICE_TYPE, declared_type_problem, hardware_description, hardware_device_type
+from poplar_ext.hardware.memory import physical_memory_bytes
+from search.errors import FormatError
+from search.formats import Cluster, ClusterNode, DeviceGroup, cluster_from_dict, cluster_to_dict, load_cluster
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceFacts:
+    """What one rank's hardware says about the device it runs on."""
+
+    rank: int
+    """The rank (process group numbering)."""
+    host: str
+    """Host name of the rank's machine."""
+    device_type: str
+    """Device type through the device table (`poplar_ext.hardware.devices`), e.g. ``A100-80GB``; ``cpu``."""
+    hardware: str
+    """One line for people: the name the hardware reports, memory, capability."""
+    memory_bytes: int
+    """Total memory of the physical device (the machine's RAM for a CPU rank)."""
+    device_id: str
+    """Which physical device on the host: the CUDA device's UUID, or ``cpu``."""
+
+
+def _physical_id(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    properties = torch.cuda.get_device_properties(device)
+    uuid = getattr(properties, "uuid", None)
+    # Without a UUID, the index among the devices this process sees (CUDA_VISIBLE_DEVICES
+    # may hide the others, so two processes' indices can name the same card).
+    return str(uuid) if uuid is not None else f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}:{device.index}"
+
+
+def local_device_facts(device: torch.device, *, rank: int) -> DeviceFacts:
+    """This rank's facts, read from the hardware (no collective)."""
+    if device.type == "cuda":
+        memory = int(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        memory = physical_memory_bytes()
+    return DeviceFacts(
+        rank=rank,
+        host=socket.gethostname(),
+        device_type=hardware_device_type(device),
+        hardware=hardware_description(device),
+        memory_bytes=memory,
+        device_id=_physical_id(device),
+    )
+
+
+def gather_device_facts(device: torch.device) -> list[DeviceFacts]:
+    """Every rank's facts in rank order, on every rank (collective)."""
+    from poplar_ext.collectives import gather_objects, process_group_rank
+
+    rank, _ = process_group_rank()
+    return gather_objects(local_device_facts(device, rank=rank))
+
+
+def cluster_from_facts(facts: list[DeviceFacts]) -> Cluster:
+    """The cluster description of the job the facts came from, in rank order.
+
+    Ranks are numbered in node order, so a node is a run of consecutive ranks on one
+    host; a host whose ranks are not consecutive appears once per run (named
+    ``host#2``, ...), which keeps every rank's type where the plan expects it.
+    """
+    assert [f.rank for f in facts] == list(range(len(facts))), "facts come in rank order"
+    runs: list[tuple[str, list[DeviceFacts]]] = []
+    for fact in facts:
+        if runs and runs[-1][0] == fact.host:
+            runs[-1][1].append(fact)
+        else:
+            runs.append((fact.host, [fact]))
+    seen: Counter = Counter()
+    nodes = []
+    for host, members in runs:
+        seen[host] += 1
+        groups: list[DeviceGroup] = []
+        for fact in members:
+            if groups and groups[-1].device_type == fact.device_type:
+                groups[-1] = DeviceGroup(device_type=fact.device_type, count=groups[-1].count + 1)
+            else:
+                groups.append(DeviceGroup(device_type=fact.device_type, count=1))
+        name = host if seen[host] == 1 else f"{host}#{seen[host]}"
+        nodes.append(ClusterNode(name=name, devices=tuple(groups)))
+    return Cluster(nodes=tuple(nodes))
+
+
+def cluster_mismatches(cluster: Cluster, facts: list[DeviceFacts]) -> list[str]:
+    """Why `cluster` does not describe the job's hardware: one sentence per problem ([] when it does)."""
+    if cluster.world_size != len(facts):
+        return [f"The cluster description names {cluster.world_size} ranks but the job has {len(facts)}."]
+    problems = []
+    for fact, declared in zip(facts, cluster.rank_device_types):
+        problem = declared_type_problem(declared, cluster.emulation_of(declared), fact.device_type)
+        if problem is not None:
+            problems.append(f"Rank {fact.rank} on {fact.host} has {fact.hardware} ({problem}).")
+    return problems
+
+
+def memory_capacity_bytes(facts: list[DeviceFacts], rank: int) -> int:
+    """The memory `rank` may use: its device's total, shared among the ranks on that device."""
+    mine = facts[rank]
+    sharing = sum(1 for f in facts if (f.host, f.device_id) == (mine.host, mine.device_id))
+    return mine.memory_bytes // sharing
+
+
+def agreed_cluster(
+    cluster: Cluster | str | os.PathLike[str] | None,
+    facts: list[DeviceFacts],
+    *,
+    rank: int,
+    broadcast: Callable[[Any], Any] | None = None,
+    name: str = "cluster",
+) -> Cluster:
+    """The job's cluster description, the same on every rank, checked against the hardware.
+
+    `cluster` is a description, the path of a cluster file (read by rank 0 alone: the
+    other nodes need not have it), or None (built from `facts`). Every real device
+    type must be the one the hardware reports; otherwise every rank raises one
+    ValueError naming each mismatching rank, its hardware and the declared type.
+    `name` is how messages call the setting (``poplar.cluster``, ``--cluster``).
+    """
+    from poplar_ext.collectives import broadcast_from_rank0, decided_by_rank0
+
+    def decide() -> dict[str, Any]:
+        if cluster is None:
+            found = cluster_from_facts(facts)
+        elif isinstance(cluster, Cluster):
+            found = cluster
+        else:
+            try:
+                found = load_cluster(cluster)
+            except FormatError as exc:
+                raise ValueError(f"{name}: {exc}") from exc
+        problems = cluster_mismatches(found, facts)
+        if problems:
+            source = "the discovered cluster" if cluster is None else (name if isinstance(cluster, Cluster) else str(cluster))
+            raise ValueError(f"{name}: {source} does not match the hardware: " + " ".join(problems))
+        return cluster_to_dict(found)
+
+    data = decided_by_rank0(decide, rank=rank, broadcast=broadcast or broadcast_from_rank0)
+    return cluster_from_dict(data, source="<cluster agreed by rank 0>")
+
+
+def discover_cluster() -> Cluster:
+    """The cluster description of the running job, read from every rank's hardware (collective).
+
+    Every rank calls it; each gets the same description, in rank order, with the device
+    types the device table gives (``cpu`` for CPU ranks). Emulated device types cannot
+    be discovered: declare them in a cluster file.
+    """
+    from poplar_ext.collectives import ensure_process_group
+
+    return cluster_from_facts(gather_device_facts(ensure_process_group()))
+
+
+__all__ = [
+    "CPU_DEVICE_TYPE",
+    "DeviceFacts",
+    "agreed_cluster",
+    "cluster_from_facts",
+    "cluster_mismatches",
+    "discover_cluster",
+    "gather_device_facts",
+    "local_device_facts",
+    "memory_capacity_bytes",
+]

@@ -1,0 +1,127 @@
+"""The job's devices read from the hardware (poplar_ext/hardware/discovery.py), without processes.
+
+The gathering is one collective; everything decided from the gathered facts is pure
+and tested here with facts as a cluster of GPUs would report them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from poplar_ext.hardware.devices import cuda_device_index
+from poplar_ext.hardware.discovery import (
+    DeviceFacts,
+    agreed_cluster,
+    cluster_from_facts,
+    cluster_mismatches,
+    local_device_facts,
+    memory_capacity_bytes,
+)
+from search.formats import cluster_from_dict, cluster_to_dict, save_cluster
+
+GIB = 2**30
+
+
+def _facts(*ranks: tuple[str, str, str, int]) -> list[DeviceFacts]:
+    """(host, device type, device id, memory GiB) per rank."""
+    return [
+        DeviceFacts(rank=r, host=host, device_type=t, hardware=f"NVIDIA {t}", memory_bytes=gib * GIB, device_id=uuid)
+        for r, (host, t, uuid, gib) in enumerate(ranks)
+    ]
+
+
+MIXED = _facts(
+    ("a", "A100-80GB", "GPU-a0", 80), ("a", "A100-80GB", "GPU-a1", 80), ("a", "V100-16GB", "GPU-a2", 16),
+    ("b", "V100-16GB", "GPU-b0", 16), ("b", "V100-16GB", "GPU-b1", 16),
+)
+
+
+def test_the_discovered_cluster_lists_every_rank_in_order():
+    cluster = cluster_from_facts(MIXED)
+    assert cluster.rank_device_types == ("A100-80GB", "A100-80GB", "V100-16GB", "V100-16GB", "V100-16GB")
+    assert [n.name for n in cluster.nodes] == ["a", "b"]
+    assert [(g.device_type, g.count) for g in cluster.nodes[0].devices] == [("A100-80GB", 2), ("V100-16GB", 1)]
+    # It is a valid cluster file for poplar-search.
+    assert cluster_from_dict(cluster_to_dict(cluster)).rank_device_types == cluster.rank_device_types
+
+
+def test_a_host_whose_ranks_are_not_consecutive_keeps_every_rank_in_place():
+    facts = _facts(("a", "T4-16GB", "0", 16), ("b", "L4-24GB", "0", 24), ("a", "T4-16GB", "1", 16))
+    cluster = cluster_from_facts(facts)
+    assert cluster.rank_device_types == ("T4-16GB", "L4-24GB", "T4-16GB")
+    assert [n.name for n in cluster.nodes] == ["a", "b", "a#2"]
+
+
+def test_a_cluster_file_that_puts_the_big_micro_batch_on_the_small_card_is_caught():
+    declared = cluster_from_dict({"schema_version": 1, "nodes": [
+        {"name": "a", "devices": [{"device_type": "A100-80GB", "count": 3}]},
+        {"name": "b", "devices": [{"device_type": "V100-16GB", "count": 2}]},
+    ]})
+    problems = cluster_mismatches(declared, MIXED)
+    assert problems == [
+        "Rank 2 on a has NVIDIA V100-16GB (the cluster description says 'A100-80GB'; name it 'V100-16GB' as its "
+        "hardware reports it, or declare it emulated under device_types)."
+    ]
+
+
+def test_emulated_types_are_declared_not_read():
+    declared = cluster_from_dict({"schema_version": 1, "nodes": [{"name": "a", "devices": [{"device_type": "slow", "count": 2}]}],
+                                  "device_types": {"slow": {"emulation": {"slowdown": 2.0, "memory_capacity_bytes": GIB}}}})
+    assert cluster_mismatches(declared, _facts(("a", "cpu", "cpu", 64), ("a", "cpu", "cpu", 64))) == []
+
+
+def test_a_cluster_of_another_size_is_named():
+    declared = cluster_from_facts(MIXED[:3])
+    assert cluster_mismatches(declared, MIXED) == ["The cluster description names 3 ranks but the job has 5."]
+
+
+def test_capacity_is_the_device_s_memory_shared_only_by_ranks_on_that_device():
+    # One GPU per process (CUDA_VISIBLE_DEVICES per process, as SLURM sets it): the whole card.
+    assert memory_capacity_bytes(MIXED, 0) == 80 * GIB
+    # Two ranks emulating types on one GPU share it; CPU ranks of a host share its RAM.
+    shared = _facts(("a", "H100-80GB", "GPU-x", 80), ("a", "H100-80GB", "GPU-x", 80), ("a", "H100-80GB", "GPU-y", 80))
+    assert [memory_capacity_bytes(shared, r) for r in range(3)] == [40 * GIB, 40 * GIB, 80 * GIB]
+    cpus = _facts(("a", "cpu", "cpu", 64), ("a", "cpu", "cpu", 64), ("b", "cpu", "cpu", 32))
+    assert [memory_capacity_bytes(cpus, r) for r in range(3)] == [32 * GIB, 32 * GIB, 32 * GIB]
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "device_count", "index"),
+    [(3, 8, 3), (3, 1, 0), (5, 2, 1), (0, 1, 0)],  # one device each; one per process; several ranks per GPU
+)
+def test_each_local_rank_gets_its_own_device(local_rank, device_count, index):
+    assert cuda_device_index(local_rank, device_count) == index
+
+
+def test_no_visible_device_is_an_error():
+    with pytest.raises(ValueError, match="device_count: expected at least one visible CUDA device, found 0"):
+        cuda_device_index(0, 0)
+
+
+def test_the_local_facts_of_a_cpu_rank():
+    facts = local_device_facts(torch.device("cpu"), rank=0)
+    assert facts.device_type == "cpu" and facts.device_id == "cpu" and facts.memory_bytes > 0
+
+
+def test_only_rank_0_reads_the_cluster_file(tmp_path):
+    path = tmp_path / "cluster.json"
+    save_cluster(cluster_from_facts(MIXED), path)
+    sent = []
+    agreed = agreed_cluster(path, MIXED, rank=0, broadcast=lambda obj: sent.append(obj) or obj)
+    assert agreed.rank_device_types == cluster_from_facts(MIXED).rank_device_types
+    # Rank 1's node has no such file: it takes rank 0's.
+    received = agreed_cluster(tmp_path / "absent.json", MIXED, rank=1, broadcast=lambda obj: sent[0])
+    assert received == agreed
+
+
+def test_a_mismatching_file_is_every_rank_s_error(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "a", "devices": [{"device_type": "A100-80GB", "count": 5}]}]}))
+    sent = []
+    with pytest.raises(ValueError, match=r"poplar.cluster: .*cluster.json does not match the hardware: Rank 2 on a has NVIDIA V100-16GB"):
+        agreed_cluster(path, MIXED, rank=0, broadcast=lambda obj: sent.append(obj) or obj, name="poplar.cluster")
+    with pytest.raises(ValueError, match="Rank 3 on b has NVIDIA V100-16GB"):
+        agreed_cluster(None, MIXED, rank=1, broadcast=lambda obj: sent[0])
