@@ -14,7 +14,7 @@ skips) can be read in one place:
 `ensure_process_group` sets the group up through DeepSpeed (its launcher, torchrun
 or mpirun) and selects this rank's device before any of these runs.
 
-With one rank each is the identity and needs no process group.
+With one rank, or no process group (one process), each is the identity.
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ def ensure_process_group(**init_options: Any) -> Any:
 
 
 def broadcast_from_rank0(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank (a picklable object); sets up the process group if needed."""
+    """Rank 0's `obj` on every rank (a picklable object); without a process group, `obj` (one process)."""
     import torch.distributed as dist
 
-    ensure_process_group()
-    if dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -82,7 +81,7 @@ def gather_objects(obj: Any) -> list[Any]:
     """Every rank's `obj` (picklable), in rank order, on every rank."""
     import torch.distributed as dist
 
-    if dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)

@@ -1,19 +1,38 @@
-"""poplar-ext's state inside a DeepSpeed checkpoint: the plan and the data position.
+"""poplar-ext's state in a DeepSpeed checkpoint: where the data stream stands, and the plans.
 
-DeepSpeed's ``save_checkpoint`` stores a ``client_state`` dict beside the model and
-optimizer states; poplar-ext keeps its own entry there under `CLIENT_STATE_KEY`.
-A resume must continue the same sample stream with the same allocation, so loading
-checks that the saved plan's allocation, seed and shuffle match the job's.
+Rank 0 writes ``poplar_state.json`` into the checkpoint's tag folder (beside
+DeepSpeed's files, before DeepSpeed writes them, so that a checkpoint DeepSpeed
+calls complete has it). A resume reads it on rank 0 *before* DeepSpeed loads any
+weights and decides (`resume_decision`, pure) what the job does:
+
+* the data continues at the saved stream position, under any plan: a position is
+  global (samples consumed), so a new allocation changes who reads which samples,
+  never which samples are read. A new global batch is said in a note: the next
+  optimizer step starts at that position with the new batch;
+* the data order (seed, shuffle, drop_last) must be the checkpoint's, else the
+  resume is refused before anything is loaded;
+* the plan history (which steps ran under which plan, and why) is carried on, and
+  the resume itself is an entry;
+* a checkpoint poplar-ext did not write (a plain DeepSpeed one), or a load of the
+  weights only, starts the data at position 0, with a note.
+
+When the world size changed at ZeRO stages 1-3, the optimizer state is resharded by
+DeepSpeed's own universal checkpoint (see `PoplarEngine.load_checkpoint`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from search.formats import Plan, plan_to_dict
+from search.formats import Plan, plan_to_dict, read_json, write_json_atomic
+
+STATE_FILE = "poplar_state.json"
+"""poplar-ext's state, in a checkpoint's tag folder."""
 
 CLIENT_STATE_KEY = "poplar"
-"""Where poplar-ext keeps its state in a DeepSpeed checkpoint's client_state."""
+"""Where checkpoints of poplar-ext 0.1 kept the state, in DeepSpeed's client_state (still read)."""
 
 
 def _allocation(plan_dict: dict) -> dict:
@@ -25,47 +44,143 @@ def _allocation(plan_dict: dict) -> dict:
     }
 
 
-def poplar_client_state(plan: Plan, *, consumed_samples: int, seed: int, shuffle: bool, drop_last: bool = False) -> dict:
-    """What poplar-ext stores in a checkpoint: the plan and where the data stream stands."""
+def history_entry(plan: Plan, *, start_step: int, data_position: int, reason: str) -> dict[str, Any]:
+    """One plan of the history: from which optimizer step and stream position it ran, and why."""
+    return {"start_step": start_step, "data_position": data_position, "reason": reason, "plan": plan_to_dict(plan)}
+
+
+def poplar_client_state(
+    plan: Plan,
+    *,
+    consumed_samples: int,
+    seed: int,
+    shuffle: bool,
+    drop_last: bool = False,
+    data_position: int | None = None,
+    plan_history: list[dict] | None = None,
+) -> dict:
+    """What poplar-ext stores in a checkpoint: the plan, the history, where the data stream stands."""
     return {
         "plan": plan_to_dict(plan),
         "consumed_samples": consumed_samples,
+        "data_position": consumed_samples if data_position is None else data_position,
         "seed": seed,
         "shuffle": shuffle,
         "drop_last": drop_last,
+        "plan_history": list(plan_history or []),
     }
 
 
-def restored_consumed_samples(path: str | Path, client_state: dict, current: dict) -> tuple[int, dict]:
-    """The data position saved in a checkpoint at `path`, and its client_state without poplar's entry.
+def checkpoint_tag(load_dir: str | Path, tag: Any) -> str | None:
+    """`tag`, or the one DeepSpeed's ``latest`` file names (None when there is none)."""
+    if tag is not None:
+        return str(tag)
+    latest = Path(load_dir) / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
 
-    `current` is this job's `poplar_client_state`. Raises ValueError when the
-    checkpoint was not saved by poplar-ext, or with another allocation, seed or shuffle.
+
+def write_state(save_dir: str | Path, tag: str, state: dict) -> Path:
+    """Write the state file into the tag folder (rank 0's job); returns its path."""
+    path = Path(save_dir) / tag / STATE_FILE
+    write_json_atomic(state, path)
+    return path
+
+
+def read_state(load_dir: str | Path, tag: str | None) -> dict | None:
+    """The saved state, or None when the checkpoint has none (not written by poplar-ext)."""
+    if tag is None:
+        return None
+    path = Path(load_dir) / tag / STATE_FILE
+    return read_json(path) if path.is_file() else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeDecision:
+    """What a job does with a checkpoint (the same on every rank)."""
+
+    data_position: int
+    """Stream position where the next iteration starts."""
+    consumed_samples: int
+    """Samples trained before the checkpoint (all ranks)."""
+    plan_history: list[dict] = field(default_factory=list)
+    """The checkpoint's plans, and this job's plan from the resume on."""
+    notes: list[str] = field(default_factory=list)
+    """What people should know about the resume (logged)."""
+    world_size_changed: bool = False
+    """The optimizer state must be resharded (a universal checkpoint at ZeRO stages 1-3)."""
+
+
+def resume_decision(
+    saved: dict | None,
+    current: dict,
+    *,
+    path: str,
+    step: int,
+    load_module_only: bool = False,
+) -> ResumeDecision:
+    """Decide how to continue from a checkpoint at `path` saved with `saved` (None: no poplar state).
+
+    `current` is this job's `poplar_client_state`; `step` the optimizer step the job
+    resumes at. Raises ValueError when the data order differs (every sample would not
+    be used once per epoch).
     """
-    client_state = dict(client_state or {})
-    saved = client_state.pop(CLIENT_STATE_KEY, None)
-    if saved is None:
-        raise ValueError(
-            f"load_checkpoint: {path} was not saved by poplar_ext (its client_state has no "
-            f"'{CLIENT_STATE_KEY}' entry), so its data position and plan are unknown"
+    plan = current["plan"]
+    resume_entry = {"start_step": step, "reason": "", "plan": plan}
+    if saved is None or load_module_only:
+        why = "holds no poplar-ext state (a plain DeepSpeed checkpoint)" if saved is None else "was loaded for its weights only"
+        resume_entry.update(data_position=0, reason=f"started from {path}, which {why}")
+        return ResumeDecision(
+            data_position=0,
+            consumed_samples=0,
+            plan_history=[resume_entry],
+            notes=[f"{path} {why}: the data starts at position 0 under this job's plan"],
         )
-    if _allocation(saved["plan"]) != _allocation(current["plan"]):
+    saved_drop_last = saved.get("drop_last", False)  # absent in checkpoints of poplar-ext 0.1
+    if (saved["seed"], saved["shuffle"], saved_drop_last) != (current["seed"], current["shuffle"], current["drop_last"]):
         raise ValueError(
-            f"load_checkpoint: {path} was saved with the plan {_allocation(saved['plan'])} but this job runs "
-            f"{_allocation(current['plan'])}; resume with the checkpoint's plan (its samples and gradients differ otherwise)"
+            f"load_checkpoint: {path} was saved with poplar.seed {saved['seed']}, shuffle {saved['shuffle']} and "
+            f"drop_last {saved_drop_last}; this job has {current['seed']}, {current['shuffle']} and "
+            f"{current['drop_last']}: the data order would differ, so samples would be repeated or skipped"
         )
-    if (saved["seed"], saved["shuffle"]) != (current["seed"], current["shuffle"]):
-        raise ValueError(
-            f"load_checkpoint: {path} was saved with poplar.seed {saved['seed']} and shuffle {saved['shuffle']}, "
-            f"this job has {current['seed']} and {current['shuffle']}; the data order would differ"
+    position = saved.get("data_position", saved["consumed_samples"])
+    history = list(saved.get("plan_history") or [])
+    notes: list[str] = []
+    old_plan = saved["plan"]
+    if _allocation(old_plan) == _allocation(plan) and len(old_plan["ranks"]) == len(plan["ranks"]):
+        return ResumeDecision(data_position=position, consumed_samples=saved["consumed_samples"], plan_history=history)
+    world_before, world_now = len(old_plan["ranks"]), len(plan["ranks"])
+    changes = []
+    if world_before != world_now:
+        changes.append(f"{world_before} ranks then, {world_now} now")
+    if old_plan["zero_stage"] != plan["zero_stage"]:
+        changes.append(f"ZeRO stage {old_plan['zero_stage']} then, {plan['zero_stage']} now")
+    if old_plan["global_batch_size"] != plan["global_batch_size"]:
+        changes.append(f"global batch {old_plan['global_batch_size']} then, {plan['global_batch_size']} now")
+        notes.append(
+            f"the checkpoint trained global batches of {old_plan['global_batch_size']} samples, this job trains "
+            f"{plan['global_batch_size']}: the data continues at stream position {position} with the new batch, and "
+            "optimizer steps (and a learning-rate schedule that counts them) now take that many samples"
         )
-    saved_drop_last = saved.get("drop_last", False)  # absent in checkpoints made before the option
-    if saved_drop_last != current["drop_last"]:
-        raise ValueError(
-            f"load_checkpoint: {path} was saved with poplar.drop_last {saved_drop_last}, this job has "
-            f"{current['drop_last']}; the samples of each epoch would differ"
-        )
-    return saved["consumed_samples"], client_state
+    reason = f"resumed from {path} under another plan ({'; '.join(changes) or 'another allocation'})"
+    resume_entry.update(data_position=position, reason=reason)
+    notes.insert(0, f"{reason}; the data continues at stream position {position}")
+    return ResumeDecision(
+        data_position=position,
+        consumed_samples=saved["consumed_samples"],
+        plan_history=history + [resume_entry],
+        notes=notes,
+        world_size_changed=world_before != world_now,
+    )
 
 
-__all__ = ["CLIENT_STATE_KEY", "poplar_client_state", "restored_consumed_samples"]
+__all__ = [
+    "CLIENT_STATE_KEY",
+    "STATE_FILE",
+    "ResumeDecision",
+    "checkpoint_tag",
+    "history_entry",
+    "poplar_client_state",
+    "read_state",
+    "resume_decision",
+    "write_state",
+]

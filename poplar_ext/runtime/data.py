@@ -23,8 +23,10 @@ epoch boundary: ``floor(num_samples / B)`` iterations per epoch, and the last
 ``num_samples mod B`` positions of each epoch's shuffle are not trained in it.
 
 A data set smaller than the global batch is an error: one iteration would hold a
-sample twice. The position (samples consumed, a multiple of B) is all a resume
-needs: the engine stores it in the checkpoint and restarts the sampler there.
+sample twice. The position in the stream is all a resume needs, whatever the
+allocation: the engine stores it in the checkpoint and restarts the sampler there,
+also under another plan or another global batch (the next iteration then starts at
+that position).
 """
 
 from __future__ import annotations
@@ -138,6 +140,8 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.drop_last = drop_last
         """End each epoch's last pass at the epoch boundary (see the module docstring)."""
         self._iterations_per_epoch = num_samples // self.global_batch_size
+        self._origin = 0
+        """Stream position of iteration 0 (not 0 after a resume under another global batch)."""
         self.next_iteration = 0
         """The iteration the next pass starts at (advances as micro-batches are yielded)."""
         self.set_position(consumed_samples)
@@ -155,22 +159,32 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     @property
     def consumed_samples(self) -> int:
-        """Samples (of all ranks) trained before the next iteration: iterations x B."""
-        return self.next_iteration * self.global_batch_size
+        """Stream position where the next iteration starts (samples of all ranks consumed)."""
+        return self.iteration_start(self.next_iteration)
 
     def set_position(self, consumed_samples: int) -> None:
-        """Continue from a position saved in a checkpoint (a multiple of the global batch)."""
-        if consumed_samples < 0 or consumed_samples % self.global_batch_size:
-            raise ValueError(
-                f"consumed_samples: expected a non-negative multiple of the global batch "
-                f"({self.global_batch_size}), found {consumed_samples}"
-            )
-        self.next_iteration = consumed_samples // self.global_batch_size
+        """Continue from a stream position saved in a checkpoint.
+
+        Any position works, also one that is not a multiple of this global batch (a
+        resume under another batch): the next iteration starts there. With
+        `drop_last`, a position where the rest of its epoch holds no whole iteration on
+        this batch's grid moves to the next epoch's start.
+        """
+        if isinstance(consumed_samples, bool) or not isinstance(consumed_samples, int) or consumed_samples < 0:
+            raise ValueError(f"consumed_samples: expected a stream position (an integer >= 0), found {consumed_samples!r}")
+        batch, num_samples = self.global_batch_size, self.stream.num_samples
+        if not self.drop_last:
+            self._origin, self.next_iteration = consumed_samples % batch, consumed_samples // batch
+            return
+        epoch, within = divmod(consumed_samples, num_samples)
+        if within % batch or within + batch > num_samples:
+            epoch, within = (epoch + 1, 0) if within else (epoch, 0)
+        self._origin, self.next_iteration = 0, epoch * self._iterations_per_epoch + within // batch
 
     def iteration_start(self, iteration: int) -> int:
         """Stream position of the first sample of `iteration`."""
         if not self.drop_last:
-            return iteration * self.global_batch_size
+            return self._origin + iteration * self.global_batch_size
         epoch, within = divmod(iteration, self._iterations_per_epoch)
         return epoch * self.stream.num_samples + within * self.global_batch_size
 
@@ -178,13 +192,13 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         """The epoch `iteration` belongs to: the one it starts in."""
         if self.drop_last:
             return iteration // self._iterations_per_epoch
-        return iteration * self.global_batch_size // self.stream.num_samples
+        return self.iteration_start(iteration) // self.stream.num_samples
 
     def first_iteration_of(self, epoch: int) -> int:
         """The first iteration that starts in `epoch`."""
         if self.drop_last:
             return epoch * self._iterations_per_epoch
-        return -(-epoch * self.stream.num_samples // self.global_batch_size)
+        return max(0, -(-(epoch * self.stream.num_samples - self._origin) // self.global_batch_size))
 
     def _pass_end(self) -> int:
         """The iteration after the last one of the pass that starts at `next_iteration`."""

@@ -13,15 +13,27 @@ ends where DeepSpeed starts reducing gradients: see
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from poplar_ext.hardware.emulation import ComputeSlowdown
-from poplar_ext.runtime.checkpoint import CLIENT_STATE_KEY, poplar_client_state, restored_consumed_samples
+from poplar_ext.runtime.checkpoint import (
+    CLIENT_STATE_KEY,
+    ResumeDecision,
+    checkpoint_tag,
+    history_entry,
+    poplar_client_state,
+    read_state,
+    resume_decision,
+    write_state,
+)
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
@@ -43,8 +55,10 @@ class PoplarEngine:
     * `train_batch_size()`: the true global batch (the plan's), not DeepSpeed's
       per-rank nominal value. `train_micro_batch_size_per_gpu()` and
       `gradient_accumulation_steps()` are this rank's.
-    * `save_checkpoint` / `load_checkpoint` also store and restore the plan and the
-      data position; loading a checkpoint made with another plan raises ValueError.
+    * `save_checkpoint` / `load_checkpoint` also store and restore the data position
+      and the plan history (`poplar_ext.runtime.checkpoint`); a checkpoint made under
+      another plan, on another cluster, or by plain DeepSpeed can be loaded.
+    * `plan_history`: every plan the job ran, with the step it started at and why.
     """
 
     def __init__(
@@ -57,6 +71,7 @@ class PoplarEngine:
         device_label: str,
         slowdown: ComputeSlowdown | None,
         rank_device_labels: tuple[str, ...] = (),
+        plan_reason: str = "the job's plan",
     ) -> None:
         self.deepspeed_engine = engine
         """The real DeepSpeedEngine."""
@@ -70,7 +85,9 @@ class PoplarEngine:
         self.rank_device_labels = rank_device_labels
         """Every rank's device label, rank 0 first."""
         self.consumed_samples = 0
-        """Samples (of all ranks) consumed by the optimizer steps so far: the data position."""
+        """Samples (of all ranks) trained by the optimizer steps so far."""
+        self.plan_history: list[dict] = [history_entry(plan, start_step=0, data_position=0, reason=plan_reason)]
+        """Every plan the job ran: ``start_step``, ``data_position``, ``reason`` and the ``plan`` (JSON)."""
         self.last_iteration_time_s: float | None = None
         """Wall time of the last iteration (optimizer step to optimizer step) on this rank."""
         self.last_samples_per_s: float | None = None
@@ -78,6 +95,8 @@ class PoplarEngine:
         self._rank = rank
         self._slowdown = slowdown
         self._samplers: list[PlanBatchSampler] = []
+        self._restored_position = 0
+        self._steps_since_restore = 0
         self._last_boundary_time: float | None = None
         if slowdown is not None:
             self._end_emulated_compute_before_reduction()
@@ -191,6 +210,7 @@ class PoplarEngine:
 
     def _end_of_iteration(self) -> None:
         self.consumed_samples += self.plan.global_batch_size
+        self._steps_since_restore += 1
         now = time.perf_counter()
         if self._last_boundary_time is not None:
             self.last_iteration_time_s = now - self._last_boundary_time
@@ -228,41 +248,153 @@ class PoplarEngine:
             num_samples=num_samples,
             seed=self.poplar_config.seed,
             shuffle=self.poplar_config.shuffle,
-            consumed_samples=self.consumed_samples,
+            consumed_samples=self.data_position,
             iterations_per_pass=iterations_per_pass,
             drop_last=self.poplar_config.drop_last,
         )
         self._samplers.append(sampler)
         return sampler
 
+    @property
+    def data_position(self) -> int:
+        """Stream position where the next iteration starts (see `poplar_ext.runtime.data`)."""
+        if self._samplers:
+            return self._samplers[0].consumed_samples
+        return self._restored_position + self._steps_since_restore * self.plan.global_batch_size
+
     # -- checkpoints -------------------------------------------------------------
     def _client_state(self) -> dict:
-        return poplar_client_state(
+        state = poplar_client_state(
             self.plan,
             consumed_samples=self.consumed_samples,
+            data_position=self.data_position,
             seed=self.poplar_config.seed,
             shuffle=self.poplar_config.shuffle,
             drop_last=self.poplar_config.drop_last,
+            plan_history=self.plan_history,
         )
+        state["step"] = self.deepspeed_engine.global_steps
+        return state
 
     def save_checkpoint(self, save_dir: str | Path, tag: Any = None, client_state: dict | None = None, **kwargs: Any) -> Any:
-        """DeepSpeed's save_checkpoint, with the plan and the data position in client_state."""
-        state = dict(client_state or {})
-        state[CLIENT_STATE_KEY] = self._client_state()
-        return self.deepspeed_engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
+        """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder (written by rank 0)."""
+        from deepspeed.checkpoint.constants import (
+            UNIVERSAL_CHECKPOINT_INFO,
+            UNIVERSAL_CHECKPOINT_VERSION_KEY,
+            UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        )
+
+        tag = str(tag) if tag is not None else f"global_step{self.deepspeed_engine.global_steps}"  # DeepSpeed's default
+        if self._rank == 0:
+            write_state(save_dir, tag, self._client_state())
+        client = dict(client_state or {})
+        # DeepSpeed's universal checkpoint, which reshards a resume on another number of
+        # ranks, needs this entry in the checkpoint it converts.
+        client.setdefault(UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+        return self.deepspeed_engine.save_checkpoint(save_dir, tag=tag, client_state=client, **kwargs)
 
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:
-        """DeepSpeed's load_checkpoint; restores the data position, refuses another plan.
+        """DeepSpeed's load_checkpoint, continuing the data stream under this job's plan.
 
-        Returns DeepSpeed's ``(path, client_state)`` without poplar-ext's own entry.
+        Rank 0 reads poplar-ext's state before DeepSpeed loads anything, so a resume
+        that cannot continue (another data order) stops before any weight is read, on
+        every rank. Another plan, global batch or world size is fine: the data
+        continues at the saved position, and the plan history records the resume.
+        When the number of ranks changed at ZeRO stages 1-3, rank 0 converts the
+        checkpoint with DeepSpeed's universal checkpoint (``TAG_universal``, next to
+        it) and every rank loads that; if that is not possible, every rank stops with
+        the one command to run. A plain DeepSpeed checkpoint, or
+        ``load_module_only=True``, starts the data at position 0, with a logged note.
+        Returns DeepSpeed's ``(path, client_state)``.
         """
-        path, client_state = self.deepspeed_engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+        from poplar_ext.collectives import decided_by_rank0
+
+        resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=self._rank)
+        saved = None if resolved is None else decided_by_rank0(lambda: read_state(load_dir, resolved), rank=self._rank)
+        where = str(Path(load_dir) / resolved) if resolved is not None else str(load_dir)
+        decision = None
+        load_tag = tag
+        if saved is not None:
+            decision = resume_decision(
+                saved, self._client_state(), path=where, step=saved.get("step", 0),
+                load_module_only=bool(kwargs.get("load_module_only")),
+            )
+            if decision.world_size_changed and self.plan.zero_stage >= 1 and not kwargs.get("load_module_only"):
+                load_tag = self._universal_checkpoint(Path(load_dir), resolved)
+        with self._loading_universal(load_tag is not tag):
+            path, client_state = self.deepspeed_engine.load_checkpoint(load_dir, tag=load_tag, **kwargs)
         if path is None:
             return path, client_state
-        self.consumed_samples, client_state = restored_consumed_samples(path, client_state, self._client_state())
-        for sampler in self._samplers:
-            sampler.set_position(self.consumed_samples)
+        client_state = dict(client_state or {})
+        legacy = client_state.pop(CLIENT_STATE_KEY, None)
+        if decision is None:  # no state file: poplar-ext 0.1's client_state entry, or a plain DeepSpeed checkpoint
+            decision = resume_decision(
+                legacy, self._client_state(), path=where, step=self.deepspeed_engine.global_steps,
+                load_module_only=bool(kwargs.get("load_module_only")),
+            )
+        self._resume(decision)
         return path, client_state
+
+    def _resume(self, decision: ResumeDecision) -> None:
+        self.consumed_samples = decision.consumed_samples
+        self._restored_position, self._steps_since_restore = decision.data_position, 0
+        for sampler in self._samplers:
+            sampler.set_position(decision.data_position)
+        self.plan_history = decision.plan_history or self.plan_history
+        if self._rank == 0:
+            for note in decision.notes:
+                logger.info("load_checkpoint: %s", note)
+
+    def _universal_checkpoint(self, load_dir: Path, tag: str) -> str:
+        """The tag of the checkpoint converted to DeepSpeed's universal format (converted by rank 0 if needed)."""
+        from poplar_ext.collectives import decided_by_rank0, gather_objects
+
+        source, universal = load_dir / tag, f"{tag}_universal"
+        target = load_dir / universal
+        command = f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {source} --output_folder {target}"
+
+        def convert() -> bool:
+            if not target.is_dir():
+                from deepspeed.checkpoint import ds_to_universal
+
+                logger.info("load_checkpoint: %s was saved on another number of ranks; converting it: %s", source, command)
+                ds_to_universal.main(argparse.Namespace(
+                    input_folder=str(source), output_folder=str(target), num_extract_workers=1, num_merge_workers=1,
+                    keep_temp_folder=False, strict=True, inject_missing_state=False,
+                ))
+            return True
+
+        try:
+            decided_by_rank0(convert, rank=self._rank)
+        except Exception as exc:  # noqa: BLE001 - every rank stops with the one command to run
+            raise ValueError(
+                f"load_checkpoint: {source} was saved on another number of ranks, and DeepSpeed's universal checkpoint "
+                f"could not reshard its ZeRO optimizer state here ({type(exc).__name__}: {exc}); run {command} "
+                "and call load_checkpoint again"
+            ) from exc
+        missing = [rank for rank, seen in enumerate(gather_objects(target.is_dir())) if not seen]
+        if missing:
+            raise ValueError(
+                f"load_checkpoint: the universal checkpoint {target} is not visible on ranks {missing}: copy it to "
+                f"their nodes (or run {command} there), then call load_checkpoint again"
+            )
+        return universal
+
+    @contextmanager
+    def _loading_universal(self, universal: bool) -> Iterator[None]:
+        # DeepSpeed reads whether to load a universal checkpoint from its config
+        # (checkpoint.load_universal), fixed at initialize; a resume on another number
+        # of ranks decides it at load time.
+        if not universal:
+            yield
+            return
+        config = self.deepspeed_engine._config
+        before = config.load_universal_checkpoint
+        config.load_universal_checkpoint = True
+        try:
+            yield
+        finally:
+            config.load_universal_checkpoint = before
 
 
 __all__ = ["CLIENT_STATE_KEY", "PoplarEngine"]

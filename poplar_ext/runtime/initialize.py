@@ -225,10 +225,16 @@ def initialize(
     slowdown = None
     if emulation is not None:
         slowdown = ComputeSlowdown(emulation, clock="thread" if on_cpu else "cuda")
+    if poplar_config.plan is not None:
+        reason = f"the plan file {poplar_config.plan}"
+    else:
+        reason = f"searched at start by the {plan.policy} policy from {poplar_config.profiles}"
     wrapped = PoplarEngine(
         engine, plan=plan, rank=rank, poplar_config=poplar_config, device_label=label, slowdown=slowdown,
-        rank_device_labels=labels,
+        rank_device_labels=labels, plan_reason=reason,
     )
+    if rank == 0:
+        logger.info("poplar plan from step 0: %s", reason)
     dataloader = None
     if training_data is not None:
         sampler = wrapped.create_batch_sampler(len(training_data))

@@ -9,6 +9,7 @@ harness's timeout, so passing here means no rank entered any collective.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -36,6 +37,8 @@ BAD_CASES = {
     "stage_differs": dict(stage=0, plan_key="stage1"),
     "over_max_micro_batch": dict(stage=1, plan_key="stage1", profiles_key="profiles"),
     "missing_profiles": dict(stage=1, profiles_key="partial_profiles", global_batch_size=12),
+    "cluster_not_the_hardware": dict(stage=1, plan_key="stage1", cluster_key="a100_cluster"),
+    "cluster_file_missing": dict(stage=1, plan_key="stage1", cluster_key="missing_cluster"),
 }
 
 
@@ -46,6 +49,9 @@ def _refusals(files):
         profiles_key = case.pop("profiles_key", None)
         if profiles_key:
             case["profiles"] = str(files[profiles_key])
+        cluster_key = case.pop("cluster_key", None)
+        if cluster_key:
+            case["cluster"] = str(files[cluster_key])
         try:
             _initialize(files, **case)
             messages[name] = "accepted"
@@ -83,7 +89,13 @@ def results(tmp_path_factory):
         # cpu-slow can hold at most 2 samples per micro-step
         "profiles": _profiles(tmp / "profiles", fingerprint, [("cpu", 16, 0.001), ("cpu-slow", 2, 0.003)]),
         "partial_profiles": _profiles(tmp / "partial", fingerprint, [("cpu", 16, 0.001)]),
+        "missing_cluster": tmp / "no-such-cluster.json",
     }
+    files["a100_cluster"] = tmp / "a100.json"
+    files["a100_cluster"].write_text(json.dumps({"schema_version": 1, "nodes": [
+        {"name": "n0", "devices": [{"device_type": "A100-80GB", "count": 1}]},
+        {"name": "n1", "devices": [{"device_type": "cpu-slow", "count": 2}]}],
+        "device_types": {"cpu-slow": {"emulation": {"slowdown": 1.5, "memory_capacity_bytes": 2_000_000_000}}}}))
     return run_ranks(_refusals, world_size=3, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=120)
 
 
@@ -124,3 +136,13 @@ def test_searched_plan_reaches_every_rank(results):
     assert plans[0] == plans[1] == plans[2]
     assert sum(b * s for b, s in plans[0]) == 12
     assert all(b <= 2 for b, _ in plans[0][1:])  # within cpu-slow's cap
+
+
+def test_a_cluster_file_that_is_not_the_hardware_stops_every_rank(results):
+    message = _messages(results, "cluster_not_the_hardware")
+    assert "poplar.cluster: " in message and "does not match the hardware: Rank 0 on" in message
+    assert "the cluster description says 'A100-80GB'; name it 'cpu'" in message
+
+
+def test_a_missing_cluster_file_stops_every_rank(results):
+    assert "no-such-cluster.json" in _messages(results, "cluster_file_missing")

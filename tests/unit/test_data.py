@@ -114,9 +114,21 @@ def test_works_as_a_dataloader_batch_sampler():
     assert [b.tolist() for b in batches[:2]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
-def test_position_not_on_an_iteration_boundary():
-    with pytest.raises(ValueError, match=r"consumed_samples: expected a non-negative multiple of the global batch \(6\), found 4"):
-        _samplers([(3, 1), (3, 1)], num_samples=20, consumed_samples=4)
+def test_a_position_under_another_global_batch_continues_the_stream():
+    # Saved under a global batch of 4 after 1 iteration; resumed under 6: nothing skipped or repeated.
+    (before,) = _samplers([(4, 1)], num_samples=20)
+    first = next(iter(before))
+    after, _ = _samplers([(3, 1), (3, 1)], num_samples=20, consumed_samples=4)
+    assert after.consumed_samples == 4
+    resumed = after.micro_batches(after.next_iteration)[0]
+    assert resumed == after.stream.indices(4, 3) and not set(first) & set(resumed)
+
+
+def test_drop_last_moves_an_off_grid_position_to_the_next_epoch():
+    (sampler,) = _samplers([(4, 1)], num_samples=10, drop_last=True, consumed_samples=5)
+    assert sampler.consumed_samples == 10
+    with pytest.raises(ValueError, match=r"consumed_samples: expected a stream position \(an integer >= 0\), found -1"):
+        sampler.set_position(-1)
 
 
 def test_rank_outside_the_allocation():

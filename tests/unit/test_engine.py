@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 
 from poplar_ext.runtime.config import poplar_config_from_dict
 from poplar_ext.hardware.emulation import ComputeSlowdown
-from poplar_ext.runtime.engine import CLIENT_STATE_KEY, PoplarEngine
+from poplar_ext.runtime.checkpoint import STATE_FILE
+from poplar_ext.runtime.engine import PoplarEngine
 from search.formats import Emulation, plan_from_dict, plan_to_dict
 
 
@@ -146,46 +148,71 @@ def test_real_device_has_no_emulated_compute():
     assert engine.emulated_compute is None
 
 
-def test_checkpoint_keeps_plan_and_position():
+def test_checkpoint_keeps_plan_and_position(tmp_path):
     plan = _plan([(3, 2), (1, 3)])
     engine, fake = _engine(plan)
     for _ in range(4):
         engine.backward(engine(torch.ones(3)))
         engine.step()
-    engine.save_checkpoint("dir", client_state={"mine": 1})
-    assert fake.saved[CLIENT_STATE_KEY]["consumed_samples"] == 18
-    assert fake.saved[CLIENT_STATE_KEY]["plan"] == plan_to_dict(plan)
+    engine.save_checkpoint(tmp_path, tag="t", client_state={"mine": 1})
+    state = json.loads((tmp_path / "t" / STATE_FILE).read_text())
+    assert state["consumed_samples"] == 18 and state["data_position"] == 18 and state["plan"] == plan_to_dict(plan)
+    assert [entry["reason"] for entry in state["plan_history"]] == ["the job's plan"]
     resumed, resumed_fake = _engine(plan)
     sampler = resumed.create_batch_sampler(100)
     resumed_fake.saved = fake.saved
-    path, client_state = resumed.load_checkpoint("dir")
-    assert client_state == {"mine": 1}
+    path, client_state = resumed.load_checkpoint(tmp_path, tag="t")
+    assert client_state["mine"] == 1
     assert resumed.consumed_samples == 18 and sampler.consumed_samples == 18
 
 
-def test_checkpoint_of_another_plan_is_refused():
-    engine, fake = _engine(_plan([(3, 2), (1, 3)]))
-    engine.save_checkpoint("dir")
-    other, other_fake = _engine(_plan([(2, 2), (2, 3)]))
+def test_a_checkpoint_of_another_plan_continues_the_stream_and_says_so(tmp_path, caplog):
+    engine, fake = _engine(_plan([(3, 2), (1, 3)]))  # B = 9
+    for _ in range(2):
+        engine.backward(engine(torch.ones(3)))
+        engine.step()
+    engine.save_checkpoint(tmp_path, tag="t")
+    other, other_fake = _engine(_plan([(2, 2), (2, 3)]))  # B = 10
     other_fake.saved = fake.saved
-    with pytest.raises(ValueError, match=r"was saved with the plan .*'ranks': \[\(3, 2\), \(1, 3\)\].* but this job runs"):
-        other.load_checkpoint("dir")
+    with caplog.at_level(logging.INFO, logger="poplar_ext"):
+        other.load_checkpoint(tmp_path, tag="t")
+    assert other.data_position == 9 and other.consumed_samples == 9
+    assert [entry["reason"].split(" (")[0] for entry in other.plan_history] == [
+        "the job's plan", f"resumed from {tmp_path / 't'} under another plan"
+    ]
+    assert "global batch 9 then, 10 now" in other.plan_history[-1]["reason"]
+    assert any("the data continues at stream position 9 with the new batch" in r.getMessage() for r in caplog.records)
 
 
-def test_checkpoint_with_another_seed_is_refused():
+def test_checkpoint_with_another_seed_is_refused_before_deepspeed_loads(tmp_path):
     engine, fake = _engine(_plan([(2, 1)]))
-    engine.save_checkpoint("dir")
+    engine.save_checkpoint(tmp_path, tag="t")
     other, other_fake = _engine(_plan([(2, 1)]), seed=5)
     other_fake.saved = fake.saved
-    with pytest.raises(ValueError, match="saved with poplar.seed 0 and shuffle True, this job has 5 and True"):
-        other.load_checkpoint("dir")
+    other_fake.load_checkpoint = lambda *a, **k: pytest.fail("DeepSpeed loaded weights of a checkpoint that cannot resume")
+    with pytest.raises(ValueError, match=r"saved with poplar.seed 0, shuffle True and drop_last False; this job has 5, True and False"):
+        other.load_checkpoint(tmp_path, tag="t")
 
 
-def test_checkpoint_not_made_by_poplar_ext_is_refused():
+def test_a_plain_deepspeed_checkpoint_starts_the_data_at_0_with_a_note(tmp_path, caplog):
     engine, fake = _engine(_plan([(2, 1)]))
-    fake.saved = {"other": 1}
-    with pytest.raises(ValueError, match="was not saved by poplar_ext"):
-        engine.load_checkpoint("dir")
+    fake.saved = {"other": 1}  # no poplar state: saved by plain DeepSpeed
+    with caplog.at_level(logging.INFO, logger="poplar_ext"):
+        path, client_state = engine.load_checkpoint(tmp_path, tag="t")
+    assert client_state == {"other": 1} and engine.data_position == 0
+    assert any("holds no poplar-ext state (a plain DeepSpeed checkpoint): the data starts at position 0" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_loading_only_the_weights_starts_the_data_at_0(tmp_path):
+    engine, fake = _engine(_plan([(2, 1)]))
+    engine.backward(engine(torch.ones(3)))
+    engine.step()
+    engine.save_checkpoint(tmp_path, tag="t")
+    other, other_fake = _engine(_plan([(2, 1)]))
+    other_fake.saved = fake.saved
+    other.load_checkpoint(tmp_path, tag="t", load_module_only=True)
+    assert other.data_position == 0 and "loaded for its weights only" in other.plan_history[-1]["reason"]
 
 
 def test_no_checkpoint_found_passes_through():
