@@ -1,7 +1,8 @@
 """Peak memory of one block of work, and the memory a rank may use.
 
-CUDA: the caching allocator's peak (`torch.cuda.reset_peak_memory_stats` +
-`torch.cuda.max_memory_allocated`). CPU: the process's resident-set high-water mark.
+CUDA: the caching allocator's peak reserved memory (`torch.cuda.reset_peak_memory_stats`
++ `torch.cuda.max_memory_reserved`: allocated plus fragmentation), with the context and
+NCCL's buffers measured apart (`non_torch_bytes`). CPU: the process's resident-set high-water mark.
 DeepSpeed's CPU `max_memory_allocated` and `tracemalloc` miss torch's own
 allocations, so on CPU the kernel's accounting is the only complete one:
 ``malloc_trim(0)`` hands freed heap pages back (so the mark starts from what is
@@ -113,6 +114,10 @@ class MeasuredPeak:
     def __enter__(self) -> "MeasuredPeak":
         if self.device.type == "cpu":
             default_cpu_allocator()
+        else:
+            # The peak is the caching allocator's reserved memory (see `peak_memory_bytes`):
+            # blocks cached by earlier work would count as this block's.
+            torch.cuda.empty_cache()
         reset_peak_memory(self.device)
         return self
 
@@ -147,12 +152,36 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory on `device` since the last `reset_peak_memory`, in bytes."""
+    """Peak memory on `device` since the last `reset_peak_memory`, in bytes.
+
+    CUDA: the caching allocator's peak *reserved* memory, not the allocated one: the
+    difference is fragmentation and cached blocks, which a micro-batch at the edge of
+    the memory also needs (`max_memory_allocated` alone lets a plan run out of memory
+    later in training). The CUDA context and NCCL's buffers are outside the allocator:
+    `non_torch_bytes` measures them, and the profiler takes them off the capacity.
+    """
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return int(torch.cuda.max_memory_reserved(device))
     if device.type != "cpu":
         raise ValueError(f"device: expected a 'cpu' or 'cuda' device, found {device}")
     return _read_status_kib("VmHWM") * 1024
+
+
+def non_torch_bytes(*, total_bytes: int, free_bytes: int, reserved_bytes: int) -> int:
+    """Device memory in use but not by torch's allocator: the CUDA context, NCCL's buffers,
+    other processes on the device. From ``torch.cuda.mem_get_info`` (free, total) and
+    ``torch.cuda.memory_reserved``."""
+    if not 0 <= free_bytes <= total_bytes:
+        raise ValueError(f"free_bytes: expected 0..{total_bytes}, found {free_bytes}")
+    return max(0, total_bytes - free_bytes - reserved_bytes)
+
+
+def device_overhead_bytes(device: torch.device) -> int:
+    """`non_torch_bytes` of `device` now (0 on the CPU, whose peak counts the whole process)."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return non_torch_bytes(total_bytes=int(total), free_bytes=int(free), reserved_bytes=int(torch.cuda.memory_reserved(device)))
 
 
 def physical_memory_bytes() -> int:
@@ -173,7 +202,9 @@ __all__ = [
     "MeasuredPeak",
     "cpu_peak_supported",
     "default_cpu_allocator",
+    "device_overhead_bytes",
     "is_out_of_memory",
+    "non_torch_bytes",
     "peak_memory_bytes",
     "physical_memory_bytes",
     "release_memory",

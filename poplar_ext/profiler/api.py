@@ -363,7 +363,8 @@ def _make_profile(
             "device": "emulated" if emulation is not None else "real",
             "ds_config_fingerprint": config_fp,
             "timing": "CUDA events, median" if cuda else "process CPU time, median",
-            "memory": "torch.cuda.max_memory_allocated" if cuda else "process VmHWM",
+            "memory": "torch.cuda.max_memory_reserved (allocated plus fragmentation); the CUDA context and NCCL "
+            "buffers measured at start are off the capacity" if cuda else "process VmHWM",
             "warmup_micro_steps": settings.warmup_micro_steps,
             "repeats": settings.repeats,
             "ranks_measured": len(layout.ranks_of(t)),

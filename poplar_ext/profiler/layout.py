@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from poplar_ext.collectives import process_group_rank
+from poplar_ext.collectives import gather_objects, process_group_rank
 from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts, memory_capacity_bytes
+from poplar_ext.hardware.memory import device_overhead_bytes
 from search.formats import Cluster, Emulation
 
 
@@ -32,7 +33,8 @@ class JobLayout:
     """Device type of every rank, rank 0 first."""
     emulations: dict[str, Emulation | None]
     capacities_bytes: dict[str, int]
-    """Memory of each type: the emulated capacity, or the smallest real one among its ranks."""
+    """Memory of each type for micro-batches: the emulated capacity, or the smallest real one among
+    its ranks less what the CUDA context and NCCL's buffers take."""
     hardware: dict[str, str]
     """What the first rank of each type runs on, for people."""
     hosts: dict[str, str]
@@ -61,13 +63,16 @@ def build_layout(cluster: Cluster | str | os.PathLike[str] | None, device: torch
     rank, world_size = process_group_rank()
     facts = gather_device_facts(device)
     agreed = agreed_cluster(cluster, facts, rank=rank, name="cluster")
+    # After the first collectives, the CUDA context and NCCL's buffers exist: what they
+    # take (outside torch's allocator, which the peaks measure) is no micro-batch's.
+    overheads = gather_objects(device_overhead_bytes(device))
     rank_types = agreed.rank_device_types
     emulations: dict[str, Emulation | None] = {}
     capacities: dict[str, int] = {}
     hardware: dict[str, str] = {}
     hosts: dict[str, str] = {}
     for fact, t in zip(facts, rank_types):
-        capacity = memory_capacity_bytes(facts, fact.rank)
+        capacity = memory_capacity_bytes(facts, fact.rank) - overheads[fact.rank]
         if t not in emulations:
             emulations[t] = agreed.emulation_of(t)
             hardware[t] = fact.hardware

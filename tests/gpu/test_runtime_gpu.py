@@ -1,10 +1,18 @@
-"""The runtime on CUDA: nccl, fp32 and bf16, uneven per-rank batches, the launcher.
+"""The runtime on CUDA, able to fail: several ranks, uneven micro-batches, exact gradients.
 
-Ranks: one per visible GPU (nccl allows one rank per GPU); with a single GPU the
-job has one rank, which still runs an uneven micro-batch/accumulation plan through
-the CUDA path. Ranks are forked before the parent touches CUDA (the harness checks).
+Three ranks with uneven micro-batches (and uneven accumulation counts at stages 0/1)
+against a reference of one process training the global batch:
 
-Outcome so far: written in a session without a GPU; skipped there, never run on CUDA
+* fp32: within 1e-5 of one process in plain torch (TF32 off);
+* bf16: against one DeepSpeed rank training the global batch in bf16, with a
+  tolerance that a *missing* loss weight (DeepSpeed's own 1/accumulation scaling,
+  what a wrong weight gives) is shown to exceed, so the test can fail.
+
+With three or more GPUs each rank has its own and NCCL runs; with fewer, the ranks
+share the GPUs through a gloo process group with CUDA tensors (NCCL refuses two ranks
+on one device). Ranks are forked before the parent touches CUDA (the harness checks).
+
+Outcome so far: written in sessions without a GPU; skipped there, never run on CUDA
 yet. Replace this line with the outcome when they have run on a GPU machine.
 """
 
@@ -14,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,24 +32,27 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         not torch.cuda.is_available(),
-        reason="CUDA is not available: the GPU tier (nccl, bf16 equivalence, launcher on GPUs) needs a CUDA device",
+        reason="CUDA is not available: the GPU tier (several ranks, fp32 and bf16 equivalence, launcher on GPUs) "
+        "needs a CUDA device",
     ),
 ]
 
 STEPS = 3
+WORLD_SIZE = 3
 REPO = Path(__file__).resolve().parents[2]
+BF16_TOLERANCE = 2e-3
+"""Largest parameter difference from the bf16 reference; the missing-weight run must exceed it."""
 
 
-def _world_size() -> int:
-    return max(1, min(3, torch.cuda.device_count()))
+def _allocation(stage: int) -> list[tuple[int, int]]:
+    return [(3, 2), (1, 3), (2, 1)] if stage < 2 else [(3, 2), (1, 2), (2, 2)]
 
 
-def _allocation(stage: int, world_size: int) -> list[tuple[int, int]]:
-    uneven = [(3, 2), (1, 3), (2, 1)] if stage < 2 else [(3, 2), (1, 2), (2, 2)]
-    return uneven[:world_size]
+def _shared_gpus() -> bool:
+    return torch.cuda.device_count() < WORLD_SIZE
 
 
-def _train(files, dtype):
+def _train(files: dict, dtype: str, weighted: bool) -> dict:
     import _training as t
     import poplar_ext
 
@@ -55,7 +67,34 @@ def _train(files, dtype):
         engine, _, loader, _ = poplar_ext.initialize(
             model=model, optimizer=t.make_optimizer("sgd", model.parameters()), training_data=t.dataset(), config=config
         )
+        if not weighted:
+            # What a missing weight gives: DeepSpeed's own division by this rank's accumulation count.
+            engine.backward = lambda loss, **kwargs: engine.deepspeed_engine.backward(loss)
         t.train_steps(engine, loader, STEPS)
+        results[stage] = t.full_parameters(engine)
+    return results
+
+
+def _bf16_reference(global_batches: dict[int, int]) -> dict:
+    """One DeepSpeed rank training each stage's global batch in bf16 (the same numerics as the job)."""
+    import deepspeed
+
+    import _training as t
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = {}
+    data = t.dataset()
+    for stage, global_batch in global_batches.items():
+        model = t.GPT(t.TINY)
+        config = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": global_batch,
+                  "gradient_clipping": t.CLIP, "zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
+                  "zero_allow_untested_optimizer": True, "steps_per_print": 10_000}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=t.make_optimizer("sgd", model.parameters()), config=config)
+        stream = t.SampleStream(num_samples=t.NUM_SAMPLES, seed=0)
+        for step in range(STEPS):
+            batch = torch.stack([data[i] for i in stream.indices(step * global_batch, global_batch)]).to(engine.device)
+            engine.backward(engine(batch))
+            engine.step()
         results[stage] = t.full_parameters(engine)
     return results
 
@@ -63,46 +102,70 @@ def _train(files, dtype):
 def _files(tmp_path: Path) -> dict:
     import _training as t
 
-    world_size = _world_size()
-    files = {"cluster": t.write_cluster(tmp_path / "cluster.json", fast=1, slow=world_size - 1, fast_type="gpu-fast")}
-    types = ["gpu-fast"] + ["cpu-slow"] * (world_size - 1)
+    # Emulated types (slowdown 1): the parent cannot read the GPU's name without initialising CUDA before the fork.
+    files = {"cluster": t.write_cluster(tmp_path / "cluster.json", fast=1, slow=WORLD_SIZE - 1, fast_type="gpu-fast")}
+    types = ["gpu-fast"] + ["cpu-slow"] * (WORLD_SIZE - 1)
     for stage in (0, 1, 2, 3):
-        files[stage] = t.write_plan(tmp_path / f"plan{stage}.json", _allocation(stage, world_size), stage=stage, device_types=types)
+        files[stage] = t.write_plan(tmp_path / f"plan{stage}.json", _allocation(stage), stage=stage, device_types=types)
     return files
 
 
-@pytest.mark.parametrize("dtype,tolerance", [("fp32", 1e-5), ("bf16", 5e-2)])
-def test_equivalence_on_cuda(tmp_path, dtype, tolerance):
+def _run(tmp_path: Path, dtype: str, *, weighted: bool = True) -> dict:
+    from harness import run_ranks
+
+    # gloo (set up by the harness) when ranks share GPUs; otherwise DeepSpeed sets up NCCL.
+    return run_ranks(_train, world_size=WORLD_SIZE, tmp_path=tmp_path, args=(_files(tmp_path), dtype, weighted),
+                     init_process_group=_shared_gpus(), timeout_s=600)[0]
+
+
+def test_fp32_equals_one_process_on_the_global_batch(tmp_path):
+    import _training as t
+
+    results = _run(tmp_path, "fp32")
+    for stage in (0, 1, 2, 3):
+        expected, _ = t.reference_parameters("sgd", sum(b * s for b, s in _allocation(stage)), STEPS)
+        assert t.max_difference(results[stage], expected) <= 1e-5, f"stage {stage}"
+
+
+def test_bf16_equals_a_bf16_reference_and_a_missing_weight_does_not(tmp_path):
     import _training as t
     from harness import run_ranks
 
-    world_size = _world_size()
-    results = run_ranks(_train, world_size=world_size, tmp_path=tmp_path, args=(_files(tmp_path), dtype),
-                        init_process_group=False, timeout_s=300)[0]
+    batches = {stage: sum(b * s for b, s in _allocation(stage)) for stage in (0, 1, 2, 3)}
+    reference = run_ranks(_bf16_reference, world_size=1, tmp_path=tmp_path / "reference", args=(batches,),
+                          init_process_group=False, timeout_s=600)[0]
+    weighted = _run(tmp_path / "weighted", "bf16")
+    unweighted = _run(tmp_path / "unweighted", "bf16", weighted=False)
     for stage in (0, 1, 2, 3):
-        global_batch = sum(b * s for b, s in _allocation(stage, world_size))
-        expected, _ = t.reference_parameters("sgd", global_batch, STEPS)
-        assert t.max_difference(results[stage], expected) <= tolerance, f"stage {stage}"
+        exact = t.max_difference(weighted[stage], reference[stage])
+        missing = t.max_difference(unweighted[stage], reference[stage])
+        assert exact <= BF16_TOLERANCE, f"stage {stage}: {exact}"
+        assert missing > BF16_TOLERANCE, f"stage {stage}: a missing weight ({missing}) would pass this test"
+
+
+def _gpu_device_type() -> str:
+    # In a child process: CUDA initialised here would keep the harness from forking ranks.
+    code = "import torch; from poplar_ext.hardware.devices import hardware_device_type; print(hardware_device_type(torch.device('cuda', 0)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return done.stdout.strip().splitlines()[-1]
 
 
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
-def test_launcher_on_cuda_with_bf16(tmp_path):
+def test_launcher_on_cuda_with_bf16_and_the_cluster_read_from_the_hardware(tmp_path):
     from harness import free_port
 
     num_gpus = min(2, torch.cuda.device_count())
+    device_type = _gpu_device_type()
     config = json.loads((REPO / "examples" / "ds_config.json").read_text())
     config["bf16"] = {"enabled": True}
-    for name in ("cluster", "plan"):
-        config["poplar"][name] = str(REPO / "examples" / f"{name}.json")
-    if num_gpus == 1:
-        (tmp_path / "cluster.json").write_text(json.dumps(
-            {"schema_version": 1, "nodes": [{"name": "gpu", "devices": [{"device_type": "gpu", "count": 1}]}]}))
-        (tmp_path / "plan.json").write_text(json.dumps({
-            "schema_version": 1, "policy": "uniform", "zero_stage": 1, "global_batch_size": 8,
-            "ranks": [{"rank": 0, "device_type": "gpu", "micro_batch_size": 4, "gradient_accumulation_steps": 2}],
-            "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
-            "profile_fingerprints": {}}))
-        config["poplar"]["cluster"], config["poplar"]["plan"] = str(tmp_path / "cluster.json"), str(tmp_path / "plan.json")
+    config["poplar"].pop("cluster", None)  # no cluster file: each rank's GPU is read from the hardware
+    (tmp_path / "plan.json").write_text(json.dumps({
+        "schema_version": 1, "policy": "uniform", "zero_stage": 1, "global_batch_size": 8 * num_gpus,
+        "ranks": [{"rank": r, "device_type": device_type, "micro_batch_size": 4, "gradient_accumulation_steps": 2}
+                  for r in range(num_gpus)],
+        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+        "profile_fingerprints": {}}))
+    config["poplar"]["plan"] = str(tmp_path / "plan.json")
     (tmp_path / "ds.json").write_text(json.dumps(config))
     result = tmp_path / "result.json"
     command = ["deepspeed", "--num_gpus", str(num_gpus), "--master_port", str(free_port()),
@@ -112,4 +175,5 @@ def test_launcher_on_cuda_with_bf16(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     summary = json.loads(result.read_text())
     assert summary["consumed_samples"] == 3 * summary["global_batch_size"]
+    assert summary["devices"] == [f"{device_type} (real)"] * num_gpus
     assert torch.isfinite(torch.tensor(summary["last_loss"]))

@@ -64,3 +64,16 @@ def test_steady_allocator_is_set_on_glibc() -> None:
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")
     assert memory.steady_cpu_allocator() is True
+
+
+def test_what_the_cuda_context_and_nccl_take_is_measured_apart() -> None:
+    gib = 2**30
+    # 80 GiB card, 70 GiB free, torch holds 8 GiB: 2 GiB are the context, NCCL and the like.
+    assert memory.non_torch_bytes(total_bytes=80 * gib, free_bytes=70 * gib, reserved_bytes=8 * gib) == 2 * gib
+    assert memory.non_torch_bytes(total_bytes=80 * gib, free_bytes=80 * gib, reserved_bytes=0) == 0
+    with pytest.raises(ValueError, match="free_bytes: expected 0"):
+        memory.non_torch_bytes(total_bytes=gib, free_bytes=2 * gib, reserved_bytes=0)
+
+
+def test_a_cpu_has_no_overhead_outside_its_peak() -> None:
+    assert memory.device_overhead_bytes(CPU) == 0
