@@ -9,6 +9,7 @@ skips) can be read in one place:
   with its result, or its error, on every rank;
 * `gather_objects`: every rank's object on every rank (device facts, measurements);
 * `agree_max`: the element-wise maximum of a list of numbers (trial outcomes);
+* `agree_sum`: the sum of a number over ranks (an iteration's label tokens);
 * `barrier`: every rank waits for the others (before a timed block).
 
 `ensure_process_group` sets the group up through DeepSpeed (its launcher, torchrun
@@ -88,6 +89,19 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def agree_sum(value: int, device: Any) -> int:
+    """The sum of `value` over all ranks (collective); `device` is this rank's ``torch.device``."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor([value], dtype=torch.int64, device=on)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return int(tensor.item())
+
+
 def agree_max(values: list[float], device: Any) -> list[float]:
     """The element-wise maximum of `values` over all ranks; `device` is this rank's ``torch.device``."""
     import torch
@@ -116,6 +130,7 @@ def process_group_rank() -> tuple[int, int]:
 
 __all__ = [
     "agree_max",
+    "agree_sum",
     "barrier",
     "broadcast_from_rank0",
     "decided_by_rank0",

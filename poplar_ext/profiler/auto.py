@@ -48,14 +48,16 @@ def missing_profiles_measurer(
     profiles_dir: Any,
     micro_batch_size_limit: int | None,
     progress: Callable[[str], None] | None = None,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
 ) -> MeasureMissing:
     """A function that measures missing profiles with initialize's model and data (collective).
 
     Call the result before DeepSpeed sees `model`: each measured stage gets a deep
     copy of it. Micro-batch ``b`` is the first ``b`` samples of
     `training_data` (repeated when the data set is smaller) put together by
-    `collate_fn` (default: torch's default collate); the model's forward returns the
-    loss, as in the training loop. The largest micro-batch tried is
+    `collate_fn` (default: torch's default collate); the loss is ``loss_fn(engine,
+    batch)`` (default: the model's output's ``.loss``, else the output itself, as for a
+    Hugging Face model given labels). The largest micro-batch tried is
     `micro_batch_size_limit` (the global batch when known: no plan can use more).
     """
     from poplar_ext.profiler import log_progress, profile_model
@@ -80,6 +82,7 @@ def missing_profiles_measurer(
             cache_dir=profiles_dir,
             progress=log_progress if progress is None else progress,
             optimizer_factory=optimizer_factory,
+            loss_fn=loss_fn,
             model_name=type(model).__name__.lower(),
             micro_batch_size_limit=micro_batch_size_limit or 256,
         )

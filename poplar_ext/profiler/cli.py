@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from search.errors import FormatError
 from search.formats import ZERO_STAGES
 
 BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
+HF_PREFIX = "hf:"
+"""``--model hf:CONFIG_CLASS``: a transformers model built from its config (random weights)."""
 DISCOVERED_CLUSTER_FILE = "cluster.json"
 """Where, in the output directory, a run without --cluster writes the cluster it discovered."""
 
@@ -73,7 +76,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument(
         "--model", required=True, metavar="MODULE:FACTORY",
-        help=f"a zero-argument function that builds the model (its forward returns the loss), or one of {', '.join(BUILTIN_MODELS)}",
+        help="a zero-argument function that builds the model (its forward returns the loss, or an output with .loss); "
+        f"one of {', '.join(BUILTIN_MODELS)}; or hf:CONFIG_CLASS (e.g. hf:GPT2Config) for a transformers model "
+        "built from its config with --hf-config sizes and random weights (needs pip install 'poplar-ext[hf]')",
     )
     parser.add_argument(
         "--batch", metavar="MODULE:FACTORY",
@@ -98,6 +103,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--sequence-length", type=int, metavar="N",
         help="tokens per sample; part of the cache key (built-in models: their context length, default 512 for gpt2-small, 64 for toy-gpt)",
     )
+    parser.add_argument(
+        "--loss", metavar="MODULE:FN",
+        help="loss_fn(engine, batch) -> loss when the model's output is not the loss and has no .loss",
+    )
+    hf = parser.add_argument_group("Hugging Face models (--model hf:CONFIG_CLASS)")
+    hf.add_argument("--hf-config", default="", metavar="KEY=VALUE,...",
+                    help="the config's sizes, e.g. n_layer=12,n_embd=768,n_head=12,vocab_size=50257 (values as JSON)")
+    hf.add_argument("--hf-task", default="causal-lm", choices=("causal-lm", "masked-lm"),
+                    help="the model head and its labels (default: causal-lm)")
     toy = parser.add_argument_group("built-in models (--model toy-gpt)")
     toy.add_argument("--layers", type=int, default=2, metavar="N", help="transformer blocks (default: 2)")
     toy.add_argument("--hidden-size", type=int, default=128, metavar="N", help="width (default: 128)")
@@ -145,6 +159,8 @@ class ProfileCommand:
     """A checked command line: everything `profile_model` needs."""
 
     ds_config: dict[str, Any]
+    loss_fn: Callable[[Any, Any], Any] | None
+    """``loss_fn(engine, batch) -> loss``; None: the output's ``.loss``, else the output."""
     cluster_path: Path | None
     """None: the cluster is discovered from the hardware and written next to the profiles."""
     model_factory: Callable[[], Any]
@@ -187,6 +203,42 @@ def _builtin_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callabl
     return (lambda: GPT(cfg)), make_batch, name, cfg.sequence_length
 
 
+def _config_sizes(text: str) -> dict[str, Any]:
+    sizes: dict[str, Any] = {}
+    for part in (p for p in text.split(",") if p.strip()):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--hf-config: expected KEY=VALUE pairs separated by commas, found {part!r}")
+        try:
+            sizes[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            sizes[key.strip()] = value  # a plain string, e.g. an activation name
+    return sizes
+
+
+def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int], Any], str, int]:
+    try:
+        from poplar_ext.integrations.transformers import model_from_config, random_lm_batch
+    except ImportError as exc:
+        raise UsageError(f"--model {args.model}: needs transformers (pip install 'poplar-ext[hf]'): {exc}") from None
+    config_class = args.model[len(HF_PREFIX):]
+    sizes = _config_sizes(args.hf_config)
+    try:
+        probe = model_from_config(config_class, sizes, task=args.hf_task)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    vocab_size = int(probe.config.vocab_size)
+    sequence_length = args.sequence_length or min(128, int(getattr(probe.config, "max_position_embeddings", None)
+                                                           or getattr(probe.config, "n_positions", 128)))
+    del probe
+
+    def make_batch(micro_batch_size: int) -> Any:
+        return random_lm_batch(vocab_size, micro_batch_size, sequence_length, task=args.hf_task)
+
+    name = f"{config_class.removesuffix('Config').lower()}-{args.hf_task}"
+    return (lambda: model_from_config(config_class, sizes, task=args.hf_task)), make_batch, name, sequence_length
+
+
 def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
     """Parse and check the command line; raises `UsageError` (one line) on bad input."""
     args = build_parser().parse_args(argv)
@@ -218,18 +270,22 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise UsageError(f"--output-dir: expected a directory, found the file {output_dir}")
-    if args.model in BUILTIN_MODELS:
+    if args.model in BUILTIN_MODELS or args.model.startswith(HF_PREFIX):
         if args.batch is not None:
-            raise UsageError(f"--batch: the built-in model {args.model} makes its own batches; leave --batch out")
-        model_factory, make_batch, name, sequence_length = _builtin_model(args)
+            kind = "the built-in model" if args.model in BUILTIN_MODELS else "the model"
+            raise UsageError(f"--batch: {kind} {args.model} makes its own batches; leave --batch out")
+        build = _hf_model if args.model.startswith(HF_PREFIX) else _builtin_model
+        model_factory, make_batch, name, sequence_length = build(args)
     else:
         if args.batch is None:
             raise UsageError("--batch: required with a --model of your own (MODULE:FACTORY taking the micro-batch size)")
         model_factory = _load_callable(args.model, option="--model")
         make_batch = _load_callable(args.batch, option="--batch")
         name, sequence_length = None, args.sequence_length
+    loss_fn = None if args.loss is None else _load_callable(args.loss, option="--loss")
     return ProfileCommand(
         ds_config=ds_config,
+        loss_fn=loss_fn,
         cluster_path=cluster_path,
         model_factory=model_factory,
         make_batch=make_batch,
@@ -284,6 +340,7 @@ def run(command: ProfileCommand) -> list[Any]:
         warmup_micro_steps=command.warmup_micro_steps,
         repeats=command.repeats,
         micro_batch_size_limit=command.max_micro_batch_size,
+        loss_fn=command.loss_fn,
     )
 
 

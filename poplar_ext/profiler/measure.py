@@ -99,13 +99,23 @@ def stage_ds_config(ds_config: Mapping[str, Any], *, zero_stage: int, world_size
     return config
 
 
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in a model's output: its ``.loss`` (a Hugging Face ``ModelOutput``), its ``"loss"``
+    entry, else the output itself."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    return output if loss is None else loss
+
+
 def default_loss(engine: Any, batch: Any) -> torch.Tensor:
-    """``engine(**batch)``, ``engine(*batch)`` or ``engine(batch)``: the model returns the loss."""
+    """``engine(**batch)``, ``engine(*batch)`` or ``engine(batch)``, and the loss in what it returns
+    (`loss_of`): a model that returns its loss, or a Hugging Face model given labels."""
     if isinstance(batch, Mapping):
-        return engine(**batch)
+        return loss_of(engine(**batch))
     if isinstance(batch, (tuple, list)):
-        return engine(*batch)
-    return engine(batch)
+        return loss_of(engine(*batch))
+    return loss_of(engine(batch))
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -548,6 +558,7 @@ __all__ = [
     "TrialEvent",
     "TypeStageResult",
     "default_loss",
+    "loss_of",
     "move_to_device",
     "stage_ds_config",
 ]

@@ -15,7 +15,7 @@ A DeepSpeed JSON config plus a top-level section::
         "seed": 0,                        # data shuffle seed
         "shuffle": true,
         "drop_last": false,               # true: each pass over the loader ends at the epoch boundary
-        "loss_reduction": "mean",         # how the training loss reduces over a micro-batch
+        "loss_reduction": "mean",         # the training loss over a micro-batch: mean, sum, token_mean
         "log_interval_steps": 10,         # true global batch and samples/s every N steps; 0: never
         "cpu_threads": null,              # CPU only: torch threads for this process; null: unchanged
         "steady_cpu_allocator": false     # CPU only: glibc keeps freed memory (as the profiler measures)
@@ -79,7 +79,9 @@ class PoplarConfig:
     samples of each epoch's order untrained in it; default: the last iteration of an epoch takes
     them and the first samples of the next epoch (see `poplar_ext.runtime.data`)."""
     loss_reduction: str = "mean"
-    """``mean``: the loss given to backward is a mean over the micro-batch; ``sum``: a sum."""
+    """How the loss given to backward reduces over the micro-batch: ``mean`` (of samples), ``sum``, or
+    ``token_mean`` (of label tokens, ``-100`` ignored: the language-model loss; the optimizer then sees
+    the mean over the global batch's tokens)."""
     log_interval_steps: int = 10
     """Log the true global batch and samples/s every this many optimizer steps (0: never)."""
     cpu_threads: int | None = None

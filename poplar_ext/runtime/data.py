@@ -31,7 +31,8 @@ that position).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch.utils.data
@@ -200,6 +201,15 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             return epoch * self._iterations_per_epoch
         return max(0, -(-(epoch * self.stream.num_samples - self._origin) // self.global_batch_size))
 
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the first iteration of pass `epoch` (how a trainer that counts epochs resumes)."""
+        if epoch < 0:
+            raise ValueError(f"epoch: expected an integer >= 0, found {epoch}")
+        if self.iterations_per_pass is not None:
+            self.next_iteration = epoch * self.iterations_per_pass
+        else:
+            self.next_iteration = self.first_iteration_of(epoch)
+
     def _pass_end(self) -> int:
         """The iteration after the last one of the pass that starts at `next_iteration`."""
         if self.iterations_per_pass is not None:
@@ -228,4 +238,35 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         return (self._pass_end() - self.next_iteration) * self.gradient_accumulation_steps
 
 
-__all__ = ["PlanBatchSampler", "SampleStream", "rank_offsets"]
+class IterationLoader:
+    """A DataLoader of one rank's micro-batches, handed over an iteration at a time.
+
+    Before the first micro-batch of an iteration (`micro_batches_per_iteration` of
+    them) it calls ``before_iteration(micro_batches)``, e.g. to count the
+    iteration's label tokens and agree on them across ranks before any backward
+    needs the total. Iterating and ``len`` are the loader's.
+    """
+
+    def __init__(self, loader: Any, *, micro_batches_per_iteration: int, before_iteration: Callable[[list[Any]], None]) -> None:
+        self.loader = loader
+        self.micro_batches_per_iteration = micro_batches_per_iteration
+        self.before_iteration = before_iteration
+
+    def __iter__(self) -> Iterator[Any]:
+        group: list[Any] = []
+        for batch in self.loader:
+            group.append(batch)
+            if len(group) == self.micro_batches_per_iteration:
+                self.before_iteration(group)
+                yield from group
+                group = []
+        assert not group, "a pass holds whole iterations"
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+
+__all__ = ["IterationLoader", "PlanBatchSampler", "SampleStream", "rank_offsets"]

@@ -14,15 +14,17 @@ ends where DeepSpeed starts reducing gradients: see
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from poplar_ext.collectives import agree_sum
 from poplar_ext.hardware.emulation import ComputeSlowdown
 from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
@@ -97,6 +99,9 @@ class PoplarEngine:
         self._samplers: list[PlanBatchSampler] = []
         self._restored_position = 0
         self._steps_since_restore = 0
+        self._token_counts: collections.deque[int] = collections.deque()
+        self.iteration_tokens = 0
+        """``token_mean``: the current iteration's label tokens over all ranks (`set_token_counts`)."""
         self._last_boundary_time: float | None = None
         if slowdown is not None:
             self._end_emulated_compute_before_reduction()
@@ -113,18 +118,12 @@ class PoplarEngine:
         divide_by_accumulation = getattr(engine, "_backward_prologue_per_tensor", None)
         if divide_by_accumulation is None:  # a DeepSpeed without torch-style backward
             return
-        weight = loss_weight(
-            world_size=self.plan.world_size,
-            micro_batch_size=self.rank_plan.micro_batch_size,
-            global_batch_size=self.plan.global_batch_size,
-            reduction=self.poplar_config.loss_reduction,
-        )
 
         def weight_instead_of_dividing(grad: Any) -> Any:
             scaled = divide_by_accumulation(grad)
             if scaled is grad:  # DeepSpeed leaves this gradient alone (engine.backward weighted it)
                 return grad
-            return (grad.float() * weight).to(grad.dtype)
+            return (grad.float() * loss_weight(**self._weight_arguments())).to(grad.dtype)
 
         engine._backward_prologue_per_tensor = weight_instead_of_dividing
 
@@ -179,17 +178,42 @@ class PoplarEngine:
             )
         if self._slowdown is not None:
             self._slowdown.start()  # for a forward that did not go through the engine
-        weighted = weight_loss(
-            loss,
-            world_size=self.plan.world_size,
-            micro_batch_size=self.rank_plan.micro_batch_size,
-            global_batch_size=self.plan.global_batch_size,
-            reduction=self.poplar_config.loss_reduction,
-        )
+        weighted = weight_loss(loss, **self._weight_arguments())
         result = self.deepspeed_engine.backward(weighted, scale_wrt_gas=False, **kwargs)
         if self._slowdown is not None:
             self._slowdown.stop()  # a no-op unless no reduction ended the window (no_sync)
         return result
+
+    def _weight_arguments(self) -> dict[str, Any]:
+        """What `loss_weight` needs for the micro-batch whose backward runs now."""
+        arguments: dict[str, Any] = {
+            "world_size": self.plan.world_size,
+            "micro_batch_size": self.rank_plan.micro_batch_size,
+            "global_batch_size": self.plan.global_batch_size,
+            "reduction": self.poplar_config.loss_reduction,
+        }
+        if self.poplar_config.loss_reduction == "token_mean" and self._token_counts:
+            arguments["micro_batch_tokens"] = self._token_counts.popleft()
+            arguments["global_batch_tokens"] = self.iteration_tokens
+        return arguments
+
+    def set_token_counts(self, micro_batch_tokens: Sequence[int]) -> int:
+        """This rank's micro-batches' label tokens for the coming iteration (``loss_reduction: token_mean``).
+
+        One count per micro-batch of the iteration, in order; collective: every rank
+        calls it once before the iteration's first backward, and all agree on the
+        iteration's total. The dataloader `poplar_ext.initialize` returns calls it.
+        Returns the total.
+        """
+        counts = [int(n) for n in micro_batch_tokens]
+        if len(counts) != self.rank_plan.gradient_accumulation_steps or any(n < 0 for n in counts):
+            raise ValueError(
+                f"micro_batch_tokens: expected {self.rank_plan.gradient_accumulation_steps} counts >= 0 (one per "
+                f"micro-batch of this rank's iteration), found {counts}"
+            )
+        self.iteration_tokens = agree_sum(sum(counts), self.deepspeed_engine.device)
+        self._token_counts = collections.deque(counts)
+        return self.iteration_tokens
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's step; at an accumulation boundary also counts and logs the iteration."""

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from poplar_ext.hardware.emulation import ComputeSlowdown, device_label, emulati
 from poplar_ext.hardware.memory import steady_cpu_allocator
 from poplar_ext.runtime.config import (
     SECTION,
+    GlobalBatchRequest,
     PoplarConfig,
     load_deepspeed_config,
     nominal_deepspeed_config,
@@ -50,7 +53,10 @@ from poplar_ext.runtime.config import (
     requested_zero_stage,
 )
 from poplar_ext.runtime.engine import PoplarEngine
+from poplar_ext.runtime.data import IterationLoader
 from poplar_ext.runtime.planning import resolve_plan
+from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
+from search.formats import Cluster, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -119,43 +125,69 @@ def _check_training_data(training_data: Any) -> None:
         )
 
 
-def initialize(
-    args: Any = None,
-    model: torch.nn.Module | None = None,
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """What a training job runs, settled on every rank before DeepSpeed builds its engine."""
+
+    ds_config: dict
+    """The user's DeepSpeed config."""
+    source: str
+    """Its file (or how a dict is named in messages)."""
+    poplar_config: PoplarConfig
+    cluster: Cluster
+    """Checked against every rank's hardware (or read from it)."""
+    plan: Plan
+    """Checked for this job on rank 0, the same on every rank."""
+    rank: int
+    world_size: int
+    device: Any
+    """This rank's ``torch.device``."""
+
+    @property
+    def plan_reason(self) -> str:
+        """Where the plan came from, for the plan history."""
+        if self.poplar_config.plan is not None:
+            return f"the plan file {self.poplar_config.plan}"
+        return f"searched at start by the {self.plan.policy} policy from {self.poplar_config.profiles}"
+
+
+def prepare_job(
+    loaded_config: tuple[dict, Path, str],
+    *,
+    model: Any = None,
     optimizer: Any = None,
-    model_parameters: Any = None,
-    training_data: torch.utils.data.Dataset | None = None,
-    lr_scheduler: Any = None,
-    distributed_port: int | None = None,
-    mpu: Any = None,
-    dist_init_required: bool | None = None,
+    training_data: Any = None,
     collate_fn: Any = None,
-    config: dict | str | None = None,
+    mpu: Any = None,
     mesh_param: Any = None,
-    config_params: dict | str | None = None,
-) -> tuple[PoplarEngine, Any, torch.utils.data.DataLoader | None, Any]:
-    """``deepspeed.initialize`` with the plan of the config's ``poplar`` section.
+    init_options: dict | None = None,
+    default_global_batch: GlobalBatchRequest | None = None,
+    loss_fn: Any = None,
+    profiling_ds_config: dict | None = None,
+) -> Job:
+    """Everything before DeepSpeed's engine: config, process group, cluster, plan (collective).
 
-    Same arguments and return values: ``(engine, optimizer, training_dataloader,
-    lr_scheduler)``. The engine is a `PoplarEngine`; the dataloader (None without
-    `training_data`) yields this rank's micro-batches. Raises ValueError, on every
-    rank alike and before any collective, for a bad config or a plan that cannot run.
+    `loaded_config` is `load_deepspeed_config`'s result. `default_global_batch` is
+    the batch when neither the ``poplar`` section nor the DeepSpeed config sets one
+    (the Hugging Face Trainer's own); `profiling_ds_config`, the config the automatic
+    mode profiles with (default: the user's; the Trainer's has its "auto" values
+    filled). Raises the same ValueError on every rank.
     """
-    import deepspeed
-
-    ds_config, base_dir, source = load_deepspeed_config(config, config_params=config_params, args=args)
+    ds_config, base_dir, source = loaded_config
     if SECTION not in ds_config:
         raise ValueError(
-            f"DeepSpeed config: expected a top-level '{SECTION}' section (with 'cluster' and 'plan' or 'profiles'), "
+            f"DeepSpeed config: expected a top-level '{SECTION}' section (with 'plan' or 'profiles'), "
             f"found none in {source}; use deepspeed.initialize for a run without one"
         )
     poplar_config = poplar_config_from_dict(ds_config[SECTION], base_dir=base_dir, source=source)
     _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
     _check_training_data(training_data)
     # DeepSpeed's own discovery first (launcher, torchrun or mpirun), then this rank's device.
-    device = ensure_process_group(**({} if distributed_port is None else {"distributed_port": distributed_port}))
+    device = ensure_process_group(**(init_options or {}))
     rank, world_size = process_group_rank()
     global_batch = requested_global_batch_size(poplar_config, ds_config, world_size=world_size)
+    if global_batch.size is None and default_global_batch is not None:
+        global_batch = default_global_batch
     # The hardware is the truth: the cluster file (rank 0's) is checked against every rank's device.
     cluster = agreed_cluster(poplar_config.cluster, gather_device_facts(device), rank=rank, name=f"{SECTION}.cluster")
     model_fingerprint = None
@@ -170,7 +202,8 @@ def initialize(
 
         measure_missing = missing_profiles_measurer(
             model=model, training_data=training_data, collate_fn=collate_fn, optimizer=optimizer,
-            ds_config=ds_config, profiles_dir=poplar_config.profiles,
+            ds_config=ds_config if profiling_ds_config is None else profiling_ds_config,
+            profiles_dir=poplar_config.profiles, loss_fn=loss_fn,
             # No plan can give one rank more than the global batch.
             micro_batch_size_limit=global_batch.size if isinstance(global_batch.size, int) else poplar_config.max_global_batch_size,
         )
@@ -184,6 +217,48 @@ def initialize(
         model_fingerprint=model_fingerprint,
         broadcast=broadcast_from_rank0,
         measure_missing=measure_missing,
+    )
+    return Job(
+        ds_config=ds_config, source=source, poplar_config=poplar_config, cluster=cluster, plan=plan,
+        rank=rank, world_size=world_size, device=device,
+    )
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: dict | str | None = None,
+    mesh_param: Any = None,
+    config_params: dict | str | None = None,
+    loss_fn: Any = None,
+) -> tuple[PoplarEngine, Any, torch.utils.data.DataLoader | None, Any]:
+    """``deepspeed.initialize`` with the plan of the config's ``poplar`` section.
+
+    Same arguments and return values: ``(engine, optimizer, training_dataloader,
+    lr_scheduler)``. The engine is a `PoplarEngine`; the dataloader (None without
+    `training_data`) yields this rank's micro-batches. Raises ValueError, on every
+    rank alike and before any collective, for a bad config or a plan that cannot run.
+    `loss_fn(engine, batch) -> loss` is for the automatic mode's profiling when the
+    model does not return its loss (default: the output's ``.loss``, else the output).
+    """
+    import deepspeed
+
+    job = prepare_job(
+        load_deepspeed_config(config, config_params=config_params, args=args),
+        model=model, optimizer=optimizer, training_data=training_data, collate_fn=collate_fn, mpu=mpu,
+        mesh_param=mesh_param, init_options={} if distributed_port is None else {"distributed_port": distributed_port},
+        loss_fn=loss_fn,
+    )
+    ds_config, source, poplar_config, cluster, plan, rank = (
+        job.ds_config, job.source, job.poplar_config, job.cluster, job.plan, job.rank
     )
     nominal = nominal_deepspeed_config(ds_config, plan, rank, source=source)
     emulation = emulation_for_rank(cluster, rank)
@@ -225,21 +300,24 @@ def initialize(
     slowdown = None
     if emulation is not None:
         slowdown = ComputeSlowdown(emulation, clock="thread" if on_cpu else "cuda")
-    if poplar_config.plan is not None:
-        reason = f"the plan file {poplar_config.plan}"
-    else:
-        reason = f"searched at start by the {plan.policy} policy from {poplar_config.profiles}"
     wrapped = PoplarEngine(
         engine, plan=plan, rank=rank, poplar_config=poplar_config, device_label=label, slowdown=slowdown,
-        rank_device_labels=labels, plan_reason=reason,
+        rank_device_labels=labels, plan_reason=job.plan_reason,
     )
     if rank == 0:
-        logger.info("poplar plan from step 0: %s", reason)
+        logger.info("poplar plan from step 0: %s", job.plan_reason)
     dataloader = None
     if training_data is not None:
         sampler = wrapped.create_batch_sampler(len(training_data))
         dataloader = torch.utils.data.DataLoader(training_data, batch_sampler=sampler, collate_fn=collate_fn)
+        if poplar_config.loss_reduction == "token_mean":
+            shifted = loss_shifts_labels(model)
+            dataloader = IterationLoader(
+                dataloader,
+                micro_batches_per_iteration=rank_plan.gradient_accumulation_steps,
+                before_iteration=lambda group: wrapped.set_token_counts([label_token_count(b, shifted=shifted) for b in group]),
+            )
     return wrapped, ds_optimizer, dataloader, ds_scheduler
 
 
-__all__ = ["initialize"]
+__all__ = ["Job", "initialize", "prepare_job"]

@@ -10,6 +10,12 @@ optimizer must instead see the gradient of the mean loss over the whole global b
   pass ``L * W * b_r / B``. Then ``(1/W) * sum W * b_r / B * (1/b_r) * sum_i d loss_i
   = (1/B) * sum d loss_i``.
 * Sum-reduced micro-batch loss ``L = sum_i loss_i``: pass ``L * W / B``.
+* Token-mean loss (language models with padding: labels ``-100`` are ignored), ``L =
+  (1/n) * sum over the micro-batch's n label tokens``, where the optimizer must see
+  the mean over the ``T`` label tokens of the whole global batch (all ranks, all
+  accumulation steps): pass ``L * W * n / T``. ``T`` is agreed across ranks before
+  the iteration's first backward; tokens are counted as the model's loss counts them
+  (`label_token_count`: a causal LM predicts ``labels[..., 1:]``).
 
 The weight does not depend on the accumulation count s_r, the ZeRO stage or gradient
 clipping (clipping acts on the already exact global gradient).
@@ -17,26 +23,79 @@ clipping (clipping acts on the already exact global gradient).
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
 
 import torch
 
-Reduction = Literal["mean", "sum"]
+Reduction = Literal["mean", "sum", "token_mean"]
 REDUCTIONS: tuple[Reduction, ...] = get_args(Reduction)
+IGNORE_INDEX = -100
+"""The label value losses skip (PyTorch's and Hugging Face's convention)."""
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def loss_weight(*, world_size: int, micro_batch_size: int, global_batch_size: int, reduction: Reduction = "mean") -> float:
-    """The factor for a rank's micro-batch loss: ``W * b_r / B`` (mean) or ``W / B`` (sum)."""
+def loss_weight(
+    *,
+    world_size: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+    reduction: Reduction = "mean",
+    micro_batch_tokens: int | None = None,
+    global_batch_tokens: int | None = None,
+) -> float:
+    """The factor for a rank's micro-batch loss: ``W * b_r / B`` (mean), ``W / B`` (sum) or
+    ``W * n / T`` (token_mean, with the micro-batch's and the global batch's label tokens)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"loss_reduction: expected one of {', '.join(map(repr, REDUCTIONS))}, found {reduction!r}")
     assert world_size >= 1 and micro_batch_size >= 1 and global_batch_size >= micro_batch_size
     if reduction == "mean":
         return world_size * micro_batch_size / global_batch_size
-    return world_size / global_batch_size
+    if reduction == "sum":
+        return world_size / global_batch_size
+    if micro_batch_tokens is None or global_batch_tokens is None:
+        raise ValueError(
+            "loss_reduction token_mean: expected this micro-batch's label tokens and the iteration's, found none; "
+            "train from the dataloader poplar_ext.initialize returns, or call engine.set_token_counts(...) "
+            "with your micro-batches' label tokens before each iteration"
+        )
+    if global_batch_tokens < 1:
+        raise ValueError(f"global_batch_tokens: expected at least one label token in the iteration, found {global_batch_tokens}")
+    return world_size * micro_batch_tokens / global_batch_tokens
 
 
-def weight_loss(loss, *, world_size: int, micro_batch_size: int, global_batch_size: int, reduction: Reduction = "mean"):
+def loss_shifts_labels(model: Any) -> bool:
+    """Whether `model`'s loss predicts ``labels[..., 1:]`` (a causal language model).
+
+    Asks the model which loss it computes: a Hugging Face model's ``loss_function``
+    (looked up by name, so the core never imports transformers) is the causal one, and
+    the model is not an encoder-decoder. A model can say so itself with a
+    ``loss_shifts_labels`` attribute.
+    """
+    own = getattr(model, "loss_shifts_labels", None)
+    if isinstance(own, bool):
+        return own
+    function = getattr(model, "loss_function", None)
+    encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    return getattr(function, "__name__", "") == "ForCausalLMLoss" and not encoder_decoder
+
+
+def label_token_count(batch: Any, *, shifted: bool) -> int:
+    """Label tokens in a micro-batch, as its loss counts them (``-100`` ignored)."""
+    if not isinstance(batch, Mapping) or ("labels" not in batch and "shift_labels" not in batch):
+        raise ValueError(
+            "loss_reduction token_mean: expected micro-batches that are dicts with 'labels' (or 'shift_labels'), "
+            f"found {type(batch).__name__}"
+        )
+    if "shift_labels" in batch:
+        labels = batch["shift_labels"]
+    else:
+        labels = batch["labels"][..., 1:] if shifted else batch["labels"]
+    return int(labels.ne(IGNORE_INDEX).sum())
+
+
+def weight_loss(loss, *, world_size: int, micro_batch_size: int, global_batch_size: int, reduction: Reduction = "mean",
+                micro_batch_tokens: int | None = None, global_batch_tokens: int | None = None):
     """`loss` times `loss_weight(...)`: what the engine passes to DeepSpeed's backward
     (with ``scale_wrt_gas=False``).
 
@@ -44,11 +103,12 @@ def weight_loss(loss, *, world_size: int, micro_batch_size: int, global_batch_si
     rounded to bf16's 8 significant bits would be off by up to 0.4%.
     """
     weight = loss_weight(
-        world_size=world_size, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, reduction=reduction
+        world_size=world_size, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, reduction=reduction,
+        micro_batch_tokens=micro_batch_tokens, global_batch_tokens=global_batch_tokens,
     )
     if getattr(loss, "dtype", None) in _HALF_DTYPES:
         return loss.float() * weight
     return loss * weight
 
 
-__all__ = ["REDUCTIONS", "loss_weight", "weight_loss"]
+__all__ = ["IGNORE_INDEX", "REDUCTIONS", "label_token_count", "loss_shifts_labels", "loss_weight", "weight_loss"]

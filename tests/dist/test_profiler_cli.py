@@ -128,3 +128,19 @@ def test_a_cluster_file_that_misnames_the_hardware_is_an_error_on_every_rank(tmp
         text = log.read_text()
         assert "does not match the hardware: Rank 0 on" in text and "Rank 1 on" in text
         assert "the cluster description says 'A100-80GB'; name it 'cpu'" in text
+
+
+def test_cli_profiles_a_transformers_model_built_from_its_config(tmp_path) -> None:
+    import pytest
+
+    pytest.importorskip("transformers", reason="pip install 'poplar-ext[hf]'")
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0}))
+    argv = [
+        "--deepspeed_config", str(ds), "--model", "hf:GPT2Config", "--hf-config", "n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=32",
+        "--sequence-length", "16", "--zero-stages", "0", "--max-micro-batch-size", "2", "--repeats", "1",
+        "--output-dir", str(tmp_path / "p"),
+    ]
+    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [0, 0]
+    (profile,) = load_profiles(tmp_path / "p")
+    assert profile.model.name == "gpt2-causal-lm" and profile.model.sequence_length == 16 and profile.max_micro_batch_size == 2

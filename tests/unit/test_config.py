@@ -89,7 +89,7 @@ def test_bad_shuffle():
 
 
 def test_bad_reduction():
-    with pytest.raises(ValueError, match="poplar.loss_reduction: expected one of 'mean', 'sum', found string 'none'"):
+    with pytest.raises(ValueError, match="poplar.loss_reduction: expected one of 'mean', 'sum', 'token_mean', found string 'none'"):
         _parse(loss_reduction="none")
 
 

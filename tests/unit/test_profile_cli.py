@@ -100,3 +100,50 @@ def test_a_deepspeed_config_that_is_not_utf8_is_named(files, tmp_path, capsys) -
     err = capsys.readouterr().err
     assert f"--deepspeed_config: {bad}: (file): expected a UTF-8 JSON file, found a byte that is not UTF-8" in err
     assert len(err.strip().splitlines()) == 1
+
+
+_TINY_GPT2 = "n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=32"
+
+
+def test_a_transformers_model_from_its_config(files) -> None:
+    pytest.importorskip("transformers", reason="pip install 'poplar-ext[hf]'")
+    command = parse_command(_args(files, "--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2, "--sequence-length", "16"))
+    model = command.model_factory()
+    assert type(model).__name__ == "GPT2LMHeadModel" and model.config.n_layer == 1
+    batch = command.make_batch(3)
+    assert tuple(batch["input_ids"].shape) == (3, 16) and (batch["labels"] == batch["input_ids"]).all()
+    assert command.model_name == "gpt2-causal-lm" and command.sequence_length == 16
+    from poplar_ext.profiler.measure import default_loss
+
+    assert default_loss(model, batch).dim() == 0  # the ModelOutput's .loss, from dict batches
+    masked = parse_command(_args(files, "--model", "hf:BertConfig", "--hf-task", "masked-lm", "--hf-config",
+                                 "num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,vocab_size=64",
+                                 "--sequence-length", "8"))
+    assert (masked.make_batch(4)["labels"] == -100).any()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--model", "hf:NoSuchConfig"], "--model hf:NoSuchConfig: expected the name of a transformers config class"),
+        (["--model", "hf:GPT2Config", "--hf-config", "n_layer"], "--hf-config: expected KEY=VALUE pairs"),
+        (["--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2, "--batch", "my_models:batch"], "--batch: the model hf:GPT2Config makes its own batches"),
+    ],
+)
+def test_bad_transformers_models_exit_2(files, monkeypatch, capsys, extra, message) -> None:
+    pytest.importorskip("transformers", reason="pip install 'poplar-ext[hf]'")
+    monkeypatch.chdir(files["dir"])
+    assert main(_args(files, *extra)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_a_loss_function_of_your_own(files, monkeypatch) -> None:
+    monkeypatch.chdir(files["dir"])
+    (Path(files["dir"]) / "my_loss.py").write_text("def loss(engine, batch):\n    return engine(batch).sum()\n")
+    command = parse_command(_args(files, "--model", "my_models:build", "--batch", "my_models:batch", "--loss", "my_loss:loss"))
+    import torch
+
+    module, batch = torch.nn.Linear(2, 1), torch.ones(3, 2)
+    assert float(command.loss_fn(module, batch)) == pytest.approx(float(module(batch).sum()))
+    assert main(_args(files, "--model", "my_models:build", "--batch", "my_models:batch", "--loss", "my_loss:nope")) == 2

@@ -17,7 +17,7 @@ def test_sum_weight():
 
 
 def test_unknown_reduction():
-    with pytest.raises(ValueError, match="loss_reduction: expected one of 'mean', 'sum', found 'none'"):
+    with pytest.raises(ValueError, match="loss_reduction: expected one of 'mean', 'sum', 'token_mean', found 'none'"):
         loss_weight(world_size=1, micro_batch_size=1, global_batch_size=1, reduction="none")
 
 

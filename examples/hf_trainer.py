@@ -1,0 +1,70 @@
+"""Fine-tune a (tiny, randomly initialised) GPT-2 with the Hugging Face Trainer and poplar-ext.
+
+    deepspeed --num_gpus 2 examples/hf_trainer.py --deepspeed examples/ds_config_hf.json
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --deepspeed examples/ds_config_hf.json
+    accelerate launch --num_processes 2 examples/hf_trainer.py --deepspeed examples/ds_config_hf.json
+
+The only change from an ordinary Trainer script is `PoplarTrainer` in place of
+`Trainer`; the DeepSpeed config has Hugging Face's "auto" values and a `poplar`
+section. The model is built from a config (nothing is downloaded) and trained on
+random token sequences of different lengths, padded per micro-batch (labels -100), so
+the loss is a token mean: poplar-ext makes it the mean over the whole global batch.
+Add --cpu to run on CPU ranks (gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+from poplar_ext.integrations.transformers import PoplarTrainer
+
+
+class RandomSequences(torch.utils.data.Dataset):
+    def __init__(self, num_samples: int, vocab_size: int, max_length: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        lengths = torch.randint(8, max_length + 1, (num_samples,), generator=generator)
+        self.items = [torch.randint(0, vocab_size, (int(n),), generator=generator) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.items[index]}
+
+
+def collate(items: list[dict]) -> dict:
+    longest = max(len(item["input_ids"]) for item in items)
+    ids = torch.zeros(len(items), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        ids[row, :n], mask[row, :n], labels[row, :n] = item["input_ids"], 1, item["input_ids"]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--deepspeed", required=True, help="DeepSpeed config with a poplar section")
+    parser.add_argument("--cpu", action="store_true", help="train on CPU ranks (gloo)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--output-dir", default="hf-trainer-output")
+    parser.add_argument("--local_rank", type=int, default=-1)  # appended by the deepspeed launcher
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64))
+    training = TrainingArguments(
+        output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.steps, per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=5, save_strategy="no", report_to=[],
+        **({"use_cpu": True, "ddp_backend": "gloo"} if args.cpu else {}),
+    )
+    trainer = PoplarTrainer(model=model, args=training, train_dataset=RandomSequences(400, 256, 64), data_collator=collate)
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""`PoplarTrainer`: the Hugging Face Trainer with a plan's per-rank batches and exact gradients.
+
+Use it where you would use ``transformers.Trainer``, with ``TrainingArguments(...,
+deepspeed="ds.json")`` whose DeepSpeed config carries a ``poplar`` section (a plan,
+or profiles and a policy, or only a cluster for the automatic mode). Launch it
+unchanged with ``deepspeed``, ``torchrun`` or ``accelerate launch``.
+
+What it changes, through the Trainer's own hooks (nothing is patched):
+
+* the plan is resolved once on every rank (`poplar_ext.runtime.initialize.prepare_job`)
+  before the Trainer is built; each rank then gets its own ``per_device_train_batch_size``
+  (b_r) and ``gradient_accumulation_steps`` (s_r), and the DeepSpeed config's batch
+  values are filled per rank from them (Hugging Face's ``"auto"`` mechanism);
+* the training dataloader yields this rank's micro-batches from the plan's sampler
+  (`poplar_ext.runtime.data.PlanBatchSampler`), not accelerate's even split; every
+  epoch has the same number of optimizer steps of the true global batch;
+* the loss is weighted so that gradients are those of one device training the global
+  batch: the sample mean (``W * b_r / B``), or, when the Trainer counts label tokens
+  (``num_items_in_batch``), the token mean over the whole global batch: the tokens
+  are counted as the model's own loss counts them (a causal LM predicts
+  ``labels[..., 1:]``: the model is asked which loss it computes, because in
+  transformers 5 ``GPT2LMHeadModel.loss_type`` is None and the Trainer would count
+  unshifted), summed over every rank and accumulation step, and the model divides its
+  token sum by ``T / W``;
+* logged batch sizes and samples/s are the true global ones
+  (`get_total_train_batch_size`);
+* checkpoints carry poplar-ext's state (``poplar_state.json``), and
+  ``resume_from_checkpoint`` continues the data where it stopped, under the same plan.
+
+Requires ``pip install 'poplar-ext[hf]'``. This module is the only one of poplar-ext
+that imports transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from poplar_ext.collectives import agree_sum, decided_by_rank0
+from poplar_ext.runtime.checkpoint import (
+    history_entry,
+    poplar_client_state,
+    read_state,
+    resume_decision,
+    write_state,
+)
+from poplar_ext.runtime.config import GlobalBatchRequest, load_deepspeed_config
+from poplar_ext.runtime.data import PlanBatchSampler
+from poplar_ext.runtime.initialize import Job, prepare_job
+from poplar_ext.runtime.weighting import label_token_count
+
+logger = logging.getLogger(__name__)
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _trainer_global_batch(args: TrainingArguments, world_size: int) -> GlobalBatchRequest:
+    """The global batch a plain Trainer would train with `args` (when the configs set none)."""
+    size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    return GlobalBatchRequest(
+        size=size,
+        origin=(
+            "TrainingArguments per_device_train_batch_size x gradient_accumulation_steps x world size "
+            f"({args.per_device_train_batch_size} x {args.gradient_accumulation_steps} x {world_size})"
+        ),
+    )
+
+
+def _filled_deepspeed_config(args: TrainingArguments, model: Any) -> dict | None:
+    """The DeepSpeed config with Hugging Face's "auto" values filled, as the Trainer fills them
+    (what profiling must run: DeepSpeed itself takes no "auto")."""
+    if model is None or getattr(args, "hf_deepspeed_config", None) is None:
+        return None
+    filled = copy.deepcopy(args.hf_deepspeed_config)
+    filled.trainer_config_finalize(args, model, num_training_steps=max(1, args.max_steps))
+    return filled.config
+
+
+def _trainer_optimizer_factory(args: TrainingArguments, model: Any) -> Any:
+    """``factory(params) -> optimizer``: the optimizer the Trainer builds from `args` (its own choice)."""
+    if model is None:
+        return None
+    optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    return lambda params: optimizer_cls(params, **optimizer_kwargs)
+
+
+def _rank_arguments(args: TrainingArguments, job: Job) -> TrainingArguments:
+    """`args` for this rank: its plan's micro-batch and accumulation count, the DeepSpeed
+    config's batch values left for Hugging Face to fill from them ("auto")."""
+    rank_plan = job.plan.ranks[job.rank]
+    config = {k: v for k, v in job.ds_config.items()}
+    for key in _BATCH_KEYS:
+        config[key] = "auto"
+    config.setdefault("zero_optimization", {})
+    config["zero_optimization"] = {**config["zero_optimization"], "stage": job.plan.zero_stage}
+    return dataclasses.replace(
+        args,
+        per_device_train_batch_size=rank_plan.micro_batch_size,
+        gradient_accumulation_steps=rank_plan.gradient_accumulation_steps,
+        deepspeed=config,
+        # poplar-ext agrees on the iteration's tokens itself (`_get_num_items_in_batch`).
+        average_tokens_across_devices=False,
+    )
+
+
+class PoplarTrainer(Trainer):
+    """``transformers.Trainer`` training the plan of the DeepSpeed config's ``poplar`` section.
+
+    Same arguments as ``Trainer``; ``args.deepspeed`` must name a DeepSpeed config (file
+    or dict) with a ``poplar`` section. See the module docstring for what differs.
+    ``self.plan`` is the plan every rank runs; ``self.args`` are this rank's arguments.
+    """
+
+    def __init__(self, model: Any = None, args: TrainingArguments | None = None, train_dataset: Any = None, **kwargs: Any) -> None:
+        if args is None or not args.deepspeed:
+            raise ValueError(
+                "PoplarTrainer: expected TrainingArguments(deepspeed=...) naming a DeepSpeed config with a 'poplar' "
+                "section, found none; use transformers.Trainer for a run without one"
+            )
+        _ = args.device  # reading it makes Hugging Face and accelerate set up the process group
+        from poplar_ext.collectives import process_group_rank
+
+        _, world_size = process_group_rank()
+        self.job = prepare_job(
+            load_deepspeed_config(config=args.deepspeed),
+            model=model,
+            # Profiling (the automatic mode) measures the optimizer the Trainer will create.
+            optimizer=_trainer_optimizer_factory(args, model),
+            training_data=train_dataset,
+            collate_fn=kwargs.get("data_collator"),
+            default_global_batch=_trainer_global_batch(args, world_size),
+            profiling_ds_config=_filled_deepspeed_config(args, model),
+        )
+        self.plan = self.job.plan
+        """The plan every rank runs."""
+        rank_plan = self.plan.ranks[self.job.rank]
+        if self.job.rank == 0:
+            logger.info("poplar plan from step 0: %s", self.job.plan_reason)
+        logger.info(
+            "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
+            self.job.rank, rank_plan.micro_batch_size, rank_plan.gradient_accumulation_steps,
+            self.plan.global_batch_size, self.plan.zero_stage,
+        )
+        super().__init__(model=model, args=_rank_arguments(args, self.job), train_dataset=train_dataset, **kwargs)
+        # The loss compute_loss returns is already the global batch's share (see _weigh).
+        self.loss_is_scaled_for_ga = True
+        self._train_sampler: PlanBatchSampler | None = None
+        self._shifts_labels: bool | None = None
+
+    # -- data ------------------------------------------------------------------------
+    def _iterations_per_epoch(self, num_samples: int) -> int:
+        # The Trainer needs every epoch to have the same number of steps: the stream's
+        # first epoch has ceil(N / B) iterations (with drop_last, floor).
+        batch = self.plan.global_batch_size
+        return num_samples // batch if self.job.poplar_config.drop_last else math.ceil(num_samples / batch)
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """This rank's micro-batches of the plan (one pass: one epoch of the true global batch)."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset = self.train_dataset
+        collator = self.data_collator
+        try:
+            import datasets
+        except ImportError:
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
+        config = self.job.poplar_config
+        self._train_sampler = PlanBatchSampler.from_plan(
+            self.plan, rank=self.job.rank, num_samples=len(dataset), seed=config.seed, shuffle=config.shuffle,
+            drop_last=config.drop_last, iterations_per_pass=self._iterations_per_epoch(len(dataset)),
+        )
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=self._train_sampler, collate_fn=collator,
+            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+        )
+        prepared = self.accelerator.prepare(loader)
+        # The sampler is already this rank's: accelerate's shard wrapper must pass it through
+        # (what the Trainer does for its own rank-aware batch sampler).
+        shard = getattr(prepared, "batch_sampler", None)
+        if shard is not None and getattr(shard, "batch_sampler", None) is self._train_sampler:
+            shard.num_processes, shard.process_index = 1, 0
+        return prepared
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """The true global batch (the plan's), for the Trainer's step counts, logs and samples/s."""
+        return self.plan.global_batch_size
+
+    # -- the loss ----------------------------------------------------------------------
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
+        """``T / W``: the label tokens of the whole global batch (every rank, every
+        accumulation step), counted as the model's loss counts them, over the world size."""
+        counting = len(batch_samples) > 0 and "labels" in batch_samples[0] and (
+            self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        )
+        # Decided from what every rank has alike, so that all or none enter the collective.
+        if not counting:
+            return None
+        shifted = self._loss_shifts_labels_truly()
+        mine = sum(label_token_count(batch, shifted=shifted) for batch in batch_samples)
+        total = agree_sum(mine, self.job.device)
+        return torch.tensor(total / self.job.world_size, dtype=torch.float32, device=device)
+
+    def _loss_shifts_labels_truly(self) -> bool:
+        if self._shifts_labels is None:
+            model = self.accelerator.unwrap_model(self.model)
+            # The loss the model computes (its loss_function property, the one it calls),
+            # not its loss_type: GPT2LMHeadModel has none and still uses ForCausalLMLoss.
+            self._shifts_labels = getattr(model, "loss_function", None) is ForCausalLMLoss and not getattr(
+                getattr(model, "config", None), "is_encoder_decoder", False
+            )
+        return self._shifts_labels
+
+    def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        """The Trainer's loss, weighted to the global batch when training (see the module docstring)."""
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not model.training:
+            return result
+        loss, outputs = result if return_outputs else (result, None)
+        if num_items_in_batch is not None:
+            weight = 1.0  # the model divided its token sum by T / W: W * sum / T already
+        else:
+            rank_plan = self.plan.ranks[self.job.rank]
+            weight = self.job.world_size * rank_plan.micro_batch_size / self.plan.global_batch_size
+        # Always a new tensor: at ZeRO stage 0, DeepSpeed's hook on the engine's own output
+        # (the model's loss) divides its gradient by the accumulation count even with
+        # scale_wrt_gas=False, which an uneven plan must not get.
+        loss = loss * weight
+        return (loss, outputs) if return_outputs else loss
+
+    # -- checkpoints -------------------------------------------------------------------
+    def _poplar_state(self) -> dict:
+        config = self.job.poplar_config
+        position = self.state.global_step * self.plan.global_batch_size
+        if self._train_sampler is not None:
+            position = self._train_sampler.iteration_start(self.state.global_step)
+        state = poplar_client_state(
+            self.plan, consumed_samples=self.state.global_step * self.plan.global_batch_size, data_position=position,
+            seed=config.seed, shuffle=config.shuffle, drop_last=config.drop_last,
+            plan_history=[history_entry(self.plan, start_step=0, data_position=0, reason=self.job.plan_reason)],
+        )
+        state["step"] = self.state.global_step
+        return state
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.job.rank == 0:
+            folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+            write_state(folder.parent, folder.name, self._poplar_state())
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a resumed run is checked against the checkpoint's plan and data order first."""
+        if resume_from_checkpoint:
+            self._check_resume(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _check_resume(self, resume_from_checkpoint: str | bool) -> None:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        def read() -> dict | None:
+            folder = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
+            if folder is None:
+                return None
+            return read_state(Path(folder).parent, Path(folder).name)
+
+        saved = decided_by_rank0(read, rank=self.job.rank)
+        if saved is None:
+            if self.job.rank == 0:
+                logger.info("resume_from_checkpoint: the checkpoint holds no poplar-ext state; the Trainer's own "
+                            "step count decides where the data continues")
+            return
+        current = self._poplar_state()
+        decision = resume_decision(saved, current, path=str(resume_from_checkpoint), step=saved.get("step", 0))
+        if decision.notes:
+            raise ValueError(
+                f"resume_from_checkpoint: the checkpoint was trained under another plan ({decision.notes[0]}); the "
+                "Trainer resumes by its step count, so resume with the checkpoint's plan "
+                "(or load it with poplar_ext.initialize and engine.load_checkpoint, which continue the stream)"
+            )
+
+
+# -- models for the profiler CLI: a transformers config, random weights, no downloads ------
+HF_TASKS = ("causal-lm", "masked-lm")
+
+
+def model_from_config(config_class: str, sizes: dict[str, Any], *, task: str = "causal-lm") -> Any:
+    """A model of transformers' `config_class` (e.g. ``GPT2Config``) with `sizes`, random weights."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    cls = getattr(transformers, config_class, None)
+    if cls is None or not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
+        raise ValueError(f"--model hf:{config_class}: expected the name of a transformers config class (e.g. GPT2Config)")
+    if task not in HF_TASKS:
+        raise ValueError(f"--hf-task: expected one of {', '.join(HF_TASKS)}, found {task!r}")
+    try:
+        config = cls(**sizes)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--hf-config: {config_class} refused {sizes}: {exc}") from exc
+    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForMaskedLM
+    return auto.from_config(config)
+
+
+def random_lm_batch(vocab_size: int, micro_batch_size: int, sequence_length: int, *, task: str = "causal-lm") -> dict:
+    """One micro-batch of random tokens with labels (a masked LM predicts a seeded 15% of them)."""
+    generator = torch.Generator().manual_seed(micro_batch_size)
+    ids = torch.randint(0, vocab_size, (micro_batch_size, sequence_length), generator=generator)
+    labels = ids.clone()
+    if task == "masked-lm":
+        keep = torch.rand(ids.shape, generator=generator) < 0.15
+        labels[~keep] = -100
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+__all__ = ["HF_TASKS", "PoplarTrainer", "model_from_config", "random_lm_batch"]

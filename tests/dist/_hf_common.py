@@ -1,0 +1,99 @@
+"""Shared pieces of the Hugging Face tests: a tiny GPT-2, variable-length data, a reference run."""
+
+from __future__ import annotations
+
+import torch
+
+from poplar_ext.runtime.data import SampleStream
+
+STEPS = 3
+NUM_SAMPLES = 50
+VOCAB = 64
+MAX_LENGTH = 16
+CLIP = 0.5
+# Constant learning rate (the reference needs no schedule); eps well above the default
+# because GPT-2's attention key biases get gradients of pure rounding noise (see
+# tests/dist/_training.py), which Adam with eps=1e-8 turns into lr-sized steps.
+OPTIMIZATION = dict(learning_rate=1e-3, weight_decay=0.0, adam_epsilon=1e-4, max_grad_norm=CLIP,
+                    lr_scheduler_type="constant")
+
+
+def tiny_gpt2():
+    """GPT-2 from its config, random weights seeded alike on every rank; no dropout (the reference must match)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=32,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+class RecordingVarLen(torch.utils.data.Dataset):
+    """Token sequences of lengths 4..16 (seeded, distinct); remembers which indices were read."""
+
+    def __init__(self, num_samples: int = NUM_SAMPLES) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.items = []
+        for _ in range(num_samples):
+            length = int(torch.randint(4, MAX_LENGTH + 1, (1,), generator=generator))
+            self.items.append(torch.randint(0, VOCAB, (length,), generator=generator).tolist())
+        self.seen: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        self.seen.append(int(index))
+        return {"input_ids": self.items[index]}
+
+
+def collate(items: list[dict]) -> dict:
+    """Right padding to the micro-batch's longest sequence; padded labels are -100."""
+    longest = max(len(item["input_ids"]) for item in items)
+    ids = torch.zeros(len(items), longest, dtype=torch.long)
+    mask = torch.zeros(len(items), longest, dtype=torch.long)
+    labels = torch.full((len(items), longest), -100, dtype=torch.long)
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        ids[row, :n] = torch.tensor(item["input_ids"])
+        mask[row, :n] = 1
+        labels[row, :n] = ids[row, :n]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def full_parameters(engine) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=engine.zero_optimization_stage() == 3):
+        return {name: p.detach().float().cpu().clone() for name, p in params.items()}
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":  # scale-sensitive: a wrong token count changes the step
+        return torch.optim.SGD(params, lr=0.5)
+    return torch.optim.AdamW(params, lr=OPTIMIZATION["learning_rate"], eps=OPTIMIZATION["adam_epsilon"], weight_decay=0.0)
+
+
+def reference_parameters(global_batch: int, steps: int, optimizer: str = "adamw") -> dict[str, torch.Tensor]:
+    """One process, no DeepSpeed: each whole global batch's token mean, clipped."""
+    model = tiny_gpt2()
+    data = RecordingVarLen()
+    optimizer = make_optimizer(optimizer, model.parameters())
+    stream = SampleStream(num_samples=len(data), seed=0)
+    for step in range(steps):
+        batch = collate([data[i] for i in stream.indices(step * global_batch, global_batch)])
+        optimizer.zero_grad()
+        model(**batch).loss.backward()  # the mean over the global batch's shifted label tokens
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def reference_first_loss(global_batch: int) -> float:
+    """The token-mean loss of the untrained model on the first global batch."""
+    model = tiny_gpt2()
+    data = RecordingVarLen()
+    batch = collate([data[i] for i in SampleStream(num_samples=len(data), seed=0).indices(0, global_batch)])
+    with torch.no_grad():
+        return float(model(**batch).loss)

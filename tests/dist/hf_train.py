@@ -1,0 +1,70 @@
+"""Training script for the Hugging Face tests (run by torchrun): PoplarTrainer on a tiny GPT-2.
+
+The model is built from a `GPT2Config` with random weights (nothing downloaded), the
+data are token sequences of random lengths, padded per micro-batch with labels -100,
+so the token-mean loss depends on how tokens are counted. Each rank records the
+sample indices it trained (by content: accelerate's loader reads a batch ahead); rank 0
+saves the parameters and the Trainer's metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+import _hf_common as hf
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--deepspeed_config", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=hf.STEPS)
+    parser.add_argument("--per-device", type=int, default=4, help="TrainingArguments.per_device_train_batch_size")
+    parser.add_argument("--save-steps", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    import transformers
+    from transformers import TrainingArguments
+
+    logging.basicConfig(level=logging.INFO)  # poplar_ext's lines
+    transformers.logging.set_verbosity_info()  # the Trainer's "Total train batch size"
+
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    class RecordingTrainer(PoplarTrainer):
+        """Remembers which samples each training micro-step had (accelerate's loader reads one batch ahead)."""
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            for ids, mask in zip(inputs["input_ids"].tolist(), inputs["attention_mask"].tolist()):
+                trained.append(index_of[tuple(i for i, m in zip(ids, mask) if m)])
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    out = Path(args.out)
+    model = hf.tiny_gpt2()
+    data = hf.RecordingVarLen()
+    index_of = {tuple(item): index for index, item in enumerate(data.items)}
+    trained: list[int] = []
+    training = TrainingArguments(
+        output_dir=str(out), deepspeed=args.deepspeed_config, use_cpu=True, ddp_backend="gloo", max_steps=args.steps,
+        per_device_train_batch_size=args.per_device, report_to=[], logging_steps=1, dataloader_num_workers=0,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, **hf.OPTIMIZATION,
+    )
+    trainer = RecordingTrainer(model=model, args=training, train_dataset=data, data_collator=hf.collate)
+    result = trainer.train(resume_from_checkpoint=True if args.resume else None)
+    rank = int(os.environ["RANK"])
+    (out / f"samples-rank{rank}.json").write_text(json.dumps(trained))
+    params = hf.full_parameters(trainer.model_wrapped)
+    if rank == 0:
+        torch.save(params, out / "params.pt")
+        (out / "metrics.json").write_text(json.dumps(result.metrics))
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+
+
+if __name__ == "__main__":
+    main()
