@@ -114,6 +114,48 @@ def agree_max(values: list[float], device: Any) -> list[float]:
     return tensor.tolist()
 
 
+def timed_collective(collective: str, message_bytes: int, device: Any) -> float:
+    """Seconds this rank spends in one `collective` of a `message_bytes` tensor, after a barrier.
+
+    ``all_reduce`` of the tensor, ``reduce_scatter`` of it into 1/W shards,
+    ``all_gather`` of 1/W shards into it: the collectives ZeRO issues, as
+    `search.network` prices them. float32 elements; the tensor is rounded up to a
+    multiple of the world size.
+    """
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size()
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    elements = -(-max(1, message_bytes // 4) // world_size) * world_size
+    whole = torch.ones(elements, dtype=torch.float32, device=on)
+    shard = torch.ones(elements // world_size, dtype=torch.float32, device=on)
+    operations = {
+        "all_reduce": lambda: dist.all_reduce(whole),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, whole),
+        "all_gather": lambda: dist.all_gather_into_tensor(whole, shard),
+    }
+    if collective not in operations:
+        raise ValueError(f"collective: expected one of {', '.join(operations)}, found {collective!r}")
+    dist.barrier()
+    if on.type == "cuda":
+        torch.cuda.synchronize(on)
+    started = time.perf_counter()
+    operations[collective]()
+    if on.type == "cuda":
+        torch.cuda.synchronize(on)
+    return time.perf_counter() - started
+
+
+def process_group_backend() -> str:
+    """The default process group's backend (``nccl``, ``gloo``)."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend())
+
+
 def barrier() -> None:
     """Wait until every rank is here."""
     import torch.distributed as dist

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from search.cost import StageModel, build_stage_model
+from search.network import NetworkProfile
 from search.formats import (
     MAX_GLOBAL_BATCH_SIZE,
     MAX_MICRO_BATCH_SIZE,
@@ -79,13 +80,21 @@ class PlanPrediction:
     rank_busy_time_s: tuple[float, ...]
     """Per-rank compute per iteration: accumulation steps * micro-step time."""
     boundary_s: float
-    """Accumulation boundary (largest optimizer_step_time_s among the plan's device types)."""
+    """Accumulation boundary: the optimizer step (largest among the plan's device types) and its collectives."""
     iteration_time_s: float
     """Predicted iteration time (see `search.cost`)."""
     samples_per_s: float
     """Global batch / iteration time."""
     ideal_samples_per_s: float
     """Sum over ranks of each device's best standalone throughput at this stage."""
+    rank_compute_time_s: tuple[float, ...] = ()
+    """Per-rank compute per iteration, communication left out (equal to `rank_busy_time_s` without a network)."""
+    micro_step_communication_s: float = 0.0
+    """Communication a micro-step waits for (largest over ranks; 0 without a network)."""
+    boundary_communication_s: float = 0.0
+    """Collectives at the boundary (0 without a network: then inside `boundary_s`)."""
+    optimizer_step_s: float = 0.0
+    """The boundary's optimizer step (without a network: the measured boundary, collectives included)."""
 
 
 # ----------------------------------------------------------------------------------
@@ -160,6 +169,7 @@ def _evaluate_stage(
     policy: str,
     global_batch_size: int | None,
     max_global_batch_size: int | None,
+    network: NetworkProfile | None = None,
 ) -> tuple[StageModel | None, PolicyResult]:
     profiles = by_stage.get(stage, {})
     types = list(cluster.type_counts())
@@ -172,7 +182,7 @@ def _evaluate_stage(
             allocation=None,
             reason=f"The model does not fit {', '.join(too_big)} at stage {stage} (max_micro_batch_size 0).",
         )
-    model = build_stage_model(profiles, cluster.rank_device_types, stage)
+    model = build_stage_model(profiles, cluster.rank_device_types, stage, network)
     if global_batch_size is not None:
         return model, allocate(policy, model, global_batch_size)
     return model, best_global_batch(policy, model, max_global_batch_size)
@@ -210,6 +220,12 @@ def _world_size_note(model: StageModel, world_size: int) -> str:
     sizes = sorted({d.profile.world_size for d in model.devices})
     if sizes == [world_size]:
         return ""
+    if model.communication is not None:
+        shown = ", ".join(map(str, sizes))
+        return (
+            f" Profiles were taken at world size {shown}, the cluster has {world_size} ranks: communication and "
+            "the optimizer step are predicted for it from the network model; memory caps are used as measured."
+        )
     shown = ", ".join(map(str, sizes))
     return (
         f" Profiles were taken at world size {shown}, the cluster has {world_size} ranks: their memory caps "
@@ -225,6 +241,7 @@ def search_plan(
     zero_stage: int | str = "auto",
     policy: str = "poplar",
     max_global_batch_size: int | None = None,
+    network: NetworkProfile | None = None,
 ) -> SearchResult:
     """Search per-rank micro-batches and accumulation counts for `cluster`.
 
@@ -237,6 +254,9 @@ def search_plan(
         zero_stage: 0..3, or ``"auto"`` to evaluate every stage and keep the fastest.
         policy: ``poplar``, ``uniform`` or ``proportional`` (`search.policies`).
         max_global_batch_size: upper bound for the automatic global batch.
+        network: collective times (`search.network`); with one, communication is
+            priced for the cluster's world size (`search.cost`), without, the
+            boundary is the profiles' measured one.
 
     Returns:
         A `SearchResult`; infeasible problems are a status with a reason.
@@ -258,7 +278,7 @@ def search_plan(
         )
     stages = list(ZERO_STAGES) if zero_stage == "auto" else [int(zero_stage)]
     outcomes = {
-        stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size)
+        stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size, network)
         for stage in stages
     }
     feasible = {s: (m, o) for s, (m, o) in outcomes.items() if o.ok}
@@ -377,8 +397,8 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
     return problems
 
 
-def predict(plan: Plan, profiles: Sequence[Profile]) -> PlanPrediction:
-    """Per-rank busy time and the iteration time the cost model predicts for `plan`.
+def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | None = None) -> PlanPrediction:
+    """Per-rank busy time and the iteration time the cost model predicts for `plan` (with `network`: communication priced).
 
     Raises ValueError when a device type has no profile at the plan's stage or a
     micro-batch is outside 1..max_micro_batch_size of its profile.
@@ -392,10 +412,12 @@ def predict(plan: Plan, profiles: Sequence[Profile]) -> PlanPrediction:
             f"profiles: expected a profile that fits the model at ZeRO stage {plan.zero_stage} for every device "
             f"type of the plan, found none for {', '.join(missing)}"
         )
-    model = build_stage_model(at_stage, [r.device_type for r in plan.ranks], plan.zero_stage)
+    model = build_stage_model(at_stage, [r.device_type for r in plan.ranks], plan.zero_stage, network)
     sizes = np.array([r.micro_batch_size for r in plan.ranks], dtype=np.int64)
     steps = np.array([r.gradient_accumulation_steps for r in plan.ranks], dtype=np.int64)
     micro = model.rank_micro_step_times_s(sizes)
+    compute_micro = model.rank_compute_micro_step_times_s(sizes)
+    compute = compute_micro
     iteration = model.iteration_time_s(sizes, steps)
     return PlanPrediction(
         zero_stage=plan.zero_stage,
@@ -405,4 +427,8 @@ def predict(plan: Plan, profiles: Sequence[Profile]) -> PlanPrediction:
         iteration_time_s=iteration,
         samples_per_s=plan.global_batch_size / iteration,
         ideal_samples_per_s=model.ideal_samples_per_s,
+        rank_compute_time_s=tuple((compute * steps).tolist()),
+        micro_step_communication_s=float(np.max(micro - compute_micro)) if len(micro) else 0.0,
+        boundary_communication_s=0.0 if model.communication is None else model.communication.boundary_s,
+        optimizer_step_s=max(d.optimizer_step_time_s for d in model.devices),
     )

@@ -23,6 +23,7 @@ from search.formats import (
     plan_to_dict,
     write_json_atomic,
 )
+from search.network import NetworkProfile, find_network, load_network
 from search.policies import AUTO_ACCUMULATION_STEPS
 
 EXIT_OK = 0
@@ -110,6 +111,13 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
     parser.add_argument("--policy", choices=(*POLICIES, "all"), default="poplar",
                         help="poplar: fastest predicted allocation (default); uniform: DeepSpeed's one micro-batch "
                              "for all; proportional: Whale's throughput-proportional shares; all: compare them")
+    parser.add_argument(
+        "--network", metavar="FILE",
+        help="collective times (a network file, see profiles/README.md): communication is then priced for the "
+        "cluster's world size; default: the network file in --profiles measured on this cluster, if there is one",
+    )
+    parser.add_argument("--no-network", action="store_true",
+                        help="ignore any network file: the boundary is the profiles' measured one")
     parser.add_argument("--output", metavar="PLAN.json", help="write the (poplar) plan here, only on success")
     parser.add_argument("--format", choices=("table", "json"), default="table", help="what to print (default: table)")
     parser.add_argument("--debug", action="store_true", help="on an internal error, print the traceback")
@@ -128,11 +136,11 @@ def _rank_span(first: int, last: int) -> str:
     return str(first) if first == last else f"{first}-{last}"
 
 
-def plan_table(result: SearchResult, profiles: Sequence) -> str:
+def plan_table(result: SearchResult, profiles: Sequence, network: NetworkProfile | None = None) -> str:
     """Groups of consecutive ranks with the same device type and allocation, and the stage reports."""
     plan = result.plan
     assert plan is not None
-    busy = predict(plan, profiles).rank_busy_time_s
+    busy = predict(plan, profiles, network).rank_busy_time_s
     slowest = max(busy)
     rows = [["ranks", "device type", "micro-batch", "accumulation", "samples/iter", "busy s/iter", "idle"]]
     start = 0
@@ -195,11 +203,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         profiles = load_profiles(args.profiles)
         cluster = load_cluster(args.cluster)
+        if args.no_network:
+            network = None
+        elif args.network:
+            network = load_network(args.network)
+        else:
+            network = find_network(args.profiles, cluster)
         policies = list(POLICIES) if args.policy == "all" else [args.policy]
         results = {
             policy: search_plan(
                 profiles, cluster, global_batch_size=args.global_batch_size, zero_stage=args.zero_stage,
-                policy=policy, max_global_batch_size=args.max_global_batch_size,
+                policy=policy, max_global_batch_size=args.max_global_batch_size, network=network,
             )
             for policy in policies
         }
@@ -227,9 +241,9 @@ def run(args: argparse.Namespace) -> int:
             data = {name: None if r.plan is None else plan_to_dict(r.plan) for name, r in results.items()}
         print(json.dumps(data, indent=2))
     elif len(results) == 1:
-        print(plan_table(main_result, profiles))
+        print(plan_table(main_result, profiles, network))
     else:
-        print(comparison_table(results) + "\n\nPlan of the poplar policy:\n" + plan_table(main_result, profiles))
+        print(comparison_table(results) + "\n\nPlan of the poplar policy:\n" + plan_table(main_result, profiles, network))
     return EXIT_OK
 
 

@@ -463,8 +463,10 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 
 
 def is_cluster_or_plan(data: Any) -> bool:
-    """Whether parsed JSON is a cluster description or a plan (kept beside profiles, not one)."""
-    return isinstance(data, dict) and "device_type" not in data and ("nodes" in data or "ranks" in data)
+    """Whether parsed JSON is a cluster description, a plan or a network file (kept beside profiles, not one)."""
+    return isinstance(data, dict) and "device_type" not in data and (
+        "nodes" in data or "ranks" in data or data.get("kind") == "network"
+    )
 
 
 def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:

@@ -28,6 +28,7 @@ from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocat
 from poplar_ext.profiler.cache import ProfileKey, ds_config_fingerprint, find_cached_profile, store_profile
 from poplar_ext.profiler.fingerprint import model_fingerprint
 from poplar_ext.profiler.layout import JobLayout, build_layout
+from poplar_ext.profiler.network import cached_or_measured_network
 from poplar_ext.profiler.measure import (
     LossFn,
     MeasureSettings,
@@ -133,6 +134,7 @@ def profile_model(
     warmup_micro_steps: int = 1,
     repeats: int = 3,
     micro_batch_size_limit: int = 256,
+    measure_network: bool = True,
 ) -> list[Profile]:
     """Profiles of every device type in the job at every stage of `zero_stages` (collective).
 
@@ -161,6 +163,10 @@ def profile_model(
     model_name: for people and file names (default: the model's class name).
     sequence_length: tokens per sample, part of the cache key (None: not a sequence model).
     micro_batch_size_limit: the probe never tries a larger micro-batch.
+    measure_network: also time the collectives ZeRO issues on the job's process group
+        and write a network file beside the profiles (`poplar_ext.profiler.network`;
+        reused from `cache_dir` when measured on the same cluster), with which the
+        search prices communication.
 
     On CPU it measures with one torch thread and glibc's steady allocator
     (`poplar_ext.hardware.cpu_process`), and on return gives the previous thread
@@ -186,7 +192,7 @@ def profile_model(
             model_factory=model_factory, make_batch=make_batch, ds_config=ds_config, cluster=cluster,
             stages=stages, settings=settings, cache_dir=cache_dir, force=force, progress=progress,
             loss_fn=loss_fn, optimizer_factory=optimizer_factory, model_name=model_name,
-            sequence_length=sequence_length, device=device,
+            sequence_length=sequence_length, device=device, measure_network=measure_network,
         )
 
 
@@ -220,10 +226,15 @@ def _profile(
     model_name: str | None,
     sequence_length: int | None,
     device: torch.device,
+    measure_network: bool,
 ) -> list[Profile]:
     import deepspeed
 
     layout = build_layout(cluster, device)
+    if measure_network:
+        _, line = cached_or_measured_network(layout, cache_dir, force=force)
+        if layout.rank == 0 and progress is not None:
+            progress(line)
 
     first_model: list[torch.nn.Module] = [model_factory()]
     fingerprint = model_fingerprint(first_model[0])
@@ -363,6 +374,8 @@ def _make_profile(
             "device": "emulated" if emulation is not None else "real",
             "ds_config_fingerprint": config_fp,
             "timing": "CUDA events, median" if cuda else "process CPU time, median",
+            # CUDA events see the collectives of a micro-step; a CPU rank's thread time does not.
+            "micro_step_times_include_communication": cuda,
             "memory": "torch.cuda.max_memory_reserved (allocated plus fragmentation); the CUDA context and NCCL "
             "buffers measured at start are off the capacity" if cuda else "process VmHWM",
             "warmup_micro_steps": settings.warmup_micro_steps,

@@ -90,6 +90,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--output-dir", default="profiles", metavar="DIR", help="profile cache directory (default: profiles)")
     parser.add_argument("--force", action="store_true", help="measure again even where a matching profile exists")
     parser.add_argument(
+        "--no-network", action="store_true",
+        help="do not time the collectives (by default all-reduce, reduce-scatter and all-gather are timed at 4 KiB-32 MiB, "
+        "about a second, and written as network-*.json beside the profiles, with which poplar-search prices communication)",
+    )
+    parser.add_argument(
         "--micro-batch-sizes", metavar="LIST",
         help="comma-separated sizes for the time curve (default: 1,2,3,4,6,8,12,... up to the largest that fits)",
     )
@@ -175,6 +180,8 @@ class ProfileCommand:
     repeats: int
     warmup_micro_steps: int
     quiet: bool
+    measure_network: bool = True
+    """Time the collectives and write the network file beside the profiles (see `search.network`)."""
 
 
 def _builtin_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int], Any], str, int]:
@@ -299,6 +306,7 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
         repeats=args.repeats,
         warmup_micro_steps=args.warmup,
         quiet=args.quiet,
+        measure_network=not args.no_network,
     )
 
 
@@ -341,6 +349,7 @@ def run(command: ProfileCommand) -> list[Any]:
         repeats=command.repeats,
         micro_batch_size_limit=command.max_micro_batch_size,
         loss_fn=command.loss_fn,
+        measure_network=command.measure_network,
     )
 
 

@@ -196,7 +196,10 @@ def _search(
 ) -> Plan:
     """The search's plan; ValueError with the reason when there is none. `global_batch_size` None: the search picks."""
     from search import search_plan
+    from search.network import find_network
 
+    # The network file the profiler measured on this cluster, if any: communication priced.
+    network = find_network(poplar_config.profiles, cluster) if poplar_config.profiles else None
     result = search_plan(
         profiles,
         cluster,
@@ -204,6 +207,7 @@ def _search(
         zero_stage="auto" if zero_stage is None else zero_stage,
         policy=poplar_config.policy,
         max_global_batch_size=poplar_config.max_global_batch_size,
+        network=network,
     )
     if result.status != "ok":
         raise ValueError(f"poplar: the plan search found no feasible plan: {result.message}")

@@ -6,7 +6,8 @@ import json
 
 from harness import run_ranks
 
-from search.formats import load_profiles
+from search.formats import load_cluster, load_profiles
+from search.network import find_network
 
 
 def _run_cli(argv: list[str]) -> int:
@@ -40,10 +41,15 @@ def test_cli_profiles_the_toy_gpt_and_then_reuses_it(tmp_path, capfd) -> None:
     assert sorted((p.device_type, p.zero_stage, p.max_micro_batch_size) for p in profiles) == [("big", 1, 4), ("small", 1, 4)]
     assert {p.model.name for p in profiles} == {"toy-gpt-1x32"} and {p.model.sequence_length for p in profiles} == {16}
     written = {p.device_type: p.measured_with["date"] for p in profiles}
+    (network_file,) = out.glob("network-*.json")
+    network = find_network(out, load_cluster(cluster))
+    assert network is not None and network.world_size == 2 and network.backend == "gloo"
+    assert network.source == "measured" and all(len(fit.samples) == 5 for fit in network.collectives.values())
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path / "second", args=(argv,), timeout_s=120) == [0, 0]
     assert {p.device_type: p.measured_with["date"] for p in load_profiles(out)} == written, "reused, not re-measured"
     logs = "\n".join(path.read_text() for path in (tmp_path / "second").rglob("rank0.log"))
     assert "from the cache (not measured)" in logs and "largest micro-batch" in logs
+    assert f"network: from the cache ({network_file})" in logs
 
 
 def test_cli_bad_input_exits_2_on_every_rank(tmp_path) -> None:

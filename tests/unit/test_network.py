@@ -1,0 +1,231 @@
+"""The network file and communication in the cost model (search.network, search.cost)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from search import predict, search_plan
+from search.cli import main as search_main
+from search.cost import BACKWARD_SHARE, build_stage_model, stage_communication
+from search.errors import FormatError
+from search.formats import (
+    Cluster,
+    ClusterNode,
+    DeviceGroup,
+    load_profiles,
+    save_cluster,
+    save_profile,
+)
+from search.network import (
+    CollectiveSample,
+    NetworkProfile,
+    cluster_key,
+    find_network,
+    fit_collective,
+    load_network,
+    modelled_network,
+    network_file_name,
+    network_to_dict,
+    ring_factors,
+    save_network,
+)
+from search.synthetic import synthetic_profile
+
+GB = 1e9
+
+
+def _cluster(counts: dict[str, int]) -> Cluster:
+    return Cluster(
+        nodes=(ClusterNode(name="n0", devices=tuple(DeviceGroup(device_type=t, count=c) for t, c in counts.items())),),
+        device_types={},
+    )
+
+
+def _profile(device_type: str, stage: int, *, world_size: int = 2, includes: bool | None = None, overhead_s: float = 0.01):
+    profile = synthetic_profile(device_type, zero_stage=stage, max_micro_batch_size=16, overhead_s=overhead_s,
+                                seconds_per_sample=0.002, optimizer_step_time_s=0.05, world_size=world_size)
+    if includes is not None:
+        profile = dataclasses.replace(
+            profile, measured_with={**profile.measured_with, "micro_step_times_include_communication": includes}
+        )
+    return profile
+
+
+def _network(bandwidth: float = 1 * GB, latency: float = 1e-4, backend: str = "gloo") -> NetworkProfile:
+    return modelled_network(bus_bandwidth_bytes_per_s=bandwidth, latency_s=latency, backend=backend, note="test")
+
+
+# -- the ring model ----------------------------------------------------------------
+def test_ring_factors_follow_the_nccl_tests_bus_bandwidth_definition():
+    assert ring_factors("all_reduce", 4) == (6, 1.5)
+    assert ring_factors("reduce_scatter", 4) == (3, 0.75)
+    assert ring_factors("all_gather", 8) == (7, 7 / 8)
+    assert ring_factors("all_reduce", 1) == (0, 0.0)
+    with pytest.raises(ValueError, match="collective: expected one of"):
+        ring_factors("broadcast", 4)
+
+
+def test_the_fit_recovers_latency_and_bandwidth_and_predicts_another_world_size():
+    latency, bandwidth = 2e-4, 3 * GB
+    sizes = [2**12, 2**16, 2**20, 2**23, 2**25]
+
+    def exact(collective, n, w):
+        hops, volume = ring_factors(collective, w)
+        return hops * latency + volume * n / bandwidth
+
+    samples = [CollectiveSample(message_bytes=n, time_s=exact("all_reduce", n, 3)) for n in sizes]
+    fit = fit_collective("all_reduce", 3, samples)
+    assert fit.latency_s == pytest.approx(latency, rel=1e-6)
+    assert fit.bus_bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=1e-6)
+    network = dataclasses.replace(_network(), collectives={**_network().collectives, "all_reduce": fit})
+    assert network.time_s("all_reduce", 10**8, 64) == pytest.approx(exact("all_reduce", 10**8, 64), rel=1e-6)
+
+
+def test_a_fit_never_has_negative_latency_or_bandwidth():
+    # Times that fall with size (noise) would give a negative slope by plain least squares.
+    samples = [CollectiveSample(message_bytes=n, time_s=t) for n, t in [(4096, 3e-3), (2**20, 2e-3), (2**24, 1e-3)]]
+    fit = fit_collective("all_gather", 2, samples)
+    assert fit.latency_s >= 0 and fit.bus_bandwidth_bytes_per_s > 0
+
+
+# -- the file --------------------------------------------------------------------------
+def test_a_network_file_round_trips_and_is_found_by_its_cluster(tmp_path):
+    cluster = _cluster({"a": 1, "b": 1})
+    network = dataclasses.replace(_network(), cluster_key=cluster_key(cluster), world_size=2)
+    save_network(network, tmp_path / network_file_name(network.cluster_key))
+    found = find_network(tmp_path, cluster)
+    assert found is not None and network_to_dict(found) == network_to_dict(network)
+    assert find_network(tmp_path, _cluster({"a": 2, "b": 1})) is None, "another cluster has another key"
+
+
+def test_load_profiles_skips_a_network_file_beside_the_profiles(tmp_path):
+    save_profile(_profile("a", 0), tmp_path / "a.json")
+    save_network(_network(), tmp_path / "network-x.json")
+    assert [p.device_type for p in load_profiles(tmp_path)] == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda d: d["collectives"]["all_reduce"].update(bus_bandwidth_bytes_per_s=-1), r"collectives\.all_reduce\.bus_bandwidth_bytes_per_s: expected"),
+        (lambda d: d["collectives"].pop("all_gather"), r"collectives\.all_gather"),
+        (lambda d: d.update(latency=1), r"latency"),
+        (lambda d: d["measured_with"].update(source="guessed"), r"measured_with\.source"),
+        (lambda d: d.update(schema_version=2), r"schema_version"),
+    ],
+)
+def test_a_bad_network_file_names_the_file_and_the_field(tmp_path, edit, match):
+    data = network_to_dict(_network())
+    edit(data)
+    path = tmp_path / "network-bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(FormatError, match=match) as caught:
+        load_network(path)
+    assert str(path) in str(caught.value)
+
+
+# -- the cost model -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("stage", "micro_collectives", "boundary_collectives"),
+    [(0, [], ["all_reduce"]), (1, [], ["reduce_scatter", "all_gather"]), (2, ["reduce_scatter"], ["all_gather"]),
+     (3, ["all_gather", "all_gather", "reduce_scatter"], [])],
+)
+def test_each_stage_prices_the_collectives_deepspeed_issues(stage, micro_collectives, boundary_collectives):
+    network = _network()
+    message = 1_000_000 * 4  # the synthetic model: 1M float32 parameters
+    communication = stage_communication(network, zero_stage=stage, num_parameters=1_000_000, dtype="float32", world_size=8)
+    assert communication.micro_step_exposed_s == pytest.approx(sum(network.time_s(c, message, 8) for c in micro_collectives))
+    assert communication.boundary_s == pytest.approx(sum(network.time_s(c, message, 8) for c in boundary_collectives))
+
+
+def test_with_nccl_stage_3_hides_the_backward_collectives_under_backward():
+    network = _network(backend="nccl")
+    communication = stage_communication(network, zero_stage=3, num_parameters=1_000_000, dtype="float16", world_size=8)
+    overlapped = communication.micro_step_overlapped_s
+    assert overlapped > 0
+    long_compute = 10 * overlapped / BACKWARD_SHARE
+    assert communication.micro_step_time_s(long_compute) == pytest.approx(long_compute + communication.micro_step_exposed_s)
+    assert communication.compute_time_s(np.array([communication.micro_step_time_s(0.001)]))[0] == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_profile_whose_times_include_communication_predicts_its_own_world_size_unchanged(stage):
+    profiles = {"a": _profile("a", stage, world_size=4, includes=True), "b": _profile("b", stage, world_size=4, includes=True)}
+    types = ["a", "a", "b", "b"]
+    plain = build_stage_model(profiles, types, stage)
+    priced = build_stage_model(profiles, types, stage, _network())
+    np.testing.assert_allclose(priced.devices[0].step_time_table_s, plain.devices[0].step_time_table_s, rtol=1e-9)
+    assert priced.boundary_s == pytest.approx(plain.boundary_s)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_cpu_profile_without_communication_in_its_micro_steps_gets_it_added(stage):
+    profiles = {"a": _profile("a", stage, world_size=2, includes=False)}
+    network = _network(bandwidth=0.1 * GB)
+    plain = build_stage_model(profiles, ["a", "a"], stage)
+    priced = build_stage_model(profiles, ["a", "a"], stage, network)
+    extra = priced.communication.micro_step_exposed_s
+    assert (extra > 0) == (stage >= 2)
+    np.testing.assert_allclose(priced.devices[0].step_time_table_s, plain.devices[0].step_time_table_s + extra)
+    assert priced.boundary_s == pytest.approx(plain.boundary_s), "the measured boundary already held its collectives"
+
+
+def test_a_larger_cluster_than_profiled_pays_more_communication_and_a_smaller_optimizer_shard():
+    stage = 1
+    profiles = {"a": _profile("a", stage, world_size=2, includes=False)}
+    network = _network(bandwidth=1 * GB, latency=0.0)
+    small = build_stage_model(profiles, ["a"] * 2, stage, network)
+    large = build_stage_model(profiles, ["a"] * 64, stage, network)
+    message = 1_000_000 * 4
+    assert large.communication.boundary_s == pytest.approx(2 * (63 / 64) * message / GB)
+    assert large.devices[0].optimizer_step_time_s == pytest.approx(small.devices[0].optimizer_step_time_s * 2 / 64)
+    assert large.communication.boundary_s > small.communication.boundary_s
+
+
+def test_the_search_and_predict_use_the_network_and_say_where_the_time_goes():
+    stage = 2
+    profiles = [_profile("a", stage, world_size=2, includes=False), _profile("b", stage, world_size=2, includes=False, overhead_s=0.02)]
+    cluster = _cluster({"a": 1, "b": 1})
+    network = _network(bandwidth=0.05 * GB)
+    without = search_plan(profiles, cluster, global_batch_size=24, zero_stage=stage)
+    priced = search_plan(profiles, cluster, global_batch_size=24, zero_stage=stage, network=network)
+    assert priced.plan.predicted.iteration_time_s > without.plan.predicted.iteration_time_s
+    # Communication on every micro-step makes fewer, larger micro-steps pay.
+    steps = lambda result: result.plan.ranks[0].gradient_accumulation_steps
+    assert steps(priced) <= steps(without)
+    prediction = predict(priced.plan, profiles, network)
+    assert prediction.iteration_time_s == pytest.approx(priced.plan.predicted.iteration_time_s)
+    assert prediction.micro_step_communication_s > 0
+    assert all(c < b for c, b in zip(prediction.rank_compute_time_s, prediction.rank_busy_time_s))
+
+
+def test_poplar_search_takes_the_network_file_beside_the_profiles_or_the_one_named(tmp_path, capsys):
+    stage = 2
+    directory = tmp_path / "profiles"
+    directory.mkdir()
+    for t in ("a", "b"):
+        save_profile(_profile(t, stage, includes=False), directory / f"{t}.json")
+    cluster = _cluster({"a": 1, "b": 1})
+    save_cluster(cluster, tmp_path / "cluster.json")
+    argv = ["--profiles", str(directory), "--cluster", str(tmp_path / "cluster.json"), "--global-batch-size", "24",
+            "--zero-stage", "2", "--format", "json"]
+
+    def predicted(*extra):
+        assert search_main([*argv, *extra]) == 0
+        return json.loads(capsys.readouterr().out)["predicted"]["iteration_time_s"]
+
+    base = predicted()
+    slow = dataclasses.replace(_network(bandwidth=0.05 * GB), cluster_key=cluster_key(cluster))
+    save_network(slow, directory / network_file_name(slow.cluster_key))
+    assert predicted() > base, "the network file measured on this cluster is used by default"
+    assert predicted("--no-network") == pytest.approx(base)
+    named = tmp_path / "other.json"
+    save_network(_network(bandwidth=0.01 * GB), named)
+    assert predicted("--network", str(named)) > predicted()
+    (tmp_path / "broken.json").write_text("{}")
+    assert search_main([*argv, "--network", str(tmp_path / "broken.json")]) == 2
+    assert "broken.json" in capsys.readouterr().err
