@@ -2,7 +2,7 @@
 
     deepspeed --num_gpus 2 examples/hf_trainer.py --deepspeed examples/ds_config_hf.json
     torchrun --nproc_per_node 2 examples/hf_trainer.py --deepspeed examples/ds_config_hf.json
-    accelerate launch --num_processes 2 examples/hf_trainer.py --deepspeed examples/ds_config_hf.json
+    accelerate launch --multi_gpu --num_processes 2 examples/hf_trainer.py --deepspeed examples/ds_config_hf.json
 
 The only change from an ordinary Trainer script is `PoplarTrainer` in place of
 `Trainer`; the DeepSpeed config has Hugging Face's "auto" values and a `poplar`
