@@ -1,4 +1,4 @@
-"""How long `search.search_plan` takes, against cluster size and number of device types.
+"""How long `search.search_plan` takes, against cluster size, device types and global batch.
 
 Each cell times one full search (`zero_stage="auto"`: all four stages, policy
 ``poplar``) on a seeded synthetic problem (`search.synthetic`: random profiles, ranks
@@ -7,6 +7,13 @@ plus 7 so that it is not a round number) and once with the global batch chosen
 automatically. Wall time by `time.perf_counter`, median of the repetitions after one
 warm-up call. Goals: 4096 ranks x 6 device types under 1 s; 64 ranks under 50 ms
 (every number of types), both for the slower of the two modes.
+
+Large global batches (issue 12: the search's cost must not grow with the batch): each
+ZeRO stage on its own, at global batches 2^22, 10^9 and 2^31 (the search's limit), for
+4096 synthetic ranks x 6 types and for the shipped example (profiles/examples: 4 x
+A100-80GB + 4 x V100-16GB, profiles modelled from datasheet specs); the peak of Python
+and numpy allocations comes from one more run under `tracemalloc`. Goal: every such
+cell under 1 s. No profile here is a measurement: the report says so.
 
     python -m bench.search_speed            # writes bench/results/search_speed.{json,md}
 """
@@ -17,6 +24,7 @@ import argparse
 import os
 import statistics
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +32,7 @@ import numpy as np
 
 from bench.report import machine_description, utc_now, write_json_and_markdown
 from search import search_plan
+from search.formats import ZERO_STAGES, load_cluster, load_profiles
 from search.synthetic import random_profiles, simple_cluster
 
 RANK_COUNTS = (8, 16, 64, 256, 1024, 4096)
@@ -32,6 +41,16 @@ GOALS = (
     {"goal": "4096 ranks x 6 device types", "ranks": (4096,), "types": (6,), "target_s": 1.0},
     {"goal": "64 ranks (1 to 6 device types)", "ranks": (64,), "types": TYPE_COUNTS, "target_s": 0.05},
 )
+LARGE_BATCHES = (2**22, 10**9, 2**31)
+"""Global batches of the large-batch cells: 2^31 is the search's limit (search.formats)."""
+LARGE_BATCH_GOAL = {
+    "goal": "any global batch up to 2^31, every stage, 4096 ranks x 6 types and the shipped example",
+    "target_s": 1.0,
+}
+SYNTHETIC_LARGE = "synthetic 4096 ranks x 6 types"
+SHIPPED_EXAMPLE = "shipped example"
+EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "profiles" / "examples"
+"""The shipped example profiles and cluster (a checkout's; absent from an installed package)."""
 
 
 def _problem(num_ranks: int, num_types: int, seed: int):
@@ -60,10 +79,55 @@ def time_search(num_ranks: int, num_types: int, *, global_batch_size: int | None
     }
 
 
+def time_large_batch(profiles, cluster, *, global_batch_size: int, zero_stage: int, repeats: int) -> dict[str, Any]:
+    """Median wall time of `search_plan` at one stage and a fixed global batch, and its peak allocations."""
+    result = search_plan(profiles, cluster, global_batch_size=global_batch_size, zero_stage=zero_stage)  # warm-up
+    assert result.ok, result.message
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        search_plan(profiles, cluster, global_batch_size=global_batch_size, zero_stage=zero_stage)
+        times.append(time.perf_counter() - start)
+    # Apart from the timed runs: tracing every allocation slows them down.
+    tracemalloc.start()
+    try:
+        search_plan(profiles, cluster, global_batch_size=global_batch_size, zero_stage=zero_stage)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return {
+        "median_s": statistics.median(times),
+        "repetitions_s": times,
+        "peak_memory_bytes": peak_bytes,
+        "plan_global_batch_size": result.plan.global_batch_size,
+        "predicted_iteration_time_s": result.plan.predicted.iteration_time_s,
+    }
+
+
+def _large_problems(example_dir: Path | None) -> tuple[list[tuple[str, Any, Any]], list[str]]:
+    """The large-batch problems, and the sources their profiles declare (``measured_with.source``)."""
+    problems = [(SYNTHETIC_LARGE, *_problem(4096, 6, seed=0))]
+    if example_dir is not None and (example_dir / "cluster.json").is_file():
+        problems.append((SHIPPED_EXAMPLE, load_profiles(example_dir), load_cluster(example_dir / "cluster.json")))
+    sources = sorted({str(p.measured_with.get("source", "unknown")) for _, profiles, _ in problems for p in profiles})
+    return problems, sources
+
+
 def run_search_speed(
-    *, rank_counts: tuple[int, ...] = RANK_COUNTS, type_counts: tuple[int, ...] = TYPE_COUNTS, repeats: int = 5
+    *,
+    rank_counts: tuple[int, ...] = RANK_COUNTS,
+    type_counts: tuple[int, ...] = TYPE_COUNTS,
+    repeats: int = 5,
+    large_batches: tuple[int, ...] = LARGE_BATCHES,
+    large_repeats: int | None = None,
+    example_dir: Path | None = EXAMPLE_DIR,
 ) -> dict[str, Any]:
-    """Time every (ranks, types) cell in both batch modes; returns the report as plain data."""
+    """Time every (ranks, types) cell in both batch modes, and every large-batch cell; returns the report as plain data.
+
+    `large_repeats` defaults to `repeats`; an `example_dir` without ``cluster.json``
+    (an installed package has none) leaves the shipped example out.
+    """
+    large_repeats = repeats if large_repeats is None else large_repeats
     cells = []
     for num_ranks in rank_counts:
         for num_types in type_counts:
@@ -78,6 +142,20 @@ def run_search_speed(
         worst = max(max(c["fixed_batch"]["median_s"], c["auto_batch"]["median_s"]) for c in chosen)
         goals.append({"goal": f"{goal['goal']} under {goal['target_s']} s", "value_s": worst,
                       "target_s": goal["target_s"], "met": worst < goal["target_s"]})
+    problems, sources = _large_problems(example_dir)
+    large_cells = [
+        {"problem": name, "ranks": cluster.world_size, "device_types": len(cluster.type_counts()), "zero_stage": stage,
+         "global_batch_size": batch,
+         **time_large_batch(profiles, cluster, global_batch_size=batch, zero_stage=stage, repeats=large_repeats)}
+        for name, profiles, cluster in problems
+        for batch in large_batches
+        for stage in ZERO_STAGES
+    ]
+    if large_cells:
+        worst = max(c["median_s"] for c in large_cells)
+        target = LARGE_BATCH_GOAL["target_s"]
+        goals.append({"goal": f"{LARGE_BATCH_GOAL['goal']} under {target} s", "value_s": worst,
+                      "target_s": target, "met": worst < target})
     return {
         "kind": "search-speed",
         "created_utc": utc_now(),
@@ -88,7 +166,18 @@ def run_search_speed(
             "search_plan(zero_stage='auto', policy='poplar') on seeded synthetic profiles (search.synthetic); "
             f"median of {repeats} perf_counter timings after one warm-up; fixed batch = 32 * ranks + 7"
         ),
+        "large_batch_method": (
+            "search_plan(zero_stage=<one stage>, policy='poplar', global_batch_size=<fixed>); "
+            f"median of {large_repeats} perf_counter timings after one warm-up; peak = tracemalloc peak of one "
+            "more run (Python and numpy allocations)"
+        ),
+        "profiles_note": (
+            "No profile here is a measurement: the synthetic problems use seeded random profiles (search.synthetic, "
+            "measured_with.synthetic = true), and the shipped example's profiles are modelled from datasheet specs "
+            f"(bench/gpu_model.py). Sources the profiles declare: {', '.join(sources)}."
+        ),
         "cells": cells,
+        "large_batch_cells": large_cells,
         "goals": goals,
     }
 
@@ -100,10 +189,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Search speed",
         "",
-        f"- made {report['created_utc']} on {machine.get('cpu')} ({machine.get('usable_cpus')} usable CPUs), "
-        f"python {machine.get('python')}, numpy {libraries.get('numpy')}, scipy {libraries.get('scipy')}",
+        (
+            f"- made {report['created_utc']} on {machine.get('cpu')} ({machine.get('usable_cpus')} usable CPUs), "
+            f"python {machine.get('python')}, numpy {libraries.get('numpy')}, scipy {libraries.get('scipy')}"
+        ),
         f"- {report['method']}",
         f"- load average (1, 5, 15 min) when the run ended: {report.get('load_average_1_5_15_min')}",
+        f"- {report.get('profiles_note', '')}",
         "",
         "| ranks | device types | fixed batch: median ms | auto batch: median ms | auto: chosen batch, stage |",
         "| ---: | ---: | ---: | ---: | --- |",
@@ -114,6 +206,23 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {cell['ranks']} | {cell['device_types']} | {1000 * fixed['median_s']:.1f} | "
             f"{1000 * auto['median_s']:.1f} | {auto['global_batch_size']}, {auto['zero_stage']} |"
         )
+    large = report.get("large_batch_cells", [])
+    if large:
+        lines += [
+            "",
+            "## Large global batches",
+            "",
+            f"- {report['large_batch_method']}",
+            "",
+            "| problem | ZeRO stage | global batch | median ms | repetitions ms | peak MiB | predicted iteration s |",
+            "| --- | ---: | ---: | ---: | --- | ---: | ---: |",
+        ]
+        for cell in large:
+            repeats = ", ".join(f"{1000 * t:.1f}" for t in cell["repetitions_s"])
+            lines.append(
+                f"| {cell['problem']} | {cell['zero_stage']} | {cell['global_batch_size']} | {1000 * cell['median_s']:.1f} | "
+                f"{repeats} | {cell['peak_memory_bytes'] / 2**20:.1f} | {cell['predicted_iteration_time_s']:.6g} |"
+            )
     lines += ["", "| goal | slowest median | met |", "| --- | ---: | --- |"]
     for goal in report["goals"]:
         lines.append(f"| {goal['goal']} | {1000 * goal['value_s']:.1f} ms | {'met' if goal['met'] else 'NOT met'} |")

@@ -24,9 +24,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from search.allocation import Allocation, PolicyResult, batch_problem, divisors, finish, infeasible
+from search.allocation import (
+    Allocation,
+    PolicyResult,
+    batch_problem,
+    divisors,
+    finish,
+    infeasible,
+)
 from search.cost import StageModel
-from search.formats import POLICIES
+from search.formats import MAX_GLOBAL_BATCH_SIZE, POLICIES
 from search.poplar_independent import poplar_independent, poplar_independent_best
 from search.poplar_synchronised import poplar_synchronised, poplar_synchronised_best
 
@@ -38,7 +45,8 @@ __all__ = ["AUTO_ACCUMULATION_STEPS", "Allocation", "PolicyResult", "allocate", 
 
 
 def _default_max_batch(model: StageModel) -> int:
-    return AUTO_ACCUMULATION_STEPS * model.total_max_micro_batch
+    # Held to the search's limit: a large cluster of large micro-batches can exceed it.
+    return min(AUTO_ACCUMULATION_STEPS * model.total_max_micro_batch, MAX_GLOBAL_BATCH_SIZE)
 
 
 # ----------------------------------------------------------------------------------
@@ -190,7 +198,7 @@ def best_global_batch(policy: str, model: StageModel, max_global_batch_size: int
     """The allocation with the highest predicted samples/s over global batches up to a maximum.
 
     Without `max_global_batch_size` the maximum is `AUTO_ACCUMULATION_STEPS` micro-steps
-    of every rank at its largest micro-batch. Candidates per policy: ``uniform`` every
+    of every rank at its largest micro-batch, at most `MAX_GLOBAL_BATCH_SIZE`. Candidates per policy: ``uniform`` every
     micro-batch up to the smallest cap with the most accumulation steps that fit;
     ``proportional`` the largest per-micro-step batch whose proportional shares fit,
     times the most accumulation steps that fit; ``poplar`` every capacity level (all

@@ -1,17 +1,31 @@
 """The ``poplar`` policy at ZeRO stages 0 and 1: per-rank accumulation counts, balanced busy time.
 
-Rank r may run any ``(b_r, s_r)`` with ``s_r * t_r(b_r) <= T``. The search finds the
-smallest T at which the ranks can run ``B`` samples together (capacity: each rank's
-largest ``b * s`` within T), then makes the sum exact: first by a two-level
-construction (every rank of a type at one of two adjacent achievable counts, one odd
-rank allowed), otherwise by exact sumsets of per-rank deltas; when no exact sum
-exists at T it moves to the next time at which any ``s * t(b)`` is reached. Exact.
+Rank r may run any ``(b, s)`` with ``s * t_r(b) <= T``: any work ``b * s`` with
+``1 <= s <= S_b(T)``, ``S_b(T)`` being the most micro-steps of size b within T (one
+division per size). The iteration time is ``max_r s_r * t_r(b_r)`` plus a boundary that
+does not depend on the allocation, so the optimum is the smallest T at which the ranks
+can run exactly B samples together. What the ranks can run only grows with T and only
+changes where some ``s * t(b)`` is reached (a breakpoint), so the search is monotone
+over breakpoints:
+
+1. T0, the first breakpoint whose capacity (every rank at its most work) reaches B, is
+   a lower bound; bisection finds it with one O(sizes) capacity evaluation per probe.
+2. `_exact_at` decides exactly whether B samples can be split at a time T. When it
+   cannot at T0, the time gallops up (doubling the capacity surplus) until it can, then
+   bisects over the breakpoints in between: the first time at which it can is optimal.
+
+Nothing here is sized by B. `_exact_at` works on the deficit (capacity - B) or on the
+headroom above one sample per rank, whichever is smaller: with bitsets when that is
+small, and otherwise with the smallest deficit in each residue class modulo the
+micro-batch of one rank (arrays sized by the largest micro-batch). Ranks of one device
+type are interchangeable, so each type's ranks are summed together, by doubling.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -25,6 +39,19 @@ SMALL_DELTA = 4096
 MAX_BREAKPOINTS = 2_000_000
 """The automatic global batch compares at most this many capacity levels."""
 
+TWO_LEVEL_MAX_WORK = 1 << 21
+"""The two-level construction holds one rank's achievable works as a mask: above this
+many samples per rank it is skipped (the exact methods do not need it)."""
+
+RESIDUE_MAX_MODULUS = 1024
+"""Residue classes are taken modulo micro-batch sizes up to this (arrays of its square)."""
+
+_INF = np.int64(1) << 61
+"""No sum in this residue class (twice it still fits in int64)."""
+
+Groups = list[list[tuple[int, int, int]]]
+"""Per device type, ``(micro_batch, accumulation_steps, num_ranks)`` groups."""
+
 
 def _steps_within(time_s: float, table: np.ndarray) -> np.ndarray:
     """For each size, the most micro-steps ``s`` with ``s * t(b) <= time_s`` (same float product as the cost model)."""
@@ -32,6 +59,31 @@ def _steps_within(time_s: float, table: np.ndarray) -> np.ndarray:
     steps = np.where((steps + 1) * table <= time_s, steps + 1, steps)
     steps = np.where(steps * table > time_s, steps - 1, steps)
     return steps.astype(np.int64)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _RankOptions:
+    """What one rank of a device type can run within a time: ``b * s`` for each usable ``b``, ``1 <= s <= steps``."""
+
+    sizes: np.ndarray
+    """Micro-batch sizes with at least one micro-step within the time, ascending."""
+    steps: np.ndarray
+    """The most micro-steps within the time at each of those sizes."""
+    most_work: int
+    """The most samples the rank can run within the time."""
+
+    @property
+    def gaps(self) -> np.ndarray:
+        """Per size, how far its most work falls short of the rank's most work (0 at a best size)."""
+        return self.most_work - self.sizes * self.steps
+
+
+def _rank_options(table: np.ndarray, time_s: float) -> _RankOptions:
+    steps = _steps_within(time_s, table)
+    usable = np.flatnonzero(steps >= 1)
+    sizes = (usable + 1).astype(np.int64)
+    steps = steps[usable]
+    return _RankOptions(sizes=sizes, steps=steps, most_work=int(np.max(sizes * steps)) if len(sizes) else 0)
 
 
 class _FlatTables:
@@ -61,6 +113,10 @@ class _FlatTables:
         """The smallest ``s * t(b)`` over all types and sizes that is larger than `time_s`."""
         return float(np.min((_steps_within(time_s, self.times_s) + 1) * self.times_s))
 
+    def previous_breakpoint(self, time_s: float) -> float:
+        """The largest ``s * t(b)`` (s >= 1) over all types and sizes that is at most `time_s` (0 when none)."""
+        return float(np.max(_steps_within(time_s, self.times_s) * self.times_s))
+
     def min_time_for(self, total: int, world_size: int) -> float:
         """Smallest busy time at which the ranks together can run `total` samples (ignoring exactness)."""
         low = self.floor_s
@@ -87,16 +143,20 @@ class _FlatTables:
                 low = mid
 
 
+# ----------------------------------------------------------------------------------
+# Exact sums by bitsets: every reachable deficit (or headroom) up to a small target
+# ----------------------------------------------------------------------------------
 def _sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """{x + y} of two sets given as boolean masks over [0, cap], truncated to [0, cap]."""
     cap = len(a)
     if cap <= 512:
-        out = np.convolve(a.astype(np.int64), b.astype(np.int64))[:cap] > 0
-    else:
-        from scipy.signal import fftconvolve  # here: a slow import that most searches never need
-
-        out = fftconvolve(a.astype(float), b.astype(float))[:cap] > 0.5
-    return out
+        return np.convolve(a.astype(np.int64), b.astype(np.int64))[:cap] > 0
+    # numpy's FFT rather than scipy.signal's: importing that takes longer than most searches.
+    # The products count pairs (at most `cap`); float64 FFT error at these lengths is
+    # orders of magnitude below the 0.5 that separates none from one.
+    length = 1 << (2 * cap - 1).bit_length()
+    product = np.fft.irfft(np.fft.rfft(a.astype(float), length) * np.fft.rfft(b.astype(float), length), length)
+    return product[:cap] > 0.5
 
 
 class _TypeSums:
@@ -156,6 +216,54 @@ class _TypeSums:
         return result
 
 
+def _offsets_mask(options: _RankOptions, target: int, downward: bool) -> np.ndarray:
+    """One rank's reachable offsets up to `target`, as a mask over [0, target].
+
+    Downward the offset is the deficit below the rank's most work: ``gap_b + k * b`` for
+    ``0 <= k < steps_b``; upward it is the work above one sample: ``b - 1 + k * b``. Both
+    are arithmetic progressions, one per size, so building the mask costs O(target * log
+    sizes), whatever the rank's most work.
+    """
+    mask = np.zeros(target + 1, dtype=bool)
+    starts = options.gaps if downward else options.sizes - 1
+    for start, size, steps in zip(starts.tolist(), options.sizes.tolist(), options.steps.tolist()):
+        if start <= target:
+            mask[start : min(target, start + size * (steps - 1)) + 1 : size] = True
+    return mask
+
+
+def _exact_by_bitsets(model: StageModel, options: list[_RankOptions], time_s: float, total: int) -> Groups | None:
+    """`_exact_at` by sumsets of per-rank offsets up to min(deficit, headroom): exact, O(that * log)."""
+    maxima = [o.most_work for o in options]
+    deficit = int(model.counts @ np.array(maxima)) - total
+    # Per-rank offsets from whichever end is nearer: down from every rank's most work,
+    # or up from one sample each.
+    headroom = total - model.world_size
+    downward = deficit <= headroom
+    target = deficit if downward else headroom
+    singles = [_offsets_mask(o, target, downward) for o in options]
+    sums = [_TypeSums(single, device.num_ranks) for single, device in zip(singles, model.devices)]
+    chain = [np.eye(1, target + 1, dtype=bool)[0]]
+    for type_sums in sums:
+        chain.append(_sumset(chain[-1], type_sums.reachable))
+    if not chain[-1][target]:
+        return None
+    groups: Groups = [[] for _ in model.devices]
+    left = target
+    for i in range(len(sums) - 1, -1, -1):
+        share = left * model.devices[i].num_ranks / sum(d.num_ranks for d in model.devices[: i + 1])
+        x = _TypeSums._closest_pair(sums[i].reachable, chain[i], left, share)
+        per_work: Counter = Counter()
+        for delta, count in sums[i].split(x).items():
+            per_work[maxima[i] - delta if downward else 1 + delta] += count
+        groups[i] = _work_groups(model.devices[i].step_time_table_s, per_work, time_s)
+        left -= x
+    return groups
+
+
+# ----------------------------------------------------------------------------------
+# Per-rank works back to (micro-batch, micro-steps), and the two-level construction
+# ----------------------------------------------------------------------------------
 def _realise(table: np.ndarray, work: int, time_s: float) -> tuple[int, int]:
     """(micro_batch, steps) with product `work` and the shortest busy time <= `time_s`."""
     sizes = np.arange(1, min(len(table), work) + 1)
@@ -219,7 +327,7 @@ def _two_level_at(model: StageModel, time_s: float, total: int, maxima: list[int
         found = {n * int(a[-1]): (n * int(a[-1]), len(a) - 1, 0)}
         for level in range(max(0, centre - 2), min(len(a) - 1, centre + 3)):
             gap = int(a[level + 1] - a[level])
-            middle = int(round((clipped - n * int(a[level])) / gap))
+            middle = round((clipped - n * int(a[level])) / gap)
             for up in range(max(0, middle - spread), min(n, middle + spread) + 1):
                 found.setdefault(n * int(a[level]) + up * gap, (n * int(a[level]) + up * gap, level, up))
         return sorted(found.values(), key=lambda pick: (abs(pick[0] - target), pick[0]))
@@ -286,63 +394,252 @@ def _two_level_at(model: StageModel, time_s: float, total: int, maxima: list[int
     return None
 
 
-def _exact_at(model: StageModel, time_s: float, total: int) -> list[list[tuple[int, int, int]]] | None:
-    """An allocation of exactly `total` samples with every rank busy <= `time_s`, or None.
+# ----------------------------------------------------------------------------------
+# Exact sums by residues: the smallest deficit of the other ranks in each class
+# ----------------------------------------------------------------------------------
+@lru_cache(maxsize=64)
+def _cyclic_differences(modulus: int) -> np.ndarray:
+    return (np.arange(modulus)[:, None] - np.arange(modulus)[None, :]) % modulus
 
-    Tries `_two_level_at` first; otherwise decides exactly with sumsets of the per-rank
-    reductions below each rank's maximum (`_TypeSums`).
+
+def _empty_sum(modulus: int) -> np.ndarray:
+    """The residue vector of the sum of no terms: 0 in class 0, nothing elsewhere."""
+    vector = np.full(modulus, _INF, dtype=np.int64)
+    vector[0] = 0
+    return vector
+
+
+def _min_plus(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Cyclic (min, +) convolution: ``out[r] = min_j x[j] + y[(r - j) % m]``, and the j that attains it."""
+    modulus = len(x)
+    if x[0] == 0 and np.all(x[1:] == _INF):
+        return y, np.zeros(modulus, dtype=np.int64)  # x is the empty sum: O(m) instead of O(m^2)
+    sums = x[None, :] + y[_cyclic_differences(modulus)]
+    best = np.argmin(sums, axis=1)
+    return np.minimum(sums[np.arange(modulus), best], _INF), best
+
+
+def _single_residues(options: _RankOptions, modulus: int, deficit: int) -> np.ndarray:
+    """One rank's smallest deficit (at most `deficit`) in each residue class modulo `modulus` (_INF: none).
+
+    At size b the deficits are ``gap_b + k * b`` for ``0 <= k < steps_b``; their residues
+    repeat after `modulus` values of k, and the smallest of a class comes first.
     """
-    maxima = []
-    for device in model.devices:
-        table = device.step_time_table_s
-        maxima.append(int(np.max(np.arange(1, len(table) + 1) * _steps_within(time_s, table))))
+    keep = options.gaps <= deficit
+    gaps, sizes, steps = options.gaps[keep], options.sizes[keep], options.steps[keep]
+    k = np.arange(modulus, dtype=np.int64)
+    values = gaps[:, None] + k[None, :] * sizes[:, None]
+    values = values[(k[None, :] < np.minimum(steps, modulus)[:, None]) & (values <= deficit)]
+    out = np.full(modulus, _INF, dtype=np.int64)
+    np.minimum.at(out, values % modulus, values)
+    return out
+
+
+class _ResidueSums:
+    """Smallest total deficit of `count` identical ranks in each residue class, with the way back.
+
+    Every rank adds one deficit of its own (0, the rank at its most work, among them). A
+    smallest sum has at most ``modulus - 1`` nonzero terms: among more, two partial sums
+    share a residue and the terms between them could be dropped for a smaller sum in the
+    same class. So `count` is capped there, and the work depends on the modulus only.
+    ``powers[j]`` is the vector for ``2**j`` ranks, found by (min, +) squaring.
+    """
+
+    def __init__(self, single: np.ndarray, count: int) -> None:
+        self.single = single
+        self.modulus = len(single)
+        count = min(count, self.modulus - 1)
+        self.powers = [single]
+        self.power_splits: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
+        while (1 << len(self.powers)) <= count:
+            power, split = _min_plus(self.powers[-1], self.powers[-1])
+            self.powers.append(power)
+            self.power_splits.append(split)
+        self.bits = [j for j in range(len(self.powers)) if count >> j & 1]
+        self.partials = [_empty_sum(self.modulus)]
+        self.partial_splits = []
+        for j in self.bits:
+            partial, split = _min_plus(self.partials[-1], self.powers[j])
+            self.partials.append(partial)
+            self.partial_splits.append(split)
+
+    @property
+    def minimum(self) -> np.ndarray:
+        return self.partials[-1]
+
+    def _power_terms(self, j: int, residue: int) -> list[int]:
+        if j == 0:
+            value = int(self.single[residue])
+            return [value] if value else []
+        left = int(self.power_splits[j][residue])
+        return self._power_terms(j - 1, left) + self._power_terms(j - 1, (residue - left) % self.modulus)
+
+    def terms(self, residue: int) -> list[int]:
+        """The nonzero per-rank deficits whose sum is ``minimum[residue]`` (fewer than the ranks)."""
+        found: list[int] = []
+        for position in range(len(self.bits) - 1, -1, -1):
+            previous = int(self.partial_splits[position][residue])
+            found += self._power_terms(self.bits[position], (residue - previous) % self.modulus)
+            residue = previous
+        assert residue == 0, "the partial chain starts at the empty sum"
+        return found
+
+
+def _residue_anchor(options: list[_RankOptions], deficit: int) -> int | None:
+    """The device type whose rank can take up what the others leave, or None.
+
+    `_exact_by_residues` puts the remainder of the deficit on one rank of this type;
+    that rank can take any ``gap_b + k * b`` up to ``most_work - b``, so the deficit must
+    not exceed that for its largest size. Among such types, the one with the least work
+    (sum of squared moduli).
+    """
+    best, best_cost = None, math.inf
+    for index, o in enumerate(options):
+        moduli = o.sizes[o.gaps <= deficit]
+        if deficit > o.most_work - int(o.sizes[-1]) or int(moduli.max()) > RESIDUE_MAX_MODULUS:
+            continue
+        cost = float(np.sum(moduli.astype(float) ** 2))
+        if cost < best_cost:
+            best, best_cost = index, cost
+    return best
+
+
+def _exact_by_residues(
+    model: StageModel, options: list[_RankOptions], time_s: float, total: int, anchor: int
+) -> Groups | None:
+    """`_exact_at` by residue classes, exact when `anchor` is `_residue_anchor`'s type.
+
+    Pick any rank of the anchor type (all are alike); in any split it runs some size b,
+    with deficit ``gap_b + k * b``. The other ranks must then make up ``deficit - gap_b``
+    minus a multiple of b, so a split with that size exists exactly when the smallest
+    deficit the others can make in the residue class of ``deficit - gap_b`` modulo b is at
+    most ``deficit - gap_b`` (the anchor rank takes the rest: a multiple of b, at most
+    ``most_work - b`` by the anchor condition). Every usable size b is tried, best first.
+    Cost: per size, (min, +) products of length b, a few per type; no array is sized by
+    the batch or by the number of ranks.
+    """
+    maxima = [o.most_work for o in options]
     deficit = int(model.counts @ np.array(maxima)) - total
-    assert deficit >= 0
-    # Decide exactly with per-rank deltas from whichever end is nearer: down from every
-    # rank's maximum, or up from one sample each. Small problems go straight to the
-    # sumsets; large ones first try the (usually successful) two-level construction.
+    others = [d.num_ranks - (i == anchor) for i, d in enumerate(model.devices)]
+    own = options[anchor]
+    for k in np.argsort(own.gaps, kind="stable"):
+        gap, size = int(own.gaps[k]), int(own.sizes[k])
+        if gap > deficit:
+            break  # sorted: every later size leaves too much
+        rest = deficit - gap
+        chain, splits, sums = [_empty_sum(size)], [], []
+        present = [i for i, count in enumerate(others) if count]
+        for i in present:
+            type_sums = _ResidueSums(_single_residues(options[i], size, rest), others[i])
+            link, split = _min_plus(chain[-1], type_sums.minimum)
+            sums.append(type_sums)
+            chain.append(link)
+            splits.append(split)
+        residue = rest % size
+        if chain[-1][residue] > rest:
+            continue
+        deficits: list[list[int]] = [[] for _ in model.devices]
+        for position in range(len(present) - 1, -1, -1):
+            previous = int(splits[position][residue])
+            deficits[present[position]] = sums[position].terms((residue - previous) % size)
+            residue = previous
+        taken = deficit - sum(sum(d) for d in deficits)
+        # The anchor condition is what makes the last bound hold: the anchor rank runs >= 1 step.
+        assert taken >= gap and (taken - gap) % size == 0 and taken <= maxima[anchor] - size
+        per_work: list[Counter] = [Counter() for _ in model.devices]
+        for i, terms in enumerate(deficits):
+            per_work[i].update(maxima[i] - d for d in terms)
+            per_work[i][maxima[i]] += others[i] - len(terms)
+        if gap == 0:
+            # A best size: the anchor's share can be spread in steps of b over every rank
+            # of its type still at its most work, as evenly as possible.
+            idle = per_work[anchor].pop(maxima[anchor], 0) + 1
+            base, extra = divmod(taken // size, idle)
+            per_work[anchor][maxima[anchor] - (base + 1) * size] += extra
+            per_work[anchor][maxima[anchor] - base * size] += idle - extra
+        else:
+            per_work[anchor][maxima[anchor] - taken] += 1
+        return [
+            _work_groups(device.step_time_table_s, work, time_s) for device, work in zip(model.devices, per_work)
+        ]
+    return None
+
+
+# ----------------------------------------------------------------------------------
+# Exactness at one time, and the search over times
+# ----------------------------------------------------------------------------------
+def _exact_at(model: StageModel, time_s: float, total: int) -> Groups | None:
+    """An allocation of exactly `total` samples with every rank busy <= `time_s`, or None (exact).
+
+    Decided from the nearer end (deficit below every rank's most work, or headroom above
+    one sample each): by bitsets when that is within `SMALL_DELTA`; otherwise by residue
+    classes where one rank can take up the remainder (`_residue_anchor`); otherwise the
+    two-level construction is tried (a quick way to find a split, not a proof that there
+    is none), then bitsets.
+    """
+    options = [_rank_options(d.step_time_table_s, time_s) for d in model.devices]
+    maxima = [o.most_work for o in options]
+    if min(maxima) < 1:
+        return None  # some rank cannot run one sample: below the floor
+    deficit = int(model.counts @ np.array(maxima)) - total
+    if deficit < 0:
+        return None
     headroom = total - model.world_size
-    downward = deficit <= headroom
-    target = deficit if downward else headroom
-    if target > SMALL_DELTA:
+    if min(deficit, headroom) <= SMALL_DELTA:
+        return _exact_by_bitsets(model, options, time_s, total)
+    anchor = _residue_anchor(options, deficit)
+    if anchor is not None:
+        return _exact_by_residues(model, options, time_s, total, anchor)
+    if max(maxima) <= TWO_LEVEL_MAX_WORK:
         fast = _two_level_at(model, time_s, total, maxima)
         if fast is not None:
             return fast
-    singles = []
-    for device, top in zip(model.devices, maxima):
-        values = _achievable_work(device.step_time_table_s, time_s, top)
-        deltas = top - values if downward else values - 1
-        single = np.zeros(target + 1, dtype=bool)
-        single[deltas[deltas <= target]] = True
-        singles.append(single)
-    sums = [_TypeSums(single, device.num_ranks) for single, device in zip(singles, model.devices)]
-    chain = [np.eye(1, target + 1, dtype=bool)[0]]
-    for type_sums in sums:
-        chain.append(_sumset(chain[-1], type_sums.reachable))
-    if not chain[-1][target]:
-        return None
-    groups: list[list[tuple[int, int, int]]] = [[] for _ in model.devices]
-    left = target
-    for i in range(len(sums) - 1, -1, -1):
-        share = left * model.devices[i].num_ranks / sum(d.num_ranks for d in model.devices[: i + 1])
-        x = _TypeSums._closest_pair(sums[i].reachable, chain[i], left, share)
-        per_work: Counter = Counter()
-        for delta, count in sums[i].split(x).items():
-            per_work[maxima[i] - delta if downward else 1 + delta] += count
-        groups[i] = _work_groups(model.devices[i].step_time_table_s, per_work, time_s)
-        left -= x
-    return groups
+    return _exact_by_bitsets(model, options, time_s, total)
+
+
+def _first_exact_time(model: StageModel, flat: _FlatTables, total: int, infeasible_s: float) -> tuple[float, Groups]:
+    """The first breakpoint after `infeasible_s` at which `total` samples split exactly, and a split.
+
+    Whether a split exists only changes at breakpoints and never stops once it starts
+    (each rank's options grow with time), so galloping then bisecting over breakpoints
+    finds the first one with a logarithmic number of exact decisions.
+    """
+    surplus = max(flat.capacity(infeasible_s) - total, max(d.max_micro_batch_size for d in model.devices), 1)
+    while True:
+        surplus *= 2
+        feasible_s = flat.min_time_for(total + surplus, model.world_size)
+        if feasible_s <= infeasible_s:
+            continue
+        groups = _exact_at(model, feasible_s, total)
+        if groups is not None:
+            break
+        infeasible_s = feasible_s
+    while flat.next_breakpoint(infeasible_s) < feasible_s:
+        middle = (infeasible_s + feasible_s) / 2
+        probe = flat.previous_breakpoint(middle)
+        if probe <= infeasible_s:
+            infeasible_s = middle  # no breakpoint in between: nothing changes up to `middle`
+            continue
+        found = _exact_at(model, probe, total)
+        if found is None:
+            infeasible_s = probe
+        else:
+            feasible_s, groups = probe, found
+    return feasible_s, groups
 
 
 def poplar_independent(model: StageModel, global_batch_size: int) -> PolicyResult:
-    """The fastest allocation of exactly `global_batch_size` samples (stages 0 and 1)."""
+    """The fastest allocation of exactly `global_batch_size` samples (stages 0 and 1).
+
+    Exact: the busy time is at least the first capacity breakpoint T0, and from there
+    `_first_exact_time` finds the first time at which the batch splits exactly.
+    """
     flat = _FlatTables(model)
     time_s = flat.min_time_for(global_batch_size, model.world_size)
-    while True:
-        groups = _exact_at(model, time_s, global_batch_size)
-        if groups is not None:
-            return PolicyResult(allocation=finish(model, groups))
-        time_s = flat.next_breakpoint(time_s)
+    groups = _exact_at(model, time_s, global_batch_size)
+    if groups is None:
+        time_s, groups = _first_exact_time(model, flat, global_batch_size, time_s)
+    return PolicyResult(allocation=finish(model, groups))
 
 
 def _first_steps_from(low_s: float, table: np.ndarray) -> np.ndarray:

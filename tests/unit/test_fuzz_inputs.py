@@ -3,7 +3,8 @@
 Whatever the mutation (types, missing and extra keys, huge and negative numbers,
 deep nesting, encodings), the loaders raise nothing but `FormatError` (the
 documented error type, a ValueError), and `poplar-search` exits 0, 1 or 2 within
-seconds (hypothesis's deadline catches a hang or a runaway search).
+seconds (hypothesis's deadline catches a hang or a runaway search). On the shipped
+files, unmutated, every global batch up to the search's limit (2**31) is planned.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -166,3 +166,22 @@ def test_poplar_search_exits_0_1_or_2(tmp_path_factory, profile, cluster, which,
                      "--zero-stage", stage, "--policy", policy, "--output", str(target)])
     assert code in (0, 1, 2)
     assert target.exists() == (code == 0)
+
+
+@settings(max_examples=40, deadline=10_000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    batch=st.one_of(st.integers(1, 2**31), st.sampled_from([2**31, 2**31 - 1, 10**9, 10**9 + 7, 2**22, 2**22 + 1])),
+    stage=st.sampled_from(["0", "1", "2", "3", "auto"]),
+)
+def test_poplar_search_plans_any_global_batch_up_to_2_31(tmp_path_factory, batch, stage):
+    # Stages 0 and 1 split any batch of at least one sample per rank; stages 2 and 3 need
+    # a divisor that fits, so a large prime is infeasible there (exit 1, with a reason).
+    target = tmp_path_factory.mktemp("batch") / "plan.json"
+    code = cli.main(["--profiles", str(EXAMPLES), "--cluster", str(EXAMPLES / "cluster.json"),
+                     "--global-batch-size", str(batch), "--zero-stage", stage, "--output", str(target)])
+    world_size = sum(group["count"] for node in CLUSTER["nodes"] for group in node["devices"])
+    if stage in ("0", "1", "auto") and batch >= world_size:
+        assert code == 0
+    assert code in (0, 1)
+    if code == 0:
+        assert json.loads(target.read_text())["global_batch_size"] == batch
