@@ -1,6 +1,6 @@
 """The network: collective times measured on a job's process group, and the model fitted to them.
 
-A network file sits beside the profiles (``network-<cluster key>.json``, documented in
+A network file sits in the profile directory (``network/network-<cluster key>.json``, documented in
 ``profiles/README.md``). It holds, for each collective ZeRO issues (all-reduce,
 reduce-scatter, all-gather), the measured time against message size and a fit to the
 ring model that nccl-tests uses to define bus bandwidth::
@@ -143,8 +143,18 @@ def cluster_key(cluster: Cluster) -> str:
     return content_fingerprint(cluster_to_dict(cluster))
 
 
+NETWORK_DIRECTORY = "network"
+"""Sub-directory of a profile directory that holds its network files: kept out of the
+profile directory's own ``*.json`` so that each file there is one device type's profile."""
+
+
 def network_file_name(key: str) -> str:
     return f"network-{key.split(':')[-1][:12]}.json"
+
+
+def network_path(directory: str | os.PathLike[str], cluster: Cluster) -> Path:
+    """Where the network file of `cluster` lives in the profile directory `directory`."""
+    return Path(directory) / NETWORK_DIRECTORY / network_file_name(cluster_key(cluster))
 
 
 # ----------------------------------------------------------------------------------
@@ -225,12 +235,13 @@ def load_network(path: str | os.PathLike[str]) -> NetworkProfile:
 
 
 def save_network(network: NetworkProfile, path: str | os.PathLike[str]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(network_to_dict(network), path)
 
 
 def find_network(directory: str | os.PathLike[str], cluster: Cluster) -> NetworkProfile | None:
-    """The network file in `directory` measured on `cluster` (same `cluster_key`), or None."""
-    path = Path(directory) / network_file_name(cluster_key(cluster))
+    """The network file of the profile directory `directory` measured on `cluster`, or None."""
+    path = network_path(directory, cluster)
     if not path.is_file():
         return None
     network = load_network(path)

@@ -92,7 +92,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--no-network", action="store_true",
         help="do not time the collectives (by default all-reduce, reduce-scatter and all-gather are timed at 4 KiB-32 MiB, "
-        "about a second, and written as network-*.json beside the profiles, with which poplar-search prices communication)",
+        "about a second, and written as network/network-*.json in the output directory, with which poplar-search prices communication)",
     )
     parser.add_argument(
         "--micro-batch-sizes", metavar="LIST",

@@ -31,8 +31,8 @@ from search.network import (
     cluster_key,
     find_network,
     fit_collective,
-    network_file_name,
     network_from_dict,
+    network_path,
     network_to_dict,
     save_network,
 )
@@ -86,12 +86,12 @@ def cached_or_measured_network(layout: JobLayout, cache_dir: Path, *, force: boo
         network = find_network(cache_dir, layout.cluster)
         found = None if network is None else network_to_dict(network)
     found = broadcast_from_rank0(found)
-    path = cache_dir / network_file_name(cluster_key(layout.cluster))
+    path = network_path(cache_dir, layout.cluster)
     if found is not None:
         return network_from_dict(found, source=str(path)), f"network: from the cache ({path})"
     network = measure_network(layout)
     if layout.rank == 0:
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_network(network, path)
     fit = network.collectives["all_reduce"]
     return network, (

@@ -41,7 +41,8 @@ def test_cli_profiles_the_toy_gpt_and_then_reuses_it(tmp_path, capfd) -> None:
     assert sorted((p.device_type, p.zero_stage, p.max_micro_batch_size) for p in profiles) == [("big", 1, 4), ("small", 1, 4)]
     assert {p.model.name for p in profiles} == {"toy-gpt-1x32"} and {p.model.sequence_length for p in profiles} == {16}
     written = {p.device_type: p.measured_with["date"] for p in profiles}
-    (network_file,) = out.glob("network-*.json")
+    (network_file,) = out.glob("network/network-*.json")
+    assert len(list(out.glob("*.json"))) == 2, "the profile directory's *.json are the two profiles"
     network = find_network(out, load_cluster(cluster))
     assert network is not None and network.world_size == 2 and network.backend == "gloo"
     assert network.source == "measured" and all(len(fit.samples) == 5 for fit in network.collectives.values())

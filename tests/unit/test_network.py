@@ -28,7 +28,7 @@ from search.network import (
     fit_collective,
     load_network,
     modelled_network,
-    network_file_name,
+    network_path,
     network_to_dict,
     ring_factors,
     save_network,
@@ -96,10 +96,11 @@ def test_a_fit_never_has_negative_latency_or_bandwidth():
 def test_a_network_file_round_trips_and_is_found_by_its_cluster(tmp_path):
     cluster = _cluster({"a": 1, "b": 1})
     network = dataclasses.replace(_network(), cluster_key=cluster_key(cluster), world_size=2)
-    save_network(network, tmp_path / network_file_name(network.cluster_key))
+    save_network(network, network_path(tmp_path, cluster))
     found = find_network(tmp_path, cluster)
     assert found is not None and network_to_dict(found) == network_to_dict(network)
     assert find_network(tmp_path, _cluster({"a": 2, "b": 1})) is None, "another cluster has another key"
+    assert list(tmp_path.glob("*.json")) == [], "each *.json of a profile directory stays one device type's profile"
 
 
 def test_load_profiles_skips_a_network_file_beside_the_profiles(tmp_path):
@@ -220,7 +221,7 @@ def test_poplar_search_takes_the_network_file_beside_the_profiles_or_the_one_nam
 
     base = predicted()
     slow = dataclasses.replace(_network(bandwidth=0.05 * GB), cluster_key=cluster_key(cluster))
-    save_network(slow, directory / network_file_name(slow.cluster_key))
+    save_network(slow, network_path(directory, cluster))
     assert predicted() > base, "the network file measured on this cluster is used by default"
     assert predicted("--no-network") == pytest.approx(base)
     named = tmp_path / "other.json"
