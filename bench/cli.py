@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from search.cli import parse_positive_int as _positive_int
 from search.cli import parse_zero_stage as _stage
 from search.errors import FormatError
+from search.formats import ZERO_STAGES
 
 _BENCH_DIR = Path(__file__).resolve().parent
 
@@ -158,7 +159,27 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "(default: $XDG_CACHE_HOME/poplar-ext/demo, ~/.cache/poplar-ext/demo when unset)",
     )
     p.add_argument("--force-profile", action="store_true", help="measure again even when cached profiles exist")
+    p.add_argument(
+        "--zero-stage", type=int, choices=ZERO_STAGES, default=defaults.zero_stage,
+        help=f"ZeRO stage of every policy's run (default {defaults.zero_stage})",
+    )
+    p.add_argument(
+        "--slowdowns", type=_slowdowns, default=None, metavar="A,B,...",
+        help="one rank per value, each an emulated device type that much slower than a CPU core, e.g. 3,4.5,9 "
+        "(default: 3,6,12 as cpu-fast, cpu-medium, cpu-slow); 2 to 4 ranks on a 2-core machine, where the sum of "
+        "1/slowdown must stay within the cores",
+    )
     p.set_defaults(run=_run_demo)
+
+
+def _slowdowns(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 1, found {text!r}") from None
+    if len(values) < 2 or any(not v >= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected at least 2 comma-separated numbers >= 1, found {text!r}")
+    return values
 
 
 def _warn_if_no_figure(command: str) -> None:
@@ -176,17 +197,22 @@ def _warn_if_no_figure(command: str) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from bench import demo
-    from bench.demo_config import DemoSettings
+    from bench.demo_config import DemoSettings, default_devices, devices_from_slowdowns
 
+    try:
+        settings = DemoSettings(
+            devices=default_devices() if args.slowdowns is None else devices_from_slowdowns(args.slowdowns),
+            zero_stage=args.zero_stage,
+            iterations=args.iterations,
+            rounds=args.rounds,
+            global_batch_size=args.global_batch_size,
+            cache_dir=args.cache_dir,
+            force_profile=args.force_profile,
+        )
+    except ValueError as exc:
+        print(f"poplar-bench demo: error: {exc}", file=sys.stderr)
+        return 2
     _warn_if_no_figure("demo")
-
-    settings = DemoSettings(
-        iterations=args.iterations,
-        rounds=args.rounds,
-        global_batch_size=args.global_batch_size,
-        cache_dir=args.cache_dir,
-        force_profile=args.force_profile,
-    )
     try:
         paths = demo.run_demo(settings, out_dir=args.output_dir or default_output_dir(), name=args.name)
     except RuntimeError as exc:  # a rank failed: its traceback is in the message

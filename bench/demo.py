@@ -20,9 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.demo_config import DemoSettings
-from bench.report import REPORT_SCHEMA, demo_goals, derive_comparisons, machine_description, repetitions, utc_now, write_report
+from bench.report import (
+    REPORT_SCHEMA,
+    demo_goals,
+    derive_comparisons,
+    machine_description,
+    repetitions,
+    utc_now,
+    write_report,
+)
 from search.formats import POLICIES, cluster_from_dict, read_json
-
 
 
 def progress(message: str) -> None:
@@ -39,7 +46,7 @@ def _free_port() -> int:
 def _preimport() -> float:
     """Import what every rank needs before forking, so that each rank starts fast."""
     start = time.perf_counter()
-    import deepspeed  # noqa: F401
+    import deepspeed
     import torch._dynamo  # noqa: F401  (imported lazily by the first deepspeed.initialize)
 
     from poplar_ext.hardware.cpu_process import skip_deepspeed_shm_op
@@ -177,6 +184,43 @@ def _standalone_curve(result: dict[str, Any]) -> list[dict[str, float]]:
     return curve
 
 
+def _median_of(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def rank_decomposition(info: dict[str, Any], rank_plan: dict[str, Any], measures: dict[str, list[Any]]) -> dict[str, Any]:
+    """One rank's iteration in parts, predicted and measured (medians over repetitions, seconds).
+
+    Predicted: compute (the profile's micro-steps), communication on micro-steps (stages
+    2-3), the boundary's collectives and optimizer step (from the network file and the
+    profile; without a network file both are the profile's measured boundary).
+    Measured: busy (micro-steps, with any per-micro-step communication), the first
+    micro-step after an optimizer step against the others, the boundary reduction
+    with the wait for the slowest rank, and the boundary ``engine.step``.
+    """
+    rank = rank_plan["rank"]
+    boundary = info.get("predicted_boundary") or {}
+    compute = info.get("predicted_compute_s")
+    return {
+        "predicted": {
+            "compute_s": None if compute is None else compute[rank],
+            "micro_step_communication_s": None if compute is None else info["predicted_busy_s"][rank] - compute[rank],
+            "boundary_communication_s": boundary.get("communication_s"),
+            "optimizer_step_s": boundary.get("optimizer_step_s"),
+            "iteration_time_s": info["predicted"]["iteration_time_s"],
+        },
+        "measured": {
+            "busy_s": _median_of(measures["busy_s"]),
+            "first_micro_step_s": _median_of(measures["first_micro_step_s"]),
+            "later_micro_step_s": _median_of(measures["later_micro_step_s"]),
+            "boundary_reduction_and_wait_s": _median_of(measures["boundary_wait_s"]),
+            "step_s": _median_of(measures["step_s"]),
+            "iteration_time_s": _median_of(measures["iteration_time_s"]),
+        },
+    }
+
+
 def assemble_report(
     settings: DemoSettings,
     rank_results: list[dict[str, Any]],
@@ -205,17 +249,20 @@ def assemble_report(
         ranks = []
         for rank_plan, result in zip(plan["ranks"], rank_results):
             busy = result["policies"][policy]["busy_s"]
-            ranks.append(
-                {
-                    "rank": rank_plan["rank"],
-                    "device_type": rank_plan["device_type"],
-                    "micro_batch_size": rank_plan["micro_batch_size"],
-                    "gradient_accumulation_steps": rank_plan["gradient_accumulation_steps"],
-                    "predicted_busy_s": info["predicted_busy_s"][rank_plan["rank"]],
-                    "measured_busy_s": repetitions(busy),
-                    "measured_boundary_wait_s": repetitions(result["policies"][policy]["boundary_wait_s"]),
-                }
-            )
+            measures = result["policies"][policy]
+            rank_entry = {
+                "rank": rank_plan["rank"],
+                "device_type": rank_plan["device_type"],
+                "micro_batch_size": rank_plan["micro_batch_size"],
+                "gradient_accumulation_steps": rank_plan["gradient_accumulation_steps"],
+                "predicted_busy_s": info["predicted_busy_s"][rank_plan["rank"]],
+                "measured_busy_s": repetitions(busy),
+                "measured_boundary_wait_s": repetitions(measures["boundary_wait_s"]),
+            }
+            # Where the time goes, predicted against measured (older rank results lack it).
+            if "step_s" in measures:
+                rank_entry["decomposition"] = rank_decomposition(info, rank_plan, measures)
+            ranks.append(rank_entry)
         entries.append(
             {
                 "policy": policy,
@@ -262,6 +309,7 @@ def assemble_report(
         },
         "profiled_curves": {name: info["curve"] for name, info in plans["profiles"].items()},
         "profiles_from_cache": all(r.get("profile_cache_hit") for r in rank_results),
+        "network": plans.get("network"),
         "policies": entries,
     }
     derive_comparisons(scenario)
@@ -275,11 +323,11 @@ def assemble_report(
         "data_source": "measured on CPU ranks with EMULATED device types (compute slowdown, memory capacity), real DeepSpeed",
         "notes": [
             "Devices are emulated (poplar_ext.hardware.emulation): each rank is a CPU process (1 thread); an emulated micro-step, and the optimizer step at the boundary, last slowdown x their thread CPU time of wall time (the rank sleeps what is left after computing), so a rank that waited for a core is not slowed twice; a type's memory capacity is a declared limit above the ranks' measured baseline.",
-            f"ZeRO stage {settings.zero_stage}; {settings.rounds} rounds, policies interleaved per round; in each round each policy ran {settings.warmup_iterations} unmeasured warm-up + {settings.iterations} measured iterations (warm-up after every switch of engine); figures are medians, every repetition is in the JSON.",
+            f"ZeRO stage {settings.zero_stage}{'' if settings.zero_stage < 2 else ' (busy time holds each micro-step communication and the waits in it)'}; {settings.rounds} rounds, policies interleaved per round; in each round each policy ran {settings.warmup_iterations} unmeasured warm-up + {settings.iterations} measured iterations (warm-up after every switch of engine); figures are medians, every repetition is in the JSON.",
             "Iteration time: from a barrier to the end of the optimizer step on the slowest rank. Busy time: from that barrier until the rank reaches the boundary gradient reduction (its own micro-steps, without waiting).",
             "The engine ends each emulated micro-step (and its sleep) before the gradient reduction, as a slow device finishes computing before it communicates.",
             "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication, so no waiting; all ranks at once, as in training), measured in this run at the profile's best and largest micro-batch.",
-            "Predictions come from the profiles, which time each micro-step by thread CPU time x slowdown; measurements are wall time, so load from other processes on the machine shows as prediction error.",
+            "Predictions come from the profiles, which time each micro-step by thread CPU time x slowdown, and from the network file the profiler measured (collective times on these ranks, fitted to a ring model; none: the boundary as profiled); measurements are wall time, so load from other processes on the machine shows as prediction error.",
             "Other processes on this machine were not controlled; its load shows in the repetitions.",
         ],
         "timings_s": {**timings, **{f"rank{r['rank']}_{k}": v for r in rank_results for k, v in r["timings_s"].items()}},

@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from search.formats import Cluster, ClusterNode, DeviceGroup, DeviceTypeInfo, Emulation
+from search.formats import (
+    ZERO_STAGES,
+    Cluster,
+    ClusterNode,
+    DeviceGroup,
+    DeviceTypeInfo,
+    Emulation,
+)
 
 MIB = 1 << 20
 
@@ -43,6 +50,40 @@ def default_devices() -> tuple[DemoDevice, ...]:
     )
 
 
+FASTEST_HEADROOM_BYTES = 192 * MIB
+MIN_HEADROOM_BYTES = 32 * MIB
+
+
+def devices_from_slowdowns(slowdowns: list[float] | tuple[float, ...]) -> tuple[DemoDevice, ...]:
+    """One emulated device type per rank, ``cpu<rank>-x<slowdown>``, for configurations nobody tuned.
+
+    Memory follows speed as in the default cluster: the fastest gets 192 MiB of
+    headroom, a device k times slower 1/k of that (at least 32 MiB).
+    """
+    if len(slowdowns) < 2:
+        raise ValueError(f"slowdowns: expected at least 2 values (one rank each), found {len(slowdowns)}")
+    bad = [s for s in slowdowns if not (isinstance(s, (int, float)) and s >= 1.0)]
+    if bad:
+        raise ValueError(f"slowdowns: expected numbers >= 1 (compute slowdown against a CPU core), found {bad}")
+    cores_needed = sum(1.0 / s for s in slowdowns)
+    cores = os.cpu_count() or 1
+    if cores_needed > cores:
+        # Ranks that compete for cores are slowed by each other, not by their emulation.
+        raise ValueError(
+            f"slowdowns: the emulated ranks need {cores_needed:.2f} cores together (sum of 1/slowdown), "
+            f"this machine has {cores}: use larger slowdowns"
+        )
+    fastest = min(slowdowns)
+    return tuple(
+        DemoDevice(
+            name=f"cpu{rank}-x{slowdown:g}",
+            slowdown=float(slowdown),
+            memory_headroom_bytes=max(MIN_HEADROOM_BYTES, int(FASTEST_HEADROOM_BYTES * fastest / slowdown) // MIB * MIB),
+        )
+        for rank, slowdown in enumerate(slowdowns)
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class DemoModel:
     """Shape of the toy GPT (poplar_ext.models.toy_gpt.GPTConfig fields); ~0.9M parameters."""
@@ -62,9 +103,10 @@ class DemoSettings:
     """One rank per device, in rank order."""
     model: DemoModel = field(default_factory=DemoModel)
     zero_stage: int = 1
-    """ZeRO stage of every policy's run. Stage 1 shards optimizer states and, like
+    """ZeRO stage of every policy's run (default 1: it shards optimizer states and, like
     stage 0, communicates only at the accumulation boundary, so each rank's busy
-    time can be measured apart from its waiting."""
+    time is measured apart from its waiting; at stages 2 and 3 a rank's busy time
+    holds its per-micro-step communication and the waits in it)."""
     global_batch_size: int = 192
     """Samples per iteration, the same for every policy."""
     max_micro_batch_size: int = 48
@@ -93,8 +135,9 @@ class DemoSettings:
     def __post_init__(self) -> None:
         if len(self.devices) < 2:
             raise ValueError(f"devices: expected at least 2 emulated devices, found {len(self.devices)}")
-        if self.zero_stage not in (0, 1):
-            raise ValueError(f"zero_stage: expected 0 or 1 (stages that communicate only at the boundary), found {self.zero_stage!r}")
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, found {self.zero_stage!r}")
+
         for name in ("global_batch_size", "max_micro_batch_size", "profile_repeats", "iterations", "rounds", "standalone_repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

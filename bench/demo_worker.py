@@ -21,14 +21,20 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bench.demo_config import BASELINE_ROUNDING_BYTES, DemoSettings, deepspeed_config, demo_cluster
+from bench.demo_config import (
+    BASELINE_ROUNDING_BYTES,
+    DemoSettings,
+    deepspeed_config,
+    demo_cluster,
+)
 from search.errors import FormatError
 from search.formats import (
     POLICIES,
@@ -120,7 +126,7 @@ def run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[s
     _say(rank, "engines ready (first initialize {:.1f} s); training {} for {} rounds x {} iterations".format(
         timings.get(f"initialize_{policies[0]}_s", 0.0) if policies else 0.0, ", ".join(policies), settings.rounds, settings.iterations))
 
-    measured: dict[str, dict[str, list[float]]] = {p: {"iteration_time_s": [], "busy_s": [], "boundary_wait_s": []} for p in policies}
+    measured: dict[str, dict[str, list[float]]] = {p: {key: [] for key in PolicyRun.MEASURES} for p in policies}
     for round_index in range(settings.rounds):
         for policy in policies:
             # The policies share this process, and in one instrumented run the first
@@ -130,10 +136,8 @@ def run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[s
             for _ in range(settings.warmup_iterations):
                 engines[policy].run_iteration()
             for _ in range(settings.iterations):
-                iteration_s, busy_s, wait_s = engines[policy].run_iteration()
-                measured[policy]["iteration_time_s"].append(iteration_s)
-                measured[policy]["busy_s"].append(busy_s)
-                measured[policy]["boundary_wait_s"].append(wait_s)
+                for key, value in engines[policy].run_iteration().items():
+                    measured[policy][key].append(value)
             this_round = measured[policy]["iteration_time_s"][-settings.iterations :]
             _say(rank, f"round {round_index + 1}/{settings.rounds} {policy}: {statistics.median(this_round):.2f} s per iteration (rank 0)")
 
@@ -160,7 +164,11 @@ def measure_baseline_bytes(settings: DemoSettings) -> int:
     The profiler measures the whole process on CPU, so emulated capacities are set
     above this baseline (which depends on the machine and library versions).
     """
-    from poplar_ext.hardware.memory import peak_memory_bytes, release_memory, reset_peak_memory
+    from poplar_ext.hardware.memory import (
+        peak_memory_bytes,
+        release_memory,
+        reset_peak_memory,
+    )
 
     cpu = torch.device("cpu")
     reset_peak_memory(cpu)
@@ -286,20 +294,40 @@ def make_plans(settings: DemoSettings, profiles: list[Profile], cluster: Cluster
     """Search every policy, write each plan to ``plan-<policy>.json`` in `work`, and
     return what `bench.demo.assemble_report` reads as ``plans``."""
     from search import predict, search_plan
+    from search.network import find_network, network_to_dict
 
+    # The profiler measured the network beside the profiles: communication is priced.
+    network = find_network(settings.profiles_dir(), cluster)
     out: dict[str, Any] = {"policies": {}, "cluster": cluster_to_dict(cluster)}
+    out["network"] = None if network is None else {
+        key: value for key, value in network_to_dict(network).items() if key != "collectives"
+    } | {
+        "collectives": {
+            name: {"latency_s": fit.latency_s, "bus_bandwidth_bytes_per_s": fit.bus_bandwidth_bytes_per_s}
+            for name, fit in network.collectives.items()
+        }
+    }
     for policy in POLICIES:
-        result = search_plan(profiles, cluster, global_batch_size=settings.global_batch_size, zero_stage=settings.zero_stage, policy=policy)
+        result = search_plan(
+            profiles, cluster, global_batch_size=settings.global_batch_size, zero_stage=settings.zero_stage,
+            policy=policy, network=network,
+        )
         if result.status != "ok":
             out["policies"][policy] = {"status": result.status, "message": result.message, "plan": None}
             continue
         save_plan(result.plan, work / f"plan-{policy}.json")
-        prediction = predict(result.plan, profiles)
+        prediction = predict(result.plan, profiles, network)
         out["policies"][policy] = {
             "status": "ok",
             "message": result.message,
             "plan": plan_to_dict(result.plan),
             "predicted_busy_s": [float(t) for t in prediction.rank_busy_time_s],
+            "predicted_compute_s": [float(t) for t in prediction.rank_compute_time_s],
+            "predicted_boundary": {
+                "communication_s": float(prediction.boundary_communication_s),
+                "optimizer_step_s": float(prediction.optimizer_step_s),
+                "boundary_s": float(prediction.boundary_s),
+            },
             "predicted": {"iteration_time_s": float(prediction.iteration_time_s), "samples_per_s": float(prediction.samples_per_s)},
         }
         out["ideal_predicted"] = max(out.get("ideal_predicted", 0.0), result.plan.predicted.ideal_samples_per_s)
@@ -325,7 +353,14 @@ def make_plans(settings: DemoSettings, profiles: list[Profile], cluster: Cluster
 # Phase 3: training with each policy
 # ----------------------------------------------------------------------------------
 class PolicyRun:
-    """One poplar_ext engine and this rank's share of a plan; times whole iterations."""
+    """One poplar_ext engine and this rank's share of a plan; times whole iterations and their parts."""
+
+    MEASURES = ("iteration_time_s", "busy_s", "boundary_wait_s", "step_s", "first_micro_step_s", "later_micro_step_s")
+    """What `run_iteration` returns: the iteration (common start to the end of this rank's
+    step); busy (until its boundary reduction, without it); the boundary reduction with
+    its wait; the boundary ``engine.step`` (optimizer step, and at stages 1-2 the
+    parameter all-gather); the first micro-step after an optimizer step and the median
+    of the others (forward + backward, with the boundary reduction left out)."""
 
     def __init__(self, engine: Any, batch: torch.Tensor, accumulation_steps: int) -> None:
         self.engine = engine
@@ -353,19 +388,29 @@ class PolicyRun:
 
         inner.allreduce_gradients = timed_allreduce
 
-    def run_iteration(self) -> tuple[float, float, float]:
-        """One iteration from a common start: (iteration s, busy s, boundary wait s)."""
+    def run_iteration(self) -> dict[str, float]:
+        """One iteration from a common start: the `MEASURES`, in seconds."""
         self._boundary_wait_s = 0.0
         dist.barrier()
         start = time.perf_counter()
+        micro_steps_s = []
         for _ in range(self.accumulation_steps):
+            micro_start = time.perf_counter()
             loss = self.engine(self.batch)
             self.engine.backward(loss)
             backward_end = time.perf_counter()
+            micro_steps_s.append(backward_end - micro_start)
             self.engine.step()
         end = time.perf_counter()
-        busy = backward_end - start - self._boundary_wait_s
-        return end - start, busy, self._boundary_wait_s
+        micro_steps_s[-1] -= self._boundary_wait_s
+        return {
+            "iteration_time_s": end - start,
+            "busy_s": backward_end - start - self._boundary_wait_s,
+            "boundary_wait_s": self._boundary_wait_s,
+            "step_s": end - backward_end,
+            "first_micro_step_s": micro_steps_s[0],
+            "later_micro_step_s": statistics.median(micro_steps_s[1:]) if len(micro_steps_s) > 1 else None,
+        }
 
 
 def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) -> PolicyRun:

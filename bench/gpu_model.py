@@ -44,7 +44,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from search import network as search_network
 from search.formats import ZERO_STAGES, ModelInfo, Profile, Sample, content_fingerprint
+from search.network import NetworkProfile
 
 GIB = 1 << 30
 MODEL_VERSION = "bench.gpu_model/1"
@@ -206,7 +208,11 @@ class Assumptions:
     """The model's assumptions that are not datasheet figures; all are written into every profile."""
 
     network_bytes_per_s: float = 12.5e9
-    """Per-GPU network bandwidth for collectives (100 Gb/s InfiniBand per GPU)."""
+    """Per-GPU network bandwidth for collectives (100 Gb/s InfiniBand per GPU): the ring's bus bandwidth."""
+    network_latency_s: float = 0.0
+    """Latency of one ring hop. None assumed: ZeRO's collectives move whole buckets of
+    megabytes, and NCCL switches to trees on large clusters, where a flat ring's
+    per-hop latency (a few microseconds x 4095 hops) would overstate it."""
     kernel_overhead_s: float = 0.010
     """Fixed per-micro-step cost: kernel launches, Python and framework overhead."""
     reserved_bytes: int = 2 * GIB
@@ -239,9 +245,25 @@ def peak_memory_bytes(shape: ModelShape, zero_stage: int, world_size: int, micro
     return int(math.ceil(total))
 
 
+def modelled_network(assumptions: Assumptions | None = None) -> NetworkProfile:
+    """The network these profiles assume, as a network file would hold it (labelled modelled).
+
+    The same ring model prices the collectives inside the modelled profiles
+    (`_ring_s`), so the search's cost model takes out exactly what the profile holds.
+    """
+    assumptions = assumptions or Assumptions()
+    return search_network.modelled_network(
+        bus_bandwidth_bytes_per_s=assumptions.network_bytes_per_s,
+        latency_s=assumptions.network_latency_s,
+        backend="nccl",
+        note=f"{MODEL_VERSION}: every GPU on its own {assumptions.network_bytes_per_s * 8 / 1e9:.0f} Gb/s link, "
+        f"{assumptions.network_latency_s * 1e6:.0f} us per ring hop; a ring across nodes runs at the inter-node link",
+    )
+
+
 def _ring_s(num_bytes: float, world_size: int, assumptions: Assumptions) -> float:
     """One reduce-scatter or all-gather of `num_bytes` over a ring of `world_size` GPUs."""
-    return num_bytes * (world_size - 1) / world_size / assumptions.network_bytes_per_s
+    return modelled_network(assumptions).time_s("all_gather", num_bytes, world_size)
 
 
 def micro_step_time_s(spec: GpuSpec, shape: ModelShape, zero_stage: int, world_size: int, micro_batch_size: int, assumptions: Assumptions) -> float:
@@ -322,6 +344,8 @@ def modelled_profile(spec: GpuSpec, shape: ModelShape, *, zero_stage: int, world
         measured_with={
             "source": "modelled",
             "model": MODEL_VERSION,
+            # The modelled times hold their collectives (all exposed; see the module docstring).
+            "micro_step_times_include_communication": True,
             "note": "analytic model from vendor datasheet figures, not a measurement; see bench/gpu_model.py",
             "gpu_spec": asdict(spec),
             "model_shape": asdict(shape),

@@ -33,7 +33,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from search.formats import POLICIES, write_json_atomic
+from search.formats import POLICIES, ZERO_STAGES, write_json_atomic
 
 REPORT_SCHEMA = "poplar-bench-report/1"
 _LIBRARIES = ("poplar-ext", "torch", "deepspeed", "numpy", "scipy", "matplotlib")
@@ -271,11 +271,69 @@ def render_markdown(report: dict[str, Any]) -> str:
                     f"| {e['policy']} | {r['rank']} | {r['device_type']} | {r['micro_batch_size']} * {r['gradient_accumulation_steps']} "
                     f"| {_fmt(r['measured_busy_s']['median'])} | {_fmt(r['predicted_busy_s'])} |"
                 )
+        decomposed = [(e, r) for e in scenario["policies"] if e["status"] == "ok" for r in e["ranks"] if r.get("decomposition")]
+        if decomposed:
+            lines += [
+                "",
+                "Where the time goes, per rank and iteration (seconds, medians; predicted / measured). Compute: the "
+                "profile's micro-steps / the rank's busy time (micro-steps, with their communication at stages 2-3). "
+                "Boundary: predicted collectives + optimizer step / measured reduction with the wait for the slowest "
+                "rank + engine.step. First micro-step after an optimizer step / the others.",
+                "",
+                "| policy | rank | compute | micro-step comm. (pred.) | boundary comm. + optimizer step | "
+                "reduction + wait / step (meas.) | first / other micro-step (meas.) | iteration |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            ]
+            for e, r in decomposed:
+                p, m = r["decomposition"]["predicted"], r["decomposition"]["measured"]
+                lines.append(
+                    f"| {e['policy']} | {r['rank']} ({r['device_type']}) | {_fmt(p['compute_s'])} / {_fmt(m['busy_s'])} "
+                    f"| {_fmt(p['micro_step_communication_s'])} "
+                    f"| {_fmt(p['boundary_communication_s'])} + {_fmt(p['optimizer_step_s'])} "
+                    f"| {_fmt(m['boundary_reduction_and_wait_s'])} / {_fmt(m['step_s'])} "
+                    f"| {_fmt(m['first_micro_step_s'])} / {_fmt(m['later_micro_step_s'])} "
+                    f"| {_fmt(p['iteration_time_s'])} / {_fmt(m['iteration_time_s'])} |"
+                )
+        if scenario.get("network"):
+            network = scenario["network"]
+            fits = ", ".join(
+                f"{name} {fit['bus_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s + {fit['latency_s'] * 1e6:.0f} us/hop"
+                for name, fit in network["collectives"].items()
+            )
+            lines += ["", f"Network ({network['measured_with']['source']}, {network['backend']}, {network['world_size']} ranks): {fits}."]
         if scenario.get("goals"):
             lines += ["", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
             for g in scenario["goals"]:
                 lines.append(f"| {_cell(g['goal'])} | {_fmt(g['value'])} | {_cell(g['target'])} | {'yes' if g['met'] else 'NO'} |")
+    if report.get("scaling"):
+        lines += render_scaling(report["scaling"])
     return "\n".join(lines) + "\n"
+
+
+def render_scaling(series: list[dict[str, Any]]) -> list[str]:
+    """Markdown: each stage alone as the cluster grows (see `bench.simulate.scaling_series`)."""
+    lines = ["", "## Each ZeRO stage as the cluster grows (poplar, predicted)", "",
+             "Samples/s per GPU, share of the ideal and, in brackets, the share of the iteration spent "
+             "communicating; global batch = 16 samples per GPU."]
+    for item in series:
+        lines += ["", f"### {item['name']}", "",
+                  "| GPUs | stage 0 | stage 1 | stage 2 | stage 3 | fastest |", "| --- | --- | --- | --- | --- | --- |"]
+        for row in item["rows"]:
+            cells = []
+            for stage in map(str, ZERO_STAGES):
+                cell = row["stages"][stage]
+                cells.append(
+                    "infeasible" if cell["status"] != "ok" else
+                    f"{cell['samples_per_s_per_gpu']:.3g} / {cell['share_of_ideal']:.2f} ({100 * cell['communication_share']:.0f}%)"
+                )
+            lines.append(f"| {row['world_size']} | {' | '.join(cells)} | {_fmt(row['fastest_stage'], '{}')} |")
+        stops = ", ".join(
+            f"stage {stage}: {'never (in this range)' if at is None else f'{at} GPUs'}"
+            for stage, at in item["stops_paying_at_world_size"].items()
+        )
+        lines.append("")
+        lines.append(f"Stops paying (per-GPU throughput below 0.9 of its smallest cluster's): {stops}.")
+    return lines
 
 
 def _load_text(load: list[float] | None) -> str:

@@ -14,9 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from bench import gpu_model
-from bench.report import REPORT_SCHEMA, derive_comparisons, group_ranks, machine_description, utc_now
+from bench.report import (
+    REPORT_SCHEMA,
+    derive_comparisons,
+    group_ranks,
+    machine_description,
+    utc_now,
+)
 from search import predict, search_plan
-from search.formats import POLICIES, Cluster, Profile, load_cluster
+from search.formats import POLICIES, ZERO_STAGES, Cluster, Profile, load_cluster
+from search.network import NetworkProfile
 
 DEFAULT_SAMPLES_PER_RANK = 16
 
@@ -36,6 +43,8 @@ class SimulationCase:
     """``auto`` (each policy keeps its fastest stage) or a stage 0-3."""
     cluster_file: str | None = None
     """Where the cluster came from, for the report."""
+    network: NetworkProfile | None = None
+    """Collective times that price communication at the cluster's size (None: the profiles' boundary as is)."""
 
 
 def modelled_case(
@@ -61,6 +70,7 @@ def modelled_case(
         global_batch_size=samples_per_rank * cluster.world_size,
         zero_stage=zero_stage,
         cluster_file=cluster_file,
+        network=gpu_model.modelled_network(assumptions),
     )
 
 
@@ -111,12 +121,14 @@ def curves_at_stage(profiles: tuple[Profile, ...] | list[Profile], device_types:
     return curves
 
 
-def policy_entry(policy: str, result: Any, profiles: tuple[Profile, ...] | list[Profile]) -> dict[str, Any]:
+def policy_entry(
+    policy: str, result: Any, profiles: tuple[Profile, ...] | list[Profile], network: NetworkProfile | None = None
+) -> dict[str, Any]:
     """A report entry for one policy's `SearchResult`, with its predicted per-rank busy times."""
     if result.status != "ok":
         return {"policy": policy, "status": result.status, "message": result.message, "zero_stage": None, "ranks": [], "predicted": None, "measured": None}
     plan = result.plan
-    prediction = predict(plan, list(profiles))
+    prediction = predict(plan, list(profiles), network)
     busy = _busy_times_s(prediction)
     return {
         "policy": policy,
@@ -151,8 +163,12 @@ def simulate_case(case: SimulationCase, *, policies: tuple[str, ...] = POLICIES)
     entries = [
         policy_entry(
             policy,
-            search_plan(profiles, case.cluster, global_batch_size=case.global_batch_size, zero_stage=case.zero_stage, policy=policy),
+            search_plan(
+                profiles, case.cluster, global_batch_size=case.global_batch_size, zero_stage=case.zero_stage,
+                policy=policy, network=case.network,
+            ),
             profiles,
+            case.network,
         )
         for policy in policies
     ]
@@ -177,8 +193,75 @@ def simulate_case(case: SimulationCase, *, policies: tuple[str, ...] = POLICIES)
     return derive_comparisons(scenario)
 
 
-def simulation_report(cases: list[SimulationCase], *, title: str = "poplar-bench simulate: policies compared by prediction") -> dict[str, Any]:
-    """A full report over `cases` (see `bench.report` for the layout)."""
+STOPS_PAYING_SHARE = 0.9
+"""A stage stops paying at the first cluster size where its throughput per GPU falls
+below this share of what it gives on the smallest cluster of the series."""
+
+
+def scaling_series(cases: list[SimulationCase]) -> list[dict[str, Any]]:
+    """Poplar at each ZeRO stage alone, as the cluster grows: one series per (device pair, model).
+
+    Cases of one series differ only in size (shipped files ``<pair>-x<N>.json``). Per
+    cluster size and stage: samples/s per GPU, share of the ideal, and the share of the
+    iteration spent in communication (predicted with the case's network), plus, per
+    stage, the size where it stops paying (`STOPS_PAYING_SHARE`) and, per size, the
+    fastest stage.
+    """
+    groups: dict[tuple[str, str], list[SimulationCase]] = {}
+    for case in cases:
+        stem = Path(case.cluster_file).stem.rpartition("-x")[0] if case.cluster_file else case.name
+        groups.setdefault((stem or case.name, case.profiles[0].model.name), []).append(case)
+    series = []
+    for (pair, model_name), members in groups.items():
+        rows = []
+        for case in sorted(members, key=lambda c: c.cluster.world_size):
+            world_size = case.cluster.world_size
+            stages: dict[str, Any] = {}
+            for stage in ZERO_STAGES:
+                result = search_plan(
+                    list(case.profiles), case.cluster, global_batch_size=case.global_batch_size, zero_stage=stage,
+                    policy="poplar", network=case.network,
+                )
+                if not result.ok:
+                    stages[str(stage)] = {"status": "infeasible", "reason": result.message}
+                    continue
+                prediction = predict(result.plan, list(case.profiles), case.network)
+                steps = max(r.gradient_accumulation_steps for r in result.plan.ranks)
+                communication_s = prediction.micro_step_communication_s * steps + prediction.boundary_communication_s
+                stages[str(stage)] = {
+                    "status": "ok",
+                    "samples_per_s_per_gpu": prediction.samples_per_s / world_size,
+                    "share_of_ideal": prediction.samples_per_s / prediction.ideal_samples_per_s,
+                    "communication_share": communication_s / prediction.iteration_time_s,
+                    "iteration_time_s": prediction.iteration_time_s,
+                }
+            feasible = {k: v for k, v in stages.items() if v["status"] == "ok"}
+            best = max(feasible, key=lambda k: feasible[k]["samples_per_s_per_gpu"]) if feasible else None
+            rows.append({"world_size": world_size, "global_batch_size": case.global_batch_size, "stages": stages,
+                         "fastest_stage": None if best is None else int(best)})
+        stops = {}
+        for stage in map(str, ZERO_STAGES):
+            ok_rows = [r for r in rows if r["stages"][stage]["status"] == "ok"]
+            if not ok_rows:
+                stops[stage] = None
+                continue
+            first = ok_rows[0]["stages"][stage]["samples_per_s_per_gpu"]
+            stops[stage] = next(
+                (r["world_size"] for r in ok_rows if r["stages"][stage]["samples_per_s_per_gpu"] < STOPS_PAYING_SHARE * first),
+                None,
+            )
+        series.append({"name": f"{pair}, {model_name}", "rows": rows, "stops_paying_at_world_size": stops,
+                       "network": None if members[0].network is None else members[0].network.measured_with})
+    return series
+
+
+def simulation_report(
+    cases: list[SimulationCase],
+    *,
+    title: str = "poplar-bench simulate: policies compared by prediction",
+    scaling: bool = True,
+) -> dict[str, Any]:
+    """A full report over `cases` (see `bench.report` for the layout); with `scaling`, each stage as clusters grow."""
     scenarios = [simulate_case(case) for case in cases]
     modelled: dict[str, set[str]] = {}
     for scenario in scenarios:
@@ -188,6 +271,9 @@ def simulation_report(cases: list[SimulationCase], *, title: str = "poplar-bench
     notes = [
         "Every figure is a prediction of the search's cost model; nothing was run on these GPUs.",
     ]
+    networks = {c.network.measured_with.get("note", c.network.source) for c in cases if c.network is not None}
+    for network_note in sorted(networks):
+        notes.append(f"Communication is priced by a network model for each cluster's size: MODELLED network ({network_note}).")
     for modelled_by, types in sorted(modelled.items()):
         how = (
             "from vendor datasheet figures with the assumptions in bench/gpu_model.py (assumed MFU, network bandwidth, overheads)"
@@ -204,6 +290,7 @@ def simulation_report(cases: list[SimulationCase], *, title: str = "poplar-bench
         "data_source": "predicted" + (" from modelled profiles" if modelled else " from the given profiles"),
         "notes": notes,
         "scenarios": scenarios,
+        **({"scaling": scaling_series(cases)} if scaling else {}),
     }
 
 

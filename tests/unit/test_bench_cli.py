@@ -127,3 +127,44 @@ def test_without_matplotlib_the_demo_warns_before_it_starts(tmp_path, capsys, mo
 
     monkeypatch.setattr(demo, "run_demo", no_demo)
     assert cli.main(["demo", "--output-dir", str(tmp_path)]) == 0
+
+
+def test_demo_takes_a_stage_and_one_rank_per_slowdown(monkeypatch, tmp_path):
+    from bench import demo
+
+    seen = {}
+
+    def record(settings, *, out_dir, name):
+        seen["settings"] = settings
+        return []
+
+    monkeypatch.setattr(demo, "run_demo", record)
+    assert cli.main(["demo", "--output-dir", str(tmp_path), "--zero-stage", "3", "--slowdowns", "3,4.5,9"]) == 0
+    settings = seen["settings"]
+    assert settings.zero_stage == 3
+    assert [(d.name, d.slowdown) for d in settings.devices] == [("cpu0-x3", 3.0), ("cpu1-x4.5", 4.5), ("cpu2-x9", 9.0)]
+    headrooms = [d.memory_headroom_bytes for d in settings.devices]
+    assert headrooms == sorted(headrooms, reverse=True), "slower devices get less memory, as in the default cluster"
+    assert cli.main(["demo", "--output-dir", str(tmp_path)]) == 0
+    assert [d.name for d in seen["settings"].devices] == ["cpu-fast", "cpu-medium", "cpu-slow"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--slowdowns", "3"], "at least 2 comma-separated numbers >= 1"),
+        (["--slowdowns", "3,x"], "expected comma-separated numbers >= 1"),
+        (["--slowdowns", "0.5,3"], "at least 2 comma-separated numbers >= 1"),
+        (["--zero-stage", "4"], "invalid choice"),
+    ],
+)
+def test_demo_refuses_bad_slowdowns_and_stages(argv, message, capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["demo", *argv])
+    assert caught.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_demo_refuses_slowdowns_that_need_more_cores_than_the_machine_has(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert cli.main(["demo", "--output-dir", str(tmp_path), "--slowdowns", "1,1,2"]) == 2
+    assert "need 2.50 cores together" in capsys.readouterr().err

@@ -5,7 +5,13 @@ import json
 import pytest
 
 from bench import demo, report
-from bench.demo_config import DemoDevice, DemoSettings, deepspeed_config, demo_cluster, memory_capacity_bytes
+from bench.demo_config import (
+    DemoDevice,
+    DemoSettings,
+    deepspeed_config,
+    demo_cluster,
+    memory_capacity_bytes,
+)
 from search.formats import cluster_to_dict
 
 SETTINGS = DemoSettings(
@@ -180,7 +186,7 @@ def test_demo_deepspeed_config_sets_clipping_and_the_true_global_batch_only():
     ("changes", "message"),
     [
         ({"devices": (DemoDevice(name="x", slowdown=1.0, memory_headroom_bytes=1),)}, r"devices: expected at least 2 emulated devices, found 1"),
-        ({"zero_stage": 2}, r"zero_stage: expected 0 or 1 .*found 2"),
+        ({"zero_stage": 4}, r"zero_stage: expected 0, 1, 2 or 3, found 4"),
         ({"iterations": 0}, r"iterations: expected an integer >= 1, found 0"),
         ({"global_batch_size": 2, "devices": SETTINGS.devices * 2}, r"global_batch_size: expected at least one sample per rank \(4\), found 2"),
     ],
@@ -214,3 +220,35 @@ def test_a_pipe_in_a_goal_does_not_break_the_markdown_table():
     from bench.report import _cell
 
     assert _cell("|error| <= 0.1") == "\\|error\\| <= 0.1"
+
+
+def test_the_report_says_where_each_ranks_time_goes_predicted_against_measured():
+    plans = _plans()
+    plans["policies"]["poplar"].update(
+        predicted_compute_s=[0.6, 0.7],
+        predicted_boundary={"communication_s": 0.02, "optimizer_step_s": 0.03, "boundary_s": 0.05},
+    )
+    plans["network"] = {
+        "backend": "gloo", "world_size": 2, "measured_with": {"source": "measured"},
+        "collectives": {"all_reduce": {"latency_s": 1e-4, "bus_bandwidth_bytes_per_s": 1e9}},
+    }
+    ranks = [
+        _rank(0, "fast", [1.0, 1.1, 1.2], [0.7, 0.9, 0.8], [(4, [0.4, 0.5, 0.4])]),
+        _rank(1, "slow", [1.3, 1.2, 1.4], [0.8, 0.8, 0.9], [(4, [0.8, 0.8, 0.8])]),
+    ]
+    for rank in ranks:
+        for measures in rank["policies"].values():
+            count = len(measures["iteration_time_s"])
+            measures.update(step_s=[0.05] * count, first_micro_step_s=[0.3, 0.5, 0.4][:count], later_micro_step_s=[None] * count)
+    report_data = demo.assemble_report(SETTINGS, ranks, plans, timings={"total_s": 9.0})
+    poplar = next(e for e in report_data["scenarios"][0]["policies"] if e["policy"] == "poplar")
+    parts = poplar["ranks"][1]["decomposition"]
+    assert parts["predicted"] == {
+        "compute_s": 0.7, "micro_step_communication_s": pytest.approx(0.1), "boundary_communication_s": 0.02,
+        "optimizer_step_s": 0.03, "iteration_time_s": 0.85,
+    }
+    assert parts["measured"]["step_s"] == 0.05 and parts["measured"]["first_micro_step_s"] == 0.4
+    assert parts["measured"]["later_micro_step_s"] is None and parts["measured"]["iteration_time_s"] == 0.8
+    markdown = report.render_markdown(report_data)
+    assert "Where the time goes" in markdown and "| poplar | 1 (slow) | 0.7 / 0.7 |" in markdown
+    assert "Network (measured, gloo, 2 ranks): all_reduce 1.00 GB/s + 100 us/hop." in markdown

@@ -85,7 +85,7 @@ def test_profiles_modelled_elsewhere_are_not_credited_to_gpu_model():
     relabelled = tuple(
         dataclasses.replace(p, measured_with={"source": "modelled", "model": "someone's spreadsheet"}) for p in case.profiles
     )
-    report = simulate.simulation_report([dataclasses.replace(case, profiles=relabelled)])
+    report = simulate.simulation_report([dataclasses.replace(case, profiles=relabelled, network=None)])
     assert any("MODELLED by someone's spreadsheet" in note for note in report["notes"])
     assert not any("gpu_model" in note for note in report["notes"])
 
@@ -118,3 +118,40 @@ def test_an_unmodelled_device_type_is_a_value_error():
     cluster = Cluster(nodes=(ClusterNode(name="n", devices=(DeviceGroup(device_type="MI300X", count=2),)),))
     with pytest.raises(ValueError, match=r"device_type: expected one of the modelled GPU types .* found 'MI300X'"):
         simulate.modelled_case(cluster, SHAPE, name="x")
+
+
+def test_modelled_cases_price_communication_with_a_modelled_network_that_reproduces_the_profiles():
+    case = _case()
+    assert case.network is not None and case.network.source == "modelled"
+    without = dataclasses.replace(case, network=None)
+    priced, plain = simulate.simulate_case(case), simulate.simulate_case(without)
+    # The modelled profiles hold their collectives at the cluster's size; the network
+    # takes them out and puts them back: the same prediction at that size.
+    for a, b in zip(_entries(priced).values(), _entries(plain).values()):
+        assert a["predicted"]["iteration_time_s"] == pytest.approx(b["predicted"]["iteration_time_s"], rel=1e-9)
+
+
+def test_the_scaling_series_reports_each_stage_per_size_and_where_it_stops_paying():
+    slow_hops = gpu_model.Assumptions(network_latency_s=2e-3)  # latency grows with every ring hop
+    cases = [
+        dataclasses.replace(_case(world_size=w, assumptions=slow_hops), cluster_file=f"bench/clusters/pair-x{w}.json")
+        for w in (64, 8)
+    ]
+    (series,) = simulate.scaling_series(cases)
+    assert series["name"] == "pair, gpt2-xl-1.5b"
+    assert [row["world_size"] for row in series["rows"]] == [8, 64]
+    for row in series["rows"]:
+        feasible = {int(k): v for k, v in row["stages"].items() if v["status"] == "ok"}
+        assert row["fastest_stage"] == max(feasible, key=lambda k: feasible[k]["samples_per_s_per_gpu"])
+        assert all(0 < v["communication_share"] < 1 and 0 < v["share_of_ideal"] <= 1 for v in feasible.values())
+    small, large = (row["stages"]["0"]["samples_per_s_per_gpu"] for row in series["rows"])
+    assert large < 0.9 * small, "63 hops of 2 ms each cost more than 7"
+    assert series["stops_paying_at_world_size"]["0"] == 64
+
+
+def test_the_simulation_report_renders_the_scaling_tables(tmp_path):
+    report = simulate.simulation_report([_case(world_size=8), _case(world_size=64)])
+    assert report["scaling"] and any("network" in note for note in report["notes"])
+    paths = write_report(report, tmp_path, "sim")
+    markdown = next(p for p in paths if p.suffix == ".md").read_text()
+    assert "## Each ZeRO stage as the cluster grows" in markdown and "| GPUs | stage 0 |" in markdown
