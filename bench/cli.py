@@ -226,6 +226,38 @@ def _run_demo(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------
 # search-speed and overhead: modules owned by the search and runtime engineers
 # ----------------------------------------------------------------------------------
+def add_predictions_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "predictions",
+        help="prediction error of the CPU demo at every ZeRO stage and with 2 to 4 ranks",
+        description="Run the demo once per case (stages 0-3 on the default 3 ranks, stage 1 on 2 ranks, stage 2 on "
+        "4 ranks) and summarise, per case and policy, the median over the measured repetitions of "
+        "|predicted - measured| / measured iteration time (bench/prediction_check.py). Writes "
+        "prediction_check.json and .md, and each case's demo report under prediction_check/. "
+        "About 2-3 minutes per case on a 2-core VM.",
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.add_argument("--rounds", type=_positive_int, default=5, help="rounds per case, each one measured iteration per policy (default 5)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="the demo's profile cache (default: the demo's)")
+    p.add_argument("--reuse-profiles", action="store_true",
+                   help="take cached profiles where they exist (default: every case profiles afresh, so that the error "
+                   "measures the cost model, not a profile taken on another day)")
+    p.set_defaults(run=_run_predictions)
+
+
+def _run_predictions(args: argparse.Namespace) -> int:
+    from bench import prediction_check
+
+    _warn_if_no_figure("demo")
+    paths = prediction_check.run_prediction_check(
+        out_dir=args.output_dir or default_output_dir(), rounds=args.rounds, cache_dir=args.cache_dir,
+        force_profile=not args.reuse_profiles,
+    )
+    for path in paths:
+        print(path)
+    return 0
+
+
 def add_search_speed_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "search-speed",
@@ -269,6 +301,7 @@ def _run_overhead(args: argparse.Namespace) -> int:
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_demo_parser,
+    add_predictions_parser,
     add_simulate_parser,
     add_search_speed_parser,
     add_overhead_parser,
@@ -278,9 +311,10 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="poplar-bench",
-        description="poplar-ext benchmarks: the emulated-cluster demo, large-cluster simulation, search speed.",
+        description="poplar-ext benchmarks: the emulated-cluster demo, prediction error across stages and rank counts, "
+        "large-cluster simulation, search speed, runtime overhead.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{demo,simulate,search-speed,overhead}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{demo,predictions,simulate,search-speed,overhead}")
     for add in SUBCOMMANDS:
         add(subparsers)
     return parser
