@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from search.validation import MAX_JSON_DEPTH, Node, json_depth
 from search.errors import FormatError
+from search.validation import MAX_JSON_DEPTH, Node, json_depth
 
 PROFILE_SCHEMA_VERSION = 1
 CLUSTER_SCHEMA_VERSION = 1
@@ -88,6 +88,11 @@ class Emulation:
     """Compute is slowed by this factor (1.0 = as fast as the real device)."""
     memory_capacity_bytes: int
     """The memory the emulated device pretends to have."""
+    slowdown_schedule: tuple[tuple[int, float, int | None], ...] = ()
+    """Drift during training: ``(optimizer_step, slowdown, rank)`` entries (JSON: ``[step, slowdown]``
+    for every rank of the type, ``[step, slowdown, rank]`` for one rank of it); from that optimizer
+    step on the rank runs at that slowdown instead of `slowdown` (see
+    `poplar_ext.hardware.emulation.scheduled_slowdown`). Empty: constant."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,12 +131,42 @@ def _keys(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
+MAX_SCHEDULE_ENTRIES = 10_000
+
+
+def _parse_slowdown_schedule(node: Node | None) -> tuple[tuple[int, float, int | None], ...]:
+    if node is None:
+        return ()
+    entries = []
+    for item in node.items(max_length=MAX_SCHEDULE_ENTRIES):
+        values = item.items(min_length=2, max_length=3) if isinstance(item.value, list) else None
+        if values is None:
+            raise item.fail("[optimizer_step, slowdown] or [optimizer_step, slowdown, rank]")
+        step = values[0].integer(minimum=0)
+        slowdown = values[1].number(positive=True, maximum=MAX_SLOWDOWN)
+        rank = values[2].integer(minimum=0, maximum=MAX_WORLD_SIZE - 1) if len(values) == 3 else None
+        entries.append((step, slowdown, rank))
+    return tuple(sorted(entries, key=lambda entry: entry[0]))
+
+
 def _parse_emulation(node: Node) -> Emulation:
     node.keys_within(_keys(Emulation))
     return Emulation(
         slowdown=node.field("slowdown").number(positive=True, maximum=MAX_SLOWDOWN),
         memory_capacity_bytes=node.field("memory_capacity_bytes").integer(minimum=1, maximum=MAX_BYTES),
+        slowdown_schedule=_parse_slowdown_schedule(node.optional("slowdown_schedule")),
     )
+
+
+def emulation_to_dict(emulation: Emulation) -> dict[str, Any]:
+    """JSON form of an emulation; ``slowdown_schedule`` only when there is one (files without drift stay as they were)."""
+    data: dict[str, Any] = {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes}
+    if emulation.slowdown_schedule:
+        data["slowdown_schedule"] = [
+            [step, slowdown] if rank is None else [step, slowdown, rank]
+            for step, slowdown, rank in emulation.slowdown_schedule
+        ]
+    return data
 
 
 def _check_schema_version(root: Node, expected: int) -> None:
@@ -199,6 +234,7 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     """The JSON form of a profile (the inverse of `profile_from_dict`)."""
     data = dataclasses.asdict(profile)
     data["samples"] = [dataclasses.asdict(s) for s in profile.samples]
+    data["emulated"] = None if profile.emulated is None else emulation_to_dict(profile.emulated)
     # schema_version first: it is the first thing a reader of the file looks for.
     return {"schema_version": data.pop("schema_version"), **data}
 
@@ -261,6 +297,10 @@ class Cluster:
         return None if info is None else info.emulation
 
 
+def _rank_list(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+
+
 def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
     """Validate parsed JSON and build a `Cluster`; raises `FormatError`."""
     root = Node(data, source).obj().keys_within(_keys(Cluster))
@@ -298,6 +338,15 @@ def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
             device_types[type_name] = DeviceTypeInfo(
                 emulation=None if emulation is None else _parse_emulation(emulation.obj())
             )
+            schedule = device_types[type_name].emulation.slowdown_schedule if emulation is not None else ()
+            ranks_of_type = [r for r, t in enumerate(g.device_type for n in nodes for g in n.devices for _ in range(g.count))
+                             if t == type_name]
+            for index, (_, _, rank) in enumerate(schedule):
+                if rank is not None and rank not in ranks_of_type:
+                    raise emulation.child("slowdown_schedule").fail(
+                        f"entries whose rank is one of {type_name!r}'s ranks ({_rank_list(ranks_of_type)})",
+                        raw_found=f"rank {rank}",
+                    )
     return Cluster(nodes=tuple(nodes), device_types=device_types)
 
 
@@ -309,7 +358,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             {"name": n.name, "devices": [dataclasses.asdict(g) for g in n.devices]} for n in cluster.nodes
         ],
         "device_types": {
-            name: {"emulation": None if info.emulation is None else dataclasses.asdict(info.emulation)}
+            name: {"emulation": None if info.emulation is None else emulation_to_dict(info.emulation)}
             for name, info in cluster.device_types.items()
         },
     }

@@ -21,6 +21,11 @@ that has its compute to itself. On CUDA the CPU time says nothing about the
 kernels, so there the block is synchronised and timed by wall time
 (`clock="cuda"`), and the rank sleeps ``(slowdown - 1) * wall time``.
 
+How drift is applied: an emulation's ``slowdown_schedule`` changes a rank's slowdown
+from a given optimizer step on (`scheduled_slowdown`); the engine sets
+`ComputeSlowdown.slowdown` after every optimizer step, so that tests and the bench
+can make one device slower or faster in the middle of a run.
+
 How a memory capacity is applied: `check_emulated_memory` compares a measured peak
 (see the profiler's memory measurement) with the capacity and raises
 `EmulatedOutOfMemoryError`, a `RuntimeError` like a real out-of-memory.
@@ -48,6 +53,21 @@ def emulation_for_rank(cluster: Cluster, rank: int) -> Emulation | None:
             f"rank: expected a rank of the cluster description (0..{len(device_types) - 1}), found {rank}"
         )
     return cluster.emulation_of(device_types[rank])
+
+
+def scheduled_slowdown(emulation: Emulation | None, *, optimizer_step: int, rank: int) -> float:
+    """`rank`'s slowdown once `optimizer_step` optimizer steps are done (1.0 for a real device).
+
+    The emulation's ``slowdown``, replaced by each ``slowdown_schedule`` entry for the
+    type (rank None) or for this rank whose step has been reached; the last one wins.
+    """
+    if emulation is None:
+        return 1.0
+    slowdown = emulation.slowdown
+    for step, value, only_rank in emulation.slowdown_schedule:
+        if step <= optimizer_step and only_rank in (None, rank):
+            slowdown = value
+    return slowdown
 
 
 def device_label(device_type: str, emulation: Emulation | None) -> str:
@@ -90,8 +110,13 @@ class ComputeSlowdown:
             raise ValueError(f"clock: expected 'thread' or 'cuda', found {clock!r}")
         self.emulation = emulation
         self.clock = clock
+        self.slowdown = 1.0 if emulation is None else emulation.slowdown
+        """The factor applied now (the engine follows the emulation's ``slowdown_schedule``)."""
         self.compute_time_s = 0.0
         """Measured compute time of the last block."""
+        self.busy_time_s = 0.0
+        """Sum over blocks of their emulated duration (slowdown x compute time): the device's busy time,
+        the quantity a profile predicts. Callers reset it (`poplar_ext.runtime.rebalance`)."""
         self.delay_s = 0.0
         """Time slept after the last block."""
         self._started_at: tuple[float, float] | None = None
@@ -125,13 +150,14 @@ class ComputeSlowdown:
         self._started_at = None
         self.compute_time_s = max(0.0, compute_end - compute_start)
         # A slowdown below 1 cannot make real compute faster: it is clamped to 1 (no delay).
-        slowdown = 1.0 if self.emulation is None else max(1.0, self.emulation.slowdown)
+        slowdown = max(1.0, self.slowdown)
+        self.busy_time_s += slowdown * self.compute_time_s
         self.delay_s = max(0.0, slowdown * self.compute_time_s - (wall_end - wall_start))
         if self.delay_s > 0.0:
             time.sleep(self.delay_s)
         return self.delay_s
 
-    def __enter__(self) -> "ComputeSlowdown":
+    def __enter__(self) -> ComputeSlowdown:
         self.start()
         return self
 
@@ -145,4 +171,5 @@ __all__ = [
     "check_emulated_memory",
     "device_label",
     "emulation_for_rank",
+    "scheduled_slowdown",
 ]

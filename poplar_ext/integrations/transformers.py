@@ -139,6 +139,13 @@ class PoplarTrainer(Trainer):
             default_global_batch=_trainer_global_batch(args, world_size),
             profiling_ds_config=_filled_deepspeed_config(args, model),
         )
+        if self.job.poplar_config.rebalance.enabled:
+            # The Trainer counts micro-batches per optimizer step from its arguments, fixed at start.
+            raise ValueError(
+                f"{self.job.source}: poplar.rebalance.enabled: expected false with PoplarTrainer (the Trainer fixes "
+                "each rank's accumulation count when it starts, so a plan switch cannot reach it), found true; "
+                "re-balancing runs with poplar_ext.initialize"
+            )
         self.plan = self.job.plan
         """The plan every rank runs."""
         rank_plan = self.plan.ranks[self.job.rank]

@@ -44,9 +44,18 @@ def _allocation(plan_dict: dict) -> dict:
     }
 
 
-def history_entry(plan: Plan, *, start_step: int, data_position: int, reason: str) -> dict[str, Any]:
-    """One plan of the history: from which optimizer step and stream position it ran, and why."""
-    return {"start_step": start_step, "data_position": data_position, "reason": reason, "plan": plan_to_dict(plan)}
+def history_entry(
+    plan: Plan, *, start_step: int, data_position: int, reason: str, switched: bool = False
+) -> dict[str, Any]:
+    """One plan of the history: from which optimizer step and stream position it ran, and why.
+
+    `switched`: the plan replaced another during the run (re-balancing), as opposed to a
+    plan the job started (or resumed) with.
+    """
+    entry = {"start_step": start_step, "data_position": data_position, "reason": reason, "plan": plan_to_dict(plan)}
+    if switched:
+        entry["switched"] = True
+    return entry
 
 
 def poplar_client_state(
@@ -108,6 +117,14 @@ class ResumeDecision:
     """What people should know about the resume (logged)."""
     world_size_changed: bool = False
     """The optimizer state must be resharded (a universal checkpoint at ZeRO stages 1-3)."""
+    continue_plan: dict | None = None
+    """The checkpoint's last plan (JSON) when the job continues under it rather than its own: the
+    run had switched plans during training, and this job starts from the plan that run started from."""
+
+
+def _shape(plan: dict) -> tuple:
+    """What a re-balanced plan keeps: each rank's device type, the stage, the global batch."""
+    return (tuple(r["device_type"] for r in plan["ranks"]), plan["zero_stage"], plan["global_batch_size"])
 
 
 def resume_decision(
@@ -122,7 +139,9 @@ def resume_decision(
 
     `current` is this job's `poplar_client_state`; `step` the optimizer step the job
     resumes at. Raises ValueError when the data order differs (every sample would not
-    be used once per epoch).
+    be used once per epoch). When the saved run had switched plans during training
+    (re-balancing) and this job starts from the plan that run started from, the job
+    continues under the saved (last) plan: the allocation the run had reached.
     """
     plan = current["plan"]
     resume_entry = {"start_step": step, "reason": "", "plan": plan}
@@ -148,6 +167,17 @@ def resume_decision(
     old_plan = saved["plan"]
     if _allocation(old_plan) == _allocation(plan) and len(old_plan["ranks"]) == len(plan["ranks"]):
         return ResumeDecision(data_position=position, consumed_samples=saved["consumed_samples"], plan_history=history)
+    started_from = next((h["plan"] for h in reversed(history) if not h.get("switched")), None)
+    if (
+        started_from is not None and _allocation(started_from) == _allocation(plan)
+        and _shape(started_from) == _shape(plan) == _shape(old_plan)
+    ):
+        return ResumeDecision(
+            data_position=position, consumed_samples=saved["consumed_samples"], plan_history=history,
+            notes=[f"resumed from {path} under its last plan (see the plan history); the data continues at stream "
+                   f"position {position}"],
+            continue_plan=old_plan,
+        )
     world_before, world_now = len(old_plan["ranks"]), len(plan["ranks"])
     changes = []
     if world_before != world_now:

@@ -18,7 +18,14 @@ A DeepSpeed JSON config plus a top-level section::
         "loss_reduction": "mean",         # the training loss over a micro-batch: mean, sum, token_mean
         "log_interval_steps": 10,         # true global batch and samples/s every N steps; 0: never
         "cpu_threads": null,              # CPU only: torch threads for this process; null: unchanged
-        "steady_cpu_allocator": false     # CPU only: glibc keeps freed memory (as the profiler measures)
+        "steady_cpu_allocator": false,    # CPU only: glibc keeps freed memory (as the profiler measures)
+        "rebalance": {                    # re-plan during training when devices drift (RebalanceConfig)
+            "enabled": false,
+            "check_interval_steps": 10,
+            "threshold": 0.2,
+            "min_gain": 0.05,
+            "sustained_checks": 2
+        }
     }
 
 Every field is documented on `PoplarConfig`. Errors name the file and the field:
@@ -48,6 +55,29 @@ AUTO = "auto"
 
 DICT_SOURCE = "<DeepSpeed config dict>"
 """How error messages name a DeepSpeed config given as a dict rather than a file."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RebalanceConfig:
+    """``poplar.rebalance``: re-planning during training when devices drift (`poplar_ext.runtime.rebalance`)."""
+
+    enabled: bool = False
+    """Check for drift and switch plans. Off by default: `poplar-bench drift` measures what it
+    costs (bench/results/drift.md); it needs ``poplar.profiles`` (the curves it re-plans from)
+    and the engine's batch sampler (the dataloader `initialize` returns, or
+    ``engine.create_batch_sampler``)."""
+    check_interval_steps: int = 10
+    """Every this many optimizer steps the ranks share their measured compute time against the
+    prediction (two small collectives)."""
+    threshold: float = 0.2
+    """A rank has drifted when its measured compute time is off its prediction by more than this
+    share (0.2: 20% slower or faster)."""
+    min_gain: float = 0.05
+    """Switch plans only when the new plan's predicted iteration time is shorter by more than this
+    share of the current plan's, both under the drifted speeds."""
+    sustained_checks: int = 2
+    """A drift counts only when it holds over this many consecutive checks (one noisy interval is
+    not a drift)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +120,8 @@ class PoplarConfig:
     steady_cpu_allocator: bool = False
     """On CPU, keep glibc's freed memory for reuse (the allocator the profiler times under);
     process-wide, see `poplar_ext.hardware.memory.steady_cpu_allocator`."""
+    rebalance: RebalanceConfig = RebalanceConfig()
+    """Re-planning during training when devices drift (off by default)."""
     source: str = DICT_SOURCE
     """The DeepSpeed config file the section came from (not a key of the section: for messages)."""
 
@@ -116,6 +148,24 @@ def _batch_or_auto(node: Node | None) -> int | str | None:
     if isinstance(node.value, bool) or not isinstance(node.value, int) or not 1 <= node.value <= MAX_GLOBAL_BATCH_SIZE:
         raise node.fail(f"an integer from 1 to {MAX_GLOBAL_BATCH_SIZE} or {AUTO!r}")
     return node.value
+
+
+_REBALANCE_KEYS = tuple(f.name for f in fields(RebalanceConfig))
+
+
+def _rebalance(node: Node | None) -> RebalanceConfig:
+    if node is None:
+        return RebalanceConfig()
+    node.obj().keys_within(_REBALANCE_KEYS)
+    defaults = RebalanceConfig()
+    enabled, interval, threshold, gain, sustained = (node.optional(key) for key in _REBALANCE_KEYS)
+    return RebalanceConfig(
+        enabled=defaults.enabled if enabled is None else enabled.boolean(),
+        check_interval_steps=defaults.check_interval_steps if interval is None else interval.integer(minimum=1),
+        threshold=defaults.threshold if threshold is None else threshold.number(positive=True, maximum=10.0),
+        min_gain=defaults.min_gain if gain is None else gain.number(minimum=0.0, maximum=10.0),
+        sustained_checks=defaults.sustained_checks if sustained is None else sustained.integer(minimum=1, maximum=1000),
+    )
 
 
 def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_SOURCE) -> PoplarConfig:
@@ -161,6 +211,7 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
         zero_stage=zero_stage,
         cpu_threads=_optional_int(root.optional("cpu_threads"), 1),
         steady_cpu_allocator=False if steady is None else steady.boolean(),
+        rebalance=_rebalance(root.optional("rebalance")),
         source=source,
     )
 
@@ -317,9 +368,10 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
 __all__ = [
     "AUTO",
     "DICT_SOURCE",
+    "SECTION",
     "GlobalBatchRequest",
     "PoplarConfig",
-    "SECTION",
+    "RebalanceConfig",
     "configured_zero_stage",
     "deepspeed_global_batch_size",
     "load_deepspeed_config",

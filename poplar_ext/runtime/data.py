@@ -134,6 +134,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
                 "one iteration would train some samples twice; use a larger data set or a smaller global batch"
             )
         self._offset = rank_offsets(samples_per_rank)[rank]
+        self._world_size = len(samples_per_rank)
         if iterations_per_pass is not None and iterations_per_pass < 1:
             raise ValueError(f"iterations_per_pass: expected an integer >= 1, found {iterations_per_pass}")
         self.iterations_per_pass = iterations_per_pass
@@ -145,6 +146,12 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         """Stream position of iteration 0 (not 0 after a resume under another global batch)."""
         self.next_iteration = 0
         """The iteration the next pass starts at (advances as micro-batches are yielded)."""
+        self._splits: list[tuple[int, int, int, int]] = [(0, self.micro_batch_size, self.gradient_accumulation_steps, self._offset)]
+        """``(from_position, b, s, offset)``: this rank's share of every iteration that starts at or after
+        the stream position, the last such entry winning (`switch_plan` appends)."""
+        self.generated_until = 0
+        """Stream position after the last iteration this sampler has begun handing out (a DataLoader with
+        workers runs ahead of training): a plan switch can start no earlier."""
         self.set_position(consumed_samples)
 
     @classmethod
@@ -176,11 +183,12 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         batch, num_samples = self.global_batch_size, self.stream.num_samples
         if not self.drop_last:
             self._origin, self.next_iteration = consumed_samples % batch, consumed_samples // batch
-            return
-        epoch, within = divmod(consumed_samples, num_samples)
-        if within % batch or within + batch > num_samples:
-            epoch, within = (epoch + 1, 0) if within else (epoch, 0)
-        self._origin, self.next_iteration = 0, epoch * self._iterations_per_epoch + within // batch
+        else:
+            epoch, within = divmod(consumed_samples, num_samples)
+            if within % batch or within + batch > num_samples:
+                epoch, within = (epoch + 1, 0) if within else (epoch, 0)
+            self._origin, self.next_iteration = 0, epoch * self._iterations_per_epoch + within // batch
+        self.generated_until = self.consumed_samples
 
     def iteration_start(self, iteration: int) -> int:
         """Stream position of the first sample of `iteration`."""
@@ -216,17 +224,53 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             return self.next_iteration + self.iterations_per_pass
         return self.first_iteration_of(self.epoch_of(self.next_iteration) + 1)
 
+    def switch_plan(self, plan: Plan, *, from_position: int) -> None:
+        """Train `plan`'s share for this rank from the iteration that starts at stream position `from_position` on.
+
+        The plan re-balances the same global batch among the ranks (the iterations keep
+        their places in the stream: every sample is still used once); every rank switches
+        at the same position. `from_position` must be an iteration start at or after
+        `generated_until` (what a DataLoader has already taken cannot change).
+        """
+        sizes = [r.micro_batch_size for r in plan.ranks]
+        steps = [r.gradient_accumulation_steps for r in plan.ranks]
+        per_rank = [b * s for b, s in zip(sizes, steps)]
+        if len(per_rank) != self._world_size or sum(per_rank) != self.global_batch_size:
+            raise ValueError(
+                f"plan: expected {self._world_size} ranks and the global batch {self.global_batch_size}, "
+                f"found {len(per_rank)} ranks and {sum(per_rank)}"
+            )
+        if from_position < self.generated_until or (from_position - self._origin) % self.global_batch_size:
+            raise ValueError(
+                f"from_position: expected an iteration start at or after {self.generated_until}, found {from_position}"
+            )
+        b, s, offset = sizes[self.rank], steps[self.rank], rank_offsets(per_rank)[self.rank]
+        self._splits.append((from_position, b, s, offset))
+        self.micro_batch_size, self.gradient_accumulation_steps, self._offset = b, s, offset
+        self._world_size = len(per_rank)
+
+    def _split(self, iteration: int) -> tuple[int, int, int]:
+        """``(b, s, offset)`` of this rank in `iteration`."""
+        start = self.iteration_start(iteration)
+        for from_position, b, s, offset in reversed(self._splits):
+            if from_position <= start:
+                return b, s, offset
+        _, b, s, offset = self._splits[0]
+        return b, s, offset
+
     def micro_batches(self, iteration: int) -> list[list[int]]:
-        """This rank's micro-batches in `iteration` (pure: depends on nothing else)."""
-        start = self.iteration_start(iteration) + self._offset
-        chunk = self.stream.indices(start, self.micro_batch_size * self.gradient_accumulation_steps)
-        b = self.micro_batch_size
-        return [chunk[k * b : (k + 1) * b] for k in range(self.gradient_accumulation_steps)]
+        """This rank's micro-batches in `iteration` (pure: depends only on the plans and their switch positions)."""
+        b, s, offset = self._split(iteration)
+        chunk = self.stream.indices(self.iteration_start(iteration) + offset, b * s)
+        return [chunk[k * b : (k + 1) * b] for k in range(s)]
 
     def __iter__(self) -> Iterator[list[int]]:
         first, end = self.next_iteration, self._pass_end()
         for iteration in range(first, end):
+            # Read when the iteration begins, not when the pass does: a plan switch
+            # (`switch_plan`) between iterations applies to the next one.
             batches = self.micro_batches(iteration)
+            self.generated_until = max(self.generated_until, self.iteration_start(iteration) + self.global_batch_size)
             yield from batches[:-1]
             # Advanced before the last micro-batch is handed out: a consumer that
             # breaks right after it has finished the iteration.
@@ -235,7 +279,10 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def __len__(self) -> int:
         """Micro-batches in the next pass."""
-        return (self._pass_end() - self.next_iteration) * self.gradient_accumulation_steps
+        first, end = self.next_iteration, self._pass_end()
+        if len(self._splits) == 1:
+            return (end - first) * self.gradient_accumulation_steps
+        return sum(self._split(iteration)[1] for iteration in range(first, end))
 
 
 class IterationLoader:
@@ -247,16 +294,30 @@ class IterationLoader:
     needs the total. Iterating and ``len`` are the loader's.
     """
 
-    def __init__(self, loader: Any, *, micro_batches_per_iteration: int, before_iteration: Callable[[list[Any]], None]) -> None:
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        micro_batches_per_iteration: int | Callable[[], int],
+        before_iteration: Callable[[list[Any]], None],
+    ) -> None:
         self.loader = loader
         self.micro_batches_per_iteration = micro_batches_per_iteration
+        """A count, or a function that says it when an iteration begins (it follows plan switches)."""
         self.before_iteration = before_iteration
+
+    def _group_size(self) -> int:
+        size = self.micro_batches_per_iteration
+        return size() if callable(size) else size
 
     def __iter__(self) -> Iterator[Any]:
         group: list[Any] = []
+        size = 0
         for batch in self.loader:
+            if not group:
+                size = self._group_size()
             group.append(batch)
-            if len(group) == self.micro_batches_per_iteration:
+            if len(group) == size:
                 self.before_iteration(group)
                 yield from group
                 group = []

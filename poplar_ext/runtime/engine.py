@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from poplar_ext.collectives import agree_sum
-from poplar_ext.hardware.emulation import ComputeSlowdown
+from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
 from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
     ResumeDecision,
@@ -38,8 +38,9 @@ from poplar_ext.runtime.checkpoint import (
 )
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
+from poplar_ext.runtime.rebalance import PendingSwitch, Rebalancer, switch_together
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
-from search.formats import Plan
+from search.formats import Plan, plan_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class PoplarEngine:
         slowdown: ComputeSlowdown | None,
         rank_device_labels: tuple[str, ...] = (),
         plan_reason: str = "the job's plan",
+        rebalancer: Rebalancer | None = None,
     ) -> None:
         self.deepspeed_engine = engine
         """The real DeepSpeedEngine."""
@@ -95,7 +97,13 @@ class PoplarEngine:
         self.last_samples_per_s: float | None = None
         """True global samples per second of the last iteration."""
         self._rank = rank
+        if slowdown is None and rebalancer is not None:
+            # A real device too measures its compute (never sleeps) when re-balancing watches it.
+            slowdown = ComputeSlowdown(None, clock="thread" if engine.device.type == "cpu" else "cuda")
         self._slowdown = slowdown
+        self._rebalancer = rebalancer
+        self.pending_switch: PendingSwitch | None = None
+        """A plan switch agreed by every rank, waiting for the iteration it starts at."""
         self._samplers: list[PlanBatchSampler] = []
         self._restored_position = 0
         self._steps_since_restore = 0
@@ -103,6 +111,7 @@ class PoplarEngine:
         self.iteration_tokens = 0
         """``token_mean``: the current iteration's label tokens over all ranks (`set_token_counts`)."""
         self._last_boundary_time: float | None = None
+        self._follow_slowdown_schedule(0)
         if slowdown is not None:
             self._end_emulated_compute_before_reduction()
         self._weight_direct_backward()
@@ -151,7 +160,20 @@ class PoplarEngine:
         step at a boundary); `emulated_compute.stop()` ends it early, e.g. to time a
         collective without the emulated sleep in it.
         """
+        if self._slowdown is None or self._slowdown.emulation is None:
+            return None
         return self._slowdown
+
+    @property
+    def compute_timer(self) -> ComputeSlowdown | None:
+        """What times this rank's compute windows (forward to the gradient reduction): the emulation's
+        slowdown, or, when re-balancing is on, a timer that only measures."""
+        return self._slowdown
+
+    def _follow_slowdown_schedule(self, optimizer_step: int) -> None:
+        timer = self._slowdown
+        if timer is not None and timer.emulation is not None and timer.emulation.slowdown_schedule:
+            timer.slowdown = scheduled_slowdown(timer.emulation, optimizer_step=optimizer_step, rank=self._rank)
 
     # -- delegation --------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -220,14 +242,17 @@ class PoplarEngine:
         boundary = self.deepspeed_engine.is_gradient_accumulation_boundary()
         # The optimizer step is compute too: an emulated device runs it slower, as the
         # profiler measures it (its optimizer_step_time_s).
-        emulate = boundary and self._slowdown is not None
+        emulate = boundary and self._slowdown is not None and self._slowdown.emulation is not None
         if emulate:
+            busy_before = self._slowdown.busy_time_s
             self._slowdown.start()
         try:
             result = self.deepspeed_engine.step(*args, **kwargs)
         finally:
             if emulate:
                 self._slowdown.stop()
+                # Re-balancing compares micro-step compute with the profile's micro-steps.
+                self._slowdown.busy_time_s = busy_before
         if boundary:
             self._end_of_iteration()
         return result
@@ -240,8 +265,14 @@ class PoplarEngine:
             self.last_iteration_time_s = now - self._last_boundary_time
             self.last_samples_per_s = self.plan.global_batch_size / self.last_iteration_time_s
         self._last_boundary_time = now
-        interval = self.poplar_config.log_interval_steps
         step = self.deepspeed_engine.global_steps
+        self._follow_slowdown_schedule(step)
+        if self.pending_switch is not None and self.trained_position >= self.pending_switch.position:
+            pending, self.pending_switch = self.pending_switch, None
+            self.switch_plan(pending.plan, reason=pending.reason)
+        if self._rebalancer is not None:
+            self._rebalancer.after_step(self)
+        interval = self.poplar_config.log_interval_steps
         if interval and self._rank == 0 and step % interval == 0 and self.last_samples_per_s is not None:
             logger.info(
                 "poplar step %d: true global batch %d samples, %.2f samples/s, %.4f s/iteration "
@@ -258,6 +289,82 @@ class PoplarEngine:
     def train_batch_size(self) -> int:
         """The true global batch: the plan's, the same on every rank."""
         return self.plan.global_batch_size
+
+    @property
+    def trained_position(self) -> int:
+        """Stream position after the last optimizer step (a DataLoader with workers may have read further)."""
+        return self._restored_position + self._steps_since_restore * self.plan.global_batch_size
+
+    def check_switch(self, plan: Plan) -> None:
+        """ValueError unless `plan` can replace the current one mid-run (the same on every rank)."""
+        current = self.plan
+        problems = []
+        if (plan.global_batch_size, plan.world_size, plan.zero_stage) != (
+            current.global_batch_size, current.world_size, current.zero_stage
+        ):
+            problems.append(
+                "a switch keeps the global batch, the world size and the ZeRO stage "
+                f"({current.global_batch_size}, {current.world_size}, {current.zero_stage}), found "
+                f"{plan.global_batch_size}, {plan.world_size}, {plan.zero_stage}"
+            )
+        elif [r.device_type for r in plan.ranks] != [r.device_type for r in current.ranks]:
+            problems.append("each rank keeps its device type")
+        elif plan.zero_stage >= 2 and len({r.gradient_accumulation_steps for r in plan.ranks}) > 1:
+            # DeepSpeed reduces gradients on every micro-step at stages 2/3: a rank with
+            # more micro-steps would wait for a collective no other rank enters.
+            problems.append(f"every rank has the same accumulation count at ZeRO stage {plan.zero_stage}")
+        if problems:
+            raise ValueError(f"plan: expected a plan that can replace the running one: {'; '.join(problems)}")
+
+    def switch_plan(self, plan: Plan, *, reason: str, record: bool = True) -> None:
+        """Train `plan` from the next iteration on (every rank calls it at the same optimizer step).
+
+        `plan` re-balances the same global batch, world size and stage; the batch
+        samplers must already know from where (`PlanBatchSampler.switch_plan`).
+        `poplar_ext.runtime.rebalance` and a resume under the last plan call it.
+        """
+        self.check_switch(plan)
+        engine, rank_plan = self.deepspeed_engine, plan.ranks[self._rank]
+        steps = rank_plan.gradient_accumulation_steps
+        # DeepSpeed's own setters, as for a batch-size schedule; then the true global batch
+        # again for its bookkeeping (see poplar_ext.initialize).
+        engine.set_train_micro_batch_size(rank_plan.micro_batch_size)
+        engine.set_train_batch_size(rank_plan.samples_per_iteration * plan.world_size)
+        engine._config.train_batch_size = plan.global_batch_size
+        optimizer = getattr(engine, "optimizer", None)
+        if hasattr(optimizer, "gradient_accumulation_steps"):
+            optimizer.gradient_accumulation_steps = steps
+        # DeepSpeed finds the boundary as (micro_steps + 1) % accumulation == 0 over all
+        # micro-steps so far: the count must start the new plan's first iteration at a multiple.
+        engine.micro_steps = -(-engine.micro_steps // steps) * steps
+        self.plan, self.rank_plan = plan, rank_plan
+        if self._rebalancer is not None:
+            self._rebalancer.restart_measurement(self)
+        if record:
+            self.plan_history.append(
+                history_entry(plan, start_step=engine.global_steps, data_position=self.trained_position, reason=reason,
+                              switched=True)
+            )
+        if self._rank == 0:
+            logger.info(
+                "poplar plan from step %d: %s; micro-batches %s", engine.global_steps, reason,
+                " ".join(f"{r.micro_batch_size}x{r.gradient_accumulation_steps}" for r in plan.ranks),
+            )
+
+    def rebalance_to(self, plan: Plan, *, reason: str = "switched by the training script") -> None:
+        """Every rank switches to rank 0's `plan` from the next iteration its samplers have not started (collective).
+
+        Call it on every rank right after the same optimizer step. `plan` re-balances
+        the same global batch among the same ranks at the same stage (e.g. from
+        `search.drift.replan`, or a plan of your own); gradients stay exact and the data
+        continues, every sample once. ``poplar.rebalance`` does this by itself.
+        """
+        switch_together(self, plan, reason=reason)
+
+    @property
+    def batch_samplers(self) -> list[PlanBatchSampler]:
+        """The batch samplers made by `create_batch_sampler` (they follow plan switches and resumes)."""
+        return list(self._samplers)
 
     # -- data --------------------------------------------------------------------
     def create_batch_sampler(self, num_samples: int, *, iterations_per_pass: int | None = None) -> PlanBatchSampler:
@@ -365,6 +472,11 @@ class PoplarEngine:
         for sampler in self._samplers:
             sampler.set_position(decision.data_position)
         self.plan_history = decision.plan_history or self.plan_history
+        if decision.continue_plan is not None:
+            plan = plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")
+            for sampler in self._samplers:
+                sampler.switch_plan(plan, from_position=decision.data_position)
+            self.switch_plan(plan, reason="the checkpoint's last plan", record=False)
         if self._rank == 0:
             for note in decision.notes:
                 logger.info("load_checkpoint: %s", note)

@@ -37,10 +37,19 @@ from typing import Any
 
 import torch
 
-from poplar_ext.collectives import broadcast_from_rank0, ensure_process_group, process_group_rank
+from poplar_ext.collectives import (
+    broadcast_from_rank0,
+    decided_by_rank0,
+    ensure_process_group,
+    process_group_rank,
+)
 from poplar_ext.hardware.cpu_process import limit_cpu_threads
 from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts
-from poplar_ext.hardware.emulation import ComputeSlowdown, device_label, emulation_for_rank
+from poplar_ext.hardware.emulation import (
+    ComputeSlowdown,
+    device_label,
+    emulation_for_rank,
+)
 from poplar_ext.hardware.memory import steady_cpu_allocator
 from poplar_ext.runtime.config import (
     SECTION,
@@ -52,9 +61,10 @@ from poplar_ext.runtime.config import (
     requested_global_batch_size,
     requested_zero_stage,
 )
-from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.data import IterationLoader
+from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.planning import resolve_plan
+from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from search.formats import Cluster, Plan
 
@@ -224,6 +234,31 @@ def prepare_job(
     )
 
 
+def _rebalancer(job: Job) -> Rebalancer | None:
+    """The job's re-balancing (`poplar_ext.runtime.rebalance`), or None when it is off; collective.
+
+    Rank 0 reads the profiles of the plan's stage it re-plans from (and the network file
+    beside them); without them every rank raises the same ValueError.
+    """
+    config = job.poplar_config
+    if not config.rebalance.enabled:
+        return None
+    from poplar_ext.runtime.planning import load_rebalance_inputs
+
+    loaded: dict[str, Any] = {}
+
+    def load() -> None:  # kept on rank 0: only it re-plans
+        loaded["profiles"], loaded["network"] = load_rebalance_inputs(config, job.cluster, job.plan)
+
+    decided_by_rank0(load, rank=job.rank)
+    monitor = None
+    if job.rank == 0:
+        monitor = DriftMonitor(
+            config=config.rebalance, profiles=loaded["profiles"], cluster=job.cluster, network=loaded["network"]
+        )
+    return Rebalancer(config.rebalance, rank=job.rank, monitor=monitor)
+
+
 def initialize(
     args: Any = None,
     model: torch.nn.Module | None = None,
@@ -302,7 +337,7 @@ def initialize(
         slowdown = ComputeSlowdown(emulation, clock="thread" if on_cpu else "cuda")
     wrapped = PoplarEngine(
         engine, plan=plan, rank=rank, poplar_config=poplar_config, device_label=label, slowdown=slowdown,
-        rank_device_labels=labels, plan_reason=job.plan_reason,
+        rank_device_labels=labels, plan_reason=job.plan_reason, rebalancer=_rebalancer(job),
     )
     if rank == 0:
         logger.info("poplar plan from step 0: %s", job.plan_reason)
@@ -314,7 +349,7 @@ def initialize(
             shifted = loss_shifts_labels(model)
             dataloader = IterationLoader(
                 dataloader,
-                micro_batches_per_iteration=rank_plan.gradient_accumulation_steps,
+                micro_batches_per_iteration=lambda: wrapped.rank_plan.gradient_accumulation_steps,
                 before_iteration=lambda group: wrapped.set_token_counts([label_token_count(b, shifted=shifted) for b in group]),
             )
     return wrapped, ds_optimizer, dataloader, ds_scheduler

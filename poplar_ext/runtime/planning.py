@@ -23,7 +23,16 @@ from poplar_ext.collectives import decided_by_rank0
 from poplar_ext.profiler.auto import MeasureMissing
 from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
 from search.errors import FormatError
-from search.formats import ZERO_STAGES, Cluster, Plan, Profile, load_plan, load_profiles, plan_from_dict, plan_to_dict
+from search.formats import (
+    ZERO_STAGES,
+    Cluster,
+    Plan,
+    Profile,
+    load_plan,
+    load_profiles,
+    plan_from_dict,
+    plan_to_dict,
+)
 
 
 class StalePlanWarning(UserWarning):
@@ -214,6 +223,36 @@ def _search(
     return result.plan
 
 
+def load_rebalance_inputs(poplar_config: PoplarConfig, cluster: Cluster, plan: Plan) -> tuple[list[Profile], Any]:
+    """What re-balancing re-plans from (rank 0 reads it): the profiles of every device type of the
+    cluster at the plan's stage, and the network file measured on this cluster (or None).
+
+    ValueError when a profile is missing: re-balancing scales each rank's profiled curve.
+    """
+    from search.network import find_network
+
+    where = f"{poplar_config.source}: {SECTION}.rebalance.enabled"
+    if poplar_config.profiles is None:
+        raise ValueError(
+            f"{where}: expected {SECTION}.profiles too (the profiles a re-balanced plan is searched from), found none"
+        )
+    profiles = [p for p in _available_profiles(poplar_config, None) if p.zero_stage == plan.zero_stage]
+    types = {p.device_type for p in profiles if p.max_micro_batch_size > 0}
+    missing = [t for t in cluster.type_counts() if t not in types]
+    if missing:
+        raise ValueError(
+            f"{where}: expected a profile of every device type at ZeRO stage {plan.zero_stage} in "
+            f"{poplar_config.profiles}, found none for {', '.join(missing)}"
+        )
+    # Several models' profiles may share the directory: the plan's fingerprints say which.
+    wanted = plan.profile_fingerprints
+    chosen: dict[str, Profile] = {}
+    for profile in profiles:
+        if profile.device_type not in chosen or wanted.get(profile.device_type) == profile.fingerprint:
+            chosen[profile.device_type] = profile
+    return list(chosen.values()), find_network(poplar_config.profiles, cluster)
+
+
 def resolve_plan(
     poplar_config: PoplarConfig,
     cluster: Cluster,
@@ -307,6 +346,7 @@ def resolve_plan(
 
 __all__ = [
     "StalePlanWarning",
+    "load_rebalance_inputs",
     "check_plan_for_job",
     "obtain_missing_profiles",
     "profiles_for_search",

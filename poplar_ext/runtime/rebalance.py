@@ -1,0 +1,222 @@
+"""Re-balancing during training: when a device drifts, every rank switches to a better plan together.
+
+Every rank measures its own compute time per iteration (`ComputeSlowdown.busy_time_s`:
+the computing thread's CPU time on CPU, times the emulated slowdown; what the profiler
+measures), never the time it waits in collectives. Every
+``poplar.rebalance.check_interval_steps`` optimizer steps:
+
+1. every rank shares its busy time, its iteration count and how far its batch
+   sampler has already handed out data (`gather_objects`, one collective);
+2. rank 0 (`DriftMonitor`, which alone holds the profiles) compares each rank's busy
+   time with the prediction under the speeds it currently assumes. A rank whose ratio
+   is off by more than ``threshold`` on ``sustained_checks`` consecutive checks has
+   drifted: its speed factor is multiplied by its ratio and the plan is searched again
+   with each rank's curve scaled by its own factor (`search.drift.replan`; one
+   throttled GPU is not its whole type). If the new plan's predicted iteration time is
+   shorter by more than ``min_gain``, rank 0 sends it, with the reason, to every rank
+   (`decided_by_rank0`, one collective; a failed search sends "no change");
+3. every rank switches at the same iteration boundary: the first iteration no rank's
+   sampler has started yet (right away unless a DataLoader's workers run ahead).
+
+The switch keeps the global batch and the iterations' places in the data stream
+(every sample once), changes DeepSpeed's micro-batch and accumulation count through
+its own setters, and is recorded in ``engine.plan_history`` (saved in checkpoints).
+No rank takes a branch into a collective that another rank does not take: all decide
+from the gathered reports or from rank 0's broadcast.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from poplar_ext.collectives import decided_by_rank0, gather_objects
+from poplar_ext.runtime.config import RebalanceConfig
+from search.formats import Cluster, Plan, Profile, plan_from_dict, plan_to_dict
+
+if TYPE_CHECKING:
+    from poplar_ext.runtime.engine import PoplarEngine
+    from search.network import NetworkProfile
+
+logger = logging.getLogger(__name__)
+
+MAX_CHECKS_KEPT = 1000
+
+
+@dataclass(kw_only=True)
+class DriftMonitor:
+    """Rank 0's view of every rank's speed against the profiles, and the re-planning decision."""
+
+    config: RebalanceConfig
+    profiles: list[Profile]
+    """The profiles of the plan's stage (every device type of the cluster)."""
+    cluster: Cluster
+    network: NetworkProfile | None = None
+    rank_scales: list[float] = field(default_factory=list)
+    """Each rank's assumed time factor against its profile (1.0: as profiled)."""
+    streaks: list[int] = field(default_factory=list)
+    """Consecutive checks on which each rank was off its prediction by more than the threshold."""
+    last_ratios: list[float | None] = field(default_factory=list)
+    """Each rank's measured / predicted compute time at the last check (None: no iteration measured)."""
+    checks: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_CHECKS_KEPT))
+    """The latest checks: ``{"step", "ratios", "scales"}`` each (for logs and the drift bench)."""
+
+    def __post_init__(self) -> None:
+        world_size = self.cluster.world_size
+        self.rank_scales = self.rank_scales or [1.0] * world_size
+        self.streaks = self.streaks or [0] * world_size
+        self.last_ratios = self.last_ratios or [None] * world_size
+
+    def predicted_compute_s(self, plan: Plan) -> list[float]:
+        """Each rank's predicted compute time per iteration under `plan` and the assumed speeds."""
+        from search.api import predict
+        from search.drift import scaled_problem, with_rank_types
+
+        profiles, _, rank_types = scaled_problem(self.profiles, self.cluster, self.rank_scales, zero_stage=plan.zero_stage)
+        return list(predict(with_rank_types(plan, rank_types), profiles, self.network).rank_compute_time_s)
+
+    def observe(self, plan: Plan, busy_s: list[float], iterations: list[int], *, step: int) -> dict[str, Any] | None:
+        """One check: every rank's busy time over its `iterations`; returns a switch decision or None.
+
+        A decision is ``{"plan": plan dict, "reason": str}``.
+        """
+        predicted = self.predicted_compute_s(plan)
+        ratios: list[float | None] = []
+        for busy, count, expected in zip(busy_s, iterations, predicted):
+            ratios.append(busy / (count * expected) if count > 0 and expected > 0 and busy > 0 else None)
+        self.last_ratios = ratios
+        self.checks.append({"step": step, "ratios": list(ratios), "scales": list(self.rank_scales)})
+        threshold = self.config.threshold
+        for rank, ratio in enumerate(ratios):
+            self.streaks[rank] = self.streaks[rank] + 1 if ratio is not None and abs(ratio - 1.0) > threshold else 0
+        drifted = [rank for rank, streak in enumerate(self.streaks) if streak >= self.config.sustained_checks]
+        if not drifted:
+            return None
+        from search.drift import replan
+
+        before = list(self.rank_scales)
+        for rank in drifted:
+            self.rank_scales[rank] *= ratios[rank]
+        self.streaks = [0] * len(self.streaks)
+        described = ", ".join(
+            f"rank {rank} ({self.cluster.rank_device_types[rank]}) at {ratios[rank]:.2f}x its predicted compute "
+            f"(speed factor {before[rank]:.2f} -> {self.rank_scales[rank]:.2f})"
+            for rank in drifted
+        )
+        try:
+            found = replan(plan, self.profiles, self.cluster, self.rank_scales, min_gain=self.config.min_gain,
+                           network=self.network)
+        except ValueError as exc:  # a search problem must not stop training: keep the plan, say why
+            logger.warning("poplar rebalance at step %d: %s drifted, but the search failed (%s); keeping the plan",
+                           step, described, exc)
+            return None
+        if found.status != "better" or found.plan is None:
+            logger.info("poplar rebalance at step %d: %s drifted; keeping the plan: %s", step, described, found.message)
+            return None
+        reason = f"re-balanced at step {step}: {described}; {found.message}"
+        return {"plan": plan_to_dict(found.plan), "reason": reason}
+
+
+@dataclass(kw_only=True)
+class PendingSwitch:
+    plan: Plan
+    position: int
+    """Stream position of the first iteration under `plan`."""
+    reason: str
+
+
+class Rebalancer:
+    """One rank's part: measure, report every check interval, switch when rank 0 says so."""
+
+    def __init__(self, config: RebalanceConfig, *, rank: int, monitor: DriftMonitor | None) -> None:
+        assert (monitor is not None) == (rank == 0), "rank 0 alone holds the monitor"
+        self.config = config
+        self.rank = rank
+        self.monitor = monitor
+        self.active = True
+        """False once the job turned out unable to re-balance (see `after_step`); the same on every rank."""
+        self._iterations = 0
+
+    def restart_measurement(self, engine: PoplarEngine) -> None:
+        """A new plan starts: the next check measures only its iterations."""
+        if engine.compute_timer is not None:
+            engine.compute_timer.busy_time_s = 0.0
+        self._iterations = 0
+
+    def after_step(self, engine: PoplarEngine) -> None:
+        """At every optimizer step, after DeepSpeed's (collective at check steps: every rank calls it)."""
+        if not self.active:
+            return
+        self._iterations += 1
+        step = engine.deepspeed_engine.global_steps
+        if step % self.config.check_interval_steps:
+            return
+        timer = engine.compute_timer
+        samplers = engine.batch_samplers
+        report = {
+            "busy_s": timer.busy_time_s,
+            "iterations": self._iterations,
+            "generated_until": data_reached(engine),
+            "has_sampler": bool(samplers),
+            "pending": engine.pending_switch is not None,
+        }
+        timer.busy_time_s, self._iterations = 0.0, 0
+        reports = gather_objects(report)
+        if not all(r["has_sampler"] for r in reports):
+            self.active = False
+            if self.rank == 0:
+                without = [rank for rank, r in enumerate(reports) if not r["has_sampler"]]
+                logger.warning(
+                    "poplar rebalance: off for this job: ranks %s feed batches of their own, which a plan switch cannot "
+                    "change; train from the dataloader poplar_ext.initialize returns or engine.create_batch_sampler",
+                    without,
+                )
+            return
+        if any(r["pending"] for r in reports):
+            return  # a switch is on its way: measure it first
+
+        def decide() -> dict[str, Any] | None:
+            assert self.monitor is not None
+            return self.monitor.observe(
+                engine.plan, [r["busy_s"] for r in reports], [r["iterations"] for r in reports], step=step
+            )
+
+        decision = decided_by_rank0(decide, rank=self.rank)
+        if decision is None:
+            return
+        plan = plan_from_dict(decision["plan"], source="<re-balanced plan>")
+        schedule_switch(engine, plan, position=max(r["generated_until"] for r in reports), reason=decision["reason"])
+
+
+def data_reached(engine: PoplarEngine) -> int:
+    """How far this rank's data has been handed out: no plan switch can start before it."""
+    return max([engine.trained_position] + [s.generated_until for s in engine.batch_samplers])
+
+
+def schedule_switch(engine: PoplarEngine, plan: Plan, *, position: int, reason: str) -> None:
+    """Switch to `plan` at the iteration that starts at stream `position` (every rank alike)."""
+    for sampler in engine.batch_samplers:
+        sampler.switch_plan(plan, from_position=position)
+    if position <= engine.trained_position:
+        engine.switch_plan(plan, reason=reason)
+    else:
+        engine.pending_switch = PendingSwitch(plan=plan, position=position, reason=reason)
+
+
+def switch_together(engine: PoplarEngine, plan: Plan, *, reason: str) -> None:
+    """Every rank switches to rank 0's `plan` at the same iteration boundary (collective).
+
+    Call it on every rank right after an optimizer step. The plan keeps the global
+    batch, world size and stage; the first iteration no rank's sampler has started
+    trains under it.
+    """
+    from poplar_ext.collectives import broadcast_from_rank0
+
+    chosen = plan_from_dict(broadcast_from_rank0(plan_to_dict(plan)), source="<plan from rank 0>")
+    engine.check_switch(chosen)  # the same verdict on every rank: rank 0's plan
+    schedule_switch(engine, chosen, position=max(gather_objects(data_reached(engine))), reason=reason)
+
+
+__all__ = ["DriftMonitor", "PendingSwitch", "Rebalancer", "data_reached", "schedule_switch", "switch_together"]

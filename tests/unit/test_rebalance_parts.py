@@ -1,0 +1,262 @@
+"""Re-balancing's parts without processes: config, drift schedule, scaled search, monitor, sampler switch."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import pytest
+
+from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
+from poplar_ext.runtime.config import RebalanceConfig, poplar_config_from_dict
+from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, SampleStream
+from poplar_ext.runtime.rebalance import DriftMonitor
+from search.api import predict, search_plan
+from search.drift import derived_type, replan, scaled_problem, with_rank_types
+from search.errors import FormatError
+from search.formats import (
+    Cluster,
+    ClusterNode,
+    DeviceGroup,
+    Emulation,
+    cluster_from_dict,
+    cluster_to_dict,
+    plan_from_dict,
+    plan_to_dict,
+)
+from search.synthetic import synthetic_profile
+
+
+# -- the poplar.rebalance section ------------------------------------------------------
+def _config(rebalance):
+    return poplar_config_from_dict({"plan": "p.json", "rebalance": rebalance}, base_dir=Path("."), source="ds.json")
+
+
+def test_rebalance_is_off_by_default_and_every_option_is_read():
+    assert poplar_config_from_dict({"plan": "p.json"}, base_dir=Path(".")).rebalance == RebalanceConfig()
+    assert RebalanceConfig().enabled is False
+    read = _config({"enabled": True, "check_interval_steps": 5, "threshold": 0.3, "min_gain": 0.1, "sustained_checks": 3})
+    assert read.rebalance == RebalanceConfig(enabled=True, check_interval_steps=5, threshold=0.3, min_gain=0.1,
+                                             sustained_checks=3)
+
+
+@pytest.mark.parametrize("rebalance, message", [
+    ({"enabled": "yes"}, "ds.json: poplar.rebalance.enabled: expected true or false"),
+    ({"check_interval_steps": 0}, "poplar.rebalance.check_interval_steps: expected an integer >= 1"),
+    ({"threshold": -0.1}, "poplar.rebalance.threshold: expected a positive number"),
+    ({"min_gain": -1}, "poplar.rebalance.min_gain: expected a number"),
+    ({"sustained_checks": 0}, "poplar.rebalance.sustained_checks"),
+    ({"interval": 3}, "poplar.rebalance.interval: expected one of the keys"),
+    (True, "poplar.rebalance: expected an object"),
+])
+def test_a_bad_rebalance_section_names_the_field(rebalance, message):
+    with pytest.raises(FormatError, match=message.replace("(", r"\(")):
+        _config(rebalance)
+
+
+# -- drift in the emulation -------------------------------------------------------------
+CLUSTER = {
+    "schema_version": 1,
+    "nodes": [{"name": "n", "devices": [{"device_type": "a", "count": 2}, {"device_type": "b", "count": 1}]}],
+    "device_types": {"a": {"emulation": {"slowdown": 2.0, "memory_capacity_bytes": 10**9}}},
+}
+
+
+def test_a_slowdown_schedule_is_read_per_type_and_per_rank_and_written_back():
+    data = copy.deepcopy(CLUSTER)
+    data["device_types"]["a"]["emulation"]["slowdown_schedule"] = [[10, 1.0], [4, 5.0, 1]]
+    cluster = cluster_from_dict(data, source="c.json")
+    emulation = cluster.emulation_of("a")
+    assert emulation.slowdown_schedule == ((4, 5.0, 1), (10, 1.0, None)), "sorted by step"
+    assert cluster_to_dict(cluster)["device_types"]["a"]["emulation"]["slowdown_schedule"] == [[4, 5.0, 1], [10, 1.0]]
+    assert [scheduled_slowdown(emulation, optimizer_step=s, rank=1) for s in (0, 3, 4, 9, 10)] == [2.0, 2.0, 5.0, 5.0, 1.0]
+    assert [scheduled_slowdown(emulation, optimizer_step=s, rank=0) for s in (4, 10)] == [2.0, 1.0], "rank 1's entry only"
+    assert scheduled_slowdown(None, optimizer_step=5, rank=0) == 1.0
+
+
+def test_a_cluster_without_a_schedule_is_written_as_before():
+    assert "slowdown_schedule" not in cluster_to_dict(cluster_from_dict(CLUSTER))["device_types"]["a"]["emulation"]
+
+
+@pytest.mark.parametrize("schedule, message", [
+    ([[4, 5.0, 2]], r"slowdown_schedule: expected entries whose rank is one of 'a''s ranks \(0, 1\), found rank 2"),
+    ([[4]], r"slowdown_schedule\[0\]: expected a list of at least 2"),
+    ([4], r"slowdown_schedule\[0\]: expected \[optimizer_step, slowdown\]"),
+    ([[-1, 2.0]], r"slowdown_schedule\[0\]\[0\]: expected an integer >= 0"),
+    ([[1, 0]], r"slowdown_schedule\[0\]\[1\]: expected a positive number"),
+])
+def test_a_bad_schedule_names_the_entry(schedule, message):
+    data = copy.deepcopy(CLUSTER)
+    data["device_types"]["a"]["emulation"]["slowdown_schedule"] = schedule
+    with pytest.raises(FormatError, match="c.json: device_types.a.emulation." + message):
+        cluster_from_dict(data, source="c.json")
+
+
+def test_compute_timer_accumulates_busy_time_at_the_current_slowdown(monkeypatch):
+    clock = iter([0.0, 0.0, 0.1, 0.1, 1.0, 1.0, 1.2, 1.2])
+    timer = ComputeSlowdown(Emulation(slowdown=2.0, memory_capacity_bytes=1))
+    monkeypatch.setattr(timer, "_now", lambda: (next(clock), next(clock)))
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    with timer:
+        pass
+    timer.slowdown = 5.0
+    with timer:
+        pass
+    assert timer.busy_time_s == pytest.approx(2.0 * 0.1 + 5.0 * 0.2)
+
+
+# -- the scaled search ------------------------------------------------------------------
+def _profiles(stage: int = 1):
+    return [
+        synthetic_profile("a", zero_stage=stage, max_micro_batch_size=16, overhead_s=0.01, seconds_per_sample=0.01, world_size=3),
+        synthetic_profile("b", zero_stage=stage, max_micro_batch_size=16, overhead_s=0.01, seconds_per_sample=0.02, world_size=3),
+    ]
+
+
+def _cluster() -> Cluster:
+    return Cluster(nodes=(
+        ClusterNode(name="n0", devices=(DeviceGroup(device_type="a", count=2),)),
+        ClusterNode(name="n1", devices=(DeviceGroup(device_type="b", count=1),)),
+    ))
+
+
+def test_each_drifted_rank_gets_its_own_scaled_type_in_rank_order():
+    profiles, cluster, types = scaled_problem(_profiles(), _cluster(), [1.0, 2.5, 1.0], zero_stage=1)
+    assert types == ["a", "a@x2.50", "b"] and cluster.rank_device_types == tuple(types)
+    assert [n.name for n in cluster.nodes] == ["n0", "n1"]
+    scaled = {p.device_type: p for p in profiles}
+    original = {p.device_type: p for p in _profiles()}
+    assert [s.micro_step_time_s for s in scaled["a@x2.50"].samples] == pytest.approx(
+        [2.5 * s.micro_step_time_s for s in original["a"].samples])
+    assert scaled["a@x2.50"].optimizer_step_time_s == pytest.approx(2.5 * original["a"].optimizer_step_time_s)
+    assert derived_type("a", 1.004) == "a", "rounded: noise does not split a type"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_replan_moves_samples_off_a_slowed_rank_and_keeps_the_stage_rules(stage):
+    plan = search_plan(_profiles(stage), _cluster(), global_batch_size=96, zero_stage=stage).plan
+    found = replan(plan, _profiles(stage), _cluster(), [3.0, 1.0, 1.0], min_gain=0.05)
+    assert found.status == "better" and found.gain > 0.05
+    new = found.plan
+    assert [r.device_type for r in new.ranks] == ["a", "a", "b"], "the cluster's own types again"
+    assert new.global_batch_size == 96 and new.zero_stage == stage
+    assert new.ranks[0].samples_per_iteration < plan.ranks[0].samples_per_iteration
+    if stage >= 2:
+        assert len({r.gradient_accumulation_steps for r in new.ranks}) == 1
+    # What it predicts is what predict() says of the new plan under the scaled speeds.
+    profiles, _, types = scaled_problem(_profiles(stage), _cluster(), [3.0, 1.0, 1.0], zero_stage=stage)
+    assert predict(with_rank_types(new, types), profiles).iteration_time_s == pytest.approx(found.new_iteration_time_s)
+
+
+def test_replan_without_drift_is_not_better():
+    plan = search_plan(_profiles(), _cluster(), global_batch_size=96, zero_stage=1).plan
+    found = replan(plan, _profiles(), _cluster(), [1.0, 1.0, 1.0], min_gain=0.05)
+    assert found.status == "not_better" and found.gain == pytest.approx(0.0, abs=1e-9)
+
+
+# -- rank 0's monitor -------------------------------------------------------------------
+def _monitor(**options) -> tuple[DriftMonitor, object]:
+    config = RebalanceConfig(enabled=True, check_interval_steps=2, threshold=0.3, min_gain=0.05, sustained_checks=2, **options)
+    monitor = DriftMonitor(config=config, profiles=_profiles(), cluster=_cluster())
+    plan = search_plan(_profiles(), _cluster(), global_batch_size=96, zero_stage=1).plan
+    return monitor, plan
+
+
+def _run_checks(monitor, plan, factors_per_check, *, noise: float = 0.0, seed: int = 0):
+    rng = random.Random(seed)
+    decisions = []
+    for check, factors in enumerate(factors_per_check):
+        predicted = monitor.predicted_compute_s(plan)
+        # What each rank measures over 2 iterations: its true factor against what the monitor assumes.
+        true_busy = [2 * p * f / s * (1 + rng.uniform(-noise, noise))
+                     for p, f, s in zip(predicted, factors, monitor.rank_scales)]
+        decision = monitor.observe(plan, true_busy, [2, 2, 2], step=2 * (check + 1))
+        if decision is not None:
+            plan = plan_from_dict(decision["plan"])
+            decisions.append((2 * (check + 1), decision))
+    return decisions, plan
+
+
+def test_a_drift_triggers_exactly_one_replan_after_sustained_checks():
+    monitor, plan = _monitor()
+    # Rank 0 becomes 3x slower at the third check and stays so.
+    decisions, final = _run_checks(monitor, plan, [[1, 1, 1]] * 2 + [[3, 1, 1]] * 6, noise=0.1)
+    assert [step for step, _ in decisions] == [8], "checks 3 and 4 saw it: switched at step 8, once"
+    assert "rank 0 (a)" in decisions[0][1]["reason"] and monitor.rank_scales[0] == pytest.approx(3.0, rel=0.15)
+    assert final.ranks[0].samples_per_iteration < plan.ranks[0].samples_per_iteration
+
+
+def test_noise_below_the_threshold_and_a_single_spike_never_replan():
+    monitor, plan = _monitor()
+    assert _run_checks(monitor, plan, [[1, 1, 1]] * 20, noise=0.2, seed=3)[0] == []
+    monitor, plan = _monitor()
+    spike = [[1, 1, 1]] * 3 + [[4, 1, 1]] + [[1, 1, 1]] * 3
+    assert _run_checks(monitor, plan, spike)[0] == [], "one noisy interval is not a drift"
+
+
+def test_a_recovered_device_gets_its_samples_back():
+    monitor, plan = _monitor()
+    decisions, final = _run_checks(monitor, plan, [[3, 1, 1]] * 4 + [[1, 1, 1]] * 4)
+    assert len(decisions) == 2 and monitor.rank_scales[0] == pytest.approx(1.0, rel=0.05)
+    assert [r.micro_batch_size for r in final.ranks] == [r.micro_batch_size for r in plan.ranks]
+
+
+def test_a_search_failure_keeps_the_plan(monkeypatch):
+    monitor, plan = _monitor()
+
+    def failing(*args, **kwargs):
+        raise ValueError("no profile")
+
+    monkeypatch.setattr("search.drift.replan", failing)
+    assert _run_checks(monitor, plan, [[3, 1, 1]] * 3)[0] == []
+
+
+# -- the sampler and the loader follow a switch -------------------------------------------
+class _Plan:
+    def __init__(self, allocation):
+        self.ranks = [type("R", (), {"micro_batch_size": b, "gradient_accumulation_steps": s}) for b, s in allocation]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_switched_sampler_continues_the_stream_every_position_once(drop_last):
+    samplers = [PlanBatchSampler(num_samples=50, micro_batch_sizes=[2, 3], gradient_accumulation_steps=[3, 2], rank=r,
+                                 seed=1, drop_last=drop_last) for r in range(2)]
+    iterators = [iter(s) for s in samplers]
+    seen = []
+    for rank in range(2):  # iteration 0 under the first plan
+        seen += [i for _ in range(samplers[rank].gradient_accumulation_steps) for i in next(iterators[rank])]
+    assert samplers[0].generated_until == 12
+    new = _Plan([(4, 2), (2, 2)])
+    for sampler in samplers:
+        sampler.switch_plan(new, from_position=12)
+    for _ in range(2):
+        for rank in range(2):
+            seen += [i for _ in range(2) for i in next(iterators[rank])]
+    assert seen == SampleStream(num_samples=50, seed=1).indices(0, 36)
+    assert samplers[0].micro_batches(5) == [list(b) for b in samplers[0].micro_batches(5)] and len(samplers[0].micro_batches(5)[0]) == 4
+
+
+def test_a_switch_cannot_reach_back_into_data_already_handed_out():
+    sampler = PlanBatchSampler(num_samples=50, micro_batch_sizes=[2, 3], gradient_accumulation_steps=[3, 2], rank=0)
+    iterator = iter(sampler)
+    next(iterator)  # iteration 0 has begun
+    with pytest.raises(ValueError, match="from_position: expected an iteration start at or after 12"):
+        sampler.switch_plan(_Plan([(4, 2), (2, 2)]), from_position=0)
+    with pytest.raises(ValueError, match="global batch 12"):
+        sampler.switch_plan(_Plan([(4, 2), (2, 1)]), from_position=12)
+
+
+def test_the_token_loader_groups_by_the_count_of_the_iteration_that_begins():
+    counts = iter([3, 2])
+    groups = []
+    loader = IterationLoader(list(range(5)), micro_batches_per_iteration=lambda: next(counts),
+                             before_iteration=lambda group: groups.append(list(group)))
+    assert list(loader) == [0, 1, 2, 3, 4] and groups == [[0, 1, 2], [3, 4]]
+
+
+def test_the_plan_round_trips_after_a_replan():
+    plan = search_plan(_profiles(), _cluster(), global_batch_size=96, zero_stage=1).plan
+    found = replan(plan, _profiles(), _cluster(), [2.0, 1.0, 1.0], min_gain=0.0).plan
+    assert plan_from_dict(plan_to_dict(found)) == found
+    assert found.profile_fingerprints == plan.profile_fingerprints, "the profiles it was made from"
