@@ -258,6 +258,50 @@ def _run_predictions(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_drift_parser(subparsers: argparse._SubParsersAction) -> None:
+    from bench.drift import DriftSettings
+
+    defaults = DriftSettings()
+    p = subparsers.add_parser(
+        "drift",
+        help="static poplar against adaptive re-balancing while one emulated device slows down and recovers",
+        description="The demo's emulated 3-rank cluster and model: rank 0 (the fastest, with the most samples) runs "
+        "--factor times slower from step --drift-at to --recover-at. Four runs in one launch (static and adaptive, "
+        "with and without the drift); per-iteration samples/s against the ideal of that moment, re-plans, and the "
+        "re-balancing's own cost. Writes drift.json, drift.md and drift.png (bench/drift.py). About 6-8 minutes on a "
+        "2-core VM with the demo's profiles cached.",
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.add_argument("--factor", type=float, default=defaults.factor, help=f"slowdown of the drift (default {defaults.factor})")
+    p.add_argument("--drift-at", type=_positive_int, default=defaults.drift_at,
+                   help=f"optimizer steps before the device slows down (default {defaults.drift_at})")
+    p.add_argument("--recover-at", type=_positive_int, default=defaults.recover_at,
+                   help=f"optimizer steps before it recovers (default {defaults.recover_at})")
+    p.add_argument("--iterations", type=_positive_int, default=defaults.drift_iterations,
+                   help=f"iterations of each run (default {defaults.drift_iterations})")
+    p.add_argument("--check-interval-steps", type=_positive_int, default=defaults.check_interval_steps,
+                   help=f"poplar.rebalance.check_interval_steps (default {defaults.check_interval_steps})")
+    p.add_argument("--cache-dir", type=Path, default=None, help="the demo's profile cache (default: the demo's)")
+    p.set_defaults(run=_run_drift)
+
+
+def _run_drift(args: argparse.Namespace) -> int:
+    from bench import drift
+
+    try:
+        settings = drift.DriftSettings(
+            factor=args.factor, drift_at=args.drift_at, recover_at=args.recover_at, drift_iterations=args.iterations,
+            check_interval_steps=args.check_interval_steps, cache_dir=args.cache_dir, timeout_s=1800.0,
+        )
+    except ValueError as exc:
+        print(f"poplar-bench drift: error: {exc}", file=sys.stderr)
+        return 2
+    _warn_if_no_figure("drift")
+    for path in drift.run_drift(settings, out_dir=args.output_dir or default_output_dir()):
+        print(path)
+    return 0
+
+
 def add_search_speed_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "search-speed",
@@ -302,6 +346,7 @@ def _run_overhead(args: argparse.Namespace) -> int:
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_demo_parser,
     add_predictions_parser,
+    add_drift_parser,
     add_simulate_parser,
     add_search_speed_parser,
     add_overhead_parser,
@@ -312,9 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="poplar-bench",
         description="poplar-ext benchmarks: the emulated-cluster demo, prediction error across stages and rank counts, "
+        "re-balancing under drift, "
         "large-cluster simulation, search speed, runtime overhead.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{demo,predictions,simulate,search-speed,overhead}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{demo,predictions,drift,simulate,search-speed,overhead}")
     for add in SUBCOMMANDS:
         add(subparsers)
     return parser

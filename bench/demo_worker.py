@@ -53,12 +53,12 @@ from search.formats import (
 _PG_TIMEOUT_S = 180
 
 
-def worker_main(rank: int, settings: DemoSettings, work_dir: str, port: int) -> None:
-    """Entry point of a forked rank: run, then write the result or the traceback."""
+def worker_main(rank: int, settings: DemoSettings, work_dir: str, port: int, *, run: Callable[..., dict] | None = None) -> None:
+    """Entry point of a forked rank: `run` (default `run_rank`), then write the result or the traceback."""
     work = Path(work_dir)
     exit_code = 0
     try:
-        result = run_rank(rank, settings, work, port)
+        result = (run or run_rank)(rank, settings, work, port)
         write_json_atomic(result, work / f"rank{rank}.json")
     except BaseException:  # noqa: BLE001 - every failure must reach the parent as text
         (work / f"rank{rank}.error").write_text(traceback.format_exc())
