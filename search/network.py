@@ -139,8 +139,15 @@ def fit_collective(collective: str, world_size: int, samples: Sequence[Collectiv
 
 
 def cluster_key(cluster: Cluster) -> str:
-    """Cache key of a network file: the cluster description (nodes, types, ranks) it was measured on."""
-    return content_fingerprint(cluster_to_dict(cluster))
+    """Cache key of a network file: the cluster description (nodes, types, ranks) it was measured on.
+
+    An emulation's ``slowdown_schedule`` (drift during training) does not change the network.
+    """
+    data = cluster_to_dict(cluster)
+    for info in data["device_types"].values():
+        if info.get("emulation"):
+            info["emulation"].pop("slowdown_schedule", None)
+    return content_fingerprint(data)
 
 
 NETWORK_DIRECTORY = "network"

@@ -139,7 +139,7 @@ class PoplarTrainer(Trainer):
             default_global_batch=_trainer_global_batch(args, world_size),
             profiling_ds_config=_filled_deepspeed_config(args, model),
         )
-        if self.job.poplar_config.rebalance.enabled:
+        if self.job.poplar_config.rebalance.enabled:  # "auto" (None) stays off here
             # The Trainer counts micro-batches per optimizer step from its arguments, fixed at start.
             raise ValueError(
                 f"{self.job.source}: poplar.rebalance.enabled: expected false with PoplarTrainer (the Trainer fixes "

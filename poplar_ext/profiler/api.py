@@ -9,6 +9,7 @@ and measures the others inside one DeepSpeed engine per stage
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import sys
@@ -25,10 +26,14 @@ from poplar_ext.collectives import broadcast_from_rank0, ensure_process_group
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.emulation import device_label
 from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocator
-from poplar_ext.profiler.cache import ProfileKey, ds_config_fingerprint, find_cached_profile, store_profile
+from poplar_ext.profiler.cache import (
+    ProfileKey,
+    ds_config_fingerprint,
+    find_cached_profile,
+    store_profile,
+)
 from poplar_ext.profiler.fingerprint import model_fingerprint
 from poplar_ext.profiler.layout import JobLayout, build_layout
-from poplar_ext.profiler.network import cached_or_measured_network
 from poplar_ext.profiler.measure import (
     LossFn,
     MeasureSettings,
@@ -38,6 +43,7 @@ from poplar_ext.profiler.measure import (
     default_loss,
     stage_ds_config,
 )
+from poplar_ext.profiler.network import cached_or_measured_network
 from search.formats import (
     ZERO_STAGES,
     Cluster,
@@ -363,7 +369,8 @@ def _make_profile(
         max_micro_batch_size=result.max_micro_batch_size,
         samples=result.samples,
         optimizer_step_time_s=result.optimizer_step_time_s,
-        emulated=emulation,
+        # Measured at the emulation's own slowdown: a drift schedule is training's, not the profile's.
+        emulated=None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=()),
         measured_with={
             "source": "measured",
             **versions,

@@ -20,7 +20,7 @@ A DeepSpeed JSON config plus a top-level section::
         "cpu_threads": null,              # CPU only: torch threads for this process; null: unchanged
         "steady_cpu_allocator": false,    # CPU only: glibc keeps freed memory (as the profiler measures)
         "rebalance": {                    # re-plan during training when devices drift (RebalanceConfig)
-            "enabled": false,
+            "enabled": "auto",            # on where poplar.profiles has the curves; true / false
             "check_interval_steps": 10,
             "threshold": 0.2,
             "min_gain": 0.05,
@@ -61,11 +61,14 @@ DICT_SOURCE = "<DeepSpeed config dict>"
 class RebalanceConfig:
     """``poplar.rebalance``: re-planning during training when devices drift (`poplar_ext.runtime.rebalance`)."""
 
-    enabled: bool = False
-    """Check for drift and switch plans. Off by default: `poplar-bench drift` measures what it
-    costs (bench/results/drift.md); it needs ``poplar.profiles`` (the curves it re-plans from)
-    and the engine's batch sampler (the dataloader `initialize` returns, or
-    ``engine.create_batch_sampler``)."""
+    enabled: bool | None = None
+    """Check for drift and switch plans. ``"auto"`` (None, the default): on wherever it can run,
+    that is where ``poplar.profiles`` holds a profile of every device type at the plan's stage
+    (the curves it re-plans from), off otherwise (said once in the log); its cost without drift
+    is 0.4% of iteration time on the CPU demo (bench/results/drift.md). ``true``: on, and an
+    error where it cannot run; ``false``: off. It also needs the engine's batch sampler (the
+    dataloader `initialize` returns, or ``engine.create_batch_sampler``): a job that feeds
+    batches of its own keeps its plan, with a note in the log."""
     check_interval_steps: int = 10
     """Every this many optimizer steps the ranks share their measured compute time against the
     prediction (two small collectives)."""
@@ -153,6 +156,14 @@ def _batch_or_auto(node: Node | None) -> int | str | None:
 _REBALANCE_KEYS = tuple(f.name for f in fields(RebalanceConfig))
 
 
+def _enabled(node: Node | None) -> bool | None:
+    if node is None or node.value == AUTO:
+        return None
+    if not isinstance(node.value, bool):
+        raise node.fail(f"true, false or {AUTO!r}")
+    return node.value
+
+
 def _rebalance(node: Node | None) -> RebalanceConfig:
     if node is None:
         return RebalanceConfig()
@@ -160,7 +171,7 @@ def _rebalance(node: Node | None) -> RebalanceConfig:
     defaults = RebalanceConfig()
     enabled, interval, threshold, gain, sustained = (node.optional(key) for key in _REBALANCE_KEYS)
     return RebalanceConfig(
-        enabled=defaults.enabled if enabled is None else enabled.boolean(),
+        enabled=_enabled(enabled),
         check_interval_steps=defaults.check_interval_steps if interval is None else interval.integer(minimum=1),
         threshold=defaults.threshold if threshold is None else threshold.number(positive=True, maximum=10.0),
         min_gain=defaults.min_gain if gain is None else gain.number(minimum=0.0, maximum=10.0),

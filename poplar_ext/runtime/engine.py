@@ -38,7 +38,7 @@ from poplar_ext.runtime.checkpoint import (
 )
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.rebalance import PendingSwitch, Rebalancer, switch_together
+from poplar_ext.runtime.rebalance import CudaEventTimer, PendingSwitch, Rebalancer, switch_together
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
 from search.formats import Plan, plan_from_dict
 
@@ -98,8 +98,9 @@ class PoplarEngine:
         """True global samples per second of the last iteration."""
         self._rank = rank
         if slowdown is None and rebalancer is not None:
-            # A real device too measures its compute (never sleeps) when re-balancing watches it.
-            slowdown = ComputeSlowdown(None, clock="thread" if engine.device.type == "cpu" else "cuda")
+            # A real device too measures its compute (never sleeps) when re-balancing watches
+            # it: the thread's CPU time on CPU, CUDA events (read at checks only) on a GPU.
+            slowdown = ComputeSlowdown(None) if engine.device.type == "cpu" else CudaEventTimer()
         self._slowdown = slowdown
         self._rebalancer = rebalancer
         self.pending_switch: PendingSwitch | None = None

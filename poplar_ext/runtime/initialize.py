@@ -238,19 +238,30 @@ def _rebalancer(job: Job) -> Rebalancer | None:
     """The job's re-balancing (`poplar_ext.runtime.rebalance`), or None when it is off; collective.
 
     Rank 0 reads the profiles of the plan's stage it re-plans from (and the network file
-    beside them); without them every rank raises the same ValueError.
+    beside them). Without them: off when ``enabled`` is ``"auto"`` (logged), the same
+    ValueError on every rank when it is ``true``.
     """
     config = job.poplar_config
-    if not config.rebalance.enabled:
+    if config.rebalance.enabled is False:
         return None
     from poplar_ext.runtime.planning import load_rebalance_inputs
 
     loaded: dict[str, Any] = {}
 
-    def load() -> None:  # kept on rank 0: only it re-plans
-        loaded["profiles"], loaded["network"] = load_rebalance_inputs(config, job.cluster, job.plan)
+    def load() -> str | None:  # the inputs stay on rank 0: only it re-plans
+        try:
+            loaded["profiles"], loaded["network"] = load_rebalance_inputs(config, job.cluster, job.plan)
+        except ValueError as exc:
+            if config.rebalance.enabled:
+                raise
+            return str(exc)
+        return None
 
-    decided_by_rank0(load, rank=job.rank)
+    unavailable = decided_by_rank0(load, rank=job.rank)
+    if unavailable is not None:
+        if job.rank == 0:
+            logger.info("poplar rebalance (auto): off for this job: %s", unavailable)
+        return None
     monitor = None
     if job.rank == 0:
         monitor = DriftMonitor(

@@ -247,9 +247,17 @@ def load_rebalance_inputs(poplar_config: PoplarConfig, cluster: Cluster, plan: P
     # Several models' profiles may share the directory: the plan's fingerprints say which.
     wanted = plan.profile_fingerprints
     chosen: dict[str, Profile] = {}
-    for profile in profiles:
-        if profile.device_type not in chosen or wanted.get(profile.device_type) == profile.fingerprint:
-            chosen[profile.device_type] = profile
+    for device_type in cluster.type_counts():
+        candidates = [p for p in profiles if p.device_type == device_type]
+        matching = [p for p in candidates if wanted.get(device_type) == p.fingerprint]
+        if matching or len(candidates) == 1:
+            chosen[device_type] = (matching or candidates)[0]
+            continue
+        raise ValueError(
+            f"{where}: expected one profile of {device_type} at ZeRO stage {plan.zero_stage} in "
+            f"{poplar_config.profiles}, or the one the plan was made from, found {len(candidates)} (several models?) "
+            "and a plan that names none of them"
+        )
     return list(chosen.values()), find_network(poplar_config.profiles, cluster)
 
 

@@ -10,9 +10,10 @@ measures), never the time it waits in collectives. Every
 2. rank 0 (`DriftMonitor`, which alone holds the profiles) compares each rank's busy
    time with the prediction under the speeds it currently assumes. A rank whose ratio
    is off by more than ``threshold`` on ``sustained_checks`` consecutive checks has
-   drifted: its speed factor is multiplied by its ratio and the plan is searched again
-   with each rank's curve scaled by its own factor (`search.drift.replan`; one
-   throttled GPU is not its whole type). If the new plan's predicted iteration time is
+   drifted: its speed factor is multiplied by its ratio (over the median ratio of the
+   ranks that did not drift) and the plan is searched again with each rank's curve
+   scaled by its own factor (`search.drift.replan`; one throttled GPU is not its whole
+   type). If the new plan's predicted iteration time is
    shorter by more than ``min_gain``, rank 0 sends it, with the reason, to every rank
    (`decided_by_rank0`, one collective; a failed search sends "no change");
 3. every rank switches at the same iteration boundary: the first iteration no rank's
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -97,8 +99,12 @@ class DriftMonitor:
         from search.drift import replan
 
         before = list(self.rank_scales)
+        # Relative to the ranks that did not drift: a bias every rank shares (profiles taken
+        # on a busier day) changes no allocation, and would misstate the drifted rank's speed.
+        steady = [r for rank, r in enumerate(ratios) if r is not None and rank not in drifted]
+        reference = statistics.median(steady) if steady else 1.0
         for rank in drifted:
-            self.rank_scales[rank] *= ratios[rank]
+            self.rank_scales[rank] *= ratios[rank] / reference
         self.streaks = [0] * len(self.streaks)
         described = ", ".join(
             f"rank {rank} ({self.cluster.rank_device_types[rank]}) at {ratios[rank]:.2f}x its predicted compute "
@@ -117,6 +123,57 @@ class DriftMonitor:
             return None
         reason = f"re-balanced at step {step}: {described}; {found.message}"
         return {"plan": plan_to_dict(found.plan), "reason": reason}
+
+
+class CudaEventTimer:
+    """A real GPU's compute windows, timed with CUDA events and read only at a check.
+
+    The same interface as `ComputeSlowdown` with no emulation (`start`, `stop`,
+    `busy_time_s`), without its synchronisation at every window: the events are
+    recorded on the stream and their times summed when `busy_time_s` is read.
+    """
+
+    emulation = None
+    slowdown = 1.0
+
+    def __init__(self) -> None:
+        self._started: Any = None
+        self._windows: list[tuple[Any, Any]] = []
+        self._summed_s = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self._started is not None
+
+    def _event(self) -> Any:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        if self._started is None:
+            self._started = self._event()
+
+    def stop(self) -> float:
+        if self._started is not None:
+            self._windows.append((self._started, self._event()))
+            self._started = None
+        return 0.0
+
+    @property
+    def busy_time_s(self) -> float:
+        for start, end in self._windows:
+            end.synchronize()
+            self._summed_s += start.elapsed_time(end) / 1000.0
+        self._windows.clear()
+        return self._summed_s
+
+    @busy_time_s.setter
+    def busy_time_s(self, value: float) -> None:
+        self._windows.clear()
+        self._summed_s = value
 
 
 @dataclass(kw_only=True)
@@ -168,7 +225,9 @@ class Rebalancer:
             self.active = False
             if self.rank == 0:
                 without = [rank for rank, r in enumerate(reports) if not r["has_sampler"]]
-                logger.warning(
+                # Asked for explicitly: a warning; on by default ("auto"): a note.
+                logger.log(
+                    logging.WARNING if self.config.enabled else logging.INFO,
                     "poplar rebalance: off for this job: ranks %s feed batches of their own, which a plan switch cannot "
                     "change; train from the dataloader poplar_ext.initialize returns or engine.create_batch_sampler",
                     without,
@@ -219,4 +278,4 @@ def switch_together(engine: PoplarEngine, plan: Plan, *, reason: str) -> None:
     schedule_switch(engine, chosen, position=max(gather_objects(data_reached(engine))), reason=reason)
 
 
-__all__ = ["DriftMonitor", "PendingSwitch", "Rebalancer", "data_reached", "schedule_switch", "switch_together"]
+__all__ = ["CudaEventTimer", "DriftMonitor", "PendingSwitch", "Rebalancer", "data_reached", "schedule_switch", "switch_together"]

@@ -17,6 +17,21 @@ CLIP = 0.3
 """Small enough that the global gradient is clipped in the first steps."""
 
 
+class RecordingSampler:
+    """Passes a batch sampler's micro-batches through and remembers their sample indices."""
+
+    def __init__(self, sampler, seen: list):
+        self.sampler, self.seen = sampler, seen
+
+    def __iter__(self):
+        for batch in self.sampler:
+            self.seen.append(list(batch))
+            yield batch
+
+    def __len__(self):
+        return len(self.sampler)
+
+
 def write_cluster(path: Path, *, fast: int = 1, slow: int = 2, slowdown: float = 1.5, fast_type: str = "cpu") -> Path:
     """A cluster of `fast` real ranks followed by `slow` emulated slower ones.
 

@@ -19,21 +19,6 @@ import _training as t
 STEPS = 3
 
 
-class RecordingSampler:
-    """Passes micro-batches through and remembers their sample indices."""
-
-    def __init__(self, sampler, seen):
-        self.sampler, self.seen = sampler, seen
-
-    def __iter__(self):
-        for batch in self.sampler:
-            self.seen.append(list(batch))
-            yield batch
-
-    def __len__(self):
-        return len(self.sampler)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", choices=("first", "resumed"), required=True)
@@ -57,7 +42,7 @@ def main() -> None:
         if args.phase == "resumed":
             engine.load_checkpoint(checkpoints)  # the latest tag
         start = engine.data_position
-        loader = torch.utils.data.DataLoader(data, batch_sampler=RecordingSampler(engine.create_batch_sampler(len(data)), seen))
+        loader = torch.utils.data.DataLoader(data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen))
         t.train_steps(engine, loader, STEPS)
         if args.phase == "first":
             engine.save_checkpoint(checkpoints)

@@ -20,21 +20,6 @@ OTHER_ALLOCATION = [(1, 2), (3, 3), (2, 1)]  # same stage (1), other batches
 TYPES = ["cpu", "cpu-slow", "cpu-slow"]
 
 
-class _RecordingSampler:
-    """Passes micro-batches through and remembers their sample indices."""
-
-    def __init__(self, sampler, seen):
-        self.sampler, self.seen = sampler, seen
-
-    def __iter__(self):
-        for batch in self.sampler:
-            self.seen.append(list(batch))
-            yield batch
-
-    def __len__(self):
-        return len(self.sampler)
-
-
 def _engine(files, stage, plan_key=None):
     import poplar_ext
 
@@ -46,7 +31,7 @@ def _engine(files, stage, plan_key=None):
     )
     seen = []
     data = t.dataset()
-    loader = torch.utils.data.DataLoader(data, batch_sampler=_RecordingSampler(engine.create_batch_sampler(len(data)), seen))
+    loader = torch.utils.data.DataLoader(data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen))
     return engine, loader, seen
 
 

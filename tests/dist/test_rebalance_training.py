@@ -21,21 +21,6 @@ GLOBAL_BATCH = 12
 TYPES = ["cpu", "cpu-slow", "cpu-slow"]
 
 
-class _Recording:
-    """A batch sampler's micro-batches passed through and remembered."""
-
-    def __init__(self, sampler, seen):
-        self.sampler, self.seen = sampler, seen
-
-    def __iter__(self):
-        for batch in self.sampler:
-            self.seen.append(list(batch))
-            yield batch
-
-    def __len__(self):
-        return len(self.sampler)
-
-
 def random_allocation(rng: random.Random, stage: int) -> list[tuple[int, int]]:
     """(micro_batch_size, accumulation steps) per rank summing to GLOBAL_BATCH; one count at stages 2/3."""
     if stage >= 2:
@@ -65,7 +50,7 @@ def _forced(config_path: str, stage: int, switches: list[list[tuple[int, int]]])
                                        config=config_path)
     data = t.dataset()
     seen: list[list[int]] = []
-    loader = torch.utils.data.DataLoader(data, batch_sampler=_Recording(engine.create_batch_sampler(len(data)), seen))
+    loader = torch.utils.data.DataLoader(data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen))
     template = plan_to_dict(load_plan(os.path.join(os.path.dirname(config_path), f"plan{stage}.json")))
     for allocation in switches:
         t.train_steps(engine, loader, 2)
@@ -179,7 +164,7 @@ def _drifting(config: dict) -> dict:
     )
     first = [(r.micro_batch_size, r.gradient_accumulation_steps) for r in engine.plan.ranks]
     seen: list[list[int]] = []
-    loader = torch.utils.data.DataLoader(data, batch_sampler=_Recording(engine.create_batch_sampler(len(data)), seen))
+    loader = torch.utils.data.DataLoader(data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen))
     t.train_steps(engine, loader, STEPS)
     monitor = engine._rebalancer.monitor
     return {
@@ -192,7 +177,7 @@ def _drifting(config: dict) -> dict:
     }
 
 
-def _drift_config(tmp_path, schedule) -> dict:
+def _drift_config(tmp_path, schedule, *, enabled=True) -> dict:
     cluster = json.loads(
         t.write_cluster(tmp_path / "cluster.json", fast=1, slow=2, slowdown=2.0, fast_type="cpu-fast").read_text()
     )
@@ -202,7 +187,9 @@ def _drift_config(tmp_path, schedule) -> dict:
     config = t.ds_config(cluster=tmp_path / "cluster.json", plan=None, stage=1, profiles=str(tmp_path / "profiles"),
                          # Threshold 1.0 (2x off): an emulated rank that sleeps between micro-steps runs its compute
                          # up to ~1.5x its profile on this model (cold caches), a 4x drift is far beyond.
-                         rebalance={"enabled": True, "check_interval_steps": 2, "threshold": 1.0, "sustained_checks": 2})
+                         rebalance={"enabled": enabled, "check_interval_steps": 2, "threshold": 1.0, "sustained_checks": 2})
+    if enabled == "auto":
+        del config["poplar"]["rebalance"]["enabled"]  # the default
     config["train_batch_size"] = DRIFT_BATCH
     return config
 
@@ -230,8 +217,9 @@ def test_a_scheduled_drift_triggers_exactly_one_replan(tmp_path):
     assert _trained_once(results), "every position of the stream once, across the switch"
 
 
-def test_no_drift_no_replan(tmp_path):
-    results = run_ranks(_drifting, world_size=3, tmp_path=tmp_path / "ranks", args=(_drift_config(tmp_path, None),),
-                        timeout_s=300)
+def test_no_drift_no_replan_and_on_by_default_where_the_profiles_are(tmp_path):
+    results = run_ranks(_drifting, world_size=3, tmp_path=tmp_path / "ranks",
+                        args=(_drift_config(tmp_path, None, enabled="auto"),), timeout_s=300)
+    assert [c["step"] for c in results[0]["checks"]] == list(range(2, STEPS + 1, 2)), "checked every 2 steps"
     assert len(results[0]["history"]) == 1, (results[0]["history"], results[0]["checks"])
     assert results[0]["first"] == results[0]["last"] and _trained_once(results)

@@ -33,16 +33,17 @@ def _config(rebalance):
     return poplar_config_from_dict({"plan": "p.json", "rebalance": rebalance}, base_dir=Path("."), source="ds.json")
 
 
-def test_rebalance_is_off_by_default_and_every_option_is_read():
+def test_rebalance_is_auto_by_default_and_every_option_is_read():
     assert poplar_config_from_dict({"plan": "p.json"}, base_dir=Path(".")).rebalance == RebalanceConfig()
-    assert RebalanceConfig().enabled is False
+    assert RebalanceConfig().enabled is None, "auto: on where the profiles are"
+    assert _config({"enabled": "auto"}).rebalance.enabled is None and _config({"enabled": False}).rebalance.enabled is False
     read = _config({"enabled": True, "check_interval_steps": 5, "threshold": 0.3, "min_gain": 0.1, "sustained_checks": 3})
     assert read.rebalance == RebalanceConfig(enabled=True, check_interval_steps=5, threshold=0.3, min_gain=0.1,
                                              sustained_checks=3)
 
 
 @pytest.mark.parametrize("rebalance, message", [
-    ({"enabled": "yes"}, "ds.json: poplar.rebalance.enabled: expected true or false"),
+    ({"enabled": "yes"}, "ds.json: poplar.rebalance.enabled: expected true, false or 'auto'"),
     ({"check_interval_steps": 0}, "poplar.rebalance.check_interval_steps: expected an integer >= 1"),
     ({"threshold": -0.1}, "poplar.rebalance.threshold: expected a positive number"),
     ({"min_gain": -1}, "poplar.rebalance.min_gain: expected a number"),
@@ -260,3 +261,46 @@ def test_the_plan_round_trips_after_a_replan():
     found = replan(plan, _profiles(), _cluster(), [2.0, 1.0, 1.0], min_gain=0.0).plan
     assert plan_from_dict(plan_to_dict(found)) == found
     assert found.profile_fingerprints == plan.profile_fingerprints, "the profiles it was made from"
+
+
+def test_a_bias_every_rank_shares_does_not_misstate_the_drifted_rank():
+    monitor, plan = _monitor()
+    predicted = monitor.predicted_compute_s(plan)
+    # Every rank runs 0.8x its profile (profiled on a busier day); rank 0 then 3x on top.
+    for step in (2, 4):
+        monitor.observe(plan, [2 * p * f for p, f in zip(predicted, (2.4, 0.8, 0.8))], [2, 2, 2], step=step)
+    assert monitor.rank_scales == pytest.approx([3.0, 1.0, 1.0])
+
+
+def test_a_real_gpu_is_timed_with_events_read_only_at_a_check(monkeypatch):
+    import torch
+
+    from poplar_ext.runtime.rebalance import CudaEventTimer
+
+    clock = iter([0.0, 2.0, 5.0, 5.5])  # ms at each record()
+    synchronised = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.ms = next(clock)
+
+        def synchronize(self):
+            synchronised.append(self.ms)
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timer = CudaEventTimer()
+    timer.start()
+    timer.start()  # a second start inside a window is ignored
+    timer.stop()
+    timer.start()
+    timer.stop()
+    assert synchronised == [], "no synchronisation per window"
+    assert timer.busy_time_s == pytest.approx(0.0025)
+    timer.busy_time_s = 0.0
+    assert timer.busy_time_s == 0.0 and timer.emulation is None
