@@ -73,6 +73,10 @@ def main() -> None:
         }
         with open(args.result, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
+    # End the process group before exit: a gloo group left alive at interpreter exit can abort a rank.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

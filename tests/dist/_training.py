@@ -17,6 +17,13 @@ CLIP = 0.3
 """Small enough that the global gradient is clipped in the first steps."""
 
 
+def shut_down() -> None:
+    """End a launched script's process group: leaving gloo's alive at interpreter exit can abort a
+    rank ("terminate called without an active exception") after all its work is written."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 class RecordingSampler:
     """Passes a batch sampler's micro-batches through and remembers their sample indices."""
 

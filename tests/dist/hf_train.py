@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import _hf_common as hf
+import _training as t
 import torch
 
 
@@ -64,6 +65,7 @@ def main() -> None:
         torch.save(params, out / "params.pt")
         (out / "metrics.json").write_text(json.dumps(result.metrics))
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+    t.shut_down()
 
 
 if __name__ == "__main__":

@@ -52,10 +52,7 @@ def main() -> None:
                                    "history": [h["reason"] for h in engine.plan_history]}))
         if rank == 0:
             torch.save(params, root / args.phase / f"stage{stage}-params.pt")
-    # Interpreter exit with the gloo group alive can abort a rank ("terminate called without
-    # an active exception", seen once on CI after every file was written): shut it down first.
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    t.shut_down()
 
 
 if __name__ == "__main__":
