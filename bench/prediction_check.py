@@ -90,7 +90,8 @@ def summarize(cases: list[tuple[PredictionCase, dict[str, Any]]]) -> dict[str, A
 def render_markdown(summary: dict[str, Any], *, title: str = "Prediction error beyond the tuned case") -> str:
     lines = [
         f"# {title}", "",
-        (f"Devices: {summary['devices']}. Error = (predicted - measured) / measured iteration time, per "
+        (f"Devices: {summary['devices']}; profiles: {summary.get('profiles', 'n/a')}. "
+         "Error = (predicted - measured) / measured iteration time, per "
         "measured repetition; the goal is a median |error| of at most "
         f"{100 * summary['goal']['median_abs_error_at_most']:.0f}% for every case and policy."), "",
         "| case | stage | ranks | policy | repetitions | median abs. error | median error | share of ideal |",

@@ -35,6 +35,9 @@ from typing import Any
 
 from search.formats import POLICIES, ZERO_STAGES, write_json_atomic
 
+POPLAR_SHARE_GOAL = 0.95
+"""The demo's goal for poplar's measured samples/s against the measured ideal (issue 15)."""
+
 REPORT_SCHEMA = "poplar-bench-report/1"
 _LIBRARIES = ("poplar-ext", "torch", "deepspeed", "numpy", "scipy", "matplotlib")
 
@@ -157,7 +160,8 @@ def demo_goals(scenario: dict[str, Any]) -> list[dict[str, Any]]:
     if poplar is None:
         return [{"goal": "poplar policy produced a plan", "value": None, "target": None, "met": False}]
     share = poplar.get("share_of_ideal")
-    goals.append({"goal": "poplar share of the measured ideal", "value": share, "target": ">= 0.9", "met": share is not None and share >= 0.9})
+    goals.append({"goal": "poplar share of the measured ideal", "value": share, "target": f">= {POPLAR_SHARE_GOAL}",
+                  "met": share is not None and share >= POPLAR_SHARE_GOAL})
     for entry in entries.values():
         error = entry.get("prediction_error")
         goals.append(
@@ -313,8 +317,8 @@ def render_markdown(report: dict[str, Any]) -> str:
 def render_scaling(series: list[dict[str, Any]]) -> list[str]:
     """Markdown: each stage alone as the cluster grows (see `bench.simulate.scaling_series`)."""
     lines = ["", "## Each ZeRO stage as the cluster grows (poplar, predicted)", "",
-             "Samples/s per GPU, share of the ideal and, in brackets, the share of the iteration spent "
-             "communicating; global batch = 16 samples per GPU."]
+             ("Samples/s per GPU, share of the ideal and, in brackets, the share of the iteration spent in communication "
+              "not hidden behind compute (stage 3 overlaps its backward collectives); global batch = 16 samples per GPU.")]
     for item in series:
         lines += ["", f"### {item['name']}", "",
                   "| GPUs | stage 0 | stage 1 | stage 2 | stage 3 | fastest |", "| --- | --- | --- | --- | --- | --- |"]
