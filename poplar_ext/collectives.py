@@ -114,32 +114,33 @@ def agree_max(values: list[float], device: Any) -> list[float]:
     return tensor.tolist()
 
 
-def timed_collective(collective: str, message_bytes: int, device: Any) -> float:
+def timed_collective(collective: str, message_bytes: int, device: Any, *, group: Any = None) -> float:
     """Seconds this rank spends in one `collective` of a `message_bytes` tensor, after a barrier.
 
     ``all_reduce`` of the tensor, ``reduce_scatter`` of it into 1/W shards,
     ``all_gather`` of 1/W shards into it: the collectives ZeRO issues, as
     `search.network` prices them. float32 elements; the tensor is rounded up to a
-    multiple of the world size.
+    multiple of the world size. `group`: a subgroup (this rank must be in it), default
+    the whole job.
     """
     import time
 
     import torch
     import torch.distributed as dist
 
-    world_size = dist.get_world_size()
+    world_size = dist.get_world_size(group)
     on = device if dist.get_backend() == "nccl" else torch.device("cpu")
     elements = -(-max(1, message_bytes // 4) // world_size) * world_size
     whole = torch.ones(elements, dtype=torch.float32, device=on)
     shard = torch.ones(elements // world_size, dtype=torch.float32, device=on)
     operations = {
-        "all_reduce": lambda: dist.all_reduce(whole),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, whole),
-        "all_gather": lambda: dist.all_gather_into_tensor(whole, shard),
+        "all_reduce": lambda: dist.all_reduce(whole, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, whole, group=group),
+        "all_gather": lambda: dist.all_gather_into_tensor(whole, shard, group=group),
     }
     if collective not in operations:
         raise ValueError(f"collective: expected one of {', '.join(operations)}, found {collective!r}")
-    dist.barrier()
+    dist.barrier(group=group)
     if on.type == "cuda":
         torch.cuda.synchronize(on)
     started = time.perf_counter()

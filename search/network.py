@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,20 @@ class CollectiveFit:
     """What was measured (empty for a modelled network)."""
 
 
+SCOPES = ("within_node", "between_nodes")
+"""Where a multi-node job's collectives were also timed: among the ranks of each node (all
+nodes at once), and among one rank per node."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkScope:
+    """The collectives timed on part of the job's ranks."""
+
+    group_size: int
+    """Ranks in each group timed (a node's ranks; or the number of nodes)."""
+    collectives: dict[str, CollectiveFit]
+
+
 @dataclass(frozen=True, kw_only=True)
 class NetworkProfile:
     """The collectives of one cluster's process group."""
@@ -90,6 +104,8 @@ class NetworkProfile:
     """One fit per name in `COLLECTIVES`."""
     measured_with: dict[str, Any]
     """Provenance: ``source`` is ``measured`` or ``modelled``; the rest is free-form."""
+    scopes: dict[str, NetworkScope] = field(default_factory=dict)
+    """With several nodes: the same collectives within a node and between nodes (`SCOPES`)."""
     schema_version: int = NETWORK_SCHEMA_VERSION
 
     @property
@@ -167,24 +183,34 @@ def network_path(directory: str | os.PathLike[str], cluster: Cluster) -> Path:
 # ----------------------------------------------------------------------------------
 # JSON
 # ----------------------------------------------------------------------------------
-def network_to_dict(network: NetworkProfile) -> dict[str, Any]:
+def _fits_to_dict(collectives: dict[str, CollectiveFit]) -> dict[str, Any]:
     return {
+        name: {
+            "latency_s": fit.latency_s,
+            "bus_bandwidth_bytes_per_s": fit.bus_bandwidth_bytes_per_s,
+            "samples": [{"message_bytes": s.message_bytes, "time_s": s.time_s} for s in fit.samples],
+        }
+        for name, fit in collectives.items()
+    }
+
+
+def network_to_dict(network: NetworkProfile) -> dict[str, Any]:
+    data = {
         "schema_version": network.schema_version,
         "kind": NETWORK_KIND,
         "cluster_key": network.cluster_key,
         "world_size": network.world_size,
         "num_nodes": network.num_nodes,
         "backend": network.backend,
-        "collectives": {
-            name: {
-                "latency_s": fit.latency_s,
-                "bus_bandwidth_bytes_per_s": fit.bus_bandwidth_bytes_per_s,
-                "samples": [{"message_bytes": s.message_bytes, "time_s": s.time_s} for s in fit.samples],
-            }
-            for name, fit in network.collectives.items()
-        },
+        "collectives": _fits_to_dict(network.collectives),
         "measured_with": network.measured_with,
     }
+    if network.scopes:
+        data["scopes"] = {
+            name: {"group_size": scope.group_size, "collectives": _fits_to_dict(scope.collectives)}
+            for name, scope in network.scopes.items()
+        }
+    return data
 
 
 def is_network(data: Any) -> bool:
@@ -192,20 +218,12 @@ def is_network(data: Any) -> bool:
     return isinstance(data, dict) and data.get("kind") == NETWORK_KIND
 
 
-def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile:
-    """Validate parsed JSON and build a `NetworkProfile`; raises `FormatError`."""
-    root = Node(data, source).obj().keys_within(
-        ("schema_version", "kind", "cluster_key", "world_size", "num_nodes", "backend", "collectives", "measured_with")
-    )
-    version = root.field("schema_version")
-    if isinstance(version.value, bool) or version.value != NETWORK_SCHEMA_VERSION:
-        raise version.fail(f"schema_version {NETWORK_SCHEMA_VERSION}")
-    root.field("kind").string(choices=(NETWORK_KIND,))
-    collectives_node = root.field("collectives").obj().keys_within(COLLECTIVES)
+def _parse_fits(node: Node) -> dict[str, CollectiveFit]:
+    collectives_node = node.obj().keys_within(COLLECTIVES)
     collectives = {}
     for name in COLLECTIVES:
-        node = collectives_node.field(name).obj().keys_within(("latency_s", "bus_bandwidth_bytes_per_s", "samples"))
-        samples_node = node.optional("samples")
+        fit_node = collectives_node.field(name).obj().keys_within(("latency_s", "bus_bandwidth_bytes_per_s", "samples"))
+        samples_node = fit_node.optional("samples")
         samples = ()
         if samples_node is not None:
             samples = tuple(
@@ -218,12 +236,36 @@ def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile
                 for item in samples_node.items(max_length=1000)
             )
         collectives[name] = CollectiveFit(
-            latency_s=node.field("latency_s").number(minimum=0.0, maximum=MAX_TIME_S),
-            bus_bandwidth_bytes_per_s=node.field("bus_bandwidth_bytes_per_s").number(
+            latency_s=fit_node.field("latency_s").number(minimum=0.0, maximum=MAX_TIME_S),
+            bus_bandwidth_bytes_per_s=fit_node.field("bus_bandwidth_bytes_per_s").number(
                 positive=True, maximum=MAX_BANDWIDTH_BYTES_PER_S
             ),
             samples=samples,
         )
+    return collectives
+
+
+def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile:
+    """Validate parsed JSON and build a `NetworkProfile`; raises `FormatError`."""
+    root = Node(data, source).obj().keys_within(
+        ("schema_version", "kind", "cluster_key", "world_size", "num_nodes", "backend", "collectives", "measured_with",
+         "scopes")
+    )
+    version = root.field("schema_version")
+    if isinstance(version.value, bool) or version.value != NETWORK_SCHEMA_VERSION:
+        raise version.fail(f"schema_version {NETWORK_SCHEMA_VERSION}")
+    root.field("kind").string(choices=(NETWORK_KIND,))
+    collectives = _parse_fits(root.field("collectives"))
+    scopes = {}
+    scopes_node = root.optional("scopes")
+    if scopes_node is not None:
+        scopes_node.obj().keys_within(SCOPES)
+        for name, scope_node in scopes_node.entries():
+            scope_node.obj().keys_within(("group_size", "collectives"))
+            scopes[name] = NetworkScope(
+                group_size=scope_node.field("group_size").integer(minimum=2, maximum=MAX_WORLD_SIZE),
+                collectives=_parse_fits(scope_node.field("collectives")),
+            )
     provenance = root.field("measured_with").obj()
     provenance.field("source").string(choices=PROFILE_SOURCES)
     return NetworkProfile(
@@ -233,6 +275,7 @@ def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile
         backend=root.field("backend").string(),
         collectives=collectives,
         measured_with=dict(provenance.value),
+        scopes=scopes,
     )
 
 

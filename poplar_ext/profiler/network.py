@@ -14,6 +14,7 @@ import platform
 import statistics
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,8 +27,10 @@ from poplar_ext.collectives import (
 from poplar_ext.profiler.layout import JobLayout
 from search.network import (
     COLLECTIVES,
+    CollectiveFit,
     CollectiveSample,
     NetworkProfile,
+    NetworkScope,
     cluster_key,
     find_network,
     fit_collective,
@@ -41,25 +44,79 @@ DEFAULT_MESSAGE_BYTES = (2**12, 2**16, 2**20, 2**23, 2**25)
 """4 KiB (latency) to 32 MiB (bandwidth)."""
 
 
+def _fits(layout: JobLayout, message_bytes: tuple[int, ...], warmup: int, repeats: int, *, group: Any = None,
+          timed: bool = True, group_size: int | None = None) -> dict[str, CollectiveFit]:
+    """Every collective timed on `group` (None: the whole job) and fitted to the slowest rank's
+    medians. Collective over the whole job: a rank outside the group passes ``timed=False`` and
+    only joins the agreement on the slowest times."""
+    fits = {}
+    for collective in COLLECTIVES:
+        medians = [0.0] * len(message_bytes)
+        if timed:
+            medians = []
+            for size in message_bytes:
+                times = [timed_collective(collective, size, layout.device, group=group) for _ in range(warmup + repeats)]
+                medians.append(statistics.median(times[warmup:]))
+        slowest = agree_max(medians, layout.device)
+        samples = [CollectiveSample(message_bytes=size, time_s=max(t, 1e-9)) for size, t in zip(message_bytes, slowest)]
+        fits[collective] = fit_collective(collective, group_size or layout.world_size, samples)
+    return fits
+
+
+def node_ranks(layout: JobLayout) -> list[list[int]]:
+    """The ranks of each node of the job's cluster description, in rank order."""
+    groups, rank = [], 0
+    for node in layout.cluster.nodes:
+        count = sum(g.count for g in node.devices)
+        groups.append(list(range(rank, rank + count)))
+        rank += count
+    return groups
+
+
+def _scopes(layout: JobLayout, message_bytes: tuple[int, ...], warmup: int, repeats: int) -> dict[str, NetworkScope]:
+    """With several nodes: the collectives within each node (all nodes at once) and among one rank per node."""
+    import torch.distributed as dist
+
+    nodes = node_ranks(layout)
+    if len(nodes) < 2:
+        return {}
+    scopes = {}
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    node_groups = [dist.new_group(ranks) for ranks in nodes]
+    leaders = [ranks[0] for ranks in nodes]
+    leader_group = dist.new_group(leaders)
+    mine = next(index for index, ranks in enumerate(nodes) if layout.rank in ranks)
+    largest = max(len(ranks) for ranks in nodes)
+    if largest >= 2:
+        # Every node is timed at once; with nodes of several sizes the fit is the largest's
+        # (the slowest rank's times count).
+        scopes["within_node"] = NetworkScope(group_size=largest, collectives=_fits(
+            layout, message_bytes, warmup, repeats, group=node_groups[mine], timed=len(nodes[mine]) >= 2,
+            group_size=largest,
+        ))
+    scopes["between_nodes"] = NetworkScope(group_size=len(nodes), collectives=_fits(
+        layout, message_bytes, warmup, repeats, group=leader_group, timed=layout.rank in leaders, group_size=len(nodes),
+    ))
+    for ranks, group in [*zip(nodes, node_groups), (leaders, leader_group)]:
+        if layout.rank in ranks:  # a rank holds only the groups it is in
+            dist.destroy_process_group(group)
+    return scopes
+
+
 def measure_network(
     layout: JobLayout, *, message_bytes: tuple[int, ...] = DEFAULT_MESSAGE_BYTES, warmup: int = 1, repeats: int = 3
 ) -> NetworkProfile:
-    """Time every collective of `search.network.COLLECTIVES` on the job's process group (collective)."""
-    fits = {}
-    for collective in COLLECTIVES:
-        medians = []
-        for size in message_bytes:
-            times = [timed_collective(collective, size, layout.device) for _ in range(warmup + repeats)][warmup:]
-            medians.append(statistics.median(times))
-        slowest = agree_max(medians, layout.device)
-        samples = [CollectiveSample(message_bytes=size, time_s=max(t, 1e-9)) for size, t in zip(message_bytes, slowest)]
-        fits[collective] = fit_collective(collective, layout.world_size, samples)
+    """Time every collective of `search.network.COLLECTIVES` on the job's process group (collective),
+    and, with several nodes, within each node and between nodes (`search.network.SCOPES`)."""
+    fits = _fits(layout, message_bytes, warmup, repeats)
+    scopes = _scopes(layout, message_bytes, warmup, repeats)
     return NetworkProfile(
         cluster_key=cluster_key(layout.cluster),
         world_size=layout.world_size,
         num_nodes=len(layout.cluster.nodes),
         backend=process_group_backend(),
         collectives=fits,
+        scopes=scopes,
         measured_with={
             "source": "measured",
             "torch": torch.__version__,

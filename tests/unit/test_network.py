@@ -230,3 +230,19 @@ def test_poplar_search_takes_the_network_file_beside_the_profiles_or_the_one_nam
     (tmp_path / "broken.json").write_text("{}")
     assert search_main([*argv, "--network", str(tmp_path / "broken.json")]) == 2
     assert "broken.json" in capsys.readouterr().err
+
+
+def test_scopes_round_trip_and_a_bad_scope_names_its_field(tmp_path):
+    from search.network import NetworkScope, network_from_dict
+
+    base = _network()
+    network = dataclasses.replace(base, num_nodes=2, scopes={
+        "within_node": NetworkScope(group_size=2, collectives=base.collectives),
+        "between_nodes": NetworkScope(group_size=2, collectives=base.collectives),
+    })
+    data = network_to_dict(network)
+    assert network_from_dict(data) == network
+    assert "scopes" not in network_to_dict(base), "a one-node file is written as before"
+    data["scopes"]["across_racks"] = data["scopes"].pop("between_nodes")
+    with pytest.raises(FormatError, match=r"n.json: scopes.across_racks: expected one of the keys"):
+        network_from_dict(data, source="n.json")
