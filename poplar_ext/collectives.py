@@ -150,6 +150,23 @@ def timed_collective(collective: str, message_bytes: int, device: Any, *, group:
     return time.perf_counter() - started
 
 
+def new_groups(rank_lists: list[list[int]]) -> list[Any]:
+    """A process group for each list of ranks. Collective: every rank creates every group, in the
+    same order (torch.distributed's rule), also those it is not in."""
+    import torch.distributed as dist
+
+    return [dist.new_group(ranks) for ranks in rank_lists]
+
+
+def destroy_groups(groups: list[Any], rank_lists: list[list[int]], rank: int) -> None:
+    """Release the groups of `new_groups` that `rank` belongs to (it holds no others)."""
+    import torch.distributed as dist
+
+    for group, ranks in zip(groups, rank_lists):
+        if rank in ranks:
+            dist.destroy_process_group(group)
+
+
 def process_group_backend() -> str:
     """The default process group's backend (``nccl``, ``gloo``)."""
     import torch.distributed as dist

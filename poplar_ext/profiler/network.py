@@ -21,6 +21,8 @@ import torch
 from poplar_ext.collectives import (
     agree_max,
     broadcast_from_rank0,
+    destroy_groups,
+    new_groups,
     process_group_backend,
     timed_collective,
 )
@@ -75,16 +77,12 @@ def node_ranks(layout: JobLayout) -> list[list[int]]:
 
 def _scopes(layout: JobLayout, message_bytes: tuple[int, ...], warmup: int, repeats: int) -> dict[str, NetworkScope]:
     """With several nodes: the collectives within each node (all nodes at once) and among one rank per node."""
-    import torch.distributed as dist
-
     nodes = node_ranks(layout)
     if len(nodes) < 2:
         return {}
     scopes = {}
-    # Every rank creates every group, in the same order (torch.distributed's rule).
-    node_groups = [dist.new_group(ranks) for ranks in nodes]
     leaders = [ranks[0] for ranks in nodes]
-    leader_group = dist.new_group(leaders)
+    *node_groups, leader_group = new_groups([*nodes, leaders])
     mine = next(index for index, ranks in enumerate(nodes) if layout.rank in ranks)
     largest = max(len(ranks) for ranks in nodes)
     if largest >= 2:
@@ -97,9 +95,7 @@ def _scopes(layout: JobLayout, message_bytes: tuple[int, ...], warmup: int, repe
     scopes["between_nodes"] = NetworkScope(group_size=len(nodes), collectives=_fits(
         layout, message_bytes, warmup, repeats, group=leader_group, timed=layout.rank in leaders, group_size=len(nodes),
     ))
-    for ranks, group in [*zip(nodes, node_groups), (leaders, leader_group)]:
-        if layout.rank in ranks:  # a rank holds only the groups it is in
-            dist.destroy_process_group(group)
+    destroy_groups([*node_groups, leader_group], [*nodes, leaders], layout.rank)
     return scopes
 
 
