@@ -90,6 +90,98 @@ def test_forced_switches_keep_gradients_exact_and_every_sample_once(tmp_path, st
     assert all(r["steps"] == steps for r in results)
 
 
+class _Indexed(__import__("torch").utils.data.Dataset):
+    """The test data set's items with their index: what trained is read from the batches themselves."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        return index, self.data[index]
+
+
+def _forced_fetching_ahead(config_path: str, switches: list[list[tuple[int, int]]]) -> dict:
+    import os
+
+    import torch
+
+    import poplar_ext
+    from search.formats import load_plan, plan_from_dict, plan_to_dict
+
+    model = t.GPT(t.TINY)
+    engine, *_ = poplar_ext.initialize(model=model, optimizer=t.make_optimizer("adam", model.parameters()),
+                                       config=config_path)
+    data = _Indexed(t.dataset())
+    # As a DataLoader's workers do (forked ranks cannot start them): 4 micro-batches are
+    # taken from the sampler ahead of training, so when a switch is agreed the samplers
+    # have handed out later iterations already and it waits for the first none has started.
+    loader = torch.utils.data.DataLoader(data, batch_sampler=engine.create_batch_sampler(len(data)))
+
+    def ahead(depth: int = 4):
+        import collections
+
+        fetched = collections.deque()
+        for batch in loader:
+            fetched.append(batch)
+            if len(fetched) > depth:
+                yield fetched.popleft()
+        yield from fetched
+
+    stream = ahead()
+    trained: list[list[int]] = []
+
+    def train(steps: int) -> None:
+        nonlocal stream
+        done = 0
+        while done < steps:
+            try:
+                indices, tokens = next(stream)
+            except StopIteration:
+                stream = ahead()
+                continue
+            trained.append(indices.tolist())
+            engine.backward(engine(tokens))
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            done += boundary
+
+    template = plan_to_dict(load_plan(os.path.join(os.path.dirname(config_path), "plan1.json")))
+    requested = []
+    for allocation in switches:
+        train(2)
+        requested.append(engine.global_steps)
+        ranks = [dict(r, micro_batch_size=b, gradient_accumulation_steps=s) for r, (b, s) in zip(template["ranks"], allocation)]
+        engine.rebalance_to(plan_from_dict(dict(template, ranks=ranks)), reason="forced by the test")
+    train(2 * len(switches) + 2 - engine.global_steps)
+    return {
+        "trained": trained,
+        "requested": requested,
+        "history": [h["start_step"] for h in engine.plan_history],
+        "params": t.full_parameters(engine) if torch.distributed.get_rank() == 0 else None,
+    }
+
+
+def test_a_switch_waits_for_data_fetched_ahead(tmp_path):
+    first, switches = [(2, 2), (4, 1), (2, 2)], [[(4, 1), (1, 4), (4, 1)], [(3, 2), (2, 1), (2, 2)]]
+    t.write_plan(tmp_path / "plan1.json", first, stage=1, device_types=TYPES)
+    cluster = t.write_cluster(tmp_path / "cluster.json", fast=1, slow=2, slowdown=1.0)
+    (tmp_path / "ds.json").write_text(json.dumps(t.ds_config(cluster=cluster, plan=tmp_path / "plan1.json", stage=1)))
+    results = run_ranks(_forced_fetching_ahead, world_size=3, tmp_path=tmp_path / "ranks",
+                        args=(str(tmp_path / "ds.json"), switches), timeout_s=240)
+    steps = 2 * len(switches) + 2
+    history, requested = results[0]["history"], results[0]["requested"]
+    assert all(r["history"] == history for r in results), "every rank switched at the same step"
+    assert len(history) == 1 + len(switches) and all(s >= r for s, r in zip(history[1:], requested))
+    assert any(s > r for s, r in zip(history[1:], requested)), f"no switch waited for fetched data: {history} {requested}"
+    expected, _ = t.reference_parameters("adam", GLOBAL_BATCH, steps)
+    assert t.max_difference(results[0]["params"], expected) <= 1e-6
+    trained = sorted(i for r in results for batch in r["trained"] for i in batch)
+    assert trained == sorted(t.SampleStream(num_samples=t.NUM_SAMPLES, seed=0).indices(0, steps * GLOBAL_BATCH))
+
+
 def _save_then_resume(config_path: str, checkpoints: str, stage: int, switched: list[tuple[int, int]]) -> dict:
     import os
 
