@@ -14,6 +14,7 @@ import random
 
 import _training as t
 import pytest
+import torch
 from harness import run_ranks
 
 STAGES = (0, 1, 2, 3)
@@ -90,7 +91,7 @@ def test_forced_switches_keep_gradients_exact_and_every_sample_once(tmp_path, st
     assert all(r["steps"] == steps for r in results)
 
 
-class _Indexed(__import__("torch").utils.data.Dataset):
+class _Indexed(torch.utils.data.Dataset):
     """The test data set's items with their index: what trained is read from the batches themselves."""
 
     def __init__(self, data):
