@@ -185,10 +185,18 @@ def profile_model(
         micro_batch_size_limit=micro_batch_size_limit,
         micro_batch_sizes=None if micro_batch_sizes is None else tuple(micro_batch_sizes),
     )
+    config_name = "ds_config"
     if not isinstance(ds_config, Mapping):
+        config_name = str(ds_config)
         ds_config = read_json(ds_config)
         if not isinstance(ds_config, dict):
             raise ValueError(f"ds_config: expected a JSON object, found {type(ds_config).__name__}")
+    if "optimizer" not in ds_config and optimizer_factory is None:
+        # DeepSpeed would stop at its first engine with a bare "must provide optimizer" assertion.
+        raise ValueError(
+            f"{config_name}: optimizer: expected an 'optimizer' section (the optimizer training uses: its step is "
+            "part of every profile), found none; add one, or pass optimizer_factory to profile_model"
+        )
     cache_dir = Path(cache_dir)
     loss_fn = loss_fn or default_loss
 
@@ -380,7 +388,7 @@ def _make_profile(
             "hardware": layout.hardware[t],
             "device": "emulated" if emulation is not None else "real",
             "ds_config_fingerprint": config_fp,
-            "timing": "CUDA events, median" if cuda else "process CPU time, median",
+            "timing": "CUDA events, median" if cuda else "the computing thread's CPU time (x the emulated slowdown), median",
             # CUDA events see the collectives of a micro-step; a CPU rank's thread time does not.
             "micro_step_times_include_communication": cuda,
             "memory": "torch.cuda.max_memory_reserved (allocated plus fragmentation); the CUDA context and NCCL "

@@ -272,6 +272,11 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
         raise UsageError(f"--deepspeed_config: {exc}") from None
     if not isinstance(ds_config, dict):
         raise UsageError(f"--deepspeed_config: expected a JSON object in {config_path}, found {type(ds_config).__name__}")
+    if "optimizer" not in ds_config:
+        raise UsageError(
+            f"--deepspeed_config: {config_path}: optimizer: expected an 'optimizer' section (the optimizer training "
+            "uses: its step is part of every profile), found none"
+        )
     # The cluster file is read by rank 0 alone, inside the job (other nodes need not have it).
     cluster_path = None if args.cluster is None else Path(args.cluster)
     output_dir = Path(args.output_dir)

@@ -147,3 +147,18 @@ def test_a_loss_function_of_your_own(files, monkeypatch) -> None:
     module, batch = torch.nn.Linear(2, 1), torch.ones(3, 2)
     assert float(command.loss_fn(module, batch)) == pytest.approx(float(module(batch).sum()))
     assert main(_args(files, "--model", "my_models:build", "--batch", "my_models:batch", "--loss", "my_loss:nope")) == 2
+
+
+def test_a_deepspeed_config_without_an_optimizer_is_refused_before_any_engine(files, tmp_path, capsys) -> None:
+    import torch
+
+    from poplar_ext.profiler import profile_model
+
+    no_optimizer = tmp_path / "no_optimizer.json"
+    no_optimizer.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    assert main(["--deepspeed_config", str(no_optimizer), "--cluster", files["cluster"], "--model", "toy-gpt"]) == 2
+    err = capsys.readouterr().err
+    assert f"--deepspeed_config: {no_optimizer}: optimizer: expected an 'optimizer' section" in err
+    with pytest.raises(ValueError, match="ds_config: optimizer: expected an 'optimizer' section.*optimizer_factory"):
+        profile_model(model_factory=lambda: torch.nn.Linear(2, 1), make_batch=lambda b: torch.ones(b, 2),
+                      ds_config={"zero_optimization": {"stage": 1}}, cluster=files["cluster"], cache_dir=tmp_path / "p")
