@@ -24,7 +24,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -140,12 +139,6 @@ def _rank_main(rank: int, port: int, directory: str, blocks: int, block_iteratio
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _NoOpEngine:
     """Stands in for DeepSpeed's engine to time what the wrapper adds around it."""
 
@@ -210,6 +203,8 @@ def run_overhead(*, blocks: int = 30, block_iterations: int = 8, warmup: int = 1
     """Measure both engines (see the module docstring); returns the report as a dict."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
+    from bench.demo import _free_port
+
     port = _free_port()
     with tempfile.TemporaryDirectory() as directory:
         processes = [
