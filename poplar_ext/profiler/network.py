@@ -144,8 +144,7 @@ def cached_or_measured_network(layout: JobLayout, cache_dir: Path, *, force: boo
         return network_from_dict(found, source=str(path)), f"network: from the cache ({path})"
     network = measure_network(layout)
     if layout.rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_network(network, path)
+        save_network(network, path)  # makes the network/ folder
     fit = network.collectives["all_reduce"]
     return network, (
         f"network: measured over {layout.world_size} ranks ({network.backend}): all-reduce "

@@ -124,7 +124,7 @@ class PoplarConfig:
     """On CPU, keep glibc's freed memory for reuse (the allocator the profiler times under);
     process-wide, see `poplar_ext.hardware.memory.steady_cpu_allocator`."""
     rebalance: RebalanceConfig = RebalanceConfig()
-    """Re-planning during training when devices drift (off by default)."""
+    """Re-planning during training when devices drift (``"auto"`` by default: on where it can run)."""
     source: str = DICT_SOURCE
     """The DeepSpeed config file the section came from (not a key of the section: for messages)."""
 

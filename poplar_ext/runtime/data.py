@@ -133,7 +133,6 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
                 f"num_samples: expected at least the global batch ({self.global_batch_size} samples), found {num_samples}: "
                 "one iteration would train some samples twice; use a larger data set or a smaller global batch"
             )
-        self._offset = rank_offsets(samples_per_rank)[rank]
         self._world_size = len(samples_per_rank)
         if iterations_per_pass is not None and iterations_per_pass < 1:
             raise ValueError(f"iterations_per_pass: expected an integer >= 1, found {iterations_per_pass}")
@@ -146,7 +145,9 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         """Stream position of iteration 0 (not 0 after a resume under another global batch)."""
         self.next_iteration = 0
         """The iteration the next pass starts at (advances as micro-batches are yielded)."""
-        self._splits: list[tuple[int, int, int, int]] = [(0, self.micro_batch_size, self.gradient_accumulation_steps, self._offset)]
+        self._splits: list[tuple[int, int, int, int]] = [
+            (0, self.micro_batch_size, self.gradient_accumulation_steps, rank_offsets(samples_per_rank)[rank])
+        ]
         """``(from_position, b, s, offset)``: this rank's share of every iteration that starts at or after
         the stream position, the last such entry winning (`switch_plan` appends)."""
         self.generated_until = 0
@@ -246,17 +247,13 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             )
         b, s, offset = sizes[self.rank], steps[self.rank], rank_offsets(per_rank)[self.rank]
         self._splits.append((from_position, b, s, offset))
-        self.micro_batch_size, self.gradient_accumulation_steps, self._offset = b, s, offset
-        self._world_size = len(per_rank)
+        self.micro_batch_size, self.gradient_accumulation_steps = b, s
 
     def _split(self, iteration: int) -> tuple[int, int, int]:
         """``(b, s, offset)`` of this rank in `iteration`."""
         start = self.iteration_start(iteration)
-        for from_position, b, s, offset in reversed(self._splits):
-            if from_position <= start:
-                return b, s, offset
-        _, b, s, offset = self._splits[0]
-        return b, s, offset
+        # The first split starts at position 0: some split always matches.
+        return next((b, s, offset) for from_position, b, s, offset in reversed(self._splits) if from_position <= start)
 
     def micro_batches(self, iteration: int) -> list[list[int]]:
         """This rank's micro-batches in `iteration` (pure: depends only on the plans and their switch positions)."""

@@ -38,7 +38,7 @@ from poplar_ext.runtime.checkpoint import (
 )
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.rebalance import CudaEventTimer, PendingSwitch, Rebalancer, switch_together
+from poplar_ext.runtime.rebalance import CudaEventTimer, PendingSwitch, Rebalancer, schedule_switch, switch_together
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
 from search.formats import Plan, plan_from_dict
 
@@ -475,9 +475,7 @@ class PoplarEngine:
         self.plan_history = decision.plan_history or self.plan_history
         if decision.continue_plan is not None:
             plan = plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")
-            for sampler in self._samplers:
-                sampler.switch_plan(plan, from_position=decision.data_position)
-            self.switch_plan(plan, reason="the checkpoint's last plan", record=False)
+            schedule_switch(self, plan, position=decision.data_position, reason="the checkpoint's last plan", record=False)
         if self._rank == 0:
             for note in decision.notes:
                 logger.info("load_checkpoint: %s", note)

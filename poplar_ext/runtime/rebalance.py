@@ -60,8 +60,6 @@ class DriftMonitor:
     """Each rank's assumed time factor against its profile (1.0: as profiled)."""
     streaks: list[int] = field(default_factory=list)
     """Consecutive checks on which each rank was off its prediction by more than the threshold."""
-    last_ratios: list[float | None] = field(default_factory=list)
-    """Each rank's measured / predicted compute time at the last check (None: no iteration measured)."""
     checks: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_CHECKS_KEPT))
     """The latest checks: ``{"step", "ratios", "scales"}`` each (for logs and the drift bench)."""
 
@@ -69,7 +67,11 @@ class DriftMonitor:
         world_size = self.cluster.world_size
         self.rank_scales = self.rank_scales or [1.0] * world_size
         self.streaks = self.streaks or [0] * world_size
-        self.last_ratios = self.last_ratios or [None] * world_size
+
+    @property
+    def last_ratios(self) -> list[float | None]:
+        """Each rank's measured / predicted compute time at the last check (None: no iteration measured)."""
+        return list(self.checks[-1]["ratios"]) if self.checks else [None] * self.cluster.world_size
 
     def predicted_compute_s(self, plan: Plan) -> list[float]:
         """Each rank's predicted compute time per iteration under `plan` and the assumed speeds."""
@@ -88,7 +90,6 @@ class DriftMonitor:
         ratios: list[float | None] = []
         for busy, count, expected in zip(busy_s, iterations, predicted):
             ratios.append(busy / (count * expected) if count > 0 and expected > 0 and busy > 0 else None)
-        self.last_ratios = ratios
         self.checks.append({"step": step, "ratios": list(ratios), "scales": list(self.rank_scales)})
         threshold = self.config.threshold
         for rank, ratio in enumerate(ratios):
@@ -254,12 +255,15 @@ def data_reached(engine: PoplarEngine) -> int:
     return max([engine.trained_position] + [s.generated_until for s in engine.batch_samplers])
 
 
-def schedule_switch(engine: PoplarEngine, plan: Plan, *, position: int, reason: str) -> None:
-    """Switch to `plan` at the iteration that starts at stream `position` (every rank alike)."""
+def schedule_switch(engine: PoplarEngine, plan: Plan, *, position: int, reason: str, record: bool = True) -> None:
+    """Switch to `plan` at the iteration that starts at stream `position` (every rank alike).
+
+    `record`: add the switch to the plan history (not for a resume under the checkpoint's last plan).
+    """
     for sampler in engine.batch_samplers:
         sampler.switch_plan(plan, from_position=position)
     if position <= engine.trained_position:
-        engine.switch_plan(plan, reason=reason)
+        engine.switch_plan(plan, reason=reason, record=record)
     else:
         engine.pending_switch = PendingSwitch(plan=plan, position=position, reason=reason)
 
