@@ -338,16 +338,27 @@ def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
             device_types[type_name] = DeviceTypeInfo(
                 emulation=None if emulation is None else _parse_emulation(emulation.obj())
             )
-            schedule = device_types[type_name].emulation.slowdown_schedule if emulation is not None else ()
-            ranks_of_type = [r for r, t in enumerate(g.device_type for n in nodes for g in n.devices for _ in range(g.count))
-                             if t == type_name]
-            for index, (_, _, rank) in enumerate(schedule):
-                if rank is not None and rank not in ranks_of_type:
-                    raise emulation.child("slowdown_schedule").fail(
-                        f"entries whose rank is one of {type_name!r}'s ranks ({_rank_list(ranks_of_type)})",
-                        raw_found=f"rank {rank}",
-                    )
-    return Cluster(nodes=tuple(nodes), device_types=device_types)
+    cluster = Cluster(nodes=tuple(nodes), device_types=device_types)
+    if types_node is not None:
+        _check_schedule_ranks(cluster, types_node)
+    return cluster
+
+
+def _check_schedule_ranks(cluster: Cluster, types_node: Node) -> None:
+    """A ``slowdown_schedule`` entry for one rank must name a rank of its device type."""
+    rank_types: tuple[str, ...] | None = None
+    for type_name, info in cluster.device_types.items():
+        ranks = {rank for _, _, rank in (info.emulation.slowdown_schedule if info.emulation else ()) if rank is not None}
+        if not ranks:
+            continue
+        rank_types = rank_types or cluster.rank_device_types
+        ranks_of_type = [r for r, t in enumerate(rank_types) if t == type_name]
+        stray = min(ranks - set(ranks_of_type), default=None)
+        if stray is not None:
+            raise types_node.child(type_name).child("emulation").child("slowdown_schedule").fail(
+                f"entries whose rank is one of {type_name!r}'s ranks ({_rank_list(ranks_of_type)})",
+                raw_found=f"rank {stray}",
+            )
 
 
 def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
