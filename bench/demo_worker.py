@@ -299,14 +299,11 @@ def make_plans(settings: DemoSettings, profiles: list[Profile], cluster: Cluster
     # The profiler measured the network beside the profiles: communication is priced.
     network = find_network(settings.profiles_dir(), cluster)
     out: dict[str, Any] = {"policies": {}, "cluster": cluster_to_dict(cluster)}
-    out["network"] = None if network is None else {
-        key: value for key, value in network_to_dict(network).items() if key != "collectives"
-    } | {
-        "collectives": {
-            name: {"latency_s": fit.latency_s, "bus_bandwidth_bytes_per_s": fit.bus_bandwidth_bytes_per_s}
-            for name, fit in network.collectives.items()
-        }
-    }
+    out["network"] = None
+    if network is not None:  # the fits, without the samples behind them
+        out["network"] = network_to_dict(network)
+        for fit in out["network"]["collectives"].values():
+            del fit["samples"]
     for policy in POLICIES:
         result = search_plan(
             profiles, cluster, global_batch_size=settings.global_batch_size, zero_stage=settings.zero_stage,
