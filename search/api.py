@@ -7,6 +7,7 @@ status is ``ok`` or ``infeasible``; it raises only for bad input (`ValueError`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,8 +101,15 @@ class PlanPrediction:
 # ----------------------------------------------------------------------------------
 # Input checks
 # ----------------------------------------------------------------------------------
-def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Profile]]:
-    """Profiles by stage and device type; ValueError for mixed models or duplicates."""
+Variants = dict[bool, Profile]
+"""One device type's profiles at one stage, by ``activation_checkpointing``."""
+
+MAX_CHECKPOINTING_CHOICES = 4096
+"""Most combinations of per-type activation checkpointing one stage's search tries (2 ** 12)."""
+
+
+def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants]]:
+    """Profiles by stage, device type and activation checkpointing; ValueError for mixed models or duplicates."""
     if isinstance(profiles, Profile) or not isinstance(profiles, Sequence):
         raise ValueError(f"profiles: expected a list of search.formats.Profile, found {type(profiles).__name__}")
     for index, profile in enumerate(profiles):
@@ -119,16 +127,63 @@ def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Profile]
     if len(models) > 1:
         shown = ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
         raise ValueError(f"profiles: expected profiles of one model, found {len(models)} models: {shown}")
-    by_stage: dict[int, dict[str, Profile]] = {}
+    by_stage: dict[int, dict[str, Variants]] = {}
     for profile in profiles:
-        stage = by_stage.setdefault(profile.zero_stage, {})
-        if profile.device_type in stage:
+        variants = by_stage.setdefault(profile.zero_stage, {}).setdefault(profile.device_type, {})
+        if profile.activation_checkpointing in variants:
+            checkpointing = " with activation checkpointing" if profile.activation_checkpointing else ""
             raise ValueError(
-                f"profiles: expected one profile per (device type, ZeRO stage), found two for "
-                f"{profile.device_type!r} at stage {profile.zero_stage}"
+                f"profiles: expected one profile per (device type, ZeRO stage, activation checkpointing), found two "
+                f"for {profile.device_type!r} at stage {profile.zero_stage}{checkpointing}"
             )
-        stage[profile.device_type] = profile
+        variants[profile.activation_checkpointing] = profile
     return by_stage
+
+
+def _plain(variants: Variants) -> Profile:
+    """The profile without activation checkpointing, or the only one there is."""
+    return variants.get(False) or variants[True]
+
+
+def checkpointing_choices(
+    variants_by_type: dict[str, Variants], zero_stage: int, *, choose: bool
+) -> list[dict[str, bool]]:
+    """The per-type activation checkpointing settings a search at `zero_stage` tries, fewest checkpointed first.
+
+    With `choose` (the ``poplar`` policy) every combination of the variants each type
+    has that fit the model; at stage 3 only all-or-none, because the recomputed forward
+    gathers parameters again and DeepSpeed needs every rank to issue the same gathers
+    (bench/results/mixed_checkpointing). Without it (``uniform``, ``proportional``:
+    what DeepSpeed or Whale would run) one setting: off, or on for a type profiled
+    only with it (then every type at stage 3).
+    """
+    types = list(variants_by_type)
+    if not choose:
+        setting = {t: False not in variants_by_type[t] for t in types}
+        if zero_stage == 3 and any(setting.values()):
+            setting = dict.fromkeys(types, True)
+        return [setting]
+    if zero_stage == 3:
+        return [
+            dict.fromkeys(types, on)
+            for on in (False, True)
+            if all(on in variants_by_type[t] and variants_by_type[t][on].max_micro_batch_size > 0 for t in types)
+        ] or [{t: False not in variants_by_type[t] for t in types}]
+    options = []
+    for t in types:
+        fitting = [on for on in (False, True) if on in variants_by_type[t] and variants_by_type[t][on].max_micro_batch_size > 0]
+        options.append(fitting or [False not in variants_by_type[t]])
+    total = 1
+    for option in options:
+        total *= len(option)
+    if total > MAX_CHECKPOINTING_CHOICES:
+        raise ValueError(
+            f"profiles: expected at most {MAX_CHECKPOINTING_CHOICES} combinations of activation checkpointing per stage "
+            f"(2 ** the device types profiled both ways), found {total} at stage {zero_stage}; leave out the "
+            "checkpointed profiles of the types that need it least"
+        )
+    combos = [dict(zip(types, combo)) for combo in itertools.product(*options)]
+    return sorted(combos, key=lambda combo: sum(combo.values()))
 
 
 def _check_arguments(
@@ -162,30 +217,74 @@ def _check_arguments(
 # ----------------------------------------------------------------------------------
 # search_plan
 # ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class _StageOutcome:
+    model: StageModel | None
+    outcome: PolicyResult
+    checkpointing: dict[str, bool]
+    """Activation checkpointing per device type of the allocation."""
+
+
+def _better(candidate: PolicyResult, best: PolicyResult | None, *, fixed_batch: bool) -> bool:
+    """Strictly better (fixed batch: shorter iteration; automatic batch: more samples/s): ties keep the earlier."""
+    if best is None or not best.ok:
+        return candidate.ok or best is None
+    if not candidate.ok:
+        return False
+    a, b = candidate.allocation, best.allocation
+    return a.iteration_time_s < b.iteration_time_s if fixed_batch else a.samples_per_s > b.samples_per_s
+
+
 def _evaluate_stage(
     stage: int,
-    by_stage: dict[int, dict[str, Profile]],
+    by_stage: dict[int, dict[str, Variants]],
     cluster: Cluster,
     policy: str,
     global_batch_size: int | None,
     max_global_batch_size: int | None,
     network: NetworkProfile | None = None,
-) -> tuple[StageModel | None, PolicyResult]:
+) -> _StageOutcome:
+    """The policy's best allocation at `stage` over the activation checkpointing settings it may choose.
+
+    Each setting is one cost model and the policies are exact per model, so the best
+    over all settings is the exact optimum of the joint choice.
+    """
     profiles = by_stage.get(stage, {})
     types = list(cluster.type_counts())
     missing = [t for t in types if t not in profiles]
     if missing:
-        return None, PolicyResult(allocation=None, reason=f"No profile for {', '.join(missing)} at stage {stage}.")
-    too_big = [t for t in types if profiles[t].max_micro_batch_size == 0]
-    if too_big:
-        return None, PolicyResult(
-            allocation=None,
-            reason=f"The model does not fit {', '.join(too_big)} at stage {stage} (max_micro_batch_size 0).",
+        return _StageOutcome(
+            model=None, outcome=PolicyResult(allocation=None, reason=f"No profile for {', '.join(missing)} at stage {stage}."),
+            checkpointing={},
         )
-    model = build_stage_model(profiles, cluster.rank_device_types, stage, network)
-    if global_batch_size is not None:
-        return model, allocate(policy, model, global_batch_size)
-    return model, best_global_batch(policy, model, max_global_batch_size)
+    variants = {t: profiles[t] for t in types}
+    best: _StageOutcome | None = None
+    for setting in checkpointing_choices(variants, stage, choose=policy == "poplar"):
+        chosen = {t: variants[t][setting[t]] for t in types}
+        too_big = [t for t in types if chosen[t].max_micro_batch_size == 0]
+        if too_big:
+            outcome = PolicyResult(
+                allocation=None,
+                reason=f"The model does not fit {', '.join(too_big)} at stage {stage} (max_micro_batch_size 0).",
+            )
+            if best is None:
+                best = _StageOutcome(model=None, outcome=outcome, checkpointing=setting)
+            continue
+        model = build_stage_model(chosen, cluster.rank_device_types, stage, network)
+        if global_batch_size is not None:
+            outcome = allocate(policy, model, global_batch_size)
+        else:
+            outcome = best_global_batch(policy, model, max_global_batch_size)
+        if _better(outcome, None if best is None else best.outcome, fixed_batch=global_batch_size is not None):
+            best = _StageOutcome(model=model, outcome=outcome, checkpointing=setting)
+    assert best is not None, "checkpointing_choices returns at least one setting"
+    return best
+
+
+def checkpointing_text(setting: dict[str, bool]) -> str:
+    """``activation checkpointing on A, B`` for the types that use it ('' when none does)."""
+    on = [t for t, enabled in setting.items() if enabled]
+    return f"activation checkpointing on {', '.join(on)}" if on else ""
 
 
 def _plan(model: StageModel, outcome: PolicyResult, policy: str) -> Plan:
@@ -197,6 +296,7 @@ def _plan(model: StageModel, outcome: PolicyResult, policy: str) -> Plan:
             device_type=model.devices[int(index)].device_type,
             micro_batch_size=int(micro),
             gradient_accumulation_steps=int(steps),
+            activation_checkpointing=model.devices[int(index)].profile.activation_checkpointing,
         )
         for rank, (index, micro, steps) in enumerate(
             zip(model.rank_device_index, allocation.micro_batch_sizes, allocation.accumulation_steps)
@@ -277,10 +377,11 @@ def search_plan(
             f"found {', '.join(repr(t) for t in unknown)} with no profile"
         )
     stages = list(ZERO_STAGES) if zero_stage == "auto" else [int(zero_stage)]
-    outcomes = {
+    evaluated = {
         stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size, network)
         for stage in stages
     }
+    outcomes = {stage: (e.model, e.outcome) for stage, e in evaluated.items()}
     feasible = {s: (m, o) for s, (m, o) in outcomes.items() if o.ok}
     if not feasible:
         by_reason: dict[str, list[int]] = {}
@@ -319,6 +420,8 @@ def search_plan(
                 reason = "Fastest feasible stage."
             else:
                 reason = "The only stage evaluated." if len(stages) == 1 else "The only feasible stage."
+            if checkpointing_text(evaluated[stage].checkpointing):
+                reason = reason[:-1] + f", with {checkpointing_text(evaluated[stage].checkpointing)}."
         else:
             status = "slower"
             slower_pct = 100.0 * (1.0 - allocation.samples_per_s / best.samples_per_s)
@@ -334,8 +437,10 @@ def search_plan(
     else:
         batch_text = f"global batch {plan.global_batch_size}"
     share = plan.predicted.samples_per_s / plan.predicted.ideal_samples_per_s
+    checkpointing = checkpointing_text(evaluated[chosen].checkpointing)
     message = (
-        f"{policy} at ZeRO stage {chosen}{' (auto)' if zero_stage == 'auto' else ''}: {batch_text}, "
+        f"{policy} at ZeRO stage {chosen}{' (auto)' if zero_stage == 'auto' else ''}: {batch_text}"
+        f"{', ' + checkpointing if checkpointing else ''}, "
         f"predicted {plan.predicted.iteration_time_s:.4g} s per iteration, "
         f"{plan.predicted.samples_per_s:.4g} samples/s ({100 * share:.1f}% of ideal)."
     )
@@ -358,8 +463,10 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
     """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
 
     Checks the world size, each rank's device type, the stage rule (stages 2 and 3:
-    one accumulation count on every rank) and, with `profiles`, that every device type
-    has a profile at the plan's stage and that no micro-batch exceeds its cap.
+    one accumulation count on every rank), activation checkpointing (one setting per
+    device type; at stage 3 one for every rank) and, with `profiles`, that every device
+    type has a profile at the plan's stage, with the plan's activation checkpointing,
+    and that no micro-batch exceeds its cap.
     """
     problems: list[str] = []
     if plan.world_size != cluster.world_size:
@@ -378,13 +485,29 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
                 f"ZeRO stage {plan.zero_stage} needs the same gradient_accumulation_steps on every rank, "
                 f"but the plan has {', '.join(map(str, counts))}."
             )
+    settings = plan_checkpointing(plan)
+    mixed = [t for t, setting in settings.items() if setting is None]
+    if mixed:
+        problems.append(
+            f"Ranks of one device type differ in activation_checkpointing ({_some(mixed)}); the plan gives each "
+            "device type one setting."
+        )
+    if plan.zero_stage == 3 and len({r.activation_checkpointing for r in plan.ranks}) > 1:
+        problems.append(
+            "ZeRO stage 3 needs the same activation_checkpointing on every rank (a recomputed forward gathers "
+            "parameters again, and every rank must issue the same gathers), but the plan mixes them."
+        )
     if profiles is not None:
         models = {p.model.fingerprint for p in profiles}
         if len(models) > 1:
             problems.append(f"The profiles describe {len(models)} different models; expected one.")
-        at_stage = {p.device_type: p for p in profiles if p.zero_stage == plan.zero_stage}
+        at_stage = {
+            p.device_type: p
+            for p in profiles
+            if p.zero_stage == plan.zero_stage and p.activation_checkpointing == bool(settings.get(p.device_type))
+        }
         types = list(dict.fromkeys(r.device_type for r in plan.ranks))
-        missing = [t for t in types if t not in at_stage]
+        missing = [t + (" with activation checkpointing" if settings.get(t) else "") for t in types if t not in at_stage]
         if missing:
             problems.append(f"No profile at ZeRO stage {plan.zero_stage} for {', '.join(missing)}.")
         over = [
@@ -397,16 +520,37 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
     return problems
 
 
+def plan_checkpointing(plan: Plan) -> dict[str, bool | None]:
+    """Activation checkpointing per device type of `plan` (None for a type whose ranks differ)."""
+    settings: dict[str, bool | None] = {}
+    for r in plan.ranks:
+        if settings.setdefault(r.device_type, r.activation_checkpointing) != r.activation_checkpointing:
+            settings[r.device_type] = None
+    return settings
+
+
 def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | None = None) -> PlanPrediction:
     """Per-rank busy time and the iteration time the cost model predicts for `plan` (with `network`: communication priced).
 
-    Raises ValueError when a device type has no profile at the plan's stage or a
-    micro-batch is outside 1..max_micro_batch_size of its profile.
+    Each device type is priced with its profile at the plan's stage and activation
+    checkpointing. Raises ValueError when a device type has no such profile, its ranks
+    differ in activation checkpointing, or a micro-batch is outside
+    1..max_micro_batch_size of its profile.
     """
     by_stage = _check_profiles(profiles)
-    at_stage = by_stage.get(plan.zero_stage, {})
-    types = list(dict.fromkeys(r.device_type for r in plan.ranks))
-    missing = [t for t in types if t not in at_stage or at_stage[t].max_micro_batch_size == 0]
+    variants = by_stage.get(plan.zero_stage, {})
+    settings = plan_checkpointing(plan)
+    mixed = [t for t, setting in settings.items() if setting is None]
+    if mixed:
+        raise ValueError(
+            f"plan: expected one activation_checkpointing per device type, found both for {', '.join(mixed)}"
+        )
+    at_stage = {t: variants[t][bool(on)] for t, on in settings.items() if t in variants and bool(on) in variants[t]}
+    missing = [
+        t + (" with activation checkpointing" if settings[t] else "")
+        for t in settings
+        if t not in at_stage or at_stage[t].max_micro_batch_size == 0
+    ]
     if missing:
         raise ValueError(
             f"profiles: expected a profile that fits the model at ZeRO stage {plan.zero_stage} for every device "

@@ -82,7 +82,13 @@ class StageCommunication:
 
 
 def stage_communication(
-    network: NetworkProfile, *, zero_stage: int, num_parameters: int, dtype: str, world_size: int
+    network: NetworkProfile,
+    *,
+    zero_stage: int,
+    num_parameters: int,
+    dtype: str,
+    world_size: int,
+    recomputes_forward: bool = False,
 ) -> StageCommunication:
     """What DeepSpeed's ZeRO `zero_stage` communicates per micro-step and per boundary over `world_size` ranks.
 
@@ -91,7 +97,9 @@ def stage_communication(
     model prices alike (one latency per hop per bucket is left out: buckets are large).
     Stage 2's per-micro-step reduce-scatter is exposed: DeepSpeed's ``overlap_comm``
     defaults to off below stage 3. Stage 3's forward all-gather is counted exposed
-    (prefetching hides part of it: a conservative choice).
+    (prefetching hides part of it: a conservative choice). With `recomputes_forward`
+    (activation checkpointing) stage 3's backward gathers the parameters once more
+    for the recomputed forward; the other stages communicate nothing in forward.
     """
     message_bytes = float(num_parameters) * DTYPE_BYTES[dtype]
 
@@ -108,7 +116,7 @@ def stage_communication(
         boundary = time_s("all_gather")
     elif zero_stage == 3:
         exposed = time_s("all_gather")
-        backward = time_s("all_gather") + time_s("reduce_scatter")
+        backward = (2 if recomputes_forward else 1) * time_s("all_gather") + time_s("reduce_scatter")
         if network.overlaps_compute:
             overlapped = backward
         else:
@@ -279,10 +287,12 @@ def build_stage_model(
             communication = stage_communication(
                 network, zero_stage=zero_stage, num_parameters=profile.model.num_parameters,
                 dtype=profile.model.dtype, world_size=world_size,
+                recomputes_forward=profile.activation_checkpointing,
             )
             profiled = stage_communication(
                 network, zero_stage=zero_stage, num_parameters=profile.model.num_parameters,
                 dtype=profile.model.dtype, world_size=profile.world_size,
+                recomputes_forward=profile.activation_checkpointing,
             )
             compute_table = profiled.compute_time_s(table) if micro_step_times_include_communication(profile) else table
             # The fitted table is non-decreasing; so must the priced one be (the policies rely on it).

@@ -113,6 +113,9 @@ class Profile:
     measured_with: dict[str, Any]
     """Provenance. ``source`` is ``measured`` or ``modelled``; the rest (library
     versions, host, hardware, date, or the analytic model used) is free-form."""
+    activation_checkpointing: bool = False
+    """Measured with activation checkpointing (each block's activations recomputed in
+    backward instead of kept): slower micro-steps, larger micro-batches fit."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     @property
@@ -121,9 +124,18 @@ class Profile:
         return self.measured_with["source"]
 
     @property
+    def key(self) -> tuple[str, int, bool]:
+        """``(device_type, zero_stage, activation_checkpointing)``: one profile per key and model."""
+        return (self.device_type, self.zero_stage, self.activation_checkpointing)
+
+    @property
     def fingerprint(self) -> str:
         """Content hash of the whole profile: plans record which profiles made them."""
-        return content_fingerprint(profile_to_dict(self))
+        data = profile_to_dict(self)
+        if not self.activation_checkpointing:
+            # Profiles from before the field hash as they did, so plans naming them stay valid.
+            del data["activation_checkpointing"]
+        return content_fingerprint(data)
 
 
 def _keys(cls: type) -> tuple[str, ...]:
@@ -227,6 +239,7 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
         optimizer_step_time_s=root.field("optimizer_step_time_s").number(minimum=0.0, maximum=MAX_TIME_S),
         emulated=None if emulated_node is None else _parse_emulation(emulated_node.obj()),
         measured_with=dict(provenance.value),
+        activation_checkpointing=_optional_boolean(root, "activation_checkpointing"),
     )
 
 
@@ -386,6 +399,8 @@ class RankPlan:
     device_type: str
     micro_batch_size: int
     gradient_accumulation_steps: int
+    activation_checkpointing: bool = False
+    """Whether this rank recomputes activations in backward (chosen per device type by the search)."""
 
     @property
     def samples_per_iteration(self) -> int:
@@ -443,6 +458,7 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
                 gradient_accumulation_steps=node.field("gradient_accumulation_steps").integer(
                     minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE
                 ),
+                activation_checkpointing=_optional_boolean(node, "activation_checkpointing"),
             )
         )
     gbs_node = root.field("global_batch_size")
@@ -468,6 +484,12 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
         ),
         profile_fingerprints=fingerprints,
     )
+
+
+def _optional_boolean(node: Node, key: str) -> bool:
+    """A boolean field that files written before it existed leave out (false)."""
+    child = node.optional(key)
+    return False if child is None else child.boolean()
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -532,7 +554,8 @@ def is_cluster_or_plan(data: Any) -> bool:
 def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
     """Load every ``*.json`` profile directly in `directory` (sorted by file name).
 
-    Two files for the same (device type, ZeRO stage, model fingerprint) are an error:
+    Two files for the same (device type, ZeRO stage, activation checkpointing, model
+    fingerprint) are an error:
     silently picking one would make plans depend on file-name order. A cluster
     description (top-level ``nodes``) or a plan (top-level ``ranks``) kept next to the
     profiles is skipped, so one directory can hold a whole example.
@@ -541,19 +564,20 @@ def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
     if not directory.is_dir():
         raise FormatError(str(directory), "(directory)", "a directory of profile JSON files", "no such directory")
     profiles: list[Profile] = []
-    origin: dict[tuple[str, int, str], Path] = {}
+    origin: dict[tuple[str, int, bool, str], Path] = {}
     for path in sorted(directory.glob("*.json")):
         data = read_json(path)
         if is_cluster_or_plan(data):
             continue
         profile = profile_from_dict(data, source=str(path))
-        key = (profile.device_type, profile.zero_stage, profile.model.fingerprint)
+        key = (*profile.key, profile.model.fingerprint)
         if key in origin:
+            checkpointing = " with activation checkpointing" if key[2] else ""
             raise FormatError(
                 str(path),
                 "device_type",
-                "one profile per (device type, ZeRO stage, model)",
-                f"a second profile for {key[0]!r} at stage {key[1]} (the first is {origin[key].name})",
+                "one profile per (device type, ZeRO stage, activation checkpointing, model)",
+                f"a second profile for {key[0]!r} at stage {key[1]}{checkpointing} (the first is {origin[key].name})",
             )
         origin[key] = path
         profiles.append(profile)
