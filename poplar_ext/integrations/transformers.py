@@ -22,6 +22,10 @@ What it changes, through the Trainer's own hooks (nothing is patched):
   transformers 5 ``GPT2LMHeadModel.loss_type`` is None and the Trainer would count
   unshifted), summed over every rank and accumulation step, and the model divides its
   token sum by ``T / W``;
+* each rank's ``activation_checkpointing`` from the plan becomes its
+  ``gradient_checkpointing`` argument (non-reentrant), which the Trainer applies at
+  ``train()``; a plan asking for it from a model without
+  ``supports_gradient_checkpointing`` is refused on every rank;
 * logged batch sizes and samples/s are the true global ones
   (`get_total_train_batch_size`);
 * checkpoints carry poplar-ext's state (``poplar_state.json``), and
@@ -54,6 +58,7 @@ from poplar_ext.runtime.checkpoint import (
 )
 from poplar_ext.runtime.config import GlobalBatchRequest, load_deepspeed_config
 from poplar_ext.runtime.data import PlanBatchSampler
+from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
 from poplar_ext.runtime.initialize import Job, prepare_job
 from poplar_ext.runtime.weighting import label_token_count
 
@@ -92,10 +97,24 @@ def _trainer_optimizer_factory(args: TrainingArguments, model: Any) -> Any:
     return lambda params: optimizer_cls(params, **optimizer_kwargs)
 
 
-def _rank_arguments(args: TrainingArguments, job: Job) -> TrainingArguments:
+def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | None) -> TrainingArguments:
     """`args` for this rank: its plan's micro-batch and accumulation count, the DeepSpeed
-    config's batch values left for Hugging Face to fill from them ("auto")."""
+    config's batch values left for Hugging Face to fill from them ("auto"), and its
+    activation checkpointing (`checkpointing`; None: the model cannot, args as given)."""
     rank_plan = job.plan.ranks[job.rank]
+    if checkpointing is not None:
+        if args.gradient_checkpointing != checkpointing:
+            logger.info(
+                "rank %d: gradient_checkpointing %s as the plan says (TrainingArguments said %s)",
+                job.rank, checkpointing, args.gradient_checkpointing,
+            )
+        # The Trainer enables it at train() from these arguments: they must say what the plan says.
+        args = dataclasses.replace(
+            args,
+            gradient_checkpointing=checkpointing,
+            gradient_checkpointing_kwargs={**(args.gradient_checkpointing_kwargs or {}), "use_reentrant": False}
+            if checkpointing else args.gradient_checkpointing_kwargs,
+        )
     config = {k: v for k, v in job.ds_config.items()}
     for key in _BATCH_KEYS:
         config[key] = "auto"
@@ -149,6 +168,11 @@ class PoplarTrainer(Trainer):
         self.plan = self.job.plan
         """The plan every rank runs."""
         rank_plan = self.plan.ranks[self.job.rank]
+        checkpointing: bool | None = None
+        if model is not None:
+            checkpointing = apply_plan_checkpointing(model, self.plan, self.job.rank, source=self.job.plan_reason)
+            if not can_checkpoint(model):
+                checkpointing = None
         if self.job.rank == 0:
             logger.info("poplar plan from step 0: %s", self.job.plan_reason)
         logger.info(
@@ -156,7 +180,10 @@ class PoplarTrainer(Trainer):
             self.job.rank, rank_plan.micro_batch_size, rank_plan.gradient_accumulation_steps,
             self.plan.global_batch_size, self.plan.zero_stage,
         )
-        super().__init__(model=model, args=_rank_arguments(args, self.job), train_dataset=train_dataset, **kwargs)
+        super().__init__(
+            model=model, args=_rank_arguments(args, self.job, checkpointing=checkpointing), train_dataset=train_dataset,
+            **kwargs,
+        )
         # The loss compute_loss returns is already the global batch's share (see _weigh).
         self.loss_is_scaled_for_ga = True
         self._train_sampler: PlanBatchSampler | None = None

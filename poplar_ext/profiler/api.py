@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from poplar_ext.activation_checkpointing import CheckpointingToggle, cannot_checkpoint_message, checkpointing_toggle
 from poplar_ext.collectives import broadcast_from_rank0, ensure_process_group
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.emulation import device_label
@@ -56,6 +57,10 @@ from search.formats import (
 
 Progress = Callable[[str], None]
 
+CHECKPOINTING_MODES = ("auto", "both", "off")
+"""`profile_model`'s ``activation_checkpointing``: both variants where the model can do
+both, both or an error, or only without checkpointing."""
+
 
 def log_progress(line: str) -> None:
     """The default progress sink: one line on stderr (called on rank 0 only)."""
@@ -87,13 +92,13 @@ class _ProgressReporter:
         if self.sink is not None and self.layout.rank == 0:
             self.sink(line)
 
-    def stage_started(self, stage: int, types: Iterable[str]) -> None:
+    def stage_started(self, stage: int, types: Iterable[str], *, title: str | None = None) -> None:
         if not self.started_at:
             self.started_at = time.monotonic()
         self.stages_left -= 1
         self.stage_trials = 0
         labels = ", ".join(device_label(t, self.layout.emulations[t]) for t in types)
-        self.say(f"ZeRO-{stage}: measuring {labels}")
+        self.say(f"{title or f'ZeRO-{stage}'}: measuring {labels}")
 
     def stage_finished(self) -> None:
         self.trials_per_stage = (
@@ -113,7 +118,14 @@ class _ProgressReporter:
         self.say(f"ZeRO-{event.zero_stage} {event.phase}: {sizes}; about {left_s:.0f} s left")
 
 
-def _validate(zero_stages: Iterable[int], cache_dir: str | os.PathLike[str]) -> tuple[int, ...]:
+def _validate(
+    zero_stages: Iterable[int], cache_dir: str | os.PathLike[str], activation_checkpointing: str
+) -> tuple[int, ...]:
+    if activation_checkpointing not in CHECKPOINTING_MODES:
+        raise ValueError(
+            f"activation_checkpointing: expected one of {', '.join(map(repr, CHECKPOINTING_MODES))}, "
+            f"found {activation_checkpointing!r}"
+        )
     stages = tuple(zero_stages)
     if not stages or any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):
         raise ValueError(f"zero_stages: expected distinct stages among 0, 1, 2, 3, found {list(stages)}")
@@ -141,6 +153,8 @@ def profile_model(
     repeats: int = 3,
     micro_batch_size_limit: int = 256,
     measure_network: bool = True,
+    activation_checkpointing: str = "auto",
+    checkpointing_toggle: CheckpointingToggle | None = None,
 ) -> list[Profile]:
     """Profiles of every device type in the job at every stage of `zero_stages` (collective).
 
@@ -173,12 +187,19 @@ def profile_model(
         and write a network file beside the profiles (`poplar_ext.profiler.network`;
         reused from `cache_dir` when measured on the same cluster), with which the
         search prices communication.
+    activation_checkpointing: ``"auto"`` (default) measures each type and stage
+        without and with activation checkpointing where the model can do both (the
+        built-in GPT, Hugging Face models, or `checkpointing_toggle` given), so the
+        search can choose per device type; ``"both"`` does so or raises ValueError
+        when the model cannot; ``"off"`` measures without only (half the time).
+    checkpointing_toggle: ``toggle(model, enabled)`` for a model of your own
+        (`poplar_ext.activation_checkpointing`); pass the same one to `initialize`.
 
     On CPU it measures with one torch thread and glibc's steady allocator
     (`poplar_ext.hardware.cpu_process`), and on return gives the previous thread
     count back and leaves glibc's default thresholds (`memory.default_cpu_allocator`).
     """
-    stages = _validate(zero_stages, cache_dir)
+    stages = _validate(zero_stages, cache_dir, activation_checkpointing)
     settings = MeasureSettings(
         warmup_micro_steps=warmup_micro_steps,
         repeats=repeats,
@@ -207,6 +228,7 @@ def profile_model(
             stages=stages, settings=settings, cache_dir=cache_dir, force=force, progress=progress,
             loss_fn=loss_fn, optimizer_factory=optimizer_factory, model_name=model_name,
             sequence_length=sequence_length, device=device, measure_network=measure_network,
+            activation_checkpointing=activation_checkpointing, toggle=checkpointing_toggle,
         )
 
 
@@ -241,6 +263,8 @@ def _profile(
     sequence_length: int | None,
     device: torch.device,
     measure_network: bool,
+    activation_checkpointing: str = "auto",
+    toggle: CheckpointingToggle | None = None,
 ) -> list[Profile]:
     import deepspeed
 
@@ -252,6 +276,10 @@ def _profile(
 
     first_model: list[torch.nn.Module] = [model_factory()]
     fingerprint = model_fingerprint(first_model[0])
+    switch = checkpointing_toggle(first_model[0], toggle)
+    if switch is None and activation_checkpointing == "both":
+        raise ValueError(cannot_checkpoint_message(first_model[0], wanted_by="activation_checkpointing 'both'"))
+    variants = (False, True) if switch is not None and activation_checkpointing != "off" else (False,)
     model_info = ModelInfo(
         name=model_name or type(first_model[0]).__name__.lower(),
         fingerprint=fingerprint,
@@ -262,7 +290,7 @@ def _profile(
     versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
     config_fp = ds_config_fingerprint(ds_config)
 
-    def key(device_type: str, stage: int) -> ProfileKey:
+    def key(device_type: str, stage: int, checkpointing: bool) -> ProfileKey:
         return ProfileKey(
             model_fingerprint=fingerprint,
             device_type=device_type,
@@ -274,21 +302,25 @@ def _profile(
             torch_version=versions["torch"],
             deepspeed_version=versions["deepspeed"],
             ds_config_fingerprint=config_fp,
+            activation_checkpointing=checkpointing,
         )
 
-    cached: dict[tuple[str, int], dict[str, Any]] = {}
+    runs = [(stage, checkpointing) for stage in stages for checkpointing in variants]
+    cached: dict[tuple[str, int, bool], dict[str, Any]] = {}
     if layout.rank == 0 and not force:
-        for stage in stages:
+        for stage, checkpointing in runs:
             for t in layout.type_names:
-                found = find_cached_profile(cache_dir, key(t, stage))
+                found = find_cached_profile(cache_dir, key(t, stage, checkpointing))
                 if found is not None:
-                    cached[(t, stage)] = profile_to_dict(found)
+                    cached[(t, stage, checkpointing)] = profile_to_dict(found)
     cached = broadcast_from_rank0(cached)
 
-    def build_engine(stage: int) -> Any:
+    def build_engine(stage: int, checkpointing: bool) -> Any:
         model = first_model.pop() if first_model else model_factory()
         if model_fingerprint(model) != fingerprint:
             raise ValueError("model_factory: expected the same architecture on every call, found another one")
+        if switch is not None:
+            switch(model, checkpointing)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = None if optimizer_factory is None else optimizer_factory(params)
         try:
@@ -306,23 +338,24 @@ def _profile(
     reporter = _ProgressReporter(
         sink=progress,
         layout=layout,
-        stages_left=sum(1 for s in stages if any((t, s) not in cached for t in layout.type_names)),
+        stages_left=sum(1 for s, c in runs if any((t, s, c) not in cached for t in layout.type_names)),
     )
-    produced: dict[tuple[str, int], dict[str, Any]] = dict(cached)
-    for stage in stages:
+    produced: dict[tuple[str, int, bool], dict[str, Any]] = dict(cached)
+    for stage, checkpointing in runs:
+        title = f"ZeRO-{stage}{' with activation checkpointing' if checkpointing else ''}"
         for t in layout.type_names:
-            if (t, stage) in cached:
-                reporter.say(f"ZeRO-{stage}: {device_label(t, layout.emulations[t])} from the cache (not measured)")
-        to_measure = tuple(t for t in layout.type_names if (t, stage) not in cached)
+            if (t, stage, checkpointing) in cached:
+                reporter.say(f"{title}: {device_label(t, layout.emulations[t])} from the cache (not measured)")
+        to_measure = tuple(t for t in layout.type_names if (t, stage, checkpointing) not in cached)
         if not to_measure:
             continue
-        reporter.stage_started(stage, to_measure)
+        reporter.stage_started(stage, to_measure, title=title)
         started = time.monotonic()
         results = StageMeasurement(
             layout=layout,
             zero_stage=stage,
             types_to_measure=to_measure,
-            build_engine=build_engine,
+            build_engine=lambda stage, checkpointing=checkpointing: build_engine(stage, checkpointing),
             make_batch=make_batch,
             loss_fn=loss_fn,
             settings=settings,
@@ -332,25 +365,26 @@ def _profile(
         stage_seconds = time.monotonic() - started
         for t, result in results.items():
             if not result.complete:
-                reporter.say(f"ZeRO-{stage}: {t} not profiled: {result.probe.get('abandoned')}")
+                reporter.say(f"{title}: {t} not profiled: {result.probe.get('abandoned')}")
                 continue
             profile = _make_profile(
                 result, layout=layout, stage=stage, model=model_info, versions=versions,
                 config_fp=config_fp, settings=settings, stage_seconds=stage_seconds,
+                activation_checkpointing=checkpointing,
             )
             if layout.rank == 0:
                 path = store_profile(cache_dir, profile)
                 reporter.say(
-                    f"ZeRO-{stage}: {t}: largest micro-batch {profile.max_micro_batch_size}, "
+                    f"{title}: {t}: largest micro-batch {profile.max_micro_batch_size}, "
                     f"{len(profile.samples)} sizes, {stage_seconds:.1f} s -> {path}"
                 )
-            produced[(t, stage)] = profile_to_dict(profile)
+            produced[(t, stage, checkpointing)] = profile_to_dict(profile)
     produced = broadcast_from_rank0(produced if layout.rank == 0 else None)
     return [
-        profile_from_dict(produced[(t, s)], source=f"<profile {t} ZeRO-{s}>")
-        for s in stages
+        profile_from_dict(produced[(t, s, c)], source=f"<profile {t} ZeRO-{s}{' checkpointed' if c else ''}>")
+        for s, c in runs
         for t in layout.type_names
-        if (t, s) in produced
+        if (t, s, c) in produced
     ]
 
 
@@ -364,6 +398,7 @@ def _make_profile(
     config_fp: str,
     settings: MeasureSettings,
     stage_seconds: float,
+    activation_checkpointing: bool = False,
 ) -> Profile:
     t = result.device_type
     emulation = layout.emulations[t]
@@ -379,6 +414,7 @@ def _make_profile(
         optimizer_step_time_s=result.optimizer_step_time_s,
         # Measured at the emulation's own slowdown: a drift schedule is training's, not the profile's.
         emulated=None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=()),
+        activation_checkpointing=activation_checkpointing,
         measured_with={
             "source": "measured",
             **versions,

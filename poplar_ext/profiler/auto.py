@@ -49,6 +49,7 @@ def missing_profiles_measurer(
     micro_batch_size_limit: int | None,
     progress: Callable[[str], None] | None = None,
     loss_fn: Callable[[Any, Any], Any] | None = None,
+    checkpointing_toggle: Callable[[torch.nn.Module, bool], None] | None = None,
 ) -> MeasureMissing:
     """A function that measures missing profiles with initialize's model and data (collective).
 
@@ -59,6 +60,8 @@ def missing_profiles_measurer(
     batch)`` (default: the model's output's ``.loss``, else the output itself, as for a
     Hugging Face model given labels). The largest micro-batch tried is
     `micro_batch_size_limit` (the global batch when known: no plan can use more).
+    Where the model can switch activation checkpointing (built in, or
+    `checkpointing_toggle`), both variants are measured, as `profile_model` does by default.
     """
     from poplar_ext.profiler import log_progress, profile_model
 
@@ -85,6 +88,7 @@ def missing_profiles_measurer(
             loss_fn=loss_fn,
             model_name=type(model).__name__.lower(),
             micro_batch_size_limit=micro_batch_size_limit or 256,
+            checkpointing_toggle=checkpointing_toggle,
         )
         wanted = set(missing)
         return [p for p in profiles if (p.device_type, p.zero_stage) in wanted]

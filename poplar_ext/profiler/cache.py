@@ -1,7 +1,8 @@
 """The profile cache: a directory of profile JSON files, looked up by what is inside them.
 
 A profile is reused when every key that decides its numbers matches (`ProfileKey`):
-model fingerprint, device type (and its emulation), ZeRO stage, world size, dtype,
+model fingerprint, device type (and its emulation), ZeRO stage, activation
+checkpointing, world size, dtype,
 sequence length, torch and DeepSpeed versions, and the DeepSpeed settings that change
 speed or memory. File names are for people only; lookups never parse them.
 """
@@ -75,6 +76,8 @@ class ProfileKey:
     deepspeed_version: str
     ds_config_fingerprint: str
     """`ds_config_fingerprint` of the DeepSpeed config."""
+    activation_checkpointing: bool = False
+    """Measured with the model recomputing its activations in backward."""
 
     @classmethod
     def of_profile(cls, profile: Profile) -> "ProfileKey | None":
@@ -99,6 +102,7 @@ class ProfileKey:
             torch_version=torch_version,
             deepspeed_version=deepspeed_version,
             ds_config_fingerprint=config_fp,
+            activation_checkpointing=profile.activation_checkpointing,
         )
 
 
@@ -127,9 +131,11 @@ def find_cached_profile(cache_dir: str | Path, key: ProfileKey) -> Profile | Non
 
 
 def profile_file_name(profile: Profile) -> str:
-    """A readable file name, e.g. ``gpt-a1b2c3d4-A100-80GB-zero2.json`` (never parsed)."""
+    """A readable file name, e.g. ``gpt-a1b2c3d4-A100-80GB-zero2.json`` (``-ckpt`` with activation checkpointing; never parsed)."""
     fingerprint = profile.model.fingerprint.split(":")[-1][:8]
     stem = f"{profile.model.name}-{fingerprint}-{profile.device_type}-zero{profile.zero_stage}"
+    if profile.activation_checkpointing:
+        stem += "-ckpt"
     return re.sub(r"[^A-Za-z0-9._-]+", "_", stem) + ".json"
 
 
@@ -137,14 +143,14 @@ def store_profile(cache_dir: str | Path, profile: Profile) -> Path:
     """Write `profile` atomically into `cache_dir` and return its path.
 
     `search.formats.load_profiles` allows one profile per (device type, ZeRO stage,
-    model fingerprint) in a directory, so a stored profile with that triple (another
-    world size, library version, ...) is replaced, in its own file.
+    activation checkpointing, model fingerprint) in a directory, so a stored profile
+    with that key (another world size, library version, ...) is replaced, in its own file.
     """
     cache_dir = Path(cache_dir)
     target = cache_dir / profile_file_name(profile)
-    triple = (profile.device_type, profile.zero_stage, profile.model.fingerprint)
+    key = (*profile.key, profile.model.fingerprint)
     for path, stored in _stored_profiles(cache_dir):
-        if (stored.device_type, stored.zero_stage, stored.model.fingerprint) == triple:
+        if (*stored.key, stored.model.fingerprint) == key:
             target = path
             break
     save_profile(profile, target)

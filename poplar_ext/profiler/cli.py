@@ -55,7 +55,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         description=(
             "Measure each device type of the job at each ZeRO stage (micro-step time curve, "
             "optimizer-step time, peak memory, largest micro-batch) and write one profile per "
-            "(model, device type, stage). Run it under the deepspeed launcher or torchrun, like "
+            "(model, device type, stage, activation checkpointing). Run it under the deepspeed launcher or torchrun, like "
             "training; profiles already in --output-dir with the same keys are reused."
         ),
         epilog=(
@@ -107,6 +107,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--sequence-length", type=int, metavar="N",
         help="tokens per sample; part of the cache key (built-in models: their context length, default 512 for gpt2-small, 64 for toy-gpt)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing", default="auto", choices=("auto", "both", "off"),
+        help="auto (default): measure each type and stage without and with activation checkpointing where the model "
+        "can do both (built-in models, Hugging Face models with gradient checkpointing, or --checkpointing-toggle), "
+        "so that poplar-search can choose it per device type; both: the same, or an error when the model cannot; "
+        "off: without only (half the time)",
+    )
+    parser.add_argument(
+        "--checkpointing-toggle", metavar="MODULE:FN",
+        help="toggle(model, enabled) that turns activation checkpointing on or off in a --model of your own "
+        "(give the same function to poplar_ext.initialize as checkpointing_toggle)",
     )
     parser.add_argument(
         "--loss", metavar="MODULE:FN",
@@ -182,6 +194,10 @@ class ProfileCommand:
     quiet: bool
     measure_network: bool = True
     """Time the collectives and write the network file beside the profiles (see `search.network`)."""
+    activation_checkpointing: str = "auto"
+    """``auto``, ``both`` or ``off``: see `profile_model`."""
+    checkpointing_toggle: Callable[[Any, bool], None] | None = None
+    """``toggle(model, enabled)`` for a model of the user's (None: built-in models need none)."""
 
 
 def _builtin_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int], Any], str, int]:
@@ -295,6 +311,11 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
         make_batch = _load_callable(args.batch, option="--batch")
         name, sequence_length = None, args.sequence_length
     loss_fn = None if args.loss is None else _load_callable(args.loss, option="--loss")
+    toggle = None
+    if args.checkpointing_toggle is not None:
+        if args.activation_checkpointing == "off":
+            raise UsageError("--checkpointing-toggle: not used with --activation-checkpointing off; leave one out")
+        toggle = _load_callable(args.checkpointing_toggle, option="--checkpointing-toggle")
     return ProfileCommand(
         ds_config=ds_config,
         loss_fn=loss_fn,
@@ -312,6 +333,8 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
         warmup_micro_steps=args.warmup,
         quiet=args.quiet,
         measure_network=not args.no_network,
+        activation_checkpointing=args.activation_checkpointing,
+        checkpointing_toggle=toggle,
     )
 
 
@@ -355,16 +378,18 @@ def run(command: ProfileCommand) -> list[Any]:
         micro_batch_size_limit=command.max_micro_batch_size,
         loss_fn=command.loss_fn,
         measure_network=command.measure_network,
+        activation_checkpointing=command.activation_checkpointing,
+        checkpointing_toggle=command.checkpointing_toggle,
     )
 
 
 def summary(profiles: Sequence[Any]) -> str:
     """One line per profile, for the end of a run."""
-    lines = ["device type       stage  largest micro-batch  sizes  optimizer step"]
+    lines = ["device type       stage  checkpointing  largest micro-batch  sizes  optimizer step"]
     for p in profiles:
         lines.append(
-            f"{p.device_type:<17} {p.zero_stage:>5}  {p.max_micro_batch_size:>19}  {len(p.samples):>5}  "
-            f"{p.optimizer_step_time_s * 1e3:>11.1f} ms"
+            f"{p.device_type:<17} {p.zero_stage:>5}  {'on' if p.activation_checkpointing else 'off':>13}  "
+            f"{p.max_micro_batch_size:>19}  {len(p.samples):>5}  {p.optimizer_step_time_s * 1e3:>11.1f} ms"
         )
     return "\n".join(lines)
 

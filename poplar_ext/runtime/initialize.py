@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from poplar_ext.activation_checkpointing import CheckpointingToggle, apply_plan_checkpointing
 from poplar_ext.collectives import (
     broadcast_from_rank0,
     decided_by_rank0,
@@ -174,6 +175,7 @@ def prepare_job(
     default_global_batch: GlobalBatchRequest | None = None,
     loss_fn: Any = None,
     profiling_ds_config: dict | None = None,
+    checkpointing_toggle: CheckpointingToggle | None = None,
 ) -> Job:
     """Everything before DeepSpeed's engine: config, process group, cluster, plan (collective).
 
@@ -181,7 +183,8 @@ def prepare_job(
     the batch when neither the ``poplar`` section nor the DeepSpeed config sets one
     (the Hugging Face Trainer's own); `profiling_ds_config`, the config the automatic
     mode profiles with (default: the user's; the Trainer's has its "auto" values
-    filled). Raises the same ValueError on every rank.
+    filled). `checkpointing_toggle` switches activation checkpointing in a model of the
+    user's when the automatic mode profiles it. Raises the same ValueError on every rank.
     """
     ds_config, base_dir, source = loaded_config
     if SECTION not in ds_config:
@@ -216,6 +219,7 @@ def prepare_job(
             profiles_dir=poplar_config.profiles, loss_fn=loss_fn,
             # No plan can give one rank more than the global batch.
             micro_batch_size_limit=global_batch.size if isinstance(global_batch.size, int) else poplar_config.max_global_batch_size,
+            checkpointing_toggle=checkpointing_toggle,
         )
     plan = resolve_plan(
         poplar_config,
@@ -285,6 +289,7 @@ def initialize(
     mesh_param: Any = None,
     config_params: dict | str | None = None,
     loss_fn: Any = None,
+    checkpointing_toggle: CheckpointingToggle | None = None,
 ) -> tuple[PoplarEngine, Any, torch.utils.data.DataLoader | None, Any]:
     """``deepspeed.initialize`` with the plan of the config's ``poplar`` section.
 
@@ -294,6 +299,12 @@ def initialize(
     rank alike and before any collective, for a bad config or a plan that cannot run.
     `loss_fn(engine, batch) -> loss` is for the automatic mode's profiling when the
     model does not return its loss (default: the output's ``.loss``, else the output).
+
+    Each rank's ``activation_checkpointing`` from the plan is applied to `model` before
+    DeepSpeed wraps it (`poplar_ext.activation_checkpointing`): the built-in GPT and
+    Hugging Face models switch by themselves; a model of your own needs
+    `checkpointing_toggle` (``toggle(model, enabled)``, the one given to the profiler).
+    A plan asking for checkpointing from a model that cannot is refused on every rank.
     """
     import deepspeed
 
@@ -301,7 +312,7 @@ def initialize(
         load_deepspeed_config(config, config_params=config_params, args=args),
         model=model, optimizer=optimizer, training_data=training_data, collate_fn=collate_fn, mpu=mpu,
         mesh_param=mesh_param, init_options={} if distributed_port is None else {"distributed_port": distributed_port},
-        loss_fn=loss_fn,
+        loss_fn=loss_fn, checkpointing_toggle=checkpointing_toggle,
     )
     ds_config, source, poplar_config, cluster, plan, rank = (
         job.ds_config, job.source, job.poplar_config, job.cluster, job.plan, job.rank
@@ -313,10 +324,11 @@ def initialize(
     labels = tuple(device_label(t, cluster.emulation_of(t)) for t in cluster.rank_device_types)
     label = labels[rank]
     rank_plan = plan.ranks[rank]
+    checkpointing = apply_plan_checkpointing(model, plan, rank, toggle=checkpointing_toggle, source=job.plan_reason)
     logger.info(
-        "rank %d: %s, micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
+        "rank %d: %s, micro-batch %d x %d accumulation steps%s; true global batch %d, ZeRO stage %d",
         rank, label, rank_plan.micro_batch_size, rank_plan.gradient_accumulation_steps,
-        plan.global_batch_size, plan.zero_stage,
+        ", activation checkpointing" if checkpointing else "", plan.global_batch_size, plan.zero_stage,
     )
     # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
     ds_args = None

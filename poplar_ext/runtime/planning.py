@@ -40,8 +40,13 @@ class StalePlanWarning(UserWarning):
 
 
 def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
-    """Device types whose profile at the plan's stage is not the one the plan was made from."""
-    at_stage = {p.device_type: p for p in profiles if p.zero_stage == plan.zero_stage}
+    """Device types whose profile at the plan's stage (and activation checkpointing) is not the one the plan was made from."""
+    checkpointing = {r.device_type: r.activation_checkpointing for r in plan.ranks}
+    at_stage = {
+        p.device_type: p
+        for p in profiles
+        if p.zero_stage == plan.zero_stage and p.activation_checkpointing == checkpointing.get(p.device_type, False)
+    }
     return [
         device_type
         for device_type, fingerprint in plan.profile_fingerprints.items()
@@ -228,6 +233,7 @@ def load_rebalance_inputs(poplar_config: PoplarConfig, cluster: Cluster, plan: P
     cluster at the plan's stage, and the network file measured on this cluster (or None).
 
     ValueError when a profile is missing: re-balancing scales each rank's profiled curve.
+    Each type's profile is the one with the plan's activation checkpointing (a re-plan keeps it).
     """
     from search.network import find_network
 
@@ -236,7 +242,12 @@ def load_rebalance_inputs(poplar_config: PoplarConfig, cluster: Cluster, plan: P
         raise ValueError(
             f"{where}: expected {SECTION}.profiles too (the profiles a re-balanced plan is searched from), found none"
         )
-    profiles = [p for p in _available_profiles(poplar_config, None) if p.zero_stage == plan.zero_stage]
+    checkpointing = {r.device_type: r.activation_checkpointing for r in plan.ranks}
+    profiles = [
+        p
+        for p in _available_profiles(poplar_config, None)
+        if p.zero_stage == plan.zero_stage and p.activation_checkpointing == checkpointing.get(p.device_type, False)
+    ]
     types = {p.device_type for p in profiles if p.max_micro_batch_size > 0}
     missing = [t for t in cluster.type_counts() if t not in types]
     if missing:
@@ -341,8 +352,8 @@ def resolve_plan(
     def search() -> dict[str, Any]:
         # The measured profiles were also written to the directory (rank 0 stores them): count each once.
         stored = _available_profiles(poplar_config, model_fingerprint)
-        have = {(p.device_type, p.zero_stage) for p in stored}
-        profiles = _searchable(stored + [p for p in measured if (p.device_type, p.zero_stage) not in have], cluster, zero_stage)
+        have = {p.key for p in stored}
+        profiles = _searchable(stored + [p for p in measured if p.key not in have], cluster, zero_stage)
         plan = _search(
             poplar_config, cluster, profiles, zero_stage=zero_stage,
             global_batch_size=None if global_batch.size == AUTO else global_batch.size,

@@ -22,13 +22,12 @@ from harness import RankFailure, run_ranks  # noqa: E402
 def _train(stage: int, checkpointing_ranks: list[int]) -> dict:
     import deepspeed
     import torch
-    import torch.utils.checkpoint
+
+    from poplar_ext.activation_checkpointing import set_activation_checkpointing
 
     rank = torch.distributed.get_rank()
     model = t.GPT(t.TINY)
-    if rank in checkpointing_ranks:
-        for block in model.blocks:
-            block.forward = (lambda f: (lambda x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)))(block.forward)
+    set_activation_checkpointing(model, rank in checkpointing_ranks)
     config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
@@ -42,7 +41,7 @@ def _train(stage: int, checkpointing_ranks: list[int]) -> dict:
 
 if __name__ == "__main__":
     for stage in (2, 3):
-        for checkpointing in ([], [1]):
+        for checkpointing in ([], [1], [0, 1]):
             try:
                 results = run_ranks(_train, world_size=2, tmp_path=tempfile.mkdtemp(), args=(stage, checkpointing),
                                     timeout_s=120)

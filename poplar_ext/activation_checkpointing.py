@@ -1,0 +1,121 @@
+"""Turning a model's activation checkpointing on or off, for the profiler and the runtime.
+
+Three kinds of model can do both, and need nothing from the user:
+
+* the built-in GPT (`poplar_ext.models.toy_gpt.GPT.activation_checkpointing`);
+* Hugging Face models whose ``supports_gradient_checkpointing`` is true, through
+  their ``gradient_checkpointing_enable`` / ``gradient_checkpointing_disable``
+  (non-reentrant, which needs no input that requires grad);
+* any other model, through a toggle of the user's: ``toggle(model, enabled)``,
+  passed as ``checkpointing_toggle`` to `poplar_ext.profile_model` and
+  `poplar_ext.initialize`, or as ``--checkpointing-toggle MODULE:FN`` to
+  ``poplar-profile``. It must leave the parameters as they are (same names, shapes
+  and order): only the forward changes.
+
+Recomputation gives the same gradients (the same operations run again), so ranks
+that differ in it train one model exactly at ZeRO stages 0-2. At stage 3 they may not
+differ (`search.api.checkpointing_choices`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from search.formats import Plan
+
+CheckpointingToggle = Callable[[torch.nn.Module, bool], None]
+"""``toggle(model, enabled)``: turn activation checkpointing on or off in `model`, in place."""
+
+
+def _toy_gpt_toggle(model: torch.nn.Module, enabled: bool) -> None:
+    model.activation_checkpointing = enabled
+
+
+def _hugging_face_toggle(model: torch.nn.Module, enabled: bool) -> None:
+    if enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def checkpointing_toggle(
+    model: torch.nn.Module, toggle: CheckpointingToggle | None = None
+) -> CheckpointingToggle | None:
+    """How to switch `model`'s activation checkpointing: `toggle` when given, a built-in one, or None (it cannot)."""
+    if toggle is not None:
+        if not callable(toggle):
+            raise ValueError(
+                f"checkpointing_toggle: expected a callable toggle(model, enabled), found {type(toggle).__name__}"
+            )
+        return toggle
+    from poplar_ext.models.toy_gpt import GPT
+
+    if isinstance(model, GPT):
+        return _toy_gpt_toggle
+    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
+        return _hugging_face_toggle
+    return None
+
+
+def can_checkpoint(model: torch.nn.Module, toggle: CheckpointingToggle | None = None) -> bool:
+    """Whether `model` can be switched (a built-in kind, or `toggle` given)."""
+    return checkpointing_toggle(model, toggle) is not None
+
+
+def cannot_checkpoint_message(model: torch.nn.Module, *, wanted_by: str) -> str:
+    """The error for a `model` that cannot checkpoint although `wanted_by` asks for it."""
+    return (
+        f"{wanted_by}: expected a model that can turn activation checkpointing on (the built-in GPT, a Hugging Face "
+        f"model with supports_gradient_checkpointing, or a checkpointing_toggle(model, enabled) of yours), found "
+        f"{type(model).__name__} with none; pass checkpointing_toggle, or search without its checkpointed profiles"
+    )
+
+
+def set_activation_checkpointing(
+    model: torch.nn.Module, enabled: bool, *, toggle: CheckpointingToggle | None = None, wanted_by: str = "activation_checkpointing"
+) -> None:
+    """Switch `model`'s activation checkpointing; ValueError naming `wanted_by` when it must be on and cannot be.
+
+    Turning it off on a model that cannot checkpoint does nothing: such a model never does.
+    """
+    switch = checkpointing_toggle(model, toggle)
+    if switch is None:
+        if enabled:
+            raise ValueError(cannot_checkpoint_message(model, wanted_by=wanted_by))
+        return
+    switch(model, bool(enabled))
+
+
+def apply_plan_checkpointing(
+    model: torch.nn.Module, plan: Plan, rank: int, *, toggle: CheckpointingToggle | None = None, source: str = "the plan"
+) -> bool:
+    """Give `model` this rank's ``activation_checkpointing`` from `plan`, before DeepSpeed wraps it; returns it.
+
+    Every rank calls it. A model that can switch gets its rank's setting (on or off:
+    the profiles the plan was made from were measured with it set so). One that cannot
+    is left alone, unless some rank's entry asks for checkpointing: then ValueError,
+    on every rank alike, since every rank holds the same plan and builds the same model.
+    """
+    switch = checkpointing_toggle(model, toggle)
+    wanting = [r.rank for r in plan.ranks if r.activation_checkpointing]
+    if switch is None:
+        if wanting:
+            raise ValueError(
+                cannot_checkpoint_message(model, wanted_by=f"{source}: ranks[{wanting[0]}].activation_checkpointing")
+            )
+        return False
+    enabled = plan.ranks[rank].activation_checkpointing
+    switch(model, enabled)
+    return enabled
+
+
+__all__ = [
+    "apply_plan_checkpointing",
+    "CheckpointingToggle",
+    "can_checkpoint",
+    "cannot_checkpoint_message",
+    "checkpointing_toggle",
+    "set_activation_checkpointing",
+]
