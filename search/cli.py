@@ -10,6 +10,7 @@ import json
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 from search.api import SearchResult, predict, search_plan
 from search.errors import FormatError
@@ -142,21 +143,24 @@ def plan_table(result: SearchResult, profiles: Sequence, network: NetworkProfile
     assert plan is not None
     busy = predict(plan, profiles, network).rank_busy_time_s
     slowest = max(busy)
-    rows = [["ranks", "device type", "micro-batch", "accumulation", "samples/iter", "busy s/iter", "idle"]]
+    # A column for activation checkpointing only where some rank uses it.
+    checkpointing = any(r.activation_checkpointing for r in plan.ranks)
+    rows = [["ranks", "device type", "micro-batch", "accumulation", "samples/iter", "busy s/iter", "idle"]
+            + (["checkpointing"] if checkpointing else [])]
+
+    def group(r: Any) -> tuple:
+        return (r.device_type, r.micro_batch_size, r.gradient_accumulation_steps, r.activation_checkpointing)
+
     start = 0
     for i in range(1, len(plan.ranks) + 1):
         first = plan.ranks[start]
-        if i < len(plan.ranks):
-            r = plan.ranks[i]
-            if (r.device_type, r.micro_batch_size, r.gradient_accumulation_steps) == (
-                first.device_type, first.micro_batch_size, first.gradient_accumulation_steps
-            ):
-                continue
+        if i < len(plan.ranks) and group(plan.ranks[i]) == group(first):
+            continue
         rows.append([
             _rank_span(start, i - 1), first.device_type, str(first.micro_batch_size),
             str(first.gradient_accumulation_steps), str(first.samples_per_iteration),
             f"{busy[start]:.4g}", f"{100 * (1 - busy[start] / slowest):.1f}%",
-        ])
+        ] + (["on" if first.activation_checkpointing else "off"] if checkpointing else []))
         start = i
     text = [result.message, "", _table(rows)]
     if len(result.stage_reports) > 1:

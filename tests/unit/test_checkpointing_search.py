@@ -244,3 +244,14 @@ def test_two_profiles_of_one_type_stage_and_setting_are_refused():
     cluster = simple_cluster({"gpu": 1})
     with pytest.raises(ValueError, match="one profile per \\(device type, ZeRO stage, activation checkpointing\\)"):
         search_plan([plain, plain], cluster, global_batch_size=4)
+
+
+def test_poplar_search_shows_a_checkpointing_column_only_when_a_rank_checkpoints():
+    from search.cli import plan_table
+
+    profiles, cluster = small_memory_cluster(0)
+    with_choice = plan_table(search_plan(profiles, cluster, global_batch_size=32, zero_stage=0), profiles)
+    header, *rows = [line.split() for line in with_choice.splitlines() if line.startswith(("ranks", "0 ", "1 "))]
+    assert header[-1] == "checkpointing" and [row[-1] for row in rows] == ["off", "on"]
+    plain = [p for p in profiles if not p.activation_checkpointing]
+    assert "checkpointing" not in plan_table(search_plan(plain, cluster, global_batch_size=32, zero_stage=0), plain)

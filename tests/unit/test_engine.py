@@ -267,3 +267,18 @@ def test_an_iterable_dataset_is_refused_with_what_to_do():
 
     with pytest.raises(ValueError, match=r"training_data: expected a map-style dataset .* found Stream"):
         poplar_ext.initialize(model=torch.nn.Linear(1, 1), training_data=Stream(), config=_SECTION)
+
+
+def test_a_switch_keeps_each_ranks_activation_checkpointing():
+    import dataclasses
+
+    plan = _plan([(3, 2), (1, 2)], stage=2)
+    engine, _ = _engine(plan)
+    swapped = dataclasses.replace(plan, ranks=(plan.ranks[1], plan.ranks[0]))
+    swapped = dataclasses.replace(swapped, ranks=tuple(dataclasses.replace(r, rank=i) for i, r in enumerate(swapped.ranks)))
+    engine.check_switch(swapped)  # another split of the same batch: fine
+    checkpointed = dataclasses.replace(
+        swapped, ranks=(swapped.ranks[0], dataclasses.replace(swapped.ranks[1], activation_checkpointing=True))
+    )
+    with pytest.raises(ValueError, match="each rank keeps its activation_checkpointing"):
+        engine.check_switch(checkpointed)
