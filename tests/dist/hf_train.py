@@ -60,6 +60,7 @@ def main() -> None:
     result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     rank = int(os.environ["RANK"])
     (out / f"samples-rank{rank}.json").write_text(json.dumps(trained))
+    (out / f"checkpointing-rank{rank}.json").write_text(json.dumps(model.is_gradient_checkpointing))
     params = hf.full_parameters(trainer.model_wrapped)
     if rank == 0:
         torch.save(params, out / "params.pt")

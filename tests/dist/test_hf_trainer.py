@@ -32,9 +32,11 @@ GLOBAL_BATCH = 12
 STAGES = (0, 1, 2, 3)
 
 
-def _config(root: Path, stage: int) -> Path:
+def _config(root: Path, stage: int, checkpointing: list[bool] | None = None) -> Path:
     cluster = t.write_cluster(root / "cluster.json", fast=1, slow=2, slowdown=1.0)
-    plan = t.write_plan(root / f"plan{stage}.json", ALLOCATIONS[stage], stage=stage, device_types=TYPES)
+    plan = t.write_plan(
+        root / f"plan{stage}.json", ALLOCATIONS[stage], stage=stage, device_types=TYPES, checkpointing=checkpointing
+    )
     path = root / f"ds{stage}.json"
     # Hugging Face's "auto" batch values: poplar fills them per rank from the plan.
     path.write_text(json.dumps({
@@ -97,6 +99,15 @@ def test_logged_batch_size_and_samples_per_second_are_the_true_global_ones(runs)
     assert "Total train batch size (w. parallel, distributed & accumulation) = 12" in logs[1]
 
 
+def test_each_rank_takes_its_gradient_checkpointing_from_the_plan(tmp_path):
+    # The slow type recomputes, the fast one does not (ZeRO-2 allows ranks to differ).
+    out = tmp_path / "out"
+    _launch(_config(tmp_path, 2, checkpointing=[False, True, True]), out)
+    assert [json.loads((out / f"checkpointing-rank{r}.json").read_text()) for r in range(3)] == [False, True, True]
+    params = torch.load(out / "params.pt", weights_only=False)
+    assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
+
+
 def test_resume_from_checkpoint_equals_the_uninterrupted_run(tmp_path):
     config = _config(tmp_path, 1)
     whole = tmp_path / "whole"
@@ -127,6 +138,7 @@ def test_automatic_mode_profiles_searches_and_trains_the_global_batch(tmp_path):
         "poplar": {"cluster": str(cluster), "profiles": str(tmp_path / "profiles"), "log_interval_steps": 0},
     }))
     _launch(config, tmp_path / "out")
-    assert len(list((tmp_path / "profiles").glob("*.json"))) == 2  # cpu and cpu-slow at stage 1
+    # cpu and cpu-slow at stage 1, without and with gradient checkpointing (GPT-2 supports it)
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 4
     params = torch.load(tmp_path / "out" / "params.pt", weights_only=False)
     assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5

@@ -81,6 +81,8 @@ def test_profiler_as_a_module_under_the_deepspeed_launcher(tmp_path):
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     written = sorted(p.name for p in (tmp_path / "prof").glob("*.json"))
-    assert len(written) == 2 and written[0].endswith("cpu-fast-zero1.json") and written[1].endswith("cpu-slow-zero1.json")
-    profile = json.loads((tmp_path / "prof" / written[1]).read_text())
+    assert [name.split("-", 4)[-1] for name in written] == [
+        "cpu-fast-zero1-ckpt.json", "cpu-fast-zero1.json", "cpu-slow-zero1-ckpt.json", "cpu-slow-zero1.json"
+    ], written
+    profile = json.loads((tmp_path / "prof" / written[3]).read_text())
     assert profile["device_type"] == "cpu-slow" and profile["emulated"]["slowdown"] == 2.0

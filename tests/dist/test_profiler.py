@@ -174,6 +174,32 @@ def _memory_run(cache_dir: str) -> dict:
     }
 
 
+def _checkpointing_run(cache_dir: str) -> dict:
+    """A GPT with large activations, a roomy type and a small one, measured both ways (the default)."""
+    import torch
+    import torch.distributed as dist
+
+    from poplar_ext.models.toy_gpt import GPT, GPTConfig
+    from poplar_ext.profiler import profile_model
+
+    cfg = GPTConfig(vocab_size=256, sequence_length=128, num_layers=4, num_heads=2, hidden_size=128)
+    batches = _Batches(cfg)
+    # The small type's memory sits halfway between the plain micro-steps of 2 and 3 samples.
+    peaks = _peaks_of_micro_steps(lambda: GPT(cfg), batches, (2, 3))
+    agreed = torch.tensor([float(p) for p in peaks], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    at_two, at_three = (int(v) for v in agreed.tolist())
+    cluster = _cluster([("roomy", 1.0, at_two + 2000 * MB), ("small", 1.0, (at_two + at_three) // 2)])
+    common = dict(
+        ds_config=DS_CONFIG, cluster=cluster, cache_dir=cache_dir, model_name="ckpt", zero_stages=(1,),
+        micro_batch_size_limit=LIMIT, micro_batch_sizes=(1, 2, 4, 8), repeats=3, progress=None,
+    )
+    profiles = profile_model(model_factory=lambda: GPT(cfg), make_batch=batches, **common)
+    again = _Batches(cfg)
+    reused = profile_model(model_factory=lambda: GPT(cfg), make_batch=again, **common)
+    return {"profiles": profiles, "reused": reused, "calls_again": again.calls}
+
+
 def _measure_reuse_and_remeasure(cache_dir: str) -> dict:
     from poplar_ext.profiler import profile_model
     from poplar_ext.models.toy_gpt import GPT
@@ -186,6 +212,7 @@ def _measure_reuse_and_remeasure(cache_dir: str) -> dict:
     common = dict(
         ds_config=DS_CONFIG, cluster=cluster, cache_dir=cache_dir, model_name="toy",
         sequence_length=cfg.sequence_length, micro_batch_size_limit=LIMIT, repeats=5, progress=lines.append,
+        activation_checkpointing="off",  # this run is about time and the cache; checkpointing has its own below
     )
 
     first_batches = _Batches(cfg)
@@ -200,8 +227,10 @@ def _measure_reuse_and_remeasure(cache_dir: str) -> dict:
         model_factory=lambda: GPT(changed_cfg), make_batch=changed_batches, zero_stages=(0,), **common
     )
     memory = _memory_run(str(Path(cache_dir) / "wide"))
+    checkpointing = _checkpointing_run(str(Path(cache_dir) / "checkpointing"))
     return {
         "memory": memory,
+        "checkpointing": checkpointing,
         "first": first,
         "second": second,
         "changed": changed,
@@ -293,6 +322,28 @@ def test_progress_names_type_stage_size_and_time_left(measured) -> None:
     assert results[1]["progress"] == [], "only rank 0 reports"
 
 
+def test_both_checkpointing_settings_are_measured_and_cached(measured) -> None:
+    results, cache_dir = measured
+    run = results[0]["checkpointing"]
+    by_key = {(p.device_type, p.activation_checkpointing): p for p in run["profiles"]}
+    assert set(by_key) == {(t, on) for t in ("roomy", "small") for on in (False, True)}
+    # Recomputing activations frees memory: more samples fit the small type.
+    plain, checkpointed = by_key[("small", False)], by_key[("small", True)]
+    assert plain.max_micro_batch_size == 2
+    assert checkpointed.max_micro_batch_size > plain.max_micro_batch_size
+    # ...and costs compute: the forward runs again in backward.
+    roomy = [by_key[("roomy", on)] for on in (False, True)]
+    times = [{s.micro_batch_size: s.micro_step_time_s for s in p.samples} for p in roomy]
+    ratios = [times[1][b] / times[0][b] for b in sorted(set(times[0]) & set(times[1]))]
+    assert len(ratios) >= 3 and statistics.median(ratios) > 1.05, ratios
+    files = sorted(path.name for path in (cache_dir / "checkpointing").glob("*.json"))
+    assert len(files) == 4 and sum(name.endswith("-ckpt.json") for name in files) == 2, files
+    on_disk = {p.key: p for p in load_profiles(cache_dir / "checkpointing")}
+    assert all(on_disk[p.key] == p for p in run["profiles"])
+    assert run["calls_again"] == 0 and run["reused"] == run["profiles"], "the second run reuses both settings"
+    assert results[1]["checkpointing"]["profiles"] == run["profiles"]
+
+
 def _survive_out_of_memory(cache_dir: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -322,6 +373,7 @@ def _survive_out_of_memory(cache_dir: str) -> dict:
     profiles = profile_model(
         model_factory=model_factory, make_batch=_Batches(cfg), ds_config=DS_CONFIG, cluster=cluster,
         zero_stages=(0, 1), cache_dir=cache_dir, micro_batch_size_limit=8, repeats=1, progress=None,
+        activation_checkpointing="off",
     )
     return {"rank": rank, "profiles": profiles, "pid": os.getpid()}
 

@@ -38,16 +38,20 @@ def test_cli_profiles_the_toy_gpt_and_then_reuses_it(tmp_path, capfd) -> None:
     ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path / "first", args=(argv,), timeout_s=120) == [0, 0]
     profiles = load_profiles(out)
-    assert sorted((p.device_type, p.zero_stage, p.max_micro_batch_size) for p in profiles) == [("big", 1, 4), ("small", 1, 4)]
+    # The built-in GPT can recompute its activations: each type is measured without and with it.
+    assert sorted((p.device_type, p.zero_stage, p.activation_checkpointing, p.max_micro_batch_size) for p in profiles) == [
+        ("big", 1, False, 4), ("big", 1, True, 4), ("small", 1, False, 4), ("small", 1, True, 4)
+    ]
     assert {p.model.name for p in profiles} == {"toy-gpt-1x32"} and {p.model.sequence_length for p in profiles} == {16}
-    written = {p.device_type: p.measured_with["date"] for p in profiles}
+    written = {p.key: p.measured_with["date"] for p in profiles}
     (network_file,) = out.glob("network/network-*.json")
-    assert len(list(out.glob("*.json"))) == 2, "the profile directory's *.json are the two profiles"
+    assert len(list(out.glob("*.json"))) == 4, "the profile directory's *.json are the four profiles"
+    assert len(list(out.glob("*-ckpt.json"))) == 2
     network = find_network(out, load_cluster(cluster))
     assert network is not None and network.world_size == 2 and network.backend == "gloo"
     assert network.source == "measured" and all(len(fit.samples) == 5 for fit in network.collectives.values())
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path / "second", args=(argv,), timeout_s=120) == [0, 0]
-    assert {p.device_type: p.measured_with["date"] for p in load_profiles(out)} == written, "reused, not re-measured"
+    assert {p.key: p.measured_with["date"] for p in load_profiles(out)} == written, "reused, not re-measured"
     logs = "\n".join(path.read_text() for path in (tmp_path / "second").rglob("rank0.log"))
     assert "from the cache (not measured)" in logs and "largest micro-batch" in logs
     assert f"network: from the cache ({network_file})" in logs
@@ -80,6 +84,7 @@ def test_cli_profiles_real_cpu_ranks(tmp_path) -> None:
         "--deepspeed_config", str(ds), "--cluster", str(cluster), "--model", "toy-gpt", "--layers", "1",
         "--hidden-size", "32", "--heads", "2", "--vocab-size", "128", "--sequence-length", "16",
         "--zero-stages", "0", "--max-micro-batch-size", "4", "--repeats", "1", "--output-dir", str(tmp_path / "p"),
+        "--activation-checkpointing", "off",
     ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [0, 0]
     (profile,) = load_profiles(tmp_path / "p")
@@ -98,7 +103,7 @@ def test_without_a_cluster_file_the_cluster_is_discovered_and_written_for_poplar
     argv = [
         "--deepspeed_config", str(ds), "--model", "toy-gpt", "--layers", "1", "--hidden-size", "32", "--heads", "2",
         "--vocab-size", "128", "--sequence-length", "16", "--zero-stages", "0", "--max-micro-batch-size", "2",
-        "--repeats", "1", "--output-dir", str(tmp_path / "p"),
+        "--repeats", "1", "--output-dir", str(tmp_path / "p"), "--activation-checkpointing", "off",
     ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [0, 0]
     from search.formats import load_cluster
@@ -149,5 +154,8 @@ def test_cli_profiles_a_transformers_model_built_from_its_config(tmp_path) -> No
         "--output-dir", str(tmp_path / "p"),
     ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [0, 0]
-    (profile,) = load_profiles(tmp_path / "p")
+    # A Hugging Face model with gradient checkpointing: measured without and with it.
+    profile, checkpointed = sorted(load_profiles(tmp_path / "p"), key=lambda p: p.activation_checkpointing)
+    assert (profile.activation_checkpointing, checkpointed.activation_checkpointing) == (False, True)
     assert profile.model.name == "gpt2-causal-lm" and profile.model.sequence_length == 16 and profile.max_micro_batch_size == 2
+    assert checkpointed.max_micro_batch_size == 2

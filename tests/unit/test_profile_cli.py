@@ -62,6 +62,11 @@ def test_own_model_and_batch_factories_are_imported(files, monkeypatch) -> None:
         (["--model", "my_models:NOT_CALLABLE", "--batch", "my_models:batch"], "--model: expected a callable"),
         (["--model", "justaname", "--batch", "my_models:batch"], "--model: expected MODULE:FACTORY"),
         (["--model", "toy-gpt", "--batch", "my_models:batch"], "--batch: the built-in model toy-gpt makes its own batches"),
+        (["--model", "toy-gpt", "--activation-checkpointing", "sometimes"], "--activation-checkpointing: invalid choice"),
+        (["--model", "my_models:build", "--batch", "my_models:batch", "--checkpointing-toggle", "my_models:missing"],
+         "--checkpointing-toggle: module 'my_models' has no attribute 'missing'"),
+        (["--model", "my_models:build", "--batch", "my_models:batch", "--checkpointing-toggle", "my_models:build",
+          "--activation-checkpointing", "off"], "--checkpointing-toggle: not used with --activation-checkpointing off"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(files, monkeypatch, capsys, extra, message) -> None:
@@ -162,3 +167,19 @@ def test_a_deepspeed_config_without_an_optimizer_is_refused_before_any_engine(fi
     with pytest.raises(ValueError, match="ds_config: optimizer: expected an 'optimizer' section.*optimizer_factory"):
         profile_model(model_factory=lambda: torch.nn.Linear(2, 1), make_batch=lambda b: torch.ones(b, 2),
                       ds_config={"zero_optimization": {"stage": 1}}, cluster=files["cluster"], cache_dir=tmp_path / "p")
+
+
+def test_activation_checkpointing_options(files, monkeypatch) -> None:
+    monkeypatch.chdir(files["dir"])
+    (Path(files["dir"]) / "my_toggle.py").write_text("def toggle(model, enabled):\n    model.recompute = enabled\n")
+    default = parse_command(_args(files, "--model", "toy-gpt"))
+    assert default.activation_checkpointing == "auto" and default.checkpointing_toggle is None
+    command = parse_command(_args(files, "--model", "my_models:build", "--batch", "my_models:batch",
+                                  "--checkpointing-toggle", "my_toggle:toggle", "--activation-checkpointing", "both"))
+    assert command.activation_checkpointing == "both"
+    import torch
+
+    module = torch.nn.Linear(2, 1)
+    command.checkpointing_toggle(module, True)
+    assert module.recompute is True
+    assert parse_command(_args(files, "--model", "toy-gpt", "--activation-checkpointing", "off")).activation_checkpointing == "off"
