@@ -48,8 +48,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Compare uniform, proportional and poplar by the search's prediction. With no options: "
             "every shipped cluster in bench/clusters/ (pairs of GPU types, 8 to 4096 GPUs) with every "
-            "model preset, using profiles MODELLED from datasheet specs (bench/gpu_model.py). With "
-            "--profiles: your profiles (measured or not) for the given clusters."
+            "model preset, using profiles MODELLED from datasheet specs (bench/gpu_model.py), plus, on the "
+            "V100-16GB + T4-16GB clusters, poplar with activation checkpointing chosen per device type against "
+            "poplar without it. With --profiles: your profiles (measured or not) for the given clusters."
         ),
     )
     p.add_argument("--cluster", action="append", type=Path, help="cluster description JSON (repeatable; default: the shipped ones)")
@@ -101,9 +102,21 @@ def _run_simulate(args: argparse.Namespace) -> int:
             )
             for c in cases
         ]
+    checkpointing_cases = None
+    if args.profiles is None:
+        # The small-memory pair, each type modelled without and with activation checkpointing.
+        paths = [p for p in cluster_paths if simulate.CHECKPOINTING_CLUSTERS in Path(p).name]
+        checkpointing_cases = simulate.shipped_cases(
+            paths, shapes, samples_per_rank=samples_per_rank, zero_stage=args.zero_stage, checkpointing=(False, True)
+        )
+        checkpointing_cases = [
+            dataclasses.replace(c, global_batch_size=args.global_batch_size or c.global_batch_size,
+                                cluster_file=_shown_path(c.cluster_file))
+            for c in checkpointing_cases
+        ] or None
     for index, case in enumerate(cases, 1):
         print(f"[{index}/{len(cases)}] {case.name}: {case.cluster.world_size} ranks", file=sys.stderr, flush=True)
-    report = simulate.simulation_report(cases)
+    report = simulate.simulation_report(cases, checkpointing_cases=checkpointing_cases)
     out_dir = args.output_dir or default_output_dir()
     for path in write_report(report, out_dir, args.name):
         print(path)
@@ -302,6 +315,33 @@ def _run_drift(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_checkpointing_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "checkpointing",
+        help="activation checkpointing chosen per device type: measured against the best plan without it",
+        description="The demo's emulated 3-rank cluster at ZeRO stage 2 with a GPT of larger activations, profiled "
+        "without and with activation checkpointing, in two cases: 'tight' (the fastest type has the least memory) and "
+        "'roomy'. In each, poplar with the choice and poplar without checkpointing train in alternating rounds; "
+        "writes checkpointing.json and checkpointing.md (bench/checkpointing.py). About 10-15 minutes on a 2-core VM "
+        "the first time (profiling both ways), less with the profiles cached.",
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.add_argument("--rounds", type=_positive_int, default=3, help="alternating training rounds per plan (default 3)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="profile cache root, one folder per case (default: beside the demo's cache)")
+    p.set_defaults(run=_run_checkpointing)
+
+
+def _run_checkpointing(args: argparse.Namespace) -> int:
+    from bench import checkpointing
+
+    for path in checkpointing.run_checkpointing(
+        out_dir=args.output_dir or default_output_dir(), cache_dir=args.cache_dir, rounds=args.rounds
+    ):
+        print(path)
+    return 0
+
+
 def add_search_speed_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "search-speed",
@@ -347,6 +387,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_demo_parser,
     add_predictions_parser,
     add_drift_parser,
+    add_checkpointing_parser,
     add_simulate_parser,
     add_search_speed_parser,
     add_overhead_parser,
@@ -357,10 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="poplar-bench",
         description="poplar-ext benchmarks: the emulated-cluster demo, prediction error across stages and rank counts, "
-        "re-balancing under drift, "
+        "re-balancing under drift, activation checkpointing per device type, "
         "large-cluster simulation, search speed, runtime overhead.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{demo,predictions,drift,simulate,search-speed,overhead}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{demo,predictions,drift,checkpointing,simulate,search-speed,overhead}")
     for add in SUBCOMMANDS:
         add(subparsers)
     return parser

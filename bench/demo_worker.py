@@ -278,6 +278,7 @@ def profile_devices(settings: DemoSettings, cluster_path: Path) -> tuple[list[Pr
         sequence_length=settings.model.sequence_length,
         micro_batch_size_limit=settings.max_micro_batch_size,
         repeats=settings.profile_repeats,
+        activation_checkpointing=settings.activation_checkpointing,
     )
     return profiles, all(p.fingerprint in before for p in profiles)
 

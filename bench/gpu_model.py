@@ -183,6 +183,16 @@ class ModelShape:
         return 34 * s * h * self.num_layers + 10 * s * self.vocab_size
 
     @property
+    def checkpointed_activation_bytes_per_sample(self) -> int:
+        """With activation checkpointing per layer: each layer's 16-bit input kept, one layer's
+        activations alive while it is recomputed, and the head's."""
+        s, h = self.sequence_length, self.hidden_size
+        return 2 * s * h * self.num_layers + 34 * s * h + 10 * s * self.vocab_size
+
+    def kept_bytes_per_sample(self, activation_checkpointing: bool) -> int:
+        return self.checkpointed_activation_bytes_per_sample if activation_checkpointing else self.activation_bytes_per_sample
+
+    @property
     def fingerprint(self) -> str:
         return content_fingerprint(asdict(self))
 
@@ -235,13 +245,20 @@ def state_bytes(num_parameters: int, zero_stage: int, world_size: int) -> float:
     raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, found {zero_stage!r}")
 
 
-def peak_memory_bytes(shape: ModelShape, zero_stage: int, world_size: int, micro_batch_size: int, assumptions: Assumptions) -> int:
+RECOMPUTE_FLOPS_FACTOR = 4.0 / 3.0
+"""Activation checkpointing runs the forward (a third of forward + backward) once more."""
+
+
+def peak_memory_bytes(
+    shape: ModelShape, zero_stage: int, world_size: int, micro_batch_size: int, assumptions: Assumptions,
+    activation_checkpointing: bool = False,
+) -> int:
     """Modelled peak memory of one micro-step of `micro_batch_size` samples."""
     total = state_bytes(shape.num_parameters, zero_stage, world_size)
     if zero_stage == 3:
         # The current and the prefetched layer are gathered in full, 16-bit.
         total += 2 * 2 * 12 * shape.hidden_size**2
-    total += micro_batch_size * shape.activation_bytes_per_sample + assumptions.reserved_bytes
+    total += micro_batch_size * shape.kept_bytes_per_sample(activation_checkpointing) + assumptions.reserved_bytes
     return int(math.ceil(total))
 
 
@@ -266,16 +283,22 @@ def _ring_s(num_bytes: float, world_size: int, assumptions: Assumptions) -> floa
     return modelled_network(assumptions).time_s("all_gather", num_bytes, world_size)
 
 
-def micro_step_time_s(spec: GpuSpec, shape: ModelShape, zero_stage: int, world_size: int, micro_batch_size: int, assumptions: Assumptions) -> float:
-    """Modelled forward + backward of `micro_batch_size` samples (see module docstring)."""
-    compute = shape.flops_per_sample * micro_batch_size / (spec.peak_flops * spec.mfu)
+def micro_step_time_s(
+    spec: GpuSpec, shape: ModelShape, zero_stage: int, world_size: int, micro_batch_size: int, assumptions: Assumptions,
+    activation_checkpointing: bool = False,
+) -> float:
+    """Modelled forward + backward of `micro_batch_size` samples (see module docstring); with
+    `activation_checkpointing` the forward runs again, and at stage 3 gathers the weights again."""
+    factor = RECOMPUTE_FLOPS_FACTOR if activation_checkpointing else 1.0
+    compute = factor * shape.flops_per_sample * micro_batch_size / (spec.peak_flops * spec.mfu)
     weight_bytes = 2.0 * shape.num_parameters
     weight_traffic = 3 * weight_bytes / spec.memory_bandwidth_bytes_per_s
     comm = 0.0
     if zero_stage >= 2:
         comm += _ring_s(weight_bytes, world_size, assumptions)  # gradient reduce-scatter
     if zero_stage == 3:
-        comm += 2 * _ring_s(weight_bytes, world_size, assumptions)  # forward and backward all-gathers
+        gathers = 3 if activation_checkpointing else 2  # forward, (recomputed forward,) backward
+        comm += gathers * _ring_s(weight_bytes, world_size, assumptions)
     return compute + weight_traffic + assumptions.kernel_overhead_s + comm
 
 
@@ -293,10 +316,13 @@ def optimizer_step_time_s(spec: GpuSpec, shape: ModelShape, zero_stage: int, wor
     return update + comm
 
 
-def max_micro_batch_size(spec: GpuSpec, shape: ModelShape, zero_stage: int, world_size: int, assumptions: Assumptions) -> int:
+def max_micro_batch_size(
+    spec: GpuSpec, shape: ModelShape, zero_stage: int, world_size: int, assumptions: Assumptions,
+    activation_checkpointing: bool = False,
+) -> int:
     """Largest micro-batch whose modelled peak fits the device; 0 when none does."""
     free = spec.memory_capacity_bytes - peak_memory_bytes(shape, zero_stage, world_size, 0, assumptions)
-    return max(0, int(free // shape.activation_bytes_per_sample))
+    return max(0, int(free // shape.kept_bytes_per_sample(activation_checkpointing)))
 
 
 def sample_sizes(max_size: int) -> list[int]:
@@ -311,17 +337,21 @@ def sample_sizes(max_size: int) -> list[int]:
     return sizes
 
 
-def modelled_profile(spec: GpuSpec, shape: ModelShape, *, zero_stage: int, world_size: int, assumptions: Assumptions | None = None) -> Profile:
+def modelled_profile(
+    spec: GpuSpec, shape: ModelShape, *, zero_stage: int, world_size: int, assumptions: Assumptions | None = None,
+    activation_checkpointing: bool = False,
+) -> Profile:
     """A `Profile` for `spec` running `shape` at one ZeRO stage and world size, labelled modelled."""
     if world_size < 1:
         raise ValueError(f"world_size: expected an integer >= 1, found {world_size!r}")
     assumptions = assumptions or Assumptions()
-    largest = max_micro_batch_size(spec, shape, zero_stage, world_size, assumptions)
+    checkpointing = activation_checkpointing
+    largest = max_micro_batch_size(spec, shape, zero_stage, world_size, assumptions, checkpointing)
     samples = tuple(
         Sample(
             micro_batch_size=b,
-            micro_step_time_s=micro_step_time_s(spec, shape, zero_stage, world_size, b, assumptions),
-            peak_memory_bytes=peak_memory_bytes(shape, zero_stage, world_size, b, assumptions),
+            micro_step_time_s=micro_step_time_s(spec, shape, zero_stage, world_size, b, assumptions, checkpointing),
+            peak_memory_bytes=peak_memory_bytes(shape, zero_stage, world_size, b, assumptions, checkpointing),
         )
         for b in sample_sizes(largest)
     )
@@ -341,6 +371,7 @@ def modelled_profile(spec: GpuSpec, shape: ModelShape, *, zero_stage: int, world
         samples=samples,
         optimizer_step_time_s=optimizer_step_time_s(spec, shape, zero_stage, world_size, assumptions),
         emulated=None,
+        activation_checkpointing=checkpointing,
         measured_with={
             "source": "modelled",
             "model": MODEL_VERSION,
@@ -354,11 +385,18 @@ def modelled_profile(spec: GpuSpec, shape: ModelShape, *, zero_stage: int, world
     )
 
 
-def modelled_profiles(device_types: list[str] | tuple[str, ...], shape: ModelShape, *, world_size: int, zero_stages: tuple[int, ...] = ZERO_STAGES, assumptions: Assumptions | None = None) -> list[Profile]:
-    """Modelled profiles for every (device type, stage); unknown device types raise ValueError."""
+def modelled_profiles(
+    device_types: list[str] | tuple[str, ...], shape: ModelShape, *, world_size: int,
+    zero_stages: tuple[int, ...] = ZERO_STAGES, assumptions: Assumptions | None = None,
+    checkpointing: tuple[bool, ...] = (False,),
+) -> list[Profile]:
+    """Modelled profiles for every (device type, stage, activation checkpointing in `checkpointing`);
+    unknown device types raise ValueError."""
     specs = [gpu_spec(name) for name in dict.fromkeys(device_types)]
     return [
-        modelled_profile(spec, shape, zero_stage=stage, world_size=world_size, assumptions=assumptions)
+        modelled_profile(spec, shape, zero_stage=stage, world_size=world_size, assumptions=assumptions,
+                         activation_checkpointing=on)
         for spec in specs
         for stage in zero_stages
+        for on in checkpointing
     ]

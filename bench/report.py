@@ -311,7 +311,31 @@ def render_markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {_cell(g['goal'])} | {_fmt(g['value'])} | {_cell(g['target'])} | {'yes' if g['met'] else 'NO'} |")
     if report.get("scaling"):
         lines += render_scaling(report["scaling"])
+    if report.get("checkpointing"):
+        lines += render_checkpointing(report["checkpointing"])
     return "\n".join(lines) + "\n"
+
+
+def render_checkpointing(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: poplar with the per-type activation checkpointing choice against poplar without (predicted)."""
+    lines = ["", "## Activation checkpointing per device type (poplar, predicted)", "",
+             ("Each type MODELLED without and with activation checkpointing (one more forward, 4/3 the FLOPs, one more "
+              "weight all-gather at stage 3; each layer's input kept instead of its activations). Cells: samples/s "
+              "without -> with the choice (gain), the types that checkpoint, and each type's micro-batch x steps.")]
+    for row in rows:
+        lines += ["", f"### {row['name']} ({row['world_size']} GPUs, global batch {row['global_batch_size']})", "",
+                  "| stage | without | with the choice | gain | checkpointing on | micro-batch x steps (with) |",
+                  "| --- | ---: | ---: | ---: | --- | --- |"]
+        for stage, cell in row["stages"].items():
+            without, chosen = cell["without"], cell["with_choice"]
+            def rate(c: dict[str, Any]) -> str:
+                return f"{c['samples_per_s']:.1f} (stage {c['zero_stage']})" if c["status"] == "ok" else "infeasible"
+            on = ", ".join(t for t, v in chosen.get("types", {}).items() if v["activation_checkpointing"]) or "none"
+            shape = ", ".join(f"{t} {v['micro_batch_size']}x{v['gradient_accumulation_steps']}"
+                              for t, v in chosen.get("types", {}).items())
+            gain = "-" if cell["gain"] is None else f"{cell['gain']:.2f}x"
+            lines.append(f"| {stage} | {rate(without)} | {rate(chosen)} | {gain} | {on if chosen['status'] == 'ok' else '-'} | {shape} |")
+    return lines
 
 
 def render_scaling(series: list[dict[str, Any]]) -> list[str]:

@@ -56,12 +56,15 @@ def modelled_case(
     zero_stage: str | int = "auto",
     cluster_file: str | None = None,
     assumptions: gpu_model.Assumptions | None = None,
+    checkpointing: tuple[bool, ...] = (False,),
 ) -> SimulationCase:
-    """A case whose profiles come from the analytic GPU model at the cluster's world size."""
+    """A case whose profiles come from the analytic GPU model at the cluster's world size
+    (with `checkpointing` ``(False, True)``: each type modelled without and with activation checkpointing)."""
     if samples_per_rank < 1:
         raise ValueError(f"samples_per_rank: expected an integer >= 1, found {samples_per_rank!r}")
     profiles = gpu_model.modelled_profiles(
-        cluster.rank_device_types, shape, world_size=cluster.world_size, assumptions=assumptions
+        cluster.rank_device_types, shape, world_size=cluster.world_size, assumptions=assumptions,
+        checkpointing=checkpointing,
     )
     return SimulationCase(
         name=name,
@@ -260,8 +263,10 @@ def simulation_report(
     *,
     title: str = "poplar-bench simulate: policies compared by prediction",
     scaling: bool = True,
+    checkpointing_cases: list[SimulationCase] | None = None,
 ) -> dict[str, Any]:
-    """A full report over `cases` (see `bench.report` for the layout); with `scaling`, each stage as clusters grow."""
+    """A full report over `cases` (see `bench.report` for the layout); with `scaling`, each stage as clusters grow;
+    with `checkpointing_cases` (profiled both ways), `checkpointing_effect` on them."""
     scenarios = [simulate_case(case) for case in cases]
     modelled: dict[str, set[str]] = {}
     for scenario in scenarios:
@@ -291,6 +296,7 @@ def simulation_report(
         "notes": notes,
         "scenarios": scenarios,
         **({"scaling": scaling_series(cases)} if scaling else {}),
+        **({"checkpointing": checkpointing_effect(checkpointing_cases)} if checkpointing_cases else {}),
     }
 
 
@@ -300,6 +306,7 @@ def shipped_cases(
     *,
     samples_per_rank: int = DEFAULT_SAMPLES_PER_RANK,
     zero_stage: str | int = "auto",
+    checkpointing: tuple[bool, ...] = (False,),
 ) -> list[SimulationCase]:
     """Modelled cases for every (cluster file, model shape)."""
     cases = []
@@ -314,6 +321,46 @@ def shipped_cases(
                     samples_per_rank=samples_per_rank,
                     zero_stage=zero_stage,
                     cluster_file=str(path),
+                    checkpointing=checkpointing,
                 )
             )
     return cases
+
+
+CHECKPOINTING_CLUSTERS = "v100-16gb+t4-16gb"
+"""The shipped clusters whose small memories make activation checkpointing worth showing."""
+
+
+def checkpointing_effect(cases: list[SimulationCase]) -> list[dict[str, Any]]:
+    """For cases profiled both ways: poplar with the per-type checkpointing choice against poplar without it.
+
+    Each stage alone and the fastest (``auto``), at the case's global batch: predicted
+    samples/s of both, which types checkpoint, and each type's micro-batch.
+    """
+    rows = []
+    for case in cases:
+        plain = [p for p in case.profiles if not p.activation_checkpointing]
+        row: dict[str, Any] = {"name": case.name, "world_size": case.cluster.world_size,
+                               "global_batch_size": case.global_batch_size, "stages": {}}
+        for stage in ("auto", *ZERO_STAGES):
+            cell: dict[str, Any] = {}
+            for label, profiles in (("with_choice", list(case.profiles)), ("without", plain)):
+                result = search_plan(profiles, case.cluster, global_batch_size=case.global_batch_size,
+                                     zero_stage=stage, policy="poplar", network=case.network)
+                if not result.ok:
+                    cell[label] = {"status": "infeasible"}
+                    continue
+                plan = result.plan
+                by_type: dict[str, dict[str, Any]] = {}
+                for r in plan.ranks:
+                    by_type.setdefault(r.device_type, {"micro_batch_size": r.micro_batch_size,
+                                                       "gradient_accumulation_steps": r.gradient_accumulation_steps,
+                                                       "activation_checkpointing": r.activation_checkpointing})
+                cell[label] = {"status": "ok", "zero_stage": plan.zero_stage,
+                               "samples_per_s": plan.predicted.samples_per_s, "types": by_type}
+            both = cell["with_choice"], cell["without"]
+            cell["gain"] = (both[0]["samples_per_s"] / both[1]["samples_per_s"]
+                            if all(c["status"] == "ok" for c in both) else None)
+            row["stages"][str(stage)] = cell
+        rows.append(row)
+    return rows
