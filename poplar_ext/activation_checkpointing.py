@@ -19,7 +19,7 @@ differ (`search.api.checkpointing_choices`).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -112,8 +112,8 @@ def apply_plan_checkpointing(
 
 
 __all__ = [
-    "apply_plan_checkpointing",
     "CheckpointingToggle",
+    "apply_plan_checkpointing",
     "can_checkpoint",
     "cannot_checkpoint_message",
     "checkpointing_toggle",

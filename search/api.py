@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from search.cost import StageModel, build_stage_model
-from search.network import NetworkProfile
 from search.formats import (
     MAX_GLOBAL_BATCH_SIZE,
     MAX_MICRO_BATCH_SIZE,
@@ -27,6 +26,7 @@ from search.formats import (
     Profile,
     RankPlan,
 )
+from search.network import NetworkProfile
 from search.policies import PolicyResult, allocate, best_global_batch
 
 
@@ -140,11 +140,6 @@ def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants
     return by_stage
 
 
-def _plain(variants: Variants) -> Profile:
-    """The profile without activation checkpointing, or the only one there is."""
-    return variants.get(False) or variants[True]
-
-
 def checkpointing_choices(
     variants_by_type: dict[str, Variants], zero_stage: int, *, choose: bool
 ) -> list[dict[str, bool]]:
@@ -155,24 +150,22 @@ def checkpointing_choices(
     gathers parameters again and DeepSpeed needs every rank to issue the same gathers
     (bench/results/mixed_checkpointing). Without it (``uniform``, ``proportional``:
     what DeepSpeed or Whale would run) one setting: off, or on for a type profiled
-    only with it (then every type at stage 3).
+    only with it (at stage 3: on for every type, where all have it). Empty at stage 3
+    when no single setting has a profile for every type.
     """
     types = list(variants_by_type)
-    if not choose:
-        setting = {t: False not in variants_by_type[t] for t in types}
-        if zero_stage == 3 and any(setting.values()):
-            setting = dict.fromkeys(types, True)
-        return [setting]
+
+    def fits(device_type: str, on: bool) -> bool:
+        variant = variants_by_type[device_type].get(on)
+        return variant is not None and variant.max_micro_batch_size > 0
+
     if zero_stage == 3:
-        return [
-            dict.fromkeys(types, on)
-            for on in (False, True)
-            if all(on in variants_by_type[t] and variants_by_type[t][on].max_micro_batch_size > 0 for t in types)
-        ] or [{t: False not in variants_by_type[t] for t in types}]
-    options = []
-    for t in types:
-        fitting = [on for on in (False, True) if on in variants_by_type[t] and variants_by_type[t][on].max_micro_batch_size > 0]
-        options.append(fitting or [False not in variants_by_type[t]])
+        common = [on for on in (False, True) if all(on in variants_by_type[t] for t in types)]
+        fitting = [on for on in common if all(fits(t, on) for t in types)] if choose else []
+        return [dict.fromkeys(types, on) for on in (fitting or common[:1])]
+    if not choose:
+        return [{t: False not in variants_by_type[t] for t in types}]
+    options = [[on for on in (False, True) if fits(t, on)] or [False not in variants_by_type[t]] for t in types]
     total = 1
     for option in options:
         total *= len(option)
@@ -258,8 +251,20 @@ def _evaluate_stage(
             checkpointing={},
         )
     variants = {t: profiles[t] for t in types}
+    settings = checkpointing_choices(variants, stage, choose=policy == "poplar")
+    if not settings:
+        shown = "; ".join(f"{t} {'with' if True in v else 'without'} only" for t, v in variants.items() if len(v) == 1)
+        return _StageOutcome(
+            model=None,
+            outcome=PolicyResult(
+                allocation=None,
+                reason=f"Stage 3 needs one activation checkpointing setting on every rank, and no setting has a "
+                f"profile of every device type ({shown}).",
+            ),
+            checkpointing={},
+        )
     best: _StageOutcome | None = None
-    for setting in checkpointing_choices(variants, stage, choose=policy == "poplar"):
+    for setting in settings:
         chosen = {t: variants[t][setting[t]] for t in types}
         too_big = [t for t in types if chosen[t].max_micro_batch_size == 0]
         if too_big:

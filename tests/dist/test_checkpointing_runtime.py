@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 
+import _training as t
 import pytest
 import torch
 from harness import run_ranks
-
-import _training as t
 
 STEPS = 3
 UNEVEN_COUNTS = [(3, 2), (1, 3), (2, 1)]

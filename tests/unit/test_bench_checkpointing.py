@@ -23,7 +23,7 @@ def test_modelled_checkpointing_trades_compute_for_memory():
             if sample.micro_batch_size in times:
                 assert sample.micro_step_time_s > times[sample.micro_batch_size]
     # Stage 3 gathers the weights once more for the recomputed forward.
-    at = dict(spec=spec, shape=shape, world_size=8, micro_batch_size=1, assumptions=assumptions)
+    at = {"spec": spec, "shape": shape, "world_size": 8, "micro_batch_size": 1, "assumptions": assumptions}
     extra_3 = gpu_model.micro_step_time_s(zero_stage=3, activation_checkpointing=True, **at) - gpu_model.micro_step_time_s(zero_stage=3, **at)
     extra_2 = gpu_model.micro_step_time_s(zero_stage=2, activation_checkpointing=True, **at) - gpu_model.micro_step_time_s(zero_stage=2, **at)
     assert extra_3 > extra_2 > 0

@@ -10,7 +10,14 @@ import pytest
 from search.api import check_plan, checkpointing_choices, predict, search_plan
 from search.cost import build_stage_model
 from search.errors import FormatError
-from search.formats import load_profiles, plan_from_dict, plan_to_dict, profile_from_dict, profile_to_dict, save_profile
+from search.formats import (
+    load_profiles,
+    plan_from_dict,
+    plan_to_dict,
+    profile_from_dict,
+    profile_to_dict,
+    save_profile,
+)
 from search.synthetic import simple_cluster, synthetic_profile
 
 
@@ -139,7 +146,7 @@ def test_stage_3_never_mixes_checkpointing():
     result = search_plan(profiles, cluster, global_batch_size=32, zero_stage=3)
     assert result.ok
     assert len({r.activation_checkpointing for r in result.plan.ranks}) == 1
-    best, setting = brute_force(profiles, cluster, 3, 32)
+    best, _ = brute_force(profiles, cluster, 3, 32)
     assert result.plan.predicted.iteration_time_s == pytest.approx(best, rel=1e-12)
     assert checkpointing_choices(
         {"fast": {False: profiles[0], True: profiles[1]}, "small": {False: profiles[2], True: profiles[3]}}, 3, choose=True
@@ -255,3 +262,17 @@ def test_poplar_search_shows_a_checkpointing_column_only_when_a_rank_checkpoints
     assert header[-1] == "checkpointing" and [row[-1] for row in rows] == ["off", "on"]
     plain = [p for p in profiles if not p.activation_checkpointing]
     assert "checkpointing" not in plan_table(search_plan(plain, cluster, global_batch_size=32, zero_stage=0), plain)
+
+
+@pytest.mark.parametrize("policy", ["poplar", "uniform", "proportional"])
+def test_stage_3_without_a_common_setting_is_infeasible_not_mixed(policy):
+    a = pair("a", stage=3, cap=4, overhead=0.01, per_sample=0.001, checkpointed_cap=8)
+    b = pair("b", stage=3, cap=4, overhead=0.01, per_sample=0.001, checkpointed_cap=8)
+    cluster = simple_cluster({"a": 1, "b": 1})
+    result = search_plan([a[0], b[1]], cluster, global_batch_size=8, zero_stage=3, policy=policy)
+    assert not result.ok
+    assert "Stage 3 needs one activation checkpointing setting on every rank" in result.message
+    assert "a without only; b with only" in result.message
+    # With every type profiled with it, stage 3 runs all checkpointed.
+    both = search_plan([a[0], a[1], b[1]], cluster, global_batch_size=8, zero_stage=3, policy=policy)
+    assert both.ok and all(r.activation_checkpointing for r in both.plan.ranks)
