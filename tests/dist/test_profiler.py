@@ -182,16 +182,19 @@ def _checkpointing_run(cache_dir: str) -> dict:
     from poplar_ext.models.toy_gpt import GPT, GPTConfig
     from poplar_ext.profiler import profile_model
 
-    cfg = GPTConfig(vocab_size=256, sequence_length=128, num_layers=4, num_heads=2, hidden_size=128)
+    # ~10 MB of activations per sample without checkpointing, ~3 MB with it: sizes sit
+    # farther apart in memory than a process's resident size drifts between engines.
+    cfg = GPTConfig(vocab_size=256, sequence_length=256, num_layers=4, num_heads=2, hidden_size=128)
     batches = _Batches(cfg)
-    # The small type's memory sits halfway between the plain micro-steps of 2 and 3 samples.
-    peaks = _peaks_of_micro_steps(lambda: GPT(cfg), batches, (2, 3))
+    # The small type's memory is a plain ZeRO-0 micro-step of 4 samples, as measured here (the
+    # profiler, in a process that has built more engines, finds a little less room).
+    peaks = _peaks_of_micro_steps(lambda: GPT(cfg), batches, (2, 4))
     agreed = torch.tensor([float(p) for p in peaks], dtype=torch.float64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    at_two, at_three = (int(v) for v in agreed.tolist())
-    cluster = _cluster([("roomy", 1.0, at_two + 2000 * MB), ("small", 1.0, (at_two + at_three) // 2)])
+    at_two, at_four = (int(v) for v in agreed.tolist())
+    cluster = _cluster([("roomy", 1.0, at_two + 2000 * MB), ("small", 1.0, at_four)])
     common = dict(
-        ds_config=DS_CONFIG, cluster=cluster, cache_dir=cache_dir, model_name="ckpt", zero_stages=(1,),
+        ds_config=DS_CONFIG, cluster=cluster, cache_dir=cache_dir, model_name="ckpt", zero_stages=(0,),
         micro_batch_size_limit=LIMIT, micro_batch_sizes=(1, 2, 4, 8), repeats=3, progress=None,
     )
     profiles = profile_model(model_factory=lambda: GPT(cfg), make_batch=batches, **common)
@@ -329,8 +332,9 @@ def test_both_checkpointing_settings_are_measured_and_cached(measured) -> None:
     assert set(by_key) == {(t, on) for t in ("roomy", "small") for on in (False, True)}
     # Recomputing activations frees memory: more samples fit the small type.
     plain, checkpointed = by_key[("small", False)], by_key[("small", True)]
-    assert plain.max_micro_batch_size == 2
+    assert 1 <= plain.max_micro_batch_size <= 4
     assert checkpointed.max_micro_batch_size > plain.max_micro_batch_size
+    assert by_key[("roomy", False)].max_micro_batch_size == LIMIT
     # ...and costs compute: the forward runs again in backward.
     roomy = [by_key[("roomy", on)] for on in (False, True)]
     times = [{s.micro_batch_size: s.micro_step_time_s for s in p.samples} for p in roomy]
