@@ -127,11 +127,11 @@ class DemoSettings:
     """Where the demo keeps its emulated cluster (``cluster.json``) and the profiler's
     cache (``profiles/``). None: ``$XDG_CACHE_HOME/poplar-ext/demo`` (``~/.cache`` when unset)."""
     force_profile: bool = False
+    """Measure again even when cached profiles exist."""
     activation_checkpointing: str = "off"
     """What the profiler measures (`profile_model`'s ``activation_checkpointing``): the demo
     compares policies without checkpointing (``off``); ``poplar-bench checkpointing``
     profiles ``both`` ways."""
-    """Measure again even when cached profiles exist."""
     seed: int = 0
     timeout_s: float = 600.0
     """The whole multi-rank run is abandoned (ranks killed) after this long."""

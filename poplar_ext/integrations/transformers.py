@@ -23,9 +23,10 @@ What it changes, through the Trainer's own hooks (nothing is patched):
   unshifted), summed over every rank and accumulation step, and the model divides its
   token sum by ``T / W``;
 * each rank's ``activation_checkpointing`` from the plan becomes its
-  ``gradient_checkpointing`` argument (non-reentrant), which the Trainer applies at
-  ``train()``; a plan asking for it from a model without
-  ``supports_gradient_checkpointing`` is refused on every rank;
+  ``activation_checkpointing`` argument (``gradient_checkpointing`` before
+  transformers 5.24; non-reentrant), whatever the arguments said, which the Trainer
+  applies at ``train()``, also to the models ``model_init`` builds; a plan asking for
+  it from a model without ``supports_gradient_checkpointing`` is refused on every rank;
 * logged batch sizes and samples/s are the true global ones
   (`get_total_train_batch_size`);
 * checkpoints carry poplar-ext's state (``poplar_state.json``), and
@@ -48,6 +49,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
 from poplar_ext.collectives import agree_sum, decided_by_rank0
 from poplar_ext.runtime.checkpoint import (
     history_entry,
@@ -58,7 +60,6 @@ from poplar_ext.runtime.checkpoint import (
 )
 from poplar_ext.runtime.config import GlobalBatchRequest, load_deepspeed_config
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
 from poplar_ext.runtime.initialize import Job, prepare_job
 from poplar_ext.runtime.weighting import label_token_count
 
@@ -103,18 +104,18 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
     activation checkpointing (`checkpointing`; None: the model cannot, args as given)."""
     rank_plan = job.plan.ranks[job.rank]
     if checkpointing is not None:
-        if args.gradient_checkpointing != checkpointing:
-            logger.info(
-                "rank %d: gradient_checkpointing %s as the plan says (TrainingArguments said %s)",
-                job.rank, checkpointing, args.gradient_checkpointing,
-            )
+        # transformers 5.24 renamed gradient_checkpointing* to activation_checkpointing* and
+        # resolves the old names from the new ones: set the names this version reads.
+        fields = {f.name for f in dataclasses.fields(args)}
+        name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+        given, given_kwargs = getattr(args, name), getattr(args, name + "_kwargs")
+        if bool(given) != checkpointing:
+            logger.info("rank %d: %s %s as the plan says (TrainingArguments said %s)", job.rank, name, checkpointing, given)
         # The Trainer enables it at train() from these arguments: they must say what the plan says.
-        args = dataclasses.replace(
-            args,
-            gradient_checkpointing=checkpointing,
-            gradient_checkpointing_kwargs={**(args.gradient_checkpointing_kwargs or {}), "use_reentrant": False}
-            if checkpointing else args.gradient_checkpointing_kwargs,
-        )
+        args = dataclasses.replace(args, **{
+            name: checkpointing,
+            name + "_kwargs": {**(given_kwargs or {}), "use_reentrant": False} if checkpointing else given_kwargs,
+        })
     config = {k: v for k, v in job.ds_config.items()}
     for key in _BATCH_KEYS:
         config[key] = "auto"
@@ -168,11 +169,13 @@ class PoplarTrainer(Trainer):
         self.plan = self.job.plan
         """The plan every rank runs."""
         rank_plan = self.plan.ranks[self.job.rank]
-        checkpointing: bool | None = None
+        checkpointing: bool | None = rank_plan.activation_checkpointing
         if model is not None:
             checkpointing = apply_plan_checkpointing(model, self.plan, self.job.rank, source=self.job.plan_reason)
             if not can_checkpoint(model):
                 checkpointing = None
+        # Without a model (model_init), the arguments carry the rank's setting: the Trainer
+        # applies them to each model model_init builds, at train().
         if self.job.rank == 0:
             logger.info("poplar plan from step 0: %s", self.job.plan_reason)
         logger.info(
@@ -184,6 +187,9 @@ class PoplarTrainer(Trainer):
             model=model, args=_rank_arguments(args, self.job, checkpointing=checkpointing), train_dataset=train_dataset,
             **kwargs,
         )
+        if model is None and self.model is not None:
+            # The model model_init built: one that cannot checkpoint is refused on every rank alike.
+            apply_plan_checkpointing(self.model, self.plan, self.job.rank, source=self.job.plan_reason)
         # The loss compute_loss returns is already the global batch's share (see _weigh).
         self.loss_is_scaled_for_ga = True
         self._train_sampler: PlanBatchSampler | None = None

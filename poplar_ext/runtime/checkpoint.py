@@ -123,8 +123,9 @@ class ResumeDecision:
 
 
 def _shape(plan: dict) -> tuple:
-    """What a re-balanced plan keeps: each rank's device type, the stage, the global batch."""
-    return (tuple(r["device_type"] for r in plan["ranks"]), plan["zero_stage"], plan["global_batch_size"])
+    """What a re-balanced plan keeps: each rank's device type and activation checkpointing, the stage, the global batch."""
+    ranks = tuple((r["device_type"], bool(r.get("activation_checkpointing", False))) for r in plan["ranks"])
+    return (ranks, plan["zero_stage"], plan["global_batch_size"])
 
 
 def resume_decision(
@@ -174,8 +175,8 @@ def resume_decision(
     ):
         return ResumeDecision(
             data_position=position, consumed_samples=saved["consumed_samples"], plan_history=history,
-            notes=[f"resumed from {path} under its last plan (see the plan history); the data continues at stream "
-                   f"position {position}"],
+            notes=[(f"resumed from {path} under its last plan (see the plan history); the data continues at stream "
+                    f"position {position}")],
             continue_plan=old_plan,
         )
     world_before, world_now = len(old_plan["ranks"]), len(plan["ranks"])

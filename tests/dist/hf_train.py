@@ -28,6 +28,9 @@ def main() -> None:
     parser.add_argument("--per-device", type=int, default=4, help="TrainingArguments.per_device_train_batch_size")
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--model-init", action="store_true", help="pass model_init instead of a model")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="TrainingArguments(gradient_checkpointing=True), which the plan overrides per rank")
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     import transformers
@@ -55,12 +58,16 @@ def main() -> None:
         output_dir=str(out), deepspeed=args.deepspeed_config, use_cpu=True, ddp_backend="gloo", max_steps=args.steps,
         per_device_train_batch_size=args.per_device, report_to=[], logging_steps=1, dataloader_num_workers=0,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, **hf.OPTIMIZATION,
+        **({"gradient_checkpointing": True} if args.gradient_checkpointing else {}),
     )
-    trainer = RecordingTrainer(model=model, args=training, train_dataset=data, data_collator=hf.collate)
+    if args.model_init:
+        trainer = RecordingTrainer(model_init=hf.tiny_gpt2, args=training, train_dataset=data, data_collator=hf.collate)
+    else:
+        trainer = RecordingTrainer(model=model, args=training, train_dataset=data, data_collator=hf.collate)
     result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     rank = int(os.environ["RANK"])
     (out / f"samples-rank{rank}.json").write_text(json.dumps(trained))
-    (out / f"checkpointing-rank{rank}.json").write_text(json.dumps(model.is_gradient_checkpointing))
+    (out / f"checkpointing-rank{rank}.json").write_text(json.dumps(trainer.model.is_gradient_checkpointing))
     params = hf.full_parameters(trainer.model_wrapped)
     if rank == 0:
         torch.save(params, out / "params.pt")

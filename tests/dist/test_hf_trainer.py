@@ -100,10 +100,19 @@ def test_logged_batch_size_and_samples_per_second_are_the_true_global_ones(runs)
 
 
 def test_each_rank_takes_its_gradient_checkpointing_from_the_plan(tmp_path):
-    # The slow type recomputes, the fast one does not (ZeRO-2 allows ranks to differ).
+    # The slow type recomputes, the fast one does not (ZeRO-2 allows ranks to differ), although
+    # the user's arguments ask for it everywhere (through the name transformers 5.24 deprecated).
     out = tmp_path / "out"
-    _launch(_config(tmp_path, 2, checkpointing=[False, True, True]), out)
+    _launch(_config(tmp_path, 2, checkpointing=[False, True, True]), out, "--gradient-checkpointing")
     assert [json.loads((out / f"checkpointing-rank{r}.json").read_text()) for r in range(3)] == [False, True, True]
+    params = torch.load(out / "params.pt", weights_only=False)
+    assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
+
+
+def test_the_models_model_init_builds_take_the_plans_checkpointing(tmp_path):
+    out = tmp_path / "out"
+    _launch(_config(tmp_path, 2, checkpointing=[True, False, False]), out, "--model-init")
+    assert [json.loads((out / f"checkpointing-rank{r}.json").read_text()) for r in range(3)] == [True, False, False]
     params = torch.load(out / "params.pt", weights_only=False)
     assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
 

@@ -276,3 +276,34 @@ def test_stage_3_without_a_common_setting_is_infeasible_not_mixed(policy):
     # With every type profiled with it, stage 3 runs all checkpointed.
     both = search_plan([a[0], a[1], b[1]], cluster, global_batch_size=8, zero_stage=3, policy=policy)
     assert both.ok and all(r.activation_checkpointing for r in both.plan.ranks)
+
+
+def test_a_re_plan_under_drift_keeps_each_types_checkpointing():
+    from search.drift import replan
+
+    profiles, cluster = small_memory_cluster(0)
+    plan = search_plan(profiles, cluster, global_batch_size=32, zero_stage=0).plan
+    assert [r.activation_checkpointing for r in plan.ranks] == [False, True]
+    # The fast rank becomes 3x slower: without the setting kept, the search could move checkpointing.
+    found = replan(plan, profiles, cluster, [3.0, 1.0], min_gain=0.0)
+    assert found.plan is not None
+    assert [r.activation_checkpointing for r in found.plan.ranks] == [False, True]
+    assert found.plan.global_batch_size == 32
+
+
+def test_the_drift_monitor_predicts_a_checkpointed_plan_with_each_types_setting():
+    from poplar_ext.runtime.config import RebalanceConfig
+    from poplar_ext.runtime.rebalance import DriftMonitor
+
+    profiles, cluster = small_memory_cluster(0)
+    plan = search_plan(profiles, cluster, global_batch_size=32, zero_stage=0).plan
+    assert [r.activation_checkpointing for r in plan.ranks] == [False, True]
+    config = RebalanceConfig(enabled=True, check_interval_steps=1, threshold=0.3, min_gain=0.05, sustained_checks=1)
+    monitor = DriftMonitor(config=config, profiles=profiles, cluster=cluster)
+    assert monitor.predicted_compute_s(plan) == pytest.approx(list(predict(plan, profiles).rank_compute_time_s))
+    predicted = monitor.predicted_compute_s(plan)
+    # The fast rank runs 3x slower for one check: the re-plan keeps each type's setting.
+    decision = monitor.observe(plan, [2 * 3 * predicted[0], 2 * predicted[1]], [2, 2], step=2)
+    assert decision is not None
+    new = plan_from_dict(decision["plan"])
+    assert [r.activation_checkpointing for r in new.ranks] == [False, True]

@@ -1,0 +1,56 @@
+"""Which plan a resumed job continues under (poplar_ext.runtime.checkpoint.resume_decision)."""
+
+from __future__ import annotations
+
+import copy
+
+from poplar_ext.runtime.checkpoint import resume_decision
+
+
+def _plan(allocation, *, checkpointing=(False, False)):
+    return {
+        "schema_version": 1, "zero_stage": 1, "global_batch_size": sum(b * s for b, s in allocation),
+        "ranks": [
+            {"rank": r, "device_type": t, "micro_batch_size": b, "gradient_accumulation_steps": s,
+             "activation_checkpointing": c}
+            for r, ((b, s), t, c) in enumerate(zip(allocation, ["fast", "slow"], checkpointing))
+        ],
+    }
+
+
+STARTED = [(4, 3), (2, 2)]
+SWITCHED = [(4, 2), (2, 4)]
+
+
+def _saved(started):
+    switched = copy.deepcopy(started)
+    for rank, (b, s) in zip(switched["ranks"], SWITCHED):
+        rank.update(micro_batch_size=b, gradient_accumulation_steps=s)
+    history = [
+        {"start_step": 0, "data_position": 0, "reason": "searched", "plan": started},
+        {"start_step": 5, "data_position": 80, "reason": "re-balanced", "plan": switched, "switched": True},
+    ]
+    return {"seed": 0, "shuffle": True, "drop_last": False, "consumed_samples": 160, "data_position": 160,
+            "plan": switched, "plan_history": history}
+
+
+def _current(plan):
+    return {"seed": 0, "shuffle": True, "drop_last": False, "plan": plan}
+
+
+def test_a_job_started_from_the_same_plan_continues_under_the_switched_one():
+    started = _plan(STARTED, checkpointing=(False, True))
+    decision = resume_decision(_saved(started), _current(copy.deepcopy(started)), path="ckpt", step=10)
+    assert decision.continue_plan is not None
+    assert [(r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in decision.continue_plan["ranks"]] == SWITCHED
+    assert decision.data_position == 160
+
+
+def test_a_job_whose_plan_checkpoints_otherwise_keeps_its_own_plan():
+    # Same allocation, other activation checkpointing: the saved run's switched plan would
+    # bring back the old setting, which the runtime applied once, before training.
+    saved = _saved(_plan(STARTED, checkpointing=(False, True)))
+    decision = resume_decision(saved, _current(_plan(STARTED, checkpointing=(False, False))), path="ckpt", step=10)
+    assert decision.continue_plan is None
+    assert decision.data_position == 160
+    assert decision.plan_history[-1]["plan"]["ranks"][1]["activation_checkpointing"] is False
