@@ -14,7 +14,7 @@ Three kinds of model can do both, and need nothing from the user:
 
 Recomputation gives the same gradients (the same operations run again), so ranks
 that differ in it train one model exactly at ZeRO stages 0-2. At stage 3 they may not
-differ (`search.api.checkpointing_choices`).
+differ (`search.api.lever_choices`).
 """
 
 from __future__ import annotations

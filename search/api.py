@@ -18,6 +18,7 @@ from search.formats import (
     MAX_GLOBAL_BATCH_SIZE,
     MAX_MICRO_BATCH_SIZE,
     MAX_WORLD_SIZE,
+    OFFLOAD_STAGES,
     POLICIES,
     ZERO_STAGES,
     Cluster,
@@ -25,6 +26,7 @@ from search.formats import (
     Prediction,
     Profile,
     RankPlan,
+    levers_text,
 )
 from search.network import NetworkProfile
 from search.policies import PolicyResult, allocate, best_global_batch
@@ -101,15 +103,23 @@ class PlanPrediction:
 # ----------------------------------------------------------------------------------
 # Input checks
 # ----------------------------------------------------------------------------------
-Variants = dict[bool, Profile]
-"""One device type's profiles at one stage, by ``activation_checkpointing``."""
+Levers = tuple[bool, bool]
+"""``(activation_checkpointing, optimizer_offload)``: the memory levers one device type uses."""
 
-MAX_CHECKPOINTING_CHOICES = 4096
-"""Most combinations of per-type activation checkpointing one stage's search tries (2 ** 12)."""
+NO_LEVERS: Levers = (False, False)
+
+LEVERS_ORDER: tuple[Levers, ...] = ((False, False), (True, False), (False, True), (True, True))
+"""Fewest levers first; ``uniform`` and ``proportional`` take a type's first profiled one."""
+
+Variants = dict[Levers, Profile]
+"""One device type's profiles at one stage, by `Profile.levers`."""
+
+MAX_LEVER_CHOICES = 4096
+"""Most combinations of per-type memory levers one stage's search tries (2 ** 12)."""
 
 
 def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants]]:
-    """Profiles by stage, device type and activation checkpointing; ValueError for mixed models or duplicates."""
+    """Profiles by stage, device type and memory levers; ValueError for mixed models or duplicates."""
     if isinstance(profiles, Profile) or not isinstance(profiles, Sequence):
         raise ValueError(f"profiles: expected a list of search.formats.Profile, found {type(profiles).__name__}")
     for index, profile in enumerate(profiles):
@@ -130,53 +140,62 @@ def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants
     by_stage: dict[int, dict[str, Variants]] = {}
     for profile in profiles:
         variants = by_stage.setdefault(profile.zero_stage, {}).setdefault(profile.device_type, {})
-        if profile.activation_checkpointing in variants:
-            checkpointing = " with activation checkpointing" if profile.activation_checkpointing else ""
+        if profile.levers in variants:
             raise ValueError(
-                f"profiles: expected one profile per (device type, ZeRO stage, activation checkpointing), found two "
-                f"for {profile.device_type!r} at stage {profile.zero_stage}{checkpointing}"
+                "profiles: expected one profile per (device type, ZeRO stage, activation checkpointing, optimizer "
+                f"offload), found two for {profile.device_type!r} at stage {profile.zero_stage}"
+                f"{levers_text(*profile.levers)}"
             )
-        variants[profile.activation_checkpointing] = profile
+        if profile.optimizer_offload and profile.zero_stage not in OFFLOAD_STAGES:
+            raise ValueError(
+                f"profiles: expected optimizer_offload only at ZeRO stages 1-2, found it for {profile.device_type!r} "
+                f"at stage {profile.zero_stage}"
+            )
+        variants[profile.levers] = profile
     return by_stage
 
 
-def checkpointing_choices(
-    variants_by_type: dict[str, Variants], zero_stage: int, *, choose: bool
-) -> list[dict[str, bool]]:
-    """The per-type activation checkpointing settings a search at `zero_stage` tries, fewest checkpointed first.
+def lever_choices(variants_by_type: dict[str, Variants], zero_stage: int, *, choose: bool) -> list[dict[str, Levers]]:
+    """The per-type memory levers a search at `zero_stage` tries, fewest levers first.
 
     With `choose` (the ``poplar`` policy) every combination of the variants each type
-    has that fit the model; at stage 3 only all-or-none, because the recomputed forward
-    gathers parameters again and DeepSpeed needs every rank to issue the same gathers
-    (bench/results/mixed_checkpointing). Without it (``uniform``, ``proportional``:
-    what DeepSpeed or Whale would run) one setting: off, or on for a type profiled
-    only with it (at stage 3: on for every type, where all have it). Empty at stage 3
-    when no single setting has a profile for every type.
+    has that fit the model: activation checkpointing and optimizer offload may differ
+    between device types at stages 0-2 (bench/results/mixed_checkpointing,
+    bench/results/mixed_offload). At stage 3 activation checkpointing is all-or-none,
+    because the recomputed forward gathers parameters again and DeepSpeed needs every
+    rank to issue the same gathers; no profile offloads there. Without `choose`
+    (``uniform``, ``proportional``: what DeepSpeed or Whale would run) one setting per
+    type: its first profiled variant in `LEVERS_ORDER` (no lever where profiled so; at
+    stage 3 the first checkpointing setting every type has). Empty at stage 3 when no
+    single checkpointing setting has a profile for every type.
     """
     types = list(variants_by_type)
 
-    def fits(device_type: str, on: bool) -> bool:
-        variant = variants_by_type[device_type].get(on)
+    def fits(device_type: str, levers: Levers) -> bool:
+        variant = variants_by_type[device_type].get(levers)
         return variant is not None and variant.max_micro_batch_size > 0
 
+    def first(device_type: str) -> Levers:
+        return next(levers for levers in LEVERS_ORDER if levers in variants_by_type[device_type])
+
     if zero_stage == 3:
-        common = [on for on in (False, True) if all(on in variants_by_type[t] for t in types)]
-        fitting = [on for on in common if all(fits(t, on) for t in types)] if choose else []
-        return [dict.fromkeys(types, on) for on in (fitting or common[:1])]
+        common = [on for on in (False, True) if all((on, False) in variants_by_type[t] for t in types)]
+        fitting = [on for on in common if all(fits(t, (on, False)) for t in types)] if choose else []
+        return [dict.fromkeys(types, (on, False)) for on in (fitting or common[:1])]
     if not choose:
-        return [{t: False not in variants_by_type[t] for t in types}]
-    options = [[on for on in (False, True) if fits(t, on)] or [False not in variants_by_type[t]] for t in types]
+        return [{t: first(t) for t in types}]
+    options = [[levers for levers in LEVERS_ORDER if fits(t, levers)] or [first(t)] for t in types]
     total = 1
     for option in options:
         total *= len(option)
-    if total > MAX_CHECKPOINTING_CHOICES:
+    if total > MAX_LEVER_CHOICES:
         raise ValueError(
-            f"profiles: expected at most {MAX_CHECKPOINTING_CHOICES} combinations of activation checkpointing per stage "
-            f"(2 ** the device types profiled both ways), found {total} at stage {zero_stage}; leave out the "
-            "checkpointed profiles of the types that need it least"
+            f"profiles: expected at most {MAX_LEVER_CHOICES} combinations of memory levers (activation "
+            f"checkpointing, optimizer offload) per stage, found {total} at stage {zero_stage}; leave out the "
+            "checkpointed or offloaded profiles of the types that need them least"
         )
     combos = [dict(zip(types, combo)) for combo in itertools.product(*options)]
-    return sorted(combos, key=lambda combo: sum(combo.values()))
+    return sorted(combos, key=lambda combo: sum(sum(levers) for levers in combo.values()))
 
 
 def _check_arguments(
@@ -214,8 +233,8 @@ def _check_arguments(
 class _StageOutcome:
     model: StageModel | None
     outcome: PolicyResult
-    checkpointing: dict[str, bool]
-    """Activation checkpointing per device type of the allocation."""
+    levers: dict[str, Levers]
+    """The memory levers per device type of the allocation."""
 
 
 def _better(candidate: PolicyResult, best: PolicyResult | None, *, fixed_batch: bool) -> bool:
@@ -237,7 +256,7 @@ def _evaluate_stage(
     max_global_batch_size: int | None,
     network: NetworkProfile | None = None,
 ) -> _StageOutcome:
-    """The policy's best allocation at `stage` over the activation checkpointing settings it may choose.
+    """The policy's best allocation at `stage` over the memory levers it may choose.
 
     Each setting is one cost model and the policies are exact per model, so the best
     over all settings is the exact optimum of the joint choice.
@@ -248,12 +267,13 @@ def _evaluate_stage(
     if missing:
         return _StageOutcome(
             model=None, outcome=PolicyResult(allocation=None, reason=f"No profile for {', '.join(missing)} at stage {stage}."),
-            checkpointing={},
+            levers={},
         )
     variants = {t: profiles[t] for t in types}
-    settings = checkpointing_choices(variants, stage, choose=policy == "poplar")
+    settings = lever_choices(variants, stage, choose=policy == "poplar")
     if not settings:
-        shown = "; ".join(f"{t} {'with' if True in v else 'without'} only" for t, v in variants.items() if len(v) == 1)
+        shown = "; ".join(f"{t} {'with' if (True, False) in v else 'without'} only" for t, v in variants.items()
+                          if len(v) == 1)
         return _StageOutcome(
             model=None,
             outcome=PolicyResult(
@@ -261,7 +281,7 @@ def _evaluate_stage(
                 reason=f"Stage 3 needs one activation checkpointing setting on every rank, and no setting has a "
                 f"profile of every device type ({shown}).",
             ),
-            checkpointing={},
+            levers={},
         )
     best: _StageOutcome | None = None
     for setting in settings:
@@ -273,7 +293,7 @@ def _evaluate_stage(
                 reason=f"The model does not fit {', '.join(too_big)} at stage {stage} (max_micro_batch_size 0).",
             )
             if best is None:
-                best = _StageOutcome(model=None, outcome=outcome, checkpointing=setting)
+                best = _StageOutcome(model=None, outcome=outcome, levers=setting)
             continue
         model = build_stage_model(chosen, cluster.rank_device_types, stage, network)
         if global_batch_size is not None:
@@ -281,15 +301,19 @@ def _evaluate_stage(
         else:
             outcome = best_global_batch(policy, model, max_global_batch_size)
         if _better(outcome, None if best is None else best.outcome, fixed_batch=global_batch_size is not None):
-            best = _StageOutcome(model=model, outcome=outcome, checkpointing=setting)
-    assert best is not None, "checkpointing_choices returns at least one setting"
+            best = _StageOutcome(model=model, outcome=outcome, levers=setting)
+    assert best is not None, "lever_choices returns at least one setting"
     return best
 
 
-def checkpointing_text(setting: dict[str, bool]) -> str:
-    """``activation checkpointing on A, B`` for the types that use it ('' when none does)."""
-    on = [t for t, enabled in setting.items() if enabled]
-    return f"activation checkpointing on {', '.join(on)}" if on else ""
+def levers_summary(setting: dict[str, Levers]) -> str:
+    """``activation checkpointing on A, B, optimizer offload on C`` for the types that use them ('' when none does)."""
+    parts = []
+    for index, name in enumerate(("activation checkpointing", "optimizer offload")):
+        on = [t for t, levers in setting.items() if levers[index]]
+        if on:
+            parts.append(f"{name} on {', '.join(on)}")
+    return ", ".join(parts)
 
 
 def _plan(model: StageModel, outcome: PolicyResult, policy: str) -> Plan:
@@ -302,6 +326,7 @@ def _plan(model: StageModel, outcome: PolicyResult, policy: str) -> Plan:
             micro_batch_size=int(micro),
             gradient_accumulation_steps=int(steps),
             activation_checkpointing=model.devices[int(index)].profile.activation_checkpointing,
+            optimizer_offload=model.devices[int(index)].profile.optimizer_offload,
         )
         for rank, (index, micro, steps) in enumerate(
             zip(model.rank_device_index, allocation.micro_batch_sizes, allocation.accumulation_steps)
@@ -425,8 +450,8 @@ def search_plan(
                 reason = "Fastest feasible stage."
             else:
                 reason = "The only stage evaluated." if len(stages) == 1 else "The only feasible stage."
-            if checkpointing_text(evaluated[stage].checkpointing):
-                reason = reason[:-1] + f", with {checkpointing_text(evaluated[stage].checkpointing)}."
+            if levers_summary(evaluated[stage].levers):
+                reason = reason[:-1] + f", with {levers_summary(evaluated[stage].levers)}."
         else:
             status = "slower"
             slower_pct = 100.0 * (1.0 - allocation.samples_per_s / best.samples_per_s)
@@ -442,7 +467,7 @@ def search_plan(
     else:
         batch_text = f"global batch {plan.global_batch_size}"
     share = plan.predicted.samples_per_s / plan.predicted.ideal_samples_per_s
-    checkpointing = checkpointing_text(evaluated[chosen].checkpointing)
+    checkpointing = levers_summary(evaluated[chosen].levers)
     message = (
         f"{policy} at ZeRO stage {chosen}{' (auto)' if zero_stage == 'auto' else ''}: {batch_text}"
         f"{', ' + checkpointing if checkpointing else ''}, "
@@ -468,10 +493,11 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
     """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
 
     Checks the world size, each rank's device type, the stage rule (stages 2 and 3:
-    one accumulation count on every rank), activation checkpointing (one setting per
-    device type; at stage 3 one for every rank) and, with `profiles`, that every device
-    type has a profile at the plan's stage, with the plan's activation checkpointing,
-    and that no micro-batch exceeds its cap.
+    one accumulation count on every rank), the memory levers (one activation
+    checkpointing and one optimizer offload per device type; at stage 3 one
+    checkpointing for every rank; offload only at stages 1-2) and, with `profiles`, that
+    every device type has a profile at the plan's stage with the plan's levers, and
+    that no micro-batch exceeds its cap.
     """
     problems: list[str] = []
     if plan.world_size != cluster.world_size:
@@ -490,12 +516,19 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
                 f"ZeRO stage {plan.zero_stage} needs the same gradient_accumulation_steps on every rank, "
                 f"but the plan has {', '.join(map(str, counts))}."
             )
-    settings = plan_checkpointing(plan)
-    mixed = [t for t, setting in settings.items() if setting is None]
-    if mixed:
+    settings = plan_levers(plan)
+    for index, name in enumerate(("activation_checkpointing", "optimizer_offload")):
+        mixed = _mixed_types(plan, index)
+        if mixed:
+            problems.append(
+                f"Ranks of one device type differ in {name} ({_some(mixed)}); the plan gives each device type one "
+                "setting."
+            )
+    offloading = [f"rank {r.rank}" for r in plan.ranks if r.optimizer_offload]
+    if offloading and plan.zero_stage not in OFFLOAD_STAGES:
         problems.append(
-            f"Ranks of one device type differ in activation_checkpointing ({_some(mixed)}); the plan gives each "
-            "device type one setting."
+            f"optimizer_offload is set at {_some(offloading)}, but poplar-ext offloads the optimizer at ZeRO stages "
+            f"1-2 only (the plan has stage {plan.zero_stage})."
         )
     if plan.zero_stage == 3 and len({r.activation_checkpointing for r in plan.ranks}) > 1:
         problems.append(
@@ -509,10 +542,10 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
         at_stage = {
             p.device_type: p
             for p in profiles
-            if p.zero_stage == plan.zero_stage and p.activation_checkpointing == bool(settings.get(p.device_type))
+            if p.zero_stage == plan.zero_stage and p.levers == (settings.get(p.device_type) or NO_LEVERS)
         }
         types = list(dict.fromkeys(r.device_type for r in plan.ranks))
-        missing = [t + (" with activation checkpointing" if settings.get(t) else "") for t in types if t not in at_stage]
+        missing = [t + levers_text(*(settings.get(t) or NO_LEVERS)) for t in types if t not in at_stage]
         if missing:
             problems.append(f"No profile at ZeRO stage {plan.zero_stage} for {', '.join(missing)}.")
         over = [
@@ -523,6 +556,27 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
         if over:
             problems.append(f"micro_batch_size is above the profile's max_micro_batch_size at {_some(over)}.")
     return problems
+
+
+def _rank_levers(rank: RankPlan) -> Levers:
+    return (rank.activation_checkpointing, rank.optimizer_offload)
+
+
+def _mixed_types(plan: Plan, index: int) -> list[str]:
+    """Device types whose ranks differ in lever `index` of `Levers`."""
+    values: dict[str, set[bool]] = {}
+    for r in plan.ranks:
+        values.setdefault(r.device_type, set()).add(_rank_levers(r)[index])
+    return [t for t, seen in values.items() if len(seen) > 1]
+
+
+def plan_levers(plan: Plan) -> dict[str, Levers | None]:
+    """``(activation_checkpointing, optimizer_offload)`` per device type of `plan` (None for a type whose ranks differ)."""
+    settings: dict[str, Levers | None] = {}
+    for r in plan.ranks:
+        if settings.setdefault(r.device_type, _rank_levers(r)) != _rank_levers(r):
+            settings[r.device_type] = None
+    return settings
 
 
 def plan_checkpointing(plan: Plan) -> dict[str, bool | None]:
@@ -537,22 +591,21 @@ def plan_checkpointing(plan: Plan) -> dict[str, bool | None]:
 def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | None = None) -> PlanPrediction:
     """Per-rank busy time and the iteration time the cost model predicts for `plan` (with `network`: communication priced).
 
-    Each device type is priced with its profile at the plan's stage and activation
-    checkpointing. Raises ValueError when a device type has no such profile, its ranks
-    differ in activation checkpointing, or a micro-batch is outside
+    Each device type is priced with its profile at the plan's stage and memory levers
+    (activation checkpointing, optimizer offload). Raises ValueError when a device type
+    has no such profile, its ranks differ in a lever, or a micro-batch is outside
     1..max_micro_batch_size of its profile.
     """
     by_stage = _check_profiles(profiles)
     variants = by_stage.get(plan.zero_stage, {})
-    settings = plan_checkpointing(plan)
-    mixed = [t for t, setting in settings.items() if setting is None]
-    if mixed:
-        raise ValueError(
-            f"plan: expected one activation_checkpointing per device type, found both for {', '.join(mixed)}"
-        )
-    at_stage = {t: variants[t][bool(on)] for t, on in settings.items() if t in variants and bool(on) in variants[t]}
+    settings = plan_levers(plan)
+    for index, name in enumerate(("activation_checkpointing", "optimizer_offload")):
+        mixed = _mixed_types(plan, index)
+        if mixed:
+            raise ValueError(f"plan: expected one {name} per device type, found both for {', '.join(mixed)}")
+    at_stage = {t: variants[t][levers] for t, levers in settings.items() if t in variants and levers in variants[t]}
     missing = [
-        t + (" with activation checkpointing" if settings[t] else "")
+        t + levers_text(*settings[t])
         for t in settings
         if t not in at_stage or at_stage[t].max_micro_batch_size == 0
     ]

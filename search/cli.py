@@ -143,13 +143,15 @@ def plan_table(result: SearchResult, profiles: Sequence, network: NetworkProfile
     assert plan is not None
     busy = predict(plan, profiles, network).rank_busy_time_s
     slowest = max(busy)
-    # A column for activation checkpointing only where some rank uses it.
+    # A column per memory lever only where some rank uses it.
     checkpointing = any(r.activation_checkpointing for r in plan.ranks)
+    offload = any(r.optimizer_offload for r in plan.ranks)
     rows = [["ranks", "device type", "micro-batch", "accumulation", "samples/iter", "busy s/iter", "idle"]
-            + (["checkpointing"] if checkpointing else [])]
+            + (["checkpointing"] if checkpointing else []) + (["optimizer offload"] if offload else [])]
 
     def group(r: Any) -> tuple:
-        return (r.device_type, r.micro_batch_size, r.gradient_accumulation_steps, r.activation_checkpointing)
+        return (r.device_type, r.micro_batch_size, r.gradient_accumulation_steps, r.activation_checkpointing,
+                r.optimizer_offload)
 
     start = 0
     for i in range(1, len(plan.ranks) + 1):
@@ -160,7 +162,8 @@ def plan_table(result: SearchResult, profiles: Sequence, network: NetworkProfile
             _rank_span(start, i - 1), first.device_type, str(first.micro_batch_size),
             str(first.gradient_accumulation_steps), str(first.samples_per_iteration),
             f"{busy[start]:.4g}", f"{100 * (1 - busy[start] / slowest):.1f}%",
-        ] + (["on" if first.activation_checkpointing else "off"] if checkpointing else []))
+        ] + (["on" if first.activation_checkpointing else "off"] if checkpointing else [])
+          + (["on" if first.optimizer_offload else "off"] if offload else []))
         start = i
     text = [result.message, "", _table(rows)]
     if len(result.stage_reports) > 1:

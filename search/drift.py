@@ -48,13 +48,13 @@ def scaled_problem(
     rank_scales: Sequence[float],
     *,
     zero_stage: int,
-    checkpointing: Mapping[str, bool | None] | None = None,
+    levers: Mapping[str, tuple[bool, bool] | None] | None = None,
 ) -> tuple[list[Profile], Cluster, list[str]]:
     """Profiles and cluster in which each rank's device runs `rank_scales[r]` times its profile's time.
 
-    `checkpointing` gives the activation checkpointing whose profile each device type
-    keeps (default: off), so a re-plan keeps the running plan's setting: the runtime
-    applies it once, before training. Returns them and each rank's derived device
+    `levers` gives the ``(activation_checkpointing, optimizer_offload)`` whose profile
+    each device type keeps (default: neither; `search.api.plan_levers`), so a re-plan
+    keeps the running plan's setting: the runtime applies it once, before training. Returns them and each rank's derived device
     type, in rank order (the cluster's nodes and rank order are kept).
     """
     rank_types = cluster.rank_device_types
@@ -63,11 +63,11 @@ def scaled_problem(
     bad = [s for s in rank_scales if not s > 0]
     if bad:
         raise ValueError(f"rank_scales: expected factors > 0, found {bad}")
-    checkpointing = checkpointing or {}
+    levers = levers or {}
     at_stage = {
         p.device_type: p
         for p in profiles
-        if p.zero_stage == zero_stage and p.activation_checkpointing == bool(checkpointing.get(p.device_type))
+        if p.zero_stage == zero_stage and p.levers == (levers.get(p.device_type) or (False, False))
     }
     derived = [derived_type(t, s) for t, s in zip(rank_types, rank_scales)]
     scaled: dict[str, Profile] = {}
@@ -126,10 +126,10 @@ def replan(
     network: NetworkProfile | None = None,
 ) -> Replan:
     """Search `plan`'s global batch and stage again with each rank's speed scaled by `rank_scales`."""
-    from search.api import plan_checkpointing, predict, search_plan
+    from search.api import plan_levers, predict, search_plan
 
     scaled_profiles, scaled_cluster, rank_types = scaled_problem(
-        profiles, cluster, rank_scales, zero_stage=plan.zero_stage, checkpointing=plan_checkpointing(plan)
+        profiles, cluster, rank_scales, zero_stage=plan.zero_stage, levers=plan_levers(plan)
     )
     current = predict(with_rank_types(plan, rank_types), scaled_profiles, network).iteration_time_s
     result = search_plan(

@@ -116,6 +116,10 @@ class Profile:
     activation_checkpointing: bool = False
     """Measured with activation checkpointing (each block's activations recomputed in
     backward instead of kept): slower micro-steps, larger micro-batches fit."""
+    optimizer_offload: bool = False
+    """Measured with the optimizer offloaded to the host (DeepSpeed's
+    ``zero_optimization.offload_optimizer``; ZeRO stages 1-2 only): the optimizer state
+    and fp32 master weights leave the device, the boundary takes longer."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     @property
@@ -124,17 +128,23 @@ class Profile:
         return self.measured_with["source"]
 
     @property
-    def key(self) -> tuple[str, int, bool]:
-        """``(device_type, zero_stage, activation_checkpointing)``: one profile per key and model."""
-        return (self.device_type, self.zero_stage, self.activation_checkpointing)
+    def key(self) -> tuple[str, int, bool, bool]:
+        """``(device_type, zero_stage, activation_checkpointing, optimizer_offload)``: one profile per key and model."""
+        return (self.device_type, self.zero_stage, self.activation_checkpointing, self.optimizer_offload)
+
+    @property
+    def levers(self) -> tuple[bool, bool]:
+        """``(activation_checkpointing, optimizer_offload)``: the memory levers it was measured with."""
+        return (self.activation_checkpointing, self.optimizer_offload)
 
     @property
     def fingerprint(self) -> str:
         """Content hash of the whole profile: plans record which profiles made them."""
         data = profile_to_dict(self)
-        if not self.activation_checkpointing:
-            # Profiles from before the field hash as they did, so plans naming them stay valid.
-            del data["activation_checkpointing"]
+        # Profiles from before these fields hash as they did, so plans naming them stay valid.
+        for lever in ("activation_checkpointing", "optimizer_offload"):
+            if not data[lever]:
+                del data[lever]
         return content_fingerprint(data)
 
 
@@ -228,10 +238,11 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
     # Free-form provenance, but JSON that the fingerprint can hash.
     provenance = root.field("measured_with").obj().within_depth(MAX_JSON_DEPTH)
     provenance.field("source").string(choices=PROFILE_SOURCES)
+    zero_stage = root.field("zero_stage").integer(minimum=0, maximum=3)
     return Profile(
         device_type=root.field("device_type").string(),
         memory_capacity_bytes=root.field("memory_capacity_bytes").integer(minimum=1, maximum=MAX_BYTES),
-        zero_stage=root.field("zero_stage").integer(minimum=0, maximum=3),
+        zero_stage=zero_stage,
         world_size=root.field("world_size").integer(minimum=1, maximum=MAX_WORLD_SIZE),
         model=model,
         max_micro_batch_size=max_mbs,
@@ -240,6 +251,7 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
         emulated=None if emulated_node is None else _parse_emulation(emulated_node.obj()),
         measured_with=dict(provenance.value),
         activation_checkpointing=_optional_boolean(root, "activation_checkpointing"),
+        optimizer_offload=_offload(root, zero_stage),
     )
 
 
@@ -401,6 +413,8 @@ class RankPlan:
     gradient_accumulation_steps: int
     activation_checkpointing: bool = False
     """Whether this rank recomputes activations in backward (chosen per device type by the search)."""
+    optimizer_offload: bool = False
+    """Whether this rank keeps its optimizer state on the host (ZeRO stages 1-2; chosen per device type)."""
 
     @property
     def samples_per_iteration(self) -> int:
@@ -444,6 +458,7 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
     """
     root = Node(data, source).obj().keys_within(_keys(Plan))
     _check_schema_version(root, PLAN_SCHEMA_VERSION)
+    zero_stage = root.field("zero_stage").integer(minimum=0, maximum=3)
     ranks: list[RankPlan] = []
     for index, node in enumerate(root.field("ranks").items(min_length=1, max_length=MAX_WORLD_SIZE)):
         node.obj().keys_within(_keys(RankPlan))
@@ -459,6 +474,7 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
                     minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE
                 ),
                 activation_checkpointing=_optional_boolean(node, "activation_checkpointing"),
+                optimizer_offload=_offload(node, zero_stage),
             )
         )
     gbs_node = root.field("global_batch_size")
@@ -474,7 +490,7 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
     }
     return Plan(
         policy=root.field("policy").string(choices=POLICIES),
-        zero_stage=root.field("zero_stage").integer(minimum=0, maximum=3),
+        zero_stage=zero_stage,
         global_batch_size=global_batch_size,
         ranks=tuple(ranks),
         predicted=Prediction(
@@ -490,6 +506,28 @@ def _optional_boolean(node: Node, key: str) -> bool:
     """A boolean field that files written before it existed leave out (false)."""
     child = node.optional(key)
     return False if child is None else child.boolean()
+
+
+OFFLOAD_STAGES = (1, 2)
+"""The ZeRO stages at which poplar-ext offloads an optimizer (DeepSpeed lets ranks differ
+there: bench/results/mixed_offload)."""
+
+
+def _offload(node: Node, zero_stage: int) -> bool:
+    """``optimizer_offload`` (absent: false), which only ZeRO stages 1-2 may set."""
+    offload = _optional_boolean(node, "optimizer_offload")
+    if offload and zero_stage not in OFFLOAD_STAGES:
+        raise node.field("optimizer_offload").fail(
+            f"false at ZeRO stage {zero_stage} (poplar-ext offloads the optimizer at stages 1-2 only)"
+        )
+    return offload
+
+
+def levers_text(activation_checkpointing: bool, optimizer_offload: bool = False) -> str:
+    """`` with activation checkpointing and optimizer offload`` (each only when set; '' for neither)."""
+    used = [name for name, on in (("activation checkpointing", activation_checkpointing),
+                                  ("optimizer offload", optimizer_offload)) if on]
+    return f" with {' and '.join(used)}" if used else ""
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -564,7 +602,7 @@ def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
     if not directory.is_dir():
         raise FormatError(str(directory), "(directory)", "a directory of profile JSON files", "no such directory")
     profiles: list[Profile] = []
-    origin: dict[tuple[str, int, bool, str], Path] = {}
+    origin: dict[tuple[str, int, bool, bool, str], Path] = {}
     for path in sorted(directory.glob("*.json")):
         data = read_json(path)
         if is_cluster_or_plan(data):
@@ -572,12 +610,12 @@ def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
         profile = profile_from_dict(data, source=str(path))
         key = (*profile.key, profile.model.fingerprint)
         if key in origin:
-            checkpointing = " with activation checkpointing" if key[2] else ""
             raise FormatError(
                 str(path),
                 "device_type",
-                "one profile per (device type, ZeRO stage, activation checkpointing, model)",
-                f"a second profile for {key[0]!r} at stage {key[1]}{checkpointing} (the first is {origin[key].name})",
+                "one profile per (device type, ZeRO stage, activation checkpointing, optimizer offload, model)",
+                f"a second profile for {key[0]!r} at stage {key[1]}{levers_text(key[2], key[3])} "
+                f"(the first is {origin[key].name})",
             )
         origin[key] = path
         profiles.append(profile)

@@ -123,8 +123,11 @@ class ResumeDecision:
 
 
 def _shape(plan: dict) -> tuple:
-    """What a re-balanced plan keeps: each rank's device type and activation checkpointing, the stage, the global batch."""
-    ranks = tuple((r["device_type"], bool(r.get("activation_checkpointing", False))) for r in plan["ranks"])
+    """What a re-balanced plan keeps: each rank's device type and memory levers, the stage, the global batch."""
+    ranks = tuple(
+        (r["device_type"], bool(r.get("activation_checkpointing", False)), bool(r.get("optimizer_offload", False)))
+        for r in plan["ranks"]
+    )
     return (ranks, plan["zero_stage"], plan["global_batch_size"])
 
 

@@ -313,6 +313,9 @@ class PoplarEngine:
         elif [r.activation_checkpointing for r in plan.ranks] != [r.activation_checkpointing for r in current.ranks]:
             # Applied to the model once, before DeepSpeed wrapped it; search.drift.replan keeps it.
             problems.append("each rank keeps its activation_checkpointing")
+        elif [r.optimizer_offload for r in plan.ranks] != [r.optimizer_offload for r in current.ranks]:
+            # Part of the DeepSpeed config the rank's engine was built with.
+            problems.append("each rank keeps its optimizer_offload")
         elif plan.zero_stage >= 2 and len({r.gradient_accumulation_steps for r in plan.ranks}) > 1:
             # DeepSpeed reduces gradients on every micro-step at stages 2/3: a rank with
             # more micro-steps would wait for a collective no other rank enters.

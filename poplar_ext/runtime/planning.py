@@ -40,12 +40,12 @@ class StalePlanWarning(UserWarning):
 
 
 def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
-    """Device types whose profile at the plan's stage (and activation checkpointing) is not the one the plan was made from."""
-    checkpointing = {r.device_type: r.activation_checkpointing for r in plan.ranks}
+    """Device types whose profile at the plan's stage (and memory levers) is not the one the plan was made from."""
+    levers = {r.device_type: (r.activation_checkpointing, r.optimizer_offload) for r in plan.ranks}
     at_stage = {
         p.device_type: p
         for p in profiles
-        if p.zero_stage == plan.zero_stage and p.activation_checkpointing == checkpointing.get(p.device_type, False)
+        if p.zero_stage == plan.zero_stage and p.levers == levers.get(p.device_type, (False, False))
     }
     return [
         device_type
@@ -233,7 +233,7 @@ def load_rebalance_inputs(poplar_config: PoplarConfig, cluster: Cluster, plan: P
     cluster at the plan's stage, and the network file measured on this cluster (or None).
 
     ValueError when a profile is missing: re-balancing scales each rank's profiled curve.
-    Each type's profile is the one with the plan's activation checkpointing (a re-plan keeps it).
+    Each type's profile is the one with the plan's memory levers (a re-plan keeps them).
     """
     from search.network import find_network
 
@@ -242,11 +242,11 @@ def load_rebalance_inputs(poplar_config: PoplarConfig, cluster: Cluster, plan: P
         raise ValueError(
             f"{where}: expected {SECTION}.profiles too (the profiles a re-balanced plan is searched from), found none"
         )
-    checkpointing = {r.device_type: r.activation_checkpointing for r in plan.ranks}
+    levers = {r.device_type: (r.activation_checkpointing, r.optimizer_offload) for r in plan.ranks}
     profiles = [
         p
         for p in _available_profiles(poplar_config, None)
-        if p.zero_stage == plan.zero_stage and p.activation_checkpointing == checkpointing.get(p.device_type, False)
+        if p.zero_stage == plan.zero_stage and p.levers == levers.get(p.device_type, (False, False))
     ]
     types = {p.device_type for p in profiles if p.max_micro_batch_size > 0}
     missing = [t for t in cluster.type_counts() if t not in types]

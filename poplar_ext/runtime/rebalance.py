@@ -75,11 +75,11 @@ class DriftMonitor:
 
     def predicted_compute_s(self, plan: Plan) -> list[float]:
         """Each rank's predicted compute time per iteration under `plan` and the assumed speeds."""
-        from search.api import plan_checkpointing, predict
+        from search.api import plan_levers, predict
         from search.drift import scaled_problem, with_rank_types
 
         profiles, _, rank_types = scaled_problem(self.profiles, self.cluster, self.rank_scales, zero_stage=plan.zero_stage,
-                                                 checkpointing=plan_checkpointing(plan))
+                                                 levers=plan_levers(plan))
         return list(predict(with_rank_types(plan, rank_types), profiles, self.network).rank_compute_time_s)
 
     def observe(self, plan: Plan, busy_s: list[float], iterations: list[int], *, step: int) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from search.api import check_plan, checkpointing_choices, predict, search_plan
+from search.api import check_plan, lever_choices, predict, search_plan
 from search.cost import build_stage_model
 from search.errors import FormatError
 from search.formats import (
@@ -148,9 +148,10 @@ def test_stage_3_never_mixes_checkpointing():
     assert len({r.activation_checkpointing for r in result.plan.ranks}) == 1
     best, _ = brute_force(profiles, cluster, 3, 32)
     assert result.plan.predicted.iteration_time_s == pytest.approx(best, rel=1e-12)
-    assert checkpointing_choices(
-        {"fast": {False: profiles[0], True: profiles[1]}, "small": {False: profiles[2], True: profiles[3]}}, 3, choose=True
-    ) == [{"fast": False, "small": False}, {"fast": True, "small": True}]
+    off, on = (False, False), (True, False)
+    assert lever_choices(
+        {"fast": {off: profiles[0], on: profiles[1]}, "small": {off: profiles[2], on: profiles[3]}}, 3, choose=True
+    ) == [{"fast": off, "small": off}, {"fast": on, "small": on}]
 
 
 def test_the_search_leaves_checkpointing_off_where_memory_is_enough():
@@ -217,7 +218,7 @@ def test_profile_field_round_trips_and_old_fingerprints_stay(tmp_path):
     plain, checkpointed = pair("gpu", stage=2, cap=4, overhead=0.01, per_sample=0.01, checkpointed_cap=8)
     data = profile_to_dict(plain)
     assert data["activation_checkpointing"] is False
-    old = {k: v for k, v in data.items() if k != "activation_checkpointing"}
+    old = {k: v for k, v in data.items() if k not in ("activation_checkpointing", "optimizer_offload")}
     assert profile_from_dict(old) == plain
     # A profile written before the field existed keeps its fingerprint (plans name it).
     from search.formats import content_fingerprint
@@ -249,7 +250,7 @@ def test_plans_written_before_the_field_load_with_checkpointing_off(tmp_path):
 def test_two_profiles_of_one_type_stage_and_setting_are_refused():
     plain, _ = pair("gpu", stage=2, cap=4, overhead=0.01, per_sample=0.01, checkpointed_cap=8)
     cluster = simple_cluster({"gpu": 1})
-    with pytest.raises(ValueError, match="one profile per \\(device type, ZeRO stage, activation checkpointing\\)"):
+    with pytest.raises(ValueError, match="one profile per \\(device type, ZeRO stage, activation checkpointing, optimizer "):
         search_plan([plain, plain], cluster, global_batch_size=4)
 
 
