@@ -28,13 +28,16 @@ can make one device slower or faster in the middle of a run.
 
 How a memory capacity is applied: `check_emulated_memory` compares a measured peak
 (see the profiler's memory measurement) with the capacity and raises
-`EmulatedOutOfMemoryError`, a `RuntimeError` like a real out-of-memory.
+`EmulatedOutOfMemoryError`, a `RuntimeError` like a real out-of-memory. An emulated
+device on a CPU-only machine shares the process's memory with its "host": what an
+offloading optimizer keeps on the host (`host_resident_optimizer_bytes`) is taken off
+the measured peak before the comparison, as a real device would not hold it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from search.formats import Cluster, Emulation
 
@@ -94,6 +97,43 @@ def check_emulated_memory(emulation: Emulation | None, peak_memory_bytes: int, *
         f"emulated device {name}out of memory: peak {peak_memory_bytes} bytes exceeds its "
         f"capacity of {emulation.memory_capacity_bytes} bytes"
     )
+
+
+def host_resident_optimizer_bytes(engine: Any) -> int:
+    """Bytes a DeepSpeed ZeRO-1/2 engine's offloading optimizer keeps on the host (0 when it does not offload).
+
+    DeepSpeed's fp32 master partition and its gradient, the gradients accumulated on
+    the host, its host staging buffers, and the optimizer's state (Adam's moments).
+    Each tensor counts once.
+    """
+    import torch
+
+    optimizer = getattr(engine, "optimizer", None)
+    if not getattr(optimizer, "cpu_offload", False):
+        return 0
+    seen: set[int] = set()
+    total = 0
+
+    def add(tensor: Any) -> None:
+        nonlocal total
+        if torch.is_tensor(tensor) and tensor.device.type == "cpu" and tensor.numel() and tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+
+    for master in getattr(optimizer, "single_partition_of_fp32_groups", None) or []:
+        add(master)
+        add(master.grad)
+    for accumulated in (getattr(optimizer, "accumulated_grads_in_cpu", None) or {}).values():
+        add(accumulated)
+    # The host-side staging buffers DeepSpeed allocates only to offload.
+    for buffer in getattr(optimizer, "param_buffer_of_bit16_for_cpu_offload_groups", None) or []:
+        add(buffer)
+    add(getattr(optimizer, "temp_grad_buffer_for_cpu_offload", None))
+    inner = getattr(optimizer, "optimizer", None)
+    for state in getattr(inner, "state", {}).values():
+        for value in state.values():
+            add(value)
+    return total
 
 
 class ComputeSlowdown:
@@ -171,5 +211,6 @@ __all__ = [
     "check_emulated_memory",
     "device_label",
     "emulation_for_rank",
+    "host_resident_optimizer_bytes",
     "scheduled_slowdown",
 ]

@@ -27,6 +27,8 @@ What it changes, through the Trainer's own hooks (nothing is patched):
   transformers 5.24; non-reentrant), whatever the arguments said, which the Trainer
   applies at ``train()``, also to the models ``model_init`` builds; a plan asking for
   it from a model without ``supports_gradient_checkpointing`` is refused on every rank;
+* a rank whose plan entry has ``optimizer_offload`` gets DeepSpeed's
+  ``offload_optimizer`` in its own DeepSpeed config;
 * logged batch sizes and samples/s are the true global ones
   (`get_total_train_batch_size`);
 * checkpoints carry poplar-ext's state (``poplar_state.json``), and
@@ -51,6 +53,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
 from poplar_ext.collectives import agree_sum, decided_by_rank0
+from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.runtime.checkpoint import (
     history_entry,
     poplar_client_state,
@@ -121,6 +124,8 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
         config[key] = "auto"
     config.setdefault("zero_optimization", {})
     config["zero_optimization"] = {**config["zero_optimization"], "stage": job.plan.zero_stage}
+    if rank_plan.optimizer_offload:
+        offload_deepspeed_optimizer(config)
     return dataclasses.replace(
         args,
         per_device_train_batch_size=rank_plan.micro_batch_size,

@@ -14,19 +14,25 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
-from poplar_ext.activation_checkpointing import CheckpointingToggle, cannot_checkpoint_message, checkpointing_toggle
+from poplar_ext.activation_checkpointing import (
+    CheckpointingToggle,
+    cannot_checkpoint_message,
+    checkpointing_toggle,
+)
 from poplar_ext.collectives import broadcast_from_rank0, ensure_process_group
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.emulation import device_label
 from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocator
+from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.profiler.cache import (
     ProfileKey,
     ds_config_fingerprint,
@@ -46,10 +52,12 @@ from poplar_ext.profiler.measure import (
 )
 from poplar_ext.profiler.network import cached_or_measured_network
 from search.formats import (
+    OFFLOAD_STAGES,
     ZERO_STAGES,
     Cluster,
     ModelInfo,
     Profile,
+    levers_text,
     profile_from_dict,
     profile_to_dict,
     read_json,
@@ -60,6 +68,10 @@ Progress = Callable[[str], None]
 CHECKPOINTING_MODES = ("auto", "both", "off")
 """`profile_model`'s ``activation_checkpointing``: both variants where the model can do
 both, both or an error, or only without checkpointing."""
+
+OFFLOAD_MODES = ("off", "smallest", "both")
+"""`profile_model`'s ``optimizer_offload``: never, the smallest-memory device type(s)
+also with the optimizer offloaded, or every type so (at ZeRO stages 1-2)."""
 
 
 def log_progress(line: str) -> None:
@@ -119,13 +131,13 @@ class _ProgressReporter:
 
 
 def _validate(
-    zero_stages: Iterable[int], cache_dir: str | os.PathLike[str], activation_checkpointing: str
+    zero_stages: Iterable[int], cache_dir: str | os.PathLike[str], activation_checkpointing: str,
+    optimizer_offload: str = "off",
 ) -> tuple[int, ...]:
-    if activation_checkpointing not in CHECKPOINTING_MODES:
-        raise ValueError(
-            f"activation_checkpointing: expected one of {', '.join(map(repr, CHECKPOINTING_MODES))}, "
-            f"found {activation_checkpointing!r}"
-        )
+    for name, value, modes in (("activation_checkpointing", activation_checkpointing, CHECKPOINTING_MODES),
+                               ("optimizer_offload", optimizer_offload, OFFLOAD_MODES)):
+        if value not in modes:
+            raise ValueError(f"{name}: expected one of {', '.join(map(repr, modes))}, found {value!r}")
     stages = tuple(zero_stages)
     if not stages or any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):
         raise ValueError(f"zero_stages: expected distinct stages among 0, 1, 2, 3, found {list(stages)}")
@@ -155,6 +167,7 @@ def profile_model(
     measure_network: bool = True,
     activation_checkpointing: str = "auto",
     checkpointing_toggle: CheckpointingToggle | None = None,
+    optimizer_offload: str = "off",
 ) -> list[Profile]:
     """Profiles of every device type in the job at every stage of `zero_stages` (collective).
 
@@ -194,12 +207,19 @@ def profile_model(
         when the model cannot; ``"off"`` measures without only (half the time).
     checkpointing_toggle: ``toggle(model, enabled)`` for a model of your own
         (`poplar_ext.activation_checkpointing`); pass the same one to `initialize`.
+    optimizer_offload: ``"off"`` (default) measures without only; ``"smallest"`` also
+        measures the device type(s) with the least memory with the optimizer offloaded
+        to the host (DeepSpeed's ``offload_optimizer``, at ZeRO stages 1-2), so the
+        search can choose it for them; ``"both"`` does so for every type. An
+        offloaded profile's memory leaves out the host's optimizer state and fp32
+        master weights (on CPU, for an emulated type, they are taken off the
+        measured peak); its boundary includes the host's optimizer step.
 
     On CPU it measures with one torch thread and glibc's steady allocator
     (`poplar_ext.hardware.cpu_process`), and on return gives the previous thread
     count back and leaves glibc's default thresholds (`memory.default_cpu_allocator`).
     """
-    stages = _validate(zero_stages, cache_dir, activation_checkpointing)
+    stages = _validate(zero_stages, cache_dir, activation_checkpointing, optimizer_offload)
     settings = MeasureSettings(
         warmup_micro_steps=warmup_micro_steps,
         repeats=repeats,
@@ -229,6 +249,7 @@ def profile_model(
             loss_fn=loss_fn, optimizer_factory=optimizer_factory, model_name=model_name,
             sequence_length=sequence_length, device=device, measure_network=measure_network,
             activation_checkpointing=activation_checkpointing, toggle=checkpointing_toggle,
+            optimizer_offload=optimizer_offload,
         )
 
 
@@ -265,6 +286,7 @@ def _profile(
     measure_network: bool,
     activation_checkpointing: str = "auto",
     toggle: CheckpointingToggle | None = None,
+    optimizer_offload: str = "off",
 ) -> list[Profile]:
     import deepspeed
 
@@ -290,7 +312,15 @@ def _profile(
     versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
     config_fp = ds_config_fingerprint(ds_config)
 
-    def key(device_type: str, stage: int, checkpointing: bool) -> ProfileKey:
+    if optimizer_offload == "both":
+        offload_types = tuple(layout.type_names)
+    elif optimizer_offload == "smallest":
+        least = min(layout.capacities_bytes[t] for t in layout.type_names)
+        offload_types = tuple(t for t in layout.type_names if layout.capacities_bytes[t] == least)
+    else:
+        offload_types = ()
+
+    def key(device_type: str, stage: int, checkpointing: bool, offload: bool) -> ProfileKey:
         return ProfileKey(
             model_fingerprint=fingerprint,
             device_type=device_type,
@@ -303,19 +333,29 @@ def _profile(
             deepspeed_version=versions["deepspeed"],
             ds_config_fingerprint=config_fp,
             activation_checkpointing=checkpointing,
+            optimizer_offload=offload,
         )
 
-    runs = [(stage, checkpointing) for stage in stages for checkpointing in variants]
-    cached: dict[tuple[str, int, bool], dict[str, Any]] = {}
+    runs = [
+        (stage, checkpointing, offload)
+        for stage in stages
+        for checkpointing in variants
+        for offload in ((False, True) if offload_types and stage in OFFLOAD_STAGES else (False,))
+    ]
+
+    def run_types(offload: bool) -> tuple[str, ...]:
+        return offload_types if offload else tuple(layout.type_names)
+
+    cached: dict[tuple[str, int, bool, bool], dict[str, Any]] = {}
     if layout.rank == 0 and not force:
-        for stage, checkpointing in runs:
-            for t in layout.type_names:
-                found = find_cached_profile(cache_dir, key(t, stage, checkpointing))
+        for stage, checkpointing, offload in runs:
+            for t in run_types(offload):
+                found = find_cached_profile(cache_dir, key(t, stage, checkpointing, offload))
                 if found is not None:
-                    cached[(t, stage, checkpointing)] = profile_to_dict(found)
+                    cached[(t, stage, checkpointing, offload)] = profile_to_dict(found)
     cached = broadcast_from_rank0(cached)
 
-    def build_engine(stage: int, checkpointing: bool) -> Any:
+    def build_engine(stage: int, checkpointing: bool, offload: bool) -> Any:
         model = first_model.pop() if first_model else model_factory()
         if model_fingerprint(model) != fingerprint:
             raise ValueError("model_factory: expected the same architecture on every call, found another one")
@@ -323,12 +363,15 @@ def _profile(
             switch(model, checkpointing)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = None if optimizer_factory is None else optimizer_factory(params)
+        config = stage_ds_config(ds_config, zero_stage=stage, world_size=layout.world_size)
+        if offload:
+            offload_deepspeed_optimizer(config)
         try:
             engine, *_ = deepspeed.initialize(
                 model=model,
                 model_parameters=params,
                 optimizer=optimizer,
-                config=stage_ds_config(ds_config, zero_stage=stage, world_size=layout.world_size),
+                config=config,
             )
         except AssertionError as exc:
             # DeepSpeed checks configs with assert; the same config fails alike on every rank.
@@ -338,15 +381,15 @@ def _profile(
     reporter = _ProgressReporter(
         sink=progress,
         layout=layout,
-        stages_left=sum(1 for s, c in runs if any((t, s, c) not in cached for t in layout.type_names)),
+        stages_left=sum(1 for s, c, o in runs if any((t, s, c, o) not in cached for t in run_types(o))),
     )
-    produced: dict[tuple[str, int, bool], dict[str, Any]] = dict(cached)
-    for stage, checkpointing in runs:
-        title = f"ZeRO-{stage}{' with activation checkpointing' if checkpointing else ''}"
-        for t in layout.type_names:
-            if (t, stage, checkpointing) in cached:
+    produced: dict[tuple[str, int, bool, bool], dict[str, Any]] = dict(cached)
+    for stage, checkpointing, offload in runs:
+        title = f"ZeRO-{stage}{levers_text(checkpointing, offload)}"
+        for t in run_types(offload):
+            if (t, stage, checkpointing, offload) in cached:
                 reporter.say(f"{title}: {device_label(t, layout.emulations[t])} from the cache (not measured)")
-        to_measure = tuple(t for t in layout.type_names if (t, stage, checkpointing) not in cached)
+        to_measure = tuple(t for t in run_types(offload) if (t, stage, checkpointing, offload) not in cached)
         if not to_measure:
             continue
         reporter.stage_started(stage, to_measure, title=title)
@@ -355,7 +398,9 @@ def _profile(
             layout=layout,
             zero_stage=stage,
             types_to_measure=to_measure,
-            build_engine=lambda stage, checkpointing=checkpointing: build_engine(stage, checkpointing),
+            build_engine=lambda stage, checkpointing=checkpointing, offload=offload: build_engine(
+                stage, checkpointing, offload
+            ),
             make_batch=make_batch,
             loss_fn=loss_fn,
             settings=settings,
@@ -370,7 +415,7 @@ def _profile(
             profile = _make_profile(
                 result, layout=layout, stage=stage, model=model_info, versions=versions,
                 config_fp=config_fp, settings=settings, stage_seconds=stage_seconds,
-                activation_checkpointing=checkpointing,
+                activation_checkpointing=checkpointing, optimizer_offload=offload,
             )
             if layout.rank == 0:
                 path = store_profile(cache_dir, profile)
@@ -378,13 +423,13 @@ def _profile(
                     f"{title}: {t}: largest micro-batch {profile.max_micro_batch_size}, "
                     f"{len(profile.samples)} sizes, {stage_seconds:.1f} s -> {path}"
                 )
-            produced[(t, stage, checkpointing)] = profile_to_dict(profile)
+            produced[(t, stage, checkpointing, offload)] = profile_to_dict(profile)
     produced = broadcast_from_rank0(produced if layout.rank == 0 else None)
     return [
-        profile_from_dict(produced[(t, s, c)], source=f"<profile {t} ZeRO-{s}{' checkpointed' if c else ''}>")
-        for s, c in runs
+        profile_from_dict(produced[(t, s, c, o)], source=f"<profile {t} ZeRO-{s}{levers_text(c, o)}>")
+        for s, c, o in runs
         for t in layout.type_names
-        if (t, s, c) in produced
+        if (t, s, c, o) in produced
     ]
 
 
@@ -399,6 +444,7 @@ def _make_profile(
     settings: MeasureSettings,
     stage_seconds: float,
     activation_checkpointing: bool = False,
+    optimizer_offload: bool = False,
 ) -> Profile:
     t = result.device_type
     emulation = layout.emulations[t]
@@ -415,6 +461,7 @@ def _make_profile(
         # Measured at the emulation's own slowdown: a drift schedule is training's, not the profile's.
         emulated=None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=()),
         activation_checkpointing=activation_checkpointing,
+        optimizer_offload=optimizer_offload,
         measured_with={
             "source": "measured",
             **versions,

@@ -78,6 +78,8 @@ class ProfileKey:
     """`ds_config_fingerprint` of the DeepSpeed config."""
     activation_checkpointing: bool = False
     """Measured with the model recomputing its activations in backward."""
+    optimizer_offload: bool = False
+    """Measured with the optimizer offloaded to the host (ZeRO stages 1-2)."""
 
     @classmethod
     def of_profile(cls, profile: Profile) -> "ProfileKey | None":
@@ -103,6 +105,7 @@ class ProfileKey:
             deepspeed_version=deepspeed_version,
             ds_config_fingerprint=config_fp,
             activation_checkpointing=profile.activation_checkpointing,
+            optimizer_offload=profile.optimizer_offload,
         )
 
 
@@ -131,11 +134,13 @@ def find_cached_profile(cache_dir: str | Path, key: ProfileKey) -> Profile | Non
 
 
 def profile_file_name(profile: Profile) -> str:
-    """A readable file name, e.g. ``gpt-a1b2c3d4-A100-80GB-zero2.json`` (``-ckpt`` with activation checkpointing; never parsed)."""
+    """A readable file name, e.g. ``gpt-a1b2c3d4-A100-80GB-zero2.json`` (``-ckpt`` with activation checkpointing, ``-offload`` with optimizer offload; never parsed)."""
     fingerprint = profile.model.fingerprint.split(":")[-1][:8]
     stem = f"{profile.model.name}-{fingerprint}-{profile.device_type}-zero{profile.zero_stage}"
     if profile.activation_checkpointing:
         stem += "-ckpt"
+    if profile.optimizer_offload:
+        stem += "-offload"
     return re.sub(r"[^A-Za-z0-9._-]+", "_", stem) + ".json"
 
 

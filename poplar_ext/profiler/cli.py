@@ -55,7 +55,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         description=(
             "Measure each device type of the job at each ZeRO stage (micro-step time curve, "
             "optimizer-step time, peak memory, largest micro-batch) and write one profile per "
-            "(model, device type, stage, activation checkpointing). Run it under the deepspeed launcher or torchrun, like "
+            "(model, device type, stage, activation checkpointing, optimizer offload). Run it under the deepspeed launcher or torchrun, like "
             "training; profiles already in --output-dir with the same keys are reused."
         ),
         epilog=(
@@ -114,6 +114,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "can do both (built-in models, Hugging Face models with gradient checkpointing, or --checkpointing-toggle), "
         "so that poplar-search can choose it per device type; both: the same, or an error when the model cannot; "
         "off: without only (half the time)",
+    )
+    parser.add_argument(
+        "--optimizer-offload", default="off", choices=("off", "smallest", "both"),
+        help="off (default): measure without only; smallest: also measure the device type(s) with the least memory "
+        "with the optimizer offloaded to the host (DeepSpeed's offload_optimizer, ZeRO stages 1-2), so that "
+        "poplar-search can choose it for them; both: every type so",
     )
     parser.add_argument(
         "--checkpointing-toggle", metavar="MODULE:FN",
@@ -198,6 +204,8 @@ class ProfileCommand:
     """``auto``, ``both`` or ``off``: see `profile_model`."""
     checkpointing_toggle: Callable[[Any, bool], None] | None = None
     """``toggle(model, enabled)`` for a model of the user's (None: built-in models need none)."""
+    optimizer_offload: str = "off"
+    """``off``, ``smallest`` or ``both``: see `profile_model`."""
 
 
 def _builtin_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int], Any], str, int]:
@@ -335,6 +343,7 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
         measure_network=not args.no_network,
         activation_checkpointing=args.activation_checkpointing,
         checkpointing_toggle=toggle,
+        optimizer_offload=args.optimizer_offload,
     )
 
 
@@ -380,15 +389,17 @@ def run(command: ProfileCommand) -> list[Any]:
         measure_network=command.measure_network,
         activation_checkpointing=command.activation_checkpointing,
         checkpointing_toggle=command.checkpointing_toggle,
+        optimizer_offload=command.optimizer_offload,
     )
 
 
 def summary(profiles: Sequence[Any]) -> str:
     """One line per profile, for the end of a run."""
-    lines = ["device type       stage  checkpointing  largest micro-batch  sizes  optimizer step"]
+    lines = ["device type       stage  checkpointing  optimizer offload  largest micro-batch  sizes  optimizer step"]
     for p in profiles:
         lines.append(
             f"{p.device_type:<17} {p.zero_stage:>5}  {'on' if p.activation_checkpointing else 'off':>13}  "
+            f"{'on' if p.optimizer_offload else 'off':>17}  "
             f"{p.max_micro_batch_size:>19}  {len(p.samples):>5}  {p.optimizer_step_time_s * 1e3:>11.1f} ms"
         )
     return "\n".join(lines)

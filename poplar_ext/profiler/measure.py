@@ -24,13 +24,18 @@ import copy
 import gc
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
 from poplar_ext.collectives import agree_max, barrier, gather_objects
-from poplar_ext.hardware.emulation import EmulatedOutOfMemoryError, check_emulated_memory
+from poplar_ext.hardware.emulation import (
+    EmulatedOutOfMemoryError,
+    check_emulated_memory,
+    host_resident_optimizer_bytes,
+)
 from poplar_ext.hardware.memory import MeasuredPeak, is_out_of_memory, release_memory
 from poplar_ext.profiler.layout import JobLayout
 from poplar_ext.profiler.sizes import LargestFitSearch, dense_sizes
@@ -244,6 +249,13 @@ class StageMeasurement:
         slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
         return elapsed_s * slowdown
 
+    def _device_bytes(self, peak_bytes: int) -> int:
+        """The part of a measured peak the device holds: on CPU an emulated device's
+        offloaded optimizer lives in the same process, off its emulated memory."""
+        if self.layout.device.type != "cpu" or self.layout.emulations[self.layout.my_type] is None:
+            return peak_bytes
+        return max(1, peak_bytes - host_resident_optimizer_bytes(self.engine))
+
     def _classify(self, exc: Exception) -> int:
         if isinstance(exc, EmulatedOutOfMemoryError):
             return _EMULATED_OOM
@@ -288,7 +300,7 @@ class StageMeasurement:
         try:
             with MeasuredPeak(self.layout.device) as measured_peak:
                 self._micro_step(1, boundary=True)
-            peak = measured_peak.bytes
+            peak = self._device_bytes(measured_peak.bytes)
             if measured:
                 check_emulated_memory(self.layout.emulations[my_type], peak, device_type=my_type)
         except Exception as exc:  # noqa: BLE001 - classified; every rank must reach the agreement
@@ -334,7 +346,7 @@ class StageMeasurement:
         try:
             with MeasuredPeak(self.layout.device) as measured_peak:
                 self._micro_step(size, boundary=False)
-            peak = measured_peak.bytes
+            peak = self._device_bytes(measured_peak.bytes)
             if measured:
                 check_emulated_memory(self.layout.emulations[my_type], peak, device_type=my_type)
         except Exception as exc:  # noqa: BLE001 - classified; every rank must reach the agreement

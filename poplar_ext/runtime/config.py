@@ -360,7 +360,10 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
     DeepSpeed only checks ``train_batch_size == micro * accumulation * W`` locally, so
     each rank's nominal train_batch_size is ``b_r * s_r * W``; the true global batch is
     the plan's and is what poplar-ext logs. A ``train_batch_size`` in the user's config
-    must equal the plan's global batch (it is then replaced).
+    must equal the plan's global batch (it is then replaced). A rank whose plan entry
+    has ``optimizer_offload`` gets ``zero_optimization.offload_optimizer``
+    (`poplar_ext.optimizer_offload.offload_deepspeed_optimizer`); an
+    ``offload_optimizer`` of the user's config stays as it is on the other ranks.
     """
     given = ds_config.get("train_batch_size")
     if given is not None and given != AUTO and given != plan.global_batch_size:
@@ -372,7 +375,12 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
     nominal["train_micro_batch_size_per_gpu"] = rank_plan.micro_batch_size
     nominal["gradient_accumulation_steps"] = rank_plan.gradient_accumulation_steps
     nominal["train_batch_size"] = rank_plan.samples_per_iteration * plan.world_size
-    nominal.setdefault("zero_optimization", {})["stage"] = plan.zero_stage
+    zero = nominal.setdefault("zero_optimization", {})
+    zero["stage"] = plan.zero_stage
+    if rank_plan.optimizer_offload:
+        from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
+
+        offload_deepspeed_optimizer(nominal)
     return nominal
 
 

@@ -305,6 +305,8 @@ def initialize(
     Hugging Face models switch by themselves; a model of your own needs
     `checkpointing_toggle` (``toggle(model, enabled)``, the one given to the profiler).
     A plan asking for checkpointing from a model that cannot is refused on every rank.
+    A rank whose entry has ``optimizer_offload`` trains with DeepSpeed's
+    ``offload_optimizer`` in its own config (`poplar_ext.optimizer_offload`).
     """
     import deepspeed
 
@@ -326,9 +328,11 @@ def initialize(
     rank_plan = plan.ranks[rank]
     checkpointing = apply_plan_checkpointing(model, plan, rank, toggle=checkpointing_toggle, source=job.plan_reason)
     logger.info(
-        "rank %d: %s, micro-batch %d x %d accumulation steps%s; true global batch %d, ZeRO stage %d",
+        "rank %d: %s, micro-batch %d x %d accumulation steps%s%s; true global batch %d, ZeRO stage %d",
         rank, label, rank_plan.micro_batch_size, rank_plan.gradient_accumulation_steps,
-        ", activation checkpointing" if checkpointing else "", plan.global_batch_size, plan.zero_stage,
+        ", activation checkpointing" if checkpointing else "",
+        ", optimizer offloaded to the host" if rank_plan.optimizer_offload else "",
+        plan.global_batch_size, plan.zero_stage,
     )
     # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
     ds_args = None

@@ -67,16 +67,18 @@ def write_cluster(path: Path, *, fast: int = 1, slow: int = 2, slowdown: float =
 
 def write_plan(
     path: Path, allocation: list[tuple[int, int]], *, stage: int, device_types: list[str],
-    checkpointing: list[bool] | None = None,
+    checkpointing: list[bool] | None = None, offload: list[bool] | None = None,
 ) -> Path:
     """A hand-written plan: (micro_batch_size, gradient_accumulation_steps) per rank, and
-    activation checkpointing per rank when given."""
+    activation checkpointing and optimizer offload per rank when given."""
     ranks = [
         {"rank": r, "device_type": t, "micro_batch_size": b, "gradient_accumulation_steps": s}
         for r, ((b, s), t) in enumerate(zip(allocation, device_types))
     ]
     for entry, on in zip(ranks, checkpointing or []):
         entry["activation_checkpointing"] = on
+    for entry, on in zip(ranks, offload or []):
+        entry["optimizer_offload"] = on
     plan = {
         "schema_version": 1,
         "policy": "poplar",

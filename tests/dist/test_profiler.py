@@ -203,9 +203,31 @@ def _checkpointing_run(cache_dir: str) -> dict:
     return {"profiles": profiles, "reused": reused, "calls_again": again.calls}
 
 
-def _measure_reuse_and_remeasure(cache_dir: str) -> dict:
+def _offload_run(cache_dir: str) -> dict:
+    """A GPT whose Adam state outweighs its activations, the smaller type also measured offloaded (ZeRO-1)."""
+    import torch
+
+    from poplar_ext.models.toy_gpt import GPT, GPTConfig
     from poplar_ext.profiler import profile_model
+
+    # ~14 M parameters: a ZeRO-1 rank of 2 holds ~28 MB of fp32 master weights, as much
+    # gradient and ~56 MB of Adam state for its partition, which offloading moves to the
+    # host: far more than a process's resident size drifts between engines.
+    cfg = GPTConfig(vocab_size=256, sequence_length=16, num_layers=2, num_heads=2, hidden_size=768)
+    base = _agreed_resident_bytes()
+    cluster = _cluster([("roomy", 1.0, base + 2000 * MB), ("small", 1.0, base + 1500 * MB)])
+    profiles = profile_model(
+        model_factory=lambda: GPT(cfg), make_batch=_Batches(cfg), ds_config={"zero_allow_untested_optimizer": True},
+        optimizer_factory=lambda params: torch.optim.Adam(params, lr=1e-3), cluster=cluster, cache_dir=cache_dir,
+        model_name="offload", zero_stages=(0, 1), micro_batch_size_limit=4, micro_batch_sizes=(1, 2, 4), repeats=1,
+        progress=None, activation_checkpointing="off", optimizer_offload="smallest", measure_network=False,
+    )
+    return {"profiles": profiles}
+
+
+def _measure_reuse_and_remeasure(cache_dir: str) -> dict:
     from poplar_ext.models.toy_gpt import GPT
+    from poplar_ext.profiler import profile_model
 
     # Room for every size up to the limit: this run is about time and the cache.
     base = _agreed_resident_bytes()
@@ -231,7 +253,9 @@ def _measure_reuse_and_remeasure(cache_dir: str) -> dict:
     )
     memory = _memory_run(str(Path(cache_dir) / "wide"))
     checkpointing = _checkpointing_run(str(Path(cache_dir) / "checkpointing"))
+    offload = _offload_run(str(Path(cache_dir) / "offload"))
     return {
+        "offload": offload,
         "memory": memory,
         "checkpointing": checkpointing,
         "first": first,
@@ -352,8 +376,8 @@ def _survive_out_of_memory(cache_dir: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from poplar_ext.profiler import profile_model
     from poplar_ext.models.toy_gpt import GPT
+    from poplar_ext.profiler import profile_model
 
     rank = dist.get_rank()
     base = _agreed_resident_bytes()
@@ -396,3 +420,21 @@ def test_forced_out_of_memory_leaves_every_rank_alive_and_profiles_written(tmp_p
         # A type whose memory holds not even micro-batch 1: a valid profile saying so.
         tiny = written[("tiny", stage)]
         assert tiny.max_micro_batch_size == 0 and tiny.samples == ()
+
+
+def test_the_smallest_type_is_also_measured_with_its_optimizer_offloaded(measured) -> None:
+    results, cache_dir = measured
+    profiles = results[0]["offload"]["profiles"]
+    assert sorted((p.device_type, p.zero_stage, p.optimizer_offload) for p in profiles) == [
+        ("roomy", 0, False), ("roomy", 1, False), ("small", 0, False), ("small", 1, False), ("small", 1, True),
+    ], "offloaded: the smallest-memory type, at ZeRO-1 only"
+    plain, offloaded = (next(p for p in profiles if p.key == ("small", 1, False, on)) for on in (False, True))
+    # The emulated device no longer holds the Adam state and fp32 master weights of its partition.
+    peaks = [{s.micro_batch_size: s.peak_memory_bytes for s in p.samples} for p in (plain, offloaded)]
+    freed = [peaks[0][b] - peaks[1][b] for b in sorted(set(peaks[0]) & set(peaks[1]))]
+    # What a rank of 2 holds of them: 2 Adam moments and the fp32 master weights, 4 bytes each, for half the model.
+    partition_state_bytes = 3 * 4 * plain.model.num_parameters // 2
+    assert len(freed) >= 2 and min(freed) > partition_state_bytes // 2, (freed, partition_state_bytes)
+    assert offloaded.optimizer_step_time_s > 0
+    assert any(path.name.endswith("-zero1-offload.json") for path in (cache_dir / "offload").glob("*.json"))
+    assert results[1]["offload"]["profiles"] == profiles

@@ -1,0 +1,36 @@
+"""Offloading a rank's optimizer to the host, for the profiler and the runtime.
+
+DeepSpeed's ZeRO-Offload (``zero_optimization.offload_optimizer``) keeps the fp32
+master weights and the optimizer state of a ZeRO-1/2 rank in host memory and steps
+there: the device holds less, the accumulation boundary takes longer. Each rank's
+engine reads only its own config, and ranks that differ in it issue the same
+collectives and train the same parameters (bench/results/mixed_offload), so the
+search may choose it per device type at stages 1-2 (`search.formats.OFFLOAD_STAGES`);
+a plan's rank entry says so in ``optimizer_offload``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def offload_deepspeed_optimizer(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """`ds_config` (changed in place) with its ZeRO optimizer offloaded to the host's memory.
+
+    Keeps the user's ``offload_optimizer`` options (``pin_memory``, ...) and sets the
+    device to ``cpu`` unless it says ``nvme``. A client optimizer (not
+    ``DeepSpeedCPUAdam``) then steps on the host: DeepSpeed refuses that unless
+    ``zero_force_ds_cpu_optimizer`` is false, which is set where the config does not
+    say; an ``optimizer`` section gets DeepSpeed's own CPU Adam instead.
+    """
+    zero = ds_config.setdefault("zero_optimization", {})
+    given = zero.get("offload_optimizer")
+    options = dict(given) if isinstance(given, dict) else {}
+    if options.get("device") != "nvme":
+        options["device"] = "cpu"
+    zero["offload_optimizer"] = options
+    ds_config.setdefault("zero_force_ds_cpu_optimizer", False)
+    return ds_config
+
+
+__all__ = ["offload_deepspeed_optimizer"]

@@ -1,0 +1,89 @@
+"""Optimizer offload's runtime and profiler parts that need no ranks (issue 16's second lever)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
+from poplar_ext.profiler.cache import profile_file_name
+from poplar_ext.profiler.cli import parse_command, summary
+from poplar_ext.runtime.config import nominal_deepspeed_config
+from search.formats import plan_from_dict
+
+
+def _plan(offload):
+    return plan_from_dict({
+        "schema_version": 1, "policy": "poplar", "zero_stage": 2, "global_batch_size": 8,
+        "ranks": [{"rank": r, "device_type": "a" if r == 0 else "b", "micro_batch_size": 2,
+                   "gradient_accumulation_steps": 2, "optimizer_offload": on} for r, on in enumerate(offload)],
+        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 8.0, "ideal_samples_per_s": 8.0},
+        "profile_fingerprints": {},
+    })
+
+
+def test_only_the_offloading_rank_gets_offload_optimizer():
+    user = {"zero_optimization": {"stage": 2, "overlap_comm": True}}
+    plan = _plan([False, True])
+    plain, offloading = (nominal_deepspeed_config(user, plan, rank) for rank in (0, 1))
+    assert "offload_optimizer" not in plain["zero_optimization"] and "zero_force_ds_cpu_optimizer" not in plain
+    assert offloading["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert offloading["zero_optimization"]["overlap_comm"] is True
+    # A client optimizer steps on the host: DeepSpeed refuses it unless told.
+    assert offloading["zero_force_ds_cpu_optimizer"] is False
+    assert "offload_optimizer" not in user["zero_optimization"], "the user's config is left as it was"
+
+
+def test_the_users_offload_options_are_kept():
+    config = {"zero_optimization": {"offload_optimizer": {"device": "none", "pin_memory": True}},
+              "zero_force_ds_cpu_optimizer": True}
+    offload_deepspeed_optimizer(config)
+    assert config["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert config["zero_force_ds_cpu_optimizer"] is True, "what the user set stays"
+    nvme = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}
+    assert offload_deepspeed_optimizer(nvme)["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "n", "devices": [{"device_type": "cpu", "count": 2}]}]}))
+    return {"ds": str(ds), "cluster": str(cluster)}
+
+
+def test_the_profile_cli_reads_optimizer_offload(files, capsys):
+    from poplar_ext.profiler.cli import main
+
+    args = ["--deepspeed_config", files["ds"], "--cluster", files["cluster"], "--model", "toy-gpt"]
+    assert parse_command(args).optimizer_offload == "off"
+    assert parse_command([*args, "--optimizer-offload", "smallest"]).optimizer_offload == "smallest"
+    assert main([*args, "--optimizer-offload", "sometimes"]) == 2
+    assert "--optimizer-offload: invalid choice" in capsys.readouterr().err
+
+
+def test_profile_model_refuses_an_unknown_offload_mode(tmp_path):
+    import torch
+
+    from poplar_ext.profiler import profile_model
+
+    with pytest.raises(ValueError, match="optimizer_offload: expected one of 'off', 'smallest', 'both', found 'yes'"):
+        profile_model(model_factory=lambda: torch.nn.Linear(2, 1), make_batch=lambda b: torch.ones(b, 2),
+                      ds_config={"optimizer": {"type": "SGD"}}, cache_dir=tmp_path, optimizer_offload="yes")
+
+
+def test_offloaded_profiles_have_their_own_file_name_and_summary_column():
+    import dataclasses
+
+    from search.synthetic import synthetic_profile
+
+    plain = synthetic_profile("t4", zero_stage=1, max_micro_batch_size=4, overhead_s=0.01, seconds_per_sample=0.01)
+    offloaded = dataclasses.replace(plain, optimizer_offload=True)
+    assert profile_file_name(offloaded).endswith("-t4-zero1-offload.json")
+    assert profile_file_name(plain).endswith("-t4-zero1.json")
+    lines = summary([plain, offloaded]).splitlines()
+    assert "optimizer offload" in lines[0]
+    assert lines[1].split()[3] == "off" and lines[2].split()[3] == "on"
