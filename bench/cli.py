@@ -49,8 +49,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
             "Compare uniform, proportional and poplar by the search's prediction. With no options: "
             "every shipped cluster in bench/clusters/ (pairs of GPU types, 8 to 4096 GPUs) with every "
             "model preset, using profiles MODELLED from datasheet specs (bench/gpu_model.py), plus, on the "
-            "V100-16GB + T4-16GB clusters, poplar with activation checkpointing chosen per device type against "
-            "poplar without it. With --profiles: your profiles (measured or not) for the given clusters."
+            "V100-16GB + T4-16GB clusters, poplar with activation checkpointing, and apart with optimizer offload, "
+            "chosen per device type against poplar without either. With --profiles: your profiles (measured or not) "
+            "for the given clusters."
         ),
     )
     p.add_argument("--cluster", action="append", type=Path, help="cluster description JSON (repeatable; default: the shipped ones)")
@@ -104,10 +105,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
         ]
     checkpointing_cases = None
     if args.profiles is None:
-        # The small-memory pair, each type modelled without and with activation checkpointing.
+        # The small-memory pair, each type modelled without and with activation checkpointing,
+        # and without and with its optimizer offloaded (stages 1-2).
         paths = [p for p in cluster_paths if simulate.CHECKPOINTING_CLUSTERS in Path(p).name]
         checkpointing_cases = simulate.shipped_cases(
-            paths, shapes, samples_per_rank=samples_per_rank, zero_stage=args.zero_stage, checkpointing=(False, True)
+            paths, shapes, samples_per_rank=samples_per_rank, zero_stage=args.zero_stage, checkpointing=(False, True),
+            offload=(False, True),
         )
         checkpointing_cases = [
             dataclasses.replace(c, global_batch_size=args.global_batch_size or c.global_batch_size,

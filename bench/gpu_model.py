@@ -29,6 +29,15 @@ with Adam, 16-bit weights and gradients, fp32 master weights and moments):
       stage 0: 16 P            stage 1: 4 P + 12 P / N
       stage 2: 2 P + 14 P / N  stage 3: 16 P / N + two layers of gathered weights
 
+  With the optimizer offloaded to the host (DeepSpeed's ZeRO-Offload, stages 1-2
+  only) the fp32 master weights and Adam's moments leave the device::
+
+      stage 1: 4 P             stage 2: 2 P + 2 P / N
+
+  and the boundary adds the host's Adam update of the local shard (at an assumed
+  host rate) and the copies over PCIe (16-bit gradients down, 16-bit weights up), not
+  overlapped with anything.
+
   plus activations per sample (Korthikanti et al. 2022, 34 * s * h bytes per layer
   with a fused attention that stores no s x s scores, plus 16-bit and fp32 logits
   and their gradient: 10 * s * V bytes) plus a fixed reserve for the CUDA context,
@@ -229,11 +238,29 @@ class Assumptions:
     """Memory unavailable to training: CUDA context, communication buffers, fragmentation."""
     optimizer_bytes_per_parameter: int = 28
     """Bytes the Adam update reads and writes per parameter of the local shard."""
+    host_adam_parameters_per_s: float = 1.0e9
+    """Parameters per second an offloaded Adam updates for one GPU's shard on its share of
+    the host's cores: an assumed order of magnitude for a vectorised CPU Adam, not a measurement."""
+    pcie_bytes_per_s: float = 12e9
+    """Host-device copy bandwidth: PCIe 3.0 x16 in practice (V100 and T4 are PCIe 3.0 cards)."""
 
 
-def state_bytes(num_parameters: int, zero_stage: int, world_size: int) -> float:
-    """Parameters + gradients + optimizer states on one rank (ZeRO paper, K = 12)."""
+OFFLOAD_STAGES = (1, 2)
+"""The stages at which the model (and poplar-ext) offloads an optimizer."""
+
+
+def _check_offload(zero_stage: int, optimizer_offload: bool) -> None:
+    if optimizer_offload and zero_stage not in OFFLOAD_STAGES:
+        raise ValueError(f"optimizer_offload: expected ZeRO stage 1 or 2, found stage {zero_stage}")
+
+
+def state_bytes(num_parameters: int, zero_stage: int, world_size: int, optimizer_offload: bool = False) -> float:
+    """Parameters + gradients + optimizer states on one rank's device (ZeRO paper, K = 12;
+    with `optimizer_offload` the K bytes per parameter of the shard live on the host)."""
     p, n = float(num_parameters), float(world_size)
+    _check_offload(zero_stage, optimizer_offload)
+    if optimizer_offload:
+        return 4 * p if zero_stage == 1 else 2 * p + 2 * p / n
     if zero_stage == 0:
         return 16 * p
     if zero_stage == 1:
@@ -251,10 +278,10 @@ RECOMPUTE_FLOPS_FACTOR = 4.0 / 3.0
 
 def peak_memory_bytes(
     shape: ModelShape, zero_stage: int, world_size: int, micro_batch_size: int, assumptions: Assumptions,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool = False, optimizer_offload: bool = False,
 ) -> int:
     """Modelled peak memory of one micro-step of `micro_batch_size` samples."""
-    total = state_bytes(shape.num_parameters, zero_stage, world_size)
+    total = state_bytes(shape.num_parameters, zero_stage, world_size, optimizer_offload)
     if zero_stage == 3:
         # The current and the prefetched layer are gathered in full, 16-bit.
         total += 2 * 2 * 12 * shape.hidden_size**2
@@ -302,10 +329,18 @@ def micro_step_time_s(
     return compute + weight_traffic + assumptions.kernel_overhead_s + comm
 
 
-def optimizer_step_time_s(spec: GpuSpec, shape: ModelShape, zero_stage: int, world_size: int, assumptions: Assumptions) -> float:
-    """Modelled accumulation boundary: the Adam update plus the boundary collectives."""
+def optimizer_step_time_s(
+    spec: GpuSpec, shape: ModelShape, zero_stage: int, world_size: int, assumptions: Assumptions,
+    optimizer_offload: bool = False,
+) -> float:
+    """Modelled accumulation boundary: the Adam update (on the host when offloaded, with the
+    copies) plus the boundary collectives."""
+    _check_offload(zero_stage, optimizer_offload)
     shard = shape.num_parameters / (1 if zero_stage == 0 else world_size)
-    update = shard * assumptions.optimizer_bytes_per_parameter / spec.memory_bandwidth_bytes_per_s
+    if optimizer_offload:
+        update = shard / assumptions.host_adam_parameters_per_s + 4 * shard / assumptions.pcie_bytes_per_s
+    else:
+        update = shard * assumptions.optimizer_bytes_per_parameter / spec.memory_bandwidth_bytes_per_s
     grad_bytes = 2.0 * shape.num_parameters
     if zero_stage in (0, 1):
         comm = 2 * _ring_s(grad_bytes, world_size, assumptions)  # all-reduce, or reduce-scatter + all-gather
@@ -318,10 +353,12 @@ def optimizer_step_time_s(spec: GpuSpec, shape: ModelShape, zero_stage: int, wor
 
 def max_micro_batch_size(
     spec: GpuSpec, shape: ModelShape, zero_stage: int, world_size: int, assumptions: Assumptions,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool = False, optimizer_offload: bool = False,
 ) -> int:
     """Largest micro-batch whose modelled peak fits the device; 0 when none does."""
-    free = spec.memory_capacity_bytes - peak_memory_bytes(shape, zero_stage, world_size, 0, assumptions)
+    free = spec.memory_capacity_bytes - peak_memory_bytes(
+        shape, zero_stage, world_size, 0, assumptions, optimizer_offload=optimizer_offload
+    )
     return max(0, int(free // shape.kept_bytes_per_sample(activation_checkpointing)))
 
 
@@ -339,19 +376,19 @@ def sample_sizes(max_size: int) -> list[int]:
 
 def modelled_profile(
     spec: GpuSpec, shape: ModelShape, *, zero_stage: int, world_size: int, assumptions: Assumptions | None = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool = False, optimizer_offload: bool = False,
 ) -> Profile:
     """A `Profile` for `spec` running `shape` at one ZeRO stage and world size, labelled modelled."""
     if world_size < 1:
         raise ValueError(f"world_size: expected an integer >= 1, found {world_size!r}")
     assumptions = assumptions or Assumptions()
-    checkpointing = activation_checkpointing
-    largest = max_micro_batch_size(spec, shape, zero_stage, world_size, assumptions, checkpointing)
+    checkpointing, offload = activation_checkpointing, optimizer_offload
+    largest = max_micro_batch_size(spec, shape, zero_stage, world_size, assumptions, checkpointing, offload)
     samples = tuple(
         Sample(
             micro_batch_size=b,
             micro_step_time_s=micro_step_time_s(spec, shape, zero_stage, world_size, b, assumptions, checkpointing),
-            peak_memory_bytes=peak_memory_bytes(shape, zero_stage, world_size, b, assumptions, checkpointing),
+            peak_memory_bytes=peak_memory_bytes(shape, zero_stage, world_size, b, assumptions, checkpointing, offload),
         )
         for b in sample_sizes(largest)
     )
@@ -369,9 +406,10 @@ def modelled_profile(
         ),
         max_micro_batch_size=largest,
         samples=samples,
-        optimizer_step_time_s=optimizer_step_time_s(spec, shape, zero_stage, world_size, assumptions),
+        optimizer_step_time_s=optimizer_step_time_s(spec, shape, zero_stage, world_size, assumptions, offload),
         emulated=None,
         activation_checkpointing=checkpointing,
+        optimizer_offload=offload,
         measured_with={
             "source": "modelled",
             "model": MODEL_VERSION,
@@ -389,14 +427,17 @@ def modelled_profiles(
     device_types: list[str] | tuple[str, ...], shape: ModelShape, *, world_size: int,
     zero_stages: tuple[int, ...] = ZERO_STAGES, assumptions: Assumptions | None = None,
     checkpointing: tuple[bool, ...] = (False,),
+    offload: tuple[bool, ...] = (False,),
 ) -> list[Profile]:
-    """Modelled profiles for every (device type, stage, activation checkpointing in `checkpointing`);
-    unknown device types raise ValueError."""
+    """Modelled profiles for every (device type, stage, activation checkpointing in `checkpointing`,
+    optimizer offload in `offload` at stages 1-2); unknown device types raise ValueError."""
     specs = [gpu_spec(name) for name in dict.fromkeys(device_types)]
     return [
         modelled_profile(spec, shape, zero_stage=stage, world_size=world_size, assumptions=assumptions,
-                         activation_checkpointing=on)
+                         activation_checkpointing=on, optimizer_offload=offloaded)
         for spec in specs
         for stage in zero_stages
         for on in checkpointing
+        for offloaded in offload
+        if not offloaded or stage in OFFLOAD_STAGES
     ]

@@ -313,24 +313,45 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += render_scaling(report["scaling"])
     if report.get("checkpointing"):
         lines += render_checkpointing(report["checkpointing"])
+    if report.get("offload"):
+        lines += render_offload(report["offload"])
     return "\n".join(lines) + "\n"
 
 
 def render_checkpointing(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown: poplar with the per-type activation checkpointing choice against poplar without (predicted)."""
-    lines = ["", "## Activation checkpointing per device type (poplar, predicted)", "",
-             ("Each type MODELLED without and with activation checkpointing (one more forward, 4/3 the FLOPs, one more "
-              "weight all-gather at stage 3; each layer's input kept instead of its activations). Cells: samples/s "
-              "without -> with the choice (gain), the types that checkpoint, and each type's micro-batch x steps.")]
+    return _render_lever(
+        rows, lever="activation_checkpointing", column="checkpointing on",
+        title="Activation checkpointing per device type (poplar, predicted)",
+        intro=("Each type MODELLED without and with activation checkpointing (one more forward, 4/3 the FLOPs, one more "
+               "weight all-gather at stage 3; each layer's input kept instead of its activations). Cells: samples/s "
+               "without -> with the choice (gain), the types that checkpoint, and each type's micro-batch x steps."),
+    )
+
+
+def render_offload(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: poplar with the per-type optimizer offload choice against poplar without (predicted)."""
+    return _render_lever(
+        rows, lever="optimizer_offload", column="offload on",
+        title="Optimizer offload per device type (poplar, predicted)",
+        intro=("Each type MODELLED without and with its optimizer offloaded to the host at stages 1-2 (fp32 master "
+               "weights and Adam's moments off the device; the boundary adds the host's Adam update at an assumed "
+               "rate and the PCIe copies, see bench/gpu_model.py), without activation checkpointing. Cells: samples/s "
+               "without -> with the choice (gain), the types that offload, and each type's micro-batch x steps."),
+    )
+
+
+def _render_lever(rows: list[dict[str, Any]], *, lever: str, column: str, title: str, intro: str) -> list[str]:
+    lines = ["", f"## {title}", "", intro]
     for row in rows:
         lines += ["", f"### {row['name']} ({row['world_size']} GPUs, global batch {row['global_batch_size']})", "",
-                  "| stage | without | with the choice | gain | checkpointing on | micro-batch x steps (with) |",
+                  f"| stage | without | with the choice | gain | {column} | micro-batch x steps (with) |",
                   "| --- | ---: | ---: | ---: | --- | --- |"]
         for stage, cell in row["stages"].items():
             without, chosen = cell["without"], cell["with_choice"]
             def rate(c: dict[str, Any]) -> str:
                 return f"{c['samples_per_s']:.1f} (stage {c['zero_stage']})" if c["status"] == "ok" else "infeasible"
-            on = ", ".join(t for t, v in chosen.get("types", {}).items() if v["activation_checkpointing"]) or "none"
+            on = ", ".join(t for t, v in chosen.get("types", {}).items() if v.get(lever)) or "none"
             shape = ", ".join(f"{t} {v['micro_batch_size']}x{v['gradient_accumulation_steps']}"
                               for t, v in chosen.get("types", {}).items())
             gain = "-" if cell["gain"] is None else f"{cell['gain']:.2f}x"

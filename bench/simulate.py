@@ -57,14 +57,16 @@ def modelled_case(
     cluster_file: str | None = None,
     assumptions: gpu_model.Assumptions | None = None,
     checkpointing: tuple[bool, ...] = (False,),
+    offload: tuple[bool, ...] = (False,),
 ) -> SimulationCase:
     """A case whose profiles come from the analytic GPU model at the cluster's world size
-    (with `checkpointing` ``(False, True)``: each type modelled without and with activation checkpointing)."""
+    (with `checkpointing` ``(False, True)``: each type modelled without and with activation checkpointing;
+    with `offload` ``(False, True)``: also with the optimizer offloaded, at stages 1-2)."""
     if samples_per_rank < 1:
         raise ValueError(f"samples_per_rank: expected an integer >= 1, found {samples_per_rank!r}")
     profiles = gpu_model.modelled_profiles(
         cluster.rank_device_types, shape, world_size=cluster.world_size, assumptions=assumptions,
-        checkpointing=checkpointing,
+        checkpointing=checkpointing, offload=offload,
     )
     return SimulationCase(
         name=name,
@@ -266,7 +268,8 @@ def simulation_report(
     checkpointing_cases: list[SimulationCase] | None = None,
 ) -> dict[str, Any]:
     """A full report over `cases` (see `bench.report` for the layout); with `scaling`, each stage as clusters grow;
-    with `checkpointing_cases` (profiled both ways), `checkpointing_effect` on them."""
+    with `checkpointing_cases` (profiled both ways), `checkpointing_effect` on them, and `offload_effect`
+    where they also have offloaded profiles."""
     scenarios = [simulate_case(case) for case in cases]
     modelled: dict[str, set[str]] = {}
     for scenario in scenarios:
@@ -297,6 +300,9 @@ def simulation_report(
         "scenarios": scenarios,
         **({"scaling": scaling_series(cases)} if scaling else {}),
         **({"checkpointing": checkpointing_effect(checkpointing_cases)} if checkpointing_cases else {}),
+        **({"offload": offload_effect(checkpointing_cases)}
+           if checkpointing_cases and any(p.optimizer_offload for c in checkpointing_cases for p in c.profiles)
+           else {}),
     }
 
 
@@ -307,6 +313,7 @@ def shipped_cases(
     samples_per_rank: int = DEFAULT_SAMPLES_PER_RANK,
     zero_stage: str | int = "auto",
     checkpointing: tuple[bool, ...] = (False,),
+    offload: tuple[bool, ...] = (False,),
 ) -> list[SimulationCase]:
     """Modelled cases for every (cluster file, model shape)."""
     cases = []
@@ -322,29 +329,43 @@ def shipped_cases(
                     zero_stage=zero_stage,
                     cluster_file=str(path),
                     checkpointing=checkpointing,
+                    offload=offload,
                 )
             )
     return cases
 
 
 CHECKPOINTING_CLUSTERS = "v100-16gb+t4-16gb"
-"""The shipped clusters whose small memories make activation checkpointing worth showing."""
+"""The shipped clusters whose small memories make the memory levers worth showing."""
 
 
 def checkpointing_effect(cases: list[SimulationCase]) -> list[dict[str, Any]]:
     """For cases profiled both ways: poplar with the per-type checkpointing choice against poplar without it.
 
     Each stage alone and the fastest (``auto``), at the case's global batch: predicted
-    samples/s of both, which types checkpoint, and each type's micro-batch.
+    samples/s of both, which types checkpoint, and each type's micro-batch. Offloaded
+    profiles are left out of both (`offload_effect` shows that lever).
     """
+    return _lever_effect(cases, allowed=lambda p: not p.optimizer_offload)
+
+
+def offload_effect(cases: list[SimulationCase]) -> list[dict[str, Any]]:
+    """As `checkpointing_effect`, for optimizer offload: poplar with the per-type offload choice
+    (no checkpointing) against poplar with neither lever."""
+    return _lever_effect(cases, allowed=lambda p: not p.activation_checkpointing)
+
+
+def _lever_effect(cases: list[SimulationCase], *, allowed: Any) -> list[dict[str, Any]]:
+    """poplar over the profiles `allowed` keeps against poplar over those with no memory lever."""
     rows = []
     for case in cases:
-        plain = [p for p in case.profiles if not p.activation_checkpointing]
+        plain = [p for p in case.profiles if p.levers == (False, False)]
+        chosen_from = [p for p in case.profiles if allowed(p)]
         row: dict[str, Any] = {"name": case.name, "world_size": case.cluster.world_size,
                                "global_batch_size": case.global_batch_size, "stages": {}}
         for stage in ("auto", *ZERO_STAGES):
             cell: dict[str, Any] = {}
-            for label, profiles in (("with_choice", list(case.profiles)), ("without", plain)):
+            for label, profiles in (("with_choice", chosen_from), ("without", plain)):
                 result = search_plan(profiles, case.cluster, global_batch_size=case.global_batch_size,
                                      zero_stage=stage, policy="poplar", network=case.network)
                 if not result.ok:
@@ -355,7 +376,8 @@ def checkpointing_effect(cases: list[SimulationCase]) -> list[dict[str, Any]]:
                 for r in plan.ranks:
                     by_type.setdefault(r.device_type, {"micro_batch_size": r.micro_batch_size,
                                                        "gradient_accumulation_steps": r.gradient_accumulation_steps,
-                                                       "activation_checkpointing": r.activation_checkpointing})
+                                                       "activation_checkpointing": r.activation_checkpointing,
+                                                       "optimizer_offload": r.optimizer_offload})
                 cell[label] = {"status": "ok", "zero_stage": plan.zero_stage,
                                "samples_per_s": plan.predicted.samples_per_s, "types": by_type}
             both = cell["with_choice"], cell["without"]

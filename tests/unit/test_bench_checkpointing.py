@@ -76,3 +76,46 @@ def test_the_report_names_what_was_checkpointed_and_the_ratio():
     assert "| tight | poplar | cpu-slow | 4x2 | 10.00 | 9.00 |" in text
     assert "| tight | poplar-no-checkpointing | none |" in text
     assert "cpu-slow 1 / 6" in text and "measured 1.250x" in text and "emulated" in text
+
+
+def test_modelled_offload_frees_the_optimizer_state_and_slows_the_boundary():
+    shape, spec = gpu_model.model_shape("gpt2-xl-1.5b"), gpu_model.gpu_spec("T4-16GB")
+    for stage in (1, 2):
+        plain = gpu_model.modelled_profile(spec, shape, zero_stage=stage, world_size=8)
+        offloaded = gpu_model.modelled_profile(spec, shape, zero_stage=stage, world_size=8, optimizer_offload=True)
+        assert offloaded.optimizer_offload and offloaded.max_micro_batch_size >= plain.max_micro_batch_size
+        # 12 bytes per parameter of the shard (fp32 master weights, Adam's two moments) leave the device.
+        for before, after in zip(plain.samples, offloaded.samples):
+            assert before.peak_memory_bytes - after.peak_memory_bytes == pytest.approx(
+                1.5 * shape.num_parameters, rel=1e-6)
+        assert offloaded.optimizer_step_time_s > plain.optimizer_step_time_s
+        assert [s.micro_step_time_s for s in offloaded.samples[:len(plain.samples)]] == [
+            s.micro_step_time_s for s in plain.samples]
+    assert offloaded.max_micro_batch_size > plain.max_micro_batch_size, "at stage 2 one more sample fits"
+    with pytest.raises(ValueError, match="optimizer_offload: expected ZeRO stage 1 or 2, found stage 3"):
+        gpu_model.modelled_profile(spec, shape, zero_stage=3, world_size=8, optimizer_offload=True)
+    both = gpu_model.modelled_profiles(["T4-16GB"], shape, world_size=8, offload=(False, True))
+    assert sorted((p.zero_stage, p.optimizer_offload) for p in both) == [
+        (0, False), (1, False), (1, True), (2, False), (2, True), (3, False)]
+
+
+def test_simulate_shows_the_offload_choice_apart_from_checkpointing():
+    cases = simulate.shipped_cases(
+        [CLUSTERS / "v100-16gb+t4-16gb-x8.json"], [gpu_model.model_shape("gpt2-xl-1.5b")],
+        checkpointing=(False, True), offload=(False, True),
+    )
+    stage2 = simulate.offload_effect(cases)[0]["stages"]["2"]
+    assert stage2["gain"] > 1.0
+    chosen = stage2["with_choice"]["types"].values()
+    assert any(t["optimizer_offload"] for t in chosen) and not any(t["activation_checkpointing"] for t in chosen)
+    # The checkpointing section is what it was without offloaded profiles.
+    plain_cases = simulate.shipped_cases(
+        [CLUSTERS / "v100-16gb+t4-16gb-x8.json"], [gpu_model.model_shape("gpt2-xl-1.5b")], checkpointing=(False, True)
+    )
+    with_offload, without = (simulate.checkpointing_effect(c)[0]["stages"] for c in (cases, plain_cases))
+    assert {s: c["gain"] for s, c in with_offload.items()} == {s: c["gain"] for s, c in without.items()}
+    report = simulate.simulation_report(cases[:1], scaling=False, checkpointing_cases=cases)
+    from bench.report import render_offload
+
+    text = "\n".join(render_offload(report["offload"]))
+    assert "Optimizer offload per device type" in text and f"{stage2['gain']:.2f}x" in text
