@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+OFFLOAD_MODES = ("off", "smallest", "both")
+"""What the profiler measures offloaded (``optimizer_offload`` of `profile_model` and of the
+``poplar`` section): nothing, the device type(s) with the least memory, or every type (at ZeRO
+stages 1-2; each also measured without)."""
+
 
 def offload_deepspeed_optimizer(ds_config: dict[str, Any]) -> dict[str, Any]:
     """`ds_config` (changed in place) with its ZeRO optimizer offloaded to the host's memory.
@@ -33,4 +38,4 @@ def offload_deepspeed_optimizer(ds_config: dict[str, Any]) -> dict[str, Any]:
     return ds_config
 
 
-__all__ = ["offload_deepspeed_optimizer"]
+__all__ = ["OFFLOAD_MODES", "offload_deepspeed_optimizer"]

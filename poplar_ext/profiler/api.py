@@ -32,7 +32,7 @@ from poplar_ext.collectives import broadcast_from_rank0, ensure_process_group
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.emulation import device_label
 from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocator
-from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
+from poplar_ext.optimizer_offload import OFFLOAD_MODES, offload_deepspeed_optimizer
 from poplar_ext.profiler.cache import (
     ProfileKey,
     ds_config_fingerprint,
@@ -69,9 +69,6 @@ CHECKPOINTING_MODES = ("auto", "both", "off")
 """`profile_model`'s ``activation_checkpointing``: both variants where the model can do
 both, both or an error, or only without checkpointing."""
 
-OFFLOAD_MODES = ("off", "smallest", "both")
-"""`profile_model`'s ``optimizer_offload``: never, the smallest-memory device type(s)
-also with the optimizer offloaded, or every type so (at ZeRO stages 1-2)."""
 
 
 def log_progress(line: str) -> None:

@@ -50,6 +50,7 @@ def missing_profiles_measurer(
     progress: Callable[[str], None] | None = None,
     loss_fn: Callable[[Any, Any], Any] | None = None,
     checkpointing_toggle: Callable[[torch.nn.Module, bool], None] | None = None,
+    optimizer_offload: str = "off",
 ) -> MeasureMissing:
     """A function that measures missing profiles with initialize's model and data (collective).
 
@@ -61,7 +62,8 @@ def missing_profiles_measurer(
     Hugging Face model given labels). The largest micro-batch tried is
     `micro_batch_size_limit` (the global batch when known: no plan can use more).
     Where the model can switch activation checkpointing (built in, or
-    `checkpointing_toggle`), both variants are measured, as `profile_model` does by default.
+    `checkpointing_toggle`), both variants are measured, as `profile_model` does by default;
+    `optimizer_offload` (``poplar.optimizer_offload``) is passed on to `profile_model`.
     """
     from poplar_ext.profiler import log_progress, profile_model
 
@@ -89,6 +91,7 @@ def missing_profiles_measurer(
             model_name=type(model).__name__.lower(),
             micro_batch_size_limit=micro_batch_size_limit or 256,
             checkpointing_toggle=checkpointing_toggle,
+            optimizer_offload=optimizer_offload,
         )
         wanted = set(missing)
         return [p for p in profiles if (p.device_type, p.zero_stage) in wanted]

@@ -19,6 +19,8 @@ A DeepSpeed JSON config plus a top-level section::
         "log_interval_steps": 10,         # true global batch and samples/s every N steps; 0: never
         "cpu_threads": null,              # CPU only: torch threads for this process; null: unchanged
         "steady_cpu_allocator": false,    # CPU only: glibc keeps freed memory (as the profiler measures)
+        "optimizer_offload": "off",       # automatic mode: also profile the smallest-memory type(s)
+                                          #   ("smallest") or every type ("both") with the optimizer offloaded
         "rebalance": {                    # re-plan during training when devices drift (RebalanceConfig)
             "enabled": "auto",            # on where poplar.profiles has the curves; true / false
             "check_interval_steps": 10,
@@ -43,6 +45,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from poplar_ext.optimizer_offload import OFFLOAD_MODES
 from poplar_ext.runtime.weighting import REDUCTIONS
 from search.errors import FormatError
 from search.formats import MAX_GLOBAL_BATCH_SIZE, POLICIES, ZERO_STAGES, Plan, read_json
@@ -123,6 +126,10 @@ class PoplarConfig:
     steady_cpu_allocator: bool = False
     """On CPU, keep glibc's freed memory for reuse (the allocator the profiler times under);
     process-wide, see `poplar_ext.hardware.memory.steady_cpu_allocator`."""
+    optimizer_offload: str = "off"
+    """What the automatic mode's profiling measures offloaded (`profile_model`'s ``optimizer_offload``):
+    ``off``, ``smallest`` (the device type(s) with the least memory, at stages 1-2, so the search may
+    choose it for them) or ``both`` (every type). Only profiles the directory lacks are measured."""
     rebalance: RebalanceConfig = RebalanceConfig()
     """Re-planning during training when devices drift (``"auto"`` by default: on where it can run)."""
     source: str = DICT_SOURCE
@@ -202,6 +209,7 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
     drop_last = root.optional("drop_last")
     log_interval = root.optional("log_interval_steps")
     steady = root.optional("steady_cpu_allocator")
+    offload = root.optional("optimizer_offload")
     zero_stage_node = root.optional("zero_stage")
     zero_stage = None if zero_stage_node is None else zero_stage_node.value
     if zero_stage_node is not None and zero_stage != "auto":
@@ -222,6 +230,7 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
         zero_stage=zero_stage,
         cpu_threads=_optional_int(root.optional("cpu_threads"), 1),
         steady_cpu_allocator=False if steady is None else steady.boolean(),
+        optimizer_offload="off" if offload is None else offload.string(choices=OFFLOAD_MODES),
         rebalance=_rebalance(root.optional("rebalance")),
         source=source,
     )

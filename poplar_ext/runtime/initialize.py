@@ -220,6 +220,7 @@ def prepare_job(
             # No plan can give one rank more than the global batch.
             micro_batch_size_limit=global_batch.size if isinstance(global_batch.size, int) else poplar_config.max_global_batch_size,
             checkpointing_toggle=checkpointing_toggle,
+            optimizer_offload=poplar_config.optimizer_offload,
         )
     plan = resolve_plan(
         poplar_config,

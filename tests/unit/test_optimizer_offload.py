@@ -87,3 +87,40 @@ def test_offloaded_profiles_have_their_own_file_name_and_summary_column():
     lines = summary([plain, offloaded]).splitlines()
     assert "optimizer offload" in lines[0]
     assert lines[1].split()[3] == "off" and lines[2].split()[3] == "on"
+
+
+def test_the_poplar_section_says_what_the_automatic_mode_profiles_offloaded():
+    from search.errors import FormatError
+
+    from poplar_ext.runtime.config import poplar_config_from_dict
+
+    def read(section):
+        return poplar_config_from_dict({"profiles": "p", **section}, base_dir=Path("."), source="ds.json")
+
+    assert read({}).optimizer_offload == "off"
+    assert read({"optimizer_offload": "smallest"}).optimizer_offload == "smallest"
+    with pytest.raises(FormatError, match="ds.json: poplar.optimizer_offload: expected one of 'off', 'smallest', 'both'"):
+        read({"optimizer_offload": True})
+
+
+def test_the_automatic_mode_measures_with_the_sections_offload(monkeypatch, tmp_path):
+    import torch
+
+    from poplar_ext.profiler import api
+    from poplar_ext.profiler.auto import missing_profiles_measurer
+
+    seen = {}
+
+    def fake_profile_model(**kwargs):
+        seen.update(kwargs)
+        return []
+
+    monkeypatch.setattr(api, "profile_model", fake_profile_model)
+    monkeypatch.setattr("poplar_ext.profiler.profile_model", fake_profile_model)
+    measure = missing_profiles_measurer(
+        model=torch.nn.Linear(2, 1), training_data=[torch.ones(2)], collate_fn=None, optimizer=None,
+        ds_config={"optimizer": {"type": "SGD"}}, profiles_dir=tmp_path, micro_batch_size_limit=4,
+        optimizer_offload="smallest",
+    )
+    assert measure([("cpu", 1)], cluster=None) == []
+    assert seen["optimizer_offload"] == "smallest" and seen["zero_stages"] == [1]
