@@ -90,9 +90,8 @@ def test_offloaded_profiles_have_their_own_file_name_and_summary_column():
 
 
 def test_the_poplar_section_says_what_the_automatic_mode_profiles_offloaded():
-    from search.errors import FormatError
-
     from poplar_ext.runtime.config import poplar_config_from_dict
+    from search.errors import FormatError
 
     def read(section):
         return poplar_config_from_dict({"profiles": "p", **section}, base_dir=Path("."), source="ds.json")
