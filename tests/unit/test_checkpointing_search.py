@@ -1,14 +1,13 @@
 """Activation checkpointing chosen per device type by the search (issue 16): formats, exactness, stage rules."""
 
 import dataclasses
-import itertools
 import json
 
 import numpy as np
 import pytest
+from _exhaustive import brute_force
 
 from search.api import check_plan, lever_choices, predict, search_plan
-from search.cost import build_stage_model
 from search.errors import FormatError
 from search.formats import (
     load_profiles,
@@ -44,39 +43,6 @@ def random_pairs(rng, names, stage, max_cap):
             recompute=float(rng.uniform(1.05, 1.6)), optimizer_s=float(rng.uniform(0.0, 0.05)),
         )
     return profiles
-
-
-def brute_force(profiles, cluster, stage, batch):
-    """Shortest iteration over every checkpointing setting the stage allows and every allocation (inf when none)."""
-    types = list(cluster.type_counts())
-    by_key = {(p.device_type, p.activation_checkpointing): p for p in profiles}
-    settings = itertools.product((False, True), repeat=len(types))
-    if stage == 3:
-        settings = [(False,) * len(types), (True,) * len(types)]
-    best, best_setting = np.inf, None
-    for setting in settings:
-        chosen = {t: by_key[(t, on)] for t, on in zip(types, setting)}
-        if any(p.max_micro_batch_size == 0 for p in chosen.values()):
-            continue
-        model = build_stage_model(chosen, cluster.rank_device_types, stage)
-        caps = [model.devices[i].max_micro_batch_size for i in model.rank_device_index]
-        if model.synchronised_micro_steps:
-            candidates = (
-                (sizes, (steps,) * len(caps))
-                for steps in range(1, batch + 1) if batch % steps == 0
-                for sizes in itertools.product(*[range(1, c + 1) for c in caps])
-                if sum(sizes) * steps == batch
-            )
-        else:
-            options = [[(b, s) for b in range(1, c + 1) for s in range(1, batch // b + 1)] for c in caps]
-            candidates = (
-                tuple(zip(*combo)) for combo in itertools.product(*options) if sum(b * s for b, s in combo) == batch
-            )
-        for sizes, steps in candidates:
-            time_s = model.iteration_time_s(np.array(sizes), np.array(steps))
-            if time_s < best:
-                best, best_setting = time_s, dict(zip(types, setting))
-    return best, best_setting
 
 
 @pytest.mark.parametrize("seed", range(48))
@@ -142,7 +108,7 @@ def test_checkpointing_only_the_small_memory_type_wins():
 def test_stage_3_never_mixes_checkpointing():
     profiles, cluster = small_memory_cluster(3)
     # Checkpointing the small type alone would be best (as at stage 0); stage 3 allows all or none.
-    assert brute_force(profiles, cluster, 0, 32)[1] == {"fast": False, "small": True}
+    assert brute_force(profiles, cluster, 0, 32)[1] == {"fast": (False, False), "small": (True, False)}
     result = search_plan(profiles, cluster, global_batch_size=32, zero_stage=3)
     assert result.ok
     assert len({r.activation_checkpointing for r in result.plan.ranks}) == 1
@@ -179,8 +145,8 @@ def test_a_type_that_fits_only_with_checkpointing_uses_it():
     result = search_plan(fast + tiny, cluster, global_batch_size=12, zero_stage=2)
     assert result.ok
     best, setting = brute_force(fast + tiny, cluster, 2, 12)
-    assert setting["tiny"] is True
-    assert {r.device_type: r.activation_checkpointing for r in result.plan.ranks} == setting
+    assert setting["tiny"] == (True, False)
+    assert {r.device_type: (r.activation_checkpointing, r.optimizer_offload) for r in result.plan.ranks} == setting
     assert result.plan.predicted.iteration_time_s == pytest.approx(best, rel=1e-12)
     plain_only = search_plan([fast[0], tiny[0]], cluster, global_batch_size=12, zero_stage=2)
     assert not plain_only.ok and "does not fit tiny" in plain_only.message
