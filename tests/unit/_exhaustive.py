@@ -6,8 +6,9 @@ import itertools
 
 import numpy as np
 
-from search.api import LEVERS_ORDER
+from search.api import LEVERS_ORDER, check_plan, predict, search_plan
 from search.cost import build_stage_model
+from search.synthetic import simple_cluster
 
 
 def brute_force(profiles, cluster, stage, batch):
@@ -42,3 +43,28 @@ def brute_force(profiles, cluster, stage, batch):
             if time_s < best:
                 best, best_setting = time_s, dict(zip(types, setting))
     return best, best_setting
+
+
+def random_cluster(rng, names):
+    """One rank of each type, sometimes two of the first; and a global batch of at least one sample per rank."""
+    counts = {name: 1 for name in names}
+    counts[names[0]] += int(rng.integers(0, 2))
+    cluster = simple_cluster(counts)
+    return cluster, int(rng.integers(cluster.world_size, 13))
+
+
+def assert_search_is_exact(profiles, cluster, stage, batch):
+    """poplar's plan reaches the exhaustive optimum (or both find none); returns the plan (None: infeasible)."""
+    import pytest
+
+    result = search_plan(profiles, cluster, global_batch_size=batch, zero_stage=stage)
+    best, _ = brute_force(profiles, cluster, stage, batch)
+    if not np.isfinite(best):
+        assert not result.ok and result.message
+        return None
+    assert result.ok, result.message
+    assert result.plan.predicted.iteration_time_s == pytest.approx(best, rel=1e-12)
+    # The plan is priced with the profiles of the levers it carries.
+    assert predict(result.plan, profiles).iteration_time_s == pytest.approx(best, rel=1e-12)
+    assert check_plan(result.plan, cluster, profiles) == []
+    return result.plan
