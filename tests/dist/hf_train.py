@@ -68,6 +68,8 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     (out / f"samples-rank{rank}.json").write_text(json.dumps(trained))
     (out / f"checkpointing-rank{rank}.json").write_text(json.dumps(trainer.model.is_gradient_checkpointing))
+    offloading = bool(getattr(trainer.model_wrapped.optimizer, "cpu_offload", False))
+    (out / f"offload-rank{rank}.json").write_text(json.dumps(offloading))
     params = hf.full_parameters(trainer.model_wrapped)
     if rank == 0:
         torch.save(params, out / "params.pt")

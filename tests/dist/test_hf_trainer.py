@@ -32,10 +32,11 @@ GLOBAL_BATCH = 12
 STAGES = (0, 1, 2, 3)
 
 
-def _config(root: Path, stage: int, checkpointing: list[bool] | None = None) -> Path:
+def _config(root: Path, stage: int, checkpointing: list[bool] | None = None, offload: list[bool] | None = None) -> Path:
     cluster = t.write_cluster(root / "cluster.json", fast=1, slow=2, slowdown=1.0)
     plan = t.write_plan(
-        root / f"plan{stage}.json", ALLOCATIONS[stage], stage=stage, device_types=TYPES, checkpointing=checkpointing
+        root / f"plan{stage}.json", ALLOCATIONS[stage], stage=stage, device_types=TYPES, checkpointing=checkpointing,
+        offload=offload,
     )
     path = root / f"ds{stage}.json"
     # Hugging Face's "auto" batch values: poplar fills them per rank from the plan.
@@ -113,6 +114,15 @@ def test_the_models_model_init_builds_take_the_plans_checkpointing(tmp_path):
     out = tmp_path / "out"
     _launch(_config(tmp_path, 2, checkpointing=[True, False, False]), out, "--model-init")
     assert [json.loads((out / f"checkpointing-rank{r}.json").read_text()) for r in range(3)] == [True, False, False]
+    params = torch.load(out / "params.pt", weights_only=False)
+    assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
+
+
+def test_each_rank_takes_its_optimizer_offload_from_the_plan(tmp_path):
+    # The slow type keeps the Trainer's AdamW state on the host (ZeRO-2), the fast one on its device.
+    out = tmp_path / "out"
+    _launch(_config(tmp_path, 2, offload=[False, True, True]), out)
+    assert [json.loads((out / f"offload-rank{r}.json").read_text()) for r in range(3)] == [False, True, True]
     params = torch.load(out / "params.pt", weights_only=False)
     assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
 
