@@ -539,11 +539,7 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
         models = {p.model.fingerprint for p in profiles}
         if len(models) > 1:
             problems.append(f"The profiles describe {len(models)} different models; expected one.")
-        at_stage = {
-            p.device_type: p
-            for p in profiles
-            if p.zero_stage == plan.zero_stage and p.levers == (settings.get(p.device_type) or NO_LEVERS)
-        }
+        at_stage = {p.device_type: p for p in profiles_for_plan(plan, profiles)}
         types = list(dict.fromkeys(r.device_type for r in plan.ranks))
         missing = [t + levers_text(*(settings.get(t) or NO_LEVERS)) for t in types if t not in at_stage]
         if missing:
@@ -558,32 +554,25 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
     return problems
 
 
-def _rank_levers(rank: RankPlan) -> Levers:
-    return (rank.activation_checkpointing, rank.optimizer_offload)
-
-
 def _mixed_types(plan: Plan, index: int) -> list[str]:
     """Device types whose ranks differ in lever `index` of `Levers`."""
     values: dict[str, set[bool]] = {}
     for r in plan.ranks:
-        values.setdefault(r.device_type, set()).add(_rank_levers(r)[index])
+        values.setdefault(r.device_type, set()).add(r.levers[index])
     return [t for t, seen in values.items() if len(seen) > 1]
+
+
+def profiles_for_plan(plan: Plan, profiles: Sequence[Profile]) -> list[Profile]:
+    """The `profiles` at the plan's stage with the memory levers the plan gives their device type (none for others)."""
+    settings = plan_levers(plan)
+    return [p for p in profiles if p.zero_stage == plan.zero_stage and p.levers == (settings.get(p.device_type) or NO_LEVERS)]
 
 
 def plan_levers(plan: Plan) -> dict[str, Levers | None]:
     """``(activation_checkpointing, optimizer_offload)`` per device type of `plan` (None for a type whose ranks differ)."""
     settings: dict[str, Levers | None] = {}
     for r in plan.ranks:
-        if settings.setdefault(r.device_type, _rank_levers(r)) != _rank_levers(r):
-            settings[r.device_type] = None
-    return settings
-
-
-def plan_checkpointing(plan: Plan) -> dict[str, bool | None]:
-    """Activation checkpointing per device type of `plan` (None for a type whose ranks differ)."""
-    settings: dict[str, bool | None] = {}
-    for r in plan.ranks:
-        if settings.setdefault(r.device_type, r.activation_checkpointing) != r.activation_checkpointing:
+        if settings.setdefault(r.device_type, r.levers) != r.levers:
             settings[r.device_type] = None
     return settings
 

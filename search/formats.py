@@ -420,6 +420,11 @@ class RankPlan:
     def samples_per_iteration(self) -> int:
         return self.micro_batch_size * self.gradient_accumulation_steps
 
+    @property
+    def levers(self) -> tuple[bool, bool]:
+        """``(activation_checkpointing, optimizer_offload)``, as `Profile.levers`."""
+        return (self.activation_checkpointing, self.optimizer_offload)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Prediction:

@@ -41,12 +41,9 @@ class StalePlanWarning(UserWarning):
 
 def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
     """Device types whose profile at the plan's stage (and memory levers) is not the one the plan was made from."""
-    levers = {r.device_type: (r.activation_checkpointing, r.optimizer_offload) for r in plan.ranks}
-    at_stage = {
-        p.device_type: p
-        for p in profiles
-        if p.zero_stage == plan.zero_stage and p.levers == levers.get(p.device_type, (False, False))
-    }
+    from search.api import profiles_for_plan
+
+    at_stage = {p.device_type: p for p in profiles_for_plan(plan, profiles)}
     return [
         device_type
         for device_type, fingerprint in plan.profile_fingerprints.items()
@@ -235,6 +232,7 @@ def load_rebalance_inputs(poplar_config: PoplarConfig, cluster: Cluster, plan: P
     ValueError when a profile is missing: re-balancing scales each rank's profiled curve.
     Each type's profile is the one with the plan's memory levers (a re-plan keeps them).
     """
+    from search.api import profiles_for_plan
     from search.network import find_network
 
     where = f"{poplar_config.source}: {SECTION}.rebalance.enabled"
@@ -242,12 +240,7 @@ def load_rebalance_inputs(poplar_config: PoplarConfig, cluster: Cluster, plan: P
         raise ValueError(
             f"{where}: expected {SECTION}.profiles too (the profiles a re-balanced plan is searched from), found none"
         )
-    levers = {r.device_type: (r.activation_checkpointing, r.optimizer_offload) for r in plan.ranks}
-    profiles = [
-        p
-        for p in _available_profiles(poplar_config, None)
-        if p.zero_stage == plan.zero_stage and p.levers == levers.get(p.device_type, (False, False))
-    ]
+    profiles = profiles_for_plan(plan, _available_profiles(poplar_config, None))
     types = {p.device_type for p in profiles if p.max_micro_batch_size > 0}
     missing = [t for t in cluster.type_counts() if t not in types]
     if missing:
