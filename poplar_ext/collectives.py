@@ -13,14 +13,48 @@ skips) can be read in one place:
 * `barrier`: every rank waits for the others (before a timed block).
 
 `ensure_process_group` sets the group up through DeepSpeed (its launcher, torchrun
-or mpirun) and selects this rank's device before any of these runs.
+or mpirun) and selects this rank's device before any of these runs; it also makes
+sure the group is destroyed before the interpreter shuts down
+(`destroy_process_group_at_exit`).
 
 With one rank, or no process group (one process), each is the identity.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+
+def _destroy_process_group_if_up() -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # the script destroyed it itself, or never had one
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - at exit nothing is left to tell but the log
+        logger.debug("destroying the process group at exit failed: %s: %s", type(exc).__name__, exc)
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group (and its subgroups) when the interpreter exits, if it is
+    still up then; calling this again registers nothing new.
+
+    Why: a gloo group still alive when the interpreter shuts down can abort a rank
+    ("terminate called without an active exception", SIGABRT, exit -6) after the job
+    finished and wrote everything (about 1 launch in 10 under CPU load, torch alone,
+    pytorch/pytorch#179291), and the launcher then reports the whole job as failed. The
+    group destroyed first, the race is gone. Harmless when the script destroyed it itself.
+    No barrier: the handler also runs when a rank leaves on an exception, and waiting for
+    the other ranks then could hang.
+    """
+    # unregister first: registering the same function twice would run it twice
+    atexit.unregister(_destroy_process_group_if_up)
+    atexit.register(_destroy_process_group_if_up)
 
 
 def ensure_process_group(**init_options: Any) -> Any:
@@ -39,6 +73,7 @@ def ensure_process_group(**init_options: Any) -> Any:
         import deepspeed
 
         deepspeed.init_distributed(**init_options)
+    destroy_process_group_at_exit()
     return select_job_device()
 
 
@@ -175,10 +210,11 @@ def process_group_backend() -> str:
 
 
 def barrier() -> None:
-    """Wait until every rank is here."""
+    """Wait until every rank is here (nothing to wait for without a process group)."""
     import torch.distributed as dist
 
-    dist.barrier()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def process_group_rank() -> tuple[int, int]:
@@ -194,6 +230,7 @@ __all__ = [
     "barrier",
     "broadcast_from_rank0",
     "decided_by_rank0",
+    "destroy_process_group_at_exit",
     "ensure_process_group",
     "gather_objects",
     "process_group_rank",

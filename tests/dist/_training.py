@@ -17,21 +17,6 @@ CLIP = 0.3
 """Small enough that the global gradient is clipped in the first steps."""
 
 
-def shut_down() -> None:
-    """End a launched script once every rank's results are written: a barrier, then exit without
-    running interpreter teardown. With gloo a rank aborted in that teardown now and then
-    ("terminate called without an active exception", exit -6) after all its work was done,
-    under load (the HF fixture in full runs, the resume test on CI), also after
-    destroy_process_group; os._exit skips the C++ destructors where it happens."""
-    import os
-    import sys
-
-    torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 class RecordingSampler:
     """Passes a batch sampler's micro-batches through and remembers their sample indices."""
 

@@ -75,7 +75,6 @@ def main() -> None:
         torch.save(params, out / "params.pt")
         (out / "metrics.json").write_text(json.dumps(result.metrics))
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
-    t.shut_down()
 
 
 if __name__ == "__main__":

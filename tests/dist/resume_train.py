@@ -52,7 +52,6 @@ def main() -> None:
                                    "history": [h["reason"] for h in engine.plan_history]}))
         if rank == 0:
             torch.save(params, root / args.phase / f"stage{stage}-params.pt")
-    t.shut_down()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ def main() -> None:
     if engine.global_rank == 0:
         torch.save({"params": params, "plan": [(r.micro_batch_size, r.gradient_accumulation_steps) for r in engine.plan.ranks],
                     "devices": list(engine.rank_device_labels)}, args.result)
-    t.shut_down()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""poplar-ext ends the process group it set up before the interpreter shuts down.
+
+A gloo group alive at interpreter shutdown can abort a finished rank (exit -6); the
+exit handler `ensure_process_group` registers destroys it first, and is harmless when
+the script destroyed it itself. Each case runs in a fresh one-rank interpreter.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+_PRELUDE = """
+import atexit, socket
+import torch.distributed as dist
+
+def report():  # registered before poplar-ext's handler, so it runs after it (atexit is LIFO)
+    print("group up at exit:", dist.is_initialized(), flush=True)
+
+atexit.register(report)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+"""
+
+
+def _run(body: str) -> subprocess.CompletedProcess:
+    script = textwrap.dedent(_PRELUDE) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+
+def test_the_group_ensure_process_group_saw_is_destroyed_before_shutdown():
+    done = _run("""
+        from poplar_ext.collectives import ensure_process_group
+        ensure_process_group()
+    """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "group up at exit: False" in done.stdout
+
+
+def test_without_poplar_ext_the_group_is_still_up_at_shutdown():
+    # the control: what the handler changes
+    done = _run("")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "group up at exit: True" in done.stdout
+
+
+def test_a_script_that_destroyed_its_group_itself_exits_cleanly():
+    done = _run("""
+        from poplar_ext.collectives import ensure_process_group
+        ensure_process_group()
+        dist.destroy_process_group()
+    """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "group up at exit: False" in done.stdout
+    assert "Traceback" not in done.stderr
