@@ -11,6 +11,7 @@ data, and an optimizer like the user's.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any, Callable, Mapping
 
 import torch
@@ -20,6 +21,15 @@ from search.formats import Cluster, Profile
 MeasureMissing = Callable[[list[tuple[str, int]], Cluster], list[Profile]]
 """``measure(missing, cluster) -> profiles``: the (device type, stage) pairs measured; collective
 (every rank calls it alike). `poplar_ext.runtime.planning` calls one when profiles are missing."""
+
+
+def _constructor_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its constructor takes: ``defaults`` may hold more (torch's
+    AdamW keeps ``decoupled_weight_decay``, which ``AdamW.__init__`` refuses)."""
+    parameters = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in parameters}
 
 
 def _optimizer_factory(optimizer: Any, ds_config: Mapping[str, Any]) -> Callable[[list], Any] | None:
@@ -32,7 +42,7 @@ def _optimizer_factory(optimizer: Any, ds_config: Mapping[str, Any]) -> Callable
         )
     if isinstance(optimizer, torch.optim.Optimizer):
         # The user's optimizer holds the user's parameters: build the same kind for each copy.
-        return lambda params: type(optimizer)(params, **optimizer.defaults)
+        return lambda params: type(optimizer)(params, **_constructor_arguments(optimizer))
     if callable(optimizer):
         return optimizer  # DeepSpeed's own convention: a callable taking the parameters
     raise ValueError(f"optimizer: expected a torch optimizer or a callable, found {type(optimizer).__name__}")

@@ -73,3 +73,20 @@ def test_automatic_mode_needs_training_samples() -> None:
             model=torch.nn.Linear(2, 1), training_data=[], collate_fn=None, optimizer=None,
             ds_config={"optimizer": {"type": "SGD"}}, profiles_dir="p", micro_batch_size_limit=8,
         )
+
+
+@pytest.mark.parametrize(
+    "make", [
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.2, betas=(0.8, 0.9)),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.RMSprop(p, lr=0.01, alpha=0.9),
+    ],
+    ids=["adamw", "sgd", "rmsprop"],
+)
+def test_automatic_mode_builds_the_users_kind_of_optimizer_with_its_settings(make) -> None:
+    from poplar_ext.profiler.auto import _optimizer_factory
+
+    users = make(torch.nn.Linear(2, 2).parameters())
+    copy = _optimizer_factory(users, {})(torch.nn.Linear(2, 2).parameters())
+    assert type(copy) is type(users)
+    assert copy.defaults == users.defaults
