@@ -567,19 +567,23 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     return data
 
 
-def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
-    """Write JSON so that the file is either complete or untouched (temp file + rename)."""
+def write_text_atomic(text: str, path: str | os.PathLike[str]) -> None:
+    """Write `text` so that the file is either complete or untouched (temp file + rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
+    """Write JSON so that the file is either complete or untouched (temp file + rename)."""
+    write_text_atomic(json.dumps(data, indent=2, sort_keys=False) + "\n", path)
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:

@@ -40,7 +40,7 @@ from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.rebalance import CudaEventTimer, PendingSwitch, Rebalancer, schedule_switch, switch_together
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
-from search.formats import Plan, plan_from_dict
+from search.formats import Plan, plan_from_dict, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -414,8 +414,18 @@ class PoplarEngine:
         state["step"] = self.deepspeed_engine.global_steps
         return state
 
-    def save_checkpoint(self, save_dir: str | Path, tag: Any = None, client_state: dict | None = None, **kwargs: Any) -> Any:
-        """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder (written by rank 0)."""
+    def save_checkpoint(
+        self, save_dir: str | Path, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder (written by rank 0).
+
+        ``latest`` names the checkpoint only once every rank has written its part: DeepSpeed's
+        rank 0 writes it right after its own optimizer shard, so a node lost during a save
+        could leave ``latest`` naming a checkpoint that lacks that node's shard, and the
+        automatic restart would then fail to load it.
+        """
+        from poplar_ext.collectives import barrier
         from deepspeed.checkpoint.constants import (
             UNIVERSAL_CHECKPOINT_INFO,
             UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -429,7 +439,12 @@ class PoplarEngine:
         # DeepSpeed's universal checkpoint, which reshards a resume on another number of
         # ranks, needs this entry in the checkpoint it converts.
         client.setdefault(UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
-        return self.deepspeed_engine.save_checkpoint(save_dir, tag=tag, client_state=client, **kwargs)
+        saved = self.deepspeed_engine.save_checkpoint(save_dir, tag=tag, client_state=client, save_latest=False, **kwargs)
+        if save_latest:
+            barrier()  # every rank's files are written
+            if self._rank == 0:
+                write_text_atomic(tag, Path(save_dir) / "latest")
+        return saved
 
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:
         """DeepSpeed's load_checkpoint, continuing the data stream under this job's plan.

@@ -55,6 +55,7 @@ class FakeDeepSpeedEngine:
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, **kwargs):
         self.saved = client_state
+        self.events.append(("save", kwargs))
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         return ("path/to/ckpt", dict(self.saved)) if self.saved is not None else (None, None)
@@ -164,6 +165,24 @@ def test_checkpoint_keeps_plan_and_position(tmp_path):
     path, client_state = resumed.load_checkpoint(tmp_path, tag="t")
     assert client_state["mine"] == 1
     assert resumed.consumed_samples == 18 and sampler.consumed_samples == 18
+
+
+def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path, monkeypatch):
+    from poplar_ext import collectives
+
+    engine, fake = _engine(_plan([(3, 2), (1, 3)]))
+
+    def barrier():
+        assert not (tmp_path / "latest").exists(), "latest written before every rank finished"
+        fake.events.append("barrier")
+
+    monkeypatch.setattr(collectives, "barrier", barrier)
+    engine.save_checkpoint(tmp_path, tag="t")
+    assert fake.events == [("save", {"save_latest": False}), "barrier"]
+    assert (tmp_path / "latest").read_text() == "t"
+    fake.events.clear()
+    engine.save_checkpoint(tmp_path, tag="u", save_latest=False)
+    assert fake.events == [("save", {"save_latest": False})] and (tmp_path / "latest").read_text() == "t"
 
 
 def test_a_checkpoint_of_another_plan_continues_the_stream_and_says_so(tmp_path, caplog):
