@@ -425,8 +425,8 @@ class PoplarEngine:
         if self._rank == 0:
             write_state(save_dir, tag, self._client_state())
         client = dict(client_state or {})
-        # DeepSpeed's universal checkpoint, which reshards a resume on another number of
-        # ranks, needs this entry in the checkpoint it converts.
+        # DeepSpeed's own converter (ds_to_universal) requires this entry; poplar-ext's
+        # (`poplar_ext.runtime.reshard`) does not, but keeps checkpoints usable by both.
         client.setdefault(UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
         return self.deepspeed_engine.save_checkpoint(save_dir, tag=tag, client_state=client, **kwargs)
 
