@@ -16,8 +16,12 @@ weights and decides (`resume_decision`, pure) what the job does:
 * a checkpoint poplar-ext did not write (a plain DeepSpeed one), or a load of the
   weights only, starts the data at position 0, with a note.
 
-When the world size changed at ZeRO stages 1-3, the optimizer state is resharded by
-DeepSpeed's own universal checkpoint (see `PoplarEngine.load_checkpoint`).
+When the world size changed at ZeRO stages 1-3, the optimizer state is resharded in
+DeepSpeed's universal-checkpoint format by `poplar_ext.runtime.reshard`: every
+per-parameter state of any optimizer (SGD's momentum, Adagrad's sums, RMSprop's and
+Adam's averages) and `step` (DeepSpeed's own conversion carries Adam's alone). A state
+that cannot be resharded stops every rank before any weight is loaded (see
+`PoplarEngine.load_checkpoint`).
 """
 
 from __future__ import annotations

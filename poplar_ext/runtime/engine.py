@@ -13,7 +13,6 @@ ends where DeepSpeed starts reducing gradients: see
 
 from __future__ import annotations
 
-import argparse
 import collections
 import logging
 import time
@@ -436,8 +435,8 @@ class PoplarEngine:
         if self._rank == 0:
             write_state(save_dir, tag, self._client_state())
         client = dict(client_state or {})
-        # DeepSpeed's universal checkpoint, which reshards a resume on another number of
-        # ranks, needs this entry in the checkpoint it converts.
+        # DeepSpeed's own converter (ds_to_universal) requires this entry; poplar-ext's
+        # (`poplar_ext.runtime.reshard`) does not, but keeps checkpoints usable by both.
         client.setdefault(UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
         saved = self.deepspeed_engine.save_checkpoint(save_dir, tag=tag, client_state=client, save_latest=False, **kwargs)
         if save_latest:
@@ -453,10 +452,14 @@ class PoplarEngine:
         that cannot continue (another data order) stops before any weight is read, on
         every rank. Another plan, global batch or world size is fine: the data
         continues at the saved position, and the plan history records the resume.
-        When the number of ranks changed at ZeRO stages 1-3, rank 0 converts the
-        checkpoint with DeepSpeed's universal checkpoint (``TAG_universal``, next to
-        it) and every rank loads that; if that is not possible, every rank stops with
-        the one command to run. A plain DeepSpeed checkpoint, or
+        When the number of ranks changed at ZeRO stages 1-3, rank 0 reshards the
+        checkpoint (`poplar_ext.runtime.reshard`: DeepSpeed's universal format with
+        every per-parameter state of any optimizer, and `step`) into ``TAG_universal``
+        next to it, unless that is there, and every rank loads it. An optimizer state
+        that cannot be resharded (not one value per parameter element) stops every
+        rank, naming the optimizer and the state, before any weight is loaded; a
+        ``TAG_universal`` some rank cannot see stops every rank with the command that
+        writes it. A plain DeepSpeed checkpoint, or
         ``load_module_only=True``, starts the data at position 0, with a logged note.
         Returns DeepSpeed's ``(path, client_state)``.
         """
@@ -502,37 +505,35 @@ class PoplarEngine:
                 logger.info("load_checkpoint: %s", note)
 
     def _universal_checkpoint(self, load_dir: Path, tag: str) -> str:
-        """The tag of the checkpoint converted to DeepSpeed's universal format (converted by rank 0 if needed)."""
+        """The tag of the checkpoint resharded for any number of ranks (`poplar_ext.runtime.reshard`).
+
+        Rank 0 writes ``TAG_universal`` beside the checkpoint unless it is there; a state
+        that cannot be resharded stops every rank here, before any weight is loaded.
+        """
         from poplar_ext.collectives import decided_by_rank0, gather_objects
+        from poplar_ext.runtime.reshard import command_line, convert_checkpoint
 
         source, universal = load_dir / tag, f"{tag}_universal"
         target = load_dir / universal
-        command = f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {source} --output_folder {target}"
+        zero_optimizer = self.deepspeed_engine.optimizer
+        optimizer_name = type(getattr(zero_optimizer, "optimizer", zero_optimizer)).__name__
 
         def convert() -> bool:
             if not target.is_dir():
-                from deepspeed.checkpoint import ds_to_universal
-
-                logger.info("load_checkpoint: %s was saved on another number of ranks; converting it: %s", source, command)
-                ds_to_universal.main(argparse.Namespace(
-                    input_folder=str(source), output_folder=str(target), num_extract_workers=1, num_merge_workers=1,
-                    keep_temp_folder=False, strict=True, inject_missing_state=False,
-                ))
+                logger.info("load_checkpoint: %s was saved on another number of ranks; resharding it: %s", source, target)
+                convert_checkpoint(source, target, optimizer_name=optimizer_name)
             return True
 
         try:
             decided_by_rank0(convert, rank=self._rank)
-        except Exception as exc:  # noqa: BLE001 - every rank stops with the one command to run
-            raise ValueError(
-                f"load_checkpoint: {source} was saved on another number of ranks, and DeepSpeed's universal checkpoint "
-                f"could not reshard its ZeRO optimizer state here ({type(exc).__name__}: {exc}); run {command} "
-                "and call load_checkpoint again"
-            ) from exc
+        except ValueError as exc:
+            raise ValueError(f"load_checkpoint: {source} was saved on another number of ranks, and {exc}") from exc
         missing = [rank for rank, seen in enumerate(gather_objects(target.is_dir())) if not seen]
         if missing:
             raise ValueError(
-                f"load_checkpoint: the universal checkpoint {target} is not visible on ranks {missing}: copy it to "
-                f"their nodes (or run {command} there), then call load_checkpoint again"
+                f"load_checkpoint: the resharded checkpoint {target} is not visible on ranks {missing}: copy it to "
+                f"their nodes (or write it there, on a node that has {source}: {command_line(source, target)}), "
+                "then call load_checkpoint again"
             )
         return universal
 
@@ -540,15 +541,19 @@ class PoplarEngine:
     def _loading_universal(self, universal: bool) -> Iterator[None]:
         # DeepSpeed reads whether to load a universal checkpoint from its config
         # (checkpoint.load_universal), fixed at initialize; a resume on another number
-        # of ranks decides it at load time.
+        # of ranks decides it at load time. At stage 3 DeepSpeed's loader of one reads
+        # Adam's states only: `loading_every_state` puts ours in its place meanwhile.
         if not universal:
             yield
             return
+        from poplar_ext.runtime.reshard import loading_every_state
+
         config = self.deepspeed_engine._config
         before = config.load_universal_checkpoint
         config.load_universal_checkpoint = True
         try:
-            yield
+            with loading_every_state(self.deepspeed_engine.optimizer):
+                yield
         finally:
             config.load_universal_checkpoint = before
 

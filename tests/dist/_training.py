@@ -86,6 +86,14 @@ def make_optimizer(name: str, params):
         # rounding noise (~1e-9) whose value depends on summation order, and Adam with
         # eps=1e-8 turns any noise into lr-sized steps, in any two implementations.
         return torch.optim.Adam(params, lr=0.01, eps=1e-4)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, eps=1e-4, weight_decay=0.1)  # eps: as Adam's
+    if name == "rmsprop":
+        # Momentum and centred, so that square_avg, momentum_buffer and grad_avg all exist;
+        # eps as Adam's: a zero true gradient's rounding noise over its root mean square.
+        return torch.optim.RMSprop(params, lr=0.01, alpha=0.9, eps=1e-4, momentum=0.5, centered=True)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=0.05, eps=1e-4)  # eps: as RMSprop's
     raise ValueError(name)
 
 
@@ -127,14 +135,22 @@ def train_steps(engine, loader, steps: int) -> None:
                 return
 
 
-def reference_parameters(optimizer_name: str, global_batch_size: int, steps: int, *, seed: int = 0):
-    """One process training on the concatenated global batch; also the pre-clip norms."""
+def reference_parameters(
+    optimizer_name: str, global_batch_size: int, steps: int, *, seed: int = 0, restart_optimizer_at: int | None = None
+):
+    """One process training on the concatenated global batch; also the pre-clip norms.
+
+    `restart_optimizer_at`: a fresh optimizer (its state lost) from that step on; what a
+    resume that dropped the optimizer state would train, to show a tolerance sees it.
+    """
     model = GPT(TINY)
     optimizer = make_optimizer(optimizer_name, model.parameters())
     data = dataset()
     stream = SampleStream(num_samples=NUM_SAMPLES, seed=seed)
     norms = []
     for step in range(steps):
+        if step == restart_optimizer_at:
+            optimizer = make_optimizer(optimizer_name, model.parameters())
         batch = torch.stack([data[i] for i in stream.indices(step * global_batch_size, global_batch_size)])
         optimizer.zero_grad()
         model(batch).backward()

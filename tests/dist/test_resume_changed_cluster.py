@@ -2,8 +2,9 @@
 
 3 ranks of three emulated device types train 3 optimizer steps and checkpoint; the
 job resumes on 2 ranks of two types with another plan and trains 3 more, at ZeRO
-stages 0-3 (stages 1-3 reshard the optimizer state through DeepSpeed's universal
-checkpoint). The parameters equal one process replaying the same 6 global batches,
+stages 0-3 (stages 1-3 reshard the optimizer state into DeepSpeed's universal
+checkpoint format: poplar_ext.runtime.reshard; other optimizers, and 2 -> 3 ranks, are
+in test_resume_any_optimizer.py). The parameters equal one process replaying the same 6 global batches,
 no sample is trained twice, and the resumed run starts where the first stopped.
 """
 

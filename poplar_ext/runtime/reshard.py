@@ -1,0 +1,335 @@
+"""A ZeRO checkpoint resharded for another number of ranks, for any optimizer whose state is per-parameter.
+
+A resume on another number of ranks (`PoplarEngine.load_checkpoint`) loads the
+checkpoint in DeepSpeed's universal format: one file per parameter and state, whole,
+which each rank cuts to its own partition. DeepSpeed 0.19.8 writes and reads that
+format for Adam alone:
+
+* ``deepspeed/checkpoint/ds_to_universal.py``: `extract_zero_shards` and
+  `extract_zero_shards_stage3` read ``state["exp_avg"]`` and ``state["exp_avg_sq"]``
+  (KeyError for SGD, RMSprop, Adagrad, Lion), and `merge_tp_slices` and
+  `merge_zero3_slices` merge only ``("fp32", "exp_avg", "exp_avg_sq")``; at stage 3
+  `step` is neither extracted nor merged;
+* ``deepspeed/runtime/zero/stage3.py``,
+  `load_hp_checkpoint_state_from_checkpoint_dir_stage3`, loads only those three
+  states and takes `step` from rank 0's state (KeyError for an optimizer without one).
+
+Its load side at stages 1-2 is general already (``runtime/base_optimizer.py``
+`load_hp_checkpoint_state_from_checkpoint_dir`, ``checkpoint/universal_checkpoint.py``
+`load_hp_checkpoint_state`, ``utils/tensor_fragment.py`` `map_to_flat_opt_states`):
+it puts every ``<key>.pt`` it finds into the optimizer's state, creating a state the
+optimizer would create lazily (SGD's momentum_buffer), and `step` as it was saved.
+
+So `convert_checkpoint` writes DeepSpeed's universal layout for every state key, with
+DeepSpeed's own pieces (fragments dumped one shard at a time and merged per parameter,
+so that no more than one shard is in memory, as in DeepSpeed), and at stage 3
+`loading_every_state` stands in for DeepSpeed's loader while it loads. A state is
+carried when it holds one value per element of the flat partition, or is `step`;
+anything else is refused (ValueError naming the optimizer and the key) before any
+weight is loaded. Checkpoints of poplar-ext are data-parallel only (`initialize`
+refuses tensor and pipeline parallelism), and so is this conversion.
+
+``python -m poplar_ext.runtime.reshard --input_folder TAG_DIR --output_folder OUT``
+runs the conversion by hand (``OUT`` = ``TAG_DIR`` + ``_universal`` is what
+`load_checkpoint` looks for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCALAR_STATES = ("step",)
+"""State keys carried as one value per parameter group (DeepSpeed's ``step.pt``)."""
+
+UNNAMED_OPTIMIZER = "the checkpoint's optimizer"
+"""What messages call the optimizer when the caller does not know its class."""
+
+
+def carried_states(
+    state: dict[Any, Any], *, partition_numel: int, optimizer_name: str, saved_ranks: int
+) -> dict[str, Any]:
+    """The states of one flat partition (one parameter group of one rank) that are carried over.
+
+    Raises ValueError, naming the optimizer and the key, for a state that is neither a
+    tensor of `partition_numel` elements nor a scalar `step`: it could not be cut for
+    another number of ranks; also for a key that is not a plain name or is ``fp32``, as
+    keys become file names beside the weights' ``fp32.pt``. A None state is skipped
+    (nothing to carry).
+    """
+    carried = {}
+    for key, value in state.items():
+        if value is None:
+            continue
+        if key in SCALAR_STATES:
+            fits = isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1)
+        else:
+            fits = torch.is_tensor(value) and value.dim() == 1 and value.numel() == partition_numel
+        if not isinstance(key, str) or not key.isidentifier() or key == "fp32" or not fits:
+            raise ValueError(
+                f"{optimizer_name} keeps the state {key!r} as {_describe(value)}: only states of one value per "
+                f"element of the parameters (a flat partition of {partition_numel} elements here) and a scalar "
+                f"'step' can be resharded for another number of ranks; resume this checkpoint on {saved_ranks} "
+                "ranks, as it was saved"
+            )
+        carried[key] = value
+    return carried
+
+
+def _describe(value: Any) -> str:
+    if torch.is_tensor(value):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def convert_checkpoint(source: str | Path, target: str | Path, *, optimizer_name: str = UNNAMED_OPTIMIZER) -> Path:
+    """Write the ZeRO checkpoint `source` (a tag folder) in DeepSpeed's universal format at `target`.
+
+    Every state `carried_states` accepts is written (ValueError otherwise). The folder
+    appears whole or not at all: it is written beside `target` and renamed, so a
+    conversion that stopped half-way is never taken for one that finished. Returns
+    `target`.
+    """
+    source, target = Path(source), Path(target)
+    if target.exists():
+        raise ValueError(f"{target} exists already: remove it, or load it as it is")
+    work = target.with_name(target.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)  # what a conversion that died left
+    try:
+        stage = _zero_stage(source)
+        convert = _convert_stage_3 if stage == 3 else _convert_stage_1_2
+        convert(source, work, fragments=work / "fragments", optimizer_name=optimizer_name)
+        shutil.rmtree(work / "fragments")
+        work.rename(target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _zero_stage(source: Path) -> int:
+    from deepspeed.checkpoint.ds_to_universal import _get_optim_files, _get_zero_stage
+
+    try:
+        files = _get_optim_files(str(source))
+    except FileNotFoundError:
+        raise ValueError(f"{source} holds no ZeRO optimizer state (ZeRO stages 1-3): nothing to reshard") from None
+    return _get_zero_stage(files)
+
+
+def _data_parallel_only(source: Path, *, tensor_parallel: int, pipeline_parallel: int) -> None:
+    if (tensor_parallel, pipeline_parallel) != (1, 1):
+        raise ValueError(
+            f"{source} was saved with tensor parallelism {tensor_parallel} and pipeline parallelism "
+            f"{pipeline_parallel}; poplar-ext reshards data-parallel checkpoints only"
+        )
+
+
+def _convert_stage_1_2(source: Path, work: Path, *, fragments: Path, optimizer_name: str) -> None:
+    """Stages 1-2: every rank's flat partition per group, cut into parameters by its slice mappings."""
+    from deepspeed.checkpoint import DeepSpeedCheckpoint
+    from deepspeed.checkpoint.constants import (
+        BASE_OPTIMIZER_STATE,
+        OPTIMIZER_STATE_DICT,
+        PARAM_SHAPES,
+        PARAM_SLICE_MAPPINGS,
+        SINGLE_PARTITION_OF_FP32_GROUPS,
+    )
+    from deepspeed.checkpoint.ds_to_universal import _save_optimizer_state, dump_param_fragment
+
+    checkpoint = DeepSpeedCheckpoint(str(source))
+    _data_parallel_only(source, tensor_parallel=checkpoint.tp_degree, pipeline_parallel=checkpoint.pp_degree)
+    for dp_index in range(checkpoint.dp_degree):
+        # Paddings kept: DeepSpeed's stripping narrows every tensor state, also one it cannot be.
+        shard = checkpoint.get_zero_checkpoint_state(0, 0, dp_index, strip_tensor_paddings=False)[OPTIMIZER_STATE_DICT]
+        states = shard[BASE_OPTIMIZER_STATE]["state"]
+        for group_id, fp32 in enumerate(shard[SINGLE_PARTITION_OF_FP32_GROUPS]):
+            flat = {"fp32": fp32, **carried_states(
+                states[group_id], partition_numel=fp32.numel(), optimizer_name=optimizer_name,
+                saved_ranks=checkpoint.dp_degree,
+            )}
+            for name, fragment in shard[PARAM_SLICE_MAPPINGS][group_id].items():
+                for key, value in flat.items():
+                    dump_param_fragment(str(fragments), 0, dp_index, key, value, name, fragment.start, fragment.numel)
+    model_state = torch.load(checkpoint.mp_rank_files[0], map_location="cpu", weights_only=False)
+    shapes = {name: shape for group in model_state[PARAM_SHAPES] for name, shape in group.items()}
+    _merge_fragments(fragments, work / "zero", shapes)
+    _save_optimizer_state(argparse.Namespace(output_folder=str(work)), checkpoint)
+    for path in checkpoint.mp_rank_files:
+        shutil.copy2(path, work)
+
+
+def _convert_stage_3(source: Path, work: Path, *, fragments: Path, optimizer_name: str) -> None:
+    """Stage 3: every rank's flat partition per sub-group, each parameter's padded share in turn."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+    from deepspeed.checkpoint.ds_to_universal import (
+        _build_zero3_rank_grid,
+        _filter_zero3_optim_files,
+        _get_optim_files,
+        _get_zero3_model_state_files,
+        _parse_model_states_stage3,
+        _save_optimizer_state_stage3,
+        _zero_partitioned_param_info,
+        dump_param_fragment,
+    )
+
+    optim_files = _filter_zero3_optim_files(_get_optim_files(str(source)))
+    grid, tensor_parallel, dp_degree = _build_zero3_rank_grid(optim_files)
+    _data_parallel_only(source, tensor_parallel=tensor_parallel, pipeline_parallel=1)
+    model_files = _get_zero3_model_state_files(str(source))
+    shapes_per_group = _parse_model_states_stage3(model_files)
+    for dp_index, path in enumerate(grid[0]):
+        shard = torch.load(path, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT]
+        states = shard[OPTIMIZER_STATE_DICT]["state"]
+        for group_id, shapes in enumerate(shapes_per_group):
+            fp32 = shard["fp32_flat_groups"][group_id]
+            flat = {"fp32": fp32, **carried_states(
+                states.get(group_id, {}), partition_numel=fp32.numel(), optimizer_name=optimizer_name,
+                saved_ranks=dp_degree,
+            )}
+            offset = 0
+            for name, shape in shapes.items():
+                partitioned_numel, _ = _zero_partitioned_param_info(shape.numel(), dp_degree)
+                kept_numel = max(0, min(partitioned_numel, shape.numel() - dp_index * partitioned_numel))
+                for key, value in flat.items():
+                    dump_param_fragment(str(fragments), 0, dp_index, key, value, name, offset, kept_numel)
+                offset += partitioned_numel
+    _merge_fragments(fragments, work / "zero", {n: s for group in shapes_per_group for n, s in group.items()})
+    _save_optimizer_state_stage3(argparse.Namespace(output_folder=str(work)), optim_files)
+    for path in model_files:
+        shutil.copy2(path, work)
+
+
+def _merge_fragments(fragments: Path, zero_dir: Path, shapes: dict[str, torch.Size]) -> None:
+    """Each parameter's fragments, in rank order, as DeepSpeed's ``zero/<param>/<key>.pt``."""
+    from deepspeed.checkpoint.constants import CAT_DIM, PARAM
+    from deepspeed.checkpoint.ds_to_universal import _merge_zero_shards
+
+    for name, shape in shapes.items():
+        pieces = fragments / name
+        assert (pieces / "0").is_dir(), f"no rank held a fragment of {name}"
+        keys = sorted({path.name.rsplit(".", 1)[0] for path in (pieces / "0").iterdir()})
+        (zero_dir / name).mkdir(parents=True)
+        for key in keys:
+            if key in SCALAR_STATES:
+                value = _merge_zero_shards(str(pieces), key, 1)[0]  # the same on every rank (checked there)
+            else:
+                value = {PARAM: _merge_zero_shards(str(pieces), key, 1, [shape])[0], CAT_DIM: 0}
+            torch.save(value, zero_dir / name / f"{key}.pt")
+
+
+@contextmanager
+def loading_every_state(zero_optimizer: Any) -> Iterator[None]:
+    """While DeepSpeed loads a universal checkpoint: at stage 3, `load_stage3_checkpoint` is its loader.
+
+    The loader is replaced on this optimizer object only (an instance attribute
+    shadowing DeepSpeed's method), and only for the duration. Stages 1-2 need nothing.
+    """
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if not isinstance(zero_optimizer, DeepSpeedZeroOptimizer_Stage3):
+        yield
+        return
+    if zero_optimizer.swap_optimizer:
+        raise ValueError(
+            "load_checkpoint: a ZeRO-3 optimizer swapped to NVMe cannot load a checkpoint resharded for another "
+            "number of ranks; resume it on the number of ranks it was saved on"
+        )
+    zero_optimizer.load_hp_checkpoint_state_from_checkpoint_dir_stage3 = (
+        lambda checkpoint_dir: load_stage3_checkpoint(zero_optimizer, checkpoint_dir)
+    )
+    try:
+        yield
+    finally:
+        del zero_optimizer.load_hp_checkpoint_state_from_checkpoint_dir_stage3
+
+
+def load_stage3_checkpoint(zero_optimizer: Any, checkpoint_dir: str) -> None:
+    """DeepSpeed's stage-3 universal loader, for every state in the checkpoint rather than Adam's.
+
+    The weights are DeepSpeed's (`load_module_checkpoint_state_from_checkpoint_dir_stage3`,
+    from the fp32 copies); each state and `step` are put into the base optimizer's state
+    for each flat sub-group, cut to this rank by DeepSpeed's `load_hp_checkpoint_state`;
+    the hyper-parameters are the checkpoint's, as in DeepSpeed.
+    """
+    from deepspeed.checkpoint.constants import PARAM_GROUPS
+
+    zero_dir = Path(checkpoint_dir) / "zero"
+    saved = torch.load(zero_dir / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    zero_optimizer._load_global_state_stage3(saved)
+    zero_optimizer.load_module_checkpoint_state_from_checkpoint_dir_stage3(checkpoint_dir, load_from_fp32_weights=True)
+    state = zero_optimizer.optimizer.state
+    for group_id, params in enumerate(zero_optimizer.fp16_groups):
+        flat = zero_optimizer.fp32_partitioned_groups_flat[group_id]
+        folders = [zero_dir / zero_optimizer.param_names[param] for param in params]
+        keys = {path.stem for path in folders[0].glob("*.pt")} - {"fp32"}
+        assert all({path.stem for path in folder.glob("*.pt")} - {"fp32"} == keys for folder in folders), folders
+        for key in sorted(keys):
+            if key in SCALAR_STATES:
+                state[flat][key] = torch.load(folders[0] / f"{key}.pt", weights_only=False)
+            else:
+                state[flat][key] = _stage3_partition(zero_optimizer, folders, params, key, like=flat)
+    for group, saved_group in zip(zero_optimizer.optimizer.param_groups, saved[PARAM_GROUPS]):
+        group.update({name: value for name, value in saved_group.items() if name != "params"})
+
+
+def _stage3_partition(
+    zero_optimizer: Any, folders: Sequence[Path], params: Sequence[Any], key: str, *, like: torch.Tensor
+) -> torch.Tensor:
+    """This rank's flat sub-group partition of state `key`: each parameter's share, in order."""
+    partition = torch.zeros_like(like)
+    offset = 0
+    for folder, param in zip(folders, params):
+        share = zero_optimizer.load_hp_checkpoint_state(str(folder), key, param=param)
+        partition.narrow(0, offset, share.numel()).copy_(share)
+        offset += share.numel()
+    return partition
+
+
+def command_line(source: str | Path, target: str | Path) -> str:
+    """The command that writes `target` from `source` (what messages suggest)."""
+    return f"python -m poplar_ext.runtime.reshard --input_folder {source} --output_folder {target}"
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(
+        prog="python -m poplar_ext.runtime.reshard",
+        description="Write a ZeRO checkpoint (stages 1-3) in DeepSpeed's universal format with every optimizer "
+        "state, for a resume on another number of ranks.",
+    )
+    parser.add_argument("--input_folder", required=True, help="the checkpoint's tag folder (e.g. ckpt/global_step100)")
+    parser.add_argument(
+        "--output_folder", required=True, help="where to write it; load_checkpoint looks for TAG_universal beside TAG"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        target = convert_checkpoint(args.input_folder, args.output_folder)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = [
+    "carried_states",
+    "command_line",
+    "convert_checkpoint",
+    "load_stage3_checkpoint",
+    "loading_every_state",
+    "main",
+]

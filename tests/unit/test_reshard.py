@@ -1,0 +1,53 @@
+"""Which optimizer states a resume on another number of ranks carries over, and which it refuses.
+
+The states are those of one flat ZeRO partition (one parameter group of one rank);
+the resharding itself is tested with real ranks in tests/dist/test_resume_any_optimizer.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poplar_ext.runtime.reshard import carried_states, convert_checkpoint, main
+
+NUMEL = 6
+
+
+def _carried(state):
+    return carried_states(state, partition_numel=NUMEL, optimizer_name="Opt", saved_ranks=3)
+
+
+def test_every_per_element_state_and_step_are_carried_and_none_is_skipped():
+    state = {
+        "exp_avg": torch.zeros(NUMEL), "exp_avg_sq": torch.ones(NUMEL), "momentum_buffer": torch.zeros(NUMEL),
+        "step": torch.tensor(4.0), "unused": None,
+    }
+    assert sorted(_carried(state)) == ["exp_avg", "exp_avg_sq", "momentum_buffer", "step"]
+    assert _carried({"step": 7}) == {"step": 7}  # an int step stays an int
+    assert _carried({}) == {}  # SGD before its first step
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        ({"row_var": torch.zeros(2)}, r"Opt keeps the state 'row_var' as a tensor of shape \(2,\)"),
+        ({"grid": torch.zeros(2, 3)}, r"'grid' as a tensor of shape \(2, 3\)"),  # as many elements, not flat
+        ({"mu_product": torch.tensor(0.9)}, r"'mu_product' as a tensor of shape \(\)"),  # a scalar other than step
+        ({"old_dirs": []}, r"'old_dirs' as a list"),  # not per-parameter (LBFGS)
+        ({"step": torch.zeros(NUMEL)}, r"'step' as a tensor of shape \(6,\)"),
+        ({"fp32": torch.zeros(NUMEL)}, r"'fp32'"),  # the weights' own name in the checkpoint
+        ({0: torch.zeros(NUMEL)}, r"the state 0 "),
+    ],
+)
+def test_a_state_that_cannot_be_cut_is_refused_naming_the_optimizer_and_the_key(state, match):
+    with pytest.raises(ValueError, match=match) as raised:
+        _carried(state)
+    assert "resume this checkpoint on 3 ranks, as it was saved" in str(raised.value)
+
+
+def test_an_existing_output_folder_is_refused(tmp_path, capsys):
+    with pytest.raises(ValueError, match="exists already"):
+        convert_checkpoint(tmp_path / "in", tmp_path)
+    assert main(["--input_folder", str(tmp_path / "in"), "--output_folder", str(tmp_path)]) == 2
+    assert "error:" in capsys.readouterr().err
