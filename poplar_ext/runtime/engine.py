@@ -505,57 +505,19 @@ class PoplarEngine:
                 logger.info("load_checkpoint: %s", note)
 
     def _universal_checkpoint(self, load_dir: Path, tag: str) -> str:
-        """The tag of the checkpoint resharded for any number of ranks (`poplar_ext.runtime.reshard`).
+        from poplar_ext.runtime.reshard import resharded_tag
 
-        Rank 0 writes ``TAG_universal`` beside the checkpoint unless it is there; a state
-        that cannot be resharded stops every rank here, before any weight is loaded.
-        """
-        from poplar_ext.collectives import decided_by_rank0, gather_objects
-        from poplar_ext.runtime.reshard import command_line, convert_checkpoint
-
-        source, universal = load_dir / tag, f"{tag}_universal"
-        target = load_dir / universal
-        zero_optimizer = self.deepspeed_engine.optimizer
-        optimizer_name = type(getattr(zero_optimizer, "optimizer", zero_optimizer)).__name__
-
-        def convert() -> bool:
-            if not target.is_dir():
-                logger.info("load_checkpoint: %s was saved on another number of ranks; resharding it: %s", source, target)
-                convert_checkpoint(source, target, optimizer_name=optimizer_name)
-            return True
-
-        try:
-            decided_by_rank0(convert, rank=self._rank)
-        except ValueError as exc:
-            raise ValueError(f"load_checkpoint: {source} was saved on another number of ranks, and {exc}") from exc
-        missing = [rank for rank, seen in enumerate(gather_objects(target.is_dir())) if not seen]
-        if missing:
-            raise ValueError(
-                f"load_checkpoint: the resharded checkpoint {target} is not visible on ranks {missing}: copy it to "
-                f"their nodes (or write it there, on a node that has {source}: {command_line(source, target)}), "
-                "then call load_checkpoint again"
-            )
-        return universal
+        return resharded_tag(load_dir, tag, deepspeed_engine=self.deepspeed_engine, rank=self._rank)
 
     @contextmanager
     def _loading_universal(self, universal: bool) -> Iterator[None]:
-        # DeepSpeed reads whether to load a universal checkpoint from its config
-        # (checkpoint.load_universal), fixed at initialize; a resume on another number
-        # of ranks decides it at load time. At stage 3 DeepSpeed's loader of one reads
-        # Adam's states only: `loading_every_state` puts ours in its place meanwhile.
         if not universal:
             yield
             return
-        from poplar_ext.runtime.reshard import loading_every_state
+        from poplar_ext.runtime.reshard import loading_resharded
 
-        config = self.deepspeed_engine._config
-        before = config.load_universal_checkpoint
-        config.load_universal_checkpoint = True
-        try:
-            with loading_every_state(self.deepspeed_engine.optimizer):
-                yield
-        finally:
-            config.load_universal_checkpoint = before
+        with loading_resharded(self.deepspeed_engine):
+            yield
 
 
 __all__ = ["CLIENT_STATE_KEY", "PoplarEngine"]

@@ -37,6 +37,7 @@ runs the conversion by hand (``OUT`` = ``TAG_DIR`` + ``_universal`` is what
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import sys
 from collections.abc import Iterator, Sequence
@@ -46,6 +47,8 @@ from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 SCALAR_STATES = ("step",)
 """State keys carried as one value per parameter group (DeepSpeed's ``step.pt``)."""
 
@@ -54,12 +57,15 @@ UNNAMED_OPTIMIZER = "the checkpoint's optimizer"
 
 
 def carried_states(
-    state: dict[Any, Any], *, partition_numel: int, optimizer_name: str, saved_ranks: int
+    state: dict[Any, Any], *, partition_numel: int, optimizer_name: str, saved_ranks: int, padding_numel: int = 0
 ) -> dict[str, Any]:
     """The states of one flat partition (one parameter group of one rank) that are carried over.
 
+    `padding_numel`: the group's alignment padding on this rank, which DeepSpeed strips from
+    the saved fp32 partition (`partition_numel`) but not from the optimizer's states (at
+    stages 1-2 the last rank's states are longer by it; the padding is never read).
     Raises ValueError, naming the optimizer and the key, for a state that is neither a
-    tensor of `partition_numel` elements nor a scalar `step`: it could not be cut for
+    tensor of `partition_numel` (+ padding) elements nor a scalar `step`: it could not be cut for
     another number of ranks; also for a key that is not a plain name or is ``fp32``, as
     keys become file names beside the weights' ``fp32.pt``. A None state is skipped
     (nothing to carry).
@@ -71,7 +77,9 @@ def carried_states(
         if key in SCALAR_STATES:
             fits = isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1)
         else:
-            fits = torch.is_tensor(value) and value.dim() == 1 and value.numel() == partition_numel
+            fits = torch.is_tensor(value) and value.dim() == 1 and value.numel() in (
+                partition_numel, partition_numel + padding_numel
+            )
         if not isinstance(key, str) or not key.isidentifier() or key == "fp32" or not fits:
             raise ValueError(
                 f"{optimizer_name} keeps the state {key!r} as {_describe(value)}: only states of one value per "
@@ -136,6 +144,7 @@ def _convert_stage_1_2(source: Path, work: Path, *, fragments: Path, optimizer_n
     from deepspeed.checkpoint import DeepSpeedCheckpoint
     from deepspeed.checkpoint.constants import (
         BASE_OPTIMIZER_STATE,
+        GROUP_PADDINGS,
         OPTIMIZER_STATE_DICT,
         PARAM_SHAPES,
         PARAM_SLICE_MAPPINGS,
@@ -152,7 +161,7 @@ def _convert_stage_1_2(source: Path, work: Path, *, fragments: Path, optimizer_n
         for group_id, fp32 in enumerate(shard[SINGLE_PARTITION_OF_FP32_GROUPS]):
             flat = {"fp32": fp32, **carried_states(
                 states[group_id], partition_numel=fp32.numel(), optimizer_name=optimizer_name,
-                saved_ranks=checkpoint.dp_degree,
+                saved_ranks=checkpoint.dp_degree, padding_numel=shard[GROUP_PADDINGS][group_id],
             )}
             for name, fragment in shard[PARAM_SLICE_MAPPINGS][group_id].items():
                 for key, value in flat.items():
@@ -292,6 +301,59 @@ def _stage3_partition(
     return partition
 
 
+def resharded_tag(load_dir: str | Path, tag: str, *, deepspeed_engine: Any, rank: int, caller: str = "load_checkpoint") -> str:
+    """The tag of checkpoint `tag` resharded for any number of ranks (collective).
+
+    Rank 0 writes ``TAG_universal`` beside the checkpoint unless it is there; a state
+    that cannot be resharded stops every rank here, before any weight is loaded, with a
+    ValueError naming `caller`; so does a resharded folder that some rank cannot see.
+    """
+    from poplar_ext.collectives import decided_by_rank0, gather_objects
+
+    source, universal = Path(load_dir) / tag, f"{tag}_universal"
+    target = Path(load_dir) / universal
+    zero_optimizer = deepspeed_engine.optimizer
+    optimizer_name = type(getattr(zero_optimizer, "optimizer", zero_optimizer)).__name__
+
+    def convert() -> bool:
+        if not target.is_dir():
+            logger.info("%s: %s was saved on another number of ranks; resharding it: %s", caller, source, target)
+            convert_checkpoint(source, target, optimizer_name=optimizer_name)
+        return True
+
+    try:
+        decided_by_rank0(convert, rank=rank)
+    except ValueError as exc:
+        raise ValueError(f"{caller}: {source} was saved on another number of ranks, and {exc}") from exc
+    missing = [r for r, seen in enumerate(gather_objects(target.is_dir())) if not seen]
+    if missing:
+        raise ValueError(
+            f"{caller}: the resharded checkpoint {target} is not visible on ranks {missing}: copy it to "
+            f"their nodes (or write it there, on a node that has {source}: {command_line(source, target)}), "
+            f"then start again"
+        )
+    return universal
+
+
+@contextmanager
+def loading_resharded(deepspeed_engine: Any) -> Iterator[None]:
+    """While `deepspeed_engine` loads a checkpoint of `resharded_tag`.
+
+    DeepSpeed reads whether to load a universal checkpoint from its config
+    (``checkpoint.load_universal``), fixed when the engine is built; a resume on another
+    number of ranks decides it at load time. At stage 3 DeepSpeed's loader reads Adam's
+    states only: `loading_every_state` puts ours in its place meanwhile.
+    """
+    config = deepspeed_engine._config
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        with loading_every_state(deepspeed_engine.optimizer):
+            yield
+    finally:
+        config.load_universal_checkpoint = before
+
+
 def command_line(source: str | Path, target: str | Path) -> str:
     """The command that writes `target` from `source` (what messages suggest)."""
     return f"python -m poplar_ext.runtime.reshard --input_folder {source} --output_folder {target}"
@@ -331,5 +393,7 @@ __all__ = [
     "convert_checkpoint",
     "load_stage3_checkpoint",
     "loading_every_state",
+    "loading_resharded",
     "main",
+    "resharded_tag",
 ]

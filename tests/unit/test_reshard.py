@@ -28,6 +28,15 @@ def test_every_per_element_state_and_step_are_carried_and_none_is_skipped():
     assert _carried({}) == {}  # SGD before its first step
 
 
+def test_the_last_ranks_padded_states_are_carried_but_no_other_length():
+    # DeepSpeed strips the group padding from the saved fp32 partition, not from the states.
+    padded = {"exp_avg": torch.zeros(NUMEL + 4), "step": 2}
+    carried = carried_states(padded, partition_numel=NUMEL, optimizer_name="Opt", saved_ranks=3, padding_numel=4)
+    assert sorted(carried) == ["exp_avg", "step"]
+    with pytest.raises(ValueError, match=r"'exp_avg' as a tensor of shape \(10,\)"):
+        carried_states(padded, partition_numel=NUMEL, optimizer_name="Opt", saved_ranks=3, padding_numel=3)
+
+
 @pytest.mark.parametrize(
     ("state", "match"),
     [
