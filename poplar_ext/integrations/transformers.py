@@ -32,7 +32,9 @@ What it changes, through the Trainer's own hooks (nothing is patched):
 * logged batch sizes and samples/s are the true global ones
   (`get_total_train_batch_size`);
 * checkpoints carry poplar-ext's state (``poplar_state.json``), and
-  ``resume_from_checkpoint`` continues the data where it stopped, under the same plan.
+  ``resume_from_checkpoint`` continues the data where it stopped, also under another
+  plan or on another number of ranks (the optimizer state resharded) as long as the
+  global batch is the checkpoint's.
 
 Requires ``pip install 'poplar-ext[hf]'``. This module is the only one of poplar-ext
 that imports transformers.
@@ -199,6 +201,8 @@ class PoplarTrainer(Trainer):
         self.loss_is_scaled_for_ga = True
         self._train_sampler: PlanBatchSampler | None = None
         self._shifts_labels: bool | None = None
+        self._plan_history = [history_entry(self.plan, start_step=0, data_position=0, reason=self.job.plan_reason)]
+        self._reshard_on_resume = False
 
     # -- data ------------------------------------------------------------------------
     def _iterations_per_epoch(self, num_samples: int) -> int:
@@ -293,7 +297,7 @@ class PoplarTrainer(Trainer):
         state = poplar_client_state(
             self.plan, consumed_samples=self.state.global_step * self.plan.global_batch_size, data_position=position,
             seed=config.seed, shuffle=config.shuffle, drop_last=config.drop_last,
-            plan_history=[history_entry(self.plan, start_step=0, data_position=0, reason=self.job.plan_reason)],
+            plan_history=self._plan_history,
         )
         state["step"] = self.state.global_step
         return state
@@ -311,6 +315,14 @@ class PoplarTrainer(Trainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _check_resume(self, resume_from_checkpoint: str | bool) -> None:
+        """Decide, on rank 0 and before anything is loaded, whether the checkpoint can continue here.
+
+        The Trainer resumes by its step count: the data continues at the saved position
+        when the global batch is the checkpoint's, whatever the allocation or the number
+        of ranks (a lost node, an elastic restart); another global batch, or another data
+        order, is refused. On another number of ranks at ZeRO stages 1-3 the optimizer
+        state is resharded when the engine exists (`_prepare_for_training`).
+        """
         from transformers.trainer_utils import get_last_checkpoint
 
         def read() -> dict | None:
@@ -327,12 +339,48 @@ class PoplarTrainer(Trainer):
             return
         current = self._poplar_state()
         decision = resume_decision(saved, current, path=str(resume_from_checkpoint), step=saved.get("step", 0))
-        if decision.notes:
+        if saved["plan"]["global_batch_size"] != self.plan.global_batch_size:
             raise ValueError(
-                f"resume_from_checkpoint: the checkpoint was trained under another plan ({decision.notes[0]}); the "
-                "Trainer resumes by its step count, so resume with the checkpoint's plan "
-                "(or load it with poplar_ext.initialize and engine.load_checkpoint, which continue the stream)"
+                f"resume_from_checkpoint: the checkpoint trained global batches of {saved['plan']['global_batch_size']} "
+                f"samples, this job's plan has {self.plan.global_batch_size}: the Trainer resumes by its step count, "
+                "which names another stream position under another global batch; resume with the checkpoint's global "
+                "batch (or load it with poplar_ext.initialize and engine.load_checkpoint, which continue the stream)"
             )
+        self._plan_history = decision.plan_history
+        self._reshard_on_resume = decision.world_size_changed and self.plan.zero_stage >= 1
+        if self.job.rank == 0:
+            for note in decision.notes:
+                logger.info("resume_from_checkpoint: %s", note)
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
+        """The Trainer's, with a checkpoint of another number of ranks loaded resharded.
+
+        The Trainer loads the DeepSpeed checkpoint right after building the engine, as it
+        was saved; on another number of ranks the ZeRO optimizer state must be resharded
+        first (`poplar_ext.runtime.reshard`), so here the engine is built without the load
+        and the resharded checkpoint loaded into it (the smallest seam the Trainer has
+        between the two).
+        """
+        if resume_from_checkpoint is None or not self._reshard_on_resume:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        from poplar_ext.runtime.checkpoint import checkpoint_tag
+        from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
+
+        prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
+        engine = self.model_wrapped
+        tag = decided_by_rank0(lambda: checkpoint_tag(resume_from_checkpoint, None), rank=self.job.rank)
+        if tag is None:
+            raise ValueError(f"resume_from_checkpoint: {resume_from_checkpoint} holds no DeepSpeed checkpoint ('latest')")
+        universal = resharded_tag(
+            resume_from_checkpoint, tag, deepspeed_engine=engine, rank=self.job.rank, caller="resume_from_checkpoint"
+        )
+        with loading_resharded(engine):
+            path, _ = engine.load_checkpoint(
+                resume_from_checkpoint, tag=universal, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+        if path is None:
+            raise ValueError(f"resume_from_checkpoint: DeepSpeed found nothing to load in {resume_from_checkpoint}")
+        return prepared
 
 
 # -- models for the profiler CLI: a transformers config, random weights, no downloads ------
