@@ -10,15 +10,23 @@ section. The model is built from a config (nothing is downloaded) and trained on
 random token sequences of different lengths, padded per micro-batch (labels -100), so
 the loss is a token mean: poplar-ext makes it the mean over the whole global batch.
 Add --cpu to run on CPU ranks (gloo).
+
+With ``--save-steps N`` it saves a checkpoint every N steps and, when the output
+directory already holds one, resumes from the latest: after a lost node (torchrun's
+elastic agent restarts the job on the nodes left), on whatever cluster is left, the
+optimizer state resharded and the data continued (keep the global batch fixed with
+``poplar.global_batch_size``: the Trainer's default, per device x ranks, would shrink).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 from poplar_ext.integrations.transformers import PoplarTrainer
 
@@ -53,17 +61,24 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="train on CPU ranks (gloo)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--output-dir", default="hf-trainer-output")
+    parser.add_argument(
+        "--save-steps", type=int, default=0,
+        help="save a checkpoint every this many steps and resume from the latest one in --output-dir (default 0: "
+        "never); after a lost node, the steps since the last checkpoint are trained again",
+    )
     parser.add_argument("--local_rank", type=int, default=-1)  # appended by the deepspeed launcher
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64))
     training = TrainingArguments(
         output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.steps, per_device_train_batch_size=4,
-        gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=5, save_strategy="no", report_to=[],
+        gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=5, report_to=[],
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         **({"use_cpu": True, "ddp_backend": "gloo"} if args.cpu else {}),
     )
     trainer = PoplarTrainer(model=model, args=training, train_dataset=RandomSequences(400, 256, 64), data_collator=collate)
-    trainer.train()
+    resume = args.save_steps > 0 and os.path.isdir(args.output_dir) and get_last_checkpoint(args.output_dir) is not None
+    trainer.train(resume_from_checkpoint=True if resume else None)
 
 
 if __name__ == "__main__":

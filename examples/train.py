@@ -4,6 +4,11 @@
     torchrun --nproc_per_node 2 examples/train.py --deepspeed_config examples/ds_config.json
 
 The loop is the ordinary DeepSpeed one; only ``poplar_ext.initialize`` differs.
+
+With ``--checkpoint-dir`` it saves every ``--checkpoint-interval-steps`` optimizer steps
+and, when the directory already holds a checkpoint, starts from the latest one: the
+data continues where it stopped, on whatever cluster the job now has (see the README's
+recipe for restarting by itself when a node is lost, with torchrun's elastic agent).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 
 import deepspeed
@@ -28,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-samples", type=int, default=500, help="size of the synthetic data set")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--result", help="rank 0 writes a JSON summary of the run here")
+    parser.add_argument("--checkpoint-dir", help="save checkpoints here, and start from the latest one found here")
+    parser.add_argument(
+        "--checkpoint-interval-steps", type=int, default=10,
+        help="optimizer steps between checkpoints (default 10): after a lost node, the steps since the last "
+        "checkpoint are trained again; each checkpoint costs a save",
+    )
     deepspeed.add_config_arguments(parser)
     return parser
 
@@ -43,23 +55,28 @@ def main() -> None:
     engine, optimizer, loader, _ = poplar_ext.initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model.parameters(), training_data=data
     )
-    steps, losses = 0, []
+    if args.checkpoint_dir and os.path.isfile(os.path.join(args.checkpoint_dir, "latest")):
+        # The data, the plan history and the optimizer state continue, also on another number of ranks.
+        engine.load_checkpoint(args.checkpoint_dir)
+    first_step, losses = engine.global_steps, []
     started = time.perf_counter()
-    while steps < args.steps:
+    while engine.global_steps < args.steps:
         for tokens in loader:
             loss = engine(tokens.to(engine.device))
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             if boundary:
-                steps += 1
                 losses.append(float(loss))
-                if steps == args.steps:
+                if args.checkpoint_dir and engine.global_steps % args.checkpoint_interval_steps == 0:
+                    engine.save_checkpoint(args.checkpoint_dir)
+                if engine.global_steps == args.steps:
                     break
     elapsed_s = time.perf_counter() - started
     if engine.global_rank == 0 and args.result:
         summary = {
-            "steps": steps,
+            "steps": engine.global_steps,
+            "first_step": first_step,
             "world_size": engine.world_size,
             "global_batch_size": engine.train_batch_size(),
             "rank0_device": engine.device_label,
@@ -67,16 +84,12 @@ def main() -> None:
             "rank0_micro_batch_size": engine.train_micro_batch_size_per_gpu(),
             "rank0_gradient_accumulation_steps": engine.gradient_accumulation_steps(),
             "consumed_samples": engine.consumed_samples,
-            "samples_per_s": engine.consumed_samples / elapsed_s,
-            "first_loss": losses[0],
-            "last_loss": losses[-1],
+            "samples_per_s": engine.train_batch_size() * len(losses) / elapsed_s,
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
         }
         with open(args.result, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
-    # End the process group before exit: a gloo group left alive at interpreter exit can abort a rank.
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

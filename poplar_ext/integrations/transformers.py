@@ -325,20 +325,20 @@ class PoplarTrainer(Trainer):
         """
         from transformers.trainer_utils import get_last_checkpoint
 
-        def read() -> dict | None:
+        def read() -> tuple[str | None, dict | None]:
             folder = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
             if folder is None:
-                return None
-            return read_state(Path(folder).parent, Path(folder).name)
+                return None, None
+            return str(folder), read_state(Path(folder).parent, Path(folder).name)
 
-        saved = decided_by_rank0(read, rank=self.job.rank)
+        folder, saved = decided_by_rank0(read, rank=self.job.rank)
         if saved is None:
             if self.job.rank == 0:
                 logger.info("resume_from_checkpoint: the checkpoint holds no poplar-ext state; the Trainer's own "
                             "step count decides where the data continues")
             return
         current = self._poplar_state()
-        decision = resume_decision(saved, current, path=str(resume_from_checkpoint), step=saved.get("step", 0))
+        decision = resume_decision(saved, current, path=folder, step=saved.get("step", 0))
         if saved["plan"]["global_batch_size"] != self.plan.global_batch_size:
             raise ValueError(
                 f"resume_from_checkpoint: the checkpoint trained global batches of {saved['plan']['global_batch_size']} "

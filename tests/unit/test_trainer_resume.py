@@ -63,7 +63,8 @@ def test_the_same_number_of_ranks_needs_no_resharding(tmp_path):
     folder = _checkpoint(tmp_path, _plan([(4, 2), (4, 1)]), step=2)
     trainer = _trainer(_plan([(3, 2), (2, 3)]), tmp_path)
     PoplarTrainer._check_resume(trainer, True)  # the last checkpoint of output_dir
-    assert not trainer._reshard_on_resume and folder.is_dir()
+    assert not trainer._reshard_on_resume
+    assert trainer._plan_history[-1]["reason"].startswith(f"resumed from {folder} under another plan")
 
 
 def test_another_global_batch_is_refused(tmp_path):
