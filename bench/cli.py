@@ -386,6 +386,37 @@ def _run_overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_clean_exit_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "clean-exit",
+        help="every rank's exit code over many launches of a script that ends with a plain return",
+        description="Launch a script that ends with a plain return many times under a busy CPU and count every "
+        "rank's exit code: torch and gloo alone (group left up, or destroyed by the script), and "
+        "poplar_ext.initialize without and with poplar-ext's exit handler (bench/clean_exit.py). "
+        "Writes clean_exit.json and .md.",
+    )
+    p.add_argument("--launches", type=_positive_int, default=30, help="launches per case (default 30)")
+    p.add_argument("--ranks", type=_positive_int, default=3, help="ranks per launch (default 3)")
+    p.add_argument("--busy-processes", type=int, default=2, help="spinning processes beside the ranks (default 2)")
+    p.add_argument("--case", action="append", dest="cases", help="a case to run (repeatable; default: all)")
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.set_defaults(run=_run_clean_exit)
+
+
+def _run_clean_exit(args: argparse.Namespace) -> int:
+    from bench import clean_exit
+
+    if args.busy_processes < 0:
+        raise ValueError(f"--busy-processes: expected 0 or more, found {args.busy_processes}")
+    report = clean_exit.run_clean_exit(
+        launches=args.launches, world_size=args.ranks, busy_processes=args.busy_processes,
+        cases=tuple(args.cases or clean_exit.CASES), progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    for path in clean_exit.write_report(report, args.output_dir or default_output_dir()):
+        print(path)
+    return 0
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_demo_parser,
     add_predictions_parser,
@@ -394,6 +425,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_simulate_parser,
     add_search_speed_parser,
     add_overhead_parser,
+    add_clean_exit_parser,
 )
 
 
@@ -402,9 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="poplar-bench",
         description="poplar-ext benchmarks: the emulated-cluster demo, prediction error across stages and rank counts, "
         "re-balancing under drift, activation checkpointing per device type, "
-        "large-cluster simulation, search speed, runtime overhead.",
+        "large-cluster simulation, search speed, runtime overhead, clean exit.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{demo,predictions,drift,checkpointing,simulate,search-speed,overhead}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{demo,predictions,drift,checkpointing,simulate,search-speed,overhead,clean-exit}")
     for add in SUBCOMMANDS:
         add(subparsers)
     return parser
