@@ -34,8 +34,9 @@ def _model_config(num_layers: int = 1):
 
 
 def _wide_model():
-    """Little compute, ~100 MB of activations per sample: sizes sit far apart in memory,
-    farther than the few megabytes a process's resident size drifts by."""
+    """Little compute, ~200 MB of activations per sample: sizes sit far apart in memory,
+    farther than a process's resident size drifts by between engines (at ~100 MB per
+    sample, half a sample of margin was once not enough: the roomy type's 4 did not fit)."""
     import torch
     from torch import nn
 
@@ -43,7 +44,7 @@ def _wide_model():
         def __init__(self) -> None:
             super().__init__()
             self.inner = nn.Linear(8, 8)
-            self.scale = nn.Parameter(torch.ones(2**20))
+            self.scale = nn.Parameter(torch.ones(2**21))
 
         def forward(self, x):
             return torch.tanh(self.inner(x).unsqueeze(-1) * self.scale).mean()
@@ -147,7 +148,7 @@ def _memory_run(cache_dir: str) -> dict:
     from poplar_ext.profiler import profile_model
 
     # Capacities halfway between two sizes' peaks, measured the way the recheck below
-    # measures: half a sample (~50 MB) of room either way.
+    # measures: half a sample (~100 MB) of room either way.
     peaks = _peaks_of_micro_steps(_wide_model, _wide_batch, (2, 3))
     agreed = torch.tensor([float(p) for p in peaks], dtype=torch.float64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)

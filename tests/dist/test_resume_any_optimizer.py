@@ -13,7 +13,6 @@ resume uses it. Three forked groups (2, 3, then 2 ranks) run every case in turn.
 from __future__ import annotations
 
 import functools
-import gc
 import os
 import shlex
 
@@ -92,9 +91,6 @@ def _resume(files, case, world_size):
 
 def _phase(files, *, save, resume):
     """Resume the cases saved on the other number of ranks, then save this group's."""
-    # DeepSpeed's ZeRO-3 calls gc.collect() at every initialize; what the fork copied
-    # from pytest need not be traversed each time (1.5 s a call here otherwise).
-    gc.freeze()
     world_size = int(os.environ["WORLD_SIZE"])
     results = {case: _resume(files, case, world_size) for case in resume}
     for case in save:
