@@ -23,6 +23,7 @@ With one rank, or no process group (one process), each is the identity.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 from typing import Any, Callable
 
@@ -32,12 +33,19 @@ logger = logging.getLogger(__name__)
 def _destroy_process_group_if_up() -> None:
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return  # the script destroyed it itself, or never had one
-    try:
-        dist.destroy_process_group()
-    except Exception as exc:  # noqa: BLE001 - at exit nothing is left to tell but the log
-        logger.debug("destroying the process group at exit failed: %s: %s", type(exc).__name__, exc)
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - at exit nothing is left to tell but the log
+            logger.debug("destroying the process group at exit failed: %s: %s", type(exc).__name__, exc)
+    # A gloo group's worker threads end only when the last Python reference to the group
+    # goes (destroy_process_group unregisters it; shutdown does not stop gloo's threads),
+    # and the engines holding groups sit in reference cycles that only the collector frees.
+    # Left to the interpreter's final collection, a worker still releasing a finished
+    # collective asks for the GIL while the interpreter is finalizing and the process
+    # aborts. Collected here, the groups' destructors join their threads while the
+    # interpreter still serves them.
+    gc.collect()
 
 
 def destroy_process_group_at_exit() -> None:
