@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.demo_config import MIB, DemoDevice, DemoModel, DemoSettings
+from .demo_config import MIB, DemoDevice, DemoModel, DemoSettings
 
 PLANS = ("poplar", "poplar-no-checkpointing")
 CASES = ("tight", "roomy")
@@ -73,7 +73,7 @@ def progress(message: str) -> None:
 # The ranks (forked by bench.demo.run_ranks)
 # ----------------------------------------------------------------------------------
 def checkpointing_worker_main(rank: int, settings: DemoSettings, work_dir: str, port: int) -> None:
-    from bench.demo_worker import worker_main
+    from .demo_worker import worker_main
 
     worker_main(rank, settings, work_dir, port, run=_run_rank)
 
@@ -86,9 +86,9 @@ def _run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[
     import deepspeed
     import torch.distributed as dist
 
-    from bench import demo_worker
+    from . import demo_worker
     from poplar_ext.hardware.cpu_process import limit_cpu_threads
-    from search.formats import read_json, write_json_atomic
+    from poplar_search.formats import read_json, write_json_atomic
 
     limit_cpu_threads()
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=600), verbose=False)
@@ -120,9 +120,9 @@ def _run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[
 
 def search_plans(settings: DemoSettings, profiles: list[Any], cluster: Any, work: Path) -> dict[str, Any]:
     """Rank 0: both plans, written to ``plan-<name>.json``, and what the report needs of them."""
-    from search import search_plan
-    from search.formats import plan_to_dict, save_plan
-    from search.network import find_network
+    from poplar_search import search_plan
+    from poplar_search.formats import plan_to_dict, save_plan
+    from poplar_search.network import find_network
 
     network = find_network(settings.profiles_dir(), cluster)
     out: dict[str, Any] = {"profiles": [
@@ -148,8 +148,8 @@ def search_plans(settings: DemoSettings, profiles: list[Any], cluster: Any, work
 # ----------------------------------------------------------------------------------
 def run_case(case: str, *, cache_dir: Path | None = None, rounds: int = 3) -> dict[str, Any]:
     """Profile, plan and train one case; its part of the report."""
-    from bench.demo import measured_iteration_times_s, run_ranks
-    from search.formats import read_json
+    from .demo import measured_iteration_times_s, run_ranks
+    from poplar_search.formats import read_json
 
     settings = case_settings(case, cache_dir=cache_dir, rounds=rounds)
     started = time.perf_counter()
@@ -215,7 +215,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def run_checkpointing(*, out_dir: Path, cache_dir: Path | None = None, rounds: int = 3) -> list[Path]:
     """Both cases; writes ``checkpointing.json`` and ``checkpointing.md`` into `out_dir`."""
-    from bench.report import write_json_and_markdown
+    from .report import write_json_and_markdown
 
     cases = []
     for case in CASES:

@@ -8,8 +8,11 @@ spinning processes keeping the cores busy, and counts every rank's exit code:
 
 * ``torch``: torch and gloo alone, the group left up at exit (the race, not ours);
 * ``torch-destroyed``: the same script destroying its group before it returns;
-* ``poplar-no-handler``: ``poplar_ext.initialize`` and two steps, with poplar-ext's exit
-  handler taken back (poplar-ext before the fix);
+* ``poplar-no-handler``: a training script (``poplar_ext.initialize``, two steps, a
+  checkpoint, the parameters gathered) with poplar-ext's exit handler taken back;
+* ``poplar-destroy-only``: the same with a handler that only destroys the group (the
+  handler's first version: the groups' worker threads outlive it, see
+  `poplar_ext.collectives.destroy_process_group_at_exit`);
 * ``poplar``: the same script as users run it.
 
 The cases take turns launch by launch, so the machine's load drifts over all alike. The
@@ -29,13 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-CASES = ("torch", "torch-destroyed", "poplar-no-handler", "poplar")
+CASES = ("torch", "torch-destroyed", "poplar-no-handler", "poplar-destroy-only", "poplar")
 """Every case, in the order the report shows them."""
 
 _CASE_ARGS = {
     "torch": ["--kind", "torch"],
     "torch-destroyed": ["--kind", "torch", "--destroy"],
-    "poplar-no-handler": ["--kind", "poplar", "--keep-group"],
+    "poplar-no-handler": ["--kind", "poplar", "--handler", "none"],
+    "poplar-destroy-only": ["--kind", "poplar", "--handler", "destroy"],
     "poplar": ["--kind", "poplar"],
 }
 
@@ -49,7 +53,7 @@ def _free_port() -> int:
 def launch_once(case: str, *, world_size: int, stage: int, work_dir: Path, timeout_s: float) -> list[dict[str, Any]]:
     """One launch of `case` on `world_size` local ranks; each rank's exit code and last stderr line."""
     port = _free_port()
-    command = [sys.executable, "-m", "bench.clean_exit_rank", *_CASE_ARGS[case]]
+    command = [sys.executable, "-m", "poplar_bench.clean_exit_rank", *_CASE_ARGS[case]]
     if case.startswith("poplar"):
         command += ["--stage", str(stage), "--work-dir", str(work_dir)]
     processes = []
@@ -91,7 +95,7 @@ def run_clean_exit(
     timeout_s: float = 300.0, progress: Any = None,
 ) -> dict[str, Any]:
     """Launch every case `launches` times in turn beside `busy_processes` spinning processes."""
-    from bench.report import machine_description, utc_now
+    from .report import machine_description, utc_now
 
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
@@ -146,15 +150,17 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "torch: torch and gloo alone, the group left up at exit. torch-destroyed: the same, destroyed by the script. "
-        "poplar-no-handler: poplar_ext.initialize and two steps (ZeRO stage = launch index mod 4) with poplar-ext's "
-        "exit handler taken back, as before it existed. poplar: the same script as users run it.",
+        "poplar-no-handler: a training script (poplar_ext.initialize, two steps at ZeRO stage = launch index mod 4, "
+        "a checkpoint, the parameters gathered) with poplar-ext's exit handler taken back, as before it existed. "
+        "poplar-destroy-only: the same with a handler that only destroys the group (its first version). "
+        "poplar: the same script as users run it.",
         "",
     ]
     return "\n".join(lines)
 
 
 def write_report(report: dict[str, Any], out_dir: str | os.PathLike[str], name: str = "clean_exit") -> list[Path]:
-    from bench.report import write_json_and_markdown
+    from .report import write_json_and_markdown
 
     return write_json_and_markdown(report, render_markdown(report), out_dir, name)
 

@@ -1,13 +1,15 @@
 """One rank of `bench.clean_exit`: a script that ends with a plain return, as users write them.
 
-    python -m bench.clean_exit_rank --kind torch [--destroy]
-    python -m bench.clean_exit_rank --kind poplar --stage 2 --work-dir DIR [--keep-group]
+    python -m poplar_bench.clean_exit_rank --kind torch [--destroy]
+    python -m poplar_bench.clean_exit_rank --kind poplar --stage 2 --work-dir DIR [--handler full|destroy|none]
 
 ``torch``: torch and gloo alone (a few blocking all_reduces), the group destroyed by the
-script only with ``--destroy``. ``poplar``: ``poplar_ext.initialize`` on the toy GPT,
-two optimizer steps at the given ZeRO stage; ``--keep-group`` takes poplar-ext's exit
-handler back (the behaviour before it existed). Rank and world size come from the
-environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+script only with ``--destroy``. ``poplar``: what a training script does: ``poplar_ext.initialize``
+on the toy GPT, two optimizer steps at the given ZeRO stage, a checkpoint, the whole
+parameters gathered. ``--handler``: poplar-ext's exit handler as it is (``full``), one
+that only destroys the group (``destroy``, its first version), or none (``none``, before
+it existed). Rank and world size come from the environment (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def _poplar_config(work_dir: Path, stage: int, world_size: int) -> dict:
     }
 
 
-def _poplar(stage: int, work_dir: Path, keep_group: bool) -> None:
+def _poplar(stage: int, work_dir: Path, handler: str) -> None:
+    import deepspeed
     import torch
 
     import poplar_ext
@@ -78,12 +81,25 @@ def _poplar(stage: int, work_dir: Path, keep_group: bool) -> None:
         engine.step()
         if steps == 2:
             break
-    if keep_group:
-        import atexit
+    engine.save_checkpoint(work_dir / f"checkpoint-{os.environ['MASTER_PORT']}")
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        _ = [p.detach().clone() for p in params]
+    _choose_handler(handler)
 
-        from poplar_ext import collectives
 
-        atexit.unregister(collectives._destroy_process_group_if_up)
+def _choose_handler(handler: str) -> None:
+    import atexit
+
+    import torch.distributed as dist
+
+    from poplar_ext import collectives
+
+    if handler == "full":
+        return
+    atexit.unregister(collectives._destroy_process_group_if_up)
+    if handler == "destroy":
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
 def main() -> None:
@@ -92,12 +108,13 @@ def main() -> None:
     parser.add_argument("--destroy", action="store_true", help="torch: the script destroys its group")
     parser.add_argument("--stage", type=int, default=0, help="poplar: the ZeRO stage")
     parser.add_argument("--work-dir", type=Path, help="poplar: where the cluster and plan files go")
-    parser.add_argument("--keep-group", action="store_true", help="poplar: no exit handler (before the fix)")
+    parser.add_argument("--handler", choices=("full", "destroy", "none"), default="full",
+                        help="poplar: poplar-ext's exit handler, one that only destroys the group, or none")
     args = parser.parse_args()
     if args.kind == "torch":
         _torch_only(args.destroy)
     else:
-        _poplar(args.stage, args.work_dir, args.keep_group)
+        _poplar(args.stage, args.work_dir, args.handler)
 
 
 if __name__ == "__main__":

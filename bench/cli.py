@@ -14,10 +14,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from search.cli import parse_positive_int as _positive_int
-from search.cli import parse_zero_stage as _stage
-from search.errors import FormatError
-from search.formats import ZERO_STAGES
+from poplar_search.cli import parse_positive_int as _positive_int
+from poplar_search.cli import parse_zero_stage as _stage
+from poplar_search.errors import FormatError
+from poplar_search.formats import ZERO_STAGES
 
 _BENCH_DIR = Path(__file__).resolve().parent
 
@@ -67,10 +67,10 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from bench import gpu_model, simulate
-    from bench.cluster_files import CLUSTER_DIR
-    from bench.report import write_report
-    from search.formats import load_cluster, load_profiles
+    from . import gpu_model, simulate
+    from .cluster_files import CLUSTER_DIR
+    from .report import write_report
+    from poplar_search.formats import load_cluster, load_profiles
 
     _warn_if_no_figure("simulate")
     cluster_paths = args.cluster or sorted(CLUSTER_DIR.glob("*.json"), key=_cluster_sort_key)
@@ -146,7 +146,7 @@ def _shown_path(path: str | Path | None) -> str | None:
 # demo
 # ----------------------------------------------------------------------------------
 def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
-    from bench.demo_config import DemoSettings
+    from .demo_config import DemoSettings
 
     defaults = DemoSettings()
     p = subparsers.add_parser(
@@ -200,7 +200,7 @@ def _slowdowns(text: str) -> list[float]:
 
 def _warn_if_no_figure(command: str) -> None:
     """Say at the start, not after minutes of work, that the figure will be missing."""
-    from bench.report import FIGURE_NEEDS, figure_available
+    from .report import FIGURE_NEEDS, figure_available
 
     if not figure_available():
         print(
@@ -212,8 +212,8 @@ def _warn_if_no_figure(command: str) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from bench import demo
-    from bench.demo_config import DemoSettings, default_devices, devices_from_slowdowns
+    from . import demo
+    from .demo_config import DemoSettings, default_devices, devices_from_slowdowns
 
     try:
         settings = DemoSettings(
@@ -262,7 +262,7 @@ def add_predictions_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_predictions(args: argparse.Namespace) -> int:
-    from bench import prediction_check
+    from . import prediction_check
 
     _warn_if_no_figure("demo")
     paths = prediction_check.run_prediction_check(
@@ -275,7 +275,7 @@ def _run_predictions(args: argparse.Namespace) -> int:
 
 
 def add_drift_parser(subparsers: argparse._SubParsersAction) -> None:
-    from bench.drift import DriftSettings
+    from .drift import DriftSettings
 
     defaults = DriftSettings()
     p = subparsers.add_parser(
@@ -302,7 +302,7 @@ def add_drift_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_drift(args: argparse.Namespace) -> int:
-    from bench import drift
+    from . import drift
 
     try:
         settings = drift.DriftSettings(
@@ -336,7 +336,7 @@ def add_checkpointing_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_checkpointing(args: argparse.Namespace) -> int:
-    from bench import checkpointing
+    from . import checkpointing
 
     for path in checkpointing.run_checkpointing(
         out_dir=args.output_dir or default_output_dir(), cache_dir=args.cache_dir, rounds=args.rounds
@@ -358,7 +358,7 @@ def add_search_speed_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_search_speed(args: argparse.Namespace) -> int:
-    from bench import search_speed
+    from . import search_speed
 
     result = search_speed.run_search_speed(repeats=args.repeats)
     for path in search_speed.write_report(result, args.output_dir or default_output_dir()) or []:
@@ -378,7 +378,7 @@ def add_overhead_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_overhead(args: argparse.Namespace) -> int:
-    from bench import runtime_overhead
+    from . import runtime_overhead
 
     result = runtime_overhead.run_overhead()
     for path in runtime_overhead.write_report(result, args.output_dir or default_output_dir()) or []:
@@ -404,7 +404,7 @@ def add_clean_exit_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_clean_exit(args: argparse.Namespace) -> int:
-    from bench import clean_exit
+    from . import clean_exit
 
     if args.busy_processes < 0:
         raise ValueError(f"--busy-processes: expected 0 or more, found {args.busy_processes}")

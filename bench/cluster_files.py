@@ -3,7 +3,7 @@
 Poplar evaluates pairs of GPU generations; we ship the same pairs (A100-80GB with
 A100-40GB, V100-16GB with T4-16GB, A800-80GB with V100S-32GB), half of the ranks of
 each type, on homogeneous nodes of up to 8 GPUs, at several sizes up to 4096 GPUs.
-`python -m bench.cluster_files` rewrites the files; a unit test checks that the
+`python -m poplar_bench.cluster_files` rewrites the files; a unit test checks that the
 shipped files are exactly what `shipped_clusters()` generates.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from search.formats import Cluster, ClusterNode, DeviceGroup, save_cluster
+from poplar_search.formats import Cluster, ClusterNode, DeviceGroup, save_cluster
 
 CLUSTER_DIR = Path(__file__).resolve().parent / "clusters"
 PAIRS: tuple[tuple[str, str], ...] = (

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.demo_config import DemoSettings
-from bench.report import (
+from .demo_config import DemoSettings
+from .report import (
     REPORT_SCHEMA,
     demo_goals,
     derive_comparisons,
@@ -29,7 +29,7 @@ from bench.report import (
     utc_now,
     write_report,
 )
-from search.formats import POLICIES, cluster_from_dict, read_json
+from poplar_search.formats import POLICIES, cluster_from_dict, read_json
 
 
 def progress(message: str) -> None:
@@ -59,7 +59,7 @@ def _preimport() -> float:
         import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (same reason)
     except ImportError:
         pass  # other deepspeed versions: the first initialize is merely slower
-    import bench.demo_worker  # noqa: F401
+    from . import demo_worker  # noqa: F401
 
     return time.perf_counter() - start
 
@@ -74,7 +74,7 @@ def run_ranks(settings: DemoSettings, work_dir: Path, *, target: Any = None) -> 
     killed at `settings.timeout_s`. Either way the error names the rank and what it said.
     """
     if target is None:
-        from bench.demo_worker import worker_main as target
+        from .demo_worker import worker_main as target
 
     context = multiprocessing.get_context("fork")
     port = _free_port()

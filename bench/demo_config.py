@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from search.formats import (
+from poplar_search.formats import (
     ZERO_STAGES,
     Cluster,
     ClusterNode,

@@ -29,14 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.demo_config import (
+from .demo_config import (
     BASELINE_ROUNDING_BYTES,
     DemoSettings,
     deepspeed_config,
     demo_cluster,
 )
-from search.errors import FormatError
-from search.formats import (
+from poplar_search.errors import FormatError
+from poplar_search.formats import (
     POLICIES,
     Cluster,
     Profile,
@@ -247,7 +247,7 @@ def _batch(settings: DemoSettings, micro_batch_size: int) -> torch.Tensor:
 
 def _cached_fingerprints(cache_dir: Path) -> set[str]:
     """Fingerprints of the profiles already in the cache (to tell reuse from measurement)."""
-    from search.formats import load_profile
+    from poplar_search.formats import load_profile
 
     found = set()
     for path in cache_dir.glob("*.json") if cache_dir.is_dir() else []:
@@ -294,8 +294,8 @@ def _rank0_progress(line: str) -> None:
 def make_plans(settings: DemoSettings, profiles: list[Profile], cluster: Cluster, work: Path) -> dict[str, Any]:
     """Search every policy, write each plan to ``plan-<policy>.json`` in `work`, and
     return what `bench.demo.assemble_report` reads as ``plans``."""
-    from search import predict, search_plan
-    from search.network import find_network, network_to_dict
+    from poplar_search import predict, search_plan
+    from poplar_search.network import find_network, network_to_dict
 
     # The profiler measured the network beside the profiles: communication is priced.
     network = find_network(settings.profiles_dir(), cluster)

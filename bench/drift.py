@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.demo_config import DemoSettings
-from search.formats import write_json_atomic
+from .demo_config import DemoSettings
+from poplar_search.formats import write_json_atomic
 
 RUNS = ("static-drift", "adaptive-drift", "static-steady", "adaptive-steady")
 """(policy, scenario) pairs in the order they run."""
@@ -75,7 +75,7 @@ class DriftSettings(DemoSettings):
 # ----------------------------------------------------------------------------------
 def drift_worker_main(rank: int, settings: DriftSettings, work_dir: str, port: int) -> None:
     """A forked rank's entry point: the demo's (result or traceback to a file), running `_run_rank`."""
-    from bench.demo_worker import worker_main
+    from .demo_worker import worker_main
 
     worker_main(rank, settings, work_dir, port, run=_run_rank)
 
@@ -93,9 +93,9 @@ def _run_rank(rank: int, settings: DriftSettings, work: Path, port: int) -> dict
     import deepspeed
     import torch.distributed as dist
 
-    from bench import demo_worker
+    from . import demo_worker
     from poplar_ext.hardware.cpu_process import limit_cpu_threads
-    from search.formats import cluster_from_dict, cluster_to_dict, save_cluster
+    from poplar_search.formats import cluster_from_dict, cluster_to_dict, save_cluster
 
     limit_cpu_threads()
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300), verbose=False)
@@ -129,9 +129,9 @@ def _run_rank(rank: int, settings: DriftSettings, work: Path, port: int) -> dict
 
 
 def _write_plan(settings: DriftSettings, profiles, cluster, path: Path) -> None:
-    from search import search_plan
-    from search.formats import save_plan
-    from search.network import find_network
+    from poplar_search import search_plan
+    from poplar_search.formats import save_plan
+    from poplar_search.network import find_network
 
     result = search_plan(profiles, cluster, global_batch_size=settings.global_batch_size, zero_stage=settings.zero_stage,
                          policy="poplar", network=find_network(settings.profiles_dir(), cluster))
@@ -145,7 +145,7 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
     import torch.distributed as dist
 
     import poplar_ext
-    from bench import demo_worker
+    from . import demo_worker
     from poplar_ext.models.toy_gpt import SyntheticTokens
 
     config = demo_worker.deepspeed_config(settings)
@@ -203,7 +203,7 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
 # ----------------------------------------------------------------------------------
 def _best_samples_per_s(standalone: list[dict[str, Any]]) -> float:
     """A rank's best standalone throughput, as the demo's measured ideal counts it."""
-    from bench.demo import measured_ideal_samples_per_s
+    from .demo import measured_ideal_samples_per_s
 
     return measured_ideal_samples_per_s([{"standalone": standalone}])
 
@@ -328,8 +328,8 @@ def run_drift(settings: DriftSettings, *, out_dir: Path, name: str = "drift") ->
     """Run the four runs and write NAME.json, NAME.md and (with matplotlib) NAME.png."""
     import tempfile
 
-    from bench import demo
-    from bench.report import figure_available
+    from . import demo
+    from .report import figure_available
 
     started = time.perf_counter()
     demo._preimport()

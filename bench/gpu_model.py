@@ -53,9 +53,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from search import network as search_network
-from search.formats import ZERO_STAGES, ModelInfo, Profile, Sample, content_fingerprint
-from search.network import NetworkProfile
+from poplar_search import network as search_network
+from poplar_search.formats import ZERO_STAGES, ModelInfo, Profile, Sample, content_fingerprint
+from poplar_search.network import NetworkProfile
 
 GIB = 1 << 30
 MODEL_VERSION = "bench.gpu_model/1"

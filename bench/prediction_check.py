@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from search.formats import write_json_atomic
+from poplar_search.formats import write_json_atomic
 
 MAX_MEDIAN_ABS_ERROR = 0.10
 """The goal on CPU: median |prediction error| of every case and policy."""
@@ -128,9 +128,9 @@ def run_prediction_check(
     By default every case profiles afresh: a profile cached from another day or
     machine would measure the profile's staleness, not the cost model.
     """
-    from bench import demo
-    from bench.demo_config import DemoSettings, default_devices, devices_from_slowdowns
-    from search.formats import read_json
+    from . import demo
+    from .demo_config import DemoSettings, default_devices, devices_from_slowdowns
+    from poplar_search.formats import read_json
 
     reports = []
     for number, case in enumerate(cases, start=1):

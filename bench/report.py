@@ -33,7 +33,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from search.formats import POLICIES, ZERO_STAGES, write_json_atomic
+from poplar_search.formats import POLICIES, ZERO_STAGES, write_json_atomic
 
 POPLAR_SHARE_GOAL = 0.95
 """The demo's goal for poplar's measured samples/s against the measured ideal (issue 15)."""

@@ -15,7 +15,7 @@ On a busy 2-core machine the paired blocks scatter by more than 2%, so the repor
 times the wrapper's own work in isolation (`measure_wrapper_cost`: the same loop
 around a no-op engine, bare and wrapped), which load hardly disturbs.
 
-    python -m bench.runtime_overhead        # writes bench/results/runtime_overhead.{json,md}
+    python -m poplar_bench.runtime_overhead        # writes bench/results/runtime_overhead.{json,md}
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.report import machine_description, utc_now, write_json_and_markdown
+from .report import machine_description, utc_now, write_json_and_markdown
 
 GOAL_RATIO = 1.02
 WORLD_SIZE = 2
@@ -172,7 +172,7 @@ def measure_wrapper_cost(*, iterations: int = 20_000, repeats: int = 5) -> dict[
     from poplar_ext.runtime.config import poplar_config_from_dict
     from poplar_ext.runtime.engine import PoplarEngine
     from poplar_ext.runtime.data import PlanBatchSampler
-    from search.formats import plan_from_dict
+    from poplar_search.formats import plan_from_dict
 
     with tempfile.TemporaryDirectory() as directory:
         _files(Path(directory))
@@ -203,7 +203,7 @@ def run_overhead(*, blocks: int = 30, block_iterations: int = 8, warmup: int = 1
     """Measure both engines (see the module docstring); returns the report as a dict."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    from bench.demo import _free_port
+    from .demo import _free_port
 
     port = _free_port()
     with tempfile.TemporaryDirectory() as directory:
@@ -343,7 +343,7 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.runtime_overhead", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m poplar_bench.runtime_overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--blocks", type=int, default=30)

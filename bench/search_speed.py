@@ -15,7 +15,7 @@ A100-80GB + 4 x V100-16GB, profiles modelled from datasheet specs); the peak of 
 and numpy allocations comes from one more run under `tracemalloc`. Goal: every such
 cell under 1 s. No profile here is a measurement: the report says so.
 
-    python -m bench.search_speed            # writes bench/results/search_speed.{json,md}
+    python -m poplar_bench.search_speed            # writes bench/results/search_speed.{json,md}
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import machine_description, utc_now, write_json_and_markdown
-from search import search_plan
-from search.formats import ZERO_STAGES, load_cluster, load_profiles
-from search.synthetic import random_profiles, simple_cluster
+from .report import machine_description, utc_now, write_json_and_markdown
+from poplar_search import search_plan
+from poplar_search.formats import ZERO_STAGES, load_cluster, load_profiles
+from poplar_search.synthetic import random_profiles, simple_cluster
 
 RANK_COUNTS = (8, 16, 64, 256, 1024, 4096)
 TYPE_COUNTS = (1, 2, 3, 4, 5, 6)
@@ -235,7 +235,7 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.search_speed", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m poplar_bench.search_speed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--repeats", type=int, default=5)

@@ -13,17 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_model
-from bench.report import (
+from . import gpu_model
+from .report import (
     REPORT_SCHEMA,
     derive_comparisons,
     group_ranks,
     machine_description,
     utc_now,
 )
-from search import predict, search_plan
-from search.formats import POLICIES, ZERO_STAGES, Cluster, Profile, load_cluster
-from search.network import NetworkProfile
+from poplar_search import predict, search_plan
+from poplar_search.formats import POLICIES, ZERO_STAGES, Cluster, Profile, load_cluster
+from poplar_search.network import NetworkProfile
 
 DEFAULT_SAMPLES_PER_RANK = 16
 

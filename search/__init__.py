@@ -3,9 +3,9 @@
 Pure: imports numpy and scipy only (never torch or deepspeed), so it runs on a laptop.
 """
 
-from search.api import PlanPrediction, SearchResult, StageReport, check_plan, predict, search_plan
-from search.errors import FormatError
-from search.formats import (
+from .api import PlanPrediction, SearchResult, StageReport, check_plan, predict, search_plan
+from .errors import FormatError
+from .formats import (
     Cluster,
     Plan,
     Prediction,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from search.cost import StageModel
+from .cost import StageModel
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from search.cost import StageModel, build_stage_model
-from search.formats import (
+from .cost import StageModel, build_stage_model
+from .formats import (
     MAX_GLOBAL_BATCH_SIZE,
     MAX_MICRO_BATCH_SIZE,
     MAX_WORLD_SIZE,
@@ -28,8 +28,8 @@ from search.formats import (
     RankPlan,
     levers_text,
 )
-from search.network import NetworkProfile
-from search.policies import PolicyResult, allocate, best_global_batch
+from .network import NetworkProfile
+from .policies import PolicyResult, allocate, best_global_batch
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,9 +12,10 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from search.api import SearchResult, predict, search_plan
-from search.errors import FormatError
-from search.formats import (
+from .api import SearchResult, predict, search_plan
+from .errors import FormatError
+from .examples import example_cluster_file, example_profiles_dir
+from .formats import (
     MAX_GLOBAL_BATCH_SIZE,
     MAX_MICRO_BATCH_SIZE,
     MAX_WORLD_SIZE,
@@ -24,8 +25,8 @@ from search.formats import (
     plan_to_dict,
     write_json_atomic,
 )
-from search.network import NetworkProfile, find_network, load_network
-from search.policies import AUTO_ACCUMULATION_STEPS
+from .network import NetworkProfile, find_network, load_network
+from .policies import AUTO_ACCUMULATION_STEPS
 
 EXIT_OK = 0
 EXIT_INFEASIBLE = 1
@@ -101,8 +102,11 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         parser = _OneLineErrorParser(prog="poplar-search", **options)
     else:
         parser = subparsers.add_parser("search", help="search a plan from profiles and a cluster", **options)
-    parser.add_argument("--profiles", required=True, metavar="DIR", help="directory of profile JSON files")
-    parser.add_argument("--cluster", required=True, metavar="FILE", help="cluster description JSON file")
+    parser.add_argument("--profiles", metavar="DIR", help="directory of profile JSON files (required unless --example)")
+    parser.add_argument("--cluster", metavar="FILE", help="cluster description JSON file (required unless --example)")
+    parser.add_argument("--example", action="store_true",
+                        help="the shipped example: MODELLED profiles of GPT-2 small on 4 A100-80GB + 4 V100-16GB "
+                             "and their cluster, for --profiles and --cluster where those are not given")
     parser.add_argument("--global-batch-size", type=parse_positive_int, metavar="N",
                         help="samples per iteration over all ranks (default: the best predicted throughput)")
     parser.add_argument("--max-global-batch-size", type=parse_positive_int, metavar="N",
@@ -207,6 +211,14 @@ def comparison_table(results: dict[str, SearchResult]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command line; returns the exit status."""
     prog = "poplar-search"
+    if args.example:
+        args.profiles = args.profiles or str(example_profiles_dir())
+        args.cluster = args.cluster or str(example_cluster_file())
+    missing = [option for option, value in (("--profiles", args.profiles), ("--cluster", args.cluster)) if not value]
+    if missing:
+        print(f"{prog}: error: the following arguments are required: {', '.join(missing)} (or --example for the "
+              "shipped example) (see --help)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         profiles = load_profiles(args.profiles)
         cluster = load_cluster(args.cluster)

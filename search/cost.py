@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from search.curves import fit_curve
-from search.formats import MIN_TIME_S, Profile
-from search.network import NetworkProfile
+from .curves import fit_curve
+from .formats import MIN_TIME_S, Profile
+from .network import NetworkProfile
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of a training dtype: DeepSpeed communicates gradients and parameters in it."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from search.formats import Profile
+from .formats import Profile
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from search.formats import (
+from .formats import (
     Cluster,
     ClusterNode,
     DeviceGroup,
@@ -22,7 +22,7 @@ from search.formats import (
     Plan,
     Profile,
 )
-from search.network import NetworkProfile
+from .network import NetworkProfile
 
 SCALE_DECIMALS = 2
 """Speed factors are rounded to this many decimals, so that ranks drifting alike share a derived type."""
@@ -126,7 +126,7 @@ def replan(
     network: NetworkProfile | None = None,
 ) -> Replan:
     """Search `plan`'s global batch and stage again with each rank's speed scaled by `rank_scales`."""
-    from search.api import plan_levers, predict, search_plan
+    from .api import plan_levers, predict, search_plan
 
     scaled_profiles, scaled_cluster, rank_types = scaled_problem(
         profiles, cluster, rank_scales, zero_stage=plan.zero_stage, levers=plan_levers(plan)

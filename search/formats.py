@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from search.errors import FormatError
-from search.validation import MAX_JSON_DEPTH, Node, json_depth
+from .errors import FormatError
+from .validation import MAX_JSON_DEPTH, Node, json_depth
 
 PROFILE_SCHEMA_VERSION = 1
 CLUSTER_SCHEMA_VERSION = 1

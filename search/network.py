@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
-from search.errors import FormatError
-from search.formats import (
+from .errors import FormatError
+from .formats import (
     MAX_BYTES,
     MAX_TIME_S,
     MAX_WORLD_SIZE,
@@ -42,7 +42,7 @@ from search.formats import (
     read_json,
     write_json_atomic,
 )
-from search.validation import Node
+from .validation import Node
 
 NETWORK_SCHEMA_VERSION = 1
 NETWORK_KIND = "network"

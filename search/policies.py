@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from search.allocation import (
+from .allocation import (
     Allocation,
     PolicyResult,
     batch_problem,
@@ -32,10 +32,10 @@ from search.allocation import (
     finish,
     infeasible,
 )
-from search.cost import StageModel
-from search.formats import MAX_GLOBAL_BATCH_SIZE, POLICIES
-from search.poplar_independent import poplar_independent, poplar_independent_best
-from search.poplar_synchronised import poplar_synchronised, poplar_synchronised_best
+from .cost import StageModel
+from .formats import MAX_GLOBAL_BATCH_SIZE, POLICIES
+from .poplar_independent import poplar_independent, poplar_independent_best
+from .poplar_synchronised import poplar_synchronised, poplar_synchronised_best
 
 AUTO_ACCUMULATION_STEPS = 8
 """Without a maximum global batch, the auto search looks at batches up to this many

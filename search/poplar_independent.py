@@ -30,8 +30,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from search.allocation import PolicyResult, finish
-from search.cost import StageModel
+from .allocation import PolicyResult, finish
+from .cost import StageModel
 
 SMALL_DELTA = 4096
 """Exact sums within this many samples of either end are decided by sumsets directly."""

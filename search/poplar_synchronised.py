@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from search.allocation import PolicyResult, batch_problem, divisors, finish, infeasible
-from search.cost import StageModel
+from .allocation import PolicyResult, batch_problem, divisors, finish, infeasible
+from .cost import StageModel
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

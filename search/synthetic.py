@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from search.formats import ZERO_STAGES, Cluster, ClusterNode, DeviceGroup, ModelInfo, Profile, Sample
+from .formats import ZERO_STAGES, Cluster, ClusterNode, DeviceGroup, ModelInfo, Profile, Sample
 
 SYNTHETIC_MODEL = ModelInfo(name="synthetic", fingerprint="synthetic-model", num_parameters=1_000_000, dtype="float32")
 

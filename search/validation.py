@@ -13,7 +13,7 @@ import difflib
 import math
 from typing import Any
 
-from search.errors import FormatError
+from .errors import FormatError
 
 _MISSING = object()
 

@@ -30,8 +30,8 @@ import torch
 
 from poplar_ext.hardware.devices import CPU_DEVICE_TYPE, declared_type_problem, hardware_description, hardware_device_type
 from poplar_ext.hardware.memory import physical_memory_bytes
-from search.errors import FormatError
-from search.formats import Cluster, ClusterNode, DeviceGroup, cluster_from_dict, cluster_to_dict, load_cluster
+from poplar_search.errors import FormatError
+from poplar_search.formats import Cluster, ClusterNode, DeviceGroup, cluster_from_dict, cluster_to_dict, load_cluster
 
 
 @dataclass(frozen=True, kw_only=True)

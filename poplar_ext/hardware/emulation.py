@@ -39,7 +39,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from search.formats import Cluster, Emulation
+from poplar_search.formats import Cluster, Emulation
 
 Clock = Literal["thread", "cuda"]
 

@@ -51,7 +51,7 @@ from poplar_ext.profiler.measure import (
     stage_ds_config,
 )
 from poplar_ext.profiler.network import cached_or_measured_network
-from search.formats import (
+from poplar_search.formats import (
     OFFLOAD_STAGES,
     ZERO_STAGES,
     Cluster,

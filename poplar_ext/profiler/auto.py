@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from search.formats import Cluster, Profile
+from poplar_search.formats import Cluster, Profile
 
 MeasureMissing = Callable[[list[tuple[str, int]], Cluster], list[Profile]]
 """``measure(missing, cluster) -> profiles``: the (device type, stage) pairs measured; collective

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from search.errors import FormatError
-from search.formats import (
+from poplar_search.errors import FormatError
+from poplar_search.formats import (
     Emulation,
     Profile,
     content_fingerprint,

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from search.errors import FormatError
-from search.formats import ZERO_STAGES
+from poplar_search.errors import FormatError
+from poplar_search.formats import ZERO_STAGES
 
 BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
 HF_PREFIX = "hf:"
@@ -288,7 +288,7 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
         if value < minimum:
             raise UsageError(f"{option}: expected an integer >= {minimum}, found {value}")
     config_path = Path(args.deepspeed_config)
-    from search.formats import read_json
+    from poplar_search.formats import read_json
 
     try:
         ds_config = read_json(config_path)  # names the file for unreadable, non-UTF-8 or invalid JSON
@@ -355,7 +355,7 @@ def run(command: ProfileCommand) -> list[Any]:
     from poplar_ext.hardware.cpu_process import skip_deepspeed_shm_op
     from poplar_ext.hardware.discovery import discover_cluster
     from poplar_ext.profiler import log_progress, profile_model
-    from search.formats import save_cluster
+    from poplar_search.formats import save_cluster
 
     if get_accelerator().device_name() == "cpu":
         # This command owns its process: spare it DeepSpeed's compile of an op that

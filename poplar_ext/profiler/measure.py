@@ -39,7 +39,7 @@ from poplar_ext.hardware.emulation import (
 from poplar_ext.hardware.memory import MeasuredPeak, is_out_of_memory, release_memory
 from poplar_ext.profiler.layout import JobLayout
 from poplar_ext.profiler.sizes import LargestFitSearch, dense_sizes
-from search.formats import Sample
+from poplar_search.formats import Sample
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(engine, batch) -> loss``: one forward through the engine, a scalar loss."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from search.formats import Plan, plan_to_dict, read_json, write_json_atomic
+from poplar_search.formats import Plan, plan_to_dict, read_json, write_json_atomic
 
 STATE_FILE = "poplar_state.json"
 """poplar-ext's state, in a checkpoint's tag folder."""

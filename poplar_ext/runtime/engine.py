@@ -39,7 +39,7 @@ from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.rebalance import CudaEventTimer, PendingSwitch, Rebalancer, schedule_switch, switch_together
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
-from search.formats import Plan, plan_from_dict, write_text_atomic
+from poplar_search.formats import Plan, plan_from_dict, write_text_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -67,7 +67,7 @@ from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.planning import resolve_plan
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
-from search.formats import Cluster, Plan
+from poplar_search.formats import Cluster, Plan
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from typing import Any, Callable
 from poplar_ext.collectives import decided_by_rank0
 from poplar_ext.profiler.auto import MeasureMissing
 from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
-from search.errors import FormatError
-from search.formats import (
+from poplar_search.errors import FormatError
+from poplar_search.formats import (
     ZERO_STAGES,
     Cluster,
     Plan,
@@ -41,7 +41,7 @@ class StalePlanWarning(UserWarning):
 
 def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
     """Device types whose profile at the plan's stage (and memory levers) is not the one the plan was made from."""
-    from search.api import profiles_for_plan
+    from poplar_search.api import profiles_for_plan
 
     at_stage = {p.device_type: p for p in profiles_for_plan(plan, profiles)}
     return [
@@ -99,7 +99,7 @@ def check_plan_for_job(
     Combines `runtime_plan_problems` with the search's `check_plan` (device types
     against the cluster, the stage rule, micro-batch sizes against the profiles' largest).
     """
-    from search import check_plan
+    from poplar_search import check_plan
 
     problems = runtime_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=global_batch)
     problems += [p for p in check_plan(plan, cluster, profiles) if p not in problems]
@@ -206,8 +206,8 @@ def _search(
     poplar_config: PoplarConfig, cluster: Cluster, profiles: list[Profile], *, zero_stage: int | None, global_batch_size: int | None
 ) -> Plan:
     """The search's plan; ValueError with the reason when there is none. `global_batch_size` None: the search picks."""
-    from search import search_plan
-    from search.network import find_network
+    from poplar_search import search_plan
+    from poplar_search.network import find_network
 
     # The network file the profiler measured on this cluster, if any: communication priced.
     network = find_network(poplar_config.profiles, cluster) if poplar_config.profiles else None
@@ -232,8 +232,8 @@ def load_rebalance_inputs(poplar_config: PoplarConfig, cluster: Cluster, plan: P
     ValueError when a profile is missing: re-balancing scales each rank's profiled curve.
     Each type's profile is the one with the plan's memory levers (a re-plan keeps them).
     """
-    from search.api import profiles_for_plan
-    from search.network import find_network
+    from poplar_search.api import profiles_for_plan
+    from poplar_search.network import find_network
 
     where = f"{poplar_config.source}: {SECTION}.rebalance.enabled"
     if poplar_config.profiles is None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from bench.demo import run_demo
-from bench.demo_config import DemoModel, DemoSettings
+from poplar_bench.demo import run_demo
+from poplar_bench.demo_config import DemoModel, DemoSettings
 
 
 def _settings(cache_dir):

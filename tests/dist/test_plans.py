@@ -16,8 +16,8 @@ import pytest
 from harness import run_ranks
 
 import _training as t
-from search.formats import ModelInfo, save_profile
-from search.synthetic import synthetic_profile
+from poplar_search.formats import ModelInfo, save_profile
+from poplar_search.synthetic import synthetic_profile
 
 TYPES = ["cpu", "cpu-slow", "cpu-slow"]
 

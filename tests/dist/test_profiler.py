@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from harness import run_ranks
 
-from search.formats import load_profiles
+from poplar_search.formats import load_profiles
 
 MB = 10**6
 DS_CONFIG = {
@@ -76,7 +76,7 @@ def _agreed_resident_bytes() -> int:
 
 
 def _cluster(types: list[tuple[str, float, int]]):
-    from search.formats import cluster_from_dict
+    from poplar_search.formats import cluster_from_dict
 
     return cluster_from_dict(
         {

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from search import cli
-from search.errors import FormatError
-from search.formats import (
+from poplar_search import cli
+from poplar_search.errors import FormatError
+from poplar_search.formats import (
     MAX_GLOBAL_BATCH_SIZE,
     MAX_WORLD_SIZE,
     cluster_from_dict,
@@ -23,7 +23,7 @@ from search.formats import (
     profile_to_dict,
     read_json,
 )
-from search.synthetic import synthetic_profile
+from poplar_search.synthetic import synthetic_profile
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "profiles" / "examples"
 CLUSTER = EXAMPLES / "cluster.json"

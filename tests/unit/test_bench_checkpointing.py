@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import checkpointing, gpu_model, simulate
-from bench.cli import build_parser
-from bench.report import render_checkpointing
+from poplar_bench import checkpointing, gpu_model, simulate
+from poplar_bench.cli import build_parser
+from poplar_bench.report import render_checkpointing
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "bench" / "clusters"
 
@@ -115,7 +115,7 @@ def test_simulate_shows_the_offload_choice_apart_from_checkpointing():
     with_offload, without = (simulate.checkpointing_effect(c)[0]["stages"] for c in (cases, plain_cases))
     assert {s: c["gain"] for s, c in with_offload.items()} == {s: c["gain"] for s, c in without.items()}
     report = simulate.simulation_report(cases[:1], scaling=False, checkpointing_cases=cases)
-    from bench.report import render_offload
+    from poplar_bench.report import render_offload
 
     text = "\n".join(render_offload(report["offload"]))
     assert "Optimizer offload per device type" in text and f"{stage2['gain']:.2f}x" in text

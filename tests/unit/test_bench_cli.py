@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli
-from bench.cluster_files import CLUSTER_DIR
+from poplar_bench import cli
+from poplar_bench.cluster_files import CLUSTER_DIR
 
 SMALL_CLUSTER = CLUSTER_DIR / "a100-80gb+a100-40gb-x8.json"
 
@@ -85,7 +85,7 @@ def test_simulate_never_imports_torch(tmp_path):
 
 
 def test_search_speed_runs_the_search_engineers_benchmark(tmp_path, monkeypatch):
-    from bench import search_speed
+    from poplar_bench import search_speed
 
     calls = []
     real = search_speed.run_search_speed
@@ -119,7 +119,7 @@ def test_without_matplotlib_simulate_writes_json_and_markdown_and_says_so_first(
 
 def test_without_matplotlib_the_demo_warns_before_it_starts(tmp_path, capsys, monkeypatch):
     _without_matplotlib(monkeypatch)
-    from bench import demo
+    from poplar_bench import demo
 
     def no_demo(settings, *, out_dir, name):
         assert "the PNG figure needs matplotlib" in capsys.readouterr().err  # said before any work
@@ -130,7 +130,7 @@ def test_without_matplotlib_the_demo_warns_before_it_starts(tmp_path, capsys, mo
 
 
 def test_demo_takes_a_stage_and_one_rank_per_slowdown(monkeypatch, tmp_path):
-    from bench import demo
+    from poplar_bench import demo
 
     seen = {}
 

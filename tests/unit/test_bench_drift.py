@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cli import main as bench_main
-from bench.drift import RUNS, DriftSettings, render_markdown, summarize
+from poplar_bench.cli import main as bench_main
+from poplar_bench.drift import RUNS, DriftSettings, render_markdown, summarize
 
 
 def _rank_results(settings: DriftSettings, iteration_s: dict[str, list[float]], *, hook_s: float = 0.01,

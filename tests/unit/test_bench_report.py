@@ -4,15 +4,15 @@ import json
 
 import pytest
 
-from bench import demo, report
-from bench.demo_config import (
+from poplar_bench import demo, report
+from poplar_bench.demo_config import (
     DemoDevice,
     DemoSettings,
     deepspeed_config,
     demo_cluster,
     memory_capacity_bytes,
 )
-from search.formats import cluster_to_dict
+from poplar_search.formats import cluster_to_dict
 
 SETTINGS = DemoSettings(
     devices=(
@@ -217,7 +217,7 @@ def test_a_failed_rank_stops_the_others_and_is_named(tmp_path):
 
 
 def test_a_pipe_in_a_goal_does_not_break_the_markdown_table():
-    from bench.report import _cell
+    from poplar_bench.report import _cell
 
     assert _cell("|error| <= 0.1") == "\\|error\\| <= 0.1"
 

@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from bench import cluster_files, gpu_model, simulate
-from bench.report import write_report
-from search.formats import Cluster, ClusterNode, DeviceGroup
+from poplar_bench import cluster_files, gpu_model, simulate
+from poplar_bench.report import write_report
+from poplar_search.formats import Cluster, ClusterNode, DeviceGroup
 
 SHAPE = gpu_model.model_shape("gpt2-xl-1.5b")
 

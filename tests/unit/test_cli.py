@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from search.cli import build_parser, main
-from search.formats import load_plan, load_profiles
+from poplar_search.cli import build_parser, main
+from poplar_search.formats import load_plan, load_profiles
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "profiles" / "examples"
 CLUSTER = EXAMPLES / "cluster.json"

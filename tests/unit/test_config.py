@@ -16,7 +16,7 @@ from poplar_ext.runtime.config import (
     nominal_deepspeed_config,
     poplar_config_from_dict,
 )
-from search.formats import plan_from_dict
+from poplar_search.formats import plan_from_dict
 
 BASE = Path("/cfg")
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from search.cost import build_stage_model
-from search.synthetic import synthetic_profile
+from poplar_search.cost import build_stage_model
+from poplar_search.synthetic import synthetic_profile
 
 
 def model(stage):

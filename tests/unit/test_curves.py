@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from search.curves import fit_curve
-from search.synthetic import synthetic_profile
+from poplar_search.curves import fit_curve
+from poplar_search.synthetic import synthetic_profile
 
 
 def profile_with(sizes, times, cap):

@@ -4,8 +4,8 @@ import copy
 
 import pytest
 
-from search.errors import FormatError
-from search.formats import (
+from poplar_search.errors import FormatError
+from poplar_search.formats import (
     cluster_from_dict,
     cluster_to_dict,
     plan_from_dict,

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from poplar_ext.runtime.config import poplar_config_from_dict
-from search import cli
-from search.errors import FormatError
-from search.formats import cluster_from_dict, plan_from_dict, profile_from_dict
+from poplar_search import cli
+from poplar_search.errors import FormatError
+from poplar_search.formats import cluster_from_dict, plan_from_dict, profile_from_dict
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "profiles" / "examples"
 PROFILE_FILES = sorted(p for p in EXAMPLES.glob("gpt2-small-124m.*.json"))

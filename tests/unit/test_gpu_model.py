@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from bench import cluster_files, gpu_model
-from search.formats import cluster_from_dict, cluster_to_dict, profile_from_dict, profile_to_dict
+from poplar_bench import cluster_files, gpu_model
+from poplar_search.formats import cluster_from_dict, cluster_to_dict, profile_from_dict, profile_to_dict
 
 SHAPE = gpu_model.model_shape("gpt2-xl-1.5b")
 ASSUME = gpu_model.Assumptions()

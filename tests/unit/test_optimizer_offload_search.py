@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from _exhaustive import assert_search_is_exact, random_cluster
 
-from search.api import (
+from poplar_search.api import (
     check_plan,
     lever_choices,
     plan_levers,
     predict,
     search_plan,
 )
-from search.errors import FormatError
-from search.formats import (
+from poplar_search.errors import FormatError
+from poplar_search.formats import (
     content_fingerprint,
     load_profiles,
     plan_from_dict,
@@ -25,7 +25,7 @@ from search.formats import (
     profile_to_dict,
     save_profile,
 )
-from search.synthetic import simple_cluster, synthetic_profile
+from poplar_search.synthetic import simple_cluster, synthetic_profile
 
 
 def variants(name, *, stage, cap, overhead, per_sample, optimizer_s=0.01, ckpt_cap=None, offload_cap=None,
@@ -98,7 +98,7 @@ def test_offloading_only_the_small_memory_type_wins(stage):
     without = search_plan([p for p in profiles if not p.optimizer_offload], cluster, global_batch_size=32,
                           zero_stage=stage)
     assert result.plan.predicted.samples_per_s > without.plan.predicted.samples_per_s
-    from search.cli import plan_table
+    from poplar_search.cli import plan_table
 
     table = plan_table(result, profiles)
     assert "optimizer offload" in table.splitlines()[2]
@@ -177,7 +177,7 @@ def test_check_plan_and_predict_hold_plans_to_the_offload_rules():
 
 
 def test_a_re_plan_under_drift_keeps_each_types_offload():
-    from search.drift import replan
+    from poplar_search.drift import replan
 
     profiles, cluster = small_memory_cluster(1)
     plan = search_plan(profiles, cluster, global_batch_size=32, zero_stage=1).plan

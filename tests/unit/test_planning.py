@@ -8,8 +8,8 @@ import pytest
 
 from poplar_ext.runtime.config import poplar_config_from_dict
 from poplar_ext.runtime.planning import resolve_plan
-from search.formats import load_cluster, save_profile
-from search.synthetic import synthetic_profile
+from poplar_search.formats import load_cluster, save_profile
+from poplar_search.synthetic import synthetic_profile
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_ranks_other_than_0_read_no_file(cluster_path, tmp_path):
     config = poplar_config_from_dict(
         {"cluster": str(cluster_path), "profiles": str(tmp_path / "absent"), "global_batch_size": 20}, base_dir=tmp_path
     )
-    decisions = iter([{"result": []}, {"result": __import__("search.formats", fromlist=["plan_to_dict"]).plan_to_dict(plan)}])
+    decisions = iter([{"result": []}, {"result": __import__("poplar_search.formats", fromlist=["plan_to_dict"]).plan_to_dict(plan)}])
     received = resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=1, zero_stage=1,
                             broadcast=lambda obj: next(decisions))
     assert received == plan
@@ -146,8 +146,8 @@ import warnings  # noqa: E402
 
 from poplar_ext.runtime.config import GlobalBatchRequest  # noqa: E402
 from poplar_ext.runtime.planning import StalePlanWarning  # noqa: E402
-from search import search_plan  # noqa: E402
-from search.formats import load_profiles, save_plan  # noqa: E402
+from poplar_search import search_plan  # noqa: E402
+from poplar_search.formats import load_profiles, save_plan  # noqa: E402
 
 
 def _searched_plan(cluster_path, directory, tmp_path, batch=20):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cli import build_parser
-from bench.prediction_check import (
+from poplar_bench.cli import build_parser
+from poplar_bench.prediction_check import (
     DEFAULT_CASES,
     PredictionCase,
     render_markdown,

@@ -15,7 +15,7 @@ from poplar_ext.profiler.cache import (
     profile_file_name,
     store_profile,
 )
-from search.formats import Emulation, ModelInfo, Profile, Sample, load_profiles
+from poplar_search.formats import Emulation, ModelInfo, Profile, Sample, load_profiles
 
 CONFIG = {"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
 

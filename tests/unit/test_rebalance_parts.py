@@ -12,10 +12,10 @@ from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
 from poplar_ext.runtime.config import RebalanceConfig, poplar_config_from_dict
 from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, SampleStream
 from poplar_ext.runtime.rebalance import DriftMonitor
-from search.api import predict, search_plan
-from search.drift import derived_type, replan, scaled_problem, with_rank_types
-from search.errors import FormatError
-from search.formats import (
+from poplar_search.api import predict, search_plan
+from poplar_search.drift import derived_type, replan, scaled_problem, with_rank_types
+from poplar_search.errors import FormatError
+from poplar_search.formats import (
     Cluster,
     ClusterNode,
     DeviceGroup,
@@ -25,7 +25,7 @@ from search.formats import (
     plan_from_dict,
     plan_to_dict,
 )
-from search.synthetic import synthetic_profile
+from poplar_search.synthetic import synthetic_profile
 
 
 # -- the poplar.rebalance section ------------------------------------------------------
@@ -209,7 +209,7 @@ def test_a_search_failure_keeps_the_plan(monkeypatch):
     def failing(*args, **kwargs):
         raise ValueError("no profile")
 
-    monkeypatch.setattr("search.drift.replan", failing)
+    monkeypatch.setattr("poplar_search.drift.replan", failing)
     assert _run_checks(monitor, plan, [[3, 1, 1]] * 3)[0] == []
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.runtime_overhead import measure_wrapper_cost, render_markdown, summarise
+from poplar_bench.runtime_overhead import measure_wrapper_cost, render_markdown, summarise
 
 
 def _report(raw_blocks, wrapped_blocks):

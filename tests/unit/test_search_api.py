@@ -5,9 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from search import check_plan, predict, search_plan
-from search.formats import ModelInfo, plan_from_dict, plan_to_dict
-from search.synthetic import random_profiles, simple_cluster, synthetic_profile
+from poplar_search import check_plan, predict, search_plan
+from poplar_search.formats import ModelInfo, plan_from_dict, plan_to_dict
+from poplar_search.synthetic import random_profiles, simple_cluster, synthetic_profile
 
 
 @pytest.fixture

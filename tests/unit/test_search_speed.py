@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from scipy.signal import fftconvolve
 
-from bench.search_speed import run_search_speed, write_report
-from search.cost import build_stage_model
-from search.formats import load_cluster, load_profiles
-from search.policies import allocate
-from search.synthetic import random_profiles, synthetic_profile
+from poplar_bench.search_speed import run_search_speed, write_report
+from poplar_search.cost import build_stage_model
+from poplar_search.formats import load_cluster, load_profiles
+from poplar_search.policies import allocate
+from poplar_search.synthetic import random_profiles, synthetic_profile
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "profiles" / "examples"
 

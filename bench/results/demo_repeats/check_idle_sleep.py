@@ -3,8 +3,8 @@ import os, time, statistics
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29611")
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 import deepspeed
-from bench.demo_config import DemoSettings, deepspeed_config
-from bench.demo_worker import _make_model, _batch
+from poplar_bench.demo_config import DemoSettings, deepspeed_config
+from poplar_bench.demo_worker import _make_model, _batch
 from poplar_ext.hardware.cpu_process import limit_cpu_threads
 from poplar_ext.hardware.memory import steady_cpu_allocator
 limit_cpu_threads(); steady_cpu_allocator()

@@ -3,17 +3,18 @@ A100-80GB and V100-16GB at ZeRO stages 0-3, and the 8-GPU cluster they describe.
 
 The numbers are MODELLED, not measured: they come from the analytic GPU model in
 bench/gpu_model.py (vendor datasheet figures plus the stated assumptions, which every
-profile repeats in ``measured_with``). Run from the repository root:
+profile repeats in ``measured_with``). Run from a checkout (an editable install):
 
-    python profiles/examples/generate.py
+    python -m poplar_bench.example_profiles
 """
 
 from pathlib import Path
 
-from bench.gpu_model import ModelShape, gpu_spec, modelled_profile
-from search.formats import Cluster, ClusterNode, DeviceGroup, save_cluster, save_profile
+from poplar_search.formats import ZERO_STAGES, Cluster, ClusterNode, DeviceGroup, save_cluster, save_profile
 
-HERE = Path(__file__).resolve().parent
+from .gpu_model import ModelShape, gpu_spec, modelled_profile
+
+HERE = Path(__file__).resolve().parents[1] / "profiles" / "examples"
 SHAPE = ModelShape(name="gpt2-small-124m", num_layers=12, hidden_size=768, num_heads=12, sequence_length=1024, vocab_size=50257)
 DEVICES = {"A100-80GB": 4, "V100-16GB": 4}
 
@@ -21,7 +22,7 @@ DEVICES = {"A100-80GB": 4, "V100-16GB": 4}
 def main() -> None:
     world_size = sum(DEVICES.values())
     for name in DEVICES:
-        for stage in (0, 1, 2, 3):
+        for stage in ZERO_STAGES:
             profile = modelled_profile(gpu_spec(name), SHAPE, zero_stage=stage, world_size=world_size)
             save_profile(profile, HERE / f"{SHAPE.name}.{name.lower()}.stage{stage}.json")
     cluster = Cluster(
