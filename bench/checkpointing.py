@@ -81,22 +81,31 @@ def checkpointing_worker_main(rank: int, settings: DemoSettings, work_dir: str, 
 def _run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[str, Any]:
     from datetime import timedelta
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(settings.world_size), LOCAL_WORLD_SIZE=str(settings.world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(settings.world_size),
+        LOCAL_WORLD_SIZE=str(settings.world_size),
+    )
     import deepspeed
     import torch.distributed as dist
 
-    from . import demo_worker
     from poplar_ext.hardware.cpu_process import limit_cpu_threads
     from poplar_search.formats import read_json, write_json_atomic
+
+    from . import demo_worker
 
     limit_cpu_threads()
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=600), verbose=False)
     cluster_path = work / "cluster.json"
     cluster = demo_worker.agreed_cluster(settings, cluster_path)
     if rank == 0:
-        progress(f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} without and with "
-                 f"activation checkpointing (cache: {settings.profiles_dir()})")
+        progress(
+            f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} without and with "
+            f"activation checkpointing (cache: {settings.profiles_dir()})"
+        )
     profiles, _ = demo_worker.profile_devices(settings, cluster_path)
     if rank == 0:
         write_json_atomic(search_plans(settings, profiles, cluster, work), work / "plans.json")
@@ -111,11 +120,17 @@ def _run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[
             for _ in range(settings.iterations):
                 measured[name].append(runs[name].run_iteration()["iteration_time_s"])
             if rank == 0:
-                progress(f"round {round_index + 1}/{settings.rounds} {name}: "
-                         f"{statistics.median(measured[name][-settings.iterations:]):.2f} s per iteration (rank 0)")
+                progress(
+                    f"round {round_index + 1}/{settings.rounds} {name}: "
+                    f"{statistics.median(measured[name][-settings.iterations :]):.2f} s per iteration (rank 0)"
+                )
     dist.barrier()
-    return {"rank": rank, "device_type": cluster.rank_device_types[rank], "iteration_time_s": measured,
-            "plans_seen": sorted(plans)}
+    return {
+        "rank": rank,
+        "device_type": cluster.rank_device_types[rank],
+        "iteration_time_s": measured,
+        "plans_seen": sorted(plans),
+    }
 
 
 def search_plans(settings: DemoSettings, profiles: list[Any], cluster: Any, work: Path) -> dict[str, Any]:
@@ -125,17 +140,31 @@ def search_plans(settings: DemoSettings, profiles: list[Any], cluster: Any, work
     from poplar_search.network import find_network
 
     network = find_network(settings.profiles_dir(), cluster)
-    out: dict[str, Any] = {"profiles": [
-        {"device_type": p.device_type, "activation_checkpointing": p.activation_checkpointing,
-         "max_micro_batch_size": p.max_micro_batch_size,
-         "curve": [[s.micro_batch_size, s.micro_step_time_s, s.peak_memory_bytes] for s in p.samples],
-         "memory_capacity_bytes": p.memory_capacity_bytes}
-        for p in profiles
-    ]}
-    candidates = {"poplar": profiles, "poplar-no-checkpointing": [p for p in profiles if not p.activation_checkpointing]}
+    out: dict[str, Any] = {
+        "profiles": [
+            {
+                "device_type": p.device_type,
+                "activation_checkpointing": p.activation_checkpointing,
+                "max_micro_batch_size": p.max_micro_batch_size,
+                "curve": [[s.micro_batch_size, s.micro_step_time_s, s.peak_memory_bytes] for s in p.samples],
+                "memory_capacity_bytes": p.memory_capacity_bytes,
+            }
+            for p in profiles
+        ]
+    }
+    candidates = {
+        "poplar": profiles,
+        "poplar-no-checkpointing": [p for p in profiles if not p.activation_checkpointing],
+    }
     for name, chosen_from in candidates.items():
-        result = search_plan(chosen_from, cluster, global_batch_size=settings.global_batch_size,
-                             zero_stage=settings.zero_stage, policy="poplar", network=network)
+        result = search_plan(
+            chosen_from,
+            cluster,
+            global_batch_size=settings.global_batch_size,
+            zero_stage=settings.zero_stage,
+            policy="poplar",
+            network=network,
+        )
         if not result.ok:
             raise RuntimeError(f"no {name} plan: {result.message}")
         save_plan(result.plan, work / f"plan-{name}.json")
@@ -148,29 +177,50 @@ def search_plans(settings: DemoSettings, profiles: list[Any], cluster: Any, work
 # ----------------------------------------------------------------------------------
 def run_case(case: str, *, cache_dir: Path | None = None, rounds: int = 3) -> dict[str, Any]:
     """Profile, plan and train one case; its part of the report."""
-    from .demo import measured_iteration_times_s, run_ranks
     from poplar_search.formats import read_json
+
+    from .demo import measured_iteration_times_s, run_ranks
 
     settings = case_settings(case, cache_dir=cache_dir, rounds=rounds)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"poplar-checkpointing-{case}-") as tmp:
         results = run_ranks(settings, Path(tmp), target=checkpointing_worker_main)
         plans = read_json(Path(tmp) / "plans.json")
-    rank_results = [{"policies": {name: {"iteration_time_s": r["iteration_time_s"][name]} for name in PLANS}}
-                    for r in results]
-    out: dict[str, Any] = {"case": case, "settings": {
-        "devices": [dataclasses.asdict(d) for d in settings.devices], "model": dataclasses.asdict(settings.model),
-        "zero_stage": settings.zero_stage, "global_batch_size": settings.global_batch_size,
-        "iterations_per_round": settings.iterations, "rounds": settings.rounds,
-    }, "profiles": plans["profiles"], "plans": {}, "wall_s": None}
+    rank_results = [
+        {"policies": {name: {"iteration_time_s": r["iteration_time_s"][name]} for name in PLANS}} for r in results
+    ]
+    out: dict[str, Any] = {
+        "case": case,
+        "settings": {
+            "devices": [dataclasses.asdict(d) for d in settings.devices],
+            "model": dataclasses.asdict(settings.model),
+            "zero_stage": settings.zero_stage,
+            "global_batch_size": settings.global_batch_size,
+            "iterations_per_round": settings.iterations,
+            "rounds": settings.rounds,
+        },
+        "profiles": plans["profiles"],
+        "plans": {},
+        "wall_s": None,
+    }
     for name in PLANS:
         times = measured_iteration_times_s(rank_results, name)
         plan = plans[name]["plan"]
         median_s = statistics.median(times)
         out["plans"][name] = {
             "message": plans[name]["message"],
-            "ranks": [{k: r[k] for k in ("device_type", "micro_batch_size", "gradient_accumulation_steps",
-                                         "activation_checkpointing")} for r in plan["ranks"]],
+            "ranks": [
+                {
+                    k: r[k]
+                    for k in (
+                        "device_type",
+                        "micro_batch_size",
+                        "gradient_accumulation_steps",
+                        "activation_checkpointing",
+                    )
+                }
+                for r in plan["ranks"]
+            ],
             "predicted_samples_per_s": plan["predicted"]["samples_per_s"],
             "measured_iteration_times_s": times,
             "measured_samples_per_s": settings.global_batch_size / median_s,
@@ -185,8 +235,10 @@ def run_case(case: str, *, cache_dir: Path | None = None, rounds: int = 3) -> di
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        "# Activation checkpointing per device type (poplar-bench checkpointing)", "",
-        report["data_source"], "",
+        "# Activation checkpointing per device type (poplar-bench checkpointing)",
+        "",
+        report["data_source"],
+        "",
         "| case | plan | checkpointing on | per-rank micro-batch x steps | predicted samples/s | measured samples/s |",
         "| --- | --- | --- | --- | ---: | ---: |",
     ]
@@ -195,8 +247,10 @@ def markdown(report: dict[str, Any]) -> str:
             plan = case["plans"][name]
             on = ", ".join(r["device_type"] for r in plan["ranks"] if r["activation_checkpointing"]) or "none"
             shape = ", ".join(f"{r['micro_batch_size']}x{r['gradient_accumulation_steps']}" for r in plan["ranks"])
-            lines.append(f"| {case['case']} | {name} | {on} | {shape} | {plan['predicted_samples_per_s']:.2f} | "
-                         f"{plan['measured_samples_per_s']:.2f} |")
+            lines.append(
+                f"| {case['case']} | {name} | {on} | {shape} | {plan['predicted_samples_per_s']:.2f} | "
+                f"{plan['measured_samples_per_s']:.2f} |"
+            )
     lines += ["", "Largest micro-batch per profile (without / with checkpointing):", ""]
     for case in report["cases"]:
         caps: dict[str, dict[bool, int]] = {}
@@ -207,8 +261,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "Measured: poplar (with the choice) against the best plan without checkpointing:", ""]
     for case in report["cases"]:
         types = ", ".join(case["checkpointed_types"]) or "no type"
-        lines.append(f"- {case['case']}: the search checkpoints {types}; measured {case['measured_ratio']:.3f}x, "
-                     f"predicted {case['predicted_ratio']:.3f}x")
+        lines.append(
+            f"- {case['case']}: the search checkpoints {types}; measured {case['measured_ratio']:.3f}x, "
+            f"predicted {case['predicted_ratio']:.3f}x"
+        )
     lines += ["", report["notes"], ""]
     return "\n".join(lines)
 
@@ -225,11 +281,11 @@ def run_checkpointing(*, out_dir: Path, cache_dir: Path | None = None, rounds: i
         "kind": "checkpointing",
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "data_source": "Measured on emulated devices: 3 CPU ranks (gloo, one thread each), compute slowed 3x/6x/12x "
-                       "against a core, memory capped by emulation (the profiler's process peak against the emulated "
-                       "capacity); real DeepSpeed 0.19.8 ZeRO-2, the project's toy GPT with random weights.",
+        "against a core, memory capped by emulation (the profiler's process peak against the emulated "
+        "capacity); real DeepSpeed 0.19.8 ZeRO-2, the project's toy GPT with random weights.",
         "notes": "Each plan trains `rounds` rounds of `iterations_per_round` iterations after a warm-up iteration per "
-                 "round, alternating with the other plan in the same processes; measured samples/s is the global "
-                 "batch over the median of the slowest rank's iteration times.",
+        "round, alternating with the other plan in the same processes; measured samples/s is the global "
+        "batch over the median of the slowest rank's iteration times.",
         "cases": cases,
     }
     return write_json_and_markdown(report, markdown(report), out_dir, "checkpointing")

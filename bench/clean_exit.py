@@ -59,10 +59,18 @@ def launch_once(case: str, *, world_size: int, stage: int, work_dir: Path, timeo
     processes = []
     for rank in range(world_size):
         env = dict(
-            os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            OMP_NUM_THREADS="1",
         )
-        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        processes.append(
+            subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        )
     ranks = []
     for rank, process in enumerate(processes):
         try:
@@ -91,8 +99,13 @@ def summarise(case: str, launches: list[list[dict[str, Any]]]) -> dict[str, Any]
 
 
 def run_clean_exit(
-    *, launches: int = 30, world_size: int = 3, busy_processes: int = 2, cases: tuple[str, ...] = CASES,
-    timeout_s: float = 300.0, progress: Any = None,
+    *,
+    launches: int = 30,
+    world_size: int = 3,
+    busy_processes: int = 2,
+    cases: tuple[str, ...] = CASES,
+    timeout_s: float = 300.0,
+    progress: Any = None,
 ) -> dict[str, Any]:
     """Launch every case `launches` times in turn beside `busy_processes` spinning processes."""
     from .report import machine_description, utc_now
@@ -109,7 +122,9 @@ def run_clean_exit(
         with tempfile.TemporaryDirectory(prefix="poplar-clean-exit-") as work:
             for index in range(launches):
                 for case in cases:
-                    ranks = launch_once(case, world_size=world_size, stage=index % 4, work_dir=Path(work), timeout_s=timeout_s)
+                    ranks = launch_once(
+                        case, world_size=world_size, stage=index % 4, work_dir=Path(work), timeout_s=timeout_s
+                    )
                     results[case].append(ranks)
                     if progress is not None:
                         progress(f"launch {index + 1}/{launches} {case}: exit codes {[r['exit_code'] for r in ranks]}")

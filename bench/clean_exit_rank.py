@@ -40,8 +40,12 @@ def _poplar_config(work_dir: Path, stage: int, world_size: int) -> dict:
         for r in range(world_size)
     ]
     plan = {
-        "schema_version": 1, "policy": "uniform", "zero_stage": stage, "global_batch_size": 4 * world_size,
-        "ranks": ranks, "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+        "schema_version": 1,
+        "policy": "uniform",
+        "zero_stage": stage,
+        "global_batch_size": 4 * world_size,
+        "ranks": ranks,
+        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
         "profile_fingerprints": {},
     }
     rank = os.environ["RANK"]
@@ -71,7 +75,9 @@ def _poplar(stage: int, work_dir: Path, handler: str) -> None:
     model = GPT(shape)
     data = SyntheticTokens(num_samples=64, sequence_length=shape.sequence_length, vocab_size=shape.vocab_size)
     engine, _, loader, _ = poplar_ext.initialize(
-        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), training_data=data,
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        training_data=data,
         config=_poplar_config(work_dir, stage, int(os.environ["WORLD_SIZE"])),
     )
     steps = 0
@@ -108,8 +114,12 @@ def main() -> None:
     parser.add_argument("--destroy", action="store_true", help="torch: the script destroys its group")
     parser.add_argument("--stage", type=int, default=0, help="poplar: the ZeRO stage")
     parser.add_argument("--work-dir", type=Path, help="poplar: where the cluster and plan files go")
-    parser.add_argument("--handler", choices=("full", "destroy", "none"), default="full",
-                        help="poplar: poplar-ext's exit handler, one that only destroys the group, or none")
+    parser.add_argument(
+        "--handler",
+        choices=("full", "destroy", "none"),
+        default="full",
+        help="poplar: poplar-ext's exit handler, one that only destroys the group, or none",
+    )
     args = parser.parse_args()
     if args.kind == "torch":
         _torch_only(args.destroy)

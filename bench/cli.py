@@ -54,12 +54,20 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
             "for the given clusters."
         ),
     )
-    p.add_argument("--cluster", action="append", type=Path, help="cluster description JSON (repeatable; default: the shipped ones)")
+    p.add_argument(
+        "--cluster", action="append", type=Path, help="cluster description JSON (repeatable; default: the shipped ones)"
+    )
     p.add_argument("--profiles", type=Path, help="directory of profile JSON files (default: modelled profiles)")
-    p.add_argument("--model", action="append", help="model preset for modelled profiles (repeatable; default: all presets)")
+    p.add_argument(
+        "--model", action="append", help="model preset for modelled profiles (repeatable; default: all presets)"
+    )
     batch = p.add_mutually_exclusive_group()
-    batch.add_argument("--samples-per-rank", type=_positive_int, default=None, help="global batch = this * world size (default 16)")
-    batch.add_argument("--global-batch-size", type=_positive_int, default=None, help="the same global batch for every cluster")
+    batch.add_argument(
+        "--samples-per-rank", type=_positive_int, default=None, help="global batch = this * world size (default 16)"
+    )
+    batch.add_argument(
+        "--global-batch-size", type=_positive_int, default=None, help="the same global batch for every cluster"
+    )
     p.add_argument("--zero-stage", type=_stage, default="auto", help="auto (default) or 0-3")
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
     p.add_argument("--name", default="simulation", help="report file stem (default: simulation)")
@@ -67,10 +75,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
+    from poplar_search.formats import load_cluster, load_profiles
+
     from . import gpu_model, simulate
     from .cluster_files import CLUSTER_DIR
     from .report import write_report
-    from poplar_search.formats import load_cluster, load_profiles
 
     _warn_if_no_figure("simulate")
     cluster_paths = args.cluster or sorted(CLUSTER_DIR.glob("*.json"), key=_cluster_sort_key)
@@ -94,7 +103,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
             )
     else:
         shapes = [gpu_model.model_shape(name) for name in (args.model or [s.name for s in gpu_model.MODEL_SHAPES])]
-        cases = simulate.shipped_cases(cluster_paths, shapes, samples_per_rank=samples_per_rank, zero_stage=args.zero_stage)
+        cases = simulate.shipped_cases(
+            cluster_paths, shapes, samples_per_rank=samples_per_rank, zero_stage=args.zero_stage
+        )
         cases = [
             dataclasses.replace(
                 c,
@@ -109,12 +120,19 @@ def _run_simulate(args: argparse.Namespace) -> int:
         # and without and with its optimizer offloaded (stages 1-2).
         paths = [p for p in cluster_paths if simulate.CHECKPOINTING_CLUSTERS in Path(p).name]
         checkpointing_cases = simulate.shipped_cases(
-            paths, shapes, samples_per_rank=samples_per_rank, zero_stage=args.zero_stage, checkpointing=(False, True),
+            paths,
+            shapes,
+            samples_per_rank=samples_per_rank,
+            zero_stage=args.zero_stage,
+            checkpointing=(False, True),
             offload=(False, True),
         )
         checkpointing_cases = [
-            dataclasses.replace(c, global_batch_size=args.global_batch_size or c.global_batch_size,
-                                cluster_file=_shown_path(c.cluster_file))
+            dataclasses.replace(
+                c,
+                global_batch_size=args.global_batch_size or c.global_batch_size,
+                cluster_file=_shown_path(c.cluster_file),
+            )
             for c in checkpointing_cases
         ] or None
     for index, case in enumerate(cases, 1):
@@ -164,9 +182,24 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
     p.add_argument("--name", default="demo", help="report file stem (default: demo)")
-    p.add_argument("--iterations", type=_positive_int, default=defaults.iterations, help=f"measured iterations per policy and round (default {defaults.iterations})")
-    p.add_argument("--rounds", type=_positive_int, default=defaults.rounds, help=f"rounds; each round runs every policy in turn (default {defaults.rounds})")
-    p.add_argument("--global-batch-size", type=_positive_int, default=defaults.global_batch_size, help=f"samples per iteration (default {defaults.global_batch_size})")
+    p.add_argument(
+        "--iterations",
+        type=_positive_int,
+        default=defaults.iterations,
+        help=f"measured iterations per policy and round (default {defaults.iterations})",
+    )
+    p.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=defaults.rounds,
+        help=f"rounds; each round runs every policy in turn (default {defaults.rounds})",
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=_positive_int,
+        default=defaults.global_batch_size,
+        help=f"samples per iteration (default {defaults.global_batch_size})",
+    )
     p.add_argument(
         "--cache-dir",
         type=Path,
@@ -176,11 +209,17 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--force-profile", action="store_true", help="measure again even when cached profiles exist")
     p.add_argument(
-        "--zero-stage", type=int, choices=ZERO_STAGES, default=defaults.zero_stage,
+        "--zero-stage",
+        type=int,
+        choices=ZERO_STAGES,
+        default=defaults.zero_stage,
         help=f"ZeRO stage of every policy's run (default {defaults.zero_stage})",
     )
     p.add_argument(
-        "--slowdowns", type=_slowdowns, default=None, metavar="A,B,...",
+        "--slowdowns",
+        type=_slowdowns,
+        default=None,
+        metavar="A,B,...",
         help="one rank per value, each an emulated device type that much slower than a CPU core, e.g. 3,4.5,9 "
         "(default: 3,6,12 as cpu-fast, cpu-medium, cpu-slow); 2 to 4 ranks on a 2-core machine, where the sum of "
         "1/slowdown must stay within the cores",
@@ -253,11 +292,19 @@ def add_predictions_parser(subparsers: argparse._SubParsersAction) -> None:
         "About 2-3 minutes per case on a 2-core VM.",
     )
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
-    p.add_argument("--rounds", type=_positive_int, default=5, help="rounds per case, each one measured iteration per policy (default 5)")
+    p.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=5,
+        help="rounds per case, each one measured iteration per policy (default 5)",
+    )
     p.add_argument("--cache-dir", type=Path, default=None, help="the demo's profile cache (default: the demo's)")
-    p.add_argument("--reuse-profiles", action="store_true",
-                   help="take cached profiles where they exist (default: every case profiles afresh, so that the error "
-                   "measures the cost model, not a profile taken on another day)")
+    p.add_argument(
+        "--reuse-profiles",
+        action="store_true",
+        help="take cached profiles where they exist (default: every case profiles afresh, so that the error "
+        "measures the cost model, not a profile taken on another day)",
+    )
     p.set_defaults(run=_run_predictions)
 
 
@@ -266,7 +313,9 @@ def _run_predictions(args: argparse.Namespace) -> int:
 
     _warn_if_no_figure("demo")
     paths = prediction_check.run_prediction_check(
-        out_dir=args.output_dir or default_output_dir(), rounds=args.rounds, cache_dir=args.cache_dir,
+        out_dir=args.output_dir or default_output_dir(),
+        rounds=args.rounds,
+        cache_dir=args.cache_dir,
         force_profile=not args.reuse_profiles,
     )
     for path in paths:
@@ -288,15 +337,33 @@ def add_drift_parser(subparsers: argparse._SubParsersAction) -> None:
         "2-core VM with the demo's profiles cached.",
     )
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
-    p.add_argument("--factor", type=float, default=defaults.factor, help=f"slowdown of the drift (default {defaults.factor})")
-    p.add_argument("--drift-at", type=_positive_int, default=defaults.drift_at,
-                   help=f"optimizer steps before the device slows down (default {defaults.drift_at})")
-    p.add_argument("--recover-at", type=_positive_int, default=defaults.recover_at,
-                   help=f"optimizer steps before it recovers (default {defaults.recover_at})")
-    p.add_argument("--iterations", type=_positive_int, default=defaults.drift_iterations,
-                   help=f"iterations of each run (default {defaults.drift_iterations})")
-    p.add_argument("--check-interval-steps", type=_positive_int, default=defaults.check_interval_steps,
-                   help=f"poplar.rebalance.check_interval_steps (default {defaults.check_interval_steps})")
+    p.add_argument(
+        "--factor", type=float, default=defaults.factor, help=f"slowdown of the drift (default {defaults.factor})"
+    )
+    p.add_argument(
+        "--drift-at",
+        type=_positive_int,
+        default=defaults.drift_at,
+        help=f"optimizer steps before the device slows down (default {defaults.drift_at})",
+    )
+    p.add_argument(
+        "--recover-at",
+        type=_positive_int,
+        default=defaults.recover_at,
+        help=f"optimizer steps before it recovers (default {defaults.recover_at})",
+    )
+    p.add_argument(
+        "--iterations",
+        type=_positive_int,
+        default=defaults.drift_iterations,
+        help=f"iterations of each run (default {defaults.drift_iterations})",
+    )
+    p.add_argument(
+        "--check-interval-steps",
+        type=_positive_int,
+        default=defaults.check_interval_steps,
+        help=f"poplar.rebalance.check_interval_steps (default {defaults.check_interval_steps})",
+    )
     p.add_argument("--cache-dir", type=Path, default=None, help="the demo's profile cache (default: the demo's)")
     p.set_defaults(run=_run_drift)
 
@@ -306,8 +373,13 @@ def _run_drift(args: argparse.Namespace) -> int:
 
     try:
         settings = drift.DriftSettings(
-            factor=args.factor, drift_at=args.drift_at, recover_at=args.recover_at, drift_iterations=args.iterations,
-            check_interval_steps=args.check_interval_steps, cache_dir=args.cache_dir, timeout_s=1800.0,
+            factor=args.factor,
+            drift_at=args.drift_at,
+            recover_at=args.recover_at,
+            drift_iterations=args.iterations,
+            check_interval_steps=args.check_interval_steps,
+            cache_dir=args.cache_dir,
+            timeout_s=1800.0,
         )
     except ValueError as exc:
         print(f"poplar-bench drift: error: {exc}", file=sys.stderr)
@@ -330,8 +402,12 @@ def add_checkpointing_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
     p.add_argument("--rounds", type=_positive_int, default=3, help="alternating training rounds per plan (default 3)")
-    p.add_argument("--cache-dir", type=Path, default=None,
-                   help="profile cache root, one folder per case (default: beside the demo's cache)")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="profile cache root, one folder per case (default: beside the demo's cache)",
+    )
     p.set_defaults(run=_run_checkpointing)
 
 
@@ -409,8 +485,11 @@ def _run_clean_exit(args: argparse.Namespace) -> int:
     if args.busy_processes < 0:
         raise ValueError(f"--busy-processes: expected 0 or more, found {args.busy_processes}")
     report = clean_exit.run_clean_exit(
-        launches=args.launches, world_size=args.ranks, busy_processes=args.busy_processes,
-        cases=tuple(args.cases or clean_exit.CASES), progress=lambda line: print(line, file=sys.stderr, flush=True),
+        launches=args.launches,
+        world_size=args.ranks,
+        busy_processes=args.busy_processes,
+        cases=tuple(args.cases or clean_exit.CASES),
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     for path in clean_exit.write_report(report, args.output_dir or default_output_dir()):
         print(path)
@@ -436,7 +515,11 @@ def build_parser() -> argparse.ArgumentParser:
         "re-balancing under drift, activation checkpointing per device type, "
         "large-cluster simulation, search speed, runtime overhead, clean exit.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{demo,predictions,drift,checkpointing,simulate,search-speed,overhead,clean-exit}")
+    subparsers = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="{demo,predictions,drift,checkpointing,simulate,search-speed,overhead,clean-exit}",
+    )
     for add in SUBCOMMANDS:
         add(subparsers)
     return parser

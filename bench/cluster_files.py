@@ -31,7 +31,8 @@ def pair_cluster(first: str, second: str, *, world_size: int, gpus_per_node: int
     per_node = min(gpus_per_node, per_type)
     if per_type % per_node:
         raise ValueError(
-            f"world_size: expected half of it ({per_type}) to be a multiple of gpus_per_node ({per_node}), found {world_size}"
+            f"world_size: expected half of it ({per_type}) to be a multiple of gpus_per_node ({per_node}), found "
+            f"{world_size}"
         )
     nodes = [
         ClusterNode(

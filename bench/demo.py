@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from poplar_search.formats import POLICIES, cluster_from_dict, read_json
+
 from .demo_config import DemoSettings
 from .report import (
     REPORT_SCHEMA,
@@ -29,7 +31,6 @@ from .report import (
     utc_now,
     write_report,
 )
-from poplar_search.formats import POLICIES, cluster_from_dict, read_json
 
 
 def progress(message: str) -> None:
@@ -104,7 +105,9 @@ def run_ranks(settings: DemoSettings, work_dir: Path, *, target: Any = None) -> 
         if error_file.exists():
             errors.append(f"rank {rank}: {error_file.read_text().strip()}")
     if hung and failed_at is None:
-        errors.append(f"ranks {[processes.index(p) for p in hung]} still running after {settings.timeout_s:.0f} s, killed")
+        errors.append(
+            f"ranks {[processes.index(p) for p in hung]} still running after {settings.timeout_s:.0f} s, killed"
+        )
     failed = [i for i, p in enumerate(processes) if p.exitcode not in (0, None) and p not in hung]
     if failed and not errors:
         errors.append(f"ranks {failed} exited with codes {[processes[i].exitcode for i in failed]}")
@@ -167,8 +170,7 @@ def measured_ideal_samples_per_s(rank_results: list[dict[str, Any]]) -> float:
     total = 0.0
     for result in rank_results:
         best = max(
-            point["micro_batch_size"] / statistics.median(point["micro_step_time_s"])
-            for point in result["standalone"]
+            point["micro_batch_size"] / statistics.median(point["micro_step_time_s"]) for point in result["standalone"]
         )
         total += best
     return total
@@ -179,7 +181,11 @@ def _standalone_curve(result: dict[str, Any]) -> list[dict[str, float]]:
     for point in sorted(result["standalone"], key=lambda p: p["micro_batch_size"]):
         median_s = statistics.median(point["micro_step_time_s"])
         curve.append(
-            {"micro_batch_size": point["micro_batch_size"], "micro_step_time_s": median_s, "samples_per_s": point["micro_batch_size"] / median_s}
+            {
+                "micro_batch_size": point["micro_batch_size"],
+                "micro_step_time_s": median_s,
+                "samples_per_s": point["micro_batch_size"] / median_s,
+            }
         )
     return curve
 
@@ -189,7 +195,9 @@ def _median_of(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def rank_decomposition(info: dict[str, Any], rank_plan: dict[str, Any], measures: dict[str, list[Any]]) -> dict[str, Any]:
+def rank_decomposition(
+    info: dict[str, Any], rank_plan: dict[str, Any], measures: dict[str, list[Any]]
+) -> dict[str, Any]:
     """One rank's iteration in parts, predicted and measured (medians over repetitions, seconds).
 
     Predicted: compute (the profile's micro-steps), communication on micro-steps (stages
@@ -241,7 +249,17 @@ def assemble_report(
     for policy in POLICIES:
         info = plans["policies"][policy]
         if info["status"] != "ok":
-            entries.append({"policy": policy, "status": info["status"], "message": info["message"], "zero_stage": None, "ranks": [], "predicted": None, "measured": None})
+            entries.append(
+                {
+                    "policy": policy,
+                    "status": info["status"],
+                    "message": info["message"],
+                    "zero_stage": None,
+                    "ranks": [],
+                    "predicted": None,
+                    "measured": None,
+                }
+            )
             continue
         plan = info["plan"]
         iteration = measured_iteration_times_s(rank_results, policy)
@@ -283,7 +301,9 @@ def assemble_report(
         emulation = cluster.emulation_of(name)
         device_types[name] = {
             "source": "emulated" if emulation else "real",
-            "emulation": None if emulation is None else {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes},
+            "emulation": None
+            if emulation is None
+            else {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes},
             "max_micro_batch_size": plans["profiles"].get(name, {}).get("max_micro_batch_size"),
             "profile": plans["profiles"].get(name, {}).get("provenance"),
         }
@@ -296,7 +316,10 @@ def assemble_report(
         "model": plans["model"],
         "device_types": device_types,
         "global_batch_size": settings.global_batch_size,
-        "ideal_samples_per_s": {"predicted": plans.get("ideal_predicted"), "measured": measured_ideal_samples_per_s(rank_results)},
+        "ideal_samples_per_s": {
+            "predicted": plans.get("ideal_predicted"),
+            "measured": measured_ideal_samples_per_s(rank_results),
+        },
         "curves": curves,
         "curves_kind": "measured alone in this run",
         # Every repetition of the standalone measurements behind the measured ideal.
@@ -320,20 +343,42 @@ def assemble_report(
         "title": "poplar-bench demo: allocation policies on an emulated heterogeneous CPU cluster",
         "created_utc": utc_now(),
         "machine": machine_description(),
-        "data_source": "measured on CPU ranks with EMULATED device types (compute slowdown, memory capacity), real DeepSpeed",
+        "data_source": (
+            "measured on CPU ranks with EMULATED device types (compute slowdown, memory capacity), real DeepSpeed"
+        ),
         "notes": [
-            "Devices are emulated (poplar_ext.hardware.emulation): each rank is a CPU process (1 thread); an emulated micro-step, and the optimizer step at the boundary, last slowdown x their thread CPU time of wall time (the rank sleeps what is left after computing), so a rank that waited for a core is not slowed twice; a type's memory capacity is a declared limit above the ranks' measured baseline.",
-            f"ZeRO stage {settings.zero_stage}{'' if settings.zero_stage < 2 else ' (busy time holds each micro-step communication and the waits in it)'}; {settings.rounds} rounds, policies interleaved per round; in each round each policy ran {settings.warmup_iterations} unmeasured warm-up + {settings.iterations} measured iterations (warm-up after every switch of engine); figures are medians, every repetition is in the JSON.",
-            "Iteration time: from a barrier to the end of the optimizer step on the slowest rank. Busy time: from that barrier until the rank reaches the boundary gradient reduction (its own micro-steps, without waiting).",
-            "The engine ends each emulated micro-step (and its sleep) before the gradient reduction, as a slow device finishes computing before it communicates.",
-            "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication, so no waiting; all ranks at once, as in training), measured in this run at the profile's best and largest micro-batch.",
-            "Predictions come from the profiles, which time each micro-step by thread CPU time x slowdown, and from the network file the profiler measured (collective times on these ranks, fitted to a ring model; none: the boundary as profiled); measurements are wall time, so load from other processes on the machine shows as prediction error.",
+            "Devices are emulated (poplar_ext.hardware.emulation): each rank is a CPU process (1 thread); an emulated "
+            "micro-step, and the optimizer step at the boundary, last slowdown x their thread CPU time of wall time "
+            "(the rank sleeps what is left after computing), so a rank that waited for a core is not slowed twice; a "
+            "type's memory capacity is a declared limit above the ranks' measured baseline.",
+            f"ZeRO stage {settings.zero_stage}{_stage_note(settings.zero_stage)}; {settings.rounds} rounds, policies "
+            f"interleaved per round; in each round each policy ran {settings.warmup_iterations} unmeasured warm-up + "
+            f"{settings.iterations} measured iterations (warm-up after every switch of engine); figures are medians, "
+            "every repetition is in the JSON.",
+            "Iteration time: from a barrier to the end of the optimizer step on the slowest rank. Busy time: from that "
+            "barrier until the rank reaches the boundary gradient reduction (its own micro-steps, without waiting).",
+            "The engine ends each emulated micro-step (and its sleep) before the gradient reduction, as a slow device "
+            "finishes computing before it communicates.",
+            "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication, so "
+            "no waiting; all ranks at once, as in training), measured in this run at the profile's best and largest "
+            "micro-batch.",
+            "Predictions come from the profiles, which time each micro-step by thread CPU time x slowdown, and from "
+            "the network file the profiler measured (collective times on these ranks, fitted to a ring model; none: "
+            "the boundary as profiled); measurements are wall time, so load from other processes on the machine shows "
+            "as prediction error.",
             "Other processes on this machine were not controlled; its load shows in the repetitions.",
         ],
-        "timings_s": {**timings, **{f"rank{r['rank']}_{k}": v for r in rank_results for k, v in r["timings_s"].items()}},
+        "timings_s": {
+            **timings,
+            **{f"rank{r['rank']}_{k}": v for r in rank_results for k, v in r["timings_s"].items()},
+        },
         "settings": _settings_dict(settings),
         "scenarios": [scenario],
     }
+
+
+def _stage_note(zero_stage: int) -> str:
+    return "" if zero_stage < 2 else " (busy time holds each micro-step communication and the waits in it)"
 
 
 def _settings_dict(settings: DemoSettings) -> dict[str, Any]:

@@ -78,7 +78,9 @@ def devices_from_slowdowns(slowdowns: list[float] | tuple[float, ...]) -> tuple[
         DemoDevice(
             name=f"cpu{rank}-x{slowdown:g}",
             slowdown=float(slowdown),
-            memory_headroom_bytes=max(MIN_HEADROOM_BYTES, int(FASTEST_HEADROOM_BYTES * fastest / slowdown) // MIB * MIB),
+            memory_headroom_bytes=max(
+                MIN_HEADROOM_BYTES, int(FASTEST_HEADROOM_BYTES * fastest / slowdown) // MIB * MIB
+            ),
         )
         for rank, slowdown in enumerate(slowdowns)
     )
@@ -142,13 +144,21 @@ class DemoSettings:
         if self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, found {self.zero_stage!r}")
 
-        for name in ("global_batch_size", "max_micro_batch_size", "profile_repeats", "iterations", "rounds", "standalone_repeats"):
+        for name in (
+            "global_batch_size",
+            "max_micro_batch_size",
+            "profile_repeats",
+            "iterations",
+            "rounds",
+            "standalone_repeats",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, found {value!r}")
         if self.global_batch_size < len(self.devices):
             raise ValueError(
-                f"global_batch_size: expected at least one sample per rank ({len(self.devices)}), found {self.global_batch_size}"
+                f"global_batch_size: expected at least one sample per rank ({len(self.devices)}), found "
+                f"{self.global_batch_size}"
             )
 
     @property

@@ -29,12 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .demo_config import (
-    BASELINE_ROUNDING_BYTES,
-    DemoSettings,
-    deepspeed_config,
-    demo_cluster,
-)
 from poplar_search.errors import FormatError
 from poplar_search.formats import (
     POLICIES,
@@ -50,10 +44,19 @@ from poplar_search.formats import (
     write_json_atomic,
 )
 
+from .demo_config import (
+    BASELINE_ROUNDING_BYTES,
+    DemoSettings,
+    deepspeed_config,
+    demo_cluster,
+)
+
 _PG_TIMEOUT_S = 180
 
 
-def worker_main(rank: int, settings: DemoSettings, work_dir: str, port: int, *, run: Callable[..., dict] | None = None) -> None:
+def worker_main(
+    rank: int, settings: DemoSettings, work_dir: str, port: int, *, run: Callable[..., dict] | None = None
+) -> None:
     """Entry point of a forked rank: `run` (default `run_rank`), then write the result or the traceback."""
     work = Path(work_dir)
     exit_code = 0
@@ -103,13 +106,19 @@ def run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[s
     _timed(
         timings,
         "init_distributed_s",
-        lambda: deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=_PG_TIMEOUT_S), verbose=False),
+        lambda: deepspeed.init_distributed(
+            dist_backend="gloo", timeout=timedelta(seconds=_PG_TIMEOUT_S), verbose=False
+        ),
     )
     cluster_path = work / "cluster.json"
     cluster = _timed(timings, "cluster_s", lambda: agreed_cluster(settings, cluster_path))
     device_type = cluster.rank_device_types[rank]
 
-    _say(rank, f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} (cache: {settings.profiles_dir()})")
+    _say(
+        rank,
+        f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} (cache: "
+        f"{settings.profiles_dir()})",
+    )
     profiles, cache_hit = _timed(timings, "profile_s", lambda: profile_devices(settings, cluster_path))
     _say(rank, f"profiles {'from the cache' if cache_hit else 'measured'} in {timings['profile_s']:.1f} s")
 
@@ -122,9 +131,20 @@ def run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[s
     engines = {}
     for policy in policies:
         plan_path = work / f"plan-{policy}.json"
-        engines[policy] = _timed(timings, f"initialize_{policy}_s", lambda: build_engine(settings, cluster_path, plan_path))
-    _say(rank, "engines ready (first initialize {:.1f} s); training {} for {} rounds x {} iterations".format(
-        timings.get(f"initialize_{policies[0]}_s", 0.0) if policies else 0.0, ", ".join(policies), settings.rounds, settings.iterations))
+        engines[policy] = _timed(
+            timings,
+            f"initialize_{policy}_s",
+            lambda plan_path=plan_path: build_engine(settings, cluster_path, plan_path),
+        )
+    _say(
+        rank,
+        "engines ready (first initialize {:.1f} s); training {} for {} rounds x {} iterations".format(
+            timings.get(f"initialize_{policies[0]}_s", 0.0) if policies else 0.0,
+            ", ".join(policies),
+            settings.rounds,
+            settings.iterations,
+        ),
+    )
 
     measured: dict[str, dict[str, list[float]]] = {p: {key: [] for key in PolicyRun.MEASURES} for p in policies}
     for round_index in range(settings.rounds):
@@ -139,7 +159,11 @@ def run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[s
                 for key, value in engines[policy].run_iteration().items():
                     measured[policy][key].append(value)
             this_round = measured[policy]["iteration_time_s"][-settings.iterations :]
-            _say(rank, f"round {round_index + 1}/{settings.rounds} {policy}: {statistics.median(this_round):.2f} s per iteration (rank 0)")
+            _say(
+                rank,
+                f"round {round_index + 1}/{settings.rounds} {policy}: {statistics.median(this_round):.2f} s per "
+                "iteration (rank 0)",
+            )
 
     _say(rank, "measuring each rank's standalone throughput (the ideal)")
     profile = next(p for p in profiles if p.device_type == device_type)
@@ -242,7 +266,9 @@ def _make_model(settings: DemoSettings) -> torch.nn.Module:
 def _batch(settings: DemoSettings, micro_batch_size: int) -> torch.Tensor:
     """Random tokens: the content does not change the time of a step."""
     generator = torch.Generator().manual_seed(settings.seed * 7919 + micro_batch_size)
-    return torch.randint(0, settings.model.vocab_size, (micro_batch_size, settings.model.sequence_length + 1), generator=generator)
+    return torch.randint(
+        0, settings.model.vocab_size, (micro_batch_size, settings.model.sequence_length + 1), generator=generator
+    )
 
 
 def _cached_fingerprints(cache_dir: Path) -> set[str]:
@@ -307,8 +333,12 @@ def make_plans(settings: DemoSettings, profiles: list[Profile], cluster: Cluster
             del fit["samples"]
     for policy in POLICIES:
         result = search_plan(
-            profiles, cluster, global_batch_size=settings.global_batch_size, zero_stage=settings.zero_stage,
-            policy=policy, network=network,
+            profiles,
+            cluster,
+            global_batch_size=settings.global_batch_size,
+            zero_stage=settings.zero_stage,
+            policy=policy,
+            network=network,
         )
         if result.status != "ok":
             out["policies"][policy] = {"status": result.status, "message": result.message, "plan": None}
@@ -326,20 +356,34 @@ def make_plans(settings: DemoSettings, profiles: list[Profile], cluster: Cluster
                 "optimizer_step_s": float(prediction.optimizer_step_s),
                 "boundary_s": float(prediction.boundary_s),
             },
-            "predicted": {"iteration_time_s": float(prediction.iteration_time_s), "samples_per_s": float(prediction.samples_per_s)},
+            "predicted": {
+                "iteration_time_s": float(prediction.iteration_time_s),
+                "samples_per_s": float(prediction.samples_per_s),
+            },
         }
         out["ideal_predicted"] = max(out.get("ideal_predicted", 0.0), result.plan.predicted.ideal_samples_per_s)
     first = profiles[0]
-    out["model"] = {"name": first.model.name, "num_parameters": first.model.num_parameters, "fingerprint": first.model.fingerprint}
+    out["model"] = {
+        "name": first.model.name,
+        "num_parameters": first.model.num_parameters,
+        "fingerprint": first.model.fingerprint,
+    }
     out["profiles"] = {
         p.device_type: {
             "curve": [
-                {"micro_batch_size": s.micro_batch_size, "micro_step_time_s": s.micro_step_time_s, "samples_per_s": s.micro_batch_size / s.micro_step_time_s}
+                {
+                    "micro_batch_size": s.micro_batch_size,
+                    "micro_step_time_s": s.micro_step_time_s,
+                    "samples_per_s": s.micro_batch_size / s.micro_step_time_s,
+                }
                 for s in p.samples
             ],
             "max_micro_batch_size": p.max_micro_batch_size,
             "optimizer_step_time_s": p.optimizer_step_time_s,
-            "provenance": {**p.measured_with, "emulated": None if p.emulated is None else dataclasses.asdict(p.emulated)},
+            "provenance": {
+                **p.measured_with,
+                "emulated": None if p.emulated is None else dataclasses.asdict(p.emulated),
+            },
         }
         for p in profiles
         if p.zero_stage == settings.zero_stage
@@ -420,7 +464,12 @@ def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) ->
     config = deepspeed_config(settings)
     # One thread (emulation times compute by the thread's CPU time) and the allocator
     # the profiler measured under: the demo owns its processes and asks for both.
-    config["poplar"] = {"cluster": str(cluster_path), "plan": str(plan_path), "cpu_threads": 1, "steady_cpu_allocator": True}
+    config["poplar"] = {
+        "cluster": str(cluster_path),
+        "plan": str(plan_path),
+        "cpu_threads": 1,
+        "steady_cpu_allocator": True,
+    }
     model = _make_model(settings)
     engine, _, _, _ = poplar_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
     return PolicyRun(engine, _batch(settings, rank_plan.micro_batch_size), rank_plan.gradient_accumulation_steps)

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .demo_config import DemoSettings
 from poplar_search.formats import write_json_atomic
+
+from .demo_config import DemoSettings
 
 RUNS = ("static-drift", "adaptive-drift", "static-steady", "adaptive-steady")
 """(policy, scenario) pairs in the order they run."""
@@ -67,7 +68,10 @@ class DriftSettings(DemoSettings):
             )
 
     def schedule(self, base_slowdown: float) -> list[list[float]]:
-        return [[self.drift_at, base_slowdown * self.factor, self.drift_rank], [self.recover_at, base_slowdown, self.drift_rank]]
+        return [
+            [self.drift_at, base_slowdown * self.factor, self.drift_rank],
+            [self.recover_at, base_slowdown, self.drift_rank],
+        ]
 
 
 # ----------------------------------------------------------------------------------
@@ -88,20 +92,31 @@ def _say(rank: int, message: str) -> None:
 def _run_rank(rank: int, settings: DriftSettings, work: Path, port: int) -> dict[str, Any]:
     from datetime import timedelta
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(settings.world_size), LOCAL_WORLD_SIZE=str(settings.world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(settings.world_size),
+        LOCAL_WORLD_SIZE=str(settings.world_size),
+    )
     import deepspeed
     import torch.distributed as dist
 
-    from . import demo_worker
     from poplar_ext.hardware.cpu_process import limit_cpu_threads
     from poplar_search.formats import cluster_from_dict, cluster_to_dict, save_cluster
+
+    from . import demo_worker
 
     limit_cpu_threads()
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300), verbose=False)
     plain_path = work / "cluster.json"
     cluster = demo_worker.agreed_cluster(settings, plain_path)
-    _say(rank, f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} (cache: {settings.profiles_dir()})")
+    _say(
+        rank,
+        f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} (cache: "
+        f"{settings.profiles_dir()})",
+    )
     profiles, _ = demo_worker.profile_devices(settings, plain_path)
     drifting_path = work / "cluster-drift.json"
     if rank == 0:
@@ -117,15 +132,24 @@ def _run_rank(rank: int, settings: DriftSettings, work: Path, port: int) -> dict
     for run in RUNS:
         policy, scenario = run.split("-")
         _say(rank, f"{run}: {settings.drift_iterations} iterations")
-        runs[run] = _train(settings, work, cluster_path=drifting_path if scenario == "drift" else plain_path,
-                           adaptive=policy == "adaptive")
+        runs[run] = _train(
+            settings,
+            work,
+            cluster_path=drifting_path if scenario == "drift" else plain_path,
+            adaptive=policy == "adaptive",
+        )
     _say(rank, "measuring each rank's standalone throughput (the ideal)")
     device_type = cluster.rank_device_types[rank]
     profile = next(p for p in profiles if p.device_type == device_type)
     standalone = demo_worker.measure_standalone(settings, cluster, rank, profile)
     dist.barrier()
-    return {"rank": rank, "device_type": device_type, "runs": runs, "standalone": standalone,
-            "slowdown": cluster.emulation_of(device_type).slowdown}
+    return {
+        "rank": rank,
+        "device_type": device_type,
+        "runs": runs,
+        "standalone": standalone,
+        "slowdown": cluster.emulation_of(device_type).slowdown,
+    }
 
 
 def _write_plan(settings: DriftSettings, profiles, cluster, path: Path) -> None:
@@ -133,8 +157,14 @@ def _write_plan(settings: DriftSettings, profiles, cluster, path: Path) -> None:
     from poplar_search.formats import save_plan
     from poplar_search.network import find_network
 
-    result = search_plan(profiles, cluster, global_batch_size=settings.global_batch_size, zero_stage=settings.zero_stage,
-                         policy="poplar", network=find_network(settings.profiles_dir(), cluster))
+    result = search_plan(
+        profiles,
+        cluster,
+        global_batch_size=settings.global_batch_size,
+        zero_stage=settings.zero_stage,
+        policy="poplar",
+        network=find_network(settings.profiles_dir(), cluster),
+    )
     if result.status != "ok":
         raise RuntimeError(f"no poplar plan for the drift bench: {result.message}")
     save_plan(result.plan, path)
@@ -145,21 +175,34 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
     import torch.distributed as dist
 
     import poplar_ext
-    from . import demo_worker
     from poplar_ext.models.toy_gpt import SyntheticTokens
+
+    from . import demo_worker
 
     config = demo_worker.deepspeed_config(settings)
     config["poplar"] = {
-        "cluster": str(cluster_path), "plan": str(work / "plan.json"), "profiles": str(settings.profiles_dir()),
-        "cpu_threads": 1, "steady_cpu_allocator": True, "log_interval_steps": 0,
-        "rebalance": {"enabled": adaptive, "check_interval_steps": settings.check_interval_steps,
-                      "threshold": settings.threshold, "min_gain": settings.min_gain,
-                      "sustained_checks": settings.sustained_checks},
+        "cluster": str(cluster_path),
+        "plan": str(work / "plan.json"),
+        "profiles": str(settings.profiles_dir()),
+        "cpu_threads": 1,
+        "steady_cpu_allocator": True,
+        "log_interval_steps": 0,
+        "rebalance": {
+            "enabled": adaptive,
+            "check_interval_steps": settings.check_interval_steps,
+            "threshold": settings.threshold,
+            "min_gain": settings.min_gain,
+            "sustained_checks": settings.sustained_checks,
+        },
     }
     model = demo_worker._make_model(settings)
     engine, _, _, _ = poplar_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
-    data = SyntheticTokens(num_samples=settings.global_batch_size * 4, sequence_length=settings.model.sequence_length,
-                           vocab_size=settings.model.vocab_size, seed=settings.seed)
+    data = SyntheticTokens(
+        num_samples=settings.global_batch_size * 4,
+        sequence_length=settings.model.sequence_length,
+        vocab_size=settings.model.vocab_size,
+        seed=settings.seed,
+    )
     loader = torch.utils.data.DataLoader(data, batch_sampler=engine.create_batch_sampler(len(data)))
     hook_s = [0.0]
     rebalancer = engine._rebalancer
@@ -192,9 +235,14 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
             iteration_s.append(time.perf_counter() - start)
         if index == warmup - 1:
             hook_s[0] = 0.0
-    history = [{"start_step": h["start_step"], "reason": h["reason"],
-                "allocation": [(r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in h["plan"]["ranks"]]}
-               for h in engine.plan_history]
+    history = [
+        {
+            "start_step": h["start_step"],
+            "reason": h["reason"],
+            "allocation": [(r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in h["plan"]["ranks"]],
+        }
+        for h in engine.plan_history
+    ]
     return {"iteration_s": iteration_s, "rebalance_hook_s": hook_s[0], "history": history, "warmup_iterations": warmup}
 
 
@@ -222,8 +270,12 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
         ideal = []
         for step in steps_done:
             drifted = scenario == "drift" and settings.drift_at <= step < settings.recover_at
-            ideal.append(sum(b / (settings.factor if drifted and rank == settings.drift_rank else 1.0)
-                             for rank, b in enumerate(best)))
+            ideal.append(
+                sum(
+                    b / (settings.factor if drifted and rank == settings.drift_rank else 1.0)
+                    for rank, b in enumerate(best)
+                )
+            )
         rate = [batch / t for t in times]
         hook_s = max(r["runs"][run]["rebalance_hook_s"] for r in rank_results)
         runs[run] = {
@@ -238,31 +290,64 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
         }
     adaptive = runs["adaptive-drift"]
     deadline = settings.drift_at + 2 * settings.check_interval_steps
-    reached = next((step for step, share in zip(adaptive["steps_done"], adaptive["share_of_ideal"])
-                    if settings.drift_at <= step < settings.recover_at and share >= SHARE_GOAL), None)
-    window = [s for step, s in zip(adaptive["steps_done"], adaptive["share_of_ideal"]) if deadline <= step < settings.recover_at]
-    static_window = [s for step, s in zip(runs["static-drift"]["steps_done"], runs["static-drift"]["share_of_ideal"])
-                     if deadline <= step < settings.recover_at]
+    reached = next(
+        (
+            step
+            for step, share in zip(adaptive["steps_done"], adaptive["share_of_ideal"])
+            if settings.drift_at <= step < settings.recover_at and share >= SHARE_GOAL
+        ),
+        None,
+    )
+    window = [
+        s
+        for step, s in zip(adaptive["steps_done"], adaptive["share_of_ideal"])
+        if deadline <= step < settings.recover_at
+    ]
+    static_window = [
+        s
+        for step, s in zip(runs["static-drift"]["steps_done"], runs["static-drift"]["share_of_ideal"])
+        if deadline <= step < settings.recover_at
+    ]
     steady = runs["adaptive-steady"]
     goals = [
-        {"goal": "adaptive reaches >= 0.9 of the new ideal within two check intervals of the change",
-         "value": None if not window else statistics.median(window), "detail":
-             f"median share over iterations {deadline + 1}-{settings.recover_at} (static: "
-             f"{statistics.median(static_window) if static_window else float('nan'):.3f}); first iteration at >= 0.9: "
-             f"{'none' if reached is None else reached + 1}",
-         "met": bool(window) and statistics.median(window) >= SHARE_GOAL},
-        {"goal": "without drift, re-balancing costs <= 1% of iteration time", "value": steady["rebalance_cost_share"],
-         "detail": "time inside the per-step hook (with its collectives) / iteration time",
-         "met": steady["rebalance_cost_share"] is not None and steady["rebalance_cost_share"] <= COST_GOAL},
+        {
+            "goal": "adaptive reaches >= 0.9 of the new ideal within two check intervals of the change",
+            "value": None if not window else statistics.median(window),
+            "detail": f"median share over iterations {deadline + 1}-{settings.recover_at} (static: "
+            f"{statistics.median(static_window) if static_window else float('nan'):.3f}); first iteration at >= 0.9: "
+            f"{'none' if reached is None else reached + 1}",
+            "met": bool(window) and statistics.median(window) >= SHARE_GOAL,
+        },
+        {
+            "goal": "without drift, re-balancing costs <= 1% of iteration time",
+            "value": steady["rebalance_cost_share"],
+            "detail": "time inside the per-step hook (with its collectives) / iteration time",
+            "met": steady["rebalance_cost_share"] is not None and steady["rebalance_cost_share"] <= COST_GOAL,
+        },
         {"goal": "without drift, no re-plan", "value": steady["replans"], "detail": "", "met": steady["replans"] == 0},
     ]
     return {
         "kind": "drift",
         "devices": "emulated CPU ranks (real DeepSpeed ZeRO, gloo); the ideal from each rank's measured standalone "
-                   "throughput, the drifted rank's divided by its factor",
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(settings).items()
-                     if k in ("drift_rank", "factor", "drift_at", "recover_at", "drift_iterations", "check_interval_steps",
-                              "threshold", "min_gain", "sustained_checks", "global_batch_size", "zero_stage")},
+        "throughput, the drifted rank's divided by its factor",
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in dataclasses.asdict(settings).items()
+            if k
+            in (
+                "drift_rank",
+                "factor",
+                "drift_at",
+                "recover_at",
+                "drift_iterations",
+                "check_interval_steps",
+                "threshold",
+                "min_gain",
+                "sustained_checks",
+                "global_batch_size",
+                "zero_stage",
+            )
+        },
         "device_types": [r["device_type"] for r in rank_results],
         "standalone_best_samples_per_s": best,
         "runs": runs,
@@ -273,32 +358,53 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
 def render_markdown(summary: dict[str, Any]) -> str:
     s = summary["settings"]
     lines = [
-        "# Drift: static poplar against adaptive re-balancing", "",
-        (f"Devices: {summary['devices']}. Rank {s['drift_rank']} ({summary['device_types'][s['drift_rank']]}) runs "
-        f"{s['factor']}x slower from optimizer step {s['drift_at']} to {s['recover_at']}; ZeRO stage {s['zero_stage']}, "
-        f"global batch {s['global_batch_size']}; checks every {s['check_interval_steps']} steps, threshold "
-        f"{s['threshold']}, {s['sustained_checks']} sustained checks, minimum gain {s['min_gain']}."), "",
-        "## Goals", "",
+        "# Drift: static poplar against adaptive re-balancing",
+        "",
+        (
+            f"Devices: {summary['devices']}. Rank {s['drift_rank']} ({summary['device_types'][s['drift_rank']]}) runs "
+            f"{s['factor']}x slower from optimizer step {s['drift_at']} to {s['recover_at']}; ZeRO stage "
+            f"{s['zero_stage']}, "
+            f"global batch {s['global_batch_size']}; checks every {s['check_interval_steps']} steps, threshold "
+            f"{s['threshold']}, {s['sustained_checks']} sustained checks, minimum gain {s['min_gain']}."
+        ),
+        "",
+        "## Goals",
+        "",
     ]
     for goal in summary["goals"]:
         value = goal["value"]
         shown = "n/a" if value is None else (f"{value:.4f}" if isinstance(value, float) else str(value))
         lines.append(f"- {goal['goal']}: **{shown}** ({'met' if goal['met'] else 'NOT met'}). {goal['detail']}")
-    lines += ["", "## Runs", "", "| run | re-plans | median samples/s | median share of ideal | re-balancing cost |",
-              "| --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "## Runs",
+        "",
+        "| run | re-plans | median samples/s | median share of ideal | re-balancing cost |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for run, data in summary["runs"].items():
         cost = data["rebalance_cost_share"]
-        lines.append(f"| {run} | {data['replans']} | {statistics.median(data['samples_per_s']):.1f} | "
-                     f"{statistics.median(data['share_of_ideal']):.3f} | {'' if not cost else f'{100 * cost:.2f}%'} |")
+        lines.append(
+            f"| {run} | {data['replans']} | {statistics.median(data['samples_per_s']):.1f} | "
+            f"{statistics.median(data['share_of_ideal']):.3f} | {'' if not cost else f'{100 * cost:.2f}%'} |"
+        )
     lines += ["", "## Plans of the adaptive run with drift", ""]
     for entry in summary["runs"]["adaptive-drift"]["plan_history"]:
         lines.append(f"- from step {entry['start_step']}: {entry['allocation']} ({entry['reason']})")
-    lines += ["", "## Per iteration (samples/s; ideal in brackets)", "", "| iteration | " + " | ".join(RUNS) + " |",
-              "| --- |" + " --- |" * len(RUNS)]
+    lines += [
+        "",
+        "## Per iteration (samples/s; ideal in brackets)",
+        "",
+        "| iteration | " + " | ".join(RUNS) + " |",
+        "| --- |" + " --- |" * len(RUNS),
+    ]
     first = summary["runs"][RUNS[0]]
     for index, step in enumerate(first["steps_done"]):
-        cells = [f"{summary['runs'][run]['samples_per_s'][index]:.1f} ({summary['runs'][run]['ideal_samples_per_s'][index]:.0f})"
-                 for run in RUNS]
+        cells = [
+            f"{summary['runs'][run]['samples_per_s'][index]:.1f} "
+            f"({summary['runs'][run]['ideal_samples_per_s'][index]:.0f})"
+            for run in RUNS
+        ]
         lines.append(f"| {step + 1} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -314,7 +420,9 @@ def render_figure(summary: dict[str, Any], path: Path) -> None:
         data = summary["runs"][run]
         axis.plot([s + 1 for s in data["steps_done"]], data["samples_per_s"], style, label=run)
     drift = summary["runs"]["static-drift"]
-    axis.plot([s + 1 for s in drift["steps_done"]], drift["ideal_samples_per_s"], "k--", linewidth=1, label="ideal (drift)")
+    axis.plot(
+        [s + 1 for s in drift["steps_done"]], drift["ideal_samples_per_s"], "k--", linewidth=1, label="ideal (drift)"
+    )
     axis.set_xlabel("iteration")
     axis.set_ylabel("samples/s")
     axis.set_title("Drift on emulated CPU ranks: static poplar vs adaptive re-balancing")
@@ -348,8 +456,10 @@ def run_drift(settings: DriftSettings, *, out_dir: Path, name: str = "drift") ->
         render_figure(summary, out_dir / f"{name}.png")
         paths.append(out_dir / f"{name}.png")
     for goal in summary["goals"]:
-        print(f"[poplar-bench drift] goal {goal['goal']}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})",
-              file=sys.stderr)
+        print(
+            f"[poplar-bench drift] goal {goal['goal']}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})",
+            file=sys.stderr,
+        )
     return paths
 
 

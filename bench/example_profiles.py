@@ -15,7 +15,9 @@ from poplar_search.formats import ZERO_STAGES, Cluster, ClusterNode, DeviceGroup
 from .gpu_model import ModelShape, gpu_spec, modelled_profile
 
 HERE = Path(__file__).resolve().parents[1] / "profiles" / "examples"
-SHAPE = ModelShape(name="gpt2-small-124m", num_layers=12, hidden_size=768, num_heads=12, sequence_length=1024, vocab_size=50257)
+SHAPE = ModelShape(
+    name="gpt2-small-124m", num_layers=12, hidden_size=768, num_heads=12, sequence_length=1024, vocab_size=50257
+)
 DEVICES = {"A100-80GB": 4, "V100-16GB": 4}
 
 

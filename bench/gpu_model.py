@@ -199,7 +199,11 @@ class ModelShape:
         return 2 * s * h * self.num_layers + 34 * s * h + 10 * s * self.vocab_size
 
     def kept_bytes_per_sample(self, activation_checkpointing: bool) -> int:
-        return self.checkpointed_activation_bytes_per_sample if activation_checkpointing else self.activation_bytes_per_sample
+        return (
+            self.checkpointed_activation_bytes_per_sample
+            if activation_checkpointing
+            else self.activation_bytes_per_sample
+        )
 
     @property
     def fingerprint(self) -> str:
@@ -208,7 +212,9 @@ class ModelShape:
 
 # Shapes from the GPT-2 and GPT-3 papers; used by the shipped simulations.
 MODEL_SHAPES: tuple[ModelShape, ...] = (
-    ModelShape(name="gpt2-xl-1.5b", num_layers=48, hidden_size=1600, num_heads=25, sequence_length=1024, vocab_size=50257),
+    ModelShape(
+        name="gpt2-xl-1.5b", num_layers=48, hidden_size=1600, num_heads=25, sequence_length=1024, vocab_size=50257
+    ),
     ModelShape(name="gpt3-6.7b", num_layers=32, hidden_size=4096, num_heads=32, sequence_length=2048, vocab_size=50257),
 )
 
@@ -277,8 +283,13 @@ RECOMPUTE_FLOPS_FACTOR = 4.0 / 3.0
 
 
 def peak_memory_bytes(
-    shape: ModelShape, zero_stage: int, world_size: int, micro_batch_size: int, assumptions: Assumptions,
-    activation_checkpointing: bool = False, optimizer_offload: bool = False,
+    shape: ModelShape,
+    zero_stage: int,
+    world_size: int,
+    micro_batch_size: int,
+    assumptions: Assumptions,
+    activation_checkpointing: bool = False,
+    optimizer_offload: bool = False,
 ) -> int:
     """Modelled peak memory of one micro-step of `micro_batch_size` samples."""
     total = state_bytes(shape.num_parameters, zero_stage, world_size, optimizer_offload)
@@ -311,7 +322,12 @@ def _ring_s(num_bytes: float, world_size: int, assumptions: Assumptions) -> floa
 
 
 def micro_step_time_s(
-    spec: GpuSpec, shape: ModelShape, zero_stage: int, world_size: int, micro_batch_size: int, assumptions: Assumptions,
+    spec: GpuSpec,
+    shape: ModelShape,
+    zero_stage: int,
+    world_size: int,
+    micro_batch_size: int,
+    assumptions: Assumptions,
     activation_checkpointing: bool = False,
 ) -> float:
     """Modelled forward + backward of `micro_batch_size` samples (see module docstring); with
@@ -330,7 +346,11 @@ def micro_step_time_s(
 
 
 def optimizer_step_time_s(
-    spec: GpuSpec, shape: ModelShape, zero_stage: int, world_size: int, assumptions: Assumptions,
+    spec: GpuSpec,
+    shape: ModelShape,
+    zero_stage: int,
+    world_size: int,
+    assumptions: Assumptions,
     optimizer_offload: bool = False,
 ) -> float:
     """Modelled accumulation boundary: the Adam update (on the host when offloaded, with the
@@ -352,8 +372,13 @@ def optimizer_step_time_s(
 
 
 def max_micro_batch_size(
-    spec: GpuSpec, shape: ModelShape, zero_stage: int, world_size: int, assumptions: Assumptions,
-    activation_checkpointing: bool = False, optimizer_offload: bool = False,
+    spec: GpuSpec,
+    shape: ModelShape,
+    zero_stage: int,
+    world_size: int,
+    assumptions: Assumptions,
+    activation_checkpointing: bool = False,
+    optimizer_offload: bool = False,
 ) -> int:
     """Largest micro-batch whose modelled peak fits the device; 0 when none does."""
     free = spec.memory_capacity_bytes - peak_memory_bytes(
@@ -375,8 +400,14 @@ def sample_sizes(max_size: int) -> list[int]:
 
 
 def modelled_profile(
-    spec: GpuSpec, shape: ModelShape, *, zero_stage: int, world_size: int, assumptions: Assumptions | None = None,
-    activation_checkpointing: bool = False, optimizer_offload: bool = False,
+    spec: GpuSpec,
+    shape: ModelShape,
+    *,
+    zero_stage: int,
+    world_size: int,
+    assumptions: Assumptions | None = None,
+    activation_checkpointing: bool = False,
+    optimizer_offload: bool = False,
 ) -> Profile:
     """A `Profile` for `spec` running `shape` at one ZeRO stage and world size, labelled modelled."""
     if world_size < 1:
@@ -424,8 +455,12 @@ def modelled_profile(
 
 
 def modelled_profiles(
-    device_types: list[str] | tuple[str, ...], shape: ModelShape, *, world_size: int,
-    zero_stages: tuple[int, ...] = ZERO_STAGES, assumptions: Assumptions | None = None,
+    device_types: list[str] | tuple[str, ...],
+    shape: ModelShape,
+    *,
+    world_size: int,
+    zero_stages: tuple[int, ...] = ZERO_STAGES,
+    assumptions: Assumptions | None = None,
     checkpointing: tuple[bool, ...] = (False,),
     offload: tuple[bool, ...] = (False,),
 ) -> list[Profile]:
@@ -433,8 +468,15 @@ def modelled_profiles(
     optimizer offload in `offload` at stages 1-2); unknown device types raise ValueError."""
     specs = [gpu_spec(name) for name in dict.fromkeys(device_types)]
     return [
-        modelled_profile(spec, shape, zero_stage=stage, world_size=world_size, assumptions=assumptions,
-                         activation_checkpointing=on, optimizer_offload=offloaded)
+        modelled_profile(
+            spec,
+            shape,
+            zero_stage=stage,
+            world_size=world_size,
+            assumptions=assumptions,
+            activation_checkpointing=on,
+            optimizer_offload=offloaded,
+        )
         for spec in specs
         for stage in zero_stages
         for on in checkpointing

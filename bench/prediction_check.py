@@ -46,7 +46,9 @@ DEFAULT_CASES = (
 def repetition_errors(entry: dict[str, Any]) -> list[float]:
     """(predicted - measured) / measured for each measured repetition of one policy's run."""
     predicted_s = entry["predicted"]["iteration_time_s"]
-    return [(predicted_s - measured_s) / measured_s for measured_s in entry["measured"]["iteration_time_s"]["repetitions"]]
+    return [
+        (predicted_s - measured_s) / measured_s for measured_s in entry["measured"]["iteration_time_s"]["repetitions"]
+    ]
 
 
 def summarize(cases: list[tuple[PredictionCase, dict[str, Any]]]) -> dict[str, Any]:
@@ -78,9 +80,9 @@ def summarize(cases: list[tuple[PredictionCase, dict[str, Any]]]) -> dict[str, A
         "kind": "prediction_check",
         "goal": {"median_abs_error_at_most": MAX_MEDIAN_ABS_ERROR},
         "devices": "emulated CPU ranks (gloo); communication priced from the network the profiler measured",
-        "profiles": "measured afresh in each case's run" if all(
-            report.get("scenarios", [{}])[0].get("profiles_from_cache") is False for _, report in cases
-        ) else "some cases reused cached profiles (see each case's report)",
+        "profiles": "measured afresh in each case's run"
+        if all(report.get("scenarios", [{}])[0].get("profiles_from_cache") is False for _, report in cases)
+        else "some cases reused cached profiles (see each case's report)",
         "rows": rows,
         "worst_median_abs_error": max((r["median_abs_error"] for r in measured), default=None),
         "goal_met": bool(measured) and all(r["median_abs_error"] <= MAX_MEDIAN_ABS_ERROR for r in measured),
@@ -89,18 +91,23 @@ def summarize(cases: list[tuple[PredictionCase, dict[str, Any]]]) -> dict[str, A
 
 def render_markdown(summary: dict[str, Any], *, title: str = "Prediction error beyond the tuned case") -> str:
     lines = [
-        f"# {title}", "",
-        (f"Devices: {summary['devices']}; profiles: {summary.get('profiles', 'n/a')}. "
-         "Error = (predicted - measured) / measured iteration time, per "
-        "measured repetition; the goal is a median |error| of at most "
-        f"{100 * summary['goal']['median_abs_error_at_most']:.0f}% for every case and policy."), "",
+        f"# {title}",
+        "",
+        (
+            f"Devices: {summary['devices']}; profiles: {summary.get('profiles', 'n/a')}. "
+            "Error = (predicted - measured) / measured iteration time, per "
+            "measured repetition; the goal is a median |error| of at most "
+            f"{100 * summary['goal']['median_abs_error_at_most']:.0f}% for every case and policy."
+        ),
+        "",
         "| case | stage | ranks | policy | repetitions | median abs. error | median error | share of ideal |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in summary["rows"]:
         if "median_abs_error" not in row:
-            lines.append(f"| {row['case']} | {row['zero_stage']} | {row['ranks']} | {row['policy']} | "
-                         f"{row['status']} | | | |")
+            lines.append(
+                f"| {row['case']} | {row['zero_stage']} | {row['ranks']} | {row['policy']} | {row['status']} | | | |"
+            )
             continue
         share = row.get("share_of_ideal")
         lines.append(
@@ -109,8 +116,13 @@ def render_markdown(summary: dict[str, Any], *, title: str = "Prediction error b
             f"{'' if share is None else f'{share:.3f}'} |"
         )
     worst = summary["worst_median_abs_error"]
-    lines += ["", (f"Worst median |error|: {'n/a' if worst is None else f'{100 * worst:.1f}%'}; "
-              f"goal {'met' if summary['goal_met'] else 'NOT met'}.")]
+    lines += [
+        "",
+        (
+            f"Worst median |error|: {'n/a' if worst is None else f'{100 * worst:.1f}%'}; "
+            f"goal {'met' if summary['goal_met'] else 'NOT met'}."
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -128,9 +140,10 @@ def run_prediction_check(
     By default every case profiles afresh: a profile cached from another day or
     machine would measure the profile's staleness, not the cost model.
     """
+    from poplar_search.formats import read_json
+
     from . import demo
     from .demo_config import DemoSettings, default_devices, devices_from_slowdowns
-    from poplar_search.formats import read_json
 
     reports = []
     for number, case in enumerate(cases, start=1):

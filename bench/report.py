@@ -160,8 +160,14 @@ def demo_goals(scenario: dict[str, Any]) -> list[dict[str, Any]]:
     if poplar is None:
         return [{"goal": "poplar policy produced a plan", "value": None, "target": None, "met": False}]
     share = poplar.get("share_of_ideal")
-    goals.append({"goal": "poplar share of the measured ideal", "value": share, "target": f">= {POPLAR_SHARE_GOAL}",
-                  "met": share is not None and share >= POPLAR_SHARE_GOAL})
+    goals.append(
+        {
+            "goal": "poplar share of the measured ideal",
+            "value": share,
+            "target": f">= {POPLAR_SHARE_GOAL}",
+            "met": share is not None and share >= POPLAR_SHARE_GOAL,
+        }
+    )
     for entry in entries.values():
         error = entry.get("prediction_error")
         goals.append(
@@ -232,12 +238,18 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{scenario['cluster']['world_size']} ranks: {devices}. Model {scenario['model']['name']} "
             f"({scenario['model']['num_parameters']:,} parameters). Global batch {scenario['global_batch_size']}. "
             f"Ideal samples/s: measured {_fmt(ideal.get('measured'))}, predicted {_fmt(ideal.get('predicted'))}."
-            + ("" if "profiles_from_cache" not in scenario else
-               f" Profiles: {'reused from the cache' if scenario['profiles_from_cache'] else 'measured in this run'}.")
+            + (
+                ""
+                if "profiles_from_cache" not in scenario
+                else " Profiles: "
+                + ("reused from the cache." if scenario["profiles_from_cache"] else "measured in this run.")
+            )
         )
         lines += [
             "",
-            "| policy | ZeRO stage | allocation (ranks x micro-batch*accumulation) | iteration s measured | iteration s predicted | prediction error | samples/s measured | samples/s predicted | speedup over uniform | share of ideal |",
+            "| policy | ZeRO stage | allocation (ranks x micro-batch*accumulation) | iteration s measured | iteration "
+            "s predicted | prediction error | samples/s measured | samples/s predicted | speedup over uniform | share "
+            "of ideal |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for e in scenario["policies"]:
@@ -267,15 +279,19 @@ def render_markdown(report: dict[str, Any]) -> str:
                 "",
                 "Per rank, busy time per iteration (its own micro-steps, without waiting for the others):",
                 "",
-                "| policy | rank | device type | micro-batch * accumulation | busy s measured (median) | busy s predicted |",
+                "| policy | rank | device type | micro-batch * accumulation | busy s measured (median) | busy s "
+                "predicted |",
                 "| --- | --- | --- | --- | --- | --- |",
             ]
             for e, r in measured_ranks:
                 lines.append(
-                    f"| {e['policy']} | {r['rank']} | {r['device_type']} | {r['micro_batch_size']} * {r['gradient_accumulation_steps']} "
+                    f"| {e['policy']} | {r['rank']} | {r['device_type']} | {r['micro_batch_size']} * "
+                    f"{r['gradient_accumulation_steps']} "
                     f"| {_fmt(r['measured_busy_s']['median'])} | {_fmt(r['predicted_busy_s'])} |"
                 )
-        decomposed = [(e, r) for e in scenario["policies"] if e["status"] == "ok" for r in e["ranks"] if r.get("decomposition")]
+        decomposed = [
+            (e, r) for e in scenario["policies"] if e["status"] == "ok" for r in e["ranks"] if r.get("decomposition")
+        ]
         if decomposed:
             lines += [
                 "",
@@ -291,7 +307,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             for e, r in decomposed:
                 p, m = r["decomposition"]["predicted"], r["decomposition"]["measured"]
                 lines.append(
-                    f"| {e['policy']} | {r['rank']} ({r['device_type']}) | {_fmt(p['compute_s'])} / {_fmt(m['busy_s'])} "
+                    f"| {e['policy']} | {r['rank']} ({r['device_type']}) | {_fmt(p['compute_s'])} / "
+                    f"{_fmt(m['busy_s'])} "
                     f"| {_fmt(p['micro_step_communication_s'])} "
                     f"| {_fmt(p['boundary_communication_s'])} + {_fmt(p['optimizer_step_s'])} "
                     f"| {_fmt(m['boundary_reduction_and_wait_s'])} / {_fmt(m['step_s'])} "
@@ -304,11 +321,18 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"{name} {fit['bus_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s + {fit['latency_s'] * 1e6:.0f} us/hop"
                 for name, fit in network["collectives"].items()
             )
-            lines += ["", f"Network ({network['measured_with']['source']}, {network['backend']}, {network['world_size']} ranks): {fits}."]
+            lines += [
+                "",
+                f"Network ({network['measured_with']['source']}, {network['backend']}, {network['world_size']} ranks): "
+                f"{fits}.",
+            ]
         if scenario.get("goals"):
             lines += ["", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
             for g in scenario["goals"]:
-                lines.append(f"| {_cell(g['goal'])} | {_fmt(g['value'])} | {_cell(g['target'])} | {'yes' if g['met'] else 'NO'} |")
+                lines.append(
+                    f"| {_cell(g['goal'])} | {_fmt(g['value'])} | {_cell(g['target'])} | {'yes' if g['met'] else 'NO'} "
+                    "|"
+                )
     if report.get("scaling"):
         lines += render_scaling(report["scaling"])
     if report.get("checkpointing"):
@@ -321,59 +345,91 @@ def render_markdown(report: dict[str, Any]) -> str:
 def render_checkpointing(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown: poplar with the per-type activation checkpointing choice against poplar without (predicted)."""
     return _render_lever(
-        rows, lever="activation_checkpointing", column="checkpointing on",
+        rows,
+        lever="activation_checkpointing",
+        column="checkpointing on",
         title="Activation checkpointing per device type (poplar, predicted)",
-        intro=("Each type MODELLED without and with activation checkpointing (one more forward, 4/3 the FLOPs, one more "
-               "weight all-gather at stage 3; each layer's input kept instead of its activations). Cells: samples/s "
-               "without -> with the choice (gain), the types that checkpoint, and each type's micro-batch x steps."),
+        intro=(
+            "Each type MODELLED without and with activation checkpointing (one more forward, 4/3 the FLOPs, one more "
+            "weight all-gather at stage 3; each layer's input kept instead of its activations). Cells: samples/s "
+            "without -> with the choice (gain), the types that checkpoint, and each type's micro-batch x steps."
+        ),
     )
 
 
 def render_offload(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown: poplar with the per-type optimizer offload choice against poplar without (predicted)."""
     return _render_lever(
-        rows, lever="optimizer_offload", column="offload on",
+        rows,
+        lever="optimizer_offload",
+        column="offload on",
         title="Optimizer offload per device type (poplar, predicted)",
-        intro=("Each type MODELLED without and with its optimizer offloaded to the host at stages 1-2 (fp32 master "
-               "weights and Adam's moments off the device; the boundary adds the host's Adam update at an assumed "
-               "rate and the PCIe copies, see bench/gpu_model.py), without activation checkpointing. Cells: samples/s "
-               "without -> with the choice (gain), the types that offload, and each type's micro-batch x steps."),
+        intro=(
+            "Each type MODELLED without and with its optimizer offloaded to the host at stages 1-2 (fp32 master "
+            "weights and Adam's moments off the device; the boundary adds the host's Adam update at an assumed "
+            "rate and the PCIe copies, see bench/gpu_model.py), without activation checkpointing. Cells: samples/s "
+            "without -> with the choice (gain), the types that offload, and each type's micro-batch x steps."
+        ),
     )
 
 
 def _render_lever(rows: list[dict[str, Any]], *, lever: str, column: str, title: str, intro: str) -> list[str]:
     lines = ["", f"## {title}", "", intro]
     for row in rows:
-        lines += ["", f"### {row['name']} ({row['world_size']} GPUs, global batch {row['global_batch_size']})", "",
-                  f"| stage | without | with the choice | gain | {column} | micro-batch x steps (with) |",
-                  "| --- | ---: | ---: | ---: | --- | --- |"]
+        lines += [
+            "",
+            f"### {row['name']} ({row['world_size']} GPUs, global batch {row['global_batch_size']})",
+            "",
+            f"| stage | without | with the choice | gain | {column} | micro-batch x steps (with) |",
+            "| --- | ---: | ---: | ---: | --- | --- |",
+        ]
         for stage, cell in row["stages"].items():
             without, chosen = cell["without"], cell["with_choice"]
+
             def rate(c: dict[str, Any]) -> str:
                 return f"{c['samples_per_s']:.1f} (stage {c['zero_stage']})" if c["status"] == "ok" else "infeasible"
+
             on = ", ".join(t for t, v in chosen.get("types", {}).items() if v.get(lever)) or "none"
-            shape = ", ".join(f"{t} {v['micro_batch_size']}x{v['gradient_accumulation_steps']}"
-                              for t, v in chosen.get("types", {}).items())
+            shape = ", ".join(
+                f"{t} {v['micro_batch_size']}x{v['gradient_accumulation_steps']}"
+                for t, v in chosen.get("types", {}).items()
+            )
             gain = "-" if cell["gain"] is None else f"{cell['gain']:.2f}x"
-            lines.append(f"| {stage} | {rate(without)} | {rate(chosen)} | {gain} | {on if chosen['status'] == 'ok' else '-'} | {shape} |")
+            lines.append(
+                f"| {stage} | {rate(without)} | {rate(chosen)} | {gain} | {on if chosen['status'] == 'ok' else '-'} | "
+                f"{shape} |"
+            )
     return lines
 
 
 def render_scaling(series: list[dict[str, Any]]) -> list[str]:
     """Markdown: each stage alone as the cluster grows (see `bench.simulate.scaling_series`)."""
-    lines = ["", "## Each ZeRO stage as the cluster grows (poplar, predicted)", "",
-             ("Samples/s per GPU, share of the ideal and, in brackets, the share of the iteration spent in communication "
-              "not hidden behind compute (stage 3 overlaps its backward collectives); global batch = 16 samples per GPU.")]
+    lines = [
+        "",
+        "## Each ZeRO stage as the cluster grows (poplar, predicted)",
+        "",
+        (
+            "Samples/s per GPU, share of the ideal and, in brackets, the share of the iteration spent in communication "
+            "not hidden behind compute (stage 3 overlaps its backward collectives); global batch = 16 samples per GPU."
+        ),
+    ]
     for item in series:
-        lines += ["", f"### {item['name']}", "",
-                  "| GPUs | stage 0 | stage 1 | stage 2 | stage 3 | fastest |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"### {item['name']}",
+            "",
+            "| GPUs | stage 0 | stage 1 | stage 2 | stage 3 | fastest |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for row in item["rows"]:
             cells = []
             for stage in map(str, ZERO_STAGES):
                 cell = row["stages"][stage]
                 cells.append(
-                    "infeasible" if cell["status"] != "ok" else
-                    f"{cell['samples_per_s_per_gpu']:.3g} / {cell['share_of_ideal']:.2f} ({100 * cell['communication_share']:.0f}%)"
+                    "infeasible"
+                    if cell["status"] != "ok"
+                    else f"{cell['samples_per_s_per_gpu']:.3g} / {cell['share_of_ideal']:.2f} "
+                    f"({100 * cell['communication_share']:.0f}%)"
                 )
             lines.append(f"| {row['world_size']} | {' | '.join(cells)} | {_fmt(row['fastest_stage'], '{}')} |")
         stops = ", ".join(
@@ -443,7 +499,10 @@ def _plot_curves(ax: Any, scenarios: list[dict[str, Any]], featured: dict[str, A
                 )
     ax.set_xlabel("micro-batch size")
     ax.set_ylabel("samples/s (one device, micro-steps only)")
-    ax.set_title(f"device performance curves, {featured['model']['name']}\n(at the ZeRO stage of each scenario's poplar plan)", fontsize=9)
+    ax.set_title(
+        f"device performance curves, {featured['model']['name']}\n(at the ZeRO stage of each scenario's poplar plan)",
+        fontsize=9,
+    )
     _legend(ax, 7)
     ax.grid(alpha=0.3)
 
@@ -457,12 +516,12 @@ def _plot_rank_times(ax: Any, scenario: dict[str, Any]) -> None:
     for index, entry in enumerate(entries):
         if per_rank:
             labels = [
-                f"r{r['rank']}" + (f"-{r['rank'] + r['count'] - 1}" if r.get("count", 1) > 1 else "") + f"\n{r['device_type']}"
+                f"r{r['rank']}"
+                + (f"-{r['rank'] + r['count'] - 1}" if r.get("count", 1) > 1 else "")
+                + f"\n{r['device_type']}"
                 for r in entry["ranks"]
             ]
-            measured = [
-                (r.get("measured_busy_s") or {}).get("median") for r in entry["ranks"]
-            ]
+            measured = [(r.get("measured_busy_s") or {}).get("median") for r in entry["ranks"]]
             predicted = [r.get("predicted_busy_s") for r in entry["ranks"]]
         else:
             by_type: dict[str, list[dict[str, Any]]] = {}
@@ -480,13 +539,17 @@ def _plot_rank_times(ax: Any, scenario: dict[str, Any]) -> None:
         bars = ax.bar(xs, heights, width=width, label=f"{entry['policy']} (stage {entry['zero_stage']})")
         if has_measured:
             ax.scatter(xs, predicted, marker="_", s=200, color="black", zorder=3)
-        iteration = (entry.get("measured") or {}).get("iteration_time_s", {}).get("median") or entry["predicted"]["iteration_time_s"]
+        iteration = (entry.get("measured") or {}).get("iteration_time_s", {}).get("median") or entry["predicted"][
+            "iteration_time_s"
+        ]
         ax.axhline(iteration, color=bars.patches[0].get_facecolor(), linestyle="--", linewidth=0.8)
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, fontsize=7)
-    what = "bars: measured busy time, black: predicted" if any(
-        (r.get("measured_busy_s") or None) for e in entries for r in e["ranks"]
-    ) else ("predicted busy time" + ("" if per_rank else ", mean per device type"))
+    what = (
+        "bars: measured busy time, black: predicted"
+        if any((r.get("measured_busy_s") or None) for e in entries for r in e["ranks"])
+        else ("predicted busy time" + ("" if per_rank else ", mean per device type"))
+    )
     ax.set_ylabel("seconds per iteration")
     ax.set_title(f"time per iteration per rank ({what};\ndashed: iteration time)\n{scenario['name']}", fontsize=8)
     _legend(ax, 7)
@@ -517,7 +580,9 @@ def _legend(ax: Any, fontsize: int) -> None:
         ax.legend(fontsize=fontsize)
 
 
-def write_json_and_markdown(report: dict[str, Any], markdown: str, out_dir: str | os.PathLike[str], name: str) -> list[Path]:
+def write_json_and_markdown(
+    report: dict[str, Any], markdown: str, out_dir: str | os.PathLike[str], name: str
+) -> list[Path]:
     """Write ``name.json`` (the report) and ``name.md`` (`markdown`) into `out_dir`; returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -43,14 +43,22 @@ MODEL_SHAPE = {"vocab_size": 256, "sequence_length": 32, "num_layers": 2, "num_h
 
 def _files(directory: Path) -> dict[str, Any]:
     """Cluster, uniform plan and the two DeepSpeed configs (the same apart from ``poplar``)."""
-    cluster = {"schema_version": 1, "nodes": [{"name": "localhost", "devices": [{"device_type": "cpu", "count": WORLD_SIZE}]}]}
+    cluster = {
+        "schema_version": 1,
+        "nodes": [{"name": "localhost", "devices": [{"device_type": "cpu", "count": WORLD_SIZE}]}],
+    }
     plan = {
         "schema_version": 1,
         "policy": "uniform",
         "zero_stage": ZERO_STAGE,
         "global_batch_size": WORLD_SIZE * MICRO_BATCH_SIZE * ACCUMULATION_STEPS,
         "ranks": [
-            {"rank": r, "device_type": "cpu", "micro_batch_size": MICRO_BATCH_SIZE, "gradient_accumulation_steps": ACCUMULATION_STEPS}
+            {
+                "rank": r,
+                "device_type": "cpu",
+                "micro_batch_size": MICRO_BATCH_SIZE,
+                "gradient_accumulation_steps": ACCUMULATION_STEPS,
+            }
             for r in range(WORLD_SIZE)
         ],
         # Required by the plan format; this benchmark measures rather than predicts.
@@ -67,7 +75,14 @@ def _files(directory: Path) -> dict[str, Any]:
         "zero_optimization": {"stage": ZERO_STAGE},
         "steps_per_print": 10**9,
     }
-    wrapped = dict(raw, poplar={"cluster": str(directory / "cluster.json"), "plan": str(directory / "plan.json"), "log_interval_steps": 0})
+    wrapped = dict(
+        raw,
+        poplar={
+            "cluster": str(directory / "cluster.json"),
+            "plan": str(directory / "plan.json"),
+            "log_interval_steps": 0,
+        },
+    )
     return {"raw": raw, "wrapped": wrapped}
 
 
@@ -94,7 +109,9 @@ def _endless(loader):
 
 
 def _rank_main(rank: int, port: int, directory: str, blocks: int, block_iterations: int, warmup: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE)
+    )
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -112,14 +129,19 @@ def _rank_main(rank: int, port: int, directory: str, blocks: int, block_iteratio
     data = SyntheticTokens(num_samples=4096, sequence_length=shape.sequence_length, vocab_size=shape.vocab_size)
     engines = {}
     model = GPT(shape)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=configs["raw"])
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=configs["raw"]
+    )
     # The loader a user writes for raw DeepSpeed, in the main process like poplar_ext's
     # (DeepSpeed's own loader would start worker processes and measure those instead).
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=WORLD_SIZE, rank=rank, shuffle=True, seed=0)
     engines["raw"] = (engine, _endless(torch.utils.data.DataLoader(data, batch_size=MICRO_BATCH_SIZE, sampler=sampler)))
     model = GPT(shape)
     engine, _, loader, _ = poplar_ext.initialize(
-        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), training_data=data, config=configs["wrapped"]
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+        training_data=data,
+        config=configs["wrapped"],
     )
     engines["wrapped"] = (engine, _endless(loader))
     times: dict[str, list[list[float]]] = {"raw": [], "wrapped": []}
@@ -170,14 +192,16 @@ def measure_wrapper_cost(*, iterations: int = 20_000, repeats: int = 5) -> dict[
     import torch
 
     from poplar_ext.runtime.config import poplar_config_from_dict
-    from poplar_ext.runtime.engine import PoplarEngine
     from poplar_ext.runtime.data import PlanBatchSampler
+    from poplar_ext.runtime.engine import PoplarEngine
     from poplar_search.formats import plan_from_dict
 
     with tempfile.TemporaryDirectory() as directory:
         _files(Path(directory))
         plan = plan_from_dict(json.loads((Path(directory) / "plan.json").read_text()))
-    config = poplar_config_from_dict({"cluster": "c.json", "plan": "p.json", "log_interval_steps": 0}, base_dir=Path("."))
+    config = poplar_config_from_dict(
+        {"cluster": "c.json", "plan": "p.json", "log_interval_steps": 0}, base_dir=Path(".")
+    )
     sampler = PlanBatchSampler.from_plan(plan, rank=0, num_samples=4096)
     loss = torch.ones((), requires_grad=True)
 
@@ -194,12 +218,16 @@ def measure_wrapper_cost(*, iterations: int = 20_000, repeats: int = 5) -> dict[
     bare, wrapped = [], []
     for _ in range(repeats):
         bare.append(loop(_NoOpEngine(), with_sampler=False))
-        proxy = PoplarEngine(_NoOpEngine(), plan=plan, rank=0, poplar_config=config, device_label="cpu (real)", slowdown=None)
+        proxy = PoplarEngine(
+            _NoOpEngine(), plan=plan, rank=0, poplar_config=config, device_label="cpu (real)", slowdown=None
+        )
         wrapped.append(loop(proxy, with_sampler=True))
     return {"added_cpu_per_iteration_s": statistics.median(wrapped) - statistics.median(bare)}
 
 
-def run_overhead(*, blocks: int = 30, block_iterations: int = 8, warmup: int = 1, timeout_s: float = 900.0) -> dict[str, Any]:
+def run_overhead(
+    *, blocks: int = 30, block_iterations: int = 8, warmup: int = 1, timeout_s: float = 900.0
+) -> dict[str, Any]:
     """Measure both engines (see the module docstring); returns the report as a dict."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
@@ -231,15 +259,20 @@ def run_overhead(*, blocks: int = 30, block_iterations: int = 8, warmup: int = 1
     return report
 
 
-def summarise(blocks_s: dict[str, list[list[float]]], cpu_s: dict[str, list[float]], *, blocks: int, block_iterations: int, warmup: int) -> dict[str, Any]:
+def summarise(
+    blocks_s: dict[str, list[list[float]]],
+    cpu_s: dict[str, list[float]],
+    *,
+    blocks: int,
+    block_iterations: int,
+    warmup: int,
+) -> dict[str, Any]:
     """The report from per-block wall times and per-iteration CPU times of both engines."""
     raw_all = [t for block in blocks_s["raw"] for t in block]
     wrapped_all = [t for block in blocks_s["wrapped"] for t in block]
     # Paired by block: the machine's load drifts slowly, so a block of one engine is
     # compared with the neighbouring block of the other.
-    block_ratios = [
-        statistics.median(w) / statistics.median(r) for r, w in zip(blocks_s["raw"], blocks_s["wrapped"])
-    ]
+    block_ratios = [statistics.median(w) / statistics.median(r) for r, w in zip(blocks_s["raw"], blocks_s["wrapped"])]
     ratio = statistics.median(block_ratios)
     cpu_ratio = statistics.median(cpu_s["wrapped"]) / statistics.median(cpu_s["raw"])
     return {
@@ -318,15 +351,18 @@ def render_markdown(report: dict[str, Any]) -> str:
             "| engine | median iteration (ms) | median CPU time per iteration, rank 0 (ms) | iterations measured |",
             "| --- | ---: | ---: | ---: |",
             f"| raw DeepSpeed | {1000 * report['raw_deepspeed']['median_iteration_s']:.2f} | "
-            f"{1000 * report['raw_deepspeed']['median_cpu_per_iteration_s']:.2f} | {len(report['raw_deepspeed']['iterations_s'])} |",
+            f"{1000 * report['raw_deepspeed']['median_cpu_per_iteration_s']:.2f} | "
+            f"{len(report['raw_deepspeed']['iterations_s'])} |",
             f"| poplar_ext | {1000 * report['poplar_ext']['median_iteration_s']:.2f} | "
-            f"{1000 * report['poplar_ext']['median_cpu_per_iteration_s']:.2f} | {len(report['poplar_ext']['iterations_s'])} |",
+            f"{1000 * report['poplar_ext']['median_cpu_per_iteration_s']:.2f} | "
+            f"{len(report['poplar_ext']['iterations_s'])} |",
             "",
             f"CPU-time ratio (poplar_ext / raw): {report['cpu_time_ratio']:.4f}. Paired block ratios: quartiles "
             f"{', '.join(f'{q:.3f}' for q in statistics.quantiles(report['block_ratios'], n=4))} "
             f"over {len(report['block_ratios'])} blocks (their spread is the machine's noise).",
             "",
-            f"Overhead ratio (poplar_ext / raw, median of paired blocks): **{report['overhead_ratio']:.4f}**; goal <= {goal['target_ratio']}: "
+            f"Overhead ratio (poplar_ext / raw, median of paired blocks): **{report['overhead_ratio']:.4f}**; goal <= "
+            f"{goal['target_ratio']}: "
             f"{'met' if goal['met'] else 'NOT met'}.",
             "",
             _noise_note(report),
@@ -343,8 +379,11 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m poplar_bench.runtime_overhead", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m poplar_bench.runtime_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--blocks", type=int, default=30)
     parser.add_argument("--block-iterations", type=int, default=8)

@@ -30,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from .report import machine_description, utc_now, write_json_and_markdown
 from poplar_search import search_plan
 from poplar_search.formats import ZERO_STAGES, load_cluster, load_profiles
 from poplar_search.synthetic import random_profiles, simple_cluster
+
+from .report import machine_description, utc_now, write_json_and_markdown
 
 RANK_COUNTS = (8, 16, 64, 256, 1024, 4096)
 TYPE_COUNTS = (1, 2, 3, 4, 5, 6)
@@ -61,7 +62,9 @@ def _problem(num_ranks: int, num_types: int, seed: int):
     return profiles, simple_cluster({n: c for n, c in counts.items() if c > 0})
 
 
-def time_search(num_ranks: int, num_types: int, *, global_batch_size: int | None, repeats: int, seed: int = 0) -> dict[str, Any]:
+def time_search(
+    num_ranks: int, num_types: int, *, global_batch_size: int | None, repeats: int, seed: int = 0
+) -> dict[str, Any]:
     """Median wall time of `search_plan` on one synthetic problem (plus every repetition)."""
     profiles, cluster = _problem(num_ranks, num_types, seed)
     result = search_plan(profiles, cluster, global_batch_size=global_batch_size)  # warm-up
@@ -140,13 +143,24 @@ def run_search_speed(
         if not chosen:
             continue
         worst = max(max(c["fixed_batch"]["median_s"], c["auto_batch"]["median_s"]) for c in chosen)
-        goals.append({"goal": f"{goal['goal']} under {goal['target_s']} s", "value_s": worst,
-                      "target_s": goal["target_s"], "met": worst < goal["target_s"]})
+        goals.append(
+            {
+                "goal": f"{goal['goal']} under {goal['target_s']} s",
+                "value_s": worst,
+                "target_s": goal["target_s"],
+                "met": worst < goal["target_s"],
+            }
+        )
     problems, sources = _large_problems(example_dir)
     large_cells = [
-        {"problem": name, "ranks": cluster.world_size, "device_types": len(cluster.type_counts()), "zero_stage": stage,
-         "global_batch_size": batch,
-         **time_large_batch(profiles, cluster, global_batch_size=batch, zero_stage=stage, repeats=large_repeats)}
+        {
+            "problem": name,
+            "ranks": cluster.world_size,
+            "device_types": len(cluster.type_counts()),
+            "zero_stage": stage,
+            "global_batch_size": batch,
+            **time_large_batch(profiles, cluster, global_batch_size=batch, zero_stage=stage, repeats=large_repeats),
+        }
         for name, profiles, cluster in problems
         for batch in large_batches
         for stage in ZERO_STAGES
@@ -154,8 +168,14 @@ def run_search_speed(
     if large_cells:
         worst = max(c["median_s"] for c in large_cells)
         target = LARGE_BATCH_GOAL["target_s"]
-        goals.append({"goal": f"{LARGE_BATCH_GOAL['goal']} under {target} s", "value_s": worst,
-                      "target_s": target, "met": worst < target})
+        goals.append(
+            {
+                "goal": f"{LARGE_BATCH_GOAL['goal']} under {target} s",
+                "value_s": worst,
+                "target_s": target,
+                "met": worst < target,
+            }
+        )
     return {
         "kind": "search-speed",
         "created_utc": utc_now(),
@@ -220,7 +240,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         for cell in large:
             repeats = ", ".join(f"{1000 * t:.1f}" for t in cell["repetitions_s"])
             lines.append(
-                f"| {cell['problem']} | {cell['zero_stage']} | {cell['global_batch_size']} | {1000 * cell['median_s']:.1f} | "
+                f"| {cell['problem']} | {cell['zero_stage']} | {cell['global_batch_size']} | "
+                f"{1000 * cell['median_s']:.1f} | "
                 f"{repeats} | {cell['peak_memory_bytes'] / 2**20:.1f} | {cell['predicted_iteration_time_s']:.6g} |"
             )
     lines += ["", "| goal | slowest median | met |", "| --- | ---: | --- |"]
@@ -235,8 +256,11 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m poplar_bench.search_speed", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m poplar_bench.search_speed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)

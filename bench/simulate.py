@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from poplar_search import predict, search_plan
+from poplar_search.formats import POLICIES, ZERO_STAGES, Cluster, Profile, load_cluster
+from poplar_search.network import NetworkProfile
+
 from . import gpu_model
 from .report import (
     REPORT_SCHEMA,
@@ -21,9 +25,6 @@ from .report import (
     machine_description,
     utc_now,
 )
-from poplar_search import predict, search_plan
-from poplar_search.formats import POLICIES, ZERO_STAGES, Cluster, Profile, load_cluster
-from poplar_search.network import NetworkProfile
 
 DEFAULT_SAMPLES_PER_RANK = 16
 
@@ -65,8 +66,12 @@ def modelled_case(
     if samples_per_rank < 1:
         raise ValueError(f"samples_per_rank: expected an integer >= 1, found {samples_per_rank!r}")
     profiles = gpu_model.modelled_profiles(
-        cluster.rank_device_types, shape, world_size=cluster.world_size, assumptions=assumptions,
-        checkpointing=checkpointing, offload=offload,
+        cluster.rank_device_types,
+        shape,
+        world_size=cluster.world_size,
+        assumptions=assumptions,
+        checkpointing=checkpointing,
+        offload=offload,
     )
     return SimulationCase(
         name=name,
@@ -98,7 +103,9 @@ def _device_sources(case: SimulationCase) -> dict[str, dict[str, Any]]:
         sources[device_type] = {
             "source": source,
             # Who made a modelled profile: bench.gpu_model, or whatever its file says.
-            "modelled_by": None if source != "modelled" else str(profile.measured_with.get("model", "unknown (see the profile's measured_with)")),
+            "modelled_by": None
+            if source != "modelled"
+            else str(profile.measured_with.get("model", "unknown (see the profile's measured_with)")),
             "emulation": None
             if emulation is None
             else {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes},
@@ -106,7 +113,9 @@ def _device_sources(case: SimulationCase) -> dict[str, dict[str, Any]]:
     return sources
 
 
-def curves_at_stage(profiles: tuple[Profile, ...] | list[Profile], device_types: list[str], zero_stage: int) -> dict[str, list[dict[str, float]]]:
+def curves_at_stage(
+    profiles: tuple[Profile, ...] | list[Profile], device_types: list[str], zero_stage: int
+) -> dict[str, list[dict[str, float]]]:
     """Each device type's profiled samples at `zero_stage`, with samples/s added."""
     curves: dict[str, list[dict[str, float]]] = {}
     for device_type in device_types:
@@ -131,7 +140,15 @@ def policy_entry(
 ) -> dict[str, Any]:
     """A report entry for one policy's `SearchResult`, with its predicted per-rank busy times."""
     if result.status != "ok":
-        return {"policy": policy, "status": result.status, "message": result.message, "zero_stage": None, "ranks": [], "predicted": None, "measured": None}
+        return {
+            "policy": policy,
+            "status": result.status,
+            "message": result.message,
+            "zero_stage": None,
+            "ranks": [],
+            "predicted": None,
+            "measured": None,
+        }
     plan = result.plan
     prediction = predict(plan, list(profiles), network)
     busy = _busy_times_s(prediction)
@@ -142,17 +159,19 @@ def policy_entry(
         "zero_stage": plan.zero_stage,
         "global_batch_size": plan.global_batch_size,
         # Consecutive alike ranks are merged (`count`): thousands of ranks stay readable.
-        "ranks": group_ranks([
-            {
-                "rank": r.rank,
-                "device_type": r.device_type,
-                "micro_batch_size": r.micro_batch_size,
-                "gradient_accumulation_steps": r.gradient_accumulation_steps,
-                "predicted_busy_s": busy[r.rank],
-                "measured_busy_s": None,
-            }
-            for r in plan.ranks
-        ]),
+        "ranks": group_ranks(
+            [
+                {
+                    "rank": r.rank,
+                    "device_type": r.device_type,
+                    "micro_batch_size": r.micro_batch_size,
+                    "gradient_accumulation_steps": r.gradient_accumulation_steps,
+                    "predicted_busy_s": busy[r.rank],
+                    "measured_busy_s": None,
+                }
+                for r in plan.ranks
+            ]
+        ),
         "predicted": {
             "iteration_time_s": float(prediction.iteration_time_s),
             "samples_per_s": float(prediction.samples_per_s),
@@ -169,8 +188,12 @@ def simulate_case(case: SimulationCase, *, policies: tuple[str, ...] = POLICIES)
         policy_entry(
             policy,
             search_plan(
-                profiles, case.cluster, global_batch_size=case.global_batch_size, zero_stage=case.zero_stage,
-                policy=policy, network=case.network,
+                profiles,
+                case.cluster,
+                global_batch_size=case.global_batch_size,
+                zero_stage=case.zero_stage,
+                policy=policy,
+                network=case.network,
             ),
             profiles,
             case.network,
@@ -185,7 +208,11 @@ def simulate_case(case: SimulationCase, *, policies: tuple[str, ...] = POLICIES)
     first = profiles[0]
     scenario = {
         "name": case.name,
-        "cluster": {"world_size": case.cluster.world_size, "type_counts": case.cluster.type_counts(), "file": case.cluster_file},
+        "cluster": {
+            "world_size": case.cluster.world_size,
+            "type_counts": case.cluster.type_counts(),
+            "file": case.cluster_file,
+        },
         "model": {"name": first.model.name, "num_parameters": first.model.num_parameters},
         "device_types": _device_sources(case),
         "global_batch_size": featured["global_batch_size"] if featured else case.global_batch_size,
@@ -224,8 +251,12 @@ def scaling_series(cases: list[SimulationCase]) -> list[dict[str, Any]]:
             stages: dict[str, Any] = {}
             for stage in ZERO_STAGES:
                 result = search_plan(
-                    list(case.profiles), case.cluster, global_batch_size=case.global_batch_size, zero_stage=stage,
-                    policy="poplar", network=case.network,
+                    list(case.profiles),
+                    case.cluster,
+                    global_batch_size=case.global_batch_size,
+                    zero_stage=stage,
+                    policy="poplar",
+                    network=case.network,
                 )
                 if not result.ok:
                     stages[str(stage)] = {"status": "infeasible", "reason": result.message}
@@ -242,8 +273,14 @@ def scaling_series(cases: list[SimulationCase]) -> list[dict[str, Any]]:
                 }
             feasible = {k: v for k, v in stages.items() if v["status"] == "ok"}
             best = max(feasible, key=lambda k: feasible[k]["samples_per_s_per_gpu"]) if feasible else None
-            rows.append({"world_size": world_size, "global_batch_size": case.global_batch_size, "stages": stages,
-                         "fastest_stage": None if best is None else int(best)})
+            rows.append(
+                {
+                    "world_size": world_size,
+                    "global_batch_size": case.global_batch_size,
+                    "stages": stages,
+                    "fastest_stage": None if best is None else int(best),
+                }
+            )
         stops = {}
         for stage in map(str, ZERO_STAGES):
             ok_rows = [r for r in rows if r["stages"][stage]["status"] == "ok"]
@@ -252,11 +289,21 @@ def scaling_series(cases: list[SimulationCase]) -> list[dict[str, Any]]:
                 continue
             first = ok_rows[0]["stages"][stage]["samples_per_s_per_gpu"]
             stops[stage] = next(
-                (r["world_size"] for r in ok_rows if r["stages"][stage]["samples_per_s_per_gpu"] < STOPS_PAYING_SHARE * first),
+                (
+                    r["world_size"]
+                    for r in ok_rows
+                    if r["stages"][stage]["samples_per_s_per_gpu"] < STOPS_PAYING_SHARE * first
+                ),
                 None,
             )
-        series.append({"name": f"{pair}, {model_name}", "rows": rows, "stops_paying_at_world_size": stops,
-                       "network": None if members[0].network is None else members[0].network.measured_with})
+        series.append(
+            {
+                "name": f"{pair}, {model_name}",
+                "rows": rows,
+                "stops_paying_at_world_size": stops,
+                "network": None if members[0].network is None else members[0].network.measured_with,
+            }
+        )
     return series
 
 
@@ -281,10 +328,13 @@ def simulation_report(
     ]
     networks = {c.network.measured_with.get("note", c.network.source) for c in cases if c.network is not None}
     for network_note in sorted(networks):
-        notes.append(f"Communication is priced by a network model for each cluster's size: MODELLED network ({network_note}).")
+        notes.append(
+            f"Communication is priced by a network model for each cluster's size: MODELLED network ({network_note})."
+        )
     for modelled_by, types in sorted(modelled.items()):
         how = (
-            "from vendor datasheet figures with the assumptions in bench/gpu_model.py (assumed MFU, network bandwidth, overheads)"
+            "from vendor datasheet figures with the assumptions in bench/gpu_model.py (assumed MFU, network bandwidth, "
+            "overheads)"
             if modelled_by == gpu_model.MODEL_VERSION
             else f"by {modelled_by}"
         )
@@ -300,9 +350,11 @@ def simulation_report(
         "scenarios": scenarios,
         **({"scaling": scaling_series(cases)} if scaling else {}),
         **({"checkpointing": checkpointing_effect(checkpointing_cases)} if checkpointing_cases else {}),
-        **({"offload": offload_effect(checkpointing_cases)}
-           if checkpointing_cases and any(p.optimizer_offload for c in checkpointing_cases for p in c.profiles)
-           else {}),
+        **(
+            {"offload": offload_effect(checkpointing_cases)}
+            if checkpointing_cases and any(p.optimizer_offload for c in checkpointing_cases for p in c.profiles)
+            else {}
+        ),
     }
 
 
@@ -361,28 +413,48 @@ def _lever_effect(cases: list[SimulationCase], *, allowed: Any) -> list[dict[str
     for case in cases:
         plain = [p for p in case.profiles if p.levers == (False, False)]
         chosen_from = [p for p in case.profiles if allowed(p)]
-        row: dict[str, Any] = {"name": case.name, "world_size": case.cluster.world_size,
-                               "global_batch_size": case.global_batch_size, "stages": {}}
+        row: dict[str, Any] = {
+            "name": case.name,
+            "world_size": case.cluster.world_size,
+            "global_batch_size": case.global_batch_size,
+            "stages": {},
+        }
         for stage in ("auto", *ZERO_STAGES):
             cell: dict[str, Any] = {}
             for label, profiles in (("with_choice", chosen_from), ("without", plain)):
-                result = search_plan(profiles, case.cluster, global_batch_size=case.global_batch_size,
-                                     zero_stage=stage, policy="poplar", network=case.network)
+                result = search_plan(
+                    profiles,
+                    case.cluster,
+                    global_batch_size=case.global_batch_size,
+                    zero_stage=stage,
+                    policy="poplar",
+                    network=case.network,
+                )
                 if not result.ok:
                     cell[label] = {"status": "infeasible"}
                     continue
                 plan = result.plan
                 by_type: dict[str, dict[str, Any]] = {}
                 for r in plan.ranks:
-                    by_type.setdefault(r.device_type, {"micro_batch_size": r.micro_batch_size,
-                                                       "gradient_accumulation_steps": r.gradient_accumulation_steps,
-                                                       "activation_checkpointing": r.activation_checkpointing,
-                                                       "optimizer_offload": r.optimizer_offload})
-                cell[label] = {"status": "ok", "zero_stage": plan.zero_stage,
-                               "samples_per_s": plan.predicted.samples_per_s, "types": by_type}
+                    by_type.setdefault(
+                        r.device_type,
+                        {
+                            "micro_batch_size": r.micro_batch_size,
+                            "gradient_accumulation_steps": r.gradient_accumulation_steps,
+                            "activation_checkpointing": r.activation_checkpointing,
+                            "optimizer_offload": r.optimizer_offload,
+                        },
+                    )
+                cell[label] = {
+                    "status": "ok",
+                    "zero_stage": plan.zero_stage,
+                    "samples_per_s": plan.predicted.samples_per_s,
+                    "types": by_type,
+                }
             both = cell["with_choice"], cell["without"]
-            cell["gain"] = (both[0]["samples_per_s"] / both[1]["samples_per_s"]
-                            if all(c["status"] == "ok" for c in both) else None)
+            cell["gain"] = (
+                both[0]["samples_per_s"] / both[1]["samples_per_s"] if all(c["status"] == "ok" for c in both) else None
+            )
             row["stages"][str(stage)] = cell
         rows.append(row)
     return rows

@@ -62,7 +62,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--output-dir", default="hf-trainer-output")
     parser.add_argument(
-        "--save-steps", type=int, default=0,
+        "--save-steps",
+        type=int,
+        default=0,
         help="save a checkpoint every this many steps and resume from the latest one in --output-dir (default 0: "
         "never); after a lost node, the steps since the last checkpoint are trained again",
     )
@@ -71,12 +73,21 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64))
     training = TrainingArguments(
-        output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.steps, per_device_train_batch_size=4,
-        gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=5, report_to=[],
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        output_dir=args.output_dir,
+        deepspeed=args.deepspeed,
+        max_steps=args.steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        logging_steps=5,
+        report_to=[],
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         **({"use_cpu": True, "ddp_backend": "gloo"} if args.cpu else {}),
     )
-    trainer = PoplarTrainer(model=model, args=training, train_dataset=RandomSequences(400, 256, 64), data_collator=collate)
+    trainer = PoplarTrainer(
+        model=model, args=training, train_dataset=RandomSequences(400, 256, 64), data_collator=collate
+    )
     resume = args.save_steps > 0 and os.path.isdir(args.output_dir) and get_last_checkpoint(args.output_dir) is not None
     trainer.train(resume_from_checkpoint=True if resume else None)
 

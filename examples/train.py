@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--result", help="rank 0 writes a JSON summary of the run here")
     parser.add_argument("--checkpoint-dir", help="save checkpoints here, and start from the latest one found here")
     parser.add_argument(
-        "--checkpoint-interval-steps", type=int, default=10,
+        "--checkpoint-interval-steps",
+        type=int,
+        default=10,
         help="optimizer steps between checkpoints (default 10): after a lost node, the steps since the last "
         "checkpoint are trained again; each checkpoint costs a save",
     )
@@ -50,7 +52,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(name)s] %(message)s")
     shape = GPTConfig(vocab_size=64, sequence_length=16, num_layers=2, num_heads=2, hidden_size=32)
     model = GPT(shape)
-    data = SyntheticTokens(num_samples=args.num_samples, sequence_length=shape.sequence_length, vocab_size=shape.vocab_size)
+    data = SyntheticTokens(
+        num_samples=args.num_samples, sequence_length=shape.sequence_length, vocab_size=shape.vocab_size
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     engine, optimizer, loader, _ = poplar_ext.initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model.parameters(), training_data=data

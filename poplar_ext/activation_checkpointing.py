@@ -74,7 +74,11 @@ def cannot_checkpoint_message(model: torch.nn.Module, *, wanted_by: str) -> str:
 
 
 def set_activation_checkpointing(
-    model: torch.nn.Module, enabled: bool, *, toggle: CheckpointingToggle | None = None, wanted_by: str = "activation_checkpointing"
+    model: torch.nn.Module,
+    enabled: bool,
+    *,
+    toggle: CheckpointingToggle | None = None,
+    wanted_by: str = "activation_checkpointing",
 ) -> None:
     """Switch `model`'s activation checkpointing; ValueError naming `wanted_by` when it must be on and cannot be.
 
@@ -89,7 +93,12 @@ def set_activation_checkpointing(
 
 
 def apply_plan_checkpointing(
-    model: torch.nn.Module, plan: Plan, rank: int, *, toggle: CheckpointingToggle | None = None, source: str = "the plan"
+    model: torch.nn.Module,
+    plan: Plan,
+    rank: int,
+    *,
+    toggle: CheckpointingToggle | None = None,
+    source: str = "the plan",
 ) -> bool:
     """Give `model` this rank's ``activation_checkpointing`` from `plan`, before DeepSpeed wraps it; returns it.
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,9 @@ def broadcast_from_rank0(obj: Any) -> Any:
     return box[0]
 
 
-def decided_by_rank0(decide: Callable[[], Any], *, rank: int, broadcast: Callable[[Any], Any] = broadcast_from_rank0) -> Any:
+def decided_by_rank0(
+    decide: Callable[[], Any], *, rank: int, broadcast: Callable[[Any], Any] = broadcast_from_rank0
+) -> Any:
     """`decide()` run on rank 0 alone (it may read files only rank 0's node has), its result on
     every rank; what it raises is raised on every rank, so no rank waits for one that failed.
 

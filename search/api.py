@@ -128,7 +128,8 @@ def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants
         if profile.max_micro_batch_size > MAX_MICRO_BATCH_SIZE:
             # Profiles made in Python skip the file checks; the step-time table has one entry per size.
             raise ValueError(
-                f"profiles[{index}].max_micro_batch_size: expected at most {MAX_MICRO_BATCH_SIZE} (the search's limit), "
+                f"profiles[{index}].max_micro_batch_size: expected at most {MAX_MICRO_BATCH_SIZE} (the search's "
+                "limit), "
                 f"found {profile.max_micro_batch_size}"
             )
     if not profiles:
@@ -209,20 +210,30 @@ def _check_arguments(
         raise ValueError(f"cluster: expected a search.formats.Cluster, found {type(cluster).__name__}")
     for name, value in (("global_batch_size", global_batch_size), ("max_global_batch_size", max_global_batch_size)):
         if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= MAX_GLOBAL_BATCH_SIZE
+            isinstance(value, bool)
+            or not isinstance(value, (int, np.integer))
+            or not 1 <= value <= MAX_GLOBAL_BATCH_SIZE
         ):
             raise ValueError(
-                f"{name}: expected None or an integer from 1 to {MAX_GLOBAL_BATCH_SIZE} (the search's limit), found {value!r}"
+                f"{name}: expected None or an integer from 1 to {MAX_GLOBAL_BATCH_SIZE} (the search's limit), found "
+                f"{value!r}"
             )
     if cluster.world_size > MAX_WORLD_SIZE:
-        raise ValueError(f"cluster: expected at most {MAX_WORLD_SIZE} ranks (the search's limit), found {cluster.world_size}")
+        raise ValueError(
+            f"cluster: expected at most {MAX_WORLD_SIZE} ranks (the search's limit), found {cluster.world_size}"
+        )
     if zero_stage != "auto" and (isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES):
         raise ValueError(f"zero_stage: expected 'auto' or one of 0, 1, 2, 3, found {zero_stage!r}")
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {', '.join(map(repr, POLICIES))}, found {policy!r}")
-    if global_batch_size is not None and max_global_batch_size is not None and global_batch_size > max_global_batch_size:
+    if (
+        global_batch_size is not None
+        and max_global_batch_size is not None
+        and global_batch_size > max_global_batch_size
+    ):
         raise ValueError(
-            f"global_batch_size: expected at most max_global_batch_size ({max_global_batch_size}), found {global_batch_size}"
+            f"global_batch_size: expected at most max_global_batch_size ({max_global_batch_size}), found "
+            f"{global_batch_size}"
         )
 
 
@@ -266,14 +277,16 @@ def _evaluate_stage(
     missing = [t for t in types if t not in profiles]
     if missing:
         return _StageOutcome(
-            model=None, outcome=PolicyResult(allocation=None, reason=f"No profile for {', '.join(missing)} at stage {stage}."),
+            model=None,
+            outcome=PolicyResult(allocation=None, reason=f"No profile for {', '.join(missing)} at stage {stage}."),
             levers={},
         )
     variants = {t: profiles[t] for t in types}
     settings = lever_choices(variants, stage, choose=policy == "poplar")
     if not settings:
-        shown = "; ".join(f"{t} {'with' if (True, False) in v else 'without'} only" for t, v in variants.items()
-                          if len(v) == 1)
+        shown = "; ".join(
+            f"{t} {'with' if (True, False) in v else 'without'} only" for t, v in variants.items() if len(v) == 1
+        )
         return _StageOutcome(
             model=None,
             outcome=PolicyResult(
@@ -422,12 +435,24 @@ def search_plan(
             for reason, group in by_reason.items()
         )
         reports = tuple(
-            StageReport(zero_stage=s, status="infeasible", iteration_time_s=None, samples_per_s=None,
-                        global_batch_size=None, reason=o.reason)
+            StageReport(
+                zero_stage=s,
+                status="infeasible",
+                iteration_time_s=None,
+                samples_per_s=None,
+                global_batch_size=None,
+                reason=o.reason,
+            )
             for s, (_, o) in outcomes.items()
         )
-        return SearchResult(status="infeasible", message=f"No feasible plan ({policy}). {reasons}", plan=None,
-                            policy=policy, zero_stage=None, stage_reports=reports)
+        return SearchResult(
+            status="infeasible",
+            message=f"No feasible plan ({policy}). {reasons}",
+            plan=None,
+            policy=policy,
+            zero_stage=None,
+            stage_reports=reports,
+        )
 
     def score(stage: int) -> tuple[float, int]:
         allocation = feasible[stage][1].allocation
@@ -441,8 +466,16 @@ def search_plan(
     for stage, (_, outcome) in outcomes.items():
         allocation = outcome.allocation
         if allocation is None:
-            reports.append(StageReport(zero_stage=stage, status="infeasible", iteration_time_s=None,
-                                       samples_per_s=None, global_batch_size=None, reason=outcome.reason))
+            reports.append(
+                StageReport(
+                    zero_stage=stage,
+                    status="infeasible",
+                    iteration_time_s=None,
+                    samples_per_s=None,
+                    global_batch_size=None,
+                    reason=outcome.reason,
+                )
+            )
             continue
         if stage == chosen:
             status = "chosen"
@@ -456,9 +489,16 @@ def search_plan(
             status = "slower"
             slower_pct = 100.0 * (1.0 - allocation.samples_per_s / best.samples_per_s)
             reason = f"{slower_pct:.1f}% lower predicted throughput than stage {chosen}."
-        reports.append(StageReport(zero_stage=stage, status=status, iteration_time_s=allocation.iteration_time_s,
-                                   samples_per_s=allocation.samples_per_s,
-                                   global_batch_size=allocation.global_batch_size, reason=reason))
+        reports.append(
+            StageReport(
+                zero_stage=stage,
+                status=status,
+                iteration_time_s=allocation.iteration_time_s,
+                samples_per_s=allocation.samples_per_s,
+                global_batch_size=allocation.global_batch_size,
+                reason=reason,
+            )
+        )
     model, outcome = feasible[chosen]
     plan = _plan(model, outcome, policy)
     if global_batch_size is None:
@@ -477,8 +517,9 @@ def search_plan(
     if outcome.note:
         message += f" Note: {outcome.note}."
     message += _world_size_note(model, cluster.world_size)
-    return SearchResult(status="ok", message=message, plan=plan, policy=policy, zero_stage=chosen,
-                        stage_reports=tuple(reports))
+    return SearchResult(
+        status="ok", message=message, plan=plan, policy=policy, zero_stage=chosen, stage_reports=tuple(reports)
+    )
 
 
 # ----------------------------------------------------------------------------------
@@ -565,11 +606,16 @@ def _mixed_types(plan: Plan, index: int) -> list[str]:
 def profiles_for_plan(plan: Plan, profiles: Sequence[Profile]) -> list[Profile]:
     """The `profiles` at the plan's stage with the memory levers the plan gives their device type (none for others)."""
     settings = plan_levers(plan)
-    return [p for p in profiles if p.zero_stage == plan.zero_stage and p.levers == (settings.get(p.device_type) or NO_LEVERS)]
+    return [
+        p
+        for p in profiles
+        if p.zero_stage == plan.zero_stage and p.levers == (settings.get(p.device_type) or NO_LEVERS)
+    ]
 
 
 def plan_levers(plan: Plan) -> dict[str, Levers | None]:
-    """``(activation_checkpointing, optimizer_offload)`` per device type of `plan` (None for a type whose ranks differ)."""
+    """``(activation_checkpointing, optimizer_offload)`` per device type of `plan` (None for a type whose
+    ranks differ)."""
     settings: dict[str, Levers | None] = {}
     for r in plan.ranks:
         if settings.setdefault(r.device_type, r.levers) != r.levers:
@@ -578,7 +624,8 @@ def plan_levers(plan: Plan) -> dict[str, Levers | None]:
 
 
 def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | None = None) -> PlanPrediction:
-    """Per-rank busy time and the iteration time the cost model predicts for `plan` (with `network`: communication priced).
+    """Per-rank busy time and the iteration time the cost model predicts for `plan` (with `network`:
+    communication priced).
 
     Each device type is priced with its profile at the plan's stage and memory levers
     (activation checkpointing, optimizer offload). Raises ValueError when a device type
@@ -594,9 +641,7 @@ def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | N
             raise ValueError(f"plan: expected one {name} per device type, found both for {', '.join(mixed)}")
     at_stage = {t: variants[t][levers] for t, levers in settings.items() if t in variants and levers in variants[t]}
     missing = [
-        t + levers_text(*settings[t])
-        for t in settings
-        if t not in at_stage or at_stage[t].max_micro_batch_size == 0
+        t + levers_text(*settings[t]) for t in settings if t not in at_stage or at_stage[t].max_micro_batch_size == 0
     ]
     if missing:
         raise ValueError(

@@ -104,25 +104,47 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         parser = subparsers.add_parser("search", help="search a plan from profiles and a cluster", **options)
     parser.add_argument("--profiles", metavar="DIR", help="directory of profile JSON files (required unless --example)")
     parser.add_argument("--cluster", metavar="FILE", help="cluster description JSON file (required unless --example)")
-    parser.add_argument("--example", action="store_true",
-                        help="the shipped example: MODELLED profiles of GPT-2 small on 4 A100-80GB + 4 V100-16GB "
-                             "and their cluster, for --profiles and --cluster where those are not given")
-    parser.add_argument("--global-batch-size", type=parse_positive_int, metavar="N",
-                        help="samples per iteration over all ranks (default: the best predicted throughput)")
-    parser.add_argument("--max-global-batch-size", type=parse_positive_int, metavar="N",
-                        help="upper bound for the automatic global batch")
-    parser.add_argument("--zero-stage", type=parse_zero_stage, default="auto", metavar="auto|0|1|2|3",
-                        help="ZeRO stage; auto evaluates every stage that has profiles and keeps the fastest (default)")
-    parser.add_argument("--policy", choices=(*POLICIES, "all"), default="poplar",
-                        help="poplar: fastest predicted allocation (default); uniform: DeepSpeed's one micro-batch "
-                             "for all; proportional: Whale's throughput-proportional shares; all: compare them")
     parser.add_argument(
-        "--network", metavar="FILE",
+        "--example",
+        action="store_true",
+        help="the shipped example: MODELLED profiles of GPT-2 small on 4 A100-80GB + 4 V100-16GB "
+        "and their cluster, for --profiles and --cluster where those are not given",
+    )
+    parser.add_argument(
+        "--global-batch-size",
+        type=parse_positive_int,
+        metavar="N",
+        help="samples per iteration over all ranks (default: the best predicted throughput)",
+    )
+    parser.add_argument(
+        "--max-global-batch-size",
+        type=parse_positive_int,
+        metavar="N",
+        help="upper bound for the automatic global batch",
+    )
+    parser.add_argument(
+        "--zero-stage",
+        type=parse_zero_stage,
+        default="auto",
+        metavar="auto|0|1|2|3",
+        help="ZeRO stage; auto evaluates every stage that has profiles and keeps the fastest (default)",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=(*POLICIES, "all"),
+        default="poplar",
+        help="poplar: fastest predicted allocation (default); uniform: DeepSpeed's one micro-batch "
+        "for all; proportional: Whale's throughput-proportional shares; all: compare them",
+    )
+    parser.add_argument(
+        "--network",
+        metavar="FILE",
         help="collective times (a network file, see profiles/README.md): communication is then priced for the "
         "cluster's world size; default: the network file in --profiles measured on this cluster, if there is one",
     )
-    parser.add_argument("--no-network", action="store_true",
-                        help="ignore any network file: the boundary is the profiles' measured one")
+    parser.add_argument(
+        "--no-network", action="store_true", help="ignore any network file: the boundary is the profiles' measured one"
+    )
     parser.add_argument("--output", metavar="PLAN.json", help="write the (poplar) plan here, only on success")
     parser.add_argument("--format", choices=("table", "json"), default="table", help="what to print (default: table)")
     parser.add_argument("--debug", action="store_true", help="on an internal error, print the traceback")
@@ -150,36 +172,54 @@ def plan_table(result: SearchResult, profiles: Sequence, network: NetworkProfile
     # A column per memory lever only where some rank uses it.
     checkpointing = any(r.activation_checkpointing for r in plan.ranks)
     offload = any(r.optimizer_offload for r in plan.ranks)
-    rows = [["ranks", "device type", "micro-batch", "accumulation", "samples/iter", "busy s/iter", "idle"]
-            + (["checkpointing"] if checkpointing else []) + (["optimizer offload"] if offload else [])]
+    rows = [
+        ["ranks", "device type", "micro-batch", "accumulation", "samples/iter", "busy s/iter", "idle"]
+        + (["checkpointing"] if checkpointing else [])
+        + (["optimizer offload"] if offload else [])
+    ]
 
     def group(r: Any) -> tuple:
-        return (r.device_type, r.micro_batch_size, r.gradient_accumulation_steps, r.activation_checkpointing,
-                r.optimizer_offload)
+        return (
+            r.device_type,
+            r.micro_batch_size,
+            r.gradient_accumulation_steps,
+            r.activation_checkpointing,
+            r.optimizer_offload,
+        )
 
     start = 0
     for i in range(1, len(plan.ranks) + 1):
         first = plan.ranks[start]
         if i < len(plan.ranks) and group(plan.ranks[i]) == group(first):
             continue
-        rows.append([
-            _rank_span(start, i - 1), first.device_type, str(first.micro_batch_size),
-            str(first.gradient_accumulation_steps), str(first.samples_per_iteration),
-            f"{busy[start]:.4g}", f"{100 * (1 - busy[start] / slowest):.1f}%",
-        ] + (["on" if first.activation_checkpointing else "off"] if checkpointing else [])
-          + (["on" if first.optimizer_offload else "off"] if offload else []))
+        rows.append(
+            [
+                _rank_span(start, i - 1),
+                first.device_type,
+                str(first.micro_batch_size),
+                str(first.gradient_accumulation_steps),
+                str(first.samples_per_iteration),
+                f"{busy[start]:.4g}",
+                f"{100 * (1 - busy[start] / slowest):.1f}%",
+            ]
+            + (["on" if first.activation_checkpointing else "off"] if checkpointing else [])
+            + (["on" if first.optimizer_offload else "off"] if offload else [])
+        )
         start = i
     text = [result.message, "", _table(rows)]
     if len(result.stage_reports) > 1:
         stage_rows = [["stage", "status", "global batch", "iteration s", "samples/s", "reason"]]
         for report in result.stage_reports:
-            stage_rows.append([
-                str(report.zero_stage), report.status,
-                "-" if report.global_batch_size is None else str(report.global_batch_size),
-                "-" if report.iteration_time_s is None else f"{report.iteration_time_s:.4g}",
-                "-" if report.samples_per_s is None else f"{report.samples_per_s:.4g}",
-                report.reason,
-            ])
+            stage_rows.append(
+                [
+                    str(report.zero_stage),
+                    report.status,
+                    "-" if report.global_batch_size is None else str(report.global_batch_size),
+                    "-" if report.iteration_time_s is None else f"{report.iteration_time_s:.4g}",
+                    "-" if report.samples_per_s is None else f"{report.samples_per_s:.4g}",
+                    report.reason,
+                ]
+            )
         text += ["", _table(stage_rows)]
     return "\n".join(text)
 
@@ -194,14 +234,23 @@ def comparison_table(results: dict[str, SearchResult]) -> str:
             rows.append([name, "infeasible", "-", "-", "-", "-", "-", result.message])
             continue
         predicted = plan.predicted
-        versus = "-" if name == "poplar" or reference is None else (
-            f"{reference.predicted.samples_per_s / predicted.samples_per_s:.2f}x"
+        versus = (
+            "-"
+            if name == "poplar" or reference is None
+            else (f"{reference.predicted.samples_per_s / predicted.samples_per_s:.2f}x")
         )
-        rows.append([
-            name, "ok", str(plan.zero_stage), str(plan.global_batch_size), f"{predicted.iteration_time_s:.4g}",
-            f"{predicted.samples_per_s:.4g}", f"{100 * predicted.samples_per_s / predicted.ideal_samples_per_s:.1f}%",
-            versus,
-        ])
+        rows.append(
+            [
+                name,
+                "ok",
+                str(plan.zero_stage),
+                str(plan.global_batch_size),
+                f"{predicted.iteration_time_s:.4g}",
+                f"{predicted.samples_per_s:.4g}",
+                f"{100 * predicted.samples_per_s / predicted.ideal_samples_per_s:.1f}%",
+                versus,
+            ]
+        )
     return _table(rows)
 
 
@@ -216,8 +265,11 @@ def run(args: argparse.Namespace) -> int:
         args.cluster = args.cluster or str(example_cluster_file())
     missing = [option for option, value in (("--profiles", args.profiles), ("--cluster", args.cluster)) if not value]
     if missing:
-        print(f"{prog}: error: the following arguments are required: {', '.join(missing)} (or --example for the "
-              "shipped example) (see --help)", file=sys.stderr)
+        print(
+            f"{prog}: error: the following arguments are required: {', '.join(missing)} (or --example for the "
+            "shipped example) (see --help)",
+            file=sys.stderr,
+        )
         return EXIT_BAD_INPUT
     try:
         profiles = load_profiles(args.profiles)
@@ -231,8 +283,13 @@ def run(args: argparse.Namespace) -> int:
         policies = list(POLICIES) if args.policy == "all" else [args.policy]
         results = {
             policy: search_plan(
-                profiles, cluster, global_batch_size=args.global_batch_size, zero_stage=args.zero_stage,
-                policy=policy, max_global_batch_size=args.max_global_batch_size, network=network,
+                profiles,
+                cluster,
+                global_batch_size=args.global_batch_size,
+                zero_stage=args.zero_stage,
+                policy=policy,
+                max_global_batch_size=args.max_global_batch_size,
+                network=network,
             )
             for policy in policies
         }
@@ -262,7 +319,9 @@ def run(args: argparse.Namespace) -> int:
     elif len(results) == 1:
         print(plan_table(main_result, profiles, network))
     else:
-        print(comparison_table(results) + "\n\nPlan of the poplar policy:\n" + plan_table(main_result, profiles, network))
+        print(
+            comparison_table(results) + "\n\nPlan of the poplar policy:\n" + plan_table(main_result, profiles, network)
+        )
     return EXIT_OK
 
 

@@ -285,13 +285,19 @@ def build_stage_model(
         compute_table = None
         if network is not None:
             communication = stage_communication(
-                network, zero_stage=zero_stage, num_parameters=profile.model.num_parameters,
-                dtype=profile.model.dtype, world_size=world_size,
+                network,
+                zero_stage=zero_stage,
+                num_parameters=profile.model.num_parameters,
+                dtype=profile.model.dtype,
+                world_size=world_size,
                 recomputes_forward=profile.activation_checkpointing,
             )
             profiled = stage_communication(
-                network, zero_stage=zero_stage, num_parameters=profile.model.num_parameters,
-                dtype=profile.model.dtype, world_size=profile.world_size,
+                network,
+                zero_stage=zero_stage,
+                num_parameters=profile.model.num_parameters,
+                dtype=profile.model.dtype,
+                world_size=profile.world_size,
                 recomputes_forward=profile.activation_checkpointing,
             )
             compute_table = profiled.compute_time_s(table) if micro_step_times_include_communication(profile) else table

@@ -54,8 +54,8 @@ def scaled_problem(
 
     `levers` gives the ``(activation_checkpointing, optimizer_offload)`` whose profile
     each device type keeps (default: neither; `search.api.plan_levers`), so a re-plan
-    keeps the running plan's setting: the runtime applies it once, before training. Returns them and each rank's derived device
-    type, in rank order (the cluster's nodes and rank order are kept).
+    keeps the running plan's setting: the runtime applies it once, before training. Returns them and
+    each rank's derived device type, in rank order (the cluster's nodes and rank order are kept).
     """
     rank_types = cluster.rank_device_types
     if len(rank_scales) != len(rank_types):
@@ -133,12 +133,22 @@ def replan(
     )
     current = predict(with_rank_types(plan, rank_types), scaled_profiles, network).iteration_time_s
     result = search_plan(
-        scaled_profiles, scaled_cluster, global_batch_size=plan.global_batch_size, zero_stage=plan.zero_stage,
-        policy=plan.policy, network=network,
+        scaled_profiles,
+        scaled_cluster,
+        global_batch_size=plan.global_batch_size,
+        zero_stage=plan.zero_stage,
+        policy=plan.policy,
+        network=network,
     )
     if result.status != "ok" or result.plan is None:
-        return Replan(status="infeasible", plan=None, current_iteration_time_s=current, new_iteration_time_s=None,
-                      gain=None, message=f"no plan for the drifted speeds: {result.message}")
+        return Replan(
+            status="infeasible",
+            plan=None,
+            current_iteration_time_s=current,
+            new_iteration_time_s=None,
+            gain=None,
+            message=f"no plan for the drifted speeds: {result.message}",
+        )
     new = result.plan.predicted.iteration_time_s
     gain = current / new - 1.0
     found = dataclasses.replace(
@@ -146,9 +156,15 @@ def replan(
     )
     status = "better" if gain > min_gain else "not_better"
     return Replan(
-        status=status, plan=found, current_iteration_time_s=current, new_iteration_time_s=new, gain=gain,
-        message=(f"predicted {current:.4g} s -> {new:.4g} s per iteration ({100 * gain:+.1f}% throughput; "
-                 f"minimum gain {100 * min_gain:.0f}%)"),
+        status=status,
+        plan=found,
+        current_iteration_time_s=current,
+        new_iteration_time_s=new,
+        gain=gain,
+        message=(
+            f"predicted {current:.4g} s -> {new:.4g} s per iteration ({100 * gain:+.1f}% throughput; "
+            f"minimum gain {100 * min_gain:.0f}%)"
+        ),
     )
 
 

@@ -181,7 +181,8 @@ def _parse_emulation(node: Node) -> Emulation:
 
 
 def emulation_to_dict(emulation: Emulation) -> dict[str, Any]:
-    """JSON form of an emulation; ``slowdown_schedule`` only when there is one (files without drift stay as they were)."""
+    """JSON form of an emulation; ``slowdown_schedule`` only when there is one (files without drift stay
+    as they were)."""
     data: dict[str, Any] = {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes}
     if emulation.slowdown_schedule:
         data["slowdown_schedule"] = [
@@ -227,13 +228,13 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
     # size means two measurements were merged wrongly upstream.
     for i in range(1, len(samples)):
         if samples[i].micro_batch_size <= samples[i - 1].micro_batch_size:
-            raise sample_nodes[i].field("micro_batch_size").fail(
-                f"a micro_batch_size larger than the previous sample's ({samples[i - 1].micro_batch_size})"
+            raise (
+                sample_nodes[i]
+                .field("micro_batch_size")
+                .fail(f"a micro_batch_size larger than the previous sample's ({samples[i - 1].micro_batch_size})")
             )
     if samples and samples[-1].micro_batch_size > max_mbs:
-        raise max_mbs_node.fail(
-            f"at least the largest sampled micro_batch_size ({samples[-1].micro_batch_size})"
-        )
+        raise max_mbs_node.fail(f"at least the largest sampled micro_batch_size ({samples[-1].micro_batch_size})")
     emulated_node = root.optional("emulated")
     # Free-form provenance, but JSON that the fingerprint can hash.
     provenance = root.field("measured_with").obj().within_depth(MAX_JSON_DEPTH)
@@ -301,9 +302,7 @@ class Cluster:
     @property
     def rank_device_types(self) -> tuple[str, ...]:
         """Device type of every rank, rank 0 first (node order, then device order)."""
-        return tuple(
-            group.device_type for node in self.nodes for group in node.devices for _ in range(group.count)
-        )
+        return tuple(group.device_type for node in self.nodes for group in node.devices for _ in range(group.count))
 
     @property
     def world_size(self) -> int:
@@ -347,7 +346,9 @@ def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
             count = count_node.integer(minimum=1, maximum=MAX_WORLD_SIZE)
             world_size += count
             if world_size > MAX_WORLD_SIZE:
-                raise count_node.fail(f"a count that keeps the cluster within {MAX_WORLD_SIZE} ranks (the search's limit)")
+                raise count_node.fail(
+                    f"a count that keeps the cluster within {MAX_WORLD_SIZE} ranks (the search's limit)"
+                )
             groups.append(DeviceGroup(device_type=g.field("device_type").string(), count=count))
         nodes.append(ClusterNode(name=name, devices=tuple(groups)))
     device_types: dict[str, DeviceTypeInfo] = {}
@@ -356,9 +357,7 @@ def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
     if types_node is not None:
         for type_name, info in types_node.entries():
             if type_name not in used:
-                raise info.fail(
-                    "a device type that some node uses", raw_found=f"{type_name!r}, which no node lists"
-                )
+                raise info.fail("a device type that some node uses", raw_found=f"{type_name!r}, which no node lists")
             emulation = info.obj().keys_within(_keys(DeviceTypeInfo)).optional("emulation")
             device_types[type_name] = DeviceTypeInfo(
                 emulation=None if emulation is None else _parse_emulation(emulation.obj())
@@ -373,16 +372,23 @@ def _check_schedule_ranks(cluster: Cluster, types_node: Node) -> None:
     """A ``slowdown_schedule`` entry for one rank must name a rank of its device type."""
     rank_types: tuple[str, ...] | None = None
     for type_name, info in cluster.device_types.items():
-        ranks = {rank for _, _, rank in (info.emulation.slowdown_schedule if info.emulation else ()) if rank is not None}
+        ranks = {
+            rank for _, _, rank in (info.emulation.slowdown_schedule if info.emulation else ()) if rank is not None
+        }
         if not ranks:
             continue
         rank_types = rank_types or cluster.rank_device_types
         ranks_of_type = [r for r, t in enumerate(rank_types) if t == type_name]
         stray = min(ranks - set(ranks_of_type), default=None)
         if stray is not None:
-            raise types_node.child(type_name).child("emulation").child("slowdown_schedule").fail(
-                f"entries whose rank is one of {type_name!r}'s ranks ({_rank_list(ranks_of_type)})",
-                raw_found=f"rank {stray}",
+            raise (
+                types_node.child(type_name)
+                .child("emulation")
+                .child("slowdown_schedule")
+                .fail(
+                    f"entries whose rank is one of {type_name!r}'s ranks ({_rank_list(ranks_of_type)})",
+                    raw_found=f"rank {stray}",
+                )
             )
 
 
@@ -390,9 +396,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     """The JSON form of a cluster description."""
     return {
         "schema_version": cluster.schema_version,
-        "nodes": [
-            {"name": n.name, "devices": [dataclasses.asdict(g) for g in n.devices]} for n in cluster.nodes
-        ],
+        "nodes": [{"name": n.name, "devices": [dataclasses.asdict(g) for g in n.devices]} for n in cluster.nodes],
         "device_types": {
             name: {"emulation": None if info.emulation is None else emulation_to_dict(info.emulation)}
             for name, info in cluster.device_types.items()
@@ -486,13 +490,9 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
     global_batch_size = gbs_node.integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE)
     total = sum(r.samples_per_iteration for r in ranks)
     if total != global_batch_size:
-        raise gbs_node.fail(
-            f"the sum over ranks of micro_batch_size * gradient_accumulation_steps ({total})"
-        )
+        raise gbs_node.fail(f"the sum over ranks of micro_batch_size * gradient_accumulation_steps ({total})")
     p = root.field("predicted").obj().keys_within(_keys(Prediction))
-    fingerprints = {
-        name: node.string() for name, node in root.field("profile_fingerprints").entries()
-    }
+    fingerprints = {name: node.string() for name, node in root.field("profile_fingerprints").entries()}
     return Plan(
         policy=root.field("policy").string(choices=POLICIES),
         zero_stage=zero_stage,
@@ -530,8 +530,14 @@ def _offload(node: Node, zero_stage: int) -> bool:
 
 def levers_text(activation_checkpointing: bool, optimizer_offload: bool = False) -> str:
     """`` with activation checkpointing and optimizer offload`` (each only when set; '' for neither)."""
-    used = [name for name, on in (("activation checkpointing", activation_checkpointing),
-                                  ("optimizer offload", optimizer_offload)) if on]
+    used = [
+        name
+        for name, on in (
+            ("activation checkpointing", activation_checkpointing),
+            ("optimizer offload", optimizer_offload),
+        )
+        if on
+    ]
     return f" with {' and '.join(used)}" if used else ""
 
 
@@ -551,15 +557,17 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise FormatError(str(path), "(file)", "a readable JSON file", f"{type(exc).__name__}: {exc.strerror or exc}") from exc
+        raise FormatError(
+            str(path), "(file)", "a readable JSON file", f"{type(exc).__name__}: {exc.strerror or exc}"
+        ) from exc
     except UnicodeDecodeError as exc:
-        raise FormatError(str(path), "(file)", "a UTF-8 JSON file", f"a byte that is not UTF-8 at offset {exc.start}") from exc
+        raise FormatError(
+            str(path), "(file)", "a UTF-8 JSON file", f"a byte that is not UTF-8 at offset {exc.start}"
+        ) from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise FormatError(
-            str(path), f"(line {exc.lineno}, column {exc.colno})", "valid JSON", exc.msg
-        ) from exc
+        raise FormatError(str(path), f"(line {exc.lineno}, column {exc.colno})", "valid JSON", exc.msg) from exc
     except RecursionError:
         data = None
     if data is None and text.strip() != "null" or json_depth(data) > MAX_JSON_DEPTH:
@@ -593,8 +601,10 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 
 def is_cluster_or_plan(data: Any) -> bool:
     """Whether parsed JSON is a cluster description, a plan or a network file (kept beside profiles, not one)."""
-    return isinstance(data, dict) and "device_type" not in data and (
-        "nodes" in data or "ranks" in data or data.get("kind") == "network"
+    return (
+        isinstance(data, dict)
+        and "device_type" not in data
+        and ("nodes" in data or "ranks" in data or data.get("kind") == "network")
     )
 
 

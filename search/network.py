@@ -150,7 +150,9 @@ def fit_collective(collective: str, world_size: int, samples: Sequence[Collectiv
     weights = 1.0 / np.maximum(times, 1e-12)
     design = np.column_stack([np.full_like(sizes, hops), volume * sizes]) * weights[:, None]
     (latency_s, seconds_per_byte), _ = nnls(design, times * weights)
-    bandwidth = MAX_BANDWIDTH_BYTES_PER_S if seconds_per_byte <= 0 else min(1.0 / seconds_per_byte, MAX_BANDWIDTH_BYTES_PER_S)
+    bandwidth = (
+        MAX_BANDWIDTH_BYTES_PER_S if seconds_per_byte <= 0 else min(1.0 / seconds_per_byte, MAX_BANDWIDTH_BYTES_PER_S)
+    )
     return CollectiveFit(latency_s=float(latency_s), bus_bandwidth_bytes_per_s=float(bandwidth), samples=tuple(samples))
 
 
@@ -228,9 +230,10 @@ def _parse_fits(node: Node) -> dict[str, CollectiveFit]:
         if samples_node is not None:
             samples = tuple(
                 CollectiveSample(
-                    message_bytes=item.obj().keys_within(("message_bytes", "time_s")).field("message_bytes").integer(
-                        minimum=1, maximum=MAX_BYTES
-                    ),
+                    message_bytes=item.obj()
+                    .keys_within(("message_bytes", "time_s"))
+                    .field("message_bytes")
+                    .integer(minimum=1, maximum=MAX_BYTES),
                     time_s=item.field("time_s").number(positive=True, maximum=MAX_TIME_S),
                 )
                 for item in samples_node.items(max_length=1000)
@@ -247,9 +250,22 @@ def _parse_fits(node: Node) -> dict[str, CollectiveFit]:
 
 def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile:
     """Validate parsed JSON and build a `NetworkProfile`; raises `FormatError`."""
-    root = Node(data, source).obj().keys_within(
-        ("schema_version", "kind", "cluster_key", "world_size", "num_nodes", "backend", "collectives", "measured_with",
-         "scopes")
+    root = (
+        Node(data, source)
+        .obj()
+        .keys_within(
+            (
+                "schema_version",
+                "kind",
+                "cluster_key",
+                "world_size",
+                "num_nodes",
+                "backend",
+                "collectives",
+                "measured_with",
+                "scopes",
+            )
+        )
     )
     version = root.field("schema_version")
     if isinstance(version.value, bool) or version.value != NETWORK_SCHEMA_VERSION:
@@ -300,8 +316,15 @@ def find_network(directory: str | os.PathLike[str], cluster: Cluster) -> Network
     return network
 
 
-def modelled_network(*, bus_bandwidth_bytes_per_s: float, latency_s: float, backend: str = "nccl",
-                     world_size: int = 1, num_nodes: int = 1, note: str) -> NetworkProfile:
+def modelled_network(
+    *,
+    bus_bandwidth_bytes_per_s: float,
+    latency_s: float,
+    backend: str = "nccl",
+    world_size: int = 1,
+    num_nodes: int = 1,
+    note: str,
+) -> NetworkProfile:
     """A network from assumed figures (every collective alike), labelled modelled."""
     if not (bus_bandwidth_bytes_per_s > 0 and math.isfinite(bus_bandwidth_bytes_per_s)):
         raise ValueError(f"bus_bandwidth_bytes_per_s: expected a number > 0, found {bus_bandwidth_bytes_per_s!r}")

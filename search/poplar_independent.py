@@ -282,7 +282,9 @@ def _work_groups(table: np.ndarray, per_work: Counter, time_s: float) -> list[tu
     for work, count in per_work.items():
         if count:
             merged[_realise(table, work, time_s)] += count
-    return [(micro, steps, count) for (micro, steps), count in sorted(merged.items(), key=lambda kv: -kv[0][0] * kv[0][1])]
+    return [
+        (micro, steps, count) for (micro, steps), count in sorted(merged.items(), key=lambda kv: -kv[0][0] * kv[0][1])
+    ]
 
 
 def _achievable_work(table: np.ndarray, time_s: float, most: int) -> np.ndarray:
@@ -294,7 +296,9 @@ def _achievable_work(table: np.ndarray, time_s: float, most: int) -> np.ndarray:
     return np.flatnonzero(mask)
 
 
-def _two_level_at(model: StageModel, time_s: float, total: int, maxima: list[int]) -> list[list[tuple[int, int, int]]] | None:
+def _two_level_at(
+    model: StageModel, time_s: float, total: int, maxima: list[int]
+) -> list[list[tuple[int, int, int]]] | None:
     """Fast path of `_exact_at`: within each type, every rank runs one of two adjacent achievable counts.
 
     Type totals are proportional to capacity, clipped to what each type can run
@@ -559,9 +563,7 @@ def _exact_by_residues(
             per_work[anchor][maxima[anchor] - base * size] += idle - extra
         else:
             per_work[anchor][maxima[anchor] - taken] += 1
-        return [
-            _work_groups(device.step_time_table_s, work, time_s) for device, work in zip(model.devices, per_work)
-        ]
+        return [_work_groups(device.step_time_table_s, work, time_s) for device, work in zip(model.devices, per_work)]
     return None
 
 
@@ -684,7 +686,13 @@ def _capacity_levels(model: StageModel, low_s: float, high_s: float) -> tuple[np
 
 def _level_count(model: StageModel, low_s: float, high_s: float) -> int:
     return sum(
-        int(np.sum(np.maximum(0, _steps_within(high_s, d.step_time_table_s) - _first_steps_from(low_s, d.step_time_table_s) + 1)))
+        int(
+            np.sum(
+                np.maximum(
+                    0, _steps_within(high_s, d.step_time_table_s) - _first_steps_from(low_s, d.step_time_table_s) + 1
+                )
+            )
+        )
         for d in model.devices
     )
 

@@ -57,31 +57,31 @@ class Node:
         shown = raw_found if raw_found is not None else describe(self.value if found is _MISSING else found)
         return FormatError(self.source, self.path or "(top level)", expected, shown)
 
-    def obj(self) -> "Node":
+    def obj(self) -> Node:
         if not isinstance(self.value, dict):
             raise self.fail("an object")
         return self
 
-    def field(self, key: str) -> "Node":
+    def field(self, key: str) -> Node:
         """The child `key`; an error if it is missing."""
         self.obj()
         if key not in self.value:
             raise FormatError(self.source, self._child_path(key), "a value", describe(_MISSING))
         return Node(self.value[key], self.source, self._child_path(key))
 
-    def child(self, key: str) -> "Node":
+    def child(self, key: str) -> Node:
         """The child `key` whether or not it is there, to report on (a missing one says so)."""
         self.obj()
         return Node(self.value.get(key, _MISSING), self.source, self._child_path(key))
 
-    def optional(self, key: str) -> "Node | None":
+    def optional(self, key: str) -> Node | None:
         """The child `key`, or None when it is absent or null."""
         self.obj()
         if self.value.get(key) is None:
             return None
         return Node(self.value[key], self.source, self._child_path(key))
 
-    def items(self, *, min_length: int = 0, max_length: int | None = None) -> list["Node"]:
+    def items(self, *, min_length: int = 0, max_length: int | None = None) -> list[Node]:
         if not isinstance(self.value, list):
             raise self.fail("a list")
         if len(self.value) < min_length:
@@ -90,21 +90,23 @@ class Node:
             raise self.fail(f"a list of at most {max_length} items")
         return [Node(v, self.source, self._child_path(i)) for i, v in enumerate(self.value)]
 
-    def keys_within(self, known: tuple[str, ...] | list[str]) -> "Node":
+    def keys_within(self, known: tuple[str, ...] | list[str]) -> Node:
         """This object, checked to hold no key outside `known` (a misspelt key is never ignored)."""
         self.obj()
         for key in self.value:
             if key not in known:
-                raise FormatError(self.source, self._child_path(key), _known_keys_text(key, known), f"the unknown key {key!r}")
+                raise FormatError(
+                    self.source, self._child_path(key), _known_keys_text(key, known), f"the unknown key {key!r}"
+                )
         return self
 
-    def within_depth(self, limit: int) -> "Node":
+    def within_depth(self, limit: int) -> Node:
         """This value, checked to nest lists and objects at most `limit` deep."""
         if json_depth(self.value) > limit:
             raise self.fail(f"JSON nested at most {limit} deep", raw_found="deeper nesting")
         return self
 
-    def entries(self) -> list[tuple[str, "Node"]]:
+    def entries(self) -> list[tuple[str, Node]]:
         self.obj()
         return [(k, Node(v, self.source, self._child_path(k))) for k, v in self.value.items()]
 

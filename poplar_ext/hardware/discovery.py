@@ -23,12 +23,18 @@ from __future__ import annotations
 import os
 import socket
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from poplar_ext.hardware.devices import CPU_DEVICE_TYPE, declared_type_problem, hardware_description, hardware_device_type
+from poplar_ext.hardware.devices import (
+    CPU_DEVICE_TYPE,
+    declared_type_problem,
+    hardware_description,
+    hardware_device_type,
+)
 from poplar_ext.hardware.memory import physical_memory_bytes
 from poplar_search.errors import FormatError
 from poplar_search.formats import Cluster, ClusterNode, DeviceGroup, cluster_from_dict, cluster_to_dict, load_cluster
@@ -164,7 +170,11 @@ def agreed_cluster(
                 raise ValueError(f"{name}: {exc}") from exc
         problems = cluster_mismatches(found, facts)
         if problems:
-            source = "the discovered cluster" if cluster is None else (name if isinstance(cluster, Cluster) else str(cluster))
+            source = (
+                "the discovered cluster"
+                if cluster is None
+                else (name if isinstance(cluster, Cluster) else str(cluster))
+            )
             raise ValueError(f"{name}: {source} does not match the hardware: " + " ".join(problems))
         return cluster_to_dict(found)
 

@@ -52,9 +52,7 @@ def emulation_for_rank(cluster: Cluster, rank: int) -> Emulation | None:
     """The emulation of `rank`'s device type in `cluster`, or None when it is a real device."""
     device_types = cluster.rank_device_types
     if not 0 <= rank < len(device_types):
-        raise ValueError(
-            f"rank: expected a rank of the cluster description (0..{len(device_types) - 1}), found {rank}"
-        )
+        raise ValueError(f"rank: expected a rank of the cluster description (0..{len(device_types) - 1}), found {rank}")
     return cluster.emulation_of(device_types[rank])
 
 

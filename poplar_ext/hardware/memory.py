@@ -111,7 +111,7 @@ class MeasuredPeak:
         self.bytes = 0
         """The peak, in bytes (set when the block ends, also when it raised)."""
 
-    def __enter__(self) -> "MeasuredPeak":
+    def __enter__(self) -> MeasuredPeak:
         if self.device.type == "cpu":
             default_cpu_allocator()
         else:
@@ -181,7 +181,9 @@ def device_overhead_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     free, total = torch.cuda.mem_get_info(device)
-    return non_torch_bytes(total_bytes=int(total), free_bytes=int(free), reserved_bytes=int(torch.cuda.memory_reserved(device)))
+    return non_torch_bytes(
+        total_bytes=int(total), free_bytes=int(free), reserved_bytes=int(torch.cuda.memory_reserved(device))
+    )
 
 
 def physical_memory_bytes() -> int:

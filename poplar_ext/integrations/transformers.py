@@ -115,12 +115,17 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
         name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
         given, given_kwargs = getattr(args, name), getattr(args, name + "_kwargs")
         if bool(given) != checkpointing:
-            logger.info("rank %d: %s %s as the plan says (TrainingArguments said %s)", job.rank, name, checkpointing, given)
+            logger.info(
+                "rank %d: %s %s as the plan says (TrainingArguments said %s)", job.rank, name, checkpointing, given
+            )
         # The Trainer enables it at train() from these arguments: they must say what the plan says.
-        args = dataclasses.replace(args, **{
-            name: checkpointing,
-            name + "_kwargs": {**(given_kwargs or {}), "use_reentrant": False} if checkpointing else given_kwargs,
-        })
+        args = dataclasses.replace(
+            args,
+            **{
+                name: checkpointing,
+                name + "_kwargs": {**(given_kwargs or {}), "use_reentrant": False} if checkpointing else given_kwargs,
+            },
+        )
     config = {k: v for k, v in job.ds_config.items()}
     for key in _BATCH_KEYS:
         config[key] = "auto"
@@ -146,7 +151,9 @@ class PoplarTrainer(Trainer):
     ``self.plan`` is the plan every rank runs; ``self.args`` are this rank's arguments.
     """
 
-    def __init__(self, model: Any = None, args: TrainingArguments | None = None, train_dataset: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: Any = None, args: TrainingArguments | None = None, train_dataset: Any = None, **kwargs: Any
+    ) -> None:
         if args is None or not args.deepspeed:
             raise ValueError(
                 "PoplarTrainer: expected TrainingArguments(deepspeed=...) naming a DeepSpeed config with a 'poplar' "
@@ -187,11 +194,16 @@ class PoplarTrainer(Trainer):
             logger.info("poplar plan from step 0: %s", self.job.plan_reason)
         logger.info(
             "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
-            self.job.rank, rank_plan.micro_batch_size, rank_plan.gradient_accumulation_steps,
-            self.plan.global_batch_size, self.plan.zero_stage,
+            self.job.rank,
+            rank_plan.micro_batch_size,
+            rank_plan.gradient_accumulation_steps,
+            self.plan.global_batch_size,
+            self.plan.zero_stage,
         )
         super().__init__(
-            model=model, args=_rank_arguments(args, self.job, checkpointing=checkpointing), train_dataset=train_dataset,
+            model=model,
+            args=_rank_arguments(args, self.job, checkpointing=checkpointing),
+            train_dataset=train_dataset,
             **kwargs,
         )
         if model is None and self.model is not None:
@@ -227,12 +239,20 @@ class PoplarTrainer(Trainer):
             collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
         config = self.job.poplar_config
         self._train_sampler = PlanBatchSampler.from_plan(
-            self.plan, rank=self.job.rank, num_samples=len(dataset), seed=config.seed, shuffle=config.shuffle,
-            drop_last=config.drop_last, iterations_per_pass=self._iterations_per_epoch(len(dataset)),
+            self.plan,
+            rank=self.job.rank,
+            num_samples=len(dataset),
+            seed=config.seed,
+            shuffle=config.shuffle,
+            drop_last=config.drop_last,
+            iterations_per_pass=self._iterations_per_epoch(len(dataset)),
         )
         loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=self._train_sampler, collate_fn=collator,
-            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+            dataset,
+            batch_sampler=self._train_sampler,
+            collate_fn=collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
         )
         prepared = self.accelerator.prepare(loader)
         # The sampler is already this rank's: accelerate's shard wrapper must pass it through
@@ -250,8 +270,10 @@ class PoplarTrainer(Trainer):
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
         """``T / W``: the label tokens of the whole global batch (every rank, every
         accumulation step), counted as the model's loss counts them, over the world size."""
-        counting = len(batch_samples) > 0 and "labels" in batch_samples[0] and (
-            self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        counting = (
+            len(batch_samples) > 0
+            and "labels" in batch_samples[0]
+            and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
         )
         # Decided from what every rank has alike, so that all or none enter the collective.
         if not counting:
@@ -271,9 +293,13 @@ class PoplarTrainer(Trainer):
             )
         return self._shifts_labels
 
-    def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+    def compute_loss(
+        self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
         """The Trainer's loss, weighted to the global batch when training (see the module docstring)."""
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
         if not model.training:
             return result
         loss, outputs = result if return_outputs else (result, None)
@@ -295,8 +321,12 @@ class PoplarTrainer(Trainer):
         if self._train_sampler is not None:
             position = self._train_sampler.iteration_start(self.state.global_step)
         state = poplar_client_state(
-            self.plan, consumed_samples=self.state.global_step * self.plan.global_batch_size, data_position=position,
-            seed=config.seed, shuffle=config.shuffle, drop_last=config.drop_last,
+            self.plan,
+            consumed_samples=self.state.global_step * self.plan.global_batch_size,
+            data_position=position,
+            seed=config.seed,
+            shuffle=config.shuffle,
+            drop_last=config.drop_last,
             plan_history=self._plan_history,
         )
         state["step"] = self.state.global_step
@@ -326,7 +356,9 @@ class PoplarTrainer(Trainer):
         from transformers.trainer_utils import get_last_checkpoint
 
         def read() -> tuple[str | None, dict | None]:
-            folder = get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
+            folder = (
+                get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
+            )
             if folder is None:
                 return None, None
             return str(folder), read_state(Path(folder).parent, Path(folder).name)
@@ -334,14 +366,17 @@ class PoplarTrainer(Trainer):
         folder, saved = decided_by_rank0(read, rank=self.job.rank)
         if saved is None:
             if self.job.rank == 0:
-                logger.info("resume_from_checkpoint: the checkpoint holds no poplar-ext state; the Trainer's own "
-                            "step count decides where the data continues")
+                logger.info(
+                    "resume_from_checkpoint: the checkpoint holds no poplar-ext state; the Trainer's own "
+                    "step count decides where the data continues"
+                )
             return
         current = self._poplar_state()
         decision = resume_decision(saved, current, path=folder, step=saved.get("step", 0))
         if saved["plan"]["global_batch_size"] != self.plan.global_batch_size:
             raise ValueError(
-                f"resume_from_checkpoint: the checkpoint trained global batches of {saved['plan']['global_batch_size']} "
+                "resume_from_checkpoint: the checkpoint trained global batches of "
+                f"{saved['plan']['global_batch_size']} "
                 f"samples, this job's plan has {self.plan.global_batch_size}: the Trainer resumes by its step count, "
                 "which names another stream position under another global batch; resume with the checkpoint's global "
                 "batch (or load it with poplar_ext.initialize and engine.load_checkpoint, which continue the stream)"
@@ -370,7 +405,9 @@ class PoplarTrainer(Trainer):
         engine = self.model_wrapped
         tag = decided_by_rank0(lambda: checkpoint_tag(resume_from_checkpoint, None), rank=self.job.rank)
         if tag is None:
-            raise ValueError(f"resume_from_checkpoint: {resume_from_checkpoint} holds no DeepSpeed checkpoint ('latest')")
+            raise ValueError(
+                f"resume_from_checkpoint: {resume_from_checkpoint} holds no DeepSpeed checkpoint ('latest')"
+            )
         universal = resharded_tag(
             resume_from_checkpoint, tag, deepspeed_engine=engine, rank=self.job.rank, caller="resume_from_checkpoint"
         )
@@ -394,7 +431,9 @@ def model_from_config(config_class: str, sizes: dict[str, Any], *, task: str = "
 
     cls = getattr(transformers, config_class, None)
     if cls is None or not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
-        raise ValueError(f"--model hf:{config_class}: expected the name of a transformers config class (e.g. GPT2Config)")
+        raise ValueError(
+            f"--model hf:{config_class}: expected the name of a transformers config class (e.g. GPT2Config)"
+        )
     if task not in HF_TASKS:
         raise ValueError(f"--hf-task: expected one of {', '.join(HF_TASKS)}, found {task!r}")
     try:

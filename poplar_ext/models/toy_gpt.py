@@ -30,7 +30,7 @@ class GPTConfig:
     """Width of the residual stream; must divide by num_heads."""
 
     @classmethod
-    def gpt2_small(cls, *, sequence_length: int = 512) -> "GPTConfig":
+    def gpt2_small(cls, *, sequence_length: int = 512) -> GPTConfig:
         """GPT-2 small shape (~124M parameters with a 50257 vocabulary)."""
         return cls(vocab_size=50257, sequence_length=sequence_length, num_layers=12, num_heads=12, hidden_size=768)
 

@@ -70,7 +70,6 @@ CHECKPOINTING_MODES = ("auto", "both", "off")
 both, both or an error, or only without checkpointing."""
 
 
-
 def log_progress(line: str) -> None:
     """The default progress sink: one line on stderr (called on rank 0 only)."""
     print(f"[poplar-profile] {line}", file=sys.stderr, flush=True)
@@ -111,9 +110,7 @@ class _ProgressReporter:
 
     def stage_finished(self) -> None:
         self.trials_per_stage = (
-            self.stage_trials
-            if self.trials_per_stage is None
-            else (self.trials_per_stage + self.stage_trials) / 2
+            self.stage_trials if self.trials_per_stage is None else (self.trials_per_stage + self.stage_trials) / 2
         )
 
     def trial(self, event: TrialEvent) -> None:
@@ -128,11 +125,15 @@ class _ProgressReporter:
 
 
 def _validate(
-    zero_stages: Iterable[int], cache_dir: str | os.PathLike[str], activation_checkpointing: str,
+    zero_stages: Iterable[int],
+    cache_dir: str | os.PathLike[str],
+    activation_checkpointing: str,
     optimizer_offload: str = "off",
 ) -> tuple[int, ...]:
-    for name, value, modes in (("activation_checkpointing", activation_checkpointing, CHECKPOINTING_MODES),
-                               ("optimizer_offload", optimizer_offload, OFFLOAD_MODES)):
+    for name, value, modes in (
+        ("activation_checkpointing", activation_checkpointing, CHECKPOINTING_MODES),
+        ("optimizer_offload", optimizer_offload, OFFLOAD_MODES),
+    ):
         if value not in modes:
             raise ValueError(f"{name}: expected one of {', '.join(map(repr, modes))}, found {value!r}")
     stages = tuple(zero_stages)
@@ -241,11 +242,23 @@ def profile_model(
     device = ensure_process_group()
     with _measuring_process(device):
         return _profile(
-            model_factory=model_factory, make_batch=make_batch, ds_config=ds_config, cluster=cluster,
-            stages=stages, settings=settings, cache_dir=cache_dir, force=force, progress=progress,
-            loss_fn=loss_fn, optimizer_factory=optimizer_factory, model_name=model_name,
-            sequence_length=sequence_length, device=device, measure_network=measure_network,
-            activation_checkpointing=activation_checkpointing, toggle=checkpointing_toggle,
+            model_factory=model_factory,
+            make_batch=make_batch,
+            ds_config=ds_config,
+            cluster=cluster,
+            stages=stages,
+            settings=settings,
+            cache_dir=cache_dir,
+            force=force,
+            progress=progress,
+            loss_fn=loss_fn,
+            optimizer_factory=optimizer_factory,
+            model_name=model_name,
+            sequence_length=sequence_length,
+            device=device,
+            measure_network=measure_network,
+            activation_checkpointing=activation_checkpointing,
+            toggle=checkpointing_toggle,
             optimizer_offload=optimizer_offload,
         )
 
@@ -410,9 +423,16 @@ def _profile(
                 reporter.say(f"{title}: {t} not profiled: {result.probe.get('abandoned')}")
                 continue
             profile = _make_profile(
-                result, layout=layout, stage=stage, model=model_info, versions=versions,
-                config_fp=config_fp, settings=settings, stage_seconds=stage_seconds,
-                activation_checkpointing=checkpointing, optimizer_offload=offload,
+                result,
+                layout=layout,
+                stage=stage,
+                model=model_info,
+                versions=versions,
+                config_fp=config_fp,
+                settings=settings,
+                stage_seconds=stage_seconds,
+                activation_checkpointing=checkpointing,
+                optimizer_offload=offload,
             )
             if layout.rank == 0:
                 path = store_profile(cache_dir, profile)
@@ -468,11 +488,15 @@ def _make_profile(
             "hardware": layout.hardware[t],
             "device": "emulated" if emulation is not None else "real",
             "ds_config_fingerprint": config_fp,
-            "timing": "CUDA events, median" if cuda else "the computing thread's CPU time (x the emulated slowdown), median",
+            "timing": "CUDA events, median"
+            if cuda
+            else "the computing thread's CPU time (x the emulated slowdown), median",
             # CUDA events see the collectives of a micro-step; a CPU rank's thread time does not.
             "micro_step_times_include_communication": cuda,
             "memory": "torch.cuda.max_memory_reserved (allocated plus fragmentation); the CUDA context and NCCL "
-            "buffers measured at start are off the capacity" if cuda else "process VmHWM",
+            "buffers measured at start are off the capacity"
+            if cuda
+            else "process VmHWM",
             "warmup_micro_steps": settings.warmup_micro_steps,
             "repeats": settings.repeats,
             "ranks_measured": len(layout.ranks_of(t)),

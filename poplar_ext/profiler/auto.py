@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from poplar_search.errors import FormatError
 from poplar_search.formats import (
@@ -82,7 +83,7 @@ class ProfileKey:
     """Measured with the optimizer offloaded to the host (ZeRO stages 1-2)."""
 
     @classmethod
-    def of_profile(cls, profile: Profile) -> "ProfileKey | None":
+    def of_profile(cls, profile: Profile) -> ProfileKey | None:
         """The key of a stored profile; None for one that was not measured by this profiler."""
         provenance = profile.measured_with
         if provenance.get("source") != "measured":
@@ -134,7 +135,8 @@ def find_cached_profile(cache_dir: str | Path, key: ProfileKey) -> Profile | Non
 
 
 def profile_file_name(profile: Profile) -> str:
-    """A readable file name, e.g. ``gpt-a1b2c3d4-A100-80GB-zero2.json`` (``-ckpt`` with activation checkpointing, ``-offload`` with optimizer offload; never parsed)."""
+    """A readable file name, e.g. ``gpt-a1b2c3d4-A100-80GB-zero2.json`` (``-ckpt`` with activation
+    checkpointing, ``-offload`` with optimizer offload; never parsed)."""
     fingerprint = profile.model.fingerprint.split(":")[-1][:8]
     stem = f"{profile.model.name}-{fingerprint}-{profile.device_type}-zero{profile.zero_stage}"
     if profile.activation_checkpointing:

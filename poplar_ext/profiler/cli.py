@@ -25,9 +25,10 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, NoReturn
 
 from poplar_search.errors import FormatError
 from poplar_search.formats import ZERO_STAGES
@@ -55,7 +56,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         description=(
             "Measure each device type of the job at each ZeRO stage (micro-step time curve, "
             "optimizer-step time, peak memory, largest micro-batch) and write one profile per "
-            "(model, device type, stage, activation checkpointing, optimizer offload). Run it under the deepspeed launcher or torchrun, like "
+            "(model, device type, stage, activation checkpointing, optimizer offload). Run it under the deepspeed "
+            "launcher or torchrun, like "
             "training; profiles already in --output-dir with the same keys are reused."
         ),
         epilog=(
@@ -65,76 +67,121 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         ),
     )
     parser.add_argument(
-        "--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", required=True, metavar="FILE",
-        help="the DeepSpeed JSON config training uses (dtype, optimizer, ZeRO settings; batch sizes are set per measurement)",
+        "--deepspeed_config",
+        "--deepspeed-config",
+        dest="deepspeed_config",
+        required=True,
+        metavar="FILE",
+        help="the DeepSpeed JSON config training uses (dtype, optimizer, ZeRO settings; batch sizes are set per "
+        "measurement)",
     )
     parser.add_argument(
-        "--cluster", metavar="FILE",
+        "--cluster",
+        metavar="FILE",
         help="cluster description: the device type of every rank, and the emulation of emulated types; read by "
         "rank 0 alone and checked against every rank's hardware (default: discovered from the hardware and "
         "written as cluster.json next to the profiles, for poplar-search)",
     )
     parser.add_argument(
-        "--model", required=True, metavar="MODULE:FACTORY",
+        "--model",
+        required=True,
+        metavar="MODULE:FACTORY",
         help="a zero-argument function that builds the model (its forward returns the loss, or an output with .loss); "
         f"one of {', '.join(BUILTIN_MODELS)}; or hf:CONFIG_CLASS (e.g. hf:GPT2Config) for a transformers model "
         "built from its config with --hf-config sizes and random weights (needs pip install 'poplar-ext[hf]')",
     )
     parser.add_argument(
-        "--batch", metavar="MODULE:FACTORY",
+        "--batch",
+        metavar="MODULE:FACTORY",
         help="make_batch(micro_batch_size) -> one micro-batch; required unless --model is built in",
     )
     parser.add_argument(
-        "--zero-stages", default="0,1,2,3", metavar="LIST", help="comma-separated ZeRO stages to profile (default: 0,1,2,3)"
+        "--zero-stages",
+        default="0,1,2,3",
+        metavar="LIST",
+        help="comma-separated ZeRO stages to profile (default: 0,1,2,3)",
     )
-    parser.add_argument("--output-dir", default="profiles", metavar="DIR", help="profile cache directory (default: profiles)")
+    parser.add_argument(
+        "--output-dir", default="profiles", metavar="DIR", help="profile cache directory (default: profiles)"
+    )
     parser.add_argument("--force", action="store_true", help="measure again even where a matching profile exists")
     parser.add_argument(
-        "--no-network", action="store_true",
-        help="do not time the collectives (by default all-reduce, reduce-scatter and all-gather are timed at 4 KiB-32 MiB, "
-        "about a second, and written as network/network-*.json in the output directory, with which poplar-search prices communication)",
+        "--no-network",
+        action="store_true",
+        help="do not time the collectives (by default all-reduce, reduce-scatter and all-gather are timed at 4 KiB-32 "
+        "MiB, "
+        "about a second, and written as network/network-*.json in the output directory, with which poplar-search "
+        "prices communication)",
     )
     parser.add_argument(
-        "--micro-batch-sizes", metavar="LIST",
+        "--micro-batch-sizes",
+        metavar="LIST",
         help="comma-separated sizes for the time curve (default: 1,2,3,4,6,8,12,... up to the largest that fits)",
     )
     parser.add_argument(
-        "--max-micro-batch-size", type=int, default=256, metavar="N", help="never try a larger micro-batch (default: 256)"
-    )
-    parser.add_argument("--repeats", type=int, default=3, metavar="N", help="timed micro-steps per size; the median counts (default: 3)")
-    parser.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed micro-steps per size first (default: 1)")
-    parser.add_argument("--model-name", metavar="NAME", help="name in the profiles and file names (default: from the model)")
-    parser.add_argument(
-        "--sequence-length", type=int, metavar="N",
-        help="tokens per sample; part of the cache key (built-in models: their context length, default 512 for gpt2-small, 64 for toy-gpt)",
+        "--max-micro-batch-size",
+        type=int,
+        default=256,
+        metavar="N",
+        help="never try a larger micro-batch (default: 256)",
     )
     parser.add_argument(
-        "--activation-checkpointing", default="auto", choices=("auto", "both", "off"),
+        "--repeats", type=int, default=3, metavar="N", help="timed micro-steps per size; the median counts (default: 3)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=1, metavar="N", help="untimed micro-steps per size first (default: 1)"
+    )
+    parser.add_argument(
+        "--model-name", metavar="NAME", help="name in the profiles and file names (default: from the model)"
+    )
+    parser.add_argument(
+        "--sequence-length",
+        type=int,
+        metavar="N",
+        help="tokens per sample; part of the cache key (built-in models: their context length, default 512 for "
+        "gpt2-small, 64 for toy-gpt)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        default="auto",
+        choices=("auto", "both", "off"),
         help="auto (default): measure each type and stage without and with activation checkpointing where the model "
         "can do both (built-in models, Hugging Face models with gradient checkpointing, or --checkpointing-toggle), "
         "so that poplar-search can choose it per device type; both: the same, or an error when the model cannot; "
         "off: without only (half the time)",
     )
     parser.add_argument(
-        "--optimizer-offload", default="off", choices=("off", "smallest", "both"),
+        "--optimizer-offload",
+        default="off",
+        choices=("off", "smallest", "both"),
         help="off (default): measure without only; smallest: also measure the device type(s) with the least memory "
         "with the optimizer offloaded to the host (DeepSpeed's offload_optimizer, ZeRO stages 1-2), so that "
         "poplar-search can choose it for them; both: every type so",
     )
     parser.add_argument(
-        "--checkpointing-toggle", metavar="MODULE:FN",
+        "--checkpointing-toggle",
+        metavar="MODULE:FN",
         help="toggle(model, enabled) that turns activation checkpointing on or off in a --model of your own "
         "(give the same function to poplar_ext.initialize as checkpointing_toggle)",
     )
     parser.add_argument(
-        "--loss", metavar="MODULE:FN",
+        "--loss",
+        metavar="MODULE:FN",
         help="loss_fn(engine, batch) -> loss when the model's output is not the loss and has no .loss",
     )
     hf = parser.add_argument_group("Hugging Face models (--model hf:CONFIG_CLASS)")
-    hf.add_argument("--hf-config", default="", metavar="KEY=VALUE,...",
-                    help="the config's sizes, e.g. n_layer=12,n_embd=768,n_head=12,vocab_size=50257 (values as JSON)")
-    hf.add_argument("--hf-task", default="causal-lm", choices=("causal-lm", "masked-lm"),
-                    help="the model head and its labels (default: causal-lm)")
+    hf.add_argument(
+        "--hf-config",
+        default="",
+        metavar="KEY=VALUE,...",
+        help="the config's sizes, e.g. n_layer=12,n_embd=768,n_head=12,vocab_size=50257 (values as JSON)",
+    )
+    hf.add_argument(
+        "--hf-task",
+        default="causal-lm",
+        choices=("causal-lm", "masked-lm"),
+        help="the model head and its labels (default: causal-lm)",
+    )
     toy = parser.add_argument_group("built-in models (--model toy-gpt)")
     toy.add_argument("--layers", type=int, default=2, metavar="N", help="transformer blocks (default: 2)")
     toy.add_argument("--hidden-size", type=int, default=128, metavar="N", help="width (default: 128)")
@@ -142,7 +189,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     toy.add_argument("--vocab-size", type=int, default=1024, metavar="N", help="token ids (default: 1024)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     # Appended by the deepspeed launcher; the rank comes from the environment.
-    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS
+    )
     return parser
 
 
@@ -214,14 +263,22 @@ def _builtin_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callabl
     if args.model == "gpt2-small":
         cfg = GPTConfig.gpt2_small(sequence_length=args.sequence_length or 512)
     else:
-        for option, value in (("--layers", args.layers), ("--hidden-size", args.hidden_size), ("--heads", args.heads), ("--vocab-size", args.vocab_size)):
+        for option, value in (
+            ("--layers", args.layers),
+            ("--hidden-size", args.hidden_size),
+            ("--heads", args.heads),
+            ("--vocab-size", args.vocab_size),
+        ):
             if value < 1:
                 raise UsageError(f"{option}: expected an integer >= 1, found {value}")
         if args.hidden_size % args.heads:
             raise UsageError(f"--hidden-size: expected a multiple of --heads ({args.heads}), found {args.hidden_size}")
         cfg = GPTConfig(
-            vocab_size=args.vocab_size, sequence_length=args.sequence_length or 64,
-            num_layers=args.layers, num_heads=args.heads, hidden_size=args.hidden_size,
+            vocab_size=args.vocab_size,
+            sequence_length=args.sequence_length or 64,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            hidden_size=args.hidden_size,
         )
 
     def make_batch(micro_batch_size: int) -> Any:
@@ -252,15 +309,16 @@ def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[in
         from poplar_ext.integrations.transformers import model_from_config, random_lm_batch
     except ImportError as exc:
         raise UsageError(f"--model {args.model}: needs transformers (pip install 'poplar-ext[hf]'): {exc}") from None
-    config_class = args.model[len(HF_PREFIX):]
+    config_class = args.model[len(HF_PREFIX) :]
     sizes = _config_sizes(args.hf_config)
     try:
         probe = model_from_config(config_class, sizes, task=args.hf_task)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     vocab_size = int(probe.config.vocab_size)
-    sequence_length = args.sequence_length or min(128, int(getattr(probe.config, "max_position_embeddings", None)
-                                                           or getattr(probe.config, "n_positions", 128)))
+    sequence_length = args.sequence_length or min(
+        128, int(getattr(probe.config, "max_position_embeddings", None) or getattr(probe.config, "n_positions", 128))
+    )
     del probe
 
     def make_batch(micro_batch_size: int) -> Any:
@@ -295,7 +353,9 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
     except FormatError as exc:
         raise UsageError(f"--deepspeed_config: {exc}") from None
     if not isinstance(ds_config, dict):
-        raise UsageError(f"--deepspeed_config: expected a JSON object in {config_path}, found {type(ds_config).__name__}")
+        raise UsageError(
+            f"--deepspeed_config: expected a JSON object in {config_path}, found {type(ds_config).__name__}"
+        )
     if "optimizer" not in ds_config:
         raise UsageError(
             f"--deepspeed_config: {config_path}: optimizer: expected an 'optimizer' section (the optimizer training "
@@ -314,7 +374,9 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
         model_factory, make_batch, name, sequence_length = build(args)
     else:
         if args.batch is None:
-            raise UsageError("--batch: required with a --model of your own (MODULE:FACTORY taking the micro-batch size)")
+            raise UsageError(
+                "--batch: required with a --model of your own (MODULE:FACTORY taking the micro-batch size)"
+            )
         model_factory = _load_callable(args.model, option="--model")
         make_batch = _load_callable(args.batch, option="--batch")
         name, sequence_length = None, args.sequence_length

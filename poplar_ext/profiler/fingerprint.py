@@ -33,9 +33,7 @@ def model_description(model: nn.Module) -> dict[str, Any]:
             [name, list(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
             for name, p in model.named_parameters()
         ],
-        "buffers": [
-            [name, list(b.shape), str(b.dtype).removeprefix("torch.")] for name, b in model.named_buffers()
-        ],
+        "buffers": [[name, list(b.shape), str(b.dtype).removeprefix("torch.")] for name, b in model.named_buffers()],
     }
 
 

@@ -46,8 +46,16 @@ DEFAULT_MESSAGE_BYTES = (2**12, 2**16, 2**20, 2**23, 2**25)
 """4 KiB (latency) to 32 MiB (bandwidth)."""
 
 
-def _fits(layout: JobLayout, message_bytes: tuple[int, ...], warmup: int, repeats: int, *, group: Any = None,
-          timed: bool = True, group_size: int | None = None) -> dict[str, CollectiveFit]:
+def _fits(
+    layout: JobLayout,
+    message_bytes: tuple[int, ...],
+    warmup: int,
+    repeats: int,
+    *,
+    group: Any = None,
+    timed: bool = True,
+    group_size: int | None = None,
+) -> dict[str, CollectiveFit]:
     """Every collective timed on `group` (None: the whole job) and fitted to the slowest rank's
     medians. Collective over the whole job: a rank outside the group passes ``timed=False`` and
     only joins the agreement on the slowest times."""
@@ -57,7 +65,9 @@ def _fits(layout: JobLayout, message_bytes: tuple[int, ...], warmup: int, repeat
         if timed:
             medians = []
             for size in message_bytes:
-                times = [timed_collective(collective, size, layout.device, group=group) for _ in range(warmup + repeats)]
+                times = [
+                    timed_collective(collective, size, layout.device, group=group) for _ in range(warmup + repeats)
+                ]
                 medians.append(statistics.median(times[warmup:]))
         slowest = agree_max(medians, layout.device)
         samples = [CollectiveSample(message_bytes=size, time_s=max(t, 1e-9)) for size, t in zip(message_bytes, slowest)]
@@ -88,13 +98,30 @@ def _scopes(layout: JobLayout, message_bytes: tuple[int, ...], warmup: int, repe
     if largest >= 2:
         # Every node is timed at once; with nodes of several sizes the fit is the largest's
         # (the slowest rank's times count).
-        scopes["within_node"] = NetworkScope(group_size=largest, collectives=_fits(
-            layout, message_bytes, warmup, repeats, group=node_groups[mine], timed=len(nodes[mine]) >= 2,
+        scopes["within_node"] = NetworkScope(
             group_size=largest,
-        ))
-    scopes["between_nodes"] = NetworkScope(group_size=len(nodes), collectives=_fits(
-        layout, message_bytes, warmup, repeats, group=leader_group, timed=layout.rank in leaders, group_size=len(nodes),
-    ))
+            collectives=_fits(
+                layout,
+                message_bytes,
+                warmup,
+                repeats,
+                group=node_groups[mine],
+                timed=len(nodes[mine]) >= 2,
+                group_size=largest,
+            ),
+        )
+    scopes["between_nodes"] = NetworkScope(
+        group_size=len(nodes),
+        collectives=_fits(
+            layout,
+            message_bytes,
+            warmup,
+            repeats,
+            group=leader_group,
+            timed=layout.rank in leaders,
+            group_size=len(nodes),
+        ),
+    )
     destroy_groups([*node_groups, leader_group], [*nodes, leaders], layout.rank)
     return scopes
 

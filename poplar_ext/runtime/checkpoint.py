@@ -154,7 +154,11 @@ def resume_decision(
     plan = current["plan"]
     resume_entry = {"start_step": step, "reason": "", "plan": plan}
     if saved is None or load_module_only:
-        why = "holds no poplar-ext state (a plain DeepSpeed checkpoint)" if saved is None else "was loaded for its weights only"
+        why = (
+            "holds no poplar-ext state (a plain DeepSpeed checkpoint)"
+            if saved is None
+            else "was loaded for its weights only"
+        )
         resume_entry.update(data_position=0, reason=f"started from {path}, which {why}")
         return ResumeDecision(
             data_position=0,
@@ -163,7 +167,11 @@ def resume_decision(
             notes=[f"{path} {why}: the data starts at position 0 under this job's plan"],
         )
     saved_drop_last = saved.get("drop_last", False)  # absent in checkpoints of poplar-ext 0.1
-    if (saved["seed"], saved["shuffle"], saved_drop_last) != (current["seed"], current["shuffle"], current["drop_last"]):
+    if (saved["seed"], saved["shuffle"], saved_drop_last) != (
+        current["seed"],
+        current["shuffle"],
+        current["drop_last"],
+    ):
         raise ValueError(
             f"load_checkpoint: {path} was saved with poplar.seed {saved['seed']}, shuffle {saved['shuffle']} and "
             f"drop_last {saved_drop_last}; this job has {current['seed']}, {current['shuffle']} and "
@@ -177,13 +185,20 @@ def resume_decision(
         return ResumeDecision(data_position=position, consumed_samples=saved["consumed_samples"], plan_history=history)
     started_from = next((h["plan"] for h in reversed(history) if not h.get("switched")), None)
     if (
-        started_from is not None and _allocation(started_from) == _allocation(plan)
+        started_from is not None
+        and _allocation(started_from) == _allocation(plan)
         and _shape(started_from) == _shape(plan) == _shape(old_plan)
     ):
         return ResumeDecision(
-            data_position=position, consumed_samples=saved["consumed_samples"], plan_history=history,
-            notes=[(f"resumed from {path} under its last plan (see the plan history); the data continues at stream "
-                    f"position {position}")],
+            data_position=position,
+            consumed_samples=saved["consumed_samples"],
+            plan_history=history,
+            notes=[
+                (
+                    f"resumed from {path} under its last plan (see the plan history); the data continues at stream "
+                    f"position {position}"
+                )
+            ],
             continue_plan=old_plan,
         )
     world_before, world_now = len(old_plan["ranks"]), len(plan["ranks"])

@@ -199,9 +199,7 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
     plan = _path(root.optional("plan"), base_dir)
     profiles = _path(root.optional("profiles"), base_dir)
     if plan is None and profiles is None:
-        raise root.fail(
-            "'plan' (a plan file) or 'profiles' (a directory to search a plan from)", raw_found="neither"
-        )
+        raise root.fail("'plan' (a plan file) or 'profiles' (a directory to search a plan from)", raw_found="neither")
     policy = root.optional("policy")
     reduction = root.optional("loss_reduction")
     seed = root.optional("seed")
@@ -327,7 +325,12 @@ def deepspeed_global_batch_size(ds_config: dict, *, world_size: int, source: str
     """
     root = Node(ds_config, source).obj()
     total, micro, accumulation = (_deepspeed_batch_value(root, key) for key in _DEEPSPEED_BATCH_KEYS)
-    if total is not None and micro is not None and accumulation is not None and total != micro * accumulation * world_size:
+    if (
+        total is not None
+        and micro is not None
+        and accumulation is not None
+        and total != micro * accumulation * world_size
+    ):
         raise root.child("train_batch_size").fail(
             f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size "
             f"({micro} x {accumulation} x {world_size} = {micro * accumulation * world_size}), as DeepSpeed requires"
@@ -338,7 +341,8 @@ def deepspeed_global_batch_size(ds_config: dict, *, world_size: int, source: str
         steps = 1 if accumulation is None else accumulation
         return GlobalBatchRequest(
             size=micro * steps * world_size,
-            origin=f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size ({micro} x {steps} x {world_size})",
+            origin=f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size ({micro} x {steps} x "
+            f"{world_size})",
         )
     return GlobalBatchRequest(size=None, origin="")
 
@@ -357,7 +361,8 @@ def requested_global_batch_size(poplar_config: PoplarConfig, ds_config: dict, *,
         raise FormatError(
             poplar_config.source,
             f"{SECTION}.global_batch_size",
-            f"the DeepSpeed config's global batch ({deepspeed.size}, from {deepspeed.origin}) or no {SECTION}.global_batch_size",
+            f"the DeepSpeed config's global batch ({deepspeed.size}, from {deepspeed.origin}) or no "
+            f"{SECTION}.global_batch_size",
             repr(requested),
         )
     return GlobalBatchRequest(size=requested, origin=f"{SECTION}.global_batch_size")

@@ -130,7 +130,8 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         """Samples per iteration over all ranks (B)."""
         if num_samples < self.global_batch_size:
             raise ValueError(
-                f"num_samples: expected at least the global batch ({self.global_batch_size} samples), found {num_samples}: "
+                f"num_samples: expected at least the global batch ({self.global_batch_size} samples), found "
+                f"{num_samples}: "
                 "one iteration would train some samples twice; use a larger data set or a smaller global batch"
             )
         self._world_size = len(samples_per_rank)
@@ -156,7 +157,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.set_position(consumed_samples)
 
     @classmethod
-    def from_plan(cls, plan: Plan, *, rank: int, num_samples: int, **options) -> "PlanBatchSampler":
+    def from_plan(cls, plan: Plan, *, rank: int, num_samples: int, **options) -> PlanBatchSampler:
         """The sampler of `rank` under `plan` (options as in the constructor)."""
         return cls(
             num_samples=num_samples,
@@ -180,7 +181,9 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         this batch's grid moves to the next epoch's start.
         """
         if isinstance(consumed_samples, bool) or not isinstance(consumed_samples, int) or consumed_samples < 0:
-            raise ValueError(f"consumed_samples: expected a stream position (an integer >= 0), found {consumed_samples!r}")
+            raise ValueError(
+                f"consumed_samples: expected a stream position (an integer >= 0), found {consumed_samples!r}"
+            )
         batch, num_samples = self.global_batch_size, self.stream.num_samples
         if not self.drop_last:
             self._origin, self.next_iteration = consumed_samples % batch, consumed_samples // batch

@@ -300,7 +300,9 @@ class PoplarEngine:
         current = self.plan
         problems = []
         if (plan.global_batch_size, plan.world_size, plan.zero_stage) != (
-            current.global_batch_size, current.world_size, current.zero_stage
+            current.global_batch_size,
+            current.world_size,
+            current.zero_stage,
         ):
             problems.append(
                 "a switch keeps the global batch, the world size and the ZeRO stage "
@@ -348,12 +350,19 @@ class PoplarEngine:
             self._rebalancer.restart_measurement(self)
         if record:
             self.plan_history.append(
-                history_entry(plan, start_step=engine.global_steps, data_position=self.trained_position, reason=reason,
-                              switched=True)
+                history_entry(
+                    plan,
+                    start_step=engine.global_steps,
+                    data_position=self.trained_position,
+                    reason=reason,
+                    switched=True,
+                )
             )
         if self._rank == 0:
             logger.info(
-                "poplar plan from step %d: %s; micro-batches %s", engine.global_steps, reason,
+                "poplar plan from step %d: %s; micro-batches %s",
+                engine.global_steps,
+                reason,
                 " ".join(f"{r.micro_batch_size}x{r.gradient_accumulation_steps}" for r in plan.ranks),
             )
 
@@ -414,7 +423,11 @@ class PoplarEngine:
         return state
 
     def save_checkpoint(
-        self, save_dir: str | Path, tag: Any = None, client_state: dict | None = None, save_latest: bool = True,
+        self,
+        save_dir: str | Path,
+        tag: Any = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
         **kwargs: Any,
     ) -> Any:
         """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder (written by rank 0).
@@ -424,12 +437,13 @@ class PoplarEngine:
         could leave ``latest`` naming a checkpoint that lacks that node's shard, and the
         automatic restart would then fail to load it.
         """
-        from poplar_ext.collectives import barrier
         from deepspeed.checkpoint.constants import (
             UNIVERSAL_CHECKPOINT_INFO,
             UNIVERSAL_CHECKPOINT_VERSION_KEY,
             UNIVERSAL_CHECKPOINT_VERSION_VALUE,
         )
+
+        from poplar_ext.collectives import barrier
 
         tag = str(tag) if tag is not None else f"global_step{self.deepspeed_engine.global_steps}"  # DeepSpeed's default
         if self._rank == 0:
@@ -437,8 +451,12 @@ class PoplarEngine:
         client = dict(client_state or {})
         # DeepSpeed's own converter (ds_to_universal) requires this entry; poplar-ext's
         # (`poplar_ext.runtime.reshard`) does not, but keeps checkpoints usable by both.
-        client.setdefault(UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
-        saved = self.deepspeed_engine.save_checkpoint(save_dir, tag=tag, client_state=client, save_latest=False, **kwargs)
+        client.setdefault(
+            UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+        )
+        saved = self.deepspeed_engine.save_checkpoint(
+            save_dir, tag=tag, client_state=client, save_latest=False, **kwargs
+        )
         if save_latest:
             barrier()  # every rank's files are written
             if self._rank == 0:
@@ -472,7 +490,10 @@ class PoplarEngine:
         load_tag = tag
         if saved is not None:
             decision = resume_decision(
-                saved, self._client_state(), path=where, step=saved.get("step", 0),
+                saved,
+                self._client_state(),
+                path=where,
+                step=saved.get("step", 0),
                 load_module_only=bool(kwargs.get("load_module_only")),
             )
             if decision.world_size_changed and self.plan.zero_stage >= 1 and not kwargs.get("load_module_only"):
@@ -485,7 +506,10 @@ class PoplarEngine:
         legacy = client_state.pop(CLIENT_STATE_KEY, None)
         if decision is None:  # no state file: poplar-ext 0.1's client_state entry, or a plain DeepSpeed checkpoint
             decision = resume_decision(
-                legacy, self._client_state(), path=where, step=self.deepspeed_engine.global_steps,
+                legacy,
+                self._client_state(),
+                path=where,
+                step=self.deepspeed_engine.global_steps,
                 load_module_only=bool(kwargs.get("load_module_only")),
             )
         self._resume(decision)
@@ -499,7 +523,9 @@ class PoplarEngine:
         self.plan_history = decision.plan_history or self.plan_history
         if decision.continue_plan is not None:
             plan = plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")
-            schedule_switch(self, plan, position=decision.data_position, reason="the checkpoint's last plan", record=False)
+            schedule_switch(
+                self, plan, position=decision.data_position, reason="the checkpoint's last plan", record=False
+            )
         if self._rank == 0:
             for note in decision.notes:
                 logger.info("load_checkpoint: %s", note)

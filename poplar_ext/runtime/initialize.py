@@ -82,17 +82,22 @@ def _apply_cpu_process_settings(poplar_config: PoplarConfig, *, on_cpu: bool, em
     """What ``poplar.cpu_threads`` and ``poplar.steady_cpu_allocator`` ask for, logged; nothing else."""
     if poplar_config.cpu_threads is not None:
         previous = limit_cpu_threads(poplar_config.cpu_threads)
-        logger.info("poplar.cpu_threads: torch intra-op threads set to %d (were %d)", poplar_config.cpu_threads, previous)
+        logger.info(
+            "poplar.cpu_threads: torch intra-op threads set to %d (were %d)", poplar_config.cpu_threads, previous
+        )
     if poplar_config.steady_cpu_allocator and on_cpu:
         if steady_cpu_allocator():
             logger.info("poplar.steady_cpu_allocator: glibc now keeps freed memory for reuse (process-wide)")
         else:
-            logger.warning("poplar.steady_cpu_allocator: this C library has no mallopt (not glibc); allocator unchanged")
+            logger.warning(
+                "poplar.steady_cpu_allocator: this C library has no mallopt (not glibc); allocator unchanged"
+            )
     if emulated and on_cpu and torch.get_num_threads() > 1:
         logger.warning(
             "rank %d emulates its device type with %d torch threads, but emulation times compute by this thread's "
             "CPU time and misses the others: set poplar.cpu_threads to 1",
-            rank, torch.get_num_threads(),
+            rank,
+            torch.get_num_threads(),
         )
 
 
@@ -214,11 +219,17 @@ def prepare_job(
         from poplar_ext.profiler.auto import missing_profiles_measurer
 
         measure_missing = missing_profiles_measurer(
-            model=model, training_data=training_data, collate_fn=collate_fn, optimizer=optimizer,
+            model=model,
+            training_data=training_data,
+            collate_fn=collate_fn,
+            optimizer=optimizer,
             ds_config=ds_config if profiling_ds_config is None else profiling_ds_config,
-            profiles_dir=poplar_config.profiles, loss_fn=loss_fn,
+            profiles_dir=poplar_config.profiles,
+            loss_fn=loss_fn,
             # No plan can give one rank more than the global batch.
-            micro_batch_size_limit=global_batch.size if isinstance(global_batch.size, int) else poplar_config.max_global_batch_size,
+            micro_batch_size_limit=global_batch.size
+            if isinstance(global_batch.size, int)
+            else poplar_config.max_global_batch_size,
             checkpointing_toggle=checkpointing_toggle,
             optimizer_offload=poplar_config.optimizer_offload,
         )
@@ -234,8 +245,14 @@ def prepare_job(
         measure_missing=measure_missing,
     )
     return Job(
-        ds_config=ds_config, source=source, poplar_config=poplar_config, cluster=cluster, plan=plan,
-        rank=rank, world_size=world_size, device=device,
+        ds_config=ds_config,
+        source=source,
+        poplar_config=poplar_config,
+        cluster=cluster,
+        plan=plan,
+        rank=rank,
+        world_size=world_size,
+        device=device,
     )
 
 
@@ -313,12 +330,23 @@ def initialize(
 
     job = prepare_job(
         load_deepspeed_config(config, config_params=config_params, args=args),
-        model=model, optimizer=optimizer, training_data=training_data, collate_fn=collate_fn, mpu=mpu,
-        mesh_param=mesh_param, init_options={} if distributed_port is None else {"distributed_port": distributed_port},
-        loss_fn=loss_fn, checkpointing_toggle=checkpointing_toggle,
+        model=model,
+        optimizer=optimizer,
+        training_data=training_data,
+        collate_fn=collate_fn,
+        mpu=mpu,
+        mesh_param=mesh_param,
+        init_options={} if distributed_port is None else {"distributed_port": distributed_port},
+        loss_fn=loss_fn,
+        checkpointing_toggle=checkpointing_toggle,
     )
     ds_config, source, poplar_config, cluster, plan, rank = (
-        job.ds_config, job.source, job.poplar_config, job.cluster, job.plan, job.rank
+        job.ds_config,
+        job.source,
+        job.poplar_config,
+        job.cluster,
+        job.plan,
+        job.rank,
     )
     nominal = nominal_deepspeed_config(ds_config, plan, rank, source=source)
     emulation = emulation_for_rank(cluster, rank)
@@ -330,10 +358,14 @@ def initialize(
     checkpointing = apply_plan_checkpointing(model, plan, rank, toggle=checkpointing_toggle, source=job.plan_reason)
     logger.info(
         "rank %d: %s, micro-batch %d x %d accumulation steps%s%s; true global batch %d, ZeRO stage %d",
-        rank, label, rank_plan.micro_batch_size, rank_plan.gradient_accumulation_steps,
+        rank,
+        label,
+        rank_plan.micro_batch_size,
+        rank_plan.gradient_accumulation_steps,
         ", activation checkpointing" if checkpointing else "",
         ", optimizer offloaded to the host" if rank_plan.optimizer_offload else "",
-        plan.global_batch_size, plan.zero_stage,
+        plan.global_batch_size,
+        plan.zero_stage,
     )
     # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
     ds_args = None
@@ -364,8 +396,15 @@ def initialize(
     if emulation is not None:
         slowdown = ComputeSlowdown(emulation, clock="thread" if on_cpu else "cuda")
     wrapped = PoplarEngine(
-        engine, plan=plan, rank=rank, poplar_config=poplar_config, device_label=label, slowdown=slowdown,
-        rank_device_labels=labels, plan_reason=job.plan_reason, rebalancer=_rebalancer(job),
+        engine,
+        plan=plan,
+        rank=rank,
+        poplar_config=poplar_config,
+        device_label=label,
+        slowdown=slowdown,
+        rank_device_labels=labels,
+        plan_reason=job.plan_reason,
+        rebalancer=_rebalancer(job),
     )
     if rank == 0:
         logger.info("poplar plan from step 0: %s", job.plan_reason)
@@ -378,7 +417,9 @@ def initialize(
             dataloader = IterationLoader(
                 dataloader,
                 micro_batches_per_iteration=lambda: wrapped.rank_plan.gradient_accumulation_steps,
-                before_iteration=lambda group: wrapped.set_token_counts([label_token_count(b, shifted=shifted) for b in group]),
+                before_iteration=lambda group: wrapped.set_token_counts(
+                    [label_token_count(b, shifted=shifted) for b in group]
+                ),
             )
     return wrapped, ds_optimizer, dataloader, ds_scheduler
 

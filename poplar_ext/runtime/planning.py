@@ -17,7 +17,8 @@ by hand carries no fingerprints and is not compared. Make the warning an error w
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from poplar_ext.collectives import decided_by_rank0
 from poplar_ext.profiler.auto import MeasureMissing
@@ -75,7 +76,9 @@ def runtime_plan_problems(
     if plan.world_size != world_size:
         problems.append(f"The plan names {plan.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
     if cluster.world_size != world_size:
-        problems.append(f"The cluster description names {cluster.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
+        problems.append(
+            f"The cluster description names {cluster.world_size} ranks but the job has {world_size} (WORLD_SIZE)."
+        )
     if zero_stage is not None and zero_stage != plan.zero_stage:
         problems.append(
             f"The plan is for ZeRO stage {plan.zero_stage} but the config asks for stage {zero_stage} "
@@ -101,7 +104,9 @@ def check_plan_for_job(
     """
     from poplar_search import check_plan
 
-    problems = runtime_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=global_batch)
+    problems = runtime_plan_problems(
+        plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=global_batch
+    )
     problems += [p for p in check_plan(plan, cluster, profiles) if p not in problems]
     if problems:
         raise ValueError(f"{source}: this plan cannot run: " + " ".join(problems))
@@ -131,7 +136,8 @@ def obtain_missing_profiles(
     raise ValueError(
         f"poplar.profiles: no plan was given and {poplar_config.profiles} lacks profiles for these device types "
         f"and ZeRO stages ({lacking}). Measure them with poplar-profile under your training launcher: "
-        f"deepspeed --num_gpus N --module poplar_ext.profiler --deepspeed_config DS.json --cluster {poplar_config.cluster} "
+        "deepspeed --num_gpus N --module poplar_ext.profiler --deepspeed_config DS.json --cluster "
+        f"{poplar_config.cluster} "
         f"--model MODULE:FACTORY --batch MODULE:FACTORY --zero-stages {stages} --output-dir {poplar_config.profiles}; "
         "or give poplar.plan; or pass training_data to poplar_ext.initialize to measure them automatically."
     )
@@ -203,7 +209,12 @@ def profiles_for_search(
 
 
 def _search(
-    poplar_config: PoplarConfig, cluster: Cluster, profiles: list[Profile], *, zero_stage: int | None, global_batch_size: int | None
+    poplar_config: PoplarConfig,
+    cluster: Cluster,
+    profiles: list[Profile],
+    *,
+    zero_stage: int | None,
+    global_batch_size: int | None,
 ) -> Plan:
     """The search's plan; ValueError with the reason when there is none. `global_batch_size` None: the search picks."""
     from poplar_search import search_plan
@@ -295,7 +306,12 @@ def resolve_plan(
 
     def checked(plan: Plan, profiles: list[Profile] | None, source: str) -> Plan:
         check_plan_for_job(
-            plan, cluster, world_size=world_size, zero_stage=zero_stage, profiles=profiles, source=source,
+            plan,
+            cluster,
+            world_size=world_size,
+            zero_stage=zero_stage,
+            profiles=profiles,
+            source=source,
             global_batch=global_batch,
         )
         return plan
@@ -310,7 +326,10 @@ def resolve_plan(
                 raise ValueError(f"poplar.plan: {exc}") from exc
             profiles = _available_profiles(poplar_config, model_fingerprint) or None
             checked(plan, profiles, str(plan_path))
-            return {"plan": plan_to_dict(plan), "stale": [] if profiles is None else stale_profile_types(plan, profiles)}
+            return {
+                "plan": plan_to_dict(plan),
+                "stale": [] if profiles is None else stale_profile_types(plan, profiles),
+            }
 
         decision = decided_by_rank0(read_plan_file, rank=rank, broadcast=broadcast)
         if decision["stale"]:
@@ -326,7 +345,7 @@ def resolve_plan(
         raise ValueError(
             f"{poplar_config.source}: no global batch for the plan search: set train_batch_size (or "
             f"train_micro_batch_size_per_gpu and gradient_accumulation_steps) or {SECTION}.global_batch_size, "
-            f"or {SECTION}.global_batch_size: \"{AUTO}\" to let the search pick the fastest"
+            f'or {SECTION}.global_batch_size: "{AUTO}" to let the search pick the fastest'
         )
 
     # Rank 0 reads the profiles (only its node needs them) and says what is missing; a
@@ -348,7 +367,10 @@ def resolve_plan(
         have = {p.key for p in stored}
         profiles = _searchable(stored + [p for p in measured if p.key not in have], cluster, zero_stage)
         plan = _search(
-            poplar_config, cluster, profiles, zero_stage=zero_stage,
+            poplar_config,
+            cluster,
+            profiles,
+            zero_stage=zero_stage,
             global_batch_size=None if global_batch.size == AUTO else global_batch.size,
         )
         return plan_to_dict(checked(plan, profiles, "<plan searched at start>"))

@@ -78,8 +78,9 @@ class DriftMonitor:
         from poplar_search.api import plan_levers, predict
         from poplar_search.drift import scaled_problem, with_rank_types
 
-        profiles, _, rank_types = scaled_problem(self.profiles, self.cluster, self.rank_scales, zero_stage=plan.zero_stage,
-                                                 levers=plan_levers(plan))
+        profiles, _, rank_types = scaled_problem(
+            self.profiles, self.cluster, self.rank_scales, zero_stage=plan.zero_stage, levers=plan_levers(plan)
+        )
         return list(predict(with_rank_types(plan, rank_types), profiles, self.network).rank_compute_time_s)
 
     def observe(self, plan: Plan, busy_s: list[float], iterations: list[int], *, step: int) -> dict[str, Any] | None:
@@ -114,11 +115,16 @@ class DriftMonitor:
             for rank in drifted
         )
         try:
-            found = replan(plan, self.profiles, self.cluster, self.rank_scales, min_gain=self.config.min_gain,
-                           network=self.network)
+            found = replan(
+                plan, self.profiles, self.cluster, self.rank_scales, min_gain=self.config.min_gain, network=self.network
+            )
         except ValueError as exc:  # a search problem must not stop training: keep the plan, say why
-            logger.warning("poplar rebalance at step %d: %s drifted, but the search failed (%s); keeping the plan",
-                           step, described, exc)
+            logger.warning(
+                "poplar rebalance at step %d: %s drifted, but the search failed (%s); keeping the plan",
+                step,
+                described,
+                exc,
+            )
             return None
         if found.status != "better" or found.plan is None:
             logger.info("poplar rebalance at step %d: %s drifted; keeping the plan: %s", step, described, found.message)
@@ -230,7 +236,8 @@ class Rebalancer:
                 # Asked for explicitly: a warning; on by default ("auto"): a note.
                 logger.log(
                     logging.WARNING if self.config.enabled else logging.INFO,
-                    "poplar rebalance: off for this job: ranks %s feed batches of their own, which a plan switch cannot "
+                    "poplar rebalance: off for this job: ranks %s feed batches of their own, which a plan switch "
+                    "cannot "
                     "change; train from the dataloader poplar_ext.initialize returns or engine.create_batch_sampler",
                     without,
                 )
@@ -283,4 +290,12 @@ def switch_together(engine: PoplarEngine, plan: Plan, *, reason: str) -> None:
     schedule_switch(engine, chosen, position=max(gather_objects(data_reached(engine))), reason=reason)
 
 
-__all__ = ["CudaEventTimer", "DriftMonitor", "PendingSwitch", "Rebalancer", "data_reached", "schedule_switch", "switch_together"]
+__all__ = [
+    "CudaEventTimer",
+    "DriftMonitor",
+    "PendingSwitch",
+    "Rebalancer",
+    "data_reached",
+    "schedule_switch",
+    "switch_together",
+]

@@ -77,8 +77,10 @@ def carried_states(
         if key in SCALAR_STATES:
             fits = isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1)
         else:
-            fits = torch.is_tensor(value) and value.dim() == 1 and value.numel() in (
-                partition_numel, partition_numel + padding_numel
+            fits = (
+                torch.is_tensor(value)
+                and value.dim() == 1
+                and value.numel() in (partition_numel, partition_numel + padding_numel)
             )
         if not isinstance(key, str) or not key.isidentifier() or key == "fp32" or not fits:
             raise ValueError(
@@ -159,10 +161,16 @@ def _convert_stage_1_2(source: Path, work: Path, *, fragments: Path, optimizer_n
         shard = checkpoint.get_zero_checkpoint_state(0, 0, dp_index, strip_tensor_paddings=False)[OPTIMIZER_STATE_DICT]
         states = shard[BASE_OPTIMIZER_STATE]["state"]
         for group_id, fp32 in enumerate(shard[SINGLE_PARTITION_OF_FP32_GROUPS]):
-            flat = {"fp32": fp32, **carried_states(
-                states[group_id], partition_numel=fp32.numel(), optimizer_name=optimizer_name,
-                saved_ranks=checkpoint.dp_degree, padding_numel=shard[GROUP_PADDINGS][group_id],
-            )}
+            flat = {
+                "fp32": fp32,
+                **carried_states(
+                    states[group_id],
+                    partition_numel=fp32.numel(),
+                    optimizer_name=optimizer_name,
+                    saved_ranks=checkpoint.dp_degree,
+                    padding_numel=shard[GROUP_PADDINGS][group_id],
+                ),
+            }
             for name, fragment in shard[PARAM_SLICE_MAPPINGS][group_id].items():
                 for key, value in flat.items():
                     dump_param_fragment(str(fragments), 0, dp_index, key, value, name, fragment.start, fragment.numel)
@@ -198,10 +206,15 @@ def _convert_stage_3(source: Path, work: Path, *, fragments: Path, optimizer_nam
         states = shard[OPTIMIZER_STATE_DICT]["state"]
         for group_id, shapes in enumerate(shapes_per_group):
             fp32 = shard["fp32_flat_groups"][group_id]
-            flat = {"fp32": fp32, **carried_states(
-                states.get(group_id, {}), partition_numel=fp32.numel(), optimizer_name=optimizer_name,
-                saved_ranks=dp_degree,
-            )}
+            flat = {
+                "fp32": fp32,
+                **carried_states(
+                    states.get(group_id, {}),
+                    partition_numel=fp32.numel(),
+                    optimizer_name=optimizer_name,
+                    saved_ranks=dp_degree,
+                ),
+            }
             offset = 0
             for name, shape in shapes.items():
                 partitioned_numel, _ = _zero_partitioned_param_info(shape.numel(), dp_degree)
@@ -250,8 +263,8 @@ def loading_every_state(zero_optimizer: Any) -> Iterator[None]:
             "load_checkpoint: a ZeRO-3 optimizer swapped to NVMe cannot load a checkpoint resharded for another "
             "number of ranks; resume it on the number of ranks it was saved on"
         )
-    zero_optimizer.load_hp_checkpoint_state_from_checkpoint_dir_stage3 = (
-        lambda checkpoint_dir: load_stage3_checkpoint(zero_optimizer, checkpoint_dir)
+    zero_optimizer.load_hp_checkpoint_state_from_checkpoint_dir_stage3 = lambda checkpoint_dir: load_stage3_checkpoint(
+        zero_optimizer, checkpoint_dir
     )
     try:
         yield
@@ -301,7 +314,9 @@ def _stage3_partition(
     return partition
 
 
-def resharded_tag(load_dir: str | Path, tag: str, *, deepspeed_engine: Any, rank: int, caller: str = "load_checkpoint") -> str:
+def resharded_tag(
+    load_dir: str | Path, tag: str, *, deepspeed_engine: Any, rank: int, caller: str = "load_checkpoint"
+) -> str:
     """The tag of checkpoint `tag` resharded for any number of ranks (collective).
 
     Rank 0 writes ``TAG_universal`` beside the checkpoint unless it is there; a state

@@ -60,7 +60,9 @@ def loss_weight(
             "with your micro-batches' label tokens before each iteration"
         )
     if global_batch_tokens < 1:
-        raise ValueError(f"global_batch_tokens: expected at least one label token in the iteration, found {global_batch_tokens}")
+        raise ValueError(
+            f"global_batch_tokens: expected at least one label token in the iteration, found {global_batch_tokens}"
+        )
     return world_size * micro_batch_tokens / global_batch_tokens
 
 
@@ -94,8 +96,16 @@ def label_token_count(batch: Any, *, shifted: bool) -> int:
     return int(labels.ne(IGNORE_INDEX).sum())
 
 
-def weight_loss(loss, *, world_size: int, micro_batch_size: int, global_batch_size: int, reduction: Reduction = "mean",
-                micro_batch_tokens: int | None = None, global_batch_tokens: int | None = None):
+def weight_loss(
+    loss,
+    *,
+    world_size: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+    reduction: Reduction = "mean",
+    micro_batch_tokens: int | None = None,
+    global_batch_tokens: int | None = None,
+):
     """`loss` times `loss_weight(...)`: what the engine passes to DeepSpeed's backward
     (with ``scale_wrt_gas=False``).
 
@@ -103,8 +113,12 @@ def weight_loss(loss, *, world_size: int, micro_batch_size: int, global_batch_si
     rounded to bf16's 8 significant bits would be off by up to 0.4%.
     """
     weight = loss_weight(
-        world_size=world_size, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, reduction=reduction,
-        micro_batch_tokens=micro_batch_tokens, global_batch_tokens=global_batch_tokens,
+        world_size=world_size,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        reduction=reduction,
+        micro_batch_tokens=micro_batch_tokens,
+        global_batch_tokens=global_batch_tokens,
     )
     if getattr(loss, "dtype", None) in _HALF_DTYPES:
         return loss.float() * weight

@@ -28,23 +28,24 @@ DS_CONFIG = {
 
 
 def _profile_real_gpus(cache_dir: str) -> dict:
+    import deepspeed
     import torch.distributed as dist
 
     from poplar_ext.hardware.devices import hardware_device_type
-    from poplar_ext.profiler import profile_model
     from poplar_ext.models.toy_gpt import GPT, GPTConfig
+    from poplar_ext.profiler import profile_model
     from poplar_search.formats import cluster_from_dict
-
-    import deepspeed
 
     deepspeed.init_distributed()
     local = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
     device_type = hardware_device_type(local)
     # Every rank's GPU here is the same model: a cluster of one real device type.
-    cluster = cluster_from_dict({
-        "schema_version": 1,
-        "nodes": [{"name": "gpu-node", "devices": [{"device_type": device_type, "count": dist.get_world_size()}]}],
-    })
+    cluster = cluster_from_dict(
+        {
+            "schema_version": 1,
+            "nodes": [{"name": "gpu-node", "devices": [{"device_type": device_type, "count": dist.get_world_size()}]}],
+        }
+    )
     cfg = GPTConfig(vocab_size=8192, sequence_length=256, num_layers=4, num_heads=8, hidden_size=512)
     calls = {"first": 0, "second": 0}
 
@@ -56,8 +57,14 @@ def _profile_real_gpus(cache_dir: str) -> dict:
         return make_batch
 
     common = dict(
-        model_factory=lambda: GPT(cfg), ds_config=DS_CONFIG, cluster=cluster, zero_stages=(0, 3),
-        cache_dir=cache_dir, sequence_length=cfg.sequence_length, micro_batch_size_limit=64, progress=None,
+        model_factory=lambda: GPT(cfg),
+        ds_config=DS_CONFIG,
+        cluster=cluster,
+        zero_stages=(0, 3),
+        cache_dir=cache_dir,
+        sequence_length=cfg.sequence_length,
+        micro_batch_size_limit=64,
+        progress=None,
     )
     first = profile_model(make_batch=batches("first"), **common)
     second = profile_model(make_batch=batches("second"), **common)
@@ -69,8 +76,12 @@ def test_profiles_a_real_gpu_in_bf16_and_reuses_them(tmp_path) -> None:
 
     world_size = min(2, torch.cuda.device_count())
     results = run_ranks(
-        _profile_real_gpus, world_size=world_size, tmp_path=tmp_path, args=(str(tmp_path / "profiles"),),
-        init_process_group=False, timeout_s=600,
+        _profile_real_gpus,
+        world_size=world_size,
+        tmp_path=tmp_path,
+        args=(str(tmp_path / "profiles"),),
+        init_process_group=False,
+        timeout_s=600,
     )
     result = results[0]
     assert len(result["first"]) == 2

@@ -54,6 +54,7 @@ def _shared_gpus() -> bool:
 
 def _train(files: dict, dtype: str, weighted: bool) -> dict:
     import _training as t
+
     import poplar_ext
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -69,7 +70,7 @@ def _train(files: dict, dtype: str, weighted: bool) -> dict:
         )
         if not weighted:
             # What a missing weight gives: DeepSpeed's own division by this rank's accumulation count.
-            engine.backward = lambda loss, **kwargs: engine.deepspeed_engine.backward(loss)
+            engine.backward = lambda loss, _engine=engine, **kwargs: _engine.deepspeed_engine.backward(loss)
         t.train_steps(engine, loader, STEPS)
         results[stage] = t.full_parameters(engine)
     return results
@@ -77,19 +78,26 @@ def _train(files: dict, dtype: str, weighted: bool) -> dict:
 
 def _bf16_reference(global_batches: dict[int, int]) -> dict:
     """One DeepSpeed rank training each stage's global batch in bf16 (the same numerics as the job)."""
-    import deepspeed
-
     import _training as t
+    import deepspeed
 
     torch.backends.cuda.matmul.allow_tf32 = False
     results = {}
     data = t.dataset()
     for stage, global_batch in global_batches.items():
         model = t.GPT(t.TINY)
-        config = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": global_batch,
-                  "gradient_clipping": t.CLIP, "zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
-                  "zero_allow_untested_optimizer": True, "steps_per_print": 10_000}
-        engine, *_ = deepspeed.initialize(model=model, optimizer=t.make_optimizer("sgd", model.parameters()), config=config)
+        config = {
+            "train_batch_size": global_batch,
+            "train_micro_batch_size_per_gpu": global_batch,
+            "gradient_clipping": t.CLIP,
+            "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": True},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10_000,
+        }
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=t.make_optimizer("sgd", model.parameters()), config=config
+        )
         stream = t.SampleStream(num_samples=t.NUM_SAMPLES, seed=0)
         for step in range(STEPS):
             batch = torch.stack([data[i] for i in stream.indices(step * global_batch, global_batch)]).to(engine.device)
@@ -114,8 +122,14 @@ def _run(tmp_path: Path, dtype: str, *, weighted: bool = True) -> dict:
     from harness import run_ranks
 
     # gloo (set up by the harness) when ranks share GPUs; otherwise DeepSpeed sets up NCCL.
-    return run_ranks(_train, world_size=WORLD_SIZE, tmp_path=tmp_path, args=(_files(tmp_path), dtype, weighted),
-                     init_process_group=_shared_gpus(), timeout_s=600)[0]
+    return run_ranks(
+        _train,
+        world_size=WORLD_SIZE,
+        tmp_path=tmp_path,
+        args=(_files(tmp_path), dtype, weighted),
+        init_process_group=_shared_gpus(),
+        timeout_s=600,
+    )[0]
 
 
 def test_fp32_equals_one_process_on_the_global_batch(tmp_path):
@@ -132,8 +146,14 @@ def test_bf16_equals_a_bf16_reference_and_a_missing_weight_does_not(tmp_path):
     from harness import run_ranks
 
     batches = {stage: sum(b * s for b, s in _allocation(stage)) for stage in (0, 1, 2, 3)}
-    reference = run_ranks(_bf16_reference, world_size=1, tmp_path=tmp_path / "reference", args=(batches,),
-                          init_process_group=False, timeout_s=600)[0]
+    reference = run_ranks(
+        _bf16_reference,
+        world_size=1,
+        tmp_path=tmp_path / "reference",
+        args=(batches,),
+        init_process_group=False,
+        timeout_s=600,
+    )[0]
     weighted = _run(tmp_path / "weighted", "bf16")
     unweighted = _run(tmp_path / "unweighted", "bf16", weighted=False)
     for stage in (0, 1, 2, 3):
@@ -145,7 +165,10 @@ def test_bf16_equals_a_bf16_reference_and_a_missing_weight_does_not(tmp_path):
 
 def _gpu_device_type() -> str:
     # In a child process: CUDA initialised here would keep the harness from forking ranks.
-    code = "import torch; from poplar_ext.hardware.devices import hardware_device_type; print(hardware_device_type(torch.device('cuda', 0)))"
+    code = (
+        "import torch; from poplar_ext.hardware.devices import hardware_device_type; "
+        "print(hardware_device_type(torch.device('cuda', 0)))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     return done.stdout.strip().splitlines()[-1]
 
@@ -159,18 +182,39 @@ def test_launcher_on_cuda_with_bf16_and_the_cluster_read_from_the_hardware(tmp_p
     config = json.loads((REPO / "examples" / "ds_config.json").read_text())
     config["bf16"] = {"enabled": True}
     config["poplar"].pop("cluster", None)  # no cluster file: each rank's GPU is read from the hardware
-    (tmp_path / "plan.json").write_text(json.dumps({
-        "schema_version": 1, "policy": "uniform", "zero_stage": 1, "global_batch_size": 8 * num_gpus,
-        "ranks": [{"rank": r, "device_type": device_type, "micro_batch_size": 4, "gradient_accumulation_steps": 2}
-                  for r in range(num_gpus)],
-        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
-        "profile_fingerprints": {}}))
+    (tmp_path / "plan.json").write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "policy": "uniform",
+                "zero_stage": 1,
+                "global_batch_size": 8 * num_gpus,
+                "ranks": [
+                    {"rank": r, "device_type": device_type, "micro_batch_size": 4, "gradient_accumulation_steps": 2}
+                    for r in range(num_gpus)
+                ],
+                "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+                "profile_fingerprints": {},
+            }
+        )
+    )
     config["poplar"]["plan"] = str(tmp_path / "plan.json")
     (tmp_path / "ds.json").write_text(json.dumps(config))
     result = tmp_path / "result.json"
-    command = ["deepspeed", "--num_gpus", str(num_gpus), "--master_port", str(free_port()),
-               str(REPO / "examples" / "train.py"), "--deepspeed_config", str(tmp_path / "ds.json"),
-               "--steps", "3", "--result", str(result)]
+    command = [
+        "deepspeed",
+        "--num_gpus",
+        str(num_gpus),
+        "--master_port",
+        str(free_port()),
+        str(REPO / "examples" / "train.py"),
+        "--deepspeed_config",
+        str(tmp_path / "ds.json"),
+        "--steps",
+        "3",
+        "--result",
+        str(result),
+    ]
     done = subprocess.run(command, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     summary = json.loads(result.read_text())

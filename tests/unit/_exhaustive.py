@@ -29,7 +29,8 @@ def brute_force(profiles, cluster, stage, batch):
         if model.synchronised_micro_steps:
             candidates = (
                 (sizes, (steps,) * len(caps))
-                for steps in range(1, batch + 1) if batch % steps == 0
+                for steps in range(1, batch + 1)
+                if batch % steps == 0
                 for sizes in itertools.product(*[range(1, c + 1) for c in caps])
                 if sum(sizes) * steps == batch
             )

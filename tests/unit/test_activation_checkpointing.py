@@ -46,7 +46,9 @@ def test_the_built_in_gpt_recomputes_and_gives_the_same_gradients():
 
 def test_a_hugging_face_model_switches_through_its_own_methods():
     transformers = pytest.importorskip("transformers")
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16)
+    )
     assert can_checkpoint(model)
     set_activation_checkpointing(model, True)
     assert model.is_gradient_checkpointing
@@ -81,13 +83,23 @@ def test_other_models_need_a_toggle():
 
 def _plan(checkpointing):
     ranks = tuple(
-        RankPlan(rank=r, device_type="a" if r == 0 else "b", micro_batch_size=1, gradient_accumulation_steps=1,
-                 activation_checkpointing=on)
+        RankPlan(
+            rank=r,
+            device_type="a" if r == 0 else "b",
+            micro_batch_size=1,
+            gradient_accumulation_steps=1,
+            activation_checkpointing=on,
+        )
         for r, on in enumerate(checkpointing)
     )
-    return Plan(policy="poplar", zero_stage=2, global_batch_size=len(ranks), ranks=ranks,
-                predicted=Prediction(iteration_time_s=1.0, samples_per_s=1.0, ideal_samples_per_s=1.0),
-                profile_fingerprints={})
+    return Plan(
+        policy="poplar",
+        zero_stage=2,
+        global_batch_size=len(ranks),
+        ranks=ranks,
+        predicted=Prediction(iteration_time_s=1.0, samples_per_s=1.0, ideal_samples_per_s=1.0),
+        profile_fingerprints={},
+    )
 
 
 def test_each_rank_takes_its_plan_entry_and_a_model_that_cannot_is_refused_everywhere():
@@ -101,7 +113,9 @@ def test_each_rank_takes_its_plan_entry_and_a_model_that_cannot_is_refused_every
         with pytest.raises(ValueError, match=r"my plan: ranks\[1\]\.activation_checkpointing: expected a model"):
             apply_plan_checkpointing(Opaque(), plan, rank, source="my plan")
     assert apply_plan_checkpointing(Opaque(), _plan([False, False]), 0) is False
-    off = dataclasses.replace(plan, ranks=tuple(dataclasses.replace(r, activation_checkpointing=False) for r in plan.ranks))
+    off = dataclasses.replace(
+        plan, ranks=tuple(dataclasses.replace(r, activation_checkpointing=False) for r in plan.ranks)
+    )
     assert apply_plan_checkpointing(Opaque(), off, 1) is False
 
 
@@ -109,5 +123,10 @@ def test_profile_model_checks_its_checkpointing_mode_first(tmp_path):
     from poplar_ext.profiler import profile_model
 
     with pytest.raises(ValueError, match="activation_checkpointing: expected one of 'auto', 'both', 'off', found 'on'"):
-        profile_model(model_factory=lambda: GPT(CFG), make_batch=lambda b: None, ds_config={"optimizer": {}},
-                      cache_dir=tmp_path, activation_checkpointing="on")
+        profile_model(
+            model_factory=lambda: GPT(CFG),
+            make_batch=lambda b: None,
+            ds_config={"optimizer": {}},
+            cache_dir=tmp_path,
+            activation_checkpointing="on",
+        )

@@ -53,7 +53,9 @@ def _bad_exit(capsys, tmp_path, *argv, profiles=EXAMPLES, cluster=CLUSTER):
 
 
 # -- sizes beyond what the search can do ---------------------------------------------
-@pytest.mark.parametrize("batch", [str(10**30), "100000000000000", "10000000000000000000", str(MAX_GLOBAL_BATCH_SIZE + 1)])
+@pytest.mark.parametrize(
+    "batch", [str(10**30), "100000000000000", "10000000000000000000", str(MAX_GLOBAL_BATCH_SIZE + 1)]
+)
 def test_a_global_batch_beyond_the_limit_is_bad_input(capsys, tmp_path, batch):
     err = _bad_exit(capsys, tmp_path, "--global-batch-size", batch, "--zero-stage", "0")
     assert f"global_batch_size: expected None or an integer from 1 to {MAX_GLOBAL_BATCH_SIZE}" in err
@@ -86,7 +88,11 @@ def test_a_huge_cluster_is_bad_input(capsys, tmp_path, count):
 
 def test_the_cluster_total_is_held_to_the_limit():
     nodes = [{"name": f"n{i}", "devices": [{"device_type": "A", "count": MAX_WORLD_SIZE // 2}]} for i in range(3)]
-    with pytest.raises(FormatError, match=rf"c.json: nodes\[2\].devices\[0\].count: expected a count that keeps the cluster within {MAX_WORLD_SIZE} ranks"):
+    with pytest.raises(
+        FormatError,
+        match=r"c.json: nodes\[2\].devices\[0\].count: expected a count that keeps the cluster within "
+        rf"{MAX_WORLD_SIZE} ranks",
+    ):
         cluster_from_dict({"schema_version": 1, "nodes": nodes}, source="c.json")
 
 
@@ -98,7 +104,9 @@ def test_deeply_nested_json_names_the_file(capsys, tmp_path):
 
 
 def test_deep_nesting_in_free_form_provenance_is_refused():
-    data = profile_to_dict(synthetic_profile("A", zero_stage=0, max_micro_batch_size=4, overhead_s=0.1, seconds_per_sample=0.01))
+    data = profile_to_dict(
+        synthetic_profile("A", zero_stage=0, max_micro_batch_size=4, overhead_s=0.1, seconds_per_sample=0.01)
+    )
     nested: list = []
     for _ in range(100):
         nested = [nested]
@@ -130,8 +138,11 @@ def test_a_misspelt_emulation_key_is_not_a_real_device():
         "nodes": [{"name": "n", "devices": [{"device_type": "slow", "count": 1}]}],
         "device_types": {"slow": {"emulate": {"slowdown": 2.0, "memory_capacity_bytes": 10**9}}},
     }
-    with pytest.raises(FormatError, match=r"c.json: device_types.slow.emulate: expected one of the keys 'emulation' "
-                                          r"\(did you mean 'emulation'\?\), found the unknown key 'emulate'"):
+    with pytest.raises(
+        FormatError,
+        match=r"c.json: device_types.slow.emulate: expected one of the keys 'emulation' "
+        r"\(did you mean 'emulation'\?\), found the unknown key 'emulate'",
+    ):
         cluster_from_dict(data, source="c.json")
 
 
@@ -144,9 +155,13 @@ def test_a_misspelt_emulation_key_is_not_a_real_device():
     ],
 )
 def test_unknown_profile_keys(mutate, path, suggestion):
-    data = profile_to_dict(synthetic_profile("A", zero_stage=0, max_micro_batch_size=8, overhead_s=0.1, seconds_per_sample=0.01))
+    data = profile_to_dict(
+        synthetic_profile("A", zero_stage=0, max_micro_batch_size=8, overhead_s=0.1, seconds_per_sample=0.01)
+    )
     mutate(data)
-    with pytest.raises(FormatError, match=rf"p.json: {path}: expected one of the keys .*\(did you mean '{suggestion}'\?\)"):
+    with pytest.raises(
+        FormatError, match=rf"p.json: {path}: expected one of the keys .*\(did you mean '{suggestion}'\?\)"
+    ):
         profile_from_dict(data, source="p.json")
 
 
@@ -159,7 +174,10 @@ def test_unknown_plan_keys(tmp_path):
     )
     data = plan_to_dict(result.plan)
     data["ranks"][0]["gradient_acumulation_steps"] = 2
-    with pytest.raises(FormatError, match=r"plan.json: ranks\[0\].gradient_acumulation_steps: .*did you mean 'gradient_accumulation_steps'"):
+    with pytest.raises(
+        FormatError,
+        match=r"plan.json: ranks\[0\].gradient_acumulation_steps: .*did you mean 'gradient_accumulation_steps'",
+    ):
         plan_from_dict(data, source="plan.json")
     data = plan_to_dict(result.plan)
     data["profile_fingerprint"] = {}
@@ -169,7 +187,9 @@ def test_unknown_plan_keys(tmp_path):
 
 def _one_type_cluster(tmp_path: Path) -> Path:
     path = tmp_path / "one.json"
-    path.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "n", "devices": [{"device_type": "A", "count": 2}]}]}))
+    path.write_text(
+        json.dumps({"schema_version": 1, "nodes": [{"name": "n", "devices": [{"device_type": "A", "count": 2}]}]})
+    )
     return path
 
 
@@ -181,7 +201,9 @@ def _broken_search(*args, **kwargs):
 def test_an_internal_error_exits_3_in_one_line(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "search_plan", _broken_search)
     target = tmp_path / "plan.json"
-    code, out, err = run(capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 512, "--output", target)
+    code, out, err = run(
+        capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 512, "--output", target
+    )
     assert code == cli.EXIT_INTERNAL_ERROR == 3
     assert err.strip().splitlines() == [
         "poplar-search: internal error: ZeroDivisionError: simulated bug (a bug in poplar-search; "

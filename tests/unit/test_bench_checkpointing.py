@@ -12,7 +12,11 @@ CLUSTERS = Path(__file__).resolve().parents[2] / "bench" / "clusters"
 
 
 def test_modelled_checkpointing_trades_compute_for_memory():
-    shape, spec, assumptions = gpu_model.model_shape("gpt2-xl-1.5b"), gpu_model.gpu_spec("T4-16GB"), gpu_model.Assumptions()
+    shape, spec, assumptions = (
+        gpu_model.model_shape("gpt2-xl-1.5b"),
+        gpu_model.gpu_spec("T4-16GB"),
+        gpu_model.Assumptions(),
+    )
     for stage in (1, 2, 3):
         plain = gpu_model.modelled_profile(spec, shape, zero_stage=stage, world_size=8)
         ckpt = gpu_model.modelled_profile(spec, shape, zero_stage=stage, world_size=8, activation_checkpointing=True)
@@ -24,8 +28,12 @@ def test_modelled_checkpointing_trades_compute_for_memory():
                 assert sample.micro_step_time_s > times[sample.micro_batch_size]
     # Stage 3 gathers the weights once more for the recomputed forward.
     at = {"spec": spec, "shape": shape, "world_size": 8, "micro_batch_size": 1, "assumptions": assumptions}
-    extra_3 = gpu_model.micro_step_time_s(zero_stage=3, activation_checkpointing=True, **at) - gpu_model.micro_step_time_s(zero_stage=3, **at)
-    extra_2 = gpu_model.micro_step_time_s(zero_stage=2, activation_checkpointing=True, **at) - gpu_model.micro_step_time_s(zero_stage=2, **at)
+    extra_3 = gpu_model.micro_step_time_s(
+        zero_stage=3, activation_checkpointing=True, **at
+    ) - gpu_model.micro_step_time_s(zero_stage=3, **at)
+    extra_2 = gpu_model.micro_step_time_s(
+        zero_stage=2, activation_checkpointing=True, **at
+    ) - gpu_model.micro_step_time_s(zero_stage=2, **at)
     assert extra_3 > extra_2 > 0
 
 
@@ -64,14 +72,36 @@ def test_the_cases_differ_only_in_the_fast_types_memory(tmp_path):
 
 
 def test_the_report_names_what_was_checkpointed_and_the_ratio():
-    plan = {"ranks": [{"device_type": "cpu-slow", "micro_batch_size": 4, "gradient_accumulation_steps": 2,
-                       "activation_checkpointing": True}], "predicted_samples_per_s": 10.0, "measured_samples_per_s": 9.0}
+    plan = {
+        "ranks": [
+            {
+                "device_type": "cpu-slow",
+                "micro_batch_size": 4,
+                "gradient_accumulation_steps": 2,
+                "activation_checkpointing": True,
+            }
+        ],
+        "predicted_samples_per_s": 10.0,
+        "measured_samples_per_s": 9.0,
+    }
     other = {**plan, "ranks": [{**plan["ranks"][0], "activation_checkpointing": False}]}
-    report = {"data_source": "Measured on emulated devices", "notes": "n", "cases": [{
-        "case": "tight", "plans": {"poplar": plan, "poplar-no-checkpointing": other}, "checkpointed_types": ["cpu-slow"],
-        "measured_ratio": 1.25, "predicted_ratio": 1.2,
-        "profiles": [{"device_type": "cpu-slow", "activation_checkpointing": False, "max_micro_batch_size": 1},
-                     {"device_type": "cpu-slow", "activation_checkpointing": True, "max_micro_batch_size": 6}]}]}
+    report = {
+        "data_source": "Measured on emulated devices",
+        "notes": "n",
+        "cases": [
+            {
+                "case": "tight",
+                "plans": {"poplar": plan, "poplar-no-checkpointing": other},
+                "checkpointed_types": ["cpu-slow"],
+                "measured_ratio": 1.25,
+                "predicted_ratio": 1.2,
+                "profiles": [
+                    {"device_type": "cpu-slow", "activation_checkpointing": False, "max_micro_batch_size": 1},
+                    {"device_type": "cpu-slow", "activation_checkpointing": True, "max_micro_batch_size": 6},
+                ],
+            }
+        ],
+    }
     text = checkpointing.markdown(report)
     assert "| tight | poplar | cpu-slow | 4x2 | 10.00 | 9.00 |" in text
     assert "| tight | poplar-no-checkpointing | none |" in text
@@ -87,22 +117,32 @@ def test_modelled_offload_frees_the_optimizer_state_and_slows_the_boundary():
         # 12 bytes per parameter of the shard (fp32 master weights, Adam's two moments) leave the device.
         for before, after in zip(plain.samples, offloaded.samples):
             assert before.peak_memory_bytes - after.peak_memory_bytes == pytest.approx(
-                1.5 * shape.num_parameters, rel=1e-6)
+                1.5 * shape.num_parameters, rel=1e-6
+            )
         assert offloaded.optimizer_step_time_s > plain.optimizer_step_time_s
-        assert [s.micro_step_time_s for s in offloaded.samples[:len(plain.samples)]] == [
-            s.micro_step_time_s for s in plain.samples]
+        assert [s.micro_step_time_s for s in offloaded.samples[: len(plain.samples)]] == [
+            s.micro_step_time_s for s in plain.samples
+        ]
     assert offloaded.max_micro_batch_size > plain.max_micro_batch_size, "at stage 2 one more sample fits"
     with pytest.raises(ValueError, match="optimizer_offload: expected ZeRO stage 1 or 2, found stage 3"):
         gpu_model.modelled_profile(spec, shape, zero_stage=3, world_size=8, optimizer_offload=True)
     both = gpu_model.modelled_profiles(["T4-16GB"], shape, world_size=8, offload=(False, True))
     assert sorted((p.zero_stage, p.optimizer_offload) for p in both) == [
-        (0, False), (1, False), (1, True), (2, False), (2, True), (3, False)]
+        (0, False),
+        (1, False),
+        (1, True),
+        (2, False),
+        (2, True),
+        (3, False),
+    ]
 
 
 def test_simulate_shows_the_offload_choice_apart_from_checkpointing():
     cases = simulate.shipped_cases(
-        [CLUSTERS / "v100-16gb+t4-16gb-x8.json"], [gpu_model.model_shape("gpt2-xl-1.5b")],
-        checkpointing=(False, True), offload=(False, True),
+        [CLUSTERS / "v100-16gb+t4-16gb-x8.json"],
+        [gpu_model.model_shape("gpt2-xl-1.5b")],
+        checkpointing=(False, True),
+        offload=(False, True),
     )
     stage2 = simulate.offload_effect(cases)[0]["stages"]["2"]
     assert stage2["gain"] > 1.0

@@ -14,7 +14,19 @@ SMALL_CLUSTER = CLUSTER_DIR / "a100-80gb+a100-40gb-x8.json"
 
 
 def test_simulate_writes_the_three_report_files(tmp_path, capsys):
-    code = cli.main(["simulate", "--cluster", str(SMALL_CLUSTER), "--model", "gpt2-xl-1.5b", "--output-dir", str(tmp_path), "--name", "s"])
+    code = cli.main(
+        [
+            "simulate",
+            "--cluster",
+            str(SMALL_CLUSTER),
+            "--model",
+            "gpt2-xl-1.5b",
+            "--output-dir",
+            str(tmp_path),
+            "--name",
+            "s",
+        ]
+    )
     assert code == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.md", "s.png"]
     report = json.loads((tmp_path / "s.json").read_text())
@@ -25,7 +37,19 @@ def test_simulate_writes_the_three_report_files(tmp_path, capsys):
 
 
 def test_simulate_global_batch_size_applies_to_every_policy(tmp_path):
-    code = cli.main(["simulate", "--cluster", str(SMALL_CLUSTER), "--model", "gpt2-xl-1.5b", "--global-batch-size", "64", "--output-dir", str(tmp_path)])
+    code = cli.main(
+        [
+            "simulate",
+            "--cluster",
+            str(SMALL_CLUSTER),
+            "--model",
+            "gpt2-xl-1.5b",
+            "--global-batch-size",
+            "64",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     scenario = json.loads((tmp_path / "simulation.json").read_text())["scenarios"][0]
     assert {e["global_batch_size"] for e in scenario["policies"]} == {64}
@@ -41,12 +65,17 @@ def test_a_bad_cluster_file_exits_2_naming_the_file(tmp_path, capsys):
 
 
 def test_an_unknown_model_exits_2(tmp_path, capsys):
-    assert cli.main(["simulate", "--cluster", str(SMALL_CLUSTER), "--model", "gpt-9", "--output-dir", str(tmp_path)]) == 2
+    assert (
+        cli.main(["simulate", "--cluster", str(SMALL_CLUSTER), "--model", "gpt-9", "--output-dir", str(tmp_path)]) == 2
+    )
     assert "model: expected one of the model presets" in capsys.readouterr().err
 
 
 def test_profiles_and_model_together_exit_2(tmp_path, capsys):
-    assert cli.main(["simulate", "--profiles", str(tmp_path), "--model", "gpt2-xl-1.5b", "--output-dir", str(tmp_path)]) == 2
+    assert (
+        cli.main(["simulate", "--profiles", str(tmp_path), "--model", "gpt2-xl-1.5b", "--output-dir", str(tmp_path)])
+        == 2
+    )
     assert "--model: only for modelled profiles" in capsys.readouterr().err
 
 
@@ -77,7 +106,8 @@ def test_demo_help_says_where_reports_go(capsys):
 def test_simulate_never_imports_torch(tmp_path):
     code = (
         "import sys; from bench import cli; "
-        f"rc = cli.main(['simulate', '--cluster', {str(SMALL_CLUSTER)!r}, '--model', 'gpt2-xl-1.5b', '--output-dir', {str(tmp_path)!r}]); "
+        f"rc = cli.main(['simulate', '--cluster', {str(SMALL_CLUSTER)!r}, '--model', 'gpt2-xl-1.5b', '--output-dir', "
+        f"{str(tmp_path)!r}]); "
         "assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch was imported'"
     )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -109,7 +139,19 @@ def _without_matplotlib(monkeypatch):
 
 def test_without_matplotlib_simulate_writes_json_and_markdown_and_says_so_first(tmp_path, capsys, monkeypatch):
     _without_matplotlib(monkeypatch)
-    code = cli.main(["simulate", "--cluster", str(SMALL_CLUSTER), "--model", "gpt2-xl-1.5b", "--output-dir", str(tmp_path), "--name", "s"])
+    code = cli.main(
+        [
+            "simulate",
+            "--cluster",
+            str(SMALL_CLUSTER),
+            "--model",
+            "gpt2-xl-1.5b",
+            "--output-dir",
+            str(tmp_path),
+            "--name",
+            "s",
+        ]
+    )
     assert code == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.md"]
     err = capsys.readouterr().err

@@ -8,21 +8,36 @@ from poplar_bench.cli import main as bench_main
 from poplar_bench.drift import RUNS, DriftSettings, render_markdown, summarize
 
 
-def _rank_results(settings: DriftSettings, iteration_s: dict[str, list[float]], *, hook_s: float = 0.01,
-                  replans: int = 1) -> list[dict]:
+def _rank_results(
+    settings: DriftSettings, iteration_s: dict[str, list[float]], *, hook_s: float = 0.01, replans: int = 1
+) -> list[dict]:
     history = [{"start_step": 0, "reason": "plan", "allocation": [(8, 8), (4, 8), (2, 8)]}]
     results = []
     for rank in range(3):
         runs = {}
         for run in RUNS:
             extra = [{"start_step": 12, "reason": "re-balanced", "allocation": [(4, 8), (6, 8), (2, 8)]}] * (
-                replans if run == "adaptive-drift" else 0)
-            runs[run] = {"iteration_s": iteration_s[run], "rebalance_hook_s": hook_s if run.startswith("adaptive") else 0.0,
-                         "history": history + extra, "warmup_iterations": 1}
-        results.append({"rank": rank, "device_type": f"t{rank}", "runs": runs, "slowdown": 1.0,
-                        # best standalone throughputs 100, 50, 25 samples/s: ideal 175, 115 while rank 0 is 2.5x slower
-                        "standalone": [{"micro_batch_size": 10, "micro_step_time_s": [10.0 / ([100.0, 50.0, 25.0][rank] * f)] * 3}
-                                       for f in (0.5, 1.0)]})
+                replans if run == "adaptive-drift" else 0
+            )
+            runs[run] = {
+                "iteration_s": iteration_s[run],
+                "rebalance_hook_s": hook_s if run.startswith("adaptive") else 0.0,
+                "history": history + extra,
+                "warmup_iterations": 1,
+            }
+        results.append(
+            {
+                "rank": rank,
+                "device_type": f"t{rank}",
+                "runs": runs,
+                "slowdown": 1.0,
+                # best standalone throughputs 100, 50, 25 samples/s: ideal 175, 115 while rank 0 is 2.5x slower
+                "standalone": [
+                    {"micro_batch_size": 10, "micro_step_time_s": [10.0 / ([100.0, 50.0, 25.0][rank] * f)] * 3}
+                    for f in (0.5, 1.0)
+                ],
+            }
+        )
     return results
 
 
@@ -33,12 +48,23 @@ def test_the_ideal_follows_the_drift_and_the_goals_are_judged():
     # Adaptive: slow right after the drift, at 0.95 of the drifted ideal (115) from step 8 on.
     adaptive = [batch / 160.0] * 3 + [batch / 80.0] * 4 + [batch / (0.95 * 115.0)] * 5 + [batch / 160.0] * 4
     static = [batch / 160.0] * 3 + [batch / 80.0] * 8 + [batch / 160.0] * 5
-    summary = summarize(settings, _rank_results(settings, {
-        "static-drift": static, "adaptive-drift": adaptive, "static-steady": steady, "adaptive-steady": steady,
-    }))
+    summary = summarize(
+        settings,
+        _rank_results(
+            settings,
+            {
+                "static-drift": static,
+                "adaptive-drift": adaptive,
+                "static-steady": steady,
+                "adaptive-steady": steady,
+            },
+        ),
+    )
     drift = summary["runs"]["adaptive-drift"]
     assert drift["steps_done"][:2] == [1, 2]
-    assert drift["ideal_samples_per_s"][2] == pytest.approx(175.0) and drift["ideal_samples_per_s"][3] == pytest.approx(115.0)
+    assert drift["ideal_samples_per_s"][2] == pytest.approx(175.0) and drift["ideal_samples_per_s"][3] == pytest.approx(
+        115.0
+    )
     assert drift["ideal_samples_per_s"][11] == pytest.approx(175.0), "recovered at step 12"
     share_goal, cost_goal, replan_goal = summary["goals"]
     assert share_goal["met"] and share_goal["value"] == pytest.approx(0.95)

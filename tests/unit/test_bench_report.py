@@ -40,14 +40,29 @@ def _plan(policy, allocation):
 
 def _plans():
     policies = {
-        "uniform": {"status": "ok", "message": "m", "plan": _plan("uniform", [("fast", 2, 3), ("slow", 2, 3)]), "predicted_busy_s": [0.6, 1.2], "predicted": {"iteration_time_s": 1.25, "samples_per_s": 9.6}},
+        "uniform": {
+            "status": "ok",
+            "message": "m",
+            "plan": _plan("uniform", [("fast", 2, 3), ("slow", 2, 3)]),
+            "predicted_busy_s": [0.6, 1.2],
+            "predicted": {"iteration_time_s": 1.25, "samples_per_s": 9.6},
+        },
         "proportional": {"status": "infeasible", "message": "no way", "plan": None},
-        "poplar": {"status": "ok", "message": "m", "plan": _plan("poplar", [("fast", 8, 1), ("slow", 4, 1)]), "predicted_busy_s": [0.8, 0.8], "predicted": {"iteration_time_s": 0.85, "samples_per_s": 14.1}},
+        "poplar": {
+            "status": "ok",
+            "message": "m",
+            "plan": _plan("poplar", [("fast", 8, 1), ("slow", 4, 1)]),
+            "predicted_busy_s": [0.8, 0.8],
+            "predicted": {"iteration_time_s": 0.85, "samples_per_s": 14.1},
+        },
     }
     return {
         "policies": policies,
         "model": {"name": "toy", "num_parameters": 1000},
-        "profiles": {"fast": {"curve": [], "provenance": {"source": "measured"}}, "slow": {"curve": [], "provenance": {"source": "measured"}}},
+        "profiles": {
+            "fast": {"curve": [], "provenance": {"source": "measured"}},
+            "slow": {"curve": [], "provenance": {"source": "measured"}},
+        },
         "ideal_predicted": 15.0,
         "cluster": cluster_to_dict(demo_cluster(SETTINGS, baseline_bytes=300 << 20)),
     }
@@ -59,8 +74,16 @@ def _rank(rank, device_type, uniform_iter, poplar_iter, standalone):
         "device_type": device_type,
         "timings_s": {"profile_s": 1.0},
         "policies": {
-            "uniform": {"iteration_time_s": uniform_iter, "busy_s": [0.5] * len(uniform_iter), "boundary_wait_s": [0.1] * len(uniform_iter)},
-            "poplar": {"iteration_time_s": poplar_iter, "busy_s": [0.7] * len(poplar_iter), "boundary_wait_s": [0.1] * len(poplar_iter)},
+            "uniform": {
+                "iteration_time_s": uniform_iter,
+                "busy_s": [0.5] * len(uniform_iter),
+                "boundary_wait_s": [0.1] * len(uniform_iter),
+            },
+            "poplar": {
+                "iteration_time_s": poplar_iter,
+                "busy_s": [0.7] * len(poplar_iter),
+                "boundary_wait_s": [0.1] * len(poplar_iter),
+            },
         },
         "standalone": [{"micro_batch_size": b, "micro_step_time_s": ts} for b, ts in standalone],
     }
@@ -185,10 +208,16 @@ def test_demo_deepspeed_config_sets_clipping_and_the_true_global_batch_only():
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"devices": (DemoDevice(name="x", slowdown=1.0, memory_headroom_bytes=1),)}, r"devices: expected at least 2 emulated devices, found 1"),
+        (
+            {"devices": (DemoDevice(name="x", slowdown=1.0, memory_headroom_bytes=1),)},
+            r"devices: expected at least 2 emulated devices, found 1",
+        ),
         ({"zero_stage": 4}, r"zero_stage: expected 0, 1, 2 or 3, found 4"),
         ({"iterations": 0}, r"iterations: expected an integer >= 1, found 0"),
-        ({"global_batch_size": 2, "devices": SETTINGS.devices * 2}, r"global_batch_size: expected at least one sample per rank \(4\), found 2"),
+        (
+            {"global_batch_size": 2, "devices": SETTINGS.devices * 2},
+            r"global_batch_size: expected at least one sample per rank \(4\), found 2",
+        ),
     ],
 )
 def test_bad_demo_settings_are_value_errors(changes, message):
@@ -229,7 +258,9 @@ def test_the_report_says_where_each_ranks_time_goes_predicted_against_measured()
         predicted_boundary={"communication_s": 0.02, "optimizer_step_s": 0.03, "boundary_s": 0.05},
     )
     plans["network"] = {
-        "backend": "gloo", "world_size": 2, "measured_with": {"source": "measured"},
+        "backend": "gloo",
+        "world_size": 2,
+        "measured_with": {"source": "measured"},
         "collectives": {"all_reduce": {"latency_s": 1e-4, "bus_bandwidth_bytes_per_s": 1e9}},
     }
     ranks = [
@@ -239,13 +270,18 @@ def test_the_report_says_where_each_ranks_time_goes_predicted_against_measured()
     for rank in ranks:
         for measures in rank["policies"].values():
             count = len(measures["iteration_time_s"])
-            measures.update(step_s=[0.05] * count, first_micro_step_s=[0.3, 0.5, 0.4][:count], later_micro_step_s=[None] * count)
+            measures.update(
+                step_s=[0.05] * count, first_micro_step_s=[0.3, 0.5, 0.4][:count], later_micro_step_s=[None] * count
+            )
     report_data = demo.assemble_report(SETTINGS, ranks, plans, timings={"total_s": 9.0})
     poplar = next(e for e in report_data["scenarios"][0]["policies"] if e["policy"] == "poplar")
     parts = poplar["ranks"][1]["decomposition"]
     assert parts["predicted"] == {
-        "compute_s": 0.7, "micro_step_communication_s": pytest.approx(0.1), "boundary_communication_s": 0.02,
-        "optimizer_step_s": 0.03, "iteration_time_s": 0.85,
+        "compute_s": 0.7,
+        "micro_step_communication_s": pytest.approx(0.1),
+        "boundary_communication_s": 0.02,
+        "optimizer_step_s": 0.03,
+        "iteration_time_s": 0.85,
     }
     assert parts["measured"]["step_s"] == 0.05 and parts["measured"]["first_micro_step_s"] == 0.4
     assert parts["measured"]["later_micro_step_s"] is None and parts["measured"]["iteration_time_s"] == 0.8

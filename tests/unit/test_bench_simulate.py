@@ -31,7 +31,9 @@ def test_every_policy_gets_a_plan_at_the_same_global_batch(scenario):
     assert {e["status"] for e in entries.values()} == {"ok"}
     assert {e["global_batch_size"] for e in entries.values()} == {16 * 8}
     for entry in entries.values():
-        assert sum(r["micro_batch_size"] * r["gradient_accumulation_steps"] * r["count"] for r in entry["ranks"]) == 16 * 8
+        assert (
+            sum(r["micro_batch_size"] * r["gradient_accumulation_steps"] * r["count"] for r in entry["ranks"]) == 16 * 8
+        )
 
 
 def test_poplar_is_predicted_no_slower_than_the_baselines(scenario):
@@ -83,7 +85,8 @@ def test_infeasible_policies_are_reported_not_raised(tmp_path):
 def test_profiles_modelled_elsewhere_are_not_credited_to_gpu_model():
     case = _case()
     relabelled = tuple(
-        dataclasses.replace(p, measured_with={"source": "modelled", "model": "someone's spreadsheet"}) for p in case.profiles
+        dataclasses.replace(p, measured_with={"source": "modelled", "model": "someone's spreadsheet"})
+        for p in case.profiles
     )
     report = simulate.simulation_report([dataclasses.replace(case, profiles=relabelled, network=None)])
     assert any("MODELLED by someone's spreadsheet" in note for note in report["notes"])

@@ -23,12 +23,20 @@ from poplar_search.synthetic import simple_cluster, synthetic_profile
 def pair(name, *, stage, cap, overhead, per_sample, checkpointed_cap, recompute=1.3, optimizer_s=0.01):
     """A device type profiled without and with activation checkpointing (slower, larger micro-batches)."""
     plain = synthetic_profile(
-        name, zero_stage=stage, max_micro_batch_size=cap, overhead_s=overhead, seconds_per_sample=per_sample,
+        name,
+        zero_stage=stage,
+        max_micro_batch_size=cap,
+        overhead_s=overhead,
+        seconds_per_sample=per_sample,
         optimizer_step_time_s=optimizer_s,
     )
     checkpointed = synthetic_profile(
-        name, zero_stage=stage, max_micro_batch_size=checkpointed_cap, overhead_s=overhead * recompute,
-        seconds_per_sample=per_sample * recompute, optimizer_step_time_s=optimizer_s,
+        name,
+        zero_stage=stage,
+        max_micro_batch_size=checkpointed_cap,
+        overhead_s=overhead * recompute,
+        seconds_per_sample=per_sample * recompute,
+        optimizer_step_time_s=optimizer_s,
     )
     return [plain, dataclasses.replace(checkpointed, activation_checkpointing=True)]
 
@@ -38,9 +46,14 @@ def random_pairs(rng, names, stage, max_cap):
     for name in names:
         cap = int(rng.integers(0, max_cap + 1))  # 0: fits only with checkpointing
         profiles += pair(
-            name, stage=stage, cap=cap, overhead=float(rng.uniform(0.005, 0.05)),
-            per_sample=float(rng.uniform(0.001, 0.02)), checkpointed_cap=int(rng.integers(max(cap, 1), max_cap + 3)),
-            recompute=float(rng.uniform(1.05, 1.6)), optimizer_s=float(rng.uniform(0.0, 0.05)),
+            name,
+            stage=stage,
+            cap=cap,
+            overhead=float(rng.uniform(0.005, 0.05)),
+            per_sample=float(rng.uniform(0.001, 0.02)),
+            checkpointed_cap=int(rng.integers(max(cap, 1), max_cap + 3)),
+            recompute=float(rng.uniform(1.05, 1.6)),
+            optimizer_s=float(rng.uniform(0.0, 0.05)),
         )
     return profiles
 
@@ -88,7 +101,9 @@ def test_checkpointing_only_the_small_memory_type_wins():
     by_type = {r.device_type: r.activation_checkpointing for r in result.plan.ranks}
     assert by_type == {"fast": False, "small": True}
     assert "activation checkpointing on small" in result.message
-    without = search_plan([p for p in profiles if not p.activation_checkpointing], cluster, global_batch_size=32, zero_stage=0)
+    without = search_plan(
+        [p for p in profiles if not p.activation_checkpointing], cluster, global_batch_size=32, zero_stage=0
+    )
     assert result.plan.predicted.iteration_time_s < without.plan.predicted.iteration_time_s
     data = plan_to_dict(result.plan)
     assert [r["activation_checkpointing"] for r in data["ranks"]] == [False, True]
@@ -161,7 +176,8 @@ def test_check_plan_and_predict_hold_plans_to_the_checkpointing_rules():
     # A plan asking for checkpointing on a type profiled only without it has no profile to be held to.
     plain = [p for p in profiles2 if not p.activation_checkpointing]
     small_on = dataclasses.replace(
-        plan2, ranks=tuple(dataclasses.replace(r, activation_checkpointing=r.device_type == "small") for r in plan2.ranks)
+        plan2,
+        ranks=tuple(dataclasses.replace(r, activation_checkpointing=r.device_type == "small") for r in plan2.ranks),
     )
     # Without checkpointing, fast is held to its own (smaller) cap.
     assert any("(fast: 13 > 8)" in p for p in check_plan(small_on, cluster2, profiles2))
@@ -206,7 +222,9 @@ def test_plans_written_before_the_field_load_with_checkpointing_off(tmp_path):
 def test_two_profiles_of_one_type_stage_and_setting_are_refused():
     plain, _ = pair("gpu", stage=2, cap=4, overhead=0.01, per_sample=0.01, checkpointed_cap=8)
     cluster = simple_cluster({"gpu": 1})
-    with pytest.raises(ValueError, match="one profile per \\(device type, ZeRO stage, activation checkpointing, optimizer "):
+    with pytest.raises(
+        ValueError, match="one profile per \\(device type, ZeRO stage, activation checkpointing, optimizer "
+    ):
         search_plan([plain, plain], cluster, global_batch_size=4)
 
 

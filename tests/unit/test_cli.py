@@ -29,8 +29,21 @@ def test_readme_command_prints_a_table(capsys):
 
 def test_output_is_written_and_valid(capsys, tmp_path):
     target = tmp_path / "plan.json"
-    code, out, _ = run(capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 256,
-                       "--zero-stage", 2, "--output", target, "--format", "json")
+    code, out, _ = run(
+        capsys,
+        "--profiles",
+        EXAMPLES,
+        "--cluster",
+        CLUSTER,
+        "--global-batch-size",
+        256,
+        "--zero-stage",
+        2,
+        "--output",
+        target,
+        "--format",
+        "json",
+    )
     assert code == 0
     plan = load_plan(target)
     assert plan.global_batch_size == 256 and plan.zero_stage == 2
@@ -38,13 +51,26 @@ def test_output_is_written_and_valid(capsys, tmp_path):
 
 
 def test_policy_all_compares_and_prints_every_plan_as_json(capsys):
-    code, out, _ = run(capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 512, "--policy", "all")
+    code, out, _ = run(
+        capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 512, "--policy", "all"
+    )
     assert code == 0
     for name in ("poplar", "uniform", "proportional"):
         assert f"\n{name} " in out
     assert "poplar speed-up" in out and "Plan of the poplar policy" in out
-    code, out, _ = run(capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--policy", "all", "--format", "json",
-                       "--max-global-batch-size", 1000)
+    code, out, _ = run(
+        capsys,
+        "--profiles",
+        EXAMPLES,
+        "--cluster",
+        CLUSTER,
+        "--policy",
+        "all",
+        "--format",
+        "json",
+        "--max-global-batch-size",
+        1000,
+    )
     data = json.loads(out)
     assert set(data) == {"poplar", "uniform", "proportional"}
     assert all(plan["global_batch_size"] <= 1000 for plan in data.values())
@@ -52,7 +78,9 @@ def test_policy_all_compares_and_prints_every_plan_as_json(capsys):
 
 def test_infeasible_exits_1_with_reason_and_writes_nothing(capsys, tmp_path):
     target = tmp_path / "plan.json"
-    code, out, err = run(capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 4, "--output", target)
+    code, out, err = run(
+        capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 4, "--output", target
+    )
     assert code == 1 and out == ""
     assert err.startswith("poplar-search: infeasible: ") and "smaller than the 8 ranks" in err
     assert not target.exists()

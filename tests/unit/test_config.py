@@ -12,9 +12,9 @@ import pytest
 from poplar_ext.runtime.config import (
     configured_zero_stage,
     load_deepspeed_config,
-    requested_zero_stage,
     nominal_deepspeed_config,
     poplar_config_from_dict,
+    requested_zero_stage,
 )
 from poplar_search.formats import plan_from_dict
 
@@ -46,7 +46,12 @@ def test_defaults_and_relative_paths():
     cfg = _parse()
     assert cfg.cluster == BASE / "cluster.json" and cfg.plan == BASE / "plan.json"
     assert (cfg.profiles, cfg.policy, cfg.seed, cfg.shuffle, cfg.loss_reduction, cfg.log_interval_steps) == (
-        None, "poplar", 0, True, "mean", 10,
+        None,
+        "poplar",
+        0,
+        True,
+        "mean",
+        10,
     )
 
 
@@ -60,7 +65,10 @@ def test_section_not_an_object():
 
 
 def test_unknown_key():
-    with pytest.raises(ValueError, match=r"poplar.polcy: expected one of the keys .* \(did you mean 'policy'\?\), found the unknown key 'polcy'"):
+    with pytest.raises(
+        ValueError,
+        match=r"poplar.polcy: expected one of the keys .* \(did you mean 'policy'\?\), found the unknown key 'polcy'",
+    ):
         _parse(polcy="uniform")
 
 
@@ -74,7 +82,9 @@ def test_neither_plan_nor_profiles():
 
 
 def test_bad_policy():
-    with pytest.raises(ValueError, match=r"poplar.policy: expected one of 'uniform', 'proportional', 'poplar', found string 'fast'"):
+    with pytest.raises(
+        ValueError, match=r"poplar.policy: expected one of 'uniform', 'proportional', 'poplar', found string 'fast'"
+    ):
         _parse(policy="fast")
 
 
@@ -89,12 +99,16 @@ def test_bad_shuffle():
 
 
 def test_bad_reduction():
-    with pytest.raises(ValueError, match="poplar.loss_reduction: expected one of 'mean', 'sum', 'token_mean', found string 'none'"):
+    with pytest.raises(
+        ValueError, match="poplar.loss_reduction: expected one of 'mean', 'sum', 'token_mean', found string 'none'"
+    ):
         _parse(loss_reduction="none")
 
 
 def test_bad_global_batch():
-    with pytest.raises(ValueError, match="poplar.global_batch_size: expected an integer from 1 to 2147483648 or 'auto', found number 0"):
+    with pytest.raises(
+        ValueError, match="poplar.global_batch_size: expected an integer from 1 to 2147483648 or 'auto', found number 0"
+    ):
         _parse(global_batch_size=0)
 
 
@@ -157,8 +171,11 @@ def test_requested_stage_number():
 
 
 def test_requested_stage_conflicts_with_deepspeeds():
-    with pytest.raises(ValueError, match=r"poplar.zero_stage: expected 2 \(as zero_optimization.stage\) or no "
-                       r"zero_optimization.stage, found 'auto' beside zero_optimization.stage 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"poplar.zero_stage: expected 2 \(as zero_optimization.stage\) or no "
+        r"zero_optimization.stage, found 'auto' beside zero_optimization.stage 2",
+    ):
         requested_zero_stage(_parse(zero_stage="auto"), {"zero_optimization": {"stage": 2}})
     with pytest.raises(ValueError, match=r"found 3 beside zero_optimization.stage 2"):
         requested_zero_stage(_parse(zero_stage=3), {"zero_optimization": {"stage": 2}})
@@ -176,7 +193,9 @@ def test_nominal_config_is_valid_per_rank():
 
 
 def test_nominal_config_refuses_another_global_batch():
-    with pytest.raises(ValueError, match=r"train_batch_size: expected the plan's global batch \(10\) or no value, found 12"):
+    with pytest.raises(
+        ValueError, match=r"train_batch_size: expected the plan's global batch \(10\) or no value, found 12"
+    ):
         nominal_deepspeed_config({"train_batch_size": 12}, _plan([(4, 1), (2, 3)]), 0)
 
 
@@ -204,7 +223,9 @@ def test_errors_name_the_config_file(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"poplar": {"cluster": "c.json", "plan": "p.json", "seed": -1}}))
     data, base_dir, source = load_deepspeed_config(str(path))
-    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: poplar.seed: expected an integer >= 0, found number -1$"):
+    with pytest.raises(
+        ValueError, match=rf"^{re.escape(str(path))}: poplar.seed: expected an integer >= 0, found number -1$"
+    ):
         poplar_config_from_dict(data["poplar"], base_dir=base_dir, source=source)
 
 
@@ -240,18 +261,32 @@ def test_deepspeeds_global_batch_from_micro_batch_and_accumulation():
     assert deepspeed_global_batch_size({}, world_size=4).size is None
 
 
-@pytest.mark.parametrize("auto_key", ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"])
+@pytest.mark.parametrize(
+    "auto_key", ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"]
+)
 def test_hugging_face_auto_values_count_as_unset(auto_key):
-    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    config = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+    }
     assert deepspeed_global_batch_size(config, world_size=2).size is None
-    config = {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, auto_key: "auto"}
+    config = {
+        "train_batch_size": 24,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 3,
+        auto_key: "auto",
+    }
     assert deepspeed_global_batch_size(config, world_size=2).size == 24
 
 
 def test_deepspeeds_three_batch_values_must_agree():
     config = {"train_batch_size": 100, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 2}
-    with pytest.raises(ValueError, match=r"train_batch_size: expected train_micro_batch_size_per_gpu x gradient_accumulation_steps "
-                                         r"x world size \(16 x 2 x 4 = 128\), as DeepSpeed requires, found number 100"):
+    with pytest.raises(
+        ValueError,
+        match=r"train_batch_size: expected train_micro_batch_size_per_gpu x gradient_accumulation_steps "
+        r"x world size \(16 x 2 x 4 = 128\), as DeepSpeed requires, found number 100",
+    ):
         deepspeed_global_batch_size(config, world_size=4)
 
 
@@ -263,17 +298,24 @@ def test_deepspeed_batch_values_are_checked(bad):
 
 def test_the_search_does_not_override_what_deepspeed_says():
     # micro-batch and accumulation but no train_batch_size: DeepSpeed's product, not the search's pick.
-    request = requested_global_batch_size(_parse(), {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}, world_size=3)
+    request = requested_global_batch_size(
+        _parse(), {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}, world_size=3
+    )
     assert request.size == 96
     assert requested_global_batch_size(_parse(global_batch_size="auto"), {}, world_size=3).size == "auto"
-    assert requested_global_batch_size(_parse(global_batch_size=12), {"train_batch_size": "auto"}, world_size=3).size == 12
+    assert (
+        requested_global_batch_size(_parse(global_batch_size=12), {"train_batch_size": "auto"}, world_size=3).size == 12
+    )
     assert requested_global_batch_size(_parse(), {}, world_size=3).size is None
 
 
 @pytest.mark.parametrize("poplar_batch", [64, "auto"])
 def test_two_global_batches_are_an_error(poplar_batch):
-    with pytest.raises(ValueError, match=r"poplar.global_batch_size: expected the DeepSpeed config's global batch \(96, from "
-                                         r"train_batch_size\) or no poplar.global_batch_size"):
+    with pytest.raises(
+        ValueError,
+        match=r"poplar.global_batch_size: expected the DeepSpeed config's global batch \(96, from "
+        r"train_batch_size\) or no poplar.global_batch_size",
+    ):
         requested_global_batch_size(_parse(global_batch_size=poplar_batch), {"train_batch_size": 96}, world_size=3)
 
 

@@ -10,10 +10,24 @@ from poplar_search.synthetic import synthetic_profile
 def model(stage):
     # fast: t(b) = 0.1 + 0.01 b, slow: t(b) = 0.2 + 0.05 b; boundary 0.03 (slow's) wins the max
     profiles = {
-        "fast": synthetic_profile("fast", zero_stage=stage, max_micro_batch_size=16, overhead_s=0.1,
-                                  seconds_per_sample=0.01, optimizer_step_time_s=0.02, sizes=[1, 16]),
-        "slow": synthetic_profile("slow", zero_stage=stage, max_micro_batch_size=4, overhead_s=0.2,
-                                  seconds_per_sample=0.05, optimizer_step_time_s=0.03, sizes=[1, 4]),
+        "fast": synthetic_profile(
+            "fast",
+            zero_stage=stage,
+            max_micro_batch_size=16,
+            overhead_s=0.1,
+            seconds_per_sample=0.01,
+            optimizer_step_time_s=0.02,
+            sizes=[1, 16],
+        ),
+        "slow": synthetic_profile(
+            "slow",
+            zero_stage=stage,
+            max_micro_batch_size=4,
+            overhead_s=0.2,
+            seconds_per_sample=0.05,
+            optimizer_step_time_s=0.03,
+            sizes=[1, 4],
+        ),
     }
     return build_stage_model(profiles, ["fast", "slow", "fast"], stage)
 

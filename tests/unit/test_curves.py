@@ -12,9 +12,13 @@ from poplar_search.synthetic import synthetic_profile
 
 
 def profile_with(sizes, times, cap):
-    base = synthetic_profile("X", zero_stage=0, max_micro_batch_size=cap, overhead_s=0.1, seconds_per_sample=0.01, sizes=sizes)
-    samples = tuple(type(s)(micro_batch_size=s.micro_batch_size, micro_step_time_s=t, peak_memory_bytes=s.peak_memory_bytes)
-                    for s, t in zip(base.samples, times))
+    base = synthetic_profile(
+        "X", zero_stage=0, max_micro_batch_size=cap, overhead_s=0.1, seconds_per_sample=0.01, sizes=sizes
+    )
+    samples = tuple(
+        type(s)(micro_batch_size=s.micro_batch_size, micro_step_time_s=t, peak_memory_bytes=s.peak_memory_bytes)
+        for s, t in zip(base.samples, times)
+    )
     return dataclasses.replace(base, samples=samples)
 
 

@@ -21,7 +21,12 @@ def _samplers(allocation, num_samples, seed=3, **options):
     steps = [s for _, s in allocation]
     return [
         PlanBatchSampler(
-            num_samples=num_samples, micro_batch_sizes=sizes, gradient_accumulation_steps=steps, rank=r, seed=seed, **options
+            num_samples=num_samples,
+            micro_batch_sizes=sizes,
+            gradient_accumulation_steps=steps,
+            rank=r,
+            seed=seed,
+            **options,
         )
         for r in range(len(allocation))
     ]
@@ -63,8 +68,10 @@ def test_resume_continues_with_the_same_samples(allocation, extra_samples, stop,
     uninterrupted = [list(s) for s in _samplers(allocation, num_samples, iterations_per_pass=total + stop)]
     first = [list(s) for s in _samplers(allocation, num_samples, iterations_per_pass=stop)] if stop else None
     consumed = stop * sum(b * s for b, s in allocation)
-    resumed = [list(s) for s in _samplers(allocation, num_samples, consumed_samples=consumed, iterations_per_pass=total)]
-    for rank, (b, s) in enumerate(allocation):
+    resumed = [
+        list(s) for s in _samplers(allocation, num_samples, consumed_samples=consumed, iterations_per_pass=total)
+    ]
+    for rank, (_, s) in enumerate(allocation):
         head = first[rank] if first else []
         assert head + resumed[rank] == uninterrupted[rank]
         assert len(resumed[rank]) == total * s
@@ -147,7 +154,11 @@ def test_empty_data_set():
 
 
 def test_a_data_set_smaller_than_the_global_batch_is_an_error():
-    with pytest.raises(ValueError, match=r"num_samples: expected at least the global batch \(12 samples\), found 10: one iteration would train some samples twice"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_samples: expected at least the global batch \(12 samples\), found 10: one iteration would train "
+        r"some samples twice",
+    ):
         _samplers([(3, 2), (2, 3)], num_samples=10)
 
 
@@ -178,7 +189,11 @@ def test_a_pass_over_the_loader_is_an_epoch(allocation, extra_samples, epochs):
         assert iterations == expected_iterations  # len() announced the pass
         # The pass holds the iterations that start in this epoch ...
         assert epoch * num_samples <= position < (epoch + 1) * num_samples
-        assert (position + (iterations - 1) * global_batch) < (epoch + 1) * num_samples <= position + iterations * global_batch
+        assert (
+            (position + (iterations - 1) * global_batch)
+            < (epoch + 1) * num_samples
+            <= position + iterations * global_batch
+        )
         assert used == stream.indices(position, iterations * global_batch)
         position += iterations * global_batch
     # ... so E passes end within one batch after E epochs.

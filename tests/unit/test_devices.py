@@ -9,10 +9,10 @@ import torch
 
 from poplar_ext.hardware.devices import (
     UnknownDeviceWarning,
+    declared_type_problem,
     hardware_description,
     hardware_device_type,
     normalize_device_name,
-    declared_type_problem,
 )
 
 GiB = 2**30
@@ -78,5 +78,6 @@ def test_an_emulated_type_is_declared_and_a_real_one_read_from_the_hardware() ->
 def test_a_real_rank_declared_as_another_device_is_a_problem() -> None:
     problem = declared_type_problem("slow", None, hardware_device_type(torch.device("cpu")))
     assert problem == (
-        "the cluster description says 'slow'; name it 'cpu' as its hardware reports it, or declare it emulated under device_types"
+        "the cluster description says 'slow'; name it 'cpu' as its hardware reports it, or declare it emulated under "
+        "device_types"
     )

@@ -34,8 +34,11 @@ def _facts(*ranks: tuple[str, str, str, int]) -> list[DeviceFacts]:
 
 
 MIXED = _facts(
-    ("a", "A100-80GB", "GPU-a0", 80), ("a", "A100-80GB", "GPU-a1", 80), ("a", "V100-16GB", "GPU-a2", 16),
-    ("b", "V100-16GB", "GPU-b0", 16), ("b", "V100-16GB", "GPU-b1", 16),
+    ("a", "A100-80GB", "GPU-a0", 80),
+    ("a", "A100-80GB", "GPU-a1", 80),
+    ("a", "V100-16GB", "GPU-a2", 16),
+    ("b", "V100-16GB", "GPU-b0", 16),
+    ("b", "V100-16GB", "GPU-b1", 16),
 )
 
 
@@ -56,10 +59,15 @@ def test_a_host_whose_ranks_are_not_consecutive_keeps_every_rank_in_place():
 
 
 def test_a_cluster_file_that_puts_the_big_micro_batch_on_the_small_card_is_caught():
-    declared = cluster_from_dict({"schema_version": 1, "nodes": [
-        {"name": "a", "devices": [{"device_type": "A100-80GB", "count": 3}]},
-        {"name": "b", "devices": [{"device_type": "V100-16GB", "count": 2}]},
-    ]})
+    declared = cluster_from_dict(
+        {
+            "schema_version": 1,
+            "nodes": [
+                {"name": "a", "devices": [{"device_type": "A100-80GB", "count": 3}]},
+                {"name": "b", "devices": [{"device_type": "V100-16GB", "count": 2}]},
+            ],
+        }
+    )
     problems = cluster_mismatches(declared, MIXED)
     assert problems == [
         "Rank 2 on a has NVIDIA V100-16GB (the cluster description says 'A100-80GB'; name it 'V100-16GB' as its "
@@ -68,8 +76,13 @@ def test_a_cluster_file_that_puts_the_big_micro_batch_on_the_small_card_is_caugh
 
 
 def test_emulated_types_are_declared_not_read():
-    declared = cluster_from_dict({"schema_version": 1, "nodes": [{"name": "a", "devices": [{"device_type": "slow", "count": 2}]}],
-                                  "device_types": {"slow": {"emulation": {"slowdown": 2.0, "memory_capacity_bytes": GIB}}}})
+    declared = cluster_from_dict(
+        {
+            "schema_version": 1,
+            "nodes": [{"name": "a", "devices": [{"device_type": "slow", "count": 2}]}],
+            "device_types": {"slow": {"emulation": {"slowdown": 2.0, "memory_capacity_bytes": GIB}}},
+        }
+    )
     assert cluster_mismatches(declared, _facts(("a", "cpu", "cpu", 64), ("a", "cpu", "cpu", 64))) == []
 
 
@@ -119,9 +132,16 @@ def test_only_rank_0_reads_the_cluster_file(tmp_path):
 
 def test_a_mismatching_file_is_every_rank_s_error(tmp_path):
     path = tmp_path / "cluster.json"
-    path.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "a", "devices": [{"device_type": "A100-80GB", "count": 5}]}]}))
+    path.write_text(
+        json.dumps(
+            {"schema_version": 1, "nodes": [{"name": "a", "devices": [{"device_type": "A100-80GB", "count": 5}]}]}
+        )
+    )
     sent = []
-    with pytest.raises(ValueError, match=r"poplar.cluster: .*cluster.json does not match the hardware: Rank 2 on a has NVIDIA V100-16GB"):
+    with pytest.raises(
+        ValueError,
+        match=r"poplar.cluster: .*cluster.json does not match the hardware: Rank 2 on a has NVIDIA V100-16GB",
+    ):
         agreed_cluster(path, MIXED, rank=0, broadcast=lambda obj: sent.append(obj) or obj, name="poplar.cluster")
     with pytest.raises(ValueError, match="Rank 3 on b has NVIDIA V100-16GB"):
         agreed_cluster(None, MIXED, rank=1, broadcast=lambda obj: sent[0])

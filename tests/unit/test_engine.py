@@ -8,22 +8,28 @@ import logging
 import pytest
 import torch
 
-from poplar_ext.runtime.config import poplar_config_from_dict
 from poplar_ext.hardware.emulation import ComputeSlowdown
 from poplar_ext.runtime.checkpoint import STATE_FILE
+from poplar_ext.runtime.config import poplar_config_from_dict
 from poplar_ext.runtime.engine import PoplarEngine
 from poplar_search.formats import Emulation, plan_from_dict, plan_to_dict
 
 
 def _plan(allocation, stage=1):
-    return plan_from_dict({
-        "schema_version": 1, "policy": "poplar", "zero_stage": stage,
-        "global_batch_size": sum(b * s for b, s in allocation),
-        "ranks": [{"rank": r, "device_type": "x", "micro_batch_size": b, "gradient_accumulation_steps": s}
-                  for r, (b, s) in enumerate(allocation)],
-        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
-        "profile_fingerprints": {},
-    })
+    return plan_from_dict(
+        {
+            "schema_version": 1,
+            "policy": "poplar",
+            "zero_stage": stage,
+            "global_batch_size": sum(b * s for b, s in allocation),
+            "ranks": [
+                {"rank": r, "device_type": "x", "micro_batch_size": b, "gradient_accumulation_steps": s}
+                for r, (b, s) in enumerate(allocation)
+            ],
+            "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+            "profile_fingerprints": {},
+        }
+    )
 
 
 class FakeDeepSpeedEngine:
@@ -62,9 +68,13 @@ class FakeDeepSpeedEngine:
 
 
 def _engine(plan, rank=0, slowdown=None, **poplar):
-    config = poplar_config_from_dict({"cluster": "c.json", "plan": "p.json", **poplar}, base_dir=__import__("pathlib").Path("."))
+    config = poplar_config_from_dict(
+        {"cluster": "c.json", "plan": "p.json", **poplar}, base_dir=__import__("pathlib").Path(".")
+    )
     fake = FakeDeepSpeedEngine(plan.ranks[rank].gradient_accumulation_steps)
-    return PoplarEngine(fake, plan=plan, rank=rank, poplar_config=config, device_label="x (real)", slowdown=slowdown), fake
+    return PoplarEngine(
+        fake, plan=plan, rank=rank, poplar_config=config, device_label="x (real)", slowdown=slowdown
+    ), fake
 
 
 def test_backward_weights_the_loss_and_disables_deepspeeds_scaling():
@@ -103,7 +113,7 @@ def test_everything_else_is_deepspeeds():
     engine, _ = _engine(_plan([(2, 1)]))
     assert engine.some_attribute == "from deepspeed"
     with pytest.raises(AttributeError):
-        engine.no_such_attribute
+        _ = engine.no_such_attribute
 
 
 def _one_second_of_compute_per_reading(monkeypatch, emulation):
@@ -197,7 +207,8 @@ def test_a_checkpoint_of_another_plan_continues_the_stream_and_says_so(tmp_path,
         other.load_checkpoint(tmp_path, tag="t")
     assert other.data_position == 9 and other.consumed_samples == 9
     assert [entry["reason"].split(" (")[0] for entry in other.plan_history] == [
-        "the job's plan", f"resumed from {tmp_path / 't'} under another plan"
+        "the job's plan",
+        f"resumed from {tmp_path / 't'} under another plan",
     ]
     assert "global batch 9 then, 10 now" in other.plan_history[-1]["reason"]
     assert any("the data continues at stream position 9 with the new batch" in r.getMessage() for r in caplog.records)
@@ -208,8 +219,12 @@ def test_checkpoint_with_another_seed_is_refused_before_deepspeed_loads(tmp_path
     engine.save_checkpoint(tmp_path, tag="t")
     other, other_fake = _engine(_plan([(2, 1)]), seed=5)
     other_fake.saved = fake.saved
-    other_fake.load_checkpoint = lambda *a, **k: pytest.fail("DeepSpeed loaded weights of a checkpoint that cannot resume")
-    with pytest.raises(ValueError, match=r"saved with poplar.seed 0, shuffle True and drop_last False; this job has 5, True and False"):
+    other_fake.load_checkpoint = lambda *a, **k: pytest.fail(
+        "DeepSpeed loaded weights of a checkpoint that cannot resume"
+    )
+    with pytest.raises(
+        ValueError, match=r"saved with poplar.seed 0, shuffle True and drop_last False; this job has 5, True and False"
+    ):
         other.load_checkpoint(tmp_path, tag="t")
 
 
@@ -219,8 +234,10 @@ def test_a_plain_deepspeed_checkpoint_starts_the_data_at_0_with_a_note(tmp_path,
     with caplog.at_level(logging.INFO, logger="poplar_ext"):
         path, client_state = engine.load_checkpoint(tmp_path, tag="t")
     assert client_state == {"other": 1} and engine.data_position == 0
-    assert any("holds no poplar-ext state (a plain DeepSpeed checkpoint): the data starts at position 0" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "holds no poplar-ext state (a plain DeepSpeed checkpoint): the data starts at position 0" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_loading_only_the_weights_starts_the_data_at_0(tmp_path):
@@ -267,8 +284,9 @@ def test_other_parallelism_is_refused(kwargs, config, message):
 
 
 def test_moe_layers_are_refused():
-    import poplar_ext
     from deepspeed.moe.layer import MoE
+
+    import poplar_ext
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     model.moe = MoE.__new__(MoE)  # an MoE layer, without building its expert groups
@@ -294,7 +312,9 @@ def test_a_switch_keeps_each_ranks_activation_checkpointing():
     plan = _plan([(3, 2), (1, 2)], stage=2)
     engine, _ = _engine(plan)
     swapped = dataclasses.replace(plan, ranks=(plan.ranks[1], plan.ranks[0]))
-    swapped = dataclasses.replace(swapped, ranks=tuple(dataclasses.replace(r, rank=i) for i, r in enumerate(swapped.ranks)))
+    swapped = dataclasses.replace(
+        swapped, ranks=tuple(dataclasses.replace(r, rank=i) for i, r in enumerate(swapped.ranks))
+    )
     engine.check_switch(swapped)  # another split of the same batch: fine
     checkpointed = dataclasses.replace(
         swapped, ranks=(swapped.ranks[0], dataclasses.replace(swapped.ranks[1], activation_checkpointing=True))

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from poplar_ext.profiler.fingerprint import model_description, model_fingerprint
 from poplar_ext.models.toy_gpt import GPT, GPTConfig
+from poplar_ext.profiler.fingerprint import model_description, model_fingerprint
 
 
 def test_same_architecture_with_other_weights_has_the_same_fingerprint() -> None:

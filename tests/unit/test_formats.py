@@ -62,12 +62,24 @@ def test_profile_round_trip():
         (lambda d: d.update(zero_stage=4), r"zero_stage: expected an integer from 0 to 3, found number 4"),
         (lambda d: d.update(zero_stage="2"), r"zero_stage: expected an integer from 0 to 3, found string '2'"),
         (lambda d: d.update(schema_version=2), r"schema_version: expected schema_version 1, found number 2"),
-        (lambda d: d["samples"][1].update(micro_step_time_s=0), r"samples\[1\].micro_step_time_s: expected a number from 1e-09 to 1e\+06, found number 0"),
-        (lambda d: d["samples"][0].update(micro_batch_size=-1), r"samples\[0\].micro_batch_size: expected an integer from 1 to 1048576, found number -1"),
-        (lambda d: d["samples"][1].update(micro_batch_size=1), r"samples\[1\].micro_batch_size: expected a micro_batch_size larger"),
+        (
+            lambda d: d["samples"][1].update(micro_step_time_s=0),
+            r"samples\[1\].micro_step_time_s: expected a number from 1e-09 to 1e\+06, found number 0",
+        ),
+        (
+            lambda d: d["samples"][0].update(micro_batch_size=-1),
+            r"samples\[0\].micro_batch_size: expected an integer from 1 to 1048576, found number -1",
+        ),
+        (
+            lambda d: d["samples"][1].update(micro_batch_size=1),
+            r"samples\[1\].micro_batch_size: expected a micro_batch_size larger",
+        ),
         (lambda d: d.update(max_micro_batch_size=2), r"max_micro_batch_size: expected at least the largest sampled"),
         (lambda d: d["model"].update(dtype="int8"), r"model.dtype: expected one of 'float32'"),
-        (lambda d: d["measured_with"].update(source="guessed"), r"measured_with.source: expected one of 'measured', 'modelled'"),
+        (
+            lambda d: d["measured_with"].update(source="guessed"),
+            r"measured_with.source: expected one of 'measured', 'modelled'",
+        ),
         (lambda d: d.update(samples=[]), r"samples: expected a list of at least 1 item"),
     ],
 )
@@ -96,7 +108,9 @@ def test_cluster_rank_order_and_round_trip():
 
 def test_cluster_errors():
     base = {"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "a", "count": 0}]}]}
-    with pytest.raises(FormatError, match=r"c.json: nodes\[0\].devices\[0\].count: expected an integer from 1 to 65536, found number 0"):
+    with pytest.raises(
+        FormatError, match=r"c.json: nodes\[0\].devices\[0\].count: expected an integer from 1 to 65536, found number 0"
+    ):
         cluster_from_dict(base, source="c.json")
     base["nodes"][0]["devices"][0]["count"] = 1
     base["device_types"] = {"z": {}}

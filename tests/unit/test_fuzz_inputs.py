@@ -27,8 +27,17 @@ PROFILE_FILES = sorted(p for p in EXAMPLES.glob("gpt2-small-124m.*.json"))
 PROFILE = json.loads(PROFILE_FILES[0].read_text())
 CLUSTER = json.loads((EXAMPLES / "cluster.json").read_text())
 PLAN = json.loads((Path(__file__).resolve().parents[2] / "examples" / "plan.json").read_text())
-SECTION = {"cluster": "c.json", "profiles": "p/", "policy": "poplar", "global_batch_size": 96, "seed": 0,
-           "zero_stage": "auto", "shuffle": True, "loss_reduction": "mean", "drop_last": False}
+SECTION = {
+    "cluster": "c.json",
+    "profiles": "p/",
+    "policy": "poplar",
+    "global_batch_size": 96,
+    "seed": 0,
+    "zero_stage": "auto",
+    "shuffle": True,
+    "loss_reduction": "mean",
+    "drop_last": False,
+}
 
 # Values a mutation puts in place: every JSON type, and the numbers that broke things.
 scalars = st.one_of(
@@ -41,7 +50,8 @@ scalars = st.one_of(
     st.text(max_size=12),
 )
 json_values = st.recursive(
-    scalars, lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    scalars,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
     max_leaves=8,
 )
 
@@ -102,7 +112,9 @@ def _loads_or_format_error(load, document):
         pass
 
 
-FUZZ = settings(max_examples=150, deadline=10_000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=150, deadline=10_000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 @FUZZ
@@ -140,8 +152,11 @@ def _write(path: Path, document: Any, encoding: str) -> None:
         path.write_bytes(text.encode("utf-8"))
 
 
-@settings(max_examples=60, deadline=10_000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                                  HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60,
+    deadline=10_000,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 @given(
     profile=mutated(PROFILE),
     cluster=mutated(CLUSTER),
@@ -162,8 +177,22 @@ def test_poplar_search_exits_0_1_or_2(tmp_path_factory, profile, cluster, which,
     cluster_path = tmp / "cluster.json"
     _write(cluster_path, cluster if which in ("cluster", "both") else CLUSTER, encoding)
     target = tmp / "plan.json"
-    code = cli.main(["--profiles", str(profiles), "--cluster", str(cluster_path), "--global-batch-size", batch,
-                     "--zero-stage", stage, "--policy", policy, "--output", str(target)])
+    code = cli.main(
+        [
+            "--profiles",
+            str(profiles),
+            "--cluster",
+            str(cluster_path),
+            "--global-batch-size",
+            batch,
+            "--zero-stage",
+            stage,
+            "--policy",
+            policy,
+            "--output",
+            str(target),
+        ]
+    )
     assert code in (0, 1, 2)
     assert target.exists() == (code == 0)
 
@@ -177,8 +206,20 @@ def test_poplar_search_plans_any_global_batch_up_to_2_31(tmp_path_factory, batch
     # Stages 0 and 1 split any batch of at least one sample per rank; stages 2 and 3 need
     # a divisor that fits, so a large prime is infeasible there (exit 1, with a reason).
     target = tmp_path_factory.mktemp("batch") / "plan.json"
-    code = cli.main(["--profiles", str(EXAMPLES), "--cluster", str(EXAMPLES / "cluster.json"),
-                     "--global-batch-size", str(batch), "--zero-stage", stage, "--output", str(target)])
+    code = cli.main(
+        [
+            "--profiles",
+            str(EXAMPLES),
+            "--cluster",
+            str(EXAMPLES / "cluster.json"),
+            "--global-batch-size",
+            str(batch),
+            "--zero-stage",
+            stage,
+            "--output",
+            str(target),
+        ]
+    )
     world_size = sum(group["count"] for node in CLUSTER["nodes"] for group in node["devices"])
     if stage in ("0", "1", "auto") and batch >= world_size:
         assert code == 0

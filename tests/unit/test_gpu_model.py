@@ -20,7 +20,9 @@ def test_every_spec_is_named_once_and_has_a_datasheet():
 
 
 def test_unknown_gpu_type_is_a_value_error_listing_the_known_ones():
-    with pytest.raises(ValueError, match=r"device_type: expected one of the modelled GPU types \(H100-80GB.*found 'RTX-9090'"):
+    with pytest.raises(
+        ValueError, match=r"device_type: expected one of the modelled GPU types \(H100-80GB.*found 'RTX-9090'"
+    ):
         gpu_model.gpu_spec("RTX-9090")
 
 
@@ -83,7 +85,9 @@ def test_sharding_saves_memory_stage_by_stage():
 
 def test_a_faster_gpu_is_modelled_faster():
     fast, slow = gpu_model.gpu_spec("A100-80GB"), gpu_model.gpu_spec("T4-16GB")
-    assert gpu_model.micro_step_time_s(fast, SHAPE, 1, 8, 2, ASSUME) < gpu_model.micro_step_time_s(slow, SHAPE, 1, 8, 2, ASSUME)
+    assert gpu_model.micro_step_time_s(fast, SHAPE, 1, 8, 2, ASSUME) < gpu_model.micro_step_time_s(
+        slow, SHAPE, 1, 8, 2, ASSUME
+    )
 
 
 def test_sample_sizes_are_increasing_and_end_at_the_largest():

@@ -45,9 +45,18 @@ def _cluster(counts: dict[str, int]) -> Cluster:
     )
 
 
-def _profile(device_type: str, stage: int, *, world_size: int = 2, includes: bool | None = None, overhead_s: float = 0.01):
-    profile = synthetic_profile(device_type, zero_stage=stage, max_micro_batch_size=16, overhead_s=overhead_s,
-                                seconds_per_sample=0.002, optimizer_step_time_s=0.05, world_size=world_size)
+def _profile(
+    device_type: str, stage: int, *, world_size: int = 2, includes: bool | None = None, overhead_s: float = 0.01
+):
+    profile = synthetic_profile(
+        device_type,
+        zero_stage=stage,
+        max_micro_batch_size=16,
+        overhead_s=overhead_s,
+        seconds_per_sample=0.002,
+        optimizer_step_time_s=0.05,
+        world_size=world_size,
+    )
     if includes is not None:
         profile = dataclasses.replace(
             profile, measured_with={**profile.measured_with, "micro_step_times_include_communication": includes}
@@ -112,7 +121,10 @@ def test_load_profiles_skips_a_network_file_beside_the_profiles(tmp_path):
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
-        (lambda d: d["collectives"]["all_reduce"].update(bus_bandwidth_bytes_per_s=-1), r"collectives\.all_reduce\.bus_bandwidth_bytes_per_s: expected"),
+        (
+            lambda d: d["collectives"]["all_reduce"].update(bus_bandwidth_bytes_per_s=-1),
+            r"collectives\.all_reduce\.bus_bandwidth_bytes_per_s: expected",
+        ),
         (lambda d: d["collectives"].pop("all_gather"), r"collectives\.all_gather"),
         (lambda d: d.update(latency=1), r"latency"),
         (lambda d: d["measured_with"].update(source="guessed"), r"measured_with\.source"),
@@ -132,14 +144,22 @@ def test_a_bad_network_file_names_the_file_and_the_field(tmp_path, edit, match):
 # -- the cost model -------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("stage", "micro_collectives", "boundary_collectives"),
-    [(0, [], ["all_reduce"]), (1, [], ["reduce_scatter", "all_gather"]), (2, ["reduce_scatter"], ["all_gather"]),
-     (3, ["all_gather", "all_gather", "reduce_scatter"], [])],
+    [
+        (0, [], ["all_reduce"]),
+        (1, [], ["reduce_scatter", "all_gather"]),
+        (2, ["reduce_scatter"], ["all_gather"]),
+        (3, ["all_gather", "all_gather", "reduce_scatter"], []),
+    ],
 )
 def test_each_stage_prices_the_collectives_deepspeed_issues(stage, micro_collectives, boundary_collectives):
     network = _network()
     message = 1_000_000 * 4  # the synthetic model: 1M float32 parameters
-    communication = stage_communication(network, zero_stage=stage, num_parameters=1_000_000, dtype="float32", world_size=8)
-    assert communication.micro_step_exposed_s == pytest.approx(sum(network.time_s(c, message, 8) for c in micro_collectives))
+    communication = stage_communication(
+        network, zero_stage=stage, num_parameters=1_000_000, dtype="float32", world_size=8
+    )
+    assert communication.micro_step_exposed_s == pytest.approx(
+        sum(network.time_s(c, message, 8) for c in micro_collectives)
+    )
     assert communication.boundary_s == pytest.approx(sum(network.time_s(c, message, 8) for c in boundary_collectives))
 
 
@@ -149,13 +169,18 @@ def test_with_nccl_stage_3_hides_the_backward_collectives_under_backward():
     overlapped = communication.micro_step_overlapped_s
     assert overlapped > 0
     long_compute = 10 * overlapped / BACKWARD_SHARE
-    assert communication.micro_step_time_s(long_compute) == pytest.approx(long_compute + communication.micro_step_exposed_s)
+    assert communication.micro_step_time_s(long_compute) == pytest.approx(
+        long_compute + communication.micro_step_exposed_s
+    )
     assert communication.compute_time_s(np.array([communication.micro_step_time_s(0.001)]))[0] == pytest.approx(0.001)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_profile_whose_times_include_communication_predicts_its_own_world_size_unchanged(stage):
-    profiles = {"a": _profile("a", stage, world_size=4, includes=True), "b": _profile("b", stage, world_size=4, includes=True)}
+    profiles = {
+        "a": _profile("a", stage, world_size=4, includes=True),
+        "b": _profile("b", stage, world_size=4, includes=True),
+    }
     types = ["a", "a", "b", "b"]
     plain = build_stage_model(profiles, types, stage)
     priced = build_stage_model(profiles, types, stage, _network())
@@ -189,14 +214,20 @@ def test_a_larger_cluster_than_profiled_pays_more_communication_and_a_smaller_op
 
 def test_the_search_and_predict_use_the_network_and_say_where_the_time_goes():
     stage = 2
-    profiles = [_profile("a", stage, world_size=2, includes=False), _profile("b", stage, world_size=2, includes=False, overhead_s=0.02)]
+    profiles = [
+        _profile("a", stage, world_size=2, includes=False),
+        _profile("b", stage, world_size=2, includes=False, overhead_s=0.02),
+    ]
     cluster = _cluster({"a": 1, "b": 1})
     network = _network(bandwidth=0.05 * GB)
     without = search_plan(profiles, cluster, global_batch_size=24, zero_stage=stage)
     priced = search_plan(profiles, cluster, global_batch_size=24, zero_stage=stage, network=network)
     assert priced.plan.predicted.iteration_time_s > without.plan.predicted.iteration_time_s
+
     # Communication on every micro-step makes fewer, larger micro-steps pay.
-    steps = lambda result: result.plan.ranks[0].gradient_accumulation_steps
+    def steps(result):
+        return result.plan.ranks[0].gradient_accumulation_steps
+
     assert steps(priced) <= steps(without)
     prediction = predict(priced.plan, profiles, network)
     assert prediction.iteration_time_s == pytest.approx(priced.plan.predicted.iteration_time_s)
@@ -212,8 +243,18 @@ def test_poplar_search_takes_the_network_file_beside_the_profiles_or_the_one_nam
         save_profile(_profile(t, stage, includes=False), directory / f"{t}.json")
     cluster = _cluster({"a": 1, "b": 1})
     save_cluster(cluster, tmp_path / "cluster.json")
-    argv = ["--profiles", str(directory), "--cluster", str(tmp_path / "cluster.json"), "--global-batch-size", "24",
-            "--zero-stage", "2", "--format", "json"]
+    argv = [
+        "--profiles",
+        str(directory),
+        "--cluster",
+        str(tmp_path / "cluster.json"),
+        "--global-batch-size",
+        "24",
+        "--zero-stage",
+        "2",
+        "--format",
+        "json",
+    ]
 
     def predicted(*extra):
         assert search_main([*argv, *extra]) == 0
@@ -236,10 +277,14 @@ def test_scopes_round_trip_and_a_bad_scope_names_its_field(tmp_path):
     from poplar_search.network import NetworkScope, network_from_dict
 
     base = _network()
-    network = dataclasses.replace(base, num_nodes=2, scopes={
-        "within_node": NetworkScope(group_size=2, collectives=base.collectives),
-        "between_nodes": NetworkScope(group_size=2, collectives=base.collectives),
-    })
+    network = dataclasses.replace(
+        base,
+        num_nodes=2,
+        scopes={
+            "within_node": NetworkScope(group_size=2, collectives=base.collectives),
+            "between_nodes": NetworkScope(group_size=2, collectives=base.collectives),
+        },
+    )
     data = network_to_dict(network)
     assert network_from_dict(data) == network
     assert "scopes" not in network_to_dict(base), "a one-node file is written as before"

@@ -15,13 +15,26 @@ from poplar_search.formats import plan_from_dict
 
 
 def _plan(offload):
-    return plan_from_dict({
-        "schema_version": 1, "policy": "poplar", "zero_stage": 2, "global_batch_size": 8,
-        "ranks": [{"rank": r, "device_type": "a" if r == 0 else "b", "micro_batch_size": 2,
-                   "gradient_accumulation_steps": 2, "optimizer_offload": on} for r, on in enumerate(offload)],
-        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 8.0, "ideal_samples_per_s": 8.0},
-        "profile_fingerprints": {},
-    })
+    return plan_from_dict(
+        {
+            "schema_version": 1,
+            "policy": "poplar",
+            "zero_stage": 2,
+            "global_batch_size": 8,
+            "ranks": [
+                {
+                    "rank": r,
+                    "device_type": "a" if r == 0 else "b",
+                    "micro_batch_size": 2,
+                    "gradient_accumulation_steps": 2,
+                    "optimizer_offload": on,
+                }
+                for r, on in enumerate(offload)
+            ],
+            "predicted": {"iteration_time_s": 1.0, "samples_per_s": 8.0, "ideal_samples_per_s": 8.0},
+            "profile_fingerprints": {},
+        }
+    )
 
 
 def test_only_the_offloading_rank_gets_offload_optimizer():
@@ -37,8 +50,10 @@ def test_only_the_offloading_rank_gets_offload_optimizer():
 
 
 def test_the_users_offload_options_are_kept():
-    config = {"zero_optimization": {"offload_optimizer": {"device": "none", "pin_memory": True}},
-              "zero_force_ds_cpu_optimizer": True}
+    config = {
+        "zero_optimization": {"offload_optimizer": {"device": "none", "pin_memory": True}},
+        "zero_force_ds_cpu_optimizer": True,
+    }
     offload_deepspeed_optimizer(config)
     assert config["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert config["zero_force_ds_cpu_optimizer"] is True, "what the user set stays"
@@ -51,7 +66,9 @@ def files(tmp_path: Path) -> dict[str, str]:
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
     cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "n", "devices": [{"device_type": "cpu", "count": 2}]}]}))
+    cluster.write_text(
+        json.dumps({"schema_version": 1, "nodes": [{"name": "n", "devices": [{"device_type": "cpu", "count": 2}]}]})
+    )
     return {"ds": str(ds), "cluster": str(cluster)}
 
 
@@ -71,8 +88,13 @@ def test_profile_model_refuses_an_unknown_offload_mode(tmp_path):
     from poplar_ext.profiler import profile_model
 
     with pytest.raises(ValueError, match="optimizer_offload: expected one of 'off', 'smallest', 'both', found 'yes'"):
-        profile_model(model_factory=lambda: torch.nn.Linear(2, 1), make_batch=lambda b: torch.ones(b, 2),
-                      ds_config={"optimizer": {"type": "SGD"}}, cache_dir=tmp_path, optimizer_offload="yes")
+        profile_model(
+            model_factory=lambda: torch.nn.Linear(2, 1),
+            make_batch=lambda b: torch.ones(b, 2),
+            ds_config={"optimizer": {"type": "SGD"}},
+            cache_dir=tmp_path,
+            optimizer_offload="yes",
+        )
 
 
 def test_offloaded_profiles_have_their_own_file_name_and_summary_column():
@@ -98,7 +120,9 @@ def test_the_poplar_section_says_what_the_automatic_mode_profiles_offloaded():
 
     assert read({}).optimizer_offload == "off"
     assert read({"optimizer_offload": "smallest"}).optimizer_offload == "smallest"
-    with pytest.raises(FormatError, match="ds.json: poplar.optimizer_offload: expected one of 'off', 'smallest', 'both'"):
+    with pytest.raises(
+        FormatError, match="ds.json: poplar.optimizer_offload: expected one of 'off', 'smallest', 'both'"
+    ):
         read({"optimizer_offload": True})
 
 
@@ -117,8 +141,13 @@ def test_the_automatic_mode_measures_with_the_sections_offload(monkeypatch, tmp_
     monkeypatch.setattr(api, "profile_model", fake_profile_model)
     monkeypatch.setattr("poplar_ext.profiler.profile_model", fake_profile_model)
     measure = missing_profiles_measurer(
-        model=torch.nn.Linear(2, 1), training_data=[torch.ones(2)], collate_fn=None, optimizer=None,
-        ds_config={"optimizer": {"type": "SGD"}}, profiles_dir=tmp_path, micro_batch_size_limit=4,
+        model=torch.nn.Linear(2, 1),
+        training_data=[torch.ones(2)],
+        collate_fn=None,
+        optimizer=None,
+        ds_config={"optimizer": {"type": "SGD"}},
+        profiles_dir=tmp_path,
+        micro_batch_size_limit=4,
         optimizer_offload="smallest",
     )
     assert measure([("cpu", 1)], cluster=None) == []

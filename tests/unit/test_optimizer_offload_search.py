@@ -28,18 +28,33 @@ from poplar_search.formats import (
 from poplar_search.synthetic import simple_cluster, synthetic_profile
 
 
-def variants(name, *, stage, cap, overhead, per_sample, optimizer_s=0.01, ckpt_cap=None, offload_cap=None,
-             recompute=1.3, offload_step_s=0.05):
+def variants(
+    name,
+    *,
+    stage,
+    cap,
+    overhead,
+    per_sample,
+    optimizer_s=0.01,
+    ckpt_cap=None,
+    offload_cap=None,
+    recompute=1.3,
+    offload_step_s=0.05,
+):
     """A device type profiled with each memory lever its caps name (None: not profiled so).
 
     Offloading frees the device of the optimizer state (a larger cap) and makes the
     boundary slower (the host's optimizer step and the copies).
     """
+
     def one(levers, max_mbs):
         ckpt, offload = levers
         profile = synthetic_profile(
-            name, zero_stage=stage, max_micro_batch_size=max_mbs,
-            overhead_s=overhead * (recompute if ckpt else 1.0), seconds_per_sample=per_sample * (recompute if ckpt else 1.0),
+            name,
+            zero_stage=stage,
+            max_micro_batch_size=max_mbs,
+            overhead_s=overhead * (recompute if ckpt else 1.0),
+            seconds_per_sample=per_sample * (recompute if ckpt else 1.0),
             optimizer_step_time_s=optimizer_s + (offload_step_s if offload else 0.0),
         )
         return dataclasses.replace(profile, activation_checkpointing=ckpt, optimizer_offload=offload)
@@ -56,10 +71,15 @@ def random_profiles(rng, names, stage, max_cap):
     for name in names:
         cap = int(rng.integers(0, max_cap + 1))  # 0: fits only with a lever
         profiles += variants(
-            name, stage=stage, cap=cap, overhead=float(rng.uniform(0.005, 0.05)),
-            per_sample=float(rng.uniform(0.001, 0.02)), optimizer_s=float(rng.uniform(0.0, 0.05)),
+            name,
+            stage=stage,
+            cap=cap,
+            overhead=float(rng.uniform(0.005, 0.05)),
+            per_sample=float(rng.uniform(0.001, 0.02)),
+            optimizer_s=float(rng.uniform(0.0, 0.05)),
             ckpt_cap=int(rng.integers(max(cap, 1), max_cap + 3)) if rng.random() < 0.7 else None,
-            offload_cap=int(rng.integers(max(cap, 1), max_cap + 3)), recompute=float(rng.uniform(1.05, 1.6)),
+            offload_cap=int(rng.integers(max(cap, 1), max_cap + 3)),
+            recompute=float(rng.uniform(1.05, 1.6)),
             offload_step_s=float(rng.uniform(0.0, 0.1)),
         )
     return profiles
@@ -83,8 +103,9 @@ def test_poplar_chooses_offload_and_checkpointing_exactly_on_small_clusters(seed
 def small_memory_cluster(stage, *, offload_step_s=0.02):
     """A fast type that fits 8, and a small-memory one that fits 1, or 8 with its optimizer offloaded."""
     fast = variants("fast", stage=stage, cap=8, overhead=0.01, per_sample=0.001, offload_cap=12, offload_step_s=0.05)
-    small = variants("small", stage=stage, cap=1, overhead=0.02, per_sample=0.001, offload_cap=8,
-                     offload_step_s=offload_step_s)
+    small = variants(
+        "small", stage=stage, cap=1, overhead=0.02, per_sample=0.001, offload_cap=8, offload_step_s=offload_step_s
+    )
     return fast + small, simple_cluster({"fast": 1, "small": 1})
 
 
@@ -95,8 +116,9 @@ def test_offloading_only_the_small_memory_type_wins(stage):
     assert result.ok
     assert {r.device_type: r.optimizer_offload for r in result.plan.ranks} == {"fast": False, "small": True}
     assert "optimizer offload on small" in result.message
-    without = search_plan([p for p in profiles if not p.optimizer_offload], cluster, global_batch_size=32,
-                          zero_stage=stage)
+    without = search_plan(
+        [p for p in profiles if not p.optimizer_offload], cluster, global_batch_size=32, zero_stage=stage
+    )
     assert result.plan.predicted.samples_per_s > without.plan.predicted.samples_per_s
     from poplar_search.cli import plan_table
 
@@ -121,11 +143,15 @@ def test_the_baselines_do_not_offload(policy):
 def test_offload_is_tried_only_at_stages_1_and_2():
     profile = synthetic_profile("gpu", zero_stage=3, max_micro_batch_size=4, overhead_s=0.01, seconds_per_sample=0.01)
     with pytest.raises(ValueError, match="optimizer_offload only at ZeRO stages 1-2, found it for 'gpu' at stage 3"):
-        search_plan([dataclasses.replace(profile, optimizer_offload=True)], simple_cluster({"gpu": 1}),
-                    global_batch_size=4)
+        search_plan(
+            [dataclasses.replace(profile, optimizer_offload=True)], simple_cluster({"gpu": 1}), global_batch_size=4
+        )
     data = profile_to_dict(dataclasses.replace(profile, optimizer_offload=True))
-    with pytest.raises(FormatError, match=r"p.json: optimizer_offload: expected false at ZeRO stage 3 \(poplar-ext "
-                                          r"offloads the optimizer at stages 1-2 only\), found boolean true"):
+    with pytest.raises(
+        FormatError,
+        match=r"p.json: optimizer_offload: expected false at ZeRO stage 3 \(poplar-ext "
+        r"offloads the optimizer at stages 1-2 only\), found boolean true",
+    ):
         profile_from_dict(data, source="p.json")
     choices = lever_choices({"gpu": {(False, False): profile}}, 3, choose=True)
     assert choices == [{"gpu": (False, False)}]
@@ -165,15 +191,19 @@ def test_check_plan_and_predict_hold_plans_to_the_offload_rules():
     cluster = simple_cluster({"fast": 1, "small": 2})
     plan = search_plan(profiles, cluster, global_batch_size=24, zero_stage=1).plan
     assert [r.optimizer_offload for r in plan.ranks] == [False, True, True]
-    mixed = dataclasses.replace(plan, ranks=(plan.ranks[0], plan.ranks[1], dataclasses.replace(plan.ranks[2], optimizer_offload=False)))
+    mixed = dataclasses.replace(
+        plan, ranks=(plan.ranks[0], plan.ranks[1], dataclasses.replace(plan.ranks[2], optimizer_offload=False))
+    )
     assert any("differ in optimizer_offload (small)" in p for p in check_plan(mixed, cluster, profiles))
     with pytest.raises(ValueError, match="one optimizer_offload per device type, found both for small"):
         predict(mixed, profiles)
     at_3 = dataclasses.replace(plan, zero_stage=3)
     assert any("offloads the optimizer at ZeRO stages 1-2 only" in p for p in check_plan(at_3, cluster))
     no_offload_profile = [p for p in profiles if not (p.device_type == "small" and p.optimizer_offload)]
-    assert any("No profile at ZeRO stage 1 for small with optimizer offload" in p
-               for p in check_plan(plan, cluster, no_offload_profile))
+    assert any(
+        "No profile at ZeRO stage 1 for small with optimizer offload" in p
+        for p in check_plan(plan, cluster, no_offload_profile)
+    )
 
 
 def test_a_re_plan_under_drift_keeps_each_types_offload():

@@ -41,8 +41,13 @@ def _imports_torch_distributed(tree: ast.AST) -> bool:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
             return True
-        if isinstance(node, ast.ImportFrom) and node.module and (
-            node.module.startswith("torch.distributed") or (node.module == "torch" and any(a.name == "distributed" for a in node.names))
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and (
+                node.module.startswith("torch.distributed")
+                or (node.module == "torch" and any(a.name == "distributed" for a in node.names))
+            )
         ):
             return True
     return False
@@ -64,7 +69,11 @@ POLICY_NAMES = {"uniform", "proportional", "poplar"}
 def _vocabulary_literals(path: Path) -> list[tuple[str, str, int]]:
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts and all(isinstance(e, ast.Constant) for e in node.elts):
+        if (
+            isinstance(node, (ast.Tuple, ast.List, ast.Set))
+            and node.elts
+            and all(isinstance(e, ast.Constant) for e in node.elts)
+        ):
             values = [e.value for e in node.elts]
             if all(type(v) is int for v in values) and set(values) == STAGES and len(values) == 4:
                 found.append((str(path.relative_to(ROOT)), "ZeRO stages", node.lineno))

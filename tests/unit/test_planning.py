@@ -15,16 +15,33 @@ from poplar_search.synthetic import synthetic_profile
 @pytest.fixture
 def cluster_path(tmp_path):
     path = tmp_path / "cluster.json"
-    path.write_text(json.dumps({"schema_version": 1, "nodes": [
-        {"name": "n0", "devices": [{"device_type": "fast", "count": 1}, {"device_type": "slow", "count": 1}]}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "nodes": [
+                    {
+                        "name": "n0",
+                        "devices": [{"device_type": "fast", "count": 1}, {"device_type": "slow", "count": 1}],
+                    }
+                ],
+            }
+        )
+    )
     return path
 
 
 def _profiles(directory, types):
     directory.mkdir()
     for device_type, seconds_per_sample in types:
-        profile = synthetic_profile(device_type, zero_stage=1, max_micro_batch_size=16, overhead_s=0.001,
-                                    seconds_per_sample=seconds_per_sample, world_size=2)
+        profile = synthetic_profile(
+            device_type,
+            zero_stage=1,
+            max_micro_batch_size=16,
+            overhead_s=0.001,
+            seconds_per_sample=seconds_per_sample,
+            world_size=2,
+        )
         save_profile(profile, directory / f"{device_type}.json")
     return directory
 
@@ -37,8 +54,9 @@ def _resolve(cluster_path, section, *, world_size=2, zero_stage=1, broadcasts=No
             broadcasts.append(obj)
         return obj
 
-    return resolve_plan(config, load_cluster(cluster_path), world_size=world_size, rank=0,
-                        zero_stage=zero_stage, broadcast=broadcast)
+    return resolve_plan(
+        config, load_cluster(cluster_path), world_size=world_size, rank=0, zero_stage=zero_stage, broadcast=broadcast
+    )
 
 
 def test_search_at_start_broadcasts_the_plan(cluster_path, tmp_path):
@@ -53,12 +71,18 @@ def test_search_at_start_broadcasts_the_plan(cluster_path, tmp_path):
 
 def test_missing_profiles_name_type_stage_and_command(cluster_path, tmp_path):
     directory = _profiles(tmp_path / "profiles", [("fast", 0.001)])
-    with pytest.raises(ValueError, match=r"lacks profiles for these device types and ZeRO stages \(stage 1: slow\)\. Measure them with poplar-profile.*--zero-stages 1 --output-dir "):
+    with pytest.raises(
+        ValueError,
+        match=r"lacks profiles for these device types and ZeRO stages \(stage 1: slow\)\. Measure them with "
+        r"poplar-profile.*--zero-stages 1 --output-dir ",
+    ):
         _resolve(cluster_path, {"profiles": str(directory), "global_batch_size": 20})
 
 
 def test_no_profile_directory_at_all(cluster_path, tmp_path):
-    with pytest.raises(ValueError, match=r"\(stage 0: fast, slow; stage 1: fast, slow; stage 2: fast, slow; stage 3: fast, slow\)"):
+    with pytest.raises(
+        ValueError, match=r"\(stage 0: fast, slow; stage 1: fast, slow; stage 2: fast, slow; stage 3: fast, slow\)"
+    ):
         _resolve(cluster_path, {"profiles": str(tmp_path / "none"), "global_batch_size": "auto"}, zero_stage=None)
 
 
@@ -77,9 +101,12 @@ def test_ranks_other_than_0_read_no_file(cluster_path, tmp_path):
     config = poplar_config_from_dict(
         {"cluster": str(cluster_path), "profiles": str(tmp_path / "absent"), "global_batch_size": 20}, base_dir=tmp_path
     )
-    decisions = iter([{"result": []}, {"result": __import__("poplar_search.formats", fromlist=["plan_to_dict"]).plan_to_dict(plan)}])
-    received = resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=1, zero_stage=1,
-                            broadcast=lambda obj: next(decisions))
+    decisions = iter(
+        [{"result": []}, {"result": __import__("poplar_search.formats", fromlist=["plan_to_dict"]).plan_to_dict(plan)}]
+    )
+    received = resolve_plan(
+        config, load_cluster(cluster_path), world_size=2, rank=1, zero_stage=1, broadcast=lambda obj: next(decisions)
+    )
     assert received == plan
 
 
@@ -107,9 +134,16 @@ def _measurer(pairs_it_returns, calls):
     def measure(missing, cluster):
         calls.append(sorted(missing))
         return [
-            synthetic_profile(device_type, zero_stage=stage, max_micro_batch_size=16, overhead_s=0.001,
-                              seconds_per_sample=0.001, world_size=2)
-            for device_type, stage in missing if (device_type, stage) in pairs_it_returns
+            synthetic_profile(
+                device_type,
+                zero_stage=stage,
+                max_micro_batch_size=16,
+                overhead_s=0.001,
+                seconds_per_sample=0.001,
+                world_size=2,
+            )
+            for device_type, stage in missing
+            if (device_type, stage) in pairs_it_returns
         ]
 
     return measure
@@ -118,7 +152,9 @@ def _measurer(pairs_it_returns, calls):
 def _for_search(cluster_path, directory, measure, zero_stage=None):
     from poplar_ext.runtime.planning import profiles_for_search
 
-    config = poplar_config_from_dict({"cluster": str(cluster_path), "profiles": str(directory)}, base_dir=cluster_path.parent)
+    config = poplar_config_from_dict(
+        {"cluster": str(cluster_path), "profiles": str(directory)}, base_dir=cluster_path.parent
+    )
     return profiles_for_search(config, load_cluster(cluster_path), zero_stage=zero_stage, measure_missing=measure)
 
 
@@ -134,8 +170,11 @@ def test_measured_stages_are_recounted_after_profiling(cluster_path, tmp_path):
 
 def test_profiling_that_brings_back_no_complete_stage_says_what_is_missing(cluster_path, tmp_path):
     calls = []
-    with pytest.raises(ValueError, match=r"after profiling, no ZeRO stage has a profile of every device type "
-                                         r"\(missing: fast at stage 2; slow at stage 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"after profiling, no ZeRO stage has a profile of every device type "
+        r"\(missing: fast at stage 2; slow at stage 2\)",
+    ):
         _for_search(cluster_path, tmp_path / "none", _measurer(set(), calls), zero_stage=2)
     assert calls == [[("fast", 2), ("slow", 2)]]
 
@@ -160,21 +199,35 @@ def test_a_plan_for_another_global_batch_is_refused(cluster_path, tmp_path):
     directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
     plan = _searched_plan(cluster_path, directory, tmp_path)
     config = poplar_config_from_dict({"cluster": str(cluster_path), "plan": str(plan)}, base_dir=tmp_path)
-    with pytest.raises(ValueError, match=r"The plan's global batch is 20 but the config asks for 32 \(train_batch_size\)"):
-        resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=0, zero_stage=1, broadcast=lambda o: o,
-                     global_batch=GlobalBatchRequest(size=32, origin="train_batch_size"))
+    with pytest.raises(
+        ValueError, match=r"The plan's global batch is 20 but the config asks for 32 \(train_batch_size\)"
+    ):
+        resolve_plan(
+            config,
+            load_cluster(cluster_path),
+            world_size=2,
+            rank=0,
+            zero_stage=1,
+            broadcast=lambda o: o,
+            global_batch=GlobalBatchRequest(size=32, origin="train_batch_size"),
+        )
 
 
 def test_no_global_batch_for_the_search_says_what_to_set(cluster_path, tmp_path):
     directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
-    with pytest.raises(ValueError, match=r"no global batch for the plan search: set train_batch_size .* or "
-                                         r'poplar.global_batch_size: "auto" to let the search pick'):
+    with pytest.raises(
+        ValueError,
+        match=r"no global batch for the plan search: set train_batch_size .* or "
+        r'poplar.global_batch_size: "auto" to let the search pick',
+    ):
         _resolve(cluster_path, {"profiles": str(directory)})
 
 
 def test_auto_lets_the_search_pick_the_batch(cluster_path, tmp_path):
     directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
-    plan = _resolve(cluster_path, {"profiles": str(directory), "global_batch_size": "auto", "max_global_batch_size": 40})
+    plan = _resolve(
+        cluster_path, {"profiles": str(directory), "global_batch_size": "auto", "max_global_batch_size": 40}
+    )
     assert 2 <= plan.global_batch_size <= 40
 
 
@@ -188,12 +241,19 @@ def test_a_plan_from_other_profiles_warns(cluster_path, tmp_path):
         resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=0, zero_stage=1, broadcast=lambda o: o)
     # Measured again: slow's profile changed.
     slow = next(p for p in load_profiles(directory) if p.device_type == "slow")
-    save_profile(dataclasses.replace(slow, optimizer_step_time_s=slow.optimizer_step_time_s + 0.5), directory / "slow.json")
-    with pytest.warns(StalePlanWarning, match=r"plan.json: this plan was made from other profiles of slow than those in .*search the plan again"):
+    save_profile(
+        dataclasses.replace(slow, optimizer_step_time_s=slow.optimizer_step_time_s + 0.5), directory / "slow.json"
+    )
+    with pytest.warns(
+        StalePlanWarning,
+        match=r"plan.json: this plan was made from other profiles of slow than those in .*search the plan again",
+    ):
         resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=0, zero_stage=1, broadcast=lambda o: o)
 
 
 def test_profiles_that_name_a_file_are_refused(cluster_path, tmp_path):
     (tmp_path / "profiles.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"poplar.profiles: expected a directory of profiles .*, found the file .*profiles.json"):
+    with pytest.raises(
+        ValueError, match=r"poplar.profiles: expected a directory of profiles .*, found the file .*profiles.json"
+    ):
         _resolve(cluster_path, {"profiles": str(tmp_path / "profiles.json"), "global_batch_size": 20})

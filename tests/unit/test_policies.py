@@ -54,7 +54,9 @@ def check_allocation(model, allocation, batch=None):
 def test_poplar_equals_exhaustive_optimum_on_small_clusters(seed):
     rng = np.random.default_rng(seed)
     stage = seed % 4
-    model = random_model(rng, stage=stage, num_ranks=int(rng.integers(2, 4)), num_types=int(rng.integers(1, 3)), max_cap=4)
+    model = random_model(
+        rng, stage=stage, num_ranks=int(rng.integers(2, 4)), num_types=int(rng.integers(1, 3)), max_cap=4
+    )
     batch = int(rng.integers(model.world_size, 13))
     result = allocate("poplar", model, batch)
     best = exhaustive_best_time(model, batch)
@@ -75,7 +77,9 @@ def test_poplar_auto_batch_beats_every_batch_up_to_the_maximum(seed):
     check_allocation(model, result.allocation)
     assert model.world_size <= result.allocation.global_batch_size <= limit
     best_rate = max(
-        batch / t for batch in range(model.world_size, limit + 1) if np.isfinite(t := exhaustive_best_time(model, batch))
+        batch / t
+        for batch in range(model.world_size, limit + 1)
+        if np.isfinite(t := exhaustive_best_time(model, batch))
     )
     assert result.allocation.samples_per_s == pytest.approx(best_rate, rel=1e-12)
 
@@ -84,7 +88,9 @@ def test_poplar_auto_batch_beats_every_batch_up_to_the_maximum(seed):
 @pytest.mark.parametrize("policy", ["poplar", "uniform", "proportional"])
 def test_allocations_are_exact_capped_and_follow_the_stage_rule(seed, policy):
     rng = np.random.default_rng(1000 + seed)
-    model = random_model(rng, stage=seed % 4, num_ranks=int(rng.integers(1, 40)), num_types=int(rng.integers(1, 5)), max_cap=32)
+    model = random_model(
+        rng, stage=seed % 4, num_ranks=int(rng.integers(1, 40)), num_types=int(rng.integers(1, 5)), max_cap=32
+    )
     batch = model.world_size * int(rng.integers(1, 20))
     result = allocate(policy, model, batch)
     if result.ok:
@@ -98,7 +104,9 @@ def test_allocations_are_exact_capped_and_follow_the_stage_rule(seed, policy):
 @pytest.mark.parametrize("seed", range(25))
 def test_poplar_is_never_slower_than_the_baselines(seed):
     rng = np.random.default_rng(2000 + seed)
-    model = random_model(rng, stage=seed % 4, num_ranks=int(rng.integers(2, 30)), num_types=int(rng.integers(2, 5)), max_cap=32)
+    model = random_model(
+        rng, stage=seed % 4, num_ranks=int(rng.integers(2, 30)), num_types=int(rng.integers(2, 5)), max_cap=32
+    )
     batch = model.world_size * int(rng.integers(1, 12))
     poplar = allocate("poplar", model, batch)
     assert poplar.ok
@@ -114,8 +122,12 @@ def test_poplar_is_never_slower_than_the_baselines(seed):
 def test_identical_devices_split_evenly_and_faster_devices_never_get_less(stage, policy, batch):
     # fast dominates slow everywhere (strictly faster, at least as much memory)
     profiles = {
-        "fast": synthetic_profile("fast", zero_stage=stage, max_micro_batch_size=24, overhead_s=0.02, seconds_per_sample=0.004),
-        "slow": synthetic_profile("slow", zero_stage=stage, max_micro_batch_size=12, overhead_s=0.03, seconds_per_sample=0.01),
+        "fast": synthetic_profile(
+            "fast", zero_stage=stage, max_micro_batch_size=24, overhead_s=0.02, seconds_per_sample=0.004
+        ),
+        "slow": synthetic_profile(
+            "slow", zero_stage=stage, max_micro_batch_size=12, overhead_s=0.03, seconds_per_sample=0.01
+        ),
     }
     model = build_stage_model(profiles, ["slow", "fast"] * 3 + ["fast"], stage)
     result = allocate(policy, model, batch)
@@ -132,7 +144,9 @@ def test_identical_devices_split_evenly_and_faster_devices_never_get_less(stage,
 
 
 def test_infeasible_cases_have_reasons():
-    profiles = {"a": synthetic_profile("a", zero_stage=2, max_micro_batch_size=2, overhead_s=0.1, seconds_per_sample=0.01)}
+    profiles = {
+        "a": synthetic_profile("a", zero_stage=2, max_micro_batch_size=2, overhead_s=0.1, seconds_per_sample=0.01)
+    }
     model = build_stage_model(profiles, ["a", "a"], 2)
     result = allocate("poplar", model, 1)
     assert not result.ok and "smaller than the 2 ranks" in result.reason
@@ -146,7 +160,9 @@ def test_infeasible_cases_have_reasons():
 
 
 def test_unknown_policy_is_a_value_error():
-    profiles = {"a": synthetic_profile("a", zero_stage=0, max_micro_batch_size=2, overhead_s=0.1, seconds_per_sample=0.01)}
+    profiles = {
+        "a": synthetic_profile("a", zero_stage=0, max_micro_batch_size=2, overhead_s=0.1, seconds_per_sample=0.01)
+    }
     with pytest.raises(ValueError, match=r"policy: expected one of 'uniform', 'proportional', 'poplar', found 'best'"):
         allocate("best", build_stage_model(profiles, ["a"], 0), 4)
 
@@ -168,7 +184,9 @@ def test_stage_0_with_a_huge_slack_stays_exact(batch):
     # needed, so the exact sum must come from the fast two-level construction.
     profiles = {
         "pin": synthetic_profile("pin", zero_stage=0, max_micro_batch_size=1, overhead_s=0.1, seconds_per_sample=0.02),
-        "big": synthetic_profile("big", zero_stage=0, max_micro_batch_size=700, overhead_s=0.001, seconds_per_sample=0.0005),
+        "big": synthetic_profile(
+            "big", zero_stage=0, max_micro_batch_size=700, overhead_s=0.001, seconds_per_sample=0.0005
+        ),
     }
     model = build_stage_model(profiles, ["pin", "big"] * 2048, 0)
     result = allocate("poplar", model, batch)
@@ -187,7 +205,9 @@ def milp_best_time(model, batch):
             best = min(best, _solve(options, tables, world, batch // steps, lambda b: b, steps))
         return best
     # stages 0/1: binary x[r, (b, s)] with b * s samples; minimise z >= s * t_r(b)
-    options = [(r, (b, s)) for r in range(world) for b in range(1, len(tables[r]) + 1) for s in range(1, batch // b + 1)]
+    options = [
+        (r, (b, s)) for r in range(world) for b in range(1, len(tables[r]) + 1) for s in range(1, batch // b + 1)
+    ]
     return _solve(options, tables, world, batch, lambda bs: bs[0] * bs[1], 1)
 
 
@@ -214,7 +234,12 @@ def _solve(options, tables, world, samples, work_of, steps):
         LinearConstraint(makespan, -np.inf, 0),
     ]
     integrality = np.r_[np.ones(n - 1), 0]
-    result = milp(cost, constraints=constraints, integrality=integrality, bounds=Bounds(np.r_[np.zeros(n - 1), 0], np.r_[np.ones(n - 1), np.inf]))
+    result = milp(
+        cost,
+        constraints=constraints,
+        integrality=integrality,
+        bounds=Bounds(np.r_[np.zeros(n - 1), 0], np.r_[np.ones(n - 1), np.inf]),
+    )
     return steps * result.fun if result.status == 0 else np.inf
 
 
@@ -268,8 +293,13 @@ def test_every_exact_method_of_stages_0_and_1_finds_the_optimum(monkeypatch, met
         monkeypatch.setattr(poplar_independent, "RESIDUE_MAX_MODULUS", 0)
     for seed in range(300):
         rng = np.random.default_rng(3000 + seed)
-        model = random_model(rng, stage=seed % 2, num_ranks=int(rng.integers(1, 7)), num_types=int(rng.integers(1, 4)),
-                             max_cap=int(rng.integers(1, 9)))
+        model = random_model(
+            rng,
+            stage=seed % 2,
+            num_ranks=int(rng.integers(1, 7)),
+            num_types=int(rng.integers(1, 4)),
+            max_cap=int(rng.integers(1, 9)),
+        )
         batch = int(rng.integers(model.world_size, 500))
         result = allocate("poplar", model, batch)
         check_allocation(model, result.allocation, batch)

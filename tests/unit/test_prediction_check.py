@@ -21,11 +21,17 @@ def _report(ranks: int, policies: dict[str, tuple[float, list[float]] | None]) -
             entries.append({"policy": name, "status": "infeasible"})
             continue
         predicted_s, measured_s = timing
-        entries.append({
-            "policy": name, "status": "ok", "share_of_ideal": 0.9,
-            "predicted": {"iteration_time_s": predicted_s},
-            "measured": {"iteration_time_s": {"median": sorted(measured_s)[len(measured_s) // 2], "repetitions": measured_s}},
-        })
+        entries.append(
+            {
+                "policy": name,
+                "status": "ok",
+                "share_of_ideal": 0.9,
+                "predicted": {"iteration_time_s": predicted_s},
+                "measured": {
+                    "iteration_time_s": {"median": sorted(measured_s)[len(measured_s) // 2], "repetitions": measured_s}
+                },
+            }
+        )
     return {"scenarios": [{"device_types": {f"t{i}": {} for i in range(ranks)}, "policies": entries}]}
 
 
@@ -44,7 +50,9 @@ def test_the_goal_holds_only_when_every_case_and_policy_is_within_ten_percent():
     good = _report(3, {"uniform": (1.0, [1.02, 0.99, 1.05]), "poplar": (2.0, [2.1, 2.0, 1.95]), "proportional": None})
     bad = _report(4, {"poplar": (1.0, [1.3, 1.25, 1.2])})
     assert summarize([(PredictionCase(name="good", zero_stage=0), good)])["goal_met"] is True
-    summary = summarize([(PredictionCase(name="good", zero_stage=0), good), (PredictionCase(name="bad", zero_stage=3), bad)])
+    summary = summarize(
+        [(PredictionCase(name="good", zero_stage=0), good), (PredictionCase(name="bad", zero_stage=3), bad)]
+    )
     assert summary["goal_met"] is False
     assert summary["worst_median_abs_error"] == pytest.approx(1 - 1 / 1.25)
     text = render_markdown(summary)

@@ -26,7 +26,9 @@ def _profile(**changes) -> Profile:
         memory_capacity_bytes=80 * 10**9,
         zero_stage=2,
         world_size=4,
-        model=ModelInfo(name="gpt", fingerprint="sha256:0123456789abcdef", num_parameters=10, dtype="bfloat16", sequence_length=128),
+        model=ModelInfo(
+            name="gpt", fingerprint="sha256:0123456789abcdef", num_parameters=10, dtype="bfloat16", sequence_length=128
+        ),
         max_micro_batch_size=4,
         samples=(Sample(micro_batch_size=4, micro_step_time_s=0.1, peak_memory_bytes=10**9),),
         optimizer_step_time_s=0.01,

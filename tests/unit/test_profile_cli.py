@@ -15,7 +15,9 @@ def files(tmp_path: Path) -> dict[str, str]:
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "bf16": {"enabled": True}}))
     cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "n", "devices": [{"device_type": "cpu", "count": 2}]}]}))
+    cluster.write_text(
+        json.dumps({"schema_version": 1, "nodes": [{"name": "n", "devices": [{"device_type": "cpu", "count": 2}]}]})
+    )
     module = tmp_path / "my_models.py"
     module.write_text(
         "import torch\n"
@@ -31,7 +33,22 @@ def _args(files: dict[str, str], *extra: str) -> list[str]:
 
 
 def test_builtin_toy_gpt_with_size_options(files) -> None:
-    command = parse_command(_args(files, "--model", "toy-gpt", "--layers", "3", "--hidden-size", "64", "--heads", "2", "--zero-stages", "2,0", "--local_rank=1"))
+    command = parse_command(
+        _args(
+            files,
+            "--model",
+            "toy-gpt",
+            "--layers",
+            "3",
+            "--hidden-size",
+            "64",
+            "--heads",
+            "2",
+            "--zero-stages",
+            "2,0",
+            "--local_rank=1",
+        )
+    )
     assert command.zero_stages == (0, 2)
     assert command.model_name == "toy-gpt-3x64" and command.sequence_length == 64
     model = command.model_factory()
@@ -42,7 +59,9 @@ def test_builtin_toy_gpt_with_size_options(files) -> None:
 
 def test_own_model_and_batch_factories_are_imported(files, monkeypatch) -> None:
     monkeypatch.chdir(files["dir"])
-    command = parse_command(_args(files, "--model", "my_models:build", "--batch", "my_models:batch", "--micro-batch-sizes", "1,2,4"))
+    command = parse_command(
+        _args(files, "--model", "my_models:build", "--batch", "my_models:batch", "--micro-batch-sizes", "1,2,4")
+    )
     assert command.model_factory().in_features == 2
     assert command.make_batch(3).shape[0] == 3
     assert command.micro_batch_sizes == (1, 2, 4)
@@ -51,22 +70,50 @@ def test_own_model_and_batch_factories_are_imported(files, monkeypatch) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--model", "toy-gpt", "--zero-stages", "0,4"], "--zero-stages: expected distinct stages among 0,1,2,3, found '0,4'"),
+        (
+            ["--model", "toy-gpt", "--zero-stages", "0,4"],
+            "--zero-stages: expected distinct stages among 0,1,2,3, found '0,4'",
+        ),
         (["--model", "toy-gpt", "--zero-stages", "a"], "--zero-stages: expected comma-separated integers, found 'a'"),
         (["--model", "toy-gpt", "--micro-batch-sizes", "0,2"], "--micro-batch-sizes: expected integers >= 1"),
         (["--model", "toy-gpt", "--repeats", "0"], "--repeats: expected an integer >= 1, found 0"),
-        (["--model", "toy-gpt", "--hidden-size", "30", "--heads", "4"], "--hidden-size: expected a multiple of --heads"),
+        (
+            ["--model", "toy-gpt", "--hidden-size", "30", "--heads", "4"],
+            "--hidden-size: expected a multiple of --heads",
+        ),
         (["--model", "my_models:build"], "--batch: required with a --model of your own"),
         (["--model", "nomodule:build", "--batch", "x:y"], "--model: cannot import module 'nomodule'"),
-        (["--model", "my_models:missing", "--batch", "my_models:batch"], "--model: module 'my_models' has no attribute 'missing'"),
+        (
+            ["--model", "my_models:missing", "--batch", "my_models:batch"],
+            "--model: module 'my_models' has no attribute 'missing'",
+        ),
         (["--model", "my_models:NOT_CALLABLE", "--batch", "my_models:batch"], "--model: expected a callable"),
         (["--model", "justaname", "--batch", "my_models:batch"], "--model: expected MODULE:FACTORY"),
-        (["--model", "toy-gpt", "--batch", "my_models:batch"], "--batch: the built-in model toy-gpt makes its own batches"),
-        (["--model", "toy-gpt", "--activation-checkpointing", "sometimes"], "--activation-checkpointing: invalid choice"),
-        (["--model", "my_models:build", "--batch", "my_models:batch", "--checkpointing-toggle", "my_models:missing"],
-         "--checkpointing-toggle: module 'my_models' has no attribute 'missing'"),
-        (["--model", "my_models:build", "--batch", "my_models:batch", "--checkpointing-toggle", "my_models:build",
-          "--activation-checkpointing", "off"], "--checkpointing-toggle: not used with --activation-checkpointing off"),
+        (
+            ["--model", "toy-gpt", "--batch", "my_models:batch"],
+            "--batch: the built-in model toy-gpt makes its own batches",
+        ),
+        (
+            ["--model", "toy-gpt", "--activation-checkpointing", "sometimes"],
+            "--activation-checkpointing: invalid choice",
+        ),
+        (
+            ["--model", "my_models:build", "--batch", "my_models:batch", "--checkpointing-toggle", "my_models:missing"],
+            "--checkpointing-toggle: module 'my_models' has no attribute 'missing'",
+        ),
+        (
+            [
+                "--model",
+                "my_models:build",
+                "--batch",
+                "my_models:batch",
+                "--checkpointing-toggle",
+                "my_models:build",
+                "--activation-checkpointing",
+                "off",
+            ],
+            "--checkpointing-toggle: not used with --activation-checkpointing off",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(files, monkeypatch, capsys, extra, message) -> None:
@@ -86,7 +133,10 @@ def test_missing_required_option_is_one_line(capsys) -> None:
 
 def test_bad_files_are_named(files, tmp_path, capsys) -> None:
     (tmp_path / "bad.json").write_text("[1")
-    assert main(["--deepspeed_config", str(tmp_path / "bad.json"), "--cluster", files["cluster"], "--model", "toy-gpt"]) == 2
+    assert (
+        main(["--deepspeed_config", str(tmp_path / "bad.json"), "--cluster", files["cluster"], "--model", "toy-gpt"])
+        == 2
+    )
     assert "--deepspeed_config: " in capsys.readouterr().err
     # A missing --cluster file is rank 0's error, sent to every rank: tests/dist/test_profiler_cli.py.
 
@@ -112,7 +162,9 @@ _TINY_GPT2 = "n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=32"
 
 def test_a_transformers_model_from_its_config(files) -> None:
     pytest.importorskip("transformers", reason="pip install 'poplar-ext[hf]'")
-    command = parse_command(_args(files, "--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2, "--sequence-length", "16"))
+    command = parse_command(
+        _args(files, "--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2, "--sequence-length", "16")
+    )
     model = command.model_factory()
     assert type(model).__name__ == "GPT2LMHeadModel" and model.config.n_layer == 1
     batch = command.make_batch(3)
@@ -121,9 +173,19 @@ def test_a_transformers_model_from_its_config(files) -> None:
     from poplar_ext.profiler.measure import default_loss
 
     assert default_loss(model, batch).dim() == 0  # the ModelOutput's .loss, from dict batches
-    masked = parse_command(_args(files, "--model", "hf:BertConfig", "--hf-task", "masked-lm", "--hf-config",
-                                 "num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,vocab_size=64",
-                                 "--sequence-length", "8"))
+    masked = parse_command(
+        _args(
+            files,
+            "--model",
+            "hf:BertConfig",
+            "--hf-task",
+            "masked-lm",
+            "--hf-config",
+            "num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,vocab_size=64",
+            "--sequence-length",
+            "8",
+        )
+    )
     assert (masked.make_batch(4)["labels"] == -100).any()
 
 
@@ -132,7 +194,10 @@ def test_a_transformers_model_from_its_config(files) -> None:
     [
         (["--model", "hf:NoSuchConfig"], "--model hf:NoSuchConfig: expected the name of a transformers config class"),
         (["--model", "hf:GPT2Config", "--hf-config", "n_layer"], "--hf-config: expected KEY=VALUE pairs"),
-        (["--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2, "--batch", "my_models:batch"], "--batch: the model hf:GPT2Config makes its own batches"),
+        (
+            ["--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2, "--batch", "my_models:batch"],
+            "--batch: the model hf:GPT2Config makes its own batches",
+        ),
     ],
 )
 def test_bad_transformers_models_exit_2(files, monkeypatch, capsys, extra, message) -> None:
@@ -146,7 +211,9 @@ def test_bad_transformers_models_exit_2(files, monkeypatch, capsys, extra, messa
 def test_a_loss_function_of_your_own(files, monkeypatch) -> None:
     monkeypatch.chdir(files["dir"])
     (Path(files["dir"]) / "my_loss.py").write_text("def loss(engine, batch):\n    return engine(batch).sum()\n")
-    command = parse_command(_args(files, "--model", "my_models:build", "--batch", "my_models:batch", "--loss", "my_loss:loss"))
+    command = parse_command(
+        _args(files, "--model", "my_models:build", "--batch", "my_models:batch", "--loss", "my_loss:loss")
+    )
     import torch
 
     module, batch = torch.nn.Linear(2, 1), torch.ones(3, 2)
@@ -165,8 +232,13 @@ def test_a_deepspeed_config_without_an_optimizer_is_refused_before_any_engine(fi
     err = capsys.readouterr().err
     assert f"--deepspeed_config: {no_optimizer}: optimizer: expected an 'optimizer' section" in err
     with pytest.raises(ValueError, match="ds_config: optimizer: expected an 'optimizer' section.*optimizer_factory"):
-        profile_model(model_factory=lambda: torch.nn.Linear(2, 1), make_batch=lambda b: torch.ones(b, 2),
-                      ds_config={"zero_optimization": {"stage": 1}}, cluster=files["cluster"], cache_dir=tmp_path / "p")
+        profile_model(
+            model_factory=lambda: torch.nn.Linear(2, 1),
+            make_batch=lambda b: torch.ones(b, 2),
+            ds_config={"zero_optimization": {"stage": 1}},
+            cluster=files["cluster"],
+            cache_dir=tmp_path / "p",
+        )
 
 
 def test_activation_checkpointing_options(files, monkeypatch) -> None:
@@ -174,12 +246,26 @@ def test_activation_checkpointing_options(files, monkeypatch) -> None:
     (Path(files["dir"]) / "my_toggle.py").write_text("def toggle(model, enabled):\n    model.recompute = enabled\n")
     default = parse_command(_args(files, "--model", "toy-gpt"))
     assert default.activation_checkpointing == "auto" and default.checkpointing_toggle is None
-    command = parse_command(_args(files, "--model", "my_models:build", "--batch", "my_models:batch",
-                                  "--checkpointing-toggle", "my_toggle:toggle", "--activation-checkpointing", "both"))
+    command = parse_command(
+        _args(
+            files,
+            "--model",
+            "my_models:build",
+            "--batch",
+            "my_models:batch",
+            "--checkpointing-toggle",
+            "my_toggle:toggle",
+            "--activation-checkpointing",
+            "both",
+        )
+    )
     assert command.activation_checkpointing == "both"
     import torch
 
     module = torch.nn.Linear(2, 1)
     command.checkpointing_toggle(module, True)
     assert module.recompute is True
-    assert parse_command(_args(files, "--model", "toy-gpt", "--activation-checkpointing", "off")).activation_checkpointing == "off"
+    assert (
+        parse_command(_args(files, "--model", "toy-gpt", "--activation-checkpointing", "off")).activation_checkpointing
+        == "off"
+    )

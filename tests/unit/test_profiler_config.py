@@ -22,7 +22,10 @@ USER_CONFIG = {
 def test_stage_config_sets_the_stage_and_nominal_batches_and_keeps_the_rest() -> None:
     config = stage_ds_config(USER_CONFIG, zero_stage=3, world_size=4)
     assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True}
-    assert config["train_batch_size"] == config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * 4
+    assert (
+        config["train_batch_size"]
+        == config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * 4
+    )
     assert config["bf16"] == {"enabled": True}
     assert config["memory_breakdown"] is False, "it would reset the CUDA peak counters"
     assert "poplar" not in config
@@ -31,7 +34,12 @@ def test_stage_config_sets_the_stage_and_nominal_batches_and_keeps_the_rest() ->
 
 @pytest.mark.parametrize(
     ("config", "dtype"),
-    [({}, "float32"), ({"bf16": {"enabled": True}}, "bfloat16"), ({"fp16": {"enabled": True}}, "float16"), ({"fp16": {"enabled": False}}, "float32")],
+    [
+        ({}, "float32"),
+        ({"bf16": {"enabled": True}}, "bfloat16"),
+        ({"fp16": {"enabled": True}}, "float16"),
+        ({"fp16": {"enabled": False}}, "float32"),
+    ],
 )
 def test_training_dtype(config, dtype) -> None:
     assert training_dtype(config) == dtype
@@ -62,21 +70,32 @@ def test_batches_reach_the_model_as_tensor_tuple_or_dict() -> None:
 def test_automatic_mode_needs_an_optimizer() -> None:
     with pytest.raises(ValueError, match="poplar: profiling the missing profiles needs an optimizer"):
         missing_profiles_measurer(
-            model=torch.nn.Linear(2, 1), training_data=[torch.ones(2)], collate_fn=None, optimizer=None,
-            ds_config={}, profiles_dir="p", micro_batch_size_limit=8,
+            model=torch.nn.Linear(2, 1),
+            training_data=[torch.ones(2)],
+            collate_fn=None,
+            optimizer=None,
+            ds_config={},
+            profiles_dir="p",
+            micro_batch_size_limit=8,
         )
 
 
 def test_automatic_mode_needs_training_samples() -> None:
     with pytest.raises(ValueError, match="training_data: expected at least one sample"):
         missing_profiles_measurer(
-            model=torch.nn.Linear(2, 1), training_data=[], collate_fn=None, optimizer=None,
-            ds_config={"optimizer": {"type": "SGD"}}, profiles_dir="p", micro_batch_size_limit=8,
+            model=torch.nn.Linear(2, 1),
+            training_data=[],
+            collate_fn=None,
+            optimizer=None,
+            ds_config={"optimizer": {"type": "SGD"}},
+            profiles_dir="p",
+            micro_batch_size_limit=8,
         )
 
 
 @pytest.mark.parametrize(
-    "make", [
+    "make",
+    [
         lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.2, betas=(0.8, 0.9)),
         lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
         lambda p: torch.optim.RMSprop(p, lr=0.01, alpha=0.9),

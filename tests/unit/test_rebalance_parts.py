@@ -36,21 +36,30 @@ def _config(rebalance):
 def test_rebalance_is_auto_by_default_and_every_option_is_read():
     assert poplar_config_from_dict({"plan": "p.json"}, base_dir=Path(".")).rebalance == RebalanceConfig()
     assert RebalanceConfig().enabled is None, "auto: on where the profiles are"
-    assert _config({"enabled": "auto"}).rebalance.enabled is None and _config({"enabled": False}).rebalance.enabled is False
-    read = _config({"enabled": True, "check_interval_steps": 5, "threshold": 0.3, "min_gain": 0.1, "sustained_checks": 3})
-    assert read.rebalance == RebalanceConfig(enabled=True, check_interval_steps=5, threshold=0.3, min_gain=0.1,
-                                             sustained_checks=3)
+    assert (
+        _config({"enabled": "auto"}).rebalance.enabled is None
+        and _config({"enabled": False}).rebalance.enabled is False
+    )
+    read = _config(
+        {"enabled": True, "check_interval_steps": 5, "threshold": 0.3, "min_gain": 0.1, "sustained_checks": 3}
+    )
+    assert read.rebalance == RebalanceConfig(
+        enabled=True, check_interval_steps=5, threshold=0.3, min_gain=0.1, sustained_checks=3
+    )
 
 
-@pytest.mark.parametrize("rebalance, message", [
-    ({"enabled": "yes"}, "ds.json: poplar.rebalance.enabled: expected true, false or 'auto'"),
-    ({"check_interval_steps": 0}, "poplar.rebalance.check_interval_steps: expected an integer >= 1"),
-    ({"threshold": -0.1}, "poplar.rebalance.threshold: expected a positive number"),
-    ({"min_gain": -1}, "poplar.rebalance.min_gain: expected a number"),
-    ({"sustained_checks": 0}, "poplar.rebalance.sustained_checks"),
-    ({"interval": 3}, "poplar.rebalance.interval: expected one of the keys"),
-    (True, "poplar.rebalance: expected an object"),
-])
+@pytest.mark.parametrize(
+    "rebalance, message",
+    [
+        ({"enabled": "yes"}, "ds.json: poplar.rebalance.enabled: expected true, false or 'auto'"),
+        ({"check_interval_steps": 0}, "poplar.rebalance.check_interval_steps: expected an integer >= 1"),
+        ({"threshold": -0.1}, "poplar.rebalance.threshold: expected a positive number"),
+        ({"min_gain": -1}, "poplar.rebalance.min_gain: expected a number"),
+        ({"sustained_checks": 0}, "poplar.rebalance.sustained_checks"),
+        ({"interval": 3}, "poplar.rebalance.interval: expected one of the keys"),
+        (True, "poplar.rebalance: expected an object"),
+    ],
+)
 def test_a_bad_rebalance_section_names_the_field(rebalance, message):
     with pytest.raises(FormatError, match=message.replace("(", r"\(")):
         _config(rebalance)
@@ -71,8 +80,16 @@ def test_a_slowdown_schedule_is_read_per_type_and_per_rank_and_written_back():
     emulation = cluster.emulation_of("a")
     assert emulation.slowdown_schedule == ((4, 5.0, 1), (10, 1.0, None)), "sorted by step"
     assert cluster_to_dict(cluster)["device_types"]["a"]["emulation"]["slowdown_schedule"] == [[4, 5.0, 1], [10, 1.0]]
-    assert [scheduled_slowdown(emulation, optimizer_step=s, rank=1) for s in (0, 3, 4, 9, 10)] == [2.0, 2.0, 5.0, 5.0, 1.0]
-    assert [scheduled_slowdown(emulation, optimizer_step=s, rank=0) for s in (4, 10)] == [2.0, 1.0], "rank 1's entry only"
+    assert [scheduled_slowdown(emulation, optimizer_step=s, rank=1) for s in (0, 3, 4, 9, 10)] == [
+        2.0,
+        2.0,
+        5.0,
+        5.0,
+        1.0,
+    ]
+    assert [scheduled_slowdown(emulation, optimizer_step=s, rank=0) for s in (4, 10)] == [2.0, 1.0], (
+        "rank 1's entry only"
+    )
     assert scheduled_slowdown(None, optimizer_step=5, rank=0) == 1.0
 
 
@@ -80,13 +97,16 @@ def test_a_cluster_without_a_schedule_is_written_as_before():
     assert "slowdown_schedule" not in cluster_to_dict(cluster_from_dict(CLUSTER))["device_types"]["a"]["emulation"]
 
 
-@pytest.mark.parametrize("schedule, message", [
-    ([[4, 5.0, 2]], r"slowdown_schedule: expected entries whose rank is one of 'a''s ranks \(0, 1\), found rank 2"),
-    ([[4]], r"slowdown_schedule\[0\]: expected a list of at least 2"),
-    ([4], r"slowdown_schedule\[0\]: expected \[optimizer_step, slowdown\]"),
-    ([[-1, 2.0]], r"slowdown_schedule\[0\]\[0\]: expected an integer >= 0"),
-    ([[1, 0]], r"slowdown_schedule\[0\]\[1\]: expected a positive number"),
-])
+@pytest.mark.parametrize(
+    "schedule, message",
+    [
+        ([[4, 5.0, 2]], r"slowdown_schedule: expected entries whose rank is one of 'a''s ranks \(0, 1\), found rank 2"),
+        ([[4]], r"slowdown_schedule\[0\]: expected a list of at least 2"),
+        ([4], r"slowdown_schedule\[0\]: expected \[optimizer_step, slowdown\]"),
+        ([[-1, 2.0]], r"slowdown_schedule\[0\]\[0\]: expected an integer >= 0"),
+        ([[1, 0]], r"slowdown_schedule\[0\]\[1\]: expected a positive number"),
+    ],
+)
 def test_a_bad_schedule_names_the_entry(schedule, message):
     data = copy.deepcopy(CLUSTER)
     data["device_types"]["a"]["emulation"]["slowdown_schedule"] = schedule
@@ -110,16 +130,22 @@ def test_compute_timer_accumulates_busy_time_at_the_current_slowdown(monkeypatch
 # -- the scaled search ------------------------------------------------------------------
 def _profiles(stage: int = 1):
     return [
-        synthetic_profile("a", zero_stage=stage, max_micro_batch_size=16, overhead_s=0.01, seconds_per_sample=0.01, world_size=3),
-        synthetic_profile("b", zero_stage=stage, max_micro_batch_size=16, overhead_s=0.01, seconds_per_sample=0.02, world_size=3),
+        synthetic_profile(
+            "a", zero_stage=stage, max_micro_batch_size=16, overhead_s=0.01, seconds_per_sample=0.01, world_size=3
+        ),
+        synthetic_profile(
+            "b", zero_stage=stage, max_micro_batch_size=16, overhead_s=0.01, seconds_per_sample=0.02, world_size=3
+        ),
     ]
 
 
 def _cluster() -> Cluster:
-    return Cluster(nodes=(
-        ClusterNode(name="n0", devices=(DeviceGroup(device_type="a", count=2),)),
-        ClusterNode(name="n1", devices=(DeviceGroup(device_type="b", count=1),)),
-    ))
+    return Cluster(
+        nodes=(
+            ClusterNode(name="n0", devices=(DeviceGroup(device_type="a", count=2),)),
+            ClusterNode(name="n1", devices=(DeviceGroup(device_type="b", count=1),)),
+        )
+    )
 
 
 def test_each_drifted_rank_gets_its_own_scaled_type_in_rank_order():
@@ -129,7 +155,8 @@ def test_each_drifted_rank_gets_its_own_scaled_type_in_rank_order():
     scaled = {p.device_type: p for p in profiles}
     original = {p.device_type: p for p in _profiles()}
     assert [s.micro_step_time_s for s in scaled["a@x2.50"].samples] == pytest.approx(
-        [2.5 * s.micro_step_time_s for s in original["a"].samples])
+        [2.5 * s.micro_step_time_s for s in original["a"].samples]
+    )
     assert scaled["a@x2.50"].optimizer_step_time_s == pytest.approx(2.5 * original["a"].optimizer_step_time_s)
     assert derived_type("a", 1.004) == "a", "rounded: noise does not split a type"
 
@@ -158,7 +185,9 @@ def test_replan_without_drift_is_not_better():
 
 # -- rank 0's monitor -------------------------------------------------------------------
 def _monitor(**options) -> tuple[DriftMonitor, object]:
-    config = RebalanceConfig(enabled=True, check_interval_steps=2, threshold=0.3, min_gain=0.05, sustained_checks=2, **options)
+    config = RebalanceConfig(
+        enabled=True, check_interval_steps=2, threshold=0.3, min_gain=0.05, sustained_checks=2, **options
+    )
     monitor = DriftMonitor(config=config, profiles=_profiles(), cluster=_cluster())
     plan = search_plan(_profiles(), _cluster(), global_batch_size=96, zero_stage=1).plan
     return monitor, plan
@@ -170,8 +199,9 @@ def _run_checks(monitor, plan, factors_per_check, *, noise: float = 0.0, seed: i
     for check, factors in enumerate(factors_per_check):
         predicted = monitor.predicted_compute_s(plan)
         # What each rank measures over 2 iterations: its true factor against what the monitor assumes.
-        true_busy = [2 * p * f / s * (1 + rng.uniform(-noise, noise))
-                     for p, f, s in zip(predicted, factors, monitor.rank_scales)]
+        true_busy = [
+            2 * p * f / s * (1 + rng.uniform(-noise, noise)) for p, f, s in zip(predicted, factors, monitor.rank_scales)
+        ]
         decision = monitor.observe(plan, true_busy, [2, 2, 2], step=2 * (check + 1))
         if decision is not None:
             plan = plan_from_dict(decision["plan"])
@@ -221,8 +251,17 @@ class _Plan:
 
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_a_switched_sampler_continues_the_stream_every_position_once(drop_last):
-    samplers = [PlanBatchSampler(num_samples=50, micro_batch_sizes=[2, 3], gradient_accumulation_steps=[3, 2], rank=r,
-                                 seed=1, drop_last=drop_last) for r in range(2)]
+    samplers = [
+        PlanBatchSampler(
+            num_samples=50,
+            micro_batch_sizes=[2, 3],
+            gradient_accumulation_steps=[3, 2],
+            rank=r,
+            seed=1,
+            drop_last=drop_last,
+        )
+        for r in range(2)
+    ]
     iterators = [iter(s) for s in samplers]
     seen = []
     for rank in range(2):  # iteration 0 under the first plan
@@ -235,7 +274,10 @@ def test_a_switched_sampler_continues_the_stream_every_position_once(drop_last):
         for rank in range(2):
             seen += [i for _ in range(2) for i in next(iterators[rank])]
     assert seen == SampleStream(num_samples=50, seed=1).indices(0, 36)
-    assert samplers[0].micro_batches(5) == [list(b) for b in samplers[0].micro_batches(5)] and len(samplers[0].micro_batches(5)[0]) == 4
+    assert (
+        samplers[0].micro_batches(5) == [list(b) for b in samplers[0].micro_batches(5)]
+        and len(samplers[0].micro_batches(5)[0]) == 4
+    )
 
 
 def test_a_switch_cannot_reach_back_into_data_already_handed_out():
@@ -251,8 +293,11 @@ def test_a_switch_cannot_reach_back_into_data_already_handed_out():
 def test_the_token_loader_groups_by_the_count_of_the_iteration_that_begins():
     counts = iter([3, 2])
     groups = []
-    loader = IterationLoader(list(range(5)), micro_batches_per_iteration=lambda: next(counts),
-                             before_iteration=lambda group: groups.append(list(group)))
+    loader = IterationLoader(
+        list(range(5)),
+        micro_batches_per_iteration=lambda: next(counts),
+        before_iteration=lambda group: groups.append(list(group)),
+    )
     assert list(loader) == [0, 1, 2, 3, 4] and groups == [[0, 1, 2], [3, 4]]
 
 

@@ -20,8 +20,11 @@ def _carried(state):
 
 def test_every_per_element_state_and_step_are_carried_and_none_is_skipped():
     state = {
-        "exp_avg": torch.zeros(NUMEL), "exp_avg_sq": torch.ones(NUMEL), "momentum_buffer": torch.zeros(NUMEL),
-        "step": torch.tensor(4.0), "unused": None,
+        "exp_avg": torch.zeros(NUMEL),
+        "exp_avg_sq": torch.ones(NUMEL),
+        "momentum_buffer": torch.zeros(NUMEL),
+        "step": torch.tensor(4.0),
+        "unused": None,
     }
     assert sorted(_carried(state)) == ["exp_avg", "exp_avg_sq", "momentum_buffer", "step"]
     assert _carried({"step": 7}) == {"step": 7}  # an int step stays an int

@@ -9,10 +9,17 @@ from poplar_ext.runtime.checkpoint import resume_decision
 
 def _plan(allocation, *, checkpointing=(False, False)):
     return {
-        "schema_version": 1, "zero_stage": 1, "global_batch_size": sum(b * s for b, s in allocation),
+        "schema_version": 1,
+        "zero_stage": 1,
+        "global_batch_size": sum(b * s for b, s in allocation),
         "ranks": [
-            {"rank": r, "device_type": t, "micro_batch_size": b, "gradient_accumulation_steps": s,
-             "activation_checkpointing": c}
+            {
+                "rank": r,
+                "device_type": t,
+                "micro_batch_size": b,
+                "gradient_accumulation_steps": s,
+                "activation_checkpointing": c,
+            }
             for r, ((b, s), t, c) in enumerate(zip(allocation, ["fast", "slow"], checkpointing))
         ],
     }
@@ -30,8 +37,15 @@ def _saved(started):
         {"start_step": 0, "data_position": 0, "reason": "searched", "plan": started},
         {"start_step": 5, "data_position": 80, "reason": "re-balanced", "plan": switched, "switched": True},
     ]
-    return {"seed": 0, "shuffle": True, "drop_last": False, "consumed_samples": 160, "data_position": 160,
-            "plan": switched, "plan_history": history}
+    return {
+        "seed": 0,
+        "shuffle": True,
+        "drop_last": False,
+        "consumed_samples": 160,
+        "data_position": 160,
+        "plan": switched,
+        "plan_history": history,
+    }
 
 
 def _current(plan):
@@ -42,7 +56,9 @@ def test_a_job_started_from_the_same_plan_continues_under_the_switched_one():
     started = _plan(STARTED, checkpointing=(False, True))
     decision = resume_decision(_saved(started), _current(copy.deepcopy(started)), path="ckpt", step=10)
     assert decision.continue_plan is not None
-    assert [(r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in decision.continue_plan["ranks"]] == SWITCHED
+    assert [
+        (r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in decision.continue_plan["ranks"]
+    ] == SWITCHED
     assert decision.data_position == 160
 
 

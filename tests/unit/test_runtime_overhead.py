@@ -11,7 +11,9 @@ from poplar_bench.runtime_overhead import measure_wrapper_cost, render_markdown,
 
 def _report(raw_blocks, wrapped_blocks):
     cpu = {"raw": [0.02] * 4, "wrapped": [0.0201] * 4}
-    return summarise({"raw": raw_blocks, "wrapped": wrapped_blocks}, cpu, blocks=len(raw_blocks), block_iterations=2, warmup=1)
+    return summarise(
+        {"raw": raw_blocks, "wrapped": wrapped_blocks}, cpu, blocks=len(raw_blocks), block_iterations=2, warmup=1
+    )
 
 
 def test_paired_blocks_cancel_drift():
@@ -31,7 +33,10 @@ def test_goal_not_met():
 
 
 def test_markdown_warns_when_blocks_scatter():
-    report = _report([[0.05, 0.05], [0.05, 0.05], [0.05, 0.05], [0.05, 0.05]], [[0.04, 0.04], [0.05, 0.05], [0.05, 0.05], [0.07, 0.07]])
+    report = _report(
+        [[0.05, 0.05], [0.05, 0.05], [0.05, 0.05], [0.05, 0.05]],
+        [[0.04, 0.04], [0.05, 0.05], [0.05, 0.05], [0.07, 0.07]],
+    )
     assert "cannot resolve 2%" in render_markdown(report)
 
 

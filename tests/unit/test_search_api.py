@@ -51,7 +51,10 @@ def test_plan_is_complete_and_round_trips(profiles, cluster):
 def test_auto_batch_respects_the_maximum_and_says_which(profiles, cluster):
     result = search_plan(profiles, cluster, max_global_batch_size=100)
     assert result.ok and result.plan.global_batch_size <= 100
-    assert f"global batch {result.plan.global_batch_size} (chosen for the highest predicted throughput up to 100)" in result.message
+    assert (
+        f"global batch {result.plan.global_batch_size} (chosen for the highest predicted throughput up to 100)"
+        in result.message
+    )
 
 
 @pytest.mark.parametrize("policy", ["poplar", "uniform", "proportional"])
@@ -69,7 +72,13 @@ def test_poplar_never_predicts_slower_than_the_baselines(profiles, cluster):
 
 def test_model_that_fits_no_stage_on_a_device_is_infeasible_with_reason(cluster):
     profiles = [
-        synthetic_profile(name, zero_stage=stage, max_micro_batch_size=0 if name == "V100" else 8, overhead_s=0.1, seconds_per_sample=0.01)
+        synthetic_profile(
+            name,
+            zero_stage=stage,
+            max_micro_batch_size=0 if name == "V100" else 8,
+            overhead_s=0.1,
+            seconds_per_sample=0.01,
+        )
         for name in ("A100", "V100")
         for stage in (0, 3)
     ]
@@ -86,12 +95,16 @@ def test_unreachable_batch_is_infeasible(profiles, cluster):
 
 
 def test_unknown_device_type_is_bad_input(profiles):
-    with pytest.raises(ValueError, match=r"cluster: expected device types that the profiles cover \(A100, V100\), found 'H100'"):
+    with pytest.raises(
+        ValueError, match=r"cluster: expected device types that the profiles cover \(A100, V100\), found 'H100'"
+    ):
         search_plan(profiles, simple_cluster({"A100": 1, "H100": 1}), global_batch_size=8)
 
 
 def test_profiles_of_two_models_are_bad_input(profiles, cluster):
-    other = dataclasses.replace(profiles[0], model=ModelInfo(name="other", fingerprint="f2", num_parameters=3, dtype="float32"))
+    other = dataclasses.replace(
+        profiles[0], model=ModelInfo(name="other", fingerprint="f2", num_parameters=3, dtype="float32")
+    )
     with pytest.raises(ValueError, match=r"profiles: expected profiles of one model, found 2 models"):
         search_plan(profiles[1:] + [other], cluster)
 
@@ -99,12 +112,25 @@ def test_profiles_of_two_models_are_bad_input(profiles, cluster):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"global_batch_size": 0}, r"global_batch_size: expected None or an integer from 1 to 2147483648 \(the search.s limit\), found 0"),
-        ({"global_batch_size": 2.5}, r"global_batch_size: expected None or an integer from 1 to 2147483648 \(the search.s limit\), found 2.5"),
-        ({"max_global_batch_size": True}, r"max_global_batch_size: expected None or an integer from 1 to 2147483648 \(the search.s limit\), found True"),
+        (
+            {"global_batch_size": 0},
+            r"global_batch_size: expected None or an integer from 1 to 2147483648 \(the search.s limit\), found 0",
+        ),
+        (
+            {"global_batch_size": 2.5},
+            r"global_batch_size: expected None or an integer from 1 to 2147483648 \(the search.s limit\), found 2.5",
+        ),
+        (
+            {"max_global_batch_size": True},
+            r"max_global_batch_size: expected None or an integer from 1 to 2147483648 \(the search.s limit\), found "
+            r"True",
+        ),
         ({"zero_stage": 4}, r"zero_stage: expected 'auto' or one of 0, 1, 2, 3, found 4"),
         ({"policy": "fastest"}, r"policy: expected one of 'uniform', 'proportional', 'poplar', found 'fastest'"),
-        ({"global_batch_size": 50, "max_global_batch_size": 40}, r"global_batch_size: expected at most max_global_batch_size \(40\), found 50"),
+        (
+            {"global_batch_size": 50, "max_global_batch_size": 40},
+            r"global_batch_size: expected at most max_global_batch_size \(40\), found 50",
+        ),
     ],
 )
 def test_bad_arguments(profiles, cluster, kwargs, match):
@@ -128,12 +154,15 @@ def test_check_plan_reports_each_problem_as_a_sentence(profiles, cluster):
         "rank 1 (A100 in the plan, V100 in the cluster), rank 2 (V100 in the plan, A100 in the cluster) and 2 more."
     ]
     ranks = list(plan.ranks)
-    ranks[0] = dataclasses.replace(ranks[0], gradient_accumulation_steps=ranks[0].gradient_accumulation_steps + 1,
-                                   micro_batch_size=500)
+    ranks[0] = dataclasses.replace(
+        ranks[0], gradient_accumulation_steps=ranks[0].gradient_accumulation_steps + 1, micro_batch_size=500
+    )
     bad = dataclasses.replace(plan, ranks=tuple(ranks))
     problems = check_plan(bad, cluster, profiles)
     assert any("ZeRO stage 2 needs the same gradient_accumulation_steps on every rank" in p for p in problems)
-    assert any("micro_batch_size is above the profile's max_micro_batch_size at rank 0 (A100: 500 >" in p for p in problems)
+    assert any(
+        "micro_batch_size is above the profile's max_micro_batch_size at rank 0 (A100: 500 >" in p for p in problems
+    )
     only_a100 = [p for p in profiles if p.device_type == "A100"]
     assert check_plan(plan, cluster, only_a100) == ["No profile at ZeRO stage 2 for V100."]
 

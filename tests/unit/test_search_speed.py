@@ -25,15 +25,23 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "profiles" / "examples"
 
 
 def test_report_has_every_cell_and_goal_and_is_written(tmp_path):
-    report = run_search_speed(rank_counts=(8, 64), type_counts=(1, 2), repeats=1, large_batches=(2**31,),
-                              large_repeats=1, example_dir=EXAMPLES)
+    report = run_search_speed(
+        rank_counts=(8, 64),
+        type_counts=(1, 2),
+        repeats=1,
+        large_batches=(2**31,),
+        large_repeats=1,
+        example_dir=EXAMPLES,
+    )
     assert [(c["ranks"], c["device_types"]) for c in report["cells"]] == [(8, 1), (8, 2), (64, 1), (64, 2)]
     cell = report["cells"][0]
     assert cell["fixed_batch"]["global_batch_size"] == 32 * 8 + 7
     assert len(cell["auto_batch"]["repetitions_s"]) == 1
     large = report["large_batch_cells"]
     assert {(c["problem"], c["zero_stage"], c["global_batch_size"]) for c in large} == {
-        (problem, stage, 2**31) for problem in ("synthetic 4096 ranks x 6 types", "shipped example") for stage in range(4)
+        (problem, stage, 2**31)
+        for problem in ("synthetic 4096 ranks x 6 types", "shipped example")
+        for stage in range(4)
     }
     assert all(c["plan_global_batch_size"] == 2**31 and c["peak_memory_bytes"] > 0 for c in large)
     assert [g["goal"] for g in report["goals"]] == [
@@ -154,8 +162,13 @@ def test_a_few_ranks_with_a_large_batch_cannot_split_any_earlier(seed):
     # splits once some rank leaves its best micro-batch, far above the capacity bound.
     rng = np.random.default_rng(6000 + seed)
     profiles = {
-        name: synthetic_profile(name, zero_stage=seed % 2, max_micro_batch_size=cap,
-                                overhead_s=float(rng.uniform(0.005, 0.05)), seconds_per_sample=float(rng.uniform(0.001, 0.02)))
+        name: synthetic_profile(
+            name,
+            zero_stage=seed % 2,
+            max_micro_batch_size=cap,
+            overhead_s=float(rng.uniform(0.005, 0.05)),
+            seconds_per_sample=float(rng.uniform(0.001, 0.02)),
+        )
         for name, cap in (("a", 6 * int(rng.integers(1, 8))), ("b", 6 * int(rng.integers(1, 8))))
     }
     ranks = ["a"] * int(rng.integers(1, 4)) + ["b"] * int(rng.integers(1, 4))

@@ -17,7 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_test_command_collects_unit_dist_and_gpu_tests():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     files = {line.split("::")[0] for line in result.stdout.splitlines() if "::" in line}

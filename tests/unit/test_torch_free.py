@@ -42,6 +42,8 @@ def test_search_imports_and_runs_without_torch_or_deepspeed():
 def test_the_blocker_really_blocks():
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT.split("import poplar_search")[0] + "import torch"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0 and "torch is blocked in this test" in proc.stderr

@@ -20,23 +20,33 @@ from poplar_search.formats import plan_from_dict  # noqa: E402
 
 
 def _plan(allocation: list[tuple[int, int]], stage: int = 1):
-    return plan_from_dict({
-        "schema_version": 1, "policy": "poplar", "zero_stage": stage,
-        "global_batch_size": sum(b * s for b, s in allocation),
-        "ranks": [{"rank": r, "device_type": "cpu", "micro_batch_size": b, "gradient_accumulation_steps": s}
-                  for r, (b, s) in enumerate(allocation)],
-        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
-        "profile_fingerprints": {},
-    }, source="test")
+    return plan_from_dict(
+        {
+            "schema_version": 1,
+            "policy": "poplar",
+            "zero_stage": stage,
+            "global_batch_size": sum(b * s for b, s in allocation),
+            "ranks": [
+                {"rank": r, "device_type": "cpu", "micro_batch_size": b, "gradient_accumulation_steps": s}
+                for r, (b, s) in enumerate(allocation)
+            ],
+            "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+            "profile_fingerprints": {},
+        },
+        source="test",
+    )
 
 
 def _trainer(plan, output_dir: Path) -> SimpleNamespace:
     """What `_check_resume` reads of a PoplarTrainer."""
     config = poplar_config_from_dict({"plan": "p.json"}, base_dir=Path("."))
     trainer = SimpleNamespace(
-        args=SimpleNamespace(output_dir=str(output_dir)), plan=plan, _train_sampler=None,
+        args=SimpleNamespace(output_dir=str(output_dir)),
+        plan=plan,
+        _train_sampler=None,
         job=SimpleNamespace(rank=0, poplar_config=config, plan_reason="the plan file p.json"),
-        state=SimpleNamespace(global_step=0), _reshard_on_resume=False,
+        state=SimpleNamespace(global_step=0),
+        _reshard_on_resume=False,
     )
     trainer._plan_history = [history_entry(plan, start_step=0, data_position=0, reason="the plan file p.json")]
     trainer._poplar_state = lambda: PoplarTrainer._poplar_state(trainer)

@@ -43,7 +43,9 @@ def test_deepspeed_rule_gives_the_global_mean_gradient(reduction):
         for _ in range(s):
             losses = per_sample_loss(x[start : start + b])
             loss = losses.mean() if reduction == "mean" else losses.sum()
-            weight_loss(loss, world_size=world_size, micro_batch_size=b, global_batch_size=global_batch, reduction=reduction).backward()
+            weight_loss(
+                loss, world_size=world_size, micro_batch_size=b, global_batch_size=global_batch, reduction=reduction
+            ).backward()
             start += b
     assert torch.allclose(w.grad / world_size, expected, atol=1e-6)
 

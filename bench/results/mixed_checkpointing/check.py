@@ -28,8 +28,13 @@ def _train(stage: int, checkpointing_ranks: list[int]) -> dict:
     rank = torch.distributed.get_rank()
     model = t.GPT(t.TINY)
     set_activation_checkpointing(model, rank in checkpointing_ranks)
-    config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
-              "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
+    config = {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
     data = t.dataset()
     for step in range(3):
@@ -43,8 +48,9 @@ if __name__ == "__main__":
     for stage in (2, 3):
         for checkpointing in ([], [1], [0, 1]):
             try:
-                results = run_ranks(_train, world_size=2, tmp_path=tempfile.mkdtemp(), args=(stage, checkpointing),
-                                    timeout_s=120)
+                results = run_ranks(
+                    _train, world_size=2, tmp_path=tempfile.mkdtemp(), args=(stage, checkpointing), timeout_s=120
+                )
                 total = float(sum(v.float().sum() for v in results[0]["params"].values()))
                 print(f"stage {stage}, checkpointing on ranks {checkpointing}: ok, parameter sum {total:.6f}")
             except RankFailure as failure:

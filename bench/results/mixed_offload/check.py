@@ -30,9 +30,14 @@ def _train(stage: int, offload_ranks: list[int]) -> dict:
     zero = {"stage": stage}
     if rank in offload_ranks:
         zero["offload_optimizer"] = {"device": "cpu"}
-    config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1, "zero_optimization": zero,
-              "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
-              "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**6}
+    config = {
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**6,
+    }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     data = t.dataset()
     for step in range(3):
@@ -50,17 +55,20 @@ if __name__ == "__main__":
         reference = None
         for offload in ([], [1], [0, 1]):
             try:
-                results = run_ranks(_train, world_size=2, tmp_path=tempfile.mkdtemp(), args=(stage, offload),
-                                    timeout_s=300)
+                results = run_ranks(
+                    _train, world_size=2, tmp_path=tempfile.mkdtemp(), args=(stage, offload), timeout_s=300
+                )
                 params = results[0]["params"]
                 offloading = [r["offloading"] for r in results]
                 assert offloading == [rank in offload for rank in range(2)], offloading
                 assert results[0]["moved"] > 1e-3, "the parameters did not train"
                 reference = reference or params
                 across = t.max_difference(results[0]["params"], results[1]["params"])
-                print(f"stage {stage}, offload on ranks {offload} (the optimizers say cpu_offload {offloading}): ok, "
-                      f"parameters moved up to {results[0]['moved']:.3g}, max |difference| from no offload "
-                      f"{t.max_difference(params, reference):.3g}, between the ranks {across:.3g}")
+                print(
+                    f"stage {stage}, offload on ranks {offload} (the optimizers say cpu_offload {offloading}): ok, "
+                    f"parameters moved up to {results[0]['moved']:.3g}, max |difference| from no offload "
+                    f"{t.max_difference(params, reference):.3g}, between the ranks {across:.3g}"
+                )
             except RankFailure as failure:
                 last = [line for line in str(failure).splitlines() if "File " in line or "Error" in line][-4:]
                 print(f"stage {stage}, offload on ranks {offload}: FAILED", *last, sep="\n  ")

@@ -12,8 +12,20 @@ one process training the whole global batch (mean loss).
 
 import argparse
 
-from common import (BASE_SEED, build_engine, ds_config, gathered_params, init, layer_specs, max_diff_against,
-                    micro_batches, mse, print_by_rank, reference_params, shut_down)
+from common import (
+    BASE_SEED,
+    build_engine,
+    ds_config,
+    gathered_params,
+    init,
+    layer_specs,
+    max_diff_against,
+    micro_batches,
+    mse,
+    print_by_rank,
+    reference_params,
+    shut_down,
+)
 from deepspeed.pipe import PipelineModule
 
 STEPS, MICRO, GAS, STAGES = 3, 2, 3, 2
@@ -25,14 +37,22 @@ args = parser.parse_args()
 
 rank, world = init()
 dp = world // STAGES
-module = PipelineModule(layer_specs(), num_stages=STAGES, loss_fn=mse, partition_method=args.partition,
-                        seed_layers=True, base_seed=BASE_SEED)
+module = PipelineModule(
+    layer_specs(),
+    num_stages=STAGES,
+    loss_fn=mse,
+    partition_method=args.partition,
+    seed_layers=True,
+    base_seed=BASE_SEED,
+)
 engine = build_engine(module, ds_config(MICRO, GAS, dp))
 grid = engine.grid
 global_size = MICRO * GAS * dp
-print_by_rank(f"rank {rank}: stage {grid.get_stage_id()} pipeline {grid.get_data_parallel_id()} "
-      f"layers [{module._local_start}, {module._local_stop}) parts {module.parts} "
-      f"dp group {grid.get_data_parallel_group_ranks()} pipe group {grid.pp_group}")
+print_by_rank(
+    f"rank {rank}: stage {grid.get_stage_id()} pipeline {grid.get_data_parallel_id()} "
+    f"layers [{module._local_start}, {module._local_stop}) parts {module.parts} "
+    f"dp group {grid.get_data_parallel_group_ranks()} pipe group {grid.pp_group}"
+)
 
 for step in range(STEPS):
     data = micro_batches(step, global_size, grid.get_data_parallel_id() * MICRO * GAS, MICRO, GAS)
@@ -42,6 +62,9 @@ for step in range(STEPS):
 
 worst, missing = max_diff_against(reference_params(STEPS, global_size), gathered_params(module))
 if rank == 0:
-    print(f"RESULT baseline 2 stages x {dp} pipelines, ZeRO-0: max |param - single process| = {worst:.3e}; "
-          f"layers missing: {missing or 'none'}", flush=True)
+    print(
+        f"RESULT baseline 2 stages x {dp} pipelines, ZeRO-0: max |param - single process| = {worst:.3e}; "
+        f"layers missing: {missing or 'none'}",
+        flush=True,
+    )
 shut_down()

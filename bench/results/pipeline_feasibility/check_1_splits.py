@@ -17,8 +17,21 @@ Each prints where every layer lives and the max |param - single process on the g
 
 import argparse
 
-from common import (BASE_SEED, ExplicitSplitModule, build_engine, ds_config, gathered_params, init, layer_specs,
-                    max_diff_against, print_by_rank, micro_batches, reference_params, shut_down, weighted_mse)
+from common import (
+    BASE_SEED,
+    ExplicitSplitModule,
+    build_engine,
+    ds_config,
+    gathered_params,
+    init,
+    layer_specs,
+    max_diff_against,
+    micro_batches,
+    print_by_rank,
+    reference_params,
+    shut_down,
+    weighted_mse,
+)
 from hetero import build_plan_engine
 
 STEPS = 3
@@ -44,19 +57,25 @@ if mode in ("uneven-plan", "hetero"):
     engine, data = build_plan_engine(plan)  # hetero.py: loss weight gas * micro / B, segment sum
     weight = gas * micro / global_size
     if rank == 0:
-        print("segment groups (owner ranks -> layers):",
-              [(owners, layers) for owners, _, layers in engine.segment_reducer.segments], flush=True)
+        print(
+            "segment groups (owner ranks -> layers):",
+            [(owners, layers) for owners, _, layers in engine.segment_reducer.segments],
+            flush=True,
+        )
 else:  # stock: DeepSpeed averages over the dp pipelines, so the weight is dp * gas * micro / B (= 1 here)
     weight = len(plan) * gas * micro / global_size
-    module = ExplicitSplitModule(layer_specs(), parts, num_stages=len(ranks), loss_fn=weighted_mse(weight),
-                                 seed_layers=True, base_seed=BASE_SEED)
+    module = ExplicitSplitModule(
+        layer_specs(), parts, num_stages=len(ranks), loss_fn=weighted_mse(weight), seed_layers=True, base_seed=BASE_SEED
+    )
     engine = build_engine(module, ds_config(micro, gas, dp=len(plan)))
     data = lambda step: iter(micro_batches(step, global_size, index * micro * gas, micro, gas))  # noqa: E731
 module, grid = engine.module, engine.grid
-print_by_rank(f"rank {rank}: pipeline {index} stage {grid.get_stage_id()}/{grid.get_pipe_parallel_world_size()} "
-              f"layers [{module._local_start}, {module._local_stop}) "
-              f"params {sorted(n for n, _ in module.named_parameters())} "
-              f"DeepSpeed dp group {grid.get_data_parallel_group_ranks()} micro {micro} x {gas} weight {weight:.4f}")
+print_by_rank(
+    f"rank {rank}: pipeline {index} stage {grid.get_stage_id()}/{grid.get_pipe_parallel_world_size()} "
+    f"layers [{module._local_start}, {module._local_stop}) "
+    f"params {sorted(n for n, _ in module.named_parameters())} "
+    f"DeepSpeed dp group {grid.get_data_parallel_group_ranks()} micro {micro} x {gas} weight {weight:.4f}"
+)
 
 for step in range(STEPS):
     engine.train_batch(data(step))

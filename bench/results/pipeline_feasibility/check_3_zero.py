@@ -22,9 +22,11 @@ try:
     engine = run("share", zero)
     partition = engine.optimizer.single_partition_of_fp32_groups[0]
     stage_params = sum(p.numel() for p in engine.module.parameters())
-    print_by_rank(f"rank {dist.get_rank()}: {type(engine.optimizer).__name__} over dp group "
-                  f"{engine.grid.get_data_parallel_group_ranks()}: fp32 partition {partition.numel()} "
-                  f"of the stage's {stage_params} parameters")
+    print_by_rank(
+        f"rank {dist.get_rank()}: {type(engine.optimizer).__name__} over dp group "
+        f"{engine.grid.get_data_parallel_group_ranks()}: fp32 partition {partition.numel()} "
+        f"of the stage's {stage_params} parameters"
+    )
 except AssertionError as error:
     if "incompatible with pipeline" not in str(error):
         raise

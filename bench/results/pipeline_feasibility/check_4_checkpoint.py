@@ -16,8 +16,21 @@ import argparse
 import os
 import shutil
 
-from common import (BASE_SEED, ExplicitSplitModule, build_engine, ds_config, gathered_params, init, layer_specs,
-                    max_diff_against, micro_batches, print_by_rank, reference_params, shut_down, weighted_mse)
+from common import (
+    BASE_SEED,
+    ExplicitSplitModule,
+    build_engine,
+    ds_config,
+    gathered_params,
+    init,
+    layer_specs,
+    max_diff_against,
+    micro_batches,
+    print_by_rank,
+    reference_params,
+    shut_down,
+    weighted_mse,
+)
 from deepspeed import comm as dist
 
 MICRO, GLOBAL = 2, 12
@@ -39,17 +52,22 @@ def engine_for(parts, seed):
     stages = len(parts) - 1
     dp = world // stages
     gas = GLOBAL // (MICRO * dp)
-    module = ExplicitSplitModule(layer_specs(), parts, num_stages=stages, loss_fn=weighted_mse(1.0),
-                                 seed_layers=True, base_seed=seed)
+    module = ExplicitSplitModule(
+        layer_specs(), parts, num_stages=stages, loss_fn=weighted_mse(1.0), seed_layers=True, base_seed=seed
+    )
     engine = build_engine(module, ds_config(MICRO, gas, dp))
-    return engine, (lambda step: iter(micro_batches(step, GLOBAL, engine.grid.get_data_parallel_id() * MICRO * gas,
-                                                    MICRO, gas)))
+    return engine, (
+        lambda step: iter(micro_batches(step, GLOBAL, engine.grid.get_data_parallel_id() * MICRO * gas, MICRO, gas))
+    )
 
 
 def momentum(engine):
     """SGD's momentum buffers by global parameter name."""
-    return {name: engine.optimizer.state[p]["momentum_buffer"].clone()
-            for name, p in engine.module.named_parameters() if "momentum_buffer" in engine.optimizer.state[p]}
+    return {
+        name: engine.optimizer.state[p]["momentum_buffer"].clone()
+        for name, p in engine.module.named_parameters()
+        if "momentum_buffer" in engine.optimizer.state[p]
+    }
 
 
 def merged(per_rank):
@@ -77,12 +95,16 @@ try:
     loader.load_checkpoint(ckpt_dir, tag="step2", load_module_only=args.module_only)
     loaded = momentum(loader)
     worst = max([(v - saved_momentum[n]).abs().max().item() for n, v in loaded.items()] or [0])
-    outcome = (f"loaded; momentum of {len(loaded)} parameters, max |momentum - saved momentum of the same "
-               f"parameter| = {worst:.3e}")
+    outcome = (
+        f"loaded; momentum of {len(loaded)} parameters, max |momentum - saved momentum of the same "
+        f"parameter| = {worst:.3e}"
+    )
 except Exception as error:  # reported, not hidden: this is what the check measures
     outcome = f"raised {type(error).__name__}: {str(error).splitlines()[0][:200]}"
-print_by_rank(f"rank {rank}: stage {loader.grid.get_stage_id()} layers [{loader.module._local_start}, "
-              f"{loader.module._local_stop}) load_checkpoint {outcome}")
+print_by_rank(
+    f"rank {rank}: stage {loader.grid.get_stage_id()} layers [{loader.module._local_start}, "
+    f"{loader.module._local_stop}) load_checkpoint {outcome}"
+)
 outcomes = [None] * world
 dist.all_gather_object(outcomes, outcome)
 if any(o.startswith("raised") for o in outcomes):
@@ -91,7 +113,10 @@ loaded_diff, missing = max_diff_against(saved, gathered_params(loader.module))
 loader.train_batch(data(2))
 after_diff, _ = max_diff_against(reference_params(3, GLOBAL), gathered_params(loader.module))
 if rank == 0:
-    print(f"RESULT load with parts {load_parts} ({'module only' if args.module_only else 'module + optimizer'}): "
-          f"max |loaded - saved| = {loaded_diff:.3e} (layers missing: {missing or 'none'}); after a 3rd step "
-          f"max |param - single process, 3 steps| = {after_diff:.3e}", flush=True)
+    print(
+        f"RESULT load with parts {load_parts} ({'module only' if args.module_only else 'module + optimizer'}): "
+        f"max |loaded - saved| = {loaded_diff:.3e} (layers missing: {missing or 'none'}); after a 3rd step "
+        f"max |param - single process, 3 steps| = {after_diff:.3e}",
+        flush=True,
+    )
 shut_down()

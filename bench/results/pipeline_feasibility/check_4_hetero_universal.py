@@ -45,26 +45,46 @@ dist.barrier()
 if rank == 0:
     for p in range(len(PLAN_A)):
         print(f"pipeline {p} saved:", sorted(os.listdir(f"{root}/pipeline_{p}/step2")), flush=True)
-    convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                              f"{root}/pipeline_0/step2", "--output_folder", f"{root}/universal/step2",
-                              "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
-                             capture_output=True, text=True)
+    convert = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            f"{root}/pipeline_0/step2",
+            "--output_folder",
+            f"{root}/universal/step2",
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+            "--inject_missing_state",
+        ],
+        capture_output=True,
+        text=True,
+    )
     print(f"ds_to_universal exit status {convert.returncode}", flush=True)
 dist.barrier()
 reference = reference_params(3, GLOBAL, optimizer="adam")
 saver.train_batch(data(2))  # control: plan A's own third step
 control_diff, _ = max_diff_against(reference, gathered_params(saver.module))
 
-loader, data = build_plan_engine(PLAN_B, zero_stage=1, optimizer="adam", base_seed=99,
-                                 config_extra={"checkpoint": {"load_universal": True}})
+loader, data = build_plan_engine(
+    PLAN_B, zero_stage=1, optimizer="adam", base_seed=99, config_extra={"checkpoint": {"load_universal": True}}
+)
 loader.load_checkpoint(f"{root}/universal", tag="step2")
-print_by_rank(f"rank {rank}: plan B stage {loader.grid.get_stage_id()}/{loader.grid.get_pipe_parallel_world_size()} "
-              f"layers [{loader.module._local_start}, {loader.module._local_stop}) loaded")
+print_by_rank(
+    f"rank {rank}: plan B stage {loader.grid.get_stage_id()}/{loader.grid.get_pipe_parallel_world_size()} "
+    f"layers [{loader.module._local_start}, {loader.module._local_stop}) loaded"
+)
 loaded_diff, missing = max_diff_against(saved, gathered_params(loader.module))
 loader.train_batch(data(2))
 after_diff, _ = max_diff_against(reference, gathered_params(loader.module))
 if rank == 0:
-    print(f"RESULT plan A -> universal -> plan B: max |loaded - saved| = {loaded_diff:.3e} (layers missing: "
-          f"{missing or 'none'}); after a 3rd step max |param - single process, 3 Adam steps| = {after_diff:.3e} "
-          f"(control, plan A's own 3rd step: {control_diff:.3e})", flush=True)
+    print(
+        f"RESULT plan A -> universal -> plan B: max |loaded - saved| = {loaded_diff:.3e} (layers missing: "
+        f"{missing or 'none'}); after a 3rd step max |param - single process, 3 Adam steps| = {after_diff:.3e} "
+        f"(control, plan A's own 3rd step: {control_diff:.3e})",
+        flush=True,
+    )
 shut_down()

@@ -11,13 +11,27 @@ hetero  the adaptation with pipelines [0, 1, 2] parts [0, 1, 3, 6] micro 2 x 4 a
 
 import argparse
 
-from common import (BASE_SEED, ExplicitSplitModule, build_engine, ds_config, gathered_params, init, layer_specs,
-                    max_diff_against, micro_batches, reference_params, shut_down, weighted_mse)
+from common import (
+    BASE_SEED,
+    ExplicitSplitModule,
+    build_engine,
+    ds_config,
+    gathered_params,
+    init,
+    layer_specs,
+    max_diff_against,
+    micro_batches,
+    reference_params,
+    shut_down,
+    weighted_mse,
+)
 from hetero import build_plan_engine
 
 STEPS, CLIP = 3, 0.05
-PLANS = {"plan": [([0, 2], [0, 3, 6], 2, 3), ([1, 3], [0, 3, 6], 2, 3)],
-         "hetero": [([0, 1, 2], [0, 1, 3, 6], 2, 4), ([3], [0, 6], 3, 2)]}
+PLANS = {
+    "plan": [([0, 2], [0, 3, 6], 2, 3), ([1, 3], [0, 3, 6], 2, 3)],
+    "hetero": [([0, 1, 2], [0, 1, 3, 6], 2, 4), ([3], [0, 6], 3, 2)],
+}
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=0)
@@ -28,8 +42,9 @@ args = parser.parse_args()
 rank, world = init()
 if args.layout == "stock":
     global_size = 12
-    module = ExplicitSplitModule(layer_specs(), [0, 3, 6], num_stages=2, loss_fn=weighted_mse(1.0),
-                                 seed_layers=True, base_seed=BASE_SEED)
+    module = ExplicitSplitModule(
+        layer_specs(), [0, 3, 6], num_stages=2, loss_fn=weighted_mse(1.0), seed_layers=True, base_seed=BASE_SEED
+    )
     engine = build_engine(module, ds_config(2, 3, 2, args.zero, clip=CLIP))
     data = lambda step: iter(micro_batches(step, global_size, rank % 2 * 6, 2, 3))  # noqa: E731
 else:
@@ -42,7 +57,10 @@ everyone = gathered_params(engine.module)
 clipped, _ = max_diff_against(reference_params(STEPS, global_size, clip=CLIP), everyone)
 unclipped, _ = max_diff_against(reference_params(STEPS, global_size), everyone)
 if rank == 0:
-    print(f"RESULT {args.layout} ZeRO-{args.zero}, gradient_clipping {CLIP}: "
-          f"max |param - single process clipped at {CLIP}| = {clipped:.3e}, "
-          f"max |param - single process unclipped| = {unclipped:.3e}", flush=True)
+    print(
+        f"RESULT {args.layout} ZeRO-{args.zero}, gradient_clipping {CLIP}: "
+        f"max |param - single process clipped at {CLIP}| = {clipped:.3e}, "
+        f"max |param - single process unclipped| = {unclipped:.3e}",
+        flush=True,
+    )
 shut_down()

@@ -13,10 +13,9 @@ import glob
 import os
 import sys
 
+import deepspeed
 import torch
 import torch.nn as nn
-
-import deepspeed
 from deepspeed import comm as dist
 from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime import utils as ds_utils
@@ -62,8 +61,10 @@ def global_batch(step, size):
 def micro_batches(step, global_size, start, micro, count):
     """`count` micro-batches of `micro` samples taken from the global batch at `start`."""
     x, y = global_batch(step, global_size)
-    return [(x[start + i * micro:start + (i + 1) * micro], y[start + i * micro:start + (i + 1) * micro])
-            for i in range(count)]
+    return [
+        (x[start + i * micro : start + (i + 1) * micro], y[start + i * micro : start + (i + 1) * micro])
+        for i in range(count)
+    ]
 
 
 def reference_params(steps, global_size, optimizer="sgd", clip=0.0):
@@ -110,9 +111,19 @@ def build_engine(module, config, engine_cls=None, optimizer="sgd"):
     if engine_cls is None:
         engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         return engine
-    return engine_cls(args=None, model=module, optimizer=optimizer, model_parameters=None, training_data=None,
-                      lr_scheduler=None, mpu=module.mpu(), dist_init_required=False, collate_fn=None,
-                      config=config, config_class=deepspeed.DeepSpeedConfig(config, module.mpu()))
+    return engine_cls(
+        args=None,
+        model=module,
+        optimizer=optimizer,
+        model_parameters=None,
+        training_data=None,
+        lr_scheduler=None,
+        mpu=module.mpu(),
+        dist_init_required=False,
+        collate_fn=None,
+        config=config,
+        config_class=deepspeed.DeepSpeedConfig(config, module.mpu()),
+    )
 
 
 def print_by_rank(line):

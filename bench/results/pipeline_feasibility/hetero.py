@@ -30,14 +30,12 @@ from __future__ import annotations
 from unittest import mock
 
 import torch
+from common import BASE_SEED, ExplicitSplitModule, build_engine, ds_config, layer_specs, micro_batches, weighted_mse
 from deepspeed import comm as dist
-from deepspeed.runtime.pipe import module as ds_pipe_module
 from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+from deepspeed.runtime.pipe import module as ds_pipe_module
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
-
-from common import (BASE_SEED, ExplicitSplitModule, build_engine, ds_config, layer_specs, micro_batches,
-                    weighted_mse)
 
 
 class PlanGrid(PipelineParallelGrid):
@@ -112,7 +110,7 @@ class SegmentReducer:
             dist.all_reduce(flat, group=group)
             offset = 0
             for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
 
 
@@ -150,8 +148,14 @@ def build_plan_engine(plan, *, zero_stage=0, optimizer="sgd", base_seed=BASE_SEE
     _, parts, micro, gas = plan[index]
     global_size = sum(m * g for _, _, m, g in plan)
     start = sum(m * g for _, _, m, g in plan[:index])
-    module = PlanPipelineModule(layer_specs(), parts, PlanGrid([r for r, *_ in plan]),
-                                loss_fn=weighted_mse(gas * micro / global_size), seed_layers=True, base_seed=base_seed)
+    module = PlanPipelineModule(
+        layer_specs(),
+        parts,
+        PlanGrid([r for r, *_ in plan]),
+        loss_fn=weighted_mse(gas * micro / global_size),
+        seed_layers=True,
+        base_seed=base_seed,
+    )
     reducer = SegmentReducer([r for r, *_ in plan], [p for _, p, *_ in plan])
     config = {**ds_config(micro, gas, dp=1, zero_stage=zero_stage), **(config_extra or {})}
     engine = build_engine(module, config, SegmentReducePipelineEngine, optimizer=optimizer)
