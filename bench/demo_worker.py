@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from poplar_ext.models.synthetic import random_tokens
 from poplar_search.errors import FormatError
 from poplar_search.formats import (
     POLICIES,
@@ -265,10 +266,8 @@ def _make_model(settings: DemoSettings) -> torch.nn.Module:
 
 def _batch(settings: DemoSettings, micro_batch_size: int) -> torch.Tensor:
     """Random tokens: the content does not change the time of a step."""
-    generator = torch.Generator().manual_seed(settings.seed * 7919 + micro_batch_size)
-    return torch.randint(
-        0, settings.model.vocab_size, (micro_batch_size, settings.model.sequence_length + 1), generator=generator
-    )
+    shape = (micro_batch_size, settings.model.sequence_length + 1)
+    return random_tokens(settings.model.vocab_size, shape, seed=settings.seed * 7919 + micro_batch_size)
 
 
 def _cached_fingerprints(cache_dir: Path) -> set[str]:

@@ -209,10 +209,10 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
     if rebalancer is not None:
         original = rebalancer.after_step
 
-        def timed_after_step(engine_: Any) -> None:
+        def timed_after_step(*args: Any) -> Any:
             start = time.perf_counter()
             try:
-                original(engine_)
+                return original(*args)
             finally:
                 hook_s[0] += time.perf_counter() - start
 

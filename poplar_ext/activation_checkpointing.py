@@ -2,7 +2,8 @@
 
 Three kinds of model can do both, and need nothing from the user:
 
-* the built-in GPT (`poplar_ext.models.toy_gpt.GPT.activation_checkpointing`);
+* a model whose class declares a boolean ``activation_checkpointing`` attribute that its
+  forward reads, such as the built-in GPT (`poplar_ext.models.toy_gpt.GPT`): it is set;
 * Hugging Face models whose ``supports_gradient_checkpointing`` is true, through
   their ``gradient_checkpointing_enable`` / ``gradient_checkpointing_disable``
   (non-reentrant, which needs no input that requires grad);
@@ -29,8 +30,13 @@ CheckpointingToggle = Callable[[torch.nn.Module, bool], None]
 """``toggle(model, enabled)``: turn activation checkpointing on or off in `model`, in place."""
 
 
-def _toy_gpt_toggle(model: torch.nn.Module, enabled: bool) -> None:
+def _attribute_toggle(model: torch.nn.Module, enabled: bool) -> None:
     model.activation_checkpointing = enabled
+
+
+def _declares_the_attribute(model: torch.nn.Module) -> bool:
+    # Declared on the class (not merely set on one object): the forward is written to read it.
+    return isinstance(getattr(type(model), "activation_checkpointing", None), bool)
 
 
 def _hugging_face_toggle(model: torch.nn.Module, enabled: bool) -> None:
@@ -50,10 +56,8 @@ def checkpointing_toggle(
                 f"checkpointing_toggle: expected a callable toggle(model, enabled), found {type(toggle).__name__}"
             )
         return toggle
-    from poplar_ext.models.toy_gpt import GPT
-
-    if isinstance(model, GPT):
-        return _toy_gpt_toggle
+    if _declares_the_attribute(model):
+        return _attribute_toggle
     if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
         return _hugging_face_toggle
     return None

@@ -13,9 +13,9 @@ skips) can be read in one place:
 * `barrier`: every rank waits for the others (before a timed block).
 
 `ensure_process_group` sets the group up through DeepSpeed (its launcher, torchrun
-or mpirun) and selects this rank's device before any of these runs; it also makes
-sure the group is destroyed before the interpreter shuts down
-(`destroy_process_group_at_exit`).
+or mpirun) and makes sure it is destroyed before the interpreter shuts down
+(`destroy_process_group_at_exit`); `poplar_ext.hardware.devices.join_job` also selects
+this rank's device, before any of these runs.
 
 With one rank, or no process group (one process), each is the identity.
 """
@@ -66,24 +66,22 @@ def destroy_process_group_at_exit() -> None:
     atexit.register(_destroy_process_group_if_up)
 
 
-def ensure_process_group(**init_options: Any) -> Any:
-    """Set up the process group (``deepspeed.init_distributed``, unless it exists) and select this
-    rank's device; returns the device (``torch.device``). Call before any collective.
-    `init_options` go to ``deepspeed.init_distributed`` (e.g. ``distributed_port``).
+def ensure_process_group(**init_options: Any) -> None:
+    """Set up the process group (``deepspeed.init_distributed``, unless it exists), destroyed again
+    at exit. `init_options` go to ``deepspeed.init_distributed`` (e.g. ``distributed_port``).
+    Select this rank's device next (`poplar_ext.hardware.devices.join_job` does both), before
+    any collective.
 
     DeepSpeed's setup also discovers rank and world size under ``mpirun`` (its MPI
     mode), so read them afterwards (`process_group_rank`), not from the environment.
     """
     import torch.distributed as dist
 
-    from poplar_ext.hardware.devices import select_job_device
-
     if not dist.is_initialized():
         import deepspeed
 
         deepspeed.init_distributed(**init_options)
     destroy_process_group_at_exit()
-    return select_job_device()
 
 
 def broadcast_from_rank0(obj: Any) -> Any:

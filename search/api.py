@@ -27,6 +27,7 @@ from .formats import (
     Profile,
     RankPlan,
     levers_text,
+    one_accumulation_count,
 )
 from .network import NetworkProfile
 from .policies import PolicyResult, allocate, best_global_batch
@@ -550,7 +551,7 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
     ]
     if wrong:
         problems.append(f"Device types differ from the cluster's at {_some(wrong)}.")
-    if plan.zero_stage >= 2:
+    if one_accumulation_count(plan.zero_stage):
         counts = sorted({r.gradient_accumulation_steps for r in plan.ranks})
         if len(counts) > 1:
             problems.append(

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .curves import fit_curve
-from .formats import MIN_TIME_S, Profile
+from .formats import MIN_TIME_S, Profile, one_accumulation_count
 from .network import NetworkProfile
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -194,7 +194,7 @@ class StageModel:
     @property
     def synchronised_micro_steps(self) -> bool:
         """True for stages 2 and 3: every rank must run the same accumulation count."""
-        return self.zero_stage >= 2
+        return one_accumulation_count(self.zero_stage)
 
     @property
     def boundary_s(self) -> float:

@@ -28,6 +28,19 @@ CLUSTER_SCHEMA_VERSION = 1
 PLAN_SCHEMA_VERSION = 1
 ZERO_STAGES = (0, 1, 2, 3)
 POLICIES = ("uniform", "proportional", "poplar")
+
+
+def one_accumulation_count(zero_stage: int) -> bool:
+    """Whether every rank must run the same number of micro-steps per iteration at `zero_stage`.
+
+    DeepSpeed reduces gradients on every micro-step at ZeRO stages 2 and 3 (and gathers
+    parameters in every forward at 3): a rank with more micro-steps would wait in a
+    collective no other rank enters. Stages 0 and 1 communicate at the boundary only,
+    so their ranks may differ in accumulation count.
+    """
+    return zero_stage >= 2
+
+
 PROFILE_SOURCES = ("measured", "modelled")
 DTYPES = ("float32", "bfloat16", "float16")
 

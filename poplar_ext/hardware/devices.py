@@ -175,6 +175,15 @@ def cuda_device_index(local_rank: int, device_count: int) -> int:
     return local_rank % device_count
 
 
+def join_job(**init_options: object) -> torch.device:
+    """This rank in the job: the process group set up (`poplar_ext.collectives.ensure_process_group`,
+    `init_options` for ``deepspeed.init_distributed``) and its device selected; returns the device."""
+    from poplar_ext.collectives import ensure_process_group
+
+    ensure_process_group(**init_options)
+    return select_job_device()
+
+
 def select_job_device() -> torch.device:
     """This rank's device, made current; call once, before the first collective.
 
@@ -196,6 +205,7 @@ __all__ = [
     "CPU_DEVICE_TYPE",
     "cuda_device_index",
     "declared_type_problem",
+    "join_job",
     "select_job_device",
     "DEVICE_NAME_TABLE",
     "DeviceNameRule",

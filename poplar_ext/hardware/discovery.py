@@ -189,9 +189,9 @@ def discover_cluster() -> Cluster:
     types the device table gives (``cpu`` for CPU ranks). Emulated device types cannot
     be discovered: declare them in a cluster file.
     """
-    from poplar_ext.collectives import ensure_process_group
+    from poplar_ext.hardware.devices import join_job
 
-    return cluster_from_facts(gather_device_facts(ensure_process_group()))
+    return cluster_from_facts(gather_device_facts(join_job()))
 
 
 __all__ = [

@@ -37,11 +37,10 @@ the measured peak before the comparison, as a real device would not hold it.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any
 
+from poplar_ext.hardware.compute_clock import Clock, clock_now
 from poplar_search.formats import Cluster, Emulation
-
-Clock = Literal["thread", "cuda"]
 
 
 class EmulatedOutOfMemoryError(RuntimeError):
@@ -167,13 +166,7 @@ class ComputeSlowdown:
 
     def _now(self) -> tuple[float, float]:
         """(compute clock, wall clock) now, in seconds."""
-        if self.clock == "cuda":
-            import torch
-
-            torch.cuda.synchronize()
-            wall = time.perf_counter()
-            return wall, wall
-        return time.thread_time(), time.perf_counter()
+        return clock_now(self.clock)
 
     def start(self) -> None:
         """Begin timing a block; a second `start()` before `stop()` is ignored."""

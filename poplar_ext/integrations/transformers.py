@@ -420,39 +420,4 @@ class PoplarTrainer(Trainer):
         return prepared
 
 
-# -- models for the profiler CLI: a transformers config, random weights, no downloads ------
-HF_TASKS = ("causal-lm", "masked-lm")
-
-
-def model_from_config(config_class: str, sizes: dict[str, Any], *, task: str = "causal-lm") -> Any:
-    """A model of transformers' `config_class` (e.g. ``GPT2Config``) with `sizes`, random weights."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
-
-    cls = getattr(transformers, config_class, None)
-    if cls is None or not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
-        raise ValueError(
-            f"--model hf:{config_class}: expected the name of a transformers config class (e.g. GPT2Config)"
-        )
-    if task not in HF_TASKS:
-        raise ValueError(f"--hf-task: expected one of {', '.join(HF_TASKS)}, found {task!r}")
-    try:
-        config = cls(**sizes)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"--hf-config: {config_class} refused {sizes}: {exc}") from exc
-    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForMaskedLM
-    return auto.from_config(config)
-
-
-def random_lm_batch(vocab_size: int, micro_batch_size: int, sequence_length: int, *, task: str = "causal-lm") -> dict:
-    """One micro-batch of random tokens with labels (a masked LM predicts a seeded 15% of them)."""
-    generator = torch.Generator().manual_seed(micro_batch_size)
-    ids = torch.randint(0, vocab_size, (micro_batch_size, sequence_length), generator=generator)
-    labels = ids.clone()
-    if task == "masked-lm":
-        keep = torch.rand(ids.shape, generator=generator) < 0.15
-        labels[~keep] = -100
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-
-
-__all__ = ["HF_TASKS", "PoplarTrainer", "model_from_config", "random_lm_batch"]
+__all__ = ["PoplarTrainer"]

@@ -13,7 +13,8 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.nn import functional as F
 
-from poplar_ext.runtime.weighting import REDUCTIONS
+from poplar_ext.models.synthetic import random_tokens
+from poplar_ext.reductions import REDUCTIONS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +66,8 @@ class GPT(nn.Module):
     """
 
     activation_checkpointing: bool = False
+    """Read by forward; declared on the class, which is how `poplar_ext.activation_checkpointing` knows
+    it can switch this model."""
 
     def __init__(self, cfg: GPTConfig, *, seed: int = 0) -> None:
         super().__init__()
@@ -107,7 +110,10 @@ class GPT(nn.Module):
         per_sample = per_token.view(targets.shape).mean(dim=1)
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected one of {', '.join(map(repr, REDUCTIONS))}, found {reduction!r}")
-        return per_sample.mean() if reduction == "mean" else per_sample.sum()
+        if reduction == "sum":
+            return per_sample.sum()
+        # every sample has as many label tokens: the token mean is the sample mean
+        return per_sample.mean()
 
 
 def num_parameters(model: nn.Module) -> int:
@@ -138,8 +144,7 @@ class SyntheticTokens(torch.utils.data.Dataset):
             raise IndexError(index)
         # A generator per item keeps items independent of access order, which the
         # exactly-once data tests rely on.
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        return torch.randint(0, self.vocab_size, (self.sequence_length + 1,), generator=generator)
+        return random_tokens(self.vocab_size, (self.sequence_length + 1,), seed=self.seed * 1_000_003 + index)
 
 
 def estimated_flops_per_sample(cfg: GPTConfig) -> float:

@@ -28,8 +28,9 @@ from poplar_ext.activation_checkpointing import (
     cannot_checkpoint_message,
     checkpointing_toggle,
 )
-from poplar_ext.collectives import broadcast_from_rank0, ensure_process_group
+from poplar_ext.collectives import broadcast_from_rank0
 from poplar_ext.hardware.cpu_process import cpu_threads
+from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.emulation import device_label
 from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocator
 from poplar_ext.optimizer_offload import OFFLOAD_MODES, offload_deepspeed_optimizer
@@ -239,7 +240,7 @@ def profile_model(
     cache_dir = Path(cache_dir)
     loss_fn = loss_fn or default_loss
 
-    device = ensure_process_group()
+    device = join_job()
     with _measuring_process(device):
         return _profile(
             model_factory=model_factory,

@@ -282,10 +282,9 @@ def _builtin_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callabl
         )
 
     def make_batch(micro_batch_size: int) -> Any:
-        import torch
+        from poplar_ext.models.synthetic import random_tokens
 
-        generator = torch.Generator().manual_seed(micro_batch_size)
-        return torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.sequence_length + 1), generator=generator)
+        return random_tokens(cfg.vocab_size, (micro_batch_size, cfg.sequence_length + 1), seed=micro_batch_size)
 
     name = args.model if args.model == "gpt2-small" else f"toy-gpt-{cfg.num_layers}x{cfg.hidden_size}"
     return (lambda: GPT(cfg)), make_batch, name, cfg.sequence_length
@@ -306,7 +305,7 @@ def _config_sizes(text: str) -> dict[str, Any]:
 
 def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int], Any], str, int]:
     try:
-        from poplar_ext.integrations.transformers import model_from_config, random_lm_batch
+        from poplar_ext.models.hugging_face import model_from_config, random_lm_batch
     except ImportError as exc:
         raise UsageError(f"--model {args.model}: needs transformers (pip install 'poplar-ext[hf]'): {exc}") from None
     config_class = args.model[len(HF_PREFIX) :]

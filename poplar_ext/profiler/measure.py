@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from poplar_ext.collectives import agree_max, barrier, gather_objects
+from poplar_ext.hardware.compute_clock import time_compute
 from poplar_ext.hardware.emulation import (
     EmulatedOutOfMemoryError,
     check_emulated_memory,
@@ -232,19 +233,7 @@ class StageMeasurement:
 
     def _timed_micro_step(self, size: int) -> float:
         """Own time of one non-boundary micro-step, in seconds."""
-        device = self.layout.device
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._micro_step(size, boundary=False)
-            end.record()
-            end.synchronize()
-            elapsed_s = start.elapsed_time(end) / 1000.0
-        else:
-            started = time.thread_time()
-            self._micro_step(size, boundary=False)
-            elapsed_s = time.thread_time() - started
+        elapsed_s = time_compute(self.layout.device, lambda: self._micro_step(size, boundary=False))
         emulation = self.layout.emulations[self.layout.my_type]
         slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
         return elapsed_s * slowdown

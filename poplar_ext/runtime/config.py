@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from poplar_ext.optimizer_offload import OFFLOAD_MODES
-from poplar_ext.runtime.weighting import REDUCTIONS
+from poplar_ext.reductions import REDUCTIONS
 from poplar_search.errors import FormatError
 from poplar_search.formats import MAX_GLOBAL_BATCH_SIZE, POLICIES, ZERO_STAGES, Plan, read_json
 from poplar_search.validation import Node

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from poplar_ext.collectives import agree_sum
+from poplar_ext.hardware.compute_clock import ComputeTimer, CudaEventTimer
 from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
 from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
@@ -37,9 +38,9 @@ from poplar_ext.runtime.checkpoint import (
 )
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.rebalance import CudaEventTimer, PendingSwitch, Rebalancer, schedule_switch, switch_together
+from poplar_ext.runtime.rebalance import Rebalancer, StepView, SwitchOrder
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
-from poplar_search.formats import Plan, plan_from_dict, write_text_atomic
+from poplar_search.formats import Plan, one_accumulation_count, plan_from_dict, plan_to_dict, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class PoplarEngine:
             slowdown = ComputeSlowdown(None) if engine.device.type == "cpu" else CudaEventTimer()
         self._slowdown = slowdown
         self._rebalancer = rebalancer
-        self.pending_switch: PendingSwitch | None = None
+        self.pending_switch: SwitchOrder | None = None
         """A plan switch agreed by every rank, waiting for the iteration it starts at."""
         self._samplers: list[PlanBatchSampler] = []
         self._restored_position = 0
@@ -165,7 +166,7 @@ class PoplarEngine:
         return self._slowdown
 
     @property
-    def compute_timer(self) -> ComputeSlowdown | None:
+    def compute_timer(self) -> ComputeTimer | None:
         """What times this rank's compute windows (forward to the gradient reduction): the emulation's
         slowdown, or, when re-balancing is on, a timer that only measures."""
         return self._slowdown
@@ -271,7 +272,9 @@ class PoplarEngine:
             pending, self.pending_switch = self.pending_switch, None
             self.switch_plan(pending.plan, reason=pending.reason)
         if self._rebalancer is not None:
-            self._rebalancer.after_step(self)
+            order = self._rebalancer.after_step(self._step_view(step), self._slowdown)
+            if order is not None:
+                self.schedule_switch(order)
         interval = self.poplar_config.log_interval_steps
         if interval and self._rank == 0 and step % interval == 0 and self.last_samples_per_s is not None:
             logger.info(
@@ -317,9 +320,7 @@ class PoplarEngine:
         elif [r.optimizer_offload for r in plan.ranks] != [r.optimizer_offload for r in current.ranks]:
             # Part of the DeepSpeed config the rank's engine was built with.
             problems.append("each rank keeps its optimizer_offload")
-        elif plan.zero_stage >= 2 and len({r.gradient_accumulation_steps for r in plan.ranks}) > 1:
-            # DeepSpeed reduces gradients on every micro-step at stages 2/3: a rank with
-            # more micro-steps would wait for a collective no other rank enters.
+        elif one_accumulation_count(plan.zero_stage) and len({r.gradient_accumulation_steps for r in plan.ranks}) > 1:
             problems.append(f"every rank has the same accumulation count at ZeRO stage {plan.zero_stage}")
         if problems:
             raise ValueError(f"plan: expected a plan that can replace the running one: {'; '.join(problems)}")
@@ -347,7 +348,7 @@ class PoplarEngine:
         engine.micro_steps = -(-engine.micro_steps // steps) * steps
         self.plan, self.rank_plan = plan, rank_plan
         if self._rebalancer is not None:
-            self._rebalancer.restart_measurement(self)
+            self._rebalancer.restart_measurement(self._slowdown)
         if record:
             self.plan_history.append(
                 history_entry(
@@ -374,7 +375,38 @@ class PoplarEngine:
         `search.drift.replan`, or a plan of your own); gradients stay exact and the data
         continues, every sample once. ``poplar.rebalance`` does this by itself.
         """
-        switch_together(self, plan, reason=reason)
+        from poplar_ext.collectives import broadcast_from_rank0, gather_objects
+
+        chosen = plan_from_dict(broadcast_from_rank0(plan_to_dict(plan)), source="<plan from rank 0>")
+        self.check_switch(chosen)  # the same verdict on every rank: rank 0's plan
+        position = max(gather_objects(self.data_reached))
+        self.schedule_switch(SwitchOrder(plan=chosen, position=position, reason=reason))
+
+    def schedule_switch(self, order: SwitchOrder, *, record: bool = True) -> None:
+        """Switch to the order's plan at the iteration that starts at its stream position (every rank alike).
+
+        `record`: add the switch to the plan history (not for a resume under the checkpoint's last plan).
+        """
+        for sampler in self._samplers:
+            sampler.switch_plan(order.plan, from_position=order.position)
+        if order.position <= self.trained_position:
+            self.switch_plan(order.plan, reason=order.reason, record=record)
+        else:
+            self.pending_switch = order
+
+    @property
+    def data_reached(self) -> int:
+        """How far this rank's data has been handed out: no plan switch can start before it."""
+        return max([self.trained_position] + [s.generated_until for s in self._samplers])
+
+    def _step_view(self, step: int) -> StepView:
+        return StepView(
+            step=step,
+            plan=self.plan,
+            data_reached=self.data_reached,
+            has_sampler=bool(self._samplers),
+            switch_pending=self.pending_switch is not None,
+        )
 
     @property
     def batch_samplers(self) -> list[PlanBatchSampler]:
@@ -523,9 +555,8 @@ class PoplarEngine:
         self.plan_history = decision.plan_history or self.plan_history
         if decision.continue_plan is not None:
             plan = plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")
-            schedule_switch(
-                self, plan, position=decision.data_position, reason="the checkpoint's last plan", record=False
-            )
+            order = SwitchOrder(plan=plan, position=decision.data_position, reason="the checkpoint's last plan")
+            self.schedule_switch(order, record=False)
         if self._rank == 0:
             for note in decision.notes:
                 logger.info("load_checkpoint: %s", note)

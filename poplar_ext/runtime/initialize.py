@@ -41,10 +41,10 @@ from poplar_ext.activation_checkpointing import CheckpointingToggle, apply_plan_
 from poplar_ext.collectives import (
     broadcast_from_rank0,
     decided_by_rank0,
-    ensure_process_group,
     process_group_rank,
 )
 from poplar_ext.hardware.cpu_process import limit_cpu_threads
+from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts
 from poplar_ext.hardware.emulation import (
     ComputeSlowdown,
@@ -201,7 +201,7 @@ def prepare_job(
     _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
     _check_training_data(training_data)
     # DeepSpeed's own discovery first (launcher, torchrun or mpirun), then this rank's device.
-    device = ensure_process_group(**(init_options or {}))
+    device = join_job(**(init_options or {}))
     rank, world_size = process_group_rank()
     global_batch = requested_global_batch_size(poplar_config, ds_config, world_size=world_size)
     if global_batch.size is None and default_global_batch is not None:

@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from poplar_ext.collectives import decided_by_rank0, gather_objects
+from poplar_ext.hardware.compute_clock import ComputeTimer, CudaEventTimer  # CudaEventTimer: re-exported
 from poplar_ext.runtime.config import RebalanceConfig
 from poplar_search.formats import Cluster, Plan, Profile, plan_from_dict, plan_to_dict
 
 if TYPE_CHECKING:
-    from poplar_ext.runtime.engine import PoplarEngine
     from poplar_search.network import NetworkProfile
 
 logger = logging.getLogger(__name__)
@@ -133,67 +133,37 @@ class DriftMonitor:
         return {"plan": plan_to_dict(found.plan), "reason": reason}
 
 
-class CudaEventTimer:
-    """A real GPU's compute windows, timed with CUDA events and read only at a check.
+@dataclass(frozen=True, kw_only=True)
+class SwitchOrder:
+    """Rank 0's decision, the same on every rank: switch to `plan` from stream `position` on."""
 
-    The same interface as `ComputeSlowdown` with no emulation (`start`, `stop`,
-    `busy_time_s`), without its synchronisation at every window: the events are
-    recorded on the stream and their times summed when `busy_time_s` is read.
-    """
-
-    emulation = None
-    slowdown = 1.0
-
-    def __init__(self) -> None:
-        self._started: Any = None
-        self._windows: list[tuple[Any, Any]] = []
-        self._summed_s = 0.0
-
-    @property
-    def running(self) -> bool:
-        return self._started is not None
-
-    def _event(self) -> Any:
-        import torch
-
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def start(self) -> None:
-        if self._started is None:
-            self._started = self._event()
-
-    def stop(self) -> float:
-        if self._started is not None:
-            self._windows.append((self._started, self._event()))
-            self._started = None
-        return 0.0
-
-    @property
-    def busy_time_s(self) -> float:
-        for start, end in self._windows:
-            end.synchronize()
-            self._summed_s += start.elapsed_time(end) / 1000.0
-        self._windows.clear()
-        return self._summed_s
-
-    @busy_time_s.setter
-    def busy_time_s(self, value: float) -> None:
-        self._windows.clear()
-        self._summed_s = value
-
-
-@dataclass(kw_only=True)
-class PendingSwitch:
     plan: Plan
     position: int
-    """Stream position of the first iteration under `plan`."""
+    """Stream position of the first iteration under `plan` (no rank's sampler has started it)."""
     reason: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepView:
+    """What a check needs of this rank's job after an optimizer step (the engine fills it)."""
+
+    step: int
+    """Optimizer steps taken."""
+    plan: Plan
+    """The plan running now."""
+    data_reached: int
+    """How far this rank's data has been handed out: no switch can start before it."""
+    has_sampler: bool
+    """The rank trains from the engine's batch sampler (else a switch cannot reach its data)."""
+    switch_pending: bool
+
+
 class Rebalancer:
-    """One rank's part: measure, report every check interval, switch when rank 0 says so."""
+    """One rank's part: measure, report every check interval, and return the switch rank 0 decides.
+
+    It reads a `StepView` and the compute timer the engine gives it, and never the engine
+    itself: the engine applies what it returns (`PoplarEngine.schedule_switch`).
+    """
 
     def __init__(self, config: RebalanceConfig, *, rank: int, monitor: DriftMonitor | None) -> None:
         assert (monitor is not None) == (rank == 0), "rank 0 alone holds the monitor"
@@ -204,98 +174,61 @@ class Rebalancer:
         """False once the job turned out unable to re-balance (see `after_step`); the same on every rank."""
         self._iterations = 0
 
-    def restart_measurement(self, engine: PoplarEngine) -> None:
+    def restart_measurement(self, timer: ComputeTimer | None) -> None:
         """A new plan starts: the next check measures only its iterations."""
-        if engine.compute_timer is not None:
-            engine.compute_timer.busy_time_s = 0.0
+        if timer is not None:
+            timer.busy_time_s = 0.0
         self._iterations = 0
 
-    def after_step(self, engine: PoplarEngine) -> None:
+    def after_step(self, view: StepView, timer: ComputeTimer) -> SwitchOrder | None:
         """At every optimizer step, after DeepSpeed's (collective at check steps: every rank calls it)."""
         if not self.active:
-            return
+            return None
         self._iterations += 1
-        step = engine.deepspeed_engine.global_steps
-        if step % self.config.check_interval_steps:
-            return
-        timer = engine.compute_timer
-        samplers = engine.batch_samplers
+        if view.step % self.config.check_interval_steps:
+            return None
         report = {
             "busy_s": timer.busy_time_s,
             "iterations": self._iterations,
-            "generated_until": data_reached(engine),
-            "has_sampler": bool(samplers),
-            "pending": engine.pending_switch is not None,
+            "generated_until": view.data_reached,
+            "has_sampler": view.has_sampler,
+            "pending": view.switch_pending,
         }
         timer.busy_time_s, self._iterations = 0.0, 0
         reports = gather_objects(report)
         if not all(r["has_sampler"] for r in reports):
-            self.active = False
-            if self.rank == 0:
-                without = [rank for rank, r in enumerate(reports) if not r["has_sampler"]]
-                # Asked for explicitly: a warning; on by default ("auto"): a note.
-                logger.log(
-                    logging.WARNING if self.config.enabled else logging.INFO,
-                    "poplar rebalance: off for this job: ranks %s feed batches of their own, which a plan switch "
-                    "cannot "
-                    "change; train from the dataloader poplar_ext.initialize returns or engine.create_batch_sampler",
-                    without,
-                )
-            return
+            self._give_up([rank for rank, r in enumerate(reports) if not r["has_sampler"]])
+            return None
         if any(r["pending"] for r in reports):
-            return  # a switch is on its way: measure it first
+            return None  # a switch is on its way: measure it first
 
         def decide() -> dict[str, Any] | None:
             assert self.monitor is not None
-            return self.monitor.observe(
-                engine.plan, [r["busy_s"] for r in reports], [r["iterations"] for r in reports], step=step
-            )
+            busy, iterations = [r["busy_s"] for r in reports], [r["iterations"] for r in reports]
+            return self.monitor.observe(view.plan, busy, iterations, step=view.step)
 
         decision = decided_by_rank0(decide, rank=self.rank)
         if decision is None:
-            return
+            return None
         plan = plan_from_dict(decision["plan"], source="<re-balanced plan>")
-        schedule_switch(engine, plan, position=max(r["generated_until"] for r in reports), reason=decision["reason"])
+        return SwitchOrder(plan=plan, position=max(r["generated_until"] for r in reports), reason=decision["reason"])
 
-
-def data_reached(engine: PoplarEngine) -> int:
-    """How far this rank's data has been handed out: no plan switch can start before it."""
-    return max([engine.trained_position] + [s.generated_until for s in engine.batch_samplers])
-
-
-def schedule_switch(engine: PoplarEngine, plan: Plan, *, position: int, reason: str, record: bool = True) -> None:
-    """Switch to `plan` at the iteration that starts at stream `position` (every rank alike).
-
-    `record`: add the switch to the plan history (not for a resume under the checkpoint's last plan).
-    """
-    for sampler in engine.batch_samplers:
-        sampler.switch_plan(plan, from_position=position)
-    if position <= engine.trained_position:
-        engine.switch_plan(plan, reason=reason, record=record)
-    else:
-        engine.pending_switch = PendingSwitch(plan=plan, position=position, reason=reason)
-
-
-def switch_together(engine: PoplarEngine, plan: Plan, *, reason: str) -> None:
-    """Every rank switches to rank 0's `plan` at the same iteration boundary (collective).
-
-    Call it on every rank right after an optimizer step. The plan keeps the global
-    batch, world size and stage; the first iteration no rank's sampler has started
-    trains under it.
-    """
-    from poplar_ext.collectives import broadcast_from_rank0
-
-    chosen = plan_from_dict(broadcast_from_rank0(plan_to_dict(plan)), source="<plan from rank 0>")
-    engine.check_switch(chosen)  # the same verdict on every rank: rank 0's plan
-    schedule_switch(engine, chosen, position=max(gather_objects(data_reached(engine))), reason=reason)
+    def _give_up(self, without_sampler: list[int]) -> None:
+        self.active = False
+        if self.rank == 0:
+            # Asked for explicitly: a warning; on by default ("auto"): a note.
+            logger.log(
+                logging.WARNING if self.config.enabled else logging.INFO,
+                "poplar rebalance: off for this job: ranks %s feed batches of their own, which a plan switch cannot "
+                "change; train from the dataloader poplar_ext.initialize returns or engine.create_batch_sampler",
+                without_sampler,
+            )
 
 
 __all__ = [
     "CudaEventTimer",
     "DriftMonitor",
-    "PendingSwitch",
     "Rebalancer",
-    "data_reached",
-    "schedule_switch",
-    "switch_together",
+    "StepView",
+    "SwitchOrder",
 ]

@@ -24,12 +24,12 @@ clipping (clipping acts on the already exact global gradient).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
-Reduction = Literal["mean", "sum", "token_mean"]
-REDUCTIONS: tuple[Reduction, ...] = get_args(Reduction)
+from poplar_ext.reductions import REDUCTIONS, Reduction
+
 IGNORE_INDEX = -100
 """The label value losses skip (PyTorch's and Hugging Face's convention)."""
 _HALF_DTYPES = (torch.bfloat16, torch.float16)

@@ -320,7 +320,7 @@ def test_a_bias_every_rank_shares_does_not_misstate_the_drifted_rank():
 def test_a_real_gpu_is_timed_with_events_read_only_at_a_check(monkeypatch):
     import torch
 
-    from poplar_ext.runtime.rebalance import CudaEventTimer
+    from poplar_ext.hardware.compute_clock import CudaEventTimer
 
     clock = iter([0.0, 2.0, 5.0, 5.5])  # ms at each record()
     synchronised = []

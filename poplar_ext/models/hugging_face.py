@@ -1,0 +1,50 @@
+"""Hugging Face models built from a transformers config, random weights (nothing is downloaded).
+
+What ``poplar-profile --model hf:GPT2Config --hf-config ...`` profiles, and its batches.
+transformers is imported only when a model is built (``pip install 'poplar-ext[hf]'``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from poplar_ext.models.synthetic import random_tokens
+
+HF_TASKS = ("causal-lm", "masked-lm")
+"""What the built model predicts: the next token, or a seeded 15% of masked tokens."""
+
+
+def model_from_config(config_class: str, sizes: dict[str, Any], *, task: str = "causal-lm") -> Any:
+    """A model of transformers' `config_class` (e.g. ``GPT2Config``) with `sizes`, random weights."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    cls = getattr(transformers, config_class, None)
+    if cls is None or not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
+        raise ValueError(
+            f"--model hf:{config_class}: expected the name of a transformers config class (e.g. GPT2Config)"
+        )
+    if task not in HF_TASKS:
+        raise ValueError(f"--hf-task: expected one of {', '.join(HF_TASKS)}, found {task!r}")
+    try:
+        config = cls(**sizes)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--hf-config: {config_class} refused {sizes}: {exc}") from exc
+    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForMaskedLM
+    return auto.from_config(config)
+
+
+def random_lm_batch(vocab_size: int, micro_batch_size: int, sequence_length: int, *, task: str = "causal-lm") -> dict:
+    """One micro-batch of random tokens with labels (a masked LM predicts a seeded 15% of them)."""
+    generator = torch.Generator().manual_seed(micro_batch_size)
+    ids = random_tokens(vocab_size, (micro_batch_size, sequence_length), generator=generator)
+    labels = ids.clone()
+    if task == "masked-lm":
+        keep = torch.rand(ids.shape, generator=generator) < 0.15
+        labels[~keep] = -100
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+__all__ = ["HF_TASKS", "model_from_config", "random_lm_batch"]

@@ -1,0 +1,17 @@
+"""How a training loss reduces over a micro-batch: the names poplar-ext knows.
+
+The one vocabulary for ``poplar.loss_reduction``, the loss weighting
+(`poplar_ext.runtime.weighting`) and the built-in model's loss. It sits below every
+other module so that a model and the runtime can both name it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Reduction = Literal["mean", "sum", "token_mean"]
+"""``mean`` of samples, ``sum``, or ``token_mean`` (of label tokens, ``-100`` ignored)."""
+
+REDUCTIONS: tuple[Reduction, ...] = get_args(Reduction)
+
+__all__ = ["REDUCTIONS", "Reduction"]
