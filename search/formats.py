@@ -478,7 +478,12 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
     to the global batch). Whether it suits a given stage, cluster and device memory
     is checked where those are known (`search.check_plan`, the runtime).
     """
-    root = Node(data, source).obj().keys_within(_keys(Plan))
+    root = Node(data, source).obj()
+    parallelism = root.optional("parallelism")
+    if parallelism is not None:
+        # pipeline plans have their own reader: poplar_search.pipeline_formats.any_plan_from_dict
+        parallelism.string(choices=("zero",))
+    root.keys_within((*_keys(Plan), "parallelism"))
     _check_schema_version(root, PLAN_SCHEMA_VERSION)
     zero_stage = root.field("zero_stage").integer(minimum=0, maximum=3)
     ranks: list[RankPlan] = []
@@ -617,7 +622,7 @@ def is_cluster_or_plan(data: Any) -> bool:
     return (
         isinstance(data, dict)
         and "device_type" not in data
-        and ("nodes" in data or "ranks" in data or data.get("kind") == "network")
+        and ("nodes" in data or "ranks" in data or "pipelines" in data or data.get("kind") == "network")
     )
 
 
