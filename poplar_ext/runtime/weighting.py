@@ -2,7 +2,7 @@
 
 DeepSpeed, at every ZeRO stage, ends with the gradient ``(1/W) * sum over ranks and
 micro-steps of d(loss passed to backward)`` when backward is called with
-``scale_wrt_gas=False`` (W: world size; see ../shared/deepspeed-notes.md). The
+``scale_wrt_gas=False`` (W: world size; see docs/deepspeed-notes.md). The
 optimizer must instead see the gradient of the mean loss over the whole global batch
 ``B = sum_r b_r * s_r``, i.e. ``(1/B) * sum over all samples of d(loss_i)``.
 
