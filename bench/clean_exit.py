@@ -8,8 +8,9 @@ spinning processes keeping the cores busy, and counts every rank's exit code:
 
 * ``torch``: torch and gloo alone, the group left up at exit (the race, not ours);
 * ``torch-destroyed``: the same script destroying its group before it returns;
-* ``poplar-no-handler``: a training script (``poplar_ext.initialize``, two steps, a
-  checkpoint, the parameters gathered) with poplar-ext's exit handler taken back;
+* ``poplar-no-handler``: a training script (ZeRO stages 0-3 in turn, an engine each:
+  ``poplar_ext.initialize``, two steps, a checkpoint, the parameters gathered) with
+  poplar-ext's exit handler taken back;
 * ``poplar-destroy-only``: the same with a handler that only destroys the group (the
   handler's first version: the groups' worker threads outlive it, see
   `poplar_ext.collectives.destroy_process_group_at_exit`);
@@ -17,7 +18,7 @@ spinning processes keeping the cores busy, and counts every rank's exit code:
 
 The cases take turns launch by launch, so the machine's load drifts over all alike. The
 ranks are started here (environment as torchrun sets it), not by a launcher, so that
-each rank's own exit code is seen. The poplar cases cycle through ZeRO stages 0-3.
+each rank's own exit code is seen.
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_once(case: str, *, world_size: int, stage: int, work_dir: Path, timeout_s: float) -> list[dict[str, Any]]:
+def launch_once(case: str, *, world_size: int, work_dir: Path, timeout_s: float) -> list[dict[str, Any]]:
     """One launch of `case` on `world_size` local ranks; each rank's exit code and last stderr line."""
     port = _free_port()
     command = [sys.executable, "-m", "poplar_bench.clean_exit_rank", *_CASE_ARGS[case]]
     if case.startswith("poplar"):
-        command += ["--stage", str(stage), "--work-dir", str(work_dir)]
+        command += ["--work-dir", str(work_dir)]
     processes = []
     for rank in range(world_size):
         env = dict(
@@ -122,9 +123,7 @@ def run_clean_exit(
         with tempfile.TemporaryDirectory(prefix="poplar-clean-exit-") as work:
             for index in range(launches):
                 for case in cases:
-                    ranks = launch_once(
-                        case, world_size=world_size, stage=index % 4, work_dir=Path(work), timeout_s=timeout_s
-                    )
+                    ranks = launch_once(case, world_size=world_size, work_dir=Path(work), timeout_s=timeout_s)
                     results[case].append(ranks)
                     if progress is not None:
                         progress(f"launch {index + 1}/{launches} {case}: exit codes {[r['exit_code'] for r in ranks]}")
@@ -165,8 +164,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "torch: torch and gloo alone, the group left up at exit. torch-destroyed: the same, destroyed by the script. "
-        "poplar-no-handler: a training script (poplar_ext.initialize, two steps at ZeRO stage = launch index mod 4, "
-        "a checkpoint, the parameters gathered) with poplar-ext's exit handler taken back, as before it existed. "
+        "poplar-no-handler: a training script (ZeRO stages 0-3 in turn, an engine each: "
+        "poplar_ext.initialize, two steps, a checkpoint, the parameters gathered) with poplar-ext's exit handler "
+        "taken back, as before it existed. "
         "poplar-destroy-only: the same with a handler that only destroys the group (its first version). "
         "poplar: the same script as users run it.",
         "",

@@ -1,12 +1,12 @@
 """One rank of `bench.clean_exit`: a script that ends with a plain return, as users write them.
 
     python -m poplar_bench.clean_exit_rank --kind torch [--destroy]
-    python -m poplar_bench.clean_exit_rank --kind poplar --stage 2 --work-dir DIR [--handler full|destroy|none]
+    python -m poplar_bench.clean_exit_rank --kind poplar --work-dir DIR [--handler full|destroy|none]
 
 ``torch``: torch and gloo alone (a few blocking all_reduces), the group destroyed by the
-script only with ``--destroy``. ``poplar``: what a training script does: ``poplar_ext.initialize``
-on the toy GPT, two optimizer steps at the given ZeRO stage, a checkpoint, the whole
-parameters gathered. ``--handler``: poplar-ext's exit handler as it is (``full``), one
+script only with ``--destroy``. ``poplar``: what a training script does, at ZeRO stages 0, 1,
+2 and 3 in turn (an engine each): ``poplar_ext.initialize`` on the toy GPT, two optimizer
+steps, a checkpoint, the whole parameters gathered. ``--handler``: poplar-ext's exit handler as it is (``full``), one
 that only destroys the group (``destroy``, its first version), or none (``none``, before
 it existed). Rank and world size come from the environment (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``).
@@ -64,7 +64,14 @@ def _poplar_config(work_dir: Path, stage: int, world_size: int) -> dict:
     }
 
 
-def _poplar(stage: int, work_dir: Path, handler: str) -> None:
+def _poplar(work_dir: Path, handler: str) -> None:
+    """Train each ZeRO stage in turn in this process (an engine each), as a script that tries stages does."""
+    for stage in (0, 1, 2, 3):
+        _train_one_stage(stage, work_dir)
+    _choose_handler(handler)
+
+
+def _train_one_stage(stage: int, work_dir: Path) -> None:
     import deepspeed
     import torch
 
@@ -87,11 +94,10 @@ def _poplar(stage: int, work_dir: Path, handler: str) -> None:
         engine.step()
         if steps == 2:
             break
-    engine.save_checkpoint(work_dir / f"checkpoint-{os.environ['MASTER_PORT']}")
+    engine.save_checkpoint(work_dir / f"checkpoint-{os.environ['MASTER_PORT']}-{stage}")
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
         _ = [p.detach().clone() for p in params]
-    _choose_handler(handler)
 
 
 def _choose_handler(handler: str) -> None:
@@ -112,7 +118,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kind", choices=("torch", "poplar"), required=True)
     parser.add_argument("--destroy", action="store_true", help="torch: the script destroys its group")
-    parser.add_argument("--stage", type=int, default=0, help="poplar: the ZeRO stage")
     parser.add_argument("--work-dir", type=Path, help="poplar: where the cluster and plan files go")
     parser.add_argument(
         "--handler",
@@ -124,7 +129,7 @@ def main() -> None:
     if args.kind == "torch":
         _torch_only(args.destroy)
     else:
-        _poplar(args.stage, args.work_dir, args.handler)
+        _poplar(args.work_dir, args.handler)
 
 
 if __name__ == "__main__":
