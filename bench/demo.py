@@ -245,95 +245,20 @@ def assemble_report(
     the demo's stage and profile provenance) and ``ideal_predicted``.
     """
     cluster = cluster_from_dict(plans["cluster"])
-    entries = []
-    for policy in POLICIES:
-        info = plans["policies"][policy]
-        if info["status"] != "ok":
-            entries.append(
-                {
-                    "policy": policy,
-                    "status": info["status"],
-                    "message": info["message"],
-                    "zero_stage": None,
-                    "ranks": [],
-                    "predicted": None,
-                    "measured": None,
-                }
-            )
-            continue
-        plan = info["plan"]
-        iteration = measured_iteration_times_s(rank_results, policy)
-        median_s = statistics.median(iteration)
-        ranks = []
-        for rank_plan, result in zip(plan["ranks"], rank_results):
-            busy = result["policies"][policy]["busy_s"]
-            measures = result["policies"][policy]
-            rank_entry = {
-                "rank": rank_plan["rank"],
-                "device_type": rank_plan["device_type"],
-                "micro_batch_size": rank_plan["micro_batch_size"],
-                "gradient_accumulation_steps": rank_plan["gradient_accumulation_steps"],
-                "predicted_busy_s": info["predicted_busy_s"][rank_plan["rank"]],
-                "measured_busy_s": repetitions(busy),
-                "measured_boundary_wait_s": repetitions(measures["boundary_wait_s"]),
-            }
-            # Where the time goes, predicted against measured (older rank results lack it).
-            if "step_s" in measures:
-                rank_entry["decomposition"] = rank_decomposition(info, rank_plan, measures)
-            ranks.append(rank_entry)
-        entries.append(
-            {
-                "policy": policy,
-                "status": "ok",
-                "message": info["message"],
-                "zero_stage": plan["zero_stage"],
-                "global_batch_size": plan["global_batch_size"],
-                "ranks": ranks,
-                "predicted": info["predicted"],
-                "measured": {
-                    "iteration_time_s": repetitions(iteration),
-                    "samples_per_s": plan["global_batch_size"] / median_s,
-                },
-            }
-        )
-    device_types = {}
-    for name in cluster.type_counts():
-        emulation = cluster.emulation_of(name)
-        device_types[name] = {
-            "source": "emulated" if emulation else "real",
-            "emulation": None
-            if emulation is None
-            else {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes},
-            "max_micro_batch_size": plans["profiles"].get(name, {}).get("max_micro_batch_size"),
-            "profile": plans["profiles"].get(name, {}).get("provenance"),
-        }
-    # The figure's curves are the standalone measurements of this run; the profiled
-    # curves (possibly from the cache) are kept alongside for comparison.
-    curves = {result["device_type"]: _standalone_curve(result) for result in rank_results}
     scenario = {
         "name": f"{cluster.world_size} CPU ranks emulating " + ", ".join(cluster.type_counts()),
         "cluster": {"world_size": cluster.world_size, "type_counts": cluster.type_counts(), "file": None},
         "model": plans["model"],
-        "device_types": device_types,
+        "device_types": _device_types(cluster, plans["profiles"]),
         "global_batch_size": settings.global_batch_size,
         "ideal_samples_per_s": {
             "predicted": plans.get("ideal_predicted"),
             "measured": measured_ideal_samples_per_s(rank_results),
         },
-        "curves": curves,
-        "curves_kind": "measured alone in this run",
-        # Every repetition of the standalone measurements behind the measured ideal.
-        "standalone": {
-            result["device_type"]: [
-                {"micro_batch_size": p["micro_batch_size"], "micro_step_time_s": repetitions(p["micro_step_time_s"])}
-                for p in result["standalone"]
-            ]
-            for result in rank_results
-        },
-        "profiled_curves": {name: info["curve"] for name, info in plans["profiles"].items()},
+        **_curves(rank_results, plans["profiles"]),
         "profiles_from_cache": all(r.get("profile_cache_hit") for r in rank_results),
         "network": plans.get("network"),
-        "policies": entries,
+        "policies": [_policy_entry(policy, plans["policies"][policy], rank_results) for policy in POLICIES],
     }
     derive_comparisons(scenario)
     scenario["goals"] = demo_goals(scenario)
@@ -346,28 +271,7 @@ def assemble_report(
         "data_source": (
             "measured on CPU ranks with EMULATED device types (compute slowdown, memory capacity), real DeepSpeed"
         ),
-        "notes": [
-            "Devices are emulated (poplar_ext.hardware.emulation): each rank is a CPU process (1 thread); an emulated "
-            "micro-step, and the optimizer step at the boundary, last slowdown x their thread CPU time of wall time "
-            "(the rank sleeps what is left after computing), so a rank that waited for a core is not slowed twice; a "
-            "type's memory capacity is a declared limit above the ranks' measured baseline.",
-            f"ZeRO stage {settings.zero_stage}{_stage_note(settings.zero_stage)}; {settings.rounds} rounds, policies "
-            f"interleaved per round; in each round each policy ran {settings.warmup_iterations} unmeasured warm-up + "
-            f"{settings.iterations} measured iterations (warm-up after every switch of engine); figures are medians, "
-            "every repetition is in the JSON.",
-            "Iteration time: from a barrier to the end of the optimizer step on the slowest rank. Busy time: from that "
-            "barrier until the rank reaches the boundary gradient reduction (its own micro-steps, without waiting).",
-            "The engine ends each emulated micro-step (and its sleep) before the gradient reduction, as a slow device "
-            "finishes computing before it communicates.",
-            "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication, so "
-            "no waiting; all ranks at once, as in training), measured in this run at the profile's best and largest "
-            "micro-batch.",
-            "Predictions come from the profiles, which time each micro-step by thread CPU time x slowdown, and from "
-            "the network file the profiler measured (collective times on these ranks, fitted to a ring model; none: "
-            "the boundary as profiled); measurements are wall time, so load from other processes on the machine shows "
-            "as prediction error.",
-            "Other processes on this machine were not controlled; its load shows in the repetitions.",
-        ],
+        "notes": _notes(settings),
         "timings_s": {
             **timings,
             **{f"rank{r['rank']}_{k}": v for r in rank_results for k, v in r["timings_s"].items()},
@@ -375,6 +279,115 @@ def assemble_report(
         "settings": _settings_dict(settings),
         "scenarios": [scenario],
     }
+
+
+def _policy_entry(policy: str, info: dict[str, Any], rank_results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One policy's row: its plan, predicted against measured (iterations and each rank)."""
+    if info["status"] != "ok":
+        return {
+            "policy": policy,
+            "status": info["status"],
+            "message": info["message"],
+            "zero_stage": None,
+            "ranks": [],
+            "predicted": None,
+            "measured": None,
+        }
+    plan = info["plan"]
+    iteration = measured_iteration_times_s(rank_results, policy)
+    return {
+        "policy": policy,
+        "status": "ok",
+        "message": info["message"],
+        "zero_stage": plan["zero_stage"],
+        "global_batch_size": plan["global_batch_size"],
+        "ranks": [
+            _rank_entry(info, rank_plan, result["policies"][policy])
+            for rank_plan, result in zip(plan["ranks"], rank_results)
+        ],
+        "predicted": info["predicted"],
+        "measured": {
+            "iteration_time_s": repetitions(iteration),
+            "samples_per_s": plan["global_batch_size"] / statistics.median(iteration),
+        },
+    }
+
+
+def _rank_entry(info: dict[str, Any], rank_plan: dict[str, Any], measures: dict[str, Any]) -> dict[str, Any]:
+    """One rank under one policy: its allocation, predicted and measured busy time, where its time went."""
+    entry = {
+        "rank": rank_plan["rank"],
+        "device_type": rank_plan["device_type"],
+        "micro_batch_size": rank_plan["micro_batch_size"],
+        "gradient_accumulation_steps": rank_plan["gradient_accumulation_steps"],
+        "predicted_busy_s": info["predicted_busy_s"][rank_plan["rank"]],
+        "measured_busy_s": repetitions(measures["busy_s"]),
+        "measured_boundary_wait_s": repetitions(measures["boundary_wait_s"]),
+    }
+    # Where the time goes, predicted against measured (older rank results lack it).
+    if "step_s" in measures:
+        entry["decomposition"] = rank_decomposition(info, rank_plan, measures)
+    return entry
+
+
+def _device_types(cluster: Any, profiles: dict[str, Any]) -> dict[str, Any]:
+    """Each device type: real or emulated (and how), its profile's largest micro-batch and provenance."""
+    device_types = {}
+    for name in cluster.type_counts():
+        emulation = cluster.emulation_of(name)
+        device_types[name] = {
+            "source": "emulated" if emulation else "real",
+            "emulation": None
+            if emulation is None
+            else {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes},
+            "max_micro_batch_size": profiles.get(name, {}).get("max_micro_batch_size"),
+            "profile": profiles.get(name, {}).get("provenance"),
+        }
+    return device_types
+
+
+def _curves(rank_results: list[dict[str, Any]], profiles: dict[str, Any]) -> dict[str, Any]:
+    """The scenario's curves: measured alone in this run (the figure's), every repetition behind them,
+    and the profiled ones (possibly from the cache) for comparison."""
+    return {
+        "curves": {result["device_type"]: _standalone_curve(result) for result in rank_results},
+        "curves_kind": "measured alone in this run",
+        # Every repetition of the standalone measurements behind the measured ideal.
+        "standalone": {
+            result["device_type"]: [
+                {"micro_batch_size": p["micro_batch_size"], "micro_step_time_s": repetitions(p["micro_step_time_s"])}
+                for p in result["standalone"]
+            ]
+            for result in rank_results
+        },
+        "profiled_curves": {name: info["curve"] for name, info in profiles.items()},
+    }
+
+
+def _notes(settings: DemoSettings) -> list[str]:
+    """How the demo measures, for the report's readers."""
+    return [
+        "Devices are emulated (poplar_ext.hardware.emulation): each rank is a CPU process (1 thread); an emulated "
+        "micro-step, and the optimizer step at the boundary, last slowdown x their thread CPU time of wall time "
+        "(the rank sleeps what is left after computing), so a rank that waited for a core is not slowed twice; a "
+        "type's memory capacity is a declared limit above the ranks' measured baseline.",
+        f"ZeRO stage {settings.zero_stage}{_stage_note(settings.zero_stage)}; {settings.rounds} rounds, policies "
+        f"interleaved per round; in each round each policy ran {settings.warmup_iterations} unmeasured warm-up + "
+        f"{settings.iterations} measured iterations (warm-up after every switch of engine); figures are medians, "
+        "every repetition is in the JSON.",
+        "Iteration time: from a barrier to the end of the optimizer step on the slowest rank. Busy time: from that "
+        "barrier until the rank reaches the boundary gradient reduction (its own micro-steps, without waiting).",
+        "The engine ends each emulated micro-step (and its sleep) before the gradient reduction, as a slow device "
+        "finishes computing before it communicates.",
+        "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication, so "
+        "no waiting; all ranks at once, as in training), measured in this run at the profile's best and largest "
+        "micro-batch.",
+        "Predictions come from the profiles, which time each micro-step by thread CPU time x slowdown, and from "
+        "the network file the profiler measured (collective times on these ranks, fitted to a ring model; none: "
+        "the boundary as profiled); measurements are wall time, so load from other processes on the machine shows "
+        "as prediction error.",
+        "Other processes on this machine were not controlled; its load shows in the repetitions.",
+    ]
 
 
 def _stage_note(zero_stage: int) -> str:

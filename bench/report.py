@@ -211,6 +211,20 @@ def _pct(value: float | None) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     """A readable summary: provenance first, then one table per scenario."""
+    lines = _provenance_lines(report)
+    for scenario in report["scenarios"]:
+        lines += _scenario_lines(scenario)
+    if report.get("scaling"):
+        lines += render_scaling(report["scaling"])
+    if report.get("checkpointing"):
+        lines += render_checkpointing(report["checkpointing"])
+    if report.get("offload"):
+        lines += render_offload(report["offload"])
+    return "\n".join(lines) + "\n"
+
+
+def _provenance_lines(report: dict[str, Any]) -> list[str]:
+    """The title, where the data comes from, the machine and libraries, the run's time, the notes."""
     machine = report["machine"]
     lines = [
         f"# {report['title']}",
@@ -227,119 +241,140 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"- the run took {timings['total_s']:.0f} s (imports {timings.get('import_s', 0):.0f} s)")
     for note in report.get("notes", []):
         lines.append(f"- {note}")
-    for scenario in report["scenarios"]:
-        lines += ["", f"## {scenario['name']}", ""]
-        devices = ", ".join(
-            f"{name} ({info['source']}{'' if not info.get('emulation') else ': ' + _emulation_text(info['emulation'])})"
-            for name, info in scenario["device_types"].items()
-        )
-        ideal = scenario.get("ideal_samples_per_s") or {}
-        lines.append(
-            f"{scenario['cluster']['world_size']} ranks: {devices}. Model {scenario['model']['name']} "
-            f"({scenario['model']['num_parameters']:,} parameters). Global batch {scenario['global_batch_size']}. "
-            f"Ideal samples/s: measured {_fmt(ideal.get('measured'))}, predicted {_fmt(ideal.get('predicted'))}."
-            + (
-                ""
-                if "profiles_from_cache" not in scenario
-                else " Profiles: "
-                + ("reused from the cache." if scenario["profiles_from_cache"] else "measured in this run.")
-            )
-        )
-        lines += [
-            "",
-            "| policy | ZeRO stage | allocation (ranks x micro-batch*accumulation) | iteration s measured | iteration "
-            "s predicted | prediction error | samples/s measured | samples/s predicted | speedup over uniform | share "
-            "of ideal |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for e in scenario["policies"]:
-            if e["status"] != "ok":
-                lines.append(f"| {e['policy']} | - | infeasible: {e['message']} | - | - | - | - | - | - | - |")
-                continue
-            measured = e.get("measured") or {}
+    return lines
+
+
+def _scenario_lines(scenario: dict[str, Any]) -> list[str]:
+    """One scenario: what ran, the policies, where each rank's time went, the network, the goals."""
+    lines = ["", f"## {scenario['name']}", "", _scenario_summary(scenario)]
+    lines += _policy_table(scenario["policies"])
+    lines += _busy_table(scenario["policies"])
+    lines += _decomposition_table(scenario["policies"])
+    if scenario.get("network"):
+        lines += _network_lines(scenario["network"])
+    if scenario.get("goals"):
+        lines += ["", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
+        for g in scenario["goals"]:
             lines.append(
-                "| {policy} | {stage} | {alloc} | {mt} | {pt} | {err} | {ms} | {ps} | {sp} | {share} |".format(
-                    policy=e["policy"],
-                    stage=e["zero_stage"],
-                    alloc=summarise_allocation(e["ranks"]),
-                    mt=_fmt(measured.get("iteration_time_s", {}).get("median")),
-                    pt=_fmt(e["predicted"]["iteration_time_s"]),
-                    err=_pct(e.get("prediction_error")),
-                    ms=_fmt(measured.get("samples_per_s")),
-                    ps=_fmt(e["predicted"]["samples_per_s"]),
-                    sp=_fmt(e.get("speedup_over_uniform"), "{:.2f}x"),
-                    share=_fmt(e.get("share_of_ideal"), "{:.2f}"),
-                )
+                f"| {_cell(g['goal'])} | {_fmt(g['value'])} | {_cell(g['target'])} | {'yes' if g['met'] else 'NO'} |"
             )
-        measured_ranks = [
-            (e, r) for e in scenario["policies"] if e["status"] == "ok" for r in e["ranks"] if r.get("measured_busy_s")
-        ]
-        if measured_ranks:
-            lines += [
-                "",
-                "Per rank, busy time per iteration (its own micro-steps, without waiting for the others):",
-                "",
-                "| policy | rank | device type | micro-batch * accumulation | busy s measured (median) | busy s "
-                "predicted |",
-                "| --- | --- | --- | --- | --- | --- |",
-            ]
-            for e, r in measured_ranks:
-                lines.append(
-                    f"| {e['policy']} | {r['rank']} | {r['device_type']} | {r['micro_batch_size']} * "
-                    f"{r['gradient_accumulation_steps']} "
-                    f"| {_fmt(r['measured_busy_s']['median'])} | {_fmt(r['predicted_busy_s'])} |"
-                )
-        decomposed = [
-            (e, r) for e in scenario["policies"] if e["status"] == "ok" for r in e["ranks"] if r.get("decomposition")
-        ]
-        if decomposed:
-            lines += [
-                "",
-                "Where the time goes, per rank and iteration (seconds, medians; predicted / measured). Compute: the "
-                "profile's micro-steps / the rank's busy time (micro-steps, with their communication at stages 2-3). "
-                "Boundary: predicted collectives + optimizer step / measured reduction with the wait for the slowest "
-                "rank + engine.step. First micro-step after an optimizer step / the others.",
-                "",
-                "| policy | rank | compute | micro-step comm. (pred.) | boundary comm. + optimizer step | "
-                "reduction + wait / step (meas.) | first / other micro-step (meas.) | iteration |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |",
-            ]
-            for e, r in decomposed:
-                p, m = r["decomposition"]["predicted"], r["decomposition"]["measured"]
-                lines.append(
-                    f"| {e['policy']} | {r['rank']} ({r['device_type']}) | {_fmt(p['compute_s'])} / "
-                    f"{_fmt(m['busy_s'])} "
-                    f"| {_fmt(p['micro_step_communication_s'])} "
-                    f"| {_fmt(p['boundary_communication_s'])} + {_fmt(p['optimizer_step_s'])} "
-                    f"| {_fmt(m['boundary_reduction_and_wait_s'])} / {_fmt(m['step_s'])} "
-                    f"| {_fmt(m['first_micro_step_s'])} / {_fmt(m['later_micro_step_s'])} "
-                    f"| {_fmt(p['iteration_time_s'])} / {_fmt(m['iteration_time_s'])} |"
-                )
-        if scenario.get("network"):
-            network = scenario["network"]
-            fits = ", ".join(
-                f"{name} {fit['bus_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s + {fit['latency_s'] * 1e6:.0f} us/hop"
-                for name, fit in network["collectives"].items()
+    return lines
+
+
+def _scenario_summary(scenario: dict[str, Any]) -> str:
+    devices = ", ".join(
+        f"{name} ({info['source']}{'' if not info.get('emulation') else ': ' + _emulation_text(info['emulation'])})"
+        for name, info in scenario["device_types"].items()
+    )
+    ideal = scenario.get("ideal_samples_per_s") or {}
+    return (
+        f"{scenario['cluster']['world_size']} ranks: {devices}. Model {scenario['model']['name']} "
+        f"({scenario['model']['num_parameters']:,} parameters). Global batch {scenario['global_batch_size']}. "
+        f"Ideal samples/s: measured {_fmt(ideal.get('measured'))}, predicted {_fmt(ideal.get('predicted'))}."
+        + (
+            ""
+            if "profiles_from_cache" not in scenario
+            else " Profiles: "
+            + ("reused from the cache." if scenario["profiles_from_cache"] else "measured in this run.")
+        )
+    )
+
+
+def _policy_table(policies: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "",
+        "| policy | ZeRO stage | allocation (ranks x micro-batch*accumulation) | iteration s measured | iteration "
+        "s predicted | prediction error | samples/s measured | samples/s predicted | speedup over uniform | share "
+        "of ideal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for e in policies:
+        if e["status"] != "ok":
+            lines.append(f"| {e['policy']} | - | infeasible: {e['message']} | - | - | - | - | - | - | - |")
+            continue
+        measured = e.get("measured") or {}
+        lines.append(
+            "| {policy} | {stage} | {alloc} | {mt} | {pt} | {err} | {ms} | {ps} | {sp} | {share} |".format(
+                policy=e["policy"],
+                stage=e["zero_stage"],
+                alloc=summarise_allocation(e["ranks"]),
+                mt=_fmt(measured.get("iteration_time_s", {}).get("median")),
+                pt=_fmt(e["predicted"]["iteration_time_s"]),
+                err=_pct(e.get("prediction_error")),
+                ms=_fmt(measured.get("samples_per_s")),
+                ps=_fmt(e["predicted"]["samples_per_s"]),
+                sp=_fmt(e.get("speedup_over_uniform"), "{:.2f}x"),
+                share=_fmt(e.get("share_of_ideal"), "{:.2f}"),
             )
-            lines += [
-                "",
-                f"Network ({network['measured_with']['source']}, {network['backend']}, {network['world_size']} ranks): "
-                f"{fits}.",
-            ]
-        if scenario.get("goals"):
-            lines += ["", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
-            for g in scenario["goals"]:
-                lines.append(
-                    f"| {_cell(g['goal'])} | {_fmt(g['value'])} | {_cell(g['target'])} | {'yes' if g['met'] else 'NO'} "
-                    "|"
-                )
-    if report.get("scaling"):
-        lines += render_scaling(report["scaling"])
-    if report.get("checkpointing"):
-        lines += render_checkpointing(report["checkpointing"])
-    if report.get("offload"):
-        lines += render_offload(report["offload"])
-    return "\n".join(lines) + "\n"
+        )
+    return lines
+
+
+def _ranks_with(policies: list[dict[str, Any]], key: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(policy entry, rank entry) for every rank of a feasible policy whose entry has `key`."""
+    return [(e, r) for e in policies if e["status"] == "ok" for r in e["ranks"] if r.get(key)]
+
+
+def _busy_table(policies: list[dict[str, Any]]) -> list[str]:
+    """Each rank's measured busy time against the predicted ([] when nothing was measured)."""
+    measured_ranks = _ranks_with(policies, "measured_busy_s")
+    if not measured_ranks:
+        return []
+    lines = [
+        "",
+        "Per rank, busy time per iteration (its own micro-steps, without waiting for the others):",
+        "",
+        "| policy | rank | device type | micro-batch * accumulation | busy s measured (median) | busy s predicted |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for e, r in measured_ranks:
+        lines.append(
+            f"| {e['policy']} | {r['rank']} | {r['device_type']} | {r['micro_batch_size']} * "
+            f"{r['gradient_accumulation_steps']} "
+            f"| {_fmt(r['measured_busy_s']['median'])} | {_fmt(r['predicted_busy_s'])} |"
+        )
+    return lines
+
+
+def _decomposition_table(policies: list[dict[str, Any]]) -> list[str]:
+    """Where each rank's time goes, predicted against measured ([] when not recorded)."""
+    decomposed = _ranks_with(policies, "decomposition")
+    if not decomposed:
+        return []
+    lines = [
+        "",
+        "Where the time goes, per rank and iteration (seconds, medians; predicted / measured). Compute: the "
+        "profile's micro-steps / the rank's busy time (micro-steps, with their communication at stages 2-3). "
+        "Boundary: predicted collectives + optimizer step / measured reduction with the wait for the slowest "
+        "rank + engine.step. First micro-step after an optimizer step / the others.",
+        "",
+        "| policy | rank | compute | micro-step comm. (pred.) | boundary comm. + optimizer step | "
+        "reduction + wait / step (meas.) | first / other micro-step (meas.) | iteration |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for e, r in decomposed:
+        p, m = r["decomposition"]["predicted"], r["decomposition"]["measured"]
+        lines.append(
+            f"| {e['policy']} | {r['rank']} ({r['device_type']}) | {_fmt(p['compute_s'])} / "
+            f"{_fmt(m['busy_s'])} "
+            f"| {_fmt(p['micro_step_communication_s'])} "
+            f"| {_fmt(p['boundary_communication_s'])} + {_fmt(p['optimizer_step_s'])} "
+            f"| {_fmt(m['boundary_reduction_and_wait_s'])} / {_fmt(m['step_s'])} "
+            f"| {_fmt(m['first_micro_step_s'])} / {_fmt(m['later_micro_step_s'])} "
+            f"| {_fmt(p['iteration_time_s'])} / {_fmt(m['iteration_time_s'])} |"
+        )
+    return lines
+
+
+def _network_lines(network: dict[str, Any]) -> list[str]:
+    fits = ", ".join(
+        f"{name} {fit['bus_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s + {fit['latency_s'] * 1e6:.0f} us/hop"
+        for name, fit in network["collectives"].items()
+    )
+    return [
+        "",
+        f"Network ({network['measured_with']['source']}, {network['backend']}, {network['world_size']} ranks): {fits}.",
+    ]
 
 
 def render_checkpointing(rows: list[dict[str, Any]]) -> list[str]:

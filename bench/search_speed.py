@@ -15,12 +15,11 @@ A100-80GB + 4 x V100-16GB, profiles modelled from datasheet specs); the peak of 
 and numpy allocations comes from one more run under `tracemalloc`. Goal: every such
 cell under 1 s. No profile here is a measurement: the report says so.
 
-    python -m poplar_bench.search_speed            # writes bench/results/search_speed.{json,md}
+Run by ``poplar-bench search-speed``; the figures are in bench/results/search_speed.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -253,24 +252,3 @@ def render_markdown(report: dict[str, Any]) -> str:
 def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """Write ``search_speed.json`` and ``search_speed.md`` into `out_dir`; returns the paths."""
     return write_json_and_markdown(report, render_markdown(report), out_dir, "search_speed")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m poplar_bench.search_speed",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
-    report = run_search_speed(repeats=args.repeats)
-    for path in write_report(report, args.output_dir):
-        print(path)
-    for goal in report["goals"]:
-        print(f"{goal['goal']}: {1000 * goal['value_s']:.1f} ms, {'met' if goal['met'] else 'NOT met'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

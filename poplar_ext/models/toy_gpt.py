@@ -147,11 +147,4 @@ class SyntheticTokens(torch.utils.data.Dataset):
         return random_tokens(self.vocab_size, (self.sequence_length + 1,), seed=self.seed * 1_000_003 + index)
 
 
-def estimated_flops_per_sample(cfg: GPTConfig) -> float:
-    """Forward+backward FLOPs for one sample (6 * params * tokens, plus attention)."""
-    params = 12 * cfg.num_layers * cfg.hidden_size**2 + cfg.vocab_size * cfg.hidden_size
-    attention = 6 * cfg.num_layers * cfg.sequence_length**2 * cfg.hidden_size
-    return 6.0 * params * cfg.sequence_length + attention
-
-
-__all__ = ["GPT", "GPTConfig", "SyntheticTokens", "estimated_flops_per_sample", "num_parameters"]
+__all__ = ["GPT", "GPTConfig", "SyntheticTokens", "num_parameters"]

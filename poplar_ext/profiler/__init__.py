@@ -2,7 +2,8 @@
 
 Read in the order a measurement runs:
 
-* `api`: `profile_model`, the public entry (collective: every rank calls it);
+* `api`: `profile_model`, the public entry (collective: every rank calls it), and
+  `profile_with`, the same with its arguments in one `ProfileOptions` (`options`);
 * `layout`: which device type every rank has, agreed by all ranks;
 * `fingerprint`: which model a profile belongs to;
 * `cache`: profiles reused by what is inside them;
@@ -12,6 +13,7 @@ Read in the order a measurement runs:
 * `cli`: ``poplar-profile`` (also ``deepspeed --module poplar_ext.profiler``).
 """
 
-from poplar_ext.profiler.api import log_progress, profile_model, training_dtype
+from poplar_ext.profiler.api import log_progress, profile_model, profile_with, training_dtype
+from poplar_ext.profiler.options import ProfileOptions
 
-__all__ = ["log_progress", "profile_model", "training_dtype"]
+__all__ = ["ProfileOptions", "log_progress", "profile_model", "profile_with", "training_dtype"]

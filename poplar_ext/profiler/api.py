@@ -5,6 +5,8 @@ stage it reuses the cached profiles whose keys match (`poplar_ext.profiler.cache
 and measures the others inside one DeepSpeed engine per stage
 (`poplar_ext.profiler.measure`). Rank 0 alone reads and writes the cache directory
 (atomically) and sends the profiles to the others, so every rank returns the same list.
+What to measure and how is a `ProfileOptions` (`poplar_ext.profiler.options`):
+`profile_model` takes its fields as keywords, `profile_with` takes one whole.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -52,6 +53,7 @@ from poplar_ext.profiler.measure import (
     stage_ds_config,
 )
 from poplar_ext.profiler.network import cached_or_measured_network
+from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, Progress, log_progress
 from poplar_search.formats import (
     OFFLOAD_STAGES,
     ZERO_STAGES,
@@ -64,16 +66,7 @@ from poplar_search.formats import (
     read_json,
 )
 
-Progress = Callable[[str], None]
-
-CHECKPOINTING_MODES = ("auto", "both", "off")
-"""`profile_model`'s ``activation_checkpointing``: both variants where the model can do
-both, both or an error, or only without checkpointing."""
-
-
-def log_progress(line: str) -> None:
-    """The default progress sink: one line on stderr (called on rank 0 only)."""
-    print(f"[poplar-profile] {line}", file=sys.stderr, flush=True)
+_DEFAULT = ProfileOptions  # profile_model's defaults are ProfileOptions' own (stated once, there)
 
 
 def training_dtype(ds_config: Mapping[str, Any]) -> str:
@@ -125,48 +118,28 @@ class _ProgressReporter:
         self.say(f"ZeRO-{event.zero_stage} {event.phase}: {sizes}; about {left_s:.0f} s left")
 
 
-def _validate(
-    zero_stages: Iterable[int],
-    cache_dir: str | os.PathLike[str],
-    activation_checkpointing: str,
-    optimizer_offload: str = "off",
-) -> tuple[int, ...]:
-    for name, value, modes in (
-        ("activation_checkpointing", activation_checkpointing, CHECKPOINTING_MODES),
-        ("optimizer_offload", optimizer_offload, OFFLOAD_MODES),
-    ):
-        if value not in modes:
-            raise ValueError(f"{name}: expected one of {', '.join(map(repr, modes))}, found {value!r}")
-    stages = tuple(zero_stages)
-    if not stages or any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):
-        raise ValueError(f"zero_stages: expected distinct stages among 0, 1, 2, 3, found {list(stages)}")
-    if Path(cache_dir).exists() and not Path(cache_dir).is_dir():
-        raise ValueError(f"cache_dir: expected a directory, found the file {cache_dir}")
-    return tuple(sorted(stages))
-
-
 def profile_model(
     *,
     model_factory: Callable[[], torch.nn.Module],
     make_batch: Callable[[int], Any],
     ds_config: Mapping[str, Any] | str | os.PathLike[str],
-    cluster: Cluster | str | os.PathLike[str] | None = None,
-    zero_stages: Iterable[int] = ZERO_STAGES,
-    micro_batch_sizes: Iterable[int] | None = None,
-    cache_dir: str | os.PathLike[str] = "profiles",
-    force: bool = False,
-    progress: Progress | None = log_progress,
-    loss_fn: LossFn | None = None,
-    optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
-    model_name: str | None = None,
-    sequence_length: int | None = None,
-    warmup_micro_steps: int = 1,
-    repeats: int = 3,
-    micro_batch_size_limit: int = 256,
-    measure_network: bool = True,
-    activation_checkpointing: str = "auto",
-    checkpointing_toggle: CheckpointingToggle | None = None,
-    optimizer_offload: str = "off",
+    cluster: Cluster | str | os.PathLike[str] | None = _DEFAULT.cluster,
+    zero_stages: Iterable[int] = _DEFAULT.zero_stages,
+    micro_batch_sizes: Iterable[int] | None = _DEFAULT.micro_batch_sizes,
+    cache_dir: str | os.PathLike[str] = _DEFAULT.cache_dir,
+    force: bool = _DEFAULT.force,
+    progress: Progress | None = _DEFAULT.progress,
+    loss_fn: LossFn | None = _DEFAULT.loss_fn,
+    optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = _DEFAULT.optimizer_factory,
+    model_name: str | None = _DEFAULT.model_name,
+    sequence_length: int | None = _DEFAULT.sequence_length,
+    warmup_micro_steps: int = _DEFAULT.warmup_micro_steps,
+    repeats: int = _DEFAULT.repeats,
+    micro_batch_size_limit: int = _DEFAULT.micro_batch_size_limit,
+    measure_network: bool = _DEFAULT.measure_network,
+    activation_checkpointing: str = _DEFAULT.activation_checkpointing,
+    checkpointing_toggle: CheckpointingToggle | None = _DEFAULT.checkpointing_toggle,
+    optimizer_offload: str = _DEFAULT.optimizer_offload,
 ) -> list[Profile]:
     """Profiles of every device type in the job at every stage of `zero_stages` (collective).
 
@@ -175,93 +148,70 @@ def profile_model(
     `force`); the others are measured and written there by rank 0. Returns the same
     list, stage by stage in job order of device types, on every rank.
 
-    model_factory: builds a fresh model (called once per stage measured, plus once
-        for the fingerprint); its forward returns the loss unless `loss_fn` is given.
-    make_batch: ``make_batch(micro_batch_size)`` -> one micro-batch (a tensor, tuple
-        or dict of tensors; moved to the device here). It is never called when every
-        profile comes from the cache.
-    ds_config: the DeepSpeed config (dict or JSON file); batch sizes and the stage
-        are set per engine, everything else (dtype, optimizer, offload) is used as is.
-    cluster: the cluster description, or its file (read by rank 0 alone), or None to
-        discover it from the hardware: device type of every rank, and the emulation of
-        emulated types. Real types must be what the hardware reports.
-    micro_batch_sizes: sizes for the time curve (default: 1, 2, 3, 4, 6, 8, 12, ...
-        up to the largest that fits).
-    progress: called on rank 0 with one line per trial (device type, stage, size,
-        estimated time left); None for silence.
-    loss_fn: ``loss_fn(engine, batch) -> loss`` when the model does not return it.
-    optimizer_factory: builds the optimizer from the parameters when the DeepSpeed
-        config has no ``optimizer`` section.
-    model_name: for people and file names (default: the model's class name).
-    sequence_length: tokens per sample, part of the cache key (None: not a sequence model).
-    micro_batch_size_limit: the probe never tries a larger micro-batch.
-    measure_network: also time the collectives ZeRO issues on the job's process group
-        and write a network file beside the profiles (`poplar_ext.profiler.network`;
-        reused from `cache_dir` when measured on the same cluster), with which the
-        search prices communication.
-    activation_checkpointing: ``"auto"`` (default) measures each type and stage
-        without and with activation checkpointing where the model can do both (the
-        built-in GPT, Hugging Face models, or `checkpointing_toggle` given), so the
-        search can choose per device type; ``"both"`` does so or raises ValueError
-        when the model cannot; ``"off"`` measures without only (half the time).
-    checkpointing_toggle: ``toggle(model, enabled)`` for a model of your own
-        (`poplar_ext.activation_checkpointing`); pass the same one to `initialize`.
-    optimizer_offload: ``"off"`` (default) measures without only; ``"smallest"`` also
-        measures the device type(s) with the least memory with the optimizer offloaded
-        to the host (DeepSpeed's ``offload_optimizer``, at ZeRO stages 1-2), so the
-        search can choose it for them; ``"both"`` does so for every type. An
-        offloaded profile's memory leaves out the host's optimizer state and fp32
-        master weights (on CPU, for an emulated type, they are taken off the
-        measured peak); its boundary includes the host's optimizer step.
+    Each argument is the `ProfileOptions` field of its name, which says what it means
+    and its type and default (`poplar_ext.profiler.options`).
 
     On CPU it measures with one torch thread and glibc's steady allocator
     (`poplar_ext.hardware.cpu_process`), and on return gives the previous thread
     count back and leaves glibc's default thresholds (`memory.default_cpu_allocator`).
     """
-    stages = _validate(zero_stages, cache_dir, activation_checkpointing, optimizer_offload)
+    # The parameters are ProfileOptions' fields, in order (tests/unit/test_profiler_config.py checks).
+    return profile_with(ProfileOptions(**locals()))
+
+
+def profile_with(options: ProfileOptions) -> list[Profile]:
+    """`profile_model` with its arguments in one `ProfileOptions` (poplar-profile's way in); collective."""
+    options, settings = _checked(options)
+    device = join_job()
+    with _measuring_process(device):
+        return _profile(options, settings, device)
+
+
+def _checked(options: ProfileOptions) -> tuple[ProfileOptions, MeasureSettings]:
+    """`options` checked (ValueError naming the argument), the config read, the defaults filled in."""
+    for name, value, modes in (
+        ("activation_checkpointing", options.activation_checkpointing, CHECKPOINTING_MODES),
+        ("optimizer_offload", options.optimizer_offload, OFFLOAD_MODES),
+    ):
+        if value not in modes:
+            raise ValueError(f"{name}: expected one of {', '.join(map(repr, modes))}, found {value!r}")
+    stages = tuple(options.zero_stages)
+    if not stages or any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):
+        raise ValueError(f"zero_stages: expected distinct stages among 0, 1, 2, 3, found {list(stages)}")
+    if Path(options.cache_dir).exists() and not Path(options.cache_dir).is_dir():
+        raise ValueError(f"cache_dir: expected a directory, found the file {options.cache_dir}")
+    sizes = None if options.micro_batch_sizes is None else tuple(options.micro_batch_sizes)
     settings = MeasureSettings(
-        warmup_micro_steps=warmup_micro_steps,
-        repeats=repeats,
-        micro_batch_size_limit=micro_batch_size_limit,
-        micro_batch_sizes=None if micro_batch_sizes is None else tuple(micro_batch_sizes),
+        warmup_micro_steps=options.warmup_micro_steps,
+        repeats=options.repeats,
+        micro_batch_size_limit=options.micro_batch_size_limit,
+        micro_batch_sizes=sizes,
     )
-    config_name = "ds_config"
+    checked = dataclasses.replace(
+        options,
+        ds_config=_read_ds_config(options),
+        zero_stages=tuple(sorted(stages)),
+        micro_batch_sizes=sizes,
+        cache_dir=Path(options.cache_dir),
+        loss_fn=options.loss_fn or default_loss,
+    )
+    return checked, settings
+
+
+def _read_ds_config(options: ProfileOptions) -> Mapping[str, Any]:
+    ds_config, config_name = options.ds_config, "ds_config"
     if not isinstance(ds_config, Mapping):
         config_name = str(ds_config)
         ds_config = read_json(ds_config)
         if not isinstance(ds_config, dict):
             raise ValueError(f"ds_config: expected a JSON object, found {type(ds_config).__name__}")
-    if "optimizer" not in ds_config and optimizer_factory is None:
+    if "optimizer" not in ds_config and options.optimizer_factory is None:
         # DeepSpeed would stop at its first engine with a bare "must provide optimizer" assertion.
         raise ValueError(
             f"{config_name}: optimizer: expected an 'optimizer' section (the optimizer training uses: its step is "
             "part of every profile), found none; add one, or pass optimizer_factory to profile_model"
         )
-    cache_dir = Path(cache_dir)
-    loss_fn = loss_fn or default_loss
-
-    device = join_job()
-    with _measuring_process(device):
-        return _profile(
-            model_factory=model_factory,
-            make_batch=make_batch,
-            ds_config=ds_config,
-            cluster=cluster,
-            stages=stages,
-            settings=settings,
-            cache_dir=cache_dir,
-            force=force,
-            progress=progress,
-            loss_fn=loss_fn,
-            optimizer_factory=optimizer_factory,
-            model_name=model_name,
-            sequence_length=sequence_length,
-            device=device,
-            measure_network=measure_network,
-            activation_checkpointing=activation_checkpointing,
-            toggle=checkpointing_toggle,
-            optimizer_offload=optimizer_offload,
-        )
+    return ds_config
 
 
 @contextmanager
@@ -278,211 +228,227 @@ def _measuring_process(device: torch.device) -> Iterator[None]:
             default_cpu_allocator()
 
 
-def _profile(
-    *,
-    model_factory: Callable[[], torch.nn.Module],
-    make_batch: Callable[[int], Any],
-    ds_config: Mapping[str, Any],
-    cluster: Cluster | str | os.PathLike[str] | None,
-    stages: tuple[int, ...],
-    settings: MeasureSettings,
-    cache_dir: Path,
-    force: bool,
-    progress: Progress | None,
-    loss_fn: LossFn,
-    optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None,
-    model_name: str | None,
-    sequence_length: int | None,
-    device: torch.device,
-    measure_network: bool,
-    activation_checkpointing: str = "auto",
-    toggle: CheckpointingToggle | None = None,
-    optimizer_offload: str = "off",
-) -> list[Profile]:
-    import deepspeed
+@dataclass(frozen=True)
+class _Run:
+    """One engine's worth of measuring: a ZeRO stage with its memory levers."""
 
-    layout = build_layout(cluster, device)
-    if measure_network:
-        _, line = cached_or_measured_network(layout, cache_dir, force=force)
-        if layout.rank == 0 and progress is not None:
-            progress(line)
+    zero_stage: int
+    checkpointing: bool
+    offload: bool
 
-    first_model: list[torch.nn.Module] = [model_factory()]
-    fingerprint = model_fingerprint(first_model[0])
-    switch = checkpointing_toggle(first_model[0], toggle)
-    if switch is None and activation_checkpointing == "both":
-        raise ValueError(cannot_checkpoint_message(first_model[0], wanted_by="activation_checkpointing 'both'"))
-    variants = (False, True) if switch is not None and activation_checkpointing != "off" else (False,)
-    model_info = ModelInfo(
-        name=model_name or type(first_model[0]).__name__.lower(),
-        fingerprint=fingerprint,
-        num_parameters=sum(p.numel() for p in first_model[0].parameters()),
-        dtype=training_dtype(ds_config),
-        sequence_length=sequence_length,
-    )
-    versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
-    config_fp = ds_config_fingerprint(ds_config)
+    @property
+    def title(self) -> str:
+        return f"ZeRO-{self.zero_stage}{levers_text(self.checkpointing, self.offload)}"
 
-    if optimizer_offload == "both":
-        offload_types = tuple(layout.type_names)
-    elif optimizer_offload == "smallest":
-        least = min(layout.capacities_bytes[t] for t in layout.type_names)
-        offload_types = tuple(t for t in layout.type_names if layout.capacities_bytes[t] == least)
-    else:
-        offload_types = ()
 
-    def key(device_type: str, stage: int, checkpointing: bool, offload: bool) -> ProfileKey:
+@dataclass(kw_only=True)
+class _Session:
+    """What the measurements of one `profile_with` call share, alike on every rank."""
+
+    options: ProfileOptions
+    """Checked (`_checked`): the config read, the stages sorted."""
+    settings: MeasureSettings
+    layout: JobLayout
+    model: ModelInfo
+    toggle: CheckpointingToggle | None
+    """Switches activation checkpointing in a fresh model; None: the model cannot."""
+    versions: dict[str, str]
+    config_fingerprint: str
+    offload_types: tuple[str, ...]
+    """The device types also measured with the optimizer offloaded."""
+    runs: tuple[_Run, ...]
+    spare_models: list[torch.nn.Module]
+    """The model built for the fingerprint, which the first engine takes instead of building one."""
+
+    def types_of(self, run: _Run) -> tuple[str, ...]:
+        return self.offload_types if run.offload else self.layout.type_names
+
+    def key(self, device_type: str, run: _Run) -> ProfileKey:
         return ProfileKey(
-            model_fingerprint=fingerprint,
+            model_fingerprint=self.model.fingerprint,
             device_type=device_type,
-            emulation=layout.emulations[device_type],
-            zero_stage=stage,
-            world_size=layout.world_size,
-            dtype=model_info.dtype,
-            sequence_length=sequence_length,
-            torch_version=versions["torch"],
-            deepspeed_version=versions["deepspeed"],
-            ds_config_fingerprint=config_fp,
-            activation_checkpointing=checkpointing,
-            optimizer_offload=offload,
+            emulation=self.layout.emulations[device_type],
+            zero_stage=run.zero_stage,
+            world_size=self.layout.world_size,
+            dtype=self.model.dtype,
+            sequence_length=self.options.sequence_length,
+            torch_version=self.versions["torch"],
+            deepspeed_version=self.versions["deepspeed"],
+            ds_config_fingerprint=self.config_fingerprint,
+            activation_checkpointing=run.checkpointing,
+            optimizer_offload=run.offload,
         )
 
-    runs = [
-        (stage, checkpointing, offload)
-        for stage in stages
-        for checkpointing in variants
-        for offload in ((False, True) if offload_types and stage in OFFLOAD_STAGES else (False,))
-    ]
+    def build_engine(self, run: _Run) -> Any:
+        import deepspeed
 
-    def run_types(offload: bool) -> tuple[str, ...]:
-        return offload_types if offload else tuple(layout.type_names)
-
-    cached: dict[tuple[str, int, bool, bool], dict[str, Any]] = {}
-    if layout.rank == 0 and not force:
-        for stage, checkpointing, offload in runs:
-            for t in run_types(offload):
-                found = find_cached_profile(cache_dir, key(t, stage, checkpointing, offload))
-                if found is not None:
-                    cached[(t, stage, checkpointing, offload)] = profile_to_dict(found)
-    cached = broadcast_from_rank0(cached)
-
-    def build_engine(stage: int, checkpointing: bool, offload: bool) -> Any:
-        model = first_model.pop() if first_model else model_factory()
-        if model_fingerprint(model) != fingerprint:
+        model = self.spare_models.pop() if self.spare_models else self.options.model_factory()
+        if model_fingerprint(model) != self.model.fingerprint:
             raise ValueError("model_factory: expected the same architecture on every call, found another one")
-        if switch is not None:
-            switch(model, checkpointing)
+        if self.toggle is not None:
+            self.toggle(model, run.checkpointing)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = None if optimizer_factory is None else optimizer_factory(params)
-        config = stage_ds_config(ds_config, zero_stage=stage, world_size=layout.world_size)
-        if offload:
+        optimizer = None if self.options.optimizer_factory is None else self.options.optimizer_factory(params)
+        config = stage_ds_config(self.options.ds_config, zero_stage=run.zero_stage, world_size=self.layout.world_size)
+        if run.offload:
             offload_deepspeed_optimizer(config)
         try:
-            engine, *_ = deepspeed.initialize(
-                model=model,
-                model_parameters=params,
-                optimizer=optimizer,
-                config=config,
-            )
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=config)
         except AssertionError as exc:
             # DeepSpeed checks configs with assert; the same config fails alike on every rank.
-            raise ValueError(f"ds_config: DeepSpeed refused it at ZeRO stage {stage}: {exc}") from exc
+            raise ValueError(f"ds_config: DeepSpeed refused it at ZeRO stage {run.zero_stage}: {exc}") from exc
         return engine
 
-    reporter = _ProgressReporter(
-        sink=progress,
+
+def _start_session(options: ProfileOptions, settings: MeasureSettings, layout: JobLayout) -> _Session:
+    import deepspeed
+
+    first_model = options.model_factory()
+    toggle = checkpointing_toggle(first_model, options.checkpointing_toggle)
+    if toggle is None and options.activation_checkpointing == "both":
+        raise ValueError(cannot_checkpoint_message(first_model, wanted_by="activation_checkpointing 'both'"))
+    variants = (False, True) if toggle is not None and options.activation_checkpointing != "off" else (False,)
+    offload_types = _offload_types(layout, options.optimizer_offload)
+    return _Session(
+        options=options,
+        settings=settings,
         layout=layout,
-        stages_left=sum(1 for s, c, o in runs if any((t, s, c, o) not in cached for t in run_types(o))),
+        model=ModelInfo(
+            name=options.model_name or type(first_model).__name__.lower(),
+            fingerprint=model_fingerprint(first_model),
+            num_parameters=sum(p.numel() for p in first_model.parameters()),
+            dtype=training_dtype(options.ds_config),
+            sequence_length=options.sequence_length,
+        ),
+        toggle=toggle,
+        versions={"torch": torch.__version__, "deepspeed": deepspeed.__version__},
+        config_fingerprint=ds_config_fingerprint(options.ds_config),
+        offload_types=offload_types,
+        runs=tuple(
+            _Run(stage, checkpointing, offload)
+            for stage in options.zero_stages
+            for checkpointing in variants
+            for offload in ((False, True) if offload_types and stage in OFFLOAD_STAGES else (False,))
+        ),
+        spare_models=[first_model],
     )
-    produced: dict[tuple[str, int, bool, bool], dict[str, Any]] = dict(cached)
-    for stage, checkpointing, offload in runs:
-        title = f"ZeRO-{stage}{levers_text(checkpointing, offload)}"
-        for t in run_types(offload):
-            if (t, stage, checkpointing, offload) in cached:
-                reporter.say(f"{title}: {device_label(t, layout.emulations[t])} from the cache (not measured)")
-        to_measure = tuple(t for t in run_types(offload) if (t, stage, checkpointing, offload) not in cached)
-        if not to_measure:
-            continue
-        reporter.stage_started(stage, to_measure, title=title)
-        started = time.monotonic()
-        results = StageMeasurement(
-            layout=layout,
-            zero_stage=stage,
-            types_to_measure=to_measure,
-            build_engine=lambda stage, checkpointing=checkpointing, offload=offload: build_engine(
-                stage, checkpointing, offload
-            ),
-            make_batch=make_batch,
-            loss_fn=loss_fn,
-            settings=settings,
-            on_trial=reporter.trial,
-        ).run()
-        reporter.stage_finished()
-        stage_seconds = time.monotonic() - started
-        for t, result in results.items():
-            if not result.complete:
-                reporter.say(f"{title}: {t} not profiled: {result.probe.get('abandoned')}")
-                continue
-            profile = _make_profile(
-                result,
-                layout=layout,
-                stage=stage,
-                model=model_info,
-                versions=versions,
-                config_fp=config_fp,
-                settings=settings,
-                stage_seconds=stage_seconds,
-                activation_checkpointing=checkpointing,
-                optimizer_offload=offload,
-            )
-            if layout.rank == 0:
-                path = store_profile(cache_dir, profile)
-                reporter.say(
-                    f"{title}: {t}: largest micro-batch {profile.max_micro_batch_size}, "
-                    f"{len(profile.samples)} sizes, {stage_seconds:.1f} s -> {path}"
-                )
-            produced[(t, stage, checkpointing, offload)] = profile_to_dict(profile)
+
+
+def _offload_types(layout: JobLayout, optimizer_offload: str) -> tuple[str, ...]:
+    """The device types `optimizer_offload` (``off``, ``smallest``, ``both``) measures offloaded too."""
+    if optimizer_offload == "both":
+        return layout.type_names
+    if optimizer_offload == "smallest":
+        least = min(layout.capacities_bytes[t] for t in layout.type_names)
+        return tuple(t for t in layout.type_names if layout.capacities_bytes[t] == least)
+    return ()
+
+
+def _profile(options: ProfileOptions, settings: MeasureSettings, device: torch.device) -> list[Profile]:
+    layout = build_layout(options.cluster, device)
+    if options.measure_network:
+        _, line = cached_or_measured_network(layout, options.cache_dir, force=options.force)
+        if layout.rank == 0 and options.progress is not None:
+            options.progress(line)
+    session = _start_session(options, settings, layout)
+    cached = broadcast_from_rank0(_cached_on_rank0(session))
+    reporter = _ProgressReporter(
+        sink=options.progress,
+        layout=layout,
+        stages_left=sum(1 for run in session.runs if _to_measure(session, run, cached)),
+    )
+    produced = dict(cached)
+    for run in session.runs:
+        produced.update(_measure_run(session, run, cached, reporter))
     produced = broadcast_from_rank0(produced if layout.rank == 0 else None)
     return [
-        profile_from_dict(produced[(t, s, c, o)], source=f"<profile {t} ZeRO-{s}{levers_text(c, o)}>")
-        for s, c, o in runs
+        profile_from_dict(produced[(t, run)], source=f"<profile {t} {run.title}>")
+        for run in session.runs
         for t in layout.type_names
-        if (t, s, c, o) in produced
+        if (t, run) in produced
     ]
 
 
-def _make_profile(
-    result: TypeStageResult,
-    *,
-    layout: JobLayout,
-    stage: int,
-    model: ModelInfo,
-    versions: dict[str, str],
-    config_fp: str,
-    settings: MeasureSettings,
-    stage_seconds: float,
-    activation_checkpointing: bool = False,
-    optimizer_offload: bool = False,
-) -> Profile:
+_Produced = dict[tuple[str, _Run], dict[str, Any]]
+"""Profiles (as dicts, sent between ranks) by device type and run."""
+
+
+def _cached_on_rank0(session: _Session) -> _Produced:
+    """The cache's profiles for the session's runs, read by rank 0 ({} elsewhere, or when forced)."""
+    cached: _Produced = {}
+    if session.layout.rank == 0 and not session.options.force:
+        for run in session.runs:
+            for t in session.types_of(run):
+                found = find_cached_profile(session.options.cache_dir, session.key(t, run))
+                if found is not None:
+                    cached[(t, run)] = profile_to_dict(found)
+    return cached
+
+
+def _to_measure(session: _Session, run: _Run, cached: _Produced) -> tuple[str, ...]:
+    return tuple(t for t in session.types_of(run) if (t, run) not in cached)
+
+
+def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _ProgressReporter) -> _Produced:
+    """The run's profiles not in the cache, measured in one engine (collective); rank 0 stores them."""
+    layout = session.layout
+    for t in session.types_of(run):
+        if (t, run) in cached:
+            reporter.say(f"{run.title}: {device_label(t, layout.emulations[t])} from the cache (not measured)")
+    to_measure = _to_measure(session, run, cached)
+    if not to_measure:
+        return {}
+    reporter.stage_started(run.zero_stage, to_measure, title=run.title)
+    started = time.monotonic()
+    results = StageMeasurement(
+        layout=layout,
+        zero_stage=run.zero_stage,
+        types_to_measure=to_measure,
+        build_engine=lambda _stage: session.build_engine(run),  # _stage is run.zero_stage
+        make_batch=session.options.make_batch,
+        loss_fn=session.options.loss_fn,
+        settings=session.settings,
+        on_trial=reporter.trial,
+    ).run()
+    reporter.stage_finished()
+    stage_seconds = time.monotonic() - started
+    produced: _Produced = {}
+    for t, result in results.items():
+        if not result.complete:
+            reporter.say(f"{run.title}: {t} not profiled: {result.probe.get('abandoned')}")
+            continue
+        profile = _make_profile(result, session, run, stage_seconds=stage_seconds)
+        if layout.rank == 0:
+            path = store_profile(session.options.cache_dir, profile)
+            reporter.say(
+                f"{run.title}: {t}: largest micro-batch {profile.max_micro_batch_size}, "
+                f"{len(profile.samples)} sizes, {stage_seconds:.1f} s -> {path}"
+            )
+        produced[(t, run)] = profile_to_dict(profile)
+    return produced
+
+
+def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stage_seconds: float) -> Profile:
+    layout, settings, config_fp = session.layout, session.settings, session.config_fingerprint
     t = result.device_type
     emulation = layout.emulations[t]
     cuda = layout.device.type == "cuda"
     return Profile(
         device_type=t,
         memory_capacity_bytes=layout.capacities_bytes[t],
-        zero_stage=stage,
+        zero_stage=run.zero_stage,
         world_size=layout.world_size,
-        model=model,
+        model=session.model,
         max_micro_batch_size=result.max_micro_batch_size,
         samples=result.samples,
         optimizer_step_time_s=result.optimizer_step_time_s,
         # Measured at the emulation's own slowdown: a drift schedule is training's, not the profile's.
         emulated=None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=()),
-        activation_checkpointing=activation_checkpointing,
-        optimizer_offload=optimizer_offload,
+        activation_checkpointing=run.checkpointing,
+        optimizer_offload=run.offload,
         measured_with={
             "source": "measured",
-            **versions,
+            **session.versions,
             "python": platform.python_version(),
             "host": layout.hosts[t],
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -507,4 +473,4 @@ def _make_profile(
     )
 
 
-__all__ = ["log_progress", "profile_model", "training_dtype"]
+__all__ = ["ProfileOptions", "log_progress", "profile_model", "profile_with", "training_dtype"]

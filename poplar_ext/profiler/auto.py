@@ -77,6 +77,7 @@ def missing_profiles_measurer(
     `optimizer_offload` (``poplar.optimizer_offload``) is passed on to `profile_model`.
     """
     from poplar_ext.profiler import log_progress, profile_model
+    from poplar_ext.profiler.options import ProfileOptions
 
     if len(training_data) < 1:
         raise ValueError("training_data: expected at least one sample to build micro-batches from, found none")
@@ -100,7 +101,7 @@ def missing_profiles_measurer(
             optimizer_factory=optimizer_factory,
             loss_fn=loss_fn,
             model_name=type(model).__name__.lower(),
-            micro_batch_size_limit=micro_batch_size_limit or 256,
+            micro_batch_size_limit=micro_batch_size_limit or ProfileOptions.micro_batch_size_limit,
             checkpointing_toggle=checkpointing_toggle,
             optimizer_offload=optimizer_offload,
         )

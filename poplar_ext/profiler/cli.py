@@ -15,21 +15,24 @@ or with the built-in toy GPT (no downloads)::
 that path is the real script, not a pyenv or conda shim the launcher cannot run;
 with torchrun: ``torchrun --nproc_per_node 8 -m poplar_ext.profiler ...``.)
 
-Thin: parsing and input checks here, the work in `poplar_ext.profiler.profile_model`.
+Thin: parsing and input checks here, into a `ProfileOptions`; the work in
+`poplar_ext.profiler.profile_with`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from poplar_ext.optimizer_offload import OFFLOAD_MODES
+from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, log_progress
 from poplar_search.errors import FormatError
 from poplar_search.formats import ZERO_STAGES
 
@@ -38,6 +41,9 @@ HF_PREFIX = "hf:"
 """``--model hf:CONFIG_CLASS``: a transformers model built from its config (random weights)."""
 DISCOVERED_CLUSTER_FILE = "cluster.json"
 """Where, in the output directory, a run without --cluster writes the cluster it discovered."""
+
+
+_DEFAULT = ProfileOptions  # the command line's defaults are ProfileOptions' own
 
 
 class UsageError(ValueError):
@@ -97,12 +103,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument(
         "--zero-stages",
-        default="0,1,2,3",
+        default=",".join(map(str, _DEFAULT.zero_stages)),
         metavar="LIST",
-        help="comma-separated ZeRO stages to profile (default: 0,1,2,3)",
+        help="comma-separated ZeRO stages to profile (default: %(default)s)",
     )
     parser.add_argument(
-        "--output-dir", default="profiles", metavar="DIR", help="profile cache directory (default: profiles)"
+        "--output-dir", default=_DEFAULT.cache_dir, metavar="DIR", help="profile cache directory (default: %(default)s)"
     )
     parser.add_argument("--force", action="store_true", help="measure again even where a matching profile exists")
     parser.add_argument(
@@ -121,15 +127,23 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--max-micro-batch-size",
         type=int,
-        default=256,
+        default=_DEFAULT.micro_batch_size_limit,
         metavar="N",
-        help="never try a larger micro-batch (default: 256)",
+        help="never try a larger micro-batch (default: %(default)s)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=3, metavar="N", help="timed micro-steps per size; the median counts (default: 3)"
+        "--repeats",
+        type=int,
+        default=_DEFAULT.repeats,
+        metavar="N",
+        help="timed micro-steps per size; the median counts (default: %(default)s)",
     )
     parser.add_argument(
-        "--warmup", type=int, default=1, metavar="N", help="untimed micro-steps per size first (default: 1)"
+        "--warmup",
+        type=int,
+        default=_DEFAULT.warmup_micro_steps,
+        metavar="N",
+        help="untimed micro-steps per size first (default: %(default)s)",
     )
     parser.add_argument(
         "--model-name", metavar="NAME", help="name in the profiles and file names (default: from the model)"
@@ -143,20 +157,20 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument(
         "--activation-checkpointing",
-        default="auto",
-        choices=("auto", "both", "off"),
-        help="auto (default): measure each type and stage without and with activation checkpointing where the model "
-        "can do both (built-in models, Hugging Face models with gradient checkpointing, or --checkpointing-toggle), "
-        "so that poplar-search can choose it per device type; both: the same, or an error when the model cannot; "
-        "off: without only (half the time)",
+        default=_DEFAULT.activation_checkpointing,
+        choices=CHECKPOINTING_MODES,
+        help="auto: measure each type and stage without and with activation checkpointing where the model can do "
+        "both (built-in models, Hugging Face models with gradient checkpointing, or --checkpointing-toggle), so that "
+        "poplar-search can choose it per device type; both: the same, or an error when the model cannot; off: without "
+        "only (half the time); default: %(default)s",
     )
     parser.add_argument(
         "--optimizer-offload",
-        default="off",
-        choices=("off", "smallest", "both"),
-        help="off (default): measure without only; smallest: also measure the device type(s) with the least memory "
-        "with the optimizer offloaded to the host (DeepSpeed's offload_optimizer, ZeRO stages 1-2), so that "
-        "poplar-search can choose it for them; both: every type so",
+        default=_DEFAULT.optimizer_offload,
+        choices=OFFLOAD_MODES,
+        help="off: measure without only; smallest: also measure the device type(s) with the least memory with the "
+        "optimizer offloaded to the host (DeepSpeed's offload_optimizer, ZeRO stages 1-2), so that poplar-search can "
+        "choose it for them; both: every type so; default: %(default)s",
     )
     parser.add_argument(
         "--checkpointing-toggle",
@@ -224,37 +238,6 @@ def _load_callable(spec: str, *, option: str) -> Callable[..., Any]:
     if not callable(target):
         raise UsageError(f"{option}: expected a callable at {spec!r}, found {type(target).__name__}")
     return target
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProfileCommand:
-    """A checked command line: everything `profile_model` needs."""
-
-    ds_config: dict[str, Any]
-    loss_fn: Callable[[Any, Any], Any] | None
-    """``loss_fn(engine, batch) -> loss``; None: the output's ``.loss``, else the output."""
-    cluster_path: Path | None
-    """None: the cluster is discovered from the hardware and written next to the profiles."""
-    model_factory: Callable[[], Any]
-    make_batch: Callable[[int], Any]
-    model_name: str | None
-    sequence_length: int | None
-    zero_stages: tuple[int, ...]
-    output_dir: Path
-    force: bool
-    micro_batch_sizes: tuple[int, ...] | None
-    max_micro_batch_size: int
-    repeats: int
-    warmup_micro_steps: int
-    quiet: bool
-    measure_network: bool = True
-    """Time the collectives and write the network file beside the profiles (see `search.network`)."""
-    activation_checkpointing: str = "auto"
-    """``auto``, ``both`` or ``off``: see `profile_model`."""
-    checkpointing_toggle: Callable[[Any, bool], None] | None = None
-    """``toggle(model, enabled)`` for a model of the user's (None: built-in models need none)."""
-    optimizer_offload: str = "off"
-    """``off``, ``smallest`` or ``both``: see `profile_model`."""
 
 
 def _builtin_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int], Any], str, int]:
@@ -327,8 +310,12 @@ def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[in
     return (lambda: model_from_config(config_class, sizes, task=args.hf_task)), make_batch, name, sequence_length
 
 
-def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
-    """Parse and check the command line; raises `UsageError` (one line) on bad input."""
+def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
+    """Parse and check the command line; raises `UsageError` (one line) on bad input.
+
+    The options' `cluster` is the --cluster file, or None (`run` discovers it); their
+    `progress` is None under --quiet.
+    """
     args = build_parser().parse_args(argv)
     stages = _int_list(args.zero_stages, option="--zero-stages")
     if any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):
@@ -336,6 +323,37 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
     sizes = None if args.micro_batch_sizes is None else _int_list(args.micro_batch_sizes, option="--micro-batch-sizes")
     if sizes is not None and min(sizes) < 1:
         raise UsageError(f"--micro-batch-sizes: expected integers >= 1, found {args.micro_batch_sizes!r}")
+    _check_minimums(args)
+    ds_config = _deepspeed_config(Path(args.deepspeed_config))
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UsageError(f"--output-dir: expected a directory, found the file {output_dir}")
+    model_factory, make_batch, name, sequence_length = _model(args)
+    return ProfileOptions(
+        model_factory=model_factory,
+        make_batch=make_batch,
+        ds_config=ds_config,
+        # The cluster file is read by rank 0 alone, inside the job (other nodes need not have it).
+        cluster=None if args.cluster is None else Path(args.cluster),
+        zero_stages=tuple(sorted(stages)),
+        micro_batch_sizes=sizes,
+        cache_dir=output_dir,
+        force=args.force,
+        progress=None if args.quiet else log_progress,
+        loss_fn=None if args.loss is None else _load_callable(args.loss, option="--loss"),
+        model_name=args.model_name or name,
+        sequence_length=sequence_length,
+        warmup_micro_steps=args.warmup,
+        repeats=args.repeats,
+        micro_batch_size_limit=args.max_micro_batch_size,
+        measure_network=not args.no_network,
+        activation_checkpointing=args.activation_checkpointing,
+        checkpointing_toggle=_toggle(args),
+        optimizer_offload=args.optimizer_offload,
+    )
+
+
+def _check_minimums(args: argparse.Namespace) -> None:
     for option, value, minimum in (
         ("--max-micro-batch-size", args.max_micro_batch_size, 1),
         ("--repeats", args.repeats, 1),
@@ -344,7 +362,9 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
     ):
         if value < minimum:
             raise UsageError(f"{option}: expected an integer >= {minimum}, found {value}")
-    config_path = Path(args.deepspeed_config)
+
+
+def _deepspeed_config(config_path: Path) -> dict[str, Any]:
     from poplar_search.formats import read_json
 
     try:
@@ -360,62 +380,44 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileCommand:
             f"--deepspeed_config: {config_path}: optimizer: expected an 'optimizer' section (the optimizer training "
             "uses: its step is part of every profile), found none"
         )
-    # The cluster file is read by rank 0 alone, inside the job (other nodes need not have it).
-    cluster_path = None if args.cluster is None else Path(args.cluster)
-    output_dir = Path(args.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UsageError(f"--output-dir: expected a directory, found the file {output_dir}")
+    return ds_config
+
+
+def _model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int], Any], str | None, int | None]:
+    """The model factory, the batch maker, the model's name and its sequence length (None: not known)."""
     if args.model in BUILTIN_MODELS or args.model.startswith(HF_PREFIX):
         if args.batch is not None:
             kind = "the built-in model" if args.model in BUILTIN_MODELS else "the model"
             raise UsageError(f"--batch: {kind} {args.model} makes its own batches; leave --batch out")
         build = _hf_model if args.model.startswith(HF_PREFIX) else _builtin_model
-        model_factory, make_batch, name, sequence_length = build(args)
-    else:
-        if args.batch is None:
-            raise UsageError(
-                "--batch: required with a --model of your own (MODULE:FACTORY taking the micro-batch size)"
-            )
-        model_factory = _load_callable(args.model, option="--model")
-        make_batch = _load_callable(args.batch, option="--batch")
-        name, sequence_length = None, args.sequence_length
-    loss_fn = None if args.loss is None else _load_callable(args.loss, option="--loss")
-    toggle = None
-    if args.checkpointing_toggle is not None:
-        if args.activation_checkpointing == "off":
-            raise UsageError("--checkpointing-toggle: not used with --activation-checkpointing off; leave one out")
-        toggle = _load_callable(args.checkpointing_toggle, option="--checkpointing-toggle")
-    return ProfileCommand(
-        ds_config=ds_config,
-        loss_fn=loss_fn,
-        cluster_path=cluster_path,
-        model_factory=model_factory,
-        make_batch=make_batch,
-        model_name=args.model_name or name,
-        sequence_length=sequence_length,
-        zero_stages=tuple(sorted(stages)),
-        output_dir=output_dir,
-        force=args.force,
-        micro_batch_sizes=sizes,
-        max_micro_batch_size=args.max_micro_batch_size,
-        repeats=args.repeats,
-        warmup_micro_steps=args.warmup,
-        quiet=args.quiet,
-        measure_network=not args.no_network,
-        activation_checkpointing=args.activation_checkpointing,
-        checkpointing_toggle=toggle,
-        optimizer_offload=args.optimizer_offload,
-    )
+        return build(args)
+    if args.batch is None:
+        raise UsageError("--batch: required with a --model of your own (MODULE:FACTORY taking the micro-batch size)")
+    model_factory = _load_callable(args.model, option="--model")
+    make_batch = _load_callable(args.batch, option="--batch")
+    return model_factory, make_batch, None, args.sequence_length
 
 
-def run(command: ProfileCommand) -> list[Any]:
-    """Profile as `command` says (collective: every rank runs it); returns the profiles."""
+def _toggle(args: argparse.Namespace) -> Callable[[Any, bool], None] | None:
+    if args.checkpointing_toggle is None:
+        return None
+    if args.activation_checkpointing == "off":
+        raise UsageError("--checkpointing-toggle: not used with --activation-checkpointing off; leave one out")
+    return _load_callable(args.checkpointing_toggle, option="--checkpointing-toggle")
+
+
+def run(options: ProfileOptions) -> list[Any]:
+    """Profile as `options` say (collective: every rank runs it); returns the profiles.
+
+    Without a cluster, the cluster read from the hardware is written beside the profiles
+    (for poplar-search) and measured.
+    """
     from deepspeed.accelerator import get_accelerator
 
     from poplar_ext.collectives import process_group_rank
     from poplar_ext.hardware.cpu_process import skip_deepspeed_shm_op
     from poplar_ext.hardware.discovery import discover_cluster
-    from poplar_ext.profiler import log_progress, profile_model
+    from poplar_ext.profiler import profile_with
     from poplar_search.formats import save_cluster
 
     if get_accelerator().device_name() == "cpu":
@@ -423,35 +425,15 @@ def run(command: ProfileCommand) -> list[Any]:
         # only inference uses (see poplar_ext.hardware.cpu_process).
         skip_deepspeed_shm_op()
 
-    cluster = command.cluster_path
-    if cluster is None:
+    if options.cluster is None:
         cluster = discover_cluster()
         if process_group_rank()[0] == 0:
-            target = command.output_dir / DISCOVERED_CLUSTER_FILE
+            target = Path(options.cache_dir) / DISCOVERED_CLUSTER_FILE
             save_cluster(cluster, target)
-            if not command.quiet:
-                log_progress(f"the cluster read from the hardware: {target}")
-    return profile_model(
-        model_factory=command.model_factory,
-        make_batch=command.make_batch,
-        ds_config=command.ds_config,
-        cluster=cluster,
-        zero_stages=command.zero_stages,
-        micro_batch_sizes=command.micro_batch_sizes,
-        cache_dir=command.output_dir,
-        force=command.force,
-        progress=None if command.quiet else log_progress,
-        model_name=command.model_name,
-        sequence_length=command.sequence_length,
-        warmup_micro_steps=command.warmup_micro_steps,
-        repeats=command.repeats,
-        micro_batch_size_limit=command.max_micro_batch_size,
-        loss_fn=command.loss_fn,
-        measure_network=command.measure_network,
-        activation_checkpointing=command.activation_checkpointing,
-        checkpointing_toggle=command.checkpointing_toggle,
-        optimizer_offload=command.optimizer_offload,
-    )
+            if options.progress is not None:
+                options.progress(f"the cluster read from the hardware: {target}")
+        options = dataclasses.replace(options, cluster=cluster)
+    return profile_with(options)
 
 
 def summary(profiles: Sequence[Any]) -> str:
@@ -469,12 +451,12 @@ def summary(profiles: Sequence[Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``poplar-profile``; returns the exit status."""
     try:
-        command = parse_command(argv)
+        options = parse_command(argv)
     except UsageError as exc:
         print(f"poplar-profile: error: {exc}", file=sys.stderr)
         return 2
     try:
-        profiles = run(command)
+        profiles = run(options)
     except (ValueError, FormatError) as exc:
         print(f"poplar-profile: error: {exc}", file=sys.stderr)
         return 2

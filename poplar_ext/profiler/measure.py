@@ -39,6 +39,7 @@ from poplar_ext.hardware.emulation import (
 )
 from poplar_ext.hardware.memory import MeasuredPeak, is_out_of_memory, release_memory
 from poplar_ext.profiler.layout import JobLayout
+from poplar_ext.profiler.options import ProfileOptions
 from poplar_ext.profiler.sizes import LargestFitSearch, dense_sizes
 from poplar_search.formats import Sample
 
@@ -55,13 +56,13 @@ _NOMINAL_ACCUMULATION_STEPS = 1_000_000
 
 @dataclass(frozen=True, kw_only=True)
 class MeasureSettings:
-    """How much to measure."""
+    """How much to measure (`ProfileOptions`' fields of the same names, whose defaults these are)."""
 
-    warmup_micro_steps: int = 1
+    warmup_micro_steps: int = ProfileOptions.warmup_micro_steps
     """Unmeasured micro-steps at each size before the measured ones."""
-    repeats: int = 3
+    repeats: int = ProfileOptions.repeats
     """Measured micro-steps per size (their median is the sample's time)."""
-    micro_batch_size_limit: int = 256
+    micro_batch_size_limit: int = ProfileOptions.micro_batch_size_limit
     """Never try a micro-batch larger than this (the probe stops there)."""
     micro_batch_sizes: tuple[int, ...] | None = None
     """Sizes for the time curve; None: a dense geometric set up to the largest that fits."""

@@ -1,28 +1,26 @@
 """The ``poplar`` section of a DeepSpeed config, and the per-rank config DeepSpeed gets.
 
-A DeepSpeed JSON config plus a top-level section::
+A DeepSpeed JSON config plus a top-level section. Its shape, every key at its default
+but the three a job names itself (`cluster`, `profiles`, `global_batch_size`)::
 
     "poplar": {
-        "cluster": "cluster.json",        # device type of every rank; absent: read from the hardware
-        "plan": "plan.json",              # a plan from poplar-search, or instead:
+        "cluster": "cluster.json",        # the device type of every rank
+        "plan": null,                     # a plan from poplar-search, or instead:
         "profiles": "profiles/",          # profiles to search a plan from at start
-        "policy": "poplar",               # search policy (uniform, proportional, poplar)
-        "global_batch_size": 96,          # default: DeepSpeed's (train_batch_size, or micro x
-                                          #   accumulation x ranks); "auto": the search picks
-        "max_global_batch_size": null,    # upper bound for "auto"
-        "zero_stage": "auto",             # the search picks the stage; or 0-3; absent: the
-                                          #   DeepSpeed config's zero_optimization.stage, else auto
-        "seed": 0,                        # data shuffle seed
+        "policy": "poplar",
+        "global_batch_size": 96,          # or "auto": the search picks
+        "max_global_batch_size": null,
+        "zero_stage": null,
+        "seed": 0,
         "shuffle": true,
-        "drop_last": false,               # true: each pass over the loader ends at the epoch boundary
-        "loss_reduction": "mean",         # the training loss over a micro-batch: mean, sum, token_mean
-        "log_interval_steps": 10,         # true global batch and samples/s every N steps; 0: never
-        "cpu_threads": null,              # CPU only: torch threads for this process; null: unchanged
-        "steady_cpu_allocator": false,    # CPU only: glibc keeps freed memory (as the profiler measures)
-        "optimizer_offload": "off",       # automatic mode: also profile the smallest-memory type(s)
-                                          #   ("smallest") or every type ("both") with the optimizer offloaded
-        "rebalance": {                    # re-plan during training when devices drift (RebalanceConfig)
-            "enabled": "auto",            # on where poplar.profiles has the curves; true / false
+        "drop_last": false,
+        "loss_reduction": "mean",
+        "log_interval_steps": 10,
+        "cpu_threads": null,
+        "steady_cpu_allocator": false,
+        "optimizer_offload": "off",
+        "rebalance": {
+            "enabled": "auto",
             "check_interval_steps": 10,
             "threshold": 0.2,
             "min_gain": 0.05,
@@ -30,7 +28,8 @@ A DeepSpeed JSON config plus a top-level section::
         }
     }
 
-Every field is documented on `PoplarConfig`. Errors name the file and the field:
+What each key means, and its default, is on the fields of `PoplarConfig` and `RebalanceConfig`
+(tests/unit/test_config.py holds the example to them). Errors name the file and the field:
 ``ds.json: poplar.seed: expected an integer >= 0, found number -1``.
 
 Relative paths are relative to the config file's directory (to the working
@@ -68,7 +67,7 @@ class RebalanceConfig:
     """Check for drift and switch plans. ``"auto"`` (None, the default): on wherever it can run,
     that is where ``poplar.profiles`` holds a profile of every device type at the plan's stage
     (the curves it re-plans from), off otherwise (said once in the log); its cost without drift
-    is 0.4% of iteration time on the CPU demo (bench/results/drift.md). ``true``: on, and an
+    is measured by ``poplar-bench drift`` (bench/results/drift.md). ``true``: on, and an
     error where it cannot run; ``false``: off. It also needs the engine's batch sampler (the
     dataloader `initialize` returns, or ``engine.create_batch_sampler``): a job that feeds
     batches of its own keeps its plan, with a note in the log."""
@@ -131,7 +130,7 @@ class PoplarConfig:
     ``off``, ``smallest`` (the device type(s) with the least memory, at stages 1-2, so the search may
     choose it for them) or ``both`` (every type). Only profiles the directory lacks are measured."""
     rebalance: RebalanceConfig = RebalanceConfig()
-    """Re-planning during training when devices drift (``"auto"`` by default: on where it can run)."""
+    """Re-planning during training when devices drift (``poplar.rebalance``, see `RebalanceConfig`)."""
     source: str = DICT_SOURCE
     """The DeepSpeed config file the section came from (not a key of the section: for messages)."""
 
@@ -213,22 +212,23 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
     if zero_stage_node is not None and zero_stage != "auto":
         if type(zero_stage) is not int or zero_stage not in ZERO_STAGES:
             raise zero_stage_node.fail("'auto' or an integer from 0 to 3")
+    defaults = PoplarConfig()
     return PoplarConfig(
         cluster=cluster,
         plan=plan,
         profiles=profiles,
-        policy="poplar" if policy is None else policy.string(choices=POLICIES),
+        policy=defaults.policy if policy is None else policy.string(choices=POLICIES),
         global_batch_size=_batch_or_auto(root.optional("global_batch_size")),
         max_global_batch_size=_optional_int(root.optional("max_global_batch_size"), 1, MAX_GLOBAL_BATCH_SIZE),
-        seed=0 if seed is None else seed.integer(minimum=0),
-        shuffle=True if shuffle is None else shuffle.boolean(),
-        drop_last=False if drop_last is None else drop_last.boolean(),
-        loss_reduction="mean" if reduction is None else reduction.string(choices=REDUCTIONS),
-        log_interval_steps=10 if log_interval is None else log_interval.integer(minimum=0),
+        seed=defaults.seed if seed is None else seed.integer(minimum=0),
+        shuffle=defaults.shuffle if shuffle is None else shuffle.boolean(),
+        drop_last=defaults.drop_last if drop_last is None else drop_last.boolean(),
+        loss_reduction=defaults.loss_reduction if reduction is None else reduction.string(choices=REDUCTIONS),
+        log_interval_steps=defaults.log_interval_steps if log_interval is None else log_interval.integer(minimum=0),
         zero_stage=zero_stage,
         cpu_threads=_optional_int(root.optional("cpu_threads"), 1),
-        steady_cpu_allocator=False if steady is None else steady.boolean(),
-        optimizer_offload="off" if offload is None else offload.string(choices=OFFLOAD_MODES),
+        steady_cpu_allocator=defaults.steady_cpu_allocator if steady is None else steady.boolean(),
+        optimizer_offload=defaults.optimizer_offload if offload is None else offload.string(choices=OFFLOAD_MODES),
         rebalance=_rebalance(root.optional("rebalance")),
         source=source,
     )

@@ -64,7 +64,7 @@ from poplar_ext.runtime.config import (
 )
 from poplar_ext.runtime.data import IterationLoader
 from poplar_ext.runtime.engine import PoplarEngine
-from poplar_ext.runtime.planning import resolve_plan
+from poplar_ext.runtime.planning import ProfileDirectory, resolve_plan
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from poplar_search.formats import Cluster, Plan
@@ -158,6 +158,8 @@ class Job:
     world_size: int
     device: Any
     """This rank's ``torch.device``."""
+    profile_directory: ProfileDirectory
+    """``poplar.profiles`` as rank 0 read it to resolve the plan: re-balancing re-plans from the same reading."""
 
     @property
     def plan_reason(self) -> str:
@@ -233,6 +235,7 @@ def prepare_job(
             checkpointing_toggle=checkpointing_toggle,
             optimizer_offload=poplar_config.optimizer_offload,
         )
+    directory = ProfileDirectory(poplar_config, cluster)
     plan = resolve_plan(
         poplar_config,
         cluster,
@@ -243,6 +246,7 @@ def prepare_job(
         model_fingerprint=model_fingerprint,
         broadcast=broadcast_from_rank0,
         measure_missing=measure_missing,
+        directory=directory,
     )
     return Job(
         ds_config=ds_config,
@@ -253,6 +257,7 @@ def prepare_job(
         rank=rank,
         world_size=world_size,
         device=device,
+        profile_directory=directory,
     )
 
 
@@ -272,7 +277,9 @@ def _rebalancer(job: Job) -> Rebalancer | None:
 
     def load() -> str | None:  # the inputs stay on rank 0: only it re-plans
         try:
-            loaded["profiles"], loaded["network"] = load_rebalance_inputs(config, job.cluster, job.plan)
+            loaded["profiles"], loaded["network"] = load_rebalance_inputs(
+                config, job.cluster, job.plan, directory=job.profile_directory
+            )
         except ValueError as exc:
             if config.rebalance.enabled:
                 raise
@@ -326,8 +333,6 @@ def initialize(
     A rank whose entry has ``optimizer_offload`` trains with DeepSpeed's
     ``offload_optimizer`` in its own config (`poplar_ext.optimizer_offload`).
     """
-    import deepspeed
-
     job = prepare_job(
         load_deepspeed_config(config, config_params=config_params, args=args),
         model=model,
@@ -340,33 +345,75 @@ def initialize(
         loss_fn=loss_fn,
         checkpointing_toggle=checkpointing_toggle,
     )
-    ds_config, source, poplar_config, cluster, plan, rank = (
-        job.ds_config,
-        job.source,
-        job.poplar_config,
-        job.cluster,
+    nominal = nominal_deepspeed_config(job.ds_config, job.plan, job.rank, source=job.source)
+    labels, slowdown = _set_up_rank(job, model, toggle=checkpointing_toggle)
+    engine, ds_optimizer, ds_scheduler = _deepspeed_engine(
+        nominal,
         job.plan,
-        job.rank,
+        args=args,
+        distributed_port=distributed_port,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        dist_init_required=dist_init_required,
+        mesh_param=mesh_param,
     )
-    nominal = nominal_deepspeed_config(ds_config, plan, rank, source=source)
-    emulation = emulation_for_rank(cluster, rank)
+    wrapped = PoplarEngine(
+        engine,
+        plan=job.plan,
+        rank=job.rank,
+        poplar_config=job.poplar_config,
+        device_label=labels[job.rank],
+        slowdown=slowdown,
+        rank_device_labels=labels,
+        plan_reason=job.plan_reason,
+        rebalancer=_rebalancer(job),
+    )
+    if job.rank == 0:
+        logger.info("poplar plan from step 0: %s", job.plan_reason)
+    dataloader = _training_dataloader(wrapped, training_data, collate_fn=collate_fn, model=model, job=job)
+    return wrapped, ds_optimizer, dataloader, ds_scheduler
+
+
+def _set_up_rank(
+    job: Job, model: Any, *, toggle: CheckpointingToggle | None
+) -> tuple[tuple[str, ...], ComputeSlowdown | None]:
+    """This rank's process settings (as asked) and activation checkpointing (as planned), logged;
+    every rank's device label, and this rank's emulated slowdown (None: a real device)."""
+    emulation = emulation_for_rank(job.cluster, job.rank)
     on_cpu = _on_cpu()
-    _apply_cpu_process_settings(poplar_config, on_cpu=on_cpu, emulated=emulation is not None, rank=rank)
-    labels = tuple(device_label(t, cluster.emulation_of(t)) for t in cluster.rank_device_types)
-    label = labels[rank]
-    rank_plan = plan.ranks[rank]
-    checkpointing = apply_plan_checkpointing(model, plan, rank, toggle=checkpointing_toggle, source=job.plan_reason)
+    _apply_cpu_process_settings(job.poplar_config, on_cpu=on_cpu, emulated=emulation is not None, rank=job.rank)
+    labels = tuple(device_label(t, job.cluster.emulation_of(t)) for t in job.cluster.rank_device_types)
+    checkpointing = apply_plan_checkpointing(model, job.plan, job.rank, toggle=toggle, source=job.plan_reason)
+    _log_rank_plan(job, labels[job.rank], checkpointing=checkpointing)
+    slowdown = None if emulation is None else ComputeSlowdown(emulation, clock="thread" if on_cpu else "cuda")
+    return labels, slowdown
+
+
+def _log_rank_plan(job: Job, label: str, *, checkpointing: bool) -> None:
+    rank_plan = job.plan.ranks[job.rank]
     logger.info(
         "rank %d: %s, micro-batch %d x %d accumulation steps%s%s; true global batch %d, ZeRO stage %d",
-        rank,
+        job.rank,
         label,
         rank_plan.micro_batch_size,
         rank_plan.gradient_accumulation_steps,
         ", activation checkpointing" if checkpointing else "",
         ", optimizer offloaded to the host" if rank_plan.optimizer_offload else "",
-        plan.global_batch_size,
-        plan.zero_stage,
+        job.plan.global_batch_size,
+        job.plan.zero_stage,
     )
+
+
+def _deepspeed_engine(
+    nominal: dict, plan: Plan, *, args: Any, distributed_port: int | None, **deepspeed_arguments: Any
+) -> tuple[Any, Any, Any]:
+    """``deepspeed.initialize`` on this rank's nominal config (the user's other arguments as given):
+    the engine, optimizer and scheduler; the engine then counts the plan's true global batch."""
+    import deepspeed
+
     # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
     ds_args = None
     if args is not None:
@@ -374,54 +421,32 @@ def initialize(
         if hasattr(ds_args, "deepspeed_config"):
             ds_args.deepspeed_config = None
     extra = {} if distributed_port is None else {"distributed_port": distributed_port}
-    engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
-        args=ds_args,
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler,
-        mpu=mpu,
-        dist_init_required=dist_init_required,
-        config=nominal,
-        mesh_param=mesh_param,
-        **extra,
-    )
+    engine, optimizer, _, scheduler = deepspeed.initialize(args=ds_args, config=nominal, **deepspeed_arguments, **extra)
     # DeepSpeed's own bookkeeping (samples/s lines, global_samples for monitors and
     # checkpoints) reads the batch size it was given: make it the true one. Its batch
     # checks ran during initialize; nothing after them compares it with the per-rank values.
     engine._config.train_batch_size = plan.global_batch_size
     if hasattr(engine, "tput_timer"):
         engine.tput_timer.batch_size = plan.global_batch_size
-    slowdown = None
-    if emulation is not None:
-        slowdown = ComputeSlowdown(emulation, clock="thread" if on_cpu else "cuda")
-    wrapped = PoplarEngine(
-        engine,
-        plan=plan,
-        rank=rank,
-        poplar_config=poplar_config,
-        device_label=label,
-        slowdown=slowdown,
-        rank_device_labels=labels,
-        plan_reason=job.plan_reason,
-        rebalancer=_rebalancer(job),
+    return engine, optimizer, scheduler
+
+
+def _training_dataloader(
+    engine: PoplarEngine, training_data: Any, *, collate_fn: Any, model: Any, job: Job
+) -> torch.utils.data.DataLoader | IterationLoader | None:
+    """This rank's micro-batches of `training_data` (None without it), by the engine's batch sampler."""
+    if training_data is None:
+        return None
+    sampler = engine.create_batch_sampler(len(training_data))
+    dataloader = torch.utils.data.DataLoader(training_data, batch_sampler=sampler, collate_fn=collate_fn)
+    if job.poplar_config.loss_reduction != "token_mean":
+        return dataloader
+    shifted = loss_shifts_labels(model)
+    return IterationLoader(
+        dataloader,
+        micro_batches_per_iteration=lambda: engine.rank_plan.gradient_accumulation_steps,
+        before_iteration=lambda group: engine.set_token_counts([label_token_count(b, shifted=shifted) for b in group]),
     )
-    if rank == 0:
-        logger.info("poplar plan from step 0: %s", job.plan_reason)
-    dataloader = None
-    if training_data is not None:
-        sampler = wrapped.create_batch_sampler(len(training_data))
-        dataloader = torch.utils.data.DataLoader(training_data, batch_sampler=sampler, collate_fn=collate_fn)
-        if poplar_config.loss_reduction == "token_mean":
-            shifted = loss_shifts_labels(model)
-            dataloader = IterationLoader(
-                dataloader,
-                micro_batches_per_iteration=lambda: wrapped.rank_plan.gradient_accumulation_steps,
-                before_iteration=lambda group: wrapped.set_token_counts(
-                    [label_token_count(b, shifted=shifted) for b in group]
-                ),
-            )
-    return wrapped, ds_optimizer, dataloader, ds_scheduler
 
 
 __all__ = ["Job", "initialize", "prepare_job"]

@@ -4,7 +4,9 @@ Rank 0 decides, all receive: only rank 0 reads the plan and profile files (a nod
 without them is fine), checks the plan and broadcasts it, or the reason it cannot
 run, which every rank then raises; no rank takes a branch into a collective from
 files only it can see. Missing profiles are measured by every rank together when
-`initialize` had the model and the data (the automatic mode).
+`initialize` had the model and the data (the automatic mode). Rank 0 reads the profile
+directory and its network file once per job start: a `ProfileDirectory` carries what it
+read to the search and on to re-balancing (`load_rebalance_inputs`).
 
 A plan file made from other profiles than those in ``poplar.profiles`` (another
 measurement, another model) still runs when it fits them, but its predictions are
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from poplar_ext.collectives import decided_by_rank0
 from poplar_ext.profiler.auto import MeasureMissing
@@ -34,6 +37,9 @@ from poplar_search.formats import (
     plan_from_dict,
     plan_to_dict,
 )
+
+if TYPE_CHECKING:
+    from poplar_search.network import NetworkProfile
 
 
 class StalePlanWarning(UserWarning):
@@ -143,7 +149,8 @@ def obtain_missing_profiles(
     )
 
 
-def _available_profiles(poplar_config: PoplarConfig, model_fingerprint: str | None) -> list[Profile]:
+def _read_profiles(poplar_config: PoplarConfig) -> list[Profile]:
+    """Every profile in ``poplar.profiles`` ([] when there is no such directory)."""
     if poplar_config.profiles is not None and poplar_config.profiles.exists() and not poplar_config.profiles.is_dir():
         raise ValueError(
             f"{poplar_config.source}: {SECTION}.profiles: expected a directory of profiles (one is made when "
@@ -152,14 +159,49 @@ def _available_profiles(poplar_config: PoplarConfig, model_fingerprint: str | No
     if poplar_config.profiles is None or not poplar_config.profiles.is_dir():
         return []
     try:
-        profiles = load_profiles(poplar_config.profiles)
+        return load_profiles(poplar_config.profiles)
     except FormatError as exc:
         if not any(poplar_config.profiles.glob("*.json")):
             return []
         raise ValueError(f"poplar.profiles: {exc}") from exc
-    if model_fingerprint is not None:
-        profiles = [p for p in profiles if p.model.fingerprint == model_fingerprint]
-    return profiles
+
+
+_UNREAD = object()
+
+
+@dataclass
+class ProfileDirectory:
+    """``poplar.profiles`` as rank 0 reads it during one job's start: its profiles and its network
+    file, each read once, on first use, then passed along (to the plan check, the search and
+    re-balancing). Profiles measured meanwhile (rank 0 also stored them there) are added, not read back.
+    """
+
+    poplar_config: PoplarConfig
+    cluster: Cluster
+    _stored: list[Profile] | None = field(default=None, init=False, repr=False)
+    _measured: list[Profile] = field(default_factory=list, init=False, repr=False)
+    _network: Any = field(default=_UNREAD, init=False, repr=False)
+
+    def profiles(self, model_fingerprint: str | None = None) -> list[Profile]:
+        """The directory's profiles (of the model with `model_fingerprint` when given), then the measured ones."""
+        if self._stored is None:
+            self._stored = _read_profiles(self.poplar_config)
+        stored = [p for p in self._stored if model_fingerprint is None or p.model.fingerprint == model_fingerprint]
+        have = {(p.model.fingerprint, p.key) for p in stored}
+        return stored + [p for p in self._measured if (p.model.fingerprint, p.key) not in have]
+
+    def add_measured(self, profiles: list[Profile]) -> None:
+        """Profiles measured since the directory was read: `profiles` returns them after the directory's."""
+        self._measured.extend(profiles)
+
+    def network(self) -> NetworkProfile | None:
+        """The network file measured on the cluster beside the profiles, or None."""
+        from poplar_search.network import find_network
+
+        if self._network is _UNREAD:
+            profiles_dir = self.poplar_config.profiles
+            self._network = None if profiles_dir is None else find_network(profiles_dir, self.cluster)
+        return self._network
 
 
 def _profile_gaps(
@@ -187,71 +229,25 @@ def _searchable(profiles: list[Profile], cluster: Cluster, zero_stage: int | Non
     return [p for p in profiles if p.zero_stage in complete and p.device_type in types]
 
 
-def profiles_for_search(
-    poplar_config: PoplarConfig,
-    cluster: Cluster,
-    *,
-    zero_stage: int | None,
-    model_fingerprint: str | None = None,
-    measure_missing: MeasureMissing | None = None,
-) -> list[Profile]:
-    """The profiles the search needs: every device type at the stage (or, with no stage
-    set, at every stage where all types have one); missing ones come from
-    `obtain_missing_profiles`. Reads the profile files: in a job, rank 0's business
-    (`resolve_plan` splits this into rank 0's reading and everyone's measuring)."""
-    profiles = _available_profiles(poplar_config, model_fingerprint)
-    missing, complete = _profile_gaps(profiles, cluster, zero_stage)
-    if not complete:
-        profiles = profiles + obtain_missing_profiles(
-            missing, poplar_config=poplar_config, cluster=cluster, measure_missing=measure_missing
-        )
-    return _searchable(profiles, cluster, zero_stage)
-
-
-def _search(
-    poplar_config: PoplarConfig,
-    cluster: Cluster,
-    profiles: list[Profile],
-    *,
-    zero_stage: int | None,
-    global_batch_size: int | None,
-) -> Plan:
-    """The search's plan; ValueError with the reason when there is none. `global_batch_size` None: the search picks."""
-    from poplar_search import search_plan
-    from poplar_search.network import find_network
-
-    # The network file the profiler measured on this cluster, if any: communication priced.
-    network = find_network(poplar_config.profiles, cluster) if poplar_config.profiles else None
-    result = search_plan(
-        profiles,
-        cluster,
-        global_batch_size=global_batch_size,
-        zero_stage="auto" if zero_stage is None else zero_stage,
-        policy=poplar_config.policy,
-        max_global_batch_size=poplar_config.max_global_batch_size,
-        network=network,
-    )
-    if result.status != "ok":
-        raise ValueError(f"poplar: the plan search found no feasible plan: {result.message}")
-    return result.plan
-
-
-def load_rebalance_inputs(poplar_config: PoplarConfig, cluster: Cluster, plan: Plan) -> tuple[list[Profile], Any]:
+def load_rebalance_inputs(
+    poplar_config: PoplarConfig, cluster: Cluster, plan: Plan, *, directory: ProfileDirectory | None = None
+) -> tuple[list[Profile], Any]:
     """What re-balancing re-plans from (rank 0 reads it): the profiles of every device type of the
     cluster at the plan's stage, and the network file measured on this cluster (or None).
 
     ValueError when a profile is missing: re-balancing scales each rank's profiled curve.
     Each type's profile is the one with the plan's memory levers (a re-plan keeps them).
+    `directory`: what resolving the plan already read of ``poplar.profiles`` (default: read now).
     """
     from poplar_search.api import profiles_for_plan
-    from poplar_search.network import find_network
 
     where = f"{poplar_config.source}: {SECTION}.rebalance.enabled"
     if poplar_config.profiles is None:
         raise ValueError(
             f"{where}: expected {SECTION}.profiles too (the profiles a re-balanced plan is searched from), found none"
         )
-    profiles = profiles_for_plan(plan, _available_profiles(poplar_config, None))
+    directory = directory or ProfileDirectory(poplar_config, cluster)
+    profiles = profiles_for_plan(plan, directory.profiles())
     types = {p.device_type for p in profiles if p.max_micro_batch_size > 0}
     missing = [t for t in cluster.type_counts() if t not in types]
     if missing:
@@ -273,7 +269,7 @@ def load_rebalance_inputs(poplar_config: PoplarConfig, cluster: Cluster, plan: P
             f"{poplar_config.profiles}, or the one the plan was made from, found {len(candidates)} (several models?) "
             "and a plan that names none of them"
         )
-    return list(chosen.values()), find_network(poplar_config.profiles, cluster)
+    return list(chosen.values()), directory.network()
 
 
 def resolve_plan(
@@ -287,6 +283,7 @@ def resolve_plan(
     model_fingerprint: str | None = None,
     broadcast: Callable[[Any], Any],
     measure_missing: MeasureMissing | None = None,
+    directory: ProfileDirectory | None = None,
 ) -> Plan:
     """The plan this job runs, checked; raises the same ValueError on every rank if it cannot.
 
@@ -295,87 +292,142 @@ def resolve_plan(
     (`poplar_ext.runtime.config.requested_global_batch_size`; default: what
     ``poplar.global_batch_size`` says): a plan file must have it, the search uses it
     (``"auto"``: picks one). `broadcast(obj)` returns rank 0's `obj` on every rank.
+    `directory`: rank 0's reading of ``poplar.profiles``, to pass on to what reads it next
+    (re-balancing); default: a fresh one.
 
     Only rank 0 reads files (the plan, the profiles): the other ranks' nodes need
     none of them. Rank 0 decides and broadcasts (`decided_by_rank0`): the plan, or
     which profiles must be measured (every rank then measures, collectively), or the
     error that every rank raises.
     """
-    if global_batch is None:
-        global_batch = GlobalBatchRequest(size=poplar_config.global_batch_size, origin=f"{SECTION}.global_batch_size")
+    assert directory is None or (directory.poplar_config, directory.cluster) == (poplar_config, cluster)
+    request = _PlanRequest(
+        poplar_config=poplar_config,
+        cluster=cluster,
+        directory=directory or ProfileDirectory(poplar_config, cluster),
+        world_size=world_size,
+        zero_stage=zero_stage,
+        global_batch=GlobalBatchRequest(size=poplar_config.global_batch_size, origin=f"{SECTION}.global_batch_size")
+        if global_batch is None
+        else global_batch,
+        model_fingerprint=model_fingerprint,
+    )
+    if poplar_config.plan is not None:
+        return _plan_from_file(request, rank=rank, broadcast=broadcast)
+    return _plan_searched_at_start(request, rank=rank, broadcast=broadcast, measure_missing=measure_missing)
 
-    def checked(plan: Plan, profiles: list[Profile] | None, source: str) -> Plan:
+
+_SEARCHED_AT_START = "<plan searched at start>"  # how messages name it
+
+
+@dataclass(frozen=True, kw_only=True)
+class _PlanRequest:
+    """What `resolve_plan` was asked for; rank 0 decides with it."""
+
+    poplar_config: PoplarConfig
+    cluster: Cluster
+    directory: ProfileDirectory
+    """Rank 0's reading of ``poplar.profiles`` (of `poplar_config`, for `cluster`)."""
+    world_size: int
+    zero_stage: int | None
+    global_batch: GlobalBatchRequest
+    model_fingerprint: str | None
+
+    def checked(self, plan: Plan, profiles: list[Profile] | None, source: str) -> Plan:
         check_plan_for_job(
             plan,
-            cluster,
-            world_size=world_size,
-            zero_stage=zero_stage,
+            self.cluster,
+            world_size=self.world_size,
+            zero_stage=self.zero_stage,
             profiles=profiles,
             source=source,
-            global_batch=global_batch,
+            global_batch=self.global_batch,
         )
         return plan
 
-    if poplar_config.plan is not None:
-        plan_path = poplar_config.plan
 
-        def read_plan_file() -> dict[str, Any]:
-            try:
-                plan = load_plan(plan_path)
-            except FormatError as exc:
-                raise ValueError(f"poplar.plan: {exc}") from exc
-            profiles = _available_profiles(poplar_config, model_fingerprint) or None
-            checked(plan, profiles, str(plan_path))
-            return {
-                "plan": plan_to_dict(plan),
-                "stale": [] if profiles is None else stale_profile_types(plan, profiles),
-            }
+def _plan_from_file(request: _PlanRequest, *, rank: int, broadcast: Callable[[Any], Any]) -> Plan:
+    """``poplar.plan``, read and checked by rank 0; warns on every rank when made from other profiles."""
+    plan_path = request.poplar_config.plan
 
-        decision = decided_by_rank0(read_plan_file, rank=rank, broadcast=broadcast)
-        if decision["stale"]:
-            warnings.warn(
-                f"{plan_path}: this plan was made from other profiles of {', '.join(decision['stale'])} than those in "
-                f"{poplar_config.profiles}: it fits them, but its predicted times are not theirs; search the plan "
-                "again with poplar-search to plan from the profiles you have",
-                StalePlanWarning,
-                stacklevel=2,
-            )
-        return plan_from_dict(decision["plan"], source=str(plan_path))
-    if global_batch.size is None:
+    def read_plan_file() -> dict[str, Any]:
+        try:
+            plan = load_plan(plan_path)
+        except FormatError as exc:
+            raise ValueError(f"poplar.plan: {exc}") from exc
+        profiles = request.directory.profiles(request.model_fingerprint) or None
+        request.checked(plan, profiles, str(plan_path))
+        return {"plan": plan_to_dict(plan), "stale": [] if profiles is None else stale_profile_types(plan, profiles)}
+
+    decision = decided_by_rank0(read_plan_file, rank=rank, broadcast=broadcast)
+    if decision["stale"]:
+        warnings.warn(
+            f"{plan_path}: this plan was made from other profiles of {', '.join(decision['stale'])} than those in "
+            f"{request.poplar_config.profiles}: it fits them, but its predicted times are not theirs; search the plan "
+            "again with poplar-search to plan from the profiles you have",
+            StalePlanWarning,
+            stacklevel=3,  # resolve_plan's caller
+        )
+    return plan_from_dict(decision["plan"], source=str(plan_path))
+
+
+def _plan_searched_at_start(
+    request: _PlanRequest, *, rank: int, broadcast: Callable[[Any], Any], measure_missing: MeasureMissing | None
+) -> Plan:
+    """Rank 0 says which profiles are missing, every rank measures them, rank 0 searches."""
+    poplar_config = request.poplar_config
+    if request.global_batch.size is None:
         raise ValueError(
             f"{poplar_config.source}: no global batch for the plan search: set train_batch_size (or "
             f"train_micro_batch_size_per_gpu and gradient_accumulation_steps) or {SECTION}.global_batch_size, "
             f'or {SECTION}.global_batch_size: "{AUTO}" to let the search pick the fastest'
         )
-
-    # Rank 0 reads the profiles (only its node needs them) and says what is missing; a
-    # missing profile that cannot be measured raises on every rank before anyone measures.
-    def profiles_to_measure() -> list[tuple[str, int]]:
-        missing, complete = _profile_gaps(_available_profiles(poplar_config, model_fingerprint), cluster, zero_stage)
-        if complete:
-            return []
-        if measure_missing is None:
-            obtain_missing_profiles(missing, poplar_config=poplar_config, cluster=cluster)  # raises what to run
-        return missing
-
-    missing = decided_by_rank0(profiles_to_measure, rank=rank, broadcast=broadcast)
-    measured = measure_missing(missing, cluster) if missing else []  # collective: every rank measures
+    # A missing profile that cannot be measured raises on every rank before anyone measures.
+    missing = decided_by_rank0(
+        lambda: _profiles_to_measure(request, measurable=measure_missing is not None), rank=rank, broadcast=broadcast
+    )
+    if missing:
+        request.directory.add_measured(measure_missing(missing, request.cluster))  # collective
 
     def search() -> dict[str, Any]:
-        # The measured profiles were also written to the directory (rank 0 stores them): count each once.
-        stored = _available_profiles(poplar_config, model_fingerprint)
-        have = {p.key for p in stored}
-        profiles = _searchable(stored + [p for p in measured if p.key not in have], cluster, zero_stage)
-        plan = _search(
-            poplar_config,
-            cluster,
-            profiles,
-            zero_stage=zero_stage,
-            global_batch_size=None if global_batch.size == AUTO else global_batch.size,
+        profiles = _searchable(
+            request.directory.profiles(request.model_fingerprint), request.cluster, request.zero_stage
         )
-        return plan_to_dict(checked(plan, profiles, "<plan searched at start>"))
+        return plan_to_dict(request.checked(_search(request, profiles), profiles, _SEARCHED_AT_START))
 
-    return plan_from_dict(decided_by_rank0(search, rank=rank, broadcast=broadcast), source="<plan searched at start>")
+    return plan_from_dict(decided_by_rank0(search, rank=rank, broadcast=broadcast), source=_SEARCHED_AT_START)
+
+
+def _profiles_to_measure(request: _PlanRequest, *, measurable: bool) -> list[tuple[str, int]]:
+    """The (device type, stage) pairs the directory lacks, read by rank 0; ValueError saying what
+    to run when they cannot be measured here."""
+    profiles = request.directory.profiles(request.model_fingerprint)
+    missing, complete = _profile_gaps(profiles, request.cluster, request.zero_stage)
+    if complete:
+        return []
+    if not measurable:
+        obtain_missing_profiles(missing, poplar_config=request.poplar_config, cluster=request.cluster)  # raises
+    return missing
+
+
+def _search(request: _PlanRequest, profiles: list[Profile]) -> Plan:
+    """The search's plan; ValueError with the reason when there is none."""
+    from poplar_search import search_plan
+
+    batch = request.global_batch.size
+    result = search_plan(
+        profiles,
+        request.cluster,
+        global_batch_size=None if batch == AUTO else batch,  # None: the search picks
+        zero_stage="auto" if request.zero_stage is None else request.zero_stage,
+        policy=request.poplar_config.policy,
+        max_global_batch_size=request.poplar_config.max_global_batch_size,
+        # The network file the profiler measured on this cluster, if any: communication priced.
+        network=request.directory.network(),
+    )
+    if result.status != "ok":
+        raise ValueError(f"poplar: the plan search found no feasible plan: {result.message}")
+    return result.plan
 
 
 __all__ = [
@@ -383,7 +435,7 @@ __all__ = [
     "load_rebalance_inputs",
     "check_plan_for_job",
     "obtain_missing_profiles",
-    "profiles_for_search",
+    "ProfileDirectory",
     "resolve_plan",
     "runtime_plan_problems",
     "stale_profile_types",

@@ -8,6 +8,7 @@ harness's timeout, so passing here means no rank entered any collective.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -58,9 +59,36 @@ def _refusals(files):
         except ValueError as exc:
             messages[name] = str(exc)
     # Last, the good case: searched on rank 0 and broadcast (the first collective).
-    engine, *_ = _initialize(files, stage=1, profiles=str(files["profiles"]), global_batch_size=12)
+    with _counting_reads() as reads:
+        engine, *_ = _initialize(files, stage=1, profiles=str(files["profiles"]), global_batch_size=12)
     searched = [(r.micro_batch_size, r.gradient_accumulation_steps) for r in engine.plan.ranks]
-    return {"messages": messages, "searched": searched, "rank": int(os.environ["RANK"])}
+    return {"messages": messages, "searched": searched, "rank": int(os.environ["RANK"]), "reads": reads}
+
+
+@contextlib.contextmanager
+def _counting_reads():
+    """How often this rank reads the profile directory and the network file."""
+    import poplar_search.network
+    from poplar_ext.runtime import planning
+
+    reads = {"profiles": 0, "network": 0}
+    readers = {"profiles": (planning, "load_profiles"), "network": (poplar_search.network, "find_network")}
+    originals = {name: getattr(module, attribute) for name, (module, attribute) in readers.items()}
+
+    def counted(name):
+        def counting(*args, **kwargs):
+            reads[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return counting
+
+    for name, (module, attribute) in readers.items():
+        setattr(module, attribute, counted(name))
+    try:
+        yield reads
+    finally:
+        for name, (module, attribute) in readers.items():
+            setattr(module, attribute, originals[name])
 
 
 def _profiles(directory, fingerprint, types_and_caps):
@@ -146,3 +174,9 @@ def test_a_cluster_file_that_is_not_the_hardware_stops_every_rank(results):
 
 def test_a_missing_cluster_file_stops_every_rank(results):
     assert "no-such-cluster.json" in _messages(results, "cluster_file_missing")
+
+
+def test_rank_0_reads_the_profiles_and_the_network_file_once(results):
+    # Searched at start with re-balancing on (its default, "auto"): the search and the
+    # re-balancer's inputs come from one reading of each file, on rank 0 alone.
+    assert [r["reads"] for r in results] == [{"profiles": 1, "network": 1}] + [{"profiles": 0, "network": 0}] * 2

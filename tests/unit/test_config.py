@@ -323,3 +323,19 @@ def test_drop_last_option():
     assert _parse().drop_last is False and _parse(drop_last=True).drop_last is True
     with pytest.raises(ValueError, match="poplar.drop_last: expected true or false, found string 'yes'"):
         _parse(drop_last="yes")
+
+
+def test_the_module_docstrings_example_has_every_key_at_its_default():
+    # One source for the defaults: the dataclasses. The docstring's example shows the shape of
+    # the section; apart from the three values a job names itself, it must say what they say.
+    import dataclasses
+
+    from poplar_ext.runtime import config as module
+
+    example = module.__doc__.split("::\n", 1)[1].split("\n\n", 1)[0]
+    section = json.loads("{" + re.sub(r"\s+#.*", "", example) + "}")["poplar"]
+    assert list(section) == [f.name for f in dataclasses.fields(module.PoplarConfig) if f.name != "source"]
+    assert list(section["rebalance"]) == [f.name for f in dataclasses.fields(module.RebalanceConfig)]
+    named = {"cluster": BASE / "cluster.json", "profiles": BASE / "profiles", "global_batch_size": 96}
+    parsed = poplar_config_from_dict(section, base_dir=BASE)
+    assert parsed == dataclasses.replace(module.PoplarConfig(), **named)

@@ -149,34 +149,79 @@ def _measurer(pairs_it_returns, calls):
     return measure
 
 
-def _for_search(cluster_path, directory, measure, zero_stage=None):
-    from poplar_ext.runtime.planning import profiles_for_search
+def _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage=None):
+    """The plan `resolve_plan` searches at start with `measure` for the missing profiles, and the
+    profiles it handed the search."""
+    import poplar_search
 
+    searched = []
+    search_plan = poplar_search.search_plan
+
+    def recording(profiles, *args, **kwargs):
+        searched.append(profiles)
+        return search_plan(profiles, *args, **kwargs)
+
+    monkeypatch.setattr(poplar_search, "search_plan", recording)
     config = poplar_config_from_dict(
-        {"cluster": str(cluster_path), "profiles": str(directory)}, base_dir=cluster_path.parent
+        {"cluster": str(cluster_path), "profiles": str(directory), "global_batch_size": 20},
+        base_dir=cluster_path.parent,
     )
-    return profiles_for_search(config, load_cluster(cluster_path), zero_stage=zero_stage, measure_missing=measure)
+    plan = resolve_plan(
+        config,
+        load_cluster(cluster_path),
+        world_size=2,
+        rank=0,
+        zero_stage=zero_stage,
+        broadcast=lambda o: o,
+        measure_missing=measure,
+    )
+    return plan, searched[0]
 
 
-def test_measured_stages_are_recounted_after_profiling(cluster_path, tmp_path):
+def test_measured_stages_are_recounted_after_profiling(cluster_path, tmp_path, monkeypatch):
     # Asked for every stage, the profiler brings back both types at stage 1 but only
     # "fast" at stage 3 (say "slow" fits nothing there): the search gets stage 1 only.
     calls = []
     returned = {("fast", 1), ("slow", 1), ("fast", 3)}
-    profiles = _for_search(cluster_path, tmp_path / "none", _measurer(returned, calls))
+    plan, profiles = _searched_at_start(cluster_path, tmp_path / "none", _measurer(returned, calls), monkeypatch)
     assert len(calls) == 1 and len(calls[0]) == 8
     assert sorted((p.device_type, p.zero_stage) for p in profiles) == [("fast", 1), ("slow", 1)]
+    assert plan.zero_stage == 1
 
 
-def test_profiling_that_brings_back_no_complete_stage_says_what_is_missing(cluster_path, tmp_path):
+def test_profiling_that_brings_back_no_complete_stage_says_what_is_missing(cluster_path, tmp_path, monkeypatch):
     calls = []
     with pytest.raises(
         ValueError,
         match=r"after profiling, no ZeRO stage has a profile of every device type "
         r"\(missing: fast at stage 2; slow at stage 2\)",
     ):
-        _for_search(cluster_path, tmp_path / "none", _measurer(set(), calls), zero_stage=2)
+        _searched_at_start(cluster_path, tmp_path / "none", _measurer(set(), calls), monkeypatch, zero_stage=2)
     assert calls == [[("fast", 2), ("slow", 2)]]
+
+
+def test_rank_0_reads_the_profiles_and_the_network_file_once(cluster_path, tmp_path, monkeypatch):
+    # Read, measured what was missing, searched: the search counts the measured profiles
+    # without reading the directory again (rank 0 stored them there too).
+    import poplar_search.network
+    from poplar_ext.runtime import planning
+
+    reads = {"profiles": 0, "network": 0}
+
+    def counted(name, read):
+        def counting(*args, **kwargs):
+            reads[name] += 1
+            return read(*args, **kwargs)
+
+        return counting
+
+    monkeypatch.setattr(planning, "load_profiles", counted("profiles", planning.load_profiles))
+    monkeypatch.setattr(poplar_search.network, "find_network", counted("network", poplar_search.network.find_network))
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001)])
+    calls = []
+    plan, profiles = _searched_at_start(cluster_path, directory, _measurer({("slow", 1)}, calls), monkeypatch, 1)
+    assert calls == [[("slow", 1)]] and sorted(p.device_type for p in profiles) == ["fast", "slow"]
+    assert reads == {"profiles": 1, "network": 1}
 
 
 # -- a plan file against the job's global batch and profiles -------------------------------

@@ -269,3 +269,20 @@ def test_activation_checkpointing_options(files, monkeypatch) -> None:
         parse_command(_args(files, "--model", "toy-gpt", "--activation-checkpointing", "off")).activation_checkpointing
         == "off"
     )
+
+
+def test_the_command_line_builds_profile_options_with_their_defaults(files) -> None:
+    import dataclasses
+
+    from poplar_ext.profiler import ProfileOptions, log_progress
+
+    options = parse_command(_args(files, "--model", "my_models:build", "--batch", "my_models:batch"))
+    assert isinstance(options, ProfileOptions)
+    assert options.cluster == Path(files["cluster"]) and options.progress is log_progress
+    given = {"model_factory", "make_batch", "ds_config", "cluster", "progress"}
+    as_parsed = {"zero_stages": tuple, "cache_dir": Path}  # what the command line makes of the default
+    for f in dataclasses.fields(ProfileOptions):
+        if f.name not in given:
+            assert getattr(options, f.name) == as_parsed.get(f.name, lambda v: v)(f.default), f.name
+    quiet = parse_command(_args(files, "--model", "toy-gpt", "--quiet", "--output-dir", "out", "--repeats", "5"))
+    assert quiet.progress is None and quiet.cache_dir == Path("out") and quiet.repeats == 5

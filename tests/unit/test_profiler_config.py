@@ -109,3 +109,24 @@ def test_automatic_mode_builds_the_users_kind_of_optimizer_with_its_settings(mak
     copy = _optimizer_factory(users, {})(torch.nn.Linear(2, 2).parameters())
     assert type(copy) is type(users)
     assert copy.defaults == users.defaults
+
+
+def test_profile_model_takes_the_profile_options_fields_with_their_defaults() -> None:
+    # One source for the defaults: profile_model's keywords are ProfileOptions' fields, and
+    # the measurement's settings start from the same values.
+    import dataclasses
+    import inspect
+
+    from poplar_ext.profiler import ProfileOptions, profile_model
+
+    parameters = inspect.signature(profile_model).parameters
+    fields = dataclasses.fields(ProfileOptions)
+    assert list(parameters) == [f.name for f in fields]
+    for f in fields:
+        assert parameters[f.name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert parameters[f.name].default == (
+            inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        )
+    settings = MeasureSettings()
+    for name in ("warmup_micro_steps", "repeats", "micro_batch_size_limit", "micro_batch_sizes"):
+        assert getattr(settings, name) == getattr(ProfileOptions, name, None)
