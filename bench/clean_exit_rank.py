@@ -66,7 +66,9 @@ def _poplar_config(work_dir: Path, stage: int, world_size: int) -> dict:
 
 def _poplar(work_dir: Path, handler: str) -> None:
     """Train each ZeRO stage in turn in this process (an engine each), as a script that tries stages does."""
-    for stage in (0, 1, 2, 3):
+    from poplar_search.formats import ZERO_STAGES
+
+    for stage in ZERO_STAGES:
         _train_one_stage(stage, work_dir)
     _choose_handler(handler)
 
