@@ -20,7 +20,6 @@ checkpoint. Devices are emulated (CPU ranks; compute slowed, memory capped).
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import sys
 import tempfile
@@ -72,33 +71,14 @@ def progress(message: str) -> None:
 # ----------------------------------------------------------------------------------
 # The ranks (forked by bench.demo.run_ranks)
 # ----------------------------------------------------------------------------------
-def checkpointing_worker_main(rank: int, settings: DemoSettings, work_dir: str, port: int) -> None:
-    from .demo_worker import worker_main
-
-    worker_main(rank, settings, work_dir, port, run=_run_rank)
-
-
-def _run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[str, Any]:
-    from datetime import timedelta
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(settings.world_size),
-        LOCAL_WORLD_SIZE=str(settings.world_size),
-    )
-    import deepspeed
+def _run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from poplar_ext.hardware.cpu_process import limit_cpu_threads
     from poplar_search.formats import read_json, write_json_atomic
 
     from . import demo_worker
 
-    limit_cpu_threads()
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=600), verbose=False)
+    rank = dist.get_rank()
     cluster_path = work / "cluster.json"
     cluster = demo_worker.agreed_cluster(settings, cluster_path)
     if rank == 0:
@@ -184,7 +164,7 @@ def run_case(case: str, *, cache_dir: Path | None = None, rounds: int = 3) -> di
     settings = case_settings(case, cache_dir=cache_dir, rounds=rounds)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"poplar-checkpointing-{case}-") as tmp:
-        results = run_ranks(settings, Path(tmp), target=checkpointing_worker_main)
+        results = run_ranks(settings, Path(tmp), target=_run_rank, pg_timeout_s=600.0)
         plans = read_json(Path(tmp) / "plans.json")
     rank_results = [
         {"policies": {name: {"iteration_time_s": r["iteration_time_s"][name]} for name in PLANS}} for r in results

@@ -17,15 +17,15 @@ spinning processes keeping the cores busy, and counts every rank's exit code:
 * ``poplar``: the same script as users run it.
 
 The cases take turns launch by launch, so the machine's load drifts over all alike. The
-ranks are started here (environment as torchrun sets it), not by a launcher, so that
-each rank's own exit code is seen.
+ranks are started here, a command each (`poplar_ext.local_ranks.run_command_ranks`:
+environment as torchrun sets it), not by a launcher that ends the group at the first
+failed rank, so that each rank's own exit code is seen.
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,42 +45,26 @@ _CASE_ARGS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_once(case: str, *, world_size: int, work_dir: Path, timeout_s: float) -> list[dict[str, Any]]:
-    """One launch of `case` on `world_size` local ranks; each rank's exit code and last stderr line."""
-    port = _free_port()
+    """One launch of `case` on `world_size` local ranks; each rank's exit code and last stderr line.
+
+    A rank still running after `timeout_s` is killed; its exit code is then None.
+    """
+    from poplar_ext.local_ranks import run_command_ranks
+
     command = [sys.executable, "-m", "poplar_bench.clean_exit_rank", *_CASE_ARGS[case]]
     if case.startswith("poplar"):
         command += ["--work-dir", str(work_dir)]
-    processes = []
-    for rank in range(world_size):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size),
-            OMP_NUM_THREADS="1",
+    with tempfile.TemporaryDirectory(prefix="logs-", dir=work_dir) as log_dir:
+        outcomes = run_command_ranks(
+            command, world_size=world_size, log_dir=log_dir, timeout_s=timeout_s, env={"OMP_NUM_THREADS": "1"}
         )
-        processes.append(
-            subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        )
-    ranks = []
-    for rank, process in enumerate(processes):
-        try:
-            _, err = process.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            _, err = process.communicate()
-        lines = [line for line in err.splitlines() if line.strip()]
-        ranks.append({"rank": rank, "exit_code": process.returncode, "last_stderr_line": lines[-1] if lines else ""})
+        ranks = []
+        for outcome in outcomes:
+            lines = [line for line in outcome.log_tail().splitlines() if line.strip()]
+            ranks.append(
+                {"rank": outcome.rank, "exit_code": outcome.exit_code, "last_stderr_line": lines[-1] if lines else ""}
+            )
     return ranks
 
 

@@ -111,7 +111,7 @@ def _choose_handler(handler: str) -> None:
 
     if handler == "full":
         return
-    atexit.unregister(collectives._destroy_process_group_if_up)
+    atexit.unregister(collectives.leave_process_group)
     if handler == "destroy":
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 

@@ -1,21 +1,20 @@
 """`poplar-bench demo`: the policies compared on an emulated heterogeneous CPU cluster.
 
 The parent process imports torch and deepspeed once, forks one process per rank
-(forked ranks start in about a second instead of a fresh import each), and waits for
-them with a timeout. The ranks (`bench.demo_worker`) profile, search, train every
-policy and measure; each writes its measurements to a JSON file, because a rank that
-gloo aborts cannot report any other way. The parent turns those files into the
-report (`assemble_report`, pure, unit tested) and writes JSON, markdown and PNG.
+(`poplar_ext.local_ranks`: forked ranks start in about a second instead of a fresh
+import each), and waits for them with a timeout. The ranks (`bench.demo_worker`)
+profile, search, train every policy and measure; each returns its measurements to the
+parent, which turns them into the report (`assemble_report`, pure, unit tested) and
+writes JSON, markdown and PNG.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,82 +37,47 @@ def progress(message: str) -> None:
     print(f"[poplar-bench demo] {message}", file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _preimport() -> float:
-    """Import what every rank needs before forking, so that each rank starts fast."""
+    """Import what every rank needs before forking, so that each rank starts fast; the seconds it took."""
     start = time.perf_counter()
-    import deepspeed
-    import torch._dynamo  # noqa: F401  (imported lazily by the first deepspeed.initialize)
+    from poplar_ext.local_ranks import preimport_for_fork
 
-    from poplar_ext.hardware.cpu_process import skip_deepspeed_shm_op
-
-    # The ranks (forked from here) train on CPU: DeepSpeed's inference-only
-    # shared-memory op would otherwise be compiled on a fresh machine (~50 s).
-    skip_deepspeed_shm_op()
-
-    try:
-        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (same reason)
-    except ImportError:
-        pass  # other deepspeed versions: the first initialize is merely slower
+    preimport_for_fork()
     from . import demo_worker  # noqa: F401
 
     return time.perf_counter() - start
 
 
-def run_ranks(settings: DemoSettings, work_dir: Path, *, target: Any = None) -> list[dict[str, Any]]:
-    """Fork the ranks, wait for all of them (or the timeout), return their result files.
+def run_ranks(
+    settings: DemoSettings,
+    work_dir: Path,
+    *,
+    target: Callable[[Any, Path], dict[str, Any]] | None = None,
+    pg_timeout_s: float | None = None,
+) -> list[dict[str, Any]]:
+    """Fork the ranks, wait for all of them (or the timeout), return their results in rank order.
 
-    `target(rank, settings, work_dir, port)` is each rank's entry point
-    (`bench.demo_worker.worker_main` unless given). A rank that fails writes
-    ``rank<N>.error``; the others are then stopped a few seconds later instead of
-    waiting in a collective for the process-group timeout; a rank that hangs is
-    killed at `settings.timeout_s`. Either way the error names the rank and what it said.
+    `target(settings, work_dir)` is each rank's function (`bench.demo_worker.run_rank`
+    unless given); it returns the rank's result. When a rank fails, the others are
+    stopped a few seconds later instead of waiting in a collective for the process-group
+    timeout (`pg_timeout_s`, the demo's unless given); a rank that hangs is killed at
+    `settings.timeout_s`. Either way `poplar_ext.local_ranks.RankFailure` (a
+    RuntimeError) names every failed rank and what it said.
     """
-    if target is None:
-        from .demo_worker import worker_main as target
+    from poplar_ext.local_ranks import run_ranks as run_local_ranks
 
-    context = multiprocessing.get_context("fork")
-    port = _free_port()
-    processes = [
-        context.Process(target=target, args=(rank, settings, str(work_dir), port), name=f"demo-rank{rank}")
-        for rank in range(settings.world_size)
-    ]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + settings.timeout_s
-    failed_at: float | None = None
-    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
-        # A failed rank leaves the others waiting in a collective until the process
-        # group times out: give them a moment to fail too, then stop them.
-        if failed_at is None and any((work_dir / f"rank{r}.error").exists() for r in range(settings.world_size)):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > 5.0:
-            break
-        time.sleep(0.2)
-    hung = [p for p in processes if p.is_alive()]
-    for process in hung:
-        process.kill()
-        process.join(5)
-    errors = []
-    for rank in range(settings.world_size):
-        error_file = work_dir / f"rank{rank}.error"
-        if error_file.exists():
-            errors.append(f"rank {rank}: {error_file.read_text().strip()}")
-    if hung and failed_at is None:
-        errors.append(
-            f"ranks {[processes.index(p) for p in hung]} still running after {settings.timeout_s:.0f} s, killed"
-        )
-    failed = [i for i, p in enumerate(processes) if p.exitcode not in (0, None) and p not in hung]
-    if failed and not errors:
-        errors.append(f"ranks {failed} exited with codes {[processes[i].exitcode for i in failed]}")
-    if errors:
-        raise RuntimeError("the demo's ranks failed:\n" + "\n".join(errors))
-    return [read_json(work_dir / f"rank{rank}.json") for rank in range(settings.world_size)]
+    from .demo_worker import PG_TIMEOUT_S, demo_rank, run_rank
+
+    return run_local_ranks(
+        demo_rank,
+        world_size=settings.world_size,
+        log_dir=work_dir,
+        args=(target or run_rank, settings, work_dir),
+        timeout_s=settings.timeout_s,
+        pg_timeout_s=PG_TIMEOUT_S if pg_timeout_s is None else pg_timeout_s,
+        capture_output=False,  # the ranks' progress is the demo's console
+        stop_after_failure_s=5.0,
+    )
 
 
 def run_demo(settings: DemoSettings, *, out_dir: Path, name: str = "demo") -> list[Path]:

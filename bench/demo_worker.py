@@ -1,4 +1,4 @@
-"""One rank of `poplar-bench demo` (forked by `bench.demo`).
+"""One rank of `poplar-bench demo` (forked by `bench.demo` through `poplar_ext.local_ranks`).
 
 Phases, all ranks together:
 
@@ -10,19 +10,19 @@ Phases, all ranks together:
 4. each rank's standalone throughput (its micro-steps alone, no communication), the
    measured ideal.
 
-Each rank writes ``rank<N>.json`` (or ``rank<N>.error``) into the work directory.
+The launcher starts each rank (environment, one torch thread, the gloo process
+group); each rank returns its measurements, and rank 0 writes the plans into the
+work directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import sys
 import time
-import traceback
+import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -52,28 +52,24 @@ from .demo_config import (
     demo_cluster,
 )
 
-_PG_TIMEOUT_S = 180
+PG_TIMEOUT_S = 180.0
+"""The demo's process-group timeout: a rank stuck in a collective fails after it."""
+
+KNOWN_WARNINGS = ("all_gather_into_tensor", "reduce_scatter_tensor")
+"""torch collectives DeepSpeed calls and torch deprecates (a FutureWarning on every rank)."""
 
 
-def worker_main(
-    rank: int, settings: DemoSettings, work_dir: str, port: int, *, run: Callable[..., dict] | None = None
-) -> None:
-    """Entry point of a forked rank: `run` (default `run_rank`), then write the result or the traceback."""
-    work = Path(work_dir)
-    exit_code = 0
-    try:
-        result = (run or run_rank)(rank, settings, work, port)
-        write_json_atomic(result, work / f"rank{rank}.json")
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent as text
-        (work / f"rank{rank}.error").write_text(traceback.format_exc())
-        exit_code = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip the parent's atexit handlers and multiprocessing's cleanup inherited by fork.
-    os._exit(exit_code)
+def demo_rank(run: Callable[[Any, Path], dict[str, Any]], settings: Any, work: Path) -> dict[str, Any]:
+    """A rank of the demo, drift or checkpointing bench: `run(settings, work)` without the known warnings.
+
+    The warnings are DeepSpeed's business, not the demo reader's; they are filtered in
+    the bench's own ranks only, never in the library or a user's script.
+    """
+    for name in KNOWN_WARNINGS:
+        warnings.filterwarnings(
+            "ignore", message=rf"`torch\.distributed\.{name}` is deprecated", category=FutureWarning
+        )
+    return run(settings, work)
 
 
 def _say(rank: int, message: str) -> None:
@@ -88,29 +84,10 @@ def _timed(timings: dict[str, float], key: str, fn: Callable[[], Any]) -> Any:
     return value
 
 
-def run_rank(rank: int, settings: DemoSettings, work: Path, port: int) -> dict[str, Any]:
+def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     """All phases on one rank; returns this rank's measurements."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(settings.world_size),
-        LOCAL_WORLD_SIZE=str(settings.world_size),
-    )
-    import deepspeed
-
-    from poplar_ext.hardware.cpu_process import limit_cpu_threads
-
-    limit_cpu_threads()
+    rank = dist.get_rank()
     timings: dict[str, float] = {}
-    _timed(
-        timings,
-        "init_distributed_s",
-        lambda: deepspeed.init_distributed(
-            dist_backend="gloo", timeout=timedelta(seconds=_PG_TIMEOUT_S), verbose=False
-        ),
-    )
     cluster_path = work / "cluster.json"
     cluster = _timed(timings, "cluster_s", lambda: agreed_cluster(settings, cluster_path))
     device_type = cluster.rank_device_types[rank]

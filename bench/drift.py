@@ -18,7 +18,6 @@ and it never re-plans.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -77,39 +76,19 @@ class DriftSettings(DemoSettings):
 # ----------------------------------------------------------------------------------
 # The ranks (forked by bench.demo.run_ranks)
 # ----------------------------------------------------------------------------------
-def drift_worker_main(rank: int, settings: DriftSettings, work_dir: str, port: int) -> None:
-    """A forked rank's entry point: the demo's (result or traceback to a file), running `_run_rank`."""
-    from .demo_worker import worker_main
-
-    worker_main(rank, settings, work_dir, port, run=_run_rank)
-
-
 def _say(rank: int, message: str) -> None:
     if rank == 0:
         print(f"[poplar-bench drift] {message}", file=sys.stderr, flush=True)
 
 
-def _run_rank(rank: int, settings: DriftSettings, work: Path, port: int) -> dict[str, Any]:
-    from datetime import timedelta
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(settings.world_size),
-        LOCAL_WORLD_SIZE=str(settings.world_size),
-    )
-    import deepspeed
+def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from poplar_ext.hardware.cpu_process import limit_cpu_threads
     from poplar_search.formats import cluster_from_dict, cluster_to_dict, save_cluster
 
     from . import demo_worker
 
-    limit_cpu_threads()
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=300), verbose=False)
+    rank = dist.get_rank()
     plain_path = work / "cluster.json"
     cluster = demo_worker.agreed_cluster(settings, plain_path)
     _say(
@@ -442,7 +421,7 @@ def run_drift(settings: DriftSettings, *, out_dir: Path, name: str = "drift") ->
     started = time.perf_counter()
     demo._preimport()
     with tempfile.TemporaryDirectory(prefix="poplar-drift-") as tmp:
-        rank_results = demo.run_ranks(settings, Path(tmp), target=drift_worker_main)
+        rank_results = demo.run_ranks(settings, Path(tmp), target=_run_rank, pg_timeout_s=300.0)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Minutes of measurement: kept before anything else can fail.
     write_json_atomic(rank_results, out_dir / f"{name}.ranks.json")

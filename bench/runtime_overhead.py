@@ -21,12 +21,10 @@ Run by ``poplar-bench overhead``; the figures are in bench/results/runtime_overh
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import statistics
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -107,10 +105,8 @@ def _endless(loader):
         yield from loader
 
 
-def _rank_main(rank: int, port: int, directory: str, blocks: int, block_iterations: int, warmup: int, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE)
-    )
+def _rank_main(directory: str, blocks: int, block_iterations: int, warmup: int) -> dict[str, Any] | None:
+    """One rank (spawned: a clean interpreter, as a user's job has); rank 0 returns the times."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -118,8 +114,7 @@ def _rank_main(rank: int, port: int, directory: str, blocks: int, block_iteratio
     import poplar_ext
     from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
 
-    torch.set_num_threads(1)  # this bench owns its processes: one thread for both engines alike
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=120))
+    rank = dist.get_rank()
     configs = _files(Path(directory)) if rank == 0 else None
     box = [configs]
     dist.broadcast_object_list(box)
@@ -154,10 +149,8 @@ def _rank_main(rank: int, port: int, directory: str, blocks: int, block_iteratio
             wall, cpu = _iterations(engine, batches, warmup + block_iterations)
             times[name].append(wall[warmup:])
             cpu_times[name] += cpu[warmup:]
-    if rank == 0:
-        queue.put({"blocks": times, "cpu": cpu_times})
     dist.barrier()
-    dist.destroy_process_group()
+    return {"blocks": times, "cpu": cpu_times} if rank == 0 else None
 
 
 class _NoOpEngine:
@@ -228,25 +221,19 @@ def run_overhead(
     *, blocks: int = 30, block_iterations: int = 8, warmup: int = 1, timeout_s: float = 900.0
 ) -> dict[str, Any]:
     """Measure both engines (see the module docstring); returns the report as a dict."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    from .demo import _free_port
+    from poplar_ext.local_ranks import run_ranks
 
-    port = _free_port()
     with tempfile.TemporaryDirectory() as directory:
-        processes = [
-            ctx.Process(target=_rank_main, args=(rank, port, directory, blocks, block_iterations, warmup, queue))
-            for rank in range(WORLD_SIZE)
-        ]
-        for p in processes:
-            p.start()
-        try:
-            times = queue.get(timeout=timeout_s)
-        finally:
-            for p in processes:
-                p.join(30)
-                if p.is_alive():
-                    p.kill()
+        times = run_ranks(
+            _rank_main,
+            world_size=WORLD_SIZE,
+            log_dir=Path(directory) / "ranks",
+            args=(directory, blocks, block_iterations, warmup),
+            start_method="spawn",
+            timeout_s=timeout_s,
+            pg_timeout_s=120.0,
+            capture_output=False,
+        )[0]
     report = summarise(times["blocks"], times["cpu"], blocks=blocks, block_iterations=block_iterations, warmup=warmup)
     added_s = measure_wrapper_cost()["added_cpu_per_iteration_s"]
     report["wrapper_cost"] = {

@@ -31,7 +31,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def _destroy_process_group_if_up() -> None:
+def leave_process_group() -> None:
+    """Destroy this process's default group if it is up, and free the gloo groups it leaves behind."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -62,8 +63,8 @@ def destroy_process_group_at_exit() -> None:
     the other ranks then could hang.
     """
     # unregister first: registering the same function twice would run it twice
-    atexit.unregister(_destroy_process_group_if_up)
-    atexit.register(_destroy_process_group_if_up)
+    atexit.unregister(leave_process_group)
+    atexit.register(leave_process_group)
 
 
 def ensure_process_group(**init_options: Any) -> None:
@@ -242,5 +243,6 @@ __all__ = [
     "destroy_process_group_at_exit",
     "ensure_process_group",
     "gather_objects",
+    "leave_process_group",
     "process_group_rank",
 ]

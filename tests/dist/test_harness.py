@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from harness import RankFailure, run_ranks, run_ranks_outcomes
+
+from poplar_ext.local_ranks import run_command_ranks
 
 
 def _sum_of_ranks(offset):
@@ -49,3 +52,21 @@ def test_a_rank_stuck_in_a_collective_fails_after_the_group_timeout(tmp_path):
     )
     assert outcomes[0].ok and outcomes[0].value == "done"
     assert not outcomes[1].ok
+
+
+_EXIT_WITH_THREE_TIMES_THE_RANK = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"rank {rank} of {os.environ['WORLD_SIZE']}", file=sys.stderr)
+if rank == 0:
+    time.sleep(1)  # still running when rank 1 has failed
+sys.exit(3 * rank)
+"""
+
+
+def test_command_ranks_each_run_to_their_own_exit_code(tmp_path):
+    command = [sys.executable, "-c", _EXIT_WITH_THREE_TIMES_THE_RANK]
+    outcomes = run_command_ranks(command, world_size=2, log_dir=tmp_path, timeout_s=60)
+    # A launcher would have stopped rank 0 when rank 1 failed (torchrun does).
+    assert [(o.ok, o.exit_code) for o in outcomes] == [(True, 0), (False, 3)]
+    assert [o.log_tail() for o in outcomes] == ["rank 0 of 2", "rank 1 of 2"]

@@ -1,7 +1,8 @@
 """The package tree keeps the promises DEVELOPING.md makes about it.
 
 * every module of poplar_ext and search is on DEVELOPING.md's map;
-* torch.distributed is used in one module only (`poplar_ext/collectives.py`);
+* torch.distributed's collectives are used in one module only (`poplar_ext/collectives.py`);
+  starting processes through torch.distributed.elastic is not a collective;
 * ZeRO stages and policy names are spelled out once (`search/formats.py`);
 * importing poplar_ext configures no logging: its logger has a NullHandler only.
 """
@@ -37,15 +38,19 @@ def test_developing_md_maps_every_module():
     assert not missing, f"not on DEVELOPING.md's map: {missing}"
 
 
+def _is_collectives(module: str) -> bool:
+    return module.startswith("torch.distributed") and not module.startswith("torch.distributed.elastic")
+
+
 def _imports_torch_distributed(tree: ast.AST) -> bool:
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
+        if isinstance(node, ast.Import) and any(_is_collectives(a.name) for a in node.names):
             return True
         if (
             isinstance(node, ast.ImportFrom)
             and node.module
             and (
-                node.module.startswith("torch.distributed")
+                _is_collectives(node.module)
                 or (node.module == "torch" and any(a.name == "distributed" for a in node.names))
             )
         ):
