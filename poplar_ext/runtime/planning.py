@@ -42,7 +42,7 @@ class StalePlanWarning(UserWarning):
 
 def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
     """Device types whose profile at the plan's stage (and memory levers) is not the one the plan was made from."""
-    from poplar_search.api import profiles_for_plan
+    from poplar_search.levers import profiles_for_plan
 
     at_stage = {p.device_type: p for p in profiles_for_plan(plan, profiles)}
     return [
@@ -243,7 +243,7 @@ def load_rebalance_inputs(poplar_config: PoplarConfig, cluster: Cluster, plan: P
     ValueError when a profile is missing: re-balancing scales each rank's profiled curve.
     Each type's profile is the one with the plan's memory levers (a re-plan keeps them).
     """
-    from poplar_search.api import profiles_for_plan
+    from poplar_search.levers import profiles_for_plan
     from poplar_search.network import find_network
 
     where = f"{poplar_config.source}: {SECTION}.rebalance.enabled"
