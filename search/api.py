@@ -7,7 +7,6 @@ status is ``ok`` or ``infeasible``; it raises only for bad input (`ValueError`).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,7 +17,6 @@ from .formats import (
     MAX_GLOBAL_BATCH_SIZE,
     MAX_MICRO_BATCH_SIZE,
     MAX_WORLD_SIZE,
-    OFFLOAD_STAGES,
     POLICIES,
     ZERO_STAGES,
     Cluster,
@@ -26,9 +24,25 @@ from .formats import (
     Prediction,
     Profile,
     RankPlan,
-    levers_text,
     one_accumulation_count,
 )
+from .levers import (
+    LEVER_NAMES,
+    NO_LEVERS,
+    OFFLOAD_STAGES,
+    Levers,
+    Variants,
+    lever_choices,
+    levers_summary,
+    levers_text,
+    mixed_lever_types,
+    plan_levers,
+    profiles_for_plan,
+)
+
+# The memory levers' home is search.levers; lever_choices, plan_levers, profiles_for_plan
+# and LEVERS_ORDER stay importable from here.
+from .levers import LEVERS_ORDER as LEVERS_ORDER
 from .network import NetworkProfile
 from .policies import PolicyResult, allocate, best_global_batch
 
@@ -104,21 +118,6 @@ class PlanPrediction:
 # ----------------------------------------------------------------------------------
 # Input checks
 # ----------------------------------------------------------------------------------
-Levers = tuple[bool, bool]
-"""``(activation_checkpointing, optimizer_offload)``: the memory levers one device type uses."""
-
-NO_LEVERS: Levers = (False, False)
-
-LEVERS_ORDER: tuple[Levers, ...] = ((False, False), (True, False), (False, True), (True, True))
-"""Fewest levers first; ``uniform`` and ``proportional`` take a type's first profiled one."""
-
-Variants = dict[Levers, Profile]
-"""One device type's profiles at one stage, by `Profile.levers`."""
-
-MAX_LEVER_CHOICES = 4096
-"""Most combinations of per-type memory levers one stage's search tries (2 ** 12)."""
-
-
 def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants]]:
     """Profiles by stage, device type and memory levers; ValueError for mixed models or duplicates."""
     if isinstance(profiles, Profile) or not isinstance(profiles, Sequence):
@@ -155,49 +154,6 @@ def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants
             )
         variants[profile.levers] = profile
     return by_stage
-
-
-def lever_choices(variants_by_type: dict[str, Variants], zero_stage: int, *, choose: bool) -> list[dict[str, Levers]]:
-    """The per-type memory levers a search at `zero_stage` tries, fewest levers first.
-
-    With `choose` (the ``poplar`` policy) every combination of the variants each type
-    has that fit the model: activation checkpointing and optimizer offload may differ
-    between device types at stages 0-2 (bench/results/mixed_checkpointing,
-    bench/results/mixed_offload). At stage 3 activation checkpointing is all-or-none,
-    because the recomputed forward gathers parameters again and DeepSpeed needs every
-    rank to issue the same gathers; no profile offloads there. Without `choose`
-    (``uniform``, ``proportional``: what DeepSpeed or Whale would run) one setting per
-    type: its first profiled variant in `LEVERS_ORDER` (no lever where profiled so; at
-    stage 3 the first checkpointing setting every type has). Empty at stage 3 when no
-    single checkpointing setting has a profile for every type.
-    """
-    types = list(variants_by_type)
-
-    def fits(device_type: str, levers: Levers) -> bool:
-        variant = variants_by_type[device_type].get(levers)
-        return variant is not None and variant.max_micro_batch_size > 0
-
-    def first(device_type: str) -> Levers:
-        return next(levers for levers in LEVERS_ORDER if levers in variants_by_type[device_type])
-
-    if zero_stage == 3:
-        common = [on for on in (False, True) if all((on, False) in variants_by_type[t] for t in types)]
-        fitting = [on for on in common if all(fits(t, (on, False)) for t in types)] if choose else []
-        return [dict.fromkeys(types, (on, False)) for on in (fitting or common[:1])]
-    if not choose:
-        return [{t: first(t) for t in types}]
-    options = [[levers for levers in LEVERS_ORDER if fits(t, levers)] or [first(t)] for t in types]
-    total = 1
-    for option in options:
-        total *= len(option)
-    if total > MAX_LEVER_CHOICES:
-        raise ValueError(
-            f"profiles: expected at most {MAX_LEVER_CHOICES} combinations of memory levers (activation "
-            f"checkpointing, optimizer offload) per stage, found {total} at stage {zero_stage}; leave out the "
-            "checkpointed or offloaded profiles of the types that need them least"
-        )
-    combos = [dict(zip(types, combo)) for combo in itertools.product(*options)]
-    return sorted(combos, key=lambda combo: sum(sum(levers) for levers in combo.values()))
 
 
 def _check_arguments(
@@ -320,16 +276,6 @@ def _evaluate_stage(
     return best
 
 
-def levers_summary(setting: dict[str, Levers]) -> str:
-    """``activation checkpointing on A, B, optimizer offload on C`` for the types that use them ('' when none does)."""
-    parts = []
-    for index, name in enumerate(("activation checkpointing", "optimizer offload")):
-        on = [t for t, levers in setting.items() if levers[index]]
-        if on:
-            parts.append(f"{name} on {', '.join(on)}")
-    return ", ".join(parts)
-
-
 def _plan(model: StageModel, outcome: PolicyResult, policy: str) -> Plan:
     allocation = outcome.allocation
     assert allocation is not None
@@ -412,6 +358,39 @@ def search_plan(
     _check_arguments(cluster, global_batch_size, zero_stage, policy, max_global_batch_size)
     global_batch_size = None if global_batch_size is None else int(global_batch_size)
     max_global_batch_size = None if max_global_batch_size is None else int(max_global_batch_size)
+    by_stage = _profiles_covering(profiles, cluster)
+    stages = list(ZERO_STAGES) if zero_stage == "auto" else [int(zero_stage)]
+    evaluated = {
+        stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size, network)
+        for stage in stages
+    }
+    feasible = [stage for stage, e in evaluated.items() if e.outcome.ok]
+    if not feasible:
+        return _infeasible_result(evaluated, policy)
+    fixed_batch = global_batch_size is not None
+    chosen = min(feasible, key=lambda stage: _stage_score(evaluated[stage].outcome, stage, fixed_batch=fixed_batch))
+    best = evaluated[chosen]
+    assert best.model is not None, "a feasible stage has a cost model"
+    plan = _plan(best.model, best.outcome, policy)
+    return SearchResult(
+        status="ok",
+        message=_plan_message(
+            plan,
+            best,
+            stage_was_auto=zero_stage == "auto",
+            fixed_batch=fixed_batch,
+            max_global_batch_size=max_global_batch_size,
+            world_size=cluster.world_size,
+        ),
+        plan=plan,
+        policy=policy,
+        zero_stage=chosen,
+        stage_reports=_stage_reports(evaluated, chosen, several_evaluated=len(stages) > 1),
+    )
+
+
+def _profiles_covering(profiles: Sequence[Profile], cluster: Cluster) -> dict[int, dict[str, Variants]]:
+    """`_check_profiles`, and a ValueError when a device type of `cluster` has no profile at any stage."""
     by_stage = _check_profiles(profiles)
     covered = {t for stage in by_stage.values() for t in stage}
     unknown = [t for t in cluster.type_counts() if t not in covered]
@@ -420,72 +399,68 @@ def search_plan(
             f"cluster: expected device types that the profiles cover ({', '.join(sorted(covered))}), "
             f"found {', '.join(repr(t) for t in unknown)} with no profile"
         )
-    stages = list(ZERO_STAGES) if zero_stage == "auto" else [int(zero_stage)]
-    evaluated = {
-        stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size, network)
-        for stage in stages
-    }
-    outcomes = {stage: (e.model, e.outcome) for stage, e in evaluated.items()}
-    feasible = {s: (m, o) for s, (m, o) in outcomes.items() if o.ok}
-    if not feasible:
-        by_reason: dict[str, list[int]] = {}
-        for stage, (_, outcome) in outcomes.items():
-            by_reason.setdefault(outcome.reason, []).append(stage)
-        reasons = " ".join(
-            f"Stage{'s' if len(group) > 1 else ''} {', '.join(map(str, group))}: {reason}"
-            for reason, group in by_reason.items()
-        )
-        reports = tuple(
-            StageReport(
-                zero_stage=s,
-                status="infeasible",
-                iteration_time_s=None,
-                samples_per_s=None,
-                global_batch_size=None,
-                reason=o.reason,
-            )
-            for s, (_, o) in outcomes.items()
-        )
-        return SearchResult(
-            status="infeasible",
-            message=f"No feasible plan ({policy}). {reasons}",
-            plan=None,
-            policy=policy,
-            zero_stage=None,
-            stage_reports=reports,
-        )
+    return by_stage
 
-    def score(stage: int) -> tuple[float, int]:
-        allocation = feasible[stage][1].allocation
-        # Fixed batch: shortest iteration; automatic batch: highest throughput. Ties: lower stage.
-        value = allocation.iteration_time_s if global_batch_size is not None else -allocation.samples_per_s
-        return value, stage
 
-    chosen = min(feasible, key=score)
-    best = feasible[chosen][1].allocation
+def _stage_score(outcome: PolicyResult, stage: int, *, fixed_batch: bool) -> tuple[float, int]:
+    """Smaller is better: fixed batch, the shortest iteration; automatic batch, the highest throughput.
+    Ties: the lower stage."""
+    allocation = outcome.allocation
+    assert allocation is not None
+    return (allocation.iteration_time_s if fixed_batch else -allocation.samples_per_s), stage
+
+
+def _infeasible_report(stage: int, outcome: PolicyResult) -> StageReport:
+    return StageReport(
+        zero_stage=stage,
+        status="infeasible",
+        iteration_time_s=None,
+        samples_per_s=None,
+        global_batch_size=None,
+        reason=outcome.reason,
+    )
+
+
+def _infeasible_result(evaluated: dict[int, _StageOutcome], policy: str) -> SearchResult:
+    """No stage has a plan: every stage's reason, stages with the same reason named together."""
+    by_reason: dict[str, list[int]] = {}
+    for stage, e in evaluated.items():
+        by_reason.setdefault(e.outcome.reason, []).append(stage)
+    reasons = " ".join(
+        f"Stage{'s' if len(group) > 1 else ''} {', '.join(map(str, group))}: {reason}"
+        for reason, group in by_reason.items()
+    )
+    return SearchResult(
+        status="infeasible",
+        message=f"No feasible plan ({policy}). {reasons}",
+        plan=None,
+        policy=policy,
+        zero_stage=None,
+        stage_reports=tuple(_infeasible_report(stage, e.outcome) for stage, e in evaluated.items()),
+    )
+
+
+def _stage_reports(
+    evaluated: dict[int, _StageOutcome], chosen: int, *, several_evaluated: bool
+) -> tuple[StageReport, ...]:
+    """Why each evaluated stage won, lost (how much slower than `chosen`) or is infeasible."""
+    best = evaluated[chosen].outcome.allocation
+    assert best is not None
+    feasible_count = sum(e.outcome.ok for e in evaluated.values())
     reports = []
-    for stage, (_, outcome) in outcomes.items():
-        allocation = outcome.allocation
+    for stage, e in evaluated.items():
+        allocation = e.outcome.allocation
         if allocation is None:
-            reports.append(
-                StageReport(
-                    zero_stage=stage,
-                    status="infeasible",
-                    iteration_time_s=None,
-                    samples_per_s=None,
-                    global_batch_size=None,
-                    reason=outcome.reason,
-                )
-            )
+            reports.append(_infeasible_report(stage, e.outcome))
             continue
         if stage == chosen:
             status = "chosen"
-            if len(feasible) > 1:
+            if feasible_count > 1:
                 reason = "Fastest feasible stage."
             else:
-                reason = "The only stage evaluated." if len(stages) == 1 else "The only feasible stage."
-            if levers_summary(evaluated[stage].levers):
-                reason = reason[:-1] + f", with {levers_summary(evaluated[stage].levers)}."
+                reason = "The only feasible stage." if several_evaluated else "The only stage evaluated."
+            if levers_summary(e.levers):
+                reason = reason[:-1] + f", with {levers_summary(e.levers)}."
         else:
             status = "slower"
             slower_pct = 100.0 * (1.0 - allocation.samples_per_s / best.samples_per_s)
@@ -500,27 +475,36 @@ def search_plan(
                 reason=reason,
             )
         )
-    model, outcome = feasible[chosen]
-    plan = _plan(model, outcome, policy)
-    if global_batch_size is None:
+    return tuple(reports)
+
+
+def _plan_message(
+    plan: Plan,
+    best: _StageOutcome,
+    *,
+    stage_was_auto: bool,
+    fixed_batch: bool,
+    max_global_batch_size: int | None,
+    world_size: int,
+) -> str:
+    """The one line for people: stage, batch, levers, prediction, and any note on how it was chosen."""
+    if fixed_batch:
+        batch_text = f"global batch {plan.global_batch_size}"
+    else:
         limit = f"up to {max_global_batch_size}" if max_global_batch_size is not None else "in the default range"
         batch_text = f"global batch {plan.global_batch_size} (chosen for the highest predicted throughput {limit})"
-    else:
-        batch_text = f"global batch {plan.global_batch_size}"
     share = plan.predicted.samples_per_s / plan.predicted.ideal_samples_per_s
-    checkpointing = levers_summary(evaluated[chosen].levers)
+    levers = levers_summary(best.levers)
     message = (
-        f"{policy} at ZeRO stage {chosen}{' (auto)' if zero_stage == 'auto' else ''}: {batch_text}"
-        f"{', ' + checkpointing if checkpointing else ''}, "
+        f"{plan.policy} at ZeRO stage {plan.zero_stage}{' (auto)' if stage_was_auto else ''}: {batch_text}"
+        f"{', ' + levers if levers else ''}, "
         f"predicted {plan.predicted.iteration_time_s:.4g} s per iteration, "
         f"{plan.predicted.samples_per_s:.4g} samples/s ({100 * share:.1f}% of ideal)."
     )
-    if outcome.note:
-        message += f" Note: {outcome.note}."
-    message += _world_size_note(model, cluster.world_size)
-    return SearchResult(
-        status="ok", message=message, plan=plan, policy=policy, zero_stage=chosen, stage_reports=tuple(reports)
-    )
+    if best.outcome.note:
+        message += f" Note: {best.outcome.note}."
+    assert best.model is not None
+    return message + _world_size_note(best.model, world_size)
 
 
 # ----------------------------------------------------------------------------------
@@ -559,8 +543,8 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
                 f"but the plan has {', '.join(map(str, counts))}."
             )
     settings = plan_levers(plan)
-    for index, name in enumerate(("activation_checkpointing", "optimizer_offload")):
-        mixed = _mixed_types(plan, index)
+    for index, name in enumerate(LEVER_NAMES):
+        mixed = mixed_lever_types(plan, index)
         if mixed:
             problems.append(
                 f"Ranks of one device type differ in {name} ({_some(mixed)}); the plan gives each device type one "
@@ -596,34 +580,6 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
     return problems
 
 
-def _mixed_types(plan: Plan, index: int) -> list[str]:
-    """Device types whose ranks differ in lever `index` of `Levers`."""
-    values: dict[str, set[bool]] = {}
-    for r in plan.ranks:
-        values.setdefault(r.device_type, set()).add(r.levers[index])
-    return [t for t, seen in values.items() if len(seen) > 1]
-
-
-def profiles_for_plan(plan: Plan, profiles: Sequence[Profile]) -> list[Profile]:
-    """The `profiles` at the plan's stage with the memory levers the plan gives their device type (none for others)."""
-    settings = plan_levers(plan)
-    return [
-        p
-        for p in profiles
-        if p.zero_stage == plan.zero_stage and p.levers == (settings.get(p.device_type) or NO_LEVERS)
-    ]
-
-
-def plan_levers(plan: Plan) -> dict[str, Levers | None]:
-    """``(activation_checkpointing, optimizer_offload)`` per device type of `plan` (None for a type whose
-    ranks differ)."""
-    settings: dict[str, Levers | None] = {}
-    for r in plan.ranks:
-        if settings.setdefault(r.device_type, r.levers) != r.levers:
-            settings[r.device_type] = None
-    return settings
-
-
 def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | None = None) -> PlanPrediction:
     """Per-rank busy time and the iteration time the cost model predicts for `plan` (with `network`:
     communication priced).
@@ -636,8 +592,8 @@ def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | N
     by_stage = _check_profiles(profiles)
     variants = by_stage.get(plan.zero_stage, {})
     settings = plan_levers(plan)
-    for index, name in enumerate(("activation_checkpointing", "optimizer_offload")):
-        mixed = _mixed_types(plan, index)
+    for index, name in enumerate(LEVER_NAMES):
+        mixed = mixed_lever_types(plan, index)
         if mixed:
             raise ValueError(f"plan: expected one {name} per device type, found both for {', '.join(mixed)}")
     at_stage = {t: variants[t][levers] for t, levers in settings.items() if t in variants and levers in variants[t]}
@@ -654,7 +610,6 @@ def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | N
     steps = np.array([r.gradient_accumulation_steps for r in plan.ranks], dtype=np.int64)
     micro = model.rank_micro_step_times_s(sizes)
     compute_micro = model.rank_compute_micro_step_times_s(sizes)
-    compute = compute_micro
     iteration = model.iteration_time_s(sizes, steps)
     return PlanPrediction(
         zero_stage=plan.zero_stage,
@@ -664,7 +619,7 @@ def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | N
         iteration_time_s=iteration,
         samples_per_s=plan.global_batch_size / iteration,
         ideal_samples_per_s=model.ideal_samples_per_s,
-        rank_compute_time_s=tuple((compute * steps).tolist()),
+        rank_compute_time_s=tuple((compute_micro * steps).tolist()),
         micro_step_communication_s=float(np.max(micro - compute_micro)) if len(micro) else 0.0,
         boundary_communication_s=0.0 if model.communication is None else model.communication.boundary_s,
         optimizer_step_s=max(d.optimizer_step_time_s for d in model.devices),

@@ -22,6 +22,7 @@ from .formats import (
     Plan,
     Profile,
 )
+from .levers import NO_LEVERS, Levers, plan_levers
 from .network import NetworkProfile
 
 SCALE_DECIMALS = 2
@@ -48,12 +49,12 @@ def scaled_problem(
     rank_scales: Sequence[float],
     *,
     zero_stage: int,
-    levers: Mapping[str, tuple[bool, bool] | None] | None = None,
+    levers: Mapping[str, Levers | None] | None = None,
 ) -> tuple[list[Profile], Cluster, list[str]]:
     """Profiles and cluster in which each rank's device runs `rank_scales[r]` times its profile's time.
 
     `levers` gives the ``(activation_checkpointing, optimizer_offload)`` whose profile
-    each device type keeps (default: neither; `search.api.plan_levers`), so a re-plan
+    each device type keeps (default: neither; `search.levers.plan_levers`), so a re-plan
     keeps the running plan's setting: the runtime applies it once, before training. Returns them and
     each rank's derived device type, in rank order (the cluster's nodes and rank order are kept).
     """
@@ -67,7 +68,7 @@ def scaled_problem(
     at_stage = {
         p.device_type: p
         for p in profiles
-        if p.zero_stage == zero_stage and p.levers == (levers.get(p.device_type) or (False, False))
+        if p.zero_stage == zero_stage and p.levers == (levers.get(p.device_type) or NO_LEVERS)
     }
     derived = [derived_type(t, s) for t, s in zip(rank_types, rank_scales)]
     scaled: dict[str, Profile] = {}
@@ -126,7 +127,7 @@ def replan(
     network: NetworkProfile | None = None,
 ) -> Replan:
     """Search `plan`'s global batch and stage again with each rank's speed scaled by `rank_scales`."""
-    from .api import plan_levers, predict, search_plan
+    from .api import predict, search_plan
 
     scaled_profiles, scaled_cluster, rank_types = scaled_problem(
         profiles, cluster, rank_scales, zero_stage=plan.zero_stage, levers=plan_levers(plan)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FormatError
+from .levers import OFFLOAD_STAGES, Levers, levers_text
 from .validation import MAX_JSON_DEPTH, Node, json_depth
 
 PROFILE_SCHEMA_VERSION = 1
@@ -146,7 +147,7 @@ class Profile:
         return (self.device_type, self.zero_stage, self.activation_checkpointing, self.optimizer_offload)
 
     @property
-    def levers(self) -> tuple[bool, bool]:
+    def levers(self) -> Levers:
         """``(activation_checkpointing, optimizer_offload)``: the memory levers it was measured with."""
         return (self.activation_checkpointing, self.optimizer_offload)
 
@@ -438,7 +439,7 @@ class RankPlan:
         return self.micro_batch_size * self.gradient_accumulation_steps
 
     @property
-    def levers(self) -> tuple[bool, bool]:
+    def levers(self) -> Levers:
         """``(activation_checkpointing, optimizer_offload)``, as `Profile.levers`."""
         return (self.activation_checkpointing, self.optimizer_offload)
 
@@ -531,11 +532,6 @@ def _optional_boolean(node: Node, key: str) -> bool:
     return False if child is None else child.boolean()
 
 
-OFFLOAD_STAGES = (1, 2)
-"""The ZeRO stages at which poplar-ext offloads an optimizer (DeepSpeed lets ranks differ
-there: bench/results/mixed_offload)."""
-
-
 def _offload(node: Node, zero_stage: int) -> bool:
     """``optimizer_offload`` (absent: false), which only ZeRO stages 1-2 may set."""
     offload = _optional_boolean(node, "optimizer_offload")
@@ -544,19 +540,6 @@ def _offload(node: Node, zero_stage: int) -> bool:
             f"false at ZeRO stage {zero_stage} (poplar-ext offloads the optimizer at stages 1-2 only)"
         )
     return offload
-
-
-def levers_text(activation_checkpointing: bool, optimizer_offload: bool = False) -> str:
-    """`` with activation checkpointing and optimizer offload`` (each only when set; '' for neither)."""
-    used = [
-        name
-        for name, on in (
-            ("activation checkpointing", activation_checkpointing),
-            ("optimizer offload", optimizer_offload),
-        )
-        if on
-    ]
-    return f" with {' and '.join(used)}" if used else ""
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:

@@ -215,11 +215,6 @@ def network_to_dict(network: NetworkProfile) -> dict[str, Any]:
     return data
 
 
-def is_network(data: Any) -> bool:
-    """Whether parsed JSON is a network file (kept beside the profiles, not one)."""
-    return isinstance(data, dict) and data.get("kind") == NETWORK_KIND
-
-
 def _parse_fits(node: Node) -> dict[str, CollectiveFit]:
     collectives_node = node.obj().keys_within(COLLECTIVES)
     collectives = {}

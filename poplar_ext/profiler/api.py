@@ -55,16 +55,15 @@ from poplar_ext.profiler.measure import (
 from poplar_ext.profiler.network import cached_or_measured_network
 from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, Progress, log_progress
 from poplar_search.formats import (
-    OFFLOAD_STAGES,
     ZERO_STAGES,
     Cluster,
     ModelInfo,
     Profile,
-    levers_text,
     profile_from_dict,
     profile_to_dict,
     read_json,
 )
+from poplar_search.levers import OFFLOAD_STAGES, levers_text
 
 _DEFAULT = ProfileOptions  # profile_model's defaults are ProfileOptions' own (stated once, there)
 

@@ -48,7 +48,7 @@ class StalePlanWarning(UserWarning):
 
 def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
     """Device types whose profile at the plan's stage (and memory levers) is not the one the plan was made from."""
-    from poplar_search.api import profiles_for_plan
+    from poplar_search.levers import profiles_for_plan
 
     at_stage = {p.device_type: p for p in profiles_for_plan(plan, profiles)}
     return [
@@ -239,7 +239,7 @@ def load_rebalance_inputs(
     Each type's profile is the one with the plan's memory levers (a re-plan keeps them).
     `directory`: what resolving the plan already read of ``poplar.profiles`` (default: read now).
     """
-    from poplar_search.api import profiles_for_plan
+    from poplar_search.levers import profiles_for_plan
 
     where = f"{poplar_config.source}: {SECTION}.rebalance.enabled"
     if poplar_config.profiles is None:

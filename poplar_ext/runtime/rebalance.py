@@ -75,8 +75,9 @@ class DriftMonitor:
 
     def predicted_compute_s(self, plan: Plan) -> list[float]:
         """Each rank's predicted compute time per iteration under `plan` and the assumed speeds."""
-        from poplar_search.api import plan_levers, predict
+        from poplar_search.api import predict
         from poplar_search.drift import scaled_problem, with_rank_types
+        from poplar_search.levers import plan_levers
 
         profiles, _, rank_types = scaled_problem(
             self.profiles, self.cluster, self.rank_scales, zero_stage=plan.zero_stage, levers=plan_levers(plan)
