@@ -29,11 +29,11 @@ from poplar_search.formats import (
     Cluster,
     Plan,
     Profile,
-    load_plan,
     load_profiles,
     plan_from_dict,
     plan_to_dict,
 )
+from poplar_search.pipeline_formats import load_any_plan
 
 
 class StalePlanWarning(UserWarning):
@@ -321,9 +321,15 @@ def resolve_plan(
 
         def read_plan_file() -> dict[str, Any]:
             try:
-                plan = load_plan(plan_path)
+                plan = load_any_plan(plan_path)
             except FormatError as exc:
                 raise ValueError(f"poplar.plan: {exc}") from exc
+            if not isinstance(plan, Plan):
+                raise ValueError(
+                    f"poplar.plan: {plan_path} is a pipeline plan ('parallelism': 'pipeline'); it trains a "
+                    "poplar_ext.pipeline.PoplarPipelineModule, not this model: build the model as one, or give a "
+                    "ZeRO plan (poplar-search)"
+                )
             profiles = _available_profiles(poplar_config, model_fingerprint) or None
             checked(plan, profiles, str(plan_path))
             return {
