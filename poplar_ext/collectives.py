@@ -10,7 +10,10 @@ skips) can be read in one place:
 * `gather_objects`: every rank's object on every rank (device facts, measurements);
 * `agree_max`: the element-wise maximum of a list of numbers (trial outcomes);
 * `agree_sum`: the sum of a number over ranks (an iteration's label tokens);
-* `barrier`: every rank waits for the others (before a timed block).
+* `barrier`: every rank waits for the others (before a timed block);
+* `new_groups`, `sum_in_group`, `broadcast_in_group`: subgroups made by every rank in
+  the same order, and the tensor collectives poplar-ext's pipelines run inside them
+  (`poplar_ext.pipeline`: each layer's gradient summed over the pipelines holding it).
 
 `ensure_process_group` sets the group up through DeepSpeed (its launcher, torchrun
 or mpirun) and makes sure it is destroyed before the interpreter shuts down
@@ -212,6 +215,20 @@ def destroy_groups(groups: list[Any], rank_lists: list[list[int]], rank: int) ->
             dist.destroy_process_group(group)
 
 
+def sum_in_group(tensor: Any, group: Any = None) -> None:
+    """Sum `tensor` in place over the ranks of `group` (default: every rank); this rank must be in it."""
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def broadcast_in_group(tensor: Any, *, src: int, group: Any) -> None:
+    """Overwrite `tensor` in place with global rank `src`'s, over the ranks of `group` (this rank among them)."""
+    import torch.distributed as dist
+
+    dist.broadcast(tensor, src=src, group=group)
+
+
 def process_group_backend() -> str:
     """The default process group's backend (``nccl``, ``gloo``)."""
     import torch.distributed as dist
@@ -239,10 +256,13 @@ __all__ = [
     "agree_sum",
     "barrier",
     "broadcast_from_rank0",
+    "broadcast_in_group",
     "decided_by_rank0",
     "destroy_process_group_at_exit",
     "ensure_process_group",
     "gather_objects",
     "leave_process_group",
+    "new_groups",
     "process_group_rank",
+    "sum_in_group",
 ]

@@ -30,13 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from poplar_search.formats import Plan, plan_to_dict, read_json, write_json_atomic
+from poplar_search.formats import Plan, plan_to_dict, read_json, write_json_atomic, write_text_atomic
+from poplar_search.pipeline_formats import PipelinePlan, pipeline_plan_to_dict, plan_parallelism
 
 STATE_FILE = "poplar_state.json"
 """poplar-ext's state, in a checkpoint's tag folder."""
 
 CLIENT_STATE_KEY = "poplar"
 """Where checkpoints of poplar-ext 0.1 kept the state, in DeepSpeed's client_state (still read)."""
+
+
+def plan_as_dict(plan: Plan | PipelinePlan) -> dict[str, Any]:
+    """A ZeRO plan's or a pipeline plan's JSON (the history and the state file hold either)."""
+    return pipeline_plan_to_dict(plan) if isinstance(plan, PipelinePlan) else plan_to_dict(plan)
 
 
 def _allocation(plan_dict: dict) -> dict:
@@ -49,21 +55,21 @@ def _allocation(plan_dict: dict) -> dict:
 
 
 def history_entry(
-    plan: Plan, *, start_step: int, data_position: int, reason: str, switched: bool = False
+    plan: Plan | PipelinePlan, *, start_step: int, data_position: int, reason: str, switched: bool = False
 ) -> dict[str, Any]:
     """One plan of the history: from which optimizer step and stream position it ran, and why.
 
     `switched`: the plan replaced another during the run (re-balancing), as opposed to a
     plan the job started (or resumed) with.
     """
-    entry = {"start_step": start_step, "data_position": data_position, "reason": reason, "plan": plan_to_dict(plan)}
+    entry = {"start_step": start_step, "data_position": data_position, "reason": reason, "plan": plan_as_dict(plan)}
     if switched:
         entry["switched"] = True
     return entry
 
 
 def poplar_client_state(
-    plan: Plan,
+    plan: Plan | PipelinePlan,
     *,
     consumed_samples: int,
     seed: int,
@@ -74,7 +80,7 @@ def poplar_client_state(
 ) -> dict:
     """What poplar-ext stores in a checkpoint: the plan, the history, where the data stream stands."""
     return {
-        "plan": plan_to_dict(plan),
+        "plan": plan_as_dict(plan),
         "consumed_samples": consumed_samples,
         "data_position": consumed_samples if data_position is None else data_position,
         "seed": seed,
@@ -99,12 +105,42 @@ def write_state(save_dir: str | Path, tag: str, state: dict) -> Path:
     return path
 
 
+def write_latest_when_saved(save_dir: str | Path, tag: str, *, rank: int) -> None:
+    """Rank 0 names `tag` in ``latest`` once every rank has written its files (collective).
+
+    DeepSpeed's rank 0 writes ``latest`` right after its own files, so a node lost during
+    a save could leave ``latest`` naming a checkpoint without that node's part, which an
+    automatic restart would then fail to load.
+    """
+    from poplar_ext.collectives import barrier
+
+    barrier()
+    if rank == 0:
+        write_text_atomic(tag, Path(save_dir) / "latest")
+
+
 def read_state(load_dir: str | Path, tag: str | None) -> dict | None:
     """The saved state, or None when the checkpoint has none (not written by poplar-ext)."""
     if tag is None:
         return None
     path = Path(load_dir) / tag / STATE_FILE
     return read_json(path) if path.is_file() else None
+
+
+def check_data_order(saved: dict, current: dict, *, path: str) -> None:
+    """ValueError unless the saved state's data order (seed, shuffle, drop_last) is the job's:
+    another order would repeat or skip samples."""
+    saved_drop_last = saved.get("drop_last", False)  # absent in checkpoints of poplar-ext 0.1
+    if (saved["seed"], saved["shuffle"], saved_drop_last) != (
+        current["seed"],
+        current["shuffle"],
+        current["drop_last"],
+    ):
+        raise ValueError(
+            f"load_checkpoint: {path} was saved with poplar.seed {saved['seed']}, shuffle {saved['shuffle']} and "
+            f"drop_last {saved_drop_last}; this job has {current['seed']}, {current['shuffle']} and "
+            f"{current['drop_last']}: the data order would differ, so samples would be repeated or skipped"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,17 +202,12 @@ def resume_decision(
             plan_history=[resume_entry],
             notes=[f"{path} {why}: the data starts at position 0 under this job's plan"],
         )
-    saved_drop_last = saved.get("drop_last", False)  # absent in checkpoints of poplar-ext 0.1
-    if (saved["seed"], saved["shuffle"], saved_drop_last) != (
-        current["seed"],
-        current["shuffle"],
-        current["drop_last"],
-    ):
+    if plan_parallelism(saved["plan"]) == "pipeline":
         raise ValueError(
-            f"load_checkpoint: {path} was saved with poplar.seed {saved['seed']}, shuffle {saved['shuffle']} and "
-            f"drop_last {saved_drop_last}; this job has {current['seed']}, {current['shuffle']} and "
-            f"{current['drop_last']}: the data order would differ, so samples would be repeated or skipped"
+            f"load_checkpoint: {path} was saved by a pipeline job (a PoplarPipelineModule under a pipeline plan); "
+            "this job trains every rank on the whole model: resume it with the same PoplarPipelineModule and plan"
         )
+    check_data_order(saved, current, path=path)
     position = saved.get("data_position", saved["consumed_samples"])
     history = list(saved.get("plan_history") or [])
     notes: list[str] = []
@@ -230,10 +261,13 @@ __all__ = [
     "CLIENT_STATE_KEY",
     "STATE_FILE",
     "ResumeDecision",
+    "check_data_order",
     "checkpoint_tag",
     "history_entry",
+    "plan_as_dict",
     "poplar_client_state",
     "read_state",
     "resume_decision",
+    "write_latest_when_saved",
     "write_state",
 ]

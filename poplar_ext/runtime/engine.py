@@ -34,13 +34,14 @@ from poplar_ext.runtime.checkpoint import (
     poplar_client_state,
     read_state,
     resume_decision,
+    write_latest_when_saved,
     write_state,
 )
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.rebalance import Rebalancer, StepView, SwitchOrder
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
-from poplar_search.formats import Plan, one_accumulation_count, plan_from_dict, plan_to_dict, write_text_atomic
+from poplar_search.formats import Plan, one_accumulation_count, plan_from_dict, plan_to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -475,8 +476,6 @@ class PoplarEngine:
             UNIVERSAL_CHECKPOINT_VERSION_VALUE,
         )
 
-        from poplar_ext.collectives import barrier
-
         tag = str(tag) if tag is not None else f"global_step{self.deepspeed_engine.global_steps}"  # DeepSpeed's default
         if self._rank == 0:
             write_state(save_dir, tag, self._client_state())
@@ -490,9 +489,7 @@ class PoplarEngine:
             save_dir, tag=tag, client_state=client, save_latest=False, **kwargs
         )
         if save_latest:
-            barrier()  # every rank's files are written
-            if self._rank == 0:
-                write_text_atomic(tag, Path(save_dir) / "latest")
+            write_latest_when_saved(save_dir, tag, rank=self._rank)
         return saved
 
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:

@@ -118,7 +118,10 @@ def _refuse_other_parallelism(*, mpu: Any, mesh_param: Any, model: Any, ds_confi
         from deepspeed.pipe import PipelineModule
 
         if isinstance(model, PipelineModule):
-            unsupported.append("a PipelineModule (pipeline parallelism)")
+            unsupported.append(
+                "a PipelineModule (pipeline parallelism: build it as poplar_ext.pipeline.PoplarPipelineModule, "
+                "with a pipeline plan)"
+            )
         if any(isinstance(module, MoE) for module in model.modules()):
             unsupported.append("MoE layers (expert-parallel groups)")
     if unsupported:
@@ -320,7 +323,9 @@ def initialize(
 
     Same arguments and return values: ``(engine, optimizer, training_dataloader,
     lr_scheduler)``. The engine is a `PoplarEngine`; the dataloader (None without
-    `training_data`) yields this rank's micro-batches. Raises ValueError, on every
+    `training_data`) yields this rank's micro-batches. A
+    `poplar_ext.pipeline.PoplarPipelineModule` gets its pipeline engine instead
+    (`poplar_ext.pipeline.initialize`). Raises ValueError, on every
     rank alike and before any collective, for a bad config or a plan that cannot run.
     `loss_fn(engine, batch) -> loss` is for the automatic mode's profiling when the
     model does not return its loss (default: the output's ``.loss``, else the output).
@@ -333,6 +338,25 @@ def initialize(
     A rank whose entry has ``optimizer_offload`` trains with DeepSpeed's
     ``offload_optimizer`` in its own config (`poplar_ext.optimizer_offload`).
     """
+    from poplar_ext.pipeline.module import PoplarPipelineModule
+
+    if isinstance(model, PoplarPipelineModule):  # pipelines: the plan was settled when the module was built
+        from poplar_ext.pipeline.initialize import initialize_pipeline
+
+        return initialize_pipeline(
+            args=args,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            mpu=mpu,
+            dist_init_required=dist_init_required,
+            collate_fn=collate_fn,
+            config=config,
+            config_params=config_params,
+            mesh_param=mesh_param,
+        )
     job = prepare_job(
         load_deepspeed_config(config, config_params=config_params, args=args),
         model=model,

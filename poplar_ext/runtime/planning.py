@@ -32,11 +32,11 @@ from poplar_search.formats import (
     Cluster,
     Plan,
     Profile,
-    load_plan,
     load_profiles,
     plan_from_dict,
     plan_to_dict,
 )
+from poplar_search.pipeline_formats import load_any_plan
 
 if TYPE_CHECKING:
     from poplar_search.network import NetworkProfile
@@ -352,9 +352,15 @@ def _plan_from_file(request: _PlanRequest, *, rank: int, broadcast: Callable[[An
 
     def read_plan_file() -> dict[str, Any]:
         try:
-            plan = load_plan(plan_path)
+            plan = load_any_plan(plan_path)
         except FormatError as exc:
             raise ValueError(f"poplar.plan: {exc}") from exc
+        if not isinstance(plan, Plan):
+            raise ValueError(
+                f"poplar.plan: {plan_path} is a pipeline plan ('parallelism': 'pipeline'); it trains a "
+                "poplar_ext.pipeline.PoplarPipelineModule, not this model: build the model as one, or give a "
+                "ZeRO plan (poplar-search)"
+            )
         profiles = request.directory.profiles(request.model_fingerprint) or None
         request.checked(plan, profiles, str(plan_path))
         return {"plan": plan_to_dict(plan), "stale": [] if profiles is None else stale_profile_types(plan, profiles)}

@@ -19,6 +19,9 @@ optimizer must instead see the gradient of the mean loss over the whole global b
 
 The weight does not depend on the accumulation count s_r, the ZeRO stage or gradient
 clipping (clipping acts on the already exact global gradient).
+
+Pipelines (`poplar_ext.pipeline`) are weighted by the same rule, a pipeline p being one
+data-parallel member with s_p micro-batches of b_p samples: `pipeline_loss_weight`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,28 @@ def loss_weight(
             f"global_batch_tokens: expected at least one label token in the iteration, found {global_batch_tokens}"
         )
     return world_size * micro_batch_tokens / global_batch_tokens
+
+
+def pipeline_loss_weight(
+    *, micro_batch_size: int, num_micro_batches: int, global_batch_size: int, reduction: Reduction = "mean"
+) -> float:
+    """The factor for a pipeline's micro-batch loss: ``s_p * b_p / B`` (mean) or ``s_p / B`` (sum).
+
+    DeepSpeed's pipeline engine divides every micro-batch loss by the pipeline's count
+    s_p (its gradient_accumulation_steps; it has no ``scale_wrt_gas=False``), and
+    poplar-ext sums each layer's gradient over the pipelines (DeepSpeed sees a
+    data-parallel size of 1, so no ``1/W``): the rank weight with ``W = 1``, times s_p.
+    ``token_mean`` needs the iteration's token count agreed before the first backward,
+    which the pipeline engine's schedule has no place for: refused.
+    """
+    if reduction == "token_mean":
+        raise ValueError(
+            "loss_reduction token_mean: expected mean or sum with pipelines (a pipeline's last stage computes the "
+            "loss inside DeepSpeed's schedule, where no token count can be agreed first)"
+        )
+    return num_micro_batches * loss_weight(
+        world_size=1, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, reduction=reduction
+    )
 
 
 def loss_shifts_labels(model: Any) -> bool:
@@ -125,4 +150,12 @@ def weight_loss(
     return loss * weight
 
 
-__all__ = ["IGNORE_INDEX", "REDUCTIONS", "label_token_count", "loss_shifts_labels", "loss_weight", "weight_loss"]
+__all__ = [
+    "IGNORE_INDEX",
+    "REDUCTIONS",
+    "label_token_count",
+    "loss_shifts_labels",
+    "loss_weight",
+    "pipeline_loss_weight",
+    "weight_loss",
+]

@@ -47,6 +47,11 @@ def test_the_wheel_holds_unique_top_level_names_and_the_examples_not_the_results
     assert "poplar_search/example_profiles/cluster.json" in examples and len(examples) == 9
     assert any(n.startswith("poplar_bench/clusters/") and n.endswith(".json") for n in names)
     assert not [n for n in names if "/results/" in n or n.startswith("tests/")]
+    # Every package of the tree is listed in pyproject's packages (a package left out is
+    # missing from installs, though a checkout imports it).
+    packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "poplar_ext").rglob("__init__.py")}
+    missing = packages - {name.rsplit("/", 1)[0] for name in names}
+    assert not missing, sorted(missing)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     for script in ("poplar-search = poplar_search.cli:main", "poplar-bench = poplar_bench.cli:main"):
         assert script in entry_points

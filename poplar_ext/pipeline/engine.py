@@ -1,0 +1,282 @@
+"""`PoplarPipelineEngine`: DeepSpeed's PipelineEngine for one pipeline of a plan, exact over all of them.
+
+DeepSpeed sees each pipeline as a whole job of data-parallel size 1 (`PlanGrid`); this
+subclass adds what crosses pipelines, at the smallest seams DeepSpeed offers:
+
+* `allreduce_gradients`, which ``_exec_reduce_grads`` calls by name at the schedule's
+  ``ReduceGrads`` instruction (runtime/pipe/engine.py), first sums each layer's gradient
+  over the pipelines holding it (`LayerSegments`), then runs DeepSpeed's own over the
+  one-rank group (nothing to add at ZeRO 0; ZeRO 1's hand-over to its optimizer). With
+  each micro-batch loss weighted by ``s_p * b_p / B`` (`PoplarPipelineModule`) the
+  optimizer sees the gradient of the mean loss over the global batch.
+* `clip_fp32_gradients` (called by ``_take_model_step`` at ZeRO 0, fp32): DeepSpeed's
+  takes the norm of stage 0's gradients only; here, of the whole pipeline's.
+* ``_INSTRUCTION_MAP``: the forward, backward and optimizer-step instructions of an
+  emulated device type run slowed down (`poplar_ext.hardware.emulation`), as the ZeRO
+  path's forward..backward window and step. ``_exec_forward_pass`` and the others
+  cannot be overridden by name: DeepSpeed's map holds its own function objects.
+* `train_batch` returns the global batch's mean loss on every rank (DeepSpeed's is the
+  pipeline's share, its data-parallel average being over one pipeline) and counts the
+  samples; `save_checkpoint` / `load_checkpoint` keep one folder per pipeline and
+  poplar-ext's state (`poplar_ext.pipeline.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from deepspeed.runtime.dataloader import RepeatingLoader
+from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from poplar_ext.collectives import decided_by_rank0, sum_in_group
+from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
+from poplar_ext.pipeline.checkpoint import pipeline_folder, pipeline_resume_decision
+from poplar_ext.pipeline.job import PipelineJob
+from poplar_ext.runtime.checkpoint import (
+    ResumeDecision,
+    checkpoint_tag,
+    history_entry,
+    poplar_client_state,
+    read_state,
+    write_latest_when_saved,
+    write_state,
+)
+from poplar_ext.runtime.data import PlanBatchSampler
+
+logger = logging.getLogger(__name__)
+
+
+def _emulated(instruction: Callable[..., Any]) -> Callable[..., Any]:
+    """`instruction` run inside this rank's emulated compute window (a real device: as it is)."""
+
+    def run(engine: PoplarPipelineEngine, **kwargs: Any) -> Any:
+        slowdown = engine.emulated_compute
+        if slowdown is None:
+            return instruction(engine, **kwargs)
+        slowdown.start()
+        try:
+            return instruction(engine, **kwargs)
+        finally:
+            slowdown.stop()
+
+    return run
+
+
+class PoplarPipelineEngine(PipelineEngine):
+    """DeepSpeed's pipeline engine for this rank's pipeline (built by `poplar_ext.initialize`).
+
+    Use it as DeepSpeed's: ``loss = engine.train_batch(data_iter)``, or
+    ``engine.train_batch()`` to read the dataloader `poplar_ext.initialize` returned.
+    Differences: the returned loss is the global batch's mean; `train_batch_size()` is
+    the plan's global batch; checkpoints hold one folder per pipeline and the data position.
+    """
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        schedule.ForwardPass: _emulated(PipelineEngine._exec_forward_pass),
+        schedule.BackwardPass: _emulated(PipelineEngine._exec_backward_pass),
+        schedule.OptimizerStep: _emulated(PipelineEngine._exec_optimizer_step),
+    }
+
+    def __init__(self, *, poplar_job: PipelineJob, slowdown: ComputeSlowdown | None, **deepspeed_arguments: Any):
+        super().__init__(**deepspeed_arguments)
+        plan = poplar_job.plan
+        self.poplar_job = poplar_job
+        self.plan = plan
+        """The pipeline plan every rank runs."""
+        self.pipeline_index, self.stage_index = poplar_job.pipeline_index, poplar_job.stage_index
+        self.consumed_samples = 0
+        """Samples (of all pipelines) trained by the optimizer steps so far."""
+        self.plan_history: list[dict] = [
+            history_entry(plan, start_step=0, data_position=0, reason=poplar_job.plan_reason)
+        ]
+        self._slowdown = slowdown
+        self._restored_position = 0
+        self._steps_since_restore = 0
+        self._samplers: list[PlanBatchSampler] = []
+        self._loader: Any = None
+        self._own_iterator = False
+        self._job_tag: str | None = None
+        self._last_boundary_time: float | None = None
+        # DeepSpeed's bookkeeping (samples/s, global_samples) reads the batch it was given: the
+        # pipeline's; its batch checks ran in __init__, nothing later compares it.
+        self._config.train_batch_size = plan.global_batch_size
+        for timer in (self.tput_timer, self.batch_timer):
+            timer.batch_size = plan.global_batch_size
+
+    @property
+    def emulated_compute(self) -> ComputeSlowdown | None:
+        """This rank's emulated slowdown (None on a real device)."""
+        return self._slowdown
+
+    # -- across pipelines ----------------------------------------------------------
+    def allreduce_gradients(self, bucket_size: int = MEMORY_OPT_ALLREDUCE_SIZE) -> None:
+        if self.is_gradient_accumulation_boundary():
+            self.module.layer_segments.sum_gradients(self.module)
+        super().allreduce_gradients(bucket_size)
+
+    def clip_fp32_gradients(self) -> None:
+        # DeepSpeed falls short here: its clip_grad_norm_ (runtime/utils.py) counts a gradient
+        # only on model-parallel rank 0, which in a pipe grid is stage 0, so its ZeRO-0 norm
+        # is stage 0's. After the sum across pipelines every pipeline holds the global
+        # gradient: the norm over one pipeline's stages is the global norm.
+        gradients = [p.grad for p in self.module.parameters() if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for gradient in gradients:
+            squares += gradient.detach().double().pow(2).sum()
+        sum_in_group(squares, self.grid.get_pipe_parallel_group())
+        coefficient = min(1.0, self.gradient_clipping() / (float(squares.sqrt()) + 1e-6))
+        for gradient in gradients:
+            gradient.mul_(coefficient)
+
+    def _checkpoint_tag_validation(self, tag: str) -> None:
+        # DeepSpeed checks that every rank saves under one tag; each pipeline saves into its own
+        # folder (pipeline<P>, DeepSpeed's tag), so the job's tag is what must agree.
+        super()._checkpoint_tag_validation(self._job_tag or tag)
+
+    # -- training ------------------------------------------------------------------
+    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
+        """DeepSpeed's train_batch; returns the mean loss over the global batch, on every rank (collective)."""
+        reads_data = self.is_first_stage() or self.is_last_stage()
+        if data_iter is None and reads_data and self.data_iterator is None and self._loader is not None:
+            self._own_iterator = True
+            self.set_dataiterator(iter(RepeatingLoader(self._loader)))
+        share = super().train_batch(data_iter)
+        # Each stage of pipeline p holds its share; each share counted once over all ranks.
+        total = share.detach().double() / self.num_stages
+        sum_in_group(total)
+        self.agg_train_loss = total.to(share.dtype)
+        self._end_of_iteration()
+        return self.agg_train_loss
+
+    def _end_of_iteration(self) -> None:
+        self.consumed_samples += self.plan.global_batch_size
+        self._steps_since_restore += 1
+        if self._slowdown is not None and self._slowdown.emulation is not None:
+            self._slowdown.slowdown = scheduled_slowdown(
+                self._slowdown.emulation, optimizer_step=self.global_steps, rank=self.global_rank
+            )
+        now = time.perf_counter()
+        previous, self._last_boundary_time = self._last_boundary_time, now
+        interval = self.poplar_job.poplar_config.log_interval_steps
+        if interval and self.global_rank == 0 and self.global_steps % interval == 0 and previous is not None:
+            logger.info(
+                "poplar step %d: true global batch %d samples, %.2f samples/s, loss %.4f",
+                self.global_steps,
+                self.plan.global_batch_size,
+                self.plan.global_batch_size / (now - previous),
+                float(self.agg_train_loss),
+            )
+
+    # -- data ----------------------------------------------------------------------
+    def create_batch_sampler(self, num_samples: int) -> PlanBatchSampler:
+        """This pipeline's batch sampler: its share of every iteration from the shared stream, the
+        pipelines taking the places ranks take in a ZeRO job (`poplar_ext.runtime.data`)."""
+        config = self.poplar_job.poplar_config
+        sampler = PlanBatchSampler(
+            num_samples=num_samples,
+            micro_batch_sizes=[p.micro_batch_size for p in self.plan.pipelines],
+            gradient_accumulation_steps=[p.num_micro_batches for p in self.plan.pipelines],
+            rank=self.pipeline_index,
+            seed=config.seed,
+            shuffle=config.shuffle,
+            consumed_samples=self.data_position,
+            drop_last=config.drop_last,
+        )
+        self._samplers.append(sampler)
+        return sampler
+
+    def use_loader(self, loader: Any) -> None:
+        """The loader `train_batch()` reads when it is given no iterator (repeated over epochs)."""
+        self._loader = loader
+
+    @property
+    def data_position(self) -> int:
+        """Stream position where the next iteration starts (see `poplar_ext.runtime.data`)."""
+        return self._restored_position + self._steps_since_restore * self.plan.global_batch_size
+
+    # -- checkpoints ---------------------------------------------------------------
+    def _client_state(self) -> dict:
+        config = self.poplar_job.poplar_config
+        state = poplar_client_state(
+            self.plan,
+            consumed_samples=self.consumed_samples,
+            data_position=self.data_position,
+            seed=config.seed,
+            shuffle=config.shuffle,
+            drop_last=config.drop_last,
+            plan_history=self.plan_history,
+        )
+        state["step"] = self.global_steps
+        return state
+
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: Any = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        **kwargs,
+    ) -> Any:
+        """DeepSpeed's save, into ``save_dir/TAG/pipeline<P>``, with poplar-ext's state in ``save_dir/TAG``;
+        ``latest`` names TAG once every rank has written its part (collective)."""
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # DeepSpeed's default
+        if self.global_rank == 0:
+            write_state(save_dir, tag, self._client_state())
+        self._job_tag = tag
+        try:
+            saved = super().save_checkpoint(
+                str(Path(save_dir) / tag),
+                tag=pipeline_folder(self.pipeline_index),
+                client_state=dict(client_state or {}),
+                save_latest=False,
+                **kwargs,
+            )
+        finally:
+            self._job_tag = None
+        if save_latest:
+            write_latest_when_saved(save_dir, tag, rank=self.global_rank)
+        return saved
+
+    def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:
+        """DeepSpeed's load from ``load_dir/TAG/pipeline<P>``, continuing the data stream (collective).
+
+        Rank 0 reads poplar-ext's state first; a checkpoint of another plan (or data order,
+        or a ZeRO job) stops every rank before anything is loaded. Returns DeepSpeed's
+        ``(path, client_state)``; ``(None, None)`` when `load_dir` has no ``latest``.
+        """
+        resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=self.global_rank)
+        if resolved is None:
+            logger.warning("load_checkpoint: no 'latest' file in %s, nothing loaded", load_dir)
+            return None, None
+        saved = decided_by_rank0(lambda: read_state(load_dir, resolved), rank=self.global_rank)
+        where = str(Path(load_dir) / resolved)
+        decision = pipeline_resume_decision(
+            saved, self._client_state(), path=where, load_module_only=bool(kwargs.get("load_module_only"))
+        )
+        path, client_state = super().load_checkpoint(where, tag=pipeline_folder(self.pipeline_index), **kwargs)
+        if path is not None:
+            self._resume(decision)
+        return path, client_state
+
+    def _resume(self, decision: ResumeDecision) -> None:
+        self.consumed_samples = decision.consumed_samples
+        self._restored_position, self._steps_since_restore = decision.data_position, 0
+        for sampler in self._samplers:
+            sampler.set_position(decision.data_position)
+        if self._own_iterator:  # made at the old position: the next train_batch() makes a new one
+            self.data_iterator, self._own_iterator = None, False
+        self.plan_history = decision.plan_history or self.plan_history
+        if self.global_rank == 0:
+            for note in decision.notes:
+                logger.info("load_checkpoint: %s", note)
+
+
+__all__ = ["PoplarPipelineEngine"]

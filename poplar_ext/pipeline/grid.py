@@ -1,0 +1,131 @@
+"""Where a pipeline plan puts every rank, as DeepSpeed's grid; and the layers the pipelines share.
+
+`PlanGrid` is DeepSpeed's ``PipelineParallelGrid`` for ONE pipeline of the plan, on global
+ranks, with a data-parallel size of 1. DeepSpeed's own grid is a rectangle of
+``num_stages x data-parallel size`` covering the whole job (``_is_grid_valid``,
+runtime/pipe/topology.py), so it cannot hold pipelines that differ in layer split or in
+number of stages; only its ``__init__`` is replaced: every accessor is DeepSpeed's and
+reads the topology, whose mapping sends ``(pipe=s, data=0)`` to the pipeline's s-th rank,
+so point-to-point sends (runtime/pipe/p2p.py) reach the right neighbour.
+
+`LayerSegments` is what DeepSpeed's data parallelism would have done across pipelines:
+each layer's parameters live on one rank per pipeline; the layers held by the same set of
+ranks form a segment, with one process group. Its gradient sum over a segment replaces
+DeepSpeed's per-stage all-reduce (which reduces by position, so across different splits it
+would add up different layers), and its broadcast at construction replaces DeepSpeed's
+model broadcast, so every copy of a layer starts equal.
+
+Process groups are named by a counter every rank increments (torch.distributed's
+``new_group``): every rank creates every group, in plan order
+(`poplar_ext.collectives.new_groups`), also those it is not in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
+
+from poplar_ext.collectives import broadcast_in_group, new_groups, sum_in_group
+from poplar_search.pipeline_formats import PipelinePlan
+
+
+class PlanGrid(PipelineParallelGrid):
+    """DeepSpeed's grid for the pipeline of `plan` that holds `rank` (collective: every rank builds its own)."""
+
+    def __init__(self, plan: PipelinePlan, *, rank: int) -> None:
+        # PipelineParallelGrid.__init__ is not called: it builds DeepSpeed's rectangle.
+        self.global_rank, self.world_size = rank, plan.world_size
+        pipeline_index, self.stage_id = plan.place_of(rank)
+        mine = list(plan.pipelines[pipeline_index].ranks)
+        topology = ProcessTopology(axes=["pipe", "data"], dims=[len(mine), 1])
+        topology.mapping = {topology.ProcessCoord(pipe=s, data=0): r for s, r in enumerate(mine)}
+        self._topo = topology
+        self.data_parallel_size, self.pipe_parallel_size = 1, len(mine)
+        self.model_parallel_size = self.slice_parallel_size = 1
+        self.data_parallel_id = 0
+        self.is_first_stage, self.is_last_stage = self.stage_id == 0, self.stage_id == len(mine) - 1
+        pipelines = [list(p.ranks) for p in plan.pipelines]
+        alone = [[r] for r in range(plan.world_size)]
+        groups = new_groups(pipelines + alone)
+        self.pp_group, self.pp_proc_group = mine, groups[pipeline_index]
+        alone_group = groups[len(pipelines) + rank]
+        self.pipe_groups = [mine]
+        # DeepSpeed's "model-parallel" group is the pipeline (as in its own grid without tensor slicing).
+        self.ds_model_proc_group, self.ds_model_world_size, self.ds_model_rank = (
+            self.pp_proc_group,
+            len(mine),
+            self.stage_id,
+        )
+        # DeepSpeed's data-parallel group is this rank alone: the sum across pipelines is LayerSegments'.
+        self.dp_group, self.dp_groups, self.dp_proc_group = [rank], [[r] for r in mine], alone_group
+        self.slice_group, self.slice_proc_group = [rank], alone_group
+        self.p2p_groups = [[r, mine[(i + 1) % len(mine)]] for i, r in enumerate(mine)]
+
+
+def _holder(plan: PipelinePlan, pipeline_index: int, layer: int) -> int:
+    """The rank of pipeline `pipeline_index` whose stage holds `layer`."""
+    return next(s.rank for s in plan.pipelines[pipeline_index].stages if s.first_layer <= layer <= s.last_layer)
+
+
+def _parameters_by_layer(module: torch.nn.Module) -> dict[int, list[torch.nn.Parameter]]:
+    """A PipelineModule's parameters by global layer index (DeepSpeed names them ``<layer index>.<name>``)."""
+    by_layer: dict[int, list[torch.nn.Parameter]] = {}
+    for name, parameter in module.named_parameters():
+        by_layer.setdefault(int(name.split(".", 1)[0]), []).append(parameter)
+    return by_layer
+
+
+class LayerSegments:
+    """Runs of layers held by the same ranks (one per pipeline), each with its process group (collective)."""
+
+    def __init__(self, plan: PipelinePlan, *, rank: int) -> None:
+        self.rank = rank
+        layers_by_holders: dict[tuple[int, ...], list[int]] = {}
+        for layer in range(plan.num_layers):
+            holders = tuple(_holder(plan, p, layer) for p in range(len(plan.pipelines)))
+            layers_by_holders.setdefault(holders, []).append(layer)
+        self.segments = [(list(holders), layers) for holders, layers in layers_by_holders.items()]
+        """``(holders, layers)``: the ranks holding these layers, pipeline 0's first; the same list on every rank."""
+        # One pipeline: every segment is one rank, and nothing is shared.
+        shared = [holders for holders, _ in self.segments if len(holders) > 1]
+        groups = iter(new_groups(shared))
+        self._groups = [next(groups) if len(holders) > 1 else None for holders, _ in self.segments]
+
+    def _mine(self, module: torch.nn.Module) -> Iterator[tuple[list[int], Any, list[torch.nn.Parameter]]]:
+        by_layer = _parameters_by_layer(module)
+        for (holders, layers), group in zip(self.segments, self._groups):
+            if group is not None and self.rank in holders:
+                yield holders, group, [p for layer in layers for p in by_layer.get(layer, [])]
+
+    def broadcast_parameters(self, module: torch.nn.Module) -> None:
+        """Every copy of a layer set to pipeline 0's (as DeepSpeed's engine broadcasts its replicas' weights)."""
+        with torch.no_grad():
+            for holders, group, parameters in self._mine(module):
+                for parameter in parameters:
+                    broadcast_in_group(parameter.data, src=holders[0], group=group)
+
+    def sum_gradients(self, module: torch.nn.Module) -> None:
+        """Each layer's gradient summed over the pipelines holding it (one flat tensor per segment)."""
+        for _, group, parameters in self._mine(module):
+            _sum_flat([p for p in parameters if p.requires_grad], group)
+
+
+def _sum_flat(parameters: Iterable[torch.nn.Parameter], group: Any) -> None:
+    parameters = list(parameters)
+    if not parameters:
+        return
+    for p in parameters:
+        if p.grad is None:  # a layer unused by this pipeline's forward still takes part in the sum
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in parameters])
+    sum_in_group(flat, group)
+    offset = 0
+    for p in parameters:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+
+
+__all__ = ["LayerSegments", "PlanGrid"]

@@ -1,0 +1,165 @@
+"""`poplar_ext.initialize` for a `PoplarPipelineModule`: the pipeline engine, and each pipeline's data.
+
+`poplar_ext.initialize` hands a `PoplarPipelineModule` here. The plan was settled when the
+module was built; this builds DeepSpeed's pipeline engine (`PoplarPipelineEngine`) the
+way ``deepspeed.initialize`` does for a PipelineModule, with a config valid for this
+rank's pipeline alone (its micro-batch size and count, ``train_batch_size`` = their
+product: DeepSpeed sees a data-parallel size of 1), and a dataloader of this pipeline's
+micro-batches from the shared stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+
+from poplar_ext.hardware.emulation import ComputeSlowdown, device_label, emulation_for_rank
+from poplar_ext.pipeline.engine import PoplarPipelineEngine
+from poplar_ext.pipeline.job import PipelineJob
+from poplar_ext.runtime.config import load_deepspeed_config
+from poplar_search.pipeline_formats import PipelinePlan
+
+logger = logging.getLogger(__name__)
+
+
+def pipeline_deepspeed_config(ds_config: dict, plan: PipelinePlan, pipeline_index: int) -> dict:
+    """The config DeepSpeed gets on a rank of pipeline `pipeline_index`: valid for that pipeline alone."""
+    pipeline = plan.pipelines[pipeline_index]
+    nominal = copy.deepcopy(ds_config)
+    nominal["train_micro_batch_size_per_gpu"] = pipeline.micro_batch_size
+    nominal["gradient_accumulation_steps"] = pipeline.num_micro_batches
+    nominal["train_batch_size"] = pipeline.samples_per_iteration
+    nominal.setdefault("zero_optimization", {})["stage"] = plan.zero_stage
+    return nominal
+
+
+def _check_arguments(
+    job: PipelineJob, *, mpu: Any, mesh_param: Any, training_data: Any, config: Any, config_params: Any, args: Any
+) -> None:
+    """ValueError for what a pipeline job cannot take (the same on every rank: it is the script's)."""
+    if mpu is not None or mesh_param is not None:
+        raise ValueError(
+            "poplar_ext.initialize: expected no mpu= or mesh_param= with a PoplarPipelineModule (its grid is the "
+            "plan's)"
+        )
+    if training_data is not None and (
+        isinstance(training_data, torch.utils.data.IterableDataset) or not hasattr(training_data, "__len__")
+    ):
+        raise ValueError(
+            f"training_data: expected a map-style dataset (with __len__ and __getitem__), found "
+            f"{type(training_data).__name__}, which has no indices to split among the pipelines by the plan"
+        )
+    if any(value is not None for value in (config, config_params, getattr(args, "deepspeed_config", None))):
+        ds_config, _, source = load_deepspeed_config(config, config_params=config_params, args=args)
+        if ds_config != job.ds_config:
+            raise ValueError(
+                f"poplar_ext.initialize: expected the DeepSpeed config the PoplarPipelineModule was built with (its "
+                f"plan was settled then), found another one in {source}; give both the same, or none here"
+            )
+
+
+def _build_engine(job: PipelineJob, model: Any, **arguments: Any) -> PoplarPipelineEngine:
+    """DeepSpeed's pipeline engine as ``deepspeed.initialize`` builds it (its PipelineModule branch)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero import partition_parameters
+
+    nominal = pipeline_deepspeed_config(job.ds_config, job.plan, job.pipeline_index)
+    mpu = model.mpu()
+    config_class = deepspeed.DeepSpeedConfig(nominal, mpu)
+    deepspeed.set_optimizer_flags(config_class, model)
+    emulation = emulation_for_rank(job.cluster, job.rank)
+    slowdown = None
+    if emulation is not None:
+        slowdown = ComputeSlowdown(emulation, clock="thread" if get_accelerator().device_name() == "cpu" else "cuda")
+    partition_parameters.shutdown_init_context()
+    try:
+        engine = PoplarPipelineEngine(
+            poplar_job=job,
+            slowdown=slowdown,
+            model=model,
+            mpu=mpu,
+            config=nominal,
+            config_class=config_class,
+            **arguments,
+        )
+    finally:
+        partition_parameters.restore_init_context()
+    engine._configure_python_gc()
+    return engine
+
+
+def initialize_pipeline(
+    *,
+    model: Any,
+    args: Any = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    config_params: Any = None,
+    mesh_param: Any = None,
+) -> tuple[PoplarPipelineEngine, Any, torch.utils.data.DataLoader | None, Any]:
+    """``(engine, optimizer, dataloader, lr_scheduler)`` for a `PoplarPipelineModule` (collective).
+
+    The config, if given, must be the one the module was built with. The dataloader (None
+    without `training_data`) yields this pipeline's micro-batches; ``engine.train_batch()``
+    reads it, as DeepSpeed's engine reads its own.
+    """
+    job: PipelineJob = model.poplar_job
+    _check_arguments(
+        job,
+        mpu=mpu,
+        mesh_param=mesh_param,
+        training_data=training_data,
+        config=config,
+        config_params=config_params,
+        args=args,
+    )
+    # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
+    ds_args = copy.copy(args)
+    if hasattr(ds_args, "deepspeed_config"):
+        ds_args.deepspeed_config = None
+    engine = _build_engine(
+        job,
+        model,
+        args=ds_args,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=None,  # DeepSpeed would give every pipeline the same samples: poplar-ext's loader instead
+        lr_scheduler=lr_scheduler,
+        dist_init_required=dist_init_required,
+        collate_fn=None,
+    )
+    pipeline, stage = job.pipeline, job.pipeline.stages[job.stage_index]
+    logger.info(
+        "rank %d: %s, pipeline %d stage %d of %d (layers %d-%d), micro-batch %d x %d; "
+        "true global batch %d, ZeRO stage %d",
+        job.rank,
+        device_label(stage.device_type, job.cluster.emulation_of(stage.device_type)),
+        job.pipeline_index,
+        job.stage_index,
+        len(pipeline.stages),
+        stage.first_layer,
+        stage.last_layer,
+        pipeline.micro_batch_size,
+        pipeline.num_micro_batches,
+        job.plan.global_batch_size,
+        job.plan.zero_stage,
+    )
+    loader = None
+    if training_data is not None:
+        sampler = engine.create_batch_sampler(len(training_data))
+        loader = torch.utils.data.DataLoader(training_data, batch_sampler=sampler, collate_fn=collate_fn)
+        engine.use_loader(loader)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+__all__ = ["initialize_pipeline", "pipeline_deepspeed_config"]

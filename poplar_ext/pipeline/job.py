@@ -1,0 +1,109 @@
+"""A pipeline job settled on every rank before any layer is built: config, process group, cluster, plan.
+
+The same steps as a ZeRO job's (`poplar_ext.runtime.initialize.prepare_job`), with the
+pipeline plan in place of the ZeRO plan: the config's refusals first (no process group
+needed), then DeepSpeed's process group and this rank's device, the cluster checked
+against every rank's hardware, and the plan checked by rank 0 and received by all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poplar_ext.collectives import broadcast_from_rank0, process_group_rank
+from poplar_ext.hardware.devices import join_job
+from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts
+from poplar_ext.hardware.emulation import emulation_for_rank
+from poplar_ext.pipeline.planning import check_pipeline_config, requested_pipeline_batch, resolve_pipeline_plan
+from poplar_ext.runtime.config import SECTION, PoplarConfig, poplar_config_from_dict, requested_zero_stage
+from poplar_ext.runtime.initialize import _apply_cpu_process_settings, _on_cpu
+from poplar_search.formats import Cluster
+from poplar_search.pipeline_formats import Pipeline, PipelinePlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineJob:
+    """What a pipeline job runs, the same on every rank (but `rank` and `device`)."""
+
+    ds_config: dict
+    """The user's DeepSpeed config."""
+    source: str
+    """Its file (or how a dict is named in messages)."""
+    poplar_config: PoplarConfig
+    cluster: Cluster
+    """Checked against every rank's hardware (or read from it)."""
+    plan: PipelinePlan
+    """Checked for this job on rank 0, the same on every rank."""
+    rank: int
+    device: Any
+    """This rank's ``torch.device``."""
+
+    @property
+    def pipeline_index(self) -> int:
+        """Which pipeline of the plan this rank is in."""
+        return self.plan.place_of(self.rank)[0]
+
+    @property
+    def stage_index(self) -> int:
+        """Which stage of its pipeline this rank is."""
+        return self.plan.place_of(self.rank)[1]
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self.plan.pipelines[self.pipeline_index]
+
+    @property
+    def plan_reason(self) -> str:
+        """Where the plan came from, for the plan history."""
+        return f"the plan file {self.poplar_config.plan}"
+
+
+def prepare_pipeline_job(
+    loaded_config: tuple[dict, Path, str], *, num_layers: int, init_options: dict | None = None
+) -> PipelineJob:
+    """Everything before the layers are built (collective). `loaded_config` is
+    `poplar_ext.runtime.config.load_deepspeed_config`'s result; `num_layers`, the model's.
+    Raises the same ValueError on every rank."""
+    ds_config, base_dir, source = loaded_config
+    if SECTION not in ds_config:
+        raise ValueError(
+            f"DeepSpeed config: expected a top-level '{SECTION}' section with 'plan' (a pipeline plan file), "
+            f"found none in {source}; use deepspeed.pipe.PipelineModule for a run without one"
+        )
+    poplar_config = poplar_config_from_dict(ds_config[SECTION], base_dir=base_dir, source=source)
+    check_pipeline_config(ds_config, poplar_config)
+    device = join_job(**(init_options or {}))
+    # DeepSpeed's PipelineModule talks through DeepSpeed's communication backend, which
+    # deepspeed.initialize would set up only later; over a process group that exists, this
+    # only wraps it.
+    import deepspeed
+
+    deepspeed.init_distributed(**(init_options or {}))
+    rank, world_size = process_group_rank()
+    cluster = agreed_cluster(poplar_config.cluster, gather_device_facts(device), rank=rank, name=f"{SECTION}.cluster")
+    emulated = emulation_for_rank(cluster, rank) is not None
+    _apply_cpu_process_settings(poplar_config, on_cpu=_on_cpu(), emulated=emulated, rank=rank)
+    plan = resolve_pipeline_plan(
+        poplar_config,
+        cluster,
+        world_size=world_size,
+        rank=rank,
+        num_layers=num_layers,
+        zero_stage=requested_zero_stage(poplar_config, ds_config),
+        global_batch=requested_pipeline_batch(poplar_config, ds_config),
+        broadcast=broadcast_from_rank0,
+    )
+    return PipelineJob(
+        ds_config=ds_config,
+        source=source,
+        poplar_config=poplar_config,
+        cluster=cluster,
+        plan=plan,
+        rank=rank,
+        device=device,
+    )
+
+
+__all__ = ["PipelineJob", "prepare_pipeline_job"]

@@ -1,0 +1,167 @@
+"""`PoplarPipelineModule`: DeepSpeed's PipelineModule, its stages and this rank's place taken from a pipeline plan.
+
+What a user changes in a DeepSpeed pipeline script::
+
+    model = PipelineModule(layers=layers, loss_fn=loss_fn, num_stages=2)          # DeepSpeed
+    model = PoplarPipelineModule(layers=layers, loss_fn=loss_fn, config=ds_config)  # poplar-ext
+
+The same arguments, less ``num_stages``, ``topology`` and ``partition_method`` (the plan
+says them: refused when given), plus ``config`` (or ``args`` with ``--deepspeed_config``):
+the DeepSpeed config whose ``poplar`` section names the pipeline plan, the one
+`poplar_ext.initialize` gets next. Constructing the module is collective, as DeepSpeed's
+is: it joins the process group, agrees the cluster and the plan on every rank
+(`poplar_ext.pipeline.job`), and builds this rank's stage only.
+
+Three things differ from DeepSpeed's module underneath:
+
+* the stage boundaries are the plan's pipeline's (`_partition_layers`, the one place
+  DeepSpeed computes them);
+* the grid is the plan's (`poplar_ext.pipeline.grid.PlanGrid`): pipelines may differ
+  in split and in number of stages;
+* the loss is weighted by the pipeline's share of the global batch
+  (`poplar_ext.runtime.weighting.pipeline_loss_weight`), and every copy of a layer is
+  set to pipeline 0's after it is built (as DeepSpeed broadcasts its replicas), so
+  ``seed_layers`` is only about reproducibility, as in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from deepspeed.runtime.activation_checkpointing import checkpointing
+
+from poplar_ext.pipeline.grid import LayerSegments, PlanGrid
+from poplar_ext.pipeline.job import PipelineJob, prepare_pipeline_job
+from poplar_ext.runtime.config import load_deepspeed_config
+from poplar_ext.runtime.weighting import pipeline_loss_weight
+
+logger = logging.getLogger(__name__)
+
+
+class WeightedLoss:
+    """A pipeline's micro-batch loss times its weight: what its last stage hands to DeepSpeed's backward.
+
+    `loss_fn` None: the last layer's output is the loss (DeepSpeed's convention).
+    """
+
+    def __init__(self, loss_fn: Callable[[Any, Any], Any] | None, weight: float) -> None:
+        self.loss_fn = loss_fn
+        self.weight = weight
+        # DeepSpeed's module prints the loss function's name.
+        self.__name__ = (
+            "the last layer's output" if loss_fn is None else getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        )
+
+    def __call__(self, outputs: Any, labels: Any) -> Any:
+        loss = outputs if self.loss_fn is None else self.loss_fn(outputs, labels)
+        return loss * self.weight
+
+
+def _refuse_placement(**arguments: Any) -> None:
+    given = [name for name, value in arguments.items() if value is not None]
+    if given:
+        raise ValueError(
+            f"PoplarPipelineModule: expected no {', '.join(given)}, found {', '.join(given)} given; the pipeline "
+            "plan (poplar.plan) says how many stages each pipeline has and which layers each stage holds"
+        )
+
+
+def _refuse_tied_layers(layers: list[Any]) -> None:
+    tied = [index for index, layer in enumerate(layers) if isinstance(layer, TiedLayerSpec)]
+    if tied:
+        raise ValueError(
+            f"PoplarPipelineModule: layers {tied} are TiedLayerSpecs; tied layers are not supported with poplar-ext "
+            "pipelines yet (DeepSpeed makes their groups per pipeline depth, which differs between pipelines)"
+        )
+
+
+@contextmanager
+def _built_on(grid: PlanGrid) -> Iterator[None]:
+    # DeepSpeed falls short here: PipelineModule.__init__ builds its grid inline
+    # (PipelineParallelGrid(process_group=..., topology=...), runtime/pipe/module.py) and
+    # takes no grid argument. The name it looks up is replaced for that call only.
+    from deepspeed.runtime.pipe import module as deepspeed_pipe_module
+
+    original = deepspeed_pipe_module.PipelineParallelGrid
+    deepspeed_pipe_module.PipelineParallelGrid = lambda **_: grid
+    try:
+        yield
+    finally:
+        deepspeed_pipe_module.PipelineParallelGrid = original
+
+
+class PoplarPipelineModule(PipelineModule):
+    """DeepSpeed's PipelineModule with the stage boundaries and this rank's place from the plan (collective).
+
+    Arguments are DeepSpeed's (``layers``, ``loss_fn``, ``seed_layers``, ``seed_fn``,
+    ``base_seed``, ``activation_checkpoint_interval``, ``activation_checkpoint_func``,
+    ``checkpointable_layers``, ``dynamic_shape``) and `config` (a dict or a JSON file)
+    or `args` (``args.deepspeed_config``): the DeepSpeed config with a ``poplar``
+    section naming a pipeline plan. ``num_stages``, ``topology`` and
+    ``partition_method`` are refused (the plan says them). Raises the same ValueError
+    on every rank when the plan cannot run in this job. `poplar_job` holds the plan.
+    """
+
+    def __init__(
+        self,
+        layers: Any,
+        *,
+        loss_fn: Callable[[Any, Any], Any] | None = None,
+        seed_layers: bool = False,
+        seed_fn: Callable[[int], None] | None = None,
+        base_seed: int = 1234,
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func: Callable[..., Any] = checkpointing.checkpoint,
+        checkpointable_layers: list[str] | None = None,
+        dynamic_shape: bool = False,
+        config: dict | str | None = None,
+        args: Any = None,
+        num_stages: int | None = None,
+        topology: Any = None,
+        partition_method: str | None = None,
+    ) -> None:
+        _refuse_placement(num_stages=num_stages, topology=topology, partition_method=partition_method)
+        layers = list(layers)
+        _refuse_tied_layers(layers)
+        job = prepare_pipeline_job(load_deepspeed_config(config, args=args), num_layers=len(layers))
+        grid = PlanGrid(job.plan, rank=job.rank)
+        pipeline = job.pipeline
+        weight = pipeline_loss_weight(
+            micro_batch_size=pipeline.micro_batch_size,
+            num_micro_batches=pipeline.num_micro_batches,
+            global_batch_size=job.plan.global_batch_size,
+            reduction=job.poplar_config.loss_reduction,
+        )
+        self._plan_boundaries = list(pipeline.boundaries)
+        with _built_on(grid):
+            super().__init__(
+                layers,
+                topology=grid.topology(),
+                loss_fn=WeightedLoss(loss_fn, weight),
+                seed_layers=seed_layers,
+                seed_fn=seed_fn,
+                base_seed=base_seed,
+                activation_checkpoint_interval=activation_checkpoint_interval,
+                activation_checkpoint_func=activation_checkpoint_func,
+                checkpointable_layers=checkpointable_layers,
+                dynamic_shape=dynamic_shape,
+            )
+        self.poplar_job: PipelineJob = job
+        """The plan and this rank's place in it (the same plan on every rank)."""
+        self.layer_segments = LayerSegments(job.plan, rank=job.rank)
+        """The layers the pipelines share, and the groups their gradients are summed in."""
+        self.layer_segments.broadcast_parameters(self)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        # DeepSpeed computes a stage's boundaries here and only here, before any layer is
+        # built (PipelineModule.__init__); its methods split every pipeline alike.
+        self.parts = list(self._plan_boundaries)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+__all__ = ["PoplarPipelineModule", "WeightedLoss"]

@@ -1,0 +1,169 @@
+"""Which pipeline plan a job runs, and what it refuses before training: the same ValueError on every rank.
+
+Two kinds of refusal, both before any training collective:
+
+* from the config alone (`check_pipeline_config`): every rank reads the same DeepSpeed
+  config, so every rank raises the same error before it joins the process group;
+* from the plan file (`resolve_pipeline_plan`): rank 0 reads and checks it and every rank
+  receives the plan or the error (`poplar_ext.collectives.decided_by_rank0`), as for ZeRO
+  plans (`poplar_ext.runtime.planning`).
+
+Pipeline plans come from a plan file (``poplar.plan``, written by hand or by a pipeline
+search). Searching a pipeline plan at start from ``poplar.profiles`` is not available yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from poplar_ext.runtime.config import SECTION, PoplarConfig, requested_zero_stage
+from poplar_search.errors import FormatError
+from poplar_search.formats import Cluster
+from poplar_search.pipeline_formats import (
+    PIPELINE_ZERO_STAGES,
+    PipelinePlan,
+    load_any_plan,
+    pipeline_plan_from_dict,
+    pipeline_plan_to_dict,
+)
+
+
+def requested_pipeline_batch(poplar_config: PoplarConfig, ds_config: dict) -> tuple[int, str] | None:
+    """The global batch the config sets explicitly, and where: ``poplar.global_batch_size``, else
+    ``train_batch_size``; None when neither does. The per-rank keys
+    (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``) are the plan's in a
+    pipeline job and replaced."""
+    if isinstance(poplar_config.global_batch_size, int):
+        return poplar_config.global_batch_size, f"{SECTION}.global_batch_size"
+    given = ds_config.get("train_batch_size")
+    if isinstance(given, int) and not isinstance(given, bool):
+        return given, "train_batch_size"
+    return None
+
+
+def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
+    """ValueError listing what a pipeline job cannot run, from the config alone (no process group needed)."""
+    source = poplar_config.source
+    problems = []
+    if poplar_config.plan is None:
+        problems.append(
+            f"{SECTION}.plan: expected a pipeline plan file, found none; searching a pipeline plan at start from "
+            f"{SECTION}.profiles is not available yet"
+        )
+    stage = requested_zero_stage(poplar_config, ds_config)
+    if stage is not None and stage not in PIPELINE_ZERO_STAGES:
+        problems.append(
+            f"zero_optimization.stage (or {SECTION}.zero_stage): expected 0 or 1 with pipelines, found {stage} "
+            "(DeepSpeed's pipeline engine refuses ZeRO stages 2 and 3)"
+        )
+    for precision in ("fp16", "bf16"):
+        section = ds_config.get(precision)
+        if isinstance(section, dict) and section.get("enabled") is True:
+            problems.append(
+                f"{precision}.enabled: expected fp32 with pipelines, found true (the sum of each layer's gradient "
+                "over the pipelines is checked in fp32 only; bf16 at ZeRO 0 reduces on a path it does not cover)"
+            )
+    if poplar_config.loss_reduction == "token_mean":
+        problems.append(f"{SECTION}.loss_reduction: expected mean or sum with pipelines, found token_mean")
+    if poplar_config.rebalance.enabled is True:
+        problems.append(f"{SECTION}.rebalance.enabled: expected false or auto with pipelines (not re-balanced yet)")
+    if poplar_config.global_batch_size == "auto":
+        problems.append(f"{SECTION}.global_batch_size: expected a number or none with pipelines (the plan's)")
+    if problems:
+        raise ValueError(f"{source}: this pipeline job cannot run: " + "; ".join(problems))
+
+
+def pipeline_plan_problems(
+    plan: PipelinePlan,
+    cluster: Cluster,
+    *,
+    world_size: int,
+    num_layers: int,
+    zero_stage: int | None,
+    global_batch: tuple[int, str] | None = None,
+) -> list[str]:
+    """What makes `plan` unrunnable in this job, as sentences ([] when fine): its ranks against
+    the job's and the cluster's device types, its layers against the model's, its stage and
+    global batch against the config's."""
+    problems = []
+    if plan.world_size != world_size:
+        problems.append(f"The plan names {plan.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
+    if cluster.world_size != world_size:
+        problems.append(
+            f"The cluster description names {cluster.world_size} ranks but the job has {world_size} (WORLD_SIZE)."
+        )
+    wrong = [
+        f"rank {rank} ({planned} in the plan, {actual} in the cluster)"
+        for rank, (planned, actual) in enumerate(zip(plan.rank_device_types, cluster.rank_device_types))
+        if planned != actual
+    ]
+    if wrong:
+        problems.append(f"Device types differ from the cluster's at {', '.join(wrong)}.")
+    if plan.num_layers != num_layers:
+        problems.append(
+            f"The plan splits {plan.num_layers} layers but the model has {num_layers} (the layers given to "
+            "PoplarPipelineModule): its stages would not cover the model."
+        )
+    if zero_stage is not None and zero_stage != plan.zero_stage:
+        problems.append(
+            f"The plan is for ZeRO stage {plan.zero_stage} but the config asks for stage {zero_stage} "
+            f"(zero_optimization.stage or {SECTION}.zero_stage)."
+        )
+    if global_batch is not None and global_batch[0] != plan.global_batch_size:
+        problems.append(
+            f"The plan's global batch is {plan.global_batch_size} but the config asks for {global_batch[0]} "
+            f"({global_batch[1]})."
+        )
+    return problems
+
+
+def resolve_pipeline_plan(
+    poplar_config: PoplarConfig,
+    cluster: Cluster,
+    *,
+    world_size: int,
+    rank: int,
+    num_layers: int,
+    zero_stage: int | None,
+    global_batch: tuple[int, str] | None,
+    broadcast: Callable[[Any], Any],
+) -> PipelinePlan:
+    """The pipeline plan of ``poplar.plan``, read and checked by rank 0, on every rank; the same
+    ValueError on every rank when it cannot run (`pipeline_plan_problems`, or a ZeRO plan)."""
+    from poplar_ext.collectives import decided_by_rank0
+
+    plan_path = poplar_config.plan
+    assert plan_path is not None, "check_pipeline_config refuses a job without a plan file"
+
+    def read() -> dict[str, Any]:
+        try:
+            plan = load_any_plan(plan_path)
+        except FormatError as exc:
+            raise ValueError(f"{SECTION}.plan: {exc}") from exc
+        if not isinstance(plan, PipelinePlan):
+            raise ValueError(
+                f"{SECTION}.plan: {plan_path} is a ZeRO plan (every rank trains the whole model); a "
+                "PoplarPipelineModule needs a pipeline plan ('parallelism': 'pipeline')"
+            )
+        problems = pipeline_plan_problems(
+            plan,
+            cluster,
+            world_size=world_size,
+            num_layers=num_layers,
+            zero_stage=zero_stage,
+            global_batch=global_batch,
+        )
+        if problems:
+            raise ValueError(f"{plan_path}: this pipeline plan cannot run: " + " ".join(problems))
+        return pipeline_plan_to_dict(plan)
+
+    return pipeline_plan_from_dict(decided_by_rank0(read, rank=rank, broadcast=broadcast), source=str(plan_path))
+
+
+__all__ = [
+    "check_pipeline_config",
+    "pipeline_plan_problems",
+    "requested_pipeline_batch",
+    "resolve_pipeline_plan",
+]

@@ -1,0 +1,270 @@
+"""Pipelines of a pipeline plan train exactly as one process on the global batch (issue 22).
+
+4 forked ranks, two real CPU ones and two of an emulated slower type, one group for every
+case: first the refusals (no process group exists yet, so passing them means no rank went
+on into a collective another rank skipped), then 2 pipelines of 2 stages that differ in
+layer split, micro-batch size and count, and a 3-stage pipeline beside a 1-stage one, each
+at ZeRO 0 and 1 with gradient clipping on, against one process training the same global
+batches (fp32); then a checkpoint resumed against the uninterrupted run, and the copies of
+every layer after construction without seeding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from harness import run_ranks
+
+import _training as t
+from poplar_ext.models.toy_pipeline import RegressionData, mse, toy_sequential
+from poplar_ext.runtime.data import SampleStream
+
+STEPS = 3
+NUM_SAMPLES = 25  # not a multiple of either global batch: iterations straddle epochs
+CLIP = 0.05  # the global gradient is clipped in every step (asserted below)
+TYPES = ["cpu", "cpu", "cpu-slow", "cpu-slow"]
+# Per pipeline: (rank, first layer, last layer) per stage, micro-batch size, micro-batches.
+PLANS = {
+    "two_by_two": [([(0, 0, 1), (1, 2, 5)], 2, 4), ([(2, 0, 3), (3, 4, 5)], 3, 2)],  # B = 14, shares 8 and 6
+    "three_and_one": [([(0, 0, 0), (1, 1, 2), (2, 3, 5)], 2, 4), ([(3, 0, 5)], 3, 1)],  # B = 11
+}
+TRAINED = [(name, stage) for name in PLANS for stage in (0, 1)]
+
+
+def _global_batch(name: str) -> int:
+    return sum(b * s for _, b, s in PLANS[name])
+
+
+def write_pipeline_plan(path, pipelines, *, stage, num_layers=6, types=TYPES):
+    """A hand-written pipeline plan (the format of poplar_search.pipeline_formats)."""
+    plan = {
+        "schema_version": 1,
+        "parallelism": "pipeline",
+        "policy": "poplar",
+        "zero_stage": stage,
+        "global_batch_size": sum(b * s for _, b, s in pipelines),
+        "num_layers": num_layers,
+        "pipelines": [
+            {
+                "stages": [{"rank": r, "device_type": types[r], "first_layer": a, "last_layer": z} for r, a, z in stages],
+                "micro_batch_size": b,
+                "num_micro_batches": s,
+            }
+            for stages, b, s in pipelines
+        ],
+        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+        "profile_fingerprints": {},
+    }
+    path.write_text(json.dumps(plan))
+    return path
+
+
+class RecordingData(RegressionData):
+    """Remembers the samples this rank's loader read."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
+    def __getitem__(self, index):
+        self.seen.append(int(index))
+        return super().__getitem__(index)
+
+
+def _config(files, plan_key, *, stage, **extra):
+    return {
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+        "poplar": {"cluster": str(files["cluster"]), "plan": str(files[plan_key]), "log_interval_steps": 0},
+        **extra,
+    }
+
+
+def _plan_key(name, stage):
+    return name if stage == 0 else f"{name}_{stage}"
+
+
+def _engine(files, name, *, stage, seed_layers=True):
+    import poplar_ext
+    from poplar_ext.models.toy_pipeline import toy_layers
+    from poplar_ext.pipeline import PoplarPipelineModule
+
+    config = _config(files, _plan_key(name, stage), stage=stage)
+    model = PoplarPipelineModule(toy_layers(), loss_fn=mse, seed_layers=seed_layers, config=config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = RecordingData(num_samples=NUM_SAMPLES)
+    engine, _, _, _ = poplar_ext.initialize(model=model, optimizer=optimizer, training_data=data, config=config)
+    return engine, data
+
+
+def _parameters(engine):
+    return {name: p.detach().clone() for name, p in engine.module.state_dict().items()}
+
+
+def _train(files, name, stage):
+    engine, data = _engine(files, name, stage=stage)
+    losses = [float(engine.train_batch()) for _ in range(STEPS)]
+    return {"params": _parameters(engine), "losses": losses, "seen": data.seen, "position": engine.data_position}
+
+
+REFUSALS = {
+    "zero_stage_2": dict(plan_key="two_by_two", stage=2),
+    "plan_for_3_ranks": dict(plan_key="three_ranks", stage=0),
+    "device_types": dict(plan_key="wrong_types", stage=0),
+    "layers": dict(plan_key="two_by_two", stage=0, num_layers=5),
+    "zero_plan": dict(plan_key="zero_plan", stage=0),
+}
+
+
+def _refusals(files):
+    from poplar_ext.models.toy_pipeline import toy_layers
+    from poplar_ext.pipeline import PoplarPipelineModule
+
+    messages = {}
+    for case, spec in REFUSALS.items():
+        config = _config(files, spec["plan_key"], stage=spec["stage"])
+        try:
+            PoplarPipelineModule(toy_layers(num_layers=spec.get("num_layers", 6)), loss_fn=mse, config=config)
+            messages[case] = "accepted"
+        except ValueError as exc:
+            messages[case] = str(exc)
+    return messages
+
+
+def _resume(files):
+    """Save after 2 steps, train a third; a new engine loads the checkpoint and trains the third again."""
+    engine, data = _engine(files, "three_and_one", stage=1)
+    for _ in range(2):
+        engine.train_batch()
+    engine.save_checkpoint(files["checkpoints"])
+    before = len(data.seen)
+    engine.train_batch()
+    uninterrupted = {"params": _parameters(engine), "seen": data.seen[before:], "position": engine.data_position}
+    engine, data = _engine(files, "three_and_one", stage=1)
+    engine.load_checkpoint(files["checkpoints"])
+    engine.train_batch()
+    resumed = {"params": _parameters(engine), "seen": data.seen, "position": engine.data_position}
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "step": engine.global_steps}
+
+
+def _unseeded_copies(files):
+    torch.manual_seed(1000 + int(os.environ["RANK"]))  # every rank builds its layers from other random numbers
+    engine, _ = _engine(files, "two_by_two", stage=0, seed_layers=False)
+    return _parameters(engine)
+
+
+def _all_cases(files):
+    results = {"refusals": _refusals(files)}
+    for name, stage in TRAINED:
+        results[(name, stage)] = _train(files, name, stage)
+    results["resume"] = _resume(files)
+    results["unseeded"] = _unseeded_copies(files)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    files = {
+        "cluster": t.write_cluster(tmp / "cluster.json", fast=2, slow=2),
+        "three_ranks": write_pipeline_plan(tmp / "three.json", [([(0, 0, 2), (1, 3, 5)], 2, 2), ([(2, 0, 5)], 2, 2)], stage=0),
+        "wrong_types": write_pipeline_plan(tmp / "types.json", PLANS["two_by_two"], stage=0, types=["cpu-slow"] * 4),
+        "zero_plan": t.write_plan(tmp / "zero.json", [(2, 1)] * 4, stage=0, device_types=TYPES),
+        "checkpoints": tmp / "checkpoints",
+    }
+    for name, pipelines in PLANS.items():
+        for stage in (0, 1):
+            files[_plan_key(name, stage)] = write_pipeline_plan(tmp / f"{name}{stage}.json", pipelines, stage=stage)
+    return run_ranks(_all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=180)
+
+
+def _reference(global_batch: int, steps: int):
+    """One process on the concatenated global batches (same stream), the same SGD, the global norm clipped."""
+    model = toy_sequential()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data, stream = RegressionData(num_samples=NUM_SAMPLES), SampleStream(num_samples=NUM_SAMPLES, seed=0)
+    losses, norms = [], []
+    for step in range(steps):
+        indices = stream.indices(step * global_batch, global_batch)
+        optimizer.zero_grad()
+        loss = mse(model(data.inputs[indices]), data.targets[indices])
+        loss.backward()
+        losses.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.state_dict().items()}, losses, norms
+
+
+def _max_difference(per_rank_params, reference):
+    """Largest |parameter - reference| over every copy on every rank; every layer must be held somewhere."""
+    held = {name for params in per_rank_params for name in params}
+    assert held == set(reference), sorted(set(reference) ^ held)
+    return max(float((value - reference[name]).abs().max()) for params in per_rank_params for name, value in params.items())
+
+
+def _one_message(results, case):
+    messages = {r["refusals"][case] for r in results}
+    assert len(messages) == 1, f"ranks disagree: {messages}"
+    return messages.pop()
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("zero_stage_2", "zero_optimization.stage (or poplar.zero_stage): expected 0 or 1 with pipelines, found 2"),
+    ("plan_for_3_ranks", "The plan names 3 ranks but the job has 4 (WORLD_SIZE)."),
+    ("device_types", "Device types differ from the cluster's at rank 0 (cpu-slow in the plan, cpu in the cluster)"),
+    ("layers", "The plan splits 6 layers but the model has 5"),
+    ("zero_plan", "is a ZeRO plan (every rank trains the whole model); a PoplarPipelineModule needs a pipeline plan"),
+])
+def test_what_cannot_run_is_refused_alike_on_every_rank(results, case, expected):
+    assert expected in _one_message(results, case)
+
+
+@pytest.mark.parametrize("name,stage", TRAINED)
+def test_pipelines_match_one_process_on_the_global_batch(results, name, stage):
+    global_batch = _global_batch(name)
+    expected, losses, norms = _reference(global_batch, STEPS)
+    assert min(norms) > CLIP, "clipping must be active for this test to cover it"
+    runs = [r[(name, stage)] for r in results]
+    assert _max_difference([run["params"] for run in runs], expected) <= 1e-5
+    for run in runs:  # every rank returns the global batch's mean loss
+        assert run["losses"] == pytest.approx(losses, abs=1e-6)
+        assert run["position"] == STEPS * global_batch
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_each_pipeline_reads_its_share_of_the_stream_once(results, name):
+    runs = [r[(name, 0)] for r in results]
+    firsts, lasts = [], []
+    for stages, _, _ in PLANS[name]:
+        first, last = runs[stages[0][0]]["seen"], runs[stages[-1][0]]["seen"]
+        assert first == last, "a pipeline's first and last stages read the same micro-batches"
+        firsts += first
+    middle = [r for stages, _, _ in PLANS[name] for r, *_ in stages[1:-1]]
+    assert all(runs[r]["seen"] == [] for r in middle), "middle stages read no data"
+    stream = SampleStream(num_samples=NUM_SAMPLES, seed=0)
+    assert sorted(firsts) == sorted(stream.indices(0, STEPS * _global_batch(name)))
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(results):
+    expected, _, _ = _reference(_global_batch("three_and_one"), STEPS)
+    uninterrupted = [r["resume"]["uninterrupted"] for r in results]
+    resumed = [r["resume"]["resumed"] for r in results]
+    assert _max_difference([run["params"] for run in resumed], expected) <= 1e-5
+    for before, after in zip(uninterrupted, resumed):
+        assert before["seen"] == after["seen"] and after["position"] == before["position"] == STEPS * _global_batch("three_and_one")
+        assert max(float((after["params"][k] - v).abs().max()) for k, v in before["params"].items()) == 0.0
+    assert {r["resume"]["step"] for r in results} == {STEPS}
+
+
+def test_every_copy_of_a_layer_starts_as_pipeline_0s_without_seeding(results):
+    copies = {}
+    for rank_params in (r["unseeded"] for r in results):
+        for name, value in rank_params.items():
+            copies.setdefault(name, []).append(value)
+    assert all(len(values) == 2 for values in copies.values())  # two pipelines hold every layer
+    assert all(torch.equal(values[0], values[1]) for values in copies.values())

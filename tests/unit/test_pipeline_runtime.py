@@ -1,0 +1,303 @@
+"""Pipelines (issue 22) without a process group: what is refused, the loss weight, the resume decision."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from poplar_ext.pipeline.checkpoint import pipeline_resume_decision
+from poplar_ext.pipeline.initialize import pipeline_deepspeed_config
+from poplar_ext.pipeline.planning import check_pipeline_config, pipeline_plan_problems, resolve_pipeline_plan
+from poplar_ext.runtime.checkpoint import poplar_client_state, resume_decision
+from poplar_ext.runtime.config import poplar_config_from_dict
+from poplar_ext.runtime.weighting import pipeline_loss_weight
+from poplar_search.formats import cluster_from_dict, plan_from_dict
+from poplar_search.pipeline_formats import pipeline_plan_from_dict
+
+PREDICTED = {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0}
+
+
+def _pipeline_plan(pipelines=None, *, stage=1, num_layers=6) -> dict:
+    """Per pipeline: ((rank, device type, first, last) per stage, micro-batch size, micro-batches)."""
+    pipelines = pipelines or [([(0, "a", 0, 1), (1, "a", 2, 5)], 2, 3), ([(2, "b", 0, 5)], 3, 2)]
+    return {
+        "schema_version": 1,
+        "parallelism": "pipeline",
+        "policy": "poplar",
+        "zero_stage": stage,
+        "global_batch_size": sum(b * s for _, b, s in pipelines),
+        "num_layers": num_layers,
+        "pipelines": [
+            {
+                "stages": [{"rank": r, "device_type": d, "first_layer": f, "last_layer": z} for r, d, f, z in stages],
+                "micro_batch_size": b,
+                "num_micro_batches": s,
+            }
+            for stages, b, s in pipelines
+        ],
+        "predicted": PREDICTED,
+        "profile_fingerprints": {},
+    }
+
+
+def _cluster(types=("a", "a", "b")):
+    return cluster_from_dict(
+        {"schema_version": 1, "nodes": [{"name": "n", "devices": [{"device_type": t, "count": 1} for t in types]}]}
+    )
+
+
+def _zero_plan(world_size: int) -> dict:
+    rank = {"device_type": "a", "micro_batch_size": 1, "gradient_accumulation_steps": 1}
+    return {
+        "schema_version": 1,
+        "policy": "poplar",
+        "zero_stage": 1,
+        "global_batch_size": world_size,
+        "ranks": [{"rank": r, **rank} for r in range(world_size)],
+        "predicted": PREDICTED,
+        "profile_fingerprints": {},
+    }
+
+
+def _poplar(**section):
+    return poplar_config_from_dict({"plan": "plan.json", **section}, base_dir=Path("."))
+
+
+# -- refused from the config alone ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("ds_config", "section", "message"),
+    [
+        ({"zero_optimization": {"stage": 2}}, {}, r"expected 0 or 1 with pipelines, found 2"),
+        ({}, {"zero_stage": 3}, r"expected 0 or 1 with pipelines, found 3"),
+        ({"bf16": {"enabled": True}}, {}, r"bf16.enabled: expected fp32 with pipelines"),
+        ({"fp16": {"enabled": True}}, {}, r"fp16.enabled: expected fp32 with pipelines"),
+        ({}, {"loss_reduction": "token_mean"}, r"loss_reduction: expected mean or sum with pipelines"),
+        ({}, {"rebalance": {"enabled": True}}, r"rebalance.enabled: expected false or auto with pipelines"),
+        ({}, {"global_batch_size": "auto"}, r"global_batch_size: expected a number or none with pipelines"),
+    ],
+)
+def test_what_the_config_asks_and_pipelines_cannot_do_is_refused(ds_config, section, message):
+    with pytest.raises(ValueError, match=message):
+        check_pipeline_config(ds_config, _poplar(**section))
+
+
+def test_a_pipeline_job_needs_a_plan_file():
+    poplar = poplar_config_from_dict({"profiles": "profiles"}, base_dir=Path("."))
+    with pytest.raises(ValueError, match=r"poplar.plan: expected a pipeline plan file, found none; searching"):
+        check_pipeline_config({}, poplar)
+
+
+def test_a_plain_config_is_fine():
+    check_pipeline_config({"zero_optimization": {"stage": 1}, "bf16": {"enabled": False}}, _poplar())
+
+
+# -- refused from the plan, on rank 0 ----------------------------------------------------------------
+def test_a_plan_that_fits_the_job_has_no_problems():
+    plan = pipeline_plan_from_dict(_pipeline_plan())
+    assert (
+        pipeline_plan_problems(plan, _cluster(), world_size=3, num_layers=6, zero_stage=1, global_batch=(12, "x")) == []
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"world_size": 4}, "The plan names 3 ranks but the job has 4 (WORLD_SIZE)."),
+        ({"cluster": _cluster(("a", "b", "b"))}, "Device types differ from the cluster's at rank 1 (a in the plan, b"),
+        ({"num_layers": 7}, "The plan splits 6 layers but the model has 7"),
+        ({"zero_stage": 0}, "The plan is for ZeRO stage 1 but the config asks for stage 0"),
+        (
+            {"global_batch": (16, "train_batch_size")},
+            "global batch is 12 but the config asks for 16 (train_batch_size)",
+        ),
+    ],
+)
+def test_a_plan_that_does_not_fit_the_job_says_why(change, message):
+    arguments = {"cluster": _cluster(), "world_size": 3, "num_layers": 6, "zero_stage": 1, "global_batch": None}
+    arguments.update(change)
+    plan = pipeline_plan_from_dict(_pipeline_plan())
+    assert any(message in p for p in pipeline_plan_problems(plan, **arguments))
+
+
+def _resolve(tmp_path, plan_dict, **overrides):
+    (tmp_path / "plan.json").write_text(json.dumps(plan_dict))
+    arguments = dict(world_size=3, rank=0, num_layers=6, zero_stage=None, global_batch=None, broadcast=lambda o: o)
+    arguments.update(overrides)
+    return resolve_pipeline_plan(_poplar(plan=str(tmp_path / "plan.json")), _cluster(), **arguments)
+
+
+def test_rank_0_reads_the_pipeline_plan(tmp_path):
+    assert _resolve(tmp_path, _pipeline_plan()).pipelines[0].boundaries == (0, 2, 6)
+
+
+def test_a_zero_plan_for_a_pipeline_module_is_refused(tmp_path):
+    zero_plan = _zero_plan(3)
+    with pytest.raises(ValueError, match=r"is a ZeRO plan \(every rank trains the whole model\)"):
+        _resolve(tmp_path, zero_plan)
+
+
+def test_a_layer_split_with_a_gap_is_refused_with_the_field(tmp_path):
+    plan = _pipeline_plan()
+    plan["pipelines"][0]["stages"][1]["first_layer"] = 3
+    with pytest.raises(ValueError, match=r"poplar.plan: .*pipelines\[0\].stages\[1\].first_layer: expected 2"):
+        _resolve(tmp_path, plan)
+
+
+def test_a_plan_that_cannot_run_names_its_file_and_every_reason(tmp_path):
+    with pytest.raises(ValueError, match=r"plan.json: this pipeline plan cannot run: The plan names 3 ranks .* has 4"):
+        _resolve(tmp_path, _pipeline_plan(), world_size=4)
+
+
+def test_a_pipeline_plan_for_a_plain_model_is_refused(tmp_path):
+    from poplar_ext.runtime.planning import resolve_plan
+
+    (tmp_path / "plan.json").write_text(json.dumps(_pipeline_plan()))
+    with pytest.raises(ValueError, match=r"is a pipeline plan .* trains a poplar_ext.pipeline.PoplarPipelineModule"):
+        resolve_plan(
+            _poplar(plan=str(tmp_path / "plan.json")), _cluster(), world_size=3, rank=0, zero_stage=None,
+            broadcast=lambda o: o,
+        )  # fmt: skip
+
+
+# -- the module's own arguments, refused before anything starts ---------------------------------------
+@pytest.mark.parametrize("argument", [{"num_stages": 2}, {"topology": object()}, {"partition_method": "uniform"}])
+def test_what_the_plan_says_cannot_be_given(argument):
+    from poplar_ext.pipeline import PoplarPipelineModule
+
+    with pytest.raises(ValueError, match=rf"expected no {next(iter(argument))}, .* the pipeline plan \(poplar.plan\)"):
+        PoplarPipelineModule([torch.nn.Linear(1, 1)], config={"poplar": {"plan": "p.json"}}, **argument)
+
+
+def test_tied_layers_are_refused():
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    from poplar_ext.pipeline import PoplarPipelineModule
+
+    layers = [TiedLayerSpec("embed", torch.nn.Linear, 2, 2), LayerSpec(torch.nn.Linear, 2, 2)]
+    with pytest.raises(ValueError, match=r"layers \[0\] are TiedLayerSpecs"):
+        PoplarPipelineModule(layers, config={"poplar": {"plan": "p.json"}})
+
+
+def test_a_plain_pipeline_module_is_refused_naming_the_poplar_one():
+    from deepspeed.pipe import PipelineModule
+
+    import poplar_ext
+
+    model = PipelineModule.__new__(PipelineModule)  # without its process groups
+    torch.nn.Module.__init__(model)
+    with pytest.raises(
+        ValueError, match=r"a PipelineModule \(pipeline parallelism: build it as .*PoplarPipelineModule"
+    ):
+        poplar_ext.initialize(model=model, config={"poplar": {"plan": "p.json"}})
+
+
+# -- the loss weight and the per-pipeline config -----------------------------------------------------
+def test_a_pipelines_loss_weight_is_its_count_times_its_share_of_the_batch():
+    assert pipeline_loss_weight(micro_batch_size=3, num_micro_batches=2, global_batch_size=11) == pytest.approx(6 / 11)
+    sum_weight = pipeline_loss_weight(micro_batch_size=3, num_micro_batches=2, global_batch_size=11, reduction="sum")
+    assert sum_weight == pytest.approx(2 / 11)
+    with pytest.raises(ValueError, match="token_mean: expected mean or sum with pipelines"):
+        pipeline_loss_weight(micro_batch_size=3, num_micro_batches=2, global_batch_size=11, reduction="token_mean")
+
+
+def test_deepspeed_gets_a_config_valid_for_the_pipeline_alone():
+    plan = pipeline_plan_from_dict(_pipeline_plan())
+    user = {"train_batch_size": 12, "zero_optimization": {"stage": 1}, "poplar": {}}
+    nominal = pipeline_deepspeed_config(user, plan, 1)
+    assert (nominal["train_micro_batch_size_per_gpu"], nominal["gradient_accumulation_steps"]) == (3, 2)
+    assert nominal["train_batch_size"] == 6 and nominal["zero_optimization"]["stage"] == 1
+    assert user["train_batch_size"] == 12
+
+
+# -- resuming ----------------------------------------------------------------------------------------
+def _state(plan_dict, position=24):
+    plan = pipeline_plan_from_dict(plan_dict)
+    return poplar_client_state(plan, consumed_samples=position, seed=0, shuffle=True, plan_history=[{"start_step": 0}])
+
+
+def test_a_resume_under_the_same_plan_continues_the_stream():
+    decision = pipeline_resume_decision(_state(_pipeline_plan()), _state(_pipeline_plan(), 0), path="ckpt/step2")
+    assert (decision.data_position, decision.consumed_samples, decision.plan_history) == (24, 24, [{"start_step": 0}])
+
+
+def test_a_resume_under_another_pipeline_plan_is_refused_naming_what_differs():
+    other = _pipeline_plan([([(0, "a", 0, 3), (1, "a", 4, 5)], 2, 3), ([(2, "b", 0, 5)], 2, 3)])
+    with pytest.raises(ValueError, match="another pipeline plan") as error:
+        pipeline_resume_decision(_state(_pipeline_plan()), _state(other, 0), path="ckpt/step2")
+    assert "pipeline 0's stages held layers 0-1, 2-5 then, 0-3, 4-5 now" in str(error.value)
+    assert "pipeline 1's micro-batch size 3 then, 2 now" in str(error.value)
+    assert "pipeline 1's micro-batches 2 then, 3 now" in str(error.value)
+
+
+def test_a_resume_with_another_data_order_is_refused():
+    current = _state(_pipeline_plan(), 0)
+    current["seed"] = 1
+    with pytest.raises(ValueError, match="the data order would differ"):
+        pipeline_resume_decision(_state(_pipeline_plan()), current, path="ckpt/step2")
+
+
+def test_a_checkpoint_without_poplar_state_or_of_a_zero_job_is_refused_by_a_pipeline_job():
+    with pytest.raises(ValueError, match="holds no poplar_state.json; expected a checkpoint saved by a poplar-ext"):
+        pipeline_resume_decision(None, _state(_pipeline_plan(), 0), path="ckpt/x")
+    zero = _state(_pipeline_plan())
+    zero["plan"] = {"ranks": [], "zero_stage": 1, "global_batch_size": 12}
+    with pytest.raises(ValueError, match="saved by a job that trained every rank on the whole model"):
+        pipeline_resume_decision(zero, _state(_pipeline_plan(), 0), path="ckpt/x")
+
+
+def test_a_pipeline_checkpoint_is_refused_by_a_zero_job():
+    zero_plan = plan_from_dict(_zero_plan(1))
+    current = poplar_client_state(zero_plan, consumed_samples=0, seed=0, shuffle=True)
+    with pytest.raises(
+        ValueError, match=r"was saved by a pipeline job .* resume it with the same PoplarPipelineModule"
+    ):
+        resume_decision(copy.deepcopy(_state(_pipeline_plan())), current, path="ckpt/x", step=2)
+
+
+# -- initialize with a built module, and the engine's emulated instructions ---------------------------
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield torch.zeros(1)
+
+
+def _built_module(ds_config):
+    """What initialize reads of a PoplarPipelineModule before anything collective: its settled job."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(poplar_job=SimpleNamespace(ds_config=ds_config))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"mpu": object()}, r"expected no mpu= or mesh_param= with a PoplarPipelineModule"),
+        ({"config": {"poplar": {"plan": "other.json"}}}, r"expected the DeepSpeed config the PoplarPipelineModule was"),
+        ({"training_data": _Stream()}, r"training_data: expected a map-style dataset"),
+    ],
+)
+def test_initialize_refuses_what_a_pipeline_job_cannot_take(arguments, message):
+    from poplar_ext.pipeline.initialize import initialize_pipeline
+
+    with pytest.raises(ValueError, match=message):
+        initialize_pipeline(model=_built_module({"poplar": {"plan": "p.json"}}), **arguments)
+
+
+def test_an_emulated_rank_runs_forward_backward_and_step_in_its_slowed_window():
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.pipe import schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from poplar_ext.hardware.emulation import ComputeSlowdown
+    from poplar_ext.pipeline.engine import PoplarPipelineEngine, _emulated
+
+    slowed = [schedule.ForwardPass, schedule.BackwardPass, schedule.OptimizerStep]
+    for instruction, run in PoplarPipelineEngine._INSTRUCTION_MAP.items():
+        assert (run is PipelineEngine._INSTRUCTION_MAP[instruction]) == (instruction not in slowed), instruction
+    engine = SimpleNamespace(emulated_compute=ComputeSlowdown(None), seen=[])
+    _emulated(lambda e, **kwargs: e.seen.append((e.emulated_compute.running, kwargs)))(engine, buffer_id=1)
+    assert engine.seen == [(True, {"buffer_id": 1})] and not engine.emulated_compute.running
