@@ -12,8 +12,10 @@ the exact search, for small clusters.
 * homogeneous pipelines: each device type's ranks in pipelines of S_t stages of that
   type alone, S_t any divisor of the type's count (every combination over the types);
 * mixed pipelines of identical composition: g pipelines, each with ``count_t // g``
-  ranks of every type t, in blocks of one type (every order of the types: the first
-  stage keeps the most micro-batches in flight, so which memory comes first matters);
+  ranks of every type t of a set of types (all of them, or, up to 4 types, any two or
+  more, the other types' ranks in homogeneous pipelines beside them), in blocks of one
+  type (every order of the types: the first stage keeps the most micro-batches in
+  flight, so which memory comes first matters);
   the ranks left over (when g does not divide a count) either form one more pipeline,
   uneven, beside them, or go one each to the first pipelines (which are then one stage
   longer). g runs over the divisors of each type's count and 1..8.
@@ -125,16 +127,31 @@ def _assign(ranks_of: dict[str, list[int]], shares: list[dict[str, int]], order:
     return tuple(pipelines)
 
 
+MIXED_SUBSETS_MAX_TYPES = 4
+"""Up to this many device types, mixed pipelines are also made of every subset of the types (the others in
+homogeneous pipelines beside them); beyond, of all types only."""
+
+
+def _type_subsets(types: list[str]) -> list[tuple[str, ...]]:
+    if len(types) > MIXED_SUBSETS_MAX_TYPES:
+        return [tuple(types)]
+    return [subset for size in range(2, len(types) + 1) for subset in itertools.combinations(types, size)]
+
+
 def candidate_layouts(cluster: Cluster, max_stages: int) -> list[Layout]:
     """The heuristic's layouts (module docstring), each once."""
     ranks_of: dict[str, list[int]] = {}
     for rank, device_type in enumerate(cluster.rank_device_types):
         ranks_of.setdefault(device_type, []).append(rank)
+    generated = list(_homogeneous(ranks_of, max_stages))
+    for subset in _type_subsets(list(ranks_of)):
+        rest = list(_homogeneous({t: r for t, r in ranks_of.items() if t not in subset}, max_stages))
+        generated += [a + b for a in _mixed({t: ranks_of[t] for t in subset}, max_stages) for b in rest]
     layouts = []
     seen = set()
-    for layout in itertools.chain(_homogeneous(ranks_of, max_stages), _mixed(ranks_of, max_stages)):
+    for layout in generated:
         key = tuple(sorted(layout))
-        if key not in seen and all(len(p) >= 1 for p in layout):
+        if key not in seen:
             seen.add(key)
             layouts.append(layout)
     return layouts

@@ -11,12 +11,15 @@ for the smallest iteration time of the cost model (`search.pipeline_cost`).
   pipelines' splits as multisets), and for each the exact sizing; the boundary of each
   combination is priced as it is (it depends on the splits, not on the micro-batches).
   The optimum of the cost model over the whole space.
-* heuristic (otherwise): the candidate layouts of `pipeline_layouts.candidate_layouts`;
-  each pipeline split by the balanced split for its micro-batch size (exact for the
-  pipelines' time; it does not weigh the boundary's all-reduces and optimizer steps, and
-  keeps the split that fits S - s micro-batches in flight even when a pipeline runs
-  fewer); micro-batch sizes 1..32, then steps of 2^(1/4). Layouts are sized in the order
-  of their lower bound and the search stops when the bound reaches the best plan.
+* heuristic (otherwise): every layout up to `EXACT_MAX_RANKS` ranks, beyond them the
+  candidate layouts of `pipeline_layouts.candidate_layouts`; each pipeline split by the
+  balanced split for its micro-batch size (`pipeline_split`: exact for the pipelines'
+  time; it does not weigh the boundary's all-reduces and optimizer steps; pipelines of
+  up to `REGIME_MAX_STAGES` stages are also split for each count k < S of micro-batches,
+  longer ones only for S - s in flight);
+  micro-batch sizes 1..32, then steps of 2^(1/4); the sizing exact. Layouts are sized
+  in the order of a lower bound (the sizing's T0 plus a bound on the boundary) and the
+  search stops when the bound reaches the best plan found.
   bench/results/pipeline_search_gap.md measures its gap to the exact optimum.
 """
 
@@ -52,11 +55,11 @@ from .pipeline_formats import (
 )
 from .pipeline_layouts import Layout, all_layouts, candidate_layouts
 from .pipeline_sizing import MAX_SUMSET, PipelineOptions, lower_bound_s, size_pipelines
-from .pipeline_split import UNLIMITED, BalancedSplits, Shape, balanced_split, shape_of, split_costs
+from .pipeline_split import BalancedSplits, Shape, balanced_split, shape_of, split_costs
 
 EXACT_MAX_RANKS = 6
 """The exact search lists every layout of clusters up to this many ranks (4051 layouts at 6)."""
-EXACT_MAX_SPLITS = 5000
+EXACT_MAX_SPLITS = 1500
 """``method="auto"`` searches exactly when the layouts' split combinations are at most this many."""
 EXACT_HARD_LIMIT = 500_000
 """``method="exact"`` refuses more split combinations than this (it would take hours)."""
@@ -66,6 +69,7 @@ SIZE_STEP = 2**0.25
 MAX_PIPELINE_MICRO_BATCH = 4096
 """The largest micro-batch a pipeline search considers."""
 METHODS = ("auto", "exact", "heuristic")
+LAYOUTS = ("auto", "all", "candidates")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,34 +272,72 @@ def _search_exact(layouts: list[Layout], context: _Context) -> tuple[list[Pipeli
 # ----------------------------------------------------------------------------------
 # Heuristic
 # ----------------------------------------------------------------------------------
+REGIME_MAX_STAGES = 8
+"""Pipelines of up to this many stages are also split for fewer micro-batches in flight (one DP per count)."""
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _ShapeSplits:
+    """A shape's balanced splits: for at least S micro-batches (stage s keeps S - s in flight) and, for
+    short pipelines, for each count k < S (stage s keeps min(k, S - s), so at most k micro-batches)."""
+
+    regimes: list[tuple[int, BalancedSplits]]
+    """``(most micro-batches, splits)``; the first allows any count."""
+
+    @classmethod
+    def of(cls, shape: Shape, context: _Context, type_costs: dict) -> _ShapeSplits:
+        stages = shape.num_stages
+        counts = range(1, stages) if stages <= REGIME_MAX_STAGES else ()
+        regimes = [
+            (context.batch, balanced_split(shape, context.tables, context.links, context.sizes, cache=type_costs))
+        ]
+        for k in counts:
+            flights = [min(k, stages - s) for s in range(stages)]
+            found = balanced_split(shape, context.tables, context.links, context.sizes, flights, cache=type_costs)
+            regimes.append((k, found))
+        return cls(regimes=regimes)
+
+    def options(self, num_stages: int, count: int) -> PipelineOptions:
+        usable = [(np.isfinite(found.slowest_stage_s), limit, found) for limit, found in self.regimes]
+        return PipelineOptions(
+            num_stages=num_stages,
+            sizes=np.concatenate([found.sizes[ok] for ok, _, found in usable]),
+            stage_s=np.concatenate([found.slowest_stage_s[ok] for ok, _, found in usable]),
+            max_micro_batches=np.concatenate(
+                [np.full(int(ok.sum()), limit, dtype=np.int64) for ok, limit, _ in usable]
+            ),
+            count=count,
+        )
+
+    def first_layers(self, micro_batch_size: int, num_micro_batches: int) -> tuple[int, ...]:
+        """The split of the quickest regime that allows this count at this size."""
+        best = None
+        for limit, found in self.regimes:
+            index = int(np.searchsorted(found.sizes, micro_batch_size))
+            time_s = found.slowest_stage_s[index]
+            if num_micro_batches <= limit and np.isfinite(time_s) and (best is None or time_s < best[0]):
+                best = (time_s, found.first_layers(index))
+        assert best is not None, "the sizing picked an allowed option"
+        return best[1]
+
+
 def _heuristic_candidates(layouts: list[Layout], context: _Context) -> list[tuple[float, Layout, list, list]]:
-    """Per layout its lower bound, classes and their balanced splits, cheapest bound first."""
-    cache: dict[Shape, BalancedSplits] = {}
+    """Per layout its lower bound, classes and their splits, cheapest bound first."""
+    cache: dict[Shape, _ShapeSplits] = {}
     type_costs: dict = {}
     candidates = []
     for layout in layouts:
         if len(layout) > context.batch:
             continue
-        shapes = [shape_of(p, context.types, context.links) for p in layout]
         members: dict[Shape, list[int]] = {}
-        for index, shape in enumerate(shapes):
-            members.setdefault(shape, []).append(index)
+        for index, pipeline in enumerate(layout):
+            members.setdefault(shape_of(pipeline, context.types, context.links), []).append(index)
         classes, splits = [], []
         for shape, indices in members.items():
             if shape not in cache:
-                cache[shape] = balanced_split(shape, context.tables, context.links, context.sizes, cache=type_costs)
-            found = cache[shape]
-            usable = np.isfinite(found.slowest_stage_s)
-            classes.append(
-                PipelineOptions(
-                    num_stages=shape.num_stages,
-                    sizes=context.sizes[usable],
-                    stage_s=found.slowest_stage_s[usable],
-                    max_micro_batches=np.full(int(usable.sum()), min(UNLIMITED, context.batch), dtype=np.int64),
-                    count=len(indices),
-                )
-            )
-            splits.append((found, indices))
+                cache[shape] = _ShapeSplits.of(shape, context, type_costs)
+            classes.append(cache[shape].options(shape.num_stages, len(indices)))
+            splits.append((cache[shape], indices))
         if all(len(c.sizes) for c in classes):
             bound = lower_bound_s(classes, context.batch) + boundary_lower_bound_s(
                 context.tables, context.links, len(layout), min(len(p) for p in layout)
@@ -315,7 +357,7 @@ def _search_heuristic(layouts: list[Layout], context: _Context) -> tuple[list[Pi
         pipelines = []
         for (found, indices), picks in zip(splits, sizing.choices):
             for index, (b, m) in zip(indices, picks):
-                firsts = found.first_layers(int(np.searchsorted(found.sizes, b)))
+                firsts = found.first_layers(b, m)
                 pipelines.append(_pipeline(layout[index], context.types, firsts, context.num_layers, b, m))
         time_s = _plan(pipelines, context).predicted.iteration_time_s
         if time_s < best_s:
@@ -326,44 +368,53 @@ def _search_heuristic(layouts: list[Layout], context: _Context) -> tuple[list[Pi
 # ----------------------------------------------------------------------------------
 # search_pipeline_plan
 # ----------------------------------------------------------------------------------
-def _search_stage(
-    profiles: dict[str, LayerProfile],
-    cluster: Cluster,
-    zero_stage: int,
-    global_batch_size: int,
-    network: NetworkProfile | None,
-    method: str,
-    max_stages: int | None,
-) -> _Outcome:
-    """The best plan at one ZeRO stage (or why there is none)."""
-    missing = [t for t in cluster.type_counts() if t not in profiles]
-    if missing:
-        return _Outcome(
-            plan=None,
-            reason=f"No layer profile for {', '.join(missing)} at stage {zero_stage}.",
-            method=method,
-            layouts=0,
-        )
-    num_layers = next(iter(profiles.values())).num_layers
-    stages = min(num_layers, max_stages or num_layers)
-    exact = method == "exact" or (method == "auto" and cluster.world_size <= EXACT_MAX_RANKS)
-    layouts = all_layouts(cluster, stages) if exact else candidate_layouts(cluster, stages)
-    count = _exact_count(layouts, num_layers) if exact else 0
-    if method == "exact" and (cluster.world_size > EXACT_MAX_RANKS or count > EXACT_HARD_LIMIT):
+@dataclass(frozen=True, kw_only=True)
+class _Request:
+    """What the caller asked for, the same at every ZeRO stage."""
+
+    cluster: Cluster
+    global_batch_size: int
+    network: NetworkProfile | None
+    method: str
+    layouts: str
+    max_stages: int | None
+
+
+def _method_and_layouts(request: _Request, num_layers: int) -> tuple[bool, list[Layout]]:
+    """Whether to search exactly, and the layouts to search."""
+    cluster, method = request.cluster, request.method
+    stages = min(num_layers, request.max_stages or num_layers)
+    small = cluster.world_size <= EXACT_MAX_RANKS
+    every = all_layouts(cluster, stages) if small else None
+    count = _exact_count(every, num_layers) if every is not None else None
+    if method == "exact" and (count is None or count > EXACT_HARD_LIMIT):
         raise ValueError(
             f"method: 'exact' searches at most {EXACT_MAX_RANKS} ranks and {EXACT_HARD_LIMIT} split combinations, "
             f"found {cluster.world_size} ranks" + (f" and {count} combinations" if count else "")
         )
-    if exact and method == "auto" and count > EXACT_MAX_SPLITS:
-        exact, layouts = False, candidate_layouts(cluster, stages)
-    sizes = _sizes(global_batch_size, dense=exact)
+    if method == "exact" or (method == "auto" and count is not None and count <= EXACT_MAX_SPLITS):
+        return True, every
+    if request.layouts == "all" or (request.layouts == "auto" and small):
+        return False, every if every is not None else all_layouts(cluster, stages)
+    return False, candidate_layouts(cluster, stages)
+
+
+def _search_stage(profiles: dict[str, LayerProfile], zero_stage: int, request: _Request) -> _Outcome:
+    """The best plan at one ZeRO stage (or why there is none)."""
+    cluster = request.cluster
+    missing = [t for t in cluster.type_counts() if t not in profiles]
+    if missing:
+        reason = f"No layer profile for {', '.join(missing)} at stage {zero_stage}."
+        return _Outcome(plan=None, reason=reason, method=request.method, layouts=0)
+    exact, layouts = _method_and_layouts(request, next(iter(profiles.values())).num_layers)
+    sizes = _sizes(request.global_batch_size, dense=exact)
     types = tuple(dict.fromkeys(cluster.rank_device_types))
     context = _Context(
         zero_stage=zero_stage,
         tables={t: layer_table(profiles[t], max(int(sizes[-1]), largest_profiled_size(profiles[t]))) for t in types},
-        links=Links.of(network, cluster),
+        links=Links.of(request.network, cluster),
         sizes=sizes,
-        batch=global_batch_size,
+        batch=request.global_batch_size,
         types=cluster.rank_device_types,
         fingerprints={t: profiles[t].fingerprint for t in types},
     )
@@ -395,6 +446,7 @@ def search_pipeline_plan(
     zero_stage: int | str = "auto",
     network: NetworkProfile | None = None,
     method: str = "auto",
+    layouts: str = "auto",
     max_stages: int | None = None,
 ) -> PipelineSearchResult:
     """The pipeline plan of `cluster` with the smallest predicted iteration time (module docstring).
@@ -408,6 +460,9 @@ def search_pipeline_plan(
             are infeasible: DeepSpeed's pipeline engine refuses them.
         network: collective times that price transfers and all-reduces (without one they cost 0).
         method: ``auto`` (exact where the space is small, else heuristic), ``exact``, ``heuristic``.
+        layouts: the layouts the heuristic tries: ``all`` (up to `EXACT_MAX_RANKS` ranks),
+            ``candidates`` (`pipeline_layouts.candidate_layouts`) or ``auto`` (all where
+            there are at most `EXACT_MAX_RANKS` ranks, else the candidates).
         max_stages: the most stages a pipeline may have (default: the number of layers).
 
     Returns:
@@ -418,7 +473,20 @@ def search_pipeline_plan(
             cluster without any layer profile, an exact search too large to run).
     """
     _check_arguments(cluster, global_batch_size, zero_stage, method, max_stages)
-    global_batch_size = int(global_batch_size)
+    if layouts not in LAYOUTS:
+        raise ValueError(f"layouts: expected one of {', '.join(map(repr, LAYOUTS))}, found {layouts!r}")
+    if layouts == "all" and cluster.world_size > EXACT_MAX_RANKS:
+        raise ValueError(
+            f"layouts: 'all' lists the layouts of at most {EXACT_MAX_RANKS} ranks, found {cluster.world_size}"
+        )
+    request = _Request(
+        cluster=cluster,
+        global_batch_size=int(global_batch_size),
+        network=network,
+        method=method,
+        layouts=layouts,
+        max_stages=max_stages,
+    )
     by_stage = layer_profiles_by_stage(layer_profiles)
     covered = {t for profiles in by_stage.values() for t in profiles}
     unknown = [t for t in cluster.type_counts() if t not in covered]
@@ -431,10 +499,7 @@ def search_pipeline_plan(
         reason = f"DeepSpeed's pipeline engine refuses ZeRO stage {zero_stage} (pipelines run at stage 0 or 1)."
         return _result({int(zero_stage): _Outcome(plan=None, reason=reason, method="none", layouts=0)}, False)
     stages = [s for s in PIPELINE_ZERO_STAGES if s in by_stage] if zero_stage == "auto" else [int(zero_stage)]
-    outcomes = {
-        s: _search_stage(by_stage.get(s, {}), cluster, s, global_batch_size, network, method, max_stages)
-        for s in stages
-    }
+    outcomes = {s: _search_stage(by_stage.get(s, {}), s, request) for s in stages}
     return _result(outcomes, zero_stage == "auto")
 
 

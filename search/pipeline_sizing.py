@@ -40,11 +40,14 @@ MAX_LISTED_BREAKPOINTS = 50_000
 @dataclass(frozen=True, kw_only=True, eq=False)
 class PipelineOptions:
     """What each of `count` identical pipelines can run: ``m`` micro-batches of size ``sizes[i]``
-    in ``(m + num_stages - 1) x stage_s[i]`` seconds, ``1 <= m <= max_micro_batches[i]``."""
+    in ``(m + num_stages - 1) x stage_s[i]`` seconds, ``1 <= m <= max_micro_batches[i]``.
+
+    A size may have several entries, each with its time and limit (a split that fits
+    fewer micro-batches in flight can be faster, for fewer micro-batches)."""
 
     num_stages: int
     sizes: np.ndarray
-    """Usable micro-batch sizes, ascending (int64)."""
+    """Usable micro-batch sizes (int64), one per entry."""
     stage_s: np.ndarray
     """The slowest stage's time per micro-batch at each size."""
     max_micro_batches: np.ndarray
@@ -316,10 +319,11 @@ def size_pipelines(classes: Sequence[PipelineOptions], global_batch_size: int) -
     return Sizing(time_s=_slowest(classes, choices), choices=choices)
 
 
+def pick_time_s(options: PipelineOptions, micro_batch_size: int, num_micro_batches: int) -> float:
+    """The quickest entry running `num_micro_batches` of `micro_batch_size`."""
+    allowed = (options.sizes == micro_batch_size) & (options.max_micro_batches >= num_micro_batches)
+    return (num_micro_batches + options.num_stages - 1) * float(options.stage_s[allowed].min())
+
+
 def _slowest(classes: Sequence[PipelineOptions], choices: tuple[tuple[tuple[int, int], ...], ...]) -> float:
-    slowest = 0.0
-    for c, picks in zip(classes, choices):
-        index = {int(b): i for i, b in enumerate(c.sizes.tolist())}
-        for b, m in picks:
-            slowest = max(slowest, c.time_s(index[b], m))
-    return slowest
+    return max(pick_time_s(c, b, m) for c, picks in zip(classes, choices) for b, m in picks)

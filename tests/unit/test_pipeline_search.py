@@ -13,12 +13,18 @@ from _pipeline_brute_force import brute_force, ordered_partitions
 from poplar_search.formats import Cluster, ClusterNode, DeviceGroup
 from poplar_search.network import modelled_network
 from poplar_search.pipeline_cost import Links, layer_table, predict_pipeline
-from poplar_search.pipeline_formats import pipeline_plan_from_dict, pipeline_plan_to_dict
+from poplar_search.pipeline_formats import (
+    LayerCost,
+    LayerProfile,
+    LayerSample,
+    pipeline_plan_from_dict,
+    pipeline_plan_to_dict,
+)
 from poplar_search.pipeline_layouts import all_layouts, candidate_layouts
 from poplar_search.pipeline_search import check_pipeline_plan, search_pipeline_plan
 from poplar_search.pipeline_sizing import PipelineOptions, size_pipelines
 from poplar_search.pipeline_split import Shape, balanced_split, split_costs
-from poplar_search.synthetic import random_layer_profiles, simple_cluster
+from poplar_search.synthetic import SYNTHETIC_LAYERED_MODEL, random_layer_profiles, simple_cluster
 
 
 def _case(seed: int):
@@ -57,29 +63,84 @@ def test_the_exact_search_reaches_the_brute_force_optimum(seed):
         )
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_the_heuristic_is_exact_on_two_ranks_when_only_the_pipelines_time_counts(seed):
-    # Two ranks: the candidate layouts are all layouts. No network, no optimizer step: the boundary is 0, so
-    # the balanced split (exact for a pipeline's time) is the whole optimum. Memory that never binds: the
-    # split for S - s micro-batches in flight is the split for any count.
+@pytest.mark.parametrize("layouts", ["all", "candidates"])
+@pytest.mark.parametrize("seed", range(8))
+def test_the_heuristic_is_exact_on_two_ranks_when_only_the_pipelines_time_counts(seed, layouts):
+    # Two ranks: the candidate layouts are all layouts. No network, no optimizer step: the boundary is 0,
+    # so the balanced split for each count in flight (exact for a pipeline's time) is the whole optimum.
+    # Odd seeds: neither device holds the whole model, so the two-stage pipeline and its order decide.
     rng = np.random.default_rng(100 + seed)
+    profiles = random_layer_profiles(rng, ["a", "b"], num_layers=int(rng.integers(2, 6)))
     profiles = [
         dataclasses.replace(
             p,
-            memory_capacity_bytes=10**15,
+            memory_capacity_bytes=10**15
+            if seed % 2 == 0
+            else p.base_memory_bytes
+            + 3 * sum(x.parameter_bytes + x.optimizer_state_bytes for x in p.layers) // 4
+            + 8 * sum(x.activation_bytes_per_sample for x in p.layers),
             layers=tuple(dataclasses.replace(x, optimizer_step_time_s=0.0) for x in p.layers),
         )
-        for p in random_layer_profiles(rng, ["a", "b"], num_layers=int(rng.integers(2, 6)))
+        for p in profiles
     ]
-    types = ["a", "b"] if seed % 2 else ["a", "a"]
-    cluster = simple_cluster(dict.fromkeys(types, 0) | {t: types.count(t) for t in types}, ranks_per_node=1)
+    types = ["a", "a"] if seed % 4 == 0 else ["a", "b"]
+    cluster = simple_cluster({t: types.count(t) for t in dict.fromkeys(types)}, ranks_per_node=1)
     batch = int(rng.integers(2, 40))
     exact, heuristic = (
-        search_pipeline_plan(profiles, cluster, global_batch_size=batch, method=method)
+        search_pipeline_plan(profiles, cluster, global_batch_size=batch, method=method, layouts=layouts)
         for method in ("exact", "heuristic")
     )
-    assert heuristic.method == "heuristic"
+    assert heuristic.method == "heuristic" and exact.ok
     assert _time(heuristic) == pytest.approx(_time(exact), rel=1e-9)
+
+
+def _two_layers(device_type: str, seconds_per_work: float, works=(1.0, 4.0), kept=1000, capacity=None):
+    """Two layers of `works`; each layer's parameters and optimizer state 1e6 bytes: one fits a device, two do not."""
+    layers = tuple(
+        LayerCost(
+            index=i,
+            name="Block",
+            samples=tuple(LayerSample(micro_batch_size=b, step_time_s=work * seconds_per_work * b) for b in (1, 2)),
+            parameter_bytes=250_000,
+            optimizer_state_bytes=750_000,
+            activation_bytes_per_sample=kept,
+            output_bytes_per_sample=10,
+            optimizer_step_time_s=0.0,
+        )
+        for i, work in enumerate(works)
+    )
+    return LayerProfile(
+        device_type=device_type,
+        memory_capacity_bytes=capacity or 1_500_000,
+        zero_stage=0,
+        model=SYNTHETIC_LAYERED_MODEL,
+        layers=layers,
+        base_memory_bytes=0,
+        emulated=None,
+        measured_with={"source": "modelled"},
+    )
+
+
+def test_the_stage_order_puts_the_heavy_layers_on_the_fast_device_whichever_rank_comes_first():
+    # Rank 0 is fast, rank 1 slow; layer 1 is four times layer 0. Neither holds both layers.
+    profiles = [_two_layers("fast", 0.001), _two_layers("slow", 0.004)]
+    cluster = simple_cluster({"fast": 1, "slow": 1}, ranks_per_node=1)
+    for layouts in ("all", "candidates"):
+        result = search_pipeline_plan(profiles, cluster, global_batch_size=8, method="heuristic", layouts=layouts)
+        (pipeline,) = result.plan.pipelines
+        assert [(s.device_type, s.first_layer) for s in pipeline.stages] == [("slow", 0), ("fast", 1)]
+
+
+def test_a_pipeline_that_memory_holds_to_one_micro_batch_in_flight_is_found():
+    # Each stage holds one layer and room for 1000 bytes of activations: one micro-batch of one sample in
+    # flight, never the two that 1F1B keeps on the first of two stages once there are two micro-batches.
+    profiles = [_two_layers("a", 0.001, kept=1000, capacity=1_001_000)]
+    cluster = simple_cluster({"a": 2}, ranks_per_node=2)
+    for method in ("exact", "heuristic"):
+        result = search_pipeline_plan(profiles, cluster, global_batch_size=1, method=method)
+        (pipeline,) = result.plan.pipelines
+        assert len(pipeline.stages) == 2 and (pipeline.micro_batch_size, pipeline.num_micro_batches) == (1, 1)
+    assert not search_pipeline_plan(profiles, cluster, global_batch_size=2).ok
 
 
 def _enumerated_sizing(classes, batch):
@@ -170,13 +231,21 @@ def test_layouts_hold_every_rank_once_and_the_exact_list_is_complete():
     assert len(list(ordered_partitions([0, 1, 2, 3]))) == 73 and len(exact) == len(distinct) == 21
     assert {tuple(sorted(tuple(labels[r] for r in p) for p in layout)) for layout in exact} == distinct
     large = simple_cluster({"a": 12, "b": 20}, ranks_per_node=4)
-    for layout in [*exact, *candidate_layouts(large, max_stages=16)]:
+    three = simple_cluster({"a": 3, "b": 2, "c": 4}, ranks_per_node=2)
+    for layout in [*exact, *candidate_layouts(large, max_stages=16), *candidate_layouts(three, max_stages=9)]:
         ranks = sorted(r for pipeline in layout for r in pipeline)
         assert ranks == list(range(len(ranks)))
     shapes = {tuple(sorted(len(p) for p in layout)) for layout in candidate_layouts(large, max_stages=16)}
     # homogeneous (a in 3 pipelines of 4, b in 5 of 4); 4 alike mixed; 3 mixed and the left-over b's beside;
     # the left-over b's spread over the first pipelines.
     assert {(4,) * 8, (8,) * 4, (2, 10, 10, 10), (10, 11, 11)} <= shapes
+    # Three types: mixed pipelines of two of them beside the third's own, e.g. a and c paired, b alone.
+    types = three.rank_device_types
+    compositions = {
+        tuple(sorted("".join(sorted(types[r] for r in p)) for p in layout))
+        for layout in candidate_layouts(three, max_stages=9)
+    }
+    assert ("ac", "ac", "acc", "b", "b") in compositions and ("aaabbcccc",) in compositions
 
 
 def _small():
