@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .api import StageReport
-from .formats import Cluster, Prediction
+from .formats import ZERO_STAGES, Cluster, Prediction
 from .network import NetworkProfile
 from .pipeline_cost import (
     LayerTable,
@@ -122,7 +122,7 @@ def _check_arguments(
             f"global_batch_size: expected an integer from 1 to {MAX_SUMSET} (the pipeline search's limit), found "
             f"{global_batch_size!r}"
         )
-    if zero_stage != "auto" and (isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3)):
+    if zero_stage != "auto" and (isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES):
         raise ValueError(f"zero_stage: expected 'auto' or one of 0, 1 (pipelines), found {zero_stage!r}")
     if method not in METHODS:
         raise ValueError(f"method: expected one of {', '.join(map(repr, METHODS))}, found {method!r}")
