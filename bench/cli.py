@@ -50,8 +50,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
             "every shipped cluster in bench/clusters/ (pairs of GPU types, 8 to 4096 GPUs) with every "
             "model preset, using profiles MODELLED from datasheet specs (bench/gpu_model.py), plus, on the "
             "V100-16GB + T4-16GB clusters, poplar with activation checkpointing, and apart with optimizer offload, "
-            "chosen per device type against poplar without either. With --profiles: your profiles (measured or not) "
-            "for the given clusters."
+            "chosen per device type against poplar without either, and the best ZeRO plan against the best pipeline "
+            "plan with the network slow (10 Gb/s per GPU) and fast (100 Gb/s). With --profiles: your profiles "
+            "(measured or not) for the given clusters."
         ),
     )
     p.add_argument(
@@ -69,6 +70,13 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
         "--global-batch-size", type=_positive_int, default=None, help="the same global batch for every cluster"
     )
     p.add_argument("--zero-stage", type=_stage, default="auto", help="auto (default) or 0-3")
+    p.add_argument(
+        "--no-pipelines",
+        dest="pipelines",
+        action="store_false",
+        help="leave out the comparison of the best ZeRO plan with the best pipeline plan (modelled profiles only; "
+        "the network slow and fast)",
+    )
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
     p.add_argument("--name", default="simulation", help="report file stem (default: simulation)")
     p.set_defaults(run=_run_simulate)
@@ -137,7 +145,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
         ] or None
     for index, case in enumerate(cases, 1):
         print(f"[{index}/{len(cases)}] {case.name}: {case.cluster.world_size} ranks", file=sys.stderr, flush=True)
-    report = simulate.simulation_report(cases, checkpointing_cases=checkpointing_cases)
+    parallelism = None
+    if args.profiles is None and args.pipelines:
+        from .simulate_pipelines import parallelism_comparison
+
+        print("ZeRO or pipelines, network slow and fast ...", file=sys.stderr, flush=True)
+        parallelism = parallelism_comparison(cluster_paths, shapes, samples_per_rank=samples_per_rank)
+    report = simulate.simulation_report(cases, checkpointing_cases=checkpointing_cases, parallelism=parallelism)
     out_dir = args.output_dir or default_output_dir()
     for path in write_report(report, out_dir, args.name):
         print(path)

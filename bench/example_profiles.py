@@ -1,5 +1,7 @@
 """Regenerate the shipped example: modelled profiles of a GPT-2-small-sized model on
-A100-80GB and V100-16GB at ZeRO stages 0-3, and the 8-GPU cluster they describe.
+A100-80GB and V100-16GB at ZeRO stages 0-3, its layer profiles at stage 0 (``layers/``,
+for the pipeline search), the 8-GPU cluster they describe and its modelled network
+(``network/``: the whole job at the model's inter-node figure, 25 GB/s within a node).
 
 The numbers are MODELLED, not measured: they come from the analytic GPU model in
 bench/gpu_model.py (vendor datasheet figures plus the stated assumptions, which every
@@ -8,10 +10,14 @@ profile repeats in ``measured_with``). Run from a checkout (an editable install)
     python -m poplar_bench.example_profiles
 """
 
+import dataclasses
 from pathlib import Path
 
 from poplar_search.formats import ZERO_STAGES, Cluster, ClusterNode, DeviceGroup, save_cluster, save_profile
+from poplar_search.network import cluster_key, network_path, save_network
+from poplar_search.pipeline_formats import layer_profiles_dir, save_layer_profile
 
+from .gpu_layer_model import modelled_layer_profile, two_level_network
 from .gpu_model import ModelShape, gpu_spec, modelled_profile
 
 HERE = Path(__file__).resolve().parents[1] / "profiles" / "examples"
@@ -34,6 +40,11 @@ def main() -> None:
         )
     )
     save_cluster(cluster, HERE / "cluster.json")
+    for name in DEVICES:
+        layers = modelled_layer_profile(gpu_spec(name), SHAPE, zero_stage=0)
+        save_layer_profile(layers, layer_profiles_dir(HERE) / f"{SHAPE.name}.{name.lower()}.stage0.json")
+    network = two_level_network(gpus_per_node=max(DEVICES.values()))
+    save_network(dataclasses.replace(network, cluster_key=cluster_key(cluster)), network_path(HERE, cluster))
 
 
 if __name__ == "__main__":

@@ -220,6 +220,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += render_checkpointing(report["checkpointing"])
     if report.get("offload"):
         lines += render_offload(report["offload"])
+    if report.get("parallelism"):
+        from .simulate_pipelines import render_parallelism  # here: it imports the simulation, which imports this
+
+        lines += render_parallelism(report["parallelism"])
     return "\n".join(lines) + "\n"
 
 

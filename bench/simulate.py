@@ -313,10 +313,12 @@ def simulation_report(
     title: str = "poplar-bench simulate: policies compared by prediction",
     scaling: bool = True,
     checkpointing_cases: list[SimulationCase] | None = None,
+    parallelism: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A full report over `cases` (see `bench.report` for the layout); with `scaling`, each stage as clusters grow;
     with `checkpointing_cases` (profiled both ways), `checkpointing_effect` on them, and `offload_effect`
-    where they also have offloaded profiles."""
+    where they also have offloaded profiles; with `parallelism` (`bench.simulate_pipelines`), ZeRO against
+    pipelines."""
     scenarios = [simulate_case(case) for case in cases]
     modelled: dict[str, set[str]] = {}
     for scenario in scenarios:
@@ -355,6 +357,7 @@ def simulation_report(
             if checkpointing_cases and any(p.optimizer_offload for c in checkpointing_cases for p in c.profiles)
             else {}
         ),
+        **({"parallelism": parallelism} if parallelism else {}),
     }
 
 

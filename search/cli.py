@@ -54,6 +54,13 @@ With --policy all, every policy is run and compared; the poplar plan is the one
 written to --output, and --format json prints an object mapping each policy to its
 plan (null when infeasible).
 
+With --parallelism pipeline the plan is pipelines side by side (each the ranks of its
+stages, each stage's layers, the pipeline's micro-batch size and count; format in
+profiles/README.md), searched from the layer profiles in DIR/layers/; the table shows
+each stage's rank, device type, layers, busy time and idle share of the iteration.
+With --parallelism auto both are searched at the same global batch and the faster
+predicted plan is the one printed and written.
+
 exit status:
   0  a plan was found (and written, with --output)
   1  infeasible: no plan satisfies the constraints; the reason is on stderr
@@ -135,6 +142,14 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         default="poplar",
         help="poplar: fastest predicted allocation (default); uniform: DeepSpeed's one micro-batch "
         "for all; proportional: Whale's throughput-proportional shares; all: compare them",
+    )
+    parser.add_argument(
+        "--parallelism",
+        choices=("zero", "pipeline", "auto"),
+        default="zero",
+        help="zero: every rank holds the model, ZeRO data parallelism (default); pipeline: pipelines of stages side "
+        "by side (layer profiles from DIR/layers/, ZeRO stage 0 or 1, needs --global-batch-size); auto: both, the "
+        "faster predicted plan is written, the table shows both",
     )
     parser.add_argument(
         "--network",
@@ -271,6 +286,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
+    if args.parallelism != "zero":
+        from .pipeline_cli import run_pipelines
+
+        return run_pipelines(args)
     try:
         profiles = load_profiles(args.profiles)
         cluster = load_cluster(args.cluster)

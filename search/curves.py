@@ -24,6 +24,7 @@ rounding cannot reintroduce a decrease.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,16 +83,34 @@ def fit_curve(profile: Profile) -> StepTimeCurve | None:
     """The monotone curve of `profile`, or None when the model fits no micro-batch (max 0)."""
     if profile.max_micro_batch_size == 0:
         return None
-    sizes = np.array([s.micro_batch_size for s in profile.samples], dtype=float)
-    times = np.array([s.micro_step_time_s for s in profile.samples], dtype=float)
+    return fit_points(
+        [s.micro_batch_size for s in profile.samples],
+        [s.micro_step_time_s for s in profile.samples],
+        device_type=profile.device_type,
+        zero_stage=profile.zero_stage,
+        max_micro_batch_size=profile.max_micro_batch_size,
+    )
+
+
+def fit_points(
+    micro_batch_sizes: Sequence[int],
+    times_s: Sequence[float],
+    *,
+    device_type: str,
+    zero_stage: int,
+    max_micro_batch_size: int,
+) -> StepTimeCurve:
+    """The monotone curve through measured ``(micro_batch_size, time)`` points (sizes increasing)."""
+    sizes = np.array(micro_batch_sizes, dtype=float)
+    times = np.array(times_s, dtype=float)
     assert len(sizes) >= 1 and np.all(np.diff(sizes) > 0), "formats guarantees increasing sizes"
     from scipy.optimize import isotonic_regression  # here: ~0.8 s to import, as scipy.interpolate below
 
     pooled = isotonic_regression(times, increasing=True).x
     return StepTimeCurve(
-        device_type=profile.device_type,
-        zero_stage=profile.zero_stage,
-        max_micro_batch_size=profile.max_micro_batch_size,
+        device_type=device_type,
+        zero_stage=zero_stage,
+        max_micro_batch_size=max_micro_batch_size,
         knot_sizes=tuple(sizes.tolist()),
         knot_times_s=tuple(pooled.tolist()),
     )

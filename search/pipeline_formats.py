@@ -88,7 +88,8 @@ class LayerCost:
     parameter_bytes: int
     """The layer's parameters in the training dtype."""
     optimizer_state_bytes: int
-    """Optimizer state and master weights for the layer's parameters on the rank that holds it."""
+    """Everything else the layer's parameters keep on the rank that holds it: their gradients, master weights and
+    optimizer state."""
     activation_bytes_per_sample: int
     """Activations the layer keeps for backward, per sample of an in-flight micro-batch."""
     output_bytes_per_sample: int

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .formats import ZERO_STAGES, Cluster, ClusterNode, DeviceGroup, ModelInfo, Profile, Sample
+from .pipeline_formats import LayerCost, LayerProfile, LayerSample
 
 SYNTHETIC_MODEL = ModelInfo(name="synthetic", fingerprint="synthetic-model", num_parameters=1_000_000, dtype="float32")
 
@@ -72,6 +73,66 @@ def random_profiles(
                     optimizer_step_time_s=float(rng.uniform(0.0, 0.05)),
                 )
             )
+    return profiles
+
+
+SYNTHETIC_LAYERED_MODEL = ModelInfo(
+    name="synthetic-layers", fingerprint="synthetic-layers", num_parameters=1_000_000, dtype="float32"
+)
+
+
+def random_layer_profiles(
+    rng: np.random.Generator,
+    device_types: list[str],
+    *,
+    num_layers: int,
+    zero_stages: tuple[int, ...] = (0,),
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
+) -> list[LayerProfile]:
+    """Seeded layer profiles of one random model on each device type (and stage).
+
+    Layers differ in work, parameters and activations; a type's layer time is
+    ``work x (overhead_s + seconds_per_sample x b)`` with the type's own figures. Memory is
+    drawn so that some types cannot hold the whole model and micro-batches are capped.
+    """
+    work = rng.uniform(0.5, 2.0, num_layers)
+    parameters = rng.integers(10**6, 10**7, num_layers)
+    kept = rng.integers(10**5, 10**6, num_layers)
+    output = rng.integers(10**4, 10**5, num_layers)
+    profiles = []
+    for name in device_types:
+        overhead_s, per_sample_s = float(rng.uniform(0.001, 0.005)), float(rng.uniform(0.001, 0.01))
+        base = 10**6
+        capacity = base + int(rng.uniform(0.3, 1.5) * 4 * parameters.sum() + rng.uniform(2, 20) * kept.sum())
+        layers = tuple(
+            LayerCost(
+                index=i,
+                name="Block",
+                samples=tuple(
+                    LayerSample(micro_batch_size=b, step_time_s=float(work[i] * (overhead_s + per_sample_s * b)))
+                    for b in sizes
+                ),
+                parameter_bytes=int(parameters[i]),
+                optimizer_state_bytes=int(3 * parameters[i]),
+                activation_bytes_per_sample=int(kept[i]),
+                output_bytes_per_sample=int(output[i]),
+                optimizer_step_time_s=float(rng.uniform(0.0, 0.002)),
+            )
+            for i in range(num_layers)
+        )
+        profiles += [
+            LayerProfile(
+                device_type=name,
+                memory_capacity_bytes=capacity,
+                zero_stage=stage,
+                model=SYNTHETIC_LAYERED_MODEL,
+                layers=layers,
+                base_memory_bytes=base,
+                emulated=None,
+                measured_with={"source": "modelled", "synthetic": True, "note": "search.synthetic, not a measurement"},
+            )
+            for stage in zero_stages
+        ]
     return profiles
 
 

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from poplar_bench import cluster_files, gpu_model, simulate
-from poplar_bench.report import write_report
+from poplar_bench import cluster_files, gpu_model, simulate, simulate_pipelines
+from poplar_bench.report import render_markdown, write_report
 from poplar_search.formats import Cluster, ClusterNode, DeviceGroup
 
 SHAPE = gpu_model.model_shape("gpt2-xl-1.5b")
@@ -158,3 +158,46 @@ def test_the_simulation_report_renders_the_scaling_tables(tmp_path):
     paths = write_report(report, tmp_path, "sim")
     markdown = next(p for p in paths if p.suffix == ".md").read_text()
     assert "## Each ZeRO stage as the cluster grows" in markdown and "| GPUs | stage 0 |" in markdown
+
+
+# ----------------------------------------------------------------------------------
+# ZeRO or pipelines (bench/simulate_pipelines.py)
+# ----------------------------------------------------------------------------------
+MEDIUM = gpu_model.ModelShape(
+    name="gpt2-medium", num_layers=24, hidden_size=1024, num_heads=16, sequence_length=1024, vocab_size=50257
+)
+
+
+@pytest.fixture(scope="module")
+def versus():
+    cluster = cluster_files.pair_cluster("A100-80GB", "A100-40GB", world_size=8)
+    return {
+        network: simulate_pipelines.compare(cluster, MEDIUM, network=network, global_batch_size=128, name="pair")
+        for network in ("slow", "fast")
+    }
+
+
+def test_zero_and_pipelines_are_compared_at_one_batch_and_the_faster_wins(versus):
+    for row in versus.values():
+        assert row["zero"]["status"] == row["pipeline"]["status"] == "ok" and row["global_batch_size"] == 128
+        rates = {k: row[k]["samples_per_s"] for k in ("zero", "pipeline")}
+        assert row["winner"] == max(rates, key=rates.get)
+        assert row["pipeline_over_zero"] == pytest.approx(rates["pipeline"] / rates["zero"])
+        assert "pipeline" in row["pipeline"]["plan"] and row["zero"]["plan"].startswith("ZeRO-")
+
+
+def test_a_slow_network_costs_zero_more_than_pipelines(versus):
+    # ZeRO moves the whole model's gradients across nodes, a pipeline's rank its stage's only.
+    slow, fast = versus["slow"], versus["fast"]
+    assert slow["zero"]["samples_per_s"] < fast["zero"]["samples_per_s"]
+    assert slow["pipeline_over_zero"] > fast["pipeline_over_zero"]
+    assert (slow["winner"], fast["winner"]) == ("pipeline", "zero")
+
+
+def test_the_comparison_is_rendered_and_labelled_modelled(versus):
+    report = simulate.simulation_report([_case()], scaling=False, parallelism=list(versus.values()))
+    assert report["parallelism"] and report["parallelism"][0]["network"] == "slow"
+    markdown = render_markdown(report)
+    assert "## ZeRO or pipelines (predicted)" in markdown and "MODELLED" in markdown
+    assert "### Network slow: 10 Gb/s" in markdown and "### Network fast: 100 Gb/s" in markdown
+    assert "- network slow, pipeline faster (1): pair x8 gpt2-medium" in markdown

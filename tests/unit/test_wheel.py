@@ -44,7 +44,10 @@ def test_the_wheel_holds_unique_top_level_names_and_the_examples_not_the_results
     top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert top_level == {"poplar_ext", "poplar_search", "poplar_bench"}
     examples = [n for n in names if n.startswith("poplar_search/example_profiles/") and n.endswith(".json")]
-    assert "poplar_search/example_profiles/cluster.json" in examples and len(examples) == 9
+    assert "poplar_search/example_profiles/cluster.json" in examples and len(examples) == 12
+    # The pipeline search's layer profiles and the example's network come along.
+    assert len([n for n in examples if "/example_profiles/layers/" in n]) == 2
+    assert len([n for n in examples if "/example_profiles/network/" in n]) == 1
     assert any(n.startswith("poplar_bench/clusters/") and n.endswith(".json") for n in names)
     assert not [n for n in names if "/results/" in n or n.startswith("tests/")]
     # Every package of the tree is listed in pyproject's packages (a package left out is

@@ -1,0 +1,112 @@
+"""`poplar-search --parallelism pipeline|auto` (search/pipeline_cli.py): tables, plans written, exit codes."""
+
+import json
+import shutil
+
+import pytest
+from test_cli import CLUSTER, EXAMPLES, run
+
+from poplar_search.formats import Plan, load_cluster
+from poplar_search.pipeline_formats import PipelinePlan, load_any_plan, load_layer_profiles
+from poplar_search.pipeline_search import check_pipeline_plan
+
+
+def test_a_pipeline_plan_is_searched_printed_and_written(capsys, tmp_path):
+    target = tmp_path / "plan.json"
+    code, out, err = run(
+        capsys, "--example", "--parallelism", "pipeline", "--global-batch-size", 256, "--output", target
+    )
+    assert code == 0 and err == ""
+    assert out.startswith("pipelines at ZeRO stage 0") and "global batch 256" in out
+    assert "pipelines  stage  ranks  device type  layers  micro-batch  micro-batches  busy s/iter  idle" in out
+    plan = load_any_plan(target)
+    assert isinstance(plan, PipelinePlan) and plan.global_batch_size == 256
+    assert check_pipeline_plan(plan, load_cluster(CLUSTER), load_layer_profiles(EXAMPLES)) == []
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            assert f"{stage.first_layer}-{stage.last_layer}" in out
+
+
+def test_auto_compares_both_and_writes_the_faster(capsys, tmp_path):
+    winners = []
+    # With the example's network ZeRO is faster at this batch; without one nothing a pipeline sends is priced.
+    for extra in ([], ["--no-network"]):
+        target = tmp_path / "plan.json"
+        code, out, _ = run(
+            capsys, "--example", "--parallelism", "auto", "--global-batch-size", 512, "--output", target, *extra
+        )
+        assert code == 0
+        rows = {
+            line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["zero"], ["pipeline"])
+        }
+        assert set(rows) == {"zero", "pipeline"}
+        chosen = next(name for name, row in rows.items() if row[1] == "chosen")
+        assert chosen == min(rows, key=lambda name: float(rows[name][4]))
+        assert isinstance(load_any_plan(target), PipelinePlan if chosen == "pipeline" else Plan)
+        assert ("No network file" in out) == (chosen == "pipeline" and bool(extra))
+        winners.append(chosen)
+    assert winners == ["zero", "pipeline"]
+    code, out, _ = run(capsys, "--example", "--parallelism", "auto", "--format", "json")
+    data = json.loads(out)
+    assert data["chosen"] in ("zero", "pipeline") and data["zero"] and data["pipeline"]
+    # Without a global batch the pipelines run the batch the ZeRO search chose.
+    assert data["pipeline"]["global_batch_size"] == data["zero"]["global_batch_size"]
+    assert data["pipeline"]["parallelism"] == "pipeline"
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--parallelism", "pipeline"], "--global-batch-size: required with --parallelism pipeline"),
+        (["--parallelism", "pipeline", "--global-batch-size", "8", "--zero-stage", "2"], "refuses stage 2"),
+        (["--parallelism", "auto", "--policy", "uniform"], "--policy: expected poplar with --parallelism auto"),
+    ],
+)
+def test_arguments_pipelines_cannot_take_exit_2(capsys, argv, match):
+    code, out, err = run(capsys, "--example", *argv)
+    assert code == 2 and out == "" and match in err and err.count("\n") == 1
+
+
+def test_missing_or_bad_layer_profiles_exit_2_naming_the_file(capsys, tmp_path):
+    profiles = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, profiles)
+    bad = next((profiles / "layers").glob("*.json"))
+    data = json.loads(bad.read_text())
+    data["layers"][3]["activation_bytes_per_sample"] = -5
+    bad.write_text(json.dumps(data))
+    code, out, err = run(capsys, "--profiles", profiles, "--cluster", CLUSTER, "--parallelism", "auto")
+    assert code == 2 and out == ""
+    assert f"{bad}: layers[3].activation_bytes_per_sample: expected" in err
+    shutil.rmtree(profiles / "layers")
+    code, _, err = run(capsys, "--profiles", profiles, "--cluster", CLUSTER, "--parallelism", "auto")
+    assert code == 2 and f"{profiles / 'layers'}: (directory): expected a directory of layer profiles" in err
+
+
+def test_a_pipeline_plan_that_cannot_be_made_exits_1_and_writes_nothing(capsys, tmp_path):
+    profiles = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, profiles)
+    for path in (profiles / "layers").glob("*.json"):
+        data = json.loads(path.read_text())
+        data["memory_capacity_bytes"] = data["base_memory_bytes"] + 1
+        path.write_text(json.dumps(data))
+    target = tmp_path / "plan.json"
+    code, out, err = run(
+        capsys,
+        "--profiles",
+        profiles,
+        "--cluster",
+        CLUSTER,
+        "--parallelism",
+        "pipeline",
+        "--global-batch-size",
+        64,
+        "--output",
+        target,
+    )
+    assert code == 1 and out == "" and not target.exists()
+    assert err.startswith("poplar-search: infeasible: pipeline: No pipeline plan.") and "memory" in err
+
+
+def test_help_names_the_parallelisms(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "--parallelism" in out and "DIR/layers/" in out
