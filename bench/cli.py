@@ -510,6 +510,41 @@ def _run_clean_exit(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_gpu_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "gpu",
+        help="the CUDA path in one offline run: GPU test tier, bf16 profiles, policies on one GPU",
+        description="On a machine with a CUDA GPU: (1) the GPU test tier (tests/gpu: ZeRO 0-3, several ranks, fp32 and "
+        "bf16 equivalence with the missing-weight mutation), (2) a GPT of ~110M parameters profiled in bf16 at every "
+        "ZeRO stage with the real out-of-memory probe, then from the cache, (3) uniform, proportional and poplar on "
+        "ranks of different speed sharing the GPU (CUDA MPS where its daemon starts, else emulated). A step's failure "
+        "is recorded and the others still run; the exit code is 1 when any failed. Every file names the GPU, driver, "
+        "CUDA, torch and DeepSpeed. Run from the repository root (docs/gpu.md; bench/gpu/run_on_gpu.sh installs "
+        "the wheels first).",
+    )
+    p.add_argument("--output-dir", type=Path, required=True, help="folder for every result, the log and the profiles")
+    p.add_argument(
+        "--part",
+        choices=("1", "2", "all"),
+        default="all",
+        help="1: test tier and profiles; 2: the policy comparison; all: both (default)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the same code paths on CPU with CPU stand-ins and tiny sizes, well under a minute on a quiet machine "
+        "(the test suite runs it); nothing is measured on a GPU",
+    )
+    p.set_defaults(run=_run_gpu)
+
+
+def _run_gpu(args: argparse.Namespace) -> int:
+    from .gpu.run import GpuRunSettings, run_gpu
+
+    _warn_if_no_figure("gpu")
+    return run_gpu(GpuRunSettings(output_dir=args.output_dir, part=args.part, dry_run=args.dry_run, repo=Path.cwd()))
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_demo_parser,
     add_predictions_parser,
@@ -519,6 +554,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_search_speed_parser,
     add_overhead_parser,
     add_clean_exit_parser,
+    add_gpu_parser,
 )
 
 
@@ -527,12 +563,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="poplar-bench",
         description="poplar-ext benchmarks: the emulated-cluster demo, prediction error across stages and rank counts, "
         "re-balancing under drift, activation checkpointing per device type, "
-        "large-cluster simulation, search speed, runtime overhead, clean exit.",
+        "large-cluster simulation, search speed, runtime overhead, clean exit, the CUDA path on a GPU.",
     )
     subparsers = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{demo,predictions,drift,checkpointing,simulate,search-speed,overhead,clean-exit}",
+        metavar="{demo,predictions,drift,checkpointing,simulate,search-speed,overhead,clean-exit,gpu}",
     )
     for add in SUBCOMMANDS:
         add(subparsers)

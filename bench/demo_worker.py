@@ -161,10 +161,11 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
 # Phase 0: the emulated cluster
 # ----------------------------------------------------------------------------------
 def measure_baseline_bytes(settings: DemoSettings) -> int:
-    """This process's peak memory for the model, its gradients and Adam state at micro-batch 1.
+    """This rank's peak memory for the model, its gradients and Adam state at micro-batch 1.
 
-    The profiler measures the whole process on CPU, so emulated capacities are set
-    above this baseline (which depends on the machine and library versions).
+    The profiler measures the whole process on CPU (the CUDA allocator's peak on a GPU),
+    so emulated capacities are set above this baseline (which depends on the machine and
+    library versions).
     """
     from poplar_ext.hardware.memory import (
         peak_memory_bytes,
@@ -172,15 +173,15 @@ def measure_baseline_bytes(settings: DemoSettings) -> int:
         reset_peak_memory,
     )
 
-    cpu = torch.device("cpu")
-    reset_peak_memory(cpu)
-    model = _make_model(settings)
+    device = rank_device()
+    reset_peak_memory(device)
+    model = _make_model(settings).to(device)
     optimizer = torch.optim.Adam(model.parameters())
-    model(_batch(settings, 1)).backward()
+    model(_batch(settings, 1).to(device)).backward()
     optimizer.step()
-    peak = peak_memory_bytes(cpu)
+    peak = peak_memory_bytes(device)
     del model, optimizer
-    release_memory(cpu)
+    release_memory(device)
     return peak
 
 
@@ -235,6 +236,16 @@ def agreed_cluster(settings: DemoSettings, cluster_path: Path) -> Cluster:
 # ----------------------------------------------------------------------------------
 # Phase 1: profiles
 # ----------------------------------------------------------------------------------
+def rank_device() -> torch.device:
+    """Where this rank computes: the CPU, or, on a machine with CUDA (`poplar-bench gpu`), the rank's
+    GPU (`select_job_device`: ranks beyond the GPUs share them)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    from poplar_ext.hardware.devices import select_job_device
+
+    return select_job_device()
+
+
 def _make_model(settings: DemoSettings) -> torch.nn.Module:
     from poplar_ext.models.toy_gpt import GPT, GPTConfig
 
@@ -448,7 +459,8 @@ def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) ->
     }
     model = _make_model(settings)
     engine, _, _, _ = poplar_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return PolicyRun(engine, _batch(settings, rank_plan.micro_batch_size), rank_plan.gradient_accumulation_steps)
+    batch = _batch(settings, rank_plan.micro_batch_size).to(engine.device)
+    return PolicyRun(engine, batch, rank_plan.gradient_accumulation_steps)
 
 
 # ----------------------------------------------------------------------------------
@@ -471,10 +483,11 @@ def measure_standalone(settings: DemoSettings, cluster: Cluster, rank: int, prof
     """
     from poplar_ext.hardware.emulation import ComputeSlowdown, emulation_for_rank
 
-    slowdown = ComputeSlowdown(emulation_for_rank(cluster, rank))
-    model = _make_model(settings)
+    device = rank_device()
+    slowdown = ComputeSlowdown(emulation_for_rank(cluster, rank), clock="cuda" if device.type == "cuda" else "thread")
+    model = _make_model(settings).to(device)
     sizes = standalone_sizes(profile)
-    batches = {size: _batch(settings, size) for size in sizes}
+    batches = {size: _batch(settings, size).to(device) for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}
     # One size at a time, as the profiler and training run them: the first steps
     # after a change of size are slower (memory and caches laid out for the other),

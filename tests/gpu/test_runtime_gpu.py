@@ -10,10 +10,17 @@ against a reference of one process training the global batch:
 
 With three or more GPUs each rank has its own and NCCL runs; with fewer, the ranks
 share the GPUs through a gloo process group with CUDA tensors (NCCL refuses two ranks
-on one device). Ranks are forked before the parent touches CUDA (the harness checks).
+on one device); each rank then tells DeepSpeed its device through LOCAL_RANK (its engine
+takes LOCAL_RANK as the CUDA device index). Ranks are forked before the parent touches
+CUDA (the harness checks).
 
-Outcome so far: written in sessions without a GPU; skipped there, never run on CUDA
-yet. Replace this line with the outcome when they have run on a GPU machine.
+`poplar-bench gpu` runs this tier and reads the differences each test records
+(``record_property``) from pytest's JUnit XML; its dry run sets POPLAR_GPU_TIER_ON_CPU=1,
+which runs the equivalence tests on CPU ranks (the same code, gloo, CPU tensors) so that a
+broken test fails CI rather than the rare run on a GPU.
+
+Outcome so far: written in sessions without a GPU; run there only on CPU (dry run), never
+on CUDA yet. Replace this line with the outcome when they have run on a GPU machine.
 """
 
 from __future__ import annotations
@@ -28,10 +35,13 @@ from pathlib import Path
 import pytest
 import torch
 
+ON_CPU = os.environ.get("POPLAR_GPU_TIER_ON_CPU") == "1"
+"""The dry run of `poplar-bench gpu`: the equivalence tests on CPU ranks."""
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available(),
+        not (torch.cuda.is_available() or ON_CPU),
         reason="CUDA is not available: the GPU tier (several ranks, fp32 and bf16 equivalence, launcher on GPUs) "
         "needs a CUDA device",
     ),
@@ -52,11 +62,34 @@ def _shared_gpus() -> bool:
     return torch.cuda.device_count() < WORLD_SIZE
 
 
+def collectives_used() -> str:
+    """What the ranks' collectives ran on, for the results."""
+    if not torch.cuda.is_available():
+        return f"gloo, {WORLD_SIZE} CPU ranks (dry run on CPU: no CUDA tensor was involved)"
+    if _shared_gpus():
+        return (
+            f"gloo with CUDA tensors, {WORLD_SIZE} ranks sharing {torch.cuda.device_count()} GPU(s): NCCL refuses two "
+            "ranks on one device; gloo copies each CUDA tensor through host memory, so the numerics of the job on "
+            "CUDA are checked, NCCL's kernels are not"
+        )
+    return f"nccl, {WORLD_SIZE} ranks on {WORLD_SIZE} GPUs"
+
+
+def _use_shared_gpu() -> None:
+    """DeepSpeed's engine takes LOCAL_RANK as its CUDA device index: ranks beyond the GPUs share them."""
+    if torch.cuda.is_available():
+        from poplar_ext.hardware.devices import cuda_device_index
+
+        local_rank = int(os.environ["LOCAL_RANK"])
+        os.environ["LOCAL_RANK"] = str(cuda_device_index(local_rank, torch.cuda.device_count()))
+
+
 def _train(files: dict, dtype: str, weighted: bool) -> dict:
     import _training as t
 
     import poplar_ext
 
+    _use_shared_gpu()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     results = {}
@@ -121,6 +154,7 @@ def _files(tmp_path: Path) -> dict:
 def _run(tmp_path: Path, dtype: str, *, weighted: bool = True) -> dict:
     from harness import run_ranks
 
+    tmp_path.mkdir(parents=True, exist_ok=True)  # the bf16 test's runs each have their own folder
     # gloo (set up by the harness) when ranks share GPUs; otherwise DeepSpeed sets up NCCL.
     return run_ranks(
         _train,
@@ -132,18 +166,27 @@ def _run(tmp_path: Path, dtype: str, *, weighted: bool = True) -> dict:
     )[0]
 
 
-def test_fp32_equals_one_process_on_the_global_batch(tmp_path):
+def test_fp32_equals_one_process_on_the_global_batch(tmp_path, record_property):
     import _training as t
 
+    record_property("collectives", collectives_used())
+    record_property("tolerance", 1e-5)
     results = _run(tmp_path, "fp32")
+    differences = {}
     for stage in (0, 1, 2, 3):
         expected, _ = t.reference_parameters("sgd", sum(b * s for b, s in _allocation(stage)), STEPS)
-        assert t.max_difference(results[stage], expected) <= 1e-5, f"stage {stage}"
+        differences[stage] = t.max_difference(results[stage], expected)
+        record_property(f"stage{stage}_max_difference", differences[stage])
+    for stage, difference in differences.items():
+        assert difference <= 1e-5, f"stage {stage}: {difference}"
 
 
-def test_bf16_equals_a_bf16_reference_and_a_missing_weight_does_not(tmp_path):
+def test_bf16_equals_a_bf16_reference_and_a_missing_weight_does_not(tmp_path, record_property):
     import _training as t
     from harness import run_ranks
+
+    record_property("collectives", collectives_used())
+    record_property("tolerance", BF16_TOLERANCE)
 
     batches = {stage: sum(b * s for b, s in _allocation(stage)) for stage in (0, 1, 2, 3)}
     reference = run_ranks(
@@ -156,9 +199,16 @@ def test_bf16_equals_a_bf16_reference_and_a_missing_weight_does_not(tmp_path):
     )[0]
     weighted = _run(tmp_path / "weighted", "bf16")
     unweighted = _run(tmp_path / "unweighted", "bf16", weighted=False)
+    differences = {}
     for stage in (0, 1, 2, 3):
-        exact = t.max_difference(weighted[stage], reference[stage])
-        missing = t.max_difference(unweighted[stage], reference[stage])
+        differences[stage] = (
+            t.max_difference(weighted[stage], reference[stage]),
+            t.max_difference(unweighted[stage], reference[stage]),
+        )
+        # The mutation's outcome is a result too: recorded before any check can stop the test.
+        record_property(f"stage{stage}_max_difference", differences[stage][0])
+        record_property(f"stage{stage}_missing_weight_max_difference", differences[stage][1])
+    for stage, (exact, missing) in differences.items():
         assert exact <= BF16_TOLERANCE, f"stage {stage}: {exact}"
         assert missing > BF16_TOLERANCE, f"stage {stage}: a missing weight ({missing}) would pass this test"
 
@@ -173,6 +223,7 @@ def _gpu_device_type() -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.skipif(ON_CPU and not torch.cuda.is_available(), reason="dry run on CPU: the launcher test needs GPUs")
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
 def test_launcher_on_cuda_with_bf16_and_the_cluster_read_from_the_hardware(tmp_path):
     from harness import free_port

@@ -1,0 +1,192 @@
+"""Step 3 of `poplar-bench gpu`: uniform, proportional and poplar on ranks of different speed sharing one GPU.
+
+The demo's machinery (`bench.demo`, `bench.demo_worker`): profiles, a plan per policy,
+interleaved measured rounds, each rank's standalone throughput (the measured ideal), the
+report with speedup, share of the ideal, prediction error and each rank's decomposition.
+
+How the ranks differ in speed, in the order tried:
+
+* ``mps``: real, through CUDA MPS (each rank's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE limits the
+  share of the GPU's multiprocessors it may use), when ``nvidia-cuda-mps-control`` exists and
+  its daemon starts; the device types still declare an emulated memory capacity (the ranks
+  share the GPU's memory) with no emulated slowdown;
+* ``emulated``: the ranks compute on the GPU and each sleeps its emulated slowdown's share of
+  its CUDA-timed compute (`poplar_ext.hardware.emulation`);
+* ``dry-run``: the demo's emulated CPU ranks with tiny sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from poplar_search.formats import read_json
+
+from ..demo_config import MIB, DemoDevice, DemoModel, DemoSettings
+
+MPS_PERCENTAGES = (100, 50, 25)
+"""Each rank's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in the ``mps`` mode."""
+EMULATED_SLOWDOWNS = (2.0, 4.0, 8.0)
+"""The ``emulated`` mode's slowdowns: together the ranks keep the GPU busy 7/8 of the time at most, so that
+they rarely wait for each other's kernels."""
+
+
+def gpu_settings(mode: str, device_type: str, cache_dir: Path) -> DemoSettings:
+    """The comparison on the GPU: a GPT big enough that the GPU, not Python, sets the step time."""
+    if mode == "mps":
+        devices = tuple(
+            DemoDevice(name=f"{device_type}-mps{p}", slowdown=1.0, memory_headroom_bytes=4096 * MIB)
+            for p in MPS_PERCENTAGES
+        )
+    else:
+        devices = tuple(
+            DemoDevice(name=f"{device_type}-x{s:g}", slowdown=s, memory_headroom_bytes=int(4096 / s) * MIB)
+            for s in EMULATED_SLOWDOWNS
+        )
+    return DemoSettings(
+        devices=devices,
+        model=DemoModel(vocab_size=8192, sequence_length=256, num_layers=4, num_heads=8, hidden_size=512),
+        zero_stage=1,
+        global_batch_size=384,
+        max_micro_batch_size=128,
+        profile_repeats=5,
+        iterations=2,
+        rounds=3,
+        cache_dir=cache_dir,
+        timeout_s=420.0,
+    )
+
+
+def dry_run_settings(cache_dir: Path) -> DemoSettings:
+    """The same code path on two emulated CPU ranks, sizes as small as they go."""
+    return DemoSettings(
+        devices=(
+            DemoDevice(name="cpu-standin-x2", slowdown=2.0, memory_headroom_bytes=96 * MIB),
+            DemoDevice(name="cpu-standin-x4", slowdown=4.0, memory_headroom_bytes=48 * MIB),
+        ),
+        model=DemoModel(vocab_size=64, sequence_length=16, num_layers=1, num_heads=2, hidden_size=16),
+        zero_stage=1,
+        global_batch_size=12,
+        max_micro_batch_size=4,
+        profile_repeats=1,
+        iterations=1,
+        rounds=1,
+        standalone_repeats=1,
+        cache_dir=cache_dir,
+        timeout_s=300.0,
+    )
+
+
+def policy_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
+    """One rank of the comparison: its MPS share and its CUDA device set before CUDA starts, then the demo's rank."""
+    import torch
+
+    from ..demo_worker import run_rank
+
+    rank = int(os.environ["RANK"])
+    if os.environ.get("POPLAR_GPU_MPS") == "1":
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(MPS_PERCENTAGES[rank])
+    if torch.cuda.is_available():
+        from poplar_ext.hardware.devices import cuda_device_index
+
+        # DeepSpeed's engine takes LOCAL_RANK as its CUDA device index.
+        os.environ["LOCAL_RANK"] = str(cuda_device_index(int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()))
+    return run_rank(settings, work)
+
+
+def start_mps(work_dir: Path) -> str:
+    """Start the MPS daemon for this run; '' when it runs, else why not (the comparison is emulated then)."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        return "nvidia-cuda-mps-control is not installed"
+    for name in ("pipe", "log"):
+        (work_dir / f"mps-{name}").mkdir(parents=True, exist_ok=True)
+    # The ranks (forked from this process) find the daemon through these.
+    os.environ["CUDA_MPS_PIPE_DIRECTORY"] = str(work_dir / "mps-pipe")
+    os.environ["CUDA_MPS_LOG_DIRECTORY"] = str(work_dir / "mps-log")
+    done = subprocess.run([control, "-d"], capture_output=True, text=True, timeout=60, check=False)
+    if done.returncode != 0:
+        stop_mps()
+        return f"nvidia-cuda-mps-control -d failed ({done.returncode}): {(done.stdout + done.stderr).strip()[-500:]}"
+    os.environ["POPLAR_GPU_MPS"] = "1"
+    return ""
+
+
+def stop_mps() -> None:
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is not None and os.environ.get("POPLAR_GPU_MPS") == "1":
+        subprocess.run([control], input="quit\n", text=True, capture_output=True, timeout=60, check=False)
+    for name in ("POPLAR_GPU_MPS", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+        os.environ.pop(name, None)
+
+
+def run_policies(
+    *, out_dir: Path, dry_run: bool, device_type: str | None, provenance: dict[str, Any]
+) -> dict[str, Any]:
+    """Step 3: the comparison run, its report written as ``gpu_policies.{json,md,png}``; a summary."""
+    from .. import demo
+    from ..report import write_report
+
+    cache_dir = out_dir / "policy-cache"
+    why_not_mps = "dry run" if dry_run else start_mps(out_dir / "policy-work")
+    mode = "dry-run" if dry_run else ("mps" if not why_not_mps else "emulated")
+    if dry_run:
+        settings = dry_run_settings(cache_dir)
+    else:
+        if device_type is None:
+            raise RuntimeError("no CUDA device: the policy comparison needs one (or --dry-run)")
+        settings = gpu_settings(mode, device_type, cache_dir)
+    started = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="poplar-gpu-policies-") as tmp:
+            rank_results = demo.run_ranks(settings, Path(tmp), target=policy_rank)
+            plans = read_json(Path(tmp) / "plans.json")
+    finally:
+        stop_mps()
+    report = demo.assemble_report(settings, rank_results, plans, timings={"total_s": time.perf_counter() - started})
+    label_report(report, mode=mode, why_not_mps=why_not_mps, provenance=provenance)
+    paths = write_report(report, out_dir, "gpu_policies")
+    return {"mode": mode, "why_not_mps": why_not_mps or None, "files": [p.name for p in paths], **_summary(report)}
+
+
+def label_report(report: dict[str, Any], *, mode: str, why_not_mps: str, provenance: dict[str, Any]) -> None:
+    """Say what the ranks ran on and how their speeds differed, in the report's provenance fields."""
+    from .provenance import provenance_line
+
+    how = {
+        "mps": "REAL speed differences through CUDA MPS active thread percentages "
+        + ", ".join(f"{p}%" for p in MPS_PERCENTAGES)
+        + " (memory capacity declared, emulated)",
+        "emulated": f"EMULATED speed differences (slowdowns {', '.join(f'{s:g}' for s in EMULATED_SLOWDOWNS)} over "
+        f"CUDA-timed compute) on one GPU; MPS not used: {why_not_mps}",
+        "dry-run": "DRY RUN: emulated CPU ranks, tiny sizes; nothing measured on a GPU",
+    }[mode]
+    report["title"] = "poplar-bench gpu: allocation policies on ranks of different speed sharing one GPU"
+    report["data_source"] = f"measured, {how}, real DeepSpeed"
+    report["provenance"] = provenance
+    report["machine"]["gpus"] = provenance_line(provenance)
+    report["notes"].insert(0, f"{len(report['scenarios'][0]['policies'])} policies; ranks: {how}.")
+    report["notes"].insert(1, "All ranks share one GPU: kernels of different ranks can overlap or wait for each "
+                           "other, which neither the profiles nor the predictions model.")  # fmt: skip
+
+
+def _summary(report: dict[str, Any]) -> dict[str, Any]:
+    scenario = report["scenarios"][0]
+    return {
+        "policies": {
+            e["policy"]: {
+                "status": e["status"],
+                "samples_per_s_measured": (e.get("measured") or {}).get("samples_per_s"),
+                "speedup_over_uniform": e.get("speedup_over_uniform"),
+                "share_of_ideal": e.get("share_of_ideal"),
+                "prediction_error": e.get("prediction_error"),
+            }
+            for e in scenario["policies"]
+        },
+        "goals": scenario["goals"],
+    }

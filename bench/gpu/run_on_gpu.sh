@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# `poplar-bench gpu` on the GPU machine, wheels installed first (no network there).
+#
+#   bench/gpu/run_on_gpu.sh OUTPUT_DIR [--part 1|2|all] [--dry-run]
+#
+# Run from the repository root of a copy of the working tree that carries .gpu-wheelhouse/ (filled
+# here by bench/gpu/wheelhouse.sh). The wheels go into .gpu-site/ with --no-deps (the image's torch,
+# numpy, scipy and matplotlib are used as they are); the working tree's own packages come first on
+# PYTHONPATH, so that the code run is the tree's even when the wheelhouse's poplar-ext wheel is older.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+WHEELS="${POPLAR_WHEELHOUSE:-$REPO/.gpu-wheelhouse}"
+SITE="${POPLAR_GPU_SITE:-$REPO/.gpu-site}"
+PYTHON="${PYTHON:-python}"
+if [ $# -lt 1 ]; then
+    echo "usage: bench/gpu/run_on_gpu.sh OUTPUT_DIR [--part 1|2|all] [--dry-run]" >&2
+    exit 2
+fi
+OUTPUT_DIR="$1"
+shift
+
+ls "$WHEELS"/*.whl >/dev/null  # fails with the folder's name when the wheelhouse was not carried
+"$PYTHON" -m pip install --quiet --no-index --no-deps --upgrade --target "$SITE" "$WHEELS"/*.whl
+
+# The import names of the checkout's folders (search/ and bench/ install as poplar_search and poplar_bench).
+LINKS="$SITE/.tree"
+mkdir -p "$LINKS"
+ln -sfn "$REPO/poplar_ext" "$LINKS/poplar_ext"
+ln -sfn "$REPO/search" "$LINKS/poplar_search"
+ln -sfn "$REPO/bench" "$LINKS/poplar_bench"
+
+export PYTHONPATH="$LINKS:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export DS_BUILD_OPS=0 DS_SKIP_CUDA_CHECK=1 PYTORCH_NVML_BASED_CUDA_CHECK=1
+cd "$REPO"
+exec "$PYTHON" -m poplar_bench.cli gpu --output-dir "$OUTPUT_DIR" "$@"

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Fill a git-ignored folder with every wheel `poplar-bench gpu` needs on a GPU machine without
+# network (Python 3.12, manylinux x86_64, torch already installed): DeepSpeed built as a pure
+# wheel (no CUDA ops compiled), its dependencies the image lacks, pytest for the GPU test tier,
+# and poplar-ext's own wheel from this checkout. Run it here, where the registries answer;
+# bench/gpu/run_on_gpu.sh installs the folder on the GPU machine.
+#
+#   bench/gpu/wheelhouse.sh [FOLDER]      (default: .gpu-wheelhouse in the repository root)
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="${1:-$REPO/.gpu-wheelhouse}"
+PYTHON="${PYTHON:-python}"
+DEEPSPEED_VERSION=0.19.8
+mkdir -p "$OUT"
+
+# DeepSpeed from its source distribution: DS_BUILD_OPS=0 compiles nothing at build time, so the
+# wheel is pure Python and installs under any CPython; its ops would be JIT-built on first use,
+# which the GPU run avoids (torch's Adam, no fused kernels).
+DS_BUILD_OPS=0 "$PYTHON" -m pip wheel --no-deps --no-build-isolation -w "$OUT" "deepspeed==$DEEPSPEED_VERSION"
+
+# What the GPU image lacks (it has torch, numpy, scipy, matplotlib, ninja, py-cpuinfo, psutil,
+# msgpack, transformers): binary wheels for the target interpreter, whatever Python runs here.
+"$PYTHON" -m pip download --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
+    --abi cp312 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$OUT" \
+    hjson "pydantic>=2,<3" pydantic-core annotated-types typing-inspection typing-extensions einops tqdm \
+    packaging pytest pluggy iniconfig
+
+# pydantic pins one pydantic-core: the one downloaded above must be it.
+"$PYTHON" - "$OUT" <<'PY'
+import re, sys, zipfile
+from pathlib import Path
+
+out = Path(sys.argv[1])
+pydantic = max(out.glob("pydantic-2*.whl"))
+with zipfile.ZipFile(pydantic) as wheel:
+    meta = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+    pin = re.search(r"^Requires-Dist: pydantic-core==([\w.]+)", wheel.read(meta).decode(), re.M).group(1)
+cores = sorted(p.name for p in out.glob("pydantic_core-*.whl"))
+if not any(name.startswith(f"pydantic_core-{pin}-") for name in cores):
+    sys.exit(f"wheelhouse: {pydantic.name} needs pydantic-core=={pin}, found {cores}")
+PY
+
+# poplar-ext itself, from this checkout (no dependencies: the image and the folder provide them).
+"$PYTHON" -m pip wheel --no-deps --no-build-isolation -w "$OUT" "$REPO"
+ls -l "$OUT"
