@@ -1,0 +1,55 @@
+"""`poplar-bench gpu`'s parts that need no run: a failing step is recorded and the others go on, bad options."""
+
+from __future__ import annotations
+
+import pytest
+
+from poplar_bench.cli import build_parser
+from poplar_bench.gpu.run import GpuRunSettings, RunLog, run_step
+from poplar_bench.gpu.tier import read_junit
+
+
+def test_a_failing_step_is_recorded_not_raised(tmp_path):
+    log = RunLog(tmp_path / "gpu_run.log")
+
+    def broken() -> dict:
+        raise RuntimeError("no CUDA here")
+
+    failed = run_step("profiles", broken, log)
+    reported = run_step("tests", lambda: {"error": "pytest exit code 1"}, log)
+    passed = run_step("policies", lambda: {"mode": "emulated"}, log)
+
+    assert failed["status"] == "failed" and "RuntimeError: no CUDA here" in failed["error"]
+    assert "Traceback" in failed["traceback"]
+    assert reported["status"] == "failed" and passed["status"] == "ok" and passed["mode"] == "emulated"
+    text = (tmp_path / "gpu_run.log").read_text()
+    assert "step profiles: failed" in text and "step policies: ok" in text
+
+
+def test_bad_part_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="part: expected one of"):
+        GpuRunSettings(output_dir=tmp_path, part="3")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gpu", "--output-dir", str(tmp_path), "--part", "3"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gpu", "--dry-run"])  # --output-dir is required
+
+
+def test_junit_cases_with_outcomes_and_recorded_numbers(tmp_path):
+    path = tmp_path / "junit.xml"
+    path.write_text(
+        '<testsuites><testsuite><testcase classname="tests.gpu.t" name="test_a" time="1.5">'
+        '<properties><property name="tolerance" value="0.002"/><property name="collectives" value="gloo"/>'
+        '</properties></testcase><testcase classname="tests.gpu.t" name="test_b" time="0">'
+        '<failure message="stage 2: 0.1">trace</failure></testcase>'
+        '<testcase classname="tests.gpu.t" name="test_c" time="0"><skipped message="needs CUDA"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    cases = read_junit(path)
+    assert [(c["name"], c["outcome"]) for c in cases] == [
+        ("tests.gpu.t::test_a", "passed"),
+        ("tests.gpu.t::test_b", "failed"),
+        ("tests.gpu.t::test_c", "skipped"),
+    ]
+    assert cases[0]["properties"] == {"tolerance": 0.002, "collectives": "gloo"} and cases[0]["time_s"] == 1.5
+    assert cases[1]["message"] == "stage 2: 0.1"
