@@ -157,7 +157,7 @@ def run_policies(
 
 def label_report(report: dict[str, Any], *, mode: str, why_not_mps: str, provenance: dict[str, Any]) -> None:
     """Say what the ranks ran on and how their speeds differed, in the report's provenance fields."""
-    from .provenance import provenance_line
+    from .provenance import provenance_line, provenance_short
 
     how = {
         "mps": "REAL speed differences through CUDA MPS active thread percentages "
@@ -167,13 +167,16 @@ def label_report(report: dict[str, Any], *, mode: str, why_not_mps: str, provena
         f"CUDA-timed compute) on one GPU; MPS not used: {why_not_mps}",
         "dry-run": "DRY RUN: emulated CPU ranks, tiny sizes; nothing measured on a GPU",
     }[mode]
-    report["title"] = "poplar-bench gpu: allocation policies on ranks of different speed sharing one GPU"
+    # The title is the figure's too: it names what the run ran on.
+    report["title"] = f"poplar-bench gpu: the policies on ranks sharing one {provenance_short(provenance)}"
     report["data_source"] = f"measured, {how}, real DeepSpeed"
     report["provenance"] = provenance
     report["machine"]["gpus"] = provenance_line(provenance)
     report["notes"].insert(0, f"{len(report['scenarios'][0]['policies'])} policies; ranks: {how}.")
     report["notes"].insert(1, "All ranks share one GPU: kernels of different ranks can overlap or wait for each "
-                           "other, which neither the profiles nor the predictions model.")  # fmt: skip
+                           "other, which neither the profiles nor the predictions model. Their collectives run "
+                           "through gloo (on CUDA tensors on a GPU, copied through host memory): NCCL refuses two "
+                           "ranks on one device.")  # fmt: skip
 
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:

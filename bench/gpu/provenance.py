@@ -69,3 +69,11 @@ def provenance_line(info: dict[str, Any]) -> str:
         f"GPU {gpu} (driver {info['driver'] or '-'}, CUDA {info['cuda'] or '-'}); torch {info['torch']}, "
         f"DeepSpeed {info['deepspeed']}, Python {info['python']}; devices: {info['devices']}"
     )
+
+
+def provenance_short(info: dict[str, Any]) -> str:
+    """The same in a few words, for a title (a figure's)."""
+    return (
+        f"{info['gpu'] or 'no GPU'} (driver {info['driver'] or '-'}, CUDA {info['cuda'] or '-'}; "
+        f"torch {info['torch']}, DeepSpeed {info['deepspeed']})"
+    )

@@ -24,7 +24,7 @@ DS_BUILD_OPS=0 "$PYTHON" -m pip wheel --no-deps --no-build-isolation -w "$OUT" "
 "$PYTHON" -m pip download --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
     --abi cp312 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$OUT" \
     hjson "pydantic>=2,<3" pydantic-core annotated-types typing-inspection typing-extensions einops tqdm \
-    packaging pytest pluggy iniconfig
+    packaging pytest pluggy iniconfig pygments
 
 # pydantic pins one pydantic-core: the one downloaded above must be it.
 "$PYTHON" - "$OUT" <<'PY'
@@ -41,6 +41,11 @@ if not any(name.startswith(f"pydantic_core-{pin}-") for name in cores):
     sys.exit(f"wheelhouse: {pydantic.name} needs pydantic-core=={pin}, found {cores}")
 PY
 
-# poplar-ext itself, from this checkout (no dependencies: the image and the folder provide them).
-"$PYTHON" -m pip wheel --no-deps --no-build-isolation -w "$OUT" "$REPO"
+# poplar-ext itself, from this checkout's files (tracked and not ignored), built in a copy so that the
+# build leaves no build/ or egg-info in the checkout; no dependencies (the image and the folder have them).
+COPY="$(mktemp -d)"
+trap 'rm -rf "$COPY"' EXIT
+(cd "$REPO" && git ls-files -z --cached --others --exclude-standard | xargs -0 tar --ignore-failed-read -cf - 2>/dev/null) \
+    | tar -xf - -C "$COPY"
+"$PYTHON" -m pip wheel --no-deps --no-build-isolation -w "$OUT" "$COPY"
 ls -l "$OUT"
