@@ -17,6 +17,7 @@ How the ranks differ in speed, in the order tried:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -58,7 +59,7 @@ def gpu_settings(mode: str, device_type: str, cache_dir: Path) -> DemoSettings:
         iterations=2,
         rounds=3,
         cache_dir=cache_dir,
-        timeout_s=420.0,
+        timeout_s=480.0,
     )
 
 
@@ -127,7 +128,7 @@ def stop_mps() -> None:
 
 
 def run_policies(
-    *, out_dir: Path, dry_run: bool, device_type: str | None, provenance: dict[str, Any]
+    *, out_dir: Path, dry_run: bool, device_type: str | None, provenance: dict[str, Any], timeout_s: float
 ) -> dict[str, Any]:
     """Step 3: the comparison run, its report written as ``gpu_policies.{json,md,png}``; a summary."""
     from .. import demo
@@ -142,6 +143,7 @@ def run_policies(
         if device_type is None:
             raise RuntimeError("no CUDA device: the policy comparison needs one (or --dry-run)")
         settings = gpu_settings(mode, device_type, cache_dir)
+    settings = dataclasses.replace(settings, timeout_s=min(settings.timeout_s, timeout_s))
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="poplar-gpu-policies-") as tmp:

@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,9 @@ from ..report import machine_description, utc_now
 
 PARTS = {"1": ("tests", "profiles"), "2": ("policies",), "all": ("tests", "profiles", "policies")}
 """Which steps each --part runs: two calls of about 4 minutes each, or one of about 8."""
+
+STEP_TIMEOUTS_S = {"tests": 300.0, "profiles": 240.0, "policies": 480.0}
+"""Each step's limit: part 1 stays within a 10-minute call even when both of its steps run to their limits."""
 
 RUN_ENVIRONMENT = {
     # DeepSpeed compiles none of its CUDA ops (the run uses torch's Adam) and does not look for nvcc,
@@ -46,8 +49,8 @@ class GpuRunSettings:
     """The same code paths on CPU with CPU stand-ins and tiny sizes (the test suite runs it)."""
     repo: Path = Path.cwd()
     """The repository root: the GPU test tier is its tests/gpu."""
-    step_timeout_s: float = 420.0
-    """Longest a step may take before it is stopped and recorded as failed."""
+    step_timeouts_s: dict[str, float] = field(default_factory=lambda: dict(STEP_TIMEOUTS_S))
+    """Longest each step may take before it is stopped and recorded as failed."""
 
     def __post_init__(self) -> None:
         if self.part not in PARTS:
@@ -110,7 +113,10 @@ def _tier(settings: GpuRunSettings) -> dict[str, Any]:
     from .tier import run_tier
 
     return run_tier(
-        repo=settings.repo, out_dir=settings.output_dir, dry_run=settings.dry_run, timeout_s=settings.step_timeout_s
+        repo=settings.repo,
+        out_dir=settings.output_dir,
+        dry_run=settings.dry_run,
+        timeout_s=settings.step_timeouts_s["tests"],
     )
 
 
@@ -119,7 +125,7 @@ def _profiles(settings: GpuRunSettings) -> dict[str, Any]:
 
     _require_cuda(settings)
     run = DRY_RUN_PROFILE if settings.dry_run else GPU_PROFILE
-    return run_profiles(run=run, out_dir=settings.output_dir, timeout_s=settings.step_timeout_s)
+    return run_profiles(run=run, out_dir=settings.output_dir, timeout_s=settings.step_timeouts_s["profiles"])
 
 
 def _policies(settings: GpuRunSettings, provenance: dict[str, Any]) -> dict[str, Any]:
@@ -131,6 +137,7 @@ def _policies(settings: GpuRunSettings, provenance: dict[str, Any]) -> dict[str,
         dry_run=settings.dry_run,
         device_type=provenance.get("device_type"),
         provenance=provenance,
+        timeout_s=settings.step_timeouts_s["policies"],
     )
 
 

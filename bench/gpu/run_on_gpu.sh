@@ -31,6 +31,7 @@ ln -sfn "$REPO/search" "$LINKS/poplar_search"
 ln -sfn "$REPO/bench" "$LINKS/poplar_bench"
 
 export PYTHONPATH="$LINKS:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$SITE/bin:$PATH"  # the deepspeed launcher, for the tier's launcher test
 export DS_BUILD_OPS=0 DS_SKIP_CUDA_CHECK=1 PYTORCH_NVML_BASED_CUDA_CHECK=1
 cd "$REPO"
 exec "$PYTHON" -m poplar_bench.cli gpu --output-dir "$OUTPUT_DIR" "$@"

@@ -9,6 +9,7 @@ equivalence tests run on CPU ranks (POPLAR_GPU_TIER_ON_CPU=1, see tests/gpu/test
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -38,16 +39,27 @@ def run_tier(*, repo: Path, out_dir: Path, dry_run: bool, timeout_s: float) -> d
         f"--junitxml={xml_path}",
     ]  # fmt: skip
     with log_path.open("w") as log:
-        done = subprocess.run(
-            command, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False
-        )
+        exit_code = run_in_own_group(command, cwd=repo, env=env, log=log, timeout_s=timeout_s)
     tests = read_junit(xml_path) if xml_path.exists() else []
-    result = {"command": " ".join(command), "pytest_exit_code": done.returncode, "tests": tests}
+    result = {"command": " ".join(command), "pytest_exit_code": exit_code, "tests": tests}
     failed = [t["name"] for t in tests if t["outcome"] in ("failed", "error")]
     # pytest's 5: nothing collected, which is a broken tier, not a pass.
-    if done.returncode != 0 or failed or not tests:
-        result["error"] = f"pytest exit code {done.returncode}; failed: {failed or 'none'} (log: {log_path.name})"
+    if exit_code != 0 or failed or not tests:
+        stopped = f"stopped after {timeout_s:g} s; " if exit_code is None else ""
+        result["error"] = f"{stopped}pytest exit code {exit_code}; failed: {failed or 'none'} (log: {log_path.name})"
     return result
+
+
+def run_in_own_group(command: list[str], *, cwd: Path, env: dict[str, str], log: Any, timeout_s: float) -> int | None:
+    """The command's exit code, or None when it ran past `timeout_s` and was killed with every rank it forked
+    (its own process group: ranks left behind would hold the GPU for the next step)."""
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return None
 
 
 def read_junit(path: Path) -> list[dict[str, Any]]:

@@ -6,7 +6,7 @@ import pytest
 
 from poplar_bench.cli import build_parser
 from poplar_bench.gpu.run import GpuRunSettings, RunLog, run_step
-from poplar_bench.gpu.tier import read_junit
+from poplar_bench.gpu.tier import read_junit, run_in_own_group
 
 
 def test_a_failing_step_is_recorded_not_raised(tmp_path):
@@ -53,3 +53,29 @@ def test_junit_cases_with_outcomes_and_recorded_numbers(tmp_path):
     ]
     assert cases[0]["properties"] == {"tolerance": 0.002, "collectives": "gloo"} and cases[0]["time_s"] == 1.5
     assert cases[1]["message"] == "stage 2: 0.1"
+
+
+def test_a_step_past_its_limit_is_killed_with_what_it_started(tmp_path):
+    import os
+    import time
+
+    pid_file = tmp_path / "grandchild.pid"
+    # The child starts a grandchild (as pytest forks ranks), then both outlive the limit.
+    command = ["bash", "-c", f"sleep 60 & echo $! > {pid_file}; sleep 60"]
+    with (tmp_path / "log").open("w") as log:
+        assert run_in_own_group(command, cwd=tmp_path, env=dict(os.environ), log=log, timeout_s=0.5) is None
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _running(grandchild):
+        time.sleep(0.05)
+    assert not _running(grandchild)
+
+
+def _running(pid: int) -> bool:
+    from pathlib import Path
+
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited; its parent (also killed) did not reap it
