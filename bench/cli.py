@@ -515,7 +515,7 @@ def add_gpu_parser(subparsers: argparse._SubParsersAction) -> None:
         "gpu",
         help="the CUDA path in one offline run: GPU test tier, bf16 profiles, policies on one GPU",
         description="On a machine with a CUDA GPU: (1) the GPU test tier (tests/gpu: ZeRO 0-3, several ranks, fp32 and "
-        "bf16 equivalence with the missing-weight mutation), (2) a GPT of ~110M parameters profiled in bf16 at every "
+        "bf16 equivalence with the missing-weight mutation), (2) a GPT of ~136M parameters profiled in bf16 at every "
         "ZeRO stage with the real out-of-memory probe, then from the cache, (3) uniform, proportional and poplar on "
         "ranks of different speed sharing the GPU (CUDA MPS where its daemon starts, else emulated). A step's failure "
         "is recorded and the others still run; the exit code is 1 when any failed. Every file names the GPU, driver, "

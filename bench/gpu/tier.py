@@ -34,7 +34,7 @@ def run_tier(*, repo: Path, out_dir: Path, dry_run: bool, timeout_s: float) -> d
     if dry_run:
         env["POPLAR_GPU_TIER_ON_CPU"] = "1"
     command = [
-        sys.executable, "-m", "pytest", str(TIER), "-p", "no:cacheprovider", "-rA",
+        sys.executable, "-m", "pytest", str(TIER), "-p", "no:cacheprovider", "-rA", "--durations=10",
         "-o", "junit_family=xunit1",  # xunit2 drops record_property's values
         f"--junitxml={xml_path}",
     ]  # fmt: skip
