@@ -189,15 +189,24 @@ def label_report(report: dict[str, Any], *, mode: str, why_not_mps: str, provena
         "dry-run": "DRY RUN: emulated CPU ranks, tiny sizes; nothing measured on a GPU",
     }[mode]
     # The title is the figure's too: it names what the run ran on.
-    report["title"] = f"poplar-bench gpu: the policies on ranks sharing one {provenance_short(provenance)}"
+    report["title"] = f"poplar-bench gpu: the policies on ranks sharing one GPU; {provenance_short(provenance)}"
     report["data_source"] = f"measured, {how}, real DeepSpeed"
     report["provenance"] = provenance
     report["machine"]["gpus"] = provenance_line(provenance)
-    report["notes"].insert(0, f"{len(report['scenarios'][0]['policies'])} policies; ranks: {how}.")
-    report["notes"].insert(1, "All ranks share one GPU: kernels of different ranks can overlap or wait for each "
-                           "other, which neither the profiles nor the predictions model. Their collectives run "
-                           "through gloo (on CUDA tensors on a GPU, copied through host memory): NCCL refuses two "
-                           "ranks on one device.")  # fmt: skip
+    notes = [f"{len(report['scenarios'][0]['policies'])} policies; ranks: {how}."]
+    if mode != "dry-run":
+        notes.append(
+            "All ranks share one GPU: kernels of different ranks can overlap or wait for each other, which neither "
+            "the profiles nor the predictions model. Their collectives run through gloo on CUDA tensors (copied "
+            "through host memory): NCCL refuses two ranks on one device. Compute is timed by CUDA events; an "
+            "emulated rank sleeps (slowdown - 1) x its CUDA-timed compute; memory is the CUDA allocator's peak."
+        )
+    # The demo's notes describe CPU ranks (thread CPU time): kept for the dry run only, which is that.
+    report["notes"] = notes + [n for n in report["notes"] if mode == "dry-run" or not _about_cpu_ranks(n)]
+
+
+def _about_cpu_ranks(note: str) -> bool:
+    return note.startswith("Devices are emulated") or "thread CPU time" in note
 
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:

@@ -74,6 +74,6 @@ def provenance_line(info: dict[str, Any]) -> str:
 def provenance_short(info: dict[str, Any]) -> str:
     """The same in a few words, for a title (a figure's)."""
     return (
-        f"{info['gpu'] or 'no GPU'} (driver {info['driver'] or '-'}, CUDA {info['cuda'] or '-'}; "
+        f"{info['gpu'] or 'no GPU (dry run on CPU)'} (driver {info['driver'] or '-'}, CUDA {info['cuda'] or '-'}; "
         f"torch {info['torch']}, DeepSpeed {info['deepspeed']})"
     )

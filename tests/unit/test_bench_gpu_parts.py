@@ -79,3 +79,26 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"  # a zombie has exited; its parent (also killed) did not reap it
+
+
+def _report() -> dict:
+    cpu_note = "Devices are emulated (poplar_ext.hardware.emulation): each rank is a CPU process (1 thread)"
+    return {"scenarios": [{"policies": [{}, {}, {}]}], "notes": [cpu_note, "Other processes."], "machine": {}}
+
+
+def test_the_comparison_report_names_the_gpu_and_drops_the_cpu_notes_on_a_gpu():
+    from poplar_bench.gpu.policies import label_report
+
+    provenance = {"gpu": "NVIDIA H200", "driver": "580.1", "cuda": "13.0", "torch": "2.11.0", "deepspeed": "0.19.8"}
+    provenance |= {"python": "3.12.3", "devices": "real: 1 x NVIDIA H200"}
+    report = _report()
+    label_report(report, mode="emulated", why_not_mps="nvidia-cuda-mps-control is not installed", provenance=provenance)
+    assert "NVIDIA H200 (driver 580.1, CUDA 13.0; torch 2.11.0, DeepSpeed 0.19.8)" in report["title"]
+    assert "EMULATED" in report["data_source"] and "nvidia-cuda-mps-control" in report["data_source"]
+    assert report["provenance"] == provenance and "NVIDIA H200" in report["machine"]["gpus"]
+    assert not [n for n in report["notes"] if "CPU process" in n] and "Other processes." in report["notes"]
+    assert any("gloo on CUDA tensors" in n for n in report["notes"])
+
+    dry = _report()
+    label_report(dry, mode="dry-run", why_not_mps="dry run", provenance=provenance | {"gpu": None})
+    assert "DRY RUN" in dry["data_source"] and any("CPU process" in n for n in dry["notes"])
