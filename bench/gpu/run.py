@@ -47,8 +47,8 @@ class GpuRunSettings:
     """``1`` (test tier, profiles), ``2`` (policy comparison) or ``all``."""
     dry_run: bool = False
     """The same code paths on CPU with CPU stand-ins and tiny sizes (the test suite runs it)."""
-    repo: Path = Path.cwd()
-    """The repository root: the GPU test tier is its tests/gpu."""
+    repo: Path = field(default_factory=Path.cwd)
+    """The repository root: the GPU test tier is its tests/gpu (default: the current directory)."""
     step_timeouts_s: dict[str, float] = field(default_factory=lambda: dict(STEP_TIMEOUTS_S))
     """Longest each step may take before it is stopped and recorded as failed."""
 
