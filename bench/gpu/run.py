@@ -2,8 +2,9 @@
 
 Every file written goes under the output folder and names the GPU, its driver, CUDA, torch
 and DeepSpeed (`bench.gpu.provenance`): ``gpu_run.json`` and ``gpu_run.md`` (every step's
-outcome), ``gpu_run.log``, ``gpu_tests.{xml,log}`` (step 1), ``profiles.json`` and
-``profiles/`` (step 2), ``gpu_policies.{json,md,png}`` (step 3), ``logs/`` (the ranks').
+outcome; ``gpu_run_part1``/``_part2`` with --part), ``gpu_run.log``, ``gpu_tests.{xml,log}``
+(step 1), ``profiles.json`` and ``profiles/`` (step 2), ``gpu_policies.{json,md,png}`` (step 3),
+``logs/`` (the ranks').
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ class GpuRunSettings:
         if self.part not in PARTS:
             raise ValueError(f"part: expected one of {sorted(PARTS)}, found {self.part!r}")
 
+    @property
+    def stem(self) -> str:
+        """The summary's and the log's file stem: ``gpu_run``, or ``gpu_run_part1``/``_part2``, so that the two
+        calls of a split run write beside each other."""
+        return "gpu_run" if self.part == "all" else f"gpu_run_part{self.part}"
+
 
 class RunLog:
     """``gpu_run.log``: every line with its time since the start, also on stderr."""
@@ -77,7 +84,7 @@ def run_gpu(settings: GpuRunSettings) -> int:
     os.environ.update(RUN_ENVIRONMENT)
     out = settings.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    log = RunLog(out / "gpu_run.log")
+    log = RunLog(out / f"{settings.stem}.log")
     from .provenance import provenance_line, read_provenance
 
     provenance = read_provenance(dry_run=settings.dry_run)
@@ -165,7 +172,7 @@ def write_summary(
         "total_s": total_s,
         "steps": results,
     }
-    json_path, md_path = settings.output_dir / "gpu_run.json", settings.output_dir / "gpu_run.md"
+    json_path, md_path = settings.output_dir / f"{settings.stem}.json", settings.output_dir / f"{settings.stem}.md"
     write_json_atomic(report, json_path)
     md_path.write_text(render_summary(report))
     if "profiles" in results and results["profiles"].get("profiles"):

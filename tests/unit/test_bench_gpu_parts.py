@@ -26,6 +26,11 @@ def test_a_failing_step_is_recorded_not_raised(tmp_path):
     assert "step profiles: failed" in text and "step policies: ok" in text
 
 
+def test_the_two_parts_write_beside_each_other(tmp_path):
+    stems = {part: GpuRunSettings(output_dir=tmp_path, part=part).stem for part in ("1", "2", "all")}
+    assert stems == {"1": "gpu_run_part1", "2": "gpu_run_part2", "all": "gpu_run"}
+
+
 def test_bad_part_is_refused(tmp_path):
     with pytest.raises(ValueError, match="part: expected one of"):
         GpuRunSettings(output_dir=tmp_path, part="3")
