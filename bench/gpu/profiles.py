@@ -47,7 +47,7 @@ GPU_PROFILE = ProfileRun(
     micro_batch_size_limit=512, repeats=3,
 )  # fmt: skip
 DRY_RUN_PROFILE = ProfileRun(
-    vocab_size=64, sequence_length=16, num_layers=1, num_heads=2, hidden_size=16, micro_batch_size_limit=4, repeats=1
+    vocab_size=64, sequence_length=16, num_layers=1, num_heads=2, hidden_size=16, micro_batch_size_limit=2, repeats=1
 )
 
 DS_CONFIG = {
@@ -156,9 +156,34 @@ def run_profiles(*, run: ProfileRun, out_dir: Path, timeout_s: float) -> dict[st
         "profiles": [_summary(p) for p in rank["profiles"]],
         "profile_dir": "profiles",
     }
+    result["goals"] = profile_goals(result)
     if not rank["identical_from_cache"] or rank["batches_made_by_cached_call"]:
         result["error"] = "the second call did not come from the cache"
     return result
+
+
+ALL_STAGES_GOAL_S = 120.0
+"""The issue's goal for profiling every stage of the >= 100M-parameter model on the GPU."""
+CACHED_GOAL_S = 1.0
+"""The goal for the same call served by the cache ("0 s": nothing measured, files read)."""
+
+
+def profile_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The step's goals, evaluated (reported, never asserted)."""
+    return [
+        {
+            "goal": "every stage profiled",
+            "value": result["first_call_s"],
+            "target": f"< {ALL_STAGES_GOAL_S:g} s",
+            "met": result["first_call_s"] < ALL_STAGES_GOAL_S,
+        },
+        {
+            "goal": "the same call from the cache",
+            "value": result["cached_call_s"],
+            "target": f"< {CACHED_GOAL_S:g} s, nothing measured",
+            "met": result["cached_call_s"] < CACHED_GOAL_S and result["batches_made_by_cached_call"] == 0,
+        },
+    ]
 
 
 def _summary(profile: dict[str, Any]) -> dict[str, Any]:
@@ -178,9 +203,12 @@ def _summary(profile: dict[str, Any]) -> dict[str, Any]:
 
 
 def profiles_markdown(result: dict[str, Any]) -> list[str]:
+    goals = result.get("goals", [])
     lines = [
         f"{result['num_parameters']:,} parameters; all stages {result['first_call_s']:.1f} s, again from the cache "
         f"{result['cached_call_s']:.2f} s (identical: {result['identical_from_cache']}).",
+        "",
+        *[f"Goal: {g['goal']} {g['target']}: {g['value']:.3g} s ({'met' if g['met'] else 'MISSED'})." for g in goals],
         "",
         "| device type | stage | dtype | largest micro-batch | sizes measured | probe | s |",
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -58,6 +58,7 @@ def test_dry_run_writes_every_result_with_its_provenance(tmp_path, monkeypatch):
     assert sorted(p["zero_stage"] for p in profiles["profiles"]) == list(ZERO_STAGES)
     assert {p["dtype"] for p in profiles["profiles"]} == {"bfloat16"}
     assert profiles["batches_made_by_cached_call"] == 0 and profiles["identical_from_cache"]
+    assert [g["goal"] for g in profiles["goals"]] == ["every stage profiled", "the same call from the cache"]
     assert len(list((out / "profiles").glob("*.json"))) == len(ZERO_STAGES)
 
     policies = json.loads((out / "gpu_policies.json").read_text())
