@@ -77,6 +77,15 @@ def write_plan(
     return path
 
 
+def write_stage_files(folder: Path, allocations: dict[int, list[tuple[int, int]]], *, device_types: list[str]) -> dict:
+    """``{"cluster": path, stage: plan path, ...}``: the fast-plus-two-slow cluster (no slowdown) and a
+    hand-written plan for each stage of `allocations`."""
+    files: dict = {"cluster": write_cluster(folder / "cluster.json", fast=1, slow=2, slowdown=1.0)}
+    for stage, allocation in allocations.items():
+        files[stage] = write_plan(folder / f"plan{stage}.json", allocation, stage=stage, device_types=device_types)
+    return files
+
+
 def make_optimizer(name: str, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)

@@ -1,0 +1,154 @@
+"""PoplarAccelerator: a loop written as accelerate's documentation writes it, on an uneven plan.
+
+3 forked ranks (one real CPU type, two emulated), the tiny GPT, Adam and gradient
+clipping, ZeRO stages 0-3 (uneven accumulation counts at 0/1): the parameters after 3
+optimizer steps equal one process training the same global batches (fp32, 1e-5); every
+sample is trained once; gather_for_metrics returns every rank's rows; save_state and
+load_state in a fresh Accelerator continue the data and equal the uninterrupted run.
+One real ``accelerate launch`` run (with accelerate's config file) checks the launcher.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from harness import run_ranks
+
+pytest.importorskip("accelerate", reason="PoplarAccelerator needs pip install 'poplar-ext[accelerate]'")
+
+import _training as t
+
+HERE = Path(__file__).resolve().parent
+TYPES = ["cpu", "cpu-slow", "cpu-slow"]
+ALLOCATIONS = {
+    0: [(3, 2), (1, 3), (3, 1)],
+    1: [(3, 2), (1, 3), (3, 1)],
+    2: [(3, 2), (1, 2), (2, 2)],
+    3: [(3, 2), (1, 2), (2, 2)],
+}
+GLOBAL_BATCH = 12
+STEPS = 3
+STAGES = (0, 1, 2, 3)
+RESUME_STAGES = (1, 3)
+
+
+class Indexed(torch.utils.data.Dataset):
+    """The tests' token data with each sample's index beside it (to see which samples were trained)."""
+
+    def __init__(self):
+        self.data = t.dataset()
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        return {"tokens": self.data[index], "index": index}
+
+
+def _accelerator(config: dict):
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    from poplar_ext.integrations.accelerate import PoplarAccelerator
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # one Accelerator per case in this process
+    # On CPU accelerate picks no backend for DeepSpeed by itself: gloo, as the harness's group.
+    gloo = InitProcessGroupKwargs(backend="gloo")
+    return PoplarAccelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), kwargs_handlers=[gloo])
+
+
+def _train(accelerator, steps: int, *, checkpoint: Path | None = None, resume: bool = False):
+    """accelerate's documented loop; the gathered sample indices of each step's last micro-batches."""
+    from poplar_ext.models.toy_gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(t.TINY)
+    optimizer = t.make_optimizer("adam", model.parameters())
+    train_dataloader = torch.utils.data.DataLoader(Indexed(), batch_size=4, shuffle=True)
+    model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
+    if resume:
+        accelerator.load_state(checkpoint)
+        train_dataloader = accelerator.skip_first_batches(train_dataloader, 1)  # as accelerate's docs resume
+    seen, gathered, done = [], [], 0
+    while done < steps:
+        for batch in train_dataloader:
+            with accelerator.accumulate(model):
+                seen.extend(batch["index"].tolist())
+                loss = model(batch["tokens"])
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                gathered.append(accelerator.gather_for_metrics(batch["index"]).tolist())
+                done += 1
+                if done == steps:
+                    break
+    if checkpoint is not None and not resume:
+        accelerator.save_state(checkpoint)
+    return model, seen, gathered
+
+
+def _cases(files, checkpoints):
+    results = {}
+    for stage in STAGES:
+        config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage)
+        accelerator = _accelerator(config)
+        model, seen, gathered = _train(accelerator, STEPS)
+        results[stage] = {
+            "params": t.full_parameters(model),
+            "seen": seen,
+            "gathered": gathered,
+            "plan": (accelerator.micro_batch_size, accelerator.gradient_accumulation_steps),
+        }
+    for stage in RESUME_STAGES:
+        config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage)
+        _, first, _ = _train(_accelerator(config), 1, checkpoint=checkpoints / f"stage{stage}")
+        model, rest, _ = _train(_accelerator(config), STEPS - 1, checkpoint=checkpoints / f"stage{stage}", resume=True)
+        results[f"resumed{stage}"] = {"params": t.full_parameters(model), "seen": first + rest}
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("accelerate")
+    files = t.write_stage_files(tmp, ALLOCATIONS, device_types=TYPES)
+    return run_ranks(_cases, world_size=3, tmp_path=tmp, args=(files, tmp / "checkpoints"), timeout_s=300)
+
+
+def _reference():
+    return t.reference_parameters("adam", GLOBAL_BATCH, STEPS)[0]
+
+
+def _stream_indices(steps: int) -> list[int]:
+    return t.SampleStream(num_samples=t.NUM_SAMPLES, seed=0).indices(0, steps * GLOBAL_BATCH)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_parameters_equal_one_process_on_the_global_batches(results, stage):
+    assert t.max_difference(results[0][stage]["params"], _reference()) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_rank_trains_its_plan_and_every_sample_once(results, stage):
+    assert [r[stage]["plan"] for r in results] == ALLOCATIONS[stage]
+    seen = [i for r in results for i in r[stage]["seen"]]
+    assert sorted(seen) == sorted(_stream_indices(STEPS))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_gather_for_metrics_returns_every_rank_s_rows(results, stage):
+    # At each optimizer step: every rank's last micro-batch, rank 0's rows first.
+    for step, gathered in enumerate(results[0][stage]["gathered"]):
+        expected = []
+        for rank, (b, s) in enumerate(ALLOCATIONS[stage]):
+            expected += results[rank][stage]["seen"][(step * s + s - 1) * b : (step * s + s) * b]
+        assert gathered == expected
+
+
+@pytest.mark.parametrize("stage", RESUME_STAGES)
+def test_load_state_continues_the_data_and_equals_the_uninterrupted_run(results, stage):
+    seen = [i for r in results for i in r[f"resumed{stage}"]["seen"]]
+    assert sorted(seen) == sorted(_stream_indices(STEPS))
+    assert t.max_difference(results[0][f"resumed{stage}"]["params"], results[0][stage]["params"]) <= 1e-5
