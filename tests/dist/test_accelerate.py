@@ -10,15 +10,24 @@ One real ``accelerate launch`` run (with accelerate's config file) checks the la
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import free_port, run_ranks
 
 pytest.importorskip("accelerate", reason="PoplarAccelerator needs pip install 'poplar-ext[accelerate]'")
 
 import _training as t
+from accelerate.state import AcceleratorState
+from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+# Imported here, in the pytest process, so that the forked ranks start with it (~4 s each otherwise).
+from poplar_ext.integrations.accelerate import PoplarAccelerator
 
 HERE = Path(__file__).resolve().parent
 TYPES = ["cpu", "cpu-slow", "cpu-slow"]
@@ -48,11 +57,6 @@ class Indexed(torch.utils.data.Dataset):
 
 
 def _accelerator(config: dict):
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
-
-    from poplar_ext.integrations.accelerate import PoplarAccelerator
-
     AcceleratorState._reset_state(reset_partial_state=True)  # one Accelerator per case in this process
     # On CPU accelerate picks no backend for DeepSpeed by itself: gloo, as the harness's group.
     gloo = InitProcessGroupKwargs(backend="gloo")
@@ -117,7 +121,8 @@ def results(tmp_path_factory):
     return run_ranks(_cases, world_size=3, tmp_path=tmp, args=(files, tmp / "checkpoints"), timeout_s=300)
 
 
-def _reference():
+@pytest.fixture(scope="module")
+def reference():
     return t.reference_parameters("adam", GLOBAL_BATCH, STEPS)[0]
 
 
@@ -126,8 +131,8 @@ def _stream_indices(steps: int) -> list[int]:
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_parameters_equal_one_process_on_the_global_batches(results, stage):
-    assert t.max_difference(results[0][stage]["params"], _reference()) <= 1e-5
+def test_parameters_equal_one_process_on_the_global_batches(results, reference, stage):
+    assert t.max_difference(results[0][stage]["params"], reference) <= 1e-5
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -152,3 +157,36 @@ def test_load_state_continues_the_data_and_equals_the_uninterrupted_run(results,
     seen = [i for r in results for i in r[f"resumed{stage}"]["seen"]]
     assert sorted(seen) == sorted(_stream_indices(STEPS))
     assert t.max_difference(results[0][f"resumed{stage}"]["params"], results[0][stage]["params"]) <= 1e-5
+
+
+# accelerate's own config file, as `accelerate config` writes it for DeepSpeed with a config file.
+ACCELERATE_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: {ds_config}
+  zero3_init_flag: false
+num_machines: 1
+num_processes: 3
+machine_rank: 0
+use_cpu: false
+"""
+
+
+def test_under_accelerate_launch_with_its_config_file(tmp_path, reference):
+    files = t.write_stage_files(tmp_path, {2: ALLOCATIONS[2]}, device_types=TYPES)
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps(t.ds_config(cluster=files["cluster"], plan=files[2], stage=2)))
+    accelerate_config = tmp_path / "accelerate.yaml"
+    accelerate_config.write_text(ACCELERATE_CONFIG.format(ds_config=ds_config))
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
+        "--main_process_port", str(free_port()), str(HERE / "accelerate_train.py"), "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "rank 1: cpu-slow (emulated: 1x slower, 2.0 GB), micro-batch 1 x 2 accumulation steps" in done.stderr
+    assert t.max_difference(torch.load(out / "params.pt", weights_only=False), reference) <= 1e-5
+    seen = [i for r in range(3) for i in json.loads((out / f"samples-rank{r}.json").read_text())]
+    assert sorted(seen) == sorted(_stream_indices(STEPS))
