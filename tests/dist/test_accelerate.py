@@ -28,6 +28,8 @@ from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
 # Imported here, in the pytest process, so that the forked ranks start with it (~4 s each otherwise).
 from poplar_ext.integrations.accelerate import PoplarAccelerator
+from poplar_ext.models.toy_gpt import GPT
+from poplar_ext.profiler.fingerprint import model_fingerprint
 
 HERE = Path(__file__).resolve().parent
 TYPES = ["cpu", "cpu-slow", "cpu-slow"]
@@ -65,8 +67,6 @@ def _accelerator(config: dict):
 
 def _train(accelerator, steps: int, *, checkpoint: Path | None = None, resume: bool = False):
     """accelerate's documented loop; the gathered sample indices of each step's last micro-batches."""
-    from poplar_ext.models.toy_gpt import GPT
-
     torch.manual_seed(0)
     model = GPT(t.TINY)
     optimizer = t.make_optimizer("adam", model.parameters())
@@ -106,6 +106,12 @@ def _cases(files, checkpoints):
             "gathered": gathered,
             "plan": (accelerator.micro_batch_size, accelerator.gradient_accumulation_steps),
         }
+    # The plan searched at start from profiles, for a plain Accelerator's global batch (4 x 1 x 3).
+    config = t.ds_config(cluster=files["cluster"], plan=None, stage=1, profiles=str(files["profiles"]))
+    accelerator = _accelerator(config)
+    model, seen, _ = _train(accelerator, STEPS)
+    results["searched"] = {"params": t.full_parameters(model), "seen": seen, "plan": accelerator.plan}
+    results["refusals"] = _refusals(files)
     for stage in RESUME_STAGES:
         config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage)
         _, first, _ = _train(_accelerator(config), 1, checkpoint=checkpoints / f"stage{stage}")
@@ -114,10 +120,30 @@ def _cases(files, checkpoints):
     return results
 
 
+def _refusals(files) -> dict[str, str]:
+    messages = {}
+    refused = {"token_mean": {"loss_reduction": "token_mean"}, "rebalance": {"rebalance": {"enabled": True}}}
+    for case, poplar in refused.items():
+        try:
+            _train(_accelerator(t.ds_config(cluster=files["cluster"], plan=files[1], stage=1, **poplar)), 1)
+        except ValueError as error:
+            messages[case] = str(error)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set by the Accelerators above (in this forked rank only)
+    try:
+        PoplarAccelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])  # no DeepSpeed
+    except ValueError as error:
+        messages["no_deepspeed"] = str(error)
+    return messages
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("accelerate")
     files = t.write_stage_files(tmp, ALLOCATIONS, device_types=TYPES)
+    files["profiles"] = t.write_profiles(
+        tmp / "profiles", model_fingerprint(GPT(t.TINY)), [("cpu", 16, 0.001), ("cpu-slow", 4, 0.003)]
+    )
     return run_ranks(_cases, world_size=3, tmp_path=tmp, args=(files, tmp / "checkpoints"), timeout_s=300)
 
 
@@ -150,6 +176,27 @@ def test_gather_for_metrics_returns_every_rank_s_rows(results, stage):
         for rank, (b, s) in enumerate(ALLOCATIONS[stage]):
             expected += results[rank][stage]["seen"][(step * s + s - 1) * b : (step * s + s) * b]
         assert gathered == expected
+
+
+def test_the_plan_searched_at_start_splits_a_plain_accelerator_s_global_batch(results, reference):
+    plan = results[0]["searched"]["plan"]
+    assert plan.global_batch_size == GLOBAL_BATCH  # the DataLoader's 4 x 1 accumulation step x 3 processes
+    assert [r.micro_batch_size * r.gradient_accumulation_steps for r in plan.ranks] != [4, 4, 4]
+    assert t.max_difference(results[0]["searched"]["params"], reference) <= 1e-5
+    seen = [i for r in results for i in r["searched"]["seen"]]
+    assert sorted(seen) == sorted(_stream_indices(STEPS))
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("token_mean", "poplar.loss_reduction: expected mean or sum with PoplarAccelerator, found token_mean"),
+        ("rebalance", "poplar.rebalance.enabled: expected false or auto with PoplarAccelerator"),
+        ("no_deepspeed", "PoplarAccelerator: expected DeepSpeed"),
+    ],
+)
+def test_what_it_cannot_train_is_refused_on_every_rank(results, case, expected):
+    assert all(expected in r["refusals"][case] for r in results)
 
 
 @pytest.mark.parametrize("stage", RESUME_STAGES)
