@@ -5,7 +5,7 @@ clipping, ZeRO stages 0-3 (uneven accumulation counts at 0/1): the parameters af
 optimizer steps equal one process training the same global batches (fp32, 1e-5); every
 sample is trained once; gather_for_metrics returns every rank's rows; save_state and
 load_state in a fresh Accelerator continue the data and equal the uninterrupted run.
-One real ``accelerate launch`` run (with accelerate's config file) checks the launcher.
+One real ``accelerate launch`` run (with accelerate's config file, 2 ranks) checks the launcher.
 """
 
 from __future__ import annotations
@@ -213,18 +213,21 @@ deepspeed_config:
   deepspeed_config_file: {ds_config}
   zero3_init_flag: false
 num_machines: 1
-num_processes: 3
+num_processes: {processes}
 machine_rank: 0
 use_cpu: false
 """
 
 
 def test_under_accelerate_launch_with_its_config_file(tmp_path, reference):
-    files = t.write_stage_files(tmp_path, {2: ALLOCATIONS[2]}, device_types=TYPES)
+    # 2 ranks (a third costs a launch ~4 s of CPU), uneven counts and samples at ZeRO-1: with even
+    # samples per rank, DeepSpeed's own division by the count would be the right weight.
+    cluster = t.write_cluster(tmp_path / "cluster.json", fast=1, slow=1, slowdown=1.0)
+    plan = t.write_plan(tmp_path / "plan.json", [(4, 2), (4, 1)], stage=1, device_types=TYPES[:2])
     ds_config = tmp_path / "ds.json"
-    ds_config.write_text(json.dumps(t.ds_config(cluster=files["cluster"], plan=files[2], stage=2)))
+    ds_config.write_text(json.dumps(t.ds_config(cluster=cluster, plan=plan, stage=1)))
     accelerate_config = tmp_path / "accelerate.yaml"
-    accelerate_config.write_text(ACCELERATE_CONFIG.format(ds_config=ds_config))
+    accelerate_config.write_text(ACCELERATE_CONFIG.format(ds_config=ds_config, processes=2))
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     command = [
@@ -233,7 +236,7 @@ def test_under_accelerate_launch_with_its_config_file(tmp_path, reference):
     ]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert "rank 1: cpu-slow (emulated: 1x slower, 2.0 GB), micro-batch 1 x 2 accumulation steps" in done.stderr
+    assert "rank 1: cpu-slow (emulated: 1x slower, 2.0 GB), micro-batch 4 x 1 accumulation steps" in done.stderr
     assert t.max_difference(torch.load(out / "params.pt", weights_only=False), reference) <= 1e-5
-    seen = [i for r in range(3) for i in json.loads((out / f"samples-rank{r}.json").read_text())]
+    seen = [i for r in range(2) for i in json.loads((out / f"samples-rank{r}.json").read_text())]
     assert sorted(seen) == sorted(_stream_indices(STEPS))
