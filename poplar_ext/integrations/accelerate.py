@@ -177,6 +177,9 @@ class PoplarAccelerator(Accelerator):
                     f" x {self.gradient_accumulation_steps} x {self.num_processes})"
                 ),
             )
+        profiling = _without_auto(loaded[0])
+        if isinstance(optimizer, torch.optim.Optimizer):
+            profiling["zero_allow_untested_optimizer"] = True  # as accelerate's _prepare_deepspeed sets it
         job = prepare_job(
             loaded,
             model=model,
@@ -184,7 +187,7 @@ class PoplarAccelerator(Accelerator):
             training_data=dataset,
             collate_fn=None if train_loader is None else train_loader.collate_fn,
             default_global_batch=default_batch,
-            profiling_ds_config=_without_auto(loaded[0]),
+            profiling_ds_config=profiling,
         )
         config = job.poplar_config
         if config.loss_reduction == "token_mean":
