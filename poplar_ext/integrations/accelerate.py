@@ -58,7 +58,7 @@ from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import DistributedType, pad_across_processes, recursively_apply
 
-from poplar_ext.runtime.config import AUTO, DICT_SOURCE, GlobalBatchRequest, nominal_deepspeed_config
+from poplar_ext.runtime.config import AUTO, DICT_SOURCE, SECTION, GlobalBatchRequest, nominal_deepspeed_config
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.initialize import Job, count_true_global_batch, poplar_engine, prepare_job, set_up_rank
@@ -97,6 +97,23 @@ def _without_auto(config: dict) -> dict:
     if isinstance(result.get("zero_optimization"), dict):
         result["zero_optimization"] = {k: v for k, v in result["zero_optimization"].items() if v != AUTO}
     return result
+
+
+def _refuse_what_accelerate_cannot_follow(job: Job) -> None:
+    """The same ValueError on every rank (the job is settled alike everywhere) for what this integration lacks."""
+    config = job.poplar_config
+    if config.loss_reduction == "token_mean":
+        raise ValueError(
+            f"{job.source}: poplar.loss_reduction: expected mean or sum with PoplarAccelerator, found token_mean "
+            "(the iteration's label tokens must be agreed before its first backward, which accelerate's loop "
+            "has no place for); use poplar_ext.initialize or PoplarTrainer for a token mean"
+        )
+    if config.rebalance.enabled:
+        raise ValueError(
+            f"{job.source}: poplar.rebalance.enabled: expected false or auto with PoplarAccelerator (re-balancing "
+            "switches each rank's accumulation count, which accelerate's accumulate() and dataloader fix when "
+            "they start), found true; re-balancing runs with poplar_ext.initialize"
+        )
 
 
 class PoplarAccelerator(Accelerator):
@@ -163,20 +180,6 @@ class PoplarAccelerator(Accelerator):
     def _start_job(self, model: Any, optimizer: Any, train_loader: Any) -> Job:
         """Resolve the plan on every rank and make the plugin's config this rank's (collective)."""
         loaded = self._loaded_config()
-        dataset = None if train_loader is None else train_loader.dataset
-        default_batch = None
-        # With a plan file the plan's batch is the batch; else, like a plain Accelerator, the DataLoader's
-        # batch_size per process (unless the poplar section or the DeepSpeed config sets one).
-        searched = "plan" not in loaded[0].get("poplar", {})
-        if searched and train_loader is not None and train_loader.batch_size is not None:
-            size = train_loader.batch_size * self.gradient_accumulation_steps * self.num_processes
-            default_batch = GlobalBatchRequest(
-                size=size,
-                origin=(
-                    f"the DataLoader's batch_size x gradient_accumulation_steps x processes ({train_loader.batch_size}"
-                    f" x {self.gradient_accumulation_steps} x {self.num_processes})"
-                ),
-            )
         profiling = _without_auto(loaded[0])
         if isinstance(optimizer, torch.optim.Optimizer):
             profiling["zero_allow_untested_optimizer"] = True  # as accelerate's _prepare_deepspeed sets it
@@ -184,24 +187,32 @@ class PoplarAccelerator(Accelerator):
             loaded,
             model=model,
             optimizer=optimizer,
-            training_data=dataset,
+            training_data=None if train_loader is None else train_loader.dataset,
             collate_fn=None if train_loader is None else train_loader.collate_fn,
-            default_global_batch=default_batch,
+            default_global_batch=self._default_global_batch(loaded[0], train_loader),
             profiling_ds_config=profiling,
         )
-        config = job.poplar_config
-        if config.loss_reduction == "token_mean":
-            raise ValueError(
-                f"{job.source}: poplar.loss_reduction: expected mean or sum with PoplarAccelerator, found token_mean "
-                "(the iteration's label tokens must be agreed before its first backward, which accelerate's loop "
-                "has no place for); use poplar_ext.initialize or PoplarTrainer for a token mean"
-            )
-        if config.rebalance.enabled:
-            raise ValueError(
-                f"{job.source}: poplar.rebalance.enabled: expected false or auto with PoplarAccelerator (re-balancing "
-                "switches each rank's accumulation count, which accelerate's accumulate() and dataloader fix when "
-                "they start), found true; re-balancing runs with poplar_ext.initialize"
-            )
+        _refuse_what_accelerate_cannot_follow(job)
+        self._use_rank_config(job)
+        return job
+
+    def _default_global_batch(self, ds_config: dict, train_loader: Any) -> GlobalBatchRequest | None:
+        """A plain Accelerator's global batch (the DataLoader's batch_size per process), for a plan searched
+        at start when neither the poplar section nor the DeepSpeed config sets one; a plan file's is its own."""
+        section = ds_config.get(SECTION)
+        if not isinstance(section, dict) or "plan" in section or train_loader is None or not train_loader.batch_size:
+            return None
+        size = train_loader.batch_size * self.gradient_accumulation_steps * self.num_processes
+        return GlobalBatchRequest(
+            size=size,
+            origin=(
+                f"the DataLoader's batch_size x gradient_accumulation_steps x processes ({train_loader.batch_size} x "
+                f"{self.gradient_accumulation_steps} x {self.num_processes})"
+            ),
+        )
+
+    def _use_rank_config(self, job: Job) -> None:
+        """This rank's nominal DeepSpeed config (its b_r, s_r, the plan's stage) in the plugin accelerate reads."""
         nominal = nominal_deepspeed_config(job.ds_config, job.plan, job.rank, source=job.source)
         plugin = self.state.deepspeed_plugin
         # accelerate reads the plugin's dict (and its HfDeepSpeedConfig holds the same one) from here on.
@@ -210,8 +221,7 @@ class PoplarAccelerator(Accelerator):
         plugin.hf_ds_config.set_stage_and_offload()
         plugin.zero_stage = job.plan.zero_stage
         plugin.gradient_accumulation_steps = nominal["gradient_accumulation_steps"]
-        self.gradient_accumulation_steps = nominal["gradient_accumulation_steps"]
-        return job
+        self.gradient_accumulation_steps = nominal["gradient_accumulation_steps"]  # what accumulate() counts
 
     # -- prepare -------------------------------------------------------------------------
     def _prepare_deepspeed(self, *args: Any) -> tuple:
