@@ -36,20 +36,28 @@ Where it extends accelerate (1.15), and why there (the smallest seams, nothing p
   DataLoaders (evaluation) are accelerate's even split.
 * ``gather_for_metrics``: ranks' batches differ in size; tensors are padded, gathered and
   cut back to each rank's rows, so the result is the true global batch.
+* ``backward``: with ``token_mean``, the iteration's label tokens agreed first (see below).
 * ``skip_first_batches``: the training dataloader already continues where ``load_state``
   left the data; it is returned as it is.
 
 The shuffling is the ``poplar`` section's (``seed``, ``shuffle``, ``drop_last``), not the
-DataLoader's. Requires ``pip install 'poplar-ext[accelerate]'``; the only module of
+DataLoader's. With ``poplar.loss_reduction: token_mean`` (the loop says so in its config;
+the loss stays the model's own token mean), the training dataloader counts each
+iteration's label tokens as its micro-batches' indices are drawn (collating them once
+more), and ``backward`` agrees the iteration's total across ranks before its first
+backward (`PoplarEngine.set_token_counts`), so gradients are the token mean over the
+whole global batch. Requires ``pip install 'poplar-ext[accelerate]'``; the only module of
 poplar-ext that imports accelerate. Not supported (refused with a ValueError):
-``loss_reduction: token_mean`` and ``rebalance.enabled: true`` (see docs/limits.md).
+``rebalance.enabled: true`` (see docs/limits.md).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +70,7 @@ from poplar_ext.runtime.config import AUTO, DICT_SOURCE, SECTION, GlobalBatchReq
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.initialize import Job, count_true_global_batch, poplar_engine, prepare_job, set_up_rank
+from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +87,29 @@ class _PlanPasses(torch.utils.data.Sampler[list[int]]):
     accelerate's DataLoaderShard calls ``set_epoch(n)`` with the number of passes it has
     seen in this process, which after ``load_state`` (or a pass left early) is not the
     stream's epoch; the plan's sampler keeps its own position instead.
+
+    With `count_tokens` (``token_mean``), each iteration's micro-batches are taken from the
+    sampler together (indices only) and ``count_tokens(position, micro_batches)`` is called
+    before the first is handed out, `position` being the iteration's stream position.
     """
 
-    def __init__(self, sampler: PlanBatchSampler) -> None:
+    def __init__(self, sampler: PlanBatchSampler, count_tokens: Callable[[int, list], None] | None = None) -> None:
         self.plan_sampler = sampler
+        self.count_tokens = count_tokens
 
     def __iter__(self):
-        return iter(self.plan_sampler)
+        if self.count_tokens is None:
+            yield from self.plan_sampler
+            return
+        sampler = self.plan_sampler
+        micro_batches = iter(sampler)
+        while True:
+            position = sampler.iteration_start(sampler.next_iteration)
+            group = list(itertools.islice(micro_batches, sampler.gradient_accumulation_steps))
+            if not group:
+                return
+            self.count_tokens(position, group)
+            yield from group
 
     def __len__(self) -> int:
         return len(self.plan_sampler)
@@ -102,12 +127,6 @@ def _without_auto(config: dict) -> dict:
 def _refuse_what_accelerate_cannot_follow(job: Job) -> None:
     """The same ValueError on every rank (the job is settled alike everywhere) for what this integration lacks."""
     config = job.poplar_config
-    if config.loss_reduction == "token_mean":
-        raise ValueError(
-            f"{job.source}: poplar.loss_reduction: expected mean or sum with PoplarAccelerator, found token_mean "
-            "(the iteration's label tokens must be agreed before its first backward, which accelerate's loop "
-            "has no place for); use poplar_ext.initialize or PoplarTrainer for a token mean"
-        )
     if config.rebalance.enabled:
         raise ValueError(
             f"{job.source}: poplar.rebalance.enabled: expected false or auto with PoplarAccelerator (re-balancing "
@@ -147,6 +166,10 @@ class PoplarAccelerator(Accelerator):
         self._train_sampler: PlanBatchSampler | None = None
         self._train_loader: Any = None
         self._prepared_train_loader: Any = None
+        self._model: Any = None
+        self._iteration_tokens: dict[int, list[int]] = {}
+        """``token_mean``: each counted iteration's micro-batch label tokens, by its stream position."""
+        self._micro_steps_in_iteration = 0
 
     # -- the plan ----------------------------------------------------------------------
     @property
@@ -236,6 +259,7 @@ class PoplarAccelerator(Accelerator):
             args = tuple(planned if a is train_loader else a for a in args)
         labels = slowdown = None
         if model is not None:
+            self._model = model
             # The plan's activation checkpointing goes into the model before DeepSpeed wraps it.
             labels, slowdown = set_up_rank(self.job, model, toggle=None)
         previous = self.deepspeed_engine_wrapped
@@ -282,7 +306,18 @@ class PoplarAccelerator(Accelerator):
         options = {name: getattr(loader, name) for name in _DATALOADER_OPTIONS if hasattr(loader, name)}
         if loader.num_workers > 0:
             options["prefetch_factor"] = loader.prefetch_factor
-        planned = torch.utils.data.DataLoader(dataset, batch_sampler=_PlanPasses(sampler), **options)
+        count = None
+        if config.loss_reduction == "token_mean":
+            collate = loader.collate_fn
+
+            def count(position: int, micro_batches: list) -> None:
+                shifted = loss_shifts_labels(self._model)
+                self._iteration_tokens[position] = [
+                    label_token_count(collate([dataset[i] for i in indices]), shifted=shifted)
+                    for indices in micro_batches
+                ]
+
+        planned = torch.utils.data.DataLoader(dataset, batch_sampler=_PlanPasses(sampler, count), **options)
         self._train_sampler, self._train_loader = sampler, planned
         return planned
 
@@ -322,6 +357,31 @@ class PoplarAccelerator(Accelerator):
                 )
             return dataloader
         return super().skip_first_batches(dataloader, num_batches)
+
+    # -- the loss ------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """accelerate's (its DeepSpeed wrapper calls the `PoplarEngine`, which weights `loss`); with
+        ``token_mean``, the iteration's label tokens are agreed across ranks before its first backward."""
+        if self.job is not None and self.job.poplar_config.loss_reduction == "token_mean":
+            if self._micro_steps_in_iteration == 0:
+                self._agree_iteration_tokens()
+            self._micro_steps_in_iteration = 0 if self.sync_gradients else self._micro_steps_in_iteration + 1
+        super().backward(loss, **kwargs)
+
+    def _agree_iteration_tokens(self) -> None:
+        engine = self.poplar_engine
+        position = engine.trained_position
+        counts = self._iteration_tokens.pop(position, None)
+        if counts is None:
+            raise ValueError(
+                "loss_reduction token_mean: expected the training dataloader prepare returned to have counted the "
+                f"label tokens of the iteration at stream position {position}, found none; train from that "
+                "dataloader (its batches are dicts with 'labels')"
+            )
+        # Iterations read ahead but never trained (a pass left early) are counted again when read again.
+        for stale in [p for p in self._iteration_tokens if p < position]:
+            del self._iteration_tokens[stale]
+        engine.set_token_counts(counts)
 
     # -- metrics -------------------------------------------------------------------------
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:

@@ -21,7 +21,9 @@ import torch
 from harness import free_port, run_ranks
 
 pytest.importorskip("accelerate", reason="PoplarAccelerator needs pip install 'poplar-ext[accelerate]'")
+pytest.importorskip("transformers", reason="the token-mean case trains a Hugging Face model: pip install 'poplar-ext[hf]'")
 
+import _hf_common as hf
 import _training as t
 from accelerate.state import AcceleratorState
 from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
@@ -43,6 +45,7 @@ GLOBAL_BATCH = 12
 STEPS = 3
 STAGES = (0, 1, 2, 3)
 RESUME_STAGES = (1, 3)
+TOKEN_MEAN_STAGES = (1, 2)
 
 
 class Indexed(torch.utils.data.Dataset):
@@ -111,6 +114,7 @@ def _cases(files, checkpoints):
     accelerator = _accelerator(config)
     model, seen, _ = _train(accelerator, STEPS)
     results["searched"] = {"params": t.full_parameters(model), "seen": seen, "plan": accelerator.plan}
+    results["token_mean"] = {stage: _token_mean(files, stage) for stage in TOKEN_MEAN_STAGES}
     results["refusals"] = _refusals(files)
     for stage in RESUME_STAGES:
         config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage)
@@ -120,14 +124,34 @@ def _cases(files, checkpoints):
     return results
 
 
+def _token_mean(files, stage: int) -> dict:
+    """The loop with a Hugging Face causal LM on padded sequences and ``loss_reduction: token_mean``."""
+    config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage, loss_reduction="token_mean")
+    config["gradient_clipping"] = hf.CLIP
+    accelerator = _accelerator(config)
+    model = hf.tiny_gpt2()
+    optimizer = hf.make_optimizer("sgd", model.parameters())  # scale-sensitive: a wrong token count shows
+    dataloader = torch.utils.data.DataLoader(hf.RecordingVarLen(), batch_size=4, collate_fn=hf.collate)
+    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
+    done = 0
+    for batch in dataloader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)  # the micro-batch's own token mean, as usual
+            optimizer.step()
+            optimizer.zero_grad()
+        done += accelerator.sync_gradients
+        if done == hf.STEPS:
+            break
+    return {"params": hf.full_parameters(model)}
+
+
 def _refusals(files) -> dict[str, str]:
     messages = {}
-    refused = {"token_mean": {"loss_reduction": "token_mean"}, "rebalance": {"rebalance": {"enabled": True}}}
-    for case, poplar in refused.items():
-        try:
-            _train(_accelerator(t.ds_config(cluster=files["cluster"], plan=files[1], stage=1, **poplar)), 1)
-        except ValueError as error:
-            messages[case] = str(error)
+    try:
+        config = t.ds_config(cluster=files["cluster"], plan=files[1], stage=1, rebalance={"enabled": True})
+        _train(_accelerator(config), 1)
+    except ValueError as error:
+        messages["rebalance"] = str(error)
     AcceleratorState._reset_state(reset_partial_state=True)
     os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set by the Accelerators above (in this forked rank only)
     try:
@@ -187,10 +211,15 @@ def test_the_plan_searched_at_start_splits_a_plain_accelerator_s_global_batch(re
     assert sorted(seen) == sorted(_stream_indices(STEPS))
 
 
+@pytest.mark.parametrize("stage", TOKEN_MEAN_STAGES)
+def test_token_mean_gradients_equal_one_process_on_the_global_batch_s_tokens(results, stage):
+    expected = hf.reference_parameters(GLOBAL_BATCH, hf.STEPS, optimizer="sgd")
+    assert t.max_difference(results[0]["token_mean"][stage]["params"], expected) <= 1e-5
+
+
 @pytest.mark.parametrize(
     "case, expected",
     [
-        ("token_mean", "poplar.loss_reduction: expected mean or sum with PoplarAccelerator, found token_mean"),
         ("rebalance", "poplar.rebalance.enabled: expected false or auto with PoplarAccelerator"),
         ("no_deepspeed", "PoplarAccelerator: expected DeepSpeed"),
     ],
