@@ -434,6 +434,19 @@ class PoplarEngine:
         self._samplers.append(sampler)
         return sampler
 
+    def adopt_batch_sampler(self, sampler: PlanBatchSampler) -> None:
+        """Let a sampler built before the engine (from the same plan and ``poplar`` section) follow
+        plan switches and `load_checkpoint`'s data position, as `create_batch_sampler`'s do.
+
+        Hugging Face accelerate prepares a call's dataloaders before its model.
+        """
+        if sampler.global_batch_size != self.plan.global_batch_size or sampler.rank != self._rank:
+            raise ValueError(
+                f"sampler: expected rank {self._rank}'s sampler of global batch {self.plan.global_batch_size}, "
+                f"found rank {sampler.rank}'s of {sampler.global_batch_size}"
+            )
+        self._samplers.append(sampler)
+
     @property
     def data_position(self) -> int:
         """Stream position where the next iteration starts (see `poplar_ext.runtime.data`)."""

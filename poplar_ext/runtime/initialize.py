@@ -370,7 +370,7 @@ def initialize(
         checkpointing_toggle=checkpointing_toggle,
     )
     nominal = nominal_deepspeed_config(job.ds_config, job.plan, job.rank, source=job.source)
-    labels, slowdown = _set_up_rank(job, model, toggle=checkpointing_toggle)
+    labels, slowdown = set_up_rank(job, model, toggle=checkpointing_toggle)
     engine, ds_optimizer, ds_scheduler = _deepspeed_engine(
         nominal,
         job.plan,
@@ -384,24 +384,12 @@ def initialize(
         dist_init_required=dist_init_required,
         mesh_param=mesh_param,
     )
-    wrapped = PoplarEngine(
-        engine,
-        plan=job.plan,
-        rank=job.rank,
-        poplar_config=job.poplar_config,
-        device_label=labels[job.rank],
-        slowdown=slowdown,
-        rank_device_labels=labels,
-        plan_reason=job.plan_reason,
-        rebalancer=_rebalancer(job),
-    )
-    if job.rank == 0:
-        logger.info("poplar plan from step 0: %s", job.plan_reason)
+    wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=_rebalancer(job))
     dataloader = _training_dataloader(wrapped, training_data, collate_fn=collate_fn, model=model, job=job)
     return wrapped, ds_optimizer, dataloader, ds_scheduler
 
 
-def _set_up_rank(
+def set_up_rank(
     job: Job, model: Any, *, toggle: CheckpointingToggle | None
 ) -> tuple[tuple[str, ...], ComputeSlowdown | None]:
     """This rank's process settings (as asked) and activation checkpointing (as planned), logged;
@@ -446,13 +434,46 @@ def _deepspeed_engine(
             ds_args.deepspeed_config = None
     extra = {} if distributed_port is None else {"distributed_port": distributed_port}
     engine, optimizer, _, scheduler = deepspeed.initialize(args=ds_args, config=nominal, **deepspeed_arguments, **extra)
-    # DeepSpeed's own bookkeeping (samples/s lines, global_samples for monitors and
-    # checkpoints) reads the batch size it was given: make it the true one. Its batch
-    # checks ran during initialize; nothing after them compares it with the per-rank values.
+    count_true_global_batch(engine, plan)
+    return engine, optimizer, scheduler
+
+
+def count_true_global_batch(engine: Any, plan: Plan) -> None:
+    """Make a fresh DeepSpeedEngine's bookkeeping count the plan's true global batch.
+
+    DeepSpeed's samples/s lines and global_samples (monitors, checkpoints) read the batch
+    size it was given, each rank's nominal ``b_r * s_r * W``. Its batch checks ran during
+    initialize; nothing after them compares it with the per-rank values.
+    """
     engine._config.train_batch_size = plan.global_batch_size
     if hasattr(engine, "tput_timer"):
         engine.tput_timer.batch_size = plan.global_batch_size
-    return engine, optimizer, scheduler
+
+
+def poplar_engine(
+    job: Job,
+    engine: Any,
+    *,
+    labels: tuple[str, ...],
+    slowdown: ComputeSlowdown | None,
+    rebalancer: Rebalancer | None,
+) -> PoplarEngine:
+    """The `PoplarEngine` over `engine` (a DeepSpeedEngine built on this rank's nominal config)
+    with `set_up_rank`'s labels and slowdown; logs where the plan came from."""
+    wrapped = PoplarEngine(
+        engine,
+        plan=job.plan,
+        rank=job.rank,
+        poplar_config=job.poplar_config,
+        device_label=labels[job.rank],
+        slowdown=slowdown,
+        rank_device_labels=labels,
+        plan_reason=job.plan_reason,
+        rebalancer=rebalancer,
+    )
+    if job.rank == 0:
+        logger.info("poplar plan from step 0: %s", job.plan_reason)
+    return wrapped
 
 
 def _training_dataloader(
@@ -473,4 +494,4 @@ def _training_dataloader(
     )
 
 
-__all__ = ["Job", "initialize", "prepare_job"]
+__all__ = ["Job", "count_true_global_batch", "initialize", "poplar_engine", "prepare_job", "set_up_rank"]

@@ -77,6 +77,34 @@ def write_plan(
     return path
 
 
+def write_stage_files(folder: Path, allocations: dict[int, list[tuple[int, int]]], *, device_types: list[str]) -> dict:
+    """``{"cluster": path, stage: plan path, ...}``: the fast-plus-two-slow cluster (no slowdown) and a
+    hand-written plan for each stage of `allocations`."""
+    files: dict = {"cluster": write_cluster(folder / "cluster.json", fast=1, slow=2, slowdown=1.0)}
+    for stage, allocation in allocations.items():
+        files[stage] = write_plan(folder / f"plan{stage}.json", allocation, stage=stage, device_types=device_types)
+    return files
+
+
+def write_profiles(directory: Path, fingerprint: str, types_and_caps: list[tuple[str, int, float]]) -> Path:
+    """Synthetic ZeRO-1 profiles of the tiny GPT (by its `fingerprint`) in a new `directory`:
+    ``(device_type, largest micro-batch, seconds per sample)`` each, for 3 ranks."""
+    import dataclasses
+
+    from poplar_search.formats import ModelInfo, save_profile
+    from poplar_search.synthetic import synthetic_profile
+
+    directory.mkdir()
+    model = ModelInfo(name="tiny-gpt", fingerprint=fingerprint, num_parameters=1, dtype="float32")
+    for device_type, cap, seconds_per_sample in types_and_caps:
+        profile = synthetic_profile(
+            device_type, zero_stage=1, max_micro_batch_size=cap, overhead_s=0.001,
+            seconds_per_sample=seconds_per_sample, world_size=3,
+        )
+        save_profile(dataclasses.replace(profile, model=model), directory / f"{device_type}-stage1.json")
+    return directory
+
+
 def make_optimizer(name: str, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)

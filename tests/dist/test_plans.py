@@ -9,7 +9,6 @@ harness's timeout, so passing here means no rank entered any collective.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 
@@ -17,8 +16,6 @@ import pytest
 from harness import run_ranks
 
 import _training as t
-from poplar_search.formats import ModelInfo, save_profile
-from poplar_search.synthetic import synthetic_profile
 
 TYPES = ["cpu", "cpu-slow", "cpu-slow"]
 
@@ -91,18 +88,6 @@ def _counting_reads():
             setattr(module, attribute, originals[name])
 
 
-def _profiles(directory, fingerprint, types_and_caps):
-    directory.mkdir()
-    model = ModelInfo(name="tiny-gpt", fingerprint=fingerprint, num_parameters=1, dtype="float32")
-    for device_type, cap, seconds_per_sample in types_and_caps:
-        profile = synthetic_profile(
-            device_type, zero_stage=1, max_micro_batch_size=cap, overhead_s=0.001,
-            seconds_per_sample=seconds_per_sample, world_size=3,
-        )
-        save_profile(dataclasses.replace(profile, model=model), directory / f"{device_type}-stage1.json")
-    return directory
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from poplar_ext.profiler.fingerprint import model_fingerprint
@@ -115,8 +100,8 @@ def results(tmp_path_factory):
         "stage2_uneven_counts": t.write_plan(tmp / "s2.json", [(2, 1), (2, 2), (2, 1)], stage=2, device_types=TYPES),
         "stage1": t.write_plan(tmp / "s1.json", [(8, 1), (3, 1), (2, 1)], stage=1, device_types=TYPES),
         # cpu-slow can hold at most 2 samples per micro-step
-        "profiles": _profiles(tmp / "profiles", fingerprint, [("cpu", 16, 0.001), ("cpu-slow", 2, 0.003)]),
-        "partial_profiles": _profiles(tmp / "partial", fingerprint, [("cpu", 16, 0.001)]),
+        "profiles": t.write_profiles(tmp / "profiles", fingerprint, [("cpu", 16, 0.001), ("cpu-slow", 2, 0.003)]),
+        "partial_profiles": t.write_profiles(tmp / "partial", fingerprint, [("cpu", 16, 0.001)]),
         "missing_cluster": tmp / "no-such-cluster.json",
     }
     files["a100_cluster"] = tmp / "a100.json"

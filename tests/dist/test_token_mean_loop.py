@@ -56,9 +56,7 @@ def _train(files):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("token_mean")
-    files = {"cluster": t.write_cluster(tmp / "cluster.json", fast=1, slow=2, slowdown=1.0)}
-    for stage in STAGES:
-        files[stage] = t.write_plan(tmp / f"plan{stage}.json", ALLOCATIONS[stage], stage=stage, device_types=TYPES)
+    files = t.write_stage_files(tmp, ALLOCATIONS, device_types=TYPES)
     return run_ranks(_train, world_size=3, tmp_path=tmp, args=(files,), timeout_s=300)[0]
 
 

@@ -1,0 +1,409 @@
+"""`PoplarAccelerator`: Hugging Face accelerate's Accelerator with a plan's per-rank batches and exact gradients.
+
+For training loops written by hand around ``accelerate.Accelerator`` with DeepSpeed (the
+diffusers training scripts, most research code). The one changed line is
+``Accelerator(...)`` -> ``PoplarAccelerator(...)`` (same arguments); the DeepSpeed config
+(accelerate's config file, ``ACCELERATE_DEEPSPEED_CONFIG_FILE``, or a ``DeepSpeedPlugin``)
+carries a ``poplar`` section (a plan; profiles; or only a cluster, or nothing but the
+section, for the automatic mode). The loop stays as accelerate's documentation writes it::
+
+    model, optimizer, train_dataloader, scheduler = accelerator.prepare(model, optimizer, train_dataloader, scheduler)
+    for batch in train_dataloader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss          # the plain micro-batch mean
+            accelerator.backward(loss)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+Where it extends accelerate (1.15), and why there (the smallest seams, nothing patched):
+
+* ``_prepare_deepspeed``: the call every ``prepare`` makes under DeepSpeed, before
+  accelerate fills the DeepSpeed config. On the first call the plan is resolved on
+  every rank (`poplar_ext.runtime.initialize.prepare_job`, with the model and the
+  training data for the automatic mode), and the plugin's config becomes this rank's
+  nominal config: micro-batch b_r, accumulation count s_r, ``train_batch_size = b_r *
+  s_r * W``, the plan's ZeRO stage and offload. The Accelerator's accumulation count
+  (``gradient_accumulation_steps``, what ``accumulate()`` counts) becomes s_r. The
+  DeepSpeed engine accelerate builds is wrapped in a `PoplarEngine`, which
+  ``accelerator.backward`` (accelerate's ``DeepSpeedEngineWrapper``) and
+  ``save_state``/``load_state`` call: backward weights the loss (``W * b_r / B``,
+  `poplar_ext.runtime.weighting`) with ``scale_wrt_gas=False``, the step counts the
+  true global batch, checkpoints carry the data position. The model ``prepare``
+  returns is still DeepSpeed's engine (``unwrap_model``, ``no_sync`` as usual).
+* ``prepare_data_loader``: the first DataLoader given to ``prepare`` is the training
+  one: it is rebuilt on the plan's sampler (`poplar_ext.runtime.data.PlanBatchSampler`:
+  this rank's micro-batches of the shared seeded stream, every sample once per epoch)
+  and prepared as one process's (no shard: the sampler is already this rank's). Other
+  DataLoaders (evaluation) are accelerate's even split.
+* ``gather_for_metrics``: ranks' batches differ in size; tensors are padded, gathered and
+  cut back to each rank's rows, so the result is the true global batch.
+* ``backward``: with ``token_mean``, the iteration's label tokens agreed first (see below).
+* ``skip_first_batches``: the training dataloader already continues where ``load_state``
+  left the data; it is returned as it is.
+
+The shuffling is the ``poplar`` section's (``seed``, ``shuffle``, ``drop_last``), not the
+DataLoader's. With ``poplar.loss_reduction: token_mean`` (the loop says so in its config;
+the loss stays the model's own token mean), the training dataloader counts each
+iteration's label tokens as its micro-batches' indices are drawn (collating them once
+more), and ``backward`` agrees the iteration's total across ranks before its first
+backward (`PoplarEngine.set_token_counts`), so gradients are the token mean over the
+whole global batch. Requires ``pip install 'poplar-ext[accelerate]'``; the only module of
+poplar-ext that imports accelerate. Not supported (refused with a ValueError):
+``rebalance.enabled: true`` (see docs/limits.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.data_loader import prepare_data_loader
+from accelerate.utils import DistributedType, pad_across_processes, recursively_apply
+
+from poplar_ext.runtime.config import AUTO, DICT_SOURCE, SECTION, GlobalBatchRequest, nominal_deepspeed_config
+from poplar_ext.runtime.data import PlanBatchSampler
+from poplar_ext.runtime.engine import PoplarEngine
+from poplar_ext.runtime.initialize import Job, count_true_global_batch, poplar_engine, prepare_job, set_up_rank
+from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
+
+logger = logging.getLogger(__name__)
+
+_CONFIG_FILE_VARIABLE = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
+_DATALOADER_OPTIONS = (
+    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+    "persistent_workers", "pin_memory_device",
+)  # fmt: skip
+
+
+class _PlanPasses(torch.utils.data.Sampler[list[int]]):
+    """The plan's batch sampler as a DataLoader's ``batch_sampler``, without ``set_epoch``.
+
+    accelerate's DataLoaderShard calls ``set_epoch(n)`` with the number of passes it has
+    seen in this process, which after ``load_state`` (or a pass left early) is not the
+    stream's epoch; the plan's sampler keeps its own position instead.
+
+    With `count_tokens` (``token_mean``), each iteration's micro-batches are taken from the
+    sampler together (indices only) and ``count_tokens(position, micro_batches)`` is called
+    before the first is handed out, `position` being the iteration's stream position.
+    """
+
+    def __init__(self, sampler: PlanBatchSampler, count_tokens: Callable[[int, list], None] | None = None) -> None:
+        self.plan_sampler = sampler
+        self.count_tokens = count_tokens
+
+    def __iter__(self):
+        if self.count_tokens is None:
+            yield from self.plan_sampler
+            return
+        sampler = self.plan_sampler
+        micro_batches = iter(sampler)
+        while True:
+            position = sampler.iteration_start(sampler.next_iteration)
+            group = list(itertools.islice(micro_batches, sampler.gradient_accumulation_steps))
+            if not group:
+                return
+            self.count_tokens(position, group)
+            yield from group
+
+    def __len__(self) -> int:
+        return len(self.plan_sampler)
+
+
+def _without_auto(config: dict) -> dict:
+    """`config` without accelerate's "auto" values (top level and ``zero_optimization``):
+    what the automatic mode's profiling gives DeepSpeed, which takes no "auto"."""
+    result = {k: v for k, v in config.items() if v != AUTO}
+    if isinstance(result.get("zero_optimization"), dict):
+        result["zero_optimization"] = {k: v for k, v in result["zero_optimization"].items() if v != AUTO}
+    return result
+
+
+def _refuse_what_accelerate_cannot_follow(job: Job) -> None:
+    """The same ValueError on every rank (the job is settled alike everywhere) for what this integration lacks."""
+    config = job.poplar_config
+    if config.rebalance.enabled:
+        raise ValueError(
+            f"{job.source}: poplar.rebalance.enabled: expected false or auto with PoplarAccelerator (re-balancing "
+            "switches each rank's accumulation count, which accelerate's accumulate() and dataloader fix when "
+            "they start), found true; re-balancing runs with poplar_ext.initialize"
+        )
+
+
+class PoplarAccelerator(Accelerator):
+    """``accelerate.Accelerator`` training the plan of the DeepSpeed config's ``poplar`` section.
+
+    Same arguments as ``Accelerator``; DeepSpeed must be on (accelerate's config file, or
+    ``deepspeed_plugin=``). See the module docstring for what differs. After the first
+    ``prepare``: `plan` (every rank's), `poplar_engine` (after the model's), this rank's
+    `micro_batch_size` and ``gradient_accumulation_steps``, and `global_batch_size`.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.distributed_type != DistributedType.DEEPSPEED:
+            raise ValueError(
+                f"PoplarAccelerator: expected DeepSpeed (accelerate's config with distributed_type DEEPSPEED and a "
+                f"deepspeed_config_file, or deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...)), found "
+                f"{self.distributed_type}; the plan's per-rank batches are DeepSpeed configs"
+            )
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.num_processes != launched:
+            raise ValueError(
+                f"PoplarAccelerator: expected the {launched} processes of WORLD_SIZE in accelerate's state, found "
+                f"{self.num_processes}: accelerate chose no distributed backend for DeepSpeed on this device (on CPU "
+                "it has none by default); pass kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')]"
+            )
+        self.job: Job | None = None
+        """The plan and its context, settled by the first ``prepare`` on every rank."""
+        self.poplar_engine: PoplarEngine | None = None
+        """The `PoplarEngine` over the DeepSpeed engine (what backward and checkpoints go through)."""
+        self._train_sampler: PlanBatchSampler | None = None
+        self._train_loader: Any = None
+        self._prepared_train_loader: Any = None
+        self._model: Any = None
+        self._iteration_tokens: dict[int, list[int]] = {}
+        """``token_mean``: each counted iteration's micro-batch label tokens, by its stream position."""
+        self._micro_steps_in_iteration = 0
+
+    # -- the plan ----------------------------------------------------------------------
+    @property
+    def plan(self) -> Any:
+        """The plan every rank runs (None before the first ``prepare``)."""
+        return None if self.job is None else self.job.plan
+
+    @property
+    def micro_batch_size(self) -> int:
+        """This rank's micro-batch size b_r."""
+        return self._settled_job().plan.ranks[self.process_index].micro_batch_size
+
+    @property
+    def global_batch_size(self) -> int:
+        """The true global batch B of one optimizer step, over every rank and accumulation step."""
+        return self._settled_job().plan.global_batch_size
+
+    def _settled_job(self) -> Job:
+        if self.job is None:
+            raise ValueError("PoplarAccelerator: the plan is resolved by the first prepare(...); call it first")
+        return self.job
+
+    def _loaded_config(self) -> tuple[dict, Path, str]:
+        """The DeepSpeed config accelerate holds, the folder its relative paths start from, its name."""
+        plugin = self.state.deepspeed_plugin
+        config_file = os.environ.get(_CONFIG_FILE_VARIABLE)
+        if config_file and config_file != "none":
+            return copy.deepcopy(plugin.deepspeed_config), Path(config_file).resolve().parent, config_file
+        return copy.deepcopy(plugin.deepspeed_config), Path.cwd(), f"DeepSpeedPlugin's {DICT_SOURCE}"
+
+    def _start_job(self, model: Any, optimizer: Any, train_loader: Any) -> Job:
+        """Resolve the plan on every rank and make the plugin's config this rank's (collective)."""
+        loaded = self._loaded_config()
+        profiling = _without_auto(loaded[0])
+        if isinstance(optimizer, torch.optim.Optimizer):
+            profiling["zero_allow_untested_optimizer"] = True  # as accelerate's _prepare_deepspeed sets it
+        job = prepare_job(
+            loaded,
+            model=model,
+            optimizer=optimizer,
+            training_data=None if train_loader is None else train_loader.dataset,
+            collate_fn=None if train_loader is None else train_loader.collate_fn,
+            default_global_batch=self._default_global_batch(loaded[0], train_loader),
+            profiling_ds_config=profiling,
+        )
+        _refuse_what_accelerate_cannot_follow(job)
+        self._use_rank_config(job)
+        return job
+
+    def _default_global_batch(self, ds_config: dict, train_loader: Any) -> GlobalBatchRequest | None:
+        """A plain Accelerator's global batch (the DataLoader's batch_size per process), for a plan searched
+        at start when neither the poplar section nor the DeepSpeed config sets one; a plan file's is its own."""
+        section = ds_config.get(SECTION)
+        if not isinstance(section, dict) or "plan" in section or train_loader is None or not train_loader.batch_size:
+            return None
+        size = train_loader.batch_size * self.gradient_accumulation_steps * self.num_processes
+        return GlobalBatchRequest(
+            size=size,
+            origin=(
+                f"the DataLoader's batch_size x gradient_accumulation_steps x processes ({train_loader.batch_size} x "
+                f"{self.gradient_accumulation_steps} x {self.num_processes})"
+            ),
+        )
+
+    def _use_rank_config(self, job: Job) -> None:
+        """This rank's nominal DeepSpeed config (its b_r, s_r, the plan's stage) in the plugin accelerate reads."""
+        nominal = nominal_deepspeed_config(job.ds_config, job.plan, job.rank, source=job.source)
+        plugin = self.state.deepspeed_plugin
+        # accelerate reads the plugin's dict (and its HfDeepSpeedConfig holds the same one) from here on.
+        plugin.deepspeed_config.clear()
+        plugin.deepspeed_config.update(nominal)
+        plugin.hf_ds_config.set_stage_and_offload()
+        plugin.zero_stage = job.plan.zero_stage
+        plugin.gradient_accumulation_steps = nominal["gradient_accumulation_steps"]
+        self.gradient_accumulation_steps = nominal["gradient_accumulation_steps"]  # what accumulate() counts
+
+    # -- prepare -------------------------------------------------------------------------
+    def _prepare_deepspeed(self, *args: Any) -> tuple:
+        model = next((a for a in args if isinstance(a, torch.nn.Module)), None)
+        optimizer = next((a for a in args if isinstance(a, torch.optim.Optimizer)), None)
+        loaders = [a for a in args if isinstance(a, torch.utils.data.DataLoader)]
+        train_loader = loaders[0] if loaders and self._train_loader is None else None
+        if self.job is None:
+            self.job = self._start_job(model, optimizer, train_loader)
+        if train_loader is not None:
+            planned = self._plan_dataloader(train_loader)
+            args = tuple(planned if a is train_loader else a for a in args)
+        labels = slowdown = None
+        if model is not None:
+            self._model = model
+            # The plan's activation checkpointing goes into the model before DeepSpeed wraps it.
+            labels, slowdown = set_up_rank(self.job, model, toggle=None)
+        previous = self.deepspeed_engine_wrapped
+        result = super()._prepare_deepspeed(*args)
+        wrapper = self.deepspeed_engine_wrapped
+        if wrapper is not None and wrapper is not previous:
+            self._wrap_engine(wrapper, labels=labels, slowdown=slowdown)
+        return result
+
+    def _wrap_engine(self, wrapper: Any, *, labels: Any, slowdown: Any) -> None:
+        """Put a `PoplarEngine` between accelerate and the DeepSpeed engine it just built."""
+        engine = wrapper.engine
+        count_true_global_batch(engine, self.job.plan)
+        wrapped = poplar_engine(self.job, engine, labels=labels, slowdown=slowdown, rebalancer=None)
+        if slowdown is not None:
+            # An emulated device's compute window opens at the forward of the model prepare returned.
+            engine.register_forward_pre_hook(lambda *_: slowdown.start())
+        if self._train_sampler is not None:
+            wrapped.adopt_batch_sampler(self._train_sampler)
+        wrapper.engine = wrapped  # accelerator.backward: weighted backward, then the counting step
+        self._models[self._models.index(engine)] = wrapped  # save_state/load_state: the data position too
+        self.poplar_engine = wrapped
+
+    def _plan_dataloader(self, loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
+        """`loader` rebuilt on this rank's plan sampler (its dataset, collate function and workers)."""
+        dataset = loader.dataset
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError(
+                "the training DataLoader: expected a map-style dataset (with __len__), found "
+                f"{type(dataset).__name__}, which has no indices for the plan's sampler to split among the ranks"
+            )
+        config = self.job.poplar_config
+        if self.poplar_engine is not None:
+            sampler = self.poplar_engine.create_batch_sampler(len(dataset))
+        else:
+            sampler = PlanBatchSampler.from_plan(
+                self.job.plan,
+                rank=self.job.rank,
+                num_samples=len(dataset),
+                seed=config.seed,
+                shuffle=config.shuffle,
+                drop_last=config.drop_last,
+            )
+        options = {name: getattr(loader, name) for name in _DATALOADER_OPTIONS if hasattr(loader, name)}
+        if loader.num_workers > 0:
+            options["prefetch_factor"] = loader.prefetch_factor
+        count = None
+        if config.loss_reduction == "token_mean":
+            collate = loader.collate_fn
+
+            def count(position: int, micro_batches: list) -> None:
+                shifted = loss_shifts_labels(self._model)
+                self._iteration_tokens[position] = [
+                    label_token_count(collate([dataset[i] for i in indices]), shifted=shifted)
+                    for indices in micro_batches
+                ]
+
+        planned = torch.utils.data.DataLoader(dataset, batch_sampler=_PlanPasses(sampler, count), **options)
+        self._train_sampler, self._train_loader = sampler, planned
+        return planned
+
+    def prepare_data_loader(self, data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None):
+        """accelerate's, except for the training DataLoader: prepared as one process's (its sampler is this rank's)."""
+        if data_loader is not self._train_loader:
+            return super().prepare_data_loader(
+                data_loader, device_placement=device_placement, slice_fn_for_dispatch=slice_fn_for_dispatch
+            )
+        if device_placement is None:
+            device_placement = self.device_placement
+        prepared = prepare_data_loader(
+            data_loader,
+            self.device,
+            num_processes=1,
+            process_index=0,
+            put_on_device=device_placement,
+            rng_types=None,
+            dispatch_batches=False,
+            even_batches=False,
+            use_seedable_sampler=False,
+            non_blocking=self.non_blocking,
+        )
+        self._dataloaders.append(prepared)
+        self._prepared_train_loader = prepared
+        return prepared
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """accelerate's, except for the training dataloader, which ``load_state`` already moved to the saved
+        data position (skipping again would skip data)."""
+        if dataloader is self._prepared_train_loader:
+            if num_batches:
+                logger.info(
+                    "skip_first_batches(%d): the training dataloader already continues where load_state left the "
+                    "data; returned as it is",
+                    num_batches,
+                )
+            return dataloader
+        return super().skip_first_batches(dataloader, num_batches)
+
+    # -- the loss ------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """accelerate's (its DeepSpeed wrapper calls the `PoplarEngine`, which weights `loss`); with
+        ``token_mean``, the iteration's label tokens are agreed across ranks before its first backward."""
+        if self.job is not None and self.job.poplar_config.loss_reduction == "token_mean":
+            if self._micro_steps_in_iteration == 0:
+                self._agree_iteration_tokens()
+            self._micro_steps_in_iteration = 0 if self.sync_gradients else self._micro_steps_in_iteration + 1
+        super().backward(loss, **kwargs)
+
+    def _agree_iteration_tokens(self) -> None:
+        engine = self.poplar_engine
+        position = engine.trained_position
+        counts = self._iteration_tokens.pop(position, None)
+        if counts is None:
+            raise ValueError(
+                "loss_reduction token_mean: expected the training dataloader prepare returned to have counted the "
+                f"label tokens of the iteration at stream position {position}, found none; train from that "
+                "dataloader (its batches are dicts with 'labels')"
+            )
+        # Iterations read ahead but never trained (a pass left early) are counted again when read again.
+        for stale in [p for p in self._iteration_tokens if p < position]:
+            del self._iteration_tokens[stale]
+        engine.set_token_counts(counts)
+
+    # -- metrics -------------------------------------------------------------------------
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """accelerate's, with tensors whose first dimension differs across ranks (the plan's micro-batches)
+        gathered whole: every rank's rows, rank 0's first, nothing dropped or repeated (collective)."""
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+        except TypeError:
+            use_gather_object = True
+        if use_gather_object or self.num_processes == 1:
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        return recursively_apply(self._gather_rows, input_data)
+
+    def _gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0:
+            tensor = tensor[None]
+        rows = self.gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+        if len(set(rows)) == 1:  # even: accelerate's own (its evaluation remainder handling included)
+            return super().gather_for_metrics(tensor)
+        gathered = self.gather(pad_across_processes(tensor, dim=0))
+        width = max(rows)
+        return torch.cat([gathered[r * width : r * width + n] for r, n in enumerate(rows)])
+
+
+__all__ = ["PoplarAccelerator"]

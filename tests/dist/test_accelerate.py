@@ -1,0 +1,277 @@
+"""PoplarAccelerator: a loop written as accelerate's documentation writes it, on an uneven plan.
+
+3 forked ranks (one real CPU type, two emulated), the tiny GPT, Adam and gradient
+clipping, ZeRO stages 0-3 (uneven accumulation counts at 0/1): the parameters after 3
+optimizer steps equal one process training the same global batches (fp32, 1e-5); every
+sample is trained once; gather_for_metrics returns every rank's rows; save_state and
+load_state in a fresh Accelerator continue the data and equal the uninterrupted run.
+One real ``accelerate launch`` run (with accelerate's config file, 2 ranks) checks the launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import free_port, run_ranks
+
+pytest.importorskip("accelerate", reason="PoplarAccelerator needs pip install 'poplar-ext[accelerate]'")
+pytest.importorskip("transformers", reason="the token-mean case trains a Hugging Face model: pip install 'poplar-ext[hf]'")
+
+import _hf_common as hf
+import _training as t
+from accelerate.state import AcceleratorState
+from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+# Imported here, in the pytest process, so that the forked ranks start with them (seconds each otherwise).
+from transformers import GPT2LMHeadModel  # noqa: F401
+
+from poplar_ext.integrations.accelerate import PoplarAccelerator
+from poplar_ext.models.toy_gpt import GPT
+from poplar_ext.profiler.fingerprint import model_fingerprint
+
+HERE = Path(__file__).resolve().parent
+TYPES = ["cpu", "cpu-slow", "cpu-slow"]
+ALLOCATIONS = {
+    0: [(3, 2), (1, 3), (3, 1)],
+    1: [(3, 2), (1, 3), (3, 1)],
+    2: [(3, 2), (1, 2), (2, 2)],
+    3: [(3, 2), (1, 2), (2, 2)],
+}
+GLOBAL_BATCH = 12
+STEPS = 3
+STAGES = (0, 1, 2, 3)
+RESUME_STAGES = (1, 3)
+TOKEN_MEAN_STAGES = (1, 2)
+
+
+class Indexed(torch.utils.data.Dataset):
+    """The tests' token data with each sample's index beside it (to see which samples were trained)."""
+
+    def __init__(self):
+        self.data = t.dataset()
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        return {"tokens": self.data[index], "index": index}
+
+
+def _accelerator(config: dict):
+    AcceleratorState._reset_state(reset_partial_state=True)  # one Accelerator per case in this process
+    # On CPU accelerate picks no backend for DeepSpeed by itself: gloo, as the harness's group.
+    gloo = InitProcessGroupKwargs(backend="gloo")
+    return PoplarAccelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), kwargs_handlers=[gloo])
+
+
+def _train(accelerator, steps: int, *, checkpoint: Path | None = None, resume: bool = False):
+    """accelerate's documented loop; the gathered sample indices of each step's last micro-batches."""
+    torch.manual_seed(0)
+    model = GPT(t.TINY)
+    optimizer = t.make_optimizer("adam", model.parameters())
+    train_dataloader = torch.utils.data.DataLoader(Indexed(), batch_size=4, shuffle=True)
+    model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
+    if resume:
+        accelerator.load_state(checkpoint)
+        train_dataloader = accelerator.skip_first_batches(train_dataloader, 1)  # as accelerate's docs resume
+    seen, gathered, done = [], [], 0
+    while done < steps:
+        for batch in train_dataloader:
+            with accelerator.accumulate(model):
+                seen.extend(batch["index"].tolist())
+                loss = model(batch["tokens"])
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                gathered.append(accelerator.gather_for_metrics(batch["index"]).tolist())
+                done += 1
+                if done == steps:
+                    break
+    if checkpoint is not None and not resume:
+        accelerator.save_state(checkpoint)
+    return model, seen, gathered
+
+
+def _cases(files, checkpoints):
+    results = {}
+    for stage in STAGES:
+        config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage)
+        accelerator = _accelerator(config)
+        model, seen, gathered = _train(accelerator, STEPS)
+        results[stage] = {
+            "params": t.full_parameters(model),
+            "seen": seen,
+            "gathered": gathered,
+            "plan": (accelerator.micro_batch_size, accelerator.gradient_accumulation_steps),
+        }
+    # The plan searched at start from profiles, for a plain Accelerator's global batch (4 x 1 x 3).
+    config = t.ds_config(cluster=files["cluster"], plan=None, stage=1, profiles=str(files["profiles"]))
+    accelerator = _accelerator(config)
+    model, seen, _ = _train(accelerator, STEPS)
+    results["searched"] = {"params": t.full_parameters(model), "seen": seen, "plan": accelerator.plan}
+    results["token_mean"] = {stage: _token_mean(files, stage) for stage in TOKEN_MEAN_STAGES}
+    results["refusals"] = _refusals(files)
+    for stage in RESUME_STAGES:
+        config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage)
+        _, first, _ = _train(_accelerator(config), 1, checkpoint=checkpoints / f"stage{stage}")
+        model, rest, _ = _train(_accelerator(config), STEPS - 1, checkpoint=checkpoints / f"stage{stage}", resume=True)
+        results[f"resumed{stage}"] = {"params": t.full_parameters(model), "seen": first + rest}
+    return results
+
+
+def _token_mean(files, stage: int) -> dict:
+    """The loop with a Hugging Face causal LM on padded sequences and ``loss_reduction: token_mean``."""
+    config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage, loss_reduction="token_mean")
+    config["gradient_clipping"] = hf.CLIP
+    accelerator = _accelerator(config)
+    model = hf.tiny_gpt2()
+    optimizer = hf.make_optimizer("sgd", model.parameters())  # scale-sensitive: a wrong token count shows
+    dataloader = torch.utils.data.DataLoader(hf.RecordingVarLen(), batch_size=4, collate_fn=hf.collate)
+    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
+    done = 0
+    for batch in dataloader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)  # the micro-batch's own token mean, as usual
+            optimizer.step()
+            optimizer.zero_grad()
+        done += accelerator.sync_gradients
+        if done == hf.STEPS:
+            break
+    return {"params": hf.full_parameters(model)}
+
+
+def _refusals(files) -> dict[str, str]:
+    messages = {}
+    try:
+        config = t.ds_config(cluster=files["cluster"], plan=files[1], stage=1, rebalance={"enabled": True})
+        _train(_accelerator(config), 1)
+    except ValueError as error:
+        messages["rebalance"] = str(error)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # set by the Accelerators above (in this forked rank only)
+    try:
+        PoplarAccelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])  # no DeepSpeed
+    except ValueError as error:
+        messages["no_deepspeed"] = str(error)
+    return messages
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("accelerate")
+    files = t.write_stage_files(tmp, ALLOCATIONS, device_types=TYPES)
+    files["profiles"] = t.write_profiles(
+        tmp / "profiles", model_fingerprint(GPT(t.TINY)), [("cpu", 16, 0.001), ("cpu-slow", 4, 0.003)]
+    )
+    return run_ranks(_cases, world_size=3, tmp_path=tmp, args=(files, tmp / "checkpoints"), timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return t.reference_parameters("adam", GLOBAL_BATCH, STEPS)[0]
+
+
+def _stream_indices(steps: int) -> list[int]:
+    return t.SampleStream(num_samples=t.NUM_SAMPLES, seed=0).indices(0, steps * GLOBAL_BATCH)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_parameters_equal_one_process_on_the_global_batches(results, reference, stage):
+    assert t.max_difference(results[0][stage]["params"], reference) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_rank_trains_its_plan_and_every_sample_once(results, stage):
+    assert [r[stage]["plan"] for r in results] == ALLOCATIONS[stage]
+    seen = [i for r in results for i in r[stage]["seen"]]
+    assert sorted(seen) == sorted(_stream_indices(STEPS))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_gather_for_metrics_returns_every_rank_s_rows(results, stage):
+    # At each optimizer step: every rank's last micro-batch, rank 0's rows first.
+    for step, gathered in enumerate(results[0][stage]["gathered"]):
+        expected = []
+        for rank, (b, s) in enumerate(ALLOCATIONS[stage]):
+            expected += results[rank][stage]["seen"][(step * s + s - 1) * b : (step * s + s) * b]
+        assert gathered == expected
+
+
+def test_the_plan_searched_at_start_splits_a_plain_accelerator_s_global_batch(results, reference):
+    plan = results[0]["searched"]["plan"]
+    assert plan.global_batch_size == GLOBAL_BATCH  # the DataLoader's 4 x 1 accumulation step x 3 processes
+    assert [r.micro_batch_size * r.gradient_accumulation_steps for r in plan.ranks] != [4, 4, 4]
+    assert t.max_difference(results[0]["searched"]["params"], reference) <= 1e-5
+    seen = [i for r in results for i in r["searched"]["seen"]]
+    assert sorted(seen) == sorted(_stream_indices(STEPS))
+
+
+@pytest.fixture(scope="module")
+def token_mean_reference():
+    return hf.reference_parameters(GLOBAL_BATCH, hf.STEPS, optimizer="sgd")
+
+
+@pytest.mark.parametrize("stage", TOKEN_MEAN_STAGES)
+def test_token_mean_gradients_equal_one_process_on_the_global_batch_s_tokens(results, token_mean_reference, stage):
+    assert t.max_difference(results[0]["token_mean"][stage]["params"], token_mean_reference) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("rebalance", "poplar.rebalance.enabled: expected false or auto with PoplarAccelerator"),
+        ("no_deepspeed", "PoplarAccelerator: expected DeepSpeed"),
+    ],
+)
+def test_what_it_cannot_train_is_refused_on_every_rank(results, case, expected):
+    assert all(expected in r["refusals"][case] for r in results)
+
+
+@pytest.mark.parametrize("stage", RESUME_STAGES)
+def test_load_state_continues_the_data_and_equals_the_uninterrupted_run(results, stage):
+    seen = [i for r in results for i in r[f"resumed{stage}"]["seen"]]
+    assert sorted(seen) == sorted(_stream_indices(STEPS))
+    assert t.max_difference(results[0][f"resumed{stage}"]["params"], results[0][stage]["params"]) <= 1e-5
+
+
+# accelerate's own config file, as `accelerate config` writes it for DeepSpeed with a config file.
+ACCELERATE_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: {ds_config}
+  zero3_init_flag: false
+num_machines: 1
+num_processes: {processes}
+machine_rank: 0
+use_cpu: false
+"""
+
+
+def test_under_accelerate_launch_with_its_config_file(tmp_path, reference):
+    # 2 ranks (a third costs a launch ~4 s of CPU), uneven counts and samples at ZeRO-1: with even
+    # samples per rank, DeepSpeed's own division by the count would be the right weight.
+    cluster = t.write_cluster(tmp_path / "cluster.json", fast=1, slow=1, slowdown=1.0)
+    plan = t.write_plan(tmp_path / "plan.json", [(4, 2), (4, 1)], stage=1, device_types=TYPES[:2])
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps(t.ds_config(cluster=cluster, plan=plan, stage=1)))
+    accelerate_config = tmp_path / "accelerate.yaml"
+    accelerate_config.write_text(ACCELERATE_CONFIG.format(ds_config=ds_config, processes=2))
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
+        "--main_process_port", str(free_port()), str(HERE / "accelerate_train.py"), "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "rank 1: cpu-slow (emulated: 1x slower, 2.0 GB), micro-batch 4 x 1 accumulation steps" in done.stderr
+    assert t.max_difference(torch.load(out / "params.pt", weights_only=False), reference) <= 1e-5
+    seen = [i for r in range(2) for i in json.loads((out / f"samples-rank{r}.json").read_text())]
+    assert sorted(seen) == sorted(_stream_indices(STEPS))
