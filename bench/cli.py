@@ -178,7 +178,7 @@ def _shown_path(path: str | Path | None) -> str | None:
 # demo
 # ----------------------------------------------------------------------------------
 def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
-    from .demo_config import DemoSettings
+    from .demo_config import CALIBRATION_MODES, DemoSettings
 
     defaults = DemoSettings()
     p = subparsers.add_parser(
@@ -238,6 +238,19 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "(default: 3,6,12 as cpu-fast, cpu-medium, cpu-slow); 2 to 4 ranks on a 2-core machine, where the sum of "
         "1/slowdown must stay within the cores",
     )
+    p.add_argument(
+        "--calibration",
+        choices=CALIBRATION_MODES,
+        default=defaults.calibration,
+        help="check profiles against micro-steps timed at start, as training runs them: cached (default: "
+        "profiles from the cache only), always (fresh ones too), off",
+    )
+    p.add_argument(
+        "--calibration-action",
+        choices=("rescale", "remeasure"),
+        default=defaults.calibration_action,
+        help="what a profile off by more than 10%% gets (default rescale: its micro-step times scaled)",
+    )
     p.set_defaults(run=_run_demo)
 
 
@@ -277,6 +290,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             global_batch_size=args.global_batch_size,
             cache_dir=args.cache_dir,
             force_profile=args.force_profile,
+            calibration=args.calibration,
+            calibration_action=args.calibration_action,
         )
     except ValueError as exc:
         print(f"poplar-bench demo: error: {exc}", file=sys.stderr)

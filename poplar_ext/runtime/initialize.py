@@ -237,6 +237,7 @@ def prepare_job(
             else poplar_config.max_global_batch_size,
             checkpointing_toggle=checkpointing_toggle,
             optimizer_offload=poplar_config.optimizer_offload,
+            calibration_repeats=poplar_config.calibration.repeats,
         )
     directory = ProfileDirectory(poplar_config, cluster)
     plan = resolve_plan(
@@ -250,6 +251,8 @@ def prepare_job(
         broadcast=broadcast_from_rank0,
         measure_missing=measure_missing,
         directory=directory,
+        # Cached profiles are checked with the same model and data (poplar.calibration).
+        time_at_sizes=None if measure_missing is None else measure_missing.time_at_sizes,
     )
     return Job(
         ds_config=ds_config,
