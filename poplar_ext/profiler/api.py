@@ -488,10 +488,14 @@ def time_micro_steps(
     (`sizes`) at once, an emulated rank padded to its slowdown and timed by wall clock
     (`MeasureSettings.as_training`); `options.warmup_micro_steps` then `options.repeats` per size.
     Each type's time is the median over its ranks. The same dict on every rank.
+
+    On CPU at ZeRO-2/3 a micro-step's wall time holds its collectives, which a CPU profile leaves
+    to the cost model: there micro-steps are timed as profiling times them (thread CPU time x
+    slowdown), which sees another machine's speed but not waiting for a core.
     """
     options, settings = _checked(dataclasses.replace(options, zero_stages=(zero_stage,)))
-    settings = dataclasses.replace(settings, as_training=True)
     device = join_job()
+    settings = dataclasses.replace(settings, as_training=device.type != "cpu" or zero_stage in (0, 1))
     with _measuring_process(device):
         layout = build_layout(options.cluster, device)
         session = _start_session(options, settings, layout)
