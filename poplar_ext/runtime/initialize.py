@@ -48,6 +48,7 @@ from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts
 from poplar_ext.hardware.emulation import (
     ComputeSlowdown,
+    check_emulation_range,
     device_label,
     emulation_for_rank,
 )
@@ -213,6 +214,8 @@ def prepare_job(
         global_batch = default_global_batch
     # The hardware is the truth: the cluster file (rank 0's) is checked against every rank's device.
     cluster = agreed_cluster(poplar_config.cluster, gather_device_facts(device), rank=rank, name=f"{SECTION}.cluster")
+    if rank == 0:
+        check_emulation_range(cluster)  # warns where emulated ranks would wait for cores
     model_fingerprint = None
     if poplar_config.profiles is not None and model is not None:
         from poplar_ext.profiler.fingerprint import model_fingerprint as fingerprint_of
