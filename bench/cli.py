@@ -541,9 +541,36 @@ def _run_clean_exit(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_calibration_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "calibration",
+        help="what checking cached profiles at start costs and finds (three demo runs)",
+        description="Three runs of the demo on one profile cache: profiled afresh, cached and unchecked, cached and "
+        "checked at start (bench/calibration_cost.py); reports the check's time, what it found per device type and "
+        "each run's prediction error. Writes calibration.json and .md, and each run's demo report under "
+        "calibration/. About 2 minutes per run on a 2-core VM.",
+    )
+    p.add_argument("--rounds", type=_positive_int, default=2, help="rounds per run (default 2)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="the profile cache (default: a fresh temporary one)")
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.set_defaults(run=_run_calibration)
+
+
+def _run_calibration(args: argparse.Namespace) -> int:
+    from . import calibration_cost
+
+    paths = calibration_cost.run_calibration_check(
+        out_dir=args.output_dir or default_output_dir(), rounds=args.rounds, cache_dir=args.cache_dir
+    )
+    for path in paths:
+        print(path)
+    return 0
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_demo_parser,
     add_predictions_parser,
+    add_calibration_parser,
     add_drift_parser,
     add_checkpointing_parser,
     add_simulate_parser,
@@ -557,13 +584,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="poplar-bench",
         description="poplar-ext benchmarks: the emulated-cluster demo, prediction error across stages and rank counts, "
+        "cached profiles checked at start, "
         "re-balancing under drift, activation checkpointing per device type, "
         "large-cluster simulation, search speed, runtime overhead, clean exit.",
     )
     subparsers = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{demo,predictions,drift,checkpointing,simulate,search-speed,overhead,clean-exit}",
+        metavar="{demo,predictions,calibration,drift,checkpointing,simulate,search-speed,overhead,clean-exit}",
     )
     for add in SUBCOMMANDS:
         add(subparsers)

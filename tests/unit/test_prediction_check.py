@@ -136,3 +136,24 @@ def test_the_predictions_command_draws_by_default_and_runs_the_fixed_cases_on_re
     args = build_parser().parse_args(["predictions", "--seed", "5", "--cases", "4"])
     assert (args.seed, args.cases, args.fixed, args.rounds) == (5, 4, False, 3)
     assert build_parser().parse_args(["predictions", "--fixed"]).fixed is True
+
+
+def test_the_calibration_report_says_what_the_check_cost_and_found():
+    from poplar_bench.calibration_cost import render_markdown as render_calibration
+    from poplar_bench.calibration_cost import summarize as summarize_calibration
+
+    unchecked = _report(3, {"poplar": (1.0, [1.2, 1.25, 1.3])})
+    unchecked |= {"timings_s": {"rank0_profile_s": 0.5}, "machine": {"load_average": [6.0, 5.0, 4.0]}}
+    unchecked["scenarios"][0] |= {"profiles_from_cache": True, "calibration": {}}
+    unchecked["scenarios"][0]["policies"][0]["prediction_error"] = -0.2
+    checked = {**unchecked, "timings_s": {"rank0_calibration_s": 2.5, "rank1_calibration_s": 3.0}}
+    checked["scenarios"] = [
+        {**unchecked["scenarios"][0], "calibration": {"t0": {"outcome": "rescaled", "measured_over_profiled": 1.25}}}
+    ]
+    summary = summarize_calibration([("cached, unchecked", unchecked), ("cached, checked", checked)])
+    first, second = summary["runs"]
+    assert first["calibration_s"] is None and second["calibration_s"] == 3.0, "the slowest rank's check"
+    assert second["prediction_error"] == {"poplar": -0.2}
+    text = render_calibration(summary)
+    assert "| cached, checked | cached | 3.0 | t0 1.25 rescaled |" in text
+    assert "| cached, unchecked | cached |  | not checked |" in text and "| -20.0% | 6.0 |" in text
