@@ -478,7 +478,8 @@ def _calibrated(
     if all(c.outcome == TRUSTED for c in checks.values()):
         return with_calibration(plan, checks)
     remeasure = [(t, plan.zero_stage) for t, c in sorted(checks.items()) if c.outcome == REMEASURED]
-    fresh = measure(remeasure, request.cluster, force=True) if remeasure and measure is not None else []
+    assert not remeasure or measure is not None, "initialize passes time_at_sizes with the measurer it belongs to"
+    fresh = measure(remeasure, request.cluster, force=True) if remeasure else []
 
     def search_again() -> dict[str, Any]:
         replaced = {(p.model.fingerprint, p.key) for p in fresh}
