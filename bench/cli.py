@@ -178,7 +178,7 @@ def _shown_path(path: str | Path | None) -> str | None:
 # demo
 # ----------------------------------------------------------------------------------
 def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
-    from .demo_config import DemoSettings
+    from .demo_config import CALIBRATION_MODES, DemoSettings
 
     defaults = DemoSettings()
     p = subparsers.add_parser(
@@ -238,6 +238,19 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "(default: 3,6,12 as cpu-fast, cpu-medium, cpu-slow); 2 to 4 ranks on a 2-core machine, where the sum of "
         "1/slowdown must stay within the cores",
     )
+    p.add_argument(
+        "--calibration",
+        choices=CALIBRATION_MODES,
+        default=defaults.calibration,
+        help="check profiles against micro-steps timed at start, as training runs them: cached (default: "
+        "profiles from the cache only), always (fresh ones too), off",
+    )
+    p.add_argument(
+        "--calibration-action",
+        choices=("rescale", "remeasure"),
+        default=defaults.calibration_action,
+        help="what a profile off by more than 10%% gets (default rescale: its micro-step times scaled)",
+    )
     p.set_defaults(run=_run_demo)
 
 
@@ -277,6 +290,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             global_batch_size=args.global_batch_size,
             cache_dir=args.cache_dir,
             force_profile=args.force_profile,
+            calibration=args.calibration,
+            calibration_action=args.calibration_action,
         )
     except ValueError as exc:
         print(f"poplar-bench demo: error: {exc}", file=sys.stderr)
@@ -298,19 +313,31 @@ def _run_demo(args: argparse.Namespace) -> int:
 def add_predictions_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "predictions",
-        help="prediction error of the CPU demo at every ZeRO stage and with 2 to 4 ranks",
-        description="Run the demo once per case (stages 0-3 on the default 3 ranks, stage 1 on 2 ranks, stage 2 on "
-        "4 ranks) and summarise, per case and policy, the median over the measured repetitions of "
-        "|predicted - measured| / measured iteration time (bench/prediction_check.py). Writes "
+        help="prediction error of the CPU demo on cases drawn from a seed (stages 0-3, 2-4 ranks)",
+        description="Run the demo once per case, each profiled afresh, and summarise, per case and policy, the median "
+        "over the measured repetitions of |predicted - measured| / measured iteration time "
+        "(bench/prediction_check.py). The cases are drawn from --seed (ZeRO stage 0-3, 2-4 ranks, slowdowns "
+        "whose sum of 1/slowdown spans the emulation's validity range, a global batch), or with --fixed the "
+        "fixed cases of issue 15 (stages 0-3 on the default 3 ranks, stage 1 on 2, stage 2 on 4). Writes "
         "prediction_check.json and .md, and each case's demo report under prediction_check/. "
         "About 2-3 minutes per case on a 2-core VM.",
+    )
+    p.add_argument("--seed", type=int, default=27, help="what the cases are drawn from (default 27)")
+    p.add_argument("--cases", type=_positive_int, default=6, help="cases to draw (default 6)")
+    p.add_argument("--fixed", action="store_true", help="run the fixed cases instead of drawing them")
+    p.add_argument(
+        "--calibration",
+        choices=("always", "off"),
+        default="always",
+        help="always (default): each fresh profile is checked against micro-steps timed as training runs them "
+        "and rescaled beyond 10%%; off: predictions from the profiles as measured",
     )
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
     p.add_argument(
         "--rounds",
         type=_positive_int,
-        default=5,
-        help="rounds per case, each one measured iteration per policy (default 5)",
+        default=3,
+        help="rounds per case, each one measured iteration per policy: the repetitions (default 3)",
     )
     p.add_argument("--cache-dir", type=Path, default=None, help="the demo's profile cache (default: the demo's)")
     p.add_argument(
@@ -326,11 +353,15 @@ def _run_predictions(args: argparse.Namespace) -> int:
     from . import prediction_check
 
     _warn_if_no_figure("demo")
+    fixed = args.fixed
     paths = prediction_check.run_prediction_check(
+        prediction_check.DEFAULT_CASES if fixed else prediction_check.draw_cases(args.seed, args.cases),
         out_dir=args.output_dir or default_output_dir(),
         rounds=args.rounds,
         cache_dir=args.cache_dir,
         force_profile=not args.reuse_profiles,
+        seed=None if fixed else args.seed,
+        calibration=args.calibration,
     )
     for path in paths:
         print(path)
@@ -545,9 +576,36 @@ def _run_gpu(args: argparse.Namespace) -> int:
     return run_gpu(GpuRunSettings(output_dir=args.output_dir, part=args.part, dry_run=args.dry_run, repo=Path.cwd()))
 
 
+def add_calibration_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "calibration",
+        help="what checking cached profiles at start costs and finds (three demo runs)",
+        description="Three runs of the demo on one profile cache: profiled afresh, cached and unchecked, cached and "
+        "checked at start (bench/calibration_cost.py); reports the check's time, what it found per device type and "
+        "each run's prediction error. Writes calibration.json and .md, and each run's demo report under "
+        "calibration/. About 2 minutes per run on a 2-core VM.",
+    )
+    p.add_argument("--rounds", type=_positive_int, default=2, help="rounds per run (default 2)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="the profile cache (default: a fresh temporary one)")
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.set_defaults(run=_run_calibration)
+
+
+def _run_calibration(args: argparse.Namespace) -> int:
+    from . import calibration_cost
+
+    paths = calibration_cost.run_calibration_check(
+        out_dir=args.output_dir or default_output_dir(), rounds=args.rounds, cache_dir=args.cache_dir
+    )
+    for path in paths:
+        print(path)
+    return 0
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_demo_parser,
     add_predictions_parser,
+    add_calibration_parser,
     add_drift_parser,
     add_checkpointing_parser,
     add_simulate_parser,
@@ -562,13 +620,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="poplar-bench",
         description="poplar-ext benchmarks: the emulated-cluster demo, prediction error across stages and rank counts, "
+        "cached profiles checked at start, "
         "re-balancing under drift, activation checkpointing per device type, "
         "large-cluster simulation, search speed, runtime overhead, clean exit, the CUDA path on a GPU.",
     )
     subparsers = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{demo,predictions,drift,checkpointing,simulate,search-speed,overhead,clean-exit,gpu}",
+        metavar="{demo,predictions,calibration,drift,checkpointing,simulate,search-speed,overhead,clean-exit,gpu}",
     )
     for add in SUBCOMMANDS:
         add(subparsers)

@@ -221,6 +221,8 @@ def assemble_report(
         },
         **_curves(rank_results, plans["profiles"]),
         "profiles_from_cache": all(r.get("profile_cache_hit") for r in rank_results),
+        # Each type's profile against micro-steps timed at start ({}: not checked).
+        "calibration": plans.get("calibration", {}),
         "network": plans.get("network"),
         "policies": [_policy_entry(policy, plans["policies"][policy], rank_results) for policy in POLICIES],
     }

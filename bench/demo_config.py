@@ -22,6 +22,9 @@ from poplar_search.formats import (
 
 MIB = 1 << 20
 
+CALIBRATION_MODES = ("cached", "always", "off")
+"""`DemoSettings.calibration`'s values."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class DemoDevice:
@@ -134,6 +137,14 @@ class DemoSettings:
     """What the profiler measures (`profile_model`'s ``activation_checkpointing``): the demo
     compares policies without checkpointing (``off``); ``poplar-bench checkpointing``
     profiles ``both`` ways."""
+    calibration: str = "cached"
+    """Check profiles against micro-steps timed at start, as training runs them
+    (`poplar_ext.profiler.calibration`): ``cached`` (profiles from the cache only, as a job does),
+    ``always`` (fresh ones too: the curve then holds the load training will have), ``off``."""
+    calibration_action: str = "rescale"
+    """``rescale`` or ``remeasure`` (``poplar.calibration.action``)."""
+    calibration_threshold: float = 0.1
+    """Largest |measured / profiled - 1| a profile is trusted with (``poplar.calibration.threshold``)."""
     seed: int = 0
     timeout_s: float = 600.0
     """The whole multi-rank run is abandoned (ranks killed) after this long."""
@@ -155,6 +166,16 @@ class DemoSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, found {value!r}")
+        if self.calibration not in CALIBRATION_MODES:
+            raise ValueError(f"calibration: expected one of {', '.join(CALIBRATION_MODES)}, found {self.calibration!r}")
+        if self.calibration_action not in ("rescale", "remeasure"):
+            raise ValueError(
+                f"calibration_action: expected 'rescale' or 'remeasure', found {self.calibration_action!r}"
+            )
+        if not 0.0 < self.calibration_threshold <= 10.0:
+            raise ValueError(
+                f"calibration_threshold: expected a number in (0, 10], found {self.calibration_threshold!r}"
+            )
         if self.global_batch_size < len(self.devices):
             raise ValueError(
                 f"global_batch_size: expected at least one sample per rank ({len(self.devices)}), found "

@@ -99,9 +99,15 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     )
     profiles, cache_hit = _timed(timings, "profile_s", lambda: profile_devices(settings, cluster_path))
     _say(rank, f"profiles {'from the cache' if cache_hit else 'measured'} in {timings['profile_s']:.1f} s")
+    checks: dict[str, Any] = {}
+    if settings.calibration == "always" or (settings.calibration == "cached" and cache_hit):
+        profiles, checks = _timed(
+            timings, "calibration_s", lambda: calibrate_profiles(settings, cluster_path, cluster, profiles)
+        )
+        _say(rank, f"calibration in {timings['calibration_s']:.1f} s: {calibration_text(checks)}")
 
     if rank == 0:
-        write_json_atomic(make_plans(settings, profiles, cluster, work), work / "plans.json")
+        write_json_atomic(make_plans(settings, profiles, cluster, work, checks=checks), work / "plans.json")
     dist.barrier()
     plans = read_json(work / "plans.json")
 
@@ -296,6 +302,46 @@ def profile_devices(settings: DemoSettings, cluster_path: Path) -> tuple[list[Pr
     return profiles, all(p.fingerprint in before for p in profiles)
 
 
+def calibrate_profiles(
+    settings: DemoSettings, cluster_path: Path, cluster: Cluster, profiles: list[Profile]
+) -> tuple[list[Profile], dict[str, Any]]:
+    """`profiles` checked against micro-steps timed now at the sizes the policies' plans use
+    (collective); returns the profiles to plan from (rescaled or measured again beyond the
+    threshold) and each type's check (`CalibrationCheck`)."""
+    from poplar_ext.collectives import broadcast_from_rank0
+    from poplar_ext.profiler import ProfileOptions
+    from poplar_ext.profiler.api import time_micro_steps
+    from poplar_ext.profiler.calibration import REMEASURED, apply_checks, check_profiles, plan_sizes
+    from poplar_search.network import find_network
+
+    sizes = None
+    if dist.get_rank() == 0:
+        results = search_policies(settings, profiles, cluster, find_network(settings.profiles_dir(), cluster))
+        sizes = plan_sizes([r.plan for r in results.values() if r.plan is not None])
+    sizes = broadcast_from_rank0(sizes)
+    options = ProfileOptions(
+        model_factory=lambda: _make_model(settings),
+        make_batch=lambda size: _batch(settings, size),
+        ds_config=deepspeed_config(settings),
+        cluster=cluster_path,
+        model_name="toy-gpt",
+        sequence_length=settings.model.sequence_length,
+    )
+    measured = time_micro_steps(options, sizes, zero_stage=settings.zero_stage)
+    checks = check_profiles(
+        profiles, measured, threshold=settings.calibration_threshold, action=settings.calibration_action
+    )
+    if any(c.outcome == REMEASURED for c in checks.values()):
+        # The profiler measures every type of a stage in one engine: all of them again.
+        profiles, _ = profile_devices(dataclasses.replace(settings, force_profile=True), cluster_path)
+    return apply_checks(profiles, checks), checks
+
+
+def calibration_text(checks: dict[str, Any]) -> str:
+    """One line: each type's measured / profiled and what was done."""
+    return "; ".join(f"{t} {c.measured_over_profiled:.2f}x the profile, {c.outcome}" for t, c in sorted(checks.items()))
+
+
 def _rank0_progress(line: str) -> None:
     if dist.get_rank() == 0:
         print(f"[poplar-bench demo] profiler: {line}", file=sys.stderr, flush=True)
@@ -304,22 +350,12 @@ def _rank0_progress(line: str) -> None:
 # ----------------------------------------------------------------------------------
 # Phase 2: plans (rank 0)
 # ----------------------------------------------------------------------------------
-def make_plans(settings: DemoSettings, profiles: list[Profile], cluster: Cluster, work: Path) -> dict[str, Any]:
-    """Search every policy, write each plan to ``plan-<policy>.json`` in `work`, and
-    return what `bench.demo.assemble_report` reads as ``plans``."""
-    from poplar_search import predict, search_plan
-    from poplar_search.network import find_network, network_to_dict
+def search_policies(settings: DemoSettings, profiles: list[Profile], cluster: Cluster, network: Any) -> dict[str, Any]:
+    """Policy -> the search's result for the demo's batch and stage."""
+    from poplar_search import search_plan
 
-    # The profiler measured the network beside the profiles: communication is priced.
-    network = find_network(settings.profiles_dir(), cluster)
-    out: dict[str, Any] = {"policies": {}, "cluster": cluster_to_dict(cluster)}
-    out["network"] = None
-    if network is not None:  # the fits, without the samples behind them
-        out["network"] = network_to_dict(network)
-        for fit in out["network"]["collectives"].values():
-            del fit["samples"]
-    for policy in POLICIES:
-        result = search_plan(
+    return {
+        policy: search_plan(
             profiles,
             cluster,
             global_batch_size=settings.global_batch_size,
@@ -327,15 +363,45 @@ def make_plans(settings: DemoSettings, profiles: list[Profile], cluster: Cluster
             policy=policy,
             network=network,
         )
+        for policy in POLICIES
+    }
+
+
+def make_plans(
+    settings: DemoSettings,
+    profiles: list[Profile],
+    cluster: Cluster,
+    work: Path,
+    *,
+    checks: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Search every policy, write each plan to ``plan-<policy>.json`` in `work`, and
+    return what `bench.demo.assemble_report` reads as ``plans``. `checks`: the profiles'
+    calibration (`calibrate_profiles`), recorded in every plan and in ``calibration``."""
+    from poplar_ext.profiler.calibration import with_calibration
+    from poplar_search import predict
+    from poplar_search.network import find_network, network_to_dict
+
+    # The profiler measured the network beside the profiles: communication is priced.
+    network = find_network(settings.profiles_dir(), cluster)
+    out: dict[str, Any] = {"policies": {}, "cluster": cluster_to_dict(cluster)}
+    out["calibration"] = {t: c.to_dict() for t, c in sorted((checks or {}).items())}
+    out["network"] = None
+    if network is not None:  # the fits, without the samples behind them
+        out["network"] = network_to_dict(network)
+        for fit in out["network"]["collectives"].values():
+            del fit["samples"]
+    for policy, result in search_policies(settings, profiles, cluster, network).items():
         if result.status != "ok":
             out["policies"][policy] = {"status": result.status, "message": result.message, "plan": None}
             continue
-        save_plan(result.plan, work / f"plan-{policy}.json")
-        prediction = predict(result.plan, profiles, network)
+        plan = with_calibration(result.plan, checks) if checks else result.plan
+        save_plan(plan, work / f"plan-{policy}.json")
+        prediction = predict(plan, profiles, network)
         out["policies"][policy] = {
             "status": "ok",
             "message": result.message,
-            "plan": plan_to_dict(result.plan),
+            "plan": plan_to_dict(plan),
             "predicted_busy_s": [float(t) for t in prediction.rank_busy_time_s],
             "predicted_compute_s": [float(t) for t in prediction.rank_compute_time_s],
             "predicted_boundary": {
@@ -348,7 +414,7 @@ def make_plans(settings: DemoSettings, profiles: list[Profile], cluster: Cluster
                 "samples_per_s": float(prediction.samples_per_s),
             },
         }
-        out["ideal_predicted"] = max(out.get("ideal_predicted", 0.0), result.plan.predicted.ideal_samples_per_s)
+        out["ideal_predicted"] = max(out.get("ideal_predicted", 0.0), plan.predicted.ideal_samples_per_s)
     first = profiles[0]
     out["model"] = {
         "name": first.model.name,

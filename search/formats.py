@@ -465,6 +465,10 @@ class Plan:
     predicted: Prediction
     profile_fingerprints: dict[str, str]
     """Device type -> `Profile.fingerprint` of the profile the plan was made from."""
+    calibration: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Device type -> what the check of a cached profile at start did (`poplar_ext.profiler.calibration`):
+    ``{"outcome": "trusted" | "rescaled" | "remeasured" | "not checked", "measured_over_profiled": 1.23,
+    "sizes": [8]}``. Empty: no profile was checked (a plan file, fresh profiles, or a search's plan)."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     @property
@@ -523,7 +527,27 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
             ideal_samples_per_s=p.field("ideal_samples_per_s").number(positive=True),
         ),
         profile_fingerprints=fingerprints,
+        calibration=_calibration(root.optional("calibration")),
     )
+
+
+CALIBRATION_OUTCOMES = ("trusted", "rescaled", "remeasured", "not checked")
+"""`Plan.calibration`'s outcomes (`poplar_ext.profiler.calibration` decides them)."""
+
+
+def _calibration(node: Node | None) -> dict[str, dict[str, Any]]:
+    """``calibration`` (absent in plans written before it, or made without a check: empty)."""
+    if node is None:
+        return {}
+    checks = {}
+    for device_type, entry in node.entries():
+        entry.obj().keys_within(("outcome", "measured_over_profiled", "sizes"))
+        checks[device_type] = {
+            "outcome": entry.field("outcome").string(choices=CALIBRATION_OUTCOMES),
+            "measured_over_profiled": entry.field("measured_over_profiled").number(positive=True),
+            "sizes": [size.integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE) for size in entry.field("sizes").items()],
+        }
+    return checks
 
 
 def _optional_boolean(node: Node, key: str) -> bool:
@@ -546,6 +570,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """The JSON form of a plan."""
     data = dataclasses.asdict(plan)
     data["ranks"] = [dataclasses.asdict(r) for r in plan.ranks]
+    if not plan.calibration:
+        del data["calibration"]  # plans without a check read as before
     return {"schema_version": data.pop("schema_version"), **data}
 
 

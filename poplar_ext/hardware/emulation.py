@@ -26,6 +26,15 @@ from a given optimizer step on (`scheduled_slowdown`); the engine sets
 `ComputeSlowdown.slowdown` after every optimizer step, so that tests and the bench
 can make one device slower or faster in the middle of a run.
 
+Where an emulation holds (docs/limits.md): the padding works while a computing rank has a core
+to itself, so that its wall time is its CPU time and the rest of the target is sleep. The ranks
+of one machine keep ``sum over them of 1 / slowdown`` cores busy (`core_demand`); with other
+processes' load on top, a rank waits for a core, its compute's wall time exceeds ``slowdown x
+CPU time`` and it runs above its profile (bench/results/emulation_load/: thread CPU time stayed
+within 8% of the profile's while the wall time overran it by up to 5x on a 2-core machine whose
+load average was 5-8). `check_emulation_range` warns (`EmulationRangeWarning`) where the demand
+exceeds the cores and logs a warning where the load average on top does.
+
 How a memory capacity is applied: `check_emulated_memory` compares a measured peak
 (see the profiler's memory measurement) with the capacity and raises
 `EmulatedOutOfMemoryError`, a `RuntimeError` like a real out-of-memory. An emulated
@@ -36,15 +45,83 @@ the measured peak before the comparison, as a real device would not hold it.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
+import warnings
+from collections.abc import Iterable
 from typing import Any
 
 from poplar_ext.hardware.compute_clock import Clock, clock_now
 from poplar_search.formats import Cluster, Emulation
 
+logger = logging.getLogger(__name__)
+
 
 class EmulatedOutOfMemoryError(RuntimeError):
     """A measured peak exceeded an emulated device's memory capacity."""
+
+
+class EmulationRangeWarning(UserWarning):
+    """The emulated ranks of one machine keep more cores busy than it has (sum of 1/slowdown): they
+    wait for cores and their compute runs above its profile, whatever the plan (module docstring)."""
+
+
+def core_demand(slowdowns: Iterable[float]) -> float:
+    """Cores that ranks at these slowdowns keep busy: the sum of 1/slowdown (a slowdown below 1 counts as 1)."""
+    return sum(1.0 / max(1.0, s) for s in slowdowns)
+
+
+def node_slowdowns(cluster: Cluster) -> dict[str, list[float]]:
+    """Node name -> the slowdown of each of its emulated ranks (nodes without any left out)."""
+    found: dict[str, list[float]] = {}
+    for node in cluster.nodes:
+        for group in node.devices:
+            emulation = cluster.emulation_of(group.device_type)
+            if emulation is not None:
+                found.setdefault(node.name, []).extend([emulation.slowdown] * group.count)
+    return found
+
+
+def check_emulation_range(
+    cluster: Cluster, *, cores: int | None = None, load_average: float | None = None
+) -> dict[str, float]:
+    """Each node's core demand (`core_demand` of its emulated ranks), warned about outside the range.
+
+    Every node is taken to be a machine like this one (`cores`: default its usable cores). Beyond
+    the cores: `EmulationRangeWarning`. Within them but beyond with `load_average` (default this
+    machine's 1-minute load average, other processes' and these ranks' own) on top: a logged
+    warning, since the load may pass.
+    """
+    cores = cores or _usable_cores()
+    if load_average is None:
+        load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    demands = {name: core_demand(slowdowns) for name, slowdowns in node_slowdowns(cluster).items()}
+    for name, demand in demands.items():
+        if demand > cores:
+            warnings.warn(
+                f"emulated devices on {name}: the ranks keep {demand:.2f} cores busy (sum of 1/slowdown) and the "
+                f"machine has {cores}: they will wait for cores and run above their profiles; use larger slowdowns "
+                "(docs/limits.md)",
+                EmulationRangeWarning,
+                stacklevel=2,
+            )
+        elif demand + load_average > cores:
+            logger.warning(
+                "emulated devices on %s: the ranks keep %.2f cores busy and the load average is %.1f on %d cores: "
+                "while the load lasts, ranks wait for cores and run above their profiles (docs/limits.md)",
+                name,
+                demand,
+                load_average,
+                cores,
+            )
+    return demands
+
+
+def _usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def emulation_for_rank(cluster: Cluster, rank: int) -> Emulation | None:
@@ -199,7 +276,11 @@ class ComputeSlowdown:
 __all__ = [
     "ComputeSlowdown",
     "EmulatedOutOfMemoryError",
+    "EmulationRangeWarning",
     "check_emulated_memory",
+    "check_emulation_range",
+    "core_demand",
+    "node_slowdowns",
     "device_label",
     "emulation_for_rank",
     "host_resident_optimizer_bytes",

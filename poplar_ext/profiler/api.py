@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -29,7 +30,7 @@ from poplar_ext.activation_checkpointing import (
     cannot_checkpoint_message,
     checkpointing_toggle,
 )
-from poplar_ext.collectives import broadcast_from_rank0
+from poplar_ext.collectives import broadcast_from_rank0, gather_objects
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.emulation import device_label
@@ -472,4 +473,56 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
     )
 
 
-__all__ = ["ProfileOptions", "log_progress", "profile_model", "profile_with", "training_dtype"]
+def time_micro_steps(
+    options: ProfileOptions,
+    sizes: Mapping[str, list[int]],
+    *,
+    zero_stage: int,
+    activation_checkpointing: bool = False,
+    optimizer_offload: bool = False,
+) -> dict[str, dict[int, float]]:
+    """Device type -> micro-batch size -> median micro-step time, timed as training runs them (collective).
+
+    For calibration (`poplar_ext.profiler.calibration`): one engine at `zero_stage` with the given
+    memory levers, built from `options` as profiling builds it; every rank runs its type's sizes
+    (`sizes`) at once, an emulated rank padded to its slowdown and timed by wall clock
+    (`MeasureSettings.as_training`); `options.warmup_micro_steps` then `options.repeats` per size.
+    Each type's time is the median over its ranks. The same dict on every rank.
+
+    On CPU at ZeRO-2/3 a micro-step's wall time holds its collectives, which a CPU profile leaves
+    to the cost model: there micro-steps are timed as profiling times them (thread CPU time x
+    slowdown), which sees another machine's speed but not waiting for a core.
+    """
+    options, settings = _checked(dataclasses.replace(options, zero_stages=(zero_stage,)))
+    device = join_job()
+    settings = dataclasses.replace(settings, as_training=device.type != "cpu" or zero_stage in (0, 1))
+    with _measuring_process(device):
+        layout = build_layout(options.cluster, device)
+        session = _start_session(options, settings, layout)
+        run = _Run(zero_stage, activation_checkpointing, optimizer_offload)
+        wanted = {t: sorted(set(v)) for t, v in sizes.items() if t in layout.type_names and v}
+        mine = StageMeasurement(
+            layout=layout,
+            zero_stage=zero_stage,
+            types_to_measure=tuple(wanted),
+            build_engine=lambda _stage: session.build_engine(run),
+            make_batch=options.make_batch,
+            loss_fn=options.loss_fn,
+            settings=settings,
+        ).time_sizes(wanted)
+        gathered = gather_objects((layout.my_type, mine))
+    by_type: dict[str, dict[int, list[float]]] = {}
+    for device_type, times in gathered:
+        for size, time_s in times.items():
+            by_type.setdefault(device_type, {}).setdefault(size, []).append(time_s)
+    return {t: {size: statistics.median(v) for size, v in per.items()} for t, per in by_type.items()}
+
+
+__all__ = [
+    "ProfileOptions",
+    "log_progress",
+    "profile_model",
+    "profile_with",
+    "time_micro_steps",
+    "training_dtype",
+]

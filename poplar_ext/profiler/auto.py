@@ -17,11 +17,17 @@ from typing import Any
 
 import torch
 
-from poplar_search.formats import Cluster, Profile
+from poplar_search.formats import Cluster, Plan, Profile
 
-MeasureMissing = Callable[[list[tuple[str, int]], Cluster], list[Profile]]
-"""``measure(missing, cluster) -> profiles``: the (device type, stage) pairs measured; collective
-(every rank calls it alike). `poplar_ext.runtime.planning` calls one when profiles are missing."""
+MeasureMissing = Callable[..., list[Profile]]
+"""``measure(missing, cluster, force=False) -> profiles``: the (device type, stage) pairs measured
+(`force`: even those in the cache, to measure a stale one again); collective (every rank calls it
+alike). `poplar_ext.runtime.planning` calls one when profiles are missing or stale."""
+
+TimeAtSizes = Callable[[Mapping[str, list[int]], Plan, Cluster], dict[str, dict[int, float]]]
+"""``time_at_sizes(sizes, plan, cluster) -> {device type: {size: seconds}}``: micro-steps timed as
+training runs them at `plan`'s stage and memory levers (`poplar_ext.profiler.api.time_micro_steps`);
+collective. `poplar_ext.runtime.planning` calls one to check cached profiles (calibration)."""
 
 
 def _constructor_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -62,6 +68,7 @@ def missing_profiles_measurer(
     loss_fn: Callable[[Any, Any], Any] | None = None,
     checkpointing_toggle: Callable[[torch.nn.Module, bool], None] | None = None,
     optimizer_offload: str = "off",
+    calibration_repeats: int = 3,
 ) -> MeasureMissing:
     """A function that measures missing profiles with initialize's model and data (collective).
 
@@ -75,6 +82,8 @@ def missing_profiles_measurer(
     Where the model can switch activation checkpointing (built in, or
     `checkpointing_toggle`), both variants are measured, as `profile_model` does by default;
     `optimizer_offload` (``poplar.optimizer_offload``) is passed on to `profile_model`.
+    The result's ``time_at_sizes`` attribute is a `TimeAtSizes` on the same model and data
+    (`calibration_repeats` micro-steps per size), for checking cached profiles.
     """
     from poplar_ext.profiler import log_progress, profile_model
     from poplar_ext.profiler.options import ProfileOptions
@@ -87,28 +96,51 @@ def missing_profiles_measurer(
     def make_batch(micro_batch_size: int) -> Any:
         return collate([training_data[i % len(training_data)] for i in range(micro_batch_size)])
 
-    def measure(missing: list[tuple[str, int]], cluster: Cluster) -> list[Profile]:
-        stages = sorted({stage for _, stage in missing})
-        profiles = profile_model(
+    def options(cluster: Cluster, **more: Any) -> dict[str, Any]:
+        """`profile_model`'s keywords (`ProfileOptions`' fields) on initialize's model and data."""
+        return dict(
             # initialize measures before DeepSpeed sees `model`: it is still as the user built it.
             model_factory=lambda: copy.deepcopy(model),
             make_batch=make_batch,
             ds_config=ds_config,
             cluster=cluster,
-            zero_stages=stages,
-            cache_dir=profiles_dir,
-            progress=log_progress if progress is None else progress,
             optimizer_factory=optimizer_factory,
             loss_fn=loss_fn,
             model_name=type(model).__name__.lower(),
-            micro_batch_size_limit=micro_batch_size_limit or ProfileOptions.micro_batch_size_limit,
             checkpointing_toggle=checkpointing_toggle,
-            optimizer_offload=optimizer_offload,
+            **more,
+        )
+
+    def measure(missing: list[tuple[str, int]], cluster: Cluster, force: bool = False) -> list[Profile]:
+        stages = sorted({stage for _, stage in missing})
+        profiles = profile_model(
+            **options(
+                cluster,
+                zero_stages=stages,
+                cache_dir=profiles_dir,
+                force=force,
+                progress=log_progress if progress is None else progress,
+                micro_batch_size_limit=micro_batch_size_limit or ProfileOptions.micro_batch_size_limit,
+                optimizer_offload=optimizer_offload,
+            )
         )
         wanted = set(missing)
         return [p for p in profiles if (p.device_type, p.zero_stage) in wanted]
 
+    def time_at_sizes(sizes: Mapping[str, list[int]], plan: Plan, cluster: Cluster) -> dict[str, dict[int, float]]:
+        from poplar_ext.profiler.api import time_micro_steps
+
+        first = plan.ranks[0]
+        return time_micro_steps(
+            ProfileOptions(**options(cluster, repeats=calibration_repeats)),
+            sizes,
+            zero_stage=plan.zero_stage,
+            activation_checkpointing=first.activation_checkpointing,
+            optimizer_offload=first.optimizer_offload,
+        )
+
+    measure.time_at_sizes = time_at_sizes  # type: ignore[attr-defined]  # the same inputs, for calibration
     return measure
 
 
-__all__ = ["MeasureMissing", "missing_profiles_measurer"]
+__all__ = ["MeasureMissing", "TimeAtSizes", "missing_profiles_measurer"]

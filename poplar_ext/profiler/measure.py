@@ -33,6 +33,7 @@ import torch
 from poplar_ext.collectives import agree_max, barrier, gather_objects
 from poplar_ext.hardware.compute_clock import time_compute
 from poplar_ext.hardware.emulation import (
+    ComputeSlowdown,
     EmulatedOutOfMemoryError,
     check_emulated_memory,
     host_resident_optimizer_bytes,
@@ -68,6 +69,11 @@ class MeasureSettings:
     """Sizes for the time curve; None: a dense geometric set up to the largest that fits."""
     memory_margin: float = 0.1
     """Fraction of a real device's memory kept free where probing past the prediction is unsafe."""
+    as_training: bool = False
+    """Time each micro-step as training runs it: an emulated rank padded to its slowdown (it sleeps,
+    `ComputeSlowdown`) and timed by wall clock, so that waiting for a core under the ranks' training
+    duty cycles counts (calibration, `poplar_ext.profiler.calibration`). False: own compute time x
+    slowdown, without sleeping (profiling)."""
 
     def __post_init__(self) -> None:
         if self.warmup_micro_steps < 0:
@@ -233,11 +239,21 @@ class StageMeasurement:
         self.engine.step()
 
     def _timed_micro_step(self, size: int) -> float:
-        """Own time of one non-boundary micro-step, in seconds."""
+        """Own time of one non-boundary micro-step, in seconds (as training spends it with `as_training`)."""
+        if self.settings.as_training:
+            return self._micro_step_as_trained(size)
         elapsed_s = time_compute(self.layout.device, lambda: self._micro_step(size, boundary=False))
         emulation = self.layout.emulations[self.layout.my_type]
         slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
         return elapsed_s * slowdown
+
+    def _micro_step_as_trained(self, size: int) -> float:
+        emulation = self.layout.emulations[self.layout.my_type]
+        padded = ComputeSlowdown(emulation, clock="cuda" if self.layout.device.type == "cuda" else "thread")
+        started = time.perf_counter()
+        with padded:
+            self._micro_step(size, boundary=False)
+        return time.perf_counter() - started
 
     def _device_bytes(self, peak_bytes: int) -> int:
         """The part of a measured peak the device holds: on CPU an emulated device's
@@ -482,6 +498,27 @@ class StageMeasurement:
         finally:
             self._drop_engine()
         return self._results(records, boundary_s, abandoned)
+
+    def time_sizes(self, sizes: Mapping[str, list[int]]) -> dict[int, float]:
+        """This rank's median micro-step time at each size `sizes` gives its device type (collective).
+
+        Trial i runs every type's i-th size at once (a type with fewer sizes repeats none; its
+        ranks run micro-batch 1 unmeasured), as `run` sweeps. No probe, no boundary: only the
+        sizes asked for. A size that does not fit is left out of the result.
+        """
+        my_type = self.layout.my_type
+        mine: dict[int, float] = {}
+        try:
+            if not self._start_engine({}):
+                raise _StageAbandoned("a real out-of-memory at micro-batch 1")
+            for index in range(max((len(v) for v in sizes.values()), default=0)):
+                trial = {t: v[index] for t, v in sizes.items() if index < len(v)}
+                outcome = self._trial(trial)
+                if my_type in trial and outcome.flags[my_type] == _OK and outcome.own_times_s:
+                    mine[trial[my_type]] = statistics.median(outcome.own_times_s)
+        finally:
+            self._drop_engine()
+        return mine
 
     def _probing_past_prediction_is_safe(self, device_type: str) -> bool:
         # Emulated capacities are checked after the micro-step, outside any collective.

@@ -25,10 +25,15 @@ but the three a job names itself (`cluster`, `profiles`, `global_batch_size`)::
             "threshold": 0.2,
             "min_gain": 0.05,
             "sustained_checks": 2
+        },
+        "calibration": {
+            "action": "rescale",
+            "threshold": 0.1,
+            "repeats": 3
         }
     }
 
-What each key means, and its default, is on the fields of `PoplarConfig` and `RebalanceConfig`
+What each key means, and its default, is on the fields of `PoplarConfig`, `RebalanceConfig` and `CalibrationConfig`
 (tests/unit/test_config.py holds the example to them). Errors name the file and the field:
 ``ds.json: poplar.seed: expected an integer >= 0, found number -1``.
 
@@ -45,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from poplar_ext.optimizer_offload import OFFLOAD_MODES
+from poplar_ext.profiler.calibration import CALIBRATION_ACTIONS
 from poplar_ext.reductions import REDUCTIONS
 from poplar_search.errors import FormatError
 from poplar_search.formats import MAX_GLOBAL_BATCH_SIZE, POLICIES, ZERO_STAGES, Plan, read_json
@@ -83,6 +89,23 @@ class RebalanceConfig:
     sustained_checks: int = 2
     """A drift counts only when it holds over this many consecutive checks (one noisy interval is
     not a drift)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationConfig:
+    """``poplar.calibration``: cached profiles checked at start before a plan is searched from them
+    (`poplar_ext.profiler.calibration`); only in the automatic mode, where initialize has the model and data."""
+
+    action: str = "rescale"
+    """What a device type whose timed micro-steps are off its cached profile by more than `threshold`
+    gets: ``rescale`` (its curve's micro-step times scaled by measured / profiled), ``remeasure``
+    (profiled again, the cache updated) or ``off`` (no check, nothing timed). The plan records which
+    (``calibration`` in the plan and in ``engine.plan_history``) and the log says it."""
+    threshold: float = 0.1
+    """Largest |measured / profiled - 1| (median over the plan's micro-batch sizes) a profile is
+    trusted with as it is (0.1: 10%)."""
+    repeats: int = 3
+    """Micro-steps timed per size (after one warm-up); all ranks at once, as training runs them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +154,8 @@ class PoplarConfig:
     choose it for them) or ``both`` (every type). Only profiles the directory lacks are measured."""
     rebalance: RebalanceConfig = RebalanceConfig()
     """Re-planning during training when devices drift (``poplar.rebalance``, see `RebalanceConfig`)."""
+    calibration: CalibrationConfig = CalibrationConfig()
+    """Cached profiles checked at start (``poplar.calibration``, see `CalibrationConfig`)."""
     source: str = DICT_SOURCE
     """The DeepSpeed config file the section came from (not a key of the section: for messages)."""
 
@@ -185,6 +210,22 @@ def _rebalance(node: Node | None) -> RebalanceConfig:
     )
 
 
+_CALIBRATION_KEYS = tuple(f.name for f in fields(CalibrationConfig))
+
+
+def _calibration(node: Node | None) -> CalibrationConfig:
+    if node is None:
+        return CalibrationConfig()
+    node.obj().keys_within(_CALIBRATION_KEYS)
+    defaults = CalibrationConfig()
+    action, threshold, repeats = (node.optional(key) for key in _CALIBRATION_KEYS)
+    return CalibrationConfig(
+        action=defaults.action if action is None else action.string(choices=CALIBRATION_ACTIONS),
+        threshold=defaults.threshold if threshold is None else threshold.number(positive=True, maximum=10.0),
+        repeats=defaults.repeats if repeats is None else repeats.integer(minimum=1, maximum=100),
+    )
+
+
 def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_SOURCE) -> PoplarConfig:
     """Validate the ``poplar`` section; raises `FormatError` (a ValueError) naming `source` and the field.
 
@@ -230,6 +271,7 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
         steady_cpu_allocator=defaults.steady_cpu_allocator if steady is None else steady.boolean(),
         optimizer_offload=defaults.optimizer_offload if offload is None else offload.string(choices=OFFLOAD_MODES),
         rebalance=_rebalance(root.optional("rebalance")),
+        calibration=_calibration(root.optional("calibration")),
         source=source,
     )
 

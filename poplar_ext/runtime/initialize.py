@@ -48,6 +48,7 @@ from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts
 from poplar_ext.hardware.emulation import (
     ComputeSlowdown,
+    check_emulation_range,
     device_label,
     emulation_for_rank,
 )
@@ -213,6 +214,8 @@ def prepare_job(
         global_batch = default_global_batch
     # The hardware is the truth: the cluster file (rank 0's) is checked against every rank's device.
     cluster = agreed_cluster(poplar_config.cluster, gather_device_facts(device), rank=rank, name=f"{SECTION}.cluster")
+    if rank == 0:
+        check_emulation_range(cluster)  # warns where emulated ranks would wait for cores
     model_fingerprint = None
     if poplar_config.profiles is not None and model is not None:
         from poplar_ext.profiler.fingerprint import model_fingerprint as fingerprint_of
@@ -237,6 +240,7 @@ def prepare_job(
             else poplar_config.max_global_batch_size,
             checkpointing_toggle=checkpointing_toggle,
             optimizer_offload=poplar_config.optimizer_offload,
+            calibration_repeats=poplar_config.calibration.repeats,
         )
     directory = ProfileDirectory(poplar_config, cluster)
     plan = resolve_plan(
@@ -250,6 +254,8 @@ def prepare_job(
         broadcast=broadcast_from_rank0,
         measure_missing=measure_missing,
         directory=directory,
+        # Cached profiles are checked with the same model and data (poplar.calibration).
+        time_at_sizes=None if measure_missing is None else measure_missing.time_at_sizes,
     )
     return Job(
         ds_config=ds_config,

@@ -8,6 +8,12 @@ files only it can see. Missing profiles are measured by every rank together when
 directory and its network file once per job start: a `ProfileDirectory` carries what it
 read to the search and on to re-balancing (`load_rebalance_inputs`).
 
+Cached profiles are checked before a plan is searched from them, where initialize can time
+micro-steps (the automatic mode, ``poplar.calibration``): every rank times a few at the sizes
+the plan gives its type, rank 0 compares them with the profiles, and beyond the threshold the
+curve is rescaled or measured again (`poplar_ext.profiler.calibration`); the plan is searched
+again and records which (``Plan.calibration``), and the log says it.
+
 A plan file made from other profiles than those in ``poplar.profiles`` (another
 measurement, another model) still runs when it fits them, but its predictions are
 not those of the profiles present: `resolve_plan` then warns (`StalePlanWarning`,
@@ -18,13 +24,23 @@ by hand carries no fingerprints and is not compared. Make the warning an error w
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from poplar_ext.collectives import decided_by_rank0
-from poplar_ext.profiler.auto import MeasureMissing
+from poplar_ext.profiler.auto import MeasureMissing, TimeAtSizes
+from poplar_ext.profiler.calibration import (
+    REMEASURED,
+    TRUSTED,
+    CalibrationCheck,
+    apply_checks,
+    check_profiles,
+    plan_sizes,
+    with_calibration,
+)
 from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
 from poplar_search.errors import FormatError
 from poplar_search.formats import (
@@ -40,6 +56,9 @@ from poplar_search.pipeline_formats import load_any_plan
 
 if TYPE_CHECKING:
     from poplar_search.network import NetworkProfile
+
+
+logger = logging.getLogger(__name__)
 
 
 class StalePlanWarning(UserWarning):
@@ -284,6 +303,7 @@ def resolve_plan(
     broadcast: Callable[[Any], Any],
     measure_missing: MeasureMissing | None = None,
     directory: ProfileDirectory | None = None,
+    time_at_sizes: TimeAtSizes | None = None,
 ) -> Plan:
     """The plan this job runs, checked; raises the same ValueError on every rank if it cannot.
 
@@ -293,7 +313,9 @@ def resolve_plan(
     ``poplar.global_batch_size`` says): a plan file must have it, the search uses it
     (``"auto"``: picks one). `broadcast(obj)` returns rank 0's `obj` on every rank.
     `directory`: rank 0's reading of ``poplar.profiles``, to pass on to what reads it next
-    (re-balancing); default: a fresh one.
+    (re-balancing); default: a fresh one. `time_at_sizes`: times micro-steps as training runs
+    them (collective); given, a plan searched from cached profiles is checked against it first
+    (``poplar.calibration``, see the module docstring).
 
     Only rank 0 reads files (the plan, the profiles): the other ranks' nodes need
     none of them. Rank 0 decides and broadcasts (`decided_by_rank0`): the plan, or
@@ -314,7 +336,9 @@ def resolve_plan(
     )
     if poplar_config.plan is not None:
         return _plan_from_file(request, rank=rank, broadcast=broadcast)
-    return _plan_searched_at_start(request, rank=rank, broadcast=broadcast, measure_missing=measure_missing)
+    return _plan_searched_at_start(
+        request, rank=rank, broadcast=broadcast, measure_missing=measure_missing, time_at_sizes=time_at_sizes
+    )
 
 
 _SEARCHED_AT_START = "<plan searched at start>"  # how messages name it
@@ -378,7 +402,12 @@ def _plan_from_file(request: _PlanRequest, *, rank: int, broadcast: Callable[[An
 
 
 def _plan_searched_at_start(
-    request: _PlanRequest, *, rank: int, broadcast: Callable[[Any], Any], measure_missing: MeasureMissing | None
+    request: _PlanRequest,
+    *,
+    rank: int,
+    broadcast: Callable[[Any], Any],
+    measure_missing: MeasureMissing | None,
+    time_at_sizes: TimeAtSizes | None = None,
 ) -> Plan:
     """Rank 0 says which profiles are missing, every rank measures them, rank 0 searches."""
     poplar_config = request.poplar_config
@@ -401,7 +430,66 @@ def _plan_searched_at_start(
         )
         return plan_to_dict(request.checked(_search(request, profiles), profiles, _SEARCHED_AT_START))
 
-    return plan_from_dict(decided_by_rank0(search, rank=rank, broadcast=broadcast), source=_SEARCHED_AT_START)
+    plan = plan_from_dict(decided_by_rank0(search, rank=rank, broadcast=broadcast), source=_SEARCHED_AT_START)
+    if time_at_sizes is None or poplar_config.calibration.action == "off":
+        return plan
+    cached = {t: s for t, s in plan_sizes([plan]).items() if all(t != measured for measured, _ in missing)}
+    if not cached:
+        return plan  # every profile was measured just now
+    return _calibrated(
+        request, plan, cached, rank=rank, broadcast=broadcast, time_at_sizes=time_at_sizes, measure=measure_missing
+    )
+
+
+def _calibrated(
+    request: _PlanRequest,
+    plan: Plan,
+    sizes: dict[str, list[int]],
+    *,
+    rank: int,
+    broadcast: Callable[[Any], Any],
+    time_at_sizes: TimeAtSizes,
+    measure: MeasureMissing | None,
+) -> Plan:
+    """`plan`, or the plan searched again from the cached profiles checked against micro-steps timed now
+    at `sizes` (device type -> the plan's sizes); collective. The result records the checks."""
+    settings = request.poplar_config.calibration
+    if len({(r.activation_checkpointing, r.optimizer_offload) for r in plan.ranks}) > 1:
+        # One engine times every rank: the ranks' memory levers must agree (the plan alike on every rank).
+        logger.info("poplar.calibration: not checked (the plan's ranks use different memory levers)")
+        return plan
+    measured = time_at_sizes(sizes, plan, request.cluster)  # collective
+
+    def decide() -> dict[str, CalibrationCheck]:
+        from poplar_search.levers import profiles_for_plan
+
+        profiles = profiles_for_plan(plan, request.directory.profiles(request.model_fingerprint))
+        return check_profiles(profiles, measured, threshold=settings.threshold, action=settings.action)
+
+    checks = decided_by_rank0(decide, rank=rank, broadcast=broadcast)
+    for check in checks.values():
+        logger.info(
+            "poplar.calibration: %s ran %.2fx its cached profile at micro-batch %s: %s",
+            check.device_type,
+            check.measured_over_profiled,
+            ", ".join(map(str, check.sizes)),
+            check.outcome,
+        )
+    if all(c.outcome == TRUSTED for c in checks.values()):
+        return with_calibration(plan, checks)
+    remeasure = [(t, plan.zero_stage) for t, c in sorted(checks.items()) if c.outcome == REMEASURED]
+    assert not remeasure or measure is not None, "initialize passes time_at_sizes with the measurer it belongs to"
+    fresh = measure(remeasure, request.cluster, force=True) if remeasure else []
+
+    def search_again() -> dict[str, Any]:
+        replaced = {(p.model.fingerprint, p.key) for p in fresh}
+        stored = request.directory.profiles(request.model_fingerprint)
+        profiles = apply_checks([p for p in stored if (p.model.fingerprint, p.key) not in replaced] + fresh, checks)
+        searchable = _searchable(profiles, request.cluster, request.zero_stage)
+        again = request.checked(_search(request, searchable), searchable, _SEARCHED_AT_START)
+        return plan_to_dict(with_calibration(again, checks))
+
+    return plan_from_dict(decided_by_rank0(search_again, rank=rank, broadcast=broadcast), source=_SEARCHED_AT_START)
 
 
 def _profiles_to_measure(request: _PlanRequest, *, measurable: bool) -> list[tuple[str, int]]:

@@ -45,6 +45,16 @@ def test_demo_trains_every_policy_and_reuses_profiles(tmp_path):
     assert scenario["ideal_samples_per_s"]["measured"] > 0
     assert {g["goal"] for g in scenario["goals"]} >= {"poplar share of the measured ideal", "poplar faster than uniform"}
 
+    assert scenario["calibration"] == {}, "fresh profiles are not checked by default"
     again = json.loads(run_demo(settings, out_dir=tmp_path / "out2", name="demo")[0].read_text())
     assert again["scenarios"][0]["profiles_from_cache"] is True
-    assert again["scenarios"][0]["device_types"] == scenario["device_types"]
+    # The same profiles, but for what a rescaled one says of its rescaling.
+    types = again["scenarios"][0]["device_types"]
+    calibrated = {t: info["profile"].pop("calibration", None) for t, info in types.items()}
+    assert types == scenario["device_types"]
+    # Cached profiles were timed at start against their curves, and every plan records it.
+    checks = again["scenarios"][0]["calibration"]
+    assert set(checks) == set(scenario["device_types"])
+    assert all(c["outcome"] in ("trusted", "rescaled") and c["sizes"] for c in checks.values())
+    assert all((calibrated[t] is not None) == (c["outcome"] == "rescaled") for t, c in checks.items())
+    assert again["timings_s"]["rank0_calibration_s"] > 0

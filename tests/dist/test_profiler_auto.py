@@ -58,7 +58,14 @@ def _train_from_nothing(cluster_path: str, profiles_dir: str) -> dict:
         "global_batch": engine.plan.global_batch_size,
         "steps": engine.global_steps,
         "losses": losses,
+        "calibration": engine.plan.calibration,
+        "history_calibration": engine.plan_history[0]["plan"].get("calibration"),
     }
+
+
+def _train_twice(cluster_path: str, profiles_dir: str) -> list[dict]:
+    """From nothing, then again from the profiles the first run cached (checked at start: calibration)."""
+    return [_train_from_nothing(cluster_path, profiles_dir) for _ in range(2)]
 
 
 def test_initialize_profiles_searches_and_trains_from_nothing(tmp_path) -> None:
@@ -72,9 +79,10 @@ def test_initialize_profiles_searches_and_trains_from_nothing(tmp_path) -> None:
         },
     }))
     profiles_dir = tmp_path / "profiles"
-    results = run_ranks(
-        _train_from_nothing, world_size=2, tmp_path=tmp_path, args=(str(cluster), str(profiles_dir)), timeout_s=240
+    both = run_ranks(
+        _train_twice, world_size=2, tmp_path=tmp_path, args=(str(cluster), str(profiles_dir)), timeout_s=300
     )
+    results = [runs[0] for runs in both]
     written = {(p.device_type, p.zero_stage) for p in load_profiles(profiles_dir)}
     assert written == {(d, s) for d in ("fast", "slow") for s in (0, 1, 2, 3)}, "every stage profiled for the search"
     first = results[0]
@@ -83,3 +91,11 @@ def test_initialize_profiles_searches_and_trains_from_nothing(tmp_path) -> None:
     (fast_b, fast_s), (slow_b, slow_s) = first["plan"]
     assert fast_b * fast_s >= slow_b * slow_s, "the 3x slower type never gets more samples"
     assert all(math.isfinite(x) for r in results for x in r["losses"])
+    # The second job's profiles came from the cache: each type was timed at start against its curve.
+    assert first["calibration"] == {}, "fresh profiles are not checked"
+    again = [runs[1] for runs in both]
+    assert again[0]["calibration"] == again[1]["calibration"], "every rank has the same plan"
+    checks = again[0]["calibration"]
+    assert set(checks) == {"fast", "slow"}
+    assert all(c["outcome"] in ("trusted", "rescaled") and c["measured_over_profiled"] > 0 for c in checks.values())
+    assert again[0]["history_calibration"] == checks and again[0]["steps"] == 3

@@ -143,3 +143,35 @@ def test_slowdown_below_one_never_sleeps(clock):
 def test_unknown_clock():
     with pytest.raises(ValueError, match="clock: expected 'thread' or 'cuda', found 'wall'"):
         emu.ComputeSlowdown(None, clock="wall")
+
+
+def _emulated_cluster(slowdowns_by_node):
+    types = {}
+    nodes = []
+    for node, slowdowns in slowdowns_by_node.items():
+        devices = []
+        for index, slowdown in enumerate(slowdowns):
+            name = f"{node}-t{index}"
+            types[name] = {"emulation": {"slowdown": slowdown, "memory_capacity_bytes": 10**9}}
+            devices.append({"device_type": name, "count": 1})
+        nodes.append({"name": node, "devices": devices})
+    return cluster_from_dict({"schema_version": 1, "nodes": nodes, "device_types": types})
+
+
+def test_the_emulation_range_is_the_sum_of_one_over_slowdown_against_the_cores(recwarn, caplog):
+    import logging
+
+    cluster = _emulated_cluster({"a": [2.0, 4.0, 4.0], "b": [1.2, 1.2, 2.0]})
+    with caplog.at_level(logging.WARNING, logger="poplar_ext.hardware.emulation"):
+        demands = emu.check_emulation_range(cluster, cores=2, load_average=0.0)
+    assert demands == pytest.approx({"a": 1.0, "b": 2 / 1.2 + 1 / 2.0})
+    (warning,) = [w for w in recwarn.list if issubclass(w.category, emu.EmulationRangeWarning)]
+    assert "emulated devices on b: the ranks keep 2.17 cores busy" in str(warning.message)
+    assert "machine has 2" in str(warning.message)
+    assert caplog.records == []
+    # Within the cores, but not with the machine's load on top: logged, not warned.
+    recwarn.clear()
+    with caplog.at_level(logging.WARNING, logger="poplar_ext.hardware.emulation"):
+        emu.check_emulation_range(_emulated_cluster({"a": [2.0, 4.0, 4.0]}), cores=2, load_average=1.5)
+    assert not [w for w in recwarn.list if issubclass(w.category, emu.EmulationRangeWarning)]
+    assert "load average is 1.5 on 2 cores" in caplog.text

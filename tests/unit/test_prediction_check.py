@@ -75,3 +75,85 @@ def test_the_predictions_command_parses_and_refuses_zero_rounds(capsys):
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["predictions", "--rounds", "0"])
     assert exited.value.code == 2 and "--rounds" in capsys.readouterr().err
+
+
+def test_cases_are_drawn_from_the_seed_alone():
+    from poplar_bench.prediction_check import draw_cases
+
+    assert draw_cases(7, 6, cores=2) == draw_cases(7, 6, cores=2)
+    assert draw_cases(7, 6, cores=2) != draw_cases(8, 6, cores=2)
+    assert draw_cases(7, 3, cores=2) == draw_cases(7, 6, cores=2)[:3], "more cases extend the same draw"
+    with pytest.raises(ValueError, match="count"):
+        draw_cases(7, 0)
+
+
+@pytest.mark.parametrize("cores", [2, 8])
+def test_drawn_cases_stay_within_the_validity_range_and_span_stages_and_rank_counts(cores):
+    from poplar_bench.demo_config import devices_from_slowdowns
+    from poplar_bench.prediction_check import (
+        GLOBAL_BATCH_SIZES,
+        MAX_SLOWDOWN,
+        MIN_CORE_DEMAND,
+        MIN_SLOWDOWN,
+        draw_cases,
+        max_core_demand,
+    )
+
+    cases = draw_cases(3, 40, cores=cores)
+    assert len({case.name for case in cases}) == 40
+    for case in cases:
+        assert case.zero_stage in (0, 1, 2, 3) and 2 <= len(case.slowdowns) <= 4
+        assert all(MIN_SLOWDOWN <= s <= MAX_SLOWDOWN for s in case.slowdowns)
+        assert MIN_CORE_DEMAND <= case.core_demand <= max_core_demand(cores) <= cores / 2
+        assert case.global_batch_size in GLOBAL_BATCH_SIZES
+    assert {case.zero_stage for case in cases} == {0, 1, 2, 3}
+    assert {len(case.slowdowns) for case in cases} == {2, 3, 4}
+    if cores == 2:  # on 8 cores 4 ranks at the least slowdown keep 2.7 busy: the range is the slowdowns'
+        demands = sorted(case.core_demand for case in cases)
+        assert demands[0] < 0.4 and demands[-1] > 0.8, "spans the range"
+        devices_from_slowdowns(list(cases[0].slowdowns))  # the demo accepts them
+
+
+def test_the_report_keeps_the_seed_and_cases_and_names_the_worst_case():
+    from poplar_bench.prediction_check import draw_cases
+
+    first, second = draw_cases(11, 2, cores=2)
+    summary = summarize(
+        [
+            (first, _report(2, {"poplar": (1.0, [1.02, 1.0, 0.98])})),
+            (second, _report(3, {"uniform": (1.0, [1.3, 1.25, 1.2])})),
+        ],
+        seed=11,
+    )
+    assert summary["seed"] == 11 and [c["name"] for c in summary["cases"]] == [first.name, second.name]
+    assert summary["cases"][0]["slowdowns"] == list(first.slowdowns)
+    assert summary["worst"]["case"] == second.name and summary["worst"]["policy"] == "uniform"
+    text = render_markdown(summary)
+    assert "Cases drawn from seed 11" in text and f"({second.name}, uniform)" in text
+
+
+def test_the_predictions_command_draws_by_default_and_runs_the_fixed_cases_on_request():
+    args = build_parser().parse_args(["predictions", "--seed", "5", "--cases", "4"])
+    assert (args.seed, args.cases, args.fixed, args.rounds) == (5, 4, False, 3)
+    assert build_parser().parse_args(["predictions", "--fixed"]).fixed is True
+
+
+def test_the_calibration_report_says_what_the_check_cost_and_found():
+    from poplar_bench.calibration_cost import render_markdown as render_calibration
+    from poplar_bench.calibration_cost import summarize as summarize_calibration
+
+    unchecked = _report(3, {"poplar": (1.0, [1.2, 1.25, 1.3])})
+    unchecked |= {"timings_s": {"rank0_profile_s": 0.5}, "machine": {"load_average": [6.0, 5.0, 4.0]}}
+    unchecked["scenarios"][0] |= {"profiles_from_cache": True, "calibration": {}}
+    unchecked["scenarios"][0]["policies"][0]["prediction_error"] = -0.2
+    checked = {**unchecked, "timings_s": {"rank0_calibration_s": 2.5, "rank1_calibration_s": 3.0}}
+    checked["scenarios"] = [
+        {**unchecked["scenarios"][0], "calibration": {"t0": {"outcome": "rescaled", "measured_over_profiled": 1.25}}}
+    ]
+    summary = summarize_calibration([("cached, unchecked", unchecked), ("cached, checked", checked)])
+    first, second = summary["runs"]
+    assert first["calibration_s"] is None and second["calibration_s"] == 3.0, "the slowest rank's check"
+    assert second["prediction_error"] == {"poplar": -0.2}
+    text = render_calibration(summary)
+    assert "| cached, checked | cached | 3.0 | t0 1.25 rescaled |" in text
+    assert "| cached, unchecked | cached |  | not checked |" in text and "| -20.0% | 6.0 |" in text

@@ -1,0 +1,194 @@
+"""Cached profiles checked at start (issue 27): the comparison, the decision, the rescaled curve, the
+plan's record, ``poplar.calibration``, and `resolve_plan` with a stand-in timer (no ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from poplar_ext.profiler.calibration import (
+    NOT_CHECKED,
+    REMEASURED,
+    RESCALED,
+    TRUSTED,
+    apply_checks,
+    check_profiles,
+    plan_sizes,
+    profiled_time_s,
+    with_calibration,
+)
+from poplar_ext.runtime.config import poplar_config_from_dict
+from poplar_ext.runtime.planning import resolve_plan
+from poplar_search.formats import load_cluster, plan_from_dict, plan_to_dict, save_cluster, save_profile
+from poplar_search.synthetic import simple_cluster, synthetic_profile
+
+
+@pytest.fixture
+def cluster_path(tmp_path):
+    path = tmp_path / "cluster.json"
+    save_cluster(simple_cluster({"fast": 1, "slow": 1}), path)
+    return path
+
+
+def _profile(device_type="fast", seconds_per_sample=0.01):
+    return synthetic_profile(
+        device_type,
+        zero_stage=1,
+        max_micro_batch_size=16,
+        overhead_s=0.002,
+        seconds_per_sample=seconds_per_sample,
+        world_size=2,
+    )
+
+
+def test_profiled_time_is_the_sample_or_the_line_between_neighbours():
+    profile = _profile()
+    times = {s.micro_batch_size: s.micro_step_time_s for s in profile.samples}
+    sizes = sorted(times)
+    assert profiled_time_s(profile, sizes[1]) == times[sizes[1]]
+    missing = next(b for b in range(1, 17) if b not in times)
+    low = max(b for b in sizes if b < missing)
+    high = min(b for b in sizes if b > missing)
+    expected = times[low] + (times[high] - times[low]) * (missing - low) / (high - low)
+    assert profiled_time_s(profile, missing) == pytest.approx(expected)
+
+
+def test_a_profile_off_by_more_than_the_threshold_is_rescaled_or_remeasured_and_within_it_trusted():
+    fast, slow = _profile("fast"), _profile("slow", 0.04)
+    measured = {
+        "fast": {8: 1.3 * profiled_time_s(fast, 8), 16: 1.25 * profiled_time_s(fast, 16)},
+        "slow": {4: 1.05 * profiled_time_s(slow, 4)},
+    }
+    checks = check_profiles([fast, slow], measured, threshold=0.1, action="rescale")
+    assert checks["fast"].outcome == RESCALED and checks["fast"].sizes == (8, 16)
+    assert checks["fast"].measured_over_profiled == pytest.approx(1.275)
+    assert checks["slow"].outcome == TRUSTED
+    assert check_profiles([fast, slow], measured, threshold=0.1, action="remeasure")["fast"].outcome == REMEASURED
+    assert check_profiles([fast, slow], measured, threshold=0.3, action="rescale")["fast"].outcome == TRUSTED
+    assert check_profiles([fast, slow], measured, threshold=0.1, action="off")["fast"].outcome == NOT_CHECKED
+    # Faster than profiled is as stale as slower.
+    quicker = {"fast": {8: 0.7 * profiled_time_s(fast, 8)}}
+    assert check_profiles([fast], quicker, threshold=0.1, action="rescale")["fast"].outcome == RESCALED
+
+
+def test_rescaling_scales_only_the_micro_step_times_and_says_so():
+    fast, slow = _profile("fast"), _profile("slow", 0.04)
+    checks = check_profiles(
+        [fast, slow], {"fast": {8: 2.0 * profiled_time_s(fast, 8)}}, threshold=0.1, action="rescale"
+    )
+    rescaled_fast, same_slow = apply_checks([fast, slow], checks)
+    assert same_slow is slow
+    assert [s.micro_step_time_s for s in rescaled_fast.samples] == pytest.approx(
+        [2.0 * s.micro_step_time_s for s in fast.samples]
+    )
+    assert [s.peak_memory_bytes for s in rescaled_fast.samples] == [s.peak_memory_bytes for s in fast.samples]
+    assert rescaled_fast.optimizer_step_time_s == fast.optimizer_step_time_s
+    assert rescaled_fast.max_micro_batch_size == fast.max_micro_batch_size
+    assert rescaled_fast.measured_with["calibration"] == {
+        "rescaled_by": pytest.approx(2.0),
+        "rescaled_from_fingerprint": fast.fingerprint,
+    }
+    assert rescaled_fast.fingerprint != fast.fingerprint
+
+
+def test_the_plan_records_the_checks_and_a_plan_without_any_reads_and_writes_as_before():
+    from poplar_search import search_plan
+    from poplar_search.synthetic import simple_cluster
+
+    fast, slow = _profile("fast"), _profile("slow", 0.04)
+    plan = search_plan([fast, slow], simple_cluster({"fast": 1, "slow": 1}), global_batch_size=20).plan
+    assert "calibration" not in plan_to_dict(plan)
+    sizes = plan_sizes([plan])
+    assert sizes == {r.device_type: [r.micro_batch_size] for r in plan.ranks}
+    measured = {t: {b: 1.5 * profiled_time_s(p, b) for b in sizes[t]} for t, p in (("fast", fast), ("slow", slow))}
+    recorded = with_calibration(plan, check_profiles([fast, slow], measured, threshold=0.1, action="rescale"))
+    data = plan_to_dict(recorded)
+    assert data["calibration"]["fast"]["outcome"] == "rescaled"
+    assert data["calibration"]["slow"]["measured_over_profiled"] == pytest.approx(1.5)
+    assert plan_from_dict(data) == recorded
+    data["calibration"]["fast"]["outcome"] = "guessed"
+    with pytest.raises(ValueError, match=r"calibration\.fast\.outcome"):
+        plan_from_dict(data)
+
+
+def test_the_calibration_section_is_read_with_its_defaults_and_bad_values_are_named(tmp_path):
+    base = {"profiles": "p"}
+    default = poplar_config_from_dict(base, base_dir=tmp_path).calibration
+    assert (default.action, default.threshold, default.repeats) == ("rescale", 0.1, 3)
+    section = {**base, "calibration": {"action": "remeasure", "threshold": 0.25, "repeats": 2}}
+    read = poplar_config_from_dict(section, base_dir=tmp_path).calibration
+    assert (read.action, read.threshold, read.repeats) == ("remeasure", 0.25, 2)
+    with pytest.raises(ValueError, match=r"poplar\.calibration\.action"):
+        poplar_config_from_dict({**base, "calibration": {"action": "trust"}}, base_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"poplar\.calibration\.thresold"):
+        poplar_config_from_dict({**base, "calibration": {"thresold": 0.1}}, base_dir=tmp_path)
+
+
+def _cached(directory):
+    directory.mkdir()
+    profiles = {"fast": _profile("fast", 0.001), "slow": _profile("slow", 0.004)}
+    for device_type, profile in profiles.items():
+        save_profile(profile, directory / f"{device_type}.json")
+    return profiles
+
+
+def _resolve_with_timer(cluster_path, directory, slower_by, *, action="rescale", measure=None):
+    """`resolve_plan` on rank 0 with a timer whose micro-steps run `slower_by[type]` x the cached profile."""
+    calls = []
+    profiles = {p.device_type: p for p in _cached(directory).values()}
+
+    def time_at_sizes(sizes, plan, cluster):
+        calls.append({t: list(v) for t, v in sizes.items()})
+        return {t: {b: slower_by[t] * profiled_time_s(profiles[t], b) for b in v} for t, v in sizes.items()}
+
+    config = poplar_config_from_dict(
+        {
+            "cluster": str(cluster_path),
+            "profiles": str(directory),
+            "global_batch_size": 40,
+            "calibration": {"action": action, "threshold": 0.1},
+        },
+        base_dir=cluster_path.parent,
+    )
+    plan = resolve_plan(
+        config,
+        load_cluster(cluster_path),
+        world_size=2,
+        rank=0,
+        zero_stage=1,
+        broadcast=lambda o: o,
+        measure_missing=measure,
+        time_at_sizes=time_at_sizes,
+    )
+    return plan, calls
+
+
+def test_cached_profiles_off_the_timed_micro_steps_are_rescaled_and_the_plan_says_so(cluster_path, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="poplar_ext.runtime.planning"):
+        plan, calls = _resolve_with_timer(cluster_path, tmp_path / "profiles", {"fast": 4.0, "slow": 1.0})
+    assert len(calls) == 1 and set(calls[0]) == {"fast", "slow"}
+    assert plan.calibration["fast"]["outcome"] == "rescaled"
+    assert plan.calibration["slow"]["outcome"] == "trusted"
+    assert "fast ran 4.00x its cached profile" in caplog.text
+    # Searched again from the rescaled curve: fast, 4x slower than cached, is no faster than slow now.
+    unchecked, none = _resolve_with_timer(cluster_path, tmp_path / "again", {"fast": 4.0, "slow": 1.0}, action="off")
+    assert unchecked.calibration == {} and none == []
+    fast_share = {r.device_type: r.samples_per_iteration for r in plan.ranks}["fast"]
+    assert fast_share <= 20 < {r.device_type: r.samples_per_iteration for r in unchecked.ranks}["fast"]
+
+
+def test_a_stale_cached_profile_is_measured_again_with_remeasure(cluster_path, tmp_path):
+    asked = []
+
+    def measure(missing, cluster, force=False):
+        asked.append((sorted(missing), force))
+        return [dataclasses.replace(_profile("fast", 0.004), measured_with={"source": "measured", "again": True})]
+
+    plan, _ = _resolve_with_timer(
+        cluster_path, tmp_path / "profiles", {"fast": 4.0, "slow": 1.0}, action="remeasure", measure=measure
+    )
+    assert asked == [([("fast", 1)], True)]
+    assert plan.calibration["fast"]["outcome"] == "remeasured"
+    assert {r.device_type: r.samples_per_iteration for r in plan.ranks}["fast"] <= 20
