@@ -107,6 +107,14 @@ def pipeline_layers(model: Any, *, loss_fn: PipelineLossFn | None = None) -> Pip
     return PipelineLayers(builders=builders, loss_fn=loss_fn)
 
 
+def layers_fingerprint(pipeline: PipelineLayers) -> str:
+    """Which model layer profiles belong to: `model_fingerprint` of the layers as one ``nn.Sequential``
+    (each built once, on the CPU where a LayerSpec builds there)."""
+    from poplar_ext.profiler.fingerprint import model_fingerprint
+
+    return model_fingerprint(nn.Sequential(*(build() for build in pipeline.builders)))
+
+
 def layer_micro_batch_sizes(micro_batch_sizes: Sequence[int] | None, micro_batch_size_limit: int) -> tuple[int, ...]:
     """The sizes layers are timed at: the given ones, else `dense_sizes` up to the smaller of the
     limit and `DEFAULT_LARGEST_LAYER_MICRO_BATCH`."""
@@ -343,6 +351,7 @@ __all__ = [
     "is_pipeline_model",
     "layer_micro_batch_sizes",
     "layer_profile",
+    "layers_fingerprint",
     "measure_layers",
     "pipeline_layers",
 ]

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import inspect
 import platform
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -31,12 +31,13 @@ from poplar_ext.profiler.cache import (
     find_cached_layer_profile,
     store_layer_profile,
 )
-from poplar_ext.profiler.fingerprint import model_fingerprint
 from poplar_ext.profiler.layers import (
     LayerMeasurement,
+    PipelineLayers,
     base_memory_bytes,
     layer_micro_batch_sizes,
     layer_profile,
+    layers_fingerprint,
     measure_layers,
     pipeline_layers,
 )
@@ -90,25 +91,27 @@ def _stages(options: ProfileOptions) -> tuple[int, ...]:
     return stages
 
 
-def _model_info(options: ProfileOptions, model: Any, layers: list[nn.Module], dtype: str) -> ModelInfo:
-    whole = nn.Sequential(*layers)
+def _model_info(options: ProfileOptions, model: Any, pipeline: PipelineLayers, dtype: str) -> ModelInfo:
+    num_parameters = sum(p.numel() for build in pipeline.builders for p in build().parameters())
     return ModelInfo(
         name=options.model_name or ("pipeline" if isinstance(model, (list, tuple)) else type(model).__name__.lower()),
-        fingerprint=model_fingerprint(whole),
-        num_parameters=max(1, sum(p.numel() for p in whole.parameters())),
+        fingerprint=layers_fingerprint(pipeline),
+        num_parameters=max(1, num_parameters),
         dtype=dtype,
         sequence_length=options.sequence_length,
     )
 
 
-def profile_layers(options: ProfileOptions, *, model: Any = None) -> list[LayerProfile]:
+def profile_layers(
+    options: ProfileOptions, *, model: Any = None, device_types: Collection[str] | None = None
+) -> list[LayerProfile]:
     """Layer profiles of every device type in the job at ZeRO stages 0/1 of `options.zero_stages` (collective).
 
     `model` is what `options.model_factory` builds (built here when None): a
     PipelineModule, a list of LayerSpecs or modules, or an ``nn.Sequential``. Cached
     profiles in ``options.cache_dir/layers/`` with the same keys are reused (unless
     `options.force`). Returns the same list, stage by stage in job order of device types,
-    on every rank.
+    on every rank. `device_types`: only those (default: every type of the job).
     """
     from poplar_ext.profiler.api import training_dtype
 
@@ -119,7 +122,7 @@ def profile_layers(options: ProfileOptions, *, model: Any = None) -> list[LayerP
     model = options.model_factory() if model is None else model
     pipeline = pipeline_layers(model, loss_fn=options.loss_fn)
     sizes = layer_micro_batch_sizes(options.micro_batch_sizes, options.micro_batch_size_limit)
-    info = _model_info(options, model, [b() for b in pipeline.builders], training_dtype(ds_config))
+    info = _model_info(options, model, pipeline, training_dtype(ds_config))
     versions = {"torch": torch.__version__, "deepspeed": _deepspeed_version()}
     config_fp = ds_config_fingerprint(ds_config)
 
@@ -137,7 +140,7 @@ def profile_layers(options: ProfileOptions, *, model: Any = None) -> list[LayerP
             ds_config_fingerprint=config_fp,
         )
 
-    wanted = [(t, s) for s in stages for t in layout.type_names]
+    wanted = [(t, s) for s in stages for t in layout.type_names if device_types is None or t in device_types]
     cached = broadcast_from_rank0(_cached_on_rank0(options, layout, wanted, key))
     missing_types = tuple(dict.fromkeys(t for t, s in wanted if (t, s) not in cached))
     _say(options, layout, wanted, cached, missing_types)
