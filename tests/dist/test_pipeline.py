@@ -200,6 +200,19 @@ def _searched_at_start(files):
     return out
 
 
+def _per_layer_cli(files):
+    """poplar-profile on the pipeline model: layer profiles only, ZeRO stages 0 and 1 of those asked."""
+    from poplar_ext.profiler.cli import main
+
+    ds = files["profiles"].parent / f"ds_layers{os.environ['RANK']}.json"  # one per rank: none reads a half-written one
+    ds.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 0.001}}}))
+    return main([
+        "--deepspeed_config", str(ds), "--cluster", str(files["cluster"]), "--no-network", "--repeats", "1",
+        "--model", "poplar_ext.models.toy_pipeline:toy_layers", "--batch", "poplar_ext.models.toy_pipeline:toy_batch",
+        "--zero-stages", "0,1,2", "--micro-batch-sizes", "1,4", "--output-dir", str(files["cli_profiles"]), "--quiet",
+    ])
+
+
 def _all_cases(files):
     results = {"refusals": _refusals(files)}
     for name, stage in TRAINED:
@@ -209,11 +222,12 @@ def _all_cases(files):
     started = time.monotonic()
     results["searched"] = _searched_at_start(files)
     results["searched"]["seconds"] = time.monotonic() - started
+    results["cli"] = _per_layer_cli(files)
     return results
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def ranks_and_files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
     files = {
         "cluster": t.write_cluster(tmp / "cluster.json", fast=2, slow=2),
@@ -222,11 +236,17 @@ def results(tmp_path_factory):
         "zero_plan": t.write_plan(tmp / "zero.json", [(2, 1)] * 4, stage=0, device_types=TYPES),
         "checkpoints": tmp / "checkpoints",
         "profiles": tmp / "profiles",
+        "cli_profiles": tmp / "cli_profiles",
     }
     for name, pipelines in PLANS.items():
         for stage in (0, 1):
             files[_plan_key(name, stage)] = write_pipeline_plan(tmp / f"{name}{stage}.json", pipelines, stage=stage)
-    return run_ranks(_all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=180)
+    return run_ranks(_all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=180), files
+
+
+@pytest.fixture(scope="module")
+def results(ranks_and_files):
+    return ranks_and_files[0]
 
 
 def _reference(global_batch: int, steps: int):
@@ -331,3 +351,20 @@ def test_without_a_plan_one_is_searched_from_layer_profiles_measured_at_start(re
     assert _max_difference([s["params"] for s in searched], expected) <= 1e-5
     for s in searched:
         assert s["losses"] == pytest.approx(losses, abs=1e-6) and s["position"] == STEPS * SEARCHED_BATCH
+
+
+def test_poplar_profile_measures_a_pipeline_model_layer_by_layer_only(ranks_and_files):
+    from poplar_search.pipeline_formats import load_layer_profiles
+
+    results, files = ranks_and_files
+    assert [r["cli"] for r in results] == [0] * 4
+    assert not list(files["cli_profiles"].glob("*.json")), "a pipeline model gets layer profiles only"
+    profiles = load_layer_profiles(files["cli_profiles"])
+    assert sorted((p.device_type, p.zero_stage) for p in profiles) == [
+        ("cpu", 0), ("cpu", 1), ("cpu-slow", 0), ("cpu-slow", 1)
+    ]
+    slow = next(p for p in profiles if p.device_type == "cpu-slow")
+    assert slow.emulated is not None and slow.measured_with["device"] == "emulated" and slow.num_layers == 6
+    assert [s.micro_batch_size for s in slow.layers[0].samples] == [1, 4]
+    # Adam: a gradient and two moments per parameter (plus a step counter per tensor).
+    assert 3 * slow.layers[0].parameter_bytes <= slow.layers[0].optimizer_state_bytes
