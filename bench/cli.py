@@ -466,6 +466,32 @@ def _run_checkpointing(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_pipeline_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "pipeline",
+        help="the best ZeRO plan against the best pipeline plan on 2 emulated CPU nodes, slow and fast link",
+        description="4 forked CPU ranks as 2 emulated nodes of 2 (one of them an emulated type 2x slower), the toy "
+        "pipeline MLP: profiled (whole model, network with the link in place), then a ZeRO job and a pipeline job "
+        "whose plans are searched at start, each trained and timed against its prediction; with the link between "
+        "the nodes capped (bench/link_emulation.py) and uncapped. Writes pipeline.json, pipeline.md and "
+        "pipeline.png (bench/pipeline_compare.py). Several minutes on a 2-core VM.",
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.add_argument("--work-dir", type=Path, default=None, help="profiles and rank logs (default: a temporary folder)")
+    p.set_defaults(run=_run_pipeline)
+
+
+def _run_pipeline(args: argparse.Namespace) -> int:
+    from . import pipeline_compare
+
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    for path in pipeline_compare.run_pipeline_bench(
+        out_dir=args.output_dir or default_output_dir(), work_dir=args.work_dir, progress=progress
+    ):
+        print(path)
+    return 0
+
+
 def add_search_speed_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "search-speed",
@@ -608,6 +634,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_calibration_parser,
     add_drift_parser,
     add_checkpointing_parser,
+    add_pipeline_parser,
     add_simulate_parser,
     add_search_speed_parser,
     add_overhead_parser,
@@ -621,13 +648,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="poplar-bench",
         description="poplar-ext benchmarks: the emulated-cluster demo, prediction error across stages and rank counts, "
         "cached profiles checked at start, "
-        "re-balancing under drift, activation checkpointing per device type, "
+        "re-balancing under drift, activation checkpointing per device type, ZeRO against pipelines, "
         "large-cluster simulation, search speed, runtime overhead, clean exit, the CUDA path on a GPU.",
     )
     subparsers = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{demo,predictions,calibration,drift,checkpointing,simulate,search-speed,overhead,clean-exit,gpu}",
+        metavar="{demo,predictions,calibration,drift,checkpointing,pipeline,simulate,search-speed,overhead,clean-exit,gpu}",
     )
     for add in SUBCOMMANDS:
         add(subparsers)

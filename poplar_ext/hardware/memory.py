@@ -135,6 +135,11 @@ def _read_status_kib(field: str) -> int:
     raise RuntimeError(f"{_PROC_STATUS}: no {field} line (not a Linux /proc?)")
 
 
+def resident_memory_bytes() -> int:
+    """This process's resident memory now (VmRSS), in bytes (Linux)."""
+    return _read_status_kib("VmRSS") * 1024
+
+
 def cpu_peak_supported() -> bool:
     """Whether this process can reset and read its resident high-water mark (Linux)."""
     return _PROC_STATUS.exists() and _PROC_CLEAR_REFS.exists()
@@ -211,5 +216,6 @@ __all__ = [
     "physical_memory_bytes",
     "release_memory",
     "reset_peak_memory",
+    "resident_memory_bytes",
     "steady_cpu_allocator",
 ]

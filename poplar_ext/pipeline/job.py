@@ -8,6 +8,7 @@ against every rank's hardware, and the plan checked by rank 0 and received by al
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,13 @@ from poplar_ext.collectives import broadcast_from_rank0, process_group_rank
 from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts
 from poplar_ext.hardware.emulation import emulation_for_rank
-from poplar_ext.pipeline.planning import check_pipeline_config, requested_pipeline_batch, resolve_pipeline_plan
+from poplar_ext.pipeline.planning import (
+    MeasureMissingLayers,
+    check_pipeline_config,
+    requested_pipeline_batch,
+    resolve_pipeline_plan,
+)
+from poplar_ext.profiler.layers import layers_fingerprint, pipeline_layers
 from poplar_ext.runtime.config import SECTION, PoplarConfig, poplar_config_from_dict, requested_zero_stage
 from poplar_ext.runtime.initialize import _apply_cpu_process_settings, _on_cpu
 from poplar_search.formats import Cluster
@@ -57,15 +64,25 @@ class PipelineJob:
     @property
     def plan_reason(self) -> str:
         """Where the plan came from, for the plan history."""
+        if self.poplar_config.plan is None:
+            return f"searched at start from the layer profiles in {self.poplar_config.profiles}"
         return f"the plan file {self.poplar_config.plan}"
 
 
 def prepare_pipeline_job(
-    loaded_config: tuple[dict, Path, str], *, num_layers: int, init_options: dict | None = None
+    loaded_config: tuple[dict, Path, str],
+    *,
+    num_layers: int,
+    init_options: dict | None = None,
+    layers: list[Any] | None = None,
+    loss_fn: Callable[[Any, Any], Any] | None = None,
+    training_data: Any = None,
 ) -> PipelineJob:
     """Everything before the layers are built (collective). `loaded_config` is
     `poplar_ext.runtime.config.load_deepspeed_config`'s result; `num_layers`, the model's.
-    Raises the same ValueError on every rank."""
+    Without a plan file, `layers` (the module's, for their fingerprint) pick the layer
+    profiles the plan is searched from, and with `training_data` missing ones are measured
+    (with `loss_fn`, the pipeline's). Raises the same ValueError on every rank."""
     ds_config, base_dir, source = loaded_config
     if SECTION not in ds_config:
         raise ValueError(
@@ -94,6 +111,8 @@ def prepare_pipeline_job(
         zero_stage=requested_zero_stage(poplar_config, ds_config),
         global_batch=requested_pipeline_batch(poplar_config, ds_config),
         broadcast=broadcast_from_rank0,
+        layers_fingerprint=None if layers is None else lambda: layers_fingerprint(pipeline_layers(layers)),
+        measure_missing=_layer_measurer(poplar_config, ds_config, layers, loss_fn, training_data),
     )
     return PipelineJob(
         ds_config=ds_config,
@@ -103,6 +122,26 @@ def prepare_pipeline_job(
         plan=plan,
         rank=rank,
         device=device,
+    )
+
+
+def _layer_measurer(
+    poplar_config: PoplarConfig, ds_config: dict, layers: list[Any] | None, loss_fn: Any, training_data: Any
+) -> MeasureMissingLayers | None:
+    """What measures missing layer profiles for a plan searched at start; None where nothing can."""
+    if poplar_config.plan is not None or layers is None or training_data is None:
+        return None
+    from poplar_ext.profiler.auto import missing_layer_profiles_measurer
+
+    batch = requested_pipeline_batch(poplar_config, ds_config)
+    assert batch is not None, "check_pipeline_config refuses a search without a global batch"
+    return missing_layer_profiles_measurer(
+        layers=layers,
+        loss_fn=loss_fn,
+        training_data=training_data,
+        ds_config=ds_config,
+        profiles_dir=poplar_config.profiles,
+        micro_batch_size_limit=batch[0],
     )
 
 

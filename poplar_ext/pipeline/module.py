@@ -101,7 +101,10 @@ class PoplarPipelineModule(PipelineModule):
     ``base_seed``, ``activation_checkpoint_interval``, ``activation_checkpoint_func``,
     ``checkpointable_layers``, ``dynamic_shape``) and `config` (a dict or a JSON file)
     or `args` (``args.deepspeed_config``): the DeepSpeed config with a ``poplar``
-    section naming a pipeline plan. ``num_stages``, ``topology`` and
+    section naming a pipeline plan, or ``poplar.profiles`` to search one at start from
+    their layer profiles; `training_data` (the dataset `poplar_ext.initialize` gets) lets
+    missing layer profiles be measured first (with the config's optimizer: Adam, AdamW or
+    SGD). ``num_stages``, ``topology`` and
     ``partition_method`` are refused (the plan says them). Raises the same ValueError
     on every rank when the plan cannot run in this job. `poplar_job` holds the plan.
     """
@@ -120,6 +123,7 @@ class PoplarPipelineModule(PipelineModule):
         dynamic_shape: bool = False,
         config: dict | str | None = None,
         args: Any = None,
+        training_data: Any = None,
         num_stages: int | None = None,
         topology: Any = None,
         partition_method: str | None = None,
@@ -127,7 +131,13 @@ class PoplarPipelineModule(PipelineModule):
         _refuse_placement(num_stages=num_stages, topology=topology, partition_method=partition_method)
         layers = list(layers)
         _refuse_tied_layers(layers)
-        job = prepare_pipeline_job(load_deepspeed_config(config, args=args), num_layers=len(layers))
+        job = prepare_pipeline_job(
+            load_deepspeed_config(config, args=args),
+            num_layers=len(layers),
+            layers=layers,
+            loss_fn=loss_fn,
+            training_data=training_data,
+        )
         grid = PlanGrid(job.plan, rank=job.rank)
         pipeline = job.pipeline
         weight = pipeline_loss_weight(

@@ -8,8 +8,13 @@ Two kinds of refusal, both before any training collective:
   receives the plan or the error (`poplar_ext.collectives.decided_by_rank0`), as for ZeRO
   plans (`poplar_ext.runtime.planning`).
 
-Pipeline plans come from a plan file (``poplar.plan``, written by hand or by a pipeline
-search). Searching a pipeline plan at start from ``poplar.profiles`` is not available yet.
+A pipeline plan comes from a plan file (``poplar.plan``, written by hand or by
+``poplar-search --parallelism pipeline``), or, without one, is searched at start by rank 0
+from the layer profiles in ``poplar.profiles``/layers/ and the network file beside them
+(`poplar_search.pipeline_search.search_pipeline_plan`), as ZeRO plans are
+(`poplar_ext.runtime.planning`). Device types without a layer profile are measured first,
+by every rank together, when the module was given data to measure with
+(`poplar_ext.profiler.per_layer.profile_layers`); otherwise the error says what to run.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ from poplar_search.errors import FormatError
 from poplar_search.formats import Cluster
 from poplar_search.pipeline_formats import (
     PIPELINE_ZERO_STAGES,
+    LayerProfile,
     PipelinePlan,
+    layer_profiles_dir,
     load_any_plan,
+    load_layer_profiles,
     pipeline_plan_from_dict,
     pipeline_plan_to_dict,
 )
@@ -46,10 +54,10 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
     """ValueError listing what a pipeline job cannot run, from the config alone (no process group needed)."""
     source = poplar_config.source
     problems = []
-    if poplar_config.plan is None:
+    if poplar_config.plan is None and requested_pipeline_batch(poplar_config, ds_config) is None:
         problems.append(
-            f"{SECTION}.plan: expected a pipeline plan file, found none; searching a pipeline plan at start from "
-            f"{SECTION}.profiles is not available yet"
+            f"{SECTION}.global_batch_size (or train_batch_size): expected the global batch to search a pipeline plan "
+            "at start (no poplar.plan), found none"
         )
     stage = requested_zero_stage(poplar_config, ds_config)
     if stage is not None and stage not in PIPELINE_ZERO_STAGES:
@@ -128,13 +136,32 @@ def resolve_pipeline_plan(
     zero_stage: int | None,
     global_batch: tuple[int, str] | None,
     broadcast: Callable[[Any], Any],
+    layers_fingerprint: Callable[[], str] | None = None,
+    measure_missing: MeasureMissingLayers | None = None,
 ) -> PipelinePlan:
     """The pipeline plan of ``poplar.plan``, read and checked by rank 0, on every rank; the same
-    ValueError on every rank when it cannot run (`pipeline_plan_problems`, or a ZeRO plan)."""
+    ValueError on every rank when it cannot run (`pipeline_plan_problems`, or a ZeRO plan).
+
+    Without ``poplar.plan``, the plan searched at start (`plan_searched_at_start`):
+    `layers_fingerprint()` (called on rank 0) says which layer profiles are the model's,
+    `measure_missing` measures those missing (None: they cannot be, the error says what to run)."""
     from poplar_ext.collectives import decided_by_rank0
 
     plan_path = poplar_config.plan
-    assert plan_path is not None, "check_pipeline_config refuses a job without a plan file"
+    if plan_path is None:
+        assert global_batch is not None, "check_pipeline_config refuses a search without a global batch"
+        return plan_searched_at_start(
+            poplar_config,
+            cluster,
+            world_size=world_size,
+            rank=rank,
+            num_layers=num_layers,
+            zero_stage=zero_stage,
+            global_batch=global_batch,
+            broadcast=broadcast,
+            layers_fingerprint=layers_fingerprint,
+            measure_missing=measure_missing,
+        )
 
     def read() -> dict[str, Any]:
         try:
@@ -161,8 +188,110 @@ def resolve_pipeline_plan(
     return pipeline_plan_from_dict(decided_by_rank0(read, rank=rank, broadcast=broadcast), source=str(plan_path))
 
 
+MeasureMissingLayers = Callable[[list[str], Cluster, tuple[int, ...]], None]
+"""``measure(device_types, cluster, zero_stages)``: layer profiles of those types written into
+``poplar.profiles``/layers/ (collective: every rank calls it alike)."""
+
+SEARCHED_AT_START = "<pipeline plan searched at start>"
+"""How messages and the plan history name a plan searched at start."""
+
+
+def plan_searched_at_start(
+    poplar_config: PoplarConfig,
+    cluster: Cluster,
+    *,
+    world_size: int,
+    rank: int,
+    num_layers: int,
+    zero_stage: int | None,
+    global_batch: tuple[int, str],
+    broadcast: Callable[[Any], Any],
+    layers_fingerprint: Callable[[], str] | None,
+    measure_missing: MeasureMissingLayers | None,
+) -> PipelinePlan:
+    """Rank 0 says which device types lack layer profiles, every rank measures them (when it can),
+    rank 0 searches and every rank receives the plan, or the same ValueError."""
+    from poplar_ext.collectives import decided_by_rank0
+
+    stages = PIPELINE_ZERO_STAGES if zero_stage is None else (zero_stage,)
+    fingerprint = decided_by_rank0(lambda: layers_fingerprint and layers_fingerprint(), rank=rank, broadcast=broadcast)
+
+    def missing() -> list[str]:
+        types = _types_without_layer_profiles(poplar_config, cluster, num_layers, fingerprint, stages)
+        if types and measure_missing is None:
+            raise ValueError(_cannot_measure_message(poplar_config, types, stages))
+        return types
+
+    types = decided_by_rank0(missing, rank=rank, broadcast=broadcast)
+    if types:
+        measure_missing(types, cluster, stages)  # collective
+
+    def search() -> dict[str, Any]:
+        from poplar_search.network import find_network
+        from poplar_search.pipeline_search import search_pipeline_plan
+
+        profiles = _model_layer_profiles(poplar_config, num_layers, fingerprint)
+        result = search_pipeline_plan(
+            [p for p in profiles if p.zero_stage in stages],
+            cluster,
+            global_batch_size=global_batch[0],
+            zero_stage="auto" if zero_stage is None else zero_stage,
+            network=find_network(poplar_config.profiles, cluster),
+        )
+        if result.plan is None:
+            raise ValueError(f"{SECTION}.profiles: no pipeline plan can run: {result.message}")
+        problems = pipeline_plan_problems(
+            result.plan,
+            cluster,
+            world_size=world_size,
+            num_layers=num_layers,
+            zero_stage=zero_stage,
+            global_batch=global_batch,
+        )
+        assert not problems, problems  # the search plans for this cluster, batch and stage
+        return pipeline_plan_to_dict(result.plan)
+
+    return pipeline_plan_from_dict(decided_by_rank0(search, rank=rank, broadcast=broadcast), source=SEARCHED_AT_START)
+
+
+def _model_layer_profiles(poplar_config: PoplarConfig, num_layers: int, fingerprint: str | None) -> list[LayerProfile]:
+    """The layer profiles in ``poplar.profiles``/layers/ of this model: its fingerprint (when known) and layer count."""
+    directory = layer_profiles_dir(poplar_config.profiles)
+    if not directory.is_dir():
+        return []
+    try:
+        profiles = load_layer_profiles(directory)
+    except FormatError as exc:
+        raise ValueError(f"{SECTION}.profiles: {exc}") from exc
+    return [
+        p
+        for p in profiles
+        if p.num_layers == num_layers and (fingerprint is None or p.model.fingerprint == fingerprint)
+    ]
+
+
+def _types_without_layer_profiles(
+    poplar_config: PoplarConfig, cluster: Cluster, num_layers: int, fingerprint: str | None, stages: tuple[int, ...]
+) -> list[str]:
+    have = {(p.device_type, p.zero_stage) for p in _model_layer_profiles(poplar_config, num_layers, fingerprint)}
+    return [t for t in cluster.type_counts() if not all((t, s) in have for s in stages)]
+
+
+def _cannot_measure_message(poplar_config: PoplarConfig, types: list[str], stages: tuple[int, ...]) -> str:
+    return (
+        f"{SECTION}.profiles: no plan was given and {layer_profiles_dir(poplar_config.profiles)} lacks layer "
+        f"profiles of this model for {', '.join(types)} at ZeRO stage {' and '.join(map(str, stages))}; give "
+        "PoplarPipelineModule training_data= to measure them at start, or measure them first: "
+        f"poplar-profile --per-layer --model MODULE:LAYERS --batch MODULE:FACTORY --zero-stages "
+        f"{','.join(map(str, stages))} --output-dir {poplar_config.profiles} (under the job's launcher)"
+    )
+
+
 __all__ = [
+    "SEARCHED_AT_START",
+    "MeasureMissingLayers",
     "check_pipeline_config",
+    "plan_searched_at_start",
     "pipeline_plan_problems",
     "requested_pipeline_batch",
     "resolve_pipeline_plan",

@@ -9,6 +9,7 @@ Read in the order a measurement runs:
 * `cache`: profiles reused by what is inside them;
 * `measure`: one DeepSpeed engine per stage, trials agreed by all ranks;
 * `sizes`: which micro-batch sizes to try (the memory fit and the largest-size probe);
+* `layers`, `per_layer`: layer profiles of a pipeline model (`profile_layers`, for the pipeline search);
 * `auto`: profiles measured from inside `poplar_ext.initialize` (automatic mode);
 * `cli`: ``poplar-profile`` (also ``deepspeed --module poplar_ext.profiler``).
 """

@@ -140,6 +140,7 @@ def profile_model(
     activation_checkpointing: str = _DEFAULT.activation_checkpointing,
     checkpointing_toggle: CheckpointingToggle | None = _DEFAULT.checkpointing_toggle,
     optimizer_offload: str = _DEFAULT.optimizer_offload,
+    per_layer: bool | None = _DEFAULT.per_layer,
 ) -> list[Profile]:
     """Profiles of every device type in the job at every stage of `zero_stages` (collective).
 
@@ -154,6 +155,9 @@ def profile_model(
     On CPU it measures with one torch thread and glibc's steady allocator
     (`poplar_ext.hardware.cpu_process`), and on return gives the previous thread
     count back and leaves glibc's default thresholds (`memory.default_cpu_allocator`).
+
+    With a pipeline model (see `ProfileOptions.per_layer`) it writes layer profiles
+    (``<cache_dir>/layers/``, `poplar_ext.profiler.per_layer.profile_layers`) and returns [].
     """
     # The parameters are ProfileOptions' fields, in order (tests/unit/test_profiler_config.py checks).
     return profile_with(ProfileOptions(**locals()))
@@ -161,10 +165,32 @@ def profile_model(
 
 def profile_with(options: ProfileOptions) -> list[Profile]:
     """`profile_model` with its arguments in one `ProfileOptions` (poplar-profile's way in); collective."""
+    model = None if options.per_layer is False else options.model_factory()
+    if model is not None and _layer_profiles_first(options, model):
+        return []
+    if model is not None:  # the session's first engine takes it: the model is built no more often than before
+        options = dataclasses.replace(options, model_factory=_first_then(model, options.model_factory))
     options, settings = _checked(options)
     device = join_job()
     with _measuring_process(device):
         return _profile(options, settings, device)
+
+
+def _first_then(model: torch.nn.Module, factory: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    built = [model]
+    return lambda: built.pop() if built else factory()
+
+
+def _layer_profiles_first(options: ProfileOptions, model: Any) -> bool:
+    """Layer profiles measured where `options.per_layer` asks; True when `model` is a pipeline model
+    (which has no whole-model profile)."""
+    from poplar_ext.profiler.layers import is_pipeline_model
+    from poplar_ext.profiler.per_layer import profile_layers
+
+    pipeline_model = is_pipeline_model(model)
+    if pipeline_model or options.per_layer:
+        profile_layers(options, model=model)
+    return pipeline_model
 
 
 def _checked(options: ProfileOptions) -> tuple[ProfileOptions, MeasureSettings]:

@@ -55,6 +55,63 @@ def _optimizer_factory(optimizer: Any, ds_config: Mapping[str, Any]) -> Callable
     raise ValueError(f"optimizer: expected a torch optimizer or a callable, found {type(optimizer).__name__}")
 
 
+def batches_of(training_data: Any, collate_fn: Callable[[list], Any] | None) -> Callable[[int], Any]:
+    """``make_batch(b)``: the first b samples of `training_data` (repeated when it is smaller), put
+    together by `collate_fn` (default: torch's default collate)."""
+    if len(training_data) < 1:
+        raise ValueError("training_data: expected at least one sample to build micro-batches from, found none")
+    collate = collate_fn or torch.utils.data.default_collate
+
+    def make_batch(micro_batch_size: int) -> Any:
+        return collate([training_data[i % len(training_data)] for i in range(micro_batch_size)])
+
+    return make_batch
+
+
+def missing_layer_profiles_measurer(
+    *,
+    layers: list[Any],
+    loss_fn: Callable[[Any, Any], Any] | None,
+    training_data: Any,
+    ds_config: Mapping[str, Any],
+    profiles_dir: Any,
+    micro_batch_size_limit: int,
+    progress: Callable[[str], None] | None = None,
+) -> Callable[[list[str], Cluster, tuple[int, ...]], None]:
+    """A function that measures missing layer profiles of a pipeline model (collective), for a pipeline
+    plan searched at start (`poplar_ext.pipeline.planning`): ``measure(device_types, cluster, stages)``
+    writes them into ``profiles_dir/layers/``. Micro-batches as `missing_profiles_measurer`'s; the
+    optimizer is the config's (``optimizer``: Adam, AdamW or SGD), as the module is built before any
+    optimizer; sizes up to `micro_batch_size_limit` (the global batch)."""
+    from poplar_ext.profiler import log_progress
+    from poplar_ext.profiler.options import ProfileOptions
+    from poplar_ext.profiler.per_layer import optimizer_factory_from_config, profile_layers
+
+    make_batch = batches_of(training_data, None)
+
+    def measure(device_types: list[str], cluster: Cluster, stages: tuple[int, ...]) -> None:
+        # Every rank reads the same config: a ValueError here is raised alike before any rank measures.
+        optimizer_factory = optimizer_factory_from_config(ds_config)
+        profile_layers(
+            ProfileOptions(
+                model_factory=lambda: layers,
+                make_batch=make_batch,
+                ds_config=ds_config,
+                cluster=cluster,
+                zero_stages=stages,
+                cache_dir=profiles_dir,
+                progress=log_progress if progress is None else progress,
+                loss_fn=loss_fn,
+                optimizer_factory=optimizer_factory,
+                micro_batch_size_limit=micro_batch_size_limit,
+                measure_network=False,
+            ),
+            device_types=device_types,
+        )
+
+    return measure
+
+
 def missing_profiles_measurer(
     *,
     model: torch.nn.Module,
@@ -88,13 +145,8 @@ def missing_profiles_measurer(
     from poplar_ext.profiler import log_progress, profile_model
     from poplar_ext.profiler.options import ProfileOptions
 
-    if len(training_data) < 1:
-        raise ValueError("training_data: expected at least one sample to build micro-batches from, found none")
-    collate = collate_fn or torch.utils.data.default_collate
+    make_batch = batches_of(training_data, collate_fn)
     optimizer_factory = _optimizer_factory(optimizer, ds_config)
-
-    def make_batch(micro_batch_size: int) -> Any:
-        return collate([training_data[i % len(training_data)] for i in range(micro_batch_size)])
 
     def options(cluster: Cluster, **more: Any) -> dict[str, Any]:
         """`profile_model`'s keywords (`ProfileOptions`' fields) on initialize's model and data."""
@@ -143,4 +195,10 @@ def missing_profiles_measurer(
     return measure
 
 
-__all__ = ["MeasureMissing", "TimeAtSizes", "missing_profiles_measurer"]
+__all__ = [
+    "MeasureMissing",
+    "TimeAtSizes",
+    "batches_of",
+    "missing_layer_profiles_measurer",
+    "missing_profiles_measurer",
+]

@@ -27,6 +27,7 @@ from poplar_search.formats import (
     read_json,
     save_profile,
 )
+from poplar_search.pipeline_formats import LayerProfile, layer_profiles_dir, load_layer_profile, save_layer_profile
 
 # DeepSpeed settings that do not change per-micro-step speed or memory, or that the
 # profiler sets itself; everything else in the config is part of the cache key.
@@ -128,10 +129,7 @@ def _stored_profiles(cache_dir: Path) -> list[tuple[Path, Profile]]:
 
 def find_cached_profile(cache_dir: str | Path, key: ProfileKey) -> Profile | None:
     """The stored profile whose key equals `key`, or None."""
-    for _, profile in _stored_profiles(Path(cache_dir)):
-        if ProfileKey.of_profile(profile) == key:
-            return profile
-    return None
+    return next((p for _, p in _stored_profiles(Path(cache_dir)) if ProfileKey.of_profile(p) == key), None)
 
 
 def profile_file_name(profile: Profile) -> str:
@@ -164,10 +162,100 @@ def store_profile(cache_dir: str | Path, profile: Profile) -> Path:
     return target
 
 
+# ----------------------------------------------------------------------------------
+# Layer profiles (<profiles>/layers/): the same rule, by what is inside them
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class LayerProfileKey:
+    """Everything that must match for a stored layer profile to stand for a new measurement."""
+
+    model_fingerprint: str
+    """`poplar_ext.profiler.fingerprint.model_fingerprint` of the layers as one ``nn.Sequential``."""
+    device_type: str
+    emulation: Emulation | None
+    zero_stage: int
+    dtype: str
+    sequence_length: int | None
+    micro_batch_sizes: tuple[int, ...]
+    """The sizes the layers were timed at: other sizes asked for are measured again."""
+    torch_version: str
+    deepspeed_version: str
+    ds_config_fingerprint: str
+    """`ds_config_fingerprint` of the DeepSpeed config (its optimizer decides the optimizer state)."""
+
+    @classmethod
+    def of_profile(cls, profile: LayerProfile) -> LayerProfileKey | None:
+        """The key of a stored layer profile; None for one this profiler did not measure."""
+        provenance = profile.measured_with
+        if provenance.get("source") != "measured":
+            return None
+        try:
+            versions = (
+                str(provenance["torch"]),
+                str(provenance["deepspeed"]),
+                str(provenance["ds_config_fingerprint"]),
+            )
+        except KeyError:
+            return None
+        return cls(
+            model_fingerprint=profile.model.fingerprint,
+            device_type=profile.device_type,
+            emulation=profile.emulated,
+            zero_stage=profile.zero_stage,
+            dtype=profile.model.dtype,
+            sequence_length=profile.model.sequence_length,
+            micro_batch_sizes=tuple(s.micro_batch_size for s in profile.layers[0].samples),
+            torch_version=versions[0],
+            deepspeed_version=versions[1],
+            ds_config_fingerprint=versions[2],
+        )
+
+
+def _stored_layer_profiles(cache_dir: Path) -> list[tuple[Path, LayerProfile]]:
+    directory = layer_profiles_dir(cache_dir)
+    found: list[tuple[Path, LayerProfile]] = []
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
+        try:
+            found.append((path, load_layer_profile(path)))
+        except FormatError as exc:
+            warnings.warn(f"profile cache: ignoring a file that is not a valid layer profile: {exc}", stacklevel=3)
+    return found
+
+
+def find_cached_layer_profile(cache_dir: str | Path, key: LayerProfileKey) -> LayerProfile | None:
+    """The layer profile in ``cache_dir/layers/`` whose key equals `key`, or None."""
+    stored = _stored_layer_profiles(Path(cache_dir))
+    return next((p for _, p in stored if LayerProfileKey.of_profile(p) == key), None)
+
+
+def store_layer_profile(cache_dir: str | Path, profile: LayerProfile) -> Path:
+    """Write `profile` atomically into ``cache_dir/layers/`` and return its path.
+
+    The search reads one layer profile per (device type, ZeRO stage) of one model, so a
+    stored one with those (measured at other sizes, another library version) is replaced."""
+    fingerprint = profile.model.fingerprint.split(":")[-1][:8]
+    stem = f"{profile.model.name}-{fingerprint}-{profile.device_type}-zero{profile.zero_stage}"
+    target = layer_profiles_dir(cache_dir) / (re.sub(r"[^A-Za-z0-9._-]+", "_", stem) + ".json")
+    for path, stored in _stored_layer_profiles(Path(cache_dir)):
+        if (stored.device_type, stored.zero_stage, stored.model.fingerprint) == (
+            profile.device_type,
+            profile.zero_stage,
+            profile.model.fingerprint,
+        ):
+            target = path
+            break
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_layer_profile(profile, target)
+    return target
+
+
 __all__ = [
+    "LayerProfileKey",
     "ProfileKey",
     "ds_config_fingerprint",
+    "find_cached_layer_profile",
     "find_cached_profile",
     "profile_file_name",
+    "store_layer_profile",
     "store_profile",
 ]

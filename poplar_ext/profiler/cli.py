@@ -173,6 +173,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "choose it for them; both: every type so; default: %(default)s",
     )
     parser.add_argument(
+        "--per-layer",
+        action="store_true",
+        default=None,
+        help="also write layer profiles (DIR/layers/, for poplar-search --parallelism pipeline|auto): each layer's "
+        "forward + backward time against micro-batch size, its memory and its output bytes; automatic when --model "
+        "builds a pipeline model (a PipelineModule or a list of LayerSpecs), which gets layer profiles only "
+        "(--batch then returns (inputs, labels) and --loss is DeepSpeed's pipeline loss_fn(outputs, labels))",
+    )
+    parser.add_argument(
         "--checkpointing-toggle",
         metavar="MODULE:FN",
         help="toggle(model, enabled) that turns activation checkpointing on or off in a --model of your own "
@@ -350,6 +359,7 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
         activation_checkpointing=args.activation_checkpointing,
         checkpointing_toggle=_toggle(args),
         optimizer_offload=args.optimizer_offload,
+        per_layer=args.per_layer,
     )
 
 
@@ -461,7 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"poplar-profile: error: {exc}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
-        print(summary(profiles))
+        # A pipeline model gets layer profiles only (their progress lines name each file).
+        print(summary(profiles) if profiles else f"layer profiles in {Path(options.cache_dir) / 'layers'}")
     return 0
 
 

@@ -64,7 +64,7 @@ class ProfileOptions:
     None for silence."""
     loss_fn: LossFn | None = None
     """``loss_fn(engine, batch) -> loss`` when the model does not return it (None: the output's
-    ``.loss``, else the output)."""
+    ``.loss``, else the output); for a pipeline model, see `per_layer`."""
     optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
     """Builds the optimizer from the parameters when the DeepSpeed config has no ``optimizer`` section."""
     model_name: str | None = None
@@ -96,6 +96,14 @@ class ProfileOptions:
     offloaded profile's memory leaves out the host's optimizer state and fp32 master weights (on
     CPU, for an emulated type, they are taken off the measured peak); its boundary includes the
     host's optimizer step."""
+    per_layer: bool | None = None
+    """Layer profiles for the pipeline search (`poplar_ext.profiler.per_layer`, written to
+    ``<cache_dir>/layers/``): None measures them when the model is a pipeline model (a
+    PipelineModule or PoplarPipelineModule, or a list of LayerSpecs or modules), which then gets
+    no whole-model profile; True also for an ``nn.Sequential``, beside its whole-model profiles;
+    False never. With a pipeline model `loss_fn` is DeepSpeed's pipeline ``loss_fn(outputs,
+    labels)`` (None: the PipelineModule's own, else the last layer's output summed) and
+    `make_batch` returns ``(inputs, labels)``."""
 
 
 __all__ = ["CHECKPOINTING_MODES", "ProfileOptions", "Progress", "log_progress"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -158,17 +159,75 @@ def _unseeded_copies(files):
     return _parameters(engine)
 
 
+SEARCHED_BATCH = 14
+
+
+def _searched_config(files):
+    poplar = {"cluster": str(files["cluster"]), "profiles": str(files["profiles"]), "log_interval_steps": 0}
+    return {
+        **{k: v for k, v in _config(files, "two_by_two", stage=0).items() if k != "poplar"},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},  # what the layers are measured with
+        "train_batch_size": SEARCHED_BATCH,
+        "poplar": poplar,
+    }
+
+
+def _searched_at_start(files):
+    """No plan file: without data the missing layer profiles are refused; with it they are measured, rank 0
+    searches a plan, every rank trains it; a second module finds the profiles in the cache."""
+    import poplar_ext
+    from poplar_ext.models.toy_pipeline import toy_layers
+    from poplar_ext.pipeline import PoplarPipelineModule
+    from poplar_search.pipeline_formats import pipeline_plan_to_dict
+
+    config, out = _searched_config(files), {}
+    try:
+        PoplarPipelineModule(toy_layers(), loss_fn=mse, config=config)
+        out["without_data"] = "accepted"
+    except ValueError as exc:
+        out["without_data"] = str(exc)
+    data = RegressionData(num_samples=NUM_SAMPLES)
+    model = PoplarPipelineModule(toy_layers(), loss_fn=mse, seed_layers=True, config=config, training_data=data)
+    engine, _, _, _ = poplar_ext.initialize(model=model, training_data=data, config=config)
+    out["losses"] = [float(engine.train_batch()) for _ in range(STEPS)]
+    out.update(plan=pipeline_plan_to_dict(engine.plan), params=_parameters(engine), position=engine.data_position)
+    layer_files = sorted(files["profiles"].glob("layers/*.json"))
+    written = {path.name: path.stat().st_mtime_ns for path in layer_files}
+    again = PoplarPipelineModule(toy_layers(), loss_fn=mse, config=config, training_data=data)
+    out["again"] = pipeline_plan_to_dict(again.poplar_job.plan)
+    out["rewritten"] = written != {path.name: path.stat().st_mtime_ns for path in layer_files}
+    out["layer_files"] = sorted(written)
+    return out
+
+
+def _per_layer_cli(files):
+    """poplar-profile on the pipeline model: layer profiles only, ZeRO stages 0 and 1 of those asked."""
+    from poplar_ext.profiler.cli import main
+
+    ds = files["profiles"].parent / f"ds_layers{os.environ['RANK']}.json"  # one per rank: none reads a half-written one
+    ds.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 0.001}}}))
+    return main([
+        "--deepspeed_config", str(ds), "--cluster", str(files["cluster"]), "--no-network", "--repeats", "1",
+        "--model", "poplar_ext.models.toy_pipeline:toy_layers", "--batch", "poplar_ext.models.toy_pipeline:toy_batch",
+        "--zero-stages", "0,1,2", "--micro-batch-sizes", "1,4", "--output-dir", str(files["cli_profiles"]), "--quiet",
+    ])
+
+
 def _all_cases(files):
     results = {"refusals": _refusals(files)}
     for name, stage in TRAINED:
         results[(name, stage)] = _train(files, name, stage)
     results["resume"] = _resume(files)
     results["unseeded"] = _unseeded_copies(files)
+    started = time.monotonic()
+    results["searched"] = _searched_at_start(files)
+    results["searched"]["seconds"] = time.monotonic() - started
+    results["cli"] = _per_layer_cli(files)
     return results
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def ranks_and_files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
     files = {
         "cluster": t.write_cluster(tmp / "cluster.json", fast=2, slow=2),
@@ -176,11 +235,18 @@ def results(tmp_path_factory):
         "wrong_types": write_pipeline_plan(tmp / "types.json", PLANS["two_by_two"], stage=0, types=["cpu-slow"] * 4),
         "zero_plan": t.write_plan(tmp / "zero.json", [(2, 1)] * 4, stage=0, device_types=TYPES),
         "checkpoints": tmp / "checkpoints",
+        "profiles": tmp / "profiles",
+        "cli_profiles": tmp / "cli_profiles",
     }
     for name, pipelines in PLANS.items():
         for stage in (0, 1):
             files[_plan_key(name, stage)] = write_pipeline_plan(tmp / f"{name}{stage}.json", pipelines, stage=stage)
-    return run_ranks(_all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=180)
+    return run_ranks(_all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=180), files
+
+
+@pytest.fixture(scope="module")
+def results(ranks_and_files):
+    return ranks_and_files[0]
 
 
 def _reference(global_batch: int, steps: int):
@@ -268,3 +334,37 @@ def test_every_copy_of_a_layer_starts_as_pipeline_0s_without_seeding(results):
             copies.setdefault(name, []).append(value)
     assert all(len(values) == 2 for values in copies.values())  # two pipelines hold every layer
     assert all(torch.equal(values[0], values[1]) for values in copies.values())
+
+
+def test_without_a_plan_one_is_searched_from_layer_profiles_measured_at_start(results):
+    searched = [r["searched"] for r in results]
+    assert len({s["without_data"] for s in searched}) == 1, "ranks disagree"
+    assert "lacks layer profiles of this model for cpu, cpu-slow" in searched[0]["without_data"]
+    assert "poplar-profile --per-layer" in searched[0]["without_data"]
+    assert len(searched[0]["layer_files"]) == 2  # 2 device types at the config's ZeRO stage 0
+    plan = searched[0]["plan"]
+    assert all(s["plan"] == plan and s["again"] == plan for s in searched), "every rank, every start: one plan"
+    assert plan["global_batch_size"] == SEARCHED_BATCH and plan["zero_stage"] == 0
+    print("searched at start, twice:", [round(s["seconds"], 1) for s in searched], "s per rank")
+    assert not any(s["rewritten"] for s in searched), "the second start reads the cache, measures nothing"
+    expected, losses, _ = _reference(SEARCHED_BATCH, STEPS)
+    assert _max_difference([s["params"] for s in searched], expected) <= 1e-5
+    for s in searched:
+        assert s["losses"] == pytest.approx(losses, abs=1e-6) and s["position"] == STEPS * SEARCHED_BATCH
+
+
+def test_poplar_profile_measures_a_pipeline_model_layer_by_layer_only(ranks_and_files):
+    from poplar_search.pipeline_formats import load_layer_profiles
+
+    results, files = ranks_and_files
+    assert [r["cli"] for r in results] == [0] * 4
+    assert not list(files["cli_profiles"].glob("*.json")), "a pipeline model gets layer profiles only"
+    profiles = load_layer_profiles(files["cli_profiles"])
+    assert sorted((p.device_type, p.zero_stage) for p in profiles) == [
+        ("cpu", 0), ("cpu", 1), ("cpu-slow", 0), ("cpu-slow", 1)
+    ]
+    slow = next(p for p in profiles if p.device_type == "cpu-slow")
+    assert slow.emulated is not None and slow.measured_with["device"] == "emulated" and slow.num_layers == 6
+    assert [s.micro_batch_size for s in slow.layers[0].samples] == [1, 4]
+    # Adam: a gradient and two moments per parameter (plus a step counter per tensor).
+    assert 3 * slow.layers[0].parameter_bytes <= slow.layers[0].optimizer_state_bytes

@@ -85,10 +85,11 @@ def test_what_the_config_asks_and_pipelines_cannot_do_is_refused(ds_config, sect
         check_pipeline_config(ds_config, _poplar(**section))
 
 
-def test_a_pipeline_job_needs_a_plan_file():
+def test_a_pipeline_job_without_a_plan_file_searches_one_given_a_global_batch():
     poplar = poplar_config_from_dict({"profiles": "profiles"}, base_dir=Path("."))
-    with pytest.raises(ValueError, match=r"poplar.plan: expected a pipeline plan file, found none; searching"):
+    with pytest.raises(ValueError, match=r"expected the global batch to search a pipeline plan at start"):
         check_pipeline_config({}, poplar)
+    check_pipeline_config({"train_batch_size": 8}, poplar)
 
 
 def test_a_plain_config_is_fine():

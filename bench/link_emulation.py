@@ -1,0 +1,136 @@
+"""An emulated slow link between emulated nodes: a bandwidth cap on the bytes that cross it.
+
+On one machine every rank talks to every other over loopback, so "two nodes joined by
+a slow link" has to be emulated. Ranks are assigned to emulated nodes; every
+point-to-point transfer and collective this process issues through ``torch.distributed``
+whose ranks span more than one emulated node is followed by a sleep of::
+
+    latency_s + crossing_bytes / bandwidth_bytes_per_s
+
+``crossing_bytes`` is what one link of a ring carries for the operation: ``2 (n-1)/n x``
+the tensor for an all-reduce among n ranks, ``(n-1)/n x`` the gathered (or scattered)
+tensor for an all-gather or a reduce-scatter, the tensor for a broadcast, send or receive.
+Operations among ranks of one node are left as they are. Every rank of a crossing
+collective sleeps alike (each waits for the link); both ends of a transfer sleep.
+
+For the bench (`poplar-bench pipeline`), not for training: `install_link_emulation`
+replaces functions of ``torch.distributed`` in this process (call it before DeepSpeed's
+communication backend starts: DeepSpeed keeps references to some of them), and the
+function it returns puts them back.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "p2p": lambda n: 1.0,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkEmulation:
+    """Which emulated node each rank is on, and the link between nodes."""
+
+    node_of_rank: tuple[int, ...]
+    """Emulated node of every rank, rank 0 first."""
+    bandwidth_bytes_per_s: float
+    """What the link between two nodes carries per second (each direction)."""
+    latency_s: float = 0.0
+    """Added once per crossing operation."""
+
+    def __post_init__(self) -> None:
+        if not self.node_of_rank:
+            raise ValueError("node_of_rank: expected the node of at least one rank, found none")
+        if not self.bandwidth_bytes_per_s > 0:
+            raise ValueError(f"bandwidth_bytes_per_s: expected a number > 0, found {self.bandwidth_bytes_per_s}")
+        if self.latency_s < 0:
+            raise ValueError(f"latency_s: expected a number >= 0, found {self.latency_s}")
+
+    def crossing_bytes(self, operation: str, tensor_bytes: int, ranks: Sequence[int]) -> float:
+        """Bytes one link between nodes carries for `operation` on `ranks` (0 when they share a node)."""
+        if operation not in _FACTORS:
+            raise ValueError(f"operation: expected one of {', '.join(_FACTORS)}, found {operation!r}")
+        if len({self.node_of_rank[r] for r in ranks}) < 2:
+            return 0.0
+        return _FACTORS[operation](len(ranks)) * tensor_bytes
+
+    def delay_s(self, operation: str, tensor_bytes: int, ranks: Sequence[int]) -> float:
+        """The sleep after `operation`: 0 within a node, else latency plus the crossing bytes over the bandwidth."""
+        if len({self.node_of_rank[r] for r in ranks}) < 2:
+            return 0.0
+        return self.latency_s + self.crossing_bytes(operation, tensor_bytes, ranks) / self.bandwidth_bytes_per_s
+
+
+def _nbytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# (torch.distributed function, operation, which argument's bytes count: position, keyword)
+_WRAPPED = (
+    ("all_reduce", "all_reduce", 0, "tensor"),
+    ("broadcast", "broadcast", 0, "tensor"),
+    ("send", "p2p", 0, "tensor"),
+    ("recv", "p2p", 0, "tensor"),
+    ("all_gather_into_tensor", "all_gather", 0, "output_tensor"),
+    ("_all_gather_base", "all_gather", 0, "output_tensor"),
+    ("reduce_scatter_tensor", "reduce_scatter", 1, "input"),
+    ("_reduce_scatter_base", "reduce_scatter", 1, "input"),
+)
+
+
+def _group_ranks(dist: Any, group: Any, point_to_point_peer: int | None) -> list[int]:
+    if point_to_point_peer is not None:
+        return [dist.get_rank(), point_to_point_peer]
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def _wrap(dist: Any, link: LinkEmulation, original: Callable, name: str, operation: str, position: int, keyword: str):
+    @functools.wraps(original)
+    def emulated(*args: Any, **kwargs: Any) -> Any:
+        work = original(*args, **kwargs)
+        tensor = args[position] if len(args) > position else kwargs[keyword]
+        tensor_bytes = _nbytes(tensor)
+        peer = None
+        if operation == "p2p":
+            peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
+        delay = link.delay_s(operation, tensor_bytes, _group_ranks(dist, kwargs.get("group"), peer))
+        if delay > 0.0:
+            if work is not None and hasattr(work, "wait"):
+                work.wait()  # the link is busy until the bytes are across
+            time.sleep(delay)
+        return work
+
+    return emulated
+
+
+def install_link_emulation(link: LinkEmulation) -> Callable[[], None]:
+    """Cap the link between emulated nodes in this process (see the module docstring); returns the undo."""
+    import torch.distributed as dist
+
+    originals = {}
+    for name, operation, position, keyword in _WRAPPED:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+        originals[name] = original
+        setattr(dist, name, _wrap(dist, link, original, name, operation, position, keyword))
+
+    def undo() -> None:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+    return undo
+
+
+__all__ = ["LinkEmulation", "install_link_emulation"]

@@ -1,0 +1,357 @@
+"""Layer profiles measured: each layer of a pipeline model timed and sized on its own, per device type.
+
+The pipeline search (`poplar_search.pipeline_search`) needs, per device type, each
+layer's forward + backward time against micro-batch size and its memory
+(`poplar_search.pipeline_formats.LayerProfile`). Layers are measured one at a time in
+one process, without a DeepSpeed engine: a stage of a pipeline runs its layers one after
+the other, and its sends, receives and gradient all-reduces are priced by the network
+file, not by these times.
+
+How each figure is taken (profiles/README.md, "Layer profile"):
+
+* time: forward then backward of the layer alone, on the activation the layers before
+  it produced (the last layer with the loss), timed by the compute clock
+  (`poplar_ext.hardware.compute_clock.time_compute`: the thread's CPU time on CPU, CUDA
+  events on a GPU); the median of `repeats` after `warmup_micro_steps`; an emulated
+  type's time is that times its slowdown, as in whole-model profiles;
+* parameters: the layer's tensors; optimizer state: their gradients plus the state the
+  optimizer holds after one step (pipelines train in fp32: no master copy). ZeRO 1 in a
+  pipeline shards nothing (each pipeline is its own data-parallel group of one rank), so
+  its figures are stage 0's: one measurement is written for both;
+* kept activations: the tensors autograd saves for the layer's backward (the layer's
+  input included, parameters excluded), counted once each, per sample;
+* boundary bytes: the layer's output per sample;
+* base memory: on CPU the process's resident memory before any layer is built (the
+  framework), on CUDA torch's allocation before any layer is built.
+
+`profile_layers` is collective (every rank calls it, as `profile_with`): the first rank
+of each device type measures it, rank 0 reads the cache, writes ``<profiles>/layers/``
+and sends the profiles to every rank.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+from torch import nn
+
+from poplar_ext.hardware.compute_clock import time_compute
+from poplar_ext.hardware.memory import resident_memory_bytes
+from poplar_ext.profiler.sizes import dense_sizes
+from poplar_search.formats import Emulation, ModelInfo
+from poplar_search.pipeline_formats import PIPELINE_ZERO_STAGES, LayerCost, LayerProfile, LayerSample
+
+PipelineLossFn = Callable[[Any, Any], torch.Tensor]
+"""DeepSpeed's pipeline loss: ``loss_fn(outputs, labels) -> loss``."""
+
+DEFAULT_LARGEST_LAYER_MICRO_BATCH = 64
+"""Without `micro_batch_sizes`, layers are timed at 1, 2, 3, 4, 6, ... up to this (or the
+`micro_batch_size_limit`, when smaller): layers are timed alone, with no memory probe."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineLayers:
+    """A pipeline model as the profiler measures it: its layers in order and its loss."""
+
+    builders: tuple[Callable[[], nn.Module], ...]
+    """Each builds one layer (a LayerSpec's ``build``, or the module itself)."""
+    loss_fn: PipelineLossFn | None
+    """The pipeline's ``loss_fn(outputs, labels)``; None: the last layer's output summed."""
+
+
+def is_pipeline_model(model: Any) -> bool:
+    """True for a DeepSpeed `PipelineModule` (a `PoplarPipelineModule` too) or a list of layers
+    (LayerSpecs or modules): what `profile_layers` measures layer by layer."""
+    from deepspeed.pipe import PipelineModule
+
+    return isinstance(model, PipelineModule) or (
+        isinstance(model, (list, tuple)) and len(model) > 0 and all(_is_layer(x) for x in model)
+    )
+
+
+def _is_layer(item: Any) -> bool:
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    return (isinstance(item, LayerSpec) and not isinstance(item, TiedLayerSpec)) or isinstance(item, nn.Module)
+
+
+def pipeline_layers(model: Any, *, loss_fn: PipelineLossFn | None = None) -> PipelineLayers:
+    """The layers of `model`: a PipelineModule's layer list (its ``loss_fn`` unless `loss_fn` is
+    given), a list of LayerSpecs or modules, or an ``nn.Sequential``'s children."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    if isinstance(model, PipelineModule):
+        items, loss_fn = list(model._layer_specs), loss_fn or model.loss_fn
+    elif isinstance(model, nn.Sequential):
+        items = list(model.children())
+    elif is_pipeline_model(model):
+        items = list(model)
+    else:
+        raise ValueError(
+            f"model: expected a PipelineModule, a list of LayerSpecs or modules, or an nn.Sequential to profile layer "
+            f"by layer, found {type(model).__name__}"
+        )
+    for index, item in enumerate(items):
+        if not _is_layer(item):
+            raise ValueError(
+                f"model: layer {index}: expected a LayerSpec or an nn.Module (tied layers are not supported), "
+                f"found {type(item).__name__}"
+            )
+    builders = tuple(item.build if isinstance(item, LayerSpec) else (lambda m=item: m) for item in items)
+    return PipelineLayers(builders=builders, loss_fn=loss_fn)
+
+
+def layers_fingerprint(pipeline: PipelineLayers) -> str:
+    """Which model layer profiles belong to: `model_fingerprint` of the layers as one ``nn.Sequential``
+    (each built once, on the CPU where a LayerSpec builds there)."""
+    from poplar_ext.profiler.fingerprint import model_fingerprint
+
+    return model_fingerprint(nn.Sequential(*(build() for build in pipeline.builders)))
+
+
+def layer_micro_batch_sizes(micro_batch_sizes: Sequence[int] | None, micro_batch_size_limit: int) -> tuple[int, ...]:
+    """The sizes layers are timed at: the given ones, else `dense_sizes` up to the smaller of the
+    limit and `DEFAULT_LARGEST_LAYER_MICRO_BATCH`."""
+    if micro_batch_sizes is not None:
+        return tuple(sorted(set(micro_batch_sizes)))
+    return tuple(dense_sizes(min(micro_batch_size_limit, DEFAULT_LARGEST_LAYER_MICRO_BATCH)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerMeasurement:
+    """What `measure_layers` needs besides the layers: the data, the optimizer and how much to measure."""
+
+    make_batch: Callable[[int], Any]
+    """``make_batch(b)`` -> ``(inputs, labels)`` of a micro-batch of b samples (DeepSpeed's pipeline
+    convention; anything else is taken as inputs without labels)."""
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    micro_batch_sizes: tuple[int, ...]
+    warmup_micro_steps: int = 1
+    repeats: int = 3
+    device: torch.device = torch.device("cpu")
+
+
+def _split_batch(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    return batch, None
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _detached_input(value: Any) -> Any:
+    """The activation a stage receives: a leaf, with a gradient where it is floating point."""
+    if torch.is_tensor(value):
+        leaf = value.detach()
+        return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached_input(v) for v in value)
+    return value
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class _LayerRun:
+    """One forward + backward of one layer: its compute time, kept activation bytes and output."""
+
+    time_s: float
+    kept_bytes: int
+    output: Any
+
+
+def _run_layer(
+    layer: nn.Module, inputs: Any, labels: Any, *, last: bool, loss_fn: PipelineLossFn | None, device: torch.device
+) -> _LayerRun:
+    leaf = _detached_input(inputs)
+    parameter_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage().data_ptr()
+        if storage not in parameter_storages:
+            kept[storage] = max(kept.get(storage, 0), tensor.numel() * tensor.element_size())
+        return tensor
+
+    result: dict[str, Any] = {}
+
+    def forward() -> None:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = layer(leaf)
+            result["output"] = output
+            if last:
+                result["loss"] = (
+                    loss_fn(output, labels) if loss_fn is not None else sum(t.sum() for t in _tensors(output))
+                )
+
+    def backward() -> None:
+        if last:
+            result["loss"].backward()
+            return
+        outputs = [t for t in _tensors(result["output"]) if t.requires_grad]
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+    time_s = time_compute(device, forward) + time_compute(device, backward)
+    # A stage keeps the activation it received until its backward: the layer's input counts.
+    for t in _tensors(leaf):
+        kept[t.untyped_storage().data_ptr()] = max(kept.get(t.untyped_storage().data_ptr(), 0), _nbytes([t]))
+    output = _to(result["output"], device)
+    return _LayerRun(time_s=time_s, kept_bytes=sum(kept.values()), output=_detach(output))
+
+
+def _detach(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detach(v) for v in value)
+    return value
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter]) -> int:
+    """Gradients plus the optimizer's per-parameter state after a step, each tensor once."""
+    gradients = _nbytes([p.grad for p in parameters if p.grad is not None])
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return gradients + _nbytes(state)
+
+
+def measure_layers(
+    pipeline: PipelineLayers,
+    measurement: LayerMeasurement,
+    *,
+    slowdown: float = 1.0,
+) -> list[dict[str, Any]]:
+    """Each layer's `LayerCost` fields (as a dict), measured in this process (not collective).
+
+    Times are multiplied by `slowdown` (an emulated type's: at least 1, as the emulation
+    never speeds up real compute)."""
+    device = measurement.device
+    layers = [builder().to(device) for builder in pipeline.builders]
+    last = len(layers) - 1
+    times: list[dict[int, list[float]]] = [{b: [] for b in measurement.micro_batch_sizes} for _ in layers]
+    kept_per_sample = [0] * len(layers)
+    output_per_sample = [0] * len(layers)
+    factor = max(1.0, slowdown)
+    for b in measurement.micro_batch_sizes:
+        inputs, labels = _split_batch(measurement.make_batch(b))
+        inputs, labels = _to(inputs, device), _to(labels, device)
+        for step in range(measurement.warmup_micro_steps + measurement.repeats):
+            x = inputs
+            for index, layer in enumerate(layers):
+                run = _run_layer(layer, x, labels, last=index == last, loss_fn=pipeline.loss_fn, device=device)
+                layer.zero_grad(set_to_none=True)
+                if step >= measurement.warmup_micro_steps:
+                    times[index][b].append(run.time_s * factor)
+                kept_per_sample[index] = max(kept_per_sample[index], -(-run.kept_bytes // b))
+                output_per_sample[index] = max(output_per_sample[index], -(-_nbytes(_tensors(run.output)) // b))
+                x = run.output
+    return [
+        {
+            "index": index,
+            "name": type(layer).__name__,
+            "samples": [
+                {"micro_batch_size": b, "step_time_s": max(statistics.median(times[index][b]), 1e-9)}
+                for b in measurement.micro_batch_sizes
+            ],
+            "parameter_bytes": _nbytes(list(layer.parameters())),
+            "activation_bytes_per_sample": kept_per_sample[index],
+            "output_bytes_per_sample": output_per_sample[index],
+            **_optimizer_figures(layer, pipeline, measurement, factor, index == last),
+        }
+        for index, layer in enumerate(layers)
+    ]
+
+
+def _optimizer_figures(
+    layer: nn.Module, pipeline: PipelineLayers, measurement: LayerMeasurement, factor: float, last: bool
+) -> dict[str, Any]:
+    """The layer's optimizer state (gradients included) and its step time (median, x the slowdown)."""
+    parameters = [p for p in layer.parameters() if p.requires_grad]
+    if not parameters:
+        return {"optimizer_state_bytes": 0, "optimizer_step_time_s": 0.0}
+    optimizer = measurement.optimizer_factory(parameters)
+    for p in parameters:
+        p.grad = torch.zeros_like(p)
+    steps = [time_compute(measurement.device, optimizer.step) for _ in range(measurement.repeats + 1)]
+    return {
+        "optimizer_state_bytes": _optimizer_state_bytes(optimizer, parameters),
+        "optimizer_step_time_s": statistics.median(steps[1:]) * factor,
+    }
+
+
+def base_memory_bytes(device: torch.device) -> int:
+    """What a stage takes before any layer: the process's resident memory on CPU, torch's allocation on CUDA."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return resident_memory_bytes()
+
+
+def layer_profile(
+    costs: list[dict[str, Any]],
+    *,
+    device_type: str,
+    zero_stage: int,
+    memory_capacity_bytes: int,
+    base_memory: int,
+    model: ModelInfo,
+    emulation: Emulation | None,
+    provenance: dict[str, Any],
+) -> LayerProfile:
+    """The `LayerProfile` of measured `costs` at `zero_stage` (0 or 1)."""
+    if zero_stage not in PIPELINE_ZERO_STAGES:
+        raise ValueError(f"zero_stage: expected 0 or 1 for a layer profile, found {zero_stage}")
+    return LayerProfile(
+        device_type=device_type,
+        memory_capacity_bytes=memory_capacity_bytes,
+        zero_stage=zero_stage,
+        model=model,
+        layers=tuple(LayerCost(**{**c, "samples": tuple(LayerSample(**s) for s in c["samples"])}) for c in costs),
+        base_memory_bytes=base_memory,
+        emulated=emulation,
+        measured_with={
+            "source": "measured",
+            "python": platform.python_version(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "device": "emulated" if emulation is not None else "real",
+            "timing": "each layer alone: forward + backward by the compute clock (x the emulated slowdown), median",
+            "memory": "parameters and optimizer state from the tensors; kept activations from autograd's saved "
+            "tensors (input included); output from the layer's output",
+            "zero1": "the same measurement as stage 0: a pipeline's data-parallel group is one rank",
+            **provenance,
+        },
+    )
+
+
+__all__ = [
+    "DEFAULT_LARGEST_LAYER_MICRO_BATCH",
+    "LayerMeasurement",
+    "PipelineLayers",
+    "base_memory_bytes",
+    "is_pipeline_model",
+    "layer_micro_batch_sizes",
+    "layer_profile",
+    "layers_fingerprint",
+    "measure_layers",
+    "pipeline_layers",
+]

@@ -1,0 +1,139 @@
+"""Layer profiles measured on the toy pipeline model: files the search loads, times that grow with the
+micro-batch and with an emulated slowdown, memory from the parameters, boundary bytes from the output."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from poplar_ext.hardware.cpu_process import cpu_threads
+from poplar_ext.models.toy_pipeline import mse, toy_batch, toy_layers
+from poplar_ext.profiler.cache import (
+    LayerProfileKey,
+    find_cached_layer_profile,
+    store_layer_profile,
+)
+from poplar_ext.profiler.layers import (
+    LayerMeasurement,
+    is_pipeline_model,
+    layer_micro_batch_sizes,
+    layer_profile,
+    measure_layers,
+    pipeline_layers,
+)
+from poplar_ext.profiler.per_layer import optimizer_factory_from_config
+from poplar_search.formats import Emulation, ModelInfo
+from poplar_search.pipeline_formats import load_layer_profiles
+
+DIM = 48
+SIZES = (1, 32, 256)
+NUM_LAYERS = 4
+
+
+def _measure(slowdown: float = 1.0, *, optimizer: str = "SGD") -> list[dict]:
+    params = {"lr": 0.1, "momentum": 0.9} if optimizer == "SGD" else {"lr": 1e-3}
+    measurement = LayerMeasurement(
+        make_batch=lambda b: toy_batch(b, dim=DIM),
+        optimizer_factory=optimizer_factory_from_config({"optimizer": {"type": optimizer, "params": params}}),
+        micro_batch_sizes=SIZES,
+        warmup_micro_steps=1,
+        repeats=3,
+    )
+    with cpu_threads(1):
+        return measure_layers(
+            pipeline_layers(toy_layers(dim=DIM, num_layers=NUM_LAYERS), loss_fn=mse), measurement, slowdown=slowdown
+        )
+
+
+@pytest.fixture(scope="module")
+def costs() -> tuple[list[dict], list[dict]]:
+    return _measure(), _measure(3.0)
+
+
+def _total_time(costs: list[dict], size: int) -> float:
+    return sum(s["step_time_s"] for c in costs for s in c["samples"] if s["micro_batch_size"] == size)
+
+
+def _profile(costs: list[dict], emulation: Emulation | None = None, stage: int = 0):
+    return layer_profile(
+        costs,
+        device_type="cpu-slow" if emulation else "cpu",
+        zero_stage=stage,
+        memory_capacity_bytes=2 * 10**9,
+        base_memory=10**8,
+        model=ModelInfo(name="toy", fingerprint="sha256:abc", num_parameters=1000, dtype="float32"),
+        emulation=emulation,
+        provenance={"torch": torch.__version__, "deepspeed": "0.19.8", "ds_config_fingerprint": "sha256:cfg"},
+    )
+
+
+def test_memory_figures_follow_the_parameters_and_boundary_bytes_the_output(costs) -> None:
+    plain, _ = costs
+    assert [c["name"] for c in plain] == ["Block"] * (NUM_LAYERS - 1) + ["Linear"]
+    block, head = plain[0], plain[-1]
+    assert block["parameter_bytes"] == 4 * (DIM * DIM + DIM)
+    assert head["parameter_bytes"] == 4 * (DIM + 1)
+    # SGD with momentum: a gradient and a momentum buffer per parameter.
+    assert block["optimizer_state_bytes"] == 2 * block["parameter_bytes"]
+    # A block's output is DIM floats per sample, the head's one.
+    assert block["output_bytes_per_sample"] == 4 * DIM
+    assert head["output_bytes_per_sample"] == 4
+    # A block keeps its input (for the linear) and its output (for tanh); the head its input and the loss's
+    # difference.
+    assert block["activation_bytes_per_sample"] == 2 * 4 * DIM
+    assert head["activation_bytes_per_sample"] == 4 * DIM + 4
+
+
+def test_adam_state_is_two_moments_per_parameter() -> None:
+    adam = _measure(optimizer="Adam")
+    block = adam[0]
+    gradients_and_moments = 3 * block["parameter_bytes"]
+    # Plus torch's per-tensor step counters (one scalar per parameter tensor).
+    assert gradients_and_moments <= block["optimizer_state_bytes"] <= gradients_and_moments + 2 * 8
+
+
+def test_times_grow_with_the_micro_batch_and_with_the_emulated_slowdown(costs) -> None:
+    plain, slowed = costs
+    for layer in plain[:-1]:
+        times = [s["step_time_s"] for s in layer["samples"]]
+        assert times[-1] > times[0], layer
+    for size in SIZES:
+        ratio = _total_time(slowed, size) / _total_time(plain, size)
+        assert 1.8 < ratio < 5.0, (size, ratio)
+
+
+def test_profiles_are_written_to_layers_and_load_and_are_found_by_their_key(costs, tmp_path) -> None:
+    emulation = Emulation(slowdown=3.0, memory_capacity_bytes=2 * 10**9)
+    for stage in (0, 1):
+        store_layer_profile(tmp_path, _profile(costs[0], stage=stage))
+        store_layer_profile(tmp_path, _profile(costs[1], emulation, stage=stage))
+    loaded = load_layer_profiles(tmp_path)
+    assert sorted((p.device_type, p.zero_stage) for p in loaded) == [
+        ("cpu", 0),
+        ("cpu", 1),
+        ("cpu-slow", 0),
+        ("cpu-slow", 1),
+    ]
+    slow = next(p for p in loaded if p.device_type == "cpu-slow" and p.zero_stage == 0)
+    assert slow.measured_with["device"] == "emulated" and slow.emulated == emulation
+    assert slow.num_layers == NUM_LAYERS
+    key = LayerProfileKey.of_profile(slow)
+    assert find_cached_layer_profile(tmp_path, key) == slow
+    assert find_cached_layer_profile(tmp_path, dataclasses.replace(key, micro_batch_sizes=(1, 2))) is None
+    # Stored again, it replaces its file instead of adding one the search would refuse.
+    store_layer_profile(tmp_path, _profile(costs[0], stage=0))
+    assert len(load_layer_profiles(tmp_path)) == 4
+
+
+def test_what_is_a_pipeline_model_and_which_sizes_are_timed() -> None:
+    assert is_pipeline_model(toy_layers())
+    assert not is_pipeline_model(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="PipelineModule"):
+        pipeline_layers(torch.nn.Linear(2, 2))
+    assert layer_micro_batch_sizes(None, 256)[-1] == 64
+    assert layer_micro_batch_sizes(None, 5) == (1, 2, 3, 4, 5)
+    assert layer_micro_batch_sizes((4, 2), 256) == (2, 4)
+    with pytest.raises(ValueError, match="optimizer.type"):
+        optimizer_factory_from_config({"optimizer": {"type": "Lamb"}})
