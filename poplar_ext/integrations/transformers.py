@@ -146,6 +146,25 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
     )
 
 
+_DATA_ORDER_METHODS = ("get_train_dataloader", "_get_train_sampler")
+
+
+def _refuse_own_training_data_order(cls: type) -> None:
+    """A Trainer subclass below the mixin that chooses its own training batches would have
+    them replaced by the plan's without a word: refused, naming the method."""
+    mro = cls.__mro__
+    for klass in mro[mro.index(PoplarTrainerMixin) + 1 :]:
+        if klass is Trainer:
+            return
+        for name in _DATA_ORDER_METHODS:
+            if name in vars(klass):
+                raise ValueError(
+                    f"{cls.__name__}: {klass.__name__}.{name}: expected the Trainer's own (the plan's sampler replaces "
+                    f"it: each rank's micro-batches are the plan's), found one of {klass.__name__}'s, whose batches "
+                    "would not be trained; give the data through train_dataset and data_collator instead"
+                )
+
+
 class PoplarTrainerMixin:
     """Everything `PoplarTrainer` does, for any ``transformers.Trainer`` subclass.
 
@@ -154,7 +173,7 @@ class PoplarTrainerMixin:
     data collator run inside them: the subclass's loss is computed first and then weighted
     to the global batch, and the train dataloader is the plan's (the subclass's dataset
     preparation in ``__init__`` is kept; a ``get_train_dataloader`` of its own is
-    replaced). A subclass that overrides these methods itself (a class *derived from*
+    refused). A subclass that overrides these methods itself (a class *derived from*
     the mixed class) must call ``super()`` in them for the plan to apply; see
     docs/trainer.md.
     """
@@ -162,6 +181,7 @@ class PoplarTrainerMixin:
     def __init__(
         self, model: Any = None, args: TrainingArguments | None = None, train_dataset: Any = None, **kwargs: Any
     ) -> None:
+        _refuse_own_training_data_order(type(self))
         if args is None or not args.deepspeed:
             raise ValueError(
                 f"{type(self).__name__}: expected TrainingArguments(deepspeed=...) naming a DeepSpeed config with a "
