@@ -1,5 +1,8 @@
 """`PoplarTrainer`: the Hugging Face Trainer with a plan's per-rank batches and exact gradients.
 
+`PoplarTrainerMixin` brings the same to any Trainer subclass (first in its bases);
+`PoplarTrainer` is the mixin on ``transformers.Trainer``.
+
 Use it where you would use ``transformers.Trainer``, with ``TrainingArguments(...,
 deepspeed="ds.json")`` whose DeepSpeed config carries a ``poplar`` section (a plan,
 or profiles and a policy, or only a cluster for the automatic mode). Launch it
@@ -143,21 +146,46 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
     )
 
 
-class PoplarTrainer(Trainer):
-    """``transformers.Trainer`` training the plan of the DeepSpeed config's ``poplar`` section.
+_DATA_ORDER_METHODS = ("get_train_dataloader", "_get_train_sampler")
 
-    Same arguments as ``Trainer``; ``args.deepspeed`` must name a DeepSpeed config (file
-    or dict) with a ``poplar`` section. See the module docstring for what differs.
-    ``self.plan`` is the plan every rank runs; ``self.args`` are this rank's arguments.
+
+def _refuse_own_training_data_order(cls: type) -> None:
+    """A Trainer subclass below the mixin that chooses its own training batches would have
+    them replaced by the plan's without a word: refused, naming the method."""
+    mro = cls.__mro__
+    for klass in mro[mro.index(PoplarTrainerMixin) + 1 :]:
+        if klass is Trainer:
+            return
+        for name in _DATA_ORDER_METHODS:
+            if name in vars(klass):
+                raise ValueError(
+                    f"{cls.__name__}: {klass.__name__}.{name}: expected the Trainer's own (the plan's sampler replaces "
+                    f"it: each rank's micro-batches are the plan's), found one of {klass.__name__}'s, whose batches "
+                    "would not be trained; give the data through train_dataset and data_collator instead"
+                )
+
+
+class PoplarTrainerMixin:
+    """Everything `PoplarTrainer` does, for any ``transformers.Trainer`` subclass.
+
+    Put it first in the bases: ``class MyTrainer(PoplarTrainerMixin, SFTTrainer)``. Its
+    methods call ``super()``, so the subclass's own ``__init__``, ``compute_loss`` and
+    data collator run inside them: the subclass's loss is computed first and then weighted
+    to the global batch, and the train dataloader is the plan's (the subclass's dataset
+    preparation in ``__init__`` is kept; a ``get_train_dataloader`` of its own is
+    refused). A subclass that overrides these methods itself (a class *derived from*
+    the mixed class) must call ``super()`` in them for the plan to apply; see
+    docs/trainer.md.
     """
 
     def __init__(
         self, model: Any = None, args: TrainingArguments | None = None, train_dataset: Any = None, **kwargs: Any
     ) -> None:
+        _refuse_own_training_data_order(type(self))
         if args is None or not args.deepspeed:
             raise ValueError(
-                "PoplarTrainer: expected TrainingArguments(deepspeed=...) naming a DeepSpeed config with a 'poplar' "
-                "section, found none; use transformers.Trainer for a run without one"
+                f"{type(self).__name__}: expected TrainingArguments(deepspeed=...) naming a DeepSpeed config with a "
+                "'poplar' section, found none; use the Trainer without poplar-ext for a run without one"
             )
         _ = args.device  # reading it makes Hugging Face and accelerate set up the process group
         from poplar_ext.collectives import process_group_rank
@@ -209,7 +237,11 @@ class PoplarTrainer(Trainer):
         if model is None and self.model is not None:
             # The model model_init built: one that cannot checkpoint is refused on every rank alike.
             apply_plan_checkpointing(self.model, self.plan, self.job.rank, source=self.job.plan_reason)
-        # The loss compute_loss returns is already the global batch's share (see _weigh).
+        # What the Trainer subclass says its own loss is (the Trainer's class attribute:
+        # False, a micro-batch mean; True, normalised by num_items_in_batch; None, decided
+        # per step as the Trainer decides); read before it is overwritten below.
+        self._inner_loss_is_scaled_for_ga: bool | None = self.loss_is_scaled_for_ga
+        # The loss compute_loss returns is already the global batch's share (see compute_loss).
         self.loss_is_scaled_for_ga = True
         self._train_sampler: PlanBatchSampler | None = None
         self._shifts_labels: bool | None = None
@@ -274,6 +306,8 @@ class PoplarTrainer(Trainer):
             len(batch_samples) > 0
             and "labels" in batch_samples[0]
             and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+            # A subclass whose loss is a micro-batch mean uses no token count.
+            and self._inner_loss_is_scaled_for_ga is not False
         )
         # Decided from what every rank has alike, so that all or none enter the collective.
         if not counting:
@@ -303,8 +337,8 @@ class PoplarTrainer(Trainer):
         if not model.training:
             return result
         loss, outputs = result if return_outputs else (result, None)
-        if num_items_in_batch is not None:
-            weight = 1.0  # the model divided its token sum by T / W: W * sum / T already
+        if self._loss_is_token_normalised(num_items_in_batch):
+            weight = 1.0  # the loss divided its token sum by T / W: W * sum / T already
         else:
             rank_plan = self.plan.ranks[self.job.rank]
             weight = self.job.world_size * rank_plan.micro_batch_size / self.plan.global_batch_size
@@ -313,6 +347,20 @@ class PoplarTrainer(Trainer):
         # scale_wrt_gas=False, which an uneven plan must not get.
         loss = loss * weight
         return (loss, outputs) if return_outputs else loss
+
+    def _loss_is_token_normalised(self, num_items_in_batch: Any) -> bool:
+        """Whether the subclass's loss is its token sum over ``num_items_in_batch`` (True) or a
+        micro-batch sample mean (False), as the Trainer's ``loss_is_scaled_for_ga`` says."""
+        declared = self._inner_loss_is_scaled_for_ga
+        if declared is None:
+            return num_items_in_batch is not None
+        if declared and num_items_in_batch is None:
+            raise ValueError(
+                f"{type(self).__name__}: loss_is_scaled_for_ga is True (the loss is normalised over the accumulated "
+                "batch) but the batches carry no 'labels' to count, so poplar-ext cannot tell over what; set "
+                "loss_is_scaled_for_ga = False and return a micro-batch mean, or give the batches labels"
+            )
+        return declared
 
     # -- checkpoints -------------------------------------------------------------------
     def _poplar_state(self) -> dict:
@@ -420,4 +468,13 @@ class PoplarTrainer(Trainer):
         return prepared
 
 
-__all__ = ["PoplarTrainer"]
+class PoplarTrainer(PoplarTrainerMixin, Trainer):
+    """``transformers.Trainer`` training the plan of the DeepSpeed config's ``poplar`` section.
+
+    Same arguments as ``Trainer``; ``args.deepspeed`` must name a DeepSpeed config (file
+    or dict) with a ``poplar`` section. See the module docstring for what differs.
+    ``self.plan`` is the plan every rank runs; ``self.args`` are this rank's arguments.
+    """
+
+
+__all__ = ["PoplarTrainer", "PoplarTrainerMixin"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from poplar_ext.runtime.data import SampleStream
@@ -97,3 +100,27 @@ def reference_first_loss(global_batch: int) -> float:
     batch = collate([data[i] for i in SampleStream(num_samples=len(data), seed=0).indices(0, global_batch)])
     with torch.no_grad():
         return float(model(**batch).loss)
+
+
+def trainer_configs(root: Path, allocations: dict[int, list[tuple[int, int]]], types: list[str]) -> dict[int, str]:
+    """A DeepSpeed config per ZeRO stage with Hugging Face's "auto" batch values and a poplar
+    section naming a plan of `allocations[stage]` ((micro-batch, accumulation) per rank)."""
+    import _training as t
+
+    cluster = t.write_cluster(root / "cluster.json", fast=1, slow=len(types) - 1, slowdown=1.0)
+    paths = {}
+    for stage, allocation in allocations.items():
+        plan = t.write_plan(root / f"plan{stage}.json", allocation, stage=stage, device_types=types)
+        config = {
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10_000,
+            "poplar": {"cluster": str(cluster), "plan": str(plan), "log_interval_steps": 0},
+        }
+        (root / f"ds{stage}.json").write_text(json.dumps(config))
+        paths[stage] = str(root / f"ds{stage}.json")
+    return paths

@@ -1,0 +1,141 @@
+"""TRL's SFTTrainer and DPOTrainer on a plan: `PoplarSFTTrainer`, `PoplarDPOTrainer`.
+
+Each is `PoplarTrainerMixin` on the TRL trainer (see docs/trainer.md): the same
+arguments as TRL's, with ``args.deepspeed`` naming a DeepSpeed config with a ``poplar``
+section. The loss stays TRL's, weighted to the global batch as its trainer declares it:
+
+* SFT (``loss_is_scaled_for_ga`` None): the token sum of the label tokens over
+  ``num_items_in_batch``, which poplar-ext sets to the whole global batch's label
+  tokens over the world size; with ``completion_only_loss`` the labels of the prompt
+  are -100 and not counted; with packing each packed row is one sample of the plan;
+* DPO (``loss_is_scaled_for_ga`` False): the mean over a micro-batch's pairs, weighted
+  ``W * b_r / B`` (``b_r`` pairs); the reference model is TRL's (its own DeepSpeed
+  engine).
+
+What cannot be exact is refused when the trainer is built (``ValueError`` naming the
+setting): DPO losses that compare the pairs of a micro-batch with each other (``aot``,
+``aot_unpaired``: sorted over the micro-batch) or average over its tokens (``sft``);
+SFT's padding-free batches (``padding_free``, ``packing`` with ``bfd``) unless the
+model's attention is a flash attention (others let the sequences flattened into one
+row attend to each other, so the loss depends on the micro-batch split).
+
+TRL gathers its logged metrics (entropy, token accuracy, token counts, DPO's rewards)
+in every ``compute_loss``; under a plan, ranks take micro-steps of different sizes, and
+at ZeRO 0-1 different numbers of them per step, so while training each rank keeps its
+own metrics (rank 0's are what the Trainer logs) instead of entering a collective that
+the others reach with other shapes or never. The loss and the gradients are exact.
+
+Requires ``pip install 'poplar-ext[trl]'``; this is the only module of poplar-ext that
+imports trl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from trl import DPOTrainer, SFTTrainer
+
+from poplar_ext.integrations.transformers import PoplarTrainerMixin
+
+# DPO loss types whose value for a pair depends on the other pairs of its micro-batch.
+_MICRO_BATCH_DPO_LOSSES = {
+    "aot": "sorts the log-ratios over the micro-batch, pairing each with another pair's",
+    "aot_unpaired": "sorts the log-ratios over the micro-batch, pairing each with another pair's",
+    "sft": "averages over the micro-batch's chosen tokens (a token mean per micro-batch, not per sample)",
+}
+
+
+class _LocalMetrics(PoplarTrainerMixin):
+    """TRL's metric gathers kept on this rank while training (see the module docstring)."""
+
+    @contextlib.contextmanager
+    def _metrics_on_this_rank(self) -> Iterator[None]:
+        if not self.model.training:
+            yield
+            return
+        # Under a plan, ranks take different numbers of micro-steps of different sizes: a
+        # gather per micro-step would pair one rank's k-th micro-step with another's k-th
+        # of another optimizer step, wait for one that never comes, or meet other shapes.
+        self.accelerator.gather_for_metrics = _local
+        self.accelerator.gather = _local
+        try:
+            yield
+        finally:
+            del self.accelerator.gather_for_metrics, self.accelerator.gather  # the class's methods again
+
+    def compute_loss(
+        self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        with self._metrics_on_this_rank():
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+
+
+def _local(input_data: Any, use_gather_object: bool = False) -> Any:
+    """``gather`` / ``gather_for_metrics`` of one process: its own values."""
+    return input_data
+
+
+class PoplarSFTTrainer(_LocalMetrics, SFTTrainer):
+    """``trl.SFTTrainer`` training the plan of the DeepSpeed config's ``poplar`` section.
+
+    Same arguments as ``SFTTrainer`` (by keyword); see the module docstring. Padding-free
+    batches (``padding_free``, or ``packing`` with a ``bfd`` strategy) need an attention
+    that keeps the sequences of a flattened micro-batch apart (flash attention), or they
+    are refused.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model")
+        if not isinstance(model, str):
+            _refuse_padding_free_across_sequences(kwargs.get("args"), model)
+        super().__init__(*args, **kwargs)
+        if isinstance(model, str):  # the model TRL loaded
+            _refuse_padding_free_across_sequences(self.args, self.model)
+
+
+def _refuse_padding_free_across_sequences(args: Any, model: Any) -> None:
+    """Padding-free batches flatten a micro-batch into one row; an attention that does not
+    keep its sequences apart lets each attend to the others of its micro-batch, so the
+    loss depends on how the global batch is split (which poplar-ext changes per rank)."""
+    if args is None or model is None:
+        return
+    strategy = getattr(args, "packing_strategy", None)
+    padding_free = getattr(args, "padding_free", False) or (
+        getattr(args, "packing", False) and strategy in {"bfd", "bfd_split"}
+    )
+    attention = str(getattr(getattr(model, "config", None), "_attn_implementation", None))
+    if padding_free and "flash" not in attention:
+        what = "padding_free=True" if args.padding_free else f"packing=True with packing_strategy={strategy!r}"
+        raise ValueError(
+            f"PoplarSFTTrainer: SFTConfig: {what} flattens each micro-batch into one sequence, and the model's "
+            f"attention ({attention!r}) lets its sequences attend to each other, so the gradients depend on how "
+            "the global batch is split into micro-batches (which differs per rank): expected a flash attention "
+            "implementation, or packing_strategy='wrapped', or padding_free=False"
+        )
+
+
+class PoplarDPOTrainer(_LocalMetrics, DPOTrainer):
+    """``trl.DPOTrainer`` training the plan of the DeepSpeed config's ``poplar`` section.
+
+    Same arguments as ``DPOTrainer`` (by keyword; pass ``ref_model`` or let TRL build
+    it); a loss type that compares the pairs of a micro-batch is refused.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        config = kwargs.get("args")
+        loss_types = getattr(config, "loss_type", None) or []
+        for loss_type in [loss_types] if isinstance(loss_types, str) else loss_types:
+            if loss_type in _MICRO_BATCH_DPO_LOSSES:
+                raise ValueError(
+                    f"PoplarDPOTrainer: DPOConfig.loss_type: expected losses computed per pair, found {loss_type!r}, "
+                    f"which {_MICRO_BATCH_DPO_LOSSES[loss_type]}: its gradient depends on how the global batch is "
+                    "split into micro-batches, so no per-rank split equals one device training the global batch"
+                )
+        super().__init__(*args, **kwargs)
+
+
+__all__ = ["PoplarDPOTrainer", "PoplarSFTTrainer"]

@@ -1,0 +1,246 @@
+"""PoplarSFTTrainer and PoplarDPOTrainer (TRL) under uneven plans, on forked ranks.
+
+3 ranks (one real CPU type, two emulated), a tiny Llama from its config and a word-level
+tokenizer made here (nothing downloaded). Each case trains 3 optimizer steps of a global
+batch of 12 and must equal one process training the same global batches with the plain
+TRL trainer (fp32, 1e-5), every sample (or packed row) trained once:
+
+* SFT with the completion-only loss (token mean over the completion tokens) at ZeRO 0
+  (per-rank accumulation counts);
+* SFT with packing (``wrapped``: rows of ``max_length`` tokens) at ZeRO 3;
+* DPO with its reference model (sigmoid loss, a mean over pairs) at ZeRO 1 (per-rank
+  accumulation counts) and 3 (the reference model partitioned too).
+
+(ZeRO 2 is the custom subclass's, tests/dist/test_trainer_mixin.py.)
+
+One rank group runs every case (a Trainer per case), to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from harness import run_ranks
+
+pytest.importorskip("trl", reason="the TRL tests need pip install 'poplar-ext[trl]'")
+
+import _hf_common as hf  # noqa: E402
+import _training as t  # noqa: E402
+
+TYPES = ["cpu", "cpu-slow", "cpu-slow"]
+GLOBAL_BATCH = 12
+STEPS = 3
+ALLOCATIONS = {
+    0: [(3, 2), (1, 3), (3, 1)],
+    1: [(2, 3), (1, 2), (4, 1)],
+    2: [(3, 2), (1, 2), (2, 2)],
+    3: [(3, 2), (1, 2), (2, 2)],
+}
+# (name, trainer, ZeRO stage, config fields): each stage once, per-rank accumulation counts at 0 and 1
+CASES = [
+    ("sft-completion-0", "sft", 0, {"completion_only_loss": True}),
+    (
+        "sft-packing-3",
+        "sft",
+        3,
+        {"completion_only_loss": False, "packing": True, "packing_strategy": "wrapped", "max_length": 8},
+    ),
+    ("dpo-1", "dpo", 1, {}),
+    ("dpo-3", "dpo", 3, {}),
+]
+WORDS = 62  # the vocabulary: <pad>, <eos> and w0..w61 (64 embeddings)
+
+
+def tokenizer():
+    """A word-level tokenizer over w0..w61, built here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(WORDS)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+
+
+def _words(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(f"w{rng.randrange(WORDS)}" for _ in range(rng.randint(low, high)))
+
+
+def dataset(kind: str):
+    """50 prompt-completion examples (SFT) or prompt-chosen-rejected pairs (DPO), seeded."""
+    from datasets import Dataset
+
+    rng = random.Random(0)
+    rows = []
+    for _ in range(hf.NUM_SAMPLES):
+        row = {"prompt": _words(rng, 2, 6), "completion": " " + _words(rng, 1, 5)}
+        if kind == "dpo":
+            row = {"prompt": row["prompt"], "chosen": row["completion"], "rejected": " " + _words(rng, 1, 5)}
+        rows.append(row)
+    return Dataset.from_list(rows)
+
+
+def _config_class(kind: str):
+    from trl import DPOConfig, SFTConfig
+
+    return SFTConfig if kind == "sft" else DPOConfig
+
+
+# Plain SGD, no clipping: a loss off by a uniform factor (a token count off by one per
+# row) changes the step, where AdamW and clipping would hide it.
+OPTIMIZATION = dict(optim="sgd", learning_rate=0.5, weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant")
+
+
+def _arguments(kind: str, fields: dict, **extra):
+    return _config_class(kind)(
+        use_cpu=True,
+        max_steps=STEPS,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        bf16=False,
+        gradient_checkpointing=False,
+        **OPTIMIZATION,
+        **fields,
+        **extra,
+    )
+
+
+def tiny_llama():
+    """A Llama from its config, seeded alike everywhere. Not GPT-2: transformers 5 gives
+    GPT-2 no loss_type, so a plain Trainer counts its label tokens unshifted (one per
+    sequence too many) and the plain TRL trainer would not train the true token mean."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=WORDS + 2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _build(trainer_class, kind: str, args):
+    model = tiny_llama()
+    common = dict(model=model, args=args, train_dataset=dataset(kind), processing_class=tokenizer())
+    if kind == "dpo":
+        common["ref_model"] = tiny_llama()
+    return trainer_class(**common)
+
+
+def _reset_accelerate() -> None:
+    """Each Trainer its own accelerate state (a forked rank inherits the parent's singletons)."""
+    import datasets
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    datasets.disable_progress_bars()  # this test's processes only
+
+
+def _train_cases(configs: dict[int, str], out: str) -> dict:
+    from poplar_ext.integrations.trl import PoplarDPOTrainer, PoplarSFTTrainer
+
+    results = {}
+    for name, kind, stage, fields in CASES:
+        _reset_accelerate()
+        seen: list[list[int]] = []
+
+        class Recording(PoplarSFTTrainer if kind == "sft" else PoplarDPOTrainer):
+            def get_train_dataloader(self):
+                loader = super().get_train_dataloader()
+                loader.batch_sampler.batch_sampler = t.RecordingSampler(loader.batch_sampler.batch_sampler, seen)
+                return loader
+
+        args = _arguments(
+            kind,
+            fields,
+            output_dir=f"{out}/{name}",
+            deepspeed=configs[stage],
+            ddp_backend="gloo",
+            per_device_train_batch_size=4,
+        )
+        trainer = _build(Recording, kind, args)
+        trainer.train()
+        # The loader reads ahead: the micro-batches trained are the first s_r per step.
+        trained = seen[: STEPS * trainer.args.gradient_accumulation_steps]
+        results[name] = {
+            "params": hf.full_parameters(trainer.model_wrapped),
+            "rows": len(trainer.train_dataset),
+            "seen": [i for batch in trained for i in batch],
+        }
+    return results
+
+
+_references: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
+
+
+def _reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """`_train_reference`, once per trainer and configuration (the DPO cases share theirs)."""
+    key = json.dumps([kind, fields], sort_keys=True)
+    if key not in _references:
+        _references[key] = _train_reference(kind, fields, out)
+    return _references[key]
+
+
+def _train_reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """One process, the plain TRL trainer, the stream's global batches in order."""
+    from trl import DPOTrainer, SFTTrainer
+
+    from poplar_ext.runtime.data import SampleStream
+
+    base = SFTTrainer if kind == "sft" else DPOTrainer
+
+    class InStreamOrder(base):
+        def _get_train_sampler(self, train_dataset=None):
+            stream = SampleStream(num_samples=len(self.train_dataset), seed=0)
+            return stream.indices(0, STEPS * GLOBAL_BATCH)
+
+    _reset_accelerate()
+    try:
+        args = _arguments(kind, fields, output_dir=str(out), per_device_train_batch_size=GLOBAL_BATCH)
+        trainer = _build(InStreamOrder, kind, args)
+        trainer.train()
+        params = {name: p.detach().float().clone() for name, p in trainer.model.named_parameters()}
+        return params, len(trainer.train_dataset)
+    finally:
+        _reset_accelerate()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trl")
+    ranks = run_ranks(
+        _train_cases, world_size=3, tmp_path=root, args=(hf.trainer_configs(root, ALLOCATIONS, TYPES), str(root / "out")), timeout_s=400
+    )
+    return root, ranks
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_parameters_equal_the_plain_trl_trainer_on_one_process(trained, case):
+    root, ranks = trained
+    name, kind, _, fields = case
+    expected, rows = _reference(kind, fields, root / f"reference-{name}")
+    assert ranks[0][name]["rows"] == rows
+    assert t.max_difference(ranks[0][name]["params"], expected) <= 1e-5
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_every_sample_once(trained, case):
+    _, ranks = trained
+    name = case[0]
+    seen = [i for rank in ranks for i in rank[name]["seen"]]
+    stream = t.SampleStream(num_samples=ranks[0][name]["rows"], seed=0)
+    assert sorted(seen) == sorted(stream.indices(0, STEPS * GLOBAL_BATCH))
