@@ -413,13 +413,16 @@ class _LeverSearch:
 
     def branch(self, total: int) -> None:
         """Depth-first over the free types, in the enumeration's order, the settings using `total` levers."""
-        stack: list[tuple[Combo, int]] = [((), 0)]
+        stack: list[tuple[Combo, int, np.ndarray | None, _Tables | None]] = [((), 0, None, None)]
         while stack:
-            prefix, used = stack.pop()
+            prefix, used, parent, parent_tables = stack.pop()
             j = len(prefix)
             tie, strict = self.current_tables()
             tables = strict if self.after_best(total, prefix) else tie
-            capacity = sum((tables.values[i][:, o] for i, o in enumerate(prefix)), np.zeros(len(tables.need)))
+            if parent is not None and parent_tables is tables:  # the parent's sum, one type more
+                capacity = parent + tables.values[j - 1][:, prefix[-1]]
+            else:
+                capacity = sum((tables.values[i][:, o] for i, o in enumerate(prefix)), np.zeros(len(tables.need)))
             batch = sum(float(tables.batch_values[i][o]) for i, o in enumerate(prefix))
             if not tables.viable(j, capacity, batch, total - self.fixed_levers - used):
                 continue
@@ -430,7 +433,10 @@ class _LeverSearch:
                 self.evaluate(tuple(combo))
                 continue
             d = self.free[j]
-            stack.extend(((*prefix, o), used + self.levers[d][o]) for o in reversed(range(len(self.options[d]))))
+            stack.extend(
+                ((*prefix, o), used + self.levers[d][o], capacity, tables)
+                for o in reversed(range(len(self.options[d])))
+            )
 
     def after_best(self, total: int, prefix: Combo) -> bool:
         """Whether every setting under this node comes after the incumbent in the enumeration's order."""
