@@ -13,7 +13,14 @@ ZeRO stage on its own, at global batches 2^22, 10^9 and 2^31 (the search's limit
 4096 synthetic ranks x 6 types and for the shipped example (profiles/examples: 4 x
 A100-80GB + 4 x V100-16GB, profiles modelled from datasheet specs); the peak of Python
 and numpy allocations comes from one more run under `tracemalloc`. Goal: every such
-cell under 1 s. No profile here is a measurement: the report says so.
+cell under 1 s.
+
+Memory levers (issue 27): 8 device types, each profiled four ways (with and without
+activation checkpointing and optimizer offload: 4^8 = 65536 settings), 4096 ranks; each
+of ZeRO stages 0-2 on its own (where the ``poplar`` policy chooses the levers per type),
+with a fixed and an automatic global batch. Goal: every such cell under 1 s.
+
+No profile here is a measurement: the report says so.
 
 Run by ``poplar-bench search-speed``; the figures are in bench/results/search_speed.md.
 """
@@ -31,7 +38,7 @@ import numpy as np
 
 from poplar_search import search_plan
 from poplar_search.formats import ZERO_STAGES, load_cluster, load_profiles
-from poplar_search.synthetic import random_profiles, simple_cluster
+from poplar_search.synthetic import random_lever_profiles, random_profiles, simple_cluster
 
 from .report import machine_description, utc_now, write_json_and_markdown
 
@@ -47,18 +54,39 @@ LARGE_BATCH_GOAL = {
     "goal": "any global batch up to 2^31, every stage, 4096 ranks x 6 types and the shipped example",
     "target_s": 1.0,
 }
+LEVER_STAGES = (0, 1, 2)
+"""The stages at which the policy chooses memory levers per device type (stage 3: all or none)."""
+LEVER_GOAL = {
+    "goal": "memory levers: {types} device types x 4 lever variants x {ranks} ranks, stages 0-2, fixed and "
+    "automatic batch",
+    "target_s": 1.0,
+}
 SYNTHETIC_LARGE = "synthetic 4096 ranks x 6 types"
 SHIPPED_EXAMPLE = "shipped example"
 EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "profiles" / "examples"
 """The shipped example profiles and cluster (a checkout's; absent from an installed package)."""
 
 
-def _problem(num_ranks: int, num_types: int, seed: int):
+def _problem(num_ranks: int, num_types: int, seed: int, *, levers: bool = False):
+    """Seeded profiles (with ``levers``, all four memory-lever variants per type at stages 0-2) and a cluster of
+    `num_ranks` split evenly over `num_types` types."""
     rng = np.random.default_rng(seed)
     names = [f"gpu{i}" for i in range(num_types)]
-    profiles = random_profiles(rng, names)
+    profiles = random_lever_profiles(rng, names, zero_stages=LEVER_STAGES) if levers else random_profiles(rng, names)
     counts = {name: num_ranks // num_types + (1 if i < num_ranks % num_types else 0) for i, name in enumerate(names)}
     return profiles, simple_cluster({n: c for n, c in counts.items() if c > 0})
+
+
+def _timed_search(repeats: int, *args: Any, **kwargs: Any) -> tuple[Any, list[float]]:
+    """One warm-up `search_plan` (which must find a plan), then the wall time of `repeats` more."""
+    result = search_plan(*args, **kwargs)
+    assert result.ok, result.message
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        search_plan(*args, **kwargs)
+        times.append(time.perf_counter() - start)
+    return result, times
 
 
 def time_search(
@@ -66,13 +94,7 @@ def time_search(
 ) -> dict[str, Any]:
     """Median wall time of `search_plan` on one synthetic problem (plus every repetition)."""
     profiles, cluster = _problem(num_ranks, num_types, seed)
-    result = search_plan(profiles, cluster, global_batch_size=global_batch_size)  # warm-up
-    assert result.ok, result.message
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        search_plan(profiles, cluster, global_batch_size=global_batch_size)
-        times.append(time.perf_counter() - start)
+    result, times = _timed_search(repeats, profiles, cluster, global_batch_size=global_batch_size)
     return {
         "median_s": statistics.median(times),
         "repetitions_s": times,
@@ -83,13 +105,9 @@ def time_search(
 
 def time_large_batch(profiles, cluster, *, global_batch_size: int, zero_stage: int, repeats: int) -> dict[str, Any]:
     """Median wall time of `search_plan` at one stage and a fixed global batch, and its peak allocations."""
-    result = search_plan(profiles, cluster, global_batch_size=global_batch_size, zero_stage=zero_stage)  # warm-up
-    assert result.ok, result.message
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        search_plan(profiles, cluster, global_batch_size=global_batch_size, zero_stage=zero_stage)
-        times.append(time.perf_counter() - start)
+    result, times = _timed_search(
+        repeats, profiles, cluster, global_batch_size=global_batch_size, zero_stage=zero_stage
+    )
     # Apart from the timed runs: tracing every allocation slows them down.
     tracemalloc.start()
     try:
@@ -106,6 +124,29 @@ def time_large_batch(profiles, cluster, *, global_batch_size: int, zero_stage: i
     }
 
 
+def time_lever_search(
+    num_ranks: int, num_types: int, *, zero_stage: int, global_batch_size: int | None, repeats: int, seed: int = 0
+) -> dict[str, Any]:
+    """Median wall time of `search_plan` at one stage on a problem whose every type has four lever variants."""
+    profiles, cluster = _problem(num_ranks, num_types, seed, levers=True)
+    result, times = _timed_search(
+        repeats, profiles, cluster, global_batch_size=global_batch_size, zero_stage=zero_stage
+    )
+    levers = {r.device_type: r.levers for r in result.plan.ranks}
+    return {
+        "ranks": num_ranks,
+        "device_types": num_types,
+        "settings": 4**num_types,
+        "zero_stage": zero_stage,
+        "global_batch_size": global_batch_size,
+        "median_s": statistics.median(times),
+        "repetitions_s": times,
+        "plan_global_batch_size": result.plan.global_batch_size,
+        "types_with_checkpointing": sum(on for on, _ in levers.values()),
+        "types_with_offload": sum(on for _, on in levers.values()),
+    }
+
+
 def _large_problems(example_dir: Path | None) -> tuple[list[tuple[str, Any, Any]], list[str]]:
     """The large-batch problems, and the sources their profiles declare (``measured_with.source``)."""
     problems = [(SYNTHETIC_LARGE, *_problem(4096, 6, seed=0))]
@@ -113,6 +154,12 @@ def _large_problems(example_dir: Path | None) -> tuple[list[tuple[str, Any, Any]
         problems.append((SHIPPED_EXAMPLE, load_profiles(example_dir), load_cluster(example_dir / "cluster.json")))
     sources = sorted({str(p.measured_with.get("source", "unknown")) for _, profiles, _ in problems for p in profiles})
     return problems, sources
+
+
+def _goal(goal: str, target_s: float, cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """A goal met when the slowest cell's median is under `target_s`."""
+    worst = max(c["median_s"] for c in cells)
+    return {"goal": f"{goal} under {target_s} s", "value_s": worst, "target_s": target_s, "met": worst < target_s}
 
 
 def run_search_speed(
@@ -123,13 +170,18 @@ def run_search_speed(
     large_batches: tuple[int, ...] = LARGE_BATCHES,
     large_repeats: int | None = None,
     example_dir: Path | None = EXAMPLE_DIR,
+    lever_ranks: int | None = 4096,
+    lever_types: int = 8,
+    lever_repeats: int | None = None,
 ) -> dict[str, Any]:
     """Time every (ranks, types) cell in both batch modes, and every large-batch cell; returns the report as plain data.
 
     `large_repeats` defaults to `repeats`; an `example_dir` without ``cluster.json``
-    (an installed package has none) leaves the shipped example out.
+    (an installed package has none) leaves the shipped example out. `lever_ranks` None leaves the
+    memory-lever cells out; `lever_repeats` defaults to `repeats`.
     """
     large_repeats = repeats if large_repeats is None else large_repeats
+    lever_repeats = repeats if lever_repeats is None else lever_repeats
     cells = []
     for num_ranks in rank_counts:
         for num_types in type_counts:
@@ -165,16 +217,16 @@ def run_search_speed(
         for stage in ZERO_STAGES
     ]
     if large_cells:
-        worst = max(c["median_s"] for c in large_cells)
-        target = LARGE_BATCH_GOAL["target_s"]
-        goals.append(
-            {
-                "goal": f"{LARGE_BATCH_GOAL['goal']} under {target} s",
-                "value_s": worst,
-                "target_s": target,
-                "met": worst < target,
-            }
-        )
+        goals.append(_goal(LARGE_BATCH_GOAL["goal"], LARGE_BATCH_GOAL["target_s"], large_cells))
+    lever_cells = [
+        time_lever_search(lever_ranks, lever_types, zero_stage=stage, global_batch_size=batch, repeats=lever_repeats)
+        for stage in LEVER_STAGES
+        for batch in (32 * lever_ranks + 7, None)
+        if lever_ranks is not None
+    ]
+    if lever_cells:
+        goal = LEVER_GOAL["goal"].format(types=lever_types, ranks=lever_ranks)
+        goals.append(_goal(goal, LEVER_GOAL["target_s"], lever_cells))
     return {
         "kind": "search-speed",
         "created_utc": utc_now(),
@@ -195,8 +247,14 @@ def run_search_speed(
             "measured_with.synthetic = true), and the shipped example's profiles are modelled from datasheet specs "
             f"(bench/gpu_model.py). Sources the profiles declare: {', '.join(sources)}."
         ),
+        "lever_method": (
+            "search_plan(zero_stage=<0, 1 or 2>, policy='poplar') on seeded synthetic profiles with all four "
+            "memory-lever variants per type (search.synthetic.random_lever_profiles); fixed batch = 32 * ranks + 7, "
+            f"automatic batch without a maximum; median of {lever_repeats} perf_counter timings after one warm-up"
+        ),
         "cells": cells,
         "large_batch_cells": large_cells,
+        "lever_cells": lever_cells,
         "goals": goals,
     }
 
@@ -214,6 +272,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         ),
         f"- {report['method']}",
         f"- load average (1, 5, 15 min) when the run ended: {report.get('load_average_1_5_15_min')}",
+        *_load_note(report),
         f"- {report.get('profiles_note', '')}",
         "",
         "| ranks | device types | fixed batch: median ms | auto batch: median ms | auto: chosen batch, stage |",
@@ -243,10 +302,41 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"{1000 * cell['median_s']:.1f} | "
                 f"{repeats} | {cell['peak_memory_bytes'] / 2**20:.1f} | {cell['predicted_iteration_time_s']:.6g} |"
             )
+    levers = report.get("lever_cells", [])
+    if levers:
+        lines += [
+            "",
+            "## Memory levers",
+            "",
+            f"- {report['lever_method']}",
+            "",
+            "| ranks | device types | settings | ZeRO stage | global batch | median ms | repetitions ms | "
+            "plan's batch | types checkpointed, offloaded |",
+            "| ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | --- |",
+        ]
+        for cell in levers:
+            repeats = ", ".join(f"{1000 * t:.1f}" for t in cell["repetitions_s"])
+            batch = "automatic" if cell["global_batch_size"] is None else str(cell["global_batch_size"])
+            lines.append(
+                f"| {cell['ranks']} | {cell['device_types']} | {cell['settings']} | {cell['zero_stage']} | {batch} | "
+                f"{1000 * cell['median_s']:.1f} | {repeats} | {cell['plan_global_batch_size']} | "
+                f"{cell['types_with_checkpointing']}, {cell['types_with_offload']} |"
+            )
     lines += ["", "| goal | slowest median | met |", "| --- | ---: | --- |"]
     for goal in report["goals"]:
         lines.append(f"| {goal['goal']} | {1000 * goal['value_s']:.1f} ms | {'met' if goal['met'] else 'NOT met'} |")
     return "\n".join(lines) + "\n"
+
+
+def _load_note(report: dict[str, Any]) -> list[str]:
+    """A line saying the machine was loaded when the 15-minute load exceeded its usable CPUs."""
+    load, cpus = report.get("load_average_1_5_15_min"), report["machine"].get("usable_cpus")
+    if not load or not cpus or load[-1] <= cpus:
+        return []
+    return [
+        f"- **the machine was loaded** (shared with other work: 15-minute load {load[-1]:.1f} on {cpus} CPUs): "
+        "these timings are slower than on a quiet machine"
+    ]
 
 
 def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:

@@ -26,11 +26,11 @@ from .formats import (
     RankPlan,
     one_accumulation_count,
 )
+from .lever_search import StageOutcome, evaluate_settings, search_levers
 from .levers import (
     LEVER_NAMES,
     NO_LEVERS,
     OFFLOAD_STAGES,
-    Levers,
     Variants,
     lever_choices,
     levers_summary,
@@ -44,7 +44,7 @@ from .levers import (
 # and LEVERS_ORDER stay importable from here.
 from .levers import LEVERS_ORDER as LEVERS_ORDER
 from .network import NetworkProfile
-from .policies import PolicyResult, allocate, best_global_batch
+from .policies import PolicyResult
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,24 +197,6 @@ def _check_arguments(
 # ----------------------------------------------------------------------------------
 # search_plan
 # ----------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class _StageOutcome:
-    model: StageModel | None
-    outcome: PolicyResult
-    levers: dict[str, Levers]
-    """The memory levers per device type of the allocation."""
-
-
-def _better(candidate: PolicyResult, best: PolicyResult | None, *, fixed_batch: bool) -> bool:
-    """Strictly better (fixed batch: shorter iteration; automatic batch: more samples/s): ties keep the earlier."""
-    if best is None or not best.ok:
-        return candidate.ok or best is None
-    if not candidate.ok:
-        return False
-    a, b = candidate.allocation, best.allocation
-    return a.iteration_time_s < b.iteration_time_s if fixed_batch else a.samples_per_s > b.samples_per_s
-
-
 def _evaluate_stage(
     stage: int,
     by_stage: dict[int, dict[str, Variants]],
@@ -223,28 +205,34 @@ def _evaluate_stage(
     global_batch_size: int | None,
     max_global_batch_size: int | None,
     network: NetworkProfile | None = None,
-) -> _StageOutcome:
-    """The policy's best allocation at `stage` over the memory levers it may choose.
-
-    Each setting is one cost model and the policies are exact per model, so the best
-    over all settings is the exact optimum of the joint choice.
-    """
+) -> StageOutcome:
+    """The policy's best allocation at `stage` over the memory levers it may choose (`search.lever_search`)."""
     profiles = by_stage.get(stage, {})
     types = list(cluster.type_counts())
     missing = [t for t in types if t not in profiles]
     if missing:
-        return _StageOutcome(
+        return StageOutcome(
             model=None,
             outcome=PolicyResult(allocation=None, reason=f"No profile for {', '.join(missing)} at stage {stage}."),
             levers={},
         )
     variants = {t: profiles[t] for t in types}
+    if policy == "poplar" and stage != 3:
+        # Up to 4 ** types settings: found without listing them (the same outcome as the list).
+        return search_levers(
+            variants,
+            cluster,
+            stage,
+            global_batch_size=global_batch_size,
+            max_global_batch_size=max_global_batch_size,
+            network=network,
+        )
     settings = lever_choices(variants, stage, choose=policy == "poplar")
     if not settings:
         shown = "; ".join(
             f"{t} {'with' if (True, False) in v else 'without'} only" for t, v in variants.items() if len(v) == 1
         )
-        return _StageOutcome(
+        return StageOutcome(
             model=None,
             outcome=PolicyResult(
                 allocation=None,
@@ -253,27 +241,9 @@ def _evaluate_stage(
             ),
             levers={},
         )
-    best: _StageOutcome | None = None
-    for setting in settings:
-        chosen = {t: variants[t][setting[t]] for t in types}
-        too_big = [t for t in types if chosen[t].max_micro_batch_size == 0]
-        if too_big:
-            outcome = PolicyResult(
-                allocation=None,
-                reason=f"The model does not fit {', '.join(too_big)} at stage {stage} (max_micro_batch_size 0).",
-            )
-            if best is None:
-                best = _StageOutcome(model=None, outcome=outcome, levers=setting)
-            continue
-        model = build_stage_model(chosen, cluster.rank_device_types, stage, network)
-        if global_batch_size is not None:
-            outcome = allocate(policy, model, global_batch_size)
-        else:
-            outcome = best_global_batch(policy, model, max_global_batch_size)
-        if _better(outcome, None if best is None else best.outcome, fixed_batch=global_batch_size is not None):
-            best = _StageOutcome(model=model, outcome=outcome, levers=setting)
-    assert best is not None, "lever_choices returns at least one setting"
-    return best
+    return evaluate_settings(
+        settings, variants, cluster, stage, policy, global_batch_size, max_global_batch_size, network
+    )
 
 
 def _plan(model: StageModel, outcome: PolicyResult, policy: str) -> Plan:
@@ -421,7 +391,7 @@ def _infeasible_report(stage: int, outcome: PolicyResult) -> StageReport:
     )
 
 
-def _infeasible_result(evaluated: dict[int, _StageOutcome], policy: str) -> SearchResult:
+def _infeasible_result(evaluated: dict[int, StageOutcome], policy: str) -> SearchResult:
     """No stage has a plan: every stage's reason, stages with the same reason named together."""
     by_reason: dict[str, list[int]] = {}
     for stage, e in evaluated.items():
@@ -441,7 +411,7 @@ def _infeasible_result(evaluated: dict[int, _StageOutcome], policy: str) -> Sear
 
 
 def _stage_reports(
-    evaluated: dict[int, _StageOutcome], chosen: int, *, several_evaluated: bool
+    evaluated: dict[int, StageOutcome], chosen: int, *, several_evaluated: bool
 ) -> tuple[StageReport, ...]:
     """Why each evaluated stage won, lost (how much slower than `chosen`) or is infeasible."""
     best = evaluated[chosen].outcome.allocation
@@ -480,7 +450,7 @@ def _stage_reports(
 
 def _plan_message(
     plan: Plan,
-    best: _StageOutcome,
+    best: StageOutcome,
     *,
     stage_was_auto: bool,
     fixed_batch: bool,

@@ -266,58 +266,91 @@ def build_stage_model(
 
     Every profile must fit at least one micro-batch (``max_micro_batch_size >= 1``);
     the caller reports stages where some device fits none as infeasible. With a
-    `network`, communication is priced for ``len(rank_device_types)`` ranks: each
-    profile's own communication (at its ``world_size``) is taken out of its micro-step
-    times (where they include it) and of its boundary time, the optimizer step is
-    scaled to the shard a rank updates at stages 1-3, and this cluster's is added.
+    `network`, communication is priced for ``len(rank_device_types)`` ranks (see
+    `device_cost`).
     """
-    counts = dict(Counter(rank_device_types))
-    types = list(counts)
-    world_size = len(rank_device_types)
-    communication = None
-    devices = []
-    for name in types:
-        profile = profiles_by_type[name]
-        curve = fit_curve(profile)
-        assert curve is not None, "callers filter out profiles that fit no micro-batch"
-        table = curve.table()
-        optimizer_step_time_s = profile.optimizer_step_time_s
-        compute_table = None
-        if network is not None:
-            communication = stage_communication(
-                network,
-                zero_stage=zero_stage,
-                num_parameters=profile.model.num_parameters,
-                dtype=profile.model.dtype,
-                world_size=world_size,
-                recomputes_forward=profile.activation_checkpointing,
-            )
-            profiled = stage_communication(
-                network,
-                zero_stage=zero_stage,
-                num_parameters=profile.model.num_parameters,
-                dtype=profile.model.dtype,
-                world_size=profile.world_size,
-                recomputes_forward=profile.activation_checkpointing,
-            )
-            compute_table = profiled.compute_time_s(table) if micro_step_times_include_communication(profile) else table
-            # The fitted table is non-decreasing; so must the priced one be (the policies rely on it).
-            table = np.maximum.accumulate(communication.micro_step_time_s(compute_table))
-            optimizer_compute_s = max(0.0, profile.optimizer_step_time_s - profiled.boundary_s)
-            if zero_stage >= 1:
-                optimizer_compute_s *= profile.world_size / world_size  # each rank updates 1/W of the states
-            optimizer_step_time_s = optimizer_compute_s
-        devices.append(
-            DeviceCost(
-                device_type=name,
-                num_ranks=counts[name],
-                step_time_table_s=table,
-                optimizer_step_time_s=optimizer_step_time_s,
-                profile=profile,
-                compute_step_time_table_s=compute_table,
-            )
+    counts = Counter(rank_device_types)
+    priced = [
+        device_cost(
+            profiles_by_type[name],
+            device_type=name,
+            num_ranks=count,
+            zero_stage=zero_stage,
+            world_size=len(rank_device_types),
+            network=network,
         )
-    index_of = {name: i for i, name in enumerate(types)}
+        for name, count in counts.items()
+    ]
+    return assemble_stage_model([d for d, _ in priced], rank_device_types, zero_stage, priced[-1][1])
+
+
+def device_cost(
+    profile: Profile,
+    *,
+    device_type: str,
+    num_ranks: int,
+    zero_stage: int,
+    world_size: int,
+    network: NetworkProfile | None,
+) -> tuple[DeviceCost, StageCommunication | None]:
+    """Device type `device_type` (measured by `profile`) in a cluster of `world_size` ranks, and the stage's
+    communication (None without a network).
+
+    With a `network`, the profile's own communication (at its ``world_size``) is taken
+    out of its micro-step times (where they include it) and of its boundary time, the
+    optimizer step is scaled to the shard a rank updates at stages 1-3, and the
+    cluster's communication is added. The communication depends on the model and, at
+    stage 3, on activation checkpointing: the same for every type of one setting.
+    """
+    curve = fit_curve(profile)
+    assert curve is not None, "callers filter out profiles that fit no micro-batch"
+    table = curve.table()
+    optimizer_step_time_s = profile.optimizer_step_time_s
+    compute_table = None
+    communication = None
+    if network is not None:
+        communication = stage_communication(
+            network,
+            zero_stage=zero_stage,
+            num_parameters=profile.model.num_parameters,
+            dtype=profile.model.dtype,
+            world_size=world_size,
+            recomputes_forward=profile.activation_checkpointing,
+        )
+        profiled = stage_communication(
+            network,
+            zero_stage=zero_stage,
+            num_parameters=profile.model.num_parameters,
+            dtype=profile.model.dtype,
+            world_size=profile.world_size,
+            recomputes_forward=profile.activation_checkpointing,
+        )
+        compute_table = profiled.compute_time_s(table) if micro_step_times_include_communication(profile) else table
+        # The fitted table is non-decreasing; so must the priced one be (the policies rely on it).
+        table = np.maximum.accumulate(communication.micro_step_time_s(compute_table))
+        optimizer_compute_s = max(0.0, profile.optimizer_step_time_s - profiled.boundary_s)
+        if zero_stage >= 1:
+            optimizer_compute_s *= profile.world_size / world_size  # each rank updates 1/W of the states
+        optimizer_step_time_s = optimizer_compute_s
+    device = DeviceCost(
+        device_type=device_type,
+        num_ranks=num_ranks,
+        step_time_table_s=table,
+        optimizer_step_time_s=optimizer_step_time_s,
+        profile=profile,
+        compute_step_time_table_s=compute_table,
+    )
+    return device, communication
+
+
+def assemble_stage_model(
+    devices: Sequence[DeviceCost],
+    rank_device_types: Sequence[str],
+    zero_stage: int,
+    communication: StageCommunication | None,
+) -> StageModel:
+    """The stage model of `devices` (one per device type, in order of first appearance in `rank_device_types`)."""
+    index_of = {d.device_type: i for i, d in enumerate(devices)}
     rank_index = np.array([index_of[t] for t in rank_device_types], dtype=np.int64)
     return StageModel(
         zero_stage=zero_stage, devices=tuple(devices), rank_device_index=rank_index, communication=communication

@@ -44,9 +44,6 @@ there: bench/results/mixed_offload)."""
 Variants = dict[Levers, "Profile"]
 """One device type's profiles at one stage, by `Profile.levers`."""
 
-MAX_LEVER_CHOICES = 4096
-"""Most combinations of per-type memory levers one stage's search tries (2 ** 12)."""
-
 
 def lever_count(levers: Levers) -> int:
     """How many of the two levers `levers` uses (0, 1 or 2)."""
@@ -109,9 +106,10 @@ def lever_choices(variants_by_type: dict[str, Variants], zero_stage: int, *, cho
     has). Empty at stage 3 when no single checkpointing setting has a profile for
     every type.
 
-    At stages 0-2 with `choose` this is the whole product (up to ``4 ** types``
-    settings): `search.lever_search` finds the same optimum without listing it, and
-    keeps this list as its definition (and its tests' oracle).
+    At stages 0-2 with `choose` this is the whole product (``4 ** types`` settings
+    when every type has all four): `search.lever_search` finds the same outcome
+    without listing it (search_plan never lists it), and this list stays its
+    definition and its tests' oracle.
     """
     types = list(variants_by_type)
     if zero_stage == 3:
@@ -121,15 +119,6 @@ def lever_choices(variants_by_type: dict[str, Variants], zero_stage: int, *, cho
     if not choose:
         return [{t: first_profiled(variants_by_type[t]) for t in types}]
     options = lever_options(variants_by_type)
-    total = 1
-    for option in options:
-        total *= len(option)
-    if total > MAX_LEVER_CHOICES:
-        raise ValueError(
-            f"profiles: expected at most {MAX_LEVER_CHOICES} combinations of memory levers (activation "
-            f"checkpointing, optimizer offload) per stage, found {total} at stage {zero_stage}; leave out the "
-            "checkpointed or offloaded profiles of the types that need them least"
-        )
     combos = [dict(zip(types, combo)) for combo in itertools.product(*options)]
     return sorted(combos, key=lambda combo: sum(lever_count(levers) for levers in combo.values()))
 

@@ -53,7 +53,7 @@ Groups = list[list[tuple[int, int, int]]]
 """Per device type, ``(micro_batch, accumulation_steps, num_ranks)`` groups."""
 
 
-def _steps_within(time_s: float, table: np.ndarray) -> np.ndarray:
+def steps_within(time_s: float, table: np.ndarray) -> np.ndarray:
     """For each size, the most micro-steps ``s`` with ``s * t(b) <= time_s`` (same float product as the cost model)."""
     steps = np.floor(time_s / table)
     steps = np.where((steps + 1) * table <= time_s, steps + 1, steps)
@@ -79,14 +79,14 @@ class _RankOptions:
 
 
 def _rank_options(table: np.ndarray, time_s: float) -> _RankOptions:
-    steps = _steps_within(time_s, table)
+    steps = steps_within(time_s, table)
     usable = np.flatnonzero(steps >= 1)
     sizes = (usable + 1).astype(np.int64)
     steps = steps[usable]
     return _RankOptions(sizes=sizes, steps=steps, most_work=int(np.max(sizes * steps)) if len(sizes) else 0)
 
 
-class _FlatTables:
+class FlatTables:
     """All types' tables end to end, so that capacity at a time is one vectorised pass."""
 
     def __init__(self, model: StageModel) -> None:
@@ -106,16 +106,16 @@ class _FlatTables:
 
     def capacity(self, time_s: float) -> int:
         """Samples all ranks can run within `time_s`, each at its most."""
-        work = self.sizes * _steps_within(time_s, self.times_s)
+        work = self.sizes * steps_within(time_s, self.times_s)
         return int(self.counts @ np.maximum.reduceat(work, self.starts))
 
     def next_breakpoint(self, time_s: float) -> float:
         """The smallest ``s * t(b)`` over all types and sizes that is larger than `time_s`."""
-        return float(np.min((_steps_within(time_s, self.times_s) + 1) * self.times_s))
+        return float(np.min((steps_within(time_s, self.times_s) + 1) * self.times_s))
 
     def previous_breakpoint(self, time_s: float) -> float:
         """The largest ``s * t(b)`` (s >= 1) over all types and sizes that is at most `time_s` (0 when none)."""
-        return float(np.max(_steps_within(time_s, self.times_s) * self.times_s))
+        return float(np.max(steps_within(time_s, self.times_s) * self.times_s))
 
     def min_time_for(self, total: int, world_size: int) -> float:
         """Smallest busy time at which the ranks together can run `total` samples (ignoring exactness)."""
@@ -290,7 +290,7 @@ def _work_groups(table: np.ndarray, per_work: Counter, time_s: float) -> list[tu
 def _achievable_work(table: np.ndarray, time_s: float, most: int) -> np.ndarray:
     """Sorted sample counts one rank can run within `time_s` (some b * s with s * t(b) <= time_s)."""
     mask = np.zeros(most + 1, dtype=bool)
-    for size, steps in enumerate(_steps_within(time_s, table), start=1):
+    for size, steps in enumerate(steps_within(time_s, table), start=1):
         if steps >= 1:
             mask[size : size * steps + 1 : size] = True
     return np.flatnonzero(mask)
@@ -599,7 +599,7 @@ def _exact_at(model: StageModel, time_s: float, total: int) -> Groups | None:
     return _exact_by_bitsets(model, options, time_s, total)
 
 
-def _first_exact_time(model: StageModel, flat: _FlatTables, total: int, infeasible_s: float) -> tuple[float, Groups]:
+def _first_exact_time(model: StageModel, flat: FlatTables, total: int, infeasible_s: float) -> tuple[float, Groups]:
     """The first breakpoint after `infeasible_s` at which `total` samples split exactly, and a split.
 
     Whether a split exists only changes at breakpoints and never stops once it starts
@@ -636,7 +636,7 @@ def poplar_independent(model: StageModel, global_batch_size: int) -> PolicyResul
     Exact: the busy time is at least the first capacity breakpoint T0, and from there
     `_first_exact_time` finds the first time at which the batch splits exactly.
     """
-    flat = _FlatTables(model)
+    flat = FlatTables(model)
     time_s = flat.min_time_for(global_batch_size, model.world_size)
     groups = _exact_at(model, time_s, global_batch_size)
     if groups is None:
@@ -644,7 +644,7 @@ def poplar_independent(model: StageModel, global_batch_size: int) -> PolicyResul
     return PolicyResult(allocation=finish(model, groups))
 
 
-def _first_steps_from(low_s: float, table: np.ndarray) -> np.ndarray:
+def first_steps_from(low_s: float, table: np.ndarray) -> np.ndarray:
     """For each size, the fewest micro-steps ``s >= 1`` with ``s * t(b) >= low_s``."""
     steps = np.maximum(1, np.ceil(low_s / table))
     steps = np.where((steps > 1) & ((steps - 1) * table >= low_s), steps - 1, steps)
@@ -652,7 +652,7 @@ def _first_steps_from(low_s: float, table: np.ndarray) -> np.ndarray:
     return steps.astype(np.int64)
 
 
-def _capacity_levels(model: StageModel, low_s: float, high_s: float) -> tuple[np.ndarray, np.ndarray]:
+def capacity_levels(model: StageModel, low_s: float, high_s: float) -> tuple[np.ndarray, np.ndarray]:
     """Every time ``s * t(b)`` in [low_s, high_s] and the capacity (samples of all ranks) at it.
 
     A rank's most work within T is the largest ``b * s`` among its (b, s) with
@@ -661,8 +661,8 @@ def _capacity_levels(model: StageModel, low_s: float, high_s: float) -> tuple[np
     times, types, work, start = [], [], [], []
     for index, device in enumerate(model.devices):
         table = device.step_time_table_s
-        first = _first_steps_from(low_s, table)
-        last = _steps_within(high_s, table)
+        first = first_steps_from(low_s, table)
+        last = steps_within(high_s, table)
         sizes = np.arange(1, len(table) + 1)
         start.append(int(np.max(sizes * (first - 1))))
         per_size = np.maximum(0, last - first + 1)
@@ -684,12 +684,12 @@ def _capacity_levels(model: StageModel, low_s: float, high_s: float) -> tuple[np
     return times_all[last_of_time], capacity[last_of_time]
 
 
-def _level_count(model: StageModel, low_s: float, high_s: float) -> int:
+def level_count(model: StageModel, low_s: float, high_s: float) -> int:
     return sum(
         int(
             np.sum(
                 np.maximum(
-                    0, _steps_within(high_s, d.step_time_table_s) - _first_steps_from(low_s, d.step_time_table_s) + 1
+                    0, steps_within(high_s, d.step_time_table_s) - first_steps_from(low_s, d.step_time_table_s) + 1
                 )
             )
         )
@@ -709,15 +709,15 @@ def poplar_independent_best(model: StageModel, max_batch: int) -> PolicyResult:
     boundary = model.boundary_s
     cut = best_rate * boundary / (ideal - best_rate) if ideal > best_rate else math.inf
     floor_s = max(float(d.step_time_table_s[0]) for d in model.devices)
-    high = _FlatTables(model).min_time_for(max_batch, model.world_size)
+    high = FlatTables(model).min_time_for(max_batch, model.world_size)
     low = max(cut, floor_s)
     note = ""
-    while low < high and _level_count(model, low, high) > MAX_BREAKPOINTS:
+    while low < high and level_count(model, low, high) > MAX_BREAKPOINTS:
         low = (low + high) / 2
         note = f"capacity levels below {low:.4g} s were not compared (more than {MAX_BREAKPOINTS})"
     if low > high:
         return PolicyResult(allocation=at_max.allocation, note=note)
-    times, capacity = _capacity_levels(model, low, high)
+    times, capacity = capacity_levels(model, low, high)
     rate = np.where(capacity <= max_batch, capacity / (times + boundary), -1.0)
     if len(rate) == 0 or rate.max() <= best_rate:
         return PolicyResult(allocation=at_max.allocation, note=note)

@@ -8,9 +8,12 @@ micro-batches, compute-bound at large ones), with seeded random parameters.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .formats import ZERO_STAGES, Cluster, ClusterNode, DeviceGroup, ModelInfo, Profile, Sample
+from .levers import LEVERS_ORDER, OFFLOAD_STAGES
 from .pipeline_formats import LayerCost, LayerProfile, LayerSample
 
 SYNTHETIC_MODEL = ModelInfo(name="synthetic", fingerprint="synthetic-model", num_parameters=1_000_000, dtype="float32")
@@ -133,6 +136,48 @@ def random_layer_profiles(
             )
             for stage in zero_stages
         ]
+    return profiles
+
+
+def random_lever_profiles(
+    rng: np.random.Generator,
+    device_types: list[str],
+    *,
+    zero_stages: tuple[int, ...] = ZERO_STAGES,
+    max_cap: int = 64,
+) -> list[Profile]:
+    """Per (device type, stage) a seeded random profile with every memory lever the stage allows.
+
+    Four variants at stages 1-2 (none, activation checkpointing, optimizer offload,
+    both), two at stages 0 and 3. Checkpointing recomputes the forward (micro-steps
+    1.2-1.5x slower) and fits 2-4x the micro-batch; offload fits 1.2-2x and lengthens
+    the boundary by the host's optimizer step (0.005-0.1 s); both multiply.
+    """
+    profiles = []
+    for name in device_types:
+        cap = int(rng.integers(1, max_cap + 1))
+        overhead = float(rng.uniform(0.005, 0.05))
+        per_sample = float(rng.uniform(0.001, 0.02))
+        optimizer_s = float(rng.uniform(0.0, 0.05))
+        recompute, checkpointed_room = float(rng.uniform(1.2, 1.5)), float(rng.uniform(2.0, 4.0))
+        offload_s, offloaded_room = float(rng.uniform(0.005, 0.1)), float(rng.uniform(1.2, 2.0))
+        for stage in zero_stages:
+            for checkpointing, offload in LEVERS_ORDER:
+                if offload and stage not in OFFLOAD_STAGES:
+                    continue
+                slower = recompute if checkpointing else 1.0
+                room = (checkpointed_room if checkpointing else 1.0) * (offloaded_room if offload else 1.0)
+                profile = synthetic_profile(
+                    name,
+                    zero_stage=stage,
+                    max_micro_batch_size=int(cap * room),
+                    overhead_s=overhead * (1 + 0.2 * stage) * slower,
+                    seconds_per_sample=per_sample * slower,
+                    optimizer_step_time_s=optimizer_s + (offload_s if offload else 0.0),
+                )
+                profiles.append(
+                    dataclasses.replace(profile, activation_checkpointing=checkpointing, optimizer_offload=offload)
+                )
     return profiles
 
 

@@ -32,8 +32,15 @@ def test_report_has_every_cell_and_goal_and_is_written(tmp_path):
         large_batches=(2**31,),
         large_repeats=1,
         example_dir=EXAMPLES,
+        lever_ranks=16,
+        lever_types=3,
     )
     assert [(c["ranks"], c["device_types"]) for c in report["cells"]] == [(8, 1), (8, 2), (64, 1), (64, 2)]
+    levers = report["lever_cells"]
+    assert [(c["zero_stage"], c["global_batch_size"]) for c in levers] == [
+        (stage, batch) for stage in (0, 1, 2) for batch in (32 * 16 + 7, None)
+    ]
+    assert all(c["ranks"] == 16 and c["settings"] == 4**3 and len(c["repetitions_s"]) == 1 for c in levers)
     cell = report["cells"][0]
     assert cell["fixed_batch"]["global_batch_size"] == 32 * 8 + 7
     assert len(cell["auto_batch"]["repetitions_s"]) == 1
@@ -47,6 +54,8 @@ def test_report_has_every_cell_and_goal_and_is_written(tmp_path):
     assert [g["goal"] for g in report["goals"]] == [
         "64 ranks (1 to 6 device types) under 0.05 s",
         "any global batch up to 2^31, every stage, 4096 ranks x 6 types and the shipped example under 1.0 s",
+        "memory levers: 3 device types x 4 lever variants x 16 ranks, stages 0-2, fixed and automatic batch "
+        "under 1.0 s",
     ]
     assert "modelled" in report["profiles_note"] and "synthetic" in report["profiles_note"]
     assert report["machine"]["libraries"]["numpy"]
@@ -54,6 +63,7 @@ def test_report_has_every_cell_and_goal_and_is_written(tmp_path):
     assert json.loads(paths[0].read_text())["cells"] == report["cells"]
     markdown = paths[1].read_text()
     assert "| 64 | 2 |" in markdown and "| shipped example | 3 | 2147483648 |" in markdown
+    assert "| 16 | 3 | 64 | 1 | automatic |" in markdown
 
 
 # ----------------------------------------------------------------------------------
