@@ -17,8 +17,9 @@ CLIP = 0.5
 # Constant learning rate (the reference needs no schedule); eps well above the default
 # because GPT-2's attention key biases get gradients of pure rounding noise (see
 # tests/dist/_training.py), which Adam with eps=1e-8 turns into lr-sized steps.
-OPTIMIZATION = dict(learning_rate=1e-3, weight_decay=0.0, adam_epsilon=1e-4, max_grad_norm=CLIP,
-                    lr_scheduler_type="constant")
+OPTIMIZATION = dict(
+    learning_rate=1e-3, weight_decay=0.0, adam_epsilon=1e-4, max_grad_norm=CLIP, lr_scheduler_type="constant"
+)
 
 
 def tiny_gpt2():
@@ -26,8 +27,18 @@ def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=32,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        vocab_size=VOCAB,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -75,7 +86,9 @@ def full_parameters(engine) -> dict[str, torch.Tensor]:
 def make_optimizer(name: str, params):
     if name == "sgd":  # scale-sensitive: a wrong token count changes the step
         return torch.optim.SGD(params, lr=0.5)
-    return torch.optim.AdamW(params, lr=OPTIMIZATION["learning_rate"], eps=OPTIMIZATION["adam_epsilon"], weight_decay=0.0)
+    return torch.optim.AdamW(
+        params, lr=OPTIMIZATION["learning_rate"], eps=OPTIMIZATION["adam_epsilon"], weight_decay=0.0
+    )
 
 
 def reference_parameters(global_batch: int, steps: int, optimizer: str = "adamw") -> dict[str, torch.Tensor]:

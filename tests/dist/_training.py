@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from poplar_ext.runtime.data import SampleStream
 from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
+from poplar_ext.runtime.data import SampleStream
 
 TINY = GPTConfig(vocab_size=32, sequence_length=8, num_layers=1, num_heads=2, hidden_size=16)
 NUM_SAMPLES = 25
@@ -51,8 +51,13 @@ def write_cluster(path: Path, *, fast: int = 1, slow: int = 2, slowdown: float =
 
 
 def write_plan(
-    path: Path, allocation: list[tuple[int, int]], *, stage: int, device_types: list[str],
-    checkpointing: list[bool] | None = None, offload: list[bool] | None = None,
+    path: Path,
+    allocation: list[tuple[int, int]],
+    *,
+    stage: int,
+    device_types: list[str],
+    checkpointing: list[bool] | None = None,
+    offload: list[bool] | None = None,
 ) -> Path:
     """A hand-written plan: (micro_batch_size, gradient_accumulation_steps) per rank, and
     activation checkpointing and optimizer offload per rank when given."""
@@ -98,8 +103,12 @@ def write_profiles(directory: Path, fingerprint: str, types_and_caps: list[tuple
     model = ModelInfo(name="tiny-gpt", fingerprint=fingerprint, num_parameters=1, dtype="float32")
     for device_type, cap, seconds_per_sample in types_and_caps:
         profile = synthetic_profile(
-            device_type, zero_stage=1, max_micro_batch_size=cap, overhead_s=0.001,
-            seconds_per_sample=seconds_per_sample, world_size=3,
+            device_type,
+            zero_stage=1,
+            max_micro_batch_size=cap,
+            overhead_s=0.001,
+            seconds_per_sample=seconds_per_sample,
+            world_size=3,
         )
         save_profile(dataclasses.replace(profile, model=model), directory / f"{device_type}-stage1.json")
     return directory

@@ -37,8 +37,9 @@ CUDA then (it raises `RuntimeError` at once in that case).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from poplar_ext import local_ranks
 from poplar_ext.local_ranks import LOG_TAIL_LINES, RankOutcome, free_port, preimport_for_fork

@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 
 import _hf_common as hf
-import _training as t
 import torch
 
 
@@ -29,8 +28,11 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--model-init", action="store_true", help="pass model_init instead of a model")
-    parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="TrainingArguments(gradient_checkpointing=True), which the plan overrides per rank")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="TrainingArguments(gradient_checkpointing=True), which the plan overrides per rank",
+    )
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     import transformers
@@ -55,9 +57,18 @@ def main() -> None:
     index_of = {tuple(item): index for index, item in enumerate(data.items)}
     trained: list[int] = []
     training = TrainingArguments(
-        output_dir=str(out), deepspeed=args.deepspeed_config, use_cpu=True, ddp_backend="gloo", max_steps=args.steps,
-        per_device_train_batch_size=args.per_device, report_to=[], logging_steps=1, dataloader_num_workers=0,
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, **hf.OPTIMIZATION,
+        output_dir=str(out),
+        deepspeed=args.deepspeed_config,
+        use_cpu=True,
+        ddp_backend="gloo",
+        max_steps=args.steps,
+        per_device_train_batch_size=args.per_device,
+        report_to=[],
+        logging_steps=1,
+        dataloader_num_workers=0,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        **hf.OPTIMIZATION,
         **({"gradient_checkpointing": True} if args.gradient_checkpointing else {}),
     )
     if args.model_init:

@@ -12,9 +12,8 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 import _training as t
+import torch
 
 STEPS = 3
 
@@ -33,7 +32,8 @@ def main() -> None:
     for stage in (int(s) for s in args.stages.split(",")):
         model = t.GPT(t.TINY)
         engine, *_ = poplar_ext.initialize(
-            model=model, optimizer=t.make_optimizer("adam", model.parameters()),
+            model=model,
+            optimizer=t.make_optimizer("adam", model.parameters()),
             config=str(root / args.phase / f"ds{stage}.json"),
         )
         data = t.dataset()
@@ -42,14 +42,24 @@ def main() -> None:
         if args.phase == "resumed":
             engine.load_checkpoint(checkpoints)  # the latest tag
         start = engine.data_position
-        loader = torch.utils.data.DataLoader(data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen))
+        loader = torch.utils.data.DataLoader(
+            data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen)
+        )
         t.train_steps(engine, loader, STEPS)
         if args.phase == "first":
             engine.save_checkpoint(checkpoints)
         params = t.full_parameters(engine)
         out = root / args.phase / f"stage{stage}-rank{rank}.json"
-        out.write_text(json.dumps({"seen": seen, "start": start, "end": engine.data_position,
-                                   "history": [h["reason"] for h in engine.plan_history]}))
+        out.write_text(
+            json.dumps(
+                {
+                    "seen": seen,
+                    "start": start,
+                    "end": engine.data_position,
+                    "history": [h["reason"] for h in engine.plan_history],
+                }
+            )
+        )
         if rank == 0:
             torch.save(params, root / args.phase / f"stage{stage}-params.pt")
 

@@ -21,7 +21,9 @@ import torch
 from harness import free_port, run_ranks
 
 pytest.importorskip("accelerate", reason="PoplarAccelerator needs pip install 'poplar-ext[accelerate]'")
-pytest.importorskip("transformers", reason="the token-mean case trains a Hugging Face model: pip install 'poplar-ext[hf]'")
+pytest.importorskip(
+    "transformers", reason="the token-mean case trains a Hugging Face model: pip install 'poplar-ext[hf]'"
+)
 
 import _hf_common as hf
 import _training as t

@@ -43,7 +43,10 @@ def test_demo_trains_every_policy_and_reuses_profiles(tmp_path):
         assert entry["measured"]["samples_per_s"] > 0 and entry["prediction_error"] is not None
         assert sum(r["micro_batch_size"] * r["gradient_accumulation_steps"] for r in entry["ranks"]) == 12
     assert scenario["ideal_samples_per_s"]["measured"] > 0
-    assert {g["goal"] for g in scenario["goals"]} >= {"poplar share of the measured ideal", "poplar faster than uniform"}
+    assert {g["goal"] for g in scenario["goals"]} >= {
+        "poplar share of the measured ideal",
+        "poplar faster than uniform",
+    }
 
     assert scenario["calibration"] == {}, "fresh profiles are not checked by default"
     again = json.loads(run_demo(settings, out_dir=tmp_path / "out2", name="demo")[0].read_text())

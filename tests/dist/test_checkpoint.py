@@ -7,11 +7,10 @@ covers the own-DataLoader path.
 
 from __future__ import annotations
 
+import _training as t
 import pytest
 import torch
 from harness import run_ranks
-
-import _training as t
 
 TOTAL_STEPS = 5
 SAVE_AFTER = 2
@@ -31,7 +30,9 @@ def _engine(files, stage, plan_key=None):
     )
     seen = []
     data = t.dataset()
-    loader = torch.utils.data.DataLoader(data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen))
+    loader = torch.utils.data.DataLoader(
+        data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen)
+    )
     return engine, loader, seen
 
 
@@ -85,7 +86,11 @@ def test_resume_continues_with_the_same_samples(results, stage):
     global_batch = sum(b * s for b, s in ALLOCATIONS[stage])
     for rank_result in results:
         assert rank_result[stage]["same_samples"]
-        assert rank_result[stage]["consumed"] == (SAVE_AFTER * global_batch, SAVE_AFTER * global_batch, TOTAL_STEPS * global_batch)
+        assert rank_result[stage]["consumed"] == (
+            SAVE_AFTER * global_batch,
+            SAVE_AFTER * global_batch,
+            TOTAL_STEPS * global_batch,
+        )
         assert rank_result[stage]["deepspeed_global_samples"] == TOTAL_STEPS * global_batch  # true, not nominal
 
 

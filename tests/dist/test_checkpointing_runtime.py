@@ -54,11 +54,13 @@ def _run_all(files):
 
     rank = int(os.environ["RANK"])
     results = {}
-    for stage, checkpointing in CASES:
+    for stage, _checkpointing in CASES:
         model = t.GPT(t.TINY)
         calls = _count_block_forwards(model)
         engine, _, loader, _ = poplar_ext.initialize(
-            model=model, optimizer=t.make_optimizer("sgd", model.parameters()), training_data=t.dataset(),
+            model=model,
+            optimizer=t.make_optimizer("sgd", model.parameters()),
+            training_data=t.dataset(),
             config=t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage),
         )
         t.train_steps(engine, loader, STEPS)
@@ -72,7 +74,9 @@ def _run_all(files):
     model = Wrapped()
     try:
         poplar_ext.initialize(
-            model=model, optimizer=t.make_optimizer("sgd", model.parameters()), training_data=t.dataset(),
+            model=model,
+            optimizer=t.make_optimizer("sgd", model.parameters()),
+            training_data=t.dataset(),
             config=t.ds_config(cluster=files["cluster"], plan=files[0], stage=0),
         )
         results["refused"] = None
@@ -81,8 +85,11 @@ def _run_all(files):
     model = Wrapped()
     calls = _count_block_forwards(model.inner)
     engine, _, loader, _ = poplar_ext.initialize(
-        model=model, optimizer=t.make_optimizer("sgd", model.parameters()), training_data=t.dataset(),
-        config=t.ds_config(cluster=files["cluster"], plan=files[0], stage=0), checkpointing_toggle=toggle,
+        model=model,
+        optimizer=t.make_optimizer("sgd", model.parameters()),
+        training_data=t.dataset(),
+        config=t.ds_config(cluster=files["cluster"], plan=files[0], stage=0),
+        checkpointing_toggle=toggle,
     )
     t.train_steps(engine, loader, 1)
     results["toggle forwards per micro-step"] = calls[0] / engine.rank_plan.gradient_accumulation_steps

@@ -36,16 +36,42 @@ GLOBAL_BATCH = 12
 
 def _agent(tmp_path: Path, port: int, name: str) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "1",
-        "--max-restarts", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "job",
-        "--rdzv_conf", "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2",
-        str(REPO / "examples" / "train.py"), "--deepspeed_config", "ds.json", "--steps", str(STEPS),
-        "--checkpoint-dir", "checkpoints", "--checkpoint-interval-steps", str(CHECKPOINT_INTERVAL),
-        "--result", f"result-{name}.json",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1:2",
+        "--nproc_per_node",
+        "1",
+        "--max-restarts",
+        "2",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv_id",
+        "job",
+        "--rdzv_conf",
+        "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2",
+        str(REPO / "examples" / "train.py"),
+        "--deepspeed_config",
+        "ds.json",
+        "--steps",
+        str(STEPS),
+        "--checkpoint-dir",
+        "checkpoints",
+        "--checkpoint-interval-steps",
+        str(CHECKPOINT_INTERVAL),
+        "--result",
+        f"result-{name}.json",
     ]
     log = open(tmp_path / f"{name}.log", "w")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", LOGLEVEL="INFO")  # the agent says when it restarts
-    return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", LOGLEVEL="INFO"
+    )  # the agent says when it restarts
+    return subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _kill_node(agent: subprocess.Popen) -> None:
@@ -69,17 +95,26 @@ def _latest_step(checkpoints: Path) -> int:
 def _wait_for_port(port: int, agent: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and agent.poll() is None:
-        if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.Process(agent.pid).net_connections()):
+        if any(
+            c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.Process(agent.pid).net_connections()
+        ):
             return
         time.sleep(0.2)
     raise AssertionError("the first agent never listened on the rendezvous endpoint")
 
 
 def test_a_killed_node_restarts_the_job_on_the_node_left(tmp_path):
-    (tmp_path / "ds.json").write_text(json.dumps({
-        "train_batch_size": GLOBAL_BATCH, "gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
-        "steps_per_print": 100_000, "poplar": {"profiles": "profiles", "cpu_threads": 1, "log_interval_steps": 0},
-    }))
+    (tmp_path / "ds.json").write_text(
+        json.dumps(
+            {
+                "train_batch_size": GLOBAL_BATCH,
+                "gradient_clipping": 1.0,
+                "zero_optimization": {"stage": 1},
+                "steps_per_print": 100_000,
+                "poplar": {"profiles": "profiles", "cpu_threads": 1, "log_interval_steps": 0},
+            }
+        )
+    )
     port = free_port()
     survivor = _agent(tmp_path, port, "node0")
     lost = None
@@ -107,8 +142,11 @@ def test_a_killed_node_restarts_the_job_on_the_node_left(tmp_path):
     # the restarted rank began at a checkpoint saved while both nodes trained, and continued the stream there
     resumed_at = result["first_step"]
     assert resumed_at >= killed_after and resumed_at % CHECKPOINT_INTERVAL == 0
-    moved = re.search(r"resumed from \S+ under another plan \(2 ranks then, 1 now\); the data continues at stream "
-                      r"position (\d+)", log)
+    moved = re.search(
+        r"resumed from \S+ under another plan \(2 ranks then, 1 now\); the data continues at stream "
+        r"position (\d+)",
+        log,
+    )
     assert moved is not None, log[-5000:]
     assert int(moved.group(1)) == resumed_at * GLOBAL_BATCH
     assert result["consumed_samples"] == STEPS * GLOBAL_BATCH

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 
+import _training as t
 import pytest
 from harness import run_ranks
-
-import _training as t
 
 STEPS = 3
 UNEVEN_COUNTS = [(3, 2), (1, 3), (2, 1)]  # stages 0/1: per-rank accumulation counts (B = 11)
@@ -98,7 +97,9 @@ def _train_direct_all(files):
     # Stage 0: DeepSpeed refuses a backward it cannot see, on every rank, before any step.
     model = t.GPT(t.TINY)
     engine, _, loader, _ = poplar_ext.initialize(
-        model=model, optimizer=t.make_optimizer("sgd", model.parameters()), training_data=t.dataset(),
+        model=model,
+        optimizer=t.make_optimizer("sgd", model.parameters()),
+        training_data=t.dataset(),
         config=t.ds_config(cluster=files["cluster"], plan=files[0], stage=0),
     )
     try:

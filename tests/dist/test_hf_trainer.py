@@ -28,7 +28,12 @@ import _training as t
 
 HERE = Path(__file__).resolve().parent
 TYPES = ["cpu", "cpu-slow", "cpu-slow"]
-ALLOCATIONS = {0: [(3, 2), (1, 3), (3, 1)], 1: [(3, 2), (1, 3), (3, 1)], 2: [(3, 2), (1, 2), (2, 2)], 3: [(3, 2), (1, 2), (2, 2)]}
+ALLOCATIONS = {
+    0: [(3, 2), (1, 3), (3, 1)],
+    1: [(3, 2), (1, 3), (3, 1)],
+    2: [(3, 2), (1, 2), (2, 2)],
+    3: [(3, 2), (1, 2), (2, 2)],
+}
 GLOBAL_BATCH = 12
 STAGES = (0, 1, 2, 3)
 
@@ -36,23 +41,51 @@ STAGES = (0, 1, 2, 3)
 def _config(root: Path, stage: int, checkpointing: list[bool] | None = None, offload: list[bool] | None = None) -> Path:
     cluster = t.write_cluster(root / "cluster.json", fast=1, slow=2, slowdown=1.0)
     plan = t.write_plan(
-        root / f"plan{stage}.json", ALLOCATIONS[stage], stage=stage, device_types=TYPES, checkpointing=checkpointing,
+        root / f"plan{stage}.json",
+        ALLOCATIONS[stage],
+        stage=stage,
+        device_types=TYPES,
+        checkpointing=checkpointing,
         offload=offload,
     )
     path = root / f"ds{stage}.json"
     # Hugging Face's "auto" batch values: poplar fills them per rank from the plan.
-    path.write_text(json.dumps({
-        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10_000, "poplar": {"cluster": str(cluster), "plan": str(plan), "log_interval_steps": 0},
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "train_batch_size": "auto",
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": stage},
+                "zero_allow_untested_optimizer": True,
+                "steps_per_print": 10_000,
+                "poplar": {"cluster": str(cluster), "plan": str(plan), "log_interval_steps": 0},
+            }
+        )
+    )
     return path
 
 
 def _launch(config: Path, out: Path, *extra: str, ranks: int = 3) -> str:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port()),
-               str(HERE / "hf_train.py"), "--deepspeed_config", str(config), "--out", str(out), *extra]
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(ranks),
+        "--master_port",
+        str(free_port()),
+        str(HERE / "hf_train.py"),
+        "--deepspeed_config",
+        str(config),
+        "--out",
+        str(out),
+        *extra,
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
     log = done.stdout + done.stderr
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -175,11 +208,19 @@ def test_automatic_mode_profiles_searches_and_trains_the_global_batch(tmp_path):
     # the parameters are those of one process on the same global batches.
     cluster = t.write_cluster(tmp_path / "cluster.json", fast=1, slow=2, slowdown=1.0)
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps({
-        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
-        "poplar": {"cluster": str(cluster), "profiles": str(tmp_path / "profiles"), "log_interval_steps": 0},
-    }))
+    config.write_text(
+        json.dumps(
+            {
+                "train_batch_size": "auto",
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": 1},
+                "zero_allow_untested_optimizer": True,
+                "poplar": {"cluster": str(cluster), "profiles": str(tmp_path / "profiles"), "log_interval_steps": 0},
+            }
+        )
+    )
     _launch(config, tmp_path / "out")
     # cpu and cpu-slow at stage 1, without and with gradient checkpointing (GPT-2 supports it)
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 4

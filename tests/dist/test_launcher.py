@@ -25,9 +25,12 @@ def _launch(launcher: list[str], tmp_path: Path) -> tuple[dict, str]:
     result = tmp_path / "result.json"
     command = launcher + [
         str(REPO / "examples" / "train.py"),
-        "--deepspeed_config", str(REPO / "examples" / "ds_config.json"),
-        "--steps", str(STEPS),
-        "--result", str(result),
+        "--deepspeed_config",
+        str(REPO / "examples" / "ds_config.json"),
+        "--steps",
+        str(STEPS),
+        "--result",
+        str(result),
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
@@ -52,7 +55,15 @@ def test_deepspeed_launcher(tmp_path):
 
 
 def test_torchrun(tmp_path):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
     _check(*_launch(launcher, tmp_path))
 
 
@@ -62,7 +73,12 @@ def test_profiler_as_a_module_under_the_deepspeed_launcher(tmp_path):
     # works wherever poplar_ext is importable (a pyenv shim from `which` does not).
     cluster = {
         "schema_version": 1,
-        "nodes": [{"name": "localhost", "devices": [{"device_type": "cpu-fast", "count": 1}, {"device_type": "cpu-slow", "count": 1}]}],
+        "nodes": [
+            {
+                "name": "localhost",
+                "devices": [{"device_type": "cpu-fast", "count": 1}, {"device_type": "cpu-slow", "count": 1}],
+            }
+        ],
         "device_types": {
             "cpu-fast": {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 8_000_000_000}},
             "cpu-slow": {"emulation": {"slowdown": 2.0, "memory_capacity_bytes": 8_000_000_000}},
@@ -70,19 +86,54 @@ def test_profiler_as_a_module_under_the_deepspeed_launcher(tmp_path):
     }
     (tmp_path / "cluster.json").write_text(json.dumps(cluster))
     # torch_adam: DeepSpeed's own CPU Adam is a C++ op compiled on first use (~70 s).
-    (tmp_path / "ds.json").write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}}}))
+    (tmp_path / "ds.json").write_text(
+        json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}}})
+    )
     command = [
-        "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "poplar_ext.profiler",
-        "--deepspeed_config", "ds.json", "--cluster", "cluster.json", "--model", "toy-gpt", "--layers", "1",
-        "--hidden-size", "32", "--heads", "2", "--vocab-size", "64", "--sequence-length", "16",
-        "--zero-stages", "1", "--max-micro-batch-size", "2", "--repeats", "1", "--warmup", "0", "--output-dir", "prof",
+        "deepspeed",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "poplar_ext.profiler",
+        "--deepspeed_config",
+        "ds.json",
+        "--cluster",
+        "cluster.json",
+        "--model",
+        "toy-gpt",
+        "--layers",
+        "1",
+        "--hidden-size",
+        "32",
+        "--heads",
+        "2",
+        "--vocab-size",
+        "64",
+        "--sequence-length",
+        "16",
+        "--zero-stages",
+        "1",
+        "--max-micro-batch-size",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--output-dir",
+        "prof",
     ]
-    done = subprocess.run(command, cwd=tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        command, cwd=tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     written = sorted(p.name for p in (tmp_path / "prof").glob("*.json"))
     assert [name.split("-", 4)[-1] for name in written] == [
-        "cpu-fast-zero1-ckpt.json", "cpu-fast-zero1.json", "cpu-slow-zero1-ckpt.json", "cpu-slow-zero1.json"
+        "cpu-fast-zero1-ckpt.json",
+        "cpu-fast-zero1.json",
+        "cpu-slow-zero1-ckpt.json",
+        "cpu-slow-zero1.json",
     ], written
     profile = json.loads((tmp_path / "prof" / written[3]).read_text())
     assert profile["device_type"] == "cpu-slow" and profile["emulated"]["slowdown"] == 2.0

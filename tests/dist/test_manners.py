@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from harness import run_ranks
-
 import _training as t
+from harness import run_ranks
 
 
 class _Records(logging.Handler):
@@ -51,8 +50,8 @@ def _initialize(tmp, **poplar):
 
 
 def _both(tmp_dir):
-    from pathlib import Path
     import os
+    from pathlib import Path
 
     tmp = Path(tmp_dir) / f"rank{os.environ['RANK']}"
     (tmp / "plain").mkdir(parents=True)

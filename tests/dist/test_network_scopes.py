@@ -20,8 +20,12 @@ def _measure(cluster_path: str) -> dict:
 
 
 def _cluster(path, node_sizes) -> str:
-    nodes = [{"name": f"n{i}", "devices": [{"device_type": f"cpu-{i}", "count": size}]} for i, size in enumerate(node_sizes)]
-    types = {f"cpu-{i}": {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 10**9}} for i in range(len(node_sizes))}
+    nodes = [
+        {"name": f"n{i}", "devices": [{"device_type": f"cpu-{i}", "count": size}]} for i, size in enumerate(node_sizes)
+    ]
+    types = {
+        f"cpu-{i}": {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 10**9}} for i in range(len(node_sizes))
+    }
     path.write_text(json.dumps({"schema_version": 1, "nodes": nodes, "device_types": types}))
     return str(path)
 
@@ -30,8 +34,13 @@ def _cluster(path, node_sizes) -> str:
 def test_several_nodes_are_timed_within_and_between_nodes(tmp_path, node_sizes):
     from poplar_search.network import COLLECTIVES, network_from_dict
 
-    results = run_ranks(_measure, world_size=sum(node_sizes), tmp_path=tmp_path / "ranks",
-                        args=(_cluster(tmp_path / "cluster.json", node_sizes),), timeout_s=180)
+    results = run_ranks(
+        _measure,
+        world_size=sum(node_sizes),
+        tmp_path=tmp_path / "ranks",
+        args=(_cluster(tmp_path / "cluster.json", node_sizes),),
+        timeout_s=180,
+    )
     assert all(r == results[0] for r in results[1:]) or all(r["scopes"] == results[0]["scopes"] for r in results)
     network = network_from_dict(results[0])
     assert network.num_nodes == 2 and network.world_size == sum(node_sizes)
@@ -39,10 +48,13 @@ def test_several_nodes_are_timed_within_and_between_nodes(tmp_path, node_sizes):
     assert network.scopes["within_node"].group_size == 2 and network.scopes["between_nodes"].group_size == 2
     for scope in network.scopes.values():
         assert set(scope.collectives) == set(COLLECTIVES)
-        assert all(len(fit.samples) == 2 and all(s.time_s > 1e-9 for s in fit.samples) for fit in scope.collectives.values())
+        assert all(
+            len(fit.samples) == 2 and all(s.time_s > 1e-9 for s in fit.samples) for fit in scope.collectives.values()
+        )
 
 
 def test_one_node_has_no_scopes(tmp_path):
-    results = run_ranks(_measure, world_size=2, tmp_path=tmp_path / "ranks", args=(_cluster(tmp_path / "c.json", (2,)),),
-                        timeout_s=180)
+    results = run_ranks(
+        _measure, world_size=2, tmp_path=tmp_path / "ranks", args=(_cluster(tmp_path / "c.json", (2,)),), timeout_s=180
+    )
     assert "scopes" not in results[0]

@@ -29,15 +29,18 @@ def _run_all(files):
     for stage in ALLOCATIONS:
         model = t.GPT(t.TINY)
         engine, _, loader, _ = poplar_ext.initialize(
-            model=model, optimizer=t.make_optimizer("adam", model.parameters()), training_data=t.dataset(),
+            model=model,
+            optimizer=t.make_optimizer("adam", model.parameters()),
+            training_data=t.dataset(),
             config=t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage),
         )
         t.train_steps(engine, loader, STEPS)
         results[("offloading", stage)] = bool(getattr(engine.optimizer, "cpu_offload", False))
         results[("host bytes", stage)] = host_resident_optimizer_bytes(engine)
-        changed = dataclasses.replace(engine.plan, ranks=tuple(
-            dataclasses.replace(r, optimizer_offload=not r.optimizer_offload) for r in engine.plan.ranks
-        ))
+        changed = dataclasses.replace(
+            engine.plan,
+            ranks=tuple(dataclasses.replace(r, optimizer_offload=not r.optimizer_offload) for r in engine.plan.ranks),
+        )
         try:
             engine.check_switch(changed)
             results[("switch refused", stage)] = None
@@ -54,8 +57,9 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("offload")
     files = {"cluster": t.write_cluster(tmp / "cluster.json")}
     for stage, allocation in ALLOCATIONS.items():
-        files[stage] = t.write_plan(tmp / f"plan{stage}.json", allocation, stage=stage, device_types=TYPES,
-                                    offload=OFFLOAD)
+        files[stage] = t.write_plan(
+            tmp / f"plan{stage}.json", allocation, stage=stage, device_types=TYPES, offload=OFFLOAD
+        )
     return run_ranks(_run_all, world_size=3, tmp_path=tmp, args=(files,), timeout_s=300)
 
 

@@ -15,11 +15,11 @@ import json
 import os
 import time
 
+import _training as t
 import pytest
 import torch
 from harness import run_ranks
 
-import _training as t
 from poplar_ext.models.toy_pipeline import RegressionData, mse, toy_sequential
 from poplar_ext.runtime.data import SampleStream
 
@@ -50,7 +50,9 @@ def write_pipeline_plan(path, pipelines, *, stage, num_layers=6, types=TYPES):
         "num_layers": num_layers,
         "pipelines": [
             {
-                "stages": [{"rank": r, "device_type": types[r], "first_layer": a, "last_layer": z} for r, a, z in stages],
+                "stages": [
+                    {"rank": r, "device_type": types[r], "first_layer": a, "last_layer": z} for r, a, z in stages
+                ],
                 "micro_batch_size": b,
                 "num_micro_batches": s,
             }
@@ -206,11 +208,28 @@ def _per_layer_cli(files):
 
     ds = files["profiles"].parent / f"ds_layers{os.environ['RANK']}.json"  # one per rank: none reads a half-written one
     ds.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 0.001}}}))
-    return main([
-        "--deepspeed_config", str(ds), "--cluster", str(files["cluster"]), "--no-network", "--repeats", "1",
-        "--model", "poplar_ext.models.toy_pipeline:toy_layers", "--batch", "poplar_ext.models.toy_pipeline:toy_batch",
-        "--zero-stages", "0,1,2", "--micro-batch-sizes", "1,4", "--output-dir", str(files["cli_profiles"]), "--quiet",
-    ])
+    return main(
+        [
+            "--deepspeed_config",
+            str(ds),
+            "--cluster",
+            str(files["cluster"]),
+            "--no-network",
+            "--repeats",
+            "1",
+            "--model",
+            "poplar_ext.models.toy_pipeline:toy_layers",
+            "--batch",
+            "poplar_ext.models.toy_pipeline:toy_batch",
+            "--zero-stages",
+            "0,1,2",
+            "--micro-batch-sizes",
+            "1,4",
+            "--output-dir",
+            str(files["cli_profiles"]),
+            "--quiet",
+        ]
+    )
 
 
 def _all_cases(files):
@@ -231,7 +250,9 @@ def ranks_and_files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
     files = {
         "cluster": t.write_cluster(tmp / "cluster.json", fast=2, slow=2),
-        "three_ranks": write_pipeline_plan(tmp / "three.json", [([(0, 0, 2), (1, 3, 5)], 2, 2), ([(2, 0, 5)], 2, 2)], stage=0),
+        "three_ranks": write_pipeline_plan(
+            tmp / "three.json", [([(0, 0, 2), (1, 3, 5)], 2, 2), ([(2, 0, 5)], 2, 2)], stage=0
+        ),
         "wrong_types": write_pipeline_plan(tmp / "types.json", PLANS["two_by_two"], stage=0, types=["cpu-slow"] * 4),
         "zero_plan": t.write_plan(tmp / "zero.json", [(2, 1)] * 4, stage=0, device_types=TYPES),
         "checkpoints": tmp / "checkpoints",
@@ -241,7 +262,9 @@ def ranks_and_files(tmp_path_factory):
     for name, pipelines in PLANS.items():
         for stage in (0, 1):
             files[_plan_key(name, stage)] = write_pipeline_plan(tmp / f"{name}{stage}.json", pipelines, stage=stage)
-    return run_ranks(_all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=180), files
+    return run_ranks(
+        _all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=180
+    ), files
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +293,9 @@ def _max_difference(per_rank_params, reference):
     """Largest |parameter - reference| over every copy on every rank; every layer must be held somewhere."""
     held = {name for params in per_rank_params for name in params}
     assert held == set(reference), sorted(set(reference) ^ held)
-    return max(float((value - reference[name]).abs().max()) for params in per_rank_params for name, value in params.items())
+    return max(
+        float((value - reference[name]).abs().max()) for params in per_rank_params for name, value in params.items()
+    )
 
 
 def _one_message(results, case):
@@ -279,13 +304,19 @@ def _one_message(results, case):
     return messages.pop()
 
 
-@pytest.mark.parametrize("case,expected", [
-    ("zero_stage_2", "zero_optimization.stage (or poplar.zero_stage): expected 0 or 1 with pipelines, found 2"),
-    ("plan_for_3_ranks", "The plan names 3 ranks but the job has 4 (WORLD_SIZE)."),
-    ("device_types", "Device types differ from the cluster's at rank 0 (cpu-slow in the plan, cpu in the cluster)"),
-    ("layers", "The plan splits 6 layers but the model has 5"),
-    ("zero_plan", "is a ZeRO plan (every rank trains the whole model); a PoplarPipelineModule needs a pipeline plan"),
-])
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        ("zero_stage_2", "zero_optimization.stage (or poplar.zero_stage): expected 0 or 1 with pipelines, found 2"),
+        ("plan_for_3_ranks", "The plan names 3 ranks but the job has 4 (WORLD_SIZE)."),
+        ("device_types", "Device types differ from the cluster's at rank 0 (cpu-slow in the plan, cpu in the cluster)"),
+        ("layers", "The plan splits 6 layers but the model has 5"),
+        (
+            "zero_plan",
+            "is a ZeRO plan (every rank trains the whole model); a PoplarPipelineModule needs a pipeline plan",
+        ),
+    ],
+)
 def test_what_cannot_run_is_refused_alike_on_every_rank(results, case, expected):
     assert expected in _one_message(results, case)
 
@@ -305,7 +336,7 @@ def test_pipelines_match_one_process_on_the_global_batch(results, name, stage):
 @pytest.mark.parametrize("name", list(PLANS))
 def test_each_pipeline_reads_its_share_of_the_stream_once(results, name):
     runs = [r[(name, 0)] for r in results]
-    firsts, lasts = [], []
+    firsts = []
     for stages, _, _ in PLANS[name]:
         first, last = runs[stages[0][0]]["seen"], runs[stages[-1][0]]["seen"]
         assert first == last, "a pipeline's first and last stages read the same micro-batches"
@@ -322,7 +353,9 @@ def test_a_resumed_run_equals_the_uninterrupted_one(results):
     resumed = [r["resume"]["resumed"] for r in results]
     assert _max_difference([run["params"] for run in resumed], expected) <= 1e-5
     for before, after in zip(uninterrupted, resumed):
-        assert before["seen"] == after["seen"] and after["position"] == before["position"] == STEPS * _global_batch("three_and_one")
+        assert before["seen"] == after["seen"] and after["position"] == before["position"] == STEPS * _global_batch(
+            "three_and_one"
+        )
         assert max(float((after["params"][k] - v).abs().max()) for k, v in before["params"].items()) == 0.0
     assert {r["resume"]["step"] for r in results} == {STEPS}
 
@@ -361,7 +394,10 @@ def test_poplar_profile_measures_a_pipeline_model_layer_by_layer_only(ranks_and_
     assert not list(files["cli_profiles"].glob("*.json")), "a pipeline model gets layer profiles only"
     profiles = load_layer_profiles(files["cli_profiles"])
     assert sorted((p.device_type, p.zero_stage) for p in profiles) == [
-        ("cpu", 0), ("cpu", 1), ("cpu-slow", 0), ("cpu-slow", 1)
+        ("cpu", 0),
+        ("cpu", 1),
+        ("cpu-slow", 0),
+        ("cpu-slow", 1),
     ]
     slow = next(p for p in profiles if p.device_type == "cpu-slow")
     assert slow.emulated is not None and slow.measured_with["device"] == "emulated" and slow.num_layers == 6

@@ -48,7 +48,9 @@ def test_the_pipeline_example_under_torchrun(tmp_path):
                           capture_output=True, text=True, timeout=180)  # fmt: skip
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
-    assert "rank 3: cpu-slow (emulated: 2x slower, 2.0 GB), pipeline 1 stage 1 of 2 (layers 2-5), micro-batch 3 x 2" in log
+    assert (
+        "rank 3: cpu-slow (emulated: 2x slower, 2.0 GB), pipeline 1 stage 1 of 2 (layers 2-5), micro-batch 3 x 2" in log
+    )
     summary = json.loads((tmp_path / "result.json").read_text())
     assert (summary["steps"], summary["global_batch_size"], summary["data_position"]) == (3, 18, 54)
     expected = _replay()

@@ -12,10 +12,9 @@ import contextlib
 import json
 import os
 
+import _training as t
 import pytest
 from harness import run_ranks
-
-import _training as t
 
 TYPES = ["cpu", "cpu-slow", "cpu-slow"]
 
@@ -105,10 +104,18 @@ def results(tmp_path_factory):
         "missing_cluster": tmp / "no-such-cluster.json",
     }
     files["a100_cluster"] = tmp / "a100.json"
-    files["a100_cluster"].write_text(json.dumps({"schema_version": 1, "nodes": [
-        {"name": "n0", "devices": [{"device_type": "A100-80GB", "count": 1}]},
-        {"name": "n1", "devices": [{"device_type": "cpu-slow", "count": 2}]}],
-        "device_types": {"cpu-slow": {"emulation": {"slowdown": 1.5, "memory_capacity_bytes": 2_000_000_000}}}}))
+    files["a100_cluster"].write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "nodes": [
+                    {"name": "n0", "devices": [{"device_type": "A100-80GB", "count": 1}]},
+                    {"name": "n1", "devices": [{"device_type": "cpu-slow", "count": 2}]},
+                ],
+                "device_types": {"cpu-slow": {"emulation": {"slowdown": 1.5, "memory_capacity_bytes": 2_000_000_000}}},
+            }
+        )
+    )
     return run_ranks(_refusals, world_size=3, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=120)
 
 
@@ -124,12 +131,17 @@ def test_plan_for_another_world_size(results):
 
 
 def test_stage2_with_per_rank_counts(results):
-    assert "ZeRO stage 2 needs the same gradient_accumulation_steps on every rank" in _messages(results, "stage2_uneven_counts")
+    assert "ZeRO stage 2 needs the same gradient_accumulation_steps on every rank" in _messages(
+        results, "stage2_uneven_counts"
+    )
 
 
 def test_plan_stage_differs_from_config(results):
     message = _messages(results, "stage_differs")
-    assert "The plan is for ZeRO stage 1 but the config asks for stage 0 (zero_optimization.stage or poplar.zero_stage)." in message
+    assert (
+        "The plan is for ZeRO stage 1 but the config asks for stage 0 (zero_optimization.stage or poplar.zero_stage)."
+        in message
+    )
 
 
 def test_micro_batch_over_the_profiles_largest(results):

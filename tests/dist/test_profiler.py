@@ -118,7 +118,8 @@ def _peaks_of_micro_steps(model_factory, make_batch, sizes: tuple[int, ...]) -> 
 
     model = model_factory()
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=list(model.parameters()),
+        model=model,
+        model_parameters=list(model.parameters()),
         config=stage_ds_config(DS_CONFIG, zero_stage=0, world_size=2),
     )
 
@@ -160,8 +161,15 @@ def _memory_run(cache_dir: str) -> dict:
 
     cluster = _cluster([("roomy", 1.0, halfway_above(4)), ("cramped", 1.0, halfway_above(2))])
     profiles = profile_model(
-        model_factory=_wide_model, make_batch=_wide_batch, ds_config=DS_CONFIG, cluster=cluster,
-        zero_stages=(0, 3), cache_dir=cache_dir, micro_batch_size_limit=LIMIT, warmup_micro_steps=0, repeats=1,
+        model_factory=_wide_model,
+        make_batch=_wide_batch,
+        ds_config=DS_CONFIG,
+        cluster=cluster,
+        zero_stages=(0, 3),
+        cache_dir=cache_dir,
+        micro_batch_size_limit=LIMIT,
+        warmup_micro_steps=0,
+        repeats=1,
         progress=None,
     )
     largest = max(1, profiles[dist.get_rank()].max_micro_batch_size)  # stage 0
@@ -195,8 +203,15 @@ def _checkpointing_run(cache_dir: str) -> dict:
     at_two, at_four = (int(v) for v in agreed.tolist())
     cluster = _cluster([("roomy", 1.0, at_two + 2000 * MB), ("small", 1.0, at_four)])
     common = dict(
-        ds_config=DS_CONFIG, cluster=cluster, cache_dir=cache_dir, model_name="ckpt", zero_stages=(0,),
-        micro_batch_size_limit=LIMIT, micro_batch_sizes=(1, 2, 4, 8), repeats=3, progress=None,
+        ds_config=DS_CONFIG,
+        cluster=cluster,
+        cache_dir=cache_dir,
+        model_name="ckpt",
+        zero_stages=(0,),
+        micro_batch_size_limit=LIMIT,
+        micro_batch_sizes=(1, 2, 4, 8),
+        repeats=3,
+        progress=None,
     )
     profiles = profile_model(model_factory=lambda: GPT(cfg), make_batch=batches, **common)
     again = _Batches(cfg)
@@ -218,10 +233,21 @@ def _offload_run(cache_dir: str) -> dict:
     base = _agreed_resident_bytes()
     cluster = _cluster([("roomy", 1.0, base + 2000 * MB), ("small", 1.0, base + 1500 * MB)])
     profiles = profile_model(
-        model_factory=lambda: GPT(cfg), make_batch=_Batches(cfg), ds_config={"zero_allow_untested_optimizer": True},
-        optimizer_factory=lambda params: torch.optim.Adam(params, lr=1e-3), cluster=cluster, cache_dir=cache_dir,
-        model_name="offload", zero_stages=(0, 1), micro_batch_size_limit=4, micro_batch_sizes=(1, 2, 4), repeats=1,
-        progress=None, activation_checkpointing="off", optimizer_offload="smallest", measure_network=False,
+        model_factory=lambda: GPT(cfg),
+        make_batch=_Batches(cfg),
+        ds_config={"zero_allow_untested_optimizer": True},
+        optimizer_factory=lambda params: torch.optim.Adam(params, lr=1e-3),
+        cluster=cluster,
+        cache_dir=cache_dir,
+        model_name="offload",
+        zero_stages=(0, 1),
+        micro_batch_size_limit=4,
+        micro_batch_sizes=(1, 2, 4),
+        repeats=1,
+        progress=None,
+        activation_checkpointing="off",
+        optimizer_offload="smallest",
+        measure_network=False,
     )
     return {"profiles": profiles}
 
@@ -236,8 +262,14 @@ def _measure_reuse_and_remeasure(cache_dir: str) -> dict:
     cfg = _model_config()
     lines: list[str] = []
     common = dict(
-        ds_config=DS_CONFIG, cluster=cluster, cache_dir=cache_dir, model_name="toy",
-        sequence_length=cfg.sequence_length, micro_batch_size_limit=LIMIT, repeats=5, progress=lines.append,
+        ds_config=DS_CONFIG,
+        cluster=cluster,
+        cache_dir=cache_dir,
+        model_name="toy",
+        sequence_length=cfg.sequence_length,
+        micro_batch_size_limit=LIMIT,
+        repeats=5,
+        progress=lines.append,
         activation_checkpointing="off",  # this run is about time and the cache; checkpointing has its own below
     )
 
@@ -272,7 +304,11 @@ def measured(tmp_path_factory) -> tuple[list[dict], Path]:
     tmp_path = tmp_path_factory.mktemp("profiler")
     cache_dir = tmp_path / "profiles"
     results = run_ranks(
-        _measure_reuse_and_remeasure, world_size=2, tmp_path=tmp_path, args=(str(cache_dir),), timeout_s=240,
+        _measure_reuse_and_remeasure,
+        world_size=2,
+        tmp_path=tmp_path,
+        args=(str(cache_dir),),
+        timeout_s=240,
     )
     return results, cache_dir
 
@@ -383,9 +419,7 @@ def _survive_out_of_memory(cache_dir: str) -> dict:
     rank = dist.get_rank()
     base = _agreed_resident_bytes()
     cfg = _model_config()
-    cluster = _cluster(
-        [("fast", 1.0, base + 220 * MB), ("flaky", 1.0, base + 220 * MB), ("tiny", 1.0, base // 2)]
-    )
+    cluster = _cluster([("fast", 1.0, base + 220 * MB), ("flaky", 1.0, base + 220 * MB), ("tiny", 1.0, base // 2)])
 
     def model_factory():
         model = GPT(cfg)
@@ -400,8 +434,15 @@ def _survive_out_of_memory(cache_dir: str) -> dict:
         return model
 
     profiles = profile_model(
-        model_factory=model_factory, make_batch=_Batches(cfg), ds_config=DS_CONFIG, cluster=cluster,
-        zero_stages=(0, 1), cache_dir=cache_dir, micro_batch_size_limit=8, repeats=1, progress=None,
+        model_factory=model_factory,
+        make_batch=_Batches(cfg),
+        ds_config=DS_CONFIG,
+        cluster=cluster,
+        zero_stages=(0, 1),
+        cache_dir=cache_dir,
+        micro_batch_size_limit=8,
+        repeats=1,
+        progress=None,
         activation_checkpointing="off",
     )
     return {"rank": rank, "profiles": profiles, "pid": os.getpid()}
@@ -427,7 +468,11 @@ def test_the_smallest_type_is_also_measured_with_its_optimizer_offloaded(measure
     results, cache_dir = measured
     profiles = results[0]["offload"]["profiles"]
     assert sorted((p.device_type, p.zero_stage, p.optimizer_offload) for p in profiles) == [
-        ("roomy", 0, False), ("roomy", 1, False), ("small", 0, False), ("small", 1, False), ("small", 1, True),
+        ("roomy", 0, False),
+        ("roomy", 1, False),
+        ("small", 0, False),
+        ("small", 1, False),
+        ("small", 1, True),
     ], "offloaded: the smallest-memory type, at ZeRO-1 only"
     plain, offloaded = (next(p for p in profiles if p.key == ("small", 1, False, on)) for on in (False, True))
     # The emulated device no longer holds the Adam state and fp32 master weights of its partition.

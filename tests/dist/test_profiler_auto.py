@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 
+import _training as t
 from harness import run_ranks
 
-import _training as t
 from poplar_search.formats import load_profiles
 
 GLOBAL_BATCH = 12
@@ -18,7 +18,6 @@ def _train_from_nothing(cluster_path: str, profiles_dir: str) -> dict:
     import torch
 
     import poplar_ext
-
     from poplar_ext.models.toy_gpt import SyntheticTokens
 
     # Enough compute per sample that the time curves rise with the micro-batch.
@@ -41,11 +40,9 @@ def _train_from_nothing(cluster_path: str, profiles_dir: str) -> dict:
             "log_interval_steps": 0,
         },
     }
-    engine, _, loader, _ = poplar_ext.initialize(
-        model=model, optimizer=optimizer, training_data=data, config=config
-    )
+    engine, _, loader, _ = poplar_ext.initialize(model=model, optimizer=optimizer, training_data=data, config=config)
     losses = []
-    for step, tokens in enumerate(loader):
+    for tokens in loader:
         loss = engine(tokens.to(engine.device))
         engine.backward(loss)
         engine.step()
@@ -70,14 +67,23 @@ def _train_twice(cluster_path: str, profiles_dir: str) -> list[dict]:
 
 def test_initialize_profiles_searches_and_trains_from_nothing(tmp_path) -> None:
     cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({
-        "schema_version": 1,
-        "nodes": [{"name": "n0", "devices": [{"device_type": "fast", "count": 1}, {"device_type": "slow", "count": 1}]}],
-        "device_types": {
-            "fast": {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 8 * 10**9}},
-            "slow": {"emulation": {"slowdown": 3.0, "memory_capacity_bytes": 8 * 10**9}},
-        },
-    }))
+    cluster.write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "nodes": [
+                    {
+                        "name": "n0",
+                        "devices": [{"device_type": "fast", "count": 1}, {"device_type": "slow", "count": 1}],
+                    }
+                ],
+                "device_types": {
+                    "fast": {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 8 * 10**9}},
+                    "slow": {"emulation": {"slowdown": 3.0, "memory_capacity_bytes": 8 * 10**9}},
+                },
+            }
+        )
+    )
     profiles_dir = tmp_path / "profiles"
     both = run_ranks(
         _train_twice, world_size=2, tmp_path=tmp_path, args=(str(cluster), str(profiles_dir)), timeout_s=300

@@ -18,30 +18,67 @@ def _run_cli(argv: list[str]) -> int:
 
 def test_cli_profiles_the_toy_gpt_and_then_reuses_it(tmp_path, capfd) -> None:
     cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({
-        "schema_version": 1,
-        "nodes": [{"name": "n0", "devices": [{"device_type": "big", "count": 1}, {"device_type": "small", "count": 1}]}],
-        "device_types": {
-            "big": {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 8 * 10**9}},
-            "small": {"emulation": {"slowdown": 2.0, "memory_capacity_bytes": 8 * 10**9}},
-        },
-    }))
+    cluster.write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "nodes": [
+                    {
+                        "name": "n0",
+                        "devices": [{"device_type": "big", "count": 1}, {"device_type": "small", "count": 1}],
+                    }
+                ],
+                "device_types": {
+                    "big": {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 8 * 10**9}},
+                    "small": {"emulation": {"slowdown": 2.0, "memory_capacity_bytes": 8 * 10**9}},
+                },
+            }
+        )
+    )
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-    }))
+    ds.write_text(
+        json.dumps(
+            {
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "gradient_clipping": 0.0,
+                "zero_allow_untested_optimizer": True,
+            }
+        )
+    )
     out = tmp_path / "profiles"
     argv = [
-        "--local_rank=0", "--deepspeed_config", str(ds), "--cluster", str(cluster), "--model", "toy-gpt",
-        "--layers", "1", "--hidden-size", "32", "--heads", "2", "--vocab-size", "128", "--sequence-length", "16",
-        "--zero-stages", "1", "--max-micro-batch-size", "4", "--repeats", "1", "--output-dir", str(out),
+        "--local_rank=0",
+        "--deepspeed_config",
+        str(ds),
+        "--cluster",
+        str(cluster),
+        "--model",
+        "toy-gpt",
+        "--layers",
+        "1",
+        "--hidden-size",
+        "32",
+        "--heads",
+        "2",
+        "--vocab-size",
+        "128",
+        "--sequence-length",
+        "16",
+        "--zero-stages",
+        "1",
+        "--max-micro-batch-size",
+        "4",
+        "--repeats",
+        "1",
+        "--output-dir",
+        str(out),
     ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path / "first", args=(argv,), timeout_s=120) == [0, 0]
     profiles = load_profiles(out)
     # The built-in GPT can recompute its activations: each type is measured without and with it.
-    assert sorted((p.device_type, p.zero_stage, p.activation_checkpointing, p.max_micro_batch_size) for p in profiles) == [
-        ("big", 1, False, 4), ("big", 1, True, 4), ("small", 1, False, 4), ("small", 1, True, 4)
-    ]
+    assert sorted(
+        (p.device_type, p.zero_stage, p.activation_checkpointing, p.max_micro_batch_size) for p in profiles
+    ) == [("big", 1, False, 4), ("big", 1, True, 4), ("small", 1, False, 4), ("small", 1, True, 4)]
     assert {p.model.name for p in profiles} == {"toy-gpt-1x32"} and {p.model.sequence_length for p in profiles} == {16}
     written = {p.key: p.measured_with["date"] for p in profiles}
     (network_file,) = out.glob("network/network-*.json")
@@ -59,32 +96,73 @@ def test_cli_profiles_the_toy_gpt_and_then_reuses_it(tmp_path, capfd) -> None:
 
 def test_cli_bad_input_exits_2_on_every_rank(tmp_path) -> None:
     argv = ["--deepspeed_config", "x.json", "--cluster", "y.json", "--model", "toy-gpt", "--zero-stages", "7"]
-    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), init_process_group=False, timeout_s=60) == [2, 2]
+    assert run_ranks(
+        _run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), init_process_group=False, timeout_s=60
+    ) == [2, 2]
 
 
 def test_cli_config_deepspeed_refuses_exits_2_on_every_rank(tmp_path) -> None:
     cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "cpu", "count": 2}]}]}))
+    cluster.write_text(
+        json.dumps({"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "cpu", "count": 2}]}]})
+    )
     ds = tmp_path / "ds.json"
     # DeepSpeed asserts that ZeRO gets a tested optimizer unless told otherwise.
     ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
-    argv = ["--deepspeed_config", str(ds), "--cluster", str(cluster), "--model", "toy-gpt", "--zero-stages", "1",
-            "--output-dir", str(tmp_path / "p")]
+    argv = [
+        "--deepspeed_config",
+        str(ds),
+        "--cluster",
+        str(cluster),
+        "--model",
+        "toy-gpt",
+        "--zero-stages",
+        "1",
+        "--output-dir",
+        str(tmp_path / "p"),
+    ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=60) == [2, 2]
     log = next(tmp_path.rglob("rank0.log")).read_text()
-    assert "poplar-profile: error: ds_config: DeepSpeed refused it at ZeRO stage 1: You are using an untested ZeRO Optimizer" in log
+    assert (
+        "poplar-profile: error: ds_config: DeepSpeed refused it at ZeRO stage 1: "
+        "You are using an untested ZeRO Optimizer" in log
+    )
 
 
 def test_cli_profiles_real_cpu_ranks(tmp_path) -> None:
     cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "cpu", "count": 2}]}]}))
+    cluster.write_text(
+        json.dumps({"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "cpu", "count": 2}]}]})
+    )
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0}))
     argv = [
-        "--deepspeed_config", str(ds), "--cluster", str(cluster), "--model", "toy-gpt", "--layers", "1",
-        "--hidden-size", "32", "--heads", "2", "--vocab-size", "128", "--sequence-length", "16",
-        "--zero-stages", "0", "--max-micro-batch-size", "4", "--repeats", "1", "--output-dir", str(tmp_path / "p"),
-        "--activation-checkpointing", "off",
+        "--deepspeed_config",
+        str(ds),
+        "--cluster",
+        str(cluster),
+        "--model",
+        "toy-gpt",
+        "--layers",
+        "1",
+        "--hidden-size",
+        "32",
+        "--heads",
+        "2",
+        "--vocab-size",
+        "128",
+        "--sequence-length",
+        "16",
+        "--zero-stages",
+        "0",
+        "--max-micro-batch-size",
+        "4",
+        "--repeats",
+        "1",
+        "--output-dir",
+        str(tmp_path / "p"),
+        "--activation-checkpointing",
+        "off",
     ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [0, 0]
     (profile,) = load_profiles(tmp_path / "p")
@@ -101,9 +179,30 @@ def test_without_a_cluster_file_the_cluster_is_discovered_and_written_for_poplar
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0}))
     argv = [
-        "--deepspeed_config", str(ds), "--model", "toy-gpt", "--layers", "1", "--hidden-size", "32", "--heads", "2",
-        "--vocab-size", "128", "--sequence-length", "16", "--zero-stages", "0", "--max-micro-batch-size", "2",
-        "--repeats", "1", "--output-dir", str(tmp_path / "p"), "--activation-checkpointing", "off",
+        "--deepspeed_config",
+        str(ds),
+        "--model",
+        "toy-gpt",
+        "--layers",
+        "1",
+        "--hidden-size",
+        "32",
+        "--heads",
+        "2",
+        "--vocab-size",
+        "128",
+        "--sequence-length",
+        "16",
+        "--zero-stages",
+        "0",
+        "--max-micro-batch-size",
+        "2",
+        "--repeats",
+        "1",
+        "--output-dir",
+        str(tmp_path / "p"),
+        "--activation-checkpointing",
+        "off",
     ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [0, 0]
     from poplar_search.formats import load_cluster
@@ -114,15 +213,36 @@ def test_without_a_cluster_file_the_cluster_is_discovered_and_written_for_poplar
     assert profile.device_type == "cpu"
     from poplar_search.cli import main as search_main
 
-    assert search_main(["--profiles", str(tmp_path / "p"), "--cluster", str(tmp_path / "p" / "cluster.json"),
-                        "--global-batch-size", "4"]) == 0
+    assert (
+        search_main(
+            [
+                "--profiles",
+                str(tmp_path / "p"),
+                "--cluster",
+                str(tmp_path / "p" / "cluster.json"),
+                "--global-batch-size",
+                "4",
+            ]
+        )
+        == 0
+    )
 
 
 def test_a_cluster_file_only_rank_0_lacks_is_an_error_on_every_rank(tmp_path) -> None:
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
-    argv = ["--deepspeed_config", str(ds), "--cluster", str(tmp_path / "none.json"), "--model", "toy-gpt",
-            "--zero-stages", "1", "--output-dir", str(tmp_path / "p")]
+    argv = [
+        "--deepspeed_config",
+        str(ds),
+        "--cluster",
+        str(tmp_path / "none.json"),
+        "--model",
+        "toy-gpt",
+        "--zero-stages",
+        "1",
+        "--output-dir",
+        str(tmp_path / "p"),
+    ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=60) == [2, 2]
     for log in tmp_path.rglob("rank*.log"):
         assert "poplar-profile: error: cluster: " in log.read_text() and "none.json" in log.read_text()
@@ -130,11 +250,25 @@ def test_a_cluster_file_only_rank_0_lacks_is_an_error_on_every_rank(tmp_path) ->
 
 def test_a_cluster_file_that_misnames_the_hardware_is_an_error_on_every_rank(tmp_path) -> None:
     cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "A100-80GB", "count": 2}]}]}))
+    cluster.write_text(
+        json.dumps(
+            {"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "A100-80GB", "count": 2}]}]}
+        )
+    )
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
-    argv = ["--deepspeed_config", str(ds), "--cluster", str(cluster), "--model", "toy-gpt", "--zero-stages", "1",
-            "--output-dir", str(tmp_path / "p")]
+    argv = [
+        "--deepspeed_config",
+        str(ds),
+        "--cluster",
+        str(cluster),
+        "--model",
+        "toy-gpt",
+        "--zero-stages",
+        "1",
+        "--output-dir",
+        str(tmp_path / "p"),
+    ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=60) == [2, 2]
     for log in tmp_path.rglob("rank*.log"):
         text = log.read_text()
@@ -149,13 +283,30 @@ def test_cli_profiles_a_transformers_model_built_from_its_config(tmp_path) -> No
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0}))
     argv = [
-        "--deepspeed_config", str(ds), "--model", "hf:GPT2Config", "--hf-config", "n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=32",
-        "--sequence-length", "16", "--zero-stages", "0", "--max-micro-batch-size", "2", "--repeats", "1",
-        "--output-dir", str(tmp_path / "p"),
+        "--deepspeed_config",
+        str(ds),
+        "--model",
+        "hf:GPT2Config",
+        "--hf-config",
+        "n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=32",
+        "--sequence-length",
+        "16",
+        "--zero-stages",
+        "0",
+        "--max-micro-batch-size",
+        "2",
+        "--repeats",
+        "1",
+        "--output-dir",
+        str(tmp_path / "p"),
     ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [0, 0]
     # A Hugging Face model with gradient checkpointing: measured without and with it.
     profile, checkpointed = sorted(load_profiles(tmp_path / "p"), key=lambda p: p.activation_checkpointing)
     assert (profile.activation_checkpointing, checkpointed.activation_checkpointing) == (False, True)
-    assert profile.model.name == "gpt2-causal-lm" and profile.model.sequence_length == 16 and profile.max_micro_batch_size == 2
+    assert (
+        profile.model.name == "gpt2-causal-lm"
+        and profile.model.sequence_length == 16
+        and profile.max_micro_batch_size == 2
+    )
     assert checkpointed.max_micro_batch_size == 2

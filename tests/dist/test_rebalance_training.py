@@ -47,16 +47,21 @@ def _forced(config_path: str, stage: int, switches: list[list[tuple[int, int]]])
     from poplar_search.formats import load_plan, plan_from_dict, plan_to_dict
 
     model = t.GPT(t.TINY)
-    engine, *_ = poplar_ext.initialize(model=model, optimizer=t.make_optimizer("adam", model.parameters()),
-                                       config=config_path)
+    engine, *_ = poplar_ext.initialize(
+        model=model, optimizer=t.make_optimizer("adam", model.parameters()), config=config_path
+    )
     data = t.dataset()
     seen: list[list[int]] = []
-    loader = torch.utils.data.DataLoader(data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen))
+    loader = torch.utils.data.DataLoader(
+        data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen)
+    )
     template = plan_to_dict(load_plan(os.path.join(os.path.dirname(config_path), f"plan{stage}.json")))
     for allocation in switches:
         t.train_steps(engine, loader, 2)
-        ranks = [dict(r, micro_batch_size=b, gradient_accumulation_steps=s)
-                 for r, (b, s) in zip(template["ranks"], allocation)]
+        ranks = [
+            dict(r, micro_batch_size=b, gradient_accumulation_steps=s)
+            for r, (b, s) in zip(template["ranks"], allocation)
+        ]
         engine.rebalance_to(plan_from_dict(dict(template, ranks=ranks)), reason="forced by the test")
         assert engine.rank_plan.micro_batch_size == allocation[engine.deepspeed_engine.global_rank][0]
     t.train_steps(engine, loader, 2)
@@ -77,8 +82,13 @@ def test_forced_switches_keep_gradients_exact_and_every_sample_once(tmp_path, st
     config = t.ds_config(cluster=cluster, plan=tmp_path / f"plan{stage}.json", stage=stage)
     (tmp_path / "ds.json").write_text(json.dumps(config))
     switches = [random_allocation(rng, stage) for _ in range(2)]
-    results = run_ranks(_forced, world_size=3, tmp_path=tmp_path / "ranks", args=(str(tmp_path / "ds.json"), stage, switches),
-                        timeout_s=240)
+    results = run_ranks(
+        _forced,
+        world_size=3,
+        tmp_path=tmp_path / "ranks",
+        args=(str(tmp_path / "ds.json"), stage, switches),
+        timeout_s=240,
+    )
 
     steps = 2 * (len(switches) + 1)
     expected, _ = t.reference_parameters("adam", GLOBAL_BATCH, steps)
@@ -113,8 +123,9 @@ def _forced_fetching_ahead(config_path: str, switches: list[list[tuple[int, int]
     from poplar_search.formats import load_plan, plan_from_dict, plan_to_dict
 
     model = t.GPT(t.TINY)
-    engine, *_ = poplar_ext.initialize(model=model, optimizer=t.make_optimizer("adam", model.parameters()),
-                                       config=config_path)
+    engine, *_ = poplar_ext.initialize(
+        model=model, optimizer=t.make_optimizer("adam", model.parameters()), config=config_path
+    )
     data = _Indexed(t.dataset())
     # As a DataLoader's workers do (forked ranks cannot start them): 4 micro-batches are
     # taken from the sampler ahead of training, so when a switch is agreed the samplers
@@ -154,7 +165,10 @@ def _forced_fetching_ahead(config_path: str, switches: list[list[tuple[int, int]
     for allocation in switches:
         train(2)
         requested.append(engine.global_steps)
-        ranks = [dict(r, micro_batch_size=b, gradient_accumulation_steps=s) for r, (b, s) in zip(template["ranks"], allocation)]
+        ranks = [
+            dict(r, micro_batch_size=b, gradient_accumulation_steps=s)
+            for r, (b, s) in zip(template["ranks"], allocation)
+        ]
         engine.rebalance_to(plan_from_dict(dict(template, ranks=ranks)), reason="forced by the test")
     train(2 * len(switches) + 2 - engine.global_steps)
     return {
@@ -170,13 +184,20 @@ def test_a_switch_waits_for_data_fetched_ahead(tmp_path):
     t.write_plan(tmp_path / "plan1.json", first, stage=1, device_types=TYPES)
     cluster = t.write_cluster(tmp_path / "cluster.json", fast=1, slow=2, slowdown=1.0)
     (tmp_path / "ds.json").write_text(json.dumps(t.ds_config(cluster=cluster, plan=tmp_path / "plan1.json", stage=1)))
-    results = run_ranks(_forced_fetching_ahead, world_size=3, tmp_path=tmp_path / "ranks",
-                        args=(str(tmp_path / "ds.json"), switches), timeout_s=240)
+    results = run_ranks(
+        _forced_fetching_ahead,
+        world_size=3,
+        tmp_path=tmp_path / "ranks",
+        args=(str(tmp_path / "ds.json"), switches),
+        timeout_s=240,
+    )
     steps = 2 * len(switches) + 2
     history, requested = results[0]["history"], results[0]["requested"]
     assert all(r["history"] == history for r in results), "every rank switched at the same step"
     assert len(history) == 1 + len(switches) and all(s >= r for s, r in zip(history[1:], requested))
-    assert any(s > r for s, r in zip(history[1:], requested)), f"no switch waited for fetched data: {history} {requested}"
+    assert any(s > r for s, r in zip(history[1:], requested)), (
+        f"no switch waited for fetched data: {history} {requested}"
+    )
     expected, _ = t.reference_parameters("adam", GLOBAL_BATCH, steps)
     assert t.max_difference(results[0]["params"], expected) <= 1e-6
     trained = sorted(i for r in results for batch in r["trained"] for i in batch)
@@ -194,19 +215,23 @@ def _save_then_resume(config_path: str, checkpoints: str, stage: int, switched: 
     template = plan_to_dict(load_plan(os.path.join(os.path.dirname(config_path), f"plan{stage}.json")))
     data = t.dataset()
     model = t.GPT(t.TINY)
-    engine, *_ = poplar_ext.initialize(model=model, optimizer=t.make_optimizer("adam", model.parameters()),
-                                       config=config_path)
+    engine, *_ = poplar_ext.initialize(
+        model=model, optimizer=t.make_optimizer("adam", model.parameters()), config=config_path
+    )
     loader = torch.utils.data.DataLoader(data, batch_sampler=engine.create_batch_sampler(len(data)))
     t.train_steps(engine, loader, 2)
-    ranks = [dict(r, micro_batch_size=b, gradient_accumulation_steps=s) for r, (b, s) in zip(template["ranks"], switched)]
+    ranks = [
+        dict(r, micro_batch_size=b, gradient_accumulation_steps=s) for r, (b, s) in zip(template["ranks"], switched)
+    ]
     engine.rebalance_to(plan_from_dict(dict(template, ranks=ranks)), reason="forced by the test")
     t.train_steps(engine, loader, 2)
     engine.save_checkpoint(checkpoints)
     saved_history = engine.plan_history
 
     model = t.GPT(t.TINY)
-    resumed, *_ = poplar_ext.initialize(model=model, optimizer=t.make_optimizer("adam", model.parameters()),
-                                        config=config_path)
+    resumed, *_ = poplar_ext.initialize(
+        model=model, optimizer=t.make_optimizer("adam", model.parameters()), config=config_path
+    )
     resumed.load_checkpoint(checkpoints)
     allocation = [(r.micro_batch_size, r.gradient_accumulation_steps) for r in resumed.plan.ranks]
     history = resumed.plan_history
@@ -224,9 +249,16 @@ def test_a_resume_continues_under_the_last_plan_with_its_history(tmp_path):
     stage, first, switched = 1, [(2, 2), (4, 1), (2, 2)], [(4, 1), (1, 4), (4, 1)]
     t.write_plan(tmp_path / f"plan{stage}.json", first, stage=stage, device_types=TYPES)
     cluster = t.write_cluster(tmp_path / "cluster.json", fast=1, slow=2, slowdown=1.0)
-    (tmp_path / "ds.json").write_text(json.dumps(t.ds_config(cluster=cluster, plan=tmp_path / f"plan{stage}.json", stage=stage)))
-    results = run_ranks(_save_then_resume, world_size=3, tmp_path=tmp_path / "ranks",
-                        args=(str(tmp_path / "ds.json"), str(tmp_path / "checkpoints"), stage, switched), timeout_s=240)
+    (tmp_path / "ds.json").write_text(
+        json.dumps(t.ds_config(cluster=cluster, plan=tmp_path / f"plan{stage}.json", stage=stage))
+    )
+    results = run_ranks(
+        _save_then_resume,
+        world_size=3,
+        tmp_path=tmp_path / "ranks",
+        args=(str(tmp_path / "ds.json"), str(tmp_path / "checkpoints"), stage, switched),
+        timeout_s=240,
+    )
     assert all(r["allocation"] == switched for r in results), "the re-balanced plan, not the plan file's"
     assert all(r["same_history"] for r in results), results[0]["history"]
     assert [step for step, _ in results[0]["history"]] == [0, 2]
@@ -250,14 +282,17 @@ def _drifting(config: dict) -> dict:
     from poplar_ext.models.toy_gpt import SyntheticTokens
 
     model = t.GPT(DRIFT_MODEL)
-    data = SyntheticTokens(num_samples=DRIFT_SAMPLES, sequence_length=DRIFT_MODEL.sequence_length,
-                           vocab_size=DRIFT_MODEL.vocab_size)
+    data = SyntheticTokens(
+        num_samples=DRIFT_SAMPLES, sequence_length=DRIFT_MODEL.sequence_length, vocab_size=DRIFT_MODEL.vocab_size
+    )
     engine, _, _, _ = poplar_ext.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), training_data=data, config=config
     )
     first = [(r.micro_batch_size, r.gradient_accumulation_steps) for r in engine.plan.ranks]
     seen: list[list[int]] = []
-    loader = torch.utils.data.DataLoader(data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen))
+    loader = torch.utils.data.DataLoader(
+        data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen)
+    )
     t.train_steps(engine, loader, STEPS)
     monitor = engine._rebalancer.monitor
     return {
@@ -277,10 +312,15 @@ def _drift_config(tmp_path, schedule, *, enabled=True) -> dict:
     if schedule:
         cluster["device_types"]["cpu-fast"]["emulation"]["slowdown_schedule"] = schedule
     (tmp_path / "cluster.json").write_text(json.dumps(cluster))
-    config = t.ds_config(cluster=tmp_path / "cluster.json", plan=None, stage=1, profiles=str(tmp_path / "profiles"),
-                         # Threshold 1.0 (2x off): an emulated rank that sleeps between micro-steps runs its compute
-                         # up to ~1.5x its profile on this model (cold caches), a 4x drift is far beyond.
-                         rebalance={"enabled": enabled, "check_interval_steps": 2, "threshold": 1.0, "sustained_checks": 2})
+    config = t.ds_config(
+        cluster=tmp_path / "cluster.json",
+        plan=None,
+        stage=1,
+        profiles=str(tmp_path / "profiles"),
+        # Threshold 1.0 (2x off): an emulated rank that sleeps between micro-steps runs its compute
+        # up to ~1.5x its profile on this model (cold caches), a 4x drift is far beyond.
+        rebalance={"enabled": enabled, "check_interval_steps": 2, "threshold": 1.0, "sustained_checks": 2},
+    )
     if enabled == "auto":
         del config["poplar"]["rebalance"]["enabled"]  # the default
     config["train_batch_size"] = DRIFT_BATCH
@@ -296,23 +336,35 @@ def _trained_once(results) -> bool:
 
 def test_a_scheduled_drift_triggers_exactly_one_replan(tmp_path):
     # Rank 0, which trains the most samples, runs 4x slower from optimizer step 4 on.
-    results = run_ranks(_drifting, world_size=3, tmp_path=tmp_path / "ranks",
-                        args=(_drift_config(tmp_path, [[DRIFT_STEP, 4.0, 0]]),), timeout_s=300)
+    results = run_ranks(
+        _drifting,
+        world_size=3,
+        tmp_path=tmp_path / "ranks",
+        args=(_drift_config(tmp_path, [[DRIFT_STEP, 4.0, 0]]),),
+        timeout_s=300,
+    )
     first = results[0]
     assert len(first["history"]) == 2, (first["history"], first["checks"])
     start_step, reason = first["history"][1]
     # Checks at steps 6 and 8 see the drift (two sustained checks); the switch is at 8.
     assert start_step == DRIFT_STEP + 4 and "rank 0" in reason, first["history"]
     before, after = first["first"], first["last"]
-    assert after[0][0] * after[0][1] < before[0][0] * before[0][1], f"samples move away from the slowed rank: {before} -> {after}"
+    assert after[0][0] * after[0][1] < before[0][0] * before[0][1], (
+        f"samples move away from the slowed rank: {before} -> {after}"
+    )
     assert all(r["history"] == first["history"] and r["last"] == after for r in results), "every rank switched alike"
     assert first["scales"][0] == pytest.approx(4.0, rel=0.3) and first["scales"][1:] == [1.0, 1.0], first["checks"]
     assert _trained_once(results), "every position of the stream once, across the switch"
 
 
 def test_no_drift_no_replan_and_on_by_default_where_the_profiles_are(tmp_path):
-    results = run_ranks(_drifting, world_size=3, tmp_path=tmp_path / "ranks",
-                        args=(_drift_config(tmp_path, None, enabled="auto"),), timeout_s=300)
+    results = run_ranks(
+        _drifting,
+        world_size=3,
+        tmp_path=tmp_path / "ranks",
+        args=(_drift_config(tmp_path, None, enabled="auto"),),
+        timeout_s=300,
+    )
     assert [c["step"] for c in results[0]["checks"]] == list(range(2, STEPS + 1, 2)), "checked every 2 steps"
     assert len(results[0]["history"]) == 1, (results[0]["history"], results[0]["checks"])
     assert results[0]["first"] == results[0]["last"] and _trained_once(results)

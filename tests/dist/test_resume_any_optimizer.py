@@ -16,11 +16,11 @@ import functools
 import os
 import shlex
 
+import _training as t
 import pytest
 import torch
 from harness import run_ranks
 
-import _training as t
 from poplar_ext.runtime import reshard
 
 OPTIMIZERS = ("sgd", "adamw", "rmsprop", "adagrad")

@@ -16,32 +16,47 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _training as t
 import pytest
 import torch
 from harness import free_port
-
-import _training as t
 
 HERE = Path(__file__).resolve().parent
 STEPS = 3
 GLOBAL_BATCH = 12
 STAGES = (0, 1, 2, 3)
-FIRST = {"types": ["a", "b", "c"], "slowdowns": [1.0, 1.5, 2.0],
-         "plan": {0: [(2, 2), (2, 2), (4, 1)], 1: [(2, 2), (2, 2), (4, 1)], 2: [(2, 2), (1, 2), (3, 2)], 3: [(2, 2), (1, 2), (3, 2)]}}
-RESUMED = {"types": ["a", "c"], "slowdowns": [1.0, 2.0],
-           "plan": {0: [(3, 2), (6, 1)], 1: [(3, 2), (6, 1)], 2: [(4, 2), (2, 2)], 3: [(4, 2), (2, 2)]}}
+FIRST = {
+    "types": ["a", "b", "c"],
+    "slowdowns": [1.0, 1.5, 2.0],
+    "plan": {
+        0: [(2, 2), (2, 2), (4, 1)],
+        1: [(2, 2), (2, 2), (4, 1)],
+        2: [(2, 2), (1, 2), (3, 2)],
+        3: [(2, 2), (1, 2), (3, 2)],
+    },
+}
+RESUMED = {
+    "types": ["a", "c"],
+    "slowdowns": [1.0, 2.0],
+    "plan": {0: [(3, 2), (6, 1)], 1: [(3, 2), (6, 1)], 2: [(4, 2), (2, 2)], 3: [(4, 2), (2, 2)]},
+}
 
 
 def _phase_files(root: Path, phase: str, spec: dict) -> None:
     directory = root / phase
     directory.mkdir(parents=True)
     devices = [{"device_type": name, "count": 1} for name in spec["types"]]
-    emulations = {name: {"emulation": {"slowdown": s, "memory_capacity_bytes": 2_000_000_000}}
-                  for name, s in zip(spec["types"], spec["slowdowns"])}
-    (directory / "cluster.json").write_text(json.dumps(
-        {"schema_version": 1, "nodes": [{"name": "n0", "devices": devices}], "device_types": emulations}))
+    emulations = {
+        name: {"emulation": {"slowdown": s, "memory_capacity_bytes": 2_000_000_000}}
+        for name, s in zip(spec["types"], spec["slowdowns"])
+    }
+    (directory / "cluster.json").write_text(
+        json.dumps({"schema_version": 1, "nodes": [{"name": "n0", "devices": devices}], "device_types": emulations})
+    )
     for stage in STAGES:
-        plan = t.write_plan(directory / f"plan{stage}.json", spec["plan"][stage], stage=stage, device_types=spec["types"])
+        plan = t.write_plan(
+            directory / f"plan{stage}.json", spec["plan"][stage], stage=stage, device_types=spec["types"]
+        )
         assert json.loads(plan.read_text())["global_batch_size"] == GLOBAL_BATCH
         config = t.ds_config(cluster=directory / "cluster.json", plan=plan, stage=stage)
         config["train_batch_size"] = GLOBAL_BATCH
@@ -49,9 +64,23 @@ def _phase_files(root: Path, phase: str, spec: dict) -> None:
 
 
 def _launch(root: Path, phase: str, world_size: int) -> None:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--master_port",
-               str(free_port()), str(HERE / "resume_train.py"), "--phase", phase, "--root", str(root)]
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(world_size),
+        "--master_port",
+        str(free_port()),
+        str(HERE / "resume_train.py"),
+        "--phase",
+        phase,
+        "--root",
+        str(root),
+    ]
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, f"{phase}:\n{(done.stdout + done.stderr)[-5000:]}"
 

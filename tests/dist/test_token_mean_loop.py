@@ -18,7 +18,12 @@ pytest.importorskip("transformers", reason="a Hugging Face model: pip install 'p
 import _hf_common as hf
 import _training as t
 
-ALLOCATIONS = {0: [(3, 2), (1, 3), (3, 1)], 1: [(3, 2), (1, 3), (3, 1)], 2: [(3, 2), (1, 2), (2, 2)], 3: [(3, 2), (1, 2), (2, 2)]}
+ALLOCATIONS = {
+    0: [(3, 2), (1, 3), (3, 1)],
+    1: [(3, 2), (1, 3), (3, 1)],
+    2: [(3, 2), (1, 2), (2, 2)],
+    3: [(3, 2), (1, 2), (2, 2)],
+}
 TYPES = ["cpu", "cpu-slow", "cpu-slow"]
 STAGES = (0, 1, 2, 3)
 
@@ -32,8 +37,11 @@ def _train(files):
         config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage, loss_reduction="token_mean")
         config["gradient_clipping"] = hf.CLIP
         engine, _, loader, _ = poplar_ext.initialize(
-            model=model, optimizer=hf.make_optimizer("sgd", model.parameters()), training_data=hf.RecordingVarLen(),
-            collate_fn=hf.collate, config=config,
+            model=model,
+            optimizer=hf.make_optimizer("sgd", model.parameters()),
+            training_data=hf.RecordingVarLen(),
+            collate_fn=hf.collate,
+            config=config,
         )
         done, totals = 0, []
         while done < hf.STEPS:

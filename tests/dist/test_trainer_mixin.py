@@ -9,9 +9,6 @@ batches carry labels (where a token-mean weighting would be wrong). The paramete
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from harness import run_ranks
@@ -95,7 +92,11 @@ def _reference(global_batch: int, steps: int) -> dict[str, torch.Tensor]:
 
 def test_a_subclass_with_its_own_sample_mean_loss_trains_the_global_batch(tmp_path):
     results = run_ranks(
-        _train_custom, world_size=3, tmp_path=tmp_path, args=(hf.trainer_configs(tmp_path, CASES, TYPES), str(tmp_path / "out")), timeout_s=240
+        _train_custom,
+        world_size=3,
+        tmp_path=tmp_path,
+        args=(hf.trainer_configs(tmp_path, CASES, TYPES), str(tmp_path / "out")),
+        timeout_s=240,
     )
     expected = _reference(GLOBAL_BATCH, hf.STEPS)
     for stage in CASES:

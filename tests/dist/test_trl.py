@@ -161,7 +161,8 @@ def _train_cases(configs: dict[int, str], out: str) -> dict:
         class Recording(PoplarSFTTrainer if kind == "sft" else PoplarDPOTrainer):
             def get_train_dataloader(self):
                 loader = super().get_train_dataloader()
-                loader.batch_sampler.batch_sampler = t.RecordingSampler(loader.batch_sampler.batch_sampler, seen)
+                # the class is built and used within this iteration: `seen` is the iteration's own
+                loader.batch_sampler.batch_sampler = t.RecordingSampler(loader.batch_sampler.batch_sampler, seen)  # noqa: B023
                 return loader
 
         args = _arguments(
@@ -223,7 +224,11 @@ def _train_reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torc
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("trl")
     ranks = run_ranks(
-        _train_cases, world_size=3, tmp_path=root, args=(hf.trainer_configs(root, ALLOCATIONS, TYPES), str(root / "out")), timeout_s=400
+        _train_cases,
+        world_size=3,
+        tmp_path=root,
+        args=(hf.trainer_configs(root, ALLOCATIONS, TYPES), str(root / "out")),
+        timeout_s=400,
     )
     return root, ranks
 

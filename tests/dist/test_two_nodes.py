@@ -14,10 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _training as t
 import torch
 from harness import free_port
-
-import _training as t
 
 HERE = Path(__file__).resolve().parent
 STEPS = 3
@@ -38,14 +37,38 @@ def _node_dir(root: Path, name: str, *, with_files: bool) -> Path:
 def test_only_the_first_node_has_the_files(tmp_path):
     nodes = [_node_dir(tmp_path, "node0", with_files=True), _node_dir(tmp_path, "node1", with_files=False)]
     port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    )
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(index),
-             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-             str(HERE / "two_nodes_train.py"), "--deepspeed_config", "ds.json", "--steps", str(STEPS),
-             "--result", str(node / "result.pt")],
-            cwd=node, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(index),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                str(HERE / "two_nodes_train.py"),
+                "--deepspeed_config",
+                "ds.json",
+                "--steps",
+                str(STEPS),
+                "--result",
+                str(node / "result.pt"),
+            ],
+            cwd=node,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for index, node in enumerate(nodes)
     ]

@@ -25,14 +25,22 @@ def main() -> None:
 
     model = t.GPT(t.TINY)
     engine, _, loader, _ = poplar_ext.initialize(
-        model=model, optimizer=t.make_optimizer("sgd", model.parameters()), training_data=t.dataset(),
+        model=model,
+        optimizer=t.make_optimizer("sgd", model.parameters()),
+        training_data=t.dataset(),
         config=args.deepspeed_config,
     )
     t.train_steps(engine, loader, args.steps)
     params = t.full_parameters(engine)
     if engine.global_rank == 0:
-        torch.save({"params": params, "plan": [(r.micro_batch_size, r.gradient_accumulation_steps) for r in engine.plan.ranks],
-                    "devices": list(engine.rank_device_labels)}, args.result)
+        torch.save(
+            {
+                "params": params,
+                "plan": [(r.micro_batch_size, r.gradient_accumulation_steps) for r in engine.plan.ranks],
+                "devices": list(engine.rank_device_labels),
+            },
+            args.result,
+        )
 
 
 if __name__ == "__main__":
