@@ -10,6 +10,7 @@ a shipped cluster.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -66,6 +67,8 @@ def test_a_fresh_environment_with_the_wheel_alone_runs_search_and_simulate(wheel
     # the wheel's copy must be the one imported, which the check below asserts).
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    # a fresh environment: a PYTHONPATH of the caller's (a worktree's packages) would be found first
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     install = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)]
     done = subprocess.run(install, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -75,6 +78,7 @@ def test_a_fresh_environment_with_the_wheel_alone_runs_search_and_simulate(wheel
         text=True,
         timeout=120,
         cwd=tmp_path,
+        env=env,
     )
     assert where.stdout.count(str(env_dir)) == 2, where.stdout + where.stderr
     search = subprocess.run(
@@ -83,6 +87,7 @@ def test_a_fresh_environment_with_the_wheel_alone_runs_search_and_simulate(wheel
         text=True,
         timeout=120,
         cwd=tmp_path,
+        env=env,
     )
     assert search.returncode == 0, search.stderr[-3000:]
     plan = json.loads(search.stdout)
@@ -94,6 +99,7 @@ def test_a_fresh_environment_with_the_wheel_alone_runs_search_and_simulate(wheel
         text=True,
         timeout=300,
         cwd=tmp_path,
+        env=env,
     )
     assert simulate.returncode == 0, simulate.stderr[-3000:]
     assert (tmp_path / "simulation.md").is_file()
