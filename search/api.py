@@ -64,6 +64,18 @@ class StageReport:
     reason: str
     """Why it won, why it lost (how much slower) or why it is infeasible; a full sentence."""
 
+    @classmethod
+    def infeasible(cls, zero_stage: int, reason: str) -> StageReport:
+        """A stage with no feasible allocation, and why."""
+        return cls(
+            zero_stage=zero_stage,
+            status="infeasible",
+            iteration_time_s=None,
+            samples_per_s=None,
+            global_batch_size=None,
+            reason=reason,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class SearchResult:
@@ -380,17 +392,6 @@ def _stage_score(outcome: PolicyResult, stage: int, *, fixed_batch: bool) -> tup
     return (allocation.iteration_time_s if fixed_batch else -allocation.samples_per_s), stage
 
 
-def _infeasible_report(stage: int, outcome: PolicyResult) -> StageReport:
-    return StageReport(
-        zero_stage=stage,
-        status="infeasible",
-        iteration_time_s=None,
-        samples_per_s=None,
-        global_batch_size=None,
-        reason=outcome.reason,
-    )
-
-
 def _infeasible_result(evaluated: dict[int, StageOutcome], policy: str) -> SearchResult:
     """No stage has a plan: every stage's reason, stages with the same reason named together."""
     by_reason: dict[str, list[int]] = {}
@@ -406,7 +407,7 @@ def _infeasible_result(evaluated: dict[int, StageOutcome], policy: str) -> Searc
         plan=None,
         policy=policy,
         zero_stage=None,
-        stage_reports=tuple(_infeasible_report(stage, e.outcome) for stage, e in evaluated.items()),
+        stage_reports=tuple(StageReport.infeasible(stage, e.outcome.reason) for stage, e in evaluated.items()),
     )
 
 
@@ -421,7 +422,7 @@ def _stage_reports(
     for stage, e in evaluated.items():
         allocation = e.outcome.allocation
         if allocation is None:
-            reports.append(_infeasible_report(stage, e.outcome))
+            reports.append(StageReport.infeasible(stage, e.outcome.reason))
             continue
         if stage == chosen:
             status = "chosen"

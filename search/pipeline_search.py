@@ -503,22 +503,11 @@ def search_pipeline_plan(
     return _result(outcomes, zero_stage == "auto")
 
 
-def _infeasible_report(stage: int, reason: str) -> StageReport:
-    return StageReport(
-        zero_stage=stage,
-        status="infeasible",
-        iteration_time_s=None,
-        samples_per_s=None,
-        global_batch_size=None,
-        reason=reason,
-    )
-
-
 def _result(outcomes: dict[int, _Outcome], auto: bool) -> PipelineSearchResult:
     feasible = {s: o for s, o in outcomes.items() if o.plan is not None}
     if not feasible:
         reasons = " ".join(f"Stage {s}: {o.reason}" for s, o in outcomes.items())
-        reports = tuple(_infeasible_report(s, o.reason) for s, o in outcomes.items())
+        reports = tuple(StageReport.infeasible(s, o.reason) for s, o in outcomes.items())
         last = list(outcomes.values())[-1]
         return PipelineSearchResult(
             status="infeasible",
@@ -545,7 +534,7 @@ def _result(outcomes: dict[int, _Outcome], auto: bool) -> PipelineSearchResult:
 
 def _report(stage: int, outcome: _Outcome, chosen: int, best: PipelinePlan, feasible: int) -> StageReport:
     if outcome.plan is None:
-        return _infeasible_report(stage, outcome.reason)
+        return StageReport.infeasible(stage, outcome.reason)
     predicted = outcome.plan.predicted
     if stage == chosen:
         status, reason = "chosen", "Fastest feasible stage." if feasible > 1 else "The only feasible stage."

@@ -58,6 +58,16 @@ def ds_config_fingerprint(ds_config: Mapping[str, Any]) -> str:
     return content_fingerprint(relevant)
 
 
+def _measured_versions(provenance: dict) -> tuple[str, str, str] | None:
+    """A profile's torch and DeepSpeed versions and config fingerprint, when this profiler measured it."""
+    if provenance.get("source") != "measured":
+        return None
+    try:
+        return str(provenance["torch"]), str(provenance["deepspeed"]), str(provenance["ds_config_fingerprint"])
+    except KeyError:
+        return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProfileKey:
     """Everything that must match for a stored profile to stand for a new measurement."""
@@ -86,15 +96,10 @@ class ProfileKey:
     @classmethod
     def of_profile(cls, profile: Profile) -> ProfileKey | None:
         """The key of a stored profile; None for one that was not measured by this profiler."""
-        provenance = profile.measured_with
-        if provenance.get("source") != "measured":
+        versions = _measured_versions(profile.measured_with)
+        if versions is None:
             return None
-        try:
-            torch_version = str(provenance["torch"])
-            deepspeed_version = str(provenance["deepspeed"])
-            config_fp = str(provenance["ds_config_fingerprint"])
-        except KeyError:
-            return None
+        torch_version, deepspeed_version, config_fp = versions
         return cls(
             model_fingerprint=profile.model.fingerprint,
             device_type=profile.device_type,
@@ -186,16 +191,8 @@ class LayerProfileKey:
     @classmethod
     def of_profile(cls, profile: LayerProfile) -> LayerProfileKey | None:
         """The key of a stored layer profile; None for one this profiler did not measure."""
-        provenance = profile.measured_with
-        if provenance.get("source") != "measured":
-            return None
-        try:
-            versions = (
-                str(provenance["torch"]),
-                str(provenance["deepspeed"]),
-                str(provenance["ds_config_fingerprint"]),
-            )
-        except KeyError:
+        versions = _measured_versions(profile.measured_with)
+        if versions is None:
             return None
         return cls(
             model_fingerprint=profile.model.fingerprint,
