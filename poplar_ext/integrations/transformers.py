@@ -60,6 +60,7 @@ from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_ch
 from poplar_ext.collectives import agree_sum, decided_by_rank0
 from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.runtime.checkpoint import (
+    ResumeDecision,
     history_entry,
     poplar_client_state,
     read_state,
@@ -67,13 +68,24 @@ from poplar_ext.runtime.checkpoint import (
     write_state,
 )
 from poplar_ext.runtime.config import GlobalBatchRequest, load_deepspeed_config
-from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.initialize import Job, prepare_job
+from poplar_ext.runtime.data import IterationSampler, MicroBatchesDataset, PlanBatchSampler
+from poplar_ext.runtime.engine import PoplarEngine, set_deepspeed_batch
+from poplar_ext.runtime.initialize import (
+    Job,
+    count_true_global_batch,
+    poplar_engine,
+    prepare_job,
+    rank_devices,
+    rebalancer_for_job,
+)
 from poplar_ext.runtime.weighting import label_token_count
+from poplar_search.formats import Plan, RankPlan
 
 logger = logging.getLogger(__name__)
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+MICRO_BATCHES = "poplar_micro_batches"
+"""The key of the one item the training dataloader yields per optimizer step: this rank's micro-batches."""
 
 
 def _trainer_global_batch(args: TrainingArguments, world_size: int) -> GlobalBatchRequest:
@@ -139,7 +151,11 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
     return dataclasses.replace(
         args,
         per_device_train_batch_size=rank_plan.micro_batch_size,
-        gradient_accumulation_steps=rank_plan.gradient_accumulation_steps,
+        # Each item of the training dataloader is one optimizer step's micro-batches
+        # (`MICRO_BATCHES`): the Trainer counts optimizer steps, and the accumulation count
+        # can change when the plan does. DeepSpeed gets the rank's count once built
+        # (`PoplarTrainerMixin._wrap_engine`).
+        gradient_accumulation_steps=1,
         deepspeed=config,
         # poplar-ext agrees on the iteration's tokens itself (`_get_num_items_in_batch`).
         average_tokens_across_devices=False,
@@ -201,15 +217,9 @@ class PoplarTrainerMixin:
             default_global_batch=_trainer_global_batch(args, world_size),
             profiling_ds_config=_filled_deepspeed_config(args, model),
         )
-        if self.job.poplar_config.rebalance.enabled:  # "auto" (None) stays off here
-            # The Trainer counts micro-batches per optimizer step from its arguments, fixed at start.
-            raise ValueError(
-                f"{self.job.source}: poplar.rebalance.enabled: expected false with PoplarTrainer (the Trainer fixes "
-                "each rank's accumulation count when it starts, so a plan switch cannot reach it), found true; "
-                "re-balancing runs with poplar_ext.initialize"
-            )
-        self.plan = self.job.plan
-        """The plan every rank runs."""
+        self.poplar_engine: PoplarEngine | None = None
+        """The `PoplarEngine` between accelerate and DeepSpeed's engine, once training built it: it times
+        compute, re-balances (``poplar.rebalance``) and switches DeepSpeed's batch with the plan."""
         rank_plan = self.plan.ranks[self.job.rank]
         checkpointing: bool | None = rank_plan.activation_checkpointing
         if model is not None:
@@ -247,6 +257,13 @@ class PoplarTrainerMixin:
         self._shifts_labels: bool | None = None
         self._plan_history = [history_entry(self.plan, start_step=0, data_position=0, reason=self.job.plan_reason)]
         self._reshard_on_resume = False
+        self._resume_decision: ResumeDecision | None = None
+
+    @property
+    def plan(self) -> Plan:
+        """The plan every rank runs now (re-balancing switches it)."""
+        engine = self.__dict__.get("poplar_engine")
+        return self.job.plan if engine is None else engine.plan
 
     # -- data ------------------------------------------------------------------------
     def _iterations_per_epoch(self, num_samples: int) -> int:
@@ -256,7 +273,8 @@ class PoplarTrainerMixin:
         return num_samples // batch if self.job.poplar_config.drop_last else math.ceil(num_samples / batch)
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
-        """This rank's micro-batches of the plan (one pass: one epoch of the true global batch)."""
+        """This rank's micro-batches of the plan (one pass: one epoch of the true global batch), one item
+        per optimizer step: ``{MICRO_BATCHES: [micro-batch, ...]}``, each collated by the data collator."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         dataset = self.train_dataset
@@ -279,10 +297,11 @@ class PoplarTrainerMixin:
             drop_last=config.drop_last,
             iterations_per_pass=self._iterations_per_epoch(len(dataset)),
         )
+        iterations = IterationSampler(self._train_sampler)
         loader = torch.utils.data.DataLoader(
-            dataset,
-            batch_sampler=self._train_sampler,
-            collate_fn=collator,
+            MicroBatchesDataset(dataset),
+            batch_sampler=iterations,
+            collate_fn=_CollateEach(collator),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
         )
@@ -290,7 +309,7 @@ class PoplarTrainerMixin:
         # The sampler is already this rank's: accelerate's shard wrapper must pass it through
         # (what the Trainer does for its own rank-aware batch sampler).
         shard = getattr(prepared, "batch_sampler", None)
-        if shard is not None and getattr(shard, "batch_sampler", None) is self._train_sampler:
+        if shard is not None and getattr(shard, "batch_sampler", None) is iterations:
             shard.num_processes, shard.process_index = 1, 0
         return prepared
 
@@ -302,6 +321,7 @@ class PoplarTrainerMixin:
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
         """``T / W``: the label tokens of the whole global batch (every rank, every
         accumulation step), counted as the model's loss counts them, over the world size."""
+        batch_samples = _micro_batches_of(batch_samples)
         counting = (
             len(batch_samples) > 0
             and "labels" in batch_samples[0]
@@ -340,13 +360,41 @@ class PoplarTrainerMixin:
         if self._loss_is_token_normalised(num_items_in_batch):
             weight = 1.0  # the loss divided its token sum by T / W: W * sum / T already
         else:
-            rank_plan = self.plan.ranks[self.job.rank]
-            weight = self.job.world_size * rank_plan.micro_batch_size / self.plan.global_batch_size
+            weight = self.job.world_size * self._rank_plan().micro_batch_size / self.plan.global_batch_size
         # Always a new tensor: at ZeRO stage 0, DeepSpeed's hook on the engine's own output
         # (the model's loss) divides its gradient by the accumulation count even with
         # scale_wrt_gas=False, which an uneven plan must not get.
         loss = loss * weight
         return (loss, outputs) if return_outputs else loss
+
+    def _rank_plan(self) -> RankPlan:
+        """This rank's share of the iteration training now (the engine switches it with the plan)."""
+        engine = self.poplar_engine
+        return self.job.plan.ranks[self.job.rank] if engine is None else engine.rank_plan
+
+    def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
+        """One optimizer step's micro-batches (`MICRO_BATCHES`), each through the Trainer's ``training_step``;
+        DeepSpeed's accumulation boundary is the last one. Returns the summed weighted losses."""
+        micro_batches = inputs.get(MICRO_BATCHES) if isinstance(inputs, dict) else None
+        if micro_batches is None:  # one micro-batch, e.g. a caller of its own
+            return super().training_step(model, inputs, num_items_in_batch)
+        state = self.accelerator.gradient_state
+        sync_at_end = state.sync_gradients
+        total = None
+        for index, batch in enumerate(micro_batches):
+            # accelerate hands this flag to DeepSpeed as the accumulation boundary.
+            state._set_sync_gradients(sync_at_end and index == len(micro_batches) - 1)
+            loss = super().training_step(model, batch, num_items_in_batch)
+            total = loss if total is None else total + loss
+        return total
+
+    def floating_point_ops(self, inputs: dict) -> int:
+        """The Trainer's count, summed over an optimizer step's micro-batches."""
+        return sum(super(PoplarTrainerMixin, self).floating_point_ops(b) for b in _micro_batches_of([inputs]))
+
+    def _track_num_input_tokens(self, inputs: dict) -> None:
+        for batch in _micro_batches_of([inputs]):
+            super()._track_num_input_tokens(batch)
 
     def _loss_is_token_normalised(self, num_items_in_batch: Any) -> bool:
         """Whether the subclass's loss is its token sum over ``num_items_in_batch`` (True) or a
@@ -368,6 +416,7 @@ class PoplarTrainerMixin:
         position = self.state.global_step * self.plan.global_batch_size
         if self._train_sampler is not None:
             position = self._train_sampler.iteration_start(self.state.global_step)
+        engine = self.poplar_engine
         state = poplar_client_state(
             self.plan,
             consumed_samples=self.state.global_step * self.plan.global_batch_size,
@@ -375,7 +424,7 @@ class PoplarTrainerMixin:
             seed=config.seed,
             shuffle=config.shuffle,
             drop_last=config.drop_last,
-            plan_history=self._plan_history,
+            plan_history=self._plan_history if engine is None else engine.plan_history,
         )
         state["step"] = self.state.global_step
         return state
@@ -430,6 +479,7 @@ class PoplarTrainerMixin:
                 "batch (or load it with poplar_ext.initialize and engine.load_checkpoint, which continue the stream)"
             )
         self._plan_history = decision.plan_history
+        self._resume_decision = decision
         self._reshard_on_resume = decision.world_size_changed and self.plan.zero_stage >= 1
         if self.job.rank == 0:
             for note in decision.notes:
@@ -445,11 +495,44 @@ class PoplarTrainerMixin:
         between the two).
         """
         if resume_from_checkpoint is None or not self._reshard_on_resume:
-            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+            prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        else:
+            prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
+            self._load_resharded(resume_from_checkpoint)
+        self._wrap_engine()
+        if resume_from_checkpoint is not None and self._resume_decision is not None:
+            # The Trainer moves its dataloader itself (set_epoch, then it skips the epoch's trained steps).
+            self.poplar_engine.continue_from(self._resume_decision, position_samplers=False)
+        return prepared
+
+    def _wrap_engine(self) -> None:
+        """Put a `PoplarEngine` between accelerate and the DeepSpeed engine the Trainer just built (the
+        seam PoplarAccelerator uses): accelerate's backward and step go through it, so it times this rank's
+        compute (emulating its device type), re-balances, and sets DeepSpeed's micro-batch and accumulation
+        count from the plan. The loss stays weighted by `compute_loss`."""
+        wrapper = self.accelerator.deepspeed_engine_wrapped
+        if wrapper is None or isinstance(wrapper.engine, PoplarEngine):
+            return
+        engine, job = wrapper.engine, self.job
+        labels, slowdown = rank_devices(job)
+        count_true_global_batch(engine, job.plan)
+        set_deepspeed_batch(engine, job.plan, job.rank)
+        wrapped = poplar_engine(
+            job, engine, labels=labels, slowdown=slowdown, rebalancer=rebalancer_for_job(job), weights_loss=False
+        )
+        timer = wrapped.compute_timer
+        if timer is not None:
+            # The compute window opens at a training forward (evaluation's forwards are not timed).
+            engine.register_forward_pre_hook(lambda module, _: timer.start() if module.training else None)
+        if self._train_sampler is not None:
+            wrapped.adopt_batch_sampler(self._train_sampler)
+        wrapper.engine = wrapped
+        self.poplar_engine = wrapped
+
+    def _load_resharded(self, resume_from_checkpoint: str) -> None:
         from poplar_ext.runtime.checkpoint import checkpoint_tag
         from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
 
-        prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
         engine = self.model_wrapped
         tag = decided_by_rank0(lambda: checkpoint_tag(resume_from_checkpoint, None), rank=self.job.rank)
         if tag is None:
@@ -465,7 +548,25 @@ class PoplarTrainerMixin:
             )
         if path is None:
             raise ValueError(f"resume_from_checkpoint: DeepSpeed found nothing to load in {resume_from_checkpoint}")
-        return prepared
+
+
+class _CollateEach:
+    """The data collator applied to each micro-batch of an iteration (`MicroBatchesDataset` items)."""
+
+    def __init__(self, collator: Any) -> None:
+        self.collator = collator
+
+    def __call__(self, micro_batches: list[list[Any]]) -> dict:
+        return {MICRO_BATCHES: [self.collator(samples) for samples in micro_batches]}
+
+
+def _micro_batches_of(items: list) -> list:
+    """`items` with each optimizer step's bundle (`MICRO_BATCHES`) replaced by its micro-batches."""
+    out: list = []
+    for item in items:
+        bundle = item.get(MICRO_BATCHES) if isinstance(item, dict) else None
+        out.extend([item] if bundle is None else bundle)
+    return out
 
 
 class PoplarTrainer(PoplarTrainerMixin, Trainer):

@@ -277,12 +277,70 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             self.next_iteration = iteration + 1
             yield batches[-1]
 
+    def iterations(self) -> Iterator[list[list[int]]]:
+        """One pass an iteration at a time: each item is this rank's micro-batches of one iteration.
+
+        The same bookkeeping as iterating the sampler (`generated_until`, `next_iteration`);
+        a plan switch between iterations applies to the next one.
+        """
+        first, end = self.next_iteration, self._pass_end()
+        for iteration in range(first, end):
+            batches = self.micro_batches(iteration)
+            self.generated_until = max(self.generated_until, self.iteration_start(iteration) + self.global_batch_size)
+            self.next_iteration = iteration + 1
+            yield batches
+
+    def iterations_in_pass(self) -> int:
+        """Iterations in the next pass."""
+        return self._pass_end() - self.next_iteration
+
     def __len__(self) -> int:
         """Micro-batches in the next pass."""
         first, end = self.next_iteration, self._pass_end()
         if len(self._splits) == 1:
             return (end - first) * self.gradient_accumulation_steps
         return sum(self._split(iteration)[1] for iteration in range(first, end))
+
+
+class IterationSampler(torch.utils.data.Sampler[list[list[int]]]):
+    """A `PlanBatchSampler` handed to a DataLoader an iteration at a time.
+
+    Each item is one iteration's micro-batches (lists of sample indices), so a loop
+    that counts items counts optimizer steps, whatever the plan's accumulation count,
+    also across plan switches (the Hugging Face Trainer's loop fixes its count when it
+    starts). The DataLoader's dataset must take a list of indices (`MicroBatchesDataset`).
+    """
+
+    def __init__(self, sampler: PlanBatchSampler) -> None:
+        self.plan_sampler = sampler
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        return self.plan_sampler.iterations()
+
+    def __len__(self) -> int:
+        return self.plan_sampler.iterations_in_pass()
+
+    def set_epoch(self, epoch: int) -> None:
+        """The plan sampler's `set_epoch` (a trainer that counts passes moves it)."""
+        self.plan_sampler.set_epoch(epoch)
+
+
+class MicroBatchesDataset(torch.utils.data.Dataset):
+    """`dataset` read a micro-batch at a time: item ``indices`` is the list of those samples.
+
+    With `IterationSampler` and a collate function that collates each micro-batch, a
+    DataLoader yields one iteration's collated micro-batches per item.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, indices: list[int]) -> list[Any]:
+        read_many = getattr(self.dataset, "__getitems__", None)  # Hugging Face datasets read rows in one call
+        return list(read_many(indices)) if read_many else [self.dataset[i] for i in indices]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
 
 
 class IterationLoader:
@@ -330,4 +388,11 @@ class IterationLoader:
         return getattr(self.__dict__["loader"], name)
 
 
-__all__ = ["IterationLoader", "PlanBatchSampler", "SampleStream", "rank_offsets"]
+__all__ = [
+    "IterationLoader",
+    "IterationSampler",
+    "MicroBatchesDataset",
+    "PlanBatchSampler",
+    "SampleStream",
+    "rank_offsets",
+]

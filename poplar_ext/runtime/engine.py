@@ -46,6 +46,24 @@ from poplar_search.formats import Plan, one_accumulation_count, plan_from_dict, 
 logger = logging.getLogger(__name__)
 
 
+def set_deepspeed_batch(engine: Any, plan: Plan, rank: int) -> None:
+    """Make the DeepSpeed `engine` train `rank`'s micro-batch and accumulation count of `plan` from its
+    next iteration (called between iterations), counting the plan's true global batch."""
+    rank_plan = plan.ranks[rank]
+    steps = rank_plan.gradient_accumulation_steps
+    # DeepSpeed's own setters, as for a batch-size schedule; then the true global batch
+    # again for its bookkeeping (see poplar_ext.initialize).
+    engine.set_train_micro_batch_size(rank_plan.micro_batch_size)
+    engine.set_train_batch_size(rank_plan.samples_per_iteration * plan.world_size)
+    engine._config.train_batch_size = plan.global_batch_size
+    optimizer = getattr(engine, "optimizer", None)
+    if hasattr(optimizer, "gradient_accumulation_steps"):
+        optimizer.gradient_accumulation_steps = steps
+    # DeepSpeed finds the boundary as (micro_steps + 1) % accumulation == 0 over all
+    # micro-steps so far: the count must start the new plan's first iteration at a multiple.
+    engine.micro_steps = -(-engine.micro_steps // steps) * steps
+
+
 class PoplarEngine:
     """A DeepSpeedEngine that trains a plan's per-rank batches with exact gradients.
 
@@ -77,6 +95,7 @@ class PoplarEngine:
         rank_device_labels: tuple[str, ...] = (),
         plan_reason: str = "the job's plan",
         rebalancer: Rebalancer | None = None,
+        weights_loss: bool = True,
     ) -> None:
         self.deepspeed_engine = engine
         """The real DeepSpeedEngine."""
@@ -98,6 +117,7 @@ class PoplarEngine:
         self.last_samples_per_s: float | None = None
         """True global samples per second of the last iteration."""
         self._rank = rank
+        self._weights_loss = weights_loss
         if slowdown is None and rebalancer is not None:
             # A real device too measures its compute (never sleeps) when re-balancing watches
             # it: the thread's CPU time on CPU, CUDA events (read at checks only) on a GPU.
@@ -116,7 +136,8 @@ class PoplarEngine:
         self._follow_slowdown_schedule(0)
         if slowdown is not None:
             self._end_emulated_compute_before_reduction()
-        self._weight_direct_backward()
+        if weights_loss:
+            self._weight_direct_backward()
 
     def _weight_direct_backward(self) -> None:
         # DeepSpeed lets `loss.backward()` and `engine.scale(loss).backward()` run on the
@@ -195,6 +216,9 @@ class PoplarEngine:
     # -- the training step -------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
         """DeepSpeed's backward of the weighted `loss` (see the class docstring)."""
+        if not self._weights_loss:
+            # The caller weighted the loss (the Hugging Face Trainer's compute_loss): time it only.
+            return self._timed_backward(loss, **kwargs)
         if "scale_wrt_gas" in kwargs:
             raise ValueError(
                 "backward: scale_wrt_gas is set by poplar_ext (the loss weight replaces DeepSpeed's "
@@ -206,6 +230,14 @@ class PoplarEngine:
         result = self.deepspeed_engine.backward(weighted, scale_wrt_gas=False, **kwargs)
         if self._slowdown is not None:
             self._slowdown.stop()  # a no-op unless no reduction ended the window (no_sync)
+        return result
+
+    def _timed_backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
+        if self._slowdown is not None:
+            self._slowdown.start()
+        result = self.deepspeed_engine.backward(loss, **kwargs)
+        if self._slowdown is not None:
+            self._slowdown.stop()
         return result
 
     def _weight_arguments(self) -> dict[str, Any]:
@@ -335,18 +367,7 @@ class PoplarEngine:
         """
         self.check_switch(plan)
         engine, rank_plan = self.deepspeed_engine, plan.ranks[self._rank]
-        steps = rank_plan.gradient_accumulation_steps
-        # DeepSpeed's own setters, as for a batch-size schedule; then the true global batch
-        # again for its bookkeeping (see poplar_ext.initialize).
-        engine.set_train_micro_batch_size(rank_plan.micro_batch_size)
-        engine.set_train_batch_size(rank_plan.samples_per_iteration * plan.world_size)
-        engine._config.train_batch_size = plan.global_batch_size
-        optimizer = getattr(engine, "optimizer", None)
-        if hasattr(optimizer, "gradient_accumulation_steps"):
-            optimizer.gradient_accumulation_steps = steps
-        # DeepSpeed finds the boundary as (micro_steps + 1) % accumulation == 0 over all
-        # micro-steps so far: the count must start the new plan's first iteration at a multiple.
-        engine.micro_steps = -(-engine.micro_steps // steps) * steps
+        set_deepspeed_batch(engine, plan, self._rank)
         self.plan, self.rank_plan = plan, rank_plan
         if self._rebalancer is not None:
             self._rebalancer.restart_measurement(self._slowdown)
@@ -554,14 +575,19 @@ class PoplarEngine:
                 step=self.deepspeed_engine.global_steps,
                 load_module_only=bool(kwargs.get("load_module_only")),
             )
-        self._resume(decision)
+        self.continue_from(decision)
         return path, client_state
 
-    def _resume(self, decision: ResumeDecision) -> None:
+    def continue_from(self, decision: ResumeDecision, *, position_samplers: bool = True) -> None:
+        """Continue from a checkpoint as `decision` says: its data position, samples, plan history, and its
+        last plan when the run had switched (every rank alike). `load_checkpoint` calls it; so does a trainer
+        that loads the DeepSpeed checkpoint itself (`poplar_ext.integrations.transformers`), with
+        `position_samplers` False when it moves its dataloader to the position itself."""
         self.consumed_samples = decision.consumed_samples
         self._restored_position, self._steps_since_restore = decision.data_position, 0
-        for sampler in self._samplers:
-            sampler.set_position(decision.data_position)
+        if position_samplers:
+            for sampler in self._samplers:
+                sampler.set_position(decision.data_position)
         self.plan_history = decision.plan_history or self.plan_history
         if decision.continue_plan is not None:
             plan = plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")
@@ -587,4 +613,4 @@ class PoplarEngine:
             yield
 
 
-__all__ = ["CLIENT_STATE_KEY", "PoplarEngine"]
+__all__ = ["CLIENT_STATE_KEY", "PoplarEngine", "set_deepspeed_batch"]

@@ -270,7 +270,7 @@ def prepare_job(
     )
 
 
-def _rebalancer(job: Job) -> Rebalancer | None:
+def rebalancer_for_job(job: Job) -> Rebalancer | None:
     """The job's re-balancing (`poplar_ext.runtime.rebalance`), or None when it is off; collective.
 
     Rank 0 reads the profiles of the plan's stage it re-plans from (and the network file
@@ -390,7 +390,7 @@ def initialize(
         dist_init_required=dist_init_required,
         mesh_param=mesh_param,
     )
-    wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=_rebalancer(job))
+    wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=rebalancer_for_job(job))
     dataloader = _training_dataloader(wrapped, training_data, collate_fn=collate_fn, model=model, job=job)
     return wrapped, ds_optimizer, dataloader, ds_scheduler
 
@@ -400,12 +400,19 @@ def set_up_rank(
 ) -> tuple[tuple[str, ...], ComputeSlowdown | None]:
     """This rank's process settings (as asked) and activation checkpointing (as planned), logged;
     every rank's device label, and this rank's emulated slowdown (None: a real device)."""
+    labels, slowdown = rank_devices(job)
+    checkpointing = apply_plan_checkpointing(model, job.plan, job.rank, toggle=toggle, source=job.plan_reason)
+    _log_rank_plan(job, labels[job.rank], checkpointing=checkpointing)
+    return labels, slowdown
+
+
+def rank_devices(job: Job) -> tuple[tuple[str, ...], ComputeSlowdown | None]:
+    """This rank's process settings (as asked); every rank's device label, and this rank's emulated
+    slowdown (None: a real device)."""
     emulation = emulation_for_rank(job.cluster, job.rank)
     on_cpu = _on_cpu()
     _apply_cpu_process_settings(job.poplar_config, on_cpu=on_cpu, emulated=emulation is not None, rank=job.rank)
     labels = tuple(device_label(t, job.cluster.emulation_of(t)) for t in job.cluster.rank_device_types)
-    checkpointing = apply_plan_checkpointing(model, job.plan, job.rank, toggle=toggle, source=job.plan_reason)
-    _log_rank_plan(job, labels[job.rank], checkpointing=checkpointing)
     slowdown = None if emulation is None else ComputeSlowdown(emulation, clock="thread" if on_cpu else "cuda")
     return labels, slowdown
 
@@ -463,6 +470,7 @@ def poplar_engine(
     labels: tuple[str, ...],
     slowdown: ComputeSlowdown | None,
     rebalancer: Rebalancer | None,
+    weights_loss: bool = True,
 ) -> PoplarEngine:
     """The `PoplarEngine` over `engine` (a DeepSpeedEngine built on this rank's nominal config)
     with `set_up_rank`'s labels and slowdown; logs where the plan came from."""
@@ -476,6 +484,7 @@ def poplar_engine(
         rank_device_labels=labels,
         plan_reason=job.plan_reason,
         rebalancer=rebalancer,
+        weights_loss=weights_loss,
     )
     if job.rank == 0:
         logger.info("poplar plan from step 0: %s", job.plan_reason)
@@ -500,4 +509,13 @@ def _training_dataloader(
     )
 
 
-__all__ = ["Job", "count_true_global_batch", "initialize", "poplar_engine", "prepare_job", "set_up_rank"]
+__all__ = [
+    "Job",
+    "count_true_global_batch",
+    "initialize",
+    "poplar_engine",
+    "prepare_job",
+    "rank_devices",
+    "rebalancer_for_job",
+    "set_up_rank",
+]

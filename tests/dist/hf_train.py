@@ -41,14 +41,15 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)  # poplar_ext's lines
     transformers.logging.set_verbosity_info()  # the Trainer's "Total train batch size"
 
-    from poplar_ext.integrations.transformers import PoplarTrainer
+    from poplar_ext.integrations.transformers import MICRO_BATCHES, PoplarTrainer
 
     class RecordingTrainer(PoplarTrainer):
-        """Remembers which samples each training micro-step had (accelerate's loader reads one batch ahead)."""
+        """Remembers which samples each optimizer step's micro-batches had (accelerate's loader reads ahead)."""
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            for ids, mask in zip(inputs["input_ids"].tolist(), inputs["attention_mask"].tolist()):
-                trained.append(index_of[tuple(i for i, m in zip(ids, mask) if m)])
+            for batch in inputs[MICRO_BATCHES]:
+                for ids, mask in zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist()):
+                    trained.append(index_of[tuple(i for i, m in zip(ids, mask) if m)])
             return super().training_step(model, inputs, num_items_in_batch)
 
     out = Path(args.out)

@@ -175,12 +175,12 @@ def _train_cases(configs: dict[int, str], out: str) -> dict:
         )
         trainer = _build(Recording, kind, args)
         trainer.train()
-        # The loader reads ahead: the micro-batches trained are the first s_r per step.
-        trained = seen[: STEPS * trainer.args.gradient_accumulation_steps]
+        # The loader reads ahead: the iterations trained are the first STEPS (an item per optimizer step).
+        trained = seen[:STEPS]
         results[name] = {
             "params": hf.full_parameters(trainer.model_wrapped),
             "rows": len(trainer.train_dataset),
-            "seen": [i for batch in trained for i in batch],
+            "seen": [i for iteration in trained for batch in iteration for i in batch],
         }
     return results
 

@@ -47,6 +47,7 @@ def _trainer(plan, output_dir: Path) -> SimpleNamespace:
         job=SimpleNamespace(rank=0, poplar_config=config, plan_reason="the plan file p.json"),
         state=SimpleNamespace(global_step=0),
         _reshard_on_resume=False,
+        poplar_engine=None,
     )
     trainer._plan_history = [history_entry(plan, start_step=0, data_position=0, reason="the plan file p.json")]
     trainer._poplar_state = lambda: PoplarTrainer._poplar_state(trainer)
