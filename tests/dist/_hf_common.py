@@ -22,7 +22,7 @@ OPTIMIZATION = dict(
 )
 
 
-def tiny_gpt2():
+def tiny_gpt2(width: int = 32):
     """GPT-2 from its config, random weights seeded alike on every rank; no dropout (the reference must match)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -30,7 +30,7 @@ def tiny_gpt2():
     config = GPT2Config(
         n_layer=2,
         n_head=2,
-        n_embd=32,
+        n_embd=width,
         vocab_size=VOCAB,
         n_positions=32,
         resid_pdrop=0.0,
@@ -91,11 +91,19 @@ def make_optimizer(name: str, params):
     )
 
 
-def reference_parameters(global_batch: int, steps: int, optimizer: str = "adamw") -> dict[str, torch.Tensor]:
-    """One process, no DeepSpeed: each whole global batch's token mean, clipped."""
+def reference_parameters(
+    global_batch: int, steps: int, optimizer: str = "adamw", *, schedule_warmup_steps: int | None = None
+) -> dict[str, torch.Tensor]:
+    """One process, no DeepSpeed: each whole global batch's token mean, clipped; the learning rate
+    constant, or with `schedule_warmup_steps` the Trainer's linear schedule over `steps`."""
     model = tiny_gpt2()
     data = RecordingVarLen()
     optimizer = make_optimizer(optimizer, model.parameters())
+    schedule = None
+    if schedule_warmup_steps is not None:
+        from transformers import get_linear_schedule_with_warmup
+
+        schedule = get_linear_schedule_with_warmup(optimizer, schedule_warmup_steps, steps)
     stream = SampleStream(num_samples=len(data), seed=0)
     for step in range(steps):
         batch = collate([data[i] for i in stream.indices(step * global_batch, global_batch)])
@@ -103,6 +111,8 @@ def reference_parameters(global_batch: int, steps: int, optimizer: str = "adamw"
         model(**batch).loss.backward()  # the mean over the global batch's shifted label tokens
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
+        if schedule is not None:
+            schedule.step()
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 

@@ -1,0 +1,253 @@
+"""Re-balancing inside PoplarTrainer, on 3 forked CPU ranks (tiny GPT-2 from its config).
+
+* Plan switches during ``train()`` (ordered from a callback through
+  ``trainer.poplar_engine.rebalance_to``, as ``poplar.rebalance`` orders them) change each
+  rank's micro-batch and accumulation count at the same optimizer step; the parameters
+  equal one process training the same global batches, every sample once, ``max_steps``
+  and the LR schedule count optimizer steps of the true global batch, and a resume from a
+  checkpoint taken after a switch continues under the switched plan.
+* A ``slowdown_schedule`` that makes rank 0 4x slower mid-run triggers one re-plan through
+  ``poplar.rebalance``, logged in the plan history, which moves samples away from it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from harness import run_ranks
+
+pytest.importorskip("transformers", reason="the Hugging Face tests need pip install 'poplar-ext[hf]'")
+
+import _hf_common as hf  # noqa: E402
+import _training as t  # noqa: E402
+
+TYPES = ["cpu", "cpu-slow", "cpu-slow"]
+GLOBAL_BATCH = 12
+FIRST = {1: [(2, 2), (4, 1), (2, 2)], 3: [(2, 2), (1, 2), (3, 2)]}
+# Ordered after these optimizer steps; each applies at the first iteration no rank has read yet.
+SWITCHES = {
+    1: {1: [(4, 1), (1, 4), (2, 2)], 4: [(3, 2), (2, 1), (2, 2)]},
+    3: {1: [(3, 2), (2, 2), (1, 2)]},
+}
+STEPS = 7
+SAVE_STEP = 5
+
+
+def _arguments(out: str, config: str, **extra):
+    from transformers import TrainingArguments
+
+    fields = dict(
+        output_dir=out,
+        deepspeed=config,
+        use_cpu=True,
+        ddp_backend="gloo",
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        report_to=[],
+        logging_steps=1,
+        dataloader_num_workers=0,
+        **{**hf.OPTIMIZATION, "lr_scheduler_type": "linear", "warmup_steps": 2},
+    )
+    return TrainingArguments(**{**fields, **extra})
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+
+
+def _recording_trainer(seen: list):
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    class Recording(PoplarTrainer):
+        def get_train_dataloader(self):
+            loader = super().get_train_dataloader()
+            shard = loader.batch_sampler
+            shard.batch_sampler = t.RecordingSampler(shard.batch_sampler, seen)
+            return loader
+
+    return Recording
+
+
+def _switching_callback(trainer_ref: list, template: dict, switches: dict[int, list[tuple[int, int]]]):
+    from transformers import TrainerCallback
+
+    from poplar_search.formats import plan_from_dict
+
+    class Switch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            allocation = switches.get(state.global_step)
+            if allocation is not None:
+                ranks = [
+                    dict(r, micro_batch_size=b, gradient_accumulation_steps=s)
+                    for r, (b, s) in zip(template["ranks"], allocation)
+                ]
+                trainer_ref[0].poplar_engine.rebalance_to(plan_from_dict(dict(template, ranks=ranks)), reason="test")
+
+    return Switch()
+
+
+def _train_switching(configs: dict[int, str], out: str) -> dict:
+    import os
+
+    import torch
+
+    from poplar_search.formats import load_plan, plan_to_dict
+
+    results = {}
+    for stage, config in configs.items():
+        template = plan_to_dict(load_plan(os.path.join(os.path.dirname(config), f"plan{stage}.json")))
+        _reset_accelerate()
+        seen: list = []
+        ref: list = []
+        trainer = _recording_trainer(seen)(
+            model=hf.tiny_gpt2(),
+            args=_arguments(f"{out}/{stage}", config, save_strategy="steps", save_steps=SAVE_STEP),
+            train_dataset=hf.RecordingVarLen(),
+            data_collator=hf.collate,
+            callbacks=[_switching_callback(ref, template, SWITCHES[stage])],
+        )
+        ref.append(trainer)
+        trainer.train()
+        learning_rates = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
+        result = {
+            "params": hf.full_parameters(trainer.model_wrapped),
+            "seen": [i for iteration in seen[:STEPS] for batch in iteration for i in batch],
+            "history": [(h["start_step"], h["reason"]) for h in trainer.poplar_engine.plan_history],
+            "last": [(r.micro_batch_size, r.gradient_accumulation_steps) for r in trainer.plan.ranks],
+            "learning_rates": learning_rates,
+            "steps": trainer.state.global_step,
+        }
+        if stage == 1:
+            # Resumed from the checkpoint taken after the first switch: it continues under that plan.
+            _reset_accelerate()
+            resumed = _recording_trainer([])(
+                model=hf.tiny_gpt2(),
+                args=_arguments(f"{out}/{stage}", config, save_strategy="no"),
+                train_dataset=hf.RecordingVarLen(),
+                data_collator=hf.collate,
+            )
+            resumed.train(resume_from_checkpoint=f"{out}/{stage}/checkpoint-{SAVE_STEP}")
+            history = resumed.poplar_engine.plan_history
+            result["resumed"] = {
+                "params": hf.full_parameters(resumed.model_wrapped),
+                "plan_at_resume": [
+                    (r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in history[-1]["plan"]["ranks"]
+                ],
+                "history": [h["start_step"] for h in history],
+            }
+        results[stage] = result
+        torch.distributed.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def switching(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer-switches")
+    configs = hf.trainer_configs(root, FIRST, TYPES)
+    return run_ranks(_train_switching, world_size=3, tmp_path=root, args=(configs, str(root / "out")), timeout_s=300)
+
+
+@pytest.mark.parametrize("stage", sorted(FIRST))
+def test_switches_inside_the_trainer_keep_gradients_exact(switching, stage):
+    expected = hf.reference_parameters(GLOBAL_BATCH, STEPS, schedule_warmup_steps=2)
+    assert t.max_difference(switching[0][stage]["params"], expected) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", sorted(FIRST))
+def test_every_rank_switches_at_the_same_step_and_every_sample_once(switching, stage):
+    first = switching[0][stage]
+    history = first["history"]
+    assert len(history) == 1 + len(SWITCHES[stage]), history
+    ordered = sorted(SWITCHES[stage])
+    assert all(start > at for (start, _), at in zip(history[1:], ordered)), (history, ordered)
+    assert all(r[stage]["history"] == history for r in switching), "every rank switched at the same step"
+    assert [r[stage]["last"] for r in switching][0] == SWITCHES[stage][ordered[-1]]
+    trained = sorted(i for r in switching for i in r[stage]["seen"])
+    assert trained == sorted(t.SampleStream(num_samples=hf.NUM_SAMPLES, seed=0).indices(0, STEPS * GLOBAL_BATCH))
+
+
+def test_max_steps_and_the_schedule_count_optimizer_steps(switching):
+    first = switching[0][1]
+    assert first["steps"] == STEPS
+    # Linear warm-up over 2 optimizer steps, then linear decay to 0 at max_steps: the rate each step used.
+    peak = hf.OPTIMIZATION["learning_rate"]
+    expected = [peak * (s / 2 if s < 2 else (STEPS - s) / (STEPS - 2)) for s in range(STEPS)]
+    assert first["learning_rates"] == pytest.approx(expected), first["learning_rates"]
+
+
+def test_a_resume_after_a_switch_continues_under_the_switched_plan(switching):
+    first = switching[0][1]
+    resumed = first["resumed"]
+    applied = [k for k, (start, _) in enumerate(first["history"][1:]) if start <= SAVE_STEP]
+    assert applied, "the test needs a switch applied before the checkpoint"
+    ordered = sorted(SWITCHES[1])
+    assert resumed["plan_at_resume"] == SWITCHES[1][ordered[applied[-1]]]
+    assert resumed["history"][: len(applied) + 1] == [start for start, _ in first["history"][: len(applied) + 1]]
+    expected = hf.reference_parameters(GLOBAL_BATCH, STEPS, schedule_warmup_steps=2)
+    assert t.max_difference(resumed["params"], expected) <= 1e-5
+
+
+DRIFT_STEPS = 12
+
+
+def _train_drifting(config: str, out: str) -> dict:
+    seen: list = []
+    _reset_accelerate()
+    trainer = _recording_trainer(seen)(
+        model=hf.tiny_gpt2(width=96),
+        args=_arguments(out, config, save_strategy="no", max_steps=DRIFT_STEPS, per_device_train_batch_size=8),
+        train_dataset=hf.RecordingVarLen(),
+        data_collator=hf.collate,
+    )
+    first = [(r.micro_batch_size, r.gradient_accumulation_steps) for r in trainer.plan.ranks]
+    trainer.train()
+    return {
+        "first": first,
+        "last": [(r.micro_batch_size, r.gradient_accumulation_steps) for r in trainer.plan.ranks],
+        "history": [(h["start_step"], h["reason"]) for h in trainer.poplar_engine.plan_history],
+        "seen": [i for iteration in seen[:DRIFT_STEPS] for batch in iteration for i in batch],
+    }
+
+
+def test_a_drifting_rank_is_re_balanced_inside_the_trainer(tmp_path):
+    cluster = json.loads(
+        t.write_cluster(tmp_path / "cluster.json", fast=1, slow=2, slowdown=2.0, fast_type="cpu-fast").read_text()
+    )
+    cluster["device_types"]["cpu-fast"]["emulation"]["slowdown_schedule"] = [[4, 4.0, 0]]
+    (tmp_path / "cluster.json").write_text(json.dumps(cluster))
+    config = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10_000,
+        "poplar": {
+            "cluster": str(tmp_path / "cluster.json"),
+            "profiles": str(tmp_path / "profiles"),
+            "log_interval_steps": 0,
+            "calibration": {"action": "off"},
+            "rebalance": {"enabled": True, "check_interval_steps": 2, "threshold": 1.0, "sustained_checks": 2},
+        },
+    }
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    results = run_ranks(
+        _train_drifting,
+        world_size=3,
+        tmp_path=tmp_path / "ranks",
+        args=(str(tmp_path / "ds.json"), str(tmp_path / "out")),
+        timeout_s=300,
+    )
+    first = results[0]
+    assert len(first["history"]) == 2, first["history"]
+    start_step, reason = first["history"][1]
+    assert start_step > 4 and "rank 0" in reason, first["history"]
+    before, after = first["first"], first["last"]
+    assert after[0][0] * after[0][1] < before[0][0] * before[0][1], f"{before} -> {after}"
+    assert all(r["history"] == first["history"] and r["last"] == after for r in results)
+    trained = sorted(i for r in results for i in r["seen"])
+    assert trained == sorted(t.SampleStream(num_samples=hf.NUM_SAMPLES, seed=0).indices(0, DRIFT_STEPS * 24))
