@@ -150,6 +150,19 @@ def agree_sum(value: int, device: Any) -> int:
     return int(tensor.item())
 
 
+def agree_sums(values: list[float], device: Any) -> list[float]:
+    """The element-wise sum of `values` over all ranks, in float64 (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.float64, device=on)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
 def agree_max(values: list[float], device: Any) -> list[float]:
     """The element-wise maximum of `values` over all ranks; `device` is this rank's ``torch.device``."""
     import torch

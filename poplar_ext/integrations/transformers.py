@@ -57,7 +57,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
-from poplar_ext.collectives import agree_sum, decided_by_rank0
+from poplar_ext.collectives import agree_sum, agree_sums, decided_by_rank0
 from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
@@ -70,6 +70,7 @@ from poplar_ext.runtime.checkpoint import (
 from poplar_ext.runtime.config import GlobalBatchRequest, load_deepspeed_config
 from poplar_ext.runtime.data import IterationSampler, MicroBatchesDataset, PlanBatchSampler
 from poplar_ext.runtime.engine import PoplarEngine, set_deepspeed_batch
+from poplar_ext.runtime.evaluation import EvalBatchSampler, eval_batch_sizes
 from poplar_ext.runtime.initialize import (
     Job,
     count_true_global_batch,
@@ -148,9 +149,11 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
     config["zero_optimization"] = {**config["zero_optimization"], "stage": job.plan.zero_stage}
     if rank_plan.optimizer_offload:
         offload_deepspeed_optimizer(config)
+    eval_batch = eval_batch_sizes(job.plan, smallest_batch_size=args.per_device_eval_batch_size)[job.rank]
     return dataclasses.replace(
         args,
         per_device_train_batch_size=rank_plan.micro_batch_size,
+        per_device_eval_batch_size=eval_batch,
         # Each item of the training dataloader is one optimizer step's micro-batches
         # (`MICRO_BATCHES`): the Trainer counts optimizer steps, and the accumulation count
         # can change when the plan does. DeepSpeed gets the rank's count once built
@@ -238,6 +241,8 @@ class PoplarTrainerMixin:
             self.plan.global_batch_size,
             self.plan.zero_stage,
         )
+        self._eval_batch_asked: int = args.per_device_eval_batch_size
+        """``per_device_eval_batch_size`` as given: the rank with the smallest plan micro-batch's."""
         super().__init__(
             model=model,
             args=_rank_arguments(args, self.job, checkpointing=checkpointing),
@@ -258,6 +263,8 @@ class PoplarTrainerMixin:
         self._plan_history = [history_entry(self.plan, start_step=0, data_position=0, reason=self.job.plan_reason)]
         self._reshard_on_resume = False
         self._resume_decision: ResumeDecision | None = None
+        self._eval_samplers: dict[int, EvalBatchSampler] = {}
+        self._eval_round: _EvalRound | None = None
 
     @property
     def plan(self) -> Plan:
@@ -317,6 +324,124 @@ class PoplarTrainerMixin:
         """The true global batch (the plan's), for the Trainer's step counts, logs and samples/s."""
         return self.plan.global_batch_size
 
+    # -- evaluation ----------------------------------------------------------------------
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
+        """This rank's evaluation batches (`poplar_ext.runtime.evaluation`): every sample once, in order."""
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        return self._evaluation_loader(eval_dataset if eval_dataset is not None else self.eval_dataset, "Evaluation")
+
+    def get_test_dataloader(self, test_dataset: Any) -> torch.utils.data.DataLoader:
+        """This rank's prediction batches, as `get_eval_dataloader`."""
+        return self._evaluation_loader(test_dataset, "test")
+
+    def _evaluation_loader(self, dataset: Any, description: str) -> torch.utils.data.DataLoader:
+        collator = self.data_collator
+        try:
+            import datasets
+        except ImportError:
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"the {description.lower()} data set: expected a map-style data set (with __len__), found "
+                f"{type(dataset).__name__}, which the plan cannot split among ranks of different batch sizes"
+            )
+        sizes = eval_batch_sizes(self.job.plan, smallest_batch_size=self._eval_batch_asked)
+        sampler = EvalBatchSampler(num_samples=len(dataset), batch_sizes=sizes, rank=self.job.rank)
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        prepared = self.accelerator.prepare(loader)
+        shard = getattr(prepared, "batch_sampler", None)
+        if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
+            shard.num_processes, shard.process_index = 1, 0  # already this rank's, as for training
+        self._eval_samplers[id(prepared)] = sampler
+        return prepared
+
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """The Trainer's loop over this rank's rounds; every rank's rows gathered once, in order, and the loss
+        the exact mean over the whole data set (token or sample mean, as training counts it)."""
+        sampler = self._eval_samplers.pop(id(dataloader), None)
+        if sampler is None:  # a dataloader of the caller's own: the Trainer's even split
+            return super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
+        self._eval_round = _EvalRound(sampler=sampler)
+        self.gather_function = self._gather_round_rows
+        try:
+            output = super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
+        finally:
+            progress, self._eval_round = self._eval_round, None
+            self.gather_function = self.accelerator.gather_for_metrics
+        loss_sum, loss_count = agree_sums([progress.loss_sum, progress.loss_count], self.args.device)
+        if loss_count > 0:
+            output.metrics[f"{metric_key_prefix}_loss"] = loss_sum / loss_count
+        return output
+
+    def prediction_step(
+        self, model: Any, inputs: dict, prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> Any:
+        """The Trainer's; under a plan's evaluation also adds this batch's loss to the exact mean."""
+        progress = self._eval_round
+        if progress is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        progress.index += 1
+        counted = self._eval_loss_count(inputs)  # before the Trainer's step may change the batch
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if loss is not None and progress.sampler.real_counts(progress.index)[self.job.rank] > 0:
+            progress.loss_sum += float(loss.detach().float().mean()) * counted
+            progress.loss_count += counted
+        return loss, logits, labels
+
+    def _eval_loss_count(self, inputs: dict) -> int:
+        """What the batch's loss is a mean over: its label tokens (as training counts them) or its samples."""
+        token_mean = (
+            self._inner_loss_is_scaled_for_ga is not False
+            and isinstance(inputs, dict)
+            and "labels" in inputs
+            and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+        )
+        if token_mean:
+            return label_token_count(inputs, shifted=self._loss_shifts_labels_truly())
+        from transformers.trainer_pt_utils import find_batch_size
+
+        return int(find_batch_size(inputs) or 0)
+
+    def _gather_round_rows(self, data: Any) -> Any:
+        """Every rank's real rows of this round, rank 0's first (collective; the gather the loop calls)."""
+        from accelerate.utils import recursively_apply
+
+        real = self._eval_round.sampler.real_counts(self._eval_round.index)
+        return recursively_apply(lambda tensor: self._gather_rows(tensor, real), data)
+
+    def _gather_rows(self, tensor: torch.Tensor, real: list[int]) -> torch.Tensor:
+        if tensor.dim() == 0:
+            tensor = tensor[None]
+        rows = self.accelerator.gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(tensor, dim=0))
+        width = max(rows)
+        kept = [gathered[r * width : r * width + min(n, real[r])] for r, n in enumerate(rows)]
+        return torch.cat(kept)
+
     # -- the loss ----------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
         """``T / W``: the label tokens of the whole global batch (every rank, every
@@ -334,6 +459,10 @@ class PoplarTrainerMixin:
             return None
         shifted = self._loss_shifts_labels_truly()
         mine = sum(label_token_count(batch, shifted=shifted) for batch in batch_samples)
+        if self._eval_round is not None:
+            # Evaluation (the Trainer counts each batch's tokens): each batch's own token mean, which
+            # evaluation_loop weights by its tokens for the exact mean over the data set.
+            return torch.tensor(mine, dtype=torch.float32, device=device)
         total = agree_sum(mine, self.job.device)
         return torch.tensor(total / self.job.world_size, dtype=torch.float32, device=device)
 
@@ -548,6 +677,19 @@ class PoplarTrainerMixin:
             )
         if path is None:
             raise ValueError(f"resume_from_checkpoint: DeepSpeed found nothing to load in {resume_from_checkpoint}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class _EvalRound:
+    """Where a plan's evaluation loop is: its sampler, the round of the batch in hand, the loss so far."""
+
+    sampler: EvalBatchSampler
+    index: int = -1
+    """The round whose batch the loop handles now (prediction_step counts them)."""
+    loss_sum: float = 0.0
+    """Sum over this rank's real batches of loss x what it is a mean over."""
+    loss_count: float = 0.0
+    """Sum over this rank's real batches of what their loss is a mean over (tokens or samples)."""
 
 
 class _CollateEach:

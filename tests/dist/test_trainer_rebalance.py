@@ -44,6 +44,7 @@ def _arguments(out: str, config: str, **extra):
         ddp_backend="gloo",
         max_steps=STEPS,
         per_device_train_batch_size=4,
+        per_device_eval_batch_size=EVAL_BATCH,
         report_to=[],
         logging_steps=1,
         dataloader_num_workers=0,
@@ -121,6 +122,7 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
             "steps": trainer.state.global_step,
         }
         if stage == 1:
+            result["eval"] = _evaluate(trainer)
             # Resumed from the checkpoint taken after the first switch: it continues under that plan.
             _reset_accelerate()
             resumed = _recording_trainer([])(
@@ -141,6 +143,71 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
         results[stage] = result
         torch.distributed.barrier()
     return results
+
+
+EVAL_SAMPLES, PREDICT_SAMPLES, EVAL_BATCH = 23, 13, 3  # plan 1's micro-batches 2, 4, 2: batches 3, 6, 3
+
+
+def token_accuracy(prediction) -> dict:
+    """compute_metrics: the share of label tokens whose next token the logits predict (shifted)."""
+
+    labels, logits = prediction.label_ids[:, 1:], prediction.predictions[:, :-1]
+    counted = labels != -100
+    return {"accuracy": float((logits.argmax(-1) == labels)[counted].mean()), "tokens": int(counted.sum())}
+
+
+def _evaluate(trainer) -> dict:
+    trainer.compute_metrics = token_accuracy
+    metrics = trainer.evaluate(eval_dataset=hf.RecordingVarLen(EVAL_SAMPLES))
+    predicted = trainer.predict(hf.RecordingVarLen(PREDICT_SAMPLES))
+    return {
+        "metrics": metrics,
+        "batch": trainer.args.per_device_eval_batch_size,
+        "predictions": predicted.predictions,
+        "label_ids": predicted.label_ids,
+        "predict_loss": predicted.metrics["test_loss"],
+    }
+
+
+def _one_process_evaluation(params: dict, num_samples: int) -> tuple[float, list]:
+    """The trained parameters on one process: the whole set's token-mean loss in one batch, and each
+    sample's logits at its own positions."""
+    import torch
+
+    model = hf.tiny_gpt2()
+    model.load_state_dict(params, strict=False)
+    data = hf.RecordingVarLen(num_samples)
+    batch = hf.collate([data[i] for i in range(num_samples)])
+    with torch.no_grad():
+        out = model(**batch)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    return float(out.loss), [out.logits[i, :n] for i, n in enumerate(lengths)]
+
+
+def test_evaluate_and_predict_count_every_sample_once_and_equal_one_process(switching):
+    import numpy as np
+
+    evaluated = switching[0][1]["eval"]
+    assert [r[1]["eval"]["batch"] for r in switching] == [3, 6, 3], "each rank's batch follows its plan micro-batch"
+    loss, logits = _one_process_evaluation(switching[0][1]["params"], EVAL_SAMPLES)
+    assert evaluated["metrics"]["eval_loss"] == pytest.approx(loss, rel=1e-5)
+    data = hf.RecordingVarLen(EVAL_SAMPLES)
+    expected = np.concatenate([(row.argmax(-1)[:-1] == torch_row(item)[1:]) for row, item in zip(logits, data.items)])
+    assert evaluated["metrics"]["eval_tokens"] == len(expected)
+    assert evaluated["metrics"]["eval_accuracy"] == pytest.approx(float(expected.mean()))
+    # predict(): 13 samples for batches of 3, 6, 3: the last round has one sample, ranks 0 and 2 pad.
+    loss, logits = _one_process_evaluation(switching[0][1]["params"], PREDICT_SAMPLES)
+    predictions = evaluated["predictions"]
+    assert predictions.shape[0] == PREDICT_SAMPLES
+    for i, row in enumerate(logits):
+        assert np.abs(predictions[i, : len(row)] - row.numpy()).max() <= 1e-4, f"sample {i}"
+    assert evaluated["predict_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def torch_row(item: list[int]):
+    import torch
+
+    return torch.tensor(item)
 
 
 @pytest.fixture(scope="module")
