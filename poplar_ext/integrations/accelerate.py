@@ -104,11 +104,13 @@ class _PlanPasses(torch.utils.data.Sampler[list[int]]):
         sampler = self.plan_sampler
         micro_batches = iter(sampler)
         while True:
-            position = sampler.iteration_start(sampler.next_iteration)
-            group = list(itertools.islice(micro_batches, sampler.gradient_accumulation_steps))
+            iteration = sampler.next_iteration
+            # The count of the iteration read now: a switch scheduled for a later one has already
+            # changed the sampler's gradient_accumulation_steps.
+            group = list(itertools.islice(micro_batches, sampler.split(iteration)[1]))
             if not group:
                 return
-            self.count_tokens(position, group)
+            self.count_tokens(sampler.iteration_start(iteration), group)
             yield from group
 
     def __len__(self) -> int:
