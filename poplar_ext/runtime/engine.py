@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,10 @@ class PoplarEngine:
         self._rebalancer = rebalancer
         self.pending_switch: SwitchOrder | None = None
         """A plan switch agreed by every rank, waiting for the iteration it starts at."""
+        self.switch_listeners: list[Callable[[Plan], None]] = []
+        """Each called with the new plan at the end of every `switch_plan`: after the optimizer step that ends the
+        old plan's last iteration, or in `load_checkpoint` (a resume under the checkpoint's last plan). What
+        counts this rank's micro-steps outside DeepSpeed follows the switch there (accelerate's ``accumulate``)."""
         self._samplers: list[PlanBatchSampler] = []
         self._restored_position = 0
         self._steps_since_restore = 0
@@ -369,6 +373,8 @@ class PoplarEngine:
                 reason,
                 " ".join(f"{r.micro_batch_size}x{r.gradient_accumulation_steps}" for r in plan.ranks),
             )
+        for listener in self.switch_listeners:
+            listener(plan)
 
     def rebalance_to(self, plan: Plan, *, reason: str = "switched by the training script") -> None:
         """Every rank switches to rank 0's `plan` from the next iteration its samplers have not started (collective).
