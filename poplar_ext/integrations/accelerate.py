@@ -39,6 +39,14 @@ Where it extends accelerate (1.15), and why there (the smallest seams, nothing p
 * ``backward``: with ``token_mean``, the iteration's label tokens agreed first (see below).
 * ``skip_first_batches``: the training dataloader already continues where ``load_state``
   left the data; it is returned as it is.
+* ``gradient_accumulation_steps`` and ``step`` follow a plan switch (`PoplarEngine.switch_listeners`):
+  with ``poplar.rebalance`` (``auto``: on where ``poplar.profiles`` holds the curves; ``true``)
+  the `PoplarEngine` re-balances as under `poplar_ext.initialize` (`poplar_ext.runtime.rebalance`),
+  its compute timed from the forward of the model ``prepare`` returned. At a switch, and when
+  ``load_state`` resumes under the checkpoint's last plan, the count ``accumulate()`` syncs after
+  becomes the new s_r and its micro-step counter moves to a multiple of it. accelerate's
+  dataloader fetches a micro-batch ahead, so a switch agreed at step n starts one iteration later
+  than with ``initialize``'s dataloader.
 
 The shuffling is the ``poplar`` section's (``seed``, ``shuffle``, ``drop_last``), not the
 DataLoader's. With ``poplar.loss_reduction: token_mean`` (the loop says so in its config;
@@ -47,8 +55,7 @@ iteration's label tokens as its micro-batches' indices are drawn (collating them
 more), and ``backward`` agrees the iteration's total across ranks before its first
 backward (`PoplarEngine.set_token_counts`), so gradients are the token mean over the
 whole global batch. Requires ``pip install 'poplar-ext[accelerate]'``; the only module of
-poplar-ext that imports accelerate. Not supported (refused with a ValueError):
-``rebalance.enabled: true`` (see docs/limits.md).
+poplar-ext that imports accelerate.
 """
 
 from __future__ import annotations
@@ -69,7 +76,14 @@ from accelerate.utils import DistributedType, pad_across_processes, recursively_
 from poplar_ext.runtime.config import AUTO, DICT_SOURCE, SECTION, GlobalBatchRequest, nominal_deepspeed_config
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.engine import PoplarEngine
-from poplar_ext.runtime.initialize import Job, count_true_global_batch, poplar_engine, prepare_job, set_up_rank
+from poplar_ext.runtime.initialize import (
+    Job,
+    count_true_global_batch,
+    job_rebalancer,
+    poplar_engine,
+    prepare_job,
+    set_up_rank,
+)
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 
 logger = logging.getLogger(__name__)
@@ -104,11 +118,13 @@ class _PlanPasses(torch.utils.data.Sampler[list[int]]):
         sampler = self.plan_sampler
         micro_batches = iter(sampler)
         while True:
-            position = sampler.iteration_start(sampler.next_iteration)
-            group = list(itertools.islice(micro_batches, sampler.gradient_accumulation_steps))
+            iteration = sampler.next_iteration
+            # The count of the iteration read now: a switch scheduled for a later one has already
+            # changed the sampler's gradient_accumulation_steps.
+            group = list(itertools.islice(micro_batches, sampler.split(iteration)[1]))
             if not group:
                 return
-            self.count_tokens(position, group)
+            self.count_tokens(sampler.iteration_start(iteration), group)
             yield from group
 
     def __len__(self) -> int:
@@ -122,17 +138,6 @@ def _without_auto(config: dict) -> dict:
     if isinstance(result.get("zero_optimization"), dict):
         result["zero_optimization"] = {k: v for k, v in result["zero_optimization"].items() if v != AUTO}
     return result
-
-
-def _refuse_what_accelerate_cannot_follow(job: Job) -> None:
-    """The same ValueError on every rank (the job is settled alike everywhere) for what this integration lacks."""
-    config = job.poplar_config
-    if config.rebalance.enabled:
-        raise ValueError(
-            f"{job.source}: poplar.rebalance.enabled: expected false or auto with PoplarAccelerator (re-balancing "
-            "switches each rank's accumulation count, which accelerate's accumulate() and dataloader fix when "
-            "they start), found true; re-balancing runs with poplar_ext.initialize"
-        )
 
 
 class PoplarAccelerator(Accelerator):
@@ -174,23 +179,25 @@ class PoplarAccelerator(Accelerator):
     # -- the plan ----------------------------------------------------------------------
     @property
     def plan(self) -> Any:
-        """The plan every rank runs (None before the first ``prepare``)."""
+        """The plan every rank runs now (None before the first ``prepare``; re-balancing may switch it)."""
+        if self.poplar_engine is not None:
+            return self.poplar_engine.plan
         return None if self.job is None else self.job.plan
 
     @property
     def micro_batch_size(self) -> int:
         """This rank's micro-batch size b_r."""
-        return self._settled_job().plan.ranks[self.process_index].micro_batch_size
+        return self._settled_plan().ranks[self.process_index].micro_batch_size
 
     @property
     def global_batch_size(self) -> int:
         """The true global batch B of one optimizer step, over every rank and accumulation step."""
-        return self._settled_job().plan.global_batch_size
+        return self._settled_plan().global_batch_size
 
-    def _settled_job(self) -> Job:
+    def _settled_plan(self) -> Any:
         if self.job is None:
             raise ValueError("PoplarAccelerator: the plan is resolved by the first prepare(...); call it first")
-        return self.job
+        return self.plan
 
     def _loaded_config(self) -> tuple[dict, Path, str]:
         """The DeepSpeed config accelerate holds, the folder its relative paths start from, its name."""
@@ -215,7 +222,6 @@ class PoplarAccelerator(Accelerator):
             default_global_batch=self._default_global_batch(loaded[0], train_loader),
             profiling_ds_config=profiling,
         )
-        _refuse_what_accelerate_cannot_follow(job)
         self._use_rank_config(job)
         return job
 
@@ -273,15 +279,26 @@ class PoplarAccelerator(Accelerator):
         """Put a `PoplarEngine` between accelerate and the DeepSpeed engine it just built."""
         engine = wrapper.engine
         count_true_global_batch(engine, self.job.plan)
-        wrapped = poplar_engine(self.job, engine, labels=labels, slowdown=slowdown, rebalancer=None)
-        if slowdown is not None:
-            # An emulated device's compute window opens at the forward of the model prepare returned.
-            engine.register_forward_pre_hook(lambda *_: slowdown.start())
+        wrapped = poplar_engine(self.job, engine, labels=labels, slowdown=slowdown, rebalancer=job_rebalancer(self.job))
+        timer = wrapped.compute_timer  # an emulated device's slowdown, or re-balancing's measurement
+        if timer is not None:
+            # The compute window opens at the forward of the model prepare returned (DeepSpeed's engine).
+            engine.register_forward_pre_hook(lambda *_: timer.start())
+        wrapped.switch_listeners.append(self._follow_plan_switch)
         if self._train_sampler is not None:
             wrapped.adopt_batch_sampler(self._train_sampler)
         wrapper.engine = wrapped  # accelerator.backward: weighted backward, then the counting step
         self._models[self._models.index(engine)] = wrapped  # save_state/load_state: the data position too
         self.poplar_engine = wrapped
+
+    def _follow_plan_switch(self, plan: Any) -> None:
+        """A new plan from the next iteration on (re-balancing, or ``load_state`` resuming under the checkpoint's
+        last plan): ``accumulate()`` counts its accumulation count. It syncs when its micro-step counter
+        `step` is a multiple of the count, so the counter moves to the next multiple, as
+        `PoplarEngine.switch_plan` moves DeepSpeed's."""
+        steps = plan.ranks[self.process_index].gradient_accumulation_steps
+        self.gradient_accumulation_steps = steps
+        self.step = -(-self.step // steps) * steps
 
     def _plan_dataloader(self, loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
         """`loader` rebuilt on this rank's plan sampler (its dataset, collate function and workers)."""

@@ -74,10 +74,10 @@ from poplar_ext.runtime.evaluation import EvalBatchSampler, eval_batch_sizes
 from poplar_ext.runtime.initialize import (
     Job,
     count_true_global_batch,
+    job_rebalancer,
     poplar_engine,
     prepare_job,
     rank_devices,
-    rebalancer_for_job,
 )
 from poplar_ext.runtime.weighting import label_token_count
 from poplar_search.formats import Plan, RankPlan
@@ -647,7 +647,7 @@ class PoplarTrainerMixin:
         count_true_global_batch(engine, job.plan)
         set_deepspeed_batch(engine, job.plan, job.rank)
         wrapped = poplar_engine(
-            job, engine, labels=labels, slowdown=slowdown, rebalancer=rebalancer_for_job(job), weights_loss=False
+            job, engine, labels=labels, slowdown=slowdown, rebalancer=job_rebalancer(job), weights_loss=False
         )
         timer = wrapped.compute_timer
         if timer is not None:

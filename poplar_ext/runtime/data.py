@@ -124,7 +124,8 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.micro_batch_size = micro_batch_sizes[rank]
         """Samples in each of this rank's micro-batches (b_r)."""
         self.gradient_accumulation_steps = gradient_accumulation_steps[rank]
-        """This rank's micro-batches per iteration (s_r)."""
+        """This rank's micro-batches per iteration (s_r); after `switch_plan`, the new plan's, also while
+        earlier iterations still run the old one (`split` gives an iteration's own)."""
         samples_per_rank = [b * s for b, s in zip(micro_batch_sizes, gradient_accumulation_steps)]
         self.global_batch_size = sum(samples_per_rank)
         """Samples per iteration over all ranks (B)."""
@@ -252,15 +253,17 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         self._splits.append((from_position, b, s, offset))
         self.micro_batch_size, self.gradient_accumulation_steps = b, s
 
-    def _split(self, iteration: int) -> tuple[int, int, int]:
-        """``(b, s, offset)`` of this rank in `iteration`."""
+    def split(self, iteration: int) -> tuple[int, int, int]:
+        """``(b, s, offset)`` of this rank in `iteration`: micro-batch size, micro-batches and where its chunk
+        starts in the iteration, under the plan that trains it (`micro_batch_size` and
+        `gradient_accumulation_steps` are the last plan's, already when a switch is scheduled)."""
         start = self.iteration_start(iteration)
         # The first split starts at position 0: some split always matches.
         return next((b, s, offset) for from_position, b, s, offset in reversed(self._splits) if from_position <= start)
 
     def micro_batches(self, iteration: int) -> list[list[int]]:
         """This rank's micro-batches in `iteration` (pure: depends only on the plans and their switch positions)."""
-        b, s, offset = self._split(iteration)
+        b, s, offset = self.split(iteration)
         chunk = self.stream.indices(self.iteration_start(iteration) + offset, b * s)
         return [chunk[k * b : (k + 1) * b] for k in range(s)]
 
@@ -299,7 +302,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         first, end = self.next_iteration, self._pass_end()
         if len(self._splits) == 1:
             return (end - first) * self.gradient_accumulation_steps
-        return sum(self._split(iteration)[1] for iteration in range(first, end))
+        return sum(self.split(iteration)[1] for iteration in range(first, end))
 
 
 class IterationSampler(torch.utils.data.Sampler[list[list[int]]]):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -126,9 +126,15 @@ class PoplarEngine:
         self._rebalancer = rebalancer
         self.pending_switch: SwitchOrder | None = None
         """A plan switch agreed by every rank, waiting for the iteration it starts at."""
+        self.switch_listeners: list[Callable[[Plan], None]] = []
+        """Each called with the new plan at the end of every `switch_plan`: after the optimizer step that ends the
+        old plan's last iteration, or in `load_checkpoint` (a resume under the checkpoint's last plan). What
+        counts this rank's micro-steps outside DeepSpeed follows the switch there (accelerate's ``accumulate``)."""
         self._samplers: list[PlanBatchSampler] = []
         self._restored_position = 0
         self._steps_since_restore = 0
+        self._first_sampler_base = 0
+        """The first sampler's iteration trained by the first optimizer step since the restore (`data_position`)."""
         self._token_counts: collections.deque[int] = collections.deque()
         self.iteration_tokens = 0
         """``token_mean``: the current iteration's label tokens over all ranks (`set_token_counts`)."""
@@ -388,6 +394,8 @@ class PoplarEngine:
                 reason,
                 " ".join(f"{r.micro_batch_size}x{r.gradient_accumulation_steps}" for r in plan.ranks),
             )
+        for listener in self.switch_listeners:
+            listener(plan)
 
     def rebalance_to(self, plan: Plan, *, reason: str = "switched by the training script") -> None:
         """Every rank switches to rank 0's `plan` from the next iteration its samplers have not started (collective).
@@ -452,7 +460,7 @@ class PoplarEngine:
             iterations_per_pass=iterations_per_pass,
             drop_last=self.poplar_config.drop_last,
         )
-        self._samplers.append(sampler)
+        self._add_sampler(sampler)
         return sampler
 
     def adopt_batch_sampler(self, sampler: PlanBatchSampler) -> None:
@@ -466,13 +474,23 @@ class PoplarEngine:
                 f"sampler: expected rank {self._rank}'s sampler of global batch {self.plan.global_batch_size}, "
                 f"found rank {sampler.rank}'s of {sampler.global_batch_size}"
             )
+        self._add_sampler(sampler)
+
+    def _add_sampler(self, sampler: PlanBatchSampler) -> None:
+        if not self._samplers:  # its next iteration is the one the next optimizer step trains
+            self._first_sampler_base = sampler.next_iteration - self._steps_since_restore
         self._samplers.append(sampler)
 
     @property
     def data_position(self) -> int:
-        """Stream position where the next iteration starts (see `poplar_ext.runtime.data`)."""
+        """Stream position where the next iteration starts (see `poplar_ext.runtime.data`): the first one no
+        optimizer step has trained, also where a DataLoader has read further."""
         if self._samplers:
-            return self._samplers[0].consumed_samples
+            sampler = self._samplers[0]
+            # A DataLoader reading ahead (accelerate's fetches the next micro-batch before it hands one
+            # out, workers fetch several) may have begun iterations that no step has trained yet.
+            trained = sampler.iteration_start(self._first_sampler_base + self._steps_since_restore)
+            return min(sampler.consumed_samples, trained)
         return self._restored_position + self._steps_since_restore * self.plan.global_batch_size
 
     # -- checkpoints -------------------------------------------------------------
@@ -588,6 +606,9 @@ class PoplarEngine:
         if position_samplers:
             for sampler in self._samplers:
                 sampler.set_position(decision.data_position)
+            if self._samplers:
+                self._first_sampler_base = self._samplers[0].next_iteration
+        # Otherwise the caller positions its dataloader and saves its own data position (the Trainer does).
         self.plan_history = decision.plan_history or self.plan_history
         if decision.continue_plan is not None:
             plan = plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")

@@ -270,7 +270,7 @@ def prepare_job(
     )
 
 
-def rebalancer_for_job(job: Job) -> Rebalancer | None:
+def job_rebalancer(job: Job) -> Rebalancer | None:
     """The job's re-balancing (`poplar_ext.runtime.rebalance`), or None when it is off; collective.
 
     Rank 0 reads the profiles of the plan's stage it re-plans from (and the network file
@@ -390,7 +390,7 @@ def initialize(
         dist_init_required=dist_init_required,
         mesh_param=mesh_param,
     )
-    wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=rebalancer_for_job(job))
+    wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=job_rebalancer(job))
     dataloader = _training_dataloader(wrapped, training_data, collate_fn=collate_fn, model=model, job=job)
     return wrapped, ds_optimizer, dataloader, ds_scheduler
 
@@ -513,9 +513,9 @@ __all__ = [
     "Job",
     "count_true_global_batch",
     "initialize",
+    "job_rebalancer",
     "poplar_engine",
     "prepare_job",
     "rank_devices",
-    "rebalancer_for_job",
     "set_up_rank",
 ]

@@ -146,8 +146,9 @@ def ds_config(*, cluster: Path, plan: Path | None, stage: int, **poplar) -> dict
     }
 
 
-def dataset() -> SyntheticTokens:
-    return SyntheticTokens(num_samples=NUM_SAMPLES, sequence_length=TINY.sequence_length, vocab_size=TINY.vocab_size)
+def dataset(gpt: GPTConfig = TINY, num_samples: int = NUM_SAMPLES) -> SyntheticTokens:
+    """Token sequences for `gpt` (default: the tiny GPT's `NUM_SAMPLES`)."""
+    return SyntheticTokens(num_samples=num_samples, sequence_length=gpt.sequence_length, vocab_size=gpt.vocab_size)
 
 
 def full_parameters(engine) -> dict[str, torch.Tensor]:
@@ -173,17 +174,25 @@ def train_steps(engine, loader, steps: int) -> None:
 
 
 def reference_parameters(
-    optimizer_name: str, global_batch_size: int, steps: int, *, seed: int = 0, restart_optimizer_at: int | None = None
+    optimizer_name: str,
+    global_batch_size: int,
+    steps: int,
+    *,
+    seed: int = 0,
+    restart_optimizer_at: int | None = None,
+    gpt: GPTConfig = TINY,
+    num_samples: int = NUM_SAMPLES,
 ):
     """One process training on the concatenated global batch; also the pre-clip norms.
 
     `restart_optimizer_at`: a fresh optimizer (its state lost) from that step on; what a
     resume that dropped the optimizer state would train, to show a tolerance sees it.
+    `gpt`, `num_samples`: the model and `dataset` trained (default: the tiny GPT on the tests' data).
     """
-    model = GPT(TINY)
+    model = GPT(gpt)
     optimizer = make_optimizer(optimizer_name, model.parameters())
-    data = dataset()
-    stream = SampleStream(num_samples=NUM_SAMPLES, seed=seed)
+    data = dataset(gpt, num_samples)
+    stream = SampleStream(num_samples=num_samples, seed=seed)
     norms = []
     for step in range(steps):
         if step == restart_optimizer_at:

@@ -177,6 +177,20 @@ def test_checkpoint_keeps_plan_and_position(tmp_path):
     assert resumed.consumed_samples == 18 and sampler.consumed_samples == 18
 
 
+def test_the_saved_data_position_is_the_first_iteration_no_step_trained(tmp_path):
+    engine, _ = _engine(_plan([(2, 1), (3, 2)]))  # rank 0: one micro-batch per iteration, B = 8
+    handed_out = iter(engine.create_batch_sampler(50))
+    next(handed_out)  # iteration 0
+    # A DataLoader reading ahead (accelerate's fetches the next micro-batch before handing one out)
+    # has begun iteration 1 before the step that ends iteration 0.
+    next(handed_out)
+    engine.backward(engine(torch.ones(2)))
+    engine.step()
+    assert engine.data_position == 8
+    engine.save_checkpoint(tmp_path, tag="t")
+    assert json.loads((tmp_path / "t" / STATE_FILE).read_text())["data_position"] == 8
+
+
 def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path, monkeypatch):
     from poplar_ext import collectives
 

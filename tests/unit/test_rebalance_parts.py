@@ -301,6 +301,21 @@ def test_the_token_loader_groups_by_the_count_of_the_iteration_that_begins():
     assert list(loader) == [0, 1, 2, 3, 4] and groups == [[0, 1, 2], [3, 4]]
 
 
+def test_accelerates_token_counting_groups_by_the_count_of_the_iteration_it_reads():
+    pytest.importorskip("accelerate", reason="PoplarAccelerator needs pip install 'poplar-ext[accelerate]'")
+    from poplar_ext.integrations.accelerate import _PlanPasses
+
+    sampler = PlanBatchSampler(num_samples=50, micro_batch_sizes=[2, 3], gradient_accumulation_steps=[3, 2], rank=0)
+    counted = []
+    passes = iter(_PlanPasses(sampler, lambda position, group: counted.append((position, [len(b) for b in group]))))
+    next(passes)  # iteration 0 has begun
+    # Another rank's DataLoader has read further: the switch starts at iteration 2, after this rank's next one.
+    sampler.switch_plan(_Plan([(4, 2), (2, 2)]), from_position=24)
+    trained = [next(passes) for _ in range(2 + 3 + 2)]
+    assert counted == [(0, [2, 2, 2]), (12, [2, 2, 2]), (24, [4, 4])]
+    assert [len(b) for b in trained] == [2, 2] + [2, 2, 2] + [4, 4]
+
+
 def test_the_plan_round_trips_after_a_replan():
     plan = search_plan(_profiles(), _cluster(), global_batch_size=96, zero_stage=1).plan
     found = replan(plan, _profiles(), _cluster(), [2.0, 1.0, 1.0], min_gain=0.0).plan
