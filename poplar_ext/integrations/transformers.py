@@ -15,8 +15,21 @@ What it changes, through the Trainer's own hooks (nothing is patched):
   (b_r) and ``gradient_accumulation_steps`` (s_r), and the DeepSpeed config's batch
   values are filled per rank from them (Hugging Face's ``"auto"`` mechanism);
 * the training dataloader yields this rank's micro-batches from the plan's sampler
-  (`poplar_ext.runtime.data.PlanBatchSampler`), not accelerate's even split; every
-  epoch has the same number of optimizer steps of the true global batch;
+  (`poplar_ext.runtime.data.PlanBatchSampler`), not accelerate's even split, one item
+  per optimizer step (``{MICRO_BATCHES: [micro-batch, ...]}``) with the Trainer's own
+  accumulation count 1, so that its step count, ``max_steps`` and the LR schedule are
+  optimizer steps whatever the plan's count is, also after a switch; every epoch has the
+  same number of optimizer steps of the true global batch; ``training_step`` runs the
+  Trainer's once per micro-batch, DeepSpeed's accumulation boundary at the last;
+* the Trainer's DeepSpeed engine sits behind a `PoplarEngine` (the seam PoplarAccelerator
+  uses: accelerate's DeepSpeed wrapper calls it): it sets DeepSpeed's per-rank
+  micro-batch and accumulation count, times compute (emulating a device type),
+  re-balances when a device drifts (``poplar.rebalance``: every rank switches at the
+  same optimizer step, logged and checkpointed), and takes a checkpoint's last plan on
+  resume;
+* ``evaluate()`` and ``predict()`` split the set among the ranks in rounds
+  (`poplar_ext.runtime.evaluation`): every sample once, in order, each rank's batch from
+  its plan micro-batch, the loss metric the exact mean over the whole set;
 * the loss is weighted so that gradients are those of one device training the global
   batch: the sample mean (``W * b_r / B``), or, when the Trainer counts label tokens
   (``num_items_in_batch``), the token mean over the whole global batch: the tokens
@@ -34,9 +47,9 @@ What it changes, through the Trainer's own hooks (nothing is patched):
   ``offload_optimizer`` in its own DeepSpeed config;
 * logged batch sizes and samples/s are the true global ones
   (`get_total_train_batch_size`);
-* checkpoints carry poplar-ext's state (``poplar_state.json``), and
-  ``resume_from_checkpoint`` continues the data where it stopped, also under another
-  plan or on another number of ranks (the optimizer state resharded) as long as the
+* checkpoints carry poplar-ext's state (``poplar_state.json``: data position, plan
+  history), and ``resume_from_checkpoint`` continues the data where it stopped, also
+  under another plan or on another number of ranks (the optimizer state resharded) as long as the
   global batch is the checkpoint's.
 
 Requires ``pip install 'poplar-ext[hf]'``. This module is the only one of poplar-ext
