@@ -22,8 +22,14 @@ OPTIMIZATION = dict(
 )
 
 
-def tiny_gpt2(width: int = 32):
-    """GPT-2 from its config, random weights seeded alike on every rank; no dropout (the reference must match)."""
+def tiny_gpt2():
+    """GPT-2 from its config, random weights seeded alike on every rank; no dropout (the reference must match).
+    Also a Trainer's ``model_init`` (no arguments)."""
+    return gpt2(width=32)
+
+
+def gpt2(*, width: int):
+    """`tiny_gpt2` with `width` (its hidden size)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)

@@ -264,7 +264,7 @@ def _train_drifting(config: str, out: str) -> dict:
     seen: list = []
     _reset_accelerate()
     trainer = _recording_trainer(seen)(
-        model=hf.tiny_gpt2(width=96),
+        model=hf.gpt2(width=96),
         args=_arguments(out, config, save_strategy="no", max_steps=DRIFT_STEPS, per_device_train_batch_size=8),
         train_dataset=hf.RecordingVarLen(),
         data_collator=hf.collate,
