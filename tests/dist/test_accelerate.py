@@ -435,3 +435,25 @@ def test_under_accelerate_launch_with_its_config_file(tmp_path, reference):
     assert t.max_difference(torch.load(out / "params.pt", weights_only=False), reference) <= 1e-5
     seen = [i for r in range(2) for i in json.loads((out / f"samples-rank{r}.json").read_text())]
     assert sorted(seen) == sorted(_stream_indices(STEPS))
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_under_torchrun_and_the_deepspeed_launcher(tmp_path, reference, launcher):
+    # The same loop without accelerate launch: the DeepSpeed config through DeepSpeedPlugin.
+    cluster = t.write_cluster(tmp_path / "cluster.json", fast=1, slow=1, slowdown=1.0)
+    plan = t.write_plan(tmp_path / "plan.json", [(4, 2), (4, 1)], stage=1, device_types=TYPES[:2])
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps(t.ds_config(cluster=cluster, plan=plan, stage=1)))
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    port = str(free_port())
+    start = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port],
+        "deepspeed": [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port],
+    }[launcher]
+    script = [str(HERE / "accelerate_train.py"), "--out", str(out), "--deepspeed_config", str(ds_config)]
+    done = subprocess.run(start + script, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert t.max_difference(torch.load(out / "params.pt", weights_only=False), reference) <= 1e-5
+    seen = [i for r in range(2) for i in json.loads((out / f"samples-rank{r}.json").read_text())]
+    assert sorted(seen) == sorted(_stream_indices(STEPS))
