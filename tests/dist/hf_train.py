@@ -36,10 +36,35 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     import transformers
-    from transformers import TrainingArguments
 
     logging.basicConfig(level=logging.INFO)  # poplar_ext's lines
     transformers.logging.set_verbosity_info()  # the Trainer's "Total train batch size"
+    train(
+        args.deepspeed_config,
+        Path(args.out),
+        steps=args.steps,
+        per_device=args.per_device,
+        save_steps=args.save_steps,
+        resume=args.resume,
+        model_init=args.model_init,
+        gradient_checkpointing=args.gradient_checkpointing,
+    )
+
+
+def train(
+    deepspeed_config: str,
+    out: Path,
+    *,
+    steps: int = hf.STEPS,
+    per_device: int = 4,
+    save_steps: int = 0,
+    resume: bool = False,
+    model_init: bool = False,
+    gradient_checkpointing: bool = False,
+) -> None:
+    """One PoplarTrainer run; each rank writes what it trained, rank 0 the parameters and the Trainer's metrics.
+    Also called on forked ranks (tests/dist/test_hf_trainer.py), several runs per group."""
+    from transformers import TrainingArguments
 
     from poplar_ext.integrations.transformers import MICRO_BATCHES, PoplarTrainer
 
@@ -52,32 +77,32 @@ def main() -> None:
                     trained.append(index_of[tuple(i for i, m in zip(ids, mask) if m)])
             return super().training_step(model, inputs, num_items_in_batch)
 
-    out = Path(args.out)
     model = hf.tiny_gpt2()
     data = hf.RecordingVarLen()
     index_of = {tuple(item): index for index, item in enumerate(data.items)}
     trained: list[int] = []
     training = TrainingArguments(
         output_dir=str(out),
-        deepspeed=args.deepspeed_config,
+        deepspeed=deepspeed_config,
         use_cpu=True,
         ddp_backend="gloo",
-        max_steps=args.steps,
-        per_device_train_batch_size=args.per_device,
+        max_steps=steps,
+        per_device_train_batch_size=per_device,
         report_to=[],
         logging_steps=1,
         dataloader_num_workers=0,
-        save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
         **hf.OPTIMIZATION,
-        **({"gradient_checkpointing": True} if args.gradient_checkpointing else {}),
+        **({"gradient_checkpointing": True} if gradient_checkpointing else {}),
     )
-    if args.model_init:
+    if model_init:
         trainer = RecordingTrainer(model_init=hf.tiny_gpt2, args=training, train_dataset=data, data_collator=hf.collate)
     else:
         trainer = RecordingTrainer(model=model, args=training, train_dataset=data, data_collator=hf.collate)
-    result = trainer.train(resume_from_checkpoint=True if args.resume else None)
+    result = trainer.train(resume_from_checkpoint=True if resume else None)
     rank = int(os.environ["RANK"])
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"samples-rank{rank}.json").write_text(json.dumps(trained))
     (out / f"checkpointing-rank{rank}.json").write_text(json.dumps(trainer.model.is_gradient_checkpointing))
     offloading = bool(getattr(trainer.model_wrapped.optimizer, "cpu_offload", False))

@@ -1,4 +1,4 @@
-"""PoplarTrainer: the Hugging Face Trainer with an uneven plan, under torchrun, on CPU.
+"""PoplarTrainer: the Hugging Face Trainer with an uneven plan, on forked ranks and under torchrun, on CPU.
 
 3 ranks (one real CPU type, two emulated), a tiny GPT-2 built from its config,
 variable-length padded sequences, the token-mean loss, AdamW and gradient clipping,
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import free_port
+from harness import free_port, run_ranks
 
 pytest.importorskip("transformers", reason="the Hugging Face tests need pip install 'poplar-ext[hf]'")
 
@@ -39,6 +39,7 @@ STAGES = (0, 1, 2, 3)
 
 
 def _config(root: Path, stage: int, checkpointing: list[bool] | None = None, offload: list[bool] | None = None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     cluster = t.write_cluster(root / "cluster.json", fast=1, slow=2, slowdown=1.0)
     plan = t.write_plan(
         root / f"plan{stage}.json",
@@ -96,11 +97,43 @@ def _launch(config: Path, out: Path, *extra: str, ranks: int = 3) -> str:
     return log
 
 
+def _train_runs(runs: list[tuple[str, str, dict]], log_path: str) -> None:
+    """Each ``(deepspeed config, output folder, options)`` trained by `hf_train.train` on these forked ranks;
+    rank 0's log lines (poplar_ext's and the Trainer's) in `log_path`."""
+    import logging
+
+    import hf_train
+    import transformers
+    from accelerate.state import AcceleratorState
+
+    transformers.logging.set_verbosity_info()  # the Trainer's "Total train batch size"
+    if int(os.environ["RANK"]) == 0:
+        handler = logging.FileHandler(log_path)
+        for name in ("poplar_ext", "transformers"):
+            logging.getLogger(name).addHandler(handler)
+            logging.getLogger(name).setLevel(logging.INFO)
+    for config, out, options in runs:
+        AcceleratorState._reset_state(reset_partial_state=False)  # each run its own DeepSpeed plugin
+        hf_train.train(config, Path(out), **options)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The 4 stages, and at ZeRO 2 the plan's per-rank activation checkpointing (also for the models
+    model_init builds) and optimizer offload: 7 Trainer runs on one group of 3 forked ranks (the real
+    launcher is the resume test's)."""
     root = tmp_path_factory.mktemp("hf")
-    logs = {stage: _launch(_config(root, stage), root / f"stage{stage}") for stage in STAGES}
-    return root, logs
+    jobs = [(str(_config(root / f"stage{stage}", stage)), str(root / f"stage{stage}"), {}) for stage in STAGES]
+    variants = {
+        "checkpointing": ({"checkpointing": [False, True, True]}, {"gradient_checkpointing": True}),
+        "model_init": ({"checkpointing": [True, False, False]}, {"model_init": True}),
+        "offload": ({"offload": [False, True, True]}, {}),
+    }
+    for name, (plan_options, train_options) in variants.items():
+        jobs.append((str(_config(root / name, 2, **plan_options)), str(root / name), train_options))
+    run_ranks(_train_runs, world_size=3, tmp_path=root / "ranks", args=(jobs, str(root / "rank0.log")), timeout_s=400)
+    log = (root / "rank0.log").read_text()
+    return root, {stage: log for stage in STAGES}
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -138,28 +171,25 @@ def test_logged_batch_size_and_samples_per_second_are_the_true_global_ones(runs)
     assert "Total train batch size (w. parallel, distributed & accumulation) = 12" in logs[1]
 
 
-def test_each_rank_takes_its_gradient_checkpointing_from_the_plan(tmp_path):
+def test_each_rank_takes_its_gradient_checkpointing_from_the_plan(runs):
     # The slow type recomputes, the fast one does not (ZeRO-2 allows ranks to differ), although
     # the user's arguments ask for it everywhere (through the name transformers 5.24 deprecated).
-    out = tmp_path / "out"
-    _launch(_config(tmp_path, 2, checkpointing=[False, True, True]), out, "--gradient-checkpointing")
+    out = runs[0] / "checkpointing"
     assert [json.loads((out / f"checkpointing-rank{r}.json").read_text()) for r in range(3)] == [False, True, True]
     params = torch.load(out / "params.pt", weights_only=False)
     assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
 
 
-def test_the_models_model_init_builds_take_the_plans_checkpointing(tmp_path):
-    out = tmp_path / "out"
-    _launch(_config(tmp_path, 2, checkpointing=[True, False, False]), out, "--model-init")
+def test_the_models_model_init_builds_take_the_plans_checkpointing(runs):
+    out = runs[0] / "model_init"
     assert [json.loads((out / f"checkpointing-rank{r}.json").read_text()) for r in range(3)] == [True, False, False]
     params = torch.load(out / "params.pt", weights_only=False)
     assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
 
 
-def test_each_rank_takes_its_optimizer_offload_from_the_plan(tmp_path):
+def test_each_rank_takes_its_optimizer_offload_from_the_plan(runs):
     # The slow type keeps the Trainer's AdamW state on the host (ZeRO-2), the fast one on its device.
-    out = tmp_path / "out"
-    _launch(_config(tmp_path, 2, offload=[False, True, True]), out)
+    out = runs[0] / "offload"
     assert [json.loads((out / f"offload-rank{r}.json").read_text()) for r in range(3)] == [False, True, True]
     params = torch.load(out / "params.pt", weights_only=False)
     assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
