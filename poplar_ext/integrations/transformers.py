@@ -441,10 +441,8 @@ class PoplarTrainerMixin:
 
     def _gather_round_rows(self, data: Any) -> Any:
         """Every rank's real rows of this round, rank 0's first (collective; the gather the loop calls)."""
-        from accelerate.utils import recursively_apply
-
         real = self._eval_round.sampler.real_counts(self._eval_round.index)
-        return recursively_apply(lambda tensor: self._gather_rows(tensor, real), data)
+        return _map_tensors(lambda tensor: self._gather_rows(tensor, real), data)
 
     def _gather_rows(self, tensor: torch.Tensor, real: list[int]) -> torch.Tensor:
         if tensor.dim() == 0:
@@ -713,6 +711,17 @@ class _CollateEach:
 
     def __call__(self, micro_batches: list[list[Any]]) -> dict:
         return {MICRO_BATCHES: [self.collator(samples) for samples in micro_batches]}
+
+
+def _map_tensors(fn: Any, data: Any) -> Any:
+    """`data` (tensors in lists, tuples and dicts, as a model's outputs nest them) with `fn` applied to each tensor."""
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, dict):
+        return type(data)({key: _map_tensors(fn, value) for key, value in data.items()})
+    if isinstance(data, (list, tuple)):
+        return type(data)(_map_tensors(fn, value) for value in data)
+    return data
 
 
 def _micro_batches_of(items: list) -> list:
