@@ -444,13 +444,26 @@ class PoplarTrainerMixin:
         real = self._eval_round.sampler.real_counts(self._eval_round.index)
         return _map_tensors(lambda tensor: self._gather_rows(tensor, real), data)
 
-    def _gather_rows(self, tensor: torch.Tensor, real: list[int]) -> torch.Tensor:
+    def gather_round_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+        """A metric gather during a plan's evaluation (``accelerator.gather``'s arguments): every rank's
+        tensors whole, whatever their first dimension, except a padding batch's (collective). Trainer
+        subclasses that gather metrics in ``compute_loss`` (TRL's) are given it there."""
+        real = self._eval_round.sampler.real_counts(self._eval_round.index)
+        whole = [None if count else 0 for count in real]
+        return _map_tensors(lambda tensor: self._gather_rows(tensor, whole), data)
+
+    def _gather_rows(self, tensor: torch.Tensor, keep: list[int | None]) -> torch.Tensor:
+        """Each rank's first ``keep[r]`` rows (None: all), rank 0's first (collective)."""
         if tensor.dim() == 0:
             tensor = tensor[None]
-        rows = self.accelerator.gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
-        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(tensor, dim=0))
+        accelerator = self.accelerator
+        gather = type(accelerator).gather  # the class's: a subclass may have replaced the instance's
+        rows = gather(accelerator, torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+        gathered = gather(accelerator, accelerator.pad_across_processes(tensor, dim=0))
         width = max(rows)
-        kept = [gathered[r * width : r * width + min(n, real[r])] for r, n in enumerate(rows)]
+        kept = [
+            gathered[r * width : r * width + (n if keep[r] is None else min(n, keep[r]))] for r, n in enumerate(rows)
+        ]
         return torch.cat(kept)
 
     # -- the loss ----------------------------------------------------------------------

@@ -24,6 +24,9 @@ in every ``compute_loss``; under a plan, ranks take micro-steps of different siz
 at ZeRO 0-1 different numbers of them per step, so while training each rank keeps its
 own metrics (rank 0's are what the Trainer logs) instead of entering a collective that
 the others reach with other shapes or never. The loss and the gradients are exact.
+Evaluating (``evaluate()``, ``predict()``), every rank runs one batch per round, and
+TRL's metric gathers take every rank's values whole, a padding batch's left out
+(`PoplarTrainerMixin.gather_round_metrics`).
 
 Requires ``pip install 'poplar-ext[trl]'``; this is the only module of poplar-ext that
 imports trl.
@@ -52,14 +55,16 @@ class _LocalMetrics(PoplarTrainerMixin):
 
     @contextlib.contextmanager
     def _metrics_on_this_rank(self) -> Iterator[None]:
-        if not self.model.training:
+        if not self.model.training and self._eval_round is None:
             yield
             return
         # Under a plan, ranks take different numbers of micro-steps of different sizes: a
         # gather per micro-step would pair one rank's k-th micro-step with another's k-th
         # of another optimizer step, wait for one that never comes, or meet other shapes.
-        self.accelerator.gather_for_metrics = _local
-        self.accelerator.gather = _local
+        # Evaluating, every rank runs one batch per round, of its own size: gathered whole.
+        gather = _local if self.model.training else self.gather_round_metrics
+        self.accelerator.gather_for_metrics = gather
+        self.accelerator.gather = gather
         try:
             yield
         finally:

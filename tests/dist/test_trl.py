@@ -135,7 +135,8 @@ def tiny_llama():
 
 def _build(trainer_class, kind: str, args):
     model = tiny_llama()
-    common = dict(model=model, args=args, train_dataset=dataset(kind), processing_class=tokenizer())
+    data = dataset(kind)
+    common = dict(model=model, args=args, train_dataset=data, eval_dataset=data, processing_class=tokenizer())
     if kind == "dpo":
         common["ref_model"] = tiny_llama()
     return trainer_class(**common)
@@ -172,23 +173,26 @@ def _train_cases(configs: dict[int, str], out: str) -> dict:
             deepspeed=configs[stage],
             ddp_backend="gloo",
             per_device_train_batch_size=4,
+            per_device_eval_batch_size=2,
         )
         trainer = _build(Recording, kind, args)
         trainer.train()
+        evaluated = trainer.evaluate()  # rounds of batches of 2 x each rank's plan micro-batch over the smallest
         # The loader reads ahead: the iterations trained are the first STEPS (an item per optimizer step).
         trained = seen[:STEPS]
         results[name] = {
             "params": hf.full_parameters(trainer.model_wrapped),
             "rows": len(trainer.train_dataset),
+            "eval_loss": evaluated["eval_loss"],
             "seen": [i for iteration in trained for batch in iteration for i in batch],
         }
     return results
 
 
-_references: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
+_references: dict[str, tuple[dict[str, torch.Tensor], int, float]] = {}
 
 
-def _reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tensor], int]:
+def _reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tensor], int, float]:
     """`_train_reference`, once per trainer and configuration (the DPO cases share theirs)."""
     key = json.dumps([kind, fields], sort_keys=True)
     if key not in _references:
@@ -196,8 +200,9 @@ def _reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tens
     return _references[key]
 
 
-def _train_reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tensor], int]:
-    """One process, the plain TRL trainer, the stream's global batches in order."""
+def _train_reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tensor], int, float]:
+    """One process, the plain TRL trainer, the stream's global batches in order; then its evaluation of
+    the whole data set in one batch (the loss TRL computes over all of it)."""
     from trl import DPOTrainer, SFTTrainer
 
     from poplar_ext.runtime.data import SampleStream
@@ -211,11 +216,13 @@ def _train_reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torc
 
     _reset_accelerate()
     try:
-        args = _arguments(kind, fields, output_dir=str(out), per_device_train_batch_size=GLOBAL_BATCH)
+        args = _arguments(
+            kind, fields, output_dir=str(out), per_device_train_batch_size=GLOBAL_BATCH, per_device_eval_batch_size=1000
+        )
         trainer = _build(InStreamOrder, kind, args)
         trainer.train()
         params = {name: p.detach().float().clone() for name, p in trainer.model.named_parameters()}
-        return params, len(trainer.train_dataset)
+        return params, len(trainer.train_dataset), trainer.evaluate()["eval_loss"]
     finally:
         _reset_accelerate()
 
@@ -237,7 +244,7 @@ def trained(tmp_path_factory):
 def test_parameters_equal_the_plain_trl_trainer_on_one_process(trained, case):
     root, ranks = trained
     name, kind, _, fields = case
-    expected, rows = _reference(kind, fields, root / f"reference-{name}")
+    expected, rows, _ = _reference(kind, fields, root / f"reference-{name}")
     assert ranks[0][name]["rows"] == rows
     assert t.max_difference(ranks[0][name]["params"], expected) <= 1e-5
 
@@ -249,3 +256,13 @@ def test_every_sample_once(trained, case):
     seen = [i for rank in ranks for i in rank[name]["seen"]]
     stream = t.SampleStream(num_samples=ranks[0][name]["rows"], seed=0)
     assert sorted(seen) == sorted(stream.indices(0, STEPS * GLOBAL_BATCH))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_evaluate_equals_the_plain_trl_trainer_on_the_whole_set(trained, case):
+    # Each rank's batches differ in size (and TRL gathers metrics in compute_loss): every sample
+    # once, the loss the exact mean over the whole set, as one process computes it in one batch.
+    root, ranks = trained
+    name, kind, _, fields = case
+    _, _, expected = _reference(kind, fields, root / f"reference-{name}")
+    assert ranks[0][name]["eval_loss"] == pytest.approx(expected, rel=1e-4)
