@@ -588,6 +588,13 @@ class PoplarTrainerMixin:
             folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
             write_state(folder.parent, folder.name, self._poplar_state())
 
+    def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
+        """The Trainer's, with the loss accumulated since the last log averaged over the ranks first (as its
+        logging does): each rank's loss is its weighted share of the global batch's, not the mean."""
+        total = agree_sums([float(self._tr_loss)], self.args.device)[0]
+        self._tr_loss = torch.full_like(self._tr_loss, total / self.job.world_size)
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; a resumed run is checked against the checkpoint's plan and data order first."""
         if resume_from_checkpoint:

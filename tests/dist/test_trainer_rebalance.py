@@ -127,11 +127,12 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
             _reset_accelerate()
             resumed = _recording_trainer([])(
                 model=hf.tiny_gpt2(),
-                args=_arguments(f"{out}/{stage}", config, save_strategy="no"),
+                # Nothing logged before the end: train_loss is the loss accumulated since the resume.
+                args=_arguments(f"{out}/{stage}", config, save_strategy="no", logging_steps=100),
                 train_dataset=hf.RecordingVarLen(),
                 data_collator=hf.collate,
             )
-            resumed.train(resume_from_checkpoint=f"{out}/{stage}/checkpoint-{SAVE_STEP}")
+            output = resumed.train(resume_from_checkpoint=f"{out}/{stage}/checkpoint-{SAVE_STEP}")
             history = resumed.poplar_engine.plan_history
             result["resumed"] = {
                 "params": hf.full_parameters(resumed.model_wrapped),
@@ -139,7 +140,9 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
                     (r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in history[-1]["plan"]["ranks"]
                 ],
                 "history": [h["start_step"] for h in history],
+                "train_loss": output.metrics["train_loss"],
             }
+            result["losses"] = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
         results[stage] = result
         torch.distributed.barrier()
     return results
@@ -318,3 +321,11 @@ def test_a_drifting_rank_is_re_balanced_inside_the_trainer(tmp_path):
     assert all(r["history"] == first["history"] and r["last"] == after for r in results)
     trained = sorted(i for r in results for i in r["seen"])
     assert trained == sorted(t.SampleStream(num_samples=hf.NUM_SAMPLES, seed=0).indices(0, DRIFT_STEPS * 24))
+
+
+def test_the_final_train_loss_is_the_global_mean_over_the_ranks(switching):
+    # The loss of the steps since the last log (here all of the resumed run's) averaged over the
+    # ranks, as the logged losses are: each rank's own is its weighted share of the global batch's.
+    first = switching[0][1]
+    logged = [first["losses"][step] for step in range(SAVE_STEP + 1, STEPS + 1)]
+    assert first["resumed"]["train_loss"] == pytest.approx(sum(logged) / len(logged), rel=1e-4)
