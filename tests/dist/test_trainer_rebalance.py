@@ -127,8 +127,8 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
             _reset_accelerate()
             resumed = _recording_trainer([])(
                 model=hf.tiny_gpt2(),
-                # Nothing logged before the end: train_loss is the loss accumulated since the resume.
-                args=_arguments(f"{out}/{stage}", config, save_strategy="no", logging_steps=100),
+                # No logging: train_loss is the loss accumulated since the resume.
+                args=_arguments(f"{out}/{stage}", config, save_strategy="no", logging_strategy="no"),
                 train_dataset=hf.RecordingVarLen(),
                 data_collator=hf.collate,
             )
