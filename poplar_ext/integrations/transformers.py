@@ -197,6 +197,19 @@ def _refuse_own_training_data_order(cls: type) -> None:
                 )
 
 
+def _refuse_accumulation_of_accelerate(args: TrainingArguments) -> None:
+    """accelerate's own accumulation count would make the Trainer join that many of the plan's optimizer
+    steps into one (each dataloader item is one optimizer step's micro-batches)."""
+    config = getattr(args, "accelerator_config", None)
+    kwargs = getattr(config, "gradient_accumulation_kwargs", None) or {}
+    if "num_steps" in kwargs:
+        raise ValueError(
+            "TrainingArguments.accelerator_config: gradient_accumulation_kwargs: expected no 'num_steps' with a "
+            f"poplar plan (each rank's accumulation count is the plan's), found num_steps={kwargs['num_steps']}; "
+            "set the global batch in the DeepSpeed config or the poplar section instead"
+        )
+
+
 class PoplarTrainerMixin:
     """Everything `PoplarTrainer` does, for any ``transformers.Trainer`` subclass.
 
@@ -219,6 +232,7 @@ class PoplarTrainerMixin:
                 f"{type(self).__name__}: expected TrainingArguments(deepspeed=...) naming a DeepSpeed config with a "
                 "'poplar' section, found none; use the Trainer without poplar-ext for a run without one"
             )
+        _refuse_accumulation_of_accelerate(args)
         _ = args.device  # reading it makes Hugging Face and accelerate set up the process group
         from poplar_ext.collectives import process_group_rank
 
@@ -276,7 +290,6 @@ class PoplarTrainerMixin:
         self._plan_history = [history_entry(self.plan, start_step=0, data_position=0, reason=self.job.plan_reason)]
         self._reshard_on_resume = False
         self._resume_decision: ResumeDecision | None = None
-        self._eval_samplers: dict[int, EvalBatchSampler] = {}
         self._eval_round: _EvalRound | None = None
 
     @property
@@ -378,7 +391,6 @@ class PoplarTrainerMixin:
         shard = getattr(prepared, "batch_sampler", None)
         if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
             shard.num_processes, shard.process_index = 1, 0  # already this rank's, as for training
-        self._eval_samplers[id(prepared)] = sampler
         return prepared
 
     def evaluation_loop(
@@ -391,13 +403,13 @@ class PoplarTrainerMixin:
     ) -> Any:
         """The Trainer's loop over this rank's rounds; every rank's rows gathered once, in order, and the loss
         the exact mean over the whole data set (token or sample mean, as training counts it)."""
-        sampler = self._eval_samplers.pop(id(dataloader), None)
+        sampler = _eval_sampler_of(dataloader)
         if sampler is None:  # a dataloader of the caller's own: the Trainer's even split
             return super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
         self._eval_round = _EvalRound(sampler=sampler)
-        self.gather_function = self._gather_round_rows
+        self.gather_function = self.gather_round_metrics
         try:
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
@@ -439,15 +451,11 @@ class PoplarTrainerMixin:
 
         return int(find_batch_size(inputs) or 0)
 
-    def _gather_round_rows(self, data: Any) -> Any:
-        """Every rank's real rows of this round, rank 0's first (collective; the gather the loop calls)."""
-        real = self._eval_round.sampler.real_counts(self._eval_round.index)
-        return _map_tensors(lambda tensor: self._gather_rows(tensor, real), data)
-
     def gather_round_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
-        """A metric gather during a plan's evaluation (``accelerator.gather``'s arguments): every rank's
-        tensors whole, whatever their first dimension, except a padding batch's (collective). Trainer
-        subclasses that gather metrics in ``compute_loss`` (TRL's) are given it there."""
+        """The gather during a plan's evaluation (``accelerator.gather``'s arguments): every rank's tensors
+        whole, rank 0's first, whatever their first dimension, except a padding batch's (collective). The
+        evaluation loop's gather; Trainer subclasses that gather metrics in ``compute_loss`` (TRL's) are
+        given it there too."""
         real = self._eval_round.sampler.real_counts(self._eval_round.index)
         whole = [None if count else 0 for count in real]
         return _map_tensors(lambda tensor: self._gather_rows(tensor, whole), data)
@@ -533,6 +541,8 @@ class PoplarTrainerMixin:
             return super().training_step(model, inputs, num_items_in_batch)
         state = self.accelerator.gradient_state
         sync_at_end = state.sync_gradients
+        # What the Trainer and subclasses (TRL's auxiliary losses) read as this step's micro-batch count.
+        self.current_gradient_accumulation_steps = len(micro_batches)
         total = None
         for index, batch in enumerate(micro_batches):
             # accelerate hands this flag to DeepSpeed as the accumulation boundary.
@@ -546,7 +556,16 @@ class PoplarTrainerMixin:
         return sum(super(PoplarTrainerMixin, self).floating_point_ops(b) for b in _micro_batches_of([inputs]))
 
     def _track_num_input_tokens(self, inputs: dict) -> None:
-        for batch in _micro_batches_of([inputs]):
+        """The Trainer's count (a collective) once per optimizer step, over all its micro-batches: ranks
+        run different numbers of them."""
+        batches = _micro_batches_of([inputs])
+        name = getattr(self.model, "main_input_name", "input_ids")
+        if len(batches) > 1 and all(name in b for b in batches):
+            merged = {name: torch.cat([b[name].flatten() for b in batches])}
+            if all("attention_mask" in b for b in batches):
+                merged["attention_mask"] = torch.cat([b["attention_mask"].flatten() for b in batches])
+            batches = [merged]
+        for batch in batches:
             super()._track_num_input_tokens(batch)
 
     def _loss_is_token_normalised(self, num_items_in_batch: Any) -> bool:
@@ -660,10 +679,22 @@ class PoplarTrainerMixin:
             prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
             self._load_resharded(resume_from_checkpoint)
         self._wrap_engine()
-        if resume_from_checkpoint is not None and self._resume_decision is not None:
-            # The Trainer moves its dataloader itself (set_epoch, then it skips the epoch's trained steps).
-            self.poplar_engine.continue_from(self._resume_decision, position_samplers=False)
+        if resume_from_checkpoint is not None:
+            self._position_for_resume()
         return prepared
+
+    def _position_for_resume(self) -> None:
+        """Start the plan's sampler at the first iteration of the epoch the Trainer resumes in: the Trainer
+        then skips that epoch's trained steps (accelerate's skip_first_batches), through a wrapper its own
+        ``set_epoch`` does not reach."""
+        if self._train_sampler is None:
+            return
+        step = self.state.global_step
+        iterations = self._train_sampler.iterations_per_pass
+        if iterations:
+            self._train_sampler.set_epoch(step // iterations)
+        if self._resume_decision is not None and self.poplar_engine is not None:
+            self.poplar_engine.continue_from(self._resume_decision, position_samplers=False, next_iteration=step)
 
     def _wrap_engine(self) -> None:
         """Put a `PoplarEngine` between accelerate and the DeepSpeed engine the Trainer just built (the
@@ -731,6 +762,16 @@ class _CollateEach:
 
     def __call__(self, micro_batches: list[list[Any]]) -> dict:
         return {MICRO_BATCHES: [self.collator(samples) for samples in micro_batches]}
+
+
+def _eval_sampler_of(loader: Any) -> EvalBatchSampler | None:
+    """The plan's evaluation sampler under a prepared dataloader's wrappers, or None."""
+    sampler = getattr(loader, "batch_sampler", None)
+    for _ in range(3):  # accelerate's shard wrapper, and its skip wrapper
+        if sampler is None or isinstance(sampler, EvalBatchSampler):
+            return sampler
+        sampler = getattr(sampler, "batch_sampler", None)
+    return None
 
 
 def _map_tensors(fn: Any, data: Any) -> Any:

@@ -407,6 +407,11 @@ class PoplarEngine:
         """
         from poplar_ext.collectives import broadcast_from_rank0, gather_objects
 
+        if self.poplar_config.drop_last:  # the same on every rank: one config
+            raise ValueError(
+                "rebalance_to: expected poplar.drop_last false, found true: a switch starts at a stream "
+                "position, which drop_last's skipped epoch tails break; set drop_last false to switch plans"
+            )
         chosen = plan_from_dict(broadcast_from_rank0(plan_to_dict(plan)), source="<plan from rank 0>")
         self.check_switch(chosen)  # the same verdict on every rank: rank 0's plan
         position = max(gather_objects(self.data_reached))
@@ -596,11 +601,14 @@ class PoplarEngine:
         self.continue_from(decision)
         return path, client_state
 
-    def continue_from(self, decision: ResumeDecision, *, position_samplers: bool = True) -> None:
+    def continue_from(
+        self, decision: ResumeDecision, *, position_samplers: bool = True, next_iteration: int | None = None
+    ) -> None:
         """Continue from a checkpoint as `decision` says: its data position, samples, plan history, and its
         last plan when the run had switched (every rank alike). `load_checkpoint` calls it; so does a trainer
         that loads the DeepSpeed checkpoint itself (`poplar_ext.integrations.transformers`), with
-        `position_samplers` False when it moves its dataloader to the position itself."""
+        `position_samplers` False when it moves its dataloader to the position itself, its first sampler's
+        `next_iteration` then (for `data_position`)."""
         self.consumed_samples = decision.consumed_samples
         self._restored_position, self._steps_since_restore = decision.data_position, 0
         if position_samplers:
@@ -608,7 +616,8 @@ class PoplarEngine:
                 sampler.set_position(decision.data_position)
             if self._samplers:
                 self._first_sampler_base = self._samplers[0].next_iteration
-        # Otherwise the caller positions its dataloader and saves its own data position (the Trainer does).
+        elif next_iteration is not None:
+            self._first_sampler_base = next_iteration
         self.plan_history = decision.plan_history or self.plan_history
         if decision.continue_plan is not None:
             plan = plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")

@@ -280,6 +280,18 @@ def job_rebalancer(job: Job) -> Rebalancer | None:
     config = job.poplar_config
     if config.rebalance.enabled is False:
         return None
+    if config.drop_last:
+        # With drop_last an epoch's last positions are not trained, so iterations do not start a global
+        # batch apart, which a switch's position (agreed from how far each rank's data has gone) assumes.
+        if config.rebalance.enabled:
+            raise ValueError(
+                f"{job.source}: poplar.rebalance.enabled: expected false (or auto, which turns it off) with "
+                "poplar.drop_last true, found true: re-balancing switches plans at stream positions, which "
+                "drop_last's skipped epoch tails break; set drop_last false to re-balance"
+            )
+        if job.rank == 0:
+            logger.info("poplar rebalance (auto): off for this job: poplar.drop_last is true")
+        return None
     from poplar_ext.runtime.planning import load_rebalance_inputs
 
     loaded: dict[str, Any] = {}

@@ -31,7 +31,7 @@ SWITCHES = {
     3: {1: [(3, 2), (2, 2), (1, 2)]},
 }
 STEPS = 7
-SAVE_STEP = 5
+SAVE_STEP = 6  # in the second epoch (5 iterations each): the resume skips into it
 
 
 def _arguments(out: str, config: str, **extra):
@@ -59,6 +59,25 @@ def _reset_accelerate() -> None:
     AcceleratorState._reset_state(reset_partial_state=False)
 
 
+class _Recorder:
+    """Passes a batch sampler's items through and remembers them; forwards set_epoch (which the Trainer
+    calls on the batch sampler under accelerate's shard wrapper) and nothing else, as the plan's own."""
+
+    def __init__(self, inner, seen: list):
+        self.inner, self.seen = inner, seen
+
+    def __iter__(self):
+        for item in self.inner:
+            self.seen.append(item)
+            yield item
+
+    def __len__(self):
+        return len(self.inner)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+
 def _recording_trainer(seen: list):
     from poplar_ext.integrations.transformers import PoplarTrainer
 
@@ -66,7 +85,7 @@ def _recording_trainer(seen: list):
         def get_train_dataloader(self):
             loader = super().get_train_dataloader()
             shard = loader.batch_sampler
-            shard.batch_sampler = t.RecordingSampler(shard.batch_sampler, seen)
+            shard.batch_sampler = _Recorder(shard.batch_sampler, seen)
             return loader
 
     return Recording
@@ -105,7 +124,13 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
         ref: list = []
         trainer = _recording_trainer(seen)(
             model=hf.tiny_gpt2(),
-            args=_arguments(f"{out}/{stage}", config, save_strategy="steps", save_steps=SAVE_STEP),
+            args=_arguments(
+                f"{out}/{stage}",
+                config,
+                save_strategy="steps",
+                save_steps=SAVE_STEP,
+                include_num_input_tokens_seen="non_padding",
+            ),
             train_dataset=hf.RecordingVarLen(),
             data_collator=hf.collate,
             callbacks=[_switching_callback(ref, template, SWITCHES[stage])],
@@ -120,12 +145,15 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
             "last": [(r.micro_batch_size, r.gradient_accumulation_steps) for r in trainer.plan.ranks],
             "learning_rates": learning_rates,
             "steps": trainer.state.global_step,
+            "tokens_seen": trainer.state.num_input_tokens_seen,
         }
         if stage == 1:
             result["eval"] = _evaluate(trainer)
             # Resumed from the checkpoint taken after the first switch: it continues under that plan.
             _reset_accelerate()
-            resumed = _recording_trainer([])(
+            resumed_seen: list = []
+            skipped = SAVE_STEP % -(-hf.NUM_SAMPLES // GLOBAL_BATCH)  # iterations of its epoch before the checkpoint
+            resumed = _recording_trainer(resumed_seen)(
                 model=hf.tiny_gpt2(),
                 # No logging: train_loss is the loss accumulated since the resume.
                 args=_arguments(f"{out}/{stage}", config, save_strategy="no", logging_strategy="no"),
@@ -141,6 +169,13 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
                 ],
                 "history": [h["start_step"] for h in history],
                 "train_loss": output.metrics["train_loss"],
+                # The Trainer skips the epoch's trained iterations through the sampler (they pass the recorder).
+                "seen": [
+                    i
+                    for iteration in resumed_seen[skipped : skipped + STEPS - SAVE_STEP]
+                    for batch in iteration
+                    for i in batch
+                ],
             }
             result["losses"] = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
         results[stage] = result
@@ -329,3 +364,16 @@ def test_the_final_train_loss_is_the_global_mean_over_the_ranks(switching):
     first = switching[0][1]
     logged = [first["losses"][step] for step in range(SAVE_STEP + 1, STEPS + 1)]
     assert first["resumed"]["train_loss"] == pytest.approx(sum(logged) / len(logged), rel=1e-4)
+
+
+def test_a_resume_inside_a_later_epoch_continues_the_data_where_it_stopped(switching):
+    resumed = [i for r in switching for i in r[1]["resumed"]["seen"]]
+    stream = t.SampleStream(num_samples=hf.NUM_SAMPLES, seed=0)
+    assert sorted(resumed) == sorted(stream.indices(SAVE_STEP * GLOBAL_BATCH, (STEPS - SAVE_STEP) * GLOBAL_BATCH))
+
+
+def test_input_tokens_seen_are_counted_once_per_optimizer_step(switching):
+    # include_num_input_tokens_seen gathers in every step; ranks run different numbers of micro-batches.
+    data = hf.RecordingVarLen()
+    stream = t.SampleStream(num_samples=hf.NUM_SAMPLES, seed=0).indices(0, STEPS * GLOBAL_BATCH)
+    assert switching[0][1]["tokens_seen"] == sum(len(data.items[i]) for i in stream)
