@@ -38,7 +38,8 @@ LOOP_TEXT = {
     "plain": "poplar_ext.initialize and a hand-written loop on the demo's toy GPT, one plan file searched on profiles "
     "measured first; iteration time from a barrier to the rank's last optimizer step, the slowest rank's",
     "trainer": "PoplarTrainer (transformers.Trainer) on a GPT-2 of the same shape from GPT2Config (random weights), "
-    "in its automatic mode (profiles measured by the first run, the plan searched at the start of every run); "
+    "in its automatic mode (profiles from the cache, measured by the first run where missing; the plan searched at "
+    "the start of every run); "
     "iteration time: PoplarEngine.last_iteration_time_s (optimizer step to optimizer step, the Trainer's own "
     "per-step work included), the slowest rank's",
 }
@@ -68,7 +69,7 @@ class DriftSettings(DemoSettings):
     loop: str = "plain"
     """What trains: ``plain``, `poplar_ext.initialize` and a hand-written loop on the demo's toy GPT, from
     a plan searched on profiles measured first; ``trainer``, `PoplarTrainer` on a GPT-2 of the same shape
-    (``GPT2Config``, random weights) in its automatic mode (profiles measured by the first run, then cached;
+    (``GPT2Config``, random weights) in its automatic mode (profiles measured by the first run where not cached;
     the plan searched at start)."""
 
     def __post_init__(self) -> None:
