@@ -379,9 +379,16 @@ def add_drift_parser(subparsers: argparse._SubParsersAction) -> None:
         "--factor times slower from step --drift-at to --recover-at. Four runs in one launch (static and adaptive, "
         "with and without the drift); per-iteration samples/s against the ideal of that moment, re-plans, and the "
         "re-balancing's own cost. Writes drift.json, drift.md and drift.png (bench/drift.py). About 6-8 minutes on a "
-        "2-core VM with the demo's profiles cached.",
+        "2-core VM with the demo's profiles cached. With --trainer the runs go through PoplarTrainer "
+        "(drift_trainer.*).",
     )
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.add_argument(
+        "--trainer",
+        action="store_true",
+        help="train through PoplarTrainer (the Hugging Face Trainer) on a GPT-2 of the demo model's shape, in its "
+        "automatic mode; writes drift_trainer.json, .md and .png (bench/drift_trainer.py; needs the hf extra)",
+    )
     p.add_argument(
         "--factor", type=float, default=defaults.factor, help=f"slowdown of the drift (default {defaults.factor})"
     )
@@ -409,7 +416,12 @@ def add_drift_parser(subparsers: argparse._SubParsersAction) -> None:
         default=defaults.check_interval_steps,
         help=f"poplar.rebalance.check_interval_steps (default {defaults.check_interval_steps})",
     )
-    p.add_argument("--cache-dir", type=Path, default=None, help="the demo's profile cache (default: the demo's)")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="the demo's profile cache (default: the demo's; with --trainer its trainer/ folder)",
+    )
     p.set_defaults(run=_run_drift)
 
 
@@ -425,12 +437,14 @@ def _run_drift(args: argparse.Namespace) -> int:
             check_interval_steps=args.check_interval_steps,
             cache_dir=args.cache_dir,
             timeout_s=1800.0,
+            loop="trainer" if args.trainer else "plain",
         )
     except ValueError as exc:
         print(f"poplar-bench drift: error: {exc}", file=sys.stderr)
         return 2
+    name = "drift_trainer" if args.trainer else "drift"
     _warn_if_no_figure("drift")
-    for path in drift.run_drift(settings, out_dir=args.output_dir or default_output_dir()):
+    for path in drift.run_drift(settings, out_dir=args.output_dir or default_output_dir(), name=name):
         print(path)
     return 0
 

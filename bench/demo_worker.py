@@ -538,22 +538,34 @@ def standalone_sizes(profile: Profile) -> list[int]:
     return sorted({best, profile.max_micro_batch_size})
 
 
-def measure_standalone(settings: DemoSettings, cluster: Cluster, rank: int, profile: Profile) -> list[dict[str, Any]]:
+def measure_standalone(
+    settings: DemoSettings,
+    cluster: Cluster,
+    rank: int,
+    profile: Profile,
+    *,
+    model: torch.nn.Module | None = None,
+    make_batch: Callable[[int], Any] | None = None,
+) -> list[dict[str, Any]]:
     """This rank's micro-step time on its own (forward + backward, emulated slowdown, no
     communication, so no waiting for other ranks), `settings.standalone_repeats` times
-    after one warm-up per size.
+    after one warm-up per size. The demo's toy GPT and batches unless `model` and
+    ``make_batch(size)`` are given (a batch the model takes as the profiler gives it: see
+    `poplar_ext.profiler.measure.default_loss`).
 
     All ranks measure at the same time, as they train: the machine's shared caches
     and memory bandwidth are then as busy as during training, and the ideal is
     comparable with the training runs.
     """
     from poplar_ext.hardware.emulation import ComputeSlowdown, emulation_for_rank
+    from poplar_ext.profiler.measure import default_loss, move_to_device
 
     device = rank_device()
     slowdown = ComputeSlowdown(emulation_for_rank(cluster, rank), clock="cuda" if device.type == "cuda" else "thread")
-    model = _make_model(settings).to(device)
+    model = (model if model is not None else _make_model(settings)).to(device)
+    make_batch = make_batch or (lambda size: _batch(settings, size))
     sizes = standalone_sizes(profile)
-    batches = {size: _batch(settings, size).to(device) for size in sizes}
+    batches = {size: move_to_device(make_batch(size), device) for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}
     # One size at a time, as the profiler and training run them: the first steps
     # after a change of size are slower (memory and caches laid out for the other),
@@ -563,7 +575,7 @@ def measure_standalone(settings: DemoSettings, cluster: Cluster, rank: int, prof
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             with slowdown:
-                model(batches[size]).backward()
+                default_loss(model, batches[size]).backward()
             if repeat:  # the first is a warm-up
                 times[size].append(time.perf_counter() - start)
     dist.barrier()

@@ -18,6 +18,7 @@ and it never re-plans.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -31,6 +32,18 @@ from .demo_config import DemoSettings
 
 RUNS = ("static-drift", "adaptive-drift", "static-steady", "adaptive-steady")
 """(policy, scenario) pairs in the order they run."""
+LOOPS = ("plain", "trainer")
+"""`DriftSettings.loop`'s values."""
+LOOP_TEXT = {
+    "plain": "poplar_ext.initialize and a hand-written loop on the demo's toy GPT, one plan file searched on profiles "
+    "measured first; iteration time from a barrier to the rank's last optimizer step, the slowest rank's",
+    "trainer": "PoplarTrainer (transformers.Trainer) on a GPT-2 of the same shape from GPT2Config (random weights), "
+    "in its automatic mode (profiles from the cache, measured by the first run where missing; the plan searched at "
+    "the start of every run); "
+    "iteration time: PoplarEngine.last_iteration_time_s (optimizer step to optimizer step, the Trainer's own "
+    "per-step work included), the slowest rank's",
+}
+"""What trained, per `DriftSettings.loop`."""
 SHARE_GOAL = 0.9
 COST_GOAL = 0.01
 
@@ -53,9 +66,16 @@ class DriftSettings(DemoSettings):
     threshold: float = 0.2
     min_gain: float = 0.05
     sustained_checks: int = 2
+    loop: str = "plain"
+    """What trains: ``plain``, `poplar_ext.initialize` and a hand-written loop on the demo's toy GPT, from
+    a plan searched on profiles measured first; ``trainer``, `PoplarTrainer` on a GPT-2 of the same shape
+    (``GPT2Config``, random weights) in its automatic mode (profiles measured by the first run where not cached;
+    the plan searched at start)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.loop not in LOOPS:
+            raise ValueError(f"loop: expected one of {', '.join(LOOPS)}, found {self.loop!r}")
         if not 0 <= self.drift_rank < len(self.devices):
             raise ValueError(f"drift_rank: expected 0..{len(self.devices) - 1}, found {self.drift_rank}")
         if not self.factor >= 1.0:
@@ -65,6 +85,12 @@ class DriftSettings(DemoSettings):
                 "drift_at, recover_at, drift_iterations: expected 0 < drift_at < recover_at <= drift_iterations, found "
                 f"{self.drift_at}, {self.recover_at}, {self.drift_iterations}"
             )
+
+    def cache_root(self) -> Path:
+        """The demo's cache, or for the Trainer its ``trainer`` folder: its GPT-2 ranks carry transformers, so
+        the emulated capacities (set above a measured baseline) and the profiles are kept apart from the demo's."""
+        root = super().cache_root()
+        return root / "trainer" if self.loop == "trainer" and self.cache_dir is None else root
 
     def schedule(self, base_slowdown: float) -> list[list[float]]:
         return [
@@ -89,14 +115,19 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
     from . import demo_worker
 
     rank = dist.get_rank()
+    trainer = settings.loop == "trainer"
+    if trainer:
+        # Imported by each rank, not before the fork, and before the memory baseline is measured: a forked rank's
+        # resident memory holds only the parent's pages it has touched since, and the Trainer touches many.
+        from poplar_ext.integrations import transformers  # noqa: F401
     plain_path = work / "cluster.json"
     cluster = demo_worker.agreed_cluster(settings, plain_path)
     _say(
         rank,
-        f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} (cache: "
-        f"{settings.profiles_dir()})",
+        f"{'PoplarTrainer profiles' if trainer else 'profiling'} {', '.join(cluster.type_counts())} at ZeRO stage "
+        f"{settings.zero_stage}{' in its first run' if trainer else ''} (cache: {settings.profiles_dir()})",
     )
-    profiles, _ = demo_worker.profile_devices(settings, plain_path)
+    profiles = [] if trainer else demo_worker.profile_devices(settings, plain_path)[0]
     drifting_path = work / "cluster-drift.json"
     if rank == 0:
         data = cluster_to_dict(cluster)
@@ -104,14 +135,21 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
         emulation = data["device_types"][drifting_type]["emulation"]
         emulation["slowdown_schedule"] = settings.schedule(emulation["slowdown"])
         save_cluster(cluster_from_dict(data), drifting_path)
-        _write_plan(settings, profiles, cluster, work / "plan.json")
+        if not trainer:
+            _write_plan(settings, profiles, cluster, work / "plan.json")
     dist.barrier()
 
+    if trainer:
+        from . import drift_trainer
+
+        train = drift_trainer.train
+    else:
+        train = _train
     runs = {}
     for run in RUNS:
         policy, scenario = run.split("-")
         _say(rank, f"{run}: {settings.drift_iterations} iterations")
-        runs[run] = _train(
+        runs[run] = train(
             settings,
             work,
             cluster_path=drifting_path if scenario == "drift" else plain_path,
@@ -119,8 +157,11 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
         )
     _say(rank, "measuring each rank's standalone throughput (the ideal)")
     device_type = cluster.rank_device_types[rank]
-    profile = next(p for p in profiles if p.device_type == device_type)
-    standalone = demo_worker.measure_standalone(settings, cluster, rank, profile)
+    if trainer:
+        standalone = drift_trainer.measure_standalone(settings, cluster, rank)
+    else:
+        profile = next(p for p in profiles if p.device_type == device_type)
+        standalone = demo_worker.measure_standalone(settings, cluster, rank, profile)
     dist.barrier()
     return {
         "rank": rank,
@@ -160,19 +201,8 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
 
     config = demo_worker.deepspeed_config(settings)
     config["poplar"] = {
-        "cluster": str(cluster_path),
+        **poplar_section(settings, cluster_path=cluster_path, adaptive=adaptive),
         "plan": str(work / "plan.json"),
-        "profiles": str(settings.profiles_dir()),
-        "cpu_threads": 1,
-        "steady_cpu_allocator": True,
-        "log_interval_steps": 0,
-        "rebalance": {
-            "enabled": adaptive,
-            "check_interval_steps": settings.check_interval_steps,
-            "threshold": settings.threshold,
-            "min_gain": settings.min_gain,
-            "sustained_checks": settings.sustained_checks,
-        },
     }
     model = demo_worker._make_model(settings)
     engine, _, _, _ = poplar_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -183,19 +213,7 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
         seed=settings.seed,
     )
     loader = torch.utils.data.DataLoader(data, batch_sampler=engine.create_batch_sampler(len(data)))
-    hook_s = [0.0]
-    rebalancer = engine._rebalancer
-    if rebalancer is not None:
-        original = rebalancer.after_step
-
-        def timed_after_step(*args: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*args)
-            finally:
-                hook_s[0] += time.perf_counter() - start
-
-        rebalancer.after_step = timed_after_step
+    hook_s = timed_rebalancing(engine)
     iteration_s: list[float] = []
     stream = iter(())
     warmup = 1
@@ -214,7 +232,55 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
             iteration_s.append(time.perf_counter() - start)
         if index == warmup - 1:
             hook_s[0] = 0.0
-    history = [
+    return {
+        "iteration_s": iteration_s,
+        "rebalance_hook_s": hook_s[0],
+        "history": plan_history(engine),
+        "warmup_iterations": warmup,
+    }
+
+
+def poplar_section(settings: DriftSettings, *, cluster_path: Path, adaptive: bool) -> dict[str, Any]:
+    """What every run's ``poplar`` section says: the cluster, the profiles re-balancing re-plans from, one
+    thread and a steady allocator (as the profiler measured), ``poplar.rebalance`` on (adaptive) or off."""
+    return {
+        "cluster": str(cluster_path),
+        "profiles": str(settings.profiles_dir()),
+        "cpu_threads": 1,
+        "steady_cpu_allocator": True,
+        "log_interval_steps": 0,
+        "rebalance": {
+            "enabled": adaptive,
+            "check_interval_steps": settings.check_interval_steps,
+            "threshold": settings.threshold,
+            "min_gain": settings.min_gain,
+            "sustained_checks": settings.sustained_checks,
+        },
+    }
+
+
+def timed_rebalancing(engine: Any) -> list[float]:
+    """``[seconds]`` that grows by the time of each call of the engine's re-balancing hook (with its
+    collectives); stays 0 when re-balancing is off. Reset it to leave out the warm-up."""
+    hook_s = [0.0]
+    rebalancer = engine.rebalancer
+    if rebalancer is not None:
+        original = rebalancer.after_step
+
+        def timed_after_step(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args)
+            finally:
+                hook_s[0] += time.perf_counter() - start
+
+        rebalancer.after_step = timed_after_step
+    return hook_s
+
+
+def plan_history(engine: Any) -> list[dict[str, Any]]:
+    """The engine's plans: where each started, why, and its (micro-batch, accumulation count) per rank."""
+    return [
         {
             "start_step": h["start_step"],
             "reason": h["reason"],
@@ -222,7 +288,6 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
         }
         for h in engine.plan_history
     ]
-    return {"iteration_s": iteration_s, "rebalance_hook_s": hook_s[0], "history": history, "warmup_iterations": warmup}
 
 
 # ----------------------------------------------------------------------------------
@@ -309,6 +374,8 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
         "kind": "drift",
         "devices": "emulated CPU ranks (real DeepSpeed ZeRO, gloo); the ideal from each rank's measured standalone "
         "throughput, the drifted rank's divided by its factor",
+        "loop": LOOP_TEXT[settings.loop],
+        "model": dataclasses.asdict(settings.model),
         "settings": {
             k: (str(v) if isinstance(v, Path) else v)
             for k, v in dataclasses.asdict(settings).items()
@@ -325,6 +392,7 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
                 "sustained_checks",
                 "global_batch_size",
                 "zero_stage",
+                "loop",
             )
         },
         "device_types": [r["device_type"] for r in rank_results],
@@ -337,8 +405,10 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
 def render_markdown(summary: dict[str, Any]) -> str:
     s = summary["settings"]
     lines = [
-        "# Drift: static poplar against adaptive re-balancing",
+        "# Drift: static poplar against adaptive re-balancing"
+        + (" through the Hugging Face Trainer" if s.get("loop") == "trainer" else ""),
         "",
+        *_provenance_lines(summary),
         (
             f"Devices: {summary['devices']}. Rank {s['drift_rank']} ({summary['device_types'][s['drift_rank']]}) runs "
             f"{s['factor']}x slower from optimizer step {s['drift_at']} to {s['recover_at']}; ZeRO stage "
@@ -388,6 +458,30 @@ def render_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _provenance_lines(summary: dict[str, Any]) -> list[str]:
+    """What trained, on which machine and under what load (reports before these were recorded have none)."""
+    lines = []
+    if "loop" in summary:
+        m = summary["model"]
+        lines += [
+            f"Training: {summary['loop']}. Model: {m['num_layers']} layers, width {m['hidden_size']}, "
+            f"{m['num_heads']} heads, {m['sequence_length']} tokens, vocabulary {m['vocab_size']}.",
+            "",
+        ]
+    machine = summary.get("machine")
+    if machine:
+        load = " / ".join(f"{x:.1f}" for x in summary["load_average_at_start"])
+        end = " / ".join(f"{x:.1f}" for x in machine["load_average"])
+        lines += [
+            f"Machine: {machine['hostname']} ({machine['cpu']}, {machine['usable_cpus']} usable CPUs, GPUs: "
+            f"{machine.get('gpus') or 'none'}), shared "
+            f"with other work: load average (1 / 5 / 15 min) {load} at the start, {end} at the end; the run took "
+            f"{summary['total_s']:.0f} s.",
+            "",
+        ]
+    return lines
+
+
 def render_figure(summary: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -404,7 +498,8 @@ def render_figure(summary: dict[str, Any], path: Path) -> None:
     )
     axis.set_xlabel("iteration")
     axis.set_ylabel("samples/s")
-    axis.set_title("Drift on emulated CPU ranks: static poplar vs adaptive re-balancing")
+    through = " (PoplarTrainer)" if summary["settings"].get("loop") == "trainer" else ""
+    axis.set_title(f"Drift on emulated CPU ranks{through}: static poplar vs adaptive re-balancing")
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -416,9 +511,10 @@ def run_drift(settings: DriftSettings, *, out_dir: Path, name: str = "drift") ->
     import tempfile
 
     from . import demo
-    from .report import figure_available
+    from .report import figure_available, machine_description
 
     started = time.perf_counter()
+    load_at_start = list(os.getloadavg())
     demo._preimport()
     with tempfile.TemporaryDirectory(prefix="poplar-drift-") as tmp:
         rank_results = demo.run_ranks(settings, Path(tmp), target=_run_rank, pg_timeout_s=300.0)
@@ -427,6 +523,8 @@ def run_drift(settings: DriftSettings, *, out_dir: Path, name: str = "drift") ->
     write_json_atomic(rank_results, out_dir / f"{name}.ranks.json")
     summary = summarize(settings, rank_results)
     summary["total_s"] = time.perf_counter() - started
+    summary["load_average_at_start"] = load_at_start
+    summary["machine"] = machine_description()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
     write_json_atomic(summary, paths[0])

@@ -199,6 +199,12 @@ class PoplarEngine:
         slowdown, or, when re-balancing is on, a timer that only measures."""
         return self._slowdown
 
+    @property
+    def rebalancer(self) -> Rebalancer | None:
+        """The job's re-balancing (``poplar.rebalance``), None when off: its ``after_step`` runs at every
+        optimizer step, and on rank 0 its ``monitor`` holds the drift checks."""
+        return self._rebalancer
+
     def _follow_slowdown_schedule(self, optimizer_step: int) -> None:
         timer = self._slowdown
         if timer is not None and timer.emulation is not None and timer.emulation.slowdown_schedule:

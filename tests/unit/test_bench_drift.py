@@ -85,3 +85,40 @@ def test_a_slow_adaptive_run_misses_the_goal():
 def test_the_drift_command_refuses_a_schedule_that_ends_before_it_starts(capsys):
     assert bench_main(["drift", "--drift-at", "10", "--recover-at", "5"]) == 2
     assert "expected 0 < drift_at < recover_at" in capsys.readouterr().err
+
+
+def test_drift_trainer_runs_through_the_trainer_into_its_own_report_and_cache(tmp_path, monkeypatch):
+    from poplar_bench import drift
+
+    called = {}
+
+    def no_run(settings, *, out_dir, name):
+        called.update(settings=settings, out_dir=out_dir, name=name)
+        return []
+
+    monkeypatch.setattr(drift, "run_drift", no_run)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert bench_main(["drift", "--trainer", "--output-dir", str(tmp_path / "out")]) == 0
+    assert called["name"] == "drift_trainer" and called["settings"].loop == "trainer"
+    # The Trainer's ranks carry transformers: their emulated capacities and profiles are not the demo's.
+    assert called["settings"].profiles_dir() == tmp_path / "poplar-ext" / "demo" / "trainer" / "profiles"
+    assert bench_main(["drift", "--output-dir", str(tmp_path / "out")]) == 0
+    assert called["name"] == "drift" and called["settings"].loop == "plain"
+    assert called["settings"].profiles_dir() == tmp_path / "poplar-ext" / "demo" / "profiles"
+
+
+def test_the_report_says_what_trained_and_on_which_machine():
+    settings = DriftSettings(drift_at=4, recover_at=12, drift_iterations=16, check_interval_steps=2, loop="trainer")
+    steady = [settings.global_batch_size / 160.0] * 16
+    summary = summarize(settings, _rank_results(settings, {run: steady for run in RUNS}))
+    summary.update(
+        total_s=95.0,
+        load_average_at_start=[2.5, 2.0, 1.5],
+        machine={"hostname": "vm", "cpu": "AMD EPYC", "usable_cpus": 2, "gpus": None, "load_average": [3.0, 2.2, 1.6]},
+    )
+    text = render_markdown(summary)
+    assert text.startswith("# Drift: static poplar against adaptive re-balancing through the Hugging Face Trainer")
+    assert "Training: PoplarTrainer" in text and "4 layers, width 128" in text
+    assert "load average (1 / 5 / 15 min) 2.5 / 2.0 / 1.5 at the start, 3.0 / 2.2 / 1.6 at the end" in text
+    with pytest.raises(ValueError, match="loop: expected one of plain, trainer"):
+        DriftSettings(loop="accelerate")
