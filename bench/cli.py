@@ -500,6 +500,13 @@ def add_search_speed_parser(subparsers: argparse._SubParsersAction) -> None:
         "writes search_speed.json and search_speed.md (bench/search_speed.py).",
     )
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed repeats per cell (default 5)")
+    p.add_argument(
+        "--lever-problems",
+        type=_positive_int,
+        default=None,
+        help="seeded problems (seeds 0..N-1) of the memory-lever cells, 8 types x 4 variants x 4096 ranks "
+        "(default: seed 0 only)",
+    )
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
     p.set_defaults(run=_run_search_speed)
 
@@ -507,7 +514,8 @@ def add_search_speed_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_search_speed(args: argparse.Namespace) -> int:
     from . import search_speed
 
-    result = search_speed.run_search_speed(repeats=args.repeats)
+    more = {} if args.lever_problems is None else {"lever_seeds": tuple(range(args.lever_problems))}
+    result = search_speed.run_search_speed(repeats=args.repeats, **more)
     for path in search_speed.write_report(result, args.output_dir or default_output_dir()) or []:
         print(path)
     return 0
