@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from poplar_bench.cli import build_parser
@@ -136,6 +138,27 @@ def test_the_predictions_command_draws_by_default_and_runs_the_fixed_cases_on_re
     args = build_parser().parse_args(["predictions", "--seed", "5", "--cases", "4"])
     assert (args.seed, args.cases, args.fixed, args.rounds) == (5, 4, False, 3)
     assert build_parser().parse_args(["predictions", "--fixed"]).fixed is True
+
+
+def test_the_demo_checks_its_profiles_at_poplars_sizes_only():
+    from poplar_bench.demo_worker import calibration_sizes
+    from poplar_ext.profiler.calibration import plan_sizes
+    from poplar_search import search_plan
+    from poplar_search.synthetic import simple_cluster, synthetic_profile
+
+    profiles = [
+        synthetic_profile(t, zero_stage=1, max_micro_batch_size=48, overhead_s=0.01, seconds_per_sample=s)
+        for t, s in (("fast", 0.001), ("slow", 0.004))
+    ]
+    cluster = simple_cluster({"fast": 1, "slow": 1})
+    results = {
+        policy: search_plan(profiles, cluster, global_batch_size=150, zero_stage=1, policy=policy)
+        for policy in ("uniform", "proportional", "poplar")
+    }
+    assert calibration_sizes(results) == plan_sizes([results["poplar"].plan])
+    assert plan_sizes([r.plan for r in results.values()]) != calibration_sizes(results), "the policies differ"
+    without = {**results, "poplar": dataclasses.replace(results["poplar"], plan=None)}
+    assert calibration_sizes(without) == plan_sizes([results["uniform"].plan, results["proportional"].plan])
 
 
 def test_the_calibration_report_says_what_the_check_cost_and_found():
