@@ -621,6 +621,13 @@ def add_calibration_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--rounds", type=_positive_int, default=2, help="rounds per run (default 2)")
     p.add_argument("--cache-dir", type=Path, default=None, help="the profile cache (default: a fresh temporary one)")
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="only the check's cost: the demo's ranks profile once, then run the start-up check --repeats times "
+        "(calibration_check.json and .md; about a minute)",
+    )
+    p.add_argument("--repeats", type=_positive_int, default=3, help="checks timed with --check-only (default 3)")
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
     p.set_defaults(run=_run_calibration)
 
@@ -628,9 +635,11 @@ def add_calibration_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_calibration(args: argparse.Namespace) -> int:
     from . import calibration_cost
 
-    paths = calibration_cost.run_calibration_check(
-        out_dir=args.output_dir or default_output_dir(), rounds=args.rounds, cache_dir=args.cache_dir
-    )
+    out_dir = args.output_dir or default_output_dir()
+    if args.check_only:
+        paths = calibration_cost.run_check_cost(out_dir=out_dir, repeats=args.repeats, cache_dir=args.cache_dir)
+    else:
+        paths = calibration_cost.run_calibration_check(out_dir=out_dir, rounds=args.rounds, cache_dir=args.cache_dir)
     for path in paths:
         print(path)
     return 0
