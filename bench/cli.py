@@ -514,6 +514,13 @@ def add_search_speed_parser(subparsers: argparse._SubParsersAction) -> None:
         "writes search_speed.json and search_speed.md (bench/search_speed.py).",
     )
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed repeats per cell (default 5)")
+    p.add_argument(
+        "--lever-problems",
+        type=_positive_int,
+        default=None,
+        help="seeded problems (seeds 0..N-1) of the memory-lever cells, 8 types x 4 variants x 4096 ranks "
+        "(default: seed 0 only)",
+    )
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
     p.set_defaults(run=_run_search_speed)
 
@@ -521,7 +528,8 @@ def add_search_speed_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_search_speed(args: argparse.Namespace) -> int:
     from . import search_speed
 
-    result = search_speed.run_search_speed(repeats=args.repeats)
+    more = {} if args.lever_problems is None else {"lever_seeds": tuple(range(args.lever_problems))}
+    result = search_speed.run_search_speed(repeats=args.repeats, **more)
     for path in search_speed.write_report(result, args.output_dir or default_output_dir()) or []:
         print(path)
     return 0
@@ -627,6 +635,13 @@ def add_calibration_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--rounds", type=_positive_int, default=2, help="rounds per run (default 2)")
     p.add_argument("--cache-dir", type=Path, default=None, help="the profile cache (default: a fresh temporary one)")
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="only the check's cost: the demo's ranks profile once, then run the start-up check --repeats times "
+        "(calibration_check.json and .md; about a minute)",
+    )
+    p.add_argument("--repeats", type=_positive_int, default=3, help="checks timed with --check-only (default 3)")
     p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
     p.set_defaults(run=_run_calibration)
 
@@ -634,9 +649,11 @@ def add_calibration_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_calibration(args: argparse.Namespace) -> int:
     from . import calibration_cost
 
-    paths = calibration_cost.run_calibration_check(
-        out_dir=args.output_dir or default_output_dir(), rounds=args.rounds, cache_dir=args.cache_dir
-    )
+    out_dir = args.output_dir or default_output_dir()
+    if args.check_only:
+        paths = calibration_cost.run_check_cost(out_dir=out_dir, repeats=args.repeats, cache_dir=args.cache_dir)
+    else:
+        paths = calibration_cost.run_calibration_check(out_dir=out_dir, rounds=args.rounds, cache_dir=args.cache_dir)
     for path in paths:
         print(path)
     return 0

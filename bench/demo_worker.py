@@ -305,19 +305,24 @@ def profile_devices(settings: DemoSettings, cluster_path: Path) -> tuple[list[Pr
 def calibrate_profiles(
     settings: DemoSettings, cluster_path: Path, cluster: Cluster, profiles: list[Profile]
 ) -> tuple[list[Profile], dict[str, Any]]:
-    """`profiles` checked against micro-steps timed now at the sizes the policies' plans use
-    (collective); returns the profiles to plan from (rescaled or measured again beyond the
-    threshold) and each type's check (`CalibrationCheck`)."""
+    """`profiles` checked against micro-steps timed now at the sizes poplar's plan uses, as a job
+    checks its plan's (collective); returns the profiles to plan from (rescaled or measured again
+    beyond the threshold) and each type's check (`CalibrationCheck`).
+
+    One size per type (`calibration_sizes`): a type's curve is rescaled by one factor either way,
+    which the other policies' plans use too. Timing every policy's sizes as well cost about three
+    times as long (each trial lasts as long as its slowest type's micro-steps)."""
     from poplar_ext.collectives import broadcast_from_rank0
     from poplar_ext.profiler import ProfileOptions
     from poplar_ext.profiler.api import time_micro_steps
-    from poplar_ext.profiler.calibration import REMEASURED, apply_checks, check_profiles, plan_sizes
+    from poplar_ext.profiler.calibration import REMEASURED, apply_checks, check_profiles
     from poplar_search.network import find_network
 
     sizes = None
     if dist.get_rank() == 0:
-        results = search_policies(settings, profiles, cluster, find_network(settings.profiles_dir(), cluster))
-        sizes = plan_sizes([r.plan for r in results.values() if r.plan is not None])
+        sizes = calibration_sizes(
+            search_policies(settings, profiles, cluster, find_network(settings.profiles_dir(), cluster))
+        )
     sizes = broadcast_from_rank0(sizes)
     options = ProfileOptions(
         model_factory=lambda: _make_model(settings),
@@ -335,6 +340,15 @@ def calibrate_profiles(
         # The profiler measures every type of a stage in one engine: all of them again.
         profiles, _ = profile_devices(dataclasses.replace(settings, force_profile=True), cluster_path)
     return apply_checks(profiles, checks), checks
+
+
+def calibration_sizes(results: dict[str, Any]) -> dict[str, list[int]]:
+    """Device type -> the sizes the start-up check times: those of poplar's plan (what a job checks, one plan),
+    every plan's when poplar has none."""
+    from poplar_ext.profiler.calibration import plan_sizes
+
+    plans = {policy: r.plan for policy, r in results.items() if r.plan is not None}
+    return plan_sizes([plans["poplar"]] if "poplar" in plans else list(plans.values()))
 
 
 def calibration_text(checks: dict[str, Any]) -> str:

@@ -18,7 +18,9 @@ cell under 1 s.
 Memory levers (issue 27): 8 device types, each profiled four ways (with and without
 activation checkpointing and optimizer offload: 4^8 = 65536 settings), 4096 ranks; each
 of ZeRO stages 0-2 on its own (where the ``poplar`` policy chooses the levers per type),
-with a fixed and an automatic global batch. Goal: every such cell under 1 s.
+with a fixed and an automatic global batch, on one or more seeded problems (the search's
+time depends on how close the best settings are: ``poplar-bench search-speed
+--lever-problems 5`` times seeds 0-4). Goal: every such cell under 1 s.
 
 No profile here is a measurement: the report says so.
 
@@ -139,6 +141,7 @@ def time_lever_search(
         "settings": 4**num_types,
         "zero_stage": zero_stage,
         "global_batch_size": global_batch_size,
+        "seed": seed,
         "median_s": statistics.median(times),
         "repetitions_s": times,
         "plan_global_batch_size": result.plan.global_batch_size,
@@ -173,12 +176,14 @@ def run_search_speed(
     lever_ranks: int | None = 4096,
     lever_types: int = 8,
     lever_repeats: int | None = None,
+    lever_seeds: tuple[int, ...] = (0,),
 ) -> dict[str, Any]:
     """Time every (ranks, types) cell in both batch modes, and every large-batch cell; returns the report as plain data.
 
     `large_repeats` defaults to `repeats`; an `example_dir` without ``cluster.json``
     (an installed package has none) leaves the shipped example out. `lever_ranks` None leaves the
-    memory-lever cells out; `lever_repeats` defaults to `repeats`.
+    memory-lever cells out; `lever_repeats` defaults to `repeats`; `lever_seeds` are the seeds of their
+    problems (each stage and batch mode timed on each).
     """
     large_repeats = repeats if large_repeats is None else large_repeats
     lever_repeats = repeats if lever_repeats is None else lever_repeats
@@ -219,10 +224,12 @@ def run_search_speed(
     if large_cells:
         goals.append(_goal(LARGE_BATCH_GOAL["goal"], LARGE_BATCH_GOAL["target_s"], large_cells))
     lever_cells = [
-        time_lever_search(lever_ranks, lever_types, zero_stage=stage, global_batch_size=batch, repeats=lever_repeats)
+        time_lever_search(
+            lever_ranks, lever_types, zero_stage=stage, global_batch_size=batch, repeats=lever_repeats, seed=seed
+        )
+        for seed in (lever_seeds if lever_ranks is not None else ())
         for stage in LEVER_STAGES
         for batch in (32 * lever_ranks + 7, None)
-        if lever_ranks is not None
     ]
     if lever_cells:
         goal = LEVER_GOAL["goal"].format(types=lever_types, ranks=lever_ranks)
@@ -249,8 +256,9 @@ def run_search_speed(
         ),
         "lever_method": (
             "search_plan(zero_stage=<0, 1 or 2>, policy='poplar') on seeded synthetic profiles with all four "
-            "memory-lever variants per type (search.synthetic.random_lever_profiles); fixed batch = 32 * ranks + 7, "
-            f"automatic batch without a maximum; median of {lever_repeats} perf_counter timings after one warm-up"
+            "memory-lever variants per type (search.synthetic.random_lever_profiles), problems seeded "
+            f"{', '.join(map(str, lever_seeds))}; fixed batch = 32 * ranks + 7, automatic batch without a maximum; "
+            f"median of {lever_repeats} perf_counter timings after one warm-up"
         ),
         "cells": cells,
         "large_batch_cells": large_cells,
@@ -310,22 +318,39 @@ def render_markdown(report: dict[str, Any]) -> str:
             "",
             f"- {report['lever_method']}",
             "",
-            "| ranks | device types | settings | ZeRO stage | global batch | median ms | repetitions ms | "
+            "| ranks | device types | settings | ZeRO stage | global batch | seed | median ms | repetitions ms | "
             "plan's batch | types checkpointed, offloaded |",
-            "| ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | --- |",
+            "| ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: | --- |",
         ]
         for cell in levers:
             repeats = ", ".join(f"{1000 * t:.1f}" for t in cell["repetitions_s"])
-            batch = "automatic" if cell["global_batch_size"] is None else str(cell["global_batch_size"])
             lines.append(
-                f"| {cell['ranks']} | {cell['device_types']} | {cell['settings']} | {cell['zero_stage']} | {batch} | "
-                f"{1000 * cell['median_s']:.1f} | {repeats} | {cell['plan_global_batch_size']} | "
-                f"{cell['types_with_checkpointing']}, {cell['types_with_offload']} |"
+                f"| {cell['ranks']} | {cell['device_types']} | {cell['settings']} | {cell['zero_stage']} | "
+                f"{_batch_text(cell)} | {cell.get('seed', 0)} | {1000 * cell['median_s']:.1f} | {repeats} | "
+                f"{cell['plan_global_batch_size']} | {cell['types_with_checkpointing']}, {cell['types_with_offload']} |"
             )
+        lines += _lever_summary(levers)
     lines += ["", "| goal | slowest median | met |", "| --- | ---: | --- |"]
     for goal in report["goals"]:
         lines.append(f"| {goal['goal']} | {1000 * goal['value_s']:.1f} ms | {'met' if goal['met'] else 'NOT met'} |")
     return "\n".join(lines) + "\n"
+
+
+def _batch_text(cell: dict[str, Any]) -> str:
+    return "automatic" if cell["global_batch_size"] is None else str(cell["global_batch_size"])
+
+
+def _lever_summary(levers: list[dict[str, Any]]) -> list[str]:
+    """Per stage and batch mode, the slowest median over the seeded problems."""
+    lines = ["", "| ZeRO stage | global batch | problems | slowest median ms |", "| ---: | --- | ---: | ---: |"]
+    for stage in sorted({c["zero_stage"] for c in levers}):
+        for automatic in (False, True):
+            cells = [c for c in levers if c["zero_stage"] == stage and (c["global_batch_size"] is None) == automatic]
+            if cells:
+                worst = max(c["median_s"] for c in cells)
+                mode = "automatic" if automatic else "fixed"
+                lines.append(f"| {stage} | {mode} | {len(cells)} | {1000 * worst:.1f} |")
+    return lines
 
 
 def _load_note(report: dict[str, Any]) -> list[str]:

@@ -17,21 +17,29 @@ type and `LEVERS_ORDER`; a later setting replaces the best only when strictly be
   envelope's. That gives, per B, the exact optimum at stages 2 (one accumulation
   count: feasibility is capacity) and bounds at stages 0-1 (exact sums), and a
   setting that reaches it (every type at its most samples): seeds.
-* A branch and bound in the enumeration's order finishes the job. A setting can match
-  or beat the incumbent only if, for its own largest step, its capacity (the sum over
-  types of what each can run) reaches a requirement at some time (`_Requirements`).
-  Per requirement, the most capacity a subtree's settings can have with a given number
-  of levers is a small knapsack over types (`_Tables`); with an automatic batch and no
-  maximum, each setting's batch is also capped by its own default maximum (a sum over
-  types too: a second knapsack). Subtrees that meet no requirement are skipped, every
-  other setting is evaluated by the policy itself.
+* A branch and bound over the types finishes the job. A setting can match or beat the
+  incumbent only if, for its own largest step, its capacity (the sum over types of what
+  each can run) reaches a requirement at some time (`_Requirements`: rows of a time and
+  a number of samples). Per row, the most the types not yet fixed can add is the sum of
+  each one's best option (`_Tables`); with an automatic batch and no maximum, each
+  setting's batch is also capped by its own default maximum (a sum over types too). A
+  node keeps only the rows some completion may still meet, so its children look at
+  fewer; subtrees that meet no row are skipped, every other setting is evaluated by the
+  policy itself. A better incumbent needs more samples of each row: the rows are made
+  again, each option's capacity at a row's time copied from the last ones.
+* With an automatic batch at stages 0-1 the rows are the capacity levels between the
+  least and the most busy time that can beat the incumbent: tens of thousands for 4096
+  ranks. The number of levers is counted only at the leaves (the enumeration's order):
+  bounding per number of levers as well multiplied the work per row by ~17 and pruned
+  no more settings in the bench's problems.
 
 Why it returns the enumeration's outcome: the requirements are necessary conditions
-(a skipped setting cannot beat the incumbent, nor tie it from an earlier place in the
-order), and every setting not skipped is evaluated in the enumeration's order with the
-enumeration's rule; the seeds only make the incumbent good early. Both cost models of
-a setting are the same floats as the enumeration's (same pricing, same assembly), and
-the requirements use the cost model's float expressions, so ties are ties.
+(a skipped setting can neither beat the incumbent nor tie it), every setting not
+skipped is evaluated, and `_LeverSearch.evaluate` keeps what the enumeration keeps:
+the strictly better, or an equal one that comes earlier in its order. The seeds only
+make the incumbent good early. Both cost models of a setting are the same floats as the
+enumeration's (same pricing, same assembly), and the requirements use the cost model's
+float expressions, so ties are ties.
 """
 
 from __future__ import annotations
@@ -193,70 +201,87 @@ class _Requirements:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _Tables:
-    """Requirements laid out for the branch and bound over the types with a choice (`free`)."""
+    """Requirements laid out for the branch and bound over the types with a choice (`free`).
 
-    need: np.ndarray
-    """(R,) samples."""
-    base: np.ndarray
-    """(R,) capacity of the types without a choice."""
+    A node of the branch and bound keeps, for the rows some completion of its prefix may still meet,
+    its slack: capacity of the fixed types and of the prefix minus the need (and the same for the
+    default maximum batch). A child only looks at its parent's rows: meeting a row below a node
+    means meeting it at the node, since each suffix is the most its types can add.
+    """
+
+    slack: np.ndarray
+    """(R,) capacity of the types without a choice minus the need, in samples."""
     values: list[np.ndarray]
-    """Per free type j, (R, options): the capacity of each option (-inf where not allowed)."""
+    """Per free type j, (options, R): the capacity of each option (-inf where not allowed)."""
     suffix: list[np.ndarray]
-    """Per j, (R, levers + 1): the most capacity of free types j.. using exactly that many levers."""
-    batch_need: np.ndarray
-    """(R,) the least default maximum batch (0: none)."""
+    """Per j (and one past the last: zeros), (R,): the most capacity free types j.. can add, whatever the
+    number of levers (the branch and bound counts levers only at its leaves)."""
+    batch_slack: np.ndarray
+    """(R,) the default maximum batch of the types without a choice minus the least one each row needs (0 when
+    it needs none)."""
     batch_values: list[np.ndarray]
-    """Per free type j, (options,): each option's share of the default maximum batch; the types
-    without a choice are in `batch_suffix`'s every entry."""
-    batch_suffix: list[np.ndarray]
-    """Per j, (levers + 1,): the largest default maximum of free types j.. (and the others) using exactly that
-    many levers. Maximised apart from the capacity: a relaxation, still necessary."""
+    """Per free type j, (options,): each option's share of the default maximum batch."""
+    batch_suffix: list[float]
+    """Per j (and one past the last: 0), the largest default maximum free types j.. can add. Maximised apart
+    from the capacity: a relaxation, still necessary."""
 
-    def viable(self, j: int, prefix: np.ndarray, batch_prefix: float, levers_left: int) -> bool:
-        """Whether some completion of a prefix (free types before j fixed, capacity `prefix`, default maximum
-        `batch_prefix`) with exactly `levers_left` more levers meets some requirement."""
-        if not len(self.need) or levers_left < 0 or levers_left >= self.suffix[j].shape[1]:
-            return False
-        meets = self.base + prefix + self.suffix[j][:, levers_left] >= self.need
-        return bool(np.any(meets & (batch_prefix + self.batch_suffix[j][levers_left] >= self.batch_need)))
+    def root(self, prefix: Combo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every row, and the slacks once the first free types are fixed to `prefix`."""
+        slack = self.slack + sum((self.values[i][o] for i, o in enumerate(prefix)), np.zeros(len(self.slack)))
+        batch_slack = self.batch_slack + sum(float(self.batch_values[i][o]) for i, o in enumerate(prefix))
+        return np.arange(len(slack)), slack, batch_slack
+
+    def keep(self, j: int, rows: np.ndarray, slack: np.ndarray, batch_slack: np.ndarray) -> np.ndarray:
+        """Which of `rows` some completion of free types j.. may still meet (a NaN slack: a disallowed
+        option met an infinite capacity, so never)."""
+        return (slack + self.suffix[j][rows] >= 0) & (batch_slack + self.batch_suffix[j] >= 0)
 
 
-def _largest_time_within(limit_s: float, boundary_s: float, *, strict: bool) -> float:
-    """The largest float T with ``T + boundary_s <= limit_s`` (``<`` when `strict`), as the cost model adds them."""
+def _same_rows(old: _Requirements, new: _Requirements) -> np.ndarray:
+    """Per row of `new`, the index of a row of `old` with the same largest optimizer step and time (-1: none)."""
+    source = np.full(len(new.need), -1)
+    for beta in np.unique(new.beta):
+        old_rows = np.flatnonzero(old.beta == beta)
+        if not len(old_rows):
+            continue
+        new_rows = np.flatnonzero(new.beta == beta)
+        order = np.argsort(old.time_s[old_rows], kind="stable")
+        times = old.time_s[old_rows[order]]
+        at = np.minimum(np.searchsorted(times, new.time_s[new_rows]), len(times) - 1)
+        found = times[at] == new.time_s[new_rows]
+        source[new_rows[found]] = old_rows[order[at[found]]]
+    return source
+
+
+def _largest_time_within(limit_s: float, boundary_s: float) -> float:
+    """The largest float T with ``T + boundary_s <= limit_s``, as the cost model adds them."""
     time_s = limit_s - boundary_s
-
-    def ok(t: float) -> bool:
-        total = t + boundary_s
-        return total < limit_s if strict else total <= limit_s
-
-    while not ok(time_s):
+    while time_s + boundary_s > limit_s:
         time_s = float(np.nextafter(time_s, -np.inf))
-    while ok(float(np.nextafter(time_s, np.inf))):
+    while float(np.nextafter(time_s, np.inf)) + boundary_s <= limit_s:
         time_s = float(np.nextafter(time_s, np.inf))
     return time_s
 
 
-def _least_batch_reaching(rate: float, time_s: np.ndarray, *, strict: bool) -> np.ndarray:
-    """Per iteration time, the smallest integer batch B >= 1 with ``B / time >= rate`` (``>`` when `strict`),
-    as the samples/s of an allocation is computed."""
+def _least_batch_reaching(rate: float, time_s: np.ndarray) -> np.ndarray:
+    """Per iteration time, the smallest integer batch B >= 1 with ``B / time >= rate``, as the samples/s of an
+    allocation is computed."""
     batch = np.maximum(1.0, np.floor(rate * time_s) - 2.0)
     for _ in range(8):
-        short = batch / time_s <= rate if strict else batch / time_s < rate
+        short = batch / time_s < rate
         if not np.any(short):
             return batch
         batch = batch + short
     raise AssertionError("float division is within a few units of the product")
 
 
-def _last_level_within(
-    levels: np.ndarray, steps: np.ndarray, boundary_s: float, limit_s: float, *, strict: bool
-) -> np.ndarray:
-    """Per accumulation count s, the index of the last level T with ``s * T + boundary_s <= limit_s``
-    (``<`` when `strict`) as the cost model computes it; -1 when none."""
+def _last_level_within(levels: np.ndarray, steps: np.ndarray, boundary_s: float, limit_s: float) -> np.ndarray:
+    """Per accumulation count s, the index of the last level T with ``s * T + boundary_s <= limit_s`` as the
+    cost model computes it; -1 when none."""
 
     def within(i: np.ndarray) -> np.ndarray:
         total = steps * levels[np.clip(i, 0, len(levels) - 1)] + boundary_s
-        return (i >= 0) & (i < len(levels)) & (total < limit_s if strict else total <= limit_s)
+        return (i >= 0) & (i < len(levels)) & (total <= limit_s)
 
     at = np.searchsorted(levels, (limit_s - boundary_s) / steps, side="right") - 1
     while np.any(up := within(at + 1)):
@@ -275,29 +300,89 @@ def most_work(table: np.ndarray, time_s: np.ndarray) -> np.ndarray:
     """
     most = np.full(len(time_s), np.inf)
     finite = np.isfinite(time_s)
-    if not np.any(finite):
-        return most
-    times_s = time_s[finite]
-    sizes = np.arange(1, len(table) + 1)
-    first = first_steps_from(float(times_s.min()), table)
-    per_size = np.maximum(0, steps_within(float(times_s.max()), table) - first + 1)
-    if int(per_size.sum()) > MAX_BREAKPOINTS:
-        most[finite] = [float(np.max(sizes * steps_within(t, table))) for t in times_s]
-        return most
-    size_index = np.repeat(np.arange(len(table)), per_size)
-    steps = first[size_index] + np.arange(len(size_index)) - np.repeat(np.cumsum(per_size) - per_size, per_size)
-    breakpoints_s = steps * table[size_index]
-    order = np.argsort(breakpoints_s, kind="stable")
-    running = np.maximum.accumulate(steps[order] * sizes[size_index[order]]) if len(order) else np.zeros(0)
-    below = int(np.max(sizes * (first - 1)))  # the (b, s) finished before the smallest time
-    at = np.searchsorted(breakpoints_s[order], times_s, side="right")
-    most[finite] = np.maximum(below, np.where(at > 0, running[np.maximum(at - 1, 0)] if len(order) else 0, 0))
+    if np.any(finite):
+        most[finite] = _WorkCurve.over(table, time_s[finite]).at(time_s[finite])
     return most
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _WorkCurve:
+    """`most_work` of one rank at any time in [low_s, high_s]: the breakpoints ``s * t(b)`` in that range,
+    sorted, and the most work at each (a running maximum)."""
+
+    table: np.ndarray
+    low_s: float
+    high_s: float
+    breakpoints_s: np.ndarray | None
+    """None: more than `MAX_BREAKPOINTS`; then each time is looked up on its own."""
+    running: np.ndarray
+    below: int
+    """The most work of the (b, s) that finish before `low_s`."""
+
+    @staticmethod
+    def over(table: np.ndarray, times_s: np.ndarray) -> _WorkCurve:
+        """The curve over the range of `times_s` (finite, not empty)."""
+        low_s, high_s = float(times_s.min()), float(times_s.max())
+        sizes = np.arange(1, len(table) + 1)
+        first = first_steps_from(low_s, table)
+        per_size = np.maximum(0, steps_within(high_s, table) - first + 1)
+        below = int(np.max(sizes * (first - 1)))
+        if int(per_size.sum()) > MAX_BREAKPOINTS:
+            return _WorkCurve(table=table, low_s=low_s, high_s=high_s, breakpoints_s=None, running=first, below=below)
+        size_index = np.repeat(np.arange(len(table)), per_size)
+        steps = first[size_index] + np.arange(len(size_index)) - np.repeat(np.cumsum(per_size) - per_size, per_size)
+        breakpoints_s = steps * table[size_index]
+        order = np.argsort(breakpoints_s, kind="stable")
+        running = np.maximum.accumulate(steps[order] * sizes[size_index[order]]) if len(order) else np.zeros(0)
+        return _WorkCurve(
+            table=table, low_s=low_s, high_s=high_s, breakpoints_s=breakpoints_s[order], running=running, below=below
+        )
+
+    def covers(self, times_s: np.ndarray) -> bool:
+        return self.low_s <= float(times_s.min()) and float(times_s.max()) <= self.high_s
+
+    def at(self, times_s: np.ndarray) -> np.ndarray:
+        """The most work at each of `times_s` (finite, within the range)."""
+        if self.breakpoints_s is None:
+            sizes = np.arange(1, len(self.table) + 1)
+            return np.array([float(np.max(sizes * steps_within(t, self.table))) for t in times_s])
+        if not len(self.running):
+            return np.full(len(times_s), float(self.below))
+        at = np.searchsorted(self.breakpoints_s, times_s, side="right")
+        return np.maximum(self.below, np.where(at > 0, self.running[np.maximum(at - 1, 0)], 0)).astype(float)
 
 
 # ----------------------------------------------------------------------------------
 # The search
 # ----------------------------------------------------------------------------------
+def _price(
+    variants: dict[str, Variants],
+    options: list[list[Levers]],
+    counts: list[int],
+    zero_stage: int,
+    world_size: int,
+    network: NetworkProfile | None,
+) -> tuple[list[list[DeviceCost]], list[list[StageCommunication | None]]]:
+    """Each (type, option) priced once (`search.cost.device_cost`): per type, per option, its device and the
+    stage's communication."""
+    devices, communication = [], []
+    for t, n, type_options in zip(variants, counts, options):
+        priced = [
+            device_cost(
+                variants[t][levers],
+                device_type=t,
+                num_ranks=n,
+                zero_stage=zero_stage,
+                world_size=world_size,
+                network=network,
+            )
+            for levers in type_options
+        ]
+        devices.append([d for d, _ in priced])
+        communication.append([c for _, c in priced])
+    return devices, communication
+
+
 class _LeverSearch:
     """One stage's branch and bound (see the module docstring)."""
 
@@ -320,41 +405,38 @@ class _LeverSearch:
         self.batch = global_batch_size
         self.max_batch = max_global_batch_size
         self.counts = [cluster.type_counts()[t] for t in self.types]
-        priced = [
-            [
-                device_cost(
-                    variants[t][levers],
-                    device_type=t,
-                    num_ranks=n,
-                    zero_stage=zero_stage,
-                    world_size=self.world_size,
-                    network=network,
-                )
-                for levers in type_options
-            ]
-            for t, n, type_options in zip(self.types, self.counts, options)
-        ]
-        self.devices: list[list[DeviceCost]] = [[d for d, _ in row] for row in priced]
-        self.communication: list[list[StageCommunication | None]] = [[c for _, c in row] for row in priced]
+        self.devices, self.communication = _price(variants, options, self.counts, zero_stage, self.world_size, network)
         self.step_s = [[d.optimizer_step_time_s for d in row] for row in self.devices]
         self.levers = [[lever_count(levers) for levers in row] for row in options]
-        # Without a maximum each setting's automatic batch goes up to its own default
-        # (`search.policies`); the largest of those bounds them all.
-        largest = sum(n * max(len(d.step_time_table_s) for d in row) for n, row in zip(self.counts, self.devices))
-        self.batch_limit = max_global_batch_size or min(AUTO_ACCUMULATION_STEPS * largest, MAX_GLOBAL_BATCH_SIZE)
+        self.free = [d for d, row in enumerate(options) if len(row) > 1]
+        self.fixed_levers = sum(self.levers[d][0] for d in range(len(options)) if d not in self.free)
+        self.least_levers = [sum(min(self.levers[d]) for d in self.free[j:]) for j in range(len(self.free) + 1)]
+        self.size_limits(max_global_batch_size)
         # At stages 0-2 the communication depends on the model only: one boundary term for every setting.
         first = self.communication[0][0]
         self.communication_boundary_s = 0.0 if first is None else first.boundary_s
         smallest_boundary = max(min(row) for row in self.step_s)
         self.betas = sorted({s for row in self.step_s for s in row if s >= smallest_boundary})
-        self.free = [d for d, row in enumerate(options) if len(row) > 1]
-        self.fixed_levers = sum(self.levers[d][0] for d in range(len(options)) if d not in self.free)
-        self.free_levers = sum(max(self.levers[d]) for d in self.free)
         self.cache: dict[Combo, PolicyResult] = {}
         self.best: tuple[Combo, PolicyResult] | None = None
         self.proven = False
-        self.tables: tuple[_Tables, _Tables] | None = None
+        self.tables: _Tables | None = None
+        self.last_rows: tuple[_Requirements, list[np.ndarray]] | None = None
         self.envelopes: dict[float, StageModel] = {}
+        self.curves: dict[tuple[int, int], _WorkCurve] = {}
+
+    def size_limits(self, max_global_batch_size: int | None) -> None:
+        """The largest automatic batch of any setting (`batch_limit`) and each option's share of its setting's
+        default maximum (`batch_share`)."""
+        # Without a maximum each setting's automatic batch goes up to its own default
+        # (`search.policies`: `AUTO_ACCUMULATION_STEPS` micro-steps of every rank at its largest micro-batch);
+        # the largest of those bounds them all.
+        largest = sum(n * max(len(d.step_time_table_s) for d in row) for n, row in zip(self.counts, self.devices))
+        self.batch_limit = max_global_batch_size or min(AUTO_ACCUMULATION_STEPS * largest, MAX_GLOBAL_BATCH_SIZE)
+        self.batch_share = [
+            np.array([AUTO_ACCUMULATION_STEPS * n * dev.max_micro_batch_size for dev in row], dtype=float)
+            for n, row in zip(self.counts, self.devices)
+        ]
 
     # -- settings ----------------------------------------------------------------
     def model(self, combo: Combo) -> StageModel:
@@ -400,9 +482,7 @@ class _LeverSearch:
             # Otherwise no setting has a plan: below stage 2, or with an automatic batch, only a
             # batch smaller than the world size is infeasible, whatever the setting.
             self.seed()
-        fewest = sum(row[0] for row in self.levers)
-        for total in range(fewest, self.fixed_levers + self.free_levers + 1):
-            self.branch(total)
+        self.branch()
         assert self.best is not None
         combo, outcome = self.best
         model = self.model(combo)
@@ -411,113 +491,114 @@ class _LeverSearch:
     def setting(self, combo: Combo) -> dict[str, Levers]:
         return {t: self.options[d][o] for d, (t, o) in enumerate(zip(self.types, combo))}
 
-    def branch(self, total: int) -> None:
-        """Depth-first over the free types, in the enumeration's order, the settings using `total` levers."""
-        stack: list[tuple[Combo, int, np.ndarray | None, _Tables | None]] = [((), 0, None, None)]
+    def branch(self) -> None:
+        """Depth-first over the free types' options, each node keeping the requirement rows its settings
+        may still meet (`_Tables`); every setting that meets one is evaluated. The incumbent improves on
+        the way and the tables with it: a node reached under older tables starts again from every row."""
+        stack: list[tuple[Combo, int, tuple | None]] = [((), 0, None)]
         while stack:
-            prefix, used, parent, parent_tables = stack.pop()
+            prefix, used, parent = stack.pop()
             j = len(prefix)
-            tie, strict = self.current_tables()
-            tables = strict if self.after_best(total, prefix) else tie
-            if parent is not None and parent_tables is tables:  # the parent's sum, one type more
-                capacity = parent + tables.values[j - 1][:, prefix[-1]]
+            tables = self.current_tables()
+            if parent is not None and parent[0] is tables:  # the parent's rows, one type more
+                _, rows, slack, batch_slack = parent
+                slack = slack + tables.values[j - 1][prefix[-1]][rows]
+                batch_slack = batch_slack + float(tables.batch_values[j - 1][prefix[-1]])
             else:
-                capacity = sum((tables.values[i][:, o] for i, o in enumerate(prefix)), np.zeros(len(tables.need)))
-            batch = sum(float(tables.batch_values[i][o]) for i, o in enumerate(prefix))
-            if not tables.viable(j, capacity, batch, total - self.fixed_levers - used):
+                rows, slack, batch_slack = tables.root(prefix)
+            keep = tables.keep(j, rows, slack, batch_slack)
+            if not np.any(keep) or self.after_proven_best(prefix, used):
                 continue
             if j == len(self.free):
-                combo = [0] * len(self.types)
-                for d, o in zip(self.free, prefix):
-                    combo[d] = o
-                self.evaluate(tuple(combo))
+                self.evaluate(self.combo(prefix))
                 continue
+            state = (tables, rows[keep], slack[keep], batch_slack[keep])
             d = self.free[j]
-            stack.extend(
-                ((*prefix, o), used + self.levers[d][o], capacity, tables)
-                for o in reversed(range(len(self.options[d])))
-            )
+            stack.extend(((*prefix, o), used + self.levers[d][o], state) for o in reversed(range(len(self.options[d]))))
 
-    def after_best(self, total: int, prefix: Combo) -> bool:
-        """Whether every setting under this node comes after the incumbent in the enumeration's order."""
+    def combo(self, prefix: Combo) -> Combo:
+        """The setting with the free types' options `prefix` (the others have one)."""
+        combo = [0] * len(self.types)
+        for d, o in zip(self.free, prefix):
+            combo[d] = o
+        return tuple(combo)
+
+    def after_proven_best(self, prefix: Combo, used: int) -> bool:
+        """Whether nothing under a node (the free types' options `prefix`, `used` levers among them) can win:
+        the incumbent is proven best (no setting is strictly better) and every setting under the node comes
+        after it in the enumeration's order, so none wins a tie either."""
+        if not self.proven:
+            return False
         assert self.best is not None
-        best_total, best_combo = self.key(self.best[0])
-        return (total, prefix) > (best_total, tuple(best_combo[d] for d in self.free[: len(prefix)]))
+        if len(prefix) == len(self.free):
+            return self.key(self.combo(prefix)) > self.key(self.best[0])
+        least = self.fixed_levers + used + self.least_levers[len(prefix)]
+        return least > self.key(self.best[0])[0]
 
-    def current_tables(self) -> tuple[_Tables, _Tables]:
+    def current_tables(self) -> _Tables:
         if self.tables is None:
             assert self.best is not None
-            value = self.value(self.best[1])
-            tie = self.tabulate(self.requirements(value, strict=False))
-            strict = self.tabulate(_Requirements.none() if self.proven else self.requirements(value, strict=True))
-            self.tables = (tie, strict)
+            self.tables = self.tabulate(self.requirements(self.value(self.best[1])))
         return self.tables
 
     def tabulate(self, requirements: _Requirements) -> _Tables:
-        """Each option's capacity under each requirement, and the knapsack over the free types."""
+        """Each option's capacity under each requirement, and per free type the most the types from it on add."""
         rows = len(requirements.need)
         limit = np.array(self.betas)[requirements.beta] if rows else np.zeros(0)
-        values = [
-            np.stack(
-                [
-                    np.where(
-                        self.step_s[d][o] <= limit,
-                        self.counts[d] * self.capacity(self.devices[d][o], requirements.time_s),
-                        _NONE,
-                    )
-                    for o in range(len(self.options[d]))
-                ],
-                axis=1,
-            )
-            if rows
-            else np.zeros((0, len(self.options[d])))
-            for d in range(len(self.types))
-        ]
+        values = self.row_values(requirements, limit)
         fixed = [d for d in range(len(self.types)) if d not in self.free]
-        base = sum((values[d][:, 0] for d in fixed), np.zeros(rows))
-        suffix = [np.full((rows, self.free_levers + 1), _NONE)]
-        suffix[0][:, 0] = 0.0
+        suffix = [np.zeros(rows)]
+        batch_suffix = [0.0]
         for d in reversed(self.free):
-            below, here = suffix[0], np.full((rows, self.free_levers + 1), _NONE)
-            for o, used in enumerate(self.levers[d]):
-                shifted = values[d][:, o, None] + below[:, : self.free_levers + 1 - used]
-                here[:, used:] = np.maximum(here[:, used:], shifted)
-            suffix.insert(0, here)
-        batch_values, batch_suffix = self.batch_knapsack()
+            suffix.insert(0, suffix[0] + np.maximum.reduce(values[d]))
+            batch_suffix.insert(0, batch_suffix[0] + float(self.batch_share[d].max()))
         return _Tables(
-            need=requirements.need,
-            base=base,
+            slack=sum((values[d][0] for d in fixed), np.zeros(rows)) - requirements.need,
             values=[values[d] for d in self.free],
             suffix=suffix,
-            batch_need=requirements.batch_needs(),
-            batch_values=batch_values,
+            batch_slack=sum(float(self.batch_share[d][0]) for d in fixed) - requirements.batch_needs(),
+            batch_values=[self.batch_share[d] for d in self.free],
             batch_suffix=batch_suffix,
         )
 
-    def batch_knapsack(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Each free option's share of a setting's default maximum batch (`AUTO_ACCUMULATION_STEPS` micro-steps
-        of every rank at its largest micro-batch), and per free type j the most of j.. with each lever count."""
-        share = [
-            np.array([AUTO_ACCUMULATION_STEPS * self.counts[d] * dev.max_micro_batch_size for dev in row], dtype=float)
-            for d, row in enumerate(self.devices)
-        ]
-        fixed = sum(float(share[d][0]) for d in range(len(self.types)) if d not in self.free)
-        suffix = [np.full(self.free_levers + 1, _NONE)]
-        suffix[0][0] = fixed
-        for d in reversed(self.free):
-            below, here = suffix[0], np.full(self.free_levers + 1, _NONE)
-            for o, used in enumerate(self.levers[d]):
-                here[used:] = np.maximum(here[used:], share[d][o] + below[: self.free_levers + 1 - used])
-            suffix.insert(0, here)
-        return [share[d] for d in self.free], suffix
+    def row_values(self, requirements: _Requirements, limit: np.ndarray) -> list[np.ndarray]:
+        """Per type, (options, R) each option's capacity at each row. A better incumbent keeps most rows (the
+        same level times, each needing more): those are copied from the last tables instead of looked up."""
+        if self.last_rows is None:
+            source = np.full(len(requirements.need), -1)
+            values = [np.empty((len(row), len(source))) for row in self.options]
+        else:
+            source = _same_rows(self.last_rows[0], requirements)
+            values = [np.take(old, np.maximum(source, 0), axis=1) for old in self.last_rows[1]]
+        todo = np.flatnonzero(source < 0)
+        for d in range(len(self.types)):
+            values[d][:, todo] = self.option_capacities(d, requirements.time_s[todo], limit[todo])
+        self.last_rows = (requirements, values)
+        return values
 
-    def capacity(self, device: DeviceCost, time_s: np.ndarray) -> np.ndarray:
-        """Samples one rank of `device` can take within each time (0 when none: then not allowed)."""
-        table = device.step_time_table_s
+    def option_capacities(self, d: int, time_s: np.ndarray, limit: np.ndarray) -> np.ndarray:
+        """(options, R) the capacity of each option of type `d` at each row's time; -inf where its optimizer
+        step is above the row's largest."""
+        columns = [
+            np.where(step <= limit, self.counts[d] * self.capacity(d, o, time_s), _NONE)
+            for o, step in enumerate(self.step_s[d])
+        ]
+        return np.stack(columns) if len(time_s) else np.zeros((len(columns), 0))
+
+    def capacity(self, d: int, o: int, time_s: np.ndarray) -> np.ndarray:
+        """Samples one rank of type `d` with option `o` can take within each time (-inf when none: then not
+        allowed). Stages 0-1: from a curve kept per option (the rows' times narrow as the incumbent improves)."""
+        table = self.devices[d][o].step_time_table_s
         if self.synchronised:
             most = np.searchsorted(table, time_s, side="right").astype(float)
         else:
-            most = most_work(table, time_s)
+            most = np.full(len(time_s), np.inf)
+            finite = np.isfinite(time_s)
+            if np.any(finite):
+                curve = self.curves.get((d, o))
+                if curve is None or not curve.covers(time_s[finite]):
+                    curve = self.curves[d, o] = _WorkCurve.over(table, time_s[finite])
+                most[finite] = curve.at(time_s[finite])
         return np.where(most >= 1, most, _NONE)
 
     # -- envelopes and seeds ---------------------------------------------------------
@@ -555,8 +636,8 @@ class _LeverSearch:
         combo = []
         for d in range(len(self.types)):
             most = [
-                self.capacity(dev, np.array([time_s]))[0] if step <= beta else _NONE
-                for dev, step in zip(self.devices[d], self.step_s[d])
+                self.capacity(d, o, np.array([time_s]))[0] if step <= beta else _NONE
+                for o, step in enumerate(self.step_s[d])
             ]
             combo.append(int(np.argmax(most)))
         return tuple(combo)
@@ -564,7 +645,14 @@ class _LeverSearch:
     def seed(self) -> None:
         """Per largest optimizer step, the envelope's bound and a setting that may reach it: evaluated best
         bound first while a bound beats the incumbent. When the incumbent reaches the best bound, no setting
-        is strictly better (`proven`)."""
+        is strictly better (`proven`), and the branch and bound skips every setting after the incumbent.
+
+        The one shortcut that relies on the policies being exact: at stage 2 the bound is the ``poplar``
+        policy's value on the envelope (`envelope_bound`), a lower bound only because that policy returns
+        the optimum of the model it is given. With a policy that may miss the optimum, `proven` could hold
+        wrongly and a better setting after the incumbent would be skipped. Everything else (the requirement
+        rows, the bounds at stages 0-1) holds for any allocation, the policy's or not.
+        """
         bounds = sorted(found for beta in self.betas if (found := self.envelope_bound(beta)) is not None)
         if not bounds:
             return
@@ -581,11 +669,14 @@ class _LeverSearch:
 
     def envelope_bound(self, beta: float) -> tuple[float, Combo] | None:
         """A lower bound on the value of every setting whose largest optimizer step is `beta`, and a setting
-        that reaches it when the bound is attained (None: no such setting has a plan)."""
+        that reaches it when the bound is attained (None: no such setting has a plan).
+
+        At stage 2 the bound is the ``poplar`` policy's value on the envelope: a lower bound only because
+        that policy is exact (see `seed`)."""
         envelope = self.envelope(beta)
         if self.synchronised:
-            # Exact: at one micro-step time the types are separable (capacity), and the richest
-            # setting at the envelope's time has the envelope's capacity there.
+            # The envelope's optimum: at one micro-step time the types are separable (capacity), and the
+            # richest setting at the envelope's time has the envelope's capacity there.
             outcome = run_policy("poplar", envelope, self.batch, self.max_batch)
             if outcome.allocation is None:
                 return None
@@ -624,30 +715,28 @@ class _LeverSearch:
         return -best_rate, self.richest(beta, best_time_s)
 
     # -- requirements ----------------------------------------------------------------
-    def requirements(self, value: float | None, *, strict: bool) -> _Requirements:
-        """Rows at least one of which every setting meets whose value is at most `value` (below it when
-        `strict`); `value` None: every setting with a plan."""
+    def requirements(self, value: float | None) -> _Requirements:
+        """Rows at least one of which every setting meets whose value is at most `value` (None: every setting
+        with a plan). Necessary conditions only: they hold for any allocation that good, the policy's or not."""
         if value is None:
             if self.synchronised and self.batch is not None:
-                return self.synchronised_fixed(None, strict=strict)
+                return self.synchronised_fixed(None)
             return _Requirements.none()  # see `run`: then no setting has a plan
         if self.batch is not None:
             if self.synchronised:
-                return self.synchronised_fixed(value, strict=strict)
+                return self.synchronised_fixed(value)
             return _Requirements.concat(
                 [
                     _Requirements(beta=np.array([index]), time_s=np.array([time_s]), need=np.array([self.batch]))
                     for index, beta in enumerate(self.betas)
-                    if (time_s := _largest_time_within(value, self.boundary_s(beta), strict=strict)) > 0
+                    if (time_s := _largest_time_within(value, self.boundary_s(beta))) > 0
                 ]
             )
         if self.synchronised:
-            return _Requirements.concat(
-                [self.synchronised_rate(i, -value, strict=strict) for i in range(len(self.betas))]
-            )
-        return _Requirements.concat([self.independent_rate(i, -value, strict=strict) for i in range(len(self.betas))])
+            return _Requirements.concat([self.synchronised_rate(i, -value) for i in range(len(self.betas))])
+        return _Requirements.concat([self.independent_rate(i, -value) for i in range(len(self.betas))])
 
-    def synchronised_fixed(self, value: float | None, *, strict: bool) -> _Requirements:
+    def synchronised_fixed(self, value: float | None) -> _Requirements:
         """Stage 2, fixed batch B: a setting finishes within `value` only if, for some accumulation count s
         dividing B, its capacity reaches B / s at the last micro-step time T with ``s * T + boundary``
         within `value`."""
@@ -662,7 +751,7 @@ class _LeverSearch:
             if value is None:
                 at = np.full(len(steps), len(levels) - 1)
             else:
-                at = _last_level_within(levels, steps, boundary_s, value, strict=strict)
+                at = _last_level_within(levels, steps, boundary_s, value)
             keep = at >= 0
             parts.append(
                 _Requirements(beta=np.full(int(keep.sum()), index), time_s=levels[at[keep]], need=per_step[keep])
@@ -673,7 +762,7 @@ class _LeverSearch:
         """Every micro-step time of every option, sorted: the times at which a capacity can change."""
         return np.unique(np.concatenate([dev.step_time_table_s for row in self.devices for dev in row]))
 
-    def synchronised_rate(self, index: int, rate: float, *, strict: bool) -> _Requirements:
+    def synchronised_rate(self, index: int, rate: float) -> _Requirements:
         """Stage 2, automatic batch: a setting reaches `rate` samples/s at micro-step time T only with
         s micro-steps of P samples, ``s * P <= max`` and ``s * P / (s * T + boundary) >= rate``; its capacity
         at T must reach the least such P (over s: near the most micro-steps the maximum allows)."""
@@ -689,7 +778,7 @@ class _LeverSearch:
             steps = most_steps - back
             usable = steps >= 1
             steps = np.maximum(steps, 1)
-            batch = _least_batch_reaching(rate, steps * times + boundary_s, strict=strict)
+            batch = _least_batch_reaching(rate, steps * times + boundary_s)
             per_step = np.maximum(np.ceil(batch / steps), self.world_size)
             fits_max = usable & (per_step <= self.batch_limit // steps)
             least = np.where(fits_max, np.minimum(least, per_step), least)
@@ -706,7 +795,7 @@ class _LeverSearch:
             beta=np.full(int(keep.sum()), index), time_s=times[keep], need=least[keep], batch_need=batch_need
         )
 
-    def independent_rate(self, index: int, rate: float, *, strict: bool) -> _Requirements:
+    def independent_rate(self, index: int, rate: float) -> _Requirements:
         """Stages 0-1, automatic batch: a setting reaches `rate` only with a batch B within its capacity at
         its busy time T and ``B / (T + boundary) >= rate``. Between two of the envelope's capacity levels
         the least B is the one at the earlier, and the setting's capacity at most its capacity just
@@ -727,7 +816,7 @@ class _LeverSearch:
         if level_count(envelope, start_s, high_s) > MAX_BREAKPOINTS:
             return _Requirements(beta=np.array([index]), time_s=np.array([np.inf]), need=np.array([0.0]))
         times, capacity = capacity_levels(envelope, start_s, high_s)
-        need = np.maximum(_least_batch_reaching(rate, times + boundary_s, strict=strict), self.world_size)
+        need = np.maximum(_least_batch_reaching(rate, times + boundary_s), self.world_size)
         ends = np.append(np.nextafter(times[1:], -np.inf), high_s)
         keep = need <= np.minimum(capacity, self.batch_limit)
         return _Requirements(

@@ -320,7 +320,7 @@ class StageMeasurement:
         self.engine.set_gradient_accumulation_boundary(False)
         return not real_oom
 
-    def _trial(self, sizes: dict[str, int]) -> _TrialOutcome:
+    def _trial(self, sizes: dict[str, int], *, memory: bool = True) -> _TrialOutcome:
         my_type = self.layout.my_type
         measured = my_type in sizes
         size = sizes.get(my_type, 1)
@@ -331,14 +331,15 @@ class StageMeasurement:
         gc.collect(1)
         gc.disable()
         try:
-            flag, peak, own_times = self._micro_steps(size, measured)
+            flag, peak, own_times = self._micro_steps(size, measured, memory=memory)
         finally:
             gc.enable()
         flags, peaks, real_oom = self._agree(flag, peak, measured=measured)
         return _TrialOutcome(flags=flags, peaks=peaks, own_times_s=own_times, rebuild=real_oom)
 
-    def _micro_steps(self, size: int, measured: bool) -> tuple[int, int, list[float]]:
-        """One memory micro-step, then warm-up and timed ones: (flag, peak bytes, own times).
+    def _micro_steps(self, size: int, measured: bool, *, memory: bool = True) -> tuple[int, int, list[float]]:
+        """One memory micro-step (unless not `memory`), then warm-up and timed ones: (flag, peak bytes,
+        own times).
 
         The memory is measured in its own micro-step, not in the timed ones: on CPU
         tracking the live peak means mapping every block afresh, whose page faults
@@ -346,18 +347,11 @@ class StageMeasurement:
         emulated out-of-memory, so that all run the same number (ZeRO-2/3 communicate
         in each); a real one stops this rank (see profiles/README.md for what remains).
         """
-        my_type = self.layout.my_type
         flag, peak = _OK, 0
         own_times: list[float] = []
-        try:
-            with MeasuredPeak(self.layout.device) as measured_peak:
-                self._micro_step(size, boundary=False)
-            peak = self._device_bytes(measured_peak.bytes)
-            if measured:
-                check_emulated_memory(self.layout.emulations[my_type], peak, device_type=my_type)
-        except Exception as exc:  # noqa: BLE001 - classified; every rank must reach the agreement
-            flag = self._classify(exc)
-            if flag != _EMULATED_OOM:
+        if memory:
+            flag, peak = self._memory_micro_step(size, measured)
+            if flag not in (_OK, _EMULATED_OOM):
                 return flag, peak, own_times
         for index in range(self.settings.warmup_micro_steps + self.settings.repeats):
             try:
@@ -368,6 +362,21 @@ class StageMeasurement:
             if index >= self.settings.warmup_micro_steps:
                 own_times.append(elapsed_s)
         return flag, peak, own_times
+
+    def _memory_micro_step(self, size: int, measured: bool) -> tuple[int, int]:
+        """One micro-step whose peak memory is measured: (flag, peak bytes); an emulated type over its
+        memory is flagged (`check_emulated_memory`)."""
+        my_type = self.layout.my_type
+        peak = 0
+        try:
+            with MeasuredPeak(self.layout.device) as measured_peak:
+                self._micro_step(size, boundary=False)
+            peak = self._device_bytes(measured_peak.bytes)
+            if measured:
+                check_emulated_memory(self.layout.emulations[my_type], peak, device_type=my_type)
+        except Exception as exc:  # noqa: BLE001 - classified; every rank must reach the agreement
+            return self._classify(exc), peak
+        return _OK, peak
 
     def _run_trial(self, sizes: dict[str, int], records: dict[str, _TypeRecord], phase: str) -> _TrialOutcome:
         outcome = self._trial(sizes)
@@ -503,8 +512,10 @@ class StageMeasurement:
         """This rank's median micro-step time at each size `sizes` gives its device type (collective).
 
         Trial i runs every type's i-th size at once (a type with fewer sizes repeats none; its
-        ranks run micro-batch 1 unmeasured), as `run` sweeps. No probe, no boundary: only the
-        sizes asked for. A size that does not fit is left out of the result.
+        ranks run micro-batch 1 unmeasured), as `run` sweeps. No probe, no boundary, no memory
+        micro-step (the sizes come from a profile that measured their memory; calibration's time
+        is spent only on warm-up and timed micro-steps): only the sizes asked for. A size that
+        fails (a real out-of-memory) is left out of the result.
         """
         my_type = self.layout.my_type
         mine: dict[int, float] = {}
@@ -513,7 +524,7 @@ class StageMeasurement:
                 raise _StageAbandoned("a real out-of-memory at micro-batch 1")
             for index in range(max((len(v) for v in sizes.values()), default=0)):
                 trial = {t: v[index] for t, v in sizes.items() if index < len(v)}
-                outcome = self._trial(trial)
+                outcome = self._trial(trial, memory=False)
                 if my_type in trial and outcome.flags[my_type] == _OK and outcome.own_times_s:
                     mine[trial[my_type]] = statistics.median(outcome.own_times_s)
         finally:

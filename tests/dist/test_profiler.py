@@ -7,6 +7,7 @@ the other survives a forced out-of-memory and a type that fits nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import statistics
@@ -284,10 +285,12 @@ def _measure_reuse_and_remeasure(cache_dir: str) -> dict:
     changed = profile_model(
         model_factory=lambda: GPT(changed_cfg), make_batch=changed_batches, zero_stages=(0,), **common
     )
+    calibration = _calibration_run(first[0])
     memory = _memory_run(str(Path(cache_dir) / "wide"))
     checkpointing = _checkpointing_run(str(Path(cache_dir) / "checkpointing"))
     offload = _offload_run(str(Path(cache_dir) / "offload"))
     return {
+        "calibration": calibration,
         "offload": offload,
         "memory": memory,
         "checkpointing": checkpointing,
@@ -297,6 +300,55 @@ def _measure_reuse_and_remeasure(cache_dir: str) -> dict:
         "batches": (first_batches.calls, second_batches.calls, changed_batches.calls),
         "progress": lines,
     }
+
+
+def _calibration_run(profile) -> dict:
+    """Calibration's timing (`time_micro_steps`, as a job checks cached profiles at start) on a toy GPT
+    large enough for micro-steps of tens of milliseconds: once on the machine the profiles are made from
+    (fast 2x, slow 4x a core), once on one whose fast type runs 1.4x slower (2.8x); `profile` (any
+    profile of the group) lends the profiles their fields."""
+    from poplar_ext.models.toy_gpt import GPT, GPTConfig
+    from poplar_ext.profiler import ProfileOptions
+    from poplar_ext.profiler.api import time_micro_steps
+    from poplar_ext.profiler.calibration import apply_checks, check_profiles
+    from poplar_ext.profiler.measure import default_loss
+    from poplar_search.formats import Sample
+
+    cfg = GPTConfig(vocab_size=1024, sequence_length=64, num_layers=2, num_heads=2, hidden_size=128)
+    sizes = {"fast": [LIMIT], "slow": [LIMIT // 2]}
+    sizes_run: list[int] = []
+
+    def loss(engine, batch):
+        sizes_run.append(len(batch))
+        return default_loss(engine, batch)
+
+    def timed(fast_slowdown: float) -> dict:
+        base = _agreed_resident_bytes()
+        cluster = _cluster([("fast", fast_slowdown, base + 2000 * MB), ("slow", 4.0, base + 2000 * MB)])
+        options = ProfileOptions(
+            model_factory=lambda: GPT(cfg),
+            make_batch=_Batches(cfg),
+            ds_config=DS_CONFIG,
+            cluster=cluster,
+            model_name="toy",
+            sequence_length=cfg.sequence_length,
+            loss_fn=loss,
+        )
+        return time_micro_steps(options, sizes, zero_stage=0)
+
+    made = timed(2.0)
+    cached = [
+        dataclasses.replace(
+            profile,
+            device_type=t,
+            samples=(Sample(micro_batch_size=b, micro_step_time_s=made[t][b], peak_memory_bytes=1),),
+        )
+        for t, v in sizes.items()
+        for b in v
+    ]
+    sizes_run.clear()
+    checks = check_profiles(cached, timed(2.8), threshold=0.1, action="rescale")
+    return {"checks": checks, "cached": cached, "rescaled": apply_checks(cached, checks), "sizes_run": sizes_run}
 
 
 @pytest.fixture(scope="module")
@@ -330,6 +382,27 @@ def test_slowdown_three_measures_three_times_slower(measured) -> None:
     # machine's two cores, one size's CPU time is now and then off by a third (a burst
     # of preemptions during its repeats); the curves as a whole hold the factor.
     assert statistics.median(ratios) == pytest.approx(3.0, rel=0.15), [round(r, 2) for r in ratios]
+
+
+def test_a_cached_profile_40_percent_off_is_caught_at_start_and_rescaled(measured) -> None:
+    """Calibration's timing against profiles made when the fast type ran 1.4x faster: the fast type is found
+    off and rescaled, the slow one (unchanged) trusted; each size costs only its warm-up and timed
+    micro-steps (no memory micro-step: its memory is the profile's)."""
+    results, _ = measured
+    runs = [r["calibration"] for r in results]
+    checks = runs[0]["checks"]
+    assert runs[1]["checks"] == checks, "every rank decides alike"
+    fast, slow = checks["fast"], checks["slow"]
+    assert fast.outcome == "rescaled" and fast.sizes == (LIMIT,)
+    assert fast.measured_over_profiled == pytest.approx(1.4, abs=0.2), fast
+    assert slow.measured_over_profiled == pytest.approx(1.0, abs=0.15), slow
+    cached = {p.device_type: p for p in runs[0]["cached"]}["fast"]
+    rescaled = {p.device_type: p for p in runs[0]["rescaled"]}["fast"]
+    assert rescaled.samples[0].micro_step_time_s == pytest.approx(
+        cached.samples[0].micro_step_time_s * fast.measured_over_profiled
+    )
+    # The engine's first optimizer step at micro-batch 1, then 1 warm-up + 3 timed micro-steps at the size.
+    assert [r["sizes_run"] for r in runs] == [[1] + [LIMIT] * 4, [1] + [LIMIT // 2] * 4]
 
 
 def test_smaller_memory_gives_a_smaller_largest_micro_batch_that_really_fits(measured) -> None:

@@ -130,6 +130,22 @@ def test_search_speed_runs_the_search_engineers_benchmark(tmp_path, monkeypatch)
     assert (tmp_path / "search_speed.json").exists() and (tmp_path / "search_speed.md").exists()
 
 
+def test_search_speed_times_as_many_lever_problems_as_asked(tmp_path, monkeypatch):
+    from poplar_bench import search_speed
+
+    calls = []
+    real = search_speed.run_search_speed
+
+    def small(**kwargs):
+        calls.append(kwargs)
+        return real(rank_counts=(), type_counts=(), repeats=1, large_batches=(), lever_ranks=None)
+
+    monkeypatch.setattr(search_speed, "run_search_speed", small)
+    argv = ["search-speed", "--repeats", "1", "--lever-problems", "3", "--output-dir", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert calls == [{"repeats": 1, "lever_seeds": (0, 1, 2)}]
+
+
 def _without_matplotlib(monkeypatch):
     # A None entry in sys.modules makes `import matplotlib` raise ImportError.
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:

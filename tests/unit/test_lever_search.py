@@ -15,7 +15,7 @@ import pytest
 
 from poplar_search.api import search_plan
 from poplar_search.lever_search import evaluate_settings, most_work, search_levers
-from poplar_search.levers import LEVERS_ORDER, lever_choices
+from poplar_search.levers import LEVERS_ORDER, lever_choices, lever_count
 from poplar_search.network import modelled_network
 from poplar_search.poplar_independent import steps_within
 from poplar_search.synthetic import random_lever_profiles, simple_cluster
@@ -92,6 +92,41 @@ def test_equally_fast_settings_keep_the_enumerations_first(seed):
     times = [a.iteration_time_s if batch else -a.samples_per_s for a in values if a is not None]
     assert times.count(min(times)) > 1, "a case with ties"
     oracle = evaluate_settings(settings, variants, cluster, stage, "poplar", batch, most, network)
+    found = search_levers(
+        variants, cluster, stage, global_batch_size=batch, max_global_batch_size=most, network=network
+    )
+    _same(found, oracle)
+
+
+@pytest.mark.parametrize("seed", [67, 412, 1063])
+def test_equally_fast_settings_with_as_many_levers_keep_the_first_in_type_order(seed):
+    """Equally fast settings with as many levers that differ in which types use them: the enumeration keeps
+    the first in type order. Seeds found as those that fail when the search orders such ties by types in
+    reverse (67, 412), or skips them once its incumbent is proven best (1063)."""
+    variants, cluster, stage, batch, most, network = _random_case(seed)
+    settings = lever_choices(variants, stage, choose=True)
+    allocations = [
+        evaluate_settings([s], variants, cluster, stage, "poplar", batch, most, network).outcome.allocation
+        for s in settings
+    ]
+    values = [None if a is None else a.iteration_time_s if batch else -a.samples_per_s for a in allocations]
+    best = min(v for v in values if v is not None)
+    tied = [s for s, v in zip(settings, values) if v == best]
+    levers = [sum(lever_count(levers) for levers in s.values()) for s in tied]
+    assert levers.count(levers[0]) > 1, "a case with ties of as many levers"
+    found = search_levers(
+        variants, cluster, stage, global_batch_size=batch, max_global_batch_size=most, network=network
+    )
+    assert found.levers == tied[0]
+
+
+def test_rows_kept_from_the_last_tables_are_the_same_rows():
+    """A case whose better incumbents keep rows from the last tables (found as the seed that fails when each
+    row's capacities are copied from the row before it)."""
+    variants, cluster, stage, batch, most, network = _random_case(517)
+    oracle = evaluate_settings(
+        lever_choices(variants, stage, choose=True), variants, cluster, stage, "poplar", batch, most, network
+    )
     found = search_levers(
         variants, cluster, stage, global_batch_size=batch, max_global_batch_size=most, network=network
     )

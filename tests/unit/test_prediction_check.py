@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from poplar_bench.cli import build_parser
@@ -136,6 +138,53 @@ def test_the_predictions_command_draws_by_default_and_runs_the_fixed_cases_on_re
     args = build_parser().parse_args(["predictions", "--seed", "5", "--cases", "4"])
     assert (args.seed, args.cases, args.fixed, args.rounds) == (5, 4, False, 3)
     assert build_parser().parse_args(["predictions", "--fixed"]).fixed is True
+
+
+def test_the_check_cost_is_the_slowest_rank_per_repeat_with_the_sizes_timed():
+    from poplar_bench.calibration_cost import render_check_cost, summarize_check_cost
+
+    found = {"t0": {"outcome": "trusted", "measured_over_profiled": 1.02, "sizes": [22]}}
+    ranks = [
+        {"profiles_from_cache": True, "check_s": [3.0, 2.0, 2.5], "checks": found},
+        {"profiles_from_cache": True, "check_s": [3.1, 1.9, 2.7], "checks": found},
+    ]
+    summary = summarize_check_cost(ranks, devices="emulated", load_average={"before": [1.0], "after": [2.0]})
+    assert summary["check_s"] == [3.1, 2.0, 2.7] and summary["median_check_s"] == 2.7
+    text = render_check_cost(summary)
+    assert "3.10 s, 2.00 s, 2.70 s; median **2.70 s**" in text
+    assert "profiles from the cache; sizes timed and findings: t0 at 22: 1.02 trusted" in text
+    assert "before: [1.0], after: [2.0]" in text
+
+
+def test_the_demo_checks_its_profiles_at_poplars_sizes_only():
+    from poplar_bench.demo_worker import calibration_sizes
+    from poplar_ext.profiler.calibration import plan_sizes
+    from poplar_search import search_plan
+    from poplar_search.synthetic import simple_cluster, synthetic_profile
+
+    profiles = [
+        synthetic_profile(t, zero_stage=1, max_micro_batch_size=48, overhead_s=0.01, seconds_per_sample=s)
+        for t, s in (("fast", 0.001), ("slow", 0.004))
+    ]
+    cluster = simple_cluster({"fast": 1, "slow": 1})
+    results = {
+        policy: search_plan(profiles, cluster, global_batch_size=150, zero_stage=1, policy=policy)
+        for policy in ("uniform", "proportional", "poplar")
+    }
+    assert calibration_sizes(results) == plan_sizes([results["poplar"].plan])
+    assert plan_sizes([r.plan for r in results.values()]) != calibration_sizes(results), "the policies differ"
+    without = {**results, "poplar": dataclasses.replace(results["poplar"], plan=None)}
+    assert calibration_sizes(without) == plan_sizes([results["uniform"].plan, results["proportional"].plan])
+
+
+def test_calibration_check_only_times_the_check_alone(tmp_path, monkeypatch):
+    from poplar_bench import calibration_cost, cli
+
+    calls = []
+    monkeypatch.setattr(calibration_cost, "run_check_cost", lambda **kwargs: calls.append(kwargs) or [])
+    monkeypatch.setattr(calibration_cost, "run_calibration_check", lambda **kwargs: calls.append(("demo", kwargs)))
+    assert cli.main(["calibration", "--check-only", "--repeats", "2", "--output-dir", str(tmp_path)]) == 0
+    assert calls == [{"out_dir": tmp_path, "repeats": 2, "cache_dir": None}]
 
 
 def test_the_calibration_report_says_what_the_check_cost_and_found():

@@ -66,6 +66,21 @@ def test_report_has_every_cell_and_goal_and_is_written(tmp_path):
     assert "| 16 | 3 | 64 | 1 | automatic |" in markdown
 
 
+def test_lever_cells_time_every_seeded_problem_and_report_the_slowest_per_stage(tmp_path):
+    report = run_search_speed(
+        rank_counts=(), type_counts=(), repeats=1, large_batches=(), lever_ranks=12, lever_types=2, lever_seeds=(3, 5)
+    )
+    levers = report["lever_cells"]
+    assert [(c["seed"], c["zero_stage"], c["global_batch_size"]) for c in levers] == [
+        (seed, stage, batch) for seed in (3, 5) for stage in (0, 1, 2) for batch in (32 * 12 + 7, None)
+    ]
+    assert "problems seeded 3, 5" in report["lever_method"]
+    markdown = write_report(report, tmp_path)[1].read_text()
+    assert "| 12 | 2 | 16 | 1 | automatic | 5 |" in markdown
+    slowest = max(c["median_s"] for c in levers if c["zero_stage"] == 1 and c["global_batch_size"] is None)
+    assert f"| 1 | automatic | 2 | {1000 * slowest:.1f} |" in markdown
+
+
 # ----------------------------------------------------------------------------------
 # Oracles that share no code with search/poplar_independent.py
 # ----------------------------------------------------------------------------------
