@@ -242,10 +242,40 @@ class StageMeasurement:
         """Own time of one non-boundary micro-step, in seconds (as training spends it with `as_training`)."""
         if self.settings.as_training:
             return self._micro_step_as_trained(size)
-        elapsed_s = time_compute(self.layout.device, lambda: self._micro_step(size, boundary=False))
+        if self.layout.device.type == "cpu":
+            elapsed_s = self._cpu_time_until_reduction(size)
+        else:
+            elapsed_s = time_compute(self.layout.device, lambda: self._micro_step(size, boundary=False))
         emulation = self.layout.emulations[self.layout.my_type]
         slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
         return elapsed_s * slowdown
+
+    def _cpu_time_until_reduction(self, size: int) -> float:
+        """This thread's CPU time from the micro-step's forward to DeepSpeed's gradient reduction.
+
+        Training's compute window ends there (`poplar_ext.runtime.engine`: the reduction is
+        communication, which the cost model prices from the network file), so the profile
+        must not count the reduction's CPU time as compute, which the slowdown would multiply.
+        """
+        engine = self.engine
+        reduce = engine.allreduce_gradients
+        own = vars(engine).get("allreduce_gradients")  # an instance's own, or the class's method
+        reached: list[float] = []
+
+        def reduce_after_compute(*args: Any, **kwargs: Any) -> Any:
+            reached.append(time.thread_time())
+            return reduce(*args, **kwargs)
+
+        engine.allreduce_gradients = reduce_after_compute
+        started = time.thread_time()
+        try:
+            self._micro_step(size, boundary=False)
+        finally:
+            if own is None:
+                del engine.allreduce_gradients  # the class's method again (no bound method kept on it)
+            else:
+                engine.allreduce_gradients = own
+        return (reached[0] if reached else time.thread_time()) - started
 
     def _micro_step_as_trained(self, size: int) -> float:
         emulation = self.layout.emulations[self.layout.my_type]
