@@ -335,8 +335,7 @@ class PoplarTrainerMixin:
             MicroBatchesDataset(dataset),
             batch_sampler=iterations,
             collate_fn=_CollateEach(collator),
-            num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
+            **self._dataloader_options(training=True),
         )
         prepared = self.accelerator.prepare(loader)
         # The sampler is already this rank's: accelerate's shard wrapper must pass it through
@@ -345,6 +344,29 @@ class PoplarTrainerMixin:
         if shard is not None and getattr(shard, "batch_sampler", None) is iterations:
             shard.num_processes, shard.process_index = 1, 0
         return prepared
+
+    def _dataloader_options(self, *, training: bool) -> dict[str, Any]:
+        """The DataLoader settings the Trainer gives its own loaders (``TrainingArguments.dataloader_*``;
+        training also seeds each worker as the Trainer does); the plan's sampler replaces the rest."""
+        from functools import partial
+
+        from transformers.trainer_utils import seed_worker
+
+        args = self.args
+        options: dict[str, Any] = {
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+            "persistent_workers": args.dataloader_persistent_workers,
+            "multiprocessing_context": getattr(args, "dataloader_multiprocessing_context", None),
+            "prefetch_factor": args.dataloader_prefetch_factor,
+        }
+        if hasattr(args, "dataloader_in_order"):
+            options["in_order"] = args.dataloader_in_order
+        if training:
+            options["worker_init_fn"] = partial(
+                seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
+            )
+        return options
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """The true global batch (the plan's), for the Trainer's step counts, logs and samples/s."""
@@ -384,8 +406,7 @@ class PoplarTrainerMixin:
             dataset,
             batch_sampler=sampler,
             collate_fn=collator,
-            num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
+            **self._dataloader_options(training=False),
         )
         prepared = self.accelerator.prepare(loader)
         shard = getattr(prepared, "batch_sampler", None)
