@@ -197,6 +197,48 @@ def _refuse_own_training_data_order(cls: type) -> None:
                 )
 
 
+def _settle_job(args: TrainingArguments, model: Any, train_dataset: Any, *, collate_fn: Any) -> Job:
+    """The plan and its context, resolved alike on every rank (collective) before the Trainer is built."""
+    _ = args.device  # reading it makes Hugging Face and accelerate set up the process group
+    from poplar_ext.collectives import process_group_rank
+
+    _, world_size = process_group_rank()
+    return prepare_job(
+        load_deepspeed_config(config=args.deepspeed),
+        model=model,
+        # Profiling (the automatic mode) measures the optimizer the Trainer will create.
+        optimizer=_trainer_optimizer_factory(args, model),
+        training_data=train_dataset,
+        collate_fn=collate_fn,
+        default_global_batch=_trainer_global_batch(args, world_size),
+        profiling_ds_config=_filled_deepspeed_config(args, model),
+    )
+
+
+def _rank_checkpointing(job: Job, model: Any) -> bool | None:
+    """This rank's activation checkpointing, applied to `model` (None: the model cannot checkpoint).
+    Without a model (model_init) the arguments carry the plan's setting: the Trainer applies it to each
+    model model_init builds, at train()."""
+    if model is None:
+        return job.plan.ranks[job.rank].activation_checkpointing
+    checkpointing = apply_plan_checkpointing(model, job.plan, job.rank, source=job.plan_reason)
+    return checkpointing if can_checkpoint(model) else None
+
+
+def _log_rank_plan(job: Job) -> None:
+    rank_plan = job.plan.ranks[job.rank]
+    if job.rank == 0:
+        logger.info("poplar plan from step 0: %s", job.plan_reason)
+    logger.info(
+        "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
+        job.rank,
+        rank_plan.micro_batch_size,
+        rank_plan.gradient_accumulation_steps,
+        job.plan.global_batch_size,
+        job.plan.zero_stage,
+    )
+
+
 def _refuse_accumulation_of_accelerate(args: TrainingArguments) -> None:
     """accelerate's own accumulation count would make the Trainer join that many of the plan's optimizer
     steps into one (each dataloader item is one optimizer step's micro-batches)."""
@@ -210,169 +252,11 @@ def _refuse_accumulation_of_accelerate(args: TrainingArguments) -> None:
         )
 
 
-class PoplarTrainerMixin:
-    """Everything `PoplarTrainer` does, for any ``transformers.Trainer`` subclass.
+class _PlanEvaluation:
+    """`PoplarTrainerMixin`'s evaluate() and predict() under the plan (`poplar_ext.runtime.evaluation`):
+    rounds of one batch per rank, every sample once and in order, the loss the exact mean over the set.
+    It reads the mixin's job, its loss decisions and its dataloader settings."""
 
-    Put it first in the bases: ``class MyTrainer(PoplarTrainerMixin, SFTTrainer)``. Its
-    methods call ``super()``, so the subclass's own ``__init__``, ``compute_loss`` and
-    data collator run inside them: the subclass's loss is computed first and then weighted
-    to the global batch, and the train dataloader is the plan's (the subclass's dataset
-    preparation in ``__init__`` is kept; a ``get_train_dataloader`` of its own is
-    refused). A subclass that overrides these methods itself (a class *derived from*
-    the mixed class) must call ``super()`` in them for the plan to apply; see
-    docs/trainer.md.
-    """
-
-    def __init__(
-        self, model: Any = None, args: TrainingArguments | None = None, train_dataset: Any = None, **kwargs: Any
-    ) -> None:
-        _refuse_own_training_data_order(type(self))
-        if args is None or not args.deepspeed:
-            raise ValueError(
-                f"{type(self).__name__}: expected TrainingArguments(deepspeed=...) naming a DeepSpeed config with a "
-                "'poplar' section, found none; use the Trainer without poplar-ext for a run without one"
-            )
-        _refuse_accumulation_of_accelerate(args)
-        _ = args.device  # reading it makes Hugging Face and accelerate set up the process group
-        from poplar_ext.collectives import process_group_rank
-
-        _, world_size = process_group_rank()
-        self.job = prepare_job(
-            load_deepspeed_config(config=args.deepspeed),
-            model=model,
-            # Profiling (the automatic mode) measures the optimizer the Trainer will create.
-            optimizer=_trainer_optimizer_factory(args, model),
-            training_data=train_dataset,
-            collate_fn=kwargs.get("data_collator"),
-            default_global_batch=_trainer_global_batch(args, world_size),
-            profiling_ds_config=_filled_deepspeed_config(args, model),
-        )
-        self.poplar_engine: PoplarEngine | None = None
-        """The `PoplarEngine` between accelerate and DeepSpeed's engine, once training built it: it times
-        compute, re-balances (``poplar.rebalance``) and switches DeepSpeed's batch with the plan."""
-        rank_plan = self.plan.ranks[self.job.rank]
-        checkpointing: bool | None = rank_plan.activation_checkpointing
-        if model is not None:
-            checkpointing = apply_plan_checkpointing(model, self.plan, self.job.rank, source=self.job.plan_reason)
-            if not can_checkpoint(model):
-                checkpointing = None
-        # Without a model (model_init), the arguments carry the rank's setting: the Trainer
-        # applies them to each model model_init builds, at train().
-        if self.job.rank == 0:
-            logger.info("poplar plan from step 0: %s", self.job.plan_reason)
-        logger.info(
-            "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
-            self.job.rank,
-            rank_plan.micro_batch_size,
-            rank_plan.gradient_accumulation_steps,
-            self.plan.global_batch_size,
-            self.plan.zero_stage,
-        )
-        self._eval_batch_asked: int = args.per_device_eval_batch_size
-        """``per_device_eval_batch_size`` as given: the rank with the smallest plan micro-batch's."""
-        super().__init__(
-            model=model,
-            args=_rank_arguments(args, self.job, checkpointing=checkpointing),
-            train_dataset=train_dataset,
-            **kwargs,
-        )
-        if model is None and self.model is not None:
-            # The model model_init built: one that cannot checkpoint is refused on every rank alike.
-            apply_plan_checkpointing(self.model, self.plan, self.job.rank, source=self.job.plan_reason)
-        # What the Trainer subclass says its own loss is (the Trainer's class attribute:
-        # False, a micro-batch mean; True, normalised by num_items_in_batch; None, decided
-        # per step as the Trainer decides); read before it is overwritten below.
-        self._inner_loss_is_scaled_for_ga: bool | None = self.loss_is_scaled_for_ga
-        # The loss compute_loss returns is already the global batch's share (see compute_loss).
-        self.loss_is_scaled_for_ga = True
-        self._train_sampler: PlanBatchSampler | None = None
-        self._shifts_labels: bool | None = None
-        self._plan_history = [history_entry(self.plan, start_step=0, data_position=0, reason=self.job.plan_reason)]
-        self._reshard_on_resume = False
-        self._resume_decision: ResumeDecision | None = None
-        self._eval_round: _EvalRound | None = None
-
-    @property
-    def plan(self) -> Plan:
-        """The plan every rank runs now (re-balancing switches it)."""
-        engine = self.__dict__.get("poplar_engine")
-        return self.job.plan if engine is None else engine.plan
-
-    # -- data ------------------------------------------------------------------------
-    def _iterations_per_epoch(self, num_samples: int) -> int:
-        # The Trainer needs every epoch to have the same number of steps: the stream's
-        # first epoch has ceil(N / B) iterations (with drop_last, floor).
-        batch = self.plan.global_batch_size
-        return num_samples // batch if self.job.poplar_config.drop_last else math.ceil(num_samples / batch)
-
-    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
-        """This rank's micro-batches of the plan (one pass: one epoch of the true global batch), one item
-        per optimizer step: ``{MICRO_BATCHES: [micro-batch, ...]}``, each collated by the data collator."""
-        if self.train_dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        dataset = self.train_dataset
-        collator = self.data_collator
-        try:
-            import datasets
-        except ImportError:
-            datasets = None
-        if datasets is not None and isinstance(dataset, datasets.Dataset):
-            dataset = self._remove_unused_columns(dataset, description="Training")
-        else:
-            collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
-        config = self.job.poplar_config
-        self._train_sampler = PlanBatchSampler.from_plan(
-            self.plan,
-            rank=self.job.rank,
-            num_samples=len(dataset),
-            seed=config.seed,
-            shuffle=config.shuffle,
-            drop_last=config.drop_last,
-            iterations_per_pass=self._iterations_per_epoch(len(dataset)),
-        )
-        iterations = IterationSampler(self._train_sampler)
-        loader = torch.utils.data.DataLoader(
-            MicroBatchesDataset(dataset),
-            batch_sampler=iterations,
-            collate_fn=_CollateEach(collator),
-            **self._dataloader_options(training=True),
-        )
-        prepared = self.accelerator.prepare(loader)
-        # The sampler is already this rank's: accelerate's shard wrapper must pass it through
-        # (what the Trainer does for its own rank-aware batch sampler).
-        shard = getattr(prepared, "batch_sampler", None)
-        if shard is not None and getattr(shard, "batch_sampler", None) is iterations:
-            shard.num_processes, shard.process_index = 1, 0
-        return prepared
-
-    def _dataloader_options(self, *, training: bool) -> dict[str, Any]:
-        """The DataLoader settings the Trainer gives its own loaders (``TrainingArguments.dataloader_*``;
-        training also seeds each worker as the Trainer does); the plan's sampler replaces the rest."""
-        from functools import partial
-
-        from transformers.trainer_utils import seed_worker
-
-        args = self.args
-        options: dict[str, Any] = {
-            "num_workers": args.dataloader_num_workers,
-            "pin_memory": args.dataloader_pin_memory,
-            "persistent_workers": args.dataloader_persistent_workers,
-            "multiprocessing_context": getattr(args, "dataloader_multiprocessing_context", None),
-            "prefetch_factor": args.dataloader_prefetch_factor,
-        }
-        if hasattr(args, "dataloader_in_order"):
-            options["in_order"] = args.dataloader_in_order
-        if training:
-            options["worker_init_fn"] = partial(
-                seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
-            )
-        return options
-
-    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
-        """The true global batch (the plan's), for the Trainer's step counts, logs and samples/s."""
-        return self.plan.global_batch_size
-
-    # -- evaluation ----------------------------------------------------------------------
     def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
         """This rank's evaluation batches (`poplar_ext.runtime.evaluation`): every sample once, in order."""
         if eval_dataset is None and self.eval_dataset is None:
@@ -494,6 +378,140 @@ class PoplarTrainerMixin:
             gathered[r * width : r * width + (n if keep[r] is None else min(n, keep[r]))] for r, n in enumerate(rows)
         ]
         return torch.cat(kept)
+
+
+class PoplarTrainerMixin(_PlanEvaluation):
+    """Everything `PoplarTrainer` does, for any ``transformers.Trainer`` subclass.
+
+    Put it first in the bases: ``class MyTrainer(PoplarTrainerMixin, SFTTrainer)``. Its
+    methods call ``super()``, so the subclass's own ``__init__``, ``compute_loss`` and
+    data collator run inside them: the subclass's loss is computed first and then weighted
+    to the global batch, and the train dataloader is the plan's (the subclass's dataset
+    preparation in ``__init__`` is kept; a ``get_train_dataloader`` of its own is
+    refused). A subclass that overrides these methods itself (a class *derived from*
+    the mixed class) must call ``super()`` in them for the plan to apply; see
+    docs/trainer.md.
+    """
+
+    def __init__(
+        self, model: Any = None, args: TrainingArguments | None = None, train_dataset: Any = None, **kwargs: Any
+    ) -> None:
+        _refuse_own_training_data_order(type(self))
+        if args is None or not args.deepspeed:
+            raise ValueError(
+                f"{type(self).__name__}: expected TrainingArguments(deepspeed=...) naming a DeepSpeed config with a "
+                "'poplar' section, found none; use the Trainer without poplar-ext for a run without one"
+            )
+        _refuse_accumulation_of_accelerate(args)
+        self.job = _settle_job(args, model, train_dataset, collate_fn=kwargs.get("data_collator"))
+        self.poplar_engine: PoplarEngine | None = None
+        """The `PoplarEngine` between accelerate and DeepSpeed's engine, once training built it: it times
+        compute, re-balances (``poplar.rebalance``) and switches DeepSpeed's batch with the plan."""
+        checkpointing = _rank_checkpointing(self.job, model)
+        _log_rank_plan(self.job)
+        self._eval_batch_asked: int = args.per_device_eval_batch_size
+        """``per_device_eval_batch_size`` as given: the rank with the smallest plan micro-batch's."""
+        super().__init__(
+            model=model,
+            args=_rank_arguments(args, self.job, checkpointing=checkpointing),
+            train_dataset=train_dataset,
+            **kwargs,
+        )
+        if model is None and self.model is not None:
+            # The model model_init built: one that cannot checkpoint is refused on every rank alike.
+            apply_plan_checkpointing(self.model, self.plan, self.job.rank, source=self.job.plan_reason)
+        # What the Trainer subclass says its own loss is (the Trainer's class attribute:
+        # False, a micro-batch mean; True, normalised by num_items_in_batch; None, decided
+        # per step as the Trainer decides); read before it is overwritten below.
+        self._inner_loss_is_scaled_for_ga: bool | None = self.loss_is_scaled_for_ga
+        # The loss compute_loss returns is already the global batch's share (see compute_loss).
+        self.loss_is_scaled_for_ga = True
+        self._train_sampler: PlanBatchSampler | None = None
+        self._shifts_labels: bool | None = None
+        self._plan_history = [history_entry(self.plan, start_step=0, data_position=0, reason=self.job.plan_reason)]
+        self._reshard_on_resume = False
+        self._resume_decision: ResumeDecision | None = None
+        self._eval_round: _EvalRound | None = None
+
+    @property
+    def plan(self) -> Plan:
+        """The plan every rank runs now (re-balancing switches it)."""
+        engine = self.__dict__.get("poplar_engine")
+        return self.job.plan if engine is None else engine.plan
+
+    # -- data ------------------------------------------------------------------------
+    def _iterations_per_epoch(self, num_samples: int) -> int:
+        # The Trainer needs every epoch to have the same number of steps: the stream's
+        # first epoch has ceil(N / B) iterations (with drop_last, floor).
+        batch = self.plan.global_batch_size
+        return num_samples // batch if self.job.poplar_config.drop_last else math.ceil(num_samples / batch)
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """This rank's micro-batches of the plan (one pass: one epoch of the true global batch), one item
+        per optimizer step: ``{MICRO_BATCHES: [micro-batch, ...]}``, each collated by the data collator."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset = self.train_dataset
+        collator = self.data_collator
+        try:
+            import datasets
+        except ImportError:
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
+        config = self.job.poplar_config
+        self._train_sampler = PlanBatchSampler.from_plan(
+            self.plan,
+            rank=self.job.rank,
+            num_samples=len(dataset),
+            seed=config.seed,
+            shuffle=config.shuffle,
+            drop_last=config.drop_last,
+            iterations_per_pass=self._iterations_per_epoch(len(dataset)),
+        )
+        iterations = IterationSampler(self._train_sampler)
+        loader = torch.utils.data.DataLoader(
+            MicroBatchesDataset(dataset),
+            batch_sampler=iterations,
+            collate_fn=_CollateEach(collator),
+            **self._dataloader_options(training=True),
+        )
+        prepared = self.accelerator.prepare(loader)
+        # The sampler is already this rank's: accelerate's shard wrapper must pass it through
+        # (what the Trainer does for its own rank-aware batch sampler).
+        shard = getattr(prepared, "batch_sampler", None)
+        if shard is not None and getattr(shard, "batch_sampler", None) is iterations:
+            shard.num_processes, shard.process_index = 1, 0
+        return prepared
+
+    def _dataloader_options(self, *, training: bool) -> dict[str, Any]:
+        """The DataLoader settings the Trainer gives its own loaders (``TrainingArguments.dataloader_*``;
+        training also seeds each worker as the Trainer does); the plan's sampler replaces the rest."""
+        from functools import partial
+
+        from transformers.trainer_utils import seed_worker
+
+        args = self.args
+        options: dict[str, Any] = {
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+            "persistent_workers": args.dataloader_persistent_workers,
+            "multiprocessing_context": getattr(args, "dataloader_multiprocessing_context", None),
+            "prefetch_factor": args.dataloader_prefetch_factor,
+        }
+        if hasattr(args, "dataloader_in_order"):
+            options["in_order"] = args.dataloader_in_order
+        if training:
+            options["worker_init_fn"] = partial(
+                seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
+            )
+        return options
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """The true global batch (the plan's), for the Trainer's step counts, logs and samples/s."""
+        return self.plan.global_batch_size
 
     # -- the loss ----------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | None:
