@@ -270,15 +270,7 @@ class _PlanEvaluation:
         return self._evaluation_loader(test_dataset, "test")
 
     def _evaluation_loader(self, dataset: Any, description: str) -> torch.utils.data.DataLoader:
-        collator = self.data_collator
-        try:
-            import datasets
-        except ImportError:
-            datasets = None
-        if datasets is not None and isinstance(dataset, datasets.Dataset):
-            dataset = self._remove_unused_columns(dataset, description=description)
-        else:
-            collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
+        dataset, collator = _dataset_and_collator(self, dataset, description)
         if not hasattr(dataset, "__len__"):
             raise ValueError(
                 f"the {description.lower()} data set: expected a map-style data set (with __len__), found "
@@ -292,11 +284,7 @@ class _PlanEvaluation:
             collate_fn=collator,
             **self._dataloader_options(training=False),
         )
-        prepared = self.accelerator.prepare(loader)
-        shard = getattr(prepared, "batch_sampler", None)
-        if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
-            shard.num_processes, shard.process_index = 1, 0  # already this rank's, as for training
-        return prepared
+        return _prepared_as_this_ranks(self, loader, sampler)
 
     def evaluation_loop(
         self,
@@ -451,16 +439,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         per optimizer step: ``{MICRO_BATCHES: [micro-batch, ...]}``, each collated by the data collator."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        dataset = self.train_dataset
-        collator = self.data_collator
-        try:
-            import datasets
-        except ImportError:
-            datasets = None
-        if datasets is not None and isinstance(dataset, datasets.Dataset):
-            dataset = self._remove_unused_columns(dataset, description="Training")
-        else:
-            collator = self._get_collator_with_removed_columns(self.data_collator, description="Training")
+        dataset, collator = _dataset_and_collator(self, self.train_dataset, "Training")
         config = self.job.poplar_config
         self._train_sampler = PlanBatchSampler.from_plan(
             self.plan,
@@ -478,13 +457,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
             collate_fn=_CollateEach(collator),
             **self._dataloader_options(training=True),
         )
-        prepared = self.accelerator.prepare(loader)
-        # The sampler is already this rank's: accelerate's shard wrapper must pass it through
-        # (what the Trainer does for its own rank-aware batch sampler).
-        shard = getattr(prepared, "batch_sampler", None)
-        if shard is not None and getattr(shard, "batch_sampler", None) is iterations:
-            shard.num_processes, shard.process_index = 1, 0
-        return prepared
+        return _prepared_as_this_ranks(self, loader, iterations)
 
     def _dataloader_options(self, *, training: bool) -> dict[str, Any]:
         """The DataLoader settings the Trainer gives its own loaders (``TrainingArguments.dataloader_*``;
@@ -801,6 +774,28 @@ class _CollateEach:
 
     def __call__(self, micro_batches: list[list[Any]]) -> dict:
         return {MICRO_BATCHES: [self.collator(samples) for samples in micro_batches]}
+
+
+def _dataset_and_collator(trainer: Any, dataset: Any, description: str) -> tuple[Any, Any]:
+    """`dataset` and the data collator with the columns the model does not take removed, as the Trainer
+    removes them for its own dataloaders (from a Hugging Face dataset, else in the collator)."""
+    try:
+        import datasets
+    except ImportError:
+        datasets = None
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
+        return trainer._remove_unused_columns(dataset, description=description), trainer.data_collator
+    return dataset, trainer._get_collator_with_removed_columns(trainer.data_collator, description=description)
+
+
+def _prepared_as_this_ranks(trainer: Any, loader: Any, batch_sampler: Any) -> Any:
+    """`loader` prepared by the Trainer's accelerator with its batch sampler, already this rank's, passed
+    through accelerate's shard wrapper (what the Trainer does for its own rank-aware batch sampler)."""
+    prepared = trainer.accelerator.prepare(loader)
+    shard = getattr(prepared, "batch_sampler", None)
+    if shard is not None and getattr(shard, "batch_sampler", None) is batch_sampler:
+        shard.num_processes, shard.process_index = 1, 0
+    return prepared
 
 
 def _eval_sampler_of(loader: Any) -> EvalBatchSampler | None:

@@ -236,20 +236,15 @@ class PoplarEngine:
                 "backward: scale_wrt_gas is set by poplar_ext (the loss weight replaces DeepSpeed's "
                 "division by the accumulation count); pass the plain micro-batch loss"
             )
-        if self._slowdown is not None:
-            self._slowdown.start()  # for a forward that did not go through the engine
-        weighted = weight_loss(loss, **self._weight_arguments())
-        result = self.deepspeed_engine.backward(weighted, scale_wrt_gas=False, **kwargs)
-        if self._slowdown is not None:
-            self._slowdown.stop()  # a no-op unless no reduction ended the window (no_sync)
-        return result
+        return self._timed_backward(weight_loss(loss, **self._weight_arguments()), scale_wrt_gas=False, **kwargs)
 
     def _timed_backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
+        """DeepSpeed's backward inside this rank's compute window."""
         if self._slowdown is not None:
-            self._slowdown.start()
+            self._slowdown.start()  # for a forward that did not go through the engine
         result = self.deepspeed_engine.backward(loss, **kwargs)
         if self._slowdown is not None:
-            self._slowdown.stop()
+            self._slowdown.stop()  # a no-op unless no reduction ended the window (no_sync)
         return result
 
     def _weight_arguments(self) -> dict[str, Any]:

@@ -80,7 +80,6 @@ class EvalBatchSampler(torch.utils.data.Sampler[list[int]]):
         if num_samples < 1:
             raise ValueError(f"the evaluation data set: expected at least one sample, found {num_samples}")
         self.rank = rank
-        self.batch_sizes = list(batch_sizes)
         self.rounds = evaluation_rounds(num_samples, batch_sizes)
 
     def real_counts(self, round_index: int) -> list[int]:
