@@ -131,6 +131,21 @@ def reference_first_loss(global_batch: int) -> float:
         return float(model(**batch).loss)
 
 
+def trainer_ds_config(stage: int, **poplar) -> dict:
+    """A DeepSpeed config for the Trainer: Hugging Face's "auto" batch values (poplar fills them per
+    rank from the plan), ZeRO `stage`, and a poplar section of `poplar` (no periodic logging)."""
+    return {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10_000,
+        "poplar": {"log_interval_steps": 0, **poplar},
+    }
+
+
 def trainer_configs(root: Path, allocations: dict[int, list[tuple[int, int]]], types: list[str]) -> dict[int, str]:
     """A DeepSpeed config per ZeRO stage with Hugging Face's "auto" batch values and a poplar
     section naming a plan of `allocations[stage]` ((micro-batch, accumulation) per rank)."""
@@ -140,16 +155,7 @@ def trainer_configs(root: Path, allocations: dict[int, list[tuple[int, int]]], t
     paths = {}
     for stage, allocation in allocations.items():
         plan = t.write_plan(root / f"plan{stage}.json", allocation, stage=stage, device_types=types)
-        config = {
-            "train_batch_size": "auto",
-            "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-            "zero_optimization": {"stage": stage},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10_000,
-            "poplar": {"cluster": str(cluster), "plan": str(plan), "log_interval_steps": 0},
-        }
+        config = trainer_ds_config(stage, cluster=str(cluster), plan=str(plan))
         (root / f"ds{stage}.json").write_text(json.dumps(config))
         paths[stage] = str(root / f"ds{stage}.json")
     return paths

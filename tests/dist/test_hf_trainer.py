@@ -50,21 +50,7 @@ def _config(root: Path, stage: int, checkpointing: list[bool] | None = None, off
         offload=offload,
     )
     path = root / f"ds{stage}.json"
-    # Hugging Face's "auto" batch values: poplar fills them per rank from the plan.
-    path.write_text(
-        json.dumps(
-            {
-                "train_batch_size": "auto",
-                "train_micro_batch_size_per_gpu": "auto",
-                "gradient_accumulation_steps": "auto",
-                "gradient_clipping": "auto",
-                "zero_optimization": {"stage": stage},
-                "zero_allow_untested_optimizer": True,
-                "steps_per_print": 10_000,
-                "poplar": {"cluster": str(cluster), "plan": str(plan), "log_interval_steps": 0},
-            }
-        )
-    )
+    path.write_text(json.dumps(hf.trainer_ds_config(stage, cluster=str(cluster), plan=str(plan))))
     return path
 
 
@@ -236,19 +222,7 @@ def test_automatic_mode_profiles_searches_and_trains_the_global_batch(tmp_path):
     # the parameters are those of one process on the same global batches.
     cluster = t.write_cluster(tmp_path / "cluster.json", fast=1, slow=2, slowdown=1.0)
     config = tmp_path / "ds.json"
-    config.write_text(
-        json.dumps(
-            {
-                "train_batch_size": "auto",
-                "train_micro_batch_size_per_gpu": "auto",
-                "gradient_accumulation_steps": "auto",
-                "gradient_clipping": "auto",
-                "zero_optimization": {"stage": 1},
-                "zero_allow_untested_optimizer": True,
-                "poplar": {"cluster": str(cluster), "profiles": str(tmp_path / "profiles"), "log_interval_steps": 0},
-            }
-        )
-    )
+    config.write_text(json.dumps(hf.trainer_ds_config(1, cluster=str(cluster), profiles=str(tmp_path / "profiles"))))
     _launch(config, tmp_path / "out")
     # cpu and cpu-slow at stage 1, without and with gradient checkpointing (GPT-2 supports it)
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 4

@@ -323,22 +323,13 @@ def test_a_drifting_rank_is_re_balanced_inside_the_trainer(tmp_path):
     )
     cluster["device_types"]["cpu-fast"]["emulation"]["slowdown_schedule"] = [[4, 4.0, 0]]
     (tmp_path / "cluster.json").write_text(json.dumps(cluster))
-    config = {
-        "train_batch_size": "auto",
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": {"stage": 1},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10_000,
-        "poplar": {
-            "cluster": str(tmp_path / "cluster.json"),
-            "profiles": str(tmp_path / "profiles"),
-            "log_interval_steps": 0,
-            "calibration": {"action": "off"},
-            "rebalance": {"enabled": True, "check_interval_steps": 2, "threshold": 1.0, "sustained_checks": 2},
-        },
-    }
+    config = hf.trainer_ds_config(
+        1,
+        cluster=str(tmp_path / "cluster.json"),
+        profiles=str(tmp_path / "profiles"),
+        calibration={"action": "off"},
+        rebalance={"enabled": True, "check_interval_steps": 2, "threshold": 1.0, "sustained_checks": 2},
+    )
     (tmp_path / "ds.json").write_text(json.dumps(config))
     results = run_ranks(
         _train_drifting,
