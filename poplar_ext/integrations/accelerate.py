@@ -78,11 +78,9 @@ from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.initialize import (
     Job,
-    count_true_global_batch,
-    job_rebalancer,
-    poplar_engine,
     prepare_job,
     set_up_rank,
+    wrap_built_engine,
 )
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 
@@ -278,15 +276,9 @@ class PoplarAccelerator(Accelerator):
     def _wrap_engine(self, wrapper: Any, *, labels: Any, slowdown: Any) -> None:
         """Put a `PoplarEngine` between accelerate and the DeepSpeed engine it just built."""
         engine = wrapper.engine
-        count_true_global_batch(engine, self.job.plan)
-        wrapped = poplar_engine(self.job, engine, labels=labels, slowdown=slowdown, rebalancer=job_rebalancer(self.job))
-        timer = wrapped.compute_timer  # an emulated device's slowdown, or re-balancing's measurement
-        if timer is not None:
-            # The compute window opens at the forward of the model prepare returned (DeepSpeed's engine).
-            engine.register_forward_pre_hook(lambda *_: timer.start())
+        # Its compute window opens at the forward of the model prepare returned (DeepSpeed's engine).
+        wrapped = wrap_built_engine(self.job, engine, labels=labels, slowdown=slowdown, sampler=self._train_sampler)
         wrapped.switch_listeners.append(self._follow_plan_switch)
-        if self._train_sampler is not None:
-            wrapped.adopt_batch_sampler(self._train_sampler)
         wrapper.engine = wrapped  # accelerator.backward: weighted backward, then the counting step
         self._models[self._models.index(engine)] = wrapped  # save_state/load_state: the data position too
         self.poplar_engine = wrapped

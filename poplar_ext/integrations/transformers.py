@@ -86,11 +86,9 @@ from poplar_ext.runtime.engine import PoplarEngine, set_deepspeed_batch
 from poplar_ext.runtime.evaluation import EvalBatchSampler, eval_batch_sizes
 from poplar_ext.runtime.initialize import (
     Job,
-    count_true_global_batch,
-    job_rebalancer,
-    poplar_engine,
     prepare_job,
     rank_devices,
+    wrap_built_engine,
 )
 from poplar_ext.runtime.weighting import label_token_count
 from poplar_search.formats import Plan, RankPlan
@@ -718,17 +716,10 @@ class PoplarTrainerMixin(_PlanEvaluation):
             return
         engine, job = wrapper.engine, self.job
         labels, slowdown = rank_devices(job)
-        count_true_global_batch(engine, job.plan)
-        set_deepspeed_batch(engine, job.plan, job.rank)
-        wrapped = poplar_engine(
-            job, engine, labels=labels, slowdown=slowdown, rebalancer=job_rebalancer(job), weights_loss=False
+        set_deepspeed_batch(engine, job.plan, job.rank)  # the Trainer's arguments gave DeepSpeed 1 x b_r
+        wrapped = wrap_built_engine(
+            job, engine, labels=labels, slowdown=slowdown, sampler=self._train_sampler, weights_loss=False
         )
-        timer = wrapped.compute_timer
-        if timer is not None:
-            # The compute window opens at a training forward (evaluation's forwards are not timed).
-            engine.register_forward_pre_hook(lambda module, _: timer.start() if module.training else None)
-        if self._train_sampler is not None:
-            wrapped.adopt_batch_sampler(self._train_sampler)
         wrapper.engine = wrapped
         self.poplar_engine = wrapped
 

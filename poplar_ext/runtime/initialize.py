@@ -63,7 +63,7 @@ from poplar_ext.runtime.config import (
     requested_global_batch_size,
     requested_zero_stage,
 )
-from poplar_ext.runtime.data import IterationLoader
+from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler
 from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.planning import ProfileDirectory, resolve_plan
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer
@@ -475,6 +475,32 @@ def count_true_global_batch(engine: Any, plan: Plan) -> None:
         engine.tput_timer.batch_size = plan.global_batch_size
 
 
+def wrap_built_engine(
+    job: Job,
+    engine: Any,
+    *,
+    labels: tuple[str, ...],
+    slowdown: ComputeSlowdown | None,
+    sampler: PlanBatchSampler | None = None,
+    weights_loss: bool = True,
+) -> PoplarEngine:
+    """The `PoplarEngine` over a DeepSpeed engine another library built (accelerate, for
+    PoplarAccelerator and the Hugging Face Trainer) on this rank's config: it counts the true
+    global batch, re-balances as the job says (collective), times this rank's compute from the
+    engine's training forwards, and follows `sampler` (built before the engine)."""
+    count_true_global_batch(engine, job.plan)
+    wrapped = poplar_engine(
+        job, engine, labels=labels, slowdown=slowdown, rebalancer=job_rebalancer(job), weights_loss=weights_loss
+    )
+    timer = wrapped.compute_timer  # an emulated device's slowdown, or re-balancing's measurement
+    if timer is not None:
+        # The compute window opens at a training forward (evaluation's forwards are not timed).
+        engine.register_forward_pre_hook(lambda module, _: timer.start() if module.training else None)
+    if sampler is not None:
+        wrapped.adopt_batch_sampler(sampler)
+    return wrapped
+
+
 def poplar_engine(
     job: Job,
     engine: Any,
@@ -530,4 +556,5 @@ __all__ = [
     "prepare_job",
     "rank_devices",
     "set_up_rank",
+    "wrap_built_engine",
 ]
