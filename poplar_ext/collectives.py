@@ -17,8 +17,8 @@ skips) can be read in one place:
 
 `ensure_process_group` sets the group up through DeepSpeed (its launcher, torchrun
 or mpirun) and makes sure it is destroyed before the interpreter shuts down
-(`destroy_process_group_at_exit`); `poplar_ext.hardware.devices.join_job` also selects
-this rank's device, before any of these runs.
+(`destroy_process_group_at_exit`); `poplar_ext.hardware.devices.join_job` selects this
+rank's device before it (DeepSpeed binds the group to the device LOCAL_RANK names).
 
 With one rank, or no process group (one process), each is the identity.
 """
@@ -70,11 +70,56 @@ def destroy_process_group_at_exit() -> None:
     atexit.register(leave_process_group)
 
 
+PROCESS_GROUP_TIMEOUT_S = 600.0
+"""How long a collective may wait for the other ranks before the job fails (unless the caller
+passes ``timeout`` or sets DeepSpeed's ``DEEPSPEED_TIMEOUT``, in minutes): a rank that died outside
+an agreed point ends the job in minutes instead of DeepSpeed's default 30."""
+
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def discover_launch_environment(
+    *, auto_mpi_discovery: bool = True, distributed_port: int = 29500, verbose: bool = True, **_: Any
+) -> None:
+    """Put rank, world size, master address and LOCAL_RANK into the environment where no launcher
+    did (mpirun, AzureML, SageMaker), with DeepSpeed's own discovery, as ``deepspeed.init_distributed``
+    would; the other keywords of `ensure_process_group` are accepted and ignored.
+
+    Why before the group: the rank's device is chosen from LOCAL_RANK before the group starts
+    (`poplar_ext.hardware.devices.join_job`).
+    """
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_initialized() or not auto_mpi_discovery or all(v in os.environ for v in _LAUNCH_VARIABLES):
+        return
+    from deepspeed.comm import comm as ds_comm
+
+    if ds_comm.in_aml() and not ds_comm.in_dlts():
+        ds_comm.patch_aml_env_for_torch_nccl_backend(verbose=verbose)
+    elif ds_comm.in_aws_sm():
+        ds_comm.patch_aws_sm_env_for_torch_nccl_backend(verbose=verbose)
+    else:
+        ds_comm.mpi_discovery(distributed_port=distributed_port, verbose=verbose)
+
+
+def process_group_options(init_options: dict[str, Any]) -> dict[str, Any]:
+    """`init_options` with the job's timeout: the caller's ``timeout``, else DeepSpeed's from
+    ``DEEPSPEED_TIMEOUT`` where set, else `PROCESS_GROUP_TIMEOUT_S`."""
+    import os
+    from datetime import timedelta
+
+    if "timeout" in init_options or "DEEPSPEED_TIMEOUT" in os.environ:
+        return dict(init_options)
+    return {**init_options, "timeout": timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)}
+
+
 def ensure_process_group(**init_options: Any) -> None:
     """Set up the process group (``deepspeed.init_distributed``, unless it exists), destroyed again
-    at exit. `init_options` go to ``deepspeed.init_distributed`` (e.g. ``distributed_port``).
-    Select this rank's device next (`poplar_ext.hardware.devices.join_job` does both), before
-    any collective.
+    at exit. `init_options` go to ``deepspeed.init_distributed`` (e.g. ``distributed_port``); the
+    timeout is `process_group_options`'. Select this rank's device first
+    (`poplar_ext.hardware.devices.join_job` does both, in that order).
 
     DeepSpeed's setup also discovers rank and world size under ``mpirun`` (its MPI
     mode), so read them afterwards (`process_group_rank`), not from the environment.
@@ -84,7 +129,7 @@ def ensure_process_group(**init_options: Any) -> None:
     if not dist.is_initialized():
         import deepspeed
 
-        deepspeed.init_distributed(**init_options)
+        deepspeed.init_distributed(**process_group_options(init_options))
     destroy_process_group_at_exit()
 
 
@@ -265,6 +310,7 @@ def process_group_rank() -> tuple[int, int]:
 
 
 __all__ = [
+    "PROCESS_GROUP_TIMEOUT_S",
     "agree_max",
     "agree_sum",
     "barrier",
@@ -272,10 +318,12 @@ __all__ = [
     "broadcast_in_group",
     "decided_by_rank0",
     "destroy_process_group_at_exit",
+    "discover_launch_environment",
     "ensure_process_group",
     "gather_objects",
     "leave_process_group",
     "new_groups",
+    "process_group_options",
     "process_group_rank",
     "sum_in_group",
 ]

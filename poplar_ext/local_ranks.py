@@ -332,10 +332,12 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
 
 
 def _join_process_group(timeout_s: float) -> None:
-    import deepspeed
+    """A gloo group over this rank's device (on a GPU machine, ranks beyond the GPUs share them:
+    the device is chosen first, since DeepSpeed binds the group to the one LOCAL_RANK names)."""
+    from poplar_ext.hardware.devices import join_job
 
     skip_deepspeed_shm_op()  # a spawned rank did not inherit the parent's `preimport_for_fork`
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=timeout_s), verbose=False)
+    join_job(dist_backend="gloo", timeout=timedelta(seconds=timeout_s), verbose=False)
 
 
 # ----------------------------------------------------------------------------------

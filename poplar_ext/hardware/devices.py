@@ -164,6 +164,10 @@ def declared_type_problem(declared: str, emulation: Emulation | None, hardware_t
     )
 
 
+LAUNCHER_LOCAL_RANK_VARIABLE = "POPLAR_LAUNCHER_LOCAL_RANK"
+"""Where `select_job_device` keeps the launcher's LOCAL_RANK when it rewrites LOCAL_RANK to the device index."""
+
+
 def cuda_device_index(local_rank: int, device_count: int) -> int:
     """The CUDA device a rank uses: its local rank, or, with more local ranks than visible
     devices (ranks sharing GPUs, or CUDA_VISIBLE_DEVICES giving each process one), the
@@ -176,33 +180,56 @@ def cuda_device_index(local_rank: int, device_count: int) -> int:
 
 
 def join_job(**init_options: object) -> torch.device:
-    """This rank in the job: the process group set up (`poplar_ext.collectives.ensure_process_group`,
-    `init_options` for ``deepspeed.init_distributed``) and its device selected; returns the device."""
-    from poplar_ext.collectives import ensure_process_group
+    """This rank in the job: its device selected, then the process group set up
+    (`poplar_ext.collectives.ensure_process_group`, `init_options` for ``deepspeed.init_distributed``);
+    returns the device.
 
+    The order matters on CUDA: DeepSpeed binds the group to ``cuda:$LOCAL_RANK`` when it
+    starts it, so LOCAL_RANK must name a visible device by then (`select_job_device`).
+    """
+    from poplar_ext.collectives import discover_launch_environment, ensure_process_group
+
+    discover_launch_environment(**init_options)
+    device = select_job_device()
     ensure_process_group(**init_options)
-    return select_job_device()
+    return device
 
 
 def select_job_device() -> torch.device:
-    """This rank's device, made current; call once, before the first collective.
+    """This rank's device, made current; call before the process group starts (`join_job` does).
 
-    On CUDA every collective (NCCL's broadcasts and gathers included) runs on the
-    current device, so without this every local rank would use cuda:0. LOCAL_RANK is
-    read after the launcher (or DeepSpeed's MPI discovery) has set it.
+    On CUDA, LOCAL_RANK modulo the visible devices (`cuda_device_index`). DeepSpeed takes
+    LOCAL_RANK itself as a CUDA device index (the process group's ``device_id``, the
+    engine's device, ZeRO-3's partitioning), so where the two differ (ranks sharing a GPU,
+    or CUDA_VISIBLE_DEVICES giving each process one) LOCAL_RANK is rewritten to the index
+    and the launcher's value kept in ``POPLAR_LAUNCHER_LOCAL_RANK``. Every collective (NCCL's
+    too) then runs on this device instead of cuda:0.
     """
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
     if accelerator.device_name() != "cuda":
         return torch.device(accelerator.current_device_name())
-    index = cuda_device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
+    index = cuda_device_index(_launcher_local_rank(), torch.cuda.device_count())
+    if str(index) != os.environ.get("LOCAL_RANK"):
+        os.environ.setdefault(LAUNCHER_LOCAL_RANK_VARIABLE, os.environ.get("LOCAL_RANK", "0"))
+        os.environ["LOCAL_RANK"] = str(index)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 
+def _launcher_local_rank() -> int:
+    """The launcher's LOCAL_RANK (the original, when `select_job_device` already rewrote it)."""
+    text = os.environ.get(LAUNCHER_LOCAL_RANK_VARIABLE, os.environ.get("LOCAL_RANK", "0"))
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK: expected an integer >= 0, found {text!r}") from None
+
+
 __all__ = [
     "CPU_DEVICE_TYPE",
+    "LAUNCHER_LOCAL_RANK_VARIABLE",
     "cuda_device_index",
     "declared_type_problem",
     "join_job",
