@@ -205,8 +205,16 @@ def release_memory(device: torch.device) -> None:
         _malloc_trim()
 
 
+def allocated_device_bytes(device: torch.device) -> int | None:
+    """The bytes torch's allocator holds for tensors on a CUDA `device` now; None on CPU (no such count)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_allocated(device))
+
+
 __all__ = [
     "MeasuredPeak",
+    "allocated_device_bytes",
     "cpu_peak_supported",
     "default_cpu_allocator",
     "device_overhead_bytes",

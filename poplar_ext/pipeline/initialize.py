@@ -19,7 +19,8 @@ import torch
 from poplar_ext.hardware.emulation import ComputeSlowdown, device_label, emulation_for_rank
 from poplar_ext.pipeline.engine import PoplarPipelineEngine
 from poplar_ext.pipeline.job import PipelineJob
-from poplar_ext.runtime.config import load_deepspeed_config
+from poplar_ext.runtime.config import load_deepspeed_config, unsynchronised_throughput_timer
+from poplar_ext.runtime.data import plan_dataloader
 from poplar_search.pipeline_formats import PipelinePlan
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ def pipeline_deepspeed_config(ds_config: dict, plan: PipelinePlan, pipeline_inde
     nominal["gradient_accumulation_steps"] = pipeline.num_micro_batches
     nominal["train_batch_size"] = pipeline.samples_per_iteration
     nominal.setdefault("zero_optimization", {})["stage"] = plan.zero_stage
+    unsynchronised_throughput_timer(nominal)
     return nominal
 
 
@@ -157,7 +159,7 @@ def initialize_pipeline(
     loader = None
     if training_data is not None:
         sampler = engine.create_batch_sampler(len(training_data))
-        loader = torch.utils.data.DataLoader(training_data, batch_sampler=sampler, collate_fn=collate_fn)
+        loader = plan_dataloader(training_data, sampler, collate_fn=collate_fn, device=job.device)
         engine.use_loader(loader)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 

@@ -114,8 +114,25 @@ class _ProgressReporter:
         per_trial = elapsed / self.trials_done
         later = self.stages_left * (self.trials_per_stage or self.stage_trials + event.remaining_trials_estimate)
         left_s = per_trial * (event.remaining_trials_estimate + later)
-        sizes = ", ".join(f"{t} micro-batch {b}" for t, b in event.sizes.items())
-        self.say(f"ZeRO-{event.zero_stage} {event.phase}: {sizes}; about {left_s:.0f} s left")
+        self.say(f"ZeRO-{event.zero_stage} {event.phase}: {trial_outcome_text(event)}; about {left_s:.0f} s left")
+
+
+def trial_outcome_text(event: TrialEvent) -> str:
+    """Each size a trial ran, whether it fitted (with its peak) or ran out of memory, and what a
+    rebuild left: ``A100-80GB micro-batch 64: peak 41.2 GiB``."""
+    parts = []
+    for device_type, size in event.sizes.items():
+        if device_type not in event.fits:
+            outcome = ""
+        elif event.fits[device_type]:
+            outcome = f": peak {event.peak_memory_bytes.get(device_type, 0) / 2**30:.2f} GiB"
+        else:
+            outcome = ": out of memory"
+        parts.append(f"{device_type} micro-batch {size}{outcome}")
+    text = ", ".join(parts)
+    if event.memory_after_rebuild_bytes is not None:
+        text += f" (engine rebuilt: {event.memory_after_rebuild_bytes / 2**30:.2f} GiB in use after)"
+    return text
 
 
 def profile_model(

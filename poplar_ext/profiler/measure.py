@@ -38,7 +38,7 @@ from poplar_ext.hardware.emulation import (
     check_emulated_memory,
     host_resident_optimizer_bytes,
 )
-from poplar_ext.hardware.memory import MeasuredPeak, is_out_of_memory, release_memory
+from poplar_ext.hardware.memory import MeasuredPeak, allocated_device_bytes, is_out_of_memory, release_memory
 from poplar_ext.profiler.layout import JobLayout
 from poplar_ext.profiler.options import ProfileOptions
 from poplar_ext.profiler.sizes import LargestFitSearch, dense_sizes
@@ -167,6 +167,13 @@ class TrialEvent:
     """Micro-batch size tried per device type."""
     remaining_trials_estimate: int
     """Rough count of trials left at this stage."""
+    fits: dict[str, bool] = field(default_factory=dict)
+    """Per device type tried: the micro-step ran without running out of memory (agreed by every rank)."""
+    peak_memory_bytes: dict[str, int] = field(default_factory=dict)
+    """Per device type that fitted: the agreed peak memory of its micro-step."""
+    memory_after_rebuild_bytes: int | None = None
+    """After a real out-of-memory: the memory this rank's device held once the engine was rebuilt
+    (CUDA's allocated bytes; None on CPU or when nothing was rebuilt). What the rebuild freed."""
 
 
 @dataclass
@@ -421,17 +428,23 @@ class StageMeasurement:
                 records[t].search.record(size, fits=fits, peak_memory_bytes=outcome.peaks[t] if fits else None)
         if outcome.flags["__unmeasured__"] == _REAL_OOM:
             raise _StageAbandoned("a real out-of-memory on a rank running the unmeasured micro-batch 1")
+        memory_after_rebuild = None
         if outcome.rebuild:
             self._drop_engine()
             if not self._start_engine(records):
                 raise _StageAbandoned("a real out-of-memory at micro-batch 1 after a rebuild")
+            memory_after_rebuild = allocated_device_bytes(self.layout.device)
         if self.on_trial is not None and self.layout.rank == 0:
+            fits = {t: outcome.flags[t] == _OK for t in sizes}
             self.on_trial(
                 TrialEvent(
                     zero_stage=self.zero_stage,
                     phase=phase,
                     sizes=dict(sizes),
                     remaining_trials_estimate=self._remaining_estimate(records),
+                    fits=fits,
+                    peak_memory_bytes={t: outcome.peaks[t] for t in sizes if fits[t]},
+                    memory_after_rebuild_bytes=memory_after_rebuild,
                 )
             )
         return outcome

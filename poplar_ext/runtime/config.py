@@ -419,7 +419,8 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
     must equal the plan's global batch (it is then replaced). A rank whose plan entry
     has ``optimizer_offload`` gets ``zero_optimization.offload_optimizer``
     (`poplar_ext.optimizer_offload.offload_deepspeed_optimizer`); an
-    ``offload_optimizer`` of the user's config stays as it is on the other ranks.
+    ``offload_optimizer`` of the user's config stays as it is on the other ranks. DeepSpeed's
+    throughput timer does not synchronise the device (`unsynchronised_throughput_timer`).
     """
     given = ds_config.get("train_batch_size")
     if given is not None and given != AUTO and given != plan.global_batch_size:
@@ -433,11 +434,28 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
     nominal["train_batch_size"] = rank_plan.samples_per_iteration * plan.world_size
     zero = nominal.setdefault("zero_optimization", {})
     zero["stage"] = plan.zero_stage
+    unsynchronised_throughput_timer(nominal)
     if rank_plan.optimizer_offload:
         from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 
         offload_deepspeed_optimizer(nominal)
     return nominal
+
+
+def unsynchronised_throughput_timer(ds_config: dict) -> None:
+    """Set ``timers.throughput.synchronized`` false in `ds_config` unless the user set it.
+
+    Why: the engine's throughput timer runs around every micro-step when DeepSpeed did not
+    build the training dataloader (poplar-ext builds it), and synchronised it waits for the
+    device twice per micro-step, stalling the queue of kernels; poplar-ext times compute itself.
+    """
+    timers = ds_config.setdefault("timers", {})
+    if not isinstance(timers, dict):
+        raise FormatError(DICT_SOURCE, "timers", "an object", type(timers).__name__)
+    throughput = timers.setdefault("throughput", {})
+    if not isinstance(throughput, dict):
+        raise FormatError(DICT_SOURCE, "timers.throughput", "an object", type(throughput).__name__)
+    throughput.setdefault("synchronized", False)
 
 
 __all__ = [
@@ -454,4 +472,5 @@ __all__ = [
     "poplar_config_from_dict",
     "requested_global_batch_size",
     "requested_zero_stage",
+    "unsynchronised_throughput_timer",
 ]

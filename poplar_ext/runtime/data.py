@@ -391,11 +391,22 @@ class IterationLoader:
         return getattr(self.__dict__["loader"], name)
 
 
+def plan_dataloader(
+    training_data: Any, sampler: torch.utils.data.Sampler, *, collate_fn: Any, device: torch.device
+) -> torch.utils.data.DataLoader:
+    """The training DataLoader of a plan's `sampler`; on CUDA its batches in pinned host memory,
+    so that copying them to the GPU does not wait for a staging copy."""
+    return torch.utils.data.DataLoader(
+        training_data, batch_sampler=sampler, collate_fn=collate_fn, pin_memory=torch.device(device).type == "cuda"
+    )
+
+
 __all__ = [
     "IterationLoader",
     "IterationSampler",
     "MicroBatchesDataset",
     "PlanBatchSampler",
     "SampleStream",
+    "plan_dataloader",
     "rank_offsets",
 ]

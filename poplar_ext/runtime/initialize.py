@@ -62,8 +62,9 @@ from poplar_ext.runtime.config import (
     poplar_config_from_dict,
     requested_global_batch_size,
     requested_zero_stage,
+    unsynchronised_throughput_timer,
 )
-from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler
+from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, plan_dataloader
 from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.planning import ProfileDirectory, resolve_plan
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer
@@ -489,6 +490,7 @@ def wrap_built_engine(
     global batch, re-balances as the job says (collective), times this rank's compute from the
     engine's training forwards, and follows `sampler` (built before the engine)."""
     count_true_global_batch(engine, job.plan)
+    follow_unsynchronised_throughput_timer(engine, job.ds_config)
     wrapped = poplar_engine(
         job, engine, labels=labels, slowdown=slowdown, rebalancer=job_rebalancer(job), weights_loss=weights_loss
     )
@@ -499,6 +501,16 @@ def wrap_built_engine(
     if sampler is not None:
         wrapped.adopt_batch_sampler(sampler)
     return wrapped
+
+
+def follow_unsynchronised_throughput_timer(engine: Any, ds_config: dict) -> None:
+    """On an engine another library built from `ds_config`, the throughput timer that
+    `unsynchronised_throughput_timer` gives poplar-ext's own engines (unless the user set it)."""
+    setting = copy.deepcopy(ds_config)
+    unsynchronised_throughput_timer(setting)
+    timer_config = getattr(getattr(engine, "tput_timer", None), "config", None)
+    if timer_config is not None:
+        timer_config.synchronized = setting["timers"]["throughput"]["synchronized"]
 
 
 def poplar_engine(
@@ -536,7 +548,7 @@ def _training_dataloader(
     if training_data is None:
         return None
     sampler = engine.create_batch_sampler(len(training_data))
-    dataloader = torch.utils.data.DataLoader(training_data, batch_sampler=sampler, collate_fn=collate_fn)
+    dataloader = plan_dataloader(training_data, sampler, collate_fn=collate_fn, device=job.device)
     if job.poplar_config.loss_reduction != "token_mean":
         return dataloader
     shifted = loss_shifts_labels(model)

@@ -339,3 +339,30 @@ def test_the_module_docstrings_example_has_every_key_at_its_default():
     named = {"cluster": BASE / "cluster.json", "profiles": BASE / "profiles", "global_batch_size": 96}
     parsed = poplar_config_from_dict(section, base_dir=BASE)
     assert parsed == dataclasses.replace(module.PoplarConfig(), **named)
+
+
+def test_deepspeeds_throughput_timer_does_not_synchronise_the_device_unless_the_user_says_so():
+    # Synchronised, it waits for the GPU twice per micro-step (poplar-ext builds the dataloader).
+    plan = _plan([(4, 1), (2, 3)], stage=1)
+    nominal = nominal_deepspeed_config({"poplar": {}}, plan, 0)
+    assert nominal["timers"]["throughput"]["synchronized"] is False
+    user = {"timers": {"throughput": {"synchronized": True, "enabled": True}}}
+    nominal = nominal_deepspeed_config(user, plan, 0)
+    assert nominal["timers"]["throughput"] == {"synchronized": True, "enabled": True}
+    with pytest.raises(ValueError, match=r"timers.throughput: expected an object, found list"):
+        nominal_deepspeed_config({"timers": {"throughput": []}}, plan, 0)
+
+
+def test_an_engine_another_library_built_gets_the_same_timer_setting():
+    from types import SimpleNamespace
+
+    from poplar_ext.runtime.initialize import follow_unsynchronised_throughput_timer
+
+    engine = SimpleNamespace(tput_timer=SimpleNamespace(config=SimpleNamespace(synchronized=True)))
+    user = {"train_batch_size": 8}
+    follow_unsynchronised_throughput_timer(engine, user)
+    assert engine.tput_timer.config.synchronized is False
+    assert user == {"train_batch_size": 8}  # the user's config is not modified
+    engine.tput_timer.config.synchronized = True
+    follow_unsynchronised_throughput_timer(engine, {"timers": {"throughput": {"synchronized": True}}})
+    assert engine.tput_timer.config.synchronized is True

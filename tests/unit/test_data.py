@@ -220,3 +220,16 @@ def test_resuming_mid_epoch_finishes_that_epoch():
     (resumed,) = _samplers([(2, 1)], num_samples=11, consumed_samples=8)
     assert len(resumed) == 2 and list(resumed) == list(whole)[4:]
     assert len(resumed) == 5  # the next pass is epoch 1: iterations 6..10 (10 starts at 20 < 22)
+
+
+def test_the_training_loader_pins_host_memory_for_a_gpu_only():
+    import warnings
+
+    from poplar_ext.runtime.data import plan_dataloader
+
+    data = list(range(8))
+    sampler = PlanBatchSampler(num_samples=8, micro_batch_sizes=[2, 2], gradient_accumulation_steps=[1, 1], rank=0)
+    assert not plan_dataloader(data, sampler, collate_fn=None, device=torch.device("cpu")).pin_memory
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a CPU-only torch warns that nothing can be pinned
+        assert plan_dataloader(data, sampler, collate_fn=None, device=torch.device("cuda", 0)).pin_memory

@@ -51,3 +51,22 @@ def test_without_a_reduction_the_whole_micro_step_counts():
     measurement = _measurement(engine)
     measurement._micro_step = lambda size, *, boundary: _burn(0.05)
     assert 0.04 <= measurement._cpu_time_until_reduction(4) < 0.15
+
+
+def test_a_trial_line_says_each_sizes_outcome_and_what_a_rebuild_left():
+    from poplar_ext.profiler.api import trial_outcome_text
+    from poplar_ext.profiler.measure import TrialEvent
+
+    event = TrialEvent(
+        zero_stage=1,
+        phase="probe",
+        sizes={"H200-141GB": 64, "V100-16GB": 8},
+        remaining_trials_estimate=3,
+        fits={"H200-141GB": True, "V100-16GB": False},
+        peak_memory_bytes={"H200-141GB": 3 * 2**30},
+        memory_after_rebuild_bytes=2**30,
+    )
+    assert trial_outcome_text(event) == (
+        "H200-141GB micro-batch 64: peak 3.00 GiB, V100-16GB micro-batch 8: out of memory "
+        "(engine rebuilt: 1.00 GiB in use after)"
+    )
