@@ -1,9 +1,11 @@
-"""Step 2 of `poplar-bench gpu`: a GPT-style model profiled in bf16 at every ZeRO stage, then again from the cache.
+"""The ``profile`` step of `poplar-bench gpu`: a GPT of ~136M parameters profiled in bf16 at ZeRO 1 and 3.
 
 One rank on the GPU (NCCL, one rank: no collective crosses devices), the profiler's real
-out-of-memory probe finding the largest micro-batch the GPU holds. The dry run profiles a
-tiny GPT on one CPU rank with an emulated stand-in type (the CPU has no out-of-memory
-error to probe: its capacity is declared).
+out-of-memory probe finding the largest micro-batch the GPU holds; then the same call again,
+which must come from the cache. ``profile_trials.jsonl`` gets a line per trial as it ends
+(each size's peak or out-of-memory, the memory in use after a rebuild), then a line per
+profile (the profile whole). The dry run profiles a tiny GPT on one CPU rank with an emulated
+stand-in type (the CPU has no out-of-memory error to probe: its capacity is declared).
 """
 
 from __future__ import annotations
@@ -11,11 +13,16 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from poplar_search.formats import ZERO_STAGES
+if TYPE_CHECKING:
+    from .run import StepContext
 
 MIB = 1 << 20
+
+PROFILED_STAGES = (1, 3)
+"""ZeRO 1 (optimizer states sharded, one communication per iteration) and 3 (everything sharded, gathers in
+every micro-step): the two ends of what the probe must get right."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,16 +66,20 @@ DS_CONFIG = {
 }
 
 
-def profile_rank(run: ProfileRun, cache_dir: str) -> dict[str, Any]:
-    """One rank: every stage profiled, then the same call again (served by the cache); what each took."""
+def profile_rank(run: ProfileRun, cache_dir: str, trials_path: str) -> dict[str, Any]:
+    """One rank: the stages profiled (a line per trial into `trials_path`), then the same call again
+    (served by the cache); what each took."""
     import torch
 
     from poplar_ext.models.toy_gpt import GPT, GPTConfig
     from poplar_ext.profiler import profile_model
     from poplar_search.formats import profile_to_dict
 
+    from .run import append_json_line
+
     config = GPTConfig(**run.model_config())
     batches_made = {"first": 0, "second": 0}
+    started = time.perf_counter()
 
     def make_batch(call: str):
         def batch(micro_batch_size: int) -> torch.Tensor:
@@ -77,18 +88,21 @@ def profile_rank(run: ProfileRun, cache_dir: str) -> dict[str, Any]:
 
         return batch
 
+    def trial_line(line: str) -> None:
+        append_json_line(Path(trials_path), {"t_s": round(time.perf_counter() - started, 2), "line": line})
+
     common = dict(
         model_factory=lambda: GPT(config),
         ds_config=DS_CONFIG,
         cluster=_cluster(run),
-        zero_stages=ZERO_STAGES,
+        zero_stages=PROFILED_STAGES,
         cache_dir=cache_dir,
         model_name=f"gpt-{config.num_layers}x{config.hidden_size}",
         sequence_length=config.sequence_length,
         micro_batch_size_limit=run.micro_batch_size_limit,
         repeats=run.repeats,
         activation_checkpointing="off",  # the stages, not the memory levers, are what this step checks
-        progress=None,
+        progress=trial_line,
     )
     times_s = {}
     profiles = {}
@@ -96,6 +110,12 @@ def profile_rank(run: ProfileRun, cache_dir: str) -> dict[str, Any]:
         start = time.perf_counter()
         profiles[call] = profile_model(make_batch=make_batch(call), **common)
         times_s[call] = time.perf_counter() - start
+        if call == "first":
+            for profile in profiles[call]:
+                append_json_line(
+                    Path(trials_path),
+                    {"t_s": round(time.perf_counter() - started, 2), "profile": profile_to_dict(profile)},
+                )
     return {
         "profiles": [profile_to_dict(p) for p in profiles["first"]],
         "identical_from_cache": profiles["second"] == profiles["first"],
@@ -130,19 +150,21 @@ def _resident_bytes() -> int:
     raise RuntimeError("/proc/self/status: no VmRSS line (the dry run's CPU stand-in needs Linux)")
 
 
-def run_profiles(*, run: ProfileRun, out_dir: Path, timeout_s: float) -> dict[str, Any]:
-    """Step 2: the rank's result, each profile summarised; the profiles themselves under ``out_dir/profiles``."""
+def run_profile_step(context: StepContext) -> dict[str, Any]:
+    """The step: the rank's result, each profile summarised (whole in ``profile_trials.jsonl``)."""
     import torch
 
     from poplar_ext.local_ranks import run_ranks
 
-    cache_dir = out_dir / "profiles"
+    run = DRY_RUN_PROFILE if context.settings.dry_run else GPU_PROFILE
+    trials_path = context.out / "profile_trials.jsonl"
+    trials_path.unlink(missing_ok=True)
     rank = run_ranks(
         profile_rank,
         world_size=1,
-        log_dir=out_dir / "logs" / "profiles",
-        args=(run, str(cache_dir)),
-        timeout_s=timeout_s,
+        log_dir=context.work_dir / "logs",
+        args=(run, str(context.work_dir / "cache"), str(trials_path)),
+        timeout_s=context.timeout_s,
         # On CUDA the profiler sets up NCCL itself; a CPU rank gets a gloo group.
         init_process_group=not torch.cuda.is_available(),
     )[0]
@@ -154,7 +176,6 @@ def run_profiles(*, run: ProfileRun, out_dir: Path, timeout_s: float) -> dict[st
         "identical_from_cache": rank["identical_from_cache"],
         "batches_made_by_cached_call": rank["batches_made_by_cached_call"],
         "profiles": [_summary(p) for p in rank["profiles"]],
-        "profile_dir": "profiles",
     }
     result["goals"] = profile_goals(result)
     if not rank["identical_from_cache"] or rank["batches_made_by_cached_call"]:
@@ -162,8 +183,8 @@ def run_profiles(*, run: ProfileRun, out_dir: Path, timeout_s: float) -> dict[st
     return result
 
 
-ALL_STAGES_GOAL_S = 120.0
-"""The issue's goal for profiling every stage of the >= 100M-parameter model on the GPU."""
+ALL_STAGES_GOAL_S = 60.0
+"""The goal for profiling both stages of the >= 100M-parameter model on the GPU (two minutes for all four)."""
 CACHED_GOAL_S = 1.0
 """The goal for the same call served by the cache ("0 s": nothing measured, files read)."""
 
@@ -172,7 +193,7 @@ def profile_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The step's goals, evaluated (reported, never asserted)."""
     return [
         {
-            "goal": "every stage profiled",
+            "goal": "both stages profiled",
             "value": result["first_call_s"],
             "target": f"< {ALL_STAGES_GOAL_S:g} s",
             "met": result["first_call_s"] < ALL_STAGES_GOAL_S,
@@ -205,7 +226,8 @@ def _summary(profile: dict[str, Any]) -> dict[str, Any]:
 def profiles_markdown(result: dict[str, Any]) -> list[str]:
     goals = result.get("goals", [])
     lines = [
-        f"{result['num_parameters']:,} parameters; all stages {result['first_call_s']:.1f} s, again from the cache "
+        f"{result['num_parameters']:,} parameters; ZeRO {' and '.join(map(str, PROFILED_STAGES))} "
+        f"{result['first_call_s']:.1f} s, again from the cache "
         f"{result['cached_call_s']:.2f} s (identical: {result['identical_from_cache']}).",
         "",
         *[f"Goal: {g['goal']} {g['target']}: {g['value']:.3g} s ({'met' if g['met'] else 'MISSED'})." for g in goals],

@@ -23,12 +23,14 @@ def version(name):
 
 info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "deepspeed": version("deepspeed"), "poplar-ext": version("poplar-ext"), "gpu": None, "gpu_count": 0,
-        "gpu_memory_bytes": None, "device_type": None}
+        "gpu_memory_bytes": None, "device_type": None, "compute_capability": None,
+        "torch_arch_list": torch.cuda.get_arch_list() if torch.cuda.is_available() else []}
 if torch.cuda.is_available():
     from poplar_ext.hardware.devices import hardware_device_type
     properties = torch.cuda.get_device_properties(0)
     info.update(gpu=properties.name, gpu_count=torch.cuda.device_count(), gpu_memory_bytes=properties.total_memory,
-                device_type=hardware_device_type(torch.device("cuda", 0)))
+                device_type=hardware_device_type(torch.device("cuda", 0)),
+                compute_capability=f"{properties.major}.{properties.minor}")
 print(json.dumps(info))
 """
 

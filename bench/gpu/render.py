@@ -7,31 +7,42 @@ from typing import Any
 from .provenance import provenance_line
 
 WHAT_EACH_STEP_MEASURES = {
-    "tests": "The GPU test tier (tests/gpu): ZeRO 0-3, three ranks with uneven micro-batches against one process on "
-    "the global batch (fp32 <= 1e-5; bf16 against a bf16 reference, with the missing-loss-weight mutation shown to "
-    "exceed the tolerance), the profiler on a real GPU, the deepspeed launcher with bf16.",
-    "profiles": "A GPT-style model profiled in bf16 at every ZeRO stage with the profiler's real out-of-memory "
-    "probe, then the same call again, which must come from the cache.",
-    "policies": "uniform, proportional and poplar on ranks of different speed sharing the GPU: speedup, share of "
-    "the measured ideal, prediction error, each rank's decomposition (gpu_policies.md).",
+    "exact": "Three ranks sharing the GPU, uneven plan, ZeRO 0-3, against one process on the global batch: fp32 "
+    "within 1e-5 of plain torch; bf16 against one DeepSpeed rank in bf16, with the missing-loss-weight mutation "
+    "shown to exceed the tolerance at stages 0 and 3 (exact.jsonl).",
+    "profile": "A GPT of ~136M parameters profiled in bf16 at ZeRO 1 and 3 with the profiler's real out-of-memory "
+    "probe, then the same call again, which must come from the cache (profile_trials.jsonl: a line per trial).",
+    "predictions": "uniform, proportional and poplar on two ranks sharing the GPU, one an emulated 3x slower type: "
+    "measured against predicted, share of the measured ideal (predictions.md).",
+    "launcher": "The deepspeed launcher with bf16 and the cluster read from the hardware.",
 }
 
 
 def render_summary(report: dict[str, Any]) -> str:
+    from .policies import predictions_markdown
     from .profiles import profiles_markdown
-    from .tier import tier_markdown
+    from .tier import exactness_markdown
 
     provenance = report["provenance"]
     lines = [
         "# poplar-bench gpu" + (" (DRY RUN on CPU)" if report["dry_run"] else ""),
         "",
         f"- {provenance_line(provenance)}",
-        f"- made {report['created_utc']}, part {report['part']}, {report['total_s']:.0f} s in all; load average "
-        f"{report['machine'].get('load_average')}",
+        f"- compute capability {provenance.get('compute_capability') or '-'}; torch built for "
+        f"{', '.join(provenance.get('torch_arch_list') or []) or '-'}",
+        f"- made {report['created_utc']}, {report['total_s']:.0f} s in all (budget {report['budget_s']:.0f} s); "
+        f"load average {report['machine'].get('load_average')}",
     ]
-    render_step = {"tests": tier_markdown, "profiles": profiles_markdown, "policies": _policies_lines}
+    render_step = {
+        "exact": exactness_markdown,
+        "profile": profiles_markdown,
+        "predictions": predictions_markdown,
+        "launcher": lambda result: [],
+    }
     for name, result in report["steps"].items():
         lines += ["", f"## {name}: {result['status']} ({result['seconds']:.1f} s)", "", WHAT_EACH_STEP_MEASURES[name]]
+        if result.get("reason"):
+            lines += ["", f"Skipped: {result['reason']}."]
         if result.get("error"):
             lines += ["", "```", result["error"][-3000:], "```"]
         try:
@@ -39,17 +50,3 @@ def render_summary(report: dict[str, Any]) -> str:
         except (KeyError, TypeError):
             lines += ["", "(no results to show)"]
     return "\n".join(lines) + "\n"
-
-
-def _policies_lines(result: dict[str, Any]) -> list[str]:
-    lines = [
-        f"Mode: {result['mode']}" + (f" (MPS not used: {result['why_not_mps']})" if result.get("why_not_mps") else ""),
-        "",
-        "| policy | status | samples/s measured | speedup over uniform | share of ideal | prediction error |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for policy, p in result["policies"].items():
-        cells = [p["samples_per_s_measured"], p["speedup_over_uniform"], p["share_of_ideal"], p["prediction_error"]]
-        shown = " | ".join("-" if c is None else f"{c:.3g}" for c in cells)
-        lines.append(f"| {policy} | {p['status']} | {shown} |")
-    return lines + ["", f"Full report: {', '.join(result['files'])}"]

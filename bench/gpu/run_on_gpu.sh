@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `poplar-bench gpu` on the GPU machine, wheels installed first (no network there).
 #
-#   bench/gpu/run_on_gpu.sh OUTPUT_DIR [--part 1|2|all] [--dry-run]
+#   bench/gpu/run_on_gpu.sh OUTPUT_DIR [poplar-bench gpu's options: --budget-s S, --steps A,B, --dry-run]
 #
 # Run from the repository root of a copy of the working tree that carries .gpu-wheelhouse/ (filled
 # here by bench/gpu/wheelhouse.sh). The wheels go into .gpu-site/ with --no-deps (the image's torch,
@@ -12,9 +12,10 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WHEELS="${POPLAR_WHEELHOUSE:-$REPO/.gpu-wheelhouse}"
 SITE="${POPLAR_GPU_SITE:-$REPO/.gpu-site}"
-PYTHON="${PYTHON:-python}"
+# The GPU image has python3 and may have no `python`.
+PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
 if [ $# -lt 1 ]; then
-    echo "usage: bench/gpu/run_on_gpu.sh OUTPUT_DIR [--part 1|2|all] [--dry-run]" >&2
+    echo "usage: bench/gpu/run_on_gpu.sh OUTPUT_DIR [--budget-s S] [--steps A,B] [--dry-run]" >&2
     exit 2
 fi
 OUTPUT_DIR="$1"

@@ -1,53 +1,75 @@
-"""Step 1 of `poplar-bench gpu`: the GPU test tier (tests/gpu) under pytest, its outcome per test.
+"""The steps of `poplar-bench gpu` that are tests of tests/gpu, run by pytest in a child process.
 
-The tests record what they measured (``record_property``: each stage's largest parameter
-difference, the missing-weight mutation's, the tolerance, what the collectives ran on);
-pytest writes it into its JUnit XML, which is read back here. In the dry run the tier's
-equivalence tests run on CPU ranks (POPLAR_GPU_TIER_ON_CPU=1, see tests/gpu/test_runtime_gpu.py).
+``exact``: the two equivalence tests of tests/gpu/test_runtime_gpu.py; each (dtype, stage)
+appends its line to ``exact.jsonl`` as soon as it is known (``POPLAR_GPU_EXACT_LINES``), so a
+time-out keeps what finished. ``launcher``: that module's launcher test. pytest's output goes
+into ``gpu_run.log``. In the dry run the equivalence tests run on CPU ranks
+(``POPLAR_GPU_TIER_ON_CPU=1``) and the launcher test is skipped.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
-import xml.etree.ElementTree as ElementTree
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-TIER = Path("tests") / "gpu"
-"""The tier, relative to the repository root (the GPU run starts in a copy of the working tree)."""
+if TYPE_CHECKING:
+    from .run import StepContext
+
+TIER_MODULE = Path("tests") / "gpu" / "test_runtime_gpu.py"
+"""The checks, relative to the repository root (the GPU run starts in a copy of the working tree)."""
 
 
-def run_tier(*, repo: Path, out_dir: Path, dry_run: bool, timeout_s: float) -> dict[str, Any]:
-    """pytest on the tier in a child process (its own CUDA and ranks); each test's outcome and properties.
+def run_exactness(context: StepContext) -> dict[str, Any]:
+    """The equivalence tests; their lines, read back from ``exact.jsonl``, and pytest's exit code."""
+    lines_path = context.out / "exact.jsonl"
+    lines_path.unlink(missing_ok=True)
+    exit_code = _pytest(context, selection="fp32 or bf16", extra_env={"POPLAR_GPU_EXACT_LINES": str(lines_path)})
+    lines = [json.loads(line) for line in lines_path.read_text().splitlines()] if lines_path.exists() else []
+    result: dict[str, Any] = {"pytest_exit_code": exit_code, "lines": lines}
+    wrong = [
+        f"{line['check']} at stage {line['zero_stage']}"
+        for line in lines
+        if line["within_tolerance"] == ("mutation" in line["check"])
+    ]
+    if exit_code != 0 or wrong or not lines:
+        stopped = f"stopped after {context.timeout_s:.0f} s; " if exit_code is None else ""
+        result["error"] = (
+            f"{stopped}pytest exit code {exit_code}; {len(lines)} lines; "
+            f"outside what they must show: {', '.join(wrong) or 'none'} (pytest's output: gpu_run.log)"
+        )
+    return result
 
-    Writes ``gpu_tests.xml`` (JUnit) and ``gpu_tests.log`` (pytest's output) into `out_dir`.
-    Raises RuntimeError when pytest could not run the tier or a test failed (the result is
-    still complete: the caller records it).
-    """
-    if not (repo / TIER).is_dir():
-        raise ValueError(f"{repo / TIER}: expected the GPU test tier (run from the repository root)")
-    xml_path, log_path = out_dir / "gpu_tests.xml", out_dir / "gpu_tests.log"
-    env = dict(os.environ)
-    if dry_run:
+
+def run_launcher(context: StepContext) -> dict[str, Any]:
+    """The deepspeed launcher with bf16 and the cluster read from the hardware (skipped by pytest in the dry run)."""
+    exit_code = _pytest(context, selection="launcher", extra_env={})
+    result: dict[str, Any] = {"pytest_exit_code": exit_code}
+    if exit_code != 0:
+        stopped = f"stopped after {context.timeout_s:.0f} s; " if exit_code is None else ""
+        result["error"] = f"{stopped}pytest exit code {exit_code} (pytest's output: gpu_run.log)"
+    return result
+
+
+def _pytest(context: StepContext, *, selection: str, extra_env: dict[str, str]) -> int | None:
+    repo = context.settings.repo
+    if not (repo / TIER_MODULE).is_file():
+        raise ValueError(f"{repo / TIER_MODULE}: expected the GPU checks (run from the repository root)")
+    context.work_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **extra_env}
+    if context.settings.dry_run:
         env["POPLAR_GPU_TIER_ON_CPU"] = "1"
     command = [
-        sys.executable, "-m", "pytest", str(TIER), "-p", "no:cacheprovider", "-rA", "--durations=10",
-        "-o", "junit_family=xunit1",  # xunit2 drops record_property's values
-        f"--junitxml={xml_path}",
+        sys.executable, "-m", "pytest", str(TIER_MODULE), "-k", selection, "-p", "no:cacheprovider", "-q", "-rA",
+        f"--basetemp={context.work_dir / 'pytest'}",
     ]  # fmt: skip
-    with log_path.open("w") as log:
-        exit_code = run_in_own_group(command, cwd=repo, env=env, log=log, timeout_s=timeout_s)
-    tests = read_junit(xml_path) if xml_path.exists() else []
-    result = {"command": " ".join(command), "pytest_exit_code": exit_code, "tests": tests}
-    failed = [t["name"] for t in tests if t["outcome"] in ("failed", "error")]
-    # pytest's 5: nothing collected, which is a broken tier, not a pass.
-    if exit_code != 0 or failed or not tests:
-        stopped = f"stopped after {timeout_s:g} s; " if exit_code is None else ""
-        result["error"] = f"{stopped}pytest exit code {exit_code}; failed: {failed or 'none'} (log: {log_path.name})"
-    return result
+    context.log.say(" ".join(command))
+    with context.log.path.open("a") as log:
+        return run_in_own_group(command, cwd=repo, env=env, log=log, timeout_s=context.timeout_s)
 
 
 def run_in_own_group(command: list[str], *, cwd: Path, env: dict[str, str], log: Any, timeout_s: float) -> int | None:
@@ -62,45 +84,14 @@ def run_in_own_group(command: list[str], *, cwd: Path, env: dict[str, str], log:
         return None
 
 
-def read_junit(path: Path) -> list[dict[str, Any]]:
-    """Every test case of a JUnit XML file: name, outcome, seconds, message, recorded properties."""
-    tests = []
-    for case in ElementTree.parse(path).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
-            child = case.find(tag)
-            if child is not None:
-                outcome, message = name, (child.get("message") or "")[:2000]
-                break
-        properties = {p.get("name"): _number(p.get("value")) for p in case.iter("property")}
-        tests.append(
-            {
-                "name": f"{case.get('classname')}::{case.get('name')}",
-                "outcome": outcome,
-                "time_s": float(case.get("time") or 0.0),
-                "message": message,
-                "properties": properties,
-            }
+def exactness_markdown(result: dict[str, Any]) -> list[str]:
+    """The exactness step's lines of the run's markdown report."""
+    lines = ["| check | ZeRO stage | largest difference | tolerance | within | device | s |", "| --- " * 7 + "|"]
+    for line in result.get("lines", []):
+        lines.append(
+            f"| {line['check']} | {line['zero_stage']} | {line['max_difference']:.3g} | {line['tolerance']:g} | "
+            f"{line['within_tolerance']} | {line['device']} | {line['seconds']:.1f} |"
         )
-    return tests
-
-
-def _number(text: str | None) -> Any:
-    try:
-        return float(text) if text is not None else None
-    except ValueError:
-        return text
-
-
-def tier_markdown(result: dict[str, Any]) -> list[str]:
-    """The tier's lines of the run's markdown report."""
-    lines = ["| test | outcome | s | recorded |", "| --- | --- | --- | --- |"]
-    for test in result.get("tests", []):
-        recorded = "; ".join(f"{k} = {_shown(v)}" for k, v in test["properties"].items())
-        detail = recorded or test["message"]
-        lines.append(f"| {test['name']} | {test['outcome']} | {test['time_s']:.1f} | {detail.replace('|', '/')} |")
+    if result.get("lines"):
+        lines += ["", f"Collectives: {result['lines'][0]['collectives']}."]
     return lines
-
-
-def _shown(value: Any) -> str:
-    return f"{value:.3g}" if isinstance(value, float) else str(value)

@@ -10,14 +10,14 @@ against a reference of one process training the global batch:
 
 With three or more GPUs each rank has its own and NCCL runs; with fewer, the ranks
 share the GPUs through a gloo process group with CUDA tensors (NCCL refuses two ranks
-on one device); each rank then tells DeepSpeed its device through LOCAL_RANK (its engine
-takes LOCAL_RANK as the CUDA device index). Ranks are forked before the parent touches
+on one device); the harness chooses each rank's device before its group starts
+(`poplar_ext.hardware.devices.join_job`). Ranks are forked before the parent touches
 CUDA (the harness checks).
 
-`poplar-bench gpu` runs this tier and reads the differences each test records
-(``record_property``) from pytest's JUnit XML; its dry run sets POPLAR_GPU_TIER_ON_CPU=1,
-which runs the equivalence tests on CPU ranks (the same code, gloo, CPU tensors) so that a
-broken test fails CI rather than the rare run on a GPU.
+`poplar-bench gpu` runs the two equivalence tests and keeps the line each (dtype, stage)
+appends to ``POPLAR_GPU_EXACT_LINES``; its dry run sets POPLAR_GPU_TIER_ON_CPU=1, which
+runs them on CPU ranks (the same code, gloo, CPU tensors) so that a broken test fails CI
+rather than the rare run on a GPU.
 
 Outcome so far: written in sessions without a GPU; run there only on CPU (dry run), never
 on CUDA yet. Replace this line with the outcome when they have run on a GPU machine.
@@ -47,8 +47,15 @@ pytestmark = [
     ),
 ]
 
+EXACT_LINES = os.environ.get("POPLAR_GPU_EXACT_LINES")
+"""A file each (dtype, stage) result is appended to as a JSON line (set by `poplar-bench gpu`)."""
+
 STEPS = 3
 WORLD_SIZE = 3
+ALL_STAGES = (0, 1, 2, 3)
+MUTATION_STAGES = (0, 3)
+"""The stages at which the missing-loss-weight mutation runs: it must exceed the bf16 tolerance there."""
+FP32_TOLERANCE = 1e-5
 REPO = Path(__file__).resolve().parents[2]
 BF16_TOLERANCE = 2e-3
 """Largest parameter difference from the bf16 reference; the missing-weight run must exceed it."""
@@ -75,25 +82,27 @@ def collectives_used() -> str:
     return f"nccl, {WORLD_SIZE} ranks on {WORLD_SIZE} GPUs"
 
 
-def _use_shared_gpu() -> None:
-    """DeepSpeed's engine takes LOCAL_RANK as its CUDA device index: ranks beyond the GPUs share them."""
-    if torch.cuda.is_available():
-        from poplar_ext.hardware.devices import cuda_device_index
-
-        local_rank = int(os.environ["LOCAL_RANK"])
-        os.environ["LOCAL_RANK"] = str(cuda_device_index(local_rank, torch.cuda.device_count()))
+def _append_line(record: dict) -> None:
+    """One (dtype, stage) result appended to `EXACT_LINES` as soon as it is known (a time-out keeps it)."""
+    if EXACT_LINES:
+        with open(EXACT_LINES, "a") as lines:
+            lines.write(json.dumps(record) + "\n")
 
 
-def _train(files: dict, dtype: str, weighted: bool) -> dict:
+def _train(files: dict, dtype: str, stages: tuple[int, ...], references: dict, check: dict) -> dict:
+    """Each stage of `stages` trained by the plan; on rank 0, the largest difference from `references`,
+    appended as a line per stage. `check`: the line's label, tolerance and whether the loss weight is left out."""
+    import time
+
     import _training as t
 
     import poplar_ext
 
-    _use_shared_gpu()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    results = {}
-    for stage in (0, 1, 2, 3):
+    differences = {}
+    for stage in stages:
+        started = time.perf_counter()
         model = t.GPT(t.TINY)
         config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage)
         if dtype == "bf16":
@@ -101,12 +110,29 @@ def _train(files: dict, dtype: str, weighted: bool) -> dict:
         engine, _, loader, _ = poplar_ext.initialize(
             model=model, optimizer=t.make_optimizer("sgd", model.parameters()), training_data=t.dataset(), config=config
         )
-        if not weighted:
+        if check["missing_weight"]:
             # What a missing weight gives: DeepSpeed's own division by this rank's accumulation count.
             engine.backward = lambda loss, _engine=engine, **kwargs: _engine.deepspeed_engine.backward(loss)
         t.train_steps(engine, loader, STEPS)
-        results[stage] = t.full_parameters(engine)
-    return results
+        parameters = t.full_parameters(engine)  # collective at stage 3
+        if int(os.environ["RANK"]) == 0:
+            differences[stage] = t.max_difference(parameters, references[stage])
+            _append_line(
+                {
+                    "check": check["label"],
+                    "dtype": dtype,
+                    "zero_stage": stage,
+                    "allocation": _allocation(stage),
+                    "max_difference": differences[stage],
+                    "tolerance": check["tolerance"],
+                    "within_tolerance": differences[stage] <= check["tolerance"],
+                    "device": str(engine.device),
+                    "collectives": collectives_used(),
+                    "seconds": time.perf_counter() - started,
+                }
+            )
+        del engine, loader, model
+    return differences
 
 
 def _bf16_reference(global_batches: dict[int, int]) -> dict:
@@ -151,66 +177,62 @@ def _files(tmp_path: Path) -> dict:
     return files
 
 
-def _run(tmp_path: Path, dtype: str, *, weighted: bool = True) -> dict:
+def _run(tmp_path: Path, dtype: str, stages: tuple[int, ...], references: dict, check: dict) -> dict:
     from harness import run_ranks
 
     tmp_path.mkdir(parents=True, exist_ok=True)  # the bf16 test's runs each have their own folder
-    # gloo (set up by the harness) when ranks share GPUs; otherwise DeepSpeed sets up NCCL.
+    # gloo (set up by the harness, each rank's device chosen first) when ranks share GPUs; otherwise
+    # DeepSpeed sets up NCCL.
     return run_ranks(
         _train,
         world_size=WORLD_SIZE,
         tmp_path=tmp_path,
-        args=(_files(tmp_path), dtype, weighted),
+        args=(_files(tmp_path), dtype, stages, references, check),
         init_process_group=_shared_gpus(),
         timeout_s=600,
     )[0]
 
 
-def test_fp32_equals_one_process_on_the_global_batch(tmp_path, record_property):
+def _global_batch(stage: int) -> int:
+    return sum(b * s for b, s in _allocation(stage))
+
+
+def test_fp32_equals_one_process_on_the_global_batch(tmp_path):
     import _training as t
 
-    record_property("collectives", collectives_used())
-    record_property("tolerance", 1e-5)
-    results = _run(tmp_path, "fp32")
-    differences = {}
-    for stage in (0, 1, 2, 3):
-        expected, _ = t.reference_parameters("sgd", sum(b * s for b, s in _allocation(stage)), STEPS)
-        differences[stage] = t.max_difference(results[stage], expected)
-        record_property(f"stage{stage}_max_difference", differences[stage])
+    # One process in plain torch on the CPU: the parent must not touch CUDA before the ranks fork.
+    references = {stage: t.reference_parameters("sgd", _global_batch(stage), STEPS)[0] for stage in ALL_STAGES}
+    check = {"label": "fp32", "tolerance": FP32_TOLERANCE, "missing_weight": False}
+    differences = _run(tmp_path, "fp32", ALL_STAGES, references, check)
+    assert sorted(differences) == list(ALL_STAGES)
     for stage, difference in differences.items():
-        assert difference <= 1e-5, f"stage {stage}: {difference}"
+        assert difference <= FP32_TOLERANCE, f"stage {stage}: {difference}"
 
 
-def test_bf16_equals_a_bf16_reference_and_a_missing_weight_does_not(tmp_path, record_property):
-    import _training as t
+def test_bf16_equals_a_bf16_reference_and_a_missing_weight_does_not(tmp_path):
     from harness import run_ranks
 
-    record_property("collectives", collectives_used())
-    record_property("tolerance", BF16_TOLERANCE)
-
-    batches = {stage: sum(b * s for b, s in _allocation(stage)) for stage in (0, 1, 2, 3)}
     reference = run_ranks(
         _bf16_reference,
         world_size=1,
         tmp_path=tmp_path / "reference",
-        args=(batches,),
+        args=({stage: _global_batch(stage) for stage in ALL_STAGES},),
         init_process_group=False,
         timeout_s=600,
     )[0]
-    weighted = _run(tmp_path / "weighted", "bf16")
-    unweighted = _run(tmp_path / "unweighted", "bf16", weighted=False)
-    differences = {}
-    for stage in (0, 1, 2, 3):
-        differences[stage] = (
-            t.max_difference(weighted[stage], reference[stage]),
-            t.max_difference(unweighted[stage], reference[stage]),
-        )
-        # The mutation's outcome is a result too: recorded before any check can stop the test.
-        record_property(f"stage{stage}_max_difference", differences[stage][0])
-        record_property(f"stage{stage}_missing_weight_max_difference", differences[stage][1])
-    for stage, (exact, missing) in differences.items():
-        assert exact <= BF16_TOLERANCE, f"stage {stage}: {exact}"
-        assert missing > BF16_TOLERANCE, f"stage {stage}: a missing weight ({missing}) would pass this test"
+    exact_check = {"label": "bf16", "tolerance": BF16_TOLERANCE, "missing_weight": False}
+    mutation_check = {
+        "label": "bf16 without the loss weight (mutation)",
+        "tolerance": BF16_TOLERANCE,
+        "missing_weight": True,
+    }
+    exact = _run(tmp_path / "weighted", "bf16", ALL_STAGES, reference, exact_check)
+    missing = _run(tmp_path / "unweighted", "bf16", MUTATION_STAGES, reference, mutation_check)
+    assert sorted(exact) == list(ALL_STAGES) and sorted(missing) == list(MUTATION_STAGES)
+    for stage, difference in exact.items():
+        assert difference <= BF16_TOLERANCE, f"stage {stage}: {difference}"
+    for stage, difference in missing.items():
+        assert difference > BF16_TOLERANCE, f"stage {stage}: a missing weight ({difference}) would pass this test"
 
 
 def _gpu_device_type() -> str:
