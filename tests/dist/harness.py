@@ -62,10 +62,12 @@ def run_ranks_outcomes(
     timeout_s: float = 120.0,
     pg_timeout_s: float = 30.0,
     init_process_group: bool = True,
+    start_method: str = "fork",
 ) -> list[RankOutcome]:
     """Run ``fn(*args, **kwargs)`` on `world_size` forked ranks; one `RankOutcome` per rank.
 
-    `fn` must be a top-level function (it is called in the forked child, not pickled).
+    `fn` must be a top-level function (forked: it is called in the child, not pickled; "spawn": it and
+    its arguments are pickled into a fresh interpreter per rank).
     `timeout_s` bounds the whole group: ranks still running then are killed.
     """
     out_dir = Path(tmp_path) / f"ranks-{os.getpid()}-{free_port()}"
@@ -79,6 +81,7 @@ def run_ranks_outcomes(
         timeout_s=timeout_s,
         pg_timeout_s=pg_timeout_s,
         init_process_group=init_process_group,
+        start_method=start_method,
     )
 
 

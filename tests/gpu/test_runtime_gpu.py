@@ -11,8 +11,7 @@ against a reference of one process training the global batch:
 With three or more GPUs each rank has its own and NCCL runs; with fewer, the ranks
 share the GPUs through a gloo process group with CUDA tensors (NCCL refuses two ranks
 on one device); the harness chooses each rank's device before its group starts
-(`poplar_ext.hardware.devices.join_job`). Ranks are forked before the parent touches
-CUDA (the harness checks).
+(`poplar_ext.hardware.devices.join_job`). On CUDA the ranks are spawned (`START_METHOD`).
 
 `poplar-bench gpu` runs the two equivalence tests and keeps the line each (dtype, stage)
 appends to ``POPLAR_GPU_EXACT_LINES``; its dry run sets POPLAR_GPU_TIER_ON_CPU=1, which
@@ -56,6 +55,10 @@ ALL_STAGES = (0, 1, 2, 3)
 MUTATION_STAGES = (0, 3)
 """The stages at which the missing-loss-weight mutation runs: it must exceed the bf16 tolerance there."""
 FP32_TOLERANCE = 1e-5
+START_METHOD = "spawn" if torch.cuda.is_available() else "fork"
+"""How the ranks start. On the GPU machine, ranks forked from the pytest process died at their first CUDA
+call ("CUDA error: initialization error", H200, torch 2.11) although torch.cuda.is_initialized() was false
+there: something in that process had initialised the CUDA driver. Spawned ranks do not inherit it."""
 REPO = Path(__file__).resolve().parents[2]
 BF16_TOLERANCE = 2e-3
 """Largest parameter difference from the bf16 reference; the missing-weight run must exceed it."""
@@ -190,6 +193,7 @@ def _run(tmp_path: Path, dtype: str, stages: tuple[int, ...], references: dict, 
         args=(_files(tmp_path), dtype, stages, references, check),
         init_process_group=_shared_gpus(),
         timeout_s=600,
+        start_method=START_METHOD,
     )[0]
 
 
@@ -219,6 +223,7 @@ def test_bf16_equals_a_bf16_reference_and_a_missing_weight_does_not(tmp_path):
         args=({stage: _global_batch(stage) for stage in ALL_STAGES},),
         init_process_group=False,
         timeout_s=600,
+        start_method=START_METHOD,
     )[0]
     exact_check = {"label": "bf16", "tolerance": BF16_TOLERANCE, "missing_weight": False}
     mutation_check = {
