@@ -1,9 +1,9 @@
 """`poplar-bench gpu --dry-run`: every step of the GPU run on CPU stand-ins, so that a broken GPU script fails CI.
 
-One run of the command (the GPU test tier's equivalence tests on CPU ranks in a child
-pytest, tiny bf16 profiles at every stage, the policy comparison on two emulated CPU
-ranks), then the files it wrote and their provenance. What it measures is not checked
-here: a dry run measures nothing on a GPU.
+One run of the command (the exactness checks of tests/gpu on CPU ranks in a child pytest,
+tiny bf16 profiles at ZeRO 1 and 3, the policy comparison on two emulated CPU ranks), then
+the eight files it wrote, flat, and their provenance. What it measures is not checked here:
+a dry run measures nothing on a GPU.
 """
 
 from __future__ import annotations
@@ -34,35 +34,41 @@ def test_dry_run_writes_every_result_with_its_provenance(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the command runs from the repository root
     out = tmp_path / "out"
 
-    assert main(["gpu", "--output-dir", str(out), "--dry-run"]) == 0, (out / "gpu_run.log").read_text()
+    command = ["gpu", "--output-dir", str(out), "--work-dir", str(tmp_path / "work"), "--dry-run"]
+    assert main(command) == 0, (out / "gpu_run.log").read_text()
 
+    # At most 8 files, flat: all of them come back from the GPU machine.
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["gpu_run.json", "gpu_run.md", "gpu_run.log", "provenance.json", "exact.jsonl", "profile_trials.jsonl"]
+        + ["predictions.json", "predictions.md"]
+    )
+    _provenance_ok(json.loads((out / "provenance.json").read_text()))
     summary = json.loads((out / "gpu_run.json").read_text())
     _provenance_ok(summary["provenance"])
     assert {name: step["status"] for name, step in summary["steps"].items()} == dict.fromkeys(
-        ("tests", "profiles", "policies"), "ok"
+        ("exact", "profile", "predictions", "launcher"), "ok"
     )
-    for name in ("gpu_run.md", "gpu_run.log", "gpu_policies.md"):
+    for name in ("gpu_run.md", "gpu_run.log", "predictions.md"):
         text = (out / name).read_text()
         assert f"torch {VERSIONS['torch']}" in text and f"DeepSpeed {VERSIONS['deepspeed']}" in text, name
 
-    tests = {t["name"].rsplit("::", 1)[1]: t for t in summary["steps"]["tests"]["tests"]}
-    bf16 = tests["test_bf16_equals_a_bf16_reference_and_a_missing_weight_does_not"]
-    assert bf16["outcome"] == "passed"
-    for stage in ZERO_STAGES:  # the mutation's outcome is recorded, and exceeds the tolerance
-        assert bf16["properties"][f"stage{stage}_missing_weight_max_difference"] > bf16["properties"]["tolerance"]
-    assert tests["test_fp32_equals_one_process_on_the_global_batch"]["outcome"] == "passed"
-    assert (out / "gpu_tests.xml").is_file() and (out / "gpu_tests.log").is_file()
+    lines = [json.loads(line) for line in (out / "exact.jsonl").read_text().splitlines()]
+    seen = {(line["check"], line["zero_stage"]): line["within_tolerance"] for line in lines}
+    mutation = "bf16 without the loss weight (mutation)"
+    expected = {("fp32", s): True for s in ZERO_STAGES} | {("bf16", s): True for s in ZERO_STAGES}
+    assert seen == expected | {(mutation, 0): False, (mutation, 3): False}
 
-    profiles = json.loads((out / "profiles.json").read_text())
-    _provenance_ok(profiles["provenance"])
-    assert sorted(p["zero_stage"] for p in profiles["profiles"]) == list(ZERO_STAGES)
-    assert {p["dtype"] for p in profiles["profiles"]} == {"bfloat16"}
-    assert profiles["batches_made_by_cached_call"] == 0 and profiles["identical_from_cache"]
-    assert [g["goal"] for g in profiles["goals"]] == ["every stage profiled", "the same call from the cache"]
-    assert len(list((out / "profiles").glob("*.json"))) == len(ZERO_STAGES)
+    records = [json.loads(line) for line in (out / "profile_trials.jsonl").read_text().splitlines()]
+    trials = [r["line"] for r in records if "line" in r and " probe: " in r["line"]]
+    assert trials and all("micro-batch" in t and ("peak" in t or "out of memory" in t) for t in trials)
+    profiles = [r["profile"] for r in records if "profile" in r]
+    assert sorted(p["zero_stage"] for p in profiles) == [1, 3]
+    assert {p["model"]["dtype"] for p in profiles} == {"bfloat16"}
+    profile_step = summary["steps"]["profile"]
+    assert profile_step["batches_made_by_cached_call"] == 0 and profile_step["identical_from_cache"]
 
-    policies = json.loads((out / "gpu_policies.json").read_text())
-    _provenance_ok(policies["provenance"])
-    assert "DRY RUN" in policies["data_source"]
-    assert [e["policy"] for e in policies["scenarios"][0]["policies"]] == ["uniform", "proportional", "poplar"]
-    assert all(e["status"] == "ok" for e in policies["scenarios"][0]["policies"])
+    predictions = json.loads((out / "predictions.json").read_text())
+    _provenance_ok(predictions["provenance"])
+    assert "DRY RUN" in predictions["data_source"]
+    assert [e["policy"] for e in predictions["scenarios"][0]["policies"]] == ["uniform", "proportional", "poplar"]
+    assert all(e["status"] == "ok" for e in predictions["scenarios"][0]["policies"])

@@ -18,8 +18,8 @@ appends to ``POPLAR_GPU_EXACT_LINES``; its dry run sets POPLAR_GPU_TIER_ON_CPU=1
 runs them on CPU ranks (the same code, gloo, CPU tensors) so that a broken test fails CI
 rather than the rare run on a GPU.
 
-Outcome so far: written in sessions without a GPU; run there only on CPU (dry run), never
-on CUDA yet. Replace this line with the outcome when they have run on a GPU machine.
+Outcome on a GPU: the equivalence tests passed on one NVIDIA H200 (three ranks sharing it,
+torch 2.11, CUDA 13.0; bench/results/gpu/h200-run2); the launcher test passed there too.
 """
 
 from __future__ import annotations

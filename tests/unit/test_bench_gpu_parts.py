@@ -1,12 +1,18 @@
-"""`poplar-bench gpu`'s parts that need no run: a failing step is recorded and the others go on, bad options."""
+"""`poplar-bench gpu`'s parts that need no GPU run: failures recorded, the budget, the exactness verdict, options."""
 
 from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from poplar_bench.cli import build_parser
+from poplar_bench.gpu import run as gpu_run
 from poplar_bench.gpu.run import GpuRunSettings, RunLog, run_step
-from poplar_bench.gpu.tier import read_junit, run_in_own_group
+from poplar_bench.gpu.tier import run_exactness, run_in_own_group
 
 
 def test_a_failing_step_is_recorded_not_raised(tmp_path):
@@ -26,38 +32,82 @@ def test_a_failing_step_is_recorded_not_raised(tmp_path):
     assert "step profiles: failed" in text and "step policies: ok" in text
 
 
-def test_the_two_parts_write_beside_each_other(tmp_path):
-    stems = {part: GpuRunSettings(output_dir=tmp_path, part=part).stem for part in ("1", "2", "all")}
-    assert stems == {"1": "gpu_run_part1", "2": "gpu_run_part2", "all": "gpu_run"}
+def test_steps_run_in_order_within_the_budget_and_the_rest_are_skipped(tmp_path, monkeypatch):
+    ran: list[tuple[str, float]] = []
+
+    def step(name: str, seconds: float):
+        def run(context) -> dict:
+            ran.append((name, context.timeout_s))
+            time.sleep(seconds)
+            return {}
+
+        return run
+
+    monkeypatch.setattr("poplar_bench.gpu.provenance.read_provenance", lambda dry_run: _provenance())
+    monkeypatch.setattr(gpu_run, "STEP_MINIMUM_S", {"exact": 0.1, "profile": 0.1, "predictions": 0.5, "launcher": 0.1})
+    monkeypatch.setattr(gpu_run, "STEP_LIMITS_S", {"exact": 5.0, "profile": 5.0, "predictions": 5.0, "launcher": 5.0})
+    monkeypatch.setattr(
+        gpu_run,
+        "STEP_FUNCTIONS",
+        {"exact": step("exact", 0.0), "profile": step("profile", 0.6), "predictions": step("predictions", 0.0)}
+        | {"launcher": step("launcher", 0.0)},
+    )
+    settings = GpuRunSettings(output_dir=tmp_path / "out", budget_s=1.0, work_dir=tmp_path / "work")
+    assert gpu_run.run_gpu(settings) == 0  # skipped is not failed
+
+    assert [name for name, _ in ran] == ["exact", "profile", "launcher"]
+    assert all(timeout <= 1.0 for _, timeout in ran), "a step got more than what was left of the budget"
+    summary = json.loads((tmp_path / "out" / "gpu_run.json").read_text())
+    assert summary["steps"]["predictions"]["status"] == "skipped"
+    assert "left of the budget" in summary["steps"]["predictions"]["reason"]
+    assert json.loads((tmp_path / "out" / "provenance.json").read_text()) == _provenance()
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert written == ["gpu_run.json", "gpu_run.log", "gpu_run.md", "provenance.json"]
 
 
-def test_bad_part_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="part: expected one of"):
-        GpuRunSettings(output_dir=tmp_path, part="3")
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["gpu", "--output-dir", str(tmp_path), "--part", "3"])
+def _provenance() -> dict:
+    versions = {"torch": "2", "deepspeed": "0.19", "python": "3"}
+    return {"gpu": None, "driver": None, "cuda": None, "devices": "dry run", **versions}
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="steps: expected some of exact, profile, predictions, launcher, found tests"):
+        GpuRunSettings(output_dir=tmp_path, steps=("exact", "tests"))
+    with pytest.raises(ValueError, match="budget_s: expected a number of seconds > 0"):
+        GpuRunSettings(output_dir=tmp_path, budget_s=0)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["gpu", "--dry-run"])  # --output-dir is required
 
 
-def test_junit_cases_with_outcomes_and_recorded_numbers(tmp_path):
-    path = tmp_path / "junit.xml"
-    path.write_text(
-        '<testsuites><testsuite><testcase classname="tests.gpu.t" name="test_a" time="1.5">'
-        '<properties><property name="tolerance" value="0.002"/><property name="collectives" value="gloo"/>'
-        '</properties></testcase><testcase classname="tests.gpu.t" name="test_b" time="0">'
-        '<failure message="stage 2: 0.1">trace</failure></testcase>'
-        '<testcase classname="tests.gpu.t" name="test_c" time="0"><skipped message="needs CUDA"/></testcase>'
-        "</testsuite></testsuites>"
-    )
-    cases = read_junit(path)
-    assert [(c["name"], c["outcome"]) for c in cases] == [
-        ("tests.gpu.t::test_a", "passed"),
-        ("tests.gpu.t::test_b", "failed"),
-        ("tests.gpu.t::test_c", "skipped"),
-    ]
-    assert cases[0]["properties"] == {"tolerance": 0.002, "collectives": "gloo"} and cases[0]["time_s"] == 1.5
-    assert cases[1]["message"] == "stage 2: 0.1"
+def _exact_line(check: str, stage: int, within: bool) -> dict:
+    return {"check": check, "zero_stage": stage, "within_tolerance": within}
+
+
+@pytest.mark.parametrize(
+    ("lines", "wrong"),
+    [
+        ([_exact_line("fp32", 0, True), _exact_line("bf16 without the loss weight (mutation)", 0, False)], None),
+        ([_exact_line("fp32", 2, False)], "fp32 at stage 2"),
+        # A mutation within the tolerance means the check could not have failed.
+        ([_exact_line("bf16 without the loss weight (mutation)", 3, True)], "mutation) at stage 3"),
+    ],
+)
+def test_the_exactness_step_judges_every_line(tmp_path, monkeypatch, lines, wrong):
+    from poplar_bench.gpu import tier
+
+    def fake_pytest(context, *, selection, extra_env):
+        path = Path(extra_env["POPLAR_GPU_EXACT_LINES"])
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return 0
+
+    monkeypatch.setattr(tier, "_pytest", fake_pytest)
+    context = SimpleNamespace(out=tmp_path, timeout_s=10.0)
+    result = run_exactness(context)
+    assert result["lines"] == lines
+    if wrong is None:
+        assert "error" not in result
+    else:
+        assert wrong in result["error"]
 
 
 def test_a_step_past_its_limit_is_killed_with_what_it_started(tmp_path):
@@ -97,13 +147,13 @@ def test_the_comparison_report_names_the_gpu_and_drops_the_cpu_notes_on_a_gpu():
     provenance = {"gpu": "NVIDIA H200", "driver": "580.1", "cuda": "13.0", "torch": "2.11.0", "deepspeed": "0.19.8"}
     provenance |= {"python": "3.12.3", "devices": "real: 1 x NVIDIA H200"}
     report = _report()
-    label_report(report, mode="emulated", why_not_mps="nvidia-cuda-mps-control is not installed", provenance=provenance)
+    label_report(report, dry_run=False, provenance=provenance)
     assert "NVIDIA H200 (driver 580.1, CUDA 13.0; torch 2.11.0, DeepSpeed 0.19.8)" in report["title"]
-    assert "EMULATED" in report["data_source"] and "nvidia-cuda-mps-control" in report["data_source"]
+    assert "REAL GPU compute, speeds EMULATED" in report["data_source"]
     assert report["provenance"] == provenance and "NVIDIA H200" in report["machine"]["gpus"]
     assert not [n for n in report["notes"] if "CPU process" in n] and "Other processes." in report["notes"]
     assert any("gloo on CUDA tensors" in n for n in report["notes"])
 
     dry = _report()
-    label_report(dry, mode="dry-run", why_not_mps="dry run", provenance=provenance | {"gpu": None})
+    label_report(dry, dry_run=True, provenance=provenance | {"gpu": None})
     assert "DRY RUN" in dry["data_source"] and any("CPU process" in n for n in dry["notes"])
