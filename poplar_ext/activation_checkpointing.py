@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from poplar_search.formats import Plan
+from poplar_ext.plan.formats import Plan
 
 CheckpointingToggle = Callable[[torch.nn.Module, bool], None]
 """``toggle(model, enabled)``: turn activation checkpointing on or off in `model`, in place."""

@@ -31,12 +31,12 @@ else
         "$SITE" "$WHEELS"/*.whl
 fi
 
-# The import names of the checkout's folders (search/ and bench/ install as poplar_search and poplar_bench).
+# The checkout's packages, ahead of the wheelhouse's (older) poplar-ext wheel.
 LINKS="$SITE/.tree"
 mkdir -p "$LINKS"
+rm -rf "$LINKS"/*
 ln -sfn "$REPO/poplar_ext" "$LINKS/poplar_ext"
-ln -sfn "$REPO/search" "$LINKS/poplar_search"
-ln -sfn "$REPO/bench" "$LINKS/poplar_bench"
+ln -sfn "$REPO/poplar_bench" "$LINKS/poplar_bench"
 
 export PYTHONPATH="$LINKS:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$SITE/bin:$PATH"  # the deepspeed launcher, for the tier's launcher test

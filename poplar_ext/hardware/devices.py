@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poplar_search.formats import Emulation
+from poplar_ext.plan.formats import Emulation
 
 CPU_DEVICE_TYPE = "cpu"
 """The device type of a rank that trains on the CPU (real, not emulated)."""

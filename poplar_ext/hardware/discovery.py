@@ -36,8 +36,8 @@ from poplar_ext.hardware.devices import (
     hardware_device_type,
 )
 from poplar_ext.hardware.memory import physical_memory_bytes
-from poplar_search.errors import FormatError
-from poplar_search.formats import Cluster, ClusterNode, DeviceGroup, cluster_from_dict, cluster_to_dict, load_cluster
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup, cluster_from_dict, cluster_to_dict, load_cluster
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -53,7 +53,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from poplar_ext.hardware.compute_clock import Clock, clock_now
-from poplar_search.formats import Cluster, Emulation
+from poplar_ext.plan.formats import Cluster, Emulation
 
 logger = logging.getLogger(__name__)
 

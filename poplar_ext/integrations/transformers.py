@@ -72,6 +72,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
 from poplar_ext.collectives import agree_sum, agree_sums, decided_by_rank0
 from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
+from poplar_ext.plan.formats import Plan, RankPlan
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
     history_entry,
@@ -91,7 +92,6 @@ from poplar_ext.runtime.initialize import (
     wrap_built_engine,
 )
 from poplar_ext.runtime.weighting import label_token_count
-from poplar_search.formats import Plan, RankPlan
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from poplar_ext.plan.pipeline_formats import plan_parallelism
 from poplar_ext.runtime.checkpoint import ResumeDecision, check_data_order
-from poplar_search.pipeline_formats import plan_parallelism
 
 PIPELINE_FOLDER = "pipeline{index}"
 """The folder of pipeline `index` in a checkpoint's tag folder."""

@@ -29,7 +29,7 @@ import torch
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
 from poplar_ext.collectives import broadcast_in_group, new_groups, sum_in_group
-from poplar_search.pipeline_formats import PipelinePlan
+from poplar_ext.plan.pipeline_formats import PipelinePlan
 
 
 class PlanGrid(PipelineParallelGrid):

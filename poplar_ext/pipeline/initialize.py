@@ -19,9 +19,9 @@ import torch
 from poplar_ext.hardware.emulation import ComputeSlowdown, device_label, emulation_for_rank
 from poplar_ext.pipeline.engine import PoplarPipelineEngine
 from poplar_ext.pipeline.job import PipelineJob
+from poplar_ext.plan.pipeline_formats import PipelinePlan
 from poplar_ext.runtime.config import load_deepspeed_config, unsynchronised_throughput_timer
 from poplar_ext.runtime.data import plan_dataloader
-from poplar_search.pipeline_formats import PipelinePlan
 
 logger = logging.getLogger(__name__)
 

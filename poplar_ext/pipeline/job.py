@@ -23,11 +23,11 @@ from poplar_ext.pipeline.planning import (
     requested_pipeline_batch,
     resolve_pipeline_plan,
 )
+from poplar_ext.plan.formats import Cluster
+from poplar_ext.plan.pipeline_formats import Pipeline, PipelinePlan
 from poplar_ext.profiler.layers import layers_fingerprint, pipeline_layers
 from poplar_ext.runtime.config import SECTION, PoplarConfig, poplar_config_from_dict, requested_zero_stage
 from poplar_ext.runtime.initialize import _apply_cpu_process_settings, _on_cpu
-from poplar_search.formats import Cluster
-from poplar_search.pipeline_formats import Pipeline, PipelinePlan
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ Two kinds of refusal, both before any training collective:
 A pipeline plan comes from a plan file (``poplar.plan``, written by hand or by
 ``poplar-search --parallelism pipeline``), or, without one, is searched at start by rank 0
 from the layer profiles in ``poplar.profiles``/layers/ and the network file beside them
-(`poplar_search.pipeline_search.search_pipeline_plan`), as ZeRO plans are
+(`poplar_ext.search.pipeline_search.search_pipeline_plan`), as ZeRO plans are
 (`poplar_ext.runtime.planning`). Device types without a layer profile are measured first,
 by every rank together, when the module was given data to measure with
 (`poplar_ext.profiler.per_layer.profile_layers`); otherwise the error says what to run.
@@ -22,10 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from poplar_ext.runtime.config import SECTION, PoplarConfig, requested_zero_stage
-from poplar_search.errors import FormatError
-from poplar_search.formats import Cluster
-from poplar_search.pipeline_formats import (
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import Cluster
+from poplar_ext.plan.pipeline_formats import (
     PIPELINE_ZERO_STAGES,
     LayerProfile,
     PipelinePlan,
@@ -35,6 +34,7 @@ from poplar_search.pipeline_formats import (
     pipeline_plan_from_dict,
     pipeline_plan_to_dict,
 )
+from poplar_ext.runtime.config import SECTION, PoplarConfig, requested_zero_stage
 
 
 def requested_pipeline_batch(poplar_config: PoplarConfig, ds_config: dict) -> tuple[int, str] | None:
@@ -227,8 +227,8 @@ def plan_searched_at_start(
         measure_missing(types, cluster, stages)  # collective
 
     def search() -> dict[str, Any]:
-        from poplar_search.network import find_network
-        from poplar_search.pipeline_search import search_pipeline_plan
+        from poplar_ext.search.network import find_network
+        from poplar_ext.search.pipeline_search import search_pipeline_plan
 
         profiles = _model_layer_profiles(poplar_config, num_layers, fingerprint)
         result = search_pipeline_plan(

@@ -36,6 +36,16 @@ from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.emulation import device_label
 from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocator
 from poplar_ext.optimizer_offload import OFFLOAD_MODES, offload_deepspeed_optimizer
+from poplar_ext.plan.formats import (
+    ZERO_STAGES,
+    Cluster,
+    ModelInfo,
+    Profile,
+    profile_from_dict,
+    profile_to_dict,
+    read_json,
+)
+from poplar_ext.plan.levers import OFFLOAD_STAGES, levers_text
 from poplar_ext.profiler.cache import (
     ProfileKey,
     ds_config_fingerprint,
@@ -55,16 +65,6 @@ from poplar_ext.profiler.measure import (
 )
 from poplar_ext.profiler.network import cached_or_measured_network
 from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, Progress, log_progress
-from poplar_search.formats import (
-    ZERO_STAGES,
-    Cluster,
-    ModelInfo,
-    Profile,
-    profile_from_dict,
-    profile_to_dict,
-    read_json,
-)
-from poplar_search.levers import OFFLOAD_STAGES, levers_text
 
 _DEFAULT = ProfileOptions  # profile_model's defaults are ProfileOptions' own (stated once, there)
 

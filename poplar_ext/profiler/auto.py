@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from poplar_search.formats import Cluster, Plan, Profile
+from poplar_ext.plan.formats import Cluster, Plan, Profile
 
 MeasureMissing = Callable[..., list[Profile]]
 """``measure(missing, cluster, force=False) -> profiles``: the (device type, stage) pairs measured

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from poplar_search.errors import FormatError
-from poplar_search.formats import (
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import (
     Emulation,
     Profile,
     content_fingerprint,
@@ -27,7 +27,7 @@ from poplar_search.formats import (
     read_json,
     save_profile,
 )
-from poplar_search.pipeline_formats import LayerProfile, layer_profiles_dir, load_layer_profile, save_layer_profile
+from poplar_ext.plan.pipeline_formats import LayerProfile, layer_profiles_dir, load_layer_profile, save_layer_profile
 
 # DeepSpeed settings that do not change per-micro-step speed or memory, or that the
 # profiler sets itself; everything else in the config is part of the cache key.

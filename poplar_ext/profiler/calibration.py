@@ -7,7 +7,7 @@ time_micro_steps`: all ranks at once, an emulated rank padded to its slowdown an
 wall clock, so that waiting for a core under the training load counts). Per device type
 the median of measured / profiled over those sizes is compared with a threshold; beyond it
 the curve is rescaled (its micro-step times only: memory and the boundary are kept) or the
-type is measured again, and the plan records which (`poplar_search.formats.Plan.calibration`).
+type is measured again, and the plan records which (`poplar_ext.plan.formats.Plan.calibration`).
 
 This module is pure (numbers in, decisions out): the timing is collective and lives in the
 profiler's api; `poplar_ext.runtime.planning` and the demo call both.
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from poplar_search.formats import Plan, Profile, Sample
+from poplar_ext.plan.formats import Plan, Profile, Sample
 
 CALIBRATION_ACTIONS = ("rescale", "remeasure", "off")
 """What a profile off by more than the threshold gets: its curve rescaled, measured again, or nothing

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from poplar_ext.optimizer_offload import OFFLOAD_MODES
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import ZERO_STAGES
 from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, log_progress
-from poplar_search.errors import FormatError
-from poplar_search.formats import ZERO_STAGES
 
 BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
 HF_PREFIX = "hf:"
@@ -375,7 +375,7 @@ def _check_minimums(args: argparse.Namespace) -> None:
 
 
 def _deepspeed_config(config_path: Path) -> dict[str, Any]:
-    from poplar_search.formats import read_json
+    from poplar_ext.plan.formats import read_json
 
     try:
         ds_config = read_json(config_path)  # names the file for unreadable, non-UTF-8 or invalid JSON
@@ -427,8 +427,8 @@ def run(options: ProfileOptions) -> list[Any]:
     from poplar_ext.collectives import process_group_rank
     from poplar_ext.hardware.cpu_process import skip_deepspeed_shm_op
     from poplar_ext.hardware.discovery import discover_cluster
+    from poplar_ext.plan.formats import save_cluster
     from poplar_ext.profiler import profile_with
-    from poplar_search.formats import save_cluster
 
     if get_accelerator().device_name() == "cpu":
         # This command owns its process: spare it DeepSpeed's compile of an op that

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from poplar_search.formats import content_fingerprint
+from poplar_ext.plan.formats import content_fingerprint
 
 
 def _qualified_class_name(module: nn.Module) -> str:

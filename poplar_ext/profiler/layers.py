@@ -1,8 +1,8 @@
 """Layer profiles measured: each layer of a pipeline model timed and sized on its own, per device type.
 
-The pipeline search (`poplar_search.pipeline_search`) needs, per device type, each
+The pipeline search (`poplar_ext.search.pipeline_search`) needs, per device type, each
 layer's forward + backward time against micro-batch size and its memory
-(`poplar_search.pipeline_formats.LayerProfile`). Layers are measured one at a time in
+(`poplar_ext.plan.pipeline_formats.LayerProfile`). Layers are measured one at a time in
 one process, without a DeepSpeed engine: a stage of a pipeline runs its layers one after
 the other, and its sends, receives and gradient all-reduces are priced by the network
 file, not by these times.
@@ -43,9 +43,9 @@ from torch import nn
 
 from poplar_ext.hardware.compute_clock import time_compute
 from poplar_ext.hardware.memory import resident_memory_bytes
+from poplar_ext.plan.formats import Emulation, ModelInfo
+from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerCost, LayerProfile, LayerSample
 from poplar_ext.profiler.sizes import dense_sizes
-from poplar_search.formats import Emulation, ModelInfo
-from poplar_search.pipeline_formats import PIPELINE_ZERO_STAGES, LayerCost, LayerProfile, LayerSample
 
 PipelineLossFn = Callable[[Any, Any], torch.Tensor]
 """DeepSpeed's pipeline loss: ``loss_fn(outputs, labels) -> loss``."""

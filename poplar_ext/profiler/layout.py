@@ -16,7 +16,7 @@ import torch
 from poplar_ext.collectives import gather_objects, process_group_rank
 from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts, memory_capacity_bytes
 from poplar_ext.hardware.memory import device_overhead_bytes
-from poplar_search.formats import Cluster, Emulation
+from poplar_ext.plan.formats import Cluster, Emulation
 
 
 @dataclass(frozen=True, kw_only=True)

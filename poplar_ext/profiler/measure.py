@@ -39,10 +39,10 @@ from poplar_ext.hardware.emulation import (
     host_resident_optimizer_bytes,
 )
 from poplar_ext.hardware.memory import MeasuredPeak, allocated_device_bytes, is_out_of_memory, release_memory
+from poplar_ext.plan.formats import Sample
 from poplar_ext.profiler.layout import JobLayout
 from poplar_ext.profiler.options import ProfileOptions
 from poplar_ext.profiler.sizes import LargestFitSearch, dense_sizes
-from poplar_search.formats import Sample
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(engine, batch) -> loss``: one forward through the engine, a scalar loss."""

@@ -27,7 +27,7 @@ from poplar_ext.collectives import (
     timed_collective,
 )
 from poplar_ext.profiler.layout import JobLayout
-from poplar_search.network import (
+from poplar_ext.search.network import (
     COLLECTIVES,
     CollectiveFit,
     CollectiveSample,

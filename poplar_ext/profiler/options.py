@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from poplar_search.formats import ZERO_STAGES, Cluster
+from poplar_ext.plan.formats import ZERO_STAGES, Cluster
 
 if TYPE_CHECKING:
     import torch

@@ -25,6 +25,13 @@ from poplar_ext.collectives import broadcast_from_rank0, gather_objects
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.emulation import device_label
+from poplar_ext.plan.formats import Emulation, ModelInfo, read_json
+from poplar_ext.plan.pipeline_formats import (
+    PIPELINE_ZERO_STAGES,
+    LayerProfile,
+    layer_profile_from_dict,
+    layer_profile_to_dict,
+)
 from poplar_ext.profiler.cache import (
     LayerProfileKey,
     ds_config_fingerprint,
@@ -43,13 +50,6 @@ from poplar_ext.profiler.layers import (
 )
 from poplar_ext.profiler.layout import JobLayout, build_layout
 from poplar_ext.profiler.options import ProfileOptions
-from poplar_search.formats import Emulation, ModelInfo, read_json
-from poplar_search.pipeline_formats import (
-    PIPELINE_ZERO_STAGES,
-    LayerProfile,
-    layer_profile_from_dict,
-    layer_profile_to_dict,
-)
 
 _TORCH_OPTIMIZERS = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD"}
 """DeepSpeed config optimizer types whose per-parameter state a torch optimizer of this name holds

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from poplar_search.formats import Plan, plan_to_dict, read_json, write_json_atomic, write_text_atomic
-from poplar_search.pipeline_formats import PipelinePlan, pipeline_plan_to_dict, plan_parallelism
+from poplar_ext.plan.formats import Plan, plan_to_dict, read_json, write_json_atomic, write_text_atomic
+from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_to_dict, plan_parallelism
 
 STATE_FILE = "poplar_state.json"
 """poplar-ext's state, in a checkpoint's tag folder."""

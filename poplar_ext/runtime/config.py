@@ -50,11 +50,11 @@ from pathlib import Path
 from typing import Any
 
 from poplar_ext.optimizer_offload import OFFLOAD_MODES
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import MAX_GLOBAL_BATCH_SIZE, POLICIES, ZERO_STAGES, Plan, read_json
+from poplar_ext.plan.validation import Node
 from poplar_ext.profiler.calibration import CALIBRATION_ACTIONS
 from poplar_ext.reductions import REDUCTIONS
-from poplar_search.errors import FormatError
-from poplar_search.formats import MAX_GLOBAL_BATCH_SIZE, POLICIES, ZERO_STAGES, Plan, read_json
-from poplar_search.validation import Node
 
 SECTION = "poplar"
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from poplar_search.formats import Plan
+from poplar_ext.plan.formats import Plan
 
 
 def rank_offsets(samples_per_rank: Sequence[int]) -> list[int]:

@@ -26,6 +26,7 @@ import torch
 from poplar_ext.collectives import agree_sum
 from poplar_ext.hardware.compute_clock import ComputeTimer, CudaEventTimer
 from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
+from poplar_ext.plan.formats import Plan, one_accumulation_count, plan_from_dict, plan_to_dict
 from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
     ResumeDecision,
@@ -41,7 +42,6 @@ from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.rebalance import Rebalancer, StepView, SwitchOrder
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
-from poplar_search.formats import Plan, one_accumulation_count, plan_from_dict, plan_to_dict
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 
 import torch.utils.data
 
-from poplar_search.formats import Plan
+from poplar_ext.plan.formats import Plan
 
 PADDING_INDEX = 0
 """The sample a rank without a real one evaluates in the last round (its rows are dropped)."""

@@ -53,6 +53,7 @@ from poplar_ext.hardware.emulation import (
     emulation_for_rank,
 )
 from poplar_ext.hardware.memory import steady_cpu_allocator
+from poplar_ext.plan.formats import Cluster, Plan
 from poplar_ext.runtime.config import (
     SECTION,
     GlobalBatchRequest,
@@ -69,7 +70,6 @@ from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.planning import ProfileDirectory, resolve_plan
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
-from poplar_search.formats import Cluster, Plan
 
 logger = logging.getLogger(__name__)
 

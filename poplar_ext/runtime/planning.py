@@ -31,6 +31,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from poplar_ext.collectives import decided_by_rank0
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import (
+    ZERO_STAGES,
+    Cluster,
+    Plan,
+    Profile,
+    load_profiles,
+    plan_from_dict,
+    plan_to_dict,
+)
+from poplar_ext.plan.pipeline_formats import load_any_plan
 from poplar_ext.profiler.auto import MeasureMissing, TimeAtSizes
 from poplar_ext.profiler.calibration import (
     REMEASURED,
@@ -42,20 +53,9 @@ from poplar_ext.profiler.calibration import (
     with_calibration,
 )
 from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
-from poplar_search.errors import FormatError
-from poplar_search.formats import (
-    ZERO_STAGES,
-    Cluster,
-    Plan,
-    Profile,
-    load_profiles,
-    plan_from_dict,
-    plan_to_dict,
-)
-from poplar_search.pipeline_formats import load_any_plan
 
 if TYPE_CHECKING:
-    from poplar_search.network import NetworkProfile
+    from poplar_ext.search.network import NetworkProfile
 
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class StalePlanWarning(UserWarning):
 
 def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
     """Device types whose profile at the plan's stage (and memory levers) is not the one the plan was made from."""
-    from poplar_search.levers import profiles_for_plan
+    from poplar_ext.plan.levers import profiles_for_plan
 
     at_stage = {p.device_type: p for p in profiles_for_plan(plan, profiles)}
     return [
@@ -127,7 +127,7 @@ def check_plan_for_job(
     Combines `runtime_plan_problems` with the search's `check_plan` (device types
     against the cluster, the stage rule, micro-batch sizes against the profiles' largest).
     """
-    from poplar_search import check_plan
+    from poplar_ext.search import check_plan
 
     problems = runtime_plan_problems(
         plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=global_batch
@@ -215,7 +215,7 @@ class ProfileDirectory:
 
     def network(self) -> NetworkProfile | None:
         """The network file measured on the cluster beside the profiles, or None."""
-        from poplar_search.network import find_network
+        from poplar_ext.search.network import find_network
 
         if self._network is _UNREAD:
             profiles_dir = self.poplar_config.profiles
@@ -258,7 +258,7 @@ def load_rebalance_inputs(
     Each type's profile is the one with the plan's memory levers (a re-plan keeps them).
     `directory`: what resolving the plan already read of ``poplar.profiles`` (default: read now).
     """
-    from poplar_search.levers import profiles_for_plan
+    from poplar_ext.plan.levers import profiles_for_plan
 
     where = f"{poplar_config.source}: {SECTION}.rebalance.enabled"
     if poplar_config.profiles is None:
@@ -461,7 +461,7 @@ def _calibrated(
     measured = time_at_sizes(sizes, plan, request.cluster)  # collective
 
     def decide() -> dict[str, CalibrationCheck]:
-        from poplar_search.levers import profiles_for_plan
+        from poplar_ext.plan.levers import profiles_for_plan
 
         profiles = profiles_for_plan(plan, request.directory.profiles(request.model_fingerprint))
         return check_profiles(profiles, measured, threshold=settings.threshold, action=settings.action)
@@ -506,7 +506,7 @@ def _profiles_to_measure(request: _PlanRequest, *, measurable: bool) -> list[tup
 
 def _search(request: _PlanRequest, profiles: list[Profile]) -> Plan:
     """The search's plan; ValueError with the reason when there is none."""
-    from poplar_search import search_plan
+    from poplar_ext.search import search_plan
 
     batch = request.global_batch.size
     result = search_plan(

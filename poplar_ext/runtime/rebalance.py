@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any
 
 from poplar_ext.collectives import decided_by_rank0, gather_objects
 from poplar_ext.hardware.compute_clock import ComputeTimer, CudaEventTimer  # CudaEventTimer: re-exported
+from poplar_ext.plan.formats import Cluster, Plan, Profile, plan_from_dict, plan_to_dict
 from poplar_ext.runtime.config import RebalanceConfig
-from poplar_search.formats import Cluster, Plan, Profile, plan_from_dict, plan_to_dict
 
 if TYPE_CHECKING:
-    from poplar_search.network import NetworkProfile
+    from poplar_ext.search.network import NetworkProfile
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +75,9 @@ class DriftMonitor:
 
     def predicted_compute_s(self, plan: Plan) -> list[float]:
         """Each rank's predicted compute time per iteration under `plan` and the assumed speeds."""
-        from poplar_search.api import predict
-        from poplar_search.drift import scaled_problem, with_rank_types
-        from poplar_search.levers import plan_levers
+        from poplar_ext.plan.levers import plan_levers
+        from poplar_ext.search.api import predict
+        from poplar_ext.search.drift import scaled_problem, with_rank_types
 
         profiles, _, rank_types = scaled_problem(
             self.profiles, self.cluster, self.rank_scales, zero_stage=plan.zero_stage, levers=plan_levers(plan)
@@ -100,7 +100,7 @@ class DriftMonitor:
         drifted = [rank for rank, streak in enumerate(self.streaks) if streak >= self.config.sustained_checks]
         if not drifted:
             return None
-        from poplar_search.drift import replan
+        from poplar_ext.search.drift import replan
 
         before = list(self.rank_scales)
         # Relative to the ranks that did not drift: a bias every rank shares (profiles taken

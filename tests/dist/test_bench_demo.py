@@ -1,4 +1,4 @@
-"""Smoke test of `poplar-bench demo` (bench/demo.py): a tiny model, one iteration per policy.
+"""Smoke test of `poplar-bench demo` (poplar_bench/demo.py): a tiny model, one iteration per policy.
 
 Real DeepSpeed on 3 forked CPU ranks with emulated device types, run twice: the
 second run must reuse the profiles and the emulated cluster of the first. Speed and

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from poplar_bench.cli import main
-from poplar_search.formats import ZERO_STAGES
+from poplar_ext.plan.formats import ZERO_STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSIONS = {"torch": torch.__version__, "deepspeed": importlib.metadata.version("deepspeed")}

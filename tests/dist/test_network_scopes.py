@@ -13,7 +13,7 @@ def _measure(cluster_path: str) -> dict:
 
     from poplar_ext.profiler.layout import build_layout
     from poplar_ext.profiler.network import measure_network
-    from poplar_search.network import network_to_dict
+    from poplar_ext.search.network import network_to_dict
 
     network = measure_network(build_layout(cluster_path, torch.device("cpu")), message_bytes=(4096, 1 << 20), repeats=2)
     return network_to_dict(network)
@@ -32,7 +32,7 @@ def _cluster(path, node_sizes) -> str:
 
 @pytest.mark.parametrize("node_sizes", [(2, 2), (2, 1)])
 def test_several_nodes_are_timed_within_and_between_nodes(tmp_path, node_sizes):
-    from poplar_search.network import COLLECTIVES, network_from_dict
+    from poplar_ext.search.network import COLLECTIVES, network_from_dict
 
     results = run_ranks(
         _measure,

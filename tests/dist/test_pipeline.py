@@ -40,7 +40,7 @@ def _global_batch(name: str) -> int:
 
 
 def write_pipeline_plan(path, pipelines, *, stage, num_layers=6, types=TYPES):
-    """A hand-written pipeline plan (the format of poplar_search.pipeline_formats)."""
+    """A hand-written pipeline plan (the format of poplar_ext.plan.pipeline_formats)."""
     plan = {
         "schema_version": 1,
         "parallelism": "pipeline",
@@ -180,7 +180,7 @@ def _searched_at_start(files):
     import poplar_ext
     from poplar_ext.models.toy_pipeline import toy_layers
     from poplar_ext.pipeline import PoplarPipelineModule
-    from poplar_search.pipeline_formats import pipeline_plan_to_dict
+    from poplar_ext.plan.pipeline_formats import pipeline_plan_to_dict
 
     config, out = _searched_config(files), {}
     try:
@@ -387,7 +387,7 @@ def test_without_a_plan_one_is_searched_from_layer_profiles_measured_at_start(re
 
 
 def test_poplar_profile_measures_a_pipeline_model_layer_by_layer_only(ranks_and_files):
-    from poplar_search.pipeline_formats import load_layer_profiles
+    from poplar_ext.plan.pipeline_formats import load_layer_profiles
 
     results, files = ranks_and_files
     assert [r["cli"] for r in results] == [0] * 4

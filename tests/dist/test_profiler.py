@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from harness import run_ranks
 
-from poplar_search.formats import load_profiles
+from poplar_ext.plan.formats import load_profiles
 
 MB = 10**6
 DS_CONFIG = {
@@ -77,7 +77,7 @@ def _agreed_resident_bytes() -> int:
 
 
 def _cluster(types: list[tuple[str, float, int]]):
-    from poplar_search.formats import cluster_from_dict
+    from poplar_ext.plan.formats import cluster_from_dict
 
     return cluster_from_dict(
         {
@@ -308,11 +308,11 @@ def _calibration_run(profile) -> dict:
     (fast 2x, slow 4x a core), once on one whose fast type runs 1.4x slower (2.8x); `profile` (any
     profile of the group) lends the profiles their fields."""
     from poplar_ext.models.toy_gpt import GPT, GPTConfig
+    from poplar_ext.plan.formats import Sample
     from poplar_ext.profiler import ProfileOptions
     from poplar_ext.profiler.api import time_micro_steps
     from poplar_ext.profiler.calibration import apply_checks, check_profiles
     from poplar_ext.profiler.measure import default_loss
-    from poplar_search.formats import Sample
 
     cfg = GPTConfig(vocab_size=1024, sequence_length=64, num_layers=2, num_heads=2, hidden_size=128)
     sizes = {"fast": [LIMIT], "slow": [LIMIT // 2]}

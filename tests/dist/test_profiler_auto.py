@@ -8,7 +8,7 @@ import math
 import _training as t
 from harness import run_ranks
 
-from poplar_search.formats import load_profiles
+from poplar_ext.plan.formats import load_profiles
 
 GLOBAL_BATCH = 12
 CONFIG = t.GPTConfig(vocab_size=256, sequence_length=32, num_layers=2, num_heads=2, hidden_size=64)

@@ -6,8 +6,8 @@ import json
 
 from harness import run_ranks
 
-from poplar_search.formats import load_cluster, load_profiles
-from poplar_search.network import find_network
+from poplar_ext.plan.formats import load_cluster, load_profiles
+from poplar_ext.search.network import find_network
 
 
 def _run_cli(argv: list[str]) -> int:
@@ -205,13 +205,13 @@ def test_without_a_cluster_file_the_cluster_is_discovered_and_written_for_poplar
         "off",
     ]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [0, 0]
-    from poplar_search.formats import load_cluster
+    from poplar_ext.plan.formats import load_cluster
 
     cluster = load_cluster(tmp_path / "p" / "cluster.json")
     assert cluster.rank_device_types == ("cpu", "cpu") and cluster.device_types == {}
     (profile,) = load_profiles(tmp_path / "p")  # the cluster file beside the profiles is not a profile
     assert profile.device_type == "cpu"
-    from poplar_search.cli import main as search_main
+    from poplar_ext.search.cli import main as search_main
 
     assert (
         search_main(

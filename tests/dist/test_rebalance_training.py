@@ -44,7 +44,7 @@ def _forced(config_path: str, stage: int, switches: list[list[tuple[int, int]]])
     import torch
 
     import poplar_ext
-    from poplar_search.formats import load_plan, plan_from_dict, plan_to_dict
+    from poplar_ext.plan.formats import load_plan, plan_from_dict, plan_to_dict
 
     model = t.GPT(t.TINY)
     engine, *_ = poplar_ext.initialize(
@@ -120,7 +120,7 @@ def _forced_fetching_ahead(config_path: str, switches: list[list[tuple[int, int]
     import torch
 
     import poplar_ext
-    from poplar_search.formats import load_plan, plan_from_dict, plan_to_dict
+    from poplar_ext.plan.formats import load_plan, plan_from_dict, plan_to_dict
 
     model = t.GPT(t.TINY)
     engine, *_ = poplar_ext.initialize(
@@ -210,7 +210,7 @@ def _save_then_resume(config_path: str, checkpoints: str, stage: int, switched: 
     import torch
 
     import poplar_ext
-    from poplar_search.formats import load_plan, plan_from_dict, plan_to_dict
+    from poplar_ext.plan.formats import load_plan, plan_from_dict, plan_to_dict
 
     template = plan_to_dict(load_plan(os.path.join(os.path.dirname(config_path), f"plan{stage}.json")))
     data = t.dataset()

@@ -94,7 +94,7 @@ def _recording_trainer(seen: list):
 def _switching_callback(trainer_ref: list, template: dict, switches: dict[int, list[tuple[int, int]]]):
     from transformers import TrainerCallback
 
-    from poplar_search.formats import plan_from_dict
+    from poplar_ext.plan.formats import plan_from_dict
 
     class Switch(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -114,7 +114,7 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
 
     import torch
 
-    from poplar_search.formats import load_plan, plan_to_dict
+    from poplar_ext.plan.formats import load_plan, plan_to_dict
 
     results = {}
     for stage, config in configs.items():

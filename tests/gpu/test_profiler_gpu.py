@@ -33,8 +33,8 @@ def _profile_real_gpus(cache_dir: str) -> dict:
 
     from poplar_ext.hardware.devices import hardware_device_type
     from poplar_ext.models.toy_gpt import GPT, GPTConfig
+    from poplar_ext.plan.formats import cluster_from_dict
     from poplar_ext.profiler import profile_model
-    from poplar_search.formats import cluster_from_dict
 
     deepspeed.init_distributed()
     local = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())

@@ -11,9 +11,9 @@ from __future__ import annotations
 import itertools
 import math
 
-from poplar_search.formats import Prediction
-from poplar_search.pipeline_cost import Links, evaluate_plan, layer_table
-from poplar_search.pipeline_formats import Pipeline, PipelinePlan, PipelineStage
+from poplar_ext.plan.formats import Prediction
+from poplar_ext.plan.pipeline_formats import Pipeline, PipelinePlan, PipelineStage
+from poplar_ext.search.pipeline_cost import Links, evaluate_plan, layer_table
 
 
 def ordered_partitions(items):

@@ -12,7 +12,7 @@ from poplar_ext.activation_checkpointing import (
     set_activation_checkpointing,
 )
 from poplar_ext.models.toy_gpt import GPT, GPTConfig
-from poplar_search.formats import Plan, Prediction, RankPlan
+from poplar_ext.plan.formats import Plan, Prediction, RankPlan
 
 CFG = GPTConfig(vocab_size=32, sequence_length=8, num_layers=2, num_heads=2, hidden_size=16)
 

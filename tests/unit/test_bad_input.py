@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from poplar_search import cli
-from poplar_search.errors import FormatError
-from poplar_search.formats import (
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import (
     MAX_GLOBAL_BATCH_SIZE,
     MAX_WORLD_SIZE,
     cluster_from_dict,
@@ -23,9 +22,10 @@ from poplar_search.formats import (
     profile_to_dict,
     read_json,
 )
-from poplar_search.synthetic import synthetic_profile
+from poplar_ext.search import cli
+from poplar_ext.search.synthetic import synthetic_profile
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "profiles" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "poplar_ext" / "search" / "example_profiles"
 CLUSTER = EXAMPLES / "cluster.json"
 A100_STAGE0 = EXAMPLES / "gpt2-small-124m.a100-80gb.stage0.json"
 

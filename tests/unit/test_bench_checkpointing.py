@@ -8,7 +8,7 @@ from poplar_bench import checkpointing, gpu_model, simulate
 from poplar_bench.cli import build_parser
 from poplar_bench.report import render_checkpointing
 
-CLUSTERS = Path(__file__).resolve().parents[2] / "bench" / "clusters"
+CLUSTERS = Path(__file__).resolve().parents[2] / "poplar_bench" / "clusters"
 
 
 def test_modelled_checkpointing_trades_compute_for_memory():

@@ -1,4 +1,4 @@
-"""`poplar-bench` command line (bench/cli.py): options, exit codes, output files."""
+"""`poplar-bench` command line (poplar_bench/cli.py): options, exit codes, output files."""
 
 import json
 import subprocess
@@ -32,7 +32,7 @@ def test_simulate_writes_the_three_report_files(tmp_path, capsys):
     report = json.loads((tmp_path / "s.json").read_text())
     assert report["kind"] == "simulation" and len(report["scenarios"]) == 1
     # Paths inside the checkout are written relative to it.
-    assert report["scenarios"][0]["cluster"]["file"] == "bench/clusters/a100-80gb+a100-40gb-x8.json"
+    assert report["scenarios"][0]["cluster"]["file"] == "poplar_bench/clusters/a100-80gb+a100-40gb-x8.json"
     assert str(tmp_path / "s.json") in capsys.readouterr().out
 
 
@@ -93,7 +93,7 @@ def test_a_subcommand_is_required(capsys):
 
 
 def test_default_output_dir_is_the_checkouts_bench_results():
-    assert cli.default_output_dir() == Path(cli.__file__).resolve().parent / "results"
+    assert cli.default_output_dir() == Path(cli.__file__).resolve().parents[1] / "bench" / "results"
 
 
 def test_demo_help_says_where_reports_go(capsys):
@@ -105,7 +105,7 @@ def test_demo_help_says_where_reports_go(capsys):
 
 def test_simulate_never_imports_torch(tmp_path):
     code = (
-        "import sys; from bench import cli; "
+        "import sys; from poplar_bench import cli; "
         f"rc = cli.main(['simulate', '--cluster', {str(SMALL_CLUSTER)!r}, '--model', 'gpt2-xl-1.5b', '--output-dir', "
         f"{str(tmp_path)!r}]); "
         "assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch was imported'"

@@ -1,4 +1,4 @@
-"""Report assembly and rendering (bench/report.py, bench/demo.py's pure part), on synthetic data."""
+"""Report assembly and rendering (poplar_bench/report.py, poplar_bench/demo.py's pure part), on synthetic data."""
 
 import json
 
@@ -12,7 +12,7 @@ from poplar_bench.demo_config import (
     demo_cluster,
     memory_capacity_bytes,
 )
-from poplar_search.formats import cluster_to_dict
+from poplar_ext.plan.formats import cluster_to_dict
 
 SETTINGS = DemoSettings(
     devices=(

@@ -6,7 +6,7 @@ import pytest
 
 from poplar_bench import cluster_files, gpu_model, simulate, simulate_pipelines
 from poplar_bench.report import render_markdown, write_report
-from poplar_search.formats import Cluster, ClusterNode, DeviceGroup
+from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup
 
 SHAPE = gpu_model.model_shape("gpt2-xl-1.5b")
 
@@ -137,7 +137,9 @@ def test_modelled_cases_price_communication_with_a_modelled_network_that_reprodu
 def test_the_scaling_series_reports_each_stage_per_size_and_where_it_stops_paying():
     slow_hops = gpu_model.Assumptions(network_latency_s=2e-3)  # latency grows with every ring hop
     cases = [
-        dataclasses.replace(_case(world_size=w, assumptions=slow_hops), cluster_file=f"bench/clusters/pair-x{w}.json")
+        dataclasses.replace(
+            _case(world_size=w, assumptions=slow_hops), cluster_file=f"poplar_bench/clusters/pair-x{w}.json"
+        )
         for w in (64, 8)
     ]
     (series,) = simulate.scaling_series(cases)
@@ -161,7 +163,7 @@ def test_the_simulation_report_renders_the_scaling_tables(tmp_path):
 
 
 # ----------------------------------------------------------------------------------
-# ZeRO or pipelines (bench/simulate_pipelines.py)
+# ZeRO or pipelines (poplar_bench/simulate_pipelines.py)
 # ----------------------------------------------------------------------------------
 MEDIUM = gpu_model.ModelShape(
     name="gpt2-medium", num_layers=24, hidden_size=1024, num_heads=16, sequence_length=1024, vocab_size=50257

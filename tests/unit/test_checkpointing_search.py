@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 from _exhaustive import assert_search_is_exact, brute_force, random_cluster
 
-from poplar_search.api import check_plan, lever_choices, predict, search_plan
-from poplar_search.errors import FormatError
-from poplar_search.formats import (
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import (
     load_profiles,
     plan_from_dict,
     plan_to_dict,
@@ -17,7 +16,8 @@ from poplar_search.formats import (
     profile_to_dict,
     save_profile,
 )
-from poplar_search.synthetic import simple_cluster, synthetic_profile
+from poplar_ext.search.api import check_plan, lever_choices, predict, search_plan
+from poplar_ext.search.synthetic import simple_cluster, synthetic_profile
 
 
 def pair(name, *, stage, cap, overhead, per_sample, checkpointed_cap, recompute=1.3, optimizer_s=0.01):
@@ -193,7 +193,7 @@ def test_profile_field_round_trips_and_old_fingerprints_stay(tmp_path):
     old = {k: v for k, v in data.items() if k not in ("activation_checkpointing", "optimizer_offload")}
     assert profile_from_dict(old) == plain
     # A profile written before the field existed keeps its fingerprint (plans name it).
-    from poplar_search.formats import content_fingerprint
+    from poplar_ext.plan.formats import content_fingerprint
 
     assert plain.fingerprint == content_fingerprint(old)
     assert checkpointed.fingerprint != plain.fingerprint
@@ -229,7 +229,7 @@ def test_two_profiles_of_one_type_stage_and_setting_are_refused():
 
 
 def test_poplar_search_shows_a_checkpointing_column_only_when_a_rank_checkpoints():
-    from poplar_search.cli import plan_table
+    from poplar_ext.search.cli import plan_table
 
     profiles, cluster = small_memory_cluster(0)
     with_choice = plan_table(search_plan(profiles, cluster, global_batch_size=32, zero_stage=0), profiles)
@@ -254,7 +254,7 @@ def test_stage_3_without_a_common_setting_is_infeasible_not_mixed(policy):
 
 
 def test_a_re_plan_under_drift_keeps_each_types_checkpointing():
-    from poplar_search.drift import replan
+    from poplar_ext.search.drift import replan
 
     profiles, cluster = small_memory_cluster(0)
     plan = search_plan(profiles, cluster, global_batch_size=32, zero_stage=0).plan

@@ -1,4 +1,4 @@
-"""`poplar-search` (search/cli.py): exit codes, output files, table and JSON output."""
+"""`poplar-search` (poplar_ext/search/cli.py): exit codes, output files, table and JSON output."""
 
 import json
 import shutil
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from poplar_search.cli import build_parser, main
-from poplar_search.formats import load_plan, load_profiles
+from poplar_ext.plan.formats import load_plan, load_profiles
+from poplar_ext.search.cli import build_parser, main
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "profiles" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "poplar_ext" / "search" / "example_profiles"
 CLUSTER = EXAMPLES / "cluster.json"
 
 

@@ -1,4 +1,4 @@
-"""`poplar-search --parallelism pipeline|auto` (search/pipeline_cli.py): tables, plans written, exit codes."""
+"""`poplar-search --parallelism pipeline|auto` (poplar_ext.search.pipeline_cli): tables, plans written, exit codes."""
 
 import json
 import shutil
@@ -6,9 +6,9 @@ import shutil
 import pytest
 from test_cli import CLUSTER, EXAMPLES, run
 
-from poplar_search.formats import Plan, load_cluster
-from poplar_search.pipeline_formats import PipelinePlan, load_any_plan, load_layer_profiles
-from poplar_search.pipeline_search import check_pipeline_plan
+from poplar_ext.plan.formats import Plan, load_cluster
+from poplar_ext.plan.pipeline_formats import PipelinePlan, load_any_plan, load_layer_profiles
+from poplar_ext.search.pipeline_search import check_pipeline_plan
 
 
 def test_a_pipeline_plan_is_searched_printed_and_written(capsys, tmp_path):

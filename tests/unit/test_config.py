@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from poplar_ext.plan.formats import plan_from_dict
 from poplar_ext.runtime.config import (
     configured_zero_stage,
     load_deepspeed_config,
@@ -16,7 +17,6 @@ from poplar_ext.runtime.config import (
     poplar_config_from_dict,
     requested_zero_stage,
 )
-from poplar_search.formats import plan_from_dict
 
 BASE = Path("/cfg")
 

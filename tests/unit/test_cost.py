@@ -1,10 +1,10 @@
-"""The cost model (search/cost.py)."""
+"""The cost model (poplar_ext/search/cost.py)."""
 
 import numpy as np
 import pytest
 
-from poplar_search.cost import build_stage_model
-from poplar_search.synthetic import synthetic_profile
+from poplar_ext.search.cost import build_stage_model
+from poplar_ext.search.synthetic import synthetic_profile
 
 
 def model(stage):

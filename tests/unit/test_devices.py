@@ -68,7 +68,7 @@ def test_the_cpu_is_cpu() -> None:
 
 
 def test_an_emulated_type_is_declared_and_a_real_one_read_from_the_hardware() -> None:
-    from poplar_search.formats import Emulation
+    from poplar_ext.plan.formats import Emulation
 
     emulation = Emulation(slowdown=3.0, memory_capacity_bytes=10**9)
     assert declared_type_problem("slow", emulation, hardware_device_type(torch.device("cpu"))) is None

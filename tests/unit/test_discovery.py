@@ -20,7 +20,7 @@ from poplar_ext.hardware.discovery import (
     local_device_facts,
     memory_capacity_bytes,
 )
-from poplar_search.formats import cluster_from_dict, cluster_to_dict, save_cluster
+from poplar_ext.plan.formats import cluster_from_dict, cluster_to_dict, save_cluster
 
 GIB = 2**30
 

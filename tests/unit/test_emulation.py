@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from poplar_ext.hardware import emulation as emu
-from poplar_search.formats import Emulation, cluster_from_dict
+from poplar_ext.plan.formats import Emulation, cluster_from_dict
 
 SLOW = Emulation(slowdown=3.0, memory_capacity_bytes=2_000_000_000)
 

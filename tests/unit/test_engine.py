@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from poplar_ext.hardware.emulation import ComputeSlowdown
+from poplar_ext.plan.formats import Emulation, plan_from_dict, plan_to_dict
 from poplar_ext.runtime.checkpoint import STATE_FILE
 from poplar_ext.runtime.config import poplar_config_from_dict
 from poplar_ext.runtime.engine import PoplarEngine
-from poplar_search.formats import Emulation, plan_from_dict, plan_to_dict
 
 
 def _plan(allocation, stage=1):

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from poplar_ext.plan.formats import Plan, Prediction, RankPlan
 from poplar_ext.runtime.evaluation import PADDING_INDEX, EvalBatchSampler, eval_batch_sizes, evaluation_rounds
-from poplar_search.formats import Plan, Prediction, RankPlan
 
 
 def _plan(micro_batches: list[int]) -> Plan:

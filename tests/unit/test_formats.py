@@ -1,11 +1,11 @@
-"""Round trips and error messages of the three file formats (search/formats.py)."""
+"""Round trips and error messages of the three file formats (poplar_ext/plan/formats.py)."""
 
 import copy
 
 import pytest
 
-from poplar_search.errors import FormatError
-from poplar_search.formats import (
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import (
     cluster_from_dict,
     cluster_to_dict,
     plan_from_dict,

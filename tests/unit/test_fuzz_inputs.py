@@ -17,12 +17,12 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import cluster_from_dict, plan_from_dict, profile_from_dict
 from poplar_ext.runtime.config import poplar_config_from_dict
-from poplar_search import cli
-from poplar_search.errors import FormatError
-from poplar_search.formats import cluster_from_dict, plan_from_dict, profile_from_dict
+from poplar_ext.search import cli
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "profiles" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "poplar_ext" / "search" / "example_profiles"
 PROFILE_FILES = sorted(p for p in EXAMPLES.glob("gpt2-small-124m.*.json"))
 PROFILE = json.loads(PROFILE_FILES[0].read_text())
 CLUSTER = json.loads((EXAMPLES / "cluster.json").read_text())

@@ -1,9 +1,9 @@
-"""The analytic model layer by layer (bench/gpu_layer_model.py): layer profiles and the two-level network."""
+"""The analytic model layer by layer (poplar_bench/gpu_layer_model.py): layer profiles and the two-level network."""
 
 import pytest
 
 from poplar_bench import gpu_layer_model, gpu_model
-from poplar_search.pipeline_formats import layer_profile_from_dict, layer_profile_to_dict
+from poplar_ext.plan.pipeline_formats import layer_profile_from_dict, layer_profile_to_dict
 
 SHAPE = gpu_model.model_shape("gpt2-xl-1.5b")
 SPEC = gpu_model.gpu_spec("A100-80GB")

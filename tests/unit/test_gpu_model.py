@@ -1,11 +1,11 @@
-"""The analytic GPU model (bench/gpu_model.py) and the shipped cluster files."""
+"""The analytic GPU model (poplar_bench/gpu_model.py) and the shipped cluster files."""
 
 import json
 
 import pytest
 
 from poplar_bench import cluster_files, gpu_model
-from poplar_search.formats import cluster_from_dict, cluster_to_dict, profile_from_dict, profile_to_dict
+from poplar_ext.plan.formats import cluster_from_dict, cluster_to_dict, profile_from_dict, profile_to_dict
 
 SHAPE = gpu_model.model_shape("gpt2-xl-1.5b")
 ASSUME = gpu_model.Assumptions()

@@ -1,4 +1,4 @@
-"""The exact memory-lever search (search/lever_search.py) against the enumeration it replaces.
+"""The exact memory-lever search (poplar_ext/search/lever_search.py) against the enumeration it replaces.
 
 The oracle is the definition: `evaluate_settings` over every setting of `lever_choices`
 (the policy on each, fewest levers first, the first strictly best kept). Seeded random
@@ -13,12 +13,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from poplar_search.api import search_plan
-from poplar_search.lever_search import evaluate_settings, most_work, search_levers
-from poplar_search.levers import LEVERS_ORDER, lever_choices, lever_count
-from poplar_search.network import modelled_network
-from poplar_search.poplar_independent import steps_within
-from poplar_search.synthetic import random_lever_profiles, simple_cluster
+from poplar_ext.plan.levers import LEVERS_ORDER, lever_choices, lever_count
+from poplar_ext.search.api import search_plan
+from poplar_ext.search.lever_search import evaluate_settings, most_work, search_levers
+from poplar_ext.search.network import modelled_network
+from poplar_ext.search.poplar_independent import steps_within
+from poplar_ext.search.synthetic import random_lever_profiles, simple_cluster
 
 NETWORK = modelled_network(bus_bandwidth_bytes_per_s=1e9, latency_s=1e-4, note="test: assumed figures")
 

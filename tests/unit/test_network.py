@@ -8,11 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from poplar_search import predict, search_plan
-from poplar_search.cli import main as search_main
-from poplar_search.cost import BACKWARD_SHARE, build_stage_model, stage_communication
-from poplar_search.errors import FormatError
-from poplar_search.formats import (
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import (
     Cluster,
     ClusterNode,
     DeviceGroup,
@@ -20,7 +17,10 @@ from poplar_search.formats import (
     save_cluster,
     save_profile,
 )
-from poplar_search.network import (
+from poplar_ext.search import predict, search_plan
+from poplar_ext.search.cli import main as search_main
+from poplar_ext.search.cost import BACKWARD_SHARE, build_stage_model, stage_communication
+from poplar_ext.search.network import (
     CollectiveSample,
     NetworkProfile,
     cluster_key,
@@ -33,7 +33,7 @@ from poplar_search.network import (
     ring_factors,
     save_network,
 )
-from poplar_search.synthetic import synthetic_profile
+from poplar_ext.search.synthetic import synthetic_profile
 
 GB = 1e9
 
@@ -274,7 +274,7 @@ def test_poplar_search_takes_the_network_file_beside_the_profiles_or_the_one_nam
 
 
 def test_scopes_round_trip_and_a_bad_scope_names_its_field(tmp_path):
-    from poplar_search.network import NetworkScope, network_from_dict
+    from poplar_ext.search.network import NetworkScope, network_from_dict
 
     base = _network()
     network = dataclasses.replace(

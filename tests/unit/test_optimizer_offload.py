@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
+from poplar_ext.plan.formats import plan_from_dict
 from poplar_ext.profiler.cache import profile_file_name
 from poplar_ext.profiler.cli import parse_command, summary
 from poplar_ext.runtime.config import nominal_deepspeed_config
-from poplar_search.formats import plan_from_dict
 
 
 def _plan(offload):
@@ -100,7 +100,7 @@ def test_profile_model_refuses_an_unknown_offload_mode(tmp_path):
 def test_offloaded_profiles_have_their_own_file_name_and_summary_column():
     import dataclasses
 
-    from poplar_search.synthetic import synthetic_profile
+    from poplar_ext.search.synthetic import synthetic_profile
 
     plain = synthetic_profile("t4", zero_stage=1, max_micro_batch_size=4, overhead_s=0.01, seconds_per_sample=0.01)
     offloaded = dataclasses.replace(plain, optimizer_offload=True)
@@ -112,8 +112,8 @@ def test_offloaded_profiles_have_their_own_file_name_and_summary_column():
 
 
 def test_the_poplar_section_says_what_the_automatic_mode_profiles_offloaded():
+    from poplar_ext.plan.errors import FormatError
     from poplar_ext.runtime.config import poplar_config_from_dict
-    from poplar_search.errors import FormatError
 
     def read(section):
         return poplar_config_from_dict({"profiles": "p", **section}, base_dir=Path("."), source="ds.json")

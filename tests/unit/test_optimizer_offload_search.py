@@ -8,15 +8,8 @@ import numpy as np
 import pytest
 from _exhaustive import assert_search_is_exact, random_cluster
 
-from poplar_search.api import (
-    check_plan,
-    lever_choices,
-    plan_levers,
-    predict,
-    search_plan,
-)
-from poplar_search.errors import FormatError
-from poplar_search.formats import (
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import (
     content_fingerprint,
     load_profiles,
     plan_from_dict,
@@ -25,7 +18,14 @@ from poplar_search.formats import (
     profile_to_dict,
     save_profile,
 )
-from poplar_search.synthetic import simple_cluster, synthetic_profile
+from poplar_ext.search.api import (
+    check_plan,
+    lever_choices,
+    plan_levers,
+    predict,
+    search_plan,
+)
+from poplar_ext.search.synthetic import simple_cluster, synthetic_profile
 
 
 def variants(
@@ -120,7 +120,7 @@ def test_offloading_only_the_small_memory_type_wins(stage):
         [p for p in profiles if not p.optimizer_offload], cluster, global_batch_size=32, zero_stage=stage
     )
     assert result.plan.predicted.samples_per_s > without.plan.predicted.samples_per_s
-    from poplar_search.cli import plan_table
+    from poplar_ext.search.cli import plan_table
 
     table = plan_table(result, profiles)
     assert "optimizer offload" in table.splitlines()[2]
@@ -207,7 +207,7 @@ def test_check_plan_and_predict_hold_plans_to_the_offload_rules():
 
 
 def test_a_re_plan_under_drift_keeps_each_types_offload():
-    from poplar_search.drift import replan
+    from poplar_ext.search.drift import replan
 
     profiles, cluster = small_memory_cluster(1)
     plan = search_plan(profiles, cluster, global_batch_size=32, zero_stage=1).plan

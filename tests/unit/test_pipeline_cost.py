@@ -1,4 +1,5 @@
-"""The pipeline cost model (search/pipeline_cost.py): stage times, 1F1B, transfers, the per-layer boundary, memory."""
+"""The pipeline cost model (poplar_ext.search.pipeline_cost): stage times, 1F1B, transfers, the layer
+boundary, memory."""
 
 from __future__ import annotations
 
@@ -6,10 +7,8 @@ import dataclasses
 
 import pytest
 
-from poplar_search.formats import Cluster, ClusterNode, DeviceGroup, ModelInfo, Prediction
-from poplar_search.network import COLLECTIVES, CollectiveFit, NetworkProfile, NetworkScope
-from poplar_search.pipeline_cost import in_flight, predict_pipeline, segments
-from poplar_search.pipeline_formats import (
+from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup, ModelInfo, Prediction
+from poplar_ext.plan.pipeline_formats import (
     LayerCost,
     LayerProfile,
     LayerSample,
@@ -17,6 +16,8 @@ from poplar_search.pipeline_formats import (
     PipelinePlan,
     PipelineStage,
 )
+from poplar_ext.search.network import COLLECTIVES, CollectiveFit, NetworkProfile, NetworkScope
+from poplar_ext.search.pipeline_cost import in_flight, predict_pipeline, segments
 
 MODEL = ModelInfo(name="toy", fingerprint="sha256:toy", num_parameters=10_000, dtype="float32")
 

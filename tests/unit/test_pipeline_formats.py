@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from poplar_search.errors import FormatError
-from poplar_search.formats import ModelInfo, Plan, plan_from_dict
-from poplar_search.pipeline_formats import (
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import ModelInfo, Plan, plan_from_dict
+from poplar_ext.plan.pipeline_formats import (
     LayerCost,
     LayerProfile,
     LayerSample,

@@ -12,11 +12,11 @@ import torch
 from poplar_ext.pipeline.checkpoint import pipeline_resume_decision
 from poplar_ext.pipeline.initialize import pipeline_deepspeed_config
 from poplar_ext.pipeline.planning import check_pipeline_config, pipeline_plan_problems, resolve_pipeline_plan
+from poplar_ext.plan.formats import cluster_from_dict, plan_from_dict
+from poplar_ext.plan.pipeline_formats import pipeline_plan_from_dict
 from poplar_ext.runtime.checkpoint import poplar_client_state, resume_decision
 from poplar_ext.runtime.config import poplar_config_from_dict
 from poplar_ext.runtime.weighting import pipeline_loss_weight
-from poplar_search.formats import cluster_from_dict, plan_from_dict
-from poplar_search.pipeline_formats import pipeline_plan_from_dict
 
 PREDICTED = {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0}
 

@@ -1,4 +1,5 @@
-"""The pipeline search (search/pipeline_search.py and its parts): exact against brute force, the heuristic where it
+"""The pipeline search (poplar_ext.search.pipeline_search and its parts): exact against brute force, the
+heuristic where it
 must be exact, the sizing and the split against enumeration, infeasible statuses, bad input, check_pipeline_plan."""
 
 from __future__ import annotations
@@ -10,21 +11,21 @@ import numpy as np
 import pytest
 from _pipeline_brute_force import brute_force, ordered_partitions
 
-from poplar_search.formats import Cluster, ClusterNode, DeviceGroup
-from poplar_search.network import modelled_network
-from poplar_search.pipeline_cost import Links, layer_table, predict_pipeline
-from poplar_search.pipeline_formats import (
+from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup
+from poplar_ext.plan.pipeline_formats import (
     LayerCost,
     LayerProfile,
     LayerSample,
     pipeline_plan_from_dict,
     pipeline_plan_to_dict,
 )
-from poplar_search.pipeline_layouts import all_layouts, candidate_layouts
-from poplar_search.pipeline_search import check_pipeline_plan, search_pipeline_plan
-from poplar_search.pipeline_sizing import PipelineOptions, size_pipelines
-from poplar_search.pipeline_split import Shape, balanced_split, split_costs
-from poplar_search.synthetic import SYNTHETIC_LAYERED_MODEL, random_layer_profiles, simple_cluster
+from poplar_ext.search.network import modelled_network
+from poplar_ext.search.pipeline_cost import Links, layer_table, predict_pipeline
+from poplar_ext.search.pipeline_layouts import all_layouts, candidate_layouts
+from poplar_ext.search.pipeline_search import check_pipeline_plan, search_pipeline_plan
+from poplar_ext.search.pipeline_sizing import PipelineOptions, size_pipelines
+from poplar_ext.search.pipeline_split import Shape, balanced_split, split_costs
+from poplar_ext.search.synthetic import SYNTHETIC_LAYERED_MODEL, random_layer_profiles, simple_cluster
 
 
 def _case(seed: int):

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from poplar_ext.plan.formats import load_cluster, save_profile
 from poplar_ext.runtime.config import poplar_config_from_dict
 from poplar_ext.runtime.planning import resolve_plan
-from poplar_search.formats import load_cluster, save_profile
-from poplar_search.synthetic import synthetic_profile
+from poplar_ext.search.synthetic import synthetic_profile
 
 
 @pytest.fixture
@@ -102,7 +102,10 @@ def test_ranks_other_than_0_read_no_file(cluster_path, tmp_path):
         {"cluster": str(cluster_path), "profiles": str(tmp_path / "absent"), "global_batch_size": 20}, base_dir=tmp_path
     )
     decisions = iter(
-        [{"result": []}, {"result": __import__("poplar_search.formats", fromlist=["plan_to_dict"]).plan_to_dict(plan)}]
+        [
+            {"result": []},
+            {"result": __import__("poplar_ext.plan.formats", fromlist=["plan_to_dict"]).plan_to_dict(plan)},
+        ]
     )
     received = resolve_plan(
         config, load_cluster(cluster_path), world_size=2, rank=1, zero_stage=1, broadcast=lambda obj: next(decisions)
@@ -152,16 +155,16 @@ def _measurer(pairs_it_returns, calls):
 def _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage=None):
     """The plan `resolve_plan` searches at start with `measure` for the missing profiles, and the
     profiles it handed the search."""
-    import poplar_search
+    import poplar_ext.search
 
     searched = []
-    search_plan = poplar_search.search_plan
+    search_plan = poplar_ext.search.search_plan
 
     def recording(profiles, *args, **kwargs):
         searched.append(profiles)
         return search_plan(profiles, *args, **kwargs)
 
-    monkeypatch.setattr(poplar_search, "search_plan", recording)
+    monkeypatch.setattr(poplar_ext.search, "search_plan", recording)
     config = poplar_config_from_dict(
         {"cluster": str(cluster_path), "profiles": str(directory), "global_batch_size": 20},
         base_dir=cluster_path.parent,
@@ -203,7 +206,7 @@ def test_profiling_that_brings_back_no_complete_stage_says_what_is_missing(clust
 def test_rank_0_reads_the_profiles_and_the_network_file_once(cluster_path, tmp_path, monkeypatch):
     # Read, measured what was missing, searched: the search counts the measured profiles
     # without reading the directory again (rank 0 stored them there too).
-    import poplar_search.network
+    import poplar_ext.search.network
     from poplar_ext.runtime import planning
 
     reads = {"profiles": 0, "network": 0}
@@ -216,7 +219,9 @@ def test_rank_0_reads_the_profiles_and_the_network_file_once(cluster_path, tmp_p
         return counting
 
     monkeypatch.setattr(planning, "load_profiles", counted("profiles", planning.load_profiles))
-    monkeypatch.setattr(poplar_search.network, "find_network", counted("network", poplar_search.network.find_network))
+    monkeypatch.setattr(
+        poplar_ext.search.network, "find_network", counted("network", poplar_ext.search.network.find_network)
+    )
     directory = _profiles(tmp_path / "profiles", [("fast", 0.001)])
     calls = []
     plan, profiles = _searched_at_start(cluster_path, directory, _measurer({("slow", 1)}, calls), monkeypatch, 1)
@@ -228,10 +233,10 @@ def test_rank_0_reads_the_profiles_and_the_network_file_once(cluster_path, tmp_p
 import dataclasses  # noqa: E402
 import warnings  # noqa: E402
 
+from poplar_ext.plan.formats import load_profiles, save_plan  # noqa: E402
 from poplar_ext.runtime.config import GlobalBatchRequest  # noqa: E402
 from poplar_ext.runtime.planning import StalePlanWarning  # noqa: E402
-from poplar_search import search_plan  # noqa: E402
-from poplar_search.formats import load_profiles, save_plan  # noqa: E402
+from poplar_ext.search import search_plan  # noqa: E402
 
 
 def _searched_plan(cluster_path, directory, tmp_path, batch=20):

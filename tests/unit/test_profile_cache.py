@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from poplar_ext.plan.formats import Emulation, ModelInfo, Profile, Sample, load_profiles
 from poplar_ext.profiler.cache import (
     ProfileKey,
     ds_config_fingerprint,
@@ -15,7 +16,6 @@ from poplar_ext.profiler.cache import (
     profile_file_name,
     store_profile,
 )
-from poplar_search.formats import Emulation, ModelInfo, Profile, Sample, load_profiles
 
 CONFIG = {"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
 

@@ -10,6 +10,8 @@ import torch
 
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.models.toy_pipeline import mse, toy_batch, toy_layers
+from poplar_ext.plan.formats import Emulation, ModelInfo
+from poplar_ext.plan.pipeline_formats import load_layer_profiles
 from poplar_ext.profiler.cache import (
     LayerProfileKey,
     find_cached_layer_profile,
@@ -24,8 +26,6 @@ from poplar_ext.profiler.layers import (
     pipeline_layers,
 )
 from poplar_ext.profiler.per_layer import optimizer_factory_from_config
-from poplar_search.formats import Emulation, ModelInfo
-from poplar_search.pipeline_formats import load_layer_profiles
 
 DIM = 48
 SIZES = (1, 32, 256)

@@ -9,13 +9,8 @@ from pathlib import Path
 import pytest
 
 from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
-from poplar_ext.runtime.config import RebalanceConfig, poplar_config_from_dict
-from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, SampleStream
-from poplar_ext.runtime.rebalance import DriftMonitor
-from poplar_search.api import predict, search_plan
-from poplar_search.drift import derived_type, replan, scaled_problem, with_rank_types
-from poplar_search.errors import FormatError
-from poplar_search.formats import (
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import (
     Cluster,
     ClusterNode,
     DeviceGroup,
@@ -25,7 +20,12 @@ from poplar_search.formats import (
     plan_from_dict,
     plan_to_dict,
 )
-from poplar_search.synthetic import synthetic_profile
+from poplar_ext.runtime.config import RebalanceConfig, poplar_config_from_dict
+from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, SampleStream
+from poplar_ext.runtime.rebalance import DriftMonitor
+from poplar_ext.search.api import predict, search_plan
+from poplar_ext.search.drift import derived_type, replan, scaled_problem, with_rank_types
+from poplar_ext.search.synthetic import synthetic_profile
 
 
 # -- the poplar.rebalance section ------------------------------------------------------
@@ -239,7 +239,7 @@ def test_a_search_failure_keeps_the_plan(monkeypatch):
     def failing(*args, **kwargs):
         raise ValueError("no profile")
 
-    monkeypatch.setattr("poplar_search.drift.replan", failing)
+    monkeypatch.setattr("poplar_ext.search.drift.replan", failing)
     assert _run_checks(monitor, plan, [[3, 1, 1]] * 3)[0] == []
 
 

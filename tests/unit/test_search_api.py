@@ -1,13 +1,13 @@
-"""search_plan, check_plan and predict (search/api.py)."""
+"""search_plan, check_plan and predict (poplar_ext/search/api.py)."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
-from poplar_search import check_plan, predict, search_plan
-from poplar_search.formats import ModelInfo, plan_from_dict, plan_to_dict
-from poplar_search.synthetic import random_profiles, simple_cluster, synthetic_profile
+from poplar_ext.plan.formats import ModelInfo, plan_from_dict, plan_to_dict
+from poplar_ext.search import check_plan, predict, search_plan
+from poplar_ext.search.synthetic import random_profiles, simple_cluster, synthetic_profile
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Search speed: the bench's report shape, and large global batches searched exactly.
 
-Timings are not asserted here (they live in bench/search_speed.py); these tests check
+Timings are not asserted here (they live in poplar_bench/search_speed.py); these tests check
 that the batch-independent search of stages 0/1 still finds the optimum when the
 global batch is large, against oracles that share no code with it: a closed form for
 one rank, every split for two ranks, and for more ranks a certificate that the batch
@@ -16,12 +16,12 @@ import pytest
 from scipy.signal import fftconvolve
 
 from poplar_bench.search_speed import run_search_speed, write_report
-from poplar_search.cost import build_stage_model
-from poplar_search.formats import load_cluster, load_profiles
-from poplar_search.policies import allocate
-from poplar_search.synthetic import random_profiles, synthetic_profile
+from poplar_ext.plan.formats import load_cluster, load_profiles
+from poplar_ext.search.cost import build_stage_model
+from poplar_ext.search.policies import allocate
+from poplar_ext.search.synthetic import random_profiles, synthetic_profile
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "profiles" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "poplar_ext" / "search" / "example_profiles"
 
 
 def test_report_has_every_cell_and_goal_and_is_written(tmp_path):
@@ -82,7 +82,7 @@ def test_lever_cells_time_every_seeded_problem_and_report_the_slowest_per_stage(
 
 
 # ----------------------------------------------------------------------------------
-# Oracles that share no code with search/poplar_independent.py
+# Oracles that share no code with poplar_ext/search/poplar_independent.py
 # ----------------------------------------------------------------------------------
 def _most_steps(time_s, table):
     """Per size, the most micro-steps whose busy time (the cost model's float product) is <= time_s."""

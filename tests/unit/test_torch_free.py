@@ -1,4 +1,4 @@
-"""`poplar_search` (search/) runs with torch and deepspeed unimportable (design: a laptop without torch)."""
+"""`poplar_ext.search` (search/) runs with torch and deepspeed unimportable (design: a laptop without torch)."""
 
 import subprocess
 import sys
@@ -18,13 +18,13 @@ class Blocker:
 
 sys.meta_path.insert(0, Blocker())
 
-import poplar_search
-from poplar_search.cli import main
-from poplar_search.synthetic import random_profiles, simple_cluster
+import poplar_ext.search
+from poplar_ext.search.cli import main
+from poplar_ext.search.synthetic import random_profiles, simple_cluster
 import numpy as np
 
 profiles = random_profiles(np.random.default_rng(0), ["a", "b"])
-result = poplar_search.search_plan(profiles, simple_cluster({"a": 2, "b": 2}), global_batch_size=64)
+result = poplar_ext.search.search_plan(profiles, simple_cluster({"a": 2, "b": 2}), global_batch_size=64)
 assert result.ok, result.message
 code = main(["--example", "--global-batch-size", "512", "--format", "json"])
 assert code == 0, code
@@ -41,7 +41,7 @@ def test_search_imports_and_runs_without_torch_or_deepspeed():
 
 def test_the_blocker_really_blocks():
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT.split("import poplar_search")[0] + "import torch"],
+        [sys.executable, "-c", SCRIPT.split("import poplar_ext.search")[0] + "import torch"],
         capture_output=True,
         text=True,
         timeout=120,

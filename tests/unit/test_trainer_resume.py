@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("transformers", reason="PoplarTrainer needs pip install 'poplar-ext[hf]'")
 
 from poplar_ext.integrations.transformers import PoplarTrainer  # noqa: E402
+from poplar_ext.plan.formats import plan_from_dict  # noqa: E402
 from poplar_ext.runtime.checkpoint import history_entry, poplar_client_state, write_state  # noqa: E402
 from poplar_ext.runtime.config import poplar_config_from_dict  # noqa: E402
-from poplar_search.formats import plan_from_dict  # noqa: E402
 
 
 def _plan(allocation: list[tuple[int, int]], stage: int = 1):

@@ -43,9 +43,9 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_holds_unique_top_level_names_and_the_examples_not_the_results(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
-    assert top_level == {"poplar_ext", "poplar_search", "poplar_bench"}
-    examples = [n for n in names if n.startswith("poplar_search/example_profiles/") and n.endswith(".json")]
-    assert "poplar_search/example_profiles/cluster.json" in examples and len(examples) == 12
+    assert top_level == {"poplar_ext", "poplar_bench"}
+    examples = [n for n in names if n.startswith("poplar_ext/search/example_profiles/") and n.endswith(".json")]
+    assert "poplar_ext/search/example_profiles/cluster.json" in examples and len(examples) == 12
     # The pipeline search's layer profiles and the example's network come along.
     assert len([n for n in examples if "/example_profiles/layers/" in n]) == 2
     assert len([n for n in examples if "/example_profiles/network/" in n]) == 1
@@ -57,7 +57,7 @@ def test_the_wheel_holds_unique_top_level_names_and_the_examples_not_the_results
     missing = packages - {name.rsplit("/", 1)[0] for name in names}
     assert not missing, sorted(missing)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    for script in ("poplar-search = poplar_search.cli:main", "poplar-bench = poplar_bench.cli:main"):
+    for script in ("poplar-search = poplar_ext.search.cli:main", "poplar-bench = poplar_bench.cli:main"):
         assert script in entry_points
 
 
@@ -73,7 +73,11 @@ def test_a_fresh_environment_with_the_wheel_alone_runs_search_and_simulate(wheel
     done = subprocess.run(install, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     where = subprocess.run(
-        [str(python), "-c", "import poplar_search, poplar_bench; print(poplar_search.__file__, poplar_bench.__file__)"],
+        [
+            str(python),
+            "-c",
+            "import poplar_ext.search, poplar_bench; print(poplar_ext.search.__file__, poplar_bench.__file__)",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

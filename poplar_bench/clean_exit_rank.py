@@ -1,0 +1,138 @@
+"""One rank of `bench.clean_exit`: a script that ends with a plain return, as users write them.
+
+    python -m poplar_bench.clean_exit_rank --kind torch [--destroy]
+    python -m poplar_bench.clean_exit_rank --kind poplar --work-dir DIR [--handler full|destroy|none]
+
+``torch``: torch and gloo alone (a few blocking all_reduces), the group destroyed by the
+script only with ``--destroy``. ``poplar``: what a training script does, at ZeRO stages 0, 1,
+2 and 3 in turn (an engine each): ``poplar_ext.initialize`` on the toy GPT, two optimizer
+steps, a checkpoint, the whole parameters gathered. ``--handler``: poplar-ext's exit handler as it is (``full``), one
+that only destroys the group (``destroy``, its first version), or none (``none``, before
+it existed). Rank and world size come from the environment (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+
+def _torch_only(destroy: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    tensor = torch.ones(1000)
+    for _ in range(5):
+        dist.all_reduce(tensor)
+    if destroy:
+        dist.destroy_process_group()
+
+
+def _poplar_config(work_dir: Path, stage: int, world_size: int) -> dict:
+    """A uniform plan on real CPU ranks (the emulation plays no part in how a process exits)."""
+    cluster = {"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "cpu", "count": world_size}]}]}
+    ranks = [
+        {"rank": r, "device_type": "cpu", "micro_batch_size": 2, "gradient_accumulation_steps": 2}
+        for r in range(world_size)
+    ]
+    plan = {
+        "schema_version": 1,
+        "policy": "uniform",
+        "zero_stage": stage,
+        "global_batch_size": 4 * world_size,
+        "ranks": ranks,
+        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+        "profile_fingerprints": {},
+    }
+    rank = os.environ["RANK"]
+    (work_dir / f"cluster{rank}.json").write_text(json.dumps(cluster))
+    (work_dir / f"plan{rank}.json").write_text(json.dumps(plan))
+    return {
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10_000,
+        "poplar": {
+            "cluster": str(work_dir / f"cluster{rank}.json"),
+            "plan": str(work_dir / f"plan{rank}.json"),
+            "log_interval_steps": 0,
+        },
+    }
+
+
+def _poplar(work_dir: Path, handler: str) -> None:
+    """Train each ZeRO stage in turn in this process (an engine each), as a script that tries stages does."""
+    from poplar_ext.plan.formats import ZERO_STAGES
+
+    for stage in ZERO_STAGES:
+        _train_one_stage(stage, work_dir)
+    _choose_handler(handler)
+
+
+def _train_one_stage(stage: int, work_dir: Path) -> None:
+    import deepspeed
+    import torch
+
+    import poplar_ext
+    from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
+
+    shape = GPTConfig(vocab_size=32, sequence_length=8, num_layers=1, num_heads=2, hidden_size=16)
+    model = GPT(shape)
+    data = SyntheticTokens(num_samples=64, sequence_length=shape.sequence_length, vocab_size=shape.vocab_size)
+    engine, _, loader, _ = poplar_ext.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        training_data=data,
+        config=_poplar_config(work_dir, stage, int(os.environ["WORLD_SIZE"])),
+    )
+    steps = 0
+    for tokens in loader:
+        engine.backward(engine(tokens))
+        steps += engine.is_gradient_accumulation_boundary()
+        engine.step()
+        if steps == 2:
+            break
+    engine.save_checkpoint(work_dir / f"checkpoint-{os.environ['MASTER_PORT']}-{stage}")
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        _ = [p.detach().clone() for p in params]
+
+
+def _choose_handler(handler: str) -> None:
+    import atexit
+
+    import torch.distributed as dist
+
+    from poplar_ext import collectives
+
+    if handler == "full":
+        return
+    atexit.unregister(collectives.leave_process_group)
+    if handler == "destroy":
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=("torch", "poplar"), required=True)
+    parser.add_argument("--destroy", action="store_true", help="torch: the script destroys its group")
+    parser.add_argument("--work-dir", type=Path, help="poplar: where the cluster and plan files go")
+    parser.add_argument(
+        "--handler",
+        choices=("full", "destroy", "none"),
+        default="full",
+        help="poplar: poplar-ext's exit handler, one that only destroys the group, or none",
+    )
+    args = parser.parse_args()
+    if args.kind == "torch":
+        _torch_only(args.destroy)
+    else:
+        _poplar(args.work_dir, args.handler)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The shipped cluster descriptions (poplar_bench/clusters/*.json), patterned on Poplar's experiments.
+
+Poplar evaluates pairs of GPU generations; we ship the same pairs (A100-80GB with
+A100-40GB, V100-16GB with T4-16GB, A800-80GB with V100S-32GB), half of the ranks of
+each type, on homogeneous nodes of up to 8 GPUs, at several sizes up to 4096 GPUs.
+`python -m poplar_bench.cluster_files` rewrites the files; a unit test checks that the
+shipped files are exactly what `shipped_clusters()` generates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup, save_cluster
+
+CLUSTER_DIR = Path(__file__).resolve().parent / "clusters"
+PAIRS: tuple[tuple[str, str], ...] = (
+    ("A100-80GB", "A100-40GB"),
+    ("V100-16GB", "T4-16GB"),
+    ("A800-80GB", "V100S-32GB"),
+)
+WORLD_SIZES: tuple[int, ...] = (8, 64, 512, 4096)
+GPUS_PER_NODE = 8
+
+
+def pair_cluster(first: str, second: str, *, world_size: int, gpus_per_node: int = GPUS_PER_NODE) -> Cluster:
+    """`world_size` GPUs, half `first` then half `second`, on nodes of one type each."""
+    if world_size < 2 or world_size % 2:
+        raise ValueError(f"world_size: expected an even integer >= 2, found {world_size!r}")
+    per_type = world_size // 2
+    per_node = min(gpus_per_node, per_type)
+    if per_type % per_node:
+        raise ValueError(
+            f"world_size: expected half of it ({per_type}) to be a multiple of gpus_per_node ({per_node}), found "
+            f"{world_size}"
+        )
+    nodes = [
+        ClusterNode(
+            name=f"{device_type.lower()}-node{index:04d}",
+            devices=(DeviceGroup(device_type=device_type, count=per_node),),
+        )
+        for device_type in (first, second)
+        for index in range(per_type // per_node)
+    ]
+    return Cluster(nodes=tuple(nodes))
+
+
+def cluster_file_name(first: str, second: str, world_size: int) -> str:
+    """File name of a shipped pair cluster, e.g. ``a100-80gb+a100-40gb-x64.json``."""
+    return f"{first.lower()}+{second.lower()}-x{world_size}.json"
+
+
+def shipped_clusters() -> dict[str, Cluster]:
+    """File name -> cluster, for every shipped pair and size, in a stable order."""
+    return {
+        cluster_file_name(first, second, size): pair_cluster(first, second, world_size=size)
+        for first, second in PAIRS
+        for size in WORLD_SIZES
+    }
+
+
+def write_shipped_clusters(directory: Path = CLUSTER_DIR) -> list[Path]:
+    """(Re)write every shipped cluster file into `directory`; returns the paths written."""
+    paths = []
+    for name, cluster in shipped_clusters().items():
+        path = directory / name
+        save_cluster(cluster, path)
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    for written in write_shipped_clusters():
+        print(written)

@@ -1,0 +1,543 @@
+"""`poplar-bench drift`: static poplar against adaptive (``poplar.rebalance``) when a device drifts.
+
+The demo's emulated cluster (3 CPU ranks, emulated device types) and model. One
+device becomes `factor` times slower at iteration `drift_at` and recovers at
+`recover_at` (the cluster's ``slowdown_schedule``). Four runs of `iterations`
+iterations each, in one launch: static and adaptive with the drift, static and
+adaptive without it. Reported per iteration: samples/s and the ideal of that moment
+(the sum of each device's measured standalone best throughput, the drifted one's
+divided by its factor: emulation slows a device's compute by exactly its factor);
+re-plans; and the re-balancing's own cost (time inside its per-step hook, which
+holds its collectives, against the iteration time).
+
+Goals (reported, not asserted): after the change adaptive reaches >= 0.9 of the new
+ideal within two check intervals; without drift its cost is <= 1% of iteration time
+and it never re-plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poplar_ext.plan.formats import write_json_atomic
+
+from .demo_config import DemoSettings
+
+RUNS = ("static-drift", "adaptive-drift", "static-steady", "adaptive-steady")
+"""(policy, scenario) pairs in the order they run."""
+LOOPS = ("plain", "trainer")
+"""`DriftSettings.loop`'s values."""
+LOOP_TEXT = {
+    "plain": "poplar_ext.initialize and a hand-written loop on the demo's toy GPT, one plan file searched on profiles "
+    "measured first; iteration time from a barrier to the rank's last optimizer step, the slowest rank's",
+    "trainer": "PoplarTrainer (transformers.Trainer) on a GPT-2 of the same shape from GPT2Config (random weights), "
+    "in its automatic mode (profiles from the cache, measured by the first run where missing; the plan searched at "
+    "the start of every run); "
+    "iteration time: PoplarEngine.last_iteration_time_s (optimizer step to optimizer step, the Trainer's own "
+    "per-step work included), the slowest rank's",
+}
+"""What trained, per `DriftSettings.loop`."""
+SHARE_GOAL = 0.9
+COST_GOAL = 0.01
+
+
+@dataclass(frozen=True, kw_only=True)
+class DriftSettings(DemoSettings):
+    """The demo's settings plus the drift and the re-balancing options."""
+
+    drift_rank: int = 0
+    """The rank that drifts (rank 0, the fastest device, carries the most samples)."""
+    factor: float = 2.5
+    """How much slower it becomes."""
+    drift_at: int = 8
+    """Optimizer steps done when it slows down."""
+    recover_at: int = 24
+    """Optimizer steps done when it is back to its own speed."""
+    drift_iterations: int = 36
+    """Iterations of each run."""
+    check_interval_steps: int = 4
+    threshold: float = 0.2
+    min_gain: float = 0.05
+    sustained_checks: int = 2
+    loop: str = "plain"
+    """What trains: ``plain``, `poplar_ext.initialize` and a hand-written loop on the demo's toy GPT, from
+    a plan searched on profiles measured first; ``trainer``, `PoplarTrainer` on a GPT-2 of the same shape
+    (``GPT2Config``, random weights) in its automatic mode (profiles measured by the first run where not cached;
+    the plan searched at start)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.loop not in LOOPS:
+            raise ValueError(f"loop: expected one of {', '.join(LOOPS)}, found {self.loop!r}")
+        if not 0 <= self.drift_rank < len(self.devices):
+            raise ValueError(f"drift_rank: expected 0..{len(self.devices) - 1}, found {self.drift_rank}")
+        if not self.factor >= 1.0:
+            raise ValueError(f"factor: expected a number >= 1, found {self.factor}")
+        if not 0 < self.drift_at < self.recover_at <= self.drift_iterations:
+            raise ValueError(
+                "drift_at, recover_at, drift_iterations: expected 0 < drift_at < recover_at <= drift_iterations, found "
+                f"{self.drift_at}, {self.recover_at}, {self.drift_iterations}"
+            )
+
+    def cache_root(self) -> Path:
+        """The demo's cache, or for the Trainer its ``trainer`` folder: its GPT-2 ranks carry transformers, so
+        the emulated capacities (set above a measured baseline) and the profiles are kept apart from the demo's."""
+        root = super().cache_root()
+        return root / "trainer" if self.loop == "trainer" and self.cache_dir is None else root
+
+    def schedule(self, base_slowdown: float) -> list[list[float]]:
+        return [
+            [self.drift_at, base_slowdown * self.factor, self.drift_rank],
+            [self.recover_at, base_slowdown, self.drift_rank],
+        ]
+
+
+# ----------------------------------------------------------------------------------
+# The ranks (forked by bench.demo.run_ranks)
+# ----------------------------------------------------------------------------------
+def _say(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"[poplar-bench drift] {message}", file=sys.stderr, flush=True)
+
+
+def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from poplar_ext.plan.formats import cluster_from_dict, cluster_to_dict, save_cluster
+
+    from . import demo_worker
+
+    rank = dist.get_rank()
+    trainer = settings.loop == "trainer"
+    if trainer:
+        # Imported by each rank, not before the fork, and before the memory baseline is measured: a forked rank's
+        # resident memory holds only the parent's pages it has touched since, and the Trainer touches many.
+        from poplar_ext.integrations import transformers  # noqa: F401
+    plain_path = work / "cluster.json"
+    cluster = demo_worker.agreed_cluster(settings, plain_path)
+    _say(
+        rank,
+        f"{'PoplarTrainer profiles' if trainer else 'profiling'} {', '.join(cluster.type_counts())} at ZeRO stage "
+        f"{settings.zero_stage}{' in its first run' if trainer else ''} (cache: {settings.profiles_dir()})",
+    )
+    profiles = [] if trainer else demo_worker.profile_devices(settings, plain_path)[0]
+    drifting_path = work / "cluster-drift.json"
+    if rank == 0:
+        data = cluster_to_dict(cluster)
+        drifting_type = cluster.rank_device_types[settings.drift_rank]
+        emulation = data["device_types"][drifting_type]["emulation"]
+        emulation["slowdown_schedule"] = settings.schedule(emulation["slowdown"])
+        save_cluster(cluster_from_dict(data), drifting_path)
+        if not trainer:
+            _write_plan(settings, profiles, cluster, work / "plan.json")
+    dist.barrier()
+
+    if trainer:
+        from . import drift_trainer
+
+        train = drift_trainer.train
+    else:
+        train = _train
+    runs = {}
+    for run in RUNS:
+        policy, scenario = run.split("-")
+        _say(rank, f"{run}: {settings.drift_iterations} iterations")
+        runs[run] = train(
+            settings,
+            work,
+            cluster_path=drifting_path if scenario == "drift" else plain_path,
+            adaptive=policy == "adaptive",
+        )
+    _say(rank, "measuring each rank's standalone throughput (the ideal)")
+    device_type = cluster.rank_device_types[rank]
+    if trainer:
+        standalone = drift_trainer.measure_standalone(settings, cluster, rank)
+    else:
+        profile = next(p for p in profiles if p.device_type == device_type)
+        standalone = demo_worker.measure_standalone(settings, cluster, rank, profile)
+    dist.barrier()
+    return {
+        "rank": rank,
+        "device_type": device_type,
+        "runs": runs,
+        "standalone": standalone,
+        "slowdown": cluster.emulation_of(device_type).slowdown,
+    }
+
+
+def _write_plan(settings: DriftSettings, profiles, cluster, path: Path) -> None:
+    from poplar_ext.plan.formats import save_plan
+    from poplar_ext.search import search_plan
+    from poplar_ext.search.network import find_network
+
+    result = search_plan(
+        profiles,
+        cluster,
+        global_batch_size=settings.global_batch_size,
+        zero_stage=settings.zero_stage,
+        policy="poplar",
+        network=find_network(settings.profiles_dir(), cluster),
+    )
+    if result.status != "ok":
+        raise RuntimeError(f"no poplar plan for the drift bench: {result.message}")
+    save_plan(result.plan, path)
+
+
+def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive: bool) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import poplar_ext
+    from poplar_ext.models.toy_gpt import SyntheticTokens
+
+    from . import demo_worker
+
+    config = demo_worker.deepspeed_config(settings)
+    config["poplar"] = {
+        **poplar_section(settings, cluster_path=cluster_path, adaptive=adaptive),
+        "plan": str(work / "plan.json"),
+    }
+    model = demo_worker._make_model(settings)
+    engine, _, _, _ = poplar_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
+    data = SyntheticTokens(
+        num_samples=settings.global_batch_size * 4,
+        sequence_length=settings.model.sequence_length,
+        vocab_size=settings.model.vocab_size,
+        seed=settings.seed,
+    )
+    loader = torch.utils.data.DataLoader(data, batch_sampler=engine.create_batch_sampler(len(data)))
+    hook_s = timed_rebalancing(engine)
+    iteration_s: list[float] = []
+    stream = iter(())
+    warmup = 1
+    for index in range(warmup + settings.drift_iterations):
+        steps = engine.rank_plan.gradient_accumulation_steps
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            tokens = next(stream, None)
+            if tokens is None:
+                stream = iter(loader)
+                tokens = next(stream)
+            engine.backward(engine(tokens))
+            engine.step()
+        if index >= warmup:
+            iteration_s.append(time.perf_counter() - start)
+        if index == warmup - 1:
+            hook_s[0] = 0.0
+    return {
+        "iteration_s": iteration_s,
+        "rebalance_hook_s": hook_s[0],
+        "history": plan_history(engine),
+        "warmup_iterations": warmup,
+    }
+
+
+def poplar_section(settings: DriftSettings, *, cluster_path: Path, adaptive: bool) -> dict[str, Any]:
+    """What every run's ``poplar`` section says: the cluster, the profiles re-balancing re-plans from, one
+    thread and a steady allocator (as the profiler measured), ``poplar.rebalance`` on (adaptive) or off."""
+    return {
+        "cluster": str(cluster_path),
+        "profiles": str(settings.profiles_dir()),
+        "cpu_threads": 1,
+        "steady_cpu_allocator": True,
+        "log_interval_steps": 0,
+        "rebalance": {
+            "enabled": adaptive,
+            "check_interval_steps": settings.check_interval_steps,
+            "threshold": settings.threshold,
+            "min_gain": settings.min_gain,
+            "sustained_checks": settings.sustained_checks,
+        },
+    }
+
+
+def timed_rebalancing(engine: Any) -> list[float]:
+    """``[seconds]`` that grows by the time of each call of the engine's re-balancing hook (with its
+    collectives); stays 0 when re-balancing is off. Reset it to leave out the warm-up."""
+    hook_s = [0.0]
+    rebalancer = engine.rebalancer
+    if rebalancer is not None:
+        original = rebalancer.after_step
+
+        def timed_after_step(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args)
+            finally:
+                hook_s[0] += time.perf_counter() - start
+
+        rebalancer.after_step = timed_after_step
+    return hook_s
+
+
+def plan_history(engine: Any) -> list[dict[str, Any]]:
+    """The engine's plans: where each started, why, and its (micro-batch, accumulation count) per rank."""
+    return [
+        {
+            "start_step": h["start_step"],
+            "reason": h["reason"],
+            "allocation": [(r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in h["plan"]["ranks"]],
+        }
+        for h in engine.plan_history
+    ]
+
+
+# ----------------------------------------------------------------------------------
+# The report (pure)
+# ----------------------------------------------------------------------------------
+def _best_samples_per_s(standalone: list[dict[str, Any]]) -> float:
+    """A rank's best standalone throughput, as the demo's measured ideal counts it."""
+    from .demo import measured_ideal_samples_per_s
+
+    return measured_ideal_samples_per_s([{"standalone": standalone}])
+
+
+def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-iteration throughput, the ideal of each moment, re-plans and the goals."""
+    best = [_best_samples_per_s(r["standalone"]) for r in rank_results]
+    runs: dict[str, Any] = {}
+    batch = settings.global_batch_size
+    warmup = rank_results[0]["runs"][RUNS[0]]["warmup_iterations"]
+    for run in RUNS:
+        scenario = run.split("-")[1]
+        # The iteration that ran after `step` optimizer steps is step + 1; its time is the slowest rank's.
+        times = [max(values) for values in zip(*(r["runs"][run]["iteration_s"] for r in rank_results))]
+        steps_done = [warmup + i for i in range(len(times))]
+        ideal = []
+        for step in steps_done:
+            drifted = scenario == "drift" and settings.drift_at <= step < settings.recover_at
+            ideal.append(
+                sum(
+                    b / (settings.factor if drifted and rank == settings.drift_rank else 1.0)
+                    for rank, b in enumerate(best)
+                )
+            )
+        rate = [batch / t for t in times]
+        hook_s = max(r["runs"][run]["rebalance_hook_s"] for r in rank_results)
+        runs[run] = {
+            "steps_done": steps_done,
+            "iteration_time_s": times,
+            "samples_per_s": rate,
+            "ideal_samples_per_s": ideal,
+            "share_of_ideal": [r / i for r, i in zip(rate, ideal)],
+            "plan_history": rank_results[0]["runs"][run]["history"],
+            "replans": len(rank_results[0]["runs"][run]["history"]) - 1,
+            "rebalance_cost_share": hook_s / sum(times) if times else None,
+        }
+    adaptive = runs["adaptive-drift"]
+    deadline = settings.drift_at + 2 * settings.check_interval_steps
+    reached = next(
+        (
+            step
+            for step, share in zip(adaptive["steps_done"], adaptive["share_of_ideal"])
+            if settings.drift_at <= step < settings.recover_at and share >= SHARE_GOAL
+        ),
+        None,
+    )
+    window = [
+        s
+        for step, s in zip(adaptive["steps_done"], adaptive["share_of_ideal"])
+        if deadline <= step < settings.recover_at
+    ]
+    static_window = [
+        s
+        for step, s in zip(runs["static-drift"]["steps_done"], runs["static-drift"]["share_of_ideal"])
+        if deadline <= step < settings.recover_at
+    ]
+    steady = runs["adaptive-steady"]
+    goals = [
+        {
+            "goal": "adaptive reaches >= 0.9 of the new ideal within two check intervals of the change",
+            "value": None if not window else statistics.median(window),
+            "detail": f"median share over iterations {deadline + 1}-{settings.recover_at} (static: "
+            f"{statistics.median(static_window) if static_window else float('nan'):.3f}); first iteration at >= 0.9: "
+            f"{'none' if reached is None else reached + 1}",
+            "met": bool(window) and statistics.median(window) >= SHARE_GOAL,
+        },
+        {
+            "goal": "without drift, re-balancing costs <= 1% of iteration time",
+            "value": steady["rebalance_cost_share"],
+            "detail": "time inside the per-step hook (with its collectives) / iteration time",
+            "met": steady["rebalance_cost_share"] is not None and steady["rebalance_cost_share"] <= COST_GOAL,
+        },
+        {"goal": "without drift, no re-plan", "value": steady["replans"], "detail": "", "met": steady["replans"] == 0},
+    ]
+    return {
+        "kind": "drift",
+        "devices": "emulated CPU ranks (real DeepSpeed ZeRO, gloo); the ideal from each rank's measured standalone "
+        "throughput, the drifted rank's divided by its factor",
+        "loop": LOOP_TEXT[settings.loop],
+        "model": dataclasses.asdict(settings.model),
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in dataclasses.asdict(settings).items()
+            if k
+            in (
+                "drift_rank",
+                "factor",
+                "drift_at",
+                "recover_at",
+                "drift_iterations",
+                "check_interval_steps",
+                "threshold",
+                "min_gain",
+                "sustained_checks",
+                "global_batch_size",
+                "zero_stage",
+                "loop",
+            )
+        },
+        "device_types": [r["device_type"] for r in rank_results],
+        "standalone_best_samples_per_s": best,
+        "runs": runs,
+        "goals": goals,
+    }
+
+
+def render_markdown(summary: dict[str, Any]) -> str:
+    s = summary["settings"]
+    lines = [
+        "# Drift: static poplar against adaptive re-balancing"
+        + (" through the Hugging Face Trainer" if s.get("loop") == "trainer" else ""),
+        "",
+        *_provenance_lines(summary),
+        (
+            f"Devices: {summary['devices']}. Rank {s['drift_rank']} ({summary['device_types'][s['drift_rank']]}) runs "
+            f"{s['factor']}x slower from optimizer step {s['drift_at']} to {s['recover_at']}; ZeRO stage "
+            f"{s['zero_stage']}, "
+            f"global batch {s['global_batch_size']}; checks every {s['check_interval_steps']} steps, threshold "
+            f"{s['threshold']}, {s['sustained_checks']} sustained checks, minimum gain {s['min_gain']}."
+        ),
+        "",
+        "## Goals",
+        "",
+    ]
+    for goal in summary["goals"]:
+        value = goal["value"]
+        shown = "n/a" if value is None else (f"{value:.4f}" if isinstance(value, float) else str(value))
+        lines.append(f"- {goal['goal']}: **{shown}** ({'met' if goal['met'] else 'NOT met'}). {goal['detail']}")
+    lines += [
+        "",
+        "## Runs",
+        "",
+        "| run | re-plans | median samples/s | median share of ideal | re-balancing cost |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for run, data in summary["runs"].items():
+        cost = data["rebalance_cost_share"]
+        lines.append(
+            f"| {run} | {data['replans']} | {statistics.median(data['samples_per_s']):.1f} | "
+            f"{statistics.median(data['share_of_ideal']):.3f} | {'' if not cost else f'{100 * cost:.2f}%'} |"
+        )
+    lines += ["", "## Plans of the adaptive run with drift", ""]
+    for entry in summary["runs"]["adaptive-drift"]["plan_history"]:
+        lines.append(f"- from step {entry['start_step']}: {entry['allocation']} ({entry['reason']})")
+    lines += [
+        "",
+        "## Per iteration (samples/s; ideal in brackets)",
+        "",
+        "| iteration | " + " | ".join(RUNS) + " |",
+        "| --- |" + " --- |" * len(RUNS),
+    ]
+    first = summary["runs"][RUNS[0]]
+    for index, step in enumerate(first["steps_done"]):
+        cells = [
+            f"{summary['runs'][run]['samples_per_s'][index]:.1f} "
+            f"({summary['runs'][run]['ideal_samples_per_s'][index]:.0f})"
+            for run in RUNS
+        ]
+        lines.append(f"| {step + 1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _provenance_lines(summary: dict[str, Any]) -> list[str]:
+    """What trained, on which machine and under what load (reports before these were recorded have none)."""
+    lines = []
+    if "loop" in summary:
+        m = summary["model"]
+        lines += [
+            f"Training: {summary['loop']}. Model: {m['num_layers']} layers, width {m['hidden_size']}, "
+            f"{m['num_heads']} heads, {m['sequence_length']} tokens, vocabulary {m['vocab_size']}.",
+            "",
+        ]
+    machine = summary.get("machine")
+    if machine:
+        load = " / ".join(f"{x:.1f}" for x in summary["load_average_at_start"])
+        end = " / ".join(f"{x:.1f}" for x in machine["load_average"])
+        lines += [
+            f"Machine: {machine['hostname']} ({machine['cpu']}, {machine['usable_cpus']} usable CPUs, GPUs: "
+            f"{machine.get('gpus') or 'none'}), shared "
+            f"with other work: load average (1 / 5 / 15 min) {load} at the start, {end} at the end; the run took "
+            f"{summary['total_s']:.0f} s.",
+            "",
+        ]
+    return lines
+
+
+def render_figure(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    for run, style in zip(RUNS, ("-", "-", ":", ":")):
+        data = summary["runs"][run]
+        axis.plot([s + 1 for s in data["steps_done"]], data["samples_per_s"], style, label=run)
+    drift = summary["runs"]["static-drift"]
+    axis.plot(
+        [s + 1 for s in drift["steps_done"]], drift["ideal_samples_per_s"], "k--", linewidth=1, label="ideal (drift)"
+    )
+    axis.set_xlabel("iteration")
+    axis.set_ylabel("samples/s")
+    through = " (PoplarTrainer)" if summary["settings"].get("loop") == "trainer" else ""
+    axis.set_title(f"Drift on emulated CPU ranks{through}: static poplar vs adaptive re-balancing")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def run_drift(settings: DriftSettings, *, out_dir: Path, name: str = "drift") -> list[Path]:
+    """Run the four runs and write NAME.json, NAME.md and (with matplotlib) NAME.png."""
+    import tempfile
+
+    from . import demo
+    from .report import figure_available, machine_description
+
+    started = time.perf_counter()
+    load_at_start = list(os.getloadavg())
+    demo._preimport()
+    with tempfile.TemporaryDirectory(prefix="poplar-drift-") as tmp:
+        rank_results = demo.run_ranks(settings, Path(tmp), target=_run_rank, pg_timeout_s=300.0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Minutes of measurement: kept before anything else can fail.
+    write_json_atomic(rank_results, out_dir / f"{name}.ranks.json")
+    summary = summarize(settings, rank_results)
+    summary["total_s"] = time.perf_counter() - started
+    summary["load_average_at_start"] = load_at_start
+    summary["machine"] = machine_description()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    write_json_atomic(summary, paths[0])
+    paths[1].write_text(render_markdown(summary))
+    if figure_available():
+        render_figure(summary, out_dir / f"{name}.png")
+        paths.append(out_dir / f"{name}.png")
+    for goal in summary["goals"]:
+        print(
+            f"[poplar-bench drift] goal {goal['goal']}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})",
+            file=sys.stderr,
+        )
+    return paths
+
+
+__all__ = ["RUNS", "DriftSettings", "render_markdown", "run_drift", "summarize"]

@@ -1,0 +1,51 @@
+"""Regenerate the shipped example: modelled profiles of a GPT-2-small-sized model on
+A100-80GB and V100-16GB at ZeRO stages 0-3, its layer profiles at stage 0 (``layers/``,
+for the pipeline search), the 8-GPU cluster they describe and its modelled network
+(``network/``: the whole job at the model's inter-node figure, 25 GB/s within a node).
+
+The numbers are MODELLED, not measured: they come from the analytic GPU model in
+poplar_bench/gpu_model.py (vendor datasheet figures plus the stated assumptions, which every
+profile repeats in ``measured_with``). Run from a checkout (an editable install):
+
+    python -m poplar_bench.example_profiles
+"""
+
+import dataclasses
+from pathlib import Path
+
+from poplar_ext.plan.formats import ZERO_STAGES, Cluster, ClusterNode, DeviceGroup, save_cluster, save_profile
+from poplar_ext.plan.pipeline_formats import layer_profiles_dir, save_layer_profile
+from poplar_ext.search.network import cluster_key, network_path, save_network
+
+from .gpu_layer_model import modelled_layer_profile, two_level_network
+from .gpu_model import ModelShape, gpu_spec, modelled_profile
+
+HERE = Path(__file__).resolve().parents[1] / "poplar_ext" / "search" / "example_profiles"
+SHAPE = ModelShape(
+    name="gpt2-small-124m", num_layers=12, hidden_size=768, num_heads=12, sequence_length=1024, vocab_size=50257
+)
+DEVICES = {"A100-80GB": 4, "V100-16GB": 4}
+
+
+def main() -> None:
+    world_size = sum(DEVICES.values())
+    for name in DEVICES:
+        for stage in ZERO_STAGES:
+            profile = modelled_profile(gpu_spec(name), SHAPE, zero_stage=stage, world_size=world_size)
+            save_profile(profile, HERE / f"{SHAPE.name}.{name.lower()}.stage{stage}.json")
+    cluster = Cluster(
+        nodes=tuple(
+            ClusterNode(name=f"node{i}", devices=(DeviceGroup(device_type=name, count=count),))
+            for i, (name, count) in enumerate(DEVICES.items())
+        )
+    )
+    save_cluster(cluster, HERE / "cluster.json")
+    for name in DEVICES:
+        layers = modelled_layer_profile(gpu_spec(name), SHAPE, zero_stage=0)
+        save_layer_profile(layers, layer_profiles_dir(HERE) / f"{SHAPE.name}.{name.lower()}.stage0.json")
+    network = two_level_network(gpus_per_node=max(DEVICES.values()))
+    save_network(dataclasses.replace(network, cluster_key=cluster_key(cluster)), network_path(HERE, cluster))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""`poplar-bench gpu`: the CUDA path's evidence in one call of at most 7 minutes, each result written as it is made.
+
+The steps, in the order the evidence matters (docs/gpu.md):
+
+1. ``provenance.json`` at once: GPU, driver, CUDA, torch, DeepSpeed, Python;
+2. ``exact``: three ranks sharing the GPU, uneven plan, ZeRO 0-3, fp32 and bf16 against their
+   references, the missing-loss-weight mutation at stages 0 and 3; ``exact.jsonl``, a line per
+   (dtype, stage) appended as it is known;
+3. ``profile``: a GPT of ~136M parameters profiled in bf16 at ZeRO 1 and 3 with the real
+   out-of-memory probe, then the same call from the cache; ``profile_trials.jsonl``, a line per
+   trial (sizes, peak or out-of-memory, memory after a rebuild) and per profile;
+4. ``predictions``: the policies on two ranks sharing the GPU, one of them an emulated slower
+   type, measured against predicted; ``predictions.{json,md}``;
+5. ``launcher`` if time is left: the deepspeed launcher with bf16 and the cluster read from the
+   hardware.
+
+``gpu_run.json`` and ``gpu_run.md`` are rewritten after every step and ``gpu_run.log`` holds every
+line (the child pytest's too): eight files, flat, so that all of them come back from the GPU
+machine. Each step gets what is left of the budget (at most its own limit) and is skipped when
+less than its minimum is left; the ranks' work folders live outside the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from poplar_ext.plan.formats import write_json_atomic
+
+from ..report import machine_description, utc_now
+
+STEPS = ("exact", "profile", "predictions", "launcher")
+"""The steps after the provenance, in order: evidence first."""
+
+STEP_LIMITS_S = {"exact": 150.0, "profile": 150.0, "predictions": 150.0, "launcher": 90.0}
+"""The longest each step may take; it also gets no more than what is left of the budget."""
+
+STEP_MINIMUM_S = {"exact": 30.0, "profile": 45.0, "predictions": 60.0, "launcher": 45.0}
+"""A step is skipped (and says so) when less than this is left of the budget."""
+
+BUDGET_S = 390.0
+"""The whole command: with the wheels' install (~20 s) it ends within 7 minutes."""
+
+RUN_ENVIRONMENT = {
+    # DeepSpeed compiles none of its CUDA ops (the run uses torch's optimizers) and does not look for nvcc.
+    "DS_BUILD_OPS": "0",
+    "DS_SKIP_CUDA_CHECK": "1",
+    # torch's CUDA availability check through NVML: no CUDA context in the bench's process, which forks ranks.
+    "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuRunSettings:
+    """One `poplar-bench gpu` call."""
+
+    output_dir: Path
+    """Where the eight result files go (created)."""
+    dry_run: bool = False
+    """The same code paths on CPU with CPU stand-ins and tiny sizes (the test suite runs it)."""
+    repo: Path = field(default_factory=Path.cwd)
+    """The repository root: the exactness and launcher checks are its tests/gpu (default: the current directory)."""
+    budget_s: float = BUDGET_S
+    """Seconds the whole run may take; each step gets what is left, at most its limit."""
+    steps: tuple[str, ...] = STEPS
+    """Which steps run (a subset of `STEPS`, in that order)."""
+    work_dir: Path | None = None
+    """The ranks' logs, profile caches and plans (None: a new temporary folder, left in place)."""
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.steps if s not in STEPS]
+        if unknown:
+            raise ValueError(f"steps: expected some of {', '.join(STEPS)}, found {', '.join(unknown)}")
+        if self.budget_s <= 0:
+            raise ValueError(f"budget_s: expected a number of seconds > 0, found {self.budget_s!r}")
+
+
+class RunLog:
+    """``gpu_run.log``: every line with its time since the start, also on stderr."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.started = time.perf_counter()
+        path.write_text("")
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def say(self, message: str) -> None:
+        line = f"[poplar-bench gpu {self.elapsed_s():6.1f} s] {message}"
+        with self.path.open("a") as log:
+            log.write(line + "\n")
+        print(line, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepContext:
+    """What a step gets: the run's settings, its folders, its time limit and the log."""
+
+    settings: GpuRunSettings
+    work_dir: Path
+    """This step's own folder for rank logs and caches (outside the output folder)."""
+    timeout_s: float
+    log: RunLog
+    provenance: dict[str, Any]
+
+    @property
+    def out(self) -> Path:
+        return self.settings.output_dir
+
+
+def run_gpu(settings: GpuRunSettings) -> int:
+    """Every step of `settings`; 0 when none failed (skipped ones did not), 1 otherwise (each is in the results)."""
+    os.environ.update(RUN_ENVIRONMENT)
+    out = settings.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    log = RunLog(out / "gpu_run.log")
+    from .provenance import provenance_line, read_provenance
+
+    provenance = read_provenance(dry_run=settings.dry_run)
+    write_json_atomic(provenance, out / "provenance.json")
+    log.say(provenance_line(provenance))
+    work_dir = settings.work_dir or Path(tempfile.mkdtemp(prefix="poplar-bench-gpu-"))
+    log.say(f"work folder (rank logs, caches): {work_dir}")
+    results: dict[str, Any] = {}
+    for name in settings.steps:
+        left_s = settings.budget_s - log.elapsed_s()
+        if left_s < STEP_MINIMUM_S[name]:
+            results[name] = {"status": "skipped", "seconds": 0.0, "reason": f"{left_s:.0f} s left of the budget"}
+            log.say(f"step {name}: skipped ({results[name]['reason']}; it needs {STEP_MINIMUM_S[name]:g} s)")
+        else:
+            context = StepContext(
+                settings=settings,
+                work_dir=work_dir / name,
+                timeout_s=min(STEP_LIMITS_S[name], left_s),
+                log=log,
+                provenance=provenance,
+            )
+            results[name] = run_step(name, partial(STEP_FUNCTIONS[name], context), log)
+        write_summary(settings, provenance, results, total_s=log.elapsed_s())
+    failed = [name for name, r in results.items() if r["status"] == "failed"]
+    log.say(f"done in {log.elapsed_s():.0f} s; failed steps: {', '.join(failed) or 'none'}")
+    return 1 if failed else 0
+
+
+def run_step(name: str, step: Callable[[], dict[str, Any]], log: RunLog) -> dict[str, Any]:
+    """One step, timed; an exception or an ``error`` in its result is its failure, recorded, never raised."""
+    log.say(f"step {name}: started")
+    start = time.perf_counter()
+    try:
+        result = step()
+        status = "failed" if result.get("error") else "ok"
+    except Exception as exc:  # a failed step must not stop the others: it is recorded
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-8000:]}
+        status = "failed"
+    seconds = time.perf_counter() - start
+    log.say(f"step {name}: {status} in {seconds:.1f} s" + (f": {result['error'][-3000:]}" if status != "ok" else ""))
+    return {"status": status, "seconds": seconds, **result}
+
+
+def _exact(context: StepContext) -> dict[str, Any]:
+    from .tier import run_exactness
+
+    return run_exactness(context)
+
+
+def _profile(context: StepContext) -> dict[str, Any]:
+    from .profiles import run_profile_step
+
+    _require_cuda(context.settings)
+    return run_profile_step(context)
+
+
+def _predictions(context: StepContext) -> dict[str, Any]:
+    from .policies import run_predictions
+
+    _require_cuda(context.settings)
+    return run_predictions(context)
+
+
+def _launcher(context: StepContext) -> dict[str, Any]:
+    from .tier import run_launcher
+
+    return run_launcher(context)
+
+
+STEP_FUNCTIONS: dict[str, Callable[[StepContext], dict[str, Any]]] = {
+    "exact": _exact,
+    "profile": _profile,
+    "predictions": _predictions,
+    "launcher": _launcher,
+}
+
+
+def _require_cuda(settings: GpuRunSettings) -> None:
+    import torch
+
+    if not settings.dry_run and not torch.cuda.is_available():
+        raise RuntimeError("CUDA is not available (torch.cuda.is_available() is False): run with --dry-run on CPU")
+
+
+def append_json_line(path: Path, record: dict[str, Any]) -> None:
+    """`record` as one more line of the JSON-lines file `path` (kept if the run is stopped right after)."""
+    with path.open("a") as lines:
+        lines.write(json.dumps(record) + "\n")
+
+
+def write_summary(
+    settings: GpuRunSettings, provenance: dict[str, Any], results: dict[str, Any], *, total_s: float
+) -> list[Path]:
+    """``gpu_run.json`` and ``gpu_run.md``: provenance, then every step's outcome so far."""
+    from .render import render_summary
+
+    report = {
+        "schema": "poplar-bench-gpu/2",
+        "kind": "gpu",
+        "created_utc": utc_now(),
+        "dry_run": settings.dry_run,
+        "budget_s": settings.budget_s,
+        "provenance": provenance,
+        "machine": machine_description(),
+        "total_s": total_s,
+        "steps": results,
+    }
+    json_path, md_path = settings.output_dir / "gpu_run.json", settings.output_dir / "gpu_run.md"
+    write_json_atomic(report, json_path)
+    md_path.write_text(render_summary(report))
+    return [json_path, md_path]

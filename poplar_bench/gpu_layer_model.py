@@ -1,0 +1,190 @@
+"""Layer profiles of GPUs we cannot measure, from the same analytic model as `bench.gpu_model`.
+
+Every layer profile made here says ``"source": "modelled"`` in ``measured_with``, with
+the GPU spec, the model shape and the assumptions; reports that use one say so.
+
+The model is `bench.gpu_model`'s, cut into the layers a DeepSpeed ``PipelineModule``
+holds: the embedding (token and position), one layer per transformer block, and the
+head (final layer norm, the LM head and the loss). The head has its own copy of the
+vocabulary matrix: poplar-ext's pipelines do not tie it to the embedding yet
+(bench/results/pipeline_feasibility, "Not covered yet"), so the pipelined model has
+``V x h`` parameters more than the ZeRO one. Per layer, with s tokens per sample, hidden
+size h and vocabulary V:
+
+============  =====================  ==========================  ===================  ==================
+layer         parameters             FLOPs per sample (fwd+bwd)  kept bytes/sample    sent bytes/sample
+============  =====================  ==========================  ===================  ==================
+embedding     ``V h + s h``          0 (a gather)                ``8 s`` (token ids)  ``2 s h``
+block         ``12 h^2``             ``72 s h^2 + 12 s^2 h``     ``34 s h``           ``2 s h``
+head          ``V h``                ``6 s V h``                 ``10 s V + 2 s h``   4 (the loss)
+============  =====================  ==========================  ===================  ==================
+
+* time of a layer at micro-batch b: ``FLOPs x b / (peak x MFU) + 3 x 2 x parameters /
+  memory bandwidth + kernel_overhead_s / (layers)``: `bench.gpu_model`'s micro-step
+  without its collectives, shared out per layer (the fixed overhead evenly);
+* memory: 16-bit parameters (``parameter_bytes = 2 P``) and, as ZeRO-0's 16 bytes per
+  parameter, 16-bit gradients, fp32 master weights and Adam's two moments
+  (``optimizer_state_bytes = 14 P``); ``base_memory_bytes`` is the reserve; ZeRO-1 in
+  pipelines shards over one rank (each pipeline is its own data-parallel group), so it
+  costs the same;
+* optimizer step: ``28 P / memory bandwidth`` per layer, as the whole-model model.
+
+`two_level_network` is the network the pipeline comparison prices with: the whole job's
+collectives at the inter-node figure of `bench.gpu_model.Assumptions` (what the ZeRO
+cost model uses, unchanged), and, for transfers and all-reduces among the ranks of one
+node, `INTRA_NODE_BYTES_PER_S`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from poplar_ext.plan.formats import ModelInfo, content_fingerprint
+from poplar_ext.plan.pipeline_formats import LayerCost, LayerProfile, LayerSample
+from poplar_ext.search.network import COLLECTIVES, CollectiveFit, NetworkProfile, NetworkScope
+
+from .gpu_model import Assumptions, GpuSpec, ModelShape, gpu_spec
+from .gpu_model import modelled_network as whole_job_network
+
+LAYER_MODEL_VERSION = "bench.gpu_layer_model/1"
+LAYER_SAMPLE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+"""Micro-batch sizes written into each layer (the model is linear in b: the fit extends it exactly)."""
+INTRA_NODE_BYTES_PER_S = 25e9
+"""Assumed bus bandwidth among the GPUs of one node: PCIe 4.0 x16-class, the low end
+(NVLink nodes move more; the T4 and V100S PCIe 3.0 nodes about half)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelledLayer:
+    """One layer of the analytic model (module docstring)."""
+
+    name: str
+    parameters: int
+    flops_per_sample: float
+    kept_bytes_per_sample: int
+    output_bytes_per_sample: int
+
+
+def model_layers(shape: ModelShape) -> list[ModelledLayer]:
+    """The embedding, the blocks and the head of `shape`, as a ``PipelineModule`` lists them."""
+    s, h, v = shape.sequence_length, shape.hidden_size, shape.vocab_size
+    embedding = ModelledLayer(
+        name="Embedding",
+        parameters=v * h + s * h,
+        flops_per_sample=0.0,
+        kept_bytes_per_sample=8 * s,
+        output_bytes_per_sample=2 * s * h,
+    )
+    block = ModelledLayer(
+        name="Block",
+        parameters=12 * h * h,
+        flops_per_sample=72.0 * s * h * h + 12.0 * s * s * h,
+        kept_bytes_per_sample=34 * s * h,
+        output_bytes_per_sample=2 * s * h,
+    )
+    head = ModelledLayer(
+        name="Head",
+        parameters=v * h,
+        flops_per_sample=6.0 * s * v * h,
+        kept_bytes_per_sample=10 * s * v + 2 * s * h,
+        output_bytes_per_sample=4,
+    )
+    return [embedding] + [block] * shape.num_layers + [head]
+
+
+def _layer_cost(
+    index: int, layer: ModelledLayer, spec: GpuSpec, assumptions: Assumptions, num_layers: int
+) -> LayerCost:
+    fixed_s = 6.0 * layer.parameters / spec.memory_bandwidth_bytes_per_s + assumptions.kernel_overhead_s / num_layers
+    rate = spec.peak_flops * spec.mfu
+    return LayerCost(
+        index=index,
+        name=layer.name,
+        samples=tuple(
+            LayerSample(micro_batch_size=b, step_time_s=layer.flops_per_sample * b / rate + fixed_s)
+            for b in LAYER_SAMPLE_SIZES
+        ),
+        parameter_bytes=2 * layer.parameters,
+        optimizer_state_bytes=14 * layer.parameters,
+        activation_bytes_per_sample=layer.kept_bytes_per_sample,
+        output_bytes_per_sample=layer.output_bytes_per_sample,
+        optimizer_step_time_s=layer.parameters
+        * assumptions.optimizer_bytes_per_parameter
+        / spec.memory_bandwidth_bytes_per_s,
+    )
+
+
+def modelled_layer_profile(
+    spec: GpuSpec, shape: ModelShape, *, zero_stage: int = 0, assumptions: Assumptions | None = None
+) -> LayerProfile:
+    """A `LayerProfile` of `shape` on `spec` (ZeRO stage 0 or 1: the same costs), labelled modelled."""
+    assumptions = assumptions or Assumptions()
+    layers = model_layers(shape)
+    costs = tuple(_layer_cost(i, layer, spec, assumptions, len(layers)) for i, layer in enumerate(layers))
+    return LayerProfile(
+        device_type=spec.name,
+        memory_capacity_bytes=spec.memory_capacity_bytes,
+        zero_stage=zero_stage,
+        model=ModelInfo(
+            name=f"{shape.name}-untied-head",
+            fingerprint=content_fingerprint({**asdict(shape), "head": "untied"}),
+            num_parameters=sum(layer.parameters for layer in layers),
+            dtype="float16",
+            sequence_length=shape.sequence_length,
+        ),
+        layers=costs,
+        base_memory_bytes=assumptions.reserved_bytes,
+        emulated=None,
+        measured_with={
+            "source": "modelled",
+            "model": LAYER_MODEL_VERSION,
+            "note": "analytic model from vendor datasheet figures, not a measurement; see poplar_bench.gpu_layer_model",
+            "gpu_spec": asdict(spec),
+            "model_shape": asdict(shape),
+            "assumptions": asdict(assumptions),
+        },
+    )
+
+
+def modelled_layer_profiles(
+    device_types: list[str] | tuple[str, ...],
+    shape: ModelShape,
+    *,
+    zero_stages: tuple[int, ...] = (0,),
+    assumptions: Assumptions | None = None,
+) -> list[LayerProfile]:
+    """One modelled layer profile per device type and stage; unknown types raise ValueError."""
+    return [
+        modelled_layer_profile(gpu_spec(name), shape, zero_stage=stage, assumptions=assumptions)
+        for name in dict.fromkeys(device_types)
+        for stage in zero_stages
+    ]
+
+
+def two_level_network(
+    assumptions: Assumptions | None = None,
+    *,
+    gpus_per_node: int,
+    intra_node_bytes_per_s: float = INTRA_NODE_BYTES_PER_S,
+) -> NetworkProfile:
+    """`bench.gpu_model.modelled_network` with within-node and between-node scopes (labelled modelled)."""
+    assumptions = assumptions or Assumptions()
+    job = whole_job_network(assumptions)
+
+    def fits(bandwidth: float) -> dict[str, CollectiveFit]:
+        fit = CollectiveFit(latency_s=assumptions.network_latency_s, bus_bandwidth_bytes_per_s=bandwidth)
+        return dict.fromkeys(COLLECTIVES, fit)
+
+    note = f"{job.measured_with['note']}; within a node {intra_node_bytes_per_s / 1e9:.0f} GB/s ({LAYER_MODEL_VERSION})"
+    return NetworkProfile(
+        cluster_key=job.cluster_key,
+        world_size=job.world_size,
+        num_nodes=job.num_nodes,
+        backend=job.backend,
+        collectives=job.collectives,
+        measured_with={**job.measured_with, "note": note},
+        scopes={
+            "within_node": NetworkScope(group_size=max(2, gpus_per_node), collectives=fits(intra_node_bytes_per_s)),
+            "between_nodes": NetworkScope(group_size=2, collectives=fits(assumptions.network_bytes_per_s)),
+        },
+    )

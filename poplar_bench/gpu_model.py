@@ -1,0 +1,485 @@
+"""An analytic model of GPUs we cannot measure: profiles built from published specs.
+
+Every profile made here says ``"source": "modelled"`` in ``measured_with`` together
+with the assumptions below, and every report that uses one says so: modelled
+numbers are never passed off as measured.
+
+The model (one ZeRO stage, world size N, model with P parameters, mixed precision
+with Adam, 16-bit weights and gradients, fp32 master weights and moments):
+
+* micro-step time (one forward + backward of b samples on one rank)::
+
+      t(b) = flops_per_sample * b / (peak_flops * mfu)      compute at an assumed MFU
+           + weight_traffic_bytes / memory_bandwidth          weights read in fwd, bwd-data, bwd-weight
+           + kernel_overhead_s                                launch latency, host work
+           + micro_step_comm_s                                stage 2: reduce-scatter of gradients;
+                                                              stage 3: also two parameter all-gathers
+
+  The weight-traffic term makes small micro-batches memory-bound, so throughput
+  rises with b and then saturates, as measured curves do.
+* accumulation boundary (``optimizer_step_time_s``): the Adam update is memory
+  bound (about 28 bytes read and written per parameter of the local shard), plus
+  the boundary collectives (stage 0 and 1: an all-reduce-sized exchange of the
+  gradients; stage 2: an all-gather of the parameters). Collectives are ring
+  collectives at an assumed per-GPU network bandwidth and are not overlapped with
+  compute (a conservative choice).
+* memory (ZeRO paper, Rajbhandari et al. 2020, with K = 12 bytes of optimizer
+  state per parameter)::
+
+      stage 0: 16 P            stage 1: 4 P + 12 P / N
+      stage 2: 2 P + 14 P / N  stage 3: 16 P / N + two layers of gathered weights
+
+  With the optimizer offloaded to the host (DeepSpeed's ZeRO-Offload, stages 1-2
+  only) the fp32 master weights and Adam's moments leave the device::
+
+      stage 1: 4 P             stage 2: 2 P + 2 P / N
+
+  and the boundary adds the host's Adam update of the local shard (at an assumed
+  host rate) and the copies over PCIe (16-bit gradients down, 16-bit weights up), not
+  overlapped with anything.
+
+  plus activations per sample (Korthikanti et al. 2022, 34 * s * h bytes per layer
+  with a fused attention that stores no s x s scores, plus 16-bit and fp32 logits
+  and their gradient: 10 * s * V bytes) plus a fixed reserve for the CUDA context,
+  communication buffers and allocator fragmentation.
+
+Spec figures are vendor datasheet numbers (dense FP16/BF16 tensor-core peak without
+sparsity, memory size, memory bandwidth). The achievable fraction of peak (MFU) is
+an assumption, stated per device in the table with its reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from poplar_ext.plan.formats import ZERO_STAGES, ModelInfo, Profile, Sample, content_fingerprint
+from poplar_ext.search import network as search_network
+from poplar_ext.search.network import NetworkProfile
+
+GIB = 1 << 30
+MODEL_VERSION = "bench.gpu_model/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """Published facts about one GPU type, plus the one assumption (MFU) made about it."""
+
+    name: str
+    """Device type name as used in cluster descriptions, e.g. ``A100-80GB``."""
+    peak_flops: float
+    """Dense FP16/BF16 tensor-core peak in FLOP/s (datasheet, no sparsity)."""
+    memory_capacity_bytes: int
+    """Device memory (datasheet size in GiB)."""
+    memory_bandwidth_bytes_per_s: float
+    """Device memory bandwidth (datasheet)."""
+    mfu: float
+    """Assumed achievable fraction of ``peak_flops`` on transformer training (not a datasheet figure)."""
+    datasheet: str
+    """Which datasheet variant the figures come from."""
+    mfu_reason: str
+    """Why that MFU was assumed."""
+
+
+# Vendor datasheet figures (NVIDIA A100, A800, V100, V100S, T4 and H100 datasheets).
+# Ordered: one table, looked up by exact name; unknown names are an error, never a
+# silent default.
+GPU_SPECS: tuple[GpuSpec, ...] = (
+    GpuSpec(
+        name="H100-80GB",
+        peak_flops=989e12,
+        memory_capacity_bytes=80 * GIB,
+        memory_bandwidth_bytes_per_s=3.35e12,
+        mfu=0.40,
+        datasheet="NVIDIA H100 SXM5 datasheet: 989 TFLOPS BF16 dense, 80 GB HBM3, 3.35 TB/s",
+        mfu_reason="typical reported MFU for GPT training without FP8 is 35-45%",
+    ),
+    GpuSpec(
+        name="A100-80GB",
+        peak_flops=312e12,
+        memory_capacity_bytes=80 * GIB,
+        memory_bandwidth_bytes_per_s=2.039e12,
+        mfu=0.45,
+        datasheet="NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS BF16/FP16 dense, 80 GB HBM2e, 2,039 GB/s",
+        mfu_reason="Megatron-style GPT training commonly reports 40-55% MFU on A100",
+    ),
+    GpuSpec(
+        name="A100-40GB",
+        peak_flops=312e12,
+        memory_capacity_bytes=40 * GIB,
+        memory_bandwidth_bytes_per_s=1.555e12,
+        mfu=0.45,
+        datasheet="NVIDIA A100 SXM4 40GB datasheet: 312 TFLOPS BF16/FP16 dense, 40 GB HBM2, 1,555 GB/s",
+        mfu_reason="same compute as the 80GB part; same assumption",
+    ),
+    GpuSpec(
+        name="A800-80GB",
+        peak_flops=312e12,
+        memory_capacity_bytes=80 * GIB,
+        memory_bandwidth_bytes_per_s=2.039e12,
+        mfu=0.45,
+        datasheet="NVIDIA A800 SXM4 80GB datasheet: 312 TFLOPS BF16/FP16 dense, 80 GB HBM2e, 2,039 GB/s",
+        mfu_reason="an A100 with a slower NVLink; same compute, same assumption",
+    ),
+    GpuSpec(
+        name="V100S-32GB",
+        peak_flops=130e12,
+        memory_capacity_bytes=32 * GIB,
+        memory_bandwidth_bytes_per_s=1.134e12,
+        mfu=0.40,
+        datasheet="NVIDIA V100S PCIe datasheet: 130 TFLOPS FP16 tensor, 32 GB HBM2, 1,134 GB/s",
+        mfu_reason="Volta tensor cores reach a lower fraction than Ampere in reports (30-45%)",
+    ),
+    GpuSpec(
+        name="V100-16GB",
+        peak_flops=125e12,
+        memory_capacity_bytes=16 * GIB,
+        memory_bandwidth_bytes_per_s=900e9,
+        mfu=0.40,
+        datasheet="NVIDIA V100 SXM2 16GB datasheet: 125 TFLOPS FP16 tensor, 16 GB HBM2, 900 GB/s",
+        mfu_reason="Volta tensor cores reach a lower fraction than Ampere in reports (30-45%)",
+    ),
+    GpuSpec(
+        name="T4-16GB",
+        peak_flops=65e12,
+        memory_capacity_bytes=16 * GIB,
+        memory_bandwidth_bytes_per_s=320e9,
+        mfu=0.25,
+        datasheet="NVIDIA T4 datasheet: 65 TFLOPS FP16 mixed precision, 16 GB GDDR6, 320 GB/s",
+        mfu_reason="the 70 W power cap keeps clocks well below boost under sustained tensor-core load",
+    ),
+)
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """The spec of GPU type `name`; ValueError listing the known types otherwise."""
+    for spec in GPU_SPECS:
+        if spec.name == name:
+            return spec
+    known = ", ".join(s.name for s in GPU_SPECS)
+    raise ValueError(f"device_type: expected one of the modelled GPU types ({known}), found {name!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """A GPT-style decoder, described by the sizes the analytic model needs."""
+
+    name: str
+    """Human-readable name written into profiles."""
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    sequence_length: int
+    """Tokens per sample."""
+    vocab_size: int
+
+    @property
+    def num_parameters(self) -> int:
+        """Transformer blocks (12 h^2 per layer) plus token and position embeddings."""
+        h = self.hidden_size
+        return 12 * self.num_layers * h * h + self.vocab_size * h + self.sequence_length * h
+
+    @property
+    def flops_per_sample(self) -> float:
+        """Forward + backward FLOPs of one sample: 6 P s for the matmuls, 12 L s^2 h for attention."""
+        s, h = self.sequence_length, self.hidden_size
+        return 6.0 * self.num_parameters * s + 12.0 * self.num_layers * s * s * h
+
+    @property
+    def activation_bytes_per_sample(self) -> int:
+        """Activations kept for backward, 16-bit, fused attention (see module docstring)."""
+        s, h = self.sequence_length, self.hidden_size
+        return 34 * s * h * self.num_layers + 10 * s * self.vocab_size
+
+    @property
+    def checkpointed_activation_bytes_per_sample(self) -> int:
+        """With activation checkpointing per layer: each layer's 16-bit input kept, one layer's
+        activations alive while it is recomputed, and the head's."""
+        s, h = self.sequence_length, self.hidden_size
+        return 2 * s * h * self.num_layers + 34 * s * h + 10 * s * self.vocab_size
+
+    def kept_bytes_per_sample(self, activation_checkpointing: bool) -> int:
+        return (
+            self.checkpointed_activation_bytes_per_sample
+            if activation_checkpointing
+            else self.activation_bytes_per_sample
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        return content_fingerprint(asdict(self))
+
+
+# Shapes from the GPT-2 and GPT-3 papers; used by the shipped simulations.
+MODEL_SHAPES: tuple[ModelShape, ...] = (
+    ModelShape(
+        name="gpt2-xl-1.5b", num_layers=48, hidden_size=1600, num_heads=25, sequence_length=1024, vocab_size=50257
+    ),
+    ModelShape(name="gpt3-6.7b", num_layers=32, hidden_size=4096, num_heads=32, sequence_length=2048, vocab_size=50257),
+)
+
+
+def model_shape(name: str) -> ModelShape:
+    """The preset model shape `name`; ValueError listing the presets otherwise."""
+    for shape in MODEL_SHAPES:
+        if shape.name == name:
+            return shape
+    known = ", ".join(s.name for s in MODEL_SHAPES)
+    raise ValueError(f"model: expected one of the model presets ({known}), found {name!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assumptions:
+    """The model's assumptions that are not datasheet figures; all are written into every profile."""
+
+    network_bytes_per_s: float = 12.5e9
+    """Per-GPU network bandwidth for collectives (100 Gb/s InfiniBand per GPU): the ring's bus bandwidth."""
+    network_latency_s: float = 0.0
+    """Latency of one ring hop. None assumed: ZeRO's collectives move whole buckets of
+    megabytes, and NCCL switches to trees on large clusters, where a flat ring's
+    per-hop latency (a few microseconds x 4095 hops) would overstate it."""
+    kernel_overhead_s: float = 0.010
+    """Fixed per-micro-step cost: kernel launches, Python and framework overhead."""
+    reserved_bytes: int = 2 * GIB
+    """Memory unavailable to training: CUDA context, communication buffers, fragmentation."""
+    optimizer_bytes_per_parameter: int = 28
+    """Bytes the Adam update reads and writes per parameter of the local shard."""
+    host_adam_parameters_per_s: float = 1.0e9
+    """Parameters per second an offloaded Adam updates for one GPU's shard on its share of
+    the host's cores: an assumed order of magnitude for a vectorised CPU Adam, not a measurement."""
+    pcie_bytes_per_s: float = 12e9
+    """Host-device copy bandwidth: PCIe 3.0 x16 in practice (V100 and T4 are PCIe 3.0 cards)."""
+
+
+OFFLOAD_STAGES = (1, 2)
+"""The stages at which the model (and poplar-ext) offloads an optimizer."""
+
+
+def _check_offload(zero_stage: int, optimizer_offload: bool) -> None:
+    if optimizer_offload and zero_stage not in OFFLOAD_STAGES:
+        raise ValueError(f"optimizer_offload: expected ZeRO stage 1 or 2, found stage {zero_stage}")
+
+
+def state_bytes(num_parameters: int, zero_stage: int, world_size: int, optimizer_offload: bool = False) -> float:
+    """Parameters + gradients + optimizer states on one rank's device (ZeRO paper, K = 12;
+    with `optimizer_offload` the K bytes per parameter of the shard live on the host)."""
+    p, n = float(num_parameters), float(world_size)
+    _check_offload(zero_stage, optimizer_offload)
+    if optimizer_offload:
+        return 4 * p if zero_stage == 1 else 2 * p + 2 * p / n
+    if zero_stage == 0:
+        return 16 * p
+    if zero_stage == 1:
+        return 4 * p + 12 * p / n
+    if zero_stage == 2:
+        return 2 * p + 14 * p / n
+    if zero_stage == 3:
+        return 16 * p / n
+    raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, found {zero_stage!r}")
+
+
+RECOMPUTE_FLOPS_FACTOR = 4.0 / 3.0
+"""Activation checkpointing runs the forward (a third of forward + backward) once more."""
+
+
+def peak_memory_bytes(
+    shape: ModelShape,
+    zero_stage: int,
+    world_size: int,
+    micro_batch_size: int,
+    assumptions: Assumptions,
+    activation_checkpointing: bool = False,
+    optimizer_offload: bool = False,
+) -> int:
+    """Modelled peak memory of one micro-step of `micro_batch_size` samples."""
+    total = state_bytes(shape.num_parameters, zero_stage, world_size, optimizer_offload)
+    if zero_stage == 3:
+        # The current and the prefetched layer are gathered in full, 16-bit.
+        total += 2 * 2 * 12 * shape.hidden_size**2
+    total += micro_batch_size * shape.kept_bytes_per_sample(activation_checkpointing) + assumptions.reserved_bytes
+    return int(math.ceil(total))
+
+
+def modelled_network(assumptions: Assumptions | None = None) -> NetworkProfile:
+    """The network these profiles assume, as a network file would hold it (labelled modelled).
+
+    The same ring model prices the collectives inside the modelled profiles
+    (`_ring_s`), so the search's cost model takes out exactly what the profile holds.
+    """
+    assumptions = assumptions or Assumptions()
+    return search_network.modelled_network(
+        bus_bandwidth_bytes_per_s=assumptions.network_bytes_per_s,
+        latency_s=assumptions.network_latency_s,
+        backend="nccl",
+        note=f"{MODEL_VERSION}: every GPU on its own {assumptions.network_bytes_per_s * 8 / 1e9:.0f} Gb/s link, "
+        f"{assumptions.network_latency_s * 1e6:.0f} us per ring hop; a ring across nodes runs at the inter-node link",
+    )
+
+
+def _ring_s(num_bytes: float, world_size: int, assumptions: Assumptions) -> float:
+    """One reduce-scatter or all-gather of `num_bytes` over a ring of `world_size` GPUs."""
+    return modelled_network(assumptions).time_s("all_gather", num_bytes, world_size)
+
+
+def micro_step_time_s(
+    spec: GpuSpec,
+    shape: ModelShape,
+    zero_stage: int,
+    world_size: int,
+    micro_batch_size: int,
+    assumptions: Assumptions,
+    activation_checkpointing: bool = False,
+) -> float:
+    """Modelled forward + backward of `micro_batch_size` samples (see module docstring); with
+    `activation_checkpointing` the forward runs again, and at stage 3 gathers the weights again."""
+    factor = RECOMPUTE_FLOPS_FACTOR if activation_checkpointing else 1.0
+    compute = factor * shape.flops_per_sample * micro_batch_size / (spec.peak_flops * spec.mfu)
+    weight_bytes = 2.0 * shape.num_parameters
+    weight_traffic = 3 * weight_bytes / spec.memory_bandwidth_bytes_per_s
+    comm = 0.0
+    if zero_stage >= 2:
+        comm += _ring_s(weight_bytes, world_size, assumptions)  # gradient reduce-scatter
+    if zero_stage == 3:
+        gathers = 3 if activation_checkpointing else 2  # forward, (recomputed forward,) backward
+        comm += gathers * _ring_s(weight_bytes, world_size, assumptions)
+    return compute + weight_traffic + assumptions.kernel_overhead_s + comm
+
+
+def optimizer_step_time_s(
+    spec: GpuSpec,
+    shape: ModelShape,
+    zero_stage: int,
+    world_size: int,
+    assumptions: Assumptions,
+    optimizer_offload: bool = False,
+) -> float:
+    """Modelled accumulation boundary: the Adam update (on the host when offloaded, with the
+    copies) plus the boundary collectives."""
+    _check_offload(zero_stage, optimizer_offload)
+    shard = shape.num_parameters / (1 if zero_stage == 0 else world_size)
+    if optimizer_offload:
+        update = shard / assumptions.host_adam_parameters_per_s + 4 * shard / assumptions.pcie_bytes_per_s
+    else:
+        update = shard * assumptions.optimizer_bytes_per_parameter / spec.memory_bandwidth_bytes_per_s
+    grad_bytes = 2.0 * shape.num_parameters
+    if zero_stage in (0, 1):
+        comm = 2 * _ring_s(grad_bytes, world_size, assumptions)  # all-reduce, or reduce-scatter + all-gather
+    elif zero_stage == 2:
+        comm = _ring_s(grad_bytes, world_size, assumptions)  # all-gather of the updated parameters
+    else:
+        comm = 0.0
+    return update + comm
+
+
+def max_micro_batch_size(
+    spec: GpuSpec,
+    shape: ModelShape,
+    zero_stage: int,
+    world_size: int,
+    assumptions: Assumptions,
+    activation_checkpointing: bool = False,
+    optimizer_offload: bool = False,
+) -> int:
+    """Largest micro-batch whose modelled peak fits the device; 0 when none does."""
+    free = spec.memory_capacity_bytes - peak_memory_bytes(
+        shape, zero_stage, world_size, 0, assumptions, optimizer_offload=optimizer_offload
+    )
+    return max(0, int(free // shape.kept_bytes_per_sample(activation_checkpointing)))
+
+
+def sample_sizes(max_size: int) -> list[int]:
+    """Powers of two up to `max_size`, plus `max_size` itself: dense enough for the curve fit."""
+    sizes = []
+    size = 1
+    while size < max_size:
+        sizes.append(size)
+        size *= 2
+    if max_size >= 1:
+        sizes.append(max_size)
+    return sizes
+
+
+def modelled_profile(
+    spec: GpuSpec,
+    shape: ModelShape,
+    *,
+    zero_stage: int,
+    world_size: int,
+    assumptions: Assumptions | None = None,
+    activation_checkpointing: bool = False,
+    optimizer_offload: bool = False,
+) -> Profile:
+    """A `Profile` for `spec` running `shape` at one ZeRO stage and world size, labelled modelled."""
+    if world_size < 1:
+        raise ValueError(f"world_size: expected an integer >= 1, found {world_size!r}")
+    assumptions = assumptions or Assumptions()
+    checkpointing, offload = activation_checkpointing, optimizer_offload
+    largest = max_micro_batch_size(spec, shape, zero_stage, world_size, assumptions, checkpointing, offload)
+    samples = tuple(
+        Sample(
+            micro_batch_size=b,
+            micro_step_time_s=micro_step_time_s(spec, shape, zero_stage, world_size, b, assumptions, checkpointing),
+            peak_memory_bytes=peak_memory_bytes(shape, zero_stage, world_size, b, assumptions, checkpointing, offload),
+        )
+        for b in sample_sizes(largest)
+    )
+    return Profile(
+        device_type=spec.name,
+        memory_capacity_bytes=spec.memory_capacity_bytes,
+        zero_stage=zero_stage,
+        world_size=world_size,
+        model=ModelInfo(
+            name=shape.name,
+            fingerprint=shape.fingerprint,
+            num_parameters=shape.num_parameters,
+            dtype="float16",
+            sequence_length=shape.sequence_length,
+        ),
+        max_micro_batch_size=largest,
+        samples=samples,
+        optimizer_step_time_s=optimizer_step_time_s(spec, shape, zero_stage, world_size, assumptions, offload),
+        emulated=None,
+        activation_checkpointing=checkpointing,
+        optimizer_offload=offload,
+        measured_with={
+            "source": "modelled",
+            "model": MODEL_VERSION,
+            # The modelled times hold their collectives (all exposed; see the module docstring).
+            "micro_step_times_include_communication": True,
+            "note": "analytic model from vendor datasheet figures, not a measurement; see poplar_bench/gpu_model.py",
+            "gpu_spec": asdict(spec),
+            "model_shape": asdict(shape),
+            "assumptions": asdict(assumptions),
+        },
+    )
+
+
+def modelled_profiles(
+    device_types: list[str] | tuple[str, ...],
+    shape: ModelShape,
+    *,
+    world_size: int,
+    zero_stages: tuple[int, ...] = ZERO_STAGES,
+    assumptions: Assumptions | None = None,
+    checkpointing: tuple[bool, ...] = (False,),
+    offload: tuple[bool, ...] = (False,),
+) -> list[Profile]:
+    """Modelled profiles for every (device type, stage, activation checkpointing in `checkpointing`,
+    optimizer offload in `offload` at stages 1-2); unknown device types raise ValueError."""
+    specs = [gpu_spec(name) for name in dict.fromkeys(device_types)]
+    return [
+        modelled_profile(
+            spec,
+            shape,
+            zero_stage=stage,
+            world_size=world_size,
+            assumptions=assumptions,
+            activation_checkpointing=on,
+            optimizer_offload=offloaded,
+        )
+        for spec in specs
+        for stage in zero_stages
+        for on in checkpointing
+        for offloaded in offload
+        if not offloaded or stage in OFFLOAD_STAGES
+    ]

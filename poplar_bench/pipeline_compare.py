@@ -1,0 +1,291 @@
+"""`poplar-bench pipeline`: the best ZeRO plan against the best pipeline plan, measured and predicted,
+on an emulated CPU cluster of two nodes joined by a slow link and by a fast one.
+
+4 forked CPU ranks: emulated node 0 holds two real ``cpu`` ranks, node 1 two ``cpu-slow``
+ranks (emulated: `SLOWDOWN` x slower). The model is the toy pipeline MLP
+(`poplar_ext.models.toy_pipeline`, `DIM` wide, `NUM_LAYERS` layers). For each link:
+
+1. the whole model is profiled at ZeRO stages 0 and 1 and the network is timed with the
+   link in place (`profile_model`, so the search prices what crosses the nodes at the link's
+   speed);
+2. a ZeRO job with ``poplar.profiles`` and no plan: its plan is searched at start
+   (`poplar_ext.runtime.planning`), then trained and timed;
+3. a pipeline job (`PoplarPipelineModule`) with no plan: its layer profiles are measured
+   at start and its plan searched (`poplar_ext.pipeline.planning`), then trained and timed.
+
+The slow link is `poplar_bench/link_emulation.py`: a sleep of ``bytes / bandwidth`` after
+every transfer and collective that crosses the two emulated nodes (the fast link: none,
+loopback gloo). Iteration times are wall-clock medians after a warm-up iteration;
+predictions are the plans' own. Compute profiles are measured once and copied to the
+second link's directory; each link's network is timed with that link.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from . import report as report_module
+
+DIM = 768
+NUM_LAYERS = 8
+GLOBAL_BATCH = 48
+SLOWDOWN = 2.0
+ITERATIONS = 6
+SLOW_LINK_BYTES_PER_S = 50e6
+"""The slow link: 50 MB/s (0.4 Gb/s) each way."""
+LINKS = {"slow": SLOW_LINK_BYTES_PER_S, "fast": None}
+NODE_OF_RANK = (0, 0, 1, 1)
+SIZES = (2, 4, 8, 16, 24, 48)
+NAME = "pipeline"
+
+
+def _cluster(path: Path) -> Path:
+    cluster = {
+        "schema_version": 1,
+        "nodes": [
+            {"name": "node0", "devices": [{"device_type": "cpu", "count": 2}]},
+            {"name": "node1", "devices": [{"device_type": "cpu-slow", "count": 2}]},
+        ],
+        "device_types": {"cpu-slow": {"emulation": {"slowdown": SLOWDOWN, "memory_capacity_bytes": 4_000_000_000}}},
+    }
+    path.write_text(json.dumps(cluster))
+    return path
+
+
+def _ds_config(**extra: Any) -> dict[str, Any]:
+    return {
+        "optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+        "train_batch_size": GLOBAL_BATCH,
+        **extra,
+    }
+
+
+def _regression_model() -> Any:
+    """The toy pipeline's layers as one model that returns its loss (what a ZeRO job trains)."""
+    import torch
+
+    from poplar_ext.models.toy_pipeline import mse, toy_sequential
+
+    class Regression(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = toy_sequential(dim=DIM, num_layers=NUM_LAYERS)
+
+        def forward(self, inputs: Any, labels: Any) -> Any:
+            return mse(self.layers(inputs), labels)
+
+    return Regression()
+
+
+def _median_after_first(stamps: list[float]) -> float:
+    durations = [b - a for a, b in zip(stamps, stamps[1:])]
+    return statistics.median(durations[1:] if len(durations) > 1 else durations)
+
+
+def _zero_job(settings: dict[str, Any], data: Any) -> dict[str, Any]:
+    import poplar_ext
+    from poplar_ext.plan.formats import plan_to_dict
+
+    config = _ds_config(
+        poplar={"cluster": settings["cluster"], "profiles": settings["profiles"], "log_interval_steps": 0}
+    )
+    engine, _, loader, _ = poplar_ext.initialize(model=_regression_model(), training_data=data, config=config)
+    stamps = [time.perf_counter()]
+    while engine.global_steps < ITERATIONS + 1:
+        for inputs, labels in loader:
+            loss = engine(inputs, labels)
+            engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            if boundary:
+                stamps.append(time.perf_counter())
+            if engine.global_steps == ITERATIONS + 1:
+                break
+    return {"plan": plan_to_dict(engine.plan), "iteration_s": _median_after_first(stamps)}
+
+
+def _pipeline_job(settings: dict[str, Any], data: Any) -> dict[str, Any]:
+    import poplar_ext
+    from poplar_ext.models.toy_pipeline import mse, toy_layers
+    from poplar_ext.pipeline import PoplarPipelineModule
+    from poplar_ext.plan.pipeline_formats import pipeline_plan_to_dict
+
+    config = _ds_config(
+        zero_optimization={"stage": 0},
+        poplar={"cluster": settings["cluster"], "profiles": settings["profiles"], "log_interval_steps": 0},
+    )
+    layers = toy_layers(dim=DIM, num_layers=NUM_LAYERS)
+    model = PoplarPipelineModule(layers, loss_fn=mse, seed_layers=True, config=config, training_data=data)
+    engine, _, _, _ = poplar_ext.initialize(model=model, training_data=data, config=config)
+    stamps = [time.perf_counter()]
+    for _ in range(ITERATIONS + 1):
+        engine.train_batch()
+        stamps.append(time.perf_counter())
+    return {"plan": pipeline_plan_to_dict(engine.plan), "iteration_s": _median_after_first(stamps)}
+
+
+def _rank(settings: dict[str, Any]) -> dict[str, Any]:
+    """One rank of one link's run (forked): link, profiles, the ZeRO job, the pipeline job."""
+    from poplar_ext.models.toy_pipeline import RegressionData, toy_batch
+    from poplar_ext.profiler import profile_model
+
+    from .link_emulation import LinkEmulation, install_link_emulation
+
+    if settings["bandwidth"] is not None:
+        install_link_emulation(LinkEmulation(node_of_rank=NODE_OF_RANK, bandwidth_bytes_per_s=settings["bandwidth"]))
+    profile_model(
+        model_factory=_regression_model,
+        make_batch=lambda b: toy_batch(b, dim=DIM),
+        ds_config=_ds_config(),
+        cluster=settings["cluster"],
+        zero_stages=(0, 1),
+        micro_batch_sizes=SIZES,
+        cache_dir=settings["profiles"],
+        progress=None,
+        activation_checkpointing="off",
+        per_layer=False,
+        micro_batch_size_limit=GLOBAL_BATCH,
+    )
+    data = RegressionData(num_samples=4 * GLOBAL_BATCH, dim=DIM)
+    return {"zero": _zero_job(settings, data), "pipeline": _pipeline_job(settings, data)}
+
+
+def _summary(plan: dict[str, Any]) -> str:
+    if plan.get("parallelism") == "pipeline":
+        parts = []
+        for p in plan["pipelines"]:
+            stages = "+".join(f"r{s['rank']}:{s['first_layer']}-{s['last_layer']}" for s in p["stages"])
+            parts.append(f"[{stages}] {p['micro_batch_size']}x{p['num_micro_batches']}")
+        return f"ZeRO-{plan['zero_stage']}, " + ", ".join(parts)
+    ranks = ", ".join(f"{r['micro_batch_size']}x{r['gradient_accumulation_steps']}" for r in plan["ranks"])
+    return f"ZeRO-{plan['zero_stage']}, {ranks}"
+
+
+def run_link(link: str, root: Path, *, log_dir: Path, copy_from: Path | None) -> dict[str, Any]:
+    """One link's run on 4 forked ranks; its row of the report."""
+    from poplar_ext.local_ranks import run_ranks
+
+    profiles = root / f"profiles-{link}"
+    if copy_from is not None and not profiles.exists():
+        # Compute profiles do not depend on the link; the network file does (measured again here).
+        shutil.copytree(copy_from, profiles, ignore=shutil.ignore_patterns("network*"))
+    settings = {
+        "bandwidth": LINKS[link],
+        "cluster": str(_cluster(root / "cluster.json")),
+        "profiles": str(profiles),
+    }
+    started = time.monotonic()
+    results = run_ranks(_rank, world_size=4, log_dir=log_dir / link, args=(settings,), timeout_s=1500, pg_timeout_s=600)
+    row: dict[str, Any] = {"link": link, "bandwidth_bytes_per_s": LINKS[link], "run_s": time.monotonic() - started}
+    for kind in ("zero", "pipeline"):
+        plan = results[0][kind]["plan"]
+        row[kind] = {
+            "plan": _summary(plan),
+            # The slowest rank's median: every rank waits for it at the step.
+            "measured_iteration_s": max(r[kind]["iteration_s"] for r in results),
+            "predicted_iteration_s": plan["predicted"]["iteration_time_s"],
+        }
+    return row
+
+
+def run_pipeline_bench(*, out_dir: Path, work_dir: Path | None = None, progress: Any = print) -> list[Path]:
+    """Both links, the report written into `out_dir`; returns the paths."""
+    root = Path(work_dir or tempfile.mkdtemp(prefix="poplar-bench-pipeline-"))
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    first: Path | None = None
+    for link in ("fast", "slow"):
+        progress(f"{link} link: profiling, then the ZeRO job and the pipeline job ...")
+        rows.append(run_link(link, root, log_dir=root / "logs", copy_from=first))
+        first = first or root / f"profiles-{link}"
+        progress(json.dumps(rows[-1]))
+    report = {
+        "schema": report_module.REPORT_SCHEMA,
+        "benchmark": "pipeline",
+        "date": report_module.utc_now(),
+        "devices": "emulated",
+        "cluster": "4 CPU ranks on one machine as 2 emulated nodes: node0 2 x cpu (real), node1 2 x cpu-slow "
+        f"(emulated, {SLOWDOWN:g}x slower)",
+        "link_emulation": "poplar_bench/link_emulation.py: a sleep of bytes / bandwidth after every transfer and "
+        "collective crossing the two emulated nodes (ring bytes per link); the fast link is uncapped loopback gloo",
+        "model": f"toy pipeline MLP, {NUM_LAYERS} layers of width {DIM}, fp32, SGD; global batch {GLOBAL_BATCH}",
+        "machine": report_module.machine_description(),
+        "rows": rows,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = report_module.write_json_and_markdown(report, render_markdown(report), out_dir, NAME)
+    if report_module.figure_available():
+        png = out_dir / f"{NAME}.png"
+        render_figure(report, png)
+        paths.append(png)
+    return paths
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    load = report["machine"].get("load_average")
+    lines = [
+        "# ZeRO against pipelines on an emulated two-node CPU cluster",
+        "",
+        f"`poplar-bench pipeline`, {report['date']}. Devices **emulated**: {report['cluster']}. "
+        f"Times **measured** (wall clock, median of {ITERATIONS} iterations after one, the slowest rank) and "
+        "**predicted** (the plan's own prediction from the measured profiles and network).",
+        "",
+        f"Model: {report['model']}. Link: {report['link_emulation']}.",
+        "",
+        f"The machine (2 cores) was shared with other sessions while this ran (load average "
+        f"{', '.join(f'{x:.1f}' for x in load) if load else 'unknown'}): measured times are noisy.",
+        "",
+        "| link | parallelism | plan (searched at start) | measured s/iter | predicted s/iter | measured/predicted |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in report["rows"]:
+        link = (
+            "fast (uncapped)"
+            if row["bandwidth_bytes_per_s"] is None
+            else f"slow ({row['bandwidth_bytes_per_s'] / 1e6:g} MB/s)"
+        )
+        for kind in ("zero", "pipeline"):
+            r = row[kind]
+            ratio = r["measured_iteration_s"] / r["predicted_iteration_s"]
+            lines.append(
+                f"| {link} | {kind} | {r['plan']} | {r['measured_iteration_s']:.3f} | {r['predicted_iteration_s']:.3f} "
+                f"| {ratio:.2f} |"
+            )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def render_figure(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels, measured, predicted = [], [], []
+    for row in report["rows"]:
+        for kind in ("zero", "pipeline"):
+            labels.append(f"{row['link']} link\n{kind}")
+            measured.append(row[kind]["measured_iteration_s"])
+            predicted.append(row[kind]["predicted_iteration_s"])
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], measured, width=0.4, label="measured (emulated devices)")
+    ax.bar([x + 0.2 for x in xs], predicted, width=0.4, label="predicted")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("seconds per iteration")
+    ax.set_title("Best ZeRO plan vs best pipeline plan, 2 emulated nodes (CPU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+__all__ = ["run_pipeline_bench"]

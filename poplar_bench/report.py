@@ -1,0 +1,655 @@
+"""Benchmark reports: one JSON file, a markdown table and a PNG figure per report.
+
+A report is plain JSON-able data built by `bench.demo` (measured) or `bench.simulate`
+(predicted). Every report says which machine made it and, per device type, whether
+the device was real, emulated or modelled. This module only derives comparisons
+(speedup, share of the ideal, prediction error) and renders; it measures nothing.
+
+Report layout (``schema``: ``poplar-bench-report/1``)::
+
+    {kind, title, created_utc, machine, data_source, notes, scenarios: [
+        {name, cluster {world_size, type_counts, file}, model {name, num_parameters},
+         device_types {type: {source, emulation}}, global_batch_size,
+         ideal_samples_per_s {predicted, measured}, curves {type: [{micro_batch_size,
+         micro_step_time_s, samples_per_s}]},
+         policies: [{policy, status, message, zero_stage, global_batch_size,
+                     ranks: [{rank, device_type, micro_batch_size,
+                              gradient_accumulation_steps, predicted_busy_s,
+                              measured_busy_s {median, repetitions} | null,
+                              count (optional: this many consecutive ranks alike)}],
+                     predicted {iteration_time_s, samples_per_s},
+                     measured {iteration_time_s {median, repetitions}, samples_per_s} | null,
+                     prediction_error, speedup_over_uniform, share_of_ideal}],
+         goals: [{goal, value, target, met}]}]}
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+from poplar_ext.plan.formats import POLICIES, ZERO_STAGES, write_json_atomic
+
+POPLAR_SHARE_GOAL = 0.95
+"""The demo's goal for poplar's measured samples/s against the measured ideal (issue 15)."""
+
+REPORT_SCHEMA = "poplar-bench-report/1"
+_LIBRARIES = ("poplar-ext", "torch", "deepspeed", "numpy", "scipy", "matplotlib")
+
+
+def machine_description() -> dict[str, Any]:
+    """The machine a report was made on; library versions read without importing them."""
+    versions = {}
+    for name in _LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass  # not Linux: platform.processor() below is the fallback
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_model or platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "gpus": None,
+        # Other processes slow a CPU benchmark down; this says how busy the machine was
+        # (1, 5 and 15 minute averages when the report was written).
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "libraries": versions,
+    }
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def repetitions(values: list[float]) -> dict[str, Any]:
+    """A measured figure: its median and every repetition."""
+    if not values:
+        raise ValueError("values: expected at least one repetition, found none")
+    return {"median": statistics.median(values), "repetitions": list(values)}
+
+
+def group_ranks(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Merge runs of consecutive ranks whose entries are equal apart from the rank number.
+
+    Each merged entry keeps the first ``rank`` and gets ``count``; large simulated
+    clusters stay a few entries long instead of thousands.
+    """
+    groups: list[dict[str, Any]] = []
+    for entry in ranks:
+        content = {k: v for k, v in entry.items() if k not in ("rank", "count")}
+        last = groups[-1] if groups else None
+        if last is not None and {k: v for k, v in last.items() if k not in ("rank", "count")} == content:
+            last["count"] += entry.get("count", 1)
+        else:
+            groups.append({"rank": entry["rank"], "count": entry.get("count", 1), **content})
+    return groups
+
+
+def summarise_allocation(ranks: list[dict[str, Any]]) -> str:
+    """``A100-80GB: 8x 12*2; A100-40GB: 8x 4*2`` (ranks x micro-batch*accumulation), per type."""
+    groups: dict[str, dict[tuple[int, int], int]] = {}
+    for r in ranks:
+        key = (r["micro_batch_size"], r["gradient_accumulation_steps"])
+        by_type = groups.setdefault(r["device_type"], {})
+        by_type[key] = by_type.get(key, 0) + r.get("count", 1)
+    parts = []
+    for device_type, combos in groups.items():
+        shown = ", ".join(f"{count}x {mbs}*{gas}" for (mbs, gas), count in combos.items())
+        parts.append(f"{device_type}: {shown}")
+    return "; ".join(parts)
+
+
+def _throughput(entry: dict[str, Any]) -> tuple[float | None, str]:
+    """The policy's samples/s and whether it is measured or predicted (measured wins)."""
+    if entry.get("measured"):
+        return entry["measured"]["samples_per_s"], "measured"
+    if entry.get("predicted"):
+        return entry["predicted"]["samples_per_s"], "predicted"
+    return None, "none"
+
+
+def derive_comparisons(scenario: dict[str, Any]) -> dict[str, Any]:
+    """Fill in prediction_error, speedup_over_uniform and share_of_ideal for each policy.
+
+    Measured figures are compared with the measured ideal and the measured uniform
+    run; predicted figures (simulation) with the predicted ones. The prediction
+    error is (predicted - measured) / measured iteration time.
+    """
+    entries = {e["policy"]: e for e in scenario["policies"]}
+    uniform = entries.get("uniform")
+    uniform_rate, uniform_kind = _throughput(uniform) if uniform and uniform["status"] == "ok" else (None, "none")
+    ideal = scenario.get("ideal_samples_per_s") or {}
+    for entry in scenario["policies"]:
+        entry["prediction_error"] = None
+        entry["speedup_over_uniform"] = None
+        entry["share_of_ideal"] = None
+        if entry["status"] != "ok":
+            continue
+        rate, kind = _throughput(entry)
+        if entry.get("measured") and entry.get("predicted"):
+            measured_s = entry["measured"]["iteration_time_s"]["median"]
+            entry["prediction_error"] = (entry["predicted"]["iteration_time_s"] - measured_s) / measured_s
+        if uniform_rate and kind == uniform_kind:
+            entry["speedup_over_uniform"] = rate / uniform_rate
+        if ideal.get(kind):
+            entry["share_of_ideal"] = rate / ideal[kind]
+    return scenario
+
+
+def demo_goals(scenario: dict[str, Any]) -> list[dict[str, Any]]:
+    """The demo's goals, evaluated (reported, never asserted)."""
+    entries = {e["policy"]: e for e in scenario["policies"] if e["status"] == "ok"}
+    goals: list[dict[str, Any]] = []
+    poplar = entries.get("poplar")
+    if poplar is None:
+        return [{"goal": "poplar policy produced a plan", "value": None, "target": None, "met": False}]
+    share = poplar.get("share_of_ideal")
+    goals.append(
+        {
+            "goal": "poplar share of the measured ideal",
+            "value": share,
+            "target": f">= {POPLAR_SHARE_GOAL}",
+            "met": share is not None and share >= POPLAR_SHARE_GOAL,
+        }
+    )
+    for entry in entries.values():
+        error = entry.get("prediction_error")
+        goals.append(
+            {
+                "goal": f"{entry['policy']} prediction error",
+                "value": error,
+                "target": "between -0.10 and +0.10",
+                "met": error is not None and abs(error) <= 0.10,
+            }
+        )
+    poplar_rate, _ = _throughput(poplar)
+    for other in (p for p in POLICIES if p != "poplar"):
+        if other in entries:
+            other_rate, _ = _throughput(entries[other])
+            goals.append(
+                {
+                    "goal": f"poplar faster than {other}",
+                    "value": poplar_rate / other_rate if other_rate else None,
+                    "target": "> 1 (ratio of samples/s)",
+                    "met": bool(other_rate) and poplar_rate > other_rate,
+                }
+            )
+    return goals
+
+
+# ----------------------------------------------------------------------------------
+# Markdown
+# ----------------------------------------------------------------------------------
+def _fmt(value: float | None, pattern: str = "{:.3g}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def _cell(text: Any) -> str:
+    """Text for a markdown table cell: a bare '|' would end the cell."""
+    return str(text).replace("|", "\\|")
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:+.1f}%"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """A readable summary: provenance first, then one table per scenario."""
+    lines = _provenance_lines(report)
+    for scenario in report["scenarios"]:
+        lines += _scenario_lines(scenario)
+    if report.get("scaling"):
+        lines += render_scaling(report["scaling"])
+    if report.get("checkpointing"):
+        lines += render_checkpointing(report["checkpointing"])
+    if report.get("offload"):
+        lines += render_offload(report["offload"])
+    if report.get("parallelism"):
+        from .simulate_pipelines import render_parallelism  # here: it imports the simulation, which imports this
+
+        lines += render_parallelism(report["parallelism"])
+    return "\n".join(lines) + "\n"
+
+
+def _provenance_lines(report: dict[str, Any]) -> list[str]:
+    """The title, where the data comes from, the machine and libraries, the run's time, the notes."""
+    machine = report["machine"]
+    lines = [
+        f"# {report['title']}",
+        "",
+        f"- data: **{report['data_source']}**",
+        f"- made {report['created_utc']} on {machine.get('hostname')} ({machine.get('cpu')}, "
+        f"{machine.get('usable_cpus')} usable CPUs, GPUs: {machine.get('gpus') or 'none'}, "
+        f"load average {_load_text(machine.get('load_average'))}; "
+        f"python {machine.get('python')}, torch {machine['libraries'].get('torch')}, "
+        f"deepspeed {machine['libraries'].get('deepspeed')})",
+    ]
+    timings = report.get("timings_s") or {}
+    if "total_s" in timings:
+        lines.append(f"- the run took {timings['total_s']:.0f} s (imports {timings.get('import_s', 0):.0f} s)")
+    for note in report.get("notes", []):
+        lines.append(f"- {note}")
+    return lines
+
+
+def _scenario_lines(scenario: dict[str, Any]) -> list[str]:
+    """One scenario: what ran, the policies, where each rank's time went, the network, the goals."""
+    lines = ["", f"## {scenario['name']}", "", _scenario_summary(scenario)]
+    lines += _policy_table(scenario["policies"])
+    lines += _busy_table(scenario["policies"])
+    lines += _decomposition_table(scenario["policies"])
+    if scenario.get("network"):
+        lines += _network_lines(scenario["network"])
+    if scenario.get("goals"):
+        lines += ["", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
+        for g in scenario["goals"]:
+            lines.append(
+                f"| {_cell(g['goal'])} | {_fmt(g['value'])} | {_cell(g['target'])} | {'yes' if g['met'] else 'NO'} |"
+            )
+    return lines
+
+
+def _scenario_summary(scenario: dict[str, Any]) -> str:
+    devices = ", ".join(
+        f"{name} ({info['source']}{'' if not info.get('emulation') else ': ' + _emulation_text(info['emulation'])})"
+        for name, info in scenario["device_types"].items()
+    )
+    ideal = scenario.get("ideal_samples_per_s") or {}
+    return (
+        f"{scenario['cluster']['world_size']} ranks: {devices}. Model {scenario['model']['name']} "
+        f"({scenario['model']['num_parameters']:,} parameters). Global batch {scenario['global_batch_size']}. "
+        f"Ideal samples/s: measured {_fmt(ideal.get('measured'))}, predicted {_fmt(ideal.get('predicted'))}."
+        + (
+            ""
+            if "profiles_from_cache" not in scenario
+            else " Profiles: "
+            + ("reused from the cache." if scenario["profiles_from_cache"] else "measured in this run.")
+        )
+    )
+
+
+def _policy_table(policies: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "",
+        "| policy | ZeRO stage | allocation (ranks x micro-batch*accumulation) | iteration s measured | iteration "
+        "s predicted | prediction error | samples/s measured | samples/s predicted | speedup over uniform | share "
+        "of ideal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for e in policies:
+        if e["status"] != "ok":
+            lines.append(f"| {e['policy']} | - | infeasible: {e['message']} | - | - | - | - | - | - | - |")
+            continue
+        measured = e.get("measured") or {}
+        lines.append(
+            "| {policy} | {stage} | {alloc} | {mt} | {pt} | {err} | {ms} | {ps} | {sp} | {share} |".format(
+                policy=e["policy"],
+                stage=e["zero_stage"],
+                alloc=summarise_allocation(e["ranks"]),
+                mt=_fmt(measured.get("iteration_time_s", {}).get("median")),
+                pt=_fmt(e["predicted"]["iteration_time_s"]),
+                err=_pct(e.get("prediction_error")),
+                ms=_fmt(measured.get("samples_per_s")),
+                ps=_fmt(e["predicted"]["samples_per_s"]),
+                sp=_fmt(e.get("speedup_over_uniform"), "{:.2f}x"),
+                share=_fmt(e.get("share_of_ideal"), "{:.2f}"),
+            )
+        )
+    return lines
+
+
+def _ranks_with(policies: list[dict[str, Any]], key: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(policy entry, rank entry) for every rank of a feasible policy whose entry has `key`."""
+    return [(e, r) for e in policies if e["status"] == "ok" for r in e["ranks"] if r.get(key)]
+
+
+def _busy_table(policies: list[dict[str, Any]]) -> list[str]:
+    """Each rank's measured busy time against the predicted ([] when nothing was measured)."""
+    measured_ranks = _ranks_with(policies, "measured_busy_s")
+    if not measured_ranks:
+        return []
+    lines = [
+        "",
+        "Per rank, busy time per iteration (its own micro-steps, without waiting for the others):",
+        "",
+        "| policy | rank | device type | micro-batch * accumulation | busy s measured (median) | busy s predicted |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for e, r in measured_ranks:
+        lines.append(
+            f"| {e['policy']} | {r['rank']} | {r['device_type']} | {r['micro_batch_size']} * "
+            f"{r['gradient_accumulation_steps']} "
+            f"| {_fmt(r['measured_busy_s']['median'])} | {_fmt(r['predicted_busy_s'])} |"
+        )
+    return lines
+
+
+def _decomposition_table(policies: list[dict[str, Any]]) -> list[str]:
+    """Where each rank's time goes, predicted against measured ([] when not recorded)."""
+    decomposed = _ranks_with(policies, "decomposition")
+    if not decomposed:
+        return []
+    lines = [
+        "",
+        "Where the time goes, per rank and iteration (seconds, medians; predicted / measured). Compute: the "
+        "profile's micro-steps / the rank's busy time (micro-steps, with their communication at stages 2-3). "
+        "Boundary: predicted collectives + optimizer step / measured reduction with the wait for the slowest "
+        "rank + engine.step. First micro-step after an optimizer step / the others.",
+        "",
+        "| policy | rank | compute | micro-step comm. (pred.) | boundary comm. + optimizer step | "
+        "reduction + wait / step (meas.) | first / other micro-step (meas.) | iteration |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for e, r in decomposed:
+        p, m = r["decomposition"]["predicted"], r["decomposition"]["measured"]
+        lines.append(
+            f"| {e['policy']} | {r['rank']} ({r['device_type']}) | {_fmt(p['compute_s'])} / "
+            f"{_fmt(m['busy_s'])} "
+            f"| {_fmt(p['micro_step_communication_s'])} "
+            f"| {_fmt(p['boundary_communication_s'])} + {_fmt(p['optimizer_step_s'])} "
+            f"| {_fmt(m['boundary_reduction_and_wait_s'])} / {_fmt(m['step_s'])} "
+            f"| {_fmt(m['first_micro_step_s'])} / {_fmt(m['later_micro_step_s'])} "
+            f"| {_fmt(p['iteration_time_s'])} / {_fmt(m['iteration_time_s'])} |"
+        )
+    return lines
+
+
+def _network_lines(network: dict[str, Any]) -> list[str]:
+    fits = ", ".join(
+        f"{name} {fit['bus_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s + {fit['latency_s'] * 1e6:.0f} us/hop"
+        for name, fit in network["collectives"].items()
+    )
+    return [
+        "",
+        f"Network ({network['measured_with']['source']}, {network['backend']}, {network['world_size']} ranks): {fits}.",
+    ]
+
+
+def render_checkpointing(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: poplar with the per-type activation checkpointing choice against poplar without (predicted)."""
+    return _render_lever(
+        rows,
+        lever="activation_checkpointing",
+        column="checkpointing on",
+        title="Activation checkpointing per device type (poplar, predicted)",
+        intro=(
+            "Each type MODELLED without and with activation checkpointing (one more forward, 4/3 the FLOPs, one more "
+            "weight all-gather at stage 3; each layer's input kept instead of its activations). Cells: samples/s "
+            "without -> with the choice (gain), the types that checkpoint, and each type's micro-batch x steps."
+        ),
+    )
+
+
+def render_offload(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown: poplar with the per-type optimizer offload choice against poplar without (predicted)."""
+    return _render_lever(
+        rows,
+        lever="optimizer_offload",
+        column="offload on",
+        title="Optimizer offload per device type (poplar, predicted)",
+        intro=(
+            "Each type MODELLED without and with its optimizer offloaded to the host at stages 1-2 (fp32 master "
+            "weights and Adam's moments off the device; the boundary adds the host's Adam update at an assumed "
+            "rate and the PCIe copies, see poplar_bench.gpu_model), without activation checkpointing. Cells: samples/s "
+            "without -> with the choice (gain), the types that offload, and each type's micro-batch x steps."
+        ),
+    )
+
+
+def _render_lever(rows: list[dict[str, Any]], *, lever: str, column: str, title: str, intro: str) -> list[str]:
+    lines = ["", f"## {title}", "", intro]
+    for row in rows:
+        lines += [
+            "",
+            f"### {row['name']} ({row['world_size']} GPUs, global batch {row['global_batch_size']})",
+            "",
+            f"| stage | without | with the choice | gain | {column} | micro-batch x steps (with) |",
+            "| --- | ---: | ---: | ---: | --- | --- |",
+        ]
+        for stage, cell in row["stages"].items():
+            without, chosen = cell["without"], cell["with_choice"]
+
+            def rate(c: dict[str, Any]) -> str:
+                return f"{c['samples_per_s']:.1f} (stage {c['zero_stage']})" if c["status"] == "ok" else "infeasible"
+
+            on = ", ".join(t for t, v in chosen.get("types", {}).items() if v.get(lever)) or "none"
+            shape = ", ".join(
+                f"{t} {v['micro_batch_size']}x{v['gradient_accumulation_steps']}"
+                for t, v in chosen.get("types", {}).items()
+            )
+            gain = "-" if cell["gain"] is None else f"{cell['gain']:.2f}x"
+            lines.append(
+                f"| {stage} | {rate(without)} | {rate(chosen)} | {gain} | {on if chosen['status'] == 'ok' else '-'} | "
+                f"{shape} |"
+            )
+    return lines
+
+
+def render_scaling(series: list[dict[str, Any]]) -> list[str]:
+    """Markdown: each stage alone as the cluster grows (see `bench.simulate.scaling_series`)."""
+    lines = [
+        "",
+        "## Each ZeRO stage as the cluster grows (poplar, predicted)",
+        "",
+        (
+            "Samples/s per GPU, share of the ideal and, in brackets, the share of the iteration spent in communication "
+            "not hidden behind compute (stage 3 overlaps its backward collectives); global batch = 16 samples per GPU."
+        ),
+    ]
+    for item in series:
+        lines += [
+            "",
+            f"### {item['name']}",
+            "",
+            "| GPUs | stage 0 | stage 1 | stage 2 | stage 3 | fastest |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in item["rows"]:
+            cells = []
+            for stage in map(str, ZERO_STAGES):
+                cell = row["stages"][stage]
+                cells.append(
+                    "infeasible"
+                    if cell["status"] != "ok"
+                    else f"{cell['samples_per_s_per_gpu']:.3g} / {cell['share_of_ideal']:.2f} "
+                    f"({100 * cell['communication_share']:.0f}%)"
+                )
+            lines.append(f"| {row['world_size']} | {' | '.join(cells)} | {_fmt(row['fastest_stage'], '{}')} |")
+        stops = ", ".join(
+            f"stage {stage}: {'never (in this range)' if at is None else f'{at} GPUs'}"
+            for stage, at in item["stops_paying_at_world_size"].items()
+        )
+        lines.append("")
+        lines.append(f"Stops paying (per-GPU throughput below 0.9 of its smallest cluster's): {stops}.")
+    return lines
+
+
+def _load_text(load: list[float] | None) -> str:
+    return "unknown" if not load else " / ".join(f"{x:.1f}" for x in load) + " (1 / 5 / 15 min)"
+
+
+def _emulation_text(emulation: dict[str, Any]) -> str:
+    return f"slowdown {emulation['slowdown']:g}, memory {emulation['memory_capacity_bytes'] / 2**20:.0f} MiB"
+
+
+# ----------------------------------------------------------------------------------
+# Figure
+# ----------------------------------------------------------------------------------
+def render_figure(report: dict[str, Any], path: Path, *, featured: int = 0) -> None:
+    """Device performance curves, per-rank time per iteration under each policy and,
+    for multi-scenario reports, poplar's predicted speedup against world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never open a window, work without a display
+    import matplotlib.pyplot as plt
+
+    scenarios = report["scenarios"]
+    scenario = scenarios[featured]
+    panels = 3 if len(scenarios) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6.0 * panels, 4.6))
+    _plot_curves(axes[0], scenarios, scenario)
+    _plot_rank_times(axes[1], scenario)
+    if panels == 3:
+        _plot_speedups(axes[2], scenarios)
+    fig.suptitle(f"{report['title']}\n{report['data_source']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_curves(ax: Any, scenarios: list[dict[str, Any]], featured: dict[str, Any]) -> None:
+    shown: set[str] = set()
+    for scenario in [featured] + [s for s in scenarios if s["model"]["name"] == featured["model"]["name"]]:
+        for device_type, points in scenario.get("curves", {}).items():
+            if device_type in shown or not points:
+                continue
+            shown.add(device_type)
+            source = scenario["device_types"].get(device_type, {}).get("source", "?")
+            line = ax.plot(
+                [p["micro_batch_size"] for p in points],
+                [p["samples_per_s"] for p in points],
+                marker="o",
+                label=f"{device_type} ({source}), {scenario.get('curves_kind', 'profile')}",
+            )[0]
+            profiled = scenario.get("profiled_curves", {}).get(device_type)
+            if profiled:
+                ax.plot(
+                    [p["micro_batch_size"] for p in profiled],
+                    [p["samples_per_s"] for p in profiled],
+                    linestyle=":",
+                    color=line.get_color(),
+                    label=f"{device_type} profile",
+                )
+    ax.set_xlabel("micro-batch size")
+    ax.set_ylabel("samples/s (one device, micro-steps only)")
+    ax.set_title(
+        f"device performance curves, {featured['model']['name']}\n(at the ZeRO stage of each scenario's poplar plan)",
+        fontsize=9,
+    )
+    _legend(ax, 7)
+    ax.grid(alpha=0.3)
+
+
+def _plot_rank_times(ax: Any, scenario: dict[str, Any]) -> None:
+    entries = [e for e in scenario["policies"] if e["status"] == "ok"]
+    world_size = scenario["cluster"]["world_size"]
+    per_rank = world_size <= 16
+    width = 0.8 / max(1, len(entries))
+    labels: list[str] = []
+    for index, entry in enumerate(entries):
+        if per_rank:
+            labels = [
+                f"r{r['rank']}"
+                + (f"-{r['rank'] + r['count'] - 1}" if r.get("count", 1) > 1 else "")
+                + f"\n{r['device_type']}"
+                for r in entry["ranks"]
+            ]
+            measured = [(r.get("measured_busy_s") or {}).get("median") for r in entry["ranks"]]
+            predicted = [r.get("predicted_busy_s") for r in entry["ranks"]]
+        else:
+            by_type: dict[str, list[dict[str, Any]]] = {}
+            for r in entry["ranks"]:
+                by_type.setdefault(r["device_type"], []).append(r)
+            labels = list(by_type)
+            predicted = [
+                sum(r["predicted_busy_s"] * r.get("count", 1) for r in ranks) / sum(r.get("count", 1) for r in ranks)
+                for ranks in by_type.values()
+            ]
+            measured = [None] * len(labels)
+        xs = [i + (index - (len(entries) - 1) / 2) * width for i in range(len(labels))]
+        has_measured = any(m is not None for m in measured)
+        heights = [m if m is not None else 0.0 for m in measured] if has_measured else predicted
+        bars = ax.bar(xs, heights, width=width, label=f"{entry['policy']} (stage {entry['zero_stage']})")
+        if has_measured:
+            ax.scatter(xs, predicted, marker="_", s=200, color="black", zorder=3)
+        iteration = (entry.get("measured") or {}).get("iteration_time_s", {}).get("median") or entry["predicted"][
+            "iteration_time_s"
+        ]
+        ax.axhline(iteration, color=bars.patches[0].get_facecolor(), linestyle="--", linewidth=0.8)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=7)
+    what = (
+        "bars: measured busy time, black: predicted"
+        if any((r.get("measured_busy_s") or None) for e in entries for r in e["ranks"])
+        else ("predicted busy time" + ("" if per_rank else ", mean per device type"))
+    )
+    ax.set_ylabel("seconds per iteration")
+    ax.set_title(f"time per iteration per rank ({what};\ndashed: iteration time)\n{scenario['name']}", fontsize=8)
+    _legend(ax, 7)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _plot_speedups(ax: Any, scenarios: list[dict[str, Any]]) -> None:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for scenario in scenarios:
+        poplar = next((e for e in scenario["policies"] if e["policy"] == "poplar"), None)
+        if poplar is None or poplar.get("speedup_over_uniform") is None:
+            continue
+        key = f"{'+'.join(scenario['cluster']['type_counts'])}, {scenario['model']['name']}"
+        series.setdefault(key, []).append((scenario["cluster"]["world_size"], poplar["speedup_over_uniform"]))
+    for key, points in series.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("poplar speedup over uniform (predicted)")
+    ax.set_title("predicted speedup against cluster size", fontsize=9)
+    _legend(ax, 6)
+    ax.grid(alpha=0.3)
+
+
+def _legend(ax: Any, fontsize: int) -> None:
+    if ax.get_legend_handles_labels()[0]:  # an empty legend only warns
+        ax.legend(fontsize=fontsize)
+
+
+def write_json_and_markdown(
+    report: dict[str, Any], markdown: str, out_dir: str | os.PathLike[str], name: str
+) -> list[Path]:
+    """Write ``name.json`` (the report) and ``name.md`` (`markdown`) into `out_dir`; returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    write_json_atomic(report, json_path)
+    md_path.write_text(markdown, encoding="utf-8")
+    return [json_path, md_path]
+
+
+FIGURE_NEEDS = "matplotlib (pip install 'poplar-ext[bench]')"
+"""What the PNG figure needs; the JSON and markdown reports need nothing beyond poplar-ext."""
+
+
+def figure_available() -> bool:
+    """Whether the PNG figure can be drawn here (matplotlib is an optional dependency)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_report(report: dict[str, Any], out_dir: str | os.PathLike[str], name: str) -> list[Path]:
+    """Write ``name.json``, ``name.md`` and, where matplotlib is installed, ``name.png`` into
+    `out_dir`; returns the paths written. Check `figure_available` before long work."""
+    paths = write_json_and_markdown(report, render_markdown(report), out_dir, name)
+    if not figure_available():
+        return paths
+    png_path = Path(out_dir) / f"{name}.png"
+    render_figure(report, png_path)
+    return [*paths, png_path]

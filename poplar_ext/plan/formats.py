@@ -1,0 +1,698 @@
+"""The three file formats that connect profiling, search and training.
+
+* Profile: one device type measured (or modelled) at one ZeRO stage for one model.
+* Cluster description: which device types sit on which node, in rank order.
+* Plan: per-rank micro-batch sizes and accumulation counts, plus what was predicted.
+
+All are JSON, documented field by field in ``profiles/README.md``. Loaders validate
+everything and raise `FormatError` (``file: field.path: expected X, found Y``);
+writers produce exactly what the loaders accept. Pure Python: no torch, no numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import FormatError
+from .levers import OFFLOAD_STAGES, Levers, levers_text
+from .validation import MAX_JSON_DEPTH, Node, json_depth
+
+PROFILE_SCHEMA_VERSION = 1
+CLUSTER_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 1
+ZERO_STAGES = (0, 1, 2, 3)
+POLICIES = ("uniform", "proportional", "poplar")
+
+
+def one_accumulation_count(zero_stage: int) -> bool:
+    """Whether every rank must run the same number of micro-steps per iteration at `zero_stage`.
+
+    DeepSpeed reduces gradients on every micro-step at ZeRO stages 2 and 3 (and gathers
+    parameters in every forward at 3): a rank with more micro-steps would wait in a
+    collective no other rank enters. Stages 0 and 1 communicate at the boundary only,
+    so their ranks may differ in accumulation count.
+    """
+    return zero_stage >= 2
+
+
+PROFILE_SOURCES = ("measured", "modelled")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# What the search can do, so that no input makes it run out of memory or time: every
+# size in a file and every argument of the search is held to these, with a message.
+MAX_GLOBAL_BATCH_SIZE = 2**31
+"""Samples per iteration over all ranks."""
+MAX_MICRO_BATCH_SIZE = 2**20
+"""Samples per micro-step on one rank (the step-time table has one entry per size)."""
+MAX_WORLD_SIZE = 2**16
+"""Ranks in a cluster, a plan or a profile's job."""
+MIN_TIME_S = 1e-9
+"""Shortest micro-step or iteration time a file may state (the profiler's own floor)."""
+MAX_TIME_S = 1e6
+"""Longest time a file may state (about 11 days)."""
+MAX_BYTES = 2**62
+"""Largest memory size or parameter count a file may state."""
+MAX_SLOWDOWN = 1e4
+"""Largest compute slowdown of an emulated device type."""
+
+
+# ----------------------------------------------------------------------------------
+# Profiles
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    """Identity of the model a profile was taken with."""
+
+    name: str
+    """Human-readable model name, e.g. ``gpt-124m``."""
+    fingerprint: str
+    """Hash of the architecture and parameter shapes; profiles of another model never mix."""
+    num_parameters: int
+    """Total parameter count."""
+    dtype: str
+    """Training dtype: ``float32``, ``bfloat16`` or ``float16``."""
+    sequence_length: int | None = None
+    """Tokens per sample for sequence models (None when it does not apply)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One measured (or modelled) micro-batch size."""
+
+    micro_batch_size: int
+    """Samples in one micro-step on one rank."""
+    micro_step_time_s: float
+    """One forward + backward at this size on this device under this stage (median)."""
+    peak_memory_bytes: int
+    """Peak device memory during that micro-step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Emulation:
+    """How an emulated device type is made from a real one."""
+
+    slowdown: float
+    """Compute is slowed by this factor (1.0 = as fast as the real device)."""
+    memory_capacity_bytes: int
+    """The memory the emulated device pretends to have."""
+    slowdown_schedule: tuple[tuple[int, float, int | None], ...] = ()
+    """Drift during training: ``(optimizer_step, slowdown, rank)`` entries (JSON: ``[step, slowdown]``
+    for every rank of the type, ``[step, slowdown, rank]`` for one rank of it); from that optimizer
+    step on the rank runs at that slowdown instead of `slowdown` (see
+    `poplar_ext.hardware.emulation.scheduled_slowdown`). Empty: constant."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """One device type at one ZeRO stage for one model: the search's only input on speed."""
+
+    device_type: str
+    memory_capacity_bytes: int
+    zero_stage: int
+    world_size: int
+    model: ModelInfo
+    max_micro_batch_size: int
+    """Largest micro-batch that fits; 0 means the model does not fit at this stage."""
+    samples: tuple[Sample, ...]
+    optimizer_step_time_s: float
+    """Time of the accumulation boundary: optimizer step plus boundary collectives."""
+    emulated: Emulation | None
+    measured_with: dict[str, Any]
+    """Provenance. ``source`` is ``measured`` or ``modelled``; the rest (library
+    versions, host, hardware, date, or the analytic model used) is free-form."""
+    activation_checkpointing: bool = False
+    """Measured with activation checkpointing (each block's activations recomputed in
+    backward instead of kept): slower micro-steps, larger micro-batches fit."""
+    optimizer_offload: bool = False
+    """Measured with the optimizer offloaded to the host (DeepSpeed's
+    ``zero_optimization.offload_optimizer``; ZeRO stages 1-2 only): the optimizer state
+    and fp32 master weights leave the device, the boundary takes longer."""
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    @property
+    def source(self) -> str:
+        """``measured`` or ``modelled``."""
+        return self.measured_with["source"]
+
+    @property
+    def key(self) -> tuple[str, int, bool, bool]:
+        """``(device_type, zero_stage, activation_checkpointing, optimizer_offload)``: one profile per key and model."""
+        return (self.device_type, self.zero_stage, self.activation_checkpointing, self.optimizer_offload)
+
+    @property
+    def levers(self) -> Levers:
+        """``(activation_checkpointing, optimizer_offload)``: the memory levers it was measured with."""
+        return (self.activation_checkpointing, self.optimizer_offload)
+
+    @property
+    def fingerprint(self) -> str:
+        """Content hash of the whole profile: plans record which profiles made them."""
+        data = profile_to_dict(self)
+        # Profiles from before these fields hash as they did, so plans naming them stay valid.
+        for lever in ("activation_checkpointing", "optimizer_offload"):
+            if not data[lever]:
+                del data[lever]
+        return content_fingerprint(data)
+
+
+def _keys(cls: type) -> tuple[str, ...]:
+    """The JSON keys of a format's object: its dataclass's fields (one source for both)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+MAX_SCHEDULE_ENTRIES = 10_000
+
+
+def _parse_slowdown_schedule(node: Node | None) -> tuple[tuple[int, float, int | None], ...]:
+    if node is None:
+        return ()
+    entries = []
+    for item in node.items(max_length=MAX_SCHEDULE_ENTRIES):
+        values = item.items(min_length=2, max_length=3) if isinstance(item.value, list) else None
+        if values is None:
+            raise item.fail("[optimizer_step, slowdown] or [optimizer_step, slowdown, rank]")
+        step = values[0].integer(minimum=0)
+        slowdown = values[1].number(positive=True, maximum=MAX_SLOWDOWN)
+        rank = values[2].integer(minimum=0, maximum=MAX_WORLD_SIZE - 1) if len(values) == 3 else None
+        entries.append((step, slowdown, rank))
+    return tuple(sorted(entries, key=lambda entry: entry[0]))
+
+
+def _parse_emulation(node: Node) -> Emulation:
+    node.keys_within(_keys(Emulation))
+    return Emulation(
+        slowdown=node.field("slowdown").number(positive=True, maximum=MAX_SLOWDOWN),
+        memory_capacity_bytes=node.field("memory_capacity_bytes").integer(minimum=1, maximum=MAX_BYTES),
+        slowdown_schedule=_parse_slowdown_schedule(node.optional("slowdown_schedule")),
+    )
+
+
+def emulation_to_dict(emulation: Emulation) -> dict[str, Any]:
+    """JSON form of an emulation; ``slowdown_schedule`` only when there is one (files without drift stay
+    as they were)."""
+    data: dict[str, Any] = {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes}
+    if emulation.slowdown_schedule:
+        data["slowdown_schedule"] = [
+            [step, slowdown] if rank is None else [step, slowdown, rank]
+            for step, slowdown, rank in emulation.slowdown_schedule
+        ]
+    return data
+
+
+def _check_schema_version(root: Node, expected: int) -> None:
+    version = root.field("schema_version")
+    if isinstance(version.value, bool) or version.value != expected:
+        raise version.fail(f"schema_version {expected}")
+
+
+def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
+    """Validate parsed JSON and build a `Profile`; raises `FormatError`."""
+    root = Node(data, source).obj().keys_within(_keys(Profile))
+    _check_schema_version(root, PROFILE_SCHEMA_VERSION)
+    m = root.field("model").obj().keys_within(_keys(ModelInfo))
+    seq = m.optional("sequence_length")
+    model = ModelInfo(
+        name=m.field("name").string(),
+        fingerprint=m.field("fingerprint").string(),
+        num_parameters=m.field("num_parameters").integer(minimum=1, maximum=MAX_BYTES),
+        dtype=m.field("dtype").string(choices=DTYPES),
+        sequence_length=None if seq is None else seq.integer(minimum=1, maximum=MAX_BYTES),
+    )
+    max_mbs_node = root.field("max_micro_batch_size")
+    max_mbs = max_mbs_node.integer(minimum=0, maximum=MAX_MICRO_BATCH_SIZE)
+    samples: list[Sample] = []
+    sample_nodes = root.field("samples").items(min_length=0 if max_mbs == 0 else 1)
+    for node in sample_nodes:
+        node.obj().keys_within(_keys(Sample))
+        samples.append(
+            Sample(
+                micro_batch_size=node.field("micro_batch_size").integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
+                micro_step_time_s=node.field("micro_step_time_s").number(minimum=MIN_TIME_S, maximum=MAX_TIME_S),
+                peak_memory_bytes=node.field("peak_memory_bytes").integer(minimum=1, maximum=MAX_BYTES),
+            )
+        )
+    # Sizes must be strictly increasing: the curve fit relies on it and a duplicate
+    # size means two measurements were merged wrongly upstream.
+    for i in range(1, len(samples)):
+        if samples[i].micro_batch_size <= samples[i - 1].micro_batch_size:
+            raise (
+                sample_nodes[i]
+                .field("micro_batch_size")
+                .fail(f"a micro_batch_size larger than the previous sample's ({samples[i - 1].micro_batch_size})")
+            )
+    if samples and samples[-1].micro_batch_size > max_mbs:
+        raise max_mbs_node.fail(f"at least the largest sampled micro_batch_size ({samples[-1].micro_batch_size})")
+    emulated_node = root.optional("emulated")
+    # Free-form provenance, but JSON that the fingerprint can hash.
+    provenance = root.field("measured_with").obj().within_depth(MAX_JSON_DEPTH)
+    provenance.field("source").string(choices=PROFILE_SOURCES)
+    zero_stage = root.field("zero_stage").integer(minimum=0, maximum=3)
+    return Profile(
+        device_type=root.field("device_type").string(),
+        memory_capacity_bytes=root.field("memory_capacity_bytes").integer(minimum=1, maximum=MAX_BYTES),
+        zero_stage=zero_stage,
+        world_size=root.field("world_size").integer(minimum=1, maximum=MAX_WORLD_SIZE),
+        model=model,
+        max_micro_batch_size=max_mbs,
+        samples=tuple(samples),
+        optimizer_step_time_s=root.field("optimizer_step_time_s").number(minimum=0.0, maximum=MAX_TIME_S),
+        emulated=None if emulated_node is None else _parse_emulation(emulated_node.obj()),
+        measured_with=dict(provenance.value),
+        activation_checkpointing=_optional_boolean(root, "activation_checkpointing"),
+        optimizer_offload=_offload(root, zero_stage),
+    )
+
+
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    """The JSON form of a profile (the inverse of `profile_from_dict`)."""
+    data = dataclasses.asdict(profile)
+    data["samples"] = [dataclasses.asdict(s) for s in profile.samples]
+    data["emulated"] = None if profile.emulated is None else emulation_to_dict(profile.emulated)
+    # schema_version first: it is the first thing a reader of the file looks for.
+    return {"schema_version": data.pop("schema_version"), **data}
+
+
+# ----------------------------------------------------------------------------------
+# Cluster description
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class DeviceGroup:
+    """`count` devices of one type on a node."""
+
+    device_type: str
+    count: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterNode:
+    """One machine; its devices get consecutive ranks, as the deepspeed launcher numbers them."""
+
+    name: str
+    devices: tuple[DeviceGroup, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceTypeInfo:
+    """Extra facts about a device type; today only an optional emulation."""
+
+    emulation: Emulation | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Which device type each rank has."""
+
+    nodes: tuple[ClusterNode, ...]
+    device_types: dict[str, DeviceTypeInfo] = field(default_factory=dict)
+    schema_version: int = CLUSTER_SCHEMA_VERSION
+
+    @property
+    def rank_device_types(self) -> tuple[str, ...]:
+        """Device type of every rank, rank 0 first (node order, then device order)."""
+        return tuple(group.device_type for node in self.nodes for group in node.devices for _ in range(group.count))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.rank_device_types)
+
+    def type_counts(self) -> dict[str, int]:
+        """Number of ranks of each device type, in order of first appearance."""
+        counts: dict[str, int] = {}
+        for device_type in self.rank_device_types:
+            counts[device_type] = counts.get(device_type, 0) + 1
+        return counts
+
+    def emulation_of(self, device_type: str) -> Emulation | None:
+        """The emulation declared for `device_type`, or None when it is real."""
+        info = self.device_types.get(device_type)
+        return None if info is None else info.emulation
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+
+
+def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
+    """Validate parsed JSON and build a `Cluster`; raises `FormatError`."""
+    root = Node(data, source).obj().keys_within(_keys(Cluster))
+    _check_schema_version(root, CLUSTER_SCHEMA_VERSION)
+    nodes: list[ClusterNode] = []
+    seen_names: set[str] = set()
+    world_size = 0
+    for node in root.field("nodes").items(min_length=1):
+        node.obj().keys_within(_keys(ClusterNode))
+        name_node = node.field("name")
+        name = name_node.string()
+        if name in seen_names:
+            raise name_node.fail("a node name not used by an earlier node")
+        seen_names.add(name)
+        groups = []
+        for g in node.field("devices").items(min_length=1):
+            g.obj().keys_within(_keys(DeviceGroup))
+            count_node = g.field("count")
+            count = count_node.integer(minimum=1, maximum=MAX_WORLD_SIZE)
+            world_size += count
+            if world_size > MAX_WORLD_SIZE:
+                raise count_node.fail(
+                    f"a count that keeps the cluster within {MAX_WORLD_SIZE} ranks (the search's limit)"
+                )
+            groups.append(DeviceGroup(device_type=g.field("device_type").string(), count=count))
+        nodes.append(ClusterNode(name=name, devices=tuple(groups)))
+    device_types: dict[str, DeviceTypeInfo] = {}
+    types_node = root.optional("device_types")
+    used = {g.device_type for n in nodes for g in n.devices}
+    if types_node is not None:
+        for type_name, info in types_node.entries():
+            if type_name not in used:
+                raise info.fail("a device type that some node uses", raw_found=f"{type_name!r}, which no node lists")
+            emulation = info.obj().keys_within(_keys(DeviceTypeInfo)).optional("emulation")
+            device_types[type_name] = DeviceTypeInfo(
+                emulation=None if emulation is None else _parse_emulation(emulation.obj())
+            )
+    cluster = Cluster(nodes=tuple(nodes), device_types=device_types)
+    if types_node is not None:
+        _check_schedule_ranks(cluster, types_node)
+    return cluster
+
+
+def _check_schedule_ranks(cluster: Cluster, types_node: Node) -> None:
+    """A ``slowdown_schedule`` entry for one rank must name a rank of its device type."""
+    rank_types: tuple[str, ...] | None = None
+    for type_name, info in cluster.device_types.items():
+        ranks = {
+            rank for _, _, rank in (info.emulation.slowdown_schedule if info.emulation else ()) if rank is not None
+        }
+        if not ranks:
+            continue
+        rank_types = rank_types or cluster.rank_device_types
+        ranks_of_type = [r for r, t in enumerate(rank_types) if t == type_name]
+        stray = min(ranks - set(ranks_of_type), default=None)
+        if stray is not None:
+            raise (
+                types_node.child(type_name)
+                .child("emulation")
+                .child("slowdown_schedule")
+                .fail(
+                    f"entries whose rank is one of {type_name!r}'s ranks ({_rank_list(ranks_of_type)})",
+                    raw_found=f"rank {stray}",
+                )
+            )
+
+
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """The JSON form of a cluster description."""
+    return {
+        "schema_version": cluster.schema_version,
+        "nodes": [{"name": n.name, "devices": [dataclasses.asdict(g) for g in n.devices]} for n in cluster.nodes],
+        "device_types": {
+            name: {"emulation": None if info.emulation is None else emulation_to_dict(info.emulation)}
+            for name, info in cluster.device_types.items()
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------
+# Plans
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class RankPlan:
+    """What one rank runs each iteration."""
+
+    rank: int
+    device_type: str
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    activation_checkpointing: bool = False
+    """Whether this rank recomputes activations in backward (chosen per device type by the search)."""
+    optimizer_offload: bool = False
+    """Whether this rank keeps its optimizer state on the host (ZeRO stages 1-2; chosen per device type)."""
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def levers(self) -> Levers:
+        """``(activation_checkpointing, optimizer_offload)``, as `Profile.levers`."""
+        return (self.activation_checkpointing, self.optimizer_offload)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What the cost model predicts for a plan."""
+
+    iteration_time_s: float
+    samples_per_s: float
+    ideal_samples_per_s: float
+    """Sum over ranks of each device's best standalone throughput under the same stage."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Per-rank allocation for one training job. Plain data: it never asks which rank runs it."""
+
+    policy: str
+    zero_stage: int
+    global_batch_size: int
+    ranks: tuple[RankPlan, ...]
+    predicted: Prediction
+    profile_fingerprints: dict[str, str]
+    """Device type -> `Profile.fingerprint` of the profile the plan was made from."""
+    calibration: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Device type -> what the check of a cached profile at start did (`poplar_ext.profiler.calibration`):
+    ``{"outcome": "trusted" | "rescaled" | "remeasured" | "not checked", "measured_over_profiled": 1.23,
+    "sizes": [8]}``. Empty: no profile was checked (a plan file, fresh profiles, or a search's plan)."""
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+
+def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
+    """Validate parsed JSON and build a `Plan`; raises `FormatError`.
+
+    Checks the plan's own consistency (ranks numbered 0..N-1 in order, samples sum
+    to the global batch). Whether it suits a given stage, cluster and device memory
+    is checked where those are known (`search.check_plan`, the runtime).
+    """
+    root = Node(data, source).obj()
+    parallelism = root.optional("parallelism")
+    if parallelism is not None:
+        # pipeline plans have their own reader: poplar_ext.plan.pipeline_formats.any_plan_from_dict
+        parallelism.string(choices=("zero",))
+    root.keys_within((*_keys(Plan), "parallelism"))
+    _check_schema_version(root, PLAN_SCHEMA_VERSION)
+    zero_stage = root.field("zero_stage").integer(minimum=0, maximum=3)
+    ranks: list[RankPlan] = []
+    for index, node in enumerate(root.field("ranks").items(min_length=1, max_length=MAX_WORLD_SIZE)):
+        node.obj().keys_within(_keys(RankPlan))
+        rank_node = node.field("rank")
+        if rank_node.integer(minimum=0) != index:
+            raise rank_node.fail(f"rank {index} (ranks listed in order from 0)")
+        ranks.append(
+            RankPlan(
+                rank=index,
+                device_type=node.field("device_type").string(),
+                micro_batch_size=node.field("micro_batch_size").integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
+                gradient_accumulation_steps=node.field("gradient_accumulation_steps").integer(
+                    minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE
+                ),
+                activation_checkpointing=_optional_boolean(node, "activation_checkpointing"),
+                optimizer_offload=_offload(node, zero_stage),
+            )
+        )
+    gbs_node = root.field("global_batch_size")
+    global_batch_size = gbs_node.integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE)
+    total = sum(r.samples_per_iteration for r in ranks)
+    if total != global_batch_size:
+        raise gbs_node.fail(f"the sum over ranks of micro_batch_size * gradient_accumulation_steps ({total})")
+    p = root.field("predicted").obj().keys_within(_keys(Prediction))
+    fingerprints = {name: node.string() for name, node in root.field("profile_fingerprints").entries()}
+    return Plan(
+        policy=root.field("policy").string(choices=POLICIES),
+        zero_stage=zero_stage,
+        global_batch_size=global_batch_size,
+        ranks=tuple(ranks),
+        predicted=Prediction(
+            iteration_time_s=p.field("iteration_time_s").number(positive=True),
+            samples_per_s=p.field("samples_per_s").number(positive=True),
+            ideal_samples_per_s=p.field("ideal_samples_per_s").number(positive=True),
+        ),
+        profile_fingerprints=fingerprints,
+        calibration=_calibration(root.optional("calibration")),
+    )
+
+
+CALIBRATION_OUTCOMES = ("trusted", "rescaled", "remeasured", "not checked")
+"""`Plan.calibration`'s outcomes (`poplar_ext.profiler.calibration` decides them)."""
+
+
+def _calibration(node: Node | None) -> dict[str, dict[str, Any]]:
+    """``calibration`` (absent in plans written before it, or made without a check: empty)."""
+    if node is None:
+        return {}
+    checks = {}
+    for device_type, entry in node.entries():
+        entry.obj().keys_within(("outcome", "measured_over_profiled", "sizes"))
+        checks[device_type] = {
+            "outcome": entry.field("outcome").string(choices=CALIBRATION_OUTCOMES),
+            "measured_over_profiled": entry.field("measured_over_profiled").number(positive=True),
+            "sizes": [size.integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE) for size in entry.field("sizes").items()],
+        }
+    return checks
+
+
+def _optional_boolean(node: Node, key: str) -> bool:
+    """A boolean field that files written before it existed leave out (false)."""
+    child = node.optional(key)
+    return False if child is None else child.boolean()
+
+
+def _offload(node: Node, zero_stage: int) -> bool:
+    """``optimizer_offload`` (absent: false), which only ZeRO stages 1-2 may set."""
+    offload = _optional_boolean(node, "optimizer_offload")
+    if offload and zero_stage not in OFFLOAD_STAGES:
+        raise node.field("optimizer_offload").fail(
+            f"false at ZeRO stage {zero_stage} (poplar-ext offloads the optimizer at stages 1-2 only)"
+        )
+    return offload
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The JSON form of a plan."""
+    data = dataclasses.asdict(plan)
+    data["ranks"] = [dataclasses.asdict(r) for r in plan.ranks]
+    if not plan.calibration:
+        del data["calibration"]  # plans without a check read as before
+    return {"schema_version": data.pop("schema_version"), **data}
+
+
+# ----------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """Parse a JSON file; unreadable files and bad JSON are `FormatError`s naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise FormatError(
+            str(path), "(file)", "a readable JSON file", f"{type(exc).__name__}: {exc.strerror or exc}"
+        ) from exc
+    except UnicodeDecodeError as exc:
+        raise FormatError(
+            str(path), "(file)", "a UTF-8 JSON file", f"a byte that is not UTF-8 at offset {exc.start}"
+        ) from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FormatError(str(path), f"(line {exc.lineno}, column {exc.colno})", "valid JSON", exc.msg) from exc
+    except RecursionError:
+        data = None
+    if data is None and text.strip() != "null" or json_depth(data) > MAX_JSON_DEPTH:
+        raise FormatError(str(path), "(file)", f"JSON nested at most {MAX_JSON_DEPTH} deep", "deeper nesting")
+    return data
+
+
+def write_text_atomic(text: str, path: str | os.PathLike[str]) -> None:
+    """Write `text` so that the file is either complete or untouched (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
+    """Write JSON so that the file is either complete or untouched (temp file + rename)."""
+    write_text_atomic(json.dumps(data, indent=2, sort_keys=False) + "\n", path)
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    """Load and validate one profile file."""
+    return profile_from_dict(read_json(path), source=str(path))
+
+
+def is_cluster_or_plan(data: Any) -> bool:
+    """Whether parsed JSON is a cluster description, a plan or a network file (kept beside profiles, not one)."""
+    return (
+        isinstance(data, dict)
+        and "device_type" not in data
+        and ("nodes" in data or "ranks" in data or "pipelines" in data or data.get("kind") == "network")
+    )
+
+
+def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
+    """Load every ``*.json`` profile directly in `directory` (sorted by file name).
+
+    Two files for the same (device type, ZeRO stage, activation checkpointing, model
+    fingerprint) are an error:
+    silently picking one would make plans depend on file-name order. A cluster
+    description (top-level ``nodes``) or a plan (top-level ``ranks``) kept next to the
+    profiles is skipped, so one directory can hold a whole example.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FormatError(str(directory), "(directory)", "a directory of profile JSON files", "no such directory")
+    profiles: list[Profile] = []
+    origin: dict[tuple[str, int, bool, bool, str], Path] = {}
+    for path in sorted(directory.glob("*.json")):
+        data = read_json(path)
+        if is_cluster_or_plan(data):
+            continue
+        profile = profile_from_dict(data, source=str(path))
+        key = (*profile.key, profile.model.fingerprint)
+        if key in origin:
+            raise FormatError(
+                str(path),
+                "device_type",
+                "one profile per (device type, ZeRO stage, activation checkpointing, optimizer offload, model)",
+                f"a second profile for {key[0]!r} at stage {key[1]}{levers_text(key[2], key[3])} "
+                f"(the first is {origin[key].name})",
+            )
+        origin[key] = path
+        profiles.append(profile)
+    if not profiles:
+        raise FormatError(str(directory), "(directory)", "at least one profile *.json file", "none")
+    return profiles
+
+
+def load_cluster(path: str | os.PathLike[str]) -> Cluster:
+    """Load and validate a cluster description."""
+    return cluster_from_dict(read_json(path), source=str(path))
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Load and validate a plan."""
+    return plan_from_dict(read_json(path), source=str(path))
+
+
+def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
+    write_json_atomic(profile_to_dict(profile), path)
+
+
+def save_cluster(cluster: Cluster, path: str | os.PathLike[str]) -> None:
+    write_json_atomic(cluster_to_dict(cluster), path)
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+    write_json_atomic(plan_to_dict(plan), path)
+
+
+def content_fingerprint(data: Any) -> str:
+    """Stable short hash of JSON-able data (canonical key order)."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]

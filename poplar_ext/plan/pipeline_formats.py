@@ -1,0 +1,444 @@
+"""The pipeline formats: per-layer profiles, and plans of pipelines side by side.
+
+A pipeline plan (``"parallelism": "pipeline"``) lists pipelines that train side by side
+in data parallel. Each pipeline is the ordered ranks of its stages, each stage a
+contiguous range of layers (``first_layer`` to ``last_layer``, both included), and the
+pipeline's micro-batch size and number of micro-batches per iteration; pipelines may
+differ in all of these. The global batch is the sum over pipelines of micro-batch size x
+micro-batches. A pipeline runs on DeepSpeed's pipeline engine at ZeRO stage 0 or 1.
+
+A layer profile holds, for one device type at one ZeRO stage and one model, each layer's
+forward + backward time against micro-batch size and its memory: parameters, optimizer
+state, the activations a stage keeps per in-flight micro-batch, and the activations a
+stage boundary after the layer sends. Layer profiles live in ``<profiles>/layers/`` (a
+profile directory's own ``*.json`` are whole-model profiles). Units are in the names;
+provenance (measured, emulated, modelled) as in the whole-model profiles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import FormatError
+from .formats import (
+    DTYPES,
+    MAX_BYTES,
+    MAX_GLOBAL_BATCH_SIZE,
+    MAX_MICRO_BATCH_SIZE,
+    MAX_TIME_S,
+    MAX_WORLD_SIZE,
+    MIN_TIME_S,
+    POLICIES,
+    PROFILE_SOURCES,
+    Emulation,
+    ModelInfo,
+    Plan,
+    Prediction,
+    content_fingerprint,
+    emulation_to_dict,
+    plan_from_dict,
+    read_json,
+    write_json_atomic,
+)
+from .validation import MAX_JSON_DEPTH, Node
+
+LAYER_PROFILE_SCHEMA_VERSION = 1
+PIPELINE_PLAN_SCHEMA_VERSION = 1
+PARALLELISMS = ("zero", "pipeline")
+"""What a plan trains: ZeRO data parallelism (every rank the whole model) or pipelines."""
+PIPELINE_ZERO_STAGES = (0, 1)
+"""DeepSpeed's pipeline engine refuses ZeRO stages 2 and 3."""
+LAYERS_DIR = "layers"
+"""Where a profile directory keeps its layer profiles."""
+MAX_LAYERS = 100_000
+
+
+def _pipeline_zero_stage(node: Node) -> int:
+    stage = node.integer(minimum=0, maximum=3)
+    if stage not in PIPELINE_ZERO_STAGES:
+        raise node.fail("ZeRO stage 0 or 1 (DeepSpeed's pipeline engine refuses stages 2 and 3)")
+    return stage
+
+
+# ----------------------------------------------------------------------------------
+# Layer profiles
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class LayerSample:
+    """One layer at one micro-batch size."""
+
+    micro_batch_size: int
+    step_time_s: float
+    """Forward + backward of this layer for one micro-batch (median)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """What one layer costs a stage that holds it."""
+
+    index: int
+    """Position in the model's layer list (DeepSpeed's PipelineModule order), from 0."""
+    name: str
+    """The layer's kind, for people (e.g. ``Block``)."""
+    samples: tuple[LayerSample, ...]
+    parameter_bytes: int
+    """The layer's parameters in the training dtype."""
+    optimizer_state_bytes: int
+    """Everything else the layer's parameters keep on the rank that holds it: their gradients, master weights and
+    optimizer state."""
+    activation_bytes_per_sample: int
+    """Activations the layer keeps for backward, per sample of an in-flight micro-batch."""
+    output_bytes_per_sample: int
+    """The layer's output per sample: what a stage boundary after it sends forward (and its gradient back)."""
+    optimizer_step_time_s: float
+    """The optimizer step for the layer's parameters."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """One device type at one ZeRO stage for one model, layer by layer: the pipeline search's input."""
+
+    device_type: str
+    memory_capacity_bytes: int
+    zero_stage: int
+    model: ModelInfo
+    layers: tuple[LayerCost, ...]
+    base_memory_bytes: int
+    """Memory a stage needs whatever its layers (the framework, buffers): the rest holds layers."""
+    emulated: Emulation | None
+    measured_with: dict[str, Any]
+    """Provenance: ``source`` is ``measured`` or ``modelled``; the rest is free-form."""
+    schema_version: int = LAYER_PROFILE_SCHEMA_VERSION
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def source(self) -> str:
+        return self.measured_with["source"]
+
+    @property
+    def fingerprint(self) -> str:
+        """Content hash: plans record which profiles made them."""
+        return content_fingerprint(layer_profile_to_dict(self))
+
+
+def _layer_from_node(node: Node, index: int) -> LayerCost:
+    node.obj().keys_within(tuple(LayerCost.__dataclass_fields__))
+    index_node = node.field("index")
+    if index_node.integer(minimum=0) != index:
+        raise index_node.fail(f"{index} (layers listed in order from 0)")
+    samples = []
+    sample_nodes = node.field("samples").items(min_length=1)
+    for sample_node in sample_nodes:
+        sample_node.obj().keys_within(tuple(LayerSample.__dataclass_fields__))
+        samples.append(
+            LayerSample(
+                micro_batch_size=sample_node.field("micro_batch_size").integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
+                step_time_s=sample_node.field("step_time_s").number(minimum=MIN_TIME_S, maximum=MAX_TIME_S),
+            )
+        )
+    for i in range(1, len(samples)):
+        if samples[i].micro_batch_size <= samples[i - 1].micro_batch_size:
+            raise sample_nodes[i].field("micro_batch_size").fail("a micro_batch_size larger than the previous sample's")
+
+    def size(key: str) -> int:
+        return node.field(key).integer(minimum=0, maximum=MAX_BYTES)
+
+    return LayerCost(
+        index=index,
+        name=node.field("name").string(),
+        samples=tuple(samples),
+        parameter_bytes=size("parameter_bytes"),
+        optimizer_state_bytes=size("optimizer_state_bytes"),
+        activation_bytes_per_sample=size("activation_bytes_per_sample"),
+        output_bytes_per_sample=size("output_bytes_per_sample"),
+        optimizer_step_time_s=node.field("optimizer_step_time_s").number(minimum=0.0, maximum=MAX_TIME_S),
+    )
+
+
+def layer_profile_from_dict(data: Any, *, source: str = "<layer profile>") -> LayerProfile:
+    """Validate parsed JSON and build a `LayerProfile`; raises `FormatError`."""
+    from .formats import _keys, _parse_emulation
+
+    root = Node(data, source).obj().keys_within(_keys(LayerProfile))
+    version = root.field("schema_version")
+    if version.integer() != LAYER_PROFILE_SCHEMA_VERSION:
+        raise version.fail(f"schema_version {LAYER_PROFILE_SCHEMA_VERSION}")
+    m = root.field("model").obj().keys_within(_keys(ModelInfo))
+    seq = m.optional("sequence_length")
+    model = ModelInfo(
+        name=m.field("name").string(),
+        fingerprint=m.field("fingerprint").string(),
+        num_parameters=m.field("num_parameters").integer(minimum=1, maximum=MAX_BYTES),
+        dtype=m.field("dtype").string(choices=DTYPES),
+        sequence_length=None if seq is None else seq.integer(minimum=1, maximum=MAX_BYTES),
+    )
+    layer_nodes = root.field("layers").items(min_length=1, max_length=MAX_LAYERS)
+    provenance = root.field("measured_with").obj().within_depth(MAX_JSON_DEPTH)
+    provenance.field("source").string(choices=PROFILE_SOURCES)
+    emulated = root.optional("emulated")
+    return LayerProfile(
+        device_type=root.field("device_type").string(),
+        memory_capacity_bytes=root.field("memory_capacity_bytes").integer(minimum=1, maximum=MAX_BYTES),
+        zero_stage=_pipeline_zero_stage(root.field("zero_stage")),
+        model=model,
+        layers=tuple(_layer_from_node(node, i) for i, node in enumerate(layer_nodes)),
+        base_memory_bytes=root.field("base_memory_bytes").integer(minimum=0, maximum=MAX_BYTES),
+        emulated=None if emulated is None else _parse_emulation(emulated.obj()),
+        measured_with=dict(provenance.value),
+    )
+
+
+def _json_ready(data: dict[str, Any]) -> dict[str, Any]:
+    """Tuples as lists: the dict equals what reading its JSON gives."""
+    return json.loads(json.dumps(data))
+
+
+def layer_profile_to_dict(profile: LayerProfile) -> dict[str, Any]:
+    data = _json_ready(asdict(profile))
+    data["emulated"] = None if profile.emulated is None else emulation_to_dict(profile.emulated)
+    if data["emulated"] is None:
+        del data["emulated"]
+    return data
+
+
+def layer_profiles_dir(profiles_dir: str | os.PathLike[str]) -> Path:
+    """``<profiles>/layers``: where a profile directory keeps its layer profiles."""
+    return Path(profiles_dir) / LAYERS_DIR
+
+
+def load_layer_profile(path: str | os.PathLike[str]) -> LayerProfile:
+    return layer_profile_from_dict(read_json(path), source=str(path))
+
+
+def load_layer_profiles(directory: str | os.PathLike[str]) -> list[LayerProfile]:
+    """Every layer profile in `directory` (a profile directory's ``layers/``, or that folder itself)."""
+    directory = Path(directory)
+    if (directory / LAYERS_DIR).is_dir():
+        directory = directory / LAYERS_DIR
+    if not directory.is_dir():
+        raise FormatError(str(directory), "(directory)", "a directory of layer profiles", "no such directory")
+    return [load_layer_profile(path) for path in sorted(directory.glob("*.json"))]
+
+
+def save_layer_profile(profile: LayerProfile, path: str | os.PathLike[str]) -> None:
+    write_json_atomic(layer_profile_to_dict(profile), path)
+
+
+# ----------------------------------------------------------------------------------
+# Pipeline plans
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class PipelineStage:
+    """One stage of a pipeline: a rank and the layers it holds."""
+
+    rank: int
+    device_type: str
+    first_layer: int
+    last_layer: int
+    """Included: the stage holds layers ``first_layer`` to ``last_layer``."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.last_layer - self.first_layer + 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    """One copy of the model, trained as a pipeline of stages (1F1B)."""
+
+    stages: tuple[PipelineStage, ...]
+    """In stage order: the first holds layer 0."""
+    micro_batch_size: int
+    num_micro_batches: int
+    """Micro-batches this pipeline trains per iteration (DeepSpeed's gradient_accumulation_steps)."""
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(stage.rank for stage in self.stages)
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """DeepSpeed's ``parts``: the first layer of each stage, then the number of layers."""
+        return tuple(stage.first_layer for stage in self.stages) + (self.stages[-1].last_layer + 1,)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelinePlan:
+    """Pipelines side by side in data parallel; every rank in exactly one of them."""
+
+    policy: str
+    zero_stage: int
+    global_batch_size: int
+    num_layers: int
+    pipelines: tuple[Pipeline, ...]
+    predicted: Prediction
+    profile_fingerprints: dict[str, str]
+    parallelism: str = "pipeline"
+    schema_version: int = PIPELINE_PLAN_SCHEMA_VERSION
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(p.stages) for p in self.pipelines)
+
+    def place_of(self, rank: int) -> tuple[int, int]:
+        """``(pipeline index, stage index)`` of `rank`."""
+        for p, pipeline in enumerate(self.pipelines):
+            for s, stage in enumerate(pipeline.stages):
+                if stage.rank == rank:
+                    return p, s
+        raise ValueError(f"rank {rank}: expected a rank of the plan (0 to {self.world_size - 1})")
+
+    @property
+    def rank_device_types(self) -> tuple[str, ...]:
+        """Each rank's device type, in rank order."""
+        types = {stage.rank: stage.device_type for p in self.pipelines for stage in p.stages}
+        return tuple(types[r] for r in range(self.world_size))
+
+
+def _stage_from_node(node: Node, num_layers: int) -> PipelineStage:
+    node.obj().keys_within(tuple(PipelineStage.__dataclass_fields__))
+    first = node.field("first_layer").integer(minimum=0, maximum=num_layers - 1)
+    last_node = node.field("last_layer")
+    last = last_node.integer(minimum=0, maximum=num_layers - 1)
+    if last < first:
+        raise last_node.fail(f"a layer at or after first_layer ({first})")
+    return PipelineStage(
+        rank=node.field("rank").integer(minimum=0, maximum=MAX_WORLD_SIZE - 1),
+        device_type=node.field("device_type").string(),
+        first_layer=first,
+        last_layer=last,
+    )
+
+
+def _pipeline_from_node(node: Node, num_layers: int) -> Pipeline:
+    node.obj().keys_within(tuple(Pipeline.__dataclass_fields__))
+    stage_nodes = node.field("stages").items(min_length=1, max_length=num_layers)
+    stages = tuple(_stage_from_node(n, num_layers) for n in stage_nodes)
+    expected_first = 0
+    for stage, stage_node in zip(stages, stage_nodes):
+        if stage.first_layer != expected_first:
+            raise stage_node.field("first_layer").fail(
+                f"{expected_first} (the stages cover the layers in order, each from where the last ended)"
+            )
+        expected_first = stage.last_layer + 1
+    if expected_first != num_layers:
+        raise stage_nodes[-1].field("last_layer").fail(f"{num_layers - 1}, the model's last layer (num_layers)")
+    return Pipeline(
+        stages=stages,
+        micro_batch_size=node.field("micro_batch_size").integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
+        num_micro_batches=node.field("num_micro_batches").integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE),
+    )
+
+
+def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> PipelinePlan:
+    """Validate parsed JSON and build a `PipelinePlan`; raises `FormatError`.
+
+    Checks the plan's own consistency: every rank 0..N-1 in exactly one stage, each
+    pipeline's stages covering the layers in order, the global batch the pipelines' sum,
+    ZeRO stage 0 or 1. Whether it suits a cluster and the devices' memory is checked where
+    those are known (`poplar_ext.search.pipeline_search.check_pipeline_plan`, the runtime).
+    """
+    from .formats import _keys
+
+    root = Node(data, source).obj().keys_within(_keys(PipelinePlan))
+    version = root.field("schema_version")
+    if version.integer() != PIPELINE_PLAN_SCHEMA_VERSION:
+        raise version.fail(f"schema_version {PIPELINE_PLAN_SCHEMA_VERSION}")
+    root.field("parallelism").string(choices=("pipeline",))
+    num_layers = root.field("num_layers").integer(minimum=1, maximum=MAX_LAYERS)
+    pipeline_nodes = root.field("pipelines").items(min_length=1, max_length=MAX_WORLD_SIZE)
+    pipelines = tuple(_pipeline_from_node(n, num_layers) for n in pipeline_nodes)
+    ranks = sorted(stage.rank for p in pipelines for stage in p.stages)
+    if ranks != list(range(len(ranks))):
+        missing = sorted(set(range(len(ranks))) - set(ranks))
+        repeated = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise root.field("pipelines").fail(
+            f"every rank from 0 to {len(ranks) - 1} in exactly one stage (missing: {missing or 'none'}, "
+            f"in more than one stage: {repeated or 'none'})"
+        )
+    gbs_node = root.field("global_batch_size")
+    global_batch_size = gbs_node.integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE)
+    total = sum(p.samples_per_iteration for p in pipelines)
+    if total != global_batch_size:
+        raise gbs_node.fail(f"the sum over pipelines of micro_batch_size * num_micro_batches ({total})")
+    p = root.field("predicted").obj().keys_within(_keys(Prediction))
+    return PipelinePlan(
+        policy=root.field("policy").string(choices=POLICIES),
+        zero_stage=_pipeline_zero_stage(root.field("zero_stage")),
+        global_batch_size=global_batch_size,
+        num_layers=num_layers,
+        pipelines=pipelines,
+        predicted=Prediction(
+            iteration_time_s=p.field("iteration_time_s").number(positive=True),
+            samples_per_s=p.field("samples_per_s").number(positive=True),
+            ideal_samples_per_s=p.field("ideal_samples_per_s").number(positive=True),
+        ),
+        profile_fingerprints={name: n.string() for name, n in root.field("profile_fingerprints").entries()},
+    )
+
+
+def pipeline_plan_to_dict(plan: PipelinePlan) -> dict[str, Any]:
+    return _json_ready(asdict(plan))
+
+
+def save_pipeline_plan(plan: PipelinePlan, path: str | os.PathLike[str]) -> None:
+    write_json_atomic(pipeline_plan_to_dict(plan), path)
+
+
+def load_pipeline_plan(path: str | os.PathLike[str]) -> PipelinePlan:
+    return pipeline_plan_from_dict(read_json(path), source=str(path))
+
+
+def plan_parallelism(data: Any) -> str:
+    """``zero`` or ``pipeline``: what a parsed plan trains (absent: ``zero``, as every plan before pipelines)."""
+    if isinstance(data, dict) and data.get("parallelism", "zero") == "pipeline":
+        return "pipeline"
+    return "zero"
+
+
+def any_plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan | PipelinePlan:
+    """A ZeRO plan or a pipeline plan, by its ``parallelism``."""
+    if plan_parallelism(data) == "pipeline":
+        return pipeline_plan_from_dict(data, source=source)
+    return plan_from_dict(data, source=source)
+
+
+def load_any_plan(path: str | os.PathLike[str]) -> Plan | PipelinePlan:
+    return any_plan_from_dict(read_json(path), source=str(path))
+
+
+__all__ = [
+    "LAYERS_DIR",
+    "PARALLELISMS",
+    "PIPELINE_ZERO_STAGES",
+    "LayerCost",
+    "LayerProfile",
+    "LayerSample",
+    "Pipeline",
+    "PipelinePlan",
+    "PipelineStage",
+    "any_plan_from_dict",
+    "layer_profile_from_dict",
+    "layer_profile_to_dict",
+    "layer_profiles_dir",
+    "load_any_plan",
+    "load_layer_profile",
+    "load_layer_profiles",
+    "load_pipeline_plan",
+    "pipeline_plan_from_dict",
+    "pipeline_plan_to_dict",
+    "plan_parallelism",
+    "save_layer_profile",
+    "save_pipeline_plan",
+]

@@ -1,0 +1,598 @@
+"""The search's public entry points: `search_plan`, `check_plan`, `predict`.
+
+`search_plan` picks the ZeRO stage (or uses the one given) and the global batch (or
+uses the one given), runs one allocation policy, and returns a `SearchResult` whose
+status is ``ok`` or ``infeasible``; it raises only for bad input (`ValueError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from poplar_ext.plan.formats import (
+    MAX_GLOBAL_BATCH_SIZE,
+    MAX_MICRO_BATCH_SIZE,
+    MAX_WORLD_SIZE,
+    POLICIES,
+    ZERO_STAGES,
+    Cluster,
+    Plan,
+    Prediction,
+    Profile,
+    RankPlan,
+    one_accumulation_count,
+)
+from poplar_ext.plan.levers import (
+    LEVER_NAMES,
+    NO_LEVERS,
+    OFFLOAD_STAGES,
+    Variants,
+    lever_choices,
+    levers_summary,
+    levers_text,
+    mixed_lever_types,
+    plan_levers,
+    profiles_for_plan,
+)
+
+# The memory levers' home is search.levers; lever_choices, plan_levers, profiles_for_plan
+# and LEVERS_ORDER stay importable from here.
+from poplar_ext.plan.levers import LEVERS_ORDER as LEVERS_ORDER
+
+from .cost import StageModel, build_stage_model
+from .lever_search import StageOutcome, evaluate_settings, search_levers
+from .network import NetworkProfile
+from .policies import PolicyResult
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageReport:
+    """How one ZeRO stage fared in a search."""
+
+    zero_stage: int
+    """The stage."""
+    status: str
+    """``chosen``, ``slower`` or ``infeasible``."""
+    iteration_time_s: float | None
+    """Predicted iteration time of the stage's best allocation (None when infeasible)."""
+    samples_per_s: float | None
+    """Predicted throughput of that allocation (None when infeasible)."""
+    global_batch_size: int | None
+    """Global batch of that allocation (None when infeasible)."""
+    reason: str
+    """Why it won, why it lost (how much slower) or why it is infeasible; a full sentence."""
+
+    @classmethod
+    def infeasible(cls, zero_stage: int, reason: str) -> StageReport:
+        """A stage with no feasible allocation, and why."""
+        return cls(
+            zero_stage=zero_stage,
+            status="infeasible",
+            iteration_time_s=None,
+            samples_per_s=None,
+            global_batch_size=None,
+            reason=reason,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    """The outcome of `search_plan`: a plan, or the reason there is none."""
+
+    status: str
+    """``ok`` or ``infeasible``."""
+    message: str
+    """One line for people: what was chosen and why, or why nothing could be."""
+    plan: Plan | None
+    """The plan when status is ``ok``."""
+    policy: str
+    """The policy that was run."""
+    zero_stage: int | None
+    """The stage of the plan (None when infeasible)."""
+    stage_reports: tuple[StageReport, ...]
+    """One per evaluated stage, in stage order."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanPrediction:
+    """What the cost model predicts for a plan, rank by rank."""
+
+    zero_stage: int
+    """The plan's stage."""
+    rank_micro_step_time_s: tuple[float, ...]
+    """Time of one micro-step of each rank at its micro-batch size."""
+    rank_busy_time_s: tuple[float, ...]
+    """Per-rank compute per iteration: accumulation steps * micro-step time."""
+    boundary_s: float
+    """Accumulation boundary: the optimizer step (largest among the plan's device types) and its collectives."""
+    iteration_time_s: float
+    """Predicted iteration time (see `search.cost`)."""
+    samples_per_s: float
+    """Global batch / iteration time."""
+    ideal_samples_per_s: float
+    """Sum over ranks of each device's best standalone throughput at this stage."""
+    rank_compute_time_s: tuple[float, ...] = ()
+    """Per-rank compute per iteration, communication left out (equal to `rank_busy_time_s` without a network)."""
+    micro_step_communication_s: float = 0.0
+    """Communication a micro-step waits for (largest over ranks; 0 without a network)."""
+    boundary_communication_s: float = 0.0
+    """Collectives at the boundary (0 without a network: then inside `boundary_s`)."""
+    optimizer_step_s: float = 0.0
+    """The boundary's optimizer step (without a network: the measured boundary, collectives included)."""
+
+
+# ----------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------
+def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants]]:
+    """Profiles by stage, device type and memory levers; ValueError for mixed models or duplicates."""
+    if isinstance(profiles, Profile) or not isinstance(profiles, Sequence):
+        raise ValueError(f"profiles: expected a list of search.formats.Profile, found {type(profiles).__name__}")
+    for index, profile in enumerate(profiles):
+        if not isinstance(profile, Profile):
+            raise ValueError(f"profiles[{index}]: expected a search.formats.Profile, found {type(profile).__name__}")
+        if profile.max_micro_batch_size > MAX_MICRO_BATCH_SIZE:
+            # Profiles made in Python skip the file checks; the step-time table has one entry per size.
+            raise ValueError(
+                f"profiles[{index}].max_micro_batch_size: expected at most {MAX_MICRO_BATCH_SIZE} (the search's "
+                "limit), "
+                f"found {profile.max_micro_batch_size}"
+            )
+    if not profiles:
+        raise ValueError("profiles: expected at least one profile, found none")
+    models = sorted({(p.model.fingerprint, p.model.name) for p in profiles})
+    if len(models) > 1:
+        shown = ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
+        raise ValueError(f"profiles: expected profiles of one model, found {len(models)} models: {shown}")
+    by_stage: dict[int, dict[str, Variants]] = {}
+    for profile in profiles:
+        variants = by_stage.setdefault(profile.zero_stage, {}).setdefault(profile.device_type, {})
+        if profile.levers in variants:
+            raise ValueError(
+                "profiles: expected one profile per (device type, ZeRO stage, activation checkpointing, optimizer "
+                f"offload), found two for {profile.device_type!r} at stage {profile.zero_stage}"
+                f"{levers_text(*profile.levers)}"
+            )
+        if profile.optimizer_offload and profile.zero_stage not in OFFLOAD_STAGES:
+            raise ValueError(
+                f"profiles: expected optimizer_offload only at ZeRO stages 1-2, found it for {profile.device_type!r} "
+                f"at stage {profile.zero_stage}"
+            )
+        variants[profile.levers] = profile
+    return by_stage
+
+
+def _check_arguments(
+    cluster: Cluster,
+    global_batch_size: int | None,
+    zero_stage: int | str,
+    policy: str,
+    max_global_batch_size: int | None,
+) -> None:
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster: expected a search.formats.Cluster, found {type(cluster).__name__}")
+    for name, value in (("global_batch_size", global_batch_size), ("max_global_batch_size", max_global_batch_size)):
+        if value is not None and (
+            isinstance(value, bool)
+            or not isinstance(value, (int, np.integer))
+            or not 1 <= value <= MAX_GLOBAL_BATCH_SIZE
+        ):
+            raise ValueError(
+                f"{name}: expected None or an integer from 1 to {MAX_GLOBAL_BATCH_SIZE} (the search's limit), found "
+                f"{value!r}"
+            )
+    if cluster.world_size > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"cluster: expected at most {MAX_WORLD_SIZE} ranks (the search's limit), found {cluster.world_size}"
+        )
+    if zero_stage != "auto" and (isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES):
+        raise ValueError(f"zero_stage: expected 'auto' or one of 0, 1, 2, 3, found {zero_stage!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {', '.join(map(repr, POLICIES))}, found {policy!r}")
+    if (
+        global_batch_size is not None
+        and max_global_batch_size is not None
+        and global_batch_size > max_global_batch_size
+    ):
+        raise ValueError(
+            f"global_batch_size: expected at most max_global_batch_size ({max_global_batch_size}), found "
+            f"{global_batch_size}"
+        )
+
+
+# ----------------------------------------------------------------------------------
+# search_plan
+# ----------------------------------------------------------------------------------
+def _evaluate_stage(
+    stage: int,
+    by_stage: dict[int, dict[str, Variants]],
+    cluster: Cluster,
+    policy: str,
+    global_batch_size: int | None,
+    max_global_batch_size: int | None,
+    network: NetworkProfile | None = None,
+) -> StageOutcome:
+    """The policy's best allocation at `stage` over the memory levers it may choose (`search.lever_search`)."""
+    profiles = by_stage.get(stage, {})
+    types = list(cluster.type_counts())
+    missing = [t for t in types if t not in profiles]
+    if missing:
+        return StageOutcome(
+            model=None,
+            outcome=PolicyResult(allocation=None, reason=f"No profile for {', '.join(missing)} at stage {stage}."),
+            levers={},
+        )
+    variants = {t: profiles[t] for t in types}
+    if policy == "poplar" and stage != 3:
+        # Up to 4 ** types settings: found without listing them (the same outcome as the list).
+        return search_levers(
+            variants,
+            cluster,
+            stage,
+            global_batch_size=global_batch_size,
+            max_global_batch_size=max_global_batch_size,
+            network=network,
+        )
+    settings = lever_choices(variants, stage, choose=policy == "poplar")
+    if not settings:
+        shown = "; ".join(
+            f"{t} {'with' if (True, False) in v else 'without'} only" for t, v in variants.items() if len(v) == 1
+        )
+        return StageOutcome(
+            model=None,
+            outcome=PolicyResult(
+                allocation=None,
+                reason=f"Stage 3 needs one activation checkpointing setting on every rank, and no setting has a "
+                f"profile of every device type ({shown}).",
+            ),
+            levers={},
+        )
+    return evaluate_settings(
+        settings, variants, cluster, stage, policy, global_batch_size, max_global_batch_size, network
+    )
+
+
+def _plan(model: StageModel, outcome: PolicyResult, policy: str) -> Plan:
+    allocation = outcome.allocation
+    assert allocation is not None
+    ranks = tuple(
+        RankPlan(
+            rank=rank,
+            device_type=model.devices[int(index)].device_type,
+            micro_batch_size=int(micro),
+            gradient_accumulation_steps=int(steps),
+            activation_checkpointing=model.devices[int(index)].profile.activation_checkpointing,
+            optimizer_offload=model.devices[int(index)].profile.optimizer_offload,
+        )
+        for rank, (index, micro, steps) in enumerate(
+            zip(model.rank_device_index, allocation.micro_batch_sizes, allocation.accumulation_steps)
+        )
+    )
+    return Plan(
+        policy=policy,
+        zero_stage=model.zero_stage,
+        global_batch_size=allocation.global_batch_size,
+        ranks=ranks,
+        predicted=Prediction(
+            iteration_time_s=allocation.iteration_time_s,
+            samples_per_s=allocation.samples_per_s,
+            ideal_samples_per_s=model.ideal_samples_per_s,
+        ),
+        profile_fingerprints={d.device_type: d.profile.fingerprint for d in model.devices},
+    )
+
+
+def _world_size_note(model: StageModel, world_size: int) -> str:
+    sizes = sorted({d.profile.world_size for d in model.devices})
+    if sizes == [world_size]:
+        return ""
+    if model.communication is not None:
+        shown = ", ".join(map(str, sizes))
+        return (
+            f" Profiles were taken at world size {shown}, the cluster has {world_size} ranks: communication and "
+            "the optimizer step are predicted for it from the network model; memory caps are used as measured."
+        )
+    shown = ", ".join(map(str, sizes))
+    return (
+        f" Profiles were taken at world size {shown}, the cluster has {world_size} ranks: their memory caps "
+        "and boundary times are used as measured."
+    )
+
+
+def search_plan(
+    profiles: Sequence[Profile],
+    cluster: Cluster,
+    *,
+    global_batch_size: int | None = None,
+    zero_stage: int | str = "auto",
+    policy: str = "poplar",
+    max_global_batch_size: int | None = None,
+    network: NetworkProfile | None = None,
+) -> SearchResult:
+    """Search per-rank micro-batches and accumulation counts for `cluster`.
+
+    Args:
+        profiles: profiles of one model (several device types and stages); every
+            device type of the cluster needs at least one.
+        cluster: which device type each rank has.
+        global_batch_size: samples per iteration; None picks the one with the highest
+            predicted throughput (see `search.policies.best_global_batch`).
+        zero_stage: 0..3, or ``"auto"`` to evaluate every stage and keep the fastest.
+        policy: ``poplar``, ``uniform`` or ``proportional`` (`search.policies`).
+        max_global_batch_size: upper bound for the automatic global batch.
+        network: collective times (`search.network`); with one, communication is
+            priced for the cluster's world size (`search.cost`), without, the
+            boundary is the profiles' measured one.
+
+    Returns:
+        A `SearchResult`; infeasible problems are a status with a reason.
+
+    Raises:
+        ValueError: bad input (wrong types, profiles of several models, a device type
+            of the cluster that no profile covers).
+    """
+    _check_arguments(cluster, global_batch_size, zero_stage, policy, max_global_batch_size)
+    global_batch_size = None if global_batch_size is None else int(global_batch_size)
+    max_global_batch_size = None if max_global_batch_size is None else int(max_global_batch_size)
+    by_stage = _profiles_covering(profiles, cluster)
+    stages = list(ZERO_STAGES) if zero_stage == "auto" else [int(zero_stage)]
+    evaluated = {
+        stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size, network)
+        for stage in stages
+    }
+    feasible = [stage for stage, e in evaluated.items() if e.outcome.ok]
+    if not feasible:
+        return _infeasible_result(evaluated, policy)
+    fixed_batch = global_batch_size is not None
+    chosen = min(feasible, key=lambda stage: _stage_score(evaluated[stage].outcome, stage, fixed_batch=fixed_batch))
+    best = evaluated[chosen]
+    assert best.model is not None, "a feasible stage has a cost model"
+    plan = _plan(best.model, best.outcome, policy)
+    return SearchResult(
+        status="ok",
+        message=_plan_message(
+            plan,
+            best,
+            stage_was_auto=zero_stage == "auto",
+            fixed_batch=fixed_batch,
+            max_global_batch_size=max_global_batch_size,
+            world_size=cluster.world_size,
+        ),
+        plan=plan,
+        policy=policy,
+        zero_stage=chosen,
+        stage_reports=_stage_reports(evaluated, chosen, several_evaluated=len(stages) > 1),
+    )
+
+
+def _profiles_covering(profiles: Sequence[Profile], cluster: Cluster) -> dict[int, dict[str, Variants]]:
+    """`_check_profiles`, and a ValueError when a device type of `cluster` has no profile at any stage."""
+    by_stage = _check_profiles(profiles)
+    covered = {t for stage in by_stage.values() for t in stage}
+    unknown = [t for t in cluster.type_counts() if t not in covered]
+    if unknown:
+        raise ValueError(
+            f"cluster: expected device types that the profiles cover ({', '.join(sorted(covered))}), "
+            f"found {', '.join(repr(t) for t in unknown)} with no profile"
+        )
+    return by_stage
+
+
+def _stage_score(outcome: PolicyResult, stage: int, *, fixed_batch: bool) -> tuple[float, int]:
+    """Smaller is better: fixed batch, the shortest iteration; automatic batch, the highest throughput.
+    Ties: the lower stage."""
+    allocation = outcome.allocation
+    assert allocation is not None
+    return (allocation.iteration_time_s if fixed_batch else -allocation.samples_per_s), stage
+
+
+def _infeasible_result(evaluated: dict[int, StageOutcome], policy: str) -> SearchResult:
+    """No stage has a plan: every stage's reason, stages with the same reason named together."""
+    by_reason: dict[str, list[int]] = {}
+    for stage, e in evaluated.items():
+        by_reason.setdefault(e.outcome.reason, []).append(stage)
+    reasons = " ".join(
+        f"Stage{'s' if len(group) > 1 else ''} {', '.join(map(str, group))}: {reason}"
+        for reason, group in by_reason.items()
+    )
+    return SearchResult(
+        status="infeasible",
+        message=f"No feasible plan ({policy}). {reasons}",
+        plan=None,
+        policy=policy,
+        zero_stage=None,
+        stage_reports=tuple(StageReport.infeasible(stage, e.outcome.reason) for stage, e in evaluated.items()),
+    )
+
+
+def _stage_reports(
+    evaluated: dict[int, StageOutcome], chosen: int, *, several_evaluated: bool
+) -> tuple[StageReport, ...]:
+    """Why each evaluated stage won, lost (how much slower than `chosen`) or is infeasible."""
+    best = evaluated[chosen].outcome.allocation
+    assert best is not None
+    feasible_count = sum(e.outcome.ok for e in evaluated.values())
+    reports = []
+    for stage, e in evaluated.items():
+        allocation = e.outcome.allocation
+        if allocation is None:
+            reports.append(StageReport.infeasible(stage, e.outcome.reason))
+            continue
+        if stage == chosen:
+            status = "chosen"
+            if feasible_count > 1:
+                reason = "Fastest feasible stage."
+            else:
+                reason = "The only feasible stage." if several_evaluated else "The only stage evaluated."
+            if levers_summary(e.levers):
+                reason = reason[:-1] + f", with {levers_summary(e.levers)}."
+        else:
+            status = "slower"
+            slower_pct = 100.0 * (1.0 - allocation.samples_per_s / best.samples_per_s)
+            reason = f"{slower_pct:.1f}% lower predicted throughput than stage {chosen}."
+        reports.append(
+            StageReport(
+                zero_stage=stage,
+                status=status,
+                iteration_time_s=allocation.iteration_time_s,
+                samples_per_s=allocation.samples_per_s,
+                global_batch_size=allocation.global_batch_size,
+                reason=reason,
+            )
+        )
+    return tuple(reports)
+
+
+def _plan_message(
+    plan: Plan,
+    best: StageOutcome,
+    *,
+    stage_was_auto: bool,
+    fixed_batch: bool,
+    max_global_batch_size: int | None,
+    world_size: int,
+) -> str:
+    """The one line for people: stage, batch, levers, prediction, and any note on how it was chosen."""
+    if fixed_batch:
+        batch_text = f"global batch {plan.global_batch_size}"
+    else:
+        limit = f"up to {max_global_batch_size}" if max_global_batch_size is not None else "in the default range"
+        batch_text = f"global batch {plan.global_batch_size} (chosen for the highest predicted throughput {limit})"
+    share = plan.predicted.samples_per_s / plan.predicted.ideal_samples_per_s
+    levers = levers_summary(best.levers)
+    message = (
+        f"{plan.policy} at ZeRO stage {plan.zero_stage}{' (auto)' if stage_was_auto else ''}: {batch_text}"
+        f"{', ' + levers if levers else ''}, "
+        f"predicted {plan.predicted.iteration_time_s:.4g} s per iteration, "
+        f"{plan.predicted.samples_per_s:.4g} samples/s ({100 * share:.1f}% of ideal)."
+    )
+    if best.outcome.note:
+        message += f" Note: {best.outcome.note}."
+    assert best.model is not None
+    return message + _world_size_note(best.model, world_size)
+
+
+# ----------------------------------------------------------------------------------
+# check_plan, predict
+# ----------------------------------------------------------------------------------
+def _some(items: list[str], limit: int = 3) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None = None) -> list[str]:
+    """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
+
+    Checks the world size, each rank's device type, the stage rule (stages 2 and 3:
+    one accumulation count on every rank), the memory levers (one activation
+    checkpointing and one optimizer offload per device type; at stage 3 one
+    checkpointing for every rank; offload only at stages 1-2) and, with `profiles`, that
+    every device type has a profile at the plan's stage with the plan's levers, and
+    that no micro-batch exceeds its cap.
+    """
+    problems: list[str] = []
+    if plan.world_size != cluster.world_size:
+        problems.append(f"The plan has {plan.world_size} ranks but the cluster has {cluster.world_size}.")
+    wrong = [
+        f"rank {r.rank} ({r.device_type} in the plan, {actual} in the cluster)"
+        for r, actual in zip(plan.ranks, cluster.rank_device_types)
+        if r.device_type != actual
+    ]
+    if wrong:
+        problems.append(f"Device types differ from the cluster's at {_some(wrong)}.")
+    if one_accumulation_count(plan.zero_stage):
+        counts = sorted({r.gradient_accumulation_steps for r in plan.ranks})
+        if len(counts) > 1:
+            problems.append(
+                f"ZeRO stage {plan.zero_stage} needs the same gradient_accumulation_steps on every rank, "
+                f"but the plan has {', '.join(map(str, counts))}."
+            )
+    settings = plan_levers(plan)
+    for index, name in enumerate(LEVER_NAMES):
+        mixed = mixed_lever_types(plan, index)
+        if mixed:
+            problems.append(
+                f"Ranks of one device type differ in {name} ({_some(mixed)}); the plan gives each device type one "
+                "setting."
+            )
+    offloading = [f"rank {r.rank}" for r in plan.ranks if r.optimizer_offload]
+    if offloading and plan.zero_stage not in OFFLOAD_STAGES:
+        problems.append(
+            f"optimizer_offload is set at {_some(offloading)}, but poplar-ext offloads the optimizer at ZeRO stages "
+            f"1-2 only (the plan has stage {plan.zero_stage})."
+        )
+    if plan.zero_stage == 3 and len({r.activation_checkpointing for r in plan.ranks}) > 1:
+        problems.append(
+            "ZeRO stage 3 needs the same activation_checkpointing on every rank (a recomputed forward gathers "
+            "parameters again, and every rank must issue the same gathers), but the plan mixes them."
+        )
+    if profiles is not None:
+        models = {p.model.fingerprint for p in profiles}
+        if len(models) > 1:
+            problems.append(f"The profiles describe {len(models)} different models; expected one.")
+        at_stage = {p.device_type: p for p in profiles_for_plan(plan, profiles)}
+        types = list(dict.fromkeys(r.device_type for r in plan.ranks))
+        missing = [t + levers_text(*(settings.get(t) or NO_LEVERS)) for t in types if t not in at_stage]
+        if missing:
+            problems.append(f"No profile at ZeRO stage {plan.zero_stage} for {', '.join(missing)}.")
+        over = [
+            f"rank {r.rank} ({r.device_type}: {r.micro_batch_size} > {at_stage[r.device_type].max_micro_batch_size})"
+            for r in plan.ranks
+            if r.device_type in at_stage and r.micro_batch_size > at_stage[r.device_type].max_micro_batch_size
+        ]
+        if over:
+            problems.append(f"micro_batch_size is above the profile's max_micro_batch_size at {_some(over)}.")
+    return problems
+
+
+def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | None = None) -> PlanPrediction:
+    """Per-rank busy time and the iteration time the cost model predicts for `plan` (with `network`:
+    communication priced).
+
+    Each device type is priced with its profile at the plan's stage and memory levers
+    (activation checkpointing, optimizer offload). Raises ValueError when a device type
+    has no such profile, its ranks differ in a lever, or a micro-batch is outside
+    1..max_micro_batch_size of its profile.
+    """
+    by_stage = _check_profiles(profiles)
+    variants = by_stage.get(plan.zero_stage, {})
+    settings = plan_levers(plan)
+    for index, name in enumerate(LEVER_NAMES):
+        mixed = mixed_lever_types(plan, index)
+        if mixed:
+            raise ValueError(f"plan: expected one {name} per device type, found both for {', '.join(mixed)}")
+    at_stage = {t: variants[t][levers] for t, levers in settings.items() if t in variants and levers in variants[t]}
+    missing = [
+        t + levers_text(*settings[t]) for t in settings if t not in at_stage or at_stage[t].max_micro_batch_size == 0
+    ]
+    if missing:
+        raise ValueError(
+            f"profiles: expected a profile that fits the model at ZeRO stage {plan.zero_stage} for every device "
+            f"type of the plan, found none for {', '.join(missing)}"
+        )
+    model = build_stage_model(at_stage, [r.device_type for r in plan.ranks], plan.zero_stage, network)
+    sizes = np.array([r.micro_batch_size for r in plan.ranks], dtype=np.int64)
+    steps = np.array([r.gradient_accumulation_steps for r in plan.ranks], dtype=np.int64)
+    micro = model.rank_micro_step_times_s(sizes)
+    compute_micro = model.rank_compute_micro_step_times_s(sizes)
+    iteration = model.iteration_time_s(sizes, steps)
+    return PlanPrediction(
+        zero_stage=plan.zero_stage,
+        rank_micro_step_time_s=tuple(micro.tolist()),
+        rank_busy_time_s=tuple((micro * steps).tolist()),
+        boundary_s=model.boundary_s,
+        iteration_time_s=iteration,
+        samples_per_s=plan.global_batch_size / iteration,
+        ideal_samples_per_s=model.ideal_samples_per_s,
+        rank_compute_time_s=tuple((compute_micro * steps).tolist()),
+        micro_step_communication_s=float(np.max(micro - compute_micro)) if len(micro) else 0.0,
+        boundary_communication_s=0.0 if model.communication is None else model.communication.boundary_s,
+        optimizer_step_s=max(d.optimizer_step_time_s for d in model.devices),
+    )

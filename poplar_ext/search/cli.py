@@ -1,0 +1,369 @@
+"""`poplar-search`: profiles + cluster description (+ global batch) -> plan.
+
+A thin shell around `search.search_plan`: parse, load, search, print, write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import (
+    MAX_GLOBAL_BATCH_SIZE,
+    MAX_MICRO_BATCH_SIZE,
+    MAX_WORLD_SIZE,
+    POLICIES,
+    load_cluster,
+    load_profiles,
+    plan_to_dict,
+    write_json_atomic,
+)
+
+from .api import SearchResult, predict, search_plan
+from .examples import example_cluster_file, example_profiles_dir
+from .network import NetworkProfile, find_network, load_network
+from .policies import AUTO_ACCUMULATION_STEPS
+
+EXIT_OK = 0
+EXIT_INFEASIBLE = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERNAL_ERROR = 3
+
+DESCRIPTION = """\
+Search per-rank micro-batch sizes and gradient-accumulation counts for a DeepSpeed
+ZeRO job on a cluster that mixes device types, and predict its iteration time.
+
+Inputs (JSON, documented field by field with units in profiles/README.md):
+  --profiles DIR   every *.json in DIR is a profile: one model on one device type at
+                   one ZeRO stage (micro-step time and peak memory per micro-batch).
+  --cluster FILE   the nodes and their devices; ranks are numbered in node order.
+Output: a plan (per-rank micro_batch_size and gradient_accumulation_steps, the ZeRO
+stage, the predicted iteration time), printed as a table or as JSON and, with
+--output, written to a file.
+"""
+
+EPILOG = f"""\
+Without --global-batch-size the global batch with the highest predicted throughput is
+chosen, up to --max-global-batch-size or, without it, up to {AUTO_ACCUMULATION_STEPS}
+micro-steps of every rank at its largest micro-batch.
+With --policy all, every policy is run and compared; the poplar plan is the one
+written to --output, and --format json prints an object mapping each policy to its
+plan (null when infeasible).
+
+With --parallelism pipeline the plan is pipelines side by side (each the ranks of its
+stages, each stage's layers, the pipeline's micro-batch size and count; format in
+profiles/README.md), searched from the layer profiles in DIR/layers/; the table shows
+each stage's rank, device type, layers, busy time and idle share of the iteration.
+With --parallelism auto both are searched at the same global batch and the faster
+predicted plan is the one printed and written.
+
+exit status:
+  0  a plan was found (and written, with --output)
+  1  infeasible: no plan satisfies the constraints; the reason is on stderr
+  2  bad input: an unreadable or invalid file (the message names the file and the
+     field), an unknown device type, or bad arguments
+  3  an internal error of poplar-search (a bug: please report it with the output of
+     --debug, which shows the traceback)
+No output file is written, not even partly, unless the exit status is 0.
+
+Limits (what the search is built for): global batches up to {MAX_GLOBAL_BATCH_SIZE}, micro-batches
+up to {MAX_MICRO_BATCH_SIZE} samples, clusters up to {MAX_WORLD_SIZE} ranks; larger values are bad input.
+"""
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Argument errors as one line and exit status 2, like every other bad input."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
+    return value
+
+
+def parse_zero_stage(text: str) -> int | str:
+    """argparse type: `auto` or a ZeRO stage 0..3."""
+    if text == "auto":
+        return text
+    if text in ("0", "1", "2", "3"):
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected auto, 0, 1, 2 or 3, found {text!r}")
+
+
+def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
+    """The `poplar-search` parser; standalone, or added as a sub-command to `subparsers`."""
+    options = dict(description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if subparsers is None:
+        parser = _OneLineErrorParser(prog="poplar-search", **options)
+    else:
+        parser = subparsers.add_parser("search", help="search a plan from profiles and a cluster", **options)
+    parser.add_argument("--profiles", metavar="DIR", help="directory of profile JSON files (required unless --example)")
+    parser.add_argument("--cluster", metavar="FILE", help="cluster description JSON file (required unless --example)")
+    parser.add_argument(
+        "--example",
+        action="store_true",
+        help="the shipped example: MODELLED profiles of GPT-2 small on 4 A100-80GB + 4 V100-16GB "
+        "and their cluster, for --profiles and --cluster where those are not given",
+    )
+    parser.add_argument(
+        "--global-batch-size",
+        type=parse_positive_int,
+        metavar="N",
+        help="samples per iteration over all ranks (default: the best predicted throughput)",
+    )
+    parser.add_argument(
+        "--max-global-batch-size",
+        type=parse_positive_int,
+        metavar="N",
+        help="upper bound for the automatic global batch",
+    )
+    parser.add_argument(
+        "--zero-stage",
+        type=parse_zero_stage,
+        default="auto",
+        metavar="auto|0|1|2|3",
+        help="ZeRO stage; auto evaluates every stage that has profiles and keeps the fastest (default)",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=(*POLICIES, "all"),
+        default="poplar",
+        help="poplar: fastest predicted allocation (default); uniform: DeepSpeed's one micro-batch "
+        "for all; proportional: Whale's throughput-proportional shares; all: compare them",
+    )
+    parser.add_argument(
+        "--parallelism",
+        choices=("zero", "pipeline", "auto"),
+        default="zero",
+        help="zero: every rank holds the model, ZeRO data parallelism (default); pipeline: pipelines of stages side "
+        "by side (layer profiles from DIR/layers/, ZeRO stage 0 or 1, needs --global-batch-size); auto: both, the "
+        "faster predicted plan is written, the table shows both",
+    )
+    parser.add_argument(
+        "--network",
+        metavar="FILE",
+        help="collective times (a network file, see profiles/README.md): communication is then priced for the "
+        "cluster's world size; default: the network file in --profiles measured on this cluster, if there is one",
+    )
+    parser.add_argument(
+        "--no-network", action="store_true", help="ignore any network file: the boundary is the profiles' measured one"
+    )
+    parser.add_argument("--output", metavar="PLAN.json", help="write the (poplar) plan here, only on success")
+    parser.add_argument("--format", choices=("table", "json"), default="table", help="what to print (default: table)")
+    parser.add_argument("--debug", action="store_true", help="on an internal error, print the traceback")
+    return parser
+
+
+# ----------------------------------------------------------------------------------
+# Printing
+# ----------------------------------------------------------------------------------
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _rank_span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def plan_table(result: SearchResult, profiles: Sequence, network: NetworkProfile | None = None) -> str:
+    """Groups of consecutive ranks with the same device type and allocation, and the stage reports."""
+    plan = result.plan
+    assert plan is not None
+    busy = predict(plan, profiles, network).rank_busy_time_s
+    slowest = max(busy)
+    # A column per memory lever only where some rank uses it.
+    checkpointing = any(r.activation_checkpointing for r in plan.ranks)
+    offload = any(r.optimizer_offload for r in plan.ranks)
+    rows = [
+        ["ranks", "device type", "micro-batch", "accumulation", "samples/iter", "busy s/iter", "idle"]
+        + (["checkpointing"] if checkpointing else [])
+        + (["optimizer offload"] if offload else [])
+    ]
+
+    def group(r: Any) -> tuple:
+        return (
+            r.device_type,
+            r.micro_batch_size,
+            r.gradient_accumulation_steps,
+            r.activation_checkpointing,
+            r.optimizer_offload,
+        )
+
+    start = 0
+    for i in range(1, len(plan.ranks) + 1):
+        first = plan.ranks[start]
+        if i < len(plan.ranks) and group(plan.ranks[i]) == group(first):
+            continue
+        rows.append(
+            [
+                _rank_span(start, i - 1),
+                first.device_type,
+                str(first.micro_batch_size),
+                str(first.gradient_accumulation_steps),
+                str(first.samples_per_iteration),
+                f"{busy[start]:.4g}",
+                f"{100 * (1 - busy[start] / slowest):.1f}%",
+            ]
+            + (["on" if first.activation_checkpointing else "off"] if checkpointing else [])
+            + (["on" if first.optimizer_offload else "off"] if offload else [])
+        )
+        start = i
+    text = [result.message, "", _table(rows)]
+    if len(result.stage_reports) > 1:
+        stage_rows = [["stage", "status", "global batch", "iteration s", "samples/s", "reason"]]
+        for report in result.stage_reports:
+            stage_rows.append(
+                [
+                    str(report.zero_stage),
+                    report.status,
+                    "-" if report.global_batch_size is None else str(report.global_batch_size),
+                    "-" if report.iteration_time_s is None else f"{report.iteration_time_s:.4g}",
+                    "-" if report.samples_per_s is None else f"{report.samples_per_s:.4g}",
+                    report.reason,
+                ]
+            )
+        text += ["", _table(stage_rows)]
+    return "\n".join(text)
+
+
+def comparison_table(results: dict[str, SearchResult]) -> str:
+    """One row per policy: stage, batch, predicted time and throughput, against poplar."""
+    rows = [["policy", "status", "stage", "global batch", "iteration s", "samples/s", "of ideal", "poplar speed-up"]]
+    reference = results["poplar"].plan
+    for name, result in results.items():
+        plan = result.plan
+        if plan is None:
+            rows.append([name, "infeasible", "-", "-", "-", "-", "-", result.message])
+            continue
+        predicted = plan.predicted
+        versus = (
+            "-"
+            if name == "poplar" or reference is None
+            else (f"{reference.predicted.samples_per_s / predicted.samples_per_s:.2f}x")
+        )
+        rows.append(
+            [
+                name,
+                "ok",
+                str(plan.zero_stage),
+                str(plan.global_batch_size),
+                f"{predicted.iteration_time_s:.4g}",
+                f"{predicted.samples_per_s:.4g}",
+                f"{100 * predicted.samples_per_s / predicted.ideal_samples_per_s:.1f}%",
+                versus,
+            ]
+        )
+    return _table(rows)
+
+
+# ----------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed command line; returns the exit status."""
+    prog = "poplar-search"
+    if args.example:
+        args.profiles = args.profiles or str(example_profiles_dir())
+        args.cluster = args.cluster or str(example_cluster_file())
+    missing = [option for option, value in (("--profiles", args.profiles), ("--cluster", args.cluster)) if not value]
+    if missing:
+        print(
+            f"{prog}: error: the following arguments are required: {', '.join(missing)} (or --example for the "
+            "shipped example) (see --help)",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    if args.parallelism != "zero":
+        from .pipeline_cli import run_pipelines
+
+        return run_pipelines(args)
+    try:
+        profiles = load_profiles(args.profiles)
+        cluster = load_cluster(args.cluster)
+        if args.no_network:
+            network = None
+        elif args.network:
+            network = load_network(args.network)
+        else:
+            network = find_network(args.profiles, cluster)
+        policies = list(POLICIES) if args.policy == "all" else [args.policy]
+        results = {
+            policy: search_plan(
+                profiles,
+                cluster,
+                global_batch_size=args.global_batch_size,
+                zero_stage=args.zero_stage,
+                policy=policy,
+                max_global_batch_size=args.max_global_batch_size,
+                network=network,
+            )
+            for policy in policies
+        }
+    except FormatError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ValueError as exc:
+        print(f"{prog}: error: {exc} (profiles: {args.profiles}, cluster: {args.cluster})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    # With --policy all, poplar's plan is the one reported on and written.
+    main_result = results["poplar" if args.policy == "all" else args.policy]
+    if not main_result.ok:
+        print(f"{prog}: infeasible: {main_result.message}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    if args.output:
+        try:
+            write_json_atomic(plan_to_dict(main_result.plan), args.output)
+        except OSError as exc:
+            print(f"{prog}: error: {args.output}: cannot write the plan: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    if args.format == "json":
+        if len(results) == 1:
+            data = plan_to_dict(main_result.plan)
+        else:
+            data = {name: None if r.plan is None else plan_to_dict(r.plan) for name, r in results.items()}
+        print(json.dumps(data, indent=2))
+    elif len(results) == 1:
+        print(plan_table(main_result, profiles, network))
+    else:
+        print(
+            comparison_table(results) + "\n\nPlan of the poplar policy:\n" + plan_table(main_result, profiles, network)
+        )
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `poplar-search`; returns the exit status (0 ok, 1 infeasible, 2 bad input, 3 a bug)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or an argument error (2, already printed)
+        return int(exc.code or 0)
+    try:
+        return run(args)
+    except Exception as exc:  # noqa: BLE001 - anything run() did not expect is a bug: say so in one line
+        if args.debug:
+            traceback.print_exc()
+        print(
+            f"poplar-search: internal error: {type(exc).__name__}: {exc} (a bug in poplar-search; "
+            "run again with --debug for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

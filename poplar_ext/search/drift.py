@@ -1,0 +1,173 @@
+"""Re-planning for drifted devices: each rank's curve scaled by how much slower (or faster) it runs.
+
+A throttled GPU is one rank, not its whole type: `scaled_problem` gives every group of
+ranks that share a type and a speed factor a derived device type (``a100@x2.50``),
+whose profile is the type's with every micro-step and the optimizer step multiplied by
+that factor. `replan` searches that problem for the same global batch and stage and
+says whether the new plan beats the current one under the drifted speeds. Pure: the
+runtime (`poplar_ext.runtime.rebalance`) decides when to call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from poplar_ext.plan.formats import (
+    Cluster,
+    ClusterNode,
+    DeviceGroup,
+    DeviceTypeInfo,
+    Plan,
+    Profile,
+)
+from poplar_ext.plan.levers import NO_LEVERS, Levers, plan_levers
+
+from .network import NetworkProfile
+
+SCALE_DECIMALS = 2
+"""Speed factors are rounded to this many decimals, so that ranks drifting alike share a derived type."""
+
+
+def derived_type(device_type: str, scale: float) -> str:
+    """The device type a rank of `device_type` running `scale` times its profile's time plans as."""
+    scale = round(scale, SCALE_DECIMALS)
+    return device_type if scale == 1.0 else f"{device_type}@x{scale:.{SCALE_DECIMALS}f}"
+
+
+def scaled_profile(profile: Profile, scale: float, *, device_type: str) -> Profile:
+    """`profile` with every time multiplied by `scale`, named `device_type`."""
+    samples = tuple(dataclasses.replace(s, micro_step_time_s=s.micro_step_time_s * scale) for s in profile.samples)
+    return dataclasses.replace(
+        profile, device_type=device_type, samples=samples, optimizer_step_time_s=profile.optimizer_step_time_s * scale
+    )
+
+
+def scaled_problem(
+    profiles: Sequence[Profile],
+    cluster: Cluster,
+    rank_scales: Sequence[float],
+    *,
+    zero_stage: int,
+    levers: Mapping[str, Levers | None] | None = None,
+) -> tuple[list[Profile], Cluster, list[str]]:
+    """Profiles and cluster in which each rank's device runs `rank_scales[r]` times its profile's time.
+
+    `levers` gives the ``(activation_checkpointing, optimizer_offload)`` whose profile
+    each device type keeps (default: neither; `search.levers.plan_levers`), so a re-plan
+    keeps the running plan's setting: the runtime applies it once, before training. Returns them and
+    each rank's derived device type, in rank order (the cluster's nodes and rank order are kept).
+    """
+    rank_types = cluster.rank_device_types
+    if len(rank_scales) != len(rank_types):
+        raise ValueError(f"rank_scales: expected one factor per rank ({len(rank_types)}), found {len(rank_scales)}")
+    bad = [s for s in rank_scales if not s > 0]
+    if bad:
+        raise ValueError(f"rank_scales: expected factors > 0, found {bad}")
+    levers = levers or {}
+    at_stage = {
+        p.device_type: p
+        for p in profiles
+        if p.zero_stage == zero_stage and p.levers == (levers.get(p.device_type) or NO_LEVERS)
+    }
+    derived = [derived_type(t, s) for t, s in zip(rank_types, rank_scales)]
+    scaled: dict[str, Profile] = {}
+    for original, name, scale in zip(rank_types, derived, rank_scales):
+        if name not in scaled and original in at_stage:
+            scaled[name] = scaled_profile(at_stage[original], round(scale, SCALE_DECIMALS), device_type=name)
+    nodes, rank = [], 0
+    for node in cluster.nodes:
+        groups: list[DeviceGroup] = []
+        for group in node.devices:
+            for _ in range(group.count):
+                name = derived[rank]
+                if groups and groups[-1].device_type == name:
+                    groups[-1] = DeviceGroup(device_type=name, count=groups[-1].count + 1)
+                else:
+                    groups.append(DeviceGroup(device_type=name, count=1))
+                rank += 1
+        nodes.append(ClusterNode(name=node.name, devices=tuple(groups)))
+    device_types = {
+        name: cluster.device_types.get(original, DeviceTypeInfo())
+        for original, name in zip(rank_types, derived)
+        if original in cluster.device_types
+    }
+    return list(scaled.values()), Cluster(nodes=tuple(nodes), device_types=device_types), derived
+
+
+def with_rank_types(plan: Plan, rank_types: Sequence[str]) -> Plan:
+    """`plan` with each rank's device type replaced (micro-batches, counts and the rest kept)."""
+    ranks = tuple(dataclasses.replace(r, device_type=t) for r, t in zip(plan.ranks, rank_types, strict=True))
+    return dataclasses.replace(plan, ranks=ranks)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replan:
+    """What `replan` found."""
+
+    status: str
+    """``better`` (switch to `plan`), ``not_better`` (the gain is below the minimum) or ``infeasible``."""
+    plan: Plan | None
+    """The new plan, under the cluster's own device types; None when infeasible."""
+    current_iteration_time_s: float
+    """The current plan's predicted iteration time under the drifted speeds."""
+    new_iteration_time_s: float | None
+    gain: float | None
+    """``current / new - 1``: the share of throughput the new plan adds."""
+    message: str
+
+
+def replan(
+    plan: Plan,
+    profiles: Sequence[Profile],
+    cluster: Cluster,
+    rank_scales: Sequence[float],
+    *,
+    min_gain: float,
+    network: NetworkProfile | None = None,
+) -> Replan:
+    """Search `plan`'s global batch and stage again with each rank's speed scaled by `rank_scales`."""
+    from .api import predict, search_plan
+
+    scaled_profiles, scaled_cluster, rank_types = scaled_problem(
+        profiles, cluster, rank_scales, zero_stage=plan.zero_stage, levers=plan_levers(plan)
+    )
+    current = predict(with_rank_types(plan, rank_types), scaled_profiles, network).iteration_time_s
+    result = search_plan(
+        scaled_profiles,
+        scaled_cluster,
+        global_batch_size=plan.global_batch_size,
+        zero_stage=plan.zero_stage,
+        policy=plan.policy,
+        network=network,
+    )
+    if result.status != "ok" or result.plan is None:
+        return Replan(
+            status="infeasible",
+            plan=None,
+            current_iteration_time_s=current,
+            new_iteration_time_s=None,
+            gain=None,
+            message=f"no plan for the drifted speeds: {result.message}",
+        )
+    new = result.plan.predicted.iteration_time_s
+    gain = current / new - 1.0
+    found = dataclasses.replace(
+        with_rank_types(result.plan, cluster.rank_device_types), profile_fingerprints=dict(plan.profile_fingerprints)
+    )
+    status = "better" if gain > min_gain else "not_better"
+    return Replan(
+        status=status,
+        plan=found,
+        current_iteration_time_s=current,
+        new_iteration_time_s=new,
+        gain=gain,
+        message=(
+            f"predicted {current:.4g} s -> {new:.4g} s per iteration ({100 * gain:+.1f}% throughput; "
+            f"minimum gain {100 * min_gain:.0f}%)"
+        ),
+    )
+
+
+__all__ = ["Replan", "derived_type", "replan", "scaled_problem", "scaled_profile", "with_rank_types"]

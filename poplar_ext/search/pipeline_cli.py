@@ -1,0 +1,250 @@
+"""`poplar-search --parallelism pipeline|auto`: the pipeline search, and pipelines against ZeRO.
+
+`search.cli` hands over here when ``--parallelism`` is not ``zero``: layer profiles are
+read from ``<profiles>/layers/``, the network as for ZeRO (``--network``, or the
+profile directory's file for this cluster). With ``auto`` the ZeRO search runs as well
+(at the given global batch, or its own choice, which the pipeline search then takes) and
+the faster predicted plan is printed and written; the table shows both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import Cluster, load_cluster, load_profiles, plan_to_dict, write_json_atomic
+from poplar_ext.plan.pipeline_formats import (
+    PipelinePlan,
+    layer_profiles_dir,
+    load_layer_profiles,
+    pipeline_plan_to_dict,
+)
+
+from .api import SearchResult, search_plan
+from .cli import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, _table, plan_table
+from .network import NetworkProfile, find_network, load_network
+from .pipeline_cost import predict_pipeline
+from .pipeline_search import PipelineSearchResult, search_pipeline_plan
+
+PROG = "poplar-search"
+
+
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    if args.policy != "poplar":
+        return f"--policy: expected poplar with --parallelism {args.parallelism}, found {args.policy}"
+    if args.parallelism == "pipeline" and args.global_batch_size is None:
+        return "--global-batch-size: required with --parallelism pipeline (the pipeline search sizes a given batch)"
+    if args.parallelism == "pipeline" and args.zero_stage in (2, 3):
+        return (
+            f"--zero-stage: expected auto, 0 or 1 with --parallelism pipeline (DeepSpeed's pipeline engine refuses "
+            f"stage {args.zero_stage})"
+        )
+    return None
+
+
+def _network(args: argparse.Namespace, cluster: Cluster) -> NetworkProfile | None:
+    if args.no_network:
+        return None
+    if args.network:
+        return load_network(args.network)
+    return find_network(args.profiles, cluster)
+
+
+def _search(args: argparse.Namespace) -> tuple[SearchResult | None, PipelineSearchResult | None, Any]:
+    """Both searches (ZeRO only with auto); raises FormatError / ValueError for bad input."""
+    cluster = load_cluster(args.cluster)
+    layer_profiles = load_layer_profiles(layer_profiles_dir(args.profiles))
+    network = _network(args, cluster)
+    zero = None
+    batch = args.global_batch_size
+    if args.parallelism == "auto":
+        zero = search_plan(
+            load_profiles(args.profiles),
+            cluster,
+            global_batch_size=batch,
+            zero_stage=args.zero_stage,
+            max_global_batch_size=args.max_global_batch_size,
+            network=network,
+        )
+        if batch is None and zero.ok:
+            batch = zero.plan.global_batch_size
+    pipeline = None
+    if batch is not None:
+        pipeline = search_pipeline_plan(
+            layer_profiles, cluster, global_batch_size=batch, zero_stage=args.zero_stage, network=network
+        )
+    return zero, pipeline, (cluster, layer_profiles, network)
+
+
+def _chosen(zero: SearchResult | None, pipeline: PipelineSearchResult | None) -> str | None:
+    """``zero`` or ``pipeline``: the faster feasible plan (ties: ZeRO); None when neither is feasible."""
+    times = {
+        name: result.plan.predicted.iteration_time_s
+        for name, result in (("zero", zero), ("pipeline", pipeline))
+        if result is not None and result.ok
+    }
+    return min(times, key=lambda name: (times[name], name != "zero")) if times else None
+
+
+def run_pipelines(args: argparse.Namespace) -> int:
+    """`poplar-search` with ``--parallelism pipeline`` or ``auto``; returns the exit status."""
+    problem = _argument_problem(args)
+    if problem:
+        print(f"{PROG}: error: {problem} (see --help)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        zero, pipeline, (cluster, layer_profiles, network) = _search(args)
+    except FormatError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc} (profiles: {args.profiles}, cluster: {args.cluster})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    chosen = _chosen(zero, pipeline)
+    if chosen is None:
+        reasons = [f"{name}: {r.message}" for name, r in (("zero", zero), ("pipeline", pipeline)) if r is not None]
+        if pipeline is None:
+            reasons.append("pipeline: not searched (no global batch: the ZeRO search found none to take)")
+        print(f"{PROG}: infeasible: {' '.join(reasons)}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    plan = zero.plan if chosen == "zero" else pipeline.plan
+    data = plan_to_dict(plan) if chosen == "zero" else pipeline_plan_to_dict(plan)
+    if args.output:
+        try:
+            write_json_atomic(data, args.output)
+        except OSError as exc:
+            print(f"{PROG}: error: {args.output}: cannot write the plan: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    if args.format == "json":
+        if args.parallelism == "auto":
+            data = {"chosen": chosen, "zero": _plan_dict(zero), "pipeline": _plan_dict(pipeline)}
+        print(json.dumps(data, indent=2))
+        return EXIT_OK
+    text = []
+    if args.parallelism == "auto":
+        text += [parallelism_table(zero, pipeline, chosen), ""]
+    if chosen == "zero":
+        text.append(plan_table(zero, load_profiles(args.profiles), network))
+    else:
+        text.append(pipeline_plan_table(pipeline, layer_profiles, network, cluster))
+    print("\n".join(text))
+    return EXIT_OK
+
+
+def _plan_dict(result: Any) -> dict[str, Any] | None:
+    if result is None or not result.ok:
+        return None
+    return pipeline_plan_to_dict(result.plan) if isinstance(result.plan, PipelinePlan) else plan_to_dict(result.plan)
+
+
+# ----------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------
+def parallelism_table(zero: SearchResult | None, pipeline: PipelineSearchResult | None, chosen: str) -> str:
+    """One row per parallelism: status, ZeRO stage, batch, predicted time and throughput."""
+    rows = [["parallelism", "status", "stage", "global batch", "iteration s", "samples/s", "of ideal", "note"]]
+    for name, result in (("zero", zero), ("pipeline", pipeline)):
+        if result is None or not result.ok:
+            message = "not searched: no global batch" if result is None else result.message
+            rows.append([name, "infeasible", "-", "-", "-", "-", "-", message])
+            continue
+        predicted = result.plan.predicted
+        rows.append(
+            [
+                name,
+                "chosen" if name == chosen else "slower",
+                str(result.plan.zero_stage),
+                str(result.plan.global_batch_size),
+                f"{predicted.iteration_time_s:.4g}",
+                f"{predicted.samples_per_s:.4g}",
+                f"{100 * predicted.samples_per_s / predicted.ideal_samples_per_s:.1f}%",
+                "faster predicted plan" if name == chosen else "",
+            ]
+        )
+    return _table(rows)
+
+
+def _ranks_text(ranks: list[int], limit: int = 3) -> str:
+    """``0-3, 8-11`` (runs of consecutive ranks), the first `limit` runs and how many ranks in all."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    return shown + (f", ... ({len(ranks)} ranks)" if len(runs) > limit else "")
+
+
+def pipeline_plan_table(
+    result: PipelineSearchResult, layer_profiles: Any, network: NetworkProfile | None, cluster: Cluster
+) -> str:
+    """Consecutive alike pipelines together, one row per stage: ranks, type, layers, micro-batches, busy, idle."""
+    plan = result.plan
+    predicted = predict_pipeline(plan, layer_profiles, network, cluster=cluster)
+    rows = [
+        [
+            "pipelines",
+            "stage",
+            "ranks",
+            "device type",
+            "layers",
+            "micro-batch",
+            "micro-batches",
+            "busy s/iter",
+            "idle",
+            "memory GiB",
+        ]
+    ]
+
+    def key(p: Any) -> tuple:
+        return (
+            tuple((s.device_type, s.first_layer, s.last_layer) for s in p.stages),
+            p.micro_batch_size,
+            p.num_micro_batches,
+        )
+
+    start = 0
+    pipelines = plan.pipelines
+    for end in range(1, len(pipelines) + 1):
+        if end < len(pipelines) and key(pipelines[end]) == key(pipelines[start]):
+            continue
+        group = pipelines[start:end]
+        for s, stage in enumerate(group[0].stages):
+            busy = predicted.rank_busy_time_s[stage.rank]
+            rows.append(
+                [
+                    (str(start) if end - start == 1 else f"{start}-{end - 1}") if s == 0 else "",
+                    str(s),
+                    _ranks_text(sorted(p.stages[s].rank for p in group)),
+                    stage.device_type,
+                    f"{stage.first_layer}-{stage.last_layer}",
+                    str(group[0].micro_batch_size),
+                    str(group[0].num_micro_batches),
+                    f"{busy:.4g}",
+                    f"{100 * (1 - busy / predicted.iteration_time_s):.1f}%",
+                    f"{predicted.rank_memory_bytes[stage.rank] / 2**30:.3g}",
+                ]
+            )
+        start = end
+    text = [result.message]
+    if network is None:
+        text.append("No network file: transfers and the gradient all-reduces between pipelines are not priced.")
+    text += ["", _table(rows)]
+    if len(result.stage_reports) > 1:
+        stage_rows = [["stage", "status", "iteration s", "samples/s", "reason"]]
+        for report in result.stage_reports:
+            stage_rows.append(
+                [
+                    str(report.zero_stage),
+                    report.status,
+                    "-" if report.iteration_time_s is None else f"{report.iteration_time_s:.4g}",
+                    "-" if report.samples_per_s is None else f"{report.samples_per_s:.4g}",
+                    report.reason,
+                ]
+            )
+        text += ["", _table(stage_rows)]
+    return "\n".join(text)

@@ -1,0 +1,498 @@
+"""The cost model of a pipeline plan: pipelines of stages side by side, 1F1B, gradients summed per layer.
+
+Pipeline p has S stages and runs m micro-batches of b samples; stage s (counted from 0)
+runs on one rank of device type d and holds layers i..j (`search.pipeline_formats`).
+
+* A stage's time per micro-batch, its forward + backward and its transfers::
+
+      t_s(b) = sum_{l=i..j} c_{d,l}(b) + 2 x_{s-1,s}(b) [s > 0] + 2 x_{s,s+1}(b) [s < S - 1]
+
+  ``c_{d,l}`` is layer l's monotone curve on type d, fitted to the layer profile's
+  samples as whole-model curves are (`search.curves`). ``x(b) = latency + b x
+  output_bytes_per_sample / bandwidth`` is one point-to-point transfer of the activation
+  a boundary sends forward; its gradient comes back at the same price. DeepSpeed's
+  pipeline engine sends and receives between its compute steps, so a stage pays both
+  directions on both of its sides, not overlapped with compute.
+* A pipeline's time: DeepSpeed's ``TrainSchedule`` runs ``2 (m + S - 1)`` steps of one
+  forward or one backward each, every step waiting for the neighbours' transfers, so
+  the slowest stage sets the pace of every step::
+
+      T_p = (m + S - 1) x max_s t_s(b)
+
+  ``m x max_s t_s`` is the slowest stage's own work, ``(S - 1) x max_s t_s`` the bubble
+  of filling and draining the pipeline.
+* The boundary: each layer's gradient is summed over the P ranks that hold it, one per
+  pipeline, by an all-reduce among them; every rank issues them in layer order, one
+  per segment (a run of consecutive layers with the same holders) of the segment's
+  parameter bytes (gradients are in the training dtype, as the parameters). A segment
+  starts when each holder has finished its earlier segments; each rank then steps the
+  optimizer of its layers. The all-reduces start when the last pipeline is done (the
+  search sizes the pipelines to finish together)::
+
+      boundary_s = max_r (finish_r + sum_{l on r} optimizer_step_time_s(l))
+      iteration_time_s = max_p T_p + boundary_s
+
+* Memory of stage s: under 1F1B it keeps the activations of up to ``min(m, S - s)``
+  micro-batches in flight (the first stage the most)::
+
+      base_memory_bytes + sum_l (parameter_bytes + optimizer_state_bytes)
+                        + min(m, S - s) x b x sum_l activation_bytes_per_sample
+
+  ``optimizer_state_bytes`` holds what a layer's parameters cost the rank besides the
+  weights (gradients, master weights, optimizer state); a stage's received activation
+  is the first layer's input, counted in that layer's kept activations.
+
+Prices come from a network file (`search.network`): a transfer or an all-reduce among
+ranks of one node at the network's ``within_node`` figures where it has them (and the
+cluster says where ranks are), otherwise at ``between_nodes`` (transfers) or the whole
+job's fit. A transfer of n bytes costs ``latency + n / bus_bandwidth`` of the all-gather
+fit: a ring moves each byte over one link per hop, so its bus bandwidth is a link's.
+Without a network nothing is priced: transfers and all-reduces cost 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from poplar_ext.plan.formats import Cluster
+from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerProfile, Pipeline, PipelinePlan
+
+from .curves import fit_points
+from .network import CollectiveFit, NetworkProfile, ring_factors
+
+TRANSFERS_PER_BOUNDARY = 2
+"""Per micro-batch a boundary carries the activation forward and its gradient back."""
+
+
+# ----------------------------------------------------------------------------------
+# Layer profiles
+# ----------------------------------------------------------------------------------
+def layer_profiles_by_stage(layer_profiles: Sequence[LayerProfile]) -> dict[int, dict[str, LayerProfile]]:
+    """Layer profiles by ZeRO stage and device type; ValueError for mixed models, layer counts or duplicates."""
+    if isinstance(layer_profiles, LayerProfile) or not isinstance(layer_profiles, Sequence):
+        raise ValueError(f"layer_profiles: expected a list of LayerProfile, found {type(layer_profiles).__name__}")
+    if not layer_profiles:
+        raise ValueError("layer_profiles: expected at least one layer profile, found none")
+    by_stage: dict[int, dict[str, LayerProfile]] = {}
+    for index, profile in enumerate(layer_profiles):
+        if not isinstance(profile, LayerProfile):
+            raise ValueError(f"layer_profiles[{index}]: expected a LayerProfile, found {type(profile).__name__}")
+        at_stage = by_stage.setdefault(profile.zero_stage, {})
+        if profile.device_type in at_stage:
+            raise ValueError(
+                f"layer_profiles: expected one layer profile per (device type, ZeRO stage), found two for "
+                f"{profile.device_type!r} at stage {profile.zero_stage}"
+            )
+        at_stage[profile.device_type] = profile
+    models = sorted({(p.model.fingerprint, p.model.name) for p in layer_profiles})
+    if len(models) > 1:
+        shown = ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
+        raise ValueError(f"layer_profiles: expected layer profiles of one model, found {len(models)}: {shown}")
+    counts = sorted({p.num_layers for p in layer_profiles})
+    if len(counts) > 1:
+        raise ValueError(f"layer_profiles: expected the same number of layers in every layer profile, found {counts}")
+    return by_stage
+
+
+@lru_cache(maxsize=4096)
+def _layer_curve_table(samples: tuple[tuple[int, float], ...], max_micro_batch_size: int) -> np.ndarray:
+    """One layer's monotone times at sizes 1..max (identical layers share the fit)."""
+    curve = fit_points(
+        [b for b, _ in samples],
+        [t for _, t in samples],
+        device_type="layer",
+        zero_stage=0,
+        max_micro_batch_size=max_micro_batch_size,
+    )
+    table = curve.table()
+    table.flags.writeable = False
+    return table
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LayerTable:
+    """One device type's layers priced for the search: prefix sums over layers, so a stage is two lookups."""
+
+    profile: LayerProfile
+    time_prefix_s: np.ndarray
+    """``[b - 1, j]``: forward + backward of layers 0..j-1 at micro-batch size b (shape ``(max_b, L + 1)``)."""
+    static_prefix_bytes: np.ndarray
+    """``[j]``: parameters and optimizer state of layers 0..j-1."""
+    activation_prefix_bytes: np.ndarray
+    """``[j]``: kept activations per sample of layers 0..j-1."""
+    parameter_prefix_bytes: np.ndarray
+    """``[j]``: parameters of layers 0..j-1 (what their gradients' all-reduce moves)."""
+    optimizer_prefix_s: np.ndarray
+    """``[j]``: optimizer step of layers 0..j-1."""
+    output_bytes: np.ndarray
+    """``[l]``: what a boundary after layer l sends per sample."""
+
+    @property
+    def max_micro_batch_size(self) -> int:
+        return self.time_prefix_s.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.time_prefix_s.shape[1] - 1
+
+    @property
+    def free_bytes(self) -> int:
+        """Memory left for layers once the base is taken (may be negative)."""
+        return self.profile.memory_capacity_bytes - self.profile.base_memory_bytes
+
+    def compute_s(self, first: int, last: int, micro_batch_size: int) -> float:
+        return float(
+            self.time_prefix_s[micro_batch_size - 1, last + 1] - self.time_prefix_s[micro_batch_size - 1, first]
+        )
+
+    def best_samples_per_s(self) -> float:
+        """The whole model on one device at its best profiled size (memory aside): what the device could do alone."""
+        largest = min(largest_profiled_size(self.profile), self.max_micro_batch_size)
+        sizes = np.arange(1, largest + 1)
+        return float(np.max(sizes / self.time_prefix_s[:largest, -1]))
+
+
+def _prefix(values: Sequence[float] | np.ndarray, dtype: type = float) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(np.asarray(values, dtype=dtype))])
+
+
+def layer_table(profile: LayerProfile, max_micro_batch_size: int) -> LayerTable:
+    """`profile`'s layers priced at micro-batch sizes 1..`max_micro_batch_size`."""
+    if max_micro_batch_size < 1:
+        raise ValueError(f"max_micro_batch_size: expected an integer >= 1, found {max_micro_batch_size!r}")
+    columns = [
+        _layer_curve_table(tuple((s.micro_batch_size, s.step_time_s) for s in layer.samples), max_micro_batch_size)
+        for layer in profile.layers
+    ]
+    times = np.column_stack(columns)
+    layers = profile.layers
+    return LayerTable(
+        profile=profile,
+        time_prefix_s=np.concatenate([np.zeros((max_micro_batch_size, 1)), np.cumsum(times, axis=1)], axis=1),
+        static_prefix_bytes=_prefix([x.parameter_bytes + x.optimizer_state_bytes for x in layers], np.int64),
+        activation_prefix_bytes=_prefix([x.activation_bytes_per_sample for x in layers], np.int64),
+        parameter_prefix_bytes=_prefix([x.parameter_bytes for x in layers], np.int64),
+        optimizer_prefix_s=_prefix([x.optimizer_step_time_s for x in layers]),
+        output_bytes=np.array([x.output_bytes_per_sample for x in layers], dtype=np.int64),
+    )
+
+
+def largest_profiled_size(profile: LayerProfile) -> int:
+    return max(s.micro_batch_size for layer in profile.layers for s in layer.samples)
+
+
+# ----------------------------------------------------------------------------------
+# Prices of moving bytes
+# ----------------------------------------------------------------------------------
+def _price_s(fit: CollectiveFit, collective: str, message_bytes: float, world_size: int) -> float:
+    hops, volume = ring_factors(collective, world_size)
+    return hops * fit.latency_s + volume * message_bytes / fit.bus_bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Links:
+    """What transfers and all-reduces cost between given ranks (module docstring)."""
+
+    network: NetworkProfile | None
+    rank_nodes: tuple[int, ...] | None = None
+    """Node index of every rank (None: unknown, every pair priced as on different nodes)."""
+
+    @classmethod
+    def of(cls, network: NetworkProfile | None, cluster: Cluster | None) -> Links:
+        if cluster is None:
+            return cls(network=network)
+        nodes = tuple(index for index, node in enumerate(cluster.nodes) for g in node.devices for _ in range(g.count))
+        return cls(network=network, rank_nodes=nodes)
+
+    def same_node(self, ranks: Sequence[int]) -> bool:
+        if self.rank_nodes is None or not len(ranks):
+            return False
+        return len({self.rank_nodes[r] for r in ranks}) == 1
+
+    def same_nodes(self, ranks: Sequence[int]) -> tuple[bool, ...]:
+        """For each pair of consecutive ranks, whether they share a node."""
+        nodes = self.rank_nodes
+        if nodes is None:
+            return (False,) * (len(ranks) - 1)
+        return tuple(nodes[a] == nodes[b] for a, b in zip(ranks, ranks[1:]))
+
+    def _fit(self, collective: str, same_node: bool, point_to_point: bool) -> CollectiveFit:
+        assert self.network is not None
+        scopes = self.network.scopes
+        if same_node and "within_node" in scopes:
+            return scopes["within_node"].collectives[collective]
+        if point_to_point and not same_node and "between_nodes" in scopes:
+            return scopes["between_nodes"].collectives[collective]
+        return self.network.collectives[collective]
+
+    def transfer_fit(self, same_node: bool) -> tuple[float, float]:
+        """``(latency_s, seconds per byte)`` of one point-to-point transfer (zeros without a network)."""
+        if self.network is None:
+            return 0.0, 0.0
+        fit = self._fit("all_gather", same_node, point_to_point=True)
+        return fit.latency_s, 1.0 / fit.bus_bandwidth_bytes_per_s
+
+    def transfer_s(self, message_bytes: float, rank_a: int, rank_b: int) -> float:
+        latency_s, per_byte_s = self.transfer_fit(self.same_node((rank_a, rank_b)))
+        return latency_s + message_bytes * per_byte_s
+
+    def all_reduce_s(self, message_bytes: float, ranks: Sequence[int]) -> float:
+        if self.network is None or len(ranks) <= 1:
+            return 0.0
+        fit = self._fit("all_reduce", self.same_node(ranks), point_to_point=False)
+        return _price_s(fit, "all_reduce", message_bytes, len(ranks))
+
+
+# ----------------------------------------------------------------------------------
+# One pipeline
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class StageCost:
+    """One stage of a pipeline at its micro-batch size (seconds per micro-batch, bytes)."""
+
+    compute_s: float
+    transfer_s: float
+    memory_bytes: int
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.transfer_s
+
+
+def in_flight(num_stages: int, stage: int, num_micro_batches: int) -> int:
+    """Micro-batches whose activations stage `stage` of `num_stages` keeps at once under 1F1B."""
+    return min(num_micro_batches, num_stages - stage)
+
+
+def stage_costs(pipeline: Pipeline, tables: dict[str, LayerTable], links: Links) -> list[StageCost]:
+    """Each stage's compute, transfers and memory at the pipeline's micro-batch size and count."""
+    b, m, stages = pipeline.micro_batch_size, pipeline.num_micro_batches, pipeline.stages
+    costs = []
+    for s, stage in enumerate(stages):
+        table = tables[stage.device_type]
+        transfer_s = 0.0
+        for other, layer in ((s - 1, stage.first_layer - 1), (s + 1, stage.last_layer)):
+            if 0 <= other < len(stages):
+                bytes_ = b * float(table.output_bytes[layer])
+                transfer_s += TRANSFERS_PER_BOUNDARY * links.transfer_s(bytes_, stage.rank, stages[other].rank)
+        first, end = stage.first_layer, stage.last_layer + 1
+        memory = (
+            table.profile.base_memory_bytes
+            + int(table.static_prefix_bytes[end] - table.static_prefix_bytes[first])
+            + in_flight(len(stages), s, m)
+            * b
+            * int(table.activation_prefix_bytes[end] - table.activation_prefix_bytes[first])
+        )
+        costs.append(
+            StageCost(
+                compute_s=table.compute_s(stage.first_layer, stage.last_layer, b),
+                transfer_s=transfer_s,
+                memory_bytes=memory,
+            )
+        )
+    return costs
+
+
+def pipeline_time_s(num_stages: int, num_micro_batches: int, slowest_stage_s: float) -> float:
+    """1F1B: ``(m + S - 1) x`` the slowest stage's time per micro-batch."""
+    return (num_micro_batches + num_stages - 1) * slowest_stage_s
+
+
+# ----------------------------------------------------------------------------------
+# The boundary
+# ----------------------------------------------------------------------------------
+def segments(pipelines: Sequence[Pipeline], num_layers: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Runs of consecutive layers with the same holders: ``(first, last, holder ranks)``, in layer order."""
+    holders = np.empty((num_layers, len(pipelines)), dtype=np.int64)
+    for p, pipeline in enumerate(pipelines):
+        for stage in pipeline.stages:
+            holders[stage.first_layer : stage.last_layer + 1, p] = stage.rank
+    runs = []
+    start = 0
+    for layer in range(1, num_layers + 1):
+        if layer == num_layers or np.any(holders[layer] != holders[start]):
+            runs.append((start, layer - 1, tuple(holders[start].tolist())))
+            start = layer
+    return runs
+
+
+def all_reduce_finish_s(
+    pipelines: Sequence[Pipeline], tables: dict[str, LayerTable], links: Links, world_size: int
+) -> np.ndarray:
+    """When each rank's last gradient all-reduce ends, counted from the start of the boundary."""
+    num_layers = tables[pipelines[0].stages[0].device_type].num_layers
+    ready = np.zeros(world_size)
+    if len(pipelines) <= 1 or links.network is None:
+        return ready
+    # Every holder of a layer holds the same parameters; any holder's table has their bytes.
+    prefix = tables[pipelines[0].stages[0].device_type].parameter_prefix_bytes
+    for first, last, ranks in segments(pipelines, num_layers):
+        holders = np.array(ranks)
+        duration = links.all_reduce_s(float(prefix[last + 1] - prefix[first]), ranks)
+        ready[holders] = ready[holders].max() + duration
+    return ready
+
+
+# ----------------------------------------------------------------------------------
+# predict_pipeline
+# ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class PipelinePrediction:
+    """What the cost model predicts for a pipeline plan; per-rank tuples are in rank order."""
+
+    zero_stage: int
+    pipeline_time_s: tuple[float, ...]
+    """Each pipeline's 1F1B time: (m + S - 1) x its slowest stage."""
+    rank_stage_time_s: tuple[float, ...]
+    """Each rank's stage time per micro-batch: compute + transfers."""
+    rank_compute_time_s: tuple[float, ...]
+    """Per iteration: micro-batches x the stage's forward + backward."""
+    rank_transfer_time_s: tuple[float, ...]
+    """Per iteration: micro-batches x the stage's activation transfers."""
+    rank_busy_time_s: tuple[float, ...]
+    """Per iteration: compute + transfers (what the rank is doing, not waiting)."""
+    rank_memory_bytes: tuple[int, ...]
+    """Peak memory of each rank's stage (base, its layers, in-flight activations)."""
+    rank_all_reduce_s: tuple[float, ...]
+    """When the rank's last gradient all-reduce ends, from the start of the boundary."""
+    rank_optimizer_step_s: tuple[float, ...]
+    """The optimizer step of the rank's layers."""
+    boundary_s: float
+    """All-reduces and optimizer steps once the pipelines are done."""
+    iteration_time_s: float
+    """The slowest pipeline + the boundary."""
+    samples_per_s: float
+    ideal_samples_per_s: float
+    """Sum over ranks of their device's best throughput with the whole model (memory and transfers aside)."""
+
+
+def _tables_for_plan(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]) -> dict[str, LayerTable]:
+    by_stage = layer_profiles_by_stage(layer_profiles)
+    at_stage = by_stage.get(plan.zero_stage, {})
+    types = list(dict.fromkeys(plan.rank_device_types))
+    missing = [t for t in types if t not in at_stage]
+    if missing:
+        raise ValueError(
+            f"layer_profiles: expected a layer profile at ZeRO stage {plan.zero_stage} for every device type of the "
+            f"plan, found none for {', '.join(missing)}"
+        )
+    wrong = [t for t in types if at_stage[t].num_layers != plan.num_layers]
+    if wrong:
+        raise ValueError(
+            f"layer_profiles: expected {plan.num_layers} layers (the plan's num_layers), found "
+            f"{at_stage[wrong[0]].num_layers} in {wrong[0]!r}'s"
+        )
+    largest = max(p.micro_batch_size for p in plan.pipelines)
+    return {t: layer_table(at_stage[t], max(largest, largest_profiled_size(at_stage[t]))) for t in types}
+
+
+def predict_pipeline(
+    plan: PipelinePlan,
+    layer_profiles: Sequence[LayerProfile],
+    network: NetworkProfile | None = None,
+    *,
+    cluster: Cluster | None = None,
+) -> PipelinePrediction:
+    """Per-stage busy time and the iteration time the cost model (module docstring) predicts for `plan`.
+
+    With `network`, transfers and all-reduces are priced; with `cluster` too, ranks of one
+    node exchange at the network's within-node figures where it has them. Raises
+    ValueError when a device type of the plan has no layer profile at the plan's ZeRO
+    stage, or the profiles' layer count is not the plan's.
+    """
+    if plan.zero_stage not in PIPELINE_ZERO_STAGES:
+        raise ValueError(f"plan.zero_stage: expected 0 or 1, found {plan.zero_stage!r}")
+    return evaluate_plan(plan, _tables_for_plan(plan, layer_profiles), Links.of(network, cluster))
+
+
+def evaluate_plan(plan: PipelinePlan, tables: dict[str, LayerTable], links: Links) -> PipelinePrediction:
+    """`predict_pipeline` with the tables (sizes up to the plan's largest micro-batch) and prices ready."""
+    world = plan.world_size
+    stage_time, compute, transfer, busy, optimizer = (np.zeros(world) for _ in range(5))
+    memory = np.zeros(world, dtype=np.int64)
+    pipeline_times = []
+    # Pipelines alike in everything but their ranks cost the same: thousands of them, a few kinds.
+    known: dict[tuple, list[StageCost]] = {}
+    for pipeline in plan.pipelines:
+        m = pipeline.num_micro_batches
+        key = _cost_key(pipeline, links)
+        costs = known.get(key)
+        if costs is None:
+            costs = known[key] = stage_costs(pipeline, tables, links)
+        for stage, cost in zip(pipeline.stages, costs):
+            r = stage.rank
+            stage_time[r], compute[r], transfer[r] = cost.time_s, m * cost.compute_s, m * cost.transfer_s
+            busy[r], memory[r] = m * cost.time_s, cost.memory_bytes
+            prefix = tables[stage.device_type].optimizer_prefix_s
+            optimizer[r] = prefix[stage.last_layer + 1] - prefix[stage.first_layer]
+        pipeline_times.append(pipeline_time_s(len(costs), m, max(c.time_s for c in costs)))
+    finish = all_reduce_finish_s(plan.pipelines, tables, links, world)
+    boundary = float(np.max(finish + optimizer))
+    iteration = max(pipeline_times) + boundary
+    return PipelinePrediction(
+        zero_stage=plan.zero_stage,
+        pipeline_time_s=tuple(pipeline_times),
+        rank_stage_time_s=tuple(stage_time.tolist()),
+        rank_compute_time_s=tuple(compute.tolist()),
+        rank_transfer_time_s=tuple(transfer.tolist()),
+        rank_busy_time_s=tuple(busy.tolist()),
+        rank_memory_bytes=tuple(int(x) for x in memory),
+        rank_all_reduce_s=tuple(finish.tolist()),
+        rank_optimizer_step_s=tuple(optimizer.tolist()),
+        boundary_s=boundary,
+        iteration_time_s=iteration,
+        samples_per_s=plan.global_batch_size / iteration,
+        ideal_samples_per_s=_ideal_samples_per_s(plan.rank_device_types, tables),
+    )
+
+
+def _ideal_samples_per_s(rank_device_types: Sequence[str], tables: dict[str, LayerTable]) -> float:
+    best = {t: tables[t].best_samples_per_s() for t in set(rank_device_types)}
+    return float(sum(best[t] for t in rank_device_types))
+
+
+def _cost_key(pipeline: Pipeline, links: Links) -> tuple:
+    ranks = pipeline.ranks
+    return (
+        pipeline.micro_batch_size,
+        pipeline.num_micro_batches,
+        tuple((s.device_type, s.first_layer, s.last_layer) for s in pipeline.stages),
+        links.same_nodes(ranks),
+    )
+
+
+def boundary_lower_bound_s(
+    tables: dict[str, LayerTable], links: Links, num_pipelines: int, fewest_stages: int
+) -> float:
+    """No split of `num_pipelines` pipelines, the shortest of `fewest_stages` stages, has a shorter boundary.
+
+    Some stage of the shortest pipeline holds at least 1/S of the parameters, so its rank
+    all-reduces at least that much (the ring's price is affine with a non-negative
+    latency: one all-reduce of the sum costs no more than the pieces), and some stage
+    holds at least 1/S of the optimizer step (on the quickest type).
+    """
+    any_table = next(iter(tables.values()))
+    optimizer_s = min(float(t.optimizer_prefix_s[-1]) for t in tables.values()) / fewest_stages
+    if links.network is None or num_pipelines <= 1:
+        return optimizer_s
+    share = float(any_table.parameter_prefix_bytes[-1]) / fewest_stages
+    fits = [links.network.collectives["all_reduce"]]
+    node = links.network.scopes.get("within_node")
+    if node is not None and num_pipelines <= node.group_size:
+        fits.append(node.collectives["all_reduce"])
+    all_reduce_s = min(_price_s(fit, "all_reduce", share, num_pipelines) for fit in fits)
+    return max(all_reduce_s, optimizer_s)
+
+
+def boundary_s(pipelines: Sequence[Pipeline], tables: dict[str, LayerTable], links: Links, world_size: int) -> float:
+    """The boundary of pipelines with these stages (what it costs does not depend on micro-batches)."""
+    finish = all_reduce_finish_s(pipelines, tables, links, world_size)
+    for pipeline in pipelines:
+        for stage in pipeline.stages:
+            prefix = tables[stage.device_type].optimizer_prefix_s
+            finish[stage.rank] += prefix[stage.last_layer + 1] - prefix[stage.first_layer]
+    return float(np.max(finish))

@@ -1,0 +1,220 @@
+"""Allocation policies: who runs how many samples per micro-step, and how many micro-steps.
+
+All three share one signature, ``allocate(policy, model, global_batch_size)`` and
+``best_global_batch(policy, model, max_global_batch_size)``, and return a
+`PolicyResult`: an `Allocation` or the reason there is none.
+
+* ``uniform`` (what DeepSpeed does): one micro-batch size and one accumulation count
+  for every rank; the largest micro-batch that fits the smallest device and divides
+  ``B / W``.
+* ``proportional`` (Whale): per-micro-step shares proportional to each device's
+  measured throughput at its largest micro-batch, clipped to [1, max micro-batch],
+  largest-remainder rounding; one accumulation count for all ranks, the smallest
+  that lets the shares fit.
+* ``poplar``: the allocation with the smallest predicted iteration time under the
+  cost model (`search.cost`), exactly: integer micro-batches, ``sum b_r s_r == B``,
+  per-rank memory caps, every rank at least one sample, and the stage's rule (one
+  accumulation count at stages 2 and 3; per-rank counts at stages 0 and 1).
+
+Ranks of one device type are identical, so every policy works per type and splits a
+type's share evenly (sizes differ by at most one where the rule allows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from poplar_ext.plan.formats import MAX_GLOBAL_BATCH_SIZE, POLICIES
+
+from .allocation import (
+    Allocation,
+    PolicyResult,
+    batch_problem,
+    divisors,
+    finish,
+    infeasible,
+)
+from .cost import StageModel
+from .poplar_independent import poplar_independent, poplar_independent_best
+from .poplar_synchronised import poplar_synchronised, poplar_synchronised_best
+
+AUTO_ACCUMULATION_STEPS = 8
+"""Without a maximum global batch, the auto search looks at batches up to this many
+micro-steps of every rank at its largest micro-batch."""
+
+__all__ = ["AUTO_ACCUMULATION_STEPS", "Allocation", "PolicyResult", "allocate", "best_global_batch"]
+
+
+def _default_max_batch(model: StageModel) -> int:
+    # Held to the search's limit: a large cluster of large micro-batches can exceed it.
+    return min(AUTO_ACCUMULATION_STEPS * model.total_max_micro_batch, MAX_GLOBAL_BATCH_SIZE)
+
+
+# ----------------------------------------------------------------------------------
+# uniform
+# ----------------------------------------------------------------------------------
+def _uniform(model: StageModel, global_batch_size: int) -> PolicyResult:
+    world = model.world_size
+    if global_batch_size % world:
+        return infeasible(
+            f"The global batch {global_batch_size} is not a multiple of the {world} ranks; "
+            "uniform gives every rank the same micro-batch and accumulation count."
+        )
+    per_rank = global_batch_size // world
+    smallest_cap = min(d.max_micro_batch_size for d in model.devices)
+    sizes = divisors(per_rank)
+    micro = int(sizes[sizes <= smallest_cap].max())
+    return _uniform_allocation(model, micro, per_rank // micro)
+
+
+def _uniform_allocation(model: StageModel, micro: int, steps: int) -> PolicyResult:
+    groups = [[(micro, steps, d.num_ranks)] for d in model.devices]
+    return PolicyResult(allocation=finish(model, groups))
+
+
+def _uniform_best(model: StageModel, max_batch: int) -> PolicyResult:
+    world = model.world_size
+    smallest_cap = min(d.max_micro_batch_size for d in model.devices)
+    micro = np.arange(1, smallest_cap + 1, dtype=np.int64)
+    steps = max_batch // (world * micro)
+    valid = steps >= 1
+    if not np.any(valid):
+        return infeasible(batch_problem(model, max_batch))
+    slowest = np.max([d.step_time_table_s[:smallest_cap] for d in model.devices], axis=0)
+    time = steps * slowest + model.boundary_s
+    rate = np.where(valid, world * micro * steps / time, -1.0)
+    best = int(np.argmax(rate))
+    return _uniform_allocation(model, int(micro[best]), int(steps[best]))
+
+
+# ----------------------------------------------------------------------------------
+# proportional (Whale)
+# ----------------------------------------------------------------------------------
+def _proportional_weights(model: StageModel) -> np.ndarray:
+    """Measured throughput of each type at its largest micro-batch (samples/s)."""
+    return np.array([d.max_micro_batch_size / d.step_time_table_s[-1] for d in model.devices])
+
+
+def _proportional_split(model: StageModel, total: int) -> list[list[tuple[int, int]]] | None:
+    """Split `total` samples per micro-step over ranks in proportion to throughput.
+
+    Shares are ``clip(scale * weight, 1, cap)`` with the scale found by bisection,
+    then floored, and the remaining samples go one each to the ranks with the largest
+    remainders (ties: type order, then rank order). Returns per type a list of
+    ``(micro_batch, count)`` or None when `total` cannot fit.
+    """
+    counts = model.counts
+    caps = np.array([d.max_micro_batch_size for d in model.devices], dtype=np.int64)
+    if total < counts.sum() or total > int(counts @ caps):
+        return None
+    weights = _proportional_weights(model)
+
+    def shares(scale: float) -> np.ndarray:
+        return np.clip(scale * weights, 1.0, caps)
+
+    lo, hi = 0.0, float(caps.max() / weights.min())
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if counts @ shares(mid) < total:
+            lo = mid
+        else:
+            hi = mid
+    exact = counts * shares(hi)
+    amounts = np.clip(np.floor(exact).astype(np.int64), counts, counts * caps)
+    # Largest remainder over type totals (ranks of one type are interchangeable); the
+    # loop also absorbs the bisection's last-digit error, so it may run more than once.
+    order = sorted(range(len(counts)), key=lambda i: (-(exact[i] - amounts[i]), i))
+    left = total - int(amounts.sum())
+    while left > 0:
+        for i in order:
+            if left > 0 and amounts[i] < counts[i] * caps[i]:
+                amounts[i] += 1
+                left -= 1
+    while left < 0:
+        for i in reversed(order):
+            if left < 0 and amounts[i] > counts[i]:
+                amounts[i] -= 1
+                left += 1
+    return [_even_split(int(a), int(n)) for a, n in zip(amounts, counts)]
+
+
+def _even_split(amount: int, count: int) -> list[tuple[int, int]]:
+    """`amount` samples over `count` identical ranks: sizes differ by at most one, larger first."""
+    base, extra = divmod(amount, count)
+    groups = [(base + 1, extra), (base, count - extra)]
+    return [g for g in groups if g[1] > 0]
+
+
+def _proportional(model: StageModel, global_batch_size: int) -> PolicyResult:
+    for steps in divisors(global_batch_size):
+        split = _proportional_split(model, global_batch_size // int(steps))
+        if split is not None:
+            groups = [[(micro, int(steps), count) for micro, count in g] for g in split]
+            return PolicyResult(allocation=finish(model, groups))
+    return infeasible(
+        f"No accumulation count s divides the global batch {global_batch_size} so that B / s lies between "
+        f"the {model.world_size} ranks and {model.total_max_micro_batch} (every rank at its largest micro-batch)."
+    )
+
+
+def _proportional_best(model: StageModel, max_batch: int) -> PolicyResult:
+    weights = _proportional_weights(model)
+    caps = np.array([d.max_micro_batch_size for d in model.devices])
+    scale = float(np.min(caps / weights))
+    per_step = int(model.counts @ np.maximum(1, np.floor(scale * weights + 1e-9)).astype(np.int64))
+    per_step = min(per_step, max_batch)
+    if per_step < model.world_size:
+        return infeasible(batch_problem(model, max_batch))
+    steps = max(1, max_batch // per_step)
+    split = _proportional_split(model, per_step)
+    assert split is not None, "per_step lies between the world size and the total cap"
+    groups = [[(micro, steps, count) for micro, count in g] for g in split]
+    return PolicyResult(allocation=finish(model, groups))
+
+
+# ----------------------------------------------------------------------------------
+# The one entry point per question
+# ----------------------------------------------------------------------------------
+def _check_policy(policy: str) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {', '.join(map(repr, POLICIES))}, found {policy!r}")
+
+
+def allocate(policy: str, model: StageModel, global_batch_size: int) -> PolicyResult:
+    """Allocate exactly `global_batch_size` samples per iteration with `policy`."""
+    _check_policy(policy)
+    reason = batch_problem(model, global_batch_size)
+    if reason:
+        return infeasible(reason)
+    if policy == "uniform":
+        return _uniform(model, global_batch_size)
+    if policy == "proportional":
+        return _proportional(model, global_batch_size)
+    if model.synchronised_micro_steps:
+        return poplar_synchronised(model, global_batch_size)
+    return poplar_independent(model, global_batch_size)
+
+
+def best_global_batch(policy: str, model: StageModel, max_global_batch_size: int | None = None) -> PolicyResult:
+    """The allocation with the highest predicted samples/s over global batches up to a maximum.
+
+    Without `max_global_batch_size` the maximum is `AUTO_ACCUMULATION_STEPS` micro-steps
+    of every rank at its largest micro-batch, at most `MAX_GLOBAL_BATCH_SIZE`. Candidates per policy: ``uniform`` every
+    micro-batch up to the smallest cap with the most accumulation steps that fit;
+    ``proportional`` the largest per-micro-step batch whose proportional shares fit,
+    times the most accumulation steps that fit; ``poplar`` every capacity level (all
+    ranks at their most samples within a time level, the only batches that leave no
+    rank idle) and the maximum itself.
+    """
+    _check_policy(policy)
+    max_batch = _default_max_batch(model) if max_global_batch_size is None else max_global_batch_size
+    reason = batch_problem(model, max_batch)
+    if reason:
+        return infeasible(reason)
+    if policy == "uniform":
+        return _uniform_best(model, max_batch)
+    if policy == "proportional":
+        return _proportional_best(model, max_batch)
+    if model.synchronised_micro_steps:
+        return poplar_synchronised_best(model, max_batch)
+    return poplar_independent_best(model, max_batch)
