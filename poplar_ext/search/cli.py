@@ -10,7 +10,6 @@ import json
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (
@@ -24,15 +23,13 @@ from poplar_ext.plan.formats import (
     write_json_atomic,
 )
 
-from .api import SearchResult, predict, search_plan
+from .api import search_plan
+from .cli_output import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_INTERNAL_ERROR, EXIT_OK, comparison_table, plan_table
 from .examples import example_cluster_file, example_profiles_dir
-from .network import NetworkProfile, find_network, load_network
+from .network import find_network, load_network
+from .pipeline_cli import run_pipelines
 from .policies import AUTO_ACCUMULATION_STEPS
-
-EXIT_OK = 0
-EXIT_INFEASIBLE = 1
-EXIT_BAD_INPUT = 2
-EXIT_INTERNAL_ERROR = 3
+from .predict_cli import run_predict
 
 DESCRIPTION = """\
 Search per-rank micro-batch sizes and gradient-accumulation counts for a DeepSpeed
@@ -61,6 +58,10 @@ profiles/README.md), searched from the layer profiles in DIR/layers/; the table 
 each stage's rank, device type, layers, busy time and idle share of the iteration.
 With --parallelism auto both are searched at the same global batch and the faster
 predicted plan is the one printed and written.
+
+With --predict PLAN no search runs: the plan (ZeRO or pipeline, told apart by its
+file) is priced from the profiles and the network file, and the table shows where each
+rank's time goes: compute, communication or activation transfers, the boundary, idle.
 
 exit status:
   0  a plan was found (and written, with --output)
@@ -161,113 +162,16 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
     parser.add_argument(
         "--no-network", action="store_true", help="ignore any network file: the boundary is the profiles' measured one"
     )
+    parser.add_argument(
+        "--predict",
+        metavar="PLAN",
+        help="price this plan (ZeRO or pipeline) instead of searching one: where each rank's time goes, from "
+        "--profiles (and DIR/layers/ for a pipeline plan) and the network file; --cluster is optional here",
+    )
     parser.add_argument("--output", metavar="PLAN.json", help="write the (poplar) plan here, only on success")
     parser.add_argument("--format", choices=("table", "json"), default="table", help="what to print (default: table)")
     parser.add_argument("--debug", action="store_true", help="on an internal error, print the traceback")
     return parser
-
-
-# ----------------------------------------------------------------------------------
-# Printing
-# ----------------------------------------------------------------------------------
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
-
-
-def _rank_span(first: int, last: int) -> str:
-    return str(first) if first == last else f"{first}-{last}"
-
-
-def plan_table(result: SearchResult, profiles: Sequence, network: NetworkProfile | None = None) -> str:
-    """Groups of consecutive ranks with the same device type and allocation, and the stage reports."""
-    plan = result.plan
-    assert plan is not None
-    busy = predict(plan, profiles, network).rank_busy_time_s
-    slowest = max(busy)
-    # A column per memory lever only where some rank uses it.
-    checkpointing = any(r.activation_checkpointing for r in plan.ranks)
-    offload = any(r.optimizer_offload for r in plan.ranks)
-    rows = [
-        ["ranks", "device type", "micro-batch", "accumulation", "samples/iter", "busy s/iter", "idle"]
-        + (["checkpointing"] if checkpointing else [])
-        + (["optimizer offload"] if offload else [])
-    ]
-
-    def group(r: Any) -> tuple:
-        return (
-            r.device_type,
-            r.micro_batch_size,
-            r.gradient_accumulation_steps,
-            r.activation_checkpointing,
-            r.optimizer_offload,
-        )
-
-    start = 0
-    for i in range(1, len(plan.ranks) + 1):
-        first = plan.ranks[start]
-        if i < len(plan.ranks) and group(plan.ranks[i]) == group(first):
-            continue
-        rows.append(
-            [
-                _rank_span(start, i - 1),
-                first.device_type,
-                str(first.micro_batch_size),
-                str(first.gradient_accumulation_steps),
-                str(first.samples_per_iteration),
-                f"{busy[start]:.4g}",
-                f"{100 * (1 - busy[start] / slowest):.1f}%",
-            ]
-            + (["on" if first.activation_checkpointing else "off"] if checkpointing else [])
-            + (["on" if first.optimizer_offload else "off"] if offload else [])
-        )
-        start = i
-    text = [result.message, "", _table(rows)]
-    if len(result.stage_reports) > 1:
-        stage_rows = [["stage", "status", "global batch", "iteration s", "samples/s", "reason"]]
-        for report in result.stage_reports:
-            stage_rows.append(
-                [
-                    str(report.zero_stage),
-                    report.status,
-                    "-" if report.global_batch_size is None else str(report.global_batch_size),
-                    "-" if report.iteration_time_s is None else f"{report.iteration_time_s:.4g}",
-                    "-" if report.samples_per_s is None else f"{report.samples_per_s:.4g}",
-                    report.reason,
-                ]
-            )
-        text += ["", _table(stage_rows)]
-    return "\n".join(text)
-
-
-def comparison_table(results: dict[str, SearchResult]) -> str:
-    """One row per policy: stage, batch, predicted time and throughput, against poplar."""
-    rows = [["policy", "status", "stage", "global batch", "iteration s", "samples/s", "of ideal", "poplar speed-up"]]
-    reference = results["poplar"].plan
-    for name, result in results.items():
-        plan = result.plan
-        if plan is None:
-            rows.append([name, "infeasible", "-", "-", "-", "-", "-", result.message])
-            continue
-        predicted = plan.predicted
-        versus = (
-            "-"
-            if name == "poplar" or reference is None
-            else (f"{reference.predicted.samples_per_s / predicted.samples_per_s:.2f}x")
-        )
-        rows.append(
-            [
-                name,
-                "ok",
-                str(plan.zero_stage),
-                str(plan.global_batch_size),
-                f"{predicted.iteration_time_s:.4g}",
-                f"{predicted.samples_per_s:.4g}",
-                f"{100 * predicted.samples_per_s / predicted.ideal_samples_per_s:.1f}%",
-                versus,
-            ]
-        )
-    return _table(rows)
 
 
 # ----------------------------------------------------------------------------------
@@ -279,7 +183,12 @@ def run(args: argparse.Namespace) -> int:
     if args.example:
         args.profiles = args.profiles or str(example_profiles_dir())
         args.cluster = args.cluster or str(example_cluster_file())
-    missing = [option for option, value in (("--profiles", args.profiles), ("--cluster", args.cluster)) if not value]
+    required = (
+        (("--profiles", args.profiles),)
+        if args.predict
+        else (("--profiles", args.profiles), ("--cluster", args.cluster))
+    )
+    missing = [option for option, value in required if not value]
     if missing:
         print(
             f"{prog}: error: the following arguments are required: {', '.join(missing)} (or --example for the "
@@ -287,9 +196,17 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
+    if args.predict:
+        ignored = _search_only_options(args)
+        if ignored:
+            print(
+                f"{prog}: error: {', '.join(ignored)}: not used with --predict, which prices the plan as it is "
+                "(see --help)",
+                file=sys.stderr,
+            )
+            return EXIT_BAD_INPUT
+        return run_predict(args)
     if args.parallelism != "zero":
-        from .pipeline_cli import run_pipelines
-
         return run_pipelines(args)
     try:
         profiles = load_profiles(args.profiles)
@@ -343,6 +260,19 @@ def run(args: argparse.Namespace) -> int:
             comparison_table(results) + "\n\nPlan of the poplar policy:\n" + plan_table(main_result, profiles, network)
         )
     return EXIT_OK
+
+
+def _search_only_options(args: argparse.Namespace) -> list[str]:
+    """The options given that only a search uses."""
+    given = {
+        "--global-batch-size": args.global_batch_size is not None,
+        "--max-global-batch-size": args.max_global_batch_size is not None,
+        "--zero-stage": args.zero_stage != "auto",
+        "--policy": args.policy != "poplar",
+        "--parallelism": args.parallelism != "zero",
+        "--output": args.output is not None,
+    }
+    return [option for option, is_given in given.items() if is_given]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from poplar_ext.plan.pipeline_formats import (
 )
 
 from .api import SearchResult, search_plan
-from .cli import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, _table, plan_table
+from .cli_output import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, plan_table, table
 from .network import NetworkProfile, find_network, load_network
 from .pipeline_cost import predict_pipeline
 from .pipeline_search import PipelineSearchResult, search_pipeline_plan
@@ -164,7 +164,7 @@ def parallelism_table(zero: SearchResult | None, pipeline: PipelineSearchResult 
                 "faster predicted plan" if name == chosen else "",
             ]
         )
-    return _table(rows)
+    return table(rows)
 
 
 def _ranks_text(ranks: list[int], limit: int = 3) -> str:
@@ -233,7 +233,7 @@ def pipeline_plan_table(
     text = [result.message]
     if network is None:
         text.append("No network file: transfers and the gradient all-reduces between pipelines are not priced.")
-    text += ["", _table(rows)]
+    text += ["", table(rows)]
     if len(result.stage_reports) > 1:
         stage_rows = [["stage", "status", "iteration s", "samples/s", "reason"]]
         for report in result.stage_reports:
@@ -246,5 +246,5 @@ def pipeline_plan_table(
                     report.reason,
                 ]
             )
-        text += ["", _table(stage_rows)]
+        text += ["", table(stage_rows)]
     return "\n".join(text)

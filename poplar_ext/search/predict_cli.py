@@ -1,0 +1,133 @@
+"""`poplar-search --predict PLAN`: a given plan, ZeRO or pipeline, priced by the cost model.
+
+The plan's kind is read from the file (a pipeline plan has ``pipelines``). A ZeRO plan is
+priced from the profiles in ``--profiles``, a pipeline plan from the layer profiles in
+``<profiles>/layers/``; communication from the network file as for a search (``--network``,
+else the profile directory's file for ``--cluster``; none with ``--no-network``). The table
+says where each rank's time goes (compute, communication or transfers, the boundary, idle);
+``--format json`` prints the prediction whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import Plan, load_cluster, load_plan, load_profiles, read_json
+from poplar_ext.plan.pipeline_formats import PipelinePlan, layer_profiles_dir, load_layer_profiles, load_pipeline_plan
+
+from .api import PlanPrediction, predict
+from .cli_output import EXIT_BAD_INPUT, EXIT_OK, rank_span, table
+from .network import NetworkProfile, find_network, load_network
+from .pipeline_cost import PipelinePrediction, predict_pipeline
+
+PROG = "poplar-search"
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    """Price the plan of ``args.predict``; print the table or JSON; returns the exit status."""
+    try:
+        kind = "pipeline" if "pipelines" in read_json(args.predict) else "zero"
+        cluster = load_cluster(args.cluster) if args.cluster else None
+        network = _network(args, cluster)
+        if kind == "pipeline":
+            plan: Plan | PipelinePlan = load_pipeline_plan(args.predict)
+            layers = load_layer_profiles(layer_profiles_dir(args.profiles))
+            prediction: Any = predict_pipeline(plan, layers, network, cluster=cluster)
+        else:
+            plan = load_plan(args.predict)
+            prediction = predict(plan, load_profiles(args.profiles), network)
+    except FormatError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc} (plan: {args.predict}, profiles: {args.profiles})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.format == "json":
+        data = {"plan": str(args.predict), "parallelism": kind, "network_priced": network is not None}
+        print(json.dumps({**data, "prediction": dataclasses.asdict(prediction)}, indent=2))
+    elif kind == "pipeline":
+        print(pipeline_prediction_table(plan, prediction, network))
+    else:
+        print(zero_prediction_table(plan, prediction, network))
+    return EXIT_OK
+
+
+def _network(args: argparse.Namespace, cluster: Any) -> NetworkProfile | None:
+    if args.no_network:
+        return None
+    if args.network:
+        return load_network(args.network)
+    return find_network(args.profiles, cluster) if cluster is not None else None
+
+
+def _summary(prediction: Any, network: NetworkProfile | None) -> list[str]:
+    priced = "" if network is not None else " (no network file: communication is not priced apart)"
+    return [
+        f"predicted {prediction.iteration_time_s:.4g} s per iteration, {prediction.samples_per_s:.4g} samples/s, "
+        f"{100 * prediction.samples_per_s / prediction.ideal_samples_per_s:.1f}% of ideal{priced}"
+    ]
+
+
+def zero_prediction_table(plan: Plan, prediction: PlanPrediction, network: NetworkProfile | None) -> str:
+    """Where a ZeRO plan's time goes: each group of alike ranks' compute, communication and idle share,
+    then the boundary (optimizer step and collectives)."""
+    rows = [["ranks", "device type", "micro-batch", "accumulation", "compute s", "communication s", "busy s", "idle"]]
+    compute = prediction.rank_compute_time_s or prediction.rank_busy_time_s
+    slowest = max(prediction.rank_busy_time_s)
+    start = 0
+    for end in range(1, len(plan.ranks) + 1):
+        first = plan.ranks[start]
+        alike = (first.device_type, first.micro_batch_size, first.gradient_accumulation_steps)
+        if end < len(plan.ranks) and alike == _alike(plan.ranks[end]):
+            continue
+        busy = prediction.rank_busy_time_s[start]
+        rows.append(
+            [rank_span(start, end - 1), first.device_type, str(first.micro_batch_size)]
+            + [str(first.gradient_accumulation_steps), f"{compute[start]:.4g}", f"{busy - compute[start]:.4g}"]
+            + [f"{busy:.4g}", f"{100 * (1 - busy / slowest):.1f}%"]
+        )
+        start = end
+    boundary = (
+        f"boundary {prediction.boundary_s:.4g} s: optimizer step {prediction.optimizer_step_s:.4g} s, "
+        f"collectives {prediction.boundary_communication_s:.4g} s"
+    )
+    header = f"ZeRO stage {plan.zero_stage}, global batch {plan.global_batch_size}, {plan.world_size} ranks"
+    return "\n".join([header, *_summary(prediction, network), "", table(rows), "", boundary])
+
+
+def _alike(rank: Any) -> tuple:
+    return (rank.device_type, rank.micro_batch_size, rank.gradient_accumulation_steps)
+
+
+def pipeline_prediction_table(
+    plan: PipelinePlan, prediction: PipelinePrediction, network: NetworkProfile | None
+) -> str:
+    """Where a pipeline plan's time goes: each stage's compute, activation transfers and idle share, when its
+    gradient all-reduce ends and its optimizer step; each pipeline's 1F1B time."""
+    rows = [
+        ["pipeline", "stage", "rank", "device type", "layers", "compute s", "transfers s", "busy s", "idle"]
+        + ["all-reduce ends s", "optimizer s"]
+    ]
+    for index, pipeline in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipeline.stages):
+            r = stage.rank
+            busy = prediction.rank_busy_time_s[r]
+            rows.append(
+                [str(index) if s == 0 else "", str(s), str(r), stage.device_type]
+                + [f"{stage.first_layer}-{stage.last_layer}", f"{prediction.rank_compute_time_s[r]:.4g}"]
+                + [f"{prediction.rank_transfer_time_s[r]:.4g}", f"{busy:.4g}"]
+                + [f"{100 * (1 - busy / prediction.iteration_time_s):.1f}%", f"{prediction.rank_all_reduce_s[r]:.4g}"]
+                + [f"{prediction.rank_optimizer_step_s[r]:.4g}"]
+            )
+    pipelines = ", ".join(f"{t:.4g}" for t in prediction.pipeline_time_s)
+    header = f"pipelines at ZeRO stage {plan.zero_stage}, global batch {plan.global_batch_size}"
+    lines = [header, *_summary(prediction, network), "", table(rows), ""]
+    return "\n".join(lines + [f"pipelines (1F1B) s: {pipelines}; boundary {prediction.boundary_s:.4g} s"])
+
+
+__all__ = ["pipeline_prediction_table", "run_predict", "zero_prediction_table"]

@@ -1,0 +1,80 @@
+"""`poplar-search --predict PLAN`: a given plan, ZeRO or pipeline, priced from the profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from poplar_ext.search.cli import main
+
+
+def _searched(tmp_path, capsys, *extra: str) -> dict:
+    out = tmp_path / "plan.json"
+    assert main(["--example", "--global-batch-size", "512", "--output", str(out), *extra]) == 0
+    capsys.readouterr()
+    return {"path": out, "plan": json.loads(out.read_text())}
+
+
+@pytest.mark.parametrize("parallelism", ["zero", "pipeline"])
+def test_a_searched_plan_is_priced_as_the_search_predicted_it(tmp_path, capsys, parallelism):
+    searched = _searched(tmp_path, capsys, "--parallelism", parallelism)
+    assert main(["--example", "--predict", str(searched["path"]), "--format", "json"]) == 0
+    priced = json.loads(capsys.readouterr().out)
+    assert priced["parallelism"] == parallelism and priced["network_priced"] is True
+    predicted = searched["plan"]["predicted"]
+    assert priced["prediction"]["iteration_time_s"] == pytest.approx(predicted["iteration_time_s"], rel=1e-9)
+    assert priced["prediction"]["samples_per_s"] == pytest.approx(predicted["samples_per_s"], rel=1e-9)
+
+
+def test_the_zero_table_says_where_each_ranks_time_goes(tmp_path, capsys):
+    searched = _searched(tmp_path, capsys)
+    assert main(["--example", "--predict", str(searched["path"])]) == 0
+    out = capsys.readouterr().out
+    for column in ("compute s", "communication s", "busy s", "idle"):
+        assert column in out
+    assert "A100-80GB" in out and "V100-16GB" in out
+    assert "boundary" in out and "optimizer step" in out and "collectives" in out
+
+
+def test_the_pipeline_table_shows_every_stage_and_the_pipelines_times(tmp_path, capsys):
+    searched = _searched(tmp_path, capsys, "--parallelism", "pipeline")
+    assert main(["--example", "--predict", str(searched["path"])]) == 0
+    out = capsys.readouterr().out
+    assert "transfers s" in out and "all-reduce ends s" in out and "pipelines (1F1B) s:" in out
+    stages = sum(len(p["stages"]) for p in searched["plan"]["pipelines"])
+    rows = [line for line in out.splitlines() if "A100-80GB" in line or "V100-16GB" in line]
+    assert len(rows) == stages
+
+
+def test_without_a_network_file_communication_is_not_priced_apart(tmp_path, capsys):
+    searched = _searched(tmp_path, capsys)
+    assert main(["--example", "--predict", str(searched["path"]), "--no-network"]) == 0
+    assert "no network file" in capsys.readouterr().out
+
+
+def test_search_options_are_refused_with_predict(tmp_path, capsys):
+    searched = _searched(tmp_path, capsys)
+    command = ["--example", "--predict", str(searched["path"]), "--policy", "all", "--output", "x.json"]
+    assert main(command) == 2
+    assert "--policy, --output: not used with --predict" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_bad_plan_names_its_file_and_field(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema_version": 1}))
+    assert main(["--example", "--predict", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "zero_stage" in err
+
+
+def test_a_plan_of_a_device_type_without_profiles_is_bad_input(tmp_path, capsys):
+    searched = _searched(tmp_path, capsys)
+    plan = searched["plan"]
+    for rank in plan["ranks"]:
+        rank["device_type"] = "H200-141GB"
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(plan))
+    assert main(["--example", "--predict", str(path)]) == 2
+    assert "H200-141GB" in capsys.readouterr().err
