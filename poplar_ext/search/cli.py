@@ -24,9 +24,16 @@ from poplar_ext.plan.formats import (
 )
 
 from .api import search_plan
-from .cli_output import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_INTERNAL_ERROR, EXIT_OK, comparison_table, plan_table
+from .cli_common import (
+    EXIT_BAD_INPUT,
+    EXIT_INFEASIBLE,
+    EXIT_INTERNAL_ERROR,
+    EXIT_OK,
+    chosen_network,
+    comparison_table,
+    plan_table,
+)
 from .examples import example_cluster_file, example_profiles_dir
-from .network import find_network, load_network
 from .pipeline_cli import run_pipelines
 from .policies import AUTO_ACCUMULATION_STEPS
 from .predict_cli import run_predict
@@ -211,12 +218,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         profiles = load_profiles(args.profiles)
         cluster = load_cluster(args.cluster)
-        if args.no_network:
-            network = None
-        elif args.network:
-            network = load_network(args.network)
-        else:
-            network = find_network(args.profiles, cluster)
+        network = chosen_network(args, cluster)
         policies = list(POLICIES) if args.policy == "all" else [args.policy]
         results = {
             policy: search_plan(

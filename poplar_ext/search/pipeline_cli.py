@@ -24,8 +24,8 @@ from poplar_ext.plan.pipeline_formats import (
 )
 
 from .api import SearchResult, search_plan
-from .cli_output import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, plan_table, table
-from .network import NetworkProfile, find_network, load_network
+from .cli_common import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, chosen_network, plan_table, table
+from .network import NetworkProfile
 from .pipeline_cost import predict_pipeline
 from .pipeline_search import PipelineSearchResult, search_pipeline_plan
 
@@ -45,19 +45,11 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _network(args: argparse.Namespace, cluster: Cluster) -> NetworkProfile | None:
-    if args.no_network:
-        return None
-    if args.network:
-        return load_network(args.network)
-    return find_network(args.profiles, cluster)
-
-
 def _search(args: argparse.Namespace) -> tuple[SearchResult | None, PipelineSearchResult | None, Any]:
     """Both searches (ZeRO only with auto); raises FormatError / ValueError for bad input."""
     cluster = load_cluster(args.cluster)
     layer_profiles = load_layer_profiles(layer_profiles_dir(args.profiles))
-    network = _network(args, cluster)
+    network = chosen_network(args, cluster)
     zero = None
     batch = args.global_batch_size
     if args.parallelism == "auto":

@@ -21,8 +21,8 @@ from poplar_ext.plan.formats import Plan, load_cluster, load_plan, load_profiles
 from poplar_ext.plan.pipeline_formats import PipelinePlan, layer_profiles_dir, load_layer_profiles, load_pipeline_plan
 
 from .api import PlanPrediction, predict
-from .cli_output import EXIT_BAD_INPUT, EXIT_OK, rank_span, table
-from .network import NetworkProfile, find_network, load_network
+from .cli_common import EXIT_BAD_INPUT, EXIT_OK, chosen_network, rank_span, table
+from .network import NetworkProfile
 from .pipeline_cost import PipelinePrediction, predict_pipeline
 
 PROG = "poplar-search"
@@ -33,7 +33,7 @@ def run_predict(args: argparse.Namespace) -> int:
     try:
         kind = "pipeline" if "pipelines" in read_json(args.predict) else "zero"
         cluster = load_cluster(args.cluster) if args.cluster else None
-        network = _network(args, cluster)
+        network = chosen_network(args, cluster)
         if kind == "pipeline":
             plan: Plan | PipelinePlan = load_pipeline_plan(args.predict)
             layers = load_layer_profiles(layer_profiles_dir(args.profiles))
@@ -55,14 +55,6 @@ def run_predict(args: argparse.Namespace) -> int:
     else:
         print(zero_prediction_table(plan, prediction, network))
     return EXIT_OK
-
-
-def _network(args: argparse.Namespace, cluster: Any) -> NetworkProfile | None:
-    if args.no_network:
-        return None
-    if args.network:
-        return load_network(args.network)
-    return find_network(args.profiles, cluster) if cluster is not None else None
 
 
 def _summary(prediction: Any, network: NetworkProfile | None) -> list[str]:

@@ -1,4 +1,4 @@
-"""What `poplar-search` prints, and its exit statuses: tables of plans and of policies."""
+"""What every mode of `poplar-search` shares: its exit statuses, its tables, the network its options choose."""
 
 from __future__ import annotations
 
@@ -6,12 +6,22 @@ from collections.abc import Sequence
 from typing import Any
 
 from .api import SearchResult, predict
-from .network import NetworkProfile
+from .network import NetworkProfile, find_network, load_network
 
 EXIT_OK = 0
 EXIT_INFEASIBLE = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL_ERROR = 3
+
+
+def chosen_network(args: Any, cluster: Any) -> NetworkProfile | None:
+    """The network file the options name: none with ``--no-network``, ``--network FILE``, else the one in
+    ``--profiles`` measured on `cluster` (none without a cluster)."""
+    if args.no_network:
+        return None
+    if args.network:
+        return load_network(args.network)
+    return None if cluster is None else find_network(args.profiles, cluster)
 
 
 def table(rows: list[list[str]]) -> str:
