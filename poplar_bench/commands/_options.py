@@ -1,0 +1,59 @@
+"""What several `poplar-bench` commands share: where reports go, the figure check, option types."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+_BENCH_DIR = Path(__file__).resolve().parents[1]
+"""poplar_bench/: its parent is the checkout in an editable install."""
+
+OUTPUT_HELP = (
+    "directory for the report files (default: bench/results of the poplar-ext checkout when "
+    "poplar-ext is installed from a checkout, as with `pip install -e .`, from whatever directory "
+    "you run it; otherwise the current directory)"
+)
+
+
+def default_output_dir() -> Path:
+    """``bench/results`` of the checkout when running from one (an editable install),
+    otherwise the current directory."""
+    results = _BENCH_DIR.parent / "bench" / "results"
+    if (_BENCH_DIR.parent / "pyproject.toml").is_file() and results.is_dir():
+        return results
+    return Path.cwd()
+
+
+def _shown_path(path: str | Path | None) -> str | None:
+    """Paths inside the checkout are written relative to it, so reports do not name a home directory."""
+    if path is None:
+        return None
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(_BENCH_DIR.parent))
+    except ValueError:
+        return str(path)
+
+
+def _slowdowns(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 1, found {text!r}") from None
+    if len(values) < 2 or any(not v >= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected at least 2 comma-separated numbers >= 1, found {text!r}")
+    return values
+
+
+def _warn_if_no_figure(command: str) -> None:
+    """Say at the start, not after minutes of work, that the figure will be missing."""
+    from ..report import FIGURE_NEEDS, figure_available
+
+    if not figure_available():
+        print(
+            f"poplar-bench {command}: the PNG figure needs {FIGURE_NEEDS}, which is not installed; "
+            "the JSON and markdown reports are written without it",
+            file=sys.stderr,
+            flush=True,
+        )

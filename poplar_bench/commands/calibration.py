@@ -1,0 +1,46 @@
+"""`poplar-bench calibration`: its options and the call into the module that does the work (imported when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from poplar_ext.search.cli import parse_positive_int as _positive_int
+
+from ._options import OUTPUT_HELP as _OUTPUT_HELP
+from ._options import default_output_dir
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "calibration",
+        help="what checking cached profiles at start costs and finds (three demo runs)",
+        description="Three runs of the demo on one profile cache: profiled afresh, cached and unchecked, cached and "
+        "checked at start (poplar_bench.calibration_cost); reports the check's time, what it found per device type and "
+        "each run's prediction error. Writes calibration.json and .md, and each run's demo report under "
+        "calibration/. About 2 minutes per run on a 2-core VM.",
+    )
+    p.add_argument("--rounds", type=_positive_int, default=2, help="rounds per run (default 2)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="the profile cache (default: a fresh temporary one)")
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="only the check's cost: the demo's ranks profile once, then run the start-up check --repeats times "
+        "(calibration_check.json and .md; about a minute)",
+    )
+    p.add_argument("--repeats", type=_positive_int, default=3, help="checks timed with --check-only (default 3)")
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import calibration_cost
+
+    out_dir = args.output_dir or default_output_dir()
+    if args.check_only:
+        paths = calibration_cost.run_check_cost(out_dir=out_dir, repeats=args.repeats, cache_dir=args.cache_dir)
+    else:
+        paths = calibration_cost.run_calibration_check(out_dir=out_dir, rounds=args.rounds, cache_dir=args.cache_dir)
+    for path in paths:
+        print(path)
+    return 0

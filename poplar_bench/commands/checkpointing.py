@@ -1,0 +1,43 @@
+"""`poplar-bench checkpointing`: its options and the call into the module that does the work (imported when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from poplar_ext.search.cli import parse_positive_int as _positive_int
+
+from ._options import OUTPUT_HELP as _OUTPUT_HELP
+from ._options import default_output_dir
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "checkpointing",
+        help="activation checkpointing chosen per device type: measured against the best plan without it",
+        description="The demo's emulated 3-rank cluster at ZeRO stage 2 with a GPT of larger activations, profiled "
+        "without and with activation checkpointing, in two cases: 'tight' (the fastest type has the least memory) and "
+        "'roomy'. In each, poplar with the choice and poplar without checkpointing train in alternating rounds; "
+        "writes checkpointing.json and checkpointing.md (poplar_bench.checkpointing). About 10-15 minutes on "
+        "a 2-core VM "
+        "the first time (profiling both ways), less with the profiles cached.",
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.add_argument("--rounds", type=_positive_int, default=3, help="alternating training rounds per plan (default 3)")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="profile cache root, one folder per case (default: beside the demo's cache)",
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import checkpointing
+
+    for path in checkpointing.run_checkpointing(
+        out_dir=args.output_dir or default_output_dir(), cache_dir=args.cache_dir, rounds=args.rounds
+    ):
+        print(path)
+    return 0

@@ -1,0 +1,46 @@
+"""`poplar-bench clean-exit`: its options and the call into the module that does the work (imported when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from poplar_ext.search.cli import parse_positive_int as _positive_int
+
+from ._options import OUTPUT_HELP as _OUTPUT_HELP
+from ._options import default_output_dir
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "clean-exit",
+        help="every rank's exit code over many launches of a script that ends with a plain return",
+        description="Launch a script that ends with a plain return many times under a busy CPU and count every "
+        "rank's exit code: torch and gloo alone (group left up, or destroyed by the script), and "
+        "poplar_ext.initialize without and with poplar-ext's exit handler (poplar_bench/clean_exit.py). "
+        "Writes clean_exit.json and .md.",
+    )
+    p.add_argument("--launches", type=_positive_int, default=30, help="launches per case (default 30)")
+    p.add_argument("--ranks", type=_positive_int, default=3, help="ranks per launch (default 3)")
+    p.add_argument("--busy-processes", type=int, default=2, help="spinning processes beside the ranks (default 2)")
+    p.add_argument("--case", action="append", dest="cases", help="a case to run (repeatable; default: all)")
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import clean_exit
+
+    if args.busy_processes < 0:
+        raise ValueError(f"--busy-processes: expected 0 or more, found {args.busy_processes}")
+    report = clean_exit.run_clean_exit(
+        launches=args.launches,
+        world_size=args.ranks,
+        busy_processes=args.busy_processes,
+        cases=tuple(args.cases or clean_exit.CASES),
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    for path in clean_exit.write_report(report, args.output_dir or default_output_dir()):
+        print(path)
+    return 0

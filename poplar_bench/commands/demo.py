@@ -1,0 +1,120 @@
+"""`poplar-bench demo`: its options and the call into the module that does the work (imported when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from poplar_ext.plan.formats import ZERO_STAGES
+from poplar_ext.search.cli import parse_positive_int as _positive_int
+
+from ._options import OUTPUT_HELP as _OUTPUT_HELP
+from ._options import _slowdowns, _warn_if_no_figure, default_output_dir
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from ..demo_config import CALIBRATION_MODES, DemoSettings
+
+    defaults = DemoSettings()
+    p = subparsers.add_parser(
+        "demo",
+        help="train on an emulated 3-rank heterogeneous CPU cluster with each policy and compare",
+        description=(
+            "Three CPU ranks emulate three device types (cpu-fast; cpu-medium, 2x slower; cpu-slow, 4x slower "
+            "with the least memory). With the project's toy GPT and real DeepSpeed ZeRO, it profiles each type "
+            "(reusing cached profiles), searches a plan per policy (uniform, proportional, poplar), trains "
+            "each for a fixed number of iterations in one launch, and reports measured against predicted "
+            "iteration time, speedup over uniform and share of the measured ideal. Writes NAME.json, "
+            "NAME.md and NAME.png (the figure needs matplotlib: pip install 'poplar-ext[bench]'). On a 2-core "
+            "VM: about 3 minutes the first time (profiling), 1.5-2.5 minutes when the profiles come from the cache."
+        ),
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.add_argument("--name", default="demo", help="report file stem (default: demo)")
+    p.add_argument(
+        "--iterations",
+        type=_positive_int,
+        default=defaults.iterations,
+        help=f"measured iterations per policy and round (default {defaults.iterations})",
+    )
+    p.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=defaults.rounds,
+        help=f"rounds; each round runs every policy in turn (default {defaults.rounds})",
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=_positive_int,
+        default=defaults.global_batch_size,
+        help=f"samples per iteration (default {defaults.global_batch_size})",
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where the emulated cluster and the cached profiles are kept; a second run reuses them "
+        "(default: $XDG_CACHE_HOME/poplar-ext/demo, ~/.cache/poplar-ext/demo when unset)",
+    )
+    p.add_argument("--force-profile", action="store_true", help="measure again even when cached profiles exist")
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=ZERO_STAGES,
+        default=defaults.zero_stage,
+        help=f"ZeRO stage of every policy's run (default {defaults.zero_stage})",
+    )
+    p.add_argument(
+        "--slowdowns",
+        type=_slowdowns,
+        default=None,
+        metavar="A,B,...",
+        help="one rank per value, each an emulated device type that much slower than a CPU core, e.g. 3,4.5,9 "
+        "(default: 3,6,12 as cpu-fast, cpu-medium, cpu-slow); 2 to 4 ranks on a 2-core machine, where the sum of "
+        "1/slowdown must stay within the cores",
+    )
+    p.add_argument(
+        "--calibration",
+        choices=CALIBRATION_MODES,
+        default=defaults.calibration,
+        help="check profiles against micro-steps timed at start, as training runs them: cached (default: "
+        "profiles from the cache only), always (fresh ones too), off",
+    )
+    p.add_argument(
+        "--calibration-action",
+        choices=("rescale", "remeasure"),
+        default=defaults.calibration_action,
+        help="what a profile off by more than 10%% gets (default rescale: its micro-step times scaled)",
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import demo
+    from ..demo_config import DemoSettings, default_devices, devices_from_slowdowns
+
+    try:
+        settings = DemoSettings(
+            devices=default_devices() if args.slowdowns is None else devices_from_slowdowns(args.slowdowns),
+            zero_stage=args.zero_stage,
+            iterations=args.iterations,
+            rounds=args.rounds,
+            global_batch_size=args.global_batch_size,
+            cache_dir=args.cache_dir,
+            force_profile=args.force_profile,
+            calibration=args.calibration,
+            calibration_action=args.calibration_action,
+        )
+    except ValueError as exc:
+        print(f"poplar-bench demo: error: {exc}", file=sys.stderr)
+        return 2
+    _warn_if_no_figure("demo")
+    try:
+        paths = demo.run_demo(settings, out_dir=args.output_dir or default_output_dir(), name=args.name)
+    except RuntimeError as exc:  # a rank failed: its traceback is in the message
+        print(f"poplar-bench demo: {exc}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(path)
+    return 0

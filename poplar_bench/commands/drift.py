@@ -1,0 +1,94 @@
+"""`poplar-bench drift`: its options and the call into the module that does the work (imported when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from poplar_ext.search.cli import parse_positive_int as _positive_int
+
+from ._options import OUTPUT_HELP as _OUTPUT_HELP
+from ._options import _warn_if_no_figure, default_output_dir
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from ..drift import DriftSettings
+
+    defaults = DriftSettings()
+    p = subparsers.add_parser(
+        "drift",
+        help="static poplar against adaptive re-balancing while one emulated device slows down and recovers",
+        description="The demo's emulated 3-rank cluster and model: rank 0 (the fastest, with the most samples) runs "
+        "--factor times slower from step --drift-at to --recover-at. Four runs in one launch (static and adaptive, "
+        "with and without the drift); per-iteration samples/s against the ideal of that moment, re-plans, and the "
+        "re-balancing's own cost. Writes drift.json, drift.md and drift.png (poplar_bench.drift). About 6-8 "
+        "minutes on a "
+        "2-core VM with the demo's profiles cached. With --trainer the runs go through PoplarTrainer "
+        "(drift_trainer.*).",
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.add_argument(
+        "--trainer",
+        action="store_true",
+        help="train through PoplarTrainer (the Hugging Face Trainer) on a GPT-2 of the demo model's shape, in its "
+        "automatic mode; writes drift_trainer.json, .md and .png (poplar_bench/drift_trainer.py; needs the hf extra)",
+    )
+    p.add_argument(
+        "--factor", type=float, default=defaults.factor, help=f"slowdown of the drift (default {defaults.factor})"
+    )
+    p.add_argument(
+        "--drift-at",
+        type=_positive_int,
+        default=defaults.drift_at,
+        help=f"optimizer steps before the device slows down (default {defaults.drift_at})",
+    )
+    p.add_argument(
+        "--recover-at",
+        type=_positive_int,
+        default=defaults.recover_at,
+        help=f"optimizer steps before it recovers (default {defaults.recover_at})",
+    )
+    p.add_argument(
+        "--iterations",
+        type=_positive_int,
+        default=defaults.drift_iterations,
+        help=f"iterations of each run (default {defaults.drift_iterations})",
+    )
+    p.add_argument(
+        "--check-interval-steps",
+        type=_positive_int,
+        default=defaults.check_interval_steps,
+        help=f"poplar.rebalance.check_interval_steps (default {defaults.check_interval_steps})",
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="the demo's profile cache (default: the demo's; with --trainer its trainer/ folder)",
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import drift
+
+    try:
+        settings = drift.DriftSettings(
+            factor=args.factor,
+            drift_at=args.drift_at,
+            recover_at=args.recover_at,
+            drift_iterations=args.iterations,
+            check_interval_steps=args.check_interval_steps,
+            cache_dir=args.cache_dir,
+            timeout_s=1800.0,
+            loop="trainer" if args.trainer else "plain",
+        )
+    except ValueError as exc:
+        print(f"poplar-bench drift: error: {exc}", file=sys.stderr)
+        return 2
+    name = "drift_trainer" if args.trainer else "drift"
+    _warn_if_no_figure("drift")
+    for path in drift.run_drift(settings, out_dir=args.output_dir or default_output_dir(), name=name):
+        print(path)
+    return 0

@@ -1,0 +1,29 @@
+"""`poplar-bench overhead`: its options and the call into the module that does the work (imported when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ._options import OUTPUT_HELP as _OUTPUT_HELP
+from ._options import default_output_dir
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "overhead",
+        help="poplar_ext against raw DeepSpeed at the same uniform allocation",
+        description="Per-iteration overhead of poplar_ext.initialize against deepspeed.initialize "
+        "(poplar_bench/runtime_overhead.py); writes runtime_overhead.json and .md.",
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import runtime_overhead
+
+    result = runtime_overhead.run_overhead()
+    for path in runtime_overhead.write_report(result, args.output_dir or default_output_dir()) or []:
+        print(path)
+    return 0

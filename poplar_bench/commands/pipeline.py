@@ -1,0 +1,36 @@
+"""`poplar-bench pipeline`: its options and the call into the module that does the work (imported when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ._options import OUTPUT_HELP as _OUTPUT_HELP
+from ._options import default_output_dir
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "pipeline",
+        help="the best ZeRO plan against the best pipeline plan on 2 emulated CPU nodes, slow and fast link",
+        description="4 forked CPU ranks as 2 emulated nodes of 2 (one of them an emulated type 2x slower), the toy "
+        "pipeline MLP: profiled (whole model, network with the link in place), then a ZeRO job and a pipeline job "
+        "whose plans are searched at start, each trained and timed against its prediction; with the link between "
+        "the nodes capped (poplar_bench/link_emulation.py) and uncapped. Writes pipeline.json, pipeline.md and "
+        "pipeline.png (poplar_bench/pipeline_compare.py). Several minutes on a 2-core VM.",
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.add_argument("--work-dir", type=Path, default=None, help="profiles and rank logs (default: a temporary folder)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import pipeline_compare
+
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    for path in pipeline_compare.run_pipeline_bench(
+        out_dir=args.output_dir or default_output_dir(), work_dir=args.work_dir, progress=progress
+    ):
+        print(path)
+    return 0

@@ -1,0 +1,69 @@
+"""`poplar-bench predictions`: its options and the call into the module that does the work (imported when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from poplar_ext.search.cli import parse_positive_int as _positive_int
+
+from ._options import OUTPUT_HELP as _OUTPUT_HELP
+from ._options import _warn_if_no_figure, default_output_dir
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "predictions",
+        help="prediction error of the CPU demo on cases drawn from a seed (stages 0-3, 2-4 ranks)",
+        description="Run the demo once per case, each profiled afresh, and summarise, per case and policy, the median "
+        "over the measured repetitions of |predicted - measured| / measured iteration time "
+        "(poplar_bench/prediction_check.py). The cases are drawn from --seed (ZeRO stage 0-3, 2-4 ranks, slowdowns "
+        "whose sum of 1/slowdown spans the emulation's validity range, a global batch), or with --fixed the "
+        "fixed cases of issue 15 (stages 0-3 on the default 3 ranks, stage 1 on 2, stage 2 on 4). Writes "
+        "prediction_check.json and .md, and each case's demo report under prediction_check/. "
+        "About 2-3 minutes per case on a 2-core VM.",
+    )
+    p.add_argument("--seed", type=int, default=27, help="what the cases are drawn from (default 27)")
+    p.add_argument("--cases", type=_positive_int, default=6, help="cases to draw (default 6)")
+    p.add_argument("--fixed", action="store_true", help="run the fixed cases instead of drawing them")
+    p.add_argument(
+        "--calibration",
+        choices=("always", "off"),
+        default="always",
+        help="always (default): each fresh profile is checked against micro-steps timed as training runs them "
+        "and rescaled beyond 10%%; off: predictions from the profiles as measured",
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=3,
+        help="rounds per case, each one measured iteration per policy: the repetitions (default 3)",
+    )
+    p.add_argument("--cache-dir", type=Path, default=None, help="the demo's profile cache (default: the demo's)")
+    p.add_argument(
+        "--reuse-profiles",
+        action="store_true",
+        help="take cached profiles where they exist (default: every case profiles afresh, so that the error "
+        "measures the cost model, not a profile taken on another day)",
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import prediction_check
+
+    _warn_if_no_figure("demo")
+    fixed = args.fixed
+    paths = prediction_check.run_prediction_check(
+        prediction_check.DEFAULT_CASES if fixed else prediction_check.draw_cases(args.seed, args.cases),
+        out_dir=args.output_dir or default_output_dir(),
+        rounds=args.rounds,
+        cache_dir=args.cache_dir,
+        force_profile=not args.reuse_profiles,
+        seed=None if fixed else args.seed,
+        calibration=args.calibration,
+    )
+    for path in paths:
+        print(path)
+    return 0

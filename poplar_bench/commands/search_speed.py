@@ -1,0 +1,40 @@
+"""`poplar-bench search-speed`: its options and the call into the module that does the work (imported when it runs)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from poplar_ext.search.cli import parse_positive_int as _positive_int
+
+from ._options import OUTPUT_HELP as _OUTPUT_HELP
+from ._options import default_output_dir
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "search-speed",
+        help="search time against cluster size and number of device types",
+        description="Time search_plan for 8 to 4096 ranks and 1 to 6 device types (median of repeats); "
+        "writes search_speed.json and search_speed.md (poplar_bench/search_speed.py).",
+    )
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed repeats per cell (default 5)")
+    p.add_argument(
+        "--lever-problems",
+        type=_positive_int,
+        default=None,
+        help="seeded problems (seeds 0..N-1) of the memory-lever cells, 8 types x 4 variants x 4096 ranks "
+        "(default: seed 0 only)",
+    )
+    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import search_speed
+
+    more = {} if args.lever_problems is None else {"lever_seeds": tuple(range(args.lever_problems))}
+    result = search_speed.run_search_speed(repeats=args.repeats, **more)
+    for path in search_speed.write_report(result, args.output_dir or default_output_dir()) or []:
+        print(path)
+    return 0
