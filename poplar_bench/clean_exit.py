@@ -17,7 +17,7 @@ spinning processes keeping the cores busy, and counts every rank's exit code:
 * ``poplar``: the same script as users run it.
 
 The cases take turns launch by launch, so the machine's load drifts over all alike. The
-ranks are started here, a command each (`poplar_ext.local_ranks.run_command_ranks`:
+ranks are started here, a command each (`poplar_bench.local_ranks.run_command_ranks`:
 environment as torchrun sets it), not by a launcher that ends the group at the first
 failed rank, so that each rank's own exit code is seen.
 """
@@ -50,7 +50,7 @@ def launch_once(case: str, *, world_size: int, work_dir: Path, timeout_s: float)
 
     A rank still running after `timeout_s` is killed; its exit code is then None.
     """
-    from poplar_ext.local_ranks import run_command_ranks
+    from poplar_bench.local_ranks import run_command_ranks
 
     command = [sys.executable, "-m", "poplar_bench.clean_exit_rank", *_CASE_ARGS[case]]
     if case.startswith("poplar"):

@@ -1,7 +1,7 @@
 """`poplar-bench demo`: the policies compared on an emulated heterogeneous CPU cluster.
 
 The parent process imports torch and deepspeed once, forks one process per rank
-(`poplar_ext.local_ranks`: forked ranks start in about a second instead of a fresh
+(`poplar_bench.local_ranks`: forked ranks start in about a second instead of a fresh
 import each), and waits for them with a timeout. The ranks (`bench.demo_worker`)
 profile, search, train every policy and measure; each returns its measurements to the
 parent, which turns them into the report (`assemble_report`, pure, unit tested) and
@@ -40,7 +40,7 @@ def progress(message: str) -> None:
 def _preimport() -> float:
     """Import what every rank needs before forking, so that each rank starts fast; the seconds it took."""
     start = time.perf_counter()
-    from poplar_ext.local_ranks import preimport_for_fork
+    from poplar_bench.local_ranks import preimport_for_fork
 
     preimport_for_fork()
     from . import demo_worker  # noqa: F401
@@ -61,10 +61,10 @@ def run_ranks(
     unless given); it returns the rank's result. When a rank fails, the others are
     stopped a few seconds later instead of waiting in a collective for the process-group
     timeout (`pg_timeout_s`, the demo's unless given); a rank that hangs is killed at
-    `settings.timeout_s`. Either way `poplar_ext.local_ranks.RankFailure` (a
+    `settings.timeout_s`. Either way `poplar_bench.local_ranks.RankFailure` (a
     RuntimeError) names every failed rank and what it said.
     """
-    from poplar_ext.local_ranks import run_ranks as run_local_ranks
+    from poplar_bench.local_ranks import run_ranks as run_local_ranks
 
     from .demo_worker import PG_TIMEOUT_S, demo_rank, run_rank
 

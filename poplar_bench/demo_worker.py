@@ -1,4 +1,4 @@
-"""One rank of `poplar-bench demo` (forked by `bench.demo` through `poplar_ext.local_ranks`).
+"""One rank of `poplar-bench demo` (forked by `bench.demo` through `poplar_bench.local_ranks`).
 
 Phases, all ranks together:
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from poplar_ext.plan.formats import Cluster
 
-from .drift import DriftSettings, plan_history, poplar_section, timed_rebalancing
+from .drift_settings import DriftSettings, plan_history, poplar_section, timed_rebalancing
 
 WARMUP_ITERATIONS = 1
 """Optimizer steps before the measured ones (the first has no previous step to time from)."""

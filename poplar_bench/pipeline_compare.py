@@ -171,7 +171,7 @@ def _summary(plan: dict[str, Any]) -> str:
 
 def run_link(link: str, root: Path, *, log_dir: Path, copy_from: Path | None) -> dict[str, Any]:
     """One link's run on 4 forked ranks; its row of the report."""
-    from poplar_ext.local_ranks import run_ranks
+    from poplar_bench.local_ranks import run_ranks
 
     profiles = root / f"profiles-{link}"
     if copy_from is not None and not profiles.exists():

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from poplar_bench.synthetic import random_layer_profiles, simple_cluster
 from poplar_ext.search.network import modelled_network
 from poplar_ext.search.pipeline_layouts import all_layouts, candidate_layouts, rank_nodes
 from poplar_ext.search.pipeline_search import _exact_count, search_pipeline_plan
-from poplar_ext.search.synthetic import random_layer_profiles, simple_cluster
 
 from .report import machine_description, utc_now, write_json_and_markdown
 

@@ -221,7 +221,7 @@ def run_overhead(
     *, blocks: int = 30, block_iterations: int = 8, warmup: int = 1, timeout_s: float = 900.0
 ) -> dict[str, Any]:
     """Measure both engines (see the module docstring); returns the report as a dict."""
-    from poplar_ext.local_ranks import run_ranks
+    from poplar_bench.local_ranks import run_ranks
 
     with tempfile.TemporaryDirectory() as directory:
         times = run_ranks(

@@ -1,7 +1,7 @@
 """How long `search.search_plan` takes, against cluster size, device types and global batch.
 
 Each cell times one full search (`zero_stage="auto"`: all four stages, policy
-``poplar``) on a seeded synthetic problem (`search.synthetic`: random profiles, ranks
+``poplar``) on a seeded synthetic problem (`poplar_bench.synthetic`: random profiles, ranks
 split evenly over the types), once with a fixed global batch (32 samples per rank,
 plus 7 so that it is not a round number) and once with the global batch chosen
 automatically. Wall time by `time.perf_counter`, median of the repetitions after one
@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from poplar_bench.synthetic import random_lever_profiles, random_profiles, simple_cluster
 from poplar_ext.plan.formats import ZERO_STAGES, load_cluster, load_profiles
 from poplar_ext.search import search_plan
-from poplar_ext.search.synthetic import random_lever_profiles, random_profiles, simple_cluster
 
 from .report import machine_description, utc_now, write_json_and_markdown
 
@@ -241,7 +241,7 @@ def run_search_speed(
         # The development machine is shared: the load says how busy it was.
         "load_average_1_5_15_min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "method": (
-            "search_plan(zero_stage='auto', policy='poplar') on seeded synthetic profiles (search.synthetic); "
+            "search_plan(zero_stage='auto', policy='poplar') on seeded synthetic profiles (poplar_bench.synthetic); "
             f"median of {repeats} perf_counter timings after one warm-up; fixed batch = 32 * ranks + 7"
         ),
         "large_batch_method": (
@@ -250,13 +250,14 @@ def run_search_speed(
             "more run (Python and numpy allocations)"
         ),
         "profiles_note": (
-            "No profile here is a measurement: the synthetic problems use seeded random profiles (search.synthetic, "
+            "No profile here is a measurement: the synthetic problems use seeded random profiles "
+            "(poplar_bench.synthetic, "
             "measured_with.synthetic = true), and the shipped example's profiles are modelled from datasheet specs "
             f"(poplar_bench/gpu_model.py). Sources the profiles declare: {', '.join(sources)}."
         ),
         "lever_method": (
             "search_plan(zero_stage=<0, 1 or 2>, policy='poplar') on seeded synthetic profiles with all four "
-            "memory-lever variants per type (search.synthetic.random_lever_profiles), problems seeded "
+            "memory-lever variants per type (poplar_bench.synthetic.random_lever_profiles), problems seeded "
             f"{', '.join(map(str, lever_seeds))}; fixed batch = 32 * ranks + 7, automatic batch without a maximum; "
             f"median of {lever_repeats} perf_counter timings after one warm-up"
         ),

@@ -154,7 +154,7 @@ def run_profile_step(context: StepContext) -> dict[str, Any]:
     """The step: the rank's result, each profile summarised (whole in ``profile_trials.jsonl``)."""
     import torch
 
-    from poplar_ext.local_ranks import run_ranks
+    from poplar_bench.local_ranks import run_ranks
 
     run = DRY_RUN_PROFILE if context.settings.dry_run else GPU_PROFILE
     trials_path = context.out / "profile_trials.jsonl"

@@ -96,8 +96,8 @@ def write_profiles(directory: Path, fingerprint: str, types_and_caps: list[tuple
     ``(device_type, largest micro-batch, seconds per sample)`` each, for 3 ranks."""
     import dataclasses
 
+    from poplar_bench.synthetic import synthetic_profile
     from poplar_ext.plan.formats import ModelInfo, save_profile
-    from poplar_ext.search.synthetic import synthetic_profile
 
     directory.mkdir()
     model = ModelInfo(name="tiny-gpt", fingerprint=fingerprint, num_parameters=1, dtype="float32")

@@ -1,6 +1,6 @@
 """Run a function on N real ranks (CPU, gloo) forked from the pytest process.
 
-Thin wrappers over `poplar_ext.local_ranks` (the one local-rank launcher, shared with
+Thin wrappers over `poplar_bench.local_ranks` (the one local-rank launcher, shared with
 the bench), which says how the ranks start and why: forked from a process that already
 imported deepspeed, ranks start in ~1 s instead of ~18 s for a fresh launch, and one
 forked group can build many engines in sequence.
@@ -41,8 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from poplar_ext import local_ranks
-from poplar_ext.local_ranks import LOG_TAIL_LINES, RankOutcome, free_port, preimport_for_fork
+from poplar_bench import local_ranks
+from poplar_bench.local_ranks import LOG_TAIL_LINES, RankOutcome, free_port, preimport_for_fork
 
 
 class RankFailure(local_ranks.RankFailure, AssertionError):

@@ -8,7 +8,7 @@ import sys
 import pytest
 from harness import RankFailure, run_ranks, run_ranks_outcomes
 
-from poplar_ext.local_ranks import run_command_ranks
+from poplar_bench.local_ranks import run_command_ranks
 
 
 def _sum_of_ranks(offset):

@@ -6,9 +6,9 @@ import itertools
 
 import numpy as np
 
+from poplar_bench.synthetic import simple_cluster
 from poplar_ext.search.api import LEVERS_ORDER, check_plan, predict, search_plan
 from poplar_ext.search.cost import build_stage_model
-from poplar_ext.search.synthetic import simple_cluster
 
 
 def brute_force(profiles, cluster, stage, batch):

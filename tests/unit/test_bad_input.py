@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from poplar_bench.synthetic import synthetic_profile
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (
     MAX_GLOBAL_BATCH_SIZE,
@@ -23,7 +24,6 @@ from poplar_ext.plan.formats import (
     read_json,
 )
 from poplar_ext.search import cli
-from poplar_ext.search.synthetic import synthetic_profile
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "poplar_ext" / "search" / "example_profiles"
 CLUSTER = EXAMPLES / "cluster.json"

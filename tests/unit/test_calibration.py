@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from poplar_bench.synthetic import simple_cluster, synthetic_profile
 from poplar_ext.plan.formats import load_cluster, plan_from_dict, plan_to_dict, save_cluster, save_profile
 from poplar_ext.profiler.calibration import (
     NOT_CHECKED,
@@ -22,7 +23,6 @@ from poplar_ext.profiler.calibration import (
 )
 from poplar_ext.runtime.config import poplar_config_from_dict
 from poplar_ext.runtime.planning import resolve_plan
-from poplar_ext.search.synthetic import simple_cluster, synthetic_profile
 
 
 @pytest.fixture
@@ -94,8 +94,8 @@ def test_rescaling_scales_only_the_micro_step_times_and_says_so():
 
 
 def test_the_plan_records_the_checks_and_a_plan_without_any_reads_and_writes_as_before():
+    from poplar_bench.synthetic import simple_cluster
     from poplar_ext.search import search_plan
-    from poplar_ext.search.synthetic import simple_cluster
 
     fast, slow = _profile("fast"), _profile("slow", 0.04)
     plan = search_plan([fast, slow], simple_cluster({"fast": 1, "slow": 1}), global_batch_size=20).plan

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from _exhaustive import assert_search_is_exact, brute_force, random_cluster
 
+from poplar_bench.synthetic import simple_cluster, synthetic_profile
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (
     load_profiles,
@@ -17,7 +18,6 @@ from poplar_ext.plan.formats import (
     save_profile,
 )
 from poplar_ext.search.api import check_plan, lever_choices, predict, search_plan
-from poplar_ext.search.synthetic import simple_cluster, synthetic_profile
 
 
 def pair(name, *, stage, cap, overhead, per_sample, checkpointed_cap, recompute=1.3, optimizer_s=0.01):

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from poplar_bench.synthetic import synthetic_profile
 from poplar_ext.search.cost import build_stage_model
-from poplar_ext.search.synthetic import synthetic_profile
 
 
 def model(stage):

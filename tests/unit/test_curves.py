@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from poplar_bench.synthetic import synthetic_profile
 from poplar_ext.search.curves import fit_curve
-from poplar_ext.search.synthetic import synthetic_profile
 
 
 def profile_with(sizes, times, cap):

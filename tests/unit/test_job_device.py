@@ -16,7 +16,7 @@ import torch
 
 import poplar_ext.collectives as collectives
 import poplar_ext.hardware.devices as devices
-from poplar_ext import local_ranks
+from poplar_bench import local_ranks
 
 
 class _FakeCudaAccelerator:

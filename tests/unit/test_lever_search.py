@@ -13,12 +13,12 @@ import dataclasses
 import numpy as np
 import pytest
 
+from poplar_bench.synthetic import random_lever_profiles, simple_cluster
 from poplar_ext.plan.levers import LEVERS_ORDER, lever_choices, lever_count
 from poplar_ext.search.api import search_plan
 from poplar_ext.search.lever_search import evaluate_settings, most_work, search_levers
 from poplar_ext.search.network import modelled_network
 from poplar_ext.search.poplar_independent import steps_within
-from poplar_ext.search.synthetic import random_lever_profiles, simple_cluster
 
 NETWORK = modelled_network(bus_bandwidth_bytes_per_s=1e9, latency_s=1e-4, note="test: assumed figures")
 

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from poplar_bench.synthetic import synthetic_profile
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (
     Cluster,
@@ -33,7 +34,6 @@ from poplar_ext.search.network import (
     ring_factors,
     save_network,
 )
-from poplar_ext.search.synthetic import synthetic_profile
 
 GB = 1e9
 

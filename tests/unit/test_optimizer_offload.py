@@ -100,7 +100,7 @@ def test_profile_model_refuses_an_unknown_offload_mode(tmp_path):
 def test_offloaded_profiles_have_their_own_file_name_and_summary_column():
     import dataclasses
 
-    from poplar_ext.search.synthetic import synthetic_profile
+    from poplar_bench.synthetic import synthetic_profile
 
     plain = synthetic_profile("t4", zero_stage=1, max_micro_batch_size=4, overhead_s=0.01, seconds_per_sample=0.01)
     offloaded = dataclasses.replace(plain, optimizer_offload=True)

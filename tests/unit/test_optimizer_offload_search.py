@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from _exhaustive import assert_search_is_exact, random_cluster
 
+from poplar_bench.synthetic import simple_cluster, synthetic_profile
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (
     content_fingerprint,
@@ -25,7 +26,6 @@ from poplar_ext.search.api import (
     predict,
     search_plan,
 )
-from poplar_ext.search.synthetic import simple_cluster, synthetic_profile
 
 
 def variants(

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from _pipeline_brute_force import brute_force, ordered_partitions
 
+from poplar_bench.synthetic import SYNTHETIC_LAYERED_MODEL, random_layer_profiles, simple_cluster
 from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup
 from poplar_ext.plan.pipeline_formats import (
     LayerCost,
@@ -25,7 +26,6 @@ from poplar_ext.search.pipeline_layouts import all_layouts, candidate_layouts
 from poplar_ext.search.pipeline_search import check_pipeline_plan, search_pipeline_plan
 from poplar_ext.search.pipeline_sizing import PipelineOptions, size_pipelines
 from poplar_ext.search.pipeline_split import Shape, balanced_split, split_costs
-from poplar_ext.search.synthetic import SYNTHETIC_LAYERED_MODEL, random_layer_profiles, simple_cluster
 
 
 def _case(seed: int):

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from poplar_bench.synthetic import synthetic_profile
 from poplar_ext.plan.formats import load_cluster, save_profile
 from poplar_ext.runtime.config import poplar_config_from_dict
 from poplar_ext.runtime.planning import resolve_plan
-from poplar_ext.search.synthetic import synthetic_profile
 
 
 @pytest.fixture

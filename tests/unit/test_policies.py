@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from poplar_bench.synthetic import random_profiles, synthetic_profile
 from poplar_ext.search import poplar_independent
 from poplar_ext.search.cost import build_stage_model
 from poplar_ext.search.policies import allocate, best_global_batch
-from poplar_ext.search.synthetic import random_profiles, synthetic_profile
 
 
 def random_model(rng, *, stage, num_ranks, num_types, max_cap):

@@ -158,9 +158,9 @@ def test_the_check_cost_is_the_slowest_rank_per_repeat_with_the_sizes_timed():
 
 def test_the_demo_checks_its_profiles_at_poplars_sizes_only():
     from poplar_bench.demo_worker import calibration_sizes
+    from poplar_bench.synthetic import simple_cluster, synthetic_profile
     from poplar_ext.profiler.calibration import plan_sizes
     from poplar_ext.search import search_plan
-    from poplar_ext.search.synthetic import simple_cluster, synthetic_profile
 
     profiles = [
         synthetic_profile(t, zero_stage=1, max_micro_batch_size=48, overhead_s=0.01, seconds_per_sample=s)

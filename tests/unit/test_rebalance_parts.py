@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from poplar_bench.synthetic import synthetic_profile
 from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (
@@ -25,7 +26,6 @@ from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, SampleStr
 from poplar_ext.runtime.rebalance import DriftMonitor
 from poplar_ext.search.api import predict, search_plan
 from poplar_ext.search.drift import derived_type, replan, scaled_problem, with_rank_types
-from poplar_ext.search.synthetic import synthetic_profile
 
 
 # -- the poplar.rebalance section ------------------------------------------------------

@@ -5,9 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from poplar_bench.synthetic import random_profiles, simple_cluster, synthetic_profile
 from poplar_ext.plan.formats import ModelInfo, plan_from_dict, plan_to_dict
 from poplar_ext.search import check_plan, predict, search_plan
-from poplar_ext.search.synthetic import random_profiles, simple_cluster, synthetic_profile
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ import pytest
 from scipy.signal import fftconvolve
 
 from poplar_bench.search_speed import run_search_speed, write_report
+from poplar_bench.synthetic import random_profiles, synthetic_profile
 from poplar_ext.plan.formats import load_cluster, load_profiles
 from poplar_ext.search.cost import build_stage_model
 from poplar_ext.search.policies import allocate
-from poplar_ext.search.synthetic import random_profiles, synthetic_profile
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "poplar_ext" / "search" / "example_profiles"
 

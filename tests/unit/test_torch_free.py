@@ -20,7 +20,7 @@ sys.meta_path.insert(0, Blocker())
 
 import poplar_ext.search
 from poplar_ext.search.cli import main
-from poplar_ext.search.synthetic import random_profiles, simple_cluster
+from poplar_bench.synthetic import random_profiles, simple_cluster
 import numpy as np
 
 profiles = random_profiles(np.random.default_rng(0), ["a", "b"])
