@@ -41,6 +41,7 @@ from poplar_ext.plan.levers import (
 # The memory levers' home is search.levers; lever_choices, plan_levers, profiles_for_plan
 # and LEVERS_ORDER stay importable from here.
 from poplar_ext.plan.levers import LEVERS_ORDER as LEVERS_ORDER
+from poplar_ext.plan.pipeline_formats import PipelinePlan
 
 from .cost import StageModel, build_stage_model
 from .lever_search import StageOutcome, evaluate_settings, search_levers
@@ -80,20 +81,28 @@ class StageReport:
 
 @dataclass(frozen=True, kw_only=True)
 class SearchResult:
-    """The outcome of `search_plan`: a plan, or the reason there is none."""
+    """The outcome of a search, ZeRO (`search_plan`) or pipelines (`search_pipeline_plan`): a plan, or the
+    reason there is none."""
 
     status: str
     """``ok`` or ``infeasible``."""
     message: str
     """One line for people: what was chosen and why, or why nothing could be."""
-    plan: Plan | None
-    """The plan when status is ``ok``."""
+    plan: Plan | PipelinePlan | None
+    """The plan when status is ``ok``: a `Plan` (ZeRO) or a `PipelinePlan`."""
     policy: str
     """The policy that was run."""
     zero_stage: int | None
     """The stage of the plan (None when infeasible)."""
     stage_reports: tuple[StageReport, ...]
     """One per evaluated stage, in stage order."""
+    parallelism: str = "zero"
+    """``zero`` (every rank holds the model) or ``pipeline`` (pipelines of stages side by side)."""
+    method: str = "exact"
+    """``exact`` or ``heuristic``: how the chosen stage was searched (the ZeRO search is exact; the pipeline
+    search is exact for small clusters, `poplar_ext.search.pipeline_search`)."""
+    layouts_evaluated: int | None = None
+    """Pipelines only: the layouts of ranks into pipelines the chosen stage's search considered."""
 
     @property
     def ok(self) -> bool:

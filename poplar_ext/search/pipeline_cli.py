@@ -27,7 +27,7 @@ from .api import SearchResult, search_plan
 from .cli_common import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, chosen_network, plan_table, table
 from .network import NetworkProfile
 from .pipeline_cost import predict_pipeline
-from .pipeline_search import PipelineSearchResult, search_pipeline_plan
+from .pipeline_search import search_pipeline_plan
 
 PROG = "poplar-search"
 
@@ -45,7 +45,7 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _search(args: argparse.Namespace) -> tuple[SearchResult | None, PipelineSearchResult | None, Any]:
+def _search(args: argparse.Namespace) -> tuple[SearchResult | None, SearchResult | None, Any]:
     """Both searches (ZeRO only with auto); raises FormatError / ValueError for bad input."""
     cluster = load_cluster(args.cluster)
     layer_profiles = load_layer_profiles(layer_profiles_dir(args.profiles))
@@ -71,7 +71,7 @@ def _search(args: argparse.Namespace) -> tuple[SearchResult | None, PipelineSear
     return zero, pipeline, (cluster, layer_profiles, network)
 
 
-def _chosen(zero: SearchResult | None, pipeline: PipelineSearchResult | None) -> str | None:
+def _chosen(zero: SearchResult | None, pipeline: SearchResult | None) -> str | None:
     """``zero`` or ``pipeline``: the faster feasible plan (ties: ZeRO); None when neither is feasible."""
     times = {
         name: result.plan.predicted.iteration_time_s
@@ -135,7 +135,7 @@ def _plan_dict(result: Any) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------------
 # Tables
 # ----------------------------------------------------------------------------------
-def parallelism_table(zero: SearchResult | None, pipeline: PipelineSearchResult | None, chosen: str) -> str:
+def parallelism_table(zero: SearchResult | None, pipeline: SearchResult | None, chosen: str) -> str:
     """One row per parallelism: status, ZeRO stage, batch, predicted time and throughput."""
     rows = [["parallelism", "status", "stage", "global batch", "iteration s", "samples/s", "of ideal", "note"]]
     for name, result in (("zero", zero), ("pipeline", pipeline)):
@@ -172,7 +172,7 @@ def _ranks_text(ranks: list[int], limit: int = 3) -> str:
 
 
 def pipeline_plan_table(
-    result: PipelineSearchResult, layer_profiles: Any, network: NetworkProfile | None, cluster: Cluster
+    result: SearchResult, layer_profiles: Any, network: NetworkProfile | None, cluster: Cluster
 ) -> str:
     """Consecutive alike pipelines together, one row per stage: ranks, type, layers, micro-batches, busy, idle."""
     plan = result.plan

@@ -41,7 +41,7 @@ from poplar_ext.plan.pipeline_formats import (
     PipelineStage,
 )
 
-from .api import StageReport
+from .api import SearchResult, StageReport
 from .network import NetworkProfile
 from .pipeline_cost import (
     LayerTable,
@@ -71,31 +71,6 @@ MAX_PIPELINE_MICRO_BATCH = 4096
 """The largest micro-batch a pipeline search considers."""
 METHODS = ("auto", "exact", "heuristic")
 LAYOUTS = ("auto", "all", "candidates")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineSearchResult:
-    """The outcome of `search_pipeline_plan`: a plan, or the reason there is none."""
-
-    status: str
-    """``ok`` or ``infeasible``."""
-    message: str
-    """One line for people: what was chosen and why, or why nothing could be."""
-    plan: PipelinePlan | None
-    """The plan when status is ``ok``."""
-    zero_stage: int | None
-    """The ZeRO stage of the plan (None when infeasible)."""
-    stage_reports: tuple[StageReport, ...]
-    """One per evaluated ZeRO stage."""
-    method: str
-    """``exact`` or ``heuristic``: how the chosen stage was searched (module docstring)."""
-    layouts_evaluated: int
-    """Layouts the chosen stage's search considered."""
-    policy: str = "poplar"
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -449,7 +424,7 @@ def search_pipeline_plan(
     method: str = "auto",
     layouts: str = "auto",
     max_stages: int | None = None,
-) -> PipelineSearchResult:
+) -> SearchResult:
     """The pipeline plan of `cluster` with the smallest predicted iteration time (module docstring).
 
     Args:
@@ -467,7 +442,7 @@ def search_pipeline_plan(
         max_stages: the most stages a pipeline may have (default: the number of layers).
 
     Returns:
-        A `PipelineSearchResult`; a plan that cannot be made is a status with a reason.
+        A `SearchResult`; a plan that cannot be made is a status with a reason.
 
     Raises:
         ValueError: bad input (types, profiles of several models, a device type of the
@@ -504,14 +479,16 @@ def search_pipeline_plan(
     return _result(outcomes, zero_stage == "auto")
 
 
-def _result(outcomes: dict[int, _Outcome], auto: bool) -> PipelineSearchResult:
+def _result(outcomes: dict[int, _Outcome], auto: bool) -> SearchResult:
     feasible = {s: o for s, o in outcomes.items() if o.plan is not None}
     if not feasible:
         reasons = " ".join(f"Stage {s}: {o.reason}" for s, o in outcomes.items())
         reports = tuple(StageReport.infeasible(s, o.reason) for s, o in outcomes.items())
         last = list(outcomes.values())[-1]
-        return PipelineSearchResult(
+        return SearchResult(
             status="infeasible",
+            policy="poplar",
+            parallelism="pipeline",
             message=f"No pipeline plan. {reasons}",
             plan=None,
             zero_stage=None,
@@ -522,8 +499,10 @@ def _result(outcomes: dict[int, _Outcome], auto: bool) -> PipelineSearchResult:
     chosen = min(feasible, key=lambda s: (feasible[s].plan.predicted.iteration_time_s, s))
     best = feasible[chosen]
     plan = best.plan
-    return PipelineSearchResult(
+    return SearchResult(
         status="ok",
+        policy="poplar",
+        parallelism="pipeline",
         message=_message(plan, chosen, auto, best),
         plan=plan,
         zero_stage=chosen,

@@ -78,3 +78,20 @@ def test_a_plan_of_a_device_type_without_profiles_is_bad_input(tmp_path, capsys)
     path.write_text(json.dumps(plan))
     assert main(["--example", "--predict", str(path)]) == 2
     assert "H200-141GB" in capsys.readouterr().err
+
+
+def test_both_searches_return_one_result_type_that_says_its_parallelism():
+    from poplar_ext.plan.formats import load_cluster, load_profiles
+    from poplar_ext.plan.pipeline_formats import PipelinePlan, layer_profiles_dir, load_layer_profiles
+    from poplar_ext.search import SearchResult, search_pipeline_plan, search_plan
+    from poplar_ext.search.examples import example_cluster_file, example_profiles_dir
+
+    cluster = load_cluster(example_cluster_file())
+    zero = search_plan(load_profiles(example_profiles_dir()), cluster, global_batch_size=512)
+    layers = load_layer_profiles(layer_profiles_dir(example_profiles_dir()))
+    pipeline = search_pipeline_plan(layers, cluster, global_batch_size=512)
+    assert type(zero) is SearchResult and type(pipeline) is SearchResult
+    assert (zero.parallelism, zero.method, zero.layouts_evaluated) == ("zero", "exact", None)
+    assert pipeline.parallelism == "pipeline" and isinstance(pipeline.plan, PipelinePlan)
+    assert pipeline.method in ("exact", "heuristic") and pipeline.layouts_evaluated >= 1
+    assert zero.ok and pipeline.ok and pipeline.policy == "poplar"
