@@ -76,35 +76,60 @@ def is_pipeline_model(model: Any) -> bool:
 
 
 def _is_layer(item: Any) -> bool:
+    """What DeepSpeed's PipelineModule takes as a layer: a LayerSpec (not tied), a module, or a callable
+    such as ``lambda x: torch.flatten(x, 1)`` (a layer without parameters)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    return (isinstance(item, LayerSpec) and not isinstance(item, TiedLayerSpec)) or isinstance(item, nn.Module)
+    if isinstance(item, TiedLayerSpec):
+        return False
+    return isinstance(item, (LayerSpec, nn.Module)) or (callable(item) and not isinstance(item, type))
+
+
+class CallableLayer(nn.Module):
+    """A callable layer of a pipeline (a function, a lambda) as a module the profiler can time."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        super().__init__()
+        self.function = function
+        self.layer_name = getattr(function, "__name__", type(function).__name__)
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.function(*inputs)
+
+
+def _builder(item: Any) -> Callable[[], nn.Module]:
+    from deepspeed.pipe import LayerSpec
+
+    if isinstance(item, LayerSpec):
+        return item.build
+    if isinstance(item, nn.Module):
+        return lambda: item
+    return lambda: CallableLayer(item)
 
 
 def pipeline_layers(model: Any, *, loss_fn: PipelineLossFn | None = None) -> PipelineLayers:
     """The layers of `model`: a PipelineModule's layer list (its ``loss_fn`` unless `loss_fn` is
     given), a list of LayerSpecs or modules, or an ``nn.Sequential``'s children."""
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import PipelineModule
 
     if isinstance(model, PipelineModule):
         items, loss_fn = list(model._layer_specs), loss_fn or model.loss_fn
     elif isinstance(model, nn.Sequential):
         items = list(model.children())
-    elif is_pipeline_model(model):
+    elif isinstance(model, (list, tuple)) and model:
         items = list(model)
     else:
         raise ValueError(
-            f"model: expected a PipelineModule, a list of LayerSpecs or modules, or an nn.Sequential to profile layer "
-            f"by layer, found {type(model).__name__}"
+            "model: expected a PipelineModule, a list of layers (LayerSpecs, modules or callables), or an "
+            f"nn.Sequential to profile layer by layer, found {type(model).__name__}"
         )
     for index, item in enumerate(items):
         if not _is_layer(item):
             raise ValueError(
-                f"model: layer {index}: expected a LayerSpec or an nn.Module (tied layers are not supported), "
-                f"found {type(item).__name__}"
+                f"model: layer {index}: expected a LayerSpec, an nn.Module or a callable (tied layers are not "
+                f"supported), found {type(item).__name__}"
             )
-    builders = tuple(item.build if isinstance(item, LayerSpec) else (lambda m=item: m) for item in items)
-    return PipelineLayers(builders=builders, loss_fn=loss_fn)
+    return PipelineLayers(builders=tuple(_builder(item) for item in items), loss_fn=loss_fn)
 
 
 def layers_fingerprint(pipeline: PipelineLayers) -> str:
@@ -159,6 +184,16 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _stage_input(value: Any) -> Any:
+    """What a layer's forward gets: a copy of the received activation, so that an in-place first operation
+    (``ReLU(inplace=True)``) works, as it does on DeepSpeed's stages, whose input is not a leaf there."""
+    if torch.is_tensor(value):
+        return value.clone() if value.requires_grad else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_stage_input(v) for v in value)
+    return value
+
+
 def _detached_input(value: Any) -> Any:
     """The activation a stage receives: a leaf, with a gradient where it is floating point."""
     if torch.is_tensor(value):
@@ -189,8 +224,16 @@ def _run_layer(
     parameter_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     kept: dict[int, int] = {}
 
+    stage_input = _stage_input(leaf)
+    # The copy stands for the received activation: saved, it is the input the stage keeps anyway.
+    same_as_input = {
+        copied.untyped_storage().data_ptr(): received.untyped_storage().data_ptr()
+        for copied, received in zip(_tensors(stage_input), _tensors(leaf))
+    }
+
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage().data_ptr()
+        storage = same_as_input.get(storage, storage)
         if storage not in parameter_storages:
             kept[storage] = max(kept.get(storage, 0), tensor.numel() * tensor.element_size())
         return tensor
@@ -199,7 +242,7 @@ def _run_layer(
 
     def forward() -> None:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = layer(leaf)
+            output = layer(stage_input)
             result["output"] = output
             if last:
                 result["loss"] = (
@@ -269,7 +312,7 @@ def measure_layers(
     return [
         {
             "index": index,
-            "name": type(layer).__name__,
+            "name": getattr(layer, "layer_name", type(layer).__name__),
             "samples": [
                 {"micro_batch_size": b, "step_time_s": max(statistics.median(times[index][b]), 1e-9)}
                 for b in measurement.micro_batch_sizes

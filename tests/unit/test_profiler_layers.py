@@ -137,3 +137,39 @@ def test_what_is_a_pipeline_model_and_which_sizes_are_timed() -> None:
     assert layer_micro_batch_sizes((4, 2), 256) == (2, 4)
     with pytest.raises(ValueError, match="optimizer.type"):
         optimizer_factory_from_config({"optimizer": {"type": "Lamb"}})
+
+
+def _measure_model(model, batch) -> list[dict]:
+    measurement = LayerMeasurement(
+        make_batch=lambda b: batch(b),
+        optimizer_factory=optimizer_factory_from_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}),
+        micro_batch_sizes=(1, 2),
+        warmup_micro_steps=0,
+        repeats=1,
+    )
+    with cpu_threads(1):
+        return measure_layers(pipeline_layers(model), measurement)
+
+
+def test_callable_layers_are_profiled_as_deepspeed_runs_them() -> None:
+    # DeepSpeedExamples' AlexNet pipeline: a lambda between the convolutions and the classifier.
+    layers = [torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), lambda x: torch.flatten(x, 1), torch.nn.Linear(4 * 6 * 6, 10)]
+    assert is_pipeline_model(layers)
+    costs = _measure_model(layers, lambda b: torch.randn(b, 3, 8, 8))
+    assert [c["name"] for c in costs] == ["Conv2d", "ReLU", "<lambda>", "Linear"]
+    assert costs[2]["parameter_bytes"] == 0 and costs[2]["optimizer_state_bytes"] == 0
+    assert costs[2]["output_bytes_per_sample"] == 4 * 6 * 6 * 4
+
+
+def test_in_place_activations_are_profiled() -> None:
+    # torchvision's AlexNet: ReLU(inplace=True) right after a layer boundary.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 2))
+    costs = _measure_model(model, lambda b: torch.randn(b, 8))
+    assert [c["name"] for c in costs] == ["Linear", "ReLU", "Linear"]
+    assert all(s["step_time_s"] > 0 for c in costs for s in c["samples"])
+
+
+def test_a_layer_that_is_not_one_is_named_with_its_index() -> None:
+    expected = r"model: layer 1: expected a LayerSpec, an nn.Module or a callable.*found int"
+    with pytest.raises(ValueError, match=expected):
+        pipeline_layers([torch.nn.Linear(2, 2), 3])
