@@ -188,7 +188,10 @@ def join_job(**init_options: object) -> torch.device:
     starts it, so LOCAL_RANK must name a visible device by then (`select_job_device`).
     """
     from poplar_ext.collectives import discover_launch_environment, ensure_process_group
+    from poplar_ext.hardware.extension_builds import check_extension_build_locks
 
+    # Before the group: a stale build lock would hang every rank inside DeepSpeed's setup.
+    check_extension_build_locks()
     discover_launch_environment(**init_options)
     device = select_job_device()
     ensure_process_group(**init_options)

@@ -1,0 +1,76 @@
+"""Build locks of torch's C++ extensions, checked before a job starts (docs/limits.md: what a first start builds).
+
+DeepSpeed compiles some of its ops the first time a job needs them (on a CPU machine its
+shared-memory communication op, when the process group starts), through torch's extension
+builder, which holds a ``lock`` file in the extension's build folder while it builds and
+makes every other process wait, without a limit, until the file is gone. A build killed
+midway leaves the file behind, and every rank of every later job then waits silently.
+`check_extension_build_locks` finds such files before the job starts: a lock older than
+`STALE_AFTER_S` is refused with the command that removes it; a younger one is logged (a
+build may be running in another job).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+STALE_AFTER_S = 600.0
+"""A build lock older than this is taken as left by a killed build (a CPU op builds in about a minute;
+DeepSpeed's largest CUDA ops in a few)."""
+
+
+def extension_build_root() -> Path:
+    """Where torch builds extensions: ``TORCH_EXTENSIONS_DIR``, else its per-user cache folder."""
+    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if configured:
+        return Path(configured)
+    import torch.utils.cpp_extension
+
+    return Path(torch.utils.cpp_extension.get_default_build_root())
+
+
+def extension_build_locks(root: Path | None = None) -> list[Path]:
+    """The build lock files under `root` (default `extension_build_root`): ``<root>/<ext>/lock`` and
+    ``<root>/<python and CUDA tag>/<ext>/lock``."""
+    root = extension_build_root() if root is None else root
+    if not root.is_dir():
+        return []
+    return sorted({*root.glob("*/lock"), *root.glob("*/*/lock")})
+
+
+def check_extension_build_locks(*, root: Path | None = None, stale_after_s: float = STALE_AFTER_S) -> None:
+    """Refuse to start when a stale extension build lock would make every rank wait forever; log a fresh one.
+
+    Raises RuntimeError naming each stale lock, its age and how to remove it.
+    """
+    now = time.time()
+    stale = []
+    for lock in extension_build_locks(root):
+        try:
+            age_s = now - lock.stat().st_mtime
+        except FileNotFoundError:
+            continue  # the build finished while we looked
+        if age_s > stale_after_s:
+            stale.append((lock, age_s))
+        else:
+            logger.warning(
+                "an extension is being built (lock %s, %.0f s old): this job waits until that build ends",
+                lock,
+                age_s,
+            )
+    if stale:
+        listed = "; ".join(f"{lock} ({age_s / 60:.0f} minutes old)" for lock, age_s in stale)
+        commands = " ".join(str(lock) for lock, _ in stale)
+        raise RuntimeError(
+            f"extension build lock(s) left by a build that did not finish: {listed}. Every rank would wait on them "
+            f"forever. If no other job is building these extensions now, remove them (rm {commands}) and start "
+            "again; the next start builds the extension anew"
+        )
+
+
+__all__ = ["STALE_AFTER_S", "check_extension_build_locks", "extension_build_locks", "extension_build_root"]
