@@ -6,7 +6,7 @@ but the three a job names itself (`cluster`, `profiles`, `global_batch_size`)::
     "poplar": {
         "cluster": "cluster.json",        # the device type of every rank
         "plan": null,                     # a plan from poplar-search, or instead:
-        "profiles": "profiles/",          # profiles to search a plan from at start
+        "profiles": "profiles/",          # profiles to search a plan from (none named: the user cache)
         "policy": "poplar",
         "global_batch_size": 96,          # or "auto": the search picks
         "max_global_batch_size": null,
@@ -45,6 +45,7 @@ the same file also works with plain ``deepspeed.initialize``.
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,8 @@ class PoplarConfig:
     plan: Path | None = None
     """A plan file; when absent, a plan is searched from `profiles` at start."""
     profiles: Path | None = None
-    """Directory of profiles: searched when there is no plan, and used to check a plan."""
+    """Directory of profiles: searched when there is no plan, and used to check a plan. Without a plan
+    and without this, `default_profiles_dir` (the automatic mode: missing profiles are measured there)."""
     policy: str = "poplar"
     """Search policy when searching at start."""
     global_batch_size: int | str | None = None
@@ -158,9 +160,11 @@ class PoplarConfig:
     """Cached profiles checked at start (``poplar.calibration``, see `CalibrationConfig`)."""
     source: str = DICT_SOURCE
     """The DeepSpeed config file the section came from (not a key of the section: for messages)."""
+    profiles_defaulted: bool = False
+    """True when `profiles` is `default_profiles_dir` because the section named neither a plan nor profiles."""
 
 
-_KEYS = tuple(f.name for f in fields(PoplarConfig) if f.name != "source")
+_KEYS = tuple(f.name for f in fields(PoplarConfig) if f.name not in ("source", "profiles_defaulted"))
 
 
 def _path(node: Node | None, base_dir: Path) -> Path | None:
@@ -226,6 +230,20 @@ def _calibration(node: Node | None) -> CalibrationConfig:
     )
 
 
+PROFILES_DIR_VARIABLE = "POPLAR_PROFILES_DIR"
+"""Where the automatic mode keeps profiles when the ``poplar`` section names neither a plan nor profiles."""
+
+
+def default_profiles_dir() -> Path:
+    """``$POPLAR_PROFILES_DIR``, else ``$XDG_CACHE_HOME/poplar-ext/profiles`` (``~/.cache`` when unset): the
+    profiles of a job whose ``poplar`` section names neither a plan nor profiles, reused by the next job."""
+    configured = os.environ.get(PROFILES_DIR_VARIABLE)
+    if configured:
+        return Path(configured).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "poplar-ext" / "profiles"
+
+
 def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_SOURCE) -> PoplarConfig:
     """Validate the ``poplar`` section; raises `FormatError` (a ValueError) naming `source` and the field.
 
@@ -233,13 +251,14 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
     """
     root = Node(section, source, SECTION)
     if not isinstance(section, dict):
-        raise root.fail("an object with at least 'plan' or 'profiles'")
+        raise root.fail("an object ({} for the automatic mode: the hardware read, profiled and a plan searched)")
     root.keys_within(_KEYS)
     cluster = _path(root.optional("cluster"), base_dir)
     plan = _path(root.optional("plan"), base_dir)
     profiles = _path(root.optional("profiles"), base_dir)
-    if plan is None and profiles is None:
-        raise root.fail("'plan' (a plan file) or 'profiles' (a directory to search a plan from)", raw_found="neither")
+    profiles_defaulted = plan is None and profiles is None
+    if profiles_defaulted:
+        profiles = default_profiles_dir()
     policy = root.optional("policy")
     reduction = root.optional("loss_reduction")
     seed = root.optional("seed")
@@ -258,6 +277,7 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
         cluster=cluster,
         plan=plan,
         profiles=profiles,
+        profiles_defaulted=profiles_defaulted,
         policy=defaults.policy if policy is None else policy.string(choices=POLICIES),
         global_batch_size=_batch_or_auto(root.optional("global_batch_size")),
         max_global_batch_size=_optional_int(root.optional("max_global_batch_size"), 1, MAX_GLOBAL_BATCH_SIZE),
@@ -466,7 +486,9 @@ __all__ = [
     "PoplarConfig",
     "RebalanceConfig",
     "configured_zero_stage",
+    "PROFILES_DIR_VARIABLE",
     "deepspeed_global_batch_size",
+    "default_profiles_dir",
     "load_deepspeed_config",
     "nominal_deepspeed_config",
     "poplar_config_from_dict",

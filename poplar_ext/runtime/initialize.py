@@ -217,6 +217,12 @@ def prepare_job(
     cluster = agreed_cluster(poplar_config.cluster, gather_device_facts(device), rank=rank, name=f"{SECTION}.cluster")
     if rank == 0:
         check_emulation_range(cluster)  # warns where emulated ranks would wait for cores
+        if poplar_config.profiles_defaulted:
+            logger.info(
+                "poplar: no plan and no profiles named: the automatic mode keeps this job's profiles in %s "
+                "(set poplar.profiles, or POPLAR_PROFILES_DIR, to keep them elsewhere)",
+                poplar_config.profiles,
+            )
     model_fingerprint = None
     if poplar_config.profiles is not None and model is not None:
         from poplar_ext.profiler.fingerprint import model_fingerprint as fingerprint_of

@@ -65,25 +65,48 @@ def _train_twice(cluster_path: str, profiles_dir: str) -> list[dict]:
     return [_train_from_nothing(cluster_path, profiles_dir) for _ in range(2)]
 
 
+def _train_from_the_smallest_section(cluster_path: str, cache_home: str) -> dict:
+    """The smallest section the docs show (a cluster file, one CPU thread): profiles in the user's cache."""
+    import os
+
+    import torch
+
+    import poplar_ext
+    from poplar_ext.models.toy_gpt import SyntheticTokens
+
+    os.environ.pop("POPLAR_PROFILES_DIR", None)
+    os.environ["XDG_CACHE_HOME"] = cache_home
+    model = t.GPT(CONFIG)
+    data = SyntheticTokens(num_samples=64, sequence_length=CONFIG.sequence_length, vocab_size=CONFIG.vocab_size)
+    section = {"cluster": cluster_path, "cpu_threads": 1}
+    config = {"train_batch_size": GLOBAL_BATCH, "zero_allow_untested_optimizer": True, "poplar": section}
+    engine, _, loader, _ = poplar_ext.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), training_data=data, config=config
+    )
+    for tokens in loader:
+        engine.backward(engine(tokens.to(engine.device)))
+        engine.step()
+        if engine.global_steps == 2:
+            break
+    return {"steps": engine.global_steps, "profiles": str(engine.poplar_config.profiles)}
+
+
+def _two_types() -> dict:
+    return {
+        "schema_version": 1,
+        "nodes": [
+            {"name": "n0", "devices": [{"device_type": "fast", "count": 1}, {"device_type": "slow", "count": 1}]}
+        ],
+        "device_types": {
+            "fast": {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 8 * 10**9}},
+            "slow": {"emulation": {"slowdown": 3.0, "memory_capacity_bytes": 8 * 10**9}},
+        },
+    }
+
+
 def test_initialize_profiles_searches_and_trains_from_nothing(tmp_path) -> None:
     cluster = tmp_path / "cluster.json"
-    cluster.write_text(
-        json.dumps(
-            {
-                "schema_version": 1,
-                "nodes": [
-                    {
-                        "name": "n0",
-                        "devices": [{"device_type": "fast", "count": 1}, {"device_type": "slow", "count": 1}],
-                    }
-                ],
-                "device_types": {
-                    "fast": {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": 8 * 10**9}},
-                    "slow": {"emulation": {"slowdown": 3.0, "memory_capacity_bytes": 8 * 10**9}},
-                },
-            }
-        )
-    )
+    cluster.write_text(json.dumps(_two_types()))
     profiles_dir = tmp_path / "profiles"
     both = run_ranks(
         _train_twice, world_size=2, tmp_path=tmp_path, args=(str(cluster), str(profiles_dir)), timeout_s=300
@@ -105,3 +128,20 @@ def test_initialize_profiles_searches_and_trains_from_nothing(tmp_path) -> None:
     assert set(checks) == {"fast", "slow"}
     assert all(c["outcome"] in ("trusted", "rescaled") and c["measured_over_profiled"] > 0 for c in checks.values())
     assert again[0]["history_calibration"] == checks and again[0]["steps"] == 3
+
+
+def test_the_smallest_section_the_docs_show_trains_with_profiles_in_the_users_cache(tmp_path) -> None:
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps(_two_types()))
+    cache_home = tmp_path / "cache"
+    results = run_ranks(
+        _train_from_the_smallest_section,
+        world_size=2,
+        tmp_path=tmp_path,
+        args=(str(cluster), str(cache_home)),
+        timeout_s=300,
+    )
+    expected = cache_home / "poplar-ext" / "profiles"
+    assert [r["steps"] for r in results] == [2, 2]
+    assert all(r["profiles"] == str(expected) for r in results)
+    assert {p.device_type for p in load_profiles(expected)} == {"fast", "slow"}

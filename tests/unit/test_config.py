@@ -76,9 +76,20 @@ def test_without_a_cluster_file_the_cluster_is_read_from_the_hardware():
     assert poplar_config_from_dict({"plan": "p.json"}, base_dir=BASE).cluster is None
 
 
-def test_neither_plan_nor_profiles():
-    with pytest.raises(ValueError, match="expected 'plan' .* or 'profiles' .*found neither"):
-        poplar_config_from_dict({"cluster": "c.json"}, base_dir=BASE)
+def test_neither_plan_nor_profiles_is_the_automatic_mode_with_profiles_in_the_users_cache(monkeypatch, tmp_path):
+    # The smallest sections the docs show: a cluster file, or nothing at all.
+    monkeypatch.delenv("POPLAR_PROFILES_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for section in ({"cluster": "c.json", "cpu_threads": 1}, {}):
+        cfg = poplar_config_from_dict(section, base_dir=BASE)
+        assert cfg.plan is None and cfg.profiles_defaulted
+        assert cfg.profiles == tmp_path / "cache" / "poplar-ext" / "profiles"
+    monkeypatch.setenv("POPLAR_PROFILES_DIR", str(tmp_path / "mine"))
+    assert poplar_config_from_dict({}, base_dir=BASE).profiles == tmp_path / "mine"
+    named = poplar_config_from_dict({"profiles": "p"}, base_dir=BASE)
+    assert named.profiles == BASE / "p" and not named.profiles_defaulted
+    with pytest.raises(ValueError, match=r"poplar: expected an object \(\{\} for the automatic mode"):
+        poplar_config_from_dict([], base_dir=BASE)
 
 
 def test_bad_policy():
@@ -334,7 +345,8 @@ def test_the_module_docstrings_example_has_every_key_at_its_default():
 
     example = module.__doc__.split("::\n", 1)[1].split("\n\n", 1)[0]
     section = json.loads("{" + re.sub(r"\s+#.*", "", example) + "}")["poplar"]
-    assert list(section) == [f.name for f in dataclasses.fields(module.PoplarConfig) if f.name != "source"]
+    derived = ("source", "profiles_defaulted")  # not keys of the section
+    assert list(section) == [f.name for f in dataclasses.fields(module.PoplarConfig) if f.name not in derived]
     assert list(section["rebalance"]) == [f.name for f in dataclasses.fields(module.RebalanceConfig)]
     named = {"cluster": BASE / "cluster.json", "profiles": BASE / "profiles", "global_batch_size": 96}
     parsed = poplar_config_from_dict(section, base_dir=BASE)
