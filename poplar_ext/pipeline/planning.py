@@ -281,7 +281,8 @@ def _cannot_measure_message(poplar_config: PoplarConfig, types: list[str], stage
     return (
         f"{SECTION}.profiles: no plan was given and {layer_profiles_dir(poplar_config.profiles)} lacks layer "
         f"profiles of this model for {', '.join(types)} at ZeRO stage {' and '.join(map(str, stages))}; give "
-        "PoplarPipelineModule training_data= to measure them at start, or measure them first: "
+        "PoplarPipelineModule training_data= to measure them at start (the module is built before "
+        "poplar_ext.initialize, so create the dataset first and pass it to both), or measure them first: "
         f"poplar-profile --per-layer --model MODULE:LAYERS --batch MODULE:FACTORY --zero-stages "
         f"{','.join(map(str, stages))} --output-dir {poplar_config.profiles} (under the job's launcher)"
     )

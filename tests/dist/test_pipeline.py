@@ -374,6 +374,7 @@ def test_without_a_plan_one_is_searched_from_layer_profiles_measured_at_start(re
     assert len({s["without_data"] for s in searched}) == 1, "ranks disagree"
     assert "lacks layer profiles of this model for cpu, cpu-slow" in searched[0]["without_data"]
     assert "poplar-profile --per-layer" in searched[0]["without_data"]
+    assert "create the dataset first and pass it to both" in searched[0]["without_data"]
     assert len(searched[0]["layer_files"]) == 2  # 2 device types at the config's ZeRO stage 0
     plan = searched[0]["plan"]
     assert all(s["plan"] == plan and s["again"] == plan for s in searched), "every rank, every start: one plan"
