@@ -123,12 +123,22 @@ def loss_of(output: Any) -> torch.Tensor:
 
 def default_loss(engine: Any, batch: Any) -> torch.Tensor:
     """``engine(**batch)``, ``engine(*batch)`` or ``engine(batch)``, and the loss in what it returns
-    (`loss_of`): a model that returns its loss, or a Hugging Face model given labels."""
+    (`loss_of`): a model that returns its loss, or a Hugging Face model given labels. A model that
+    cannot be called so gets a TypeError that says to pass ``loss_fn=``."""
     if isinstance(batch, Mapping):
-        return loss_of(engine(**batch))
-    if isinstance(batch, (tuple, list)):
-        return loss_of(engine(*batch))
-    return loss_of(engine(batch))
+        call, shape = (lambda: engine(**batch)), f"model(**batch) with the keys {', '.join(map(str, batch))}"
+    elif isinstance(batch, (tuple, list)):
+        call, shape = (lambda: engine(*batch)), f"model(*batch) with {len(batch)} items"
+    else:
+        call, shape = (lambda: engine(batch)), "model(batch)"
+    try:
+        return loss_of(call())
+    except TypeError as exc:
+        raise TypeError(
+            f"{exc} (poplar-ext called {shape}, as it does by default to profile and time micro-steps; for a model "
+            "that takes its batch otherwise, or returns no loss, pass loss_fn=lambda engine, batch: loss to "
+            "poplar_ext.initialize, or to profile_model)"
+        ) from exc
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:

@@ -70,3 +70,21 @@ def test_a_trial_line_says_each_sizes_outcome_and_what_a_rebuild_left():
         "H200-141GB micro-batch 64: peak 3.00 GiB, V100-16GB micro-batch 8: out of memory "
         "(engine rebuilt: 1.00 GiB in use after)"
     )
+
+
+def test_a_model_that_cannot_take_the_batch_is_told_to_pass_loss_fn():
+    # The elastic restart recipe with a model of one's own whose batches are tuples (issue 36, item 11).
+    import pytest
+    import torch
+
+    from poplar_ext.profiler.measure import default_loss
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 1))
+    batch = (torch.zeros(3, 2), torch.zeros(3, 1), torch.zeros(3))
+    with pytest.raises(
+        TypeError, match=r"takes 2 positional arguments but 4 were given.*model\(\*batch\) with 3 items"
+    ):
+        default_loss(model, batch)
+    with pytest.raises(TypeError, match="pass loss_fn=lambda engine, batch: loss to poplar_ext.initialize"):
+        default_loss(model, batch)
+    assert default_loss(lambda x: x.sum(), torch.ones(2)) == 2.0
