@@ -94,25 +94,34 @@ class PoplarSFTTrainer(_LocalMetrics, SFTTrainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        model = kwargs.get("model")
-        if not isinstance(model, str):
-            _refuse_padding_free_across_sequences(kwargs.get("args"), model)
+        model, config = kwargs.get("model"), kwargs.get("args")
+        # From the arguments, before the plan is resolved on every rank (a collective).
+        _refuse_padding_free_across_sequences(config, _attention_to_be(model, config))
         super().__init__(*args, **kwargs)
-        if isinstance(model, str):  # the model TRL loaded
-            _refuse_padding_free_across_sequences(self.args, self.model)
+        if isinstance(model, str):  # the model TRL loaded: its attention as it came out
+            _refuse_padding_free_across_sequences(self.args, _attention_to_be(self.model, self.args))
 
 
-def _refuse_padding_free_across_sequences(args: Any, model: Any) -> None:
+def _attention_to_be(model: Any, args: Any) -> str | None:
+    """The attention implementation the model has, or, for a model TRL will load from a name, the one
+    ``SFTConfig.model_init_kwargs`` asks for ('None': transformers' default, which is not flash)."""
+    if model is None:
+        return None
+    if isinstance(model, str):
+        return str((getattr(args, "model_init_kwargs", None) or {}).get("attn_implementation"))
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", None))
+
+
+def _refuse_padding_free_across_sequences(args: Any, attention: str | None) -> None:
     """Padding-free batches flatten a micro-batch into one row; an attention that does not
     keep its sequences apart lets each attend to the others of its micro-batch, so the
     loss depends on how the global batch is split (which poplar-ext changes per rank)."""
-    if args is None or model is None:
+    if args is None or attention is None:
         return
     strategy = getattr(args, "packing_strategy", None)
     padding_free = getattr(args, "padding_free", False) or (
         getattr(args, "packing", False) and strategy in {"bfd", "bfd_split"}
     )
-    attention = str(getattr(getattr(model, "config", None), "_attn_implementation", None))
     if padding_free and "flash" not in attention:
         what = "padding_free=True" if args.padding_free else f"packing=True with packing_strategy={strategy!r}"
         raise ValueError(

@@ -35,3 +35,19 @@ def test_padding_free_batches_without_flash_attention_are_refused(tmp_path, fiel
         ValueError, match=r"flattens each micro-batch into one sequence, and the model's attention \('sdpa'\)"
     ):
         PoplarSFTTrainer(model=_gpt2("sdpa"), args=args)
+
+
+@pytest.mark.parametrize("init_kwargs", [None, {"attn_implementation": "sdpa"}])
+def test_a_model_trl_would_load_by_name_is_refused_from_the_config_before_anything_loads(
+    tmp_path, monkeypatch, init_kwargs
+):
+    # TRL's sft.py documents --packing (bfd) with a model name: refused before any process group or download.
+    import poplar_ext.integrations.transformers as integration
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("the plan was resolved (a collective) before the refusal")
+
+    monkeypatch.setattr(integration, "prepare_job", no_collective)
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, packing=True, model_init_kwargs=init_kwargs)
+    with pytest.raises(ValueError, match=r"packing=True with packing_strategy='bfd' flattens each micro-batch"):
+        PoplarSFTTrainer(model="some-org/some-model", args=args)
