@@ -22,8 +22,8 @@ row attend to each other, so the loss depends on the micro-batch split).
 TRL gathers its logged metrics (entropy, token accuracy, token counts, DPO's rewards)
 in every ``compute_loss``; under a plan, ranks take micro-steps of different sizes, and
 at ZeRO 0-1 different numbers of them per step, so while training each rank keeps its
-own metrics (rank 0's are what the Trainer logs) instead of entering a collective that
-the others reach with other shapes or never. The loss and the gradients are exact.
+own metrics instead of entering a collective that the others reach with other shapes or
+never, and the ranks merge them when the Trainer logs (`merged_training_metrics`). The loss and the gradients are exact.
 Evaluating (``evaluate()``, ``predict()``), every rank runs one batch per round, and
 TRL's metric gathers take every rank's values whole, a padding batch's left out
 (`PoplarTrainerMixin.gather_round_metrics`).
@@ -70,6 +70,18 @@ class _LocalMetrics(PoplarTrainerMixin):
         finally:
             del self.accelerator.gather_for_metrics, self.accelerator.gather  # the class's methods again
 
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """TRL's training metrics of every rank, merged (`merged_training_metrics`), before TRL averages and
+        logs them. Every rank logs at the same steps (the Trainer's logging), so the gather meets."""
+        metrics = getattr(self, "_metrics", None)
+        if metrics is not None and self.model.training and metrics.get("train"):
+            from poplar_ext.collectives import gather_objects
+
+            mine = {key: (float(sum(values)), len(values)) for key, values in metrics["train"].items()}
+            metrics["train"].clear()
+            metrics["train"].update(merged_training_metrics(gather_objects(mine)))
+        super().log(logs, *args, **kwargs)
+
     def compute_loss(
         self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
@@ -77,6 +89,25 @@ class _LocalMetrics(PoplarTrainerMixin):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
+
+
+RUNNING_TOTALS = ("num_tokens",)
+"""TRL metrics that are a running count on each rank: the job's is their sum over the ranks."""
+
+
+def merged_training_metrics(every_rank: list[dict[str, tuple[float, int]]]) -> dict[str, list[float]]:
+    """TRL's metric lists from each rank's ``{key: (sum of its values, how many)}``: a running total summed
+    over the ranks, any other metric the mean over every micro-step of every rank (TRL's own is the mean
+    over its micro-steps of values gathered from every rank)."""
+    merged: dict[str, list[float]] = {}
+    for key in sorted({key for rank in every_rank for key in rank}):
+        parts = [rank[key] for rank in every_rank if key in rank]
+        total, count = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        if key in RUNNING_TOTALS:
+            merged[key] = [total]
+        elif count:
+            merged[key] = [total / count]
+    return merged
 
 
 def _local(input_data: Any, use_gather_object: bool = False) -> Any:

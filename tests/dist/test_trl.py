@@ -185,14 +185,20 @@ def _train_cases(configs: dict[int, str], out: str) -> dict:
             "rows": len(trainer.train_dataset),
             "eval_loss": evaluated["eval_loss"],
             "seen": [i for iteration in trained for batch in iteration for i in batch],
+            "logged_num_tokens": _logged(trainer, "num_tokens"),
         }
     return results
 
 
-_references: dict[str, tuple[dict[str, torch.Tensor], int, float]] = {}
+def _logged(trainer, key: str) -> list[float]:
+    """Each training log's `key` (TRL's metrics, as the Trainer logged them), in step order."""
+    return [entry[key] for entry in trainer.state.log_history if key in entry and "eval_loss" not in entry]
 
 
-def _reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tensor], int, float]:
+_references: dict[str, tuple[dict[str, torch.Tensor], int, float, list[float]]] = {}
+
+
+def _reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tensor], int, float, list[float]]:
     """`_train_reference`, once per trainer and configuration (the DPO cases share theirs)."""
     key = json.dumps([kind, fields], sort_keys=True)
     if key not in _references:
@@ -200,7 +206,7 @@ def _reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tens
     return _references[key]
 
 
-def _train_reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tensor], int, float]:
+def _train_reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tensor], int, float, list[float]]:
     """One process, the plain TRL trainer, the stream's global batches in order; then its evaluation of
     the whole data set in one batch (the loss TRL computes over all of it)."""
     from trl import DPOTrainer, SFTTrainer
@@ -222,7 +228,8 @@ def _train_reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torc
         trainer = _build(InStreamOrder, kind, args)
         trainer.train()
         params = {name: p.detach().float().clone() for name, p in trainer.model.named_parameters()}
-        return params, len(trainer.train_dataset), trainer.evaluate()["eval_loss"]
+        logged_tokens = _logged(trainer, "num_tokens")
+        return params, len(trainer.train_dataset), trainer.evaluate()["eval_loss"], logged_tokens
     finally:
         _reset_accelerate()
 
@@ -244,7 +251,7 @@ def trained(tmp_path_factory):
 def test_parameters_equal_the_plain_trl_trainer_on_one_process(trained, case):
     root, ranks = trained
     name, kind, _, fields = case
-    expected, rows, _ = _reference(kind, fields, root / f"reference-{name}")
+    expected, rows, _, _ = _reference(kind, fields, root / f"reference-{name}")
     assert ranks[0][name]["rows"] == rows
     assert t.max_difference(ranks[0][name]["params"], expected) <= 1e-5
 
@@ -264,5 +271,13 @@ def test_evaluate_equals_the_plain_trl_trainer_on_the_whole_set(trained, case):
     # once, the loss the exact mean over the whole set, as one process computes it in one batch.
     root, ranks = trained
     name, kind, _, fields = case
-    _, _, expected = _reference(kind, fields, root / f"reference-{name}")
+    _, _, expected, _ = _reference(kind, fields, root / f"reference-{name}")
     assert ranks[0][name]["eval_loss"] == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] == "sft"], ids=[c[0] for c in CASES if c[1] == "sft"])
+def test_the_logged_token_count_is_the_jobs_not_rank_0s(trained, case):
+    root, ranks = trained
+    name, kind, _, fields = case
+    _, _, _, expected = _reference(kind, fields, root / f"reference-{name}")
+    assert len(expected) == STEPS and ranks[0][name]["logged_num_tokens"] == expected
