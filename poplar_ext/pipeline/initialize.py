@@ -26,6 +26,10 @@ from poplar_ext.runtime.data import plan_dataloader
 logger = logging.getLogger(__name__)
 
 
+DEEPSPEED_PRINT_OFF = 2**62
+"""steps_per_print that DeepSpeed's pipeline engine never reaches."""
+
+
 def pipeline_deepspeed_config(ds_config: dict, plan: PipelinePlan, pipeline_index: int) -> dict:
     """The config DeepSpeed gets on a rank of pipeline `pipeline_index`: valid for that pipeline alone."""
     pipeline = plan.pipelines[pipeline_index]
@@ -35,6 +39,9 @@ def pipeline_deepspeed_config(ds_config: dict, plan: PipelinePlan, pipeline_inde
     nominal["train_batch_size"] = pipeline.samples_per_iteration
     nominal.setdefault("zero_optimization", {})["stage"] = plan.zero_stage
     unsynchronised_throughput_timer(nominal)
+    # DeepSpeed's own "steps: N loss: X" line would show rank 0's pipeline's weighted share of the
+    # loss: poplar's line (every poplar.log_interval_steps) shows the global batch's instead.
+    nominal["steps_per_print"] = DEEPSPEED_PRINT_OFF
     return nominal
 
 
@@ -140,6 +147,13 @@ def initialize_pipeline(
         dist_init_required=dist_init_required,
         collate_fn=None,
     )
+    if job.rank == 0 and "steps_per_print" in job.ds_config:
+        logger.info(
+            "steps_per_print: DeepSpeed's own loss line is off for a poplar pipeline job (it would show one "
+            "pipeline's weighted share of the loss); the 'poplar step' line every poplar.log_interval_steps "
+            "(%d) steps shows the loss of the global batch",
+            job.poplar_config.log_interval_steps,
+        )
     pipeline, stage = job.pipeline, job.pipeline.stages[job.stage_index]
     logger.info(
         "rank %d: %s, pipeline %d stage %d of %d (layers %d-%d), micro-batch %d x %d; "

@@ -214,6 +214,14 @@ def test_deepspeed_gets_a_config_valid_for_the_pipeline_alone():
     assert user["train_batch_size"] == 12
 
 
+def test_deepspeeds_loss_line_of_one_pipelines_share_is_off():
+    # DeepSpeedExamples' pipeline script: its "steps: 10 loss: 1.43" disagreed with poplar's "loss 2.28".
+    plan = pipeline_plan_from_dict(_pipeline_plan())
+    for user in ({"steps_per_print": 10, "poplar": {}}, {"poplar": {}}):
+        nominal = pipeline_deepspeed_config(user, plan, 0)
+        assert nominal["steps_per_print"] > 10**15  # never reached
+
+
 # -- resuming ----------------------------------------------------------------------------------------
 def _state(plan_dict, position=24):
     plan = pipeline_plan_from_dict(plan_dict)
