@@ -1,61 +1,11 @@
 """`PoplarAccelerator`: Hugging Face accelerate's Accelerator with a plan's per-rank batches and exact gradients.
 
-For training loops written by hand around ``accelerate.Accelerator`` with DeepSpeed (the
-diffusers training scripts, most research code). The one changed line is
-``Accelerator(...)`` -> ``PoplarAccelerator(...)`` (same arguments); the DeepSpeed config
-(accelerate's config file, ``ACCELERATE_DEEPSPEED_CONFIG_FILE``, or a ``DeepSpeedPlugin``)
-carries a ``poplar`` section (a plan; profiles; or only a cluster, or nothing but the
-section, for the automatic mode). The loop stays as accelerate's documentation writes it::
-
-    model, optimizer, train_dataloader, scheduler = accelerator.prepare(model, optimizer, train_dataloader, scheduler)
-    for batch in train_dataloader:
-        with accelerator.accumulate(model):
-            loss = model(**batch).loss          # the plain micro-batch mean
-            accelerator.backward(loss)
-            optimizer.step(); scheduler.step(); optimizer.zero_grad()
-
-Where it extends accelerate (1.15), and why there (the smallest seams, nothing patched):
-
-* ``_prepare_deepspeed``: the call every ``prepare`` makes under DeepSpeed, before
-  accelerate fills the DeepSpeed config. On the first call the plan is resolved on
-  every rank (`poplar_ext.runtime.initialize.prepare_job`, with the model and the
-  training data for the automatic mode), and the plugin's config becomes this rank's
-  nominal config: micro-batch b_r, accumulation count s_r, ``train_batch_size = b_r *
-  s_r * W``, the plan's ZeRO stage and offload. The Accelerator's accumulation count
-  (``gradient_accumulation_steps``, what ``accumulate()`` counts) becomes s_r. The
-  DeepSpeed engine accelerate builds is wrapped in a `PoplarEngine`, which
-  ``accelerator.backward`` (accelerate's ``DeepSpeedEngineWrapper``) and
-  ``save_state``/``load_state`` call: backward weights the loss (``W * b_r / B``,
-  `poplar_ext.runtime.weighting`) with ``scale_wrt_gas=False``, the step counts the
-  true global batch, checkpoints carry the data position. The model ``prepare``
-  returns is still DeepSpeed's engine (``unwrap_model``, ``no_sync`` as usual).
-* ``prepare_data_loader``: the first DataLoader given to ``prepare`` is the training
-  one: it is rebuilt on the plan's sampler (`poplar_ext.runtime.data.PlanBatchSampler`:
-  this rank's micro-batches of the shared seeded stream, every sample once per epoch)
-  and prepared as one process's (no shard: the sampler is already this rank's). Other
-  DataLoaders (evaluation) are accelerate's even split.
-* ``gather_for_metrics``: ranks' batches differ in size; tensors are padded, gathered and
-  cut back to each rank's rows, so the result is the true global batch.
-* ``backward``: with ``token_mean``, the iteration's label tokens agreed first (see below).
-* ``skip_first_batches``: the training dataloader already continues where ``load_state``
-  left the data; it is returned as it is.
-* ``gradient_accumulation_steps`` and ``step`` follow a plan switch (`PoplarEngine.switch_listeners`):
-  with ``poplar.rebalance`` (``auto``: on where ``poplar.profiles`` holds the curves; ``true``)
-  the `PoplarEngine` re-balances as under `poplar_ext.initialize` (`poplar_ext.runtime.rebalance`),
-  its compute timed from the forward of the model ``prepare`` returned. At a switch, and when
-  ``load_state`` resumes under the checkpoint's last plan, the count ``accumulate()`` syncs after
-  becomes the new s_r and its micro-step counter moves to a multiple of it. accelerate's
-  dataloader fetches a micro-batch ahead, so a switch agreed at step n starts one iteration later
-  than with ``initialize``'s dataloader.
-
-The shuffling is the ``poplar`` section's (``seed``, ``shuffle``, ``drop_last``), not the
-DataLoader's. With ``poplar.loss_reduction: token_mean`` (the loop says so in its config;
-the loss stays the model's own token mean), the training dataloader counts each
-iteration's label tokens as its micro-batches' indices are drawn (collating them once
-more), and ``backward`` agrees the iteration's total across ranks before its first
-backward (`PoplarEngine.set_token_counts`), so gradients are the token mean over the
-whole global batch. Requires ``pip install 'poplar-ext[accelerate]'``; the only module of
-poplar-ext that imports accelerate.
+For training loops written around ``accelerate.Accelerator`` with DeepSpeed: the one
+changed line is ``Accelerator(...)`` -> ``PoplarAccelerator(...)`` (same arguments), and
+the DeepSpeed config carries a ``poplar`` section. Usage, behaviour, limits and where
+each method below extends accelerate (1.15) and why there: docs/accelerate.md.
+Requires ``pip install 'poplar-ext[accelerate]'``; the only module of poplar-ext that
+imports accelerate.
 """
 
 from __future__ import annotations

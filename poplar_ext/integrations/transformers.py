@@ -1,59 +1,11 @@
 """`PoplarTrainer`: the Hugging Face Trainer with a plan's per-rank batches and exact gradients.
 
 `PoplarTrainerMixin` brings the same to any Trainer subclass (first in its bases);
-`PoplarTrainer` is the mixin on ``transformers.Trainer``.
-
-Use it where you would use ``transformers.Trainer``, with ``TrainingArguments(...,
-deepspeed="ds.json")`` whose DeepSpeed config carries a ``poplar`` section (a plan,
-or profiles and a policy, or only a cluster for the automatic mode). Launch it
-unchanged with ``deepspeed``, ``torchrun`` or ``accelerate launch``.
-
-What it changes, through the Trainer's own hooks (nothing is patched):
-
-* the plan is resolved once on every rank (`poplar_ext.runtime.initialize.prepare_job`)
-  before the Trainer is built; each rank then gets its own ``per_device_train_batch_size``
-  (b_r) and ``gradient_accumulation_steps`` (s_r), and the DeepSpeed config's batch
-  values are filled per rank from them (Hugging Face's ``"auto"`` mechanism);
-* the training dataloader yields this rank's micro-batches from the plan's sampler
-  (`poplar_ext.runtime.data.PlanBatchSampler`), not accelerate's even split, one item
-  per optimizer step (``{MICRO_BATCHES: [micro-batch, ...]}``) with the Trainer's own
-  accumulation count 1, so that its step count, ``max_steps`` and the LR schedule are
-  optimizer steps whatever the plan's count is, also after a switch; every epoch has the
-  same number of optimizer steps of the true global batch; ``training_step`` runs the
-  Trainer's once per micro-batch, DeepSpeed's accumulation boundary at the last;
-* the Trainer's DeepSpeed engine sits behind a `PoplarEngine` (the seam PoplarAccelerator
-  uses: accelerate's DeepSpeed wrapper calls it): it sets DeepSpeed's per-rank
-  micro-batch and accumulation count, times compute (emulating a device type),
-  re-balances when a device drifts (``poplar.rebalance``: every rank switches at the
-  same optimizer step, logged and checkpointed), and takes a checkpoint's last plan on
-  resume;
-* ``evaluate()`` and ``predict()`` split the set among the ranks in rounds
-  (`poplar_ext.runtime.evaluation`): every sample once, in order, each rank's batch from
-  its plan micro-batch, the loss metric the exact mean over the whole set;
-* the loss is weighted so that gradients are those of one device training the global
-  batch: the sample mean (``W * b_r / B``), or, when the Trainer counts label tokens
-  (``num_items_in_batch``), the token mean over the whole global batch: the tokens
-  are counted as the model's own loss counts them (a causal LM predicts
-  ``labels[..., 1:]``: the model is asked which loss it computes, because in
-  transformers 5 ``GPT2LMHeadModel.loss_type`` is None and the Trainer would count
-  unshifted), summed over every rank and accumulation step, and the model divides its
-  token sum by ``T / W``;
-* each rank's ``activation_checkpointing`` from the plan becomes its
-  ``activation_checkpointing`` argument (``gradient_checkpointing`` before
-  transformers 5.24; non-reentrant), whatever the arguments said, which the Trainer
-  applies at ``train()``, also to the models ``model_init`` builds; a plan asking for
-  it from a model without ``supports_gradient_checkpointing`` is refused on every rank;
-* a rank whose plan entry has ``optimizer_offload`` gets DeepSpeed's
-  ``offload_optimizer`` in its own DeepSpeed config;
-* logged batch sizes and samples/s are the true global ones
-  (`get_total_train_batch_size`);
-* checkpoints carry poplar-ext's state (``poplar_state.json``: data position, plan
-  history), and ``resume_from_checkpoint`` continues the data where it stopped, also
-  under another plan or on another number of ranks (the optimizer state resharded) as long as the
-  global batch is the checkpoint's.
-
-Requires ``pip install 'poplar-ext[hf]'``. This module is the only one of poplar-ext
-that imports transformers.
+`PoplarTrainer` is the mixin on ``transformers.Trainer``. Everything it changes goes
+through the Trainer's own hooks (nothing is patched). Usage, what each hook does,
+re-balancing, evaluation and how a subclass composes with the mixin: docs/trainer.md.
+Requires ``pip install 'poplar-ext[hf]'``; the only module of poplar-ext that imports
+transformers.
 """
 
 from __future__ import annotations

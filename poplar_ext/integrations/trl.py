@@ -1,35 +1,10 @@
 """TRL's SFTTrainer and DPOTrainer on a plan: `PoplarSFTTrainer`, `PoplarDPOTrainer`.
 
-Each is `PoplarTrainerMixin` on the TRL trainer (see docs/trainer.md): the same
-arguments as TRL's, with ``args.deepspeed`` naming a DeepSpeed config with a ``poplar``
-section. The loss stays TRL's, weighted to the global batch as its trainer declares it:
-
-* SFT (``loss_is_scaled_for_ga`` None): the token sum of the label tokens over
-  ``num_items_in_batch``, which poplar-ext sets to the whole global batch's label
-  tokens over the world size; with ``completion_only_loss`` the labels of the prompt
-  are -100 and not counted; with packing each packed row is one sample of the plan;
-* DPO (``loss_is_scaled_for_ga`` False): the mean over a micro-batch's pairs, weighted
-  ``W * b_r / B`` (``b_r`` pairs); the reference model is TRL's (its own DeepSpeed
-  engine).
-
-What cannot be exact is refused when the trainer is built (``ValueError`` naming the
-setting): DPO losses that compare the pairs of a micro-batch with each other (``aot``,
-``aot_unpaired``: sorted over the micro-batch) or average over its tokens (``sft``);
-SFT's padding-free batches (``padding_free``, ``packing`` with ``bfd``) unless the
-model's attention is a flash attention (others let the sequences flattened into one
-row attend to each other, so the loss depends on the micro-batch split).
-
-TRL gathers its logged metrics (entropy, token accuracy, token counts, DPO's rewards)
-in every ``compute_loss``; under a plan, ranks take micro-steps of different sizes, and
-at ZeRO 0-1 different numbers of them per step, so while training each rank keeps its
-own metrics instead of entering a collective that the others reach with other shapes or
-never, and the ranks merge them when the Trainer logs (`merged_training_metrics`). The loss and the gradients are exact.
-Evaluating (``evaluate()``, ``predict()``), every rank runs one batch per round, and
-TRL's metric gathers take every rank's values whole, a padding batch's left out
-(`PoplarTrainerMixin.gather_round_metrics`).
-
-Requires ``pip install 'poplar-ext[trl]'``; this is the only module of poplar-ext that
-imports trl.
+Each is `PoplarTrainerMixin` on the TRL trainer, with TRL's arguments and loss, weighted
+to the global batch as the trainer declares it; what cannot be exact is refused when the
+trainer is built. Details, the refused settings and how TRL's logged metrics behave:
+docs/trainer.md. Requires ``pip install 'poplar-ext[trl]'``; the only module of
+poplar-ext that imports trl.
 """
 
 from __future__ import annotations
