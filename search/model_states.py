@@ -80,14 +80,19 @@ def model_states(
     dtype: str,
     optimizer_bytes_per_parameter: int = DEFAULT_OPTIMIZER_STATE_BYTES,
     optimizer_offload: bool = False,
+    num_trainable_parameters: int | None = None,
 ) -> ModelStates:
     """One rank's static memory for a model of `num_parameters` at `zero_stage` over `world_size` ranks.
 
     Shards round up (a rank holds at least its share). `optimizer_offload` puts the optimizer part on
-    the host (DeepSpeed's ``offload_optimizer``, stages 1-2).
+    the host (DeepSpeed's ``offload_optimizer``, stages 1-2). `num_trainable_parameters` (default: all)
+    have gradients and optimizer state; frozen ones only their weights.
     """
+    trainable = num_parameters if num_trainable_parameters is None else num_trainable_parameters
     if num_parameters < 0:
         raise ValueError(f"num_parameters: expected an integer >= 0, found {num_parameters}")
+    if not 0 <= trainable <= num_parameters:
+        raise ValueError(f"num_trainable_parameters: expected 0..{num_parameters}, found {trainable}")
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage: expected one of {', '.join(map(str, ZERO_STAGES))}, found {zero_stage}")
     if world_size < 1:
@@ -98,20 +103,29 @@ def model_states(
     # A 16-bit run keeps fp32 master weights and fp32 gradients beside the moments.
     optimizer_per_parameter = optimizer_bytes_per_parameter + (0 if width == 4 else 8)
 
-    def share(per_parameter: int, sharded: bool) -> int:
-        return -(-num_parameters * per_parameter // world_size) if sharded else num_parameters * per_parameter
+    def share(count: int, per_parameter: int, sharded: bool) -> int:
+        return -(-count * per_parameter // world_size) if sharded else count * per_parameter
 
     return ModelStates(
         zero_stage=zero_stage,
-        parameters_bytes=share(width, zero_stage >= 3),
-        gradients_bytes=share(width, zero_stage >= 2),
-        optimizer_bytes=0 if optimizer_offload else share(optimizer_per_parameter, zero_stage >= 1),
+        parameters_bytes=share(num_parameters, width, zero_stage >= 3),
+        gradients_bytes=share(trainable, width, zero_stage >= 2),
+        optimizer_bytes=0 if optimizer_offload else share(trainable, optimizer_per_parameter, zero_stage >= 1),
     )
 
 
 def cannot_hold(states: ModelStates, *, capacity_bytes: int) -> bool:
     """True when `capacity_bytes` is below the model states alone."""
     return states.device_bytes > capacity_bytes
+
+
+def shortfall(states: ModelStates, *, capacity_bytes: int) -> str:
+    """Why `capacity_bytes` cannot hold `states`, for messages (the estimate, its parts, the capacity)."""
+    return (
+        f"ZeRO stage {states.zero_stage} needs at least {gib(states.device_bytes)} for the model states alone "
+        f"(parameters {gib(states.parameters_bytes)}, gradients {gib(states.gradients_bytes)}, optimizer "
+        f"{gib(states.optimizer_bytes)}), more than its memory of {gib(capacity_bytes)}"
+    )
 
 
 def gib(num_bytes: float) -> str:
@@ -128,4 +142,5 @@ __all__ = [
     "gib",
     "model_states",
     "optimizer_state_bytes",
+    "shortfall",
 ]

@@ -65,6 +65,7 @@ from poplar_search.formats import (
     read_json,
 )
 from poplar_search.levers import OFFLOAD_STAGES, levers_text
+from poplar_search.model_states import ModelStates, cannot_hold, model_states, optimizer_state_bytes, shortfall
 
 _DEFAULT = ProfileOptions  # profile_model's defaults are ProfileOptions' own (stated once, there)
 
@@ -285,6 +286,20 @@ class _Session:
     runs: tuple[_Run, ...]
     spare_models: list[torch.nn.Module]
     """The model built for the fingerprint, which the first engine takes instead of building one."""
+    trainable_parameters: int
+    """Parameters with gradients (and optimizer state), of `model`'s ``num_parameters``."""
+
+    def model_states(self, run: _Run) -> ModelStates:
+        """Every rank's static memory in `run` (`poplar_search.model_states`): the same on all ranks."""
+        return model_states(
+            num_parameters=self.model.num_parameters,
+            num_trainable_parameters=self.trainable_parameters,
+            zero_stage=run.zero_stage,
+            world_size=self.layout.world_size,
+            dtype=self.model.dtype,
+            optimizer_bytes_per_parameter=optimizer_state_bytes(self.options.ds_config),
+            optimizer_offload=run.offload,
+        )
 
     def types_of(self, run: _Run) -> tuple[str, ...]:
         return self.offload_types if run.offload else self.layout.type_names
@@ -357,6 +372,7 @@ def _start_session(options: ProfileOptions, settings: MeasureSettings, layout: J
             for offload in ((False, True) if offload_types and stage in OFFLOAD_STAGES else (False,))
         ),
         spare_models=[first_model],
+        trainable_parameters=sum(p.numel() for p in first_model.parameters() if p.requires_grad),
     )
 
 
@@ -424,6 +440,9 @@ def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _Pro
     to_measure = _to_measure(session, run, cached)
     if not to_measure:
         return {}
+    too_small = _types_too_small(session, run)
+    if too_small:
+        return _skipped_run(session, run, to_measure, too_small, reporter)
     reporter.stage_started(run.zero_stage, to_measure, title=run.title)
     started = time.monotonic()
     results = StageMeasurement(
@@ -450,6 +469,49 @@ def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _Pro
                 f"{run.title}: {t}: largest micro-batch {profile.max_micro_batch_size}, "
                 f"{len(profile.samples)} sizes, {stage_seconds:.1f} s -> {path}"
             )
+        produced[(t, run)] = profile_to_dict(profile)
+    return produced
+
+
+def _types_too_small(session: _Session, run: _Run) -> dict[str, str]:
+    """Real device type -> why it cannot hold `run`'s model states, for every type of the job (each rank
+    builds the engine). Decided alike on every rank from the layout's agreed capacities, before an
+    engine whose build (collectives inside) could run out of memory on some ranks only. Emulated types
+    are left to the measurement: their capacity is checked after each step, no rank runs out, and the
+    other types are still measured."""
+    states = session.model_states(run)
+    layout = session.layout
+    return {
+        t: shortfall(states, capacity_bytes=layout.capacities_bytes[t])
+        for t in layout.type_names
+        if layout.emulations[t] is None and cannot_hold(states, capacity_bytes=layout.capacities_bytes[t])
+    }
+
+
+def _skipped_run(
+    session: _Session, run: _Run, to_measure: tuple[str, ...], too_small: dict[str, str], reporter: _ProgressReporter
+) -> _Produced:
+    """A run no engine is built for: a type too small gets a profile that fits nothing (the search
+    then knows), its reason in ``largest_micro_batch_probe.skipped``; the other types are not profiled
+    (their ranks cannot run the stage without the small type's)."""
+    reason = "; ".join(f"{t}: {why}" for t, why in too_small.items())
+    reporter.say(f"{run.title}: skipped, no engine built: {reason}")
+    produced: _Produced = {}
+    for t in to_measure:
+        if t not in too_small:
+            reporter.say(f"{run.title}: {t} not profiled: skipped for {', '.join(too_small)}")
+            continue
+        result = TypeStageResult(
+            device_type=t,
+            complete=True,
+            max_micro_batch_size=0,
+            samples=(),
+            optimizer_step_time_s=0.0,
+            probe={"skipped": too_small[t], "model_states_bytes": session.model_states(run).device_bytes},
+        )
+        profile = _make_profile(result, session, run, stage_seconds=0.0)
+        if session.layout.rank == 0:
+            store_profile(session.options.cache_dir, profile)
         produced[(t, run)] = profile_to_dict(profile)
     return produced
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from poplar_search.model_states import cannot_hold, model_states, optimizer_state_bytes
+from poplar_search.model_states import cannot_hold, model_states, optimizer_state_bytes, shortfall
 
 BILLION = 10**9
 
@@ -47,3 +47,18 @@ def test_bad_input_names_the_field():
         model_states(num_parameters=1, zero_stage=0, world_size=1, dtype="int8")
     with pytest.raises(ValueError, match="zero_stage: expected one of 0, 1, 2, 3, found 4"):
         model_states(num_parameters=1, zero_stage=4, world_size=1, dtype="float32")
+
+
+def test_frozen_parameters_have_no_gradient_or_optimizer_state():
+    states = model_states(
+        num_parameters=1_000, num_trainable_parameters=100, zero_stage=0, world_size=1, dtype="float32"
+    )
+    assert (states.parameters_bytes, states.gradients_bytes, states.optimizer_bytes) == (4_000, 400, 800)
+
+
+def test_shortfall_names_estimate_parts_and_capacity():
+    states = model_states(num_parameters=2**30, zero_stage=0, world_size=1, dtype="float32")
+    assert shortfall(states, capacity_bytes=8 * 2**30) == (
+        "ZeRO stage 0 needs at least 16.0 GiB for the model states alone (parameters 4.0 GiB, gradients 4.0 GiB, "
+        "optimizer 8.0 GiB), more than its memory of 8.0 GiB"
+    )
