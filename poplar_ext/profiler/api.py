@@ -51,6 +51,7 @@ from poplar_ext.profiler.measure import (
     TrialEvent,
     TypeStageResult,
     default_loss,
+    place_model,
     stage_ds_config,
 )
 from poplar_ext.profiler.network import cached_or_measured_network
@@ -328,6 +329,7 @@ class _Session:
             raise ValueError("model_factory: expected the same architecture on every call, found another one")
         if self.toggle is not None:
             self.toggle(model, run.checkpointing)
+        place_model(model, self.layout.device)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = None if self.options.optimizer_factory is None else self.options.optimizer_factory(params)
         config = stage_ds_config(self.options.ds_config, zero_stage=run.zero_stage, world_size=self.layout.world_size)
