@@ -53,6 +53,67 @@ def leave_process_group() -> None:
     gc.collect()
 
 
+class ShortCollectiveTimeouts:
+    """Every process group this rank is in times out its collectives after `timeout_s` while inside
+    ``with``, each group's own timeout again afterwards.
+
+    Why: profiling runs out of memory on purpose. A rank that dies outside the agreed points (in an
+    engine's build, in a collective DeepSpeed issues) leaves the others waiting in a collective
+    until the group's timeout (30 minutes by DeepSpeed's default); with a short one, NCCL's watchdog
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default) tears the waiting ranks down within it, and
+    the launcher ends the job. Groups made inside (each DeepSpeed engine's) get it at the next
+    `apply`. torch's ``_set_pg_timeout`` (gloo and NCCL) does the setting.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s: expected seconds > 0, found {timeout_s}")
+        self.timeout_s = timeout_s
+        self._previous: dict[Any, Any] = {}
+
+    def apply(self) -> None:
+        """Shorten the timeout of every group this rank is in that does not have it yet."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not dist.is_initialized():
+            return
+        for group in list(c10d._world.pg_map):
+            if group is c10d.GroupMember.NON_GROUP_MEMBER or group in self._previous:
+                continue
+            previous = _group_timeout(group)
+            if previous is None:
+                continue
+            self._previous[group] = previous
+            c10d._set_pg_timeout(timedelta(seconds=self.timeout_s), group)
+
+    def __enter__(self) -> ShortCollectiveTimeouts:
+        self.apply()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        for group, previous in self._previous.items():
+            if group in c10d._world.pg_map:  # not destroyed meanwhile
+                c10d._set_pg_timeout(previous, group)
+        self._previous = {}
+
+
+def _group_timeout(group: Any) -> Any:
+    """The collective timeout of `group`'s backend (a ``timedelta``), None where it says none."""
+    import torch
+
+    for device_type in getattr(group, "_device_types", ()):
+        options = getattr(group._get_backend(torch.device(device_type)), "options", None)
+        timeout = getattr(options, "_timeout", None)
+        if timeout is not None:
+            return timeout
+    return None
+
+
 def destroy_process_group_at_exit() -> None:
     """Destroy the default process group (and its subgroups) when the interpreter exits, if it is
     still up then; calling this again registers nothing new.
@@ -265,6 +326,7 @@ def process_group_rank() -> tuple[int, int]:
 
 
 __all__ = [
+    "ShortCollectiveTimeouts",
     "agree_max",
     "agree_sum",
     "barrier",

@@ -12,6 +12,7 @@ What to measure and how is a `ProfileOptions` (`poplar_ext.profiler.options`):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import platform
 import statistics
@@ -30,7 +31,7 @@ from poplar_ext.activation_checkpointing import (
     cannot_checkpoint_message,
     checkpointing_toggle,
 )
-from poplar_ext.collectives import broadcast_from_rank0, gather_objects
+from poplar_ext.collectives import ShortCollectiveTimeouts, broadcast_from_rank0, gather_objects
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.emulation import device_label
@@ -67,6 +68,8 @@ from poplar_search.formats import (
 )
 from poplar_search.levers import OFFLOAD_STAGES, levers_text
 from poplar_search.model_states import ModelStates, cannot_hold, model_states, optimizer_state_bytes, shortfall
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT = ProfileOptions  # profile_model's defaults are ProfileOptions' own (stated once, there)
 
@@ -143,6 +146,7 @@ def profile_model(
     checkpointing_toggle: CheckpointingToggle | None = _DEFAULT.checkpointing_toggle,
     optimizer_offload: str = _DEFAULT.optimizer_offload,
     per_layer: bool | None = _DEFAULT.per_layer,
+    collective_timeout_s: float | None = _DEFAULT.collective_timeout_s,
 ) -> list[Profile]:
     """Profiles of every device type in the job at every stage of `zero_stages` (collective).
 
@@ -174,8 +178,30 @@ def profile_with(options: ProfileOptions) -> list[Profile]:
         options = dataclasses.replace(options, model_factory=_first_then(model, options.model_factory))
     options, settings = _checked(options)
     device = join_job()
-    with _measuring_process(device):
-        return _profile(options, settings, device)
+    with _measuring_process(device), _short_timeouts(options, device) as timeouts:
+        return _profile(options, settings, device, timeouts)
+
+
+@contextmanager
+def _short_timeouts(options: ProfileOptions, device: torch.device) -> Iterator[ShortCollectiveTimeouts | None]:
+    """`ProfileOptions.collective_timeout_s` on every group while profiling (None: the groups' own)."""
+    if options.collective_timeout_s is None:
+        yield None
+        return
+    if device.type == "cuda" and os.environ.get(_ASYNC_ERROR_HANDLING, "3") in ("0", "2"):
+        # 0 leaves a timed-out collective hanging, 2 aborts it but keeps the process: then a rank
+        # waiting for a lost one never exits and the launcher never ends the job.
+        logger.warning(
+            "%s=%s: a rank lost while profiling leaves the others waiting; unset it (torch's default, 3, "
+            "tears a timed-out rank down)",
+            _ASYNC_ERROR_HANDLING,
+            os.environ[_ASYNC_ERROR_HANDLING],
+        )
+    with ShortCollectiveTimeouts(options.collective_timeout_s) as timeouts:
+        yield timeouts
+
+
+_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 def _first_then(model: torch.nn.Module, factory: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
@@ -289,6 +315,8 @@ class _Session:
     """The model built for the fingerprint, which the first engine takes instead of building one."""
     trainable_parameters: int
     """Parameters with gradients (and optimizer state), of `model`'s ``num_parameters``."""
+    timeouts: ShortCollectiveTimeouts | None = None
+    """The short collective timeouts, given to the groups each engine makes (None: not shortened)."""
 
     def model_states(self, run: _Run) -> ModelStates:
         """Every rank's static memory in `run` (`poplar_search.model_states`): the same on all ranks."""
@@ -340,6 +368,8 @@ class _Session:
         except AssertionError as exc:
             # DeepSpeed checks configs with assert; the same config fails alike on every rank.
             raise ValueError(f"ds_config: DeepSpeed refused it at ZeRO stage {run.zero_stage}: {exc}") from exc
+        if self.timeouts is not None:
+            self.timeouts.apply()  # the engine's own groups (data parallel, ZeRO's)
         return engine
 
 
@@ -388,13 +418,18 @@ def _offload_types(layout: JobLayout, optimizer_offload: str) -> tuple[str, ...]
     return ()
 
 
-def _profile(options: ProfileOptions, settings: MeasureSettings, device: torch.device) -> list[Profile]:
+def _profile(
+    options: ProfileOptions,
+    settings: MeasureSettings,
+    device: torch.device,
+    timeouts: ShortCollectiveTimeouts | None = None,
+) -> list[Profile]:
     layout = build_layout(options.cluster, device)
     if options.measure_network:
         _, line = cached_or_measured_network(layout, options.cache_dir, force=options.force)
         if layout.rank == 0 and options.progress is not None:
             options.progress(line)
-    session = _start_session(options, settings, layout)
+    session = dataclasses.replace(_start_session(options, settings, layout), timeouts=timeouts)
     cached = broadcast_from_rank0(_cached_on_rank0(session))
     reporter = _ProgressReporter(
         sink=options.progress,
