@@ -55,7 +55,7 @@ from poplar_ext.profiler.measure import (
     place_model,
     stage_ds_config,
 )
-from poplar_ext.profiler.network import cached_or_measured_network
+from poplar_ext.profiler.network import DEFAULT_MESSAGE_BYTES, cached_or_measured_network, message_sizes
 from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, Progress, log_progress
 from poplar_search.formats import (
     ZERO_STAGES,
@@ -67,7 +67,14 @@ from poplar_search.formats import (
     read_json,
 )
 from poplar_search.levers import OFFLOAD_STAGES, levers_text
-from poplar_search.model_states import ModelStates, cannot_hold, model_states, optimizer_state_bytes, shortfall
+from poplar_search.model_states import (
+    DTYPE_BYTES,
+    ModelStates,
+    cannot_hold,
+    model_states,
+    optimizer_state_bytes,
+    shortfall,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -426,7 +433,17 @@ def _profile(
 ) -> list[Profile]:
     layout = build_layout(options.cluster, device)
     if options.measure_network:
-        _, line = cached_or_measured_network(layout, options.cache_dir, force=options.force)
+        # On CPU, gloo stands in for a network it is not, and gigabyte messages would take minutes.
+        sizes = (
+            DEFAULT_MESSAGE_BYTES
+            if layout.device.type == "cpu"
+            else message_sizes(
+                options.ds_config,
+                element_bytes=DTYPE_BYTES[training_dtype(options.ds_config)],
+                capacity_bytes=min(layout.capacities_bytes.values()),
+            )
+        )
+        _, line = cached_or_measured_network(layout, options.cache_dir, force=options.force, message_bytes=sizes)
         if layout.rank == 0 and options.progress is not None:
             options.progress(line)
     session = dataclasses.replace(_start_session(options, settings, layout), timeouts=timeouts)
