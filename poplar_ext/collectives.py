@@ -35,14 +35,29 @@ logger = logging.getLogger(__name__)
 
 
 def leave_process_group() -> None:
-    """Destroy this process's default group if it is up, and free the gloo groups it leaves behind."""
+    """Destroy this process's default group if it is up, and free the gloo groups it leaves behind.
+
+    An NCCL group is aborted instead when the process leaves on an uncaught exception: its
+    communicators may be broken (a peer lost, a collective left half done), and destroying them
+    waits for their pending work, which can hang; torch's ``_abort_process_group`` aborts every
+    group without waiting.
+    """
+    import sys
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # The interpreter sets sys.last_value for an uncaught exception before the exit handlers run.
+        failed = getattr(sys, "last_value", None) is not None
         try:
-            dist.destroy_process_group()
+            if failed and dist.get_backend() == "nccl":
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+            else:
+                dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - at exit nothing is left to tell but the log
-            logger.debug("destroying the process group at exit failed: %s: %s", type(exc).__name__, exc)
+            logger.debug("ending the process group at exit failed: %s: %s", type(exc).__name__, exc)
     # A gloo group's worker threads end only when the last Python reference to the group
     # goes (destroy_process_group unregisters it; shutdown does not stop gloo's threads),
     # and the engines holding groups sit in reference cycles that only the collector frees.
