@@ -549,6 +549,7 @@ def _skipped_run(
     then knows), its reason in ``largest_micro_batch_probe.skipped``; the other types are not profiled
     (their ranks cannot run the stage without the small type's)."""
     reason = "; ".join(f"{t}: {why}" for t, why in too_small.items())
+    reporter.stages_left -= 1  # counted among the stages to measure
     reporter.say(f"{run.title}: skipped, no engine built: {reason}")
     produced: _Produced = {}
     for t in to_measure:

@@ -72,6 +72,7 @@ def test_a_stage_too_large_for_one_type_builds_no_engine_and_records_why(tmp_pat
         "gradients 1.9 GiB, optimizer 14.9 GiB), more than its memory of 15.0 GiB"
     )
     assert any("A100-80GB not profiled: skipped for V100-16GB" in line for line in lines)
+    assert reporter.stages_left == 0, "the skipped stage no longer counts in the time left"
 
 
 def test_a_stage_every_type_holds_is_measured(tmp_path, monkeypatch) -> None:
