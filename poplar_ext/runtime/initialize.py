@@ -283,12 +283,13 @@ def _check_stage_memory(plan: Plan, *, cluster: Cluster, facts: list, model: Any
     for rank, device_type in enumerate(cluster.rank_device_types):
         emulation = cluster.emulation_of(device_type)
         capacities.append(memory_capacity_bytes(facts, rank) if emulation is None else emulation.memory_capacity_bytes)
-    parameters = list(model.parameters())
+    # A model built under deepspeed.zero.Init holds empty placeholders; ds_numel is the full size.
+    sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in model.parameters()]
     check_stage_memory(
         plan,
         capacities_bytes=capacities,
-        num_parameters=sum(p.numel() for p in parameters),
-        num_trainable_parameters=sum(p.numel() for p in parameters if p.requires_grad),
+        num_parameters=sum(n for n, _ in sizes),
+        num_trainable_parameters=sum(n for n, trainable in sizes if trainable),
         dtype=training_dtype(ds_config),
         optimizer_bytes_per_parameter=optimizer_state_bytes(ds_config),
     )

@@ -64,3 +64,16 @@ def test_initialize_checks_each_ranks_own_memory(monkeypatch):
     )
     assert seen["capacities_bytes"] == [80 * GIB, 16 * GIB]
     assert (seen["num_parameters"], seen["dtype"], seen["optimizer_bytes_per_parameter"]) == (20, "bfloat16", 8)
+
+
+def test_a_model_built_under_zero_init_counts_its_full_parameters(monkeypatch):
+    facts = [SimpleNamespace(host="h", device_id=r, memory_bytes=16 * GIB) for r in range(2)]
+    cluster = SimpleNamespace(rank_device_types=("A100-80GB", "V100-16GB"), emulation_of=lambda t: None)
+    model = torch.nn.Linear(4, 4)
+    for parameter in model.parameters():
+        parameter.data = torch.empty(0)  # as ZeRO-3 partitions it
+        parameter.ds_numel = 1000
+    seen: dict = {}
+    monkeypatch.setattr(initialize, "check_stage_memory", lambda plan, **kwargs: seen.update(kwargs))
+    initialize._check_stage_memory(_plan(3), cluster=cluster, facts=facts, model=model, ds_config={})
+    assert (seen["num_parameters"], seen["dtype"]) == (2000, "float32")
