@@ -18,7 +18,9 @@ skips) can be read in one place:
 `ensure_process_group` sets the group up through DeepSpeed (its launcher, torchrun
 or mpirun) and makes sure it is destroyed before the interpreter shuts down
 (`destroy_process_group_at_exit`); `poplar_ext.hardware.devices.join_job` also selects
-this rank's device, before any of these runs.
+this rank's device, before any of these runs. `ShortCollectiveTimeouts` shortens every
+group's collective timeout for a while (profiling); `leave_process_group` ends the group
+at exit (aborting an NCCL group when the process leaves on an exception).
 
 With one rank, or no process group (one process), each is the identity.
 """

@@ -189,6 +189,9 @@ def profile_with(options: ProfileOptions) -> list[Profile]:
         return _profile(options, settings, device, timeouts)
 
 
+_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
 @contextmanager
 def _short_timeouts(options: ProfileOptions, device: torch.device) -> Iterator[ShortCollectiveTimeouts | None]:
     """`ProfileOptions.collective_timeout_s` on every group while profiling (None: the groups' own)."""
@@ -206,9 +209,6 @@ def _short_timeouts(options: ProfileOptions, device: torch.device) -> Iterator[S
         )
     with ShortCollectiveTimeouts(options.collective_timeout_s) as timeouts:
         yield timeouts
-
-
-_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 def _first_then(model: torch.nn.Module, factory: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
@@ -236,6 +236,8 @@ def _checked(options: ProfileOptions) -> tuple[ProfileOptions, MeasureSettings]:
     ):
         if value not in modes:
             raise ValueError(f"{name}: expected one of {', '.join(map(repr, modes))}, found {value!r}")
+    if options.collective_timeout_s is not None and not options.collective_timeout_s > 0:
+        raise ValueError(f"collective_timeout_s: expected seconds > 0, or None, found {options.collective_timeout_s}")
     stages = tuple(options.zero_stages)
     if not stages or any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):
         raise ValueError(f"zero_stages: expected distinct stages among 0, 1, 2, 3, found {list(stages)}")

@@ -56,3 +56,18 @@ def test_profiling_warns_where_nccl_would_not_tear_a_waiting_rank_down(monkeypat
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a rank lost while profiling leaves the others waiting" in caplog.text
     with api._short_timeouts(SimpleNamespace(collective_timeout_s=None), torch.device("cuda")) as timeouts:
         assert timeouts is None
+
+
+@pytest.mark.parametrize("timeout_s", [0, -5.0])
+def test_profiling_refuses_a_timeout_that_is_not_positive(timeout_s) -> None:
+    from poplar_ext.profiler import ProfileOptions
+    from poplar_ext.profiler.api import _checked
+
+    options = ProfileOptions(
+        model_factory=lambda: torch.nn.Linear(2, 2),
+        make_batch=lambda size: torch.zeros(size, 2),
+        ds_config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+        collective_timeout_s=timeout_s,
+    )
+    with pytest.raises(ValueError, match=f"collective_timeout_s: expected seconds > 0, or None, found {timeout_s}"):
+        _checked(options)
