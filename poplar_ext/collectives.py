@@ -19,6 +19,9 @@ skips) can be read in one place:
 or mpirun) and makes sure it is destroyed before the interpreter shuts down
 (`destroy_process_group_at_exit`); `poplar_ext.hardware.devices.join_job` selects this
 rank's device before it (DeepSpeed binds the group to the device LOCAL_RANK names).
+`ShortCollectiveTimeouts` shortens every group's collective timeout for a while
+(profiling); `leave_process_group` ends the group at exit (aborting an NCCL group when the
+process leaves on an exception).
 
 With one rank, or no process group (one process), each is the identity.
 """
@@ -35,14 +38,29 @@ logger = logging.getLogger(__name__)
 
 
 def leave_process_group() -> None:
-    """Destroy this process's default group if it is up, and free the gloo groups it leaves behind."""
+    """Destroy this process's default group if it is up, and free the gloo groups it leaves behind.
+
+    An NCCL group is aborted instead when the process leaves on an uncaught exception: its
+    communicators may be broken (a peer lost, a collective left half done), and destroying them
+    waits for their pending work, which can hang; torch's ``_abort_process_group`` aborts every
+    group without waiting.
+    """
+    import sys
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # The interpreter sets sys.last_value for an uncaught exception before the exit handlers run.
+        failed = getattr(sys, "last_value", None) is not None
         try:
-            dist.destroy_process_group()
+            if failed and dist.get_backend() == "nccl":
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+            else:
+                dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - at exit nothing is left to tell but the log
-            logger.debug("destroying the process group at exit failed: %s: %s", type(exc).__name__, exc)
+            logger.debug("ending the process group at exit failed: %s: %s", type(exc).__name__, exc)
     # A gloo group's worker threads end only when the last Python reference to the group
     # goes (destroy_process_group unregisters it; shutdown does not stop gloo's threads),
     # and the engines holding groups sit in reference cycles that only the collector frees.
@@ -51,6 +69,67 @@ def leave_process_group() -> None:
     # aborts. Collected here, the groups' destructors join their threads while the
     # interpreter still serves them.
     gc.collect()
+
+
+class ShortCollectiveTimeouts:
+    """Every process group this rank is in times out its collectives after `timeout_s` while inside
+    ``with``, each group's own timeout again afterwards.
+
+    Why: profiling runs out of memory on purpose. A rank that dies outside the agreed points (in an
+    engine's build, in a collective DeepSpeed issues) leaves the others waiting in a collective
+    until the group's timeout (30 minutes by DeepSpeed's default); with a short one, NCCL's watchdog
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default) tears the waiting ranks down within it, and
+    the launcher ends the job. Groups made inside (each DeepSpeed engine's) get it at the next
+    `apply`. torch's ``_set_pg_timeout`` (gloo and NCCL) does the setting.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s: expected seconds > 0, found {timeout_s}")
+        self.timeout_s = timeout_s
+        self._previous: dict[Any, Any] = {}
+
+    def apply(self) -> None:
+        """Shorten the timeout of every group this rank is in that does not have it yet."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not dist.is_initialized():
+            return
+        for group in list(c10d._world.pg_map):
+            if group is c10d.GroupMember.NON_GROUP_MEMBER or group in self._previous:
+                continue
+            previous = _group_timeout(group)
+            if previous is None:
+                continue
+            self._previous[group] = previous
+            c10d._set_pg_timeout(timedelta(seconds=self.timeout_s), group)
+
+    def __enter__(self) -> ShortCollectiveTimeouts:
+        self.apply()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        for group, previous in self._previous.items():
+            if group in c10d._world.pg_map:  # not destroyed meanwhile
+                c10d._set_pg_timeout(previous, group)
+        self._previous = {}
+
+
+def _group_timeout(group: Any) -> Any:
+    """The collective timeout of `group`'s backend (a ``timedelta``), None where it says none."""
+    import torch
+
+    for device_type in getattr(group, "_device_types", ()):
+        options = getattr(group._get_backend(torch.device(device_type)), "options", None)
+        timeout = getattr(options, "_timeout", None)
+        if timeout is not None:
+            return timeout
+    return None
 
 
 def destroy_process_group_at_exit() -> None:
@@ -311,6 +390,7 @@ def process_group_rank() -> tuple[int, int]:
 
 __all__ = [
     "PROCESS_GROUP_TIMEOUT_S",
+    "ShortCollectiveTimeouts",
     "agree_max",
     "agree_sum",
     "barrier",

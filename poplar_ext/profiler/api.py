@@ -12,6 +12,7 @@ What to measure and how is a `ProfileOptions` (`poplar_ext.profiler.options`):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import platform
 import statistics
@@ -30,7 +31,7 @@ from poplar_ext.activation_checkpointing import (
     cannot_checkpoint_message,
     checkpointing_toggle,
 )
-from poplar_ext.collectives import broadcast_from_rank0, gather_objects
+from poplar_ext.collectives import ShortCollectiveTimeouts, broadcast_from_rank0, gather_objects
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.emulation import device_label
@@ -61,10 +62,21 @@ from poplar_ext.profiler.measure import (
     TrialEvent,
     TypeStageResult,
     default_loss,
+    place_model,
     stage_ds_config,
 )
-from poplar_ext.profiler.network import cached_or_measured_network
+from poplar_ext.profiler.network import DEFAULT_MESSAGE_BYTES, cached_or_measured_network, message_sizes
 from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, Progress, log_progress
+from poplar_ext.search.model_states import (
+    DTYPE_BYTES,
+    ModelStates,
+    cannot_hold,
+    model_states,
+    optimizer_state_bytes,
+    shortfall,
+)
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT = ProfileOptions  # profile_model's defaults are ProfileOptions' own (stated once, there)
 
@@ -158,6 +170,7 @@ def profile_model(
     checkpointing_toggle: CheckpointingToggle | None = _DEFAULT.checkpointing_toggle,
     optimizer_offload: str = _DEFAULT.optimizer_offload,
     per_layer: bool | None = _DEFAULT.per_layer,
+    collective_timeout_s: float | None = _DEFAULT.collective_timeout_s,
 ) -> list[Profile]:
     """Profiles of every device type in the job at every stage of `zero_stages` (collective).
 
@@ -189,8 +202,30 @@ def profile_with(options: ProfileOptions) -> list[Profile]:
         options = dataclasses.replace(options, model_factory=_first_then(model, options.model_factory))
     options, settings = _checked(options)
     device = join_job()
-    with _measuring_process(device):
-        return _profile(options, settings, device)
+    with _measuring_process(device), _short_timeouts(options, device) as timeouts:
+        return _profile(options, settings, device, timeouts)
+
+
+_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+@contextmanager
+def _short_timeouts(options: ProfileOptions, device: torch.device) -> Iterator[ShortCollectiveTimeouts | None]:
+    """`ProfileOptions.collective_timeout_s` on every group while profiling (None: the groups' own)."""
+    if options.collective_timeout_s is None:
+        yield None
+        return
+    if device.type == "cuda" and os.environ.get(_ASYNC_ERROR_HANDLING, "3") in ("0", "2"):
+        # 0 leaves a timed-out collective hanging, 2 aborts it but keeps the process: then a rank
+        # waiting for a lost one never exits and the launcher never ends the job.
+        logger.warning(
+            "%s=%s: a rank lost while profiling leaves the others waiting; unset it (torch's default, 3, "
+            "tears a timed-out rank down)",
+            _ASYNC_ERROR_HANDLING,
+            os.environ[_ASYNC_ERROR_HANDLING],
+        )
+    with ShortCollectiveTimeouts(options.collective_timeout_s) as timeouts:
+        yield timeouts
 
 
 def _first_then(model: torch.nn.Module, factory: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
@@ -218,6 +253,8 @@ def _checked(options: ProfileOptions) -> tuple[ProfileOptions, MeasureSettings]:
     ):
         if value not in modes:
             raise ValueError(f"{name}: expected one of {', '.join(map(repr, modes))}, found {value!r}")
+    if options.collective_timeout_s is not None and not options.collective_timeout_s > 0:
+        raise ValueError(f"collective_timeout_s: expected seconds > 0, or None, found {options.collective_timeout_s}")
     stages = tuple(options.zero_stages)
     if not stages or any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):
         raise ValueError(f"zero_stages: expected distinct stages among 0, 1, 2, 3, found {list(stages)}")
@@ -302,6 +339,22 @@ class _Session:
     runs: tuple[_Run, ...]
     spare_models: list[torch.nn.Module]
     """The model built for the fingerprint, which the first engine takes instead of building one."""
+    trainable_parameters: int
+    """Parameters with gradients (and optimizer state), of `model`'s ``num_parameters``."""
+    timeouts: ShortCollectiveTimeouts | None = None
+    """The short collective timeouts, given to the groups each engine makes (None: not shortened)."""
+
+    def model_states(self, run: _Run) -> ModelStates:
+        """Every rank's static memory in `run` (`poplar_ext.search.model_states`): the same on all ranks."""
+        return model_states(
+            num_parameters=self.model.num_parameters,
+            num_trainable_parameters=self.trainable_parameters,
+            zero_stage=run.zero_stage,
+            world_size=self.layout.world_size,
+            dtype=self.model.dtype,
+            optimizer_bytes_per_parameter=optimizer_state_bytes(self.options.ds_config),
+            optimizer_offload=run.offload,
+        )
 
     def types_of(self, run: _Run) -> tuple[str, ...]:
         return self.offload_types if run.offload else self.layout.type_names
@@ -330,6 +383,7 @@ class _Session:
             raise ValueError("model_factory: expected the same architecture on every call, found another one")
         if self.toggle is not None:
             self.toggle(model, run.checkpointing)
+        place_model(model, self.layout.device)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = None if self.options.optimizer_factory is None else self.options.optimizer_factory(params)
         config = stage_ds_config(self.options.ds_config, zero_stage=run.zero_stage, world_size=self.layout.world_size)
@@ -340,6 +394,8 @@ class _Session:
         except AssertionError as exc:
             # DeepSpeed checks configs with assert; the same config fails alike on every rank.
             raise ValueError(f"ds_config: DeepSpeed refused it at ZeRO stage {run.zero_stage}: {exc}") from exc
+        if self.timeouts is not None:
+            self.timeouts.apply()  # the engine's own groups (data parallel, ZeRO's)
         return engine
 
 
@@ -374,6 +430,7 @@ def _start_session(options: ProfileOptions, settings: MeasureSettings, layout: J
             for offload in ((False, True) if offload_types and stage in OFFLOAD_STAGES else (False,))
         ),
         spare_models=[first_model],
+        trainable_parameters=sum(p.numel() for p in first_model.parameters() if p.requires_grad),
     )
 
 
@@ -387,13 +444,28 @@ def _offload_types(layout: JobLayout, optimizer_offload: str) -> tuple[str, ...]
     return ()
 
 
-def _profile(options: ProfileOptions, settings: MeasureSettings, device: torch.device) -> list[Profile]:
+def _profile(
+    options: ProfileOptions,
+    settings: MeasureSettings,
+    device: torch.device,
+    timeouts: ShortCollectiveTimeouts | None = None,
+) -> list[Profile]:
     layout = build_layout(options.cluster, device)
     if options.measure_network:
-        _, line = cached_or_measured_network(layout, options.cache_dir, force=options.force)
+        # On CPU, gloo stands in for a network it is not, and gigabyte messages would take minutes.
+        sizes = (
+            DEFAULT_MESSAGE_BYTES
+            if layout.device.type == "cpu"
+            else message_sizes(
+                options.ds_config,
+                element_bytes=DTYPE_BYTES[training_dtype(options.ds_config)],
+                capacity_bytes=min(layout.capacities_bytes.values()),
+            )
+        )
+        _, line = cached_or_measured_network(layout, options.cache_dir, force=options.force, message_bytes=sizes)
         if layout.rank == 0 and options.progress is not None:
             options.progress(line)
-    session = _start_session(options, settings, layout)
+    session = dataclasses.replace(_start_session(options, settings, layout), timeouts=timeouts)
     cached = broadcast_from_rank0(_cached_on_rank0(session))
     reporter = _ProgressReporter(
         sink=options.progress,
@@ -441,6 +513,9 @@ def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _Pro
     to_measure = _to_measure(session, run, cached)
     if not to_measure:
         return {}
+    too_small = _types_too_small(session, run)
+    if too_small:
+        return _skipped_run(session, run, to_measure, too_small, reporter)
     reporter.stage_started(run.zero_stage, to_measure, title=run.title)
     started = time.monotonic()
     results = StageMeasurement(
@@ -467,6 +542,50 @@ def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _Pro
                 f"{run.title}: {t}: largest micro-batch {profile.max_micro_batch_size}, "
                 f"{len(profile.samples)} sizes, {stage_seconds:.1f} s -> {path}"
             )
+        produced[(t, run)] = profile_to_dict(profile)
+    return produced
+
+
+def _types_too_small(session: _Session, run: _Run) -> dict[str, str]:
+    """Real device type -> why it cannot hold `run`'s model states, for every type of the job (each rank
+    builds the engine). Decided alike on every rank from the layout's agreed capacities, before an
+    engine whose build (collectives inside) could run out of memory on some ranks only. Emulated types
+    are left to the measurement: their capacity is checked after each step, no rank runs out, and the
+    other types are still measured."""
+    states = session.model_states(run)
+    layout = session.layout
+    return {
+        t: shortfall(states, capacity_bytes=layout.capacities_bytes[t])
+        for t in layout.type_names
+        if layout.emulations[t] is None and cannot_hold(states, capacity_bytes=layout.capacities_bytes[t])
+    }
+
+
+def _skipped_run(
+    session: _Session, run: _Run, to_measure: tuple[str, ...], too_small: dict[str, str], reporter: _ProgressReporter
+) -> _Produced:
+    """A run no engine is built for: a type too small gets a profile that fits nothing (the search
+    then knows), its reason in ``largest_micro_batch_probe.skipped``; the other types are not profiled
+    (their ranks cannot run the stage without the small type's)."""
+    reason = "; ".join(f"{t}: {why}" for t, why in too_small.items())
+    reporter.stages_left -= 1  # counted among the stages to measure
+    reporter.say(f"{run.title}: skipped, no engine built: {reason}")
+    produced: _Produced = {}
+    for t in to_measure:
+        if t not in too_small:
+            reporter.say(f"{run.title}: {t} not profiled: skipped for {', '.join(too_small)}")
+            continue
+        result = TypeStageResult(
+            device_type=t,
+            complete=True,
+            max_micro_batch_size=0,
+            samples=(),
+            optimizer_step_time_s=0.0,
+            probe={"skipped": too_small[t], "model_states_bytes": session.model_states(run).device_bytes},
+        )
+        profile = _make_profile(result, session, run, stage_seconds=0.0)
+        if session.layout.rank == 0:
+            store_profile(session.options.cache_dir, profile)
         produced[(t, run)] = profile_to_dict(profile)
     return produced
 

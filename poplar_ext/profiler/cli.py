@@ -182,6 +182,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "(--batch then returns (inputs, labels) and --loss is DeepSpeed's pipeline loss_fn(outputs, labels))",
     )
     parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=_DEFAULT.collective_timeout_s,
+        metavar="SECONDS",
+        help="while profiling, collectives time out after this long instead of the process group's own (30 minutes "
+        "by DeepSpeed's default), so a rank lost outside the agreed points ends the job in minutes; 0 keeps the "
+        "group's own; longer than the slowest type's longest trial; default: %(default)s",
+    )
+    parser.add_argument(
         "--checkpointing-toggle",
         metavar="MODULE:FN",
         help="toggle(model, enabled) that turns activation checkpointing on or off in a --model of your own "
@@ -360,6 +369,7 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
         checkpointing_toggle=_toggle(args),
         optimizer_offload=args.optimizer_offload,
         per_layer=args.per_layer,
+        collective_timeout_s=args.collective_timeout or None,
     )
 
 

@@ -347,6 +347,8 @@ class StageMeasurement:
         does not fit at all. Returns False when the stage cannot run in this job.
         """
         self.engine = self.build_engine(self.zero_stage)
+        if not self._first_micro_step_fits():
+            return False
         my_type = self.layout.my_type
         measured = my_type in records and not records[my_type].warmup_failed
         flag, peak = _OK, 0
@@ -365,6 +367,22 @@ class StageMeasurement:
             if record.boundary_peak_bytes is None:
                 record.boundary_peak_bytes = peaks[t]
         self.engine.set_gradient_accumulation_boundary(False)
+        return not real_oom
+
+    def _first_micro_step_fits(self) -> bool:
+        """Micro-batch 1 without the boundary, agreed by all ranks: False when a rank ran out of memory.
+
+        At ZeRO 0/1 it communicates nothing, so a rank whose activations do not fit fails here and
+        still reaches the agreement, instead of failing in the boundary's forward while the others
+        wait in its gradient reduction. (The optimizer state that the first boundary step allocates
+        comes after that reduction, so its out-of-memory is caught before the agreement too.)
+        """
+        flag = _OK
+        try:
+            self._micro_step(1, boundary=False)
+        except Exception as exc:  # noqa: BLE001 - classified; every rank must reach the agreement
+            flag = self._classify(exc)
+        _, _, real_oom = self._agree(flag, 0, measured=False)
         return not real_oom
 
     def _trial(self, sizes: dict[str, int], *, memory: bool = True) -> _TrialOutcome:
@@ -650,6 +668,30 @@ class StageMeasurement:
         return results
 
 
+def place_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model` moved to `device`, agreed by all ranks (collective), before DeepSpeed builds its engine.
+
+    DeepSpeed's engine moves the model and then broadcasts it: a rank whose memory cannot hold the
+    parameters would fail there while the others wait in the broadcast. Here every rank reaches the
+    agreement; a real out-of-memory on any rank abandons the stage on every rank, another error is
+    raised on every rank.
+    """
+    outcome = _OK
+    error = None
+    try:
+        model.to(device)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement
+        outcome = _REAL_OOM if is_out_of_memory(exc) else _ERROR
+        error = f"{type(exc).__name__}: {exc}"
+    agreed = int(agree_max([float(outcome)], device)[0])
+    if agreed == _OK:
+        return model
+    errors = [f"rank {rank}: {e}" for rank, e in enumerate(gather_objects(error)) if e]
+    if agreed == _REAL_OOM:
+        raise _StageAbandoned("a real out-of-memory placing the model on the device (" + "; ".join(errors) + ")")
+    raise RuntimeError("profiling failed placing the model on the device: " + "; ".join(errors))
+
+
 class _StageAbandoned(Exception):
     """A real device cannot run micro-batch 1 at this stage: nothing more can be measured."""
 
@@ -663,5 +705,6 @@ __all__ = [
     "default_loss",
     "loss_of",
     "move_to_device",
+    "place_model",
     "stage_ds_config",
 ]

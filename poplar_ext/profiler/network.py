@@ -1,17 +1,19 @@
 """The job's network measured: collective times against message size, fitted (`search.network`).
 
 Run by every rank, after the layout is agreed and before the stages are measured:
-each of the three collectives ZeRO issues, at a few message sizes from 4 KiB to
-32 MiB, timed after a barrier; the slowest rank's median counts (a collective ends
-when its last rank does). About a second on CPU ranks with gloo. Rank 0 writes the
-file beside the profiles, keyed by the cluster (`search.network.cluster_key`), and a
-later run on the same cluster reuses it.
+each of the three collectives ZeRO issues, at message sizes from 4 KiB up to the
+largest bucket the job's ZeRO sends (`message_sizes`; 32 MiB on CPU ranks, where
+gloo stands in for a network), timed after a barrier; the slowest rank's median
+counts (a collective ends when its last rank does). Rank 0 writes the file beside
+the profiles, keyed by the cluster (`search.network.cluster_key`), and a later run
+on the same cluster reuses it.
 """
 
 from __future__ import annotations
 
 import platform
 import statistics
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,33 @@ from poplar_ext.search.network import (
 )
 
 DEFAULT_MESSAGE_BYTES = (2**12, 2**16, 2**20, 2**23, 2**25)
-"""4 KiB (latency) to 32 MiB (bandwidth)."""
+"""4 KiB (latency) to 32 MiB (bandwidth): the sizes below any job's largest bucket."""
+
+ZERO_BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's default ``reduce_bucket_size`` and ``allgather_bucket_size`` (elements)."""
+
+MEMORY_FRACTION_FOR_MESSAGES = 8
+"""The largest message timed takes at most 1/8 of the smallest device's memory (a collective holds
+the message and a shard of it, NCCL its own buffers, beside what the rank already holds)."""
+
+
+def message_sizes(ds_config: Mapping[str, Any], *, element_bytes: int, capacity_bytes: int) -> tuple[int, ...]:
+    """Message sizes to time: `DEFAULT_MESSAGE_BYTES`, then x4 up to the largest ZeRO bucket of
+    `ds_config` (``reduce_bucket_size``, ``allgather_bucket_size``, in elements of `element_bytes`;
+    DeepSpeed's default where absent or ``"auto"``), capped by `MEMORY_FRACTION_FOR_MESSAGES` of
+    `capacity_bytes`. The cost model then prices the buckets ZeRO sends from measured sizes, not from
+    an extrapolation of 32 MiB ones."""
+    zero = ds_config.get("zero_optimization")
+    zero = zero if isinstance(zero, Mapping) else {}
+    buckets = [zero.get(key, ZERO_BUCKET_ELEMENTS) for key in ("reduce_bucket_size", "allgather_bucket_size")]
+    elements = max(int(b) if isinstance(b, (int, float)) else ZERO_BUCKET_ELEMENTS for b in buckets)
+    largest = max(
+        DEFAULT_MESSAGE_BYTES[0], min(elements * element_bytes, capacity_bytes // MEMORY_FRACTION_FOR_MESSAGES)
+    )
+    sizes = [size for size in DEFAULT_MESSAGE_BYTES if size < largest]
+    while sizes and sizes[-1] * 4 < largest:
+        sizes.append(sizes[-1] * 4)
+    return (*sizes, largest)
 
 
 def _fits(
@@ -153,8 +181,11 @@ def measure_network(
     )
 
 
-def cached_or_measured_network(layout: JobLayout, cache_dir: Path, *, force: bool) -> tuple[NetworkProfile | None, str]:
-    """The network file for this cluster from `cache_dir`, or measured and written there by rank 0 (collective).
+def cached_or_measured_network(
+    layout: JobLayout, cache_dir: Path, *, force: bool, message_bytes: tuple[int, ...] = DEFAULT_MESSAGE_BYTES
+) -> tuple[NetworkProfile | None, str]:
+    """The network file for this cluster from `cache_dir`, or measured (at `message_bytes`) and written
+    there by rank 0 (collective).
 
     Returns the network (None for a one-rank job: it has no collectives) and a line
     for the progress log.
@@ -169,7 +200,7 @@ def cached_or_measured_network(layout: JobLayout, cache_dir: Path, *, force: boo
     path = network_path(cache_dir, layout.cluster)
     if found is not None:
         return network_from_dict(found, source=str(path)), f"network: from the cache ({path})"
-    network = measure_network(layout)
+    network = measure_network(layout, message_bytes=message_bytes)
     if layout.rank == 0:
         save_network(network, path)  # makes the network/ folder
     fit = network.collectives["all_reduce"]

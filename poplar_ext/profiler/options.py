@@ -104,6 +104,12 @@ class ProfileOptions:
     False never. With a pipeline model `loss_fn` is DeepSpeed's pipeline ``loss_fn(outputs,
     labels)`` (None: the PipelineModule's own, else the last layer's output summed) and
     `make_batch` returns ``(inputs, labels)``."""
+    collective_timeout_s: float | None = 300.0
+    """While profiling, every process group's collectives time out after this many seconds instead
+    of the group's own timeout (DeepSpeed's default: 30 minutes), so that a rank lost outside the
+    agreed points (an out-of-memory in a collective DeepSpeed issues, a crash) ends the job in
+    minutes through NCCL's asynchronous error handling; None keeps the groups' own. It must exceed
+    the longest trial of the slowest device type (the other ranks wait that long in its agreement)."""
 
 
 __all__ = ["CHECKPOINTING_MODES", "ProfileOptions", "Progress", "log_progress"]

@@ -45,7 +45,7 @@ from poplar_ext.collectives import (
 )
 from poplar_ext.hardware.cpu_process import limit_cpu_threads
 from poplar_ext.hardware.devices import join_job
-from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts
+from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts, memory_capacity_bytes
 from poplar_ext.hardware.emulation import (
     ComputeSlowdown,
     check_emulation_range,
@@ -67,9 +67,10 @@ from poplar_ext.runtime.config import (
 )
 from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, plan_dataloader
 from poplar_ext.runtime.engine import PoplarEngine
-from poplar_ext.runtime.planning import ProfileDirectory, resolve_plan
+from poplar_ext.runtime.planning import ProfileDirectory, check_stage_memory, resolve_plan
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
+from poplar_ext.search.model_states import optimizer_state_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +215,8 @@ def prepare_job(
     if global_batch.size is None and default_global_batch is not None:
         global_batch = default_global_batch
     # The hardware is the truth: the cluster file (rank 0's) is checked against every rank's device.
-    cluster = agreed_cluster(poplar_config.cluster, gather_device_facts(device), rank=rank, name=f"{SECTION}.cluster")
+    facts = gather_device_facts(device)
+    cluster = agreed_cluster(poplar_config.cluster, facts, rank=rank, name=f"{SECTION}.cluster")
     if rank == 0:
         check_emulation_range(cluster)  # warns where emulated ranks would wait for cores
         if poplar_config.profiles_defaulted:
@@ -264,6 +266,8 @@ def prepare_job(
         # Cached profiles are checked with the same model and data (poplar.calibration).
         time_at_sizes=None if measure_missing is None else measure_missing.time_at_sizes,
     )
+    if model is not None:
+        _check_stage_memory(plan, cluster=cluster, facts=facts, model=model, ds_config=ds_config)
     return Job(
         ds_config=ds_config,
         source=source,
@@ -274,6 +278,27 @@ def prepare_job(
         world_size=world_size,
         device=device,
         profile_directory=directory,
+    )
+
+
+def _check_stage_memory(plan: Plan, *, cluster: Cluster, facts: list, model: Any, ds_config: dict) -> None:
+    """`planning.check_stage_memory` with every rank's memory (an emulated type's capacity, else its
+    share of its device, from the gathered facts): the same refusal on every rank."""
+    from poplar_ext.profiler.api import training_dtype
+
+    capacities = []
+    for rank, device_type in enumerate(cluster.rank_device_types):
+        emulation = cluster.emulation_of(device_type)
+        capacities.append(memory_capacity_bytes(facts, rank) if emulation is None else emulation.memory_capacity_bytes)
+    # A model built under deepspeed.zero.Init holds empty placeholders; ds_numel is the full size.
+    sizes = [(getattr(p, "ds_numel", None) or p.numel(), p.requires_grad) for p in model.parameters()]
+    check_stage_memory(
+        plan,
+        capacities_bytes=capacities,
+        num_parameters=sum(n for n, _ in sizes),
+        num_trainable_parameters=sum(n for n, trainable in sizes if trainable),
+        dtype=training_dtype(ds_config),
+        optimizer_bytes_per_parameter=optimizer_state_bytes(ds_config),
     )
 
 

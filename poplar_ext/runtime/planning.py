@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ from poplar_ext.profiler.calibration import (
     with_calibration,
 )
 from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
+from poplar_ext.search.model_states import cannot_hold, model_states, shortfall
 
 if TYPE_CHECKING:
     from poplar_ext.search.network import NetworkProfile
@@ -524,8 +525,49 @@ def _search(request: _PlanRequest, profiles: list[Profile]) -> Plan:
     return result.plan
 
 
+def check_stage_memory(
+    plan: Plan,
+    *,
+    capacities_bytes: Sequence[int],
+    num_parameters: int,
+    num_trainable_parameters: int,
+    dtype: str,
+    optimizer_bytes_per_parameter: int,
+) -> None:
+    """Refuse `plan` where a rank's memory (`capacities_bytes`, rank order) cannot hold the model states
+    alone at the plan's ZeRO stage (`poplar_ext.search.model_states`, with the rank's optimizer offload).
+
+    Run on every rank from gathered capacities, before DeepSpeed builds the engine: a rank running out
+    of memory inside ``deepspeed.initialize`` or the first optimizer step would leave the others waiting
+    in a collective. Raises the same ValueError everywhere, naming each such rank.
+    """
+    problems = []
+    for rank_plan, capacity in zip(plan.ranks, capacities_bytes):
+        states = model_states(
+            num_parameters=num_parameters,
+            num_trainable_parameters=num_trainable_parameters,
+            zero_stage=plan.zero_stage,
+            world_size=len(plan.ranks),
+            dtype=dtype,
+            optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
+            optimizer_offload=rank_plan.optimizer_offload,
+        )
+        if cannot_hold(states, capacity_bytes=capacity):
+            problems.append(
+                f"rank {rank_plan.rank} ({rank_plan.device_type}): {shortfall(states, capacity_bytes=capacity)}"
+            )
+    if problems:
+        raise ValueError(
+            "plan: expected every rank to hold the model at its ZeRO stage, found "
+            + "; ".join(problems)
+            + ". Use a higher ZeRO stage, optimizer offload for those ranks, or profiles that show it (the "
+            "search then chooses)"
+        )
+
+
 __all__ = [
     "StalePlanWarning",
+    "check_stage_memory",
     "load_rebalance_inputs",
     "check_plan_for_job",
     "obtain_missing_profiles",

@@ -36,6 +36,7 @@ BAD_CASES = {
     "missing_profiles": dict(stage=1, profiles_key="partial_profiles", global_batch_size=12),
     "cluster_not_the_hardware": dict(stage=1, plan_key="stage1", cluster_key="a100_cluster"),
     "cluster_file_missing": dict(stage=1, plan_key="stage1", cluster_key="missing_cluster"),
+    "stage_too_large": dict(stage=1, plan_key="stage1", cluster_key="small_cluster"),
 }
 
 
@@ -116,6 +117,11 @@ def results(tmp_path_factory):
             }
         )
     )
+    # cpu-slow's memory cannot hold even the model states at ZeRO 1 (the plan's stage).
+    small = json.loads(files["cluster"].read_text())
+    small["device_types"]["cpu-slow"]["emulation"]["memory_capacity_bytes"] = 10_000
+    files["small_cluster"] = tmp / "small.json"
+    files["small_cluster"].write_text(json.dumps(small))
     return run_ranks(_refusals, world_size=3, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=120)
 
 
@@ -177,3 +183,10 @@ def test_rank_0_reads_the_profiles_and_the_network_file_once(results):
     # Searched at start with re-balancing on (its default, "auto"): the search and the
     # re-balancer's inputs come from one reading of each file, on rank 0 alone.
     assert [r["reads"] for r in results] == [{"profiles": 1, "network": 1}] + [{"profiles": 0, "network": 0}] * 2
+
+
+def test_a_stage_a_rank_cannot_hold_stops_every_rank_before_the_engine(results):
+    message = _messages(results, "stage_too_large")
+    assert "rank 1 (cpu-slow): ZeRO stage 1 needs at least" in message, message
+    assert "rank 2 (cpu-slow)" in message and "rank 0" not in message
+    assert "more than its memory of 0.0 GiB" in message

@@ -56,3 +56,32 @@ def test_a_script_that_destroyed_its_group_itself_exits_cleanly():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "group up at exit: False" in done.stdout
     assert "Traceback" not in done.stderr
+
+
+def _leave_with(monkeypatch, *, backend: str, failed: bool) -> list[str]:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from poplar_ext.collectives import leave_process_group
+
+    calls: list[str] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: calls.append("destroy"))
+    monkeypatch.setattr(distributed_c10d, "_abort_process_group", lambda group=None: calls.append("abort"))
+    if failed:
+        monkeypatch.setattr(sys, "last_value", RuntimeError("a rank failed"), raising=False)
+    else:
+        monkeypatch.delattr(sys, "last_value", raising=False)
+    leave_process_group()
+    return calls
+
+
+def test_an_nccl_group_is_aborted_when_the_process_leaves_on_an_exception(monkeypatch):
+    # destroy_process_group on a broken NCCL communicator can hang; abort does not wait.
+    assert _leave_with(monkeypatch, backend="nccl", failed=True) == ["abort"]
+
+
+def test_a_normal_exit_and_gloo_still_destroy(monkeypatch):
+    assert _leave_with(monkeypatch, backend="nccl", failed=False) == ["destroy"]
+    assert _leave_with(monkeypatch, backend="gloo", failed=True) == ["destroy"]

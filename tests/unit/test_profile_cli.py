@@ -286,3 +286,9 @@ def test_the_command_line_builds_profile_options_with_their_defaults(files) -> N
             assert getattr(options, f.name) == as_parsed.get(f.name, lambda v: v)(f.default), f.name
     quiet = parse_command(_args(files, "--model", "toy-gpt", "--quiet", "--output-dir", "out", "--repeats", "5"))
     assert quiet.progress is None and quiet.cache_dir == Path("out") and quiet.repeats == 5
+
+
+def test_the_collective_timeout_is_given_in_seconds_and_0_keeps_the_groups_own(files) -> None:
+    base = ("--model", "my_models:build", "--batch", "my_models:batch")
+    assert parse_command(_args(files, *base, "--collective-timeout", "90")).collective_timeout_s == 90.0
+    assert parse_command(_args(files, *base, "--collective-timeout", "0")).collective_timeout_s is None

@@ -1,0 +1,106 @@
+"""The profiler skips a ZeRO stage a device type cannot hold (model states alone), before any engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from poplar_ext.plan.formats import ModelInfo
+from poplar_ext.profiler import api
+from poplar_ext.profiler.layout import JobLayout
+from poplar_ext.profiler.measure import MeasureSettings
+
+GIB = 2**30
+
+
+def _session(tmp_path, *, zero_stages=(0,)) -> api._Session:
+    layout = JobLayout(
+        rank=0,
+        world_size=2,
+        device=torch.device("cpu"),
+        cluster=None,
+        rank_types=("A100-80GB", "V100-16GB"),
+        emulations={"A100-80GB": None, "V100-16GB": None},
+        capacities_bytes={"A100-80GB": 79 * GIB, "V100-16GB": 15 * GIB},
+        hardware={"A100-80GB": "a100", "V100-16GB": "v100"},
+        hosts={"A100-80GB": "node0", "V100-16GB": "node0"},
+    )
+    return api._Session(
+        options=SimpleNamespace(
+            ds_config={"optimizer": {"type": "AdamW"}},
+            cache_dir=tmp_path,
+            sequence_length=None,
+            make_batch=None,
+            loss_fn=None,
+        ),
+        settings=MeasureSettings(),
+        layout=layout,
+        # The issue's main case: a 1B-parameter model in bf16, 20 bytes per parameter at ZeRO 0.
+        model=ModelInfo(name="gpt-1b", fingerprint="f" * 16, num_parameters=10**9, dtype="bfloat16"),
+        toggle=None,
+        versions={"torch": "2.13.0", "deepspeed": "0.19.8"},
+        config_fingerprint="c" * 16,
+        offload_types=(),
+        runs=(),
+        spare_models=[],
+        trainable_parameters=10**9,
+    )
+
+
+def _no_engine(**_kwargs):
+    raise AssertionError("an engine was built for a stage a device type cannot hold")
+
+
+def test_a_stage_too_large_for_one_type_builds_no_engine_and_records_why(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(api, "StageMeasurement", _no_engine)
+    lines: list[str] = []
+    session = _session(tmp_path)
+    reporter = api._ProgressReporter(sink=lines.append, layout=session.layout, stages_left=1)
+
+    produced = api._measure_run(session, api._Run(0, False, False), {}, reporter)
+
+    # The V100's profile fits nothing and says why; the A100 cannot run ZeRO 0 in this job.
+    assert list(produced) == [("V100-16GB", api._Run(0, False, False))]
+    profile = produced[("V100-16GB", api._Run(0, False, False))]
+    assert profile["max_micro_batch_size"] == 0 and profile["samples"] == []
+    probe = profile["measured_with"]["largest_micro_batch_probe"]
+    assert probe["skipped"] == (
+        "ZeRO stage 0 needs at least 18.6 GiB for the model states alone (parameters 1.9 GiB, "
+        "gradients 1.9 GiB, optimizer 14.9 GiB), more than its memory of 15.0 GiB"
+    )
+    assert any("A100-80GB not profiled: skipped for V100-16GB" in line for line in lines)
+    assert reporter.stages_left == 0, "the skipped stage no longer counts in the time left"
+
+
+def test_a_stage_every_type_holds_is_measured(tmp_path, monkeypatch) -> None:
+    built = []
+
+    class Measured:
+        def __init__(self, **kwargs):
+            built.append(kwargs["zero_stage"])
+
+        def run(self):
+            return {}
+
+    monkeypatch.setattr(api, "StageMeasurement", Measured)
+    session = _session(tmp_path)
+    reporter = api._ProgressReporter(sink=None, layout=session.layout, stages_left=1)
+    # At ZeRO 3 over 2 ranks: 10 bytes per parameter, 9.3 GiB, inside both.
+    assert api._measure_run(session, api._Run(3, False, False), {}, reporter) == {}
+    assert built == [3]
+
+
+@pytest.mark.parametrize(("offload", "device_bytes"), [(False, 12 * 10**9), (True, 4 * 10**9)])
+def test_optimizer_offload_is_counted_on_the_host(tmp_path, offload, device_bytes) -> None:
+    # ZeRO 1 over 2 ranks: bf16 weights and gradients whole, 16 bytes of optimizer per parameter halved.
+    assert _session(tmp_path).model_states(api._Run(1, False, offload)).device_bytes == device_bytes
+
+
+def test_an_emulated_type_is_left_to_the_measurement(tmp_path) -> None:
+    session = _session(tmp_path)
+    emulated = dataclasses.replace(session.layout, emulations={"A100-80GB": None, "V100-16GB": object()})
+    session = dataclasses.replace(session, layout=emulated)
+    assert api._types_too_small(session, api._Run(0, False, False)) == {}
