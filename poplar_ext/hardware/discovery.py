@@ -7,7 +7,8 @@ collective), the ranks exchange what they read (`gather_device_facts`, one
 collective), and everything after that is pure, the same on every rank:
 
 * `cluster_from_facts`: the job's cluster description in rank order (one node per
-  run of consecutive ranks on a host), for jobs that give no cluster file;
+  run of consecutive ranks with one node key: host name, kernel boot id and network
+  namespace, `node_key`), for jobs that give no cluster file;
 * `cluster_mismatches`: the ranks whose real device is not the type a cluster file
   declares (emulated types are declared, not read, and are exempt);
 * `memory_capacity_bytes`: the memory one rank may use: its device's, shared only
@@ -47,7 +48,10 @@ class DeviceFacts:
     rank: int
     """The rank (process group numbering)."""
     host: str
-    """Host name of the rank's machine."""
+    """Host name of the rank's machine (what node names and messages show)."""
+    node: str
+    """Which machine and network namespace the rank runs in (`node_key`): containers that
+    share a host name on two machines have two keys, ranks of one container one."""
     device_type: str
     """Device type through the device table (`poplar_ext.hardware.devices`), e.g. ``A100-80GB``; ``cpu``."""
     hardware: str
@@ -68,6 +72,39 @@ def _physical_id(device: torch.device) -> str:
     return str(uuid) if uuid is not None else f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}:{device.index}"
 
 
+_BOOT_ID_FILES = ("/proc/sys/kernel/random/boot_id", "/etc/machine-id")
+"""Where a machine's identity is read, first readable wins. The boot id comes first: it
+is the kernel's, so every container on a machine sees the same one, while a container
+image may carry a copied /etc/machine-id."""
+
+
+def node_key(host: str, machine_id: str, network_namespace: str) -> str:
+    """The node key of a rank: its host name, machine identity and network namespace."""
+    return f"{host}/{machine_id}/{network_namespace}"
+
+
+def _first_readable(paths: tuple[str, ...]) -> str:
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            return text
+    return "unknown"
+
+
+def local_node_key() -> str:
+    """This rank's node key (`node_key`), read from the kernel (no collective)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/net")
+    except OSError:
+        # Without /proc (not Linux) the host name and machine identity must do.
+        namespace = "unknown"
+    return node_key(socket.gethostname(), _first_readable(_BOOT_ID_FILES), namespace)
+
+
 def local_device_facts(device: torch.device, *, rank: int) -> DeviceFacts:
     """This rank's facts, read from the hardware (no collective)."""
     if device.type == "cuda":
@@ -77,6 +114,7 @@ def local_device_facts(device: torch.device, *, rank: int) -> DeviceFacts:
     return DeviceFacts(
         rank=rank,
         host=socket.gethostname(),
+        node=local_node_key(),
         device_type=hardware_device_type(device),
         hardware=hardware_description(device),
         memory_bytes=memory,
@@ -95,20 +133,22 @@ def gather_device_facts(device: torch.device) -> list[DeviceFacts]:
 def cluster_from_facts(facts: list[DeviceFacts]) -> Cluster:
     """The cluster description of the job the facts came from, in rank order.
 
-    Ranks are numbered in node order, so a node is a run of consecutive ranks on one
-    host; a host whose ranks are not consecutive appears once per run (named
-    ``host#2``, ...), which keeps every rank's type where the plan expects it.
+    Ranks are numbered in node order, so a node is a run of consecutive ranks with one
+    node key; a host whose ranks are not consecutive, or a host name that several
+    machines (containers) share, appears once per run (named ``host#2``, ...), which
+    keeps every rank's type where the plan expects it.
     """
     assert [f.rank for f in facts] == list(range(len(facts))), "facts come in rank order"
-    runs: list[tuple[str, list[DeviceFacts]]] = []
+    runs: list[list[DeviceFacts]] = []
     for fact in facts:
-        if runs and runs[-1][0] == fact.host:
-            runs[-1][1].append(fact)
+        if runs and runs[-1][0].node == fact.node:
+            runs[-1].append(fact)
         else:
-            runs.append((fact.host, [fact]))
+            runs.append([fact])
     seen: Counter = Counter()
     nodes = []
-    for host, members in runs:
+    for members in runs:
+        host = members[0].host
         seen[host] += 1
         groups: list[DeviceGroup] = []
         for fact in members:
@@ -136,7 +176,7 @@ def cluster_mismatches(cluster: Cluster, facts: list[DeviceFacts]) -> list[str]:
 def memory_capacity_bytes(facts: list[DeviceFacts], rank: int) -> int:
     """The memory `rank` may use: its device's total, shared among the ranks on that device."""
     mine = facts[rank]
-    sharing = sum(1 for f in facts if (f.host, f.device_id) == (mine.host, mine.device_id))
+    sharing = sum(1 for f in facts if (f.node, f.device_id) == (mine.node, mine.device_id))
     return mine.memory_bytes // sharing
 
 
@@ -203,5 +243,7 @@ __all__ = [
     "discover_cluster",
     "gather_device_facts",
     "local_device_facts",
+    "local_node_key",
     "memory_capacity_bytes",
+    "node_key",
 ]

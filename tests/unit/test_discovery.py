@@ -18,17 +18,27 @@ from poplar_ext.hardware.discovery import (
     cluster_from_facts,
     cluster_mismatches,
     local_device_facts,
+    local_node_key,
     memory_capacity_bytes,
+    node_key,
 )
 from poplar_search.formats import cluster_from_dict, cluster_to_dict, save_cluster
 
 GIB = 2**30
 
 
-def _facts(*ranks: tuple[str, str, str, int]) -> list[DeviceFacts]:
-    """(host, device type, device id, memory GiB) per rank."""
+def _facts(*ranks: tuple[str, str, str, int], nodes: tuple[str, ...] = ()) -> list[DeviceFacts]:
+    """(host, device type, device id, memory GiB) per rank; the node key is the host unless `nodes` gives it."""
     return [
-        DeviceFacts(rank=r, host=host, device_type=t, hardware=f"NVIDIA {t}", memory_bytes=gib * GIB, device_id=uuid)
+        DeviceFacts(
+            rank=r,
+            host=host,
+            node=nodes[r] if nodes else host,
+            device_type=t,
+            hardware=f"NVIDIA {t}",
+            memory_bytes=gib * GIB,
+            device_id=uuid,
+        )
         for r, (host, t, uuid, gib) in enumerate(ranks)
     ]
 
@@ -49,6 +59,31 @@ def test_the_discovered_cluster_lists_every_rank_in_order():
     assert [(g.device_type, g.count) for g in cluster.nodes[0].devices] == [("A100-80GB", 2), ("V100-16GB", 1)]
     # It is a valid cluster file for poplar-search.
     assert cluster_from_dict(cluster_to_dict(cluster)).rank_device_types == cluster.rank_device_types
+
+
+def test_containers_with_one_host_name_on_two_machines_are_two_nodes():
+    ranks = (("worker", "A100-80GB", "0", 80), ("worker", "A100-80GB", "0", 80))
+    facts = _facts(*ranks, nodes=(node_key("worker", "boot-1", "net:[1]"), node_key("worker", "boot-2", "net:[1]")))
+    cluster = cluster_from_facts(facts)
+    assert [n.name for n in cluster.nodes] == ["worker", "worker#2"]
+    # Each is its own device (the same index on two machines), with all of its memory.
+    assert [memory_capacity_bytes(facts, r) for r in (0, 1)] == [80 * GIB, 80 * GIB]
+
+
+def test_ranks_of_one_machine_share_a_node_key():
+    assert node_key("worker", "boot-1", "net:[7]") == node_key("worker", "boot-1", "net:[7]")
+    assert node_key("worker", "boot-1", "net:[7]") != node_key("worker", "boot-1", "net:[8]")
+    assert node_key("worker", "boot-1", "net:[7]") != node_key("other", "boot-1", "net:[7]")
+
+
+def test_the_local_node_key_reads_the_boot_id_and_the_network_namespace(tmp_path, monkeypatch):
+    import poplar_ext.hardware.discovery as discovery
+
+    (tmp_path / "boot_id").write_text("b0d-1\n")
+    monkeypatch.setattr(discovery, "_BOOT_ID_FILES", (str(tmp_path / "missing"), str(tmp_path / "boot_id")))
+    monkeypatch.setattr(discovery.os, "readlink", lambda path: "net:[4026531840]")
+    monkeypatch.setattr(discovery.socket, "gethostname", lambda: "worker")
+    assert local_node_key() == node_key("worker", "b0d-1", "net:[4026531840]")
 
 
 def test_a_host_whose_ranks_are_not_consecutive_keeps_every_rank_in_place():
