@@ -163,7 +163,8 @@ def hardware_description(device: torch.device) -> str:
         props = torch.cuda.get_device_properties(device)
         return (
             f"{props.name}, {props.total_memory / 2**30:.1f} GiB, "
-            f"compute capability {props.major}.{props.minor}, CUDA {torch.version.cuda}"
+            f"compute capability {props.major}.{props.minor}, CUDA {torch.version.cuda}, "
+            f"torch built for {' '.join(torch.cuda.get_arch_list()) or 'no CUDA architecture'}"
         )
     if device.type == "cpu":
         return f"CPU {_cpu_model_name()} ({platform.machine()})"

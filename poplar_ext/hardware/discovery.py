@@ -12,7 +12,9 @@ collective), and everything after that is pure, the same on every rank:
 * `cluster_mismatches`: the ranks whose real device is not the type a cluster file
   declares (emulated types are declared, not read, and are exempt);
 * `memory_capacity_bytes`: the memory one rank may use: its device's, shared only
-  among ranks that really use the same device (CPU ranks of a host share its RAM).
+  among ranks that really use the same device (CPU ranks of a host share its RAM);
+* `check_device_support`: every rank's device runs the installed torch's kernels
+  (and bf16, where the job trains in it), checked before any engine is built.
 
 `agreed_cluster` gives the job's cluster on every rank: a file read by rank 0 alone
 (other nodes need not have it) or the discovered one, checked against the hardware.
@@ -22,6 +24,7 @@ collective), and everything after that is pure, the same on every rank:
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections import Counter
 from collections.abc import Callable
@@ -60,6 +63,11 @@ class DeviceFacts:
     """Total memory of the physical device (the machine's RAM for a CPU rank)."""
     device_id: str
     """Which physical device on the host: the CUDA device's UUID, or ``cpu``."""
+    compute_capability: tuple[int, int] | None
+    """(major, minor) of a CUDA device, e.g. (8, 0) for an A100; None for a CPU rank."""
+    cuda_arch_list: tuple[str, ...]
+    """What the rank's torch build has kernels for (``torch.cuda.get_arch_list()``), e.g.
+    ``sm_80``, ``compute_90``; empty for a CPU rank."""
 
 
 def _physical_id(device: torch.device) -> str:
@@ -107,8 +115,13 @@ def local_node_key() -> str:
 
 def local_device_facts(device: torch.device, *, rank: int) -> DeviceFacts:
     """This rank's facts, read from the hardware (no collective)."""
+    capability = None
+    archs: tuple[str, ...] = ()
     if device.type == "cuda":
-        memory = int(torch.cuda.get_device_properties(device).total_memory)
+        properties = torch.cuda.get_device_properties(device)
+        memory = int(properties.total_memory)
+        capability = (int(properties.major), int(properties.minor))
+        archs = tuple(torch.cuda.get_arch_list())
     else:
         memory = physical_memory_bytes()
     return DeviceFacts(
@@ -119,6 +132,8 @@ def local_device_facts(device: torch.device, *, rank: int) -> DeviceFacts:
         hardware=hardware_description(device),
         memory_bytes=memory,
         device_id=_physical_id(device),
+        compute_capability=capability,
+        cuda_arch_list=archs,
     )
 
 
@@ -171,6 +186,69 @@ def cluster_mismatches(cluster: Cluster, facts: list[DeviceFacts]) -> list[str]:
         if problem is not None:
             problems.append(f"Rank {fact.rank} on {fact.host} has {fact.hardware} ({problem}).")
     return problems
+
+
+_ARCH = re.compile(r"^(sm|compute)_(\d+)(\d)([a-z]?)$")
+BF16_MIN_CAPABILITY = (8, 0)
+"""bf16 arithmetic needs Ampere (8.0) or newer; older devices emulate it, slowly or not at all."""
+
+
+def has_kernels_for(capability: tuple[int, int], arch_list: tuple[str, ...] | list[str]) -> bool:
+    """Whether a torch build with `arch_list` runs on a device of `capability`.
+
+    ``sm_XY`` runs on X.Y and on later minors of major X (binary compatibility within a
+    major); ``compute_XY`` (PTX) is compiled by the driver for any device >= X.Y. An
+    arch-specific entry (``sm_90a``, ``compute_100a``) runs on exactly that capability.
+    """
+    for entry in arch_list:
+        found = _ARCH.match(entry)
+        if found is None:
+            continue
+        kind, built = found.group(1), (int(found.group(2)), int(found.group(3)))
+        if found.group(4):
+            covered = built == capability
+        elif kind == "sm":
+            covered = built[0] == capability[0] and built[1] <= capability[1]
+        else:
+            covered = built <= capability
+        if covered:
+            return True
+    return False
+
+
+def device_support_problems(facts: list[DeviceFacts], *, bf16: bool) -> list[str]:
+    """Why some ranks cannot run the job: one sentence per rank ([] when all can). Pure."""
+    problems = []
+    for fact in facts:
+        if fact.compute_capability is None:
+            continue
+        capability = ".".join(str(part) for part in fact.compute_capability)
+        where = f"Rank {fact.rank} on {fact.host} has {fact.hardware} (compute capability {capability})"
+        if not has_kernels_for(fact.compute_capability, fact.cuda_arch_list):
+            archs = " ".join(fact.cuda_arch_list) or "none"
+            problems.append(
+                f"{where}, but its torch build has kernels only for {archs}: install a torch build whose "
+                f"`torch.cuda.get_arch_list()` covers sm_{capability.replace('.', '')} (an older CUDA "
+                "build for an older device), or leave the device out of the job."
+            )
+        elif bf16 and fact.compute_capability < BF16_MIN_CAPABILITY:
+            problems.append(
+                f"{where}, below the 8.0 that bf16 needs: train the job in fp16 "
+                "(`fp16.enabled` instead of `bf16.enabled`), or leave the device out of the job."
+            )
+    return problems
+
+
+def check_device_support(facts: list[DeviceFacts], *, bf16: bool, source: str) -> None:
+    """Raise one ValueError naming every rank whose device cannot run the job.
+
+    Decided from the gathered facts, so every rank raises the same error (none is left
+    waiting in a collective); call it before any engine is built. `bf16`: the job trains
+    in bf16 (DeepSpeed's ``bf16.enabled``); `source` is what the message names.
+    """
+    problems = device_support_problems(facts, bf16=bf16)
+    if problems:
+        raise ValueError(f"{source}: the job's devices cannot run it: " + " ".join(problems))
 
 
 def memory_capacity_bytes(facts: list[DeviceFacts], rank: int) -> int:
@@ -237,11 +315,15 @@ def discover_cluster() -> Cluster:
 __all__ = [
     "CPU_DEVICE_TYPE",
     "DeviceFacts",
+    "BF16_MIN_CAPABILITY",
     "agreed_cluster",
+    "check_device_support",
     "cluster_from_facts",
     "cluster_mismatches",
     "discover_cluster",
+    "device_support_problems",
     "gather_device_facts",
+    "has_kernels_for",
     "local_device_facts",
     "local_node_key",
     "memory_capacity_bytes",

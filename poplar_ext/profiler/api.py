@@ -371,7 +371,7 @@ def _offload_types(layout: JobLayout, optimizer_offload: str) -> tuple[str, ...]
 
 
 def _profile(options: ProfileOptions, settings: MeasureSettings, device: torch.device) -> list[Profile]:
-    layout = build_layout(options.cluster, device)
+    layout = build_layout(options.cluster, device, bf16=training_dtype(options.ds_config) == "bfloat16")
     if options.measure_network:
         _, line = cached_or_measured_network(layout, options.cache_dir, force=options.force)
         if layout.rank == 0 and options.progress is not None:
@@ -523,7 +523,7 @@ def time_micro_steps(
     device = join_job()
     settings = dataclasses.replace(settings, as_training=device.type != "cpu" or zero_stage in (0, 1))
     with _measuring_process(device):
-        layout = build_layout(options.cluster, device)
+        layout = build_layout(options.cluster, device, bf16=training_dtype(options.ds_config) == "bfloat16")
         session = _start_session(options, settings, layout)
         run = _Run(zero_stage, activation_checkpointing, optimizer_offload)
         wanted = {t: sorted(set(v)) for t, v in sizes.items() if t in layout.type_names and v}
