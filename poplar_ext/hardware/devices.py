@@ -3,8 +3,11 @@
 Profiles, cluster descriptions and plans name device types like ``A100-80GB``. The
 hardware reports ``NVIDIA A100-SXM4-80GB`` or ``NVIDIA A100 80GB PCIe``; this module
 is the only place that maps one to the other, through `DEVICE_NAME_TABLE`, read in
-order, first match wins. A name that no row matches gets a warning and an explicit
-fallback built from the reported name and memory, never a silent constant.
+order, first match wins. A PCIe card slower than its SXM sibling has a type of its
+own (``A100-PCIe-80GB``, ``H100-PCIe-80GB``); a MIG slice is the whole GPU's type
+plus its slice (``A100-80GB-MIG-3g.40gb``), never a whole GPU's type. A name that
+no row matches gets a warning and an explicit fallback built from the reported name
+and memory, never a silent constant.
 
 Emulated device types are not read from hardware: they are whatever the cluster
 description declares (see `declared_type_problem`).
@@ -47,13 +50,19 @@ class DeviceNameRule:
 # before A100 40 GB, "A10" must not catch "A100"). Memory thresholds sit between
 # the two sizes a model comes in, well below the nominal size because CUDA reports
 # a little less than the marketing figure (an 80 GB A100 reports ~79.2 GiB).
+# PCIe rows come before the SXM ones: the PCIe cards run at a lower power limit (A100)
+# or have fewer SMs and slower memory (H100), so their profiles differ; the SXM
+# cards keep the plain names ("NVIDIA H100 80GB HBM3" is the SXM H100).
 DEVICE_NAME_TABLE: tuple[DeviceNameRule, ...] = (
     DeviceNameRule(pattern=r"\bH200\b", device_type="H200-141GB"),
     DeviceNameRule(pattern=r"\bH100\b.*\bNVL\b", device_type="H100-94GB"),
+    DeviceNameRule(pattern=r"\bH100\b.*\bPCIe\b", device_type="H100-PCIe-80GB"),
     DeviceNameRule(pattern=r"\bH100\b", device_type="H100-80GB"),
     DeviceNameRule(pattern=r"\bH800\b", device_type="H800-80GB"),
     DeviceNameRule(pattern=r"\bA800\b", device_type="A800-80GB", min_memory_gib=60),
     DeviceNameRule(pattern=r"\bA800\b", device_type="A800-40GB"),
+    DeviceNameRule(pattern=r"\bA100\b.*\bPCIe\b", device_type="A100-PCIe-80GB", min_memory_gib=60),
+    DeviceNameRule(pattern=r"\bA100\b.*\bPCIe\b", device_type="A100-PCIe-40GB"),
     DeviceNameRule(pattern=r"\bA100\b", device_type="A100-80GB", min_memory_gib=60),
     DeviceNameRule(pattern=r"\bA100\b", device_type="A100-40GB"),
     DeviceNameRule(pattern=r"\bV100S\b", device_type="V100S-32GB"),
@@ -91,21 +100,44 @@ def fallback_device_type(reported_name: str, total_memory_bytes: int) -> str:
     return f"{name}-{round(total_memory_bytes / 1e9)}GB"
 
 
+_MIG_SLICE = re.compile(r"\s+MIG\s+(\S+)\s*$", re.IGNORECASE)
+_NAMED_MEMORY_GB = re.compile(r"\b(\d+)\s*GB\b", re.IGNORECASE)
+
+
+def mig_slice(reported_name: str) -> tuple[str, str | None]:
+    """The whole GPU's reported name and the MIG slice's profile (``1g.10gb-me``), or None.
+
+    ``NVIDIA A100-SXM4-40GB MIG 1g.5gb`` -> (``NVIDIA A100-SXM4-40GB``, ``1g.5gb``).
+    """
+    found = _MIG_SLICE.search(reported_name)
+    if found is None:
+        return reported_name, None
+    profile = re.sub(r"[^A-Za-z0-9.]+", "-", found.group(1)).strip("-")
+    return reported_name[: found.start()], profile
+
+
 def normalize_device_name(reported_name: str, *, total_memory_bytes: int) -> str:
     """The device type of a device that reports `reported_name` and has `total_memory_bytes`.
 
     Looks `reported_name` up in `DEVICE_NAME_TABLE`; an unknown name warns
-    (`UnknownDeviceWarning`) and returns `fallback_device_type`.
+    (`UnknownDeviceWarning`) and returns `fallback_device_type`. A MIG slice gets the
+    whole GPU's type followed by ``-MIG-`` and its profile.
     """
     if not reported_name.strip():
         raise ValueError("reported_name: expected the device name the hardware reports, found an empty string")
     if total_memory_bytes < 1:
         raise ValueError(f"total_memory_bytes: expected an integer >= 1, found {total_memory_bytes}")
+    whole_name, profile = mig_slice(reported_name)
     memory_gib = total_memory_bytes / 2**30
+    named = _NAMED_MEMORY_GB.search(whole_name)
+    if profile is not None and named is not None:
+        # A slice reports its own memory; which model it was cut from (40 or 80 GB) is in the name.
+        memory_gib = max(memory_gib, int(named.group(1)) * 1e9 / 2**30)
+    suffix = "" if profile is None else f"-MIG-{profile}"
     for rule in DEVICE_NAME_TABLE:
-        if memory_gib >= rule.min_memory_gib and re.search(rule.pattern, reported_name, re.IGNORECASE):
-            return rule.device_type
-    fallback = fallback_device_type(reported_name, total_memory_bytes)
+        if memory_gib >= rule.min_memory_gib and re.search(rule.pattern, whole_name, re.IGNORECASE):
+            return rule.device_type + suffix
+    fallback = fallback_device_type(whole_name, total_memory_bytes) + suffix
     warnings.warn(
         f"unknown device {reported_name!r} ({memory_gib:.1f} GiB): using the device type {fallback!r}; "
         "add a row to poplar_ext.hardware.devices.DEVICE_NAME_TABLE to name it like the others",
@@ -131,7 +163,8 @@ def hardware_description(device: torch.device) -> str:
         props = torch.cuda.get_device_properties(device)
         return (
             f"{props.name}, {props.total_memory / 2**30:.1f} GiB, "
-            f"compute capability {props.major}.{props.minor}, CUDA {torch.version.cuda}"
+            f"compute capability {props.major}.{props.minor}, CUDA {torch.version.cuda}, "
+            f"torch built for {' '.join(torch.cuda.get_arch_list()) or 'no CUDA architecture'}"
         )
     if device.type == "cpu":
         return f"CPU {_cpu_model_name()} ({platform.machine()})"
@@ -243,5 +276,6 @@ __all__ = [
     "fallback_device_type",
     "hardware_description",
     "hardware_device_type",
+    "mig_slice",
     "normalize_device_name",
 ]

@@ -7,11 +7,14 @@ collective), the ranks exchange what they read (`gather_device_facts`, one
 collective), and everything after that is pure, the same on every rank:
 
 * `cluster_from_facts`: the job's cluster description in rank order (one node per
-  run of consecutive ranks on a host), for jobs that give no cluster file;
+  run of consecutive ranks with one node key: host name, kernel boot id and network
+  namespace, `node_key`), for jobs that give no cluster file;
 * `cluster_mismatches`: the ranks whose real device is not the type a cluster file
   declares (emulated types are declared, not read, and are exempt);
 * `memory_capacity_bytes`: the memory one rank may use: its device's, shared only
-  among ranks that really use the same device (CPU ranks of a host share its RAM).
+  among ranks that really use the same device (CPU ranks of a host share its RAM);
+* `check_device_support`: every rank's device runs the installed torch's kernels
+  (and bf16, where the job trains in it), checked before any engine is built.
 
 `agreed_cluster` gives the job's cluster on every rank: a file read by rank 0 alone
 (other nodes need not have it) or the discovered one, checked against the hardware.
@@ -21,6 +24,7 @@ collective), and everything after that is pure, the same on every rank:
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections import Counter
 from collections.abc import Callable
@@ -47,7 +51,10 @@ class DeviceFacts:
     rank: int
     """The rank (process group numbering)."""
     host: str
-    """Host name of the rank's machine."""
+    """Host name of the rank's machine (what node names and messages show)."""
+    node: str
+    """Which machine and network namespace the rank runs in (`node_key`): containers that
+    share a host name on two machines have two keys, ranks of one container one."""
     device_type: str
     """Device type through the device table (`poplar_ext.hardware.devices`), e.g. ``A100-80GB``; ``cpu``."""
     hardware: str
@@ -56,6 +63,11 @@ class DeviceFacts:
     """Total memory of the physical device (the machine's RAM for a CPU rank)."""
     device_id: str
     """Which physical device on the host: the CUDA device's UUID, or ``cpu``."""
+    compute_capability: tuple[int, int] | None
+    """(major, minor) of a CUDA device, e.g. (8, 0) for an A100; None for a CPU rank."""
+    cuda_arch_list: tuple[str, ...]
+    """What the rank's torch build has kernels for (``torch.cuda.get_arch_list()``), e.g.
+    ``sm_80``, ``compute_90``; empty for a CPU rank."""
 
 
 def _physical_id(device: torch.device) -> str:
@@ -68,19 +80,60 @@ def _physical_id(device: torch.device) -> str:
     return str(uuid) if uuid is not None else f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}:{device.index}"
 
 
+_BOOT_ID_FILES = ("/proc/sys/kernel/random/boot_id", "/etc/machine-id")
+"""Where a machine's identity is read, first readable wins. The boot id comes first: it
+is the kernel's, so every container on a machine sees the same one, while a container
+image may carry a copied /etc/machine-id."""
+
+
+def node_key(host: str, machine_id: str, network_namespace: str) -> str:
+    """The node key of a rank: its host name, machine identity and network namespace."""
+    return f"{host}/{machine_id}/{network_namespace}"
+
+
+def _first_readable(paths: tuple[str, ...]) -> str:
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            return text
+    return "unknown"
+
+
+def local_node_key() -> str:
+    """This rank's node key (`node_key`), read from the kernel (no collective)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/net")
+    except OSError:
+        # Without /proc (not Linux) the host name and machine identity must do.
+        namespace = "unknown"
+    return node_key(socket.gethostname(), _first_readable(_BOOT_ID_FILES), namespace)
+
+
 def local_device_facts(device: torch.device, *, rank: int) -> DeviceFacts:
     """This rank's facts, read from the hardware (no collective)."""
+    capability = None
+    archs: tuple[str, ...] = ()
     if device.type == "cuda":
-        memory = int(torch.cuda.get_device_properties(device).total_memory)
+        properties = torch.cuda.get_device_properties(device)
+        memory = int(properties.total_memory)
+        capability = (int(properties.major), int(properties.minor))
+        archs = tuple(torch.cuda.get_arch_list())
     else:
         memory = physical_memory_bytes()
     return DeviceFacts(
         rank=rank,
         host=socket.gethostname(),
+        node=local_node_key(),
         device_type=hardware_device_type(device),
         hardware=hardware_description(device),
         memory_bytes=memory,
         device_id=_physical_id(device),
+        compute_capability=capability,
+        cuda_arch_list=archs,
     )
 
 
@@ -95,20 +148,22 @@ def gather_device_facts(device: torch.device) -> list[DeviceFacts]:
 def cluster_from_facts(facts: list[DeviceFacts]) -> Cluster:
     """The cluster description of the job the facts came from, in rank order.
 
-    Ranks are numbered in node order, so a node is a run of consecutive ranks on one
-    host; a host whose ranks are not consecutive appears once per run (named
-    ``host#2``, ...), which keeps every rank's type where the plan expects it.
+    Ranks are numbered in node order, so a node is a run of consecutive ranks with one
+    node key; a host whose ranks are not consecutive, or a host name that several
+    machines (containers) share, appears once per run (named ``host#2``, ...), which
+    keeps every rank's type where the plan expects it.
     """
     assert [f.rank for f in facts] == list(range(len(facts))), "facts come in rank order"
-    runs: list[tuple[str, list[DeviceFacts]]] = []
+    runs: list[list[DeviceFacts]] = []
     for fact in facts:
-        if runs and runs[-1][0] == fact.host:
-            runs[-1][1].append(fact)
+        if runs and runs[-1][0].node == fact.node:
+            runs[-1].append(fact)
         else:
-            runs.append((fact.host, [fact]))
+            runs.append([fact])
     seen: Counter = Counter()
     nodes = []
-    for host, members in runs:
+    for members in runs:
+        host = members[0].host
         seen[host] += 1
         groups: list[DeviceGroup] = []
         for fact in members:
@@ -133,10 +188,73 @@ def cluster_mismatches(cluster: Cluster, facts: list[DeviceFacts]) -> list[str]:
     return problems
 
 
+_ARCH = re.compile(r"^(sm|compute)_(\d+)(\d)([a-z]?)$")
+BF16_MIN_CAPABILITY = (8, 0)
+"""bf16 arithmetic needs Ampere (8.0) or newer; older devices emulate it, slowly or not at all."""
+
+
+def has_kernels_for(capability: tuple[int, int], arch_list: tuple[str, ...] | list[str]) -> bool:
+    """Whether a torch build with `arch_list` runs on a device of `capability`.
+
+    ``sm_XY`` runs on X.Y and on later minors of major X (binary compatibility within a
+    major); ``compute_XY`` (PTX) is compiled by the driver for any device >= X.Y. An
+    arch-specific entry (``sm_90a``, ``compute_100a``) runs on exactly that capability.
+    """
+    for entry in arch_list:
+        found = _ARCH.match(entry)
+        if found is None:
+            continue
+        kind, built = found.group(1), (int(found.group(2)), int(found.group(3)))
+        if found.group(4):
+            covered = built == capability
+        elif kind == "sm":
+            covered = built[0] == capability[0] and built[1] <= capability[1]
+        else:
+            covered = built <= capability
+        if covered:
+            return True
+    return False
+
+
+def device_support_problems(facts: list[DeviceFacts], *, bf16: bool) -> list[str]:
+    """Why some ranks cannot run the job: one sentence per rank ([] when all can). Pure."""
+    problems = []
+    for fact in facts:
+        if fact.compute_capability is None:
+            continue
+        capability = ".".join(str(part) for part in fact.compute_capability)
+        where = f"Rank {fact.rank} on {fact.host} has {fact.hardware} (compute capability {capability})"
+        if not has_kernels_for(fact.compute_capability, fact.cuda_arch_list):
+            archs = " ".join(fact.cuda_arch_list) or "none"
+            problems.append(
+                f"{where}, but its torch build has kernels only for {archs}: install a torch build whose "
+                f"`torch.cuda.get_arch_list()` covers sm_{capability.replace('.', '')} (an older CUDA "
+                "build for an older device), or leave the device out of the job."
+            )
+        elif bf16 and fact.compute_capability < BF16_MIN_CAPABILITY:
+            problems.append(
+                f"{where}, below the 8.0 that bf16 needs: train the job in fp16 "
+                "(`fp16.enabled` instead of `bf16.enabled`), or leave the device out of the job."
+            )
+    return problems
+
+
+def check_device_support(facts: list[DeviceFacts], *, bf16: bool, source: str) -> None:
+    """Raise one ValueError naming every rank whose device cannot run the job.
+
+    Decided from the gathered facts, so every rank raises the same error (none is left
+    waiting in a collective); call it before any engine is built. `bf16`: the job trains
+    in bf16 (DeepSpeed's ``bf16.enabled``); `source` is what the message names.
+    """
+    problems = device_support_problems(facts, bf16=bf16)
+    if problems:
+        raise ValueError(f"{source}: the job's devices cannot run it: " + " ".join(problems))
+
+
 def memory_capacity_bytes(facts: list[DeviceFacts], rank: int) -> int:
     """The memory `rank` may use: its device's total, shared among the ranks on that device."""
     mine = facts[rank]
-    sharing = sum(1 for f in facts if (f.host, f.device_id) == (mine.host, mine.device_id))
+    sharing = sum(1 for f in facts if (f.node, f.device_id) == (mine.node, mine.device_id))
     return mine.memory_bytes // sharing
 
 
@@ -197,11 +315,17 @@ def discover_cluster() -> Cluster:
 __all__ = [
     "CPU_DEVICE_TYPE",
     "DeviceFacts",
+    "BF16_MIN_CAPABILITY",
     "agreed_cluster",
+    "check_device_support",
     "cluster_from_facts",
     "cluster_mismatches",
     "discover_cluster",
+    "device_support_problems",
     "gather_device_facts",
+    "has_kernels_for",
     "local_device_facts",
+    "local_node_key",
     "memory_capacity_bytes",
+    "node_key",
 ]

@@ -26,18 +26,37 @@ _PROC_STATUS = Path("/proc/self/status")
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
+OUT_OF_MEMORY_MESSAGES: tuple[str, ...] = (
+    # CUDA's caching allocator, the runtime ("CUDA error: out of memory") and NCCL
+    # ("Cuda failure 2 'out of memory'") word it the same way.
+    "out of memory",
+    # The CUDA driver's own name for it (driver API, Triton).
+    "cuda_error_out_of_memory",
+    # CPU: "DefaultCPUAllocator: can't allocate memory: you tried to allocate ...".
+    "can't allocate memory",
+    # cuBLAS creating a handle or its workspace: "CUBLAS_STATUS_ALLOC_FAILED when
+    # calling `cublasCreate(handle)`"; cuDNN likewise.
+    "cublas_status_alloc_failed",
+    "cudnn_status_alloc_failed",
+)
+"""What a `RuntimeError`'s message (lower-cased) contains when an allocation failed. Only
+allocation failures: cuDNN's CUDNN_STATUS_INTERNAL_ERROR and other statuses are also
+raised for bugs and bad inputs, and a probe that took them for out-of-memory would
+silently record a smaller largest size instead of failing."""
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """True for the errors a too-large micro-batch produces (real, not emulated).
 
-    `torch.OutOfMemoryError` (CUDA), and the plain `RuntimeError` that CPU
-    allocations and some CUDA paths raise with "out of memory" in the message.
+    `torch.OutOfMemoryError` (CUDA), `MemoryError`, and the plain `RuntimeError` whose
+    message contains one of `OUT_OF_MEMORY_MESSAGES` (CPU allocations, cuBLAS, cuDNN,
+    NCCL and some CUDA paths raise those).
     """
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     if isinstance(exc, RuntimeError):
-        # CPU: "DefaultCPUAllocator: can't allocate memory: you tried to allocate ..."
         text = str(exc).lower()
-        return "out of memory" in text or "can't allocate memory" in text
+        return any(message in text for message in OUT_OF_MEMORY_MESSAGES)
     return False
 
 
@@ -218,6 +237,7 @@ __all__ = [
     "cpu_peak_supported",
     "default_cpu_allocator",
     "device_overhead_bytes",
+    "OUT_OF_MEMORY_MESSAGES",
     "is_out_of_memory",
     "non_torch_bytes",
     "peak_memory_bytes",

@@ -15,7 +15,7 @@ from typing import Any
 
 from poplar_ext.collectives import broadcast_from_rank0, process_group_rank
 from poplar_ext.hardware.devices import join_job
-from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts
+from poplar_ext.hardware.discovery import agreed_cluster, check_device_support, gather_device_facts
 from poplar_ext.hardware.emulation import emulation_for_rank
 from poplar_ext.pipeline.planning import (
     MeasureMissingLayers,
@@ -25,6 +25,7 @@ from poplar_ext.pipeline.planning import (
 )
 from poplar_ext.plan.formats import Cluster
 from poplar_ext.plan.pipeline_formats import Pipeline, PipelinePlan
+from poplar_ext.profiler.api import training_dtype
 from poplar_ext.profiler.layers import layers_fingerprint, pipeline_layers
 from poplar_ext.runtime.config import SECTION, PoplarConfig, poplar_config_from_dict, requested_zero_stage
 from poplar_ext.runtime.initialize import _apply_cpu_process_settings, _on_cpu
@@ -99,7 +100,9 @@ def prepare_pipeline_job(
 
     deepspeed.init_distributed(**(init_options or {}))
     rank, world_size = process_group_rank()
-    cluster = agreed_cluster(poplar_config.cluster, gather_device_facts(device), rank=rank, name=f"{SECTION}.cluster")
+    facts = gather_device_facts(device)
+    check_device_support(facts, bf16=training_dtype(ds_config) == "bfloat16", source=str(source))
+    cluster = agreed_cluster(poplar_config.cluster, facts, rank=rank, name=f"{SECTION}.cluster")
     emulated = emulation_for_rank(cluster, rank) is not None
     _apply_cpu_process_settings(poplar_config, on_cpu=_on_cpu(), emulated=emulated, rank=rank)
     plan = resolve_pipeline_plan(

@@ -450,7 +450,7 @@ def _profile(
     device: torch.device,
     timeouts: ShortCollectiveTimeouts | None = None,
 ) -> list[Profile]:
-    layout = build_layout(options.cluster, device)
+    layout = build_layout(options.cluster, device, bf16=training_dtype(options.ds_config) == "bfloat16")
     if options.measure_network:
         # On CPU, gloo stands in for a network it is not, and gigabyte messages would take minutes.
         sizes = (
@@ -659,7 +659,7 @@ def time_micro_steps(
     device = join_job()
     settings = dataclasses.replace(settings, as_training=device.type != "cpu" or zero_stage in (0, 1))
     with _measuring_process(device):
-        layout = build_layout(options.cluster, device)
+        layout = build_layout(options.cluster, device, bf16=training_dtype(options.ds_config) == "bfloat16")
         session = _start_session(options, settings, layout)
         run = _Run(zero_stage, activation_checkpointing, optimizer_offload)
         wanted = {t: sorted(set(v)) for t, v in sizes.items() if t in layout.type_names and v}

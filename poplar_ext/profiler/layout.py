@@ -14,7 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from poplar_ext.collectives import gather_objects, process_group_rank
-from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts, memory_capacity_bytes
+from poplar_ext.hardware.discovery import (
+    agreed_cluster,
+    check_device_support,
+    gather_device_facts,
+    memory_capacity_bytes,
+)
 from poplar_ext.hardware.memory import device_overhead_bytes
 from poplar_ext.plan.formats import Cluster, Emulation
 
@@ -53,15 +58,18 @@ class JobLayout:
         return tuple(r for r, t in enumerate(self.rank_types) if t == device_type)
 
 
-def build_layout(cluster: Cluster | str | os.PathLike[str] | None, device: torch.device) -> JobLayout:
+def build_layout(cluster: Cluster | str | os.PathLike[str] | None, device: torch.device, *, bf16: bool) -> JobLayout:
     """Agree on the cluster and every rank's device type (collective); the same ValueError on every rank.
 
     `cluster`: a description, a file (read by rank 0 alone) or None (discovered from
     the hardware). Real device types must be what the hardware reports
-    (`poplar_ext.hardware.discovery.agreed_cluster`).
+    (`poplar_ext.hardware.discovery.agreed_cluster`), and every device must run the
+    installed torch's kernels and, with `bf16` (the DeepSpeed config trains in it), bf16
+    (`check_device_support`).
     """
     rank, world_size = process_group_rank()
     facts = gather_device_facts(device)
+    check_device_support(facts, bf16=bf16, source="poplar-profile")
     agreed = agreed_cluster(cluster, facts, rank=rank, name="cluster")
     # After the first collectives, the CUDA context and NCCL's buffers exist: what they
     # take (outside torch's allocator, which the peaks measure) is no micro-batch's.

@@ -118,7 +118,7 @@ def profile_layers(
     ds_config = _config(options)
     stages = _stages(options)
     device = join_job()
-    layout = build_layout(options.cluster, device)
+    layout = build_layout(options.cluster, device, bf16=training_dtype(ds_config) == "bfloat16")
     model = options.model_factory() if model is None else model
     pipeline = pipeline_layers(model, loss_fn=options.loss_fn)
     sizes = layer_micro_batch_sizes(options.micro_batch_sizes, options.micro_batch_size_limit)

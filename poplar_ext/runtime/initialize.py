@@ -45,7 +45,12 @@ from poplar_ext.collectives import (
 )
 from poplar_ext.hardware.cpu_process import limit_cpu_threads
 from poplar_ext.hardware.devices import join_job
-from poplar_ext.hardware.discovery import agreed_cluster, gather_device_facts, memory_capacity_bytes
+from poplar_ext.hardware.discovery import (
+    agreed_cluster,
+    check_device_support,
+    gather_device_facts,
+    memory_capacity_bytes,
+)
 from poplar_ext.hardware.emulation import (
     ComputeSlowdown,
     check_emulation_range,
@@ -54,6 +59,7 @@ from poplar_ext.hardware.emulation import (
 )
 from poplar_ext.hardware.memory import steady_cpu_allocator
 from poplar_ext.plan.formats import Cluster, Plan
+from poplar_ext.profiler.api import training_dtype
 from poplar_ext.runtime.config import (
     SECTION,
     GlobalBatchRequest,
@@ -214,8 +220,10 @@ def prepare_job(
     global_batch = requested_global_batch_size(poplar_config, ds_config, world_size=world_size)
     if global_batch.size is None and default_global_batch is not None:
         global_batch = default_global_batch
-    # The hardware is the truth: the cluster file (rank 0's) is checked against every rank's device.
+    # The hardware is the truth: every rank's device must run the job (kernels, bf16), and the
+    # cluster file (rank 0's) is checked against it.
     facts = gather_device_facts(device)
+    check_device_support(facts, bf16=training_dtype(ds_config) == "bfloat16", source=str(source))
     cluster = agreed_cluster(poplar_config.cluster, facts, rank=rank, name=f"{SECTION}.cluster")
     if rank == 0:
         check_emulation_range(cluster)  # warns where emulated ranks would wait for cores

@@ -15,7 +15,9 @@ def _measure(cluster_path: str) -> dict:
     from poplar_ext.profiler.network import measure_network
     from poplar_ext.search.network import network_to_dict
 
-    network = measure_network(build_layout(cluster_path, torch.device("cpu")), message_bytes=(4096, 1 << 20), repeats=2)
+    network = measure_network(
+        build_layout(cluster_path, torch.device("cpu"), bf16=False), message_bytes=(4096, 1 << 20), repeats=2
+    )
     return network_to_dict(network)
 
 

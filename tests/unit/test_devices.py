@@ -22,11 +22,11 @@ GiB = 2**30
     ("reported", "memory_gib", "expected"),
     [
         ("NVIDIA A100-SXM4-80GB", 79.2, "A100-80GB"),
-        ("NVIDIA A100 80GB PCIe", 79.2, "A100-80GB"),
+        ("NVIDIA A100 80GB PCIe", 79.2, "A100-PCIe-80GB"),
         ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"),
-        ("NVIDIA A100-PCIE-40GB", 39.4, "A100-40GB"),
+        ("NVIDIA A100-PCIE-40GB", 39.4, "A100-PCIe-40GB"),
         ("NVIDIA H100 80GB HBM3", 79.1, "H100-80GB"),
-        ("NVIDIA H100 PCIe", 79.1, "H100-80GB"),
+        ("NVIDIA H100 PCIe", 79.1, "H100-PCIe-80GB"),
         ("NVIDIA H100 NVL", 93.1, "H100-94GB"),
         ("NVIDIA H200", 139.8, "H200-141GB"),
         ("NVIDIA A800-SXM4-80GB", 79.2, "A800-80GB"),
@@ -38,6 +38,12 @@ GiB = 2**30
         ("NVIDIA A10", 22.0, "A10-24GB"),
         ("NVIDIA L4", 22.0, "L4-24GB"),
         ("NVIDIA GeForce RTX 4090", 23.6, "RTX4090-24GB"),
+        # A MIG slice reports its own memory: the whole GPU's size comes from the name.
+        ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", 4.8, "A100-40GB-MIG-1g.5gb"),
+        ("NVIDIA A100-SXM4-80GB MIG 3g.40gb", 39.5, "A100-80GB-MIG-3g.40gb"),
+        ("NVIDIA A100 80GB PCIe MIG 7g.80gb", 79.2, "A100-PCIe-80GB-MIG-7g.80gb"),
+        ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 39.5, "H100-80GB-MIG-3g.40gb"),
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb+me", 9.8, "H100-80GB-MIG-1g.10gb-me"),
     ],
 )
 def test_known_names_are_normalised_without_a_warning(reported: str, memory_gib: float, expected: str) -> None:
@@ -50,6 +56,21 @@ def test_an_unknown_name_warns_and_falls_back_to_its_cleaned_name_and_memory() -
     with pytest.warns(UnknownDeviceWarning, match="unknown device 'NVIDIA GeForce RTX 2080 Ti'"):
         name = normalize_device_name("NVIDIA GeForce RTX 2080 Ti", total_memory_bytes=11_000_000_000)
     assert name == "GeForce-RTX-2080-Ti-11GB"
+
+
+def test_a_mig_slice_is_never_the_type_of_a_whole_gpu() -> None:
+    # Even a slice that has all of the GPU's memory (7g) has its own type: the
+    # profiles of the whole card do not hold for it.
+    whole = normalize_device_name("NVIDIA A100-SXM4-80GB", total_memory_bytes=int(79.2 * GiB))
+    slice_type = normalize_device_name("NVIDIA A100-SXM4-80GB MIG 7g.80gb", total_memory_bytes=int(79.2 * GiB))
+    assert slice_type != whole
+    assert slice_type.startswith(whole)
+
+
+def test_an_unknown_mig_slice_warns_and_keeps_its_slice_in_the_type() -> None:
+    with pytest.warns(UnknownDeviceWarning):
+        name = normalize_device_name("NVIDIA B300 MIG 2g.45gb", total_memory_bytes=45 * 10**9)
+    assert name.endswith("-MIG-2g.45gb")
 
 
 def test_an_empty_name_is_a_value_error() -> None:

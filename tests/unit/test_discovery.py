@@ -15,20 +15,44 @@ from poplar_ext.hardware.devices import cuda_device_index
 from poplar_ext.hardware.discovery import (
     DeviceFacts,
     agreed_cluster,
+    check_device_support,
     cluster_from_facts,
     cluster_mismatches,
+    has_kernels_for,
     local_device_facts,
+    local_node_key,
     memory_capacity_bytes,
+    node_key,
 )
 from poplar_ext.plan.formats import cluster_from_dict, cluster_to_dict, save_cluster
 
 GIB = 2**30
 
 
-def _facts(*ranks: tuple[str, str, str, int]) -> list[DeviceFacts]:
-    """(host, device type, device id, memory GiB) per rank."""
+CUDA_12_ARCHS = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
+CUDA_13_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120")
+
+
+def _facts(
+    *ranks: tuple[str, str, str, int],
+    nodes: tuple[str, ...] = (),
+    capabilities: tuple[tuple[int, int] | None, ...] = (),
+    archs: tuple[str, ...] = CUDA_12_ARCHS,
+) -> list[DeviceFacts]:
+    """(host, device type, device id, memory GiB) per rank; the node key is the host unless `nodes`
+    gives it; compute capability 8.0 unless `capabilities` gives it."""
     return [
-        DeviceFacts(rank=r, host=host, device_type=t, hardware=f"NVIDIA {t}", memory_bytes=gib * GIB, device_id=uuid)
+        DeviceFacts(
+            rank=r,
+            host=host,
+            node=nodes[r] if nodes else host,
+            device_type=t,
+            hardware=f"NVIDIA {t}",
+            memory_bytes=gib * GIB,
+            device_id=uuid,
+            compute_capability=capabilities[r] if capabilities else (8, 0),
+            cuda_arch_list=archs,
+        )
         for r, (host, t, uuid, gib) in enumerate(ranks)
     ]
 
@@ -49,6 +73,95 @@ def test_the_discovered_cluster_lists_every_rank_in_order():
     assert [(g.device_type, g.count) for g in cluster.nodes[0].devices] == [("A100-80GB", 2), ("V100-16GB", 1)]
     # It is a valid cluster file for poplar-search.
     assert cluster_from_dict(cluster_to_dict(cluster)).rank_device_types == cluster.rank_device_types
+
+
+def test_containers_with_one_host_name_on_two_machines_are_two_nodes():
+    ranks = (("worker", "A100-80GB", "0", 80), ("worker", "A100-80GB", "0", 80))
+    facts = _facts(*ranks, nodes=(node_key("worker", "boot-1", "net:[1]"), node_key("worker", "boot-2", "net:[1]")))
+    cluster = cluster_from_facts(facts)
+    assert [n.name for n in cluster.nodes] == ["worker", "worker#2"]
+    # Each is its own device (the same index on two machines), with all of its memory.
+    assert [memory_capacity_bytes(facts, r) for r in (0, 1)] == [80 * GIB, 80 * GIB]
+
+
+def test_ranks_of_one_machine_share_a_node_key():
+    assert node_key("worker", "boot-1", "net:[7]") == node_key("worker", "boot-1", "net:[7]")
+    assert node_key("worker", "boot-1", "net:[7]") != node_key("worker", "boot-1", "net:[8]")
+    assert node_key("worker", "boot-1", "net:[7]") != node_key("other", "boot-1", "net:[7]")
+
+
+def test_the_local_node_key_reads_the_boot_id_and_the_network_namespace(tmp_path, monkeypatch):
+    import poplar_ext.hardware.discovery as discovery
+
+    (tmp_path / "boot_id").write_text("b0d-1\n")
+    monkeypatch.setattr(discovery, "_BOOT_ID_FILES", (str(tmp_path / "missing"), str(tmp_path / "boot_id")))
+    monkeypatch.setattr(discovery.os, "readlink", lambda path: "net:[4026531840]")
+    monkeypatch.setattr(discovery.socket, "gethostname", lambda: "worker")
+    assert local_node_key() == node_key("worker", "b0d-1", "net:[4026531840]")
+
+
+@pytest.mark.parametrize(
+    ("capability", "archs", "covered"),
+    [
+        ((8, 0), ("sm_80",), True),
+        ((8, 6), ("sm_80",), True),  # binary compatible within a major
+        ((8, 0), ("sm_86",), False),  # never downwards
+        ((9, 0), ("sm_80", "sm_86"), False),  # nor across majors
+        ((9, 0), ("sm_80", "compute_80"), True),  # PTX is compiled for a newer device
+        ((7, 0), CUDA_13_ARCHS, False),  # CUDA 13 builds dropped Volta
+        ((7, 5), CUDA_13_ARCHS, True),
+        ((12, 1), CUDA_13_ARCHS, True),
+        ((10, 3), ("sm_90a", "sm_100a"), False),  # arch-specific kernels run on that exact device only
+        ((9, 0), ("sm_90a",), True),
+        ((8, 0), (), False),
+    ],
+)
+def test_a_torch_build_has_kernels_for_a_capability(capability, archs, covered):
+    assert has_kernels_for(capability, archs) is covered
+
+
+def test_a_device_the_torch_build_has_no_kernels_for_is_refused_on_every_rank():
+    facts = _facts(
+        ("a", "A100-80GB", "0", 80),
+        ("b", "V100-32GB", "0", 32),
+        capabilities=((8, 0), (7, 0)),
+        archs=CUDA_13_ARCHS,
+    )
+    with pytest.raises(ValueError) as info:
+        check_device_support(facts, bf16=False, source="poplar_ext.initialize")
+    message = str(info.value)
+    assert "Rank 1 on b has NVIDIA V100-32GB (compute capability 7.0)" in message
+    assert "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120 compute_120" in message
+    assert "install a torch build" in message
+    assert "Rank 0" not in message
+
+
+def test_bf16_is_refused_where_a_rank_is_older_than_ampere():
+    facts = _facts(("a", "A100-80GB", "0", 80), ("b", "T4-16GB", "0", 16), capabilities=((8, 0), (7, 5)))
+    check_device_support(facts, bf16=False, source="cluster")  # fp16 and fp32 run anywhere
+    with pytest.raises(ValueError, match=r"Rank 1 on b has NVIDIA T4-16GB \(compute capability 7.5\).*bf16.*fp16"):
+        check_device_support(facts, bf16=True, source="cluster")
+
+
+def test_cpu_ranks_need_no_kernels_and_run_bf16():
+    facts = _facts(("a", "cpu", "cpu", 16), capabilities=(None,), archs=())
+    check_device_support(facts, bf16=True, source="cluster")
+
+
+def test_a_cuda_device_records_its_capability_and_the_torch_build(monkeypatch):
+    class Properties:
+        name = "Tesla V100-SXM2-32GB"
+        total_memory = 32 * GIB
+        major, minor = 7, 0
+        uuid = "GPU-1"
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(CUDA_13_ARCHS))
+    facts = local_device_facts(torch.device("cuda", 0), rank=3)
+    assert facts.compute_capability == (7, 0)
+    assert facts.cuda_arch_list == CUDA_13_ARCHS
+    assert facts.device_type == "V100-32GB"
+    assert "sm_75" in facts.hardware  # profiles' provenance says which kernels the build had
 
 
 def test_a_host_whose_ranks_are_not_consecutive_keeps_every_rank_in_place():
@@ -145,3 +258,21 @@ def test_a_mismatching_file_is_every_rank_s_error(tmp_path):
         agreed_cluster(path, MIXED, rank=0, broadcast=lambda obj: sent.append(obj) or obj, name="poplar.cluster")
     with pytest.raises(ValueError, match="Rank 3 on b has NVIDIA V100-16GB"):
         agreed_cluster(None, MIXED, rank=1, broadcast=lambda obj: sent[0])
+
+
+def test_initialize_refuses_bf16_on_an_old_device_before_the_cluster_is_agreed(tmp_path, monkeypatch):
+    """prepare_job checks the gathered facts with the config's precision; the cluster (a
+    collective decided by rank 0) is never reached, so every rank raises the same error."""
+    import importlib
+
+    # poplar_ext.runtime's attribute `initialize` is the function; the module is wanted here.
+    initialize = importlib.import_module("poplar_ext.runtime.initialize")
+
+    facts = _facts(("a", "T4-16GB", "0", 16), capabilities=((7, 5),))
+    monkeypatch.setattr(initialize, "join_job", lambda **options: torch.device("cpu"))
+    monkeypatch.setattr(initialize, "process_group_rank", lambda: (0, 1))
+    monkeypatch.setattr(initialize, "gather_device_facts", lambda device: facts)
+    monkeypatch.setattr(initialize, "agreed_cluster", lambda *args, **kwargs: pytest.fail("cluster agreed first"))
+    ds_config = {"train_batch_size": 4, "bf16": {"enabled": True}, "poplar": {"plan": "plan.json"}}
+    with pytest.raises(ValueError, match=r"ds.json: the job's devices cannot run it: Rank 0 on a .*fp16"):
+        initialize.prepare_job((ds_config, tmp_path, "ds.json"))

@@ -52,6 +52,22 @@ def test_a_cpu_allocation_failure_is_recognised_as_out_of_memory() -> None:
         (MemoryError(), True),
         (RuntimeError("shape mismatch"), False),
         (ValueError("out of memory"), False),
+        # cuBLAS and cuDNN report a failed allocation (handle or workspace) with their own status.
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+        (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
+        (RuntimeError("CUDA driver error: CUDA_ERROR_OUT_OF_MEMORY"), True),
+        (
+            RuntimeError(
+                "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL version 2.21.5\n"
+                "Last error:\nCuda failure 2 'out of memory'"
+            ),
+            True,
+        ),
+        # Not allocation failures: a bad kernel image, a wrong cuBLAS call, cuDNN's catch-all.
+        (RuntimeError("CUDA error: no kernel image is available for execution on the device"), False),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, ...)`"), False),
+        (RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"), False),
+        (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"), False),
     ],
 )
 def test_out_of_memory_classification(exc: BaseException, expected: bool) -> None:

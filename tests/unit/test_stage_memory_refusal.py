@@ -51,7 +51,7 @@ def test_a_stage_every_rank_holds_passes(plan):
 
 def test_initialize_checks_each_ranks_own_memory(monkeypatch):
     # Two ranks sharing one 32 GiB device get 16 GiB each; an emulated type gets its declared capacity.
-    facts = [SimpleNamespace(host="h", device_id=0, memory_bytes=32 * GIB) for _ in range(2)]
+    facts = [SimpleNamespace(host="h", node="h", device_id=0, memory_bytes=32 * GIB) for _ in range(2)]
     cluster = SimpleNamespace(
         rank_device_types=("A100-80GB", "V100-16GB"),
         emulation_of=lambda t: SimpleNamespace(memory_capacity_bytes=80 * GIB) if t == "A100-80GB" else None,
@@ -67,7 +67,7 @@ def test_initialize_checks_each_ranks_own_memory(monkeypatch):
 
 
 def test_a_model_built_under_zero_init_counts_its_full_parameters(monkeypatch):
-    facts = [SimpleNamespace(host="h", device_id=r, memory_bytes=16 * GIB) for r in range(2)]
+    facts = [SimpleNamespace(host="h", node="h", device_id=r, memory_bytes=16 * GIB) for r in range(2)]
     cluster = SimpleNamespace(rank_device_types=("A100-80GB", "V100-16GB"), emulation_of=lambda t: None)
     model = torch.nn.Linear(4, 4)
     for parameter in model.parameters():
