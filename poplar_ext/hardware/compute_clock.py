@@ -2,17 +2,20 @@
 
 On CPU the clock is this thread's CPU time (time.thread_time): waits in collectives
 and time lost to other processes on the cores do not count. On CUDA it is the GPU's
-own time, with events. Three users: the profiler times a micro-step (`time_compute`),
-emulated device types pad their compute to a slowdown (`poplar_ext.hardware.emulation.
-ComputeSlowdown`, reading `clock_now`), and re-balancing sums a real GPU's compute
-windows without synchronising each (`CudaEventTimer`); both of the latter are
-`ComputeTimer`s.
+own time, with events, which do count waits. Where a micro-step's window ends, and
+whether device types can be timed at once, follows from the clock and the ZeRO stage
+(`compute_window`). Three users: the profiler times a micro-step (`ComputeSpan`; a
+layer with `time_compute`), emulated device types pad their compute to a slowdown
+(`poplar_ext.hardware.emulation.ComputeSlowdown`, reading `clock_now`), and
+re-balancing sums a real GPU's compute windows without synchronising each
+(`CudaEventTimer`); both of the latter are `ComputeTimer`s.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 Clock = Literal["thread", "cuda"]
@@ -36,6 +39,87 @@ class ComputeTimer(Protocol):
 
     @busy_time_s.setter
     def busy_time_s(self, value: float) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeWindow:
+    """How a micro-step's compute is timed on one kind of device at one ZeRO stage (`compute_window`)."""
+
+    clock: Clock
+    """``thread``: the computing thread's CPU time (waits cost none); ``cuda``: CUDA events (waits count)."""
+    ends_at_reduction: bool
+    """The window ends where DeepSpeed's gradient reduction starts (``allreduce_gradients``), as
+    training's compute window does; False: at the micro-step's end."""
+    types_at_once: bool
+    """Every device type can be timed at once: nothing in the window waits for another rank. False:
+    one type at a time, the others running micro-batch 1 (they finish first, so none is waited for)."""
+    includes_communication: bool
+    """The window holds the micro-step's collectives (the cost model subtracts them:
+    ``micro_step_times_include_communication`` in the profile)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """As a profile's ``measured_with.compute_window`` records it."""
+        return {
+            "clock": self.clock,
+            "ends_at": "gradient reduction" if self.ends_at_reduction else "micro-step end",
+            "device_types_at_once": self.types_at_once,
+            "includes_communication": self.includes_communication,
+        }
+
+
+def compute_window(device_kind: str, zero_stage: int) -> ComputeWindow:
+    """How a non-boundary micro-step's compute is timed on `device_kind` (``cpu``, ``cuda``) at `zero_stage`.
+
+    On CPU the thread's CPU time ignores waits: every type at once, up to the reduction. On CUDA
+    events count waits: at ZeRO-0/1 a non-boundary micro-step communicates nothing, so all types
+    at once up to the reduction; at ZeRO-2 the reduce-scatter runs at the reduction (a model
+    larger than ``reduce_bucket_size`` also reduces full buckets during backward), so the window
+    ends there, one type at a time; at ZeRO-3 the parameter all-gathers run all through forward and
+    backward, over every rank of the job, so no window leaves them out: the whole micro-step is
+    timed, one type at a time, and the cost model subtracts all its communication.
+    """
+    if device_kind != "cuda":
+        return ComputeWindow(clock="thread", ends_at_reduction=True, types_at_once=True, includes_communication=False)
+    if zero_stage in (0, 1):
+        return ComputeWindow(clock="cuda", ends_at_reduction=True, types_at_once=True, includes_communication=False)
+    stage_3 = zero_stage == 3
+    return ComputeWindow(
+        clock="cuda", ends_at_reduction=not stage_3, types_at_once=False, includes_communication=stage_3
+    )
+
+
+class ComputeSpan:
+    """One span of compute on `clock`: `start`, then `end` (only the first counts), then `elapsed_s`."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._marks: list[Any] = []
+
+    def _mark(self) -> Any:
+        if self.clock == "cuda":
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.thread_time()
+
+    def start(self) -> None:
+        self._marks = [self._mark()]
+
+    def end(self) -> None:
+        """Ends the span here unless it ended already (a reduction hook, then the micro-step's end)."""
+        if len(self._marks) == 1:
+            self._marks.append(self._mark())
+
+    def elapsed_s(self) -> float:
+        if len(self._marks) != 2:
+            raise RuntimeError(f"ComputeSpan: expected a started and ended span, found {len(self._marks)} marks")
+        start, end = self._marks
+        if self.clock == "cuda":
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        return end - start
 
 
 def clock_now(clock: Clock) -> tuple[float, float]:
@@ -116,4 +200,13 @@ class CudaEventTimer:
         self._summed_s = value
 
 
-__all__ = ["Clock", "ComputeTimer", "CudaEventTimer", "clock_now", "time_compute"]
+__all__ = [
+    "Clock",
+    "ComputeSpan",
+    "ComputeTimer",
+    "ComputeWindow",
+    "CudaEventTimer",
+    "clock_now",
+    "compute_window",
+    "time_compute",
+]

@@ -32,6 +32,7 @@ from poplar_ext.activation_checkpointing import (
     checkpointing_toggle,
 )
 from poplar_ext.collectives import ShortCollectiveTimeouts, broadcast_from_rank0, gather_objects
+from poplar_ext.hardware.compute_clock import compute_window
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.emulation import device_label
@@ -53,6 +54,7 @@ from poplar_ext.profiler.cache import (
     find_cached_profile,
     store_profile,
 )
+from poplar_ext.profiler.calibration import timed_as_training
 from poplar_ext.profiler.fingerprint import model_fingerprint
 from poplar_ext.profiler.layout import JobLayout, build_layout
 from poplar_ext.profiler.measure import (
@@ -595,6 +597,7 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
     t = result.device_type
     emulation = layout.emulations[t]
     cuda = layout.device.type == "cuda"
+    window = compute_window(layout.device.type, run.zero_stage)
     return Profile(
         device_type=t,
         memory_capacity_bytes=layout.capacities_bytes[t],
@@ -620,8 +623,10 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
             "timing": "CUDA events, median"
             if cuda
             else "the computing thread's CPU time (x the emulated slowdown), median",
-            # CUDA events see the collectives of a micro-step; a CPU rank's thread time does not.
-            "micro_step_times_include_communication": cuda,
+            # Which clock, where the window ends, whether types ran at once (compute_window); the
+            # cost model subtracts the micro-step's communication only where the window holds it.
+            "compute_window": window.to_dict(),
+            "micro_step_times_include_communication": window.includes_communication,
             "memory": "torch.cuda.max_memory_reserved (allocated plus fragmentation); the CUDA context and NCCL "
             "buffers measured at start are off the capacity"
             if cuda
@@ -651,13 +656,14 @@ def time_micro_steps(
     (`MeasureSettings.as_training`); `options.warmup_micro_steps` then `options.repeats` per size.
     Each type's time is the median over its ranks. The same dict on every rank.
 
-    On CPU at ZeRO-2/3 a micro-step's wall time holds its collectives, which a CPU profile leaves
-    to the cost model: there micro-steps are timed as profiling times them (thread CPU time x
-    slowdown), which sees another machine's speed but not waiting for a core.
+    At ZeRO-2/3 a micro-step's wall time holds its collectives, in which a fast type waits for a
+    slow one: there micro-steps are timed as profiling times them (`calibration.timed_as_training`:
+    thread CPU time x slowdown on CPU, which sees another machine's speed but not waiting for a
+    core; on CUDA one type at a time), the window of the profile they are compared with.
     """
     options, settings = _checked(dataclasses.replace(options, zero_stages=(zero_stage,)))
     device = join_job()
-    settings = dataclasses.replace(settings, as_training=device.type != "cpu" or zero_stage in (0, 1))
+    settings = dataclasses.replace(settings, as_training=timed_as_training(zero_stage))
     with _measuring_process(device):
         layout = build_layout(options.cluster, device, bf16=training_dtype(options.ds_config) == "bfloat16")
         session = _start_session(options, settings, layout)

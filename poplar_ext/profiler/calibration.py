@@ -51,6 +51,19 @@ class CalibrationCheck:
         }
 
 
+def timed_as_training(zero_stage: int) -> bool:
+    """Whether calibration times micro-steps as training runs them (every type at once, wall clock).
+
+    At ZeRO-0/1 a non-boundary micro-step communicates nothing, so its wall time is compute, also
+    waiting for a core. At ZeRO-2/3 its wall time holds collectives in which a fast type waits for
+    a slow one (every type would look as slow as the slowest, on CUDA whose events count waits):
+    there micro-steps are timed as profiling times them (`poplar_ext.hardware.compute_clock.
+    compute_window`: on CPU the thread's CPU time, on CUDA one type at a time, the others at
+    micro-batch 1), the same window as the profile they are compared with.
+    """
+    return zero_stage in (0, 1)
+
+
 def profiled_time_s(profile: Profile, micro_batch_size: int) -> float:
     """The profile's micro-step time at `micro_batch_size`: the sample, else linear between its neighbours
     (beyond the curve: the nearest two samples' line, never below zero)."""
@@ -164,5 +177,6 @@ __all__ = [
     "plan_sizes",
     "profiled_time_s",
     "rescaled_profile",
+    "timed_as_training",
     "with_calibration",
 ]

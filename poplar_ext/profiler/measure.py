@@ -13,7 +13,9 @@ Own work, not waiting (see profiles/README.md): on CPU a micro-step is timed by
 the CPU time of the thread that computes it (torch runs one intra-op thread per rank
 here; gloo's blocking waits use none, and its own threads' work is communication), on CUDA by events while the
 other device types run micro-batch 1, and only one type is measured at a time at
-ZeRO-2/3, where micro-steps communicate. An emulated type's time is its compute
+ZeRO-2/3, where micro-steps communicate. Both end at DeepSpeed's gradient reduction, as
+training's compute window does, except on CUDA at ZeRO-3, whose all-gathers leave no window
+without communication (`poplar_ext.hardware.compute_clock.compute_window`). An emulated type's time is its compute
 time times its slowdown: the time its emulated rank spends in training
 (`poplar_ext.hardware.emulation.ComputeSlowdown`), without sleeping here for it.
 """
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 
 from poplar_ext.collectives import agree_max, barrier, gather_objects
-from poplar_ext.hardware.compute_clock import time_compute
+from poplar_ext.hardware.compute_clock import ComputeSpan, ComputeWindow, compute_window
 from poplar_ext.hardware.emulation import (
     ComputeSlowdown,
     EmulatedOutOfMemoryError,
@@ -259,32 +261,41 @@ class StageMeasurement:
         """Own time of one non-boundary micro-step, in seconds (as training spends it with `as_training`)."""
         if self.settings.as_training:
             return self._micro_step_as_trained(size)
-        if self.layout.device.type == "cpu":
-            elapsed_s = self._cpu_time_until_reduction(size)
-        else:
-            elapsed_s = time_compute(self.layout.device, lambda: self._micro_step(size, boundary=False))
+        elapsed_s = self._time_compute_window(size)
         emulation = self.layout.emulations[self.layout.my_type]
         slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
         return elapsed_s * slowdown
 
-    def _cpu_time_until_reduction(self, size: int) -> float:
-        """This thread's CPU time from the micro-step's forward to DeepSpeed's gradient reduction.
+    @property
+    def window(self) -> ComputeWindow:
+        """How this stage's micro-steps are timed on this job's device kind (`compute_window`)."""
+        return compute_window(self.layout.device.type, self.zero_stage)
+
+    def _time_compute_window(self, size: int) -> float:
+        """Compute time of one non-boundary micro-step on the window's clock, up to DeepSpeed's gradient
+        reduction where the window ends there.
 
         Training's compute window ends there (`poplar_ext.runtime.engine`: the reduction is
         communication, which the cost model prices from the network file), so the profile
-        must not count the reduction's CPU time as compute, which the slowdown would multiply.
+        must not count the reduction as compute, which the slowdown would multiply.
         """
+        window = self.window
+        span = ComputeSpan(window.clock)
+        if not window.ends_at_reduction:
+            span.start()
+            self._micro_step(size, boundary=False)
+            span.end()
+            return span.elapsed_s()
         engine = self.engine
         reduce = engine.allreduce_gradients
         own = vars(engine).get("allreduce_gradients")  # an instance's own, or the class's method
-        reached: list[float] = []
 
         def reduce_after_compute(*args: Any, **kwargs: Any) -> Any:
-            reached.append(time.thread_time())
+            span.end()
             return reduce(*args, **kwargs)
 
         engine.allreduce_gradients = reduce_after_compute
-        started = time.thread_time()
+        span.start()
         try:
             self._micro_step(size, boundary=False)
         finally:
@@ -292,7 +303,8 @@ class StageMeasurement:
                 del engine.allreduce_gradients  # the class's method again (no bound method kept on it)
             else:
                 engine.allreduce_gradients = own
-        return (reached[0] if reached else time.thread_time()) - started
+        span.end()  # a no-op once the reduction ended it
+        return span.elapsed_s()
 
     def _micro_step_as_trained(self, size: int) -> float:
         emulation = self.layout.emulations[self.layout.my_type]
@@ -582,8 +594,10 @@ class StageMeasurement:
     def time_sizes(self, sizes: Mapping[str, list[int]]) -> dict[int, float]:
         """This rank's median micro-step time at each size `sizes` gives its device type (collective).
 
-        Trial i runs every type's i-th size at once (a type with fewer sizes repeats none; its
-        ranks run micro-batch 1 unmeasured), as `run` sweeps. No probe, no boundary, no memory
+        Trial i runs the i-th size of every type of a group at once (a type with fewer sizes repeats
+        none; its ranks, and those of other groups, run micro-batch 1 unmeasured), as `run` sweeps:
+        one group of every type, or one type at a time where the window would hold another type's
+        waits (`compute_window`). No probe, no boundary, no memory
         micro-step (the sizes come from a profile that measured their memory; calibration's time
         is spent only on warm-up and timed micro-steps): only the sizes asked for. A size that
         fails (a real out-of-memory) is left out of the result.
@@ -593,11 +607,13 @@ class StageMeasurement:
         try:
             if not self._start_engine({}):
                 raise _StageAbandoned("a real out-of-memory at micro-batch 1")
-            for index in range(max((len(v) for v in sizes.values()), default=0)):
-                trial = {t: v[index] for t, v in sizes.items() if index < len(v)}
-                outcome = self._trial(trial, memory=False)
-                if my_type in trial and outcome.flags[my_type] == _OK and outcome.own_times_s:
-                    mine[trial[my_type]] = statistics.median(outcome.own_times_s)
+            for group in self._groups():
+                of_group = {t: sizes[t] for t in group if t in sizes}
+                for index in range(max((len(v) for v in of_group.values()), default=0)):
+                    trial = {t: v[index] for t, v in of_group.items() if index < len(v)}
+                    outcome = self._trial(trial, memory=False)
+                    if my_type in trial and outcome.flags[my_type] == _OK and outcome.own_times_s:
+                        mine[trial[my_type]] = statistics.median(outcome.own_times_s)
         finally:
             self._drop_engine()
         return mine
@@ -614,7 +630,7 @@ class StageMeasurement:
     def _groups(self) -> list[tuple[str, ...]]:
         # CPU time ignores waiting, and ZeRO-0/1 micro-steps do not communicate: all
         # types at once. Otherwise one type at a time, the others at micro-batch 1.
-        if self.layout.device.type == "cpu" or self.zero_stage in (0, 1):
+        if self.window.types_at_once:
             return [self.types_to_measure] if self.types_to_measure else []
         return [(t,) for t in self.types_to_measure]
 

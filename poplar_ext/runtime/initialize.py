@@ -74,7 +74,7 @@ from poplar_ext.runtime.config import (
 from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, plan_dataloader
 from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.planning import ProfileDirectory, check_stage_memory, resolve_plan
-from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer
+from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer, unmeasurable_reason
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from poplar_ext.search.model_states import optimizer_state_bytes
 
@@ -319,6 +319,16 @@ def job_rebalancer(job: Job) -> Rebalancer | None:
     """
     config = job.poplar_config
     if config.rebalance.enabled is False:
+        return None
+    unmeasurable = unmeasurable_reason(job.device.type, job.plan.zero_stage)
+    if unmeasurable is not None:
+        if config.rebalance.enabled:
+            raise ValueError(
+                f"{job.source}: poplar.rebalance.enabled: expected false (or auto, which turns it off) on "
+                f"{job.device.type} at ZeRO stage {job.plan.zero_stage}, found true: {unmeasurable}"
+            )
+        if job.rank == 0:
+            logger.info("poplar rebalance (auto): off for this job: %s", unmeasurable)
         return None
     if config.drop_last:
         # With drop_last an epoch's last positions are not trained, so iterations do not start a global

@@ -2,8 +2,9 @@
 
 Every rank measures its own compute time per iteration (`ComputeSlowdown.busy_time_s`:
 the computing thread's CPU time on CPU, times the emulated slowdown; what the profiler
-measures), never the time it waits in collectives. Every
-``poplar.rebalance.check_interval_steps`` optimizer steps:
+measures), never the time it waits in collectives. On CUDA at ZeRO-2/3 that cannot be
+done with every rank training at once: re-balancing is refused there (`unmeasurable_reason`).
+Every ``poplar.rebalance.check_interval_steps`` optimizer steps:
 
 1. every rank shares its busy time, its iteration count and how far its batch
    sampler has already handed out data (`gather_objects`, one collective);
@@ -35,7 +36,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from poplar_ext.collectives import decided_by_rank0, gather_objects
-from poplar_ext.hardware.compute_clock import ComputeTimer, CudaEventTimer  # CudaEventTimer: re-exported
+from poplar_ext.hardware.compute_clock import (  # CudaEventTimer: re-exported
+    ComputeTimer,
+    CudaEventTimer,
+    compute_window,
+)
 from poplar_ext.plan.formats import Cluster, Plan, Profile, plan_from_dict, plan_to_dict
 from poplar_ext.runtime.config import RebalanceConfig
 
@@ -45,6 +50,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_CHECKS_KEPT = 1000
+
+
+def unmeasurable_reason(device_kind: str, zero_stage: int) -> str | None:
+    """Why re-balancing cannot measure compute on `device_kind` at `zero_stage` (None: it can).
+
+    Training's compute windows run from forward to the gradient reduction with every rank at
+    once. On CPU the thread's CPU time leaves waits out. On CUDA the events count them: at
+    ZeRO-2/3 the windows hold collectives (ZeRO-3's parameter all-gathers all through forward and
+    backward, ZeRO-2's reduce-scatters of full buckets), in which a fast GPU waits for a slow one,
+    so every type would look as slow as the slowest and re-planning would drift toward uniform.
+    No part of a ZeRO-3 micro-step is free of them, and timing one type at a time (as profiling
+    does) would stop training: re-balancing is refused there.
+    """
+    if compute_window(device_kind, zero_stage).types_at_once:
+        return None
+    return (
+        f"its compute cannot be measured on CUDA at ZeRO stage {zero_stage}: the compute windows hold "
+        "collectives in which a fast GPU waits for a slow one, so every GPU would look as slow as the "
+        "slowest (re-balancing runs on CPU at any stage, and on CUDA at ZeRO stages 0-1)"
+    )
 
 
 @dataclass(kw_only=True)
@@ -232,4 +257,5 @@ __all__ = [
     "Rebalancer",
     "StepView",
     "SwitchOrder",
+    "unmeasurable_reason",
 ]

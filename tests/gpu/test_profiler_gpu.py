@@ -89,8 +89,40 @@ def test_profiles_a_real_gpu_in_bf16_and_reuses_them(tmp_path) -> None:
         assert profile.device_type == result["device_type"] and profile.emulated is None
         assert profile.model.dtype == "bfloat16"
         assert profile.measured_with["timing"] == "CUDA events, median"
+        # Up to the gradient reduction, except at ZeRO 3, whose all-gathers no window leaves out.
+        stage_3 = profile.zero_stage == 3
+        assert profile.measured_with["compute_window"]["clock"] == "cuda"
+        assert profile.measured_with["compute_window"]["ends_at"] == (
+            "micro-step end" if stage_3 else "gradient reduction"
+        )
+        assert profile.measured_with["micro_step_times_include_communication"] is stage_3
         assert profile.max_micro_batch_size >= 1
         assert all(s.peak_memory_bytes <= profile.memory_capacity_bytes for s in profile.samples)
         times = [s.micro_step_time_s for s in profile.samples]
         assert times[-1] > times[0], "a larger micro-batch takes longer"
     assert result["second"] == result["first"] and result["calls"]["second"] == 0
+
+
+def test_a_compute_span_on_a_real_gpu_ends_where_it_is_first_ended() -> None:
+    # The profiler ends it at DeepSpeed's gradient reduction, then again at the micro-step's end.
+    from poplar_ext.hardware.compute_clock import ComputeSpan
+
+    a = torch.randn(4096, 4096, device="cuda")
+
+    def work(n: int) -> None:
+        for _ in range(n):
+            torch.mm(a, a)
+
+    def span_s(after_end: int) -> float:
+        span = ComputeSpan("cuda")
+        span.start()
+        work(20)
+        span.end()
+        work(after_end)
+        span.end()
+        return span.elapsed_s()
+
+    work(3)
+    whole_s = min(span_s(0) for _ in range(3))
+    ended_early_s = min(span_s(40) for _ in range(3))
+    assert abs(ended_early_s - whole_s) < 0.1 * whole_s, (whole_s, ended_early_s)

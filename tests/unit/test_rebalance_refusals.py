@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -9,11 +10,18 @@ import pytest
 
 from poplar_ext.runtime.config import poplar_config_from_dict
 from poplar_ext.runtime.initialize import job_rebalancer
+from poplar_ext.runtime.rebalance import unmeasurable_reason
 
 
-def _job(**section):
+def _job(device_kind="cpu", zero_stage=0, **section):
     config = poplar_config_from_dict({"plan": "p.json", "profiles": "profiles", **section}, base_dir=Path("."))
-    return SimpleNamespace(poplar_config=config, source="ds.json", rank=0)
+    return SimpleNamespace(
+        poplar_config=config,
+        source="ds.json",
+        rank=0,
+        device=SimpleNamespace(type=device_kind),
+        plan=SimpleNamespace(zero_stage=zero_stage),
+    )
 
 
 def test_drop_last_with_rebalancing_asked_for_is_refused():
@@ -23,6 +31,31 @@ def test_drop_last_with_rebalancing_asked_for_is_refused():
 
 def test_drop_last_turns_automatic_rebalancing_off():
     assert job_rebalancer(_job(drop_last=True)) is None
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_rebalancing_asked_for_on_cuda_at_zero_2_3_is_refused_before_training(zero_stage):
+    # Its compute windows would hold collectives in which a fast GPU waits for a slow one.
+    with pytest.raises(
+        ValueError,
+        match=rf"ds.json: poplar.rebalance.enabled: expected false .* on cuda at ZeRO stage "
+        rf"{zero_stage}, found true: .*a fast GPU waits for a slow one",
+    ):
+        job_rebalancer(_job("cuda", zero_stage, drop_last=False, rebalance={"enabled": True}))
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_automatic_rebalancing_on_cuda_at_zero_2_3_is_off_with_the_reason_logged(zero_stage, caplog):
+    caplog.set_level(logging.INFO, logger="poplar_ext.runtime.initialize")
+    assert job_rebalancer(_job("cuda", zero_stage, drop_last=False)) is None
+    assert "poplar rebalance (auto): off for this job: its compute cannot be measured on CUDA" in caplog.text
+
+
+def test_rebalancing_is_measurable_on_cpu_at_every_stage_and_on_cuda_at_zero_0_1():
+    measurable = [
+        (kind, stage) for kind in ("cpu", "cuda") for stage in range(4) if unmeasurable_reason(kind, stage) is None
+    ]
+    assert measurable == [("cpu", 0), ("cpu", 1), ("cpu", 2), ("cpu", 3), ("cuda", 0), ("cuda", 1)]
 
 
 def test_accelerate_s_own_accumulation_count_is_refused_by_the_trainer():
