@@ -354,13 +354,18 @@ def job_rebalancer(job: Job) -> Rebalancer | None:
         except ValueError as exc:
             if config.rebalance.enabled:
                 raise
-            return str(exc)
+            return getattr(exc, "plain", str(exc))
         return None
 
     unavailable = decided_by_rank0(load, rank=job.rank)
     if unavailable is not None:
         if job.rank == 0:
-            logger.info("poplar rebalance (auto): off for this job: %s", unavailable)
+            logger.info(
+                "poplar rebalance: off for this job, as it is by default where it cannot run: it re-plans from a "
+                "profile of every device type, and %s (nothing is wrong; poplar.rebalance.enabled false says so "
+                "without this note)",
+                unavailable,
+            )
         return None
     monitor = None
     if job.rank == 0:

@@ -249,6 +249,16 @@ def _searchable(profiles: list[Profile], cluster: Cluster, zero_stage: int | Non
     return [p for p in profiles if p.zero_stage in complete and p.device_type in types]
 
 
+class RebalanceUnavailable(ValueError):
+    """Re-balancing cannot run in this job: an error where the config asks for it, a plain note in the log
+    where it is on by default (`plain`)."""
+
+    def __init__(self, message: str, *, plain: str) -> None:
+        super().__init__(message)
+        self.plain = plain
+        """Why, in words for a log line that is no error."""
+
+
 def load_rebalance_inputs(
     poplar_config: PoplarConfig, cluster: Cluster, plan: Plan, *, directory: ProfileDirectory | None = None
 ) -> tuple[list[Profile], Any]:
@@ -263,17 +273,19 @@ def load_rebalance_inputs(
 
     where = f"{poplar_config.source}: {SECTION}.rebalance.enabled"
     if poplar_config.profiles is None:
-        raise ValueError(
-            f"{where}: expected {SECTION}.profiles too (the profiles a re-balanced plan is searched from), found none"
+        raise RebalanceUnavailable(
+            f"{where}: expected {SECTION}.profiles too (the profiles a re-balanced plan is searched from), found none",
+            plain=f"no {SECTION}.profiles is named (this job runs a plan file alone)",
         )
     directory = directory or ProfileDirectory(poplar_config, cluster)
     profiles = profiles_for_plan(plan, directory.profiles())
     types = {p.device_type for p in profiles if p.max_micro_batch_size > 0}
     missing = [t for t in cluster.type_counts() if t not in types]
     if missing:
-        raise ValueError(
+        raise RebalanceUnavailable(
             f"{where}: expected a profile of every device type at ZeRO stage {plan.zero_stage} in "
-            f"{poplar_config.profiles}, found none for {', '.join(missing)}"
+            f"{poplar_config.profiles}, found none for {', '.join(missing)}",
+            plain=f"{poplar_config.profiles} has no profile of {', '.join(missing)} at ZeRO stage {plan.zero_stage}",
         )
     # Several models' profiles may share the directory: the plan's fingerprints say which.
     wanted = plan.profile_fingerprints
@@ -566,6 +578,7 @@ def check_stage_memory(
 
 
 __all__ = [
+    "RebalanceUnavailable",
     "StalePlanWarning",
     "check_stage_memory",
     "load_rebalance_inputs",

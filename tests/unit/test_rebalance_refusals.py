@@ -72,3 +72,37 @@ def test_accelerate_s_own_accumulation_count_is_refused_by_the_trainer():
     )
     with pytest.raises(ValueError, match="gradient_accumulation_kwargs: expected no 'num_steps'"):
         PoplarTrainer(model=None, args=args)
+
+
+def test_automatic_rebalancing_off_for_a_plan_file_alone_says_so_in_plain_words(caplog):
+    # A new user's run with a plan file: the note read like an error ("expected poplar.profiles too ... found none").
+    caplog.set_level(logging.INFO, logger="poplar_ext.runtime.initialize")
+    config = poplar_config_from_dict({"plan": "p.json"}, base_dir=Path("."))
+    job = SimpleNamespace(
+        poplar_config=config,
+        source="ds.json",
+        rank=0,
+        device=SimpleNamespace(type="cpu"),
+        plan=SimpleNamespace(zero_stage=1),
+        cluster=None,
+        profile_directory=None,
+    )
+    assert job_rebalancer(job) is None
+    assert "off for this job, as it is by default where it cannot run" in caplog.text
+    assert "no poplar.profiles is named" in caplog.text and "nothing is wrong" in caplog.text
+    assert "expected" not in caplog.text and "found none" not in caplog.text
+
+
+def test_rebalancing_asked_for_without_profiles_is_still_an_error_naming_the_field():
+    config = poplar_config_from_dict({"plan": "p.json", "rebalance": {"enabled": True}}, base_dir=Path("."))
+    job = SimpleNamespace(
+        poplar_config=config,
+        source="ds.json",
+        rank=0,
+        device=SimpleNamespace(type="cpu"),
+        plan=SimpleNamespace(zero_stage=1),
+        cluster=None,
+        profile_directory=None,
+    )
+    with pytest.raises(ValueError, match=r"poplar.rebalance.enabled: expected poplar.profiles too"):
+        job_rebalancer(job)
