@@ -45,6 +45,7 @@ from poplar_ext.plan.pipeline_formats import load_any_plan
 from poplar_ext.profiler.auto import MeasureMissing, TimeAtSizes
 from poplar_ext.profiler.calibration import (
     REMEASURED,
+    RESCALED,
     TRUSTED,
     CalibrationCheck,
     apply_checks,
@@ -454,6 +455,17 @@ def _plan_searched_at_start(
     )
 
 
+def calibration_outcome_text(outcome: str, ratio: float) -> str:
+    """What a calibration outcome means for this job, in a log line's words."""
+    meaning = {
+        TRUSTED: "within poplar.calibration.threshold: the cached profile is used as it is",
+        RESCALED: f"its cached times are multiplied by {ratio:.2f} for this job's search (the cache is unchanged; "
+        "a ratio far from 1 means the device, its load or the software changed since it was profiled)",
+        REMEASURED: "profiled again now, and the cache updated",
+    }
+    return f"{outcome} ({meaning[outcome]})" if outcome in meaning else outcome
+
+
 def _calibrated(
     request: _PlanRequest,
     plan: Plan,
@@ -480,14 +492,15 @@ def _calibrated(
         return check_profiles(profiles, measured, threshold=settings.threshold, action=settings.action)
 
     checks = decided_by_rank0(decide, rank=rank, broadcast=broadcast)
-    for check in checks.values():
-        logger.info(
-            "poplar.calibration: %s ran %.2fx its cached profile at micro-batch %s: %s",
-            check.device_type,
-            check.measured_over_profiled,
-            ", ".join(map(str, check.sizes)),
-            check.outcome,
-        )
+    if rank == 0:  # every rank holds the same checks: said once
+        for check in checks.values():
+            logger.info(
+                "poplar.calibration: %s ran %.2fx its cached profile at micro-batch %s: %s",
+                check.device_type,
+                check.measured_over_profiled,
+                ", ".join(map(str, check.sizes)),
+                calibration_outcome_text(check.outcome, check.measured_over_profiled),
+            )
     if all(c.outcome == TRUSTED for c in checks.values()):
         return with_calibration(plan, checks)
     remeasure = [(t, plan.zero_stage) for t, c in sorted(checks.items()) if c.outcome == REMEASURED]

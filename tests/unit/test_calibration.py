@@ -192,3 +192,11 @@ def test_a_stale_cached_profile_is_measured_again_with_remeasure(cluster_path, t
     assert asked == [([("fast", 1)], True)]
     assert plan.calibration["fast"]["outcome"] == "remeasured"
     assert {r.device_type: r.samples_per_iteration for r in plan.ranks}["fast"] <= 20
+
+
+def test_a_calibration_outcome_is_logged_with_what_it_means():
+    from poplar_ext.runtime.planning import calibration_outcome_text
+
+    assert calibration_outcome_text("rescaled", 1.81).startswith("rescaled (its cached times are multiplied by 1.81")
+    assert "used as it is" in calibration_outcome_text("trusted", 1.02)
+    assert "cache updated" in calibration_outcome_text("remeasured", 2.0)
