@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from poplar_ext.collectives import broadcast_from_rank0, process_group_rank
+from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.discovery import agreed_cluster, check_device_support, gather_device_facts
 from poplar_ext.hardware.emulation import emulation_for_rank
@@ -70,6 +71,7 @@ class PipelineJob:
         return f"the plan file {self.poplar_config.plan}"
 
 
+@ends_job_on_user_error
 def prepare_pipeline_job(
     loaded_config: tuple[dict, Path, str],
     *,

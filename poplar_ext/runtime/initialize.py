@@ -43,6 +43,7 @@ from poplar_ext.collectives import (
     decided_by_rank0,
     process_group_rank,
 )
+from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.hardware.cpu_process import limit_cpu_threads
 from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.discovery import (
@@ -181,6 +182,7 @@ class Job:
         return f"searched at start by the {self.plan.policy} policy from {self.poplar_config.profiles}"
 
 
+@ends_job_on_user_error
 def prepare_job(
     loaded_config: tuple[dict, Path, str],
     *,

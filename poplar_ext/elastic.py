@@ -1,0 +1,79 @@
+"""A job started by a launcher that restarts failed workers (torchrun's elastic agent) ends at
+once on an error of its configuration or code, instead of being started again and again.
+
+torch elastic restarts a failed worker group until ``--max-restarts``, whatever the failure:
+it has no error that is not retried (pytorch/pytorch#133877). A refused plan or a model that
+cannot take its batch fails the same way at every start. Where poplar-ext settles a job
+(`poplar_ext.runtime.initialize.prepare_job`, the pipeline job), a ``ValueError`` or
+``TypeError`` is such an error: with restarts left, the rank logs it and asks its agent (its
+parent process) to stop, which ends the job with the error in the worker's log. A lost node
+fails in a collective (not these errors) and is still restarted. docs/fault-tolerance.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+USER_ERRORS = (ValueError, TypeError)
+"""What settling a job raises for its configuration or code: the same at every restart."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def restarts_left(env: Mapping[str, str] = os.environ) -> int:
+    """How many more times the launcher would restart this worker: 0 outside torchrun's agent."""
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return 0
+    try:
+        return int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def end_restarting_launcher(
+    error: BaseException,
+    *,
+    env: Mapping[str, str] = os.environ,
+    kill: Callable[[int, int], None] = os.kill,
+    parent: Callable[[], int] = os.getppid,
+) -> bool:
+    """Ask the restarting launcher to end the job because of `error`; True when it was asked (restarts left)."""
+    left = restarts_left(env)
+    if left <= 0:
+        return False
+    agent = parent()
+    message = (
+        f"poplar-ext: {type(error).__name__}: {error}. An error of the job's configuration or code, which a "
+        f"restart would repeat: asking the launcher (process {agent}) to end the job instead of restarting it "
+        f"{left} more times"
+    )
+    logger.error("%s", message)
+    # On stderr too: the process is about to end, and the application may have configured no logging.
+    print(message, file=sys.stderr, flush=True)
+    kill(agent, signal.SIGTERM)
+    return True
+
+
+def ends_job_on_user_error(function: F) -> F:
+    """`function` (which settles a job) ending a restarting launcher's job on `USER_ERRORS`, re-raised."""
+
+    @functools.wraps(function)
+    def settle(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except USER_ERRORS as error:
+            end_restarting_launcher(error)
+            raise
+
+    return settle  # type: ignore[return-value]
+
+
+__all__ = ["USER_ERRORS", "end_restarting_launcher", "ends_job_on_user_error", "restarts_left"]

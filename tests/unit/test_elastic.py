@@ -1,0 +1,60 @@
+"""A configuration or code error under torchrun's restarting agent ends the job at once (issue 36, item 11)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from poplar_ext.elastic import end_restarting_launcher, ends_job_on_user_error, restarts_left
+
+UNDER_TORCHRUN = {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "1"}
+
+
+def test_restarts_left_come_from_torchruns_variables():
+    assert restarts_left(UNDER_TORCHRUN) == 2
+    assert restarts_left({}) == 0
+    assert restarts_left({**UNDER_TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "3"}) == 0
+
+
+def test_with_restarts_left_the_agent_is_asked_to_end_the_job():
+    signals: list[tuple[int, int]] = []
+    asked = end_restarting_launcher(
+        ValueError("poplar.plan: no such file"),
+        env=UNDER_TORCHRUN,
+        kill=lambda *a: signals.append(a),
+        parent=lambda: 4242,
+    )
+    assert asked and signals == [(4242, signal.SIGTERM)]
+
+
+def test_without_restarts_nothing_is_signalled():
+    signals: list[tuple[int, int]] = []
+    assert not end_restarting_launcher(ValueError("x"), env={}, kill=lambda *a: signals.append(a), parent=lambda: 1)
+    assert signals == []
+
+
+def test_settling_a_job_ends_the_job_on_a_user_error_and_reraises_it(monkeypatch):
+    import poplar_ext.elastic as elastic
+
+    ended: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", ended.append)
+
+    @ends_job_on_user_error
+    def settle(error):
+        raise error
+
+    for error in (ValueError("bad plan"), TypeError("forward() takes 2 positional arguments but 4 were given")):
+        with pytest.raises(type(error)):
+            settle(error)
+    with pytest.raises(RuntimeError):  # a lost peer: the launcher restarts it
+        settle(RuntimeError("Connection closed by peer"))
+    assert [type(e) for e in ended] == [ValueError, TypeError]
+
+
+def test_the_places_that_settle_a_job_end_it_on_user_errors():
+    from poplar_ext.pipeline.job import prepare_pipeline_job
+    from poplar_ext.runtime.initialize import prepare_job
+
+    for settle in (prepare_job, prepare_pipeline_job):
+        assert settle.__wrapped__.__name__ == settle.__name__
