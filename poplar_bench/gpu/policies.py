@@ -21,7 +21,7 @@ from poplar_ext.plan.formats import read_json
 from ..demo_config import MIB, DemoDevice, DemoModel, DemoSettings
 
 if TYPE_CHECKING:
-    from .run import StepContext
+    from .context import StepContext
 
 EMULATED_SLOWDOWNS = (1.0, 3.0)
 """Each rank's slowdown over the GPU's own speed: the GPU as it is, and one emulated slower type."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .run import StepContext
+    from .context import StepContext
 
 MIB = 1 << 20
 
@@ -75,7 +75,7 @@ def profile_rank(run: ProfileRun, cache_dir: str, trials_path: str) -> dict[str,
     from poplar_ext.plan.formats import profile_to_dict
     from poplar_ext.profiler import profile_model
 
-    from .run import append_json_line
+    from .context import append_json_line
 
     config = GPTConfig(**run.model_config())
     batches_made = {"first": 0, "second": 0}

@@ -22,7 +22,6 @@ less than its minimum is left; the ranks' work folders live outside the output f
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from typing import Any
 from poplar_ext.plan.formats import write_json_atomic
 
 from ..report import machine_description, utc_now
+from .context import StepContext
 
 STEPS = ("exact", "profile", "predictions", "launcher")
 """The steps after the provenance, in order: evidence first."""
@@ -100,22 +100,6 @@ class RunLog:
         with self.path.open("a") as log:
             log.write(line + "\n")
         print(line, file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepContext:
-    """What a step gets: the run's settings, its folders, its time limit and the log."""
-
-    settings: GpuRunSettings
-    work_dir: Path
-    """This step's own folder for rank logs and caches (outside the output folder)."""
-    timeout_s: float
-    log: RunLog
-    provenance: dict[str, Any]
-
-    @property
-    def out(self) -> Path:
-        return self.settings.output_dir
 
 
 def run_gpu(settings: GpuRunSettings) -> int:
@@ -206,12 +190,6 @@ def _require_cuda(settings: GpuRunSettings) -> None:
 
     if not settings.dry_run and not torch.cuda.is_available():
         raise RuntimeError("CUDA is not available (torch.cuda.is_available() is False): run with --dry-run on CPU")
-
-
-def append_json_line(path: Path, record: dict[str, Any]) -> None:
-    """`record` as one more line of the JSON-lines file `path` (kept if the run is stopped right after)."""
-    with path.open("a") as lines:
-        lines.write(json.dumps(record) + "\n")
 
 
 def write_summary(

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .run import StepContext
+    from .context import StepContext
 
 TIER_MODULE = Path("tests") / "gpu" / "test_runtime_gpu.py"
 """The checks, relative to the repository root (the GPU run starts in a copy of the working tree)."""

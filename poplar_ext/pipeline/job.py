@@ -26,10 +26,10 @@ from poplar_ext.pipeline.planning import (
 )
 from poplar_ext.plan.formats import Cluster
 from poplar_ext.plan.pipeline_formats import Pipeline, PipelinePlan
-from poplar_ext.profiler.api import training_dtype
 from poplar_ext.profiler.layers import layers_fingerprint, pipeline_layers
+from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.config import SECTION, PoplarConfig, poplar_config_from_dict, requested_zero_stage
-from poplar_ext.runtime.initialize import _apply_cpu_process_settings, _on_cpu
+from poplar_ext.runtime.process_settings import apply_cpu_process_settings, on_cpu_accelerator
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +106,7 @@ def prepare_pipeline_job(
     check_device_support(facts, bf16=training_dtype(ds_config) == "bfloat16", source=str(source))
     cluster = agreed_cluster(poplar_config.cluster, facts, rank=rank, name=f"{SECTION}.cluster")
     emulated = emulation_for_rank(cluster, rank) is not None
-    _apply_cpu_process_settings(poplar_config, on_cpu=_on_cpu(), emulated=emulated, rank=rank)
+    apply_cpu_process_settings(poplar_config, on_cpu=on_cpu_accelerator(), emulated=emulated, rank=rank)
     plan = resolve_pipeline_plan(
         poplar_config,
         cluster,

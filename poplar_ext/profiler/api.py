@@ -66,6 +66,7 @@ from poplar_ext.profiler.measure import (
     default_loss,
     place_model,
     stage_ds_config,
+    training_dtype,
 )
 from poplar_ext.profiler.network import DEFAULT_MESSAGE_BYTES, cached_or_measured_network, message_sizes
 from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, Progress, log_progress
@@ -81,15 +82,6 @@ from poplar_ext.search.model_states import (
 logger = logging.getLogger(__name__)
 
 _DEFAULT = ProfileOptions  # profile_model's defaults are ProfileOptions' own (stated once, there)
-
-
-def training_dtype(ds_config: Mapping[str, Any]) -> str:
-    """``bfloat16``, ``float16`` or ``float32``, as the DeepSpeed config trains."""
-    for section, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
-        value = ds_config.get(section)
-        if isinstance(value, Mapping) and value.get("enabled", False):
-            return dtype
-    return "float32"
 
 
 @dataclass

@@ -114,6 +114,15 @@ def stage_ds_config(ds_config: Mapping[str, Any], *, zero_stage: int, world_size
     return config
 
 
+def training_dtype(ds_config: Mapping[str, Any]) -> str:
+    """``bfloat16``, ``float16`` or ``float32``, as the DeepSpeed config trains."""
+    for section, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
+        value = ds_config.get(section)
+        if isinstance(value, Mapping) and value.get("enabled", False):
+            return dtype
+    return "float32"
+
+
 def loss_of(output: Any) -> torch.Tensor:
     """The loss in a model's output: its ``.loss`` (a Hugging Face ``ModelOutput``), its ``"loss"``
     entry, else the output itself."""

@@ -113,7 +113,7 @@ def profile_layers(
     `options.force`). Returns the same list, stage by stage in job order of device types,
     on every rank. `device_types`: only those (default: every type of the job).
     """
-    from poplar_ext.profiler.api import training_dtype
+    from poplar_ext.profiler.measure import training_dtype
 
     ds_config = _config(options)
     stages = _stages(options)

@@ -44,7 +44,6 @@ from poplar_ext.collectives import (
     process_group_rank,
 )
 from poplar_ext.elastic import ends_job_on_user_error
-from poplar_ext.hardware.cpu_process import limit_cpu_threads
 from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.discovery import (
     agreed_cluster,
@@ -58,9 +57,8 @@ from poplar_ext.hardware.emulation import (
     device_label,
     emulation_for_rank,
 )
-from poplar_ext.hardware.memory import steady_cpu_allocator
 from poplar_ext.plan.formats import Cluster, Plan
-from poplar_ext.profiler.api import training_dtype
+from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.config import (
     SECTION,
     GlobalBatchRequest,
@@ -75,40 +73,12 @@ from poplar_ext.runtime.config import (
 from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, plan_dataloader
 from poplar_ext.runtime.engine import PoplarEngine
 from poplar_ext.runtime.planning import ProfileDirectory, check_stage_memory, resolve_plan
+from poplar_ext.runtime.process_settings import apply_cpu_process_settings, on_cpu_accelerator
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer, unmeasurable_reason
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from poplar_ext.search.model_states import optimizer_state_bytes
 
 logger = logging.getLogger(__name__)
-
-
-def _on_cpu() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name() == "cpu"
-
-
-def _apply_cpu_process_settings(poplar_config: PoplarConfig, *, on_cpu: bool, emulated: bool, rank: int) -> None:
-    """What ``poplar.cpu_threads`` and ``poplar.steady_cpu_allocator`` ask for, logged; nothing else."""
-    if poplar_config.cpu_threads is not None:
-        previous = limit_cpu_threads(poplar_config.cpu_threads)
-        logger.info(
-            "poplar.cpu_threads: torch intra-op threads set to %d (were %d)", poplar_config.cpu_threads, previous
-        )
-    if poplar_config.steady_cpu_allocator and on_cpu:
-        if steady_cpu_allocator():
-            logger.info("poplar.steady_cpu_allocator: glibc now keeps freed memory for reuse (process-wide)")
-        else:
-            logger.warning(
-                "poplar.steady_cpu_allocator: this C library has no mallopt (not glibc); allocator unchanged"
-            )
-    if emulated and on_cpu and torch.get_num_threads() > 1:
-        logger.warning(
-            "rank %d emulates its device type with %d torch threads, but emulation times compute by this thread's "
-            "CPU time and misses the others: set poplar.cpu_threads to 1",
-            rank,
-            torch.get_num_threads(),
-        )
 
 
 def _refuse_other_parallelism(*, mpu: Any, mesh_param: Any, model: Any, ds_config: dict, source: str) -> None:
@@ -294,7 +264,7 @@ def prepare_job(
 def _check_stage_memory(plan: Plan, *, cluster: Cluster, facts: list, model: Any, ds_config: dict) -> None:
     """`planning.check_stage_memory` with every rank's memory (an emulated type's capacity, else its
     share of its device, from the gathered facts): the same refusal on every rank."""
-    from poplar_ext.profiler.api import training_dtype
+    from poplar_ext.profiler.measure import training_dtype
 
     capacities = []
     for rank, device_type in enumerate(cluster.rank_device_types):
@@ -479,8 +449,8 @@ def rank_devices(job: Job) -> tuple[tuple[str, ...], ComputeSlowdown | None]:
     """This rank's process settings (as asked); every rank's device label, and this rank's emulated
     slowdown (None: a real device)."""
     emulation = emulation_for_rank(job.cluster, job.rank)
-    on_cpu = _on_cpu()
-    _apply_cpu_process_settings(job.poplar_config, on_cpu=on_cpu, emulated=emulation is not None, rank=job.rank)
+    on_cpu = on_cpu_accelerator()
+    apply_cpu_process_settings(job.poplar_config, on_cpu=on_cpu, emulated=emulation is not None, rank=job.rank)
     labels = tuple(device_label(t, job.cluster.emulation_of(t)) for t in job.cluster.rank_device_types)
     slowdown = None if emulation is None else ComputeSlowdown(emulation, clock="thread" if on_cpu else "cuda")
     return labels, slowdown
