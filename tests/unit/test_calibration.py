@@ -200,3 +200,53 @@ def test_a_calibration_outcome_is_logged_with_what_it_means():
     assert calibration_outcome_text("rescaled", 1.81).startswith("rescaled (its cached times are multiplied by 1.81")
     assert "used as it is" in calibration_outcome_text("trusted", 1.02)
     assert "cache updated" in calibration_outcome_text("remeasured", 2.0)
+
+
+def test_calibration_is_logged_by_rank_0_alone(caplog, monkeypatch):
+    # A second run of the accelerate example logged "rescaled 1.81x" once per rank (issue 36, item 9).
+    import logging
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from poplar_ext.plan.formats import plan_from_dict
+    from poplar_ext.profiler.calibration import CalibrationCheck
+    from poplar_ext.runtime import planning
+    from poplar_ext.runtime.config import poplar_config_from_dict
+
+    plan = plan_from_dict(
+        {
+            "schema_version": 1,
+            "policy": "poplar",
+            "zero_stage": 1,
+            "global_batch_size": 4,
+            "ranks": [
+                {"rank": r, "device_type": "fast", "micro_batch_size": 2, "gradient_accumulation_steps": 1}
+                for r in range(2)
+            ],
+            "predicted": {"iteration_time_s": 1.0, "samples_per_s": 4.0, "ideal_samples_per_s": 4.0},
+            "profile_fingerprints": {},
+        }
+    )
+    request = SimpleNamespace(
+        poplar_config=poplar_config_from_dict({"profiles": "p"}, base_dir=Path(".")), cluster=None
+    )
+    checks = {"fast": CalibrationCheck(device_type="fast", measured_over_profiled=1.02, sizes=(2,), outcome="trusted")}
+    # What rank 0 decided, on every rank (the decision itself is check_profiles', tested above).
+    monkeypatch.setattr(planning, "decided_by_rank0", lambda decide, rank, broadcast: checks)
+    logged = {}
+    for rank in (0, 1):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=planning.__name__):
+            calibrated = planning._calibrated(
+                request,
+                plan,
+                {"fast": [2]},
+                rank=rank,
+                broadcast=lambda outcome: outcome,
+                time_at_sizes=lambda sizes, plan, cluster: {},
+                measure=None,
+            )
+        logged[rank] = caplog.text
+        assert calibrated.calibration == {"fast": checks["fast"].to_dict()}
+    assert "poplar.calibration: fast ran 1.02x" in logged[0] and "used as it is" in logged[0]
+    assert "poplar.calibration" not in logged[1]
