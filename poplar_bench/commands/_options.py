@@ -25,28 +25,7 @@ def default_output_dir() -> Path:
     return Path.cwd()
 
 
-def _shown_path(path: str | Path | None) -> str | None:
-    """Paths inside the checkout are written relative to it, so reports do not name a home directory."""
-    if path is None:
-        return None
-    resolved = Path(path).resolve()
-    try:
-        return str(resolved.relative_to(_BENCH_DIR.parent))
-    except ValueError:
-        return str(path)
-
-
-def _slowdowns(text: str) -> list[float]:
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 1, found {text!r}") from None
-    if len(values) < 2 or any(not v >= 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected at least 2 comma-separated numbers >= 1, found {text!r}")
-    return values
-
-
-def _warn_if_no_figure(command: str) -> None:
+def warn_if_no_figure(command: str) -> None:
     """Say at the start, not after minutes of work, that the figure will be missing."""
     from ..report import FIGURE_NEEDS, figure_available
 
@@ -57,3 +36,8 @@ def _warn_if_no_figure(command: str) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def add_output_dir(parser: argparse.ArgumentParser) -> None:
+    """The ``--output-dir`` every report-writing command takes (default: `default_output_dir`)."""
+    parser.add_argument("--output-dir", type=Path, default=None, help=OUTPUT_HELP)

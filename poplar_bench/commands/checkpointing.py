@@ -7,8 +7,7 @@ from pathlib import Path
 
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import OUTPUT_HELP as _OUTPUT_HELP
-from ._options import default_output_dir
+from ._options import add_output_dir, default_output_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "a 2-core VM "
         "the first time (profiling both ways), less with the profiles cached.",
     )
-    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    add_output_dir(p)
     p.add_argument("--rounds", type=_positive_int, default=3, help="alternating training rounds per plan (default 3)")
     p.add_argument(
         "--cache-dir",

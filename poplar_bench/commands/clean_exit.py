@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import OUTPUT_HELP as _OUTPUT_HELP
-from ._options import default_output_dir
+from ._options import add_output_dir, default_output_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks", type=_positive_int, default=3, help="ranks per launch (default 3)")
     p.add_argument("--busy-processes", type=int, default=2, help="spinning processes beside the ranks (default 2)")
     p.add_argument("--case", action="append", dest="cases", help="a case to run (repeatable; default: all)")
-    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    add_output_dir(p)
     p.set_defaults(run=run)
 
 

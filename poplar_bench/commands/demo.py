@@ -9,8 +9,7 @@ from pathlib import Path
 from poplar_ext.plan.formats import ZERO_STAGES
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import OUTPUT_HELP as _OUTPUT_HELP
-from ._options import _slowdowns, _warn_if_no_figure, default_output_dir
+from ._options import add_output_dir, default_output_dir, warn_if_no_figure
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "VM: about 3 minutes the first time (profiling), 1.5-2.5 minutes when the profiles come from the cache."
         ),
     )
-    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    add_output_dir(p)
     p.add_argument("--name", default="demo", help="report file stem (default: demo)")
     p.add_argument(
         "--iterations",
@@ -109,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"poplar-bench demo: error: {exc}", file=sys.stderr)
         return 2
-    _warn_if_no_figure("demo")
+    warn_if_no_figure("demo")
     try:
         paths = demo.run_demo(settings, out_dir=args.output_dir or default_output_dir(), name=args.name)
     except RuntimeError as exc:  # a rank failed: its traceback is in the message
@@ -118,3 +117,13 @@ def run(args: argparse.Namespace) -> int:
     for path in paths:
         print(path)
     return 0
+
+
+def _slowdowns(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 1, found {text!r}") from None
+    if len(values) < 2 or any(not v >= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected at least 2 comma-separated numbers >= 1, found {text!r}")
+    return values

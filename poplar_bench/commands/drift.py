@@ -8,8 +8,7 @@ from pathlib import Path
 
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import OUTPUT_HELP as _OUTPUT_HELP
-from ._options import _warn_if_no_figure, default_output_dir
+from ._options import add_output_dir, default_output_dir, warn_if_no_figure
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "2-core VM with the demo's profiles cached. With --trainer the runs go through PoplarTrainer "
         "(drift_trainer.*).",
     )
-    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    add_output_dir(p)
     p.add_argument(
         "--trainer",
         action="store_true",
@@ -88,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"poplar-bench drift: error: {exc}", file=sys.stderr)
         return 2
     name = "drift_trainer" if args.trainer else "drift"
-    _warn_if_no_figure("drift")
+    warn_if_no_figure("drift")
     for path in drift.run_drift(settings, out_dir=args.output_dir or default_output_dir(), name=name):
         print(path)
     return 0

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from ._options import OUTPUT_HELP as _OUTPUT_HELP
-from ._options import default_output_dir
+from ._options import add_output_dir, default_output_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Per-iteration overhead of poplar_ext.initialize against deepspeed.initialize "
         "(poplar_bench/runtime_overhead.py); writes runtime_overhead.json and .md.",
     )
-    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    add_output_dir(p)
     p.set_defaults(run=run)
 
 

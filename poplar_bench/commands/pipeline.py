@@ -6,8 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ._options import OUTPUT_HELP as _OUTPUT_HELP
-from ._options import default_output_dir
+from ._options import add_output_dir, default_output_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the nodes capped (poplar_bench/link_emulation.py) and uncapped. Writes pipeline.json, pipeline.md and "
         "pipeline.png (poplar_bench/pipeline_compare.py). Several minutes on a 2-core VM.",
     )
-    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    add_output_dir(p)
     p.add_argument("--work-dir", type=Path, default=None, help="profiles and rank logs (default: a temporary folder)")
     p.set_defaults(run=run)
 

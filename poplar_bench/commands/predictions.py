@@ -7,8 +7,7 @@ from pathlib import Path
 
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import OUTPUT_HELP as _OUTPUT_HELP
-from ._options import _warn_if_no_figure, default_output_dir
+from ._options import add_output_dir, default_output_dir, warn_if_no_figure
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="always (default): each fresh profile is checked against micro-steps timed as training runs them "
         "and rescaled beyond 10%%; off: predictions from the profiles as measured",
     )
-    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    add_output_dir(p)
     p.add_argument(
         "--rounds",
         type=_positive_int,
@@ -53,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import prediction_check
 
-    _warn_if_no_figure("demo")
+    warn_if_no_figure("demo")
     fixed = args.fixed
     paths = prediction_check.run_prediction_check(
         prediction_check.DEFAULT_CASES if fixed else prediction_check.draw_cases(args.seed, args.cases),

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import OUTPUT_HELP as _OUTPUT_HELP
-from ._options import default_output_dir
+from ._options import add_output_dir, default_output_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seeded problems (seeds 0..N-1) of the memory-lever cells, 8 types x 4 variants x 4096 ranks "
         "(default: seed 0 only)",
     )
-    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    add_output_dir(p)
     p.set_defaults(run=run)
 
 

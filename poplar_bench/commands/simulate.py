@@ -10,8 +10,10 @@ from pathlib import Path
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 from poplar_ext.search.cli import parse_zero_stage as _stage
 
-from ._options import OUTPUT_HELP as _OUTPUT_HELP
-from ._options import _shown_path, _warn_if_no_figure, default_output_dir
+from ._options import add_output_dir, default_output_dir, warn_if_no_figure
+
+_CHECKOUT = Path(__file__).resolve().parents[2]
+"""The checkout (in an editable install): report paths inside it are written relative to it."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="leave out the comparison of the best ZeRO plan with the best pipeline plan (modelled profiles only; "
         "the network slow and fast)",
     )
-    p.add_argument("--output-dir", type=Path, default=None, help=_OUTPUT_HELP)
+    add_output_dir(p)
     p.add_argument("--name", default="simulation", help="report file stem (default: simulation)")
     p.set_defaults(run=run)
 
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cluster_files import CLUSTER_DIR
     from ..report import write_report
 
-    _warn_if_no_figure("simulate")
+    warn_if_no_figure("simulate")
     cluster_paths = args.cluster or sorted(CLUSTER_DIR.glob("*.json"), key=_cluster_sort_key)
     samples_per_rank = args.samples_per_rank or simulate.DEFAULT_SAMPLES_PER_RANK
     if args.profiles is not None:
@@ -134,3 +136,14 @@ def run(args: argparse.Namespace) -> int:
 def _cluster_sort_key(path: Path) -> tuple[str, int]:
     stem, _, size = path.stem.rpartition("-x")
     return (stem, int(size) if size.isdigit() else 0)
+
+
+def _shown_path(path: str | Path | None) -> str | None:
+    """Paths inside the checkout are written relative to it, so reports do not name a home directory."""
+    if path is None:
+        return None
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(_CHECKOUT))
+    except ValueError:
+        return str(path)
