@@ -463,20 +463,27 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
     return nominal
 
 
-def unsynchronised_throughput_timer(ds_config: dict) -> None:
-    """Set ``timers.throughput.synchronized`` false in `ds_config` unless the user set it.
+def throughput_timer_synchronized(ds_config: dict) -> bool:
+    """Whether DeepSpeed's throughput timer is to synchronise the device: only where the user's
+    ``timers.throughput.synchronized`` says so.
 
     Why: the engine's throughput timer runs around every micro-step when DeepSpeed did not
     build the training dataloader (poplar-ext builds it), and synchronised it waits for the
     device twice per micro-step, stalling the queue of kernels; poplar-ext times compute itself.
     """
-    timers = ds_config.setdefault("timers", {})
+    timers = ds_config.get("timers", {})
     if not isinstance(timers, dict):
         raise FormatError(DICT_SOURCE, "timers", "an object", type(timers).__name__)
-    throughput = timers.setdefault("throughput", {})
+    throughput = timers.get("throughput", {})
     if not isinstance(throughput, dict):
         raise FormatError(DICT_SOURCE, "timers.throughput", "an object", type(throughput).__name__)
-    throughput.setdefault("synchronized", False)
+    return bool(throughput.get("synchronized", False))
+
+
+def unsynchronised_throughput_timer(ds_config: dict) -> None:
+    """Set ``timers.throughput.synchronized`` in `ds_config` to `throughput_timer_synchronized`'s answer."""
+    synchronized = throughput_timer_synchronized(ds_config)
+    ds_config.setdefault("timers", {}).setdefault("throughput", {})["synchronized"] = synchronized
 
 
 __all__ = [
@@ -495,5 +502,6 @@ __all__ = [
     "poplar_config_from_dict",
     "requested_global_batch_size",
     "requested_zero_stage",
+    "throughput_timer_synchronized",
     "unsynchronised_throughput_timer",
 ]

@@ -68,7 +68,7 @@ from poplar_ext.runtime.config import (
     poplar_config_from_dict,
     requested_global_batch_size,
     requested_zero_stage,
-    unsynchronised_throughput_timer,
+    throughput_timer_synchronized,
 )
 from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, plan_dataloader
 from poplar_ext.runtime.engine import PoplarEngine
@@ -532,11 +532,9 @@ def wrap_built_engine(
 def follow_unsynchronised_throughput_timer(engine: Any, ds_config: dict) -> None:
     """On an engine another library built from `ds_config`, the throughput timer that
     `unsynchronised_throughput_timer` gives poplar-ext's own engines (unless the user set it)."""
-    setting = copy.deepcopy(ds_config)
-    unsynchronised_throughput_timer(setting)
     timer_config = getattr(getattr(engine, "tput_timer", None), "config", None)
     if timer_config is not None:
-        timer_config.synchronized = setting["timers"]["throughput"]["synchronized"]
+        timer_config.synchronized = throughput_timer_synchronized(ds_config)
 
 
 def poplar_engine(
