@@ -226,6 +226,15 @@ def assemble_report(
         "network": plans.get("network"),
         "policies": [_policy_entry(policy, plans["policies"][policy], rank_results) for policy in POLICIES],
     }
+    scenario["emulation_overrun_share"] = max(
+        (
+            r["emulation_overrun"]["overrun_share"]
+            for p in scenario["policies"]
+            for r in p["ranks"]
+            if r.get("emulation_overrun")
+        ),
+        default=None,
+    )
     derive_comparisons(scenario)
     scenario["goals"] = demo_goals(scenario)
     return {
@@ -268,7 +277,7 @@ def _policy_entry(policy: str, info: dict[str, Any], rank_results: list[dict[str
         "zero_stage": plan["zero_stage"],
         "global_batch_size": plan["global_batch_size"],
         "ranks": [
-            _rank_entry(info, rank_plan, result["policies"][policy])
+            _rank_entry(info, rank_plan, result["policies"][policy], (result.get("emulation") or {}).get(policy))
             for rank_plan, result in zip(plan["ranks"], rank_results)
         ],
         "predicted": info["predicted"],
@@ -279,8 +288,11 @@ def _policy_entry(policy: str, info: dict[str, Any], rank_results: list[dict[str
     }
 
 
-def _rank_entry(info: dict[str, Any], rank_plan: dict[str, Any], measures: dict[str, Any]) -> dict[str, Any]:
-    """One rank under one policy: its allocation, predicted and measured busy time, where its time went."""
+def _rank_entry(
+    info: dict[str, Any], rank_plan: dict[str, Any], measures: dict[str, Any], emulation: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One rank under one policy: its allocation, predicted and measured busy time, where its time went, and
+    how far its emulated compute ran past its steady time (`ComputeSlowdown.overrun_report`; None: real)."""
     entry = {
         "rank": rank_plan["rank"],
         "device_type": rank_plan["device_type"],
@@ -289,6 +301,7 @@ def _rank_entry(info: dict[str, Any], rank_plan: dict[str, Any], measures: dict[
         "predicted_busy_s": info["predicted_busy_s"][rank_plan["rank"]],
         "measured_busy_s": repetitions(measures["busy_s"]),
         "measured_boundary_wait_s": repetitions(measures["boundary_wait_s"]),
+        "emulation_overrun": emulation,
     }
     # Where the time goes, predicted against measured (older rank results lack it).
     if "step_s" in measures:

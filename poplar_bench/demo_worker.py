@@ -153,7 +153,9 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     profile = next(p for p in profiles if p.device_type == device_type)
     standalone = _timed(timings, "standalone_s", lambda: measure_standalone(settings, cluster, rank, profile))
     dist.barrier()
+    emulated = {policy: run.engine.emulated_compute for policy, run in engines.items()}
     return {
+        "emulation": {p: None if e is None else e.overrun_report() for p, e in emulated.items()},
         "rank": rank,
         "device_type": device_type,
         "timings_s": timings,
@@ -536,6 +538,10 @@ def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) ->
         "plan": str(plan_path),
         "cpu_threads": 1,
         "steady_cpu_allocator": True,
+        # Emulated compute is steady at the times of the profiles the plans were made from; each policy's plan
+        # is measured as it is, never re-balanced.
+        "profiles": str(settings.profiles_dir()),
+        "rebalance": {"enabled": False},
     }
     model = _make_model(settings)
     engine, _, _, _ = poplar_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -571,11 +577,15 @@ def measure_standalone(
     and memory bandwidth are then as busy as during training, and the ideal is
     comparable with the training runs.
     """
-    from poplar_ext.hardware.emulation import ComputeSlowdown, emulation_for_rank
+    from poplar_ext.hardware.emulation import ComputeSlowdown, emulation_for_rank, micro_step_key, steady_reference
     from poplar_ext.profiler.measure import default_loss, move_to_device
 
     device = rank_device()
-    slowdown = ComputeSlowdown(emulation_for_rank(cluster, rank), clock="cuda" if device.type == "cuda" else "thread")
+    slowdown = ComputeSlowdown(
+        emulation_for_rank(cluster, rank),
+        clock="cuda" if device.type == "cuda" else "thread",
+        reference=steady_reference(profile),  # steady as in training
+    )
     model = (model if model is not None else _make_model(settings)).to(device)
     make_batch = make_batch or (lambda size: _batch(settings, size))
     sizes = standalone_sizes(profile)
@@ -588,8 +598,9 @@ def measure_standalone(
         for repeat in range(settings.standalone_repeats + 1):
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            with slowdown:
-                default_loss(model, batches[size]).backward()
+            slowdown.start(micro_step_key(size))
+            default_loss(model, batches[size]).backward()
+            slowdown.stop()
             if repeat:  # the first is a warm-up
                 times[size].append(time.perf_counter() - start)
     dist.barrier()

@@ -77,8 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--calibration",
         choices=CALIBRATION_MODES,
         default=defaults.calibration,
-        help="check profiles against micro-steps timed at start, as training runs them: cached (default: "
-        "profiles from the cache only), always (fresh ones too), off",
+        help="check profiles against micro-steps timed at start, as training runs them: cached (profiles "
+        "from the cache only), always (fresh ones too), off (default: emulated compute is steady at its "
+        "profile's times, so there is nothing to check)",
     )
     p.add_argument(
         "--calibration-action",

@@ -14,7 +14,7 @@ re-balancing sums a real GPU's compute windows without synchronising each
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -27,7 +27,7 @@ class ComputeTimer(Protocol):
 
     slowdown: float
 
-    def start(self) -> None: ...
+    def start(self, key: Hashable = None) -> None: ...
 
     def stop(self) -> float: ...
 
@@ -176,7 +176,7 @@ class CudaEventTimer:
         event.record()
         return event
 
-    def start(self) -> None:
+    def start(self, key: Hashable = None) -> None:
         if self._started is None:
             self._started = self._event()
 

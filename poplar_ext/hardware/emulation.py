@@ -6,34 +6,37 @@ processes, can stand in for a heterogeneous cluster. This module is the only pla
 that applies an emulation; the profiler, the search and the engine treat emulated
 and real device types alike and only call in here.
 
-How a slowdown is applied: the rank runs its real compute and the block is given a
-wall duration of ``slowdown * compute_time``: at its end the rank sleeps whatever
-is left of that target (``slowdown * compute_time - wall time already spent``, or
-nothing). On CPU the compute time is the CPU time of the calling thread
-(`time.thread_time`), the same clock the profiler times micro-steps by, so an
-emulated rank trains exactly as long as its profile predicts. CPU time and not wall
-time, because wall time includes waiting in gloo collectives and, when there are
-more ranks than cores, waiting for a core: multiplying those would slow a rank for
-time that is not its compute. Padding to a target instead of sleeping
-``(slowdown - 1) * compute_time`` on top means a rank that already lost wall time
-waiting for a core (or in a collective) is not slowed twice: it models a device
-that has its compute to itself. On CUDA the CPU time says nothing about the
-kernels, so there the block is synchronised and timed by wall time
-(`clock="cuda"`), and the rank sleeps ``(slowdown - 1) * wall time``.
+How a slowdown is applied (steady compute): every block of compute has a fixed time, its
+*steady time*, and the rank runs the real block, then sleeps until the block has lasted
+exactly that long. A block is a micro-step at one micro-batch size (forward to the gradient
+reduction), the optimizer step, or a pipeline instruction; its steady time is
+``slowdown x base``, where the base is the block's compute on the real device:
+
+- from the profile the job's plan was made from, where there is one (`SteadyReference`:
+  the profile's fitted time at that micro-batch, which the profiler measured as the median
+  of repeats and keeps with the profiles), so that an emulated rank trains exactly as long
+  as its profile predicts, whatever the other ranks do on the shared cores and caches;
+- otherwise learned: the first `LEARNED_BLOCKS` blocks of a kind are timed by the compute
+  clock (the thread's CPU time; on CUDA the synchronised wall time) and padded to
+  ``slowdown x`` that, and their median is the base from then on.
+
+A GPU's kernels for a fixed micro-batch take the same time to within 1-2%; an emulated
+rank's compute now does too, by construction. What the CPU benches then measure is the
+rest: the search, communication, the boundary, waiting and the runtime's own overhead.
+Where the real block ran past its steady time (a core was busy, or the real work is longer
+than the profile said), the rank cannot make up for it: the excess is counted
+(`ComputeSlowdown.overrun_s`, `overrun_blocks`) and every bench result reports it.
 
 How drift is applied: an emulation's ``slowdown_schedule`` changes a rank's slowdown
 from a given optimizer step on (`scheduled_slowdown`); the engine sets
 `ComputeSlowdown.slowdown` after every optimizer step, so that tests and the bench
 can make one device slower or faster in the middle of a run.
 
-Where an emulation holds (docs/limits.md): the padding works while a computing rank has a core
-to itself, so that its wall time is its CPU time and the rest of the target is sleep. The ranks
-of one machine keep ``sum over them of 1 / slowdown`` cores busy (`core_demand`); with other
-processes' load on top, a rank waits for a core, its compute's wall time exceeds ``slowdown x
-CPU time`` and it runs above its profile (bench/results/emulation_load/: thread CPU time stayed
-within 8% of the profile's while the wall time overran it by up to 5x on a 2-core machine whose
-load average was 5-8). `check_emulation_range` warns (`EmulationRangeWarning`) where the demand
-exceeds the cores and logs a warning where the load average on top does.
+Where an emulation holds (docs/limits.md): a block's real work must fit in its steady time,
+which needs a core while it computes. The ranks of one machine keep ``sum over them of
+1 / slowdown`` cores busy (`core_demand`); `check_emulation_range` warns
+(`EmulationRangeWarning`) where that exceeds the cores and logs a warning where the load
+average on top does.
 
 How a memory capacity is applied: `check_emulated_memory` compares a measured peak
 (see the profiler's memory measurement) with the capacity and raises
@@ -47,13 +50,15 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from poplar_ext.hardware.compute_clock import Clock, clock_now
-from poplar_ext.plan.formats import Cluster, Emulation
+from poplar_ext.plan.formats import Cluster, Emulation, Profile
 
 logger = logging.getLogger(__name__)
 
@@ -210,57 +215,178 @@ def host_resident_optimizer_bytes(engine: Any) -> int:
     return total
 
 
-class ComputeSlowdown:
-    """Times blocks of compute and pads them to `emulation.slowdown` times their compute time.
+LEARNED_BLOCKS = 3
+"""Blocks of one kind timed by the compute clock before their median becomes the kind's base."""
 
-    Use as a context manager (``with slowdown: ...``) or with `start()` / `stop()`
-    when the block spans calls (the engine starts at forward and stops after
-    backward). With `emulation` None it only measures and never sleeps, so callers
-    need no special case for real devices.
+OVERRUN_WARNING_SHARE = 0.02
+"""Overrun above this share of the steady compute makes an emulated result suspect (`overrun_share`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SteadyReference:
+    """Micro-step bases taken from a profile: micro-batch size -> seconds on the real device."""
+
+    micro_step_time_s: Callable[[int], float | None]
+    """Seconds of one micro-step at a micro-batch size *at the profile's slowdown*, or None where the
+    profile does not say (beyond its largest micro-batch)."""
+    profile_slowdown: float
+    """The slowdown the profile's times include (its emulation's ``slowdown``)."""
+    source: str
+    """Where the times come from, for logs (``profile cpu-slow, ZeRO 1``)."""
+
+    def base_s(self, micro_batch_size: int) -> float | None:
+        """The micro-step's compute on the real device, or None."""
+        time_s = self.micro_step_time_s(micro_batch_size)
+        return None if time_s is None else time_s / max(1.0, self.profile_slowdown)
+
+
+def steady_reference(profile: Profile) -> SteadyReference | None:
+    """Micro-step bases from `profile`'s fitted curve (the search's: `poplar_ext.search.curves`), so that a
+    rank trains as long as the plan predicts; None where it fits nothing or its times include communication."""
+    from poplar_ext.search.cost import micro_step_times_include_communication
+    from poplar_ext.search.curves import fit_curve
+
+    curve = fit_curve(profile)
+    if curve is None or micro_step_times_include_communication(profile):
+        return None
+    table = curve.table()
+
+    def time_at(micro_batch_size: int) -> float | None:
+        return float(table[micro_batch_size - 1]) if 1 <= micro_batch_size <= len(table) else None
+
+    return SteadyReference(
+        micro_step_time_s=time_at,
+        profile_slowdown=profile.emulated.slowdown if profile.emulated is not None else 1.0,
+        source=f"the profile of {profile.device_type} at ZeRO stage {profile.zero_stage}",
+    )
+
+
+def micro_step_key(micro_batch_size: int) -> tuple[str, int]:
+    """The block key of a micro-step (forward to the gradient reduction) at `micro_batch_size`."""
+    return ("micro_step", int(micro_batch_size))
+
+
+OPTIMIZER_STEP_KEY = ("optimizer_step",)
+"""The block key of the optimizer step at an accumulation boundary."""
+
+
+class ComputeSlowdown:
+    """Gives each block of compute its steady time: ``slowdown x`` its base (module docstring).
+
+    Use as a context manager (``with slowdown: ...``) or with `start(key)` / `stop()`
+    when the block spans calls (the engine starts at forward and stops at the gradient
+    reduction). The key names the kind of block (`micro_step_key`, `OPTIMIZER_STEP_KEY`,
+    or any hashable); `reference` gives micro-step bases from a profile, other kinds are
+    learned. With `emulation` None it only measures and never sleeps, so callers need no
+    special case for real devices. `window_waits`: the block may wait in collectives (ZeRO 3's
+    all-gathers), so only its compute clock counts towards an overrun.
     """
 
-    def __init__(self, emulation: Emulation | None, *, clock: Clock = "thread") -> None:
+    def __init__(
+        self,
+        emulation: Emulation | None,
+        *,
+        clock: Clock = "thread",
+        reference: SteadyReference | None = None,
+        window_waits: bool = False,
+    ) -> None:
         if clock not in ("thread", "cuda"):
             raise ValueError(f"clock: expected 'thread' or 'cuda', found {clock!r}")
         self.emulation = emulation
         self.clock = clock
+        self.reference = reference
+        self.window_waits = window_waits
         self.slowdown = 1.0 if emulation is None else emulation.slowdown
         """The factor applied now (the engine follows the emulation's ``slowdown_schedule``)."""
         self.compute_time_s = 0.0
-        """Measured compute time of the last block."""
+        """Compute clock time of the last block."""
         self.busy_time_s = 0.0
-        """Sum over blocks of their emulated duration (slowdown x compute time): the device's busy time,
-        the quantity a profile predicts. Callers reset it (`poplar_ext.runtime.rebalance`)."""
+        """Sum over blocks of their steady times: the device's busy time, the quantity a profile
+        predicts. Callers reset it (`poplar_ext.runtime.rebalance`)."""
         self.delay_s = 0.0
         """Time slept after the last block."""
+        self.steady_s = 0.0
+        """Sum of every block's steady time since the start (never reset)."""
+        self.overrun_s = 0.0
+        """Sum of the time blocks ran past their steady time (never reset)."""
+        self.overrun_blocks = 0
+        """Blocks that ran past their steady time."""
+        self.blocks = 0
+        """Blocks timed."""
+        self._learned: dict[Hashable, list[float]] = {}
+        self._overrun_by_kind: dict[str, float] = {}
         self._started_at: tuple[float, float] | None = None
         """(compute clock, wall clock) at `start()`."""
+        self._key: Hashable = None
 
     @property
     def running(self) -> bool:
         """True between `start()` and `stop()`."""
         return self._started_at is not None
 
+    @property
+    def overrun_share(self) -> float:
+        """Overrun over steady compute (0.0 before any block)."""
+        return self.overrun_s / self.steady_s if self.steady_s > 0 else 0.0
+
+    def overrun_report(self) -> dict[str, float | int]:
+        """What every bench result reports of this rank's emulation."""
+        return {
+            "steady_compute_s": self.steady_s,
+            "overrun_s": self.overrun_s,
+            "overrun_blocks": self.overrun_blocks,
+            "blocks": self.blocks,
+            "overrun_share": self.overrun_share,
+            "overrun_s_by_kind": dict(self._overrun_by_kind),
+        }
+
     def _now(self) -> tuple[float, float]:
         """(compute clock, wall clock) now, in seconds."""
         return clock_now(self.clock)
 
-    def start(self) -> None:
-        """Begin timing a block; a second `start()` before `stop()` is ignored."""
+    def start(self, key: Hashable = None) -> None:
+        """Begin a block of kind `key`; a second `start()` before `stop()` is ignored."""
         if self._started_at is None:
             self._started_at = self._now()
+            self._key = key
+
+    def base_s(self, key: Hashable) -> float | None:
+        """The block's compute on the real device: from the reference, learned, or None while learning."""
+        if self.reference is not None and isinstance(key, tuple) and key[:1] == ("micro_step",):
+            base = self.reference.base_s(key[1])
+            if base is not None:
+                return base
+        learned = self._learned.get(key, ())
+        return statistics.median(learned) if len(learned) >= LEARNED_BLOCKS else None
 
     def stop(self) -> float:
-        """End the block, sleep what is left of its emulated duration and return that sleep (seconds)."""
+        """End the block, sleep what is left of its steady time and return that sleep (seconds)."""
         if self._started_at is None:
             return 0.0
         (compute_start, wall_start), (compute_end, wall_end) = self._started_at, self._now()
         self._started_at = None
         self.compute_time_s = max(0.0, compute_end - compute_start)
+        wall_s = wall_end - wall_start
+        if self.emulation is None:  # a real device: measured, never made steady
+            self.busy_time_s += self.compute_time_s
+            self.delay_s = 0.0
+            return 0.0
+        base = self.base_s(self._key)
+        if base is None:
+            self._learned.setdefault(self._key, []).append(self.compute_time_s)
+            base = self.compute_time_s
         # A slowdown below 1 cannot make real compute faster: it is clamped to 1 (no delay).
-        slowdown = max(1.0, self.slowdown)
-        self.busy_time_s += slowdown * self.compute_time_s
-        self.delay_s = max(0.0, slowdown * self.compute_time_s - (wall_end - wall_start))
+        steady_s = max(1.0, self.slowdown) * base
+        self.busy_time_s += steady_s
+        self.steady_s += steady_s
+        self.blocks += 1
+        over_s = (self.compute_time_s if self.window_waits else wall_s) - steady_s
+        if over_s > 0.0:
+            self.overrun_s += over_s
+            self.overrun_blocks += 1
+            kind = str(self._key[0] if isinstance(self._key, tuple) else self._key)
+            self._overrun_by_kind[kind] = self._overrun_by_kind.get(kind, 0.0) + over_s
+        self.delay_s = max(0.0, steady_s - wall_s)
         if self.delay_s > 0.0:
             time.sleep(self.delay_s)
         return self.delay_s
@@ -273,8 +399,32 @@ class ComputeSlowdown:
         self.stop()
 
 
+def warn_on_overrun(timer: ComputeSlowdown | None, *, rank: int) -> bool:
+    """Log a warning when `timer`'s overrun exceeds `OVERRUN_WARNING_SHARE` of its steady compute; True then."""
+    if timer is None or timer.emulation is None or timer.overrun_share <= OVERRUN_WARNING_SHARE:
+        return False
+    logger.warning(
+        "rank %d: emulated compute ran %.1f%% over its steady time (%d of %d blocks, %.3f s): the rank lacked a "
+        "core, or its real work is longer than its profile says; results that include it are not steady "
+        "(docs/limits.md)",
+        rank,
+        100 * timer.overrun_share,
+        timer.overrun_blocks,
+        timer.blocks,
+        timer.overrun_s,
+    )
+    return True
+
+
 __all__ = [
+    "LEARNED_BLOCKS",
+    "OPTIMIZER_STEP_KEY",
+    "OVERRUN_WARNING_SHARE",
     "ComputeSlowdown",
+    "SteadyReference",
+    "micro_step_key",
+    "steady_reference",
+    "warn_on_overrun",
     "EmulatedOutOfMemoryError",
     "EmulationRangeWarning",
     "check_emulated_memory",

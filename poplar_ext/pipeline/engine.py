@@ -60,7 +60,7 @@ def _emulated(instruction: Callable[..., Any]) -> Callable[..., Any]:
         slowdown = engine.emulated_compute
         if slowdown is None:
             return instruction(engine, **kwargs)
-        slowdown.start()
+        slowdown.start(instruction.__name__)  # each instruction a kind of block, steady on its own
         try:
             return instruction(engine, **kwargs)
         finally:

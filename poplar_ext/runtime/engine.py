@@ -25,7 +25,13 @@ import torch
 
 from poplar_ext.collectives import agree_sum
 from poplar_ext.hardware.compute_clock import ComputeTimer, CudaEventTimer
-from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
+from poplar_ext.hardware.emulation import (
+    OPTIMIZER_STEP_KEY,
+    ComputeSlowdown,
+    micro_step_key,
+    scheduled_slowdown,
+    warn_on_overrun,
+)
 from poplar_ext.plan.formats import Plan, one_accumulation_count, plan_from_dict, plan_to_dict
 from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
@@ -123,6 +129,7 @@ class PoplarEngine:
             # it: the thread's CPU time on CPU, CUDA events (read at checks only) on a GPU.
             slowdown = ComputeSlowdown(None) if engine.device.type == "cpu" else CudaEventTimer()
         self._slowdown = slowdown
+        self._overrun_warned = False
         self._rebalancer = rebalancer
         self.pending_switch: SwitchOrder | None = None
         """A plan switch agreed by every rank, waiting for the iteration it starts at."""
@@ -220,7 +227,7 @@ class PoplarEngine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._slowdown is not None:
-            self._slowdown.start()
+            self._slowdown.start(micro_step_key(self.rank_plan.micro_batch_size))
         return self.deepspeed_engine(*args, **kwargs)
 
     forward = __call__
@@ -241,7 +248,8 @@ class PoplarEngine:
     def _timed_backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
         """DeepSpeed's backward inside this rank's compute window."""
         if self._slowdown is not None:
-            self._slowdown.start()  # for a forward that did not go through the engine
+            # for a forward that did not go through the engine
+            self._slowdown.start(micro_step_key(self.rank_plan.micro_batch_size))
         result = self.deepspeed_engine.backward(loss, **kwargs)
         if self._slowdown is not None:
             self._slowdown.stop()  # a no-op unless no reduction ended the window (no_sync)
@@ -286,7 +294,7 @@ class PoplarEngine:
         emulate = boundary and self._slowdown is not None and self._slowdown.emulation is not None
         if emulate:
             busy_before = self._slowdown.busy_time_s
-            self._slowdown.start()
+            self._slowdown.start(OPTIMIZER_STEP_KEY)
         try:
             result = self.deepspeed_engine.step(*args, **kwargs)
         finally:
@@ -316,6 +324,8 @@ class PoplarEngine:
             if order is not None:
                 self.schedule_switch(order)
         interval = self.poplar_config.log_interval_steps
+        if interval and step % interval == 0 and not self._overrun_warned:
+            self._overrun_warned = warn_on_overrun(self.emulated_compute, rank=self._rank)  # once per job
         if interval and self._rank == 0 and step % interval == 0 and self.last_samples_per_s is not None:
             logger.info(
                 "poplar step %d: true global batch %d samples, %.2f samples/s, %.4f s/iteration "

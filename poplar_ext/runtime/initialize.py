@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,9 @@ from poplar_ext.hardware.emulation import (
     check_emulation_range,
     device_label,
     emulation_for_rank,
+    steady_reference,
 )
-from poplar_ext.plan.formats import Cluster, Plan
+from poplar_ext.plan.formats import Cluster, Emulation, Plan, profile_from_dict
 from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.config import (
     SECTION,
@@ -72,7 +73,7 @@ from poplar_ext.runtime.config import (
 )
 from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, plan_dataloader
 from poplar_ext.runtime.engine import PoplarEngine
-from poplar_ext.runtime.planning import ProfileDirectory, check_stage_memory, resolve_plan
+from poplar_ext.runtime.planning import ProfileDirectory, check_stage_memory, resolve_plan, steady_compute_profiles
 from poplar_ext.runtime.process_settings import apply_cpu_process_settings, on_cpu_accelerator
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer, unmeasurable_reason
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
@@ -143,6 +144,8 @@ class Job:
     """This rank's ``torch.device``."""
     profile_directory: ProfileDirectory
     """``poplar.profiles`` as rank 0 read it to resolve the plan: re-balancing re-plans from the same reading."""
+    steady_profiles: dict[str, dict] = field(default_factory=dict)
+    """Emulated device type -> the profile (a dict) its compute is made steady by (rank 0's, sent to all)."""
 
     @property
     def plan_reason(self) -> str:
@@ -248,6 +251,11 @@ def prepare_job(
     )
     if model is not None:
         _check_stage_memory(plan, cluster=cluster, facts=facts, model=model, ds_config=ds_config)
+    steady_profiles: dict[str, dict] = {}
+    if any(cluster.emulation_of(t) is not None for t in cluster.type_counts()):  # the same on every rank
+        steady_profiles = decided_by_rank0(
+            lambda: steady_compute_profiles(plan, cluster, directory), rank=rank, broadcast=broadcast_from_rank0
+        )
     return Job(
         ds_config=ds_config,
         source=source,
@@ -258,6 +266,7 @@ def prepare_job(
         world_size=world_size,
         device=device,
         profile_directory=directory,
+        steady_profiles=steady_profiles,
     )
 
 
@@ -452,8 +461,29 @@ def rank_devices(job: Job) -> tuple[tuple[str, ...], ComputeSlowdown | None]:
     on_cpu = on_cpu_accelerator()
     apply_cpu_process_settings(job.poplar_config, on_cpu=on_cpu, emulated=emulation is not None, rank=job.rank)
     labels = tuple(device_label(t, job.cluster.emulation_of(t)) for t in job.cluster.rank_device_types)
-    slowdown = None if emulation is None else ComputeSlowdown(emulation, clock="thread" if on_cpu else "cuda")
-    return labels, slowdown
+    return labels, None if emulation is None else steady_compute(job, emulation, on_cpu=on_cpu)
+
+
+def steady_compute(job: Job, emulation: Emulation, *, on_cpu: bool) -> ComputeSlowdown:
+    """This rank's emulated compute, steady at the times of the profile the plan was made from (or learned)."""
+    my_type = job.cluster.rank_device_types[job.rank]
+    profile = job.steady_profiles.get(my_type)
+    reference = None if profile is None else steady_reference(profile_from_dict(profile, source=f"{my_type} profile"))
+    if job.rank == 0 or reference is None:
+        logger.info(
+            "rank %d: emulated compute steady at %s",
+            job.rank,
+            "the times learned from its first micro-steps (no profile of its type beside the plan)"
+            if reference is None
+            else reference.source,
+        )
+    return ComputeSlowdown(
+        emulation,
+        clock="thread" if on_cpu else "cuda",
+        reference=reference,
+        # ZeRO 3's all-gathers fall inside the window: their waits are not the device's work.
+        window_waits=job.plan.zero_stage == 3,
+    )
 
 
 def _log_rank_plan(job: Job, label: str, *, checkpointing: bool) -> None:

@@ -51,6 +51,7 @@ from poplar_ext.profiler.calibration import (
     apply_checks,
     check_profiles,
     plan_sizes,
+    rescaled_profile,
     with_calibration,
 )
 from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
@@ -260,6 +261,40 @@ class RebalanceUnavailable(ValueError):
         """Why, in words for a log line that is no error."""
 
 
+def profile_of_plan(plan: Plan, profiles: list[Profile], device_type: str) -> Profile | None:
+    """`device_type`'s profile among `profiles` (of the plan's stage and levers) that the plan was made
+    from, or the only one there is; None when there is none or several and the plan names none of them
+    (several models' profiles may share a directory: the plan's fingerprints say which)."""
+    candidates = [p for p in profiles if p.device_type == device_type]
+    matching = [p for p in candidates if plan.profile_fingerprints.get(device_type) == p.fingerprint]
+    if matching or len(candidates) == 1:
+        return (matching or candidates)[0]
+    return None
+
+
+def steady_compute_profiles(plan: Plan, cluster: Cluster, directory: ProfileDirectory) -> dict[str, dict]:
+    """Rank 0: the profile (as a dict) each emulated device type's compute is made steady by: the one the
+    plan was made from (`poplar_ext.hardware.emulation.steady_reference`); types without one are left out."""
+    from poplar_ext.plan.formats import profile_to_dict
+    from poplar_ext.plan.levers import profiles_for_plan
+
+    emulated = [t for t in cluster.type_counts() if cluster.emulation_of(t) is not None]
+    if not emulated or directory.poplar_config.profiles is None:
+        return {}
+    try:
+        profiles = profiles_for_plan(plan, directory.profiles())
+    except ValueError:  # an unreadable directory: the plan's check said so already where it matters
+        return {}
+    found = {t: profile_of_plan(plan, profiles, t) for t in emulated}
+    for t, profile in found.items():
+        check = plan.calibration.get(t, {})
+        named = plan.profile_fingerprints.get(t)
+        if profile is not None and check.get("outcome") == RESCALED and profile.fingerprint != named:
+            # The plan was searched from the cached profile rescaled at start: steady at those times.
+            found[t] = rescaled_profile(profile, check["measured_over_profiled"])
+    return {t: profile_to_dict(p) for t, p in found.items() if p is not None and p.max_micro_batch_size > 0}
+
+
 def load_rebalance_inputs(
     poplar_config: PoplarConfig, cluster: Cluster, plan: Plan, *, directory: ProfileDirectory | None = None
 ) -> tuple[list[Profile], Any]:
@@ -288,15 +323,13 @@ def load_rebalance_inputs(
             f"{poplar_config.profiles}, found none for {', '.join(missing)}",
             plain=f"{poplar_config.profiles} has no profile of {', '.join(missing)} at ZeRO stage {plan.zero_stage}",
         )
-    # Several models' profiles may share the directory: the plan's fingerprints say which.
-    wanted = plan.profile_fingerprints
     chosen: dict[str, Profile] = {}
     for device_type in cluster.type_counts():
-        candidates = [p for p in profiles if p.device_type == device_type]
-        matching = [p for p in candidates if wanted.get(device_type) == p.fingerprint]
-        if matching or len(candidates) == 1:
-            chosen[device_type] = (matching or candidates)[0]
+        found = profile_of_plan(plan, profiles, device_type)
+        if found is not None:
+            chosen[device_type] = found
             continue
+        candidates = [p for p in profiles if p.device_type == device_type]
         raise ValueError(
             f"{where}: expected one profile of {device_type} at ZeRO stage {plan.zero_stage} in "
             f"{poplar_config.profiles}, or the one the plan was made from, found {len(candidates)} (several models?) "

@@ -175,3 +175,78 @@ def test_the_emulation_range_is_the_sum_of_one_over_slowdown_against_the_cores(r
         emu.check_emulation_range(_emulated_cluster({"a": [2.0, 4.0, 4.0]}), cores=2, load_average=1.5)
     assert not [w for w in recwarn.list if issubclass(w.category, emu.EmulationRangeWarning)]
     assert "load average is 1.5 on 2 cores" in caplog.text
+
+
+def _block(slowdown, clock, compute_s: float, *, key=None, waited_s: float = 0.0) -> float:
+    """One block of `compute_s` of compute (plus `waited_s` of wall time not computing): the time slept."""
+    before = len(clock.slept)
+    slowdown.start(key) if key is not None else slowdown.start()
+    clock.compute(compute_s)
+    clock.wall += waited_s
+    slowdown.stop()
+    return sum(clock.slept[before:])
+
+
+def test_a_block_lasts_its_steady_time_once_learned_whatever_its_compute_took(clock):
+    # Slowdown 3. The first blocks' compute (0.4, 0.5, 0.6 s) is learned: median 0.5 s, so every later
+    # block lasts 1.5 s, whether its real compute took 0.3 s or 0.7 s (another rank on the core, a cache).
+    slowdown = emu.ComputeSlowdown(SLOW)
+    for compute_s in (0.4, 0.6, 0.5):
+        _block(slowdown, clock, compute_s)
+    assert _block(slowdown, clock, 0.3) == pytest.approx(1.2)
+    assert _block(slowdown, clock, 0.7) == pytest.approx(0.8)
+    assert slowdown.busy_time_s == pytest.approx(3 * (0.4 + 0.6 + 0.5) + 2 * 1.5)
+
+
+def test_each_kind_of_block_learns_its_own_time(clock):
+    slowdown = emu.ComputeSlowdown(SLOW)
+    for _ in range(emu.LEARNED_BLOCKS):
+        _block(slowdown, clock, 0.5, key=emu.micro_step_key(4))
+        _block(slowdown, clock, 0.1, key=emu.OPTIMIZER_STEP_KEY)
+    assert _block(slowdown, clock, 0.2, key=emu.micro_step_key(4)) == pytest.approx(1.3)
+    assert _block(slowdown, clock, 0.2, key=emu.OPTIMIZER_STEP_KEY) == pytest.approx(0.1)
+
+
+def test_micro_steps_take_the_profile_time_from_the_first_and_follow_drift(clock):
+    # The profile was measured at slowdown 3: 0.6 s at micro-batch 8 is 0.2 s of real compute.
+    reference = emu.SteadyReference(
+        micro_step_time_s=lambda b: 0.075 * b if b <= 16 else None, profile_slowdown=3.0, source="test"
+    )
+    slowdown = emu.ComputeSlowdown(SLOW, reference=reference)
+    assert _block(slowdown, clock, 0.25, key=emu.micro_step_key(8)) == pytest.approx(0.35)
+    slowdown.slowdown = 6.0  # the emulation's schedule made the device slower
+    assert _block(slowdown, clock, 0.25, key=emu.micro_step_key(8)) == pytest.approx(0.95)
+    # Beyond what the profile says, the size is learned like any other block.
+    assert _block(slowdown, clock, 0.25, key=emu.micro_step_key(32)) == pytest.approx(6 * 0.25 - 0.25)
+
+
+def test_a_block_past_its_steady_time_is_counted_and_warned_about(clock, caplog):
+    reference = emu.SteadyReference(micro_step_time_s=lambda b: 0.3, profile_slowdown=3.0, source="test")
+    slowdown = emu.ComputeSlowdown(SLOW, reference=reference)
+    assert _block(slowdown, clock, 0.1, key=emu.micro_step_key(1)) == pytest.approx(0.2)
+    assert not emu.warn_on_overrun(slowdown, rank=2)
+    # Its compute waited 0.5 s for a core: the block lasted 0.6 s where its steady time is 0.3 s.
+    assert _block(slowdown, clock, 0.1, key=emu.micro_step_key(1), waited_s=0.5) == 0.0
+    assert slowdown.overrun_s == pytest.approx(0.3)
+    assert slowdown.overrun_blocks == 1 and slowdown.blocks == 2
+    assert slowdown.overrun_report()["overrun_share"] == pytest.approx(0.3 / 0.6)
+    with caplog.at_level("WARNING", logger=emu.__name__):
+        assert emu.warn_on_overrun(slowdown, rank=2)
+    assert "rank 2: emulated compute ran 50.0% over its steady time (1 of 2 blocks" in caplog.text
+
+
+def test_waits_in_a_window_with_collectives_are_no_overrun(clock):
+    reference = emu.SteadyReference(micro_step_time_s=lambda b: 0.3, profile_slowdown=3.0, source="test")
+    slowdown = emu.ComputeSlowdown(SLOW, reference=reference, window_waits=True)
+    _block(slowdown, clock, 0.1, key=emu.micro_step_key(1), waited_s=0.5)
+    assert slowdown.overrun_s == 0.0
+    _block(slowdown, clock, 0.4, key=emu.micro_step_key(1))
+    assert slowdown.overrun_s == pytest.approx(0.1)
+
+
+def test_a_real_device_is_measured_block_by_block_never_made_steady(clock):
+    timer = emu.ComputeSlowdown(None)
+    for compute_s in (0.1, 0.1, 0.1, 0.4):
+        _block(timer, clock, compute_s)
+    assert timer.busy_time_s == pytest.approx(0.7)
+    assert clock.slept == [] and timer.overrun_s == 0.0
