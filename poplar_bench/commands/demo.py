@@ -58,6 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--force-profile", action="store_true", help="measure again even when cached profiles exist")
     p.add_argument(
+        "--repetitions",
+        type=_positive_int,
+        default=1,
+        help="run the demo this many times, each profiled afresh, and write NAME-steadiness.json and .md: "
+        "every run's poplar share of the ideal and prediction errors, and how far apart they land (default 1)",
+    )
+    p.add_argument(
         "--zero-stage",
         type=int,
         choices=ZERO_STAGES,
@@ -110,8 +117,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"poplar-bench demo: error: {exc}", file=sys.stderr)
         return 2
     warn_if_no_figure("demo")
+    out_dir = args.output_dir or default_output_dir()
     try:
-        paths = demo.run_demo(settings, out_dir=args.output_dir or default_output_dir(), name=args.name)
+        if args.repetitions > 1:
+            from ..steadiness import run_steadiness
+
+            paths = run_steadiness(settings, out_dir=out_dir, repetitions=args.repetitions, name=args.name)
+        else:
+            paths = demo.run_demo(settings, out_dir=out_dir, name=args.name)
     except RuntimeError as exc:  # a rank failed: its traceback is in the message
         print(f"poplar-bench demo: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,121 @@
+"""`poplar-bench demo --repetitions N`: the same demo N times, each profiled afresh, and how far apart they land.
+
+What it decides: whether the CPU instrument (emulated devices, `poplar_ext.hardware.emulation`) is steady
+enough that one demo run says something. Each run profiles from a cold cache, searches, trains and
+measures; the summary holds every run's poplar share of the measured ideal, each policy's prediction
+error and the emulation's overrun, and their spreads (largest - smallest) against the goals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from poplar_ext.plan.formats import read_json, write_json_atomic
+
+SHARE_SPREAD_GOAL = 0.02
+"""Poplar's share of the measured ideal: largest - smallest over the runs, at most this."""
+
+ERROR_SPREAD_GOAL = 0.03
+"""Each policy's prediction error: largest - smallest over the runs, at most this (3 points)."""
+
+
+def _spread(values: list[float]) -> float | None:
+    return max(values) - min(values) if values else None
+
+
+def summarize_steadiness(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every run's figures and their spreads, with the goals evaluated (reported, never asserted)."""
+    runs = []
+    for number, report in enumerate(reports, start=1):
+        scenario = report["scenarios"][0]
+        entries = {e["policy"]: e for e in scenario["policies"] if e["status"] == "ok"}
+        runs.append(
+            {
+                "run": number,
+                "poplar_share_of_ideal": (entries.get("poplar") or {}).get("share_of_ideal"),
+                "prediction_error": {p: e.get("prediction_error") for p, e in entries.items()},
+                "emulation_overrun_share": scenario.get("emulation_overrun_share"),
+                "profiles_from_cache": scenario.get("profiles_from_cache"),
+            }
+        )
+    shares = [r["poplar_share_of_ideal"] for r in runs if r["poplar_share_of_ideal"] is not None]
+    policies = sorted({p for r in runs for p in r["prediction_error"]})
+    error_spreads = {
+        p: _spread([r["prediction_error"][p] for r in runs if r["prediction_error"].get(p) is not None])
+        for p in policies
+    }
+    share_spread = _spread(shares)
+    goals = [
+        {
+            "goal": "poplar share of the measured ideal: spread over the runs",
+            "value": share_spread,
+            "target": f"<= {SHARE_SPREAD_GOAL}",
+            "met": share_spread is not None and len(shares) == len(runs) and share_spread <= SHARE_SPREAD_GOAL,
+        }
+    ] + [
+        {
+            "goal": f"{policy} prediction error: spread over the runs",
+            "value": spread,
+            "target": f"<= {ERROR_SPREAD_GOAL}",
+            "met": spread is not None and spread <= ERROR_SPREAD_GOAL,
+        }
+        for policy, spread in error_spreads.items()
+    ]
+    return {
+        "kind": "steadiness",
+        "data_source": reports[0]["data_source"] if reports else None,
+        "machine": reports[0]["machine"] if reports else None,
+        "runs": runs,
+        "poplar_share_spread": share_spread,
+        "prediction_error_spread": error_spreads,
+        "goals": goals,
+    }
+
+
+def render_steadiness(summary: dict[str, Any]) -> str:
+    """The runs and their spreads as markdown."""
+
+    def fmt(value: float | None, pattern: str = "{:.3f}") -> str:
+        return "-" if value is None else pattern.format(value)
+
+    policies = sorted(summary["prediction_error_spread"])
+    lines = [
+        "# poplar-bench demo, repeated from a cold profile cache",
+        "",
+        f"- data: **{summary['data_source']}**",
+        "",
+        "| run | poplar share of ideal | " + " | ".join(f"{p} prediction error" for p in policies) + " | overrun |",
+        "| --- | --- | " + " | ".join("---" for _ in policies) + " | --- |",
+    ]
+    for run in summary["runs"]:
+        errors = " | ".join(fmt(run["prediction_error"].get(p), "{:+.3f}") for p in policies)
+        lines.append(
+            f"| {run['run']} | {fmt(run['poplar_share_of_ideal'])} | {errors} | "
+            f"{fmt(run['emulation_overrun_share'], '{:.2%}')} |"
+        )
+    lines += ["", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
+    for goal in summary["goals"]:
+        lines.append(f"| {goal['goal']} | {fmt(goal['value'])} | {goal['target']} | {'yes' if goal['met'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_steadiness(settings: Any, *, out_dir: Path, repetitions: int, name: str = "demo") -> list[Path]:
+    """The demo `repetitions` times, each profiled afresh (``force_profile``); each run's report under
+    ``OUT/<name>-steadiness/``, the summary as ``<name>-steadiness.json`` and ``.md`` in `out_dir`."""
+    from . import demo
+
+    settings = dataclasses.replace(settings, force_profile=True)
+    reports = []
+    for number in range(1, repetitions + 1):
+        demo.progress(f"repetition {number}/{repetitions}, profiled afresh")
+        paths = demo.run_demo(settings, out_dir=out_dir / f"{name}-steadiness", name=f"{name}-{number}")
+        reports.append(read_json(next(p for p in paths if p.suffix == ".json")))
+    summary = summarize_steadiness(reports)
+    json_path, md_path = out_dir / f"{name}-steadiness.json", out_dir / f"{name}-steadiness.md"
+    write_json_atomic(summary, json_path)
+    md_path.write_text(render_steadiness(summary))
+    for goal in summary["goals"]:
+        demo.progress(f"goal {goal['goal']} {goal['target']}: {goal['value']} ({'met' if goal['met'] else 'MISSED'})")
+    return [json_path, md_path]

@@ -1,0 +1,55 @@
+"""`poplar-bench demo --repetitions N` (issue 35): the runs' spreads against the goals, and the command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from poplar_bench import steadiness
+from poplar_bench.cli import build_parser
+
+
+def _report(share: float, errors: dict[str, float], overrun: float | None = 0.001) -> dict:
+    policies = [
+        {"policy": p, "status": "ok", "share_of_ideal": share if p == "poplar" else 0.5, "prediction_error": e}
+        for p, e in errors.items()
+    ] + [{"policy": "proportional", "status": "infeasible"}]
+    return {
+        "data_source": "measured on CPU ranks with EMULATED device types",
+        "machine": {"hostname": "h"},
+        "scenarios": [{"policies": policies, "emulation_overrun_share": overrun, "profiles_from_cache": False}],
+    }
+
+
+def test_spreads_are_largest_minus_smallest_and_held_to_the_goals():
+    reports = [
+        _report(0.96, {"uniform": 0.01, "poplar": -0.02}),
+        _report(0.95, {"uniform": 0.00, "poplar": 0.02}),
+        _report(0.965, {"uniform": -0.01, "poplar": 0.00}),
+    ]
+    summary = steadiness.summarize_steadiness(reports)
+    assert summary["poplar_share_spread"] == pytest.approx(0.015)
+    assert summary["prediction_error_spread"] == {"poplar": pytest.approx(0.04), "uniform": pytest.approx(0.02)}
+    goals = {g["goal"]: g["met"] for g in summary["goals"]}
+    assert goals == {
+        "poplar share of the measured ideal: spread over the runs": True,
+        "poplar prediction error: spread over the runs": False,  # 4 points
+        "uniform prediction error: spread over the runs": True,
+    }
+    assert [r["run"] for r in summary["runs"]] == [1, 2, 3]
+    text = steadiness.render_steadiness(summary)
+    assert "| 2 | 0.950 | +0.020 | +0.000 | 0.10% |" in text
+    assert "EMULATED" in text
+
+
+def test_a_run_without_a_poplar_plan_fails_the_share_goal():
+    reports = [_report(0.96, {"poplar": 0.0}), _report(0.96, {"uniform": 0.0})]
+    goals = {g["goal"]: g["met"] for g in steadiness.summarize_steadiness(reports)["goals"]}
+    assert goals["poplar share of the measured ideal: spread over the runs"] is False
+
+
+def test_the_demo_takes_a_number_of_repetitions():
+    parser = build_parser()
+    assert parser.parse_args(["demo"]).repetitions == 1
+    assert parser.parse_args(["demo", "--repetitions", "5"]).repetitions == 5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo", "--repetitions", "0"])
