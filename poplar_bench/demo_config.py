@@ -53,6 +53,21 @@ def default_devices() -> tuple[DemoDevice, ...]:
     )
 
 
+def eight_rank_devices() -> tuple[DemoDevice, ...]:
+    """`poplar-bench demo --eight-ranks`: 8 ranks of three types on a 2-core machine, compute mostly waiting.
+
+    Two ``cpu8-fast`` (6x slower than a core), three ``cpu8-medium`` (12x), three ``cpu8-slow`` (24x): together
+    they keep 2/6 + 3/12 + 3/24 = 0.71 of a core busy, so more ranks than cores still compute on a core each.
+    Their own type names keep their profiles apart from the default cluster's in the demo's cache.
+    """
+    kinds = (("cpu8-fast", 6.0, 2, 192 * MIB), ("cpu8-medium", 12.0, 3, 96 * MIB), ("cpu8-slow", 24.0, 3, 48 * MIB))
+    return tuple(
+        DemoDevice(name=name, slowdown=slowdown, memory_headroom_bytes=headroom)
+        for name, slowdown, count, headroom in kinds
+        for _ in range(count)
+    )
+
+
 FASTEST_HEADROOM_BYTES = 192 * MIB
 MIN_HEADROOM_BYTES = 32 * MIB
 
@@ -105,7 +120,9 @@ class DemoSettings:
     """Everything the demo's behaviour depends on; the CLI sets a few of these."""
 
     devices: tuple[DemoDevice, ...] = field(default_factory=default_devices)
-    """One rank per device, in rank order."""
+    """One rank per device, in rank order (devices of one name are ranks of one type)."""
+    nodes: int = 1
+    """Emulated nodes the ranks are split over, in rank order and evenly (all on this machine)."""
     model: DemoModel = field(default_factory=DemoModel)
     zero_stage: int = 1
     """ZeRO stage of every policy's run (default 1: it shards optimizer states and, like
@@ -153,6 +170,10 @@ class DemoSettings:
     def __post_init__(self) -> None:
         if len(self.devices) < 2:
             raise ValueError(f"devices: expected at least 2 emulated devices, found {len(self.devices)}")
+        if not isinstance(self.nodes, int) or not 1 <= self.nodes <= len(self.devices):
+            raise ValueError(
+                f"nodes: expected an integer from 1 to the ranks ({len(self.devices)}), found {self.nodes!r}"
+            )
         if self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, found {self.zero_stage!r}")
 
@@ -212,18 +233,25 @@ def memory_capacity_bytes(device: DemoDevice, baseline_bytes: int) -> int:
 
 
 def demo_cluster(settings: DemoSettings, *, baseline_bytes: int) -> Cluster:
-    """One node, one rank per emulated device type, with the emulations declared.
+    """`settings.nodes` nodes of the ranks in order, with the emulations declared.
 
     `baseline_bytes` is the ranks' measured memory before any micro-batch; the
     emulated capacities are set above it (see `memory_capacity_bytes`).
     """
+    quotient, remainder = divmod(len(settings.devices), settings.nodes)
+    nodes, first = [], 0
+    for index in range(settings.nodes):
+        count = quotient + (index < remainder)
+        groups: list[DeviceGroup] = []
+        for device in settings.devices[first : first + count]:
+            if groups and groups[-1].device_type == device.name:
+                groups[-1] = DeviceGroup(device_type=device.name, count=groups[-1].count + 1)
+            else:
+                groups.append(DeviceGroup(device_type=device.name, count=1))
+        first += count
+        nodes.append(ClusterNode(name="localhost" if settings.nodes == 1 else f"node{index}", devices=tuple(groups)))
     return Cluster(
-        nodes=(
-            ClusterNode(
-                name="localhost",
-                devices=tuple(DeviceGroup(device_type=d.name, count=1) for d in settings.devices),
-            ),
-        ),
+        nodes=tuple(nodes),
         device_types={
             d.name: DeviceTypeInfo(
                 emulation=Emulation(slowdown=d.slowdown, memory_capacity_bytes=memory_capacity_bytes(d, baseline_bytes))

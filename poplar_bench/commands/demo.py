@@ -58,6 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--force-profile", action="store_true", help="measure again even when cached profiles exist")
     p.add_argument(
+        "--eight-ranks",
+        action="store_true",
+        help="8 ranks on 2 emulated nodes (ranks 0-3 and 4-7) instead of the default 3 on one: 2 cpu8-fast "
+        "(6x slower than a core), 3 cpu8-medium (12x), 3 cpu8-slow (24x); together 0.71 of a core, so more "
+        "ranks than cores run with their compute mostly waiting",
+    )
+    p.add_argument(
         "--repetitions",
         type=_positive_int,
         default=1,
@@ -99,11 +106,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .. import demo
-    from ..demo_config import DemoSettings, default_devices, devices_from_slowdowns
+    from ..demo_config import DemoSettings, default_devices, devices_from_slowdowns, eight_rank_devices
 
+    if args.eight_ranks and args.slowdowns is not None:
+        print("poplar-bench demo: error: expected --eight-ranks or --slowdowns, found both", file=sys.stderr)
+        return 2
     try:
+        devices = default_devices() if args.slowdowns is None else devices_from_slowdowns(args.slowdowns)
         settings = DemoSettings(
-            devices=default_devices() if args.slowdowns is None else devices_from_slowdowns(args.slowdowns),
+            devices=eight_rank_devices() if args.eight_ranks else devices,
+            nodes=2 if args.eight_ranks else 1,
             zero_stage=args.zero_stage,
             iterations=args.iterations,
             rounds=args.rounds,

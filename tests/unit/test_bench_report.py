@@ -208,6 +208,30 @@ def test_demo_cluster_declares_every_emulation_in_rank_order():
     assert cluster.emulation_of("slow").memory_capacity_bytes == (320 << 20) + (1 << 29)
 
 
+def test_eight_ranks_on_two_emulated_nodes_within_a_core():
+    from poplar_bench.demo_config import DemoSettings, eight_rank_devices
+    from poplar_ext.hardware.emulation import core_demand
+
+    settings = DemoSettings(devices=eight_rank_devices(), nodes=2)
+    cluster = demo_cluster(settings, baseline_bytes=300 << 20)
+    assert cluster.world_size == 8
+    assert [n.name for n in cluster.nodes] == ["node0", "node1"]
+    assert [[(g.device_type, g.count) for g in n.devices] for n in cluster.nodes] == [
+        [("cpu8-fast", 2), ("cpu8-medium", 2)],
+        [("cpu8-medium", 1), ("cpu8-slow", 3)],
+    ]
+    assert core_demand(cluster.emulation_of(t).slowdown for t in cluster.rank_device_types) < 1.0
+    with pytest.raises(ValueError, match=r"nodes: expected an integer from 1 to the ranks \(8\), found 9"):
+        DemoSettings(devices=eight_rank_devices(), nodes=9)
+
+
+def test_the_demo_command_takes_eight_ranks_or_slowdowns_not_both(capsys):
+    from poplar_bench.cli import main
+
+    assert main(["demo", "--eight-ranks", "--slowdowns", "3,6"]) == 2
+    assert "expected --eight-ranks or --slowdowns, found both" in capsys.readouterr().err
+
+
 def test_memory_capacity_rounds_the_baseline_up_to_32_mib():
     device = SETTINGS.devices[0]
     assert memory_capacity_bytes(device, 320 << 20) == (320 << 20) + (1 << 30)
