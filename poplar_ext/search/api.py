@@ -41,11 +41,11 @@ from poplar_ext.plan.levers import (
 # The memory levers' home is search.levers; lever_choices, plan_levers, profiles_for_plan
 # and LEVERS_ORDER stay importable from here.
 from poplar_ext.plan.levers import LEVERS_ORDER as LEVERS_ORDER
+from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import PipelinePlan
 
 from .cost import StageModel, build_stage_model
 from .lever_search import StageOutcome, evaluate_settings, search_levers
-from .network import NetworkProfile
 from .policies import PolicyResult
 
 
@@ -336,7 +336,7 @@ def search_plan(
         zero_stage: 0..3, or ``"auto"`` to evaluate every stage and keep the fastest.
         policy: ``poplar``, ``uniform`` or ``proportional`` (`search.policies`).
         max_global_batch_size: upper bound for the automatic global batch.
-        network: collective times (`search.network`); with one, communication is
+        network: collective times (`plan.network_format`); with one, communication is
             priced for the cluster's world size (`search.cost`), without, the
             boundary is the profiles' measured one.
 
