@@ -40,14 +40,15 @@ from poplar_ext.hardware.emulation import device_label
 from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocator
 from poplar_ext.optimizer_offload import OFFLOAD_MODES, offload_deepspeed_optimizer
 from poplar_ext.plan.formats import (
+    OFFLOAD_STAGES,
     ZERO_STAGES,
     ModelInfo,
     Profile,
+    levers_text,
     profile_from_dict,
     profile_to_dict,
     read_json,
 )
-from poplar_ext.plan.levers import OFFLOAD_STAGES, levers_text
 from poplar_ext.profiler.cache import (
     ProfileKey,
     ds_config_fingerprint,

@@ -16,6 +16,7 @@ from poplar_ext.plan.formats import (
     MAX_GLOBAL_BATCH_SIZE,
     MAX_MICRO_BATCH_SIZE,
     MAX_WORLD_SIZE,
+    OFFLOAD_STAGES,
     POLICIES,
     ZERO_STAGES,
     Cluster,
@@ -23,24 +24,19 @@ from poplar_ext.plan.formats import (
     Prediction,
     Profile,
     RankPlan,
+    levers_text,
     one_accumulation_count,
 )
 from poplar_ext.plan.levers import (
     LEVER_NAMES,
     NO_LEVERS,
-    OFFLOAD_STAGES,
     Variants,
     lever_choices,
     levers_summary,
-    levers_text,
     mixed_lever_types,
     plan_levers,
     profiles_for_plan,
 )
-
-# The memory levers' home is search.levers; lever_choices, plan_levers, profiles_for_plan
-# and LEVERS_ORDER stay importable from here.
-from poplar_ext.plan.levers import LEVERS_ORDER as LEVERS_ORDER
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import PipelinePlan
 

@@ -19,10 +19,11 @@ from poplar_ext.plan.formats import (
     ClusterNode,
     DeviceGroup,
     DeviceTypeInfo,
+    Levers,
     Plan,
     Profile,
 )
-from poplar_ext.plan.levers import NO_LEVERS, Levers, plan_levers
+from poplar_ext.plan.levers import NO_LEVERS, plan_levers
 from poplar_ext.plan.network_format import NetworkProfile
 
 SCALE_DECIMALS = 2

@@ -49,8 +49,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poplar_ext.plan.formats import MAX_GLOBAL_BATCH_SIZE, Cluster
-from poplar_ext.plan.levers import Levers, Variants, fits, lever_count, lever_options
+from poplar_ext.plan.formats import MAX_GLOBAL_BATCH_SIZE, Cluster, Levers
+from poplar_ext.plan.levers import Variants, fits, lever_count, lever_options
 from poplar_ext.plan.network_format import NetworkProfile
 
 from .allocation import PolicyResult, divisors
