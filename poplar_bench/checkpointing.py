@@ -116,8 +116,8 @@ def _run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
 def search_plans(settings: DemoSettings, profiles: list[Any], cluster: Any, work: Path) -> dict[str, Any]:
     """Rank 0: both plans, written to ``plan-<name>.json``, and what the report needs of them."""
     from poplar_ext.plan.formats import plan_to_dict, save_plan
+    from poplar_ext.plan.network_format import find_network
     from poplar_ext.search import search_plan
-    from poplar_ext.search.network import find_network
 
     network = find_network(settings.profiles_dir(), cluster)
     out: dict[str, Any] = {

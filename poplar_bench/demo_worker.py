@@ -175,6 +175,9 @@ def measure_baseline_bytes(settings: DemoSettings) -> int:
     so emulated capacities are set above this baseline (which depends on the machine and
     library versions).
     """
+    # The network fit's scipy.optimize, which profiling loads, is in the baseline (the search loaded
+    # it before the network file moved to the plan): the headroom is the model's and DeepSpeed's.
+    import poplar_ext.search.network  # noqa: F401
     from poplar_ext.hardware.memory import (
         peak_memory_bytes,
         release_memory,
@@ -315,10 +318,10 @@ def calibrate_profiles(
     which the other policies' plans use too. Timing every policy's sizes as well cost about three
     times as long (each trial lasts as long as its slowest type's micro-steps)."""
     from poplar_ext.collectives import broadcast_from_rank0
+    from poplar_ext.plan.network_format import find_network
     from poplar_ext.profiler import ProfileOptions
     from poplar_ext.profiler.api import time_micro_steps
     from poplar_ext.profiler.calibration import REMEASURED, apply_checks, check_profiles
-    from poplar_ext.search.network import find_network
 
     sizes = None
     if dist.get_rank() == 0:
@@ -394,9 +397,9 @@ def make_plans(
     """Search every policy, write each plan to ``plan-<policy>.json`` in `work`, and
     return what `bench.demo.assemble_report` reads as ``plans``. `checks`: the profiles'
     calibration (`calibrate_profiles`), recorded in every plan and in ``calibration``."""
+    from poplar_ext.plan.network_format import find_network, network_to_dict
     from poplar_ext.profiler.calibration import with_calibration
     from poplar_ext.search import predict
-    from poplar_ext.search.network import find_network, network_to_dict
 
     # The profiler measured the network beside the profiles: communication is priced.
     network = find_network(settings.profiles_dir(), cluster)

@@ -120,8 +120,8 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
 
 def _write_plan(settings: DriftSettings, profiles, cluster, path: Path) -> None:
     from poplar_ext.plan.formats import save_plan
+    from poplar_ext.plan.network_format import find_network
     from poplar_ext.search import search_plan
-    from poplar_ext.search.network import find_network
 
     result = search_plan(
         profiles,

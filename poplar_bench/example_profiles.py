@@ -14,8 +14,8 @@ import dataclasses
 from pathlib import Path
 
 from poplar_ext.plan.formats import ZERO_STAGES, Cluster, ClusterNode, DeviceGroup, save_cluster, save_profile
+from poplar_ext.plan.network_format import cluster_key, network_path, save_network
 from poplar_ext.plan.pipeline_formats import layer_profiles_dir, save_layer_profile
-from poplar_ext.search.network import cluster_key, network_path, save_network
 
 from .gpu_layer_model import modelled_layer_profile, two_level_network
 from .gpu_model import ModelShape, gpu_spec, modelled_profile

@@ -40,8 +40,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from poplar_ext.plan.formats import ModelInfo, content_fingerprint
+from poplar_ext.plan.network_format import COLLECTIVES, CollectiveFit, NetworkProfile, NetworkScope
 from poplar_ext.plan.pipeline_formats import LayerCost, LayerProfile, LayerSample
-from poplar_ext.search.network import COLLECTIVES, CollectiveFit, NetworkProfile, NetworkScope
 
 from .gpu_model import Assumptions, GpuSpec, ModelShape, gpu_spec
 from .gpu_model import modelled_network as whole_job_network

@@ -54,8 +54,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from poplar_ext.plan.formats import ZERO_STAGES, ModelInfo, Profile, Sample, content_fingerprint
+from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.search import network as search_network
-from poplar_ext.search.network import NetworkProfile
 
 GIB = 1 << 30
 MODEL_VERSION = "bench.gpu_model/1"

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from poplar_ext.plan.formats import POLICIES, ZERO_STAGES, Cluster, Profile, load_cluster
+from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.search import predict, search_plan
-from poplar_ext.search.network import NetworkProfile
 
 from . import gpu_model
 from .report import (

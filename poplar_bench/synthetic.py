@@ -12,8 +12,17 @@ import dataclasses
 
 import numpy as np
 
-from poplar_ext.plan.formats import ZERO_STAGES, Cluster, ClusterNode, DeviceGroup, ModelInfo, Profile, Sample
-from poplar_ext.plan.levers import LEVERS_ORDER, OFFLOAD_STAGES
+from poplar_ext.plan.formats import (
+    OFFLOAD_STAGES,
+    ZERO_STAGES,
+    Cluster,
+    ClusterNode,
+    DeviceGroup,
+    ModelInfo,
+    Profile,
+    Sample,
+)
+from poplar_ext.plan.levers import LEVERS_ORDER
 from poplar_ext.plan.pipeline_formats import LayerCost, LayerProfile, LayerSample
 
 SYNTHETIC_MODEL = ModelInfo(name="synthetic", fingerprint="synthetic-model", num_parameters=1_000_000, dtype="float32")

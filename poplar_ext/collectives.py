@@ -304,7 +304,7 @@ def timed_collective(collective: str, message_bytes: int, device: Any, *, group:
 
     ``all_reduce`` of the tensor, ``reduce_scatter`` of it into 1/W shards,
     ``all_gather`` of 1/W shards into it: the collectives ZeRO issues, as
-    `search.network` prices them. float32 elements; the tensor is rounded up to a
+    `plan.network_format` models them. float32 elements; the tensor is rounded up to a
     multiple of the world size. `group`: a subgroup (this rank must be in it), default
     the whole job.
     """

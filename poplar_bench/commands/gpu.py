@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..gpu.run import BUDGET_S, STEPS
+    from ..gpu.context import BUDGET_S, STEPS
 
     p = subparsers.add_parser(
         "gpu",
@@ -44,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..gpu.run import STEPS, GpuRunSettings, run_gpu
+    from ..gpu.context import STEPS, GpuRunSettings
+    from ..gpu.run import run_gpu
 
     chosen = [s.strip() for s in args.steps.split(",") if s.strip()]
     settings = GpuRunSettings(

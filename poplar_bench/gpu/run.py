@@ -23,12 +23,10 @@ less than its minimum is left; the ranks' work folders live outside the output f
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,19 +34,13 @@ from typing import Any
 from poplar_ext.plan.formats import write_json_atomic
 
 from ..report import machine_description, utc_now
-from .context import StepContext
-
-STEPS = ("exact", "profile", "predictions", "launcher")
-"""The steps after the provenance, in order: evidence first."""
+from .context import GpuRunSettings, RunLog, StepContext
 
 STEP_LIMITS_S = {"exact": 150.0, "profile": 150.0, "predictions": 150.0, "launcher": 90.0}
 """The longest each step may take; it also gets no more than what is left of the budget."""
 
 STEP_MINIMUM_S = {"exact": 30.0, "profile": 45.0, "predictions": 60.0, "launcher": 45.0}
 """A step is skipped (and says so) when less than this is left of the budget."""
-
-BUDGET_S = 390.0
-"""The whole command: with the wheels' install (~20 s) it ends within 7 minutes."""
 
 RUN_ENVIRONMENT = {
     # DeepSpeed compiles none of its CUDA ops (the run uses torch's optimizers) and does not look for nvcc.
@@ -57,49 +49,6 @@ RUN_ENVIRONMENT = {
     # torch's CUDA availability check through NVML: no CUDA context in the bench's process, which forks ranks.
     "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
 }
-
-
-@dataclass(frozen=True, kw_only=True)
-class GpuRunSettings:
-    """One `poplar-bench gpu` call."""
-
-    output_dir: Path
-    """Where the eight result files go (created)."""
-    dry_run: bool = False
-    """The same code paths on CPU with CPU stand-ins and tiny sizes (the test suite runs it)."""
-    repo: Path = field(default_factory=Path.cwd)
-    """The repository root: the exactness and launcher checks are its tests/gpu (default: the current directory)."""
-    budget_s: float = BUDGET_S
-    """Seconds the whole run may take; each step gets what is left, at most its limit."""
-    steps: tuple[str, ...] = STEPS
-    """Which steps run (a subset of `STEPS`, in that order)."""
-    work_dir: Path | None = None
-    """The ranks' logs, profile caches and plans (None: a new temporary folder, left in place)."""
-
-    def __post_init__(self) -> None:
-        unknown = [s for s in self.steps if s not in STEPS]
-        if unknown:
-            raise ValueError(f"steps: expected some of {', '.join(STEPS)}, found {', '.join(unknown)}")
-        if self.budget_s <= 0:
-            raise ValueError(f"budget_s: expected a number of seconds > 0, found {self.budget_s!r}")
-
-
-class RunLog:
-    """``gpu_run.log``: every line with its time since the start, also on stderr."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.started = time.perf_counter()
-        path.write_text("")
-
-    def elapsed_s(self) -> float:
-        return time.perf_counter() - self.started
-
-    def say(self, message: str) -> None:
-        line = f"[poplar-bench gpu {self.elapsed_s():6.1f} s] {message}"
-        with self.path.open("a") as log:
-            log.write(line + "\n")
-        print(line, file=sys.stderr, flush=True)
 
 
 def run_gpu(settings: GpuRunSettings) -> int:

@@ -227,7 +227,7 @@ def plan_searched_at_start(
         measure_missing(types, cluster, stages)  # collective
 
     def search() -> dict[str, Any]:
-        from poplar_ext.search.network import find_network
+        from poplar_ext.plan.network_format import find_network
         from poplar_ext.search.pipeline_search import search_pipeline_plan
 
         profiles = _model_layer_profiles(poplar_config, num_layers, fingerprint)

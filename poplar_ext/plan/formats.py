@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FormatError
-from .levers import OFFLOAD_STAGES, Levers, levers_text
 from .validation import MAX_JSON_DEPTH, Node, json_depth
 
 PROFILE_SCHEMA_VERSION = 1
@@ -29,6 +28,26 @@ CLUSTER_SCHEMA_VERSION = 1
 PLAN_SCHEMA_VERSION = 1
 ZERO_STAGES = (0, 1, 2, 3)
 POLICIES = ("uniform", "proportional", "poplar")
+
+Levers = tuple[bool, bool]
+"""``(activation_checkpointing, optimizer_offload)``: the memory levers one device type uses."""
+
+OFFLOAD_STAGES = (1, 2)
+"""The ZeRO stages at which poplar-ext offloads an optimizer (DeepSpeed lets ranks differ
+there: bench/results/mixed_offload)."""
+
+
+def levers_text(activation_checkpointing: bool, optimizer_offload: bool = False) -> str:
+    """`` with activation checkpointing and optimizer offload`` (each only when set; '' for neither)."""
+    used = [
+        name
+        for name, on in (
+            ("activation checkpointing", activation_checkpointing),
+            ("optimizer offload", optimizer_offload),
+        )
+        if on
+    ]
+    return f" with {' and '.join(used)}" if used else ""
 
 
 def one_accumulation_count(zero_stage: int) -> bool:

@@ -12,21 +12,17 @@ DeepSpeed imposes, and why:
 
 This module is the vocabulary (the `Levers` pair, its order and text), the settings a
 search may try (`lever_choices`), and a plan's settings and profiles (`plan_levers`,
-`profiles_for_plan`). Pure Python: the formats import it, so it imports them only for
-type checking.
+`profiles_for_plan`). The pair itself, the stages that offload and a setting's text are the
+formats' (`Levers`, `OFFLOAD_STAGES`, `levers_text` in `poplar_ext.plan.formats`): a profile
+and a plan carry them. Pure Python.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .formats import Plan, Profile
-
-Levers = tuple[bool, bool]
-"""``(activation_checkpointing, optimizer_offload)``: the memory levers one device type uses."""
+from .formats import Levers, Plan, Profile
 
 NO_LEVERS: Levers = (False, False)
 
@@ -37,30 +33,13 @@ and among equally fast settings the search keeps the first (`lever_choices`' ord
 LEVER_NAMES = ("activation_checkpointing", "optimizer_offload")
 """The plan's and the profile's field for each position of `Levers`."""
 
-OFFLOAD_STAGES = (1, 2)
-"""The ZeRO stages at which poplar-ext offloads an optimizer (DeepSpeed lets ranks differ
-there: bench/results/mixed_offload)."""
-
-Variants = dict[Levers, "Profile"]
+Variants = dict[Levers, Profile]
 """One device type's profiles at one stage, by `Profile.levers`."""
 
 
 def lever_count(levers: Levers) -> int:
     """How many of the two levers `levers` uses (0, 1 or 2)."""
     return int(levers[0]) + int(levers[1])
-
-
-def levers_text(activation_checkpointing: bool, optimizer_offload: bool = False) -> str:
-    """`` with activation checkpointing and optimizer offload`` (each only when set; '' for neither)."""
-    used = [
-        name
-        for name, on in (
-            ("activation checkpointing", activation_checkpointing),
-            ("optimizer offload", optimizer_offload),
-        )
-        if on
-    ]
-    return f" with {' and '.join(used)}" if used else ""
 
 
 def levers_summary(setting: dict[str, Levers]) -> str:

@@ -12,6 +12,7 @@ What to measure and how is a `ProfileOptions` (`poplar_ext.profiler.options`):
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import platform
@@ -39,15 +40,15 @@ from poplar_ext.hardware.emulation import device_label
 from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocator
 from poplar_ext.optimizer_offload import OFFLOAD_MODES, offload_deepspeed_optimizer
 from poplar_ext.plan.formats import (
+    OFFLOAD_STAGES,
     ZERO_STAGES,
-    Cluster,
     ModelInfo,
     Profile,
+    levers_text,
     profile_from_dict,
     profile_to_dict,
     read_json,
 )
-from poplar_ext.plan.levers import OFFLOAD_STAGES, levers_text
 from poplar_ext.profiler.cache import (
     ProfileKey,
     ds_config_fingerprint,
@@ -58,7 +59,6 @@ from poplar_ext.profiler.calibration import timed_as_training
 from poplar_ext.profiler.fingerprint import model_fingerprint
 from poplar_ext.profiler.layout import JobLayout, build_layout
 from poplar_ext.profiler.measure import (
-    LossFn,
     MeasureSettings,
     StageMeasurement,
     TrialEvent,
@@ -80,8 +80,6 @@ from poplar_ext.search.model_states import (
 )
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT = ProfileOptions  # profile_model's defaults are ProfileOptions' own (stated once, there)
 
 
 @dataclass
@@ -141,31 +139,7 @@ def trial_outcome_text(event: TrialEvent) -> str:
     return text
 
 
-def profile_model(
-    *,
-    model_factory: Callable[[], torch.nn.Module],
-    make_batch: Callable[[int], Any],
-    ds_config: Mapping[str, Any] | str | os.PathLike[str],
-    cluster: Cluster | str | os.PathLike[str] | None = _DEFAULT.cluster,
-    zero_stages: Iterable[int] = _DEFAULT.zero_stages,
-    micro_batch_sizes: Iterable[int] | None = _DEFAULT.micro_batch_sizes,
-    cache_dir: str | os.PathLike[str] = _DEFAULT.cache_dir,
-    force: bool = _DEFAULT.force,
-    progress: Progress | None = _DEFAULT.progress,
-    loss_fn: LossFn | None = _DEFAULT.loss_fn,
-    optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = _DEFAULT.optimizer_factory,
-    model_name: str | None = _DEFAULT.model_name,
-    sequence_length: int | None = _DEFAULT.sequence_length,
-    warmup_micro_steps: int = _DEFAULT.warmup_micro_steps,
-    repeats: int = _DEFAULT.repeats,
-    micro_batch_size_limit: int = _DEFAULT.micro_batch_size_limit,
-    measure_network: bool = _DEFAULT.measure_network,
-    activation_checkpointing: str = _DEFAULT.activation_checkpointing,
-    checkpointing_toggle: CheckpointingToggle | None = _DEFAULT.checkpointing_toggle,
-    optimizer_offload: str = _DEFAULT.optimizer_offload,
-    per_layer: bool | None = _DEFAULT.per_layer,
-    collective_timeout_s: float | None = _DEFAULT.collective_timeout_s,
-) -> list[Profile]:
+def profile_model(**options: Any) -> list[Profile]:
     """Profiles of every device type in the job at every stage of `zero_stages` (collective).
 
     Every rank calls it with the same arguments. For each (device type, stage) a
@@ -173,8 +147,8 @@ def profile_model(
     `force`); the others are measured and written there by rank 0. Returns the same
     list, stage by stage in job order of device types, on every rank.
 
-    Each argument is the `ProfileOptions` field of its name, which says what it means
-    and its type and default (`poplar_ext.profiler.options`).
+    Its keywords are `ProfileOptions`' fields, each saying what it means, its type and its
+    default (`poplar_ext.profiler.options`); its signature is theirs.
 
     On CPU it measures with one torch thread and glibc's steady allocator
     (`poplar_ext.hardware.cpu_process`), and on return gives the previous thread
@@ -183,8 +157,13 @@ def profile_model(
     With a pipeline model (see `ProfileOptions.per_layer`) it writes layer profiles
     (``<cache_dir>/layers/``, `poplar_ext.profiler.per_layer.profile_layers`) and returns [].
     """
-    # The parameters are ProfileOptions' fields, in order (tests/unit/test_profiler_config.py checks).
-    return profile_with(ProfileOptions(**locals()))
+    return profile_with(ProfileOptions(**options))
+
+
+# help(), IDEs and inspect see the keywords, stated once: the options' fields.
+profile_model.__signature__ = inspect.signature(ProfileOptions).replace(  # type: ignore[attr-defined]
+    return_annotation="list[Profile]"
+)
 
 
 def profile_with(options: ProfileOptions) -> list[Profile]:

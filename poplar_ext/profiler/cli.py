@@ -15,15 +15,17 @@ or with the built-in toy GPT (no downloads)::
 that path is the real script, not a pyenv or conda shim the launcher cannot run;
 with torchrun: ``torchrun --nproc_per_node 8 -m poplar_ext.profiler ...``.)
 
-Thin: parsing and input checks here, into a `ProfileOptions`; the work in
+Thin: the options that build the model here, one option per other `ProfileOptions` field
+built from the field (its flag, reader, default and docstring); the work in
 `poplar_ext.profiler.profile_with`.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
-import importlib
+import inspect
 import json
 import os
 import sys
@@ -31,10 +33,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from poplar_ext.optimizer_offload import OFFLOAD_MODES
 from poplar_ext.plan.errors import FormatError
-from poplar_ext.plan.formats import ZERO_STAGES
-from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, log_progress
+from poplar_ext.profiler.options import ProfileOptions, at_least, log_progress, read_callable
 
 BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
 HF_PREFIX = "hf:"
@@ -43,28 +43,25 @@ DISCOVERED_CLUSTER_FILE = "cluster.json"
 """Where, in the output directory, a run without --cluster writes the cluster it discovered."""
 
 
-_DEFAULT = ProfileOptions  # the command line's defaults are ProfileOptions' own
-
-
 class UsageError(ValueError):
     """Bad command-line input: reported in one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not argparse's usage dump
-        raise UsageError(message)
+        raise UsageError(message.removeprefix("argument "))
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The argument parser (standalone, or filled into a subcommand's `parser`)."""
+    """The argument parser (standalone, or filled into a subcommand's `parser`): the options that
+    build the model, then one per `ProfileOptions` field."""
     parser = parser or _Parser(
         prog="poplar-profile",
         description=(
             "Measure each device type of the job at each ZeRO stage (micro-step time curve, "
             "optimizer-step time, peak memory, largest micro-batch) and write one profile per "
             "(model, device type, stage, activation checkpointing, optimizer offload). Run it under the deepspeed "
-            "launcher or torchrun, like "
-            "training; profiles already in --output-dir with the same keys are reused."
+            "launcher or torchrun, like training; profiles already in --output-dir with the same keys are reused."
         ),
         epilog=(
             "Example: deepspeed --num_gpus 2 --module poplar_ext.profiler --deepspeed_config ds.json "
@@ -82,13 +79,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "measurement)",
     )
     parser.add_argument(
-        "--cluster",
-        metavar="FILE",
-        help="cluster description: the device type of every rank, and the emulation of emulated types; read by "
-        "rank 0 alone and checked against every rank's hardware (default: discovered from the hardware and "
-        "written as cluster.json next to the profiles, for poplar-search)",
-    )
-    parser.add_argument(
         "--model",
         required=True,
         metavar="MODULE:FACTORY",
@@ -101,106 +91,57 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         metavar="MODULE:FACTORY",
         help="make_batch(micro_batch_size) -> one micro-batch; required unless --model is built in",
     )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    _add_field_options(parser)
+    _add_model_options(parser)
+    # Appended by the deepspeed launcher; the rank comes from the environment.
     parser.add_argument(
-        "--zero-stages",
-        default=",".join(map(str, _DEFAULT.zero_stages)),
-        metavar="LIST",
-        help="comma-separated ZeRO stages to profile (default: %(default)s)",
+        "--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS
     )
-    parser.add_argument(
-        "--output-dir", default=_DEFAULT.cache_dir, metavar="DIR", help="profile cache directory (default: %(default)s)"
-    )
-    parser.add_argument("--force", action="store_true", help="measure again even where a matching profile exists")
-    parser.add_argument(
-        "--no-network",
-        action="store_true",
-        help="do not time the collectives (by default all-reduce, reduce-scatter and all-gather are timed at 4 KiB-32 "
-        "MiB, "
-        "about a second, and written as network/network-*.json in the output directory, with which poplar-search "
-        "prices communication)",
-    )
-    parser.add_argument(
-        "--micro-batch-sizes",
-        metavar="LIST",
-        help="comma-separated sizes for the time curve (default: 1,2,3,4,6,8,12,... up to the largest that fits)",
-    )
-    parser.add_argument(
-        "--max-micro-batch-size",
-        type=int,
-        default=_DEFAULT.micro_batch_size_limit,
-        metavar="N",
-        help="never try a larger micro-batch (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=_DEFAULT.repeats,
-        metavar="N",
-        help="timed micro-steps per size; the median counts (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=_DEFAULT.warmup_micro_steps,
-        metavar="N",
-        help="untimed micro-steps per size first (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--model-name", metavar="NAME", help="name in the profiles and file names (default: from the model)"
-    )
-    parser.add_argument(
-        "--sequence-length",
-        type=int,
-        metavar="N",
-        help="tokens per sample; part of the cache key (built-in models: their context length, default 512 for "
-        "gpt2-small, 64 for toy-gpt)",
-    )
-    parser.add_argument(
-        "--activation-checkpointing",
-        default=_DEFAULT.activation_checkpointing,
-        choices=CHECKPOINTING_MODES,
-        help="auto: measure each type and stage without and with activation checkpointing where the model can do "
-        "both (built-in models, Hugging Face models with gradient checkpointing, or --checkpointing-toggle), so that "
-        "poplar-search can choose it per device type; both: the same, or an error when the model cannot; off: without "
-        "only (half the time); default: %(default)s",
-    )
-    parser.add_argument(
-        "--optimizer-offload",
-        default=_DEFAULT.optimizer_offload,
-        choices=OFFLOAD_MODES,
-        help="off: measure without only; smallest: also measure the device type(s) with the least memory with the "
-        "optimizer offloaded to the host (DeepSpeed's offload_optimizer, ZeRO stages 1-2), so that poplar-search can "
-        "choose it for them; both: every type so; default: %(default)s",
-    )
-    parser.add_argument(
-        "--per-layer",
-        action="store_true",
-        default=None,
-        help="also write layer profiles (DIR/layers/, for poplar-search --parallelism pipeline|auto): each layer's "
-        "forward + backward time against micro-batch size, its memory and its output bytes; automatic when --model "
-        "builds a pipeline model (a PipelineModule or a list of LayerSpecs), which gets layer profiles only "
-        "(--batch then returns (inputs, labels) and --loss is DeepSpeed's pipeline loss_fn(outputs, labels))",
-    )
-    parser.add_argument(
-        "--collective-timeout",
-        type=float,
-        default=_DEFAULT.collective_timeout_s,
-        metavar="SECONDS",
-        help="while profiling, collectives time out after this long instead of the process group's own (30 minutes "
-        "by DeepSpeed's default), so a rank lost outside the agreed points ends the job in minutes; 0 keeps the "
-        "group's own; longer than the slowest type's longest trial; default: %(default)s",
-    )
-    parser.add_argument(
-        "--checkpointing-toggle",
-        metavar="MODULE:FN",
-        help="toggle(model, enabled) that turns activation checkpointing on or off in a --model of your own "
-        "(give the same function to poplar_ext.initialize as checkpointing_toggle)",
-    )
-    parser.add_argument(
-        "--loss",
-        metavar="MODULE:FN",
-        help="loss_fn(engine, batch) -> loss when the model's output is not the loss and has no .loss",
-    )
+    return parser
+
+
+def _add_field_options(parser: argparse.ArgumentParser) -> None:
+    """One option per `ProfileOptions` field not built by hand: the field's flag, reader, default and
+    docstring (its help)."""
+    helps = _field_docstrings()
+    for f in dataclasses.fields(ProfileOptions):
+        if f.metadata["cli"] is None:
+            continue
+        spec = dict(f.metadata["cli"])
+        flag, read = spec.pop("flag") or "--" + f.name.replace("_", "-"), spec.pop("read")
+        if read is not None:
+            spec["type"] = _argparse_type(read)
+        text = helps[f.name]
+        if f.default is not None and f.default is not False:
+            shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+            text += f" (default: {shown})"
+        parser.add_argument(flag, dest=f.name, default=f.default, help=text.replace("%", "%%"), **spec)
+
+
+def _field_docstrings() -> dict[str, str]:
+    """Each `ProfileOptions` field's docstring on one line (a field's docstring is in the source only)."""
+    body = ast.parse(inspect.getsource(ProfileOptions)).body[0].body  # type: ignore[attr-defined]
+    return {
+        field.target.id: " ".join(doc.value.value.split()).replace("`", "")
+        for field, doc in zip(body, body[1:])
+        if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(field.target, ast.Name)
+    }
+
+
+def _argparse_type(read: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`read` as argparse's type: its ValueError the option's one-line error."""
+
+    def convert(text: str) -> Any:
+        try:
+            return read(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
     hf = parser.add_argument_group("Hugging Face models (--model hf:CONFIG_CLASS)")
     hf.add_argument(
         "--hf-config",
@@ -215,47 +156,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="the model head and its labels (default: causal-lm)",
     )
     toy = parser.add_argument_group("built-in models (--model toy-gpt)")
-    toy.add_argument("--layers", type=int, default=2, metavar="N", help="transformer blocks (default: 2)")
-    toy.add_argument("--hidden-size", type=int, default=128, metavar="N", help="width (default: 128)")
-    toy.add_argument("--heads", type=int, default=4, metavar="N", help="attention heads (default: 4)")
-    toy.add_argument("--vocab-size", type=int, default=1024, metavar="N", help="token ids (default: 1024)")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    # Appended by the deepspeed launcher; the rank comes from the environment.
-    parser.add_argument(
-        "--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS
-    )
-    return parser
+    positive = _argparse_type(at_least(1))
+    toy.add_argument("--layers", type=positive, default=2, metavar="N", help="transformer blocks (default: 2)")
+    toy.add_argument("--hidden-size", type=positive, default=128, metavar="N", help="width (default: 128)")
+    toy.add_argument("--heads", type=positive, default=4, metavar="N", help="attention heads (default: 4)")
+    toy.add_argument("--vocab-size", type=positive, default=1024, metavar="N", help="token ids (default: 1024)")
 
 
-def _int_list(text: str, *, option: str) -> tuple[int, ...]:
+def _imported(spec: str, *, option: str) -> Callable[..., Any]:
     try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise UsageError(f"{option}: expected comma-separated integers, found {text!r}") from None
-    if not values:
-        raise UsageError(f"{option}: expected at least one integer, found {text!r}")
-    return values
-
-
-def _load_callable(spec: str, *, option: str) -> Callable[..., Any]:
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise UsageError(f"{option}: expected MODULE:FACTORY (e.g. mymodels:build), found {spec!r}")
-    # Like `python -m`: modules next to where the command is run are importable.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"{option}: cannot import module {module_name!r}: {exc}") from None
-    target = module
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise UsageError(f"{option}: module {module_name!r} has no attribute {attribute!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise UsageError(f"{option}: expected a callable at {spec!r}, found {type(target).__name__}")
-    return target
+        return read_callable(spec)
+    except ValueError as exc:
+        raise UsageError(f"{option}: {exc}") from None
 
 
 def _builtin_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int], Any], str, int]:
@@ -264,14 +176,6 @@ def _builtin_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callabl
     if args.model == "gpt2-small":
         cfg = GPTConfig.gpt2_small(sequence_length=args.sequence_length or 512)
     else:
-        for option, value in (
-            ("--layers", args.layers),
-            ("--hidden-size", args.hidden_size),
-            ("--heads", args.heads),
-            ("--vocab-size", args.vocab_size),
-        ):
-            if value < 1:
-                raise UsageError(f"{option}: expected an integer >= 1, found {value}")
         if args.hidden_size % args.heads:
             raise UsageError(f"--hidden-size: expected a multiple of --heads ({args.heads}), found {args.hidden_size}")
         cfg = GPTConfig(
@@ -335,53 +239,23 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
     `progress` is None under --quiet.
     """
     args = build_parser().parse_args(argv)
-    stages = _int_list(args.zero_stages, option="--zero-stages")
-    if any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):
-        raise UsageError(f"--zero-stages: expected distinct stages among 0,1,2,3, found {args.zero_stages!r}")
-    sizes = None if args.micro_batch_sizes is None else _int_list(args.micro_batch_sizes, option="--micro-batch-sizes")
-    if sizes is not None and min(sizes) < 1:
-        raise UsageError(f"--micro-batch-sizes: expected integers >= 1, found {args.micro_batch_sizes!r}")
-    _check_minimums(args)
+    if args.checkpointing_toggle is not None and args.activation_checkpointing == "off":
+        raise UsageError("--checkpointing-toggle: not used with --activation-checkpointing off; leave one out")
     ds_config = _deepspeed_config(Path(args.deepspeed_config))
-    output_dir = Path(args.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UsageError(f"--output-dir: expected a directory, found the file {output_dir}")
     model_factory, make_batch, name, sequence_length = _model(args)
+    fields = dataclasses.fields(ProfileOptions)
+    given = {f.name: getattr(args, f.name) for f in fields if f.metadata["cli"] is not None}
     return ProfileOptions(
+        **{
+            **given,
+            "model_name": args.model_name or name,
+            "sequence_length": sequence_length,
+            "progress": None if args.quiet else log_progress,
+        },
         model_factory=model_factory,
         make_batch=make_batch,
         ds_config=ds_config,
-        # The cluster file is read by rank 0 alone, inside the job (other nodes need not have it).
-        cluster=None if args.cluster is None else Path(args.cluster),
-        zero_stages=tuple(sorted(stages)),
-        micro_batch_sizes=sizes,
-        cache_dir=output_dir,
-        force=args.force,
-        progress=None if args.quiet else log_progress,
-        loss_fn=None if args.loss is None else _load_callable(args.loss, option="--loss"),
-        model_name=args.model_name or name,
-        sequence_length=sequence_length,
-        warmup_micro_steps=args.warmup,
-        repeats=args.repeats,
-        micro_batch_size_limit=args.max_micro_batch_size,
-        measure_network=not args.no_network,
-        activation_checkpointing=args.activation_checkpointing,
-        checkpointing_toggle=_toggle(args),
-        optimizer_offload=args.optimizer_offload,
-        per_layer=args.per_layer,
-        collective_timeout_s=args.collective_timeout or None,
     )
-
-
-def _check_minimums(args: argparse.Namespace) -> None:
-    for option, value, minimum in (
-        ("--max-micro-batch-size", args.max_micro_batch_size, 1),
-        ("--repeats", args.repeats, 1),
-        ("--warmup", args.warmup, 0),
-        ("--sequence-length", args.sequence_length if args.sequence_length is not None else 1, 1),
-    ):
-        if value < minimum:
-            raise UsageError(f"{option}: expected an integer >= {minimum}, found {value}")
 
 
 def _deepspeed_config(config_path: Path) -> dict[str, Any]:
@@ -413,17 +287,9 @@ def _model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int],
         return build(args)
     if args.batch is None:
         raise UsageError("--batch: required with a --model of your own (MODULE:FACTORY taking the micro-batch size)")
-    model_factory = _load_callable(args.model, option="--model")
-    make_batch = _load_callable(args.batch, option="--batch")
+    model_factory = _imported(args.model, option="--model")
+    make_batch = _imported(args.batch, option="--batch")
     return model_factory, make_batch, None, args.sequence_length
-
-
-def _toggle(args: argparse.Namespace) -> Callable[[Any, bool], None] | None:
-    if args.checkpointing_toggle is None:
-        return None
-    if args.activation_checkpointing == "off":
-        raise UsageError("--checkpointing-toggle: not used with --activation-checkpointing off; leave one out")
-    return _load_callable(args.checkpointing_toggle, option="--checkpointing-toggle")
 
 
 def run(options: ProfileOptions) -> list[Any]:

@@ -43,11 +43,8 @@ from poplar_ext.hardware.emulation import (
 from poplar_ext.hardware.memory import MeasuredPeak, allocated_device_bytes, is_out_of_memory, release_memory
 from poplar_ext.plan.formats import Sample
 from poplar_ext.profiler.layout import JobLayout
-from poplar_ext.profiler.options import ProfileOptions
+from poplar_ext.profiler.options import LossFn, ProfileOptions
 from poplar_ext.profiler.sizes import LargestFitSearch, dense_sizes
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-"""``loss_fn(engine, batch) -> loss``: one forward through the engine, a scalar loss."""
 
 # Outcome of one trial on one rank; agreement takes the maximum over ranks.
 _OK, _EMULATED_OOM, _REAL_OOM, _ERROR = range(4)
@@ -722,7 +719,6 @@ class _StageAbandoned(Exception):
 
 
 __all__ = [
-    "LossFn",
     "MeasureSettings",
     "StageMeasurement",
     "TrialEvent",

@@ -5,7 +5,7 @@ each of the three collectives ZeRO issues, at message sizes from 4 KiB up to the
 largest bucket the job's ZeRO sends (`message_sizes`; 32 MiB on CPU ranks, where
 gloo stands in for a network), timed after a barrier; the slowest rank's median
 counts (a collective ends when its last rank does). Rank 0 writes the file beside
-the profiles, keyed by the cluster (`search.network.cluster_key`), and a later run
+the profiles (`plan.network_format`), keyed by its cluster (`cluster_key`), and a later run
 on the same cluster reuses it.
 """
 
@@ -28,8 +28,7 @@ from poplar_ext.collectives import (
     process_group_backend,
     timed_collective,
 )
-from poplar_ext.profiler.layout import JobLayout
-from poplar_ext.search.network import (
+from poplar_ext.plan.network_format import (
     COLLECTIVES,
     CollectiveFit,
     CollectiveSample,
@@ -37,12 +36,13 @@ from poplar_ext.search.network import (
     NetworkScope,
     cluster_key,
     find_network,
-    fit_collective,
     network_from_dict,
     network_path,
     network_to_dict,
     save_network,
 )
+from poplar_ext.profiler.layout import JobLayout
+from poplar_ext.search.network import fit_collective
 
 DEFAULT_MESSAGE_BYTES = (2**12, 2**16, 2**20, 2**23, 2**25)
 """4 KiB (latency) to 32 MiB (bandwidth): the sizes below any job's largest bucket."""
@@ -157,8 +157,8 @@ def _scopes(layout: JobLayout, message_bytes: tuple[int, ...], warmup: int, repe
 def measure_network(
     layout: JobLayout, *, message_bytes: tuple[int, ...] = DEFAULT_MESSAGE_BYTES, warmup: int = 1, repeats: int = 3
 ) -> NetworkProfile:
-    """Time every collective of `search.network.COLLECTIVES` on the job's process group (collective),
-    and, with several nodes, within each node and between nodes (`search.network.SCOPES`)."""
+    """Time every collective of `plan.network_format.COLLECTIVES` on the job's process group (collective),
+    and, with several nodes, within each node and between nodes (`plan.network_format.SCOPES`)."""
     fits = _fits(layout, message_bytes, warmup, repeats)
     scopes = _scopes(layout, message_bytes, warmup, repeats)
     return NetworkProfile(

@@ -1,28 +1,35 @@
 """`ProfileOptions`: what `profile_model` measures and how, one field per keyword argument.
 
-`profile_model` builds one from its keywords; poplar-profile builds one from its
-command line (`poplar_ext.profiler.cli`); both then run `poplar_ext.profiler.api.profile_with`.
-Every default is stated here once: `profile_model`'s keyword defaults, the command
-line's and the measurement's (`poplar_ext.profiler.measure.MeasureSettings`) are these.
+`profile_model` takes its fields as keywords; poplar-profile's parser is built from the
+fields (`poplar_ext.profiler.cli`: each field's option, its docstring the option's help);
+both then run `poplar_ext.profiler.api.profile_with`. Every default is stated here once:
+`profile_model`'s, the command line's and the measurement's
+(`poplar_ext.profiler.measure.MeasureSettings`) are these.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from poplar_ext.optimizer_offload import OFFLOAD_MODES
 from poplar_ext.plan.formats import ZERO_STAGES, Cluster
 
 if TYPE_CHECKING:
     import torch
 
     from poplar_ext.activation_checkpointing import CheckpointingToggle
-    from poplar_ext.profiler.measure import LossFn
 
 Progress = Callable[[str], None]
+
+LossFn = Callable[[Any, Any], "torch.Tensor"]
+"""``loss_fn(engine, batch) -> loss``: one forward through the engine, a scalar loss."""
 
 CHECKPOINTING_MODES = ("auto", "both", "off")
 """`ProfileOptions.activation_checkpointing`: both variants where the model can do both, both or
@@ -34,82 +41,177 @@ def log_progress(line: str) -> None:
     print(f"[poplar-profile] {line}", file=sys.stderr, flush=True)
 
 
+def _option(default: Any, flag: str | None = None, *, read: Callable[[str], Any] | None = None, **kwargs: Any) -> Any:
+    """A field with its poplar-profile option: `flag` (None: ``--field-name``), `read` turning the
+    option's text into the value (ValueError: the text is wrong), `kwargs` argparse's."""
+    return field(default=default, metadata={"cli": {"flag": flag, "read": read, **kwargs}})
+
+
+def _by_hand(default: Any = MISSING) -> Any:
+    """A field with no option of its own: poplar-profile builds it from several options (the model),
+    from the file an option names (the DeepSpeed config), or not at all (the optimizer: the config's)."""
+    return field(default=default, metadata={"cli": None})
+
+
+def _integers(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, found {text!r}") from None
+    if not values:
+        raise ValueError(f"expected at least one integer, found {text!r}")
+    return values
+
+
+def _read_stages(text: str) -> tuple[int, ...]:
+    """``0,2`` -> (0, 2): distinct ZeRO stages, sorted."""
+    stages = _integers(text)
+    if any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):
+        raise ValueError(f"expected distinct stages among 0,1,2,3, found {text!r}")
+    return tuple(sorted(stages))
+
+
+def _read_sizes(text: str) -> tuple[int, ...]:
+    """``1,2,4`` -> (1, 2, 4): micro-batch sizes."""
+    sizes = _integers(text)
+    if min(sizes) < 1:
+        raise ValueError(f"expected integers >= 1, found {text!r}")
+    return sizes
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """The reader of an integer option that is `minimum` or more."""
+
+    def read(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, found {text!r}") from None
+        if value < minimum:
+            raise ValueError(f"expected an integer >= {minimum}, found {value}")
+        return value
+
+    return read
+
+
+def _read_seconds(text: str) -> float | None:
+    """Seconds; 0 is None (the process groups keep their own timeout)."""
+    try:
+        return float(text) or None
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, found {text!r}") from None
+
+
+def _read_directory(text: str) -> Path:
+    """A directory, or a path where none exists yet."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"expected a directory, found the file {path}")
+    return path
+
+
+def read_callable(spec: str) -> Callable[..., Any]:
+    """``MODULE:NAME`` -> that callable, imported (modules where the command runs included)."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"expected MODULE:FACTORY (e.g. mymodels:build), found {spec!r}")
+    # Like `python -m`: modules next to where the command is run are importable.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        target = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r}: {exc}") from None
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"expected a callable at {spec!r}, found {type(target).__name__}")
+    return target
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProfileOptions:
     """`profile_model`'s arguments: the model, the job, and how much to measure."""
 
-    model_factory: Callable[[], torch.nn.Module]
+    model_factory: Callable[[], torch.nn.Module] = _by_hand()
     """Builds a fresh model (called once per engine measured, plus once for the fingerprint); its
     forward returns the loss unless `loss_fn` is given."""
-    make_batch: Callable[[int], Any]
+    make_batch: Callable[[int], Any] = _by_hand()
     """``make_batch(micro_batch_size)`` -> one micro-batch (a tensor, tuple or dict of tensors; moved
     to the device by the profiler). It is never called when every profile comes from the cache."""
-    ds_config: Mapping[str, Any] | str | os.PathLike[str]
+    ds_config: Mapping[str, Any] | str | os.PathLike[str] = _by_hand()
     """The DeepSpeed config (dict or JSON file); batch sizes and the stage are set per engine,
     everything else (dtype, optimizer, offload) is used as it is."""
-    cluster: Cluster | str | os.PathLike[str] | None = None
+    cluster: Cluster | str | os.PathLike[str] | None = _option(None, read=Path, metavar="FILE")
     """The cluster description, or its file (read by rank 0 alone), or None to discover it from the
-    hardware: device type of every rank, and the emulation of emulated types. Real types must be
-    what the hardware reports."""
-    zero_stages: Iterable[int] = ZERO_STAGES
-    """The ZeRO stages to profile (distinct, among 0-3)."""
-    micro_batch_sizes: Iterable[int] | None = None
+    hardware (poplar-profile then writes it as cluster.json beside the profiles, for poplar-search):
+    the device type of every rank, and the emulation of emulated types. Real types must be what the
+    hardware reports."""
+    zero_stages: Iterable[int] = _option(ZERO_STAGES, read=_read_stages, metavar="LIST")
+    """The ZeRO stages to profile (distinct, among 0-3; comma-separated on the command line)."""
+    micro_batch_sizes: Iterable[int] | None = _option(None, read=_read_sizes, metavar="LIST")
     """Sizes for the time curve; None: 1, 2, 3, 4, 6, 8, 12, ... up to the largest that fits."""
-    cache_dir: str | os.PathLike[str] = "profiles"
-    """The profile directory: matching profiles there are reused, new ones written there by rank 0."""
-    force: bool = False
-    """Measure again even where a matching profile is in `cache_dir`."""
-    progress: Progress | None = log_progress
+    cache_dir: str | os.PathLike[str] = _option("profiles", "--output-dir", read=_read_directory, metavar="DIR")
+    """The profile directory: profiles there with the same keys are reused, new ones written there by
+    rank 0."""
+    force: bool = _option(False, action="store_true")
+    """Measure again even where a matching profile is in the profile directory."""
+    progress: Progress | None = _by_hand(log_progress)
     """Called on rank 0 with one line per trial (device type, stage, size, estimated time left);
     None for silence."""
-    loss_fn: LossFn | None = None
+    loss_fn: LossFn | None = _option(None, "--loss", read=read_callable, metavar="MODULE:FN")
     """``loss_fn(engine, batch) -> loss`` when the model does not return it (None: the output's
-    ``.loss``, else the output); for a pipeline model, see `per_layer`."""
-    optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
+    ``.loss``, else the output); for a pipeline model, see per_layer."""
+    optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = _by_hand(None)
     """Builds the optimizer from the parameters when the DeepSpeed config has no ``optimizer`` section."""
-    model_name: str | None = None
-    """For people and file names (None: the model's class name)."""
-    sequence_length: int | None = None
-    """Tokens per sample, part of the cache key (None: not a sequence model)."""
-    warmup_micro_steps: int = 1
+    model_name: str | None = _option(None, metavar="NAME")
+    """For people and file names (None: the model's class name, or the built-in model's)."""
+    sequence_length: int | None = _option(None, read=at_least(1), metavar="N")
+    """Tokens per sample, part of the cache key (None: not a sequence model; the built-in models:
+    their context length, 512 for gpt2-small, 64 for toy-gpt)."""
+    warmup_micro_steps: int = _option(1, "--warmup", read=at_least(0), metavar="N")
     """Unmeasured micro-steps at each size before the measured ones."""
-    repeats: int = 3
+    repeats: int = _option(3, read=at_least(1), metavar="N")
     """Measured micro-steps per size (their median is the sample's time)."""
-    micro_batch_size_limit: int = 256
+    micro_batch_size_limit: int = _option(256, "--max-micro-batch-size", read=at_least(1), metavar="N")
     """The probe never tries a larger micro-batch."""
-    measure_network: bool = True
-    """Also time the collectives ZeRO issues on the job's process group and write a network file
-    beside the profiles (`poplar_ext.profiler.network`; reused from `cache_dir` when measured on
-    the same cluster), with which the search prices communication."""
-    activation_checkpointing: str = "auto"
-    """``"auto"`` measures each type and stage without and with activation checkpointing where the
-    model can do both (the built-in GPT, Hugging Face models, or `checkpointing_toggle` given), so
-    the search can choose per device type; ``"both"`` does so or raises ValueError when the model
-    cannot; ``"off"`` measures without only (half the time)."""
-    checkpointing_toggle: CheckpointingToggle | None = None
-    """``toggle(model, enabled)`` for a model of your own (`poplar_ext.activation_checkpointing`);
-    pass the same one to `initialize`."""
-    optimizer_offload: str = "off"
-    """``"off"`` measures without only; ``"smallest"`` also measures the device type(s) with the
+    measure_network: bool = _option(True, "--network", action=argparse.BooleanOptionalAction)
+    """Also time the collectives ZeRO issues (all-reduce, reduce-scatter, all-gather at 4 KiB-32 MiB,
+    about a second) on the job's process group and write a network file beside the profiles
+    (network/network-*.json, `poplar_ext.profiler.network`; reused when measured on the same
+    cluster), with which the search prices communication."""
+    activation_checkpointing: str = _option("auto", choices=CHECKPOINTING_MODES)
+    """``auto`` measures each type and stage without and with activation checkpointing where the
+    model can do both (the built-in GPT, Hugging Face models, or checkpointing_toggle given), so
+    the search can choose per device type; ``both`` does so or raises ValueError when the model
+    cannot; ``off`` measures without only (half the time)."""
+    checkpointing_toggle: CheckpointingToggle | None = _option(None, read=read_callable, metavar="MODULE:FN")
+    """``toggle(model, enabled)`` that turns activation checkpointing on or off in a model of your
+    own (`poplar_ext.activation_checkpointing`); pass the same one to `initialize`."""
+    optimizer_offload: str = _option("off", choices=OFFLOAD_MODES)
+    """``off`` measures without only; ``smallest`` also measures the device type(s) with the
     least memory with the optimizer offloaded to the host (DeepSpeed's ``offload_optimizer``, at
-    ZeRO stages 1-2), so the search can choose it for them; ``"both"`` does so for every type. An
+    ZeRO stages 1-2), so the search can choose it for them; ``both`` does so for every type. An
     offloaded profile's memory leaves out the host's optimizer state and fp32 master weights (on
     CPU, for an emulated type, they are taken off the measured peak); its boundary includes the
     host's optimizer step."""
-    per_layer: bool | None = None
+    per_layer: bool | None = _option(None, action="store_true")
     """Layer profiles for the pipeline search (`poplar_ext.profiler.per_layer`, written to
-    ``<cache_dir>/layers/``): None measures them when the model is a pipeline model (a
+    ``<profile directory>/layers/``): None measures them when the model is a pipeline model (a
     PipelineModule or PoplarPipelineModule, or a list of LayerSpecs or modules), which then gets
     no whole-model profile; True also for an ``nn.Sequential``, beside its whole-model profiles;
-    False never. With a pipeline model `loss_fn` is DeepSpeed's pipeline ``loss_fn(outputs,
+    False never. With a pipeline model loss_fn is DeepSpeed's pipeline ``loss_fn(outputs,
     labels)`` (None: the PipelineModule's own, else the last layer's output summed) and
-    `make_batch` returns ``(inputs, labels)``."""
-    collective_timeout_s: float | None = 300.0
+    make_batch returns ``(inputs, labels)``."""
+    collective_timeout_s: float | None = _option(300.0, "--collective-timeout", read=_read_seconds, metavar="SECONDS")
     """While profiling, every process group's collectives time out after this many seconds instead
     of the group's own timeout (DeepSpeed's default: 30 minutes), so that a rank lost outside the
     agreed points (an out-of-memory in a collective DeepSpeed issues, a crash) ends the job in
-    minutes through NCCL's asynchronous error handling; None keeps the groups' own. It must exceed
-    the longest trial of the slowest device type (the other ranks wait that long in its agreement)."""
+    minutes through NCCL's asynchronous error handling; None (0 on the command line) keeps the
+    groups' own. It must exceed the longest trial of the slowest device type (the other ranks wait
+    that long in its agreement)."""
 
 
-__all__ = ["CHECKPOINTING_MODES", "ProfileOptions", "Progress", "log_progress"]
+__all__ = ["CHECKPOINTING_MODES", "LossFn", "ProfileOptions", "Progress", "at_least", "log_progress", "read_callable"]

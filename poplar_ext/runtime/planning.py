@@ -58,7 +58,7 @@ from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarC
 from poplar_ext.search.model_states import cannot_hold, model_states, shortfall
 
 if TYPE_CHECKING:
-    from poplar_ext.search.network import NetworkProfile
+    from poplar_ext.plan.network_format import NetworkProfile
 
 
 logger = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class ProfileDirectory:
 
     def network(self) -> NetworkProfile | None:
         """The network file measured on the cluster beside the profiles, or None."""
-        from poplar_ext.search.network import find_network
+        from poplar_ext.plan.network_format import find_network
 
         if self._network is _UNREAD:
             profiles_dir = self.poplar_config.profiles

@@ -45,7 +45,7 @@ from poplar_ext.plan.formats import Cluster, Plan, Profile, plan_from_dict, plan
 from poplar_ext.runtime.config import RebalanceConfig
 
 if TYPE_CHECKING:
-    from poplar_ext.search.network import NetworkProfile
+    from poplar_ext.plan.network_format import NetworkProfile
 
 logger = logging.getLogger(__name__)
 

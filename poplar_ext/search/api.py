@@ -16,6 +16,7 @@ from poplar_ext.plan.formats import (
     MAX_GLOBAL_BATCH_SIZE,
     MAX_MICRO_BATCH_SIZE,
     MAX_WORLD_SIZE,
+    OFFLOAD_STAGES,
     POLICIES,
     ZERO_STAGES,
     Cluster,
@@ -23,29 +24,24 @@ from poplar_ext.plan.formats import (
     Prediction,
     Profile,
     RankPlan,
+    levers_text,
     one_accumulation_count,
 )
 from poplar_ext.plan.levers import (
     LEVER_NAMES,
     NO_LEVERS,
-    OFFLOAD_STAGES,
     Variants,
     lever_choices,
     levers_summary,
-    levers_text,
     mixed_lever_types,
     plan_levers,
     profiles_for_plan,
 )
-
-# The memory levers' home is search.levers; lever_choices, plan_levers, profiles_for_plan
-# and LEVERS_ORDER stay importable from here.
-from poplar_ext.plan.levers import LEVERS_ORDER as LEVERS_ORDER
+from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import PipelinePlan
 
 from .cost import StageModel, build_stage_model
 from .lever_search import StageOutcome, evaluate_settings, search_levers
-from .network import NetworkProfile
 from .policies import PolicyResult
 
 
@@ -336,7 +332,7 @@ def search_plan(
         zero_stage: 0..3, or ``"auto"`` to evaluate every stage and keep the fastest.
         policy: ``poplar``, ``uniform`` or ``proportional`` (`search.policies`).
         max_global_batch_size: upper bound for the automatic global batch.
-        network: collective times (`search.network`); with one, communication is
+        network: collective times (`plan.network_format`); with one, communication is
             priced for the cluster's world size (`search.cost`), without, the
             boundary is the profiles' measured one.
 

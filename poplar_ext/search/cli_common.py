@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from poplar_ext.plan.network_format import NetworkProfile, find_network, load_network
+
 from .api import SearchResult, predict
-from .network import NetworkProfile, find_network, load_network
 
 EXIT_OK = 0
 EXIT_INFEASIBLE = 1

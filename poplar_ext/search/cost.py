@@ -16,7 +16,7 @@ monotone micro-step time curve (`search.curves`), evaluated at integer sizes.
 ``boundary_s`` is the largest ``optimizer_step_time_s`` among the device types in
 the cluster: the optimizer step and the boundary collectives end together.
 
-With a network (`search.network`), communication is a term of its own, priced for
+With a network (`plan.network_format`), communication is a term of its own, priced for
 the cluster's world size from the collectives DeepSpeed issues at each stage
 (`stage_communication`): the gradient all-reduce at the boundary (stage 0); a
 reduce-scatter and a parameter all-gather at the boundary (stage 1); a
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from poplar_ext.plan.formats import MIN_TIME_S, Profile, one_accumulation_count
+from poplar_ext.plan.network_format import NetworkProfile
 
 from .curves import fit_curve
-from .network import NetworkProfile
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of a training dtype: DeepSpeed communicates gradients and parameters in it."""

@@ -19,12 +19,12 @@ from poplar_ext.plan.formats import (
     ClusterNode,
     DeviceGroup,
     DeviceTypeInfo,
+    Levers,
     Plan,
     Profile,
 )
-from poplar_ext.plan.levers import NO_LEVERS, Levers, plan_levers
-
-from .network import NetworkProfile
+from poplar_ext.plan.levers import NO_LEVERS, plan_levers
+from poplar_ext.plan.network_format import NetworkProfile
 
 SCALE_DECIMALS = 2
 """Speed factors are rounded to this many decimals, so that ranks drifting alike share a derived type."""

@@ -49,12 +49,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poplar_ext.plan.formats import MAX_GLOBAL_BATCH_SIZE, Cluster
-from poplar_ext.plan.levers import Levers, Variants, fits, lever_count, lever_options
+from poplar_ext.plan.formats import MAX_GLOBAL_BATCH_SIZE, Cluster, Levers
+from poplar_ext.plan.levers import Variants, fits, lever_count, lever_options
+from poplar_ext.plan.network_format import NetworkProfile
 
 from .allocation import PolicyResult, divisors
 from .cost import DeviceCost, StageCommunication, StageModel, assemble_stage_model, build_stage_model, device_cost
-from .network import NetworkProfile
 from .policies import AUTO_ACCUMULATION_STEPS, allocate, best_global_batch
 from .poplar_independent import (
     MAX_BREAKPOINTS,

@@ -1,139 +1,26 @@
-"""The network: collective times measured on a job's process group, and the model fitted to them.
+"""Networks for the search beside measured ones: the ring model fitted to measured collective
+times, and a network from assumed figures.
 
-A network file sits in the profile directory (``network/network-<cluster key>.json``, documented in
-``profiles/README.md``). It holds, for each collective ZeRO issues (all-reduce,
-reduce-scatter, all-gather), the measured time against message size and a fit to the
-ring model that nccl-tests uses to define bus bandwidth::
-
-    all_reduce(n bytes, W ranks)     = 2 (W - 1) * latency_s + 2 (W - 1) / W * n / bus_bandwidth
-    reduce_scatter / all_gather(n)   =   (W - 1) * latency_s +   (W - 1) / W * n / bus_bandwidth
-
-``n`` is the whole tensor (the input of a reduce-scatter, the output of an
-all-gather), ``latency_s`` the cost of one ring hop. Fitted at the measured world
-size, the model predicts the collectives at any other world size: that is what lets
-`search.cost` predict a cluster larger than the one profiled. A ring across nodes is
-as fast as its slowest link, so a file measured on one node under-predicts a
-multi-node cluster; the file records how many nodes it was measured on.
-
-Pure Python + numpy/scipy, no torch (the measuring is `poplar_ext.profiler.network`).
+The network file and its ring model are `poplar_ext.plan.network_format`'s; the measuring is
+`poplar_ext.profiler.network`'s. Pure Python + numpy/scipy, no torch.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 from scipy.optimize import nnls
 
-from poplar_ext.plan.errors import FormatError
-from poplar_ext.plan.formats import (
-    MAX_BYTES,
-    MAX_TIME_S,
-    MAX_WORLD_SIZE,
-    PROFILE_SOURCES,
-    Cluster,
-    cluster_to_dict,
-    content_fingerprint,
-    read_json,
-    write_json_atomic,
+from poplar_ext.plan.network_format import (
+    COLLECTIVES,
+    MAX_BANDWIDTH_BYTES_PER_S,
+    CollectiveFit,
+    CollectiveSample,
+    NetworkProfile,
+    ring_factors,
 )
-from poplar_ext.plan.validation import Node
-
-NETWORK_SCHEMA_VERSION = 1
-NETWORK_KIND = "network"
-"""The ``kind`` field that tells a network file from a profile in the same directory."""
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-MAX_BANDWIDTH_BYTES_PER_S = 1e15
-"""A fit with no measurable size dependence gets this bandwidth (1 PB/s: free)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CollectiveSample:
-    """One measured message size."""
-
-    message_bytes: int
-    """Bytes of the whole tensor (reduce-scatter input, all-gather output)."""
-    time_s: float
-    """Median time of the collective, the slowest rank's."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CollectiveFit:
-    """One collective's ring-model fit (module docstring) and the samples it was fitted to."""
-
-    latency_s: float
-    """Cost of one ring hop (seconds)."""
-    bus_bandwidth_bytes_per_s: float
-    """Bus bandwidth in the nccl-tests sense (bytes per second)."""
-    samples: tuple[CollectiveSample, ...] = ()
-    """What was measured (empty for a modelled network)."""
-
-
-SCOPES = ("within_node", "between_nodes")
-"""Where a multi-node job's collectives were also timed: among the ranks of each node (all
-nodes at once), and among one rank per node."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class NetworkScope:
-    """The collectives timed on part of the job's ranks."""
-
-    group_size: int
-    """Ranks in each group timed (a node's ranks; or the number of nodes)."""
-    collectives: dict[str, CollectiveFit]
-
-
-@dataclass(frozen=True, kw_only=True)
-class NetworkProfile:
-    """The collectives of one cluster's process group."""
-
-    cluster_key: str
-    """`cluster_key` of the cluster it was measured on: the cache key."""
-    world_size: int
-    """Ranks in the process group measured."""
-    num_nodes: int
-    """Nodes that group spanned (1: every ring hop was within a node)."""
-    backend: str
-    """Process-group backend (``nccl``, ``gloo``): NCCL overlaps collectives with compute, gloo on CPU does not."""
-    collectives: dict[str, CollectiveFit]
-    """One fit per name in `COLLECTIVES`."""
-    measured_with: dict[str, Any]
-    """Provenance: ``source`` is ``measured`` or ``modelled``; the rest is free-form."""
-    scopes: dict[str, NetworkScope] = field(default_factory=dict)
-    """With several nodes: the same collectives within a node and between nodes (`SCOPES`)."""
-    schema_version: int = NETWORK_SCHEMA_VERSION
-
-    @property
-    def source(self) -> str:
-        return self.measured_with["source"]
-
-    @property
-    def overlaps_compute(self) -> bool:
-        """Whether collectives issued on a side stream can run during compute (CUDA streams: NCCL)."""
-        return self.backend == "nccl"
-
-    def time_s(self, collective: str, message_bytes: float, world_size: int) -> float:
-        """Predicted time of one `collective` of `message_bytes` over `world_size` ranks."""
-        fit = self.collectives[collective]
-        hops, volume = ring_factors(collective, world_size)
-        return hops * fit.latency_s + volume * message_bytes / fit.bus_bandwidth_bytes_per_s
-
-
-def ring_factors(collective: str, world_size: int) -> tuple[int, float]:
-    """(ring hops, bytes sent per byte of the tensor) of `collective` over `world_size` ranks."""
-    if collective not in COLLECTIVES:
-        raise ValueError(f"collective: expected one of {', '.join(COLLECTIVES)}, found {collective!r}")
-    w = int(world_size)
-    if w <= 1:
-        return 0, 0.0
-    if collective == "all_reduce":
-        return 2 * (w - 1), 2 * (w - 1) / w
-    return w - 1, (w - 1) / w
 
 
 def fit_collective(collective: str, world_size: int, samples: Sequence[CollectiveSample]) -> CollectiveFit:
@@ -154,161 +41,6 @@ def fit_collective(collective: str, world_size: int, samples: Sequence[Collectiv
         MAX_BANDWIDTH_BYTES_PER_S if seconds_per_byte <= 0 else min(1.0 / seconds_per_byte, MAX_BANDWIDTH_BYTES_PER_S)
     )
     return CollectiveFit(latency_s=float(latency_s), bus_bandwidth_bytes_per_s=float(bandwidth), samples=tuple(samples))
-
-
-def cluster_key(cluster: Cluster) -> str:
-    """Cache key of a network file: the cluster description (nodes, types, ranks) it was measured on.
-
-    An emulation's ``slowdown_schedule`` (drift during training) does not change the network.
-    """
-    data = cluster_to_dict(cluster)
-    for info in data["device_types"].values():
-        if info.get("emulation"):
-            info["emulation"].pop("slowdown_schedule", None)
-    return content_fingerprint(data)
-
-
-NETWORK_DIRECTORY = "network"
-"""Sub-directory of a profile directory that holds its network files: kept out of the
-profile directory's own ``*.json`` so that each file there is one device type's profile."""
-
-
-def network_file_name(key: str) -> str:
-    return f"network-{key.split(':')[-1][:12]}.json"
-
-
-def network_path(directory: str | os.PathLike[str], cluster: Cluster) -> Path:
-    """Where the network file of `cluster` lives in the profile directory `directory`."""
-    return Path(directory) / NETWORK_DIRECTORY / network_file_name(cluster_key(cluster))
-
-
-# ----------------------------------------------------------------------------------
-# JSON
-# ----------------------------------------------------------------------------------
-def _fits_to_dict(collectives: dict[str, CollectiveFit]) -> dict[str, Any]:
-    return {
-        name: {
-            "latency_s": fit.latency_s,
-            "bus_bandwidth_bytes_per_s": fit.bus_bandwidth_bytes_per_s,
-            "samples": [{"message_bytes": s.message_bytes, "time_s": s.time_s} for s in fit.samples],
-        }
-        for name, fit in collectives.items()
-    }
-
-
-def network_to_dict(network: NetworkProfile) -> dict[str, Any]:
-    data = {
-        "schema_version": network.schema_version,
-        "kind": NETWORK_KIND,
-        "cluster_key": network.cluster_key,
-        "world_size": network.world_size,
-        "num_nodes": network.num_nodes,
-        "backend": network.backend,
-        "collectives": _fits_to_dict(network.collectives),
-        "measured_with": network.measured_with,
-    }
-    if network.scopes:
-        data["scopes"] = {
-            name: {"group_size": scope.group_size, "collectives": _fits_to_dict(scope.collectives)}
-            for name, scope in network.scopes.items()
-        }
-    return data
-
-
-def _parse_fits(node: Node) -> dict[str, CollectiveFit]:
-    collectives_node = node.obj().keys_within(COLLECTIVES)
-    collectives = {}
-    for name in COLLECTIVES:
-        fit_node = collectives_node.field(name).obj().keys_within(("latency_s", "bus_bandwidth_bytes_per_s", "samples"))
-        samples_node = fit_node.optional("samples")
-        samples = ()
-        if samples_node is not None:
-            samples = tuple(
-                CollectiveSample(
-                    message_bytes=item.obj()
-                    .keys_within(("message_bytes", "time_s"))
-                    .field("message_bytes")
-                    .integer(minimum=1, maximum=MAX_BYTES),
-                    time_s=item.field("time_s").number(positive=True, maximum=MAX_TIME_S),
-                )
-                for item in samples_node.items(max_length=1000)
-            )
-        collectives[name] = CollectiveFit(
-            latency_s=fit_node.field("latency_s").number(minimum=0.0, maximum=MAX_TIME_S),
-            bus_bandwidth_bytes_per_s=fit_node.field("bus_bandwidth_bytes_per_s").number(
-                positive=True, maximum=MAX_BANDWIDTH_BYTES_PER_S
-            ),
-            samples=samples,
-        )
-    return collectives
-
-
-def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile:
-    """Validate parsed JSON and build a `NetworkProfile`; raises `FormatError`."""
-    root = (
-        Node(data, source)
-        .obj()
-        .keys_within(
-            (
-                "schema_version",
-                "kind",
-                "cluster_key",
-                "world_size",
-                "num_nodes",
-                "backend",
-                "collectives",
-                "measured_with",
-                "scopes",
-            )
-        )
-    )
-    version = root.field("schema_version")
-    if isinstance(version.value, bool) or version.value != NETWORK_SCHEMA_VERSION:
-        raise version.fail(f"schema_version {NETWORK_SCHEMA_VERSION}")
-    root.field("kind").string(choices=(NETWORK_KIND,))
-    collectives = _parse_fits(root.field("collectives"))
-    scopes = {}
-    scopes_node = root.optional("scopes")
-    if scopes_node is not None:
-        scopes_node.obj().keys_within(SCOPES)
-        for name, scope_node in scopes_node.entries():
-            scope_node.obj().keys_within(("group_size", "collectives"))
-            scopes[name] = NetworkScope(
-                group_size=scope_node.field("group_size").integer(minimum=2, maximum=MAX_WORLD_SIZE),
-                collectives=_parse_fits(scope_node.field("collectives")),
-            )
-    provenance = root.field("measured_with").obj()
-    provenance.field("source").string(choices=PROFILE_SOURCES)
-    return NetworkProfile(
-        cluster_key=root.field("cluster_key").string(),
-        world_size=root.field("world_size").integer(minimum=1, maximum=MAX_WORLD_SIZE),
-        num_nodes=root.field("num_nodes").integer(minimum=1, maximum=MAX_WORLD_SIZE),
-        backend=root.field("backend").string(),
-        collectives=collectives,
-        measured_with=dict(provenance.value),
-        scopes=scopes,
-    )
-
-
-def load_network(path: str | os.PathLike[str]) -> NetworkProfile:
-    """Read one network file; `FormatError` names the file and field on bad input."""
-    return network_from_dict(read_json(path), source=str(path))
-
-
-def save_network(network: NetworkProfile, path: str | os.PathLike[str]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(network_to_dict(network), path)
-
-
-def find_network(directory: str | os.PathLike[str], cluster: Cluster) -> NetworkProfile | None:
-    """The network file of the profile directory `directory` measured on `cluster`, or None."""
-    path = network_path(directory, cluster)
-    if not path.is_file():
-        return None
-    network = load_network(path)
-    if network.cluster_key != cluster_key(cluster):
-        raise FormatError(str(path), "cluster_key", cluster_key(cluster), network.cluster_key)
-    return network
 
 
 def modelled_network(

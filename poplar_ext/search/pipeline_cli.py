@@ -16,6 +16,7 @@ from typing import Any
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import Cluster, load_cluster, load_profiles, plan_to_dict, write_json_atomic
+from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import (
     PipelinePlan,
     layer_profiles_dir,
@@ -25,7 +26,6 @@ from poplar_ext.plan.pipeline_formats import (
 
 from .api import SearchResult, search_plan
 from .cli_common import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, chosen_network, plan_table, table
-from .network import NetworkProfile
 from .pipeline_cost import predict_pipeline
 from .pipeline_search import search_pipeline_plan
 

@@ -42,7 +42,7 @@ runs on one rank of device type d and holds layers i..j (`search.pipeline_format
   weights (gradients, master weights, optimizer state); a stage's received activation
   is the first layer's input, counted in that layer's kept activations.
 
-Prices come from a network file (`search.network`): a transfer or an all-reduce among
+Prices come from a network file (`plan.network_format`): a transfer or an all-reduce among
 ranks of one node at the network's ``within_node`` figures where it has them (and the
 cluster says where ranks are), otherwise at ``between_nodes`` (transfers) or the whole
 job's fit. A transfer of n bytes costs ``latency + n / bus_bandwidth`` of the all-gather
@@ -59,10 +59,10 @@ from functools import lru_cache
 import numpy as np
 
 from poplar_ext.plan.formats import Cluster
+from poplar_ext.plan.network_format import CollectiveFit, NetworkProfile, ring_factors
 from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerProfile, Pipeline, PipelinePlan
 
 from .curves import fit_points
-from .network import CollectiveFit, NetworkProfile, ring_factors
 
 TRANSFERS_PER_BOUNDARY = 2
 """Per micro-batch a boundary carries the activation forward and its gradient back."""

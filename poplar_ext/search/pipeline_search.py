@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from poplar_ext.plan.formats import ZERO_STAGES, Cluster, Prediction
+from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import (
     PIPELINE_ZERO_STAGES,
     LayerProfile,
@@ -42,7 +43,6 @@ from poplar_ext.plan.pipeline_formats import (
 )
 
 from .api import SearchResult, StageReport
-from .network import NetworkProfile
 from .pipeline_cost import (
     LayerTable,
     Links,

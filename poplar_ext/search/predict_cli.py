@@ -18,11 +18,11 @@ from typing import Any
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import Plan, load_cluster, load_plan, load_profiles, read_json
+from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import PipelinePlan, layer_profiles_dir, load_layer_profiles, load_pipeline_plan
 
 from .api import PlanPrediction, predict
 from .cli_common import EXIT_BAD_INPUT, EXIT_OK, chosen_network, rank_span, table
-from .network import NetworkProfile
 from .pipeline_cost import PipelinePrediction, predict_pipeline
 
 PROG = "poplar-search"

@@ -11,9 +11,9 @@ from harness import run_ranks
 def _measure(cluster_path: str) -> dict:
     import torch
 
+    from poplar_ext.plan.network_format import network_to_dict
     from poplar_ext.profiler.layout import build_layout
     from poplar_ext.profiler.network import measure_network
-    from poplar_ext.search.network import network_to_dict
 
     network = measure_network(
         build_layout(cluster_path, torch.device("cpu"), bf16=False), message_bytes=(4096, 1 << 20), repeats=2
@@ -34,7 +34,7 @@ def _cluster(path, node_sizes) -> str:
 
 @pytest.mark.parametrize("node_sizes", [(2, 2), (2, 1)])
 def test_several_nodes_are_timed_within_and_between_nodes(tmp_path, node_sizes):
-    from poplar_ext.search.network import COLLECTIVES, network_from_dict
+    from poplar_ext.plan.network_format import COLLECTIVES, network_from_dict
 
     results = run_ranks(
         _measure,

@@ -65,11 +65,11 @@ def _refusals(files):
 @contextlib.contextmanager
 def _counting_reads():
     """How often this rank reads the profile directory and the network file."""
-    import poplar_ext.search.network
+    import poplar_ext.plan.network_format
     from poplar_ext.runtime import planning
 
     reads = {"profiles": 0, "network": 0}
-    readers = {"profiles": (planning, "load_profiles"), "network": (poplar_ext.search.network, "find_network")}
+    readers = {"profiles": (planning, "load_profiles"), "network": (poplar_ext.plan.network_format, "find_network")}
     originals = {name: getattr(module, attribute) for name, (module, attribute) in readers.items()}
 
     def counted(name):

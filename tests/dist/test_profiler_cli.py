@@ -7,7 +7,7 @@ import json
 from harness import run_ranks
 
 from poplar_ext.plan.formats import load_cluster, load_profiles
-from poplar_ext.search.network import find_network
+from poplar_ext.plan.network_format import find_network
 
 
 def _run_cli(argv: list[str]) -> int:

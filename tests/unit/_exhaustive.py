@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 
 from poplar_bench.synthetic import simple_cluster
-from poplar_ext.search.api import LEVERS_ORDER, check_plan, predict, search_plan
+from poplar_ext.plan.levers import LEVERS_ORDER
+from poplar_ext.search.api import check_plan, predict, search_plan
 from poplar_ext.search.cost import build_stage_model
 
 

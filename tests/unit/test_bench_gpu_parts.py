@@ -11,7 +11,8 @@ import pytest
 
 from poplar_bench.cli import build_parser
 from poplar_bench.gpu import run as gpu_run
-from poplar_bench.gpu.run import GpuRunSettings, RunLog, run_step
+from poplar_bench.gpu.context import GpuRunSettings, RunLog
+from poplar_bench.gpu.run import run_step
 from poplar_bench.gpu.tier import run_exactness, run_in_own_group
 
 

@@ -17,7 +17,8 @@ from poplar_ext.plan.formats import (
     profile_to_dict,
     save_profile,
 )
-from poplar_ext.search.api import check_plan, lever_choices, predict, search_plan
+from poplar_ext.plan.levers import lever_choices
+from poplar_ext.search.api import check_plan, predict, search_plan
 
 
 def pair(name, *, stage, cap, overhead, per_sample, checkpointed_cap, recompute=1.3, optimizer_s=0.01):

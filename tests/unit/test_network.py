@@ -1,4 +1,4 @@
-"""The network file and communication in the cost model (search.network, search.cost)."""
+"""The network file and communication in the cost model (plan.network_format, search.network, search.cost)."""
 
 from __future__ import annotations
 
@@ -18,22 +18,21 @@ from poplar_ext.plan.formats import (
     save_cluster,
     save_profile,
 )
-from poplar_ext.search import predict, search_plan
-from poplar_ext.search.cli import main as search_main
-from poplar_ext.search.cost import BACKWARD_SHARE, build_stage_model, stage_communication
-from poplar_ext.search.network import (
+from poplar_ext.plan.network_format import (
     CollectiveSample,
     NetworkProfile,
     cluster_key,
     find_network,
-    fit_collective,
     load_network,
-    modelled_network,
     network_path,
     network_to_dict,
     ring_factors,
     save_network,
 )
+from poplar_ext.search import predict, search_plan
+from poplar_ext.search.cli import main as search_main
+from poplar_ext.search.cost import BACKWARD_SHARE, build_stage_model, stage_communication
+from poplar_ext.search.network import fit_collective, modelled_network
 
 GB = 1e9
 
@@ -274,7 +273,7 @@ def test_poplar_search_takes_the_network_file_beside_the_profiles_or_the_one_nam
 
 
 def test_scopes_round_trip_and_a_bad_scope_names_its_field(tmp_path):
-    from poplar_ext.search.network import NetworkScope, network_from_dict
+    from poplar_ext.plan.network_format import NetworkScope, network_from_dict
 
     base = _network()
     network = dataclasses.replace(

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup, ModelInfo, Prediction
+from poplar_ext.plan.network_format import COLLECTIVES, CollectiveFit, NetworkProfile, NetworkScope
 from poplar_ext.plan.pipeline_formats import (
     LayerCost,
     LayerProfile,
@@ -16,7 +17,6 @@ from poplar_ext.plan.pipeline_formats import (
     PipelinePlan,
     PipelineStage,
 )
-from poplar_ext.search.network import COLLECTIVES, CollectiveFit, NetworkProfile, NetworkScope
 from poplar_ext.search.pipeline_cost import in_flight, predict_pipeline, segments
 
 MODEL = ModelInfo(name="toy", fingerprint="sha256:toy", num_parameters=10_000, dtype="float32")

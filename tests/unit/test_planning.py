@@ -206,7 +206,7 @@ def test_profiling_that_brings_back_no_complete_stage_says_what_is_missing(clust
 def test_rank_0_reads_the_profiles_and_the_network_file_once(cluster_path, tmp_path, monkeypatch):
     # Read, measured what was missing, searched: the search counts the measured profiles
     # without reading the directory again (rank 0 stored them there too).
-    import poplar_ext.search.network
+    import poplar_ext.plan.network_format
     from poplar_ext.runtime import planning
 
     reads = {"profiles": 0, "network": 0}
@@ -220,7 +220,7 @@ def test_rank_0_reads_the_profiles_and_the_network_file_once(cluster_path, tmp_p
 
     monkeypatch.setattr(planning, "load_profiles", counted("profiles", planning.load_profiles))
     monkeypatch.setattr(
-        poplar_ext.search.network, "find_network", counted("network", poplar_ext.search.network.find_network)
+        poplar_ext.plan.network_format, "find_network", counted("network", poplar_ext.plan.network_format.find_network)
     )
     directory = _profiles(tmp_path / "profiles", [("fast", 0.001)])
     calls = []

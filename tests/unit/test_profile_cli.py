@@ -292,3 +292,29 @@ def test_the_collective_timeout_is_given_in_seconds_and_0_keeps_the_groups_own(f
     base = ("--model", "my_models:build", "--batch", "my_models:batch")
     assert parse_command(_args(files, *base, "--collective-timeout", "90")).collective_timeout_s == 90.0
     assert parse_command(_args(files, *base, "--collective-timeout", "0")).collective_timeout_s is None
+
+
+def test_every_profile_option_is_a_command_line_option_with_the_fields_default_and_docstring() -> None:
+    # The parser is built from ProfileOptions' fields: one spelling of each option.
+    import dataclasses
+
+    from poplar_ext.profiler import ProfileOptions
+    from poplar_ext.profiler.cli import build_parser
+
+    parser = build_parser()
+    by_dest = {action.dest: action for action in parser._actions}
+    built_by_hand = {"model_factory": "--model", "make_batch": "--batch", "ds_config": "--deepspeed_config"}
+    built_by_hand |= {"progress": "--quiet", "optimizer_factory": None}  # the DeepSpeed config's optimizer
+    for f in dataclasses.fields(ProfileOptions):
+        if f.name in built_by_hand:
+            assert f.metadata["cli"] is None, f.name
+            assert built_by_hand[f.name] is None or built_by_hand[f.name] in parser._option_string_actions
+            continue
+        action = by_dest[f.name]
+        assert action.default == f.default, f.name
+        assert action.help and len(action.help) > 30, f.name  # the field's docstring
+    assert "--no-network" in parser._option_string_actions and "--network" in parser._option_string_actions
+    help_text = parser.format_help()
+    assert "Measured micro-steps per size (their median is the sample's time). (default: 3)" in " ".join(
+        help_text.split()
+    )
