@@ -1,8 +1,9 @@
 """`poplar-bench pipeline`: the best ZeRO plan against the best pipeline plan, measured and predicted,
 on an emulated CPU cluster of two nodes joined by a slow link and by a fast one.
 
-4 forked CPU ranks: emulated node 0 holds two real ``cpu`` ranks, node 1 two ``cpu-slow``
-ranks (emulated: `SLOWDOWN` x slower). The model is the toy pipeline MLP
+4 forked CPU ranks: emulated node 0 holds two ``cpu-fast`` ranks (`FAST_SLOWDOWN` x slower than a
+core), node 1 two ``cpu-slow`` ranks (`SLOW_SLOWDOWN` x): every device emulated, so that its compute is
+steady (`poplar_ext.hardware.emulation`), and together they keep one core busy. The model is the toy pipeline MLP
 (`poplar_ext.models.toy_pipeline`, `DIM` wide, `NUM_LAYERS` layers). For each link:
 
 1. the whole model is profiled at ZeRO stages 0 and 1 and the network is timed with the
@@ -35,7 +36,8 @@ from . import report as report_module
 DIM = 768
 NUM_LAYERS = 8
 GLOBAL_BATCH = 48
-SLOWDOWN = 2.0
+FAST_SLOWDOWN = 3.0
+SLOW_SLOWDOWN = 6.0
 ITERATIONS = 6
 SLOW_LINK_BYTES_PER_S = 50e6
 """The slow link: 50 MB/s (0.4 Gb/s) each way."""
@@ -49,10 +51,13 @@ def _cluster(path: Path) -> Path:
     cluster = {
         "schema_version": 1,
         "nodes": [
-            {"name": "node0", "devices": [{"device_type": "cpu", "count": 2}]},
+            {"name": "node0", "devices": [{"device_type": "cpu-fast", "count": 2}]},
             {"name": "node1", "devices": [{"device_type": "cpu-slow", "count": 2}]},
         ],
-        "device_types": {"cpu-slow": {"emulation": {"slowdown": SLOWDOWN, "memory_capacity_bytes": 4_000_000_000}}},
+        "device_types": {
+            name: {"emulation": {"slowdown": slowdown, "memory_capacity_bytes": 4_000_000_000}}
+            for name, slowdown in (("cpu-fast", FAST_SLOWDOWN), ("cpu-slow", SLOW_SLOWDOWN))
+        },
     }
     path.write_text(json.dumps(cluster))
     return path
@@ -212,8 +217,8 @@ def run_pipeline_bench(*, out_dir: Path, work_dir: Path | None = None, progress:
         "benchmark": "pipeline",
         "date": report_module.utc_now(),
         "devices": "emulated",
-        "cluster": "4 CPU ranks on one machine as 2 emulated nodes: node0 2 x cpu (real), node1 2 x cpu-slow "
-        f"(emulated, {SLOWDOWN:g}x slower)",
+        "cluster": f"4 CPU ranks on one machine as 2 emulated nodes: node0 2 x cpu-fast (emulated, {FAST_SLOWDOWN:g}x "
+        f"slower than a core), node1 2 x cpu-slow (emulated, {SLOW_SLOWDOWN:g}x)",
         "link_emulation": "poplar_bench/link_emulation.py: a sleep of bytes / bandwidth after every transfer and "
         "collective crossing the two emulated nodes (ring bytes per link); the fast link is uncapped loopback gloo",
         "model": f"toy pipeline MLP, {NUM_LAYERS} layers of width {DIM}, fp32, SGD; global batch {GLOBAL_BATCH}",
