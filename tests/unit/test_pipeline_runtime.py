@@ -75,7 +75,6 @@ def _poplar(**section):
         ({}, {"zero_stage": 3}, r"expected 0 or 1 with pipelines, found 3"),
         ({"bf16": {"enabled": True}}, {}, r"bf16.enabled: expected fp32 with pipelines"),
         ({"fp16": {"enabled": True}}, {}, r"fp16.enabled: expected fp32 with pipelines"),
-        ({}, {"loss_reduction": "token_mean"}, r"loss_reduction: expected mean or sum with pipelines"),
         ({}, {"rebalance": {"enabled": True}}, r"rebalance.enabled: expected false or auto with pipelines"),
         ({}, {"global_batch_size": "auto"}, r"global_batch_size: expected a number or none with pipelines"),
     ],
@@ -173,14 +172,13 @@ def test_what_the_plan_says_cannot_be_given(argument):
         PoplarPipelineModule([torch.nn.Linear(1, 1)], config={"poplar": {"plan": "p.json"}}, **argument)
 
 
-def test_tied_layers_are_refused():
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
-
+def test_a_token_mean_loss_under_another_reduction_is_refused_before_the_job_starts():
     from poplar_ext.pipeline import PoplarPipelineModule
+    from poplar_ext.pipeline.causal_lm import CausalLMLoss
 
-    layers = [TiedLayerSpec("embed", torch.nn.Linear, 2, 2), LayerSpec(torch.nn.Linear, 2, 2)]
-    with pytest.raises(ValueError, match=r"layers \[0\] are TiedLayerSpecs"):
-        PoplarPipelineModule(layers, config={"poplar": {"plan": "p.json"}})
+    message = r"poplar.loss_reduction: expected token_mean with loss_fn causal_lm_loss, found mean"
+    with pytest.raises(ValueError, match=message):  # no process group exists: it was refused before one
+        PoplarPipelineModule([torch.nn.Linear(1, 1)], loss_fn=CausalLMLoss(), config={"poplar": {"plan": "p.json"}})
 
 
 def test_a_plain_pipeline_module_is_refused_naming_the_poplar_one():
@@ -201,8 +199,10 @@ def test_a_pipelines_loss_weight_is_its_count_times_its_share_of_the_batch():
     assert pipeline_loss_weight(micro_batch_size=3, num_micro_batches=2, global_batch_size=11) == pytest.approx(6 / 11)
     sum_weight = pipeline_loss_weight(micro_batch_size=3, num_micro_batches=2, global_batch_size=11, reduction="sum")
     assert sum_weight == pytest.approx(2 / 11)
-    with pytest.raises(ValueError, match="token_mean: expected mean or sum with pipelines"):
-        pipeline_loss_weight(micro_batch_size=3, num_micro_batches=2, global_batch_size=11, reduction="token_mean")
+    # token_mean: per label token of the micro-batch; the engine divides by the iteration's tokens.
+    assert (
+        pipeline_loss_weight(micro_batch_size=3, num_micro_batches=2, global_batch_size=11, reduction="token_mean") == 2
+    )
 
 
 def test_deepspeed_gets_a_config_valid_for_the_pipeline_alone():

@@ -1,0 +1,155 @@
+"""Hugging Face causal LMs in pipelines train exactly as one process training the model (issue 34).
+
+4 forked ranks (two of an emulated type), `causal_lm_layers` of a tiny GPT-2 (its head tied to
+its embedding) and a tiny Llama (untied), ``poplar.loss_reduction: token_mean``, padded
+sequences (labels ``-100``), gradient clipping on: after 3 steps every parameter equals one
+process training the Hugging Face model on the same global batches with its own loss (the
+mean over the global batch's label tokens). The plans put the tied embedding and head on
+different stages in pipelines of different splits, and (three_and_one) on one rank of a
+one-stage pipeline beside a three-stage one: the tied gradient is the sum over every stage
+using it, in every pipeline.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_ranks
+
+pytest.importorskip("transformers", reason="a Hugging Face model: pip install 'poplar-ext[hf]'")
+
+import _training as t  # noqa: E402
+from test_pipeline import write_pipeline_plan  # noqa: E402  (the pipeline tests' plan writer)
+
+from poplar_ext.runtime.data import SampleStream  # noqa: E402
+
+STEPS = 3
+NUM_SAMPLES = 25
+VOCAB = 96
+LENGTH = 12
+CLIP = 0.5
+TYPES = ["cpu", "cpu", "cpu-slow", "cpu-slow"]
+# Per pipeline: (rank, first layer, last layer) per stage, micro-batch size, micro-batches. 6 layers:
+# GPT-2: tied embedding, positions, 2 blocks, final norm, tied head; Llama: embedding, 3 blocks, norm, head.
+PLANS = {
+    "two_by_two": [([(0, 0, 1), (1, 2, 5)], 2, 4), ([(2, 0, 3), (3, 4, 5)], 3, 2)],  # B = 14
+    "three_and_one": [([(0, 0, 0), (1, 1, 2), (2, 3, 5)], 2, 4), ([(3, 0, 5)], 3, 1)],  # B = 11
+}
+CASES = [("gpt2", "two_by_two", 0), ("gpt2", "three_and_one", 1), ("llama", "two_by_two", 1)]
+
+
+def _model(family: str):
+    """Random weights seeded alike on every rank and in the reference; no dropout."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=LENGTH, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+class PaddedTokens(torch.utils.data.Dataset):
+    """``(input_ids, labels)`` of length 12, each sample's tokens 3..12 long, then padding (labels -100)."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.input_ids = torch.randint(1, VOCAB, (NUM_SAMPLES, LENGTH), generator=generator)
+        lengths = torch.randint(3, LENGTH + 1, (NUM_SAMPLES,), generator=generator)
+        padding = torch.arange(LENGTH) >= lengths[:, None]
+        self.input_ids[padding] = 0
+        self.labels = self.input_ids.masked_fill(padding, -100)
+
+    def __len__(self) -> int:
+        return NUM_SAMPLES
+
+    def __getitem__(self, index: int):
+        return self.input_ids[index], self.labels[index]
+
+
+def _config(files, family, plan, stage):
+    return {
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+        "poplar": {
+            "cluster": str(files["cluster"]),
+            "plan": str(files[(plan, stage)]),
+            "loss_reduction": "token_mean",
+            "log_interval_steps": 0,
+        },
+    }
+
+
+def _train(files, family, plan, stage):
+    import poplar_ext
+    from poplar_ext.pipeline import PoplarPipelineModule, causal_lm_layers
+
+    model = _model(family)
+    pipe = causal_lm_layers(model)
+    config = _config(files, family, plan, stage)
+    module = PoplarPipelineModule(pipe.layers, loss_fn=pipe.loss_fn, config=config)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    engine, _, _, _ = poplar_ext.initialize(
+        model=module, optimizer=optimizer, training_data=PaddedTokens(), config=config
+    )
+    losses = [float(engine.train_batch()) for _ in range(STEPS)]
+    # The stage's parameters are the model's own modules' (wrapped, not copied): named as the model names them.
+    held = {id(p) for p in engine.module.parameters()}
+    params = {name: p.detach().clone() for name, p in model.named_parameters() if id(p) in held}
+    return {"params": params, "losses": losses}
+
+
+def _all_cases(files):
+    return {case: _train(files, *case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline_causal_lm")
+    files = {"cluster": t.write_cluster(tmp / "cluster.json", fast=2, slow=2)}
+    for _, plan, stage in CASES:
+        files[(plan, stage)] = write_pipeline_plan(tmp / f"{plan}{stage}.json", PLANS[plan], stage=stage, types=TYPES)
+    return run_ranks(_all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=300)
+
+
+def _reference(family: str, global_batch: int):
+    """One process: the Hugging Face model's own loss on each whole global batch (its token mean),
+    the global norm clipped, the same SGD."""
+    model = _model(family)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data, stream = PaddedTokens(), SampleStream(num_samples=NUM_SAMPLES, seed=0)
+    losses, norms = [], []
+    for step in range(STEPS):
+        indices = stream.indices(step * global_batch, global_batch)
+        optimizer.zero_grad()
+        loss = model(input_ids=data.input_ids[indices], labels=data.labels[indices]).loss
+        loss.backward()
+        losses.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, losses, norms
+
+
+@pytest.mark.parametrize("family,plan,stage", CASES)
+def test_a_causal_lm_in_pipelines_matches_the_model_trained_in_one_process(results, family, plan, stage):
+    global_batch = sum(b * s for _, b, s in PLANS[plan])
+    expected, losses, norms = _reference(family, global_batch)
+    assert min(norms) > CLIP, "clipping must be active for this test to cover it"
+    runs = [r[(family, plan, stage)] for r in results]
+    held = {name for run in runs for name in run["params"]}
+    assert held == set(expected), sorted(held ^ set(expected))
+    difference = max(
+        float((value - expected[name]).abs().max()) for run in runs for name, value in run["params"].items()
+    )
+    assert difference <= 1e-5
+    for run in runs:  # every rank returns the global batch's token mean
+        assert run["losses"] == pytest.approx(losses, abs=1e-5)
