@@ -18,10 +18,11 @@ from harness import run_ranks
 
 pytest.importorskip("transformers", reason="a Hugging Face model: pip install 'poplar-ext[hf]'")
 
+import _hf_common as hf  # noqa: E402
 import _training as t  # noqa: E402
 from test_pipeline import write_pipeline_plan  # noqa: E402  (the pipeline tests' plan writer)
 
-from poplar_ext.runtime.data import SampleStream  # noqa: E402
+from poplar_ext.models.hugging_face import PaddedTokens  # noqa: E402
 
 STEPS = 3
 NUM_SAMPLES = 25
@@ -56,22 +57,8 @@ def _model(family: str):
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-class PaddedTokens(torch.utils.data.Dataset):
-    """``(input_ids, labels)`` of length 12, each sample's tokens 3..12 long, then padding (labels -100)."""
-
-    def __init__(self) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.input_ids = torch.randint(1, VOCAB, (NUM_SAMPLES, LENGTH), generator=generator)
-        lengths = torch.randint(3, LENGTH + 1, (NUM_SAMPLES,), generator=generator)
-        padding = torch.arange(LENGTH) >= lengths[:, None]
-        self.input_ids[padding] = 0
-        self.labels = self.input_ids.masked_fill(padding, -100)
-
-    def __len__(self) -> int:
-        return NUM_SAMPLES
-
-    def __getitem__(self, index: int):
-        return self.input_ids[index], self.labels[index]
+def _data():
+    return PaddedTokens(num_samples=NUM_SAMPLES, vocab_size=VOCAB, length=LENGTH)
 
 
 def _config(files, family, plan, stage):
@@ -98,9 +85,7 @@ def _train(files, family, plan, stage):
     config = _config(files, family, plan, stage)
     module = PoplarPipelineModule(pipe.layers, loss_fn=pipe.loss_fn, config=config)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    engine, _, _, _ = poplar_ext.initialize(
-        model=module, optimizer=optimizer, training_data=PaddedTokens(), config=config
-    )
+    engine, _, _, _ = poplar_ext.initialize(model=module, optimizer=optimizer, training_data=_data(), config=config)
     losses = [float(engine.train_batch()) for _ in range(STEPS)]
     # The stage's parameters are the model's own modules' (wrapped, not copied): named as the model names them.
     held = {id(p) for p in engine.module.parameters()}
@@ -126,16 +111,9 @@ def _reference(family: str, global_batch: int):
     the global norm clipped, the same SGD."""
     model = _model(family)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    data, stream = PaddedTokens(), SampleStream(num_samples=NUM_SAMPLES, seed=0)
-    losses, norms = [], []
-    for step in range(STEPS):
-        indices = stream.indices(step * global_batch, global_batch)
-        optimizer.zero_grad()
-        loss = model(input_ids=data.input_ids[indices], labels=data.labels[indices]).loss
-        loss.backward()
-        losses.append(float(loss.detach()))
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        optimizer.step()
+    losses, norms = hf.train_in_one_process(
+        model, optimizer, _data(), global_batch=global_batch, steps=STEPS, clip=CLIP
+    )
     return {name: p.detach().clone() for name, p in model.named_parameters()}, losses, norms
 
 
