@@ -121,19 +121,23 @@ class LayerSegments:
         self._groups = [next(groups) if len(holders) > 1 else None for holders, _ in self.segments]
         self._tie_groups = [next(groups) if len(holders) > 1 else None for _, holders in self.ties]
 
-    def _mine(self, module: torch.nn.Module) -> Iterator[tuple[list[int], Any, list[torch.nn.Parameter]]]:
+    def _mine(
+        self, module: torch.nn.Module, *, ties_only: bool = False
+    ) -> Iterator[tuple[list[int], Any, list[torch.nn.Parameter]]]:
         by_layer = _parameters_by_layer(module)
-        for (holders, layers), group in zip(self.segments, self._groups):
+        for (holders, layers), group in zip([] if ties_only else self.segments, self._groups):
             if group is not None and self.rank in holders:
                 yield holders, group, [p for layer in layers for p in by_layer.get(layer, [])]
         for (key, holders), group in zip(self.ties, self._tie_groups):
             if group is not None and self.rank in holders:
                 yield holders, group, list(module.tied_modules[key].parameters())
 
-    def broadcast_parameters(self, module: torch.nn.Module) -> None:
-        """Every copy of a layer set to pipeline 0's (as DeepSpeed's engine broadcasts its replicas' weights)."""
+    def broadcast_parameters(self, module: torch.nn.Module, *, ties_only: bool = False) -> None:
+        """Every copy of a layer set to pipeline 0's (as DeepSpeed's engine broadcasts its replicas' weights);
+        `ties_only`: of the tied modules only (after a checkpoint is loaded: DeepSpeed saves a tied module
+        in the file of a layer that uses it without a ``forward_fn``, the first of the key here)."""
         with torch.no_grad():
-            for holders, group, parameters in self._mine(module):
+            for holders, group, parameters in self._mine(module, ties_only=ties_only):
                 for parameter in parameters:
                     broadcast_in_group(parameter.data, src=holders[0], group=group)
 

@@ -188,6 +188,14 @@ class PoplarPipelineModule(PipelineModule):
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
+    def _synchronize_tied_weights(self) -> None:
+        # DeepSpeed calls this after building (no tied groups of its own here: nothing to do before
+        # layer_segments exists) and after loading a checkpoint (collective: every rank loads), where
+        # a tied module used only through a forward_fn on this stage was in no file of its layers.
+        segments = getattr(self, "layer_segments", None)
+        if segments is not None:
+            segments.broadcast_parameters(self, ties_only=True)
+
     def _index_tied_modules(self) -> dict:
         # DeepSpeed makes a tied module's groups here from its own grid, per pipeline depth; pipelines of
         # other splits would create other groups (a mismatch in new_group). LayerSegments sums tied

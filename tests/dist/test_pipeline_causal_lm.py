@@ -7,7 +7,7 @@ process training the Hugging Face model on the same global batches with its own 
 mean over the global batch's label tokens). The plans put the tied embedding and head on
 different stages in pipelines of different splits, and (three_and_one) on one rank of a
 one-stage pipeline beside a three-stage one: the tied gradient is the sum over every stage
-using it, in every pipeline.
+using it, in every pipeline. A checkpoint resumed sets every copy of the tied module again.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ PLANS = {
     "three_and_one": [([(0, 0, 0), (1, 1, 2), (2, 3, 5)], 2, 4), ([(3, 0, 5)], 3, 1)],  # B = 11
 }
 CASES = [("gpt2", "two_by_two", 0), ("gpt2", "three_and_one", 1), ("llama", "two_by_two", 1)]
+RESUMED = ("gpt2", "two_by_two", 0)  # the head's stage holds the tied embedding through forward_fn only
 
 
 def _model(family: str):
@@ -76,7 +77,7 @@ def _config(files, family, plan, stage):
     }
 
 
-def _train(files, family, plan, stage):
+def _engine(files, family, plan, stage):
     import poplar_ext
     from poplar_ext.pipeline import PoplarPipelineModule, causal_lm_layers
 
@@ -86,21 +87,43 @@ def _train(files, family, plan, stage):
     module = PoplarPipelineModule(pipe.layers, loss_fn=pipe.loss_fn, config=config)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = poplar_ext.initialize(model=module, optimizer=optimizer, training_data=_data(), config=config)
-    losses = [float(engine.train_batch()) for _ in range(STEPS)]
-    # The stage's parameters are the model's own modules' (wrapped, not copied): named as the model names them.
+    return engine, model
+
+
+def _parameters(engine, model):
+    """The stage's parameters, the model's own modules' (wrapped, not copied): named as the model names them."""
     held = {id(p) for p in engine.module.parameters()}
-    params = {name: p.detach().clone() for name, p in model.named_parameters() if id(p) in held}
-    return {"params": params, "losses": losses}
+    return {name: p.detach().clone() for name, p in model.named_parameters() if id(p) in held}
+
+
+def _train(files, family, plan, stage):
+    engine, model = _engine(files, family, plan, stage)
+    losses = [float(engine.train_batch()) for _ in range(STEPS)]
+    return {"params": _parameters(engine, model), "losses": losses}
+
+
+def _resume(files):
+    """Save after 2 steps, train a third; a new engine of a new model loads the checkpoint and trains it again."""
+    engine, model = _engine(files, *RESUMED)
+    for _ in range(STEPS - 1):
+        engine.train_batch()
+    engine.save_checkpoint(files["checkpoints"])
+    engine.train_batch()
+    uninterrupted = _parameters(engine, model)
+    engine, model = _engine(files, *RESUMED)
+    engine.load_checkpoint(files["checkpoints"])
+    engine.train_batch()
+    return {"uninterrupted": uninterrupted, "resumed": _parameters(engine, model)}
 
 
 def _all_cases(files):
-    return {case: _train(files, *case) for case in CASES}
+    return {**{case: _train(files, *case) for case in CASES}, "resume": _resume(files)}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline_causal_lm")
-    files = {"cluster": t.write_cluster(tmp / "cluster.json", fast=2, slow=2)}
+    files = {"cluster": t.write_cluster(tmp / "cluster.json", fast=2, slow=2), "checkpoints": tmp / "checkpoints"}
     for _, plan, stage in CASES:
         files[(plan, stage)] = write_pipeline_plan(tmp / f"{plan}{stage}.json", PLANS[plan], stage=stage, types=TYPES)
     return run_ranks(_all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=300)
@@ -131,3 +154,12 @@ def test_a_causal_lm_in_pipelines_matches_the_model_trained_in_one_process(resul
     assert difference <= 1e-5
     for run in runs:  # every rank returns the global batch's token mean
         assert run["losses"] == pytest.approx(losses, abs=1e-5)
+
+
+def test_a_resumed_run_sets_every_copy_of_a_tied_module_as_the_uninterrupted_one(results):
+    for rank_result in results:
+        uninterrupted, resumed = rank_result["resume"]["uninterrupted"], rank_result["resume"]["resumed"]
+        assert uninterrupted.keys() == resumed.keys()
+        assert all(torch.equal(resumed[name], value) for name, value in uninterrupted.items()), [
+            name for name, value in uninterrupted.items() if not torch.equal(resumed[name], value)
+        ]
