@@ -176,11 +176,14 @@ def causal_lm_layers(model: Any) -> CausalLMPipeline:
     """`model` (a transformers causal LM of type gpt2, llama, mistral or qwen2) as pipeline layers and
     its loss; raises ValueError for any other model, before anything is built or sent."""
     model_type = _model_type(model)
-    body, before, blocks, norm, rotary = _parts(model, model_type)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head.weight is embedding.weight
+    name = type(model).__name__
+    if head is None:
+        raise ValueError(f"causal_lm_layers: expected a causal LM with its head (e.g. LlamaForCausalLM), found {name}")
     if getattr(head, "bias", None) is not None:
-        raise ValueError(f"causal_lm_layers: expected a head without bias, found one in {type(model).__name__}")
+        raise ValueError(f"causal_lm_layers: expected a head without bias, found one in {name}")
+    tied = head.weight is embedding.weight
+    body, before, blocks, norm, rotary = _parts(model, model_type)
     if tied:
         first: Any = TiedLayerSpec(TIED_EMBEDDING_KEY, TokenEmbedding, embedding, tied_weight_attr="embedding.weight")
         last: Any = TiedLayerSpec(

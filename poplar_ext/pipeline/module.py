@@ -86,7 +86,7 @@ def _refuse_placement(**arguments: Any) -> None:
         )
 
 
-def tied_layers(layers: list[Any]) -> dict[str, list[int]]:
+def _tied_layers(layers: list[Any]) -> dict[str, list[int]]:
     """Each TiedLayerSpec key and the indices of the layers using it."""
     tied: dict[str, list[int]] = {}
     for index, layer in enumerate(layers):
@@ -177,7 +177,7 @@ class PoplarPipelineModule(PipelineModule):
             )
         self.poplar_job: PipelineJob = job
         """The plan and this rank's place in it (the same plan on every rank)."""
-        self.layer_segments = LayerSegments(job.plan, rank=job.rank, tied=tied_layers(layers))
+        self.layer_segments = LayerSegments(job.plan, rank=job.rank, tied=_tied_layers(layers))
         """The layers the pipelines share, and the groups their gradients are summed in."""
         self.layer_segments.broadcast_parameters(self)
 
@@ -202,7 +202,7 @@ class PoplarPipelineModule(PipelineModule):
         # gradients over every pipeline instead, so DeepSpeed gets no tied groups. What it still needs:
         # a copy that is not this pipeline's first is marked replicated, so that a gradient norm over
         # the pipeline counts the module once (DeepSpeed's own mark, read by its ZeRO optimizer too).
-        for key, indices in tied_layers(self._layer_specs).items():
+        for key, indices in _tied_layers(self._layer_specs).items():
             stages = sorted({self.stage_owner(index) for index in indices})
             if key in self.tied_modules and self.stage_id != stages[0]:
                 for parameter in self.tied_modules[key].parameters():

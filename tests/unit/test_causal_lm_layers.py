@@ -110,3 +110,13 @@ def test_other_architectures_are_refused_naming_the_supported_ones():
         causal_lm_layers(other)
     with pytest.raises(ValueError, match=supported + r", found Linear \(model_type None\)"):
         causal_lm_layers(torch.nn.Linear(2, 2))
+
+
+def test_a_model_without_its_head_is_refused():
+    import transformers
+
+    body = transformers.LlamaModel(transformers.LlamaConfig(**SIZES, num_key_value_heads=2))
+    with pytest.raises(
+        ValueError, match=r"expected a causal LM with its head \(e.g. LlamaForCausalLM\), found LlamaModel"
+    ):
+        causal_lm_layers(body)
