@@ -132,7 +132,13 @@ def prepare_pipeline_job(
 
 
 def _refuse_another_reduction(loss_fn: Any, reduction: str) -> None:
-    """A loss that says which reduction it computes (`CausalLMLoss`: token_mean) must get that one."""
+    """A loss that says which reduction it computes (`CausalLMLoss`: token_mean) must get that one;
+    token_mean needs a loss_fn (the last stage counts the label tokens of the labels it gets)."""
+    if reduction == "token_mean" and loss_fn is None:
+        raise ValueError(
+            "poplar.loss_reduction: expected mean or sum without a loss_fn (the last layer's output as the "
+            "loss), found token_mean (a micro-batch's label tokens are counted from the labels a loss_fn gets)"
+        )
     wanted = getattr(loss_fn, "poplar_loss_reduction", None)
     if wanted is not None and wanted != reduction:
         name = getattr(loss_fn, "__name__", type(loss_fn).__name__)

@@ -172,13 +172,16 @@ def test_what_the_plan_says_cannot_be_given(argument):
         PoplarPipelineModule([torch.nn.Linear(1, 1)], config={"poplar": {"plan": "p.json"}}, **argument)
 
 
-def test_a_token_mean_loss_under_another_reduction_is_refused_before_the_job_starts():
+def test_token_mean_and_a_loss_that_does_not_fit_it_are_refused_before_the_job_starts():
     from poplar_ext.pipeline import PoplarPipelineModule
     from poplar_ext.pipeline.causal_lm import CausalLMLoss
 
     message = r"poplar.loss_reduction: expected token_mean with loss_fn causal_lm_loss, found mean"
     with pytest.raises(ValueError, match=message):  # no process group exists: it was refused before one
         PoplarPipelineModule([torch.nn.Linear(1, 1)], loss_fn=CausalLMLoss(), config={"poplar": {"plan": "p.json"}})
+    token_mean = {"poplar": {"plan": "p.json", "loss_reduction": "token_mean"}}
+    with pytest.raises(ValueError, match=r"expected mean or sum without a loss_fn .*, found token_mean"):
+        PoplarPipelineModule([torch.nn.Linear(1, 1)], config=token_mean)
 
 
 def test_a_plain_pipeline_module_is_refused_naming_the_poplar_one():
