@@ -313,3 +313,16 @@ def test_an_emulated_rank_runs_forward_backward_and_step_in_its_slowed_window():
     engine = SimpleNamespace(emulated_compute=ComputeSlowdown(None), seen=[])
     _emulated(lambda e, **kwargs: e.seen.append((e.emulated_compute.running, kwargs)))(engine, buffer_id=1)
     assert engine.seen == [(True, {"buffer_id": 1})] and not engine.emulated_compute.running
+
+
+def test_a_token_mean_job_refuses_samples_whose_labels_are_not_one_tensor():
+    from poplar_ext.pipeline.initialize import check_token_mean_samples
+
+    ids = torch.zeros(4, dtype=torch.long)
+    check_token_mean_samples([(ids, ids)], "token_mean")
+    check_token_mean_samples([{"input_ids": ids}], "mean")  # counted only for token_mean
+    expected = r"training_data: expected \(inputs, labels\) samples .* token_mean, found"
+    with pytest.raises(ValueError, match=expected + " a sample of type dict"):
+        check_token_mean_samples([{"input_ids": ids, "labels": ids}], "token_mean")
+    with pytest.raises(ValueError, match=expected + " tuple"):
+        check_token_mean_samples([(ids, (ids, ids))], "token_mean")
