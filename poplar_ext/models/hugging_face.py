@@ -1,6 +1,7 @@
 """Hugging Face models built from a transformers config, random weights (nothing is downloaded).
 
-What ``poplar-profile --model hf:GPT2Config --hf-config ...`` profiles, and its batches.
+What ``poplar-profile --model hf:GPT2Config --hf-config ...`` profiles, and its batches;
+`PaddedTokens`, padded token samples for a causal LM in pipelines (example, tests).
 transformers is imported only when a model is built (``pip install 'poplar-ext[hf]'``).
 """
 
@@ -47,4 +48,24 @@ def random_lm_batch(vocab_size: int, micro_batch_size: int, sequence_length: int
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-__all__ = ["HF_TASKS", "model_from_config", "random_lm_batch"]
+class PaddedTokens(torch.utils.data.Dataset):
+    """``(input_ids, labels)`` samples of one `length` (a pipeline's activations keep one shape): each
+    sample's random tokens (ids 1 and up) are 3 to `length` long, then padding (id 0, label ``-100``),
+    so the mean over label tokens differs from the mean over samples. Seeded."""
+
+    def __init__(self, *, num_samples: int, vocab_size: int, length: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.input_ids = random_tokens(vocab_size - 1, (num_samples, length), generator=generator) + 1
+        lengths = torch.randint(3, length + 1, (num_samples,), generator=generator)
+        padding = torch.arange(length) >= lengths[:, None]
+        self.input_ids[padding] = 0
+        self.labels = self.input_ids.masked_fill(padding, -100)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.input_ids[index], self.labels[index]
+
+
+__all__ = ["HF_TASKS", "PaddedTokens", "model_from_config", "random_lm_batch"]

@@ -8,9 +8,13 @@ subclass adds what crosses pipelines, at the smallest seams DeepSpeed offers:
   over the pipelines holding it (`LayerSegments`), then runs DeepSpeed's own over the
   one-rank group (nothing to add at ZeRO 0; ZeRO 1's hand-over to its optimizer). With
   each micro-batch loss weighted by ``s_p * b_p / B`` (`PoplarPipelineModule`) the
-  optimizer sees the gradient of the mean loss over the global batch.
+  optimizer sees the gradient of the mean loss over the global batch. With ``token_mean``
+  the weight is ``s_p * n`` and the sum is divided here by the iteration's label tokens,
+  counted by every pipeline's last stage. A tied module's gradient is summed too (over
+  every stage of every pipeline using it); ``ReduceTiedGrads`` finds no DeepSpeed groups.
 * `clip_fp32_gradients` (called by ``_take_model_step`` at ZeRO 0, fp32): DeepSpeed's
-  takes the norm of stage 0's gradients only; here, of the whole pipeline's.
+  takes the norm of stage 0's gradients only; here, of the whole pipeline's (a tied
+  module counted once).
 * ``_INSTRUCTION_MAP``: the forward, backward and optimizer-step instructions of an
   emulated device type run slowed down (`poplar_ext.hardware.emulation`), as the ZeRO
   path's forward..backward window and step. ``_exec_forward_pass`` and the others
@@ -105,6 +109,7 @@ class PoplarPipelineEngine(PipelineEngine):
         self._own_iterator = False
         self._job_tag: str | None = None
         self._last_boundary_time: float | None = None
+        self._iteration_tokens = 0
         # DeepSpeed's bookkeeping (samples/s, global_samples) reads the batch it was given: the
         # pipeline's; its batch checks ran in __init__, nothing later compares it.
         self._config.train_batch_size = plan.global_batch_size
@@ -120,21 +125,42 @@ class PoplarPipelineEngine(PipelineEngine):
     def allreduce_gradients(self, bucket_size: int = MEMORY_OPT_ALLREDUCE_SIZE) -> None:
         if self.is_gradient_accumulation_boundary():
             self.module.layer_segments.sum_gradients(self.module)
+            if self.poplar_job.poplar_config.loss_reduction == "token_mean":
+                self._divide_by_iteration_tokens()
         super().allreduce_gradients(bucket_size)
+
+    def _divide_by_iteration_tokens(self) -> None:
+        # token_mean: each micro-batch loss was weighted by s_p * n (WeightedLoss), so the summed
+        # gradient is that of the global batch's token sum; the tokens T of the whole iteration
+        # are known only now, every last stage having counted its own (collective: every rank).
+        weighted = self.module.loss_fn
+        tokens = torch.tensor(weighted.tokens if self.is_last_stage() else 0, dtype=torch.int64, device=self.device)
+        weighted.tokens = 0
+        sum_in_group(tokens)
+        self._iteration_tokens = int(tokens.item())
+        if self._iteration_tokens < 1:
+            raise ValueError(
+                "loss_reduction token_mean: expected at least one label token in the iteration, found none"
+            )
+        for parameter in self.module.parameters():
+            if parameter.grad is not None:
+                parameter.grad.div_(self._iteration_tokens)
 
     def clip_fp32_gradients(self) -> None:
         # DeepSpeed falls short here: its clip_grad_norm_ (runtime/utils.py) counts a gradient
         # only on model-parallel rank 0, which in a pipe grid is stage 0, so its ZeRO-0 norm
         # is stage 0's. After the sum across pipelines every pipeline holds the global
         # gradient: the norm over one pipeline's stages is the global norm.
-        gradients = [p.grad for p in self.module.parameters() if p.grad is not None]
+        # A tied module's copies past this pipeline's first are marked replicated: counted once, clipped all.
+        parameters = [p for p in self.module.parameters() if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for gradient in gradients:
-            squares += gradient.detach().double().pow(2).sum()
+        for parameter in parameters:
+            if not getattr(parameter, "ds_pipe_replicated", False):
+                squares += parameter.grad.detach().double().pow(2).sum()
         sum_in_group(squares, self.grid.get_pipe_parallel_group())
         coefficient = min(1.0, self.gradient_clipping() / (float(squares.sqrt()) + 1e-6))
-        for gradient in gradients:
-            gradient.mul_(coefficient)
+        for parameter in parameters:
+            parameter.grad.mul_(coefficient)
 
     def _checkpoint_tag_validation(self, tag: str) -> None:
         # DeepSpeed checks that every rank saves under one tag; each pipeline saves into its own
@@ -144,6 +170,7 @@ class PoplarPipelineEngine(PipelineEngine):
     # -- training ------------------------------------------------------------------
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """DeepSpeed's train_batch; returns the mean loss over the global batch, on every rank (collective)."""
+        self.module.loss_fn.tokens = 0  # token_mean: counted afresh (an evaluation may have counted some)
         reads_data = self.is_first_stage() or self.is_last_stage()
         if data_iter is None and reads_data and self.data_iterator is None and self._loader is not None:
             self._own_iterator = True
@@ -152,6 +179,8 @@ class PoplarPipelineEngine(PipelineEngine):
         # Each stage of pipeline p holds its share; each share counted once over all ranks.
         total = share.detach().double() / self.num_stages
         sum_in_group(total)
+        if self.poplar_job.poplar_config.loss_reduction == "token_mean":
+            total /= self._iteration_tokens  # the shares are token sums (WeightedLoss)
         self.agg_train_loss = total.to(share.dtype)
         self._end_of_iteration()
         return self.agg_train_loss

@@ -13,7 +13,12 @@ each layer's parameters live on one rank per pipeline; the layers held by the sa
 ranks form a segment, with one process group. Its gradient sum over a segment replaces
 DeepSpeed's per-stage all-reduce (which reduces by position, so across different splits it
 would add up different layers), and its broadcast at construction replaces DeepSpeed's
-model broadcast, so every copy of a layer starts equal.
+model broadcast, so every copy of a layer starts equal. A tied module (DeepSpeed's
+``TiedLayerSpec``: one module used by several layers, such as a token embedding and the
+head that shares its weight) is held by every rank, in every pipeline, whose stage has any
+of its layers; its gradient is summed over all of them (each holder's gradient being the
+sum over the layers it runs) and its copies start as pipeline 0's first holder's. This
+replaces DeepSpeed's tied groups, which are made per pipeline depth.
 
 Process groups are named by a counter every rank increments (torch.distributed's
 ``new_group``): every rank creates every group, in plan order
@@ -70,18 +75,36 @@ def _holder(plan: PipelinePlan, pipeline_index: int, layer: int) -> int:
     return next(s.rank for s in plan.pipelines[pipeline_index].stages if s.first_layer <= layer <= s.last_layer)
 
 
+TIED_PREFIX = "tied_modules."
+"""Where DeepSpeed's PipelineModule keeps the modules of TiedLayerSpecs (``tied_modules.<key>``)."""
+
+
 def _parameters_by_layer(module: torch.nn.Module) -> dict[int, list[torch.nn.Parameter]]:
-    """A PipelineModule's parameters by global layer index (DeepSpeed names them ``<layer index>.<name>``)."""
+    """A PipelineModule's parameters by global layer index (DeepSpeed names them ``<layer index>.<name>``),
+    tied modules' left out (they belong to a key, not to a layer)."""
     by_layer: dict[int, list[torch.nn.Parameter]] = {}
     for name, parameter in module.named_parameters():
-        by_layer.setdefault(int(name.split(".", 1)[0]), []).append(parameter)
+        if not name.startswith(TIED_PREFIX):
+            by_layer.setdefault(int(name.split(".", 1)[0]), []).append(parameter)
     return by_layer
 
 
-class LayerSegments:
-    """Runs of layers held by the same ranks (one per pipeline), each with its process group (collective)."""
+def tied_holders(plan: PipelinePlan, layers: list[int]) -> list[int]:
+    """Every rank whose stage runs any of `layers` (a tied module's), pipeline 0's first."""
+    holders: list[int] = []
+    for pipeline_index in range(len(plan.pipelines)):
+        for layer in layers:
+            rank = _holder(plan, pipeline_index, layer)
+            if rank not in holders:
+                holders.append(rank)
+    return holders
 
-    def __init__(self, plan: PipelinePlan, *, rank: int) -> None:
+
+class LayerSegments:
+    """Runs of layers held by the same ranks (one per pipeline), and tied modules (`tied`: key -> the
+    layers using it), each with its process group (collective)."""
+
+    def __init__(self, plan: PipelinePlan, *, rank: int, tied: dict[str, list[int]] | None = None) -> None:
         self.rank = rank
         layers_by_holders: dict[tuple[int, ...], list[int]] = {}
         for layer in range(plan.num_layers):
@@ -90,20 +113,31 @@ class LayerSegments:
         self.segments = [(list(holders), layers) for holders, layers in layers_by_holders.items()]
         """``(holders, layers)``: the ranks holding these layers, pipeline 0's first; the same list on every rank."""
         # One pipeline: every segment is one rank, and nothing is shared.
-        shared = [holders for holders, _ in self.segments if len(holders) > 1]
+        self.ties = [(key, tied_holders(plan, layers)) for key, layers in sorted((tied or {}).items())]
+        """``(key, holders)``: the ranks holding each tied module, pipeline 0's first; the same on every rank."""
+        every = [holders for holders, _ in self.segments] + [holders for _, holders in self.ties]
+        shared = [holders for holders in every if len(holders) > 1]
         groups = iter(new_groups(shared))
         self._groups = [next(groups) if len(holders) > 1 else None for holders, _ in self.segments]
+        self._tie_groups = [next(groups) if len(holders) > 1 else None for _, holders in self.ties]
 
-    def _mine(self, module: torch.nn.Module) -> Iterator[tuple[list[int], Any, list[torch.nn.Parameter]]]:
+    def _mine(
+        self, module: torch.nn.Module, *, ties_only: bool = False
+    ) -> Iterator[tuple[list[int], Any, list[torch.nn.Parameter]]]:
         by_layer = _parameters_by_layer(module)
-        for (holders, layers), group in zip(self.segments, self._groups):
+        for (holders, layers), group in zip([] if ties_only else self.segments, self._groups):
             if group is not None and self.rank in holders:
                 yield holders, group, [p for layer in layers for p in by_layer.get(layer, [])]
+        for (key, holders), group in zip(self.ties, self._tie_groups):
+            if group is not None and self.rank in holders:
+                yield holders, group, list(module.tied_modules[key].parameters())
 
-    def broadcast_parameters(self, module: torch.nn.Module) -> None:
-        """Every copy of a layer set to pipeline 0's (as DeepSpeed's engine broadcasts its replicas' weights)."""
+    def broadcast_parameters(self, module: torch.nn.Module, *, ties_only: bool = False) -> None:
+        """Every copy of a layer set to pipeline 0's (as DeepSpeed's engine broadcasts its replicas' weights);
+        `ties_only`: of the tied modules only (after a checkpoint is loaded: DeepSpeed saves a tied module
+        in the file of a layer that uses it without a ``forward_fn``, the first of the key here)."""
         with torch.no_grad():
-            for holders, group, parameters in self._mine(module):
+            for holders, group, parameters in self._mine(module, ties_only=ties_only):
                 for parameter in parameters:
                     broadcast_in_group(parameter.data, src=holders[0], group=group)
 

@@ -70,6 +70,21 @@ def _check_arguments(
             )
 
 
+def check_token_mean_samples(training_data: Any, reduction: str) -> None:
+    """ValueError unless a token_mean job's samples are ``(inputs, labels)`` with labels one tensor: the
+    last stages count their tokens inside the schedule, where an error would leave the others waiting."""
+    if reduction != "token_mean" or training_data is None or len(training_data) == 0:
+        return
+    sample = training_data[0]
+    labels = sample[1] if isinstance(sample, (tuple, list)) and len(sample) == 2 else None
+    if not isinstance(labels, torch.Tensor):
+        found = type(labels).__name__ if labels is not None else f"a sample of type {type(sample).__name__}"
+        raise ValueError(
+            "training_data: expected (inputs, labels) samples with labels a tensor of token ids with "
+            f"poplar.loss_reduction token_mean, found {found}"
+        )
+
+
 def _build_engine(job: PipelineJob, model: Any, **arguments: Any) -> PoplarPipelineEngine:
     """DeepSpeed's pipeline engine as ``deepspeed.initialize`` builds it (its PipelineModule branch)."""
     import deepspeed
@@ -132,6 +147,7 @@ def initialize_pipeline(
         config_params=config_params,
         args=args,
     )
+    check_token_mean_samples(training_data, job.poplar_config.loss_reduction)
     # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
     ds_args = copy.copy(args)
     if hasattr(ds_args, "deepspeed_config"):

@@ -12,7 +12,7 @@ the DeepSpeed config whose ``poplar`` section names the pipeline plan, the one
 is: it joins the process group, agrees the cluster and the plan on every rank
 (`poplar_ext.pipeline.job`), and builds this rank's stage only.
 
-Three things differ from DeepSpeed's module underneath:
+Four things differ from DeepSpeed's module underneath:
 
 * the stage boundaries are the plan's pipeline's (`_partition_layers`, the one place
   DeepSpeed computes them);
@@ -21,7 +21,10 @@ Three things differ from DeepSpeed's module underneath:
 * the loss is weighted by the pipeline's share of the global batch
   (`poplar_ext.runtime.weighting.pipeline_loss_weight`), and every copy of a layer is
   set to pipeline 0's after it is built (as DeepSpeed broadcasts its replicas), so
-  ``seed_layers`` is only about reproducibility, as in DeepSpeed.
+  ``seed_layers`` is only about reproducibility, as in DeepSpeed;
+* a ``TiedLayerSpec``'s module is tied over every stage of every pipeline that uses it
+  (`poplar_ext.pipeline.grid.LayerSegments`), not over one pipeline's stages: every one of
+  its parameters, where DeepSpeed ties only those ``tied_weight_attr`` names.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from deepspeed.runtime.activation_checkpointing import checkpointing
 
 from poplar_ext.pipeline.grid import LayerSegments, PlanGrid
 from poplar_ext.pipeline.job import PipelineJob, prepare_pipeline_job
+from poplar_ext.reductions import Reduction
 from poplar_ext.runtime.config import load_deepspeed_config
-from poplar_ext.runtime.weighting import pipeline_loss_weight
+from poplar_ext.runtime.weighting import label_tokens, loss_shifts_labels, pipeline_loss_weight
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +49,20 @@ logger = logging.getLogger(__name__)
 class WeightedLoss:
     """A pipeline's micro-batch loss times its weight: what its last stage hands to DeepSpeed's backward.
 
-    `loss_fn` None: the last layer's output is the loss (DeepSpeed's convention).
+    `loss_fn` None: the last layer's output is the loss (DeepSpeed's convention). With
+    ``token_mean`` the weight is per label token of the micro-batch (``s_p * n``), and the
+    tokens are counted in `tokens` for the engine to divide the iteration's gradients by.
     """
 
-    def __init__(self, loss_fn: Callable[[Any, Any], Any] | None, weight: float) -> None:
+    def __init__(
+        self, loss_fn: Callable[[Any, Any], Any] | None, weight: float, *, reduction: Reduction = "mean"
+    ) -> None:
         self.loss_fn = loss_fn
         self.weight = weight
+        self.reduction = reduction
+        self.shifts_labels = loss_fn is not None and loss_shifts_labels(loss_fn)
+        self.tokens = 0
+        """token_mean: label tokens of the micro-batches weighted since the engine last took them."""
         # DeepSpeed's module prints the loss function's name.
         self.__name__ = (
             "the last layer's output" if loss_fn is None else getattr(loss_fn, "__name__", type(loss_fn).__name__)
@@ -58,7 +70,11 @@ class WeightedLoss:
 
     def __call__(self, outputs: Any, labels: Any) -> Any:
         loss = outputs if self.loss_fn is None else self.loss_fn(outputs, labels)
-        return loss * self.weight
+        if self.reduction != "token_mean":
+            return loss * self.weight
+        tokens = label_tokens(labels, shifted=self.shifts_labels)
+        self.tokens += tokens
+        return loss * (self.weight * tokens)
 
 
 def _refuse_placement(**arguments: Any) -> None:
@@ -70,13 +86,13 @@ def _refuse_placement(**arguments: Any) -> None:
         )
 
 
-def _refuse_tied_layers(layers: list[Any]) -> None:
-    tied = [index for index, layer in enumerate(layers) if isinstance(layer, TiedLayerSpec)]
-    if tied:
-        raise ValueError(
-            f"PoplarPipelineModule: layers {tied} are TiedLayerSpecs; tied layers are not supported with poplar-ext "
-            "pipelines yet (DeepSpeed makes their groups per pipeline depth, which differs between pipelines)"
-        )
+def _tied_layers(layers: list[Any]) -> dict[str, list[int]]:
+    """Each TiedLayerSpec key and the indices of the layers using it."""
+    tied: dict[str, list[int]] = {}
+    for index, layer in enumerate(layers):
+        if isinstance(layer, TiedLayerSpec):
+            tied.setdefault(layer.key, []).append(index)
+    return tied
 
 
 @contextmanager
@@ -130,7 +146,6 @@ class PoplarPipelineModule(PipelineModule):
     ) -> None:
         _refuse_placement(num_stages=num_stages, topology=topology, partition_method=partition_method)
         layers = list(layers)
-        _refuse_tied_layers(layers)
         job = prepare_pipeline_job(
             load_deepspeed_config(config, args=args),
             num_layers=len(layers),
@@ -151,7 +166,7 @@ class PoplarPipelineModule(PipelineModule):
             super().__init__(
                 layers,
                 topology=grid.topology(),
-                loss_fn=WeightedLoss(loss_fn, weight),
+                loss_fn=WeightedLoss(loss_fn, weight, reduction=job.poplar_config.loss_reduction),
                 seed_layers=seed_layers,
                 seed_fn=seed_fn,
                 base_seed=base_seed,
@@ -162,7 +177,7 @@ class PoplarPipelineModule(PipelineModule):
             )
         self.poplar_job: PipelineJob = job
         """The plan and this rank's place in it (the same plan on every rank)."""
-        self.layer_segments = LayerSegments(job.plan, rank=job.rank)
+        self.layer_segments = LayerSegments(job.plan, rank=job.rank, tied=_tied_layers(layers))
         """The layers the pipelines share, and the groups their gradients are summed in."""
         self.layer_segments.broadcast_parameters(self)
 
@@ -172,6 +187,27 @@ class PoplarPipelineModule(PipelineModule):
         self.parts = list(self._plan_boundaries)
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    def _synchronize_tied_weights(self) -> None:
+        # DeepSpeed calls this after building (no tied groups of its own here: nothing to do before
+        # layer_segments exists) and after loading a checkpoint (collective: every rank loads), where
+        # a tied module used only through a forward_fn on this stage was in no file of its layers.
+        segments = getattr(self, "layer_segments", None)
+        if segments is not None:
+            segments.broadcast_parameters(self, ties_only=True)
+
+    def _index_tied_modules(self) -> dict:
+        # DeepSpeed makes a tied module's groups here from its own grid, per pipeline depth; pipelines of
+        # other splits would create other groups (a mismatch in new_group). LayerSegments sums tied
+        # gradients over every pipeline instead, so DeepSpeed gets no tied groups. What it still needs:
+        # a copy that is not this pipeline's first is marked replicated, so that a gradient norm over
+        # the pipeline counts the module once (DeepSpeed's own mark, read by its ZeRO optimizer too).
+        for key, indices in _tied_layers(self._layer_specs).items():
+            stages = sorted({self.stage_owner(index) for index in indices})
+            if key in self.tied_modules and self.stage_id != stages[0]:
+                for parameter in self.tied_modules[key].parameters():
+                    parameter.ds_pipe_replicated = True
+        return {}
 
 
 __all__ = ["PoplarPipelineModule", "WeightedLoss"]

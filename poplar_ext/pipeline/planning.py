@@ -72,8 +72,6 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
                 f"{precision}.enabled: expected fp32 with pipelines, found true (the sum of each layer's gradient "
                 "over the pipelines is checked in fp32 only; bf16 at ZeRO 0 reduces on a path it does not cover)"
             )
-    if poplar_config.loss_reduction == "token_mean":
-        problems.append(f"{SECTION}.loss_reduction: expected mean or sum with pipelines, found token_mean")
     if poplar_config.rebalance.enabled is True:
         problems.append(f"{SECTION}.rebalance.enabled: expected false or auto with pipelines (not re-balanced yet)")
     if poplar_config.global_batch_size == "auto":

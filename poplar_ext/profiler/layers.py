@@ -31,6 +31,7 @@ and sends the profiles to every rank.
 
 from __future__ import annotations
 
+import copy
 import platform
 import statistics
 from collections.abc import Callable, Sequence
@@ -76,12 +77,10 @@ def is_pipeline_model(model: Any) -> bool:
 
 
 def _is_layer(item: Any) -> bool:
-    """What DeepSpeed's PipelineModule takes as a layer: a LayerSpec (not tied), a module, or a callable
-    such as ``lambda x: torch.flatten(x, 1)`` (a layer without parameters)."""
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    """What DeepSpeed's PipelineModule takes as a layer: a LayerSpec (a TiedLayerSpec too), a module, or a
+    callable such as ``lambda x: torch.flatten(x, 1)`` (a layer without parameters)."""
+    from deepspeed.pipe import LayerSpec
 
-    if isinstance(item, TiedLayerSpec):
-        return False
     return isinstance(item, (LayerSpec, nn.Module)) or (callable(item) and not isinstance(item, type))
 
 
@@ -97,13 +96,31 @@ class CallableLayer(nn.Module):
         return self.function(*inputs)
 
 
-def _builder(item: Any) -> Callable[[], nn.Module]:
-    from deepspeed.pipe import LayerSpec
+class TiedUse(nn.Module):
+    """One use of a tied module (a TiedLayerSpec) as a layer the profiler can time: the module, called
+    through the spec's ``forward_fn`` where it has one. Its parameters count for every use: each
+    stage holding a use holds the module (and its gradient and optimizer state)."""
 
+    def __init__(self, module: nn.Module, forward_fn: Callable[..., Any] | None) -> None:
+        super().__init__()
+        self.module, self.forward_fn = module, forward_fn
+        self.layer_name = f"{type(module).__name__} (tied)"
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.module(*inputs) if self.forward_fn is None else self.forward_fn(self.module, *inputs)
+
+
+def _builder(item: Any) -> Callable[[], nn.Module]:
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    # A module given as a layer (or wrapped by a TiedLayerSpec) is the model's own: timing steps an
+    # optimizer on the layer, which must not move the weights the job then trains. A copy is measured.
+    if isinstance(item, TiedLayerSpec):
+        return lambda: TiedUse(copy.deepcopy(item.build()), item.forward_fn)
     if isinstance(item, LayerSpec):
         return item.build
     if isinstance(item, nn.Module):
-        return lambda: item
+        return lambda: copy.deepcopy(item)
     return lambda: CallableLayer(item)
 
 
@@ -126,8 +143,7 @@ def pipeline_layers(model: Any, *, loss_fn: PipelineLossFn | None = None) -> Pip
     for index, item in enumerate(items):
         if not _is_layer(item):
             raise ValueError(
-                f"model: layer {index}: expected a LayerSpec, an nn.Module or a callable (tied layers are not "
-                f"supported), found {type(item).__name__}"
+                f"model: layer {index}: expected a LayerSpec, an nn.Module or a callable, found {type(item).__name__}"
             )
     return PipelineLayers(builders=tuple(_builder(item) for item in items), loss_fn=loss_fn)
 

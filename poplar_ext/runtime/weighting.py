@@ -21,7 +21,8 @@ The weight does not depend on the accumulation count s_r, the ZeRO stage or grad
 clipping (clipping acts on the already exact global gradient).
 
 Pipelines (`poplar_ext.pipeline`) are weighted by the same rule, a pipeline p being one
-data-parallel member with s_p micro-batches of b_p samples: `pipeline_loss_weight`.
+data-parallel member with s_p micro-batches of b_p samples: `pipeline_loss_weight`
+(token_mean there: ``L * s_p * n``, the gradients divided by ``T`` at the boundary).
 """
 
 from __future__ import annotations
@@ -72,20 +73,20 @@ def loss_weight(
 def pipeline_loss_weight(
     *, micro_batch_size: int, num_micro_batches: int, global_batch_size: int, reduction: Reduction = "mean"
 ) -> float:
-    """The factor for a pipeline's micro-batch loss: ``s_p * b_p / B`` (mean) or ``s_p / B`` (sum).
+    """The factor for a pipeline's micro-batch loss: ``s_p * b_p / B`` (mean), ``s_p / B`` (sum), or
+    ``s_p`` per label token (token_mean: times the micro-batch's ``n``).
 
     DeepSpeed's pipeline engine divides every micro-batch loss by the pipeline's count
     s_p (its gradient_accumulation_steps; it has no ``scale_wrt_gas=False``), and
     poplar-ext sums each layer's gradient over the pipelines (DeepSpeed sees a
     data-parallel size of 1, so no ``1/W``): the rank weight with ``W = 1``, times s_p.
-    ``token_mean`` needs the iteration's token count agreed before the first backward,
-    which the pipeline engine's schedule has no place for: refused.
+    ``token_mean`` cannot agree the iteration's ``T`` before the first backward inside
+    DeepSpeed's schedule; the pipeline engine divides the summed gradients by ``T`` instead,
+    at the boundary, once every last stage has counted its tokens (linear: the same gradient).
     """
     if reduction == "token_mean":
-        raise ValueError(
-            "loss_reduction token_mean: expected mean or sum with pipelines (a pipeline's last stage computes the "
-            "loss inside DeepSpeed's schedule, where no token count can be agreed first)"
-        )
+        assert micro_batch_size >= 1 and global_batch_size >= micro_batch_size
+        return float(num_micro_batches)
     return num_micro_batches * loss_weight(
         world_size=1, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, reduction=reduction
     )
@@ -107,6 +108,16 @@ def loss_shifts_labels(model: Any) -> bool:
     return getattr(function, "__name__", "") == "ForCausalLMLoss" and not encoder_decoder
 
 
+def label_tokens(labels: Any, *, shifted: bool) -> int:
+    """Label tokens in a tensor of labels, as a loss counts them (``-100`` ignored; `shifted`: a
+    causal LM's, which predicts ``labels[..., 1:]``)."""
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(
+            f"loss_reduction token_mean: expected labels that are a tensor of token ids, found {type(labels).__name__}"
+        )
+    return int((labels[..., 1:] if shifted else labels).ne(IGNORE_INDEX).sum())
+
+
 def label_token_count(batch: Any, *, shifted: bool) -> int:
     """Label tokens in a micro-batch, as its loss counts them (``-100`` ignored)."""
     if not isinstance(batch, Mapping) or ("labels" not in batch and "shift_labels" not in batch):
@@ -115,10 +126,8 @@ def label_token_count(batch: Any, *, shifted: bool) -> int:
             f"found {type(batch).__name__}"
         )
     if "shift_labels" in batch:
-        labels = batch["shift_labels"]
-    else:
-        labels = batch["labels"][..., 1:] if shifted else batch["labels"]
-    return int(labels.ne(IGNORE_INDEX).sum())
+        return label_tokens(batch["shift_labels"], shifted=False)
+    return label_tokens(batch["labels"], shifted=shifted)
 
 
 def weight_loss(
@@ -154,6 +163,7 @@ __all__ = [
     "IGNORE_INDEX",
     "REDUCTIONS",
     "label_token_count",
+    "label_tokens",
     "loss_shifts_labels",
     "loss_weight",
     "pipeline_loss_weight",

@@ -159,3 +159,20 @@ def trainer_configs(root: Path, allocations: dict[int, list[tuple[int, int]]], t
         (root / f"ds{stage}.json").write_text(json.dumps(config))
         paths[stage] = str(root / f"ds{stage}.json")
     return paths
+
+
+def train_in_one_process(model, optimizer, data, *, global_batch: int, steps: int, clip: float):
+    """One process, no DeepSpeed, on `data`'s ``input_ids`` and ``labels`` (`PaddedTokens`): the model's
+    own loss (the token mean) on each whole global batch of the shared stream, the global norm clipped.
+    Returns the losses and the norms before clipping."""
+    stream = SampleStream(num_samples=len(data), seed=0)
+    losses, norms = [], []
+    for step in range(steps):
+        indices = stream.indices(step * global_batch, global_batch)
+        optimizer.zero_grad()
+        loss = model(input_ids=data.input_ids[indices], labels=data.labels[indices]).loss
+        loss.backward()
+        losses.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+    return losses, norms

@@ -75,7 +75,6 @@ def _poplar(**section):
         ({}, {"zero_stage": 3}, r"expected 0 or 1 with pipelines, found 3"),
         ({"bf16": {"enabled": True}}, {}, r"bf16.enabled: expected fp32 with pipelines"),
         ({"fp16": {"enabled": True}}, {}, r"fp16.enabled: expected fp32 with pipelines"),
-        ({}, {"loss_reduction": "token_mean"}, r"loss_reduction: expected mean or sum with pipelines"),
         ({}, {"rebalance": {"enabled": True}}, r"rebalance.enabled: expected false or auto with pipelines"),
         ({}, {"global_batch_size": "auto"}, r"global_batch_size: expected a number or none with pipelines"),
     ],
@@ -173,14 +172,16 @@ def test_what_the_plan_says_cannot_be_given(argument):
         PoplarPipelineModule([torch.nn.Linear(1, 1)], config={"poplar": {"plan": "p.json"}}, **argument)
 
 
-def test_tied_layers_are_refused():
-    from deepspeed.pipe import LayerSpec, TiedLayerSpec
-
+def test_token_mean_and_a_loss_that_does_not_fit_it_are_refused_before_the_job_starts():
     from poplar_ext.pipeline import PoplarPipelineModule
+    from poplar_ext.pipeline.causal_lm import CausalLMLoss
 
-    layers = [TiedLayerSpec("embed", torch.nn.Linear, 2, 2), LayerSpec(torch.nn.Linear, 2, 2)]
-    with pytest.raises(ValueError, match=r"layers \[0\] are TiedLayerSpecs"):
-        PoplarPipelineModule(layers, config={"poplar": {"plan": "p.json"}})
+    message = r"poplar.loss_reduction: expected token_mean with loss_fn causal_lm_loss, found mean"
+    with pytest.raises(ValueError, match=message):  # no process group exists: it was refused before one
+        PoplarPipelineModule([torch.nn.Linear(1, 1)], loss_fn=CausalLMLoss(), config={"poplar": {"plan": "p.json"}})
+    token_mean = {"poplar": {"plan": "p.json", "loss_reduction": "token_mean"}}
+    with pytest.raises(ValueError, match=r"expected mean or sum without a loss_fn .*, found token_mean"):
+        PoplarPipelineModule([torch.nn.Linear(1, 1)], config=token_mean)
 
 
 def test_a_plain_pipeline_module_is_refused_naming_the_poplar_one():
@@ -201,8 +202,10 @@ def test_a_pipelines_loss_weight_is_its_count_times_its_share_of_the_batch():
     assert pipeline_loss_weight(micro_batch_size=3, num_micro_batches=2, global_batch_size=11) == pytest.approx(6 / 11)
     sum_weight = pipeline_loss_weight(micro_batch_size=3, num_micro_batches=2, global_batch_size=11, reduction="sum")
     assert sum_weight == pytest.approx(2 / 11)
-    with pytest.raises(ValueError, match="token_mean: expected mean or sum with pipelines"):
-        pipeline_loss_weight(micro_batch_size=3, num_micro_batches=2, global_batch_size=11, reduction="token_mean")
+    # token_mean: per label token of the micro-batch; the engine divides by the iteration's tokens.
+    assert (
+        pipeline_loss_weight(micro_batch_size=3, num_micro_batches=2, global_batch_size=11, reduction="token_mean") == 2
+    )
 
 
 def test_deepspeed_gets_a_config_valid_for_the_pipeline_alone():
@@ -310,3 +313,16 @@ def test_an_emulated_rank_runs_forward_backward_and_step_in_its_slowed_window():
     engine = SimpleNamespace(emulated_compute=ComputeSlowdown(None), seen=[])
     _emulated(lambda e, **kwargs: e.seen.append((e.emulated_compute.running, kwargs)))(engine, buffer_id=1)
     assert engine.seen == [(True, {"buffer_id": 1})] and not engine.emulated_compute.running
+
+
+def test_a_token_mean_job_refuses_samples_whose_labels_are_not_one_tensor():
+    from poplar_ext.pipeline.initialize import check_token_mean_samples
+
+    ids = torch.zeros(4, dtype=torch.long)
+    check_token_mean_samples([(ids, ids)], "token_mean")
+    check_token_mean_samples([{"input_ids": ids}], "mean")  # counted only for token_mean
+    expected = r"training_data: expected \(inputs, labels\) samples .* token_mean, found"
+    with pytest.raises(ValueError, match=expected + " a sample of type dict"):
+        check_token_mean_samples([{"input_ids": ids, "labels": ids}], "token_mean")
+    with pytest.raises(ValueError, match=expected + " tuple"):
+        check_token_mean_samples([(ids, (ids, ids))], "token_mean")

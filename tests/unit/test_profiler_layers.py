@@ -187,3 +187,41 @@ def test_a_layer_that_is_not_one_is_named_with_its_index() -> None:
     expected = r"model: layer 1: expected a LayerSpec, an nn.Module or a callable.*found int"
     with pytest.raises(ValueError, match=expected):
         pipeline_layers([torch.nn.Linear(2, 2), 3])
+
+
+def test_tied_layers_are_profiled_each_use_with_the_tied_module() -> None:
+    # A tied embedding and head (causal_lm_layers of GPT-2): each stage holding a use holds the module.
+    from deepspeed.pipe import TiedLayerSpec
+
+    def head(module, hidden):
+        return torch.nn.functional.linear(hidden, module.weight)
+
+    layers = [
+        TiedLayerSpec("embed", torch.nn.Embedding, 10, 4),
+        torch.nn.Linear(4, 4),
+        TiedLayerSpec("embed", torch.nn.Embedding, 10, 4, forward_fn=head),
+    ]
+    assert is_pipeline_model(layers)
+    costs = _measure_model(layers, lambda b: torch.randint(0, 10, (b, 3)))
+    assert [c["name"] for c in costs] == ["Embedding (tied)", "Linear", "Embedding (tied)"]
+    assert costs[0]["parameter_bytes"] == costs[2]["parameter_bytes"] == 10 * 4 * 4
+    assert costs[2]["output_bytes_per_sample"] == 3 * 10 * 4  # the head's logits
+
+
+def test_measuring_layers_leaves_the_models_own_modules_as_they_were() -> None:
+    # causal_lm_layers hands the model's modules over; AdamW's decay would move them at a step.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    measurement = LayerMeasurement(
+        make_batch=lambda b: (torch.randn(b, 4), torch.randn(b, 2)),
+        optimizer_factory=optimizer_factory_from_config(
+            {"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.5}}}
+        ),
+        micro_batch_sizes=(1,),
+        warmup_micro_steps=0,
+        repeats=1,
+    )
+    with cpu_threads(1):
+        measure_layers(pipeline_layers(list(model), loss_fn=mse), measurement)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())

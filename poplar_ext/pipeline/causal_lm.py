@@ -1,0 +1,202 @@
+"""Hugging Face causal language models as pipeline layers: `causal_lm_layers(model)`.
+
+A ``transformers`` causal LM of the GPT-2 or the Llama family (Qwen2 and Mistral share
+Llama's layout) becomes the layer list `PoplarPipelineModule` takes and the loss its last
+stage computes::
+
+    pipe = causal_lm_layers(model)
+    module = PoplarPipelineModule(pipe.layers, loss_fn=pipe.loss_fn, config=ds_config)
+
+with ``poplar.loss_reduction: token_mean`` in the config: the optimizer then sees the mean
+over the label tokens of the whole global batch (``-100`` ignored), the loss the Hugging
+Face Trainer trains. Samples are ``(input_ids, labels)`` of one fixed length.
+
+The layers wrap the model's own modules (its weights, not copies): the token embedding,
+the learned positions (GPT-2), each decoder block, the final norm and the head. Where the
+model ties its head to its embedding (the same parameter), both are one `TiedLayerSpec`
+(key ``"token_embedding"``): every stage of every pipeline that holds either builds it,
+and `poplar_ext.pipeline.grid.LayerSegments` sums its gradient over all of them.
+
+Each block builds its attention mask with the function the model's own forward calls,
+looked up in the model's module (so ``poplar_ext.pipeline`` never imports transformers);
+rotary position embeddings are computed in each block from the model's rotary module.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from deepspeed.pipe import TiedLayerSpec
+from torch import nn
+
+from poplar_ext.runtime.weighting import IGNORE_INDEX
+
+TIED_EMBEDDING_KEY = "token_embedding"
+"""The `TiedLayerSpec` key of a tied token embedding and head."""
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+"""``config.model_type`` of the causal LMs `causal_lm_layers` takes."""
+
+
+class TokenEmbedding(nn.Module):
+    """The model's token embedding as a layer: token ids to hidden states (the tied module when tied)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(input_ids)
+
+
+def tied_head(shared: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """The head of a model that ties it to its embedding: logits from the embedding's weight."""
+    return nn.functional.linear(hidden, shared.embedding.weight)
+
+
+class LearnedPositions(nn.Module):
+    """GPT-2's learned position embeddings added to the token embeddings, then its embedding dropout."""
+
+    def __init__(self, positions: nn.Embedding, dropout: nn.Module) -> None:
+        super().__init__()
+        self.positions, self.dropout = positions, dropout
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device)
+        return self.dropout(hidden + self.positions(position_ids))
+
+
+class DecoderLayer(nn.Module):
+    """One decoder block of the model, called as the model's own forward calls it (no cache)."""
+
+    def __init__(self, block: nn.Module, *, config: Any, mask_function: Callable[..., Any], rotary: Any) -> None:
+        super().__init__()
+        self.block = block
+        self.config, self.mask_function = config, mask_function
+        # A plain attribute, not a submodule: the rotary module has no parameters, and one
+        # module registered under every block would appear once per block in a state dict.
+        self.__dict__["rotary"] = rotary
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = self.mask_function(
+            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
+        )
+        extra = {} if self.rotary is None else {"position_embeddings": self.rotary(hidden, position_ids)}
+        return self.block(hidden, attention_mask=mask, position_ids=position_ids, **extra)
+
+
+class CausalLMLoss:
+    """A causal LM's loss on one micro-batch: the mean over its label tokens of the next-token
+    cross entropy (``labels[..., 1:]`` against the logits before them, ``-100`` ignored), the
+    model's own loss; 0 for a micro-batch without label tokens (the model's would be NaN).
+
+    ``poplar_loss_reduction`` says which reduction the config must ask for, and
+    ``loss_shifts_labels`` how its tokens are counted (`poplar_ext.runtime.weighting`).
+    """
+
+    poplar_loss_reduction = "token_mean"
+    loss_shifts_labels = True
+    __name__ = "causal_lm_loss"
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        predicted = logits[..., :-1, :].float()
+        targets = labels[..., 1:].to(logits.device)
+        total = nn.functional.cross_entropy(
+            predicted.reshape(-1, predicted.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        return total / targets.ne(IGNORE_INDEX).sum().clamp(min=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CausalLMPipeline:
+    """What `causal_lm_layers` returns: a `PoplarPipelineModule`'s layers and loss."""
+
+    layers: list[Any]
+    """The layers in order: modules, and `TiedLayerSpec`s for a tied embedding and head."""
+    loss_fn: CausalLMLoss
+    """The last stage's ``loss_fn(logits, labels)``; needs ``poplar.loss_reduction: token_mean``."""
+    tied: bool
+    """Whether the head shares the embedding's weight (one `TiedLayerSpec` key)."""
+
+
+def _model_type(model: Any) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "get_output_embeddings"):
+        raise ValueError(
+            f"causal_lm_layers: expected a Hugging Face causal LM of type {', '.join(SUPPORTED_MODEL_TYPES)}, "
+            f"found {type(model).__name__} (model_type {model_type!r})"
+        )
+    return model_type
+
+
+def _mask_function(module: nn.Module, name: str) -> Callable[..., Any]:
+    """The mask builder `name` as imported by the module defining `module`'s class: the function
+    the model's own forward calls."""
+    function = getattr(sys.modules[type(module).__module__], name, None)
+    if function is None:
+        raise ValueError(
+            f"causal_lm_layers: expected {type(module).__module__} to use transformers' {name}, found none "
+            "(a transformers version this was not written for)"
+        )
+    return function
+
+
+def _layer_mask_names(model_type: str, config: Any) -> list[str]:
+    """Each block's mask builder, as the model's forward chooses it."""
+    layers = config.num_hidden_layers
+    if model_type == "qwen2":
+        kinds = config.layer_types
+        return [
+            "create_sliding_window_causal_mask" if k == "sliding_attention" else "create_causal_mask" for k in kinds
+        ]
+    if model_type == "mistral" and config.sliding_window is not None:
+        return ["create_sliding_window_causal_mask"] * layers
+    return ["create_causal_mask"] * layers
+
+
+def _parts(model: Any, model_type: str) -> tuple[Any, list[nn.Module], nn.Module, list[Any], Any]:
+    """The model's body, its layers before the blocks (the token embedding excluded), the blocks, the
+    final norm and the rotary module (None for GPT-2)."""
+    if model_type == "gpt2":
+        body = model.transformer
+        return body, [LearnedPositions(body.wpe, body.drop)], list(body.h), body.ln_f, None
+    body = model.model
+    return body, [], list(body.layers), body.norm, body.rotary_emb
+
+
+def causal_lm_layers(model: Any) -> CausalLMPipeline:
+    """`model` (a transformers causal LM of type gpt2, llama, mistral or qwen2) as pipeline layers and
+    its loss; raises ValueError for any other model, before anything is built or sent."""
+    model_type = _model_type(model)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    name = type(model).__name__
+    if head is None:
+        raise ValueError(f"causal_lm_layers: expected a causal LM with its head (e.g. LlamaForCausalLM), found {name}")
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"causal_lm_layers: expected a head without bias, found one in {name}")
+    tied = head.weight is embedding.weight
+    body, before, blocks, norm, rotary = _parts(model, model_type)
+    if tied:
+        first: Any = TiedLayerSpec(TIED_EMBEDDING_KEY, TokenEmbedding, embedding, tied_weight_attr="embedding.weight")
+        last: Any = TiedLayerSpec(
+            TIED_EMBEDDING_KEY, TokenEmbedding, embedding, forward_fn=tied_head, tied_weight_attr="embedding.weight"
+        )
+    else:
+        first, last = TokenEmbedding(embedding), head
+    masks = _layer_mask_names(model_type, model.config)
+    decoders = [
+        DecoderLayer(block, config=model.config, mask_function=_mask_function(body, mask), rotary=rotary)
+        for block, mask in zip(blocks, masks)
+    ]
+    return CausalLMPipeline(layers=[first, *before, *decoders, norm, last], loss_fn=CausalLMLoss(), tied=tied)
+
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMLoss", "CausalLMPipeline", "causal_lm_layers"]
