@@ -224,19 +224,19 @@ OVERRUN_WARNING_SHARE = 0.02
 
 @dataclass(frozen=True, kw_only=True)
 class SteadyReference:
-    """Micro-step bases taken from a profile: micro-batch size -> seconds on the real device."""
+    """Blocks' times taken from a profile: block key -> seconds at the profile's slowdown."""
 
-    micro_step_time_s: Callable[[int], float | None]
-    """Seconds of one micro-step at a micro-batch size *at the profile's slowdown*, or None where the
-    profile does not say (beyond its largest micro-batch)."""
+    block_time_s: Callable[[Hashable], float | None]
+    """Seconds of a block of that kind *at the profile's slowdown*, or None where the profile does not say
+    (another kind of block, or a micro-batch beyond its largest)."""
     profile_slowdown: float
     """The slowdown the profile's times include (its emulation's ``slowdown``)."""
     source: str
-    """Where the times come from, for logs (``profile cpu-slow, ZeRO 1``)."""
+    """Where the times come from, for logs (``the profile of cpu-slow at ZeRO stage 1``)."""
 
-    def base_s(self, micro_batch_size: int) -> float | None:
-        """The micro-step's compute on the real device, or None."""
-        time_s = self.micro_step_time_s(micro_batch_size)
+    def base_s(self, key: Hashable) -> float | None:
+        """The block's compute on the real device, or None."""
+        time_s = self.block_time_s(key)
         return None if time_s is None else time_s / max(1.0, self.profile_slowdown)
 
 
@@ -251,14 +251,36 @@ def steady_reference(profile: Profile) -> SteadyReference | None:
         return None
     table = curve.table()
 
-    def time_at(micro_batch_size: int) -> float | None:
-        return float(table[micro_batch_size - 1]) if 1 <= micro_batch_size <= len(table) else None
+    def time_at(key: Hashable) -> float | None:
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] == "micro_step"):
+            return None
+        return float(table[key[1] - 1]) if 1 <= key[1] <= len(table) else None
 
     return SteadyReference(
-        micro_step_time_s=time_at,
+        block_time_s=time_at,
         profile_slowdown=profile.emulated.slowdown if profile.emulated is not None else 1.0,
         source=f"the profile of {profile.device_type} at ZeRO stage {profile.zero_stage}",
     )
+
+
+def pipeline_reference(
+    *, stage_compute_s: float, optimizer_step_s: float, profile_slowdown: float, source: str
+) -> SteadyReference:
+    """A pipeline stage's blocks from its layer profiles: a micro-batch's forward and backward take
+    `stage_compute_s` between them, a third and two thirds (a backward computes about twice a forward's
+    work); the optimizer step `optimizer_step_s` (all at the profile's slowdown)."""
+    times = {
+        PIPELINE_FORWARD_KEY: stage_compute_s / 3.0,
+        PIPELINE_BACKWARD_KEY: 2.0 * stage_compute_s / 3.0,
+        PIPELINE_OPTIMIZER_KEY: optimizer_step_s,
+    }
+    return SteadyReference(block_time_s=times.get, profile_slowdown=profile_slowdown, source=source)
+
+
+PIPELINE_FORWARD_KEY = "_exec_forward_pass"
+PIPELINE_BACKWARD_KEY = "_exec_backward_pass"
+PIPELINE_OPTIMIZER_KEY = "_exec_optimizer_step"
+"""The block keys of a pipeline engine's instructions (DeepSpeed's PipelineEngine method names)."""
 
 
 def micro_step_key(micro_batch_size: int) -> tuple[str, int]:
@@ -352,8 +374,8 @@ class ComputeSlowdown:
 
     def base_s(self, key: Hashable) -> float | None:
         """The block's compute on the real device: from the reference, learned, or None while learning."""
-        if self.reference is not None and isinstance(key, tuple) and key[:1] == ("micro_step",):
-            base = self.reference.base_s(key[1])
+        if self.reference is not None:
+            base = self.reference.base_s(key)
             if base is not None:
                 return base
         learned = self._learned.get(key, ())
@@ -422,7 +444,11 @@ __all__ = [
     "OVERRUN_WARNING_SHARE",
     "ComputeSlowdown",
     "SteadyReference",
+    "PIPELINE_BACKWARD_KEY",
+    "PIPELINE_FORWARD_KEY",
+    "PIPELINE_OPTIMIZER_KEY",
     "micro_step_key",
+    "pipeline_reference",
     "steady_reference",
     "warn_on_overrun",
     "EmulatedOutOfMemoryError",

@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 
-from poplar_ext.hardware.emulation import ComputeSlowdown, device_label, emulation_for_rank
+from poplar_ext.hardware.emulation import (
+    ComputeSlowdown,
+    SteadyReference,
+    device_label,
+    emulation_for_rank,
+    pipeline_reference,
+)
 from poplar_ext.pipeline.engine import PoplarPipelineEngine
 from poplar_ext.pipeline.job import PipelineJob
 from poplar_ext.plan.pipeline_formats import PipelinePlan
@@ -85,6 +91,20 @@ def check_token_mean_samples(training_data: Any, reduction: str) -> None:
         )
 
 
+def _steady_reference(job: PipelineJob) -> SteadyReference | None:
+    """This emulated rank's stage blocks from the layer profiles the plan was made from, or None (learned)."""
+    blocks = job.steady_stages.get(job.rank)
+    if blocks is None:
+        logger.info("rank %d: emulated compute steady at the times learned from its first blocks", job.rank)
+        return None
+    return pipeline_reference(
+        stage_compute_s=blocks["compute_s"],
+        optimizer_step_s=blocks["optimizer_step_s"],
+        profile_slowdown=blocks["profile_slowdown"],
+        source=f"the layer profiles of {blocks['type']} at ZeRO stage {job.plan.zero_stage}",
+    )
+
+
 def _build_engine(job: PipelineJob, model: Any, **arguments: Any) -> PoplarPipelineEngine:
     """DeepSpeed's pipeline engine as ``deepspeed.initialize`` builds it (its PipelineModule branch)."""
     import deepspeed
@@ -98,7 +118,11 @@ def _build_engine(job: PipelineJob, model: Any, **arguments: Any) -> PoplarPipel
     emulation = emulation_for_rank(job.cluster, job.rank)
     slowdown = None
     if emulation is not None:
-        slowdown = ComputeSlowdown(emulation, clock="thread" if get_accelerator().device_name() == "cpu" else "cuda")
+        slowdown = ComputeSlowdown(
+            emulation,
+            clock="thread" if get_accelerator().device_name() == "cpu" else "cuda",
+            reference=_steady_reference(job),
+        )
     partition_parameters.shutdown_init_context()
     try:
         engine = PoplarPipelineEngine(

@@ -9,7 +9,7 @@ against every rank's hardware, and the plan checked by rank 0 and received by al
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from poplar_ext.pipeline.planning import (
     check_pipeline_config,
     requested_pipeline_batch,
     resolve_pipeline_plan,
+    steady_stage_times,
 )
 from poplar_ext.plan.formats import Cluster
 from poplar_ext.plan.pipeline_formats import Pipeline, PipelinePlan
@@ -48,6 +49,8 @@ class PipelineJob:
     rank: int
     device: Any
     """This rank's ``torch.device``."""
+    steady_stages: dict[int, dict] = field(default_factory=dict)
+    """Emulated rank -> its stage's blocks from the layer profiles (`steady_stage_times`; rank 0's, sent to all)."""
 
     @property
     def pipeline_index(self) -> int:
@@ -120,6 +123,13 @@ def prepare_pipeline_job(
         layers_fingerprint=None if layers is None else lambda: layers_fingerprint(pipeline_layers(layers)),
         measure_missing=_layer_measurer(poplar_config, ds_config, layers, loss_fn, training_data),
     )
+    steady_stages: dict[int, dict] = {}
+    if any(cluster.emulation_of(t) is not None for t in cluster.type_counts()):  # the same on every rank
+        from poplar_ext.collectives import decided_by_rank0
+
+        steady_stages = decided_by_rank0(
+            lambda: steady_stage_times(plan, cluster, poplar_config), rank=rank, broadcast=broadcast_from_rank0
+        )
     return PipelineJob(
         ds_config=ds_config,
         source=source,
@@ -128,6 +138,7 @@ def prepare_pipeline_job(
         plan=plan,
         rank=rank,
         device=device,
+        steady_stages=steady_stages,
     )
 
 

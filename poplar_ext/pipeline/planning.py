@@ -252,6 +252,32 @@ def plan_searched_at_start(
     return pipeline_plan_from_dict(decided_by_rank0(search, rank=rank, broadcast=broadcast), source=SEARCHED_AT_START)
 
 
+def steady_stage_times(plan: PipelinePlan, cluster: Cluster, poplar_config: PoplarConfig) -> dict[int, dict]:
+    """Rank 0: each emulated rank's stage blocks (`search.pipeline_cost.stage_block_times`) from the layer
+    profiles the plan was made from, with the slowdown they were measured at; {} where there are none."""
+    from poplar_ext.search.pipeline_cost import stage_block_times
+
+    emulated = {t for t in cluster.type_counts() if cluster.emulation_of(t) is not None}
+    if not emulated or poplar_config.profiles is None:
+        return {}
+    wanted = plan.profile_fingerprints
+    profiles = [
+        p
+        for p in _model_layer_profiles(poplar_config, plan.num_layers, None)
+        if p.zero_stage == plan.zero_stage and (p.device_type not in wanted or wanted[p.device_type] == p.fingerprint)
+    ]
+    by_type = {p.device_type: p for p in profiles}
+    if any(t not in by_type for t in set(plan.rank_device_types)):
+        return {}
+    times = stage_block_times(plan, list(by_type.values()))
+    types = plan.rank_device_types
+    return {
+        rank: {**blocks, "profile_slowdown": by_type[types[rank]].emulated.slowdown, "type": types[rank]}
+        for rank, blocks in times.items()
+        if types[rank] in emulated and by_type[types[rank]].emulated is not None
+    }
+
+
 def _model_layer_profiles(poplar_config: PoplarConfig, num_layers: int, fingerprint: str | None) -> list[LayerProfile]:
     """The layer profiles in ``poplar.profiles``/layers/ of this model: its fingerprint (when known) and layer count."""
     directory = layer_profiles_dir(poplar_config.profiles)

@@ -297,6 +297,23 @@ def stage_costs(pipeline: Pipeline, tables: dict[str, LayerTable], links: Links)
     return costs
 
 
+def stage_block_times(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]) -> dict[int, dict[str, float]]:
+    """Rank -> what the cost model gives its stage: ``compute_s`` (forward + backward of one micro-batch of its
+    pipeline) and ``optimizer_step_s`` (its layers' optimizer step); what steady emulation runs them at."""
+    tables = _tables_for_plan(plan, layer_profiles)
+    times = {}
+    for pipeline in plan.pipelines:
+        for stage in pipeline.stages:
+            table = tables[stage.device_type]
+            times[stage.rank] = {
+                "compute_s": table.compute_s(stage.first_layer, stage.last_layer, pipeline.micro_batch_size),
+                "optimizer_step_s": float(
+                    table.optimizer_prefix_s[stage.last_layer + 1] - table.optimizer_prefix_s[stage.first_layer]
+                ),
+            }
+    return times
+
+
 def pipeline_time_s(num_stages: int, num_micro_batches: int, slowest_stage_s: float) -> float:
     """1F1B: ``(m + S - 1) x`` the slowest stage's time per micro-batch."""
     return (num_micro_batches + num_stages - 1) * slowest_stage_s

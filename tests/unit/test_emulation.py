@@ -210,7 +210,7 @@ def test_each_kind_of_block_learns_its_own_time(clock):
 def test_micro_steps_take_the_profile_time_from_the_first_and_follow_drift(clock):
     # The profile was measured at slowdown 3: 0.6 s at micro-batch 8 is 0.2 s of real compute.
     reference = emu.SteadyReference(
-        micro_step_time_s=lambda b: 0.075 * b if b <= 16 else None, profile_slowdown=3.0, source="test"
+        block_time_s=lambda key: 0.075 * key[1] if key[1] <= 16 else None, profile_slowdown=3.0, source="test"
     )
     slowdown = emu.ComputeSlowdown(SLOW, reference=reference)
     assert _block(slowdown, clock, 0.25, key=emu.micro_step_key(8)) == pytest.approx(0.35)
@@ -221,7 +221,7 @@ def test_micro_steps_take_the_profile_time_from_the_first_and_follow_drift(clock
 
 
 def test_a_block_past_its_steady_time_is_counted_and_warned_about(clock, caplog):
-    reference = emu.SteadyReference(micro_step_time_s=lambda b: 0.3, profile_slowdown=3.0, source="test")
+    reference = emu.SteadyReference(block_time_s=lambda key: 0.3, profile_slowdown=3.0, source="test")
     slowdown = emu.ComputeSlowdown(SLOW, reference=reference)
     assert _block(slowdown, clock, 0.1, key=emu.micro_step_key(1)) == pytest.approx(0.2)
     assert not emu.warn_on_overrun(slowdown, rank=2)
@@ -236,7 +236,7 @@ def test_a_block_past_its_steady_time_is_counted_and_warned_about(clock, caplog)
 
 
 def test_waits_in_a_window_with_collectives_are_no_overrun(clock):
-    reference = emu.SteadyReference(micro_step_time_s=lambda b: 0.3, profile_slowdown=3.0, source="test")
+    reference = emu.SteadyReference(block_time_s=lambda key: 0.3, profile_slowdown=3.0, source="test")
     slowdown = emu.ComputeSlowdown(SLOW, reference=reference, window_waits=True)
     _block(slowdown, clock, 0.1, key=emu.micro_step_key(1), waited_s=0.5)
     assert slowdown.overrun_s == 0.0
@@ -250,3 +250,12 @@ def test_a_real_device_is_measured_block_by_block_never_made_steady(clock):
         _block(timer, clock, compute_s)
     assert timer.busy_time_s == pytest.approx(0.7)
     assert clock.slept == [] and timer.overrun_s == 0.0
+
+
+def test_a_pipeline_stage_is_steady_at_its_layer_profiles_forward_a_third_of_the_micro_batch(clock):
+    reference = emu.pipeline_reference(stage_compute_s=0.9, optimizer_step_s=0.3, profile_slowdown=3.0, source="t")
+    slowdown = emu.ComputeSlowdown(SLOW, reference=reference)
+    assert _block(slowdown, clock, 0.05, key=emu.PIPELINE_FORWARD_KEY) == pytest.approx(0.3 - 0.05)
+    assert _block(slowdown, clock, 0.1, key=emu.PIPELINE_BACKWARD_KEY) == pytest.approx(0.6 - 0.1)
+    assert _block(slowdown, clock, 0.1, key=emu.PIPELINE_OPTIMIZER_KEY) == pytest.approx(0.3 - 0.1)
+    assert _block(slowdown, clock, 0.1, key="_exec_send_activations") == pytest.approx(3 * 0.1 - 0.1)  # learned

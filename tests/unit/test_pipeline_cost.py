@@ -188,3 +188,14 @@ def test_predicting_without_a_fitting_layer_profile_is_a_value_error():
         predict_pipeline(PLAN, [layer_profile("a", 0.01, num_layers=6), layer_profile("b", 0.02, num_layers=6)])
     with pytest.raises(ValueError, match=r"one layer profile per \(device type, ZeRO stage\), found two for 'a'"):
         predict_pipeline(PLAN, [*PROFILES, layer_profile("a", 0.03)])
+
+
+def test_each_stage_blocks_are_its_layers_times_at_its_pipelines_micro_batch():
+    from poplar_ext.search.pipeline_cost import stage_block_times
+
+    blocks = stage_block_times(PLAN, PROFILES)
+    # Rank 0 (a): layers 0-2 at micro-batch 2 take (1 + 2 + 3) x 0.01 x 2; their optimizer 0.001 x (1 + 2 + 3).
+    assert blocks[0] == {"compute_s": pytest.approx(0.12), "optimizer_step_s": pytest.approx(0.006)}
+    # Rank 2 (b): layer 3 at micro-batch 2; rank 1 (a): every layer at micro-batch 4.
+    assert blocks[2]["compute_s"] == pytest.approx(4 * 0.02 * 2)
+    assert blocks[1] == {"compute_s": pytest.approx(10 * 0.01 * 4), "optimizer_step_s": pytest.approx(0.010)}

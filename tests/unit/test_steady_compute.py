@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from poplar_bench.synthetic import synthetic_profile
-from poplar_ext.hardware.emulation import steady_reference
+from poplar_ext.hardware.emulation import OPTIMIZER_STEP_KEY, micro_step_key, steady_reference
 from poplar_ext.plan.formats import (
     Cluster,
     ClusterNode,
@@ -44,8 +44,9 @@ def test_micro_steps_take_the_profile_time_over_its_slowdown_and_nothing_beyond_
     reference = steady_reference(_profile("slow", seconds_per_sample=0.03))
     assert reference is not None and reference.profile_slowdown == 3.0
     for size in (1, 2, 4, 8, 16):  # sampled sizes: the curve passes through them
-        assert reference.base_s(size) == pytest.approx((0.01 + 0.03 * size) / 3.0)
-    assert reference.base_s(17) is None
+        assert reference.base_s(micro_step_key(size)) == pytest.approx((0.01 + 0.03 * size) / 3.0)
+    assert reference.base_s(micro_step_key(17)) is None
+    assert reference.base_s(OPTIMIZER_STEP_KEY) is None  # learned
     assert "slow" in reference.source and "ZeRO stage 1" in reference.source
 
 
@@ -117,3 +118,37 @@ def test_a_plan_searched_from_a_rescaled_profile_is_steady_at_the_rescaled_times
     assert [s.micro_step_time_s for s in chosen.samples] == pytest.approx(
         [1.25 * s.micro_step_time_s for s in slow.samples]
     )
+
+
+def test_an_emulated_pipeline_stage_is_steady_at_its_layer_profiles(tmp_path):
+    from test_pipeline_cost import PLAN, layer_profile
+
+    from poplar_ext.pipeline.planning import steady_stage_times
+    from poplar_ext.plan.pipeline_formats import layer_profiles_dir, save_layer_profile
+
+    cluster = Cluster(
+        nodes=(
+            ClusterNode(name="n0", devices=(DeviceGroup(device_type="a", count=2),)),
+            ClusterNode(name="n1", devices=(DeviceGroup(device_type="b", count=1),)),
+        ),
+        device_types={"b": DeviceTypeInfo(emulation=SLOW)},
+    )
+    directory = layer_profiles_dir(tmp_path)
+    directory.mkdir(parents=True)
+    save_layer_profile(layer_profile("a", 0.01), directory / "a.json")
+    save_layer_profile(dataclasses.replace(layer_profile("b", 0.02), emulated=SLOW), directory / "b.json")
+    config = poplar_config_from_dict(
+        {"cluster": "c.json", "plan": "p.json", "profiles": str(tmp_path)}, base_dir=tmp_path
+    )
+    times = steady_stage_times(PLAN, cluster, config)
+    # Only rank 2 (type b) is emulated: layer 3 at micro-batch 2, at the profile's slowdown.
+    assert times == {
+        2: {
+            "compute_s": pytest.approx(0.16),
+            "optimizer_step_s": pytest.approx(0.004),
+            "profile_slowdown": 3.0,
+            "type": "b",
+        }
+    }
+    no_profiles = poplar_config_from_dict({"cluster": "c.json", "plan": "p.json"}, base_dir=tmp_path)
+    assert steady_stage_times(PLAN, cluster, no_profiles) == {}
