@@ -346,10 +346,11 @@ def _curves(rank_results: list[dict[str, Any]], profiles: dict[str, Any]) -> dic
 def _notes(settings: DemoSettings) -> list[str]:
     """How the demo measures, for the report's readers."""
     return [
-        "Devices are emulated (poplar_ext.hardware.emulation): each rank is a CPU process (1 thread); an emulated "
-        "micro-step, and the optimizer step at the boundary, last slowdown x their thread CPU time of wall time "
-        "(the rank sleeps what is left after computing), so a rank that waited for a core is not slowed twice; a "
-        "type's memory capacity is a declared limit above the ranks' measured baseline.",
+        "Devices are emulated (poplar_ext.hardware.emulation): each rank is a CPU process (1 thread) whose compute "
+        "is steady: a micro-step lasts the time its type's profile gives that micro-batch, the optimizer step the "
+        "median of its first 3 (the rank computes, then sleeps what is left); where the real work ran longer, the "
+        "overrun is reported per rank. A type's memory capacity is a declared limit above the ranks' measured "
+        "baseline.",
         f"ZeRO stage {settings.zero_stage}{_stage_note(settings.zero_stage)}; {settings.rounds} rounds, policies "
         f"interleaved per round; in each round each policy ran {settings.warmup_iterations} unmeasured warm-up + "
         f"{settings.iterations} measured iterations (warm-up after every switch of engine); figures are medians, "
@@ -361,10 +362,11 @@ def _notes(settings: DemoSettings) -> list[str]:
         "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication, so "
         "no waiting; all ranks at once, as in training), measured in this run at the profile's best and largest "
         "micro-batch.",
-        "Predictions come from the profiles, which time each micro-step by thread CPU time x slowdown, and from "
-        "the network file the profiler measured (collective times on these ranks, fitted to a ring model; none: "
-        "the boundary as profiled); measurements are wall time, so load from other processes on the machine shows "
-        "as prediction error.",
+        "Predictions come from the profiles (each micro-step timed by thread CPU time x slowdown, the median of "
+        "repeats) and from the network file the profiler measured (collective times on these ranks, fitted to a "
+        "ring model; none: the boundary as profiled); measurements are wall time. Compute runs at the profiles' "
+        "times by construction, so the prediction error measures the rest: communication, the boundary, waiting "
+        "and the runtime's overhead.",
         "Other processes on this machine were not controlled; its load shows in the repetitions.",
     ]
 

@@ -225,6 +225,28 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:+.1f}%"
 
 
+def readme_table(report: dict[str, Any]) -> str:
+    """The README's result table, made from a demo report (its first scenario): a test keeps the README's
+    table equal to this one of bench/results/demo.json, so the README shows a run and not a memory of one."""
+    lines = [
+        "| policy | allocation (micro-batch x accumulation) | iteration s measured / predicted | samples/s | "
+        "speedup over uniform | share of ideal |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for entry in report["scenarios"][0]["policies"]:
+        if entry["status"] != "ok":
+            lines.append(f"| {entry['policy']} | infeasible | - | - | - | - |")
+            continue
+        allocation = ", ".join(f"{r['micro_batch_size']}x{r['gradient_accumulation_steps']}" for r in entry["ranks"])
+        measured_s = entry["measured"]["iteration_time_s"]["median"]
+        lines.append(
+            f"| {entry['policy']} | {allocation} | {measured_s:.2f} / {entry['predicted']['iteration_time_s']:.2f} | "
+            f"{entry['measured']['samples_per_s']:.3g} | {_fmt(entry.get('speedup_over_uniform'), '{:.2f}x')} | "
+            f"{_fmt(entry.get('share_of_ideal'), '{:.3f}')} |"
+        )
+    return "\n".join(lines)
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """A readable summary: provenance first, then one table per scenario."""
     lines = _provenance_lines(report)
