@@ -225,9 +225,14 @@ class PoplarEngine:
             raise AttributeError(name)
         return getattr(engine, name)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def start_compute_window(self) -> None:
+        """Open this rank's compute window for a micro-step at the plan's micro-batch (a no-op while open):
+        the forward does it, or a hook on a model another library calls (`time_training_forwards`)."""
         if self._slowdown is not None:
             self._slowdown.start(micro_step_key(self.rank_plan.micro_batch_size))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.start_compute_window()
         return self.deepspeed_engine(*args, **kwargs)
 
     forward = __call__
@@ -247,9 +252,7 @@ class PoplarEngine:
 
     def _timed_backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
         """DeepSpeed's backward inside this rank's compute window."""
-        if self._slowdown is not None:
-            # for a forward that did not go through the engine
-            self._slowdown.start(micro_step_key(self.rank_plan.micro_batch_size))
+        self.start_compute_window()  # for a forward that did not go through the engine
         result = self.deepspeed_engine.backward(loss, **kwargs)
         if self._slowdown is not None:
             self._slowdown.stop()  # a no-op unless no reduction ended the window (no_sync)

@@ -550,13 +550,18 @@ def wrap_built_engine(
     wrapped = poplar_engine(
         job, engine, labels=labels, slowdown=slowdown, rebalancer=job_rebalancer(job), weights_loss=weights_loss
     )
-    timer = wrapped.compute_timer  # an emulated device's slowdown, or re-balancing's measurement
-    if timer is not None:
-        # The compute window opens at a training forward (evaluation's forwards are not timed).
-        engine.register_forward_pre_hook(lambda module, _: timer.start() if module.training else None)
+    if wrapped.compute_timer is not None:  # an emulated device's slowdown, or re-balancing's measurement
+        time_training_forwards(engine, wrapped)
     if sampler is not None:
         wrapped.adopt_batch_sampler(sampler)
     return wrapped
+
+
+def time_training_forwards(module: torch.nn.Module, wrapped: PoplarEngine) -> None:
+    """`wrapped`'s compute window opens at each training forward of `module` (another library calls it, not
+    the engine), keyed by the plan's micro-batch as the engine's own forward keys it; evaluation's forwards
+    are not timed."""
+    module.register_forward_pre_hook(lambda m, _: wrapped.start_compute_window() if m.training else None)
 
 
 def follow_unsynchronised_throughput_timer(engine: Any, ds_config: dict) -> None:
@@ -622,5 +627,6 @@ __all__ = [
     "prepare_job",
     "rank_devices",
     "set_up_rank",
+    "time_training_forwards",
     "wrap_built_engine",
 ]

@@ -335,3 +335,33 @@ def test_a_switch_keeps_each_ranks_activation_checkpointing():
     )
     with pytest.raises(ValueError, match="each rank keeps its activation_checkpointing"):
         engine.check_switch(checkpointed)
+
+
+class _RecordingTimer(ComputeSlowdown):
+    """A slowdown that records the key of every window opened."""
+
+    def __init__(self):
+        super().__init__(Emulation(slowdown=3.0, memory_capacity_bytes=1))
+        self.keys = []
+
+    def start(self, key=None):
+        if not self.running:
+            self.keys.append(key)
+        super().start(key)
+
+
+def test_a_forward_another_library_calls_opens_the_window_of_the_plans_micro_step(monkeypatch):
+    # The Hugging Face Trainer and accelerate call the model, not the engine: the hook must key the window
+    # by the micro-batch, or the block is learned as one kind whatever its size and a re-plan changes nothing.
+    from poplar_ext.hardware import emulation
+    from poplar_ext.runtime.initialize import time_training_forwards
+
+    monkeypatch.setattr(emulation.time, "sleep", lambda s: None)
+    timer = _RecordingTimer()
+    engine, _ = _engine(_plan([(5, 1)]), slowdown=timer)
+    model = torch.nn.Linear(2, 1)
+    time_training_forwards(model, engine)
+    engine.backward(model(torch.ones(5, 2)).sum())
+    model.eval()
+    model(torch.ones(5, 2))
+    assert timer.keys == [emulation.micro_step_key(5)]
