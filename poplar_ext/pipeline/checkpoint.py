@@ -23,10 +23,16 @@ other parameters (`parameter_differences`), a state that is not per parameter.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 from poplar_ext.plan.pipeline_formats import plan_parallelism
 from poplar_ext.runtime.checkpoint import ResumeDecision, check_data_order
+
+UNIVERSAL_FOLDER = "universal"
+"""A pipeline checkpoint's optimizer state per parameter, in its tag folder (written at its first resume under
+another split: `poplar_ext.pipeline.replan`)."""
 
 PIPELINE_FOLDER = "pipeline{index}"
 """The folder of pipeline `index` in a checkpoint's tag folder."""
@@ -34,6 +40,17 @@ PIPELINE_FOLDER = "pipeline{index}"
 
 def pipeline_folder(index: int) -> str:
     return PIPELINE_FOLDER.format(index=index)
+
+
+def remove_pipeline_files(tag_dir: Path) -> None:
+    """Remove what a pipeline checkpoint wrote in `tag_dir` (rank 0, before a save into it): a checkpoint of
+    another plan leaves other files behind (another pipeline's folder, a deeper pipeline's stage files,
+    its optimizer state per parameter), which a later resume would read as the new checkpoint's."""
+    if not tag_dir.is_dir():
+        return
+    for entry in tag_dir.iterdir():
+        if entry.is_dir() and (entry.name.startswith("pipeline") or entry.name.startswith(UNIVERSAL_FOLDER)):
+            shutil.rmtree(entry)
 
 
 def _splits(plan: dict[str, Any]) -> list[str]:
@@ -143,9 +160,11 @@ def parameter_differences(saved: list[dict[str, list[int]]], current: list[dict[
 
 __all__ = [
     "PIPELINE_FOLDER",
+    "UNIVERSAL_FOLDER",
     "layers_move",
     "parameter_differences",
     "pipeline_folder",
     "pipeline_resume_decision",
+    "remove_pipeline_files",
     "plan_changes",
 ]

@@ -39,18 +39,19 @@ from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from poplar_ext.collectives import decided_by_rank0, gather_objects, sum_in_group
+from poplar_ext.collectives import barrier, decided_by_rank0, gather_objects, sum_in_group
 from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
 from poplar_ext.pipeline.checkpoint import (
+    UNIVERSAL_FOLDER,
     layers_move,
     parameter_differences,
     pipeline_folder,
     pipeline_resume_decision,
+    remove_pipeline_files,
 )
 from poplar_ext.pipeline.job import PipelineJob
 from poplar_ext.pipeline.replan import (
     PARAMETER_SHAPES_KEY,
-    UNIVERSAL_FOLDER,
     convert_pipeline_checkpoint,
     load_parameter_states,
     optimizer_parameter_shapes,
@@ -276,10 +277,13 @@ class PoplarPipelineEngine(PipelineEngine):
         **kwargs,
     ) -> Any:
         """DeepSpeed's save, into ``save_dir/TAG/pipeline<P>``, with poplar-ext's state in ``save_dir/TAG``;
-        ``latest`` names TAG once every rank has written its part (collective)."""
+        ``latest`` names TAG once every rank has written its part (collective). A save into a tag that
+        holds a checkpoint replaces it whole (`remove_pipeline_files`)."""
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # DeepSpeed's default
         if self.global_rank == 0:
+            remove_pipeline_files(Path(save_dir) / tag)
             write_state(save_dir, tag, self._client_state())
+        barrier()  # no rank writes into the tag folder before rank 0 has emptied it
         self._job_tag = tag
         client_state = dict(client_state or {})
         if self.optimizer is not None and not self.zero_optimization():  # DeepSpeed names them at ZeRO 1 only

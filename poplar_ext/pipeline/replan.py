@@ -35,11 +35,8 @@ from typing import Any
 
 import torch
 
+from poplar_ext.pipeline.checkpoint import UNIVERSAL_FOLDER
 from poplar_ext.runtime.reshard import SCALAR_STATES, carried_states
-
-UNIVERSAL_FOLDER = "universal"
-"""A pipeline checkpoint's optimizer state per parameter, in its tag folder (written at its first resume under
-another split)."""
 
 PARAMETER_SHAPES_KEY = "poplar_param_shapes"
 """DeepSpeed client state at ZeRO 0: per optimizer group, each parameter's name and shape, in the optimizer's order."""

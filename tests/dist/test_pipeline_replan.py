@@ -9,6 +9,8 @@ the resumed pipelines read the next samples of the stream, each once.
   stages -> 1 pipeline of 4 stages;
 * ZeRO 1, SGD with momentum (flat partitions): a 3-stage pipeline beside a 1-stage one
   -> 4 pipelines of 1 stage, the global batch 11 -> 12;
+* each saved again into the tag it resumed from, and resumed under plan A again: one more
+  step equals one process on the 6 global batches (nothing of the first save is read);
 * a model of other widths loading the ZeRO-0 checkpoint: refused alike on every rank,
   nothing loaded.
 """
@@ -70,16 +72,18 @@ def _parameters(engine):
 
 
 def _replan(files, case):
+    """3 steps under A, saved; 2 under B, saved into the same tag; back under A for one more step."""
+    checkpoints = files[f"{case}_checkpoints"]
     engine, _ = _engine(files, case, "A")
     for _ in range(BEFORE):
         engine.train_batch()
-    engine.save_checkpoint(files[f"{case}_checkpoints"])
+    engine.save_checkpoint(checkpoints, tag="t")
     engine, data = _engine(files, case, "B")
-    engine.load_checkpoint(files[f"{case}_checkpoints"])
+    engine.load_checkpoint(checkpoints)
     position = engine.data_position
     for _ in range(AFTER):
         engine.train_batch()
-    return {
+    result = {
         "params": _parameters(engine),
         "seen": data.seen,
         "start": position,
@@ -87,10 +91,15 @@ def _replan(files, case):
         "step": engine.global_steps,
         "history": [entry["reason"] for entry in engine.plan_history],
     }
+    engine.save_checkpoint(checkpoints, tag="t")  # over the checkpoint of A, and its state per parameter
+    engine, _ = _engine(files, case, "A")
+    engine.load_checkpoint(checkpoints)
+    engine.train_batch()
+    return {**result, "back": _parameters(engine)}
 
 
 def _another_model(files):
-    engine, _ = _engine(files, "zero0_adam", "B", dim=4)
+    engine, _ = _engine(files, "zero0_adam", "A", dim=4)  # the checkpoint is B's: the layers move
     before = _parameters(engine)
     try:
         engine.load_checkpoint(files["zero0_adam_checkpoints"])
@@ -147,6 +156,15 @@ def test_a_resume_under_another_plan_trains_as_one_process(results, case):
     assert worst <= 1e-5
     assert {run["step"] for run in runs} == {BEFORE + AFTER}
     assert all("under another pipeline plan" in run["history"][-1] for run in runs)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_save_into_the_tag_it_resumed_from_replaces_that_checkpoint(results, case):
+    spec = CASES[case]
+    batches = [_batch(spec["A"])] * BEFORE + [_batch(spec["B"])] * AFTER + [_batch(spec["A"])]
+    expected = _reference(spec["optimizer"], batches)
+    worst = max(float((v - expected[k]).abs().max()) for r in results for k, v in r[case]["back"].items())
+    assert worst <= 1e-5
 
 
 @pytest.mark.parametrize("case", list(CASES))

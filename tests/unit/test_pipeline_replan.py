@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from poplar_ext.models.toy_pipeline import mse, toy_sequential
+from poplar_ext.pipeline.checkpoint import UNIVERSAL_FOLDER
 from poplar_ext.pipeline.replan import (
     PARAMETER_SHAPES_KEY,
-    UNIVERSAL_FOLDER,
     convert_pipeline_checkpoint,
     load_parameter_states,
 )
