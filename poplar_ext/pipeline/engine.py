@@ -22,7 +22,8 @@ subclass adds what crosses pipelines, at the smallest seams DeepSpeed offers:
 * `train_batch` returns the global batch's mean loss on every rank (DeepSpeed's is the
   pipeline's share, its data-parallel average being over one pipeline) and counts the
   samples; `save_checkpoint` / `load_checkpoint` keep one folder per pipeline and
-  poplar-ext's state (`poplar_ext.pipeline.checkpoint`).
+  poplar-ext's state (`poplar_ext.pipeline.checkpoint`), and resume under another pipeline
+  plan: layers by index, optimizer state by parameter (`poplar_ext.pipeline.replan`).
 """
 
 from __future__ import annotations
@@ -339,7 +340,10 @@ class PoplarPipelineEngine(PipelineEngine):
         path, client_state = super().load_checkpoint(
             where, tag=pipeline_folder(0), **{**kwargs, "load_optimizer_states": False}
         )
-        if path is None or not carry:
+        if path is None:
+            return path, client_state
+        client_state.pop("optimizer", None)  # pipeline 0's stage's state_dict (ZeRO 0), not this stage's
+        if not carry:
             return path, client_state
         folder = Path(where) / UNIVERSAL_FOLDER
         if self.zero_optimization():  # DeepSpeed's universal loader, then the weights from its fp32 copies
@@ -347,7 +351,6 @@ class PoplarPipelineEngine(PipelineEngine):
             self.optimizer.update_lp_params()
         else:
             load_parameter_states(self.optimizer, folder, names=self.param_names)
-        client_state.pop("optimizer", None)  # pipeline 0's stage's, not this stage's
         return path, client_state
 
     def _check_parameter_states(self, where: str, saved_plan: dict) -> None:
