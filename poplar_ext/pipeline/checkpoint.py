@@ -1,10 +1,11 @@
-"""A pipeline job's checkpoint: one folder per pipeline, poplar-ext's state beside them; resumed under the same plan.
+"""A pipeline job's checkpoint: one folder per pipeline, poplar-ext's state beside them; resumed under any plan.
 
 Layout (``TAG`` is the job's tag, ``global_step<N>`` by default)::
 
     save_dir/latest                   names TAG once every rank has written its part
     save_dir/TAG/poplar_state.json    data position, plan, plan history (rank 0)
     save_dir/TAG/pipeline<P>/         DeepSpeed's pipeline checkpoint of pipeline P
+    save_dir/TAG/universal/           its optimizer state per parameter, written at a resume under another plan
 
 Every pipeline holds the same weights and optimizer state after each step, but DeepSpeed
 names its files by layer and stage (``layer_<i>-model_states.pt``,
@@ -12,16 +13,26 @@ names its files by layer and stage (``layer_<i>-model_states.pt``,
 other's: each saves into its own.
 
 A resume continues exactly (weights, optimizer state, data position) under the plan the
-checkpoint was saved with. Another pipeline plan is refused, naming what differs: its
-stages would hold other layers than the optimizer state files were written for.
+checkpoint was saved with, and under another pipeline plan (other splits, depths, number of
+pipelines, micro-batches or global batch): the layers move by index, the optimizer state by
+parameter (`poplar_ext.pipeline.replan`), the data continues at the saved stream position.
+What cannot be carried is refused before anything is loaded: another number of layers,
+another ZeRO stage (a torch optimizer's state_dict at ZeRO 0, flat partitions at ZeRO 1),
+other parameters (`parameter_differences`), a state that is not per parameter.
 """
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 from poplar_ext.plan.pipeline_formats import plan_parallelism
 from poplar_ext.runtime.checkpoint import ResumeDecision, check_data_order
+
+UNIVERSAL_FOLDER = "universal"
+"""A pipeline checkpoint's optimizer state per parameter, in its tag folder (written at its first resume under
+another split: `poplar_ext.pipeline.replan`)."""
 
 PIPELINE_FOLDER = "pipeline{index}"
 """The folder of pipeline `index` in a checkpoint's tag folder."""
@@ -31,18 +42,41 @@ def pipeline_folder(index: int) -> str:
     return PIPELINE_FOLDER.format(index=index)
 
 
+def remove_pipeline_files(tag_dir: Path) -> None:
+    """Remove what a pipeline checkpoint wrote in `tag_dir` (rank 0, before a save into it): a checkpoint of
+    another plan leaves other files behind (another pipeline's folder, a deeper pipeline's stage files,
+    its optimizer state per parameter), which a later resume would read as the new checkpoint's."""
+    if not tag_dir.is_dir():
+        return
+    for entry in tag_dir.iterdir():
+        if entry.is_dir() and (entry.name.startswith("pipeline") or entry.name.startswith(UNIVERSAL_FOLDER)):
+            shutil.rmtree(entry)
+
+
+def _splits(plan: dict[str, Any]) -> list[str]:
+    """Each pipeline's stages as the layers they hold (``0-1, 2-5``)."""
+    return [", ".join(f"{s['first_layer']}-{s['last_layer']}" for s in p["stages"]) for p in plan["pipelines"]]
+
+
+def layers_move(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether some stage of `current` (a pipeline plan's JSON) holds other layers than the same stage of the same
+    pipeline held in `saved`: its files of the checkpoint would not be its own."""
+    return _splits(saved) != _splits(current)
+
+
 def plan_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """What differs between two pipeline plans (JSON) in what a checkpoint's files depend on."""
+    """What differs between two pipeline plans (JSON): layers, ZeRO stage, global batch, pipelines, their stages
+    and micro-batches."""
     changes = []
     for key, what in (("zero_stage", "ZeRO stage"), ("global_batch_size", "global batch"), ("num_layers", "layers")):
         if saved[key] != current[key]:
             changes.append(f"{what} {saved[key]} then, {current[key]} now")
     if len(saved["pipelines"]) != len(current["pipelines"]):
         changes.append(f"{len(saved['pipelines'])} pipelines then, {len(current['pipelines'])} now")
-    for index, (before, now) in enumerate(zip(saved["pipelines"], current["pipelines"])):
-        split_before, split_now = (
-            ", ".join(f"{s['first_layer']}-{s['last_layer']}" for s in p["stages"]) for p in (before, now)
-        )
+    splits = zip(_splits(saved), _splits(current))
+    for index, (before, now, (split_before, split_now)) in enumerate(
+        zip(saved["pipelines"], current["pipelines"], splits)
+    ):
         if split_before != split_now:
             changes.append(f"pipeline {index}'s stages held layers {split_before} then, {split_now} now")
         for key, what in (("micro_batch_size", "micro-batch size"), ("num_micro_batches", "micro-batches")):
@@ -58,7 +92,8 @@ def pipeline_resume_decision(
 
     `current` is this job's state (`poplar_ext.runtime.checkpoint.poplar_client_state`).
     ValueError, before any file is loaded, for a checkpoint without poplar-ext's state, a
-    ZeRO job's checkpoint, another data order, or another pipeline plan.
+    ZeRO job's checkpoint, another data order, another number of layers or another ZeRO
+    stage. Another pipeline plan continues the data stream, with an entry in the plan history.
     """
     if saved is None:
         raise ValueError(
@@ -71,24 +106,65 @@ def pipeline_resume_decision(
             "this job trains pipelines: resume it with poplar_ext.initialize on the model it was saved from"
         )
     check_data_order(saved, current, path=path)
-    changes = plan_changes(saved["plan"], current["plan"])
-    if changes:
-        raise ValueError(
-            f"load_checkpoint: {path} was saved under another pipeline plan ({'; '.join(changes)}); resuming a "
-            f"pipeline job under another plan is not supported yet: resume under the checkpoint's plan (in "
-            f"{path}/poplar_state.json)"
-        )
+    _refuse_what_cannot_move(saved["plan"], current["plan"], path=path, weights_only=load_module_only)
     if load_module_only:
         return ResumeDecision(
             data_position=0,
             consumed_samples=0,
             notes=[f"{path} was loaded for its weights only: the data starts at position 0"],
         )
+    position, history = saved["data_position"], list(saved.get("plan_history") or [])
+    changes = plan_changes(saved["plan"], current["plan"])
+    if not changes:
+        return ResumeDecision(data_position=position, consumed_samples=saved["consumed_samples"], plan_history=history)
+    reason = f"resumed from {path} under another pipeline plan ({'; '.join(changes)})"
+    entry = {"start_step": saved.get("step", 0), "data_position": position, "reason": reason, "plan": current["plan"]}
     return ResumeDecision(
-        data_position=saved["data_position"],
+        data_position=position,
         consumed_samples=saved["consumed_samples"],
-        plan_history=list(saved.get("plan_history") or []),
+        plan_history=history + [entry],
+        notes=[f"{reason}; layers moved by index, the data continues at stream position {position}"],
     )
 
 
-__all__ = ["PIPELINE_FOLDER", "pipeline_folder", "pipeline_resume_decision", "plan_changes"]
+def _refuse_what_cannot_move(saved: dict[str, Any], current: dict[str, Any], *, path: str, weights_only: bool) -> None:
+    """ValueError for plans whose checkpoint files cannot be read by the other: what differs in the model or
+    (unless `weights_only`) in the optimizer state's layout."""
+    compared = (("num_layers", "layers"),) + (() if weights_only else (("zero_stage", "ZeRO stage"),))
+    changes = [f"{what} {saved[key]} then, {current[key]} now" for key, what in compared if saved[key] != current[key]]
+    if changes:
+        raise ValueError(
+            f"load_checkpoint: {path} was saved under a pipeline plan that cannot be continued by this one "
+            f"({'; '.join(changes)}); expected the same model (its layers move by index) and the same ZeRO stage "
+            f"(the optimizer state's layout): resume it with the model and the ZeRO stage of {path}/poplar_state.json"
+        )
+
+
+def parameter_differences(saved: list[dict[str, list[int]]], current: list[dict[str, list[int]]]) -> list[str]:
+    """What differs between the checkpoint's optimizer parameters and this job's (per optimizer group, name -> shape;
+    this job's gathered over every rank): [] when every parameter's state can move."""
+    if len(saved) != len(current):
+        return [f"{len(saved)} optimizer parameter groups then, {len(current)} now"]
+    differences = []
+    for index, (before, now) in enumerate(zip(saved, current)):
+        where = f"in optimizer group {index}" if len(saved) > 1 else "among the optimizer's parameters"
+        for name in sorted(set(before) - set(now)):
+            differences.append(f"{name} {where} then, not now")
+        for name in sorted(set(now) - set(before)):
+            differences.append(f"{name} {where} now, not then")
+        for name in sorted(set(before) & set(now)):
+            if list(before[name]) != list(now[name]):
+                differences.append(f"{name} of shape {list(before[name])} then, {list(now[name])} now")
+    return differences
+
+
+__all__ = [
+    "PIPELINE_FOLDER",
+    "UNIVERSAL_FOLDER",
+    "layers_move",
+    "parameter_differences",
+    "pipeline_folder",
+    "pipeline_resume_decision",
+    "remove_pipeline_files",
+    "plan_changes",
+]

@@ -22,7 +22,8 @@ subclass adds what crosses pipelines, at the smallest seams DeepSpeed offers:
 * `train_batch` returns the global batch's mean loss on every rank (DeepSpeed's is the
   pipeline's share, its data-parallel average being over one pipeline) and counts the
   samples; `save_checkpoint` / `load_checkpoint` keep one folder per pipeline and
-  poplar-ext's state (`poplar_ext.pipeline.checkpoint`).
+  poplar-ext's state (`poplar_ext.pipeline.checkpoint`), and resume under another pipeline
+  plan: layers by index, optimizer state by parameter (`poplar_ext.pipeline.replan`).
 """
 
 from __future__ import annotations
@@ -39,10 +40,23 @@ from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from poplar_ext.collectives import decided_by_rank0, sum_in_group
+from poplar_ext.collectives import barrier, decided_by_rank0, gather_objects, sum_in_group
 from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
-from poplar_ext.pipeline.checkpoint import pipeline_folder, pipeline_resume_decision
+from poplar_ext.pipeline.checkpoint import (
+    UNIVERSAL_FOLDER,
+    layers_move,
+    parameter_differences,
+    pipeline_folder,
+    pipeline_resume_decision,
+    remove_pipeline_files,
+)
 from poplar_ext.pipeline.job import PipelineJob
+from poplar_ext.pipeline.replan import (
+    PARAMETER_SHAPES_KEY,
+    convert_pipeline_checkpoint,
+    load_parameter_states,
+    optimizer_parameter_shapes,
+)
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
     checkpoint_tag,
@@ -71,6 +85,15 @@ def _emulated(instruction: Callable[..., Any]) -> Callable[..., Any]:
             slowdown.stop()
 
     return run
+
+
+def _every_ranks(shapes: list[list[dict]]) -> list[dict]:
+    """The job's optimizer parameters per group (name -> shape) from each rank's (`optimizer_parameter_shapes`)."""
+    merged: list[dict] = [{} for _ in range(max(len(groups) for groups in shapes))]
+    for groups in shapes:
+        for into, group in zip(merged, groups):
+            into.update(group)
+    return merged
 
 
 class PoplarPipelineEngine(PipelineEngine):
@@ -255,16 +278,22 @@ class PoplarPipelineEngine(PipelineEngine):
         **kwargs,
     ) -> Any:
         """DeepSpeed's save, into ``save_dir/TAG/pipeline<P>``, with poplar-ext's state in ``save_dir/TAG``;
-        ``latest`` names TAG once every rank has written its part (collective)."""
+        ``latest`` names TAG once every rank has written its part (collective). A save into a tag that
+        holds a checkpoint replaces it whole (`remove_pipeline_files`)."""
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # DeepSpeed's default
         if self.global_rank == 0:
+            remove_pipeline_files(Path(save_dir) / tag)
             write_state(save_dir, tag, self._client_state())
+        barrier()  # no rank writes into the tag folder before rank 0 has emptied it
         self._job_tag = tag
+        client_state = dict(client_state or {})
+        if self.optimizer is not None and not self.zero_optimization():  # DeepSpeed names them at ZeRO 1 only
+            client_state[PARAMETER_SHAPES_KEY] = optimizer_parameter_shapes(self)
         try:
             saved = super().save_checkpoint(
                 str(Path(save_dir) / tag),
                 tag=pipeline_folder(self.pipeline_index),
-                client_state=dict(client_state or {}),
+                client_state=client_state,
                 save_latest=False,
                 **kwargs,
             )
@@ -277,23 +306,82 @@ class PoplarPipelineEngine(PipelineEngine):
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:
         """DeepSpeed's load from ``load_dir/TAG/pipeline<P>``, continuing the data stream (collective).
 
-        Rank 0 reads poplar-ext's state first; a checkpoint of another plan (or data order,
-        or a ZeRO job) stops every rank before anything is loaded. Returns DeepSpeed's
-        ``(path, client_state)``; ``(None, None)`` when `load_dir` has no ``latest``.
+        Rank 0 reads poplar-ext's state first; a checkpoint that cannot continue here (another
+        data order or model, a ZeRO job's) stops every rank before anything is loaded. Under
+        another split the layers move by index and the optimizer state by parameter
+        (`_load_moving_layers`). Returns DeepSpeed's ``(path, client_state)``; ``(None, None)``
+        when `load_dir` has no ``latest``.
         """
         resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=self.global_rank)
         if resolved is None:
             logger.warning("load_checkpoint: no 'latest' file in %s, nothing loaded", load_dir)
             return None, None
         saved = decided_by_rank0(lambda: read_state(load_dir, resolved), rank=self.global_rank)
-        where = str(Path(load_dir) / resolved)
+        where, current = str(Path(load_dir) / resolved), self._client_state()
         decision = pipeline_resume_decision(
-            saved, self._client_state(), path=where, load_module_only=bool(kwargs.get("load_module_only"))
+            saved, current, path=where, load_module_only=bool(kwargs.get("load_module_only"))
         )
-        path, client_state = super().load_checkpoint(where, tag=pipeline_folder(self.pipeline_index), **kwargs)
+        if layers_move(saved["plan"], current["plan"]):
+            path, client_state = self._load_moving_layers(where, saved["plan"], kwargs)
+        else:
+            path, client_state = super().load_checkpoint(where, tag=pipeline_folder(self.pipeline_index), **kwargs)
         if path is not None:
             self._resume(decision)
+        if client_state is not None:
+            client_state.pop(PARAMETER_SHAPES_KEY, None)
         return path, client_state
+
+    def _load_moving_layers(self, where: str, saved_plan: dict, kwargs: dict) -> tuple[Any, dict | None]:
+        """Another split: every layer's weights from pipeline 0's folder (DeepSpeed's load, by layer index), the
+        optimizer state per parameter (`poplar_ext.pipeline.replan`), once every rank found it can (collective)."""
+        carry = not kwargs.get("load_module_only") and kwargs.get("load_optimizer_states", True)
+        if carry:
+            self._check_parameter_states(where, saved_plan)
+        path, client_state = super().load_checkpoint(
+            where, tag=pipeline_folder(0), **{**kwargs, "load_optimizer_states": False}
+        )
+        if path is None:
+            return path, client_state
+        client_state.pop("optimizer", None)  # pipeline 0's stage's state_dict (ZeRO 0), not this stage's
+        if not carry:
+            return path, client_state
+        folder = Path(where) / UNIVERSAL_FOLDER
+        if self.zero_optimization():  # DeepSpeed's universal loader, then the weights from its fp32 copies
+            self.optimizer.load_hp_checkpoint_state_from_checkpoint_dir("bit16_groups", str(folder))
+            self.optimizer.update_lp_params()
+        else:
+            load_parameter_states(self.optimizer, folder, names=self.param_names)
+        return path, client_state
+
+    def _check_parameter_states(self, where: str, saved_plan: dict) -> None:
+        """Rank 0 writes the checkpoint's optimizer state per parameter; every rank compares its parameters with
+        this job's (all ranks'): the same ValueError on every rank, before anything is loaded (collective)."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # ZeRO 1's wraps the user's
+        zero_stage, stages = saved_plan["zero_stage"], len(saved_plan["pipelines"][0]["stages"])
+        try:
+            saved = decided_by_rank0(
+                lambda: convert_pipeline_checkpoint(
+                    where, num_stages=stages, zero_stage=zero_stage, optimizer_name=type(optimizer).__name__
+                ),
+                rank=self.global_rank,
+            )
+        except ValueError as exc:
+            raise ValueError(f"load_checkpoint: {where} was saved under another pipeline plan, and {exc}") from exc
+        gathered = gather_objects((optimizer_parameter_shapes(self), (Path(where) / UNIVERSAL_FOLDER).is_dir()))
+        differences = parameter_differences(saved, _every_ranks([shapes for shapes, _ in gathered]))
+        if differences:
+            more = f"; and {len(differences) - 5} more" if len(differences) > 5 else ""
+            raise ValueError(
+                f"load_checkpoint: {where} holds another model's optimizer state ({'; '.join(differences[:5])}{more}); "
+                "expected this job's parameters, with their shapes: resume it with the model it was saved from"
+            )
+        missing = [rank for rank, (_, seen) in enumerate(gathered) if not seen]
+        if missing:
+            raise ValueError(
+                f"load_checkpoint: {Path(where) / UNIVERSAL_FOLDER} (the checkpoint's optimizer state per parameter, "
+                f"written by rank 0) is not visible on ranks {missing}: expected one checkpoint folder every rank "
+                "reads; copy it to their nodes, then start again"
+            )
 
     def _resume(self, decision: ResumeDecision) -> None:
         self.consumed_samples = decision.consumed_samples

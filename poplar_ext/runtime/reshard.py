@@ -57,7 +57,13 @@ UNNAMED_OPTIMIZER = "the checkpoint's optimizer"
 
 
 def carried_states(
-    state: dict[Any, Any], *, partition_numel: int, optimizer_name: str, saved_ranks: int, padding_numel: int = 0
+    state: dict[Any, Any],
+    *,
+    partition_numel: int,
+    optimizer_name: str,
+    saved_ranks: int,
+    padding_numel: int = 0,
+    refusal: str | None = None,
 ) -> dict[str, Any]:
     """The states of one flat partition (one parameter group of one rank) that are carried over.
 
@@ -68,8 +74,10 @@ def carried_states(
     tensor of `partition_numel` (+ padding) elements nor a scalar `step`: it could not be cut for
     another number of ranks; also for a key that is not a plain name or is ``fp32``, as
     keys become file names beside the weights' ``fp32.pt``. A None state is skipped
-    (nothing to carry).
+    (nothing to carry). `refusal` ends the message: what such a state cannot be, and what to do
+    instead (by default: resharded, and resumed on `saved_ranks` ranks).
     """
+    default = f"resharded for another number of ranks; resume this checkpoint on {saved_ranks} ranks, as it was saved"
     carried = {}
     for key, value in state.items():
         if value is None:
@@ -86,8 +94,7 @@ def carried_states(
             raise ValueError(
                 f"{optimizer_name} keeps the state {key!r} as {_describe(value)}: only states of one value per "
                 f"element of the parameters (a flat partition of {partition_numel} elements here) and a scalar "
-                f"'step' can be resharded for another number of ranks; resume this checkpoint on {saved_ranks} "
-                "ranks, as it was saved"
+                f"'step' can be {refusal or default}"
             )
         carried[key] = value
     return carried

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from poplar_ext.pipeline.checkpoint import pipeline_resume_decision
+from poplar_ext.pipeline.checkpoint import layers_move, parameter_differences, pipeline_resume_decision
 from poplar_ext.pipeline.initialize import pipeline_deepspeed_config
 from poplar_ext.pipeline.planning import check_pipeline_config, pipeline_plan_problems, resolve_pipeline_plan
 from poplar_ext.plan.formats import cluster_from_dict, plan_from_dict
@@ -236,13 +236,58 @@ def test_a_resume_under_the_same_plan_continues_the_stream():
     assert (decision.data_position, decision.consumed_samples, decision.plan_history) == (24, 24, [{"start_step": 0}])
 
 
-def test_a_resume_under_another_pipeline_plan_is_refused_naming_what_differs():
+def test_a_resume_under_another_pipeline_plan_continues_the_stream_naming_what_differs():
     other = _pipeline_plan([([(0, "a", 0, 3), (1, "a", 4, 5)], 2, 3), ([(2, "b", 0, 5)], 2, 3)])
-    with pytest.raises(ValueError, match="another pipeline plan") as error:
+    saved = _state(_pipeline_plan())
+    saved["step"] = 2
+    decision = pipeline_resume_decision(saved, _state(other, 0), path="ckpt/step2")
+    assert (decision.data_position, decision.consumed_samples) == (24, 24)
+    entry = decision.plan_history[-1]
+    assert decision.plan_history[:-1] == [{"start_step": 0}]
+    assert (entry["start_step"], entry["data_position"], entry["plan"]) == (2, 24, _state(other)["plan"])
+    assert entry["reason"].startswith("resumed from ckpt/step2 under another pipeline plan (")
+    for change in (
+        "pipeline 0's stages held layers 0-1, 2-5 then, 0-3, 4-5 now",
+        "pipeline 1's micro-batch size 3 then, 2 now",
+        "pipeline 1's micro-batches 2 then, 3 now",
+    ):
+        assert change in entry["reason"]
+    assert layers_move(saved["plan"], _state(other)["plan"])
+    same_split = _pipeline_plan([([(0, "a", 0, 1), (1, "a", 2, 5)], 1, 3), ([(2, "b", 0, 5)], 3, 2)])
+    assert not layers_move(saved["plan"], _state(same_split)["plan"])
+
+
+@pytest.mark.parametrize(
+    "other,what",
+    [
+        (
+            _pipeline_plan(
+                num_layers=7, pipelines=[([(0, "a", 0, 1), (1, "a", 2, 6)], 2, 3), ([(2, "b", 0, 6)], 3, 2)]
+            ),
+            "layers 6 then, 7 now",
+        ),
+        (_pipeline_plan(stage=0), "ZeRO stage 1 then, 0 now"),
+    ],
+)
+def test_a_resume_under_a_plan_of_another_model_or_zero_stage_is_refused_before_loading(other, what):
+    with pytest.raises(ValueError, match="saved under a pipeline plan that cannot be continued by this one") as error:
         pipeline_resume_decision(_state(_pipeline_plan()), _state(other, 0), path="ckpt/step2")
-    assert "pipeline 0's stages held layers 0-1, 2-5 then, 0-3, 4-5 now" in str(error.value)
-    assert "pipeline 1's micro-batch size 3 then, 2 now" in str(error.value)
-    assert "pipeline 1's micro-batches 2 then, 3 now" in str(error.value)
+    assert f"ckpt/step2 was saved under a pipeline plan that cannot be continued by this one ({what})" in str(
+        error.value
+    )
+    assert "resume it with the model and the ZeRO stage of ckpt/step2/poplar_state.json" in str(error.value)
+
+
+def test_parameters_that_differ_from_the_checkpoints_are_named():
+    saved = [{"0.weight": [8, 8], "0.bias": [8], "1.weight": [1, 8]}]
+    assert parameter_differences(saved, [dict(saved[0])]) == []
+    now = [{"0.weight": [4, 8], "0.bias": [8], "2.weight": [1, 8]}]
+    assert parameter_differences(saved, now) == [
+        "1.weight among the optimizer's parameters then, not now",
+        "2.weight among the optimizer's parameters now, not then",
+        "0.weight of shape [8, 8] then, [4, 8] now",
+    ]
+    assert parameter_differences(saved, saved + [{}]) == ["1 optimizer parameter groups then, 2 now"]
 
 
 def test_a_resume_with_another_data_order_is_refused():

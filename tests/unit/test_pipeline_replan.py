@@ -1,0 +1,98 @@
+"""A ZeRO-0 pipeline checkpoint's optimizer state per parameter (issue 34), without a process group.
+
+Two stages of a toy model step their own Adam and write what DeepSpeed's pipeline engine
+writes per stage (``mp_rank_<stage>_model_states.pt``: the torch state_dict, and the
+parameters' names poplar-ext records); the conversion writes each parameter's states, and
+an optimizer over another split of the layers loads its own, equal to those saved. States
+that are not per parameter, and a checkpoint without the names, are refused before anything
+is written.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poplar_ext.models.toy_pipeline import mse, toy_sequential
+from poplar_ext.pipeline.checkpoint import UNIVERSAL_FOLDER
+from poplar_ext.pipeline.replan import (
+    PARAMETER_SHAPES_KEY,
+    convert_pipeline_checkpoint,
+    load_parameter_states,
+)
+
+SAVED_SPLIT = [[0, 1], [2, 3]]
+
+
+def _named(model, layers):
+    return [(name, p) for name, p in model.named_parameters() if int(name.split(".")[0]) in layers]
+
+
+def _save_stages(tag_dir, *, names=True, extra_state=None):
+    """Two stages of one step of Adam each, as DeepSpeed's pipeline engine saves them; returns the model and
+    each parameter's saved state."""
+    model = toy_sequential(dim=3, num_layers=4)
+    generator = torch.Generator().manual_seed(0)
+    inputs, labels = torch.randn(5, 3, generator=generator), torch.randn(5, 1, generator=generator)
+    mse(model(inputs), labels).backward()
+    folder = tag_dir / "pipeline0"
+    folder.mkdir(parents=True)
+    states = {}
+    for stage, layers in enumerate(SAVED_SPLIT):
+        named = _named(model, layers)
+        optimizer = torch.optim.Adam([p for _, p in named], lr=0.01)
+        optimizer.step()
+        states.update({name: dict(optimizer.state[p]) for name, p in named})
+        saved = {"optimizer": optimizer.state_dict()}
+        if extra_state is not None and stage == 1:
+            saved["optimizer"]["state"][0][extra_state[0]] = extra_state[1]
+        if names:
+            saved[PARAMETER_SHAPES_KEY] = [{name: list(p.shape) for name, p in named}]
+        torch.save(saved, folder / f"mp_rank_{stage:02d}_model_states.pt")
+    return model, states
+
+
+def test_another_split_loads_each_parameters_saved_state(tmp_path):
+    tag_dir = tmp_path / "global_step1"
+    model, saved = _save_stages(tag_dir)
+    shapes = convert_pipeline_checkpoint(tag_dir, num_stages=2, zero_stage=0, optimizer_name="Adam")
+    assert shapes == [{name: list(p.shape) for name, p in model.named_parameters()}]
+    named = _named(model, [1, 2, 3])  # a stage of another split: layers of both saved stages
+    optimizer = torch.optim.Adam([p for _, p in named], lr=0.5)
+    load_parameter_states(optimizer, tag_dir / UNIVERSAL_FOLDER, names={p: name for name, p in named})
+    assert optimizer.param_groups[0]["lr"] == 0.01  # the checkpoint's hyper-parameters, as DeepSpeed's loader
+    for name, parameter in named:
+        state = optimizer.state[parameter]
+        assert set(state) == set(saved[name]) == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in saved[name].items():
+            assert torch.equal(state[key], value), (name, key)
+
+
+@pytest.mark.parametrize(
+    "extra,described",
+    [
+        (torch.zeros(2), "a tensor of shape (2,)"),
+        ([1.0, 2.0], "a list"),
+    ],
+)
+def test_a_state_that_is_not_per_parameter_is_refused_before_anything_is_written(tmp_path, extra, described):
+    tag_dir = tmp_path / "global_step1"
+    _save_stages(tag_dir, extra_state=("row_statistics", extra))
+    with pytest.raises(ValueError) as error:
+        convert_pipeline_checkpoint(tag_dir, num_stages=2, zero_stage=0, optimizer_name="Adam")
+    assert f"Adam keeps the state 'row_statistics' as {described}: only states of one value per element" in str(
+        error.value
+    )
+    assert (
+        f"can be moved between stages (saved in {tag_dir / 'pipeline0' / 'mp_rank_01_model_states.pt'}); resume "
+        f"this checkpoint under its plan (in {tag_dir / 'poplar_state.json'})"
+    ) in str(error.value)
+    assert sorted(path.name for path in tag_dir.iterdir()) == ["pipeline0"]
+
+
+def test_a_zero0_checkpoint_without_its_parameters_names_is_refused(tmp_path):
+    tag_dir = tmp_path / "global_step1"
+    _save_stages(tag_dir, names=False)
+    with pytest.raises(ValueError, match="does not name its optimizer's parameters: expected poplar_param_shapes"):
+        convert_pipeline_checkpoint(tag_dir, num_stages=2, zero_stage=0, optimizer_name="Adam")
+    assert not (tag_dir / UNIVERSAL_FOLDER).exists()
