@@ -12,16 +12,18 @@ names its files by layer and stage (``layer_<i>-model_states.pt``,
 other's: each saves into its own.
 
 A resume continues exactly (weights, optimizer state, data position) under the plan the
-checkpoint was saved with. Another pipeline plan is refused, naming what differs: its
-stages would hold other layers than the optimizer state files were written for.
+checkpoint was saved with: the job's own, or, where the run had re-balanced it (other
+micro-batch counts per pipeline, `poplar_ext.runtime.rebalance`), its last one. Another
+pipeline plan is refused, naming what differs: its stages would hold other layers than the
+optimizer state files were written for.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from poplar_ext.plan.pipeline_formats import plan_parallelism
-from poplar_ext.runtime.checkpoint import ResumeDecision, check_data_order
+from poplar_ext.plan.pipeline_formats import PipelinePlan, plan_parallelism
+from poplar_ext.runtime.checkpoint import ResumeDecision, check_data_order, plan_as_dict
 
 PIPELINE_FOLDER = "pipeline{index}"
 """The folder of pipeline `index` in a checkpoint's tag folder."""
@@ -31,8 +33,9 @@ def pipeline_folder(index: int) -> str:
     return PIPELINE_FOLDER.format(index=index)
 
 
-def plan_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """What differs between two pipeline plans (JSON) in what a checkpoint's files depend on."""
+def plan_changes(saved: dict[str, Any], current: dict[str, Any], *, counts: bool = True) -> list[str]:
+    """What differs between two pipeline plans (JSON) in what a checkpoint's files depend on; with `counts`
+    False, not the pipelines' micro-batch counts (what re-balancing changes)."""
     changes = []
     for key, what in (("zero_stage", "ZeRO stage"), ("global_batch_size", "global batch"), ("num_layers", "layers")):
         if saved[key] != current[key]:
@@ -46,9 +49,33 @@ def plan_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         if split_before != split_now:
             changes.append(f"pipeline {index}'s stages held layers {split_before} then, {split_now} now")
         for key, what in (("micro_batch_size", "micro-batch size"), ("num_micro_batches", "micro-batches")):
-            if before[key] != now[key]:
+            if before[key] != now[key] and (counts or key != "num_micro_batches"):
                 changes.append(f"pipeline {index}'s {what} {before[key]} then, {now[key]} now")
     return changes
+
+
+def check_recount(current: PipelinePlan, plan: PipelinePlan) -> None:
+    """ValueError unless `plan` can replace `current` mid-run: the same pipelines, stages, layers, micro-batch
+    sizes, global batch and ZeRO stage, other micro-batch counts at most (the same verdict on every rank)."""
+    changes = plan_changes(plan_as_dict(current), plan_as_dict(plan), counts=False)
+    if changes:
+        raise ValueError(
+            "plan: expected the running pipeline plan with other micro-batch counts at most, found "
+            + "; ".join(changes)
+        )
+
+
+def _started_as_this_job(saved: dict[str, Any], plan: dict[str, Any]) -> bool:
+    """The checkpoint's run started from `plan` and only re-balanced it since: its last plan differs in
+    micro-batch counts alone (a resume of the same job continues where the run had got to)."""
+    history = saved.get("plan_history") or []
+    started_from = next((h.get("plan") for h in reversed(history) if not h.get("switched")), None)
+    return (
+        started_from is not None
+        and plan_parallelism(started_from) == "pipeline"
+        and not plan_changes(started_from, plan)
+        and not plan_changes(saved["plan"], plan, counts=False)
+    )
 
 
 def pipeline_resume_decision(
@@ -72,6 +99,18 @@ def pipeline_resume_decision(
         )
     check_data_order(saved, current, path=path)
     changes = plan_changes(saved["plan"], current["plan"])
+    if changes and _started_as_this_job(saved, current["plan"]) and not load_module_only:
+        position = saved["data_position"]
+        return ResumeDecision(
+            data_position=position,
+            consumed_samples=saved["consumed_samples"],
+            plan_history=list(saved["plan_history"]),
+            notes=[
+                f"resumed from {path} under its last plan, re-balanced from this job's (see the plan history); the "
+                f"data continues at stream position {position}"
+            ],
+            continue_plan=saved["plan"],
+        )
     if changes:
         raise ValueError(
             f"load_checkpoint: {path} was saved under another pipeline plan ({'; '.join(changes)}); resuming a "
@@ -91,4 +130,4 @@ def pipeline_resume_decision(
     )
 
 
-__all__ = ["PIPELINE_FOLDER", "pipeline_folder", "pipeline_resume_decision", "plan_changes"]
+__all__ = ["PIPELINE_FOLDER", "check_recount", "pipeline_folder", "pipeline_resume_decision", "plan_changes"]
