@@ -78,6 +78,21 @@ def _started_as_this_job(saved: dict[str, Any], plan: dict[str, Any]) -> bool:
     )
 
 
+def _under_the_last_plan(saved: dict[str, Any], path: str) -> ResumeDecision:
+    """A resume of a run that re-balanced: its last counts from the saved position on (`continue_plan`)."""
+    position = saved["data_position"]
+    return ResumeDecision(
+        data_position=position,
+        consumed_samples=saved["consumed_samples"],
+        plan_history=list(saved["plan_history"]),
+        notes=[
+            f"resumed from {path} under its last plan, re-balanced from this job's (see the plan history); the data "
+            f"continues at stream position {position}"
+        ],
+        continue_plan=saved["plan"],
+    )
+
+
 def pipeline_resume_decision(
     saved: dict | None, current: dict, *, path: str, load_module_only: bool = False
 ) -> ResumeDecision:
@@ -100,17 +115,7 @@ def pipeline_resume_decision(
     check_data_order(saved, current, path=path)
     changes = plan_changes(saved["plan"], current["plan"])
     if changes and _started_as_this_job(saved, current["plan"]) and not load_module_only:
-        position = saved["data_position"]
-        return ResumeDecision(
-            data_position=position,
-            consumed_samples=saved["consumed_samples"],
-            plan_history=list(saved["plan_history"]),
-            notes=[
-                f"resumed from {path} under its last plan, re-balanced from this job's (see the plan history); the "
-                f"data continues at stream position {position}"
-            ],
-            continue_plan=saved["plan"],
-        )
+        return _under_the_last_plan(saved, path)
     if changes:
         raise ValueError(
             f"load_checkpoint: {path} was saved under another pipeline plan ({'; '.join(changes)}); resuming a "
