@@ -6,11 +6,13 @@ rank 0 (pipeline 0's first stage) 4x slower after step 4 is seen at the checks o
 and every rank switches at step 8 to counts that move micro-batches to pipeline 1. The parameters
 are those of one process training the same global batches, every sample is read once, and a
 checkpoint saved after the switch resumes under the re-balanced counts, equal to the uninterrupted run.
+At ZeRO stages 0 and 1, one after the other in one group of ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import _training as t
@@ -28,6 +30,7 @@ TYPES = ["cpu-fast", "cpu-fast", "cpu-slow", "cpu-slow"]
 # Per pipeline: (rank, first layer, last layer) per stage, micro-batch size, micro-batches.
 PIPELINES = [([(0, 0, 2), (1, 3, 5)], 2, 6), ([(2, 0, 2), (3, 3, 5)], 2, 3)]
 GLOBAL_BATCH = 18
+STAGES = (0, 1)
 LAYER_S_PER_SAMPLE = 0.002
 """A fast rank's forward and backward of one layer per sample: steady emulation pads the real compute to it."""
 
@@ -46,7 +49,7 @@ def _write_layer_profiles(directory, slowdowns: dict[str, float]) -> None:
     folder = layer_profiles_dir(directory)
     folder.mkdir(parents=True)
     model = ModelInfo(name="toy-pipeline", fingerprint="sha256:toy", num_parameters=1, dtype="float32")
-    for device_type, slowdown in slowdowns.items():
+    for (device_type, slowdown), stage in itertools.product(slowdowns.items(), STAGES):
         layer = LayerCost(
             index=0,
             name="Linear",
@@ -62,20 +65,20 @@ def _write_layer_profiles(directory, slowdowns: dict[str, float]) -> None:
         profile = LayerProfile(
             device_type=device_type,
             memory_capacity_bytes=2_000_000_000,
-            zero_stage=0,
+            zero_stage=stage,
             model=model,
             layers=tuple(dataclasses.replace(layer, index=i) for i in range(6)),
             base_memory_bytes=1_000_000,
             emulated=Emulation(slowdown=slowdown, memory_capacity_bytes=2_000_000_000),
             measured_with={"source": "modelled", "note": "written by the test"},
         )
-        save_layer_profile(profile, folder / f"{device_type}.json")
+        save_layer_profile(profile, folder / f"{device_type}-stage{stage}.json")
 
 
-def _config(files) -> dict:
+def _config(files, stage: int) -> dict:
     poplar = {
         "cluster": str(files["cluster"]),
-        "plan": str(files["plan"]),
+        "plan": str(files["plans"][stage]),
         "profiles": str(files["profiles"]),
         "log_interval_steps": 0,
         "cpu_threads": 1,
@@ -83,20 +86,21 @@ def _config(files) -> dict:
     }
     return {
         "gradient_clipping": CLIP,
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**6,
         "poplar": poplar,
     }
 
 
-def _engine(files):
+def _engine(files, stage: int):
     import torch
 
     import poplar_ext
     from poplar_ext.models.toy_pipeline import mse, toy_layers
     from poplar_ext.pipeline import PoplarPipelineModule
 
-    config = _config(files)
+    config = _config(files, stage)
     model = PoplarPipelineModule(toy_layers(), loss_fn=mse, seed_layers=True, config=config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = RecordingData(num_samples=NUM_SAMPLES)
@@ -110,8 +114,8 @@ def _state(engine) -> dict:
     return {"params": params, "counts": counts, "position": engine.data_position}
 
 
-def _drift_then_resume(files) -> dict:
-    engine, data = _engine(files)
+def _drift_then_resume(files, stage: int) -> dict:
+    engine, data = _engine(files, stage)
     first = [p.num_micro_batches for p in engine.plan.pipelines]
     losses = [float(engine.train_batch()) for _ in range(STEPS)]
     monitor = engine.rebalancer.monitor
@@ -124,17 +128,21 @@ def _drift_then_resume(files) -> dict:
         "checks": None if monitor is None else list(monitor.checks),
     }
     seen_before = len(data.seen)
-    engine.save_checkpoint(files["checkpoints"])
+    engine.save_checkpoint(files["checkpoints"] / str(stage))
     for _ in range(MORE):
         engine.train_batch()
     out.update(seen=data.seen[:seen_before], uninterrupted=_state(engine), seen_after=data.seen[seen_before:])
-    resumed, resumed_data = _engine(files)
-    resumed.load_checkpoint(files["checkpoints"])
+    resumed, resumed_data = _engine(files, stage)
+    resumed.load_checkpoint(files["checkpoints"] / str(stage))
     out["resumed_history"] = [(h["start_step"], h["reason"]) for h in resumed.plan_history]
     for _ in range(MORE):
         resumed.train_batch()
     out.update(resumed=_state(resumed), resumed_seen=resumed_data.seen)
     return out
+
+
+def _every_stage(files) -> dict:
+    return {stage: _drift_then_resume(files, stage) for stage in STAGES}
 
 
 @pytest.fixture(scope="module")
@@ -148,16 +156,16 @@ def results(tmp_path_factory):
     _write_layer_profiles(tmp / "profiles", {"cpu-fast": 1.0, "cpu-slow": 2.0})
     files = {
         "cluster": tmp / "cluster.json",
-        "plan": write_pipeline_plan(tmp / "plan.json", PIPELINES, stage=0, types=TYPES),
+        "plans": {s: write_pipeline_plan(tmp / f"plan{s}.json", PIPELINES, stage=s, types=TYPES) for s in STAGES},
         "profiles": tmp / "profiles",
         "checkpoints": tmp / "checkpoints",
     }
-    return run_ranks(
-        _drift_then_resume, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=240
-    )
+    return run_ranks(_every_stage, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=300)
 
 
-def test_every_rank_switches_at_the_same_step_to_counts_moved_off_the_slowed_pipeline(results):
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_rank_switches_at_the_same_step_to_counts_moved_off_the_slowed_pipeline(results, stage):
+    results = [r[stage] for r in results]
     first = results[0]
     assert first["first"] == [6, 3]
     assert len(first["history"]) == 2, (first["history"], first["checks"])
@@ -171,7 +179,9 @@ def test_every_rank_switches_at_the_same_step_to_counts_moved_off_the_slowed_pip
     assert all(r["scales"] is None for r in results[1:]), "rank 0 alone holds the monitor"
 
 
-def test_the_parameters_are_those_of_one_process_on_the_same_global_batches(results):
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_parameters_are_those_of_one_process_on_the_same_global_batches(results, stage):
+    results = [r[stage] for r in results]
     expected, losses, norms = _reference(GLOBAL_BATCH, STEPS)
     assert min(norms) > CLIP, "clipping must be active for this test to cover it"
     assert _max_difference([r["at_save"]["params"] for r in results], expected) <= 1e-5
@@ -179,7 +189,9 @@ def test_the_parameters_are_those_of_one_process_on_the_same_global_batches(resu
         assert r["losses"] == pytest.approx(losses, abs=1e-6) and r["at_save"]["position"] == STEPS * GLOBAL_BATCH
 
 
-def test_every_sample_is_read_once_across_the_switch(results):
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_sample_is_read_once_across_the_switch(results, stage):
+    results = [r[stage] for r in results]
     firsts = []
     for stages, _, _ in PIPELINES:
         first, last = results[stages[0][0]]["seen"], results[stages[-1][0]]["seen"]
@@ -189,8 +201,9 @@ def test_every_sample_is_read_once_across_the_switch(results):
     assert sorted(firsts) == sorted(stream.indices(0, STEPS * GLOBAL_BATCH))
 
 
-def test_a_resume_continues_under_the_rebalanced_counts_as_the_uninterrupted_run(results):
-    for r in results:
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_resume_continues_under_the_rebalanced_counts_as_the_uninterrupted_run(results, stage):
+    for r in (r[stage] for r in results):
         assert r["resumed"]["counts"] == r["at_save"]["counts"], "the checkpoint's last plan, not the plan file's"
         assert r["resumed_history"] == r["history"]
         assert r["resumed_seen"] == r["seen_after"] and r["resumed"]["position"] == (STEPS + MORE) * GLOBAL_BATCH
