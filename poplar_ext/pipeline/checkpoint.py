@@ -16,6 +16,8 @@ A resume continues exactly (weights, optimizer state, data position) under the p
 checkpoint was saved with, and under another pipeline plan (other splits, depths, number of
 pipelines, micro-batches or global batch): the layers move by index, the optimizer state by
 parameter (`poplar_ext.pipeline.replan`), the data continues at the saved stream position.
+A run that re-balanced (other micro-batch counts per pipeline, `poplar_ext.runtime.rebalance`)
+and is resumed by the job it started as continues under its last counts.
 What cannot be carried is refused before anything is loaded: another number of layers,
 another ZeRO stage (a torch optimizer's state_dict at ZeRO 0, flat partitions at ZeRO 1),
 other parameters (`parameter_differences`), a state that is not per parameter.
@@ -27,8 +29,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from poplar_ext.plan.pipeline_formats import plan_parallelism
-from poplar_ext.runtime.checkpoint import ResumeDecision, check_data_order
+from poplar_ext.plan.pipeline_formats import PipelinePlan, plan_parallelism
+from poplar_ext.runtime.checkpoint import ResumeDecision, check_data_order, plan_as_dict
 
 UNIVERSAL_FOLDER = "universal"
 """A pipeline checkpoint's optimizer state per parameter, in its tag folder (written at its first resume under
@@ -64,9 +66,9 @@ def layers_move(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     return _splits(saved) != _splits(current)
 
 
-def plan_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def plan_changes(saved: dict[str, Any], current: dict[str, Any], *, counts: bool = True) -> list[str]:
     """What differs between two pipeline plans (JSON): layers, ZeRO stage, global batch, pipelines, their stages
-    and micro-batches."""
+    and micro-batches; with `counts` False, not the pipelines' micro-batch counts (what re-balancing changes)."""
     changes = []
     for key, what in (("zero_stage", "ZeRO stage"), ("global_batch_size", "global batch"), ("num_layers", "layers")):
         if saved[key] != current[key]:
@@ -80,9 +82,48 @@ def plan_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         if split_before != split_now:
             changes.append(f"pipeline {index}'s stages held layers {split_before} then, {split_now} now")
         for key, what in (("micro_batch_size", "micro-batch size"), ("num_micro_batches", "micro-batches")):
-            if before[key] != now[key]:
+            if before[key] != now[key] and (counts or key != "num_micro_batches"):
                 changes.append(f"pipeline {index}'s {what} {before[key]} then, {now[key]} now")
     return changes
+
+
+def check_recount(current: PipelinePlan, plan: PipelinePlan) -> None:
+    """ValueError unless `plan` can replace `current` mid-run: the same pipelines, stages, layers, micro-batch
+    sizes, global batch and ZeRO stage, other micro-batch counts at most (the same verdict on every rank)."""
+    changes = plan_changes(plan_as_dict(current), plan_as_dict(plan), counts=False)
+    if changes:
+        raise ValueError(
+            "plan: expected the running pipeline plan with other micro-batch counts at most, found "
+            + "; ".join(changes)
+        )
+
+
+def _started_as_this_job(saved: dict[str, Any], plan: dict[str, Any]) -> bool:
+    """The checkpoint's run started from `plan` and only re-balanced it since: its last plan differs in
+    micro-batch counts alone (a resume of the same job continues where the run had got to)."""
+    history = saved.get("plan_history") or []
+    started_from = next((h.get("plan") for h in reversed(history) if not h.get("switched")), None)
+    return (
+        started_from is not None
+        and plan_parallelism(started_from) == "pipeline"
+        and not plan_changes(started_from, plan)
+        and not plan_changes(saved["plan"], plan, counts=False)
+    )
+
+
+def _under_the_last_plan(saved: dict[str, Any], path: str) -> ResumeDecision:
+    """A resume of a run that re-balanced: its last counts from the saved position on (`continue_plan`)."""
+    position = saved["data_position"]
+    return ResumeDecision(
+        data_position=position,
+        consumed_samples=saved["consumed_samples"],
+        plan_history=list(saved["plan_history"]),
+        notes=[
+            f"resumed from {path} under its last plan, re-balanced from this job's (see the plan history); the data "
+            f"continues at stream position {position}"
+        ],
+        continue_plan=saved["plan"],
+    )
 
 
 def pipeline_resume_decision(
@@ -107,6 +148,9 @@ def pipeline_resume_decision(
         )
     check_data_order(saved, current, path=path)
     _refuse_what_cannot_move(saved["plan"], current["plan"], path=path, weights_only=load_module_only)
+    if plan_changes(saved["plan"], current["plan"]) and _started_as_this_job(saved, current["plan"]):
+        if not load_module_only:
+            return _under_the_last_plan(saved, path)
     if load_module_only:
         return ResumeDecision(
             data_position=0,
@@ -161,6 +205,7 @@ def parameter_differences(saved: list[dict[str, list[int]]], current: list[dict[
 __all__ = [
     "PIPELINE_FOLDER",
     "UNIVERSAL_FOLDER",
+    "check_recount",
     "layers_move",
     "parameter_differences",
     "pipeline_folder",

@@ -17,8 +17,13 @@ subclass adds what crosses pipelines, at the smallest seams DeepSpeed offers:
   module counted once).
 * ``_INSTRUCTION_MAP``: the forward, backward and optimizer-step instructions of an
   emulated device type run slowed down (`poplar_ext.hardware.emulation`), as the ZeRO
-  path's forward..backward window and step. ``_exec_forward_pass`` and the others
+  path's forward..backward window and step; forward and backward are what re-balancing
+  measures (on a real device too, when it is on). ``_exec_forward_pass`` and the others
   cannot be overridden by name: DeepSpeed's map holds its own function objects.
+* re-balancing (``poplar.rebalance``, `poplar_ext.runtime.rebalance`): after an iteration
+  every rank reports its instructions' compute at check steps, and a recount of the
+  pipelines' micro-batches rank 0 decides is switched to at the same step on every rank
+  (`switch_plan`: DeepSpeed's ``set_train_batch_size``, the loss weight, the samplers).
 * `train_batch` returns the global batch's mean loss on every rank (DeepSpeed's is the
   pipeline's share, its data-parallel average being over one pipeline) and counts the
   samples; `save_checkpoint` / `load_checkpoint` keep one folder per pipeline and
@@ -28,6 +33,7 @@ subclass adds what crosses pipelines, at the smallest seams DeepSpeed offers:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -41,9 +47,11 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from poplar_ext.collectives import barrier, decided_by_rank0, gather_objects, sum_in_group
+from poplar_ext.hardware.compute_clock import ComputeTimer, CudaEventTimer
 from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
 from poplar_ext.pipeline.checkpoint import (
     UNIVERSAL_FOLDER,
+    check_recount,
     layers_move,
     parameter_differences,
     pipeline_folder,
@@ -57,6 +65,7 @@ from poplar_ext.pipeline.replan import (
     load_parameter_states,
     optimizer_parameter_shapes,
 )
+from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_from_dict
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
     checkpoint_tag,
@@ -67,22 +76,29 @@ from poplar_ext.runtime.checkpoint import (
     write_state,
 )
 from poplar_ext.runtime.data import PlanBatchSampler
+from poplar_ext.runtime.rebalance import FollowsRebalancing, Rebalancer, StepView, SwitchOrder
+from poplar_ext.runtime.weighting import pipeline_loss_weight
 
 logger = logging.getLogger(__name__)
 
 
-def _emulated(instruction: Callable[..., Any]) -> Callable[..., Any]:
-    """`instruction` run inside this rank's emulated compute window (a real device: as it is)."""
+def _timed(instruction: Callable[..., Any], *, compute: bool = True) -> Callable[..., Any]:
+    """`instruction` run inside this rank's compute window: an emulated device slowed down, a real one
+    measured where re-balancing watches it. Not `compute`: the optimizer step, slowed on an emulated
+    device only and left out of the busy time re-balancing compares with the layers' forward and backward."""
 
     def run(engine: PoplarPipelineEngine, **kwargs: Any) -> Any:
-        slowdown = engine.emulated_compute
-        if slowdown is None:
+        timer = engine.compute_timer
+        if timer is None or not (compute or engine.emulated_compute is not None):
             return instruction(engine, **kwargs)
-        slowdown.start(instruction.__name__)  # each instruction a kind of block, steady on its own
+        busy_before = timer.busy_time_s if not compute else 0.0
+        timer.start(instruction.__name__)  # each instruction a kind of block, steady on its own
         try:
             return instruction(engine, **kwargs)
         finally:
-            slowdown.stop()
+            timer.stop()
+            if not compute:
+                timer.busy_time_s = busy_before
 
     return run
 
@@ -96,7 +112,7 @@ def _every_ranks(shapes: list[list[dict]]) -> list[dict]:
     return merged
 
 
-class PoplarPipelineEngine(PipelineEngine):
+class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
     """DeepSpeed's pipeline engine for this rank's pipeline (built by `poplar_ext.initialize`).
 
     Use it as DeepSpeed's: ``loss = engine.train_batch(data_iter)``, or
@@ -107,12 +123,19 @@ class PoplarPipelineEngine(PipelineEngine):
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
-        schedule.ForwardPass: _emulated(PipelineEngine._exec_forward_pass),
-        schedule.BackwardPass: _emulated(PipelineEngine._exec_backward_pass),
-        schedule.OptimizerStep: _emulated(PipelineEngine._exec_optimizer_step),
+        schedule.ForwardPass: _timed(PipelineEngine._exec_forward_pass),
+        schedule.BackwardPass: _timed(PipelineEngine._exec_backward_pass),
+        schedule.OptimizerStep: _timed(PipelineEngine._exec_optimizer_step, compute=False),
     }
 
-    def __init__(self, *, poplar_job: PipelineJob, slowdown: ComputeSlowdown | None, **deepspeed_arguments: Any):
+    def __init__(
+        self,
+        *,
+        poplar_job: PipelineJob,
+        slowdown: ComputeSlowdown | None,
+        rebalancer: Rebalancer | None = None,
+        **deepspeed_arguments: Any,
+    ):
         super().__init__(**deepspeed_arguments)
         plan = poplar_job.plan
         self.poplar_job = poplar_job
@@ -124,7 +147,13 @@ class PoplarPipelineEngine(PipelineEngine):
         self.plan_history: list[dict] = [
             history_entry(plan, start_step=0, data_position=0, reason=poplar_job.plan_reason)
         ]
+        if slowdown is None and rebalancer is not None:
+            # A real device too measures its compute (never sleeps) when re-balancing watches it.
+            slowdown = ComputeSlowdown(None) if self.device.type == "cpu" else CudaEventTimer()
         self._slowdown = slowdown
+        self._rebalancer = rebalancer
+        self.pending_switch: SwitchOrder | None = None
+        self._fed_by_caller = False
         self._restored_position = 0
         self._steps_since_restore = 0
         self._samplers: list[PlanBatchSampler] = []
@@ -142,7 +171,20 @@ class PoplarPipelineEngine(PipelineEngine):
     @property
     def emulated_compute(self) -> ComputeSlowdown | None:
         """This rank's emulated slowdown (None on a real device)."""
+        if self._slowdown is None or self._slowdown.emulation is None:
+            return None
         return self._slowdown
+
+    @property
+    def compute_timer(self) -> ComputeTimer | None:
+        """What times this rank's forward and backward instructions: the emulation's slowdown, or, when
+        re-balancing is on, a timer that only measures."""
+        return self._slowdown
+
+    @property
+    def rebalancer(self) -> Rebalancer | None:
+        """The job's re-balancing (``poplar.rebalance``), None when off; on rank 0 its ``monitor`` holds the checks."""
+        return self._rebalancer
 
     # -- across pipelines ----------------------------------------------------------
     def allreduce_gradients(self, bucket_size: int = MEMORY_OPT_ALLREDUCE_SIZE) -> None:
@@ -195,6 +237,7 @@ class PoplarPipelineEngine(PipelineEngine):
         """DeepSpeed's train_batch; returns the mean loss over the global batch, on every rank (collective)."""
         self.module.loss_fn.tokens = 0  # token_mean: counted afresh (an evaluation may have counted some)
         reads_data = self.is_first_stage() or self.is_last_stage()
+        self._fed_by_caller = self._fed_by_caller or data_iter is not None  # a switch cannot reach its data
         if data_iter is None and reads_data and self.data_iterator is None and self._loader is not None:
             self._own_iterator = True
             self.set_dataiterator(iter(RepeatingLoader(self._loader)))
@@ -211,10 +254,8 @@ class PoplarPipelineEngine(PipelineEngine):
     def _end_of_iteration(self) -> None:
         self.consumed_samples += self.plan.global_batch_size
         self._steps_since_restore += 1
-        if self._slowdown is not None and self._slowdown.emulation is not None:
-            self._slowdown.slowdown = scheduled_slowdown(
-                self._slowdown.emulation, optimizer_step=self.global_steps, rank=self.global_rank
-            )
+        self._follow_slowdown_schedule()
+        self.follow_rebalancing(self.global_steps)
         now = time.perf_counter()
         previous, self._last_boundary_time = self._last_boundary_time, now
         interval = self.poplar_job.poplar_config.log_interval_steps
@@ -227,15 +268,57 @@ class PoplarPipelineEngine(PipelineEngine):
                 float(self.agg_train_loss),
             )
 
+    def _follow_slowdown_schedule(self) -> None:
+        # An emulated drift (the cluster's slowdown_schedule) holds from its optimizer step on, also after a resume.
+        if self._slowdown is not None and self._slowdown.emulation is not None:
+            self._slowdown.slowdown = scheduled_slowdown(
+                self._slowdown.emulation, optimizer_step=self.global_steps, rank=self.global_rank
+            )
+
+    # -- re-balancing --------------------------------------------------------------
+    @property
+    def trained_position(self) -> int:
+        """Stream position after the last optimizer step (`FollowsRebalancing`): the data position."""
+        return self.data_position
+
+    def _step_view(self, step: int) -> StepView:
+        return StepView(
+            step=step,
+            plan=self.plan,
+            data_reached=max([self.data_position] + [s.generated_until for s in self._samplers]),
+            has_sampler=bool(self._samplers) and not self._fed_by_caller,
+            switch_pending=self.pending_switch is not None,
+        )
+
+    def switch_plan(self, plan: PipelinePlan, *, reason: str, record: bool = True) -> None:
+        """Train `plan`'s micro-batch counts from the next iteration on (every rank at the same step; the
+        samplers already know from where). `plan` keeps the pipelines, their stages and micro-batch sizes."""
+        check_recount(self.plan, plan)
+        pipeline = plan.pipelines[self.pipeline_index]
+        # DeepSpeed's own setter, as for a batch-size schedule: the pipeline's accumulation count and
+        # micro_batches (its schedule's length); then the true global batch again for its bookkeeping.
+        self.set_train_batch_size(pipeline.samples_per_iteration)
+        self._config.train_batch_size = plan.global_batch_size
+        if hasattr(self.optimizer, "gradient_accumulation_steps"):  # ZeRO 1's optimizer keeps its own
+            self.optimizer.gradient_accumulation_steps = pipeline.num_micro_batches
+        self.module.loss_fn.weight = pipeline_loss_weight(
+            micro_batch_size=pipeline.micro_batch_size,
+            num_micro_batches=pipeline.num_micro_batches,
+            global_batch_size=plan.global_batch_size,
+            reduction=self.poplar_job.poplar_config.loss_reduction,
+        )
+        self.plan = plan
+        self.poplar_job = self.module.poplar_job = dataclasses.replace(self.poplar_job, plan=plan)
+        self.record_switch(plan, step=self.global_steps, reason=reason, record=record, rank=self.global_rank)
+
     # -- data ----------------------------------------------------------------------
     def create_batch_sampler(self, num_samples: int) -> PlanBatchSampler:
         """This pipeline's batch sampler: its share of every iteration from the shared stream, the
         pipelines taking the places ranks take in a ZeRO job (`poplar_ext.runtime.data`)."""
         config = self.poplar_job.poplar_config
-        sampler = PlanBatchSampler(
+        sampler = PlanBatchSampler.from_plan(
+            self.plan,
             num_samples=num_samples,
-            micro_batch_sizes=[p.micro_batch_size for p in self.plan.pipelines],
-            gradient_accumulation_steps=[p.num_micro_batches for p in self.plan.pipelines],
             rank=self.pipeline_index,
             seed=config.seed,
             shuffle=config.shuffle,
@@ -384,6 +467,7 @@ class PoplarPipelineEngine(PipelineEngine):
             )
 
     def _resume(self, decision: ResumeDecision) -> None:
+        self._follow_slowdown_schedule()
         self.consumed_samples = decision.consumed_samples
         self._restored_position, self._steps_since_restore = decision.data_position, 0
         for sampler in self._samplers:
@@ -391,6 +475,10 @@ class PoplarPipelineEngine(PipelineEngine):
         if self._own_iterator:  # made at the old position: the next train_batch() makes a new one
             self.data_iterator, self._own_iterator = None, False
         self.plan_history = decision.plan_history or self.plan_history
+        if decision.continue_plan is not None:  # the run had re-balanced: its last counts, from the position on
+            plan = pipeline_plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")
+            order = SwitchOrder(plan=plan, position=decision.data_position, reason="the checkpoint's last plan")
+            self.schedule_switch(order, record=False)
         if self.global_rank == 0:
             for note in decision.notes:
                 logger.info("load_checkpoint: %s", note)

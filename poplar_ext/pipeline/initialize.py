@@ -25,9 +25,11 @@ from poplar_ext.hardware.emulation import (
 )
 from poplar_ext.pipeline.engine import PoplarPipelineEngine
 from poplar_ext.pipeline.job import PipelineJob
+from poplar_ext.pipeline.planning import pipeline_drift_monitor
 from poplar_ext.plan.pipeline_formats import PipelinePlan
 from poplar_ext.runtime.config import load_deepspeed_config, unsynchronised_throughput_timer
 from poplar_ext.runtime.data import plan_dataloader
+from poplar_ext.runtime.initialize import job_rebalancer
 
 logger = logging.getLogger(__name__)
 
@@ -123,11 +125,15 @@ def _build_engine(job: PipelineJob, model: Any, **arguments: Any) -> PoplarPipel
             clock="thread" if get_accelerator().device_name() == "cpu" else "cuda",
             reference=_steady_reference(job),
         )
+    rebalancer = job_rebalancer(
+        job, make_monitor=lambda: pipeline_drift_monitor(job.plan, job.cluster, job.poplar_config)
+    )
     partition_parameters.shutdown_init_context()
     try:
         engine = PoplarPipelineEngine(
             poplar_job=job,
             slowdown=slowdown,
+            rebalancer=rebalancer,
             model=model,
             mpu=mpu,
             config=nominal,

@@ -20,7 +20,7 @@ by every rank together, when the module was given data to measure with
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import Cluster
@@ -35,6 +35,9 @@ from poplar_ext.plan.pipeline_formats import (
     pipeline_plan_to_dict,
 )
 from poplar_ext.runtime.config import SECTION, PoplarConfig, requested_zero_stage
+
+if TYPE_CHECKING:
+    from poplar_ext.runtime.rebalance import PipelineDriftMonitor
 
 
 def requested_pipeline_batch(poplar_config: PoplarConfig, ds_config: dict) -> tuple[int, str] | None:
@@ -72,8 +75,6 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
                 f"{precision}.enabled: expected fp32 with pipelines, found true (the sum of each layer's gradient "
                 "over the pipelines is checked in fp32 only; bf16 at ZeRO 0 reduces on a path it does not cover)"
             )
-    if poplar_config.rebalance.enabled is True:
-        problems.append(f"{SECTION}.rebalance.enabled: expected false or auto with pipelines (not re-balanced yet)")
     if poplar_config.global_batch_size == "auto":
         problems.append(f"{SECTION}.global_batch_size: expected a number or none with pipelines (the plan's)")
     if problems:
@@ -260,13 +261,7 @@ def steady_stage_times(plan: PipelinePlan, cluster: Cluster, poplar_config: Popl
     emulated = {t for t in cluster.type_counts() if cluster.emulation_of(t) is not None}
     if not emulated or poplar_config.profiles is None:
         return {}
-    wanted = plan.profile_fingerprints
-    profiles = [
-        p
-        for p in _model_layer_profiles(poplar_config, plan.num_layers, None)
-        if p.zero_stage == plan.zero_stage and (p.device_type not in wanted or wanted[p.device_type] == p.fingerprint)
-    ]
-    by_type = {p.device_type: p for p in profiles}
+    by_type = {p.device_type: p for p in plan_layer_profiles(plan, poplar_config)}
     if any(t not in by_type for t in set(plan.rank_device_types)):
         return {}
     times = stage_block_times(plan, list(by_type.values()))
@@ -276,6 +271,49 @@ def steady_stage_times(plan: PipelinePlan, cluster: Cluster, poplar_config: Popl
         for rank, blocks in times.items()
         if types[rank] in emulated and by_type[types[rank]].emulated is not None
     }
+
+
+def plan_layer_profiles(plan: PipelinePlan, poplar_config: PoplarConfig) -> list[LayerProfile]:
+    """The layer profiles in ``poplar.profiles`` at the plan's stage and layer count: for each device type
+    the one the plan was made from where it names one (its ``profile_fingerprints``)."""
+    wanted = plan.profile_fingerprints
+    return [
+        p
+        for p in _model_layer_profiles(poplar_config, plan.num_layers, None)
+        if p.zero_stage == plan.zero_stage and (p.device_type not in wanted or wanted[p.device_type] == p.fingerprint)
+    ]
+
+
+def pipeline_drift_monitor(plan: PipelinePlan, cluster: Cluster, poplar_config: PoplarConfig) -> PipelineDriftMonitor:
+    """Rank 0: the `PipelineDriftMonitor` that re-balances `plan` from the layer profiles it was made from
+    (`plan_layer_profiles`) and the network file beside them; `RebalanceUnavailable` where a device type
+    has none (`poplar_ext.runtime.initialize.job_rebalancer` turns ``auto`` off then, with a note)."""
+    from poplar_ext.plan.network_format import find_network
+    from poplar_ext.runtime.planning import RebalanceUnavailable
+    from poplar_ext.runtime.rebalance import PipelineDriftMonitor
+
+    where = f"{poplar_config.source}: {SECTION}.rebalance.enabled"
+    if poplar_config.profiles is None:
+        raise RebalanceUnavailable(
+            f"{where}: expected {SECTION}.profiles too (the layer profiles micro-batches are re-counted from), "
+            "found none",
+            plain=f"no {SECTION}.profiles is named (this job runs a plan file alone)",
+        )
+    by_type = {p.device_type: p for p in plan_layer_profiles(plan, poplar_config)}
+    missing = [t for t in cluster.type_counts() if t not in by_type]
+    if missing:
+        directory = layer_profiles_dir(poplar_config.profiles)
+        raise RebalanceUnavailable(
+            f"{where}: expected a layer profile of every device type at ZeRO stage {plan.zero_stage} in "
+            f"{directory}, found none for {', '.join(missing)}",
+            plain=f"{directory} has no layer profile of {', '.join(missing)} at ZeRO stage {plan.zero_stage}",
+        )
+    return PipelineDriftMonitor(
+        config=poplar_config.rebalance,
+        profiles=[by_type[t] for t in cluster.type_counts()],
+        cluster=cluster,
+        network=find_network(poplar_config.profiles, cluster),
+    )
 
 
 def _model_layer_profiles(poplar_config: PoplarConfig, num_layers: int, fingerprint: str | None) -> list[LayerProfile]:
@@ -317,7 +355,9 @@ __all__ = [
     "MeasureMissingLayers",
     "check_pipeline_config",
     "plan_searched_at_start",
+    "pipeline_drift_monitor",
     "pipeline_plan_problems",
+    "plan_layer_profiles",
     "requested_pipeline_batch",
     "resolve_pipeline_plan",
 ]

@@ -38,6 +38,7 @@ import numpy as np
 import torch.utils.data
 
 from poplar_ext.plan.formats import Plan
+from poplar_ext.plan.pipeline_formats import PipelinePlan
 
 
 def rank_offsets(samples_per_rank: Sequence[int]) -> list[int]:
@@ -84,6 +85,13 @@ class SampleStream:
             out.extend(self.epoch_order(epoch)[offset : offset + take].tolist())
             position += take
         return out
+
+
+def plan_shares(plan: Plan | PipelinePlan) -> tuple[list[int], list[int]]:
+    """Each member's micro-batch size and count per iteration: a ZeRO plan's ranks, a pipeline plan's pipelines."""
+    if isinstance(plan, PipelinePlan):
+        return [p.micro_batch_size for p in plan.pipelines], [p.num_micro_batches for p in plan.pipelines]
+    return [r.micro_batch_size for r in plan.ranks], [r.gradient_accumulation_steps for r in plan.ranks]
 
 
 class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
@@ -158,14 +166,12 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.set_position(consumed_samples)
 
     @classmethod
-    def from_plan(cls, plan: Plan, *, rank: int, num_samples: int, **options) -> PlanBatchSampler:
-        """The sampler of `rank` under `plan` (options as in the constructor)."""
+    def from_plan(cls, plan: Plan | PipelinePlan, *, rank: int, num_samples: int, **options) -> PlanBatchSampler:
+        """The sampler of `rank` under `plan` (options as in the constructor; of a pipeline plan, `rank` is
+        the pipeline's index)."""
+        sizes, steps = plan_shares(plan)
         return cls(
-            num_samples=num_samples,
-            micro_batch_sizes=[r.micro_batch_size for r in plan.ranks],
-            gradient_accumulation_steps=[r.gradient_accumulation_steps for r in plan.ranks],
-            rank=rank,
-            **options,
+            num_samples=num_samples, micro_batch_sizes=sizes, gradient_accumulation_steps=steps, rank=rank, **options
         )
 
     @property
@@ -229,16 +235,16 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             return self.next_iteration + self.iterations_per_pass
         return self.first_iteration_of(self.epoch_of(self.next_iteration) + 1)
 
-    def switch_plan(self, plan: Plan, *, from_position: int) -> None:
+    def switch_plan(self, plan: Plan | PipelinePlan, *, from_position: int) -> None:
         """Train `plan`'s share for this rank from the iteration that starts at stream position `from_position` on.
 
         The plan re-balances the same global batch among the ranks (the iterations keep
         their places in the stream: every sample is still used once); every rank switches
         at the same position. `from_position` must be an iteration start at or after
-        `generated_until` (what a DataLoader has already taken cannot change).
+        `generated_until` (what a DataLoader has already taken cannot change). A pipeline
+        plan's pipelines take the places of ranks (the sampler of pipeline p is that of "rank" p).
         """
-        sizes = [r.micro_batch_size for r in plan.ranks]
-        steps = [r.gradient_accumulation_steps for r in plan.ranks]
+        sizes, steps = plan_shares(plan)
         per_rank = [b * s for b, s in zip(sizes, steps)]
         if len(per_rank) != self._world_size or sum(per_rank) != self.global_batch_size:
             raise ValueError(
@@ -408,5 +414,6 @@ __all__ = [
     "PlanBatchSampler",
     "SampleStream",
     "plan_dataloader",
+    "plan_shares",
     "rank_offsets",
 ]

@@ -46,7 +46,7 @@ from poplar_ext.runtime.checkpoint import (
 )
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.rebalance import Rebalancer, StepView, SwitchOrder
+from poplar_ext.runtime.rebalance import FollowsRebalancing, Rebalancer, StepView, SwitchOrder
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def set_deepspeed_batch(engine: Any, plan: Plan, rank: int) -> None:
     engine.micro_steps = -(-engine.micro_steps // steps) * steps
 
 
-class PoplarEngine:
+class PoplarEngine(FollowsRebalancing):
     """A DeepSpeedEngine that trains a plan's per-rank batches with exact gradients.
 
     Use it exactly like the engine ``deepspeed.initialize`` returns; every attribute
@@ -319,13 +319,7 @@ class PoplarEngine:
         self._last_boundary_time = now
         step = self.deepspeed_engine.global_steps
         self._follow_slowdown_schedule(step)
-        if self.pending_switch is not None and self.trained_position >= self.pending_switch.position:
-            pending, self.pending_switch = self.pending_switch, None
-            self.switch_plan(pending.plan, reason=pending.reason)
-        if self._rebalancer is not None:
-            order = self._rebalancer.after_step(self._step_view(step), self._slowdown)
-            if order is not None:
-                self.schedule_switch(order)
+        self.follow_rebalancing(step)
         interval = self.poplar_config.log_interval_steps
         if interval and step % interval == 0 and not self._overrun_warned:
             self._overrun_warned = warn_on_overrun(self.emulated_compute, rank=self._rank)  # once per job
@@ -389,25 +383,7 @@ class PoplarEngine:
         engine, rank_plan = self.deepspeed_engine, plan.ranks[self._rank]
         set_deepspeed_batch(engine, plan, self._rank)
         self.plan, self.rank_plan = plan, rank_plan
-        if self._rebalancer is not None:
-            self._rebalancer.restart_measurement(self._slowdown)
-        if record:
-            self.plan_history.append(
-                history_entry(
-                    plan,
-                    start_step=engine.global_steps,
-                    data_position=self.trained_position,
-                    reason=reason,
-                    switched=True,
-                )
-            )
-        if self._rank == 0:
-            logger.info(
-                "poplar plan from step %d: %s; micro-batches %s",
-                engine.global_steps,
-                reason,
-                " ".join(f"{r.micro_batch_size}x{r.gradient_accumulation_steps}" for r in plan.ranks),
-            )
+        self.record_switch(plan, step=engine.global_steps, reason=reason, record=record, rank=self._rank)
         for listener in self.switch_listeners:
             listener(plan)
 
@@ -430,18 +406,6 @@ class PoplarEngine:
         self.check_switch(chosen)  # the same verdict on every rank: rank 0's plan
         position = max(gather_objects(self.data_reached))
         self.schedule_switch(SwitchOrder(plan=chosen, position=position, reason=reason))
-
-    def schedule_switch(self, order: SwitchOrder, *, record: bool = True) -> None:
-        """Switch to the order's plan at the iteration that starts at its stream position (every rank alike).
-
-        `record`: add the switch to the plan history (not for a resume under the checkpoint's last plan).
-        """
-        for sampler in self._samplers:
-            sampler.switch_plan(order.plan, from_position=order.position)
-        if order.position <= self.trained_position:
-            self.switch_plan(order.plan, reason=order.reason, record=record)
-        else:
-            self.pending_switch = order
 
     @property
     def data_reached(self) -> int:

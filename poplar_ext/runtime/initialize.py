@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -291,11 +292,13 @@ def _check_stage_memory(plan: Plan, *, cluster: Cluster, facts: list, model: Any
     )
 
 
-def job_rebalancer(job: Job) -> Rebalancer | None:
+def job_rebalancer(job: Any, *, make_monitor: Callable[[], DriftMonitor] | None = None) -> Rebalancer | None:
     """The job's re-balancing (`poplar_ext.runtime.rebalance`), or None when it is off; collective.
 
-    Rank 0 reads the profiles of the plan's stage it re-plans from (and the network file
-    beside them). Without them: off when ``enabled`` is ``"auto"`` (logged), the same
+    `job`: a ZeRO `Job` or a pipeline job (its ``poplar_config``, ``source``, ``rank``, ``device`` and
+    ``plan``). Rank 0 makes the monitor it re-plans with: `make_monitor` (a pipeline job's, from its
+    layer profiles), by default a ZeRO job's from the profiles of the plan's stage (and the network
+    file beside them). Without them: off when ``enabled`` is ``"auto"`` (logged), the same
     ValueError on every rank when it is ``true``.
     """
     config = job.poplar_config
@@ -323,15 +326,11 @@ def job_rebalancer(job: Job) -> Rebalancer | None:
         if job.rank == 0:
             logger.info("poplar rebalance (auto): off for this job: poplar.drop_last is true")
         return None
-    from poplar_ext.runtime.planning import load_rebalance_inputs
-
-    loaded: dict[str, Any] = {}
+    made: dict[str, DriftMonitor] = {}
 
     def load() -> str | None:  # the inputs stay on rank 0: only it re-plans
         try:
-            loaded["profiles"], loaded["network"] = load_rebalance_inputs(
-                config, job.cluster, job.plan, directory=job.profile_directory
-            )
+            made["monitor"] = (make_monitor or (lambda: _zero_monitor(job)))()
         except ValueError as exc:
             if config.rebalance.enabled:
                 raise
@@ -348,12 +347,16 @@ def job_rebalancer(job: Job) -> Rebalancer | None:
                 unavailable,
             )
         return None
-    monitor = None
-    if job.rank == 0:
-        monitor = DriftMonitor(
-            config=config.rebalance, profiles=loaded["profiles"], cluster=job.cluster, network=loaded["network"]
-        )
-    return Rebalancer(config.rebalance, rank=job.rank, monitor=monitor)
+    return Rebalancer(config.rebalance, rank=job.rank, monitor=made.get("monitor"))
+
+
+def _zero_monitor(job: Job) -> DriftMonitor:
+    """Rank 0's monitor of a ZeRO job: the profiles of the plan's stage and the network file beside them."""
+    from poplar_ext.runtime.planning import load_rebalance_inputs
+
+    config = job.poplar_config
+    profiles, network = load_rebalance_inputs(config, job.cluster, job.plan, directory=job.profile_directory)
+    return DriftMonitor(config=config.rebalance, profiles=profiles, cluster=job.cluster, network=network)
 
 
 def initialize(

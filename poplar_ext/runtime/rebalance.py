@@ -25,6 +25,11 @@ The switch keeps the global batch and the iterations' places in the data stream
 its own setters, and is recorded in ``engine.plan_history`` (saved in checkpoints).
 No rank takes a branch into a collective that another rank does not take: all decide
 from the gathered reports or from rank 0's broadcast.
+
+A pipeline job (`poplar_ext.pipeline.engine`) runs the same checks and switches with
+`PipelineDriftMonitor`: ranks are stages, predictions come from the layer profiles, and
+the re-plan moves micro-batches between the same pipelines
+(`search.pipeline_drift.recount_pipelines`).
 """
 
 from __future__ import annotations
@@ -41,11 +46,15 @@ from poplar_ext.hardware.compute_clock import (  # CudaEventTimer: re-exported
     CudaEventTimer,
     compute_window,
 )
-from poplar_ext.plan.formats import Cluster, Plan, Profile, plan_from_dict, plan_to_dict
+from poplar_ext.plan.formats import Cluster, Plan, Profile
+from poplar_ext.plan.pipeline_formats import LayerProfile, PipelinePlan, any_plan_from_dict
+from poplar_ext.runtime.checkpoint import history_entry, plan_as_dict
 from poplar_ext.runtime.config import RebalanceConfig
+from poplar_ext.runtime.data import plan_shares
 
 if TYPE_CHECKING:
     from poplar_ext.plan.network_format import NetworkProfile
+    from poplar_ext.search.drift import Replan
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +86,8 @@ class DriftMonitor:
     """Rank 0's view of every rank's speed against the profiles, and the re-planning decision."""
 
     config: RebalanceConfig
-    profiles: list[Profile]
-    """The profiles of the plan's stage (every device type of the cluster)."""
+    profiles: list[Profile] | list[LayerProfile]
+    """The profiles of the plan's stage (every device type of the cluster): layer profiles for a pipeline plan."""
     cluster: Cluster
     network: NetworkProfile | None = None
     rank_scales: list[float] = field(default_factory=list)
@@ -109,7 +118,17 @@ class DriftMonitor:
         )
         return list(predict(with_rank_types(plan, rank_types), profiles, self.network).rank_compute_time_s)
 
-    def observe(self, plan: Plan, busy_s: list[float], iterations: list[int], *, step: int) -> dict[str, Any] | None:
+    def search_again(self, plan: Plan) -> Replan:
+        """`plan`'s global batch searched again under the assumed speeds (`search.drift.replan`)."""
+        from poplar_ext.search.drift import replan
+
+        return replan(
+            plan, self.profiles, self.cluster, self.rank_scales, min_gain=self.config.min_gain, network=self.network
+        )
+
+    def observe(
+        self, plan: Plan | PipelinePlan, busy_s: list[float], iterations: list[int], *, step: int
+    ) -> dict[str, Any] | None:
         """One check: every rank's busy time over its `iterations`; returns a switch decision or None.
 
         A decision is ``{"plan": plan dict, "reason": str}``.
@@ -125,8 +144,6 @@ class DriftMonitor:
         drifted = [rank for rank, streak in enumerate(self.streaks) if streak >= self.config.sustained_checks]
         if not drifted:
             return None
-        from poplar_ext.search.drift import replan
-
         before = list(self.rank_scales)
         # Relative to the ranks that did not drift: a bias every rank shares (profiles taken
         # on a busier day) changes no allocation, and would misstate the drifted rank's speed.
@@ -141,9 +158,7 @@ class DriftMonitor:
             for rank in drifted
         )
         try:
-            found = replan(
-                plan, self.profiles, self.cluster, self.rank_scales, min_gain=self.config.min_gain, network=self.network
-            )
+            found = self.search_again(plan)
         except ValueError as exc:  # a search problem must not stop training: keep the plan, say why
             logger.warning(
                 "poplar rebalance at step %d: %s drifted, but the search failed (%s); keeping the plan",
@@ -156,14 +171,36 @@ class DriftMonitor:
             logger.info("poplar rebalance at step %d: %s drifted; keeping the plan: %s", step, described, found.message)
             return None
         reason = f"re-balanced at step {step}: {described}; {found.message}"
-        return {"plan": plan_to_dict(found.plan), "reason": reason}
+        return {"plan": plan_as_dict(found.plan), "reason": reason}
+
+
+@dataclass(kw_only=True)
+class PipelineDriftMonitor(DriftMonitor):
+    """`DriftMonitor` for a pipeline plan: predictions from layer profiles, and a re-plan that moves
+    micro-batches between the same pipelines (`search.pipeline_drift.recount_pipelines`)."""
+
+    def predicted_compute_s(self, plan: PipelinePlan) -> list[float]:
+        """Each rank's predicted forward and backward time per iteration (its stage's, times its pipeline's
+        micro-batches) under `plan` and the assumed speeds."""
+        from poplar_ext.search.pipeline_drift import predict_drifted
+
+        prediction = predict_drifted(plan, self.profiles, self.cluster, self.rank_scales, network=self.network)
+        return list(prediction.rank_compute_time_s)
+
+    def search_again(self, plan: PipelinePlan) -> Replan:
+        """Each pipeline's micro-batch count searched again under the assumed speeds."""
+        from poplar_ext.search.pipeline_drift import recount_pipelines
+
+        return recount_pipelines(
+            plan, self.profiles, self.cluster, self.rank_scales, min_gain=self.config.min_gain, network=self.network
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
 class SwitchOrder:
     """Rank 0's decision, the same on every rank: switch to `plan` from stream `position` on."""
 
-    plan: Plan
+    plan: Plan | PipelinePlan
     position: int
     """Stream position of the first iteration under `plan` (no rank's sampler has started it)."""
     reason: str
@@ -175,7 +212,7 @@ class StepView:
 
     step: int
     """Optimizer steps taken."""
-    plan: Plan
+    plan: Plan | PipelinePlan
     """The plan running now."""
     data_reached: int
     """How far this rank's data has been handed out: no switch can start before it."""
@@ -184,11 +221,62 @@ class StepView:
     switch_pending: bool
 
 
+class FollowsRebalancing:
+    """What an engine that re-balances shares, ZeRO's (`PoplarEngine`) and the pipelines'
+    (`PoplarPipelineEngine`): the switch rank 0 decided waits in `pending_switch` for the iteration
+    it starts at, a check runs after every optimizer step, and each switch is recorded and logged.
+
+    The engine provides ``_rebalancer`` (None when off), ``_samplers`` (its `PlanBatchSampler`s),
+    ``plan_history``, ``compute_timer``, ``trained_position`` (the stream position after the last
+    optimizer step), ``_step_view(step)`` and ``switch_plan(plan, *, reason, record)``, which makes its
+    DeepSpeed engine train the plan and calls `record_switch`.
+    """
+
+    pending_switch: SwitchOrder | None = None
+    """A switch agreed by every rank, waiting for the iteration it starts at."""
+
+    def schedule_switch(self, order: SwitchOrder, *, record: bool = True) -> None:
+        """Switch to the order's plan at the iteration that starts at its stream position (every rank alike).
+
+        `record`: add the switch to the plan history (not for a resume under the checkpoint's last plan).
+        """
+        for sampler in self._samplers:
+            sampler.switch_plan(order.plan, from_position=order.position)
+        if order.position <= self.trained_position:
+            self.switch_plan(order.plan, reason=order.reason, record=record)
+        else:
+            self.pending_switch = order
+
+    def follow_rebalancing(self, step: int) -> None:
+        """After optimizer step `step`: a switch agreed earlier whose iteration has come, then a check
+        (collective at check steps: every rank calls it)."""
+        if self.pending_switch is not None and self.trained_position >= self.pending_switch.position:
+            pending, self.pending_switch = self.pending_switch, None
+            self.switch_plan(pending.plan, reason=pending.reason)
+        if self._rebalancer is not None:
+            order = self._rebalancer.after_step(self._step_view(step), self.compute_timer)
+            if order is not None:
+                self.schedule_switch(order)
+
+    def record_switch(self, plan: Plan | PipelinePlan, *, step: int, reason: str, record: bool, rank: int) -> None:
+        """What follows every switch: a new measurement, the plan history (`record`), the log line on rank 0."""
+        if self._rebalancer is not None:
+            self._rebalancer.restart_measurement(self.compute_timer)
+        if record:
+            entry = history_entry(
+                plan, start_step=step, data_position=self.trained_position, reason=reason, switched=True
+            )
+            self.plan_history.append(entry)
+        if rank == 0:
+            shares = " ".join(f"{b}x{count}" for b, count in zip(*plan_shares(plan)))
+            logger.info("poplar plan from step %d: %s; micro-batches %s", step, reason, shares)
+
+
 class Rebalancer:
     """One rank's part: measure, report every check interval, and return the switch rank 0 decides.
 
     It reads a `StepView` and the compute timer the engine gives it, and never the engine
-    itself: the engine applies what it returns (`PoplarEngine.schedule_switch`).
+    itself: the engine applies what it returns (`FollowsRebalancing.schedule_switch`).
     """
 
     def __init__(self, config: RebalanceConfig, *, rank: int, monitor: DriftMonitor | None) -> None:
@@ -236,7 +324,7 @@ class Rebalancer:
         decision = decided_by_rank0(decide, rank=self.rank)
         if decision is None:
             return None
-        plan = plan_from_dict(decision["plan"], source="<re-balanced plan>")
+        plan = any_plan_from_dict(decision["plan"], source="<re-balanced plan>")
         return SwitchOrder(plan=plan, position=max(r["generated_until"] for r in reports), reason=decision["reason"])
 
     def _give_up(self, without_sampler: list[int]) -> None:
@@ -254,6 +342,8 @@ class Rebalancer:
 __all__ = [
     "CudaEventTimer",
     "DriftMonitor",
+    "FollowsRebalancing",
+    "PipelineDriftMonitor",
     "Rebalancer",
     "StepView",
     "SwitchOrder",

@@ -11,8 +11,9 @@ runtime (`poplar_ext.runtime.rebalance`) decides when to call it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from poplar_ext.plan.formats import (
     Cluster,
@@ -25,6 +26,10 @@ from poplar_ext.plan.formats import (
 )
 from poplar_ext.plan.levers import NO_LEVERS, plan_levers
 from poplar_ext.plan.network_format import NetworkProfile
+from poplar_ext.plan.pipeline_formats import LayerProfile, PipelinePlan
+
+AnyProfile = TypeVar("AnyProfile", Profile, LayerProfile)
+"""A whole-model profile or a layer profile: what `scaled_types` scales."""
 
 SCALE_DECIMALS = 2
 """Speed factors are rounded to this many decimals, so that ranks drifting alike share a derived type."""
@@ -59,23 +64,43 @@ def scaled_problem(
     keeps the running plan's setting: the runtime applies it once, before training. Returns them and
     each rank's derived device type, in rank order (the cluster's nodes and rank order are kept).
     """
-    rank_types = cluster.rank_device_types
-    if len(rank_scales) != len(rank_types):
-        raise ValueError(f"rank_scales: expected one factor per rank ({len(rank_types)}), found {len(rank_scales)}")
-    bad = [s for s in rank_scales if not s > 0]
-    if bad:
-        raise ValueError(f"rank_scales: expected factors > 0, found {bad}")
     levers = levers or {}
     at_stage = {
         p.device_type: p
         for p in profiles
         if p.zero_stage == zero_stage and p.levers == (levers.get(p.device_type) or NO_LEVERS)
     }
+    return scaled_types(cluster, rank_scales, at_stage, scaled_profile)
+
+
+def scaled_types(
+    cluster: Cluster,
+    rank_scales: Sequence[float],
+    profiles: Mapping[str, AnyProfile],
+    scale_profile: Callable[..., AnyProfile],
+) -> tuple[list[AnyProfile], Cluster, list[str]]:
+    """Each derived device type's profile (`scale_profile(profile, scale, device_type=name)` of its type's in
+    `profiles`), the cluster of derived types and each rank's derived type in rank order (`scaled_ranks`):
+    what a scaled problem of whole-model profiles (`scaled_problem`) and of layer profiles
+    (`search.pipeline_drift`) share."""
+    scaled_cluster, derived = scaled_ranks(cluster, rank_scales)
+    scaled: dict[str, AnyProfile] = {}
+    for original, name, scale in zip(cluster.rank_device_types, derived, rank_scales):
+        if name not in scaled and original in profiles:
+            scaled[name] = scale_profile(profiles[original], round(scale, SCALE_DECIMALS), device_type=name)
+    return list(scaled.values()), scaled_cluster, derived
+
+
+def scaled_ranks(cluster: Cluster, rank_scales: Sequence[float]) -> tuple[Cluster, list[str]]:
+    """`cluster` with each rank's device type replaced by its derived type (`derived_type`), and those types
+    in rank order (nodes, rank order and each type's emulation kept)."""
+    rank_types = cluster.rank_device_types
+    if len(rank_scales) != len(rank_types):
+        raise ValueError(f"rank_scales: expected one factor per rank ({len(rank_types)}), found {len(rank_scales)}")
+    bad = [s for s in rank_scales if not s > 0]
+    if bad:
+        raise ValueError(f"rank_scales: expected factors > 0, found {bad}")
     derived = [derived_type(t, s) for t, s in zip(rank_types, rank_scales)]
-    scaled: dict[str, Profile] = {}
-    for original, name, scale in zip(rank_types, derived, rank_scales):
-        if name not in scaled and original in at_stage:
-            scaled[name] = scaled_profile(at_stage[original], round(scale, SCALE_DECIMALS), device_type=name)
     nodes, rank = [], 0
     for node in cluster.nodes:
         groups: list[DeviceGroup] = []
@@ -93,7 +118,7 @@ def scaled_problem(
         for original, name in zip(rank_types, derived)
         if original in cluster.device_types
     }
-    return list(scaled.values()), Cluster(nodes=tuple(nodes), device_types=device_types), derived
+    return Cluster(nodes=tuple(nodes), device_types=device_types), derived
 
 
 def with_rank_types(plan: Plan, rank_types: Sequence[str]) -> Plan:
@@ -108,8 +133,9 @@ class Replan:
 
     status: str
     """``better`` (switch to `plan`), ``not_better`` (the gain is below the minimum) or ``infeasible``."""
-    plan: Plan | None
-    """The new plan, under the cluster's own device types; None when infeasible."""
+    plan: Plan | PipelinePlan | None
+    """The new plan, under the cluster's own device types; None when infeasible (a pipeline plan from
+    `search.pipeline_drift.recount_pipelines`)."""
     current_iteration_time_s: float
     """The current plan's predicted iteration time under the drifted speeds."""
     new_iteration_time_s: float | None
@@ -143,31 +169,51 @@ def replan(
         network=network,
     )
     if result.status != "ok" or result.plan is None:
-        return Replan(
-            status="infeasible",
-            plan=None,
-            current_iteration_time_s=current,
-            new_iteration_time_s=None,
-            gain=None,
-            message=f"no plan for the drifted speeds: {result.message}",
-        )
-    new = result.plan.predicted.iteration_time_s
-    gain = current / new - 1.0
+        return replan_outcome(found=None, current_s=current, new_s=None, min_gain=min_gain, why_none=result.message)
     found = dataclasses.replace(
         with_rank_types(result.plan, cluster.rank_device_types), profile_fingerprints=dict(plan.profile_fingerprints)
     )
-    status = "better" if gain > min_gain else "not_better"
+    return replan_outcome(
+        found=found, current_s=current, new_s=result.plan.predicted.iteration_time_s, min_gain=min_gain
+    )
+
+
+def replan_outcome(
+    *, found: Plan | PipelinePlan | None, current_s: float, new_s: float | None, min_gain: float, why_none: str = ""
+) -> Replan:
+    """The `Replan` of a search that found `found` (None: nothing, `why_none` says why) predicted at `new_s`
+    against the current plan's `current_s`, both under the drifted speeds."""
+    if found is None or new_s is None:
+        return Replan(
+            status="infeasible",
+            plan=None,
+            current_iteration_time_s=current_s,
+            new_iteration_time_s=None,
+            gain=None,
+            message=f"no plan for the drifted speeds: {why_none}",
+        )
+    gain = current_s / new_s - 1.0
     return Replan(
-        status=status,
+        status="better" if gain > min_gain else "not_better",
         plan=found,
-        current_iteration_time_s=current,
-        new_iteration_time_s=new,
+        current_iteration_time_s=current_s,
+        new_iteration_time_s=new_s,
         gain=gain,
         message=(
-            f"predicted {current:.4g} s -> {new:.4g} s per iteration ({100 * gain:+.1f}% throughput; "
+            f"predicted {current_s:.4g} s -> {new_s:.4g} s per iteration ({100 * gain:+.1f}% throughput; "
             f"minimum gain {100 * min_gain:.0f}%)"
         ),
     )
 
 
-__all__ = ["Replan", "derived_type", "replan", "scaled_problem", "scaled_profile", "with_rank_types"]
+__all__ = [
+    "Replan",
+    "derived_type",
+    "replan",
+    "replan_outcome",
+    "scaled_problem",
+    "scaled_profile",
+    "scaled_ranks",
+    "scaled_types",
+    "with_rank_types",
+]

@@ -300,7 +300,7 @@ def stage_costs(pipeline: Pipeline, tables: dict[str, LayerTable], links: Links)
 def stage_block_times(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]) -> dict[int, dict[str, float]]:
     """Rank -> what the cost model gives its stage: ``compute_s`` (forward + backward of one micro-batch of its
     pipeline) and ``optimizer_step_s`` (its layers' optimizer step); what steady emulation runs them at."""
-    tables = _tables_for_plan(plan, layer_profiles)
+    tables = plan_tables(plan, layer_profiles)
     times = {}
     for pipeline in plan.pipelines:
         for stage in pipeline.stages:
@@ -387,7 +387,9 @@ class PipelinePrediction:
     """Sum over ranks of their device's best throughput with the whole model (memory and transfers aside)."""
 
 
-def _tables_for_plan(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]) -> dict[str, LayerTable]:
+def plan_tables(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]) -> dict[str, LayerTable]:
+    """Each device type of `plan` priced from its layer profile at the plan's stage (sizes up to the plan's
+    largest micro-batch and the profile's largest); ValueError for a missing profile or another layer count."""
     by_stage = layer_profiles_by_stage(layer_profiles)
     at_stage = by_stage.get(plan.zero_stage, {})
     types = list(dict.fromkeys(plan.rank_device_types))
@@ -423,7 +425,7 @@ def predict_pipeline(
     """
     if plan.zero_stage not in PIPELINE_ZERO_STAGES:
         raise ValueError(f"plan.zero_stage: expected 0 or 1, found {plan.zero_stage!r}")
-    return evaluate_plan(plan, _tables_for_plan(plan, layer_profiles), Links.of(network, cluster))
+    return evaluate_plan(plan, plan_tables(plan, layer_profiles), Links.of(network, cluster))
 
 
 def evaluate_plan(plan: PipelinePlan, tables: dict[str, LayerTable], links: Links) -> PipelinePrediction:

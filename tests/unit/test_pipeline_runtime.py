@@ -75,7 +75,6 @@ def _poplar(**section):
         ({}, {"zero_stage": 3}, r"expected 0 or 1 with pipelines, found 3"),
         ({"bf16": {"enabled": True}}, {}, r"bf16.enabled: expected fp32 with pipelines"),
         ({"fp16": {"enabled": True}}, {}, r"fp16.enabled: expected fp32 with pipelines"),
-        ({}, {"rebalance": {"enabled": True}}, r"rebalance.enabled: expected false or auto with pipelines"),
         ({}, {"global_batch_size": "auto"}, r"global_batch_size: expected a number or none with pipelines"),
     ],
 )
@@ -93,6 +92,10 @@ def test_a_pipeline_job_without_a_plan_file_searches_one_given_a_global_batch():
 
 def test_a_plain_config_is_fine():
     check_pipeline_config({"zero_optimization": {"stage": 1}, "bf16": {"enabled": False}}, _poplar())
+
+
+def test_rebalancing_asked_for_is_accepted_by_a_pipeline_job():
+    check_pipeline_config({}, _poplar(rebalance={"enabled": True}))  # issue 34: pipelines re-balance
 
 
 # -- refused from the plan, on rank 0 ----------------------------------------------------------------
@@ -350,14 +353,38 @@ def test_an_emulated_rank_runs_forward_backward_and_step_in_its_slowed_window():
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     from poplar_ext.hardware.emulation import ComputeSlowdown
-    from poplar_ext.pipeline.engine import PoplarPipelineEngine, _emulated
+    from poplar_ext.pipeline.engine import PoplarPipelineEngine, _timed
 
     slowed = [schedule.ForwardPass, schedule.BackwardPass, schedule.OptimizerStep]
     for instruction, run in PoplarPipelineEngine._INSTRUCTION_MAP.items():
         assert (run is PipelineEngine._INSTRUCTION_MAP[instruction]) == (instruction not in slowed), instruction
-    engine = SimpleNamespace(emulated_compute=ComputeSlowdown(None), seen=[])
-    _emulated(lambda e, **kwargs: e.seen.append((e.emulated_compute.running, kwargs)))(engine, buffer_id=1)
-    assert engine.seen == [(True, {"buffer_id": 1})] and not engine.emulated_compute.running
+    timer = ComputeSlowdown(None)
+    engine = SimpleNamespace(compute_timer=timer, emulated_compute=None, seen=[])
+    _timed(lambda e, **kwargs: e.seen.append((e.compute_timer.running, kwargs)))(engine, buffer_id=1)
+    assert engine.seen == [(True, {"buffer_id": 1})] and not timer.running
+
+
+def test_the_optimizer_step_is_slowed_but_not_counted_as_the_compute_rebalancing_compares():
+    from types import SimpleNamespace
+
+    from poplar_ext.hardware.emulation import ComputeSlowdown
+    from poplar_ext.pipeline.engine import _timed
+    from poplar_ext.plan.formats import Emulation
+
+    def work(engine, **kwargs):
+        engine.seen.append(engine.compute_timer.running)
+        sum(range(20_000))  # some thread CPU time
+
+    emulated = ComputeSlowdown(Emulation(slowdown=2.0, memory_capacity_bytes=10**9))
+    engine = SimpleNamespace(compute_timer=emulated, emulated_compute=emulated, seen=[])
+    _timed(work)(engine)
+    counted = emulated.busy_time_s
+    _timed(work, compute=False)(engine)
+    assert engine.seen == [True, True] and counted > 0 and emulated.busy_time_s == counted
+    measured = ComputeSlowdown(None)  # a real rank watched by re-balancing: its optimizer step is not timed
+    engine = SimpleNamespace(compute_timer=measured, emulated_compute=None, seen=[])
+    _timed(work, compute=False)(engine)
+    assert engine.seen == [False] and measured.busy_time_s == 0.0
 
 
 def test_a_token_mean_job_refuses_samples_whose_labels_are_not_one_tensor():

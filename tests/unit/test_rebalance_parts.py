@@ -21,6 +21,7 @@ from poplar_ext.plan.formats import (
     plan_from_dict,
     plan_to_dict,
 )
+from poplar_ext.plan.pipeline_formats import any_plan_from_dict
 from poplar_ext.runtime.config import RebalanceConfig, poplar_config_from_dict
 from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, SampleStream
 from poplar_ext.runtime.rebalance import DriftMonitor
@@ -211,7 +212,9 @@ def _monitor(**options) -> tuple[DriftMonitor, object]:
     return monitor, plan
 
 
-def _run_checks(monitor, plan, factors_per_check, *, noise: float = 0.0, seed: int = 0):
+def run_checks(monitor, plan, factors_per_check, *, noise: float = 0.0, seed: int = 0):
+    """Checks every 2 iterations of ranks running at `factors_per_check` times their profile; the switches
+    decided (step, decision) and the plan in the end (ZeRO or pipeline: test_pipeline_rebalance.py too)."""
     rng = random.Random(seed)
     decisions = []
     for check, factors in enumerate(factors_per_check):
@@ -220,9 +223,9 @@ def _run_checks(monitor, plan, factors_per_check, *, noise: float = 0.0, seed: i
         true_busy = [
             2 * p * f / s * (1 + rng.uniform(-noise, noise)) for p, f, s in zip(predicted, factors, monitor.rank_scales)
         ]
-        decision = monitor.observe(plan, true_busy, [2, 2, 2], step=2 * (check + 1))
+        decision = monitor.observe(plan, true_busy, [2] * len(predicted), step=2 * (check + 1))
         if decision is not None:
-            plan = plan_from_dict(decision["plan"])
+            plan = any_plan_from_dict(decision["plan"])
             decisions.append((2 * (check + 1), decision))
     return decisions, plan
 
@@ -230,7 +233,7 @@ def _run_checks(monitor, plan, factors_per_check, *, noise: float = 0.0, seed: i
 def test_a_drift_triggers_exactly_one_replan_after_sustained_checks():
     monitor, plan = _monitor()
     # Rank 0 becomes 3x slower at the third check and stays so.
-    decisions, final = _run_checks(monitor, plan, [[1, 1, 1]] * 2 + [[3, 1, 1]] * 6, noise=0.1)
+    decisions, final = run_checks(monitor, plan, [[1, 1, 1]] * 2 + [[3, 1, 1]] * 6, noise=0.1)
     assert [step for step, _ in decisions] == [8], "checks 3 and 4 saw it: switched at step 8, once"
     assert "rank 0 (a)" in decisions[0][1]["reason"] and monitor.rank_scales[0] == pytest.approx(3.0, rel=0.15)
     assert final.ranks[0].samples_per_iteration < plan.ranks[0].samples_per_iteration
@@ -238,15 +241,15 @@ def test_a_drift_triggers_exactly_one_replan_after_sustained_checks():
 
 def test_noise_below_the_threshold_and_a_single_spike_never_replan():
     monitor, plan = _monitor()
-    assert _run_checks(monitor, plan, [[1, 1, 1]] * 20, noise=0.2, seed=3)[0] == []
+    assert run_checks(monitor, plan, [[1, 1, 1]] * 20, noise=0.2, seed=3)[0] == []
     monitor, plan = _monitor()
     spike = [[1, 1, 1]] * 3 + [[4, 1, 1]] + [[1, 1, 1]] * 3
-    assert _run_checks(monitor, plan, spike)[0] == [], "one noisy interval is not a drift"
+    assert run_checks(monitor, plan, spike)[0] == [], "one noisy interval is not a drift"
 
 
 def test_a_recovered_device_gets_its_samples_back():
     monitor, plan = _monitor()
-    decisions, final = _run_checks(monitor, plan, [[3, 1, 1]] * 4 + [[1, 1, 1]] * 4)
+    decisions, final = run_checks(monitor, plan, [[3, 1, 1]] * 4 + [[1, 1, 1]] * 4)
     assert len(decisions) == 2 and monitor.rank_scales[0] == pytest.approx(1.0, rel=0.05)
     assert [r.micro_batch_size for r in final.ranks] == [r.micro_batch_size for r in plan.ranks]
 
@@ -258,7 +261,7 @@ def test_a_search_failure_keeps_the_plan(monkeypatch):
         raise ValueError("no profile")
 
     monkeypatch.setattr("poplar_ext.search.drift.replan", failing)
-    assert _run_checks(monitor, plan, [[3, 1, 1]] * 3)[0] == []
+    assert run_checks(monitor, plan, [[3, 1, 1]] * 3)[0] == []
 
 
 # -- the sampler and the loader follow a switch -------------------------------------------
