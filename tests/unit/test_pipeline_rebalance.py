@@ -141,10 +141,11 @@ def test_a_resume_of_a_rebalanced_run_continues_under_its_last_counts():
     assert decision.continue_plan == pipeline_plan_to_dict(rebalanced)
     assert (decision.data_position, decision.plan_history) == (96, history)
     assert "under its last plan" in decision.notes[0]
-    # A job started from another split cannot take the checkpoint's layers: refused as before.
-    with pytest.raises(ValueError, match="another pipeline plan"):
-        other = _saved(_plan(firsts=((0, 1), (0, 2))), history[:1])
-        pipeline_resume_decision(_saved(rebalanced, history), other, path="ckpt/step6")
+    # A job started from another split continues under its own plan (the layers move), not the checkpoint's.
+    other = _saved(_plan(firsts=((0, 1), (0, 2))), history[:1])
+    moved = pipeline_resume_decision(_saved(rebalanced, history), other, path="ckpt/step6")
+    assert moved.continue_plan is None and moved.data_position == 96
+    assert "under another pipeline plan" in moved.plan_history[-1]["reason"]
 
 
 # -- rank 0's inputs ----------------------------------------------------------------------------------
