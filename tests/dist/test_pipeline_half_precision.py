@@ -1,0 +1,254 @@
+"""Pipelines of a pipeline plan train in bf16 and in fp16 as one DeepSpeed process in that dtype (issue 34).
+
+4 forked ranks, two real CPU ones and two of an emulated slower type, one group for every
+case: 2 pipelines of 2 stages that differ in layer split, micro-batch size and count
+(test_pipeline's ``two_by_two``), ZeRO 0 and 1, gradient clipping on, SGD with momentum, 3
+steps, against one DeepSpeed process training the same global batches in the same dtype at
+ZeRO 1 (at ZeRO 0 DeepSpeed 0.19.8 leaves fp16's loss scale out of the loss,
+deepspeedai/DeepSpeed#8393; the pipeline engine puts it in). The fp32 master weights are
+compared, within a tolerance that the pipelines weighted alike (DeepSpeed's own data-parallel
+mean, no loss weight) exceed. Then fp16 overflows, every rank skipping the step and keeping one
+loss scale: one pipeline's gradients overflowing, and one rank's alone after the sum across
+pipelines. Last, an fp16 job where one rank's accelerator refuses fp16 is refused on every rank.
+
+DeepSpeed's CPU accelerator says fp16 is unsupported without AVX512-FP16 or AMX-FP16, as on
+the development machine; torch computes fp16 on any CPU, slowly. The ranks are told it is
+supported (`_fp16_computes_here`): the test checks poplar's fp16 path, not the CPU's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import _training as t
+import pytest
+import torch
+from harness import run_ranks
+from test_pipeline import CLIP, NUM_SAMPLES, PLANS, STEPS, _config, _max_difference, _plan_key, write_pipeline_plan
+
+from poplar_ext.models.toy_pipeline import RegressionData, mse, toy_sequential
+from poplar_ext.runtime.data import SampleStream
+
+PLAN = "two_by_two"
+GLOBAL_BATCH = sum(b * s for _, b, s in PLANS[PLAN])
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION = {"bf16": {"enabled": True}, "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
+"""DeepSpeed's sections. fp16: the first loss scale 256 (the default, 65536, might overflow in one run and not in
+the other), halved at the first overflow (by default ZeRO's scaler waits for a second one)."""
+SCALE_AFTER_OVERFLOW = 128.0
+TRAINED = [(dtype, stage) for dtype in DTYPES for stage in (0, 1)]
+MUTATED = [("bf16", 0), ("fp16", 1)]
+TOLERANCE = 2e-4
+"""Largest difference of a master weight from the reference's; the pipelines weighted alike must exceed it."""
+OVERFLOW_STEP = 1
+"""The step (from 0) whose gradients overflow in the overflow cases."""
+
+
+class TypedData(RegressionData):
+    """Inputs in the training dtype: DeepSpeed casts the layers' parameters, not the inputs."""
+
+    def __init__(self, *, dtype: torch.dtype, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.inputs = self.inputs.to(dtype)
+
+
+def _fp16_computes_here(supported: bool = True) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: supported
+
+
+def _masters(engine) -> dict[str, torch.Tensor]:
+    """Each parameter's fp32 master weight, by name (DeepSpeed keeps one beside each bf16 or fp16 parameter)."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    optimizer, unfused = engine.optimizer, {}
+    if isinstance(optimizer, FP16_UnfusedOptimizer):  # fp16 at ZeRO 0: no mapping to its fp32 copies
+        pairs = zip(optimizer.fp16_groups, optimizer.fp32_groups)
+        unfused = {id(low): high for lows, highs in pairs for low, high in zip(lows, highs)}
+    masters = {}
+    for name, parameter in engine.module.named_parameters():
+        master = safe_get_full_fp32_param(parameter)
+        masters[name] = (master if master is not None else unfused[id(parameter)]).detach().float().clone()
+    return masters
+
+
+def _engine(files, dtype: str, stage: int):
+    import poplar_ext
+    from poplar_ext.models.toy_pipeline import toy_layers
+    from poplar_ext.pipeline import PoplarPipelineModule
+
+    config = {**_config(files, _plan_key(PLAN, stage), stage=stage), dtype: PRECISION[dtype]}
+    model = PoplarPipelineModule(toy_layers(), loss_fn=mse, seed_layers=True, config=config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = TypedData(num_samples=NUM_SAMPLES, dtype=DTYPES[dtype])
+    engine, _, _, _ = poplar_ext.initialize(model=model, optimizer=optimizer, training_data=data, config=config)
+    return engine
+
+
+def _outcome(engine, losses) -> dict:
+    return {
+        "masters": _masters(engine),
+        "losses": losses,
+        "scale": engine._get_optimizer_loss_scale(),
+        "skipped": engine.skipped_steps,
+    }
+
+
+def _train(files, dtype: str, stage: int, *, weight_alike: bool = False) -> dict:
+    engine = _engine(files, dtype, stage)
+    if weight_alike:  # the mutation: DeepSpeed's data-parallel mean, each pipeline's mean loss weighted 1/P
+        engine.module.loss_fn.weight = 1 / len(engine.plan.pipelines)
+    return _outcome(engine, [float(engine.train_batch()) for _ in range(STEPS)])
+
+
+def _overflow_in_one_pipeline(files) -> dict:
+    """fp16 at ZeRO 0: pipeline 1's last stage weights one step's loss so that its gradients overflow."""
+    engine = _engine(files, "fp16", 0)
+    losses = []
+    for step in range(STEPS):
+        weight = engine.module.loss_fn.weight
+        if step == OVERFLOW_STEP and int(os.environ["RANK"]) == 3:
+            engine.module.loss_fn.weight = weight * 1e6
+        losses.append(float(engine.train_batch()))
+        engine.module.loss_fn.weight = weight
+    return _outcome(engine, losses)
+
+
+def _overflow_on_one_rank(files) -> dict:
+    """fp16 at ZeRO 1: rank 3's gradients made infinite after the sum across pipelines, in one step: an
+    overflow the other pipeline's copies of those layers do not see."""
+    engine = _engine(files, "fp16", 1)
+    segments = engine.module.layer_segments
+    summed = segments.sum_gradients
+
+    def sum_then_overflow(module, *, gradient_of=None):
+        summed(module, gradient_of=gradient_of)
+        if engine.global_steps == OVERFLOW_STEP:
+            gradient_of(next(p for p in module.parameters() if p.requires_grad)).fill_(float("inf"))
+
+    if int(os.environ["RANK"]) == 3:
+        segments.sum_gradients = sum_then_overflow
+    return _outcome(engine, [float(engine.train_batch()) for _ in range(STEPS)])
+
+
+def _fp16_refused_where_unsupported(files) -> str:
+    from poplar_ext.models.toy_pipeline import toy_layers
+    from poplar_ext.pipeline import PoplarPipelineModule
+
+    _fp16_computes_here(supported=int(os.environ["RANK"]) != 2)
+    config = {**_config(files, _plan_key(PLAN, 0), stage=0), "fp16": PRECISION["fp16"]}
+    try:
+        PoplarPipelineModule(toy_layers(), loss_fn=mse, config=config)
+        return "accepted"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        _fp16_computes_here()
+
+
+def _all_cases(files) -> dict:
+    _fp16_computes_here()
+    results = {"refused": _fp16_refused_where_unsupported(files)}
+    for dtype, stage in TRAINED:
+        results[(dtype, stage)] = _train(files, dtype, stage)
+    for dtype, stage in MUTATED:
+        results[("alike", dtype, stage)] = _train(files, dtype, stage, weight_alike=True)
+    results["overflow_in_one_pipeline"] = _overflow_in_one_pipeline(files)
+    results["overflow_on_one_rank"] = _overflow_on_one_rank(files)
+    return results
+
+
+def _references() -> dict:
+    """One DeepSpeed process per dtype at ZeRO 1 training the global batches of the same stream."""
+    import deepspeed
+
+    _fp16_computes_here()
+    references = {}
+    for dtype in DTYPES:
+        config = {
+            "train_batch_size": GLOBAL_BATCH,
+            "train_micro_batch_size_per_gpu": GLOBAL_BATCH,
+            "gradient_clipping": CLIP,
+            "zero_optimization": {"stage": 1},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**6,
+            dtype: PRECISION[dtype],
+        }
+        model = toy_sequential()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        data = TypedData(num_samples=NUM_SAMPLES, dtype=DTYPES[dtype])
+        stream = SampleStream(num_samples=NUM_SAMPLES, seed=0)
+        losses, norms = [], []
+        for step in range(STEPS):
+            indices = stream.indices(step * GLOBAL_BATCH, GLOBAL_BATCH)
+            loss = mse(engine(data.inputs[indices]), data.targets[indices])
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+            norms.append(float(engine.get_global_grad_norm()))
+        references[dtype] = {"masters": _masters(engine), "losses": losses, "norms": norms}
+        references[dtype]["skipped"] = engine.skipped_steps
+    return references
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline_half")
+    files = {"cluster": t.write_cluster(tmp / "cluster.json", fast=2, slow=2)}
+    for stage in (0, 1):
+        files[_plan_key(PLAN, stage)] = write_pipeline_plan(tmp / f"plan{stage}.json", PLANS[PLAN], stage=stage)
+    ranks = run_ranks(_all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=300)
+    references = run_ranks(_references, world_size=1, tmp_path=tmp, init_process_group=False, timeout_s=120)[0]
+    return ranks, references
+
+
+@pytest.mark.parametrize("dtype,stage", TRAINED)
+def test_pipelines_match_one_process_in_the_same_dtype(results, dtype, stage):
+    ranks, references = results
+    reference = references[dtype]
+    assert min(reference["norms"]) > CLIP and reference["skipped"] == 0, "clipping on, no step skipped"
+    runs = [r[(dtype, stage)] for r in ranks]
+    difference = _max_difference([run["masters"] for run in runs], reference["masters"])
+    print(f"{dtype} ZeRO {stage}: largest master weight difference {difference:.3g}")
+    assert difference <= TOLERANCE
+    for run in runs:
+        assert run["skipped"] == 0 and run["losses"] == runs[0]["losses"]
+        assert run["losses"] == pytest.approx(reference["losses"], rel=1e-2)
+    assert len({run["scale"] for run in runs}) == 1
+
+
+@pytest.mark.parametrize("dtype,stage", MUTATED)
+def test_the_pipelines_weighted_alike_exceed_the_tolerance(results, dtype, stage):
+    ranks, references = results
+    runs = [r[("alike", dtype, stage)] for r in ranks]
+    difference = _max_difference([run["masters"] for run in runs], references[dtype]["masters"])
+    print(f"{dtype} ZeRO {stage}, weighted alike: largest master weight difference {difference:.3g}")
+    assert difference > TOLERANCE, "a missing loss weight would pass the equivalence test"
+
+
+def _copies_differ(runs) -> float:
+    """The largest difference between the two copies of a layer's master weights (one per pipeline). Not 0:
+    each pipeline clips by a norm summed over its own stages, in another order."""
+    copies: dict[str, list[torch.Tensor]] = {}
+    for run in runs:
+        for name, value in run["masters"].items():
+            copies.setdefault(name, []).append(value)
+    assert all(len(values) == 2 for values in copies.values())
+    return max(float((first - second).abs().max()) for first, second in copies.values())
+
+
+@pytest.mark.parametrize("case", ["overflow_in_one_pipeline", "overflow_on_one_rank"])
+def test_an_overflow_anywhere_skips_the_step_in_every_pipeline(results, case):
+    runs = [r[case] for r in results[0]]
+    assert [run["skipped"] for run in runs] == [1] * 4
+    assert [run["scale"] for run in runs] == [SCALE_AFTER_OVERFLOW] * 4
+    assert _copies_differ(runs) <= 1e-6, "a step taken by one pipeline and skipped by the other"
+
+
+def test_fp16_where_one_rank_cannot_is_refused_on_every_rank(results):
+    messages = {r["refused"] for r in results[0]}
+    assert len(messages) == 1, messages
+    assert "fp16.enabled: expected an accelerator that trains fp16 on every rank, found 1 of 4 ranks" in messages.pop()
