@@ -9,7 +9,11 @@ deepspeedai/DeepSpeed#8393; the pipeline engine puts it in). The fp32 master wei
 compared, within a tolerance that the pipelines weighted alike (DeepSpeed's own data-parallel
 mean, no loss weight) exceed. Then fp16 overflows, every rank skipping the step and keeping one
 loss scale: one pipeline's gradients overflowing, and one rank's alone after the sum across
-pipelines. Last, an fp16 job where one rank's accelerator refuses fp16 is refused on every rank.
+pipelines. An fp16 job where one rank's accelerator refuses fp16 is refused on every rank. Last,
+a tiny GPT-2 (its head tied to its embedding, on other stages) in bf16 at ZeRO 0 with
+``token_mean`` and no clipping (which would hide the division by the iteration's tokens), against
+the Hugging Face model in one DeepSpeed process in bf16: the tied module's and the token division's
+gradients in DeepSpeed's bf16 optimizer's own buffers.
 
 DeepSpeed's CPU accelerator says fp16 is unsupported without AVX512-FP16 or AMX-FP16, as on
 the development machine; torch computes fp16 on any CPU, slowly. The ranks are told it is
@@ -148,6 +152,69 @@ def _fp16_refused_where_unsupported(files) -> str:
         _fp16_computes_here()
 
 
+LM_TOLERANCE = 2e-3
+"""Largest difference of the GPT-2's master weights from the reference's; micro-batches weighted alike exceed it."""
+
+
+def _hf_masters(model, engine=None) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of `model`'s parameters (those `engine`'s stage holds), named as the model names them."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    held = None if engine is None else {id(p) for p in engine.module.parameters()}
+    return {
+        name: safe_get_full_fp32_param(p).detach().float().clone()
+        for name, p in model.named_parameters()
+        if held is None or id(p) in held
+    }
+
+
+def _gpt2_in_bf16(files, *, micro_batches_alike: bool = False) -> dict:
+    import test_pipeline_causal_lm as lm
+
+    import poplar_ext
+    from poplar_ext.pipeline import PoplarPipelineModule, causal_lm_layers
+    from poplar_ext.runtime.weighting import label_tokens
+
+    model = lm._model("gpt2")
+    pipe = causal_lm_layers(model)
+    config = {**lm._config(files, "gpt2", PLAN, 0), "gradient_clipping": 0.0, "bf16": PRECISION["bf16"]}
+    module = PoplarPipelineModule(pipe.layers, loss_fn=pipe.loss_fn, config=config)
+    if micro_batches_alike:  # the mutation: each micro-batch's token mean weighted alike, whatever its tokens
+        inner = module.loss_fn.loss_fn
+        module.loss_fn.loss_fn = lambda logits, labels: inner(logits, labels) * 16 / label_tokens(labels, shifted=True)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    engine, _, _, _ = poplar_ext.initialize(model=module, optimizer=optimizer, training_data=lm._data(), config=config)
+    losses = [float(engine.train_batch()) for _ in range(STEPS)]
+    return {"masters": _hf_masters(model, engine), "losses": losses}
+
+
+def _gpt2_reference() -> dict:
+    """The Hugging Face GPT-2 in one DeepSpeed process in bf16, its own loss on each whole global batch."""
+    import deepspeed
+    import test_pipeline_causal_lm as lm
+
+    model = lm._model("gpt2")
+    config = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+        "bf16": PRECISION["bf16"],
+    }
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    data, stream, losses = lm._data(), SampleStream(num_samples=lm.NUM_SAMPLES, seed=0), []
+    for step in range(STEPS):
+        indices = stream.indices(step * GLOBAL_BATCH, GLOBAL_BATCH)
+        loss = engine(input_ids=data.input_ids[indices], labels=data.labels[indices]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return {"masters": _hf_masters(model), "losses": losses}
+
+
 def _all_cases(files) -> dict:
     _fp16_computes_here()
     results = {"refused": _fp16_refused_where_unsupported(files)}
@@ -157,7 +224,13 @@ def _all_cases(files) -> dict:
         results[("alike", dtype, stage)] = _train(files, dtype, stage, weight_alike=True)
     results["overflow_in_one_pipeline"] = _overflow_in_one_pipeline(files)
     results["overflow_on_one_rank"] = _overflow_on_one_rank(files)
+    results["gpt2"] = _gpt2_in_bf16(files)
+    results["gpt2_alike"] = _gpt2_in_bf16(files, micro_batches_alike=True)
     return results
+
+
+def _all_references() -> dict:
+    return {**_references(), "gpt2": _gpt2_reference()}
 
 
 def _references() -> dict:
@@ -200,8 +273,9 @@ def results(tmp_path_factory):
     files = {"cluster": t.write_cluster(tmp / "cluster.json", fast=2, slow=2)}
     for stage in (0, 1):
         files[_plan_key(PLAN, stage)] = write_pipeline_plan(tmp / f"plan{stage}.json", PLANS[PLAN], stage=stage)
+    files[(PLAN, 0)] = files[_plan_key(PLAN, 0)]  # as test_pipeline_causal_lm names it (the same 6-layer splits)
     ranks = run_ranks(_all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=300)
-    references = run_ranks(_references, world_size=1, tmp_path=tmp, init_process_group=False, timeout_s=120)[0]
+    references = run_ranks(_all_references, world_size=1, tmp_path=tmp, init_process_group=False, timeout_s=120)[0]
     return ranks, references
 
 
@@ -252,3 +326,14 @@ def test_fp16_where_one_rank_cannot_is_refused_on_every_rank(results):
     messages = {r["refused"] for r in results[0]}
     assert len(messages) == 1, messages
     assert "fp16.enabled: expected an accelerator that trains fp16 on every rank, found 1 of 4 ranks" in messages.pop()
+
+
+def test_a_tied_gpt2_with_token_mean_in_bf16_matches_one_process_and_weighting_micro_batches_alike_does_not(results):
+    ranks, references = results
+    reference = references["gpt2"]
+    exact = _max_difference([r["gpt2"]["masters"] for r in ranks], reference["masters"])
+    alike = _max_difference([r["gpt2_alike"]["masters"] for r in ranks], reference["masters"])
+    print(f"GPT-2 bf16 token_mean: largest master weight difference {exact:.3g}, micro-batches alike {alike:.3g}")
+    assert exact <= LM_TOLERANCE < alike
+    for rank in ranks:
+        assert rank["gpt2"]["losses"] == pytest.approx(reference["losses"], rel=1e-2)
