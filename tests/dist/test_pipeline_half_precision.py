@@ -40,7 +40,16 @@ PRECISION = {"bf16": {"enabled": True}, "fp16": {"enabled": True, "initial_scale
 """DeepSpeed's sections. fp16: the first loss scale 256 (the default, 65536, might overflow in one run and not in
 the other), halved at the first overflow (by default ZeRO's scaler waits for a second one)."""
 SCALE_AFTER_OVERFLOW = 128.0
-TRAINED = [(dtype, stage) for dtype in DTYPES for stage in (0, 1)]
+TRAINED = [
+    ("bf16", 0, None, "BF16_Optimizer"),
+    ("bf16", 1, None, "DeepSpeedZeroOptimizer"),
+    ("bf16", 1, "fp32", "BF16_Optimizer"),
+    ("fp16", 0, None, "FP16_UnfusedOptimizer"),
+    ("fp16", 1, None, "DeepSpeedZeroOptimizer"),
+    ("fp16", 1, "fp32", "DeepSpeedZeroOptimizer"),  # its gradients in each parameter's grad_accum
+]
+"""(dtype, ZeRO stage, DeepSpeed's ``data_types.grad_accum_dtype``, the optimizer DeepSpeed wraps SGD in): each place
+DeepSpeed keeps the accumulated gradients."""
 MUTATED = [("bf16", 0), ("fp16", 1)]
 TOLERANCE = 2e-4
 """Largest difference of a master weight from the reference's; the pipelines weighted alike must exceed it."""
@@ -78,12 +87,14 @@ def _masters(engine) -> dict[str, torch.Tensor]:
     return masters
 
 
-def _engine(files, dtype: str, stage: int):
+def _engine(files, dtype: str, stage: int, accumulation: str | None = None):
     import poplar_ext
     from poplar_ext.models.toy_pipeline import toy_layers
     from poplar_ext.pipeline import PoplarPipelineModule
 
     config = {**_config(files, _plan_key(PLAN, stage), stage=stage), dtype: PRECISION[dtype]}
+    if accumulation is not None:
+        config["data_types"] = {"grad_accum_dtype": accumulation}
     model = PoplarPipelineModule(toy_layers(), loss_fn=mse, seed_layers=True, config=config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = TypedData(num_samples=NUM_SAMPLES, dtype=DTYPES[dtype])
@@ -97,11 +108,12 @@ def _outcome(engine, losses) -> dict:
         "losses": losses,
         "scale": engine._get_optimizer_loss_scale(),
         "skipped": engine.skipped_steps,
+        "optimizer": type(engine.optimizer).__name__,
     }
 
 
-def _train(files, dtype: str, stage: int, *, weight_alike: bool = False) -> dict:
-    engine = _engine(files, dtype, stage)
+def _train(files, dtype: str, stage: int, accumulation: str | None = None, *, weight_alike: bool = False) -> dict:
+    engine = _engine(files, dtype, stage, accumulation)
     if weight_alike:  # the mutation: DeepSpeed's data-parallel mean, each pipeline's mean loss weighted 1/P
         engine.module.loss_fn.weight = 1 / len(engine.plan.pipelines)
     return _outcome(engine, [float(engine.train_batch()) for _ in range(STEPS)])
@@ -218,8 +230,8 @@ def _gpt2_reference() -> dict:
 def _all_cases(files) -> dict:
     _fp16_computes_here()
     results = {"refused": _fp16_refused_where_unsupported(files)}
-    for dtype, stage in TRAINED:
-        results[(dtype, stage)] = _train(files, dtype, stage)
+    for dtype, stage, accumulation, _ in TRAINED:
+        results[(dtype, stage, accumulation)] = _train(files, dtype, stage, accumulation)
     for dtype, stage in MUTATED:
         results[("alike", dtype, stage)] = _train(files, dtype, stage, weight_alike=True)
     results["overflow_in_one_pipeline"] = _overflow_in_one_pipeline(files)
@@ -279,16 +291,17 @@ def results(tmp_path_factory):
     return ranks, references
 
 
-@pytest.mark.parametrize("dtype,stage", TRAINED)
-def test_pipelines_match_one_process_in_the_same_dtype(results, dtype, stage):
+@pytest.mark.parametrize("dtype,stage,accumulation,optimizer", TRAINED)
+def test_pipelines_match_one_process_in_the_same_dtype(results, dtype, stage, accumulation, optimizer):
     ranks, references = results
     reference = references[dtype]
     assert min(reference["norms"]) > CLIP and reference["skipped"] == 0, "clipping on, no step skipped"
-    runs = [r[(dtype, stage)] for r in ranks]
+    runs = [r[(dtype, stage, accumulation)] for r in ranks]
     difference = _max_difference([run["masters"] for run in runs], reference["masters"])
-    print(f"{dtype} ZeRO {stage}: largest master weight difference {difference:.3g}")
+    print(f"{dtype} ZeRO {stage}, {accumulation or dtype} accumulation: largest difference {difference:.3g}")
     assert difference <= TOLERANCE
     for run in runs:
+        assert run["optimizer"] == optimizer
         assert run["skipped"] == 0 and run["losses"] == runs[0]["losses"]
         assert run["losses"] == pytest.approx(reference["losses"], rel=1e-2)
     assert len({run["scale"] for run in runs}) == 1
