@@ -372,6 +372,7 @@ class PoplarPipelineEngine(PipelineEngine):
         or a ZeRO job) stops every rank before anything is loaded. Returns DeepSpeed's
         ``(path, client_state)``; ``(None, None)`` when `load_dir` has no ``latest``.
         """
+        self._refuse_unreadable_optimizer_state(kwargs)
         resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=self.global_rank)
         if resolved is None:
             logger.warning("load_checkpoint: no 'latest' file in %s, nothing loaded", load_dir)
@@ -385,6 +386,18 @@ class PoplarPipelineEngine(PipelineEngine):
         if path is not None:
             self._resume(decision)
         return path, client_state
+
+    def _refuse_unreadable_optimizer_state(self, kwargs: dict) -> None:
+        # DeepSpeed falls short here: without ZeRO it saves BF16_Optimizer's state (bf16 at ZeRO 0 in a
+        # pipeline) whole, and loads it as a list of partitions (KeyError: 0 in _load_legacy_checkpoint).
+        # The config is the same on every rank: every rank raises, before anything is read.
+        reads_state = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
+        if reads_state and isinstance(self.optimizer, BF16_Optimizer) and not self.zero_optimization():
+            raise ValueError(
+                "load_checkpoint: expected ZeRO stage 1 to load a bf16 pipeline's optimizer state, found stage 0 "
+                "(DeepSpeed 0.19.8 cannot read the state it saves there); train with zero_optimization.stage 1, "
+                "which costs no memory in a pipeline, or load the weights alone (load_optimizer_states=False)"
+            )
 
     def _resume(self, decision: ResumeDecision) -> None:
         self.consumed_samples = decision.consumed_samples

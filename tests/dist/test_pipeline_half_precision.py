@@ -227,6 +227,34 @@ def _gpt2_reference() -> dict:
     return {"masters": _hf_masters(model), "losses": losses}
 
 
+RESUMED = [("bf16", 1, None), ("bf16", 1, "fp32"), ("fp16", 0, None), ("fp16", 1, None)]
+"""Resumed from a checkpoint: the optimizers poplar-ext's engine reaches into (DeepSpeed's bf16 one, fp16's)."""
+
+
+def _resume(files, dtype: str, stage: int, accumulation: str | None) -> dict:
+    """Save after 2 steps and train a third; a new engine loads the checkpoint and trains the third again."""
+    folder = files["checkpoints"] / f"{dtype}{stage}{accumulation}"
+    engine = _engine(files, dtype, stage, accumulation)
+    for _ in range(STEPS - 1):
+        engine.train_batch()
+    engine.save_checkpoint(folder)
+    uninterrupted = _outcome(engine, [float(engine.train_batch())])
+    engine = _engine(files, dtype, stage, accumulation)
+    engine.load_checkpoint(folder)
+    return {"uninterrupted": uninterrupted, "resumed": _outcome(engine, [float(engine.train_batch())])}
+
+
+def _resume_refused_in_bf16_at_zero_0(files) -> str:
+    engine = _engine(files, "bf16", 0)
+    engine.train_batch()
+    engine.save_checkpoint(files["checkpoints"] / "bf16_zero0")
+    try:
+        _engine(files, "bf16", 0).load_checkpoint(files["checkpoints"] / "bf16_zero0")
+        return "loaded"
+    except ValueError as exc:
+        return str(exc)
+
+
 def _all_cases(files) -> dict:
     _fp16_computes_here()
     results = {"refused": _fp16_refused_where_unsupported(files)}
@@ -238,6 +266,9 @@ def _all_cases(files) -> dict:
     results["overflow_on_one_rank"] = _overflow_on_one_rank(files)
     results["gpt2"] = _gpt2_in_bf16(files)
     results["gpt2_alike"] = _gpt2_in_bf16(files, micro_batches_alike=True)
+    for case in RESUMED:
+        results[("resume", *case)] = _resume(files, *case)
+    results["resume_refused"] = _resume_refused_in_bf16_at_zero_0(files)
     return results
 
 
@@ -282,7 +313,7 @@ def _references() -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline_half")
-    files = {"cluster": t.write_cluster(tmp / "cluster.json", fast=2, slow=2)}
+    files = {"cluster": t.write_cluster(tmp / "cluster.json", fast=2, slow=2), "checkpoints": tmp / "checkpoints"}
     for stage in (0, 1):
         files[_plan_key(PLAN, stage)] = write_pipeline_plan(tmp / f"plan{stage}.json", PLANS[PLAN], stage=stage)
     files[(PLAN, 0)] = files[_plan_key(PLAN, 0)]  # as test_pipeline_causal_lm names it (the same 6-layer splits)
@@ -350,3 +381,18 @@ def test_a_tied_gpt2_with_token_mean_in_bf16_matches_one_process_and_weighting_m
     assert exact <= LM_TOLERANCE < alike
     for rank in ranks:
         assert rank["gpt2"]["losses"] == pytest.approx(reference["losses"], rel=1e-2)
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_resumed_half_precision_run_equals_the_uninterrupted_one(results, case):
+    for rank in results[0]:
+        before, after = rank[("resume", *case)]["uninterrupted"], rank[("resume", *case)]["resumed"]
+        assert (after["losses"], after["scale"], after["skipped"]) == (before["losses"], before["scale"], 0)
+        assert before["masters"].keys() == after["masters"].keys()
+        assert all(torch.equal(after["masters"][name], value) for name, value in before["masters"].items())
+
+
+def test_a_resume_in_bf16_at_zero_0_is_refused_on_every_rank(results):
+    messages = {r["resume_refused"] for r in results[0]}
+    assert len(messages) == 1, messages
+    assert "expected ZeRO stage 1 to load a bf16 pipeline's optimizer state, found stage 0" in messages.pop()
