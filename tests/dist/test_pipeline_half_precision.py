@@ -2,10 +2,11 @@
 
 4 forked ranks, two real CPU ones and two of an emulated slower type, one group for every
 case: 2 pipelines of 2 stages that differ in layer split, micro-batch size and count
-(test_pipeline's ``two_by_two``), ZeRO 0 and 1, gradient clipping on, SGD with momentum, 3
-steps, against one DeepSpeed process training the same global batches in the same dtype at
-ZeRO 1 (at ZeRO 0 DeepSpeed 0.19.8 leaves fp16's loss scale out of the loss,
-deepspeedai/DeepSpeed#8393; the pipeline engine puts it in). The fp32 master weights are
+(test_pipeline's ``two_by_two``), ZeRO 0 and 1 (and ZeRO 1 accumulating in fp32), gradient
+clipping on, SGD with momentum, 3 steps, against one DeepSpeed process training the same
+global batches in the same dtype at ZeRO 1 (at ZeRO 0 DeepSpeed 0.19.8 leaves fp16's loss
+scale out of the loss, deepspeedai/DeepSpeed#8393; the pipeline engine puts it in). The fp32
+master weights are
 compared, within a tolerance that the pipelines weighted alike (DeepSpeed's own data-parallel
 mean, no loss weight) exceed. Then fp16 overflows, every rank skipping the step and keeping one
 loss scale: one pipeline's gradients overflowing, and one rank's alone after the sum across
@@ -13,7 +14,8 @@ pipelines. An fp16 job where one rank's accelerator refuses fp16 is refused on e
 a tiny GPT-2 (its head tied to its embedding, on other stages) in bf16 at ZeRO 0 with
 ``token_mean`` and no clipping (which would hide the division by the iteration's tokens), against
 the Hugging Face model in one DeepSpeed process in bf16: the tied module's and the token division's
-gradients in DeepSpeed's bf16 optimizer's own buffers.
+gradients in DeepSpeed's bf16 optimizer's own buffers. Resumes from a checkpoint equal the
+uninterrupted runs, but in bf16 at ZeRO 0, which is refused on every rank.
 
 DeepSpeed's CPU accelerator says fp16 is unsupported without AVX512-FP16 or AMX-FP16, as on
 the development machine; torch computes fp16 on any CPU, slowly. The ranks are told it is
