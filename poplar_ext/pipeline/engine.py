@@ -12,6 +12,13 @@ subclass adds what crosses pipelines, at the smallest seams DeepSpeed offers:
   the weight is ``s_p * n`` and the sum is divided here by the iteration's label tokens,
   counted by every pipeline's last stage. A tied module's gradient is summed too (over
   every stage of every pipeline using it); ``ReduceTiedGrads`` finds no DeepSpeed groups.
+  In bf16 DeepSpeed's optimizer keeps the gradients apart (``_bf16_reduce_grads`` replaces
+  ``allreduce_gradients`` there): the sum is made on whatever tensor holds each parameter's
+  accumulated gradient (`_accumulated_gradients`). In fp16 and bf16 the ranks then agree
+  whether any gradient overflowed (`agree_on_overflow`), so that every pipeline skips the
+  step, and keeps one loss scale, when any does.
+* the backward instruction of the last stage multiplies the loss by the loss scale where
+  DeepSpeed's backward leaves it out (fp16 at ZeRO 0, `_unapplied_loss_scale`).
 * `clip_fp32_gradients` (called by ``_take_model_step`` at ZeRO 0, fp32): DeepSpeed's
   takes the norm of stage 0's gradients only; here, of the whole pipeline's (a tied
   module counted once).
@@ -36,17 +43,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.dataloader import RepeatingLoader
 from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from poplar_ext.collectives import barrier, decided_by_rank0, gather_objects, sum_in_group
+from poplar_ext.collectives import agree_sum, barrier, decided_by_rank0, gather_objects, sum_in_group
 from poplar_ext.hardware.compute_clock import ComputeTimer, CudaEventTimer
 from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
 from poplar_ext.pipeline.checkpoint import (
@@ -112,6 +121,39 @@ def _every_ranks(shapes: list[list[dict]]) -> list[dict]:
     return merged
 
 
+def _exec_backward_pass(engine: PoplarPipelineEngine, **kwargs: Any) -> Any:
+    """DeepSpeed's backward instruction; on the last stage, the loss times the loss scale where DeepSpeed's
+    backward leaves it out (`PoplarPipelineEngine._unapplied_loss_scale`), as FP16_Optimizer.backward scales it:
+    in fp32. Earlier stages receive gradients scaled already."""
+    scale = engine._unapplied_loss_scale() if engine.is_last_stage() else None
+    if scale is None:
+        return PipelineEngine._exec_backward_pass(engine, **kwargs)
+    loss = engine.loss
+    engine.loss = loss.float() * scale
+    try:
+        return PipelineEngine._exec_backward_pass(engine, **kwargs)
+    finally:
+        engine.loss = loss
+
+
+def agree_on_overflow(
+    gradients: Collection[torch.Tensor], *, device: Any, agree: Callable[[int, Any], int] = agree_sum
+) -> bool:
+    """Whether any rank's `gradients` hold an inf or a NaN (collective: every rank calls it at ReduceGrads).
+
+    Where another rank's do and this rank's do not, this rank's are set to NaN: DeepSpeed's own check
+    then skips the step here too (fp16: and lowers the loss scale), on every rank alike. The sum across
+    pipelines spreads a non-finite gradient to every copy of its layer already; this holds where the
+    copies' sums would differ. `agree`: `poplar_ext.collectives.agree_sum` (the sum of an int over all ranks).
+    """
+    local = any(not bool(torch.isfinite(gradient).all()) for gradient in gradients)
+    overflow = agree(int(local), device) > 0
+    if overflow and not local:
+        for gradient in gradients:
+            gradient.fill_(float("nan"))
+    return overflow
+
+
 class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
     """DeepSpeed's pipeline engine for this rank's pipeline (built by `poplar_ext.initialize`).
 
@@ -124,7 +166,7 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         schedule.ForwardPass: _timed(PipelineEngine._exec_forward_pass),
-        schedule.BackwardPass: _timed(PipelineEngine._exec_backward_pass),
+        schedule.BackwardPass: _timed(_exec_backward_pass),
         schedule.OptimizerStep: _timed(PipelineEngine._exec_optimizer_step, compute=False),
     }
 
@@ -189,12 +231,62 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
     # -- across pipelines ----------------------------------------------------------
     def allreduce_gradients(self, bucket_size: int = MEMORY_OPT_ALLREDUCE_SIZE) -> None:
         if self.is_gradient_accumulation_boundary():
-            self.module.layer_segments.sum_gradients(self.module)
-            if self.poplar_job.poplar_config.loss_reduction == "token_mean":
-                self._divide_by_iteration_tokens()
+            self._sum_across_pipelines()
         super().allreduce_gradients(bucket_size)
 
-    def _divide_by_iteration_tokens(self) -> None:
+    def _bf16_reduce_grads(self) -> None:
+        # DeepSpeed's ReduceGrads calls this instead of allreduce_gradients where its BF16_Optimizer
+        # holds the gradients (bf16 at ZeRO 0; ZeRO 1 with fp32 accumulation).
+        self._sum_across_pipelines()
+        super()._bf16_reduce_grads()
+
+    def _sum_across_pipelines(self) -> None:
+        gradients = self._accumulated_gradients()
+        self.module.layer_segments.sum_gradients(self.module, gradient_of=gradients.__getitem__)
+        if self.poplar_job.poplar_config.loss_reduction == "token_mean":
+            self._divide_by_iteration_tokens(gradients.values())
+        if self.fp16_enabled() or self.bfloat16_enabled():
+            agree_on_overflow(list(gradients.values()), device=self.device)
+
+    def _accumulated_gradients(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Each trainable parameter of this stage and the tensor holding its gradient summed over the
+        iteration's micro-batches: the bf16 optimizer's own buffer, ZeRO's ``grad_accum`` where it
+        accumulates in another dtype than the parameters', else ``.grad`` (zeros where there is none: a
+        layer unused by this pipeline's forward still takes part in the sum)."""
+        optimizer = self.optimizer
+        holders: dict[torch.nn.Parameter, torch.Tensor] = {}
+        if isinstance(optimizer, BF16_Optimizer):
+            for i, group in enumerate(optimizer.bf16_groups):
+                for j, parameter in enumerate(group):
+                    holders[parameter] = optimizer.fp32_groups_gradients[i][j]
+                    # Summed, every gradient counts in the norm and is clipped, had this pipeline none.
+                    optimizer.fp32_groups_has_gradients[i][j] = True
+        separate = getattr(optimizer, "use_grad_accum_attribute", False)  # DeepSpeed's ZeRO 1 optimizer
+        for parameter in self.module.parameters():
+            if not parameter.requires_grad or parameter in holders:
+                continue
+            if separate:
+                if getattr(parameter, "grad_accum", None) is None:
+                    parameter.grad_accum = torch.zeros_like(parameter, dtype=optimizer.gradient_accumulation_dtype)
+                holders[parameter] = parameter.grad_accum
+            else:
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+                holders[parameter] = parameter.grad
+        return holders
+
+    def _unapplied_loss_scale(self) -> float | None:
+        """The loss scale DeepSpeed's backward leaves out of the loss (None where it applies it, or where none is used).
+
+        DeepSpeed falls short here: its backward multiplies the loss by the loss scale for its ZeRO
+        optimizers only (runtime/engine.py ``backward``; deepspeedai/DeepSpeed#8393, open), while the
+        steps of FP16_Optimizer and FP16_UnfusedOptimizer (fp16 at ZeRO 0) divide the gradients by it."""
+        config = getattr(self.optimizer, "loss_scale_config", None)
+        if not self.fp16_enabled() or isinstance(self.optimizer, ZeROOptimizer) or config is None:
+            return None
+        return config.cur_scale if config.use_grad_scaling else None
+
+    def _divide_by_iteration_tokens(self, gradients: Collection[torch.Tensor]) -> None:
         # token_mean: each micro-batch loss was weighted by s_p * n (WeightedLoss), so the summed
         # gradient is that of the global batch's token sum; the tokens T of the whole iteration
         # are known only now, every last stage having counted its own (collective: every rank).
@@ -207,9 +299,8 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
             raise ValueError(
                 "loss_reduction token_mean: expected at least one label token in the iteration, found none"
             )
-        for parameter in self.module.parameters():
-            if parameter.grad is not None:
-                parameter.grad.div_(self._iteration_tokens)
+        for gradient in gradients:
+            gradient.div_(self._iteration_tokens)
 
     def clip_fp32_gradients(self) -> None:
         # DeepSpeed falls short here: its clip_grad_norm_ (runtime/utils.py) counts a gradient
@@ -395,6 +486,7 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
         (`_load_moving_layers`). Returns DeepSpeed's ``(path, client_state)``; ``(None, None)``
         when `load_dir` has no ``latest``.
         """
+        self._refuse_unreadable_optimizer_state(kwargs)
         resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=self.global_rank)
         if resolved is None:
             logger.warning("load_checkpoint: no 'latest' file in %s, nothing loaded", load_dir)
@@ -464,6 +556,18 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
                 f"load_checkpoint: {Path(where) / UNIVERSAL_FOLDER} (the checkpoint's optimizer state per parameter, "
                 f"written by rank 0) is not visible on ranks {missing}: expected one checkpoint folder every rank "
                 "reads; copy it to their nodes, then start again"
+            )
+
+    def _refuse_unreadable_optimizer_state(self, kwargs: dict) -> None:
+        # DeepSpeed falls short here: without ZeRO it saves BF16_Optimizer's state (bf16 at ZeRO 0 in a
+        # pipeline) whole, and loads it as a list of partitions (KeyError: 0 in _load_legacy_checkpoint).
+        # The config is the same on every rank: every rank raises, before anything is read.
+        reads_state = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
+        if reads_state and isinstance(self.optimizer, BF16_Optimizer) and not self.zero_optimization():
+            raise ValueError(
+                "load_checkpoint: expected ZeRO stage 1 to load a bf16 pipeline's optimizer state, found stage 0 "
+                "(DeepSpeed 0.19.8 cannot read the state it saves there); train with zero_optimization.stage 1, "
+                "which costs no memory in a pipeline, or load the weights alone (load_optimizer_states=False)"
             )
 
     def _resume(self, decision: ResumeDecision) -> None:

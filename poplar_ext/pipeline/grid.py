@@ -27,7 +27,7 @@ Process groups are named by a counter every rank increments (torch.distributed's
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -141,25 +141,34 @@ class LayerSegments:
                 for parameter in parameters:
                     broadcast_in_group(parameter.data, src=holders[0], group=group)
 
-    def sum_gradients(self, module: torch.nn.Module) -> None:
-        """Each layer's gradient summed over the pipelines holding it (one flat tensor per segment)."""
+    def sum_gradients(
+        self, module: torch.nn.Module, *, gradient_of: Callable[[torch.nn.Parameter], torch.Tensor] | None = None
+    ) -> None:
+        """Each layer's gradient summed over the pipelines holding it (one flat tensor per segment).
+
+        `gradient_of(parameter)`: the tensor that holds the parameter's accumulated gradient, summed in
+        place (DeepSpeed's bf16 optimizer keeps it apart from ``.grad``); default ``.grad``, made zeros
+        where a layer unused by this pipeline's forward has none (it still takes part in the sum)."""
+        gradient_of = gradient_of or _grad_attribute
         for _, group, parameters in self._mine(module):
-            _sum_flat([p for p in parameters if p.requires_grad], group)
+            _sum_flat([gradient_of(p) for p in parameters if p.requires_grad], group)
 
 
-def _sum_flat(parameters: Iterable[torch.nn.Parameter], group: Any) -> None:
-    parameters = list(parameters)
-    if not parameters:
+def _grad_attribute(parameter: torch.nn.Parameter) -> torch.Tensor:
+    if parameter.grad is None:
+        parameter.grad = torch.zeros_like(parameter)
+    return parameter.grad
+
+
+def _sum_flat(gradients: list[torch.Tensor], group: Any) -> None:
+    if not gradients:
         return
-    for p in parameters:
-        if p.grad is None:  # a layer unused by this pipeline's forward still takes part in the sum
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in parameters])
+    flat = torch.cat([g.reshape(-1) for g in gradients])
     sum_in_group(flat, group)
     offset = 0
-    for p in parameters:
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    for g in gradients:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 __all__ = ["LayerSegments", "PlanGrid"]

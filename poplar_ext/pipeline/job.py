@@ -108,6 +108,7 @@ def prepare_pipeline_job(
     rank, world_size = process_group_rank()
     facts = gather_device_facts(device)
     check_device_support(facts, bf16=training_dtype(ds_config) == "bfloat16", source=str(source))
+    _refuse_fp16_where_unsupported(ds_config, source=str(source), device=device, world_size=world_size)
     cluster = agreed_cluster(poplar_config.cluster, facts, rank=rank, name=f"{SECTION}.cluster")
     emulated = emulation_for_rank(cluster, rank) is not None
     apply_cpu_process_settings(poplar_config, on_cpu=on_cpu_accelerator(), emulated=emulated, rank=rank)
@@ -140,6 +141,25 @@ def prepare_pipeline_job(
         device=device,
         steady_stages=steady_stages,
     )
+
+
+def _refuse_fp16_where_unsupported(ds_config: dict, *, source: str, device: Any, world_size: int) -> None:
+    """fp16 where some rank's DeepSpeed accelerator refuses it (its CPU accelerator without AVX512-FP16 or
+    AMX-FP16): the same ValueError on every rank now (collective), where DeepSpeed would raise on those
+    ranks alone when the engine is built and leave the others waiting in its first collective."""
+    if training_dtype(ds_config) != "float16":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    from poplar_ext.collectives import agree_sum
+
+    refusing = agree_sum(int(not get_accelerator().is_fp16_supported()), device)
+    if refusing:
+        raise ValueError(
+            f"{source}: fp16.enabled: expected an accelerator that trains fp16 on every rank, found {refusing} of "
+            f"{world_size} ranks whose DeepSpeed accelerator ({get_accelerator().device_name()}) does not (a CPU "
+            "needs AVX512-FP16 or AMX-FP16 for it); train in bf16 (bf16.enabled) instead"
+        )
 
 
 def _refuse_another_reduction(loss_fn: Any, reduction: str) -> None:

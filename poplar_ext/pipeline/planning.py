@@ -68,13 +68,6 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
             f"zero_optimization.stage (or {SECTION}.zero_stage): expected 0 or 1 with pipelines, found {stage} "
             "(DeepSpeed's pipeline engine refuses ZeRO stages 2 and 3)"
         )
-    for precision in ("fp16", "bf16"):
-        section = ds_config.get(precision)
-        if isinstance(section, dict) and section.get("enabled") is True:
-            problems.append(
-                f"{precision}.enabled: expected fp32 with pipelines, found true (the sum of each layer's gradient "
-                "over the pipelines is checked in fp32 only; bf16 at ZeRO 0 reduces on a path it does not cover)"
-            )
     if poplar_config.global_batch_size == "auto":
         problems.append(f"{SECTION}.global_batch_size: expected a number or none with pipelines (the plan's)")
     if problems:

@@ -73,8 +73,6 @@ def _poplar(**section):
     [
         ({"zero_optimization": {"stage": 2}}, {}, r"expected 0 or 1 with pipelines, found 2"),
         ({}, {"zero_stage": 3}, r"expected 0 or 1 with pipelines, found 3"),
-        ({"bf16": {"enabled": True}}, {}, r"bf16.enabled: expected fp32 with pipelines"),
-        ({"fp16": {"enabled": True}}, {}, r"fp16.enabled: expected fp32 with pipelines"),
         ({}, {"global_batch_size": "auto"}, r"global_batch_size: expected a number or none with pipelines"),
     ],
 )
