@@ -71,6 +71,7 @@ from poplar_ext.pipeline.job import PipelineJob
 from poplar_ext.pipeline.replan import (
     PARAMETER_SHAPES_KEY,
     convert_pipeline_checkpoint,
+    half_precision_master_copies,
     load_parameter_states,
     optimizer_parameter_shapes,
 )
@@ -510,6 +511,14 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
         """Another split: every layer's weights from pipeline 0's folder (DeepSpeed's load, by layer index), the
         optimizer state per parameter (`poplar_ext.pipeline.replan`), once every rank found it can (collective)."""
         carry = not kwargs.get("load_module_only") and kwargs.get("load_optimizer_states", True)
+        if carry and not self.zero_optimization() and half_precision_master_copies(self.optimizer):
+            # Its fp32 copies would need the per-parameter states loaded into them; not done (the same config,
+            # the same refusal on every rank, before anything is read).
+            raise ValueError(
+                f"load_checkpoint: {where} was saved under another pipeline split; expected ZeRO stage 1 to move "
+                "a bf16 or fp16 job's optimizer state between stages, found stage 0: resume under the checkpoint's "
+                "plan, train at ZeRO 1, or load the weights alone (load_optimizer_states=False)"
+            )
         if carry:
             self._check_parameter_states(where, saved_plan)
         path, client_state = super().load_checkpoint(

@@ -46,7 +46,22 @@ def optimizer_parameter_shapes(engine: Any) -> list[dict[str, list[int]]]:
     """Per optimizer group of `engine` (ZeRO 0 or 1), its parameters' names and shapes, in the optimizer's order."""
     if engine.zero_optimization():
         return [{name: list(shape) for name, shape in group.items()} for group in engine._get_zero_param_shapes()]
-    return [{engine.param_names[p]: list(p.shape) for p in group["params"]} for group in engine.optimizer.param_groups]
+    return [{engine.param_names[p]: list(p.shape) for p in group} for group in model_parameter_groups(engine.optimizer)]
+
+
+def model_parameter_groups(optimizer: Any) -> list[list[torch.nn.Parameter]]:
+    """The model's parameters per group of a ZeRO-0 `optimizer`: DeepSpeed's bf16 and fp16 optimizers step fp32
+    copies (their ``param_groups``) and keep the model's own in ``bf16_groups`` / ``fp16_groups``."""
+    for attribute in ("bf16_groups", "fp16_groups"):
+        groups = getattr(optimizer, attribute, None)
+        if groups is not None:
+            return [list(group) for group in groups]
+    return [list(group["params"]) for group in optimizer.param_groups]
+
+
+def half_precision_master_copies(optimizer: Any) -> bool:
+    """Whether a ZeRO-0 `optimizer` steps fp32 copies of the model's parameters (DeepSpeed's bf16 and fp16 ones)."""
+    return any(getattr(optimizer, attribute, None) is not None for attribute in ("bf16_groups", "fp16_groups"))
 
 
 def _refusal(path: Path) -> str:

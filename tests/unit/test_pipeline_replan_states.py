@@ -96,3 +96,19 @@ def test_a_zero0_checkpoint_without_its_parameters_names_is_refused(tmp_path):
     with pytest.raises(ValueError, match="does not name its optimizer's parameters: expected poplar_param_shapes"):
         convert_pipeline_checkpoint(tag_dir, num_stages=2, zero_stage=0, optimizer_name="Adam")
     assert not (tag_dir / UNIVERSAL_FOLDER).exists()
+
+
+def test_a_half_precision_optimizer_names_the_models_parameters_not_its_fp32_copies():
+    # DeepSpeed's bf16 and fp16 optimizers at ZeRO 0 step fp32 copies (their param_groups); a pipeline checkpoint
+    # names the model's parameters, which they keep in bf16_groups / fp16_groups (a save crashed on the copies).
+    from types import SimpleNamespace
+
+    from poplar_ext.pipeline.replan import half_precision_master_copies, optimizer_parameter_shapes
+
+    weight = torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.bfloat16))
+    copy = torch.nn.Parameter(weight.detach().float())
+    optimizer = SimpleNamespace(bf16_groups=[[weight]], param_groups=[{"params": [copy]}])
+    engine = SimpleNamespace(zero_optimization=lambda: False, optimizer=optimizer, param_names={weight: "0.weight"})
+    assert optimizer_parameter_shapes(engine) == [{"0.weight": [3, 2]}]
+    assert half_precision_master_copies(optimizer)
+    assert not half_precision_master_copies(SimpleNamespace(param_groups=[{"params": [copy]}]))
