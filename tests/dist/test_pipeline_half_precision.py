@@ -89,12 +89,12 @@ def _masters(engine) -> dict[str, torch.Tensor]:
     return masters
 
 
-def _engine(files, dtype: str, stage: int, accumulation: str | None = None):
+def _engine(files, dtype: str, stage: int, accumulation: str | None = None, *, plan: str = PLAN):
     import poplar_ext
     from poplar_ext.models.toy_pipeline import toy_layers
     from poplar_ext.pipeline import PoplarPipelineModule
 
-    config = {**_config(files, _plan_key(PLAN, stage), stage=stage), dtype: PRECISION[dtype]}
+    config = {**_config(files, _plan_key(plan, stage), stage=stage), dtype: PRECISION[dtype]}
     if accumulation is not None:
         config["data_types"] = {"grad_accum_dtype": accumulation}
     model = PoplarPipelineModule(toy_layers(), loss_fn=mse, seed_layers=True, config=config)
@@ -257,6 +257,17 @@ def _resume_refused_in_bf16_at_zero_0(files) -> str:
         return str(exc)
 
 
+def _resume_refused_under_another_split_in_fp16_at_zero_0(files) -> str:
+    engine = _engine(files, "fp16", 0)
+    engine.train_batch()
+    engine.save_checkpoint(files["checkpoints"] / "fp16_zero0_split")
+    try:
+        _engine(files, "fp16", 0, plan="three_and_one").load_checkpoint(files["checkpoints"] / "fp16_zero0_split")
+        return "loaded"
+    except ValueError as exc:
+        return str(exc)
+
+
 def _all_cases(files) -> dict:
     _fp16_computes_here()
     results = {"refused": _fp16_refused_where_unsupported(files)}
@@ -271,6 +282,7 @@ def _all_cases(files) -> dict:
     for case in RESUMED:
         results[("resume", *case)] = _resume(files, *case)
     results["resume_refused"] = _resume_refused_in_bf16_at_zero_0(files)
+    results["split_refused"] = _resume_refused_under_another_split_in_fp16_at_zero_0(files)
     return results
 
 
@@ -318,6 +330,8 @@ def results(tmp_path_factory):
     files = {"cluster": t.write_cluster(tmp / "cluster.json", fast=2, slow=2), "checkpoints": tmp / "checkpoints"}
     for stage in (0, 1):
         files[_plan_key(PLAN, stage)] = write_pipeline_plan(tmp / f"plan{stage}.json", PLANS[PLAN], stage=stage)
+    other = "three_and_one"
+    files[_plan_key(other, 0)] = write_pipeline_plan(tmp / "other0.json", PLANS[other], stage=0)
     files[(PLAN, 0)] = files[_plan_key(PLAN, 0)]  # as test_pipeline_causal_lm names it (the same 6-layer splits)
     ranks = run_ranks(_all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=300)
     references = run_ranks(_all_references, world_size=1, tmp_path=tmp, init_process_group=False, timeout_s=120)[0]
@@ -398,3 +412,9 @@ def test_a_resume_in_bf16_at_zero_0_is_refused_on_every_rank(results):
     messages = {r["resume_refused"] for r in results[0]}
     assert len(messages) == 1, messages
     assert "expected ZeRO stage 1 to load a bf16 pipeline's optimizer state, found stage 0" in messages.pop()
+
+
+def test_moving_a_half_precision_optimizer_state_to_another_split_at_zero_0_is_refused(results):
+    messages = {r["split_refused"] for r in results[0]}
+    assert len(messages) == 1, messages
+    assert "expected ZeRO stage 1 to move a bf16 or fp16 job's optimizer state between stages" in messages.pop()
