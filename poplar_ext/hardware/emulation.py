@@ -53,7 +53,7 @@ import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -300,8 +300,9 @@ class ComputeSlowdown:
     reduction). The key names the kind of block (`micro_step_key`, `OPTIMIZER_STEP_KEY`,
     or any hashable); `reference` gives micro-step bases from a profile, other kinds are
     learned. With `emulation` None it only measures and never sleeps, so callers need no
-    special case for real devices. `window_waits`: the block may wait in collectives (ZeRO 3's
-    all-gathers), so only its compute clock counts towards an overrun.
+    special case for real devices. `window_waits`: True, or the keys of the blocks, that may wait in
+    collectives (ZeRO 3's all-gathers; a pipeline's optimizer step, whose clipping norm and overflow
+    check are agreed across stages): only their compute clock counts towards an overrun.
     """
 
     def __init__(
@@ -310,7 +311,7 @@ class ComputeSlowdown:
         *,
         clock: Clock = "thread",
         reference: SteadyReference | None = None,
-        window_waits: bool = False,
+        window_waits: bool | Collection[Hashable] = False,
     ) -> None:
         if clock not in ("thread", "cuda"):
             raise ValueError(f"clock: expected 'thread' or 'cuda', found {clock!r}")
@@ -402,7 +403,10 @@ class ComputeSlowdown:
         self.busy_time_s += steady_s
         self.steady_s += steady_s
         self.blocks += 1
-        over_s = (self.compute_time_s if self.window_waits else wall_s) - steady_s
+        waits = self.window_waits is True or (
+            not isinstance(self.window_waits, bool) and self._key in self.window_waits
+        )
+        over_s = (self.compute_time_s if waits else wall_s) - steady_s
         if over_s > 0.0:
             self.overrun_s += over_s
             self.overrun_blocks += 1

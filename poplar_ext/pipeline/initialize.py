@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from poplar_ext.hardware.emulation import (
+    PIPELINE_OPTIMIZER_KEY,
     ComputeSlowdown,
     SteadyReference,
     device_label,
@@ -124,6 +125,8 @@ def _build_engine(job: PipelineJob, model: Any, **arguments: Any) -> PoplarPipel
             emulation,
             clock="thread" if get_accelerator().device_name() == "cpu" else "cuda",
             reference=_steady_reference(job),
+            # The optimizer step's clipping norm and overflow check are agreed across stages: waits, not compute.
+            window_waits=(PIPELINE_OPTIMIZER_KEY,),
         )
     rebalancer = job_rebalancer(
         job, make_monitor=lambda: pipeline_drift_monitor(job.plan, job.cluster, job.poplar_config)

@@ -259,3 +259,12 @@ def test_a_pipeline_stage_is_steady_at_its_layer_profiles_forward_a_third_of_the
     assert _block(slowdown, clock, 0.1, key=emu.PIPELINE_BACKWARD_KEY) == pytest.approx(0.6 - 0.1)
     assert _block(slowdown, clock, 0.1, key=emu.PIPELINE_OPTIMIZER_KEY) == pytest.approx(0.3 - 0.1)
     assert _block(slowdown, clock, 0.1, key="_exec_send_activations") == pytest.approx(3 * 0.1 - 0.1)  # learned
+
+
+def test_waits_in_the_blocks_named_as_holding_collectives_are_no_overrun(clock):
+    reference = emu.pipeline_reference(stage_compute_s=0.9, optimizer_step_s=0.3, profile_slowdown=3.0, source="t")
+    slowdown = emu.ComputeSlowdown(SLOW, reference=reference, window_waits=(emu.PIPELINE_OPTIMIZER_KEY,))
+    _block(slowdown, clock, 0.05, key=emu.PIPELINE_OPTIMIZER_KEY, waited_s=1.0)  # waiting for other stages
+    assert slowdown.overrun_s == 0.0
+    _block(slowdown, clock, 0.05, key=emu.PIPELINE_FORWARD_KEY, waited_s=1.0)  # a forward waits for a core
+    assert slowdown.overrun_s == pytest.approx(0.05 + 1.0 - 0.3)
