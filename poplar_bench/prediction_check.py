@@ -163,6 +163,7 @@ def summarize(
         "cases": [case_dict(case) for case, _ in cases],
         "calibration": calibration,
         "load_average": [report.get("machine", {}).get("load_average") for _, report in cases],
+        "usable_cpus": next((report.get("machine", {}).get("usable_cpus") for _, report in cases), None),
         "goal": {"median_abs_error_at_most": MAX_MEDIAN_ABS_ERROR},
         "devices": "emulated CPU ranks (gloo); communication priced from the network the profiler measured",
         "profiles": "measured afresh in each case's run"
@@ -198,7 +199,7 @@ def _cases_lines(summary: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"Load average (1 min) at the end of each case: {', '.join(f'{load[0]:.1f}' for load in loads)} "
-            "(2 cores; other sessions shared the machine).",
+            f"({summary.get('usable_cpus') or 'unknown'} usable CPUs; the ranks' own load included).",
         ]
     return [*lines, ""]
 
