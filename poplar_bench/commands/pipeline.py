@@ -13,11 +13,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "pipeline",
         help="the best ZeRO plan against the best pipeline plan on 2 emulated CPU nodes, slow and fast link",
-        description="4 forked CPU ranks as 2 emulated nodes of 2 (one of them an emulated type 2x slower), the toy "
-        "pipeline MLP: profiled (whole model, network with the link in place), then a ZeRO job and a pipeline job "
-        "whose plans are searched at start, each trained and timed against its prediction; with the link between "
-        "the nodes capped (poplar_bench/link_emulation.py) and uncapped. Writes pipeline.json, pipeline.md and "
-        "pipeline.png (poplar_bench/pipeline_compare.py). Several minutes on a 2-core VM.",
+        description=(
+            "4 forked CPU ranks as 2 emulated nodes of 2 (emulated types 3x and 6x slower than a core), the toy "
+            "pipeline MLP: profiled (whole model, network with the link in place), then a ZeRO job and a pipeline "
+            "job whose plans are searched at start, each trained and timed against its prediction; with the link "
+            "between the nodes capped (poplar_bench/link_emulation.py) and uncapped. Writes pipeline.json, "
+            "pipeline.md and pipeline.png (poplar_bench/pipeline_compare.py). Several minutes on a 2-core VM."
+        ),
     )
     add_output_dir(p)
     p.add_argument("--work-dir", type=Path, default=None, help="profiles and rank logs (default: a temporary folder)")
