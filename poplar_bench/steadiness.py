@@ -14,6 +14,8 @@ from typing import Any
 
 from poplar_ext.plan.formats import read_json, write_json_atomic
 
+from .report import _fmt
+
 SHARE_SPREAD_GOAL = 0.02
 """Poplar's share of the measured ideal: largest - smallest over the runs, at most this."""
 
@@ -77,9 +79,6 @@ def summarize_steadiness(reports: list[dict[str, Any]]) -> dict[str, Any]:
 def render_steadiness(summary: dict[str, Any]) -> str:
     """The runs and their spreads as markdown."""
 
-    def fmt(value: float | None, pattern: str = "{:.3f}") -> str:
-        return "-" if value is None else pattern.format(value)
-
     policies = sorted(summary["prediction_error_spread"])
     lines = [
         "# poplar-bench demo, repeated from a cold profile cache",
@@ -90,14 +89,15 @@ def render_steadiness(summary: dict[str, Any]) -> str:
         "| --- | --- | " + " | ".join("---" for _ in policies) + " | --- |",
     ]
     for run in summary["runs"]:
-        errors = " | ".join(fmt(run["prediction_error"].get(p), "{:+.3f}") for p in policies)
+        errors = " | ".join(_fmt(run["prediction_error"].get(p), "{:+.3f}") for p in policies)
         lines.append(
-            f"| {run['run']} | {fmt(run['poplar_share_of_ideal'])} | {errors} | "
-            f"{fmt(run['emulation_overrun_share'], '{:.2%}')} |"
+            f"| {run['run']} | {_fmt(run['poplar_share_of_ideal'], '{:.3f}')} | {errors} | "
+            f"{_fmt(run['emulation_overrun_share'], '{:.2%}')} |"
         )
     lines += ["", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
     for goal in summary["goals"]:
-        lines.append(f"| {goal['goal']} | {fmt(goal['value'])} | {goal['target']} | {'yes' if goal['met'] else 'NO'} |")
+        met = "yes" if goal["met"] else "NO"
+        lines.append(f"| {goal['goal']} | {_fmt(goal['value'], '{:.3f}')} | {goal['target']} | {met} |")
     return "\n".join(lines) + "\n"
 
 
