@@ -24,6 +24,7 @@ rotary position embeddings are computed in each block from the model's rotary mo
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,14 +81,26 @@ class DecoderLayer(nn.Module):
         # A plain attribute, not a submodule: the rotary module has no parameters, and one
         # module registered under every block would appear once per block in a state dict.
         self.__dict__["rotary"] = rotary
+        self._mask_parameters = frozenset(inspect.signature(mask_function).parameters)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = self.mask_function(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
-        )
+        mask = self.mask_function(**self._mask_arguments(hidden, position_ids))
         extra = {} if self.rotary is None else {"position_embeddings": self.rotary(hidden, position_ids)}
         return self.block(hidden, attention_mask=mask, position_ids=position_ids, **extra)
+
+    def _mask_arguments(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+        # transformers 5 takes (inputs_embeds, cache); 4.5x took (input_embeds, past_key_values,
+        # cache_position): the GPU image's 4.x failed on the 5.x names.
+        names = self._mask_parameters
+        arguments: dict[str, Any] = {"config": self.config, "attention_mask": None, "position_ids": position_ids}
+        arguments["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden
+        for name in ("cache", "past_key_values"):
+            if name in names:
+                arguments[name] = None
+        if "cache_position" in names:
+            arguments["cache_position"] = position_ids[0]
+        return arguments
 
 
 class CausalLMLoss:

@@ -120,3 +120,32 @@ def test_a_model_without_its_head_is_refused():
         ValueError, match=r"expected a causal LM with its head \(e.g. LlamaForCausalLM\), found LlamaModel"
     ):
         causal_lm_layers(body)
+
+
+@pytest.mark.parametrize(
+    "signature",
+    [
+        "config, inputs_embeds, attention_mask, cache, position_ids=None",  # transformers 5.24
+        "config, inputs_embeds, attention_mask, past_key_values, position_ids=None",  # 5.17, the GPU image's
+        "config, input_embeds, attention_mask, cache_position, past_key_values, position_ids=None",  # 4.5x
+    ],
+)
+def test_the_causal_mask_is_asked_for_in_the_installed_transformers_names(signature):
+    from poplar_ext.pipeline.causal_lm import DecoderLayer
+
+    calls = []
+    namespace = {"calls": calls}
+    exec(f"def mask_function({signature}):\n    calls.append(dict(locals()))\n    return None", namespace)
+    class Block(torch.nn.Module):
+        def forward(self, hidden, **kwargs):
+            return hidden
+
+    layer = DecoderLayer(Block(), config="config", mask_function=namespace["mask_function"], rotary=None)
+    hidden = torch.zeros(2, 5, 4)
+    assert layer(hidden) is hidden
+    (arguments,) = calls
+    assert arguments["config"] == "config" and arguments["attention_mask"] is None
+    assert (arguments.get("inputs_embeds") if "inputs_embeds" in arguments else arguments["input_embeds"]) is hidden
+    assert arguments["position_ids"].tolist() == [[0, 1, 2, 3, 4]]
+    if "cache_position" in arguments:
+        assert arguments["cache_position"].tolist() == [0, 1, 2, 3, 4]
