@@ -10,7 +10,7 @@ steady (`poplar_ext.hardware.emulation`), and together they keep one core busy. 
    link in place (`profile_model`, so the search prices what crosses the nodes at the link's
    speed);
 2. a ZeRO job with ``poplar.profiles`` and no plan: its plan is searched at start
-   (`poplar_ext.runtime.planning`), then trained and timed;
+   (`poplar_ext.zero.planning`), then trained and timed;
 3. a pipeline job (`PoplarPipelineModule`) with no plan: its layer profiles are measured
    at start and its plan searched (`poplar_ext.pipeline.planning`), then trained and timed.
 

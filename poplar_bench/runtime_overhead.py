@@ -186,7 +186,7 @@ def measure_wrapper_cost(*, iterations: int = 20_000, repeats: int = 5) -> dict[
     from poplar_ext.plan.formats import plan_from_dict
     from poplar_ext.runtime.config import poplar_config_from_dict
     from poplar_ext.runtime.data import PlanBatchSampler
-    from poplar_ext.runtime.engine import PoplarEngine
+    from poplar_ext.zero.engine import PoplarEngine
 
     with tempfile.TemporaryDirectory() as directory:
         _files(Path(directory))

@@ -2,10 +2,11 @@
 
 The package tree is the data flow: `plan` (the formats every part shares: profiles,
 clusters, plans), `search` (profiles -> plan; numpy and scipy only), `hardware` (what each
-rank runs on), `profiler` (profiles of each device type), `runtime` and `pipeline` (a plan
-trained in DeepSpeed ZeRO or DeepSpeed pipelines), `integrations` (the Hugging Face Trainer,
-TRL, accelerate). `collectives` holds every collective the package issues; `models` the toy
-models of the demo and the examples. DEVELOPING.md draws the tree.
+rank runs on), `profiler` (profiles of each device type), `runtime` (the training core every
+engine shares), `zero` and `pipeline` (a plan trained on DeepSpeed ZeRO or on DeepSpeed
+pipelines; `engines` picks one), `integrations` (the Hugging Face Trainer, TRL, accelerate).
+`collectives` holds every collective the package issues; `models` the toy models of the demo
+and the examples. DEVELOPING.md draws the tree.
 
 Importing `poplar_ext` imports no torch: the names below load their modules on first use,
 so that `poplar_ext.plan` and `poplar_ext.search` work where torch is not installed.
@@ -24,9 +25,9 @@ _LAZY = {
     "discover_cluster": "poplar_ext.hardware.discovery",
     "profile_model": "poplar_ext.profiler",
     "PlanBatchSampler": "poplar_ext.runtime",
-    "PoplarEngine": "poplar_ext.runtime",
-    "StalePlanWarning": "poplar_ext.runtime",
-    "initialize": "poplar_ext.runtime",
+    "PoplarEngine": "poplar_ext.zero",
+    "StalePlanWarning": "poplar_ext.zero",
+    "initialize": "poplar_ext.engines",
 }
 
 

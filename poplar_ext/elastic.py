@@ -4,7 +4,7 @@ once on an error of its configuration or code, instead of being started again an
 torch elastic restarts a failed worker group until ``--max-restarts``, whatever the failure:
 it has no error that is not retried (pytorch/pytorch#133877). A refused plan or a model that
 cannot take its batch fails the same way at every start. Where poplar-ext settles a job
-(`poplar_ext.runtime.initialize.prepare_job`, the pipeline job), a ``ValueError`` or
+(`poplar_ext.zero.initialize.prepare_job`, the pipeline job), a ``ValueError`` or
 ``TypeError`` is such an error: with restarts left, the rank logs it and asks its agent (its
 parent process) to stop, which ends the job with the error in the worker's log. A lost node
 fails in a collective (not these errors) and is still restarted. docs/fault-tolerance.md.

@@ -25,14 +25,14 @@ from accelerate.utils import DistributedType, pad_across_processes, recursively_
 
 from poplar_ext.runtime.config import AUTO, DICT_SOURCE, SECTION, GlobalBatchRequest, nominal_deepspeed_config
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.engine import PoplarEngine
-from poplar_ext.runtime.initialize import (
+from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
+from poplar_ext.zero.engine import PoplarEngine
+from poplar_ext.zero.initialize import (
     Job,
     prepare_job,
     set_up_rank,
     wrap_built_engine,
 )
-from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 
 logger = logging.getLogger(__name__)
 

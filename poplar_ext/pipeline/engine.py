@@ -280,7 +280,7 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
         """The loss scale DeepSpeed's backward leaves out of the loss (None where it applies it, or where none is used).
 
         DeepSpeed falls short here: its backward multiplies the loss by the loss scale for its ZeRO
-        optimizers only (runtime/engine.py ``backward``; deepspeedai/DeepSpeed#8393, open), while the
+        optimizers only (deepspeed/runtime/engine.py ``backward``; deepspeedai/DeepSpeed#8393, open), while the
         steps of FP16_Optimizer and FP16_UnfusedOptimizer (fp16 at ZeRO 0) divide the gradients by it."""
         config = getattr(self.optimizer, "loss_scale_config", None)
         if not self.fp16_enabled() or isinstance(self.optimizer, ZeROOptimizer) or config is None:

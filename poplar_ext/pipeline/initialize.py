@@ -30,7 +30,7 @@ from poplar_ext.pipeline.planning import pipeline_drift_monitor
 from poplar_ext.plan.pipeline_formats import PipelinePlan
 from poplar_ext.runtime.config import load_deepspeed_config, unsynchronised_throughput_timer
 from poplar_ext.runtime.data import plan_dataloader
-from poplar_ext.runtime.initialize import job_rebalancer
+from poplar_ext.runtime.rebalance import job_rebalancer
 
 logger = logging.getLogger(__name__)
 

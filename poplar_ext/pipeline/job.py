@@ -1,6 +1,6 @@
 """A pipeline job settled on every rank before any layer is built: config, process group, cluster, plan.
 
-The same steps as a ZeRO job's (`poplar_ext.runtime.initialize.prepare_job`), with the
+The same steps as a ZeRO job's (`poplar_ext.zero.initialize.prepare_job`), with the
 pipeline plan in place of the ZeRO plan: the config's refusals first (no process group
 needed), then DeepSpeed's process group and this rank's device, the cluster checked
 against every rank's hardware, and the plan checked by rank 0 and received by all.

@@ -6,13 +6,13 @@ Two kinds of refusal, both before any training collective:
   config, so every rank raises the same error before it joins the process group;
 * from the plan file (`resolve_pipeline_plan`): rank 0 reads and checks it and every rank
   receives the plan or the error (`poplar_ext.collectives.decided_by_rank0`), as for ZeRO
-  plans (`poplar_ext.runtime.planning`).
+  plans (`poplar_ext.zero.planning`).
 
 A pipeline plan comes from a plan file (``poplar.plan``, written by hand or by
 ``poplar-search --parallelism pipeline``), or, without one, is searched at start by rank 0
 from the layer profiles in ``poplar.profiles``/layers/ and the network file beside them
 (`poplar_ext.search.pipeline_search.search_pipeline_plan`), as ZeRO plans are
-(`poplar_ext.runtime.planning`). Device types without a layer profile are measured first,
+(`poplar_ext.zero.planning`). Device types without a layer profile are measured first,
 by every rank together, when the module was given data to measure with
 (`poplar_ext.profiler.per_layer.profile_layers`); otherwise the error says what to run.
 """
@@ -280,10 +280,9 @@ def plan_layer_profiles(plan: PipelinePlan, poplar_config: PoplarConfig) -> list
 def pipeline_drift_monitor(plan: PipelinePlan, cluster: Cluster, poplar_config: PoplarConfig) -> PipelineDriftMonitor:
     """Rank 0: the `PipelineDriftMonitor` that re-balances `plan` from the layer profiles it was made from
     (`plan_layer_profiles`) and the network file beside them; `RebalanceUnavailable` where a device type
-    has none (`poplar_ext.runtime.initialize.job_rebalancer` turns ``auto`` off then, with a note)."""
+    has none (`poplar_ext.runtime.rebalance.job_rebalancer` turns ``auto`` off then, with a note)."""
     from poplar_ext.plan.network_format import find_network
-    from poplar_ext.runtime.planning import RebalanceUnavailable
-    from poplar_ext.runtime.rebalance import PipelineDriftMonitor
+    from poplar_ext.runtime.rebalance import PipelineDriftMonitor, RebalanceUnavailable
 
     where = f"{poplar_config.source}: {SECTION}.rebalance.enabled"
     if poplar_config.profiles is None:

@@ -22,12 +22,12 @@ from poplar_ext.plan.formats import Cluster, Plan, Profile
 MeasureMissing = Callable[..., list[Profile]]
 """``measure(missing, cluster, force=False) -> profiles``: the (device type, stage) pairs measured
 (`force`: even those in the cache, to measure a stale one again); collective (every rank calls it
-alike). `poplar_ext.runtime.planning` calls one when profiles are missing or stale."""
+alike). `poplar_ext.zero.planning` calls one when profiles are missing or stale."""
 
 TimeAtSizes = Callable[[Mapping[str, list[int]], Plan, Cluster], dict[str, dict[int, float]]]
 """``time_at_sizes(sizes, plan, cluster) -> {device type: {size: seconds}}``: micro-steps timed as
 training runs them at `plan`'s stage and memory levers (`poplar_ext.profiler.api.time_micro_steps`);
-collective. `poplar_ext.runtime.planning` calls one to check cached profiles (calibration)."""
+collective. `poplar_ext.zero.planning` calls one to check cached profiles (calibration)."""
 
 
 def _constructor_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -10,7 +10,7 @@ the curve is rescaled (its micro-step times only: memory and the boundary are ke
 type is measured again, and the plan records which (`poplar_ext.plan.formats.Plan.calibration`).
 
 This module is pure (numbers in, decisions out): the timing is collective and lives in the
-profiler's api; `poplar_ext.runtime.planning` and the demo call both.
+profiler's api; `poplar_ext.zero.planning` and the demo call both.
 """
 
 from __future__ import annotations

@@ -281,7 +281,7 @@ class StageMeasurement:
         """Compute time of one non-boundary micro-step on the window's clock, up to DeepSpeed's gradient
         reduction where the window ends there.
 
-        Training's compute window ends there (`poplar_ext.runtime.engine`: the reduction is
+        Training's compute window ends there (`poplar_ext.zero.engine`: the reduction is
         communication, which the cost model prices from the network file), so the profile
         must not count the reduction as compute, which the slowdown would multiply.
         """

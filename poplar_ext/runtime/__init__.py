@@ -1,19 +1,17 @@
-"""The runtime: a training job that runs a plan inside the real DeepSpeed engine.
-
-Read in the order a job meets them:
+"""The training core that every engine shares, knowing nothing of which engine runs it.
 
 * `config`: the ``poplar`` section of the DeepSpeed config, and the per-rank config DeepSpeed gets;
-* `planning`: which plan the job runs (a plan file, or a search at start), checked on every rank;
-* `initialize`: `poplar_ext.initialize`, DeepSpeed's initialize with the plan's per-rank batches;
-* `engine`: `PoplarEngine`, the proxy that weights the loss, counts samples and logs;
 * `weighting`: the one place a micro-batch loss is weighted for uneven batches;
-* `data`: which samples each rank trains on (`PlanBatchSampler`);
-* `checkpoint`: the plan and the data position inside DeepSpeed checkpoints.
+* `data`: which samples each rank trains on (`PlanBatchSampler`), evaluation's batches (`evaluation`);
+* `rebalance`: drift measured, a new plan agreed and switched at an iteration boundary;
+* `checkpoint`, `reshard`: the plan and the data position inside DeepSpeed checkpoints, and what a
+  resume under another plan carries over;
+* `process_settings`: process-wide CPU settings, applied only when the config asks.
+
+The engines over it: `poplar_ext.zero` (DeepSpeed ZeRO) and `poplar_ext.pipeline` (DeepSpeed
+pipelines); `poplar_ext.initialize` picks one (`poplar_ext.engines`).
 """
 
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.engine import PoplarEngine
-from poplar_ext.runtime.initialize import initialize
-from poplar_ext.runtime.planning import StalePlanWarning
 
-__all__ = ["PlanBatchSampler", "PoplarEngine", "StalePlanWarning", "initialize"]
+__all__ = ["PlanBatchSampler"]

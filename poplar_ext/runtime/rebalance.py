@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import logging
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -339,13 +340,83 @@ class Rebalancer:
             )
 
 
+class RebalanceUnavailable(ValueError):
+    """Re-balancing cannot run in this job: an error where the config asks for it, a plain note in the log
+    where it is on by default (`plain`)."""
+
+    def __init__(self, message: str, *, plain: str) -> None:
+        super().__init__(message)
+        self.plain = plain
+        """Why, in words for a log line that is no error."""
+
+
+def job_rebalancer(job: Any, *, make_monitor: Callable[[], DriftMonitor]) -> Rebalancer | None:
+    """The job's re-balancing (`poplar_ext.runtime.rebalance`), or None when it is off; collective.
+
+    `job`: a ZeRO `Job` or a pipeline job (its ``poplar_config``, ``source``, ``rank``, ``device`` and
+    ``plan``). Rank 0 makes the monitor it re-plans with: `make_monitor` (a ZeRO job's from the
+    profiles of the plan's stage, a pipeline job's from its layer profiles, and the network file
+    beside them), raising `RebalanceUnavailable` where they are missing. Then: off when ``enabled``
+    is ``"auto"`` (logged), the same ValueError on every rank when it is ``true``.
+    """
+    config = job.poplar_config
+    if config.rebalance.enabled is False:
+        return None
+    unmeasurable = unmeasurable_reason(job.device.type, job.plan.zero_stage)
+    if unmeasurable is not None:
+        if config.rebalance.enabled:
+            raise ValueError(
+                f"{job.source}: poplar.rebalance.enabled: expected false (or auto, which turns it off) on "
+                f"{job.device.type} at ZeRO stage {job.plan.zero_stage}, found true: {unmeasurable}"
+            )
+        if job.rank == 0:
+            logger.info("poplar rebalance (auto): off for this job: %s", unmeasurable)
+        return None
+    if config.drop_last:
+        # With drop_last an epoch's last positions are not trained, so iterations do not start a global
+        # batch apart, which a switch's position (agreed from how far each rank's data has gone) assumes.
+        if config.rebalance.enabled:
+            raise ValueError(
+                f"{job.source}: poplar.rebalance.enabled: expected false (or auto, which turns it off) with "
+                "poplar.drop_last true, found true: re-balancing switches plans at stream positions, which "
+                "drop_last's skipped epoch tails break; set drop_last false to re-balance"
+            )
+        if job.rank == 0:
+            logger.info("poplar rebalance (auto): off for this job: poplar.drop_last is true")
+        return None
+    made: dict[str, DriftMonitor] = {}
+
+    def load() -> str | None:  # the inputs stay on rank 0: only it re-plans
+        try:
+            made["monitor"] = make_monitor()
+        except ValueError as exc:
+            if config.rebalance.enabled:
+                raise
+            return getattr(exc, "plain", str(exc))
+        return None
+
+    unavailable = decided_by_rank0(load, rank=job.rank)
+    if unavailable is not None:
+        if job.rank == 0:
+            logger.info(
+                "poplar rebalance: off for this job, as it is by default where it cannot run: it re-plans from a "
+                "profile of every device type, and %s (nothing is wrong; poplar.rebalance.enabled false says so "
+                "without this note)",
+                unavailable,
+            )
+        return None
+    return Rebalancer(config.rebalance, rank=job.rank, monitor=made.get("monitor"))
+
+
 __all__ = [
     "CudaEventTimer",
     "DriftMonitor",
     "FollowsRebalancing",
     "PipelineDriftMonitor",
+    "RebalanceUnavailable",
     "Rebalancer",
     "StepView",
     "SwitchOrder",
+    "job_rebalancer",
     "unmeasurable_reason",
 ]

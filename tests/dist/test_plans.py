@@ -66,7 +66,7 @@ def _refusals(files):
 def _counting_reads():
     """How often this rank reads the profile directory and the network file."""
     import poplar_ext.plan.network_format
-    from poplar_ext.runtime import planning
+    from poplar_ext.zero import planning
 
     reads = {"profiles": 0, "network": 0}
     readers = {"profiles": (planning, "load_profiles"), "network": (poplar_ext.plan.network_format, "find_network")}

@@ -22,7 +22,7 @@ from poplar_ext.profiler.calibration import (
     with_calibration,
 )
 from poplar_ext.runtime.config import poplar_config_from_dict
-from poplar_ext.runtime.planning import resolve_plan
+from poplar_ext.zero.planning import resolve_plan
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def _resolve_with_timer(cluster_path, directory, slower_by, *, action="rescale",
 
 
 def test_cached_profiles_off_the_timed_micro_steps_are_rescaled_and_the_plan_says_so(cluster_path, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="poplar_ext.runtime.planning"):
+    with caplog.at_level(logging.INFO, logger="poplar_ext.zero.planning"):
         plan, calls = _resolve_with_timer(cluster_path, tmp_path / "profiles", {"fast": 4.0, "slow": 1.0})
     assert len(calls) == 1 and set(calls[0]) == {"fast", "slow"}
     assert plan.calibration["fast"]["outcome"] == "rescaled"
@@ -195,7 +195,7 @@ def test_a_stale_cached_profile_is_measured_again_with_remeasure(cluster_path, t
 
 
 def test_a_calibration_outcome_is_logged_with_what_it_means():
-    from poplar_ext.runtime.planning import calibration_outcome_text
+    from poplar_ext.zero.planning import calibration_outcome_text
 
     assert calibration_outcome_text("rescaled", 1.81).startswith("rescaled (its cached times are multiplied by 1.81")
     assert "used as it is" in calibration_outcome_text("trusted", 1.02)
@@ -210,8 +210,8 @@ def test_calibration_is_logged_by_rank_0_alone(caplog, monkeypatch):
 
     from poplar_ext.plan.formats import plan_from_dict
     from poplar_ext.profiler.calibration import CalibrationCheck
-    from poplar_ext.runtime import planning
     from poplar_ext.runtime.config import poplar_config_from_dict
+    from poplar_ext.zero import planning
 
     plan = plan_from_dict(
         {

@@ -136,6 +136,7 @@ def test_the_causal_mask_is_asked_for_in_the_installed_transformers_names(signat
     calls = []
     namespace = {"calls": calls}
     exec(f"def mask_function({signature}):\n    calls.append(dict(locals()))\n    return None", namespace)
+
     class Block(torch.nn.Module):
         def forward(self, hidden, **kwargs):
             return hidden

@@ -368,7 +368,7 @@ def test_deepspeeds_throughput_timer_does_not_synchronise_the_device_unless_the_
 def test_an_engine_another_library_built_gets_the_same_timer_setting():
     from types import SimpleNamespace
 
-    from poplar_ext.runtime.initialize import follow_unsynchronised_throughput_timer
+    from poplar_ext.zero.initialize import follow_unsynchronised_throughput_timer
 
     engine = SimpleNamespace(tput_timer=SimpleNamespace(config=SimpleNamespace(synchronized=True)))
     user = {"train_batch_size": 8}

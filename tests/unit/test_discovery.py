@@ -266,7 +266,7 @@ def test_initialize_refuses_bf16_on_an_old_device_before_the_cluster_is_agreed(t
     import importlib
 
     # poplar_ext.runtime's attribute `initialize` is the function; the module is wanted here.
-    initialize = importlib.import_module("poplar_ext.runtime.initialize")
+    initialize = importlib.import_module("poplar_ext.zero.initialize")
 
     facts = _facts(("a", "T4-16GB", "0", 16), capabilities=((7, 5),))
     monkeypatch.setattr(initialize, "join_job", lambda **options: torch.device("cpu"))

@@ -12,7 +12,7 @@ from poplar_ext.hardware.emulation import ComputeSlowdown
 from poplar_ext.plan.formats import Emulation, plan_from_dict, plan_to_dict
 from poplar_ext.runtime.checkpoint import STATE_FILE
 from poplar_ext.runtime.config import poplar_config_from_dict
-from poplar_ext.runtime.engine import PoplarEngine
+from poplar_ext.zero.engine import PoplarEngine
 
 
 def _plan(allocation, stage=1):
@@ -354,7 +354,7 @@ def test_a_forward_another_library_calls_opens_the_window_of_the_plans_micro_ste
     # The Hugging Face Trainer and accelerate call the model, not the engine: the hook must key the window
     # by the micro-batch, or the block is learned as one kind whatever its size and a re-plan changes nothing.
     from poplar_ext.hardware import emulation
-    from poplar_ext.runtime.initialize import time_training_forwards
+    from poplar_ext.zero.initialize import time_training_forwards
 
     monkeypatch.setattr(emulation.time, "sleep", lambda s: None)
     timer = _RecordingTimer()

@@ -22,8 +22,7 @@ from poplar_ext.plan.pipeline_formats import (
 )
 from poplar_ext.runtime.checkpoint import history_entry, poplar_client_state
 from poplar_ext.runtime.config import RebalanceConfig, poplar_config_from_dict
-from poplar_ext.runtime.planning import RebalanceUnavailable
-from poplar_ext.runtime.rebalance import PipelineDriftMonitor
+from poplar_ext.runtime.rebalance import PipelineDriftMonitor, RebalanceUnavailable
 from poplar_ext.search.pipeline_drift import predict_drifted, recount_pipelines
 
 PROFILES = [layer_profile("a", 0.01)]

@@ -154,7 +154,7 @@ def test_a_plan_that_cannot_run_names_its_file_and_every_reason(tmp_path):
 
 
 def test_a_pipeline_plan_for_a_plain_model_is_refused(tmp_path):
-    from poplar_ext.runtime.planning import resolve_plan
+    from poplar_ext.zero.planning import resolve_plan
 
     (tmp_path / "plan.json").write_text(json.dumps(_pipeline_plan()))
     with pytest.raises(ValueError, match=r"is a pipeline plan .* trains a poplar_ext.pipeline.PoplarPipelineModule"):

@@ -9,7 +9,7 @@ import pytest
 from poplar_bench.synthetic import synthetic_profile
 from poplar_ext.plan.formats import load_cluster, save_profile
 from poplar_ext.runtime.config import poplar_config_from_dict
-from poplar_ext.runtime.planning import resolve_plan
+from poplar_ext.zero.planning import resolve_plan
 
 
 @pytest.fixture
@@ -207,7 +207,7 @@ def test_rank_0_reads_the_profiles_and_the_network_file_once(cluster_path, tmp_p
     # Read, measured what was missing, searched: the search counts the measured profiles
     # without reading the directory again (rank 0 stored them there too).
     import poplar_ext.plan.network_format
-    from poplar_ext.runtime import planning
+    from poplar_ext.zero import planning
 
     reads = {"profiles": 0, "network": 0}
 
@@ -235,8 +235,8 @@ import warnings  # noqa: E402
 
 from poplar_ext.plan.formats import load_profiles, save_plan  # noqa: E402
 from poplar_ext.runtime.config import GlobalBatchRequest  # noqa: E402
-from poplar_ext.runtime.planning import StalePlanWarning  # noqa: E402
 from poplar_ext.search import search_plan  # noqa: E402
+from poplar_ext.zero.planning import StalePlanWarning  # noqa: E402
 
 
 def _searched_plan(cluster_path, directory, tmp_path, batch=20):

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from poplar_ext.runtime.config import poplar_config_from_dict
-from poplar_ext.runtime.initialize import job_rebalancer
 from poplar_ext.runtime.rebalance import unmeasurable_reason
+from poplar_ext.zero.initialize import zero_rebalancer as job_rebalancer
 
 
 def _job(device_kind="cpu", zero_stage=0, **section):
@@ -46,7 +46,7 @@ def test_rebalancing_asked_for_on_cuda_at_zero_2_3_is_refused_before_training(ze
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_automatic_rebalancing_on_cuda_at_zero_2_3_is_off_with_the_reason_logged(zero_stage, caplog):
-    caplog.set_level(logging.INFO, logger="poplar_ext.runtime.initialize")
+    caplog.set_level(logging.INFO, logger="poplar_ext.runtime.rebalance")
     assert job_rebalancer(_job("cuda", zero_stage, drop_last=False)) is None
     assert "poplar rebalance (auto): off for this job: its compute cannot be measured on CUDA" in caplog.text
 
@@ -76,7 +76,7 @@ def test_accelerate_s_own_accumulation_count_is_refused_by_the_trainer():
 
 def test_automatic_rebalancing_off_for_a_plan_file_alone_says_so_in_plain_words(caplog):
     # A new user's run with a plan file: the note read like an error ("expected poplar.profiles too ... found none").
-    caplog.set_level(logging.INFO, logger="poplar_ext.runtime.initialize")
+    caplog.set_level(logging.INFO, logger="poplar_ext.runtime.rebalance")
     config = poplar_config_from_dict({"plan": "p.json"}, base_dir=Path("."))
     job = SimpleNamespace(
         poplar_config=config,

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from poplar_ext.runtime.planning import check_stage_memory
+from poplar_ext.zero.planning import check_stage_memory
 
 GIB = 2**30
 # The module, not the function of the same name that poplar_ext.runtime exports.
-initialize = importlib.import_module("poplar_ext.runtime.initialize")
+initialize = importlib.import_module("poplar_ext.zero.initialize")
 
 
 def _plan(zero_stage, offload=(False, False)):

@@ -22,7 +22,7 @@ from poplar_ext.plan.formats import (
     save_profile,
 )
 from poplar_ext.runtime.config import poplar_config_from_dict
-from poplar_ext.runtime.planning import ProfileDirectory, steady_compute_profiles
+from poplar_ext.zero.planning import ProfileDirectory, steady_compute_profiles
 
 SLOW = Emulation(slowdown=3.0, memory_capacity_bytes=10**9)
 

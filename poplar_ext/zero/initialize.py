@@ -1,4 +1,4 @@
-"""`poplar_ext.initialize`: DeepSpeed's initialize, with a plan's per-rank batches.
+"""DeepSpeed's initialize on ZeRO with a plan's per-rank batches (any model but a pipeline module).
 
 What a user changes in an ordinary DeepSpeed script: ``deepspeed.initialize`` becomes
 ``poplar_ext.initialize`` (same arguments, same four return values) and the DeepSpeed
@@ -7,11 +7,11 @@ config gets a top-level ``poplar`` section (see `poplar_ext.runtime.config`). Th
 
 What happens underneath, on every rank:
 
-1. The plan is resolved and checked before any collective (`poplar_ext.runtime.planning`).
+1. The plan is resolved and checked before any collective (`poplar_ext.zero.planning`).
 2. DeepSpeed gets a valid nominal config with this rank's micro-batch size b_r and
    accumulation count s_r (``train_batch_size = b_r * s_r * W``); DeepSpeed never
    compares configs across ranks.
-3. The returned engine is a `PoplarEngine` (`poplar_ext.runtime.engine`) over the real
+3. The returned engine is a `PoplarEngine` (`poplar_ext.zero.engine`) over the real
    ``DeepSpeedEngine``.
 4. The training dataloader (when ``training_data`` is given) yields this rank's
    micro-batches from the shared data stream (`poplar_ext.runtime.data`).
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,12 +72,12 @@ from poplar_ext.runtime.config import (
     throughput_timer_synchronized,
 )
 from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, plan_dataloader
-from poplar_ext.runtime.engine import PoplarEngine
-from poplar_ext.runtime.planning import ProfileDirectory, check_stage_memory, resolve_plan, steady_compute_profiles
 from poplar_ext.runtime.process_settings import apply_cpu_process_settings, on_cpu_accelerator
-from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer, unmeasurable_reason
+from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer, job_rebalancer
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from poplar_ext.search.model_states import optimizer_state_bytes
+from poplar_ext.zero.engine import PoplarEngine
+from poplar_ext.zero.planning import ProfileDirectory, check_stage_memory, resolve_plan, steady_compute_profiles
 
 logger = logging.getLogger(__name__)
 
@@ -292,67 +291,15 @@ def _check_stage_memory(plan: Plan, *, cluster: Cluster, facts: list, model: Any
     )
 
 
-def job_rebalancer(job: Any, *, make_monitor: Callable[[], DriftMonitor] | None = None) -> Rebalancer | None:
-    """The job's re-balancing (`poplar_ext.runtime.rebalance`), or None when it is off; collective.
-
-    `job`: a ZeRO `Job` or a pipeline job (its ``poplar_config``, ``source``, ``rank``, ``device`` and
-    ``plan``). Rank 0 makes the monitor it re-plans with: `make_monitor` (a pipeline job's, from its
-    layer profiles), by default a ZeRO job's from the profiles of the plan's stage (and the network
-    file beside them). Without them: off when ``enabled`` is ``"auto"`` (logged), the same
-    ValueError on every rank when it is ``true``.
-    """
-    config = job.poplar_config
-    if config.rebalance.enabled is False:
-        return None
-    unmeasurable = unmeasurable_reason(job.device.type, job.plan.zero_stage)
-    if unmeasurable is not None:
-        if config.rebalance.enabled:
-            raise ValueError(
-                f"{job.source}: poplar.rebalance.enabled: expected false (or auto, which turns it off) on "
-                f"{job.device.type} at ZeRO stage {job.plan.zero_stage}, found true: {unmeasurable}"
-            )
-        if job.rank == 0:
-            logger.info("poplar rebalance (auto): off for this job: %s", unmeasurable)
-        return None
-    if config.drop_last:
-        # With drop_last an epoch's last positions are not trained, so iterations do not start a global
-        # batch apart, which a switch's position (agreed from how far each rank's data has gone) assumes.
-        if config.rebalance.enabled:
-            raise ValueError(
-                f"{job.source}: poplar.rebalance.enabled: expected false (or auto, which turns it off) with "
-                "poplar.drop_last true, found true: re-balancing switches plans at stream positions, which "
-                "drop_last's skipped epoch tails break; set drop_last false to re-balance"
-            )
-        if job.rank == 0:
-            logger.info("poplar rebalance (auto): off for this job: poplar.drop_last is true")
-        return None
-    made: dict[str, DriftMonitor] = {}
-
-    def load() -> str | None:  # the inputs stay on rank 0: only it re-plans
-        try:
-            made["monitor"] = (make_monitor or (lambda: _zero_monitor(job)))()
-        except ValueError as exc:
-            if config.rebalance.enabled:
-                raise
-            return getattr(exc, "plain", str(exc))
-        return None
-
-    unavailable = decided_by_rank0(load, rank=job.rank)
-    if unavailable is not None:
-        if job.rank == 0:
-            logger.info(
-                "poplar rebalance: off for this job, as it is by default where it cannot run: it re-plans from a "
-                "profile of every device type, and %s (nothing is wrong; poplar.rebalance.enabled false says so "
-                "without this note)",
-                unavailable,
-            )
-        return None
-    return Rebalancer(config.rebalance, rank=job.rank, monitor=made.get("monitor"))
+def zero_rebalancer(job: Job) -> Rebalancer | None:
+    """`job_rebalancer` for a ZeRO job: rank 0 re-plans from the profiles of the plan's stage and the
+    network file beside them."""
+    return job_rebalancer(job, make_monitor=lambda: _zero_monitor(job))
 
 
 def _zero_monitor(job: Job) -> DriftMonitor:
     """Rank 0's monitor of a ZeRO job: the profiles of the plan's stage and the network file beside them."""
-    from poplar_ext.runtime.planning import load_rebalance_inputs
+    from poplar_ext.zero.planning import load_rebalance_inputs
 
     config = job.poplar_config
     profiles, network = load_rebalance_inputs(config, job.cluster, job.plan, directory=job.profile_directory)
@@ -376,13 +323,12 @@ def initialize(
     loss_fn: Any = None,
     checkpointing_toggle: CheckpointingToggle | None = None,
 ) -> tuple[PoplarEngine, Any, torch.utils.data.DataLoader | None, Any]:
-    """``deepspeed.initialize`` with the plan of the config's ``poplar`` section.
+    """``deepspeed.initialize`` with the plan of the config's ``poplar`` section, on DeepSpeed ZeRO
+    (`poplar_ext.initialize` for every model but a `poplar_ext.pipeline.PoplarPipelineModule`).
 
     Same arguments and return values: ``(engine, optimizer, training_dataloader,
     lr_scheduler)``. The engine is a `PoplarEngine`; the dataloader (None without
-    `training_data`) yields this rank's micro-batches. A
-    `poplar_ext.pipeline.PoplarPipelineModule` gets its pipeline engine instead
-    (`poplar_ext.pipeline.initialize`). Raises ValueError, on every
+    `training_data`) yields this rank's micro-batches. Raises ValueError, on every
     rank alike and before any collective, for a bad config or a plan that cannot run.
     `loss_fn(engine, batch) -> loss` is for the automatic mode's profiling when the
     model does not return its loss (default: the output's ``.loss``, else the output).
@@ -395,25 +341,6 @@ def initialize(
     A rank whose entry has ``optimizer_offload`` trains with DeepSpeed's
     ``offload_optimizer`` in its own config (`poplar_ext.optimizer_offload`).
     """
-    from poplar_ext.pipeline.module import PoplarPipelineModule
-
-    if isinstance(model, PoplarPipelineModule):  # pipelines: the plan was settled when the module was built
-        from poplar_ext.pipeline.initialize import initialize_pipeline
-
-        return initialize_pipeline(
-            args=args,
-            model=model,
-            optimizer=optimizer,
-            model_parameters=model_parameters,
-            training_data=training_data,
-            lr_scheduler=lr_scheduler,
-            mpu=mpu,
-            dist_init_required=dist_init_required,
-            collate_fn=collate_fn,
-            config=config,
-            config_params=config_params,
-            mesh_param=mesh_param,
-        )
     job = prepare_job(
         load_deepspeed_config(config, config_params=config_params, args=args),
         model=model,
@@ -441,7 +368,7 @@ def initialize(
         dist_init_required=dist_init_required,
         mesh_param=mesh_param,
     )
-    wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=job_rebalancer(job))
+    wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=zero_rebalancer(job))
     dataloader = _training_dataloader(wrapped, training_data, collate_fn=collate_fn, model=model, job=job)
     return wrapped, ds_optimizer, dataloader, ds_scheduler
 
@@ -551,7 +478,7 @@ def wrap_built_engine(
     count_true_global_batch(engine, job.plan)
     follow_unsynchronised_throughput_timer(engine, job.ds_config)
     wrapped = poplar_engine(
-        job, engine, labels=labels, slowdown=slowdown, rebalancer=job_rebalancer(job), weights_loss=weights_loss
+        job, engine, labels=labels, slowdown=slowdown, rebalancer=zero_rebalancer(job), weights_loss=weights_loss
     )
     if wrapped.compute_timer is not None:  # an emulated device's slowdown, or re-balancing's measurement
         time_training_forwards(engine, wrapped)
@@ -625,7 +552,7 @@ __all__ = [
     "Job",
     "count_true_global_batch",
     "initialize",
-    "job_rebalancer",
+    "zero_rebalancer",
     "poplar_engine",
     "prepare_job",
     "rank_devices",

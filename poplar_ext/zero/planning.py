@@ -55,6 +55,7 @@ from poplar_ext.profiler.calibration import (
     with_calibration,
 )
 from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
+from poplar_ext.runtime.rebalance import RebalanceUnavailable
 from poplar_ext.search.model_states import cannot_hold, model_states, shortfall
 
 if TYPE_CHECKING:
@@ -249,16 +250,6 @@ def _searchable(profiles: list[Profile], cluster: Cluster, zero_stage: int | Non
         )
     types = set(cluster.type_counts())
     return [p for p in profiles if p.zero_stage in complete and p.device_type in types]
-
-
-class RebalanceUnavailable(ValueError):
-    """Re-balancing cannot run in this job: an error where the config asks for it, a plain note in the log
-    where it is on by default (`plain`)."""
-
-    def __init__(self, message: str, *, plain: str) -> None:
-        super().__init__(message)
-        self.plain = plain
-        """Why, in words for a log line that is no error."""
 
 
 def profile_of_plan(plan: Plan, profiles: list[Profile], device_type: str) -> Profile | None:
@@ -624,7 +615,6 @@ def check_stage_memory(
 
 
 __all__ = [
-    "RebalanceUnavailable",
     "StalePlanWarning",
     "check_stage_memory",
     "load_rebalance_inputs",
