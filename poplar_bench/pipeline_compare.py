@@ -3,8 +3,9 @@ on an emulated CPU cluster of two nodes joined by a slow link and by a fast one.
 
 4 forked CPU ranks: emulated node 0 holds two ``cpu-fast`` ranks (`FAST_SLOWDOWN` x slower than a
 core), node 1 two ``cpu-slow`` ranks (`SLOW_SLOWDOWN` x): every device emulated, so that its compute is
-steady (`poplar_ext.hardware.emulation`), and together they keep one core busy. The model is the toy pipeline MLP
-(`poplar_ext.models.toy_pipeline`, `DIM` wide, `NUM_LAYERS` layers). For each link:
+steady (`poplar_ext.hardware.emulation`), and together they keep one core busy. The model (`BENCH_MODELS`)
+is the toy pipeline MLP (`poplar_ext.models.toy_pipeline`, `DIM` wide, `NUM_LAYERS` layers) or a GPT-2
+from its config with its head tied to its embedding (`causal_lm_layers`, token-mean loss). For each link:
 
 1. the whole model is profiled at ZeRO stages 0 and 1 and the network is timed with the
    link in place (`profile_model`, so the search prices what crosses the nodes at the link's
@@ -28,6 +29,8 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,21 +76,144 @@ def _ds_config(**extra: Any) -> dict[str, Any]:
     }
 
 
-def _regression_model() -> Any:
-    """The toy pipeline's layers as one model that returns its loss (what a ZeRO job trains)."""
+def _loss_model(layers: Any, loss_fn: Callable[[Any, Any], Any]) -> Any:
+    """`layers` run as one model returning its loss (what a ZeRO job and its profile train)."""
     import torch
 
-    from poplar_ext.models.toy_pipeline import mse, toy_sequential
-
-    class Regression(torch.nn.Module):
+    class LossModel(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.layers = toy_sequential(dim=DIM, num_layers=NUM_LAYERS)
+            self.layers = layers
 
         def forward(self, inputs: Any, labels: Any) -> Any:
-            return mse(self.layers(inputs), labels)
+            return loss_fn(self.layers(inputs), labels)
 
-    return Regression()
+    return LossModel()
+
+
+def _mlp_zero_model() -> Any:
+    from poplar_ext.models.toy_pipeline import mse, toy_sequential
+
+    return _loss_model(toy_sequential(dim=DIM, num_layers=NUM_LAYERS), mse)
+
+
+def _mlp_pipeline() -> tuple[list[Any], Any]:
+    from poplar_ext.models.toy_pipeline import mse, toy_layers
+
+    return toy_layers(dim=DIM, num_layers=NUM_LAYERS), mse
+
+
+def _mlp_batch(micro_batch_size: int) -> Any:
+    from poplar_ext.models.toy_pipeline import toy_batch
+
+    return toy_batch(micro_batch_size, dim=DIM)
+
+
+def _mlp_data(num_samples: int) -> Any:
+    from poplar_ext.models.toy_pipeline import RegressionData
+
+    return RegressionData(num_samples=num_samples, dim=DIM)
+
+
+GPT_SIZES = {"n_layer": 4, "n_head": 4, "n_embd": 256, "vocab_size": 1024, "n_positions": 64}
+"""The bench's GPT-2: 4 blocks 256 wide, sequence 64; as pipeline layers the tied embedding, the positions, the 4
+blocks, the final norm and the tied head (8 layers, like the MLP)."""
+
+
+def _gpt2() -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(**GPT_SIZES, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def _gpt_zero_model() -> Any:
+    import torch
+
+    class CausalLM(torch.nn.Module):  # (input_ids, labels) -> the model's own token-mean loss
+        loss_shifts_labels = True  # its loss predicts labels[..., 1:] (the token counts of token_mean)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _gpt2()
+
+        def forward(self, input_ids: Any, labels: Any) -> Any:
+            return self.model(input_ids=input_ids, labels=labels).loss
+
+    return CausalLM()
+
+
+def _gpt_pipeline() -> tuple[list[Any], Any]:
+    from poplar_ext.pipeline import causal_lm_layers
+
+    pipe = causal_lm_layers(_gpt2())
+    return pipe.layers, pipe.loss_fn
+
+
+def _gpt_data(num_samples: int) -> Any:
+    from poplar_ext.models.hugging_face import PaddedTokens
+
+    return PaddedTokens(num_samples=num_samples, vocab_size=GPT_SIZES["vocab_size"], length=GPT_SIZES["n_positions"])
+
+
+def _gpt_zero_data(num_samples: int) -> Any:
+    """The same samples as dicts: a ZeRO job counts each micro-batch's label tokens from its ``labels``."""
+    tokens = _gpt_data(num_samples)
+    return [{"input_ids": tokens.input_ids[i], "labels": tokens.labels[i]} for i in range(num_samples)]
+
+
+def _gpt_batch(micro_batch_size: int) -> Any:
+    data = _gpt_data(micro_batch_size)
+    return {"input_ids": data.input_ids, "labels": data.labels}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchModel:
+    """One model the bench compares ZeRO and pipelines on."""
+
+    description: str
+    """What the report says the model is."""
+    zero_model: Callable[[], Any]
+    """The whole model, returning its loss from ``(inputs, labels)``: the ZeRO job's and the profile's."""
+    pipeline: Callable[[], tuple[list[Any], Any]]
+    """The same model as pipeline layers, and their loss function."""
+    make_batch: Callable[[int], Any]
+    """A profiling micro-batch of a given size."""
+    zero_data: Callable[[int], Any]
+    """The ZeRO job's training data set of a given number of samples."""
+    pipeline_data: Callable[[int], Any]
+    """The pipeline job's: the same samples, as its first and last layers take them."""
+    poplar: dict[str, Any]
+    """What the model needs in the ``poplar`` section of both jobs (its loss reduction)."""
+
+
+BENCH_MODELS = {
+    "mlp": BenchModel(
+        description=f"toy pipeline MLP, {NUM_LAYERS} layers of width {DIM}, fp32, SGD",
+        zero_model=_mlp_zero_model,
+        pipeline=_mlp_pipeline,
+        make_batch=_mlp_batch,
+        zero_data=_mlp_data,
+        pipeline_data=_mlp_data,
+        poplar={},
+    ),
+    "gpt": BenchModel(
+        description=(
+            f"GPT-2 from its config ({GPT_SIZES['n_layer']} blocks of width {GPT_SIZES['n_embd']}, sequence "
+            f"{GPT_SIZES['n_positions']}, vocabulary {GPT_SIZES['vocab_size']}; head tied to the embedding, "
+            "padded random tokens, token-mean loss), fp32, SGD"
+        ),
+        zero_model=_gpt_zero_model,
+        pipeline=_gpt_pipeline,
+        make_batch=_gpt_batch,
+        zero_data=_gpt_zero_data,
+        pipeline_data=_gpt_data,
+        poplar={"loss_reduction": "token_mean"},
+    ),
+}
+"""``poplar-bench pipeline --model``'s choices."""
 
 
 def _median_after_first(stamps: list[float]) -> float:
@@ -95,18 +221,23 @@ def _median_after_first(stamps: list[float]) -> float:
     return statistics.median(durations[1:] if len(durations) > 1 else durations)
 
 
+def _poplar_section(settings: dict[str, Any]) -> dict[str, Any]:
+    model = BENCH_MODELS[settings["model"]]
+    return {"cluster": settings["cluster"], "profiles": settings["profiles"], "log_interval_steps": 0, **model.poplar}
+
+
 def _zero_job(settings: dict[str, Any], data: Any) -> dict[str, Any]:
     import poplar_ext
     from poplar_ext.plan.formats import plan_to_dict
 
-    config = _ds_config(
-        poplar={"cluster": settings["cluster"], "profiles": settings["profiles"], "log_interval_steps": 0}
+    model = BENCH_MODELS[settings["model"]].zero_model()
+    engine, _, loader, _ = poplar_ext.initialize(
+        model=model, training_data=data, config=_ds_config(poplar=_poplar_section(settings))
     )
-    engine, _, loader, _ = poplar_ext.initialize(model=_regression_model(), training_data=data, config=config)
     stamps = [time.perf_counter()]
     while engine.global_steps < ITERATIONS + 1:
-        for inputs, labels in loader:
-            loss = engine(inputs, labels)
+        for batch in loader:
+            loss = engine(**batch) if isinstance(batch, dict) else engine(*batch)
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
@@ -119,16 +250,12 @@ def _zero_job(settings: dict[str, Any], data: Any) -> dict[str, Any]:
 
 def _pipeline_job(settings: dict[str, Any], data: Any) -> dict[str, Any]:
     import poplar_ext
-    from poplar_ext.models.toy_pipeline import mse, toy_layers
     from poplar_ext.pipeline import PoplarPipelineModule
     from poplar_ext.plan.pipeline_formats import pipeline_plan_to_dict
 
-    config = _ds_config(
-        zero_optimization={"stage": 0},
-        poplar={"cluster": settings["cluster"], "profiles": settings["profiles"], "log_interval_steps": 0},
-    )
-    layers = toy_layers(dim=DIM, num_layers=NUM_LAYERS)
-    model = PoplarPipelineModule(layers, loss_fn=mse, seed_layers=True, config=config, training_data=data)
+    config = _ds_config(zero_optimization={"stage": 0}, poplar=_poplar_section(settings))
+    layers, loss_fn = BENCH_MODELS[settings["model"]].pipeline()
+    model = PoplarPipelineModule(layers, loss_fn=loss_fn, seed_layers=True, config=config, training_data=data)
     engine, _, _, _ = poplar_ext.initialize(model=model, training_data=data, config=config)
     stamps = [time.perf_counter()]
     for _ in range(ITERATIONS + 1):
@@ -139,16 +266,16 @@ def _pipeline_job(settings: dict[str, Any], data: Any) -> dict[str, Any]:
 
 def _rank(settings: dict[str, Any]) -> dict[str, Any]:
     """One rank of one link's run (forked): link, profiles, the ZeRO job, the pipeline job."""
-    from poplar_ext.models.toy_pipeline import RegressionData, toy_batch
     from poplar_ext.profiler import profile_model
 
     from .link_emulation import LinkEmulation, install_link_emulation
 
     if settings["bandwidth"] is not None:
         install_link_emulation(LinkEmulation(node_of_rank=NODE_OF_RANK, bandwidth_bytes_per_s=settings["bandwidth"]))
+    model = BENCH_MODELS[settings["model"]]
     profile_model(
-        model_factory=_regression_model,
-        make_batch=lambda b: toy_batch(b, dim=DIM),
+        model_factory=model.zero_model,
+        make_batch=model.make_batch,
         ds_config=_ds_config(),
         cluster=settings["cluster"],
         zero_stages=(0, 1),
@@ -159,8 +286,11 @@ def _rank(settings: dict[str, Any]) -> dict[str, Any]:
         per_layer=False,
         micro_batch_size_limit=GLOBAL_BATCH,
     )
-    data = RegressionData(num_samples=4 * GLOBAL_BATCH, dim=DIM)
-    return {"zero": _zero_job(settings, data), "pipeline": _pipeline_job(settings, data)}
+    num_samples = 4 * GLOBAL_BATCH
+    return {
+        "zero": _zero_job(settings, model.zero_data(num_samples)),
+        "pipeline": _pipeline_job(settings, model.pipeline_data(num_samples)),
+    }
 
 
 def _summary(plan: dict[str, Any]) -> str:
@@ -174,7 +304,7 @@ def _summary(plan: dict[str, Any]) -> str:
     return f"ZeRO-{plan['zero_stage']}, {ranks}"
 
 
-def run_link(link: str, root: Path, *, log_dir: Path, copy_from: Path | None) -> dict[str, Any]:
+def run_link(link: str, root: Path, *, log_dir: Path, copy_from: Path | None, model: str = "mlp") -> dict[str, Any]:
     """One link's run on 4 forked ranks; its row of the report."""
     from poplar_bench.local_ranks import run_ranks
 
@@ -183,6 +313,7 @@ def run_link(link: str, root: Path, *, log_dir: Path, copy_from: Path | None) ->
         # Compute profiles do not depend on the link; the network file does (measured again here).
         shutil.copytree(copy_from, profiles, ignore=shutil.ignore_patterns("network*"))
     settings = {
+        "model": model,
         "bandwidth": LINKS[link],
         "cluster": str(_cluster(root / "cluster.json")),
         "profiles": str(profiles),
@@ -201,15 +332,21 @@ def run_link(link: str, root: Path, *, log_dir: Path, copy_from: Path | None) ->
     return row
 
 
-def run_pipeline_bench(*, out_dir: Path, work_dir: Path | None = None, progress: Any = print) -> list[Path]:
-    """Both links, the report written into `out_dir`; returns the paths."""
+def run_pipeline_bench(
+    *, out_dir: Path, work_dir: Path | None = None, model: str = "mlp", progress: Any = print
+) -> list[Path]:
+    """Both links on `model` (a key of `BENCH_MODELS`), the report written into `out_dir` as ``pipeline.*``
+    (the MLP) or ``pipeline_<model>.*``; returns the paths."""
+    if model not in BENCH_MODELS:
+        raise ValueError(f"model: expected one of {', '.join(BENCH_MODELS)}, found {model!r}")
+    name = NAME if model == "mlp" else f"{NAME}_{model}"
     root = Path(work_dir or tempfile.mkdtemp(prefix="poplar-bench-pipeline-"))
     root.mkdir(parents=True, exist_ok=True)
     rows = []
     first: Path | None = None
     for link in ("fast", "slow"):
         progress(f"{link} link: profiling, then the ZeRO job and the pipeline job ...")
-        rows.append(run_link(link, root, log_dir=root / "logs", copy_from=first))
+        rows.append(run_link(link, root, log_dir=root / "logs", copy_from=first, model=model))
         first = first or root / f"profiles-{link}"
         progress(json.dumps(rows[-1]))
     report = {
@@ -221,14 +358,14 @@ def run_pipeline_bench(*, out_dir: Path, work_dir: Path | None = None, progress:
         f"slower than a core), node1 2 x cpu-slow (emulated, {SLOW_SLOWDOWN:g}x)",
         "link_emulation": "poplar_bench/link_emulation.py: a sleep of bytes / bandwidth after every transfer and "
         "collective crossing the two emulated nodes (ring bytes per link); the fast link is uncapped loopback gloo",
-        "model": f"toy pipeline MLP, {NUM_LAYERS} layers of width {DIM}, fp32, SGD; global batch {GLOBAL_BATCH}",
+        "model": f"{BENCH_MODELS[model].description}; global batch {GLOBAL_BATCH}",
         "machine": report_module.machine_description(),
         "rows": rows,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = report_module.write_json_and_markdown(report, render_markdown(report), out_dir, NAME)
+    paths = report_module.write_json_and_markdown(report, render_markdown(report), out_dir, name)
     if report_module.figure_available():
-        png = out_dir / f"{NAME}.png"
+        png = out_dir / f"{name}.png"
         render_figure(report, png)
         paths.append(png)
     return paths
@@ -245,8 +382,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Model: {report['model']}. Link: {report['link_emulation']}.",
         "",
-        f"The machine (2 cores) was shared with other sessions while this ran (load average "
-        f"{', '.join(f'{x:.1f}' for x in load) if load else 'unknown'}): measured times are noisy.",
+        f"Load average of the 2-core machine at the end (the bench's 4 ranks included): "
+        f"{', '.join(f'{x:.1f}' for x in load) if load else 'unknown'}.",
         "",
         "| link | parallelism | plan (searched at start) | measured s/iter | predicted s/iter | measured/predicted |",
         "| --- | --- | --- | --- | --- | --- |",
