@@ -16,7 +16,6 @@ from typing import Any
 from poplar_ext.collectives import broadcast_from_rank0, process_group_rank
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.hardware.devices import join_job
-from poplar_ext.hardware.discovery import agreed_cluster, check_device_support, gather_device_facts
 from poplar_ext.hardware.emulation import emulation_for_rank
 from poplar_ext.pipeline.planning import (
     MeasureMissingLayers,
@@ -29,7 +28,8 @@ from poplar_ext.plan.formats import Cluster
 from poplar_ext.plan.pipeline_formats import Pipeline, PipelinePlan
 from poplar_ext.profiler.layers import layers_fingerprint, pipeline_layers
 from poplar_ext.profiler.measure import training_dtype
-from poplar_ext.runtime.config import SECTION, PoplarConfig, poplar_config_from_dict, requested_zero_stage
+from poplar_ext.runtime.config import PoplarConfig, requested_zero_stage
+from poplar_ext.runtime.job_start import agreed_job_cluster, read_poplar_section, steady_from_rank0
 from poplar_ext.runtime.process_settings import apply_cpu_process_settings, on_cpu_accelerator
 
 
@@ -89,13 +89,10 @@ def prepare_pipeline_job(
     Without a plan file, `layers` (the module's, for their fingerprint) pick the layer
     profiles the plan is searched from, and with `training_data` missing ones are measured
     (with `loss_fn`, the pipeline's). Raises the same ValueError on every rank."""
-    ds_config, base_dir, source = loaded_config
-    if SECTION not in ds_config:
-        raise ValueError(
-            f"DeepSpeed config: expected a top-level '{SECTION}' section with 'plan' (a pipeline plan file), "
-            f"found none in {source}; use deepspeed.pipe.PipelineModule for a run without one"
-        )
-    poplar_config = poplar_config_from_dict(ds_config[SECTION], base_dir=base_dir, source=source)
+    ds_config, _, source = loaded_config
+    poplar_config = read_poplar_section(
+        loaded_config, needs="with 'plan' or 'profiles'", otherwise="deepspeed.pipe.PipelineModule"
+    )
     check_pipeline_config(ds_config, poplar_config)
     _refuse_another_reduction(loss_fn, poplar_config.loss_reduction)
     device = join_job(**(init_options or {}))
@@ -106,10 +103,8 @@ def prepare_pipeline_job(
 
     deepspeed.init_distributed(**(init_options or {}))
     rank, world_size = process_group_rank()
-    facts = gather_device_facts(device)
-    check_device_support(facts, bf16=training_dtype(ds_config) == "bfloat16", source=str(source))
+    _, cluster = agreed_job_cluster(device, ds_config, poplar_config, rank=rank)
     _refuse_fp16_where_unsupported(ds_config, source=str(source), device=device, world_size=world_size)
-    cluster = agreed_cluster(poplar_config.cluster, facts, rank=rank, name=f"{SECTION}.cluster")
     emulated = emulation_for_rank(cluster, rank) is not None
     apply_cpu_process_settings(poplar_config, on_cpu=on_cpu_accelerator(), emulated=emulated, rank=rank)
     plan = resolve_pipeline_plan(
@@ -124,13 +119,7 @@ def prepare_pipeline_job(
         layers_fingerprint=None if layers is None else lambda: layers_fingerprint(pipeline_layers(layers)),
         measure_missing=_layer_measurer(poplar_config, ds_config, layers, loss_fn, training_data),
     )
-    steady_stages: dict[int, dict] = {}
-    if any(cluster.emulation_of(t) is not None for t in cluster.type_counts()):  # the same on every rank
-        from poplar_ext.collectives import decided_by_rank0
-
-        steady_stages = decided_by_rank0(
-            lambda: steady_stage_times(plan, cluster, poplar_config), rank=rank, broadcast=broadcast_from_rank0
-        )
+    steady_stages = steady_from_rank0(cluster, lambda: steady_stage_times(plan, cluster, poplar_config), rank=rank)
     return PipelineJob(
         ds_config=ds_config,
         source=source,

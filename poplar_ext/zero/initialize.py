@@ -40,15 +40,11 @@ import torch
 from poplar_ext.activation_checkpointing import CheckpointingToggle, apply_plan_checkpointing
 from poplar_ext.collectives import (
     broadcast_from_rank0,
-    decided_by_rank0,
     process_group_rank,
 )
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.hardware.devices import join_job
 from poplar_ext.hardware.discovery import (
-    agreed_cluster,
-    check_device_support,
-    gather_device_facts,
     memory_capacity_bytes,
 )
 from poplar_ext.hardware.emulation import (
@@ -61,17 +57,16 @@ from poplar_ext.hardware.emulation import (
 from poplar_ext.plan.formats import Cluster, Emulation, Plan, profile_from_dict
 from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.config import (
-    SECTION,
     GlobalBatchRequest,
     PoplarConfig,
     load_deepspeed_config,
     nominal_deepspeed_config,
-    poplar_config_from_dict,
     requested_global_batch_size,
     requested_zero_stage,
     throughput_timer_synchronized,
 )
 from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, plan_dataloader
+from poplar_ext.runtime.job_start import agreed_job_cluster, read_poplar_section, steady_from_rank0
 from poplar_ext.runtime.process_settings import apply_cpu_process_settings, on_cpu_accelerator
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer, job_rebalancer
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
@@ -180,13 +175,10 @@ def prepare_job(
     filled). `checkpointing_toggle` switches activation checkpointing in a model of the
     user's when the automatic mode profiles it. Raises the same ValueError on every rank.
     """
-    ds_config, base_dir, source = loaded_config
-    if SECTION not in ds_config:
-        raise ValueError(
-            f"DeepSpeed config: expected a top-level '{SECTION}' section (with 'plan' or 'profiles'), "
-            f"found none in {source}; use deepspeed.initialize for a run without one"
-        )
-    poplar_config = poplar_config_from_dict(ds_config[SECTION], base_dir=base_dir, source=source)
+    ds_config, _, source = loaded_config
+    poplar_config = read_poplar_section(
+        loaded_config, needs="with 'plan' or 'profiles'", otherwise="deepspeed.initialize"
+    )
     _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
     _check_training_data(training_data)
     # DeepSpeed's own discovery first (launcher, torchrun or mpirun), then this rank's device.
@@ -195,11 +187,7 @@ def prepare_job(
     global_batch = requested_global_batch_size(poplar_config, ds_config, world_size=world_size)
     if global_batch.size is None and default_global_batch is not None:
         global_batch = default_global_batch
-    # The hardware is the truth: every rank's device must run the job (kernels, bf16), and the
-    # cluster file (rank 0's) is checked against it.
-    facts = gather_device_facts(device)
-    check_device_support(facts, bf16=training_dtype(ds_config) == "bfloat16", source=str(source))
-    cluster = agreed_cluster(poplar_config.cluster, facts, rank=rank, name=f"{SECTION}.cluster")
+    facts, cluster = agreed_job_cluster(device, ds_config, poplar_config, rank=rank)
     if rank == 0:
         check_emulation_range(cluster)  # warns where emulated ranks would wait for cores
         if poplar_config.profiles_defaulted:
@@ -251,11 +239,7 @@ def prepare_job(
     )
     if model is not None:
         _check_stage_memory(plan, cluster=cluster, facts=facts, model=model, ds_config=ds_config)
-    steady_profiles: dict[str, dict] = {}
-    if any(cluster.emulation_of(t) is not None for t in cluster.type_counts()):  # the same on every rank
-        steady_profiles = decided_by_rank0(
-            lambda: steady_compute_profiles(plan, cluster, directory), rank=rank, broadcast=broadcast_from_rank0
-        )
+    steady_profiles = steady_from_rank0(cluster, lambda: steady_compute_profiles(plan, cluster, directory), rank=rank)
     return Job(
         ds_config=ds_config,
         source=source,
@@ -273,7 +257,6 @@ def prepare_job(
 def _check_stage_memory(plan: Plan, *, cluster: Cluster, facts: list, model: Any, ds_config: dict) -> None:
     """`planning.check_stage_memory` with every rank's memory (an emulated type's capacity, else its
     share of its device, from the gathered facts): the same refusal on every rank."""
-    from poplar_ext.profiler.measure import training_dtype
 
     capacities = []
     for rank, device_type in enumerate(cluster.rank_device_types):

@@ -263,16 +263,14 @@ def test_a_mismatching_file_is_every_rank_s_error(tmp_path):
 def test_initialize_refuses_bf16_on_an_old_device_before_the_cluster_is_agreed(tmp_path, monkeypatch):
     """prepare_job checks the gathered facts with the config's precision; the cluster (a
     collective decided by rank 0) is never reached, so every rank raises the same error."""
-    import importlib
-
-    # poplar_ext.runtime's attribute `initialize` is the function; the module is wanted here.
-    initialize = importlib.import_module("poplar_ext.zero.initialize")
+    from poplar_ext.runtime import job_start
+    from poplar_ext.zero import initialize
 
     facts = _facts(("a", "T4-16GB", "0", 16), capabilities=((7, 5),))
     monkeypatch.setattr(initialize, "join_job", lambda **options: torch.device("cpu"))
     monkeypatch.setattr(initialize, "process_group_rank", lambda: (0, 1))
-    monkeypatch.setattr(initialize, "gather_device_facts", lambda device: facts)
-    monkeypatch.setattr(initialize, "agreed_cluster", lambda *args, **kwargs: pytest.fail("cluster agreed first"))
+    monkeypatch.setattr(job_start, "gather_device_facts", lambda device: facts)
+    monkeypatch.setattr(job_start, "agreed_cluster", lambda *args, **kwargs: pytest.fail("cluster agreed first"))
     ds_config = {"train_batch_size": 4, "bf16": {"enabled": True}, "poplar": {"plan": "plan.json"}}
     with pytest.raises(ValueError, match=r"ds.json: the job's devices cannot run it: Rank 0 on a .*fp16"):
         initialize.prepare_job((ds_config, tmp_path, "ds.json"))

@@ -1,0 +1,55 @@
+"""What every engine's job settles first, in the same order: the ``poplar`` section read, the
+cluster agreed against every rank's hardware, and rank 0's steady compute sent to every rank.
+
+`poplar_ext.zero.initialize.prepare_job` and `poplar_ext.pipeline.job.prepare_pipeline_job`
+call these between their own steps (docs/design.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from poplar_ext.collectives import broadcast_from_rank0, decided_by_rank0
+from poplar_ext.hardware.discovery import DeviceFacts, agreed_cluster, check_device_support, gather_device_facts
+from poplar_ext.plan.formats import Cluster
+from poplar_ext.profiler.measure import training_dtype
+from poplar_ext.runtime.config import SECTION, PoplarConfig, poplar_config_from_dict
+
+Steady = TypeVar("Steady")
+
+
+def read_poplar_section(loaded_config: tuple[dict, Path, str], *, needs: str, otherwise: str) -> PoplarConfig:
+    """The ``poplar`` section of `loaded_config` (`load_deepspeed_config`'s result), checked; a ValueError
+    saying what it `needs` and what to use `otherwise` where the config has none."""
+    ds_config, base_dir, source = loaded_config
+    if SECTION not in ds_config:
+        raise ValueError(
+            f"DeepSpeed config: expected a top-level '{SECTION}' section ({needs}), found none in {source}; "
+            f"use {otherwise} for a run without one"
+        )
+    return poplar_config_from_dict(ds_config[SECTION], base_dir=base_dir, source=source)
+
+
+def agreed_job_cluster(
+    device: Any, ds_config: dict, poplar_config: PoplarConfig, *, rank: int
+) -> tuple[list[DeviceFacts], Cluster]:
+    """Every rank's device facts and the cluster agreed from them (collective). The hardware is the truth:
+    every rank's device must run the job (kernels, bf16), and the cluster file (rank 0's) is checked
+    against it."""
+    source = str(poplar_config.source)
+    facts = gather_device_facts(device)
+    check_device_support(facts, bf16=training_dtype(ds_config) == "bfloat16", source=source)
+    return facts, agreed_cluster(poplar_config.cluster, facts, rank=rank, name=f"{SECTION}.cluster")
+
+
+def steady_from_rank0(cluster: Cluster, compute: Callable[[], dict[Any, Steady]], *, rank: int) -> dict[Any, Steady]:
+    """Rank 0's `compute` of the emulated types' steady blocks, sent to every rank; {} (and no collective,
+    the same on every rank) where no device type is emulated."""
+    if all(cluster.emulation_of(t) is None for t in cluster.type_counts()):
+        return {}
+    return decided_by_rank0(compute, rank=rank, broadcast=broadcast_from_rank0)
+
+
+__all__ = ["agreed_job_cluster", "read_poplar_section", "steady_from_rank0"]
