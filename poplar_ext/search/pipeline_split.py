@@ -83,18 +83,15 @@ def stage_cost_s(
     own = costs[shape.device_types[stage]]
     b = sizes.astype(float)[:, None]
     extra = np.zeros((len(sizes), 1, 1))
+
+    def both_ways_s(price: LinkPrice) -> np.ndarray:
+        """``[size, l]``: one micro-batch's transfers over a boundary before layer l."""
+        return TRANSFERS_PER_BOUNDARY * (price.latency_s + b * own.leaving_bytes * price.seconds_per_byte)
+
     if stage > 0:
-        price = shape.transfer_prices[stage - 1]
-        extra = (
-            extra
-            + TRANSFERS_PER_BOUNDARY * (price.latency_s + b * own.leaving_bytes * price.seconds_per_byte)[:, :, None]
-        )
+        extra = extra + both_ways_s(shape.transfer_prices[stage - 1])[:, :, None]
     if stage < shape.num_stages - 1:
-        price = shape.transfer_prices[stage]
-        extra = (
-            extra
-            + TRANSFERS_PER_BOUNDARY * (price.latency_s + b * own.leaving_bytes * price.seconds_per_byte)[:, None, :]
-        )
+        extra = extra + both_ways_s(shape.transfer_prices[stage])[:, None, :]
     too_big = (in_flight * sizes.astype(float))[:, None, None] > own.most_kept[None]
     return np.where(too_big, np.inf, own.compute_s + extra)
 
