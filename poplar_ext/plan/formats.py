@@ -80,6 +80,8 @@ MAX_BYTES = 2**62
 """Largest memory size or parameter count a file may state."""
 MAX_SLOWDOWN = 1e4
 """Largest compute slowdown of an emulated device type."""
+MAX_BANDWIDTH_BYTES_PER_S = 1e15
+"""Largest bandwidth a file may state (1 PB/s: free); a network fit with no measurable size dependence gets it."""
 
 
 # ----------------------------------------------------------------------------------
@@ -315,6 +317,9 @@ class ClusterNode:
 
     name: str
     devices: tuple[DeviceGroup, ...]
+    uplink_bandwidth_bytes_per_s: float | None = None
+    """What the node's link to the other nodes carries (bytes per second; None: not declared). A transfer
+    between two nodes runs at the slower uplink, a ring across nodes at the slowest (`search.pipeline_cost`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -383,7 +388,16 @@ def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
                     f"a count that keeps the cluster within {MAX_WORLD_SIZE} ranks (the search's limit)"
                 )
             groups.append(DeviceGroup(device_type=g.field("device_type").string(), count=count))
-        nodes.append(ClusterNode(name=name, devices=tuple(groups)))
+        uplink = node.optional("uplink_bandwidth_bytes_per_s")
+        nodes.append(
+            ClusterNode(
+                name=name,
+                devices=tuple(groups),
+                uplink_bandwidth_bytes_per_s=(
+                    None if uplink is None else uplink.number(positive=True, maximum=MAX_BANDWIDTH_BYTES_PER_S)
+                ),
+            )
+        )
     device_types: dict[str, DeviceTypeInfo] = {}
     types_node = root.optional("device_types")
     used = {g.device_type for n in nodes for g in n.devices}
@@ -425,11 +439,19 @@ def _check_schedule_ranks(cluster: Cluster, types_node: Node) -> None:
             )
 
 
+def _node_to_dict(node: ClusterNode) -> dict[str, Any]:
+    data: dict[str, Any] = {"name": node.name, "devices": [dataclasses.asdict(g) for g in node.devices]}
+    # Written only when declared: a file without links reads, writes and hashes as before.
+    if node.uplink_bandwidth_bytes_per_s is not None:
+        data["uplink_bandwidth_bytes_per_s"] = node.uplink_bandwidth_bytes_per_s
+    return data
+
+
 def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     """The JSON form of a cluster description."""
     return {
         "schema_version": cluster.schema_version,
-        "nodes": [{"name": n.name, "devices": [dataclasses.asdict(g) for g in n.devices]} for n in cluster.nodes],
+        "nodes": [_node_to_dict(n) for n in cluster.nodes],
         "device_types": {
             name: {"emulation": None if info.emulation is None else emulation_to_dict(info.emulation)}
             for name, info in cluster.device_types.items()

@@ -28,6 +28,7 @@ from typing import Any
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (
+    MAX_BANDWIDTH_BYTES_PER_S,
     MAX_BYTES,
     MAX_TIME_S,
     MAX_WORLD_SIZE,
@@ -44,8 +45,6 @@ NETWORK_SCHEMA_VERSION = 1
 NETWORK_KIND = "network"
 """The ``kind`` field that tells a network file from a profile in the same directory."""
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-MAX_BANDWIDTH_BYTES_PER_S = 1e15
-"""A fit with no measurable size dependence gets this bandwidth (1 PB/s: free)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,12 +134,15 @@ def ring_factors(collective: str, world_size: int) -> tuple[int, float]:
 def cluster_key(cluster: Cluster) -> str:
     """Cache key of a network file: the cluster description (nodes, types, ranks) it was measured on.
 
-    An emulation's ``slowdown_schedule`` (drift during training) does not change the network.
+    An emulation's ``slowdown_schedule`` (drift during training) does not change the network, nor do the
+    nodes' declared ``uplink_bandwidth_bytes_per_s`` (the same machines: declaring their links keeps the file).
     """
     data = cluster_to_dict(cluster)
     for info in data["device_types"].values():
         if info.get("emulation"):
             info["emulation"].pop("slowdown_schedule", None)
+    for node in data["nodes"]:
+        node.pop("uplink_bandwidth_bytes_per_s", None)
     return content_fingerprint(data)
 
 

@@ -47,11 +47,18 @@ ranks of one node at the network's ``within_node`` figures where it has them (an
 cluster says where ranks are), otherwise at ``between_nodes`` (transfers) or the whole
 job's fit. A transfer of n bytes costs ``latency + n / bus_bandwidth`` of the all-gather
 fit: a ring moves each byte over one link per hop, so its bus bandwidth is a link's.
-Without a network nothing is priced: transfers and all-reduces cost 0.
+Links of different speeds in one job: where the cluster's nodes declare their
+``uplink_bandwidth_bytes_per_s``, a transfer between two nodes runs at the slower of their
+uplinks and an all-reduce spanning nodes at the slowest uplink it crosses (a ring is as
+fast as its slowest link); a node that declares none counts at the fit's bandwidth, the
+latency is always the fit's. Each boundary is priced by its own link, so the split puts
+heavy boundaries on fast links. Without a network nothing is priced: transfers and
+all-reduces cost 0, declared links or not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -194,31 +201,41 @@ def _price_s(fit: CollectiveFit, collective: str, message_bytes: float, world_si
 
 
 @dataclass(frozen=True, kw_only=True)
+class LinkPrice:
+    """One point-to-point transfer over one link: ``latency_s + bytes x seconds_per_byte``."""
+
+    latency_s: float
+    """One ring hop's latency of the fit the link is priced by."""
+    bandwidth_bytes_per_s: float | None
+    """The link's bandwidth (None: not priced, no network)."""
+
+    @property
+    def seconds_per_byte(self) -> float:
+        return 0.0 if self.bandwidth_bytes_per_s is None else 1.0 / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
 class Links:
     """What transfers and all-reduces cost between given ranks (module docstring)."""
 
     network: NetworkProfile | None
     rank_nodes: tuple[int, ...] | None = None
     """Node index of every rank (None: unknown, every pair priced as on different nodes)."""
+    node_uplinks_bytes_per_s: tuple[float | None, ...] = ()
+    """Each node's declared uplink bandwidth (the cluster's; None or absent: not declared)."""
 
     @classmethod
     def of(cls, network: NetworkProfile | None, cluster: Cluster | None) -> Links:
         if cluster is None:
             return cls(network=network)
         nodes = tuple(index for index, node in enumerate(cluster.nodes) for g in node.devices for _ in range(g.count))
-        return cls(network=network, rank_nodes=nodes)
+        uplinks = tuple(node.uplink_bandwidth_bytes_per_s for node in cluster.nodes)
+        return cls(network=network, rank_nodes=nodes, node_uplinks_bytes_per_s=uplinks)
 
     def same_node(self, ranks: Sequence[int]) -> bool:
         if self.rank_nodes is None or not len(ranks):
             return False
         return len({self.rank_nodes[r] for r in ranks}) == 1
-
-    def same_nodes(self, ranks: Sequence[int]) -> tuple[bool, ...]:
-        """For each pair of consecutive ranks, whether they share a node."""
-        nodes = self.rank_nodes
-        if nodes is None:
-            return (False,) * (len(ranks) - 1)
-        return tuple(nodes[a] == nodes[b] for a, b in zip(ranks, ranks[1:]))
 
     def _fit(self, collective: str, same_node: bool, point_to_point: bool) -> CollectiveFit:
         assert self.network is not None
@@ -229,22 +246,55 @@ class Links:
             return scopes["between_nodes"].collectives[collective]
         return self.network.collectives[collective]
 
-    def transfer_fit(self, same_node: bool) -> tuple[float, float]:
-        """``(latency_s, seconds per byte)`` of one point-to-point transfer (zeros without a network)."""
+    def _bandwidth(self, fit: CollectiveFit, ranks: Sequence[int], same_node: bool) -> float:
+        """A ring across nodes runs at its slowest link: the slowest uplink of the nodes it spans, a node
+        that declares none at the fit's figure (so that without declared uplinks the fit is the price)."""
+        bandwidth = fit.bus_bandwidth_bytes_per_s
+        if same_node or self.rank_nodes is None or not self.node_uplinks_bytes_per_s:
+            return bandwidth
+        uplinks = [self.node_uplinks_bytes_per_s[self.rank_nodes[r]] for r in ranks]
+        if all(u is not None for u in uplinks):
+            return min(uplinks)
+        return min([bandwidth, *(u for u in uplinks if u is not None)])
+
+    def link_price(self, rank_a: int, rank_b: int) -> LinkPrice:
+        """One point-to-point transfer between two ranks: the link between their nodes."""
         if self.network is None:
-            return 0.0, 0.0
+            return LinkPrice(latency_s=0.0, bandwidth_bytes_per_s=None)
+        same_node = self.same_node((rank_a, rank_b))
         fit = self._fit("all_gather", same_node, point_to_point=True)
-        return fit.latency_s, 1.0 / fit.bus_bandwidth_bytes_per_s
+        return LinkPrice(
+            latency_s=fit.latency_s, bandwidth_bytes_per_s=self._bandwidth(fit, (rank_a, rank_b), same_node)
+        )
+
+    def transfer_prices(self, ranks: Sequence[int]) -> tuple[LinkPrice, ...]:
+        """For each pair of consecutive ranks (a pipeline's boundaries), the price of its link."""
+        return tuple(self.link_price(a, b) for a, b in zip(ranks, ranks[1:]))
 
     def transfer_s(self, message_bytes: float, rank_a: int, rank_b: int) -> float:
-        latency_s, per_byte_s = self.transfer_fit(self.same_node((rank_a, rank_b)))
-        return latency_s + message_bytes * per_byte_s
+        price = self.link_price(rank_a, rank_b)
+        return price.latency_s + message_bytes * price.seconds_per_byte
 
     def all_reduce_s(self, message_bytes: float, ranks: Sequence[int]) -> float:
         if self.network is None or len(ranks) <= 1:
             return 0.0
-        fit = self._fit("all_reduce", self.same_node(ranks), point_to_point=False)
-        return _price_s(fit, "all_reduce", message_bytes, len(ranks))
+        same_node = self.same_node(ranks)
+        fit = self._fit("all_reduce", same_node, point_to_point=False)
+        hops, volume = ring_factors("all_reduce", len(ranks))
+        return hops * fit.latency_s + volume * message_bytes / self._bandwidth(fit, ranks, same_node)
+
+    def all_reduce_lower_bound_s(self, message_bytes: float, num_ranks: int) -> float:
+        """No all-reduce of `message_bytes` among `num_ranks` ranks costs less (network required)."""
+        assert self.network is not None
+        whole = self.network.collectives["all_reduce"]
+        declared = [u for u in self.node_uplinks_bytes_per_s if u is not None]
+        # A ring of declared uplinks may be faster than the whole job's fit: bound it by the fastest.
+        fastest = max([whole.bus_bandwidth_bytes_per_s, *declared])
+        fits = [dataclasses.replace(whole, bus_bandwidth_bytes_per_s=fastest)]
+        node = self.network.scopes.get("within_node")
+        if node is not None and num_ranks <= node.group_size:
+            fits.append(node.collectives["all_reduce"])
+        return min(_price_s(fit, "all_reduce", message_bytes, num_ranks) for fit in fits)
 
 
 # ----------------------------------------------------------------------------------
@@ -358,6 +408,24 @@ def all_reduce_finish_s(
 # predict_pipeline
 # ----------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
+class BoundaryTransfer:
+    """What one boundary between two stages of a pipeline carries over its link in an iteration."""
+
+    pipeline: int
+    """The pipeline's index in the plan."""
+    stage: int
+    """The boundary between stage `stage` and stage ``stage + 1``."""
+    ranks: tuple[int, int]
+    """The ranks of both stages."""
+    nodes: tuple[int, int] | None
+    """Their nodes' indices in the cluster (None: no cluster given, priced as on different nodes)."""
+    bandwidth_bytes_per_s: float | None
+    """The link's bandwidth (within the node, or between both nodes: the slower uplink); None: not priced."""
+    time_s: float
+    """Per iteration: micro-batches x (the activation forward + its gradient back); both stages pay it."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PipelinePrediction:
     """What the cost model predicts for a pipeline plan; per-rank tuples are in rank order."""
 
@@ -370,6 +438,8 @@ class PipelinePrediction:
     """Per iteration: micro-batches x the stage's forward + backward."""
     rank_transfer_time_s: tuple[float, ...]
     """Per iteration: micro-batches x the stage's activation transfers."""
+    boundary_transfers: tuple[BoundaryTransfer, ...]
+    """Each boundary of each pipeline, pipeline by pipeline: its link and its transfers' time."""
     rank_busy_time_s: tuple[float, ...]
     """Per iteration: compute + transfers (what the rank is doing, not waiting)."""
     rank_memory_bytes: tuple[int, ...]
@@ -419,7 +489,8 @@ def predict_pipeline(
     """Per-stage busy time and the iteration time the cost model (module docstring) predicts for `plan`.
 
     With `network`, transfers and all-reduces are priced; with `cluster` too, ranks of one
-    node exchange at the network's within-node figures where it has them. Raises
+    node exchange at the network's within-node figures where it has them, and ranks of
+    two nodes over their declared uplinks (module docstring). Raises
     ValueError when a device type of the plan has no layer profile at the plan's ZeRO
     stage, or the profiles' layer count is not the plan's.
     """
@@ -433,12 +504,14 @@ def evaluate_plan(plan: PipelinePlan, tables: dict[str, LayerTable], links: Link
     world = plan.world_size
     stage_time, compute, transfer, busy, optimizer = (np.zeros(world) for _ in range(5))
     memory = np.zeros(world, dtype=np.int64)
-    pipeline_times = []
-    # Pipelines alike in everything but their ranks cost the same: thousands of them, a few kinds.
+    pipeline_times, boundaries = [], []
+    # Pipelines alike in everything but their ranks (and as fast links) cost the same: thousands, a few kinds.
     known: dict[tuple, list[StageCost]] = {}
-    for pipeline in plan.pipelines:
+    for index, pipeline in enumerate(plan.pipelines):
         m = pipeline.num_micro_batches
-        key = _cost_key(pipeline, links)
+        prices = links.transfer_prices(pipeline.ranks)
+        boundaries += _boundary_transfers(index, pipeline, prices, tables, links)
+        key = _cost_key(pipeline, prices)
         costs = known.get(key)
         if costs is None:
             costs = known[key] = stage_costs(pipeline, tables, links)
@@ -458,6 +531,7 @@ def evaluate_plan(plan: PipelinePlan, tables: dict[str, LayerTable], links: Link
         rank_stage_time_s=tuple(stage_time.tolist()),
         rank_compute_time_s=tuple(compute.tolist()),
         rank_transfer_time_s=tuple(transfer.tolist()),
+        boundary_transfers=tuple(boundaries),
         rank_busy_time_s=tuple(busy.tolist()),
         rank_memory_bytes=tuple(int(x) for x in memory),
         rank_all_reduce_s=tuple(finish.tolist()),
@@ -474,14 +548,36 @@ def _ideal_samples_per_s(rank_device_types: Sequence[str], tables: dict[str, Lay
     return float(sum(best[t] for t in rank_device_types))
 
 
-def _cost_key(pipeline: Pipeline, links: Links) -> tuple:
-    ranks = pipeline.ranks
+def _cost_key(pipeline: Pipeline, prices: tuple[LinkPrice, ...]) -> tuple:
     return (
         pipeline.micro_batch_size,
         pipeline.num_micro_batches,
         tuple((s.device_type, s.first_layer, s.last_layer) for s in pipeline.stages),
-        links.same_nodes(ranks),
+        prices,
     )
+
+
+def _boundary_transfers(
+    index: int, pipeline: Pipeline, prices: tuple[LinkPrice, ...], tables: dict[str, LayerTable], links: Links
+) -> list[BoundaryTransfer]:
+    """Pipeline `index`'s boundaries, each at its link's `prices` (as `stage_costs` prices them)."""
+    b, m, stages = pipeline.micro_batch_size, pipeline.num_micro_batches, pipeline.stages
+    nodes = links.rank_nodes
+    found = []
+    for s, (stage, following, price) in enumerate(zip(stages, stages[1:], prices)):
+        bytes_ = b * float(tables[stage.device_type].output_bytes[stage.last_layer])
+        ranks = (stage.rank, following.rank)
+        found.append(
+            BoundaryTransfer(
+                pipeline=index,
+                stage=s,
+                ranks=ranks,
+                nodes=None if nodes is None else (nodes[ranks[0]], nodes[ranks[1]]),
+                bandwidth_bytes_per_s=price.bandwidth_bytes_per_s,
+                time_s=m * TRANSFERS_PER_BOUNDARY * (price.latency_s + bytes_ * price.seconds_per_byte),
+            )
+        )
+    return found
 
 
 def boundary_lower_bound_s(
@@ -499,12 +595,7 @@ def boundary_lower_bound_s(
     if links.network is None or num_pipelines <= 1:
         return optimizer_s
     share = float(any_table.parameter_prefix_bytes[-1]) / fewest_stages
-    fits = [links.network.collectives["all_reduce"]]
-    node = links.network.scopes.get("within_node")
-    if node is not None and num_pipelines <= node.group_size:
-        fits.append(node.collectives["all_reduce"])
-    all_reduce_s = min(_price_s(fit, "all_reduce", share, num_pipelines) for fit in fits)
-    return max(all_reduce_s, optimizer_s)
+    return max(links.all_reduce_lower_bound_s(share, num_pipelines), optimizer_s)
 
 
 def boundary_s(pipelines: Sequence[Pipeline], tables: dict[str, LayerTable], links: Links, world_size: int) -> float:

@@ -21,7 +21,9 @@ the exact search, for small clusters.
   longer). g runs over the divisors of each type's count and 1..8.
 
 A pipeline's ranks of one type are consecutive in rank order, so its stages sit on as
-few nodes as they can and most transfers stay within a node.
+few nodes as they can and most transfers stay within a node. The candidates do not choose
+which nodes' links a pipeline crosses (declared uplinks of different speeds price them,
+and the split weighs them; every layout, for small clusters, places them too).
 """
 
 from __future__ import annotations

@@ -201,8 +201,8 @@ def _joint_splits(shapes: list[Shape], num_layers: int):
         yield joint
 
 
-def _options_for_split(shape, split, count, tables, links, sizes, global_batch_size) -> PipelineOptions:
-    slowest, limit = split_costs(shape, split, tables, links, sizes)
+def _options_for_split(shape, split, count, tables, sizes, global_batch_size) -> PipelineOptions:
+    slowest, limit = split_costs(shape, split, tables, sizes)
     usable = np.isfinite(slowest) & (limit >= 1)
     return PipelineOptions(
         num_stages=shape.num_stages,
@@ -226,7 +226,7 @@ def _search_exact(layouts: list[Layout], context: _Context) -> tuple[list[Pipeli
             keys = list(zip(shapes, joint))
             classes_of = {key: [i for i, k in enumerate(keys) if k == key] for key in dict.fromkeys(keys)}
             classes = [
-                _options_for_split(shape, split, len(members), tables, links, sizes, batch)
+                _options_for_split(shape, split, len(members), tables, sizes, batch)
                 for (shape, split), members in classes_of.items()
             ]
             if any(len(c.sizes) == 0 for c in classes):
@@ -264,12 +264,10 @@ class _ShapeSplits:
     def of(cls, shape: Shape, context: _Context, type_costs: dict) -> _ShapeSplits:
         stages = shape.num_stages
         counts = range(1, stages) if stages <= REGIME_MAX_STAGES else ()
-        regimes = [
-            (context.batch, balanced_split(shape, context.tables, context.links, context.sizes, cache=type_costs))
-        ]
+        regimes = [(context.batch, balanced_split(shape, context.tables, context.sizes, cache=type_costs))]
         for k in counts:
             flights = [min(k, stages - s) for s in range(stages)]
-            found = balanced_split(shape, context.tables, context.links, context.sizes, flights, cache=type_costs)
+            found = balanced_split(shape, context.tables, context.sizes, flights, cache=type_costs)
             regimes.append((k, found))
         return cls(regimes=regimes)
 

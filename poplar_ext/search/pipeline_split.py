@@ -1,7 +1,8 @@
 """Layers split over a pipeline's stages: the balanced split by dynamic programming, and a given split priced.
 
 A pipeline's shape is the device type of each stage in order and, for each boundary
-between stages, whether both ranks share a node (what its transfers cost). For a
+between stages, the price of the link between both ranks (within a node, or between
+their nodes: `pipeline_cost.Links`), so that a heavy boundary lands on a fast link. For a
 micro-batch size b and a memory regime (how many micro-batches each stage keeps in
 flight), `balanced_split` finds the split of the layers into contiguous stages that
 minimises the slowest stage's time (`search.pipeline_cost`: compute plus transfers)
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .pipeline_cost import TRANSFERS_PER_BOUNDARY, LayerTable, Links
+from .pipeline_cost import TRANSFERS_PER_BOUNDARY, LayerTable, LinkPrice, Links
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,8 @@ class Shape:
 
     device_types: tuple[str, ...]
     """Each stage's device type, in stage order."""
-    same_node: tuple[bool, ...]
-    """For each boundary between stages s and s + 1, whether both ranks share a node."""
+    transfer_prices: tuple[LinkPrice, ...]
+    """For each boundary between stages s and s + 1, one transfer's price over the link between their ranks."""
 
     @property
     def num_stages(self) -> int:
@@ -40,12 +41,9 @@ class Shape:
 
 
 def shape_of(ranks: Sequence[int], rank_device_types: Sequence[str], links: Links) -> Shape:
-    return Shape(device_types=tuple(map(rank_device_types.__getitem__, ranks)), same_node=links.same_nodes(ranks))
-
-
-def _transfer_prices(shape: Shape, links: Links) -> list[tuple[float, float]]:
-    """Per boundary: (latency_s, seconds per byte) of one transfer."""
-    return [links.transfer_fit(same) for same in shape.same_node]
+    return Shape(
+        device_types=tuple(map(rank_device_types.__getitem__, ranks)), transfer_prices=links.transfer_prices(ranks)
+    )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -78,7 +76,6 @@ def stage_cost_s(
     shape: Shape,
     stage: int,
     costs: dict[str, _TypeCosts],
-    links: Links,
     sizes: np.ndarray,
     in_flight: int,
 ) -> np.ndarray:
@@ -86,12 +83,15 @@ def stage_cost_s(
     own = costs[shape.device_types[stage]]
     b = sizes.astype(float)[:, None]
     extra = np.zeros((len(sizes), 1, 1))
+
+    def both_ways_s(price: LinkPrice) -> np.ndarray:
+        """``[size, l]``: one micro-batch's transfers over a boundary before layer l."""
+        return TRANSFERS_PER_BOUNDARY * (price.latency_s + b * own.leaving_bytes * price.seconds_per_byte)
+
     if stage > 0:
-        latency_s, per_byte_s = links.transfer_fit(shape.same_node[stage - 1])
-        extra = extra + TRANSFERS_PER_BOUNDARY * (latency_s + b * own.leaving_bytes * per_byte_s)[:, :, None]
+        extra = extra + both_ways_s(shape.transfer_prices[stage - 1])[:, :, None]
     if stage < shape.num_stages - 1:
-        latency_s, per_byte_s = links.transfer_fit(shape.same_node[stage])
-        extra = extra + TRANSFERS_PER_BOUNDARY * (latency_s + b * own.leaving_bytes * per_byte_s)[:, None, :]
+        extra = extra + both_ways_s(shape.transfer_prices[stage])[:, None, :]
     too_big = (in_flight * sizes.astype(float))[:, None, None] > own.most_kept[None]
     return np.where(too_big, np.inf, own.compute_s + extra)
 
@@ -122,7 +122,6 @@ class BalancedSplits:
 def balanced_split(
     shape: Shape,
     tables: dict[str, LayerTable],
-    links: Links,
     sizes: np.ndarray,
     in_flight: Sequence[int] | None = None,
     *,
@@ -136,10 +135,10 @@ def balanced_split(
     costs = cache if cache is not None else {}
     for device_type in set(shape.device_types) - set(costs):
         costs[device_type] = _TypeCosts.of(tables[device_type], sizes)
-    best = stage_cost_s(shape, 0, costs, links, sizes, flights[0])[:, 0, :]
+    best = stage_cost_s(shape, 0, costs, sizes, flights[0])[:, 0, :]
     choices = []
     for s in range(1, stages):
-        candidates = np.maximum(best[:, :, None], stage_cost_s(shape, s, costs, links, sizes, flights[s]))
+        candidates = np.maximum(best[:, :, None], stage_cost_s(shape, s, costs, sizes, flights[s]))
         choice = np.argmin(candidates, axis=1)
         best = np.take_along_axis(candidates, choice[:, None, :], axis=1)[:, 0, :]
         choices.append(choice)
@@ -157,7 +156,6 @@ def split_costs(
     shape: Shape,
     first_layers: Sequence[int],
     tables: dict[str, LayerTable],
-    links: Links,
     sizes: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """For a given split: per size, the slowest stage's time and memory's limit on the micro-batch count.
@@ -167,7 +165,6 @@ def split_costs(
     """
     stages = shape.num_stages
     bounds = [*first_layers, tables[shape.device_types[0]].num_layers]
-    prices = _transfer_prices(shape, links)
     slowest = np.zeros(len(sizes))
     limit = np.full(len(sizes), UNLIMITED, dtype=np.int64)
     for s in range(stages):
@@ -176,9 +173,9 @@ def split_costs(
         time_s = table.time_prefix_s[sizes - 1, j] - table.time_prefix_s[sizes - 1, i]
         for boundary, layer in ((s - 1, i - 1), (s, j - 1)):
             if 0 <= boundary < stages - 1:
-                latency_s, per_byte_s = prices[boundary]
+                price = shape.transfer_prices[boundary]
                 time_s = time_s + TRANSFERS_PER_BOUNDARY * (
-                    latency_s + sizes * float(table.output_bytes[layer]) * per_byte_s
+                    price.latency_s + sizes * float(table.output_bytes[layer]) * price.seconds_per_byte
                 )
         slowest = np.maximum(slowest, time_s)
         free = table.free_bytes - int(table.static_prefix_bytes[j] - table.static_prefix_bytes[i])

@@ -17,13 +17,13 @@ import sys
 from typing import Any
 
 from poplar_ext.plan.errors import FormatError
-from poplar_ext.plan.formats import Plan, load_cluster, load_plan, load_profiles, read_json
+from poplar_ext.plan.formats import Cluster, Plan, load_cluster, load_plan, load_profiles, read_json
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import PipelinePlan, layer_profiles_dir, load_layer_profiles, load_pipeline_plan
 
 from .api import PlanPrediction, predict
 from .cli_common import EXIT_BAD_INPUT, EXIT_OK, chosen_network, rank_span, table
-from .pipeline_cost import PipelinePrediction, predict_pipeline
+from .pipeline_cost import BoundaryTransfer, PipelinePrediction, predict_pipeline
 
 PROG = "poplar-search"
 
@@ -51,7 +51,7 @@ def run_predict(args: argparse.Namespace) -> int:
         data = {"plan": str(args.predict), "parallelism": kind, "network_priced": network is not None}
         print(json.dumps({**data, "prediction": dataclasses.asdict(prediction)}, indent=2))
     elif kind == "pipeline":
-        print(pipeline_prediction_table(plan, prediction, network))
+        print(pipeline_prediction_table(plan, prediction, network, cluster))
     else:
         print(zero_prediction_table(plan, prediction, network))
     return EXIT_OK
@@ -97,10 +97,11 @@ def _alike(rank: Any) -> tuple:
 
 
 def pipeline_prediction_table(
-    plan: PipelinePlan, prediction: PipelinePrediction, network: NetworkProfile | None
+    plan: PipelinePlan, prediction: PipelinePrediction, network: NetworkProfile | None, cluster: Cluster | None = None
 ) -> str:
     """Where a pipeline plan's time goes: each stage's compute, activation transfers and idle share, when its
-    gradient all-reduce ends and its optimizer step; each pipeline's 1F1B time."""
+    gradient all-reduce ends and its optimizer step; each boundary's link and transfers; each pipeline's 1F1B
+    time."""
     rows = [
         ["pipeline", "stage", "rank", "device type", "layers", "compute s", "transfers s", "busy s", "idle"]
         + ["all-reduce ends s", "optimizer s"]
@@ -119,7 +120,26 @@ def pipeline_prediction_table(
     pipelines = ", ".join(f"{t:.4g}" for t in prediction.pipeline_time_s)
     header = f"pipelines at ZeRO stage {plan.zero_stage}, global batch {plan.global_batch_size}"
     lines = [header, *_summary(prediction, network), "", table(rows), ""]
+    if prediction.boundary_transfers:
+        lines += [_links_table(prediction.boundary_transfers, cluster), ""]
     return "\n".join(lines + [f"pipelines (1F1B) s: {pipelines}; boundary {prediction.boundary_s:.4g} s"])
+
+
+def _links_table(boundaries: tuple[BoundaryTransfer, ...], cluster: Cluster | None) -> str:
+    """Each boundary's link (within a node, or the two nodes it joins) and its transfers per iteration."""
+    rows = [["pipeline", "boundary", "ranks", "link", "bandwidth B/s", "transfers s"]]
+    for boundary in boundaries:
+        if boundary.nodes is None or cluster is None:
+            link = "between nodes (no cluster)"
+        else:
+            first, second = (cluster.nodes[n].name for n in boundary.nodes)
+            link = f"within {first}" if boundary.nodes[0] == boundary.nodes[1] else f"{first}-{second}"
+        bandwidth = boundary.bandwidth_bytes_per_s
+        rows.append(
+            [str(boundary.pipeline), f"{boundary.stage}|{boundary.stage + 1}", "->".join(map(str, boundary.ranks))]
+            + [link, "not priced" if bandwidth is None else f"{bandwidth:.4g}", f"{boundary.time_s:.4g}"]
+        )
+    return "activation transfers per link (forward and back, per iteration):\n" + table(rows)
 
 
 __all__ = ["pipeline_prediction_table", "run_predict", "zero_prediction_table"]

@@ -204,19 +204,23 @@ def test_the_balanced_split_is_the_best_split_that_fits(seed):
     ]
     tables = {p.device_type: layer_table(p, 8) for p in profiles}
     network = modelled_network(bus_bandwidth_bytes_per_s=1e8, latency_s=1e-4, note="t")
-    links = Links(network=network)
-    shape = Shape(device_types=tuple(rng.choice(["a", "b"], 3)), same_node=(bool(rng.integers(2)), False))
+    # Three nodes, the middle one's uplink slow: each boundary's link its own price.
+    links = Links(network=network, rank_nodes=(0, 1, 2), node_uplinks_bytes_per_s=(1e8, 1e6, 1e8))
+    types = tuple(rng.choice(["a", "b"], 3))
+    shape = Shape(
+        device_types=types, transfer_prices=links.transfer_prices((0, 1, 2) if rng.integers(2) else (0, 2, 1))
+    )
     sizes = np.arange(1, 9, dtype=np.int64)
-    found = balanced_split(shape, tables, links, sizes)
+    found = balanced_split(shape, tables, sizes)
     for index in range(len(sizes)):
         best = np.inf
         for cut in itertools.combinations(range(1, 6), 2):
-            slowest, limit = split_costs(shape, (0, *cut), tables, links, sizes[index : index + 1])
+            slowest, limit = split_costs(shape, (0, *cut), tables, sizes[index : index + 1])
             if limit[0] >= 3:  # fits S - s in flight on every stage
                 best = min(best, float(slowest[0]))
         assert found.slowest_stage_s[index] == pytest.approx(best, rel=1e-12)
         if np.isfinite(best):
-            slowest, _ = split_costs(shape, found.first_layers(index), tables, links, sizes[index : index + 1])
+            slowest, _ = split_costs(shape, found.first_layers(index), tables, sizes[index : index + 1])
             assert slowest[0] == pytest.approx(best, rel=1e-12)
     assert np.isfinite(found.slowest_stage_s[0]) and not np.isfinite(found.slowest_stage_s[-1]), "memory decides"
 
