@@ -39,8 +39,10 @@ from . import report as report_module
 DIM = 768
 NUM_LAYERS = 8
 GLOBAL_BATCH = 48
-FAST_SLOWDOWN = 3.0
-SLOW_SLOWDOWN = 6.0
+FAST_SLOWDOWN = 6.0
+SLOW_SLOWDOWN = 12.0
+"""Emulated slowdowns: 4 ranks on 2 cores, memory-bound layers and the engine's own work need this much
+room (at 3x and 6x the fast ranks' forward and backward ran ~60% past their steady times)."""
 ITERATIONS = 6
 SLOW_LINK_BYTES_PER_S = 50e6
 """The slow link: 50 MB/s (0.4 Gb/s) each way."""
@@ -332,23 +334,51 @@ def run_link(link: str, root: Path, *, log_dir: Path, copy_from: Path | None, mo
     return row
 
 
+def combined_row(link_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One link's row over its repetitions: each kind's median measured time, every run's, and its plan
+    (the same in every run: the profiles are cached after the first; a run with another plan is said)."""
+    row = {k: v for k, v in link_runs[0].items() if k not in ("zero", "pipeline")}
+    row["run_s"] = sum(run["run_s"] for run in link_runs)
+    for kind in ("zero", "pipeline"):
+        entries = [run[kind] for run in link_runs]
+        measured = [e["measured_iteration_s"] for e in entries]
+        row[kind] = {
+            **entries[0],
+            "measured_iteration_s": statistics.median(measured),
+            "measured_runs_s": measured,
+            "other_plans": sorted({e["plan"] for e in entries} - {entries[0]["plan"]}),
+        }
+    return row
+
+
 def run_pipeline_bench(
-    *, out_dir: Path, work_dir: Path | None = None, model: str = "mlp", progress: Any = print
+    *,
+    out_dir: Path,
+    work_dir: Path | None = None,
+    model: str = "mlp",
+    repetitions: int = 1,
+    progress: Any = print,
 ) -> list[Path]:
-    """Both links on `model` (a key of `BENCH_MODELS`), the report written into `out_dir` as ``pipeline.*``
-    (the MLP) or ``pipeline_<model>.*``; returns the paths."""
+    """Both links on `model` (a key of `BENCH_MODELS`), `repetitions` times (interleaved, the profiles and
+    plans of the first reused), the report written into `out_dir` as ``pipeline.*`` (the MLP) or
+    ``pipeline_<model>.*``; returns the paths."""
     if model not in BENCH_MODELS:
         raise ValueError(f"model: expected one of {', '.join(BENCH_MODELS)}, found {model!r}")
+    if repetitions < 1:
+        raise ValueError(f"repetitions: expected at least 1, found {repetitions}")
     name = NAME if model == "mlp" else f"{NAME}_{model}"
     root = Path(work_dir or tempfile.mkdtemp(prefix="poplar-bench-pipeline-"))
     root.mkdir(parents=True, exist_ok=True)
-    rows = []
+    runs: dict[str, list[dict[str, Any]]] = {"fast": [], "slow": []}
     first: Path | None = None
-    for link in ("fast", "slow"):
-        progress(f"{link} link: profiling, then the ZeRO job and the pipeline job ...")
-        rows.append(run_link(link, root, log_dir=root / "logs", copy_from=first, model=model))
-        first = first or root / f"profiles-{link}"
-        progress(json.dumps(rows[-1]))
+    for repetition in range(repetitions):
+        for link in runs:
+            progress(f"run {repetition + 1}/{repetitions}, {link} link: profiles, the ZeRO job, the pipeline job ...")
+            log_dir = root / "logs" / f"run{repetition + 1}"
+            runs[link].append(run_link(link, root, log_dir=log_dir, copy_from=first, model=model))
+            first = first or root / f"profiles-{link}"
+            progress(json.dumps(runs[link][-1]))
+    rows = [combined_row(link_runs) for link_runs in runs.values()]
     report = {
         "schema": report_module.REPORT_SCHEMA,
         "benchmark": "pipeline",
@@ -359,6 +389,7 @@ def run_pipeline_bench(
         "link_emulation": "poplar_bench/link_emulation.py: a sleep of bytes / bandwidth after every transfer and "
         "collective crossing the two emulated nodes (ring bytes per link); the fast link is uncapped loopback gloo",
         "model": f"{BENCH_MODELS[model].description}; global batch {GLOBAL_BATCH}",
+        "repetitions": repetitions,
         "machine": report_module.machine_description(),
         "rows": rows,
     }
@@ -377,16 +408,18 @@ def render_markdown(report: dict[str, Any]) -> str:
         "# ZeRO against pipelines on an emulated two-node CPU cluster",
         "",
         f"`poplar-bench pipeline`, {report['date']}. Devices **emulated**: {report['cluster']}. "
-        f"Times **measured** (wall clock, median of {ITERATIONS} iterations after one, the slowest rank) and "
-        "**predicted** (the plan's own prediction from the measured profiles and network).",
+        f"Times **measured** (wall clock, median of {ITERATIONS} iterations after one, the slowest rank; the "
+        f"median over {report.get('repetitions', 1)} run(s), each run's in the last column) and **predicted** "
+        "(the plan's own prediction from the measured profiles and network).",
         "",
         f"Model: {report['model']}. Link: {report['link_emulation']}.",
         "",
         f"Load average of the 2-core machine at the end (the bench's 4 ranks included): "
         f"{', '.join(f'{x:.1f}' for x in load) if load else 'unknown'}.",
         "",
-        "| link | parallelism | plan (searched at start) | measured s/iter | predicted s/iter | measured/predicted |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| link | parallelism | plan (searched at start) | measured s/iter | predicted s/iter | measured/predicted "
+        "| each run's measured/predicted |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in report["rows"]:
         link = (
@@ -397,9 +430,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         for kind in ("zero", "pipeline"):
             r = row[kind]
             ratio = r["measured_iteration_s"] / r["predicted_iteration_s"]
+            each = ", ".join(f"{m / r['predicted_iteration_s']:.2f}" for m in r.get("measured_runs_s", []))
+            plan = r["plan"] + "".join(f"; another run: {other}" for other in r.get("other_plans", []))
             lines.append(
-                f"| {link} | {kind} | {r['plan']} | {r['measured_iteration_s']:.3f} | {r['predicted_iteration_s']:.3f} "
-                f"| {ratio:.2f} |"
+                f"| {link} | {kind} | {plan} | {r['measured_iteration_s']:.3f} | {r['predicted_iteration_s']:.3f} "
+                f"| {ratio:.2f} | {each} |"
             )
     lines.append("")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "pipeline",
         help="the best ZeRO plan against the best pipeline plan on 2 emulated CPU nodes, slow and fast link",
         description=(
-            "4 forked CPU ranks as 2 emulated nodes of 2 (emulated types 3x and 6x slower than a core), the toy "
+            "4 forked CPU ranks as 2 emulated nodes of 2 (emulated types 6x and 12x slower than a core), the toy "
             "pipeline MLP or a GPT-2 with tied embeddings (--model): profiled (whole model, network with the link "
             "in place), then a ZeRO job and a pipeline "
             "job whose plans are searched at start, each trained and timed against its prediction; with the link "
@@ -32,6 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="mlp: the toy pipeline MLP (default); gpt: a GPT-2 from its config, head tied to the embedding, "
         "token-mean loss (needs transformers)",
     )
+    p.add_argument(
+        "--repetitions",
+        type=int,
+        default=3,
+        help="runs of both links, interleaved; the report gives each kind's median and every run (default 3)",
+    )
     p.set_defaults(run=run)
 
 
@@ -40,7 +46,11 @@ def run(args: argparse.Namespace) -> int:
 
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     for path in pipeline_compare.run_pipeline_bench(
-        out_dir=args.output_dir or default_output_dir(), work_dir=args.work_dir, model=args.model, progress=progress
+        out_dir=args.output_dir or default_output_dir(),
+        work_dir=args.work_dir,
+        model=args.model,
+        repetitions=args.repetitions,
+        progress=progress,
     ):
         print(path)
     return 0

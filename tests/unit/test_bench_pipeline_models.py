@@ -48,3 +48,29 @@ def test_the_zero_model_and_the_pipeline_layers_give_one_loss(name):
 def test_an_unknown_model_is_refused_naming_the_choices(tmp_path):
     with pytest.raises(ValueError, match="model: expected one of mlp, gpt, found 'bert'"):
         pipeline_compare.run_pipeline_bench(out_dir=tmp_path, model="bert")
+
+
+def _run(measured_zero: float, measured_pipeline: float, pipeline_plan: str = "P") -> dict:
+    return {
+        "link": "fast",
+        "bandwidth_bytes_per_s": None,
+        "run_s": 10.0,
+        "zero": {"plan": "Z", "measured_iteration_s": measured_zero, "predicted_iteration_s": 1.0},
+        "pipeline": {"plan": pipeline_plan, "measured_iteration_s": measured_pipeline, "predicted_iteration_s": 2.0},
+    }
+
+
+def test_repetitions_give_each_kind_its_median_every_run_and_any_other_plan():
+    row = pipeline_compare.combined_row([_run(1.3, 2.0), _run(1.1, 2.6, "Q"), _run(1.2, 2.2)])
+    assert row["run_s"] == 30.0 and row["link"] == "fast"
+    assert row["zero"]["measured_iteration_s"] == 1.2 and row["zero"]["measured_runs_s"] == [1.3, 1.1, 1.2]
+    assert row["pipeline"]["measured_iteration_s"] == 2.2 and row["pipeline"]["other_plans"] == ["Q"]
+    assert row["zero"]["other_plans"] == [] and row["zero"]["predicted_iteration_s"] == 1.0
+    report = {"date": "d", "cluster": "c", "model": "m", "link_emulation": "l", "machine": {}, "repetitions": 3}
+    text = pipeline_compare.render_markdown({**report, "rows": [row]})
+    assert "| fast (uncapped) | pipeline | P; another run: Q | 2.200 | 2.000 | 1.10 | 1.00, 1.30, 1.10 |" in text
+
+
+def test_fewer_than_one_repetition_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="repetitions: expected at least 1, found 0"):
+        pipeline_compare.run_pipeline_bench(out_dir=tmp_path, repetitions=0)
