@@ -29,10 +29,11 @@ Five things differ from DeepSpeed's module underneath:
   ``activation_checkpoint_interval`` of its own layer count, so that its layers are one
   block recomputed from the stage's input (what the search priced), with DeepSpeed's
   non-reentrant checkpoint unless ``activation_checkpoint_func`` is given (a first stage
-  whose input is token ids then keeps its gradients); other stages keep the interval
-  given. An interval of the user's (the argument, or the config's
-  ``pipeline.activation_checkpoint_interval``) beside a plan that checkpoints stages is
-  refused: one of the two would be overridden.
+  whose input is token ids trains with it; with the reentrant one its backward fails, no
+  input requiring a gradient); other stages none. An interval of the user's (the argument,
+  or the config's ``pipeline.activation_checkpoint_interval``) beside a plan that
+  checkpoints stages is refused: one of the two would be overridden; with a plan that
+  checkpoints none it is DeepSpeed's, on every stage.
 """
 
 from __future__ import annotations
