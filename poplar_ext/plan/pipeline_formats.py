@@ -4,8 +4,10 @@ A pipeline plan (``"parallelism": "pipeline"``) lists pipelines that train side 
 in data parallel. Each pipeline is the ordered ranks of its stages, each stage a
 contiguous range of layers (``first_layer`` to ``last_layer``, both included), and the
 pipeline's micro-batch size and number of micro-batches per iteration; pipelines may
-differ in all of these. The global batch is the sum over pipelines of micro-batch size x
-micro-batches. A pipeline runs on DeepSpeed's pipeline engine at ZeRO stage 0 or 1.
+differ in all of these. A stage may recompute its activations in its backward
+(``activation_checkpointing``, written only where true). The global batch is the sum over
+pipelines of micro-batch size x micro-batches. A pipeline runs on DeepSpeed's pipeline
+engine at ZeRO stage 0 or 1.
 
 A layer profile holds, for one device type at one ZeRO stage and one model, each layer's
 forward + backward time against micro-batch size and its memory: parameters, optimizer
