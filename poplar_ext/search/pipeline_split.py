@@ -62,17 +62,18 @@ class _TypeCosts:
     """``[i, j]``: the most micro-batch samples (in-flight count x size) whose activations fit beside layers i..j-1."""
     leaving_bytes: np.ndarray
     """``[l]``: what a boundary before layer l carries per sample (0 before layer 0)."""
-    free_bytes: np.ndarray
-    """``[i, j]``: memory left beside layers i..j-1 (may be negative)."""
+    free_per_sample_bytes: np.ndarray
+    """``[size, i, j]``: memory left beside layers i..j-1 per sample of a micro-batch (rounded down; negative
+    where they do not fit)."""
     kept_bytes: np.ndarray
     """``[i, j]``: kept activations per sample of layers i..j-1."""
     input_bytes: np.ndarray
     """``[i]``: what a checkpointed stage from layer i keeps per sample of an in-flight micro-batch."""
 
-    def checkpointed_fits(self, sizes: np.ndarray, in_flight: int) -> np.ndarray:
+    def checkpointed_fits(self, in_flight: int) -> np.ndarray:
         """``[size, i, j]``: whether layers i..j-1 checkpointed fit with `in_flight` micro-batches of each size."""
         needed = (in_flight - 1) * self.input_bytes.astype(float)[:, None] + self.kept_bytes
-        return needed[None] <= np.floor_divide(self.free_bytes[None], sizes[:, None, None])
+        return needed[None] <= self.free_per_sample_bytes
 
     @classmethod
     def of(cls, table: LayerTable, sizes: np.ndarray) -> _TypeCosts:
@@ -90,7 +91,7 @@ class _TypeCosts:
             compute_s=compute,
             most_kept=most,
             leaving_bytes=leaving,
-            free_bytes=free,
+            free_per_sample_bytes=np.floor_divide(free[None], sizes[:, None, None]),
             kept_bytes=kept,
             input_bytes=np.concatenate([table.input_bytes, [0]]),
         )
@@ -120,7 +121,9 @@ def stage_cost_s(
     fits = (in_flight * sizes.astype(float))[:, None, None] <= own.most_kept[None]
     if fits.all():
         return own.compute_s + extra
-    recomputed = np.where(own.checkpointed_fits(sizes, in_flight), (1.0 + RECOMPUTE_SHARE) * own.compute_s, np.inf)
+    if in_flight == 1:  # checkpointed, one micro-batch in flight keeps as much
+        return np.where(fits, own.compute_s, np.inf) + extra
+    recomputed = np.where(own.checkpointed_fits(in_flight), (1.0 + RECOMPUTE_SHARE) * own.compute_s, np.inf)
     return np.where(fits, own.compute_s, recomputed) + extra
 
 
