@@ -264,14 +264,20 @@ def steady_reference(profile: Profile) -> SteadyReference | None:
 
 
 def pipeline_reference(
-    *, stage_compute_s: float, optimizer_step_s: float, profile_slowdown: float, source: str
+    *,
+    stage_compute_s: float,
+    optimizer_step_s: float,
+    profile_slowdown: float,
+    source: str,
+    recompute_s: float = 0.0,
 ) -> SteadyReference:
     """A pipeline stage's blocks from its layer profiles: a micro-batch's forward and backward take
     `stage_compute_s` between them, a third and two thirds (a backward computes about twice a forward's
-    work); the optimizer step `optimizer_step_s` (all at the profile's slowdown)."""
+    work), the backward of a checkpointed stage `recompute_s` more (its forward again); the optimizer step
+    `optimizer_step_s` (all at the profile's slowdown)."""
     times = {
         PIPELINE_FORWARD_KEY: stage_compute_s / 3.0,
-        PIPELINE_BACKWARD_KEY: 2.0 * stage_compute_s / 3.0,
+        PIPELINE_BACKWARD_KEY: 2.0 * stage_compute_s / 3.0 + recompute_s,
         PIPELINE_OPTIMIZER_KEY: optimizer_step_s,
     }
     return SteadyReference(block_time_s=times.get, profile_slowdown=profile_slowdown, source=source)

@@ -102,6 +102,7 @@ def _steady_reference(job: PipelineJob) -> SteadyReference | None:
         return None
     return pipeline_reference(
         stage_compute_s=blocks["compute_s"],
+        recompute_s=blocks["recompute_s"],
         optimizer_step_s=blocks["optimizer_step_s"],
         profile_slowdown=blocks["profile_slowdown"],
         source=f"the layer profiles of {blocks['type']} at ZeRO stage {job.plan.zero_stage}",

@@ -12,7 +12,7 @@ the DeepSpeed config whose ``poplar`` section names the pipeline plan, the one
 is: it joins the process group, agrees the cluster and the plan on every rank
 (`poplar_ext.pipeline.job`), and builds this rank's stage only.
 
-Four things differ from DeepSpeed's module underneath:
+Five things differ from DeepSpeed's module underneath:
 
 * the stage boundaries are the plan's pipeline's (`_partition_layers`, the one place
   DeepSpeed computes them);
@@ -24,7 +24,16 @@ Four things differ from DeepSpeed's module underneath:
   ``seed_layers`` is only about reproducibility, as in DeepSpeed;
 * a ``TiedLayerSpec``'s module is tied over every stage of every pipeline that uses it
   (`poplar_ext.pipeline.grid.LayerSegments`), not over one pipeline's stages: every one of
-  its parameters, where DeepSpeed ties only those ``tied_weight_attr`` names.
+  its parameters, where DeepSpeed ties only those ``tied_weight_attr`` names;
+* a stage the plan checkpoints (``activation_checkpointing``) gets DeepSpeed's
+  ``activation_checkpoint_interval`` of its own layer count, so that its layers are one
+  block recomputed from the stage's input (what the search priced), with DeepSpeed's
+  non-reentrant checkpoint unless ``activation_checkpoint_func`` is given (a first stage
+  whose input is token ids trains with it; with the reentrant one its backward fails, no
+  input requiring a gradient); other stages none. An interval of the user's (the argument,
+  or the config's ``pipeline.activation_checkpoint_interval``) beside a plan that
+  checkpoints stages is refused: one of the two would be overridden; with a plan that
+  checkpoints none it is DeepSpeed's, on every stage.
 """
 
 from __future__ import annotations
@@ -100,6 +109,40 @@ def _tied_layers(layers: list[Any]) -> dict[str, list[int]]:
     return tied
 
 
+def _stage_checkpointing(
+    job: PipelineJob, interval: int, func: Callable[..., Any] | None
+) -> tuple[int, Callable[..., Any]]:
+    """DeepSpeed's ``activation_checkpoint_interval`` and function for this rank's stage (module docstring);
+    ValueError, alike on every rank, where the user's interval meets a plan that checkpoints stages."""
+    planned = [
+        f"pipelines[{p}].stages[{s}]"
+        for p, pipeline in enumerate(job.plan.pipelines)
+        for s, stage in enumerate(pipeline.stages)
+        if stage.activation_checkpointing
+    ]
+    section = job.ds_config.get("pipeline")
+    configured = section.get("activation_checkpoint_interval", 0) if isinstance(section, dict) else 0
+    if planned and (interval or configured):
+        name = "activation_checkpoint_interval"
+        name = name if interval else f"{job.source}: pipeline.{name}"
+        raise ValueError(
+            f"PoplarPipelineModule: {name}: expected 0 with a plan that checkpoints stages ({planned[0]}"
+            f"{f' and {len(planned) - 1} more' if len(planned) > 1 else ''}: activation_checkpointing), found "
+            f"{interval or configured}; the plan says which stages recompute their activations: leave the interval "
+            "unset, or use a plan without activation_checkpointing"
+        )
+    stage = job.pipeline.stages[job.stage_index]
+    if not stage.activation_checkpointing:
+        return interval, func or checkpointing.checkpoint
+    logger.info(
+        "rank %d: activation checkpointing on its stage (layers %d-%d), as the plan says",
+        job.rank,
+        stage.first_layer,
+        stage.last_layer,
+    )
+    return stage.num_layers, func or checkpointing.non_reentrant_checkpoint
+
+
 @contextmanager
 def _built_on(grid: PlanGrid) -> Iterator[None]:
     # DeepSpeed falls short here: PipelineModule.__init__ builds its grid inline
@@ -139,7 +182,7 @@ class PoplarPipelineModule(PipelineModule):
         seed_fn: Callable[[int], None] | None = None,
         base_seed: int = 1234,
         activation_checkpoint_interval: int = 0,
-        activation_checkpoint_func: Callable[..., Any] = checkpointing.checkpoint,
+        activation_checkpoint_func: Callable[..., Any] | None = None,
         checkpointable_layers: list[str] | None = None,
         dynamic_shape: bool = False,
         config: dict | str | None = None,
@@ -167,6 +210,7 @@ class PoplarPipelineModule(PipelineModule):
             reduction=job.poplar_config.loss_reduction,
         )
         self._plan_boundaries = list(pipeline.boundaries)
+        interval, checkpoint = _stage_checkpointing(job, activation_checkpoint_interval, activation_checkpoint_func)
         with _built_on(grid):
             super().__init__(
                 layers,
@@ -175,8 +219,8 @@ class PoplarPipelineModule(PipelineModule):
                 seed_layers=seed_layers,
                 seed_fn=seed_fn,
                 base_seed=base_seed,
-                activation_checkpoint_interval=activation_checkpoint_interval,
-                activation_checkpoint_func=activation_checkpoint_func,
+                activation_checkpoint_interval=interval,
+                activation_checkpoint_func=checkpoint,
                 checkpointable_layers=checkpointable_layers,
                 dynamic_shape=dynamic_shape,
             )

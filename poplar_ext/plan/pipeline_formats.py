@@ -4,8 +4,10 @@ A pipeline plan (``"parallelism": "pipeline"``) lists pipelines that train side 
 in data parallel. Each pipeline is the ordered ranks of its stages, each stage a
 contiguous range of layers (``first_layer`` to ``last_layer``, both included), and the
 pipeline's micro-batch size and number of micro-batches per iteration; pipelines may
-differ in all of these. The global batch is the sum over pipelines of micro-batch size x
-micro-batches. A pipeline runs on DeepSpeed's pipeline engine at ZeRO stage 0 or 1.
+differ in all of these. A stage may recompute its activations in its backward
+(``activation_checkpointing``, written only where true). The global batch is the sum over
+pipelines of micro-batch size x micro-batches. A pipeline runs on DeepSpeed's pipeline
+engine at ZeRO stage 0 or 1.
 
 A layer profile holds, for one device type at one ZeRO stage and one model, each layer's
 forward + backward time against micro-batch size and its memory: parameters, optimizer
@@ -243,6 +245,9 @@ class PipelineStage:
     first_layer: int
     last_layer: int
     """Included: the stage holds layers ``first_layer`` to ``last_layer``."""
+    activation_checkpointing: bool = False
+    """The stage recomputes its forward in its backward: it keeps only its input per in-flight micro-batch
+    (written only when true; a plan without it checkpoints no stage)."""
 
     @property
     def num_layers(self) -> int:
@@ -313,11 +318,13 @@ def _stage_from_node(node: Node, num_layers: int) -> PipelineStage:
     last = last_node.integer(minimum=0, maximum=num_layers - 1)
     if last < first:
         raise last_node.fail(f"a layer at or after first_layer ({first})")
+    checkpointing = node.optional("activation_checkpointing")
     return PipelineStage(
         rank=node.field("rank").integer(minimum=0, maximum=MAX_WORLD_SIZE - 1),
         device_type=node.field("device_type").string(),
         first_layer=first,
         last_layer=last,
+        activation_checkpointing=False if checkpointing is None else checkpointing.boolean(),
     )
 
 
@@ -389,7 +396,13 @@ def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> Pi
 
 
 def pipeline_plan_to_dict(plan: PipelinePlan) -> dict[str, Any]:
-    return _json_ready(asdict(plan))
+    data = _json_ready(asdict(plan))
+    # Only where true: a plan that checkpoints nothing is written as before the field existed.
+    for pipeline in data["pipelines"]:
+        for stage in pipeline["stages"]:
+            if not stage["activation_checkpointing"]:
+                del stage["activation_checkpointing"]
+    return data
 
 
 def save_pipeline_plan(plan: PipelinePlan, path: str | os.PathLike[str]) -> None:

@@ -171,10 +171,18 @@ def _ranks_text(ranks: list[int], limit: int = 3) -> str:
     return shown + (f", ... ({len(ranks)} ranks)" if len(runs) > limit else "")
 
 
+def _recompute_text(predicted: Any, rank: int) -> str:
+    """A checkpointed stage's recompute per iteration (``-``: the stage keeps its activations)."""
+    if not predicted.rank_activation_checkpointing[rank]:
+        return "-"
+    return f"{predicted.rank_recompute_time_s[rank]:.4g}"
+
+
 def pipeline_plan_table(
     result: SearchResult, layer_profiles: Any, network: NetworkProfile | None, cluster: Cluster
 ) -> str:
-    """Consecutive alike pipelines together, one row per stage: ranks, type, layers, micro-batches, busy, idle."""
+    """Consecutive alike pipelines together, one row per stage: ranks, type, layers, micro-batches, busy (of it
+    the recompute of a checkpointed stage), idle, memory."""
     plan = result.plan
     predicted = predict_pipeline(plan, layer_profiles, network, cluster=cluster)
     rows = [
@@ -189,12 +197,13 @@ def pipeline_plan_table(
             "busy s/iter",
             "idle",
             "memory GiB",
+            "recompute s/iter",
         ]
     ]
 
     def key(p: Any) -> tuple:
         return (
-            tuple((s.device_type, s.first_layer, s.last_layer) for s in p.stages),
+            tuple((s.device_type, s.first_layer, s.last_layer, s.activation_checkpointing) for s in p.stages),
             p.micro_batch_size,
             p.num_micro_batches,
         )
@@ -219,6 +228,7 @@ def pipeline_plan_table(
                     f"{busy:.4g}",
                     f"{100 * (1 - busy / predicted.iteration_time_s):.1f}%",
                     f"{predicted.rank_memory_bytes[stage.rank] / 2**30:.3g}",
+                    _recompute_text(predicted, stage.rank),
                 ]
             )
         start = end

@@ -21,6 +21,10 @@ runs on one rank of device type d and holds layers i..j (`search.pipeline_format
 
   ``m x max_s t_s`` is the slowest stage's own work, ``(S - 1) x max_s t_s`` the bubble
   of filling and draining the pipeline.
+* A stage with activation checkpointing (the plan's ``activation_checkpointing``) runs
+  its forward again in its backward: its compute is ``(1 + RECOMPUTE_SHARE) x`` its
+  layers' curves, a forward being a third of a layer's step (the share the emulation gives
+  it, `hardware.emulation.pipeline_reference`).
 * The boundary: each layer's gradient is summed over the P ranks that hold it, one per
   pipeline, by an all-reduce among them; every rank issues them in layer order, one
   per segment (a run of consecutive layers with the same holders) of the segment's
@@ -40,7 +44,16 @@ runs on one rank of device type d and holds layers i..j (`search.pipeline_format
 
   ``optimizer_state_bytes`` holds what a layer's parameters cost the rank besides the
   weights (gradients, master weights, optimizer state); a stage's received activation
-  is the first layer's input, counted in that layer's kept activations.
+  is the first layer's input, counted in that layer's kept activations. A checkpointed
+  stage keeps only its input per in-flight micro-batch, and during one backward that
+  micro-batch's activations, recomputed (its input among them)::
+
+      ... + b x ((min(m, S - s) - 1) x input_bytes_per_sample + sum_l activation_bytes_per_sample)
+
+  its input being the previous layer's ``output_bytes_per_sample``; on the first stage,
+  whose input is the data (no figure of its own in a layer profile), layer 0's kept
+  activations, which hold it. The search checkpoints a stage only where it does not fit
+  without (`checkpoint_where_needed`).
 
 Prices come from a network file (`plan.network_format`): a transfer or an all-reduce among
 ranks of one node at the network's ``within_node`` figures where it has them (and the
@@ -69,10 +82,13 @@ from poplar_ext.plan.formats import Cluster
 from poplar_ext.plan.network_format import CollectiveFit, NetworkProfile, ring_factors
 from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerProfile, Pipeline, PipelinePlan
 
+from .cost import BACKWARD_SHARE
 from .curves import fit_points
 
 TRANSFERS_PER_BOUNDARY = 2
 """Per micro-batch a boundary carries the activation forward and its gradient back."""
+RECOMPUTE_SHARE = 1.0 - BACKWARD_SHARE
+"""What a checkpointed stage adds to its layers' step time: the forward again, a third of it."""
 
 
 # ----------------------------------------------------------------------------------
@@ -137,6 +153,9 @@ class LayerTable:
     """``[j]``: optimizer step of layers 0..j-1."""
     output_bytes: np.ndarray
     """``[l]``: what a boundary after layer l sends per sample."""
+    input_bytes: np.ndarray
+    """``[l]``: what a checkpointed stage from layer l keeps per sample of an in-flight micro-batch: layer
+    l - 1's output; at layer 0 layer 0's kept activations (they hold the data input, which has no figure)."""
 
     @property
     def max_micro_batch_size(self) -> int:
@@ -155,6 +174,15 @@ class LayerTable:
         return float(
             self.time_prefix_s[micro_batch_size - 1, last + 1] - self.time_prefix_s[micro_batch_size - 1, first]
         )
+
+    def memory_bytes(
+        self, first: int, last: int, micro_batch_size: int, in_flight: int, *, checkpointed: bool = False
+    ) -> int:
+        """A stage of layers `first`..`last` holding `in_flight` micro-batches (module docstring)."""
+        kept = int(self.activation_prefix_bytes[last + 1] - self.activation_prefix_bytes[first])
+        held = (in_flight - 1) * int(self.input_bytes[first]) + kept if checkpointed else in_flight * kept
+        static = int(self.static_prefix_bytes[last + 1] - self.static_prefix_bytes[first])
+        return self.profile.base_memory_bytes + static + micro_batch_size * held
 
     def best_samples_per_s(self) -> float:
         """The whole model on one device at its best profiled size (memory aside): what the device could do alone."""
@@ -185,6 +213,9 @@ def layer_table(profile: LayerProfile, max_micro_batch_size: int) -> LayerTable:
         parameter_prefix_bytes=_prefix([x.parameter_bytes for x in layers], np.int64),
         optimizer_prefix_s=_prefix([x.optimizer_step_time_s for x in layers]),
         output_bytes=np.array([x.output_bytes_per_sample for x in layers], dtype=np.int64),
+        input_bytes=np.array(
+            [layers[0].activation_bytes_per_sample] + [x.output_bytes_per_sample for x in layers[:-1]], dtype=np.int64
+        ),
     )
 
 
@@ -305,8 +336,11 @@ class StageCost:
     """One stage of a pipeline at its micro-batch size (seconds per micro-batch, bytes)."""
 
     compute_s: float
+    """Forward + backward, with the forward a checkpointed stage runs again."""
     transfer_s: float
     memory_bytes: int
+    recompute_s: float = 0.0
+    """Of `compute_s`: the forward a checkpointed stage runs again in its backward (0 without checkpointing)."""
 
     @property
     def time_s(self) -> float:
@@ -319,7 +353,8 @@ def in_flight(num_stages: int, stage: int, num_micro_batches: int) -> int:
 
 
 def stage_costs(pipeline: Pipeline, tables: dict[str, LayerTable], links: Links) -> list[StageCost]:
-    """Each stage's compute, transfers and memory at the pipeline's micro-batch size and count."""
+    """Each stage's compute, transfers and memory at the pipeline's micro-batch size and count (a stage with
+    ``activation_checkpointing`` priced so)."""
     b, m, stages = pipeline.micro_batch_size, pipeline.num_micro_batches, pipeline.stages
     costs = []
     for s, stage in enumerate(stages):
@@ -329,34 +364,49 @@ def stage_costs(pipeline: Pipeline, tables: dict[str, LayerTable], links: Links)
             if 0 <= other < len(stages):
                 bytes_ = b * float(table.output_bytes[layer])
                 transfer_s += TRANSFERS_PER_BOUNDARY * links.transfer_s(bytes_, stage.rank, stages[other].rank)
-        first, end = stage.first_layer, stage.last_layer + 1
-        memory = (
-            table.profile.base_memory_bytes
-            + int(table.static_prefix_bytes[end] - table.static_prefix_bytes[first])
-            + in_flight(len(stages), s, m)
-            * b
-            * int(table.activation_prefix_bytes[end] - table.activation_prefix_bytes[first])
+        checkpointed = stage.activation_checkpointing
+        compute_s = table.compute_s(stage.first_layer, stage.last_layer, b)
+        recompute_s = RECOMPUTE_SHARE * compute_s if checkpointed else 0.0
+        memory = table.memory_bytes(
+            stage.first_layer, stage.last_layer, b, in_flight(len(stages), s, m), checkpointed=checkpointed
         )
         costs.append(
             StageCost(
-                compute_s=table.compute_s(stage.first_layer, stage.last_layer, b),
-                transfer_s=transfer_s,
-                memory_bytes=memory,
+                compute_s=compute_s + recompute_s, transfer_s=transfer_s, memory_bytes=memory, recompute_s=recompute_s
             )
         )
     return costs
 
 
+def checkpoint_where_needed(pipeline: Pipeline, tables: dict[str, LayerTable]) -> Pipeline:
+    """`pipeline` with activation checkpointing on exactly the stages that do not fit their device's memory
+    without it at its micro-batch size and count (whether they fit with it is the caller's to check)."""
+    stages = pipeline.stages
+    flags = []
+    for s, stage in enumerate(stages):
+        table = tables[stage.device_type]
+        flight = in_flight(len(stages), s, pipeline.num_micro_batches)
+        memory = table.memory_bytes(stage.first_layer, stage.last_layer, pipeline.micro_batch_size, flight)
+        flags.append(memory > table.profile.memory_capacity_bytes)
+    return dataclasses.replace(
+        pipeline,
+        stages=tuple(dataclasses.replace(stage, activation_checkpointing=f) for stage, f in zip(stages, flags)),
+    )
+
+
 def stage_block_times(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]) -> dict[int, dict[str, float]]:
     """Rank -> what the cost model gives its stage: ``compute_s`` (forward + backward of one micro-batch of its
-    pipeline) and ``optimizer_step_s`` (its layers' optimizer step); what steady emulation runs them at."""
+    pipeline), ``recompute_s`` (the forward a checkpointed stage runs again in its backward, else 0) and
+    ``optimizer_step_s`` (its layers' optimizer step); what steady emulation runs them at."""
     tables = plan_tables(plan, layer_profiles)
     times = {}
     for pipeline in plan.pipelines:
         for stage in pipeline.stages:
             table = tables[stage.device_type]
+            compute_s = table.compute_s(stage.first_layer, stage.last_layer, pipeline.micro_batch_size)
             times[stage.rank] = {
-                "compute_s": table.compute_s(stage.first_layer, stage.last_layer, pipeline.micro_batch_size),
+                "compute_s": compute_s,
+                "recompute_s": RECOMPUTE_SHARE * compute_s if stage.activation_checkpointing else 0.0,
                 "optimizer_step_s": float(
                     table.optimizer_prefix_s[stage.last_layer + 1] - table.optimizer_prefix_s[stage.first_layer]
                 ),
@@ -435,7 +485,12 @@ class PipelinePrediction:
     rank_stage_time_s: tuple[float, ...]
     """Each rank's stage time per micro-batch: compute + transfers."""
     rank_compute_time_s: tuple[float, ...]
-    """Per iteration: micro-batches x the stage's forward + backward."""
+    """Per iteration: micro-batches x the stage's forward + backward (a checkpointed stage's recompute
+    included)."""
+    rank_recompute_time_s: tuple[float, ...]
+    """Per iteration: of the compute, the forwards a checkpointed stage runs again (0 elsewhere)."""
+    rank_activation_checkpointing: tuple[bool, ...]
+    """Whether the rank's stage recomputes its forward in its backward (the plan's)."""
     rank_transfer_time_s: tuple[float, ...]
     """Per iteration: micro-batches x the stage's activation transfers."""
     boundary_transfers: tuple[BoundaryTransfer, ...]
@@ -502,8 +557,9 @@ def predict_pipeline(
 def evaluate_plan(plan: PipelinePlan, tables: dict[str, LayerTable], links: Links) -> PipelinePrediction:
     """`predict_pipeline` with the tables (sizes up to the plan's largest micro-batch) and prices ready."""
     world = plan.world_size
-    stage_time, compute, transfer, busy, optimizer = (np.zeros(world) for _ in range(5))
+    stage_time, compute, transfer, busy, optimizer, recompute = (np.zeros(world) for _ in range(6))
     memory = np.zeros(world, dtype=np.int64)
+    checkpointed = [False] * world
     pipeline_times, boundaries = [], []
     # Pipelines alike in everything but their ranks (and as fast links) cost the same: thousands, a few kinds.
     known: dict[tuple, list[StageCost]] = {}
@@ -519,6 +575,7 @@ def evaluate_plan(plan: PipelinePlan, tables: dict[str, LayerTable], links: Link
             r = stage.rank
             stage_time[r], compute[r], transfer[r] = cost.time_s, m * cost.compute_s, m * cost.transfer_s
             busy[r], memory[r] = m * cost.time_s, cost.memory_bytes
+            recompute[r], checkpointed[r] = m * cost.recompute_s, stage.activation_checkpointing
             prefix = tables[stage.device_type].optimizer_prefix_s
             optimizer[r] = prefix[stage.last_layer + 1] - prefix[stage.first_layer]
         pipeline_times.append(pipeline_time_s(len(costs), m, max(c.time_s for c in costs)))
@@ -530,6 +587,8 @@ def evaluate_plan(plan: PipelinePlan, tables: dict[str, LayerTable], links: Link
         pipeline_time_s=tuple(pipeline_times),
         rank_stage_time_s=tuple(stage_time.tolist()),
         rank_compute_time_s=tuple(compute.tolist()),
+        rank_recompute_time_s=tuple(recompute.tolist()),
+        rank_activation_checkpointing=tuple(checkpointed),
         rank_transfer_time_s=tuple(transfer.tolist()),
         boundary_transfers=tuple(boundaries),
         rank_busy_time_s=tuple(busy.tolist()),
@@ -552,7 +611,7 @@ def _cost_key(pipeline: Pipeline, prices: tuple[LinkPrice, ...]) -> tuple:
     return (
         pipeline.micro_batch_size,
         pipeline.num_micro_batches,
-        tuple((s.device_type, s.first_layer, s.last_layer) for s in pipeline.stages),
+        tuple((s.device_type, s.first_layer, s.last_layer, s.activation_checkpointing) for s in pipeline.stages),
         prices,
     )
 

@@ -101,7 +101,8 @@ class _Drifted:
             size = np.array([pipeline.micro_batch_size], dtype=np.int64)
             shape = shape_of(pipeline.ranks, self.rank_types, self.links)
             firsts = [s.first_layer for s in pipeline.stages]
-            slowest, limit = split_costs(shape, firsts, self.tables, size)
+            checkpointing = [s.activation_checkpointing for s in pipeline.stages]
+            slowest, limit = split_costs(shape, firsts, self.tables, size, checkpointing)
             usable = np.isfinite(slowest) & (limit >= 1)
             classes.append(
                 PipelineOptions(

@@ -48,6 +48,7 @@ from .pipeline_cost import (
     Links,
     boundary_lower_bound_s,
     boundary_s,
+    checkpoint_where_needed,
     evaluate_plan,
     largest_profiled_size,
     layer_profiles_by_stage,
@@ -56,7 +57,7 @@ from .pipeline_cost import (
 )
 from .pipeline_layouts import Layout, all_layouts, candidate_layouts
 from .pipeline_sizing import MAX_SUMSET, PipelineOptions, lower_bound_s, size_pipelines
-from .pipeline_split import BalancedSplits, Shape, balanced_split, shape_of, split_costs
+from .pipeline_split import BalancedSplits, Shape, balanced_split, shape_of, split_options
 
 EXACT_MAX_RANKS = 6
 """The exact search lists every layout of clusters up to this many ranks (4051 layouts at 6)."""
@@ -149,7 +150,9 @@ class _Context:
 
 
 def _plan(pipelines: list[Pipeline], context: _Context) -> PipelinePlan:
-    """A plan of `pipelines` (listed by first rank) with its prediction."""
+    """A plan of `pipelines` (listed by first rank) with its prediction; activation checkpointing on the stages
+    that do not fit without it (the sizing allowed their count only so)."""
+    pipelines = [checkpoint_where_needed(p, context.tables) for p in pipelines]
     draft = PipelinePlan(
         policy="poplar",
         zero_stage=context.zero_stage,
@@ -202,11 +205,11 @@ def _joint_splits(shapes: list[Shape], num_layers: int):
 
 
 def _options_for_split(shape, split, count, tables, sizes, global_batch_size) -> PipelineOptions:
-    slowest, limit = split_costs(shape, split, tables, sizes)
-    usable = np.isfinite(slowest) & (limit >= 1)
+    usable_sizes, slowest, limit = split_options(shape, split, tables, sizes)
+    usable = np.isfinite(slowest)
     return PipelineOptions(
         num_stages=shape.num_stages,
-        sizes=sizes[usable],
+        sizes=usable_sizes[usable],
         stage_s=slowest[usable],
         max_micro_batches=np.minimum(limit[usable], global_batch_size),
         count=count,
@@ -548,14 +551,24 @@ def layout_summary(plan: PipelinePlan) -> str:
     return " + ".join(parts)
 
 
+def checkpointing_summary(plan: PipelinePlan) -> str:
+    """``activation checkpointing on 2 stages (ranks 1, 3)`` ('' when no stage recomputes)."""
+    ranks = sorted(s.rank for p in plan.pipelines for s in p.stages if s.activation_checkpointing)
+    if not ranks:
+        return ""
+    plural = "s" if len(ranks) > 1 else ""
+    return f"activation checkpointing on {len(ranks)} stage{plural} (rank{plural} {_some([str(r) for r in ranks])})"
+
+
 def _message(plan: PipelinePlan, stage: int, auto: bool, outcome: _Outcome) -> str:
     predicted = plan.predicted
     share = predicted.samples_per_s / predicted.ideal_samples_per_s
+    checkpointing = checkpointing_summary(plan)
     return (
         f"pipelines at ZeRO stage {stage}{' (auto)' if auto else ''}: {layout_summary(plan)}, global batch "
-        f"{plan.global_batch_size}, predicted {predicted.iteration_time_s:.4g} s per iteration, "
-        f"{predicted.samples_per_s:.4g} samples/s ({100 * share:.1f}% of ideal); {outcome.method} search over "
-        f"{outcome.layouts} layouts."
+        f"{plan.global_batch_size}{', ' + checkpointing if checkpointing else ''}, predicted "
+        f"{predicted.iteration_time_s:.4g} s per iteration, {predicted.samples_per_s:.4g} samples/s "
+        f"({100 * share:.1f}% of ideal); {outcome.method} search over {outcome.layouts} layouts."
     )
 
 
@@ -580,7 +593,8 @@ def check_pipeline_plan(
     the pipelines' samples are the global batch and each pipeline's stages cover the
     layers in order; with `layer_profiles`, that every device type has a layer profile at
     the plan's stage with the plan's number of layers, and that every stage fits its
-    device's memory (`search.pipeline_cost`: base, its layers, the 1F1B in-flight activations).
+    device's memory (`search.pipeline_cost`: base, its layers, the 1F1B in-flight activations, or a
+    checkpointed stage's inputs and one micro-batch's activations).
     """
     problems = _check_ranks(plan, cluster) + _check_shape(plan)
     if layer_profiles is not None and not problems:
@@ -657,6 +671,7 @@ def _check_memory(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]) ->
     if over:
         return [
             f"Stages do not fit their device's memory (base, their layers' parameters and optimizer state, the "
-            f"activations of the micro-batches 1F1B keeps in flight) at {_some(over)}."
+            f"activations of the micro-batches 1F1B keeps in flight, or a checkpointed stage's inputs and one "
+            f"micro-batch's activations) at {_some(over)}."
         ]
     return []

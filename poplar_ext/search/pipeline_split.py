@@ -10,10 +10,16 @@ among the splits that fit every stage's memory, exactly, by dynamic programming:
 
     best[s][j] = min over i < j of max(best[s - 1][i], cost_s(i, j))
 
-where ``cost_s(i, j)`` is stage s holding layers i..j-1 (infinite when they do not fit
-its device). The pipeline's time ``(m + S - 1) x`` its slowest stage only depends on the
-split through that maximum, so for a given shape, size and regime this split is optimal.
-All sizes are solved at once (numpy over ``(sizes, i, j)``).
+where ``cost_s(i, j)`` is stage s holding layers i..j-1: its time without activation
+checkpointing where that fits its device, else its time with it (the recompute priced,
+`pipeline_cost.RECOMPUTE_SHARE`) where that fits, else infinite. The pipeline's time
+``(m + S - 1) x`` its slowest stage only depends on the split through that maximum, so
+for a given shape, size and regime this split is optimal. All sizes are solved at once
+(numpy over ``(sizes, i, j)``).
+
+For a given split, `split_costs` prices the stages with their checkpointing given, and
+`split_options` lists what the split can run when each stage is checkpointed only where
+the count of micro-batches needs it: a few (time, most micro-batches) entries per size.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .pipeline_cost import TRANSFERS_PER_BOUNDARY, LayerTable, LinkPrice, Links
+from .pipeline_cost import RECOMPUTE_SHARE, TRANSFERS_PER_BOUNDARY, LayerTable, LinkPrice, Links
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,18 @@ class _TypeCosts:
     """``[i, j]``: the most micro-batch samples (in-flight count x size) whose activations fit beside layers i..j-1."""
     leaving_bytes: np.ndarray
     """``[l]``: what a boundary before layer l carries per sample (0 before layer 0)."""
+    free_per_sample_bytes: np.ndarray
+    """``[size, i, j]``: memory left beside layers i..j-1 per sample of a micro-batch (rounded down; negative
+    where they do not fit)."""
+    kept_bytes: np.ndarray
+    """``[i, j]``: kept activations per sample of layers i..j-1."""
+    input_bytes: np.ndarray
+    """``[i]``: what a checkpointed stage from layer i keeps per sample of an in-flight micro-batch."""
+
+    def checkpointed_fits(self, in_flight: int) -> np.ndarray:
+        """``[size, i, j]``: whether layers i..j-1 checkpointed fit with `in_flight` micro-batches of each size."""
+        needed = (in_flight - 1) * self.input_bytes.astype(float)[:, None] + self.kept_bytes
+        return needed[None] <= self.free_per_sample_bytes
 
     @classmethod
     def of(cls, table: LayerTable, sizes: np.ndarray) -> _TypeCosts:
@@ -69,7 +87,14 @@ class _TypeCosts:
             most = np.where(kept > 0, np.floor_divide(free, np.maximum(kept, 1)).astype(float), np.inf)
         most = np.where(free < 0, -1.0, most)
         leaving = np.concatenate([[0.0], table.output_bytes.astype(float)])
-        return cls(compute_s=compute, most_kept=most, leaving_bytes=leaving)
+        return cls(
+            compute_s=compute,
+            most_kept=most,
+            leaving_bytes=leaving,
+            free_per_sample_bytes=np.floor_divide(free[None], sizes[:, None, None]),
+            kept_bytes=kept,
+            input_bytes=np.concatenate([table.input_bytes, [0]]),
+        )
 
 
 def stage_cost_s(
@@ -79,7 +104,8 @@ def stage_cost_s(
     sizes: np.ndarray,
     in_flight: int,
 ) -> np.ndarray:
-    """``[size, i, j]``: stage `stage` holding layers i..j-1 (inf where j <= i or it does not fit memory)."""
+    """``[size, i, j]``: stage `stage` holding layers i..j-1 (inf where j <= i or it does not fit memory, even
+    checkpointed)."""
     own = costs[shape.device_types[stage]]
     b = sizes.astype(float)[:, None]
     extra = np.zeros((len(sizes), 1, 1))
@@ -92,8 +118,13 @@ def stage_cost_s(
         extra = extra + both_ways_s(shape.transfer_prices[stage - 1])[:, :, None]
     if stage < shape.num_stages - 1:
         extra = extra + both_ways_s(shape.transfer_prices[stage])[:, None, :]
-    too_big = (in_flight * sizes.astype(float))[:, None, None] > own.most_kept[None]
-    return np.where(too_big, np.inf, own.compute_s + extra)
+    fits = (in_flight * sizes.astype(float))[:, None, None] <= own.most_kept[None]
+    if fits.all():
+        return own.compute_s + extra
+    if in_flight == 1:  # checkpointed, one micro-batch in flight keeps as much
+        return np.where(fits, own.compute_s, np.inf) + extra
+    recomputed = np.where(own.checkpointed_fits(in_flight), (1.0 + RECOMPUTE_SHARE) * own.compute_s, np.inf)
+    return np.where(fits, own.compute_s, recomputed) + extra
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -152,39 +183,96 @@ UNLIMITED = np.iinfo(np.int64).max // 4
 """No memory limit on the number of micro-batches."""
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class _SplitTerms:
+    """A given split's stages at every size, each without and with activation checkpointing (``[stage, size]``)."""
+
+    plain_s: np.ndarray
+    """Compute and transfers per micro-batch."""
+    checkpointed_s: np.ndarray
+    """The same with the forward run again."""
+    plain_limit: np.ndarray
+    """Memory's limit on the micro-batch count (`UNLIMITED` where S - s in flight fit; 0 where none does)."""
+    checkpointed_limit: np.ndarray
+    """The same with only the inputs kept, and one micro-batch's activations while it is recomputed."""
+
+    @classmethod
+    def of(cls, shape: Shape, first_layers: Sequence[int], tables: dict[str, LayerTable], sizes: np.ndarray):
+        stages = shape.num_stages
+        bounds = [*first_layers, tables[shape.device_types[0]].num_layers]
+        times = np.zeros((2, stages, len(sizes)))
+        limits = np.zeros((2, stages, len(sizes)), dtype=np.int64)
+        for s in range(stages):
+            table = tables[shape.device_types[s]]
+            i, j = bounds[s], bounds[s + 1]
+            compute_s = table.time_prefix_s[sizes - 1, j] - table.time_prefix_s[sizes - 1, i]
+            transfer_s = np.zeros(len(sizes))
+            for boundary, layer in ((s - 1, i - 1), (s, j - 1)):
+                if 0 <= boundary < stages - 1:
+                    price = shape.transfer_prices[boundary]
+                    transfer_s = transfer_s + TRANSFERS_PER_BOUNDARY * (
+                        price.latency_s + sizes * float(table.output_bytes[layer]) * price.seconds_per_byte
+                    )
+            times[0, s] = compute_s + transfer_s
+            times[1, s] = (1.0 + RECOMPUTE_SHARE) * compute_s + transfer_s
+            free = table.free_bytes - int(table.static_prefix_bytes[j] - table.static_prefix_bytes[i])
+            kept = int(table.activation_prefix_bytes[j] - table.activation_prefix_bytes[i])
+            held = int(table.input_bytes[i])
+            # Checkpointed: b x ((f - 1) x input + kept) = b x (f x input + kept - input).
+            limits[0, s] = _count_limit(free, sizes, kept, 0, stages - s)
+            limits[1, s] = _count_limit(free, sizes, held, kept - held, stages - s)
+        return cls(plain_s=times[0], checkpointed_s=times[1], plain_limit=limits[0], checkpointed_limit=limits[1])
+
+
+def _count_limit(free: int, sizes: np.ndarray, per_flight: int, once: int, most_in_flight: int) -> np.ndarray:
+    """Per size b, the most micro-batches m whose ``b x (f x per_flight + once)`` fit `free` with
+    ``f = min(m, most_in_flight)``: `UNLIMITED` where f = `most_in_flight` fits, 0 where f = 1 does not."""
+    if free < 0:
+        return np.zeros(len(sizes), dtype=np.int64)
+    room = free // sizes.astype(np.int64) - once
+    if per_flight == 0:
+        flights = np.where(room >= 0, UNLIMITED, 0)
+    else:
+        flights = np.where(room >= 0, room // per_flight, 0)
+    return np.where(flights >= most_in_flight, UNLIMITED, np.maximum(flights, 0)).astype(np.int64)
+
+
 def split_costs(
     shape: Shape,
     first_layers: Sequence[int],
     tables: dict[str, LayerTable],
     sizes: np.ndarray,
+    checkpointing: Sequence[bool] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """For a given split: per size, the slowest stage's time and memory's limit on the micro-batch count.
 
     The limit: stage s keeps ``min(m, S - s)`` micro-batches, so a size at which stage s
-    holds only k < S - s of them allows m <= k; 0 where not even one fits.
+    holds only k < S - s of them allows m <= k; 0 where not even one fits. The stages
+    `checkpointing` names (None: none) are priced with activation checkpointing.
     """
-    stages = shape.num_stages
-    bounds = [*first_layers, tables[shape.device_types[0]].num_layers]
-    slowest = np.zeros(len(sizes))
-    limit = np.full(len(sizes), UNLIMITED, dtype=np.int64)
-    for s in range(stages):
-        table = tables[shape.device_types[s]]
-        i, j = bounds[s], bounds[s + 1]
-        time_s = table.time_prefix_s[sizes - 1, j] - table.time_prefix_s[sizes - 1, i]
-        for boundary, layer in ((s - 1, i - 1), (s, j - 1)):
-            if 0 <= boundary < stages - 1:
-                price = shape.transfer_prices[boundary]
-                time_s = time_s + TRANSFERS_PER_BOUNDARY * (
-                    price.latency_s + sizes * float(table.output_bytes[layer]) * price.seconds_per_byte
-                )
-        slowest = np.maximum(slowest, time_s)
-        free = table.free_bytes - int(table.static_prefix_bytes[j] - table.static_prefix_bytes[i])
-        kept = int(table.activation_prefix_bytes[j] - table.activation_prefix_bytes[i])
-        if free < 0:
-            fits = np.full(len(sizes), -1, dtype=np.int64)
-        elif kept == 0:
-            continue
-        else:
-            fits = free // (sizes.astype(np.int64) * kept)
-        limit = np.where(fits < stages - s, np.minimum(limit, fits), limit)
-    return slowest, np.maximum(limit, 0)
+    terms = _SplitTerms.of(shape, first_layers, tables, sizes)
+    on = np.zeros(shape.num_stages, dtype=bool) if checkpointing is None else np.asarray(checkpointing, dtype=bool)
+    slowest = np.max(np.where(on[:, None], terms.checkpointed_s, terms.plain_s), axis=0)
+    limit = np.min(np.where(on[:, None], terms.checkpointed_limit, terms.plain_limit), axis=0)
+    return slowest, limit
+
+
+def split_options(
+    shape: Shape, first_layers: Sequence[int], tables: dict[str, LayerTable], sizes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What a given split can run, each stage checkpointed only where the count needs it: entries
+    ``(size, slowest stage's time, most micro-batches)``, a few per size, only those that fit.
+
+    At a count m a stage runs without checkpointing where its memory allows m, else with it;
+    between two consecutive limits of any stage (with or without) that choice is the same,
+    so one entry per limit covers every count: the stages whose limit without is at least
+    it run so, the others checkpointed (the entry is dropped where one of those cannot).
+    """
+    terms = _SplitTerms.of(shape, first_layers, tables, sizes)
+    entries = []
+    for cap in np.concatenate([terms.plain_limit, terms.checkpointed_limit]):
+        plain = terms.plain_limit >= cap[None]
+        usable = (cap >= 1) & np.all(plain | (terms.checkpointed_limit >= cap[None]), axis=0)
+        slowest = np.max(np.where(plain, terms.plain_s, terms.checkpointed_s), axis=0)
+        entries.append((sizes[usable], slowest[usable], cap[usable]))
+    return tuple(np.concatenate(column) for column in zip(*entries))

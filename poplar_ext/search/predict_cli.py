@@ -99,11 +99,12 @@ def _alike(rank: Any) -> tuple:
 def pipeline_prediction_table(
     plan: PipelinePlan, prediction: PipelinePrediction, network: NetworkProfile | None, cluster: Cluster | None = None
 ) -> str:
-    """Where a pipeline plan's time goes: each stage's compute, activation transfers and idle share, when its
-    gradient all-reduce ends and its optimizer step; each boundary's link and transfers; each pipeline's 1F1B
-    time."""
+    """Where a pipeline plan's time goes: each stage's compute (of it the recompute of a checkpointed stage),
+    activation transfers and idle share, when its gradient all-reduce ends and its optimizer step; each
+    boundary's link and transfers; each pipeline's 1F1B time."""
     rows = [
-        ["pipeline", "stage", "rank", "device type", "layers", "compute s", "transfers s", "busy s", "idle"]
+        ["pipeline", "stage", "rank", "device type", "layers", "compute s", "recompute s", "transfers s", "busy s"]
+        + ["idle"]
         + ["all-reduce ends s", "optimizer s"]
     ]
     for index, pipeline in enumerate(plan.pipelines):
@@ -113,6 +114,7 @@ def pipeline_prediction_table(
             rows.append(
                 [str(index) if s == 0 else "", str(s), str(r), stage.device_type]
                 + [f"{stage.first_layer}-{stage.last_layer}", f"{prediction.rank_compute_time_s[r]:.4g}"]
+                + [f"{prediction.rank_recompute_time_s[r]:.4g}" if stage.activation_checkpointing else "-"]
                 + [f"{prediction.rank_transfer_time_s[r]:.4g}", f"{busy:.4g}"]
                 + [f"{100 * (1 - busy / prediction.iteration_time_s):.1f}%", f"{prediction.rank_all_reduce_s[r]:.4g}"]
                 + [f"{prediction.rank_optimizer_step_s[r]:.4g}"]

@@ -3,11 +3,14 @@
 Independent of the search: every ordered partition of the ranks into pipelines, every
 split of every pipeline, every (micro-batch size, count) of every pipeline whose samples
 sum to the global batch; each plan priced by the cost model (`evaluate_plan`, what
-`predict_pipeline` runs), plans whose stages exceed their device's memory left out.
+`predict_pipeline` runs), plans whose stages exceed their device's memory left out. A stage
+that exceeds it is priced with activation checkpointing instead (the one setting that can
+make it fit: checkpointing a stage that fits only adds its recompute).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -43,6 +46,17 @@ def _work_choices(batch, count):
         for m in range(1, batch // b + 1):
             for rest in _work_choices(batch - b * m, count - 1):
                 yield ((b, m), *rest)
+
+
+def _checkpointed(plan, ranks):
+    """`plan` with activation checkpointing on the stages of `ranks`."""
+    pipelines = tuple(
+        dataclasses.replace(
+            p, stages=tuple(dataclasses.replace(s, activation_checkpointing=s.rank in ranks) for s in p.stages)
+        )
+        for p in plan.pipelines
+    )
+    return dataclasses.replace(plan, pipelines=pipelines)
 
 
 def brute_force(profiles, cluster, batch, zero_stage=0, network=None):
@@ -81,6 +95,10 @@ def brute_force(profiles, cluster, batch, zero_stage=0, network=None):
                     profile_fingerprints={},
                 )
                 predicted = evaluate_plan(plan, tables, links)
+                over = {r for r, mem in enumerate(predicted.rank_memory_bytes) if mem > capacity[types[r]]}
+                if over:  # only there checkpointing can help, and it only adds time
+                    plan = _checkpointed(plan, over)
+                    predicted = evaluate_plan(plan, tables, links)
                 if any(mem > capacity[types[r]] for r, mem in enumerate(predicted.rank_memory_bytes)):
                     continue
                 if predicted.iteration_time_s < best:

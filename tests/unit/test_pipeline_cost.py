@@ -195,7 +195,11 @@ def test_each_stage_blocks_are_its_layers_times_at_its_pipelines_micro_batch():
 
     blocks = stage_block_times(PLAN, PROFILES)
     # Rank 0 (a): layers 0-2 at micro-batch 2 take (1 + 2 + 3) x 0.01 x 2; their optimizer 0.001 x (1 + 2 + 3).
-    assert blocks[0] == {"compute_s": pytest.approx(0.12), "optimizer_step_s": pytest.approx(0.006)}
+    assert blocks[0] == {"compute_s": pytest.approx(0.12), "recompute_s": 0.0, "optimizer_step_s": pytest.approx(0.006)}
     # Rank 2 (b): layer 3 at micro-batch 2; rank 1 (a): every layer at micro-batch 4.
     assert blocks[2]["compute_s"] == pytest.approx(4 * 0.02 * 2)
-    assert blocks[1] == {"compute_s": pytest.approx(10 * 0.01 * 4), "optimizer_step_s": pytest.approx(0.010)}
+    assert blocks[1] == {
+        "compute_s": pytest.approx(10 * 0.01 * 4),
+        "recompute_s": 0.0,
+        "optimizer_step_s": pytest.approx(0.010),
+    }

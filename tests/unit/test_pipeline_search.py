@@ -214,14 +214,19 @@ def test_the_balanced_split_is_the_best_split_that_fits(seed):
     found = balanced_split(shape, tables, sizes)
     for index in range(len(sizes)):
         best = np.inf
-        for cut in itertools.combinations(range(1, 6), 2):
-            slowest, limit = split_costs(shape, (0, *cut), tables, sizes[index : index + 1])
+        for cut, checkpointing in itertools.product(
+            itertools.combinations(range(1, 6), 2), itertools.product((False, True), repeat=3)
+        ):
+            slowest, limit = split_costs(shape, (0, *cut), tables, sizes[index : index + 1], checkpointing)
             if limit[0] >= 3:  # fits S - s in flight on every stage
                 best = min(best, float(slowest[0]))
         assert found.slowest_stage_s[index] == pytest.approx(best, rel=1e-12)
         if np.isfinite(best):
-            slowest, _ = split_costs(shape, found.first_layers(index), tables, sizes[index : index + 1])
-            assert slowest[0] == pytest.approx(best, rel=1e-12)
+            priced = [
+                split_costs(shape, found.first_layers(index), tables, sizes[index : index + 1], checkpointing)
+                for checkpointing in itertools.product((False, True), repeat=3)
+            ]
+            assert min(slowest[0] for slowest, limit in priced if limit[0] >= 3) == pytest.approx(best, rel=1e-12)
     assert np.isfinite(found.slowest_stage_s[0]) and not np.isfinite(found.slowest_stage_s[-1]), "memory decides"
 
 

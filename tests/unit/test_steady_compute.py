@@ -145,6 +145,7 @@ def test_an_emulated_pipeline_stage_is_steady_at_its_layer_profiles(tmp_path):
     assert times == {
         2: {
             "compute_s": pytest.approx(0.16),
+            "recompute_s": 0.0,
             "optimizer_step_s": pytest.approx(0.004),
             "profile_slowdown": 3.0,
             "type": "b",
