@@ -41,6 +41,7 @@ from poplar_ext.hardware.emulation import (
     host_resident_optimizer_bytes,
 )
 from poplar_ext.hardware.memory import MeasuredPeak, allocated_device_bytes, is_out_of_memory, release_memory
+from poplar_ext.hardware.optimizer_window import optimizer_compute_window
 from poplar_ext.plan.formats import Sample
 from poplar_ext.profiler.layout import JobLayout
 from poplar_ext.profiler.options import LossFn, ProfileOptions
@@ -52,6 +53,24 @@ _OK, _EMULATED_OOM, _REAL_OOM, _ERROR = range(4)
 # Large enough that the engine never reaches an accumulation boundary on its own:
 # the profiler places every boundary itself with set_gradient_accumulation_boundary.
 _NOMINAL_ACCUMULATION_STEPS = 1_000_000
+
+
+class _StepWindow:
+    """Wall and compute time of the optimizer step's compute part (`optimizer_compute_window`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.wall_s, self.cpu_s = device, 0.0, 0.0
+        self._started = (0.0, 0.0)
+
+    def start(self) -> None:
+        self._started = (time.perf_counter(), time.thread_time())
+
+    def stop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall, cpu = self._started
+        self.wall_s += time.perf_counter() - wall
+        self.cpu_s += time.thread_time() - cpu
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -555,16 +574,20 @@ class StageMeasurement:
             ordinary_wall, _ = timed(backward(False))
             self.engine.step()
             boundary_wall, _ = timed(backward(True))
-            step_wall, step_cpu = timed(self.engine.step)
+            window = _StepWindow(device)
+            with optimizer_compute_window(self.engine.optimizer, start=window.start, stop=window.stop) as split:
+                step_wall, step_cpu = timed(self.engine.step)
             self.engine.set_gradient_accumulation_boundary(False)
             if index >= self.settings.warmup_micro_steps:
                 ordinary_s.append(ordinary_wall)
                 boundary_s.append(boundary_wall)
-                # As training emulates it (ComputeSlowdown): the step lasts slowdown x its
-                # compute time, or its wall time if that is longer. On CUDA the CPU time
-                # says nothing about the kernels: the wall time is the compute time.
-                compute_s = step_wall if device.type == "cuda" else step_cpu
-                step_s.append(max(step_wall, slowdown * compute_s))
+                # As training emulates it (ComputeSlowdown): the compute part of the step (a ZeRO 1/2
+                # partition's update, without the step's collectives) lasts slowdown x its compute
+                # time, or its wall time if that is longer. On CUDA the CPU time says nothing about
+                # the kernels: the wall time is the compute time.
+                part_wall, part_cpu = (window.wall_s, window.cpu_s) if split else (step_wall, step_cpu)
+                compute_s = part_wall if device.type == "cuda" else part_cpu
+                step_s.append(step_wall - part_wall + max(part_wall, slowdown * compute_s))
         reduction_s = max(0.0, statistics.median(boundary_s) - statistics.median(ordinary_s))
         return reduction_s + statistics.median(step_s)
 

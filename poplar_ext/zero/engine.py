@@ -32,6 +32,7 @@ from poplar_ext.hardware.emulation import (
     scheduled_slowdown,
     warn_on_overrun,
 )
+from poplar_ext.hardware.optimizer_window import optimizer_compute_window
 from poplar_ext.plan.formats import Plan, one_accumulation_count, plan_from_dict, plan_to_dict
 from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
@@ -293,18 +294,25 @@ class PoplarEngine(FollowsRebalancing):
         """DeepSpeed's step; at an accumulation boundary also counts and logs the iteration."""
         boundary = self.deepspeed_engine.is_gradient_accumulation_boundary()
         # The optimizer step is compute too: an emulated device runs it slower, as the
-        # profiler measures it (its optimizer_step_time_s).
+        # profiler measures it (its optimizer_step_time_s), its collectives left out.
         emulate = boundary and self._slowdown is not None and self._slowdown.emulation is not None
-        if emulate:
-            busy_before = self._slowdown.busy_time_s
-            self._slowdown.start(OPTIMIZER_STEP_KEY)
-        try:
+        if not emulate:
             result = self.deepspeed_engine.step(*args, **kwargs)
-        finally:
-            if emulate:
-                self._slowdown.stop()
-                # Re-balancing compares micro-step compute with the profile's micro-steps.
-                self._slowdown.busy_time_s = busy_before
+        else:
+            slowdown, busy_before = self._slowdown, self._slowdown.busy_time_s
+            optimizer = self.deepspeed_engine.optimizer
+            with optimizer_compute_window(
+                optimizer, start=lambda: slowdown.start(OPTIMIZER_STEP_KEY), stop=slowdown.stop
+            ) as split:
+                if not split:
+                    slowdown.start(OPTIMIZER_STEP_KEY)
+                try:
+                    result = self.deepspeed_engine.step(*args, **kwargs)
+                finally:
+                    if not split:
+                        slowdown.stop()
+            # Re-balancing compares micro-step compute with the profile's micro-steps.
+            slowdown.busy_time_s = busy_before
         if boundary:
             self._end_of_iteration()
         return result
