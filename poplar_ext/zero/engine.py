@@ -300,7 +300,7 @@ class PoplarEngine(FollowsRebalancing):
             result = self.deepspeed_engine.step(*args, **kwargs)
         else:
             slowdown, busy_before = self._slowdown, self._slowdown.busy_time_s
-            optimizer = self.deepspeed_engine.optimizer
+            optimizer = getattr(self.deepspeed_engine, "optimizer", None)
             with optimizer_compute_window(
                 optimizer, start=lambda: slowdown.start(OPTIMIZER_STEP_KEY), stop=slowdown.stop
             ) as split:
