@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -56,8 +55,7 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from poplar_ext.collectives import agree_sum, barrier, decided_by_rank0, gather_objects, sum_in_group
-from poplar_ext.hardware.compute_clock import ComputeTimer, CudaEventTimer
-from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
+from poplar_ext.hardware.emulation import ComputeSlowdown
 from poplar_ext.pipeline.checkpoint import (
     UNIVERSAL_FOLDER,
     check_recount,
@@ -79,14 +77,13 @@ from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_from_di
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
     checkpoint_tag,
-    history_entry,
-    poplar_client_state,
     read_state,
     write_latest_when_saved,
     write_state,
 )
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.rebalance import FollowsRebalancing, Rebalancer, StepView, SwitchOrder
+from poplar_ext.runtime.engine_core import EngineCore
+from poplar_ext.runtime.rebalance import Rebalancer, StepView
 from poplar_ext.runtime.weighting import pipeline_loss_weight
 
 logger = logging.getLogger(__name__)
@@ -155,7 +152,7 @@ def agree_on_overflow(
     return overflow
 
 
-class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
+class PoplarPipelineEngine(EngineCore, PipelineEngine):
     """DeepSpeed's pipeline engine for this rank's pipeline (built by `poplar_ext.initialize`).
 
     Use it as DeepSpeed's: ``loss = engine.train_batch(data_iter)``, or
@@ -164,6 +161,7 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
     the plan's global batch; checkpoints hold one folder per pipeline and the data position.
     """
 
+    plan_from_dict = staticmethod(pipeline_plan_from_dict)
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         schedule.ForwardPass: _timed(PipelineEngine._exec_forward_pass),
@@ -181,53 +179,27 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
     ):
         super().__init__(**deepspeed_arguments)
         plan = poplar_job.plan
+        self._start_core(
+            plan,
+            rank=self.global_rank,
+            poplar_config=poplar_job.poplar_config,
+            slowdown=slowdown,
+            rebalancer=rebalancer,
+            on_cpu=lambda: self.device.type == "cpu",
+            plan_reason=poplar_job.plan_reason,
+        )
         self.poplar_job = poplar_job
-        self.plan = plan
-        """The pipeline plan every rank runs."""
         self.pipeline_index, self.stage_index = poplar_job.pipeline_index, poplar_job.stage_index
-        self.consumed_samples = 0
-        """Samples (of all pipelines) trained by the optimizer steps so far."""
-        self.plan_history: list[dict] = [
-            history_entry(plan, start_step=0, data_position=0, reason=poplar_job.plan_reason)
-        ]
-        if slowdown is None and rebalancer is not None:
-            # A real device too measures its compute (never sleeps) when re-balancing watches it.
-            slowdown = ComputeSlowdown(None) if self.device.type == "cpu" else CudaEventTimer()
-        self._slowdown = slowdown
-        self._rebalancer = rebalancer
-        self.pending_switch: SwitchOrder | None = None
         self._fed_by_caller = False
-        self._restored_position = 0
-        self._steps_since_restore = 0
-        self._samplers: list[PlanBatchSampler] = []
         self._loader: Any = None
         self._own_iterator = False
         self._job_tag: str | None = None
-        self._last_boundary_time: float | None = None
         self._iteration_tokens = 0
         # DeepSpeed's bookkeeping (samples/s, global_samples) reads the batch it was given: the
         # pipeline's; its batch checks ran in __init__, nothing later compares it.
         self._config.train_batch_size = plan.global_batch_size
         for timer in (self.tput_timer, self.batch_timer):
             timer.batch_size = plan.global_batch_size
-
-    @property
-    def emulated_compute(self) -> ComputeSlowdown | None:
-        """This rank's emulated slowdown (None on a real device)."""
-        if self._slowdown is None or self._slowdown.emulation is None:
-            return None
-        return self._slowdown
-
-    @property
-    def compute_timer(self) -> ComputeTimer | None:
-        """What times this rank's forward and backward instructions: the emulation's slowdown, or, when
-        re-balancing is on, a timer that only measures."""
-        return self._slowdown
-
-    @property
-    def rebalancer(self) -> Rebalancer | None:
-        """The job's re-balancing (``poplar.rebalance``), None when off; on rank 0 its ``monitor`` holds the checks."""
-        return self._rebalancer
 
     # -- across pipelines ----------------------------------------------------------
     def allreduce_gradients(self, bucket_size: int = MEMORY_OPT_ALLREDUCE_SIZE) -> None:
@@ -248,7 +220,7 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
     def _sum_across_pipelines(self) -> None:
         gradients = self._accumulated_gradients()
         self.module.layer_segments.sum_gradients(self.module, gradient_of=gradients.__getitem__)
-        if self.poplar_job.poplar_config.loss_reduction == "token_mean":
+        if self.poplar_config.loss_reduction == "token_mean":
             self._divide_by_iteration_tokens(gradients.values())
         if self.fp16_enabled() or self.bfloat16_enabled():
             agree_on_overflow(list(gradients.values()), device=self.device)
@@ -342,42 +314,25 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
         # Each stage of pipeline p holds its share; each share counted once over all ranks.
         total = share.detach().double() / self.num_stages
         sum_in_group(total)
-        if self.poplar_job.poplar_config.loss_reduction == "token_mean":
+        if self.poplar_config.loss_reduction == "token_mean":
             total /= self._iteration_tokens  # the shares are token sums (WeightedLoss)
         self.agg_train_loss = total.to(share.dtype)
         self._end_of_iteration()
         return self.agg_train_loss
 
     def _end_of_iteration(self) -> None:
-        self.consumed_samples += self.plan.global_batch_size
-        self._steps_since_restore += 1
-        self._follow_slowdown_schedule()
-        self.follow_rebalancing(self.global_steps)
-        now = time.perf_counter()
-        previous, self._last_boundary_time = self._last_boundary_time, now
-        interval = self.poplar_job.poplar_config.log_interval_steps
-        if interval and self.global_rank == 0 and self.global_steps % interval == 0 and previous is not None:
+        iteration_s = self._count_iteration(self.global_steps)
+        interval = self.poplar_config.log_interval_steps
+        if interval and self.global_rank == 0 and self.global_steps % interval == 0 and iteration_s is not None:
             logger.info(
                 "poplar step %d: true global batch %d samples, %.2f samples/s, loss %.4f",
                 self.global_steps,
                 self.plan.global_batch_size,
-                self.plan.global_batch_size / (now - previous),
+                self.plan.global_batch_size / iteration_s,
                 float(self.agg_train_loss),
             )
 
-    def _follow_slowdown_schedule(self) -> None:
-        # An emulated drift (the cluster's slowdown_schedule) holds from its optimizer step on, also after a resume.
-        if self._slowdown is not None and self._slowdown.emulation is not None:
-            self._slowdown.slowdown = scheduled_slowdown(
-                self._slowdown.emulation, optimizer_step=self.global_steps, rank=self.global_rank
-            )
-
     # -- re-balancing --------------------------------------------------------------
-    @property
-    def trained_position(self) -> int:
-        """Stream position after the last optimizer step (`FollowsRebalancing`): the data position."""
-        return self.data_position
-
     def _step_view(self, step: int) -> StepView:
         return StepView(
             step=step,
@@ -402,7 +357,7 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
             micro_batch_size=pipeline.micro_batch_size,
             num_micro_batches=pipeline.num_micro_batches,
             global_batch_size=plan.global_batch_size,
-            reduction=self.poplar_job.poplar_config.loss_reduction,
+            reduction=self.poplar_config.loss_reduction,
         )
         self.plan = plan
         self.poplar_job = self.module.poplar_job = dataclasses.replace(self.poplar_job, plan=plan)
@@ -412,7 +367,7 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
     def create_batch_sampler(self, num_samples: int) -> PlanBatchSampler:
         """This pipeline's batch sampler: its share of every iteration from the shared stream, the
         pipelines taking the places ranks take in a ZeRO job (`poplar_ext.runtime.data`)."""
-        config = self.poplar_job.poplar_config
+        config = self.poplar_config
         sampler = PlanBatchSampler.from_plan(
             self.plan,
             num_samples=num_samples,
@@ -432,23 +387,9 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
     @property
     def data_position(self) -> int:
         """Stream position where the next iteration starts (see `poplar_ext.runtime.data`)."""
-        return self._restored_position + self._steps_since_restore * self.plan.global_batch_size
+        return self.trained_position
 
     # -- checkpoints ---------------------------------------------------------------
-    def _client_state(self) -> dict:
-        config = self.poplar_job.poplar_config
-        state = poplar_client_state(
-            self.plan,
-            consumed_samples=self.consumed_samples,
-            data_position=self.data_position,
-            seed=config.seed,
-            shuffle=config.shuffle,
-            drop_last=config.drop_last,
-            plan_history=self.plan_history,
-        )
-        state["step"] = self.global_steps
-        return state
-
     def save_checkpoint(
         self,
         save_dir: str | Path,
@@ -585,21 +526,11 @@ class PoplarPipelineEngine(FollowsRebalancing, PipelineEngine):
             )
 
     def _resume(self, decision: ResumeDecision) -> None:
-        self._follow_slowdown_schedule()
-        self.consumed_samples = decision.consumed_samples
-        self._restored_position, self._steps_since_restore = decision.data_position, 0
-        for sampler in self._samplers:
-            sampler.set_position(decision.data_position)
+        self._follow_slowdown_schedule(self.global_steps)
+        self._restore_position(decision)
         if self._own_iterator:  # made at the old position: the next train_batch() makes a new one
             self.data_iterator, self._own_iterator = None, False
-        self.plan_history = decision.plan_history or self.plan_history
-        if decision.continue_plan is not None:  # the run had re-balanced: its last counts, from the position on
-            plan = pipeline_plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")
-            order = SwitchOrder(plan=plan, position=decision.data_position, reason="the checkpoint's last plan")
-            self.schedule_switch(order, record=False)
-        if self.global_rank == 0:
-            for note in decision.notes:
-                logger.info("load_checkpoint: %s", note)
+        self._continue_plans(decision)
 
 
 __all__ = ["PoplarPipelineEngine"]

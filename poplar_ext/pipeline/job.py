@@ -24,31 +24,20 @@ from poplar_ext.pipeline.planning import (
     resolve_pipeline_plan,
     steady_stage_times,
 )
-from poplar_ext.plan.formats import Cluster
 from poplar_ext.plan.pipeline_formats import Pipeline, PipelinePlan
 from poplar_ext.profiler.layers import layers_fingerprint, pipeline_layers
 from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.config import PoplarConfig, requested_zero_stage
-from poplar_ext.runtime.job_start import agreed_job_cluster, read_poplar_section, steady_from_rank0
+from poplar_ext.runtime.job_start import JobBase, agreed_job_cluster, read_poplar_section, steady_from_rank0
 from poplar_ext.runtime.process_settings import apply_cpu_process_settings, on_cpu_accelerator
 
 
 @dataclass(frozen=True, kw_only=True)
-class PipelineJob:
+class PipelineJob(JobBase):
     """What a pipeline job runs, the same on every rank (but `rank` and `device`)."""
 
-    ds_config: dict
-    """The user's DeepSpeed config."""
-    source: str
-    """Its file (or how a dict is named in messages)."""
-    poplar_config: PoplarConfig
-    cluster: Cluster
-    """Checked against every rank's hardware (or read from it)."""
     plan: PipelinePlan
     """Checked for this job on rank 0, the same on every rank."""
-    rank: int
-    device: Any
-    """This rank's ``torch.device``."""
     steady_stages: dict[int, dict] = field(default_factory=dict)
     """Emulated rank -> its stage's blocks from the layer profiles (`steady_stage_times`; rank 0's, sent to all)."""
 

@@ -29,12 +29,12 @@ from poplar_ext.plan.pipeline_formats import (
     LayerProfile,
     PipelinePlan,
     layer_profiles_dir,
-    load_any_plan,
     load_layer_profiles,
     pipeline_plan_from_dict,
     pipeline_plan_to_dict,
 )
 from poplar_ext.runtime.config import SECTION, PoplarConfig, requested_zero_stage
+from poplar_ext.runtime.job_start import read_plan_file
 
 if TYPE_CHECKING:
     from poplar_ext.runtime.rebalance import PipelineDriftMonitor
@@ -156,15 +156,7 @@ def resolve_pipeline_plan(
         )
 
     def read() -> dict[str, Any]:
-        try:
-            plan = load_any_plan(plan_path)
-        except FormatError as exc:
-            raise ValueError(f"{SECTION}.plan: {exc}") from exc
-        if not isinstance(plan, PipelinePlan):
-            raise ValueError(
-                f"{SECTION}.plan: {plan_path} is a ZeRO plan (every rank trains the whole model); a "
-                "PoplarPipelineModule needs a pipeline plan ('parallelism': 'pipeline')"
-            )
+        plan = read_plan_file(plan_path, pipeline=True)
         problems = pipeline_plan_problems(
             plan,
             cluster,

@@ -8,16 +8,36 @@ call these between their own steps (docs/design.md).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from poplar_ext.collectives import broadcast_from_rank0, decided_by_rank0
 from poplar_ext.hardware.discovery import DeviceFacts, agreed_cluster, check_device_support, gather_device_facts
-from poplar_ext.plan.formats import Cluster
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import Cluster, Plan
+from poplar_ext.plan.pipeline_formats import PipelinePlan, load_any_plan
 from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.config import SECTION, PoplarConfig, poplar_config_from_dict
 
 Steady = TypeVar("Steady")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobBase:
+    """What every engine's job holds, the same on every rank (but `rank` and `device`); each engine's job
+    adds its plan (`poplar_ext.zero.initialize.Job`, `poplar_ext.pipeline.job.PipelineJob`)."""
+
+    ds_config: dict
+    """The user's DeepSpeed config."""
+    source: str
+    """Its file (or how a dict is named in messages)."""
+    poplar_config: PoplarConfig
+    cluster: Cluster
+    """Checked against every rank's hardware (or read from it)."""
+    rank: int
+    device: Any
+    """This rank's ``torch.device``."""
 
 
 def read_poplar_section(loaded_config: tuple[dict, Path, str], *, needs: str, otherwise: str) -> PoplarConfig:
@@ -44,6 +64,27 @@ def agreed_job_cluster(
     return facts, agreed_cluster(poplar_config.cluster, facts, rank=rank, name=f"{SECTION}.cluster")
 
 
+def read_plan_file(plan_path: Path, *, pipeline: bool) -> Plan | PipelinePlan:
+    """``poplar.plan`` read (rank 0's part); a ValueError naming the file where it is not the engine's kind:
+    a `PipelinePlan` where `pipeline`, else a ZeRO `Plan`."""
+    try:
+        plan = load_any_plan(plan_path)
+    except FormatError as exc:
+        raise ValueError(f"{SECTION}.plan: {exc}") from exc
+    if pipeline and not isinstance(plan, PipelinePlan):
+        raise ValueError(
+            f"{SECTION}.plan: {plan_path} is a ZeRO plan (every rank trains the whole model); a "
+            "PoplarPipelineModule needs a pipeline plan ('parallelism': 'pipeline')"
+        )
+    if not pipeline and not isinstance(plan, Plan):
+        raise ValueError(
+            f"{SECTION}.plan: {plan_path} is a pipeline plan ('parallelism': 'pipeline'); it trains a "
+            "poplar_ext.pipeline.PoplarPipelineModule, not this model: build the model as one, or give a "
+            "ZeRO plan (poplar-search)"
+        )
+    return plan
+
+
 def steady_from_rank0(cluster: Cluster, compute: Callable[[], dict[Any, Steady]], *, rank: int) -> dict[Any, Steady]:
     """Rank 0's `compute` of the emulated types' steady blocks, sent to every rank; {} (and no collective,
     the same on every rank) where no device type is emulated."""
@@ -52,4 +93,4 @@ def steady_from_rank0(cluster: Cluster, compute: Callable[[], dict[Any, Steady]]
     return decided_by_rank0(compute, rank=rank, broadcast=broadcast_from_rank0)
 
 
-__all__ = ["agreed_job_cluster", "read_poplar_section", "steady_from_rank0"]
+__all__ = ["JobBase", "agreed_job_cluster", "read_plan_file", "read_poplar_section", "steady_from_rank0"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,12 +23,10 @@ from typing import Any
 import torch
 
 from poplar_ext.collectives import agree_sum
-from poplar_ext.hardware.compute_clock import ComputeTimer, CudaEventTimer
 from poplar_ext.hardware.emulation import (
     OPTIMIZER_STEP_KEY,
     ComputeSlowdown,
     micro_step_key,
-    scheduled_slowdown,
     warn_on_overrun,
 )
 from poplar_ext.hardware.optimizer_window import optimizer_compute_window
@@ -38,8 +35,6 @@ from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
     ResumeDecision,
     checkpoint_tag,
-    history_entry,
-    poplar_client_state,
     read_state,
     resume_decision,
     write_latest_when_saved,
@@ -47,7 +42,8 @@ from poplar_ext.runtime.checkpoint import (
 )
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.rebalance import FollowsRebalancing, Rebalancer, StepView, SwitchOrder
+from poplar_ext.runtime.engine_core import EngineCore
+from poplar_ext.runtime.rebalance import Rebalancer, StepView, SwitchOrder
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
 
 logger = logging.getLogger(__name__)
@@ -71,7 +67,7 @@ def set_deepspeed_batch(engine: Any, plan: Plan, rank: int) -> None:
     engine.micro_steps = -(-engine.micro_steps // steps) * steps
 
 
-class PoplarEngine(FollowsRebalancing):
+class PoplarEngine(EngineCore):
     """A DeepSpeedEngine that trains a plan's per-rank batches with exact gradients.
 
     Use it exactly like the engine ``deepspeed.initialize`` returns; every attribute
@@ -90,6 +86,8 @@ class PoplarEngine(FollowsRebalancing):
     * `plan_history`: every plan the job ran, with the step it started at and why.
     """
 
+    plan_from_dict = staticmethod(plan_from_dict)
+
     def __init__(
         self,
         engine: Any,
@@ -106,47 +104,37 @@ class PoplarEngine(FollowsRebalancing):
     ) -> None:
         self.deepspeed_engine = engine
         """The real DeepSpeedEngine."""
-        self.plan = plan
-        """The plan every rank runs."""
+        self._start_core(
+            plan,
+            rank=rank,
+            poplar_config=poplar_config,
+            slowdown=slowdown,
+            rebalancer=rebalancer,
+            on_cpu=lambda: engine.device.type == "cpu",
+            plan_reason=plan_reason,
+        )
         self.rank_plan = plan.ranks[rank]
         """This rank's micro-batch size and accumulation count."""
-        self.poplar_config = poplar_config
         self.device_label = device_label
         """This rank's device, saying whether it is real or emulated."""
         self.rank_device_labels = rank_device_labels
         """Every rank's device label, rank 0 first."""
-        self.consumed_samples = 0
-        """Samples (of all ranks) trained by the optimizer steps so far."""
-        self.plan_history: list[dict] = [history_entry(plan, start_step=0, data_position=0, reason=plan_reason)]
-        """Every plan the job ran: ``start_step``, ``data_position``, ``reason`` and the ``plan`` (JSON)."""
         self.last_iteration_time_s: float | None = None
         """Wall time of the last iteration (optimizer step to optimizer step) on this rank."""
         self.last_samples_per_s: float | None = None
         """True global samples per second of the last iteration."""
         self._rank = rank
         self._weights_loss = weights_loss
-        if slowdown is None and rebalancer is not None:
-            # A real device too measures its compute (never sleeps) when re-balancing watches
-            # it: the thread's CPU time on CPU, CUDA events (read at checks only) on a GPU.
-            slowdown = ComputeSlowdown(None) if engine.device.type == "cpu" else CudaEventTimer()
-        self._slowdown = slowdown
         self._overrun_warned = False
-        self._rebalancer = rebalancer
-        self.pending_switch: SwitchOrder | None = None
-        """A plan switch agreed by every rank, waiting for the iteration it starts at."""
         self.switch_listeners: list[Callable[[Plan], None]] = []
         """Each called with the new plan at the end of every `switch_plan`: after the optimizer step that ends the
         old plan's last iteration, or in `load_checkpoint` (a resume under the checkpoint's last plan). What
         counts this rank's micro-steps outside DeepSpeed follows the switch there (accelerate's ``accumulate``)."""
-        self._samplers: list[PlanBatchSampler] = []
-        self._restored_position = 0
-        self._steps_since_restore = 0
         self._first_sampler_base = 0
         """The first sampler's iteration trained by the first optimizer step since the restore (`data_position`)."""
         self._token_counts: collections.deque[int] = collections.deque()
         self.iteration_tokens = 0
         """``token_mean``: the current iteration's label tokens over all ranks (`set_token_counts`)."""
-        self._last_boundary_time: float | None = None
         self._follow_slowdown_schedule(0)
         if slowdown is not None:
             self._end_emulated_compute_before_reduction()
@@ -188,35 +176,6 @@ class PoplarEngine(FollowsRebalancing):
             return reduce(*args, **kwargs)
 
         engine.allreduce_gradients = allreduce_after_emulated_compute
-
-    @property
-    def emulated_compute(self) -> ComputeSlowdown | None:
-        """This rank's emulated slowdown (None on a real device).
-
-        Its window runs from forward to the gradient reduction (and over the optimizer
-        step at a boundary); `emulated_compute.stop()` ends it early, e.g. to time a
-        collective without the emulated sleep in it.
-        """
-        if self._slowdown is None or self._slowdown.emulation is None:
-            return None
-        return self._slowdown
-
-    @property
-    def compute_timer(self) -> ComputeTimer | None:
-        """What times this rank's compute windows (forward to the gradient reduction): the emulation's
-        slowdown, or, when re-balancing is on, a timer that only measures."""
-        return self._slowdown
-
-    @property
-    def rebalancer(self) -> Rebalancer | None:
-        """The job's re-balancing (``poplar.rebalance``), None when off: its ``after_step`` runs at every
-        optimizer step, and on rank 0 its ``monitor`` holds the drift checks."""
-        return self._rebalancer
-
-    def _follow_slowdown_schedule(self, optimizer_step: int) -> None:
-        timer = self._slowdown
-        if timer is not None and timer.emulation is not None and timer.emulation.slowdown_schedule:
-            timer.slowdown = scheduled_slowdown(timer.emulation, optimizer_step=optimizer_step, rank=self._rank)
 
     # -- delegation --------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -318,16 +277,10 @@ class PoplarEngine(FollowsRebalancing):
         return result
 
     def _end_of_iteration(self) -> None:
-        self.consumed_samples += self.plan.global_batch_size
-        self._steps_since_restore += 1
-        now = time.perf_counter()
-        if self._last_boundary_time is not None:
-            self.last_iteration_time_s = now - self._last_boundary_time
-            self.last_samples_per_s = self.plan.global_batch_size / self.last_iteration_time_s
-        self._last_boundary_time = now
         step = self.deepspeed_engine.global_steps
-        self._follow_slowdown_schedule(step)
-        self.follow_rebalancing(step)
+        self.last_iteration_time_s = self._count_iteration(step)
+        if self.last_iteration_time_s is not None:
+            self.last_samples_per_s = self.plan.global_batch_size / self.last_iteration_time_s
         interval = self.poplar_config.log_interval_steps
         if interval and step % interval == 0 and not self._overrun_warned:
             self._overrun_warned = warn_on_overrun(self.emulated_compute, rank=self._rank)  # once per job
@@ -347,11 +300,6 @@ class PoplarEngine(FollowsRebalancing):
     def train_batch_size(self) -> int:
         """The true global batch: the plan's, the same on every rank."""
         return self.plan.global_batch_size
-
-    @property
-    def trained_position(self) -> int:
-        """Stream position after the last optimizer step (a DataLoader with workers may have read further)."""
-        return self._restored_position + self._steps_since_restore * self.plan.global_batch_size
 
     def check_switch(self, plan: Plan) -> None:
         """ValueError unless `plan` can replace the current one mid-run (the same on every rank)."""
@@ -485,19 +433,6 @@ class PoplarEngine(FollowsRebalancing):
         return self._restored_position + self._steps_since_restore * self.plan.global_batch_size
 
     # -- checkpoints -------------------------------------------------------------
-    def _client_state(self) -> dict:
-        state = poplar_client_state(
-            self.plan,
-            consumed_samples=self.consumed_samples,
-            data_position=self.data_position,
-            seed=self.poplar_config.seed,
-            shuffle=self.poplar_config.shuffle,
-            drop_last=self.poplar_config.drop_last,
-            plan_history=self.plan_history,
-        )
-        state["step"] = self.deepspeed_engine.global_steps
-        return state
-
     def save_checkpoint(
         self,
         save_dir: str | Path,
@@ -595,23 +530,12 @@ class PoplarEngine(FollowsRebalancing):
         that loads the DeepSpeed checkpoint itself (`poplar_ext.integrations.transformers`), with
         `position_samplers` False when it moves its dataloader to the position itself, its first sampler's
         `next_iteration` then (for `data_position`)."""
-        self.consumed_samples = decision.consumed_samples
-        self._restored_position, self._steps_since_restore = decision.data_position, 0
-        if position_samplers:
-            for sampler in self._samplers:
-                sampler.set_position(decision.data_position)
-            if self._samplers:
-                self._first_sampler_base = self._samplers[0].next_iteration
-        elif next_iteration is not None:
+        self._restore_position(decision, position_samplers=position_samplers)
+        if position_samplers and self._samplers:
+            self._first_sampler_base = self._samplers[0].next_iteration
+        elif not position_samplers and next_iteration is not None:
             self._first_sampler_base = next_iteration
-        self.plan_history = decision.plan_history or self.plan_history
-        if decision.continue_plan is not None:
-            plan = plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")
-            order = SwitchOrder(plan=plan, position=decision.data_position, reason="the checkpoint's last plan")
-            self.schedule_switch(order, record=False)
-        if self._rank == 0:
-            for note in decision.notes:
-                logger.info("load_checkpoint: %s", note)
+        self._continue_plans(decision)
 
     def _universal_checkpoint(self, load_dir: Path, tag: str) -> str:
         from poplar_ext.runtime.reshard import resharded_tag

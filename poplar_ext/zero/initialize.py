@@ -58,7 +58,6 @@ from poplar_ext.plan.formats import Cluster, Emulation, Plan, profile_from_dict
 from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.config import (
     GlobalBatchRequest,
-    PoplarConfig,
     load_deepspeed_config,
     nominal_deepspeed_config,
     requested_global_batch_size,
@@ -66,7 +65,7 @@ from poplar_ext.runtime.config import (
     throughput_timer_synchronized,
 )
 from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, plan_dataloader
-from poplar_ext.runtime.job_start import agreed_job_cluster, read_poplar_section, steady_from_rank0
+from poplar_ext.runtime.job_start import JobBase, agreed_job_cluster, read_poplar_section, steady_from_rank0
 from poplar_ext.runtime.process_settings import apply_cpu_process_settings, on_cpu_accelerator
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer, job_rebalancer
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
@@ -121,22 +120,12 @@ def _check_training_data(training_data: Any) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Job:
+class Job(JobBase):
     """What a training job runs, settled on every rank before DeepSpeed builds its engine."""
 
-    ds_config: dict
-    """The user's DeepSpeed config."""
-    source: str
-    """Its file (or how a dict is named in messages)."""
-    poplar_config: PoplarConfig
-    cluster: Cluster
-    """Checked against every rank's hardware (or read from it)."""
     plan: Plan
     """Checked for this job on rank 0, the same on every rank."""
-    rank: int
     world_size: int
-    device: Any
-    """This rank's ``torch.device``."""
     profile_directory: ProfileDirectory
     """``poplar.profiles`` as rank 0 read it to resolve the plan: re-balancing re-plans from the same reading."""
     steady_profiles: dict[str, dict] = field(default_factory=dict)

@@ -41,7 +41,6 @@ from poplar_ext.plan.formats import (
     plan_from_dict,
     plan_to_dict,
 )
-from poplar_ext.plan.pipeline_formats import load_any_plan
 from poplar_ext.profiler.auto import MeasureMissing, TimeAtSizes
 from poplar_ext.profiler.calibration import (
     REMEASURED,
@@ -55,6 +54,7 @@ from poplar_ext.profiler.calibration import (
     with_calibration,
 )
 from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
+from poplar_ext.runtime.job_start import read_plan_file
 from poplar_ext.runtime.rebalance import RebalanceUnavailable
 from poplar_ext.search.model_states import cannot_hold, model_states, shortfall
 
@@ -412,22 +412,13 @@ def _plan_from_file(request: _PlanRequest, *, rank: int, broadcast: Callable[[An
     """``poplar.plan``, read and checked by rank 0; warns on every rank when made from other profiles."""
     plan_path = request.poplar_config.plan
 
-    def read_plan_file() -> dict[str, Any]:
-        try:
-            plan = load_any_plan(plan_path)
-        except FormatError as exc:
-            raise ValueError(f"poplar.plan: {exc}") from exc
-        if not isinstance(plan, Plan):
-            raise ValueError(
-                f"poplar.plan: {plan_path} is a pipeline plan ('parallelism': 'pipeline'); it trains a "
-                "poplar_ext.pipeline.PoplarPipelineModule, not this model: build the model as one, or give a "
-                "ZeRO plan (poplar-search)"
-            )
+    def read_and_check() -> dict[str, Any]:
+        plan = read_plan_file(plan_path, pipeline=False)
         profiles = request.directory.profiles(request.model_fingerprint) or None
         request.checked(plan, profiles, str(plan_path))
         return {"plan": plan_to_dict(plan), "stale": [] if profiles is None else stale_profile_types(plan, profiles)}
 
-    decision = decided_by_rank0(read_plan_file, rank=rank, broadcast=broadcast)
+    decision = decided_by_rank0(read_and_check, rank=rank, broadcast=broadcast)
     if decision["stale"]:
         warnings.warn(
             f"{plan_path}: this plan was made from other profiles of {', '.join(decision['stale'])} than those in "

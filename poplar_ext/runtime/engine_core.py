@@ -1,0 +1,145 @@
+"""`EngineCore`: what every engine keeps over DeepSpeed's, whichever engine it is (docs/design.md).
+
+The plan and its history, the samples trained and the data position, the compute timer
+(emulation or re-balancing's measurement), the plan switches (`FollowsRebalancing`) and
+the state a checkpoint carries. `poplar_ext.zero.engine.PoplarEngine` and
+`poplar_ext.pipeline.engine.PoplarPipelineEngine` build on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from poplar_ext.hardware.compute_clock import ComputeTimer, CudaEventTimer
+from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
+from poplar_ext.plan.formats import Plan
+from poplar_ext.plan.pipeline_formats import PipelinePlan
+from poplar_ext.runtime.checkpoint import ResumeDecision, history_entry, poplar_client_state
+from poplar_ext.runtime.config import PoplarConfig
+from poplar_ext.runtime.data import PlanBatchSampler
+from poplar_ext.runtime.rebalance import FollowsRebalancing, Rebalancer, SwitchOrder
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore(FollowsRebalancing):
+    """The engine-independent half of an engine; the engine calls `_start_core` in its constructor,
+    `_count_iteration` after each optimizer step, and provides ``global_steps``, ``switch_plan`` and
+    ``_step_view`` (`FollowsRebalancing`)."""
+
+    plan_from_dict: Callable[..., Plan | PipelinePlan]
+    """How this engine's plans are read from JSON (a checkpoint's last plan)."""
+
+    def _start_core(
+        self,
+        plan: Plan | PipelinePlan,
+        *,
+        rank: int,
+        poplar_config: PoplarConfig,
+        slowdown: ComputeSlowdown | None,
+        rebalancer: Rebalancer | None,
+        on_cpu: Callable[[], bool],
+        plan_reason: str,
+    ) -> None:
+        """`on_cpu`: whether this rank's device is the CPU, asked only where re-balancing needs a timer."""
+        self.plan = plan
+        """The plan every rank runs."""
+        self.poplar_config = poplar_config
+        self.consumed_samples = 0
+        """Samples (of all ranks) trained by the optimizer steps so far."""
+        self.plan_history: list[dict] = [history_entry(plan, start_step=0, data_position=0, reason=plan_reason)]
+        """Every plan the job ran: ``start_step``, ``data_position``, ``reason`` and the ``plan`` (JSON)."""
+        if slowdown is None and rebalancer is not None:
+            # A real device too measures its compute (never sleeps) when re-balancing watches
+            # it: the thread's CPU time on CPU, CUDA events (read at checks only) on a GPU.
+            slowdown = ComputeSlowdown(None) if on_cpu() else CudaEventTimer()
+        self._slowdown = slowdown
+        self._rebalancer = rebalancer
+        self._core_rank = rank
+        self.pending_switch: SwitchOrder | None = None
+        """A plan switch agreed by every rank, waiting for the iteration it starts at."""
+        self._samplers: list[PlanBatchSampler] = []
+        self._restored_position = 0
+        self._steps_since_restore = 0
+        self._last_boundary_time: float | None = None
+
+    @property
+    def emulated_compute(self) -> ComputeSlowdown | None:
+        """This rank's emulated slowdown (None on a real device); `emulated_compute.stop()` ends its
+        window early, e.g. to time a collective without the emulated sleep in it."""
+        if self._slowdown is None or self._slowdown.emulation is None:
+            return None
+        return self._slowdown
+
+    @property
+    def compute_timer(self) -> ComputeTimer | None:
+        """What times this rank's compute: the emulation's slowdown, or, when re-balancing is on, a timer
+        that only measures."""
+        return self._slowdown
+
+    @property
+    def rebalancer(self) -> Rebalancer | None:
+        """The job's re-balancing (``poplar.rebalance``), None when off; on rank 0 its ``monitor`` holds the checks."""
+        return self._rebalancer
+
+    @property
+    def trained_position(self) -> int:
+        """Stream position after the last optimizer step (a DataLoader may have read further)."""
+        return self._restored_position + self._steps_since_restore * self.plan.global_batch_size
+
+    def _follow_slowdown_schedule(self, optimizer_step: int) -> None:
+        # An emulated drift (the cluster's slowdown_schedule) holds from its optimizer step on, also after a resume.
+        timer = self._slowdown
+        if timer is not None and timer.emulation is not None and timer.emulation.slowdown_schedule:
+            timer.slowdown = scheduled_slowdown(timer.emulation, optimizer_step=optimizer_step, rank=self._core_rank)
+
+    def _count_iteration(self, step: int) -> float | None:
+        """After optimizer step `step`: the samples counted, the emulated drift and re-balancing followed
+        (collective at check steps). Returns the iteration's wall time (None for the first)."""
+        self.consumed_samples += self.plan.global_batch_size
+        self._steps_since_restore += 1
+        now = time.perf_counter()
+        previous, self._last_boundary_time = self._last_boundary_time, now
+        self._follow_slowdown_schedule(step)
+        self.follow_rebalancing(step)
+        return None if previous is None else now - previous
+
+    # -- checkpoints -------------------------------------------------------------
+    def _client_state(self) -> dict:
+        """What this job writes into a checkpoint's ``poplar_state.json``."""
+        config = self.poplar_config
+        state = poplar_client_state(
+            self.plan,
+            consumed_samples=self.consumed_samples,
+            data_position=self.data_position,
+            seed=config.seed,
+            shuffle=config.shuffle,
+            drop_last=config.drop_last,
+            plan_history=self.plan_history,
+        )
+        state["step"] = self.global_steps
+        return state
+
+    def _restore_position(self, decision: ResumeDecision, *, position_samplers: bool = True) -> None:
+        """The samples and the data position of a resume (then `_continue_plans`)."""
+        self.consumed_samples = decision.consumed_samples
+        self._restored_position, self._steps_since_restore = decision.data_position, 0
+        if position_samplers:
+            for sampler in self._samplers:
+                sampler.set_position(decision.data_position)
+
+    def _continue_plans(self, decision: ResumeDecision) -> None:
+        """The plan history of a resume, and its last plan when the run had switched (every rank alike)."""
+        self.plan_history = decision.plan_history or self.plan_history
+        if decision.continue_plan is not None:
+            plan = self.plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")
+            order = SwitchOrder(plan=plan, position=decision.data_position, reason="the checkpoint's last plan")
+            self.schedule_switch(order, record=False)
+        if self._core_rank == 0:
+            for note in decision.notes:
+                logger.info("load_checkpoint: %s", note)
+
+
+__all__ = ["EngineCore"]
