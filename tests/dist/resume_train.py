@@ -62,6 +62,7 @@ def main() -> None:
         )
         if rank == 0:
             torch.save(params, root / args.phase / f"stage{stage}-params.pt")
+    (root / args.phase / f"done-rank{rank}").touch()  # everything written: what an exit abort cannot undo
 
 
 if __name__ == "__main__":

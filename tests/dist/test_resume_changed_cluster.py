@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 STEPS = 3
 GLOBAL_BATCH = 12
 STAGES = (0, 1, 2, 3)
+EXIT_ABORT = "terminate called without an active exception"
 FIRST = {
     "types": ["a", "b", "c"],
     "slowdowns": [1.0, 1.5, 2.0],
@@ -82,7 +83,12 @@ def _launch(root: Path, phase: str, world_size: int) -> None:
         str(root),
     ]
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, f"{phase}:\n{(done.stdout + done.stderr)[-5000:]}"
+    output = done.stdout + done.stderr
+    if done.returncode != 0:
+        # gloo's exit race (pytorch/pytorch#179291) can abort a rank after it wrote everything; the job's
+        # results then stand. Any other failure, or an abort before a rank finished, fails the test.
+        finished = all((root / phase / f"done-rank{rank}").exists() for rank in range(world_size))
+        assert finished and EXIT_ABORT in output, f"{phase}:\n{output[-5000:]}"
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from poplar_ext.profiler.layers import (
 from poplar_ext.profiler.per_layer import optimizer_factory_from_config
 
 DIM = 48
-SIZES = (1, 32, 256)
+SIZES = (1, 32, 4096)  # far apart: the largest outlasts the smallest by ms, not by timer noise
 NUM_LAYERS = 4
 
 
