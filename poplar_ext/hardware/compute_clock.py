@@ -1,14 +1,8 @@
 """Timing a rank's compute: the one place that reads a device's compute clock.
 
-On CPU the clock is this thread's CPU time (time.thread_time): waits in collectives
-and time lost to other processes on the cores do not count. On CUDA it is the GPU's
-own time, with events, which do count waits. Where a micro-step's window ends, and
-whether device types can be timed at once, follows from the clock and the ZeRO stage
-(`compute_window`). Three users: the profiler times a micro-step (`ComputeSpan`; a
-layer with `time_compute`), emulated device types pad their compute to a slowdown
-(`poplar_ext.hardware.emulation.ComputeSlowdown`, reading `clock_now`), and
-re-balancing sums a real GPU's compute windows without synchronising each
-(`CudaEventTimer`); both of the latter are `ComputeTimer`s.
+Thread CPU time on CPU, CUDA events on a GPU; `compute_window` says where a micro-step's window ends. Used by
+the profiler (`ComputeSpan`, `time_compute`), emulation (`clock_now`) and re-balancing (`CudaEventTimer`).
+See profiles/README.md ("Timing is each rank's own work").
 """
 
 from __future__ import annotations

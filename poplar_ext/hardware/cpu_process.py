@@ -1,22 +1,7 @@
-"""Process-wide settings for ranks that train or measure on the CPU.
+"""Process-wide settings for ranks that train or measure on the CPU: torch threads, DeepSpeed's shm op.
 
-poplar-ext changes none of them behind the user's back. The programs that own their
-process apply them (`poplar-profile`, `poplar-bench`, the tests);
-`poplar_ext.initialize` applies them only when the ``poplar`` section asks
-(``cpu_threads``, ``steady_cpu_allocator``) and logs what it did; `profile_model`
-uses one torch thread while it measures and gives the previous count back.
-
-Why they matter on CPU:
-
-* One torch intra-op thread per rank: emulation and the profiler time compute by
-  the computing thread's CPU time (`poplar_ext.hardware.emulation`), which misses
-  work done on other threads, and ranks sharing a few cores do not fight over them.
-* glibc's allocator kept steady (`poplar_ext.hardware.memory.steady_cpu_allocator`):
-  without it every micro-step faults its activation memory in again, which the
-  profiles (measured with it) do not contain.
-* DeepSpeed's CPU shared-memory op (`skip_deepspeed_shm_op`): DeepSpeed compiles it
-  when the first process group starts on a CPU machine (about 50 s on 2 cores),
-  and only its inference all-reduce uses it, never ZeRO training.
+Applied only by programs that own their process, by `initialize` when the ``poplar`` section asks, and by
+`profile_model` while it measures. Why they matter: docs/training.md (end), docs/deepspeed-notes.md (the shm op).
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Device identity: the one table that turns what the hardware reports into a device type.
+"""Device identity: the one table (`DEVICE_NAME_TABLE`) that turns what the hardware reports into a device type.
 
-Profiles, cluster descriptions and plans name device types like ``A100-80GB``. The
-hardware reports ``NVIDIA A100-SXM4-80GB`` or ``NVIDIA A100 80GB PCIe``; this module
-is the only place that maps one to the other, through `DEVICE_NAME_TABLE`, read in
-order, first match wins. A PCIe card slower than its SXM sibling has a type of its
-own (``A100-PCIe-80GB``, ``H100-PCIe-80GB``); a MIG slice is the whole GPU's type
-plus its slice (``A100-80GB-MIG-3g.40gb``), never a whole GPU's type. A name that
-no row matches gets a warning and an explicit fallback built from the reported name
-and memory, never a silent constant.
-
-Emulated device types are not read from hardware: they are whatever the cluster
-description declares (see `declared_type_problem`).
+Read in order, first match wins; an unknown name warns and gets an explicit fallback. Emulated types are
+declared, not read (`declared_type_problem`). See profiles/README.md (cluster description).
 """
 
 from __future__ import annotations

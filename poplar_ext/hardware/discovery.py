@@ -1,24 +1,8 @@
-"""The job's devices as the hardware reports them, gathered from every rank.
+"""The job's devices as the hardware reports them, gathered from every rank (`discover_cluster`).
 
-The hardware is the truth: a cluster description says which device type each rank
-has, but CUDA's device order, torchrun's rendezvous or a hostfile decide which card
-a rank really gets. So every rank reads its own device (`local_device_facts`, no
-collective), the ranks exchange what they read (`gather_device_facts`, one
-collective), and everything after that is pure, the same on every rank:
-
-* `cluster_from_facts`: the job's cluster description in rank order (one node per
-  run of consecutive ranks with one node key: host name, kernel boot id and network
-  namespace, `node_key`), for jobs that give no cluster file;
-* `cluster_mismatches`: the ranks whose real device is not the type a cluster file
-  declares (emulated types are declared, not read, and are exempt);
-* `memory_capacity_bytes`: the memory one rank may use: its device's, shared only
-  among ranks that really use the same device (CPU ranks of a host share its RAM);
-* `check_device_support`: every rank's device runs the installed torch's kernels
-  (and bf16, where the job trains in it), checked before any engine is built.
-
-`agreed_cluster` gives the job's cluster on every rank: a file read by rank 0 alone
-(other nodes need not have it) or the discovered one, checked against the hardware.
-`discover_cluster` does the whole exchange; `poplar_ext` exports it.
+Each rank reads its own device, one collective gathers them, the rest is pure: `cluster_from_facts`,
+`cluster_mismatches`, `memory_capacity_bytes`, `check_device_support`, `agreed_cluster`.
+See docs/design.md (the hardware is the truth) and docs/training.md.
 """
 
 from __future__ import annotations

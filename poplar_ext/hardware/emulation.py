@@ -1,49 +1,7 @@
-"""Emulated device types: a real rank made slower and given a smaller memory.
+"""Emulated device types: a real rank made slower and given a smaller memory; the only place that applies one.
 
-A cluster description may declare a device type as emulated (a compute slowdown
-factor and a memory capacity), so that a CPU machine, or one GPU shared by several
-processes, can stand in for a heterogeneous cluster. This module is the only place
-that applies an emulation; the profiler, the search and the engine treat emulated
-and real device types alike and only call in here.
-
-How a slowdown is applied (steady compute): every block of compute has a fixed time, its
-*steady time*, and the rank runs the real block, then sleeps until the block has lasted
-exactly that long. A block is a micro-step at one micro-batch size (forward to the gradient
-reduction), the optimizer step, or a pipeline instruction; its steady time is
-``slowdown x base``, where the base is the block's compute on the real device:
-
-- from the profile the job's plan was made from, where there is one (`SteadyReference`:
-  the profile's fitted time at that micro-batch, which the profiler measured as the median
-  of repeats and keeps with the profiles), so that an emulated rank trains exactly as long
-  as its profile predicts, whatever the other ranks do on the shared cores and caches;
-- otherwise learned: the first `LEARNED_BLOCKS` blocks of a kind are timed by the compute
-  clock (the thread's CPU time; on CUDA the synchronised wall time) and padded to
-  ``slowdown x`` that, and their median is the base from then on.
-
-A GPU's kernels for a fixed micro-batch take the same time to within 1-2%; an emulated
-rank's compute now does too, by construction. What the CPU benches then measure is the
-rest: the search, communication, the boundary, waiting and the runtime's own overhead.
-Where the real block ran past its steady time (a core was busy, or the real work is longer
-than the profile said), the rank cannot make up for it: the excess is counted
-(`ComputeSlowdown.overrun_s`, `overrun_blocks`) and every bench result reports it.
-
-How drift is applied: an emulation's ``slowdown_schedule`` changes a rank's slowdown
-from a given optimizer step on (`scheduled_slowdown`); the engine sets
-`ComputeSlowdown.slowdown` after every optimizer step, so that tests and the bench
-can make one device slower or faster in the middle of a run.
-
-Where an emulation holds (docs/limits.md): a block's real work must fit in its steady time,
-which needs a core while it computes. The ranks of one machine keep ``sum over them of
-1 / slowdown`` cores busy (`core_demand`); `check_emulation_range` warns
-(`EmulationRangeWarning`) where that exceeds the cores and logs a warning where the load
-average on top does.
-
-How a memory capacity is applied: `check_emulated_memory` compares a measured peak
-(see the profiler's memory measurement) with the capacity and raises
-`EmulatedOutOfMemoryError`, a `RuntimeError` like a real out-of-memory. An emulated
-device on a CPU-only machine shares the process's memory with its "host": what an
-offloading optimizer keeps on the host (`host_resident_optimizer_bytes`) is taken off
-the measured peak before the comparison, as a real device would not hold it.
+Steady compute (`ComputeSlowdown`, `SteadyReference`), drift (`scheduled_slowdown`), the cores it needs
+(`check_emulation_range`) and memory (`check_emulated_memory`). See docs/limits.md (what the emulation models).
 """
 
 from __future__ import annotations

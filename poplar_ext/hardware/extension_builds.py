@@ -1,13 +1,7 @@
-"""Build locks of torch's C++ extensions, checked before a job starts (docs/limits.md: what a first start builds).
+"""Build locks of torch's C++ extensions, checked before a job starts (`check_extension_build_locks`).
 
-DeepSpeed compiles some of its ops the first time a job needs them (on a CPU machine its
-shared-memory communication op, when the process group starts), through torch's extension
-builder, which holds a ``lock`` file in the extension's build folder while it builds and
-makes every other process wait, without a limit, until the file is gone. A build killed
-midway leaves the file behind, and every rank of every later job then waits silently.
-`check_extension_build_locks` finds such files before the job starts: a lock older than
-`STALE_AFTER_S` is refused with the command that removes it; a younger one is logged (a
-build may be running in another job).
+A lock older than `STALE_AFTER_S` (a killed build) is refused with the command that removes it; a younger one
+is logged. See docs/limits.md (what a first start builds).
 """
 
 from __future__ import annotations

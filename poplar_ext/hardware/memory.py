@@ -1,15 +1,7 @@
-"""Peak memory of one block of work, and the memory a rank may use.
+"""Peak memory of one block of work (`MeasuredPeak`), and the memory a rank may use.
 
-CUDA: the caching allocator's peak reserved memory (`torch.cuda.reset_peak_memory_stats`
-+ `torch.cuda.max_memory_reserved`: allocated plus fragmentation), with the context and
-NCCL's buffers measured apart (`non_torch_bytes`). CPU: the process's resident-set high-water mark.
-DeepSpeed's CPU `max_memory_allocated` and `tracemalloc` miss torch's own
-allocations, so on CPU the kernel's accounting is the only complete one:
-``malloc_trim(0)`` hands freed heap pages back (so the mark starts from what is
-really live), writing ``5`` to ``/proc/self/clear_refs`` resets ``VmHWM`` to the
-current resident size, and ``VmHWM`` in ``/proc/self/status`` is read afterwards.
-The CPU figure is the whole process (interpreter, libraries, model, optimizer
-state, activations): that is what must fit in the rank's share of RAM.
+CUDA: the caching allocator's peak reserved memory; CPU: the process's resident-set high-water mark.
+See profiles/README.md ("Peak memory") and docs/deepspeed-notes.md (measuring).
 """
 
 from __future__ import annotations

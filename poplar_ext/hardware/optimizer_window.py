@@ -1,14 +1,7 @@
 """Which part of DeepSpeed's optimizer step is compute, so that an emulated device slows that part alone.
 
-DeepSpeed's ZeRO 1/2 optimizer (``DeepSpeedZeroOptimizer.step``) first agrees the gradient norm and
-the overflow check over the data-parallel group, then steps each parameter group's partition
-(``_optimizer_step``), then all-gathers the updated partitions. Timed whole, the step's compute
-clock counts the collectives too (gloo works in the calling thread; CUDA events span NCCL's
-kernels), and an emulated device multiplied them by its slowdown: a 1.2M-parameter SGD shard
-read 3-6 ms of CPU time and was emulated at 12x as 40-70 ms. `optimizer_compute_window` opens
-the window at the first group's ``_optimizer_step`` and closes it after the last one, which
-leaves the collectives out. Other optimizers (ZeRO 0's, the bf16 optimizer, ZeRO 3) are timed
-whole, as before. The profiler and the ZeRO engine both time the step this way (docs/limits.md).
+`optimizer_compute_window`: a ZeRO 1/2 step's partition updates, its collectives left out; other optimizers
+are timed whole. See docs/deepspeed-notes.md (measuring) and docs/limits.md (emulation).
 """
 
 from __future__ import annotations

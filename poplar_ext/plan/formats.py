@@ -1,12 +1,7 @@
-"""The three file formats that connect profiling, search and training.
+"""The three file formats that connect profiling, search and training: profile, cluster description, plan.
 
-* Profile: one device type measured (or modelled) at one ZeRO stage for one model.
-* Cluster description: which device types sit on which node, in rank order.
-* Plan: per-rank micro-batch sizes and accumulation counts, plus what was predicted.
-
-All are JSON, documented field by field in ``profiles/README.md``. Loaders validate
-everything and raise `FormatError` (``file: field.path: expected X, found Y``);
-writers produce exactly what the loaders accept. Pure Python: no torch, no numpy.
+All JSON, documented field by field in profiles/README.md. Loaders validate everything and raise `FormatError`
+(``file: field.path: expected X, found Y``); writers produce exactly what the loaders accept. Pure Python.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""The memory levers: activation checkpointing and optimizer offload, chosen per device type.
+"""The memory levers, activation checkpointing and optimizer offload, chosen per device type.
 
-A device type may be profiled up to four ways, ``(activation_checkpointing,
-optimizer_offload)``; a plan gives every rank of one type the same setting. The rules
-DeepSpeed imposes, and why:
-
-* optimizer offload only at ZeRO stages 1-2 (`OFFLOAD_STAGES`): there ranks may differ
-  (bench/results/mixed_offload); poplar-ext does not offload at stages 0 and 3.
-* at stage 3 activation checkpointing is all-or-none: the recomputed forward gathers
-  parameters again, and every rank must issue the same gathers. At stages 0-2 it may
-  differ between device types (bench/results/mixed_checkpointing).
-
-This module is the vocabulary (the `Levers` pair, its order and text), the settings a
-search may try (`lever_choices`), and a plan's settings and profiles (`plan_levers`,
-`profiles_for_plan`). The pair itself, the stages that offload and a setting's text are the
-formats' (`Levers`, `OFFLOAD_STAGES`, `levers_text` in `poplar_ext.plan.formats`): a profile
-and a plan carry them. Pure Python.
+The vocabulary, the settings a search may try (`lever_choices`), a plan's settings and profiles (`plan_levers`,
+`profiles_for_plan`); the pair itself and `OFFLOAD_STAGES` are `poplar_ext.plan.formats`'. Pure Python.
+The rules and why: profiles/README.md ("How the search reads a profile") and docs/profiling.md.
 """
 
 from __future__ import annotations

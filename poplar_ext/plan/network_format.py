@@ -1,22 +1,7 @@
 """The network file: collective times measured on a job's process group, and the ring model they fit.
 
-A network file sits in the profile directory (``network/network-<cluster key>.json``, documented in
-``profiles/README.md``). It holds, for each collective ZeRO issues (all-reduce,
-reduce-scatter, all-gather), the measured time against message size and a fit to the
-ring model that nccl-tests uses to define bus bandwidth::
-
-    all_reduce(n bytes, W ranks)     = 2 (W - 1) * latency_s + 2 (W - 1) / W * n / bus_bandwidth
-    reduce_scatter / all_gather(n)   =   (W - 1) * latency_s +   (W - 1) / W * n / bus_bandwidth
-
-``n`` is the whole tensor (the input of a reduce-scatter, the output of an
-all-gather), ``latency_s`` the cost of one ring hop. Fitted at the measured world
-size, the model predicts the collectives at any other world size: that is what lets
-`search.cost` predict a cluster larger than the one profiled. A ring across nodes is
-as fast as its slowest link, so a file measured on one node under-predicts a
-multi-node cluster; the file records how many nodes it was measured on.
-
-Here: the file's contents, its place in a profile directory, reading (validated) and
-writing. The fit is `poplar_ext.search.network`'s, the measuring `poplar_ext.profiler.network`'s.
+Its contents, place in a profile directory, reading (validated) and writing; the fit is `poplar_ext.search.network`'s,
+the measuring `poplar_ext.profiler.network`'s. See profiles/README.md ("Network file").
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """The pipeline formats: per-layer profiles, and plans of pipelines side by side.
 
-A pipeline plan (``"parallelism": "pipeline"``) lists pipelines that train side by side
-in data parallel. Each pipeline is the ordered ranks of its stages, each stage a
-contiguous range of layers (``first_layer`` to ``last_layer``, both included), and the
-pipeline's micro-batch size and number of micro-batches per iteration; pipelines may
-differ in all of these. A stage may recompute its activations in its backward
-(``activation_checkpointing``, written only where true). The global batch is the sum over
-pipelines of micro-batch size x micro-batches. A pipeline runs on DeepSpeed's pipeline
-engine at ZeRO stage 0 or 1.
-
-A layer profile holds, for one device type at one ZeRO stage and one model, each layer's
-forward + backward time against micro-batch size and its memory: parameters, optimizer
-state, the activations a stage keeps per in-flight micro-batch, and the activations a
-stage boundary after the layer sends. Layer profiles live in ``<profiles>/layers/`` (a
-profile directory's own ``*.json`` are whole-model profiles). Units are in the names;
-provenance (measured, emulated, modelled) as in the whole-model profiles.
+`LayerProfile` and `PipelinePlan`, their reading (validated) and writing; `load_any_plan` reads either kind of plan.
+See profiles/README.md ("Layer profile", "Pipeline plan") and docs/pipeline.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""`profile_model`: measure every device type of the job at every requested ZeRO stage.
+"""`profile_model`: measure every device type of the job at every requested ZeRO stage (collective).
 
-Run by every rank of the job (deepspeed launcher, torchrun), like training. For each
-stage it reuses the cached profiles whose keys match (`poplar_ext.profiler.cache`)
-and measures the others inside one DeepSpeed engine per stage
-(`poplar_ext.profiler.measure`). Rank 0 alone reads and writes the cache directory
-(atomically) and sends the profiles to the others, so every rank returns the same list.
-What to measure and how is a `ProfileOptions` (`poplar_ext.profiler.options`):
-`profile_model` takes its fields as keywords, `profile_with` takes one whole.
+Cached profiles are reused, the others measured in one DeepSpeed engine per stage; rank 0 reads and writes the
+cache and every rank returns the same list. `profile_with` takes one `ProfileOptions`. See docs/profiling.md.
 """
 
 from __future__ import annotations

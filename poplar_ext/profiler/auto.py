@@ -1,11 +1,7 @@
 """Profiles measured from inside `poplar_ext.initialize`, for the fully automatic mode.
 
-When a job has no plan and its profile directory lacks some (device type, stage),
-`poplar_ext.initialize` measures them with the model and training data it was
-given, then searches a plan and trains. This module turns initialize's arguments
-into what `profile_model` needs: a fresh copy of the model per stage (taken before
-DeepSpeed wraps it), micro-batches collated from the first samples of the training
-data, and an optimizer like the user's.
+Turns initialize's arguments into what `profile_model` needs (`missing_profiles_measurer`,
+`missing_layer_profiles_measurer`). See docs/training.md.
 """
 
 from __future__ import annotations

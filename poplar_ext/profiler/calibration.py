@@ -1,16 +1,7 @@
 """Cached profiles checked before they are trusted: a few micro-steps timed at start, against the curve.
 
-A profile from the cache was measured another day, maybe on another machine of the same
-type (another clock, driver or load). At start every rank times a few micro-steps at the
-micro-batch sizes the plan will use, as training runs them (`poplar_ext.profiler.api.
-time_micro_steps`: all ranks at once, an emulated rank padded to its slowdown and timed by
-wall clock, so that waiting for a core under the training load counts). Per device type
-the median of measured / profiled over those sizes is compared with a threshold; beyond it
-the curve is rescaled (its micro-step times only: memory and the boundary are kept) or the
-type is measured again, and the plan records which (`poplar_ext.plan.formats.Plan.calibration`).
-
-This module is pure (numbers in, decisions out): the timing is collective and lives in the
-profiler's api; `poplar_ext.zero.planning` and the demo call both.
+Pure (numbers in, decisions out): the timing is collective and lives in the profiler's api (`time_micro_steps`);
+`poplar_ext.zero.planning` and the demo call both. See docs/training.md (``poplar.calibration``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """``poplar-profile``: measure every device type of a job at each ZeRO stage, like training.
 
-Run it under the launcher that runs training, so that every rank measures its own
-device::
-
-    deepspeed --num_gpus 8 --module poplar_ext.profiler --deepspeed_config ds.json \\
-        --cluster cluster.json --model mymodels:build_model --batch mymodels:make_batch
-
-or with the built-in toy GPT (no downloads)::
-
-    deepspeed --num_gpus 1 --module poplar_ext.profiler --deepspeed_config ds.json \\
-        --cluster cluster.json --model toy-gpt --layers 12 --hidden-size 768 --heads 12
-
-(``--module`` runs it as ``python -m``: ``$(which poplar-profile)`` also works where
-that path is the real script, not a pyenv or conda shim the launcher cannot run;
-with torchrun: ``torchrun --nproc_per_node 8 -m poplar_ext.profiler ...``.)
-
-Thin: the options that build the model here, one option per other `ProfileOptions` field
-built from the field (its flag, reader, default and docstring); the work in
-`poplar_ext.profiler.profile_with`.
+Thin: the options that build the model here, one option per other `ProfileOptions` field built from the field;
+the work in `poplar_ext.profiler.profile_with`. Usage: docs/profiling.md and profiles/README.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Model fingerprint: which architecture a profile was measured with.
+"""Model fingerprint: which architecture a profile was measured with (`model_fingerprint`).
 
-Two models with the same module classes, parameter and buffer names, shapes and
-dtypes train at the same speed and in the same memory, so they share profiles;
-anything else gets another fingerprint and is measured again. Weights' values do not
-matter and are not read (hashing 100M parameters would cost seconds).
-
-Compute it on the model as built, before DeepSpeed wraps it: ZeRO-3 replaces
-parameters by empty placeholders.
+Module classes, parameter and buffer names, shapes and dtypes; never the weights' values. Take it on the model
+as built, before DeepSpeed wraps it. See docs/profiling.md.
 """
 
 from __future__ import annotations

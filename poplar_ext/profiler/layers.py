@@ -1,32 +1,7 @@
 """Layer profiles measured: each layer of a pipeline model timed and sized on its own, per device type.
 
-The pipeline search (`poplar_ext.search.pipeline_search`) needs, per device type, each
-layer's forward + backward time against micro-batch size and its memory
-(`poplar_ext.plan.pipeline_formats.LayerProfile`). Layers are measured one at a time in
-one process, without a DeepSpeed engine: a stage of a pipeline runs its layers one after
-the other, and its sends, receives and gradient all-reduces are priced by the network
-file, not by these times.
-
-How each figure is taken (profiles/README.md, "Layer profile"):
-
-* time: forward then backward of the layer alone, on the activation the layers before
-  it produced (the last layer with the loss), timed by the compute clock
-  (`poplar_ext.hardware.compute_clock.time_compute`: the thread's CPU time on CPU, CUDA
-  events on a GPU); the median of `repeats` after `warmup_micro_steps`; an emulated
-  type's time is that times its slowdown, as in whole-model profiles;
-* parameters: the layer's tensors; optimizer state: their gradients plus the state the
-  optimizer holds after one step (pipelines train in fp32: no master copy). ZeRO 1 in a
-  pipeline shards nothing (each pipeline is its own data-parallel group of one rank), so
-  its figures are stage 0's: one measurement is written for both;
-* kept activations: the tensors autograd saves for the layer's backward (the layer's
-  input included, parameters excluded), counted once each, per sample;
-* boundary bytes: the layer's output per sample;
-* base memory: on CPU the process's resident memory before any layer is built (the
-  framework), on CUDA torch's allocation before any layer is built.
-
-`profile_layers` is collective (every rank calls it, as `profile_with`): the first rank
-of each device type measures it, rank 0 reads the cache, writes ``<profiles>/layers/``
-and sends the profiles to every rank.
+`measure_layers` and `layer_profile`, used by `poplar_ext.profiler.per_layer.profile_layers`. How each figure
+is taken: profiles/README.md ("Layer profile") and docs/profiling.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """The measurement loop: one DeepSpeed engine per ZeRO stage, trials agreed by all ranks.
 
-Run collectively by every rank of the job. A *trial* is a few micro-steps
-(warm-up + repeats) at one micro-batch size per device type: ranks of a measured
-type run that type's size, every other rank runs micro-batch 1 unmeasured, so every
-rank runs the same number of micro-steps (ZeRO-2/3 communicate on every one).
-After each trial all ranks agree, by one all-reduce (MAX), on which types ran out
-of memory (real or emulated) and on each type's peak memory; every decision that
-follows (next size, stop, rebuild the engine) is computed from those agreed
-numbers, so all ranks take it alike and none waits in a collective another skips.
-
-Own work, not waiting (see profiles/README.md): on CPU a micro-step is timed by
-the CPU time of the thread that computes it (torch runs one intra-op thread per rank
-here; gloo's blocking waits use none, and its own threads' work is communication), on CUDA by events while the
-other device types run micro-batch 1, and only one type is measured at a time at
-ZeRO-2/3, where micro-steps communicate. Both end at DeepSpeed's gradient reduction, as
-training's compute window does, except on CUDA at ZeRO-3, whose all-gathers leave no window
-without communication (`poplar_ext.hardware.compute_clock.compute_window`). An emulated type's time is its compute
-time times its slowdown: the time its emulated rank spends in training
-(`poplar_ext.hardware.emulation.ComputeSlowdown`), without sleeping here for it.
+Run collectively by every rank. How trials, timing and out-of-memory agreement work: profiles/README.md
+("How profiles are measured") and docs/profiling.md.
 """
 
 from __future__ import annotations

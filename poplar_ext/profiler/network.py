@@ -1,12 +1,7 @@
 """The job's network measured: collective times against message size, fitted (`search.network`).
 
-Run by every rank, after the layout is agreed and before the stages are measured:
-each of the three collectives ZeRO issues, at message sizes from 4 KiB up to the
-largest bucket the job's ZeRO sends (`message_sizes`; 32 MiB on CPU ranks, where
-gloo stands in for a network), timed after a barrier; the slowest rank's median
-counts (a collective ends when its last rank does). Rank 0 writes the file beside
-the profiles (`plan.network_format`), keyed by its cluster (`cluster_key`), and a later run
-on the same cluster reuses it.
+`measure_network` (collective) and `cached_or_measured_network`; rank 0 writes the file, reused on the same
+cluster. See profiles/README.md ("Network file") and docs/profiling.md.
 """
 
 from __future__ import annotations

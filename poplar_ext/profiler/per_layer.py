@@ -1,12 +1,8 @@
 """`profile_layers`: every device type of the job measured layer by layer (collective), written to
 ``<profiles>/layers/``.
 
-The per-layer counterpart of `poplar_ext.profiler.api.profile_with`, with the same
-`ProfileOptions`: the job's layout agreed by all ranks, the cache read by rank 0, each
-missing device type measured by its first rank (`poplar_ext.profiler.layers`; the other
-ranks wait), the profiles written by rank 0 and received by all. ZeRO stages 0 and 1 of
-`ProfileOptions.zero_stages` are written (a pipeline runs at no other); both come from
-one measurement (see `poplar_ext.profiler.layers`).
+The per-layer counterpart of `poplar_ext.profiler.api.profile_with`, with the same `ProfileOptions`.
+See profiles/README.md ("Layer profile") and docs/profiling.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,8 @@
 """The cost model: predicted iteration time of a per-rank allocation under one ZeRO stage.
 
-Rank r runs ``s_r`` micro-steps of ``b_r`` samples; ``t_r`` is its device type's
-monotone micro-step time curve (`search.curves`), evaluated at integer sizes.
-
-* Stages 2 and 3 communicate on every micro-step, so every micro-step waits for the
-  slowest rank and all ranks run the same count ``s``::
-
-      iteration_time_s = s * max_r t_r(b_r) + boundary_s
-
-* Stages 0 and 1 communicate at the accumulation boundary only, so each rank runs
-  its own micro-steps and the boundary waits for the busiest rank::
-
-      iteration_time_s = max_r (s_r * t_r(b_r)) + boundary_s
-
-``boundary_s`` is the largest ``optimizer_step_time_s`` among the device types in
-the cluster: the optimizer step and the boundary collectives end together.
-
-With a network (`plan.network_format`), communication is a term of its own, priced for
-the cluster's world size from the collectives DeepSpeed issues at each stage
-(`stage_communication`): the gradient all-reduce at the boundary (stage 0); a
-reduce-scatter and a parameter all-gather at the boundary (stage 1); a
-reduce-scatter on every micro-step and the all-gather at the boundary (stage 2); two
-parameter all-gathers (forward, backward) and a reduce-scatter on every micro-step
-(stage 3). What a profile measured at its own world size is taken out first, so a
-cluster of another size is predicted from the model, not from a constant. Without a
-network the model is the one above: the boundary as measured.
-
-Ranks of one device type are interchangeable, so the model keeps one entry per
-device type with a rank count; the policies work per type and only the final
-allocation is per rank.
+Formulas and the collectives priced per stage (`stage_communication`): profiles/README.md ("How the search
+reads a profile", "Communication in the cost model"); why the boundary and the per-type entries: docs/search.md
+("How a ZeRO plan is found").
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
-"""Micro-step time as a continuous, monotone function of the micro-batch size.
+"""Micro-step time as a continuous, monotone function of the micro-batch size (`fit_curve`, `StepTimeCurve`).
 
-A profile holds a handful of measured sizes; the search needs a time for every
-integer micro-batch from 1 to the largest that fits. The fit:
-
-1. isotonic regression (``scipy.optimize.isotonic_regression``, pool-adjacent-
-   violators) of the sampled times over the sampled sizes. A larger micro-batch
-   never takes less time on real hardware, so a measured decrease is noise; pooling
-   replaces the violating run by its mean.
-   (Sizes that do not increase are a format error, caught when the profile loads.)
-2. a PCHIP interpolant (``scipy.interpolate.PchipInterpolator``) through the pooled
-   points. Unlike a cubic spline it preserves monotonicity and never overshoots, so
-   it cannot oscillate between samples.
-3. straight lines outside the sampled range: below the first sample down to 1 with
-   the slope of the first pooled segment (at most ``t1 / b1``, so that the time
-   stays positive), above the last sample up to ``max_micro_batch_size`` with the
-   slope of the last segment. With a single sample the time is taken as
-   proportional to the micro-batch size.
-
-The search only ever evaluates integer sizes, through `StepTimeCurve.table`, which
-is made non-decreasing once more with a running maximum so that floating-point
-rounding cannot reintroduce a decrease.
+Isotonic regression, PCHIP, straight lines outside the samples; evaluated at integer sizes through
+`StepTimeCurve.table`. See profiles/README.md ("How the search reads a profile") and docs/search.md (curves).
 """
 
 from __future__ import annotations

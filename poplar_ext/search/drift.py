@@ -1,11 +1,7 @@
 """Re-planning for drifted devices: each rank's curve scaled by how much slower (or faster) it runs.
 
-A throttled GPU is one rank, not its whole type: `scaled_problem` gives every group of
-ranks that share a type and a speed factor a derived device type (``a100@x2.50``),
-whose profile is the type's with every micro-step and the optimizer step multiplied by
-that factor. `replan` searches that problem for the same global batch and stage and
-says whether the new plan beats the current one under the drifted speeds. Pure: the
-runtime (`poplar_ext.runtime.rebalance`) decides when to call it.
+`scaled_problem` gives ranks of one type and speed factor a derived type (``a100@x2.50``); `replan` searches
+it and says whether the new plan wins. Pure: `poplar_ext.runtime.rebalance` decides when. See docs/search.md (drift).
 """
 
 from __future__ import annotations

@@ -1,45 +1,8 @@
-"""The best memory levers per device type, found exactly without trying all 4^k settings.
+"""The best memory levers per device type, found exactly without trying all 4^k settings (`search_levers`).
 
-At ZeRO stages 0-2 the ``poplar`` policy may give each device type any of its profiled
-settings of the memory levers (`search.levers`): up to ``4 ** types`` settings. The
-answer is defined by the enumeration (`evaluate_settings` over `lever_choices`): the
-policy (exact for one setting) on every setting, fewest levers first, then in order of
-type and `LEVERS_ORDER`; a later setting replaces the best only when strictly better.
-`search_levers` returns that same outcome while running the policy on a handful:
-
-* Each (type, setting) is priced once (`search.cost.device_cost`); a setting's cost
-  model is assembled from those.
-* The boundary is the largest optimizer step among the chosen settings. Fixing that
-  largest step at some value B, every type may take any of its settings whose step is
-  at most B, and each type's best micro-step time at each micro-batch is the lower
-  envelope of those settings' tables (non-decreasing, as each table is). At a fixed
-  micro-step (or busy) time the types are separable: a type's most samples is the
-  envelope's. That gives, per B, the exact optimum at stages 2 (one accumulation
-  count: feasibility is capacity) and bounds at stages 0-1 (exact sums), and a
-  setting that reaches it (every type at its most samples): seeds.
-* A branch and bound over the types finishes the job. A setting can match or beat the
-  incumbent only if, for its own largest step, its capacity (the sum over types of what
-  each can run) reaches a requirement at some time (`_Requirements`: rows of a time and
-  a number of samples). Per row, the most the types not yet fixed can add is the sum of
-  each one's best option (`_Tables`); with an automatic batch and no maximum, each
-  setting's batch is also capped by its own default maximum (a sum over types too). A
-  node keeps only the rows some completion may still meet, so its children look at
-  fewer; subtrees that meet no row are skipped, every other setting is evaluated by the
-  policy itself. A better incumbent needs more samples of each row: the rows are made
-  again, each option's capacity at a row's time copied from the last ones.
-* With an automatic batch at stages 0-1 the rows are the capacity levels between the
-  least and the most busy time that can beat the incumbent: tens of thousands for 4096
-  ranks. The number of levers is counted only at the leaves (the enumeration's order):
-  bounding per number of levers as well multiplied the work per row by ~17 and pruned
-  no more settings in the bench's problems.
-
-Why it returns the enumeration's outcome: the requirements are necessary conditions
-(a skipped setting can neither beat the incumbent nor tie it), every setting not
-skipped is evaluated, and `_LeverSearch.evaluate` keeps what the enumeration keeps:
-the strictly better, or an equal one that comes earlier in its order. The seeds only
-make the incumbent good early. Both cost models of a setting are the same floats as the
-enumeration's (same pricing, same assembly), and the requirements use the cost model's
-float expressions, so ties are ties.
+Returns the enumeration's outcome (`evaluate_settings` over `lever_choices`) by pricing each (type, setting)
+once, seeding from lower envelopes and branching and bounding over the types. Why it is exact:
+docs/search.md ("Memory levers").
 """
 
 from __future__ import annotations

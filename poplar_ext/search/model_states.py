@@ -1,15 +1,7 @@
 """How much device memory a model's states take at each ZeRO stage, before any engine is built.
 
-The static part of a rank's memory: parameters, gradients, and the optimizer's state (its moments,
-and the fp32 master weights and gradients of a 16-bit run), each sharded over the ranks from the
-stage that partitions it on (1: optimizer state, 2: gradients, 3: parameters), as DeepSpeed's own
-estimators count them (``estimate_zero2_model_states_mem_needs``: 2 + 18 bytes per parameter for
-fp16 with Adam, the 18 over the ranks). Those estimators assume 16-bit training with Adam; this one
-follows the dtype and the optimizer. Activations, communication buffers and ZeRO-3's gathered
-largest layer are not counted: the figure is a lower bound, so a device under it certainly cannot
-hold the stage (the profiler skips it, the runtime refuses it), and one above may still not.
-
-Pure arithmetic (no torch), so every rank computes the same decision from the same agreed numbers.
+Parameters, gradients and optimizer state, sharded from the stage that partitions each: a lower bound, pure
+arithmetic (`model_states`, `cannot_hold`). See docs/profiling.md (static memory).
 """
 
 from __future__ import annotations

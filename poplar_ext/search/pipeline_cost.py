@@ -1,72 +1,8 @@
-"""The cost model of a pipeline plan: pipelines of stages side by side, 1F1B, gradients summed per layer.
+"""The cost model of a pipeline plan: stages from layer curves, 1F1B, transfers, per-layer all-reduces, memory.
 
-Pipeline p has S stages and runs m micro-batches of b samples; stage s (counted from 0)
-runs on one rank of device type d and holds layers i..j (`search.pipeline_formats`).
-
-* A stage's time per micro-batch, its forward + backward and its transfers::
-
-      t_s(b) = sum_{l=i..j} c_{d,l}(b) + 2 x_{s-1,s}(b) [s > 0] + 2 x_{s,s+1}(b) [s < S - 1]
-
-  ``c_{d,l}`` is layer l's monotone curve on type d, fitted to the layer profile's
-  samples as whole-model curves are (`search.curves`). ``x(b) = latency + b x
-  output_bytes_per_sample / bandwidth`` is one point-to-point transfer of the activation
-  a boundary sends forward; its gradient comes back at the same price. DeepSpeed's
-  pipeline engine sends and receives between its compute steps, so a stage pays both
-  directions on both of its sides, not overlapped with compute.
-* A pipeline's time: DeepSpeed's ``TrainSchedule`` runs ``2 (m + S - 1)`` steps of one
-  forward or one backward each, every step waiting for the neighbours' transfers, so
-  the slowest stage sets the pace of every step::
-
-      T_p = (m + S - 1) x max_s t_s(b)
-
-  ``m x max_s t_s`` is the slowest stage's own work, ``(S - 1) x max_s t_s`` the bubble
-  of filling and draining the pipeline.
-* A stage with activation checkpointing (the plan's ``activation_checkpointing``) runs
-  its forward again in its backward: its compute is ``(1 + RECOMPUTE_SHARE) x`` its
-  layers' curves, a forward being a third of a layer's step (the share the emulation gives
-  it, `hardware.emulation.pipeline_reference`).
-* The boundary: each layer's gradient is summed over the P ranks that hold it, one per
-  pipeline, by an all-reduce among them; every rank issues them in layer order, one
-  per segment (a run of consecutive layers with the same holders) of the segment's
-  parameter bytes (gradients are in the training dtype, as the parameters). A segment
-  starts when each holder has finished its earlier segments; each rank then steps the
-  optimizer of its layers. The all-reduces start when the last pipeline is done (the
-  search sizes the pipelines to finish together)::
-
-      boundary_s = max_r (finish_r + sum_{l on r} optimizer_step_time_s(l))
-      iteration_time_s = max_p T_p + boundary_s
-
-* Memory of stage s: under 1F1B it keeps the activations of up to ``min(m, S - s)``
-  micro-batches in flight (the first stage the most)::
-
-      base_memory_bytes + sum_l (parameter_bytes + optimizer_state_bytes)
-                        + min(m, S - s) x b x sum_l activation_bytes_per_sample
-
-  ``optimizer_state_bytes`` holds what a layer's parameters cost the rank besides the
-  weights (gradients, master weights, optimizer state); a stage's received activation
-  is the first layer's input, counted in that layer's kept activations. A checkpointed
-  stage keeps only its input per in-flight micro-batch, and during one backward that
-  micro-batch's activations, recomputed (its input among them)::
-
-      ... + b x ((min(m, S - s) - 1) x input_bytes_per_sample + sum_l activation_bytes_per_sample)
-
-  its input being the previous layer's ``output_bytes_per_sample``; on the first stage,
-  whose input is the data (no figure of its own in a layer profile), layer 0's kept
-  activations, which hold it. The search checkpoints a stage only where it does not fit
-  without (`checkpoint_where_needed`).
-
-Prices come from a network file (`plan.network_format`): a transfer or an all-reduce among
-ranks of one node at the network's ``within_node`` figures where it has them (and the
-cluster says where ranks are), otherwise at ``between_nodes`` (transfers) or the whole
-job's fit. A transfer of n bytes costs ``latency + n / bus_bandwidth`` of the all-gather
-fit: a ring moves each byte over one link per hop, so its bus bandwidth is a link's.
-Links of different speeds in one job: where the cluster's nodes declare their
-``uplink_bandwidth_bytes_per_s``, a transfer between two nodes runs at the slower of their
-uplinks and an all-reduce spanning nodes at the slowest uplink it crosses (a ring is as
-fast as its slowest link); a node that declares none counts at the fit's bandwidth, the
-latency is always the fit's. Each boundary is priced by its own link, so the split puts
-heavy boundaries on fast links. Without a network nothing is priced: transfers and
-all-reduces cost 0, declared links or not.
+`predict_pipeline` prices a plan; `stage_costs`, `boundary_s` and `checkpoint_where_needed` serve the search.
+Formulas: docs/search.md ("How a pipeline plan is found") and profiles/README.md (layer profile, "How the
+search reads one"); the recompute: docs/pipeline.md (activation checkpointing per stage).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Re-counting a pipeline plan for drifted devices: the same pipelines and stages, each one's micro-batches moved.
 
-A drifted rank's layer curves are scaled by its speed factor, as `search.drift` scales a
-rank's whole-model curve: every rank that runs at another factor than its type's profile
-gets a derived device type (``cpu@x4.00``, `search.drift.scaled_types`) whose layer profile
-is the type's with every layer's time and optimizer step multiplied by the factor. The
-pipelines keep their ranks, stages, layer splits and micro-batch sizes: a layer that moved
-would take its weights and optimizer state to another rank, and DeepSpeed's pipeline engine
-keeps the shapes it sends between stages from the first micro-batch. Only each pipeline's
-number of micro-batches is searched again, exactly (`search.pipeline_sizing.size_pipelines`
-over the one size each pipeline has), for the same global batch: the pipelines finish
-together again. Pure: the runtime (`poplar_ext.runtime.rebalance`) decides when to call it.
+`recount_pipelines` scales drifted ranks' layer curves and sizes each pipeline's count again, exactly. Pure:
+`poplar_ext.runtime.rebalance` decides when. See docs/pipeline.md (re-balancing) and docs/search.md (drift).
 """
 
 from __future__ import annotations

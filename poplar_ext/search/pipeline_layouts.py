@@ -1,29 +1,7 @@
 """Which ranks form which pipeline, in which stage order: every layout, or the heuristic's candidates.
 
-A layout is a tuple of pipelines, each the ranks of its stages in order; every rank is in
-exactly one. Ranks of one device type on one node are interchangeable, so layouts that
-differ only by swapping such ranks are listed once.
-
-`all_layouts` lists every layout (ordered set partitions: 73 for 4 ranks, 4051 for 6):
-the exact search, for small clusters.
-
-`candidate_layouts` is the heuristic's list for any cluster:
-
-* homogeneous pipelines: each device type's ranks in pipelines of S_t stages of that
-  type alone, S_t any divisor of the type's count (every combination over the types);
-* mixed pipelines of identical composition: g pipelines, each with ``count_t // g``
-  ranks of every type t of a set of types (all of them, or, up to 4 types, any two or
-  more, the other types' ranks in homogeneous pipelines beside them), in blocks of one
-  type (every order of the types: the first stage keeps the most micro-batches in
-  flight, so which memory comes first matters);
-  the ranks left over (when g does not divide a count) either form one more pipeline,
-  uneven, beside them, or go one each to the first pipelines (which are then one stage
-  longer). g runs over the divisors of each type's count and 1..8.
-
-A pipeline's ranks of one type are consecutive in rank order, so its stages sit on as
-few nodes as they can and most transfers stay within a node. The candidates do not choose
-which nodes' links a pipeline crosses (declared uplinks of different speeds price them,
-and the split weighs them; every layout, for small clusters, places them too).
+`all_layouts` (the exact search, small clusters) and `candidate_layouts` (the heuristic's list).
+See docs/search.md ("How a pipeline plan is found": layouts).
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
 """The pipeline search: `search_pipeline_plan` and `check_pipeline_plan`.
 
-The search groups the cluster's ranks into pipelines and orders each pipeline's stages
-(a layout, `search.pipeline_layouts`), splits the layers over each pipeline's stages
-(`search.pipeline_split`), and sizes each pipeline's micro-batch and count so that the
-pipelines run exactly the global batch and finish together (`search.pipeline_sizing`),
-for the smallest iteration time of the cost model (`search.pipeline_cost`).
-
-* exact (small clusters: at most `EXACT_MAX_RANKS` ranks and `EXACT_MAX_SPLITS`
-  combinations of splits): every layout, every split of every pipeline (identical
-  pipelines' splits as multisets), and for each the exact sizing; the boundary of each
-  combination is priced as it is (it depends on the splits, not on the micro-batches).
-  The optimum of the cost model over the whole space.
-* heuristic (otherwise): every layout up to `EXACT_MAX_RANKS` ranks, beyond them the
-  candidate layouts of `pipeline_layouts.candidate_layouts`; each pipeline split by the
-  balanced split for its micro-batch size (`pipeline_split`: exact for the pipelines'
-  time; it does not weigh the boundary's all-reduces and optimizer steps; pipelines of
-  up to `REGIME_MAX_STAGES` stages are also split for each count k < S of micro-batches,
-  longer ones only for S - s in flight);
-  micro-batch sizes 1..32, then steps of 2^(1/4); the sizing exact. Layouts are sized
-  in the order of a lower bound (the sizing's T0 plus a bound on the boundary) and the
-  search stops when the bound reaches the best plan found.
-  bench/results/pipeline_search_gap.md measures its gap to the exact optimum.
+Layouts, splits and sizing combined, exactly on small clusters (`EXACT_MAX_RANKS`, `EXACT_MAX_SPLITS`),
+heuristically beyond. See docs/search.md ("How a pipeline plan is found").
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """Micro-batch size and count of every pipeline, so that they finish together and sum to the global batch.
 
-Pipeline k runs m micro-batches of b samples in ``(m + S_k - 1) x tau_k(b)`` seconds
-(`search.pipeline_cost`: tau_k is its slowest stage at size b), with b among its usable
-sizes and m at most a memory limit per size (under 1F1B fewer micro-batches keep fewer in
-flight). The pipelines must run exactly B samples together, ``sum_k b_k m_k = B``, and the
-slowest sets the time. `size_pipelines` finds the smallest such time exactly:
-
-1. Within a time T pipeline k can run any ``b x m`` with ``1 <= m <= M_k(b, T)``; what it
-   can run only grows with T and only changes where some ``(m + S - 1) tau(b)`` is
-   reached (a breakpoint), so feasibility is monotone in T and the optimum is a
-   breakpoint.
-2. T0, the first breakpoint at which the pipelines' most samples reach B, is a lower
-   bound (bisection over the breakpoints, or over time when they are too many to list).
-3. Whether exactly B can be split at a time T is a sumset question: with ``W_k`` the
-   most pipeline k can run, the pipelines must give up exactly ``D = sum W_k - B``
-   samples between them, each from the set of what it can give up. Sets are boolean
-   arrays over 0..D (or over 0..B, whichever is shorter, as totals); identical
-   pipelines are summed by doubling, and each sum is a convolution (FFT when long).
-   From T0 the time steps from breakpoint to breakpoint, then gallops and bisects: the
-   first feasible breakpoint is optimal.
+`size_pipelines` finds the smallest such time exactly (breakpoints, a lower bound, sumsets).
+See docs/search.md ("How a pipeline plan is found": sizing).
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
 """Layers split over a pipeline's stages: the balanced split by dynamic programming, and a given split priced.
 
-A pipeline's shape is the device type of each stage in order and, for each boundary
-between stages, the price of the link between both ranks (within a node, or between
-their nodes: `pipeline_cost.Links`), so that a heavy boundary lands on a fast link. For a
-micro-batch size b and a memory regime (how many micro-batches each stage keeps in
-flight), `balanced_split` finds the split of the layers into contiguous stages that
-minimises the slowest stage's time (`search.pipeline_cost`: compute plus transfers)
-among the splits that fit every stage's memory, exactly, by dynamic programming::
-
-    best[s][j] = min over i < j of max(best[s - 1][i], cost_s(i, j))
-
-where ``cost_s(i, j)`` is stage s holding layers i..j-1: its time without activation
-checkpointing where that fits its device, else its time with it (the recompute priced,
-`pipeline_cost.RECOMPUTE_SHARE`) where that fits, else infinite. The pipeline's time
-``(m + S - 1) x`` its slowest stage only depends on the split through that maximum, so
-for a given shape, size and regime this split is optimal. All sizes are solved at once
-(numpy over ``(sizes, i, j)``).
-
-For a given split, `split_costs` prices the stages with their checkpointing given, and
-`split_options` lists what the split can run when each stage is checkpointed only where
-the count of micro-batches needs it: a few (time, most micro-batches) entries per size.
+`balanced_split` (exact min-max split per shape, size and memory regime), `split_costs`, `split_options`.
+See docs/search.md ("How a pipeline plan is found": splits).
 """
 
 from __future__ import annotations

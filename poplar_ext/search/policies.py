@@ -1,23 +1,8 @@
 """Allocation policies: who runs how many samples per micro-step, and how many micro-steps.
 
-All three share one signature, ``allocate(policy, model, global_batch_size)`` and
-``best_global_batch(policy, model, max_global_batch_size)``, and return a
-`PolicyResult`: an `Allocation` or the reason there is none.
-
-* ``uniform`` (what DeepSpeed does): one micro-batch size and one accumulation count
-  for every rank; the largest micro-batch that fits the smallest device and divides
-  ``B / W``.
-* ``proportional`` (Whale): per-micro-step shares proportional to each device's
-  measured throughput at its largest micro-batch, clipped to [1, max micro-batch],
-  largest-remainder rounding; one accumulation count for all ranks, the smallest
-  that lets the shares fit.
-* ``poplar``: the allocation with the smallest predicted iteration time under the
-  cost model (`search.cost`), exactly: integer micro-batches, ``sum b_r s_r == B``,
-  per-rank memory caps, every rank at least one sample, and the stage's rule (one
-  accumulation count at stages 2 and 3; per-rank counts at stages 0 and 1).
-
-Ranks of one device type are identical, so every policy works per type and splits a
-type's share evenly (sizes differ by at most one where the rule allows).
+``uniform``, ``proportional`` and ``poplar`` behind one signature (`allocate`, `best_global_batch`),
+each returning a `PolicyResult`. See profiles/README.md ("How the search reads a profile") and docs/search.md
+("How a ZeRO plan is found").
 """
 
 from __future__ import annotations

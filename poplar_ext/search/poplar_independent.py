@@ -1,24 +1,7 @@
 """The ``poplar`` policy at ZeRO stages 0 and 1: per-rank accumulation counts, balanced busy time.
 
-Rank r may run any ``(b, s)`` with ``s * t_r(b) <= T``: any work ``b * s`` with
-``1 <= s <= S_b(T)``, ``S_b(T)`` being the most micro-steps of size b within T (one
-division per size). The iteration time is ``max_r s_r * t_r(b_r)`` plus a boundary that
-does not depend on the allocation, so the optimum is the smallest T at which the ranks
-can run exactly B samples together. What the ranks can run only grows with T and only
-changes where some ``s * t(b)`` is reached (a breakpoint), so the search is monotone
-over breakpoints:
-
-1. T0, the first breakpoint whose capacity (every rank at its most work) reaches B, is
-   a lower bound; bisection finds it with one O(sizes) capacity evaluation per probe.
-2. `_exact_at` decides exactly whether B samples can be split at a time T. When it
-   cannot at T0, the time gallops up (doubling the capacity surplus) until it can, then
-   bisects over the breakpoints in between: the first time at which it can is optimal.
-
-Nothing here is sized by B. `_exact_at` works on the deficit (capacity - B) or on the
-headroom above one sample per rank, whichever is smaller: with bitsets when that is
-small, and otherwise with the smallest deficit in each residue class modulo the
-micro-batch of one rank (arrays sized by the largest micro-batch). Ranks of one device
-type are interchangeable, so each type's ranks are summed together, by doubling.
+The smallest time at which the ranks can run exactly B samples, found over breakpoints with an exact test
+(`_exact_at`) not sized by B. See docs/search.md ("How a ZeRO plan is found").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """`poplar-search --predict PLAN`: a given plan, ZeRO or pipeline, priced by the cost model.
 
-The plan's kind is read from the file (a pipeline plan has ``pipelines``). A ZeRO plan is
-priced from the profiles in ``--profiles``, a pipeline plan from the layer profiles in
-``<profiles>/layers/``; communication from the network file as for a search (``--network``,
-else the profile directory's file for ``--cluster``; none with ``--no-network``). The table
-says where each rank's time goes (compute, communication or transfers, the boundary, idle);
-``--format json`` prints the prediction whole.
+The table says where each rank's time goes; ``--format json`` prints the prediction whole.
+See docs/search.md ("Pricing a given plan").
 """
 
 from __future__ import annotations
