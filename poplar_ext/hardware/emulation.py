@@ -27,7 +27,7 @@ class EmulatedOutOfMemoryError(RuntimeError):
 
 class EmulationRangeWarning(UserWarning):
     """The emulated ranks of one machine keep more cores busy than it has (sum of 1/slowdown): they
-    wait for cores and their compute runs above its profile, whatever the plan (module docstring)."""
+    wait for cores and their compute runs above its profile, whatever the plan (docs/limits.md, emulation)."""
 
 
 def core_demand(slowdowns: Iterable[float]) -> float:
@@ -257,7 +257,7 @@ OPTIMIZER_STEP_KEY = ("optimizer_step",)
 
 
 class ComputeSlowdown:
-    """Gives each block of compute its steady time: ``slowdown x`` its base (module docstring).
+    """Gives each block of compute its steady time: ``slowdown x`` its base (docs/limits.md, emulation).
 
     Use as a context manager (``with slowdown: ...``) or with `start(key)` / `stop()`
     when the block spans calls (the engine starts at forward and stops at the gradient

@@ -44,7 +44,7 @@ class CollectiveSample:
 
 @dataclass(frozen=True, kw_only=True)
 class CollectiveFit:
-    """One collective's ring-model fit (module docstring) and the samples it was fitted to."""
+    """One collective's ring-model fit (profiles/README.md, "Network file") and the samples it was fitted to."""
 
     latency_s: float
     """Cost of one ring hop (seconds)."""

@@ -111,7 +111,7 @@ def search_levers(
     """``poplar``'s best allocation at `zero_stage` (0-2) over every per-type setting of the memory levers.
 
     The same outcome as `evaluate_settings` over ``lever_choices(variants, zero_stage,
-    choose=True)`` (see the module docstring), without a limit on the number of
+    choose=True)`` (see docs/search.md, "Memory levers"), without a limit on the number of
     settings. `variants` has every device type of `cluster`, in its order.
     """
     assert zero_stage in (0, 1, 2), "stage 3 allows two settings: all checkpointed or none"
@@ -348,7 +348,7 @@ def _price(
 
 
 class _LeverSearch:
-    """One stage's branch and bound (see the module docstring)."""
+    """One stage's branch and bound (see docs/search.md, "Memory levers")."""
 
     def __init__(
         self,

@@ -114,7 +114,7 @@ class LayerTable:
     def memory_bytes(
         self, first: int, last: int, micro_batch_size: int, in_flight: int, *, checkpointed: bool = False
     ) -> int:
-        """A stage of layers `first`..`last` holding `in_flight` micro-batches (module docstring)."""
+        """A stage of layers `first`..`last` holding `in_flight` micro-batches (docs/search.md)."""
         kept = int(self.activation_prefix_bytes[last + 1] - self.activation_prefix_bytes[first])
         held = (in_flight - 1) * int(self.input_bytes[first]) + kept if checkpointed else in_flight * kept
         static = int(self.static_prefix_bytes[last + 1] - self.static_prefix_bytes[first])
@@ -183,7 +183,7 @@ class LinkPrice:
 
 @dataclass(frozen=True, kw_only=True)
 class Links:
-    """What transfers and all-reduces cost between given ranks (module docstring)."""
+    """What transfers and all-reduces cost between given ranks (docs/search.md)."""
 
     network: NetworkProfile | None
     rank_nodes: tuple[int, ...] | None = None
@@ -477,11 +477,11 @@ def predict_pipeline(
     *,
     cluster: Cluster | None = None,
 ) -> PipelinePrediction:
-    """Per-stage busy time and the iteration time the cost model (module docstring) predicts for `plan`.
+    """Per-stage busy time and the iteration time the cost model (docs/search.md) predicts for `plan`.
 
     With `network`, transfers and all-reduces are priced; with `cluster` too, ranks of one
     node exchange at the network's within-node figures where it has them, and ranks of
-    two nodes over their declared uplinks (module docstring). Raises
+    two nodes over their declared uplinks (docs/search.md). Raises
     ValueError when a device type of the plan has no layer profile at the plan's ZeRO
     stage, or the profiles' layer count is not the plan's.
     """

@@ -117,7 +117,7 @@ def recount_pipelines(
     network: NetworkProfile | None = None,
 ) -> Replan:
     """Each pipeline's micro-batch count searched again for `plan`'s global batch with each rank's layer
-    times scaled by `rank_scales` (module docstring); ``better`` when the new counts' predicted iteration
+    times scaled by `rank_scales` (docs/search.md); ``better`` when the new counts' predicted iteration
     is shorter by more than `min_gain`."""
     drifted = _Drifted.of(plan, layer_profiles, cluster, rank_scales, network)
     current_s = drifted.predict(plan).iteration_time_s

@@ -119,7 +119,7 @@ def _type_subsets(types: list[str]) -> list[tuple[str, ...]]:
 
 
 def candidate_layouts(cluster: Cluster, max_stages: int) -> list[Layout]:
-    """The heuristic's layouts (module docstring), each once."""
+    """The heuristic's layouts (docs/search.md), each once."""
     ranks_of: dict[str, list[int]] = {}
     for rank, device_type in enumerate(cluster.rank_device_types):
         ranks_of.setdefault(device_type, []).append(rank)

@@ -407,7 +407,7 @@ def search_pipeline_plan(
     layouts: str = "auto",
     max_stages: int | None = None,
 ) -> SearchResult:
-    """The pipeline plan of `cluster` with the smallest predicted iteration time (module docstring).
+    """The pipeline plan of `cluster` with the smallest predicted iteration time (docs/search.md).
 
     Args:
         layer_profiles: layer profiles of one model: every device type of the cluster at

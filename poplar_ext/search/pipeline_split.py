@@ -140,7 +140,7 @@ def balanced_split(
     *,
     cache: dict[str, _TypeCosts] | None = None,
 ) -> BalancedSplits:
-    """The min-max split (module docstring) at every size in `sizes`; `in_flight` per stage
+    """The min-max split (docs/search.md) at every size in `sizes`; `in_flight` per stage
     defaults to 1F1B with at least S micro-batches (stage s keeps S - s). `cache` keeps each
     type's costs between calls with the same tables and sizes."""
     stages = shape.num_stages
