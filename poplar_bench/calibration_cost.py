@@ -1,20 +1,7 @@
 """`poplar-bench calibration`: what checking cached profiles at start costs and what it finds.
 
-Three runs of the demo on one profile cache: the first profiles afresh; the second reuses the
-cache as it is (``--calibration off``, as before issue 27); the third reuses it checked
-(``cached``: a few micro-steps per device type timed at start as training runs them, a curve
-off by more than 10% rescaled). Reported: the check's wall time per rank, what it found per
-device type, and each run's prediction error per policy. Every device is an emulated CPU rank.
-
-`summarize` and `render_markdown` are pure (they read demo reports), so that tests check them
-without running anything.
-
-The check's cost alone (``poplar-bench calibration --check-only``, `run_check_cost`): the demo's
-ranks forked once, the profiles made (or taken from the cache), then the demo's start-up check
-(`bench.demo_worker.calibrate_profiles`: rank 0 searches the policies, every rank times
-micro-steps at poplar's plan's sizes) repeated; each repeat's wall time on the slowest rank.
-Seconds per check instead of minutes per demo run, so that a change to the check is measured
-on its own.
+Three demo runs on one profile cache, or ``--check-only`` (`run_check_cost`); `summarize` and `render_markdown`
+are pure. See docs/bench.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""`poplar-bench checkpointing`: activation checkpointing chosen per device type, measured (issue 16).
+"""`poplar-bench checkpointing`: activation checkpointing chosen per device type, measured.
 
-The demo's emulated 3-rank cluster (cpu-fast, cpu-medium 2x slower, cpu-slow 4x
-slower), a toy GPT with more activations per sample than the demo's, ZeRO stage 2
-(one accumulation count for every rank: the smallest memory caps everyone). Every
-type is profiled without and with activation checkpointing. Two cases:
-
-* ``tight``: cpu-fast, the type that should carry the most samples, has the least
-  emulated memory (like a fast 16 GB card beside slower large ones), so without
-  checkpointing its micro-batch is small;
-* ``roomy``: every type has room for the largest micro-batch the probe tries.
-
-In each, rank 0 searches poplar with the choice (``poplar``) and poplar from the
-profiles without checkpointing (``poplar-no-checkpointing``); both plans train in
-alternating rounds in one launch, and the report gives predicted and measured
-samples/s (the slowest rank's iteration, median over rounds) and which types
-checkpoint. Devices are emulated (CPU ranks; compute slowed, memory capped).
+See docs/bench.md (the cluster, the ``tight`` and ``roomy`` cases, what is reported).
 """
 
 from __future__ import annotations

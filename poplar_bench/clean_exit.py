@@ -1,25 +1,6 @@
-"""Does a finished job exit 0? Every rank's exit code over many launches, under a busy CPU.
+"""`poplar-bench clean-exit`: does a finished job exit 0? Every rank's exit code over many launches, busy CPU.
 
-A gloo process group still alive when the interpreter shuts down can abort a rank
-("terminate called without an active exception", SIGABRT, exit -6) after the job
-finished, and the launcher then reports the whole job as failed. This bench launches a
-script that ends with a plain return `launches` times per case, with `busy_processes`
-spinning processes keeping the cores busy, and counts every rank's exit code:
-
-* ``torch``: torch and gloo alone, the group left up at exit (the race, not ours);
-* ``torch-destroyed``: the same script destroying its group before it returns;
-* ``poplar-no-handler``: a training script (ZeRO stages 0-3 in turn, an engine each:
-  ``poplar_ext.initialize``, two steps, a checkpoint, the parameters gathered) with
-  poplar-ext's exit handler taken back;
-* ``poplar-destroy-only``: the same with a handler that only destroys the group (the
-  handler's first version: the groups' worker threads outlive it, see
-  `poplar_ext.collectives.destroy_process_group_at_exit`);
-* ``poplar``: the same script as users run it.
-
-The cases take turns launch by launch, so the machine's load drifts over all alike. The
-ranks are started here, a command each (`poplar_bench.local_ranks.run_command_ranks`:
-environment as torchrun sets it), not by a launcher that ends the group at the first
-failed rank, so that each rank's own exit code is seen.
+See docs/bench.md (the cases) and docs/fault-tolerance.md (why a rank can abort at exit).
 """
 
 from __future__ import annotations

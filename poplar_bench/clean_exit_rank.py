@@ -1,15 +1,7 @@
 """One rank of `bench.clean_exit`: a script that ends with a plain return, as users write them.
 
-    python -m poplar_bench.clean_exit_rank --kind torch [--destroy]
-    python -m poplar_bench.clean_exit_rank --kind poplar --work-dir DIR [--handler full|destroy|none]
-
-``torch``: torch and gloo alone (a few blocking all_reduces), the group destroyed by the
-script only with ``--destroy``. ``poplar``: what a training script does, at ZeRO stages 0, 1,
-2 and 3 in turn (an engine each): ``poplar_ext.initialize`` on the toy GPT, two optimizer
-steps, a checkpoint, the whole parameters gathered. ``--handler``: poplar-ext's exit handler as it is (``full``), one
-that only destroys the group (``destroy``, its first version), or none (``none``, before
-it existed). Rank and world size come from the environment (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``).
+``python -m poplar_bench.clean_exit_rank --kind torch|poplar ...``: the cases and options in docs/bench.md
+(poplar-bench clean-exit).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """`poplar-bench demo`: the policies compared on an emulated heterogeneous CPU cluster.
 
-The parent process imports torch and deepspeed once, forks one process per rank
-(`poplar_bench.local_ranks`: forked ranks start in about a second instead of a fresh
-import each), and waits for them with a timeout. The ranks (`bench.demo_worker`)
-profile, search, train every policy and measure; each returns its measurements to the
-parent, which turns them into the report (`assemble_report`, pure, unit tested) and
-writes JSON, markdown and PNG.
+The parent forks the ranks (`bench.demo_worker`) and builds the report (`assemble_report`, pure). See
+docs/bench.md (the demo, how it runs).
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """One rank of `poplar-bench demo` (forked by `bench.demo` through `poplar_bench.local_ranks`).
 
-Phases, all ranks together:
-
-1. profile every device type at the demo's ZeRO stage (the profiler's cache makes a
-   second run skip the measurement);
-2. rank 0 searches a plan per policy and writes them; every rank reads them;
-3. one `poplar_ext.initialize` engine per policy; rounds of measured iterations,
-   the policies interleaved so that background load hits them alike;
-4. each rank's standalone throughput (its micro-steps alone, no communication), the
-   measured ideal.
-
-The launcher starts each rank (environment, one torch thread, the gloo process
-group); each rank returns its measurements, and rank 0 writes the plans into the
-work directory.
+Profile, search, train every policy in interleaved rounds, measure the standalone ideal. See docs/bench.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """`poplar-bench drift`: static poplar against adaptive (``poplar.rebalance``) when a device drifts.
 
-The demo's emulated cluster (3 CPU ranks, emulated device types) and model. One
-device becomes `factor` times slower at iteration `drift_at` and recovers at
-`recover_at` (the cluster's ``slowdown_schedule``). Four runs of `iterations`
-iterations each, in one launch: static and adaptive with the drift, static and
-adaptive without it. Reported per iteration: samples/s and the ideal of that moment
-(the sum of each device's measured standalone best throughput, the drifted one's
-divided by its factor: emulation slows a device's compute by exactly its factor);
-re-plans; and the re-balancing's own cost (time inside its per-step hook, which
-holds its collectives, against the iteration time).
-
-Goals (reported, not asserted): after the change adaptive reaches >= 0.9 of the new
-ideal within two check intervals; without drift its cost is <= 1% of iteration time
-and it never re-plans.
+See docs/bench.md (the four runs, the ideal of each moment, the goals).
 """
 
 from __future__ import annotations

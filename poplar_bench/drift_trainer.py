@@ -1,13 +1,6 @@
 """`poplar-bench drift --trainer`: the drift bench's runs through `PoplarTrainer`.
 
-Each run is one ``trainer.train()`` of ``1 + drift_iterations`` optimizer steps on a GPT-2
-of the demo model's shape (``GPT2Config``, random weights, nothing downloaded) and random
-token sequences made here. The DeepSpeed config's ``poplar`` section names the cluster (with
-the drift's ``slowdown_schedule`` or without), the profile cache (the automatic mode: the
-first run measures every device type, the others reuse the profiles; the plan is searched at
-start) and ``poplar.rebalance``. A TrainerCallback reads each optimizer step's time from
-``trainer.poplar_engine.last_iteration_time_s`` (optimizer step to optimizer step on this
-rank, the Trainer's own per-step work included) and times the re-balancing hook.
+See docs/bench.md (poplar-bench drift).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Regenerate the shipped example: modelled profiles of a GPT-2-small-sized model on
-A100-80GB and V100-16GB at ZeRO stages 0-3, its layer profiles at stage 0 (``layers/``,
-for the pipeline search), the 8-GPU cluster they describe and its modelled network
-(``network/``: the whole job at the model's inter-node figure, 25 GB/s within a node).
-
-The numbers are MODELLED, not measured: they come from the analytic GPU model in
-poplar_bench/gpu_model.py (vendor datasheet figures plus the stated assumptions, which every
-profile repeats in ``measured_with``). Run from a checkout (an editable install):
+"""Regenerate the shipped example profiles, cluster and network (MODELLED by `bench.gpu_model`, not measured).
 
     python -m poplar_bench.example_profiles
+
+See docs/bench.md (outside poplar-bench; modelled GPUs).
 """
 
 import dataclasses

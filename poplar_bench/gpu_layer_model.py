@@ -1,38 +1,7 @@
-"""Layer profiles of GPUs we cannot measure, from the same analytic model as `bench.gpu_model`.
+"""Layer profiles of GPUs we cannot measure, from the same analytic model as `bench.gpu_model` (labelled modelled).
 
-Every layer profile made here says ``"source": "modelled"`` in ``measured_with``, with
-the GPU spec, the model shape and the assumptions; reports that use one say so.
-
-The model is `bench.gpu_model`'s, cut into the layers a DeepSpeed ``PipelineModule``
-holds: the embedding (token and position), one layer per transformer block, and the
-head (final layer norm, the LM head and the loss). The head has its own copy of the
-vocabulary matrix: poplar-ext's pipelines do not tie it to the embedding yet
-(bench/results/pipeline_feasibility, "Not covered yet"), so the pipelined model has
-``V x h`` parameters more than the ZeRO one. Per layer, with s tokens per sample, hidden
-size h and vocabulary V:
-
-============  =====================  ==========================  ===================  ==================
-layer         parameters             FLOPs per sample (fwd+bwd)  kept bytes/sample    sent bytes/sample
-============  =====================  ==========================  ===================  ==================
-embedding     ``V h + s h``          0 (a gather)                ``8 s`` (token ids)  ``2 s h``
-block         ``12 h^2``             ``72 s h^2 + 12 s^2 h``     ``34 s h``           ``2 s h``
-head          ``V h``                ``6 s V h``                 ``10 s V + 2 s h``   4 (the loss)
-============  =====================  ==========================  ===================  ==================
-
-* time of a layer at micro-batch b: ``FLOPs x b / (peak x MFU) + 3 x 2 x parameters /
-  memory bandwidth + kernel_overhead_s / (layers)``: `bench.gpu_model`'s micro-step
-  without its collectives, shared out per layer (the fixed overhead evenly);
-* memory: 16-bit parameters (``parameter_bytes = 2 P``) and, as ZeRO-0's 16 bytes per
-  parameter, 16-bit gradients, fp32 master weights and Adam's two moments
-  (``optimizer_state_bytes = 14 P``); ``base_memory_bytes`` is the reserve; ZeRO-1 in
-  pipelines shards over one rank (each pipeline is its own data-parallel group), so it
-  costs the same;
-* optimizer step: ``28 P / memory bandwidth`` per layer, as the whole-model model.
-
-`two_level_network` is the network the pipeline comparison prices with: the whole job's
-collectives at the inter-node figure of `bench.gpu_model.Assumptions` (what the ZeRO
-cost model uses, unchanged), and, for transfers and all-reduces among the ranks of one
-node, `INTRA_NODE_BYTES_PER_S`.
+`two_level_network`: the network the pipeline comparison prices with. See docs/bench.md (modelled GPUs: the
+layers, their parameters, FLOPs and bytes).
 """
 
 from __future__ import annotations

@@ -1,51 +1,7 @@
-"""An analytic model of GPUs we cannot measure: profiles built from published specs.
+"""An analytic model of GPUs we cannot measure: profiles built from published specs (labelled modelled).
 
-Every profile made here says ``"source": "modelled"`` in ``measured_with`` together
-with the assumptions below, and every report that uses one says so: modelled
-numbers are never passed off as measured.
-
-The model (one ZeRO stage, world size N, model with P parameters, mixed precision
-with Adam, 16-bit weights and gradients, fp32 master weights and moments):
-
-* micro-step time (one forward + backward of b samples on one rank)::
-
-      t(b) = flops_per_sample * b / (peak_flops * mfu)      compute at an assumed MFU
-           + weight_traffic_bytes / memory_bandwidth          weights read in fwd, bwd-data, bwd-weight
-           + kernel_overhead_s                                launch latency, host work
-           + micro_step_comm_s                                stage 2: reduce-scatter of gradients;
-                                                              stage 3: also two parameter all-gathers
-
-  The weight-traffic term makes small micro-batches memory-bound, so throughput
-  rises with b and then saturates, as measured curves do.
-* accumulation boundary (``optimizer_step_time_s``): the Adam update is memory
-  bound (about 28 bytes read and written per parameter of the local shard), plus
-  the boundary collectives (stage 0 and 1: an all-reduce-sized exchange of the
-  gradients; stage 2: an all-gather of the parameters). Collectives are ring
-  collectives at an assumed per-GPU network bandwidth and are not overlapped with
-  compute (a conservative choice).
-* memory (ZeRO paper, Rajbhandari et al. 2020, with K = 12 bytes of optimizer
-  state per parameter)::
-
-      stage 0: 16 P            stage 1: 4 P + 12 P / N
-      stage 2: 2 P + 14 P / N  stage 3: 16 P / N + two layers of gathered weights
-
-  With the optimizer offloaded to the host (DeepSpeed's ZeRO-Offload, stages 1-2
-  only) the fp32 master weights and Adam's moments leave the device::
-
-      stage 1: 4 P             stage 2: 2 P + 2 P / N
-
-  and the boundary adds the host's Adam update of the local shard (at an assumed
-  host rate) and the copies over PCIe (16-bit gradients down, 16-bit weights up), not
-  overlapped with anything.
-
-  plus activations per sample (Korthikanti et al. 2022, 34 * s * h bytes per layer
-  with a fused attention that stores no s x s scores, plus 16-bit and fp32 logits
-  and their gradient: 10 * s * V bytes) plus a fixed reserve for the CUDA context,
-  communication buffers and allocator fragmentation.
-
-Spec figures are vendor datasheet numbers (dense FP16/BF16 tensor-core peak without
-sparsity, memory size, memory bandwidth). The achievable fraction of peak (MFU) is
-an assumption, stated per device in the table with its reason.
+The specs, and each GPU's assumed MFU with its reason: `GPU_SPECS`. See docs/bench.md (modelled GPUs:
+micro-step time, accumulation boundary, memory).
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """An emulated slow link between emulated nodes: a bandwidth cap on the bytes that cross it.
 
-On one machine every rank talks to every other over loopback, so "two nodes joined by
-a slow link" has to be emulated. Ranks are assigned to emulated nodes; every
-point-to-point transfer and collective this process issues through ``torch.distributed``
-whose ranks span more than one emulated node is followed by a sleep of::
-
-    latency_s + crossing_bytes / bandwidth_bytes_per_s
-
-``crossing_bytes`` is what one link of a ring carries for the operation: ``2 (n-1)/n x``
-the tensor for an all-reduce among n ranks, ``(n-1)/n x`` the gathered (or scattered)
-tensor for an all-gather or a reduce-scatter, the tensor for a broadcast, send or receive.
-Operations among ranks of one node are left as they are. Every rank of a crossing
-collective sleeps alike (each waits for the link); both ends of a transfer sleep.
-
-For the bench (`poplar-bench pipeline`), not for training: `install_link_emulation`
-replaces functions of ``torch.distributed`` in this process (call it before DeepSpeed's
-communication backend starts: DeepSpeed keeps references to some of them), and the
-function it returns puts them back.
+`install_link_emulation`, for the bench (`poplar-bench pipeline`), not for training. See docs/bench.md
+(poplar-bench pipeline: what crosses the link and what it costs).
 """
 
 from __future__ import annotations

@@ -1,39 +1,7 @@
 """Local ranks: processes on this machine started as the ranks of one job, and what each did.
 
-For programs that own their processes and want every rank's outcome: the tests, the
-bench and its evidence scripts. A training job is started by a launcher (deepspeed,
-torchrun), not by this module.
-
-* `run_ranks(fn, world_size=, log_dir=)`: ``fn(*args, **kwargs)`` on every rank; the
-  return values in rank order, or `RankFailure` naming every rank that failed with its
-  error, exit code and log tail. `run_ranks_outcomes` returns a `RankOutcome` per rank.
-* `run_command_ranks(command, world_size=, log_dir=)`: a command per rank, each a
-  separate interpreter; a `RankOutcome` per rank with the rank's own exit code.
-
-Every rank gets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT`` (new per call),
-``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``. A function's rank also
-gets one torch thread (ranks share the machine's few cores) and, unless
-``init_process_group=False``, a gloo process group from ``deepspeed.init_distributed``
-with a short timeout (`pg_timeout_s`), so that a rank stuck in a collective fails
-instead of hanging (DeepSpeed's initialize reuses the group). It writes its stdout and
-stderr to ``rank<N>.log`` in `log_dir` (unless ``capture_output=False``). `timeout_s`
-bounds the whole group: the ranks still running then are killed.
-
-Start methods. "fork" (the default): ranks forked from a process that already imported
-deepspeed (`preimport_for_fork`) start in about a second instead of ~18 s (importing
-deepspeed, then the lazy imports of the first ``deepspeed.initialize``), and one group
-can build many engines; `fn` is called in the child, not pickled. Never fork after CUDA
-was initialised in the parent: a forked child cannot use it (refused at once).
-"spawn": a clean interpreter per rank, for a benchmark that must not inherit the
-parent's state; `fn` and its arguments are pickled.
-
-Built on ``torch.distributed.elastic.multiprocessing``, torchrun's process starting: its
-contexts start the processes (functions by fork or spawn, or commands), give each rank
-its environment, record the traceback of what a rank's function raised in the rank's
-error file, and stop what is left. Where it falls short it is extended at the smallest
-seam, each marked "elastic:" below: `_EveryRank` (elastic ends the whole group at the
-first failed rank), `_RankFiles` (its log layout), `_rank_main` (the rank's output and
-return value) and `_callers_signal_handlers` (its signal handlers in the caller).
+`run_ranks`, `run_ranks_outcomes`, `run_command_ranks`; the seams on torch elastic are marked "elastic:" below.
+See docs/bench.md (local ranks).
 """
 
 from __future__ import annotations

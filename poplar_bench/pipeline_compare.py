@@ -1,25 +1,7 @@
 """`poplar-bench pipeline`: the best ZeRO plan against the best pipeline plan, measured and predicted,
 on an emulated CPU cluster of two nodes joined by a slow link and by a fast one.
 
-4 forked CPU ranks: emulated node 0 holds two ``cpu-fast`` ranks (`FAST_SLOWDOWN` x slower than a
-core), node 1 two ``cpu-slow`` ranks (`SLOW_SLOWDOWN` x): every device emulated, so that its compute is
-steady (`poplar_ext.hardware.emulation`), and together they keep one core busy. The model (`BENCH_MODELS`)
-is the toy pipeline MLP (`poplar_ext.models.toy_pipeline`, `DIM` wide, `NUM_LAYERS` layers) or a GPT-2
-from its config with its head tied to its embedding (`causal_lm_layers`, token-mean loss). For each link:
-
-1. the whole model is profiled at ZeRO stages 0 and 1 and the network is timed with the
-   link in place (`profile_model`, so the search prices what crosses the nodes at the link's
-   speed);
-2. a ZeRO job with ``poplar.profiles`` and no plan: its plan is searched at start
-   (`poplar_ext.zero.planning`), then trained and timed;
-3. a pipeline job (`PoplarPipelineModule`) with no plan: its layer profiles are measured
-   at start and its plan searched (`poplar_ext.pipeline.planning`), then trained and timed.
-
-The slow link is `poplar_bench/link_emulation.py`: a sleep of ``bytes / bandwidth`` after
-every transfer and collective that crosses the two emulated nodes (the fast link: none,
-loopback gloo). Iteration times are wall-clock medians after a warm-up iteration;
-predictions are the plans' own. Compute profiles are measured once and copied to the
-second link's directory; each link's network is timed with that link.
+See docs/bench.md (poplar-bench pipeline).
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """How far the pipeline search's heuristic falls from the exact optimum, on small random cases.
 
-Each case is seeded: 1-3 device types, 2-5 ranks on nodes of 1-4, a model of 2-6 layers
-(`search.synthetic.random_layer_profiles`: random layer times, bytes and memory, so
-that some types cannot hold the whole model), a network of random bandwidth and
-latency (or none), a global batch of 1-4 samples per rank. Both searches run on it:
-``method="exact"`` (every layout, split and sizing: the cost model's optimum, tested
-against brute force in tests/unit/test_pipeline_search.py) and ``method="heuristic"``
-(what clusters beyond the exact search's reach get). The gap is the heuristic's
-predicted iteration time over the optimum's, minus 1. Each gap is put down to its cause:
-the optimum's layout is outside the heuristic's candidates (stage orders that interleave
-device types, pipelines of other compositions), or the heuristic had the layout and
-split or sized it otherwise (its split balances the pipelines' time alone, not the
-boundary's all-reduces and optimizer steps, and keeps the split for S - s micro-batches
-in flight). Everything is predicted from synthetic (modelled) profiles: no device ran.
-
     python -m poplar_bench.pipeline_search_gap     # writes bench/results/pipeline_search_gap.{json,md}
+
+See docs/bench.md (outside poplar-bench).
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """Prediction error beyond the tuned case: the CPU demo on cases drawn from a seed, or the fixed ones.
 
-The cases are drawn at random from a seed (`draw_cases`: ZeRO stage 0-3, 2-4 ranks, slowdown
-mixes across the emulation's validity range, global batches), each profiled afresh; the
-fixed cases of issue 15 (`DEFAULT_CASES`) still run with ``--fixed``. Runs `bench.demo`
-once per case (its own report under ``prediction_check/``), then
-summarises each case and policy by the median over the measured repetitions of
-|predicted - measured| / measured iteration time: the figure issue 15's goal bounds
-(<= 10% on CPU). Every device is an emulated CPU rank; the network is the gloo group
-measured by the profiler.
-
-`summarize` and `render_markdown` are pure (they read demo reports), so that tests
-check them without running anything.
+`draw_cases`, `DEFAULT_CASES`; `summarize` and `render_markdown` are pure. See docs/bench.md (poplar-bench
+predictions).
 """
 
 from __future__ import annotations

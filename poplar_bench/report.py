@@ -1,26 +1,6 @@
 """Benchmark reports: one JSON file, a markdown table and a PNG figure per report.
 
-A report is plain JSON-able data built by `bench.demo` (measured) or `bench.simulate`
-(predicted). Every report says which machine made it and, per device type, whether
-the device was real, emulated or modelled. This module only derives comparisons
-(speedup, share of the ideal, prediction error) and renders; it measures nothing.
-
-Report layout (``schema``: ``poplar-bench-report/1``)::
-
-    {kind, title, created_utc, machine, data_source, notes, scenarios: [
-        {name, cluster {world_size, type_counts, file}, model {name, num_parameters},
-         device_types {type: {source, emulation}}, global_batch_size,
-         ideal_samples_per_s {predicted, measured}, curves {type: [{micro_batch_size,
-         micro_step_time_s, samples_per_s}]},
-         policies: [{policy, status, message, zero_stage, global_batch_size,
-                     ranks: [{rank, device_type, micro_batch_size,
-                              gradient_accumulation_steps, predicted_busy_s,
-                              measured_busy_s {median, repetitions} | null,
-                              count (optional: this many consecutive ranks alike)}],
-                     predicted {iteration_time_s, samples_per_s},
-                     measured {iteration_time_s {median, repetitions}, samples_per_s} | null,
-                     prediction_error, speedup_over_uniform, share_of_ideal}],
-         goals: [{goal, value, target, met}]}]}
+Derives the comparisons and renders; measures nothing. See docs/bench.md (reports: the layout).
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """The engine wrapper's cost: `poplar_ext.initialize` against raw `deepspeed.initialize`.
 
-Both train the same toy GPT on 2 CPU ranks (gloo), with the same uniform allocation
-(micro-batch 4, 2 accumulation steps per rank, ZeRO stage 1, fp32), in one process
-group; raw DeepSpeed reads the data through a plain DataLoader with a
-DistributedSampler, poplar_ext through the dataloader its initialize returns, both in
-the main process. The two engines are built once and
-then alternate in blocks of iterations, flipping the order every block (raw then
-wrapper, wrapper then raw, ...), so that drift in the machine's load and the order
-hit both alike. An iteration is the wall time between two optimizer steps on rank 0
-(`time.perf_counter`). The overhead ratio is the median over blocks of the wrapper's
-block median divided by the paired raw block's median. Goal: at most 1.02 (2% above
-raw DeepSpeed). Both device types are real (no emulation): this measures the wrapper.
-On a busy machine the paired blocks can scatter by more than the goal, so the report also
-times the wrapper's own work in isolation (`measure_wrapper_cost`: the same loop
-around a no-op engine, bare and wrapped), which load hardly disturbs.
-
-Run by ``poplar-bench overhead``; the figures are in bench/results/runtime_overhead.md.
+Run by ``poplar-bench overhead``. See docs/bench.md (how the blocks are paired, the goal).
 """
 
 from __future__ import annotations

@@ -1,30 +1,6 @@
 """How long `search.search_plan` takes, against cluster size, device types and global batch.
 
-Each cell times one full search (`zero_stage="auto"`: all four stages, policy
-``poplar``) on a seeded synthetic problem (`poplar_bench.synthetic`: random profiles, ranks
-split evenly over the types), once with a fixed global batch (32 samples per rank,
-plus 7 so that it is not a round number) and once with the global batch chosen
-automatically. Wall time by `time.perf_counter`, median of the repetitions after one
-warm-up call. Goals: 4096 ranks x 6 device types under 1 s; 64 ranks under 50 ms
-(every number of types), both for the slower of the two modes.
-
-Large global batches (issue 12: the search's cost must not grow with the batch): each
-ZeRO stage on its own, at global batches 2^22, 10^9 and 2^31 (the search's limit), for
-4096 synthetic ranks x 6 types and for the shipped example (poplar_ext/search/example_profiles: 4 x
-A100-80GB + 4 x V100-16GB, profiles modelled from datasheet specs); the peak of Python
-and numpy allocations comes from one more run under `tracemalloc`. Goal: every such
-cell under 1 s.
-
-Memory levers (issue 27): 8 device types, each profiled four ways (with and without
-activation checkpointing and optimizer offload: 4^8 = 65536 settings), 4096 ranks; each
-of ZeRO stages 0-2 on its own (where the ``poplar`` policy chooses the levers per type),
-with a fixed and an automatic global batch, on one or more seeded problems (the search's
-time depends on how close the best settings are: ``poplar-bench search-speed
---lever-problems 5`` times seeds 0-4). Goal: every such cell under 1 s.
-
-No profile here is a measurement: the report says so.
-
-Run by ``poplar-bench search-speed``; the figures are in bench/results/search_speed.md.
+Run by ``poplar-bench search-speed``. See docs/bench.md (the cells, large batches, memory levers, goals).
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """ZeRO or pipelines: the best predicted plan of each on the shipped clusters, with the network slow and fast.
 
-For each cluster, model and network: the ZeRO search (policy ``poplar``, every stage,
-whole-model profiles modelled by `bench.gpu_model` with that network) and the pipeline
-search (`search_pipeline_plan`, layer profiles modelled by `bench.gpu_layer_model`) at the
-same global batch, both priced by the same network (`gpu_layer_model.two_level_network`:
-the whole job's collectives at the inter-node figure, which is all ZeRO's cost model
-reads, and transfers and all-reduces within a node at `INTRA_NODE_BYTES_PER_S`). Every
-figure is a prediction from MODELLED profiles; nothing ran on these GPUs.
-
-The networks: ``fast`` is `bench.gpu_model`'s assumption (every GPU on its own 100 Gb/s
-InfiniBand link), ``slow`` every GPU on a 10 Gb/s Ethernet share. Each GPU having its own
-link is what lets the per-stage all-reduces of pipelines run side by side at full speed
-(one NIC per node, shared, would slow them and the ZeRO ring alike).
+See docs/bench.md (poplar-bench simulate).
 """
 
 from __future__ import annotations

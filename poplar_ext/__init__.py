@@ -1,18 +1,7 @@
 """poplar-ext: DeepSpeed ZeRO with per-rank micro-batches for mixed GPU clusters.
 
-The package tree is the data flow: `plan` (the formats every part shares: profiles,
-clusters, plans), `search` (profiles -> plan; numpy and scipy only), `hardware` (what each
-rank runs on), `profiler` (profiles of each device type), `runtime` (the training core every
-engine shares), `zero` and `pipeline` (a plan trained on DeepSpeed ZeRO or on DeepSpeed
-pipelines; `engines` picks one), `integrations` (the Hugging Face Trainer, TRL, accelerate).
-`collectives` holds every collective the package issues; `models` the toy models of the demo
-and the examples. DEVELOPING.md draws the tree.
-
-Importing `poplar_ext` imports no torch: the names below load their modules on first use,
-so that `poplar_ext.plan` and `poplar_ext.search` work where torch is not installed.
-
-Logs go to the ``poplar_ext`` logger, which only has a `logging.NullHandler`: the
-application decides where they go.
+`initialize` stands in for `deepspeed.initialize`. Importing `poplar_ext` imports no torch: the names below load
+their modules on first use. The package tree: DEVELOPING.md; the design: docs/design.md.
 """
 
 import importlib

@@ -1,21 +1,7 @@
 """Turning a model's activation checkpointing on or off, for the profiler and the runtime.
 
-Three kinds of model can do both, and need nothing from the user:
-
-* a model whose class declares a boolean ``activation_checkpointing`` attribute that its
-  forward reads, such as the built-in GPT (`poplar_ext.models.toy_gpt.GPT`): it is set;
-* Hugging Face models whose ``supports_gradient_checkpointing`` is true, through
-  their ``gradient_checkpointing_enable`` / ``gradient_checkpointing_disable``
-  (non-reentrant, which needs no input that requires grad);
-* any other model, through a toggle of the user's: ``toggle(model, enabled)``,
-  passed as ``checkpointing_toggle`` to `poplar_ext.profile_model` and
-  `poplar_ext.initialize`, or as ``--checkpointing-toggle MODULE:FN`` to
-  ``poplar-profile``. It must leave the parameters as they are (same names, shapes
-  and order): only the forward changes.
-
-Recomputation gives the same gradients (the same operations run again), so ranks
-that differ in it train one model exactly at ZeRO stages 0-2. At stage 3 they may not
-differ (`search.api.lever_choices`).
+The built-in GPT, Hugging Face models, or a user's ``toggle(model, enabled)``. See docs/profiling.md
+(which models can, and why ranks may differ in it at ZeRO stages 0-2 only).
 """
 
 from __future__ import annotations

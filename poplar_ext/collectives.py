@@ -1,29 +1,8 @@
-"""The process group, and every collective poplar-ext issues.
+"""The process group, and every collective poplar-ext issues (rank 0 decides, all receive).
 
-Each collective is defined here once, so that the rule the design sets (rank 0
-decides, all receive; no rank takes a branch into a collective that another rank
-skips) can be read in one place:
-
-* `broadcast_from_rank0`: rank 0's object on every rank (plans, profiles, errors);
-* `decided_by_rank0`: a decision only rank 0 can take (from files only its node has),
-  with its result, or its error, on every rank;
-* `gather_objects`: every rank's object on every rank (device facts, measurements);
-* `agree_max`: the element-wise maximum of a list of numbers (trial outcomes);
-* `agree_sum`: the sum of a number over ranks (an iteration's label tokens);
-* `barrier`: every rank waits for the others (before a timed block);
-* `new_groups`, `sum_in_group`, `broadcast_in_group`: subgroups made by every rank in
-  the same order, and the tensor collectives poplar-ext's pipelines run inside them
-  (`poplar_ext.pipeline`: each layer's gradient summed over the pipelines holding it).
-
-`ensure_process_group` sets the group up through DeepSpeed (its launcher, torchrun
-or mpirun) and makes sure it is destroyed before the interpreter shuts down
-(`destroy_process_group_at_exit`); `poplar_ext.hardware.devices.join_job` selects this
-rank's device before it (DeepSpeed binds the group to the device LOCAL_RANK names).
-`ShortCollectiveTimeouts` shortens every group's collective timeout for a while
-(profiling); `leave_process_group` ends the group at exit (aborting an NCCL group when the
-process leaves on an exception).
-
-With one rank, or no process group (one process), each is the identity.
+`broadcast_from_rank0`, `decided_by_rank0`, `gather_objects`, `agree_max`, `agree_sum`, `barrier`, `new_groups`;
+`ensure_process_group` and the group ended at exit. See docs/design.md (decisions for the field) and
+docs/fault-tolerance.md (a finished job exits 0).
 """
 
 from __future__ import annotations

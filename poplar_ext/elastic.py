@@ -1,13 +1,7 @@
-"""A job started by a launcher that restarts failed workers (torchrun's elastic agent) ends at
-once on an error of its configuration or code, instead of being started again and again.
+"""A job under torchrun's restarting agent ends at once on an error of its configuration or code.
 
-torch elastic restarts a failed worker group until ``--max-restarts``, whatever the failure:
-it has no error that is not retried (pytorch/pytorch#133877). A refused plan or a model that
-cannot take its batch fails the same way at every start. Where poplar-ext settles a job
-(`poplar_ext.zero.initialize.prepare_job`, the pipeline job), a ``ValueError`` or
-``TypeError`` is such an error: with restarts left, the rank logs it and asks its agent (its
-parent process) to stop, which ends the job with the error in the worker's log. A lost node
-fails in a collective (not these errors) and is still restarted. docs/fault-tolerance.md.
+A ``ValueError`` or ``TypeError`` while the job is settled stops the agent instead of being restarted
+``--max-restarts`` times; a lost node is still restarted. See docs/fault-tolerance.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Offloading a rank's optimizer to the host, for the profiler and the runtime.
+"""Offloading a rank's ZeRO-1/2 optimizer to the host (DeepSpeed's ``offload_optimizer``), for profiler and runtime.
 
-DeepSpeed's ZeRO-Offload (``zero_optimization.offload_optimizer``) keeps the fp32
-master weights and the optimizer state of a ZeRO-1/2 rank in host memory and steps
-there: the device holds less, the accumulation boundary takes longer. Each rank's
-engine reads only its own config, and ranks that differ in it issue the same
-collectives and train the same parameters (bench/results/mixed_offload), so the
-search may choose it per device type at stages 1-2 (`search.formats.OFFLOAD_STAGES`);
-a plan's rank entry says so in ``optimizer_offload``.
+See docs/profiling.md (the memory levers: why ranks may differ in it at stages 1-2).
 """
 
 from __future__ import annotations

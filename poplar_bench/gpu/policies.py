@@ -1,12 +1,6 @@
 """The ``predictions`` step of `poplar-bench gpu`: the policies measured against their predictions on one GPU.
 
-Two ranks share the GPU: one at the GPU's own speed, one an emulated type three times
-slower (it computes on the GPU, then sleeps twice its CUDA-timed compute:
-`poplar_ext.hardware.emulation`); both declare a memory capacity (they share the GPU's).
-The demo's machinery (`bench.demo`, `bench.demo_worker`) profiles both types, plans every
-policy, runs interleaved measured rounds and each rank's standalone throughput (the measured
-ideal), and reports speedup, share of the ideal, prediction error and each rank's
-decomposition (``predictions.{json,md}``). The dry run: two emulated CPU ranks, tiny sizes.
+See docs/gpu.md (the steps).
 """
 
 from __future__ import annotations

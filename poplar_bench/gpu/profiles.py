@@ -1,11 +1,6 @@
 """The ``profile`` step of `poplar-bench gpu`: a GPT of ~136M parameters profiled in bf16 at ZeRO 1 and 3.
 
-One rank on the GPU (NCCL, one rank: no collective crosses devices), the profiler's real
-out-of-memory probe finding the largest micro-batch the GPU holds; then the same call again,
-which must come from the cache. ``profile_trials.jsonl`` gets a line per trial as it ends
-(each size's peak or out-of-memory, the memory in use after a rebuild), then a line per
-profile (the profile whole). The dry run profiles a tiny GPT on one CPU rank with an emulated
-stand-in type (the CPU has no out-of-memory error to probe: its capacity is declared).
+See docs/gpu.md (the steps, ``profile_trials.jsonl``, the dry run).
 """
 
 from __future__ import annotations

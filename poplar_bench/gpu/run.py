@@ -1,23 +1,7 @@
 """`poplar-bench gpu`: the CUDA path's evidence in one call of at most 7 minutes, each result written as it is made.
 
-The steps, in the order the evidence matters (docs/gpu.md):
-
-1. ``provenance.json`` at once: GPU, driver, CUDA, torch, DeepSpeed, Python;
-2. ``exact``: three ranks sharing the GPU, uneven plan, ZeRO 0-3, fp32 and bf16 against their
-   references, the missing-loss-weight mutation at stages 0 and 3; ``exact.jsonl``, a line per
-   (dtype, stage) appended as it is known;
-3. ``profile``: a GPT of ~136M parameters profiled in bf16 at ZeRO 1 and 3 with the real
-   out-of-memory probe, then the same call from the cache; ``profile_trials.jsonl``, a line per
-   trial (sizes, peak or out-of-memory, memory after a rebuild) and per profile;
-4. ``predictions``: the policies on two ranks sharing the GPU, one of them an emulated slower
-   type, measured against predicted; ``predictions.{json,md}``;
-5. ``launcher`` if time is left: the deepspeed launcher with bf16 and the cluster read from the
-   hardware.
-
-``gpu_run.json`` and ``gpu_run.md`` are rewritten after every step and ``gpu_run.log`` holds every
-line (the child pytest's too): eight files, flat, so that all of them come back from the GPU
-machine. Each step gets what is left of the budget (at most its own limit) and is skipped when
-less than its minimum is left; the ranks' work folders live outside the output folder.
+The steps in order (provenance, exact, profile, predictions, launcher), each within what is left of the budget.
+See docs/gpu.md (what it writes, the steps).
 """
 
 from __future__ import annotations

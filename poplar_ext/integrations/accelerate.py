@@ -1,11 +1,8 @@
 """`PoplarAccelerator`: Hugging Face accelerate's Accelerator with a plan's per-rank batches and exact gradients.
 
-For training loops written around ``accelerate.Accelerator`` with DeepSpeed: the one
-changed line is ``Accelerator(...)`` -> ``PoplarAccelerator(...)`` (same arguments), and
-the DeepSpeed config carries a ``poplar`` section. Usage, behaviour, limits and where
-each method below extends accelerate (1.15) and why there: docs/accelerate.md.
-Requires ``pip install 'poplar-ext[accelerate]'``; the only module of poplar-ext that
-imports accelerate.
+``Accelerator(...)`` -> ``PoplarAccelerator(...)`` (same arguments); the only module of poplar-ext that imports
+accelerate (``pip install 'poplar-ext[accelerate]'``). See docs/accelerate.md (usage, limits, and where each
+method below extends accelerate, and why there).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """`PoplarTrainer`: the Hugging Face Trainer with a plan's per-rank batches and exact gradients.
 
-`PoplarTrainerMixin` brings the same to any Trainer subclass (first in its bases);
-`PoplarTrainer` is the mixin on ``transformers.Trainer``. Everything it changes goes
-through the Trainer's own hooks (nothing is patched). Usage, what each hook does,
-re-balancing, evaluation and how a subclass composes with the mixin: docs/trainer.md.
-Requires ``pip install 'poplar-ext[hf]'``; the only module of poplar-ext that imports
-transformers.
+`PoplarTrainerMixin` brings the same to any Trainer subclass; the only module of poplar-ext that imports
+transformers (``pip install 'poplar-ext[hf]'``). See docs/trainer.md (each hook, re-balancing, evaluation).
 """
 
 from __future__ import annotations

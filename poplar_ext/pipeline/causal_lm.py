@@ -1,25 +1,7 @@
 """Hugging Face causal language models as pipeline layers: `causal_lm_layers(model)`.
 
-A ``transformers`` causal LM of the GPT-2 or the Llama family (Qwen2 and Mistral share
-Llama's layout) becomes the layer list `PoplarPipelineModule` takes and the loss its last
-stage computes::
-
-    pipe = causal_lm_layers(model)
-    module = PoplarPipelineModule(pipe.layers, loss_fn=pipe.loss_fn, config=ds_config)
-
-with ``poplar.loss_reduction: token_mean`` in the config: the optimizer then sees the mean
-over the label tokens of the whole global batch (``-100`` ignored), the loss the Hugging
-Face Trainer trains. Samples are ``(input_ids, labels)`` of one fixed length.
-
-The layers wrap the model's own modules (its weights, not copies): the token embedding,
-the learned positions (GPT-2), each decoder block, the final norm and the head. Where the
-model ties its head to its embedding (the same parameter), both are one `TiedLayerSpec`
-(key ``"token_embedding"``): every stage of every pipeline that holds either builds it,
-and `poplar_ext.pipeline.grid.LayerSegments` sums its gradient over all of them.
-
-Each block builds its attention mask with the function the model's own forward calls,
-looked up in the model's module (so ``poplar_ext.pipeline`` never imports transformers);
-rotary position embeddings are computed in each block from the model's rotary module.
+GPT-2, Llama, Qwen2 and Mistral, their loss (`CausalLMLoss`, token mean). See docs/pipeline.md (Hugging Face
+causal LMs).
 """
 
 from __future__ import annotations

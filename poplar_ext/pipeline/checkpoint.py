@@ -1,26 +1,6 @@
 """A pipeline job's checkpoint: one folder per pipeline, poplar-ext's state beside them; resumed under any plan.
 
-Layout (``TAG`` is the job's tag, ``global_step<N>`` by default)::
-
-    save_dir/latest                   names TAG once every rank has written its part
-    save_dir/TAG/poplar_state.json    data position, plan, plan history (rank 0)
-    save_dir/TAG/pipeline<P>/         DeepSpeed's pipeline checkpoint of pipeline P
-    save_dir/TAG/universal/           its optimizer state per parameter, written at a resume under another plan
-
-Every pipeline holds the same weights and optimizer state after each step, but DeepSpeed
-names its files by layer and stage (``layer_<i>-model_states.pt``,
-``mp_rank_<stage>_model_states.pt``), so pipelines of one folder would write over each
-other's: each saves into its own.
-
-A resume continues exactly (weights, optimizer state, data position) under the plan the
-checkpoint was saved with, and under another pipeline plan (other splits, depths, number of
-pipelines, micro-batches or global batch): the layers move by index, the optimizer state by
-parameter (`poplar_ext.pipeline.replan`), the data continues at the saved stream position.
-A run that re-balanced (other micro-batch counts per pipeline, `poplar_ext.runtime.rebalance`)
-and is resumed by the job it started as continues under its last counts.
-What cannot be carried is refused before anything is loaded: another number of layers,
-another ZeRO stage (a torch optimizer's state_dict at ZeRO 0, flat partitions at ZeRO 1),
-other parameters (`parameter_differences`), a state that is not per parameter.
+See docs/pipeline.md (checkpoints: the layout, what a resume carries over, what it refuses).
 """
 
 from __future__ import annotations

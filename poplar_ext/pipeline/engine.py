@@ -1,41 +1,7 @@
 """`PoplarPipelineEngine`: DeepSpeed's PipelineEngine for one pipeline of a plan, exact over all of them.
 
-DeepSpeed sees each pipeline as a whole job of data-parallel size 1 (`PlanGrid`); this
-subclass adds what crosses pipelines, at the smallest seams DeepSpeed offers:
-
-* `allreduce_gradients`, which ``_exec_reduce_grads`` calls by name at the schedule's
-  ``ReduceGrads`` instruction (runtime/pipe/engine.py), first sums each layer's gradient
-  over the pipelines holding it (`LayerSegments`), then runs DeepSpeed's own over the
-  one-rank group (nothing to add at ZeRO 0; ZeRO 1's hand-over to its optimizer). With
-  each micro-batch loss weighted by ``s_p * b_p / B`` (`PoplarPipelineModule`) the
-  optimizer sees the gradient of the mean loss over the global batch. With ``token_mean``
-  the weight is ``s_p * n`` and the sum is divided here by the iteration's label tokens,
-  counted by every pipeline's last stage. A tied module's gradient is summed too (over
-  every stage of every pipeline using it); ``ReduceTiedGrads`` finds no DeepSpeed groups.
-  In bf16 DeepSpeed's optimizer keeps the gradients apart (``_bf16_reduce_grads`` replaces
-  ``allreduce_gradients`` there): the sum is made on whatever tensor holds each parameter's
-  accumulated gradient (`_accumulated_gradients`). In fp16 and bf16 the ranks then agree
-  whether any gradient overflowed (`agree_on_overflow`), so that every pipeline skips the
-  step, and keeps one loss scale, when any does.
-* the backward instruction of the last stage multiplies the loss by the loss scale where
-  DeepSpeed's backward leaves it out (fp16 at ZeRO 0, `_unapplied_loss_scale`).
-* `clip_fp32_gradients` (called by ``_take_model_step`` at ZeRO 0, fp32): DeepSpeed's
-  takes the norm of stage 0's gradients only; here, of the whole pipeline's (a tied
-  module counted once).
-* ``_INSTRUCTION_MAP``: the forward, backward and optimizer-step instructions of an
-  emulated device type run slowed down (`poplar_ext.hardware.emulation`), as the ZeRO
-  path's forward..backward window and step; forward and backward are what re-balancing
-  measures (on a real device too, when it is on). ``_exec_forward_pass`` and the others
-  cannot be overridden by name: DeepSpeed's map holds its own function objects.
-* re-balancing (``poplar.rebalance``, `poplar_ext.runtime.rebalance`): after an iteration
-  every rank reports its instructions' compute at check steps, and a recount of the
-  pipelines' micro-batches rank 0 decides is switched to at the same step on every rank
-  (`switch_plan`: DeepSpeed's ``set_train_batch_size``, the loss weight, the samplers).
-* `train_batch` returns the global batch's mean loss on every rank (DeepSpeed's is the
-  pipeline's share, its data-parallel average being over one pipeline) and counts the
-  samples; `save_checkpoint` / `load_checkpoint` keep one folder per pipeline and
-  poplar-ext's state (`poplar_ext.pipeline.checkpoint`), and resume under another pipeline
-  plan: layers by index, optimizer state by parameter (`poplar_ext.pipeline.replan`).
+The seams: `allreduce_gradients`, `clip_fp32_gradients`, ``_INSTRUCTION_MAP``, `train_batch`, checkpoints.
+See docs/pipeline.md (what happens underneath) and docs/deepspeed-notes.md (pipeline engine).
 """
 
 from __future__ import annotations

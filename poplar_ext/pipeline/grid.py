@@ -1,28 +1,7 @@
 """Where a pipeline plan puts every rank, as DeepSpeed's grid; and the layers the pipelines share.
 
-`PlanGrid` is DeepSpeed's ``PipelineParallelGrid`` for ONE pipeline of the plan, on global
-ranks, with a data-parallel size of 1. DeepSpeed's own grid is a rectangle of
-``num_stages x data-parallel size`` covering the whole job (``_is_grid_valid``,
-runtime/pipe/topology.py), so it cannot hold pipelines that differ in layer split or in
-number of stages; only its ``__init__`` is replaced: every accessor is DeepSpeed's and
-reads the topology, whose mapping sends ``(pipe=s, data=0)`` to the pipeline's s-th rank,
-so point-to-point sends (runtime/pipe/p2p.py) reach the right neighbour.
-
-`LayerSegments` is what DeepSpeed's data parallelism would have done across pipelines:
-each layer's parameters live on one rank per pipeline; the layers held by the same set of
-ranks form a segment, with one process group. Its gradient sum over a segment replaces
-DeepSpeed's per-stage all-reduce (which reduces by position, so across different splits it
-would add up different layers), and its broadcast at construction replaces DeepSpeed's
-model broadcast, so every copy of a layer starts equal. A tied module (DeepSpeed's
-``TiedLayerSpec``: one module used by several layers, such as a token embedding and the
-head that shares its weight) is held by every rank, in every pipeline, whose stage has any
-of its layers; its gradient is summed over all of them (each holder's gradient being the
-sum over the layers it runs) and its copies start as pipeline 0's first holder's. This
-replaces DeepSpeed's tied groups, which are made per pipeline depth.
-
-Process groups are named by a counter every rank increments (torch.distributed's
-``new_group``): every rank creates every group, in plan order
-(`poplar_ext.collectives.new_groups`), also those it is not in.
+`PlanGrid` (DeepSpeed's grid for one pipeline), `LayerSegments` (each layer's and tied module's group). See
+docs/pipeline.md (what happens underneath) and docs/deepspeed-notes.md (pipeline engine).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """`poplar_ext.initialize` for a `PoplarPipelineModule`: the pipeline engine, and each pipeline's data.
 
-`poplar_ext.initialize` hands a `PoplarPipelineModule` here. The plan was settled when the
-module was built; this builds DeepSpeed's pipeline engine (`PoplarPipelineEngine`) the
-way ``deepspeed.initialize`` does for a PipelineModule, with a config valid for this
-rank's pipeline alone (its micro-batch size and count, ``train_batch_size`` = their
-product: DeepSpeed sees a data-parallel size of 1), and a dataloader of this pipeline's
-micro-batches from the shared stream.
+DeepSpeed sees this rank's pipeline alone (data-parallel size 1). See docs/pipeline.md.
 """
 
 from __future__ import annotations

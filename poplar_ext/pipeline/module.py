@@ -1,39 +1,7 @@
 """`PoplarPipelineModule`: DeepSpeed's PipelineModule, its stages and this rank's place taken from a pipeline plan.
 
-What a user changes in a DeepSpeed pipeline script::
-
-    model = PipelineModule(layers=layers, loss_fn=loss_fn, num_stages=2)          # DeepSpeed
-    model = PoplarPipelineModule(layers=layers, loss_fn=loss_fn, config=ds_config)  # poplar-ext
-
-The same arguments, less ``num_stages``, ``topology`` and ``partition_method`` (the plan
-says them: refused when given), plus ``config`` (or ``args`` with ``--deepspeed_config``):
-the DeepSpeed config whose ``poplar`` section names the pipeline plan, the one
-`poplar_ext.initialize` gets next. Constructing the module is collective, as DeepSpeed's
-is: it joins the process group, agrees the cluster and the plan on every rank
-(`poplar_ext.pipeline.job`), and builds this rank's stage only.
-
-Five things differ from DeepSpeed's module underneath:
-
-* the stage boundaries are the plan's pipeline's (`_partition_layers`, the one place
-  DeepSpeed computes them);
-* the grid is the plan's (`poplar_ext.pipeline.grid.PlanGrid`): pipelines may differ
-  in split and in number of stages;
-* the loss is weighted by the pipeline's share of the global batch
-  (`poplar_ext.runtime.weighting.pipeline_loss_weight`), and every copy of a layer is
-  set to pipeline 0's after it is built (as DeepSpeed broadcasts its replicas), so
-  ``seed_layers`` is only about reproducibility, as in DeepSpeed;
-* a ``TiedLayerSpec``'s module is tied over every stage of every pipeline that uses it
-  (`poplar_ext.pipeline.grid.LayerSegments`), not over one pipeline's stages: every one of
-  its parameters, where DeepSpeed ties only those ``tied_weight_attr`` names;
-* a stage the plan checkpoints (``activation_checkpointing``) gets DeepSpeed's
-  ``activation_checkpoint_interval`` of its own layer count, so that its layers are one
-  block recomputed from the stage's input (what the search priced), with DeepSpeed's
-  non-reentrant checkpoint unless ``activation_checkpoint_func`` is given (a first stage
-  whose input is token ids trains with it; with the reentrant one its backward fails, no
-  input requiring a gradient); other stages none. An interval of the user's (the argument,
-  or the config's ``pipeline.activation_checkpoint_interval``) beside a plan that
-  checkpoints stages is refused: one of the two would be overridden; with a plan that
-  checkpoints none it is DeepSpeed's, on every stage.
+DeepSpeed's arguments less ``num_stages``, ``topology`` and ``partition_method``, plus the config. See
+docs/pipeline.md (what you write, what happens underneath, activation checkpointing per stage).
 """
 
 from __future__ import annotations

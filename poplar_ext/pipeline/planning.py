@@ -1,20 +1,7 @@
 """Which pipeline plan a job runs, and what it refuses before training: the same ValueError on every rank.
 
-Two kinds of refusal, both before any training collective:
-
-* from the config alone (`check_pipeline_config`): every rank reads the same DeepSpeed
-  config, so every rank raises the same error before it joins the process group;
-* from the plan file (`resolve_pipeline_plan`): rank 0 reads and checks it and every rank
-  receives the plan or the error (`poplar_ext.collectives.decided_by_rank0`), as for ZeRO
-  plans (`poplar_ext.zero.planning`).
-
-A pipeline plan comes from a plan file (``poplar.plan``, written by hand or by
-``poplar-search --parallelism pipeline``), or, without one, is searched at start by rank 0
-from the layer profiles in ``poplar.profiles``/layers/ and the network file beside them
-(`poplar_ext.search.pipeline_search.search_pipeline_plan`), as ZeRO plans are
-(`poplar_ext.zero.planning`). Device types without a layer profile are measured first,
-by every rank together, when the module was given data to measure with
-(`poplar_ext.profiler.per_layer.profile_layers`); otherwise the error says what to run.
+`check_pipeline_config` (the config alone), `resolve_pipeline_plan` (a plan file, or searched at start). See
+docs/pipeline.md (searched at start; what is refused).
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
 """A pipeline checkpoint resumed under another pipeline plan: layers moved by index, optimizer state by parameter.
 
-DeepSpeed's pipeline checkpoint keeps the weights by layer already: each stage writes
-``layer_<i>-model_states.pt`` for the layers it holds, `i` the layer's global index, and
-loads the files of the layers it holds (`PipelineModule.load_state_dir`). Every pipeline of
-a poplar-ext job holds the same weights, so the folder of pipeline 0 holds every layer,
-whatever split, depth or number of pipelines reads it.
-
-The optimizer state is kept per stage: at ZeRO 0 ``mp_rank_<stage>_model_states.pt`` holds
-the torch optimizer's ``state_dict`` (states by position in that stage's parameter list), at
-ZeRO 1 ``zero_pp_rank_0_mp_rank_<stage>_optim_states.pt`` the ZeRO optimizer's flat partition
-of each parameter group (data-parallel size 1: the whole stage). A stage holding other
-layers cannot read either. `convert_pipeline_checkpoint` writes them per parameter, in
-DeepSpeed's universal layout (``TAG/universal/zero/<parameter name>/<state>.pt``, and
-``zero/optimizer_state.pt`` for the groups' hyper-parameters): a PipelineModule names a
-parameter by its global layer index (``<layer>.<name>``) or its tie (``tied_modules.<key>.<name>``),
-the same under every plan. A stage then loads its own parameters' states: at ZeRO 1 with
-DeepSpeed's universal loader (`load_hp_checkpoint_state_from_checkpoint_dir`), at ZeRO 0
-(a plain torch optimizer, which DeepSpeed's universal checkpoints do not cover) with
-`load_parameter_states`, through the optimizer's own ``load_state_dict``.
-
-A state is carried when it holds one value per element of its parameter, or is `step`
-(the checks of `poplar_ext.runtime.reshard`); anything else is refused before any weight
-is loaded. At ZeRO 0 the torch state_dict numbers its parameters without names: the engine
-records them at save (`PARAMETER_SHAPES_KEY`, in DeepSpeed's ``param_shapes`` format, which
-DeepSpeed itself writes at ZeRO 1-3 only).
+`convert_pipeline_checkpoint`, `load_parameter_states`. See docs/pipeline.md (checkpoints) and
+docs/deepspeed-notes.md (pipeline engine: DeepSpeed's files).
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
 """poplar-ext's state in a DeepSpeed checkpoint: where the data stream stands, and the plans.
 
-Rank 0 writes ``poplar_state.json`` into the checkpoint's tag folder (beside
-DeepSpeed's files, before DeepSpeed writes them, so that a checkpoint DeepSpeed
-calls complete has it). A resume reads it on rank 0 *before* DeepSpeed loads any
-weights and decides (`resume_decision`, pure) what the job does:
-
-* the data continues at the saved stream position, under any plan: a position is
-  global (samples consumed), so a new allocation changes who reads which samples,
-  never which samples are read. A new global batch is said in a note: the next
-  optimizer step starts at that position with the new batch;
-* the data order (seed, shuffle, drop_last) must be the checkpoint's, else the
-  resume is refused before anything is loaded;
-* the plan history (which steps ran under which plan, and why) is carried on, and
-  the resume itself is an entry;
-* a checkpoint poplar-ext did not write (a plain DeepSpeed one), or a load of the
-  weights only, starts the data at position 0, with a note.
-
-When the world size changed at ZeRO stages 1-3, the optimizer state is resharded in
-DeepSpeed's universal-checkpoint format by `poplar_ext.runtime.reshard`: every
-per-parameter state of any optimizer (SGD's momentum, Adagrad's sums, RMSprop's and
-Adam's averages) and `step` (DeepSpeed's own conversion carries Adam's alone). A state
-that cannot be resharded stops every rank before any weight is loaded (see
-`PoplarEngine.load_checkpoint`).
+``poplar_state.json`` written by rank 0, and `resume_decision` (pure): what a resume continues, notes or
+refuses. See docs/training.md (checkpoints) and docs/design.md (the data position, the plan history).
 """
 
 from __future__ import annotations

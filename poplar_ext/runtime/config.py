@@ -1,7 +1,7 @@
 """The ``poplar`` section of a DeepSpeed config, and the per-rank config DeepSpeed gets.
 
-A DeepSpeed JSON config plus a top-level section. Its shape, every key at its default
-but the three a job names itself (`cluster`, `profiles`, `global_batch_size`)::
+Its shape, every key at its default but the three a job names itself (`cluster`, `profiles`,
+`global_batch_size`)::
 
     "poplar": {
         "cluster": "cluster.json",        # the device type of every rank
@@ -33,13 +33,8 @@ but the three a job names itself (`cluster`, `profiles`, `global_batch_size`)::
         }
     }
 
-What each key means, and its default, is on the fields of `PoplarConfig`, `RebalanceConfig` and `CalibrationConfig`
-(tests/unit/test_config.py holds the example to them). Errors name the file and the field:
-``ds.json: poplar.seed: expected an integer >= 0, found number -1``.
-
-Relative paths are relative to the config file's directory (to the working
-directory when the config is a dict). DeepSpeed ignores unknown top-level keys, so
-the same file also works with plain ``deepspeed.initialize``.
+Each key's meaning and default: the fields of `PoplarConfig`, `RebalanceConfig` and `CalibrationConfig`
+(tests/unit/test_config.py holds the example to them). See docs/training.md (paths, errors).
 """
 
 from __future__ import annotations

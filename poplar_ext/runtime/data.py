@@ -1,32 +1,6 @@
-"""Which samples each rank trains on: one seeded stream, cut into per-rank micro-batches.
+"""Which samples each rank trains on: one seeded stream, cut into per-rank micro-batches (`PlanBatchSampler`).
 
-The data is one endless *stream* of epoch permutations laid end to end: epoch e's
-order is a permutation of ``range(num_samples)`` seeded by ``(seed, e)`` (or the
-identity without shuffling). Stream position p holds sample
-``permutation(p // num_samples)[p % num_samples]``.
-
-Iteration i (one optimizer step) consumes ``B = sum_r b_r * s_r`` stream positions
-(the global batch) from its start, ``i * B``. Within the iteration, rank r takes a
-contiguous chunk of ``b_r * s_r`` positions, ranks in order (rank 0 first), and cuts
-it into ``s_r`` micro-batches of ``b_r`` samples.
-
-Epochs, as a loop ``for epoch in range(E): for batch in loader:`` sees them: one pass
-over the loader is one epoch, the iterations that *start* in that epoch of the
-stream. When ``num_samples`` is not a multiple of B, the last iteration of an epoch
-takes its remaining samples from the start of the next epoch's permutation: nothing
-is dropped or padded, every sample is used exactly once per epoch of the stream,
-whatever the allocation, every micro-batch is full (the loss weighting,
-`poplar_ext.runtime.weighting`, relies on it), and E passes train E epochs give or
-take the part of one batch. Passes then have ``floor`` or ``ceil(num_samples / B)``
-iterations. With ``drop_last`` (``poplar.drop_last``) a pass instead ends at the
-epoch boundary: ``floor(num_samples / B)`` iterations per epoch, and the last
-``num_samples mod B`` positions of each epoch's shuffle are not trained in it.
-
-A data set smaller than the global batch is an error: one iteration would hold a
-sample twice. The position in the stream is all a resume needs, whatever the
-allocation: the engine stores it in the checkpoint and restarts the sampler there,
-also under another plan or another global batch (the next iteration then starts at
-that position).
+See docs/design.md (the data stream, every sample once) and docs/training.md (epochs, ``drop_last``).
 """
 
 from __future__ import annotations

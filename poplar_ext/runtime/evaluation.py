@@ -1,20 +1,6 @@
 """Evaluation under a plan: every sample once, in order, each rank's batch sized for its device.
 
-A trainer's evaluation loop gathers the ranks' outputs after every batch, so every
-rank must run the same number of batches: evaluation runs in *rounds*, one batch per
-rank each. Round k takes the next ``E = sum_r e_r`` samples of the data set in order
-and gives rank r a contiguous run of e_r of them, rank 0's first, so the gathered
-rows are the data set in order. The last round's remainder is shared in proportion
-to e_r; a rank left without a sample evaluates one padding sample (the data set's
-first), whose rows the gather drops (`EvalBatchSampler.real_counts`): nothing is
-counted twice, nothing is left out.
-
-Each rank's batch e_r follows its plan micro-batch: the plan gives a rank the
-micro-batch its memory holds in training (with the gradients and optimizer state
-evaluation does not keep), so e_r is the evaluation batch asked for
-(``per_device_eval_batch_size``: what a plain trainer would run on every device, so
-what fits the rank with the smallest plan micro-batch) scaled by the rank's plan
-micro-batch over the smallest one.
+Rounds of one batch per rank (`EvalBatchSampler`). See docs/trainer.md (evaluation and prediction).
 """
 
 from __future__ import annotations

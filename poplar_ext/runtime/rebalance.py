@@ -1,35 +1,7 @@
 """Re-balancing during training: when a device drifts, every rank switches to a better plan together.
 
-Every rank measures its own compute time per iteration (`ComputeSlowdown.busy_time_s`:
-the computing thread's CPU time on CPU, times the emulated slowdown; what the profiler
-measures), never the time it waits in collectives. On CUDA at ZeRO-2/3 that cannot be
-done with every rank training at once: re-balancing is refused there (`unmeasurable_reason`).
-Every ``poplar.rebalance.check_interval_steps`` optimizer steps:
-
-1. every rank shares its busy time, its iteration count and how far its batch
-   sampler has already handed out data (`gather_objects`, one collective);
-2. rank 0 (`DriftMonitor`, which alone holds the profiles) compares each rank's busy
-   time with the prediction under the speeds it currently assumes. A rank whose ratio
-   is off by more than ``threshold`` on ``sustained_checks`` consecutive checks has
-   drifted: its speed factor is multiplied by its ratio (over the median ratio of the
-   ranks that did not drift) and the plan is searched again with each rank's curve
-   scaled by its own factor (`search.drift.replan`; one throttled GPU is not its whole
-   type). If the new plan's predicted iteration time is
-   shorter by more than ``min_gain``, rank 0 sends it, with the reason, to every rank
-   (`decided_by_rank0`, one collective; a failed search sends "no change");
-3. every rank switches at the same iteration boundary: the first iteration no rank's
-   sampler has started yet (right away unless a DataLoader's workers run ahead).
-
-The switch keeps the global batch and the iterations' places in the data stream
-(every sample once), changes DeepSpeed's micro-batch and accumulation count through
-its own setters, and is recorded in ``engine.plan_history`` (saved in checkpoints).
-No rank takes a branch into a collective that another rank does not take: all decide
-from the gathered reports or from rank 0's broadcast.
-
-A pipeline job (`poplar_ext.pipeline.engine`) runs the same checks and switches with
-`PipelineDriftMonitor`: ranks are stages, predictions come from the layer profiles, and
-the re-plan moves micro-batches between the same pipelines
-(`search.pipeline_drift.recount_pipelines`).
+`DriftMonitor` (rank 0) and the checks every rank runs; pipelines use `PipelineDriftMonitor`. See
+docs/training.md (re-balancing when devices drift) and docs/pipeline.md (re-balancing).
 """
 
 from __future__ import annotations

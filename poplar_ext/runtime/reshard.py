@@ -1,37 +1,7 @@
 """A ZeRO checkpoint resharded for another number of ranks, for any optimizer whose state is per-parameter.
 
-A resume on another number of ranks (`PoplarEngine.load_checkpoint`) loads the
-checkpoint in DeepSpeed's universal format: one file per parameter and state, whole,
-which each rank cuts to its own partition. DeepSpeed 0.19.8 writes and reads that
-format for Adam alone:
-
-* ``deepspeed/checkpoint/ds_to_universal.py``: `extract_zero_shards` and
-  `extract_zero_shards_stage3` read ``state["exp_avg"]`` and ``state["exp_avg_sq"]``
-  (KeyError for SGD, RMSprop, Adagrad, Lion), and `merge_tp_slices` and
-  `merge_zero3_slices` merge only ``("fp32", "exp_avg", "exp_avg_sq")``; at stage 3
-  `step` is neither extracted nor merged;
-* ``deepspeed/runtime/zero/stage3.py``,
-  `load_hp_checkpoint_state_from_checkpoint_dir_stage3`, loads only those three
-  states and takes `step` from rank 0's state (KeyError for an optimizer without one).
-
-Its load side at stages 1-2 is general already (``runtime/base_optimizer.py``
-`load_hp_checkpoint_state_from_checkpoint_dir`, ``checkpoint/universal_checkpoint.py``
-`load_hp_checkpoint_state`, ``utils/tensor_fragment.py`` `map_to_flat_opt_states`):
-it puts every ``<key>.pt`` it finds into the optimizer's state, creating a state the
-optimizer would create lazily (SGD's momentum_buffer), and `step` as it was saved.
-
-So `convert_checkpoint` writes DeepSpeed's universal layout for every state key, with
-DeepSpeed's own pieces (fragments dumped one shard at a time and merged per parameter,
-so that no more than one shard is in memory, as in DeepSpeed), and at stage 3
-`loading_every_state` stands in for DeepSpeed's loader while it loads. A state is
-carried when it holds one value per element of the flat partition, or is `step`;
-anything else is refused (ValueError naming the optimizer and the key) before any
-weight is loaded. Checkpoints of poplar-ext are data-parallel only (`initialize`
-refuses tensor and pipeline parallelism), and so is this conversion.
-
-``python -m poplar_ext.runtime.reshard --input_folder TAG_DIR --output_folder OUT``
-runs the conversion by hand (``OUT`` = ``TAG_DIR`` + ``_universal`` is what
-`load_checkpoint` looks for).
+`convert_checkpoint`, `loading_every_state`; ``python -m poplar_ext.runtime.reshard --input_folder TAG_DIR
+--output_folder TAG_DIR_universal`` by hand. See docs/deepspeed-notes.md (universal checkpoints).
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
 """The one place where a rank's micro-batch loss is weighted for uneven batches.
 
-DeepSpeed, at every ZeRO stage, ends with the gradient ``(1/W) * sum over ranks and
-micro-steps of d(loss passed to backward)`` when backward is called with
-``scale_wrt_gas=False`` (W: world size; see docs/deepspeed-notes.md). The
-optimizer must instead see the gradient of the mean loss over the whole global batch
-``B = sum_r b_r * s_r``, i.e. ``(1/B) * sum over all samples of d(loss_i)``.
-
-* Mean-reduced micro-batch loss ``L = (1/b_r) * sum_i loss_i`` (the usual case):
-  pass ``L * W * b_r / B``. Then ``(1/W) * sum W * b_r / B * (1/b_r) * sum_i d loss_i
-  = (1/B) * sum d loss_i``.
-* Sum-reduced micro-batch loss ``L = sum_i loss_i``: pass ``L * W / B``.
-* Token-mean loss (language models with padding: labels ``-100`` are ignored), ``L =
-  (1/n) * sum over the micro-batch's n label tokens``, where the optimizer must see
-  the mean over the ``T`` label tokens of the whole global batch (all ranks, all
-  accumulation steps): pass ``L * W * n / T``. ``T`` is agreed across ranks before
-  the iteration's first backward; tokens are counted as the model's loss counts them
-  (`label_token_count`: a causal LM predicts ``labels[..., 1:]``).
-
-The weight does not depend on the accumulation count s_r, the ZeRO stage or gradient
-clipping (clipping acts on the already exact global gradient).
-
-Pipelines (`poplar_ext.pipeline`) are weighted by the same rule, a pipeline p being one
-data-parallel member with s_p micro-batches of b_p samples: `pipeline_loss_weight`
-(token_mean there: ``L * s_p * n``, the gradients divided by ``T`` at the boundary).
+``W * b_r / B`` (mean), ``W / B`` (sum), ``W * n / T`` (token mean); `pipeline_loss_weight` for pipelines.
+See docs/design.md (gradient semantics) and docs/deepspeed-notes.md (what DeepSpeed does to the loss).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""The ZeRO engine: a plan trained inside DeepSpeed's own ``DeepSpeedEngine``, every rank holding
-the model, with its own micro-batch size and accumulation count.
+"""The ZeRO engine: a plan trained inside DeepSpeed's own ``DeepSpeedEngine``, every rank holding the model.
 
-Read in the order a job meets them:
-
-* `planning`: which plan the job runs (a plan file, or a search at start), checked on every rank;
-* `initialize`: DeepSpeed's initialize with the plan's per-rank batches (what `poplar_ext.initialize`
-  calls for a model that is not a `poplar_ext.pipeline.PoplarPipelineModule`);
-* `engine`: `PoplarEngine`, the proxy that weights the loss, counts samples and logs.
-
-It builds on the engine-independent core in `poplar_ext.runtime` (config, loss weight, data,
-re-balancing, checkpoint state), as `poplar_ext.pipeline` does. See docs/design.md.
+`planning` (which plan), `initialize` (DeepSpeed's, with per-rank batches), `engine` (`PoplarEngine`); over
+`poplar_ext.runtime`. See docs/training.md and DEVELOPING.md's map.
 """
 
 from poplar_ext.zero.engine import PoplarEngine

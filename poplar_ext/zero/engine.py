@@ -1,14 +1,7 @@
 """`PoplarEngine`: the DeepSpeed engine, training a plan's per-rank batches with exact gradients.
 
-A thin proxy over the real ``DeepSpeedEngine`` (`poplar_ext.initialize` builds it):
-its ``backward`` weights the loss (`poplar_ext.runtime.weighting`) so that gradients
-are exactly those of the mean loss over the global batch; on an emulated device type
-the forward..backward window is slowed (`poplar_ext.hardware.emulation`); at each
-optimizer step it counts the samples consumed and logs the true global batch and
-samples/s; its checkpoints carry the plan and the data position
-(`poplar_ext.runtime.checkpoint`). Everything else is delegated (the emulated window
-ends where DeepSpeed starts reducing gradients: see
-`PoplarEngine._end_emulated_compute_before_reduction`).
+A thin proxy over ``DeepSpeedEngine``: the loss weight, samples counted and logged, emulation, checkpoints.
+See docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """DeepSpeed's initialize on ZeRO with a plan's per-rank batches (any model but a pipeline module).
 
-What a user changes in an ordinary DeepSpeed script: ``deepspeed.initialize`` becomes
-``poplar_ext.initialize`` (same arguments, same four return values) and the DeepSpeed
-config gets a top-level ``poplar`` section (see `poplar_ext.runtime.config`). The loop stays
-``loss = engine(batch); engine.backward(loss); engine.step()``.
-
-What happens underneath, on every rank:
-
-1. The plan is resolved and checked before any collective (`poplar_ext.zero.planning`).
-2. DeepSpeed gets a valid nominal config with this rank's micro-batch size b_r and
-   accumulation count s_r (``train_batch_size = b_r * s_r * W``); DeepSpeed never
-   compares configs across ranks.
-3. The returned engine is a `PoplarEngine` (`poplar_ext.zero.engine`) over the real
-   ``DeepSpeedEngine``.
-4. The training dataloader (when ``training_data`` is given) yields this rank's
-   micro-batches from the shared data stream (`poplar_ext.runtime.data`).
-
-Process-wide state is left alone unless the ``poplar`` section asks
-(``cpu_threads``, ``steady_cpu_allocator``): what is applied is logged. Logs go to the
-``poplar_ext`` logger, which has no handler of its own; configure logging (e.g.
-``logging.basicConfig(level=logging.INFO)``) to see them.
-
-An emulated memory capacity is not measured during training (a peak check on one rank
-would need all ranks to agree before any could stop): it is enforced through the plan,
-whose micro-batches `search.check_plan` holds to the profiles' largest, and the
-profiler measured those against the emulated capacity.
+`prepare_job` settles the plan on every rank; each rank's DeepSpeed gets a nominal config of its own. See
+docs/training.md.
 """
 
 from __future__ import annotations

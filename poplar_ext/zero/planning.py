@@ -1,25 +1,7 @@
 """Which plan a training job runs: from a plan file, or searched at start from profiles.
 
-Rank 0 decides, all receive: only rank 0 reads the plan and profile files (a node
-without them is fine), checks the plan and broadcasts it, or the reason it cannot
-run, which every rank then raises; no rank takes a branch into a collective from
-files only it can see. Missing profiles are measured by every rank together when
-`initialize` had the model and the data (the automatic mode). Rank 0 reads the profile
-directory and its network file once per job start: a `ProfileDirectory` carries what it
-read to the search and on to re-balancing (`load_rebalance_inputs`).
-
-Cached profiles are checked before a plan is searched from them, where initialize can time
-micro-steps (the automatic mode, ``poplar.calibration``): every rank times a few at the sizes
-the plan gives its type, rank 0 compares them with the profiles, and beyond the threshold the
-curve is rescaled or measured again (`poplar_ext.profiler.calibration`); the plan is searched
-again and records which (``Plan.calibration``), and the log says it.
-
-A plan file made from other profiles than those in ``poplar.profiles`` (another
-measurement, another model) still runs when it fits them, but its predictions are
-not those of the profiles present: `resolve_plan` then warns (`StalePlanWarning`,
-naming the device types) so that the user searches the plan again. A plan written
-by hand carries no fingerprints and is not compared. Make the warning an error with
-``warnings.simplefilter("error", StalePlanWarning)``.
+`resolve_plan` (rank 0 decides, all receive), calibration of cached profiles, `StalePlanWarning`. See
+docs/training.md and docs/design.md.
 """
 
 from __future__ import annotations
