@@ -25,7 +25,7 @@ INTRA_NODE_BYTES_PER_S = 25e9
 
 @dataclass(frozen=True, kw_only=True)
 class ModelledLayer:
-    """One layer of the analytic model (module docstring)."""
+    """One layer of the analytic model (docs/bench.md, "Modelled GPUs")."""
 
     name: str
     parameters: int

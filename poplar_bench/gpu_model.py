@@ -143,7 +143,7 @@ class ModelShape:
 
     @property
     def activation_bytes_per_sample(self) -> int:
-        """Activations kept for backward, 16-bit, fused attention (see module docstring)."""
+        """Activations kept for backward, 16-bit, fused attention (see docs/bench.md, "Modelled GPUs")."""
         s, h = self.sequence_length, self.hidden_size
         return 34 * s * h * self.num_layers + 10 * s * self.vocab_size
 
@@ -286,7 +286,7 @@ def micro_step_time_s(
     assumptions: Assumptions,
     activation_checkpointing: bool = False,
 ) -> float:
-    """Modelled forward + backward of `micro_batch_size` samples (see module docstring); with
+    """Modelled forward + backward of `micro_batch_size` samples (see docs/bench.md, "Modelled GPUs"); with
     `activation_checkpointing` the forward runs again, and at stage 3 gathers the weights again."""
     factor = RECOMPUTE_FLOPS_FACTOR if activation_checkpointing else 1.0
     compute = factor * shape.flops_per_sample * micro_batch_size / (spec.peak_flops * spec.mfu)
@@ -400,7 +400,7 @@ def modelled_profile(
         measured_with={
             "source": "modelled",
             "model": MODEL_VERSION,
-            # The modelled times hold their collectives (all exposed; see the module docstring).
+            # The modelled times hold their collectives (all exposed; see docs/bench.md, "Modelled GPUs").
             "micro_step_times_include_communication": True,
             "note": "analytic model from vendor datasheet figures, not a measurement; see poplar_bench/gpu_model.py",
             "gpu_spec": asdict(spec),

@@ -100,7 +100,7 @@ def _wrap(dist: Any, link: LinkEmulation, original: Callable, name: str, operati
 
 
 def install_link_emulation(link: LinkEmulation) -> Callable[[], None]:
-    """Cap the link between emulated nodes in this process (see the module docstring); returns the undo."""
+    """Cap the link between emulated nodes in this process (see docs/bench.md); returns the undo."""
     import torch.distributed as dist
 
     originals = {}

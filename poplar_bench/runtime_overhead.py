@@ -205,7 +205,7 @@ def measure_wrapper_cost(*, iterations: int = 20_000, repeats: int = 5) -> dict[
 def run_overhead(
     *, blocks: int = 30, block_iterations: int = 8, warmup: int = 1, timeout_s: float = 900.0
 ) -> dict[str, Any]:
-    """Measure both engines (see the module docstring); returns the report as a dict."""
+    """Measure both engines (see docs/bench.md); returns the report as a dict."""
     from poplar_bench.local_ranks import run_ranks
 
     with tempfile.TemporaryDirectory() as directory:

@@ -89,7 +89,7 @@ class PoplarAccelerator(Accelerator):
     """``accelerate.Accelerator`` training the plan of the DeepSpeed config's ``poplar`` section.
 
     Same arguments as ``Accelerator``; DeepSpeed must be on (accelerate's config file, or
-    ``deepspeed_plugin=``). See the module docstring for what differs. After the first
+    ``deepspeed_plugin=``). See docs/accelerate.md for what differs. After the first
     ``prepare``: `plan` (every rank's), `poplar_engine` (after the model's), this rank's
     `micro_batch_size` and ``gradient_accumulation_steps``, and `global_batch_size`.
     """

@@ -469,7 +469,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
     def compute_loss(
         self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
-        """The Trainer's loss, weighted to the global batch when training (see the module docstring)."""
+        """The Trainer's loss, weighted to the global batch when training (see docs/trainer.md)."""
         result = super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
@@ -771,7 +771,7 @@ class PoplarTrainer(PoplarTrainerMixin, Trainer):
     """``transformers.Trainer`` training the plan of the DeepSpeed config's ``poplar`` section.
 
     Same arguments as ``Trainer``; ``args.deepspeed`` must name a DeepSpeed config (file
-    or dict) with a ``poplar`` section. See the module docstring for what differs.
+    or dict) with a ``poplar`` section. See docs/trainer.md for what differs.
     ``self.plan`` is the plan every rank runs; ``self.args`` are this rank's arguments.
     """
 

@@ -26,7 +26,7 @@ _MICRO_BATCH_DPO_LOSSES = {
 
 
 class _LocalMetrics(PoplarTrainerMixin):
-    """TRL's metric gathers kept on this rank while training (see the module docstring)."""
+    """TRL's metric gathers kept on this rank while training (see docs/trainer.md)."""
 
     @contextlib.contextmanager
     def _metrics_on_this_rank(self) -> Iterator[None]:
@@ -93,7 +93,7 @@ def _local(input_data: Any, use_gather_object: bool = False) -> Any:
 class PoplarSFTTrainer(_LocalMetrics, SFTTrainer):
     """``trl.SFTTrainer`` training the plan of the DeepSpeed config's ``poplar`` section.
 
-    Same arguments as ``SFTTrainer`` (by keyword); see the module docstring. Padding-free
+    Same arguments as ``SFTTrainer`` (by keyword); see docs/trainer.md. Padding-free
     batches (``padding_free``, or ``packing`` with a ``bfd`` strategy) need an attention
     that keeps the sequences of a flattened micro-batch apart (flash attention), or they
     are refused.

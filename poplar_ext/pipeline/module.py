@@ -80,7 +80,7 @@ def _tied_layers(layers: list[Any]) -> dict[str, list[int]]:
 def _stage_checkpointing(
     job: PipelineJob, interval: int, func: Callable[..., Any] | None
 ) -> tuple[int, Callable[..., Any]]:
-    """DeepSpeed's ``activation_checkpoint_interval`` and function for this rank's stage (module docstring);
+    """DeepSpeed's ``activation_checkpoint_interval`` and function for this rank's stage (docs/pipeline.md);
     ValueError, alike on every rank, where the user's interval meets a plan that checkpoints stages."""
     planned = [
         f"pipelines[{p}].stages[{s}]"

@@ -75,7 +75,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
     micro-batch of `micro_batch_size` samples, `gradient_accumulation_steps` of them
     per iteration. Every rank builds its own sampler from the same plan and seed.
 
-    One pass (``iter``) is the rest of the current epoch (see the module docstring):
+    One pass (``iter``) is the rest of the current epoch (see docs/design.md):
     a loop ``for epoch in range(E): for batch in loader:`` trains E epochs. With
     `iterations_per_pass` a pass is that many iterations instead, continuing the
     stream. `set_position` moves to a checkpointed position.
@@ -123,7 +123,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.iterations_per_pass = iterations_per_pass
         """Iterations in one pass, or None: a pass is the rest of the current epoch."""
         self.drop_last = drop_last
-        """End each epoch's last pass at the epoch boundary (see the module docstring)."""
+        """End each epoch's last pass at the epoch boundary (see docs/design.md)."""
         self._iterations_per_epoch = num_samples // self.global_batch_size
         self._origin = 0
         """Stream position of iteration 0 (not 0 after a resume under another global batch)."""

@@ -18,7 +18,7 @@ PADDING_INDEX = 0
 
 def eval_batch_sizes(plan: Plan, *, smallest_batch_size: int) -> list[int]:
     """Each rank's evaluation batch: `smallest_batch_size` for the rank with the smallest plan
-    micro-batch, the others in proportion to their plan micro-batch (see the module docstring)."""
+    micro-batch, the others in proportion to their plan micro-batch (see docs/trainer.md)."""
     if isinstance(smallest_batch_size, bool) or not isinstance(smallest_batch_size, int) or smallest_batch_size < 1:
         raise ValueError(f"per_device_eval_batch_size: expected an integer >= 1, found {smallest_batch_size!r}")
     smallest = min(r.micro_batch_size for r in plan.ranks)
@@ -58,7 +58,7 @@ def _shares(total: int, weights: Sequence[int]) -> list[int]:
 
 
 class EvalBatchSampler(torch.utils.data.Sampler[list[int]]):
-    """One rank's evaluation batches (lists of sample indices), one per round (see the module docstring)."""
+    """One rank's evaluation batches (lists of sample indices), one per round (see docs/trainer.md)."""
 
     def __init__(self, *, num_samples: int, batch_sizes: Sequence[int], rank: int) -> None:
         if not 0 <= rank < len(batch_sizes):

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 class StalePlanWarning(UserWarning):
-    """A plan was made from other profiles than the ones the job has (see the module docstring)."""
+    """A plan was made from other profiles than the ones the job has (see docs/training.md)."""
 
 
 def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
@@ -335,7 +335,7 @@ def resolve_plan(
     `directory`: rank 0's reading of ``poplar.profiles``, to pass on to what reads it next
     (re-balancing); default: a fresh one. `time_at_sizes`: times micro-steps as training runs
     them (collective); given, a plan searched from cached profiles is checked against it first
-    (``poplar.calibration``, see the module docstring).
+    (``poplar.calibration``, see docs/training.md).
 
     Only rank 0 reads files (the plan, the profiles): the other ranks' nodes need
     none of them. Rank 0 decides and broadcasts (`decided_by_rank0`): the plan, or
