@@ -126,6 +126,19 @@ class Emulation:
 
 
 @dataclass(frozen=True, kw_only=True)
+class IncludedCommunication:
+    """The collectives a profile's times hold, priced when it was measured from the network file measured
+    with it (the cost model takes them out before it adds the job's own)."""
+
+    micro_step_exposed_s: float
+    """Per micro-step, collectives compute waits for (held only where the micro-step times include them)."""
+    micro_step_overlapped_s: float
+    """Per micro-step, collectives DeepSpeed overlaps with backward (stage 3 on GPUs)."""
+    boundary_s: float
+    """At the accumulation boundary: held by `Profile.optimizer_step_time_s`."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     """One device type at one ZeRO stage for one model: the search's only input on speed."""
 
@@ -150,6 +163,9 @@ class Profile:
     """Measured with the optimizer offloaded to the host (DeepSpeed's
     ``zero_optimization.offload_optimizer``; ZeRO stages 1-2 only): the optimizer state
     and fp32 master weights leave the device, the boundary takes longer."""
+    included_communication: IncludedCommunication | None = None
+    """The communication its times hold, priced at profiling (None: priced from the job's network file,
+    which is right only where the profile was measured over the same network)."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     @property
@@ -283,6 +299,16 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
         measured_with=dict(provenance.value),
         activation_checkpointing=_optional_boolean(root, "activation_checkpointing"),
         optimizer_offload=_offload(root, zero_stage),
+        included_communication=_included_communication(root.optional("included_communication")),
+    )
+
+
+def _included_communication(node: Node | None) -> IncludedCommunication | None:
+    if node is None:
+        return None
+    node.obj().keys_within(_keys(IncludedCommunication))
+    return IncludedCommunication(
+        **{key: node.field(key).number(minimum=0.0, maximum=MAX_TIME_S) for key in _keys(IncludedCommunication)}
     )
 
 
@@ -291,6 +317,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     data = dataclasses.asdict(profile)
     data["samples"] = [dataclasses.asdict(s) for s in profile.samples]
     data["emulated"] = None if profile.emulated is None else emulation_to_dict(profile.emulated)
+    if profile.included_communication is None:
+        del data["included_communication"]  # as files written before it: their fingerprints stay
     # schema_version first: it is the first thing a reader of the file looks for.
     return {"schema_version": data.pop("schema_version"), **data}
 

@@ -37,6 +37,7 @@ from poplar_ext.optimizer_offload import OFFLOAD_MODES, offload_deepspeed_optimi
 from poplar_ext.plan.formats import (
     OFFLOAD_STAGES,
     ZERO_STAGES,
+    IncludedCommunication,
     ModelInfo,
     Profile,
     levers_text,
@@ -44,6 +45,7 @@ from poplar_ext.plan.formats import (
     profile_to_dict,
     read_json,
 )
+from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.profiler.cache import (
     ProfileKey,
     ds_config_fingerprint,
@@ -65,6 +67,7 @@ from poplar_ext.profiler.measure import (
 )
 from poplar_ext.profiler.network import DEFAULT_MESSAGE_BYTES, cached_or_measured_network, message_sizes
 from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, Progress, log_progress
+from poplar_ext.search.cost import stage_communication
 from poplar_ext.search.model_states import (
     DTYPE_BYTES,
     ModelStates,
@@ -311,6 +314,8 @@ class _Session:
     """Parameters with gradients (and optimizer state), of `model`'s ``num_parameters``."""
     timeouts: ShortCollectiveTimeouts | None = None
     """The short collective timeouts, given to the groups each engine makes (None: not shortened)."""
+    network: NetworkProfile | None = None
+    """The network measured (or found) for this cluster: what the profiles' times hold is priced by it."""
 
     def model_states(self, run: _Run) -> ModelStates:
         """Every rank's static memory in `run` (`poplar_ext.search.model_states`): the same on all ranks."""
@@ -419,6 +424,7 @@ def _profile(
     timeouts: ShortCollectiveTimeouts | None = None,
 ) -> list[Profile]:
     layout = build_layout(options.cluster, device, bf16=training_dtype(options.ds_config) == "bfloat16")
+    network = None
     if options.measure_network:
         # On CPU, gloo stands in for a network it is not, and gigabyte messages would take minutes.
         sizes = (
@@ -430,10 +436,10 @@ def _profile(
                 capacity_bytes=min(layout.capacities_bytes.values()),
             )
         )
-        _, line = cached_or_measured_network(layout, options.cache_dir, force=options.force, message_bytes=sizes)
+        network, line = cached_or_measured_network(layout, options.cache_dir, force=options.force, message_bytes=sizes)
         if layout.rank == 0 and options.progress is not None:
             options.progress(line)
-    session = dataclasses.replace(_start_session(options, settings, layout), timeouts=timeouts)
+    session = dataclasses.replace(_start_session(options, settings, layout), timeouts=timeouts, network=network)
     cached = broadcast_from_rank0(_cached_on_rank0(session))
     reporter = _ProgressReporter(
         sink=options.progress,
@@ -577,6 +583,7 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
         emulated=None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=()),
         activation_checkpointing=run.checkpointing,
         optimizer_offload=run.offload,
+        included_communication=_included_communication(session, run),
         measured_with={
             "source": "measured",
             **session.versions,
@@ -603,6 +610,26 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
             "largest_micro_batch_probe": result.probe,
             "stage_profiling_time_s": round(stage_seconds, 3),
         },
+    )
+
+
+def _included_communication(session: _Session, run: _Run) -> IncludedCommunication | None:
+    """What the collectives of `run` cost on the network measured with it: what its times hold, for the cost
+    model to take out even where a job prices another network (profiles reused over another link)."""
+    if session.network is None:
+        return None
+    held = stage_communication(
+        session.network,
+        zero_stage=run.zero_stage,
+        num_parameters=session.model.num_parameters,
+        dtype=session.model.dtype,
+        world_size=session.layout.world_size,
+        recomputes_forward=run.checkpointing,
+    )
+    return IncludedCommunication(
+        micro_step_exposed_s=held.micro_step_exposed_s,
+        micro_step_overlapped_s=held.micro_step_overlapped_s,
+        boundary_s=held.boundary_s,
     )
 
 

@@ -259,6 +259,28 @@ def build_stage_model(
     return assemble_stage_model([d for d, _ in priced], rank_device_types, zero_stage, priced[-1][1])
 
 
+def profiled_communication(profile: Profile, network: NetworkProfile) -> StageCommunication:
+    """The communication `profile`'s times hold: as priced when it was measured where it says
+    (`Profile.included_communication`), else priced by `network` at the profile's world size."""
+    held = profile.included_communication
+    if held is not None:
+        return StageCommunication(
+            zero_stage=profile.zero_stage,
+            world_size=profile.world_size,
+            micro_step_exposed_s=held.micro_step_exposed_s,
+            micro_step_overlapped_s=held.micro_step_overlapped_s,
+            boundary_s=held.boundary_s,
+        )
+    return stage_communication(
+        network,
+        zero_stage=profile.zero_stage,
+        num_parameters=profile.model.num_parameters,
+        dtype=profile.model.dtype,
+        world_size=profile.world_size,
+        recomputes_forward=profile.activation_checkpointing,
+    )
+
+
 def device_cost(
     profile: Profile,
     *,
@@ -292,14 +314,7 @@ def device_cost(
             world_size=world_size,
             recomputes_forward=profile.activation_checkpointing,
         )
-        profiled = stage_communication(
-            network,
-            zero_stage=zero_stage,
-            num_parameters=profile.model.num_parameters,
-            dtype=profile.model.dtype,
-            world_size=profile.world_size,
-            recomputes_forward=profile.activation_checkpointing,
-        )
+        profiled = profiled_communication(profile, network)
         compute_table = profiled.compute_time_s(table) if micro_step_times_include_communication(profile) else table
         # The fitted table is non-decreasing; so must the priced one be (the policies rely on it).
         table = np.maximum.accumulate(communication.micro_step_time_s(compute_table))

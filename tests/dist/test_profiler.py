@@ -17,6 +17,8 @@ import pytest
 from harness import run_ranks
 
 from poplar_ext.plan.formats import load_profiles
+from poplar_ext.plan.network_format import load_network
+from poplar_ext.search.cost import stage_communication
 
 MB = 10**6
 DS_CONFIG = {
@@ -495,6 +497,19 @@ def test_profiles_are_written_with_their_keys_and_provenance(measured) -> None:
         assert profile.emulated is not None and profile.measured_with["device"] == "emulated"
         assert profile.measured_with["source"] == "measured"
         assert profile.optimizer_step_time_s > 0
+        # What its times hold, priced by the network file measured with it (reused over another network).
+        (network_file,) = (Path(cache_dir) / "network").glob("*.json")
+        held = stage_communication(
+            load_network(network_file),
+            zero_stage=profile.zero_stage,
+            num_parameters=profile.model.num_parameters,
+            dtype=profile.model.dtype,
+            world_size=2,
+        )
+        assert profile.included_communication is not None
+        assert profile.included_communication.boundary_s == pytest.approx(held.boundary_s)
+        assert profile.included_communication.micro_step_exposed_s == pytest.approx(held.micro_step_exposed_s)
+        assert (profile.included_communication.micro_step_exposed_s > 0) == (profile.zero_stage == 2)
     assert results[1]["first"] == results[0]["first"], "every rank returns the same profiles"
 
 

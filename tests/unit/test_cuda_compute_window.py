@@ -191,7 +191,12 @@ def test_the_profile_records_how_its_compute_was_timed(device_kind, zero_stage, 
         ranks_of=lambda t: [0, 1],
     )
     session = SimpleNamespace(
-        layout=layout, settings=MeasureSettings(), config_fingerprint="c", model=SYNTHETIC_MODEL, versions={}
+        layout=layout,
+        settings=MeasureSettings(),
+        config_fingerprint="c",
+        model=SYNTHETIC_MODEL,
+        versions={},
+        network=None,
     )
     result = TypeStageResult(
         device_type="A",

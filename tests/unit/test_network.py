@@ -14,7 +14,10 @@ from poplar_ext.plan.formats import (
     Cluster,
     ClusterNode,
     DeviceGroup,
+    IncludedCommunication,
     load_profiles,
+    profile_from_dict,
+    profile_to_dict,
     save_cluster,
     save_profile,
 )
@@ -197,6 +200,57 @@ def test_a_cpu_profile_without_communication_in_its_micro_steps_gets_it_added(st
     assert (extra > 0) == (stage >= 2)
     np.testing.assert_allclose(priced.devices[0].step_time_table_s, plain.devices[0].step_time_table_s + extra)
     assert priced.boundary_s == pytest.approx(plain.boundary_s), "the measured boundary already held its collectives"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_profile_reused_over_another_network_loses_the_communication_it_was_measured_with(stage):
+    # Measured over a fast link (its times hold the fast link's collectives), priced for a job over a
+    # slow one: the profile's own communication comes out, the slow link's goes in. Priced from the
+    # job's network instead, the slow link's larger boundary would eat the optimizer step.
+    fast, slow = _network(bandwidth=10 * GB), _network(bandwidth=0.01 * GB)
+    plain = _profile("a", stage, world_size=2, includes=True)
+    held = stage_communication(
+        fast, zero_stage=stage, num_parameters=plain.model.num_parameters, dtype=plain.model.dtype, world_size=2
+    )
+    measured_fast = dataclasses.replace(
+        plain,
+        samples=tuple(
+            dataclasses.replace(x, micro_step_time_s=x.micro_step_time_s + held.micro_step_exposed_s)
+            for x in plain.samples
+        ),
+        optimizer_step_time_s=plain.optimizer_step_time_s + held.boundary_s,
+        included_communication=IncludedCommunication(
+            micro_step_exposed_s=held.micro_step_exposed_s,
+            micro_step_overlapped_s=held.micro_step_overlapped_s,
+            boundary_s=held.boundary_s,
+        ),
+    )
+    priced = build_stage_model({"a": measured_fast}, ["a", "a"], stage, slow)
+    alone = build_stage_model({"a": plain}, ["a", "a"], stage)
+    assert priced.devices[0].optimizer_step_time_s == pytest.approx(plain.optimizer_step_time_s)
+    assert priced.boundary_s == pytest.approx(plain.optimizer_step_time_s + priced.communication.boundary_s)
+    expected = alone.devices[0].step_time_table_s + priced.communication.micro_step_exposed_s
+    np.testing.assert_allclose(priced.devices[0].step_time_table_s, expected, rtol=1e-9)
+    slow_part = priced.communication.boundary_s + priced.communication.micro_step_exposed_s
+    assert slow_part > 10 * (held.boundary_s + held.micro_step_exposed_s) > 0
+
+
+def test_included_communication_round_trips_and_is_checked(tmp_path):
+    profile = dataclasses.replace(
+        _profile("a", 1),
+        included_communication=IncludedCommunication(
+            micro_step_exposed_s=0.0, micro_step_overlapped_s=0.0, boundary_s=0.25
+        ),
+    )
+    data = profile_to_dict(profile)
+    assert profile_from_dict(json.loads(json.dumps(data))) == profile
+    assert _profile("a", 1).fingerprint != profile.fingerprint
+    data["included_communication"]["boundary_s"] = -1
+    with pytest.raises(FormatError, match=r"included_communication\.boundary_s"):
+        profile_from_dict(data, source="p.json")
+    old = profile_to_dict(_profile("a", 1))
+    assert "included_communication" not in old  # written as files from before the field: fingerprints stay
+    assert profile_from_dict(old).included_communication is None
 
 
 def test_a_larger_cluster_than_profiled_pays_more_communication_and_a_smaller_optimizer_shard():
