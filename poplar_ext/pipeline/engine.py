@@ -287,7 +287,8 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         return self.agg_train_loss
 
     def _end_of_iteration(self) -> None:
-        iteration_s = self._count_iteration(self.global_steps)
+        self._count_iteration(self.global_steps)
+        iteration_s = self._iteration_time_s()  # with re-balancing's check: the logged steps are check steps
         interval = self.poplar_config.log_interval_steps
         if interval and self.global_rank == 0 and self.global_steps % interval == 0 and iteration_s is not None:
             logger.info(
@@ -492,7 +493,6 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
             )
 
     def _resume(self, decision: ResumeDecision) -> None:
-        self._follow_slowdown_schedule(self.global_steps)
         self._restore_position(decision)
         if self._own_iterator:  # made at the old position: the next train_batch() makes a new one
             self.data_iterator, self._own_iterator = None, False

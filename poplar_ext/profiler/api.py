@@ -583,7 +583,7 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
         emulated=None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=()),
         activation_checkpointing=run.checkpointing,
         optimizer_offload=run.offload,
-        included_communication=_included_communication(session, run),
+        included_communication=_included_communication(session, run) if result.max_micro_batch_size else None,
         measured_with={
             "source": "measured",
             **session.versions,
@@ -617,7 +617,7 @@ def _included_communication(session: _Session, run: _Run) -> IncludedCommunicati
     """What the collectives of `run` cost on the network measured with it: what its times hold, for the cost
     model to take out even where a job prices another network (profiles reused over another link)."""
     if session.network is None:
-        return None
+        return None  # nothing to price it by: the cost model prices it by the job's network
     held = stage_communication(
         session.network,
         zero_stage=run.zero_stage,

@@ -25,9 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore(FollowsRebalancing):
-    """The engine-independent half of an engine; the engine calls `_start_core` in its constructor,
-    `_count_iteration` after each optimizer step, and provides ``global_steps``, ``switch_plan`` and
-    ``_step_view`` (`FollowsRebalancing`)."""
+    """The engine-independent half of an engine. The engine calls `_start_core` in its constructor and
+    `_count_iteration` and `_iteration_time_s` after each optimizer step; it provides ``global_steps``,
+    ``switch_plan`` and ``_step_view`` (`FollowsRebalancing`)."""
 
     plan_from_dict: Callable[..., Plan | PipelinePlan]
     """How this engine's plans are read from JSON (a checkpoint's last plan)."""
@@ -64,6 +64,7 @@ class EngineCore(FollowsRebalancing):
         self._restored_position = 0
         self._steps_since_restore = 0
         self._last_boundary_time: float | None = None
+        self._follow_slowdown_schedule(0)  # a drift from step 0 holds from the first micro-step
 
     @property
     def emulated_compute(self) -> ComputeSlowdown | None:
@@ -95,15 +96,18 @@ class EngineCore(FollowsRebalancing):
         if timer is not None and timer.emulation is not None and timer.emulation.slowdown_schedule:
             timer.slowdown = scheduled_slowdown(timer.emulation, optimizer_step=optimizer_step, rank=self._core_rank)
 
-    def _count_iteration(self, step: int) -> float | None:
+    def _count_iteration(self, step: int) -> None:
         """After optimizer step `step`: the samples counted, the emulated drift and re-balancing followed
-        (collective at check steps). Returns the iteration's wall time (None for the first)."""
+        (collective at check steps)."""
         self.consumed_samples += self.plan.global_batch_size
         self._steps_since_restore += 1
-        now = time.perf_counter()
-        previous, self._last_boundary_time = self._last_boundary_time, now
         self._follow_slowdown_schedule(step)
         self.follow_rebalancing(step)
+
+    def _iteration_time_s(self) -> float | None:
+        """Wall time since the previous call (an optimizer step to the next); None at the first."""
+        now = time.perf_counter()
+        previous, self._last_boundary_time = self._last_boundary_time, now
         return None if previous is None else now - previous
 
     # -- checkpoints -------------------------------------------------------------
@@ -123,7 +127,9 @@ class EngineCore(FollowsRebalancing):
         return state
 
     def _restore_position(self, decision: ResumeDecision, *, position_samplers: bool = True) -> None:
-        """The samples and the data position of a resume (then `_continue_plans`)."""
+        """The samples and the data position of a resume (then `_continue_plans`); the emulated drift
+        of the restored step."""
+        self._follow_slowdown_schedule(self.global_steps)
         self.consumed_samples = decision.consumed_samples
         self._restored_position, self._steps_since_restore = decision.data_position, 0
         if position_samplers:

@@ -128,7 +128,6 @@ class PoplarEngine(EngineCore):
         self._token_counts: collections.deque[int] = collections.deque()
         self.iteration_tokens = 0
         """``token_mean``: the current iteration's label tokens over all ranks (`set_token_counts`)."""
-        self._follow_slowdown_schedule(0)
         if slowdown is not None:
             self._end_emulated_compute_before_reduction()
         if weights_loss:
@@ -271,7 +270,8 @@ class PoplarEngine(EngineCore):
 
     def _end_of_iteration(self) -> None:
         step = self.deepspeed_engine.global_steps
-        self.last_iteration_time_s = self._count_iteration(step)
+        self.last_iteration_time_s = self._iteration_time_s()  # before re-balancing's check, which waits
+        self._count_iteration(step)
         if self.last_iteration_time_s is not None:
             self.last_samples_per_s = self.plan.global_batch_size / self.last_iteration_time_s
         interval = self.poplar_config.log_interval_steps

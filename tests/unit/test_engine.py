@@ -365,3 +365,19 @@ def test_a_forward_another_library_calls_opens_the_window_of_the_plans_micro_ste
     model.eval()
     model(torch.ones(5, 2))
     assert timer.keys == [emulation.micro_step_key(5)]
+
+
+def test_a_resumed_rank_runs_at_its_drift_schedules_slowdown_from_the_first_step(tmp_path):
+    plan = _plan([(3, 1)])
+    emulation = Emulation(slowdown=2.0, memory_capacity_bytes=10**9, slowdown_schedule=((3, 5.0, None),))
+    engine, fake = _engine(plan, slowdown=ComputeSlowdown(emulation))
+    for _ in range(4):
+        engine.backward(engine(torch.ones(3)))
+        engine.step()
+    assert engine.emulated_compute.slowdown == 5.0
+    engine.save_checkpoint(tmp_path, tag="t")
+    resumed, resumed_fake = _engine(plan, slowdown=ComputeSlowdown(emulation))
+    resumed_fake.saved, resumed_fake.global_steps = fake.saved, 4  # DeepSpeed restores its step count
+    assert resumed.emulated_compute.slowdown == 2.0
+    resumed.load_checkpoint(tmp_path, tag="t")
+    assert resumed.emulated_compute.slowdown == 5.0, "the drift holds from its step on, also after a resume"
