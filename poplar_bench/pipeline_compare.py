@@ -210,7 +210,9 @@ def _poplar_section(settings: dict[str, Any]) -> dict[str, Any]:
     # As the demo's and the drift bench's jobs: one thread (emulation times the thread's CPU time) and the
     # allocator the profiler measured under; with glibc's default, each iteration's fresh gradient
     # buffers fault in their pages again (the flatten before the all-reduce took 2.5x longer).
-    process = {"cpu_threads": 1, "steady_cpu_allocator": True}
+    # Calibration off, as in the demo and the predictions bench: an emulated type's compute is steady at its
+    # profile by construction, and checking it at start rescaled the profiles by CPU noise (docs/limits.md).
+    process = {"cpu_threads": 1, "steady_cpu_allocator": True, "calibration": {"action": "off"}}
     return {
         "cluster": settings["cluster"],
         "profiles": settings["profiles"],
