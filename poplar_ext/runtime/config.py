@@ -1,40 +1,7 @@
 """The ``poplar`` section of a DeepSpeed config, and the per-rank config DeepSpeed gets.
 
-Its shape, every key at its default but the three a job names itself (`cluster`, `profiles`,
-`global_batch_size`)::
-
-    "poplar": {
-        "cluster": "cluster.json",        # the device type of every rank
-        "plan": null,                     # a plan from poplar-search, or instead:
-        "profiles": "profiles/",          # profiles to search a plan from (none named: the user cache)
-        "policy": "poplar",
-        "global_batch_size": 96,          # or "auto": the search picks
-        "max_global_batch_size": null,
-        "zero_stage": null,
-        "seed": 0,
-        "shuffle": true,
-        "drop_last": false,
-        "loss_reduction": "mean",
-        "log_interval_steps": 10,
-        "cpu_threads": null,
-        "steady_cpu_allocator": false,
-        "optimizer_offload": "off",
-        "rebalance": {
-            "enabled": "auto",
-            "check_interval_steps": 10,
-            "threshold": 0.2,
-            "min_gain": 0.05,
-            "sustained_checks": 2
-        },
-        "calibration": {
-            "action": "rescale",
-            "threshold": 0.1,
-            "repeats": 3
-        }
-    }
-
-Each key's meaning and default: the fields of `PoplarConfig`, `RebalanceConfig` and `CalibrationConfig`
-(tests/unit/test_config.py holds the example to them). See docs/training.md (paths, errors).
+Each key's meaning and default: the fields of `PoplarConfig`, `RebalanceConfig` and `CalibrationConfig`.
+docs/training.md shows the whole section at its defaults (tests/unit/test_config.py holds it to them).
 """
 
 from __future__ import annotations
