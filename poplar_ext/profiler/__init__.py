@@ -1,7 +1,7 @@
 """The profiler: every device type of a job measured at each ZeRO stage, like training.
 
 `profile_model` (`api`, collective) is the entry, `profile_layers` (`per_layer`) its per-layer counterpart,
-``poplar-profile`` the `cli`; DEVELOPING.md's map lists the modules in the order a measurement runs.
+``poplar-profile`` the `cli`; DEVELOPING.md's map lists the modules.
 See docs/profiling.md and profiles/README.md ("How profiles are measured").
 """
 

@@ -2,7 +2,7 @@
 cluster agreed against every rank's hardware, and rank 0's steady compute sent to every rank.
 
 `poplar_ext.zero.initialize.prepare_job` and `poplar_ext.pipeline.job.prepare_pipeline_job`
-call these between their own steps (docs/design.md).
+call these between their own steps (docs/design.md, "Engines over one core").
 """
 
 from __future__ import annotations
