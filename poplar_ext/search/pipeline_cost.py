@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -162,9 +163,17 @@ def largest_profiled_size(profile: LayerProfile) -> int:
 # ----------------------------------------------------------------------------------
 # Prices of moving bytes
 # ----------------------------------------------------------------------------------
-def _price_s(fit: CollectiveFit, collective: str, message_bytes: float, world_size: int) -> float:
+def _price_s(
+    fit: CollectiveFit,
+    collective: str,
+    message_bytes: float,
+    world_size: int,
+    bandwidth_bytes_per_s: float | None = None,
+) -> float:
+    """The ring model's price of `collective` by `fit`, at `bandwidth_bytes_per_s` where given (a slower link)."""
     hops, volume = ring_factors(collective, world_size)
-    return hops * fit.latency_s + volume * message_bytes / fit.bus_bandwidth_bytes_per_s
+    bandwidth = fit.bus_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else bandwidth_bytes_per_s
+    return hops * fit.latency_s + volume * message_bytes / bandwidth
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +188,10 @@ class LinkPrice:
     @property
     def seconds_per_byte(self) -> float:
         return 0.0 if self.bandwidth_bytes_per_s is None else 1.0 / self.bandwidth_bytes_per_s
+
+    def transfer_s(self, message_bytes: Any) -> Any:
+        """One transfer of `message_bytes` (a number, or an array of them)."""
+        return self.latency_s + message_bytes * self.seconds_per_byte
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,16 +252,14 @@ class Links:
         return tuple(self.link_price(a, b) for a, b in zip(ranks, ranks[1:]))
 
     def transfer_s(self, message_bytes: float, rank_a: int, rank_b: int) -> float:
-        price = self.link_price(rank_a, rank_b)
-        return price.latency_s + message_bytes * price.seconds_per_byte
+        return self.link_price(rank_a, rank_b).transfer_s(message_bytes)
 
     def all_reduce_s(self, message_bytes: float, ranks: Sequence[int]) -> float:
         if self.network is None or len(ranks) <= 1:
             return 0.0
         same_node = self.same_node(ranks)
         fit = self._fit("all_reduce", same_node, point_to_point=False)
-        hops, volume = ring_factors("all_reduce", len(ranks))
-        return hops * fit.latency_s + volume * message_bytes / self._bandwidth(fit, ranks, same_node)
+        return _price_s(fit, "all_reduce", message_bytes, len(ranks), self._bandwidth(fit, ranks, same_node))
 
     def all_reduce_lower_bound_s(self, message_bytes: float, num_ranks: int) -> float:
         """No all-reduce of `message_bytes` among `num_ranks` ranks costs less (network required)."""
@@ -257,11 +268,11 @@ class Links:
         declared = [u for u in self.node_uplinks_bytes_per_s if u is not None]
         # A ring of declared uplinks may be faster than the whole job's fit: bound it by the fastest.
         fastest = max([whole.bus_bandwidth_bytes_per_s, *declared])
-        fits = [dataclasses.replace(whole, bus_bandwidth_bytes_per_s=fastest)]
+        prices = [_price_s(whole, "all_reduce", message_bytes, num_ranks, fastest)]
         node = self.network.scopes.get("within_node")
         if node is not None and num_ranks <= node.group_size:
-            fits.append(node.collectives["all_reduce"])
-        return min(_price_s(fit, "all_reduce", message_bytes, num_ranks) for fit in fits)
+            prices.append(_price_s(node.collectives["all_reduce"], "all_reduce", message_bytes, num_ranks))
+        return min(prices)
 
 
 # ----------------------------------------------------------------------------------
@@ -569,7 +580,7 @@ def _boundary_transfers(
                 ranks=ranks,
                 nodes=None if nodes is None else (nodes[ranks[0]], nodes[ranks[1]]),
                 bandwidth_bytes_per_s=price.bandwidth_bytes_per_s,
-                time_s=m * TRANSFERS_PER_BOUNDARY * (price.latency_s + bytes_ * price.seconds_per_byte),
+                time_s=m * TRANSFERS_PER_BOUNDARY * price.transfer_s(bytes_),
             )
         )
     return found

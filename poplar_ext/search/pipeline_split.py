@@ -94,7 +94,7 @@ def stage_cost_s(
 
     def both_ways_s(price: LinkPrice) -> np.ndarray:
         """``[size, l]``: one micro-batch's transfers over a boundary before layer l."""
-        return TRANSFERS_PER_BOUNDARY * (price.latency_s + b * own.leaving_bytes * price.seconds_per_byte)
+        return TRANSFERS_PER_BOUNDARY * price.transfer_s(b * own.leaving_bytes)
 
     if stage > 0:
         extra = extra + both_ways_s(shape.transfer_prices[stage - 1])[:, :, None]
@@ -192,8 +192,8 @@ class _SplitTerms:
             for boundary, layer in ((s - 1, i - 1), (s, j - 1)):
                 if 0 <= boundary < stages - 1:
                     price = shape.transfer_prices[boundary]
-                    transfer_s = transfer_s + TRANSFERS_PER_BOUNDARY * (
-                        price.latency_s + sizes * float(table.output_bytes[layer]) * price.seconds_per_byte
+                    transfer_s = transfer_s + TRANSFERS_PER_BOUNDARY * price.transfer_s(
+                        sizes * float(table.output_bytes[layer])
                     )
             times[0, s] = compute_s + transfer_s
             times[1, s] = (1.0 + RECOMPUTE_SHARE) * compute_s + transfer_s
