@@ -37,7 +37,6 @@ from poplar_ext.optimizer_offload import OFFLOAD_MODES, offload_deepspeed_optimi
 from poplar_ext.plan.formats import (
     OFFLOAD_STAGES,
     ZERO_STAGES,
-    IncludedCommunication,
     ModelInfo,
     Profile,
     levers_text,
@@ -67,7 +66,7 @@ from poplar_ext.profiler.measure import (
 )
 from poplar_ext.profiler.network import DEFAULT_MESSAGE_BYTES, cached_or_measured_network, message_sizes
 from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, Progress, log_progress
-from poplar_ext.search.cost import stage_communication
+from poplar_ext.search.cost import included_communication
 from poplar_ext.search.model_states import (
     DTYPE_BYTES,
     ModelStates,
@@ -570,7 +569,7 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
     emulation = layout.emulations[t]
     cuda = layout.device.type == "cuda"
     window = compute_window(layout.device.type, run.zero_stage)
-    return Profile(
+    profile = Profile(
         device_type=t,
         memory_capacity_bytes=layout.capacities_bytes[t],
         zero_stage=run.zero_stage,
@@ -583,7 +582,6 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
         emulated=None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=()),
         activation_checkpointing=run.checkpointing,
         optimizer_offload=run.offload,
-        included_communication=_included_communication(session, run) if result.max_micro_batch_size else None,
         measured_with={
             "source": "measured",
             **session.versions,
@@ -611,26 +609,10 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
             "stage_profiling_time_s": round(stage_seconds, 3),
         },
     )
-
-
-def _included_communication(session: _Session, run: _Run) -> IncludedCommunication | None:
-    """What the collectives of `run` cost on the network measured with it: what its times hold, for the cost
-    model to take out even where a job prices another network (profiles reused over another link)."""
-    if session.network is None:
-        return None  # nothing to price it by: the cost model prices it by the job's network
-    held = stage_communication(
-        session.network,
-        zero_stage=run.zero_stage,
-        num_parameters=session.model.num_parameters,
-        dtype=session.model.dtype,
-        world_size=session.layout.world_size,
-        recomputes_forward=run.checkpointing,
-    )
-    return IncludedCommunication(
-        micro_step_exposed_s=held.micro_step_exposed_s,
-        micro_step_overlapped_s=held.micro_step_overlapped_s,
-        boundary_s=held.boundary_s,
-    )
+    if session.network is None or not result.max_micro_batch_size:
+        return profile  # no network to price it by (the cost model prices the job's), or nothing measured
+    # What its times hold over the network measured with it, for a job that prices another network.
+    return dataclasses.replace(profile, included_communication=included_communication(profile, session.network))
 
 
 def time_micro_steps(

@@ -7,13 +7,14 @@ reads a profile", "Communication in the cost model"); why the boundary and the p
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from poplar_ext.plan.formats import MIN_TIME_S, Profile, one_accumulation_count
+from poplar_ext.plan.formats import MIN_TIME_S, IncludedCommunication, Profile, one_accumulation_count
 from poplar_ext.plan.network_format import NetworkProfile
 
 from .curves import fit_curve
@@ -259,18 +260,8 @@ def build_stage_model(
     return assemble_stage_model([d for d, _ in priced], rank_device_types, zero_stage, priced[-1][1])
 
 
-def profiled_communication(profile: Profile, network: NetworkProfile) -> StageCommunication:
-    """The communication `profile`'s times hold: as priced when it was measured where it says
-    (`Profile.included_communication`), else priced by `network` at the profile's world size."""
-    held = profile.included_communication
-    if held is not None:
-        return StageCommunication(
-            zero_stage=profile.zero_stage,
-            world_size=profile.world_size,
-            micro_step_exposed_s=held.micro_step_exposed_s,
-            micro_step_overlapped_s=held.micro_step_overlapped_s,
-            boundary_s=held.boundary_s,
-        )
+def _priced_by(network: NetworkProfile, profile: Profile) -> StageCommunication:
+    """`profile`'s stage's collectives at its own world size, priced by `network`."""
     return stage_communication(
         network,
         zero_stage=profile.zero_stage,
@@ -279,6 +270,25 @@ def profiled_communication(profile: Profile, network: NetworkProfile) -> StageCo
         world_size=profile.world_size,
         recomputes_forward=profile.activation_checkpointing,
     )
+
+
+def included_communication(profile: Profile, network: NetworkProfile) -> IncludedCommunication:
+    """What `profile`'s times hold when it was measured over `network` (the profiler records it)."""
+    held = _priced_by(network, profile)
+    return IncludedCommunication(
+        micro_step_exposed_s=held.micro_step_exposed_s,
+        micro_step_overlapped_s=held.micro_step_overlapped_s,
+        boundary_s=held.boundary_s,
+    )
+
+
+def profiled_communication(profile: Profile, network: NetworkProfile) -> StageCommunication:
+    """The communication `profile`'s times hold: as priced when it was measured where it says
+    (`Profile.included_communication`), else priced by `network` at the profile's world size."""
+    held = profile.included_communication
+    if held is None:
+        return _priced_by(network, profile)
+    return StageCommunication(zero_stage=profile.zero_stage, world_size=profile.world_size, **dataclasses.asdict(held))
 
 
 def device_cost(
