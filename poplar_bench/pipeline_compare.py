@@ -340,6 +340,7 @@ def combined_row(link_runs: list[dict[str, Any]]) -> dict[str, Any]:
             **entries[0],
             "measured_iteration_s": statistics.median(measured),
             "measured_runs_s": measured,
+            "predicted_runs_s": [e["predicted_iteration_s"] for e in entries],
             "other_plans": sorted({e["plan"] for e in entries} - {entries[0]["plan"]}),
         }
     return row
@@ -424,7 +425,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         for kind in ("zero", "pipeline"):
             r = row[kind]
             ratio = r["measured_iteration_s"] / r["predicted_iteration_s"]
-            each = ", ".join(f"{m / r['predicted_iteration_s']:.2f}" for m in r.get("measured_runs_s", []))
+            # Each run against its own plan's prediction (a run may have searched another plan).
+            measured = r.get("measured_runs_s", [])
+            predicted = r.get("predicted_runs_s", [r["predicted_iteration_s"]] * len(measured))
+            each = ", ".join(f"{m / p:.2f}" for m, p in zip(measured, predicted))
             plan = r["plan"] + "".join(f"; another run: {other}" for other in r.get("other_plans", []))
             lines.append(
                 f"| {link} | {kind} | {plan} | {r['measured_iteration_s']:.3f} | {r['predicted_iteration_s']:.3f} "

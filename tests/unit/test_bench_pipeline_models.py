@@ -71,6 +71,15 @@ def test_repetitions_give_each_kind_its_median_every_run_and_any_other_plan():
     assert "| fast (uncapped) | pipeline | P; another run: Q | 2.200 | 2.000 | 1.10 | 1.00, 1.30, 1.10 |" in text
 
 
+def test_each_run_is_compared_with_its_own_plans_prediction():
+    other = _run(1.1, 3.0, "Q")
+    other["pipeline"]["predicted_iteration_s"] = 3.0  # another plan, another prediction
+    row = pipeline_compare.combined_row([_run(1.3, 2.0), other, _run(1.2, 2.2)])
+    report = {"date": "d", "cluster": "c", "model": "m", "link_emulation": "l", "machine": {}, "repetitions": 3}
+    text = pipeline_compare.render_markdown({**report, "rows": [row]})
+    assert "| 1.00, 1.00, 1.10 |" in text
+
+
 def test_fewer_than_one_repetition_is_refused(tmp_path):
     with pytest.raises(ValueError, match="repetitions: expected at least 1, found 0"):
         pipeline_compare.run_pipeline_bench(out_dir=tmp_path, repetitions=0)
