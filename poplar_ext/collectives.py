@@ -10,8 +10,16 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import os
+import sys
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 logger = logging.getLogger(__name__)
 
@@ -24,10 +32,6 @@ def leave_process_group() -> None:
     waits for their pending work, which can hang; torch's ``_abort_process_group`` aborts every
     group without waiting.
     """
-    import sys
-
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         # The interpreter sets sys.last_value for an uncaught exception before the exit handlers run.
         failed = getattr(sys, "last_value", None) is not None
@@ -70,11 +74,6 @@ class ShortCollectiveTimeouts:
 
     def apply(self) -> None:
         """Shorten the timeout of every group this rank is in that does not have it yet."""
-        from datetime import timedelta
-
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-
         if not dist.is_initialized():
             return
         for group in list(c10d._world.pg_map):
@@ -91,8 +90,6 @@ class ShortCollectiveTimeouts:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        from torch.distributed import distributed_c10d as c10d
-
         for group, previous in self._previous.items():
             if group in c10d._world.pg_map:  # not destroyed meanwhile
                 c10d._set_pg_timeout(previous, group)
@@ -101,8 +98,6 @@ class ShortCollectiveTimeouts:
 
 def _group_timeout(group: Any) -> Any:
     """The collective timeout of `group`'s backend (a ``timedelta``), None where it says none."""
-    import torch
-
     for device_type in getattr(group, "_device_types", ()):
         options = getattr(group._get_backend(torch.device(device_type)), "options", None)
         timeout = getattr(options, "_timeout", None)
@@ -146,10 +141,6 @@ def discover_launch_environment(
     Why before the group: the rank's device is chosen from LOCAL_RANK before the group starts
     (`poplar_ext.hardware.devices.join_job`).
     """
-    import os
-
-    import torch.distributed as dist
-
     if dist.is_initialized() or not auto_mpi_discovery or all(v in os.environ for v in _LAUNCH_VARIABLES):
         return
     from deepspeed.comm import comm as ds_comm
@@ -165,9 +156,6 @@ def discover_launch_environment(
 def process_group_options(init_options: dict[str, Any]) -> dict[str, Any]:
     """`init_options` with the job's timeout: the caller's ``timeout``, else DeepSpeed's from
     ``DEEPSPEED_TIMEOUT`` where set, else `PROCESS_GROUP_TIMEOUT_S`."""
-    import os
-    from datetime import timedelta
-
     if "timeout" in init_options or "DEEPSPEED_TIMEOUT" in os.environ:
         return dict(init_options)
     return {**init_options, "timeout": timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)}
@@ -182,8 +170,6 @@ def ensure_process_group(**init_options: Any) -> None:
     DeepSpeed's setup also discovers rank and world size under ``mpirun`` (its MPI
     mode), so read them afterwards (`process_group_rank`), not from the environment.
     """
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         import deepspeed
 
@@ -193,8 +179,6 @@ def ensure_process_group(**init_options: Any) -> None:
 
 def broadcast_from_rank0(obj: Any) -> Any:
     """Rank 0's `obj` on every rank (a picklable object); without a process group, `obj` (one process)."""
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
@@ -231,8 +215,6 @@ def decided_by_rank0(
 
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's `obj` (picklable), in rank order, on every rank."""
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -240,42 +222,33 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def _reduced(values: list, dtype: torch.dtype, op: Any, device: Any) -> list:
+    """`values` reduced element-wise over all ranks with `op` (collective; one process: as given)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=dtype, device=_collective_device(device))
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def _collective_device(device: Any) -> torch.device:
+    """Where the default group reduces: NCCL reduces CUDA tensors only; gloo reduces CPU tensors."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def agree_sum(value: int, device: Any) -> int:
     """The sum of `value` over all ranks (collective); `device` is this rank's ``torch.device``."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    tensor = torch.tensor([value], dtype=torch.int64, device=on)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return int(tensor.item())
+    return int(_reduced([value], torch.int64, dist.ReduceOp.SUM, device)[0])
 
 
 def agree_sums(values: list[float], device: Any) -> list[float]:
     """The element-wise sum of `values` over all ranks, in float64 (collective)."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return list(values)
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    tensor = torch.tensor(values, dtype=torch.float64, device=on)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.tolist()
+    return _reduced(values, torch.float64, dist.ReduceOp.SUM, device)
 
 
 def agree_max(values: list[float], device: Any) -> list[float]:
-    """The element-wise maximum of `values` over all ranks; `device` is this rank's ``torch.device``."""
-    import torch
-    import torch.distributed as dist
-
-    # NCCL reduces CUDA tensors only; gloo reduces CPU tensors.
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    tensor = torch.tensor(values, dtype=torch.float64, device=on)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
+    """The element-wise maximum of `values` over all ranks, in float64 (collective)."""
+    return _reduced(values, torch.float64, dist.ReduceOp.MAX, device)
 
 
 def timed_collective(collective: str, message_bytes: int, device: Any, *, group: Any = None) -> float:
@@ -287,13 +260,8 @@ def timed_collective(collective: str, message_bytes: int, device: Any, *, group:
     multiple of the world size. `group`: a subgroup (this rank must be in it), default
     the whole job.
     """
-    import time
-
-    import torch
-    import torch.distributed as dist
-
     world_size = dist.get_world_size(group)
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    on = _collective_device(device)
     elements = -(-max(1, message_bytes // 4) // world_size) * world_size
     whole = torch.ones(elements, dtype=torch.float32, device=on)
     shard = torch.ones(elements // world_size, dtype=torch.float32, device=on)
@@ -317,15 +285,11 @@ def timed_collective(collective: str, message_bytes: int, device: Any, *, group:
 def new_groups(rank_lists: list[list[int]]) -> list[Any]:
     """A process group for each list of ranks. Collective: every rank creates every group, in the
     same order (torch.distributed's rule), also those it is not in."""
-    import torch.distributed as dist
-
     return [dist.new_group(ranks) for ranks in rank_lists]
 
 
 def destroy_groups(groups: list[Any], rank_lists: list[list[int]], rank: int) -> None:
     """Release the groups of `new_groups` that `rank` belongs to (it holds no others)."""
-    import torch.distributed as dist
-
     for group, ranks in zip(groups, rank_lists):
         if rank in ranks:
             dist.destroy_process_group(group)
@@ -333,37 +297,27 @@ def destroy_groups(groups: list[Any], rank_lists: list[list[int]], rank: int) ->
 
 def sum_in_group(tensor: Any, group: Any = None) -> None:
     """Sum `tensor` in place over the ranks of `group` (default: every rank); this rank must be in it."""
-    import torch.distributed as dist
-
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
 
 def broadcast_in_group(tensor: Any, *, src: int, group: Any) -> None:
     """Overwrite `tensor` in place with global rank `src`'s, over the ranks of `group` (this rank among them)."""
-    import torch.distributed as dist
-
     dist.broadcast(tensor, src=src, group=group)
 
 
 def process_group_backend() -> str:
     """The default process group's backend (``nccl``, ``gloo``)."""
-    import torch.distributed as dist
-
     return str(dist.get_backend())
 
 
 def barrier() -> None:
     """Wait until every rank is here (nothing to wait for without a process group)."""
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
 
 def process_group_rank() -> tuple[int, int]:
     """(rank, world size) as the process group numbers them."""
-    import torch.distributed as dist
-
     return dist.get_rank(), dist.get_world_size()
 
 
