@@ -1,7 +1,5 @@
 """Integrations with training frameworks, each importing its framework (never imported by the core).
 
-* `transformers`: `PoplarTrainer`, the Hugging Face Trainer with a plan's per-rank batches
-  (``pip install 'poplar-ext[hf]'``).
-* `accelerate`: `PoplarAccelerator`, Hugging Face accelerate's Accelerator for hand-written
-  loops (diffusers-style scripts) with a plan's per-rank batches (``pip install 'poplar-ext[accelerate]'``).
+`transformers` (`PoplarTrainer`, ``poplar-ext[hf]``), `trl` (`PoplarSFTTrainer`, `PoplarDPOTrainer`,
+``poplar-ext[trl]``) and `accelerate` (`PoplarAccelerator`, ``poplar-ext[accelerate]``).
 """

@@ -1,10 +1,8 @@
 """TRL's SFTTrainer and DPOTrainer on a plan: `PoplarSFTTrainer`, `PoplarDPOTrainer`.
 
-Each is `PoplarTrainerMixin` on the TRL trainer, with TRL's arguments and loss, weighted
-to the global batch as the trainer declares it; what cannot be exact is refused when the
-trainer is built. Details, the refused settings and how TRL's logged metrics behave:
-docs/trainer.md. Requires ``pip install 'poplar-ext[trl]'``; the only module of
-poplar-ext that imports trl.
+`PoplarTrainerMixin` on each TRL trainer, its loss weighted to the global batch as the trainer declares it;
+what cannot be exact is refused when the trainer is built. The only module that imports trl
+(``pip install 'poplar-ext[trl]'``). See docs/trainer.md (refused settings, TRL's logged metrics).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""A small MLP given as pipeline layers, and a seeded regression data set, written here.
+"""A small MLP given as pipeline layers, and a seeded regression data set (nothing is downloaded).
 
-The pipeline example's and tests' model (nothing is downloaded): `toy_layers` are
-DeepSpeed LayerSpecs for a PipelineModule; `toy_sequential` builds the same layers in one
-process, each seeded by its index as ``seed_layers=True`` seeds it in any stage, so a
-single-process replay starts from the pipelines' weights.
+`toy_layers`: DeepSpeed LayerSpecs for a PipelineModule; `toy_sequential`: the same layers in one process,
+each seeded by its index as ``seed_layers=True`` seeds it in any stage (a replay from the pipelines' weights).
 """
 
 from __future__ import annotations

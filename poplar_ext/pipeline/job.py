@@ -1,9 +1,7 @@
 """A pipeline job settled on every rank before any layer is built: config, process group, cluster, plan.
 
-The same steps as a ZeRO job's (`poplar_ext.zero.initialize.prepare_job`), with the
-pipeline plan in place of the ZeRO plan: the config's refusals first (no process group
-needed), then DeepSpeed's process group and this rank's device, the cluster checked
-against every rank's hardware, and the plan checked by rank 0 and received by all.
+The steps of a ZeRO job (`poplar_ext.zero.initialize.prepare_job`) with a pipeline plan: the config's
+refusals, the process group and device, the cluster checked against the hardware, rank 0's plan for all.
 """
 
 from __future__ import annotations

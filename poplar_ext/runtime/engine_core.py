@@ -1,9 +1,8 @@
 """`EngineCore`: what every engine keeps over DeepSpeed's, whichever engine it is.
 
-The plan and its history, the samples trained and the data position, the compute timer
-(emulation or re-balancing's measurement), the plan switches (`FollowsRebalancing`) and
-the state a checkpoint carries. `poplar_ext.zero.engine.PoplarEngine` and
-`poplar_ext.pipeline.engine.PoplarPipelineEngine` build on it (docs/design.md, "Engines over one core").
+The plan and its history, samples trained and data position, the compute timer, plan switches
+(`FollowsRebalancing`) and checkpoint state; `PoplarEngine` and `PoplarPipelineEngine` build on it
+(docs/design.md, "Engines over one core").
 """
 
 from __future__ import annotations
