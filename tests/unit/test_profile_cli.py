@@ -288,7 +288,8 @@ def test_the_command_line_builds_profile_options_with_their_defaults(files) -> N
     assert quiet.progress is None and quiet.cache_dir == Path("out") and quiet.repeats == 5
 
 
-def test_the_collective_timeout_is_given_in_seconds_and_0_keeps_the_groups_own(files) -> None:
+def test_the_collective_timeout_is_given_in_seconds_and_0_keeps_the_groups_own(files, monkeypatch) -> None:
+    monkeypatch.chdir(files["dir"])  # my_models is imported from where the command runs
     base = ("--model", "my_models:build", "--batch", "my_models:batch")
     assert parse_command(_args(files, *base, "--collective-timeout", "90")).collective_timeout_s == 90.0
     assert parse_command(_args(files, *base, "--collective-timeout", "0")).collective_timeout_s is None
