@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,10 +49,6 @@ def case_settings(case: str, *, cache_dir: Path | None = None, rounds: int = 3) 
     )
 
 
-def progress(message: str) -> None:
-    print(f"[poplar-bench checkpointing] {message}", file=sys.stderr, flush=True)
-
-
 # ----------------------------------------------------------------------------------
 # The ranks (forked by bench.demo.run_ranks)
 # ----------------------------------------------------------------------------------
@@ -63,15 +58,17 @@ def _run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     from poplar_ext.plan.formats import read_json, write_json_atomic
 
     from . import demo_worker
+    from .demo import progress
 
     rank = dist.get_rank()
     cluster_path = work / "cluster.json"
     cluster = demo_worker.agreed_cluster(settings, cluster_path)
-    if rank == 0:
-        progress(
-            f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} without and with "
-            f"activation checkpointing (cache: {settings.profiles_dir()})"
-        )
+    progress(
+        f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} without and with "
+        f"activation checkpointing (cache: {settings.profiles_dir()})",
+        "checkpointing",
+        rank,
+    )
     profiles, _ = demo_worker.profile_devices(settings, cluster_path)
     if rank == 0:
         write_json_atomic(search_plans(settings, profiles, cluster, work), work / "plans.json")
@@ -85,11 +82,12 @@ def _run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
                 runs[name].run_iteration()
             for _ in range(settings.iterations):
                 measured[name].append(runs[name].run_iteration()["iteration_time_s"])
-            if rank == 0:
-                progress(
-                    f"round {round_index + 1}/{settings.rounds} {name}: "
-                    f"{statistics.median(measured[name][-settings.iterations :]):.2f} s per iteration (rank 0)"
-                )
+            progress(
+                f"round {round_index + 1}/{settings.rounds} {name}: "
+                f"{statistics.median(measured[name][-settings.iterations :]):.2f} s per iteration (rank 0)",
+                "checkpointing",
+                rank,
+            )
     dist.barrier()
     return {
         "rank": rank,
@@ -237,11 +235,12 @@ def markdown(report: dict[str, Any]) -> str:
 
 def run_checkpointing(*, out_dir: Path, cache_dir: Path | None = None, rounds: int = 3) -> list[Path]:
     """Both cases; writes ``checkpointing.json`` and ``checkpointing.md`` into `out_dir`."""
+    from .demo import progress
     from .report import write_json_and_markdown
 
     cases = []
     for case in CASES:
-        progress(f"case {case}")
+        progress(f"case {case}", "checkpointing")
         cases.append(run_case(case, cache_dir=cache_dir, rounds=rounds))
     report = {
         "kind": "checkpointing",

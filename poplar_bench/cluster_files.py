@@ -9,6 +9,7 @@ shipped files are exactly what `shipped_clusters()` generates.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup, save_cluster
@@ -66,6 +67,44 @@ def write_shipped_clusters(directory: Path = CLUSTER_DIR) -> list[Path]:
         path = directory / name
         save_cluster(cluster, path)
         paths.append(path)
+    return paths
+
+
+def write_uniform_cpu_job(
+    directory: Path,
+    *,
+    world_size: int,
+    micro_batch_size: int,
+    accumulation_steps: int,
+    zero_stage: int,
+    suffix: str = "",
+) -> tuple[Path, Path]:
+    """``cluster<suffix>.json`` and ``plan<suffix>.json`` in `directory`: a uniform plan on real CPU ranks of one
+    node, for the benches that measure rather than predict (the plan's prediction is a placeholder)."""
+    cluster = {
+        "schema_version": 1,
+        "nodes": [{"name": "localhost", "devices": [{"device_type": "cpu", "count": world_size}]}],
+    }
+    plan = {
+        "schema_version": 1,
+        "policy": "uniform",
+        "zero_stage": zero_stage,
+        "global_batch_size": world_size * micro_batch_size * accumulation_steps,
+        "ranks": [
+            {
+                "rank": r,
+                "device_type": "cpu",
+                "micro_batch_size": micro_batch_size,
+                "gradient_accumulation_steps": accumulation_steps,
+            }
+            for r in range(world_size)
+        ],
+        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+        "profile_fingerprints": {},
+    }
+    paths = directory / f"cluster{suffix}.json", directory / f"plan{suffix}.json"
+    for path, data in zip(paths, (cluster, plan)):
+        path.write_text(json.dumps(data))
     return paths
 
 

@@ -19,8 +19,11 @@ from poplar_ext.plan.formats import POLICIES, cluster_from_dict, read_json
 from .demo_config import DemoSettings
 from .report import (
     REPORT_SCHEMA,
+    curve,
     demo_goals,
     derive_comparisons,
+    emulation_dict,
+    infeasible_entry,
     machine_description,
     repetitions,
     utc_now,
@@ -28,9 +31,10 @@ from .report import (
 )
 
 
-def progress(message: str) -> None:
-    """One progress line on stderr, with the time since the demo started."""
-    print(f"[poplar-bench demo] {message}", file=sys.stderr, flush=True)
+def progress(message: str, bench: str = "demo", rank: int = 0) -> None:
+    """One progress line of `bench` on stderr (rank 0's only)."""
+    if rank == 0:
+        print(f"[poplar-bench {bench}] {message}", file=sys.stderr, flush=True)
 
 
 def _preimport() -> float:
@@ -127,27 +131,15 @@ def measured_iteration_times_s(rank_results: list[dict[str, Any]], policy: str) 
 
 def measured_ideal_samples_per_s(rank_results: list[dict[str, Any]]) -> float:
     """Sum over ranks of each rank's best standalone throughput (micro-steps only)."""
-    total = 0.0
-    for result in rank_results:
-        best = max(
-            point["micro_batch_size"] / statistics.median(point["micro_step_time_s"]) for point in result["standalone"]
-        )
-        total += best
-    return total
+    return sum(
+        max(p["micro_batch_size"] / statistics.median(p["micro_step_time_s"]) for p in result["standalone"])
+        for result in rank_results
+    )
 
 
 def _standalone_curve(result: dict[str, Any]) -> list[dict[str, float]]:
-    curve = []
-    for point in sorted(result["standalone"], key=lambda p: p["micro_batch_size"]):
-        median_s = statistics.median(point["micro_step_time_s"])
-        curve.append(
-            {
-                "micro_batch_size": point["micro_batch_size"],
-                "micro_step_time_s": median_s,
-                "samples_per_s": point["micro_batch_size"] / median_s,
-            }
-        )
-    return curve
+    points = sorted(result["standalone"], key=lambda p: p["micro_batch_size"])
+    return curve((p["micro_batch_size"], statistics.median(p["micro_step_time_s"])) for p in points)
 
 
 def _median_of(values: list[float | None]) -> float | None:
@@ -255,15 +247,7 @@ def assemble_report(
 def _policy_entry(policy: str, info: dict[str, Any], rank_results: list[dict[str, Any]]) -> dict[str, Any]:
     """One policy's row: its plan, predicted against measured (iterations and each rank)."""
     if info["status"] != "ok":
-        return {
-            "policy": policy,
-            "status": info["status"],
-            "message": info["message"],
-            "zero_stage": None,
-            "ranks": [],
-            "predicted": None,
-            "measured": None,
-        }
+        return infeasible_entry(policy, info["status"], info["message"])
     plan = info["plan"]
     iteration = measured_iteration_times_s(rank_results, policy)
     return {
@@ -307,18 +291,15 @@ def _rank_entry(
 
 def _device_types(cluster: Any, profiles: dict[str, Any]) -> dict[str, Any]:
     """Each device type: real or emulated (and how), its profile's largest micro-batch and provenance."""
-    device_types = {}
-    for name in cluster.type_counts():
-        emulation = cluster.emulation_of(name)
-        device_types[name] = {
-            "source": "emulated" if emulation else "real",
-            "emulation": None
-            if emulation is None
-            else {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes},
+    return {
+        name: {
+            "source": "emulated" if cluster.emulation_of(name) else "real",
+            "emulation": emulation_dict(cluster.emulation_of(name)),
             "max_micro_batch_size": profiles.get(name, {}).get("max_micro_batch_size"),
             "profile": profiles.get(name, {}).get("provenance"),
         }
-    return device_types
+        for name in cluster.type_counts()
+    }
 
 
 def _curves(rank_results: list[dict[str, Any]], profiles: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -33,12 +32,14 @@ from poplar_ext.plan.formats import (
     write_json_atomic,
 )
 
+from .demo import progress
 from .demo_config import (
     BASELINE_ROUNDING_BYTES,
     DemoSettings,
     deepspeed_config,
     demo_cluster,
 )
+from .report import profile_curve
 
 PG_TIMEOUT_S = 180.0
 """The demo's process-group timeout: a rank stuck in a collective fails after it."""
@@ -60,11 +61,6 @@ def demo_rank(run: Callable[[Any, Path], dict[str, Any]], settings: Any, work: P
     return run(settings, work)
 
 
-def _say(rank: int, message: str) -> None:
-    if rank == 0:
-        print(f"[poplar-bench demo] {message}", file=sys.stderr, flush=True)
-
-
 def _timed(timings: dict[str, float], key: str, fn: Callable[[], Any]) -> Any:
     start = time.perf_counter()
     value = fn()
@@ -80,19 +76,19 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     cluster = _timed(timings, "cluster_s", lambda: agreed_cluster(settings, cluster_path))
     device_type = cluster.rank_device_types[rank]
 
-    _say(
-        rank,
+    progress(
         f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} (cache: "
         f"{settings.profiles_dir()})",
+        rank=rank,
     )
     profiles, cache_hit = _timed(timings, "profile_s", lambda: profile_devices(settings, cluster_path))
-    _say(rank, f"profiles {'from the cache' if cache_hit else 'measured'} in {timings['profile_s']:.1f} s")
+    progress(f"profiles {'from the cache' if cache_hit else 'measured'} in {timings['profile_s']:.1f} s", rank=rank)
     checks: dict[str, Any] = {}
     if settings.calibration == "always" or (settings.calibration == "cached" and cache_hit):
         profiles, checks = _timed(
             timings, "calibration_s", lambda: calibrate_profiles(settings, cluster_path, cluster, profiles)
         )
-        _say(rank, f"calibration in {timings['calibration_s']:.1f} s: {calibration_text(checks)}")
+        progress(f"calibration in {timings['calibration_s']:.1f} s: {calibration_text(checks)}", rank=rank)
 
     if rank == 0:
         write_json_atomic(make_plans(settings, profiles, cluster, work, checks=checks), work / "plans.json")
@@ -108,14 +104,11 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
             f"initialize_{policy}_s",
             lambda plan_path=plan_path: build_engine(settings, cluster_path, plan_path),
         )
-    _say(
-        rank,
-        "engines ready (first initialize {:.1f} s); training {} for {} rounds x {} iterations".format(
-            timings.get(f"initialize_{policies[0]}_s", 0.0) if policies else 0.0,
-            ", ".join(policies),
-            settings.rounds,
-            settings.iterations,
-        ),
+    first_s = timings.get(f"initialize_{policies[0]}_s", 0.0) if policies else 0.0
+    progress(
+        f"engines ready (first initialize {first_s:.1f} s); training {', '.join(policies)} for {settings.rounds} "
+        f"rounds x {settings.iterations} iterations",
+        rank=rank,
     )
 
     measured: dict[str, dict[str, list[float]]] = {p: {key: [] for key in PolicyRun.MEASURES} for p in policies}
@@ -131,13 +124,13 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
                 for key, value in engines[policy].run_iteration().items():
                     measured[policy][key].append(value)
             this_round = measured[policy]["iteration_time_s"][-settings.iterations :]
-            _say(
-                rank,
+            progress(
                 f"round {round_index + 1}/{settings.rounds} {policy}: {statistics.median(this_round):.2f} s per "
                 "iteration (rank 0)",
+                rank=rank,
             )
 
-    _say(rank, "measuring each rank's standalone throughput (the ideal)")
+    progress("measuring each rank's standalone throughput (the ideal)", rank=rank)
     profile = next(p for p in profiles if p.device_type == device_type)
     standalone = _timed(timings, "standalone_s", lambda: measure_standalone(settings, cluster, rank, profile))
     dist.barrier()
@@ -285,7 +278,7 @@ def profile_devices(settings: DemoSettings, cluster_path: Path) -> tuple[list[Pr
         zero_stages=(settings.zero_stage,),
         cache_dir=cache_dir,
         force=settings.force_profile,
-        progress=_rank0_progress,
+        progress=lambda line: progress(f"profiler: {line}", rank=dist.get_rank()),
         model_name="toy-gpt",
         sequence_length=settings.model.sequence_length,
         micro_batch_size_limit=settings.max_micro_batch_size,
@@ -347,11 +340,6 @@ def calibration_sizes(results: dict[str, Any]) -> dict[str, list[int]]:
 def calibration_text(checks: dict[str, Any]) -> str:
     """One line: each type's measured / profiled and what was done."""
     return "; ".join(f"{t} {c.measured_over_profiled:.2f}x the profile, {c.outcome}" for t, c in sorted(checks.items()))
-
-
-def _rank0_progress(line: str) -> None:
-    if dist.get_rank() == 0:
-        print(f"[poplar-bench demo] profiler: {line}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------
@@ -430,14 +418,7 @@ def make_plans(
     }
     out["profiles"] = {
         p.device_type: {
-            "curve": [
-                {
-                    "micro_batch_size": s.micro_batch_size,
-                    "micro_step_time_s": s.micro_step_time_s,
-                    "samples_per_s": s.micro_batch_size / s.micro_step_time_s,
-                }
-                for s in p.samples
-            ],
+            "curve": profile_curve(p),
             "max_micro_batch_size": p.max_micro_batch_size,
             "optimizer_step_time_s": p.optimizer_step_time_s,
             "provenance": {

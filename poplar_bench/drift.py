@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,17 +35,13 @@ COST_GOAL = 0.01
 # ----------------------------------------------------------------------------------
 # The ranks (forked by bench.demo.run_ranks)
 # ----------------------------------------------------------------------------------
-def _say(rank: int, message: str) -> None:
-    if rank == 0:
-        print(f"[poplar-bench drift] {message}", file=sys.stderr, flush=True)
-
-
 def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
     from poplar_ext.plan.formats import cluster_from_dict, cluster_to_dict, save_cluster
 
     from . import demo_worker
+    from .demo import progress
 
     rank = dist.get_rank()
     trainer = settings.loop == "trainer"
@@ -56,10 +51,11 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
         from poplar_ext.integrations import transformers  # noqa: F401
     plain_path = work / "cluster.json"
     cluster = demo_worker.agreed_cluster(settings, plain_path)
-    _say(
-        rank,
+    progress(
         f"{'PoplarTrainer profiles' if trainer else 'profiling'} {', '.join(cluster.type_counts())} at ZeRO stage "
         f"{settings.zero_stage}{' in its first run' if trainer else ''} (cache: {settings.profiles_dir()})",
+        "drift",
+        rank,
     )
     profiles = [] if trainer else demo_worker.profile_devices(settings, plain_path)[0]
     drifting_path = work / "cluster-drift.json"
@@ -82,14 +78,14 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
     runs = {}
     for run in RUNS:
         policy, scenario = run.split("-")
-        _say(rank, f"{run}: {settings.drift_iterations} iterations")
+        progress(f"{run}: {settings.drift_iterations} iterations", "drift", rank)
         runs[run] = train(
             settings,
             work,
             cluster_path=drifting_path if scenario == "drift" else plain_path,
             adaptive=policy == "adaptive",
         )
-    _say(rank, "measuring each rank's standalone throughput (the ideal)")
+    progress("measuring each rank's standalone throughput (the ideal)", "drift", rank)
     device_type = cluster.rank_device_types[rank]
     if trainer:
         standalone = drift_trainer.measure_standalone(settings, cluster, rank)
@@ -395,7 +391,7 @@ def run_drift(settings: DriftSettings, *, out_dir: Path, name: str = "drift") ->
     import tempfile
 
     from . import demo
-    from .report import figure_available, machine_description
+    from .report import machine_description, write_json_and_markdown
 
     started = time.perf_counter()
     load_at_start = list(os.getloadavg())
@@ -409,18 +405,9 @@ def run_drift(settings: DriftSettings, *, out_dir: Path, name: str = "drift") ->
     summary["total_s"] = time.perf_counter() - started
     summary["load_average_at_start"] = load_at_start
     summary["machine"] = machine_description()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    write_json_atomic(summary, paths[0])
-    paths[1].write_text(render_markdown(summary))
-    if figure_available():
-        render_figure(summary, out_dir / f"{name}.png")
-        paths.append(out_dir / f"{name}.png")
+    paths = write_json_and_markdown(summary, render_markdown(summary), out_dir, name, figure=render_figure)
     for goal in summary["goals"]:
-        print(
-            f"[poplar-bench drift] goal {goal['goal']}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})",
-            file=sys.stderr,
-        )
+        demo.progress(f"goal {goal['goal']}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})", "drift")
     return paths
 
 

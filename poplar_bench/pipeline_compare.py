@@ -388,13 +388,7 @@ def run_pipeline_bench(
         "machine": report_module.machine_description(),
         "rows": rows,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = report_module.write_json_and_markdown(report, render_markdown(report), out_dir, name)
-    if report_module.figure_available():
-        png = out_dir / f"{name}.png"
-        render_figure(report, png)
-        paths.append(png)
-    return paths
+    return report_module.write_json_and_markdown(report, render_markdown(report), out_dir, name, figure=render_figure)
 
 
 def render_markdown(report: dict[str, Any]) -> str:

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from poplar_ext.plan.formats import write_json_atomic
-
 MAX_MEDIAN_ABS_ERROR = 0.05
 """The goal on CPU: median |prediction error| of every case and policy (emulated compute steady: issue 35)."""
 
@@ -261,6 +259,7 @@ def run_prediction_check(
 
     from . import demo
     from .demo_config import DemoSettings, default_devices, devices_from_slowdowns
+    from .report import write_json_and_markdown
 
     reports = []
     for number, case in enumerate(cases, start=1):
@@ -278,11 +277,7 @@ def run_prediction_check(
             **batch,
         )
         paths = demo.run_demo(settings, out_dir=out_dir / "prediction_check", name=case.name)
-        report = read_json(next(p for p in paths if p.suffix == ".json"))
-        reports.append((case, report))
+        reports.append((case, read_json(paths[0])))
         demo.progress(f"case {case.name} done in {time.perf_counter() - started:.0f} s")
     summary = summarize(reports, seed=seed, calibration=calibration)
-    json_path, md_path = out_dir / "prediction_check.json", out_dir / "prediction_check.md"
-    write_json_atomic(summary, json_path)
-    md_path.write_text(render_markdown(summary))
-    return [json_path, md_path]
+    return write_json_and_markdown(summary, render_markdown(summary), out_dir, "prediction_check")

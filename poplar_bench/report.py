@@ -10,19 +10,20 @@ import importlib.metadata
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from poplar_ext.plan.formats import POLICIES, ZERO_STAGES, write_json_atomic
 
 POPLAR_SHARE_GOAL = 0.95
+"""The demo's goal for poplar's measured samples/s against the measured ideal (issue 15)."""
 
 PREDICTION_ERROR_GOAL = 0.05
 """Every policy's predicted iteration time within this fraction of the measured one (issue 35)."""
 
 OVERRUN_GOAL = 0.02
 """Emulated compute past its steady time, at most this share of it on every rank (else not steady)."""
-"""The demo's goal for poplar's measured samples/s against the measured ideal (issue 15)."""
 
 REPORT_SCHEMA = "poplar-bench-report/1"
 _LIBRARIES = ("poplar-ext", "torch", "deepspeed", "numpy", "scipy", "matplotlib")
@@ -138,55 +139,88 @@ def derive_comparisons(scenario: dict[str, Any]) -> dict[str, Any]:
     return scenario
 
 
+def goal_entry(goal: str, value: Any, target: str | None, met: bool) -> dict[str, Any]:
+    """One goal of a report, evaluated (reported, never asserted)."""
+    return {"goal": goal, "value": value, "target": target, "met": met}
+
+
 def demo_goals(scenario: dict[str, Any]) -> list[dict[str, Any]]:
     """The demo's goals, evaluated (reported, never asserted)."""
     entries = {e["policy"]: e for e in scenario["policies"] if e["status"] == "ok"}
-    goals: list[dict[str, Any]] = []
     poplar = entries.get("poplar")
     if poplar is None:
-        return [{"goal": "poplar policy produced a plan", "value": None, "target": None, "met": False}]
+        return [goal_entry("poplar policy produced a plan", None, None, False)]
     share = poplar.get("share_of_ideal")
-    goals.append(
-        {
-            "goal": "poplar share of the measured ideal",
-            "value": share,
-            "target": f">= {POPLAR_SHARE_GOAL}",
-            "met": share is not None and share >= POPLAR_SHARE_GOAL,
-        }
-    )
+    goals = [
+        goal_entry(
+            "poplar share of the measured ideal",
+            share,
+            f">= {POPLAR_SHARE_GOAL}",
+            share is not None and share >= POPLAR_SHARE_GOAL,
+        )
+    ]
     for entry in entries.values():
         error = entry.get("prediction_error")
         goals.append(
-            {
-                "goal": f"{entry['policy']} prediction error",
-                "value": error,
-                "target": f"between -{PREDICTION_ERROR_GOAL:.2f} and +{PREDICTION_ERROR_GOAL:.2f}",
-                "met": error is not None and abs(error) <= PREDICTION_ERROR_GOAL,
-            }
+            goal_entry(
+                f"{entry['policy']} prediction error",
+                error,
+                f"between -{PREDICTION_ERROR_GOAL:.2f} and +{PREDICTION_ERROR_GOAL:.2f}",
+                error is not None and abs(error) <= PREDICTION_ERROR_GOAL,
+            )
         )
     overrun = scenario.get("emulation_overrun_share")
     if overrun is not None:
         goals.append(
-            {
-                "goal": "emulated compute past its steady time (largest share of any rank)",
-                "value": overrun,
-                "target": f"<= {OVERRUN_GOAL}",
-                "met": overrun <= OVERRUN_GOAL,
-            }
+            goal_entry(
+                "emulated compute past its steady time (largest share of any rank)",
+                overrun,
+                f"<= {OVERRUN_GOAL}",
+                overrun <= OVERRUN_GOAL,
+            )
         )
     poplar_rate, _ = _throughput(poplar)
-    for other in (p for p in POLICIES if p != "poplar"):
-        if other in entries:
-            other_rate, _ = _throughput(entries[other])
-            goals.append(
-                {
-                    "goal": f"poplar faster than {other}",
-                    "value": poplar_rate / other_rate if other_rate else None,
-                    "target": "> 1 (ratio of samples/s)",
-                    "met": bool(other_rate) and poplar_rate > other_rate,
-                }
+    for other in (p for p in POLICIES if p != "poplar" and p in entries):
+        other_rate, _ = _throughput(entries[other])
+        goals.append(
+            goal_entry(
+                f"poplar faster than {other}",
+                poplar_rate / other_rate if other_rate else None,
+                "> 1 (ratio of samples/s)",
+                bool(other_rate) and poplar_rate > other_rate,
             )
+        )
     return goals
+
+
+def infeasible_entry(policy: str, status: str, message: str) -> dict[str, Any]:
+    """A report entry for a policy without a plan."""
+    return {
+        "policy": policy,
+        "status": status,
+        "message": message,
+        "zero_stage": None,
+        "ranks": [],
+        "predicted": None,
+        "measured": None,
+    }
+
+
+def emulation_dict(emulation: Any) -> dict[str, Any] | None:
+    """A device type's emulation as a report gives it (None: real)."""
+    if emulation is None:
+        return None
+    return {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes}
+
+
+def curve(points: Any) -> list[dict[str, float]]:
+    """``(micro_batch_size, micro_step_time_s)`` pairs as a report's curve, with samples/s added."""
+    return [{"micro_batch_size": b, "micro_step_time_s": t, "samples_per_s": b / t} for b, t in points]
+
+
+def profile_curve(profile: Any) -> list[dict[str, float]]:
+    """A profile's samples as a report's curve."""
+    return curve((s.micro_batch_size, s.micro_step_time_s) for s in profile.samples)
 
 
 # ----------------------------------------------------------------------------------
@@ -644,15 +678,23 @@ def _legend(ax: Any, fontsize: int) -> None:
 
 
 def write_json_and_markdown(
-    report: dict[str, Any], markdown: str, out_dir: str | os.PathLike[str], name: str
+    report: Any,
+    markdown: str,
+    out_dir: str | os.PathLike[str],
+    name: str,
+    figure: Callable[[Any, Path], None] | None = None,
 ) -> list[Path]:
-    """Write ``name.json`` (the report) and ``name.md`` (`markdown`) into `out_dir`; returns the paths."""
+    """Write ``name.json`` (the report), ``name.md`` (`markdown`) and, with `figure` where matplotlib is
+    installed, ``name.png`` (``figure(report, path)``) into `out_dir`; returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
-    write_json_atomic(report, json_path)
-    md_path.write_text(markdown, encoding="utf-8")
-    return [json_path, md_path]
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    write_json_atomic(report, paths[0])
+    paths[1].write_text(markdown, encoding="utf-8")
+    if figure is not None and figure_available():
+        paths.append(out_dir / f"{name}.png")
+        figure(report, paths[-1])
+    return paths
 
 
 FIGURE_NEEDS = "matplotlib (pip install 'poplar-ext[bench]')"
@@ -671,9 +713,4 @@ def figure_available() -> bool:
 def write_report(report: dict[str, Any], out_dir: str | os.PathLike[str], name: str) -> list[Path]:
     """Write ``name.json``, ``name.md`` and, where matplotlib is installed, ``name.png`` into
     `out_dir`; returns the paths written. Check `figure_available` before long work."""
-    paths = write_json_and_markdown(report, render_markdown(report), out_dir, name)
-    if not figure_available():
-        return paths
-    png_path = Path(out_dir) / f"{name}.png"
-    render_figure(report, png_path)
-    return [*paths, png_path]
+    return write_json_and_markdown(report, render_markdown(report), out_dir, name, figure=render_figure)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 _BENCH_DIR = Path(__file__).resolve().parents[1]
@@ -36,6 +37,13 @@ def warn_if_no_figure(command: str) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def print_paths(paths: Iterable[Path] | None) -> int:
+    """Print the files a command wrote, one a line; its exit code, 0."""
+    for path in paths or []:
+        print(path)
+    return 0
 
 
 def add_output_dir(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import add_output_dir, default_output_dir
+from ._options import add_output_dir, default_output_dir, print_paths
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +40,4 @@ def run(args: argparse.Namespace) -> int:
         paths = calibration_cost.run_check_cost(out_dir=out_dir, repeats=args.repeats, cache_dir=args.cache_dir)
     else:
         paths = calibration_cost.run_calibration_check(out_dir=out_dir, rounds=args.rounds, cache_dir=args.cache_dir)
-    for path in paths:
-        print(path)
-    return 0
+    return print_paths(paths)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import add_output_dir, default_output_dir
+from ._options import add_output_dir, default_output_dir, print_paths
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,8 +35,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import checkpointing
 
-    for path in checkpointing.run_checkpointing(
-        out_dir=args.output_dir or default_output_dir(), cache_dir=args.cache_dir, rounds=args.rounds
-    ):
-        print(path)
-    return 0
+    out_dir = args.output_dir or default_output_dir()
+    return print_paths(checkpointing.run_checkpointing(out_dir=out_dir, cache_dir=args.cache_dir, rounds=args.rounds))

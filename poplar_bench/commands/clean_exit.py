@@ -7,7 +7,7 @@ import sys
 
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import add_output_dir, default_output_dir
+from ._options import add_output_dir, default_output_dir, print_paths
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,6 +39,4 @@ def run(args: argparse.Namespace) -> int:
         cases=tuple(args.cases or clean_exit.CASES),
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
-    for path in clean_exit.write_report(report, args.output_dir or default_output_dir()):
-        print(path)
-    return 0
+    return print_paths(clean_exit.write_report(report, args.output_dir or default_output_dir()))

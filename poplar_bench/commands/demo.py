@@ -9,7 +9,7 @@ from pathlib import Path
 from poplar_ext.plan.formats import ZERO_STAGES
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import add_output_dir, default_output_dir, warn_if_no_figure
+from ._options import add_output_dir, default_output_dir, print_paths, warn_if_no_figure
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -140,9 +140,7 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # a rank failed: its traceback is in the message
         print(f"poplar-bench demo: {exc}", file=sys.stderr)
         return 1
-    for path in paths:
-        print(path)
-    return 0
+    return print_paths(paths)
 
 
 def _slowdowns(text: str) -> list[float]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import add_output_dir, default_output_dir, warn_if_no_figure
+from ._options import add_output_dir, default_output_dir, print_paths, warn_if_no_figure
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -88,6 +88,4 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = "drift_trainer" if args.trainer else "drift"
     warn_if_no_figure("drift")
-    for path in drift.run_drift(settings, out_dir=args.output_dir or default_output_dir(), name=name):
-        print(path)
-    return 0
+    return print_paths(drift.run_drift(settings, out_dir=args.output_dir or default_output_dir(), name=name))

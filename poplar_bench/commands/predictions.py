@@ -7,7 +7,7 @@ from pathlib import Path
 
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import add_output_dir, default_output_dir, warn_if_no_figure
+from ._options import add_output_dir, default_output_dir, print_paths, warn_if_no_figure
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,16 +54,13 @@ def run(args: argparse.Namespace) -> int:
     from .. import prediction_check
 
     warn_if_no_figure("demo")
-    fixed = args.fixed
     paths = prediction_check.run_prediction_check(
-        prediction_check.DEFAULT_CASES if fixed else prediction_check.draw_cases(args.seed, args.cases),
+        prediction_check.DEFAULT_CASES if args.fixed else prediction_check.draw_cases(args.seed, args.cases),
         out_dir=args.output_dir or default_output_dir(),
         rounds=args.rounds,
         cache_dir=args.cache_dir,
         force_profile=not args.reuse_profiles,
-        seed=None if fixed else args.seed,
+        seed=None if args.fixed else args.seed,
         calibration=args.calibration,
     )
-    for path in paths:
-        print(path)
-    return 0
+    return print_paths(paths)

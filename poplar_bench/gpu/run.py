@@ -17,7 +17,7 @@ from typing import Any
 
 from poplar_ext.plan.formats import write_json_atomic
 
-from ..report import machine_description, utc_now
+from ..report import machine_description, utc_now, write_json_and_markdown
 from .context import GpuRunSettings, RunLog, StepContext
 
 STEP_LIMITS_S = {"exact": 150.0, "profile": 150.0, "predictions": 150.0, "launcher": 90.0}
@@ -142,7 +142,4 @@ def write_summary(
         "total_s": total_s,
         "steps": results,
     }
-    json_path, md_path = settings.output_dir / "gpu_run.json", settings.output_dir / "gpu_run.md"
-    write_json_atomic(report, json_path)
-    md_path.write_text(render_summary(report))
-    return [json_path, md_path]
+    return write_json_and_markdown(report, render_summary(report), settings.output_dir, "gpu_run")
