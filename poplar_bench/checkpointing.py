@@ -75,24 +75,12 @@ def _run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     dist.barrier()
     plans = read_json(work / "plans.json")
     runs = {name: demo_worker.build_engine(settings, cluster_path, work / f"plan-{name}.json") for name in PLANS}
-    measured: dict[str, list[float]] = {name: [] for name in PLANS}
-    for round_index in range(settings.rounds):
-        for name in PLANS:
-            for _ in range(settings.warmup_iterations):
-                runs[name].run_iteration()
-            for _ in range(settings.iterations):
-                measured[name].append(runs[name].run_iteration()["iteration_time_s"])
-            progress(
-                f"round {round_index + 1}/{settings.rounds} {name}: "
-                f"{statistics.median(measured[name][-settings.iterations :]):.2f} s per iteration (rank 0)",
-                "checkpointing",
-                rank,
-            )
+    measured = demo_worker.train_rounds(settings, runs, rank, "checkpointing")
     dist.barrier()
     return {
         "rank": rank,
         "device_type": cluster.rank_device_types[rank],
-        "iteration_time_s": measured,
+        "iteration_time_s": {name: m["iteration_time_s"] for name, m in measured.items()},
         "plans_seen": sorted(plans),
     }
 
@@ -101,7 +89,8 @@ def search_plans(settings: DemoSettings, profiles: list[Any], cluster: Any, work
     """Rank 0: both plans, written to ``plan-<name>.json``, and what the report needs of them."""
     from poplar_ext.plan.formats import plan_to_dict, save_plan
     from poplar_ext.plan.network_format import find_network
-    from poplar_ext.search import search_plan
+
+    from .demo_worker import search_policies
 
     network = find_network(settings.profiles_dir(), cluster)
     out: dict[str, Any] = {
@@ -121,14 +110,7 @@ def search_plans(settings: DemoSettings, profiles: list[Any], cluster: Any, work
         "poplar-no-checkpointing": [p for p in profiles if not p.activation_checkpointing],
     }
     for name, chosen_from in candidates.items():
-        result = search_plan(
-            chosen_from,
-            cluster,
-            global_batch_size=settings.global_batch_size,
-            zero_stage=settings.zero_stage,
-            policy="poplar",
-            network=network,
-        )
+        result = search_policies(settings, chosen_from, cluster, network, policies=("poplar",))["poplar"]
         if not result.ok:
             raise RuntimeError(f"no {name} plan: {result.message}")
         save_plan(result.plan, work / f"plan-{name}.json")

@@ -46,28 +46,13 @@ def pair_cluster(first: str, second: str, *, world_size: int, gpus_per_node: int
     return Cluster(nodes=tuple(nodes))
 
 
-def cluster_file_name(first: str, second: str, world_size: int) -> str:
-    """File name of a shipped pair cluster, e.g. ``a100-80gb+a100-40gb-x64.json``."""
-    return f"{first.lower()}+{second.lower()}-x{world_size}.json"
-
-
 def shipped_clusters() -> dict[str, Cluster]:
-    """File name -> cluster, for every shipped pair and size, in a stable order."""
+    """File name (e.g. ``a100-80gb+a100-40gb-x64.json``) -> cluster, for every shipped pair and size, in order."""
     return {
-        cluster_file_name(first, second, size): pair_cluster(first, second, world_size=size)
+        f"{first.lower()}+{second.lower()}-x{size}.json": pair_cluster(first, second, world_size=size)
         for first, second in PAIRS
         for size in WORLD_SIZES
     }
-
-
-def write_shipped_clusters(directory: Path = CLUSTER_DIR) -> list[Path]:
-    """(Re)write every shipped cluster file into `directory`; returns the paths written."""
-    paths = []
-    for name, cluster in shipped_clusters().items():
-        path = directory / name
-        save_cluster(cluster, path)
-        paths.append(path)
-    return paths
 
 
 def write_uniform_cpu_job(
@@ -109,5 +94,6 @@ def write_uniform_cpu_job(
 
 
 if __name__ == "__main__":
-    for written in write_shipped_clusters():
-        print(written)
+    for name, cluster in shipped_clusters().items():
+        save_cluster(cluster, CLUSTER_DIR / name)
+        print(CLUSTER_DIR / name)

@@ -6,6 +6,7 @@ docs/bench.md (the demo, how it runs).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -239,7 +240,7 @@ def assemble_report(
             **timings,
             **{f"rank{r['rank']}_{k}": v for r in rank_results for k, v in r["timings_s"].items()},
         },
-        "settings": _settings_dict(settings),
+        "settings": {**dataclasses.asdict(settings), "cache_dir": str(settings.cache_root())},
         "scenarios": [scenario],
     }
 
@@ -322,13 +323,16 @@ def _curves(rank_results: list[dict[str, Any]], profiles: dict[str, Any]) -> dic
 
 def _notes(settings: DemoSettings) -> list[str]:
     """How the demo measures, for the report's readers."""
+    stage_note = (
+        "" if settings.zero_stage < 2 else " (busy time holds each micro-step communication and the waits in it)"
+    )
     return [
         "Devices are emulated (poplar_ext.hardware.emulation): each rank is a CPU process (1 thread) whose compute "
         "is steady: a micro-step lasts the time its type's profile gives that micro-batch, the optimizer step the "
         "median of its first 3 (the rank computes, then sleeps what is left); where the real work ran longer, the "
         "overrun is reported per rank. A type's memory capacity is a declared limit above the ranks' measured "
         "baseline.",
-        f"ZeRO stage {settings.zero_stage}{_stage_note(settings.zero_stage)}; {settings.rounds} rounds, policies "
+        f"ZeRO stage {settings.zero_stage}{stage_note}; {settings.rounds} rounds, policies "
         f"interleaved per round; in each round each policy ran {settings.warmup_iterations} unmeasured warm-up + "
         f"{settings.iterations} measured iterations (warm-up after every switch of engine); figures are medians, "
         "every repetition is in the JSON.",
@@ -346,15 +350,3 @@ def _notes(settings: DemoSettings) -> list[str]:
         "and the runtime's overhead.",
         "Other processes on this machine were not controlled; its load shows in the repetitions.",
     ]
-
-
-def _stage_note(zero_stage: int) -> str:
-    return "" if zero_stage < 2 else " (busy time holds each micro-step communication and the waits in it)"
-
-
-def _settings_dict(settings: DemoSettings) -> dict[str, Any]:
-    import dataclasses
-
-    data = dataclasses.asdict(settings)
-    data["cache_dir"] = str(settings.cache_root())
-    return data

@@ -88,7 +88,10 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
         profiles, checks = _timed(
             timings, "calibration_s", lambda: calibrate_profiles(settings, cluster_path, cluster, profiles)
         )
-        progress(f"calibration in {timings['calibration_s']:.1f} s: {calibration_text(checks)}", rank=rank)
+        found = "; ".join(
+            f"{t} {c.measured_over_profiled:.2f}x the profile, {c.outcome}" for t, c in sorted(checks.items())
+        )
+        progress(f"calibration in {timings['calibration_s']:.1f} s: {found}", rank=rank)
 
     if rank == 0:
         write_json_atomic(make_plans(settings, profiles, cluster, work, checks=checks), work / "plans.json")
@@ -111,25 +114,7 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
         rank=rank,
     )
 
-    measured: dict[str, dict[str, list[float]]] = {p: {key: [] for key in PolicyRun.MEASURES} for p in policies}
-    for round_index in range(settings.rounds):
-        for policy in policies:
-            # The policies share this process, and in one instrumented run the first
-            # micro-steps after a switch took up to twice the CPU time of later ones (a
-            # single-process check did not reproduce it). A job trains one engine
-            # throughout, as the profiles were measured: warm up after every switch.
-            for _ in range(settings.warmup_iterations):
-                engines[policy].run_iteration()
-            for _ in range(settings.iterations):
-                for key, value in engines[policy].run_iteration().items():
-                    measured[policy][key].append(value)
-            this_round = measured[policy]["iteration_time_s"][-settings.iterations :]
-            progress(
-                f"round {round_index + 1}/{settings.rounds} {policy}: {statistics.median(this_round):.2f} s per "
-                "iteration (rank 0)",
-                rank=rank,
-            )
-
+    measured = train_rounds(settings, engines, rank)
     progress("measuring each rank's standalone throughput (the ideal)", rank=rank)
     profile = next(p for p in profiles if p.device_type == device_type)
     standalone = _timed(timings, "standalone_s", lambda: measure_standalone(settings, cluster, rank, profile))
@@ -337,15 +322,12 @@ def calibration_sizes(results: dict[str, Any]) -> dict[str, list[int]]:
     return plan_sizes([plans["poplar"]] if "poplar" in plans else list(plans.values()))
 
 
-def calibration_text(checks: dict[str, Any]) -> str:
-    """One line: each type's measured / profiled and what was done."""
-    return "; ".join(f"{t} {c.measured_over_profiled:.2f}x the profile, {c.outcome}" for t, c in sorted(checks.items()))
-
-
 # ----------------------------------------------------------------------------------
 # Phase 2: plans (rank 0)
 # ----------------------------------------------------------------------------------
-def search_policies(settings: DemoSettings, profiles: list[Profile], cluster: Cluster, network: Any) -> dict[str, Any]:
+def search_policies(
+    settings: DemoSettings, profiles: list[Profile], cluster: Cluster, network: Any, policies: Any = POLICIES
+) -> dict[str, Any]:
     """Policy -> the search's result for the demo's batch and stage."""
     from poplar_ext.search import search_plan
 
@@ -358,7 +340,7 @@ def search_policies(settings: DemoSettings, profiles: list[Profile], cluster: Cl
             policy=policy,
             network=network,
         )
-        for policy in POLICIES
+        for policy in policies
     }
 
 
@@ -496,6 +478,32 @@ class PolicyRun:
         }
 
 
+def train_rounds(
+    settings: DemoSettings, runs: dict[str, PolicyRun], rank: int, bench: str = "demo"
+) -> dict[str, dict[str, list[float]]]:
+    """Every run in turn, `settings.rounds` times: each run's `PolicyRun.MEASURES` of every measured iteration."""
+    measured: dict[str, dict[str, list[float]]] = {name: {key: [] for key in PolicyRun.MEASURES} for name in runs}
+    for round_index in range(settings.rounds):
+        for name, run in runs.items():
+            # The runs share this process, and in one instrumented run the first
+            # micro-steps after a switch took up to twice the CPU time of later ones (a
+            # single-process check did not reproduce it). A job trains one engine
+            # throughout, as the profiles were measured: warm up after every switch.
+            for _ in range(settings.warmup_iterations):
+                run.run_iteration()
+            for _ in range(settings.iterations):
+                for key, value in run.run_iteration().items():
+                    measured[name][key].append(value)
+            this_round = measured[name]["iteration_time_s"][-settings.iterations :]
+            progress(
+                f"round {round_index + 1}/{settings.rounds} {name}: {statistics.median(this_round):.2f} s per "
+                "iteration (rank 0)",
+                bench,
+                rank,
+            )
+    return measured
+
+
 def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) -> PolicyRun:
     """`poplar_ext.initialize` with this policy's plan, as a user's script would call it."""
     import poplar_ext
@@ -524,12 +532,6 @@ def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) ->
 # ----------------------------------------------------------------------------------
 # Phase 4: standalone throughput (the measured ideal)
 # ----------------------------------------------------------------------------------
-def standalone_sizes(profile: Profile) -> list[int]:
-    """The profiled size of best throughput and the largest: the best measured one is the ideal."""
-    best = max(profile.samples, key=lambda s: s.micro_batch_size / s.micro_step_time_s).micro_batch_size
-    return sorted({best, profile.max_micro_batch_size})
-
-
 def measure_standalone(
     settings: DemoSettings,
     cluster: Cluster,
@@ -560,7 +562,9 @@ def measure_standalone(
     )
     model = (model if model is not None else _make_model(settings)).to(device)
     make_batch = make_batch or (lambda size: _batch(settings, size))
-    sizes = standalone_sizes(profile)
+    # The profiled size of best throughput and the largest: the best measured one is the ideal.
+    best = max(profile.samples, key=lambda s: s.micro_batch_size / s.micro_step_time_s).micro_batch_size
+    sizes = sorted({best, profile.max_micro_batch_size})
     batches = {size: move_to_device(make_batch(size), device) for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}
     # One size at a time, as the profiler and training run them: the first steps

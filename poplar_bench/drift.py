@@ -38,7 +38,8 @@ COST_GOAL = 0.01
 def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from poplar_ext.plan.formats import cluster_from_dict, cluster_to_dict, save_cluster
+    from poplar_ext.plan.formats import cluster_from_dict, cluster_to_dict, save_cluster, save_plan
+    from poplar_ext.plan.network_format import find_network
 
     from . import demo_worker
     from .demo import progress
@@ -66,15 +67,16 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
         emulation["slowdown_schedule"] = settings.schedule(emulation["slowdown"])
         save_cluster(cluster_from_dict(data), drifting_path)
         if not trainer:
-            _write_plan(settings, profiles, cluster, work / "plan.json")
+            network = find_network(settings.profiles_dir(), cluster)
+            result = demo_worker.search_policies(settings, profiles, cluster, network, policies=("poplar",))["poplar"]
+            if result.status != "ok":
+                raise RuntimeError(f"no poplar plan for the drift bench: {result.message}")
+            save_plan(result.plan, work / "plan.json")
     dist.barrier()
 
-    if trainer:
-        from . import drift_trainer
+    from . import drift_trainer
 
-        train = drift_trainer.train
-    else:
-        train = _train
+    train = drift_trainer.train if trainer else _train
     runs = {}
     for run in RUNS:
         policy, scenario = run.split("-")
@@ -100,24 +102,6 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
         "standalone": standalone,
         "slowdown": cluster.emulation_of(device_type).slowdown,
     }
-
-
-def _write_plan(settings: DriftSettings, profiles, cluster, path: Path) -> None:
-    from poplar_ext.plan.formats import save_plan
-    from poplar_ext.plan.network_format import find_network
-    from poplar_ext.search import search_plan
-
-    result = search_plan(
-        profiles,
-        cluster,
-        global_batch_size=settings.global_batch_size,
-        zero_stage=settings.zero_stage,
-        policy="poplar",
-        network=find_network(settings.profiles_dir(), cluster),
-    )
-    if result.status != "ok":
-        raise RuntimeError(f"no poplar plan for the drift bench: {result.message}")
-    save_plan(result.plan, path)
 
 
 def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive: bool) -> dict[str, Any]:
@@ -173,16 +157,12 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
 # ----------------------------------------------------------------------------------
 # The report (pure)
 # ----------------------------------------------------------------------------------
-def _best_samples_per_s(standalone: list[dict[str, Any]]) -> float:
-    """A rank's best standalone throughput, as the demo's measured ideal counts it."""
-    from .demo import measured_ideal_samples_per_s
-
-    return measured_ideal_samples_per_s([{"standalone": standalone}])
-
-
 def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-iteration throughput, the ideal of each moment, re-plans and the goals."""
-    best = [_best_samples_per_s(r["standalone"]) for r in rank_results]
+    from .demo import measured_ideal_samples_per_s
+
+    # Each rank's best standalone throughput, as the demo's measured ideal counts it.
+    best = [measured_ideal_samples_per_s([r]) for r in rank_results]
     runs: dict[str, Any] = {}
     batch = settings.global_batch_size
     warmup = rank_results[0]["runs"][RUNS[0]]["warmup_iterations"]
@@ -191,15 +171,11 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
         # The iteration that ran after `step` optimizer steps is step + 1; its time is the slowest rank's.
         times = [max(values) for values in zip(*(r["runs"][run]["iteration_s"] for r in rank_results))]
         steps_done = [warmup + i for i in range(len(times))]
-        ideal = []
-        for step in steps_done:
-            drifted = scenario == "drift" and settings.drift_at <= step < settings.recover_at
-            ideal.append(
-                sum(
-                    b / (settings.factor if drifted and rank == settings.drift_rank else 1.0)
-                    for rank, b in enumerate(best)
-                )
-            )
+        drifted = [scenario == "drift" and settings.drift_at <= step < settings.recover_at for step in steps_done]
+        ideal = [
+            sum(b / (settings.factor if d and rank == settings.drift_rank else 1.0) for rank, b in enumerate(best))
+            for d in drifted
+        ]
         rate = [batch / t for t in times]
         hook_s = max(r["runs"][run]["rebalance_hook_s"] for r in rank_results)
         runs[run] = {
@@ -222,16 +198,10 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
         ),
         None,
     )
-    window = [
-        s
-        for step, s in zip(adaptive["steps_done"], adaptive["share_of_ideal"])
-        if deadline <= step < settings.recover_at
-    ]
-    static_window = [
-        s
-        for step, s in zip(runs["static-drift"]["steps_done"], runs["static-drift"]["share_of_ideal"])
-        if deadline <= step < settings.recover_at
-    ]
+    window, static_window = (
+        [s for step, s in zip(run["steps_done"], run["share_of_ideal"]) if deadline <= step < settings.recover_at]
+        for run in (adaptive, runs["static-drift"])
+    )
     steady = runs["adaptive-steady"]
     goals = [
         {

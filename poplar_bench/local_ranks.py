@@ -149,7 +149,10 @@ def run_ranks_outcomes(
     if start_method not in ("fork", "spawn"):
         raise ValueError(f"start_method: expected 'fork' or 'spawn', found {start_method!r}")
     if start_method == "fork":
-        _refuse_fork_after_cuda()
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            raise RuntimeError("run_ranks: CUDA is initialised in this process; forked ranks could not use it")
         preimport_for_fork()
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -204,13 +207,6 @@ def run_command_ranks(
     )
     log_paths = {rank: log_dir / f"rank{rank}.log" for rank in range(world_size)}
     return _run(context, log_paths, timeout_s=timeout_s, stop_after_failure_s=None)
-
-
-def _refuse_fork_after_cuda() -> None:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        raise RuntimeError("run_ranks: CUDA is initialised in this process; forked ranks could not use it")
 
 
 def _rank_environments(world_size: int) -> dict[int, dict[str, str]]:

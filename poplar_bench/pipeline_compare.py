@@ -212,12 +212,13 @@ def _poplar_section(settings: dict[str, Any]) -> dict[str, Any]:
     # buffers fault in their pages again (the flatten before the all-reduce took 2.5x longer).
     # Calibration off, as in the demo and the predictions bench: an emulated type's compute is steady at its
     # profile by construction, and checking it at start rescaled the profiles by CPU noise (docs/limits.md).
-    process = {"cpu_threads": 1, "steady_cpu_allocator": True, "calibration": {"action": "off"}}
     return {
         "cluster": settings["cluster"],
         "profiles": settings["profiles"],
         "log_interval_steps": 0,
-        **process,
+        "cpu_threads": 1,
+        "steady_cpu_allocator": True,
+        "calibration": {"action": "off"},
         **model.poplar,
     }
 

@@ -103,18 +103,6 @@ def repetition_errors(entry: dict[str, Any]) -> list[float]:
     ]
 
 
-def case_dict(case: PredictionCase) -> dict[str, Any]:
-    """A case as the report lists it."""
-    demand = case.core_demand
-    return {
-        "name": case.name,
-        "zero_stage": case.zero_stage,
-        "slowdowns": None if case.slowdowns is None else list(case.slowdowns),
-        "global_batch_size": case.global_batch_size,
-        "core_demand": None if demand is None else round(demand, 3),
-    }
-
-
 def summarize(
     cases: list[tuple[PredictionCase, dict[str, Any]]], *, seed: int | None = None, calibration: str = "off"
 ) -> dict[str, Any]:
@@ -149,7 +137,16 @@ def summarize(
     return {
         "kind": "prediction_check",
         "seed": seed,
-        "cases": [case_dict(case) for case, _ in cases],
+        "cases": [
+            {
+                "name": case.name,
+                "zero_stage": case.zero_stage,
+                "slowdowns": None if case.slowdowns is None else list(case.slowdowns),
+                "global_batch_size": case.global_batch_size,
+                "core_demand": None if case.core_demand is None else round(case.core_demand, 3),
+            }
+            for case, _ in cases
+        ],
         "calibration": calibration,
         "load_average": [report.get("machine", {}).get("load_average") for _, report in cases],
         "usable_cpus": next((report.get("machine", {}).get("usable_cpus") for _, report in cases), None),

@@ -282,13 +282,15 @@ def render_markdown(report: dict[str, Any]) -> str:
 def _provenance_lines(report: dict[str, Any]) -> list[str]:
     """The title, where the data comes from, the machine and libraries, the run's time, the notes."""
     machine = report["machine"]
+    load = machine.get("load_average")
+    load_text = " / ".join(f"{x:.1f}" for x in load) + " (1 / 5 / 15 min)" if load else "unknown"
     lines = [
         f"# {report['title']}",
         "",
         f"- data: **{report['data_source']}**",
         f"- made {report['created_utc']} on {machine.get('hostname')} ({machine.get('cpu')}, "
         f"{machine.get('usable_cpus')} usable CPUs, GPUs: {machine.get('gpus') or 'none'}, "
-        f"load average {_load_text(machine.get('load_average'))}; "
+        f"load average {load_text}; "
         f"python {machine.get('python')}, torch {machine['libraries'].get('torch')}, "
         f"deepspeed {machine['libraries'].get('deepspeed')})",
     ]
@@ -340,6 +342,10 @@ def _scenario_summary(scenario: dict[str, Any]) -> str:
             f"{scenario['emulation_overrun_share'] * 100:.1f}% on any rank."
         )
     )
+
+
+def _emulation_text(emulation: dict[str, Any]) -> str:
+    return f"slowdown {emulation['slowdown']:g}, memory {emulation['memory_capacity_bytes'] / 2**20:.0f} MiB"
 
 
 def _policy_table(policies: list[dict[str, Any]]) -> list[str]:
@@ -536,14 +542,6 @@ def render_scaling(series: list[dict[str, Any]]) -> list[str]:
         lines.append("")
         lines.append(f"Stops paying (per-GPU throughput below 0.9 of its smallest cluster's): {stops}.")
     return lines
-
-
-def _load_text(load: list[float] | None) -> str:
-    return "unknown" if not load else " / ".join(f"{x:.1f}" for x in load) + " (1 / 5 / 15 min)"
-
-
-def _emulation_text(emulation: dict[str, Any]) -> str:
-    return f"slowdown {emulation['slowdown']:g}, memory {emulation['memory_capacity_bytes'] / 2**20:.0f} MiB"
 
 
 # ----------------------------------------------------------------------------------
