@@ -1,10 +1,8 @@
 """The shipped cluster descriptions (poplar_bench/clusters/*.json), patterned on Poplar's experiments.
 
-Poplar evaluates pairs of GPU generations; we ship the same pairs (A100-80GB with
-A100-40GB, V100-16GB with T4-16GB, A800-80GB with V100S-32GB), half of the ranks of
-each type, on homogeneous nodes of up to 8 GPUs, at several sizes up to 4096 GPUs.
-`python -m poplar_bench.cluster_files` rewrites the files; a unit test checks that the
-shipped files are exactly what `shipped_clusters()` generates.
+Poplar's pairs of GPU generations, half of the ranks of each type on nodes of up to 8 GPUs, 8 to 4096 GPUs.
+`python -m poplar_bench.cluster_files` rewrites the files; a unit test checks they are what
+`shipped_clusters()` generates.
 """
 
 from __future__ import annotations

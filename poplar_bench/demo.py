@@ -56,15 +56,9 @@ def run_ranks(
     target: Callable[[Any, Path], dict[str, Any]] | None = None,
     pg_timeout_s: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Fork the ranks, wait for all of them (or the timeout), return their results in rank order.
-
-    `target(settings, work_dir)` is each rank's function (`bench.demo_worker.run_rank`
-    unless given); it returns the rank's result. When a rank fails, the others are
-    stopped a few seconds later instead of waiting in a collective for the process-group
-    timeout (`pg_timeout_s`, the demo's unless given); a rank that hangs is killed at
-    `settings.timeout_s`. Either way `poplar_bench.local_ranks.RankFailure` (a
-    RuntimeError) names every failed rank and what it said.
-    """
+    """Fork the ranks, each running ``target(settings, work_dir)`` (`demo_worker.run_rank`), and return their
+    results in rank order. A failed rank stops the others a few seconds later, a hung one is killed at
+    `settings.timeout_s`; either way `local_ranks.RankFailure` (a RuntimeError) names every failed rank."""
     from poplar_bench.local_ranks import run_ranks as run_local_ranks
 
     from .demo_worker import PG_TIMEOUT_S, demo_rank, run_rank

@@ -61,12 +61,7 @@ def _slowdowns(rng: random.Random, ranks: int, cores: int) -> tuple[float, ...]:
 
 
 def draw_cases(seed: int, count: int, *, cores: int | None = None) -> tuple[PredictionCase, ...]:
-    """`count` cases drawn from `seed` alone (the same cases for the same seed and core count).
-
-    Each: a ZeRO stage 0-3, 2-4 ranks, a global batch from `GLOBAL_BATCH_SIZES`, and slowdowns in
-    [`MIN_SLOWDOWN`, `MAX_SLOWDOWN`] whose sum of 1/slowdown (the cores the emulated ranks keep
-    busy) lies in [`MIN_CORE_DEMAND`, `max_core_demand`].
-    """
+    """`count` cases drawn from `seed` alone (the same cases for the same seed and core count)."""
     if count < 1:
         raise ValueError(f"count: expected at least 1 case, found {count}")
     cores = cores or os.cpu_count() or 1
@@ -247,10 +242,8 @@ def run_prediction_check(
 ) -> list[Path]:
     """Run the demo for each case and write prediction_check.{json,md} into `out_dir`.
 
-    By default every case profiles afresh: a profile cached from another day or
-    machine would measure the profile's staleness, not the cost model. `seed`: what the
-    cases were drawn from (for the report); `calibration`: the demo's (``always``: fresh
-    profiles rescaled to micro-steps timed as training runs them).
+    By default every case profiles afresh: a profile cached from another day or machine would measure the
+    profile's staleness, not the cost model. `seed`, what the cases were drawn from, is said in the report.
     """
     from poplar_ext.plan.formats import read_json
 

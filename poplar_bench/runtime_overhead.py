@@ -74,13 +74,11 @@ def _rank_main(directory: str, blocks: int, block_iterations: int, warmup: int) 
     import torch.distributed as dist
 
     import poplar_ext
+    from poplar_ext.collectives import broadcast_from_rank0
     from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
 
     rank = dist.get_rank()
-    configs = _files(Path(directory)) if rank == 0 else None
-    box = [configs]
-    dist.broadcast_object_list(box)
-    configs = box[0]
+    configs = broadcast_from_rank0(_files(Path(directory)) if rank == 0 else None)
     shape = GPTConfig(**MODEL_SHAPE)
     data = SyntheticTokens(num_samples=4096, sequence_length=shape.sequence_length, vocab_size=shape.vocab_size)
     engines = {}

@@ -154,12 +154,10 @@ def run_search_speed(
     lever_repeats: int | None = None,
     lever_seeds: tuple[int, ...] = (0,),
 ) -> dict[str, Any]:
-    """Time every (ranks, types) cell in both batch modes, and every large-batch cell; returns the report as plain data.
+    """Time every (ranks, types) cell in both batch modes, every large-batch and lever cell; the report as plain data.
 
-    `large_repeats` defaults to `repeats`; an `example_dir` without ``cluster.json``
-    (an installed package has none) leaves the shipped example out. `lever_ranks` None leaves the
-    memory-lever cells out; `lever_repeats` defaults to `repeats`; `lever_seeds` are the seeds of their
-    problems (each stage and batch mode timed on each).
+    An `example_dir` without ``cluster.json`` (an installed package has none) leaves the shipped example out;
+    `lever_ranks` None leaves the memory-lever cells out.
     """
     large_repeats = repeats if large_repeats is None else large_repeats
     lever_repeats = repeats if lever_repeats is None else lever_repeats

@@ -1,10 +1,8 @@
 """Compare the allocation policies by prediction on clusters of any size.
 
-Pure (search + numpy/scipy, no torch): each scenario is a cluster description plus
-profiles (measured ones from a directory, or modelled ones from `bench.gpu_model`),
-and for each policy the search's plan and its predicted per-rank busy time,
-iteration time and throughput go into a `bench.report` scenario. Nothing here is a
-measurement; the report says so, and says which profiles were modelled.
+Pure (search + numpy/scipy, no torch): a cluster plus profiles (measured, or modelled by `bench.gpu_model`)
+per scenario, each policy's plan and predictions in a `bench.report` scenario. Nothing here is a
+measurement; the report says so, and which profiles were modelled.
 """
 
 from __future__ import annotations
@@ -207,14 +205,8 @@ below this share of what it gives on the smallest cluster of the series."""
 
 
 def scaling_series(cases: list[SimulationCase]) -> list[dict[str, Any]]:
-    """Poplar at each ZeRO stage alone, as the cluster grows: one series per (device pair, model).
-
-    Cases of one series differ only in size (shipped files ``<pair>-x<N>.json``). Per
-    cluster size and stage: samples/s per GPU, share of the ideal, and the share of the
-    iteration spent in communication (predicted with the case's network), plus, per
-    stage, the size where it stops paying (`STOPS_PAYING_SHARE`) and, per size, the
-    fastest stage.
-    """
+    """Poplar at each ZeRO stage alone, as the cluster grows: one series per (device pair, model), whose cases
+    differ only in size (shipped files ``<pair>-x<N>.json``); where each stage stops paying (`STOPS_PAYING_SHARE`)."""
     groups: dict[tuple[str, str], list[SimulationCase]] = {}
     for case in cases:
         stem = Path(case.cluster_file).stem.rpartition("-x")[0] if case.cluster_file else case.name

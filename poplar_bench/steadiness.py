@@ -1,9 +1,7 @@
 """`poplar-bench demo --repetitions N`: the same demo N times, each profiled afresh, and how far apart they land.
 
-What it decides: whether the CPU instrument (emulated devices, `poplar_ext.hardware.emulation`) is steady
-enough that one demo run says something. Each run profiles from a cold cache, searches, trains and
-measures; the summary holds every run's poplar share of the measured ideal, each policy's prediction
-error and the emulation's overrun, and their spreads (largest - smallest) against the goals.
+Whether the CPU instrument (emulated devices) is steady enough that one demo run says something: every run's
+poplar share of the measured ideal, prediction errors and emulation overrun, their spreads against the goals.
 """
 
 from __future__ import annotations
