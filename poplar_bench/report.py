@@ -361,19 +361,13 @@ def _policy_table(policies: list[dict[str, Any]]) -> list[str]:
             lines.append(f"| {e['policy']} | - | infeasible: {e['message']} | - | - | - | - | - | - | - |")
             continue
         measured = e.get("measured") or {}
+        predicted = e["predicted"]
         lines.append(
-            "| {policy} | {stage} | {alloc} | {mt} | {pt} | {err} | {ms} | {ps} | {sp} | {share} |".format(
-                policy=e["policy"],
-                stage=e["zero_stage"],
-                alloc=summarise_allocation(e["ranks"]),
-                mt=_fmt(measured.get("iteration_time_s", {}).get("median")),
-                pt=_fmt(e["predicted"]["iteration_time_s"]),
-                err=_pct(e.get("prediction_error")),
-                ms=_fmt(measured.get("samples_per_s")),
-                ps=_fmt(e["predicted"]["samples_per_s"]),
-                sp=_fmt(e.get("speedup_over_uniform"), "{:.2f}x"),
-                share=_fmt(e.get("share_of_ideal"), "{:.2f}"),
-            )
+            f"| {e['policy']} | {e['zero_stage']} | {summarise_allocation(e['ranks'])} | "
+            f"{_fmt(measured.get('iteration_time_s', {}).get('median'))} | {_fmt(predicted['iteration_time_s'])} | "
+            f"{_pct(e.get('prediction_error'))} | {_fmt(measured.get('samples_per_s'))} | "
+            f"{_fmt(predicted['samples_per_s'])} | {_fmt(e.get('speedup_over_uniform'), '{:.2f}x')} | "
+            f"{_fmt(e.get('share_of_ideal'), '{:.2f}')} |"
         )
     return lines
 
