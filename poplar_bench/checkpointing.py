@@ -16,6 +16,8 @@ from .demo_config import MIB, DemoDevice, DemoModel, DemoSettings
 
 PLANS = ("poplar", "poplar-no-checkpointing")
 CASES = ("tight", "roomy")
+RANK_KEYS = ("device_type", "micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing")
+"""What the report keeps of each rank of a plan."""
 
 
 def case_settings(case: str, *, cache_dir: Path | None = None, rounds: int = 3) -> DemoSettings:
@@ -155,18 +157,7 @@ def run_case(case: str, *, cache_dir: Path | None = None, rounds: int = 3) -> di
         median_s = statistics.median(times)
         out["plans"][name] = {
             "message": plans[name]["message"],
-            "ranks": [
-                {
-                    k: r[k]
-                    for k in (
-                        "device_type",
-                        "micro_batch_size",
-                        "gradient_accumulation_steps",
-                        "activation_checkpointing",
-                    )
-                }
-                for r in plan["ranks"]
-            ],
+            "ranks": [{k: r[k] for k in RANK_KEYS} for r in plan["ranks"]],
             "predicted_samples_per_s": plan["predicted"]["samples_per_s"],
             "measured_iteration_times_s": times,
             "measured_samples_per_s": settings.global_batch_size / median_s,

@@ -14,6 +14,7 @@ from typing import Any
 
 from poplar_ext.plan.formats import write_json_atomic
 
+from .demo_config import DemoSettings
 from .drift_settings import DriftSettings, plan_history, poplar_section, timed_rebalancing
 
 RUNS = ("static-drift", "adaptive-drift", "static-steady", "adaptive-steady")
@@ -188,6 +189,7 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
             "replans": len(rank_results[0]["runs"][run]["history"]) - 1,
             "rebalance_cost_share": hook_s / sum(times) if times else None,
         }
+    demo_fields = {f.name for f in dataclasses.fields(DemoSettings)}
     adaptive = runs["adaptive-drift"]
     deadline = settings.drift_at + 2 * settings.check_interval_steps
     reached = next(
@@ -226,24 +228,11 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
         "throughput, the drifted rank's divided by its factor",
         "loop": LOOP_TEXT[settings.loop],
         "model": dataclasses.asdict(settings.model),
+        # The drift's own settings, with the demo's stage and batch.
         "settings": {
-            k: (str(v) if isinstance(v, Path) else v)
+            k: v
             for k, v in dataclasses.asdict(settings).items()
-            if k
-            in (
-                "drift_rank",
-                "factor",
-                "drift_at",
-                "recover_at",
-                "drift_iterations",
-                "check_interval_steps",
-                "threshold",
-                "min_gain",
-                "sustained_checks",
-                "global_batch_size",
-                "zero_stage",
-                "loop",
-            )
+            if k not in demo_fields or k in ("zero_stage", "global_batch_size")
         },
         "device_types": [r["device_type"] for r in rank_results],
         "standalone_best_samples_per_s": best,

@@ -90,12 +90,8 @@ def _device_sources(case: SimulationCase) -> dict[str, dict[str, Any]]:
     for device_type in case.cluster.type_counts():
         profile = next((p for p in case.profiles if p.device_type == device_type), None)
         emulation = case.cluster.emulation_of(device_type) or (profile.emulated if profile else None)
-        if profile is not None and profile.source == "modelled":
-            source = "modelled"
-        elif emulation is not None:
-            source = "emulated"
-        else:
-            source = "measured"
+        modelled = profile is not None and profile.source == "modelled"
+        source = "modelled" if modelled else "measured" if emulation is None else "emulated"
         sources[device_type] = {
             "source": source,
             # Who made a modelled profile: bench.gpu_model, or whatever its file says.
