@@ -6,6 +6,7 @@ stay fast.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,14 +236,10 @@ def demo_cluster(settings: DemoSettings, *, baseline_bytes: int) -> Cluster:
     nodes, first = [], 0
     for index in range(settings.nodes):
         count = quotient + (index < remainder)
-        groups: list[DeviceGroup] = []
-        for device in settings.devices[first : first + count]:
-            if groups and groups[-1].device_type == device.name:
-                groups[-1] = DeviceGroup(device_type=device.name, count=groups[-1].count + 1)
-            else:
-                groups.append(DeviceGroup(device_type=device.name, count=1))
+        names = (device.name for device in settings.devices[first : first + count])
+        groups = tuple(DeviceGroup(device_type=name, count=len(list(run))) for name, run in itertools.groupby(names))
         first += count
-        nodes.append(ClusterNode(name="localhost" if settings.nodes == 1 else f"node{index}", devices=tuple(groups)))
+        nodes.append(ClusterNode(name="localhost" if settings.nodes == 1 else f"node{index}", devices=groups))
     return Cluster(
         nodes=tuple(nodes),
         device_types={

@@ -95,11 +95,10 @@ def summarise_allocation(ranks: list[dict[str, Any]]) -> str:
         key = (r["micro_batch_size"], r["gradient_accumulation_steps"])
         by_type = groups.setdefault(r["device_type"], {})
         by_type[key] = by_type.get(key, 0) + r.get("count", 1)
-    parts = []
-    for device_type, combos in groups.items():
-        shown = ", ".join(f"{count}x {mbs}*{gas}" for (mbs, gas), count in combos.items())
-        parts.append(f"{device_type}: {shown}")
-    return "; ".join(parts)
+    return "; ".join(
+        f"{device_type}: " + ", ".join(f"{count}x {mbs}*{gas}" for (mbs, gas), count in combos.items())
+        for device_type, combos in groups.items()
+    )
 
 
 def _throughput(entry: dict[str, Any]) -> tuple[float | None, str]:
@@ -519,15 +518,13 @@ def render_scaling(series: list[dict[str, Any]]) -> list[str]:
             "| --- | --- | --- | --- | --- | --- |",
         ]
         for row in item["rows"]:
-            cells = []
-            for stage in map(str, ZERO_STAGES):
-                cell = row["stages"][stage]
-                cells.append(
-                    "infeasible"
-                    if cell["status"] != "ok"
-                    else f"{cell['samples_per_s_per_gpu']:.3g} / {cell['share_of_ideal']:.2f} "
-                    f"({100 * cell['communication_share']:.0f}%)"
-                )
+            cells = [
+                "infeasible"
+                if cell["status"] != "ok"
+                else f"{cell['samples_per_s_per_gpu']:.3g} / {cell['share_of_ideal']:.2f} "
+                f"({100 * cell['communication_share']:.0f}%)"
+                for cell in (row["stages"][str(stage)] for stage in ZERO_STAGES)
+            ]
             lines.append(f"| {row['world_size']} | {' | '.join(cells)} | {_fmt(row['fastest_stage'], '{}')} |")
         stops = ", ".join(
             f"stage {stage}: {'never (in this range)' if at is None else f'{at} GPUs'}"

@@ -107,11 +107,8 @@ def curves_at_stage(
     profiles: tuple[Profile, ...] | list[Profile], device_types: list[str], zero_stage: int
 ) -> dict[str, list[dict[str, float]]]:
     """Each device type's profiled samples at `zero_stage`, with samples/s added."""
-    curves: dict[str, list[dict[str, float]]] = {}
-    for device_type in device_types:
-        profile = next((p for p in profiles if p.device_type == device_type and p.zero_stage == zero_stage), None)
-        curves[device_type] = [] if profile is None else profile_curve(profile)
-    return curves
+    at_stage = [p for p in profiles if p.zero_stage == zero_stage]
+    return {t: next((profile_curve(p) for p in at_stage if p.device_type == t), []) for t in device_types}
 
 
 def policy_entry(
