@@ -14,9 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from poplar_ext.plan.formats import write_json_atomic
-
-from .report import utc_now
+from .report import utc_now, write_json_and_markdown
 
 RUNS = (("fresh", "off", True), ("cached, unchecked", "off", False), ("cached, checked", "cached", False))
 """(name, the demo's calibration, profile afresh) of each run, in order."""
@@ -98,12 +96,9 @@ def run_calibration_check(*, out_dir: Path, rounds: int = 2, cache_dir: Path | N
             demo.progress(f"calibration bench: {name}")
             settings = dataclasses.replace(base, calibration=calibration, force_profile=fresh)
             paths = demo.run_demo(settings, out_dir=out_dir / "calibration", name=name.replace(", ", "-"))
-            reports.append((name, read_json(next(p for p in paths if p.suffix == ".json"))))
+            reports.append((name, read_json(paths[0])))
     summary = summarize(reports)
-    json_path, md_path = out_dir / "calibration.json", out_dir / "calibration.md"
-    write_json_atomic(summary, json_path)
-    md_path.write_text(render_markdown(summary))
-    return [json_path, md_path]
+    return write_json_and_markdown(summary, render_markdown(summary), out_dir, "calibration")
 
 
 CHECK_REPEATS = 3
@@ -213,8 +208,4 @@ def run_check_cost(
         machine=machine_description(),
         note=note,
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
-    write_json_atomic(summary, json_path)
-    md_path.write_text(render_check_cost(summary))
-    return [json_path, md_path]
+    return write_json_and_markdown(summary, render_check_cost(summary), out_dir, name)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,6 +16,8 @@ from .demo_config import MIB, DemoDevice, DemoModel, DemoSettings
 
 PLANS = ("poplar", "poplar-no-checkpointing")
 CASES = ("tight", "roomy")
+RANK_KEYS = ("device_type", "micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing")
+"""What the report keeps of each rank of a plan."""
 
 
 def case_settings(case: str, *, cache_dir: Path | None = None, rounds: int = 3) -> DemoSettings:
@@ -50,10 +51,6 @@ def case_settings(case: str, *, cache_dir: Path | None = None, rounds: int = 3) 
     )
 
 
-def progress(message: str) -> None:
-    print(f"[poplar-bench checkpointing] {message}", file=sys.stderr, flush=True)
-
-
 # ----------------------------------------------------------------------------------
 # The ranks (forked by bench.demo.run_ranks)
 # ----------------------------------------------------------------------------------
@@ -63,38 +60,29 @@ def _run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     from poplar_ext.plan.formats import read_json, write_json_atomic
 
     from . import demo_worker
+    from .demo import progress
 
     rank = dist.get_rank()
     cluster_path = work / "cluster.json"
     cluster = demo_worker.agreed_cluster(settings, cluster_path)
-    if rank == 0:
-        progress(
-            f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} without and with "
-            f"activation checkpointing (cache: {settings.profiles_dir()})"
-        )
+    progress(
+        f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} without and with "
+        f"activation checkpointing (cache: {settings.profiles_dir()})",
+        "checkpointing",
+        rank,
+    )
     profiles, _ = demo_worker.profile_devices(settings, cluster_path)
     if rank == 0:
         write_json_atomic(search_plans(settings, profiles, cluster, work), work / "plans.json")
     dist.barrier()
     plans = read_json(work / "plans.json")
     runs = {name: demo_worker.build_engine(settings, cluster_path, work / f"plan-{name}.json") for name in PLANS}
-    measured: dict[str, list[float]] = {name: [] for name in PLANS}
-    for round_index in range(settings.rounds):
-        for name in PLANS:
-            for _ in range(settings.warmup_iterations):
-                runs[name].run_iteration()
-            for _ in range(settings.iterations):
-                measured[name].append(runs[name].run_iteration()["iteration_time_s"])
-            if rank == 0:
-                progress(
-                    f"round {round_index + 1}/{settings.rounds} {name}: "
-                    f"{statistics.median(measured[name][-settings.iterations :]):.2f} s per iteration (rank 0)"
-                )
+    measured = demo_worker.train_rounds(settings, runs, rank, "checkpointing")
     dist.barrier()
     return {
         "rank": rank,
         "device_type": cluster.rank_device_types[rank],
-        "iteration_time_s": measured,
+        "iteration_time_s": {name: m["iteration_time_s"] for name, m in measured.items()},
         "plans_seen": sorted(plans),
     }
 
@@ -103,7 +91,8 @@ def search_plans(settings: DemoSettings, profiles: list[Any], cluster: Any, work
     """Rank 0: both plans, written to ``plan-<name>.json``, and what the report needs of them."""
     from poplar_ext.plan.formats import plan_to_dict, save_plan
     from poplar_ext.plan.network_format import find_network
-    from poplar_ext.search import search_plan
+
+    from .demo_worker import search_policies
 
     network = find_network(settings.profiles_dir(), cluster)
     out: dict[str, Any] = {
@@ -123,14 +112,7 @@ def search_plans(settings: DemoSettings, profiles: list[Any], cluster: Any, work
         "poplar-no-checkpointing": [p for p in profiles if not p.activation_checkpointing],
     }
     for name, chosen_from in candidates.items():
-        result = search_plan(
-            chosen_from,
-            cluster,
-            global_batch_size=settings.global_batch_size,
-            zero_stage=settings.zero_stage,
-            policy="poplar",
-            network=network,
-        )
+        result = search_policies(settings, chosen_from, cluster, network, policies=("poplar",))["poplar"]
         if not result.ok:
             raise RuntimeError(f"no {name} plan: {result.message}")
         save_plan(result.plan, work / f"plan-{name}.json")
@@ -175,18 +157,7 @@ def run_case(case: str, *, cache_dir: Path | None = None, rounds: int = 3) -> di
         median_s = statistics.median(times)
         out["plans"][name] = {
             "message": plans[name]["message"],
-            "ranks": [
-                {
-                    k: r[k]
-                    for k in (
-                        "device_type",
-                        "micro_batch_size",
-                        "gradient_accumulation_steps",
-                        "activation_checkpointing",
-                    )
-                }
-                for r in plan["ranks"]
-            ],
+            "ranks": [{k: r[k] for k in RANK_KEYS} for r in plan["ranks"]],
             "predicted_samples_per_s": plan["predicted"]["samples_per_s"],
             "measured_iteration_times_s": times,
             "measured_samples_per_s": settings.global_batch_size / median_s,
@@ -237,11 +208,12 @@ def markdown(report: dict[str, Any]) -> str:
 
 def run_checkpointing(*, out_dir: Path, cache_dir: Path | None = None, rounds: int = 3) -> list[Path]:
     """Both cases; writes ``checkpointing.json`` and ``checkpointing.md`` into `out_dir`."""
+    from .demo import progress
     from .report import write_json_and_markdown
 
     cases = []
     for case in CASES:
-        progress(f"case {case}")
+        progress(f"case {case}", "checkpointing")
         cases.append(run_case(case, cache_dir=cache_dir, rounds=rounds))
     report = {
         "kind": "checkpointing",

@@ -14,9 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-CASES = ("torch", "torch-destroyed", "poplar-no-handler", "poplar-destroy-only", "poplar")
-"""Every case, in the order the report shows them."""
-
 _CASE_ARGS = {
     "torch": ["--kind", "torch"],
     "torch-destroyed": ["--kind", "torch", "--destroy"],
@@ -24,6 +21,8 @@ _CASE_ARGS = {
     "poplar-destroy-only": ["--kind", "poplar", "--handler", "destroy"],
     "poplar": ["--kind", "poplar"],
 }
+CASES = tuple(_CASE_ARGS)
+"""Every case, in the order the report shows them."""
 
 
 def launch_once(case: str, *, world_size: int, work_dir: Path, timeout_s: float) -> list[dict[str, Any]]:

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -26,33 +25,22 @@ def _torch_only(destroy: bool) -> None:
 
 def _poplar_config(work_dir: Path, stage: int, world_size: int) -> dict:
     """A uniform plan on real CPU ranks (the emulation plays no part in how a process exits)."""
-    cluster = {"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "cpu", "count": world_size}]}]}
-    ranks = [
-        {"rank": r, "device_type": "cpu", "micro_batch_size": 2, "gradient_accumulation_steps": 2}
-        for r in range(world_size)
-    ]
-    plan = {
-        "schema_version": 1,
-        "policy": "uniform",
-        "zero_stage": stage,
-        "global_batch_size": 4 * world_size,
-        "ranks": ranks,
-        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
-        "profile_fingerprints": {},
-    }
-    rank = os.environ["RANK"]
-    (work_dir / f"cluster{rank}.json").write_text(json.dumps(cluster))
-    (work_dir / f"plan{rank}.json").write_text(json.dumps(plan))
+    from poplar_bench.cluster_files import write_uniform_cpu_job
+
+    cluster, plan = write_uniform_cpu_job(
+        work_dir,
+        world_size=world_size,
+        micro_batch_size=2,
+        accumulation_steps=2,
+        zero_stage=stage,
+        suffix=os.environ["RANK"],
+    )
     return {
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10_000,
-        "poplar": {
-            "cluster": str(work_dir / f"cluster{rank}.json"),
-            "plan": str(work_dir / f"plan{rank}.json"),
-            "log_interval_steps": 0,
-        },
+        "poplar": {"cluster": str(cluster), "plan": str(plan), "log_interval_steps": 0},
     }
 
 

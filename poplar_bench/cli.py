@@ -1,10 +1,8 @@
 """`poplar-bench`: the benchmark harness's command line.
 
-Each command is a module of `poplar_bench.commands` that registers its own parser and calls
-a pure function of the module doing the work, imported only when that command runs
-(``simulate`` never imports torch).
-
-Exit codes: 0 success, 1 the benchmark failed, 2 bad input (which option or file).
+Each command is a module of `poplar_bench.commands` (registers its parser, imports the module doing the work
+only when it runs: ``simulate`` never imports torch). Exit codes: 0 success, 1 the benchmark failed, 2 bad
+input (which option or file).
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """The shipped cluster descriptions (poplar_bench/clusters/*.json), patterned on Poplar's experiments.
 
-Poplar evaluates pairs of GPU generations; we ship the same pairs (A100-80GB with
-A100-40GB, V100-16GB with T4-16GB, A800-80GB with V100S-32GB), half of the ranks of
-each type, on homogeneous nodes of up to 8 GPUs, at several sizes up to 4096 GPUs.
-`python -m poplar_bench.cluster_files` rewrites the files; a unit test checks that the
-shipped files are exactly what `shipped_clusters()` generates.
+Poplar's pairs of GPU generations, half of the ranks of each type on nodes of up to 8 GPUs, 8 to 4096 GPUs.
+`python -m poplar_bench.cluster_files` rewrites the files; a unit test checks they are what
+`shipped_clusters()` generates.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup, save_cluster
@@ -45,30 +44,54 @@ def pair_cluster(first: str, second: str, *, world_size: int, gpus_per_node: int
     return Cluster(nodes=tuple(nodes))
 
 
-def cluster_file_name(first: str, second: str, world_size: int) -> str:
-    """File name of a shipped pair cluster, e.g. ``a100-80gb+a100-40gb-x64.json``."""
-    return f"{first.lower()}+{second.lower()}-x{world_size}.json"
-
-
 def shipped_clusters() -> dict[str, Cluster]:
-    """File name -> cluster, for every shipped pair and size, in a stable order."""
+    """File name (e.g. ``a100-80gb+a100-40gb-x64.json``) -> cluster, for every shipped pair and size, in order."""
     return {
-        cluster_file_name(first, second, size): pair_cluster(first, second, world_size=size)
+        f"{first.lower()}+{second.lower()}-x{size}.json": pair_cluster(first, second, world_size=size)
         for first, second in PAIRS
         for size in WORLD_SIZES
     }
 
 
-def write_shipped_clusters(directory: Path = CLUSTER_DIR) -> list[Path]:
-    """(Re)write every shipped cluster file into `directory`; returns the paths written."""
-    paths = []
-    for name, cluster in shipped_clusters().items():
-        path = directory / name
-        save_cluster(cluster, path)
-        paths.append(path)
+def write_uniform_cpu_job(
+    directory: Path,
+    *,
+    world_size: int,
+    micro_batch_size: int,
+    accumulation_steps: int,
+    zero_stage: int,
+    suffix: str = "",
+) -> tuple[Path, Path]:
+    """``cluster<suffix>.json`` and ``plan<suffix>.json`` in `directory`: a uniform plan on real CPU ranks of one
+    node, for the benches that measure rather than predict (the plan's prediction is a placeholder)."""
+    cluster = {
+        "schema_version": 1,
+        "nodes": [{"name": "localhost", "devices": [{"device_type": "cpu", "count": world_size}]}],
+    }
+    plan = {
+        "schema_version": 1,
+        "policy": "uniform",
+        "zero_stage": zero_stage,
+        "global_batch_size": world_size * micro_batch_size * accumulation_steps,
+        "ranks": [
+            {
+                "rank": r,
+                "device_type": "cpu",
+                "micro_batch_size": micro_batch_size,
+                "gradient_accumulation_steps": accumulation_steps,
+            }
+            for r in range(world_size)
+        ],
+        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+        "profile_fingerprints": {},
+    }
+    paths = directory / f"cluster{suffix}.json", directory / f"plan{suffix}.json"
+    for path, data in zip(paths, (cluster, plan)):
+        path.write_text(json.dumps(data))
     return paths
 
 
 if __name__ == "__main__":
-    for written in write_shipped_clusters():
-        print(written)
+    for name, cluster in shipped_clusters().items():
+        save_cluster(cluster, CLUSTER_DIR / name)
+        print(CLUSTER_DIR / name)

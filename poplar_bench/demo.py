@@ -6,6 +6,7 @@ docs/bench.md (the demo, how it runs).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -19,8 +20,11 @@ from poplar_ext.plan.formats import POLICIES, cluster_from_dict, read_json
 from .demo_config import DemoSettings
 from .report import (
     REPORT_SCHEMA,
+    curve,
     demo_goals,
     derive_comparisons,
+    emulation_dict,
+    infeasible_entry,
     machine_description,
     repetitions,
     utc_now,
@@ -28,9 +32,10 @@ from .report import (
 )
 
 
-def progress(message: str) -> None:
-    """One progress line on stderr, with the time since the demo started."""
-    print(f"[poplar-bench demo] {message}", file=sys.stderr, flush=True)
+def progress(message: str, bench: str = "demo", rank: int = 0) -> None:
+    """One progress line of `bench` on stderr (rank 0's only)."""
+    if rank == 0:
+        print(f"[poplar-bench {bench}] {message}", file=sys.stderr, flush=True)
 
 
 def _preimport() -> float:
@@ -51,15 +56,9 @@ def run_ranks(
     target: Callable[[Any, Path], dict[str, Any]] | None = None,
     pg_timeout_s: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Fork the ranks, wait for all of them (or the timeout), return their results in rank order.
-
-    `target(settings, work_dir)` is each rank's function (`bench.demo_worker.run_rank`
-    unless given); it returns the rank's result. When a rank fails, the others are
-    stopped a few seconds later instead of waiting in a collective for the process-group
-    timeout (`pg_timeout_s`, the demo's unless given); a rank that hangs is killed at
-    `settings.timeout_s`. Either way `poplar_bench.local_ranks.RankFailure` (a
-    RuntimeError) names every failed rank and what it said.
-    """
+    """Fork the ranks, each running ``target(settings, work_dir)`` (`demo_worker.run_rank`), and return their
+    results in rank order. A failed rank stops the others a few seconds later, a hung one is killed at
+    `settings.timeout_s`; either way `local_ranks.RankFailure` (a RuntimeError) names every failed rank."""
     from poplar_bench.local_ranks import run_ranks as run_local_ranks
 
     from .demo_worker import PG_TIMEOUT_S, demo_rank, run_rank
@@ -127,27 +126,15 @@ def measured_iteration_times_s(rank_results: list[dict[str, Any]], policy: str) 
 
 def measured_ideal_samples_per_s(rank_results: list[dict[str, Any]]) -> float:
     """Sum over ranks of each rank's best standalone throughput (micro-steps only)."""
-    total = 0.0
-    for result in rank_results:
-        best = max(
-            point["micro_batch_size"] / statistics.median(point["micro_step_time_s"]) for point in result["standalone"]
-        )
-        total += best
-    return total
+    return sum(
+        max(p["micro_batch_size"] / statistics.median(p["micro_step_time_s"]) for p in result["standalone"])
+        for result in rank_results
+    )
 
 
 def _standalone_curve(result: dict[str, Any]) -> list[dict[str, float]]:
-    curve = []
-    for point in sorted(result["standalone"], key=lambda p: p["micro_batch_size"]):
-        median_s = statistics.median(point["micro_step_time_s"])
-        curve.append(
-            {
-                "micro_batch_size": point["micro_batch_size"],
-                "micro_step_time_s": median_s,
-                "samples_per_s": point["micro_batch_size"] / median_s,
-            }
-        )
-    return curve
+    points = sorted(result["standalone"], key=lambda p: p["micro_batch_size"])
+    return curve((p["micro_batch_size"], statistics.median(p["micro_step_time_s"])) for p in points)
 
 
 def _median_of(values: list[float | None]) -> float | None:
@@ -247,7 +234,7 @@ def assemble_report(
             **timings,
             **{f"rank{r['rank']}_{k}": v for r in rank_results for k, v in r["timings_s"].items()},
         },
-        "settings": _settings_dict(settings),
+        "settings": {**dataclasses.asdict(settings), "cache_dir": str(settings.cache_root())},
         "scenarios": [scenario],
     }
 
@@ -255,15 +242,7 @@ def assemble_report(
 def _policy_entry(policy: str, info: dict[str, Any], rank_results: list[dict[str, Any]]) -> dict[str, Any]:
     """One policy's row: its plan, predicted against measured (iterations and each rank)."""
     if info["status"] != "ok":
-        return {
-            "policy": policy,
-            "status": info["status"],
-            "message": info["message"],
-            "zero_stage": None,
-            "ranks": [],
-            "predicted": None,
-            "measured": None,
-        }
+        return infeasible_entry(policy, info["status"], info["message"])
     plan = info["plan"]
     iteration = measured_iteration_times_s(rank_results, policy)
     return {
@@ -307,18 +286,15 @@ def _rank_entry(
 
 def _device_types(cluster: Any, profiles: dict[str, Any]) -> dict[str, Any]:
     """Each device type: real or emulated (and how), its profile's largest micro-batch and provenance."""
-    device_types = {}
-    for name in cluster.type_counts():
-        emulation = cluster.emulation_of(name)
-        device_types[name] = {
-            "source": "emulated" if emulation else "real",
-            "emulation": None
-            if emulation is None
-            else {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes},
+    return {
+        name: {
+            "source": "emulated" if cluster.emulation_of(name) else "real",
+            "emulation": emulation_dict(cluster.emulation_of(name)),
             "max_micro_batch_size": profiles.get(name, {}).get("max_micro_batch_size"),
             "profile": profiles.get(name, {}).get("provenance"),
         }
-    return device_types
+        for name in cluster.type_counts()
+    }
 
 
 def _curves(rank_results: list[dict[str, Any]], profiles: dict[str, Any]) -> dict[str, Any]:
@@ -341,13 +317,16 @@ def _curves(rank_results: list[dict[str, Any]], profiles: dict[str, Any]) -> dic
 
 def _notes(settings: DemoSettings) -> list[str]:
     """How the demo measures, for the report's readers."""
+    stage_note = (
+        "" if settings.zero_stage < 2 else " (busy time holds each micro-step communication and the waits in it)"
+    )
     return [
         "Devices are emulated (poplar_ext.hardware.emulation): each rank is a CPU process (1 thread) whose compute "
         "is steady: a micro-step lasts the time its type's profile gives that micro-batch, the optimizer step the "
         "median of its first 3 (the rank computes, then sleeps what is left); where the real work ran longer, the "
         "overrun is reported per rank. A type's memory capacity is a declared limit above the ranks' measured "
         "baseline.",
-        f"ZeRO stage {settings.zero_stage}{_stage_note(settings.zero_stage)}; {settings.rounds} rounds, policies "
+        f"ZeRO stage {settings.zero_stage}{stage_note}; {settings.rounds} rounds, policies "
         f"interleaved per round; in each round each policy ran {settings.warmup_iterations} unmeasured warm-up + "
         f"{settings.iterations} measured iterations (warm-up after every switch of engine); figures are medians, "
         "every repetition is in the JSON.",
@@ -365,15 +344,3 @@ def _notes(settings: DemoSettings) -> list[str]:
         "and the runtime's overhead.",
         "Other processes on this machine were not controlled; its load shows in the repetitions.",
     ]
-
-
-def _stage_note(zero_stage: int) -> str:
-    return "" if zero_stage < 2 else " (busy time holds each micro-step communication and the waits in it)"
-
-
-def _settings_dict(settings: DemoSettings) -> dict[str, Any]:
-    import dataclasses
-
-    data = dataclasses.asdict(settings)
-    data["cache_dir"] = str(settings.cache_root())
-    return data

@@ -6,6 +6,7 @@ stay fast.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,18 +126,15 @@ class DemoSettings:
     """Emulated nodes the ranks are split over, in rank order and evenly (all on this machine)."""
     model: DemoModel = field(default_factory=DemoModel)
     zero_stage: int = 1
-    """ZeRO stage of every policy's run (default 1: it shards optimizer states and, like
-    stage 0, communicates only at the accumulation boundary, so each rank's busy
-    time is measured apart from its waiting; at stages 2 and 3 a rank's busy time
-    holds its per-micro-step communication and the waits in it)."""
+    """ZeRO stage of every policy's run (default 1: it communicates only at the accumulation boundary, so each
+    rank's busy time is measured apart from its waiting)."""
     global_batch_size: int = 192
     """Samples per iteration, the same for every policy."""
     max_micro_batch_size: int = 48
     """Largest micro-batch the profiler tries on any device."""
     profile_repeats: int = 5
-    """Measured micro-steps per size when profiling (median). The search picks the
-    sizes whose profiled times look best, so noise in the profile turns into plans
-    that are slower than predicted; more repeats than the profiler's default of 3."""
+    """Measured micro-steps per size when profiling (median): more than the profiler's 3, as the search picks the
+    sizes whose profiled times look best, so noise turns into plans slower than predicted."""
     iterations: int = 2
     """Measured iterations per policy in each round."""
     warmup_iterations: int = 1
@@ -151,14 +149,10 @@ class DemoSettings:
     force_profile: bool = False
     """Measure again even when cached profiles exist."""
     activation_checkpointing: str = "off"
-    """What the profiler measures (`profile_model`'s ``activation_checkpointing``): the demo
-    compares policies without checkpointing (``off``); ``poplar-bench checkpointing``
-    profiles ``both`` ways."""
+    """What the profiler measures (``activation_checkpointing``): ``off`` here, ``both`` for the checkpointing bench."""
     calibration: str = "off"
-    """Check profiles against micro-steps timed at start, as training runs them
-    (`poplar_ext.profiler.calibration`): ``cached`` (profiles from the cache only, as a job does),
-    ``always`` (fresh ones too), ``off`` (the default: the demo's device types are emulated, and
-    emulated compute is steady at its profile's times by construction, so a check would time noise)."""
+    """Check profiles against micro-steps timed at start (`poplar_ext.profiler.calibration`): ``cached`` (cached
+    profiles only, as a job does), ``always``, ``off`` (default: emulated compute is steady at its profile's times)."""
     calibration_action: str = "rescale"
     """``rescale`` or ``remeasure`` (``poplar.calibration.action``)."""
     calibration_threshold: float = 0.1
@@ -242,14 +236,10 @@ def demo_cluster(settings: DemoSettings, *, baseline_bytes: int) -> Cluster:
     nodes, first = [], 0
     for index in range(settings.nodes):
         count = quotient + (index < remainder)
-        groups: list[DeviceGroup] = []
-        for device in settings.devices[first : first + count]:
-            if groups and groups[-1].device_type == device.name:
-                groups[-1] = DeviceGroup(device_type=device.name, count=groups[-1].count + 1)
-            else:
-                groups.append(DeviceGroup(device_type=device.name, count=1))
+        names = (device.name for device in settings.devices[first : first + count])
+        groups = tuple(DeviceGroup(device_type=name, count=len(list(run))) for name, run in itertools.groupby(names))
         first += count
-        nodes.append(ClusterNode(name="localhost" if settings.nodes == 1 else f"node{index}", devices=tuple(groups)))
+        nodes.append(ClusterNode(name="localhost" if settings.nodes == 1 else f"node{index}", devices=groups))
     return Cluster(
         nodes=tuple(nodes),
         device_types={

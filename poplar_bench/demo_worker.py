@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -33,12 +32,14 @@ from poplar_ext.plan.formats import (
     write_json_atomic,
 )
 
+from .demo import progress
 from .demo_config import (
     BASELINE_ROUNDING_BYTES,
     DemoSettings,
     deepspeed_config,
     demo_cluster,
 )
+from .report import profile_curve
 
 PG_TIMEOUT_S = 180.0
 """The demo's process-group timeout: a rank stuck in a collective fails after it."""
@@ -60,11 +61,6 @@ def demo_rank(run: Callable[[Any, Path], dict[str, Any]], settings: Any, work: P
     return run(settings, work)
 
 
-def _say(rank: int, message: str) -> None:
-    if rank == 0:
-        print(f"[poplar-bench demo] {message}", file=sys.stderr, flush=True)
-
-
 def _timed(timings: dict[str, float], key: str, fn: Callable[[], Any]) -> Any:
     start = time.perf_counter()
     value = fn()
@@ -80,19 +76,22 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     cluster = _timed(timings, "cluster_s", lambda: agreed_cluster(settings, cluster_path))
     device_type = cluster.rank_device_types[rank]
 
-    _say(
-        rank,
+    progress(
         f"profiling {', '.join(cluster.type_counts())} at ZeRO stage {settings.zero_stage} (cache: "
         f"{settings.profiles_dir()})",
+        rank=rank,
     )
     profiles, cache_hit = _timed(timings, "profile_s", lambda: profile_devices(settings, cluster_path))
-    _say(rank, f"profiles {'from the cache' if cache_hit else 'measured'} in {timings['profile_s']:.1f} s")
+    progress(f"profiles {'from the cache' if cache_hit else 'measured'} in {timings['profile_s']:.1f} s", rank=rank)
     checks: dict[str, Any] = {}
     if settings.calibration == "always" or (settings.calibration == "cached" and cache_hit):
         profiles, checks = _timed(
             timings, "calibration_s", lambda: calibrate_profiles(settings, cluster_path, cluster, profiles)
         )
-        _say(rank, f"calibration in {timings['calibration_s']:.1f} s: {calibration_text(checks)}")
+        found = "; ".join(
+            f"{t} {c.measured_over_profiled:.2f}x the profile, {c.outcome}" for t, c in sorted(checks.items())
+        )
+        progress(f"calibration in {timings['calibration_s']:.1f} s: {found}", rank=rank)
 
     if rank == 0:
         write_json_atomic(make_plans(settings, profiles, cluster, work, checks=checks), work / "plans.json")
@@ -108,36 +107,15 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
             f"initialize_{policy}_s",
             lambda plan_path=plan_path: build_engine(settings, cluster_path, plan_path),
         )
-    _say(
-        rank,
-        "engines ready (first initialize {:.1f} s); training {} for {} rounds x {} iterations".format(
-            timings.get(f"initialize_{policies[0]}_s", 0.0) if policies else 0.0,
-            ", ".join(policies),
-            settings.rounds,
-            settings.iterations,
-        ),
+    first_s = timings.get(f"initialize_{policies[0]}_s", 0.0) if policies else 0.0
+    progress(
+        f"engines ready (first initialize {first_s:.1f} s); training {', '.join(policies)} for {settings.rounds} "
+        f"rounds x {settings.iterations} iterations",
+        rank=rank,
     )
 
-    measured: dict[str, dict[str, list[float]]] = {p: {key: [] for key in PolicyRun.MEASURES} for p in policies}
-    for round_index in range(settings.rounds):
-        for policy in policies:
-            # The policies share this process, and in one instrumented run the first
-            # micro-steps after a switch took up to twice the CPU time of later ones (a
-            # single-process check did not reproduce it). A job trains one engine
-            # throughout, as the profiles were measured: warm up after every switch.
-            for _ in range(settings.warmup_iterations):
-                engines[policy].run_iteration()
-            for _ in range(settings.iterations):
-                for key, value in engines[policy].run_iteration().items():
-                    measured[policy][key].append(value)
-            this_round = measured[policy]["iteration_time_s"][-settings.iterations :]
-            _say(
-                rank,
-                f"round {round_index + 1}/{settings.rounds} {policy}: {statistics.median(this_round):.2f} s per "
-                "iteration (rank 0)",
-            )
-
-    _say(rank, "measuring each rank's standalone throughput (the ideal)")
+    measured = train_rounds(settings, engines, rank)
+    progress("measuring each rank's standalone throughput (the ideal)", rank=rank)
     profile = next(p for p in profiles if p.device_type == device_type)
     standalone = _timed(timings, "standalone_s", lambda: measure_standalone(settings, cluster, rank, profile))
     dist.barrier()
@@ -285,7 +263,7 @@ def profile_devices(settings: DemoSettings, cluster_path: Path) -> tuple[list[Pr
         zero_stages=(settings.zero_stage,),
         cache_dir=cache_dir,
         force=settings.force_profile,
-        progress=_rank0_progress,
+        progress=lambda line: progress(f"profiler: {line}", rank=dist.get_rank()),
         model_name="toy-gpt",
         sequence_length=settings.model.sequence_length,
         micro_batch_size_limit=settings.max_micro_batch_size,
@@ -344,20 +322,12 @@ def calibration_sizes(results: dict[str, Any]) -> dict[str, list[int]]:
     return plan_sizes([plans["poplar"]] if "poplar" in plans else list(plans.values()))
 
 
-def calibration_text(checks: dict[str, Any]) -> str:
-    """One line: each type's measured / profiled and what was done."""
-    return "; ".join(f"{t} {c.measured_over_profiled:.2f}x the profile, {c.outcome}" for t, c in sorted(checks.items()))
-
-
-def _rank0_progress(line: str) -> None:
-    if dist.get_rank() == 0:
-        print(f"[poplar-bench demo] profiler: {line}", file=sys.stderr, flush=True)
-
-
 # ----------------------------------------------------------------------------------
 # Phase 2: plans (rank 0)
 # ----------------------------------------------------------------------------------
-def search_policies(settings: DemoSettings, profiles: list[Profile], cluster: Cluster, network: Any) -> dict[str, Any]:
+def search_policies(
+    settings: DemoSettings, profiles: list[Profile], cluster: Cluster, network: Any, policies: Any = POLICIES
+) -> dict[str, Any]:
     """Policy -> the search's result for the demo's batch and stage."""
     from poplar_ext.search import search_plan
 
@@ -370,7 +340,7 @@ def search_policies(settings: DemoSettings, profiles: list[Profile], cluster: Cl
             policy=policy,
             network=network,
         )
-        for policy in POLICIES
+        for policy in policies
     }
 
 
@@ -430,14 +400,7 @@ def make_plans(
     }
     out["profiles"] = {
         p.device_type: {
-            "curve": [
-                {
-                    "micro_batch_size": s.micro_batch_size,
-                    "micro_step_time_s": s.micro_step_time_s,
-                    "samples_per_s": s.micro_batch_size / s.micro_step_time_s,
-                }
-                for s in p.samples
-            ],
+            "curve": profile_curve(p),
             "max_micro_batch_size": p.max_micro_batch_size,
             "optimizer_step_time_s": p.optimizer_step_time_s,
             "provenance": {
@@ -515,6 +478,32 @@ class PolicyRun:
         }
 
 
+def train_rounds(
+    settings: DemoSettings, runs: dict[str, PolicyRun], rank: int, bench: str = "demo"
+) -> dict[str, dict[str, list[float]]]:
+    """Every run in turn, `settings.rounds` times: each run's `PolicyRun.MEASURES` of every measured iteration."""
+    measured: dict[str, dict[str, list[float]]] = {name: {key: [] for key in PolicyRun.MEASURES} for name in runs}
+    for round_index in range(settings.rounds):
+        for name, run in runs.items():
+            # The runs share this process, and in one instrumented run the first
+            # micro-steps after a switch took up to twice the CPU time of later ones (a
+            # single-process check did not reproduce it). A job trains one engine
+            # throughout, as the profiles were measured: warm up after every switch.
+            for _ in range(settings.warmup_iterations):
+                run.run_iteration()
+            for _ in range(settings.iterations):
+                for key, value in run.run_iteration().items():
+                    measured[name][key].append(value)
+            this_round = measured[name]["iteration_time_s"][-settings.iterations :]
+            progress(
+                f"round {round_index + 1}/{settings.rounds} {name}: {statistics.median(this_round):.2f} s per "
+                "iteration (rank 0)",
+                bench,
+                rank,
+            )
+    return measured
+
+
 def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) -> PolicyRun:
     """`poplar_ext.initialize` with this policy's plan, as a user's script would call it."""
     import poplar_ext
@@ -543,12 +532,6 @@ def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) ->
 # ----------------------------------------------------------------------------------
 # Phase 4: standalone throughput (the measured ideal)
 # ----------------------------------------------------------------------------------
-def standalone_sizes(profile: Profile) -> list[int]:
-    """The profiled size of best throughput and the largest: the best measured one is the ideal."""
-    best = max(profile.samples, key=lambda s: s.micro_batch_size / s.micro_step_time_s).micro_batch_size
-    return sorted({best, profile.max_micro_batch_size})
-
-
 def measure_standalone(
     settings: DemoSettings,
     cluster: Cluster,
@@ -579,7 +562,9 @@ def measure_standalone(
     )
     model = (model if model is not None else _make_model(settings)).to(device)
     make_batch = make_batch or (lambda size: _batch(settings, size))
-    sizes = standalone_sizes(profile)
+    # The profiled size of best throughput and the largest: the best measured one is the ideal.
+    best = max(profile.samples, key=lambda s: s.micro_batch_size / s.micro_step_time_s).micro_batch_size
+    sizes = sorted({best, profile.max_micro_batch_size})
     batches = {size: move_to_device(make_batch(size), device) for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}
     # One size at a time, as the profiler and training run them: the first steps

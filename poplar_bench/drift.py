@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from poplar_ext.plan.formats import write_json_atomic
 
+from .demo_config import DemoSettings
 from .drift_settings import DriftSettings, plan_history, poplar_section, timed_rebalancing
 
 RUNS = ("static-drift", "adaptive-drift", "static-steady", "adaptive-steady")
@@ -36,17 +36,14 @@ COST_GOAL = 0.01
 # ----------------------------------------------------------------------------------
 # The ranks (forked by bench.demo.run_ranks)
 # ----------------------------------------------------------------------------------
-def _say(rank: int, message: str) -> None:
-    if rank == 0:
-        print(f"[poplar-bench drift] {message}", file=sys.stderr, flush=True)
-
-
 def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from poplar_ext.plan.formats import cluster_from_dict, cluster_to_dict, save_cluster
+    from poplar_ext.plan.formats import cluster_from_dict, cluster_to_dict, save_cluster, save_plan
+    from poplar_ext.plan.network_format import find_network
 
     from . import demo_worker
+    from .demo import progress
 
     rank = dist.get_rank()
     trainer = settings.loop == "trainer"
@@ -56,10 +53,11 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
         from poplar_ext.integrations import transformers  # noqa: F401
     plain_path = work / "cluster.json"
     cluster = demo_worker.agreed_cluster(settings, plain_path)
-    _say(
-        rank,
+    progress(
         f"{'PoplarTrainer profiles' if trainer else 'profiling'} {', '.join(cluster.type_counts())} at ZeRO stage "
         f"{settings.zero_stage}{' in its first run' if trainer else ''} (cache: {settings.profiles_dir()})",
+        "drift",
+        rank,
     )
     profiles = [] if trainer else demo_worker.profile_devices(settings, plain_path)[0]
     drifting_path = work / "cluster-drift.json"
@@ -70,26 +68,27 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
         emulation["slowdown_schedule"] = settings.schedule(emulation["slowdown"])
         save_cluster(cluster_from_dict(data), drifting_path)
         if not trainer:
-            _write_plan(settings, profiles, cluster, work / "plan.json")
+            network = find_network(settings.profiles_dir(), cluster)
+            result = demo_worker.search_policies(settings, profiles, cluster, network, policies=("poplar",))["poplar"]
+            if result.status != "ok":
+                raise RuntimeError(f"no poplar plan for the drift bench: {result.message}")
+            save_plan(result.plan, work / "plan.json")
     dist.barrier()
 
-    if trainer:
-        from . import drift_trainer
+    from . import drift_trainer
 
-        train = drift_trainer.train
-    else:
-        train = _train
+    train = drift_trainer.train if trainer else _train
     runs = {}
     for run in RUNS:
         policy, scenario = run.split("-")
-        _say(rank, f"{run}: {settings.drift_iterations} iterations")
+        progress(f"{run}: {settings.drift_iterations} iterations", "drift", rank)
         runs[run] = train(
             settings,
             work,
             cluster_path=drifting_path if scenario == "drift" else plain_path,
             adaptive=policy == "adaptive",
         )
-    _say(rank, "measuring each rank's standalone throughput (the ideal)")
+    progress("measuring each rank's standalone throughput (the ideal)", "drift", rank)
     device_type = cluster.rank_device_types[rank]
     if trainer:
         standalone = drift_trainer.measure_standalone(settings, cluster, rank)
@@ -104,24 +103,6 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
         "standalone": standalone,
         "slowdown": cluster.emulation_of(device_type).slowdown,
     }
-
-
-def _write_plan(settings: DriftSettings, profiles, cluster, path: Path) -> None:
-    from poplar_ext.plan.formats import save_plan
-    from poplar_ext.plan.network_format import find_network
-    from poplar_ext.search import search_plan
-
-    result = search_plan(
-        profiles,
-        cluster,
-        global_batch_size=settings.global_batch_size,
-        zero_stage=settings.zero_stage,
-        policy="poplar",
-        network=find_network(settings.profiles_dir(), cluster),
-    )
-    if result.status != "ok":
-        raise RuntimeError(f"no poplar plan for the drift bench: {result.message}")
-    save_plan(result.plan, path)
 
 
 def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive: bool) -> dict[str, Any]:
@@ -177,16 +158,12 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
 # ----------------------------------------------------------------------------------
 # The report (pure)
 # ----------------------------------------------------------------------------------
-def _best_samples_per_s(standalone: list[dict[str, Any]]) -> float:
-    """A rank's best standalone throughput, as the demo's measured ideal counts it."""
-    from .demo import measured_ideal_samples_per_s
-
-    return measured_ideal_samples_per_s([{"standalone": standalone}])
-
-
 def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-iteration throughput, the ideal of each moment, re-plans and the goals."""
-    best = [_best_samples_per_s(r["standalone"]) for r in rank_results]
+    from .demo import measured_ideal_samples_per_s
+
+    # Each rank's best standalone throughput, as the demo's measured ideal counts it.
+    best = [measured_ideal_samples_per_s([r]) for r in rank_results]
     runs: dict[str, Any] = {}
     batch = settings.global_batch_size
     warmup = rank_results[0]["runs"][RUNS[0]]["warmup_iterations"]
@@ -195,15 +172,11 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
         # The iteration that ran after `step` optimizer steps is step + 1; its time is the slowest rank's.
         times = [max(values) for values in zip(*(r["runs"][run]["iteration_s"] for r in rank_results))]
         steps_done = [warmup + i for i in range(len(times))]
-        ideal = []
-        for step in steps_done:
-            drifted = scenario == "drift" and settings.drift_at <= step < settings.recover_at
-            ideal.append(
-                sum(
-                    b / (settings.factor if drifted and rank == settings.drift_rank else 1.0)
-                    for rank, b in enumerate(best)
-                )
-            )
+        drifted = [scenario == "drift" and settings.drift_at <= step < settings.recover_at for step in steps_done]
+        ideal = [
+            sum(b / (settings.factor if d and rank == settings.drift_rank else 1.0) for rank, b in enumerate(best))
+            for d in drifted
+        ]
         rate = [batch / t for t in times]
         hook_s = max(r["runs"][run]["rebalance_hook_s"] for r in rank_results)
         runs[run] = {
@@ -216,6 +189,7 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
             "replans": len(rank_results[0]["runs"][run]["history"]) - 1,
             "rebalance_cost_share": hook_s / sum(times) if times else None,
         }
+    demo_fields = {f.name for f in dataclasses.fields(DemoSettings)}
     adaptive = runs["adaptive-drift"]
     deadline = settings.drift_at + 2 * settings.check_interval_steps
     reached = next(
@@ -226,16 +200,10 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
         ),
         None,
     )
-    window = [
-        s
-        for step, s in zip(adaptive["steps_done"], adaptive["share_of_ideal"])
-        if deadline <= step < settings.recover_at
-    ]
-    static_window = [
-        s
-        for step, s in zip(runs["static-drift"]["steps_done"], runs["static-drift"]["share_of_ideal"])
-        if deadline <= step < settings.recover_at
-    ]
+    window, static_window = (
+        [s for step, s in zip(run["steps_done"], run["share_of_ideal"]) if deadline <= step < settings.recover_at]
+        for run in (adaptive, runs["static-drift"])
+    )
     steady = runs["adaptive-steady"]
     goals = [
         {
@@ -260,24 +228,11 @@ def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> di
         "throughput, the drifted rank's divided by its factor",
         "loop": LOOP_TEXT[settings.loop],
         "model": dataclasses.asdict(settings.model),
+        # The drift's own settings, with the demo's stage and batch.
         "settings": {
-            k: (str(v) if isinstance(v, Path) else v)
+            k: v
             for k, v in dataclasses.asdict(settings).items()
-            if k
-            in (
-                "drift_rank",
-                "factor",
-                "drift_at",
-                "recover_at",
-                "drift_iterations",
-                "check_interval_steps",
-                "threshold",
-                "min_gain",
-                "sustained_checks",
-                "global_batch_size",
-                "zero_stage",
-                "loop",
-            )
+            if k not in demo_fields or k in ("zero_stage", "global_batch_size")
         },
         "device_types": [r["device_type"] for r in rank_results],
         "standalone_best_samples_per_s": best,
@@ -395,7 +350,7 @@ def run_drift(settings: DriftSettings, *, out_dir: Path, name: str = "drift") ->
     import tempfile
 
     from . import demo
-    from .report import figure_available, machine_description
+    from .report import machine_description, write_json_and_markdown
 
     started = time.perf_counter()
     load_at_start = list(os.getloadavg())
@@ -409,18 +364,9 @@ def run_drift(settings: DriftSettings, *, out_dir: Path, name: str = "drift") ->
     summary["total_s"] = time.perf_counter() - started
     summary["load_average_at_start"] = load_at_start
     summary["machine"] = machine_description()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    write_json_atomic(summary, paths[0])
-    paths[1].write_text(render_markdown(summary))
-    if figure_available():
-        render_figure(summary, out_dir / f"{name}.png")
-        paths.append(out_dir / f"{name}.png")
+    paths = write_json_and_markdown(summary, render_markdown(summary), out_dir, name, figure=render_figure)
     for goal in summary["goals"]:
-        print(
-            f"[poplar-bench drift] goal {goal['goal']}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})",
-            file=sys.stderr,
-        )
+        demo.progress(f"goal {goal['goal']}: {goal['value']} ({'met' if goal['met'] else 'NOT met'})", "drift")
     return paths
 
 

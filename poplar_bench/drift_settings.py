@@ -34,10 +34,8 @@ class DriftSettings(DemoSettings):
     min_gain: float = 0.05
     sustained_checks: int = 2
     loop: str = "plain"
-    """What trains: ``plain``, `poplar_ext.initialize` and a hand-written loop on the demo's toy GPT, from
-    a plan searched on profiles measured first; ``trainer``, `PoplarTrainer` on a GPT-2 of the same shape
-    (``GPT2Config``, random weights) in its automatic mode (profiles measured by the first run where not cached;
-    the plan searched at start)."""
+    """What trains: ``plain``, `poplar_ext.initialize` and a hand-written loop on the demo's toy GPT; ``trainer``,
+    `PoplarTrainer` on a GPT-2 of the same shape in its automatic mode (`poplar_bench.drift.LOOP_TEXT`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

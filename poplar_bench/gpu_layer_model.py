@@ -6,6 +6,7 @@ layers, their parameters, FLOPs and bytes).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from poplar_ext.plan.formats import ModelInfo, content_fingerprint
@@ -145,12 +146,8 @@ def two_level_network(
         return dict.fromkeys(COLLECTIVES, fit)
 
     note = f"{job.measured_with['note']}; within a node {intra_node_bytes_per_s / 1e9:.0f} GB/s ({LAYER_MODEL_VERSION})"
-    return NetworkProfile(
-        cluster_key=job.cluster_key,
-        world_size=job.world_size,
-        num_nodes=job.num_nodes,
-        backend=job.backend,
-        collectives=job.collectives,
+    return dataclasses.replace(
+        job,
         measured_with={**job.measured_with, "note": note},
         scopes={
             "within_node": NetworkScope(group_size=max(2, gpus_per_node), collectives=fits(intra_node_bytes_per_s)),

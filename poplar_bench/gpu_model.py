@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from poplar_ext.plan.formats import ZERO_STAGES, ModelInfo, Profile, Sample, content_fingerprint
+from poplar_ext.plan.formats import OFFLOAD_STAGES, ZERO_STAGES, ModelInfo, Profile, Sample, content_fingerprint
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.search import network as search_network
 
@@ -207,10 +207,6 @@ class Assumptions:
     """Host-device copy bandwidth: PCIe 3.0 x16 in practice (V100 and T4 are PCIe 3.0 cards)."""
 
 
-OFFLOAD_STAGES = (1, 2)
-"""The stages at which the model (and poplar-ext) offloads an optimizer."""
-
-
 def _check_offload(zero_stage: int, optimizer_offload: bool) -> None:
     if optimizer_offload and zero_stage not in OFFLOAD_STAGES:
         raise ValueError(f"optimizer_offload: expected ZeRO stage 1 or 2, found stage {zero_stage}")
@@ -344,15 +340,9 @@ def max_micro_batch_size(
 
 
 def sample_sizes(max_size: int) -> list[int]:
-    """Powers of two up to `max_size`, plus `max_size` itself: dense enough for the curve fit."""
-    sizes = []
-    size = 1
-    while size < max_size:
-        sizes.append(size)
-        size *= 2
-    if max_size >= 1:
-        sizes.append(max_size)
-    return sizes
+    """Powers of two below `max_size`, plus `max_size` itself: dense enough for the curve fit."""
+    powers = [1 << k for k in range(max(0, max_size - 1).bit_length())]
+    return powers + [max_size] if max_size >= 1 else powers
 
 
 def modelled_profile(

@@ -55,10 +55,6 @@ class LinkEmulation:
         return self.latency_s + self.crossing_bytes(operation, tensor_bytes, ranks) / self.bandwidth_bytes_per_s
 
 
-def _nbytes(tensor: Any) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 # (torch.distributed function, operation, which argument's bytes count: position, keyword)
 _WRAPPED = (
     ("all_reduce", "all_reduce", 0, "tensor"),
@@ -72,24 +68,21 @@ _WRAPPED = (
 )
 
 
-def _group_ranks(dist: Any, group: Any, point_to_point_peer: int | None) -> list[int]:
-    if point_to_point_peer is not None:
-        return [dist.get_rank(), point_to_point_peer]
-    if group is None or group is dist.group.WORLD:
-        return list(range(dist.get_world_size()))
-    return list(dist.get_process_group_ranks(group))
-
-
 def _wrap(dist: Any, link: LinkEmulation, original: Callable, name: str, operation: str, position: int, keyword: str):
     @functools.wraps(original)
     def emulated(*args: Any, **kwargs: Any) -> Any:
         work = original(*args, **kwargs)
         tensor = args[position] if len(args) > position else kwargs[keyword]
-        tensor_bytes = _nbytes(tensor)
-        peer = None
+        group, peer = kwargs.get("group"), None
         if operation == "p2p":
             peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
-        delay = link.delay_s(operation, tensor_bytes, _group_ranks(dist, kwargs.get("group"), peer))
+        if peer is not None:
+            ranks = [dist.get_rank(), peer]
+        elif group is None or group is dist.group.WORLD:
+            ranks = list(range(dist.get_world_size()))
+        else:
+            ranks = list(dist.get_process_group_ranks(group))
+        delay = link.delay_s(operation, tensor.numel() * tensor.element_size(), ranks)
         if delay > 0.0:
             if work is not None and hasattr(work, "wait"):
                 work.wait()  # the link is busy until the bytes are across

@@ -149,23 +149,26 @@ def run_ranks_outcomes(
     if start_method not in ("fork", "spawn"):
         raise ValueError(f"start_method: expected 'fork' or 'spawn', found {start_method!r}")
     if start_method == "fork":
-        _refuse_fork_after_cuda()
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            raise RuntimeError("run_ranks: CUDA is initialised in this process; forked ranks could not use it")
         preimport_for_fork()
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_paths = {rank: log_dir / f"rank{rank}.log" if capture_output else None for rank in range(world_size)}
     starts = {
         rank: _RankStart(
-            log_path=None if log_paths[rank] is None else str(log_paths[rank]),
+            log_path=None if path is None else str(path),
             forked=start_method == "fork",
             pg_timeout_s=pg_timeout_s if init_process_group else None,
         )
-        for rank in range(world_size)
+        for rank, path in log_paths.items()
     }
     context = _FunctionRanks(
         name=getattr(fn, "__qualname__", "rank"),
         entrypoint=_rank_main,
-        args={rank: (fn, args, kwargs or {}, starts[rank]) for rank in range(world_size)},
+        args={rank: (fn, args, kwargs or {}, start) for rank, start in starts.items()},
         envs=_rank_environments(world_size),
         start_method=start_method,
         logs_specs=_RankFiles(log_dir, command_output=False),
@@ -204,13 +207,6 @@ def run_command_ranks(
     )
     log_paths = {rank: log_dir / f"rank{rank}.log" for rank in range(world_size)}
     return _run(context, log_paths, timeout_s=timeout_s, stop_after_failure_s=None)
-
-
-def _refuse_fork_after_cuda() -> None:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        raise RuntimeError("run_ranks: CUDA is initialised in this process; forked ranks could not use it")
 
 
 def _rank_environments(world_size: int) -> dict[int, dict[str, str]]:
@@ -334,12 +330,8 @@ class _RankFiles(LogsSpecs):
         for rank, env in envs.items():
             Path(error_files[rank]).unlink(missing_ok=True)  # a stale one would read as this run's error
             env["TORCHELASTIC_ERROR_FILE"] = error_files[rank]
-        if self._command_output:
-            stdouts = {rank: str(root / f"rank{rank}.out") for rank in envs}
-            stderrs = {rank: str(root / f"rank{rank}.log") for rank in envs}
-        else:
-            stdouts = dict.fromkeys(envs, "")
-            stderrs = dict.fromkeys(envs, "")
+        stdouts = {rank: str(root / f"rank{rank}.out") if self._command_output else "" for rank in envs}
+        stderrs = {rank: str(root / f"rank{rank}.log") if self._command_output else "" for rank in envs}
         return LogsDest(stdouts=stdouts, stderrs=stderrs, error_files=error_files)
 
 
@@ -462,19 +454,23 @@ def _run(
         stopped = {rank for rank, code in context.exit_codes().items() if code is None}
     finally:
         context.close(death_sig=signal.SIGKILL, timeout=_KILL_WAIT_S)
-    values = context.received_values()
-    codes = context.exit_codes()
-    return [
-        _outcome(
-            rank,
-            value=values.get(rank),
-            exit_code=None if rank in stopped else codes[rank],
-            error=why_stopped if rank in stopped else _error_text(context, rank, codes[rank]),
-            log_path=log_paths[rank],
-            command=isinstance(context, _CommandRanks),
+    values, codes = context.received_values(), context.exit_codes()
+    command = isinstance(context, _CommandRanks)
+    outcomes = []
+    for rank in sorted(codes):
+        exit_code = None if rank in stopped else codes[rank]
+        ok = exit_code == 0 if command else values.get(rank) is not None
+        outcomes.append(
+            RankOutcome(
+                rank=rank,
+                ok=ok,
+                value=pickle.loads(values[rank]) if ok and not command else None,
+                error="" if ok else (why_stopped if rank in stopped else _error_text(context, rank, exit_code)),
+                exit_code=exit_code,
+                log_path=log_paths[rank],
+            )
         )
-        for rank in sorted(codes)
-    ]
+    return outcomes
 
 
 def _wait(context: _EveryRank, *, timeout_s: float, stop_after_failure_s: float | None) -> str:
@@ -505,20 +501,6 @@ def _error_text(context: _EveryRank, rank: int, exit_code: int | None) -> str:
     if exit_code < 0:
         return f"died without a result (exit code {exit_code}: {failure.signal_name()})"
     return f"died without a result (exit code {exit_code})"
-
-
-def _outcome(
-    rank: int, *, value: bytes | None, exit_code: int | None, error: str, log_path: Path | None, command: bool
-) -> RankOutcome:
-    ok = exit_code == 0 if command else value is not None
-    return RankOutcome(
-        rank=rank,
-        ok=ok,
-        value=pickle.loads(value) if ok and not command else None,
-        error="" if ok else error,
-        exit_code=exit_code,
-        log_path=log_path,
-    )
 
 
 __all__ = [

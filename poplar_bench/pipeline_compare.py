@@ -212,12 +212,13 @@ def _poplar_section(settings: dict[str, Any]) -> dict[str, Any]:
     # buffers fault in their pages again (the flatten before the all-reduce took 2.5x longer).
     # Calibration off, as in the demo and the predictions bench: an emulated type's compute is steady at its
     # profile by construction, and checking it at start rescaled the profiles by CPU noise (docs/limits.md).
-    process = {"cpu_threads": 1, "steady_cpu_allocator": True, "calibration": {"action": "off"}}
     return {
         "cluster": settings["cluster"],
         "profiles": settings["profiles"],
         "log_interval_steps": 0,
-        **process,
+        "cpu_threads": 1,
+        "steady_cpu_allocator": True,
+        "calibration": {"action": "off"},
         **model.poplar,
     }
 
@@ -388,13 +389,7 @@ def run_pipeline_bench(
         "machine": report_module.machine_description(),
         "rows": rows,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = report_module.write_json_and_markdown(report, render_markdown(report), out_dir, name)
-    if report_module.figure_available():
-        png = out_dir / f"{name}.png"
-        render_figure(report, png)
-        paths.append(png)
-    return paths
+    return report_module.write_json_and_markdown(report, render_markdown(report), out_dir, name, figure=render_figure)
 
 
 def render_markdown(report: dict[str, Any]) -> str:

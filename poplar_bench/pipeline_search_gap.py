@@ -8,6 +8,7 @@ See docs/bench.md (outside poplar-bench).
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 from pathlib import Path
 from typing import Any
@@ -128,9 +129,7 @@ def _quantiles(gaps: list[float]) -> dict[str, float | None]:
 
 def _summary(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
     compared = [r for r in rows if r[name]["gap"] is not None]
-    outcomes: dict[str, int] = {}
-    for r in rows:
-        outcomes[r[name]["outcome"]] = outcomes.get(r[name]["outcome"], 0) + 1
+    outcomes = dict(collections.Counter(r[name]["outcome"] for r in rows))
     groups = {
         f"{w} ranks": [r for r in compared if r["world_size"] == w] for w in sorted({r["world_size"] for r in rows})
     }

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from poplar_ext.plan.formats import write_json_atomic
-
 MAX_MEDIAN_ABS_ERROR = 0.05
 """The goal on CPU: median |prediction error| of every case and policy (emulated compute steady: issue 35)."""
 
@@ -63,12 +61,7 @@ def _slowdowns(rng: random.Random, ranks: int, cores: int) -> tuple[float, ...]:
 
 
 def draw_cases(seed: int, count: int, *, cores: int | None = None) -> tuple[PredictionCase, ...]:
-    """`count` cases drawn from `seed` alone (the same cases for the same seed and core count).
-
-    Each: a ZeRO stage 0-3, 2-4 ranks, a global batch from `GLOBAL_BATCH_SIZES`, and slowdowns in
-    [`MIN_SLOWDOWN`, `MAX_SLOWDOWN`] whose sum of 1/slowdown (the cores the emulated ranks keep
-    busy) lies in [`MIN_CORE_DEMAND`, `max_core_demand`].
-    """
+    """`count` cases drawn from `seed` alone (the same cases for the same seed and core count)."""
     if count < 1:
         raise ValueError(f"count: expected at least 1 case, found {count}")
     cores = cores or os.cpu_count() or 1
@@ -105,18 +98,6 @@ def repetition_errors(entry: dict[str, Any]) -> list[float]:
     ]
 
 
-def case_dict(case: PredictionCase) -> dict[str, Any]:
-    """A case as the report lists it."""
-    demand = case.core_demand
-    return {
-        "name": case.name,
-        "zero_stage": case.zero_stage,
-        "slowdowns": None if case.slowdowns is None else list(case.slowdowns),
-        "global_batch_size": case.global_batch_size,
-        "core_demand": None if demand is None else round(demand, 3),
-    }
-
-
 def summarize(
     cases: list[tuple[PredictionCase, dict[str, Any]]], *, seed: int | None = None, calibration: str = "off"
 ) -> dict[str, Any]:
@@ -151,7 +132,16 @@ def summarize(
     return {
         "kind": "prediction_check",
         "seed": seed,
-        "cases": [case_dict(case) for case, _ in cases],
+        "cases": [
+            {
+                "name": case.name,
+                "zero_stage": case.zero_stage,
+                "slowdowns": None if case.slowdowns is None else list(case.slowdowns),
+                "global_batch_size": case.global_batch_size,
+                "core_demand": None if case.core_demand is None else round(case.core_demand, 3),
+            }
+            for case, _ in cases
+        ],
         "calibration": calibration,
         "load_average": [report.get("machine", {}).get("load_average") for _, report in cases],
         "usable_cpus": next((report.get("machine", {}).get("usable_cpus") for _, report in cases), None),
@@ -252,15 +242,14 @@ def run_prediction_check(
 ) -> list[Path]:
     """Run the demo for each case and write prediction_check.{json,md} into `out_dir`.
 
-    By default every case profiles afresh: a profile cached from another day or
-    machine would measure the profile's staleness, not the cost model. `seed`: what the
-    cases were drawn from (for the report); `calibration`: the demo's (``always``: fresh
-    profiles rescaled to micro-steps timed as training runs them).
+    By default every case profiles afresh: a profile cached from another day or machine would measure the
+    profile's staleness, not the cost model. `seed`, what the cases were drawn from, is said in the report.
     """
     from poplar_ext.plan.formats import read_json
 
     from . import demo
     from .demo_config import DemoSettings, default_devices, devices_from_slowdowns
+    from .report import write_json_and_markdown
 
     reports = []
     for number, case in enumerate(cases, start=1):
@@ -278,11 +267,7 @@ def run_prediction_check(
             **batch,
         )
         paths = demo.run_demo(settings, out_dir=out_dir / "prediction_check", name=case.name)
-        report = read_json(next(p for p in paths if p.suffix == ".json"))
-        reports.append((case, report))
+        reports.append((case, read_json(paths[0])))
         demo.progress(f"case {case.name} done in {time.perf_counter() - started:.0f} s")
     summary = summarize(reports, seed=seed, calibration=calibration)
-    json_path, md_path = out_dir / "prediction_check.json", out_dir / "prediction_check.md"
-    write_json_atomic(summary, json_path)
-    md_path.write_text(render_markdown(summary))
-    return [json_path, md_path]
+    return write_json_and_markdown(summary, render_markdown(summary), out_dir, "prediction_check")

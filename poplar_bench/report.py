@@ -10,19 +10,20 @@ import importlib.metadata
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from poplar_ext.plan.formats import POLICIES, ZERO_STAGES, write_json_atomic
 
 POPLAR_SHARE_GOAL = 0.95
+"""The demo's goal for poplar's measured samples/s against the measured ideal (issue 15)."""
 
 PREDICTION_ERROR_GOAL = 0.05
 """Every policy's predicted iteration time within this fraction of the measured one (issue 35)."""
 
 OVERRUN_GOAL = 0.02
 """Emulated compute past its steady time, at most this share of it on every rank (else not steady)."""
-"""The demo's goal for poplar's measured samples/s against the measured ideal (issue 15)."""
 
 REPORT_SCHEMA = "poplar-bench-report/1"
 _LIBRARIES = ("poplar-ext", "torch", "deepspeed", "numpy", "scipy", "matplotlib")
@@ -94,11 +95,10 @@ def summarise_allocation(ranks: list[dict[str, Any]]) -> str:
         key = (r["micro_batch_size"], r["gradient_accumulation_steps"])
         by_type = groups.setdefault(r["device_type"], {})
         by_type[key] = by_type.get(key, 0) + r.get("count", 1)
-    parts = []
-    for device_type, combos in groups.items():
-        shown = ", ".join(f"{count}x {mbs}*{gas}" for (mbs, gas), count in combos.items())
-        parts.append(f"{device_type}: {shown}")
-    return "; ".join(parts)
+    return "; ".join(
+        f"{device_type}: " + ", ".join(f"{count}x {mbs}*{gas}" for (mbs, gas), count in combos.items())
+        for device_type, combos in groups.items()
+    )
 
 
 def _throughput(entry: dict[str, Any]) -> tuple[float | None, str]:
@@ -138,55 +138,88 @@ def derive_comparisons(scenario: dict[str, Any]) -> dict[str, Any]:
     return scenario
 
 
+def goal_entry(goal: str, value: Any, target: str | None, met: bool) -> dict[str, Any]:
+    """One goal of a report, evaluated (reported, never asserted)."""
+    return {"goal": goal, "value": value, "target": target, "met": met}
+
+
 def demo_goals(scenario: dict[str, Any]) -> list[dict[str, Any]]:
     """The demo's goals, evaluated (reported, never asserted)."""
     entries = {e["policy"]: e for e in scenario["policies"] if e["status"] == "ok"}
-    goals: list[dict[str, Any]] = []
     poplar = entries.get("poplar")
     if poplar is None:
-        return [{"goal": "poplar policy produced a plan", "value": None, "target": None, "met": False}]
+        return [goal_entry("poplar policy produced a plan", None, None, False)]
     share = poplar.get("share_of_ideal")
-    goals.append(
-        {
-            "goal": "poplar share of the measured ideal",
-            "value": share,
-            "target": f">= {POPLAR_SHARE_GOAL}",
-            "met": share is not None and share >= POPLAR_SHARE_GOAL,
-        }
-    )
+    goals = [
+        goal_entry(
+            "poplar share of the measured ideal",
+            share,
+            f">= {POPLAR_SHARE_GOAL}",
+            share is not None and share >= POPLAR_SHARE_GOAL,
+        )
+    ]
     for entry in entries.values():
         error = entry.get("prediction_error")
         goals.append(
-            {
-                "goal": f"{entry['policy']} prediction error",
-                "value": error,
-                "target": f"between -{PREDICTION_ERROR_GOAL:.2f} and +{PREDICTION_ERROR_GOAL:.2f}",
-                "met": error is not None and abs(error) <= PREDICTION_ERROR_GOAL,
-            }
+            goal_entry(
+                f"{entry['policy']} prediction error",
+                error,
+                f"between -{PREDICTION_ERROR_GOAL:.2f} and +{PREDICTION_ERROR_GOAL:.2f}",
+                error is not None and abs(error) <= PREDICTION_ERROR_GOAL,
+            )
         )
     overrun = scenario.get("emulation_overrun_share")
     if overrun is not None:
         goals.append(
-            {
-                "goal": "emulated compute past its steady time (largest share of any rank)",
-                "value": overrun,
-                "target": f"<= {OVERRUN_GOAL}",
-                "met": overrun <= OVERRUN_GOAL,
-            }
+            goal_entry(
+                "emulated compute past its steady time (largest share of any rank)",
+                overrun,
+                f"<= {OVERRUN_GOAL}",
+                overrun <= OVERRUN_GOAL,
+            )
         )
     poplar_rate, _ = _throughput(poplar)
-    for other in (p for p in POLICIES if p != "poplar"):
-        if other in entries:
-            other_rate, _ = _throughput(entries[other])
-            goals.append(
-                {
-                    "goal": f"poplar faster than {other}",
-                    "value": poplar_rate / other_rate if other_rate else None,
-                    "target": "> 1 (ratio of samples/s)",
-                    "met": bool(other_rate) and poplar_rate > other_rate,
-                }
+    for other in (p for p in POLICIES if p != "poplar" and p in entries):
+        other_rate, _ = _throughput(entries[other])
+        goals.append(
+            goal_entry(
+                f"poplar faster than {other}",
+                poplar_rate / other_rate if other_rate else None,
+                "> 1 (ratio of samples/s)",
+                bool(other_rate) and poplar_rate > other_rate,
             )
+        )
     return goals
+
+
+def infeasible_entry(policy: str, status: str, message: str) -> dict[str, Any]:
+    """A report entry for a policy without a plan."""
+    return {
+        "policy": policy,
+        "status": status,
+        "message": message,
+        "zero_stage": None,
+        "ranks": [],
+        "predicted": None,
+        "measured": None,
+    }
+
+
+def emulation_dict(emulation: Any) -> dict[str, Any] | None:
+    """A device type's emulation as a report gives it (None: real)."""
+    if emulation is None:
+        return None
+    return {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes}
+
+
+def curve(points: Any) -> list[dict[str, float]]:
+    """``(micro_batch_size, micro_step_time_s)`` pairs as a report's curve, with samples/s added."""
+    return [{"micro_batch_size": b, "micro_step_time_s": t, "samples_per_s": b / t} for b, t in points]
+
+
+def profile_curve(profile: Any) -> list[dict[str, float]]:
+    """A profile's samples as a report's curve."""
+    return curve((s.micro_batch_size, s.micro_step_time_s) for s in profile.samples)
 
 
 # ----------------------------------------------------------------------------------
@@ -248,13 +281,15 @@ def render_markdown(report: dict[str, Any]) -> str:
 def _provenance_lines(report: dict[str, Any]) -> list[str]:
     """The title, where the data comes from, the machine and libraries, the run's time, the notes."""
     machine = report["machine"]
+    load = machine.get("load_average")
+    load_text = " / ".join(f"{x:.1f}" for x in load) + " (1 / 5 / 15 min)" if load else "unknown"
     lines = [
         f"# {report['title']}",
         "",
         f"- data: **{report['data_source']}**",
         f"- made {report['created_utc']} on {machine.get('hostname')} ({machine.get('cpu')}, "
         f"{machine.get('usable_cpus')} usable CPUs, GPUs: {machine.get('gpus') or 'none'}, "
-        f"load average {_load_text(machine.get('load_average'))}; "
+        f"load average {load_text}; "
         f"python {machine.get('python')}, torch {machine['libraries'].get('torch')}, "
         f"deepspeed {machine['libraries'].get('deepspeed')})",
     ]
@@ -308,6 +343,10 @@ def _scenario_summary(scenario: dict[str, Any]) -> str:
     )
 
 
+def _emulation_text(emulation: dict[str, Any]) -> str:
+    return f"slowdown {emulation['slowdown']:g}, memory {emulation['memory_capacity_bytes'] / 2**20:.0f} MiB"
+
+
 def _policy_table(policies: list[dict[str, Any]]) -> list[str]:
     lines = [
         "",
@@ -321,19 +360,13 @@ def _policy_table(policies: list[dict[str, Any]]) -> list[str]:
             lines.append(f"| {e['policy']} | - | infeasible: {e['message']} | - | - | - | - | - | - | - |")
             continue
         measured = e.get("measured") or {}
+        predicted = e["predicted"]
         lines.append(
-            "| {policy} | {stage} | {alloc} | {mt} | {pt} | {err} | {ms} | {ps} | {sp} | {share} |".format(
-                policy=e["policy"],
-                stage=e["zero_stage"],
-                alloc=summarise_allocation(e["ranks"]),
-                mt=_fmt(measured.get("iteration_time_s", {}).get("median")),
-                pt=_fmt(e["predicted"]["iteration_time_s"]),
-                err=_pct(e.get("prediction_error")),
-                ms=_fmt(measured.get("samples_per_s")),
-                ps=_fmt(e["predicted"]["samples_per_s"]),
-                sp=_fmt(e.get("speedup_over_uniform"), "{:.2f}x"),
-                share=_fmt(e.get("share_of_ideal"), "{:.2f}"),
-            )
+            f"| {e['policy']} | {e['zero_stage']} | {summarise_allocation(e['ranks'])} | "
+            f"{_fmt(measured.get('iteration_time_s', {}).get('median'))} | {_fmt(predicted['iteration_time_s'])} | "
+            f"{_pct(e.get('prediction_error'))} | {_fmt(measured.get('samples_per_s'))} | "
+            f"{_fmt(predicted['samples_per_s'])} | {_fmt(e.get('speedup_over_uniform'), '{:.2f}x')} | "
+            f"{_fmt(e.get('share_of_ideal'), '{:.2f}')} |"
         )
     return lines
 
@@ -485,15 +518,13 @@ def render_scaling(series: list[dict[str, Any]]) -> list[str]:
             "| --- | --- | --- | --- | --- | --- |",
         ]
         for row in item["rows"]:
-            cells = []
-            for stage in map(str, ZERO_STAGES):
-                cell = row["stages"][stage]
-                cells.append(
-                    "infeasible"
-                    if cell["status"] != "ok"
-                    else f"{cell['samples_per_s_per_gpu']:.3g} / {cell['share_of_ideal']:.2f} "
-                    f"({100 * cell['communication_share']:.0f}%)"
-                )
+            cells = [
+                "infeasible"
+                if cell["status"] != "ok"
+                else f"{cell['samples_per_s_per_gpu']:.3g} / {cell['share_of_ideal']:.2f} "
+                f"({100 * cell['communication_share']:.0f}%)"
+                for cell in (row["stages"][str(stage)] for stage in ZERO_STAGES)
+            ]
             lines.append(f"| {row['world_size']} | {' | '.join(cells)} | {_fmt(row['fastest_stage'], '{}')} |")
         stops = ", ".join(
             f"stage {stage}: {'never (in this range)' if at is None else f'{at} GPUs'}"
@@ -502,14 +533,6 @@ def render_scaling(series: list[dict[str, Any]]) -> list[str]:
         lines.append("")
         lines.append(f"Stops paying (per-GPU throughput below 0.9 of its smallest cluster's): {stops}.")
     return lines
-
-
-def _load_text(load: list[float] | None) -> str:
-    return "unknown" if not load else " / ".join(f"{x:.1f}" for x in load) + " (1 / 5 / 15 min)"
-
-
-def _emulation_text(emulation: dict[str, Any]) -> str:
-    return f"slowdown {emulation['slowdown']:g}, memory {emulation['memory_capacity_bytes'] / 2**20:.0f} MiB"
 
 
 # ----------------------------------------------------------------------------------
@@ -644,15 +667,23 @@ def _legend(ax: Any, fontsize: int) -> None:
 
 
 def write_json_and_markdown(
-    report: dict[str, Any], markdown: str, out_dir: str | os.PathLike[str], name: str
+    report: Any,
+    markdown: str,
+    out_dir: str | os.PathLike[str],
+    name: str,
+    figure: Callable[[Any, Path], None] | None = None,
 ) -> list[Path]:
-    """Write ``name.json`` (the report) and ``name.md`` (`markdown`) into `out_dir`; returns the paths."""
+    """Write ``name.json`` (the report), ``name.md`` (`markdown`) and, with `figure` where matplotlib is
+    installed, ``name.png`` (``figure(report, path)``) into `out_dir`; returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
-    write_json_atomic(report, json_path)
-    md_path.write_text(markdown, encoding="utf-8")
-    return [json_path, md_path]
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    write_json_atomic(report, paths[0])
+    paths[1].write_text(markdown, encoding="utf-8")
+    if figure is not None and figure_available():
+        paths.append(out_dir / f"{name}.png")
+        figure(report, paths[-1])
+    return paths
 
 
 FIGURE_NEEDS = "matplotlib (pip install 'poplar-ext[bench]')"
@@ -671,9 +702,4 @@ def figure_available() -> bool:
 def write_report(report: dict[str, Any], out_dir: str | os.PathLike[str], name: str) -> list[Path]:
     """Write ``name.json``, ``name.md`` and, where matplotlib is installed, ``name.png`` into
     `out_dir`; returns the paths written. Check `figure_available` before long work."""
-    paths = write_json_and_markdown(report, render_markdown(report), out_dir, name)
-    if not figure_available():
-        return paths
-    png_path = Path(out_dir) / f"{name}.png"
-    render_figure(report, png_path)
-    return [*paths, png_path]
+    return write_json_and_markdown(report, render_markdown(report), out_dir, name, figure=render_figure)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .cluster_files import write_uniform_cpu_job
 from .report import machine_description, utc_now, write_json_and_markdown
 
 GOAL_RATIO = 1.02
@@ -25,46 +26,22 @@ MODEL_SHAPE = {"vocab_size": 256, "sequence_length": 32, "num_layers": 2, "num_h
 
 def _files(directory: Path) -> dict[str, Any]:
     """Cluster, uniform plan and the two DeepSpeed configs (the same apart from ``poplar``)."""
-    cluster = {
-        "schema_version": 1,
-        "nodes": [{"name": "localhost", "devices": [{"device_type": "cpu", "count": WORLD_SIZE}]}],
-    }
-    plan = {
-        "schema_version": 1,
-        "policy": "uniform",
-        "zero_stage": ZERO_STAGE,
-        "global_batch_size": WORLD_SIZE * MICRO_BATCH_SIZE * ACCUMULATION_STEPS,
-        "ranks": [
-            {
-                "rank": r,
-                "device_type": "cpu",
-                "micro_batch_size": MICRO_BATCH_SIZE,
-                "gradient_accumulation_steps": ACCUMULATION_STEPS,
-            }
-            for r in range(WORLD_SIZE)
-        ],
-        # Required by the plan format; this benchmark measures rather than predicts.
-        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
-        "profile_fingerprints": {},
-    }
-    (directory / "cluster.json").write_text(json.dumps(cluster))
-    (directory / "plan.json").write_text(json.dumps(plan))
+    cluster, plan = write_uniform_cpu_job(
+        directory,
+        world_size=WORLD_SIZE,
+        micro_batch_size=MICRO_BATCH_SIZE,
+        accumulation_steps=ACCUMULATION_STEPS,
+        zero_stage=ZERO_STAGE,
+    )
     raw = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,
         "gradient_accumulation_steps": ACCUMULATION_STEPS,
-        "train_batch_size": plan["global_batch_size"],
+        "train_batch_size": WORLD_SIZE * MICRO_BATCH_SIZE * ACCUMULATION_STEPS,
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": ZERO_STAGE},
         "steps_per_print": 10**9,
     }
-    wrapped = dict(
-        raw,
-        poplar={
-            "cluster": str(directory / "cluster.json"),
-            "plan": str(directory / "plan.json"),
-            "log_interval_steps": 0,
-        },
-    )
+    wrapped = dict(raw, poplar={"cluster": str(cluster), "plan": str(plan), "log_interval_steps": 0})
     return {"raw": raw, "wrapped": wrapped}
 
 
@@ -97,13 +74,11 @@ def _rank_main(directory: str, blocks: int, block_iterations: int, warmup: int) 
     import torch.distributed as dist
 
     import poplar_ext
+    from poplar_ext.collectives import broadcast_from_rank0
     from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
 
     rank = dist.get_rank()
-    configs = _files(Path(directory)) if rank == 0 else None
-    box = [configs]
-    dist.broadcast_object_list(box)
-    configs = box[0]
+    configs = broadcast_from_rank0(_files(Path(directory)) if rank == 0 else None)
     shape = GPTConfig(**MODEL_SHAPE)
     data = SyntheticTokens(num_samples=4096, sequence_length=shape.sequence_length, vocab_size=shape.vocab_size)
     engines = {}

@@ -1,10 +1,8 @@
 """Compare the allocation policies by prediction on clusters of any size.
 
-Pure (search + numpy/scipy, no torch): each scenario is a cluster description plus
-profiles (measured ones from a directory, or modelled ones from `bench.gpu_model`),
-and for each policy the search's plan and its predicted per-rank busy time,
-iteration time and throughput go into a `bench.report` scenario. Nothing here is a
-measurement; the report says so, and says which profiles were modelled.
+Pure (search + numpy/scipy, no torch): a cluster plus profiles (measured, or modelled by `bench.gpu_model`)
+per scenario, each policy's plan and predictions in a `bench.report` scenario. Nothing here is a
+measurement; the report says so, and which profiles were modelled.
 """
 
 from __future__ import annotations
@@ -21,8 +19,11 @@ from . import gpu_model
 from .report import (
     REPORT_SCHEMA,
     derive_comparisons,
+    emulation_dict,
     group_ranks,
+    infeasible_entry,
     machine_description,
+    profile_curve,
     utc_now,
 )
 
@@ -84,31 +85,20 @@ def modelled_case(
     )
 
 
-def _busy_times_s(prediction: Any) -> list[float]:
-    """Per-rank busy time per iteration from the search's `predict` result."""
-    return [float(t) for t in prediction.rank_busy_time_s]
-
-
 def _device_sources(case: SimulationCase) -> dict[str, dict[str, Any]]:
     sources: dict[str, dict[str, Any]] = {}
     for device_type in case.cluster.type_counts():
         profile = next((p for p in case.profiles if p.device_type == device_type), None)
         emulation = case.cluster.emulation_of(device_type) or (profile.emulated if profile else None)
-        if profile is not None and profile.source == "modelled":
-            source = "modelled"
-        elif emulation is not None:
-            source = "emulated"
-        else:
-            source = "measured"
+        modelled = profile is not None and profile.source == "modelled"
+        source = "modelled" if modelled else "measured" if emulation is None else "emulated"
         sources[device_type] = {
             "source": source,
             # Who made a modelled profile: bench.gpu_model, or whatever its file says.
             "modelled_by": None
             if source != "modelled"
             else str(profile.measured_with.get("model", "unknown (see the profile's measured_with)")),
-            "emulation": None
-            if emulation is None
-            else {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes},
+            "emulation": emulation_dict(emulation),
         }
     return sources
 
@@ -117,22 +107,8 @@ def curves_at_stage(
     profiles: tuple[Profile, ...] | list[Profile], device_types: list[str], zero_stage: int
 ) -> dict[str, list[dict[str, float]]]:
     """Each device type's profiled samples at `zero_stage`, with samples/s added."""
-    curves: dict[str, list[dict[str, float]]] = {}
-    for device_type in device_types:
-        profile = next((p for p in profiles if p.device_type == device_type and p.zero_stage == zero_stage), None)
-        curves[device_type] = (
-            []
-            if profile is None
-            else [
-                {
-                    "micro_batch_size": s.micro_batch_size,
-                    "micro_step_time_s": s.micro_step_time_s,
-                    "samples_per_s": s.micro_batch_size / s.micro_step_time_s,
-                }
-                for s in profile.samples
-            ]
-        )
-    return curves
+    at_stage = [p for p in profiles if p.zero_stage == zero_stage]
+    return {t: next((profile_curve(p) for p in at_stage if p.device_type == t), []) for t in device_types}
 
 
 def policy_entry(
@@ -140,18 +116,9 @@ def policy_entry(
 ) -> dict[str, Any]:
     """A report entry for one policy's `SearchResult`, with its predicted per-rank busy times."""
     if result.status != "ok":
-        return {
-            "policy": policy,
-            "status": result.status,
-            "message": result.message,
-            "zero_stage": None,
-            "ranks": [],
-            "predicted": None,
-            "measured": None,
-        }
+        return infeasible_entry(policy, result.status, result.message)
     plan = result.plan
     prediction = predict(plan, list(profiles), network)
-    busy = _busy_times_s(prediction)
     return {
         "policy": policy,
         "status": "ok",
@@ -166,7 +133,7 @@ def policy_entry(
                     "device_type": r.device_type,
                     "micro_batch_size": r.micro_batch_size,
                     "gradient_accumulation_steps": r.gradient_accumulation_steps,
-                    "predicted_busy_s": busy[r.rank],
+                    "predicted_busy_s": float(prediction.rank_busy_time_s[r.rank]),
                     "measured_busy_s": None,
                 }
                 for r in plan.ranks
@@ -231,14 +198,8 @@ below this share of what it gives on the smallest cluster of the series."""
 
 
 def scaling_series(cases: list[SimulationCase]) -> list[dict[str, Any]]:
-    """Poplar at each ZeRO stage alone, as the cluster grows: one series per (device pair, model).
-
-    Cases of one series differ only in size (shipped files ``<pair>-x<N>.json``). Per
-    cluster size and stage: samples/s per GPU, share of the ideal, and the share of the
-    iteration spent in communication (predicted with the case's network), plus, per
-    stage, the size where it stops paying (`STOPS_PAYING_SHARE`) and, per size, the
-    fastest stage.
-    """
+    """Poplar at each ZeRO stage alone, as the cluster grows: one series per (device pair, model), whose cases
+    differ only in size (shipped files ``<pair>-x<N>.json``); where each stage stops paying (`STOPS_PAYING_SHARE`)."""
     groups: dict[tuple[str, str], list[SimulationCase]] = {}
     for case in cases:
         stem = Path(case.cluster_file).stem.rpartition("-x")[0] if case.cluster_file else case.name
@@ -283,18 +244,10 @@ def scaling_series(cases: list[SimulationCase]) -> list[dict[str, Any]]:
             )
         stops = {}
         for stage in map(str, ZERO_STAGES):
-            ok_rows = [r for r in rows if r["stages"][stage]["status"] == "ok"]
-            if not ok_rows:
-                stops[stage] = None
-                continue
-            first = ok_rows[0]["stages"][stage]["samples_per_s_per_gpu"]
+            rates = [(r["world_size"], r["stages"][stage]) for r in rows if r["stages"][stage]["status"] == "ok"]
+            first = rates[0][1]["samples_per_s_per_gpu"] if rates else None
             stops[stage] = next(
-                (
-                    r["world_size"]
-                    for r in ok_rows
-                    if r["stages"][stage]["samples_per_s_per_gpu"] < STOPS_PAYING_SHARE * first
-                ),
-                None,
+                (size for size, cell in rates if cell["samples_per_s_per_gpu"] < STOPS_PAYING_SHARE * first), None
             )
         series.append(
             {
@@ -372,23 +325,20 @@ def shipped_cases(
     offload: tuple[bool, ...] = (False,),
 ) -> list[SimulationCase]:
     """Modelled cases for every (cluster file, model shape)."""
-    cases = []
-    for shape in shapes:
-        for path in cluster_files:
-            cluster = load_cluster(path)
-            cases.append(
-                modelled_case(
-                    cluster,
-                    shape,
-                    name=f"{Path(path).stem}, {shape.name}",
-                    samples_per_rank=samples_per_rank,
-                    zero_stage=zero_stage,
-                    cluster_file=str(path),
-                    checkpointing=checkpointing,
-                    offload=offload,
-                )
-            )
-    return cases
+    return [
+        modelled_case(
+            load_cluster(path),
+            shape,
+            name=f"{Path(path).stem}, {shape.name}",
+            samples_per_rank=samples_per_rank,
+            zero_stage=zero_stage,
+            cluster_file=str(path),
+            checkpointing=checkpointing,
+            offload=offload,
+        )
+        for shape in shapes
+        for path in cluster_files
+    ]
 
 
 CHECKPOINTING_CLUSTERS = "v100-16gb+t4-16gb"

@@ -21,10 +21,6 @@ NETWORKS: dict[str, tuple[str, gpu_model.Assumptions]] = {
 }
 
 
-def _gpus_per_node(cluster: Cluster) -> int:
-    return max(sum(g.count for g in node.devices) for node in cluster.nodes)
-
-
 def _entry(result: Any, summary: str) -> dict[str, Any]:
     if not result.ok:
         return {"status": "infeasible", "message": result.message}
@@ -49,7 +45,8 @@ def compare(
 ) -> dict[str, Any]:
     """The best ZeRO and the best pipeline plan of one case, and which is faster."""
     label, assumptions = NETWORKS[network]
-    priced = gpu_layer_model.two_level_network(assumptions, gpus_per_node=_gpus_per_node(cluster))
+    gpus_per_node = max(sum(g.count for g in node.devices) for node in cluster.nodes)
+    priced = gpu_layer_model.two_level_network(assumptions, gpus_per_node=gpus_per_node)
     types = list(cluster.type_counts())
     profiles = gpu_model.modelled_profiles(types, shape, world_size=cluster.world_size, assumptions=assumptions)
     zero = search_plan(profiles, cluster, global_batch_size=global_batch_size, network=priced)

@@ -1,9 +1,7 @@
 """`poplar-bench demo --repetitions N`: the same demo N times, each profiled afresh, and how far apart they land.
 
-What it decides: whether the CPU instrument (emulated devices, `poplar_ext.hardware.emulation`) is steady
-enough that one demo run says something. Each run profiles from a cold cache, searches, trains and
-measures; the summary holds every run's poplar share of the measured ideal, each policy's prediction
-error and the emulation's overrun, and their spreads (largest - smallest) against the goals.
+Whether the CPU instrument (emulated devices) is steady enough that one demo run says something: every run's
+poplar share of the measured ideal, prediction errors and emulation overrun, their spreads against the goals.
 """
 
 from __future__ import annotations
@@ -12,9 +10,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from poplar_ext.plan.formats import read_json, write_json_atomic
+from poplar_ext.plan.formats import read_json
 
-from .report import _fmt
+from .report import _fmt, goal_entry, write_json_and_markdown
 
 SHARE_SPREAD_GOAL = 0.02
 """Poplar's share of the measured ideal: largest - smallest over the runs, at most this."""
@@ -50,19 +48,19 @@ def summarize_steadiness(reports: list[dict[str, Any]]) -> dict[str, Any]:
     }
     share_spread = _spread(shares)
     goals = [
-        {
-            "goal": "poplar share of the measured ideal: spread over the runs",
-            "value": share_spread,
-            "target": f"<= {SHARE_SPREAD_GOAL}",
-            "met": share_spread is not None and len(shares) == len(runs) and share_spread <= SHARE_SPREAD_GOAL,
-        }
+        goal_entry(
+            "poplar share of the measured ideal: spread over the runs",
+            share_spread,
+            f"<= {SHARE_SPREAD_GOAL}",
+            share_spread is not None and len(shares) == len(runs) and share_spread <= SHARE_SPREAD_GOAL,
+        )
     ] + [
-        {
-            "goal": f"{policy} prediction error: spread over the runs",
-            "value": spread,
-            "target": f"<= {ERROR_SPREAD_GOAL}",
-            "met": spread is not None and spread <= ERROR_SPREAD_GOAL,
-        }
+        goal_entry(
+            f"{policy} prediction error: spread over the runs",
+            spread,
+            f"<= {ERROR_SPREAD_GOAL}",
+            spread is not None and spread <= ERROR_SPREAD_GOAL,
+        )
         for policy, spread in error_spreads.items()
     ]
     return {
@@ -110,12 +108,11 @@ def run_steadiness(settings: Any, *, out_dir: Path, repetitions: int, name: str 
     reports = []
     for number in range(1, repetitions + 1):
         demo.progress(f"repetition {number}/{repetitions}, profiled afresh")
-        paths = demo.run_demo(settings, out_dir=out_dir / f"{name}-steadiness", name=f"{name}-{number}")
-        reports.append(read_json(next(p for p in paths if p.suffix == ".json")))
+        reports.append(
+            read_json(demo.run_demo(settings, out_dir=out_dir / f"{name}-steadiness", name=f"{name}-{number}")[0])
+        )
     summary = summarize_steadiness(reports)
-    json_path, md_path = out_dir / f"{name}-steadiness.json", out_dir / f"{name}-steadiness.md"
-    write_json_atomic(summary, json_path)
-    md_path.write_text(render_steadiness(summary))
+    paths = write_json_and_markdown(summary, render_steadiness(summary), out_dir, f"{name}-steadiness")
     for goal in summary["goals"]:
         demo.progress(f"goal {goal['goal']} {goal['target']}: {goal['value']} ({'met' if goal['met'] else 'MISSED'})")
-    return [json_path, md_path]
+    return paths

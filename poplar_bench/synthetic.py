@@ -1,9 +1,7 @@
 """Seeded synthetic profiles and clusters, for tests and the search-speed benchmark.
 
-Not measurements and not a GPU model: every profile made here says
-``"source": "modelled"`` and ``"synthetic": true`` in ``measured_with``. The micro-step
-time follows the usual shape ``overhead + b / peak_rate`` (memory-bound at small
-micro-batches, compute-bound at large ones), with seeded random parameters.
+Not measurements and not a GPU model: every profile says ``"source": "modelled"`` and ``"synthetic": true``
+in ``measured_with``. Micro-step times follow ``overhead + b / peak_rate`` with seeded random parameters.
 """
 
 from __future__ import annotations
@@ -155,13 +153,8 @@ def random_lever_profiles(
     zero_stages: tuple[int, ...] = ZERO_STAGES,
     max_cap: int = 64,
 ) -> list[Profile]:
-    """Per (device type, stage) a seeded random profile with every memory lever the stage allows.
-
-    Four variants at stages 1-2 (none, activation checkpointing, optimizer offload,
-    both), two at stages 0 and 3. Checkpointing recomputes the forward (micro-steps
-    1.2-1.5x slower) and fits 2-4x the micro-batch; offload fits 1.2-2x and lengthens
-    the boundary by the host's optimizer step (0.005-0.1 s); both multiply.
-    """
+    """Per (device type, stage) a seeded random profile with every memory lever the stage allows: checkpointing
+    slows micro-steps and fits more samples, offload fits more and lengthens the boundary, both multiply."""
     profiles = []
     for name in device_types:
         cap = int(rng.integers(1, max_cap + 1))

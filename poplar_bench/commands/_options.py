@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+
+from poplar_ext.search.cli import parse_positive_int
 
 _BENCH_DIR = Path(__file__).resolve().parents[1]
 """poplar_bench/: its parent is the checkout in an editable install."""
@@ -36,6 +39,18 @@ def warn_if_no_figure(command: str) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def print_paths(paths: Iterable[Path] | None) -> int:
+    """Print the files a command wrote, one a line; its exit code, 0."""
+    for path in paths or []:
+        print(path)
+    return 0
+
+
+def add_positive_int(parser: argparse.ArgumentParser, flag: str, default: int, help: str) -> None:
+    """An integer option >= 1 whose help ends with its default."""
+    parser.add_argument(flag, type=parse_positive_int, default=default, help=f"{help} (default {default})")
 
 
 def add_output_dir(parser: argparse.ArgumentParser) -> None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from poplar_ext.search.cli import parse_positive_int as _positive_int
-
-from ._options import add_output_dir, default_output_dir
+from ._options import add_output_dir, add_positive_int, default_output_dir, print_paths
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "each run's prediction error. Writes calibration.json and .md, and each run's demo report under "
         "calibration/. About 2 minutes per run on a 2-core VM.",
     )
-    p.add_argument("--rounds", type=_positive_int, default=2, help="rounds per run (default 2)")
+    add_positive_int(p, "--rounds", 2, "rounds per run")
     p.add_argument("--cache-dir", type=Path, default=None, help="the profile cache (default: a fresh temporary one)")
     p.add_argument(
         "--check-only",
@@ -27,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="only the check's cost: the demo's ranks profile once, then run the start-up check --repeats times "
         "(calibration_check.json and .md; about a minute)",
     )
-    p.add_argument("--repeats", type=_positive_int, default=3, help="checks timed with --check-only (default 3)")
+    add_positive_int(p, "--repeats", 3, "checks timed with --check-only")
     add_output_dir(p)
     p.set_defaults(run=run)
 
@@ -40,6 +38,4 @@ def run(args: argparse.Namespace) -> int:
         paths = calibration_cost.run_check_cost(out_dir=out_dir, repeats=args.repeats, cache_dir=args.cache_dir)
     else:
         paths = calibration_cost.run_calibration_check(out_dir=out_dir, rounds=args.rounds, cache_dir=args.cache_dir)
-    for path in paths:
-        print(path)
-    return 0
+    return print_paths(paths)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from poplar_ext.search.cli import parse_positive_int as _positive_int
-
-from ._options import add_output_dir, default_output_dir
+from ._options import add_output_dir, add_positive_int, default_output_dir, print_paths
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the first time (profiling both ways), less with the profiles cached.",
     )
     add_output_dir(p)
-    p.add_argument("--rounds", type=_positive_int, default=3, help="alternating training rounds per plan (default 3)")
+    add_positive_int(p, "--rounds", 3, "alternating training rounds per plan")
     p.add_argument(
         "--cache-dir",
         type=Path,
@@ -35,8 +33,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import checkpointing
 
-    for path in checkpointing.run_checkpointing(
-        out_dir=args.output_dir or default_output_dir(), cache_dir=args.cache_dir, rounds=args.rounds
-    ):
-        print(path)
-    return 0
+    out_dir = args.output_dir or default_output_dir()
+    return print_paths(checkpointing.run_checkpointing(out_dir=out_dir, cache_dir=args.cache_dir, rounds=args.rounds))

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from poplar_ext.search.cli import parse_positive_int as _positive_int
-
-from ._options import add_output_dir, default_output_dir
+from ._options import add_output_dir, add_positive_int, default_output_dir, print_paths
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,8 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "poplar_ext.initialize without and with poplar-ext's exit handler (poplar_bench/clean_exit.py). "
         "Writes clean_exit.json and .md.",
     )
-    p.add_argument("--launches", type=_positive_int, default=30, help="launches per case (default 30)")
-    p.add_argument("--ranks", type=_positive_int, default=3, help="ranks per launch (default 3)")
+    add_positive_int(p, "--launches", 30, "launches per case")
+    add_positive_int(p, "--ranks", 3, "ranks per launch")
     p.add_argument("--busy-processes", type=int, default=2, help="spinning processes beside the ranks (default 2)")
     p.add_argument("--case", action="append", dest="cases", help="a case to run (repeatable; default: all)")
     add_output_dir(p)
@@ -39,6 +37,4 @@ def run(args: argparse.Namespace) -> int:
         cases=tuple(args.cases or clean_exit.CASES),
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
-    for path in clean_exit.write_report(report, args.output_dir or default_output_dir()):
-        print(path)
-    return 0
+    return print_paths(clean_exit.write_report(report, args.output_dir or default_output_dir()))

@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 from poplar_ext.plan.formats import ZERO_STAGES
-from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import add_output_dir, default_output_dir, warn_if_no_figure
+from ._options import add_output_dir, add_positive_int, default_output_dir, print_paths, warn_if_no_figure
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,24 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_output_dir(p)
     p.add_argument("--name", default="demo", help="report file stem (default: demo)")
-    p.add_argument(
-        "--iterations",
-        type=_positive_int,
-        default=defaults.iterations,
-        help=f"measured iterations per policy and round (default {defaults.iterations})",
-    )
-    p.add_argument(
-        "--rounds",
-        type=_positive_int,
-        default=defaults.rounds,
-        help=f"rounds; each round runs every policy in turn (default {defaults.rounds})",
-    )
-    p.add_argument(
-        "--global-batch-size",
-        type=_positive_int,
-        default=defaults.global_batch_size,
-        help=f"samples per iteration (default {defaults.global_batch_size})",
-    )
+    add_positive_int(p, "--iterations", defaults.iterations, "measured iterations per policy and round")
+    add_positive_int(p, "--rounds", defaults.rounds, "rounds; each round runs every policy in turn")
+    add_positive_int(p, "--global-batch-size", defaults.global_batch_size, "samples per iteration")
     p.add_argument(
         "--cache-dir",
         type=Path,
@@ -64,12 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(6x slower than a core), 3 cpu8-medium (12x), 3 cpu8-slow (24x); together 0.71 of a core, so more "
         "ranks than cores run with their compute mostly waiting",
     )
-    p.add_argument(
+    add_positive_int(
+        p,
         "--repetitions",
-        type=_positive_int,
-        default=1,
-        help="run the demo this many times, each profiled afresh, and write NAME-steadiness.json and .md: "
-        "every run's poplar share of the ideal and prediction errors, and how far apart they land (default 1)",
+        1,
+        "run the demo this many times, each profiled afresh, and write NAME-steadiness.json and .md: "
+        "every run's poplar share of the ideal and prediction errors, and how far apart they land",
     )
     p.add_argument(
         "--zero-stage",
@@ -140,9 +124,7 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # a rank failed: its traceback is in the message
         print(f"poplar-bench demo: {exc}", file=sys.stderr)
         return 1
-    for path in paths:
-        print(path)
-    return 0
+    return print_paths(paths)
 
 
 def _slowdowns(text: str) -> list[float]:

@@ -6,9 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from poplar_ext.search.cli import parse_positive_int as _positive_int
-
-from ._options import add_output_dir, default_output_dir, warn_if_no_figure
+from ._options import add_output_dir, add_positive_int, default_output_dir, print_paths, warn_if_no_figure
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,29 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--factor", type=float, default=defaults.factor, help=f"slowdown of the drift (default {defaults.factor})"
     )
-    p.add_argument(
-        "--drift-at",
-        type=_positive_int,
-        default=defaults.drift_at,
-        help=f"optimizer steps before the device slows down (default {defaults.drift_at})",
-    )
-    p.add_argument(
-        "--recover-at",
-        type=_positive_int,
-        default=defaults.recover_at,
-        help=f"optimizer steps before it recovers (default {defaults.recover_at})",
-    )
-    p.add_argument(
-        "--iterations",
-        type=_positive_int,
-        default=defaults.drift_iterations,
-        help=f"iterations of each run (default {defaults.drift_iterations})",
-    )
-    p.add_argument(
-        "--check-interval-steps",
-        type=_positive_int,
-        default=defaults.check_interval_steps,
-        help=f"poplar.rebalance.check_interval_steps (default {defaults.check_interval_steps})",
+    add_positive_int(p, "--drift-at", defaults.drift_at, "optimizer steps before the device slows down")
+    add_positive_int(p, "--recover-at", defaults.recover_at, "optimizer steps before it recovers")
+    add_positive_int(p, "--iterations", defaults.drift_iterations, "iterations of each run")
+    add_positive_int(
+        p, "--check-interval-steps", defaults.check_interval_steps, "poplar.rebalance.check_interval_steps"
     )
     p.add_argument(
         "--cache-dir",
@@ -88,6 +68,4 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = "drift_trainer" if args.trainer else "drift"
     warn_if_no_figure("drift")
-    for path in drift.run_drift(settings, out_dir=args.output_dir or default_output_dir(), name=name):
-        print(path)
-    return 0
+    return print_paths(drift.run_drift(settings, out_dir=args.output_dir or default_output_dir(), name=name))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._options import add_output_dir, default_output_dir
+from ._options import add_output_dir, default_output_dir, print_paths
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,6 +22,4 @@ def run(args: argparse.Namespace) -> int:
     from .. import runtime_overhead
 
     result = runtime_overhead.run_overhead()
-    for path in runtime_overhead.write_report(result, args.output_dir or default_output_dir()) or []:
-        print(path)
-    return 0
+    return print_paths(runtime_overhead.write_report(result, args.output_dir or default_output_dir()))

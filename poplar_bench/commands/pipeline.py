@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ._options import add_output_dir, default_output_dir
+from ._options import add_output_dir, default_output_dir, print_paths
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,13 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import pipeline_compare
 
-    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    for path in pipeline_compare.run_pipeline_bench(
+    paths = pipeline_compare.run_pipeline_bench(
         out_dir=args.output_dir or default_output_dir(),
         work_dir=args.work_dir,
         model=args.model,
         repetitions=args.repetitions,
-        progress=progress,
-    ):
-        print(path)
-    return 0
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    return print_paths(paths)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from poplar_ext.search.cli import parse_positive_int as _positive_int
-
-from ._options import add_output_dir, default_output_dir, warn_if_no_figure
+from ._options import add_output_dir, add_positive_int, default_output_dir, print_paths, warn_if_no_figure
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "About 2-3 minutes per case on a 2-core VM.",
     )
     p.add_argument("--seed", type=int, default=27, help="what the cases are drawn from (default 27)")
-    p.add_argument("--cases", type=_positive_int, default=6, help="cases to draw (default 6)")
+    add_positive_int(p, "--cases", 6, "cases to draw")
     p.add_argument("--fixed", action="store_true", help="run the fixed cases instead of drawing them")
     p.add_argument(
         "--calibration",
@@ -34,12 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "rescaled beyond 10%%",
     )
     add_output_dir(p)
-    p.add_argument(
-        "--rounds",
-        type=_positive_int,
-        default=3,
-        help="rounds per case, each one measured iteration per policy: the repetitions (default 3)",
-    )
+    add_positive_int(p, "--rounds", 3, "rounds per case, each one measured iteration per policy: the repetitions")
     p.add_argument("--cache-dir", type=Path, default=None, help="the demo's profile cache (default: the demo's)")
     p.add_argument(
         "--reuse-profiles",
@@ -54,16 +47,13 @@ def run(args: argparse.Namespace) -> int:
     from .. import prediction_check
 
     warn_if_no_figure("demo")
-    fixed = args.fixed
     paths = prediction_check.run_prediction_check(
-        prediction_check.DEFAULT_CASES if fixed else prediction_check.draw_cases(args.seed, args.cases),
+        prediction_check.DEFAULT_CASES if args.fixed else prediction_check.draw_cases(args.seed, args.cases),
         out_dir=args.output_dir or default_output_dir(),
         rounds=args.rounds,
         cache_dir=args.cache_dir,
         force_profile=not args.reuse_profiles,
-        seed=None if fixed else args.seed,
+        seed=None if args.fixed else args.seed,
         calibration=args.calibration,
     )
-    for path in paths:
-        print(path)
-    return 0
+    return print_paths(paths)

@@ -6,7 +6,7 @@ import argparse
 
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 
-from ._options import add_output_dir, default_output_dir
+from ._options import add_output_dir, default_output_dir, print_paths
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,6 +33,4 @@ def run(args: argparse.Namespace) -> int:
 
     more = {} if args.lever_problems is None else {"lever_seeds": tuple(range(args.lever_problems))}
     result = search_speed.run_search_speed(repeats=args.repeats, **more)
-    for path in search_speed.write_report(result, args.output_dir or default_output_dir()) or []:
-        print(path)
-    return 0
+    return print_paths(search_speed.write_report(result, args.output_dir or default_output_dir()))

@@ -10,7 +10,7 @@ from pathlib import Path
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 from poplar_ext.search.cli import parse_zero_stage as _stage
 
-from ._options import add_output_dir, default_output_dir, warn_if_no_figure
+from ._options import add_output_dir, default_output_dir, print_paths, warn_if_no_figure
 
 _CHECKOUT = Path(__file__).resolve().parents[2]
 """The checkout (in an editable install): report paths inside it are written relative to it."""
@@ -84,40 +84,28 @@ def run(args: argparse.Namespace) -> int:
                     cluster_file=_shown_path(path),
                 )
             )
+        checkpointing_cases = None
     else:
         shapes = [gpu_model.model_shape(name) for name in (args.model or [s.name for s in gpu_model.MODEL_SHAPES])]
-        cases = simulate.shipped_cases(
-            cluster_paths, shapes, samples_per_rank=samples_per_rank, zero_stage=args.zero_stage
-        )
-        cases = [
-            dataclasses.replace(
-                c,
-                global_batch_size=args.global_batch_size or c.global_batch_size,
-                cluster_file=_shown_path(c.cluster_file),
+
+        def shipped(paths: list[Path], **levers: tuple[bool, ...]) -> list[simulate.SimulationCase]:
+            cases = simulate.shipped_cases(
+                paths, shapes, samples_per_rank=samples_per_rank, zero_stage=args.zero_stage, **levers
             )
-            for c in cases
-        ]
-    checkpointing_cases = None
-    if args.profiles is None:
+            return [
+                dataclasses.replace(
+                    c,
+                    global_batch_size=args.global_batch_size or c.global_batch_size,
+                    cluster_file=_shown_path(c.cluster_file),
+                )
+                for c in cases
+            ]
+
+        cases = shipped(cluster_paths)
         # The small-memory pair, each type modelled without and with activation checkpointing,
         # and without and with its optimizer offloaded (stages 1-2).
         paths = [p for p in cluster_paths if simulate.CHECKPOINTING_CLUSTERS in Path(p).name]
-        checkpointing_cases = simulate.shipped_cases(
-            paths,
-            shapes,
-            samples_per_rank=samples_per_rank,
-            zero_stage=args.zero_stage,
-            checkpointing=(False, True),
-            offload=(False, True),
-        )
-        checkpointing_cases = [
-            dataclasses.replace(
-                c,
-                global_batch_size=args.global_batch_size or c.global_batch_size,
-                cluster_file=_shown_path(c.cluster_file),
-            )
-            for c in checkpointing_cases
-        ] or None
+        checkpointing_cases = shipped(paths, checkpointing=(False, True), offload=(False, True)) or None
     for index, case in enumerate(cases, 1):
         print(f"[{index}/{len(cases)}] {case.name}: {case.cluster.world_size} ranks", file=sys.stderr, flush=True)
     parallelism = None
@@ -127,10 +115,7 @@ def run(args: argparse.Namespace) -> int:
         print("ZeRO or pipelines, network slow and fast ...", file=sys.stderr, flush=True)
         parallelism = parallelism_comparison(cluster_paths, shapes, samples_per_rank=samples_per_rank)
     report = simulate.simulation_report(cases, checkpointing_cases=checkpointing_cases, parallelism=parallelism)
-    out_dir = args.output_dir or default_output_dir()
-    for path in write_report(report, out_dir, args.name):
-        print(path)
-    return 0
+    return print_paths(write_report(report, args.output_dir or default_output_dir(), args.name))
 
 
 def _cluster_sort_key(path: Path) -> tuple[str, int]:

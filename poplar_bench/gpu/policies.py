@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from poplar_ext.plan.formats import read_json
 
 from ..demo_config import MIB, DemoDevice, DemoModel, DemoSettings
+from ..report import _fmt
 
 if TYPE_CHECKING:
     from .context import StepContext
@@ -74,10 +75,7 @@ def run_predictions(context: StepContext) -> dict[str, Any]:
     if not context.settings.dry_run and device_type is None:
         raise RuntimeError("no CUDA device: the comparison needs one (or --dry-run)")
     cache_dir = context.work_dir / "cache"
-    if context.settings.dry_run:
-        settings = dry_run_settings(cache_dir)
-    else:
-        settings = gpu_settings(str(device_type), cache_dir)
+    settings = dry_run_settings(cache_dir) if context.settings.dry_run else gpu_settings(str(device_type), cache_dir)
     settings = dataclasses.replace(settings, timeout_s=min(settings.timeout_s, context.timeout_s))
     started = time.perf_counter()
     ranks_dir = context.work_dir / "ranks"
@@ -114,11 +112,9 @@ def label_report(report: dict[str, Any], *, dry_run: bool, provenance: dict[str,
             "emulated rank sleeps (slowdown - 1) x its CUDA-timed compute; memory is the CUDA allocator's peak."
         )
     # The demo's notes describe CPU ranks (thread CPU time): kept for the dry run only, which is that.
-    report["notes"] = notes + [n for n in report["notes"] if dry_run or not _about_cpu_ranks(n)]
-
-
-def _about_cpu_ranks(note: str) -> bool:
-    return note.startswith("Devices are emulated") or "thread CPU time" in note
+    report["notes"] = notes + [
+        n for n in report["notes"] if dry_run or not (n.startswith("Devices are emulated") or "thread CPU time" in n)
+    ]
 
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:
@@ -148,13 +144,7 @@ def predictions_markdown(result: dict[str, Any]) -> list[str]:
         "| --- " * 7 + "|",
     ]
     for policy, p in result["policies"].items():
-        measured, predicted = p.get("iteration_s_measured"), p.get("iteration_s_predicted")
         cells = [p["samples_per_s_measured"], p["speedup_over_uniform"], p["share_of_ideal"], p["prediction_error"]]
-        shown = " | ".join("-" if c is None else f"{c:.3g}" for c in cells)
-        times = f"{_shown(measured)} / {_shown(predicted)}"
-        lines.append(f"| {policy} | {p['status']} | {times} | {shown} |")
+        times = f"{_fmt(p.get('iteration_s_measured'))} / {_fmt(p.get('iteration_s_predicted'))}"
+        lines.append(f"| {policy} | {p['status']} | {times} | {' | '.join(map(_fmt, cells))} |")
     return lines + ["", f"Full report: {', '.join(result['files'])}"]
-
-
-def _shown(value: Any) -> str:
-    return "-" if value is None else f"{value:.3g}"

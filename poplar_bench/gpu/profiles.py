@@ -163,13 +163,10 @@ def run_profile_step(context: StepContext) -> dict[str, Any]:
         # On CUDA the profiler sets up NCCL itself; a CPU rank gets a gloo group.
         init_process_group=not torch.cuda.is_available(),
     )[0]
+    kept = ("num_parameters", "first_call_s", "cached_call_s", "identical_from_cache", "batches_made_by_cached_call")
     result = {
         "settings": asdict(run),
-        "num_parameters": rank["num_parameters"],
-        "first_call_s": rank["first_call_s"],
-        "cached_call_s": rank["cached_call_s"],
-        "identical_from_cache": rank["identical_from_cache"],
-        "batches_made_by_cached_call": rank["batches_made_by_cached_call"],
+        **{k: rank[k] for k in kept},
         "profiles": [_summary(p) for p in rank["profiles"]],
     }
     result["goals"] = profile_goals(result)
@@ -186,19 +183,17 @@ CACHED_GOAL_S = 1.0
 
 def profile_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The step's goals, evaluated (reported, never asserted)."""
+    from ..report import goal_entry
+
+    first_s, cached_s = result["first_call_s"], result["cached_call_s"]
     return [
-        {
-            "goal": "both stages profiled",
-            "value": result["first_call_s"],
-            "target": f"< {ALL_STAGES_GOAL_S:g} s",
-            "met": result["first_call_s"] < ALL_STAGES_GOAL_S,
-        },
-        {
-            "goal": "the same call from the cache",
-            "value": result["cached_call_s"],
-            "target": f"< {CACHED_GOAL_S:g} s, nothing measured",
-            "met": result["cached_call_s"] < CACHED_GOAL_S and result["batches_made_by_cached_call"] == 0,
-        },
+        goal_entry("both stages profiled", first_s, f"< {ALL_STAGES_GOAL_S:g} s", first_s < ALL_STAGES_GOAL_S),
+        goal_entry(
+            "the same call from the cache",
+            cached_s,
+            f"< {CACHED_GOAL_S:g} s, nothing measured",
+            cached_s < CACHED_GOAL_S and result["batches_made_by_cached_call"] == 0,
+        ),
     ]
 
 

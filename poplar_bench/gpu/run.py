@@ -6,6 +6,7 @@ See docs/gpu.md (what it writes, the steps).
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
 import time
@@ -17,7 +18,7 @@ from typing import Any
 
 from poplar_ext.plan.formats import write_json_atomic
 
-from ..report import machine_description, utc_now
+from ..report import machine_description, utc_now, write_json_and_markdown
 from .context import GpuRunSettings, RunLog, StepContext
 
 STEP_LIMITS_S = {"exact": 150.0, "profile": 150.0, "predictions": 150.0, "launcher": 90.0}
@@ -84,45 +85,28 @@ def run_step(name: str, step: Callable[[], dict[str, Any]], log: RunLog) -> dict
     return {"status": status, "seconds": seconds, **result}
 
 
-def _exact(context: StepContext) -> dict[str, Any]:
-    from .tier import run_exactness
+def _step(module: str, function: str, *, needs_cuda: bool = False) -> Callable[[StepContext], dict[str, Any]]:
+    """A step: `function` of this package's `module`, imported when the step runs."""
 
-    return run_exactness(context)
+    def step(context: StepContext) -> dict[str, Any]:
+        if needs_cuda and not context.settings.dry_run:
+            import torch
 
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    "CUDA is not available (torch.cuda.is_available() is False): run with --dry-run on CPU"
+                )
+        return getattr(importlib.import_module(f"{__package__}.{module}"), function)(context)
 
-def _profile(context: StepContext) -> dict[str, Any]:
-    from .profiles import run_profile_step
-
-    _require_cuda(context.settings)
-    return run_profile_step(context)
-
-
-def _predictions(context: StepContext) -> dict[str, Any]:
-    from .policies import run_predictions
-
-    _require_cuda(context.settings)
-    return run_predictions(context)
-
-
-def _launcher(context: StepContext) -> dict[str, Any]:
-    from .tier import run_launcher
-
-    return run_launcher(context)
+    return step
 
 
 STEP_FUNCTIONS: dict[str, Callable[[StepContext], dict[str, Any]]] = {
-    "exact": _exact,
-    "profile": _profile,
-    "predictions": _predictions,
-    "launcher": _launcher,
+    "exact": _step("tier", "run_exactness"),
+    "profile": _step("profiles", "run_profile_step", needs_cuda=True),
+    "predictions": _step("policies", "run_predictions", needs_cuda=True),
+    "launcher": _step("tier", "run_launcher"),
 }
-
-
-def _require_cuda(settings: GpuRunSettings) -> None:
-    import torch
-
-    if not settings.dry_run and not torch.cuda.is_available():
-        raise RuntimeError("CUDA is not available (torch.cuda.is_available() is False): run with --dry-run on CPU")
 
 
 def write_summary(
@@ -142,7 +126,4 @@ def write_summary(
         "total_s": total_s,
         "steps": results,
     }
-    json_path, md_path = settings.output_dir / "gpu_run.json", settings.output_dir / "gpu_run.md"
-    write_json_atomic(report, json_path)
-    md_path.write_text(render_summary(report))
-    return [json_path, md_path]
+    return write_json_and_markdown(report, render_summary(report), settings.output_dir, "gpu_run")

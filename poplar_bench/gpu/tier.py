@@ -1,10 +1,8 @@
 """The steps of `poplar-bench gpu` that are tests of tests/gpu, run by pytest in a child process.
 
-``exact``: the two equivalence tests of tests/gpu/test_runtime_gpu.py; each (dtype, stage)
-appends its line to ``exact.jsonl`` as soon as it is known (``POPLAR_GPU_EXACT_LINES``), so a
-time-out keeps what finished. ``launcher``: that module's launcher test. pytest's output goes
-into ``gpu_run.log``. In the dry run the equivalence tests run on CPU ranks
-(``POPLAR_GPU_TIER_ON_CPU=1``) and the launcher test is skipped.
+``exact``: tests/gpu/test_runtime_gpu.py's equivalence tests, a line per (dtype, stage) in ``exact.jsonl`` as soon
+as it is known, so a time-out keeps what finished; ``launcher``: its launcher test (skipped in the dry run, where
+the equivalence tests run on CPU ranks). pytest's output goes into ``gpu_run.log``.
 """
 
 from __future__ import annotations
