@@ -6,6 +6,7 @@ Steady compute (`ComputeSlowdown`, `SteadyReference`), drift (`scheduled_slowdow
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
@@ -108,6 +109,11 @@ def scheduled_slowdown(emulation: Emulation | None, *, optimizer_step: int, rank
         if step <= optimizer_step and only_rank in (None, rank):
             slowdown = value
     return slowdown
+
+
+def without_drift(emulation: Emulation | None) -> Emulation | None:
+    """`emulation` at its own slowdown: a drift schedule is training's, not a profile's."""
+    return None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=())
 
 
 def device_label(device_type: str, emulation: Emulation | None) -> str:

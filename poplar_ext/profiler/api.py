@@ -13,7 +13,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -31,7 +31,7 @@ from poplar_ext.collectives import ShortCollectiveTimeouts, broadcast_from_rank0
 from poplar_ext.hardware.compute_clock import compute_window
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.devices import join_job
-from poplar_ext.hardware.emulation import device_label
+from poplar_ext.hardware.emulation import device_label, without_drift
 from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocator
 from poplar_ext.optimizer_offload import OFFLOAD_MODES, offload_deepspeed_optimizer
 from poplar_ext.plan.formats import (
@@ -42,11 +42,11 @@ from poplar_ext.plan.formats import (
     levers_text,
     profile_from_dict,
     profile_to_dict,
-    read_json,
 )
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.profiler.cache import (
     ProfileKey,
+    cached_on_rank0,
     ds_config_fingerprint,
     find_cached_profile,
     store_profile,
@@ -61,6 +61,7 @@ from poplar_ext.profiler.measure import (
     TypeStageResult,
     default_loss,
     place_model,
+    read_ds_config,
     stage_ds_config,
     training_dtype,
 )
@@ -165,11 +166,19 @@ profile_model.__signature__ = inspect.signature(ProfileOptions).replace(  # type
 
 def profile_with(options: ProfileOptions) -> list[Profile]:
     """`profile_model` with its arguments in one `ProfileOptions` (poplar-profile's way in); collective."""
-    model = None if options.per_layer is False else options.model_factory()
-    if model is not None and _layer_profiles_first(options, model):
-        return []
-    if model is not None:  # the session's first engine takes it: the model is built no more often than before
-        options = dataclasses.replace(options, model_factory=_first_then(model, options.model_factory))
+    if options.per_layer is not False:
+        from poplar_ext.profiler.layers import is_pipeline_model
+        from poplar_ext.profiler.per_layer import profile_layers
+
+        model = options.model_factory()
+        pipeline_model = is_pipeline_model(model)
+        if pipeline_model or options.per_layer:
+            profile_layers(options, model=model)
+        if pipeline_model:
+            return []  # a pipeline model has no whole-model profile
+        # The session's first engine takes it: the model is built no more often than before.
+        built, factory = [model], options.model_factory
+        options = dataclasses.replace(options, model_factory=lambda: built.pop() if built else factory())
     options, settings = _checked(options)
     device = join_job()
     with _measuring_process(device), _short_timeouts(options, device) as timeouts:
@@ -196,23 +205,6 @@ def _short_timeouts(options: ProfileOptions, device: torch.device) -> Iterator[S
         )
     with ShortCollectiveTimeouts(options.collective_timeout_s) as timeouts:
         yield timeouts
-
-
-def _first_then(model: torch.nn.Module, factory: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
-    built = [model]
-    return lambda: built.pop() if built else factory()
-
-
-def _layer_profiles_first(options: ProfileOptions, model: Any) -> bool:
-    """Layer profiles measured where `options.per_layer` asks; True when `model` is a pipeline model
-    (which has no whole-model profile)."""
-    from poplar_ext.profiler.layers import is_pipeline_model
-    from poplar_ext.profiler.per_layer import profile_layers
-
-    pipeline_model = is_pipeline_model(model)
-    if pipeline_model or options.per_layer:
-        profile_layers(options, model=model)
-    return pipeline_model
 
 
 def _checked(options: ProfileOptions) -> tuple[ProfileOptions, MeasureSettings]:
@@ -249,14 +241,10 @@ def _checked(options: ProfileOptions) -> tuple[ProfileOptions, MeasureSettings]:
 
 
 def _read_ds_config(options: ProfileOptions) -> Mapping[str, Any]:
-    ds_config, config_name = options.ds_config, "ds_config"
-    if not isinstance(ds_config, Mapping):
-        config_name = str(ds_config)
-        ds_config = read_json(ds_config)
-        if not isinstance(ds_config, dict):
-            raise ValueError(f"ds_config: expected a JSON object, found {type(ds_config).__name__}")
+    ds_config = read_ds_config(options.ds_config)
     if "optimizer" not in ds_config and options.optimizer_factory is None:
         # DeepSpeed would stop at its first engine with a bare "must provide optimizer" assertion.
+        config_name = "ds_config" if isinstance(options.ds_config, Mapping) else str(options.ds_config)
         raise ValueError(
             f"{config_name}: optimizer: expected an 'optimizer' section (the optimizer training uses: its step is "
             "part of every profile), found none; add one, or pass optimizer_factory to profile_model"
@@ -439,7 +427,8 @@ def _profile(
         if layout.rank == 0 and options.progress is not None:
             options.progress(line)
     session = dataclasses.replace(_start_session(options, settings, layout), timeouts=timeouts, network=network)
-    cached = broadcast_from_rank0(_cached_on_rank0(session))
+    keys = {(t, run): session.key(t, run) for run in session.runs for t in session.types_of(run)}
+    cached = broadcast_from_rank0(cached_on_rank0(layout.rank, options, keys, find_cached_profile, profile_to_dict))
     reporter = _ProgressReporter(
         sink=options.progress,
         layout=layout,
@@ -459,18 +448,6 @@ def _profile(
 
 _Produced = dict[tuple[str, _Run], dict[str, Any]]
 """Profiles (as dicts, sent between ranks) by device type and run."""
-
-
-def _cached_on_rank0(session: _Session) -> _Produced:
-    """The cache's profiles for the session's runs, read by rank 0 ({} elsewhere, or when forced)."""
-    cached: _Produced = {}
-    if session.layout.rank == 0 and not session.options.force:
-        for run in session.runs:
-            for t in session.types_of(run):
-                found = find_cached_profile(session.options.cache_dir, session.key(t, run))
-                if found is not None:
-                    cached[(t, run)] = profile_to_dict(found)
-    return cached
 
 
 def _to_measure(session: _Session, run: _Run, cached: _Produced) -> tuple[str, ...]:
@@ -578,8 +555,7 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
         max_micro_batch_size=result.max_micro_batch_size,
         samples=result.samples,
         optimizer_step_time_s=result.optimizer_step_time_s,
-        # Measured at the emulation's own slowdown: a drift schedule is training's, not the profile's.
-        emulated=None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=()),
+        emulated=without_drift(emulation),
         activation_checkpointing=run.checkpointing,
         optimizer_offload=run.offload,
         measured_with={

@@ -12,10 +12,10 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (
@@ -28,6 +28,9 @@ from poplar_ext.plan.formats import (
     save_profile,
 )
 from poplar_ext.plan.pipeline_formats import LayerProfile, layer_profiles_dir, load_layer_profile, save_layer_profile
+
+if TYPE_CHECKING:
+    from poplar_ext.profiler.options import ProfileOptions
 
 # DeepSpeed settings that do not change per-micro-step speed or memory, or that the
 # profiler sets itself; everything else in the config is part of the cache key.
@@ -116,20 +119,40 @@ class ProfileKey:
         )
 
 
-def _stored_profiles(cache_dir: Path) -> list[tuple[Path, Profile]]:
-    found: list[tuple[Path, Profile]] = []
-    if not cache_dir.is_dir():
-        return found
-    for path in sorted(cache_dir.glob("*.json")):
+def _stored(directory: Path, load: Callable[[Path], Any], kind: str) -> list[tuple[Path, Any]]:
+    """Every `kind` `load` reads from `directory` (None: another file, skipped)."""
+    found = []
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
         try:
-            data = read_json(path)
-            if is_cluster_or_plan(data):  # e.g. the cluster poplar-profile discovered
-                continue
-            found.append((path, profile_from_dict(data, source=str(path))))
+            loaded = load(path)
         except FormatError as exc:
             # Not fatal here: the profile is measured again and the bad file is named.
-            warnings.warn(f"profile cache: ignoring a file that is not a valid profile: {exc}", stacklevel=3)
+            warnings.warn(f"profile cache: ignoring a file that is not a valid {kind}: {exc}", stacklevel=4)
+            continue
+        if loaded is not None:
+            found.append((path, loaded))
     return found
+
+
+def _load_profile(path: Path) -> Profile | None:
+    data = read_json(path)
+    # Not a profile: e.g. the cluster poplar-profile discovered.
+    return None if is_cluster_or_plan(data) else profile_from_dict(data, source=str(path))
+
+
+def _stored_profiles(cache_dir: Path) -> list[tuple[Path, Profile]]:
+    return _stored(cache_dir, _load_profile, "profile")
+
+
+def cached_on_rank0(
+    rank: int, options: ProfileOptions, keys: Mapping[Hashable, Any], find: Callable, to_dict: Callable
+) -> dict[Any, dict[str, Any]]:
+    """What `find` finds in ``options.cache_dir`` for each of `keys` (what -> key), as dicts: read by rank 0
+    ({} on the other ranks, and with ``options.force``)."""
+    if rank != 0 or options.force:
+        return {}
+    found = {what: find(options.cache_dir, key) for what, key in keys.items()}
+    return {what: to_dict(profile) for what, profile in found.items() if profile is not None}
 
 
 def find_cached_profile(cache_dir: str | Path, key: ProfileKey) -> Profile | None:
@@ -140,12 +163,13 @@ def find_cached_profile(cache_dir: str | Path, key: ProfileKey) -> Profile | Non
 def profile_file_name(profile: Profile) -> str:
     """A readable file name, e.g. ``gpt-a1b2c3d4-A100-80GB-zero2.json`` (``-ckpt`` with activation
     checkpointing, ``-offload`` with optimizer offload; never parsed)."""
+    levers = ("-ckpt" if profile.activation_checkpointing else "") + ("-offload" if profile.optimizer_offload else "")
+    return _file_name(profile, levers)
+
+
+def _file_name(profile: Profile | LayerProfile, levers: str = "") -> str:
     fingerprint = profile.model.fingerprint.split(":")[-1][:8]
-    stem = f"{profile.model.name}-{fingerprint}-{profile.device_type}-zero{profile.zero_stage}"
-    if profile.activation_checkpointing:
-        stem += "-ckpt"
-    if profile.optimizer_offload:
-        stem += "-offload"
+    stem = f"{profile.model.name}-{fingerprint}-{profile.device_type}-zero{profile.zero_stage}{levers}"
     return re.sub(r"[^A-Za-z0-9._-]+", "_", stem) + ".json"
 
 
@@ -156,13 +180,10 @@ def store_profile(cache_dir: str | Path, profile: Profile) -> Path:
     activation checkpointing, model fingerprint) in a directory, so a stored profile
     with that key (another world size, library version, ...) is replaced, in its own file.
     """
-    cache_dir = Path(cache_dir)
-    target = cache_dir / profile_file_name(profile)
     key = (*profile.key, profile.model.fingerprint)
-    for path, stored in _stored_profiles(cache_dir):
-        if (*stored.key, stored.model.fingerprint) == key:
-            target = path
-            break
+    stored = _stored_profiles(Path(cache_dir))
+    target = next((p for p, s in stored if (*s.key, s.model.fingerprint) == key), None)
+    target = target or Path(cache_dir) / profile_file_name(profile)
     save_profile(profile, target)
     return target
 
@@ -209,14 +230,7 @@ class LayerProfileKey:
 
 
 def _stored_layer_profiles(cache_dir: Path) -> list[tuple[Path, LayerProfile]]:
-    directory = layer_profiles_dir(cache_dir)
-    found: list[tuple[Path, LayerProfile]] = []
-    for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
-        try:
-            found.append((path, load_layer_profile(path)))
-        except FormatError as exc:
-            warnings.warn(f"profile cache: ignoring a file that is not a valid layer profile: {exc}", stacklevel=3)
-    return found
+    return _stored(layer_profiles_dir(cache_dir), load_layer_profile, "layer profile")
 
 
 def find_cached_layer_profile(cache_dir: str | Path, key: LayerProfileKey) -> LayerProfile | None:
@@ -230,17 +244,10 @@ def store_layer_profile(cache_dir: str | Path, profile: LayerProfile) -> Path:
 
     The search reads one layer profile per (device type, ZeRO stage) of one model, so a
     stored one with those (measured at other sizes, another library version) is replaced."""
-    fingerprint = profile.model.fingerprint.split(":")[-1][:8]
-    stem = f"{profile.model.name}-{fingerprint}-{profile.device_type}-zero{profile.zero_stage}"
-    target = layer_profiles_dir(cache_dir) / (re.sub(r"[^A-Za-z0-9._-]+", "_", stem) + ".json")
-    for path, stored in _stored_layer_profiles(Path(cache_dir)):
-        if (stored.device_type, stored.zero_stage, stored.model.fingerprint) == (
-            profile.device_type,
-            profile.zero_stage,
-            profile.model.fingerprint,
-        ):
-            target = path
-            break
+    key = (profile.device_type, profile.zero_stage, profile.model.fingerprint)
+    stored = _stored_layer_profiles(Path(cache_dir))
+    target = next((p for p, s in stored if (s.device_type, s.zero_stage, s.model.fingerprint) == key), None)
+    target = target or layer_profiles_dir(cache_dir) / _file_name(profile)
     target.parent.mkdir(parents=True, exist_ok=True)
     save_layer_profile(profile, target)
     return target

@@ -153,17 +153,12 @@ class LayerMeasurement:
     device: torch.device = torch.device("cpu")
 
 
-def _split_batch(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    return batch, None
-
-
-def _to(value: Any, device: torch.device) -> Any:
+def _map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """`value` with `function` applied to every tensor in it (tensors nested in tuples and lists)."""
     if torch.is_tensor(value):
-        return value.to(device)
+        return function(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
+        return type(value)(_map_tensors(function, v) for v in value)
     return value
 
 
@@ -175,24 +170,10 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _stage_input(value: Any) -> Any:
-    """What a layer's forward gets: a copy of the received activation, so that an in-place first operation
-    (``ReLU(inplace=True)``) works, as it does on DeepSpeed's stages, whose input is not a leaf there."""
-    if torch.is_tensor(value):
-        return value.clone() if value.requires_grad else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_stage_input(v) for v in value)
-    return value
-
-
-def _detached_input(value: Any) -> Any:
+def _received(tensor: torch.Tensor) -> torch.Tensor:
     """The activation a stage receives: a leaf, with a gradient where it is floating point."""
-    if torch.is_tensor(value):
-        leaf = value.detach()
-        return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached_input(v) for v in value)
-    return value
+    leaf = tensor.detach()
+    return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -211,11 +192,13 @@ class _LayerRun:
 def _run_layer(
     layer: nn.Module, inputs: Any, labels: Any, *, last: bool, loss_fn: PipelineLossFn | None, device: torch.device
 ) -> _LayerRun:
-    leaf = _detached_input(inputs)
+    leaf = _map_tensors(_received, inputs)
     parameter_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     kept: dict[int, int] = {}
 
-    stage_input = _stage_input(leaf)
+    # What the forward gets: a copy, so that an in-place first operation (``ReLU(inplace=True)``) works,
+    # as it does on DeepSpeed's stages, whose input is not a leaf there.
+    stage_input = _map_tensors(lambda t: t.clone() if t.requires_grad else t, leaf)
     # The copy stands for the received activation: saved, it is the input the stage keeps anyway.
     same_as_input = {
         copied.untyped_storage().data_ptr(): received.untyped_storage().data_ptr()
@@ -251,16 +234,8 @@ def _run_layer(
     # A stage keeps the activation it received until its backward: the layer's input counts.
     for t in _tensors(leaf):
         kept[t.untyped_storage().data_ptr()] = max(kept.get(t.untyped_storage().data_ptr(), 0), _nbytes([t]))
-    output = _to(result["output"], device)
-    return _LayerRun(time_s=time_s, kept_bytes=sum(kept.values()), output=_detach(output))
-
-
-def _detach(value: Any) -> Any:
-    if torch.is_tensor(value):
-        return value.detach()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detach(v) for v in value)
-    return value
+    output = _map_tensors(lambda t: t.to(device).detach(), result["output"])
+    return _LayerRun(time_s=time_s, kept_bytes=sum(kept.values()), output=output)
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter]) -> int:
@@ -288,8 +263,8 @@ def measure_layers(
     output_per_sample = [0] * len(layers)
     factor = max(1.0, slowdown)
     for b in measurement.micro_batch_sizes:
-        inputs, labels = _split_batch(measurement.make_batch(b))
-        inputs, labels = _to(inputs, device), _to(labels, device)
+        batch = _map_tensors(lambda t: t.to(device), measurement.make_batch(b))
+        inputs, labels = batch if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
         for step in range(measurement.warmup_micro_steps + measurement.repeats):
             x = inputs
             for index, layer in enumerate(layers):

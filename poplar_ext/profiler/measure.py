@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -26,7 +27,7 @@ from poplar_ext.hardware.emulation import (
 )
 from poplar_ext.hardware.memory import MeasuredPeak, allocated_device_bytes, is_out_of_memory, release_memory
 from poplar_ext.hardware.optimizer_window import optimizer_compute_window
-from poplar_ext.plan.formats import Sample
+from poplar_ext.plan.formats import Sample, read_json
 from poplar_ext.profiler.layout import JobLayout
 from poplar_ext.profiler.options import LossFn, ProfileOptions
 from poplar_ext.profiler.sizes import LargestFitSearch, dense_sizes
@@ -112,6 +113,16 @@ def stage_ds_config(ds_config: Mapping[str, Any], *, zero_stage: int, world_size
     config["wall_clock_breakdown"] = False
     config["steps_per_print"] = 2**31 - 1
     return config
+
+
+def read_ds_config(ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
+    """The DeepSpeed config: a mapping as it is, a file read; ValueError unless a JSON object."""
+    if isinstance(ds_config, Mapping):
+        return ds_config
+    data = read_json(ds_config)
+    if not isinstance(data, dict):
+        raise ValueError(f"ds_config: expected a JSON object, found {type(data).__name__}")
+    return data
 
 
 def training_dtype(ds_config: Mapping[str, Any]) -> str:
@@ -270,10 +281,13 @@ class StageMeasurement:
         """Own time of one non-boundary micro-step, in seconds (as training spends it with `as_training`)."""
         if self.settings.as_training:
             return self._micro_step_as_trained(size)
-        elapsed_s = self._time_compute_window(size)
+        return self._time_compute_window(size) * self._slowdown
+
+    @property
+    def _slowdown(self) -> float:
+        """This rank's emulated slowdown (1.0 for a real device; never below 1)."""
         emulation = self.layout.emulations[self.layout.my_type]
-        slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
-        return elapsed_s * slowdown
+        return 1.0 if emulation is None else max(1.0, emulation.slowdown)
 
     @property
     def window(self) -> ComputeWindow:
@@ -372,15 +386,7 @@ class StageMeasurement:
             return False
         my_type = self.layout.my_type
         measured = my_type in records and not records[my_type].warmup_failed
-        flag, peak = _OK, 0
-        try:
-            with MeasuredPeak(self.layout.device) as measured_peak:
-                self._micro_step(1, boundary=True)
-            peak = self._device_bytes(measured_peak.bytes)
-            if measured:
-                check_emulated_memory(self.layout.emulations[my_type], peak, device_type=my_type)
-        except Exception as exc:  # noqa: BLE001 - classified; every rank must reach the agreement
-            flag = self._classify(exc)
+        flag, peak = self._memory_micro_step(1, measured, boundary=True)
         flags, peaks, real_oom = self._agree(flag, peak, measured=True)
         for t, record in records.items():
             if flags[t] != _OK:
@@ -449,14 +455,14 @@ class StageMeasurement:
                 own_times.append(elapsed_s)
         return flag, peak, own_times
 
-    def _memory_micro_step(self, size: int, measured: bool) -> tuple[int, int]:
+    def _memory_micro_step(self, size: int, measured: bool, *, boundary: bool = False) -> tuple[int, int]:
         """One micro-step whose peak memory is measured: (flag, peak bytes); an emulated type over its
         memory is flagged (`check_emulated_memory`)."""
         my_type = self.layout.my_type
         peak = 0
         try:
             with MeasuredPeak(self.layout.device) as measured_peak:
-                self._micro_step(size, boundary=False)
+                self._micro_step(size, boundary=boundary)
             peak = self._device_bytes(measured_peak.bytes)
             if measured:
                 check_emulated_memory(self.layout.emulations[my_type], peak, device_type=my_type)
@@ -536,9 +542,7 @@ class StageMeasurement:
         boundary backward minus an ordinary backward; the optimizer step is timed
         alone (an emulated type's lasts slowdown x its compute time, as in training).
         """
-        device = self.layout.device
-        emulation = self.layout.emulations[self.layout.my_type]
-        slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
+        device, slowdown = self.layout.device, self._slowdown
 
         def timed(block: Callable[[], None]) -> tuple[float, float]:
             barrier()

@@ -117,34 +117,17 @@ def _scopes(layout: JobLayout, message_bytes: tuple[int, ...], warmup: int, repe
     leaders = [ranks[0] for ranks in nodes]
     *node_groups, leader_group = new_groups([*nodes, leaders])
     mine = next(index for index, ranks in enumerate(nodes) if layout.rank in ranks)
+
+    def scope(group: Any, size: int, timed: bool) -> NetworkScope:
+        fits = _fits(layout, message_bytes, warmup, repeats, group=group, timed=timed, group_size=size)
+        return NetworkScope(group_size=size, collectives=fits)
+
     largest = max(len(ranks) for ranks in nodes)
     if largest >= 2:
         # Every node is timed at once; with nodes of several sizes the fit is the largest's
         # (the slowest rank's times count).
-        scopes["within_node"] = NetworkScope(
-            group_size=largest,
-            collectives=_fits(
-                layout,
-                message_bytes,
-                warmup,
-                repeats,
-                group=node_groups[mine],
-                timed=len(nodes[mine]) >= 2,
-                group_size=largest,
-            ),
-        )
-    scopes["between_nodes"] = NetworkScope(
-        group_size=len(nodes),
-        collectives=_fits(
-            layout,
-            message_bytes,
-            warmup,
-            repeats,
-            group=leader_group,
-            timed=layout.rank in leaders,
-            group_size=len(nodes),
-        ),
-    )
+        scopes["within_node"] = scope(node_groups[mine], largest, timed=len(nodes[mine]) >= 2)
+    scopes["between_nodes"] = scope(leader_group, len(nodes), timed=layout.rank in leaders)
     destroy_groups([*node_groups, leader_group], [*nodes, leaders], layout.rank)
     return scopes
 
