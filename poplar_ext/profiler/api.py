@@ -66,7 +66,7 @@ from poplar_ext.profiler.measure import (
     training_dtype,
 )
 from poplar_ext.profiler.network import DEFAULT_MESSAGE_BYTES, cached_or_measured_network, message_sizes
-from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, Progress, log_progress
+from poplar_ext.profiler.options import CHECKPOINTING_MODES, NO_OPTIMIZER, ProfileOptions, Progress, log_progress
 from poplar_ext.search.cost import included_communication
 from poplar_ext.search.model_states import (
     DTYPE_BYTES,
@@ -96,13 +96,13 @@ class _ProgressReporter:
         if self.sink is not None and self.layout.rank == 0:
             self.sink(line)
 
-    def stage_started(self, stage: int, types: Iterable[str], *, title: str | None = None) -> None:
+    def stage_started(self, title: str, types: Iterable[str]) -> None:
         if not self.started_at:
             self.started_at = time.monotonic()
         self.stages_left -= 1
         self.stage_trials = 0
         labels = ", ".join(device_label(t, self.layout.emulations[t]) for t in types)
-        self.say(f"{title or f'ZeRO-{stage}'}: measuring {labels}")
+        self.say(f"{title}: measuring {labels}")
 
     def stage_finished(self) -> None:
         self.trials_per_stage = (
@@ -120,8 +120,7 @@ class _ProgressReporter:
 
 
 def trial_outcome_text(event: TrialEvent) -> str:
-    """Each size a trial ran, whether it fitted (with its peak) or ran out of memory, and what a
-    rebuild left: ``A100-80GB micro-batch 64: peak 41.2 GiB``."""
+    """Each size a trial ran and its outcome, and what a rebuild left: ``A100-80GB micro-batch 64: peak 41.2 GiB``."""
     parts = []
     for device_type, size in event.sizes.items():
         if device_type not in event.fits:
@@ -138,22 +137,14 @@ def trial_outcome_text(event: TrialEvent) -> str:
 
 
 def profile_model(**options: Any) -> list[Profile]:
-    """Profiles of every device type in the job at every stage of `zero_stages` (collective).
+    """Profiles of every device type in the job at every stage of `zero_stages` (collective: every rank calls
+    it alike and gets the same list, stage by stage in job order of device types).
 
-    Every rank calls it with the same arguments. For each (device type, stage) a
-    cached profile in `cache_dir` with the same keys is returned as it is (unless
-    `force`); the others are measured and written there by rank 0. Returns the same
-    list, stage by stage in job order of device types, on every rank.
-
-    Its keywords are `ProfileOptions`' fields, each saying what it means, its type and its
-    default (`poplar_ext.profiler.options`); its signature is theirs.
-
-    On CPU it measures with one torch thread and glibc's steady allocator
-    (`poplar_ext.hardware.cpu_process`), and on return gives the previous thread
-    count back and leaves glibc's default thresholds (`memory.default_cpu_allocator`).
-
-    With a pipeline model (see `ProfileOptions.per_layer`) it writes layer profiles
-    (``<cache_dir>/layers/``, `poplar_ext.profiler.per_layer.profile_layers`) and returns [].
+    Its keywords are `ProfileOptions`' fields (its signature is theirs). A cached profile with the same
+    keys is returned as it is (unless `force`); the others are measured and written by rank 0. On CPU it
+    measures with one torch thread and glibc's steady allocator, and gives back the thread count and
+    glibc's default thresholds after. A pipeline model (`ProfileOptions.per_layer`) gets layer profiles
+    (``<cache_dir>/layers/``) and [] is returned.
     """
     return profile_with(ProfileOptions(**options))
 
@@ -245,10 +236,7 @@ def _read_ds_config(options: ProfileOptions) -> Mapping[str, Any]:
     if "optimizer" not in ds_config and options.optimizer_factory is None:
         # DeepSpeed would stop at its first engine with a bare "must provide optimizer" assertion.
         config_name = "ds_config" if isinstance(options.ds_config, Mapping) else str(options.ds_config)
-        raise ValueError(
-            f"{config_name}: optimizer: expected an 'optimizer' section (the optimizer training uses: its step is "
-            "part of every profile), found none; add one, or pass optimizer_factory to profile_model"
-        )
+        raise ValueError(f"{config_name}: {NO_OPTIMIZER}; add one, or pass optimizer_factory to profile_model")
     return ds_config
 
 
@@ -305,7 +293,7 @@ class _Session:
     """The network measured (or found) for this cluster: what the profiles' times hold is priced by it."""
 
     def model_states(self, run: _Run) -> ModelStates:
-        """Every rank's static memory in `run` (`poplar_ext.search.model_states`): the same on all ranks."""
+        """Every rank's static memory in `run` (`poplar_ext.search.model_states`)."""
         return model_states(
             num_parameters=self.model.num_parameters,
             num_trainable_parameters=self.trainable_parameters,
@@ -466,7 +454,7 @@ def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _Pro
     too_small = _types_too_small(session, run)
     if too_small:
         return _skipped_run(session, run, to_measure, too_small, reporter)
-    reporter.stage_started(run.zero_stage, to_measure, title=run.title)
+    reporter.stage_started(run.title, to_measure)
     started = time.monotonic()
     results = StageMeasurement(
         layout=layout,
@@ -498,10 +486,8 @@ def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _Pro
 
 def _types_too_small(session: _Session, run: _Run) -> dict[str, str]:
     """Real device type -> why it cannot hold `run`'s model states, for every type of the job (each rank
-    builds the engine). Decided alike on every rank from the layout's agreed capacities, before an
-    engine whose build (collectives inside) could run out of memory on some ranks only. Emulated types
-    are left to the measurement: their capacity is checked after each step, no rank runs out, and the
-    other types are still measured."""
+    builds the engine): decided alike on every rank from the agreed capacities, before an engine whose
+    build could run out of memory on some ranks only. Emulated types are left to the measurement."""
     states = session.model_states(run)
     layout = session.layout
     return {
@@ -514,9 +500,8 @@ def _types_too_small(session: _Session, run: _Run) -> dict[str, str]:
 def _skipped_run(
     session: _Session, run: _Run, to_measure: tuple[str, ...], too_small: dict[str, str], reporter: _ProgressReporter
 ) -> _Produced:
-    """A run no engine is built for: a type too small gets a profile that fits nothing (the search
-    then knows), its reason in ``largest_micro_batch_probe.skipped``; the other types are not profiled
-    (their ranks cannot run the stage without the small type's)."""
+    """A run no engine is built for: a type too small gets a profile that fits nothing (its reason in
+    ``largest_micro_batch_probe.skipped``); the other types are not profiled."""
     reason = "; ".join(f"{t}: {why}" for t, why in too_small.items())
     reporter.stages_left -= 1  # counted among the stages to measure
     reporter.say(f"{run.title}: skipped, no engine built: {reason}")
@@ -599,18 +584,11 @@ def time_micro_steps(
     activation_checkpointing: bool = False,
     optimizer_offload: bool = False,
 ) -> dict[str, dict[int, float]]:
-    """Device type -> micro-batch size -> median micro-step time, timed as training runs them (collective).
+    """Device type -> micro-batch size -> median micro-step time over its ranks, for calibration (collective).
 
-    For calibration (`poplar_ext.profiler.calibration`): one engine at `zero_stage` with the given
-    memory levers, built from `options` as profiling builds it; every rank runs its type's sizes
-    (`sizes`) at once, an emulated rank padded to its slowdown and timed by wall clock
-    (`MeasureSettings.as_training`); `options.warmup_micro_steps` then `options.repeats` per size.
-    Each type's time is the median over its ranks. The same dict on every rank.
-
-    At ZeRO-2/3 a micro-step's wall time holds its collectives, in which a fast type waits for a
-    slow one: there micro-steps are timed as profiling times them (`calibration.timed_as_training`:
-    thread CPU time x slowdown on CPU, which sees another machine's speed but not waiting for a
-    core; on CUDA one type at a time), the window of the profile they are compared with.
+    One engine at `zero_stage` with the given memory levers, built as profiling builds it; every rank
+    runs its type's `sizes`, timed as training runs them where no collective is waited in
+    (`calibration.timed_as_training`), else as profiling times them. The same dict on every rank.
     """
     options, settings = _checked(dataclasses.replace(options, zero_stages=(zero_stage,)))
     device = join_job()

@@ -1,10 +1,7 @@
 """The profile cache: a directory of profile JSON files, looked up by what is inside them.
 
-A profile is reused when every key that decides its numbers matches (`ProfileKey`):
-model fingerprint, device type (and its emulation), ZeRO stage, activation
-checkpointing, world size, dtype,
-sequence length, torch and DeepSpeed versions, and the DeepSpeed settings that change
-speed or memory. File names are for people only; lookups never parse them.
+A profile is reused when every key that decides its numbers matches (`ProfileKey`, `LayerProfileKey`).
+File names are for people only; lookups never parse them.
 """
 
 from __future__ import annotations
@@ -174,12 +171,8 @@ def _file_name(profile: Profile | LayerProfile, levers: str = "") -> str:
 
 
 def store_profile(cache_dir: str | Path, profile: Profile) -> Path:
-    """Write `profile` atomically into `cache_dir` and return its path.
-
-    `search.formats.load_profiles` allows one profile per (device type, ZeRO stage,
-    activation checkpointing, model fingerprint) in a directory, so a stored profile
-    with that key (another world size, library version, ...) is replaced, in its own file.
-    """
+    """Write `profile` atomically into `cache_dir` and return its path; a stored one with the same
+    `Profile.key` and model (the search loads one per directory) is replaced, in its own file."""
     key = (*profile.key, profile.model.fingerprint)
     stored = _stored_profiles(Path(cache_dir))
     target = next((p for p, s in stored if (*s.key, s.model.fingerprint) == key), None)
@@ -240,10 +233,8 @@ def find_cached_layer_profile(cache_dir: str | Path, key: LayerProfileKey) -> La
 
 
 def store_layer_profile(cache_dir: str | Path, profile: LayerProfile) -> Path:
-    """Write `profile` atomically into ``cache_dir/layers/`` and return its path.
-
-    The search reads one layer profile per (device type, ZeRO stage) of one model, so a
-    stored one with those (measured at other sizes, another library version) is replaced."""
+    """Write `profile` atomically into ``cache_dir/layers/`` and return its path; a stored one of the same
+    device type, stage and model (the search reads one) is replaced."""
     key = (profile.device_type, profile.zero_stage, profile.model.fingerprint)
     stored = _stored_layer_profiles(Path(cache_dir))
     target = next((p for p, s in stored if (s.device_type, s.zero_stage, s.model.fingerprint) == key), None)

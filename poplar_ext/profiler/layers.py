@@ -72,9 +72,8 @@ class CallableLayer(nn.Module):
 
 
 class TiedUse(nn.Module):
-    """One use of a tied module (a TiedLayerSpec) as a layer the profiler can time: the module, called
-    through the spec's ``forward_fn`` where it has one. Its parameters count for every use: each
-    stage holding a use holds the module (and its gradient and optimizer state)."""
+    """One use of a tied module (a TiedLayerSpec), called through the spec's ``forward_fn`` where it has one;
+    its parameters count for every use (each stage holding one holds the module)."""
 
     def __init__(self, module: nn.Module, forward_fn: Callable[..., Any] | None) -> None:
         super().__init__()
@@ -132,8 +131,7 @@ def layers_fingerprint(pipeline: PipelineLayers) -> str:
 
 
 def layer_micro_batch_sizes(micro_batch_sizes: Sequence[int] | None, micro_batch_size_limit: int) -> tuple[int, ...]:
-    """The sizes layers are timed at: the given ones, else `dense_sizes` up to the smaller of the
-    limit and `DEFAULT_LARGEST_LAYER_MICRO_BATCH`."""
+    """The given sizes, else `dense_sizes` up to the limit or `DEFAULT_LARGEST_LAYER_MICRO_BATCH`."""
     if micro_batch_sizes is not None:
         return tuple(sorted(set(micro_batch_sizes)))
     return tuple(dense_sizes(min(micro_batch_size_limit, DEFAULT_LARGEST_LAYER_MICRO_BATCH)))
@@ -251,10 +249,8 @@ def measure_layers(
     *,
     slowdown: float = 1.0,
 ) -> list[dict[str, Any]]:
-    """Each layer's `LayerCost` fields (as a dict), measured in this process (not collective).
-
-    Times are multiplied by `slowdown` (an emulated type's: at least 1, as the emulation
-    never speeds up real compute)."""
+    """Each layer's `LayerCost` fields (as a dict), measured in this process (not collective); times x
+    `slowdown` (an emulated type's; at least 1)."""
     device = measurement.device
     layers = [builder().to(device) for builder in pipeline.builders]
     last = len(layers) - 1

@@ -1,8 +1,7 @@
-"""`profile_layers`: every device type of the job measured layer by layer (collective), written to
-``<profiles>/layers/``.
+"""`profile_layers`: every device type of the job measured layer by layer (collective), in ``<profiles>/layers/``.
 
-The per-layer counterpart of `poplar_ext.profiler.api.profile_with`, with the same `ProfileOptions`.
-See profiles/README.md ("Layer profile") and docs/profiling.md.
+The per-layer counterpart of `profile_with`, with the same `ProfileOptions`. See profiles/README.md
+("Layer profile") and docs/profiling.md.
 """
 
 from __future__ import annotations
@@ -71,13 +70,10 @@ def optimizer_factory_from_config(ds_config: Mapping[str, Any]) -> Callable[[lis
 def profile_layers(
     options: ProfileOptions, *, model: Any = None, device_types: Collection[str] | None = None
 ) -> list[LayerProfile]:
-    """Layer profiles of every device type in the job at ZeRO stages 0/1 of `options.zero_stages` (collective).
+    """Layer profiles of every device type (or of `device_types`) at ZeRO stages 0/1 of `options.zero_stages`.
 
-    `model` is what `options.model_factory` builds (built here when None): a
-    PipelineModule, a list of LayerSpecs or modules, or an ``nn.Sequential``. Cached
-    profiles in ``options.cache_dir/layers/`` with the same keys are reused (unless
-    `options.force`). Returns the same list, stage by stage in job order of device types,
-    on every rank. `device_types`: only those (default: every type of the job).
+    Collective; the same list on every rank, stage by stage in job order of device types. `model`: what
+    `options.model_factory` builds (built here when None). Cached ones with the same keys are reused.
     """
     import deepspeed
 
