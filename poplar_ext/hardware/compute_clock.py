@@ -178,15 +178,3 @@ class CudaEventTimer:
     def busy_time_s(self, value: float) -> None:
         self._windows.clear()
         self._summed_s = value
-
-
-__all__ = [
-    "Clock",
-    "ComputeSpan",
-    "ComputeTimer",
-    "ComputeWindow",
-    "CudaEventTimer",
-    "clock_now",
-    "compute_window",
-    "time_compute",
-]

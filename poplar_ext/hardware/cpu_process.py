@@ -45,6 +45,3 @@ def skip_deepspeed_shm_op() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__[DEEPSPEED_SHM_OP] = False
-
-
-__all__ = ["DEEPSPEED_SHM_OP", "cpu_threads", "limit_cpu_threads", "skip_deepspeed_shm_op"]

@@ -232,21 +232,3 @@ def _launcher_local_rank() -> int:
         return int(text)
     except ValueError:
         raise ValueError(f"LOCAL_RANK: expected an integer >= 0, found {text!r}") from None
-
-
-__all__ = [
-    "CPU_DEVICE_TYPE",
-    "LAUNCHER_LOCAL_RANK_VARIABLE",
-    "cuda_device_index",
-    "declared_type_problem",
-    "join_job",
-    "select_job_device",
-    "DEVICE_NAME_TABLE",
-    "DeviceNameRule",
-    "UnknownDeviceWarning",
-    "fallback_device_type",
-    "hardware_description",
-    "hardware_device_type",
-    "mig_slice",
-    "normalize_device_name",
-]

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from poplar_ext.hardware.devices import (
-    CPU_DEVICE_TYPE,
     declared_type_problem,
     hardware_description,
     hardware_device_type,
@@ -268,21 +267,3 @@ def discover_cluster() -> Cluster:
     from poplar_ext.hardware.devices import join_job
 
     return cluster_from_facts(gather_device_facts(join_job()))
-
-
-__all__ = [
-    "CPU_DEVICE_TYPE",
-    "DeviceFacts",
-    "BF16_MIN_CAPABILITY",
-    "agreed_cluster",
-    "check_device_support",
-    "cluster_from_facts",
-    "cluster_mismatches",
-    "discover_cluster",
-    "gather_device_facts",
-    "has_kernels_for",
-    "local_device_facts",
-    "local_node_key",
-    "memory_capacity_bytes",
-    "node_key",
-]

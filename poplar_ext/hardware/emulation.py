@@ -384,29 +384,3 @@ def warn_on_overrun(timer: ComputeSlowdown | None, *, rank: int) -> bool:
         timer.overrun_s,
     )
     return True
-
-
-__all__ = [
-    "LEARNED_BLOCKS",
-    "OPTIMIZER_STEP_KEY",
-    "OVERRUN_WARNING_SHARE",
-    "ComputeSlowdown",
-    "SteadyReference",
-    "PIPELINE_BACKWARD_KEY",
-    "PIPELINE_FORWARD_KEY",
-    "PIPELINE_OPTIMIZER_KEY",
-    "micro_step_key",
-    "pipeline_reference",
-    "steady_reference",
-    "warn_on_overrun",
-    "EmulatedOutOfMemoryError",
-    "EmulationRangeWarning",
-    "check_emulated_memory",
-    "check_emulation_range",
-    "core_demand",
-    "node_slowdowns",
-    "device_label",
-    "emulation_for_rank",
-    "host_resident_optimizer_bytes",
-    "scheduled_slowdown",
-]

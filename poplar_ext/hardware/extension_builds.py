@@ -60,6 +60,3 @@ def check_extension_build_locks(*, root: Path | None = None, stale_after_s: floa
             f"forever. If no other job is building these extensions now, remove them (rm {commands}) and start "
             "again; the next start builds the extension anew"
         )
-
-
-__all__ = ["STALE_AFTER_S", "check_extension_build_locks", "extension_build_locks"]

@@ -206,21 +206,3 @@ def allocated_device_bytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return int(torch.cuda.memory_allocated(device))
-
-
-__all__ = [
-    "MeasuredPeak",
-    "allocated_device_bytes",
-    "cpu_peak_supported",
-    "default_cpu_allocator",
-    "device_overhead_bytes",
-    "OUT_OF_MEMORY_MESSAGES",
-    "is_out_of_memory",
-    "non_torch_bytes",
-    "peak_memory_bytes",
-    "physical_memory_bytes",
-    "release_memory",
-    "reset_peak_memory",
-    "resident_memory_bytes",
-    "steady_cpu_allocator",
-]

@@ -57,6 +57,3 @@ def optimizer_compute_window(optimizer: Any, *, start: Callable[[], None], stop:
         else:
             optimizer._optimizer_step = own
         close()  # an update that raised, or a step that skipped groups, leaves no window open
-
-
-__all__ = ["optimizer_compute_window"]

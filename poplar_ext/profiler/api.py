@@ -66,7 +66,7 @@ from poplar_ext.profiler.measure import (
     training_dtype,
 )
 from poplar_ext.profiler.network import DEFAULT_MESSAGE_BYTES, cached_or_measured_network, message_sizes
-from poplar_ext.profiler.options import CHECKPOINTING_MODES, NO_OPTIMIZER, ProfileOptions, Progress, log_progress
+from poplar_ext.profiler.options import CHECKPOINTING_MODES, NO_OPTIMIZER, ProfileOptions, Progress
 from poplar_ext.search.cost import included_communication
 from poplar_ext.search.model_states import (
     DTYPE_BYTES,
@@ -613,13 +613,3 @@ def time_micro_steps(
         for size, time_s in times.items():
             by_type.setdefault(device_type, {}).setdefault(size, []).append(time_s)
     return {t: {size: statistics.median(v) for size, v in per.items()} for t, per in by_type.items()}
-
-
-__all__ = [
-    "ProfileOptions",
-    "log_progress",
-    "profile_model",
-    "profile_with",
-    "time_micro_steps",
-    "training_dtype",
-]

@@ -177,12 +177,3 @@ def missing_profiles_measurer(
 
     measure.time_at_sizes = time_at_sizes  # type: ignore[attr-defined]  # the same inputs, for calibration
     return measure
-
-
-__all__ = [
-    "MeasureMissing",
-    "TimeAtSizes",
-    "batches_of",
-    "missing_layer_profiles_measurer",
-    "missing_profiles_measurer",
-]

@@ -242,15 +242,3 @@ def store_layer_profile(cache_dir: str | Path, profile: LayerProfile) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     save_layer_profile(profile, target)
     return target
-
-
-__all__ = [
-    "LayerProfileKey",
-    "ProfileKey",
-    "ds_config_fingerprint",
-    "find_cached_layer_profile",
-    "find_cached_profile",
-    "profile_file_name",
-    "store_layer_profile",
-    "store_profile",
-]

@@ -139,22 +139,3 @@ def plan_sizes(plans: list[Plan]) -> dict[str, list[int]]:
 def with_calibration(plan: Plan, checks: Mapping[str, CalibrationCheck]) -> Plan:
     """`plan` recording what calibration did to each of its device types' profiles."""
     return dataclasses.replace(plan, calibration={t: c.to_dict() for t, c in sorted(checks.items())})
-
-
-__all__ = [
-    "CALIBRATION_ACTIONS",
-    "NOT_CHECKED",
-    "REMEASURED",
-    "RESCALED",
-    "TRUSTED",
-    "CalibrationCheck",
-    "apply_checks",
-    "check_profiles",
-    "measured_over_profiled",
-    "outcome_for",
-    "plan_sizes",
-    "profiled_time_s",
-    "rescaled_profile",
-    "timed_as_training",
-    "with_calibration",
-]

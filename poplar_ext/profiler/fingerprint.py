@@ -35,6 +35,3 @@ def model_description(model: nn.Module) -> dict[str, Any]:
 def model_fingerprint(model: nn.Module) -> str:
     """Stable short hash of `model`'s architecture (classes, parameter names, shapes, dtypes)."""
     return content_fingerprint(model_description(model))
-
-
-__all__ = ["model_description", "model_fingerprint"]

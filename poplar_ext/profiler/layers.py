@@ -346,17 +346,3 @@ def layer_profile(
             **provenance,
         },
     )
-
-
-__all__ = [
-    "DEFAULT_LARGEST_LAYER_MICRO_BATCH",
-    "LayerMeasurement",
-    "PipelineLayers",
-    "base_memory_bytes",
-    "is_pipeline_model",
-    "layer_micro_batch_sizes",
-    "layer_profile",
-    "layers_fingerprint",
-    "measure_layers",
-    "pipeline_layers",
-]

@@ -93,6 +93,3 @@ def build_layout(cluster: Cluster | str | os.PathLike[str] | None, device: torch
         hardware=hardware,
         hosts=hosts,
     )
-
-
-__all__ = ["JobLayout", "build_layout"]

@@ -689,16 +689,3 @@ def place_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
 
 class _StageAbandoned(Exception):
     """A real device cannot run micro-batch 1 at this stage: nothing more can be measured."""
-
-
-__all__ = [
-    "MeasureSettings",
-    "StageMeasurement",
-    "TrialEvent",
-    "TypeStageResult",
-    "default_loss",
-    "loss_of",
-    "move_to_device",
-    "place_model",
-    "stage_ds_config",
-]

@@ -215,6 +215,3 @@ class ProfileOptions:
     minutes through NCCL's asynchronous error handling; None (0 on the command line) keeps the
     groups' own. It must exceed the longest trial of the slowest device type (the other ranks wait
     that long in its agreement)."""
-
-
-__all__ = ["CHECKPOINTING_MODES", "LossFn", "ProfileOptions", "Progress", "at_least", "log_progress", "read_callable"]

@@ -171,6 +171,3 @@ def profile_layers(
             produced[(t, stage)] = layer_profile_to_dict(profile)
     produced = broadcast_from_rank0(produced if layout.rank == 0 else None)
     return [layer_profile_from_dict(produced[w], source=f"<layer profile {w[0]} ZeRO-{w[1]}>") for w in wanted]
-
-
-__all__ = ["optimizer_factory_from_config", "profile_layers"]

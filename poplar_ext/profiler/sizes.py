@@ -129,6 +129,3 @@ class LargestFitSearch:
     def limited_by_limit(self) -> bool:
         """True when the result is the size limit, not the device's memory."""
         return self.largest_fitting >= self.limit
-
-
-__all__ = ["LargestFitSearch", "MemoryFit", "dense_sizes", "fit_memory"]
