@@ -18,7 +18,6 @@ import torch
 _PROC_STATUS = Path("/proc/self/status")
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 
-
 OUT_OF_MEMORY_MESSAGES: tuple[str, ...] = (
     # CUDA's caching allocator, the runtime ("CUDA error: out of memory") and NCCL
     # ("Cuda failure 2 'out of memory'") word it the same way.
@@ -68,8 +67,6 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX_BYTES = 32 * 2**20  # glibc refuses larger values on 64-bit
 _TRIM_THRESHOLD_BYTES = 2**30
-
-
 _DEFAULT_THRESHOLD_BYTES = 128 * 2**10  # glibc's default for both
 
 

@@ -181,9 +181,6 @@ def store_profile(cache_dir: str | Path, profile: Profile) -> Path:
     return target
 
 
-# ----------------------------------------------------------------------------------
-# Layer profiles (<profiles>/layers/): the same rule, by what is inside them
-# ----------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class LayerProfileKey:
     """Everything that must match for a stored layer profile to stand for a new measurement."""

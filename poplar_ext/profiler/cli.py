@@ -223,15 +223,11 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
         raise UsageError("--checkpointing-toggle: not used with --activation-checkpointing off; leave one out")
     ds_config = _deepspeed_config(Path(args.deepspeed_config))
     model_factory, make_batch, name, sequence_length = _model(args)
-    fields = dataclasses.fields(ProfileOptions)
-    given = {f.name: getattr(args, f.name) for f in fields if f.metadata["cli"] is not None}
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ProfileOptions) if f.metadata["cli"] is not None}
+    given |= {"model_name": args.model_name or name, "sequence_length": sequence_length}
     return ProfileOptions(
-        **{
-            **given,
-            "model_name": args.model_name or name,
-            "sequence_length": sequence_length,
-            "progress": None if args.quiet else log_progress,
-        },
+        **given,
+        progress=None if args.quiet else log_progress,
         model_factory=model_factory,
         make_batch=make_batch,
         ds_config=ds_config,

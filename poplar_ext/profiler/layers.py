@@ -21,6 +21,7 @@ from poplar_ext.hardware.compute_clock import time_compute
 from poplar_ext.hardware.memory import resident_memory_bytes
 from poplar_ext.plan.formats import Emulation, ModelInfo
 from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerCost, LayerProfile, LayerSample
+from poplar_ext.profiler.options import ProfileOptions
 from poplar_ext.profiler.sizes import dense_sizes
 
 PipelineLossFn = Callable[[Any, Any], torch.Tensor]
@@ -146,8 +147,8 @@ class LayerMeasurement:
     convention; anything else is taken as inputs without labels)."""
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
     micro_batch_sizes: tuple[int, ...]
-    warmup_micro_steps: int = 1
-    repeats: int = 3
+    warmup_micro_steps: int = ProfileOptions.warmup_micro_steps
+    repeats: int = ProfileOptions.repeats
     device: torch.device = torch.device("cpu")
 
 
@@ -236,13 +237,6 @@ def _run_layer(
     return _LayerRun(time_s=time_s, kept_bytes=sum(kept.values()), output=output)
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter]) -> int:
-    """Gradients plus the optimizer's per-parameter state after a step, each tensor once."""
-    gradients = _nbytes([p.grad for p in parameters if p.grad is not None])
-    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return gradients + _nbytes(state)
-
-
 def measure_layers(
     pipeline: PipelineLayers,
     measurement: LayerMeasurement,
@@ -299,8 +293,10 @@ def _optimizer_figures(
     for p in parameters:
         p.grad = torch.zeros_like(p)
     steps = [time_compute(measurement.device, optimizer.step) for _ in range(measurement.repeats + 1)]
+    # Gradients plus the optimizer's per-parameter state after a step.
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return {
-        "optimizer_state_bytes": _optimizer_state_bytes(optimizer, parameters),
+        "optimizer_state_bytes": _nbytes([p.grad for p in parameters if p.grad is not None]) + _nbytes(state),
         "optimizer_step_time_s": statistics.median(steps[1:]) * factor,
     }
 

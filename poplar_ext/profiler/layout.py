@@ -71,14 +71,12 @@ def build_layout(cluster: Cluster | str | os.PathLike[str] | None, device: torch
     capacities: dict[str, int] = {}
     hardware: dict[str, str] = {}
     hosts: dict[str, str] = {}
-    for fact, t in zip(facts, rank_types):
+    for fact, t in zip(facts, rank_types):  # each type's first rank names its hardware and host
         capacity = memory_capacity_bytes(facts, fact.rank) - overheads[fact.rank]
-        if t not in emulations:
-            emulations[t] = agreed.emulation_of(t)
-            hardware[t] = fact.hardware
-            hosts[t] = fact.host
-            capacities[t] = capacity
-        capacities[t] = min(capacities[t], capacity)
+        emulations.setdefault(t, agreed.emulation_of(t))
+        hardware.setdefault(t, fact.hardware)
+        hosts.setdefault(t, fact.host)
+        capacities[t] = min(capacities.get(t, capacity), capacity)
     for t, emulation in emulations.items():
         if emulation is not None:
             capacities[t] = emulation.memory_capacity_bytes

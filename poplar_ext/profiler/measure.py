@@ -236,7 +236,6 @@ class StageMeasurement:
     _batches: dict[int, Any] = field(default_factory=dict, init=False)
     error: str | None = field(default=None, init=False)
 
-    # -- engine ------------------------------------------------------------------
     def _batch(self, size: int) -> Any:
         if size not in self._batches:
             # Only the last size is kept: batches of large sizes hold memory.
@@ -351,7 +350,6 @@ class StageMeasurement:
         flags["__unmeasured__"] = int(agreed[-2])
         return flags, peaks, any(v == _REAL_OOM for v in flags.values())
 
-    # -- trials --------------------------------------------------------------------
     def _start_engine(self, records: dict[str, _TypeRecord]) -> bool:
         """Build the engine and take one optimizer step at micro-batch 1 (collective): it allocates the
         optimizer state, in every later peak. A type whose boundary peak exceeds its emulated memory fits
@@ -501,8 +499,7 @@ class StageMeasurement:
             for t in group
             if records[t].search.largest_fitting > 0 and not records[t].warmup_failed
         }
-        for index in range(max((len(v) for v in todo.values()), default=0)):
-            sizes = {t: v[index] for t, v in todo.items() if index < len(v)}
+        for sizes in _side_by_side(todo):
             self._run_trial(sizes, records, "sweep")
 
     def _measure_boundary(self) -> float:
@@ -546,7 +543,6 @@ class StageMeasurement:
         reduction_s = max(0.0, statistics.median(boundary_s) - statistics.median(ordinary_s))
         return reduction_s + statistics.median(step_s)
 
-    # -- the stage -----------------------------------------------------------------
     def run(self) -> dict[str, TypeStageResult]:
         """Measure every type in `types_to_measure` at this stage (collective)."""
         layout = self.layout
@@ -588,9 +584,7 @@ class StageMeasurement:
             if not self._start_engine({}):
                 raise _StageAbandoned("a real out-of-memory at micro-batch 1")
             for group in self._groups():
-                of_group = {t: sizes[t] for t in group if t in sizes}
-                for index in range(max((len(v) for v in of_group.values()), default=0)):
-                    trial = {t: v[index] for t, v in of_group.items() if index < len(v)}
+                for trial in _side_by_side({t: sizes[t] for t in group if t in sizes}):
                     outcome = self._trial(trial, memory=False)
                     if my_type in trial and outcome.flags[my_type] == _OK and outcome.own_times_s:
                         mine[trial[my_type]] = statistics.median(outcome.own_times_s)
@@ -662,6 +656,12 @@ class StageMeasurement:
             )
         gc.collect()
         return results
+
+
+def _side_by_side(sizes: Mapping[str, list[int]]) -> list[dict[str, int]]:
+    """Trials of several types at once: trial i runs the i-th size of every type that has one."""
+    count = max((len(v) for v in sizes.values()), default=0)
+    return [{t: v[index] for t, v in sizes.items() if index < len(v)} for index in range(count)]
 
 
 def place_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
