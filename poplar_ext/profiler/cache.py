@@ -58,36 +58,52 @@ def ds_config_fingerprint(ds_config: Mapping[str, Any]) -> str:
     return content_fingerprint(relevant)
 
 
-def _measured_versions(provenance: dict) -> tuple[str, str, str] | None:
-    """A profile's torch and DeepSpeed versions and config fingerprint, when this profiler measured it."""
-    if provenance.get("source") != "measured":
-        return None
-    try:
-        return str(provenance["torch"]), str(provenance["deepspeed"]), str(provenance["ds_config_fingerprint"])
-    except KeyError:
-        return None
-
-
 @dataclass(frozen=True, kw_only=True)
-class ProfileKey:
-    """Everything that must match for a stored profile to stand for a new measurement."""
+class _Key:
+    """What must match for a stored profile, or layer profile, to stand for a new measurement."""
 
     model_fingerprint: str
-    """`poplar_ext.profiler.fingerprint.model_fingerprint` of the model."""
+    """`poplar_ext.profiler.fingerprint.model_fingerprint` of the model (of a pipeline's layers as one
+    ``nn.Sequential``)."""
     device_type: str
     """Device type as normalised (`poplar_ext.hardware.devices`) or as declared emulated."""
     emulation: Emulation | None
     """The emulation of an emulated type; another slowdown or capacity is another device."""
     zero_stage: int
-    world_size: int
-    """Ranks in the job: ZeRO partitions, and so memory, depend on it."""
     dtype: str
     """``float32``, ``bfloat16`` or ``float16``."""
     sequence_length: int | None
     torch_version: str
     deepspeed_version: str
     ds_config_fingerprint: str
-    """`ds_config_fingerprint` of the DeepSpeed config."""
+    """`ds_config_fingerprint` of the DeepSpeed config (its optimizer decides the optimizer state)."""
+
+    @staticmethod
+    def _shared(profile: Profile | LayerProfile) -> dict[str, Any] | None:
+        """A stored profile's shared fields; None for one this profiler did not measure."""
+        provenance = profile.measured_with
+        recorded = all(k in provenance for k in ("torch", "deepspeed", "ds_config_fingerprint"))
+        if provenance.get("source") != "measured" or not recorded:
+            return None
+        return {
+            "model_fingerprint": profile.model.fingerprint,
+            "device_type": profile.device_type,
+            "emulation": profile.emulated,
+            "zero_stage": profile.zero_stage,
+            "dtype": profile.model.dtype,
+            "sequence_length": profile.model.sequence_length,
+            "torch_version": str(provenance["torch"]),
+            "deepspeed_version": str(provenance["deepspeed"]),
+            "ds_config_fingerprint": str(provenance["ds_config_fingerprint"]),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileKey(_Key):
+    """Everything that must match for a stored profile to stand for a new measurement."""
+
+    world_size: int
+    """Ranks in the job: ZeRO partitions, and so memory, depend on it."""
     activation_checkpointing: bool = False
     """Measured with the model recomputing its activations in backward."""
     optimizer_offload: bool = False
@@ -96,24 +112,31 @@ class ProfileKey:
     @classmethod
     def of_profile(cls, profile: Profile) -> ProfileKey | None:
         """The key of a stored profile; None for one that was not measured by this profiler."""
-        versions = _measured_versions(profile.measured_with)
-        if versions is None:
+        shared = cls._shared(profile)
+        if shared is None:
             return None
-        torch_version, deepspeed_version, config_fp = versions
         return cls(
-            model_fingerprint=profile.model.fingerprint,
-            device_type=profile.device_type,
-            emulation=profile.emulated,
-            zero_stage=profile.zero_stage,
+            **shared,
             world_size=profile.world_size,
-            dtype=profile.model.dtype,
-            sequence_length=profile.model.sequence_length,
-            torch_version=torch_version,
-            deepspeed_version=deepspeed_version,
-            ds_config_fingerprint=config_fp,
             activation_checkpointing=profile.activation_checkpointing,
             optimizer_offload=profile.optimizer_offload,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfileKey(_Key):
+    """Everything that must match for a stored layer profile to stand for a new measurement."""
+
+    micro_batch_sizes: tuple[int, ...]
+    """The sizes the layers were timed at: other sizes asked for are measured again."""
+
+    @classmethod
+    def of_profile(cls, profile: LayerProfile) -> LayerProfileKey | None:
+        """The key of a stored layer profile; None for one this profiler did not measure."""
+        shared = cls._shared(profile)
+        if shared is None:
+            return None
+        return cls(**shared, micro_batch_sizes=tuple(s.micro_batch_size for s in profile.layers[0].samples))
 
 
 def _stored(directory: Path, load: Callable[[Path], Any], kind: str) -> list[tuple[Path, Any]]:
@@ -179,44 +202,6 @@ def store_profile(cache_dir: str | Path, profile: Profile) -> Path:
     target = target or Path(cache_dir) / profile_file_name(profile)
     save_profile(profile, target)
     return target
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayerProfileKey:
-    """Everything that must match for a stored layer profile to stand for a new measurement."""
-
-    model_fingerprint: str
-    """`poplar_ext.profiler.fingerprint.model_fingerprint` of the layers as one ``nn.Sequential``."""
-    device_type: str
-    emulation: Emulation | None
-    zero_stage: int
-    dtype: str
-    sequence_length: int | None
-    micro_batch_sizes: tuple[int, ...]
-    """The sizes the layers were timed at: other sizes asked for are measured again."""
-    torch_version: str
-    deepspeed_version: str
-    ds_config_fingerprint: str
-    """`ds_config_fingerprint` of the DeepSpeed config (its optimizer decides the optimizer state)."""
-
-    @classmethod
-    def of_profile(cls, profile: LayerProfile) -> LayerProfileKey | None:
-        """The key of a stored layer profile; None for one this profiler did not measure."""
-        versions = _measured_versions(profile.measured_with)
-        if versions is None:
-            return None
-        return cls(
-            model_fingerprint=profile.model.fingerprint,
-            device_type=profile.device_type,
-            emulation=profile.emulated,
-            zero_stage=profile.zero_stage,
-            dtype=profile.model.dtype,
-            sequence_length=profile.model.sequence_length,
-            micro_batch_sizes=tuple(s.micro_batch_size for s in profile.layers[0].samples),
-            torch_version=versions[0],
-            deepspeed_version=versions[1],
-            ds_config_fingerprint=versions[2],
-        )
 
 
 def _stored_layer_profiles(cache_dir: Path) -> list[tuple[Path, LayerProfile]]:
