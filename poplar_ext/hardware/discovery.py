@@ -7,6 +7,7 @@ See docs/design.md (the hardware is the truth) and docs/training.md.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
@@ -128,25 +129,15 @@ def cluster_from_facts(facts: list[DeviceFacts]) -> Cluster:
     a host name several machines share, appears once per run (``host#2``, ...).
     """
     assert [f.rank for f in facts] == list(range(len(facts))), "facts come in rank order"
-    runs: list[list[DeviceFacts]] = []
-    for fact in facts:
-        if runs and runs[-1][0].node == fact.node:
-            runs[-1].append(fact)
-        else:
-            runs.append([fact])
     seen: Counter = Counter()
     nodes = []
-    for members in runs:
+    for _, run in itertools.groupby(facts, key=lambda fact: fact.node):
+        members = list(run)
         host = members[0].host
         seen[host] += 1
-        groups: list[DeviceGroup] = []
-        for fact in members:
-            if groups and groups[-1].device_type == fact.device_type:
-                groups[-1] = DeviceGroup(device_type=fact.device_type, count=groups[-1].count + 1)
-            else:
-                groups.append(DeviceGroup(device_type=fact.device_type, count=1))
-        name = host if seen[host] == 1 else f"{host}#{seen[host]}"
-        nodes.append(ClusterNode(name=name, devices=tuple(groups)))
+        groups = itertools.groupby(members, key=lambda fact: fact.device_type)
+        devices = tuple(DeviceGroup(device_type=t, count=len(list(ranks))) for t, ranks in groups)
+        nodes.append(ClusterNode(name=host if seen[host] == 1 else f"{host}#{seen[host]}", devices=devices))
     return Cluster(nodes=tuple(nodes))
 
 
