@@ -374,7 +374,8 @@ class StageMeasurement:
 
         At ZeRO 0/1 it communicates nothing, so a rank whose activations do not fit fails here and still
         reaches the agreement, instead of failing in the boundary's forward while the others wait in its
-        gradient reduction.
+        gradient reduction. (The first boundary step's optimizer state comes after that reduction, so its
+        out-of-memory is caught before the agreement too.)
         """
         flag = _OK
         try:
@@ -504,8 +505,8 @@ class StageMeasurement:
 
     def _measure_boundary(self) -> float:
         """This rank's accumulation-boundary time beyond an ordinary micro-step (seconds), at micro-batch 1
-        with a barrier before each timed part: the boundary backward less an ordinary one, plus the
-        optimizer step (an emulated type's lasts slowdown x its compute time, as in training)."""
+        with a barrier before each timed part (no rank waits for another's forward): the boundary backward
+        less an ordinary one, plus the optimizer step (an emulated type's: slowdown x its compute time)."""
         device, slowdown = self.layout.device, self._slowdown
 
         def timed(block: Callable[[], None]) -> tuple[float, float]:
