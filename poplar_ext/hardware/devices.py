@@ -37,13 +37,10 @@ class DeviceNameRule:
     models whose reported name omits the memory size (``NVIDIA A100`` 40 vs 80 GB)."""
 
 
-# Order matters: specific rows before general ones (V100S before V100, A100 80 GB
-# before A100 40 GB, "A10" must not catch "A100"). Memory thresholds sit between
-# the two sizes a model comes in, well below the nominal size because CUDA reports
-# a little less than the marketing figure (an 80 GB A100 reports ~79.2 GiB).
-# PCIe rows come before the SXM ones: the PCIe cards run at a lower power limit (A100)
-# or have fewer SMs and slower memory (H100), so their profiles differ; the SXM
-# cards keep the plain names ("NVIDIA H100 80GB HBM3" is the SXM H100).
+# Order matters: specific rows before general ones (V100S before V100, A100 80 GB before 40 GB, "A10" must
+# not catch "A100"). Memory thresholds sit well below the larger nominal size (an 80 GB A100 reports ~79.2 GiB).
+# PCIe rows come before the SXM ones, which keep the plain names ("NVIDIA H100 80GB HBM3"): PCIe cards run at
+# a lower power limit (A100) or have fewer SMs and slower memory (H100), so their profiles differ.
 DEVICE_NAME_TABLE: tuple[DeviceNameRule, ...] = (
     DeviceNameRule(pattern=r"\bH200\b", device_type="H200-141GB"),
     DeviceNameRule(pattern=r"\bH100\b.*\bNVL\b", device_type="H100-94GB"),
