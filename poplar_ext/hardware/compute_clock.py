@@ -64,13 +64,10 @@ class ComputeWindow:
 def compute_window(device_kind: str, zero_stage: int) -> ComputeWindow:
     """How a non-boundary micro-step's compute is timed on `device_kind` (``cpu``, ``cuda``) at `zero_stage`.
 
-    On CPU the thread's CPU time ignores waits: every type at once, up to the reduction. On CUDA
-    events count waits: at ZeRO-0/1 a non-boundary micro-step communicates nothing, so all types
-    at once up to the reduction; at ZeRO-2 the reduce-scatter runs at the reduction (a model
-    larger than ``reduce_bucket_size`` also reduces full buckets during backward), so the window
-    ends there, one type at a time; at ZeRO-3 the parameter all-gathers run all through forward and
-    backward, over every rank of the job, so no window leaves them out: the whole micro-step is
-    timed, one type at a time, and the cost model subtracts all its communication.
+    The thread's CPU time (CPU) ignores waits: every type at once, up to the reduction. CUDA events count
+    waits: at ZeRO-0/1 nothing is communicated (all types at once, up to the reduction); at ZeRO-2 the
+    reduce-scatter runs at the reduction (one type at a time, up to it); ZeRO-3's all-gathers run all
+    through the micro-step (one type at a time, all of it, the cost model subtracting its communication).
     """
     if device_kind != "cuda":
         return ComputeWindow(clock="thread", ends_at_reduction=True, types_at_once=True, includes_communication=False)
@@ -90,13 +87,7 @@ class ComputeSpan:
         self._marks: list[Any] = []
 
     def _mark(self) -> Any:
-        if self.clock == "cuda":
-            import torch
-
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.thread_time()
+        return _recorded_event() if self.clock == "cuda" else time.thread_time()
 
     def start(self) -> None:
         self._marks = [self._mark()]
@@ -116,6 +107,15 @@ class ComputeSpan:
         return end - start
 
 
+def _recorded_event() -> Any:
+    """A CUDA timing event recorded on the current stream now."""
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 def clock_now(clock: Clock) -> tuple[float, float]:
     """(compute clock, wall clock) now, in seconds; on CUDA the device is synchronised first."""
     if clock == "cuda":
@@ -130,12 +130,9 @@ def clock_now(clock: Clock) -> tuple[float, float]:
 def time_compute(device: Any, run: Callable[[], Any]) -> float:
     """Seconds of `device`'s compute that ``run()`` takes (CUDA events on a GPU, else thread CPU time)."""
     if getattr(device, "type", "cpu") == "cuda":
-        import torch
-
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = _recorded_event()
         run()
-        end.record()
+        end = _recorded_event()
         end.synchronize()
         return start.elapsed_time(end) / 1000.0
     started = time.thread_time()
@@ -144,12 +141,8 @@ def time_compute(device: Any, run: Callable[[], Any]) -> float:
 
 
 class CudaEventTimer:
-    """A real GPU's compute windows, timed with CUDA events and read only at a check.
-
-    The same interface as `ComputeSlowdown` with no emulation (`start`, `stop`,
-    `busy_time_s`), without its synchronisation at every window: the events are
-    recorded on the stream and their times summed when `busy_time_s` is read.
-    """
+    """A real GPU's compute windows: `ComputeSlowdown`'s interface without its synchronisation at every
+    window (CUDA events recorded on the stream, summed when `busy_time_s` is read)."""
 
     emulation = None
     slowdown = 1.0
@@ -163,20 +156,13 @@ class CudaEventTimer:
     def running(self) -> bool:
         return self._started is not None
 
-    def _event(self) -> Any:
-        import torch
-
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def start(self, key: Hashable = None) -> None:
         if self._started is None:
-            self._started = self._event()
+            self._started = _recorded_event()
 
     def stop(self) -> float:
         if self._started is not None:
-            self._windows.append((self._started, self._event()))
+            self._windows.append((self._started, _recorded_event()))
             self._started = None
         return 0.0
 
@@ -192,15 +178,3 @@ class CudaEventTimer:
     def busy_time_s(self, value: float) -> None:
         self._windows.clear()
         self._summed_s = value
-
-
-__all__ = [
-    "Clock",
-    "ComputeSpan",
-    "ComputeTimer",
-    "ComputeWindow",
-    "CudaEventTimer",
-    "clock_now",
-    "compute_window",
-    "time_compute",
-]

@@ -39,15 +39,9 @@ def cpu_threads(threads: int = 1) -> Iterator[None]:
 def skip_deepspeed_shm_op() -> None:
     """Tell DeepSpeed not to build its CPU shared-memory op (call before its process group starts).
 
-    DeepSpeed reads `deepspeed.ops.__compatible_ops__` when its communication backend
-    starts and builds the op only where it is marked compatible; the dict is built
-    once per process and kept, so marking it there holds. The op serves
-    ``deepspeed.comm.inference_all_reduce`` alone; ZeRO training uses the process
-    group's own collectives.
+    DeepSpeed builds it where `deepspeed.ops.__compatible_ops__` (built once per process) marks it
+    compatible; it serves ``deepspeed.comm.inference_all_reduce`` alone, not ZeRO training.
     """
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__[DEEPSPEED_SHM_OP] = False
-
-
-__all__ = ["DEEPSPEED_SHM_OP", "cpu_threads", "limit_cpu_threads", "skip_deepspeed_shm_op"]

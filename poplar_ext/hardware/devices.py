@@ -37,13 +37,10 @@ class DeviceNameRule:
     models whose reported name omits the memory size (``NVIDIA A100`` 40 vs 80 GB)."""
 
 
-# Order matters: specific rows before general ones (V100S before V100, A100 80 GB
-# before A100 40 GB, "A10" must not catch "A100"). Memory thresholds sit between
-# the two sizes a model comes in, well below the nominal size because CUDA reports
-# a little less than the marketing figure (an 80 GB A100 reports ~79.2 GiB).
-# PCIe rows come before the SXM ones: the PCIe cards run at a lower power limit (A100)
-# or have fewer SMs and slower memory (H100), so their profiles differ; the SXM
-# cards keep the plain names ("NVIDIA H100 80GB HBM3" is the SXM H100).
+# Order matters: specific rows before general ones (V100S before V100, A100 80 GB before 40 GB, "A10" must
+# not catch "A100"). Memory thresholds sit well below the larger nominal size (an 80 GB A100 reports ~79.2 GiB).
+# PCIe rows come before the SXM ones, which keep the plain names ("NVIDIA H100 80GB HBM3"): PCIe cards run at
+# a lower power limit (A100) or have fewer SMs and slower memory (H100), so their profiles differ.
 DEVICE_NAME_TABLE: tuple[DeviceNameRule, ...] = (
     DeviceNameRule(pattern=r"\bH200\b", device_type="H200-141GB"),
     DeviceNameRule(pattern=r"\bH100\b.*\bNVL\b", device_type="H100-94GB"),
@@ -73,20 +70,12 @@ DEVICE_NAME_TABLE: tuple[DeviceNameRule, ...] = (
     DeviceNameRule(pattern=r"\bP100\b", device_type="P100-12GB"),
 )
 
-_VENDOR_PREFIX = re.compile(r"^(nvidia|tesla|amd)\s+", re.IGNORECASE)
+_VENDOR_PREFIXES = re.compile(r"^((nvidia|tesla|amd)\s+)+", re.IGNORECASE)
 
 
 def fallback_device_type(reported_name: str, total_memory_bytes: int) -> str:
-    """The device type an unknown device gets: its reported name, cleaned, plus its memory.
-
-    ``NVIDIA GeForce RTX 2080 Ti`` with 11 GB -> ``GeForce-RTX-2080-Ti-11GB``.
-    """
-    name = reported_name.strip()
-    while True:
-        stripped = _VENDOR_PREFIX.sub("", name)
-        if stripped == name:
-            break
-        name = stripped
+    """An unknown device's type: ``NVIDIA GeForce RTX 2080 Ti`` with 11 GB -> ``GeForce-RTX-2080-Ti-11GB``."""
+    name = _VENDOR_PREFIXES.sub("", reported_name.strip())
     name = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") or "unknown-device"
     return f"{name}-{round(total_memory_bytes / 1e9)}GB"
 
@@ -108,11 +97,9 @@ def mig_slice(reported_name: str) -> tuple[str, str | None]:
 
 
 def normalize_device_name(reported_name: str, *, total_memory_bytes: int) -> str:
-    """The device type of a device that reports `reported_name` and has `total_memory_bytes`.
+    """The device type through `DEVICE_NAME_TABLE`; an unknown name warns and gets `fallback_device_type`.
 
-    Looks `reported_name` up in `DEVICE_NAME_TABLE`; an unknown name warns
-    (`UnknownDeviceWarning`) and returns `fallback_device_type`. A MIG slice gets the
-    whole GPU's type followed by ``-MIG-`` and its profile.
+    A MIG slice gets the whole GPU's type followed by ``-MIG-`` and its profile.
     """
     if not reported_name.strip():
         raise ValueError("reported_name: expected the device name the hardware reports, found an empty string")
@@ -174,12 +161,8 @@ def _cpu_model_name() -> str:
 
 
 def declared_type_problem(declared: str, emulation: Emulation | None, hardware_type: str) -> str | None:
-    """Why a rank whose hardware is `hardware_type` cannot be the `declared` type, or None.
-
-    The one rule for the runtime and the profiler: a real type is the one the hardware
-    reports through `DEVICE_NAME_TABLE`; an emulated type is whatever the cluster
-    description declares (it is made from the real device, not read from it).
-    """
+    """Why a rank whose hardware is `hardware_type` cannot be the `declared` type, or None (the one rule:
+    a real type is what the hardware reports, an emulated one whatever the cluster description declares)."""
     if emulation is not None or declared == hardware_type:
         return None
     return (
@@ -193,9 +176,8 @@ LAUNCHER_LOCAL_RANK_VARIABLE = "POPLAR_LAUNCHER_LOCAL_RANK"
 
 
 def cuda_device_index(local_rank: int, device_count: int) -> int:
-    """The CUDA device a rank uses: its local rank, or, with more local ranks than visible
-    devices (ranks sharing GPUs, or CUDA_VISIBLE_DEVICES giving each process one), the
-    local rank modulo the devices it sees."""
+    """The CUDA device a rank uses: its local rank modulo the devices it sees (ranks may share GPUs, or
+    CUDA_VISIBLE_DEVICES give each process one)."""
     if device_count < 1:
         raise ValueError(f"device_count: expected at least one visible CUDA device, found {device_count}")
     if local_rank < 0:
@@ -204,9 +186,7 @@ def cuda_device_index(local_rank: int, device_count: int) -> int:
 
 
 def join_job(**init_options: object) -> torch.device:
-    """This rank in the job: its device selected, then the process group set up
-    (`poplar_ext.collectives.ensure_process_group`, `init_options` for ``deepspeed.init_distributed``);
-    returns the device.
+    """This rank's device selected, then the process group set up (`init_options`: ``deepspeed.init_distributed``'s).
 
     The order matters on CUDA: DeepSpeed binds the group to ``cuda:$LOCAL_RANK`` when it
     starts it, so LOCAL_RANK must name a visible device by then (`select_job_device`).
@@ -225,12 +205,9 @@ def join_job(**init_options: object) -> torch.device:
 def select_job_device() -> torch.device:
     """This rank's device, made current; call before the process group starts (`join_job` does).
 
-    On CUDA, LOCAL_RANK modulo the visible devices (`cuda_device_index`). DeepSpeed takes
-    LOCAL_RANK itself as a CUDA device index (the process group's ``device_id``, the
-    engine's device, ZeRO-3's partitioning), so where the two differ (ranks sharing a GPU,
-    or CUDA_VISIBLE_DEVICES giving each process one) LOCAL_RANK is rewritten to the index
-    and the launcher's value kept in ``POPLAR_LAUNCHER_LOCAL_RANK``. Every collective (NCCL's
-    too) then runs on this device instead of cuda:0.
+    DeepSpeed takes LOCAL_RANK as a CUDA device index (the group's ``device_id``, the engine's device,
+    ZeRO-3's partitioning): where it differs from `cuda_device_index`, LOCAL_RANK is rewritten to the
+    index and the launcher's value kept in ``POPLAR_LAUNCHER_LOCAL_RANK``.
     """
     from deepspeed.accelerator import get_accelerator
 
@@ -252,21 +229,3 @@ def _launcher_local_rank() -> int:
         return int(text)
     except ValueError:
         raise ValueError(f"LOCAL_RANK: expected an integer >= 0, found {text!r}") from None
-
-
-__all__ = [
-    "CPU_DEVICE_TYPE",
-    "LAUNCHER_LOCAL_RANK_VARIABLE",
-    "cuda_device_index",
-    "declared_type_problem",
-    "join_job",
-    "select_job_device",
-    "DEVICE_NAME_TABLE",
-    "DeviceNameRule",
-    "UnknownDeviceWarning",
-    "fallback_device_type",
-    "hardware_description",
-    "hardware_device_type",
-    "mig_slice",
-    "normalize_device_name",
-]

@@ -7,6 +7,7 @@ See docs/design.md (the hardware is the truth) and docs/training.md.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
@@ -18,7 +19,6 @@ from typing import Any
 import torch
 
 from poplar_ext.hardware.devices import (
-    CPU_DEVICE_TYPE,
     declared_type_problem,
     hardware_description,
     hardware_device_type,
@@ -52,16 +52,6 @@ class DeviceFacts:
     cuda_arch_list: tuple[str, ...]
     """What the rank's torch build has kernels for (``torch.cuda.get_arch_list()``), e.g.
     ``sm_80``, ``compute_90``; empty for a CPU rank."""
-
-
-def _physical_id(device: torch.device) -> str:
-    if device.type == "cpu":
-        return "cpu"
-    properties = torch.cuda.get_device_properties(device)
-    uuid = getattr(properties, "uuid", None)
-    # Without a UUID, the index among the devices this process sees (CUDA_VISIBLE_DEVICES
-    # may hide the others, so two processes' indices can name the same card).
-    return str(uuid) if uuid is not None else f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}:{device.index}"
 
 
 _BOOT_ID_FILES = ("/proc/sys/kernel/random/boot_id", "/etc/machine-id")
@@ -99,13 +89,16 @@ def local_node_key() -> str:
 
 def local_device_facts(device: torch.device, *, rank: int) -> DeviceFacts:
     """This rank's facts, read from the hardware (no collective)."""
-    capability = None
-    archs: tuple[str, ...] = ()
+    capability, archs, physical_id = None, (), "cpu"
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
         memory = int(properties.total_memory)
         capability = (int(properties.major), int(properties.minor))
         archs = tuple(torch.cuda.get_arch_list())
+        uuid = getattr(properties, "uuid", None)
+        # Without a UUID, the index among the devices this process sees (CUDA_VISIBLE_DEVICES
+        # may hide the others, so two processes' indices can name the same card).
+        physical_id = str(uuid) if uuid is not None else f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}:{device.index}"
     else:
         memory = physical_memory_bytes()
     return DeviceFacts(
@@ -115,7 +108,7 @@ def local_device_facts(device: torch.device, *, rank: int) -> DeviceFacts:
         device_type=hardware_device_type(device),
         hardware=hardware_description(device),
         memory_bytes=memory,
-        device_id=_physical_id(device),
+        device_id=physical_id,
         compute_capability=capability,
         cuda_arch_list=archs,
     )
@@ -132,31 +125,19 @@ def gather_device_facts(device: torch.device) -> list[DeviceFacts]:
 def cluster_from_facts(facts: list[DeviceFacts]) -> Cluster:
     """The cluster description of the job the facts came from, in rank order.
 
-    Ranks are numbered in node order, so a node is a run of consecutive ranks with one
-    node key; a host whose ranks are not consecutive, or a host name that several
-    machines (containers) share, appears once per run (named ``host#2``, ...), which
-    keeps every rank's type where the plan expects it.
+    A node is a run of consecutive ranks with one node key; a host whose ranks are not consecutive, or
+    a host name several machines share, appears once per run (``host#2``, ...).
     """
     assert [f.rank for f in facts] == list(range(len(facts))), "facts come in rank order"
-    runs: list[list[DeviceFacts]] = []
-    for fact in facts:
-        if runs and runs[-1][0].node == fact.node:
-            runs[-1].append(fact)
-        else:
-            runs.append([fact])
     seen: Counter = Counter()
     nodes = []
-    for members in runs:
+    for _, run in itertools.groupby(facts, key=lambda fact: fact.node):
+        members = list(run)
         host = members[0].host
         seen[host] += 1
-        groups: list[DeviceGroup] = []
-        for fact in members:
-            if groups and groups[-1].device_type == fact.device_type:
-                groups[-1] = DeviceGroup(device_type=fact.device_type, count=groups[-1].count + 1)
-            else:
-                groups.append(DeviceGroup(device_type=fact.device_type, count=1))
-        name = host if seen[host] == 1 else f"{host}#{seen[host]}"
-        nodes.append(ClusterNode(name=name, devices=tuple(groups)))
+        groups = itertools.groupby(members, key=lambda fact: fact.device_type)
+        devices = tuple(DeviceGroup(device_type=t, count=len(list(ranks))) for t, ranks in groups)
+        nodes.append(ClusterNode(name=host if seen[host] == 1 else f"{host}#{seen[host]}", devices=devices))
     return Cluster(nodes=tuple(nodes))
 
 
@@ -180,9 +161,8 @@ BF16_MIN_CAPABILITY = (8, 0)
 def has_kernels_for(capability: tuple[int, int], arch_list: tuple[str, ...] | list[str]) -> bool:
     """Whether a torch build with `arch_list` runs on a device of `capability`.
 
-    ``sm_XY`` runs on X.Y and on later minors of major X (binary compatibility within a
-    major); ``compute_XY`` (PTX) is compiled by the driver for any device >= X.Y. An
-    arch-specific entry (``sm_90a``, ``compute_100a``) runs on exactly that capability.
+    ``sm_XY`` runs on X.Y and later minors of major X; ``compute_XY`` (PTX) on any device >= X.Y;
+    an arch-specific entry (``sm_90a``, ``compute_100a``) on exactly that capability.
     """
     for entry in arch_list:
         found = _ARCH.match(entry)
@@ -200,8 +180,9 @@ def has_kernels_for(capability: tuple[int, int], arch_list: tuple[str, ...] | li
     return False
 
 
-def device_support_problems(facts: list[DeviceFacts], *, bf16: bool) -> list[str]:
-    """Why some ranks cannot run the job: one sentence per rank ([] when all can). Pure."""
+def check_device_support(facts: list[DeviceFacts], *, bf16: bool, source: str) -> None:
+    """Raise one ValueError naming every rank whose device cannot run the job (the same on every rank,
+    from the gathered facts); `bf16`: the job trains in bf16; `source`: what the message names."""
     problems = []
     for fact in facts:
         if fact.compute_capability is None:
@@ -220,17 +201,6 @@ def device_support_problems(facts: list[DeviceFacts], *, bf16: bool) -> list[str
                 f"{where}, below the 8.0 that bf16 needs: train the job in fp16 "
                 "(`fp16.enabled` instead of `bf16.enabled`), or leave the device out of the job."
             )
-    return problems
-
-
-def check_device_support(facts: list[DeviceFacts], *, bf16: bool, source: str) -> None:
-    """Raise one ValueError naming every rank whose device cannot run the job.
-
-    Decided from the gathered facts, so every rank raises the same error (none is left
-    waiting in a collective); call it before any engine is built. `bf16`: the job trains
-    in bf16 (DeepSpeed's ``bf16.enabled``); `source` is what the message names.
-    """
-    problems = device_support_problems(facts, bf16=bf16)
     if problems:
         raise ValueError(f"{source}: the job's devices cannot run it: " + " ".join(problems))
 
@@ -252,11 +222,9 @@ def agreed_cluster(
 ) -> Cluster:
     """The job's cluster description, the same on every rank, checked against the hardware.
 
-    `cluster` is a description, the path of a cluster file (read by rank 0 alone: the
-    other nodes need not have it), or None (built from `facts`). Every real device
-    type must be the one the hardware reports; otherwise every rank raises one
-    ValueError naming each mismatching rank, its hardware and the declared type.
-    `name` is how messages call the setting (``poplar.cluster``, ``--cluster``).
+    `cluster`: a description, a cluster file (read by rank 0 alone), or None (built from `facts`). A real
+    type that is not what the hardware reports: one ValueError on every rank. `name`: the setting's name
+    in messages (``poplar.cluster``, ``--cluster``).
     """
     from poplar_ext.collectives import broadcast_from_rank0, decided_by_rank0
 
@@ -285,31 +253,8 @@ def agreed_cluster(
 
 
 def discover_cluster() -> Cluster:
-    """The cluster description of the running job, read from every rank's hardware (collective).
-
-    Every rank calls it; each gets the same description, in rank order, with the device
-    types the device table gives (``cpu`` for CPU ranks). Emulated device types cannot
-    be discovered: declare them in a cluster file.
-    """
+    """The running job's cluster description from every rank's hardware (collective; emulated types cannot
+    be discovered: declare them in a cluster file)."""
     from poplar_ext.hardware.devices import join_job
 
     return cluster_from_facts(gather_device_facts(join_job()))
-
-
-__all__ = [
-    "CPU_DEVICE_TYPE",
-    "DeviceFacts",
-    "BF16_MIN_CAPABILITY",
-    "agreed_cluster",
-    "check_device_support",
-    "cluster_from_facts",
-    "cluster_mismatches",
-    "discover_cluster",
-    "device_support_problems",
-    "gather_device_facts",
-    "has_kernels_for",
-    "local_device_facts",
-    "local_node_key",
-    "memory_capacity_bytes",
-    "node_key",
-]

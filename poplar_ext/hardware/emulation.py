@@ -6,6 +6,7 @@ Steady compute (`ComputeSlowdown`, `SteadyReference`), drift (`scheduled_slowdow
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
@@ -49,14 +50,12 @@ def node_slowdowns(cluster: Cluster) -> dict[str, list[float]]:
 def check_emulation_range(
     cluster: Cluster, *, cores: int | None = None, load_average: float | None = None
 ) -> dict[str, float]:
-    """Each node's core demand (`core_demand` of its emulated ranks), warned about outside the range.
+    """Each node's core demand (`core_demand` of its emulated ranks), on nodes taken to be like this machine.
 
-    Every node is taken to be a machine like this one (`cores`: default its usable cores). Beyond
-    the cores: `EmulationRangeWarning`. Within them but beyond with `load_average` (default this
-    machine's 1-minute load average, other processes' and these ranks' own) on top: a logged
-    warning, since the load may pass.
+    Beyond its `cores` (default: its usable cores): `EmulationRangeWarning`; beyond them with `load_average`
+    (default: its 1-minute load average) on top: a logged warning, since the load may pass.
     """
-    cores = cores or _usable_cores()
+    cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if load_average is None:
         load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     demands = {name: core_demand(slowdowns) for name, slowdowns in node_slowdowns(cluster).items()}
@@ -81,12 +80,6 @@ def check_emulation_range(
     return demands
 
 
-def _usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def emulation_for_rank(cluster: Cluster, rank: int) -> Emulation | None:
     """The emulation of `rank`'s device type in `cluster`, or None when it is a real device."""
     device_types = cluster.rank_device_types
@@ -96,11 +89,8 @@ def emulation_for_rank(cluster: Cluster, rank: int) -> Emulation | None:
 
 
 def scheduled_slowdown(emulation: Emulation | None, *, optimizer_step: int, rank: int) -> float:
-    """`rank`'s slowdown once `optimizer_step` optimizer steps are done (1.0 for a real device).
-
-    The emulation's ``slowdown``, replaced by each ``slowdown_schedule`` entry for the
-    type (rank None) or for this rank whose step has been reached; the last one wins.
-    """
+    """`rank`'s slowdown once `optimizer_step` steps are done (1.0 for a real device): the emulation's, or
+    the last ``slowdown_schedule`` entry reached for the type (rank None) or this rank."""
     if emulation is None:
         return 1.0
     slowdown = emulation.slowdown
@@ -110,11 +100,13 @@ def scheduled_slowdown(emulation: Emulation | None, *, optimizer_step: int, rank
     return slowdown
 
 
-def device_label(device_type: str, emulation: Emulation | None) -> str:
-    """How logs and results name a device: always says whether it is real or emulated.
+def without_drift(emulation: Emulation | None) -> Emulation | None:
+    """`emulation` at its own slowdown: a drift schedule is training's, not a profile's."""
+    return None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=())
 
-    ``"a100 (real)"`` or ``"cpu-slow (emulated: 3.0x slower, 2.0 GB)"``.
-    """
+
+def device_label(device_type: str, emulation: Emulation | None) -> str:
+    """How logs and results name a device: ``a100 (real)``, ``cpu-slow (emulated: 3.0x slower, 2.0 GB)``."""
     if emulation is None:
         return f"{device_type} (real)"
     memory_gb = emulation.memory_capacity_bytes / 1e9
@@ -122,11 +114,8 @@ def device_label(device_type: str, emulation: Emulation | None) -> str:
 
 
 def check_emulated_memory(emulation: Emulation | None, peak_memory_bytes: int, *, device_type: str = "") -> None:
-    """Raise `EmulatedOutOfMemoryError` when `peak_memory_bytes` exceeds the emulated capacity.
-
-    Does nothing for a real device (`emulation` None): a real device raises its own
-    out-of-memory error.
-    """
+    """Raise `EmulatedOutOfMemoryError` when `peak_memory_bytes` exceeds the emulated capacity (a real
+    device, `emulation` None, raises its own)."""
     if emulation is None or peak_memory_bytes <= emulation.memory_capacity_bytes:
         return
     name = f"{device_type} " if device_type else ""
@@ -137,12 +126,8 @@ def check_emulated_memory(emulation: Emulation | None, peak_memory_bytes: int, *
 
 
 def host_resident_optimizer_bytes(engine: Any) -> int:
-    """Bytes a DeepSpeed ZeRO-1/2 engine's offloading optimizer keeps on the host (0 when it does not offload).
-
-    DeepSpeed's fp32 master partition and its gradient, the gradients accumulated on
-    the host, its host staging buffers, and the optimizer's state (Adam's moments).
-    Each tensor counts once.
-    """
+    """Bytes a DeepSpeed ZeRO-1/2 engine's offloading optimizer keeps on the host (0 when it does not offload):
+    the fp32 master partition and its gradient, host-accumulated gradients, staging buffers, optimizer state."""
     import torch
 
     optimizer = getattr(engine, "optimizer", None)
@@ -259,14 +244,10 @@ OPTIMIZER_STEP_KEY = ("optimizer_step",)
 class ComputeSlowdown:
     """Gives each block of compute its steady time: ``slowdown x`` its base (docs/limits.md, emulation).
 
-    Use as a context manager (``with slowdown: ...``) or with `start(key)` / `stop()`
-    when the block spans calls (the engine starts at forward and stops at the gradient
-    reduction). The key names the kind of block (`micro_step_key`, `OPTIMIZER_STEP_KEY`,
-    or any hashable); `reference` gives micro-step bases from a profile, other kinds are
-    learned. With `emulation` None it only measures and never sleeps, so callers need no
-    special case for real devices. `window_waits`: True, or the keys of the blocks, that may wait in
-    collectives (ZeRO 3's all-gathers; a pipeline's optimizer step, whose clipping norm and overflow
-    check are agreed across stages): only their compute clock counts towards an overrun.
+    ``with slowdown: ...``, or `start(key)` / `stop()` for a block spanning calls; the key names the kind
+    of block (`micro_step_key`, `OPTIMIZER_STEP_KEY`, any hashable), whose base comes from `reference` or
+    is learned. With `emulation` None it only measures. `window_waits`: True, or the keys of the blocks
+    that may wait in collectives: only their compute clock counts towards an overrun.
     """
 
     def __init__(
@@ -288,8 +269,7 @@ class ComputeSlowdown:
         self.compute_time_s = 0.0
         """Compute clock time of the last block."""
         self.busy_time_s = 0.0
-        """Sum over blocks of their steady times: the device's busy time, the quantity a profile
-        predicts. Callers reset it (`poplar_ext.runtime.rebalance`)."""
+        """Sum of the blocks' steady times: the busy time a profile predicts (callers reset it)."""
         self.delay_s = 0.0
         """Time slept after the last block."""
         self.steady_s = 0.0
@@ -404,29 +384,3 @@ def warn_on_overrun(timer: ComputeSlowdown | None, *, rank: int) -> bool:
         timer.overrun_s,
     )
     return True
-
-
-__all__ = [
-    "LEARNED_BLOCKS",
-    "OPTIMIZER_STEP_KEY",
-    "OVERRUN_WARNING_SHARE",
-    "ComputeSlowdown",
-    "SteadyReference",
-    "PIPELINE_BACKWARD_KEY",
-    "PIPELINE_FORWARD_KEY",
-    "PIPELINE_OPTIMIZER_KEY",
-    "micro_step_key",
-    "pipeline_reference",
-    "steady_reference",
-    "warn_on_overrun",
-    "EmulatedOutOfMemoryError",
-    "EmulationRangeWarning",
-    "check_emulated_memory",
-    "check_emulation_range",
-    "core_demand",
-    "node_slowdowns",
-    "device_label",
-    "emulation_for_rank",
-    "host_resident_optimizer_bytes",
-    "scheduled_slowdown",
-]

@@ -18,20 +18,15 @@ STALE_AFTER_S = 600.0
 DeepSpeed's largest CUDA ops in a few)."""
 
 
-def extension_build_root() -> Path:
-    """Where torch builds extensions: ``TORCH_EXTENSIONS_DIR``, else its per-user cache folder."""
-    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if configured:
-        return Path(configured)
-    import torch.utils.cpp_extension
-
-    return Path(torch.utils.cpp_extension.get_default_build_root())
-
-
 def extension_build_locks(root: Path | None = None) -> list[Path]:
-    """The build lock files under `root` (default `extension_build_root`): ``<root>/<ext>/lock`` and
-    ``<root>/<python and CUDA tag>/<ext>/lock``."""
-    root = extension_build_root() if root is None else root
+    """The build lock files under `root` (default: ``TORCH_EXTENSIONS_DIR``, else torch's per-user folder):
+    ``<root>/<ext>/lock`` and ``<root>/<python and CUDA tag>/<ext>/lock``."""
+    if root is None and os.environ.get("TORCH_EXTENSIONS_DIR"):
+        root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    elif root is None:
+        import torch.utils.cpp_extension
+
+        root = Path(torch.utils.cpp_extension.get_default_build_root())
     if not root.is_dir():
         return []
     return sorted({*root.glob("*/lock"), *root.glob("*/*/lock")})
@@ -65,6 +60,3 @@ def check_extension_build_locks(*, root: Path | None = None, stale_after_s: floa
             f"forever. If no other job is building these extensions now, remove them (rm {commands}) and start "
             "again; the next start builds the extension anew"
         )
-
-
-__all__ = ["STALE_AFTER_S", "check_extension_build_locks", "extension_build_locks", "extension_build_root"]

@@ -11,12 +11,12 @@ import ctypes.util
 import gc
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 _PROC_STATUS = Path("/proc/self/status")
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
-
 
 OUT_OF_MEMORY_MESSAGES: tuple[str, ...] = (
     # CUDA's caching allocator, the runtime ("CUDA error: out of memory") and NCCL
@@ -38,12 +38,8 @@ silently record a smaller largest size instead of failing."""
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """True for the errors a too-large micro-batch produces (real, not emulated).
-
-    `torch.OutOfMemoryError` (CUDA), `MemoryError`, and the plain `RuntimeError` whose
-    message contains one of `OUT_OF_MEMORY_MESSAGES` (CPU allocations, cuBLAS, cuDNN,
-    NCCL and some CUDA paths raise those).
-    """
+    """True for the errors a too-large micro-batch produces (real, not emulated): `torch.OutOfMemoryError`,
+    `MemoryError`, and a `RuntimeError` whose message holds one of `OUT_OF_MEMORY_MESSAGES`."""
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     if isinstance(exc, RuntimeError):
@@ -52,14 +48,16 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return False
 
 
+def _libc_function(name: str) -> Any:
+    """The C library's function `name`, or None (no C library found, or not glibc's)."""
+    library = ctypes.util.find_library("c")
+    return None if library is None else getattr(ctypes.CDLL(library), name, None)
+
+
 def _malloc_trim() -> None:
     # Without it glibc keeps freed pages resident and the "reset" high-water mark
     # starts from a stale level; absent libc (musl, macOS) the mark is only coarser.
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    libc = ctypes.CDLL(name)
-    trim = getattr(libc, "malloc_trim", None)
+    trim = _libc_function("malloc_trim")
     if trim is not None:
         trim(0)
 
@@ -69,14 +67,11 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX_BYTES = 32 * 2**20  # glibc refuses larger values on 64-bit
 _TRIM_THRESHOLD_BYTES = 2**30
-
-
 _DEFAULT_THRESHOLD_BYTES = 128 * 2**10  # glibc's default for both
 
 
 def _mallopt(mmap_threshold_bytes: int, trim_threshold_bytes: int) -> bool:
-    name = ctypes.util.find_library("c")
-    mallopt = None if name is None else getattr(ctypes.CDLL(name), "mallopt", None)
+    mallopt = _libc_function("mallopt")
     if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes)) and bool(
@@ -85,36 +80,27 @@ def _mallopt(mmap_threshold_bytes: int, trim_threshold_bytes: int) -> bool:
 
 
 def steady_cpu_allocator() -> bool:
-    """Make glibc keep freed memory for reuse instead of returning it after every step.
+    """Make glibc keep freed memory for reuse instead of returning it after every step (process-wide;
+    False where the C library has no ``mallopt``).
 
-    By default glibc unmaps large freed blocks and trims the heap top, so each
-    micro-step on CPU faults its activation memory in again: the kernel's page
-    zeroing then counts as process CPU time (up to half of it on small models), and
-    the time depends on the history of sizes run before. With fixed thresholds
-    every step after the first reuses the same pages, as a GPU's caching allocator
-    does. Process-wide; returns False where the C library has no ``mallopt`` (not glibc).
+    By default each micro-step on CPU faults its activation memory in again: the kernel's page zeroing
+    counts as CPU time (up to half of it on small models), depending on the sizes run before. With fixed
+    thresholds every step reuses the same pages, as a GPU's caching allocator does.
     """
     return _mallopt(_MMAP_THRESHOLD_MAX_BYTES, _TRIM_THRESHOLD_BYTES)
 
 
 def default_cpu_allocator() -> bool:
-    """glibc's default thresholds (128 KiB), fixed: what `steady_cpu_allocator` undoes.
-
-    Every block above 128 KiB gets its own mapping, unmapped when freed, and the heap
-    is trimmed: resident memory then follows live memory, so a high-water mark is the
-    live peak (reused holes of a fragmented heap would add megabytes of noise).
-    Setting the values fixes them, which turns off glibc's dynamic mmap threshold.
-    Process-wide; returns False where the C library has no ``mallopt`` (not glibc).
-    """
+    """glibc's default thresholds (128 KiB), fixed (no dynamic mmap threshold): what `steady_cpu_allocator`
+    undoes. Resident memory then follows live memory, so a high-water mark is the live peak (process-wide;
+    False where the C library has no ``mallopt``)."""
     return _mallopt(_DEFAULT_THRESHOLD_BYTES, _DEFAULT_THRESHOLD_BYTES)
 
 
 class MeasuredPeak:
     """Peak memory of the block it wraps: ``with MeasuredPeak(device) as peak: ...; peak.bytes``.
 
-    On CPU it switches glibc to tracking live memory for the block (slower: blocks
-    are mapped afresh) and back to `steady_cpu_allocator` afterwards, so time the
-    steps outside it.
+    On CPU glibc tracks live memory inside it (slower: time the steps outside it), steady after it.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -170,11 +156,8 @@ def reset_peak_memory(device: torch.device) -> None:
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory on `device` since the last `reset_peak_memory`, in bytes.
 
-    CUDA: the caching allocator's peak *reserved* memory, not the allocated one: the
-    difference is fragmentation and cached blocks, which a micro-batch at the edge of
-    the memory also needs (`max_memory_allocated` alone lets a plan run out of memory
-    later in training). The CUDA context and NCCL's buffers are outside the allocator:
-    `non_torch_bytes` measures them, and the profiler takes them off the capacity.
+    CUDA: the caching allocator's peak *reserved* memory: fragmentation and cached blocks are memory a
+    micro-batch at the edge also needs. The CUDA context and NCCL's buffers (`non_torch_bytes`) are not in it.
     """
     if device.type == "cuda":
         return int(torch.cuda.max_memory_reserved(device))
@@ -184,9 +167,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def non_torch_bytes(*, total_bytes: int, free_bytes: int, reserved_bytes: int) -> int:
-    """Device memory in use but not by torch's allocator: the CUDA context, NCCL's buffers,
-    other processes on the device. From ``torch.cuda.mem_get_info`` (free, total) and
-    ``torch.cuda.memory_reserved``."""
+    """Device memory in use but not by torch's allocator (the CUDA context, NCCL's buffers, other processes),
+    from ``torch.cuda.mem_get_info`` and ``torch.cuda.memory_reserved``."""
     if not 0 <= free_bytes <= total_bytes:
         raise ValueError(f"free_bytes: expected 0..{total_bytes}, found {free_bytes}")
     return max(0, total_bytes - free_bytes - reserved_bytes)
@@ -221,21 +203,3 @@ def allocated_device_bytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return int(torch.cuda.memory_allocated(device))
-
-
-__all__ = [
-    "MeasuredPeak",
-    "allocated_device_bytes",
-    "cpu_peak_supported",
-    "default_cpu_allocator",
-    "device_overhead_bytes",
-    "OUT_OF_MEMORY_MESSAGES",
-    "is_out_of_memory",
-    "non_torch_bytes",
-    "peak_memory_bytes",
-    "physical_memory_bytes",
-    "release_memory",
-    "reset_peak_memory",
-    "resident_memory_bytes",
-    "steady_cpu_allocator",
-]

@@ -11,20 +11,14 @@ from contextlib import contextmanager
 from typing import Any
 
 
-def _group_count(optimizer: Any) -> int | None:
-    """How many ``_optimizer_step`` calls one step makes (None: an optimizer this module does not split)."""
-    groups = getattr(optimizer, "bit16_groups", None)  # DeepSpeedZeroOptimizer (ZeRO 1/2)
-    if groups is None or not callable(getattr(optimizer, "_optimizer_step", None)):
-        return None
-    return len(groups)
-
-
 @contextmanager
 def optimizer_compute_window(optimizer: Any, *, start: Callable[[], None], stop: Callable[[], None]) -> Iterator[bool]:
     """Inside it, `optimizer`'s step calls `start` before its first group's update and `stop` after its last
     (yields True); for an optimizer it cannot split, nothing is patched (yields False: the caller times the
     whole step). An exception inside a group's update stops the window too."""
-    count = _group_count(optimizer)
+    # How many ``_optimizer_step`` calls one step makes: DeepSpeedZeroOptimizer's (ZeRO 1/2) groups.
+    groups = getattr(optimizer, "bit16_groups", None)
+    count = len(groups) if groups is not None and callable(getattr(optimizer, "_optimizer_step", None)) else 0
     if not count:
         yield False
         return
@@ -57,6 +51,3 @@ def optimizer_compute_window(optimizer: Any, *, start: Callable[[], None], stop:
         else:
             optimizer._optimizer_step = own
         close()  # an update that raised, or a step that skipped groups, leaves no window open
-
-
-__all__ = ["optimizer_compute_window"]

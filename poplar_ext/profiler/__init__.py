@@ -5,7 +5,7 @@
 See docs/profiling.md and profiles/README.md ("How profiles are measured").
 """
 
-from poplar_ext.profiler.api import log_progress, profile_model, profile_with, training_dtype
-from poplar_ext.profiler.options import ProfileOptions
+from poplar_ext.profiler.api import profile_model, profile_with, training_dtype
+from poplar_ext.profiler.options import ProfileOptions, log_progress
 
 __all__ = ["ProfileOptions", "log_progress", "profile_model", "profile_with", "training_dtype"]

@@ -13,7 +13,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -31,7 +31,7 @@ from poplar_ext.collectives import ShortCollectiveTimeouts, broadcast_from_rank0
 from poplar_ext.hardware.compute_clock import compute_window
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.devices import join_job
-from poplar_ext.hardware.emulation import device_label
+from poplar_ext.hardware.emulation import device_label, without_drift
 from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocator
 from poplar_ext.optimizer_offload import OFFLOAD_MODES, offload_deepspeed_optimizer
 from poplar_ext.plan.formats import (
@@ -42,11 +42,11 @@ from poplar_ext.plan.formats import (
     levers_text,
     profile_from_dict,
     profile_to_dict,
-    read_json,
 )
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.profiler.cache import (
     ProfileKey,
+    cached_on_rank0,
     ds_config_fingerprint,
     find_cached_profile,
     store_profile,
@@ -61,11 +61,12 @@ from poplar_ext.profiler.measure import (
     TypeStageResult,
     default_loss,
     place_model,
+    read_ds_config,
     stage_ds_config,
     training_dtype,
 )
 from poplar_ext.profiler.network import DEFAULT_MESSAGE_BYTES, cached_or_measured_network, message_sizes
-from poplar_ext.profiler.options import CHECKPOINTING_MODES, ProfileOptions, Progress, log_progress
+from poplar_ext.profiler.options import CHECKPOINTING_MODES, NO_OPTIMIZER, ProfileOptions, Progress
 from poplar_ext.search.cost import included_communication
 from poplar_ext.search.model_states import (
     DTYPE_BYTES,
@@ -95,13 +96,13 @@ class _ProgressReporter:
         if self.sink is not None and self.layout.rank == 0:
             self.sink(line)
 
-    def stage_started(self, stage: int, types: Iterable[str], *, title: str | None = None) -> None:
+    def stage_started(self, title: str, types: Iterable[str]) -> None:
         if not self.started_at:
             self.started_at = time.monotonic()
         self.stages_left -= 1
         self.stage_trials = 0
         labels = ", ".join(device_label(t, self.layout.emulations[t]) for t in types)
-        self.say(f"{title or f'ZeRO-{stage}'}: measuring {labels}")
+        self.say(f"{title}: measuring {labels}")
 
     def stage_finished(self) -> None:
         self.trials_per_stage = (
@@ -119,8 +120,7 @@ class _ProgressReporter:
 
 
 def trial_outcome_text(event: TrialEvent) -> str:
-    """Each size a trial ran, whether it fitted (with its peak) or ran out of memory, and what a
-    rebuild left: ``A100-80GB micro-batch 64: peak 41.2 GiB``."""
+    """Each size a trial ran and its outcome, and what a rebuild left: ``A100-80GB micro-batch 64: peak 41.2 GiB``."""
     parts = []
     for device_type, size in event.sizes.items():
         if device_type not in event.fits:
@@ -137,22 +137,14 @@ def trial_outcome_text(event: TrialEvent) -> str:
 
 
 def profile_model(**options: Any) -> list[Profile]:
-    """Profiles of every device type in the job at every stage of `zero_stages` (collective).
+    """Profiles of every device type in the job at every stage of `zero_stages` (collective: every rank calls
+    it alike and gets the same list, stage by stage in job order of device types).
 
-    Every rank calls it with the same arguments. For each (device type, stage) a
-    cached profile in `cache_dir` with the same keys is returned as it is (unless
-    `force`); the others are measured and written there by rank 0. Returns the same
-    list, stage by stage in job order of device types, on every rank.
-
-    Its keywords are `ProfileOptions`' fields, each saying what it means, its type and its
-    default (`poplar_ext.profiler.options`); its signature is theirs.
-
-    On CPU it measures with one torch thread and glibc's steady allocator
-    (`poplar_ext.hardware.cpu_process`), and on return gives the previous thread
-    count back and leaves glibc's default thresholds (`memory.default_cpu_allocator`).
-
-    With a pipeline model (see `ProfileOptions.per_layer`) it writes layer profiles
-    (``<cache_dir>/layers/``, `poplar_ext.profiler.per_layer.profile_layers`) and returns [].
+    Its keywords are `ProfileOptions`' fields (its signature is theirs). A cached profile with the same
+    keys is returned as it is (unless `force`); the others are measured and written by rank 0. On CPU it
+    measures with one torch thread and glibc's steady allocator, and gives back the thread count and
+    glibc's default thresholds after. A pipeline model (`ProfileOptions.per_layer`) gets layer profiles
+    (``<cache_dir>/layers/``) and [] is returned.
     """
     return profile_with(ProfileOptions(**options))
 
@@ -165,11 +157,19 @@ profile_model.__signature__ = inspect.signature(ProfileOptions).replace(  # type
 
 def profile_with(options: ProfileOptions) -> list[Profile]:
     """`profile_model` with its arguments in one `ProfileOptions` (poplar-profile's way in); collective."""
-    model = None if options.per_layer is False else options.model_factory()
-    if model is not None and _layer_profiles_first(options, model):
-        return []
-    if model is not None:  # the session's first engine takes it: the model is built no more often than before
-        options = dataclasses.replace(options, model_factory=_first_then(model, options.model_factory))
+    if options.per_layer is not False:
+        from poplar_ext.profiler.layers import is_pipeline_model
+        from poplar_ext.profiler.per_layer import profile_layers
+
+        model = options.model_factory()
+        pipeline_model = is_pipeline_model(model)
+        if pipeline_model or options.per_layer:
+            profile_layers(options, model=model)
+        if pipeline_model:
+            return []  # a pipeline model has no whole-model profile
+        # The session's first engine takes it: the model is built no more often than before.
+        built, factory = [model], options.model_factory
+        options = dataclasses.replace(options, model_factory=lambda: built.pop() if built else factory())
     options, settings = _checked(options)
     device = join_job()
     with _measuring_process(device), _short_timeouts(options, device) as timeouts:
@@ -196,23 +196,6 @@ def _short_timeouts(options: ProfileOptions, device: torch.device) -> Iterator[S
         )
     with ShortCollectiveTimeouts(options.collective_timeout_s) as timeouts:
         yield timeouts
-
-
-def _first_then(model: torch.nn.Module, factory: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
-    built = [model]
-    return lambda: built.pop() if built else factory()
-
-
-def _layer_profiles_first(options: ProfileOptions, model: Any) -> bool:
-    """Layer profiles measured where `options.per_layer` asks; True when `model` is a pipeline model
-    (which has no whole-model profile)."""
-    from poplar_ext.profiler.layers import is_pipeline_model
-    from poplar_ext.profiler.per_layer import profile_layers
-
-    pipeline_model = is_pipeline_model(model)
-    if pipeline_model or options.per_layer:
-        profile_layers(options, model=model)
-    return pipeline_model
 
 
 def _checked(options: ProfileOptions) -> tuple[ProfileOptions, MeasureSettings]:
@@ -249,18 +232,11 @@ def _checked(options: ProfileOptions) -> tuple[ProfileOptions, MeasureSettings]:
 
 
 def _read_ds_config(options: ProfileOptions) -> Mapping[str, Any]:
-    ds_config, config_name = options.ds_config, "ds_config"
-    if not isinstance(ds_config, Mapping):
-        config_name = str(ds_config)
-        ds_config = read_json(ds_config)
-        if not isinstance(ds_config, dict):
-            raise ValueError(f"ds_config: expected a JSON object, found {type(ds_config).__name__}")
+    ds_config = read_ds_config(options.ds_config)
     if "optimizer" not in ds_config and options.optimizer_factory is None:
         # DeepSpeed would stop at its first engine with a bare "must provide optimizer" assertion.
-        raise ValueError(
-            f"{config_name}: optimizer: expected an 'optimizer' section (the optimizer training uses: its step is "
-            "part of every profile), found none; add one, or pass optimizer_factory to profile_model"
-        )
+        config_name = "ds_config" if isinstance(options.ds_config, Mapping) else str(options.ds_config)
+        raise ValueError(f"{config_name}: {NO_OPTIMIZER}; add one, or pass optimizer_factory to profile_model")
     return ds_config
 
 
@@ -317,7 +293,7 @@ class _Session:
     """The network measured (or found) for this cluster: what the profiles' times hold is priced by it."""
 
     def model_states(self, run: _Run) -> ModelStates:
-        """Every rank's static memory in `run` (`poplar_ext.search.model_states`): the same on all ranks."""
+        """Every rank's static memory in `run` (`poplar_ext.search.model_states`)."""
         return model_states(
             num_parameters=self.model.num_parameters,
             num_trainable_parameters=self.trainable_parameters,
@@ -439,7 +415,8 @@ def _profile(
         if layout.rank == 0 and options.progress is not None:
             options.progress(line)
     session = dataclasses.replace(_start_session(options, settings, layout), timeouts=timeouts, network=network)
-    cached = broadcast_from_rank0(_cached_on_rank0(session))
+    keys = {(t, run): session.key(t, run) for run in session.runs for t in session.types_of(run)}
+    cached = broadcast_from_rank0(cached_on_rank0(layout.rank, options, keys, find_cached_profile, profile_to_dict))
     reporter = _ProgressReporter(
         sink=options.progress,
         layout=layout,
@@ -461,18 +438,6 @@ _Produced = dict[tuple[str, _Run], dict[str, Any]]
 """Profiles (as dicts, sent between ranks) by device type and run."""
 
 
-def _cached_on_rank0(session: _Session) -> _Produced:
-    """The cache's profiles for the session's runs, read by rank 0 ({} elsewhere, or when forced)."""
-    cached: _Produced = {}
-    if session.layout.rank == 0 and not session.options.force:
-        for run in session.runs:
-            for t in session.types_of(run):
-                found = find_cached_profile(session.options.cache_dir, session.key(t, run))
-                if found is not None:
-                    cached[(t, run)] = profile_to_dict(found)
-    return cached
-
-
 def _to_measure(session: _Session, run: _Run, cached: _Produced) -> tuple[str, ...]:
     return tuple(t for t in session.types_of(run) if (t, run) not in cached)
 
@@ -489,7 +454,7 @@ def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _Pro
     too_small = _types_too_small(session, run)
     if too_small:
         return _skipped_run(session, run, to_measure, too_small, reporter)
-    reporter.stage_started(run.zero_stage, to_measure, title=run.title)
+    reporter.stage_started(run.title, to_measure)
     started = time.monotonic()
     results = StageMeasurement(
         layout=layout,
@@ -521,10 +486,8 @@ def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _Pro
 
 def _types_too_small(session: _Session, run: _Run) -> dict[str, str]:
     """Real device type -> why it cannot hold `run`'s model states, for every type of the job (each rank
-    builds the engine). Decided alike on every rank from the layout's agreed capacities, before an
-    engine whose build (collectives inside) could run out of memory on some ranks only. Emulated types
-    are left to the measurement: their capacity is checked after each step, no rank runs out, and the
-    other types are still measured."""
+    builds the engine): decided alike on every rank from the agreed capacities, before an engine whose
+    build could run out of memory on some ranks only. Emulated types are left to the measurement."""
     states = session.model_states(run)
     layout = session.layout
     return {
@@ -537,9 +500,8 @@ def _types_too_small(session: _Session, run: _Run) -> dict[str, str]:
 def _skipped_run(
     session: _Session, run: _Run, to_measure: tuple[str, ...], too_small: dict[str, str], reporter: _ProgressReporter
 ) -> _Produced:
-    """A run no engine is built for: a type too small gets a profile that fits nothing (the search
-    then knows), its reason in ``largest_micro_batch_probe.skipped``; the other types are not profiled
-    (their ranks cannot run the stage without the small type's)."""
+    """A run no engine is built for: a type too small gets a profile that fits nothing (its reason in
+    ``largest_micro_batch_probe.skipped``); the other types are not profiled."""
     reason = "; ".join(f"{t}: {why}" for t, why in too_small.items())
     reporter.stages_left -= 1  # counted among the stages to measure
     reporter.say(f"{run.title}: skipped, no engine built: {reason}")
@@ -578,8 +540,7 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
         max_micro_batch_size=result.max_micro_batch_size,
         samples=result.samples,
         optimizer_step_time_s=result.optimizer_step_time_s,
-        # Measured at the emulation's own slowdown: a drift schedule is training's, not the profile's.
-        emulated=None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=()),
+        emulated=without_drift(emulation),
         activation_checkpointing=run.checkpointing,
         optimizer_offload=run.offload,
         measured_with={
@@ -623,18 +584,11 @@ def time_micro_steps(
     activation_checkpointing: bool = False,
     optimizer_offload: bool = False,
 ) -> dict[str, dict[int, float]]:
-    """Device type -> micro-batch size -> median micro-step time, timed as training runs them (collective).
+    """Device type -> micro-batch size -> median micro-step time over its ranks, for calibration (collective).
 
-    For calibration (`poplar_ext.profiler.calibration`): one engine at `zero_stage` with the given
-    memory levers, built from `options` as profiling builds it; every rank runs its type's sizes
-    (`sizes`) at once, an emulated rank padded to its slowdown and timed by wall clock
-    (`MeasureSettings.as_training`); `options.warmup_micro_steps` then `options.repeats` per size.
-    Each type's time is the median over its ranks. The same dict on every rank.
-
-    At ZeRO-2/3 a micro-step's wall time holds its collectives, in which a fast type waits for a
-    slow one: there micro-steps are timed as profiling times them (`calibration.timed_as_training`:
-    thread CPU time x slowdown on CPU, which sees another machine's speed but not waiting for a
-    core; on CUDA one type at a time), the window of the profile they are compared with.
+    One engine at `zero_stage` with the given memory levers, built as profiling builds it; every rank
+    runs its type's `sizes`, timed as training runs them where no collective is waited in
+    (`calibration.timed_as_training`), else as profiling times them. The same dict on every rank.
     """
     options, settings = _checked(dataclasses.replace(options, zero_stages=(zero_stage,)))
     device = join_job()
@@ -659,13 +613,3 @@ def time_micro_steps(
         for size, time_s in times.items():
             by_type.setdefault(device_type, {}).setdefault(size, []).append(time_s)
     return {t: {size: statistics.median(v) for size, v in per.items()} for t, per in by_type.items()}
-
-
-__all__ = [
-    "ProfileOptions",
-    "log_progress",
-    "profile_model",
-    "profile_with",
-    "time_micro_steps",
-    "training_dtype",
-]

@@ -16,14 +16,12 @@ import torch
 from poplar_ext.plan.formats import Cluster, Plan, Profile
 
 MeasureMissing = Callable[..., list[Profile]]
-"""``measure(missing, cluster, force=False) -> profiles``: the (device type, stage) pairs measured
-(`force`: even those in the cache, to measure a stale one again); collective (every rank calls it
-alike). `poplar_ext.zero.planning` calls one when profiles are missing or stale."""
+"""``measure(missing, cluster, force=False) -> profiles``: the (device type, stage) pairs measured (`force`:
+even cached ones); collective. `poplar_ext.zero.planning` calls one when profiles are missing or stale."""
 
 TimeAtSizes = Callable[[Mapping[str, list[int]], Plan, Cluster], dict[str, dict[int, float]]]
-"""``time_at_sizes(sizes, plan, cluster) -> {device type: {size: seconds}}``: micro-steps timed as
-training runs them at `plan`'s stage and memory levers (`poplar_ext.profiler.api.time_micro_steps`);
-collective. `poplar_ext.zero.planning` calls one to check cached profiles (calibration)."""
+"""``time_at_sizes(sizes, plan, cluster) -> {device type: {size: seconds}}``: `time_micro_steps` at `plan`'s
+stage and memory levers; collective. `poplar_ext.zero.planning` calls one to check cached profiles."""
 
 
 def _constructor_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -74,11 +72,9 @@ def missing_layer_profiles_measurer(
     micro_batch_size_limit: int,
     progress: Callable[[str], None] | None = None,
 ) -> Callable[[list[str], Cluster, tuple[int, ...]], None]:
-    """A function that measures missing layer profiles of a pipeline model (collective), for a pipeline
-    plan searched at start (`poplar_ext.pipeline.planning`): ``measure(device_types, cluster, stages)``
-    writes them into ``profiles_dir/layers/``. Micro-batches as `missing_profiles_measurer`'s; the
-    optimizer is the config's (``optimizer``: Adam, AdamW or SGD), as the module is built before any
-    optimizer; sizes up to `micro_batch_size_limit` (the global batch)."""
+    """``measure(device_types, cluster, stages)``: a pipeline model's missing layer profiles written into
+    ``profiles_dir/layers/`` (collective), micro-batches as `missing_profiles_measurer`'s, the config's
+    optimizer (the module is built before any optimizer), sizes up to `micro_batch_size_limit`."""
     from poplar_ext.profiler import log_progress
     from poplar_ext.profiler.options import ProfileOptions
     from poplar_ext.profiler.per_layer import optimizer_factory_from_config, profile_layers
@@ -123,20 +119,12 @@ def missing_profiles_measurer(
     optimizer_offload: str = "off",
     calibration_repeats: int = 3,
 ) -> MeasureMissing:
-    """A function that measures missing profiles with initialize's model and data (collective).
+    """A `MeasureMissing` with initialize's model and data (collective); call it before DeepSpeed sees `model`
+    (each measured stage gets a deep copy).
 
-    Call the result before DeepSpeed sees `model`: each measured stage gets a deep
-    copy of it. Micro-batch ``b`` is the first ``b`` samples of
-    `training_data` (repeated when the data set is smaller) put together by
-    `collate_fn` (default: torch's default collate); the loss is ``loss_fn(engine,
-    batch)`` (default: the model's output's ``.loss``, else the output itself, as for a
-    Hugging Face model given labels). The largest micro-batch tried is
-    `micro_batch_size_limit` (the global batch when known: no plan can use more).
-    Where the model can switch activation checkpointing (built in, or
-    `checkpointing_toggle`), both variants are measured, as `profile_model` does by default;
-    `optimizer_offload` (``poplar.optimizer_offload``) is passed on to `profile_model`.
-    The result's ``time_at_sizes`` attribute is a `TimeAtSizes` on the same model and data
-    (`calibration_repeats` micro-steps per size), for checking cached profiles.
+    Micro-batch ``b`` is `batches_of` `training_data`; the largest tried is `micro_batch_size_limit` (the
+    global batch when known); the other arguments are `profile_model`'s. Its ``time_at_sizes`` attribute is
+    a `TimeAtSizes` on the same model and data (`calibration_repeats` micro-steps per size).
     """
     from poplar_ext.profiler import log_progress, profile_model
     from poplar_ext.profiler.options import ProfileOptions
@@ -189,12 +177,3 @@ def missing_profiles_measurer(
 
     measure.time_at_sizes = time_at_sizes  # type: ignore[attr-defined]  # the same inputs, for calibration
     return measure
-
-
-__all__ = [
-    "MeasureMissing",
-    "TimeAtSizes",
-    "batches_of",
-    "missing_layer_profiles_measurer",
-    "missing_profiles_measurer",
-]

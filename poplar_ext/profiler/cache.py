@@ -1,10 +1,7 @@
 """The profile cache: a directory of profile JSON files, looked up by what is inside them.
 
-A profile is reused when every key that decides its numbers matches (`ProfileKey`):
-model fingerprint, device type (and its emulation), ZeRO stage, activation
-checkpointing, world size, dtype,
-sequence length, torch and DeepSpeed versions, and the DeepSpeed settings that change
-speed or memory. File names are for people only; lookups never parse them.
+A profile is reused when every key that decides its numbers matches (`ProfileKey`, `LayerProfileKey`).
+File names are for people only; lookups never parse them.
 """
 
 from __future__ import annotations
@@ -12,10 +9,10 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (
@@ -28,6 +25,9 @@ from poplar_ext.plan.formats import (
     save_profile,
 )
 from poplar_ext.plan.pipeline_formats import LayerProfile, layer_profiles_dir, load_layer_profile, save_layer_profile
+
+if TYPE_CHECKING:
+    from poplar_ext.profiler.options import ProfileOptions
 
 # DeepSpeed settings that do not change per-micro-step speed or memory, or that the
 # profiler sets itself; everything else in the config is part of the cache key.
@@ -58,36 +58,52 @@ def ds_config_fingerprint(ds_config: Mapping[str, Any]) -> str:
     return content_fingerprint(relevant)
 
 
-def _measured_versions(provenance: dict) -> tuple[str, str, str] | None:
-    """A profile's torch and DeepSpeed versions and config fingerprint, when this profiler measured it."""
-    if provenance.get("source") != "measured":
-        return None
-    try:
-        return str(provenance["torch"]), str(provenance["deepspeed"]), str(provenance["ds_config_fingerprint"])
-    except KeyError:
-        return None
-
-
 @dataclass(frozen=True, kw_only=True)
-class ProfileKey:
-    """Everything that must match for a stored profile to stand for a new measurement."""
+class _Key:
+    """What must match for a stored profile, or layer profile, to stand for a new measurement."""
 
     model_fingerprint: str
-    """`poplar_ext.profiler.fingerprint.model_fingerprint` of the model."""
+    """`poplar_ext.profiler.fingerprint.model_fingerprint` of the model (of a pipeline's layers as one
+    ``nn.Sequential``)."""
     device_type: str
     """Device type as normalised (`poplar_ext.hardware.devices`) or as declared emulated."""
     emulation: Emulation | None
     """The emulation of an emulated type; another slowdown or capacity is another device."""
     zero_stage: int
-    world_size: int
-    """Ranks in the job: ZeRO partitions, and so memory, depend on it."""
     dtype: str
     """``float32``, ``bfloat16`` or ``float16``."""
     sequence_length: int | None
     torch_version: str
     deepspeed_version: str
     ds_config_fingerprint: str
-    """`ds_config_fingerprint` of the DeepSpeed config."""
+    """`ds_config_fingerprint` of the DeepSpeed config (its optimizer decides the optimizer state)."""
+
+    @staticmethod
+    def _shared(profile: Profile | LayerProfile) -> dict[str, Any] | None:
+        """A stored profile's shared fields; None for one this profiler did not measure."""
+        provenance = profile.measured_with
+        recorded = all(k in provenance for k in ("torch", "deepspeed", "ds_config_fingerprint"))
+        if provenance.get("source") != "measured" or not recorded:
+            return None
+        return {
+            "model_fingerprint": profile.model.fingerprint,
+            "device_type": profile.device_type,
+            "emulation": profile.emulated,
+            "zero_stage": profile.zero_stage,
+            "dtype": profile.model.dtype,
+            "sequence_length": profile.model.sequence_length,
+            "torch_version": str(provenance["torch"]),
+            "deepspeed_version": str(provenance["deepspeed"]),
+            "ds_config_fingerprint": str(provenance["ds_config_fingerprint"]),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileKey(_Key):
+    """Everything that must match for a stored profile to stand for a new measurement."""
+
+    world_size: int
+    """Ranks in the job: ZeRO partitions, and so memory, depend on it."""
     activation_checkpointing: bool = False
     """Measured with the model recomputing its activations in backward."""
     optimizer_offload: bool = False
@@ -96,40 +112,67 @@ class ProfileKey:
     @classmethod
     def of_profile(cls, profile: Profile) -> ProfileKey | None:
         """The key of a stored profile; None for one that was not measured by this profiler."""
-        versions = _measured_versions(profile.measured_with)
-        if versions is None:
+        shared = cls._shared(profile)
+        if shared is None:
             return None
-        torch_version, deepspeed_version, config_fp = versions
         return cls(
-            model_fingerprint=profile.model.fingerprint,
-            device_type=profile.device_type,
-            emulation=profile.emulated,
-            zero_stage=profile.zero_stage,
+            **shared,
             world_size=profile.world_size,
-            dtype=profile.model.dtype,
-            sequence_length=profile.model.sequence_length,
-            torch_version=torch_version,
-            deepspeed_version=deepspeed_version,
-            ds_config_fingerprint=config_fp,
             activation_checkpointing=profile.activation_checkpointing,
             optimizer_offload=profile.optimizer_offload,
         )
 
 
-def _stored_profiles(cache_dir: Path) -> list[tuple[Path, Profile]]:
-    found: list[tuple[Path, Profile]] = []
-    if not cache_dir.is_dir():
-        return found
-    for path in sorted(cache_dir.glob("*.json")):
+@dataclass(frozen=True, kw_only=True)
+class LayerProfileKey(_Key):
+    """Everything that must match for a stored layer profile to stand for a new measurement."""
+
+    micro_batch_sizes: tuple[int, ...]
+    """The sizes the layers were timed at: other sizes asked for are measured again."""
+
+    @classmethod
+    def of_profile(cls, profile: LayerProfile) -> LayerProfileKey | None:
+        """The key of a stored layer profile; None for one this profiler did not measure."""
+        shared = cls._shared(profile)
+        if shared is None:
+            return None
+        return cls(**shared, micro_batch_sizes=tuple(s.micro_batch_size for s in profile.layers[0].samples))
+
+
+def _stored(directory: Path, load: Callable[[Path], Any], kind: str) -> list[tuple[Path, Any]]:
+    """Every `kind` `load` reads from `directory` (None: another file, skipped)."""
+    found = []
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
         try:
-            data = read_json(path)
-            if is_cluster_or_plan(data):  # e.g. the cluster poplar-profile discovered
-                continue
-            found.append((path, profile_from_dict(data, source=str(path))))
+            loaded = load(path)
         except FormatError as exc:
             # Not fatal here: the profile is measured again and the bad file is named.
-            warnings.warn(f"profile cache: ignoring a file that is not a valid profile: {exc}", stacklevel=3)
+            warnings.warn(f"profile cache: ignoring a file that is not a valid {kind}: {exc}", stacklevel=4)
+            continue
+        if loaded is not None:
+            found.append((path, loaded))
     return found
+
+
+def _load_profile(path: Path) -> Profile | None:
+    data = read_json(path)
+    # Not a profile: e.g. the cluster poplar-profile discovered.
+    return None if is_cluster_or_plan(data) else profile_from_dict(data, source=str(path))
+
+
+def _stored_profiles(cache_dir: Path) -> list[tuple[Path, Profile]]:
+    return _stored(cache_dir, _load_profile, "profile")
+
+
+def cached_on_rank0(
+    rank: int, options: ProfileOptions, keys: Mapping[Hashable, Any], find: Callable, to_dict: Callable
+) -> dict[Any, dict[str, Any]]:
+    """What `find` finds in ``options.cache_dir`` for each of `keys` (what -> key), as dicts: read by rank 0
+    ({} on the other ranks, and with ``options.force``)."""
+    if rank != 0 or options.force:
+        return {}
+    found = {what: find(options.cache_dir, key) for what, key in keys.items()}
+    return {what: to_dict(profile) for what, profile in found.items() if profile is not None}
 
 
 def find_cached_profile(cache_dir: str | Path, key: ProfileKey) -> Profile | None:
@@ -140,83 +183,29 @@ def find_cached_profile(cache_dir: str | Path, key: ProfileKey) -> Profile | Non
 def profile_file_name(profile: Profile) -> str:
     """A readable file name, e.g. ``gpt-a1b2c3d4-A100-80GB-zero2.json`` (``-ckpt`` with activation
     checkpointing, ``-offload`` with optimizer offload; never parsed)."""
+    levers = ("-ckpt" if profile.activation_checkpointing else "") + ("-offload" if profile.optimizer_offload else "")
+    return _file_name(profile, levers)
+
+
+def _file_name(profile: Profile | LayerProfile, levers: str = "") -> str:
     fingerprint = profile.model.fingerprint.split(":")[-1][:8]
-    stem = f"{profile.model.name}-{fingerprint}-{profile.device_type}-zero{profile.zero_stage}"
-    if profile.activation_checkpointing:
-        stem += "-ckpt"
-    if profile.optimizer_offload:
-        stem += "-offload"
+    stem = f"{profile.model.name}-{fingerprint}-{profile.device_type}-zero{profile.zero_stage}{levers}"
     return re.sub(r"[^A-Za-z0-9._-]+", "_", stem) + ".json"
 
 
 def store_profile(cache_dir: str | Path, profile: Profile) -> Path:
-    """Write `profile` atomically into `cache_dir` and return its path.
-
-    `search.formats.load_profiles` allows one profile per (device type, ZeRO stage,
-    activation checkpointing, model fingerprint) in a directory, so a stored profile
-    with that key (another world size, library version, ...) is replaced, in its own file.
-    """
-    cache_dir = Path(cache_dir)
-    target = cache_dir / profile_file_name(profile)
+    """Write `profile` atomically into `cache_dir` and return its path; a stored one with the same
+    `Profile.key` and model (the search loads one per directory) is replaced, in its own file."""
     key = (*profile.key, profile.model.fingerprint)
-    for path, stored in _stored_profiles(cache_dir):
-        if (*stored.key, stored.model.fingerprint) == key:
-            target = path
-            break
+    stored = _stored_profiles(Path(cache_dir))
+    target = next((p for p, s in stored if (*s.key, s.model.fingerprint) == key), None)
+    target = target or Path(cache_dir) / profile_file_name(profile)
     save_profile(profile, target)
     return target
 
 
-# ----------------------------------------------------------------------------------
-# Layer profiles (<profiles>/layers/): the same rule, by what is inside them
-# ----------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class LayerProfileKey:
-    """Everything that must match for a stored layer profile to stand for a new measurement."""
-
-    model_fingerprint: str
-    """`poplar_ext.profiler.fingerprint.model_fingerprint` of the layers as one ``nn.Sequential``."""
-    device_type: str
-    emulation: Emulation | None
-    zero_stage: int
-    dtype: str
-    sequence_length: int | None
-    micro_batch_sizes: tuple[int, ...]
-    """The sizes the layers were timed at: other sizes asked for are measured again."""
-    torch_version: str
-    deepspeed_version: str
-    ds_config_fingerprint: str
-    """`ds_config_fingerprint` of the DeepSpeed config (its optimizer decides the optimizer state)."""
-
-    @classmethod
-    def of_profile(cls, profile: LayerProfile) -> LayerProfileKey | None:
-        """The key of a stored layer profile; None for one this profiler did not measure."""
-        versions = _measured_versions(profile.measured_with)
-        if versions is None:
-            return None
-        return cls(
-            model_fingerprint=profile.model.fingerprint,
-            device_type=profile.device_type,
-            emulation=profile.emulated,
-            zero_stage=profile.zero_stage,
-            dtype=profile.model.dtype,
-            sequence_length=profile.model.sequence_length,
-            micro_batch_sizes=tuple(s.micro_batch_size for s in profile.layers[0].samples),
-            torch_version=versions[0],
-            deepspeed_version=versions[1],
-            ds_config_fingerprint=versions[2],
-        )
-
-
 def _stored_layer_profiles(cache_dir: Path) -> list[tuple[Path, LayerProfile]]:
-    directory = layer_profiles_dir(cache_dir)
-    found: list[tuple[Path, LayerProfile]] = []
-    for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
-        try:
-            found.append((path, load_layer_profile(path)))
-        except FormatError as exc:
-            warnings.warn(f"profile cache: ignoring a file that is not a valid layer profile: {exc}", stacklevel=3)
-    return found
+    return _stored(layer_profiles_dir(cache_dir), load_layer_profile, "layer profile")
 
 
 def find_cached_layer_profile(cache_dir: str | Path, key: LayerProfileKey) -> LayerProfile | None:
@@ -226,33 +215,12 @@ def find_cached_layer_profile(cache_dir: str | Path, key: LayerProfileKey) -> La
 
 
 def store_layer_profile(cache_dir: str | Path, profile: LayerProfile) -> Path:
-    """Write `profile` atomically into ``cache_dir/layers/`` and return its path.
-
-    The search reads one layer profile per (device type, ZeRO stage) of one model, so a
-    stored one with those (measured at other sizes, another library version) is replaced."""
-    fingerprint = profile.model.fingerprint.split(":")[-1][:8]
-    stem = f"{profile.model.name}-{fingerprint}-{profile.device_type}-zero{profile.zero_stage}"
-    target = layer_profiles_dir(cache_dir) / (re.sub(r"[^A-Za-z0-9._-]+", "_", stem) + ".json")
-    for path, stored in _stored_layer_profiles(Path(cache_dir)):
-        if (stored.device_type, stored.zero_stage, stored.model.fingerprint) == (
-            profile.device_type,
-            profile.zero_stage,
-            profile.model.fingerprint,
-        ):
-            target = path
-            break
+    """Write `profile` atomically into ``cache_dir/layers/`` and return its path; a stored one of the same
+    device type, stage and model (the search reads one) is replaced."""
+    key = (profile.device_type, profile.zero_stage, profile.model.fingerprint)
+    stored = _stored_layer_profiles(Path(cache_dir))
+    target = next((p for p, s in stored if (s.device_type, s.zero_stage, s.model.fingerprint) == key), None)
+    target = target or layer_profiles_dir(cache_dir) / _file_name(profile)
     target.parent.mkdir(parents=True, exist_ok=True)
     save_layer_profile(profile, target)
     return target
-
-
-__all__ = [
-    "LayerProfileKey",
-    "ProfileKey",
-    "ds_config_fingerprint",
-    "find_cached_layer_profile",
-    "find_cached_profile",
-    "profile_file_name",
-    "store_layer_profile",
-    "store_profile",
-]

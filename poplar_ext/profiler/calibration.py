@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from poplar_ext.plan.formats import Plan, Profile, Sample
+from poplar_ext.plan.formats import Plan, Profile
 
 CALIBRATION_ACTIONS = ("rescale", "remeasure", "off")
 """What a profile off by more than the threshold gets: its curve rescaled, measured again, or nothing
@@ -43,15 +43,9 @@ class CalibrationCheck:
 
 
 def timed_as_training(zero_stage: int) -> bool:
-    """Whether calibration times micro-steps as training runs them (every type at once, wall clock).
-
-    At ZeRO-0/1 a non-boundary micro-step communicates nothing, so its wall time is compute, also
-    waiting for a core. At ZeRO-2/3 its wall time holds collectives in which a fast type waits for
-    a slow one (every type would look as slow as the slowest, on CUDA whose events count waits):
-    there micro-steps are timed as profiling times them (`poplar_ext.hardware.compute_clock.
-    compute_window`: on CPU the thread's CPU time, on CUDA one type at a time, the others at
-    micro-batch 1), the same window as the profile they are compared with.
-    """
+    """Whether calibration times micro-steps as training runs them (every type at once, wall clock): at
+    ZeRO-0/1 a non-boundary micro-step communicates nothing; at ZeRO-2/3 a fast type would wait for a slow
+    one in its collectives, so micro-steps are timed as profiling times them (`compute_window`)."""
     return zero_stage in (0, 1)
 
 
@@ -115,14 +109,7 @@ def rescaled_profile(profile: Profile, ratio: float) -> Profile:
     its provenance says so and names the profile it came from."""
     if not ratio > 0.0:
         raise ValueError(f"ratio: expected a positive factor, found {ratio}")
-    samples = tuple(
-        Sample(
-            micro_batch_size=s.micro_batch_size,
-            micro_step_time_s=s.micro_step_time_s * ratio,
-            peak_memory_bytes=s.peak_memory_bytes,
-        )
-        for s in profile.samples
-    )
+    samples = tuple(dataclasses.replace(s, micro_step_time_s=s.micro_step_time_s * ratio) for s in profile.samples)
     provenance = {
         **profile.measured_with,
         "calibration": {"rescaled_by": ratio, "rescaled_from_fingerprint": profile.fingerprint},
@@ -152,22 +139,3 @@ def plan_sizes(plans: list[Plan]) -> dict[str, list[int]]:
 def with_calibration(plan: Plan, checks: Mapping[str, CalibrationCheck]) -> Plan:
     """`plan` recording what calibration did to each of its device types' profiles."""
     return dataclasses.replace(plan, calibration={t: c.to_dict() for t, c in sorted(checks.items())})
-
-
-__all__ = [
-    "CALIBRATION_ACTIONS",
-    "NOT_CHECKED",
-    "REMEASURED",
-    "RESCALED",
-    "TRUSTED",
-    "CalibrationCheck",
-    "apply_checks",
-    "check_profiles",
-    "measured_over_profiled",
-    "outcome_for",
-    "plan_sizes",
-    "profiled_time_s",
-    "rescaled_profile",
-    "timed_as_training",
-    "with_calibration",
-]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from poplar_ext.plan.errors import FormatError
-from poplar_ext.profiler.options import ProfileOptions, at_least, log_progress, read_callable
+from poplar_ext.profiler.options import NO_OPTIMIZER, ProfileOptions, at_least, log_progress, read_callable
 
 BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
 HF_PREFIX = "hf:"
@@ -37,8 +37,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The argument parser (standalone, or filled into a subcommand's `parser`): the options that
-    build the model, then one per `ProfileOptions` field."""
+    """The argument parser (standalone, or filled into a subcommand's `parser`): the model's options, then
+    one per `ProfileOptions` field."""
     parser = parser or _Parser(
         prog="poplar-profile",
         description=(
@@ -86,8 +86,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def _add_field_options(parser: argparse.ArgumentParser) -> None:
-    """One option per `ProfileOptions` field not built by hand: the field's flag, reader, default and
-    docstring (its help)."""
+    """One option per `ProfileOptions` field not built by hand: its flag, reader, default and docstring."""
     helps = _field_docstrings()
     for f in dataclasses.fields(ProfileOptions):
         if f.metadata["cli"] is None:
@@ -217,25 +216,18 @@ def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[in
 
 
 def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
-    """Parse and check the command line; raises `UsageError` (one line) on bad input.
-
-    The options' `cluster` is the --cluster file, or None (`run` discovers it); their
-    `progress` is None under --quiet.
-    """
+    """The command line checked, as `ProfileOptions` (`cluster` None: `run` discovers it); `UsageError`
+    (one line) on bad input."""
     args = build_parser().parse_args(argv)
     if args.checkpointing_toggle is not None and args.activation_checkpointing == "off":
         raise UsageError("--checkpointing-toggle: not used with --activation-checkpointing off; leave one out")
     ds_config = _deepspeed_config(Path(args.deepspeed_config))
     model_factory, make_batch, name, sequence_length = _model(args)
-    fields = dataclasses.fields(ProfileOptions)
-    given = {f.name: getattr(args, f.name) for f in fields if f.metadata["cli"] is not None}
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ProfileOptions) if f.metadata["cli"] is not None}
+    given |= {"model_name": args.model_name or name, "sequence_length": sequence_length}
     return ProfileOptions(
-        **{
-            **given,
-            "model_name": args.model_name or name,
-            "sequence_length": sequence_length,
-            "progress": None if args.quiet else log_progress,
-        },
+        **given,
+        progress=None if args.quiet else log_progress,
         model_factory=model_factory,
         make_batch=make_batch,
         ds_config=ds_config,
@@ -254,10 +246,7 @@ def _deepspeed_config(config_path: Path) -> dict[str, Any]:
             f"--deepspeed_config: expected a JSON object in {config_path}, found {type(ds_config).__name__}"
         )
     if "optimizer" not in ds_config:
-        raise UsageError(
-            f"--deepspeed_config: {config_path}: optimizer: expected an 'optimizer' section (the optimizer training "
-            "uses: its step is part of every profile), found none"
-        )
+        raise UsageError(f"--deepspeed_config: {config_path}: {NO_OPTIMIZER}")
     return ds_config
 
 
@@ -277,11 +266,8 @@ def _model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int],
 
 
 def run(options: ProfileOptions) -> list[Any]:
-    """Profile as `options` say (collective: every rank runs it); returns the profiles.
-
-    Without a cluster, the cluster read from the hardware is written beside the profiles
-    (for poplar-search) and measured.
-    """
+    """Profile as `options` say (collective); returns the profiles. Without a cluster, the one read from
+    the hardware is measured and written beside the profiles (for poplar-search)."""
     from deepspeed.accelerator import get_accelerator
 
     from poplar_ext.collectives import process_group_rank
@@ -320,12 +306,8 @@ def summary(profiles: Sequence[Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``poplar-profile``; returns the exit status."""
-    try:
+    try:  # UsageError is a ValueError
         options = parse_command(argv)
-    except UsageError as exc:
-        print(f"poplar-profile: error: {exc}", file=sys.stderr)
-        return 2
-    try:
         profiles = run(options)
     except (ValueError, FormatError) as exc:
         print(f"poplar-profile: error: {exc}", file=sys.stderr)

@@ -13,17 +13,12 @@ from torch import nn
 from poplar_ext.plan.formats import content_fingerprint
 
 
-def _qualified_class_name(module: nn.Module) -> str:
-    cls = type(module)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def model_description(model: nn.Module) -> dict[str, Any]:
     """The JSON-able facts the fingerprint hashes (handy for seeing why two differ)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, found {type(model).__name__}")
     return {
-        "modules": [[name, _qualified_class_name(module)] for name, module in model.named_modules()],
+        "modules": [[name, f"{type(m).__module__}.{type(m).__qualname__}"] for name, m in model.named_modules()],
         "parameters": [
             [name, list(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
             for name, p in model.named_parameters()
@@ -35,6 +30,3 @@ def model_description(model: nn.Module) -> dict[str, Any]:
 def model_fingerprint(model: nn.Module) -> str:
     """Stable short hash of `model`'s architecture (classes, parameter names, shapes, dtypes)."""
     return content_fingerprint(model_description(model))
-
-
-__all__ = ["model_description", "model_fingerprint"]

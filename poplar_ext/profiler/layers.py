@@ -21,6 +21,7 @@ from poplar_ext.hardware.compute_clock import time_compute
 from poplar_ext.hardware.memory import resident_memory_bytes
 from poplar_ext.plan.formats import Emulation, ModelInfo
 from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerCost, LayerProfile, LayerSample
+from poplar_ext.profiler.options import ProfileOptions
 from poplar_ext.profiler.sizes import dense_sizes
 
 PipelineLossFn = Callable[[Any, Any], torch.Tensor]
@@ -72,9 +73,8 @@ class CallableLayer(nn.Module):
 
 
 class TiedUse(nn.Module):
-    """One use of a tied module (a TiedLayerSpec) as a layer the profiler can time: the module, called
-    through the spec's ``forward_fn`` where it has one. Its parameters count for every use: each
-    stage holding a use holds the module (and its gradient and optimizer state)."""
+    """One use of a tied module (a TiedLayerSpec), called through the spec's ``forward_fn`` where it has one;
+    its parameters count for every use (each stage holding one holds the module)."""
 
     def __init__(self, module: nn.Module, forward_fn: Callable[..., Any] | None) -> None:
         super().__init__()
@@ -132,8 +132,7 @@ def layers_fingerprint(pipeline: PipelineLayers) -> str:
 
 
 def layer_micro_batch_sizes(micro_batch_sizes: Sequence[int] | None, micro_batch_size_limit: int) -> tuple[int, ...]:
-    """The sizes layers are timed at: the given ones, else `dense_sizes` up to the smaller of the
-    limit and `DEFAULT_LARGEST_LAYER_MICRO_BATCH`."""
+    """The given sizes, else `dense_sizes` up to the limit or `DEFAULT_LARGEST_LAYER_MICRO_BATCH`."""
     if micro_batch_sizes is not None:
         return tuple(sorted(set(micro_batch_sizes)))
     return tuple(dense_sizes(min(micro_batch_size_limit, DEFAULT_LARGEST_LAYER_MICRO_BATCH)))
@@ -148,22 +147,17 @@ class LayerMeasurement:
     convention; anything else is taken as inputs without labels)."""
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
     micro_batch_sizes: tuple[int, ...]
-    warmup_micro_steps: int = 1
-    repeats: int = 3
+    warmup_micro_steps: int = ProfileOptions.warmup_micro_steps
+    repeats: int = ProfileOptions.repeats
     device: torch.device = torch.device("cpu")
 
 
-def _split_batch(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    return batch, None
-
-
-def _to(value: Any, device: torch.device) -> Any:
+def _map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """`value` with `function` applied to every tensor in it (tensors nested in tuples and lists)."""
     if torch.is_tensor(value):
-        return value.to(device)
+        return function(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
+        return type(value)(_map_tensors(function, v) for v in value)
     return value
 
 
@@ -175,24 +169,10 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _stage_input(value: Any) -> Any:
-    """What a layer's forward gets: a copy of the received activation, so that an in-place first operation
-    (``ReLU(inplace=True)``) works, as it does on DeepSpeed's stages, whose input is not a leaf there."""
-    if torch.is_tensor(value):
-        return value.clone() if value.requires_grad else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_stage_input(v) for v in value)
-    return value
-
-
-def _detached_input(value: Any) -> Any:
+def _received(tensor: torch.Tensor) -> torch.Tensor:
     """The activation a stage receives: a leaf, with a gradient where it is floating point."""
-    if torch.is_tensor(value):
-        leaf = value.detach()
-        return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached_input(v) for v in value)
-    return value
+    leaf = tensor.detach()
+    return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -211,11 +191,13 @@ class _LayerRun:
 def _run_layer(
     layer: nn.Module, inputs: Any, labels: Any, *, last: bool, loss_fn: PipelineLossFn | None, device: torch.device
 ) -> _LayerRun:
-    leaf = _detached_input(inputs)
+    leaf = _map_tensors(_received, inputs)
     parameter_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     kept: dict[int, int] = {}
 
-    stage_input = _stage_input(leaf)
+    # What the forward gets: a copy, so that an in-place first operation (``ReLU(inplace=True)``) works,
+    # as it does on DeepSpeed's stages, whose input is not a leaf there.
+    stage_input = _map_tensors(lambda t: t.clone() if t.requires_grad else t, leaf)
     # The copy stands for the received activation: saved, it is the input the stage keeps anyway.
     same_as_input = {
         copied.untyped_storage().data_ptr(): received.untyped_storage().data_ptr()
@@ -251,23 +233,8 @@ def _run_layer(
     # A stage keeps the activation it received until its backward: the layer's input counts.
     for t in _tensors(leaf):
         kept[t.untyped_storage().data_ptr()] = max(kept.get(t.untyped_storage().data_ptr(), 0), _nbytes([t]))
-    output = _to(result["output"], device)
-    return _LayerRun(time_s=time_s, kept_bytes=sum(kept.values()), output=_detach(output))
-
-
-def _detach(value: Any) -> Any:
-    if torch.is_tensor(value):
-        return value.detach()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detach(v) for v in value)
-    return value
-
-
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter]) -> int:
-    """Gradients plus the optimizer's per-parameter state after a step, each tensor once."""
-    gradients = _nbytes([p.grad for p in parameters if p.grad is not None])
-    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return gradients + _nbytes(state)
+    output = _map_tensors(lambda t: t.to(device).detach(), result["output"])
+    return _LayerRun(time_s=time_s, kept_bytes=sum(kept.values()), output=output)
 
 
 def measure_layers(
@@ -276,10 +243,8 @@ def measure_layers(
     *,
     slowdown: float = 1.0,
 ) -> list[dict[str, Any]]:
-    """Each layer's `LayerCost` fields (as a dict), measured in this process (not collective).
-
-    Times are multiplied by `slowdown` (an emulated type's: at least 1, as the emulation
-    never speeds up real compute)."""
+    """Each layer's `LayerCost` fields (as a dict), measured in this process (not collective); times x
+    `slowdown` (an emulated type's; at least 1)."""
     device = measurement.device
     layers = [builder().to(device) for builder in pipeline.builders]
     last = len(layers) - 1
@@ -288,8 +253,8 @@ def measure_layers(
     output_per_sample = [0] * len(layers)
     factor = max(1.0, slowdown)
     for b in measurement.micro_batch_sizes:
-        inputs, labels = _split_batch(measurement.make_batch(b))
-        inputs, labels = _to(inputs, device), _to(labels, device)
+        batch = _map_tensors(lambda t: t.to(device), measurement.make_batch(b))
+        inputs, labels = batch if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
         for step in range(measurement.warmup_micro_steps + measurement.repeats):
             x = inputs
             for index, layer in enumerate(layers):
@@ -328,8 +293,10 @@ def _optimizer_figures(
     for p in parameters:
         p.grad = torch.zeros_like(p)
     steps = [time_compute(measurement.device, optimizer.step) for _ in range(measurement.repeats + 1)]
+    # Gradients plus the optimizer's per-parameter state after a step.
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return {
-        "optimizer_state_bytes": _optimizer_state_bytes(optimizer, parameters),
+        "optimizer_state_bytes": _nbytes([p.grad for p in parameters if p.grad is not None]) + _nbytes(state),
         "optimizer_step_time_s": statistics.median(steps[1:]) * factor,
     }
 
@@ -375,17 +342,3 @@ def layer_profile(
             **provenance,
         },
     )
-
-
-__all__ = [
-    "DEFAULT_LARGEST_LAYER_MICRO_BATCH",
-    "LayerMeasurement",
-    "PipelineLayers",
-    "base_memory_bytes",
-    "is_pipeline_model",
-    "layer_micro_batch_sizes",
-    "layer_profile",
-    "layers_fingerprint",
-    "measure_layers",
-    "pipeline_layers",
-]

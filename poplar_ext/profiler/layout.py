@@ -1,9 +1,7 @@
-"""Which device type every rank of the job has, agreed collectively.
+"""Which device type every rank of the job has, agreed collectively (`build_layout`).
 
-Every rank reads its own device, all ranks exchange what they found
-(`poplar_ext.hardware.discovery`), rank 0 settles the cluster description, and each
-rank builds the same `JobLayout`; an error is raised on every rank, so none is left
-waiting in a collective.
+Every rank reads its device, all exchange what they found, rank 0 settles the cluster description, and
+each builds the same `JobLayout`; an error is raised on every rank.
 """
 
 from __future__ import annotations
@@ -59,14 +57,8 @@ class JobLayout:
 
 
 def build_layout(cluster: Cluster | str | os.PathLike[str] | None, device: torch.device, *, bf16: bool) -> JobLayout:
-    """Agree on the cluster and every rank's device type (collective); the same ValueError on every rank.
-
-    `cluster`: a description, a file (read by rank 0 alone) or None (discovered from
-    the hardware). Real device types must be what the hardware reports
-    (`poplar_ext.hardware.discovery.agreed_cluster`), and every device must run the
-    installed torch's kernels and, with `bf16` (the DeepSpeed config trains in it), bf16
-    (`check_device_support`).
-    """
+    """Agree on the cluster (`agreed_cluster`) and every rank's device type (collective), every device
+    checked to run torch's kernels and, with `bf16`, bf16; the same ValueError on every rank."""
     rank, world_size = process_group_rank()
     facts = gather_device_facts(device)
     check_device_support(facts, bf16=bf16, source="poplar-profile")
@@ -79,14 +71,12 @@ def build_layout(cluster: Cluster | str | os.PathLike[str] | None, device: torch
     capacities: dict[str, int] = {}
     hardware: dict[str, str] = {}
     hosts: dict[str, str] = {}
-    for fact, t in zip(facts, rank_types):
+    for fact, t in zip(facts, rank_types):  # each type's first rank names its hardware and host
         capacity = memory_capacity_bytes(facts, fact.rank) - overheads[fact.rank]
-        if t not in emulations:
-            emulations[t] = agreed.emulation_of(t)
-            hardware[t] = fact.hardware
-            hosts[t] = fact.host
-            capacities[t] = capacity
-        capacities[t] = min(capacities[t], capacity)
+        emulations.setdefault(t, agreed.emulation_of(t))
+        hardware.setdefault(t, fact.hardware)
+        hosts.setdefault(t, fact.host)
+        capacities[t] = min(capacities.get(t, capacity), capacity)
     for t, emulation in emulations.items():
         if emulation is not None:
             capacities[t] = emulation.memory_capacity_bytes
@@ -101,6 +91,3 @@ def build_layout(cluster: Cluster | str | os.PathLike[str] | None, device: torch
         hardware=hardware,
         hosts=hosts,
     )
-
-
-__all__ = ["JobLayout", "build_layout"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -26,7 +27,7 @@ from poplar_ext.hardware.emulation import (
 )
 from poplar_ext.hardware.memory import MeasuredPeak, allocated_device_bytes, is_out_of_memory, release_memory
 from poplar_ext.hardware.optimizer_window import optimizer_compute_window
-from poplar_ext.plan.formats import Sample
+from poplar_ext.plan.formats import Sample, read_json
 from poplar_ext.profiler.layout import JobLayout
 from poplar_ext.profiler.options import LossFn, ProfileOptions
 from poplar_ext.profiler.sizes import LargestFitSearch, dense_sizes
@@ -72,10 +73,8 @@ class MeasureSettings:
     memory_margin: float = 0.1
     """Fraction of a real device's memory kept free where probing past the prediction is unsafe."""
     as_training: bool = False
-    """Time each micro-step as training runs it: an emulated rank padded to its slowdown (it sleeps,
-    `ComputeSlowdown`) and timed by wall clock, so that waiting for a core under the ranks' training
-    duty cycles counts (calibration, `poplar_ext.profiler.calibration`). False: own compute time x
-    slowdown, without sleeping (profiling)."""
+    """Time each micro-step as training runs it, an emulated rank padded to its slowdown and timed by wall
+    clock, so that waiting for a core counts (calibration). False: own compute time x slowdown (profiling)."""
 
     def __post_init__(self) -> None:
         if self.warmup_micro_steps < 0:
@@ -95,11 +94,8 @@ class MeasureSettings:
 
 
 def stage_ds_config(ds_config: Mapping[str, Any], *, zero_stage: int, world_size: int) -> dict[str, Any]:
-    """The user's DeepSpeed config for one profiling engine at `zero_stage`.
-
-    The batch keys are nominal (DeepSpeed never inspects the batch tensor), and
-    ``memory_breakdown`` is off because it resets the CUDA peak counters itself.
-    """
+    """The user's DeepSpeed config for one profiling engine at `zero_stage`: nominal batch keys (DeepSpeed
+    never inspects the batch tensor), ``memory_breakdown`` off (it resets the CUDA peak counters itself)."""
     config = copy.deepcopy(dict(ds_config))
     config.pop("poplar", None)
     zero = dict(config.get("zero_optimization") or {})
@@ -114,6 +110,16 @@ def stage_ds_config(ds_config: Mapping[str, Any], *, zero_stage: int, world_size
     return config
 
 
+def read_ds_config(ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
+    """The DeepSpeed config: a mapping as it is, a file read; ValueError unless a JSON object."""
+    if isinstance(ds_config, Mapping):
+        return ds_config
+    data = read_json(ds_config)
+    if not isinstance(data, dict):
+        raise ValueError(f"ds_config: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
 def training_dtype(ds_config: Mapping[str, Any]) -> str:
     """``bfloat16``, ``float16`` or ``float32``, as the DeepSpeed config trains."""
     for section, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
@@ -124,8 +130,7 @@ def training_dtype(ds_config: Mapping[str, Any]) -> str:
 
 
 def loss_of(output: Any) -> torch.Tensor:
-    """The loss in a model's output: its ``.loss`` (a Hugging Face ``ModelOutput``), its ``"loss"``
-    entry, else the output itself."""
+    """The loss in a model's output: its ``.loss`` (Hugging Face), its ``"loss"`` entry, else the output."""
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
@@ -133,9 +138,8 @@ def loss_of(output: Any) -> torch.Tensor:
 
 
 def default_loss(engine: Any, batch: Any) -> torch.Tensor:
-    """``engine(**batch)``, ``engine(*batch)`` or ``engine(batch)``, and the loss in what it returns
-    (`loss_of`): a model that returns its loss, or a Hugging Face model given labels. A model that
-    cannot be called so gets a TypeError that says to pass ``loss_fn=``."""
+    """The loss (`loss_of`) of ``engine(**batch)``, ``engine(*batch)`` or ``engine(batch)``; a TypeError
+    says to pass ``loss_fn=`` where the model cannot be called so."""
     if isinstance(batch, Mapping):
         call, shape = (lambda: engine(**batch)), f"model(**batch) with the keys {', '.join(map(str, batch))}"
     elif isinstance(batch, (tuple, list)):
@@ -193,8 +197,8 @@ class TrialEvent:
     peak_memory_bytes: dict[str, int] = field(default_factory=dict)
     """Per device type that fitted: the agreed peak memory of its micro-step."""
     memory_after_rebuild_bytes: int | None = None
-    """After a real out-of-memory: the memory this rank's device held once the engine was rebuilt
-    (CUDA's allocated bytes; None on CPU or when nothing was rebuilt). What the rebuild freed."""
+    """After a real out-of-memory: CUDA's allocated bytes once the engine was rebuilt (None on CPU or
+    when nothing was rebuilt)."""
 
 
 @dataclass
@@ -216,34 +220,22 @@ class _TypeRecord:
     """Peak memory of that first optimizer step (it allocates the optimizer state)."""
 
 
+@dataclass(kw_only=True, eq=False)
 class StageMeasurement:
     """One ZeRO stage: the engine, the trials and the records, on one rank."""
 
-    def __init__(
-        self,
-        *,
-        layout: JobLayout,
-        zero_stage: int,
-        types_to_measure: tuple[str, ...],
-        build_engine: Callable[[int], Any],
-        make_batch: Callable[[int], Any],
-        loss_fn: LossFn,
-        settings: MeasureSettings,
-        on_trial: Callable[[TrialEvent], None] | None = None,
-    ) -> None:
-        self.layout = layout
-        self.zero_stage = zero_stage
-        self.types_to_measure = types_to_measure
-        self.build_engine = build_engine
-        self.make_batch = make_batch
-        self.loss_fn = loss_fn
-        self.settings = settings
-        self.on_trial = on_trial
-        self.engine: Any = None
-        self._batches: dict[int, Any] = {}
-        self.error: str | None = None
+    layout: JobLayout
+    zero_stage: int
+    types_to_measure: tuple[str, ...]
+    build_engine: Callable[[int], Any]
+    make_batch: Callable[[int], Any]
+    loss_fn: LossFn
+    settings: MeasureSettings
+    on_trial: Callable[[TrialEvent], None] | None = None
+    engine: Any = field(default=None, init=False)
+    _batches: dict[int, Any] = field(default_factory=dict, init=False)
+    error: str | None = field(default=None, init=False)
 
-    # -- engine ------------------------------------------------------------------
     def _batch(self, size: int) -> Any:
         if size not in self._batches:
             # Only the last size is kept: batches of large sizes hold memory.
@@ -270,10 +262,13 @@ class StageMeasurement:
         """Own time of one non-boundary micro-step, in seconds (as training spends it with `as_training`)."""
         if self.settings.as_training:
             return self._micro_step_as_trained(size)
-        elapsed_s = self._time_compute_window(size)
+        return self._time_compute_window(size) * self._slowdown
+
+    @property
+    def _slowdown(self) -> float:
+        """This rank's emulated slowdown (1.0 for a real device; never below 1)."""
         emulation = self.layout.emulations[self.layout.my_type]
-        slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
-        return elapsed_s * slowdown
+        return 1.0 if emulation is None else max(1.0, emulation.slowdown)
 
     @property
     def window(self) -> ComputeWindow:
@@ -282,12 +277,8 @@ class StageMeasurement:
 
     def _time_compute_window(self, size: int) -> float:
         """Compute time of one non-boundary micro-step on the window's clock, up to DeepSpeed's gradient
-        reduction where the window ends there.
-
-        Training's compute window ends there (`poplar_ext.zero.engine`: the reduction is
-        communication, which the cost model prices from the network file), so the profile
-        must not count the reduction as compute, which the slowdown would multiply.
-        """
+        reduction where the window ends there: as in training, the reduction is communication, priced
+        from the network file, not compute for the slowdown to multiply."""
         window = self.window
         span = ComputeSpan(window.clock)
         if not window.ends_at_reduction:
@@ -324,8 +315,8 @@ class StageMeasurement:
         return time.perf_counter() - started
 
     def _device_bytes(self, peak_bytes: int) -> int:
-        """The part of a measured peak the device holds: on CPU an emulated device's
-        offloaded optimizer lives in the same process, off its emulated memory."""
+        """The part of a measured peak the device holds: on CPU an emulated device's offloaded optimizer
+        lives in the same process, off its emulated memory."""
         if self.layout.device.type != "cpu" or self.layout.emulations[self.layout.my_type] is None:
             return peak_bytes
         return max(1, peak_bytes - host_resident_optimizer_bytes(self.engine))
@@ -359,28 +350,16 @@ class StageMeasurement:
         flags["__unmeasured__"] = int(agreed[-2])
         return flags, peaks, any(v == _REAL_OOM for v in flags.values())
 
-    # -- trials --------------------------------------------------------------------
     def _start_engine(self, records: dict[str, _TypeRecord]) -> bool:
-        """Build the engine and take one optimizer step at micro-batch 1 (collective).
-
-        The step allocates the optimizer state, which every later micro-step's peak
-        must include. A measured type whose boundary peak exceeds its emulated memory
-        does not fit at all. Returns False when the stage cannot run in this job.
-        """
+        """Build the engine and take one optimizer step at micro-batch 1 (collective): it allocates the
+        optimizer state, in every later peak. A type whose boundary peak exceeds its emulated memory fits
+        nothing. False when the stage cannot run in this job."""
         self.engine = self.build_engine(self.zero_stage)
         if not self._first_micro_step_fits():
             return False
         my_type = self.layout.my_type
         measured = my_type in records and not records[my_type].warmup_failed
-        flag, peak = _OK, 0
-        try:
-            with MeasuredPeak(self.layout.device) as measured_peak:
-                self._micro_step(1, boundary=True)
-            peak = self._device_bytes(measured_peak.bytes)
-            if measured:
-                check_emulated_memory(self.layout.emulations[my_type], peak, device_type=my_type)
-        except Exception as exc:  # noqa: BLE001 - classified; every rank must reach the agreement
-            flag = self._classify(exc)
+        flag, peak = self._memory_micro_step(1, measured, boundary=True)
         flags, peaks, real_oom = self._agree(flag, peak, measured=True)
         for t, record in records.items():
             if flags[t] != _OK:
@@ -393,10 +372,10 @@ class StageMeasurement:
     def _first_micro_step_fits(self) -> bool:
         """Micro-batch 1 without the boundary, agreed by all ranks: False when a rank ran out of memory.
 
-        At ZeRO 0/1 it communicates nothing, so a rank whose activations do not fit fails here and
-        still reaches the agreement, instead of failing in the boundary's forward while the others
-        wait in its gradient reduction. (The optimizer state that the first boundary step allocates
-        comes after that reduction, so its out-of-memory is caught before the agreement too.)
+        At ZeRO 0/1 it communicates nothing, so a rank whose activations do not fit fails here and still
+        reaches the agreement, instead of failing in the boundary's forward while the others wait in its
+        gradient reduction. (The first boundary step's optimizer state comes after that reduction, so its
+        out-of-memory is caught before the agreement too.)
         """
         flag = _OK
         try:
@@ -424,14 +403,11 @@ class StageMeasurement:
         return _TrialOutcome(flags=flags, peaks=peaks, own_times_s=own_times, rebuild=real_oom)
 
     def _micro_steps(self, size: int, measured: bool, *, memory: bool = True) -> tuple[int, int, list[float]]:
-        """One memory micro-step (unless not `memory`), then warm-up and timed ones: (flag, peak bytes,
-        own times).
+        """One memory micro-step (unless not `memory`), then warm-up and timed ones: (flag, peak, own times).
 
-        The memory is measured in its own micro-step, not in the timed ones: on CPU
-        tracking the live peak means mapping every block afresh, whose page faults
-        would be timed as compute. Every rank runs every micro-step, also after an
-        emulated out-of-memory, so that all run the same number (ZeRO-2/3 communicate
-        in each); a real one stops this rank (see profiles/README.md for what remains).
+        The memory has its own micro-step: on CPU tracking the live peak maps every block afresh, whose
+        page faults would be timed as compute. Every rank runs every micro-step, also after an emulated
+        out-of-memory (ZeRO-2/3 communicate in each); a real one stops this rank (profiles/README.md).
         """
         flag, peak = _OK, 0
         own_times: list[float] = []
@@ -449,14 +425,14 @@ class StageMeasurement:
                 own_times.append(elapsed_s)
         return flag, peak, own_times
 
-    def _memory_micro_step(self, size: int, measured: bool) -> tuple[int, int]:
+    def _memory_micro_step(self, size: int, measured: bool, *, boundary: bool = False) -> tuple[int, int]:
         """One micro-step whose peak memory is measured: (flag, peak bytes); an emulated type over its
         memory is flagged (`check_emulated_memory`)."""
         my_type = self.layout.my_type
         peak = 0
         try:
             with MeasuredPeak(self.layout.device) as measured_peak:
-                self._micro_step(size, boundary=False)
+                self._micro_step(size, boundary=boundary)
             peak = self._device_bytes(measured_peak.bytes)
             if measured:
                 check_emulated_memory(self.layout.emulations[my_type], peak, device_type=my_type)
@@ -524,21 +500,14 @@ class StageMeasurement:
             for t in group
             if records[t].search.largest_fitting > 0 and not records[t].warmup_failed
         }
-        for index in range(max((len(v) for v in todo.values()), default=0)):
-            sizes = {t: v[index] for t, v in todo.items() if index < len(v)}
+        for sizes in _side_by_side(todo):
             self._run_trial(sizes, records, "sweep")
 
     def _measure_boundary(self) -> float:
-        """This rank's accumulation-boundary time beyond an ordinary micro-step (seconds).
-
-        Every rank runs micro-batch 1, with a barrier before each timed part, so no
-        rank waits for another's forward. The boundary's extra reduction is the
-        boundary backward minus an ordinary backward; the optimizer step is timed
-        alone (an emulated type's lasts slowdown x its compute time, as in training).
-        """
-        device = self.layout.device
-        emulation = self.layout.emulations[self.layout.my_type]
-        slowdown = 1.0 if emulation is None else max(1.0, emulation.slowdown)
+        """This rank's accumulation-boundary time beyond an ordinary micro-step (seconds), at micro-batch 1
+        with a barrier before each timed part (no rank waits for another's forward): the boundary backward
+        less an ordinary one, plus the optimizer step (an emulated type's: slowdown x its compute time)."""
+        device, slowdown = self.layout.device, self._slowdown
 
         def timed(block: Callable[[], None]) -> tuple[float, float]:
             barrier()
@@ -575,7 +544,6 @@ class StageMeasurement:
         reduction_s = max(0.0, statistics.median(boundary_s) - statistics.median(ordinary_s))
         return reduction_s + statistics.median(step_s)
 
-    # -- the stage -----------------------------------------------------------------
     def run(self) -> dict[str, TypeStageResult]:
         """Measure every type in `types_to_measure` at this stage (collective)."""
         layout = self.layout
@@ -607,13 +575,9 @@ class StageMeasurement:
     def time_sizes(self, sizes: Mapping[str, list[int]]) -> dict[int, float]:
         """This rank's median micro-step time at each size `sizes` gives its device type (collective).
 
-        Trial i runs the i-th size of every type of a group at once (a type with fewer sizes repeats
-        none; its ranks, and those of other groups, run micro-batch 1 unmeasured), as `run` sweeps:
-        one group of every type, or one type at a time where the window would hold another type's
-        waits (`compute_window`). No probe, no boundary, no memory
-        micro-step (the sizes come from a profile that measured their memory; calibration's time
-        is spent only on warm-up and timed micro-steps): only the sizes asked for. A size that
-        fails (a real out-of-memory) is left out of the result.
+        Trial i runs the i-th size of every type of a group at once, grouped as `run` sweeps (the other
+        ranks run micro-batch 1 unmeasured); no probe, boundary or memory micro-step. A size that fails
+        (a real out-of-memory) is left out.
         """
         my_type = self.layout.my_type
         mine: dict[int, float] = {}
@@ -621,9 +585,7 @@ class StageMeasurement:
             if not self._start_engine({}):
                 raise _StageAbandoned("a real out-of-memory at micro-batch 1")
             for group in self._groups():
-                of_group = {t: sizes[t] for t in group if t in sizes}
-                for index in range(max((len(v) for v in of_group.values()), default=0)):
-                    trial = {t: v[index] for t, v in of_group.items() if index < len(v)}
+                for trial in _side_by_side({t: sizes[t] for t in group if t in sizes}):
                     outcome = self._trial(trial, memory=False)
                     if my_type in trial and outcome.flags[my_type] == _OK and outcome.own_times_s:
                         mine[trial[my_type]] = statistics.median(outcome.own_times_s)
@@ -697,13 +659,18 @@ class StageMeasurement:
         return results
 
 
+def _side_by_side(sizes: Mapping[str, list[int]]) -> list[dict[str, int]]:
+    """Trials of several types at once: trial i runs the i-th size of every type that has one."""
+    count = max((len(v) for v in sizes.values()), default=0)
+    return [{t: v[index] for t, v in sizes.items() if index < len(v)} for index in range(count)]
+
+
 def place_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """`model` moved to `device`, agreed by all ranks (collective), before DeepSpeed builds its engine.
 
-    DeepSpeed's engine moves the model and then broadcasts it: a rank whose memory cannot hold the
-    parameters would fail there while the others wait in the broadcast. Here every rank reaches the
-    agreement; a real out-of-memory on any rank abandons the stage on every rank, another error is
-    raised on every rank.
+    DeepSpeed moves the model, then broadcasts it: a rank that cannot hold the parameters would fail
+    there while the others wait. Here a real out-of-memory on any rank abandons the stage on every rank,
+    another error is raised on every rank.
     """
     outcome = _OK
     error = None
@@ -723,16 +690,3 @@ def place_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
 
 class _StageAbandoned(Exception):
     """A real device cannot run micro-batch 1 at this stage: nothing more can be measured."""
-
-
-__all__ = [
-    "MeasureSettings",
-    "StageMeasurement",
-    "TrialEvent",
-    "TypeStageResult",
-    "default_loss",
-    "loss_of",
-    "move_to_device",
-    "place_model",
-    "stage_ds_config",
-]

@@ -51,11 +51,9 @@ the message and a shard of it, NCCL its own buffers, beside what the rank alread
 
 
 def message_sizes(ds_config: Mapping[str, Any], *, element_bytes: int, capacity_bytes: int) -> tuple[int, ...]:
-    """Message sizes to time: `DEFAULT_MESSAGE_BYTES`, then x4 up to the largest ZeRO bucket of
-    `ds_config` (``reduce_bucket_size``, ``allgather_bucket_size``, in elements of `element_bytes`;
-    DeepSpeed's default where absent or ``"auto"``), capped by `MEMORY_FRACTION_FOR_MESSAGES` of
-    `capacity_bytes`. The cost model then prices the buckets ZeRO sends from measured sizes, not from
-    an extrapolation of 32 MiB ones."""
+    """Message sizes to time: `DEFAULT_MESSAGE_BYTES`, then x4 up to the largest ZeRO bucket of `ds_config`
+    (DeepSpeed's default where absent or ``"auto"``), capped by `MEMORY_FRACTION_FOR_MESSAGES` of
+    `capacity_bytes`: the buckets ZeRO sends are then priced from measured sizes."""
     zero = ds_config.get("zero_optimization")
     zero = zero if isinstance(zero, Mapping) else {}
     buckets = [zero.get(key, ZERO_BUCKET_ELEMENTS) for key in ("reduce_bucket_size", "allgather_bucket_size")]
@@ -117,34 +115,17 @@ def _scopes(layout: JobLayout, message_bytes: tuple[int, ...], warmup: int, repe
     leaders = [ranks[0] for ranks in nodes]
     *node_groups, leader_group = new_groups([*nodes, leaders])
     mine = next(index for index, ranks in enumerate(nodes) if layout.rank in ranks)
+
+    def scope(group: Any, size: int, timed: bool) -> NetworkScope:
+        fits = _fits(layout, message_bytes, warmup, repeats, group=group, timed=timed, group_size=size)
+        return NetworkScope(group_size=size, collectives=fits)
+
     largest = max(len(ranks) for ranks in nodes)
     if largest >= 2:
         # Every node is timed at once; with nodes of several sizes the fit is the largest's
         # (the slowest rank's times count).
-        scopes["within_node"] = NetworkScope(
-            group_size=largest,
-            collectives=_fits(
-                layout,
-                message_bytes,
-                warmup,
-                repeats,
-                group=node_groups[mine],
-                timed=len(nodes[mine]) >= 2,
-                group_size=largest,
-            ),
-        )
-    scopes["between_nodes"] = NetworkScope(
-        group_size=len(nodes),
-        collectives=_fits(
-            layout,
-            message_bytes,
-            warmup,
-            repeats,
-            group=leader_group,
-            timed=layout.rank in leaders,
-            group_size=len(nodes),
-        ),
-    )
+        scopes["within_node"] = scope(node_groups[mine], largest, timed=len(nodes[mine]) >= 2)
+    scopes["between_nodes"] = scope(leader_group, len(nodes), timed=layout.rank in leaders)
     destroy_groups([*node_groups, leader_group], [*nodes, leaders], layout.rank)
     return scopes
 
@@ -179,12 +160,8 @@ def measure_network(
 def cached_or_measured_network(
     layout: JobLayout, cache_dir: Path, *, force: bool, message_bytes: tuple[int, ...] = DEFAULT_MESSAGE_BYTES
 ) -> tuple[NetworkProfile | None, str]:
-    """The network file for this cluster from `cache_dir`, or measured (at `message_bytes`) and written
-    there by rank 0 (collective).
-
-    Returns the network (None for a one-rank job: it has no collectives) and a line
-    for the progress log.
-    """
+    """The network file for this cluster from `cache_dir`, or measured and written there by rank 0
+    (collective), and a line for the progress log; None for a one-rank job (no collectives)."""
     if layout.world_size == 1:
         return None, "network: one rank, no collectives to measure"
     found = None

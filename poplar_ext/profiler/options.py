@@ -1,10 +1,7 @@
 """`ProfileOptions`: what `profile_model` measures and how, one field per keyword argument.
 
-`profile_model` takes its fields as keywords; poplar-profile's parser is built from the
-fields (`poplar_ext.profiler.cli`: each field's option, its docstring the option's help);
-both then run `poplar_ext.profiler.api.profile_with`. Every default is stated here once:
-`profile_model`'s, the command line's and the measurement's
-(`poplar_ext.profiler.measure.MeasureSettings`) are these.
+`profile_model`'s keywords and poplar-profile's options (`cli`: the field's option, its docstring the help)
+are these fields; every default is stated here once (`MeasureSettings`' too).
 """
 
 from __future__ import annotations
@@ -36,20 +33,26 @@ CHECKPOINTING_MODES = ("auto", "both", "off")
 an error, or only without checkpointing."""
 
 
+NO_OPTIMIZER = (
+    "optimizer: expected an 'optimizer' section (the optimizer training uses: its step is part of every profile), "
+    "found none"
+)
+"""A DeepSpeed config without an optimizer: what `profile_model` and poplar-profile say."""
+
+
 def log_progress(line: str) -> None:
     """The default progress sink: one line on stderr (called on rank 0 only)."""
     print(f"[poplar-profile] {line}", file=sys.stderr, flush=True)
 
 
 def _option(default: Any, flag: str | None = None, *, read: Callable[[str], Any] | None = None, **kwargs: Any) -> Any:
-    """A field with its poplar-profile option: `flag` (None: ``--field-name``), `read` turning the
-    option's text into the value (ValueError: the text is wrong), `kwargs` argparse's."""
+    """A field with its poplar-profile option: `flag` (None: ``--field-name``), `read` the option's text into
+    the value (ValueError: wrong text), `kwargs` argparse's."""
     return field(default=default, metadata={"cli": {"flag": flag, "read": read, **kwargs}})
 
 
 def _by_hand(default: Any = MISSING) -> Any:
-    """A field with no option of its own: poplar-profile builds it from several options (the model),
-    from the file an option names (the DeepSpeed config), or not at all (the optimizer: the config's)."""
+    """A field with no option of its own: poplar-profile builds it from other options, or not at all."""
     return field(default=default, metadata={"cli": None})
 
 
@@ -212,6 +215,3 @@ class ProfileOptions:
     minutes through NCCL's asynchronous error handling; None (0 on the command line) keeps the
     groups' own. It must exceed the longest trial of the slowest device type (the other ranks wait
     that long in its agreement)."""
-
-
-__all__ = ["CHECKPOINTING_MODES", "LossFn", "ProfileOptions", "Progress", "at_least", "log_progress", "read_callable"]

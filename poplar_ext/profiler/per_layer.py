@@ -1,14 +1,12 @@
-"""`profile_layers`: every device type of the job measured layer by layer (collective), written to
-``<profiles>/layers/``.
+"""`profile_layers`: every device type of the job measured layer by layer (collective), in ``<profiles>/layers/``.
 
-The per-layer counterpart of `poplar_ext.profiler.api.profile_with`, with the same `ProfileOptions`.
-See profiles/README.md ("Layer profile") and docs/profiling.md.
+The per-layer counterpart of `profile_with`, with the same `ProfileOptions`. See profiles/README.md
+("Layer profile") and docs/profiling.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import platform
 from collections.abc import Callable, Collection, Mapping
@@ -20,8 +18,8 @@ from torch import nn
 from poplar_ext.collectives import broadcast_from_rank0, gather_objects
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.devices import join_job
-from poplar_ext.hardware.emulation import device_label
-from poplar_ext.plan.formats import Emulation, ModelInfo, read_json
+from poplar_ext.hardware.emulation import device_label, without_drift
+from poplar_ext.plan.formats import ModelInfo
 from poplar_ext.plan.pipeline_formats import (
     PIPELINE_ZERO_STAGES,
     LayerProfile,
@@ -30,13 +28,13 @@ from poplar_ext.plan.pipeline_formats import (
 )
 from poplar_ext.profiler.cache import (
     LayerProfileKey,
+    cached_on_rank0,
     ds_config_fingerprint,
     find_cached_layer_profile,
     store_layer_profile,
 )
 from poplar_ext.profiler.layers import (
     LayerMeasurement,
-    PipelineLayers,
     base_memory_bytes,
     layer_micro_batch_sizes,
     layer_profile,
@@ -44,7 +42,8 @@ from poplar_ext.profiler.layers import (
     measure_layers,
     pipeline_layers,
 )
-from poplar_ext.profiler.layout import JobLayout, build_layout
+from poplar_ext.profiler.layout import build_layout
+from poplar_ext.profiler.measure import read_ds_config, training_dtype
 from poplar_ext.profiler.options import ProfileOptions
 
 _TORCH_OPTIMIZERS = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD"}
@@ -68,65 +67,43 @@ def optimizer_factory_from_config(ds_config: Mapping[str, Any]) -> Callable[[lis
     return lambda parameters: cls(parameters, **params)
 
 
-def _config(options: ProfileOptions) -> Mapping[str, Any]:
-    ds_config = options.ds_config
-    if not isinstance(ds_config, Mapping):
-        ds_config = read_json(ds_config)
-        if not isinstance(ds_config, dict):
-            raise ValueError(f"ds_config: expected a JSON object, found {type(ds_config).__name__}")
-    return ds_config
+def profile_layers(
+    options: ProfileOptions, *, model: Any = None, device_types: Collection[str] | None = None
+) -> list[LayerProfile]:
+    """Layer profiles of every device type (or of `device_types`) at ZeRO stages 0/1 of `options.zero_stages`.
 
+    Collective; the same list on every rank, stage by stage in job order of device types. `model`: what
+    `options.model_factory` builds (built here when None). Cached ones with the same keys are reused.
+    """
+    import deepspeed
 
-def _stages(options: ProfileOptions) -> tuple[int, ...]:
+    ds_config = read_ds_config(options.ds_config)
     stages = tuple(s for s in sorted(set(options.zero_stages)) if s in PIPELINE_ZERO_STAGES)
     if not stages:
         raise ValueError(
             f"zero_stages: expected 0 or 1 among them to profile layers (DeepSpeed's pipeline engine runs no other), "
             f"found {sorted(set(options.zero_stages))}"
         )
-    return stages
-
-
-def _model_info(options: ProfileOptions, model: Any, pipeline: PipelineLayers, dtype: str) -> ModelInfo:
-    num_parameters = sum(p.numel() for build in pipeline.builders for p in build().parameters())
-    return ModelInfo(
-        name=options.model_name or ("pipeline" if isinstance(model, (list, tuple)) else type(model).__name__.lower()),
-        fingerprint=layers_fingerprint(pipeline),
-        num_parameters=max(1, num_parameters),
-        dtype=dtype,
-        sequence_length=options.sequence_length,
-    )
-
-
-def profile_layers(
-    options: ProfileOptions, *, model: Any = None, device_types: Collection[str] | None = None
-) -> list[LayerProfile]:
-    """Layer profiles of every device type in the job at ZeRO stages 0/1 of `options.zero_stages` (collective).
-
-    `model` is what `options.model_factory` builds (built here when None): a
-    PipelineModule, a list of LayerSpecs or modules, or an ``nn.Sequential``. Cached
-    profiles in ``options.cache_dir/layers/`` with the same keys are reused (unless
-    `options.force`). Returns the same list, stage by stage in job order of device types,
-    on every rank. `device_types`: only those (default: every type of the job).
-    """
-    from poplar_ext.profiler.measure import training_dtype
-
-    ds_config = _config(options)
-    stages = _stages(options)
     device = join_job()
     layout = build_layout(options.cluster, device, bf16=training_dtype(ds_config) == "bfloat16")
     model = options.model_factory() if model is None else model
     pipeline = pipeline_layers(model, loss_fn=options.loss_fn)
     sizes = layer_micro_batch_sizes(options.micro_batch_sizes, options.micro_batch_size_limit)
-    info = _model_info(options, model, pipeline, training_dtype(ds_config))
-    versions = {"torch": torch.__version__, "deepspeed": _deepspeed_version()}
+    info = ModelInfo(
+        name=options.model_name or ("pipeline" if isinstance(model, (list, tuple)) else type(model).__name__.lower()),
+        fingerprint=layers_fingerprint(pipeline),
+        num_parameters=max(1, sum(p.numel() for build in pipeline.builders for p in build().parameters())),
+        dtype=training_dtype(ds_config),
+        sequence_length=options.sequence_length,
+    )
+    versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
     config_fp = ds_config_fingerprint(ds_config)
-
-    def key(device_type: str, stage: int) -> LayerProfileKey:
-        return LayerProfileKey(
+    wanted = [(t, s) for s in stages for t in layout.type_names if device_types is None or t in device_types]
+    keys = {
+        (t, stage): LayerProfileKey(
             model_fingerprint=info.fingerprint,
-            device_type=device_type,
-            emulation=_steady(layout.emulations[device_type]),
+            device_type=t,
+            emulation=without_drift(layout.emulations[t]),
             zero_stage=stage,
             dtype=info.dtype,
             sequence_length=info.sequence_length,
@@ -135,11 +112,19 @@ def profile_layers(
             deepspeed_version=versions["deepspeed"],
             ds_config_fingerprint=config_fp,
         )
-
-    wanted = [(t, s) for s in stages for t in layout.type_names if device_types is None or t in device_types]
-    cached = broadcast_from_rank0(_cached_on_rank0(options, layout, wanted, key))
+        for t, stage in wanted
+    }
+    cached = broadcast_from_rank0(
+        cached_on_rank0(layout.rank, options, keys, find_cached_layer_profile, layer_profile_to_dict)
+    )
     missing_types = tuple(dict.fromkeys(t for t, s in wanted if (t, s) not in cached))
-    _say(options, layout, wanted, cached, missing_types)
+    say = options.progress if layout.rank == 0 and options.progress is not None else lambda line: None
+    for t, stage in wanted:
+        if (t, stage) in cached:
+            say(f"layers ZeRO-{stage}: {device_label(t, layout.emulations[t])} from the cache")
+    if missing_types:
+        labels = ", ".join(device_label(t, layout.emulations[t]) for t in missing_types)
+        say(f"layers: measuring {labels} (each layer alone, on its type's first rank)")
     mine = None
     if layout.my_type in missing_types and layout.rank == layout.ranks_of(layout.my_type)[0]:
         measurement = LayerMeasurement(
@@ -163,87 +148,26 @@ def profile_layers(
             if (t, stage) in cached:
                 continue
             _, costs, base = measured[t]
-            profile = _profile(layout, t, stage, costs, base, info, versions, config_fp, options)
+            profile = layer_profile(
+                costs,
+                device_type=t,
+                zero_stage=stage,
+                memory_capacity_bytes=layout.capacities_bytes[t],
+                base_memory=base,
+                model=info,
+                emulation=without_drift(layout.emulations[t]),
+                provenance={
+                    **versions,
+                    "ds_config_fingerprint": config_fp,
+                    "host": layout.hosts[t],
+                    "hardware": layout.hardware[t],
+                    "warmup_micro_steps": options.warmup_micro_steps,
+                    "repeats": options.repeats,
+                    "platform": platform.platform(),
+                },
+            )
             path = store_layer_profile(options.cache_dir, profile)
-            if options.progress is not None:
-                options.progress(f"layers ZeRO-{stage}: {t}: {profile.num_layers} layers, {len(sizes)} sizes -> {path}")
+            say(f"layers ZeRO-{stage}: {t}: {profile.num_layers} layers, {len(sizes)} sizes -> {path}")
             produced[(t, stage)] = layer_profile_to_dict(profile)
     produced = broadcast_from_rank0(produced if layout.rank == 0 else None)
     return [layer_profile_from_dict(produced[w], source=f"<layer profile {w[0]} ZeRO-{w[1]}>") for w in wanted]
-
-
-def _steady(emulation: Emulation | None) -> Emulation | None:
-    """Measured at the emulation's own slowdown: a drift schedule is training's, not the profile's."""
-    return None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=())
-
-
-def _deepspeed_version() -> str:
-    import deepspeed
-
-    return deepspeed.__version__
-
-
-def _cached_on_rank0(
-    options: ProfileOptions,
-    layout: JobLayout,
-    wanted: list[tuple[str, int]],
-    key: Callable[[str, int], LayerProfileKey],
-) -> dict[tuple[str, int], dict[str, Any]]:
-    cached: dict[tuple[str, int], dict[str, Any]] = {}
-    if layout.rank == 0 and not options.force:
-        for t, stage in wanted:
-            found = find_cached_layer_profile(options.cache_dir, key(t, stage))
-            if found is not None:
-                cached[(t, stage)] = layer_profile_to_dict(found)
-    return cached
-
-
-def _say(
-    options: ProfileOptions,
-    layout: JobLayout,
-    wanted: list[tuple[str, int]],
-    cached: dict[tuple[str, int], Any],
-    missing_types: tuple[str, ...],
-) -> None:
-    if layout.rank != 0 or options.progress is None:
-        return
-    for t, stage in wanted:
-        if (t, stage) in cached:
-            options.progress(f"layers ZeRO-{stage}: {device_label(t, layout.emulations[t])} from the cache")
-    if missing_types:
-        labels = ", ".join(device_label(t, layout.emulations[t]) for t in missing_types)
-        options.progress(f"layers: measuring {labels} (each layer alone, on its type's first rank)")
-
-
-def _profile(
-    layout: JobLayout,
-    device_type: str,
-    stage: int,
-    costs: list[dict[str, Any]],
-    base: int,
-    info: ModelInfo,
-    versions: dict[str, str],
-    config_fp: str,
-    options: ProfileOptions,
-) -> LayerProfile:
-    return layer_profile(
-        costs,
-        device_type=device_type,
-        zero_stage=stage,
-        memory_capacity_bytes=layout.capacities_bytes[device_type],
-        base_memory=base,
-        model=info,
-        emulation=_steady(layout.emulations[device_type]),
-        provenance={
-            **versions,
-            "ds_config_fingerprint": config_fp,
-            "host": layout.hosts[device_type],
-            "hardware": layout.hardware[device_type],
-            "warmup_micro_steps": options.warmup_micro_steps,
-            "repeats": options.repeats,
-            "platform": platform.platform(),
-        },
-    )
-
-
-__all__ = ["optimizer_factory_from_config", "profile_layers"]

@@ -12,11 +12,8 @@ import numpy as np
 
 
 def dense_sizes(largest: int) -> list[int]:
-    """Micro-batch sizes dense enough for the time curve: 1, 2, 3, 4, 6, 8, 12, 16, 24, ... and `largest`.
-
-    Powers of two and the midpoints between them (about two sizes per doubling),
-    which keeps the relative gap between neighbours at or under 50 %.
-    """
+    """Micro-batch sizes dense enough for the time curve: 1, 2, 3, 4, 6, 8, 12, 16, 24, ... and `largest`
+    (powers of two and their midpoints: neighbours at most 50 % apart)."""
     if largest < 0:
         raise ValueError(f"largest: expected an integer >= 0, found {largest}")
     sizes: set[int] = set()
@@ -45,11 +42,8 @@ class MemoryFit:
         return self.intercept_bytes + self.bytes_per_sample * micro_batch_size
 
     def largest_fitting(self, capacity_bytes: float) -> int | None:
-        """Largest micro-batch predicted to fit in `capacity_bytes` (None: no limit seen).
-
-        A flat or falling line (measurement noise on a tiny model) predicts no
-        limit; the caller then grows by doubling until a real trial fails.
-        """
+        """Largest micro-batch predicted to fit in `capacity_bytes`; None for a flat or falling line (noise
+        on a tiny model): the caller then doubles until a real trial fails."""
         if self.bytes_per_sample <= 0:
             return None
         return max(0, int((capacity_bytes - self.intercept_bytes) // self.bytes_per_sample))
@@ -65,17 +59,12 @@ def fit_memory(points: dict[int, int]) -> MemoryFit | None:
 
 @dataclass(kw_only=True)
 class LargestFitSearch:
-    """Finds the largest micro-batch that fits, trial by trial, for one device type at one stage.
+    """Finds the largest micro-batch that fits, trial by trial (`next_size`, then `record`), for one device
+    type at one stage.
 
-    ``next_size()`` proposes a size, the caller runs it on every rank of the type and
-    reports ``record(size, fits=..., peak_memory_bytes=...)``. Sizes grow by doubling
-    from 1 (each also serves as a timing sample) up to what the memory fit predicts,
-    then the prediction is confirmed by a real run; after a failure the search bisects.
-
-    With `exact` the search also runs the size just above the confirmed one, so the
-    result is the largest size that fits with the next one failing. Without it (a real
-    device whose out-of-memory could strike inside a collective) it only runs sizes
-    predicted to fit with `margin` to spare, and its result may be conservative.
+    Sizes double from 1 up to what the memory fit predicts, confirmed by a real run; a failure bisects.
+    With `exact` the size above the result is run too (it fails); without (a real device whose
+    out-of-memory could strike inside a collective) only sizes predicted to fit with `margin` to spare.
     """
 
     capacity_bytes: int
@@ -140,6 +129,3 @@ class LargestFitSearch:
     def limited_by_limit(self) -> bool:
         """True when the result is the size limit, not the device's memory."""
         return self.largest_fitting >= self.limit
-
-
-__all__ = ["LargestFitSearch", "MemoryFit", "dense_sizes", "fit_memory"]
