@@ -103,9 +103,16 @@ class NetworkProfile:
 
     def time_s(self, collective: str, message_bytes: float, world_size: int) -> float:
         """Predicted time of one `collective` of `message_bytes` over `world_size` ranks."""
-        fit = self.collectives[collective]
-        hops, volume = ring_factors(collective, world_size)
-        return hops * fit.latency_s + volume * message_bytes / fit.bus_bandwidth_bytes_per_s
+        return ring_time_s(self.collectives[collective], collective, message_bytes, world_size)
+
+
+def ring_time_s(
+    fit: CollectiveFit, collective: str, message_bytes: float, world_size: int, bandwidth: float | None = None
+) -> float:
+    """The ring model's time of `collective` by `fit`, at `bandwidth` (bytes/s) where given: a slower link."""
+    hops, volume = ring_factors(collective, world_size)
+    bandwidth = fit.bus_bandwidth_bytes_per_s if bandwidth is None else bandwidth
+    return hops * fit.latency_s + volume * message_bytes / bandwidth
 
 
 def ring_factors(collective: str, world_size: int) -> tuple[int, float]:

@@ -74,6 +74,25 @@ class StageReport:
             reason=reason,
         )
 
+    @classmethod
+    def feasible(
+        cls, zero_stage: int, chosen: int, chosen_reason: str, best_samples_per_s: float, predicted, batch: int
+    ) -> StageReport:
+        """A stage whose best plan (`predicted` time and samples/s, global `batch`) is the chosen one or slower."""
+        if zero_stage == chosen:
+            status, reason = "chosen", chosen_reason
+        else:
+            slower = 100.0 * (1.0 - predicted.samples_per_s / best_samples_per_s)
+            status, reason = "slower", f"{slower:.1f}% lower predicted throughput than stage {chosen}."
+        return cls(
+            zero_stage=zero_stage,
+            status=status,
+            iteration_time_s=predicted.iteration_time_s,
+            samples_per_s=predicted.samples_per_s,
+            global_batch_size=batch,
+            reason=reason,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class SearchResult:
@@ -298,17 +317,13 @@ def _world_size_note(model: StageModel, world_size: int) -> str:
     sizes = sorted({d.profile.world_size for d in model.devices})
     if sizes == [world_size]:
         return ""
+    note = f" Profiles were taken at world size {', '.join(map(str, sizes))}, the cluster has {world_size} ranks: "
     if model.communication is not None:
-        shown = ", ".join(map(str, sizes))
-        return (
-            f" Profiles were taken at world size {shown}, the cluster has {world_size} ranks: communication and "
-            "the optimizer step are predicted for it from the network model; memory caps are used as measured."
+        return note + (
+            "communication and the optimizer step are predicted for it from the network model; memory caps are used "
+            "as measured."
         )
-    shown = ", ".join(map(str, sizes))
-    return (
-        f" Profiles were taken at world size {shown}, the cluster has {world_size} ranks: their memory caps "
-        "and boundary times are used as measured."
-    )
+    return note + "their memory caps and boundary times are used as measured."
 
 
 def search_plan(
@@ -346,7 +361,8 @@ def search_plan(
     _check_arguments(cluster, global_batch_size, zero_stage, policy, max_global_batch_size)
     global_batch_size = None if global_batch_size is None else int(global_batch_size)
     max_global_batch_size = None if max_global_batch_size is None else int(max_global_batch_size)
-    by_stage = _profiles_covering(profiles, cluster)
+    by_stage = _check_profiles(profiles)
+    check_covered(cluster, by_stage, "profile")
     stages = list(ZERO_STAGES) if zero_stage == "auto" else [int(zero_stage)]
     evaluated = {
         stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size, network)
@@ -377,17 +393,15 @@ def search_plan(
     )
 
 
-def _profiles_covering(profiles: Sequence[Profile], cluster: Cluster) -> dict[int, dict[str, Variants]]:
-    """`_check_profiles`, and a ValueError when a device type of `cluster` has no profile at any stage."""
-    by_stage = _check_profiles(profiles)
+def check_covered(cluster: Cluster, by_stage: dict[int, dict[str, object]], kind: str) -> None:
+    """A ValueError when a device type of `cluster` has no profile (of `kind`) at any stage."""
     covered = {t for stage in by_stage.values() for t in stage}
     unknown = [t for t in cluster.type_counts() if t not in covered]
     if unknown:
         raise ValueError(
-            f"cluster: expected device types that the profiles cover ({', '.join(sorted(covered))}), "
-            f"found {', '.join(repr(t) for t in unknown)} with no profile"
+            f"cluster: expected device types that the {kind}s cover ({', '.join(sorted(covered))}), "
+            f"found {', '.join(repr(t) for t in unknown)} with no {kind}"
         )
-    return by_stage
 
 
 def _stage_score(outcome: PolicyResult, stage: int, *, fixed_batch: bool) -> tuple[float, int]:
@@ -421,38 +435,21 @@ def _stage_reports(
     evaluated: dict[int, StageOutcome], chosen: int, *, several_evaluated: bool
 ) -> tuple[StageReport, ...]:
     """Why each evaluated stage won, lost (how much slower than `chosen`) or is infeasible."""
-    best = evaluated[chosen].outcome.allocation
-    assert best is not None
-    feasible_count = sum(e.outcome.ok for e in evaluated.values())
-    reports = []
-    for stage, e in evaluated.items():
-        allocation = e.outcome.allocation
-        if allocation is None:
-            reports.append(StageReport.infeasible(stage, e.outcome.reason))
-            continue
-        if stage == chosen:
-            status = "chosen"
-            if feasible_count > 1:
-                reason = "Fastest feasible stage."
-            else:
-                reason = "The only feasible stage." if several_evaluated else "The only stage evaluated."
-            if levers_summary(e.levers):
-                reason = reason[:-1] + f", with {levers_summary(e.levers)}."
-        else:
-            status = "slower"
-            slower_pct = 100.0 * (1.0 - allocation.samples_per_s / best.samples_per_s)
-            reason = f"{slower_pct:.1f}% lower predicted throughput than stage {chosen}."
-        reports.append(
-            StageReport(
-                zero_stage=stage,
-                status=status,
-                iteration_time_s=allocation.iteration_time_s,
-                samples_per_s=allocation.samples_per_s,
-                global_batch_size=allocation.global_batch_size,
-                reason=reason,
-            )
-        )
-    return tuple(reports)
+    best = evaluated[chosen]
+    assert best.outcome.allocation is not None
+    if sum(e.outcome.ok for e in evaluated.values()) > 1:
+        reason = "Fastest feasible stage."
+    else:
+        reason = "The only feasible stage." if several_evaluated else "The only stage evaluated."
+    if levers_summary(best.levers):
+        reason = reason[:-1] + f", with {levers_summary(best.levers)}."
+    rate = best.outcome.allocation.samples_per_s
+    return tuple(
+        StageReport.infeasible(stage, e.outcome.reason)
+        if (found := e.outcome.allocation) is None
+        else StageReport.feasible(stage, chosen, reason, rate, found, found.global_batch_size)
+        for stage, e in evaluated.items()
+    )
 
 
 def _plan_message(

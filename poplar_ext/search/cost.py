@@ -18,9 +18,8 @@ from poplar_ext.plan.formats import MIN_TIME_S, IncludedCommunication, Profile, 
 from poplar_ext.plan.network_format import NetworkProfile
 
 from .curves import fit_curve
+from .model_states import DTYPE_BYTES
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""Bytes per element of a training dtype: DeepSpeed communicates gradients and parameters in it."""
 BACKWARD_SHARE = 2.0 / 3.0
 """Share of a micro-step spent in backward (two of its three matrix products): what
 collectives overlapped with backward can hide under."""
@@ -69,7 +68,7 @@ def stage_communication(
     """What DeepSpeed's ZeRO `zero_stage` communicates per micro-step and per boundary over `world_size` ranks.
 
     Every collective moves the whole model's gradients or parameters in the training
-    dtype (`DTYPE_BYTES`); DeepSpeed's buckets split it into pieces, which the ring
+    dtype (`model_states.DTYPE_BYTES`); DeepSpeed's buckets split it into pieces, which the ring
     model prices alike (one latency per hop per bucket is left out: buckets are large).
     Stage 2's per-micro-step reduce-scatter is exposed: DeepSpeed's ``overlap_comm``
     defaults to off below stage 3. Stage 3's forward all-gather is counted exposed
@@ -260,21 +259,21 @@ def build_stage_model(
     return assemble_stage_model([d for d, _ in priced], rank_device_types, zero_stage, priced[-1][1])
 
 
-def _priced_by(network: NetworkProfile, profile: Profile) -> StageCommunication:
-    """`profile`'s stage's collectives at its own world size, priced by `network`."""
+def _priced_by(network: NetworkProfile, profile: Profile, zero_stage: int, world_size: int) -> StageCommunication:
+    """The collectives of `profile`'s model (and activation checkpointing) at `zero_stage` over `world_size` ranks."""
     return stage_communication(
         network,
-        zero_stage=profile.zero_stage,
+        zero_stage=zero_stage,
         num_parameters=profile.model.num_parameters,
         dtype=profile.model.dtype,
-        world_size=profile.world_size,
+        world_size=world_size,
         recomputes_forward=profile.activation_checkpointing,
     )
 
 
 def included_communication(profile: Profile, network: NetworkProfile) -> IncludedCommunication:
     """What `profile`'s times hold when it was measured over `network` (the profiler records it)."""
-    held = _priced_by(network, profile)
+    held = _priced_by(network, profile, profile.zero_stage, profile.world_size)
     return IncludedCommunication(
         micro_step_exposed_s=held.micro_step_exposed_s,
         micro_step_overlapped_s=held.micro_step_overlapped_s,
@@ -287,7 +286,7 @@ def profiled_communication(profile: Profile, network: NetworkProfile) -> StageCo
     (`Profile.included_communication`), else priced by `network` at the profile's world size."""
     held = profile.included_communication
     if held is None:
-        return _priced_by(network, profile)
+        return _priced_by(network, profile, profile.zero_stage, profile.world_size)
     return StageCommunication(zero_stage=profile.zero_stage, world_size=profile.world_size, **dataclasses.asdict(held))
 
 
@@ -313,25 +312,16 @@ def device_cost(
     assert curve is not None, "callers filter out profiles that fit no micro-batch"
     table = curve.table()
     optimizer_step_time_s = profile.optimizer_step_time_s
-    compute_table = None
-    communication = None
+    compute_table = communication = None
     if network is not None:
-        communication = stage_communication(
-            network,
-            zero_stage=zero_stage,
-            num_parameters=profile.model.num_parameters,
-            dtype=profile.model.dtype,
-            world_size=world_size,
-            recomputes_forward=profile.activation_checkpointing,
-        )
+        communication = _priced_by(network, profile, zero_stage, world_size)
         profiled = profiled_communication(profile, network)
         compute_table = profiled.compute_time_s(table) if micro_step_times_include_communication(profile) else table
         # The fitted table is non-decreasing; so must the priced one be (the policies rely on it).
         table = np.maximum.accumulate(communication.micro_step_time_s(compute_table))
-        optimizer_compute_s = max(0.0, profile.optimizer_step_time_s - profiled.boundary_s)
+        optimizer_step_time_s = max(0.0, profile.optimizer_step_time_s - profiled.boundary_s)
         if zero_stage >= 1:
-            optimizer_compute_s *= profile.world_size / world_size  # each rank updates 1/W of the states
-        optimizer_step_time_s = optimizer_compute_s
+            optimizer_step_time_s *= profile.world_size / world_size  # each rank updates 1/W of the states
     device = DeviceCost(
         device_type=device_type,
         num_ranks=num_ranks,

@@ -6,6 +6,7 @@ heuristically beyond. See docs/search.md ("How a pipeline plan is found").
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from poplar_ext.plan.pipeline_formats import (
     PipelineStage,
 )
 
-from .api import SearchResult, StageReport
+from .api import SearchResult, StageReport, _some, check_covered
 from .pipeline_cost import (
     LayerTable,
     Links,
@@ -143,17 +144,7 @@ def _plan(pipelines: list[Pipeline], context: _Context) -> PipelinePlan:
         predicted=Prediction(iteration_time_s=1.0, samples_per_s=1.0, ideal_samples_per_s=1.0),
         profile_fingerprints=context.fingerprints,
     )
-    predicted = evaluate_plan(draft, context.tables, context.links)
-    return PipelinePlan(
-        **{
-            **draft.__dict__,
-            "predicted": Prediction(
-                iteration_time_s=predicted.iteration_time_s,
-                samples_per_s=predicted.samples_per_s,
-                ideal_samples_per_s=predicted.ideal_samples_per_s,
-            ),
-        }
-    )
+    return dataclasses.replace(draft, predicted=evaluate_plan(draft, context.tables, context.links).summary)
 
 
 # ----------------------------------------------------------------------------------
@@ -446,13 +437,7 @@ def search_pipeline_plan(
         max_stages=max_stages,
     )
     by_stage = layer_profiles_by_stage(layer_profiles)
-    covered = {t for profiles in by_stage.values() for t in profiles}
-    unknown = [t for t in cluster.type_counts() if t not in covered]
-    if unknown:
-        raise ValueError(
-            f"cluster: expected device types that the layer profiles cover ({', '.join(sorted(covered))}), found "
-            f"{', '.join(repr(t) for t in unknown)} with no layer profile"
-        )
+    check_covered(cluster, by_stage, "layer profile")
     if zero_stage in (2, 3):
         reason = f"DeepSpeed's pipeline engine refuses ZeRO stage {zero_stage} (pipelines run at stage 0 or 1)."
         return _result({int(zero_stage): _Outcome(plan=None, reason=reason, method="none", layouts=0)}, False)
@@ -497,20 +482,9 @@ def _result(outcomes: dict[int, _Outcome], auto: bool) -> SearchResult:
 def _report(stage: int, outcome: _Outcome, chosen: int, best: PipelinePlan, feasible: int) -> StageReport:
     if outcome.plan is None:
         return StageReport.infeasible(stage, outcome.reason)
-    predicted = outcome.plan.predicted
-    if stage == chosen:
-        status, reason = "chosen", "Fastest feasible stage." if feasible > 1 else "The only feasible stage."
-    else:
-        slower = 100.0 * (1.0 - predicted.samples_per_s / best.predicted.samples_per_s)
-        status, reason = "slower", f"{slower:.1f}% lower predicted throughput than stage {chosen}."
-    return StageReport(
-        zero_stage=stage,
-        status=status,
-        iteration_time_s=predicted.iteration_time_s,
-        samples_per_s=predicted.samples_per_s,
-        global_batch_size=outcome.plan.global_batch_size,
-        reason=reason,
-    )
+    reason = "Fastest feasible stage." if feasible > 1 else "The only feasible stage."
+    rate = best.predicted.samples_per_s
+    return StageReport.feasible(stage, chosen, reason, rate, outcome.plan.predicted, outcome.plan.global_batch_size)
 
 
 def layout_summary(plan: PipelinePlan) -> str:
@@ -556,11 +530,6 @@ def _message(plan: PipelinePlan, stage: int, auto: bool, outcome: _Outcome) -> s
 # ----------------------------------------------------------------------------------
 # check_pipeline_plan
 # ----------------------------------------------------------------------------------
-def _some(items: list[str], limit: int = 3) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
-
-
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.3g} GiB"
 
