@@ -23,8 +23,9 @@ from .poplar_independent import (
     MAX_BREAKPOINTS,
     FlatTables,
     capacity_levels,
-    first_steps_from,
     level_count,
+    level_points,
+    level_steps,
     steps_within,
 )
 
@@ -288,13 +289,11 @@ class _WorkCurve:
         """The curve over the range of `times_s` (finite, not empty)."""
         low_s, high_s = float(times_s.min()), float(times_s.max())
         sizes = np.arange(1, len(table) + 1)
-        first = first_steps_from(low_s, table)
-        per_size = np.maximum(0, steps_within(high_s, table) - first + 1)
+        first, per_size = level_steps(table, low_s, high_s)
         below = int(np.max(sizes * (first - 1)))
         if int(per_size.sum()) > MAX_BREAKPOINTS:
             return _WorkCurve(table=table, low_s=low_s, high_s=high_s, breakpoints_s=None, running=first, below=below)
-        size_index = np.repeat(np.arange(len(table)), per_size)
-        steps = first[size_index] + np.arange(len(size_index)) - np.repeat(np.cumsum(per_size) - per_size, per_size)
+        size_index, steps = level_points(first, per_size)
         breakpoints_s = steps * table[size_index]
         order = np.argsort(breakpoints_s, kind="stable")
         running = np.maximum.accumulate(steps[order] * sizes[size_index[order]]) if len(order) else np.zeros(0)
@@ -329,9 +328,8 @@ def _price(
 ) -> tuple[list[list[DeviceCost]], list[list[StageCommunication | None]]]:
     """Each (type, option) priced once (`search.cost.device_cost`): per type, per option, its device and the
     stage's communication."""
-    devices, communication = [], []
-    for t, n, type_options in zip(variants, counts, options):
-        priced = [
+    priced = [
+        [
             device_cost(
                 variants[t][levers],
                 device_type=t,
@@ -342,9 +340,9 @@ def _price(
             )
             for levers in type_options
         ]
-        devices.append([d for d, _ in priced])
-        communication.append([c for _, c in priced])
-    return devices, communication
+        for t, n, type_options in zip(variants, counts, options)
+    ]
+    return [[d for d, _ in row] for row in priced], [[c for _, c in row] for row in priced]
 
 
 class _LeverSearch:

@@ -129,7 +129,7 @@ class FlatTables:
 # ----------------------------------------------------------------------------------
 # Exact sums by bitsets: every reachable deficit (or headroom) up to a small target
 # ----------------------------------------------------------------------------------
-def _sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """{x + y} of two sets given as boolean masks over [0, cap], truncated to [0, cap]."""
     cap = len(a)
     if cap <= 512:
@@ -155,11 +155,11 @@ class _TypeSums:
         self.powers = [single]
         while (1 << len(self.powers)) <= count:
             last = self.powers[-1]
-            self.powers.append(last if last.all() else _sumset(last, last))
+            self.powers.append(last if last.all() else sumset(last, last))
         self.bits = [j for j in range(len(self.powers)) if count >> j & 1]
         self.partials = [np.eye(1, len(single), dtype=bool)[0]]
         for j in self.bits:
-            self.partials.append(_sumset(self.partials[-1], self.powers[j]))
+            self.partials.append(sumset(self.partials[-1], self.powers[j]))
         self._split = lru_cache(maxsize=None)(self._split_uncached)
 
     @property
@@ -228,7 +228,7 @@ def _exact_by_bitsets(model: StageModel, options: list[_RankOptions], time_s: fl
     sums = [_TypeSums(single, device.num_ranks) for single, device in zip(singles, model.devices)]
     chain = [np.eye(1, target + 1, dtype=bool)[0]]
     for type_sums in sums:
-        chain.append(_sumset(chain[-1], type_sums.reachable))
+        chain.append(sumset(chain[-1], type_sums.reachable))
     if not chain[-1][target]:
         return None
     groups: Groups = [[] for _ in model.devices]
@@ -644,14 +644,10 @@ def capacity_levels(model: StageModel, low_s: float, high_s: float) -> tuple[np.
     times, types, work, start = [], [], [], []
     for index, device in enumerate(model.devices):
         table = device.step_time_table_s
-        first = first_steps_from(low_s, table)
-        last = steps_within(high_s, table)
+        first, per_size = level_steps(table, low_s, high_s)
         sizes = np.arange(1, len(table) + 1)
         start.append(int(np.max(sizes * (first - 1))))
-        per_size = np.maximum(0, last - first + 1)
-        size_index = np.repeat(np.arange(len(table)), per_size)
-        offsets = np.arange(len(size_index)) - np.repeat(np.cumsum(per_size) - per_size, per_size)
-        steps = first[size_index] + offsets
+        size_index, steps = level_points(first, per_size)
         times.append(steps * table[size_index])
         work.append(steps * sizes[size_index])
         types.append(np.full(len(size_index), index))
@@ -667,17 +663,22 @@ def capacity_levels(model: StageModel, low_s: float, high_s: float) -> tuple[np.
     return times_all[last_of_time], capacity[last_of_time]
 
 
+def level_steps(table: np.ndarray, low_s: float, high_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per size, the fewest micro-steps ``s`` with ``s * t(b) >= low_s`` and how many counts from there stay
+    within `high_s` (0 or more)."""
+    first = first_steps_from(low_s, table)
+    return first, np.maximum(0, steps_within(high_s, table) - first + 1)
+
+
+def level_points(first: np.ndarray, per_size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every ``(b, s)`` that `level_steps` counts, size by size: each one's size index and micro-steps."""
+    size_index = np.repeat(np.arange(len(first)), per_size)
+    offsets = np.arange(len(size_index)) - np.repeat(np.cumsum(per_size) - per_size, per_size)
+    return size_index, first[size_index] + offsets
+
+
 def level_count(model: StageModel, low_s: float, high_s: float) -> int:
-    return sum(
-        int(
-            np.sum(
-                np.maximum(
-                    0, steps_within(high_s, d.step_time_table_s) - first_steps_from(low_s, d.step_time_table_s) + 1
-                )
-            )
-        )
-        for d in model.devices
-    )
+    return sum(int(np.sum(level_steps(d.step_time_table_s, low_s, high_s)[1])) for d in model.devices)
 
 
 def poplar_independent_best(model: StageModel, max_batch: int) -> PolicyResult:
