@@ -1,8 +1,8 @@
 """The search's public entry points: `search_plan`, `check_plan`, `predict`.
 
-`search_plan` picks the ZeRO stage (or uses the one given) and the global batch (or
-uses the one given), runs one allocation policy, and returns a `SearchResult` whose
-status is ``ok`` or ``infeasible``; it raises only for bad input (`ValueError`).
+`search_plan` picks the ZeRO stage (or uses the one given) and the global batch (or uses the one given), runs one
+allocation policy, and returns a `SearchResult` whose status is ``ok`` or ``infeasible``; it raises only for bad input
+(`ValueError`).
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ class StageReport:
 
 @dataclass(frozen=True, kw_only=True)
 class SearchResult:
-    """The outcome of a search, ZeRO (`search_plan`) or pipelines (`search_pipeline_plan`): a plan, or the
-    reason there is none."""
+    """The outcome of a search, ZeRO (`search_plan`) or pipelines (`search_pipeline_plan`): a plan, or the reason there
+    is none."""
 
     status: str
     """``ok`` or ``infeasible``."""
@@ -114,8 +114,8 @@ class SearchResult:
     parallelism: str = "zero"
     """``zero`` (every rank holds the model) or ``pipeline`` (pipelines of stages side by side)."""
     method: str = "exact"
-    """``exact`` or ``heuristic``: how the chosen stage was searched (the ZeRO search is exact; the pipeline
-    search is exact for small clusters, `poplar_ext.search.pipeline_search`)."""
+    """``exact`` or ``heuristic``: how the chosen stage was searched (the ZeRO search is exact; the pipeline search is
+    exact for small clusters, `poplar_ext.search.pipeline_search`)."""
     layouts_evaluated: int | None = None
     """Pipelines only: the layouts of ranks into pipelines the chosen stage's search considered."""
 
@@ -336,27 +336,13 @@ def search_plan(
     max_global_batch_size: int | None = None,
     network: NetworkProfile | None = None,
 ) -> SearchResult:
-    """Search per-rank micro-batches and accumulation counts for `cluster`.
+    """Per-rank micro-batches and accumulation counts for `cluster`, from `profiles` of one model.
 
-    Args:
-        profiles: profiles of one model (several device types and stages); every
-            device type of the cluster needs at least one.
-        cluster: which device type each rank has.
-        global_batch_size: samples per iteration; None picks the one with the highest
-            predicted throughput (see `search.policies.best_global_batch`).
-        zero_stage: 0..3, or ``"auto"`` to evaluate every stage and keep the fastest.
-        policy: ``poplar``, ``uniform`` or ``proportional`` (`search.policies`).
-        max_global_batch_size: upper bound for the automatic global batch.
-        network: collective times (`plan.network_format`); with one, communication is
-            priced for the cluster's world size (`search.cost`), without, the
-            boundary is the profiles' measured one.
-
-    Returns:
-        A `SearchResult`; infeasible problems are a status with a reason.
-
-    Raises:
-        ValueError: bad input (wrong types, profiles of several models, a device type
-            of the cluster that no profile covers).
+    `global_batch_size` None picks the batch of the highest predicted throughput (up to `max_global_batch_size`:
+    `search.policies.best_global_batch`); `zero_stage` ``"auto"`` keeps the fastest stage; with a `network`,
+    communication is priced for the cluster's world size (`search.cost`), without, the boundary is the profiles'
+    measured one. An infeasible problem is a status with a reason; bad input (wrong types, profiles of several models, a
+    device type of the cluster that no profile covers) a ValueError.
     """
     _check_arguments(cluster, global_batch_size, zero_stage, policy, max_global_batch_size)
     global_batch_size = None if global_batch_size is None else int(global_batch_size)
@@ -405,8 +391,8 @@ def check_covered(cluster: Cluster, by_stage: dict[int, dict[str, object]], kind
 
 
 def _stage_score(outcome: PolicyResult, stage: int, *, fixed_batch: bool) -> tuple[float, int]:
-    """Smaller is better: fixed batch, the shortest iteration; automatic batch, the highest throughput.
-    Ties: the lower stage."""
+    """Smaller is better: fixed batch, the shortest iteration; automatic batch, the highest throughput. Ties: the lower
+    stage."""
     allocation = outcome.allocation
     assert allocation is not None
     return (allocation.iteration_time_s if fixed_batch else -allocation.samples_per_s), stage
@@ -489,26 +475,30 @@ def _some(items: list[str], limit: int = 3) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None = None) -> list[str]:
-    """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
-
-    Checks the world size, each rank's device type, the stage rule (stages 2 and 3:
-    one accumulation count on every rank), the memory levers (one activation
-    checkpointing and one optimizer offload per device type; at stage 3 one
-    checkpointing for every rank; offload only at stages 1-2) and, with `profiles`, that
-    every device type has a profile at the plan's stage with the plan's levers, and
-    that no micro-batch exceeds its cap.
-    """
-    problems: list[str] = []
-    if plan.world_size != cluster.world_size:
-        problems.append(f"The plan has {plan.world_size} ranks but the cluster has {cluster.world_size}.")
+def cluster_problems(rank_types: Sequence[tuple[int, str]], cluster: Cluster) -> list[str]:
+    """A plan's ``(rank, device type)`` pairs against `cluster`: the number of ranks, and the types that differ."""
+    problems = []
+    if len(rank_types) != cluster.world_size:
+        problems.append(f"The plan has {len(rank_types)} ranks but the cluster has {cluster.world_size}.")
     wrong = [
-        f"rank {r.rank} ({r.device_type} in the plan, {actual} in the cluster)"
-        for r, actual in zip(plan.ranks, cluster.rank_device_types)
-        if r.device_type != actual
+        f"rank {rank} ({planned} in the plan, {actual} in the cluster)"
+        for (rank, planned), actual in zip(rank_types, cluster.rank_device_types)
+        if planned != actual
     ]
     if wrong:
         problems.append(f"Device types differ from the cluster's at {_some(wrong)}.")
+    return problems
+
+
+def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None = None) -> list[str]:
+    """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
+
+    Checks the world size, each rank's device type, the stage rule (stages 2 and 3: one accumulation count on every
+    rank), the memory levers (one activation checkpointing and one optimizer offload per device type; at stage 3 one
+    checkpointing for every rank; offload only at stages 1-2) and, with `profiles`, that every device type has a profile
+    at the plan's stage with the plan's levers, and that no micro-batch exceeds its cap.
+    """
+    problems = cluster_problems([(r.rank, r.device_type) for r in plan.ranks], cluster)
     if one_accumulation_count(plan.zero_stage):
         counts = sorted({r.gradient_accumulation_steps for r in plan.ranks})
         if len(counts) > 1:

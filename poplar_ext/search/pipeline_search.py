@@ -1,7 +1,7 @@
 """The pipeline search: `search_pipeline_plan` and `check_pipeline_plan`.
 
-Layouts, splits and sizing combined, exactly on small clusters (`EXACT_MAX_RANKS`, `EXACT_MAX_SPLITS`),
-heuristically beyond. See docs/search.md ("How a pipeline plan is found").
+Layouts, splits and sizing combined, exactly on small clusters (`EXACT_MAX_RANKS`, `EXACT_MAX_SPLITS`), heuristically
+beyond. See docs/search.md ("How a pipeline plan is found").
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from poplar_ext.plan.pipeline_formats import (
     PipelineStage,
 )
 
-from .api import SearchResult, StageReport, _some, check_covered
+from .api import SearchResult, StageReport, _some, check_covered, cluster_problems
 from .pipeline_cost import (
     LayerTable,
     Links,
@@ -132,8 +132,8 @@ class _Context:
 
 
 def _plan(pipelines: list[Pipeline], context: _Context) -> PipelinePlan:
-    """A plan of `pipelines` (listed by first rank) with its prediction; activation checkpointing on the stages
-    that do not fit without it (the sizing allowed their count only so)."""
+    """A plan of `pipelines` (listed by first rank) with its prediction; activation checkpointing on the stages that do
+    not fit without it (the sizing allowed their count only so)."""
     pipelines = [checkpoint_where_needed(p, context.tables) for p in pipelines]
     draft = PipelinePlan(
         policy="poplar",
@@ -229,8 +229,8 @@ REGIME_MAX_STAGES = 8
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _ShapeSplits:
-    """A shape's balanced splits: for at least S micro-batches (stage s keeps S - s in flight) and, for
-    short pipelines, for each count k < S (stage s keeps min(k, S - s), so at most k micro-batches)."""
+    """A shape's balanced splits: for at least S micro-batches (stage s keeps S - s in flight) and, for short pipelines,
+    for each count k < S (stage s keeps min(k, S - s), so at most k micro-batches)."""
 
     regimes: list[tuple[int, BalancedSplits]]
     """``(most micro-batches, splits)``; the first allows any count."""
@@ -400,26 +400,12 @@ def search_pipeline_plan(
 ) -> SearchResult:
     """The pipeline plan of `cluster` with the smallest predicted iteration time (docs/search.md).
 
-    Args:
-        layer_profiles: layer profiles of one model: every device type of the cluster at
-            the ZeRO stages to evaluate.
-        cluster: which device type each rank has, on which node.
-        global_batch_size: samples per iteration over all pipelines.
-        zero_stage: 0, 1 or ``"auto"`` (both, where profiled; the faster wins). 2 and 3
-            are infeasible: DeepSpeed's pipeline engine refuses them.
-        network: collective times that price transfers and all-reduces (without one they cost 0).
-        method: ``auto`` (exact where the space is small, else heuristic), ``exact``, ``heuristic``.
-        layouts: the layouts the heuristic tries: ``all`` (up to `EXACT_MAX_RANKS` ranks),
-            ``candidates`` (`pipeline_layouts.candidate_layouts`) or ``auto`` (all where
-            there are at most `EXACT_MAX_RANKS` ranks, else the candidates).
-        max_stages: the most stages a pipeline may have (default: the number of layers).
-
-    Returns:
-        A `SearchResult`; a plan that cannot be made is a status with a reason.
-
-    Raises:
-        ValueError: bad input (types, profiles of several models, a device type of the
-            cluster without any layer profile, an exact search too large to run).
+    `zero_stage` ``"auto"`` tries 0 and 1 where profiled (2 and 3 are infeasible: DeepSpeed's pipeline engine refuses
+    them); without a `network` transfers and all-reduces cost 0. `method` ``auto`` is exact where the space is small,
+    else heuristic; `layouts` are the heuristic's: ``all`` (up to `EXACT_MAX_RANKS` ranks), ``candidates``
+    (`pipeline_layouts.candidate_layouts`) or ``auto`` (all where the cluster is that small); `max_stages` defaults to
+    the number of layers. A plan that cannot be made is a status with a reason; bad input (types, profiles of several
+    models, a device type without layer profiles, an exact search too large to run) a ValueError.
     """
     _check_arguments(cluster, global_batch_size, zero_stage, method, max_stages)
     if layouts not in LAYOUTS:
@@ -539,12 +525,11 @@ def check_pipeline_plan(
 ) -> list[str]:
     """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
 
-    Checks the ranks against the cluster (count and device types), the ZeRO stage, that
-    the pipelines' samples are the global batch and each pipeline's stages cover the
-    layers in order; with `layer_profiles`, that every device type has a layer profile at
-    the plan's stage with the plan's number of layers, and that every stage fits its
-    device's memory (`search.pipeline_cost`: base, its layers, the 1F1B in-flight activations, or a
-    checkpointed stage's inputs and one micro-batch's activations).
+    Checks the ranks against the cluster (count and device types), the ZeRO stage, that the pipelines' samples are the
+    global batch and each pipeline's stages cover the layers in order; with `layer_profiles`, that every device type has
+    a layer profile at the plan's stage with the plan's number of layers, and that every stage fits its device's memory
+    (`search.pipeline_cost`: base, its layers, the 1F1B in-flight activations, or a checkpointed stage's inputs and one
+    micro-batch's activations).
     """
     problems = _check_ranks(plan, cluster) + _check_shape(plan)
     if layer_profiles is not None and not problems:
@@ -553,21 +538,10 @@ def check_pipeline_plan(
 
 
 def _check_ranks(plan: PipelinePlan, cluster: Cluster) -> list[str]:
-    problems = []
     ranks = sorted(stage.rank for p in plan.pipelines for stage in p.stages)
     if ranks != list(range(len(ranks))):
-        problems.append(f"The plan's stages do not hold every rank from 0 to {len(ranks) - 1} exactly once.")
-        return problems
-    if plan.world_size != cluster.world_size:
-        problems.append(f"The plan has {plan.world_size} ranks but the cluster has {cluster.world_size}.")
-    wrong = [
-        f"rank {r} ({planned} in the plan, {actual} in the cluster)"
-        for r, (planned, actual) in enumerate(zip(plan.rank_device_types, cluster.rank_device_types))
-        if planned != actual
-    ]
-    if wrong:
-        problems.append(f"Device types differ from the cluster's at {_some(wrong)}.")
-    return problems
+        return [f"The plan's stages do not hold every rank from 0 to {len(ranks) - 1} exactly once."]
+    return cluster_problems(list(enumerate(plan.rank_device_types)), cluster)
 
 
 def _check_shape(plan: PipelinePlan) -> list[str]:
