@@ -49,10 +49,9 @@ def levers_text(activation_checkpointing: bool, optimizer_offload: bool = False)
 def one_accumulation_count(zero_stage: int) -> bool:
     """Whether every rank must run the same number of micro-steps per iteration at `zero_stage`.
 
-    DeepSpeed reduces gradients on every micro-step at ZeRO stages 2 and 3 (and gathers
-    parameters in every forward at 3): a rank with more micro-steps would wait in a
-    collective no other rank enters. Stages 0 and 1 communicate at the boundary only,
-    so their ranks may differ in accumulation count.
+    DeepSpeed reduces gradients on every micro-step at ZeRO stages 2 and 3 (and gathers parameters in every forward at
+    3): a rank with more micro-steps would wait in a collective no other rank enters. Stages 0 and 1 communicate at the
+    boundary only, so their ranks may differ in accumulation count.
     """
     return zero_stage >= 2
 
@@ -120,10 +119,9 @@ class Emulation:
     memory_capacity_bytes: int
     """The memory the emulated device pretends to have."""
     slowdown_schedule: tuple[tuple[int, float, int | None], ...] = ()
-    """Drift during training: ``(optimizer_step, slowdown, rank)`` entries (JSON: ``[step, slowdown]``
-    for every rank of the type, ``[step, slowdown, rank]`` for one rank of it); from that optimizer
-    step on the rank runs at that slowdown instead of `slowdown` (see
-    `poplar_ext.hardware.emulation.scheduled_slowdown`). Empty: constant."""
+    """Drift during training: ``(optimizer_step, slowdown, rank)`` entries (JSON: ``[step, slowdown]`` for every rank of
+    the type, ``[step, slowdown, rank]`` for one rank of it); from that optimizer step on the rank runs at that slowdown
+    instead of `slowdown` (see `poplar_ext.hardware.emulation.scheduled_slowdown`). Empty: constant."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,9 +159,8 @@ class Profile:
     """Measured with activation checkpointing (each block's activations recomputed in
     backward instead of kept): slower micro-steps, larger micro-batches fit."""
     optimizer_offload: bool = False
-    """Measured with the optimizer offloaded to the host (DeepSpeed's
-    ``zero_optimization.offload_optimizer``; ZeRO stages 1-2 only): the optimizer state
-    and fp32 master weights leave the device, the boundary takes longer."""
+    """Measured with the optimizer offloaded to the host (DeepSpeed's ``zero_optimization.offload_optimizer``; ZeRO
+    stages 1-2 only): the optimizer state and fp32 master weights leave the device, the boundary takes longer."""
     included_communication: IncludedCommunication | None = None
     """The communication its times hold, priced at profiling (None: priced from the job's network file,
     which is right only where the profile was measured over the same network)."""
@@ -556,9 +553,8 @@ class Plan:
 def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
     """Validate parsed JSON and build a `Plan`; raises `FormatError`.
 
-    Checks the plan's own consistency (ranks numbered 0..N-1 in order, samples sum
-    to the global batch). Whether it suits a given stage, cluster and device memory
-    is checked where those are known (`search.check_plan`, the runtime).
+    Checks the plan's own consistency (ranks numbered 0..N-1 in order, samples sum to the global batch). Whether it
+    suits a given stage, cluster and device memory is checked where those are known (`search.check_plan`, the runtime).
     """
     root = Node(data, source).obj()
     parallelism = root.optional("parallelism")

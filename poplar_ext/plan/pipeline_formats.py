@@ -329,10 +329,9 @@ def _pipeline_from_node(node: Node, num_layers: int) -> Pipeline:
 def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> PipelinePlan:
     """Validate parsed JSON and build a `PipelinePlan`; raises `FormatError`.
 
-    Checks the plan's own consistency: every rank 0..N-1 in exactly one stage, each
-    pipeline's stages covering the layers in order, the global batch the pipelines' sum,
-    ZeRO stage 0 or 1. Whether it suits a cluster and the devices' memory is checked where
-    those are known (`poplar_ext.search.pipeline_search.check_pipeline_plan`, the runtime).
+    Checks the plan's own consistency: every rank 0..N-1 in exactly one stage, each pipeline's stages covering the
+    layers in order, the global batch the pipelines' sum, ZeRO stage 0 or 1. Whether it suits a cluster and the devices'
+    memory is checked where those are known (`poplar_ext.search.pipeline_search.check_pipeline_plan`, the runtime).
     """
     root = Node(data, source).obj().keys_within(_keys(PipelinePlan))
     _check_version(root, PIPELINE_PLAN_SCHEMA_VERSION)

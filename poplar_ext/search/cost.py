@@ -67,13 +67,11 @@ def stage_communication(
 ) -> StageCommunication:
     """What DeepSpeed's ZeRO `zero_stage` communicates per micro-step and per boundary over `world_size` ranks.
 
-    Every collective moves the whole model's gradients or parameters in the training
-    dtype (`model_states.DTYPE_BYTES`); DeepSpeed's buckets split it into pieces, which the ring
-    model prices alike (one latency per hop per bucket is left out: buckets are large).
-    Stage 2's per-micro-step reduce-scatter is exposed: DeepSpeed's ``overlap_comm``
-    defaults to off below stage 3. Stage 3's forward all-gather is counted exposed
-    (prefetching hides part of it: a conservative choice). With `recomputes_forward`
-    (activation checkpointing) stage 3's backward gathers the parameters once more
+    Every collective moves the whole model's gradients or parameters in the training dtype (`model_states.DTYPE_BYTES`);
+    DeepSpeed's buckets split it into pieces, which the ring model prices alike (one latency per hop per bucket is left
+    out: buckets are large). Stage 2's per-micro-step reduce-scatter is exposed: DeepSpeed's ``overlap_comm`` defaults
+    to off below stage 3. Stage 3's forward all-gather is counted exposed (prefetching hides part of it: a conservative
+    choice). With `recomputes_forward` (activation checkpointing) stage 3's backward gathers the parameters once more
     for the recomputed forward; the other stages communicate nothing in forward.
     """
     message_bytes = float(num_parameters) * DTYPE_BYTES[dtype]
@@ -239,10 +237,9 @@ def build_stage_model(
 ) -> StageModel:
     """The cost model of ranks with `rank_device_types` at `zero_stage`, one profile per device type.
 
-    Every profile must fit at least one micro-batch (``max_micro_batch_size >= 1``);
-    the caller reports stages where some device fits none as infeasible. With a
-    `network`, communication is priced for ``len(rank_device_types)`` ranks (see
-    `device_cost`).
+    Every profile must fit at least one micro-batch (``max_micro_batch_size >= 1``); the caller reports stages where
+    some device fits none as infeasible. With a `network`, communication is priced for ``len(rank_device_types)`` ranks
+    (see `device_cost`).
     """
     counts = Counter(rank_device_types)
     priced = [
@@ -302,11 +299,10 @@ def device_cost(
     """Device type `device_type` (measured by `profile`) in a cluster of `world_size` ranks, and the stage's
     communication (None without a network).
 
-    With a `network`, the profile's own communication (at its ``world_size``) is taken
-    out of its micro-step times (where they include it) and of its boundary time, the
-    optimizer step is scaled to the shard a rank updates at stages 1-3, and the
-    cluster's communication is added. The communication depends on the model and, at
-    stage 3, on activation checkpointing: the same for every type of one setting.
+    With a `network`, the profile's own communication (at its ``world_size``) is taken out of its micro-step times
+    (where they include it) and of its boundary time, the optimizer step is scaled to the shard a rank updates at stages
+    1-3, and the cluster's communication is added. The communication depends on the model and, at stage 3, on activation
+    checkpointing: the same for every type of one setting.
     """
     curve = fit_curve(profile)
     assert curve is not None, "callers filter out profiles that fit no micro-batch"

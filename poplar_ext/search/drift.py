@@ -76,9 +76,8 @@ def scaled_types(
     scale_profile: Callable[..., AnyProfile],
 ) -> tuple[list[AnyProfile], Cluster, list[str]]:
     """Each derived device type's profile (`scale_profile(profile, scale, device_type=name)` of its type's in
-    `profiles`), the cluster of derived types and each rank's derived type in rank order (`scaled_ranks`):
-    what a scaled problem of whole-model profiles (`scaled_problem`) and of layer profiles
-    (`search.pipeline_drift`) share."""
+    `profiles`), the cluster of derived types and each rank's derived type in rank order (`scaled_ranks`): what a scaled
+    problem of whole-model profiles (`scaled_problem`) and of layer profiles (`search.pipeline_drift`) share."""
     scaled_cluster, derived = scaled_ranks(cluster, rank_scales)
     scaled: dict[str, AnyProfile] = {}
     for original, name, scale in zip(cluster.rank_device_types, derived, rank_scales):

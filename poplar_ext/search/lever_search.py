@@ -699,9 +699,8 @@ class _LeverSearch:
         return _Requirements.concat([self.independent_rate(i, -value) for i in range(len(self.betas))])
 
     def synchronised_fixed(self, value: float | None) -> _Requirements:
-        """Stage 2, fixed batch B: a setting finishes within `value` only if, for some accumulation count s
-        dividing B, its capacity reaches B / s at the last micro-step time T with ``s * T + boundary``
-        within `value`."""
+        """Stage 2, fixed batch B: a setting finishes within `value` only if, for some accumulation count s dividing B,
+        its capacity reaches B / s at the last micro-step time T with ``s * T + boundary`` within `value`."""
         assert self.batch is not None
         steps = divisors(self.batch)
         steps = steps[self.batch // steps >= self.world_size]
@@ -758,10 +757,9 @@ class _LeverSearch:
         )
 
     def independent_rate(self, index: int, rate: float) -> _Requirements:
-        """Stages 0-1, automatic batch: a setting reaches `rate` only with a batch B within its capacity at
-        its busy time T and ``B / (T + boundary) >= rate``. Between two of the envelope's capacity levels
-        the least B is the one at the earlier, and the setting's capacity at most its capacity just
-        before the later."""
+        """Stages 0-1, automatic batch: a setting reaches `rate` only with a batch B within its capacity at its busy
+        time T and ``B / (T + boundary) >= rate``. Between two of the envelope's capacity levels the least B is the one
+        at the earlier, and the setting's capacity at most its capacity just before the later."""
         envelope = self.envelope(self.betas[index])
         flat = FlatTables(envelope)
         boundary_s = envelope.boundary_s

@@ -1,10 +1,9 @@
 """`poplar-search --parallelism pipeline|auto`: the pipeline search, and pipelines against ZeRO.
 
-`search.cli` hands over here when ``--parallelism`` is not ``zero``: layer profiles are
-read from ``<profiles>/layers/``, the network as for ZeRO (``--network``, or the
-profile directory's file for this cluster). With ``auto`` the ZeRO search runs as well
-(at the given global batch, or its own choice, which the pipeline search then takes) and
-the faster predicted plan is printed and written; the table shows both.
+`search.cli` hands over here when ``--parallelism`` is not ``zero``: layer profiles are read from
+``<profiles>/layers/``, the network as for ZeRO (``--network``, or the profile directory's file for this cluster). With
+``auto`` the ZeRO search runs as well (at the given global batch, or its own choice, which the pipeline search then
+takes) and the faster predicted plan is printed and written; the table shows both.
 """
 
 from __future__ import annotations

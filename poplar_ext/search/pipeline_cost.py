@@ -421,8 +421,7 @@ class PipelinePrediction:
     rank_stage_time_s: tuple[float, ...]
     """Each rank's stage time per micro-batch: compute + transfers."""
     rank_compute_time_s: tuple[float, ...]
-    """Per iteration: micro-batches x the stage's forward + backward (a checkpointed stage's recompute
-    included)."""
+    """Per iteration: micro-batches x the stage's forward + backward (a checkpointed stage's recompute included)."""
     rank_recompute_time_s: tuple[float, ...]
     """Per iteration: of the compute, the forwards a checkpointed stage runs again (0 elsewhere)."""
     rank_activation_checkpointing: tuple[bool, ...]
@@ -488,11 +487,10 @@ def predict_pipeline(
 ) -> PipelinePrediction:
     """Per-stage busy time and the iteration time the cost model (docs/search.md) predicts for `plan`.
 
-    With `network`, transfers and all-reduces are priced; with `cluster` too, ranks of one
-    node exchange at the network's within-node figures where it has them, and ranks of
-    two nodes over their declared uplinks (docs/search.md). Raises
-    ValueError when a device type of the plan has no layer profile at the plan's ZeRO
-    stage, or the profiles' layer count is not the plan's.
+    With `network`, transfers and all-reduces are priced; with `cluster` too, ranks of one node exchange at the
+    network's within-node figures where it has them, and ranks of two nodes over their declared uplinks
+    (docs/search.md). Raises ValueError when a device type of the plan has no layer profile at the plan's ZeRO stage, or
+    the profiles' layer count is not the plan's.
     """
     if plan.zero_stage not in PIPELINE_ZERO_STAGES:
         raise ValueError(f"plan.zero_stage: expected 0 or 1, found {plan.zero_stage!r}")
@@ -588,10 +586,9 @@ def boundary_lower_bound_s(
 ) -> float:
     """No split of `num_pipelines` pipelines, the shortest of `fewest_stages` stages, has a shorter boundary.
 
-    Some stage of the shortest pipeline holds at least 1/S of the parameters, so its rank
-    all-reduces at least that much (the ring's price is affine with a non-negative
-    latency: one all-reduce of the sum costs no more than the pieces), and some stage
-    holds at least 1/S of the optimizer step (on the quickest type).
+    Some stage of the shortest pipeline holds at least 1/S of the parameters, so its rank all-reduces at least that much
+    (the ring's price is affine with a non-negative latency: one all-reduce of the sum costs no more than the pieces),
+    and some stage holds at least 1/S of the optimizer step (on the quickest type).
     """
     any_table = next(iter(tables.values()))
     optimizer_s = min(float(t.optimizer_prefix_s[-1]) for t in tables.values()) / fewest_stages

@@ -83,10 +83,9 @@ def _proportional_weights(model: StageModel) -> np.ndarray:
 def _proportional_split(model: StageModel, total: int) -> list[list[tuple[int, int]]] | None:
     """Split `total` samples per micro-step over ranks in proportion to throughput.
 
-    Shares are ``clip(scale * weight, 1, cap)`` with the scale found by bisection,
-    then floored, and the remaining samples go one each to the ranks with the largest
-    remainders (ties: type order, then rank order). Returns per type a list of
-    ``(micro_batch, count)`` or None when `total` cannot fit.
+    Shares are ``clip(scale * weight, 1, cap)`` with the scale found by bisection, then floored, and the remaining
+    samples go one each to the ranks with the largest remainders (ties: type order, then rank order). Returns per type a
+    list of ``(micro_batch, count)`` or None when `total` cannot fit.
     """
     counts = model.counts
     caps = np.array([d.max_micro_batch_size for d in model.devices], dtype=np.int64)
@@ -183,13 +182,11 @@ def allocate(policy: str, model: StageModel, global_batch_size: int) -> PolicyRe
 def best_global_batch(policy: str, model: StageModel, max_global_batch_size: int | None = None) -> PolicyResult:
     """The allocation with the highest predicted samples/s over global batches up to a maximum.
 
-    Without `max_global_batch_size` the maximum is `AUTO_ACCUMULATION_STEPS` micro-steps
-    of every rank at its largest micro-batch, at most `MAX_GLOBAL_BATCH_SIZE`. Candidates per policy: ``uniform`` every
-    micro-batch up to the smallest cap with the most accumulation steps that fit;
-    ``proportional`` the largest per-micro-step batch whose proportional shares fit,
-    times the most accumulation steps that fit; ``poplar`` every capacity level (all
-    ranks at their most samples within a time level, the only batches that leave no
-    rank idle) and the maximum itself.
+    Without `max_global_batch_size` the maximum is `AUTO_ACCUMULATION_STEPS` micro-steps of every rank at its largest
+    micro-batch, at most `MAX_GLOBAL_BATCH_SIZE`. Candidates per policy: ``uniform`` every micro-batch up to the
+    smallest cap with the most accumulation steps that fit; ``proportional`` the largest per-micro-step batch whose
+    proportional shares fit, times the most accumulation steps that fit; ``poplar`` every capacity level (all ranks at
+    their most samples within a time level, the only batches that leave no rank idle) and the maximum itself.
     """
     _check_policy(policy)
     max_batch = _default_max_batch(model) if max_global_batch_size is None else max_global_batch_size

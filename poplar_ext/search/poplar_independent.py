@@ -145,9 +145,8 @@ def sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 class _TypeSums:
     """Which reductions (below each rank's maximum) n identical ranks can make together.
 
-    ``powers[j]`` is the set of sums of ``2**j`` single-rank reductions; the n-fold
-    set is the sum of the powers in n's binary expansion. Kept so that a reachable
-    total can be split back into per-rank reductions, as evenly as possible.
+    ``powers[j]`` is the set of sums of ``2**j`` single-rank reductions; the n-fold set is the sum of the powers in n's
+    binary expansion. Kept so that a reachable total can be split back into per-rank reductions, as evenly as possible.
     """
 
     def __init__(self, single: np.ndarray, count: int) -> None:
@@ -202,10 +201,9 @@ class _TypeSums:
 def _offsets_mask(options: _RankOptions, target: int, downward: bool) -> np.ndarray:
     """One rank's reachable offsets up to `target`, as a mask over [0, target].
 
-    Downward the offset is the deficit below the rank's most work: ``gap_b + k * b`` for
-    ``0 <= k < steps_b``; upward it is the work above one sample: ``b - 1 + k * b``. Both
-    are arithmetic progressions, one per size, so building the mask costs O(target * log
-    sizes), whatever the rank's most work.
+    Downward the offset is the deficit below the rank's most work: ``gap_b + k * b`` for ``0 <= k < steps_b``; upward it
+    is the work above one sample: ``b - 1 + k * b``. Both are arithmetic progressions, one per size, so building the
+    mask costs O(target * log sizes), whatever the rank's most work.
     """
     mask = np.zeros(target + 1, dtype=bool)
     starts = options.gaps if downward else options.sizes - 1
@@ -284,9 +282,8 @@ def _two_level_at(
 ) -> list[list[tuple[int, int, int]]] | None:
     """Fast path of `_exact_at`: within each type, every rank runs one of two adjacent achievable counts.
 
-    Type totals are proportional to capacity, clipped to what each type can run
-    (water-filling); one type (each tried in turn) absorbs the rounding. Returns None
-    when this shape cannot hit `total`.
+    Type totals are proportional to capacity, clipped to what each type can run (water-filling); one type (each tried in
+    turn) absorbs the rounding. Returns None when this shape cannot hit `total`.
     """
     counts = [d.num_ranks for d in model.devices]
     values = [_achievable_work(d.step_time_table_s, time_s, m) for d, m in zip(model.devices, maxima)]
@@ -425,10 +422,9 @@ def _single_residues(options: _RankOptions, modulus: int, deficit: int) -> np.nd
 class _ResidueSums:
     """Smallest total deficit of `count` identical ranks in each residue class, with the way back.
 
-    Every rank adds one deficit of its own (0, the rank at its most work, among them). A
-    smallest sum has at most ``modulus - 1`` nonzero terms: among more, two partial sums
-    share a residue and the terms between them could be dropped for a smaller sum in the
-    same class. So `count` is capped there, and the work depends on the modulus only.
+    Every rank adds one deficit of its own (0, the rank at its most work, among them). A smallest sum has at most
+    ``modulus - 1`` nonzero terms: among more, two partial sums share a residue and the terms between them could be
+    dropped for a smaller sum in the same class. So `count` is capped there, and the work depends on the modulus only.
     ``powers[j]`` is the vector for ``2**j`` ranks, found by (min, +) squaring.
     """
 
@@ -475,10 +471,9 @@ class _ResidueSums:
 def _residue_anchor(options: list[_RankOptions], deficit: int) -> int | None:
     """The device type whose rank can take up what the others leave, or None.
 
-    `_exact_by_residues` puts the remainder of the deficit on one rank of this type;
-    that rank can take any ``gap_b + k * b`` up to ``most_work - b``, so the deficit must
-    not exceed that for its largest size. Among such types, the one with the least work
-    (sum of squared moduli).
+    `_exact_by_residues` puts the remainder of the deficit on one rank of this type; that rank can take any
+    ``gap_b + k * b`` up to ``most_work - b``, so the deficit must not exceed that for its largest size. Among such
+    types, the one with the least work (sum of squared moduli).
     """
     best, best_cost = None, math.inf
     for index, o in enumerate(options):
@@ -496,14 +491,12 @@ def _exact_by_residues(
 ) -> Groups | None:
     """`_exact_at` by residue classes, exact when `anchor` is `_residue_anchor`'s type.
 
-    Pick any rank of the anchor type (all are alike); in any split it runs some size b,
-    with deficit ``gap_b + k * b``. The other ranks must then make up ``deficit - gap_b``
-    minus a multiple of b, so a split with that size exists exactly when the smallest
-    deficit the others can make in the residue class of ``deficit - gap_b`` modulo b is at
-    most ``deficit - gap_b`` (the anchor rank takes the rest: a multiple of b, at most
-    ``most_work - b`` by the anchor condition). Every usable size b is tried, best first.
-    Cost: per size, (min, +) products of length b, a few per type; no array is sized by
-    the batch or by the number of ranks.
+    Pick any rank of the anchor type (all are alike); in any split it runs some size b, with deficit ``gap_b + k * b``.
+    The other ranks must then make up ``deficit - gap_b`` minus a multiple of b, so a split with that size exists
+    exactly when the smallest deficit the others can make in the residue class of ``deficit - gap_b`` modulo b is at
+    most ``deficit - gap_b`` (the anchor rank takes the rest: a multiple of b, at most ``most_work - b`` by the anchor
+    condition). Every usable size b is tried, best first. Cost: per size, (min, +) products of length b, a few per type;
+    no array is sized by the batch or by the number of ranks.
     """
     maxima = [o.most_work for o in options]
     deficit = int(model.counts @ np.array(maxima)) - total
@@ -556,11 +549,10 @@ def _exact_by_residues(
 def _exact_at(model: StageModel, time_s: float, total: int) -> Groups | None:
     """An allocation of exactly `total` samples with every rank busy <= `time_s`, or None (exact).
 
-    Decided from the nearer end (deficit below every rank's most work, or headroom above
-    one sample each): by bitsets when that is within `SMALL_DELTA`; otherwise by residue
-    classes where one rank can take up the remainder (`_residue_anchor`); otherwise the
-    two-level construction is tried (a quick way to find a split, not a proof that there
-    is none), then bitsets.
+    Decided from the nearer end (deficit below every rank's most work, or headroom above one sample each): by bitsets
+    when that is within `SMALL_DELTA`; otherwise by residue classes where one rank can take up the remainder
+    (`_residue_anchor`); otherwise the two-level construction is tried (a quick way to find a split, not a proof that
+    there is none), then bitsets.
     """
     options = [_rank_options(d.step_time_table_s, time_s) for d in model.devices]
     maxima = [o.most_work for o in options]
