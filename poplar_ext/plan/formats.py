@@ -394,10 +394,6 @@ class Cluster:
         return None if info is None else info.emulation
 
 
-def _rank_list(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
-
-
 def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
     """Validate parsed JSON and build a `Cluster`; raises `FormatError`."""
     root = Node(data, source).obj().keys_within(_keys(Cluster))
@@ -461,12 +457,13 @@ def _check_schedule_ranks(cluster: Cluster, types_node: Node) -> None:
         ranks_of_type = [r for r, t in enumerate(rank_types) if t == type_name]
         stray = min(ranks - set(ranks_of_type), default=None)
         if stray is not None:
+            shown = ", ".join(map(str, ranks_of_type[:8])) + (", ..." if len(ranks_of_type) > 8 else "")
             raise (
                 types_node.child(type_name)
                 .child("emulation")
                 .child("slowdown_schedule")
                 .fail(
-                    f"entries whose rank is one of {type_name!r}'s ranks ({_rank_list(ranks_of_type)})",
+                    f"entries whose rank is one of {type_name!r}'s ranks ({shown})",
                     raw_found=f"rank {stray}",
                 )
             )

@@ -147,13 +147,9 @@ NETWORK_DIRECTORY = "network"
 profile directory's own ``*.json`` so that each file there is one device type's profile."""
 
 
-def network_file_name(key: str) -> str:
-    return f"network-{key.split(':')[-1][:12]}.json"
-
-
 def network_path(directory: str | os.PathLike[str], cluster: Cluster) -> Path:
     """Where the network file of `cluster` lives in the profile directory `directory`."""
-    return Path(directory) / NETWORK_DIRECTORY / network_file_name(cluster_key(cluster))
+    return Path(directory) / NETWORK_DIRECTORY / f"network-{cluster_key(cluster).split(':')[-1][:12]}.json"
 
 
 # ----------------------------------------------------------------------------------

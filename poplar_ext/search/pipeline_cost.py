@@ -522,6 +522,7 @@ def evaluate_plan(plan: PipelinePlan, tables: dict[str, LayerTable], links: Link
             optimizer[r] = tables[stage.device_type].optimizer_s(stage.first_layer, stage.last_layer)
         pipeline_times.append(pipeline_time_s(len(costs), m, max(c.time_s for c in costs)))
     finish = all_reduce_finish_s(plan.pipelines, tables, links, world)
+    best = {t: tables[t].best_samples_per_s() for t in set(plan.rank_device_types)}
     boundary = float(np.max(finish + optimizer))
     iteration = max(pipeline_times) + boundary
     return PipelinePrediction(
@@ -540,13 +541,8 @@ def evaluate_plan(plan: PipelinePlan, tables: dict[str, LayerTable], links: Link
         boundary_s=boundary,
         iteration_time_s=iteration,
         samples_per_s=plan.global_batch_size / iteration,
-        ideal_samples_per_s=_ideal_samples_per_s(plan.rank_device_types, tables),
+        ideal_samples_per_s=float(sum(best[t] for t in plan.rank_device_types)),
     )
-
-
-def _ideal_samples_per_s(rank_device_types: Sequence[str], tables: dict[str, LayerTable]) -> float:
-    best = {t: tables[t].best_samples_per_s() for t in set(rank_device_types)}
-    return float(sum(best[t] for t in rank_device_types))
 
 
 def _cost_key(pipeline: Pipeline, prices: tuple[LinkPrice, ...]) -> tuple:

@@ -199,10 +199,6 @@ def _fastest_way(options: PipelineOptions, m: np.ndarray, work: int) -> tuple[in
 # ----------------------------------------------------------------------------------
 # The smallest time
 # ----------------------------------------------------------------------------------
-def _capacity(classes: Sequence[PipelineOptions], time_s: float, global_batch_size: int) -> int:
-    return sum(c.count * c.most_samples(time_s, global_batch_size) for c in classes)
-
-
 def _next_breakpoint(classes: Sequence[PipelineOptions], time_s: float, global_batch_size: int) -> float:
     """The smallest ``(m + S - 1) tau(b)`` above `time_s` with m within the limits (inf when none)."""
     best = math.inf
@@ -232,7 +228,7 @@ def lower_bound_s(classes: Sequence[PipelineOptions], global_batch_size: int) ->
     """T0: the smallest breakpoint at which the pipelines' most samples reach B (inf when none does)."""
 
     def enough(time_s: float) -> bool:
-        return _capacity(classes, time_s, global_batch_size) >= global_batch_size
+        return sum(c.count * c.most_samples(time_s, global_batch_size) for c in classes) >= global_batch_size
 
     listed = _listed_breakpoints(classes, global_batch_size)
     if listed is not None:

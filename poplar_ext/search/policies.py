@@ -30,11 +30,6 @@ micro-steps of every rank at its largest micro-batch."""
 __all__ = ["AUTO_ACCUMULATION_STEPS", "Allocation", "PolicyResult", "allocate", "best_global_batch"]
 
 
-def _default_max_batch(model: StageModel) -> int:
-    # Held to the search's limit: a large cluster of large micro-batches can exceed it.
-    return min(AUTO_ACCUMULATION_STEPS * model.total_max_micro_batch, MAX_GLOBAL_BATCH_SIZE)
-
-
 # ----------------------------------------------------------------------------------
 # uniform
 # ----------------------------------------------------------------------------------
@@ -189,7 +184,9 @@ def best_global_batch(policy: str, model: StageModel, max_global_batch_size: int
     their most samples within a time level, the only batches that leave no rank idle) and the maximum itself.
     """
     _check_policy(policy)
-    max_batch = _default_max_batch(model) if max_global_batch_size is None else max_global_batch_size
+    max_batch = max_global_batch_size
+    if max_batch is None:  # held to the search's limit: a large cluster of large micro-batches can exceed it
+        max_batch = min(AUTO_ACCUMULATION_STEPS * model.total_max_micro_batch, MAX_GLOBAL_BATCH_SIZE)
     reason = batch_problem(model, max_batch)
     if reason:
         return infeasible(reason)
