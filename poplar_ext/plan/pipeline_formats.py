@@ -398,29 +398,3 @@ def any_plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan | PipelineP
 
 def load_any_plan(path: str | os.PathLike[str]) -> Plan | PipelinePlan:
     return any_plan_from_dict(read_json(path), source=str(path))
-
-
-__all__ = [
-    "LAYERS_DIR",
-    "PARALLELISMS",
-    "PIPELINE_ZERO_STAGES",
-    "LayerCost",
-    "LayerProfile",
-    "LayerSample",
-    "Pipeline",
-    "PipelinePlan",
-    "PipelineStage",
-    "any_plan_from_dict",
-    "layer_profile_from_dict",
-    "layer_profile_to_dict",
-    "layer_profiles_dir",
-    "load_any_plan",
-    "load_layer_profile",
-    "load_layer_profiles",
-    "load_pipeline_plan",
-    "pipeline_plan_from_dict",
-    "pipeline_plan_to_dict",
-    "plan_parallelism",
-    "save_layer_profile",
-    "save_pipeline_plan",
-]

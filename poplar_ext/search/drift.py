@@ -199,16 +199,3 @@ def replan_outcome(
             f"minimum gain {100 * min_gain:.0f}%)"
         ),
     )
-
-
-__all__ = [
-    "Replan",
-    "derived_type",
-    "replan",
-    "replan_outcome",
-    "scaled_problem",
-    "scaled_profile",
-    "scaled_ranks",
-    "scaled_types",
-    "with_rank_types",
-]

@@ -123,16 +123,3 @@ def shortfall(states: ModelStates, *, capacity_bytes: int) -> str:
 def gib(num_bytes: float) -> str:
     """`num_bytes` for people: ``12.3 GiB``."""
     return f"{num_bytes / 2**30:.1f} GiB"
-
-
-__all__ = [
-    "DEFAULT_OPTIMIZER_STATE_BYTES",
-    "DTYPE_BYTES",
-    "OPTIMIZER_STATE_BYTES",
-    "ModelStates",
-    "cannot_hold",
-    "gib",
-    "model_states",
-    "optimizer_state_bytes",
-    "shortfall",
-]

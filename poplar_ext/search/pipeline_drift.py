@@ -133,12 +133,3 @@ def recount_pipelines(
     predicted = drifted.predict(recounted).summary
     found = dataclasses.replace(recounted, predicted=predicted)
     return replan_outcome(found=found, current_s=current_s, new_s=predicted.iteration_time_s, min_gain=min_gain)
-
-
-__all__ = [
-    "predict_drifted",
-    "recount_pipelines",
-    "scaled_layer_problem",
-    "scaled_layer_profile",
-    "with_stage_types",
-]

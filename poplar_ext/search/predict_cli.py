@@ -122,6 +122,3 @@ def _links_table(boundaries: tuple[BoundaryTransfer, ...], cluster: Cluster | No
             + [link, "not priced" if bandwidth is None else f"{bandwidth:.4g}", f"{boundary.time_s:.4g}"]
         )
     return "activation transfers per link (forward and back, per iteration):\n" + table(rows)
-
-
-__all__ = ["pipeline_prediction_table", "run_predict", "zero_prediction_table"]
