@@ -40,9 +40,9 @@ from poplar_ext.plan.levers import (
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import PipelinePlan
 
+from .allocation import PolicyResult, infeasible
 from .cost import StageModel, build_stage_model
 from .lever_search import StageOutcome, evaluate_settings, search_levers
-from .policies import PolicyResult
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,8 +166,7 @@ def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants
             # Profiles made in Python skip the file checks; the step-time table has one entry per size.
             raise ValueError(
                 f"profiles[{index}].max_micro_batch_size: expected at most {MAX_MICRO_BATCH_SIZE} (the search's "
-                "limit), "
-                f"found {profile.max_micro_batch_size}"
+                f"limit), found {profile.max_micro_batch_size}"
             )
     if not profiles:
         raise ValueError("profiles: expected at least one profile, found none")
@@ -249,9 +248,7 @@ def _evaluate_stage(
     missing = [t for t in types if t not in profiles]
     if missing:
         return StageOutcome(
-            model=None,
-            outcome=PolicyResult(allocation=None, reason=f"No profile for {', '.join(missing)} at stage {stage}."),
-            levers={},
+            model=None, outcome=infeasible(f"No profile for {', '.join(missing)} at stage {stage}."), levers={}
         )
     variants = {t: profiles[t] for t in types}
     if policy == "poplar" and stage != 3:
@@ -269,15 +266,11 @@ def _evaluate_stage(
         shown = "; ".join(
             f"{t} {'with' if (True, False) in v else 'without'} only" for t, v in variants.items() if len(v) == 1
         )
-        return StageOutcome(
-            model=None,
-            outcome=PolicyResult(
-                allocation=None,
-                reason=f"Stage 3 needs one activation checkpointing setting on every rank, and no setting has a "
-                f"profile of every device type ({shown}).",
-            ),
-            levers={},
+        reason = (
+            "Stage 3 needs one activation checkpointing setting on every rank, and no setting has a profile of every "
+            f"device type ({shown})."
         )
+        return StageOutcome(model=None, outcome=infeasible(reason), levers={})
     return evaluate_settings(
         settings, variants, cluster, stage, policy, global_batch_size, max_global_batch_size, network
     )

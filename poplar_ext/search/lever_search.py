@@ -16,7 +16,7 @@ from poplar_ext.plan.formats import MAX_GLOBAL_BATCH_SIZE, Cluster, Levers
 from poplar_ext.plan.levers import Variants, fits, lever_count, lever_options
 from poplar_ext.plan.network_format import NetworkProfile
 
-from .allocation import PolicyResult, divisors
+from .allocation import PolicyResult, divisors, infeasible
 from .cost import DeviceCost, StageCommunication, StageModel, assemble_stage_model, build_stage_model, device_cost
 from .policies import AUTO_ACCUMULATION_STEPS, allocate, best_global_batch
 from .poplar_independent import (
@@ -90,7 +90,7 @@ def evaluate_settings(
         if too_big:
             if best is None:
                 reason = f"The model does not fit {', '.join(too_big)} at stage {zero_stage} (max_micro_batch_size 0)."
-                best = StageOutcome(model=None, outcome=PolicyResult(allocation=None, reason=reason), levers=setting)
+                best = StageOutcome(model=None, outcome=infeasible(reason), levers=setting)
             continue
         model = build_stage_model(chosen, cluster.rank_device_types, zero_stage, network)
         outcome = run_policy(policy, model, global_batch_size, max_global_batch_size)

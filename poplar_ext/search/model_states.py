@@ -16,16 +16,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes of one parameter (or gradient) in each training dtype."""
 
 OPTIMIZER_STATE_BYTES = {
-    "adam": 8,
-    "adamw": 8,
-    "fusedadam": 8,
-    "cpuadam": 8,
-    "deepspeedcpuadam": 8,
-    "lamb": 8,
-    "fusedlamb": 8,
-    "adagrad": 4,
-    "lion": 4,
-    "sgd": 4,
+    **dict.fromkeys(("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam", "lamb", "fusedlamb"), 8),
+    **dict.fromkeys(("adagrad", "lion", "sgd"), 4),
 }
 """fp32 optimizer state per parameter, by lower-cased optimizer type: Adam's two moments, one
 momentum for the others (SGD counted with momentum)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -475,12 +476,8 @@ def _report(stage: int, outcome: _Outcome, chosen: int, best: PipelinePlan, feas
 
 def layout_summary(plan: PipelinePlan) -> str:
     """``4 pipelines of 2 stages (A100-80GB, V100-16GB)``: the pipelines by their stages' device types."""
-    groups: dict[tuple[str, ...], int] = {}
-    for pipeline in plan.pipelines:
-        key = tuple(stage.device_type for stage in pipeline.stages)
-        groups[key] = groups.get(key, 0) + 1
     parts = []
-    for types, count in groups.items():
+    for types, count in Counter(tuple(stage.device_type for stage in p.stages) for p in plan.pipelines).items():
         runs = []
         for device_type, same in itertools.groupby(types):
             n = len(list(same))

@@ -154,24 +154,29 @@ def _proportional_best(model: StageModel, max_batch: int) -> PolicyResult:
 # ----------------------------------------------------------------------------------
 # The one entry point per question
 # ----------------------------------------------------------------------------------
-def _check_policy(policy: str) -> None:
+_RUN = {  # (exactly a global batch, the best global batch up to a maximum)
+    "uniform": (_uniform, _uniform_best),
+    "proportional": (_proportional, _proportional_best),
+    "poplar synchronised": (poplar_synchronised, poplar_synchronised_best),
+    "poplar independent": (poplar_independent, poplar_independent_best),
+}
+
+
+def _run(policy: str, model: StageModel, batch: int, *, best: bool) -> PolicyResult:
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {', '.join(map(repr, POLICIES))}, found {policy!r}")
+    reason = batch_problem(model, batch)
+    if reason:
+        return infeasible(reason)
+    if policy == "poplar":
+        policy = "poplar synchronised" if model.synchronised_micro_steps else "poplar independent"
+    exactly, best_up_to = _RUN[policy]
+    return (best_up_to if best else exactly)(model, batch)
 
 
 def allocate(policy: str, model: StageModel, global_batch_size: int) -> PolicyResult:
     """Allocate exactly `global_batch_size` samples per iteration with `policy`."""
-    _check_policy(policy)
-    reason = batch_problem(model, global_batch_size)
-    if reason:
-        return infeasible(reason)
-    if policy == "uniform":
-        return _uniform(model, global_batch_size)
-    if policy == "proportional":
-        return _proportional(model, global_batch_size)
-    if model.synchronised_micro_steps:
-        return poplar_synchronised(model, global_batch_size)
-    return poplar_independent(model, global_batch_size)
+    return _run(policy, model, global_batch_size, best=False)
 
 
 def best_global_batch(policy: str, model: StageModel, max_global_batch_size: int | None = None) -> PolicyResult:
@@ -183,17 +188,7 @@ def best_global_batch(policy: str, model: StageModel, max_global_batch_size: int
     proportional shares fit, times the most accumulation steps that fit; ``poplar`` every capacity level (all ranks at
     their most samples within a time level, the only batches that leave no rank idle) and the maximum itself.
     """
-    _check_policy(policy)
     max_batch = max_global_batch_size
     if max_batch is None:  # held to the search's limit: a large cluster of large micro-batches can exceed it
         max_batch = min(AUTO_ACCUMULATION_STEPS * model.total_max_micro_batch, MAX_GLOBAL_BATCH_SIZE)
-    reason = batch_problem(model, max_batch)
-    if reason:
-        return infeasible(reason)
-    if policy == "uniform":
-        return _uniform_best(model, max_batch)
-    if policy == "proportional":
-        return _proportional_best(model, max_batch)
-    if model.synchronised_micro_steps:
-        return poplar_synchronised_best(model, max_batch)
-    return poplar_independent_best(model, max_batch)
+    return _run(policy, model, max_batch, best=True)
