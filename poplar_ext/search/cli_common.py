@@ -120,24 +120,20 @@ def comparison_table(results: dict[str, SearchResult]) -> str:
     for name, result in results.items():
         plan = result.plan
         if plan is None:
-            rows.append([name, "infeasible", "-", "-", "-", "-", "-", result.message])
-            continue
-        predicted = plan.predicted
-        versus = (
-            "-"
-            if name == "poplar" or reference is None
-            else (f"{reference.predicted.samples_per_s / predicted.samples_per_s:.2f}x")
-        )
-        rows.append(
-            [
-                name,
-                "ok",
-                str(plan.zero_stage),
-                str(plan.global_batch_size),
-                f"{predicted.iteration_time_s:.4g}",
-                f"{predicted.samples_per_s:.4g}",
-                f"{100 * predicted.samples_per_s / predicted.ideal_samples_per_s:.1f}%",
-                versus,
-            ]
-        )
+            versus = result.message
+        elif name == "poplar" or reference is None:
+            versus = "-"
+        else:
+            versus = f"{reference.predicted.samples_per_s / plan.predicted.samples_per_s:.2f}x"
+        rows.append(plan_row(name, "ok", plan, versus))
     return table(rows)
+
+
+def plan_row(name: str, status: str, plan: Any, last: str) -> list[str]:
+    """A row of a plan's ZeRO stage, global batch and prediction (`last` closes it); ``infeasible`` for no plan."""
+    if plan is None:
+        return [name, "infeasible", "-", "-", "-", "-", "-", last]
+    p = plan.predicted
+    share = f"{100 * p.samples_per_s / p.ideal_samples_per_s:.1f}%"
+    times = [f"{p.iteration_time_s:.4g}", f"{p.samples_per_s:.4g}", share]
+    return [name, status, str(plan.zero_stage), str(plan.global_batch_size), *times, last]

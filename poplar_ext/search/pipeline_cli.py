@@ -32,6 +32,7 @@ from .cli_common import (
     chosen_network,
     error,
     or_dash,
+    plan_row,
     plan_table,
     rank_span,
     runs,
@@ -143,21 +144,10 @@ def parallelism_table(zero: SearchResult | None, pipeline: SearchResult | None, 
     for name, result in (("zero", zero), ("pipeline", pipeline)):
         if result is None or not result.ok:
             message = "not searched: no global batch" if result is None else result.message
-            rows.append([name, "infeasible", "-", "-", "-", "-", "-", message])
-            continue
-        predicted = result.plan.predicted
-        rows.append(
-            [
-                name,
-                "chosen" if name == chosen else "slower",
-                str(result.plan.zero_stage),
-                str(result.plan.global_batch_size),
-                f"{predicted.iteration_time_s:.4g}",
-                f"{predicted.samples_per_s:.4g}",
-                f"{100 * predicted.samples_per_s / predicted.ideal_samples_per_s:.1f}%",
-                "faster predicted plan" if name == chosen else "",
-            ]
-        )
+            rows.append(plan_row(name, "infeasible", None, message))
+        else:
+            status, note = ("chosen", "faster predicted plan") if name == chosen else ("slower", "")
+            rows.append(plan_row(name, status, result.plan, note))
     return table(rows)
 
 

@@ -121,11 +121,9 @@ class BalancedSplits:
 
     def first_layers(self, size_index: int) -> tuple[int, ...]:
         """Each stage's first layer at ``sizes[size_index]``."""
-        num_layers = self.choices[0].shape[1] - 1 if self.choices else None
-        if num_layers is None:
+        if not self.choices:
             return (0,)
-        firsts = []
-        j = num_layers
+        firsts, j = [], self.choices[0].shape[1] - 1
         for choice in reversed(self.choices):
             j = int(choice[size_index, j])
             firsts.append(j)
