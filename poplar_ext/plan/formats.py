@@ -35,14 +35,8 @@ there: bench/results/mixed_offload)."""
 
 def levers_text(activation_checkpointing: bool, optimizer_offload: bool = False) -> str:
     """`` with activation checkpointing and optimizer offload`` (each only when set; '' for neither)."""
-    used = [
-        name
-        for name, on in (
-            ("activation checkpointing", activation_checkpointing),
-            ("optimizer offload", optimizer_offload),
-        )
-        if on
-    ]
+    names = ("activation checkpointing", "optimizer offload")
+    used = [name for name, on in zip(names, (activation_checkpointing, optimizer_offload)) if on]
     return f" with {' and '.join(used)}" if used else ""
 
 

@@ -217,8 +217,7 @@ def _exact_by_bitsets(model: StageModel, options: list[_RankOptions], time_s: fl
     """`_exact_at` by sumsets of per-rank offsets up to min(deficit, headroom): exact, O(that * log)."""
     maxima = [o.most_work for o in options]
     deficit = int(model.counts @ np.array(maxima)) - total
-    # Per-rank offsets from whichever end is nearer: down from every rank's most work,
-    # or up from one sample each.
+    # Per-rank offsets from whichever end is nearer: down from every rank's most work, or up from one sample each.
     headroom = total - model.world_size
     downward = deficit <= headroom
     target = deficit if downward else headroom
