@@ -480,10 +480,8 @@ class _LeverSearch:
 
     def combo(self, prefix: Combo) -> Combo:
         """The setting with the free types' options `prefix` (the others have one)."""
-        combo = [0] * len(self.types)
-        for d, o in zip(self.free, prefix):
-            combo[d] = o
-        return tuple(combo)
+        chosen = dict(zip(self.free, prefix))
+        return tuple(chosen.get(d, 0) for d in range(len(self.types)))
 
     def after_proven_best(self, prefix: Combo, used: int) -> bool:
         """Whether nothing under a node (the free types' options `prefix`, `used` levers among them) can win:

@@ -169,20 +169,17 @@ def largest_profiled_size(profile: LayerProfile) -> int:
 # ----------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class LinkPrice:
-    """One point-to-point transfer over one link: ``latency_s + bytes x seconds_per_byte``."""
+    """One point-to-point transfer over one link: ``latency_s + bytes x seconds per byte``."""
 
     latency_s: float
     """One ring hop's latency of the fit the link is priced by."""
     bandwidth_bytes_per_s: float | None
     """The link's bandwidth (None: not priced, no network)."""
 
-    @property
-    def seconds_per_byte(self) -> float:
-        return 0.0 if self.bandwidth_bytes_per_s is None else 1.0 / self.bandwidth_bytes_per_s
-
     def transfer_s(self, message_bytes: Any) -> Any:
         """One transfer of `message_bytes` (a number, or an array of them)."""
-        return self.latency_s + message_bytes * self.seconds_per_byte
+        seconds_per_byte = 0.0 if self.bandwidth_bytes_per_s is None else 1.0 / self.bandwidth_bytes_per_s
+        return self.latency_s + message_bytes * seconds_per_byte
 
 
 @dataclass(frozen=True, kw_only=True)
