@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,24 +35,17 @@ there: bench/results/mixed_offload)."""
 
 def levers_text(activation_checkpointing: bool, optimizer_offload: bool = False) -> str:
     """`` with activation checkpointing and optimizer offload`` (each only when set; '' for neither)."""
-    used = [
-        name
-        for name, on in (
-            ("activation checkpointing", activation_checkpointing),
-            ("optimizer offload", optimizer_offload),
-        )
-        if on
-    ]
+    names = ("activation checkpointing", "optimizer offload")
+    used = [name for name, on in zip(names, (activation_checkpointing, optimizer_offload)) if on]
     return f" with {' and '.join(used)}" if used else ""
 
 
 def one_accumulation_count(zero_stage: int) -> bool:
     """Whether every rank must run the same number of micro-steps per iteration at `zero_stage`.
 
-    DeepSpeed reduces gradients on every micro-step at ZeRO stages 2 and 3 (and gathers
-    parameters in every forward at 3): a rank with more micro-steps would wait in a
-    collective no other rank enters. Stages 0 and 1 communicate at the boundary only,
-    so their ranks may differ in accumulation count.
+    DeepSpeed reduces gradients on every micro-step at ZeRO stages 2 and 3 (and gathers parameters in every forward at
+    3): a rank with more micro-steps would wait in a collective no other rank enters. Stages 0 and 1 communicate at the
+    boundary only, so their ranks may differ in accumulation count.
     """
     return zero_stage >= 2
 
@@ -119,10 +113,9 @@ class Emulation:
     memory_capacity_bytes: int
     """The memory the emulated device pretends to have."""
     slowdown_schedule: tuple[tuple[int, float, int | None], ...] = ()
-    """Drift during training: ``(optimizer_step, slowdown, rank)`` entries (JSON: ``[step, slowdown]``
-    for every rank of the type, ``[step, slowdown, rank]`` for one rank of it); from that optimizer
-    step on the rank runs at that slowdown instead of `slowdown` (see
-    `poplar_ext.hardware.emulation.scheduled_slowdown`). Empty: constant."""
+    """Drift during training: ``(optimizer_step, slowdown, rank)`` entries (JSON: ``[step, slowdown]`` for every rank of
+    the type, ``[step, slowdown, rank]`` for one rank of it); from that optimizer step on the rank runs at that slowdown
+    instead of `slowdown` (see `poplar_ext.hardware.emulation.scheduled_slowdown`). Empty: constant."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,9 +153,8 @@ class Profile:
     """Measured with activation checkpointing (each block's activations recomputed in
     backward instead of kept): slower micro-steps, larger micro-batches fit."""
     optimizer_offload: bool = False
-    """Measured with the optimizer offloaded to the host (DeepSpeed's
-    ``zero_optimization.offload_optimizer``; ZeRO stages 1-2 only): the optimizer state
-    and fp32 master weights leave the device, the boundary takes longer."""
+    """Measured with the optimizer offloaded to the host (DeepSpeed's ``zero_optimization.offload_optimizer``; ZeRO
+    stages 1-2 only): the optimizer state and fp32 master weights leave the device, the boundary takes longer."""
     included_communication: IncludedCommunication | None = None
     """The communication its times hold, priced at profiling (None: priced from the job's network file,
     which is right only where the profile was measured over the same network)."""
@@ -248,19 +240,11 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
     """Validate parsed JSON and build a `Profile`; raises `FormatError`."""
     root = Node(data, source).obj().keys_within(_keys(Profile))
     _check_schema_version(root, PROFILE_SCHEMA_VERSION)
-    m = root.field("model").obj().keys_within(_keys(ModelInfo))
-    seq = m.optional("sequence_length")
-    model = ModelInfo(
-        name=m.field("name").string(),
-        fingerprint=m.field("fingerprint").string(),
-        num_parameters=m.field("num_parameters").integer(minimum=1, maximum=MAX_BYTES),
-        dtype=m.field("dtype").string(choices=DTYPES),
-        sequence_length=None if seq is None else seq.integer(minimum=1, maximum=MAX_BYTES),
-    )
+    model = _model_info(root.field("model"))
     max_mbs_node = root.field("max_micro_batch_size")
     max_mbs = max_mbs_node.integer(minimum=0, maximum=MAX_MICRO_BATCH_SIZE)
-    samples: list[Sample] = []
     sample_nodes = root.field("samples").items(min_length=0 if max_mbs == 0 else 1)
+    samples: list[Sample] = []
     for node in sample_nodes:
         node.obj().keys_within(_keys(Sample))
         samples.append(
@@ -270,21 +254,11 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
                 peak_memory_bytes=node.field("peak_memory_bytes").integer(minimum=1, maximum=MAX_BYTES),
             )
         )
-    # Sizes must be strictly increasing: the curve fit relies on it and a duplicate
-    # size means two measurements were merged wrongly upstream.
-    for i in range(1, len(samples)):
-        if samples[i].micro_batch_size <= samples[i - 1].micro_batch_size:
-            raise (
-                sample_nodes[i]
-                .field("micro_batch_size")
-                .fail(f"a micro_batch_size larger than the previous sample's ({samples[i - 1].micro_batch_size})")
-            )
+    _check_increasing(sample_nodes, [s.micro_batch_size for s in samples])
     if samples and samples[-1].micro_batch_size > max_mbs:
         raise max_mbs_node.fail(f"at least the largest sampled micro_batch_size ({samples[-1].micro_batch_size})")
     emulated_node = root.optional("emulated")
-    # Free-form provenance, but JSON that the fingerprint can hash.
-    provenance = root.field("measured_with").obj().within_depth(MAX_JSON_DEPTH)
-    provenance.field("source").string(choices=PROFILE_SOURCES)
+    provenance = _measured_with(root)
     zero_stage = root.field("zero_stage").integer(minimum=0, maximum=3)
     return Profile(
         device_type=root.field("device_type").string(),
@@ -296,11 +270,46 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
         samples=tuple(samples),
         optimizer_step_time_s=root.field("optimizer_step_time_s").number(minimum=0.0, maximum=MAX_TIME_S),
         emulated=None if emulated_node is None else _parse_emulation(emulated_node.obj()),
-        measured_with=dict(provenance.value),
+        measured_with=provenance,
         activation_checkpointing=_optional_boolean(root, "activation_checkpointing"),
         optimizer_offload=_offload(root, zero_stage),
         included_communication=_included_communication(root.optional("included_communication")),
     )
+
+
+def _check_increasing(nodes: list[Node], sizes: list[int], *, show_previous: bool = True) -> None:
+    """Sample sizes strictly increasing: the curve fit relies on it, and a duplicate size means two
+    measurements were merged wrongly upstream."""
+    for node, size, previous in zip(nodes[1:], sizes[1:], sizes):
+        if size <= previous:
+            shown = f" ({previous})" if show_previous else ""
+            raise node.field("micro_batch_size").fail(f"a micro_batch_size larger than the previous sample's{shown}")
+
+
+def _model_info(node: Node) -> ModelInfo:
+    """The ``model`` object of a profile or a layer profile."""
+    node.obj().keys_within(_keys(ModelInfo))
+    seq = node.optional("sequence_length")
+    return ModelInfo(
+        name=node.field("name").string(),
+        fingerprint=node.field("fingerprint").string(),
+        num_parameters=node.field("num_parameters").integer(minimum=1, maximum=MAX_BYTES),
+        dtype=node.field("dtype").string(choices=DTYPES),
+        sequence_length=None if seq is None else seq.integer(minimum=1, maximum=MAX_BYTES),
+    )
+
+
+def _measured_with(root: Node) -> dict[str, Any]:
+    """``measured_with``: free-form provenance with a ``source``, but JSON that the fingerprint can hash."""
+    provenance = root.field("measured_with").obj().within_depth(MAX_JSON_DEPTH)
+    provenance.field("source").string(choices=PROFILE_SOURCES)
+    return dict(provenance.value)
+
+
+def _prediction(node: Node) -> Prediction:
+    """The ``predicted`` object of a plan or a pipeline plan."""
+    node.obj().keys_within(_keys(Prediction))
+    return Prediction(**{key: node.field(key).number(positive=True) for key in _keys(Prediction)})
 
 
 def _included_communication(node: Node | None) -> IncludedCommunication | None:
@@ -371,19 +380,12 @@ class Cluster:
 
     def type_counts(self) -> dict[str, int]:
         """Number of ranks of each device type, in order of first appearance."""
-        counts: dict[str, int] = {}
-        for device_type in self.rank_device_types:
-            counts[device_type] = counts.get(device_type, 0) + 1
-        return counts
+        return dict(Counter(self.rank_device_types))
 
     def emulation_of(self, device_type: str) -> Emulation | None:
         """The emulation declared for `device_type`, or None when it is real."""
         info = self.device_types.get(device_type)
         return None if info is None else info.emulation
-
-
-def _rank_list(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
 
 
 def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
@@ -440,23 +442,22 @@ def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
 
 def _check_schedule_ranks(cluster: Cluster, types_node: Node) -> None:
     """A ``slowdown_schedule`` entry for one rank must name a rank of its device type."""
-    rank_types: tuple[str, ...] | None = None
+    rank_types = cluster.rank_device_types
     for type_name, info in cluster.device_types.items():
-        ranks = {
-            rank for _, _, rank in (info.emulation.slowdown_schedule if info.emulation else ()) if rank is not None
-        }
+        schedule = info.emulation.slowdown_schedule if info.emulation else ()
+        ranks = {rank for _, _, rank in schedule if rank is not None}
         if not ranks:
             continue
-        rank_types = rank_types or cluster.rank_device_types
         ranks_of_type = [r for r, t in enumerate(rank_types) if t == type_name]
         stray = min(ranks - set(ranks_of_type), default=None)
         if stray is not None:
+            shown = ", ".join(map(str, ranks_of_type[:8])) + (", ..." if len(ranks_of_type) > 8 else "")
             raise (
                 types_node.child(type_name)
                 .child("emulation")
                 .child("slowdown_schedule")
                 .fail(
-                    f"entries whose rank is one of {type_name!r}'s ranks ({_rank_list(ranks_of_type)})",
+                    f"entries whose rank is one of {type_name!r}'s ranks ({shown})",
                     raw_found=f"rank {stray}",
                 )
             )
@@ -543,9 +544,8 @@ class Plan:
 def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
     """Validate parsed JSON and build a `Plan`; raises `FormatError`.
 
-    Checks the plan's own consistency (ranks numbered 0..N-1 in order, samples sum
-    to the global batch). Whether it suits a given stage, cluster and device memory
-    is checked where those are known (`search.check_plan`, the runtime).
+    Checks the plan's own consistency (ranks numbered 0..N-1 in order, samples sum to the global batch). Whether it
+    suits a given stage, cluster and device memory is checked where those are known (`search.check_plan`, the runtime).
     """
     root = Node(data, source).obj()
     parallelism = root.optional("parallelism")
@@ -578,19 +578,15 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
     total = sum(r.samples_per_iteration for r in ranks)
     if total != global_batch_size:
         raise gbs_node.fail(f"the sum over ranks of micro_batch_size * gradient_accumulation_steps ({total})")
-    p = root.field("predicted").obj().keys_within(_keys(Prediction))
-    fingerprints = {name: node.string() for name, node in root.field("profile_fingerprints").entries()}
+    predicted = root.field("predicted").obj().keys_within(_keys(Prediction))
+    profile_fingerprints = _fingerprints(root)
     return Plan(
         policy=root.field("policy").string(choices=POLICIES),
         zero_stage=zero_stage,
         global_batch_size=global_batch_size,
         ranks=tuple(ranks),
-        predicted=Prediction(
-            iteration_time_s=p.field("iteration_time_s").number(positive=True),
-            samples_per_s=p.field("samples_per_s").number(positive=True),
-            ideal_samples_per_s=p.field("ideal_samples_per_s").number(positive=True),
-        ),
-        profile_fingerprints=fingerprints,
+        predicted=_prediction(predicted),
+        profile_fingerprints=profile_fingerprints,
         calibration=_calibration(root.optional("calibration")),
     )
 
@@ -612,6 +608,11 @@ def _calibration(node: Node | None) -> dict[str, dict[str, Any]]:
             "sizes": [size.integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE) for size in entry.field("sizes").items()],
         }
     return checks
+
+
+def _fingerprints(root: Node) -> dict[str, str]:
+    """``profile_fingerprints``: device type -> the fingerprint of the profile a plan was made from."""
+    return {name: node.string() for name, node in root.field("profile_fingerprints").entries()}
 
 
 def _optional_boolean(node: Node, key: str) -> bool:
@@ -666,6 +667,11 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     return data
 
 
+def json_ready(data: dict[str, Any]) -> dict[str, Any]:
+    """Tuples as lists: the dict equals what reading its JSON gives."""
+    return json.loads(json.dumps(data))
+
+
 def write_text_atomic(text: str, path: str | os.PathLike[str]) -> None:
     """Write `text` so that the file is either complete or untouched (temp file + rename)."""
     path = Path(path)
@@ -702,11 +708,8 @@ def is_cluster_or_plan(data: Any) -> bool:
 def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
     """Load every ``*.json`` profile directly in `directory` (sorted by file name).
 
-    Two files for the same (device type, ZeRO stage, activation checkpointing, model
-    fingerprint) are an error:
-    silently picking one would make plans depend on file-name order. A cluster
-    description (top-level ``nodes``) or a plan (top-level ``ranks``) kept next to the
-    profiles is skipped, so one directory can hold a whole example.
+    Two files for the same `Profile.key` and model are an error (plans must not depend on file-name order);
+    clusters, plans and network files kept beside the profiles are skipped (`is_cluster_or_plan`).
     """
     directory = Path(directory)
     if not directory.is_dir():

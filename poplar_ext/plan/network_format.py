@@ -6,6 +6,7 @@ the measuring `poplar_ext.profiler.network`'s. See profiles/README.md ("Network 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,11 @@ from poplar_ext.plan.formats import (
     MAX_WORLD_SIZE,
     PROFILE_SOURCES,
     Cluster,
+    _check_schema_version,
+    _keys,
     cluster_to_dict,
     content_fingerprint,
+    json_ready,
     read_json,
     write_json_atomic,
 )
@@ -99,9 +103,16 @@ class NetworkProfile:
 
     def time_s(self, collective: str, message_bytes: float, world_size: int) -> float:
         """Predicted time of one `collective` of `message_bytes` over `world_size` ranks."""
-        fit = self.collectives[collective]
-        hops, volume = ring_factors(collective, world_size)
-        return hops * fit.latency_s + volume * message_bytes / fit.bus_bandwidth_bytes_per_s
+        return ring_time_s(self.collectives[collective], collective, message_bytes, world_size)
+
+
+def ring_time_s(
+    fit: CollectiveFit, collective: str, message_bytes: float, world_size: int, bandwidth: float | None = None
+) -> float:
+    """The ring model's time of `collective` by `fit`, at `bandwidth` (bytes/s) where given: a slower link."""
+    hops, volume = ring_factors(collective, world_size)
+    bandwidth = fit.bus_bandwidth_bytes_per_s if bandwidth is None else bandwidth
+    return hops * fit.latency_s + volume * message_bytes / bandwidth
 
 
 def ring_factors(collective: str, world_size: int) -> tuple[int, float]:
@@ -136,60 +147,33 @@ NETWORK_DIRECTORY = "network"
 profile directory's own ``*.json`` so that each file there is one device type's profile."""
 
 
-def network_file_name(key: str) -> str:
-    return f"network-{key.split(':')[-1][:12]}.json"
-
-
 def network_path(directory: str | os.PathLike[str], cluster: Cluster) -> Path:
     """Where the network file of `cluster` lives in the profile directory `directory`."""
-    return Path(directory) / NETWORK_DIRECTORY / network_file_name(cluster_key(cluster))
+    return Path(directory) / NETWORK_DIRECTORY / f"network-{cluster_key(cluster).split(':')[-1][:12]}.json"
 
 
 # ----------------------------------------------------------------------------------
 # JSON
 # ----------------------------------------------------------------------------------
-def _fits_to_dict(collectives: dict[str, CollectiveFit]) -> dict[str, Any]:
-    return {
-        name: {
-            "latency_s": fit.latency_s,
-            "bus_bandwidth_bytes_per_s": fit.bus_bandwidth_bytes_per_s,
-            "samples": [{"message_bytes": s.message_bytes, "time_s": s.time_s} for s in fit.samples],
-        }
-        for name, fit in collectives.items()
-    }
-
-
 def network_to_dict(network: NetworkProfile) -> dict[str, Any]:
-    data = {
-        "schema_version": network.schema_version,
-        "kind": NETWORK_KIND,
-        "cluster_key": network.cluster_key,
-        "world_size": network.world_size,
-        "num_nodes": network.num_nodes,
-        "backend": network.backend,
-        "collectives": _fits_to_dict(network.collectives),
-        "measured_with": network.measured_with,
-    }
-    if network.scopes:
-        data["scopes"] = {
-            name: {"group_size": scope.group_size, "collectives": _fits_to_dict(scope.collectives)}
-            for name, scope in network.scopes.items()
-        }
-    return data
+    data = json_ready(dataclasses.asdict(network))
+    if not network.scopes:
+        del data["scopes"]  # a one-node file is written as before scopes existed
+    return {"schema_version": data.pop("schema_version"), "kind": NETWORK_KIND, **data}
 
 
 def _parse_fits(node: Node) -> dict[str, CollectiveFit]:
     collectives_node = node.obj().keys_within(COLLECTIVES)
     collectives = {}
     for name in COLLECTIVES:
-        fit_node = collectives_node.field(name).obj().keys_within(("latency_s", "bus_bandwidth_bytes_per_s", "samples"))
+        fit_node = collectives_node.field(name).obj().keys_within(_keys(CollectiveFit))
         samples_node = fit_node.optional("samples")
         samples = ()
         if samples_node is not None:
             samples = tuple(
                 CollectiveSample(
                     message_bytes=item.obj()
-                    .keys_within(("message_bytes", "time_s"))
+                    .keys_within(_keys(CollectiveSample))
                     .field("message_bytes")
                     .integer(minimum=1, maximum=MAX_BYTES),
                     time_s=item.field("time_s").number(positive=True, maximum=MAX_TIME_S),
@@ -208,26 +192,8 @@ def _parse_fits(node: Node) -> dict[str, CollectiveFit]:
 
 def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile:
     """Validate parsed JSON and build a `NetworkProfile`; raises `FormatError`."""
-    root = (
-        Node(data, source)
-        .obj()
-        .keys_within(
-            (
-                "schema_version",
-                "kind",
-                "cluster_key",
-                "world_size",
-                "num_nodes",
-                "backend",
-                "collectives",
-                "measured_with",
-                "scopes",
-            )
-        )
-    )
-    version = root.field("schema_version")
-    if isinstance(version.value, bool) or version.value != NETWORK_SCHEMA_VERSION:
-        raise version.fail(f"schema_version {NETWORK_SCHEMA_VERSION}")
+    root = Node(data, source).obj().keys_within((*_keys(NetworkProfile), "kind"))
+    _check_schema_version(root, NETWORK_SCHEMA_VERSION)
     root.field("kind").string(choices=(NETWORK_KIND,))
     collectives = _parse_fits(root.field("collectives"))
     scopes = {}
@@ -235,7 +201,7 @@ def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile
     if scopes_node is not None:
         scopes_node.obj().keys_within(SCOPES)
         for name, scope_node in scopes_node.entries():
-            scope_node.obj().keys_within(("group_size", "collectives"))
+            scope_node.obj().keys_within(_keys(NetworkScope))
             scopes[name] = NetworkScope(
                 group_size=scope_node.field("group_size").integer(minimum=2, maximum=MAX_WORLD_SIZE),
                 collectives=_parse_fits(scope_node.field("collectives")),

@@ -6,7 +6,6 @@ See profiles/README.md ("Layer profile", "Pipeline plan") and docs/pipeline.md.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,7 +13,6 @@ from typing import Any
 
 from .errors import FormatError
 from .formats import (
-    DTYPES,
     MAX_BYTES,
     MAX_GLOBAL_BATCH_SIZE,
     MAX_MICRO_BATCH_SIZE,
@@ -22,18 +20,26 @@ from .formats import (
     MAX_WORLD_SIZE,
     MIN_TIME_S,
     POLICIES,
-    PROFILE_SOURCES,
     Emulation,
     ModelInfo,
     Plan,
     Prediction,
+    _check_increasing,
+    _fingerprints,
+    _keys,
+    _measured_with,
+    _model_info,
+    _optional_boolean,
+    _parse_emulation,
+    _prediction,
     content_fingerprint,
     emulation_to_dict,
+    json_ready,
     plan_from_dict,
     read_json,
     write_json_atomic,
 )
-from .validation import MAX_JSON_DEPTH, Node
+from .validation import Node
 
 LAYER_PROFILE_SCHEMA_VERSION = 1
 PIPELINE_PLAN_SCHEMA_VERSION = 1
@@ -44,6 +50,12 @@ PIPELINE_ZERO_STAGES = (0, 1)
 LAYERS_DIR = "layers"
 """Where a profile directory keeps its layer profiles."""
 MAX_LAYERS = 100_000
+
+
+def _check_version(root: Node, expected: int) -> None:
+    version = root.field("schema_version")
+    if version.integer() != expected:
+        raise version.fail(f"schema_version {expected}")
 
 
 def _pipeline_zero_stage(node: Node) -> int:
@@ -118,23 +130,21 @@ class LayerProfile:
 
 
 def _layer_from_node(node: Node, index: int) -> LayerCost:
-    node.obj().keys_within(tuple(LayerCost.__dataclass_fields__))
+    node.obj().keys_within(_keys(LayerCost))
     index_node = node.field("index")
     if index_node.integer(minimum=0) != index:
         raise index_node.fail(f"{index} (layers listed in order from 0)")
     samples = []
     sample_nodes = node.field("samples").items(min_length=1)
     for sample_node in sample_nodes:
-        sample_node.obj().keys_within(tuple(LayerSample.__dataclass_fields__))
+        sample_node.obj().keys_within(_keys(LayerSample))
         samples.append(
             LayerSample(
                 micro_batch_size=sample_node.field("micro_batch_size").integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
                 step_time_s=sample_node.field("step_time_s").number(minimum=MIN_TIME_S, maximum=MAX_TIME_S),
             )
         )
-    for i in range(1, len(samples)):
-        if samples[i].micro_batch_size <= samples[i - 1].micro_batch_size:
-            raise sample_nodes[i].field("micro_batch_size").fail("a micro_batch_size larger than the previous sample's")
+    _check_increasing(sample_nodes, [s.micro_batch_size for s in samples], show_previous=False)
 
     def size(key: str) -> int:
         return node.field(key).integer(minimum=0, maximum=MAX_BYTES)
@@ -153,24 +163,11 @@ def _layer_from_node(node: Node, index: int) -> LayerCost:
 
 def layer_profile_from_dict(data: Any, *, source: str = "<layer profile>") -> LayerProfile:
     """Validate parsed JSON and build a `LayerProfile`; raises `FormatError`."""
-    from .formats import _keys, _parse_emulation
-
     root = Node(data, source).obj().keys_within(_keys(LayerProfile))
-    version = root.field("schema_version")
-    if version.integer() != LAYER_PROFILE_SCHEMA_VERSION:
-        raise version.fail(f"schema_version {LAYER_PROFILE_SCHEMA_VERSION}")
-    m = root.field("model").obj().keys_within(_keys(ModelInfo))
-    seq = m.optional("sequence_length")
-    model = ModelInfo(
-        name=m.field("name").string(),
-        fingerprint=m.field("fingerprint").string(),
-        num_parameters=m.field("num_parameters").integer(minimum=1, maximum=MAX_BYTES),
-        dtype=m.field("dtype").string(choices=DTYPES),
-        sequence_length=None if seq is None else seq.integer(minimum=1, maximum=MAX_BYTES),
-    )
+    _check_version(root, LAYER_PROFILE_SCHEMA_VERSION)
+    model = _model_info(root.field("model"))
     layer_nodes = root.field("layers").items(min_length=1, max_length=MAX_LAYERS)
-    provenance = root.field("measured_with").obj().within_depth(MAX_JSON_DEPTH)
-    provenance.field("source").string(choices=PROFILE_SOURCES)
+    provenance = _measured_with(root)
     emulated = root.optional("emulated")
     return LayerProfile(
         device_type=root.field("device_type").string(),
@@ -180,17 +177,12 @@ def layer_profile_from_dict(data: Any, *, source: str = "<layer profile>") -> La
         layers=tuple(_layer_from_node(node, i) for i, node in enumerate(layer_nodes)),
         base_memory_bytes=root.field("base_memory_bytes").integer(minimum=0, maximum=MAX_BYTES),
         emulated=None if emulated is None else _parse_emulation(emulated.obj()),
-        measured_with=dict(provenance.value),
+        measured_with=provenance,
     )
 
 
-def _json_ready(data: dict[str, Any]) -> dict[str, Any]:
-    """Tuples as lists: the dict equals what reading its JSON gives."""
-    return json.loads(json.dumps(data))
-
-
 def layer_profile_to_dict(profile: LayerProfile) -> dict[str, Any]:
-    data = _json_ready(asdict(profile))
+    data = json_ready(asdict(profile))
     data["emulated"] = None if profile.emulated is None else emulation_to_dict(profile.emulated)
     if data["emulated"] is None:
         del data["emulated"]
@@ -299,24 +291,23 @@ class PipelinePlan:
 
 
 def _stage_from_node(node: Node, num_layers: int) -> PipelineStage:
-    node.obj().keys_within(tuple(PipelineStage.__dataclass_fields__))
+    node.obj().keys_within(_keys(PipelineStage))
     first = node.field("first_layer").integer(minimum=0, maximum=num_layers - 1)
     last_node = node.field("last_layer")
     last = last_node.integer(minimum=0, maximum=num_layers - 1)
     if last < first:
         raise last_node.fail(f"a layer at or after first_layer ({first})")
-    checkpointing = node.optional("activation_checkpointing")
     return PipelineStage(
         rank=node.field("rank").integer(minimum=0, maximum=MAX_WORLD_SIZE - 1),
         device_type=node.field("device_type").string(),
         first_layer=first,
         last_layer=last,
-        activation_checkpointing=False if checkpointing is None else checkpointing.boolean(),
+        activation_checkpointing=_optional_boolean(node, "activation_checkpointing"),
     )
 
 
 def _pipeline_from_node(node: Node, num_layers: int) -> Pipeline:
-    node.obj().keys_within(tuple(Pipeline.__dataclass_fields__))
+    node.obj().keys_within(_keys(Pipeline))
     stage_nodes = node.field("stages").items(min_length=1, max_length=num_layers)
     stages = tuple(_stage_from_node(n, num_layers) for n in stage_nodes)
     expected_first = 0
@@ -338,17 +329,12 @@ def _pipeline_from_node(node: Node, num_layers: int) -> Pipeline:
 def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> PipelinePlan:
     """Validate parsed JSON and build a `PipelinePlan`; raises `FormatError`.
 
-    Checks the plan's own consistency: every rank 0..N-1 in exactly one stage, each
-    pipeline's stages covering the layers in order, the global batch the pipelines' sum,
-    ZeRO stage 0 or 1. Whether it suits a cluster and the devices' memory is checked where
-    those are known (`poplar_ext.search.pipeline_search.check_pipeline_plan`, the runtime).
+    Checks the plan's own consistency: every rank 0..N-1 in exactly one stage, each pipeline's stages covering the
+    layers in order, the global batch the pipelines' sum, ZeRO stage 0 or 1. Whether it suits a cluster and the devices'
+    memory is checked where those are known (`poplar_ext.search.pipeline_search.check_pipeline_plan`, the runtime).
     """
-    from .formats import _keys
-
     root = Node(data, source).obj().keys_within(_keys(PipelinePlan))
-    version = root.field("schema_version")
-    if version.integer() != PIPELINE_PLAN_SCHEMA_VERSION:
-        raise version.fail(f"schema_version {PIPELINE_PLAN_SCHEMA_VERSION}")
+    _check_version(root, PIPELINE_PLAN_SCHEMA_VERSION)
     root.field("parallelism").string(choices=("pipeline",))
     num_layers = root.field("num_layers").integer(minimum=1, maximum=MAX_LAYERS)
     pipeline_nodes = root.field("pipelines").items(min_length=1, max_length=MAX_WORLD_SIZE)
@@ -366,24 +352,20 @@ def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> Pi
     total = sum(p.samples_per_iteration for p in pipelines)
     if total != global_batch_size:
         raise gbs_node.fail(f"the sum over pipelines of micro_batch_size * num_micro_batches ({total})")
-    p = root.field("predicted").obj().keys_within(_keys(Prediction))
+    predicted = root.field("predicted").obj().keys_within(_keys(Prediction))
     return PipelinePlan(
         policy=root.field("policy").string(choices=POLICIES),
         zero_stage=_pipeline_zero_stage(root.field("zero_stage")),
         global_batch_size=global_batch_size,
         num_layers=num_layers,
         pipelines=pipelines,
-        predicted=Prediction(
-            iteration_time_s=p.field("iteration_time_s").number(positive=True),
-            samples_per_s=p.field("samples_per_s").number(positive=True),
-            ideal_samples_per_s=p.field("ideal_samples_per_s").number(positive=True),
-        ),
-        profile_fingerprints={name: n.string() for name, n in root.field("profile_fingerprints").entries()},
+        predicted=_prediction(predicted),
+        profile_fingerprints=_fingerprints(root),
     )
 
 
 def pipeline_plan_to_dict(plan: PipelinePlan) -> dict[str, Any]:
-    data = _json_ready(asdict(plan))
+    data = json_ready(asdict(plan))
     # Only where true: a plan that checkpoints nothing is written as before the field existed.
     for pipeline in data["pipelines"]:
         for stage in pipeline["stages"]:
@@ -416,29 +398,3 @@ def any_plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan | PipelineP
 
 def load_any_plan(path: str | os.PathLike[str]) -> Plan | PipelinePlan:
     return any_plan_from_dict(read_json(path), source=str(path))
-
-
-__all__ = [
-    "LAYERS_DIR",
-    "PARALLELISMS",
-    "PIPELINE_ZERO_STAGES",
-    "LayerCost",
-    "LayerProfile",
-    "LayerSample",
-    "Pipeline",
-    "PipelinePlan",
-    "PipelineStage",
-    "any_plan_from_dict",
-    "layer_profile_from_dict",
-    "layer_profile_to_dict",
-    "layer_profiles_dir",
-    "load_any_plan",
-    "load_layer_profile",
-    "load_layer_profiles",
-    "load_pipeline_plan",
-    "pipeline_plan_from_dict",
-    "pipeline_plan_to_dict",
-    "plan_parallelism",
-    "save_layer_profile",
-    "save_pipeline_plan",
-]

@@ -1,8 +1,8 @@
 """The search's public entry points: `search_plan`, `check_plan`, `predict`.
 
-`search_plan` picks the ZeRO stage (or uses the one given) and the global batch (or
-uses the one given), runs one allocation policy, and returns a `SearchResult` whose
-status is ``ok`` or ``infeasible``; it raises only for bad input (`ValueError`).
+`search_plan` picks the ZeRO stage (or uses the one given) and the global batch (or uses the one given), runs one
+allocation policy, and returns a `SearchResult` whose status is ``ok`` or ``infeasible``; it raises only for bad input
+(`ValueError`).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from poplar_ext.plan.levers import (
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import PipelinePlan
 
+from .allocation import PolicyResult, infeasible
 from .cost import StageModel, build_stage_model
 from .lever_search import StageOutcome, evaluate_settings, search_levers
-from .policies import PolicyResult
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,11 +74,30 @@ class StageReport:
             reason=reason,
         )
 
+    @classmethod
+    def feasible(
+        cls, zero_stage: int, chosen: int, chosen_reason: str, best_samples_per_s: float, predicted, batch: int
+    ) -> StageReport:
+        """A stage whose best plan (`predicted` time and samples/s, global `batch`) is the chosen one or slower."""
+        if zero_stage == chosen:
+            status, reason = "chosen", chosen_reason
+        else:
+            slower = 100.0 * (1.0 - predicted.samples_per_s / best_samples_per_s)
+            status, reason = "slower", f"{slower:.1f}% lower predicted throughput than stage {chosen}."
+        return cls(
+            zero_stage=zero_stage,
+            status=status,
+            iteration_time_s=predicted.iteration_time_s,
+            samples_per_s=predicted.samples_per_s,
+            global_batch_size=batch,
+            reason=reason,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class SearchResult:
-    """The outcome of a search, ZeRO (`search_plan`) or pipelines (`search_pipeline_plan`): a plan, or the
-    reason there is none."""
+    """The outcome of a search, ZeRO (`search_plan`) or pipelines (`search_pipeline_plan`): a plan, or the reason there
+    is none."""
 
     status: str
     """``ok`` or ``infeasible``."""
@@ -95,8 +114,8 @@ class SearchResult:
     parallelism: str = "zero"
     """``zero`` (every rank holds the model) or ``pipeline`` (pipelines of stages side by side)."""
     method: str = "exact"
-    """``exact`` or ``heuristic``: how the chosen stage was searched (the ZeRO search is exact; the pipeline
-    search is exact for small clusters, `poplar_ext.search.pipeline_search`)."""
+    """``exact`` or ``heuristic``: how the chosen stage was searched (the ZeRO search is exact; the pipeline search is
+    exact for small clusters, `poplar_ext.search.pipeline_search`)."""
     layouts_evaluated: int | None = None
     """Pipelines only: the layouts of ranks into pipelines the chosen stage's search considered."""
 
@@ -147,8 +166,7 @@ def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants
             # Profiles made in Python skip the file checks; the step-time table has one entry per size.
             raise ValueError(
                 f"profiles[{index}].max_micro_batch_size: expected at most {MAX_MICRO_BATCH_SIZE} (the search's "
-                "limit), "
-                f"found {profile.max_micro_batch_size}"
+                f"limit), found {profile.max_micro_batch_size}"
             )
     if not profiles:
         raise ValueError("profiles: expected at least one profile, found none")
@@ -230,9 +248,7 @@ def _evaluate_stage(
     missing = [t for t in types if t not in profiles]
     if missing:
         return StageOutcome(
-            model=None,
-            outcome=PolicyResult(allocation=None, reason=f"No profile for {', '.join(missing)} at stage {stage}."),
-            levers={},
+            model=None, outcome=infeasible(f"No profile for {', '.join(missing)} at stage {stage}."), levers={}
         )
     variants = {t: profiles[t] for t in types}
     if policy == "poplar" and stage != 3:
@@ -250,15 +266,11 @@ def _evaluate_stage(
         shown = "; ".join(
             f"{t} {'with' if (True, False) in v else 'without'} only" for t, v in variants.items() if len(v) == 1
         )
-        return StageOutcome(
-            model=None,
-            outcome=PolicyResult(
-                allocation=None,
-                reason=f"Stage 3 needs one activation checkpointing setting on every rank, and no setting has a "
-                f"profile of every device type ({shown}).",
-            ),
-            levers={},
+        reason = (
+            "Stage 3 needs one activation checkpointing setting on every rank, and no setting has a profile of every "
+            f"device type ({shown})."
         )
+        return StageOutcome(model=None, outcome=infeasible(reason), levers={})
     return evaluate_settings(
         settings, variants, cluster, stage, policy, global_batch_size, max_global_batch_size, network
     )
@@ -298,17 +310,13 @@ def _world_size_note(model: StageModel, world_size: int) -> str:
     sizes = sorted({d.profile.world_size for d in model.devices})
     if sizes == [world_size]:
         return ""
+    note = f" Profiles were taken at world size {', '.join(map(str, sizes))}, the cluster has {world_size} ranks: "
     if model.communication is not None:
-        shown = ", ".join(map(str, sizes))
-        return (
-            f" Profiles were taken at world size {shown}, the cluster has {world_size} ranks: communication and "
-            "the optimizer step are predicted for it from the network model; memory caps are used as measured."
+        return note + (
+            "communication and the optimizer step are predicted for it from the network model; memory caps are used "
+            "as measured."
         )
-    shown = ", ".join(map(str, sizes))
-    return (
-        f" Profiles were taken at world size {shown}, the cluster has {world_size} ranks: their memory caps "
-        "and boundary times are used as measured."
-    )
+    return note + "their memory caps and boundary times are used as measured."
 
 
 def search_plan(
@@ -321,32 +329,19 @@ def search_plan(
     max_global_batch_size: int | None = None,
     network: NetworkProfile | None = None,
 ) -> SearchResult:
-    """Search per-rank micro-batches and accumulation counts for `cluster`.
+    """Per-rank micro-batches and accumulation counts for `cluster`, from `profiles` of one model.
 
-    Args:
-        profiles: profiles of one model (several device types and stages); every
-            device type of the cluster needs at least one.
-        cluster: which device type each rank has.
-        global_batch_size: samples per iteration; None picks the one with the highest
-            predicted throughput (see `search.policies.best_global_batch`).
-        zero_stage: 0..3, or ``"auto"`` to evaluate every stage and keep the fastest.
-        policy: ``poplar``, ``uniform`` or ``proportional`` (`search.policies`).
-        max_global_batch_size: upper bound for the automatic global batch.
-        network: collective times (`plan.network_format`); with one, communication is
-            priced for the cluster's world size (`search.cost`), without, the
-            boundary is the profiles' measured one.
-
-    Returns:
-        A `SearchResult`; infeasible problems are a status with a reason.
-
-    Raises:
-        ValueError: bad input (wrong types, profiles of several models, a device type
-            of the cluster that no profile covers).
+    `global_batch_size` None picks the batch of the highest predicted throughput (up to `max_global_batch_size`:
+    `search.policies.best_global_batch`); `zero_stage` ``"auto"`` keeps the fastest stage; with a `network`,
+    communication is priced for the cluster's world size (`search.cost`), without, the boundary is the profiles'
+    measured one. An infeasible problem is a status with a reason; bad input (wrong types, profiles of several models, a
+    device type of the cluster that no profile covers) a ValueError.
     """
     _check_arguments(cluster, global_batch_size, zero_stage, policy, max_global_batch_size)
     global_batch_size = None if global_batch_size is None else int(global_batch_size)
     max_global_batch_size = None if max_global_batch_size is None else int(max_global_batch_size)
-    by_stage = _profiles_covering(profiles, cluster)
+    by_stage = _check_profiles(profiles)
+    check_covered(cluster, by_stage, "profile")
     stages = list(ZERO_STAGES) if zero_stage == "auto" else [int(zero_stage)]
     evaluated = {
         stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size, network)
@@ -377,22 +372,20 @@ def search_plan(
     )
 
 
-def _profiles_covering(profiles: Sequence[Profile], cluster: Cluster) -> dict[int, dict[str, Variants]]:
-    """`_check_profiles`, and a ValueError when a device type of `cluster` has no profile at any stage."""
-    by_stage = _check_profiles(profiles)
+def check_covered(cluster: Cluster, by_stage: dict[int, dict[str, object]], kind: str) -> None:
+    """A ValueError when a device type of `cluster` has no profile (of `kind`) at any stage."""
     covered = {t for stage in by_stage.values() for t in stage}
     unknown = [t for t in cluster.type_counts() if t not in covered]
     if unknown:
         raise ValueError(
-            f"cluster: expected device types that the profiles cover ({', '.join(sorted(covered))}), "
-            f"found {', '.join(repr(t) for t in unknown)} with no profile"
+            f"cluster: expected device types that the {kind}s cover ({', '.join(sorted(covered))}), "
+            f"found {', '.join(repr(t) for t in unknown)} with no {kind}"
         )
-    return by_stage
 
 
 def _stage_score(outcome: PolicyResult, stage: int, *, fixed_batch: bool) -> tuple[float, int]:
-    """Smaller is better: fixed batch, the shortest iteration; automatic batch, the highest throughput.
-    Ties: the lower stage."""
+    """Smaller is better: fixed batch, the shortest iteration; automatic batch, the highest throughput. Ties: the lower
+    stage."""
     allocation = outcome.allocation
     assert allocation is not None
     return (allocation.iteration_time_s if fixed_batch else -allocation.samples_per_s), stage
@@ -421,38 +414,21 @@ def _stage_reports(
     evaluated: dict[int, StageOutcome], chosen: int, *, several_evaluated: bool
 ) -> tuple[StageReport, ...]:
     """Why each evaluated stage won, lost (how much slower than `chosen`) or is infeasible."""
-    best = evaluated[chosen].outcome.allocation
-    assert best is not None
-    feasible_count = sum(e.outcome.ok for e in evaluated.values())
-    reports = []
-    for stage, e in evaluated.items():
-        allocation = e.outcome.allocation
-        if allocation is None:
-            reports.append(StageReport.infeasible(stage, e.outcome.reason))
-            continue
-        if stage == chosen:
-            status = "chosen"
-            if feasible_count > 1:
-                reason = "Fastest feasible stage."
-            else:
-                reason = "The only feasible stage." if several_evaluated else "The only stage evaluated."
-            if levers_summary(e.levers):
-                reason = reason[:-1] + f", with {levers_summary(e.levers)}."
-        else:
-            status = "slower"
-            slower_pct = 100.0 * (1.0 - allocation.samples_per_s / best.samples_per_s)
-            reason = f"{slower_pct:.1f}% lower predicted throughput than stage {chosen}."
-        reports.append(
-            StageReport(
-                zero_stage=stage,
-                status=status,
-                iteration_time_s=allocation.iteration_time_s,
-                samples_per_s=allocation.samples_per_s,
-                global_batch_size=allocation.global_batch_size,
-                reason=reason,
-            )
-        )
-    return tuple(reports)
+    best = evaluated[chosen]
+    assert best.outcome.allocation is not None
+    if sum(e.outcome.ok for e in evaluated.values()) > 1:
+        reason = "Fastest feasible stage."
+    else:
+        reason = "The only feasible stage." if several_evaluated else "The only stage evaluated."
+    if levers_summary(best.levers):
+        reason = reason[:-1] + f", with {levers_summary(best.levers)}."
+    rate = best.outcome.allocation.samples_per_s
+    return tuple(
+        StageReport.infeasible(stage, e.outcome.reason)
+        if (found := e.outcome.allocation) is None
+        else StageReport.feasible(stage, chosen, reason, rate, found, found.global_batch_size)
+        for stage, e in evaluated.items()
+    )
 
 
 def _plan_message(
@@ -492,26 +468,30 @@ def _some(items: list[str], limit: int = 3) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None = None) -> list[str]:
-    """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
-
-    Checks the world size, each rank's device type, the stage rule (stages 2 and 3:
-    one accumulation count on every rank), the memory levers (one activation
-    checkpointing and one optimizer offload per device type; at stage 3 one
-    checkpointing for every rank; offload only at stages 1-2) and, with `profiles`, that
-    every device type has a profile at the plan's stage with the plan's levers, and
-    that no micro-batch exceeds its cap.
-    """
-    problems: list[str] = []
-    if plan.world_size != cluster.world_size:
-        problems.append(f"The plan has {plan.world_size} ranks but the cluster has {cluster.world_size}.")
+def cluster_problems(rank_types: Sequence[tuple[int, str]], cluster: Cluster) -> list[str]:
+    """A plan's ``(rank, device type)`` pairs against `cluster`: the number of ranks, and the types that differ."""
+    problems = []
+    if len(rank_types) != cluster.world_size:
+        problems.append(f"The plan has {len(rank_types)} ranks but the cluster has {cluster.world_size}.")
     wrong = [
-        f"rank {r.rank} ({r.device_type} in the plan, {actual} in the cluster)"
-        for r, actual in zip(plan.ranks, cluster.rank_device_types)
-        if r.device_type != actual
+        f"rank {rank} ({planned} in the plan, {actual} in the cluster)"
+        for (rank, planned), actual in zip(rank_types, cluster.rank_device_types)
+        if planned != actual
     ]
     if wrong:
         problems.append(f"Device types differ from the cluster's at {_some(wrong)}.")
+    return problems
+
+
+def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None = None) -> list[str]:
+    """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
+
+    Checks the world size, each rank's device type, the stage rule (stages 2 and 3: one accumulation count on every
+    rank), the memory levers (one activation checkpointing and one optimizer offload per device type; at stage 3 one
+    checkpointing for every rank; offload only at stages 1-2) and, with `profiles`, that every device type has a profile
+    at the plan's stage with the plan's levers, and that no micro-batch exceeds its cap.
+    """
+    problems = cluster_problems([(r.rank, r.device_type) for r in plan.ranks], cluster)
     if one_accumulation_count(plan.zero_stage):
         counts = sorted({r.gradient_accumulation_steps for r in plan.ranks})
         if len(counts) > 1:

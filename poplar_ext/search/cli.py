@@ -11,7 +11,6 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (
     MAX_GLOBAL_BATCH_SIZE,
     MAX_MICRO_BATCH_SIZE,
@@ -20,7 +19,6 @@ from poplar_ext.plan.formats import (
     load_cluster,
     load_profiles,
     plan_to_dict,
-    write_json_atomic,
 )
 
 from .api import search_plan
@@ -29,9 +27,13 @@ from .cli_common import (
     EXIT_INFEASIBLE,
     EXIT_INTERNAL_ERROR,
     EXIT_OK,
+    PROG,
+    bad_input,
     chosen_network,
     comparison_table,
+    error,
     plan_table,
+    write_plan,
 )
 from .examples import example_cluster_file, example_profiles_dir
 from .pipeline_cli import run_pipelines
@@ -115,7 +117,7 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
     """The `poplar-search` parser; standalone, or added as a sub-command to `subparsers`."""
     options = dict(description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     if subparsers is None:
-        parser = _OneLineErrorParser(prog="poplar-search", **options)
+        parser = _OneLineErrorParser(prog=PROG, **options)
     else:
         parser = subparsers.add_parser("search", help="search a plan from profiles and a cluster", **options)
     parser.add_argument("--profiles", metavar="DIR", help="directory of profile JSON files (required unless --example)")
@@ -186,7 +188,6 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
 # ----------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command line; returns the exit status."""
-    prog = "poplar-search"
     if args.example:
         args.profiles = args.profiles or str(example_profiles_dir())
         args.cluster = args.cluster or str(example_cluster_file())
@@ -197,21 +198,14 @@ def run(args: argparse.Namespace) -> int:
     )
     missing = [option for option, value in required if not value]
     if missing:
-        print(
-            f"{prog}: error: the following arguments are required: {', '.join(missing)} (or --example for the "
-            "shipped example) (see --help)",
-            file=sys.stderr,
+        return error(
+            f"the following arguments are required: {', '.join(missing)} (or --example for the shipped example) "
+            "(see --help)"
         )
-        return EXIT_BAD_INPUT
     if args.predict:
         ignored = _search_only_options(args)
         if ignored:
-            print(
-                f"{prog}: error: {', '.join(ignored)}: not used with --predict, which prices the plan as it is "
-                "(see --help)",
-                file=sys.stderr,
-            )
-            return EXIT_BAD_INPUT
+            return error(f"{', '.join(ignored)}: not used with --predict, which prices the plan as it is (see --help)")
         return run_predict(args)
     if args.parallelism != "zero":
         return run_pipelines(args)
@@ -232,23 +226,15 @@ def run(args: argparse.Namespace) -> int:
             )
             for policy in policies
         }
-    except FormatError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except ValueError as exc:
-        print(f"{prog}: error: {exc} (profiles: {args.profiles}, cluster: {args.cluster})", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return bad_input(exc, f"profiles: {args.profiles}, cluster: {args.cluster}")
     # With --policy all, poplar's plan is the one reported on and written.
     main_result = results["poplar" if args.policy == "all" else args.policy]
     if not main_result.ok:
-        print(f"{prog}: infeasible: {main_result.message}", file=sys.stderr)
+        print(f"{PROG}: infeasible: {main_result.message}", file=sys.stderr)
         return EXIT_INFEASIBLE
-    if args.output:
-        try:
-            write_json_atomic(plan_to_dict(main_result.plan), args.output)
-        except OSError as exc:
-            print(f"{prog}: error: {args.output}: cannot write the plan: {exc.strerror or exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+    if args.output and not write_plan(plan_to_dict(main_result.plan), args.output):
+        return EXIT_BAD_INPUT
     if args.format == "json":
         if len(results) == 1:
             data = plan_to_dict(main_result.plan)
@@ -290,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         print(
-            f"poplar-search: internal error: {type(exc).__name__}: {exc} (a bug in poplar-search; "
+            f"{PROG}: internal error: {type(exc).__name__}: {exc} (a bug in poplar-search; "
             "run again with --debug for the traceback and report it)",
             file=sys.stderr,
         )

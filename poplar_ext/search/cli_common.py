@@ -2,17 +2,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import sys
+from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any
 
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import write_json_atomic
 from poplar_ext.plan.network_format import NetworkProfile, find_network, load_network
 
-from .api import SearchResult, predict
+from .api import SearchResult, StageReport, predict
 
+PROG = "poplar-search"
 EXIT_OK = 0
 EXIT_INFEASIBLE = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL_ERROR = 3
+
+
+def error(message: str) -> int:
+    """``poplar-search: error: message`` on stderr; the bad-input exit status."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def bad_input(exc: ValueError, context: str) -> int:
+    """A `FormatError` (it names the file and field) as it is, another ValueError with the files in `context`."""
+    return error(str(exc) if isinstance(exc, FormatError) else f"{exc} ({context})")
+
+
+def write_plan(data: dict[str, Any], path: str) -> bool:
+    """Whether the plan's JSON could be written to `path` (when not, the error is printed)."""
+    try:
+        write_json_atomic(data, path)
+    except OSError as exc:
+        error(f"{path}: cannot write the plan: {exc.strerror or exc}")
+        return False
+    return True
 
 
 def chosen_network(args: Any, cluster: Any) -> NetworkProfile | None:
@@ -34,6 +61,28 @@ def rank_span(first: int, last: int) -> str:
     return str(first) if first == last else f"{first}-{last}"
 
 
+def runs(items: Sequence[Any], key: Callable[[Any], Any]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of consecutive `items` alike under `key` (end excluded)."""
+    ends = list(itertools.accumulate(len(list(group)) for _, group in itertools.groupby(items, key)))
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def or_dash(value: float | None, shown: str) -> str:
+    return "-" if value is None else format(value, shown)
+
+
+def stage_table(reports: Sequence[StageReport], *, with_batch: bool = True) -> str:
+    """One row per evaluated ZeRO stage: status, (global batch,) prediction, reason."""
+    rows = [["stage", "status", *(["global batch"] if with_batch else []), "iteration s", "samples/s", "reason"]]
+    for report in reports:
+        batch = [or_dash(report.global_batch_size, "d")] if with_batch else []
+        rows.append(
+            [str(report.zero_stage), report.status, *batch, or_dash(report.iteration_time_s, ".4g")]
+            + [or_dash(report.samples_per_s, ".4g"), report.reason]
+        )
+    return table(rows)
+
+
 def plan_table(result: SearchResult, profiles: Sequence, network: NetworkProfile | None = None) -> str:
     """Groups of consecutive ranks with the same device type and allocation, and the stage reports."""
     plan = result.plan
@@ -48,50 +97,19 @@ def plan_table(result: SearchResult, profiles: Sequence, network: NetworkProfile
         + (["checkpointing"] if checkpointing else [])
         + (["optimizer offload"] if offload else [])
     ]
-
-    def group(r: Any) -> tuple:
-        return (
-            r.device_type,
-            r.micro_batch_size,
-            r.gradient_accumulation_steps,
-            r.activation_checkpointing,
-            r.optimizer_offload,
-        )
-
-    start = 0
-    for i in range(1, len(plan.ranks) + 1):
+    alike = attrgetter("device_type", "micro_batch_size", "gradient_accumulation_steps", "levers")
+    for start, end in runs(plan.ranks, alike):
         first = plan.ranks[start]
-        if i < len(plan.ranks) and group(plan.ranks[i]) == group(first):
-            continue
         rows.append(
-            [
-                rank_span(start, i - 1),
-                first.device_type,
-                str(first.micro_batch_size),
-                str(first.gradient_accumulation_steps),
-                str(first.samples_per_iteration),
-                f"{busy[start]:.4g}",
-                f"{100 * (1 - busy[start] / slowest):.1f}%",
-            ]
+            [rank_span(start, end - 1), first.device_type, str(first.micro_batch_size)]
+            + [str(first.gradient_accumulation_steps), str(first.samples_per_iteration), f"{busy[start]:.4g}"]
+            + [f"{100 * (1 - busy[start] / slowest):.1f}%"]
             + (["on" if first.activation_checkpointing else "off"] if checkpointing else [])
             + (["on" if first.optimizer_offload else "off"] if offload else [])
         )
-        start = i
     text = [result.message, "", table(rows)]
     if len(result.stage_reports) > 1:
-        stage_rows = [["stage", "status", "global batch", "iteration s", "samples/s", "reason"]]
-        for report in result.stage_reports:
-            stage_rows.append(
-                [
-                    str(report.zero_stage),
-                    report.status,
-                    "-" if report.global_batch_size is None else str(report.global_batch_size),
-                    "-" if report.iteration_time_s is None else f"{report.iteration_time_s:.4g}",
-                    "-" if report.samples_per_s is None else f"{report.samples_per_s:.4g}",
-                    report.reason,
-                ]
-            )
-        text += ["", table(stage_rows)]
+        text += ["", stage_table(result.stage_reports)]
     return "\n".join(text)
 
 
@@ -102,24 +120,20 @@ def comparison_table(results: dict[str, SearchResult]) -> str:
     for name, result in results.items():
         plan = result.plan
         if plan is None:
-            rows.append([name, "infeasible", "-", "-", "-", "-", "-", result.message])
-            continue
-        predicted = plan.predicted
-        versus = (
-            "-"
-            if name == "poplar" or reference is None
-            else (f"{reference.predicted.samples_per_s / predicted.samples_per_s:.2f}x")
-        )
-        rows.append(
-            [
-                name,
-                "ok",
-                str(plan.zero_stage),
-                str(plan.global_batch_size),
-                f"{predicted.iteration_time_s:.4g}",
-                f"{predicted.samples_per_s:.4g}",
-                f"{100 * predicted.samples_per_s / predicted.ideal_samples_per_s:.1f}%",
-                versus,
-            ]
-        )
+            versus = result.message
+        elif name == "poplar" or reference is None:
+            versus = "-"
+        else:
+            versus = f"{reference.predicted.samples_per_s / plan.predicted.samples_per_s:.2f}x"
+        rows.append(plan_row(name, "ok", plan, versus))
     return table(rows)
+
+
+def plan_row(name: str, status: str, plan: Any, last: str) -> list[str]:
+    """A row of a plan's ZeRO stage, global batch and prediction (`last` closes it); ``infeasible`` for no plan."""
+    if plan is None:
+        return [name, "infeasible", "-", "-", "-", "-", "-", last]
+    p = plan.predicted
+    share = f"{100 * p.samples_per_s / p.ideal_samples_per_s:.1f}%"
+    times = [f"{p.iteration_time_s:.4g}", f"{p.samples_per_s:.4g}", share]
+    return [name, status, str(plan.zero_stage), str(plan.global_batch_size), *times, last]

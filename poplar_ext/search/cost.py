@@ -18,9 +18,8 @@ from poplar_ext.plan.formats import MIN_TIME_S, IncludedCommunication, Profile, 
 from poplar_ext.plan.network_format import NetworkProfile
 
 from .curves import fit_curve
+from .model_states import DTYPE_BYTES
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""Bytes per element of a training dtype: DeepSpeed communicates gradients and parameters in it."""
 BACKWARD_SHARE = 2.0 / 3.0
 """Share of a micro-step spent in backward (two of its three matrix products): what
 collectives overlapped with backward can hide under."""
@@ -68,13 +67,11 @@ def stage_communication(
 ) -> StageCommunication:
     """What DeepSpeed's ZeRO `zero_stage` communicates per micro-step and per boundary over `world_size` ranks.
 
-    Every collective moves the whole model's gradients or parameters in the training
-    dtype (`DTYPE_BYTES`); DeepSpeed's buckets split it into pieces, which the ring
-    model prices alike (one latency per hop per bucket is left out: buckets are large).
-    Stage 2's per-micro-step reduce-scatter is exposed: DeepSpeed's ``overlap_comm``
-    defaults to off below stage 3. Stage 3's forward all-gather is counted exposed
-    (prefetching hides part of it: a conservative choice). With `recomputes_forward`
-    (activation checkpointing) stage 3's backward gathers the parameters once more
+    Every collective moves the whole model's gradients or parameters in the training dtype (`model_states.DTYPE_BYTES`);
+    DeepSpeed's buckets split it into pieces, which the ring model prices alike (one latency per hop per bucket is left
+    out: buckets are large). Stage 2's per-micro-step reduce-scatter is exposed: DeepSpeed's ``overlap_comm`` defaults
+    to off below stage 3. Stage 3's forward all-gather is counted exposed (prefetching hides part of it: a conservative
+    choice). With `recomputes_forward` (activation checkpointing) stage 3's backward gathers the parameters once more
     for the recomputed forward; the other stages communicate nothing in forward.
     """
     message_bytes = float(num_parameters) * DTYPE_BYTES[dtype]
@@ -240,10 +237,9 @@ def build_stage_model(
 ) -> StageModel:
     """The cost model of ranks with `rank_device_types` at `zero_stage`, one profile per device type.
 
-    Every profile must fit at least one micro-batch (``max_micro_batch_size >= 1``);
-    the caller reports stages where some device fits none as infeasible. With a
-    `network`, communication is priced for ``len(rank_device_types)`` ranks (see
-    `device_cost`).
+    Every profile must fit at least one micro-batch (``max_micro_batch_size >= 1``); the caller reports stages where
+    some device fits none as infeasible. With a `network`, communication is priced for ``len(rank_device_types)`` ranks
+    (see `device_cost`).
     """
     counts = Counter(rank_device_types)
     priced = [
@@ -260,21 +256,21 @@ def build_stage_model(
     return assemble_stage_model([d for d, _ in priced], rank_device_types, zero_stage, priced[-1][1])
 
 
-def _priced_by(network: NetworkProfile, profile: Profile) -> StageCommunication:
-    """`profile`'s stage's collectives at its own world size, priced by `network`."""
+def _priced_by(network: NetworkProfile, profile: Profile, zero_stage: int, world_size: int) -> StageCommunication:
+    """The collectives of `profile`'s model (and activation checkpointing) at `zero_stage` over `world_size` ranks."""
     return stage_communication(
         network,
-        zero_stage=profile.zero_stage,
+        zero_stage=zero_stage,
         num_parameters=profile.model.num_parameters,
         dtype=profile.model.dtype,
-        world_size=profile.world_size,
+        world_size=world_size,
         recomputes_forward=profile.activation_checkpointing,
     )
 
 
 def included_communication(profile: Profile, network: NetworkProfile) -> IncludedCommunication:
     """What `profile`'s times hold when it was measured over `network` (the profiler records it)."""
-    held = _priced_by(network, profile)
+    held = _priced_by(network, profile, profile.zero_stage, profile.world_size)
     return IncludedCommunication(
         micro_step_exposed_s=held.micro_step_exposed_s,
         micro_step_overlapped_s=held.micro_step_overlapped_s,
@@ -287,7 +283,7 @@ def profiled_communication(profile: Profile, network: NetworkProfile) -> StageCo
     (`Profile.included_communication`), else priced by `network` at the profile's world size."""
     held = profile.included_communication
     if held is None:
-        return _priced_by(network, profile)
+        return _priced_by(network, profile, profile.zero_stage, profile.world_size)
     return StageCommunication(zero_stage=profile.zero_stage, world_size=profile.world_size, **dataclasses.asdict(held))
 
 
@@ -303,35 +299,25 @@ def device_cost(
     """Device type `device_type` (measured by `profile`) in a cluster of `world_size` ranks, and the stage's
     communication (None without a network).
 
-    With a `network`, the profile's own communication (at its ``world_size``) is taken
-    out of its micro-step times (where they include it) and of its boundary time, the
-    optimizer step is scaled to the shard a rank updates at stages 1-3, and the
-    cluster's communication is added. The communication depends on the model and, at
-    stage 3, on activation checkpointing: the same for every type of one setting.
+    With a `network`, the profile's own communication (at its ``world_size``) is taken out of its micro-step times
+    (where they include it) and of its boundary time, the optimizer step is scaled to the shard a rank updates at stages
+    1-3, and the cluster's communication is added. The communication depends on the model and, at stage 3, on activation
+    checkpointing: the same for every type of one setting.
     """
     curve = fit_curve(profile)
     assert curve is not None, "callers filter out profiles that fit no micro-batch"
     table = curve.table()
     optimizer_step_time_s = profile.optimizer_step_time_s
-    compute_table = None
-    communication = None
+    compute_table = communication = None
     if network is not None:
-        communication = stage_communication(
-            network,
-            zero_stage=zero_stage,
-            num_parameters=profile.model.num_parameters,
-            dtype=profile.model.dtype,
-            world_size=world_size,
-            recomputes_forward=profile.activation_checkpointing,
-        )
+        communication = _priced_by(network, profile, zero_stage, world_size)
         profiled = profiled_communication(profile, network)
         compute_table = profiled.compute_time_s(table) if micro_step_times_include_communication(profile) else table
         # The fitted table is non-decreasing; so must the priced one be (the policies rely on it).
         table = np.maximum.accumulate(communication.micro_step_time_s(compute_table))
-        optimizer_compute_s = max(0.0, profile.optimizer_step_time_s - profiled.boundary_s)
+        optimizer_step_time_s = max(0.0, profile.optimizer_step_time_s - profiled.boundary_s)
         if zero_stage >= 1:
-            optimizer_compute_s *= profile.world_size / world_size  # each rank updates 1/W of the states
-        optimizer_step_time_s = optimizer_compute_s
+            optimizer_step_time_s *= profile.world_size / world_size  # each rank updates 1/W of the states
     device = DeviceCost(
         device_type=device_type,
         num_ranks=num_ranks,

@@ -7,6 +7,7 @@ it and says whether the new plan wins. Pure: `poplar_ext.runtime.rebalance` deci
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -76,9 +77,8 @@ def scaled_types(
     scale_profile: Callable[..., AnyProfile],
 ) -> tuple[list[AnyProfile], Cluster, list[str]]:
     """Each derived device type's profile (`scale_profile(profile, scale, device_type=name)` of its type's in
-    `profiles`), the cluster of derived types and each rank's derived type in rank order (`scaled_ranks`):
-    what a scaled problem of whole-model profiles (`scaled_problem`) and of layer profiles
-    (`search.pipeline_drift`) share."""
+    `profiles`), the cluster of derived types and each rank's derived type in rank order (`scaled_ranks`): what a scaled
+    problem of whole-model profiles (`scaled_problem`) and of layer profiles (`search.pipeline_drift`) share."""
     scaled_cluster, derived = scaled_ranks(cluster, rank_scales)
     scaled: dict[str, AnyProfile] = {}
     for original, name, scale in zip(cluster.rank_device_types, derived, rank_scales):
@@ -99,16 +99,10 @@ def scaled_ranks(cluster: Cluster, rank_scales: Sequence[float]) -> tuple[Cluste
     derived = [derived_type(t, s) for t, s in zip(rank_types, rank_scales)]
     nodes, rank = [], 0
     for node in cluster.nodes:
-        groups: list[DeviceGroup] = []
-        for group in node.devices:
-            for _ in range(group.count):
-                name = derived[rank]
-                if groups and groups[-1].device_type == name:
-                    groups[-1] = DeviceGroup(device_type=name, count=groups[-1].count + 1)
-                else:
-                    groups.append(DeviceGroup(device_type=name, count=1))
-                rank += 1
-        nodes.append(ClusterNode(name=node.name, devices=tuple(groups)))
+        names = derived[rank : rank + sum(group.count for group in node.devices)]
+        groups = tuple(DeviceGroup(device_type=t, count=len(list(same))) for t, same in itertools.groupby(names))
+        nodes.append(ClusterNode(name=node.name, devices=groups))
+        rank += len(names)
     device_types = {
         name: cluster.device_types.get(original, DeviceTypeInfo())
         for original, name in zip(rank_types, derived)
@@ -200,16 +194,3 @@ def replan_outcome(
             f"minimum gain {100 * min_gain:.0f}%)"
         ),
     )
-
-
-__all__ = [
-    "Replan",
-    "derived_type",
-    "replan",
-    "replan_outcome",
-    "scaled_problem",
-    "scaled_profile",
-    "scaled_ranks",
-    "scaled_types",
-    "with_rank_types",
-]

@@ -22,6 +22,3 @@ def example_profiles_dir() -> Path:
 def example_cluster_file() -> Path:
     """The cluster the example profiles describe (8 GPUs: 4 A100-80GB, 4 V100-16GB)."""
     return example_profiles_dir() / "cluster.json"
-
-
-__all__ = ["example_cluster_file", "example_profiles_dir"]

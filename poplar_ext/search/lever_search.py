@@ -16,15 +16,16 @@ from poplar_ext.plan.formats import MAX_GLOBAL_BATCH_SIZE, Cluster, Levers
 from poplar_ext.plan.levers import Variants, fits, lever_count, lever_options
 from poplar_ext.plan.network_format import NetworkProfile
 
-from .allocation import PolicyResult, divisors
+from .allocation import PolicyResult, divisors, infeasible
 from .cost import DeviceCost, StageCommunication, StageModel, assemble_stage_model, build_stage_model, device_cost
 from .policies import AUTO_ACCUMULATION_STEPS, allocate, best_global_batch
 from .poplar_independent import (
     MAX_BREAKPOINTS,
     FlatTables,
     capacity_levels,
-    first_steps_from,
     level_count,
+    level_points,
+    level_steps,
     steps_within,
 )
 
@@ -89,7 +90,7 @@ def evaluate_settings(
         if too_big:
             if best is None:
                 reason = f"The model does not fit {', '.join(too_big)} at stage {zero_stage} (max_micro_batch_size 0)."
-                best = StageOutcome(model=None, outcome=PolicyResult(allocation=None, reason=reason), levers=setting)
+                best = StageOutcome(model=None, outcome=infeasible(reason), levers=setting)
             continue
         model = build_stage_model(chosen, cluster.rank_device_types, zero_stage, network)
         outcome = run_policy(policy, model, global_batch_size, max_global_batch_size)
@@ -288,13 +289,11 @@ class _WorkCurve:
         """The curve over the range of `times_s` (finite, not empty)."""
         low_s, high_s = float(times_s.min()), float(times_s.max())
         sizes = np.arange(1, len(table) + 1)
-        first = first_steps_from(low_s, table)
-        per_size = np.maximum(0, steps_within(high_s, table) - first + 1)
+        first, per_size = level_steps(table, low_s, high_s)
         below = int(np.max(sizes * (first - 1)))
         if int(per_size.sum()) > MAX_BREAKPOINTS:
             return _WorkCurve(table=table, low_s=low_s, high_s=high_s, breakpoints_s=None, running=first, below=below)
-        size_index = np.repeat(np.arange(len(table)), per_size)
-        steps = first[size_index] + np.arange(len(size_index)) - np.repeat(np.cumsum(per_size) - per_size, per_size)
+        size_index, steps = level_points(first, per_size)
         breakpoints_s = steps * table[size_index]
         order = np.argsort(breakpoints_s, kind="stable")
         running = np.maximum.accumulate(steps[order] * sizes[size_index[order]]) if len(order) else np.zeros(0)
@@ -329,9 +328,8 @@ def _price(
 ) -> tuple[list[list[DeviceCost]], list[list[StageCommunication | None]]]:
     """Each (type, option) priced once (`search.cost.device_cost`): per type, per option, its device and the
     stage's communication."""
-    devices, communication = [], []
-    for t, n, type_options in zip(variants, counts, options):
-        priced = [
+    priced = [
+        [
             device_cost(
                 variants[t][levers],
                 device_type=t,
@@ -342,9 +340,9 @@ def _price(
             )
             for levers in type_options
         ]
-        devices.append([d for d, _ in priced])
-        communication.append([c for _, c in priced])
-    return devices, communication
+        for t, n, type_options in zip(variants, counts, options)
+    ]
+    return [[d for d, _ in row] for row in priced], [[c for _, c in row] for row in priced]
 
 
 class _LeverSearch:
@@ -482,10 +480,8 @@ class _LeverSearch:
 
     def combo(self, prefix: Combo) -> Combo:
         """The setting with the free types' options `prefix` (the others have one)."""
-        combo = [0] * len(self.types)
-        for d, o in zip(self.free, prefix):
-            combo[d] = o
-        return tuple(combo)
+        chosen = dict(zip(self.free, prefix))
+        return tuple(chosen.get(d, 0) for d in range(len(self.types)))
 
     def after_proven_best(self, prefix: Combo, used: int) -> bool:
         """Whether nothing under a node (the free types' options `prefix`, `used` levers among them) can win:
@@ -701,9 +697,8 @@ class _LeverSearch:
         return _Requirements.concat([self.independent_rate(i, -value) for i in range(len(self.betas))])
 
     def synchronised_fixed(self, value: float | None) -> _Requirements:
-        """Stage 2, fixed batch B: a setting finishes within `value` only if, for some accumulation count s
-        dividing B, its capacity reaches B / s at the last micro-step time T with ``s * T + boundary``
-        within `value`."""
+        """Stage 2, fixed batch B: a setting finishes within `value` only if, for some accumulation count s dividing B,
+        its capacity reaches B / s at the last micro-step time T with ``s * T + boundary`` within `value`."""
         assert self.batch is not None
         steps = divisors(self.batch)
         steps = steps[self.batch // steps >= self.world_size]
@@ -760,10 +755,9 @@ class _LeverSearch:
         )
 
     def independent_rate(self, index: int, rate: float) -> _Requirements:
-        """Stages 0-1, automatic batch: a setting reaches `rate` only with a batch B within its capacity at
-        its busy time T and ``B / (T + boundary) >= rate``. Between two of the envelope's capacity levels
-        the least B is the one at the earlier, and the setting's capacity at most its capacity just
-        before the later."""
+        """Stages 0-1, automatic batch: a setting reaches `rate` only with a batch B within its capacity at its busy
+        time T and ``B / (T + boundary) >= rate``. Between two of the envelope's capacity levels the least B is the one
+        at the earlier, and the setting's capacity at most its capacity just before the later."""
         envelope = self.envelope(self.betas[index])
         flat = FlatTables(envelope)
         boundary_s = envelope.boundary_s

@@ -16,16 +16,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes of one parameter (or gradient) in each training dtype."""
 
 OPTIMIZER_STATE_BYTES = {
-    "adam": 8,
-    "adamw": 8,
-    "fusedadam": 8,
-    "cpuadam": 8,
-    "deepspeedcpuadam": 8,
-    "lamb": 8,
-    "fusedlamb": 8,
-    "adagrad": 4,
-    "lion": 4,
-    "sgd": 4,
+    **dict.fromkeys(("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam", "lamb", "fusedlamb"), 8),
+    **dict.fromkeys(("adagrad", "lion", "sgd"), 4),
 }
 """fp32 optimizer state per parameter, by lower-cased optimizer type: Adam's two moments, one
 momentum for the others (SGD counted with momentum)."""
@@ -123,16 +115,3 @@ def shortfall(states: ModelStates, *, capacity_bytes: int) -> str:
 def gib(num_bytes: float) -> str:
     """`num_bytes` for people: ``12.3 GiB``."""
     return f"{num_bytes / 2**30:.1f} GiB"
-
-
-__all__ = [
-    "DEFAULT_OPTIMIZER_STATE_BYTES",
-    "DTYPE_BYTES",
-    "OPTIMIZER_STATE_BYTES",
-    "ModelStates",
-    "cannot_hold",
-    "gib",
-    "model_states",
-    "optimizer_state_bytes",
-    "shortfall",
-]

@@ -1,10 +1,9 @@
 """`poplar-search --parallelism pipeline|auto`: the pipeline search, and pipelines against ZeRO.
 
-`search.cli` hands over here when ``--parallelism`` is not ``zero``: layer profiles are
-read from ``<profiles>/layers/``, the network as for ZeRO (``--network``, or the
-profile directory's file for this cluster). With ``auto`` the ZeRO search runs as well
-(at the given global batch, or its own choice, which the pipeline search then takes) and
-the faster predicted plan is printed and written; the table shows both.
+`search.cli` hands over here when ``--parallelism`` is not ``zero``: layer profiles are read from
+``<profiles>/layers/``, the network as for ZeRO (``--network``, or the profile directory's file for this cluster). With
+``auto`` the ZeRO search runs as well (at the given global batch, or its own choice, which the pipeline search then
+takes) and the faster predicted plan is printed and written; the table shows both.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ import json
 import sys
 from typing import Any
 
-from poplar_ext.plan.errors import FormatError
-from poplar_ext.plan.formats import Cluster, load_cluster, load_profiles, plan_to_dict, write_json_atomic
+from poplar_ext.plan.formats import Cluster, load_cluster, load_profiles, plan_to_dict
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import (
     PipelinePlan,
@@ -25,11 +23,25 @@ from poplar_ext.plan.pipeline_formats import (
 )
 
 from .api import SearchResult, search_plan
-from .cli_common import EXIT_BAD_INPUT, EXIT_INFEASIBLE, EXIT_OK, chosen_network, plan_table, table
+from .cli_common import (
+    EXIT_BAD_INPUT,
+    EXIT_INFEASIBLE,
+    EXIT_OK,
+    PROG,
+    bad_input,
+    chosen_network,
+    error,
+    or_dash,
+    plan_row,
+    plan_table,
+    rank_span,
+    runs,
+    stage_table,
+    table,
+    write_plan,
+)
 from .pipeline_cost import predict_pipeline
 from .pipeline_search import search_pipeline_plan
-
-PROG = "poplar-search"
 
 
 def _argument_problem(args: argparse.Namespace) -> str | None:
@@ -85,16 +97,11 @@ def run_pipelines(args: argparse.Namespace) -> int:
     """`poplar-search` with ``--parallelism pipeline`` or ``auto``; returns the exit status."""
     problem = _argument_problem(args)
     if problem:
-        print(f"{PROG}: error: {problem} (see --help)", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return error(f"{problem} (see --help)")
     try:
         zero, pipeline, (cluster, layer_profiles, network) = _search(args)
-    except FormatError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except ValueError as exc:
-        print(f"{PROG}: error: {exc} (profiles: {args.profiles}, cluster: {args.cluster})", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return bad_input(exc, f"profiles: {args.profiles}, cluster: {args.cluster}")
     chosen = _chosen(zero, pipeline)
     if chosen is None:
         reasons = [f"{name}: {r.message}" for name, r in (("zero", zero), ("pipeline", pipeline)) if r is not None]
@@ -104,12 +111,8 @@ def run_pipelines(args: argparse.Namespace) -> int:
         return EXIT_INFEASIBLE
     plan = zero.plan if chosen == "zero" else pipeline.plan
     data = plan_to_dict(plan) if chosen == "zero" else pipeline_plan_to_dict(plan)
-    if args.output:
-        try:
-            write_json_atomic(data, args.output)
-        except OSError as exc:
-            print(f"{PROG}: error: {args.output}: cannot write the plan: {exc.strerror or exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+    if args.output and not write_plan(data, args.output):
+        return EXIT_BAD_INPUT
     if args.format == "json":
         if args.parallelism == "auto":
             data = {"chosen": chosen, "zero": _plan_dict(zero), "pipeline": _plan_dict(pipeline)}
@@ -141,41 +144,19 @@ def parallelism_table(zero: SearchResult | None, pipeline: SearchResult | None, 
     for name, result in (("zero", zero), ("pipeline", pipeline)):
         if result is None or not result.ok:
             message = "not searched: no global batch" if result is None else result.message
-            rows.append([name, "infeasible", "-", "-", "-", "-", "-", message])
-            continue
-        predicted = result.plan.predicted
-        rows.append(
-            [
-                name,
-                "chosen" if name == chosen else "slower",
-                str(result.plan.zero_stage),
-                str(result.plan.global_batch_size),
-                f"{predicted.iteration_time_s:.4g}",
-                f"{predicted.samples_per_s:.4g}",
-                f"{100 * predicted.samples_per_s / predicted.ideal_samples_per_s:.1f}%",
-                "faster predicted plan" if name == chosen else "",
-            ]
-        )
+            rows.append(plan_row(name, "infeasible", None, message))
+        else:
+            status, note = ("chosen", "faster predicted plan") if name == chosen else ("slower", "")
+            rows.append(plan_row(name, status, result.plan, note))
     return table(rows)
 
 
 def _ranks_text(ranks: list[int], limit: int = 3) -> str:
     """``0-3, 8-11`` (runs of consecutive ranks), the first `limit` runs and how many ranks in all."""
-    runs: list[list[int]] = []
-    for rank in ranks:
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
-    return shown + (f", ... ({len(ranks)} ranks)" if len(runs) > limit else "")
-
-
-def _recompute_text(predicted: Any, rank: int) -> str:
-    """A checkpointed stage's recompute per iteration (``-``: the stage keeps its activations)."""
-    if not predicted.rank_activation_checkpointing[rank]:
-        return "-"
-    return f"{predicted.rank_recompute_time_s[rank]:.4g}"
+    ranks = sorted(ranks)
+    spans = [(ranks[a], ranks[b - 1]) for a, b in runs(range(len(ranks)), lambda i: ranks[i] - i)]
+    shown = ", ".join(rank_span(a, b) for a, b in spans[:limit])
+    return shown + (f", ... ({len(ranks)} ranks)" if len(spans) > limit else "")
 
 
 def pipeline_plan_table(
@@ -186,67 +167,31 @@ def pipeline_plan_table(
     plan = result.plan
     predicted = predict_pipeline(plan, layer_profiles, network, cluster=cluster)
     rows = [
-        [
-            "pipelines",
-            "stage",
-            "ranks",
-            "device type",
-            "layers",
-            "micro-batch",
-            "micro-batches",
-            "busy s/iter",
-            "idle",
-            "memory GiB",
-            "recompute s/iter",
-        ]
+        ["pipelines", "stage", "ranks", "device type", "layers", "micro-batch", "micro-batches", "busy s/iter"]
+        + ["idle", "memory GiB", "recompute s/iter"]
     ]
 
-    def key(p: Any) -> tuple:
-        return (
-            tuple((s.device_type, s.first_layer, s.last_layer, s.activation_checkpointing) for s in p.stages),
-            p.micro_batch_size,
-            p.num_micro_batches,
-        )
+    def alike(p: Any) -> tuple:
+        stages = tuple((s.device_type, s.first_layer, s.last_layer, s.activation_checkpointing) for s in p.stages)
+        return stages, p.micro_batch_size, p.num_micro_batches
 
-    start = 0
-    pipelines = plan.pipelines
-    for end in range(1, len(pipelines) + 1):
-        if end < len(pipelines) and key(pipelines[end]) == key(pipelines[start]):
-            continue
-        group = pipelines[start:end]
+    for start, end in runs(plan.pipelines, alike):
+        group = plan.pipelines[start:end]
         for s, stage in enumerate(group[0].stages):
-            busy = predicted.rank_busy_time_s[stage.rank]
+            r = stage.rank
+            busy = predicted.rank_busy_time_s[r]
+            idle = 1 - busy / predicted.iteration_time_s
+            recompute = predicted.rank_recompute_time_s[r] if predicted.rank_activation_checkpointing[r] else None
             rows.append(
-                [
-                    (str(start) if end - start == 1 else f"{start}-{end - 1}") if s == 0 else "",
-                    str(s),
-                    _ranks_text(sorted(p.stages[s].rank for p in group)),
-                    stage.device_type,
-                    f"{stage.first_layer}-{stage.last_layer}",
-                    str(group[0].micro_batch_size),
-                    str(group[0].num_micro_batches),
-                    f"{busy:.4g}",
-                    f"{100 * (1 - busy / predicted.iteration_time_s):.1f}%",
-                    f"{predicted.rank_memory_bytes[stage.rank] / 2**30:.3g}",
-                    _recompute_text(predicted, stage.rank),
-                ]
+                [rank_span(start, end - 1) if s == 0 else "", str(s), _ranks_text([p.stages[s].rank for p in group])]
+                + [stage.device_type, f"{stage.first_layer}-{stage.last_layer}", str(group[0].micro_batch_size)]
+                + [str(group[0].num_micro_batches), f"{busy:.4g}", f"{100 * idle:.1f}%"]
+                + [f"{predicted.rank_memory_bytes[r] / 2**30:.3g}", or_dash(recompute, ".4g")]
             )
-        start = end
     text = [result.message]
     if network is None:
         text.append("No network file: transfers and the gradient all-reduces between pipelines are not priced.")
     text += ["", table(rows)]
     if len(result.stage_reports) > 1:
-        stage_rows = [["stage", "status", "iteration s", "samples/s", "reason"]]
-        for report in result.stage_reports:
-            stage_rows.append(
-                [
-                    str(report.zero_stage),
-                    report.status,
-                    "-" if report.iteration_time_s is None else f"{report.iteration_time_s:.4g}",
-                    "-" if report.samples_per_s is None else f"{report.samples_per_s:.4g}",
-                    report.reason,
-                ]
-            )
-        text += ["", table(stage_rows)]
+        text += ["", stage_table(result.stage_reports, with_batch=False)]
     return "\n".join(text)

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from poplar_ext.plan.formats import Cluster
-from poplar_ext.plan.network_format import CollectiveFit, NetworkProfile, ring_factors
+from poplar_ext.plan.formats import Cluster, Prediction
+from poplar_ext.plan.network_format import CollectiveFit, NetworkProfile, ring_time_s
 from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerProfile, Pipeline, PipelinePlan
 
 from .cost import BACKWARD_SHARE
@@ -112,6 +112,10 @@ class LayerTable:
             self.time_prefix_s[micro_batch_size - 1, last + 1] - self.time_prefix_s[micro_batch_size - 1, first]
         )
 
+    def optimizer_s(self, first: int, last: int) -> float:
+        """The optimizer step of layers `first`..`last`."""
+        return float(self.optimizer_prefix_s[last + 1] - self.optimizer_prefix_s[first])
+
     def memory_bytes(
         self, first: int, last: int, micro_batch_size: int, in_flight: int, *, checkpointed: bool = False
     ) -> int:
@@ -163,35 +167,19 @@ def largest_profiled_size(profile: LayerProfile) -> int:
 # ----------------------------------------------------------------------------------
 # Prices of moving bytes
 # ----------------------------------------------------------------------------------
-def _price_s(
-    fit: CollectiveFit,
-    collective: str,
-    message_bytes: float,
-    world_size: int,
-    bandwidth_bytes_per_s: float | None = None,
-) -> float:
-    """The ring model's price of `collective` by `fit`, at `bandwidth_bytes_per_s` where given (a slower link)."""
-    hops, volume = ring_factors(collective, world_size)
-    bandwidth = fit.bus_bandwidth_bytes_per_s if bandwidth_bytes_per_s is None else bandwidth_bytes_per_s
-    return hops * fit.latency_s + volume * message_bytes / bandwidth
-
-
 @dataclass(frozen=True, kw_only=True)
 class LinkPrice:
-    """One point-to-point transfer over one link: ``latency_s + bytes x seconds_per_byte``."""
+    """One point-to-point transfer over one link: ``latency_s + bytes x seconds per byte``."""
 
     latency_s: float
     """One ring hop's latency of the fit the link is priced by."""
     bandwidth_bytes_per_s: float | None
     """The link's bandwidth (None: not priced, no network)."""
 
-    @property
-    def seconds_per_byte(self) -> float:
-        return 0.0 if self.bandwidth_bytes_per_s is None else 1.0 / self.bandwidth_bytes_per_s
-
     def transfer_s(self, message_bytes: Any) -> Any:
         """One transfer of `message_bytes` (a number, or an array of them)."""
-        return self.latency_s + message_bytes * self.seconds_per_byte
+        seconds_per_byte = 0.0 if self.bandwidth_bytes_per_s is None else 1.0 / self.bandwidth_bytes_per_s
+        return self.latency_s + message_bytes * seconds_per_byte
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,7 +247,7 @@ class Links:
             return 0.0
         same_node = self.same_node(ranks)
         fit = self._fit("all_reduce", same_node, point_to_point=False)
-        return _price_s(fit, "all_reduce", message_bytes, len(ranks), self._bandwidth(fit, ranks, same_node))
+        return ring_time_s(fit, "all_reduce", message_bytes, len(ranks), self._bandwidth(fit, ranks, same_node))
 
     def all_reduce_lower_bound_s(self, message_bytes: float, num_ranks: int) -> float:
         """No all-reduce of `message_bytes` among `num_ranks` ranks costs less (network required)."""
@@ -268,10 +256,10 @@ class Links:
         declared = [u for u in self.node_uplinks_bytes_per_s if u is not None]
         # A ring of declared uplinks may be faster than the whole job's fit: bound it by the fastest.
         fastest = max([whole.bus_bandwidth_bytes_per_s, *declared])
-        prices = [_price_s(whole, "all_reduce", message_bytes, num_ranks, fastest)]
+        prices = [ring_time_s(whole, "all_reduce", message_bytes, num_ranks, fastest)]
         node = self.network.scopes.get("within_node")
         if node is not None and num_ranks <= node.group_size:
-            prices.append(_price_s(node.collectives["all_reduce"], "all_reduce", message_bytes, num_ranks))
+            prices.append(ring_time_s(node.collectives["all_reduce"], "all_reduce", message_bytes, num_ranks))
         return min(prices)
 
 
@@ -354,9 +342,7 @@ def stage_block_times(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]
             times[stage.rank] = {
                 "compute_s": compute_s,
                 "recompute_s": RECOMPUTE_SHARE * compute_s if stage.activation_checkpointing else 0.0,
-                "optimizer_step_s": float(
-                    table.optimizer_prefix_s[stage.last_layer + 1] - table.optimizer_prefix_s[stage.first_layer]
-                ),
+                "optimizer_step_s": table.optimizer_s(stage.first_layer, stage.last_layer),
             }
     return times
 
@@ -432,8 +418,7 @@ class PipelinePrediction:
     rank_stage_time_s: tuple[float, ...]
     """Each rank's stage time per micro-batch: compute + transfers."""
     rank_compute_time_s: tuple[float, ...]
-    """Per iteration: micro-batches x the stage's forward + backward (a checkpointed stage's recompute
-    included)."""
+    """Per iteration: micro-batches x the stage's forward + backward (a checkpointed stage's recompute included)."""
     rank_recompute_time_s: tuple[float, ...]
     """Per iteration: of the compute, the forwards a checkpointed stage runs again (0 elsewhere)."""
     rank_activation_checkpointing: tuple[bool, ...]
@@ -457,6 +442,15 @@ class PipelinePrediction:
     samples_per_s: float
     ideal_samples_per_s: float
     """Sum over ranks of their device's best throughput with the whole model (memory and transfers aside)."""
+
+    @property
+    def summary(self) -> Prediction:
+        """What a plan records of it."""
+        return Prediction(
+            iteration_time_s=self.iteration_time_s,
+            samples_per_s=self.samples_per_s,
+            ideal_samples_per_s=self.ideal_samples_per_s,
+        )
 
 
 def plan_tables(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]) -> dict[str, LayerTable]:
@@ -490,11 +484,10 @@ def predict_pipeline(
 ) -> PipelinePrediction:
     """Per-stage busy time and the iteration time the cost model (docs/search.md) predicts for `plan`.
 
-    With `network`, transfers and all-reduces are priced; with `cluster` too, ranks of one
-    node exchange at the network's within-node figures where it has them, and ranks of
-    two nodes over their declared uplinks (docs/search.md). Raises
-    ValueError when a device type of the plan has no layer profile at the plan's ZeRO
-    stage, or the profiles' layer count is not the plan's.
+    With `network`, transfers and all-reduces are priced; with `cluster` too, ranks of one node exchange at the
+    network's within-node figures where it has them, and ranks of two nodes over their declared uplinks
+    (docs/search.md). Raises ValueError when a device type of the plan has no layer profile at the plan's ZeRO stage, or
+    the profiles' layer count is not the plan's.
     """
     if plan.zero_stage not in PIPELINE_ZERO_STAGES:
         raise ValueError(f"plan.zero_stage: expected 0 or 1, found {plan.zero_stage!r}")
@@ -523,10 +516,10 @@ def evaluate_plan(plan: PipelinePlan, tables: dict[str, LayerTable], links: Link
             stage_time[r], compute[r], transfer[r] = cost.time_s, m * cost.compute_s, m * cost.transfer_s
             busy[r], memory[r] = m * cost.time_s, cost.memory_bytes
             recompute[r], checkpointed[r] = m * cost.recompute_s, stage.activation_checkpointing
-            prefix = tables[stage.device_type].optimizer_prefix_s
-            optimizer[r] = prefix[stage.last_layer + 1] - prefix[stage.first_layer]
+            optimizer[r] = tables[stage.device_type].optimizer_s(stage.first_layer, stage.last_layer)
         pipeline_times.append(pipeline_time_s(len(costs), m, max(c.time_s for c in costs)))
     finish = all_reduce_finish_s(plan.pipelines, tables, links, world)
+    best = {t: tables[t].best_samples_per_s() for t in set(plan.rank_device_types)}
     boundary = float(np.max(finish + optimizer))
     iteration = max(pipeline_times) + boundary
     return PipelinePrediction(
@@ -545,13 +538,8 @@ def evaluate_plan(plan: PipelinePlan, tables: dict[str, LayerTable], links: Link
         boundary_s=boundary,
         iteration_time_s=iteration,
         samples_per_s=plan.global_batch_size / iteration,
-        ideal_samples_per_s=_ideal_samples_per_s(plan.rank_device_types, tables),
+        ideal_samples_per_s=float(sum(best[t] for t in plan.rank_device_types)),
     )
-
-
-def _ideal_samples_per_s(rank_device_types: Sequence[str], tables: dict[str, LayerTable]) -> float:
-    best = {t: tables[t].best_samples_per_s() for t in set(rank_device_types)}
-    return float(sum(best[t] for t in rank_device_types))
 
 
 def _cost_key(pipeline: Pipeline, prices: tuple[LinkPrice, ...]) -> tuple:
@@ -591,10 +579,9 @@ def boundary_lower_bound_s(
 ) -> float:
     """No split of `num_pipelines` pipelines, the shortest of `fewest_stages` stages, has a shorter boundary.
 
-    Some stage of the shortest pipeline holds at least 1/S of the parameters, so its rank
-    all-reduces at least that much (the ring's price is affine with a non-negative
-    latency: one all-reduce of the sum costs no more than the pieces), and some stage
-    holds at least 1/S of the optimizer step (on the quickest type).
+    Some stage of the shortest pipeline holds at least 1/S of the parameters, so its rank all-reduces at least that much
+    (the ring's price is affine with a non-negative latency: one all-reduce of the sum costs no more than the pieces),
+    and some stage holds at least 1/S of the optimizer step (on the quickest type).
     """
     any_table = next(iter(tables.values()))
     optimizer_s = min(float(t.optimizer_prefix_s[-1]) for t in tables.values()) / fewest_stages
@@ -609,6 +596,5 @@ def boundary_s(pipelines: Sequence[Pipeline], tables: dict[str, LayerTable], lin
     finish = all_reduce_finish_s(pipelines, tables, links, world_size)
     for pipeline in pipelines:
         for stage in pipeline.stages:
-            prefix = tables[stage.device_type].optimizer_prefix_s
-            finish[stage.rank] += prefix[stage.last_layer + 1] - prefix[stage.first_layer]
+            finish[stage.rank] += tables[stage.device_type].optimizer_s(stage.first_layer, stage.last_layer)
     return float(np.max(finish))

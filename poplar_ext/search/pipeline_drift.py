@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from poplar_ext.plan.formats import Cluster, Prediction
+from poplar_ext.plan.formats import Cluster
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import LayerProfile, PipelinePlan
 
@@ -130,22 +130,6 @@ def recount_pipelines(
         plan,
         pipelines=tuple(dataclasses.replace(p, num_micro_batches=m) for p, m in zip(plan.pipelines, counts)),
     )
-    predicted = drifted.predict(recounted)
-    found = dataclasses.replace(
-        recounted,
-        predicted=Prediction(
-            iteration_time_s=predicted.iteration_time_s,
-            samples_per_s=predicted.samples_per_s,
-            ideal_samples_per_s=predicted.ideal_samples_per_s,
-        ),
-    )
+    predicted = drifted.predict(recounted).summary
+    found = dataclasses.replace(recounted, predicted=predicted)
     return replan_outcome(found=found, current_s=current_s, new_s=predicted.iteration_time_s, min_gain=min_gain)
-
-
-__all__ = [
-    "predict_drifted",
-    "recount_pipelines",
-    "scaled_layer_problem",
-    "scaled_layer_profile",
-    "with_stage_types",
-]

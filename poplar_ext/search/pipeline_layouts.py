@@ -11,6 +11,8 @@ from collections.abc import Iterator, Sequence
 
 from poplar_ext.plan.formats import Cluster
 
+from .allocation import divisors
+
 Layout = tuple[tuple[int, ...], ...]
 
 MIXED_SMALL_COUNTS = 8
@@ -41,24 +43,16 @@ def _ordered_partitions(items: Sequence[int]) -> Iterator[list[list[int]]]:
 def all_layouts(cluster: Cluster, max_stages: int) -> list[Layout]:
     """Every layout with at most `max_stages` stages per pipeline, once per class of interchangeable ranks."""
     labels = list(zip(cluster.rank_device_types, rank_nodes(cluster)))
-    seen: set[tuple] = set()
-    layouts = []
+    layouts: dict[tuple, Layout] = {}
     for partition in _ordered_partitions(list(range(cluster.world_size))):
-        if max(len(p) for p in partition) > max_stages:
-            continue
-        key = tuple(sorted(tuple(labels[r] for r in p) for p in partition))
-        if key not in seen:
-            seen.add(key)
-            layouts.append(tuple(tuple(p) for p in sorted(partition, key=lambda p: (-len(p), p))))
-    return layouts
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+        if max(len(p) for p in partition) <= max_stages:
+            key = tuple(sorted(tuple(labels[r] for r in p) for p in partition))
+            layouts.setdefault(key, tuple(tuple(p) for p in sorted(partition, key=lambda p: (-len(p), p))))
+    return list(layouts.values())
 
 
 def _homogeneous(ranks_of: dict[str, list[int]], max_stages: int) -> Iterator[Layout]:
-    options = [[s for s in _divisors(len(ranks)) if s <= max_stages] for ranks in ranks_of.values()]
+    options = [[s for s in divisors(len(ranks)).tolist() if s <= max_stages] for ranks in ranks_of.values()]
     for stage_counts in itertools.product(*options):
         pipelines = []
         for ranks, stages in zip(ranks_of.values(), stage_counts):
@@ -70,7 +64,7 @@ def _mixed(ranks_of: dict[str, list[int]], max_stages: int) -> Iterator[Layout]:
     counts = {t: len(r) for t, r in ranks_of.items()}
     groups = set(range(1, MIXED_SMALL_COUNTS + 1))
     for count in counts.values():
-        groups.update(_divisors(count))
+        groups.update(divisors(count).tolist())
     for g in sorted(g for g in groups if g <= max(counts.values())):
         for spread in (False, True):
             shares = _shares(counts, g, spread)
@@ -127,11 +121,7 @@ def candidate_layouts(cluster: Cluster, max_stages: int) -> list[Layout]:
     for subset in _type_subsets(list(ranks_of)):
         rest = list(_homogeneous({t: r for t, r in ranks_of.items() if t not in subset}, max_stages))
         generated += [a + b for a in _mixed({t: ranks_of[t] for t in subset}, max_stages) for b in rest]
-    layouts = []
-    seen = set()
+    layouts: dict[Layout, Layout] = {}
     for layout in generated:
-        key = tuple(sorted(layout))
-        if key not in seen:
-            seen.add(key)
-            layouts.append(layout)
-    return layouts
+        layouts.setdefault(tuple(sorted(layout)), layout)
+    return list(layouts.values())

@@ -1,13 +1,15 @@
 """The pipeline search: `search_pipeline_plan` and `check_pipeline_plan`.
 
-Layouts, splits and sizing combined, exactly on small clusters (`EXACT_MAX_RANKS`, `EXACT_MAX_SPLITS`),
-heuristically beyond. See docs/search.md ("How a pipeline plan is found").
+Layouts, splits and sizing combined, exactly on small clusters (`EXACT_MAX_RANKS`, `EXACT_MAX_SPLITS`), heuristically
+beyond. See docs/search.md ("How a pipeline plan is found").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,7 +25,7 @@ from poplar_ext.plan.pipeline_formats import (
     PipelineStage,
 )
 
-from .api import SearchResult, StageReport
+from .api import SearchResult, StageReport, _some, check_covered, cluster_problems
 from .pipeline_cost import (
     LayerTable,
     Links,
@@ -131,8 +133,8 @@ class _Context:
 
 
 def _plan(pipelines: list[Pipeline], context: _Context) -> PipelinePlan:
-    """A plan of `pipelines` (listed by first rank) with its prediction; activation checkpointing on the stages
-    that do not fit without it (the sizing allowed their count only so)."""
+    """A plan of `pipelines` (listed by first rank) with its prediction; activation checkpointing on the stages that do
+    not fit without it (the sizing allowed their count only so)."""
     pipelines = [checkpoint_where_needed(p, context.tables) for p in pipelines]
     draft = PipelinePlan(
         policy="poplar",
@@ -143,17 +145,7 @@ def _plan(pipelines: list[Pipeline], context: _Context) -> PipelinePlan:
         predicted=Prediction(iteration_time_s=1.0, samples_per_s=1.0, ideal_samples_per_s=1.0),
         profile_fingerprints=context.fingerprints,
     )
-    predicted = evaluate_plan(draft, context.tables, context.links)
-    return PipelinePlan(
-        **{
-            **draft.__dict__,
-            "predicted": Prediction(
-                iteration_time_s=predicted.iteration_time_s,
-                samples_per_s=predicted.samples_per_s,
-                ideal_samples_per_s=predicted.ideal_samples_per_s,
-            ),
-        }
-    )
+    return dataclasses.replace(draft, predicted=evaluate_plan(draft, context.tables, context.links).summary)
 
 
 # ----------------------------------------------------------------------------------
@@ -238,8 +230,8 @@ REGIME_MAX_STAGES = 8
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _ShapeSplits:
-    """A shape's balanced splits: for at least S micro-batches (stage s keeps S - s in flight) and, for
-    short pipelines, for each count k < S (stage s keeps min(k, S - s), so at most k micro-batches)."""
+    """A shape's balanced splits: for at least S micro-batches (stage s keeps S - s in flight) and, for short pipelines,
+    for each count k < S (stage s keeps min(k, S - s), so at most k micro-batches)."""
 
     regimes: list[tuple[int, BalancedSplits]]
     """``(most micro-batches, splits)``; the first allows any count."""
@@ -409,26 +401,12 @@ def search_pipeline_plan(
 ) -> SearchResult:
     """The pipeline plan of `cluster` with the smallest predicted iteration time (docs/search.md).
 
-    Args:
-        layer_profiles: layer profiles of one model: every device type of the cluster at
-            the ZeRO stages to evaluate.
-        cluster: which device type each rank has, on which node.
-        global_batch_size: samples per iteration over all pipelines.
-        zero_stage: 0, 1 or ``"auto"`` (both, where profiled; the faster wins). 2 and 3
-            are infeasible: DeepSpeed's pipeline engine refuses them.
-        network: collective times that price transfers and all-reduces (without one they cost 0).
-        method: ``auto`` (exact where the space is small, else heuristic), ``exact``, ``heuristic``.
-        layouts: the layouts the heuristic tries: ``all`` (up to `EXACT_MAX_RANKS` ranks),
-            ``candidates`` (`pipeline_layouts.candidate_layouts`) or ``auto`` (all where
-            there are at most `EXACT_MAX_RANKS` ranks, else the candidates).
-        max_stages: the most stages a pipeline may have (default: the number of layers).
-
-    Returns:
-        A `SearchResult`; a plan that cannot be made is a status with a reason.
-
-    Raises:
-        ValueError: bad input (types, profiles of several models, a device type of the
-            cluster without any layer profile, an exact search too large to run).
+    `zero_stage` ``"auto"`` tries 0 and 1 where profiled (2 and 3 are infeasible: DeepSpeed's pipeline engine refuses
+    them); without a `network` transfers and all-reduces cost 0. `method` ``auto`` is exact where the space is small,
+    else heuristic; `layouts` are the heuristic's: ``all`` (up to `EXACT_MAX_RANKS` ranks), ``candidates``
+    (`pipeline_layouts.candidate_layouts`) or ``auto`` (all where the cluster is that small); `max_stages` defaults to
+    the number of layers. A plan that cannot be made is a status with a reason; bad input (types, profiles of several
+    models, a device type without layer profiles, an exact search too large to run) a ValueError.
     """
     _check_arguments(cluster, global_batch_size, zero_stage, method, max_stages)
     if layouts not in LAYOUTS:
@@ -446,13 +424,7 @@ def search_pipeline_plan(
         max_stages=max_stages,
     )
     by_stage = layer_profiles_by_stage(layer_profiles)
-    covered = {t for profiles in by_stage.values() for t in profiles}
-    unknown = [t for t in cluster.type_counts() if t not in covered]
-    if unknown:
-        raise ValueError(
-            f"cluster: expected device types that the layer profiles cover ({', '.join(sorted(covered))}), found "
-            f"{', '.join(repr(t) for t in unknown)} with no layer profile"
-        )
+    check_covered(cluster, by_stage, "layer profile")
     if zero_stage in (2, 3):
         reason = f"DeepSpeed's pipeline engine refuses ZeRO stage {zero_stage} (pipelines run at stage 0 or 1)."
         return _result({int(zero_stage): _Outcome(plan=None, reason=reason, method="none", layouts=0)}, False)
@@ -497,30 +469,15 @@ def _result(outcomes: dict[int, _Outcome], auto: bool) -> SearchResult:
 def _report(stage: int, outcome: _Outcome, chosen: int, best: PipelinePlan, feasible: int) -> StageReport:
     if outcome.plan is None:
         return StageReport.infeasible(stage, outcome.reason)
-    predicted = outcome.plan.predicted
-    if stage == chosen:
-        status, reason = "chosen", "Fastest feasible stage." if feasible > 1 else "The only feasible stage."
-    else:
-        slower = 100.0 * (1.0 - predicted.samples_per_s / best.predicted.samples_per_s)
-        status, reason = "slower", f"{slower:.1f}% lower predicted throughput than stage {chosen}."
-    return StageReport(
-        zero_stage=stage,
-        status=status,
-        iteration_time_s=predicted.iteration_time_s,
-        samples_per_s=predicted.samples_per_s,
-        global_batch_size=outcome.plan.global_batch_size,
-        reason=reason,
-    )
+    reason = "Fastest feasible stage." if feasible > 1 else "The only feasible stage."
+    rate = best.predicted.samples_per_s
+    return StageReport.feasible(stage, chosen, reason, rate, outcome.plan.predicted, outcome.plan.global_batch_size)
 
 
 def layout_summary(plan: PipelinePlan) -> str:
     """``4 pipelines of 2 stages (A100-80GB, V100-16GB)``: the pipelines by their stages' device types."""
-    groups: dict[tuple[str, ...], int] = {}
-    for pipeline in plan.pipelines:
-        key = tuple(stage.device_type for stage in pipeline.stages)
-        groups[key] = groups.get(key, 0) + 1
     parts = []
-    for types, count in groups.items():
+    for types, count in Counter(tuple(stage.device_type for stage in p.stages) for p in plan.pipelines).items():
         runs = []
         for device_type, same in itertools.groupby(types):
             n = len(list(same))
@@ -556,11 +513,6 @@ def _message(plan: PipelinePlan, stage: int, auto: bool, outcome: _Outcome) -> s
 # ----------------------------------------------------------------------------------
 # check_pipeline_plan
 # ----------------------------------------------------------------------------------
-def _some(items: list[str], limit: int = 3) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
-
-
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.3g} GiB"
 
@@ -570,12 +522,11 @@ def check_pipeline_plan(
 ) -> list[str]:
     """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
 
-    Checks the ranks against the cluster (count and device types), the ZeRO stage, that
-    the pipelines' samples are the global batch and each pipeline's stages cover the
-    layers in order; with `layer_profiles`, that every device type has a layer profile at
-    the plan's stage with the plan's number of layers, and that every stage fits its
-    device's memory (`search.pipeline_cost`: base, its layers, the 1F1B in-flight activations, or a
-    checkpointed stage's inputs and one micro-batch's activations).
+    Checks the ranks against the cluster (count and device types), the ZeRO stage, that the pipelines' samples are the
+    global batch and each pipeline's stages cover the layers in order; with `layer_profiles`, that every device type has
+    a layer profile at the plan's stage with the plan's number of layers, and that every stage fits its device's memory
+    (`search.pipeline_cost`: base, its layers, the 1F1B in-flight activations, or a checkpointed stage's inputs and one
+    micro-batch's activations).
     """
     problems = _check_ranks(plan, cluster) + _check_shape(plan)
     if layer_profiles is not None and not problems:
@@ -584,21 +535,10 @@ def check_pipeline_plan(
 
 
 def _check_ranks(plan: PipelinePlan, cluster: Cluster) -> list[str]:
-    problems = []
     ranks = sorted(stage.rank for p in plan.pipelines for stage in p.stages)
     if ranks != list(range(len(ranks))):
-        problems.append(f"The plan's stages do not hold every rank from 0 to {len(ranks) - 1} exactly once.")
-        return problems
-    if plan.world_size != cluster.world_size:
-        problems.append(f"The plan has {plan.world_size} ranks but the cluster has {cluster.world_size}.")
-    wrong = [
-        f"rank {r} ({planned} in the plan, {actual} in the cluster)"
-        for r, (planned, actual) in enumerate(zip(plan.rank_device_types, cluster.rank_device_types))
-        if planned != actual
-    ]
-    if wrong:
-        problems.append(f"Device types differ from the cluster's at {_some(wrong)}.")
-    return problems
+        return [f"The plan's stages do not hold every rank from 0 to {len(ranks) - 1} exactly once."]
+    return cluster_problems(list(enumerate(plan.rank_device_types)), cluster)
 
 
 def _check_shape(plan: PipelinePlan) -> list[str]:

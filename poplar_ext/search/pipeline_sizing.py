@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .poplar_independent import sumset
+
 MAX_SUMSET = 1 << 22
 """The largest global batch the exact sizing handles (its sumsets are arrays of up to this many values)."""
 STEPS_BEFORE_GALLOP = 8
@@ -67,17 +69,6 @@ class Sizing:
 # ----------------------------------------------------------------------------------
 # Sumsets
 # ----------------------------------------------------------------------------------
-def _or_convolve(x: np.ndarray, y: np.ndarray, limit: int) -> np.ndarray:
-    """Boolean sumset of the sets `x` and `y` (indicator arrays), cut at `limit`."""
-    if len(x) * len(y) <= 1 << 16:
-        full = np.convolve(x.astype(np.int64), y.astype(np.int64))
-        return full[: limit + 1] > 0
-    n = len(x) + len(y) - 1
-    size = 1 << (n - 1).bit_length()
-    full = np.fft.irfft(np.fft.rfft(x.astype(float), size) * np.fft.rfft(y.astype(float), size), size)[:n]
-    return full[: limit + 1] > 0.5
-
-
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _Sumset:
     """The sums of `count` picks from one set, by doubling, kept for backtracking."""
@@ -96,12 +87,12 @@ class _Sumset:
         j = 0
         while True:
             if count >> j & 1:
-                acc = _or_convolve(acc, powers[j], limit)
+                acc = sumset(acc, powers[j])
                 bits.append(j)
                 partial.append(acc)
             if count >> (j + 1) == 0:
                 break
-            powers.append(_or_convolve(powers[j], powers[j], limit))
+            powers.append(sumset(powers[j], powers[j]))
             j += 1
         return cls(powers=powers, partial=partial, bits=bits)
 
@@ -177,9 +168,9 @@ def _exact_at(
     running = _only_zero(target + 1)
     sumsets, partial = [], []
     for c, m, w in zip(classes, ms, most):
-        sumset = _Sumset.of(_value_set(c, m, w, target, as_deficit), c.count, target)
-        sumsets.append(sumset)
-        running = _or_convolve(running, sumset.sums, target)
+        sums = _Sumset.of(_value_set(c, m, w, target, as_deficit), c.count, target)
+        sumsets.append(sums)
+        running = sumset(running, sums.sums)
         partial.append(running)
     if not running[target]:
         return None
@@ -208,10 +199,6 @@ def _fastest_way(options: PipelineOptions, m: np.ndarray, work: int) -> tuple[in
 # ----------------------------------------------------------------------------------
 # The smallest time
 # ----------------------------------------------------------------------------------
-def _capacity(classes: Sequence[PipelineOptions], time_s: float, global_batch_size: int) -> int:
-    return sum(c.count * c.most_samples(time_s, global_batch_size) for c in classes)
-
-
 def _next_breakpoint(classes: Sequence[PipelineOptions], time_s: float, global_batch_size: int) -> float:
     """The smallest ``(m + S - 1) tau(b)`` above `time_s` with m within the limits (inf when none)."""
     best = math.inf
@@ -241,7 +228,7 @@ def lower_bound_s(classes: Sequence[PipelineOptions], global_batch_size: int) ->
     """T0: the smallest breakpoint at which the pipelines' most samples reach B (inf when none does)."""
 
     def enough(time_s: float) -> bool:
-        return _capacity(classes, time_s, global_batch_size) >= global_batch_size
+        return sum(c.count * c.most_samples(time_s, global_batch_size) for c in classes) >= global_batch_size
 
     listed = _listed_breakpoints(classes, global_batch_size)
     if listed is not None:

@@ -121,11 +121,9 @@ class BalancedSplits:
 
     def first_layers(self, size_index: int) -> tuple[int, ...]:
         """Each stage's first layer at ``sizes[size_index]``."""
-        num_layers = self.choices[0].shape[1] - 1 if self.choices else None
-        if num_layers is None:
+        if not self.choices:
             return (0,)
-        firsts = []
-        j = num_layers
+        firsts, j = [], self.choices[0].shape[1] - 1
         for choice in reversed(self.choices):
             j = int(choice[size_index, j])
             firsts.append(j)
@@ -245,10 +243,9 @@ def split_options(
     """What a given split can run, each stage checkpointed only where the count needs it: entries
     ``(size, slowest stage's time, most micro-batches)``, a few per size, only those that fit.
 
-    At a count m a stage runs without checkpointing where its memory allows m, else with it;
-    between two consecutive limits of any stage (with or without) that choice is the same,
-    so one entry per limit covers every count: the stages whose limit without is at least
-    it run so, the others checkpointed (the entry is dropped where one of those cannot).
+    At a count m a stage runs without checkpointing where its memory allows m, else with it; between two consecutive
+    limits of any stage (with or without) that choice is the same, so one entry per limit covers every count: the stages
+    whose limit without is at least it run so, the others checkpointed (the entry is dropped where one of those cannot).
     """
     terms = _SplitTerms.of(shape, first_layers, tables, sizes)
     entries = []

@@ -30,11 +30,6 @@ micro-steps of every rank at its largest micro-batch."""
 __all__ = ["AUTO_ACCUMULATION_STEPS", "Allocation", "PolicyResult", "allocate", "best_global_batch"]
 
 
-def _default_max_batch(model: StageModel) -> int:
-    # Held to the search's limit: a large cluster of large micro-batches can exceed it.
-    return min(AUTO_ACCUMULATION_STEPS * model.total_max_micro_batch, MAX_GLOBAL_BATCH_SIZE)
-
-
 # ----------------------------------------------------------------------------------
 # uniform
 # ----------------------------------------------------------------------------------
@@ -83,10 +78,9 @@ def _proportional_weights(model: StageModel) -> np.ndarray:
 def _proportional_split(model: StageModel, total: int) -> list[list[tuple[int, int]]] | None:
     """Split `total` samples per micro-step over ranks in proportion to throughput.
 
-    Shares are ``clip(scale * weight, 1, cap)`` with the scale found by bisection,
-    then floored, and the remaining samples go one each to the ranks with the largest
-    remainders (ties: type order, then rank order). Returns per type a list of
-    ``(micro_batch, count)`` or None when `total` cannot fit.
+    Shares are ``clip(scale * weight, 1, cap)`` with the scale found by bisection, then floored, and the remaining
+    samples go one each to the ranks with the largest remainders (ties: type order, then rank order). Returns per type a
+    list of ``(micro_batch, count)`` or None when `total` cannot fit.
     """
     counts = model.counts
     caps = np.array([d.max_micro_batch_size for d in model.devices], dtype=np.int64)
@@ -160,46 +154,41 @@ def _proportional_best(model: StageModel, max_batch: int) -> PolicyResult:
 # ----------------------------------------------------------------------------------
 # The one entry point per question
 # ----------------------------------------------------------------------------------
-def _check_policy(policy: str) -> None:
+_RUN = {  # (exactly a global batch, the best global batch up to a maximum)
+    "uniform": (_uniform, _uniform_best),
+    "proportional": (_proportional, _proportional_best),
+    "poplar synchronised": (poplar_synchronised, poplar_synchronised_best),
+    "poplar independent": (poplar_independent, poplar_independent_best),
+}
+
+
+def _run(policy: str, model: StageModel, batch: int, *, best: bool) -> PolicyResult:
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {', '.join(map(repr, POLICIES))}, found {policy!r}")
+    reason = batch_problem(model, batch)
+    if reason:
+        return infeasible(reason)
+    if policy == "poplar":
+        policy = "poplar synchronised" if model.synchronised_micro_steps else "poplar independent"
+    exactly, best_up_to = _RUN[policy]
+    return (best_up_to if best else exactly)(model, batch)
 
 
 def allocate(policy: str, model: StageModel, global_batch_size: int) -> PolicyResult:
     """Allocate exactly `global_batch_size` samples per iteration with `policy`."""
-    _check_policy(policy)
-    reason = batch_problem(model, global_batch_size)
-    if reason:
-        return infeasible(reason)
-    if policy == "uniform":
-        return _uniform(model, global_batch_size)
-    if policy == "proportional":
-        return _proportional(model, global_batch_size)
-    if model.synchronised_micro_steps:
-        return poplar_synchronised(model, global_batch_size)
-    return poplar_independent(model, global_batch_size)
+    return _run(policy, model, global_batch_size, best=False)
 
 
 def best_global_batch(policy: str, model: StageModel, max_global_batch_size: int | None = None) -> PolicyResult:
     """The allocation with the highest predicted samples/s over global batches up to a maximum.
 
-    Without `max_global_batch_size` the maximum is `AUTO_ACCUMULATION_STEPS` micro-steps
-    of every rank at its largest micro-batch, at most `MAX_GLOBAL_BATCH_SIZE`. Candidates per policy: ``uniform`` every
-    micro-batch up to the smallest cap with the most accumulation steps that fit;
-    ``proportional`` the largest per-micro-step batch whose proportional shares fit,
-    times the most accumulation steps that fit; ``poplar`` every capacity level (all
-    ranks at their most samples within a time level, the only batches that leave no
-    rank idle) and the maximum itself.
+    Without `max_global_batch_size` the maximum is `AUTO_ACCUMULATION_STEPS` micro-steps of every rank at its largest
+    micro-batch, at most `MAX_GLOBAL_BATCH_SIZE`. Candidates per policy: ``uniform`` every micro-batch up to the
+    smallest cap with the most accumulation steps that fit; ``proportional`` the largest per-micro-step batch whose
+    proportional shares fit, times the most accumulation steps that fit; ``poplar`` every capacity level (all ranks at
+    their most samples within a time level, the only batches that leave no rank idle) and the maximum itself.
     """
-    _check_policy(policy)
-    max_batch = _default_max_batch(model) if max_global_batch_size is None else max_global_batch_size
-    reason = batch_problem(model, max_batch)
-    if reason:
-        return infeasible(reason)
-    if policy == "uniform":
-        return _uniform_best(model, max_batch)
-    if policy == "proportional":
-        return _proportional_best(model, max_batch)
-    if model.synchronised_micro_steps:
-        return poplar_synchronised_best(model, max_batch)
-    return poplar_independent_best(model, max_batch)
+    max_batch = max_global_batch_size
+    if max_batch is None:  # held to the search's limit: a large cluster of large micro-batches can exceed it
+        max_batch = min(AUTO_ACCUMULATION_STEPS * model.total_max_micro_batch, MAX_GLOBAL_BATCH_SIZE)
+    return _run(policy, model, max_batch, best=True)

@@ -129,7 +129,7 @@ class FlatTables:
 # ----------------------------------------------------------------------------------
 # Exact sums by bitsets: every reachable deficit (or headroom) up to a small target
 # ----------------------------------------------------------------------------------
-def _sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """{x + y} of two sets given as boolean masks over [0, cap], truncated to [0, cap]."""
     cap = len(a)
     if cap <= 512:
@@ -145,9 +145,8 @@ def _sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 class _TypeSums:
     """Which reductions (below each rank's maximum) n identical ranks can make together.
 
-    ``powers[j]`` is the set of sums of ``2**j`` single-rank reductions; the n-fold
-    set is the sum of the powers in n's binary expansion. Kept so that a reachable
-    total can be split back into per-rank reductions, as evenly as possible.
+    ``powers[j]`` is the set of sums of ``2**j`` single-rank reductions; the n-fold set is the sum of the powers in n's
+    binary expansion. Kept so that a reachable total can be split back into per-rank reductions, as evenly as possible.
     """
 
     def __init__(self, single: np.ndarray, count: int) -> None:
@@ -155,11 +154,11 @@ class _TypeSums:
         self.powers = [single]
         while (1 << len(self.powers)) <= count:
             last = self.powers[-1]
-            self.powers.append(last if last.all() else _sumset(last, last))
+            self.powers.append(last if last.all() else sumset(last, last))
         self.bits = [j for j in range(len(self.powers)) if count >> j & 1]
         self.partials = [np.eye(1, len(single), dtype=bool)[0]]
         for j in self.bits:
-            self.partials.append(_sumset(self.partials[-1], self.powers[j]))
+            self.partials.append(sumset(self.partials[-1], self.powers[j]))
         self._split = lru_cache(maxsize=None)(self._split_uncached)
 
     @property
@@ -202,10 +201,9 @@ class _TypeSums:
 def _offsets_mask(options: _RankOptions, target: int, downward: bool) -> np.ndarray:
     """One rank's reachable offsets up to `target`, as a mask over [0, target].
 
-    Downward the offset is the deficit below the rank's most work: ``gap_b + k * b`` for
-    ``0 <= k < steps_b``; upward it is the work above one sample: ``b - 1 + k * b``. Both
-    are arithmetic progressions, one per size, so building the mask costs O(target * log
-    sizes), whatever the rank's most work.
+    Downward the offset is the deficit below the rank's most work: ``gap_b + k * b`` for ``0 <= k < steps_b``; upward it
+    is the work above one sample: ``b - 1 + k * b``. Both are arithmetic progressions, one per size, so building the
+    mask costs O(target * log sizes), whatever the rank's most work.
     """
     mask = np.zeros(target + 1, dtype=bool)
     starts = options.gaps if downward else options.sizes - 1
@@ -219,8 +217,7 @@ def _exact_by_bitsets(model: StageModel, options: list[_RankOptions], time_s: fl
     """`_exact_at` by sumsets of per-rank offsets up to min(deficit, headroom): exact, O(that * log)."""
     maxima = [o.most_work for o in options]
     deficit = int(model.counts @ np.array(maxima)) - total
-    # Per-rank offsets from whichever end is nearer: down from every rank's most work,
-    # or up from one sample each.
+    # Per-rank offsets from whichever end is nearer: down from every rank's most work, or up from one sample each.
     headroom = total - model.world_size
     downward = deficit <= headroom
     target = deficit if downward else headroom
@@ -228,7 +225,7 @@ def _exact_by_bitsets(model: StageModel, options: list[_RankOptions], time_s: fl
     sums = [_TypeSums(single, device.num_ranks) for single, device in zip(singles, model.devices)]
     chain = [np.eye(1, target + 1, dtype=bool)[0]]
     for type_sums in sums:
-        chain.append(_sumset(chain[-1], type_sums.reachable))
+        chain.append(sumset(chain[-1], type_sums.reachable))
     if not chain[-1][target]:
         return None
     groups: Groups = [[] for _ in model.devices]
@@ -284,9 +281,8 @@ def _two_level_at(
 ) -> list[list[tuple[int, int, int]]] | None:
     """Fast path of `_exact_at`: within each type, every rank runs one of two adjacent achievable counts.
 
-    Type totals are proportional to capacity, clipped to what each type can run
-    (water-filling); one type (each tried in turn) absorbs the rounding. Returns None
-    when this shape cannot hit `total`.
+    Type totals are proportional to capacity, clipped to what each type can run (water-filling); one type (each tried in
+    turn) absorbs the rounding. Returns None when this shape cannot hit `total`.
     """
     counts = [d.num_ranks for d in model.devices]
     values = [_achievable_work(d.step_time_table_s, time_s, m) for d, m in zip(model.devices, maxima)]
@@ -425,10 +421,9 @@ def _single_residues(options: _RankOptions, modulus: int, deficit: int) -> np.nd
 class _ResidueSums:
     """Smallest total deficit of `count` identical ranks in each residue class, with the way back.
 
-    Every rank adds one deficit of its own (0, the rank at its most work, among them). A
-    smallest sum has at most ``modulus - 1`` nonzero terms: among more, two partial sums
-    share a residue and the terms between them could be dropped for a smaller sum in the
-    same class. So `count` is capped there, and the work depends on the modulus only.
+    Every rank adds one deficit of its own (0, the rank at its most work, among them). A smallest sum has at most
+    ``modulus - 1`` nonzero terms: among more, two partial sums share a residue and the terms between them could be
+    dropped for a smaller sum in the same class. So `count` is capped there, and the work depends on the modulus only.
     ``powers[j]`` is the vector for ``2**j`` ranks, found by (min, +) squaring.
     """
 
@@ -475,10 +470,9 @@ class _ResidueSums:
 def _residue_anchor(options: list[_RankOptions], deficit: int) -> int | None:
     """The device type whose rank can take up what the others leave, or None.
 
-    `_exact_by_residues` puts the remainder of the deficit on one rank of this type;
-    that rank can take any ``gap_b + k * b`` up to ``most_work - b``, so the deficit must
-    not exceed that for its largest size. Among such types, the one with the least work
-    (sum of squared moduli).
+    `_exact_by_residues` puts the remainder of the deficit on one rank of this type; that rank can take any
+    ``gap_b + k * b`` up to ``most_work - b``, so the deficit must not exceed that for its largest size. Among such
+    types, the one with the least work (sum of squared moduli).
     """
     best, best_cost = None, math.inf
     for index, o in enumerate(options):
@@ -496,14 +490,12 @@ def _exact_by_residues(
 ) -> Groups | None:
     """`_exact_at` by residue classes, exact when `anchor` is `_residue_anchor`'s type.
 
-    Pick any rank of the anchor type (all are alike); in any split it runs some size b,
-    with deficit ``gap_b + k * b``. The other ranks must then make up ``deficit - gap_b``
-    minus a multiple of b, so a split with that size exists exactly when the smallest
-    deficit the others can make in the residue class of ``deficit - gap_b`` modulo b is at
-    most ``deficit - gap_b`` (the anchor rank takes the rest: a multiple of b, at most
-    ``most_work - b`` by the anchor condition). Every usable size b is tried, best first.
-    Cost: per size, (min, +) products of length b, a few per type; no array is sized by
-    the batch or by the number of ranks.
+    Pick any rank of the anchor type (all are alike); in any split it runs some size b, with deficit ``gap_b + k * b``.
+    The other ranks must then make up ``deficit - gap_b`` minus a multiple of b, so a split with that size exists
+    exactly when the smallest deficit the others can make in the residue class of ``deficit - gap_b`` modulo b is at
+    most ``deficit - gap_b`` (the anchor rank takes the rest: a multiple of b, at most ``most_work - b`` by the anchor
+    condition). Every usable size b is tried, best first. Cost: per size, (min, +) products of length b, a few per type;
+    no array is sized by the batch or by the number of ranks.
     """
     maxima = [o.most_work for o in options]
     deficit = int(model.counts @ np.array(maxima)) - total
@@ -556,11 +548,10 @@ def _exact_by_residues(
 def _exact_at(model: StageModel, time_s: float, total: int) -> Groups | None:
     """An allocation of exactly `total` samples with every rank busy <= `time_s`, or None (exact).
 
-    Decided from the nearer end (deficit below every rank's most work, or headroom above
-    one sample each): by bitsets when that is within `SMALL_DELTA`; otherwise by residue
-    classes where one rank can take up the remainder (`_residue_anchor`); otherwise the
-    two-level construction is tried (a quick way to find a split, not a proof that there
-    is none), then bitsets.
+    Decided from the nearer end (deficit below every rank's most work, or headroom above one sample each): by bitsets
+    when that is within `SMALL_DELTA`; otherwise by residue classes where one rank can take up the remainder
+    (`_residue_anchor`); otherwise the two-level construction is tried (a quick way to find a split, not a proof that
+    there is none), then bitsets.
     """
     options = [_rank_options(d.step_time_table_s, time_s) for d in model.devices]
     maxima = [o.most_work for o in options]
@@ -644,14 +635,10 @@ def capacity_levels(model: StageModel, low_s: float, high_s: float) -> tuple[np.
     times, types, work, start = [], [], [], []
     for index, device in enumerate(model.devices):
         table = device.step_time_table_s
-        first = first_steps_from(low_s, table)
-        last = steps_within(high_s, table)
+        first, per_size = level_steps(table, low_s, high_s)
         sizes = np.arange(1, len(table) + 1)
         start.append(int(np.max(sizes * (first - 1))))
-        per_size = np.maximum(0, last - first + 1)
-        size_index = np.repeat(np.arange(len(table)), per_size)
-        offsets = np.arange(len(size_index)) - np.repeat(np.cumsum(per_size) - per_size, per_size)
-        steps = first[size_index] + offsets
+        size_index, steps = level_points(first, per_size)
         times.append(steps * table[size_index])
         work.append(steps * sizes[size_index])
         types.append(np.full(len(size_index), index))
@@ -667,17 +654,22 @@ def capacity_levels(model: StageModel, low_s: float, high_s: float) -> tuple[np.
     return times_all[last_of_time], capacity[last_of_time]
 
 
+def level_steps(table: np.ndarray, low_s: float, high_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per size, the fewest micro-steps ``s`` with ``s * t(b) >= low_s`` and how many counts from there stay
+    within `high_s` (0 or more)."""
+    first = first_steps_from(low_s, table)
+    return first, np.maximum(0, steps_within(high_s, table) - first + 1)
+
+
+def level_points(first: np.ndarray, per_size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every ``(b, s)`` that `level_steps` counts, size by size: each one's size index and micro-steps."""
+    size_index = np.repeat(np.arange(len(first)), per_size)
+    offsets = np.arange(len(size_index)) - np.repeat(np.cumsum(per_size) - per_size, per_size)
+    return size_index, first[size_index] + offsets
+
+
 def level_count(model: StageModel, low_s: float, high_s: float) -> int:
-    return sum(
-        int(
-            np.sum(
-                np.maximum(
-                    0, steps_within(high_s, d.step_time_table_s) - first_steps_from(low_s, d.step_time_table_s) + 1
-                )
-            )
-        )
-        for d in model.devices
-    )
+    return sum(int(np.sum(level_steps(d.step_time_table_s, low_s, high_s)[1])) for d in model.devices)
 
 
 def poplar_independent_best(model: StageModel, max_batch: int) -> PolicyResult:

@@ -9,19 +9,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
+from operator import attrgetter
 from typing import Any
 
-from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import Cluster, Plan, load_cluster, load_plan, load_profiles, read_json
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import PipelinePlan, layer_profiles_dir, load_layer_profiles, load_pipeline_plan
 
 from .api import PlanPrediction, predict
-from .cli_common import EXIT_BAD_INPUT, EXIT_OK, chosen_network, rank_span, table
+from .cli_common import EXIT_OK, bad_input, chosen_network, rank_span, runs, table
 from .pipeline_cost import BoundaryTransfer, PipelinePrediction, predict_pipeline
-
-PROG = "poplar-search"
 
 
 def run_predict(args: argparse.Namespace) -> int:
@@ -37,12 +34,8 @@ def run_predict(args: argparse.Namespace) -> int:
         else:
             plan = load_plan(args.predict)
             prediction = predict(plan, load_profiles(args.profiles), network)
-    except FormatError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except ValueError as exc:
-        print(f"{PROG}: error: {exc} (plan: {args.predict}, profiles: {args.profiles})", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return bad_input(exc, f"plan: {args.predict}, profiles: {args.profiles}")
     if args.format == "json":
         data = {"plan": str(args.predict), "parallelism": kind, "network_priced": network is not None}
         print(json.dumps({**data, "prediction": dataclasses.asdict(prediction)}, indent=2))
@@ -67,29 +60,20 @@ def zero_prediction_table(plan: Plan, prediction: PlanPrediction, network: Netwo
     rows = [["ranks", "device type", "micro-batch", "accumulation", "compute s", "communication s", "busy s", "idle"]]
     compute = prediction.rank_compute_time_s or prediction.rank_busy_time_s
     slowest = max(prediction.rank_busy_time_s)
-    start = 0
-    for end in range(1, len(plan.ranks) + 1):
+    for start, end in runs(plan.ranks, attrgetter("device_type", "micro_batch_size", "gradient_accumulation_steps")):
         first = plan.ranks[start]
-        alike = (first.device_type, first.micro_batch_size, first.gradient_accumulation_steps)
-        if end < len(plan.ranks) and alike == _alike(plan.ranks[end]):
-            continue
         busy = prediction.rank_busy_time_s[start]
         rows.append(
             [rank_span(start, end - 1), first.device_type, str(first.micro_batch_size)]
             + [str(first.gradient_accumulation_steps), f"{compute[start]:.4g}", f"{busy - compute[start]:.4g}"]
             + [f"{busy:.4g}", f"{100 * (1 - busy / slowest):.1f}%"]
         )
-        start = end
     boundary = (
         f"boundary {prediction.boundary_s:.4g} s: optimizer step {prediction.optimizer_step_s:.4g} s, "
         f"collectives {prediction.boundary_communication_s:.4g} s"
     )
     header = f"ZeRO stage {plan.zero_stage}, global batch {plan.global_batch_size}, {plan.world_size} ranks"
     return "\n".join([header, *_summary(prediction, network), "", table(rows), "", boundary])
-
-
-def _alike(rank: Any) -> tuple:
-    return (rank.device_type, rank.micro_batch_size, rank.gradient_accumulation_steps)
 
 
 def pipeline_prediction_table(
@@ -138,6 +122,3 @@ def _links_table(boundaries: tuple[BoundaryTransfer, ...], cluster: Cluster | No
             + [link, "not priced" if bandwidth is None else f"{bandwidth:.4g}", f"{boundary.time_s:.4g}"]
         )
     return "activation transfers per link (forward and back, per iteration):\n" + table(rows)
-
-
-__all__ = ["pipeline_prediction_table", "run_predict", "zero_prediction_table"]
