@@ -581,7 +581,7 @@ def time_micro_steps(
     sizes: Mapping[str, list[int]],
     *,
     zero_stage: int,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | Mapping[str, bool] = False,
     optimizer_offload: bool = False,
 ) -> dict[str, dict[int, float]]:
     """Device type -> micro-batch size -> median micro-step time over its ranks, for calibration (collective).
@@ -589,6 +589,8 @@ def time_micro_steps(
     One engine at `zero_stage` with the given memory levers, built as profiling builds it; every rank
     runs its type's `sizes`, timed as training runs them where no collective is waited in
     (`calibration.timed_as_training`), else as profiling times them. The same dict on every rank.
+    `activation_checkpointing` per device type (a plan's, which may differ by type at stages 0-2, as
+    training runs it) or one setting for all.
     """
     options, settings = _checked(dataclasses.replace(options, zero_stages=(zero_stage,)))
     device = join_job()
@@ -596,6 +598,8 @@ def time_micro_steps(
     with _measuring_process(device):
         layout = build_layout(options.cluster, device, bf16=training_dtype(options.ds_config) == "bfloat16")
         session = _start_session(options, settings, layout)
+        if isinstance(activation_checkpointing, Mapping):
+            activation_checkpointing = activation_checkpointing.get(layout.my_type, False)
         run = _Run(zero_stage, activation_checkpointing, optimizer_offload)
         wanted = {t: sorted(set(v)) for t, v in sizes.items() if t in layout.type_names and v}
         mine = StageMeasurement(

@@ -166,13 +166,12 @@ def missing_profiles_measurer(
     def time_at_sizes(sizes: Mapping[str, list[int]], plan: Plan, cluster: Cluster) -> dict[str, dict[int, float]]:
         from poplar_ext.profiler.api import time_micro_steps
 
-        first = plan.ranks[0]
         return time_micro_steps(
             ProfileOptions(**options(cluster, repeats=calibration_repeats)),
             sizes,
             zero_stage=plan.zero_stage,
-            activation_checkpointing=first.activation_checkpointing,
-            optimizer_offload=first.optimizer_offload,
+            activation_checkpointing={r.device_type: r.activation_checkpointing for r in plan.ranks},
+            optimizer_offload=plan.ranks[0].optimizer_offload,
         )
 
     measure.time_at_sizes = time_at_sizes  # type: ignore[attr-defined]  # the same inputs, for calibration

@@ -476,9 +476,9 @@ def _calibrated(
     """`plan`, or the plan searched again from the cached profiles checked against micro-steps timed now
     at `sizes` (device type -> the plan's sizes); collective. The result records the checks."""
     settings = request.poplar_config.calibration
-    if len({(r.activation_checkpointing, r.optimizer_offload) for r in plan.ranks}) > 1:
-        # One engine times every rank: the ranks' memory levers must agree (the plan alike on every rank).
-        logger.info("poplar.calibration: not checked (the plan's ranks use different memory levers)")
+    if len({r.optimizer_offload for r in plan.ranks}) > 1:
+        # One engine config times every rank: their optimizer offload must agree (checkpointing may differ).
+        logger.info("poplar.calibration: not checked (the plan offloads the optimizer on some ranks only)")
         return plan
     measured = time_at_sizes(sizes, plan, request.cluster)  # collective
 

@@ -363,12 +363,15 @@ def _calibration_run(profile) -> dict:
     sizes_run: list[int] = []
     clock = _StandInClock()
 
+    checkpointed: list[bool] = []
+
     def loss(engine, batch):
         sizes_run.append(len(batch))
+        checkpointed.append(engine.module.activation_checkpointing)
         clock.compute(len(batch) * SECONDS_PER_SAMPLE)
         return default_loss(engine, batch)
 
-    def timed(fast_slowdown: float) -> dict:
+    def timed(fast_slowdown: float, checkpointing: bool | dict[str, bool] = False) -> dict:
         base = _agreed_resident_bytes()
         cluster = _cluster([("fast", fast_slowdown, base + 2000 * MB), ("slow", 4.0, base + 2000 * MB)])
         options = ProfileOptions(
@@ -386,7 +389,7 @@ def _calibration_run(profile) -> dict:
             mock.patch.object(emulation, "time", clock),
             mock.patch.object(measure, "time", clock),
         ):
-            return time_micro_steps(options, sizes, zero_stage=0)
+            return time_micro_steps(options, sizes, zero_stage=0, activation_checkpointing=checkpointing)
 
     made = timed(2.0)
     cached = [
@@ -399,8 +402,16 @@ def _calibration_run(profile) -> dict:
         for b in v
     ]
     sizes_run.clear()
-    checks = check_profiles(cached, timed(2.8), threshold=0.1, action="rescale")
-    return {"checks": checks, "cached": cached, "rescaled": apply_checks(cached, checks), "sizes_run": sizes_run}
+    checkpointed.clear()
+    # The check runs each rank with its type's checkpointing, as a plan that differs by type trains.
+    checks = check_profiles(cached, timed(2.8, {"fast": True, "slow": False}), threshold=0.1, action="rescale")
+    return {
+        "checks": checks,
+        "cached": cached,
+        "rescaled": apply_checks(cached, checks),
+        "sizes_run": sizes_run,
+        "checkpointed": set(checkpointed),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -462,6 +473,8 @@ def test_a_cached_profile_40_percent_off_is_caught_at_start_and_rescaled(measure
     # Micro-batch 1 without the boundary (its out-of-memory agreed), the engine's first optimizer step at
     # micro-batch 1, then 1 warm-up + 3 timed micro-steps at the size.
     assert [r["sizes_run"] for r in runs] == [[1, 1] + [LIMIT] * 4, [1, 1] + [LIMIT // 2] * 4]
+    # Each rank timed with its own type's activation checkpointing (rank 0 fast: on; rank 1 slow: off).
+    assert [r["checkpointed"] for r in runs] == [{True}, {False}]
 
 
 def test_smaller_memory_gives_a_smaller_largest_micro_batch_that_really_fits(measured) -> None:

@@ -250,3 +250,113 @@ def test_calibration_is_logged_by_rank_0_alone(caplog, monkeypatch):
         assert calibrated.calibration == {"fast": checks["fast"].to_dict()}
     assert "poplar.calibration: fast ran 1.02x" in logged[0] and "used as it is" in logged[0]
     assert "poplar.calibration" not in logged[1]
+
+
+def _plan_with_levers(levers: dict[str, tuple[bool, bool]]):
+    return plan_from_dict(
+        {
+            "schema_version": 1,
+            "policy": "poplar",
+            "zero_stage": 1,
+            "global_batch_size": 4,
+            "ranks": [
+                {
+                    "rank": r,
+                    "device_type": device_type,
+                    "micro_batch_size": 2,
+                    "gradient_accumulation_steps": 1,
+                    "activation_checkpointing": checkpointing,
+                    "optimizer_offload": offload,
+                }
+                for r, (device_type, (checkpointing, offload)) in enumerate(levers.items())
+            ],
+            "predicted": {"iteration_time_s": 1.0, "samples_per_s": 4.0, "ideal_samples_per_s": 4.0},
+            "profile_fingerprints": {},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("levers", "checked"),
+    [
+        # Types that differ in activation checkpointing (the search's choice at stages 0-2, and under CPU
+        # noise the choice can flip between runs) are checked: each rank times with its own setting.
+        ({"fast": (True, False), "slow": (False, False)}, True),
+        ({"fast": (False, True), "slow": (False, False)}, False),
+    ],
+)
+def test_a_plan_whose_types_differ_in_checkpointing_is_still_checked(monkeypatch, caplog, levers, checked):
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from poplar_ext.profiler.calibration import CalibrationCheck
+    from poplar_ext.runtime.config import poplar_config_from_dict
+    from poplar_ext.zero import planning
+
+    plan = _plan_with_levers(levers)
+    request = SimpleNamespace(
+        poplar_config=poplar_config_from_dict({"profiles": "p"}, base_dir=Path(".")), cluster=None
+    )
+    checks = {
+        t: CalibrationCheck(device_type=t, measured_over_profiled=1.0, sizes=(2,), outcome="trusted") for t in levers
+    }
+    monkeypatch.setattr(planning, "decided_by_rank0", lambda decide, rank, broadcast: checks)
+    timed = []
+    with caplog.at_level(logging.INFO, logger=planning.__name__):
+        calibrated = planning._calibrated(
+            request,
+            plan,
+            {t: [2] for t in levers},
+            rank=0,
+            broadcast=lambda outcome: outcome,
+            time_at_sizes=lambda sizes, plan, cluster: timed.append(sizes) or {},
+            measure=None,
+        )
+    assert bool(timed) is checked
+    assert calibrated.calibration == ({t: c.to_dict() for t, c in checks.items()} if checked else {})
+    assert ("offloads the optimizer on some ranks only" in caplog.text) is not checked
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    zero_stages: tuple[int, ...] = ()
+    cluster: object = None
+    make_batch: object = None
+    loss_fn: object = None
+    ds_config: dict = dataclasses.field(default_factory=dict)
+
+
+@pytest.mark.parametrize("my_type", ["fast", "slow"])
+def test_calibration_times_each_rank_with_its_own_types_checkpointing(monkeypatch, my_type):
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from poplar_ext.profiler import api
+    from poplar_ext.profiler.measure import MeasureSettings
+
+    built = []
+
+    class Session:
+        def build_engine(self, run):
+            built.append(run)
+
+    class Measurement:
+        def __init__(self, *, build_engine, **_):
+            self.build_engine = build_engine
+
+        def time_sizes(self, sizes):
+            self.build_engine(1)
+            return {}
+
+    monkeypatch.setattr(api, "_checked", lambda options: (options, MeasureSettings()))
+    monkeypatch.setattr(api, "join_job", lambda: SimpleNamespace(type="cpu"))
+    monkeypatch.setattr(api, "_measuring_process", lambda device: nullcontext())
+    layout = SimpleNamespace(type_names=("fast", "slow"), my_type=my_type)
+    monkeypatch.setattr(api, "build_layout", lambda cluster, device, bf16: layout)
+    monkeypatch.setattr(api, "_start_session", lambda options, settings, layout: Session())
+    monkeypatch.setattr(api, "StageMeasurement", Measurement)
+    monkeypatch.setattr(api, "gather_objects", lambda obj: [obj])
+    api.time_micro_steps(
+        _Options(), {"fast": [2], "slow": [1]}, zero_stage=1, activation_checkpointing={"fast": True, "slow": False}
+    )
+    assert [run.checkpointing for run in built] == [my_type == "fast"]
