@@ -42,31 +42,24 @@ def initialize(
         lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn,
         config=config, config_params=config_params, mesh_param=mesh_param,
     )  # fmt: skip
+    zero_only = dict(distributed_port=distributed_port, loss_fn=loss_fn, checkpointing_toggle=checkpointing_toggle)
     from poplar_ext.pipeline.module import PoplarPipelineModule
 
     if isinstance(model, PoplarPipelineModule):
-        _refuse_zero_only_arguments(
-            distributed_port=distributed_port, loss_fn=loss_fn, checkpointing_toggle=checkpointing_toggle
-        )
+        # The pipeline module was built with its process group, profiles and layers: these would be
+        # ignored, which a user who passed them would not expect.
+        given = [name for name, value in zero_only.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"poplar_ext.initialize: {', '.join(given)}: expected None for a PoplarPipelineModule (the module "
+                "was built with its process group and layer profiles), found a value"
+            )
         from poplar_ext.pipeline.initialize import initialize_pipeline
 
         return initialize_pipeline(**common)
     from poplar_ext.zero.initialize import initialize as initialize_zero
 
-    return initialize_zero(
-        **common, distributed_port=distributed_port, loss_fn=loss_fn, checkpointing_toggle=checkpointing_toggle
-    )
-
-
-def _refuse_zero_only_arguments(**arguments: Any) -> None:
-    # The pipeline module was built with its process group, profiles and layers: these would be
-    # ignored, which a user who passed them would not expect.
-    given = [name for name, value in arguments.items() if value is not None]
-    if given:
-        raise ValueError(
-            f"poplar_ext.initialize: {', '.join(given)}: expected None for a PoplarPipelineModule (the module "
-            "was built with its process group and layer profiles), found a value"
-        )
+    return initialize_zero(**common, **zero_only)
 
 
 __all__ = ["initialize"]

@@ -24,12 +24,7 @@ from poplar_ext.runtime.config import AUTO, DICT_SOURCE, SECTION, GlobalBatchReq
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from poplar_ext.zero.engine import PoplarEngine
-from poplar_ext.zero.initialize import (
-    Job,
-    prepare_job,
-    set_up_rank,
-    wrap_built_engine,
-)
+from poplar_ext.zero.initialize import Job, prepare_job, set_up_rank, wrap_built_engine
 
 logger = logging.getLogger(__name__)
 

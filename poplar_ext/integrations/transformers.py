@@ -34,12 +34,7 @@ from poplar_ext.runtime.data import IterationSampler, MicroBatchesDataset, PlanB
 from poplar_ext.runtime.evaluation import EvalBatchSampler, eval_batch_sizes
 from poplar_ext.runtime.weighting import label_token_count
 from poplar_ext.zero.engine import PoplarEngine, set_deepspeed_batch
-from poplar_ext.zero.initialize import (
-    Job,
-    prepare_job,
-    rank_devices,
-    wrap_built_engine,
-)
+from poplar_ext.zero.initialize import Job, prepare_job, rank_devices, wrap_built_engine
 
 logger = logging.getLogger(__name__)
 

@@ -75,11 +75,6 @@ class DriftMonitor:
         self.rank_scales = self.rank_scales or [1.0] * world_size
         self.streaks = self.streaks or [0] * world_size
 
-    @property
-    def last_ratios(self) -> list[float | None]:
-        """Each rank's measured / predicted compute time at the last check (None: no iteration measured)."""
-        return list(self.checks[-1]["ratios"]) if self.checks else [None] * self.cluster.world_size
-
     def predicted_compute_s(self, plan: Plan) -> list[float]:
         """Each rank's predicted compute time per iteration under `plan` and the assumed speeds."""
         from poplar_ext.plan.levers import plan_levers

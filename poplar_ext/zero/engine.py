@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from poplar_ext.collectives import agree_sum
-from poplar_ext.hardware.emulation import (
-    OPTIMIZER_STEP_KEY,
-    ComputeSlowdown,
-    micro_step_key,
-    warn_on_overrun,
-)
+from poplar_ext.hardware.emulation import OPTIMIZER_STEP_KEY, ComputeSlowdown, micro_step_key, warn_on_overrun
 from poplar_ext.hardware.optimizer_window import optimizer_compute_window
 from poplar_ext.plan.formats import Plan, one_accumulation_count, plan_from_dict, plan_to_dict
 from poplar_ext.runtime.checkpoint import (
@@ -482,6 +477,7 @@ class PoplarEngine(EngineCore):
         Returns DeepSpeed's ``(path, client_state)``.
         """
         from poplar_ext.collectives import decided_by_rank0
+        from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
 
         resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=self._rank)
         saved = None if resolved is None else decided_by_rank0(lambda: read_state(load_dir, resolved), rank=self._rank)
@@ -497,8 +493,10 @@ class PoplarEngine(EngineCore):
                 load_module_only=bool(kwargs.get("load_module_only")),
             )
             if decision.world_size_changed and self.plan.zero_stage >= 1 and not kwargs.get("load_module_only"):
-                load_tag = self._universal_checkpoint(Path(load_dir), resolved)
-        with self._loading_universal(load_tag is not tag):
+                load_tag = resharded_tag(
+                    Path(load_dir), resolved, deepspeed_engine=self.deepspeed_engine, rank=self._rank
+                )
+        with loading_resharded(self.deepspeed_engine) if load_tag is not tag else nullcontext():
             path, client_state = self.deepspeed_engine.load_checkpoint(load_dir, tag=load_tag, **kwargs)
         if path is None:
             return path, client_state
@@ -529,21 +527,6 @@ class PoplarEngine(EngineCore):
         elif not position_samplers and next_iteration is not None:
             self._first_sampler_base = next_iteration
         self._continue_plans(decision)
-
-    def _universal_checkpoint(self, load_dir: Path, tag: str) -> str:
-        from poplar_ext.runtime.reshard import resharded_tag
-
-        return resharded_tag(load_dir, tag, deepspeed_engine=self.deepspeed_engine, rank=self._rank)
-
-    @contextmanager
-    def _loading_universal(self, universal: bool) -> Iterator[None]:
-        if not universal:
-            yield
-            return
-        from poplar_ext.runtime.reshard import loading_resharded
-
-        with loading_resharded(self.deepspeed_engine):
-            yield
 
 
 __all__ = ["CLIENT_STATE_KEY", "PoplarEngine", "set_deepspeed_batch"]

@@ -15,15 +15,10 @@ from typing import Any
 import torch
 
 from poplar_ext.activation_checkpointing import CheckpointingToggle, apply_plan_checkpointing
-from poplar_ext.collectives import (
-    broadcast_from_rank0,
-    process_group_rank,
-)
+from poplar_ext.collectives import broadcast_from_rank0, process_group_rank
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.hardware.devices import join_job
-from poplar_ext.hardware.discovery import (
-    memory_capacity_bytes,
-)
+from poplar_ext.hardware.discovery import memory_capacity_bytes
 from poplar_ext.hardware.emulation import (
     ComputeSlowdown,
     check_emulation_range,

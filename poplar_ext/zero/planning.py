@@ -14,15 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from poplar_ext.collectives import decided_by_rank0
 from poplar_ext.plan.errors import FormatError
-from poplar_ext.plan.formats import (
-    ZERO_STAGES,
-    Cluster,
-    Plan,
-    Profile,
-    load_profiles,
-    plan_from_dict,
-    plan_to_dict,
-)
+from poplar_ext.plan.formats import ZERO_STAGES, Cluster, Plan, Profile, load_profiles, plan_from_dict, plan_to_dict
 from poplar_ext.profiler.auto import MeasureMissing, TimeAtSizes
 from poplar_ext.profiler.calibration import (
     REMEASURED,
