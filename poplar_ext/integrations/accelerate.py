@@ -247,12 +247,7 @@ class PoplarAccelerator(Accelerator):
             sampler = self.poplar_engine.create_batch_sampler(len(dataset))
         else:
             sampler = PlanBatchSampler.from_plan(
-                self.job.plan,
-                rank=self.job.rank,
-                num_samples=len(dataset),
-                seed=config.seed,
-                shuffle=config.shuffle,
-                drop_last=config.drop_last,
+                self.job.plan, rank=self.job.rank, num_samples=len(dataset), **config.data_order
             )
         options = {name: getattr(loader, name) for name in _DATALOADER_OPTIONS if hasattr(loader, name)}
         if loader.num_workers > 0:

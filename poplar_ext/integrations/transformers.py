@@ -381,15 +381,12 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         dataset, collator = _dataset_and_collator(self, self.train_dataset, "Training")
-        config = self.job.poplar_config
         self._train_sampler = PlanBatchSampler.from_plan(
             self.plan,
             rank=self.job.rank,
             num_samples=len(dataset),
-            seed=config.seed,
-            shuffle=config.shuffle,
-            drop_last=config.drop_last,
             iterations_per_pass=self._iterations_per_epoch(len(dataset)),
+            **self.job.poplar_config.data_order,
         )
         iterations = IterationSampler(self._train_sampler)
         loader = torch.utils.data.DataLoader(
@@ -537,7 +534,6 @@ class PoplarTrainerMixin(_PlanEvaluation):
 
     # -- checkpoints -------------------------------------------------------------------
     def _poplar_state(self) -> dict:
-        config = self.job.poplar_config
         position = self.state.global_step * self.plan.global_batch_size
         if self._train_sampler is not None:
             position = self._train_sampler.iteration_start(self.state.global_step)
@@ -546,9 +542,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
             self.plan,
             consumed_samples=self.state.global_step * self.plan.global_batch_size,
             data_position=position,
-            seed=config.seed,
-            shuffle=config.shuffle,
-            drop_last=config.drop_last,
+            **self.job.poplar_config.data_order,
             plan_history=self._plan_history if engine is None else engine.plan_history,
         )
         state["step"] = self.state.global_step

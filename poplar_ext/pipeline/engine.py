@@ -334,15 +334,12 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
     def create_batch_sampler(self, num_samples: int) -> PlanBatchSampler:
         """This pipeline's batch sampler: its share of every iteration from the shared stream, the
         pipelines taking the places ranks take in a ZeRO job (`poplar_ext.runtime.data`)."""
-        config = self.poplar_config
         sampler = PlanBatchSampler.from_plan(
             self.plan,
             num_samples=num_samples,
             rank=self.pipeline_index,
-            seed=config.seed,
-            shuffle=config.shuffle,
             consumed_samples=self.data_position,
-            drop_last=config.drop_last,
+            **self.poplar_config.data_order,
         )
         self._samplers.append(sampler)
         return sampler

@@ -126,6 +126,11 @@ class PoplarConfig:
     profiles_defaulted: bool = False
     """True when `profiles` is `default_profiles_dir` because the section named neither a plan nor profiles."""
 
+    @property
+    def data_order(self) -> dict[str, Any]:
+        """The options fixing the order of the data stream: ``seed``, ``shuffle``, ``drop_last``."""
+        return {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
+
 
 _KEYS = tuple(f.name for f in fields(PoplarConfig) if f.name not in ("source", "profiles_defaulted"))
 

@@ -112,14 +112,11 @@ class EngineCore(FollowsRebalancing):
     # -- checkpoints -------------------------------------------------------------
     def _client_state(self) -> dict:
         """What this job writes into a checkpoint's ``poplar_state.json``."""
-        config = self.poplar_config
         state = poplar_client_state(
             self.plan,
             consumed_samples=self.consumed_samples,
             data_position=self.data_position,
-            seed=config.seed,
-            shuffle=config.shuffle,
-            drop_last=config.drop_last,
+            **self.poplar_config.data_order,
             plan_history=self.plan_history,
         )
         state["step"] = self.global_steps

@@ -381,11 +381,9 @@ class PoplarEngine(EngineCore):
             self.plan,
             rank=self._rank,
             num_samples=num_samples,
-            seed=self.poplar_config.seed,
-            shuffle=self.poplar_config.shuffle,
             consumed_samples=self.data_position,
             iterations_per_pass=iterations_per_pass,
-            drop_last=self.poplar_config.drop_last,
+            **self.poplar_config.data_order,
         )
         self._add_sampler(sampler)
         return sampler
