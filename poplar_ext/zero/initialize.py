@@ -383,11 +383,9 @@ def _deepspeed_engine(
     import deepspeed
 
     # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
-    ds_args = None
-    if args is not None:
-        ds_args = copy.copy(args)
-        if hasattr(ds_args, "deepspeed_config"):
-            ds_args.deepspeed_config = None
+    ds_args = copy.copy(args)
+    if hasattr(ds_args, "deepspeed_config"):
+        ds_args.deepspeed_config = None
     extra = {} if distributed_port is None else {"distributed_port": distributed_port}
     engine, optimizer, _, scheduler = deepspeed.initialize(args=ds_args, config=nominal, **deepspeed_arguments, **extra)
     count_true_global_batch(engine, plan)
