@@ -108,13 +108,3 @@ def apply_plan_checkpointing(
     enabled = plan.ranks[rank].activation_checkpointing
     switch(model, enabled)
     return enabled
-
-
-__all__ = [
-    "CheckpointingToggle",
-    "apply_plan_checkpointing",
-    "can_checkpoint",
-    "cannot_checkpoint_message",
-    "checkpointing_toggle",
-    "set_activation_checkpointing",
-]

@@ -68,6 +68,3 @@ def ends_job_on_user_error(function: F) -> F:
             raise
 
     return settle  # type: ignore[return-value]
-
-
-__all__ = ["USER_ERRORS", "end_restarting_launcher", "ends_job_on_user_error", "restarts_left"]

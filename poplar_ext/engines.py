@@ -60,6 +60,3 @@ def initialize(
     from poplar_ext.zero.initialize import initialize as initialize_zero
 
     return initialize_zero(**common, **zero_only)
-
-
-__all__ = ["initialize"]

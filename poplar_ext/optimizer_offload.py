@@ -30,6 +30,3 @@ def offload_deepspeed_optimizer(ds_config: dict[str, Any]) -> dict[str, Any]:
     zero["offload_optimizer"] = options
     ds_config.setdefault("zero_force_ds_cpu_optimizer", False)
     return ds_config
-
-
-__all__ = ["OFFLOAD_MODES", "offload_deepspeed_optimizer"]

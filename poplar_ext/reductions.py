@@ -13,5 +13,3 @@ Reduction = Literal["mean", "sum", "token_mean"]
 """``mean`` of samples, ``sum``, or ``token_mean`` (of label tokens, ``-100`` ignored)."""
 
 REDUCTIONS: tuple[Reduction, ...] = get_args(Reduction)
-
-__all__ = ["REDUCTIONS", "Reduction"]

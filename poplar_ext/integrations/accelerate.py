@@ -350,6 +350,3 @@ class PoplarAccelerator(Accelerator):
         gathered = self.gather(pad_across_processes(tensor, dim=0))
         width = max(rows)
         return torch.cat([gathered[r * width : r * width + n] for r, n in enumerate(rows)])
-
-
-__all__ = ["PoplarAccelerator"]

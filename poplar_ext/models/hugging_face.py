@@ -66,6 +66,3 @@ class PaddedTokens(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.input_ids[index], self.labels[index]
-
-
-__all__ = ["HF_TASKS", "PaddedTokens", "model_from_config", "random_lm_batch"]

@@ -19,6 +19,3 @@ def random_tokens(
     if generator is None:
         generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, shape, generator=generator)
-
-
-__all__ = ["random_tokens"]

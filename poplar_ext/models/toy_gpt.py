@@ -145,6 +145,3 @@ class SyntheticTokens(torch.utils.data.Dataset):
         # A generator per item keeps items independent of access order, which the
         # exactly-once data tests rely on.
         return random_tokens(self.vocab_size, (self.sequence_length + 1,), seed=self.seed * 1_000_003 + index)
-
-
-__all__ = ["GPT", "GPTConfig", "SyntheticTokens", "num_parameters"]

@@ -62,6 +62,3 @@ def toy_batch(micro_batch_size: int, *, dim: int = 8) -> tuple[torch.Tensor, tor
     """One micro-batch ``(inputs, labels)`` of `RegressionData` (the profiler's ``make_batch``)."""
     data = RegressionData(num_samples=micro_batch_size, dim=dim, seed=micro_batch_size)
     return data.inputs, data.targets
-
-
-__all__ = ["Block", "RegressionData", "mse", "toy_batch", "toy_layers", "toy_sequential"]

@@ -180,16 +180,3 @@ def parameter_differences(saved: list[dict[str, list[int]]], current: list[dict[
             if list(before[name]) != list(now[name]):
                 differences.append(f"{name} of shape {list(before[name])} then, {list(now[name])} now")
     return differences
-
-
-__all__ = [
-    "PIPELINE_FOLDER",
-    "UNIVERSAL_FOLDER",
-    "check_recount",
-    "layers_move",
-    "parameter_differences",
-    "pipeline_folder",
-    "pipeline_resume_decision",
-    "remove_pipeline_files",
-    "plan_changes",
-]

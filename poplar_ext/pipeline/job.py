@@ -173,6 +173,3 @@ def _layer_measurer(
         profiles_dir=poplar_config.profiles,
         micro_batch_size_limit=batch[0],
     )
-
-
-__all__ = ["PipelineJob", "prepare_pipeline_job"]

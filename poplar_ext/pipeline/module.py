@@ -225,6 +225,3 @@ class PoplarPipelineModule(PipelineModule):
                 for parameter in self.tied_modules[key].parameters():
                     parameter.ds_pipe_replicated = True
         return {}
-
-
-__all__ = ["PoplarPipelineModule", "WeightedLoss"]

@@ -235,19 +235,3 @@ def resume_decision(
         notes=notes,
         world_size_changed=world_before != world_now,
     )
-
-
-__all__ = [
-    "CLIENT_STATE_KEY",
-    "STATE_FILE",
-    "ResumeDecision",
-    "check_data_order",
-    "checkpoint_tag",
-    "history_entry",
-    "plan_as_dict",
-    "poplar_client_state",
-    "read_state",
-    "resume_decision",
-    "write_latest_when_saved",
-    "write_state",
-]

@@ -379,15 +379,3 @@ def plan_dataloader(
     return torch.utils.data.DataLoader(
         training_data, batch_sampler=sampler, collate_fn=collate_fn, pin_memory=torch.device(device).type == "cuda"
     )
-
-
-__all__ = [
-    "IterationLoader",
-    "IterationSampler",
-    "MicroBatchesDataset",
-    "PlanBatchSampler",
-    "SampleStream",
-    "plan_dataloader",
-    "plan_shares",
-    "rank_offsets",
-]

@@ -142,6 +142,3 @@ class EngineCore(FollowsRebalancing):
         if self._core_rank == 0:
             for note in decision.notes:
                 logger.info("load_checkpoint: %s", note)
-
-
-__all__ = ["EngineCore"]

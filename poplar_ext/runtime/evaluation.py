@@ -79,6 +79,3 @@ class EvalBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self.rounds)
-
-
-__all__ = ["PADDING_INDEX", "EvalBatchSampler", "eval_batch_sizes", "evaluation_rounds"]

@@ -91,6 +91,3 @@ def steady_from_rank0(cluster: Cluster, compute: Callable[[], dict[Any, Steady]]
     if all(cluster.emulation_of(t) is None for t in cluster.type_counts()):
         return {}
     return decided_by_rank0(compute, rank=rank, broadcast=broadcast_from_rank0)
-
-
-__all__ = ["JobBase", "agreed_job_cluster", "read_plan_file", "read_poplar_section", "steady_from_rank0"]

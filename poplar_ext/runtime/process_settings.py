@@ -42,6 +42,3 @@ def apply_cpu_process_settings(poplar_config: PoplarConfig, *, on_cpu: bool, emu
             rank,
             torch.get_num_threads(),
         )
-
-
-__all__ = ["apply_cpu_process_settings", "on_cpu_accelerator"]
