@@ -5,6 +5,7 @@ See docs/design.md (the data stream, every sample once) and docs/training.md (ep
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -17,11 +18,7 @@ from poplar_ext.plan.pipeline_formats import PipelinePlan
 
 def rank_offsets(samples_per_rank: Sequence[int]) -> list[int]:
     """Start of each rank's chunk within an iteration: ranks' chunks in rank order."""
-    offsets, total = [], 0
-    for count in samples_per_rank:
-        offsets.append(total)
-        total += count
-    return offsets
+    return [0, *itertools.accumulate(samples_per_rank)][:-1]
 
 
 class SampleStream:

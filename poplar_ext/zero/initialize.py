@@ -218,7 +218,6 @@ def prepare_job(
 def _check_stage_memory(plan: Plan, *, cluster: Cluster, facts: list, model: Any, ds_config: dict) -> None:
     """`planning.check_stage_memory` with every rank's memory (an emulated type's capacity, else its
     share of its device, from the gathered facts): the same refusal on every rank."""
-
     capacities = []
     for rank, device_type in enumerate(cluster.rank_device_types):
         emulation = cluster.emulation_of(device_type)
