@@ -96,11 +96,8 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
                 name + "_kwargs": {**(given_kwargs or {}), "use_reentrant": False} if checkpointing else given_kwargs,
             },
         )
-    config = {k: v for k, v in job.ds_config.items()}
-    for key in _BATCH_KEYS:
-        config[key] = "auto"
-    config.setdefault("zero_optimization", {})
-    config["zero_optimization"] = {**config["zero_optimization"], "stage": job.plan.zero_stage}
+    config = {**job.ds_config, **dict.fromkeys(_BATCH_KEYS, "auto")}
+    config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": job.plan.zero_stage}
     if rank_plan.optimizer_offload:
         offload_deepspeed_optimizer(config)
     eval_batch = eval_batch_sizes(job.plan, smallest_batch_size=args.per_device_eval_batch_size)[job.rank]
