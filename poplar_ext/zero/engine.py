@@ -427,13 +427,8 @@ class PoplarEngine(EngineCore):
         save_latest: bool = True,
         **kwargs: Any,
     ) -> Any:
-        """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder (written by rank 0).
-
-        ``latest`` names the checkpoint only once every rank has written its part: DeepSpeed's
-        rank 0 writes it right after its own optimizer shard, so a node lost during a save
-        could leave ``latest`` naming a checkpoint that lacks that node's shard, and the
-        automatic restart would then fail to load it.
-        """
+        """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder (written by rank 0);
+        ``latest`` names the checkpoint once every rank has written its part (`write_latest_when_saved`)."""
         from deepspeed.checkpoint.constants import (
             UNIVERSAL_CHECKPOINT_INFO,
             UNIVERSAL_CHECKPOINT_VERSION_KEY,

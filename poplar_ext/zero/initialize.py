@@ -267,12 +267,9 @@ def initialize(
     checkpointing_toggle: CheckpointingToggle | None = None,
 ) -> tuple[PoplarEngine, Any, torch.utils.data.DataLoader | None, Any]:
     """``deepspeed.initialize`` with the plan of the config's ``poplar`` section, on DeepSpeed ZeRO
-    (`poplar_ext.initialize` for every model but a `poplar_ext.pipeline.PoplarPipelineModule`).
+    (`poplar_ext.initialize` for every model but a `poplar_ext.pipeline.PoplarPipelineModule`: its
+    arguments, return values and errors; the engine is a `PoplarEngine`).
 
-    Same arguments and return values: ``(engine, optimizer, training_dataloader,
-    lr_scheduler)``. The engine is a `PoplarEngine`; the dataloader (None without
-    `training_data`) yields this rank's micro-batches. Raises ValueError, on every
-    rank alike and before any collective, for a bad config or a plan that cannot run.
     `loss_fn(engine, batch) -> loss` is for the automatic mode's profiling when the
     model does not return its loss (default: the output's ``.loss``, else the output).
 
