@@ -108,3 +108,15 @@ __all__ = [
     "run_ranks",
     "run_ranks_outcomes",
 ]
+
+
+EXIT_ABORT = "terminate called without an active exception"
+"""What gloo's exit race (pytorch/pytorch#179291) prints when it aborts a rank at interpreter exit."""
+
+
+def assert_launch_finished(returncode: int, output: str, done_markers: list[Path], context: str) -> None:
+    """A launched job passed, or gloo's exit race aborted a rank only after every rank wrote its done marker
+    (its last act: the job's results stand). Any other failure, or an abort before a marker, fails the test."""
+    if returncode != 0:
+        finished = all(marker.exists() for marker in done_markers)
+        assert finished and EXIT_ABORT in output, context

@@ -112,6 +112,7 @@ def train(
         torch.save(params, out / "params.pt")
         (out / "metrics.json").write_text(json.dumps(result.metrics))
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+    (out / f"done-rank{rank}").touch()  # everything written: what an exit abort cannot undo
 
 
 if __name__ == "__main__":

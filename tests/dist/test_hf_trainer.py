@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import free_port, run_ranks
+from harness import assert_launch_finished, free_port, run_ranks
 
 pytest.importorskip("transformers", reason="the Hugging Face tests need pip install 'poplar-ext[hf]'")
 
@@ -73,13 +73,16 @@ def _launch(config: Path, out: Path, *extra: str, ranks: int = 3) -> str:
         str(out),
         *extra,
     ]
+    markers = [out / f"done-rank{rank}" for rank in range(ranks)]
+    for marker in markers:  # an earlier launch's, in the same folder (a resume)
+        marker.unlink(missing_ok=True)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
     log = done.stdout + done.stderr
     out.parent.mkdir(parents=True, exist_ok=True)
     (out.parent / f"{out.name}-launch{len(list(out.parent.glob(f'{out.name}-launch*.log')))}.log").write_text(log)
     # torchrun's summary ends the log; the failing rank's own lines are what tell why
     failing = [line for line in log.splitlines() if "terminate" in line or "Error" in line]
-    assert done.returncode == 0, "\n".join(failing[-30:]) + "\n" + log[-3000:]
+    assert_launch_finished(done.returncode, log, markers, "\n".join(failing[-30:]) + "\n" + log[-3000:])
     return log
 
 
