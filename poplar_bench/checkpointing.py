@@ -60,7 +60,7 @@ def _run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     from poplar_ext.plan.formats import read_json, write_json_atomic
 
     from . import demo_worker
-    from .demo import progress
+    from .report import progress
 
     rank = dist.get_rank()
     cluster_path = work / "cluster.json"
@@ -208,8 +208,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def run_checkpointing(*, out_dir: Path, cache_dir: Path | None = None, rounds: int = 3) -> list[Path]:
     """Both cases; writes ``checkpointing.json`` and ``checkpointing.md`` into `out_dir`."""
-    from .demo import progress
-    from .report import write_json_and_markdown
+    from .report import progress, write_json_and_markdown
 
     cases = []
     for case in CASES:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,16 +25,11 @@ from .report import (
     emulation_dict,
     infeasible_entry,
     machine_description,
+    progress,
     repetitions,
     utc_now,
     write_report,
 )
-
-
-def progress(message: str, bench: str = "demo", rank: int = 0) -> None:
-    """One progress line of `bench` on stderr (rank 0's only)."""
-    if rank == 0:
-        print(f"[poplar-bench {bench}] {message}", file=sys.stderr, flush=True)
 
 
 def _preimport() -> float:

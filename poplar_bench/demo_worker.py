@@ -32,14 +32,13 @@ from poplar_ext.plan.formats import (
     write_json_atomic,
 )
 
-from .demo import progress
 from .demo_config import (
     BASELINE_ROUNDING_BYTES,
     DemoSettings,
     deepspeed_config,
     demo_cluster,
 )
-from .report import profile_curve
+from .report import profile_curve, progress
 
 PG_TIMEOUT_S = 180.0
 """The demo's process-group timeout: a rank stuck in a collective fails after it."""

@@ -43,7 +43,7 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
     from poplar_ext.plan.network_format import find_network
 
     from . import demo_worker
-    from .demo import progress
+    from .report import progress
 
     rank = dist.get_rank()
     trainer = settings.loop == "trainer"

@@ -10,11 +10,19 @@ import importlib.metadata
 import os
 import platform
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from poplar_ext.plan.formats import POLICIES, ZERO_STAGES, write_json_atomic
+
+
+def progress(message: str, bench: str = "demo", rank: int = 0) -> None:
+    """One progress line of `bench` on stderr (rank 0's only)."""
+    if rank == 0:
+        print(f"[poplar-bench {bench}] {message}", file=sys.stderr, flush=True)
+
 
 POPLAR_SHARE_GOAL = 0.95
 """The demo's goal for poplar's measured samples/s against the measured ideal (issue 15)."""
