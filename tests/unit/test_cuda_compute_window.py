@@ -211,3 +211,33 @@ def test_the_profile_records_how_its_compute_was_timed(device_kind, zero_stage, 
     assert measured_with["micro_step_times_include_communication"] is includes
     assert measured_with["compute_window"]["clock"] == ("cuda" if device_kind == "cuda" else "thread")
     assert measured_with["compute_window"]["ends_at"] == ("micro-step end" if includes else "gradient reduction")
+
+
+@pytest.mark.parametrize("my_type", ["fast", "slow"])
+def test_calibration_times_each_rank_with_its_own_types_checkpointing(monkeypatch, my_type):
+    built = []
+
+    class Session:
+        def build_engine(self, run):
+            built.append(run)
+
+    class Measurement:
+        def __init__(self, *, build_engine, **_):
+            self.build_engine = build_engine
+
+        def time_sizes(self, sizes):
+            self.build_engine(1)
+            return {}
+
+    monkeypatch.setattr(api, "_checked", lambda options: (options, MeasureSettings()))
+    monkeypatch.setattr(api, "join_job", lambda: SimpleNamespace(type="cpu"))
+    monkeypatch.setattr(api, "_measuring_process", lambda device: nullcontext())
+    layout = SimpleNamespace(type_names=("fast", "slow"), my_type=my_type)
+    monkeypatch.setattr(api, "build_layout", lambda cluster, device, bf16: layout)
+    monkeypatch.setattr(api, "_start_session", lambda options, settings, layout: Session())
+    monkeypatch.setattr(api, "StageMeasurement", Measurement)
+    monkeypatch.setattr(api, "gather_objects", lambda obj: [obj])
+    api.time_micro_steps(
+        _Options(), {"fast": [2], "slow": [1]}, zero_stage=1, activation_checkpointing={"fast": True, "slow": False}
+    )
+    assert [run.checkpointing for run in built] == [my_type == "fast"]
