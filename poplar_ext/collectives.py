@@ -37,9 +37,7 @@ def leave_process_group() -> None:
         failed = getattr(sys, "last_value", None) is not None
         try:
             if failed and dist.get_backend() == "nccl":
-                from torch.distributed.distributed_c10d import _abort_process_group
-
-                _abort_process_group()
+                c10d._abort_process_group()
             else:
                 dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - at exit nothing is left to tell but the log
