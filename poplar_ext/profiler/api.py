@@ -311,7 +311,7 @@ class _Session:
         return ProfileKey(
             model_fingerprint=self.model.fingerprint,
             device_type=device_type,
-            emulation=self.layout.emulations[device_type],
+            emulation=without_drift(self.layout.emulations[device_type]),
             zero_stage=run.zero_stage,
             world_size=self.layout.world_size,
             dtype=self.model.dtype,

@@ -104,3 +104,22 @@ def test_an_emulated_type_is_left_to_the_measurement(tmp_path) -> None:
     emulated = dataclasses.replace(session.layout, emulations={"A100-80GB": None, "V100-16GB": object()})
     session = dataclasses.replace(session, layout=emulated)
     assert api._types_too_small(session, api._Run(0, False, False)) == {}
+
+
+def test_a_drift_schedule_does_not_keep_a_stored_profile_from_being_found(tmp_path) -> None:
+    # Profiles are stored without the drift schedule (it is training's): the key looked up must match them.
+    from poplar_ext.hardware.emulation import Emulation
+    from poplar_ext.profiler.cache import ProfileKey
+    from poplar_ext.profiler.measure import TypeStageResult
+
+    session = _session(tmp_path)
+    drifting = Emulation(slowdown=2.0, memory_capacity_bytes=15 * GIB, slowdown_schedule=((5, 4.0, None),))
+    session.layout = dataclasses.replace(
+        session.layout, emulations={**session.layout.emulations, "V100-16GB": drifting}
+    )
+    run = api._Run(0, False, False)
+    result = TypeStageResult(
+        device_type="V100-16GB", complete=True, max_micro_batch_size=0, samples=(), optimizer_step_time_s=0.0, probe={}
+    )
+    stored = api._make_profile(result, session, run, stage_seconds=1.0)
+    assert ProfileKey.of_profile(stored) == session.key("V100-16GB", run)
