@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from poplar_ext.plan.formats import Cluster, Plan, Profile
+from poplar_ext.plan.levers import plan_levers
 
 MeasureMissing = Callable[..., list[Profile]]
 """``measure(missing, cluster, force=False) -> profiles``: the (device type, stage) pairs measured (`force`:
@@ -170,7 +171,7 @@ def missing_profiles_measurer(
             ProfileOptions(**options(cluster, repeats=calibration_repeats)),
             sizes,
             zero_stage=plan.zero_stage,
-            activation_checkpointing={r.device_type: r.activation_checkpointing for r in plan.ranks},
+            activation_checkpointing={t: levers[0] for t, levers in plan_levers(plan).items()},
             optimizer_offload=plan.ranks[0].optimizer_offload,
         )
 

@@ -468,9 +468,15 @@ def _calibrated(
     """`plan`, or the plan searched again from the cached profiles checked against micro-steps timed now
     at `sizes` (device type -> the plan's sizes); collective. The result records the checks."""
     settings = request.poplar_config.calibration
-    if len({r.optimizer_offload for r in plan.ranks}) > 1:
-        # One engine config times every rank: their optimizer offload must agree (checkpointing may differ).
-        logger.info("poplar.calibration: not checked (the plan offloads the optimizer on some ranks only)")
+    from poplar_ext.plan.levers import plan_levers
+
+    levers = plan_levers(plan)
+    if None in levers.values() or len({offload for _, offload in levers.values()}) > 1:
+        # One engine config times every rank: their optimizer offload must agree (checkpointing may differ by type).
+        logger.info(
+            "poplar.calibration: not checked (the plan offloads the optimizer on some ranks only, or gives ranks "
+            "of one device type different memory levers)"
+        )
         return plan
     measured = time_at_sizes(sizes, plan, request.cluster)  # collective
 
