@@ -99,17 +99,6 @@ def run_ranks(
     return [o.value for o in outcomes]
 
 
-__all__ = [
-    "LOG_TAIL_LINES",
-    "RankFailure",
-    "RankOutcome",
-    "free_port",
-    "preimport_for_fork",
-    "run_ranks",
-    "run_ranks_outcomes",
-]
-
-
 EXIT_ABORT = "terminate called without an active exception"
 """What gloo's exit race (pytorch/pytorch#179291) prints when it aborts a rank at interpreter exit."""
 
@@ -120,3 +109,16 @@ def assert_launch_finished(returncode: int, output: str, done_markers: list[Path
     if returncode != 0:
         finished = all(marker.exists() for marker in done_markers)
         assert finished and EXIT_ABORT in output, context
+
+
+__all__ = [
+    "EXIT_ABORT",
+    "LOG_TAIL_LINES",
+    "RankFailure",
+    "RankOutcome",
+    "assert_launch_finished",
+    "free_port",
+    "preimport_for_fork",
+    "run_ranks",
+    "run_ranks_outcomes",
+]
