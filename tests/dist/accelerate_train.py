@@ -67,6 +67,7 @@ def main() -> None:
     if accelerator.is_main_process:
         torch.save(params, out / "params.pt")
     accelerator.end_training()
+    (out / f"done-rank{accelerator.process_index}").touch()  # everything written: what an exit abort cannot undo
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import free_port, run_ranks
+from harness import assert_launch_finished, free_port, run_ranks
 
 pytest.importorskip("accelerate", reason="PoplarAccelerator needs pip install 'poplar-ext[accelerate]'")
 pytest.importorskip(
@@ -430,11 +430,17 @@ def test_under_accelerate_launch_with_its_config_file(tmp_path, reference):
         "--main_process_port", str(free_port()), str(HERE / "accelerate_train.py"), "--out", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    _assert_finished(done, out, ranks=2)
     assert "rank 1: cpu-slow (emulated: 1x slower, 2.0 GB), micro-batch 4 x 1 accumulation steps" in done.stderr
     assert t.max_difference(torch.load(out / "params.pt", weights_only=False), reference) <= 1e-5
     seen = [i for r in range(2) for i in json.loads((out / f"samples-rank{r}.json").read_text())]
     assert sorted(seen) == sorted(_stream_indices(STEPS))
+
+
+def _assert_finished(done: subprocess.CompletedProcess, out: Path, *, ranks: int) -> None:
+    log = done.stdout + done.stderr
+    markers = [out / f"done-rank{rank}" for rank in range(ranks)]
+    assert_launch_finished(done.returncode, log, markers, log[-4000:])
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
@@ -453,7 +459,7 @@ def test_under_torchrun_and_the_deepspeed_launcher(tmp_path, reference, launcher
     }[launcher]
     script = [str(HERE / "accelerate_train.py"), "--out", str(out), "--deepspeed_config", str(ds_config)]
     done = subprocess.run(start + script, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    _assert_finished(done, out, ranks=2)
     assert t.max_difference(torch.load(out / "params.pt", weights_only=False), reference) <= 1e-5
     seen = [i for r in range(2) for i in json.loads((out / f"samples-rank{r}.json").read_text())]
     assert sorted(seen) == sorted(_stream_indices(STEPS))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import _training as t
 import torch
-from harness import free_port
+from harness import assert_launch_finished, free_port
 
 HERE = Path(__file__).resolve().parent
 STEPS = 3
@@ -80,8 +80,9 @@ def test_only_the_first_node_has_the_files(tmp_path):
             for other in processes:
                 other.kill()
             raise
+    markers = [node / f"done-rank{index}" for index, node in enumerate(nodes)]
     for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output[-4000:]
+        assert_launch_finished(process.returncode, output, markers, output[-4000:])
     result = torch.load(nodes[0] / "result.pt", weights_only=False)
     assert result["plan"] == ALLOCATION
     assert result["devices"] == ["cpu (real)", "cpu-slow (emulated: 1.5x slower, 2.0 GB)"]

@@ -8,6 +8,7 @@ holds the cluster and plan files the config names; the second has the config alo
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import _training as t
 import torch
@@ -41,6 +42,8 @@ def main() -> None:
             },
             args.result,
         )
+    done = Path(args.result).with_name(f"done-rank{engine.global_rank}")
+    done.touch()  # everything written: what an exit abort cannot undo
 
 
 if __name__ == "__main__":
