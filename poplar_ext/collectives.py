@@ -44,11 +44,13 @@ def leave_process_group() -> None:
             logger.debug("ending the process group at exit failed: %s: %s", type(exc).__name__, exc)
     # A gloo group's worker threads end only when the last Python reference to the group
     # goes (destroy_process_group unregisters it; shutdown does not stop gloo's threads),
-    # and the engines holding groups sit in reference cycles that only the collector frees.
+    # and objects holding groups sit in reference cycles that only the collector frees.
     # Left to the interpreter's final collection, a worker still releasing a finished
     # collective asks for the GIL while the interpreter is finalizing and the process
     # aborts. Collected here, the groups' destructors join their threads while the
-    # interpreter still serves them.
+    # interpreter still serves them. Not every group: a ZeRO 1-3 DeepSpeed engine stays
+    # alive with its groups: torch's collector does not follow the hooks over its optimizer
+    # that DeepSpeed registers on the parameters (post-accumulate-grad, at least).
     gc.collect()
 
 
