@@ -17,7 +17,7 @@ import torch
 
 from poplar_ext.collectives import (
     agree_max,
-    broadcast_from_rank0,
+    decided_by_rank0,
     destroy_groups,
     new_groups,
     process_group_backend,
@@ -164,11 +164,13 @@ def cached_or_measured_network(
     (collective), and a line for the progress log; None for a one-rank job (no collectives)."""
     if layout.world_size == 1:
         return None, "network: one rank, no collectives to measure"
-    found = None
-    if layout.rank == 0 and not force:
-        network = find_network(cache_dir, layout.cluster)
-        found = None if network is None else network_to_dict(network)
-    found = broadcast_from_rank0(found)
+
+    def cached() -> dict[str, Any] | None:
+        network = None if force else find_network(cache_dir, layout.cluster)
+        return None if network is None else network_to_dict(network)
+
+    # Rank 0 alone reads the file: a bad one is an error on every rank, not rank 0's alone.
+    found = decided_by_rank0(cached, rank=layout.rank)
     path = network_path(cache_dir, layout.cluster)
     if found is not None:
         return network_from_dict(found, source=str(path)), f"network: from the cache ({path})"

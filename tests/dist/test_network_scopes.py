@@ -60,3 +60,37 @@ def test_one_node_has_no_scopes(tmp_path):
         _measure, world_size=2, tmp_path=tmp_path / "ranks", args=(_cluster(tmp_path / "c.json", (2,)),), timeout_s=180
     )
     assert "scopes" not in results[0]
+
+
+def _cached_network(cluster_path: str, cache_dir: str) -> str:
+    import torch
+
+    from poplar_ext.profiler.layout import build_layout
+    from poplar_ext.profiler.network import cached_or_measured_network
+
+    layout = build_layout(cluster_path, torch.device("cpu"), bf16=False)
+    try:
+        cached_or_measured_network(layout, cache_dir, force=False, message_bytes=(4096,))
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    return "no error"
+
+
+def test_a_bad_network_file_is_an_error_on_every_rank(tmp_path):
+    """Rank 0 alone reads the cache: its error must reach the other ranks, not leave them in its broadcast."""
+    from poplar_ext.plan.formats import load_cluster
+    from poplar_ext.plan.network_format import network_path
+
+    cluster_path = _cluster(tmp_path / "c.json", (2,))
+    bad = network_path(tmp_path / "profiles", load_cluster(cluster_path))
+    bad.parent.mkdir(parents=True)
+    bad.write_text('{"schema_version": 1, "kind": "network"}')
+    results = run_ranks(
+        _cached_network,
+        world_size=2,
+        tmp_path=tmp_path / "ranks",
+        args=(cluster_path, str(tmp_path / "profiles")),
+        timeout_s=120,
+        pg_timeout_s=20,
+    )
+    assert all(r.startswith("ValueError: ") and bad.name in r for r in results), results
