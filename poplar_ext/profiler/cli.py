@@ -128,22 +128,44 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     hf = parser.add_argument_group("Hugging Face models (--model hf:CONFIG_CLASS)")
     hf.add_argument(
         "--hf-config",
-        default="",
+        default=None,
         metavar="KEY=VALUE,...",
         help="the config's sizes, e.g. n_layer=12,n_embd=768,n_head=12,vocab_size=50257 (values as JSON)",
     )
     hf.add_argument(
         "--hf-task",
-        default="causal-lm",
+        default=None,
         choices=("causal-lm", "masked-lm"),
         help="the model head and its labels (default: causal-lm)",
     )
     toy = parser.add_argument_group("built-in models (--model toy-gpt)")
     positive = _argparse_type(at_least(1))
-    toy.add_argument("--layers", type=positive, default=2, metavar="N", help="transformer blocks (default: 2)")
-    toy.add_argument("--hidden-size", type=positive, default=128, metavar="N", help="width (default: 128)")
-    toy.add_argument("--heads", type=positive, default=4, metavar="N", help="attention heads (default: 4)")
-    toy.add_argument("--vocab-size", type=positive, default=1024, metavar="N", help="token ids (default: 1024)")
+    toy.add_argument("--layers", type=positive, metavar="N", help="transformer blocks (default: 2)")
+    toy.add_argument("--hidden-size", type=positive, metavar="N", help="width (default: 128)")
+    toy.add_argument("--heads", type=positive, metavar="N", help="attention heads (default: 4)")
+    toy.add_argument("--vocab-size", type=positive, metavar="N", help="token ids (default: 1024)")
+
+
+_MODEL_OPTIONS = {
+    "layers": ("toy-gpt", 2),
+    "hidden_size": ("toy-gpt", 128),
+    "heads": ("toy-gpt", 4),
+    "vocab_size": ("toy-gpt", 1024),
+    "hf_config": (HF_PREFIX + "CONFIG_CLASS", ""),
+    "hf_task": (HF_PREFIX + "CONFIG_CLASS", "causal-lm"),
+}
+"""Each model option's dest: the --model that uses it, and its default (None in the parser: given or not)."""
+
+
+def _fill_model_options(args: argparse.Namespace) -> None:
+    """The model options' defaults filled in; `UsageError` for one given that `--model` does not use (it
+    would be ignored: ``--model gpt2-small --layers 4`` profiles gpt2-small's 12 layers)."""
+    for dest, (used_by, default) in _MODEL_OPTIONS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+        elif not (args.model.startswith(HF_PREFIX) if used_by.startswith(HF_PREFIX) else args.model == used_by):
+            flag = "--" + dest.replace("_", "-")
+            raise UsageError(f"{flag}: only with --model {used_by}, not {args.model}; leave it out")
 
 
 def _imported(spec: str, *, option: str) -> Callable[..., Any]:
@@ -221,6 +243,7 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
     args = build_parser().parse_args(argv)
     if args.checkpointing_toggle is not None and args.activation_checkpointing == "off":
         raise UsageError("--checkpointing-toggle: not used with --activation-checkpointing off; leave one out")
+    _fill_model_options(args)
     ds_config = _deepspeed_config(Path(args.deepspeed_config))
     model_factory, make_batch, name, sequence_length = _model(args)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ProfileOptions) if f.metadata["cli"] is not None}

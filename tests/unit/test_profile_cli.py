@@ -319,3 +319,24 @@ def test_every_profile_option_is_a_command_line_option_with_the_fields_default_a
     assert "Measured micro-steps per size (their median is the sample's time). (default: 3)" in " ".join(
         help_text.split()
     )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--model", "gpt2-small", "--layers", "4"], "--layers: only with --model toy-gpt"),
+        (["--model", "gpt2-small", "--vocab-size", "512"], "--vocab-size: only with --model toy-gpt"),
+        (
+            ["--model", "my_models:build", "--batch", "my_models:batch", "--hidden-size", "64"],
+            "--hidden-size: only with --model toy-gpt",
+        ),
+        (["--model", "toy-gpt", "--hf-config", "n_layer=2"], "--hf-config: only with --model hf:CONFIG_CLASS"),
+        (["--model", "toy-gpt", "--hf-task", "masked-lm"], "--hf-task: only with --model hf:CONFIG_CLASS"),
+    ],
+)
+def test_a_model_option_the_model_does_not_use_is_refused(files, monkeypatch, capsys, extra, message) -> None:
+    """Not silently ignored: a gpt2-small run given --layers 4 would profile 12 layers under the user's nose."""
+    monkeypatch.chdir(files["dir"])
+    assert main(_args(files, *extra)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
