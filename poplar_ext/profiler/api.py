@@ -157,6 +157,9 @@ profile_model.__signature__ = inspect.signature(ProfileOptions).replace(  # type
 
 def profile_with(options: ProfileOptions) -> list[Profile]:
     """`profile_model` with its arguments in one `ProfileOptions` (poplar-profile's way in); collective."""
+    # Checked before anything is measured, layer profiles too (they take `options` as given: a pipeline's
+    # loss_fn None is its own loss, not `default_loss`).
+    checked, settings = _checked(options)
     if options.per_layer is not False:
         from poplar_ext.profiler.layers import is_pipeline_model
         from poplar_ext.profiler.per_layer import profile_layers
@@ -169,11 +172,10 @@ def profile_with(options: ProfileOptions) -> list[Profile]:
             return []  # a pipeline model has no whole-model profile
         # The session's first engine takes it: the model is built no more often than before.
         built, factory = [model], options.model_factory
-        options = dataclasses.replace(options, model_factory=lambda: built.pop() if built else factory())
-    options, settings = _checked(options)
+        checked = dataclasses.replace(checked, model_factory=lambda: built.pop() if built else factory())
     device = join_job()
-    with _measuring_process(device), _short_timeouts(options, device) as timeouts:
-        return _profile(options, settings, device, timeouts)
+    with _measuring_process(device), _short_timeouts(checked, device) as timeouts:
+        return _profile(checked, settings, device, timeouts)
 
 
 _ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"

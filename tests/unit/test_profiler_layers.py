@@ -225,3 +225,30 @@ def test_measuring_layers_leaves_the_models_own_modules_as_they_were() -> None:
         measure_layers(pipeline_layers(list(model), loss_fn=mse), measurement)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"repeats": 0}, "repeats: expected an integer >= 1, found 0"),
+        ({"micro_batch_sizes": [0, 2]}, r"micro_batch_sizes: expected a non-empty list of integers >= 1"),
+        ({"zero_stages": [0, 7]}, r"zero_stages: expected distinct stages among 0, 1, 2, 3, found \[0, 7\]"),
+    ],
+)
+def test_a_pipeline_models_options_are_checked_as_any_models(tmp_path, bad, message) -> None:
+    """profile_model checks its arguments before measuring, for a pipeline model too (not a StatisticsError
+    or a ZeroDivisionError from inside the layer timing, nor a stage 7 silently left out)."""
+    from poplar_ext.profiler import profile_model
+
+    options = {"zero_stages": (0,), **bad}
+    with pytest.raises(ValueError, match=message):
+        profile_model(
+            model_factory=lambda: toy_layers(dim=8, num_layers=2),
+            make_batch=lambda b: toy_batch(b, dim=8),
+            loss_fn=mse,
+            ds_config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+            cache_dir=tmp_path,
+            measure_network=False,
+            progress=None,
+            **options,
+        )
