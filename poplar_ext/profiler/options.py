@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -100,9 +101,12 @@ def at_least(minimum: int) -> Callable[[str], int]:
 def _read_seconds(text: str) -> float | None:
     """Seconds; 0 is None (the process groups keep their own timeout)."""
     try:
-        return float(text) or None
+        seconds = float(text)
     except ValueError:
-        raise ValueError(f"expected a number of seconds, found {text!r}") from None
+        seconds = math.nan
+    if not 0 <= seconds < math.inf:
+        raise ValueError(f"expected a number of seconds >= 0 (0: the groups' own timeout), found {text!r}")
+    return seconds or None
 
 
 def _read_directory(text: str) -> Path:

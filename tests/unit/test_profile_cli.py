@@ -340,3 +340,10 @@ def test_a_model_option_the_model_does_not_use_is_refused(files, monkeypatch, ca
     assert main(_args(files, *extra)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("text", ["-5", "inf", "nan"])
+def test_a_collective_timeout_that_is_no_number_of_seconds_is_refused_by_its_option(files, text) -> None:
+    # Refused when read and named by its option, not by the ProfileOptions field after the job started.
+    with pytest.raises(ValueError, match=f"--collective-timeout: expected a number of seconds >= 0.*found '{text}'"):
+        parse_command(_args(files, "--model", "toy-gpt", "--collective-timeout", text))
