@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 import os
 import platform
 import statistics
@@ -208,7 +209,7 @@ def _checked(options: ProfileOptions) -> tuple[ProfileOptions, MeasureSettings]:
     ):
         if value not in modes:
             raise ValueError(f"{name}: expected one of {', '.join(map(repr, modes))}, found {value!r}")
-    if options.collective_timeout_s is not None and not options.collective_timeout_s > 0:
+    if options.collective_timeout_s is not None and not 0 < options.collective_timeout_s < math.inf:
         raise ValueError(f"collective_timeout_s: expected seconds > 0, or None, found {options.collective_timeout_s}")
     stages = tuple(options.zero_stages)
     if not stages or any(s not in ZERO_STAGES for s in stages) or len(set(stages)) != len(stages):

@@ -58,8 +58,9 @@ def test_profiling_warns_where_nccl_would_not_tear_a_waiting_rank_down(monkeypat
         assert timeouts is None
 
 
-@pytest.mark.parametrize("timeout_s", [0, -5.0])
+@pytest.mark.parametrize("timeout_s", [0, -5.0, float("inf")])
 def test_profiling_refuses_a_timeout_that_is_not_positive(timeout_s) -> None:
+    # inf too: the group timeout is a timedelta, which overflows on it once the job has started.
     from poplar_ext.profiler import ProfileOptions
     from poplar_ext.profiler.api import _checked
 
