@@ -14,7 +14,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -174,9 +174,19 @@ def profile_with(options: ProfileOptions) -> list[Profile]:
         # The session's first engine takes it: the model is built no more often than before.
         built, factory = [model], options.model_factory
         checked = dataclasses.replace(checked, model_factory=lambda: built.pop() if built else factory())
+        if options.per_layer:
+            checked = dataclasses.replace(checked, loss_fn=_sequential_loss(options.loss_fn))
     device = join_job()
     with _measuring_process(device), _short_timeouts(checked, device) as timeouts:
         return _profile(checked, settings, device, timeouts)
+
+
+def _sequential_loss(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor]:
+    """An ``nn.Sequential`` profiled per layer too: its whole-model micro-steps take the layers' batch,
+    ``(inputs, labels)``, and loss, ``loss_fn(outputs, labels)`` (None: the output summed), as they do."""
+    from poplar_ext.profiler.layers import pipeline_loss
+
+    return lambda engine, batch: pipeline_loss(engine(batch[0]), batch[1], loss_fn)
 
 
 _ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"

@@ -169,6 +169,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def pipeline_loss(output: Any, labels: Any, loss_fn: PipelineLossFn | None) -> torch.Tensor:
+    """The last layer's loss: ``loss_fn(output, labels)``, or without one the output summed."""
+    return loss_fn(output, labels) if loss_fn is not None else sum(t.sum() for t in _tensors(output))
+
+
 def _received(tensor: torch.Tensor) -> torch.Tensor:
     """The activation a stage receives: a leaf, with a gradient where it is floating point."""
     leaf = tensor.detach()
@@ -218,9 +223,7 @@ def _run_layer(
             output = layer(stage_input)
             result["output"] = output
             if last:
-                result["loss"] = (
-                    loss_fn(output, labels) if loss_fn is not None else sum(t.sum() for t in _tensors(output))
-                )
+                result["loss"] = pipeline_loss(output, labels, loss_fn)
 
     def backward() -> None:
         if last:

@@ -209,9 +209,9 @@ class ProfileOptions:
     ``<profile directory>/layers/``): None measures them when the model is a pipeline model (a
     PipelineModule or PoplarPipelineModule, or a list of LayerSpecs or modules), which then gets
     no whole-model profile; True also for an ``nn.Sequential``, beside its whole-model profiles;
-    False never. With a pipeline model loss_fn is DeepSpeed's pipeline ``loss_fn(outputs,
+    False never. With a pipeline model, or True, loss_fn is DeepSpeed's pipeline ``loss_fn(outputs,
     labels)`` (None: the PipelineModule's own, else the last layer's output summed) and
-    make_batch returns ``(inputs, labels)``."""
+    make_batch returns ``(inputs, labels)``, for an ``nn.Sequential``'s whole-model profiles too."""
     collective_timeout_s: float | None = _option(300.0, "--collective-timeout", read=_read_seconds, metavar="SECONDS")
     """While profiling, every process group's collectives time out after this many seconds instead
     of the group's own timeout (DeepSpeed's default: 30 minutes), so that a rank lost outside the

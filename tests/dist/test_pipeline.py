@@ -232,8 +232,38 @@ def _per_layer_cli(files):
     )
 
 
+def _sequential_per_layer(files):
+    """profile_model(per_layer=True) on an nn.Sequential: whole-model and layer profiles, both from the
+    layers' batch ``(inputs, labels)`` and loss ``loss_fn(outputs, labels)``."""
+    from poplar_ext import profile_model
+    from poplar_ext.models.toy_pipeline import toy_batch
+
+    try:
+        profiles = profile_model(
+            model_factory=toy_sequential,
+            make_batch=toy_batch,
+            ds_config={"optimizer": {"type": "Adam", "params": {"lr": 0.001}}},
+            cluster=files["cluster"],
+            loss_fn=mse,
+            per_layer=True,
+            zero_stages=[0],
+            micro_batch_sizes=[1, 2],
+            micro_batch_size_limit=2,
+            repeats=1,
+            warmup_micro_steps=0,
+            measure_network=False,
+            cache_dir=files["sequential_profiles"],
+            progress=None,
+        )
+    except Exception as exc:  # agreed on every rank: the group goes on to the other cases
+        return f"{type(exc).__name__}: {exc}"
+    return sorted((p.device_type, p.zero_stage) for p in profiles)
+
+
 def _all_cases(files):
-    results = {"refusals": _refusals(files)}
+    # First: a pipeline engine leaves DeepSpeed state behind that a later plain engine trips over.
+    results = {"sequential": _sequential_per_layer(files)}
+    results["refusals"] = _refusals(files)
     for name, stage in TRAINED:
         results[(name, stage)] = _train(files, name, stage)
     results["resume"] = _resume(files)
@@ -258,6 +288,7 @@ def ranks_and_files(tmp_path_factory):
         "checkpoints": tmp / "checkpoints",
         "profiles": tmp / "profiles",
         "cli_profiles": tmp / "cli_profiles",
+        "sequential_profiles": tmp / "sequential_profiles",
     }
     for name, pipelines in PLANS.items():
         for stage in (0, 1):
@@ -385,6 +416,16 @@ def test_without_a_plan_one_is_searched_from_layer_profiles_measured_at_start(re
     assert _max_difference([s["params"] for s in searched], expected) <= 1e-5
     for s in searched:
         assert s["losses"] == pytest.approx(losses, abs=1e-6) and s["position"] == STEPS * SEARCHED_BATCH
+
+
+def test_an_nn_sequential_profiled_per_layer_gets_whole_model_and_layer_profiles(ranks_and_files):
+    from poplar_ext.plan.pipeline_formats import load_layer_profiles
+
+    results, files = ranks_and_files
+    assert [r["sequential"] for r in results] == [[("cpu", 0), ("cpu-slow", 0)]] * 4
+    assert len(list(files["sequential_profiles"].glob("*.json"))) == 2
+    layers = load_layer_profiles(files["sequential_profiles"])
+    assert sorted((p.device_type, p.num_layers) for p in layers) == [("cpu", 6), ("cpu-slow", 6)]
 
 
 def test_poplar_profile_measures_a_pipeline_model_layer_by_layer_only(ranks_and_files):
