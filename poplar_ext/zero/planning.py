@@ -136,11 +136,12 @@ def obtain_missing_profiles(
         by_stage.setdefault(stage, []).append(device_type)
     lacking = "; ".join(f"stage {stage}: {', '.join(types)}" for stage, types in sorted(by_stage.items()))
     stages = ",".join(str(s) for s in sorted(by_stage))
+    # Without poplar.cluster the job reads its cluster from the hardware, and so does poplar-profile without --cluster.
+    cluster_option = "" if poplar_config.cluster is None else f"--cluster {poplar_config.cluster} "
     raise ValueError(
         f"poplar.profiles: no plan was given and {poplar_config.profiles} lacks profiles for these device types "
         f"and ZeRO stages ({lacking}). Measure them with poplar-profile under your training launcher: "
-        "deepspeed --num_gpus N --module poplar_ext.profiler --deepspeed_config DS.json --cluster "
-        f"{poplar_config.cluster} "
+        f"deepspeed --num_gpus N --module poplar_ext.profiler --deepspeed_config DS.json {cluster_option}"
         f"--model MODULE:FACTORY --batch MODULE:FACTORY --zero-stages {stages} --output-dir {poplar_config.profiles}; "
         "or give poplar.plan; or pass training_data to poplar_ext.initialize to measure them automatically."
     )

@@ -307,3 +307,14 @@ def test_profiles_that_name_a_file_are_refused(cluster_path, tmp_path):
         ValueError, match=r"poplar.profiles: expected a directory of profiles .*, found the file .*profiles.json"
     ):
         _resolve(cluster_path, {"profiles": str(tmp_path / "profiles.json"), "global_batch_size": 20})
+
+
+def test_missing_profiles_command_without_a_cluster_file_leaves_cluster_out(cluster_path, tmp_path):
+    # A job without poplar.cluster reads its cluster from the hardware; so does poplar-profile without
+    # --cluster. The suggested command must not name a file called "None".
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001)])
+    config = poplar_config_from_dict({"profiles": str(directory), "global_batch_size": 20}, base_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"Measure them with poplar-profile") as raised:
+        resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=0, zero_stage=1, broadcast=lambda obj: obj)
+    assert "--cluster" not in str(raised.value)
+    assert "--module poplar_ext.profiler --deepspeed_config DS.json --model MODULE:FACTORY" in str(raised.value)
