@@ -23,7 +23,7 @@ from poplar_ext.pipeline.engine import PoplarPipelineEngine
 from poplar_ext.pipeline.job import PipelineJob
 from poplar_ext.pipeline.planning import pipeline_drift_monitor
 from poplar_ext.plan.pipeline_formats import PipelinePlan
-from poplar_ext.runtime.config import load_deepspeed_config, unsynchronised_throughput_timer
+from poplar_ext.runtime.config import DICT_SOURCE, load_deepspeed_config, unsynchronised_throughput_timer
 from poplar_ext.runtime.data import plan_dataloader
 from poplar_ext.runtime.rebalance import job_rebalancer
 
@@ -34,15 +34,18 @@ DEEPSPEED_PRINT_OFF = 2**62
 """steps_per_print that DeepSpeed's pipeline engine never reaches."""
 
 
-def pipeline_deepspeed_config(ds_config: dict, plan: PipelinePlan, pipeline_index: int) -> dict:
-    """The config DeepSpeed gets on a rank of pipeline `pipeline_index`: valid for that pipeline alone."""
+def pipeline_deepspeed_config(
+    ds_config: dict, plan: PipelinePlan, pipeline_index: int, *, source: str = DICT_SOURCE
+) -> dict:
+    """The config DeepSpeed gets on a rank of pipeline `pipeline_index`: valid for that pipeline alone
+    (`source`: the config file, for messages)."""
     pipeline = plan.pipelines[pipeline_index]
     nominal = copy.deepcopy(ds_config)
     nominal["train_micro_batch_size_per_gpu"] = pipeline.micro_batch_size
     nominal["gradient_accumulation_steps"] = pipeline.num_micro_batches
     nominal["train_batch_size"] = pipeline.samples_per_iteration
     nominal.setdefault("zero_optimization", {})["stage"] = plan.zero_stage
-    unsynchronised_throughput_timer(nominal)
+    unsynchronised_throughput_timer(nominal, source=source)
     # DeepSpeed's own "steps: N loss: X" line would show rank 0's pipeline's weighted share of the
     # loss: poplar's line (every poplar.log_interval_steps) shows the global batch's instead.
     nominal["steps_per_print"] = DEEPSPEED_PRINT_OFF
@@ -110,7 +113,7 @@ def _build_engine(job: PipelineJob, model: Any, **arguments: Any) -> PoplarPipel
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero import partition_parameters
 
-    nominal = pipeline_deepspeed_config(job.ds_config, job.plan, job.pipeline_index)
+    nominal = pipeline_deepspeed_config(job.ds_config, job.plan, job.pipeline_index, source=job.source)
     mpu = model.mpu()
     config_class = deepspeed.DeepSpeedConfig(nominal, mpu)
     deepspeed.set_optimizer_flags(config_class, model)

@@ -422,7 +422,7 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
     nominal["train_batch_size"] = rank_plan.samples_per_iteration * plan.world_size
     zero = nominal.setdefault("zero_optimization", {})
     zero["stage"] = plan.zero_stage
-    unsynchronised_throughput_timer(nominal)
+    unsynchronised_throughput_timer(nominal, source=source)
     if rank_plan.optimizer_offload:
         from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 
@@ -430,7 +430,7 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
     return nominal
 
 
-def throughput_timer_synchronized(ds_config: dict) -> bool:
+def throughput_timer_synchronized(ds_config: dict, *, source: str = DICT_SOURCE) -> bool:
     """Whether DeepSpeed's throughput timer is to synchronise the device: only where the user's
     ``timers.throughput.synchronized`` says so.
 
@@ -440,16 +440,17 @@ def throughput_timer_synchronized(ds_config: dict) -> bool:
     """
     timers = ds_config.get("timers", {})
     if not isinstance(timers, dict):
-        raise FormatError(DICT_SOURCE, "timers", "an object", type(timers).__name__)
+        raise FormatError(source, "timers", "an object", type(timers).__name__)
     throughput = timers.get("throughput", {})
     if not isinstance(throughput, dict):
-        raise FormatError(DICT_SOURCE, "timers.throughput", "an object", type(throughput).__name__)
+        raise FormatError(source, "timers.throughput", "an object", type(throughput).__name__)
     return bool(throughput.get("synchronized", False))
 
 
-def unsynchronised_throughput_timer(ds_config: dict) -> None:
-    """Set ``timers.throughput.synchronized`` in `ds_config` to `throughput_timer_synchronized`'s answer."""
-    synchronized = throughput_timer_synchronized(ds_config)
+def unsynchronised_throughput_timer(ds_config: dict, *, source: str = DICT_SOURCE) -> None:
+    """Set ``timers.throughput.synchronized`` in `ds_config` to `throughput_timer_synchronized`'s answer
+    (`source`: the config file, for messages)."""
+    synchronized = throughput_timer_synchronized(ds_config, source=source)
     ds_config.setdefault("timers", {}).setdefault("throughput", {})["synchronized"] = synchronized
 
 

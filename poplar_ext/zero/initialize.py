@@ -29,6 +29,7 @@ from poplar_ext.hardware.emulation import (
 from poplar_ext.plan.formats import Cluster, Emulation, Plan, profile_from_dict
 from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.config import (
+    DICT_SOURCE,
     GlobalBatchRequest,
     load_deepspeed_config,
     nominal_deepspeed_config,
@@ -414,7 +415,7 @@ def wrap_built_engine(
     global batch, re-balances as the job says (collective), times this rank's compute from the
     engine's training forwards, and follows `sampler` (built before the engine)."""
     count_true_global_batch(engine, job.plan)
-    follow_unsynchronised_throughput_timer(engine, job.ds_config)
+    follow_unsynchronised_throughput_timer(engine, job.ds_config, source=job.source)
     wrapped = poplar_engine(
         job, engine, labels=labels, slowdown=slowdown, rebalancer=zero_rebalancer(job), weights_loss=weights_loss
     )
@@ -432,12 +433,12 @@ def time_training_forwards(module: torch.nn.Module, wrapped: PoplarEngine) -> No
     module.register_forward_pre_hook(lambda m, _: wrapped.start_compute_window() if m.training else None)
 
 
-def follow_unsynchronised_throughput_timer(engine: Any, ds_config: dict) -> None:
+def follow_unsynchronised_throughput_timer(engine: Any, ds_config: dict, *, source: str = DICT_SOURCE) -> None:
     """On an engine another library built from `ds_config`, the throughput timer that
     `unsynchronised_throughput_timer` gives poplar-ext's own engines (unless the user set it)."""
     timer_config = getattr(getattr(engine, "tput_timer", None), "config", None)
     if timer_config is not None:
-        timer_config.synchronized = throughput_timer_synchronized(ds_config)
+        timer_config.synchronized = throughput_timer_synchronized(ds_config, source=source)
 
 
 def poplar_engine(

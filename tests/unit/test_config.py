@@ -379,3 +379,12 @@ def test_an_engine_another_library_built_gets_the_same_timer_setting():
     engine.tput_timer.config.synchronized = True
     follow_unsynchronised_throughput_timer(engine, {"timers": {"throughput": {"synchronized": True}}})
     assert engine.tput_timer.config.synchronized is True
+
+
+def test_a_bad_timers_section_is_named_in_its_config_file():
+    # The error names the DeepSpeed config file the job read, as every other error of the config does.
+    plan = _plan([(4, 1), (2, 3)], stage=1)
+    with pytest.raises(ValueError, match=r"^ds\.json: timers\.throughput: expected an object, found list"):
+        nominal_deepspeed_config({"timers": {"throughput": []}}, plan, 0, source="ds.json")
+    with pytest.raises(ValueError, match=r"^ds\.json: timers: expected an object, found int"):
+        nominal_deepspeed_config({"timers": 5}, plan, 0, source="ds.json")

@@ -396,3 +396,9 @@ def test_a_token_mean_job_refuses_samples_whose_labels_are_not_one_tensor():
         check_token_mean_samples([{"input_ids": ids, "labels": ids}], "token_mean")
     with pytest.raises(ValueError, match=expected + " tuple"):
         check_token_mean_samples([(ids, (ids, ids))], "token_mean")
+
+
+def test_a_pipeline_jobs_bad_timers_section_is_named_in_its_config_file():
+    plan = pipeline_plan_from_dict(_pipeline_plan())
+    with pytest.raises(ValueError, match=r"^ds\.json: timers: expected an object, found str"):
+        pipeline_deepspeed_config({"timers": "on"}, plan, 0, source="ds.json")
