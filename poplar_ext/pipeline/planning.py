@@ -57,6 +57,18 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
         )
     if poplar_config.global_batch_size == "auto":
         problems.append(f"{SECTION}.global_batch_size: expected a number or none with pipelines (the plan's)")
+    given = ds_config.get("train_batch_size")
+    if (
+        isinstance(poplar_config.global_batch_size, int)
+        and isinstance(given, int)
+        and not isinstance(given, bool)
+        and given != poplar_config.global_batch_size
+    ):
+        # Only the first would be checked against the plan, the other silently replaced.
+        problems.append(
+            f"{SECTION}.global_batch_size: expected train_batch_size's {given} or no {SECTION}.global_batch_size, "
+            f"found {poplar_config.global_batch_size}"
+        )
     if problems:
         raise ValueError(f"{source}: this pipeline job cannot run: " + "; ".join(problems))
 

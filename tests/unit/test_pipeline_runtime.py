@@ -88,6 +88,16 @@ def test_a_pipeline_job_without_a_plan_file_searches_one_given_a_global_batch():
     check_pipeline_config({"train_batch_size": 8}, poplar)
 
 
+def test_two_global_batches_in_one_pipeline_config_are_refused():
+    # As in a ZeRO job: train_batch_size and poplar.global_batch_size must not say two things.
+    with pytest.raises(
+        ValueError, match=r"poplar.global_batch_size: expected train_batch_size's 14 or no poplar.global_batch_size"
+    ):
+        check_pipeline_config({"train_batch_size": 14}, _poplar(global_batch_size=12))
+    check_pipeline_config({"train_batch_size": 12}, _poplar(global_batch_size=12))
+    check_pipeline_config({"train_batch_size": "auto"}, _poplar(global_batch_size=12))
+
+
 def test_a_plain_config_is_fine():
     check_pipeline_config({"zero_optimization": {"stage": 1}, "bf16": {"enabled": False}}, _poplar())
 
