@@ -412,3 +412,30 @@ def test_a_pipeline_jobs_bad_timers_section_is_named_in_its_config_file():
     plan = pipeline_plan_from_dict(_pipeline_plan())
     with pytest.raises(ValueError, match=r"^ds\.json: timers: expected an object, found str"):
         pipeline_deepspeed_config({"timers": "on"}, plan, 0, source="ds.json")
+
+
+@pytest.mark.parametrize("cluster_file", [None, "cluster.json"])
+def test_missing_layer_profiles_name_a_command_that_runs(tmp_path, cluster_file):
+    # poplar-profile requires --deepspeed_config; a job with a cluster file (emulated types, say) needs the
+    # profiles of its types, which poplar-profile reads from --cluster (without it: from the hardware).
+    section = {"profiles": str(tmp_path / "profiles"), "global_batch_size": 12}
+    if cluster_file is not None:
+        section["cluster"] = cluster_file
+    poplar = poplar_config_from_dict(section, base_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"poplar-profile --per-layer ") as raised:
+        resolve_pipeline_plan(
+            poplar,
+            _cluster(),
+            world_size=3,
+            rank=0,
+            num_layers=6,
+            zero_stage=None,
+            global_batch=(12, "poplar.global_batch_size"),
+            broadcast=lambda o: o,
+        )
+    message = str(raised.value)
+    assert "--deepspeed_config DS.json" in message
+    if cluster_file is None:
+        assert "--cluster" not in message
+    else:
+        assert f"--cluster {tmp_path / cluster_file} " in message
