@@ -341,7 +341,7 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
             consumed_samples=self.data_position,
             **self.poplar_config.data_order,
         )
-        self._samplers.append(sampler)
+        self._add_sampler(sampler)
         return sampler
 
     def use_loader(self, loader: Any) -> None:
@@ -350,7 +350,10 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
 
     @property
     def data_position(self) -> int:
-        """Stream position where the next iteration starts (see `poplar_ext.runtime.data`)."""
+        """Stream position where the next iteration starts (see `poplar_ext.runtime.data`): with ``drop_last``
+        the sampler's, whose iterations skip each epoch's tail (not a global batch apart across it)."""
+        if self._samplers:
+            return self._samplers[0].iteration_start(self._first_sampler_base + self._steps_since_restore)
         return self.trained_position
 
     # -- checkpoints ---------------------------------------------------------------

@@ -60,6 +60,8 @@ class EngineCore(FollowsRebalancing):
         self.pending_switch: SwitchOrder | None = None
         """A plan switch agreed by every rank, waiting for the iteration it starts at."""
         self._samplers: list[PlanBatchSampler] = []
+        self._first_sampler_base = 0
+        """The first sampler's iteration trained by the first optimizer step since the restore (`data_position`)."""
         self._restored_position = 0
         self._steps_since_restore = 0
         self._last_boundary_time: float | None = None
@@ -131,6 +133,14 @@ class EngineCore(FollowsRebalancing):
         if position_samplers:
             for sampler in self._samplers:
                 sampler.set_position(decision.data_position)
+            if self._samplers:
+                self._first_sampler_base = self._samplers[0].next_iteration
+
+    def _add_sampler(self, sampler: PlanBatchSampler) -> None:
+        """A batch sampler that follows plan switches and resumes (`data_position` reads the first)."""
+        if not self._samplers:  # its next iteration is the one the next optimizer step trains
+            self._first_sampler_base = sampler.next_iteration - self._steps_since_restore
+        self._samplers.append(sampler)
 
     def _continue_plans(self, decision: ResumeDecision) -> None:
         """The plan history of a resume, and its last plan when the run had switched (every rank alike)."""

@@ -118,8 +118,6 @@ class PoplarEngine(EngineCore):
         """Each called with the new plan at the end of every `switch_plan`: after the optimizer step that ends the
         old plan's last iteration, or in `load_checkpoint` (a resume under the checkpoint's last plan). What
         counts this rank's micro-steps outside DeepSpeed follows the switch there (accelerate's ``accumulate``)."""
-        self._first_sampler_base = 0
-        """The first sampler's iteration trained by the first optimizer step since the restore (`data_position`)."""
         self._token_counts: collections.deque[int] = collections.deque()
         self.iteration_tokens = 0
         """``token_mean``: the current iteration's label tokens over all ranks (`set_token_counts`)."""
@@ -401,11 +399,6 @@ class PoplarEngine(EngineCore):
             )
         self._add_sampler(sampler)
 
-    def _add_sampler(self, sampler: PlanBatchSampler) -> None:
-        if not self._samplers:  # its next iteration is the one the next optimizer step trains
-            self._first_sampler_base = sampler.next_iteration - self._steps_since_restore
-        self._samplers.append(sampler)
-
     @property
     def data_position(self) -> int:
         """Stream position where the next iteration starts (see `poplar_ext.runtime.data`): the first one no
@@ -515,9 +508,7 @@ class PoplarEngine(EngineCore):
         `position_samplers` False when it moves its dataloader to the position itself, its first sampler's
         `next_iteration` then (for `data_position`)."""
         self._restore_position(decision, position_samplers=position_samplers)
-        if position_samplers and self._samplers:
-            self._first_sampler_base = self._samplers[0].next_iteration
-        elif not position_samplers and next_iteration is not None:
+        if not position_samplers and next_iteration is not None:
             self._first_sampler_base = next_iteration
         self._continue_plans(decision)
 
