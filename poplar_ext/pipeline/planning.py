@@ -20,7 +20,7 @@ from poplar_ext.plan.pipeline_formats import (
     pipeline_plan_from_dict,
     pipeline_plan_to_dict,
 )
-from poplar_ext.runtime.config import SECTION, PoplarConfig, requested_zero_stage
+from poplar_ext.runtime.config import SECTION, PoplarConfig, deepspeed_train_batch_size, requested_zero_stage
 from poplar_ext.runtime.job_start import read_plan_file
 
 if TYPE_CHECKING:
@@ -34,15 +34,14 @@ def requested_pipeline_batch(poplar_config: PoplarConfig, ds_config: dict) -> tu
     pipeline job and replaced."""
     if isinstance(poplar_config.global_batch_size, int):
         return poplar_config.global_batch_size, f"{SECTION}.global_batch_size"
-    given = ds_config.get("train_batch_size")
-    if isinstance(given, int) and not isinstance(given, bool):
-        return given, "train_batch_size"
-    return None
+    given = deepspeed_train_batch_size(ds_config, source=poplar_config.source)
+    return None if given is None else (given, "train_batch_size")
 
 
 def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
     """ValueError listing what a pipeline job cannot run, from the config alone (no process group needed)."""
     source = poplar_config.source
+    given = deepspeed_train_batch_size(ds_config, source=source)  # FormatError where it is no batch
     problems = []
     if poplar_config.plan is None and requested_pipeline_batch(poplar_config, ds_config) is None:
         problems.append(
@@ -57,11 +56,9 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
         )
     if poplar_config.global_batch_size == "auto":
         problems.append(f"{SECTION}.global_batch_size: expected a number or none with pipelines (the plan's)")
-    given = ds_config.get("train_batch_size")
     if (
         isinstance(poplar_config.global_batch_size, int)
-        and isinstance(given, int)
-        and not isinstance(given, bool)
+        and given is not None
         and given != poplar_config.global_batch_size
     ):
         # Only the first would be checked against the plan, the other silently replaced.

@@ -346,6 +346,12 @@ def _deepspeed_batch_value(root: Node, key: str) -> int | None:
     return node.integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE)
 
 
+def deepspeed_train_batch_size(ds_config: dict, *, source: str = DICT_SOURCE) -> int | None:
+    """The DeepSpeed config's ``train_batch_size``; None where it is absent or ``"auto"`` (`FormatError` where it
+    is no batch)."""
+    return _deepspeed_batch_value(Node(ds_config, source).obj(), "train_batch_size")
+
+
 def deepspeed_global_batch_size(ds_config: dict, *, world_size: int, source: str = DICT_SOURCE) -> GlobalBatchRequest:
     """The global batch DeepSpeed would train with this config on `world_size` ranks.
 
@@ -464,6 +470,7 @@ __all__ = [
     "configured_zero_stage",
     "PROFILES_DIR_VARIABLE",
     "deepspeed_global_batch_size",
+    "deepspeed_train_batch_size",
     "default_profiles_dir",
     "load_deepspeed_config",
     "nominal_deepspeed_config",

@@ -98,6 +98,14 @@ def test_two_global_batches_in_one_pipeline_config_are_refused():
     check_pipeline_config({"train_batch_size": "auto"}, _poplar(global_batch_size=12))
 
 
+@pytest.mark.parametrize("given", ["14", 14.5, True, 0])
+def test_a_train_batch_size_that_is_no_batch_is_refused_not_ignored(given):
+    # A ZeRO job refuses it; a pipeline job replaced it with the plan's without a word.
+    for section in ({}, {"global_batch_size": 14}):
+        with pytest.raises(ValueError, match=r"train_batch_size: expected an integer from 1 to \d+, found "):
+            check_pipeline_config({"train_batch_size": given}, _poplar(**section))
+
+
 def test_a_plain_config_is_fine():
     check_pipeline_config({"zero_optimization": {"stage": 1}, "bf16": {"enabled": False}}, _poplar())
 
