@@ -409,7 +409,7 @@ class PoplarEngine(EngineCore):
             # out, workers fetch several) may have begun iterations that no step has trained yet.
             trained = sampler.iteration_start(self._first_sampler_base + self._steps_since_restore)
             return min(sampler.consumed_samples, trained)
-        return self._restored_position + self._steps_since_restore * self.plan.global_batch_size
+        return self.trained_position
 
     # -- checkpoints -------------------------------------------------------------
     def save_checkpoint(
