@@ -64,7 +64,10 @@ def ends_job_on_user_error(function: F) -> F:
         try:
             return function(*args, **kwargs)
         except USER_ERRORS as error:
-            end_restarting_launcher(error)
+            # Settling places nest (poplar_ext.initialize around prepare_job): the launcher is asked once.
+            if not getattr(error, "_poplar_launcher_asked", False):
+                error._poplar_launcher_asked = True  # type: ignore[attr-defined]
+                end_restarting_launcher(error)
             raise
 
     return settle  # type: ignore[return-value]

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from poplar_ext.elastic import ends_job_on_user_error
 
+
+@ends_job_on_user_error
 def initialize(
     args: Any = None,
     model: Any = None,
@@ -35,7 +38,8 @@ def initialize(
     DeepSpeed ZeRO, where `loss_fn` and `checkpointing_toggle` serve its automatic profiling and
     the plan's activation checkpointing (`poplar_ext.zero.initialize.initialize`). Raises
     ValueError, on every rank alike and before any collective, for a bad config or a plan that
-    cannot run.
+    cannot run; under torchrun's restarting agent, a ValueError or TypeError it raises ends the job
+    instead of a restart (`poplar_ext.elastic`).
     """
     common = dict(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,

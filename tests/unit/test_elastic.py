@@ -58,3 +58,31 @@ def test_the_places_that_settle_a_job_end_it_on_user_errors():
 
     for settle in (prepare_job, prepare_pipeline_job):
         assert settle.__wrapped__.__name__ == settle.__name__
+
+
+def test_poplar_ext_initialize_ends_the_job_on_its_own_user_errors_once(monkeypatch):
+    # docs/fault-tolerance.md names poplar_ext.initialize: its refusals after prepare_job (here: options a
+    # pipeline module does not take) end the job too, and a nested settling place asks only once.
+    import poplar_ext.elastic as elastic
+    from poplar_ext.engines import initialize
+    from poplar_ext.pipeline.module import PoplarPipelineModule
+
+    ended: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", ended.append)
+    module = PoplarPipelineModule.__new__(PoplarPipelineModule)  # built elsewhere: only its type is read
+    with pytest.raises(ValueError, match=r"loss_fn: expected None for a PoplarPipelineModule"):
+        initialize(model=module, loss_fn=lambda engine, batch: 0)
+    assert [type(e) for e in ended] == [ValueError]
+
+    @ends_job_on_user_error
+    def inner():
+        raise ValueError("bad plan")
+
+    @ends_job_on_user_error
+    def outer():
+        inner()
+
+    ended.clear()
+    with pytest.raises(ValueError, match="bad plan"):
+        outer()
+    assert len(ended) == 1
