@@ -16,8 +16,8 @@ from poplar_ext.plan.formats import Cluster, Plan, load_cluster, load_plan, load
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import PipelinePlan, layer_profiles_dir, load_layer_profiles, load_pipeline_plan
 
-from .api import PlanPrediction, predict
-from .cli_common import EXIT_OK, bad_input, chosen_network, rank_span, runs, table
+from .api import PlanPrediction, cluster_problems, predict
+from .cli_common import EXIT_OK, bad_input, chosen_network, error, rank_span, runs, table
 from .pipeline_cost import BoundaryTransfer, PipelinePrediction, predict_pipeline
 
 
@@ -27,12 +27,16 @@ def run_predict(args: argparse.Namespace) -> int:
         kind = "pipeline" if "pipelines" in read_json(args.predict) else "zero"
         cluster = load_cluster(args.cluster) if args.cluster else None
         network = chosen_network(args, cluster)
+        plan: Plan | PipelinePlan = load_pipeline_plan(args.predict) if kind == "pipeline" else load_plan(args.predict)
+        # The cluster places the ranks on nodes and finds the network: it must be the plan's.
+        types = plan.rank_device_types if kind == "pipeline" else [r.device_type for r in plan.ranks]
+        problems = [] if cluster is None else cluster_problems(list(enumerate(types)), cluster)
+        if problems:
+            return error(f"{args.predict}: expected a plan of the cluster {args.cluster}: {' '.join(problems)}")
         if kind == "pipeline":
-            plan: Plan | PipelinePlan = load_pipeline_plan(args.predict)
             layers = load_layer_profiles(layer_profiles_dir(args.profiles))
             prediction: Any = predict_pipeline(plan, layers, network, cluster=cluster)
         else:
-            plan = load_plan(args.predict)
             prediction = predict(plan, load_profiles(args.profiles), network)
     except ValueError as exc:
         return bad_input(exc, f"plan: {args.predict}, profiles: {args.profiles}")

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from poplar_ext.search.cli import main
+from poplar_ext.search.examples import example_profiles_dir
 
 
 def _searched(tmp_path, capsys, *extra: str) -> dict:
@@ -95,3 +96,16 @@ def test_both_searches_return_one_result_type_that_says_its_parallelism():
     assert pipeline.parallelism == "pipeline" and isinstance(pipeline.plan, PipelinePlan)
     assert pipeline.method in ("exact", "heuristic") and pipeline.layouts_evaluated >= 1
     assert zero.ok and pipeline.ok and pipeline.policy == "poplar"
+
+
+@pytest.mark.parametrize("parallelism", ["zero", "pipeline"])
+def test_a_cluster_that_is_not_the_plans_is_bad_input(tmp_path, capsys, parallelism):
+    searched = _searched(tmp_path, capsys, "--parallelism", parallelism)
+    cluster = tmp_path / "four.json"
+    devices = [{"device_type": "V100-16GB", "count": 2}, {"device_type": "A100-80GB", "count": 2}]
+    cluster.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "a", "devices": devices}]}))
+    network = next((example_profiles_dir() / "network").glob("*.json"))
+    command = ["--profiles", str(example_profiles_dir()), "--cluster", str(cluster), "--network", str(network)]
+    assert main([*command, "--predict", str(searched["path"])]) == 2
+    err = capsys.readouterr().err
+    assert str(cluster) in err and "8 ranks but the cluster has 4" in err and "rank 0" in err
