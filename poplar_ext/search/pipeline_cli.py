@@ -49,6 +49,8 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
         return f"--policy: expected poplar with --parallelism {args.parallelism}, found {args.policy}"
     if args.parallelism == "pipeline" and args.global_batch_size is None:
         return "--global-batch-size: required with --parallelism pipeline (the pipeline search sizes a given batch)"
+    if args.parallelism == "pipeline" and args.max_global_batch_size is not None:
+        return "--max-global-batch-size: not used with --parallelism pipeline (it sizes the given global batch)"
     if args.parallelism == "pipeline" and args.zero_stage in (2, 3):
         return (
             f"--zero-stage: expected auto, 0 or 1 with --parallelism pipeline (DeepSpeed's pipeline engine refuses "

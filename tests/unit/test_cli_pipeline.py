@@ -60,6 +60,10 @@ def test_auto_compares_both_and_writes_the_faster(capsys, tmp_path):
         (["--parallelism", "pipeline"], "--global-batch-size: required with --parallelism pipeline"),
         (["--parallelism", "pipeline", "--global-batch-size", "8", "--zero-stage", "2"], "refuses stage 2"),
         (["--parallelism", "auto", "--policy", "uniform"], "--policy: expected poplar with --parallelism auto"),
+        (
+            ["--parallelism", "pipeline", "--global-batch-size", "512", "--max-global-batch-size", "100"],
+            "--max-global-batch-size: not used with --parallelism pipeline",
+        ),
     ],
 )
 def test_arguments_pipelines_cannot_take_exit_2(capsys, argv, match):
