@@ -42,6 +42,7 @@ from .cli_common import (
 )
 from .pipeline_cost import predict_pipeline
 from .pipeline_search import search_pipeline_plan
+from .pipeline_sizing import MAX_SUMSET
 
 
 def _argument_problem(args: argparse.Namespace) -> str | None:
@@ -78,7 +79,19 @@ def _search(args: argparse.Namespace) -> tuple[SearchResult | None, SearchResult
         if batch is None and zero.ok:
             batch = zero.plan.global_batch_size
     pipeline = None
-    if batch is not None:
+    if batch is not None and args.global_batch_size is None and batch > MAX_SUMSET:
+        # The ZeRO search's own batch, not the user's: beyond the pipeline sizing, not bad input.
+        reason = f"The ZeRO search's global batch {batch} is above the pipeline search's limit ({MAX_SUMSET})."
+        pipeline = SearchResult(
+            status="infeasible",
+            message=reason,
+            plan=None,
+            policy="poplar",
+            zero_stage=None,
+            stage_reports=(),
+            parallelism="pipeline",
+        )
+    elif batch is not None:
         pipeline = search_pipeline_plan(
             layer_profiles, cluster, global_batch_size=batch, zero_stage=args.zero_stage, network=network
         )

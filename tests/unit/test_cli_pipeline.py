@@ -9,6 +9,7 @@ from test_cli import CLUSTER, EXAMPLES, run
 from poplar_ext.plan.formats import Plan, load_cluster
 from poplar_ext.plan.pipeline_formats import PipelinePlan, load_any_plan, load_layer_profiles
 from poplar_ext.search.pipeline_search import check_pipeline_plan
+from poplar_ext.search.pipeline_sizing import MAX_SUMSET
 
 
 def test_a_pipeline_plan_is_searched_printed_and_written(capsys, tmp_path):
@@ -114,3 +115,22 @@ def test_a_pipeline_plan_that_cannot_be_made_exits_1_and_writes_nothing(capsys, 
 def test_help_names_the_parallelisms(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0 and "--parallelism" in out and "DIR/layers/" in out
+
+
+def test_auto_without_a_batch_keeps_the_zero_plan_when_its_batch_is_beyond_the_pipeline_search(capsys, tmp_path):
+    # 9600 ranks: the ZeRO search's own batch is above the pipeline sizing's limit (MAX_SUMSET), which the
+    # user never gave: the pipelines are not searched, the ZeRO plan stands.
+    devices = [{"device_type": "A100-80GB", "count": 4}, {"device_type": "V100-16GB", "count": 4}]
+    nodes = [{"name": f"n{i}", "devices": devices} for i in range(1200)]
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"schema_version": 1, "nodes": nodes}))
+    code, out, err = run(
+        capsys, "--profiles", EXAMPLES, "--cluster", cluster, "--parallelism", "auto", "--format", "json"
+    )
+    assert code == 0 and err == ""
+    data = json.loads(out)
+    assert data["chosen"] == "zero" and data["pipeline"] is None
+    assert data["zero"]["global_batch_size"] > MAX_SUMSET
+    code, out, _ = run(capsys, "--profiles", EXAMPLES, "--cluster", cluster, "--parallelism", "auto")
+    pipeline_row = next(line for line in out.splitlines() if line.startswith("pipeline "))
+    assert code == 0 and "infeasible" in pipeline_row and f"limit ({MAX_SUMSET})" in pipeline_row
