@@ -124,8 +124,7 @@ def run_pipelines(args: argparse.Namespace) -> int:
             reasons.append("pipeline: not searched (no global batch: the ZeRO search found none to take)")
         print(f"{PROG}: infeasible: {' '.join(reasons)}", file=sys.stderr)
         return EXIT_INFEASIBLE
-    plan = zero.plan if chosen == "zero" else pipeline.plan
-    data = plan_to_dict(plan) if chosen == "zero" else pipeline_plan_to_dict(plan)
+    data = _plan_dict(zero if chosen == "zero" else pipeline)
     if args.output and not write_plan(data, args.output):
         return EXIT_BAD_INPUT
     if args.format == "json":
