@@ -37,6 +37,7 @@ from .cli_common import (
 )
 from .examples import example_cluster_file, example_profiles_dir
 from .pipeline_cli import run_pipelines
+from .pipeline_sizing import MAX_SUMSET
 from .policies import AUTO_ACCUMULATION_STEPS
 from .predict_cli import run_predict
 
@@ -81,8 +82,9 @@ exit status:
      --debug, which shows the traceback)
 No output file is written, not even partly, unless the exit status is 0.
 
-Limits (what the search is built for): global batches up to {MAX_GLOBAL_BATCH_SIZE}, micro-batches
-up to {MAX_MICRO_BATCH_SIZE} samples, clusters up to {MAX_WORLD_SIZE} ranks; larger values are bad input.
+Limits (what the search is built for): global batches up to {MAX_GLOBAL_BATCH_SIZE} (with pipelines up to
+{MAX_SUMSET}), micro-batches up to {MAX_MICRO_BATCH_SIZE} samples, clusters up to {MAX_WORLD_SIZE} ranks; larger
+values are bad input.
 """
 
 

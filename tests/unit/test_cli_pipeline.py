@@ -115,6 +115,8 @@ def test_a_pipeline_plan_that_cannot_be_made_exits_1_and_writes_nothing(capsys, 
 def test_help_names_the_parallelisms(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0 and "--parallelism" in out and "DIR/layers/" in out
+    # The pipeline search's own limit on the global batch is stated with the others.
+    assert f"pipelines up to {MAX_SUMSET}" in " ".join(out.split())
 
 
 def test_auto_without_a_batch_keeps_the_zero_plan_when_its_batch_is_beyond_the_pipeline_search(capsys, tmp_path):
