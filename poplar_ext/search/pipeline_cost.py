@@ -21,6 +21,7 @@ from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerProfile,
 
 from .cost import BACKWARD_SHARE
 from .curves import fit_points
+from .pipeline_layouts import rank_nodes
 
 TRANSFERS_PER_BOUNDARY = 2
 """Per micro-batch a boundary carries the activation forward and its gradient back."""
@@ -196,9 +197,8 @@ class Links:
     def of(cls, network: NetworkProfile | None, cluster: Cluster | None) -> Links:
         if cluster is None:
             return cls(network=network)
-        nodes = tuple(index for index, node in enumerate(cluster.nodes) for g in node.devices for _ in range(g.count))
         uplinks = tuple(node.uplink_bandwidth_bytes_per_s for node in cluster.nodes)
-        return cls(network=network, rank_nodes=nodes, node_uplinks_bytes_per_s=uplinks)
+        return cls(network=network, rank_nodes=rank_nodes(cluster), node_uplinks_bytes_per_s=uplinks)
 
     def same_node(self, ranks: Sequence[int]) -> bool:
         if self.rank_nodes is None or not len(ranks):
