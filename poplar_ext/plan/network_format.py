@@ -225,7 +225,6 @@ def load_network(path: str | os.PathLike[str]) -> NetworkProfile:
 
 
 def save_network(network: NetworkProfile, path: str | os.PathLike[str]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(network_to_dict(network), path)
 
 
