@@ -391,6 +391,9 @@ def plan_parallelism(data: Any) -> str:
 
 def any_plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan | PipelinePlan:
     """A ZeRO plan or a pipeline plan, by its ``parallelism``."""
+    parallelism = Node(data, source).obj().optional("parallelism")
+    if parallelism is not None:
+        parallelism.string(choices=PARALLELISMS)  # each reader alone names only its own kind
     if plan_parallelism(data) == "pipeline":
         return pipeline_plan_from_dict(data, source=source)
     return plan_from_dict(data, source=source)

@@ -75,6 +75,10 @@ def test_a_plan_says_what_it_trains_and_each_kind_is_read_by_its_own_reader():
     assert isinstance(plan_from_dict({**zero, "parallelism": "zero"}), Plan)
     with pytest.raises(FormatError, match=r"p.json: parallelism: expected one of 'zero', found string 'pipeline'"):
         plan_from_dict(_plan(), source="p.json")
+    # Where either kind is read, a misspelt parallelism is told both kinds, not the ZeRO reader's one.
+    for plan in ({**_plan(), "parallelism": "pipelines"}, {**zero, "parallelism": "Zero"}):
+        with pytest.raises(FormatError, match=r"parallelism: expected one of 'zero', 'pipeline', found string"):
+            any_plan_from_dict(plan, source="p.json")
 
 
 def _broken(change) -> dict:
