@@ -705,6 +705,11 @@ def is_cluster_or_plan(data: Any) -> bool:
     )
 
 
+def _not_a_directory(path: Path) -> str:
+    """What a path that should be a directory is instead, for `FormatError`'s *found*."""
+    return "a file" if path.exists() else "no such directory"
+
+
 def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
     """Load every ``*.json`` profile directly in `directory` (sorted by file name).
 
@@ -713,7 +718,9 @@ def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
     """
     directory = Path(directory)
     if not directory.is_dir():
-        raise FormatError(str(directory), "(directory)", "a directory of profile JSON files", "no such directory")
+        raise FormatError(
+            str(directory), "(directory)", "a directory of profile JSON files", _not_a_directory(directory)
+        )
     profiles: list[Profile] = []
     origin: dict[tuple[str, int, bool, bool, str], Path] = {}
     for path in sorted(directory.glob("*.json")):

@@ -29,6 +29,7 @@ from .formats import (
     _keys,
     _measured_with,
     _model_info,
+    _not_a_directory,
     _optional_boolean,
     _parse_emulation,
     _prediction,
@@ -204,7 +205,7 @@ def load_layer_profiles(directory: str | os.PathLike[str]) -> list[LayerProfile]
     if (directory / LAYERS_DIR).is_dir():
         directory = directory / LAYERS_DIR
     if not directory.is_dir():
-        raise FormatError(str(directory), "(directory)", "a directory of layer profiles", "no such directory")
+        raise FormatError(str(directory), "(directory)", "a directory of layer profiles", _not_a_directory(directory))
     return [load_layer_profile(path) for path in sorted(directory.glob("*.json"))]
 
 

@@ -148,3 +148,9 @@ def test_profiles_directory_may_hold_the_cluster_description():
     profiles = load_profiles(EXAMPLES)
     assert len(profiles) == 8
     assert {p.source for p in profiles} == {"modelled"}
+
+
+def test_a_profiles_path_that_is_a_file_is_said_to_be_one(capsys):
+    code, out, err = run(capsys, "--profiles", CLUSTER, "--cluster", CLUSTER, "--global-batch-size", 512)
+    assert code == 2 and out == ""
+    assert f"{CLUSTER}: (directory): expected a directory of profile JSON files, found a file" in err

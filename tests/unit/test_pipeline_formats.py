@@ -149,8 +149,10 @@ def test_layer_profiles_live_in_the_layers_folder_of_a_profile_directory(tmp_pat
     save_layer_profile(profile, tmp_path / "layers" / "toy-a-zero0.json")
     assert load_layer_profiles(tmp_path) == [profile] == load_layer_profiles(tmp_path / "layers")
     assert layer_profile_from_dict(layer_profile_to_dict(profile)) == profile
-    with pytest.raises(FormatError, match="expected a directory of layer profiles"):
+    with pytest.raises(FormatError, match="expected a directory of layer profiles, found no such directory"):
         load_layer_profiles(tmp_path / "nowhere")
+    with pytest.raises(FormatError, match="expected a directory of layer profiles, found a file"):
+        load_layer_profiles(tmp_path / "layers" / "toy-a-zero0.json")
 
 
 @pytest.mark.parametrize(
