@@ -164,13 +164,14 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         "by side (layer profiles from DIR/layers/, ZeRO stage 0 or 1, needs --global-batch-size); auto: both, the "
         "faster predicted plan is written, the table shows both",
     )
-    parser.add_argument(
+    network = parser.add_mutually_exclusive_group()
+    network.add_argument(
         "--network",
         metavar="FILE",
         help="collective times (a network file, see profiles/README.md): communication is then priced for the "
         "cluster's world size; default: the network file in --profiles measured on this cluster, if there is one",
     )
-    parser.add_argument(
+    network.add_argument(
         "--no-network", action="store_true", help="ignore any network file: the boundary is the profiles' measured one"
     )
     parser.add_argument(

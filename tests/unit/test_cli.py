@@ -154,3 +154,10 @@ def test_a_profiles_path_that_is_a_file_is_said_to_be_one(capsys):
     code, out, err = run(capsys, "--profiles", CLUSTER, "--cluster", CLUSTER, "--global-batch-size", 512)
     assert code == 2 and out == ""
     assert f"{CLUSTER}: (directory): expected a directory of profile JSON files, found a file" in err
+
+
+def test_a_network_file_and_no_network_together_are_refused(capsys):
+    network = next((EXAMPLES / "network").glob("*.json"))
+    code, out, err = run(capsys, "--example", "--global-batch-size", 512, "--network", network, "--no-network")
+    assert code == 2 and out == ""
+    assert "--no-network: not allowed with argument --network" in err
