@@ -643,6 +643,20 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------
 # Files
 # ----------------------------------------------------------------------------------
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (json's default keeps the last one without a word)."""
+    data = dict(pairs)
+    if len(data) < len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return data
+
+
 def read_json(path: str | os.PathLike[str]) -> Any:
     """Parse a JSON file; unreadable files and bad JSON are `FormatError`s naming the file."""
     path = Path(path)
@@ -657,9 +671,11 @@ def read_json(path: str | os.PathLike[str]) -> Any:
             str(path), "(file)", "a UTF-8 JSON file", f"a byte that is not UTF-8 at offset {exc.start}"
         ) from exc
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise FormatError(str(path), f"(line {exc.lineno}, column {exc.colno})", "valid JSON", exc.msg) from exc
+    except _DuplicateKey as exc:
+        raise FormatError(str(path), "(file)", "each key once in an object", f"the key {exc.key!r} twice") from None
     except RecursionError:
         data = None
     if data is None and text.strip() != "null" or json_depth(data) > MAX_JSON_DEPTH:

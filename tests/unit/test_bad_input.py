@@ -131,6 +131,15 @@ def test_read_json_names_the_file_for_every_failure(tmp_path):
         read_json(path)
 
 
+def test_a_key_given_twice_is_an_error_not_the_last_one_kept(tmp_path, capsys):
+    # json keeps the last of a key given twice: a second "emulation" would replace the first without a word
+    cluster = tmp_path / "cluster.json"
+    text = CLUSTER.read_text()
+    cluster.write_text(text.replace('"nodes"', '"schema_version": 1, "nodes"', 1))
+    err = _bad_exit(capsys, tmp_path, "--global-batch-size", "512", cluster=cluster)
+    assert f"{cluster}: (file): expected each key once in an object, found the key 'schema_version' twice" in err
+
+
 # -- unknown keys: never ignored, the closest known key named ---------------------------
 def test_a_misspelt_emulation_key_is_not_a_real_device():
     data = {
