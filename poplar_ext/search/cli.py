@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from poplar_ext.plan.formats import (
 from .api import search_plan
 from .cli_common import (
     EXIT_BAD_INPUT,
+    EXIT_BROKEN_PIPE,
     EXIT_INFEASIBLE,
     EXIT_INTERNAL_ERROR,
     EXIT_OK,
@@ -80,7 +82,9 @@ exit status:
      field), an unknown device type, or bad arguments
   3  an internal error of poplar-search (a bug: please report it with the output of
      --debug, which shows the traceback)
-No output file is written, not even partly, unless the exit status is 0.
+  141  the output's reader left before all of it was printed (e.g. | head), as a
+     program ended by SIGPIPE; what it did before, writing --output included, stands
+No output file is written, not even partly, unless the exit status is 0 or 141.
 
 Limits (what the search is built for): global batches up to {MAX_GLOBAL_BATCH_SIZE} (with pipelines up to
 {MAX_SUMSET}), micro-batches up to {MAX_MICRO_BATCH_SIZE} samples, clusters up to {MAX_WORLD_SIZE} ranks; larger
@@ -275,6 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return run(args)
+    except BrokenPipeError:
+        # Not a bug: the reader (| head) has what it wanted. Further writes, Python's own flush at
+        # exit included, go nowhere instead of failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except Exception as exc:  # noqa: BLE001 - anything run() did not expect is a bug: say so in one line
         if args.debug:
             traceback.print_exc()

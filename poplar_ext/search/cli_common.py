@@ -19,6 +19,8 @@ EXIT_OK = 0
 EXIT_INFEASIBLE = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL_ERROR = 3
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE: what a shell reports for a program its output's reader left."""
 
 
 def error(message: str) -> int:
