@@ -29,7 +29,7 @@ from poplar_ext.runtime.checkpoint import (
     resume_decision,
     write_state,
 )
-from poplar_ext.runtime.config import GlobalBatchRequest, load_deepspeed_config
+from poplar_ext.runtime.config import GlobalBatchRequest, PoplarConfig, load_deepspeed_config
 from poplar_ext.runtime.data import IterationSampler, MicroBatchesDataset, PlanBatchSampler
 from poplar_ext.runtime.evaluation import EvalBatchSampler, eval_batch_sizes
 from poplar_ext.runtime.weighting import label_token_count
@@ -190,6 +190,32 @@ def _refuse_accumulation_of_accelerate(args: TrainingArguments) -> None:
         )
 
 
+def _refuse_data_order_of_arguments(args: TrainingArguments, poplar_config: PoplarConfig) -> None:
+    """The plan's sampler orders the training data from the poplar section (``seed``, ``shuffle``,
+    ``drop_last``): TrainingArguments asking for another order would be ignored without a word."""
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    refused = None  # (argument, what is expected, its value, what to do instead)
+    if args.dataloader_drop_last and not poplar_config.drop_last:
+        refused = ("dataloader_drop_last", "False while poplar.drop_last is false", True, "set poplar.drop_last true")
+    elif args.data_seed is not None and args.data_seed != poplar_config.seed:
+        refused = ("data_seed", f"None or poplar.seed ({poplar_config.seed})", args.data_seed, "set poplar.seed")
+    elif strategy == "sequential" and poplar_config.shuffle:
+        refused = (
+            "train_sampling_strategy",
+            "'random' while poplar.shuffle is true",
+            repr(strategy),
+            "set poplar.shuffle false",
+        )
+    elif strategy not in ("random", "sequential"):
+        refused = ("train_sampling_strategy", "'random' or 'sequential'", repr(strategy), "leave it 'random'")
+    if refused is not None:
+        name, expected, found, instead = refused
+        raise ValueError(
+            f"TrainingArguments.{name}: expected {expected} (the plan's sampler orders the training data from the "
+            f"DeepSpeed config's poplar section: seed, shuffle, drop_last), found {found}; {instead}"
+        )
+
+
 class _PlanEvaluation:
     """`PoplarTrainerMixin`'s evaluate() and predict() under the plan (`poplar_ext.runtime.evaluation`):
     rounds of one batch per rank, every sample once and in order, the loss the exact mean over the set.
@@ -330,6 +356,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
             )
         _refuse_accumulation_of_accelerate(args)
         self.job = _settle_job(args, model, train_dataset, collate_fn=kwargs.get("data_collator"))
+        _refuse_data_order_of_arguments(args, self.job.poplar_config)
         self.poplar_engine: PoplarEngine | None = None
         """The `PoplarEngine` between accelerate and DeepSpeed's engine, once training built it: it times
         compute, re-balances (``poplar.rebalance``) and switches DeepSpeed's batch with the plan."""

@@ -44,3 +44,95 @@ def test_a_class_derived_from_the_mixed_one_may_wrap_the_plans_loader():
 
     with pytest.raises(ValueError, match=r"Recording: expected TrainingArguments\(deepspeed=...\)"):
         Recording(model=None, args=None)
+
+
+def _arguments_of_a_settled_job(monkeypatch, arguments: dict, section: dict):
+    """TrainingArguments with `arguments`, and `_settle_job` replaced by a one-rank job of the poplar
+    `section` (no process group)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from transformers import TrainingArguments
+
+    from poplar_ext.integrations import transformers as integration
+    from poplar_ext.plan.formats import plan_from_dict
+    from poplar_ext.runtime.config import poplar_config_from_dict
+
+    plan = plan_from_dict(
+        {
+            "schema_version": 1,
+            "policy": "uniform",
+            "zero_stage": 0,
+            "global_batch_size": 4,
+            "ranks": [{"rank": 0, "device_type": "cpu", "micro_batch_size": 2, "gradient_accumulation_steps": 2}],
+            "predicted": {"iteration_time_s": 1.0, "samples_per_s": 4.0, "ideal_samples_per_s": 4.0},
+            "profile_fingerprints": {},
+        },
+        source="test",
+    )
+    config = poplar_config_from_dict({"plan": "p.json", **section}, base_dir=Path("."))
+    job = SimpleNamespace(
+        plan=plan,
+        rank=0,
+        world_size=1,
+        poplar_config=config,
+        plan_reason="the plan file p.json",
+        ds_config={"zero_optimization": {"stage": 0}},
+    )
+    monkeypatch.setattr(integration, "_settle_job", lambda *args, **kwargs: job)
+    return TrainingArguments(
+        output_dir="unused",
+        use_cpu=True,
+        deepspeed={"zero_optimization": {"stage": 0}, "poplar": {}},
+        report_to=[],
+        **arguments,
+    )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "section", "match"),
+    [
+        (
+            {"dataloader_drop_last": True},
+            {},
+            r"dataloader_drop_last: expected False while poplar\.drop_last is false .* found True; "
+            r"set poplar\.drop_last true",
+        ),
+        ({"data_seed": 7}, {"seed": 3}, r"data_seed: expected None or poplar\.seed \(3\) .* found 7; set poplar\.seed"),
+        (
+            {"train_sampling_strategy": "sequential"},
+            {},
+            r"train_sampling_strategy: expected 'random' while poplar\.shuffle is true .* found 'sequential'; "
+            r"set poplar\.shuffle false",
+        ),
+        (
+            {"train_sampling_strategy": "group_by_length"},
+            {},
+            r"train_sampling_strategy: expected 'random' or 'sequential' .* found 'group_by_length'",
+        ),
+    ],
+)
+def test_training_arguments_choosing_the_data_order_are_refused(monkeypatch, arguments, section, match):
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    args = _arguments_of_a_settled_job(monkeypatch, arguments, section)
+    with pytest.raises(ValueError, match=match):
+        PoplarTrainer(model=None, args=args)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "section"),
+    [
+        ({"dataloader_drop_last": True}, {"drop_last": True}),
+        ({"data_seed": 3}, {"seed": 3}),
+        ({"data_seed": 0}, {}),
+        ({"train_sampling_strategy": "sequential"}, {"shuffle": False}),
+    ],
+)
+def test_training_arguments_saying_what_the_poplar_section_says_are_taken(monkeypatch, arguments, section):
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    args = _arguments_of_a_settled_job(monkeypatch, arguments, section)
+    # Past the data order: the Trainer's own refusal of a missing model.
+    with pytest.raises(RuntimeError, match="requires either a `model` or `model_init`"):
+        PoplarTrainer(model=None, args=args)
