@@ -508,13 +508,20 @@ def _render_lever(rows: list[dict[str, Any]], *, lever: str, column: str, title:
 
 def render_scaling(series: list[dict[str, Any]]) -> list[str]:
     """Markdown: each stage alone as the cluster grows (see `bench.simulate.scaling_series`)."""
+    rows = [row for item in series for row in item["rows"]]
+    per_gpu = {row["global_batch_size"] / row["world_size"] for row in rows}
+    batches = {row["global_batch_size"] for row in rows}
+    if len(per_gpu) == 1 and next(iter(per_gpu)).is_integer():
+        batch = f"{next(iter(per_gpu)):.0f} samples per GPU"
+    else:
+        batch = f"{next(iter(batches))} samples" if len(batches) == 1 else "each cluster's own"
     lines = [
         "",
         "## Each ZeRO stage as the cluster grows (poplar, predicted)",
         "",
         (
             "Samples/s per GPU, share of the ideal and, in brackets, the share of the iteration spent in communication "
-            "not hidden behind compute (stage 3 overlaps its backward collectives); global batch = 16 samples per GPU."
+            f"not hidden behind compute (stage 3 overlaps its backward collectives); global batch = {batch}."
         ),
     ]
     for item in series:

@@ -162,6 +162,25 @@ def test_the_simulation_report_renders_the_scaling_tables(tmp_path):
     assert "## Each ZeRO stage as the cluster grows" in markdown and "| GPUs | stage 0 |" in markdown
 
 
+@pytest.mark.parametrize(
+    ("global_batches", "said"),
+    [({8: 32, 16: 64}, "global batch = 4 samples per GPU"), ({8: 96, 16: 96}, "global batch = 96 samples")],
+)
+def test_the_scaling_tables_say_the_global_batch_they_ran(global_batches, said):
+    from poplar_bench.report import render_scaling
+
+    cases = [
+        dataclasses.replace(
+            _case(world_size=w), global_batch_size=b, cluster_file=f"poplar_bench/clusters/pair-x{w}.json"
+        )
+        for w, b in global_batches.items()
+    ]
+    (series,) = simulate.scaling_series(cases)
+    assert [row["global_batch_size"] for row in series["rows"]] == list(global_batches.values())
+    text = "\n".join(render_scaling([series]))
+    assert said + "." in text and "16 samples per GPU" not in text
+
+
 # ----------------------------------------------------------------------------------
 # ZeRO or pipelines (poplar_bench/simulate_pipelines.py)
 # ----------------------------------------------------------------------------------
