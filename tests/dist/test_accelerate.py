@@ -246,6 +246,50 @@ def test_load_state_continues_the_data_and_equals_the_uninterrupted_run(results,
     assert t.max_difference(results[0][f"resumed{stage}"]["params"], results[0][stage]["params"]) <= 1e-5
 
 
+# -- the LR scheduler: how often each kind steps, whatever each rank's accumulation count -------------
+def _scheduler_steps(files) -> dict[str, list[int]]:
+    """Each scheduler kind's own step counter after each optimizer step, on this rank (stage 1, uneven counts)."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    kinds = {
+        "torch": (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0), "last_epoch"),
+        "deepspeed": (lambda opt: WarmupLR(opt, warmup_max_lr=0.01, warmup_num_steps=100), "last_batch_iteration"),
+    }
+    counters = {}
+    for kind, (make, counter) in kinds.items():
+        accelerator = _accelerator(t.ds_config(cluster=files["cluster"], plan=files[1], stage=1))
+        torch.manual_seed(0)
+        model = GPT(t.TINY)
+        optimizer = t.make_optimizer("adam", model.parameters())
+        loader = torch.utils.data.DataLoader(Indexed(), batch_size=4)
+        model, optimizer, loader, lr_scheduler = accelerator.prepare(model, optimizer, loader, make(optimizer))
+        counters[kind] = []
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch["tokens"]))
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                counters[kind].append(getattr(lr_scheduler.scheduler, counter))
+                if len(counters[kind]) == STEPS:
+                    break
+    return counters
+
+
+def test_the_lr_scheduler_follows_optimizer_steps_alike_on_every_rank(tmp_path):
+    files = t.write_stage_files(tmp_path, {1: ALLOCATIONS[1]}, device_types=TYPES)
+    counters = run_ranks(_scheduler_steps, world_size=3, tmp_path=tmp_path, args=(files,), timeout_s=300)
+    world_size = len(TYPES)
+    for rank_counters in counters:  # ranks of 2, 3 and 1 micro-steps per optimizer step
+        # A torch scheduler is accelerate's: the loop's step() at the accumulation boundary, once per process.
+        assert rank_counters["torch"] == [world_size * step for step in range(1, STEPS + 1)]
+        # DeepSpeed's own is DeepSpeed's engine's: once per optimizer step (the loop's step() does nothing).
+        first = rank_counters["deepspeed"][0]
+        assert rank_counters["deepspeed"] == [first + step for step in range(STEPS)]
+    assert len({c["deepspeed"][0] for c in counters}) == 1
+
+
 # -- re-balancing: an emulated rank slows down mid-run ----------------------------------------
 # Enough compute per sample that a rank's time follows its samples (test_rebalance_training's model).
 DRIFT_GPT = t.GPTConfig(vocab_size=256, sequence_length=32, num_layers=2, num_heads=2, hidden_size=64)
