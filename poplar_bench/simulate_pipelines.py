@@ -73,9 +73,11 @@ def parallelism_comparison(
     shapes: Sequence[gpu_model.ModelShape],
     *,
     samples_per_rank: int,
+    global_batch_size: int | None = None,
     networks: Sequence[str] = tuple(NETWORKS),
 ) -> list[dict[str, Any]]:
-    """`compare` for every (model, cluster file, network), at `samples_per_rank` x world size."""
+    """`compare` for every (model, cluster file, network), at `global_batch_size` (None: `samples_per_rank` x
+    world size)."""
     rows = []
     for shape in shapes:
         for path in cluster_files:
@@ -87,7 +89,7 @@ def parallelism_comparison(
                         cluster,
                         shape,
                         network=network,
-                        global_batch_size=samples_per_rank * cluster.world_size,
+                        global_batch_size=global_batch_size or samples_per_rank * cluster.world_size,
                         name=pair,
                     )
                 )

@@ -113,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
         from ..simulate_pipelines import parallelism_comparison
 
         print("ZeRO or pipelines, network slow and fast ...", file=sys.stderr, flush=True)
-        parallelism = parallelism_comparison(cluster_paths, shapes, samples_per_rank=samples_per_rank)
+        parallelism = parallelism_comparison(
+            cluster_paths, shapes, samples_per_rank=samples_per_rank, global_batch_size=args.global_batch_size
+        )
     report = simulate.simulation_report(cases, checkpointing_cases=checkpointing_cases, parallelism=parallelism)
     return print_paths(write_report(report, args.output_dir or default_output_dir(), args.name))
 

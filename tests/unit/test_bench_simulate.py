@@ -222,3 +222,16 @@ def test_the_comparison_is_rendered_and_labelled_modelled(versus):
     assert "## ZeRO or pipelines (predicted)" in markdown and "MODELLED" in markdown
     assert "### Network slow: 10 Gb/s" in markdown and "### Network fast: 100 Gb/s" in markdown
     assert "- network slow, pipeline faster (1): pair x8 gpt2-medium" in markdown
+
+
+def test_global_batch_size_reaches_the_zero_or_pipelines_comparison(tmp_path):
+    import json
+
+    from poplar_bench.cli import main
+
+    cluster = cluster_files.CLUSTER_DIR / "a100-80gb+a100-40gb-x8.json"
+    argv = ["simulate", "--cluster", str(cluster), "--model", SHAPE.name, "--global-batch-size", "96"]
+    assert main([*argv, "--output-dir", str(tmp_path), "--name", "sim"]) == 0
+    report = json.loads((tmp_path / "sim.json").read_text())
+    assert [s["global_batch_size"] for s in report["scenarios"]] == [96]
+    assert [row["global_batch_size"] for row in report["parallelism"]] == [96, 96]
