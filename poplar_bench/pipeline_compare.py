@@ -394,6 +394,7 @@ def run_pipeline_bench(
 
 def render_markdown(report: dict[str, Any]) -> str:
     load = report["machine"].get("load_average")
+    cores = report["machine"].get("usable_cpus")
     lines = [
         "# ZeRO against pipelines on an emulated two-node CPU cluster",
         "",
@@ -404,7 +405,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Model: {report['model']}. Link: {report['link_emulation']}.",
         "",
-        f"Load average of the 2-core machine at the end (the bench's 4 ranks included): "
+        f"Load average of the {f'{cores}-core ' if cores else ''}machine at the end (the bench's 4 ranks included): "
         f"{', '.join(f'{x:.1f}' for x in load) if load else 'unknown'}.",
         "",
         "| link | parallelism | plan (searched at start) | measured s/iter | predicted s/iter | measured/predicted "

@@ -83,3 +83,11 @@ def test_each_run_is_compared_with_its_own_plans_prediction():
 def test_fewer_than_one_repetition_is_refused(tmp_path):
     with pytest.raises(ValueError, match="repetitions: expected at least 1, found 0"):
         pipeline_compare.run_pipeline_bench(out_dir=tmp_path, repetitions=0)
+
+
+def test_the_report_names_the_cores_of_the_machine_it_ran_on():
+    row = pipeline_compare.combined_row([_run(1.3, 2.0)])
+    report = {"date": "d", "cluster": "c", "model": "m", "link_emulation": "l", "rows": [row]}
+    text = pipeline_compare.render_markdown({**report, "machine": {"usable_cpus": 16, "load_average": [1.0] * 3}})
+    assert "Load average of the 16-core machine at the end" in text and "2-core" not in text
+    assert "Load average of the machine at the end" in pipeline_compare.render_markdown({**report, "machine": {}})
