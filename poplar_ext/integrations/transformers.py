@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -298,7 +299,7 @@ class _PlanEvaluation:
         """What the batch's loss is a mean over: its label tokens (as training counts them) or its samples."""
         token_mean = (
             self._inner_loss_is_scaled_for_ga is not False
-            and isinstance(inputs, dict)
+            and isinstance(inputs, Mapping)
             and "labels" in inputs
             and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
         )
