@@ -297,17 +297,21 @@ class _PlanEvaluation:
 
     def _eval_loss_count(self, inputs: dict) -> int:
         """What the batch's loss is a mean over: its label tokens (as training counts them) or its samples."""
-        token_mean = (
-            self._inner_loss_is_scaled_for_ga is not False
-            and isinstance(inputs, Mapping)
-            and "labels" in inputs
-            and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
-        )
-        if token_mean:
+        if self._loss_is_a_token_mean(inputs):
             return label_token_count(inputs, shifted=self._loss_shifts_labels_truly())
         from transformers.trainer_pt_utils import find_batch_size
 
         return int(find_batch_size(inputs) or 0)
+
+    def _loss_is_a_token_mean(self, batch: Any) -> bool:
+        """Whether the loss of `batch` is over its label tokens: it has labels, the model takes loss kwargs
+        (or the Trainer has a compute_loss_func), and the subclass does not declare a micro-batch mean."""
+        return (
+            self._inner_loss_is_scaled_for_ga is not False
+            and isinstance(batch, Mapping)
+            and "labels" in batch
+            and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+        )
 
     def gather_round_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
         """The gather during a plan's evaluation (``accelerator.gather``'s arguments): every rank's tensors
@@ -454,15 +458,8 @@ class PoplarTrainerMixin(_PlanEvaluation):
         """``T / W``: the label tokens of the whole global batch (every rank, every
         accumulation step), counted as the model's loss counts them, over the world size."""
         batch_samples = _micro_batches_of(batch_samples)
-        counting = (
-            len(batch_samples) > 0
-            and "labels" in batch_samples[0]
-            and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
-            # A subclass whose loss is a micro-batch mean uses no token count.
-            and self._inner_loss_is_scaled_for_ga is not False
-        )
         # Decided from what every rank has alike, so that all or none enter the collective.
-        if not counting:
+        if not batch_samples or not self._loss_is_a_token_mean(batch_samples[0]):
             return None
         shifted = self._loss_shifts_labels_truly()
         mine = sum(label_token_count(batch, shifted=shifted) for batch in batch_samples)

@@ -16,12 +16,14 @@ from poplar_ext.integrations.transformers import PoplarTrainerMixin  # noqa: E40
 
 def _trainer() -> SimpleNamespace:
     """What `_eval_loss_count` reads of a PoplarTrainer over a causal LM whose loss is its token mean."""
-    return SimpleNamespace(
+    trainer = SimpleNamespace(
         _inner_loss_is_scaled_for_ga=None,
         model_accepts_loss_kwargs=True,
         compute_loss_func=None,
         _loss_shifts_labels_truly=lambda: True,
     )
+    trainer._loss_is_a_token_mean = lambda batch: PoplarTrainerMixin._loss_is_a_token_mean(trainer, batch)
+    return trainer
 
 
 @pytest.mark.parametrize("kind", [dict, BatchEncoding])
