@@ -8,6 +8,7 @@ what cannot be exact is refused when the trainer is built. The only module that 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -98,12 +99,18 @@ class PoplarSFTTrainer(_LocalMetrics, SFTTrainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        model, config = kwargs.get("model"), kwargs.get("args")
+        given = _given_arguments(SFTTrainer, args, kwargs)
+        model, config = given.get("model"), given.get("args")
         # From the arguments, before the plan is resolved on every rank (a collective).
         _refuse_padding_free_across_sequences(config, _attention_to_be(model, config))
         super().__init__(*args, **kwargs)
         if isinstance(model, str):  # the model TRL loaded: its attention as it came out
             _refuse_padding_free_across_sequences(self.args, _attention_to_be(self.model, self.args))
+
+
+def _given_arguments(trainer: type, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of ``trainer(*args, **kwargs)`` by the names of its ``__init__``, given by position or keyword."""
+    return dict(inspect.signature(trainer.__init__).bind_partial(None, *args, **kwargs).arguments)
 
 
 def _attention_to_be(model: Any, args: Any) -> str | None:

@@ -51,3 +51,16 @@ def test_a_model_trl_would_load_by_name_is_refused_from_the_config_before_anythi
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, packing=True, model_init_kwargs=init_kwargs)
     with pytest.raises(ValueError, match=r"packing=True with packing_strategy='bfd' flattens each micro-batch"):
         PoplarSFTTrainer(model="some-org/some-model", args=args)
+
+
+def test_padding_free_batches_are_refused_also_for_a_model_and_config_given_by_position(tmp_path, monkeypatch):
+    # SFTTrainer(model, args) as TRL's own examples call it: the refusal must not depend on the keywords.
+    import poplar_ext.integrations.transformers as integration
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("the plan was resolved (a collective) before the refusal")
+
+    monkeypatch.setattr(integration, "prepare_job", no_collective)
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, padding_free=True)
+    with pytest.raises(ValueError, match=r"padding_free=True flattens each micro-batch into one sequence"):
+        PoplarSFTTrainer(_gpt2("sdpa"), args)
