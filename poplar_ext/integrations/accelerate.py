@@ -171,6 +171,12 @@ class PoplarAccelerator(Accelerator):
         section = ds_config.get(SECTION)
         if not isinstance(section, dict) or "plan" in section or train_loader is None or not train_loader.batch_size:
             return None
+        if self.split_batches:  # a plain Accelerator cuts each batch among its processes
+            return GlobalBatchRequest(
+                size=train_loader.batch_size * self.gradient_accumulation_steps,
+                origin="the DataLoader's batch_size x gradient_accumulation_steps with split_batches "
+                f"({train_loader.batch_size} x {self.gradient_accumulation_steps})",
+            )
         size = train_loader.batch_size * self.gradient_accumulation_steps * self.num_processes
         return GlobalBatchRequest(
             size=size,
