@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import logging
 import math
 from collections.abc import Mapping
@@ -134,6 +135,17 @@ def _refuse_own_training_data_order(cls: type) -> None:
                     f"it: each rank's micro-batches are the plan's), found one of {klass.__name__}'s, whose batches "
                     "would not be trained; give the data through train_dataset and data_collator instead"
                 )
+
+
+def _named_arguments(init: Any, positional: tuple, keywords: dict[str, Any]) -> dict[str, Any]:
+    """``init(*positional, **keywords)``'s arguments by the names of its parameters (TypeError as ``init``
+    would raise it for too many); those ``init`` takes as ``**kwargs`` by their own names."""
+    bound = inspect.signature(init).bind_partial(*positional, **keywords)
+    named = dict(bound.arguments)
+    for name, parameter in bound.signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD and name in named:
+            named.update(named.pop(name))
+    return named
 
 
 def _settle_job(args: TrainingArguments, model: Any, train_dataset: Any, *, collate_fn: Any) -> Job:
@@ -350,9 +362,15 @@ class PoplarTrainerMixin(_PlanEvaluation):
     docs/trainer.md.
     """
 
-    def __init__(
-        self, model: Any = None, args: TrainingArguments | None = None, train_dataset: Any = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, *positional: Any, **kwargs: Any) -> None:
+        # By name, positional ones in the order of the Trainer class mixed in (the Trainer's third is
+        # data_collator, DPOTrainer's second ref_model).
+        kwargs = _named_arguments(super().__init__, positional, kwargs)
+        model, args, train_dataset = (
+            kwargs.pop("model", None),
+            kwargs.pop("args", None),
+            kwargs.pop("train_dataset", None),
+        )
         _refuse_own_training_data_order(type(self))
         if args is None or not args.deepspeed:
             raise ValueError(

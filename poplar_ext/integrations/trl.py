@@ -146,12 +146,12 @@ def _refuse_padding_free_across_sequences(args: Any, attention: str | None) -> N
 class PoplarDPOTrainer(_LocalMetrics, DPOTrainer):
     """``trl.DPOTrainer`` training the plan of the DeepSpeed config's ``poplar`` section.
 
-    Same arguments as ``DPOTrainer`` (by keyword; pass ``ref_model`` or let TRL build
-    it); a loss type that compares the pairs of a micro-batch is refused.
+    Same arguments as ``DPOTrainer`` (pass ``ref_model`` or let TRL build it); a loss type that
+    compares the pairs of a micro-batch is refused.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        config = kwargs.get("args")
+        config = _given_arguments(DPOTrainer, args, kwargs).get("args")
         loss_types = getattr(config, "loss_type", None) or []
         for loss_type in [loss_types] if isinstance(loss_types, str) else loss_types:
             if loss_type in _MICRO_BATCH_DPO_LOSSES:

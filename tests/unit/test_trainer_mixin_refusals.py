@@ -136,3 +136,55 @@ def test_training_arguments_saying_what_the_poplar_section_says_are_taken(monkey
     # Past the data order: the Trainer's own refusal of a missing model.
     with pytest.raises(RuntimeError, match="requires either a `model` or `model_init`"):
         PoplarTrainer(model=None, args=args)
+
+
+class _Settled(Exception):
+    """What `_settle_job` was given: the arguments as the mixin read them."""
+
+
+def _capture_settle_job(monkeypatch):
+    from poplar_ext.integrations import transformers as integration
+
+    def settle(args, model, train_dataset, *, collate_fn):
+        raise _Settled({"args": args, "model": model, "train_dataset": train_dataset, "collate_fn": collate_fn})
+
+    monkeypatch.setattr(integration, "_settle_job", settle)
+
+
+def test_arguments_by_position_are_read_in_the_mixed_trainers_order(monkeypatch):
+    # Trainer(model, args, data_collator, train_dataset): the third is the collator, not the data.
+    from transformers import TrainingArguments
+
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    _capture_settle_job(monkeypatch)
+    args = TrainingArguments(
+        output_dir="unused", use_cpu=True, deepspeed={"zero_optimization": {"stage": 0}, "poplar": {}}, report_to=[]
+    )
+    model, collator, dataset = object(), object(), [1, 2]
+    with pytest.raises(_Settled) as settled:
+        PoplarTrainer(model, args, collator, dataset)
+    given = settled.value.args[0]
+    assert (given["model"], given["args"], given["collate_fn"], given["train_dataset"]) == (
+        model,
+        args,
+        collator,
+        dataset,
+    )
+
+
+def test_a_dpo_trainers_config_by_position_is_its_third_argument(monkeypatch):
+    # DPOTrainer(model, ref_model, args, ...): the second is the reference model.
+    pytest.importorskip("trl", reason="TRL's trainers need pip install 'poplar-ext[trl]'")
+    from trl import DPOConfig
+
+    from poplar_ext.integrations.trl import PoplarDPOTrainer
+
+    _capture_settle_job(monkeypatch)
+    config = DPOConfig(
+        output_dir="unused", use_cpu=True, deepspeed={"zero_optimization": {"stage": 0}, "poplar": {}}, report_to=[]
+    )
+    model, reference = object(), object()
+    with pytest.raises(_Settled) as settled:
+        PoplarDPOTrainer(model, reference, config)
+    assert (settled.value.args[0]["model"], settled.value.args[0]["args"]) == (model, config)

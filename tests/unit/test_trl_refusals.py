@@ -28,6 +28,12 @@ def test_dpo_losses_of_the_whole_micro_batch_are_refused(tmp_path, loss_type):
         PoplarDPOTrainer(model=None, args=args)
 
 
+def test_a_dpo_loss_of_the_whole_micro_batch_is_refused_from_a_config_given_by_position(tmp_path):
+    args = DPOConfig(output_dir=str(tmp_path), loss_type="aot", use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="DPOConfig.loss_type: expected losses computed per pair, found 'aot'"):
+        PoplarDPOTrainer(None, None, args)  # DPOTrainer(model, ref_model, args)
+
+
 @pytest.mark.parametrize("fields", [{"packing": True, "packing_strategy": "bfd"}, {"padding_free": True}])
 def test_padding_free_batches_without_flash_attention_are_refused(tmp_path, fields):
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **fields)
