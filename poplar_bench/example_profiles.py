@@ -22,24 +22,24 @@ SHAPE = ModelShape(
 DEVICES = {"A100-80GB": 4, "V100-16GB": 4}
 
 
-def main() -> None:
+def main(directory: Path = HERE) -> None:
     world_size = sum(DEVICES.values())
     for name in DEVICES:
         for stage in ZERO_STAGES:
             profile = modelled_profile(gpu_spec(name), SHAPE, zero_stage=stage, world_size=world_size)
-            save_profile(profile, HERE / f"{SHAPE.name}.{name.lower()}.stage{stage}.json")
+            save_profile(profile, directory / f"{SHAPE.name}.{name.lower()}.stage{stage}.json")
     cluster = Cluster(
         nodes=tuple(
             ClusterNode(name=f"node{i}", devices=(DeviceGroup(device_type=name, count=count),))
             for i, (name, count) in enumerate(DEVICES.items())
         )
     )
-    save_cluster(cluster, HERE / "cluster.json")
+    save_cluster(cluster, directory / "cluster.json")
     for name in DEVICES:
         layers = modelled_layer_profile(gpu_spec(name), SHAPE, zero_stage=0)
-        save_layer_profile(layers, layer_profiles_dir(HERE) / f"{SHAPE.name}.{name.lower()}.stage0.json")
+        save_layer_profile(layers, layer_profiles_dir(directory) / f"{SHAPE.name}.{name.lower()}.stage0.json")
     network = two_level_network(gpus_per_node=max(DEVICES.values()))
-    save_network(dataclasses.replace(network, cluster_key=cluster_key(cluster)), network_path(HERE, cluster))
+    save_network(dataclasses.replace(network, cluster_key=cluster_key(cluster)), network_path(directory, cluster))
 
 
 if __name__ == "__main__":

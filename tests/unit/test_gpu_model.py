@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from poplar_bench import cluster_files, gpu_model
+from poplar_bench import cluster_files, example_profiles, gpu_model
 from poplar_ext.plan.formats import cluster_from_dict, cluster_to_dict, profile_from_dict, profile_to_dict
 
 SHAPE = gpu_model.model_shape("gpt2-xl-1.5b")
@@ -105,6 +105,16 @@ def test_shipped_cluster_files_are_what_the_generator_makes():
         data = json.loads((cluster_files.CLUSTER_DIR / name).read_text())
         assert data == cluster_to_dict(cluster)
         assert cluster_from_dict(data) == cluster
+
+
+def test_shipped_example_profiles_are_what_the_generator_makes(tmp_path):
+    # profiles/README.md: the example profiles repeat the model that made them; regenerated, nothing changes.
+    example_profiles.main(tmp_path)
+    made = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.json"))
+    shipped = sorted(p.relative_to(example_profiles.HERE).as_posix() for p in example_profiles.HERE.rglob("*.json"))
+    assert made == shipped
+    for name in made:
+        assert json.loads((tmp_path / name).read_text()) == json.loads((example_profiles.HERE / name).read_text()), name
 
 
 def test_pair_cluster_halves_and_node_layout():
