@@ -7,8 +7,8 @@ The loop is the ordinary DeepSpeed one; only ``poplar_ext.initialize`` differs.
 
 With ``--checkpoint-dir`` it saves every ``--checkpoint-interval-steps`` optimizer steps
 and, when the directory already holds a checkpoint, starts from the latest one: the
-data continues where it stopped, on whatever cluster the job now has (see the README's
-recipe for restarting by itself when a node is lost, with torchrun's elastic agent).
+data continues where it stopped, on whatever cluster the job now has (see docs/fault-tolerance.md
+for restarting by itself when a node is lost, with torchrun's elastic agent).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ with exit code 0.
 
 The first agent hosts the rendezvous store (it binds the endpoint first): torchrun's
 c10d rendezvous lives in that agent, so it is the node that must survive (see the
-README's recipe).
+recipe in docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
