@@ -170,6 +170,10 @@ def profile_with(options: ProfileOptions) -> list[Profile]:
         if pipeline_model or options.per_layer:
             profile_layers(options, model=model)
         if pipeline_model:
+            if options.measure_network:  # what prices the plan's transfers and all-reduces, as for any model
+                device = join_job()
+                with _measuring_process(device), _short_timeouts(checked, device):
+                    _job_network(checked, build_layout(checked.cluster, device, bf16=_bf16(checked)))
             return []  # a pipeline model has no whole-model profile
         # The session's first engine takes it: the model is built no more often than before.
         built, factory = [model], options.model_factory
@@ -405,28 +409,36 @@ def _offload_types(layout: JobLayout, optimizer_offload: str) -> tuple[str, ...]
     return ()
 
 
+def _bf16(options: ProfileOptions) -> bool:
+    return training_dtype(options.ds_config) == "bfloat16"
+
+
+def _job_network(options: ProfileOptions, layout: JobLayout) -> NetworkProfile:
+    """The job's network file: cached for this cluster (unless `force`), else measured and written (collective)."""
+    # On CPU, gloo stands in for a network it is not, and gigabyte messages would take minutes.
+    sizes = (
+        DEFAULT_MESSAGE_BYTES
+        if layout.device.type == "cpu"
+        else message_sizes(
+            options.ds_config,
+            element_bytes=DTYPE_BYTES[training_dtype(options.ds_config)],
+            capacity_bytes=min(layout.capacities_bytes.values()),
+        )
+    )
+    network, line = cached_or_measured_network(layout, options.cache_dir, force=options.force, message_bytes=sizes)
+    if layout.rank == 0 and options.progress is not None:
+        options.progress(line)
+    return network
+
+
 def _profile(
     options: ProfileOptions,
     settings: MeasureSettings,
     device: torch.device,
     timeouts: ShortCollectiveTimeouts | None = None,
 ) -> list[Profile]:
-    layout = build_layout(options.cluster, device, bf16=training_dtype(options.ds_config) == "bfloat16")
-    network = None
-    if options.measure_network:
-        # On CPU, gloo stands in for a network it is not, and gigabyte messages would take minutes.
-        sizes = (
-            DEFAULT_MESSAGE_BYTES
-            if layout.device.type == "cpu"
-            else message_sizes(
-                options.ds_config,
-                element_bytes=DTYPE_BYTES[training_dtype(options.ds_config)],
-                capacity_bytes=min(layout.capacities_bytes.values()),
-            )
-        )
-        network, line = cached_or_measured_network(layout, options.cache_dir, force=options.force, message_bytes=sizes)
-        if layout.rank == 0 and options.progress is not None:
-            options.progress(line)
+    layout = build_layout(options.cluster, device, bf16=_bf16(options))
+    network = _job_network(options, layout) if options.measure_network else None
     session = dataclasses.replace(_start_session(options, settings, layout), timeouts=timeouts, network=network)
     keys = {(t, run): session.key(t, run) for run in session.runs for t in session.types_of(run)}
     cached = broadcast_from_rank0(cached_on_rank0(layout.rank, options, keys, find_cached_profile, profile_to_dict))

@@ -203,7 +203,8 @@ def _searched_at_start(files):
 
 
 def _per_layer_cli(files):
-    """poplar-profile on the pipeline model: layer profiles only, ZeRO stages 0 and 1 of those asked."""
+    """poplar-profile on the pipeline model: layer profiles only, ZeRO stages 0 and 1 of those asked, and the
+    network file (--network by default) that prices their transfers and all-reduces."""
     from poplar_ext.profiler.cli import main
 
     ds = files["profiles"].parent / f"ds_layers{os.environ['RANK']}.json"  # one per rank: none reads a half-written one
@@ -214,7 +215,6 @@ def _per_layer_cli(files):
             str(ds),
             "--cluster",
             str(files["cluster"]),
-            "--no-network",
             "--repeats",
             "1",
             "--model",
@@ -429,11 +429,16 @@ def test_an_nn_sequential_profiled_per_layer_gets_whole_model_and_layer_profiles
 
 
 def test_poplar_profile_measures_a_pipeline_model_layer_by_layer_only(ranks_and_files):
+    from poplar_ext.plan.formats import load_cluster
+    from poplar_ext.plan.network_format import find_network
     from poplar_ext.plan.pipeline_formats import load_layer_profiles
 
     results, files = ranks_and_files
     assert [r["cli"] for r in results] == [0] * 4
     assert not list(files["cli_profiles"].glob("*.json")), "a pipeline model gets layer profiles only"
+    # ... and the network file beside them, as for any model (docs/pipeline.md: poplar-profile measures it).
+    network = find_network(files["cli_profiles"], load_cluster(files["cluster"]))
+    assert network is not None and network.world_size == 4
     profiles = load_layer_profiles(files["cli_profiles"])
     assert sorted((p.device_type, p.zero_stage) for p in profiles) == [
         ("cpu", 0),
