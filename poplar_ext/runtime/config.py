@@ -90,7 +90,8 @@ class PoplarConfig:
     """Samples per optimizer step over all ranks; ``"auto"``: the search picks the batch with the
     highest predicted throughput; None: the DeepSpeed config's (see `requested_global_batch_size`)."""
     max_global_batch_size: int | None = None
-    """Upper bound for the batch the search picks under ``"auto"``."""
+    """Upper bound for the batch the search picks under ``"auto"``; a global batch the config sets, or a
+    plan file's, above it is an error (the config would say two things)."""
     zero_stage: int | str | None = None
     """``"auto"`` (the search picks), 0-3, or None (zero_optimization.stage decides, else auto)."""
     seed: int = 0

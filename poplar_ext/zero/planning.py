@@ -62,11 +62,12 @@ def runtime_plan_problems(
     world_size: int,
     zero_stage: int | None,
     global_batch: GlobalBatchRequest | None = None,
+    max_global_batch_size: int | None = None,
 ) -> list[str]:
     """What makes `plan` unrunnable in this job (sentences; [] when fine).
 
     Only what the runtime alone knows: the job's world size, the DeepSpeed config's
-    stage and global batch. The rest (device types, the stage 2/3 rule of one
+    stage and global batch, ``poplar.max_global_batch_size``. The rest (device types, the stage 2/3 rule of one
     accumulation count, whose breach would hang the job, micro-batch caps) is
     `search.check_plan`'s.
     """
@@ -75,6 +76,11 @@ def runtime_plan_problems(
         problems.append(
             f"The plan's global batch is {plan.global_batch_size} but the config asks for {global_batch.size} "
             f"({global_batch.origin})."
+        )
+    if max_global_batch_size is not None and plan.global_batch_size > max_global_batch_size:
+        problems.append(
+            f"The plan's global batch is {plan.global_batch_size}, above {SECTION}.max_global_batch_size "
+            f"({max_global_batch_size})."
         )
     if plan.world_size != world_size:
         problems.append(f"The plan names {plan.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
@@ -99,6 +105,7 @@ def check_plan_for_job(
     profiles: list[Profile] | None = None,
     source: str = "plan",
     global_batch: GlobalBatchRequest | None = None,
+    max_global_batch_size: int | None = None,
 ) -> None:
     """Raise ValueError listing every reason `plan` cannot run in this job.
 
@@ -108,7 +115,12 @@ def check_plan_for_job(
     from poplar_ext.search import check_plan
 
     problems = runtime_plan_problems(
-        plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=global_batch
+        plan,
+        cluster,
+        world_size=world_size,
+        zero_stage=zero_stage,
+        global_batch=global_batch,
+        max_global_batch_size=max_global_batch_size,
     )
     problems += [p for p in check_plan(plan, cluster, profiles) if p not in problems]
     if problems:
@@ -347,6 +359,7 @@ def resolve_plan(
         else global_batch,
         model_fingerprint=model_fingerprint,
     )
+    _check_max_global_batch(poplar_config, request.global_batch)
     if poplar_config.plan is not None:
         return _plan_from_file(request, rank=rank, broadcast=broadcast)
     return _plan_searched_at_start(
@@ -355,6 +368,20 @@ def resolve_plan(
 
 
 _SEARCHED_AT_START = "<plan searched at start>"  # how messages name it
+
+
+def _check_max_global_batch(poplar_config: PoplarConfig, global_batch: GlobalBatchRequest) -> None:
+    """A `FormatError` where ``poplar.max_global_batch_size`` is below the global batch the job asks for
+    (the config says two things; the same on every rank, from the config alone)."""
+    limit = poplar_config.max_global_batch_size
+    if limit is not None and isinstance(global_batch.size, int) and global_batch.size > limit:
+        raise FormatError(
+            poplar_config.source,
+            f"{SECTION}.max_global_batch_size",
+            f"at least the global batch ({global_batch.size}, from {global_batch.origin}) or no "
+            f"{SECTION}.max_global_batch_size",
+            f"number {limit}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,6 +406,7 @@ class _PlanRequest:
             profiles=profiles,
             source=source,
             global_batch=self.global_batch,
+            max_global_batch_size=self.poplar_config.max_global_batch_size,
         )
         return plan
 

@@ -46,7 +46,7 @@ def _profiles(directory, types):
     return directory
 
 
-def _resolve(cluster_path, section, *, world_size=2, zero_stage=1, broadcasts=None):
+def _resolve(cluster_path, section, *, world_size=2, zero_stage=1, broadcasts=None, global_batch=None):
     config = poplar_config_from_dict({"cluster": str(cluster_path), **section}, base_dir=cluster_path.parent)
 
     def broadcast(obj):
@@ -55,7 +55,13 @@ def _resolve(cluster_path, section, *, world_size=2, zero_stage=1, broadcasts=No
         return obj
 
     return resolve_plan(
-        config, load_cluster(cluster_path), world_size=world_size, rank=0, zero_stage=zero_stage, broadcast=broadcast
+        config,
+        load_cluster(cluster_path),
+        world_size=world_size,
+        rank=0,
+        zero_stage=zero_stage,
+        broadcast=broadcast,
+        global_batch=global_batch,
     )
 
 
@@ -261,6 +267,36 @@ def test_a_plan_for_another_global_batch_is_refused(cluster_path, tmp_path):
             broadcast=lambda o: o,
             global_batch=GlobalBatchRequest(size=32, origin="train_batch_size"),
         )
+
+
+@pytest.mark.parametrize(
+    ("section", "global_batch", "found"),
+    [
+        ({"global_batch_size": 20}, None, "20, from poplar.global_batch_size"),
+        ({}, GlobalBatchRequest(size=32, origin="train_batch_size"), "32, from train_batch_size"),
+    ],
+)
+def test_a_max_global_batch_below_the_jobs_batch_is_refused(cluster_path, tmp_path, section, global_batch, found):
+    # Two settings that contradict each other: the error names the config's field and where the batch came from,
+    # not the search's argument names.
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    expected = (
+        rf"^<DeepSpeed config dict>: poplar.max_global_batch_size: expected at least the global batch \({found}\) "
+        r"or no poplar.max_global_batch_size, found number 10$"
+    )
+    section = {"profiles": str(directory), "max_global_batch_size": 10, **section}
+    with pytest.raises(ValueError, match=expected):
+        _resolve(cluster_path, section, global_batch=global_batch)
+
+
+@pytest.mark.parametrize("batch", [{}, {"global_batch_size": "auto"}])
+def test_a_plan_above_the_max_global_batch_is_refused(cluster_path, tmp_path, batch):
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    plan = _searched_plan(cluster_path, directory, tmp_path)
+    section = {"plan": str(plan), "max_global_batch_size": 10, **batch}
+    with pytest.raises(ValueError, match=r"The plan's global batch is 20, above poplar.max_global_batch_size \(10\)\."):
+        _resolve(cluster_path, section)
+    assert _resolve(cluster_path, {**section, "max_global_batch_size": 20}).global_batch_size == 20
 
 
 def test_no_global_batch_for_the_search_says_what_to_set(cluster_path, tmp_path):
