@@ -35,8 +35,9 @@ class RebalanceConfig:
     enabled: bool | None = None
     """Check for drift and switch plans. ``"auto"`` (None, the default): on wherever it can run,
     that is where ``poplar.profiles`` holds a profile of every device type at the plan's stage
-    (the curves it re-plans from) and compute can be measured (not on CUDA at ZeRO stages 2-3:
-    `poplar_ext.runtime.rebalance.unmeasurable_reason`), off otherwise (said once in the log);
+    (the curves it re-plans from), compute can be measured (not on CUDA at ZeRO stages 2-3:
+    `poplar_ext.runtime.rebalance.unmeasurable_reason`) and ``poplar.drop_last`` is false, off
+    otherwise (said once in the log);
     its cost without drift is measured by ``poplar-bench drift`` (bench/results/drift.md). ``true``: on, and an
     error where it cannot run; ``false``: off. It also needs the engine's batch sampler (the
     dataloader `initialize` returns, or ``engine.create_batch_sampler``): a job that feeds
