@@ -7,6 +7,7 @@ docs/training.md and docs/design.md.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from poplar_ext.profiler.calibration import (
     rescaled_profile,
     with_calibration,
 )
-from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
+from poplar_ext.runtime.config import AUTO, PROFILES_DIR_VARIABLE, SECTION, GlobalBatchRequest, PoplarConfig
 from poplar_ext.runtime.job_start import read_plan_file
 from poplar_ext.runtime.rebalance import RebalanceUnavailable
 from poplar_ext.search.model_states import cannot_hold, model_states, shortfall
@@ -159,12 +160,23 @@ def obtain_missing_profiles(
     )
 
 
+def _profiles_setting(poplar_config: PoplarConfig) -> str:
+    """Where `poplar_config.profiles` was set, for messages: the config's ``poplar.profiles``, or where the section
+    names neither a plan nor profiles, ``$POPLAR_PROFILES_DIR`` or the user cache (`default_profiles_dir`)."""
+    if not poplar_config.profiles_defaulted:
+        return f"{poplar_config.source}: {SECTION}.profiles"
+    where = f"${PROFILES_DIR_VARIABLE}" if os.environ.get(PROFILES_DIR_VARIABLE) else "the user cache"
+    return (
+        f"{where} (the automatic mode's profiles: {poplar_config.source} names no {SECTION}.plan or {SECTION}.profiles)"
+    )
+
+
 def _read_profiles(poplar_config: PoplarConfig) -> list[Profile]:
     """Every profile in ``poplar.profiles`` ([] when there is no such directory)."""
     if poplar_config.profiles is not None and poplar_config.profiles.exists() and not poplar_config.profiles.is_dir():
         raise ValueError(
-            f"{poplar_config.source}: {SECTION}.profiles: expected a directory of profiles (one is made when "
-            f"missing), found the file {poplar_config.profiles}"
+            f"{_profiles_setting(poplar_config)}: expected a directory of profiles (one is made when missing), "
+            f"found the file {poplar_config.profiles}"
         )
     if poplar_config.profiles is None or not poplar_config.profiles.is_dir():
         return []

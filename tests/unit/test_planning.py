@@ -337,12 +337,26 @@ def test_a_plan_from_other_profiles_warns(cluster_path, tmp_path):
         resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=0, zero_stage=1, broadcast=lambda o: o)
 
 
-def test_profiles_that_name_a_file_are_refused(cluster_path, tmp_path):
+@pytest.mark.parametrize(
+    ("named", "setting"),
+    [
+        (True, r"<DeepSpeed config dict>: poplar.profiles"),
+        # Not named in the section: the message names the variable, not a key the config lacks.
+        (
+            False,
+            r"\$POPLAR_PROFILES_DIR \(the automatic mode's profiles: <DeepSpeed config dict> names no poplar.plan "
+            r"or poplar.profiles\)",
+        ),
+    ],
+)
+def test_profiles_that_name_a_file_are_refused(cluster_path, tmp_path, monkeypatch, named, setting):
     (tmp_path / "profiles.json").write_text("{}")
+    monkeypatch.setenv("POPLAR_PROFILES_DIR", str(tmp_path / "profiles.json"))
+    section = {"profiles": str(tmp_path / "profiles.json")} if named else {}
     with pytest.raises(
-        ValueError, match=r"poplar.profiles: expected a directory of profiles .*, found the file .*profiles.json"
+        ValueError, match=rf"^{setting}: expected a directory of profiles .*, found the file .*profiles.json$"
     ):
-        _resolve(cluster_path, {"profiles": str(tmp_path / "profiles.json"), "global_batch_size": 20})
+        _resolve(cluster_path, {**section, "global_batch_size": 20})
 
 
 def test_missing_profiles_command_without_a_cluster_file_leaves_cluster_out(cluster_path, tmp_path):
