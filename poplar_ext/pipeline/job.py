@@ -78,7 +78,9 @@ def prepare_pipeline_job(
     (with `loss_fn`, the pipeline's). Raises the same ValueError on every rank."""
     ds_config, _, source = loaded_config
     poplar_config = read_poplar_section(
-        loaded_config, needs="with 'plan' or 'profiles'", otherwise="deepspeed.pipe.PipelineModule"
+        loaded_config,
+        needs="{} for the automatic mode, or with 'plan' or 'profiles'",
+        otherwise="deepspeed.pipe.PipelineModule",
     )
     check_pipeline_config(ds_config, poplar_config)
     _refuse_another_reduction(loss_fn, poplar_config.loss_reduction)

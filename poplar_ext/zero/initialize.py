@@ -139,7 +139,7 @@ def prepare_job(
     """
     ds_config, _, source = loaded_config
     poplar_config = read_poplar_section(
-        loaded_config, needs="with 'plan' or 'profiles'", otherwise="deepspeed.initialize"
+        loaded_config, needs="{} for the automatic mode, or with 'plan' or 'profiles'", otherwise="deepspeed.initialize"
     )
     _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
     _check_training_data(training_data)
