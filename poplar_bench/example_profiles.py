@@ -5,6 +5,7 @@
 See docs/bench.md (outside poplar-bench; modelled GPUs).
 """
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -43,4 +44,8 @@ def main(directory: Path = HERE) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--output-dir", type=Path, default=HERE, help=f"where they are written (default: the shipped ones, {HERE})"
+    )
+    main(parser.parse_args().output_dir)

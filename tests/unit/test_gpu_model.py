@@ -126,3 +126,16 @@ def test_pair_cluster_halves_and_node_layout():
 def test_pair_cluster_rejects_an_odd_size():
     with pytest.raises(ValueError, match=r"world_size: expected an even integer >= 2, found 7"):
         cluster_files.pair_cluster("A100-80GB", "A100-40GB", world_size=7)
+
+
+def test_the_generators_help_writes_nothing():
+    # `python -m poplar_bench.example_profiles --help` once regenerated the shipped files over themselves.
+    import subprocess
+    import sys
+
+    before = {p: p.stat().st_mtime_ns for p in example_profiles.HERE.rglob("*.json")}
+    done = subprocess.run(
+        [sys.executable, "-m", "poplar_bench.example_profiles", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, "--output-dir" in done.stdout) == (0, True), done.stderr
+    assert {p: p.stat().st_mtime_ns for p in example_profiles.HERE.rglob("*.json")} == before
