@@ -142,7 +142,7 @@ def _path(node: Node | None, base_dir: Path) -> Path | None:
         return None
     if not isinstance(node.value, str) or not node.value:
         raise node.fail("a path (a non-empty string)")
-    path = Path(node.value)
+    path = Path(node.value).expanduser()  # "~/profiles" as a shell and POPLAR_PROFILES_DIR read it
     return path if path.is_absolute() else base_dir / path
 
 

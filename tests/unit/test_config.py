@@ -55,6 +55,12 @@ def test_defaults_and_relative_paths():
     )
 
 
+def test_a_path_from_home_is_the_users_not_the_config_folders(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = _parse(profiles="~/profiles")
+    assert cfg.profiles == tmp_path / "profiles"
+
+
 def test_absolute_paths_stay():
     assert _parse(profiles="/p").profiles == Path("/p")
 
