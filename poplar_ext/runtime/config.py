@@ -359,7 +359,8 @@ def deepspeed_global_batch_size(ds_config: dict, *, world_size: int, source: str
 
     ``train_batch_size`` when set; otherwise ``train_micro_batch_size_per_gpu x
     gradient_accumulation_steps (default 1) x world_size``; ``"auto"`` values count
-    as unset. When all three are set they must agree, as DeepSpeed requires.
+    as unset, and an ``"auto"`` accumulation count leaves the batch unset too (its
+    filler decides it). When all three are set they must agree, as DeepSpeed requires.
     """
     root = Node(ds_config, source).obj()
     total, micro, accumulation = (_deepspeed_batch_value(root, key) for key in _DEEPSPEED_BATCH_KEYS)
@@ -375,6 +376,10 @@ def deepspeed_global_batch_size(ds_config: dict, *, world_size: int, source: str
         )
     if total is not None:
         return GlobalBatchRequest(size=total, origin="train_batch_size")
+    accumulation_node = root.optional("gradient_accumulation_steps")
+    if micro is not None and accumulation_node is not None and accumulation_node.value == AUTO:
+        # Whoever fills "auto" (the Trainer, accelerate) decides the count, and so the batch.
+        return GlobalBatchRequest(size=None, origin="")
     if micro is not None:
         steps = 1 if accumulation is None else accumulation
         return GlobalBatchRequest(

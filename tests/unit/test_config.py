@@ -297,6 +297,15 @@ def test_hugging_face_auto_values_count_as_unset(auto_key):
     assert deepspeed_global_batch_size(config, world_size=2).size == 24
 
 
+def test_an_auto_accumulation_count_beside_a_micro_batch_leaves_the_batch_to_its_filler():
+    # The Trainer fills "auto" from its arguments (accumulation 2: a batch of 4 x 2 x 2); 4 x 1 x 2 would
+    # train half of it.
+    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"}
+    assert deepspeed_global_batch_size(config, world_size=2).size is None
+    del config["gradient_accumulation_steps"]  # absent: DeepSpeed's default of 1
+    assert deepspeed_global_batch_size(config, world_size=2).size == 8
+
+
 def test_deepspeeds_three_batch_values_must_agree():
     config = {"train_batch_size": 100, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 2}
     with pytest.raises(
