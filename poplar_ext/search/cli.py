@@ -278,7 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or an argument error (2, already printed)
         return int(exc.code or 0)
     try:
-        return run(args)
+        status = run(args)
+        sys.stdout.flush()  # a closed pipe found here, not in Python's own flush at exit
+        return status
     except BrokenPipeError:
         # Not a bug: the reader (| head) has what it wanted. Further writes, Python's own flush at
         # exit included, go nowhere instead of failing again.
