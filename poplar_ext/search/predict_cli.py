@@ -18,6 +18,7 @@ from poplar_ext.plan.pipeline_formats import PipelinePlan, layer_profiles_dir, l
 
 from .api import PlanPrediction, cluster_problems, predict
 from .cli_common import EXIT_OK, bad_input, chosen_network, error, rank_span, runs, table
+from .examples import example_cluster_file
 from .pipeline_cost import BoundaryTransfer, PipelinePrediction, predict_pipeline
 
 
@@ -32,7 +33,9 @@ def run_predict(args: argparse.Namespace) -> int:
         types = plan.rank_device_types if kind == "pipeline" else [r.device_type for r in plan.ranks]
         problems = [] if cluster is None else cluster_problems(list(enumerate(types)), cluster)
         if problems:
-            return error(f"{args.predict}: expected a plan of the cluster {args.cluster}: {' '.join(problems)}")
+            example = args.cluster == str(example_cluster_file())
+            which = f"{args.cluster} (the example's: give the plan's own with --cluster)" if example else args.cluster
+            return error(f"{args.predict}: expected a plan of the cluster {which}: {' '.join(problems)}")
         if kind == "pipeline":
             layers = load_layer_profiles(layer_profiles_dir(args.profiles))
             prediction: Any = predict_pipeline(plan, layers, network, cluster=cluster)

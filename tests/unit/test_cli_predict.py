@@ -109,3 +109,15 @@ def test_a_cluster_that_is_not_the_plans_is_bad_input(tmp_path, capsys, parallel
     assert main([*command, "--predict", str(searched["path"])]) == 2
     err = capsys.readouterr().err
     assert str(cluster) in err and "8 ranks but the cluster has 4" in err and "rank 0" in err
+
+
+def test_a_plan_of_another_cluster_under_example_is_told_to_name_its_own(tmp_path, capsys):
+    cluster = tmp_path / "four.json"
+    devices = [{"device_type": "V100-16GB", "count": 2}, {"device_type": "A100-80GB", "count": 2}]
+    cluster.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "a", "devices": devices}]}))
+    plan = tmp_path / "plan4.json"
+    assert main(["--example", "--cluster", str(cluster), "--global-batch-size", "64", "--output", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["--example", "--predict", str(plan)]) == 2
+    assert "(the example's: give the plan's own with --cluster)" in capsys.readouterr().err
+    assert main(["--example", "--cluster", str(cluster), "--predict", str(plan)]) == 0
