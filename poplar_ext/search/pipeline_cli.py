@@ -50,8 +50,10 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
         return f"--policy: expected poplar with --parallelism {args.parallelism}, found {args.policy}"
     if args.parallelism == "pipeline" and args.global_batch_size is None:
         return "--global-batch-size: required with --parallelism pipeline (the pipeline search sizes a given batch)"
-    if args.parallelism == "pipeline" and args.max_global_batch_size is not None:
-        return "--max-global-batch-size: not used with --parallelism pipeline (it sizes the given global batch)"
+    batch, most = args.global_batch_size, args.max_global_batch_size
+    if args.parallelism == "pipeline" and batch is not None and most is not None and batch > most:
+        # As the ZeRO search holds its batch to the bound (the pipeline search itself never reads it).
+        return f"--global-batch-size: expected at most --max-global-batch-size ({most}), found {batch}"
     if args.parallelism == "pipeline" and args.zero_stage in (2, 3):
         return (
             f"--zero-stage: expected auto, 0 or 1 with --parallelism pipeline (DeepSpeed's pipeline engine refuses "

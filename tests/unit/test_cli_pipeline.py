@@ -63,13 +63,19 @@ def test_auto_compares_both_and_writes_the_faster(capsys, tmp_path):
         (["--parallelism", "auto", "--policy", "uniform"], "--policy: expected poplar with --parallelism auto"),
         (
             ["--parallelism", "pipeline", "--global-batch-size", "512", "--max-global-batch-size", "100"],
-            "--max-global-batch-size: not used with --parallelism pipeline",
+            "--global-batch-size: expected at most --max-global-batch-size (100), found 512",
         ),
     ],
 )
 def test_arguments_pipelines_cannot_take_exit_2(capsys, argv, match):
     code, out, err = run(capsys, "--example", *argv)
     assert code == 2 and out == "" and match in err and err.count("\n") == 1
+
+
+def test_a_bound_the_pipeline_batch_meets_is_accepted(capsys):
+    code, _, err = run(capsys, "--example", "--parallelism", "pipeline", "--global-batch-size", "512",
+                       "--max-global-batch-size", "1024")  # fmt: skip
+    assert code == 0, err
 
 
 def test_missing_or_bad_layer_profiles_exit_2_naming_the_file(capsys, tmp_path):
