@@ -137,15 +137,18 @@ def _refuse_own_training_data_order(cls: type) -> None:
                 )
 
 
-def _named_arguments(init: Any, positional: tuple, keywords: dict[str, Any]) -> dict[str, Any]:
-    """``init(*positional, **keywords)``'s arguments by the names of its parameters (TypeError as ``init``
-    would raise it for too many); those ``init`` takes as ``**kwargs`` by their own names."""
-    bound = inspect.signature(init).bind_partial(*positional, **keywords)
-    named = dict(bound.arguments)
-    for name, parameter in bound.signature.parameters.items():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD and name in named:
-            named.update(named.pop(name))
-    return named
+def _named_arguments(below: list[type], positional: tuple, keywords: dict[str, Any]) -> dict[str, Any]:
+    """`positional` named as the first ``__init__`` in `below` (the classes after the mixin, in MRO order)
+    that names them takes them (one taking ``*args`` passes them on; TypeError as Python raises it for too
+    many or for one given twice), beside `keywords`."""
+    inits = (vars(klass)["__init__"] for klass in below if "__init__" in vars(klass))
+    variadic = inspect.Parameter.VAR_POSITIONAL
+    init = next(f for f in inits if all(p.kind is not variadic for p in inspect.signature(f).parameters.values()))
+    named = dict(list(inspect.signature(init).bind_partial(None, *positional).arguments.items())[1:])  # [0]: self
+    twice = sorted(named.keys() & keywords.keys())
+    if twice:
+        raise TypeError(f"{init.__qualname__}() got multiple values for argument {twice[0]!r}")
+    return {**named, **keywords}
 
 
 def _settle_job(args: TrainingArguments, model: Any, train_dataset: Any, *, collate_fn: Any) -> Job:
@@ -365,7 +368,8 @@ class PoplarTrainerMixin(_PlanEvaluation):
     def __init__(self, *positional: Any, **kwargs: Any) -> None:
         # By name, positional ones in the order of the Trainer class mixed in (the Trainer's third is
         # data_collator, DPOTrainer's second ref_model).
-        kwargs = _named_arguments(super().__init__, positional, kwargs)
+        mro = type(self).__mro__
+        kwargs = _named_arguments(list(mro[mro.index(PoplarTrainerMixin) + 1 :]), positional, kwargs)
         model, args, train_dataset = (
             kwargs.pop("model", None),
             kwargs.pop("args", None),

@@ -173,6 +173,28 @@ def test_arguments_by_position_are_read_in_the_mixed_trainers_order(monkeypatch)
     )
 
 
+def test_a_trainer_subclass_passing_args_on_is_read_in_the_trainers_order(monkeypatch):
+    # class MyTrainer(Trainer): def __init__(self, *args, alpha=1.0, **kwargs): its *args are the Trainer's.
+    from transformers import TrainingArguments
+
+    class Weighted(Trainer):
+        def __init__(self, *args, alpha=1.0, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    class Mixed(PoplarTrainerMixin, Weighted):
+        pass
+
+    _capture_settle_job(monkeypatch)
+    args = TrainingArguments(
+        output_dir="unused", use_cpu=True, deepspeed={"zero_optimization": {"stage": 0}, "poplar": {}}, report_to=[]
+    )
+    model, collator, dataset = object(), object(), [1, 2]
+    with pytest.raises(_Settled) as settled:
+        Mixed(model, args, collator, dataset, alpha=2.0)
+    given = settled.value.args[0]
+    assert (given["args"], given["collate_fn"], given["train_dataset"]) == (args, collator, dataset)
+
+
 def test_a_dpo_trainers_config_by_position_is_its_third_argument(monkeypatch):
     # DPOTrainer(model, ref_model, args, ...): the second is the reference model.
     pytest.importorskip("trl", reason="TRL's trainers need pip install 'poplar-ext[trl]'")
