@@ -722,8 +722,12 @@ def is_cluster_or_plan(data: Any) -> bool:
 
 
 def _not_a_directory(path: Path) -> str:
-    """What a path that should be a directory is instead, for `FormatError`'s *found*."""
-    return "a file" if path.exists() else "no such directory"
+    """What a path that should be a directory is instead, for `FormatError`'s *found* (a folder inside
+    a file, ``cluster.json/layers``, names the file)."""
+    if path.exists():
+        return "a file"
+    blocking = next((parent for parent in path.parents if parent.exists()), None)
+    return f"a path under the file {blocking}" if blocking is not None and blocking.is_file() else "no such directory"
 
 
 def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:

@@ -153,6 +153,9 @@ def test_layer_profiles_live_in_the_layers_folder_of_a_profile_directory(tmp_pat
         load_layer_profiles(tmp_path / "nowhere")
     with pytest.raises(FormatError, match="expected a directory of layer profiles, found a file"):
         load_layer_profiles(tmp_path / "layers" / "toy-a-zero0.json")
+    file = tmp_path / "layers" / "toy-a-zero0.json"
+    with pytest.raises(FormatError, match=f"found a path under the file {file}"):  # --profiles FILE: FILE/layers
+        load_layer_profiles(file / "layers")
 
 
 @pytest.mark.parametrize(
