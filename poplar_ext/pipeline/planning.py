@@ -66,6 +66,12 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
             f"{SECTION}.global_batch_size: expected train_batch_size's {given} or no {SECTION}.global_batch_size, "
             f"found {poplar_config.global_batch_size}"
         )
+    requested, most = requested_pipeline_batch(poplar_config, ds_config), poplar_config.max_global_batch_size
+    if requested is not None and most is not None and requested[0] > most:
+        problems.append(
+            f"{SECTION}.max_global_batch_size: expected at least the global batch ({requested[0]}, from "
+            f"{requested[1]}) or no {SECTION}.max_global_batch_size, found {most}"
+        )
     if problems:
         raise ValueError(f"{source}: this pipeline job cannot run: " + "; ".join(problems))
 

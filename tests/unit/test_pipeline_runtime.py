@@ -98,6 +98,13 @@ def test_two_global_batches_in_one_pipeline_config_are_refused():
     check_pipeline_config({"train_batch_size": "auto"}, _poplar(global_batch_size=12))
 
 
+def test_a_pipeline_batch_above_the_configs_bound_is_refused():
+    # As in a ZeRO job: poplar.max_global_batch_size bounds the batch the config asks for.
+    with pytest.raises(ValueError, match=r"poplar.max_global_batch_size: expected at least the global batch \(8, "):
+        check_pipeline_config({"train_batch_size": 8}, _poplar(max_global_batch_size=4))
+    check_pipeline_config({"train_batch_size": 8}, _poplar(max_global_batch_size=8))
+
+
 @pytest.mark.parametrize("given", ["14", 14.5, True, 0])
 def test_a_train_batch_size_that_is_no_batch_is_refused_not_ignored(given):
     # A ZeRO job refuses it; a pipeline job replaced it with the plan's without a word.
