@@ -8,13 +8,12 @@ what cannot be exact is refused when the trainer is built. The only module that 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
 from trl import DPOTrainer, SFTTrainer
 
-from poplar_ext.integrations.transformers import PoplarTrainerMixin
+from poplar_ext.integrations.transformers import PoplarTrainerMixin, _named_arguments
 
 # DPO loss types whose value for a pair depends on the other pairs of its micro-batch.
 _MICRO_BATCH_DPO_LOSSES = {
@@ -99,18 +98,13 @@ class PoplarSFTTrainer(_LocalMetrics, SFTTrainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        given = _given_arguments(SFTTrainer, args, kwargs)
+        given = _named_arguments([SFTTrainer], args, kwargs)
         model, config = given.get("model"), given.get("args")
         # From the arguments, before the plan is resolved on every rank (a collective).
         _refuse_padding_free_across_sequences(config, _attention_to_be(model, config))
         super().__init__(*args, **kwargs)
         if isinstance(model, str):  # the model TRL loaded: its attention as it came out
             _refuse_padding_free_across_sequences(self.args, _attention_to_be(self.model, self.args))
-
-
-def _given_arguments(trainer: type, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The arguments of ``trainer(*args, **kwargs)`` by the names of its ``__init__``, given by position or keyword."""
-    return dict(inspect.signature(trainer.__init__).bind_partial(None, *args, **kwargs).arguments)
 
 
 def _attention_to_be(model: Any, args: Any) -> str | None:
@@ -151,7 +145,7 @@ class PoplarDPOTrainer(_LocalMetrics, DPOTrainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        config = _given_arguments(DPOTrainer, args, kwargs).get("args")
+        config = _named_arguments([DPOTrainer], args, kwargs).get("args")
         loss_types = getattr(config, "loss_type", None) or []
         for loss_type in [loss_types] if isinstance(loss_types, str) else loss_types:
             if loss_type in _MICRO_BATCH_DPO_LOSSES:
