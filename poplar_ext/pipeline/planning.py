@@ -43,7 +43,8 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
     source = poplar_config.source
     given = deepspeed_train_batch_size(ds_config, source=source)  # FormatError where it is no batch
     problems = []
-    if poplar_config.plan is None and requested_pipeline_batch(poplar_config, ds_config) is None:
+    requested, most = requested_pipeline_batch(poplar_config, ds_config), poplar_config.max_global_batch_size
+    if poplar_config.plan is None and requested is None:
         problems.append(
             f"{SECTION}.global_batch_size (or train_batch_size): expected the global batch to search a pipeline plan "
             "at start (no poplar.plan), found none"
@@ -66,7 +67,6 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
             f"{SECTION}.global_batch_size: expected train_batch_size's {given} or no {SECTION}.global_batch_size, "
             f"found {poplar_config.global_batch_size}"
         )
-    requested, most = requested_pipeline_batch(poplar_config, ds_config), poplar_config.max_global_batch_size
     if requested is not None and most is not None and requested[0] > most:
         problems.append(
             f"{SECTION}.max_global_batch_size: expected at least the global batch ({requested[0]}, from "
