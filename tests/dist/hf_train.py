@@ -58,12 +58,13 @@ def train(
     steps: int = hf.STEPS,
     per_device: int = 4,
     save_steps: int = 0,
-    resume: bool = False,
+    resume: bool | str = False,
     model_init: bool = False,
     gradient_checkpointing: bool = False,
 ) -> None:
     """One PoplarTrainer run; each rank writes what it trained, rank 0 the parameters and the Trainer's metrics.
-    Also called on forked ranks (tests/dist/test_hf_trainer.py), several runs per group."""
+    Also called on forked ranks (tests/dist/test_hf_trainer.py), several runs per group. `resume`: True for
+    the output folder's last checkpoint, or a checkpoint's path."""
     from transformers import TrainingArguments
 
     from poplar_ext.integrations.transformers import MICRO_BATCHES, PoplarTrainer
@@ -100,7 +101,7 @@ def train(
         trainer = RecordingTrainer(model_init=hf.tiny_gpt2, args=training, train_dataset=data, data_collator=hf.collate)
     else:
         trainer = RecordingTrainer(model=model, args=training, train_dataset=data, data_collator=hf.collate)
-    result = trainer.train(resume_from_checkpoint=True if resume else None)
+    result = trainer.train(resume_from_checkpoint=resume or None)
     rank = int(os.environ["RANK"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"samples-rank{rank}.json").write_text(json.dumps(trained))

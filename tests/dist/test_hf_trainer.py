@@ -108,9 +108,9 @@ def _train_runs(runs: list[tuple[str, str, dict]], log_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The 4 stages, and at ZeRO 2 the plan's per-rank activation checkpointing (also for the models
-    model_init builds) and optimizer offload: 7 Trainer runs on one group of 3 forked ranks (the real
-    launcher is the resume test's)."""
+    """The 4 stages, at ZeRO 2 the plan's per-rank activation checkpointing (also for the models
+    model_init builds) and optimizer offload, and at ZeRO 1 2 steps saved then resumed to 4: 9 Trainer
+    runs on one group of 3 forked ranks (the real launcher is the resume test's run on 2 ranks)."""
     root = tmp_path_factory.mktemp("hf")
     jobs = [(str(_config(root / f"stage{stage}", stage)), str(root / f"stage{stage}"), {}) for stage in STAGES]
     variants = {
@@ -120,6 +120,10 @@ def runs(tmp_path_factory):
     }
     for name, (plan_options, train_options) in variants.items():
         jobs.append((str(_config(root / name, 2, **plan_options)), str(root / name), train_options))
+    resume_config = str(_config(root / "resume", 1))
+    jobs.append((resume_config, str(root / "resume" / "parts"), {"steps": 2, "save_steps": 2}))
+    checkpoint = str(root / "resume" / "parts" / "checkpoint-2")
+    jobs.append((resume_config, str(root / "resume" / "resumed"), {"steps": 4, "resume": checkpoint}))
     run_ranks(_train_runs, world_size=3, tmp_path=root / "ranks", args=(jobs, str(root / "rank0.log")), timeout_s=400)
     log = (root / "rank0.log").read_text()
     return root, {stage: log for stage in STAGES}
@@ -196,22 +200,20 @@ def _two_rank_config(root: Path, stage: int) -> Path:
     return root / "ds.json"
 
 
-def test_resume_from_checkpoint_equals_the_uninterrupted_run_also_on_fewer_ranks(tmp_path):
-    config = _config(tmp_path, 1)
-    parts = tmp_path / "parts"
-    _launch(config, parts, "--steps", "2", "--save-steps", "2")
-    assert (parts / "checkpoint-2" / "poplar_state.json").is_file()
-    first = [i for r in range(3) for i in json.loads((parts / f"samples-rank{r}.json").read_text())]
-    fewer = tmp_path / "fewer"
-    shutil.copytree(parts / "checkpoint-2", fewer / "checkpoint-2")
-    _launch(config, parts, "--steps", "4", "--resume")
-    second = [i for r in range(3) for i in json.loads((parts / f"samples-rank{r}.json").read_text())]
+def test_resume_from_checkpoint_equals_the_uninterrupted_run_also_on_fewer_ranks(runs, tmp_path):
+    root = runs[0] / "resume"
+    assert (root / "parts" / "checkpoint-2" / "poplar_state.json").is_file()
+    first = [i for r in range(3) for i in json.loads((root / "parts" / f"samples-rank{r}.json").read_text())]
+    second = [i for r in range(3) for i in json.loads((root / "resumed" / f"samples-rank{r}.json").read_text())]
     expected = hf.reference_parameters(GLOBAL_BATCH, 4)  # the uninterrupted run: one process, 4 global batches
-    assert t.max_difference(torch.load(parts / "params.pt", weights_only=False), expected) <= 1e-5
+    assert t.max_difference(torch.load(root / "resumed" / "params.pt", weights_only=False), expected) <= 1e-5
     stream = t.SampleStream(num_samples=hf.NUM_SAMPLES, seed=0)
     assert sorted(first) == sorted(stream.indices(0, 2 * GLOBAL_BATCH))
     assert sorted(second) == sorted(stream.indices(2 * GLOBAL_BATCH, 2 * GLOBAL_BATCH))
-    # A node lost: the same checkpoint on 2 ranks under a new plan, the ZeRO-1 AdamW state resharded.
+    # A node lost: the same checkpoint on 2 ranks under a new plan, the ZeRO-1 AdamW state resharded,
+    # under torchrun.
+    fewer = tmp_path / "fewer"
+    shutil.copytree(root / "parts" / "checkpoint-2", fewer / "checkpoint-2")
     log = _launch(_two_rank_config(tmp_path / "two", 1), fewer, "--steps", "4", "--resume", ranks=2)
     assert "under another plan (3 ranks then, 2 now)" in log
     assert t.max_difference(torch.load(fewer / "params.pt", weights_only=False), expected) <= 1e-5
