@@ -322,7 +322,9 @@ class PoplarAccelerator(Accelerator):
 
     def _agree_iteration_tokens(self) -> None:
         engine = self.poplar_engine
-        position = engine.trained_position
+        # The sampler's position, as the dataloader keyed its count: with drop_last an epoch's
+        # tail is skipped, so it is not steps x global batch (`trained_position`) past an epoch.
+        position = engine.data_position
         counts = self._iteration_tokens.pop(position, None)
         if counts is None:
             raise ValueError(

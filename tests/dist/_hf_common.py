@@ -98,10 +98,16 @@ def make_optimizer(name: str, params):
 
 
 def reference_parameters(
-    global_batch: int, steps: int, optimizer: str = "adamw", *, schedule_warmup_steps: int | None = None
+    global_batch: int,
+    steps: int,
+    optimizer: str = "adamw",
+    *,
+    schedule_warmup_steps: int | None = None,
+    drop_last: bool = False,
 ) -> dict[str, torch.Tensor]:
     """One process, no DeepSpeed: each whole global batch's token mean, clipped; the learning rate
-    constant, or with `schedule_warmup_steps` the Trainer's linear schedule over `steps`."""
+    constant, or with `schedule_warmup_steps` the Trainer's linear schedule over `steps`. With `drop_last`
+    each epoch's global batches start at its beginning and its tail is left out (``poplar.drop_last``)."""
     model = tiny_gpt2()
     data = RecordingVarLen()
     optimizer = make_optimizer(optimizer, model.parameters())
@@ -111,8 +117,12 @@ def reference_parameters(
 
         schedule = get_linear_schedule_with_warmup(optimizer, schedule_warmup_steps, steps)
     stream = SampleStream(num_samples=len(data), seed=0)
+    per_epoch = len(data) // global_batch
     for step in range(steps):
-        batch = collate([data[i] for i in stream.indices(step * global_batch, global_batch)])
+        start = step * global_batch
+        if drop_last:
+            start = (step // per_epoch) * len(data) + (step % per_epoch) * global_batch
+        batch = collate([data[i] for i in stream.indices(start, global_batch)])
         optimizer.zero_grad()
         model(**batch).loss.backward()  # the mean over the global batch's shifted label tokens
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)

@@ -55,6 +55,7 @@ STEPS = 3
 STAGES = (0, 1, 2, 3)
 RESUME_STAGES = (1, 3)
 TOKEN_MEAN_STAGES = (1, 2)
+DROP_LAST_STEPS = 6  # 50 samples, B = 12: 4 iterations an epoch and its last 2 samples dropped
 
 
 class Indexed(torch.utils.data.Dataset):
@@ -128,6 +129,7 @@ def _cases(files, checkpoints):
     model, seen, _ = _train(accelerator, STEPS)
     results["searched"] = {"params": t.full_parameters(model), "seen": seen, "plan": accelerator.plan}
     results["token_mean"] = {stage: _token_mean(files, stage) for stage in TOKEN_MEAN_STAGES}
+    results["token_mean_drop_last"] = _token_mean(files, 1, steps=DROP_LAST_STEPS, drop_last=True)
     results["refusals"] = _refusals(files)
     for stage in RESUME_STAGES:
         config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage)
@@ -137,9 +139,12 @@ def _cases(files, checkpoints):
     return results
 
 
-def _token_mean(files, stage: int) -> dict:
-    """The loop with a Hugging Face causal LM on padded sequences and ``loss_reduction: token_mean``."""
-    config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage, loss_reduction="token_mean")
+def _token_mean(files, stage: int, *, steps: int = hf.STEPS, **poplar) -> dict:
+    """The loop with a Hugging Face causal LM on padded sequences and ``loss_reduction: token_mean`` (and
+    `poplar`), over as many passes (epochs) as `steps` takes."""
+    config = t.ds_config(
+        cluster=files["cluster"], plan=files[stage], stage=stage, loss_reduction="token_mean", **poplar
+    )
     config["gradient_clipping"] = hf.CLIP
     accelerator = _accelerator(config)
     model = hf.tiny_gpt2()
@@ -147,14 +152,15 @@ def _token_mean(files, stage: int) -> dict:
     dataloader = torch.utils.data.DataLoader(hf.RecordingVarLen(), batch_size=4, collate_fn=hf.collate)
     model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
     done = 0
-    for batch in dataloader:
-        with accelerator.accumulate(model):
-            accelerator.backward(model(**batch).loss)  # the micro-batch's own token mean, as usual
-            optimizer.step()
-            optimizer.zero_grad()
-        done += accelerator.sync_gradients
-        if done == hf.STEPS:
-            break
+    while done < steps:
+        for batch in dataloader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)  # the micro-batch's own token mean, as usual
+                optimizer.step()
+                optimizer.zero_grad()
+            done += accelerator.sync_gradients
+            if done == steps:
+                break
     return {"params": hf.full_parameters(model)}
 
 
@@ -227,6 +233,13 @@ def token_mean_reference():
 @pytest.mark.parametrize("stage", TOKEN_MEAN_STAGES)
 def test_token_mean_gradients_equal_one_process_on_the_global_batch_s_tokens(results, token_mean_reference, stage):
     assert t.max_difference(results[0]["token_mean"][stage]["params"], token_mean_reference) <= 1e-5
+
+
+def test_token_mean_with_drop_last_trains_on_past_a_dropped_epoch_tail(results):
+    # The second epoch's iterations start at its beginning (50), not 4 x 12 = 48: the tokens counted for
+    # each iteration are found by the sampler's position.
+    expected = hf.reference_parameters(GLOBAL_BATCH, DROP_LAST_STEPS, optimizer="sgd", drop_last=True)
+    assert t.max_difference(results[0]["token_mean_drop_last"]["params"], expected) <= 1e-5
 
 
 @pytest.mark.parametrize(
