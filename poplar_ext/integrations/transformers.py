@@ -21,6 +21,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
 from poplar_ext.collectives import agree_sum, agree_sums, decided_by_rank0
+from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.plan.formats import Plan, RankPlan
 from poplar_ext.runtime.checkpoint import (
@@ -34,6 +35,7 @@ from poplar_ext.runtime.checkpoint import (
 from poplar_ext.runtime.config import GlobalBatchRequest, PoplarConfig, load_deepspeed_config
 from poplar_ext.runtime.data import IterationSampler, MicroBatchesDataset, PlanBatchSampler
 from poplar_ext.runtime.evaluation import EvalBatchSampler, eval_batch_sizes
+from poplar_ext.runtime.job_start import read_poplar_section
 from poplar_ext.runtime.weighting import label_token_count
 from poplar_ext.zero.engine import PoplarEngine, set_deepspeed_batch
 from poplar_ext.zero.initialize import Job, prepare_job, rank_devices, wrap_built_engine
@@ -232,6 +234,26 @@ def _refuse_data_order_of_arguments(args: TrainingArguments, poplar_config: Popl
         )
 
 
+@ends_job_on_user_error
+def _refuse_before_settling(cls: type, args: TrainingArguments | None) -> None:
+    """What the mixin refuses from its class and `args` alone, before the job is settled: no collective, no
+    profiling (the automatic mode measures at settling) is waited for. A refusal is an error of the job's
+    configuration or code, which ends a restarting launcher's job (`poplar_ext.elastic`)."""
+    _refuse_own_training_data_order(cls)
+    if args is None or not args.deepspeed:
+        raise ValueError(
+            f"{cls.__name__}: expected TrainingArguments(deepspeed=...) naming a DeepSpeed config with a "
+            "'poplar' section, found none; use the Trainer without poplar-ext for a run without one"
+        )
+    _refuse_accumulation_of_accelerate(args)
+    poplar_config = read_poplar_section(
+        load_deepspeed_config(config=args.deepspeed),
+        needs="{} for the automatic mode, or with 'plan' or 'profiles'",
+        otherwise="the Trainer without poplar-ext",
+    )
+    _refuse_data_order_of_arguments(args, poplar_config)
+
+
 class _PlanEvaluation:
     """`PoplarTrainerMixin`'s evaluate() and predict() under the plan (`poplar_ext.runtime.evaluation`):
     rounds of one batch per rank, every sample once and in order, the loss the exact mean over the set.
@@ -375,15 +397,8 @@ class PoplarTrainerMixin(_PlanEvaluation):
             kwargs.pop("args", None),
             kwargs.pop("train_dataset", None),
         )
-        _refuse_own_training_data_order(type(self))
-        if args is None or not args.deepspeed:
-            raise ValueError(
-                f"{type(self).__name__}: expected TrainingArguments(deepspeed=...) naming a DeepSpeed config with a "
-                "'poplar' section, found none; use the Trainer without poplar-ext for a run without one"
-            )
-        _refuse_accumulation_of_accelerate(args)
+        _refuse_before_settling(type(self), args)
         self.job = _settle_job(args, model, train_dataset, collate_fn=kwargs.get("data_collator"))
-        _refuse_data_order_of_arguments(args, self.job.poplar_config)
         self.poplar_engine: PoplarEngine | None = None
         """The `PoplarEngine` between accelerate and DeepSpeed's engine, once training built it: it times
         compute, re-balances (``poplar.rebalance``) and switches DeepSpeed's batch with the plan."""

@@ -47,12 +47,10 @@ def test_a_class_derived_from_the_mixed_one_may_wrap_the_plans_loader():
 
 
 def _arguments_of_a_settled_job(monkeypatch, arguments: dict, section: dict):
-    """TrainingArguments with `arguments`, and `_settle_job` replaced by a one-rank job of the poplar
-    `section` (no process group)."""
+    """TrainingArguments with `arguments` and the poplar `section`, and `_settle_job` replaced by a one-rank
+    job of that section (no process group)."""
     from pathlib import Path
     from types import SimpleNamespace
-
-    from transformers import TrainingArguments
 
     from poplar_ext.integrations import transformers as integration
     from poplar_ext.plan.formats import plan_from_dict
@@ -80,10 +78,17 @@ def _arguments_of_a_settled_job(monkeypatch, arguments: dict, section: dict):
         ds_config={"zero_optimization": {"stage": 0}},
     )
     monkeypatch.setattr(integration, "_settle_job", lambda *args, **kwargs: job)
+    return _training_arguments(arguments, section)
+
+
+def _training_arguments(arguments: dict, section: dict):
+    """TrainingArguments with `arguments` and a DeepSpeed config whose poplar section is `section`."""
+    from transformers import TrainingArguments
+
     return TrainingArguments(
         output_dir="unused",
         use_cpu=True,
-        deepspeed={"zero_optimization": {"stage": 0}, "poplar": {}},
+        deepspeed={"zero_optimization": {"stage": 0}, "poplar": section},
         report_to=[],
         **arguments,
     )
@@ -112,12 +117,39 @@ def _arguments_of_a_settled_job(monkeypatch, arguments: dict, section: dict):
         ),
     ],
 )
-def test_training_arguments_choosing_the_data_order_are_refused(monkeypatch, arguments, section, match):
+def test_training_arguments_choosing_the_data_order_are_refused_before_the_job_is_settled(
+    monkeypatch, arguments, section, match
+):
+    # The automatic mode (no plan) would profile every device type while the job is settled: the
+    # refusal comes first, and ends a restarting launcher's job (the same at every restart).
+    import torch
+
+    import poplar_ext.elastic as elastic
+    from poplar_ext.integrations import transformers as integration
     from poplar_ext.integrations.transformers import PoplarTrainer
 
-    args = _arguments_of_a_settled_job(monkeypatch, arguments, section)
-    with pytest.raises(ValueError, match=match):
-        PoplarTrainer(model=None, args=args)
+    def settle(*args, **kwargs):
+        raise AssertionError("the job was settled (profiled, in the automatic mode) before the refusal")
+
+    monkeypatch.setattr(integration, "_settle_job", settle)
+    monkeypatch.setattr(integration, "prepare_job", settle)
+    ended: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", ended.append)
+    args = _training_arguments(arguments, section)
+    with pytest.raises(ValueError, match=match) as refused:
+        PoplarTrainer(model=torch.nn.Linear(2, 1), args=args, train_dataset=[{"x": 1}] * 8)
+    assert ended == [refused.value]
+
+
+def test_the_refusals_before_settling_end_a_restarting_launchers_job(monkeypatch):
+    import poplar_ext.elastic as elastic
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    ended: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", ended.append)
+    with pytest.raises(ValueError, match=r"expected TrainingArguments\(deepspeed=...\)") as refused:
+        PoplarTrainer(model=None, args=None)
+    assert ended == [refused.value]
 
 
 @pytest.mark.parametrize(
