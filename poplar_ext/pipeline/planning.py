@@ -15,6 +15,7 @@ from poplar_ext.plan.pipeline_formats import (
     PIPELINE_ZERO_STAGES,
     LayerProfile,
     PipelinePlan,
+    cluster_problems,
     layer_profiles_dir,
     load_layer_profiles,
     pipeline_plan_from_dict,
@@ -95,13 +96,7 @@ def pipeline_plan_problems(
         problems.append(
             f"The cluster description names {cluster.world_size} ranks but the job has {world_size} (WORLD_SIZE)."
         )
-    wrong = [
-        f"rank {rank} ({planned} in the plan, {actual} in the cluster)"
-        for rank, (planned, actual) in enumerate(zip(plan.rank_device_types, cluster.rank_device_types))
-        if planned != actual
-    ]
-    if wrong:
-        problems.append(f"Device types differ from the cluster's at {', '.join(wrong)}.")
+    problems += cluster_problems(plan, cluster)  # as a ZeRO job's check_plan_for_job: the search's check
     if plan.num_layers != num_layers:
         problems.append(
             f"The plan splits {plan.num_layers} layers but the model has {num_layers} (the layers given to "

@@ -40,6 +40,11 @@ def levers_text(activation_checkpointing: bool, optimizer_offload: bool = False)
     return f" with {' and '.join(used)}" if used else ""
 
 
+def _some(items: list[str], limit: int = 3) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
 def one_accumulation_count(zero_stage: int) -> bool:
     """Whether every rank must run the same number of micro-steps per iteration at `zero_stage`.
 
@@ -539,6 +544,11 @@ class Plan:
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def rank_device_types(self) -> tuple[str, ...]:
+        """Each rank's device type, in rank order (as `Cluster`'s and `PipelinePlan`'s)."""
+        return tuple(r.device_type for r in self.ranks)
 
 
 def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:

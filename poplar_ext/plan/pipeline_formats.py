@@ -20,6 +20,7 @@ from .formats import (
     MAX_WORLD_SIZE,
     MIN_TIME_S,
     POLICIES,
+    Cluster,
     Emulation,
     ModelInfo,
     Plan,
@@ -33,6 +34,7 @@ from .formats import (
     _optional_boolean,
     _parse_emulation,
     _prediction,
+    _some,
     content_fingerprint,
     emulation_to_dict,
     json_ready,
@@ -402,3 +404,22 @@ def any_plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan | PipelineP
 
 def load_any_plan(path: str | os.PathLike[str]) -> Plan | PipelinePlan:
     return any_plan_from_dict(read_json(path), source=str(path))
+
+
+def cluster_problems(plan: Plan | PipelinePlan, cluster: Cluster) -> list[str]:
+    """Sentences on `plan`'s ranks against `cluster`'s: every rank once (pipelines), their number, their types."""
+    if isinstance(plan, PipelinePlan):
+        ranks = sorted(stage.rank for p in plan.pipelines for stage in p.stages)
+        if ranks != list(range(len(ranks))):
+            return [f"The plan's stages do not hold every rank from 0 to {len(ranks) - 1} exactly once."]
+    problems = []
+    if plan.world_size != cluster.world_size:
+        problems.append(f"The plan has {plan.world_size} ranks but the cluster has {cluster.world_size}.")
+    wrong = [
+        f"rank {rank} ({planned} in the plan, {actual} in the cluster)"
+        for rank, (planned, actual) in enumerate(zip(plan.rank_device_types, cluster.rank_device_types))
+        if planned != actual
+    ]
+    if wrong:
+        problems.append(f"Device types differ from the cluster's at {_some(wrong)}.")
+    return problems

@@ -24,6 +24,7 @@ from poplar_ext.plan.formats import (
     Prediction,
     Profile,
     RankPlan,
+    _some,
     levers_text,
     one_accumulation_count,
 )
@@ -38,7 +39,7 @@ from poplar_ext.plan.levers import (
     profiles_for_plan,
 )
 from poplar_ext.plan.network_format import NetworkProfile
-from poplar_ext.plan.pipeline_formats import PipelinePlan
+from poplar_ext.plan.pipeline_formats import PipelinePlan, cluster_problems
 
 from .allocation import PolicyResult, infeasible
 from .cost import StageModel, build_stage_model
@@ -463,26 +464,6 @@ def _plan_message(
 # ----------------------------------------------------------------------------------
 # check_plan, predict
 # ----------------------------------------------------------------------------------
-def _some(items: list[str], limit: int = 3) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
-
-
-def cluster_problems(rank_types: Sequence[tuple[int, str]], cluster: Cluster) -> list[str]:
-    """A plan's ``(rank, device type)`` pairs against `cluster`: the number of ranks, and the types that differ."""
-    problems = []
-    if len(rank_types) != cluster.world_size:
-        problems.append(f"The plan has {len(rank_types)} ranks but the cluster has {cluster.world_size}.")
-    wrong = [
-        f"rank {rank} ({planned} in the plan, {actual} in the cluster)"
-        for (rank, planned), actual in zip(rank_types, cluster.rank_device_types)
-        if planned != actual
-    ]
-    if wrong:
-        problems.append(f"Device types differ from the cluster's at {_some(wrong)}.")
-    return problems
-
-
 def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None = None) -> list[str]:
     """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
 
@@ -491,7 +472,7 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
     checkpointing for every rank; offload only at stages 1-2) and, with `profiles`, that every device type has a profile
     at the plan's stage with the plan's levers, and that no micro-batch exceeds its cap.
     """
-    problems = cluster_problems([(r.rank, r.device_type) for r in plan.ranks], cluster)
+    problems = cluster_problems(plan, cluster)
     if one_accumulation_count(plan.zero_stage):
         counts = sorted({r.gradient_accumulation_steps for r in plan.ranks})
         if len(counts) > 1:
@@ -523,7 +504,7 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
         if len(models) > 1:
             problems.append(f"The profiles describe {len(models)} different models; expected one.")
         at_stage = {p.device_type: p for p in profiles_for_plan(plan, profiles)}
-        types = list(dict.fromkeys(r.device_type for r in plan.ranks))
+        types = list(dict.fromkeys(plan.rank_device_types))
         missing = [t + levers_text(*(settings.get(t) or NO_LEVERS)) for t in types if t not in at_stage]
         if missing:
             problems.append(f"No profile at ZeRO stage {plan.zero_stage} for {', '.join(missing)}.")
@@ -562,7 +543,7 @@ def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | N
             f"profiles: expected a profile that fits the model at ZeRO stage {plan.zero_stage} for every device "
             f"type of the plan, found none for {', '.join(missing)}"
         )
-    model = build_stage_model(at_stage, [r.device_type for r in plan.ranks], plan.zero_stage, network)
+    model = build_stage_model(at_stage, plan.rank_device_types, plan.zero_stage, network)
     sizes = np.array([r.micro_batch_size for r in plan.ranks], dtype=np.int64)
     steps = np.array([r.gradient_accumulation_steps for r in plan.ranks], dtype=np.int64)
     micro = model.rank_micro_step_times_s(sizes)

@@ -528,17 +528,10 @@ def check_pipeline_plan(
     (`search.pipeline_cost`: base, its layers, the 1F1B in-flight activations, or a checkpointed stage's inputs and one
     micro-batch's activations).
     """
-    problems = _check_ranks(plan, cluster) + _check_shape(plan)
+    problems = cluster_problems(plan, cluster) + _check_shape(plan)
     if layer_profiles is not None and not problems:
         problems += _check_memory(plan, layer_profiles)
     return problems
-
-
-def _check_ranks(plan: PipelinePlan, cluster: Cluster) -> list[str]:
-    ranks = sorted(stage.rank for p in plan.pipelines for stage in p.stages)
-    if ranks != list(range(len(ranks))):
-        return [f"The plan's stages do not hold every rank from 0 to {len(ranks) - 1} exactly once."]
-    return cluster_problems(list(enumerate(plan.rank_device_types)), cluster)
 
 
 def _check_shape(plan: PipelinePlan) -> list[str]:

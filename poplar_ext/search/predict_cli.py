@@ -30,8 +30,7 @@ def run_predict(args: argparse.Namespace) -> int:
         network = chosen_network(args, cluster)
         plan: Plan | PipelinePlan = load_pipeline_plan(args.predict) if kind == "pipeline" else load_plan(args.predict)
         # The cluster places the ranks on nodes and finds the network: it must be the plan's.
-        types = plan.rank_device_types if kind == "pipeline" else [r.device_type for r in plan.ranks]
-        problems = [] if cluster is None else cluster_problems(list(enumerate(types)), cluster)
+        problems = [] if cluster is None else cluster_problems(plan, cluster)
         if problems:
             example = args.cluster == str(example_cluster_file())
             which = f"{args.cluster} (the example's: give the plan's own with --cluster)" if example else args.cluster

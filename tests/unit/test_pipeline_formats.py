@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
 
 from poplar_ext.plan.errors import FormatError
-from poplar_ext.plan.formats import ModelInfo, Plan, plan_from_dict
+from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup, ModelInfo, Plan, plan_from_dict
 from poplar_ext.plan.pipeline_formats import (
     LayerCost,
     LayerProfile,
     LayerSample,
     PipelinePlan,
     any_plan_from_dict,
+    cluster_problems,
     layer_profile_from_dict,
     layer_profile_to_dict,
     load_any_plan,
@@ -79,6 +81,45 @@ def test_a_plan_says_what_it_trains_and_each_kind_is_read_by_its_own_reader():
     for plan in ({**_plan(), "parallelism": "pipelines"}, {**zero, "parallelism": "Zero"}):
         with pytest.raises(FormatError, match=r"parallelism: expected one of 'zero', 'pipeline', found string"):
             any_plan_from_dict(plan, source="p.json")
+
+
+def test_either_kind_of_plan_is_held_to_its_cluster_by_one_check():
+    pipelines = pipeline_plan_from_dict(_plan())  # ranks a, a, b
+    ranks = [
+        {"rank": r, "device_type": t, "micro_batch_size": 4, "gradient_accumulation_steps": 1}
+        for r, t in enumerate("aab")
+    ]
+    zero = plan_from_dict(
+        {
+            "schema_version": 1,
+            "policy": "poplar",
+            "zero_stage": 1,
+            "global_batch_size": 12,
+            "ranks": ranks,
+            "predicted": PREDICTED,
+            "profile_fingerprints": {},
+        }
+    )
+    assert zero.rank_device_types == pipelines.rank_device_types == ("a", "a", "b")
+    fits = Cluster(
+        nodes=(
+            ClusterNode(
+                name="n", devices=(DeviceGroup(device_type="a", count=2), DeviceGroup(device_type="b", count=1))
+            ),
+        )
+    )
+    other = Cluster(nodes=(ClusterNode(name="n", devices=(DeviceGroup(device_type="b", count=4),)),))
+    for plan in (zero, pipelines):
+        assert cluster_problems(plan, fits) == []
+        assert cluster_problems(plan, other) == [
+            "The plan has 3 ranks but the cluster has 4.",
+            "Device types differ from the cluster's at rank 0 (a in the plan, b in the cluster), "
+            "rank 1 (a in the plan, b in the cluster).",
+        ]
+    # A pipeline plan built in code may leave out a rank: said before the types, which need every rank.
+    first = pipelines.pipelines[0]
+    missing = dataclasses.replace(pipelines, pipelines=(first,))
+    assert cluster_problems(missing, fits) == ["The plan's stages do not hold every rank from 0 to 1 exactly once."]
 
 
 def _broken(change) -> dict:
