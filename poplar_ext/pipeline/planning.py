@@ -44,7 +44,7 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
     source = poplar_config.source
     given = deepspeed_train_batch_size(ds_config, source=source)  # FormatError where it is no batch
     problems = []
-    requested, most = requested_pipeline_batch(poplar_config, ds_config), poplar_config.max_global_batch_size
+    requested = requested_pipeline_batch(poplar_config, ds_config)
     if poplar_config.plan is None and requested is None:
         problems.append(
             f"{SECTION}.global_batch_size (or train_batch_size): expected the global batch to search a pipeline plan "
@@ -68,11 +68,8 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
             f"{SECTION}.global_batch_size: expected train_batch_size's {given} or no {SECTION}.global_batch_size, "
             f"found {poplar_config.global_batch_size}"
         )
-    if requested is not None and most is not None and requested[0] > most:
-        problems.append(
-            f"{SECTION}.max_global_batch_size: expected at least the global batch ({requested[0]}, from "
-            f"{requested[1]}) or no {SECTION}.max_global_batch_size, found {most}"
-        )
+    if requested is not None and (above := poplar_config.batch_above_bound(*requested)) is not None:
+        problems.append(above.detail)  # the file is named once, before every problem
     if problems:
         raise ValueError(f"{source}: this pipeline job cannot run: " + "; ".join(problems))
 

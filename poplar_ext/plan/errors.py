@@ -22,4 +22,9 @@ class FormatError(ValueError):
         self.field = field
         self.expected = expected
         self.found = found
-        super().__init__(f"{source}: {field}: expected {expected}, found {found}")
+        super().__init__(f"{source}: {self.detail}")
+
+    @property
+    def detail(self) -> str:
+        """The message without its source, for a list of problems that names the file once."""
+        return f"{self.field}: expected {self.expected}, found {self.found}"

@@ -371,7 +371,9 @@ def resolve_plan(
         else global_batch,
         model_fingerprint=model_fingerprint,
     )
-    _check_max_global_batch(poplar_config, request.global_batch)
+    above = poplar_config.batch_above_bound(request.global_batch.size, request.global_batch.origin)
+    if above is not None:
+        raise above
     if poplar_config.plan is not None:
         return _plan_from_file(request, rank=rank, broadcast=broadcast)
     return _plan_searched_at_start(
@@ -380,20 +382,6 @@ def resolve_plan(
 
 
 _SEARCHED_AT_START = "<plan searched at start>"  # how messages name it
-
-
-def _check_max_global_batch(poplar_config: PoplarConfig, global_batch: GlobalBatchRequest) -> None:
-    """A `FormatError` where ``poplar.max_global_batch_size`` is below the global batch the job asks for
-    (the config says two things; the same on every rank, from the config alone)."""
-    limit = poplar_config.max_global_batch_size
-    if limit is not None and isinstance(global_batch.size, int) and global_batch.size > limit:
-        raise FormatError(
-            poplar_config.source,
-            f"{SECTION}.max_global_batch_size",
-            f"at least the global batch ({global_batch.size}, from {global_batch.origin}) or no "
-            f"{SECTION}.max_global_batch_size",
-            f"number {limit}",
-        )
 
 
 @dataclass(frozen=True, kw_only=True)

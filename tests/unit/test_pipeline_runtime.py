@@ -105,6 +105,25 @@ def test_a_pipeline_batch_above_the_configs_bound_is_refused():
     check_pipeline_config({"train_batch_size": 8}, _poplar(max_global_batch_size=8))
 
 
+def test_a_batch_above_the_bound_is_refused_alike_by_both_engines():
+    # One refusal, two engines: a ZeRO job raises it, a pipeline job lists it after its file.
+    from poplar_ext.runtime.config import GlobalBatchRequest
+    from poplar_ext.zero.planning import resolve_plan
+
+    config = _poplar(max_global_batch_size=4)
+    batch = GlobalBatchRequest(size=8, origin="train_batch_size")
+    with pytest.raises(ValueError) as zero:
+        resolve_plan(config, _cluster(), world_size=3, rank=0, zero_stage=1, global_batch=batch, broadcast=lambda o: o)
+    with pytest.raises(ValueError) as pipeline:
+        check_pipeline_config({"train_batch_size": 8}, config)
+    detail = (
+        "poplar.max_global_batch_size: expected at least the global batch (8, from train_batch_size) "
+        "or no poplar.max_global_batch_size, found number 4"
+    )
+    assert str(zero.value) == f"{config.source}: {detail}"
+    assert str(pipeline.value) == f"{config.source}: this pipeline job cannot run: {detail}"
+
+
 @pytest.mark.parametrize("given", ["14", 14.5, True, 0])
 def test_a_train_batch_size_that_is_no_batch_is_refused_not_ignored(given):
     # A ZeRO job refuses it; a pipeline job replaced it with the plan's without a word.
