@@ -160,8 +160,11 @@ def replan(
     )
     if result.status != "ok" or result.plan is None:
         return replan_outcome(found=None, current_s=current, new_s=None, min_gain=min_gain, why_none=result.message)
+    # Made from the same profiles: their fingerprints, and what the check at start did to them, go on.
     found = dataclasses.replace(
-        with_rank_types(result.plan, cluster.rank_device_types), profile_fingerprints=dict(plan.profile_fingerprints)
+        with_rank_types(result.plan, cluster.rank_device_types),
+        profile_fingerprints=dict(plan.profile_fingerprints),
+        calibration=dict(plan.calibration),
     )
     return replan_outcome(
         found=found, current_s=current, new_s=result.plan.predicted.iteration_time_s, min_gain=min_gain

@@ -317,3 +317,24 @@ def test_a_plan_whose_types_differ_in_checkpointing_is_still_checked(monkeypatch
     assert bool(timed) is checked
     assert calibrated.calibration == ({t: c.to_dict() for t, c in checks.items()} if checked else {})
     assert ("poplar.calibration: not checked" in caplog.text) is not checked
+
+
+def test_a_re_plan_during_training_keeps_the_calibration_record():
+    # The switched plan and its history entry still say how the cached profiles compared at start.
+    from poplar_ext.runtime.config import RebalanceConfig
+    from poplar_ext.runtime.rebalance import DriftMonitor
+    from poplar_ext.search import search_plan
+
+    fast, slow = _profile("fast"), _profile("slow", 0.04)
+    cluster = simple_cluster({"fast": 1, "slow": 1})
+    plan = search_plan([fast, slow], cluster, global_batch_size=20).plan
+    sizes = plan_sizes([plan])
+    measured = {t: {b: 1.5 * profiled_time_s(p, b) for b in sizes[t]} for t, p in (("fast", fast), ("slow", slow))}
+    recorded = with_calibration(plan, check_profiles([fast, slow], measured, threshold=0.1, action="rescale"))
+    config = RebalanceConfig(enabled=True, check_interval_steps=1, threshold=0.3, min_gain=0.0, sustained_checks=1)
+    monitor = DriftMonitor(config=config, profiles=[fast, slow], cluster=cluster)
+    predicted = monitor.predicted_compute_s(recorded)
+    decision = monitor.observe(recorded, [3 * predicted[0], predicted[1]], [1, 1], step=4)  # the fast rank 3x slower
+    switched = plan_from_dict(decision["plan"])
+    assert switched.ranks != recorded.ranks
+    assert switched.calibration == recorded.calibration and switched.calibration["fast"]["outcome"] == "rescaled"
