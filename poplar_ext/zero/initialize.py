@@ -378,12 +378,17 @@ def _deepspeed_engine(
     """``deepspeed.initialize`` on this rank's nominal config (the user's other arguments as given):
     the engine, optimizer and scheduler; the engine then counts the plan's true global batch."""
     import deepspeed
+    from deepspeed.utils import groups
 
     # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
     ds_args = copy.copy(args)
     if hasattr(ds_args, "deepspeed_config"):
         ds_args.deepspeed_config = None
     extra = {} if distributed_port is None else {"distributed_port": distributed_port}
+    # DeepSpeed keeps the last engine's mpu in deepspeed.utils.groups and an engine given none (a ZeRO job takes
+    # none) reads its groups there: a pipeline engine built before in this process left its grid, whose pipelines
+    # would be this job's data-parallel groups (a crash, or ranks training apart).
+    groups.mpu = None
     engine, optimizer, _, scheduler = deepspeed.initialize(args=ds_args, config=nominal, **deepspeed_arguments, **extra)
     count_true_global_batch(engine, plan)
     return engine, optimizer, scheduler
