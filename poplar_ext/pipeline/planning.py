@@ -150,7 +150,7 @@ def resolve_pipeline_plan(
         )
 
     def read() -> dict[str, Any]:
-        plan = read_plan_file(plan_path, pipeline=True)
+        plan = read_plan_file(poplar_config, pipeline=True)
         problems = pipeline_plan_problems(
             plan,
             cluster,

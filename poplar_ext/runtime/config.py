@@ -86,7 +86,8 @@ class PoplarConfig:
     """Directory of profiles: searched when there is no plan, and used to check a plan. Without a plan
     and without this, `default_profiles_dir` (the automatic mode: missing profiles are measured there)."""
     policy: str = "poplar"
-    """Search policy when searching at start."""
+    """Search policy when searching at start. Beside a `plan` it must be the plan's own (a plan file fixes
+    the allocation: another policy would not be applied), so it is best left out there."""
     global_batch_size: int | str | None = None
     """Samples per optimizer step over all ranks; ``"auto"``: the search picks the batch with the
     highest predicted throughput; None: the DeepSpeed config's (see `requested_global_batch_size`)."""
@@ -127,6 +128,8 @@ class PoplarConfig:
     """The DeepSpeed config file the section came from (not a key of the section: for messages)."""
     profiles_defaulted: bool = False
     """True when `profiles` is `default_profiles_dir` because the section named neither a plan nor profiles."""
+    policy_given: bool = False
+    """True when the section names `policy` (checked against a plan file's)."""
 
     @property
     def data_order(self) -> dict[str, Any]:
@@ -143,7 +146,9 @@ class PoplarConfig:
         return FormatError(self.source, field, expected, f"number {limit}")
 
 
-_KEYS = tuple(f.name for f in fields(PoplarConfig) if f.name not in ("source", "profiles_defaulted"))
+_DERIVED = ("source", "profiles_defaulted", "policy_given")
+"""`PoplarConfig` fields that are no keys of the section."""
+_KEYS = tuple(f.name for f in fields(PoplarConfig) if f.name not in _DERIVED)
 
 
 def _path(node: Node | None, base_dir: Path) -> Path | None:
@@ -258,6 +263,7 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
         profiles=profiles,
         profiles_defaulted=profiles_defaulted,
         policy=defaults.policy if policy is None else policy.string(choices=POLICIES),
+        policy_given=policy is not None,
         global_batch_size=_batch_or_auto(root.optional("global_batch_size")),
         max_global_batch_size=_optional_int(root.optional("max_global_batch_size"), 1, MAX_GLOBAL_BATCH_SIZE),
         seed=defaults.seed if seed is None else seed.integer(minimum=0),

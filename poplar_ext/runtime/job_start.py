@@ -64,9 +64,11 @@ def agreed_job_cluster(
     return facts, agreed_cluster(poplar_config.cluster, facts, rank=rank, name=f"{SECTION}.cluster")
 
 
-def read_plan_file(plan_path: Path, *, pipeline: bool) -> Plan | PipelinePlan:
-    """``poplar.plan`` read (rank 0's part); a ValueError naming the file where it is not the engine's kind:
-    a `PipelinePlan` where `pipeline`, else a ZeRO `Plan`."""
+def read_plan_file(poplar_config: PoplarConfig, *, pipeline: bool) -> Plan | PipelinePlan:
+    """``poplar.plan`` read (rank 0's part); a ValueError naming the file where it is not the engine's kind
+    (a `PipelinePlan` where `pipeline`, else a ZeRO `Plan`), or where the section's ``poplar.policy`` is
+    another than the plan's."""
+    plan_path = poplar_config.plan
     try:
         plan = load_any_plan(plan_path)
     except FormatError as exc:
@@ -81,6 +83,15 @@ def read_plan_file(plan_path: Path, *, pipeline: bool) -> Plan | PipelinePlan:
             f"{SECTION}.plan: {plan_path} is a pipeline plan ('parallelism': 'pipeline'); it trains a "
             "poplar_ext.pipeline.PoplarPipelineModule, not this model: build the model as one, or give a "
             "ZeRO plan (poplar-search)"
+        )
+    if poplar_config.policy_given and poplar_config.policy != plan.policy:
+        # The plan's allocation is trained as it is: the config would say two things.
+        raise FormatError(
+            poplar_config.source,
+            f"{SECTION}.policy",
+            f"{plan.policy!r} (the policy {SECTION}.plan {plan_path} was made by: a policy only chooses a plan "
+            f"searched at start) or no {SECTION}.policy",
+            f"{poplar_config.policy!r} beside {SECTION}.plan",
         )
     return plan
 

@@ -416,7 +416,7 @@ def _plan_from_file(request: _PlanRequest, *, rank: int, broadcast: Callable[[An
     plan_path = request.poplar_config.plan
 
     def read_and_check() -> dict[str, Any]:
-        plan = read_plan_file(plan_path, pipeline=False)
+        plan = read_plan_file(request.poplar_config, pipeline=False)
         profiles = request.directory.profiles(request.model_fingerprint) or None
         request.checked(plan, profiles, str(plan_path))
         return {"plan": plan_to_dict(plan), "stale": [] if profiles is None else stale_profile_types(plan, profiles)}

@@ -361,10 +361,11 @@ def test_the_documented_section_has_every_key_at_its_default():
     docs = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
     example = docs.split('```jsonc\n"poplar": {', 1)[1].split("```", 1)[0]
     section = json.loads('{"poplar": {' + re.sub(r"\s+//.*", "", example) + "}")["poplar"]
-    derived = ("source", "profiles_defaulted")  # not keys of the section
+    derived = ("source", "profiles_defaulted", "policy_given")  # not keys of the section
     assert list(section) == [f.name for f in dataclasses.fields(module.PoplarConfig) if f.name not in derived]
     assert list(section["rebalance"]) == [f.name for f in dataclasses.fields(module.RebalanceConfig)]
     named = {"cluster": BASE / "cluster.json", "profiles": BASE / "profiles", "global_batch_size": 96}
+    named["policy_given"] = True  # the documented section names every key
     parsed = poplar_config_from_dict(section, base_dir=BASE)
     assert parsed == dataclasses.replace(module.PoplarConfig(), **named)
 

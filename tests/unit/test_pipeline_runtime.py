@@ -179,6 +179,18 @@ def test_rank_0_reads_the_pipeline_plan(tmp_path):
     assert _resolve(tmp_path, _pipeline_plan()).pipelines[0].boundaries == (0, 2, 6)
 
 
+def test_a_policy_other_than_the_pipeline_plans_is_refused(tmp_path):
+    (tmp_path / "plan.json").write_text(json.dumps(_pipeline_plan()))
+    config = _poplar(plan=str(tmp_path / "plan.json"), policy="uniform")
+    with pytest.raises(
+        ValueError, match=r"poplar.policy: expected 'poplar' \(the policy poplar.plan .*, found 'uniform'"
+    ):
+        resolve_pipeline_plan(
+            config, _cluster(), world_size=3, rank=0, num_layers=6, zero_stage=None, global_batch=None,
+            broadcast=lambda o: o,
+        )  # fmt: skip
+
+
 def test_a_zero_plan_for_a_pipeline_module_is_refused(tmp_path):
     zero_plan = _zero_plan(3)
     with pytest.raises(ValueError, match=r"is a ZeRO plan \(every rank trains the whole model\)"):

@@ -337,6 +337,20 @@ def test_a_plan_from_other_profiles_warns(cluster_path, tmp_path):
         resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=0, zero_stage=1, broadcast=lambda o: o)
 
 
+def test_a_policy_beside_a_plan_file_must_be_the_plans(cluster_path, tmp_path):
+    # The plan file's allocation is trained as it is: another policy in the config would be silently ignored.
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    plan = _searched_plan(cluster_path, directory, tmp_path)  # made by the poplar policy
+    with pytest.raises(
+        ValueError,
+        match=r"^<DeepSpeed config dict>: poplar.policy: expected 'poplar' \(the policy poplar.plan .*plan.json was "
+        r"made by: a policy only chooses a plan searched at start\) or no poplar.policy, found 'uniform' beside "
+        r"poplar.plan$",
+    ):
+        _resolve(cluster_path, {"plan": str(plan), "policy": "uniform"})
+    assert _resolve(cluster_path, {"plan": str(plan), "policy": "poplar"}).policy == "poplar"  # one thing said
+
+
 @pytest.mark.parametrize(
     ("named", "setting"),
     [
