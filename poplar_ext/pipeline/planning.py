@@ -321,9 +321,9 @@ def _cannot_measure_message(poplar_config: PoplarConfig, types: list[str], stage
     # poplar-profile requires --deepspeed_config, and profiles the types of --cluster (else the hardware's).
     cluster_option = "" if poplar_config.cluster is None else f"--cluster {poplar_config.cluster} "
     return (
-        f"{SECTION}.profiles: no plan was given and {layer_profiles_dir(poplar_config.profiles)} lacks layer "
-        f"profiles of this model for {', '.join(types)} at ZeRO stage {' and '.join(map(str, stages))}; give "
-        "PoplarPipelineModule training_data= to measure them at start (the module is built before "
+        f"{poplar_config.profiles_setting}: no plan was given and {layer_profiles_dir(poplar_config.profiles)} "
+        f"lacks layer profiles of this model for {', '.join(types)} at ZeRO stage {' and '.join(map(str, stages))}; "
+        "give PoplarPipelineModule training_data= to measure them at start (the module is built before "
         "poplar_ext.initialize, so create the dataset first and pass it to both), or measure them first: "
         f"poplar-profile --per-layer --deepspeed_config DS.json {cluster_option}--model MODULE:LAYERS "
         "--batch MODULE:FACTORY --zero-stages "

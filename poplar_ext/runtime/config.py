@@ -83,7 +83,8 @@ class PoplarConfig:
     plan: Path | None = None
     """A plan file; when absent, a plan is searched from `profiles` at start."""
     profiles: Path | None = None
-    """Directory of profiles: searched when there is no plan, and used to check a plan. Without a plan
+    """Directory of profiles: searched when there is no plan (made when missing: the automatic mode measures
+    into it), and used to check a plan (then it must exist: it is only read). Without a plan
     and without this, `default_profiles_dir` (the automatic mode: missing profiles are measured there)."""
     policy: str = "poplar"
     """Search policy when searching at start. Beside a `plan` it must be the plan's own (a plan file fixes
@@ -130,6 +131,15 @@ class PoplarConfig:
     """True when `profiles` is `default_profiles_dir` because the section named neither a plan nor profiles."""
     policy_given: bool = False
     """True when the section names `policy` (checked against a plan file's)."""
+
+    @property
+    def profiles_setting(self) -> str:
+        """Where `profiles` was set, for messages: the config's ``poplar.profiles``, or where the section names
+        neither a plan nor profiles, ``$POPLAR_PROFILES_DIR`` or the user cache (`default_profiles_dir`)."""
+        if not self.profiles_defaulted:
+            return f"{self.source}: {SECTION}.profiles"
+        where = f"${PROFILES_DIR_VARIABLE}" if os.environ.get(PROFILES_DIR_VARIABLE) else "the user cache"
+        return f"{where} (the automatic mode's profiles: {self.source} names no {SECTION}.plan or {SECTION}.profiles)"
 
     @property
     def data_order(self) -> dict[str, Any]:

@@ -66,9 +66,17 @@ def agreed_job_cluster(
 
 def read_plan_file(poplar_config: PoplarConfig, *, pipeline: bool) -> Plan | PipelinePlan:
     """``poplar.plan`` read (rank 0's part); a ValueError naming the file where it is not the engine's kind
-    (a `PipelinePlan` where `pipeline`, else a ZeRO `Plan`), or where the section's ``poplar.policy`` is
-    another than the plan's."""
-    plan_path = poplar_config.plan
+    (a `PipelinePlan` where `pipeline`, else a ZeRO `Plan`), where the section's ``poplar.policy`` is
+    another than the plan's, or where its ``poplar.profiles`` is no directory."""
+    plan_path, profiles = poplar_config.plan, poplar_config.profiles
+    if profiles is not None and not profiles.is_dir():
+        # Beside a plan nothing is measured into it: a misspelt folder would read as "no profiles".
+        raise FormatError(
+            poplar_config.source,
+            f"{SECTION}.profiles",
+            f"a directory of profiles beside {SECTION}.plan (the plan is checked and re-balanced against them)",
+            f"the file {profiles}" if profiles.exists() else f"nothing at {profiles}",
+        )
     try:
         plan = load_any_plan(plan_path)
     except FormatError as exc:

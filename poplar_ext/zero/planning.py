@@ -7,7 +7,6 @@ docs/training.md and docs/design.md.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from poplar_ext.profiler.calibration import (
     rescaled_profile,
     with_calibration,
 )
-from poplar_ext.runtime.config import AUTO, PROFILES_DIR_VARIABLE, SECTION, GlobalBatchRequest, PoplarConfig
+from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
 from poplar_ext.runtime.job_start import read_plan_file
 from poplar_ext.runtime.rebalance import RebalanceUnavailable
 from poplar_ext.search.model_states import cannot_hold, model_states, shortfall
@@ -152,22 +151,11 @@ def obtain_missing_profiles(
     # Without poplar.cluster the job reads its cluster from the hardware, and so does poplar-profile without --cluster.
     cluster_option = "" if poplar_config.cluster is None else f"--cluster {poplar_config.cluster} "
     raise ValueError(
-        f"poplar.profiles: no plan was given and {poplar_config.profiles} lacks profiles for these device types "
-        f"and ZeRO stages ({lacking}). Measure them with poplar-profile under your training launcher: "
+        f"{poplar_config.profiles_setting}: no plan was given and {poplar_config.profiles} lacks profiles for these "
+        f"device types and ZeRO stages ({lacking}). Measure them with poplar-profile under your training launcher: "
         f"deepspeed --num_gpus N --module poplar_ext.profiler --deepspeed_config DS.json {cluster_option}"
         f"--model MODULE:FACTORY --batch MODULE:FACTORY --zero-stages {stages} --output-dir {poplar_config.profiles}; "
         "or give poplar.plan; or pass training_data to poplar_ext.initialize to measure them automatically."
-    )
-
-
-def _profiles_setting(poplar_config: PoplarConfig) -> str:
-    """Where `poplar_config.profiles` was set, for messages: the config's ``poplar.profiles``, or where the section
-    names neither a plan nor profiles, ``$POPLAR_PROFILES_DIR`` or the user cache (`default_profiles_dir`)."""
-    if not poplar_config.profiles_defaulted:
-        return f"{poplar_config.source}: {SECTION}.profiles"
-    where = f"${PROFILES_DIR_VARIABLE}" if os.environ.get(PROFILES_DIR_VARIABLE) else "the user cache"
-    return (
-        f"{where} (the automatic mode's profiles: {poplar_config.source} names no {SECTION}.plan or {SECTION}.profiles)"
     )
 
 
@@ -175,7 +163,7 @@ def _read_profiles(poplar_config: PoplarConfig) -> list[Profile]:
     """Every profile in ``poplar.profiles`` ([] when there is no such directory)."""
     if poplar_config.profiles is not None and poplar_config.profiles.exists() and not poplar_config.profiles.is_dir():
         raise ValueError(
-            f"{_profiles_setting(poplar_config)}: expected a directory of profiles (one is made when missing), "
+            f"{poplar_config.profiles_setting}: expected a directory of profiles (one is made when missing), "
             f"found the file {poplar_config.profiles}"
         )
     if poplar_config.profiles is None or not poplar_config.profiles.is_dir():

@@ -191,6 +191,24 @@ def test_a_policy_other_than_the_pipeline_plans_is_refused(tmp_path):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"profiles": "profiels"}, r"poplar.profiles: expected a directory of profiles beside poplar.plan .*, found "
+         r"nothing at .*profiels$"),
+        ({"plan": None, "profiles": "none"}, r"poplar.profiles: no plan was given and .*none.layers lacks layer"),
+    ],
+)  # fmt: skip
+def test_a_missing_profiles_folder_names_the_config_with_or_without_a_pipeline_plan(tmp_path, section, message):
+    (tmp_path / "plan.json").write_text(json.dumps(_pipeline_plan()))
+    config = poplar_config_from_dict({"plan": "plan.json", **section}, base_dir=tmp_path, source="ds.json")
+    with pytest.raises(ValueError, match=rf"^ds.json: {message}"):
+        resolve_pipeline_plan(
+            config, _cluster(), world_size=3, rank=0, num_layers=6, zero_stage=None,
+            global_batch=(12, "train_batch_size"), broadcast=lambda o: o,
+        )  # fmt: skip
+
+
 def test_a_zero_plan_for_a_pipeline_module_is_refused(tmp_path):
     zero_plan = _zero_plan(3)
     with pytest.raises(ValueError, match=r"is a ZeRO plan \(every rank trains the whole model\)"):

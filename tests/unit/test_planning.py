@@ -351,6 +351,26 @@ def test_a_policy_beside_a_plan_file_must_be_the_plans(cluster_path, tmp_path):
     assert _resolve(cluster_path, {"plan": str(plan), "policy": "poplar"}).policy == "poplar"  # one thing said
 
 
+@pytest.mark.parametrize(("name", "found"), [("profiels", "nothing at"), ("plan.json", "the file")])
+def test_profiles_named_beside_a_plan_must_be_a_directory(cluster_path, tmp_path, name, found):
+    # Beside a plan nothing is measured into the folder: a misspelt one would silently read as "no profiles".
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    plan = _searched_plan(cluster_path, directory, tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=rf"^<DeepSpeed config dict>: poplar.profiles: expected a directory of profiles beside poplar.plan "
+        rf"\(.*\), found {found} .*{name}$",
+    ):
+        _resolve(cluster_path, {"plan": str(plan), "profiles": str(tmp_path / name)})
+
+
+def test_profiles_named_without_a_plan_are_where_missing_ones_go_and_the_error_names_the_config(cluster_path, tmp_path):
+    # Without a plan the folder is where the automatic mode measures into (made when missing); where nothing
+    # can measure, the error names the config's field as the one beside a plan does.
+    with pytest.raises(ValueError, match=r"^<DeepSpeed config dict>: poplar.profiles: no plan was given and .*none "):
+        _resolve(cluster_path, {"profiles": str(tmp_path / "none"), "global_batch_size": 20})
+
+
 @pytest.mark.parametrize(
     ("named", "setting"),
     [
