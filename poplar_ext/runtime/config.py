@@ -361,6 +361,8 @@ class GlobalBatchRequest:
     """Samples per optimizer step; ``"auto"`` (the search picks); None (nothing set: a plan decides)."""
     origin: str
     """The setting it comes from, for messages (e.g. ``train_batch_size``)."""
+    left_auto: tuple[str, ...] = ()
+    """Without a size: the DeepSpeed batch keys left ``"auto"`` (only the Trainer and accelerate fill them in)."""
 
 
 _DEEPSPEED_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -401,10 +403,11 @@ def deepspeed_global_batch_size(ds_config: dict, *, world_size: int, source: str
         )
     if total is not None:
         return GlobalBatchRequest(size=total, origin="train_batch_size")
-    accumulation_node = root.optional("gradient_accumulation_steps")
-    if micro is not None and accumulation_node is not None and accumulation_node.value == AUTO:
-        # Whoever fills "auto" (the Trainer, accelerate) decides the count, and so the batch.
-        return GlobalBatchRequest(size=None, origin="")
+    # Whoever fills "auto" (the Trainer, accelerate) decides it; a search without a batch says which keys.
+    left_auto = tuple(key for key in _DEEPSPEED_BATCH_KEYS if ds_config.get(key) == AUTO)
+    unset = GlobalBatchRequest(size=None, origin="", left_auto=left_auto)
+    if micro is not None and "gradient_accumulation_steps" in left_auto:
+        return unset  # the filled-in count decides the batch
     if micro is not None:
         steps = 1 if accumulation is None else accumulation
         return GlobalBatchRequest(
@@ -412,7 +415,7 @@ def deepspeed_global_batch_size(ds_config: dict, *, world_size: int, source: str
             origin=f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size ({micro} x {steps} x "
             f"{world_size})",
         )
-    return GlobalBatchRequest(size=None, origin="")
+    return unset
 
 
 def requested_global_batch_size(poplar_config: PoplarConfig, ds_config: dict, *, world_size: int) -> GlobalBatchRequest:

@@ -432,9 +432,15 @@ def _plan_searched_at_start(
     """Rank 0 says which profiles are missing, every rank measures them, rank 0 searches."""
     poplar_config = request.poplar_config
     if request.global_batch.size is None:
+        left_auto = " and ".join(request.global_batch.left_auto)
+        auto = (
+            f'"{AUTO}" in {left_auto} is filled in only by the Hugging Face Trainer and accelerate '
+            "(poplar_ext.initialize leaves it unset): give a number there instead, or "
+        )
         raise ValueError(
-            f"{poplar_config.source}: no global batch for the plan search: set train_batch_size (or "
-            f"train_micro_batch_size_per_gpu and gradient_accumulation_steps) or {SECTION}.global_batch_size, "
+            f"{poplar_config.source}: no global batch for the plan search: {auto if left_auto else ''}set "
+            f"train_batch_size (or train_micro_batch_size_per_gpu and gradient_accumulation_steps) or "
+            f"{SECTION}.global_batch_size, "
             f'or {SECTION}.global_batch_size: "{AUTO}" to let the search pick the fastest'
         )
     # A missing profile that cannot be measured raises on every rank before anyone measures.

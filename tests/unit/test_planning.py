@@ -240,7 +240,7 @@ import dataclasses  # noqa: E402
 import warnings  # noqa: E402
 
 from poplar_ext.plan.formats import load_profiles, save_plan  # noqa: E402
-from poplar_ext.runtime.config import GlobalBatchRequest  # noqa: E402
+from poplar_ext.runtime.config import GlobalBatchRequest, requested_global_batch_size  # noqa: E402
 from poplar_ext.search import search_plan  # noqa: E402
 from poplar_ext.zero.planning import StalePlanWarning  # noqa: E402
 
@@ -307,6 +307,28 @@ def test_no_global_batch_for_the_search_says_what_to_set(cluster_path, tmp_path)
         r'poplar.global_batch_size: "auto" to let the search pick',
     ):
         _resolve(cluster_path, {"profiles": str(directory)})
+
+
+@pytest.mark.parametrize(
+    ("batch_keys", "left_auto"),
+    [
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"}, "gradient_accumulation_steps"),
+        ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"},
+         "train_batch_size and gradient_accumulation_steps"),
+    ],
+)  # fmt: skip
+def test_a_batch_left_auto_under_plain_initialize_says_who_fills_it(cluster_path, tmp_path, batch_keys, left_auto):
+    # Outside the Trainer and accelerate nobody fills "auto": the batch stays unset, and the error must say why.
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    config = poplar_config_from_dict({"profiles": str(directory)}, base_dir=tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=rf'no global batch for the plan search: "auto" in {left_auto} is filled in only by the Hugging Face '
+        r"Trainer and accelerate \(poplar_ext.initialize leaves it unset\): give a number there instead, or set "
+        r"train_batch_size",
+    ):
+        _resolve(cluster_path, {"profiles": str(directory)}, global_batch=requested_global_batch_size(
+            config, batch_keys, world_size=2))  # fmt: skip
 
 
 def test_auto_lets_the_search_pick_the_batch(cluster_path, tmp_path):
