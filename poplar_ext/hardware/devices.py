@@ -6,6 +6,7 @@ declared, not read (`declared_type_problem`). See profiles/README.md (cluster de
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -77,7 +78,9 @@ def fallback_device_type(reported_name: str, total_memory_bytes: int) -> str:
     """An unknown device's type: ``NVIDIA GeForce RTX 2080 Ti`` with 11 GB -> ``GeForce-RTX-2080-Ti-11GB``."""
     name = _VENDOR_PREFIXES.sub("", reported_name.strip())
     name = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") or "unknown-device"
-    return f"{name}-{round(total_memory_bytes / 1e9)}GB"
+    # The table's sizes are nominal GiB (an "11GB" 2080 Ti has 11 GiB); the driver reports them less what it
+    # reserves (10.76 GiB, 11.55e9 bytes), so the whole GiB above names it as the table would.
+    return f"{name}-{math.ceil(total_memory_bytes / 2**30)}GB"
 
 
 _MIG_SLICE = re.compile(r"\s+MIG\s+(\S+)\s*$", re.IGNORECASE)

@@ -58,6 +58,20 @@ def test_an_unknown_name_warns_and_falls_back_to_its_cleaned_name_and_memory() -
     assert name == "GeForce-RTX-2080-Ti-11GB"
 
 
+@pytest.mark.parametrize(
+    ("reported", "memory_bytes", "expected"),
+    [
+        # What torch reports (total_memory): the nominal GiB less what the driver reserves.
+        ("NVIDIA GeForce RTX 2080 Ti", 11019 * 2**20, "GeForce-RTX-2080-Ti-11GB"),
+        ("NVIDIA GeForce RTX 3060", 12050 * 2**20, "GeForce-RTX-3060-12GB"),
+        ("NVIDIA Z100", int(79.2 * GiB), "Z100-80GB"),  # an A100 80GB's report: named as the table names it
+    ],
+)
+def test_a_fallback_names_the_nominal_memory_as_the_table_does(reported, memory_bytes, expected) -> None:
+    with pytest.warns(UnknownDeviceWarning):
+        assert normalize_device_name(reported, total_memory_bytes=memory_bytes) == expected
+
+
 def test_a_mig_slice_is_never_the_type_of_a_whole_gpu() -> None:
     # Even a slice that has all of the GPU's memory (7g) has its own type: the
     # profiles of the whole card do not hold for it.
