@@ -21,6 +21,9 @@ CALIBRATION_ACTIONS = ("rescale", "remeasure", "off")
 TRUSTED, RESCALED, REMEASURED, NOT_CHECKED = "trusted", "rescaled", "remeasured", "not checked"
 """What happened to a device type's profile, as the plan records it."""
 
+RATIO_DIGITS = 4
+"""Decimals of the measured / profiled ratio a plan records (and a rescale uses)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class CalibrationCheck:
@@ -37,7 +40,7 @@ class CalibrationCheck:
     def to_dict(self) -> dict[str, Any]:
         return {
             "outcome": self.outcome,
-            "measured_over_profiled": round(self.measured_over_profiled, 4),
+            "measured_over_profiled": round(self.measured_over_profiled, RATIO_DIGITS),
             "sizes": list(self.sizes),
         }
 
@@ -94,7 +97,8 @@ def check_profiles(
     for device_type, times in measured_s.items():
         if device_type not in by_type:
             raise ValueError(f"measured_s: {device_type} has no profile among those given")
-        ratio = measured_over_profiled(by_type[device_type], times)
+        # Rounded as the plan records it: the rescale is then made again from the plan alone, to the fingerprint.
+        ratio = round(measured_over_profiled(by_type[device_type], times), RATIO_DIGITS)
         checks[device_type] = CalibrationCheck(
             device_type=device_type,
             measured_over_profiled=ratio,

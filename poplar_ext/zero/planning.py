@@ -240,11 +240,18 @@ def _searchable(profiles: list[Profile], cluster: Cluster, zero_stage: int | Non
 
 
 def profile_of_plan(plan: Plan, profiles: list[Profile], device_type: str) -> Profile | None:
-    """`device_type`'s profile among `profiles` (of the plan's stage and levers) that the plan was made
-    from, or the only one there is; None when there is none or several and the plan names none of them
-    (several models' profiles may share a directory: the plan's fingerprints say which)."""
+    """`device_type`'s profile among `profiles` (of the plan's stage and levers) as the plan was made from
+    it, or the only one there is; None when there is none or several and the plan names none of them
+    (several models' profiles may share a directory: the plan's fingerprints say which). Where the plan
+    records that calibration rescaled the type's cached profile, the profile comes rescaled, as searched."""
     candidates = [p for p in profiles if p.device_type == device_type]
-    matching = [p for p in candidates if plan.profile_fingerprints.get(device_type) == p.fingerprint]
+    named = plan.profile_fingerprints.get(device_type)
+    check = plan.calibration.get(device_type, {})
+    if check.get("outcome") == RESCALED:
+        # The plan names the rescaled profile (the cache keeps the measured one): rescale as its search did.
+        ratio = check["measured_over_profiled"]
+        candidates = [p if p.fingerprint == named else rescaled_profile(p, ratio) for p in candidates]
+    matching = [p for p in candidates if p.fingerprint == named]
     if matching or len(candidates) == 1:
         return (matching or candidates)[0]
     return None
@@ -264,12 +271,6 @@ def steady_compute_profiles(plan: Plan, cluster: Cluster, directory: ProfileDire
     except ValueError:  # an unreadable directory: the plan's check said so already where it matters
         return {}
     found = {t: profile_of_plan(plan, profiles, t) for t in emulated}
-    for t, profile in found.items():
-        check = plan.calibration.get(t, {})
-        named = plan.profile_fingerprints.get(t)
-        if profile is not None and check.get("outcome") == RESCALED and profile.fingerprint != named:
-            # The plan was searched from the cached profile rescaled at start: steady at those times.
-            found[t] = rescaled_profile(profile, check["measured_over_profiled"])
     return {t: profile_to_dict(p) for t, p in found.items() if p is not None and p.max_micro_batch_size > 0}
 
 
@@ -280,7 +281,8 @@ def load_rebalance_inputs(
     cluster at the plan's stage, and the network file measured on this cluster (or None).
 
     ValueError when a profile is missing: re-balancing scales each rank's profiled curve.
-    Each type's profile is the one with the plan's memory levers (a re-plan keeps them).
+    Each type's profile is the one with the plan's memory levers (a re-plan keeps them), rescaled where
+    the plan's calibration record says so (`profile_of_plan`): drift is measured against what the plan predicted.
     `directory`: what resolving the plan already read of ``poplar.profiles`` (default: read now).
     """
     from poplar_ext.plan.levers import profiles_for_plan

@@ -338,3 +338,44 @@ def test_a_re_plan_during_training_keeps_the_calibration_record():
     switched = plan_from_dict(decision["plan"])
     assert switched.ranks != recorded.ranks
     assert switched.calibration == recorded.calibration and switched.calibration["fast"]["outcome"] == "rescaled"
+
+
+@pytest.mark.parametrize("shared_directory", [False, True], ids=["one model", "two models' profiles"])
+def test_re_balancing_predicts_from_the_rescaled_profiles_the_plan_was_searched_from(
+    cluster_path, tmp_path, shared_directory
+):
+    from poplar_ext.runtime.config import RebalanceConfig
+    from poplar_ext.runtime.rebalance import DriftMonitor
+    from poplar_ext.search import predict
+    from poplar_ext.zero.planning import load_rebalance_inputs
+
+    slower_by = {"fast": 1.2345678, "slow": 1.0}  # as measured: not a round ratio
+    plan, _ = _resolve_with_timer(cluster_path, tmp_path / "profiles", slower_by)
+    assert plan.calibration["fast"]["outcome"] == "rescaled"
+    cached = [_profile("fast", 0.001), _profile("slow", 0.004)]
+    if shared_directory:  # another model's profiles of the same types beside them (the user cache)
+        for profile in cached:
+            other = dataclasses.replace(profile, model=dataclasses.replace(profile.model, fingerprint="sha256:other"))
+            save_profile(other, tmp_path / "profiles" / f"other-{profile.device_type}.json")
+    config = poplar_config_from_dict(
+        {"profiles": str(tmp_path / "profiles"), "rebalance": {"enabled": True}}, base_dir=tmp_path
+    )
+    profiles, _ = load_rebalance_inputs(config, load_cluster(cluster_path), plan)
+    fast = {p.device_type: p for p in profiles}["fast"]
+    assert fast.fingerprint == plan.profile_fingerprints["fast"], "the profile the plan was searched from"
+    # Ranks running exactly as calibration timed them have not drifted: every ratio 1, no re-plan.
+    truth = [
+        dataclasses.replace(
+            p,
+            samples=tuple(
+                dataclasses.replace(s, micro_step_time_s=s.micro_step_time_s * slower_by[p.device_type])
+                for s in p.samples
+            ),
+        )
+        for p in cached
+    ]
+    busy_s = [2 * t for t in predict(plan, truth).rank_compute_time_s]
+    config = RebalanceConfig(enabled=True, check_interval_steps=1, threshold=0.1, min_gain=0.0, sustained_checks=1)
+    monitor = DriftMonitor(config=config, profiles=profiles, cluster=load_cluster(cluster_path))
+    assert monitor.observe(plan, busy_s, [2, 2], step=2) is None
+    assert monitor.checks[-1]["ratios"] == pytest.approx([1.0, 1.0], rel=1e-3)
