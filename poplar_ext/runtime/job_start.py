@@ -67,7 +67,8 @@ def agreed_job_cluster(
 def read_plan_file(poplar_config: PoplarConfig, *, pipeline: bool) -> Plan | PipelinePlan:
     """``poplar.plan`` read (rank 0's part); a ValueError naming the file where it is not the engine's kind
     (a `PipelinePlan` where `pipeline`, else a ZeRO `Plan`), where the section's ``poplar.policy`` is
-    another than the plan's, or where its ``poplar.profiles`` is no directory."""
+    another than the plan's, where its ``poplar.profiles`` is no directory, or where its global batch is
+    above the config's bound."""
     plan_path, profiles = poplar_config.plan, poplar_config.profiles
     if profiles is not None and not profiles.is_dir():
         # Beside a plan nothing is measured into it: a misspelt folder would read as "no profiles".
@@ -101,6 +102,10 @@ def read_plan_file(poplar_config: PoplarConfig, *, pipeline: bool) -> Plan | Pip
             f"searched at start) or no {SECTION}.policy",
             f"{poplar_config.policy!r} beside {SECTION}.plan",
         )
+    # The plan's batch is the job's, held to the bound as a batch the config sets (PoplarConfig.max_global_batch_size).
+    above = poplar_config.batch_above_bound(plan.global_batch_size, f"{SECTION}.plan {plan_path}")
+    if above is not None:
+        raise above
     return plan
 
 

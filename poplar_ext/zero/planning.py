@@ -62,12 +62,12 @@ def runtime_plan_problems(
     world_size: int,
     zero_stage: int | None,
     global_batch: GlobalBatchRequest | None = None,
-    max_global_batch_size: int | None = None,
 ) -> list[str]:
     """What makes `plan` unrunnable in this job (sentences; [] when fine).
 
-    Only what the runtime alone knows: the job's world size, the DeepSpeed config's
-    stage and global batch, ``poplar.max_global_batch_size``. The rest (device types, the stage 2/3 rule of one
+    Only what the runtime alone knows: the job's world size, the DeepSpeed config's stage and
+    global batch (a plan file's batch above ``poplar.max_global_batch_size`` is `read_plan_file`'s
+    refusal; the search keeps within it). The rest (device types, the stage 2/3 rule of one
     accumulation count, whose breach would hang the job, micro-batch caps) is
     `search.check_plan`'s.
     """
@@ -76,11 +76,6 @@ def runtime_plan_problems(
         problems.append(
             f"The plan's global batch is {plan.global_batch_size} but the config asks for {global_batch.size} "
             f"({global_batch.origin})."
-        )
-    if max_global_batch_size is not None and plan.global_batch_size > max_global_batch_size:
-        problems.append(
-            f"The plan's global batch is {plan.global_batch_size}, above {SECTION}.max_global_batch_size "
-            f"({max_global_batch_size})."
         )
     if plan.world_size != world_size:
         problems.append(f"The plan names {plan.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
@@ -105,7 +100,6 @@ def check_plan_for_job(
     profiles: list[Profile] | None = None,
     source: str = "plan",
     global_batch: GlobalBatchRequest | None = None,
-    max_global_batch_size: int | None = None,
 ) -> None:
     """Raise ValueError listing every reason `plan` cannot run in this job.
 
@@ -120,7 +114,6 @@ def check_plan_for_job(
         world_size=world_size,
         zero_stage=zero_stage,
         global_batch=global_batch,
-        max_global_batch_size=max_global_batch_size,
     )
     problems += [p for p in check_plan(plan, cluster, profiles) if p not in problems]
     if problems:
@@ -396,7 +389,6 @@ class _PlanRequest:
             profiles=profiles,
             source=source,
             global_batch=self.global_batch,
-            max_global_batch_size=self.poplar_config.max_global_batch_size,
         )
         return plan
 

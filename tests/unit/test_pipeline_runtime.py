@@ -227,6 +227,22 @@ def test_a_plan_that_cannot_run_names_its_file_and_every_reason(tmp_path):
         _resolve(tmp_path, _pipeline_plan(), world_size=4)
 
 
+def test_a_pipeline_plan_file_above_the_configs_bound_is_refused_as_a_zero_plan_is(tmp_path):
+    # No batch in the config: the plan's is the job's, and poplar.max_global_batch_size bounds it (as in ZeRO).
+    (tmp_path / "plan.json").write_text(json.dumps(_pipeline_plan()))  # global batch 12
+    arguments = dict(world_size=3, rank=0, num_layers=6, zero_stage=None, global_batch=None, broadcast=lambda o: o)
+    bounded = _poplar(plan=str(tmp_path / "plan.json"), max_global_batch_size=4)
+    check_pipeline_config({}, bounded)
+    with pytest.raises(ValueError) as raised:
+        resolve_pipeline_plan(bounded, _cluster(), **arguments)
+    assert str(raised.value) == (
+        f"{bounded.source}: poplar.max_global_batch_size: expected at least the global batch (12, from poplar.plan "
+        f"{tmp_path / 'plan.json'}) or no poplar.max_global_batch_size, found number 4"
+    )
+    at_bound = _poplar(plan=str(tmp_path / "plan.json"), max_global_batch_size=12)
+    assert resolve_pipeline_plan(at_bound, _cluster(), **arguments).global_batch_size == 12
+
+
 def test_a_pipeline_plan_for_a_plain_model_is_refused(tmp_path):
     from poplar_ext.zero.planning import resolve_plan
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -294,7 +295,12 @@ def test_a_plan_above_the_max_global_batch_is_refused(cluster_path, tmp_path, ba
     directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
     plan = _searched_plan(cluster_path, directory, tmp_path)
     section = {"plan": str(plan), "max_global_batch_size": 10, **batch}
-    with pytest.raises(ValueError, match=r"The plan's global batch is 20, above poplar.max_global_batch_size \(10\)\."):
+    # The refusal of a batch the config sets (PoplarConfig.batch_above_bound), the plan file named as its origin.
+    expected = (
+        rf"^<DeepSpeed config dict>: poplar.max_global_batch_size: expected at least the global batch \(20, from "
+        rf"poplar.plan {re.escape(str(plan))}\) or no poplar.max_global_batch_size, found number 10$"
+    )
+    with pytest.raises(ValueError, match=expected):
         _resolve(cluster_path, section)
     assert _resolve(cluster_path, {**section, "max_global_batch_size": 20}).global_batch_size == 20
 
