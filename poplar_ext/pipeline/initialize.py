@@ -112,6 +112,7 @@ def _build_engine(job: PipelineJob, model: Any, **arguments: Any) -> PoplarPipel
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero import partition_parameters
+    from deepspeed.utils import groups
 
     nominal = pipeline_deepspeed_config(job.ds_config, job.plan, job.pipeline_index, source=job.source)
     mpu = model.mpu()
@@ -131,6 +132,10 @@ def _build_engine(job: PipelineJob, model: Any, **arguments: Any) -> PoplarPipel
         job, make_monitor=lambda: pipeline_drift_monitor(job.plan, job.cluster, job.poplar_config)
     )
     partition_parameters.shutdown_init_context()
+    # DeepSpeed's build leaves this grid in deepspeed.utils.groups.mpu, where an engine given no mpu (a ZeRO
+    # job's, built before) reads its data-parallel group at every ZeRO 0 step; this engine steps on its own
+    # grid (self.grid, self.mpu; its reduction and clipping are ours), so the global is given back.
+    previous_mpu = groups.mpu
     try:
         engine = PoplarPipelineEngine(
             poplar_job=job,
@@ -144,6 +149,7 @@ def _build_engine(job: PipelineJob, model: Any, **arguments: Any) -> PoplarPipel
         )
     finally:
         partition_parameters.restore_init_context()
+        groups.mpu = previous_mpu
     engine._configure_python_gc()
     return engine
 
