@@ -20,6 +20,7 @@ from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import DistributedType, pad_across_processes, recursively_apply
 
+from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.runtime.config import AUTO, DICT_SOURCE, SECTION, GlobalBatchRequest, nominal_deepspeed_config
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
@@ -89,6 +90,7 @@ class PoplarAccelerator(Accelerator):
     `micro_batch_size` and ``gradient_accumulation_steps``, and `global_batch_size`.
     """
 
+    @ends_job_on_user_error  # accelerate's refusals of its arguments and these: the same at every restart
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.distributed_type != DistributedType.DEEPSPEED:
