@@ -13,6 +13,7 @@ from typing import Any
 
 from trl import DPOTrainer, SFTTrainer
 
+from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.integrations.transformers import PoplarTrainerMixin, _named_arguments
 
 # DPO loss types whose value for a pair depends on the other pairs of its micro-batch.
@@ -117,10 +118,12 @@ def _attention_to_be(model: Any, args: Any) -> str | None:
     return str(getattr(getattr(model, "config", None), "_attn_implementation", None))
 
 
+@ends_job_on_user_error
 def _refuse_padding_free_across_sequences(args: Any, attention: str | None) -> None:
     """Padding-free batches flatten a micro-batch into one row; an attention that does not
     keep its sequences apart lets each attend to the others of its micro-batch, so the
-    loss depends on how the global batch is split (which poplar-ext changes per rank)."""
+    loss depends on how the global batch is split (which poplar-ext changes per rank).
+    Refused before the mixin's refusals, and as they do, it ends a restarting launcher's job."""
     if args is None or attention is None:
         return
     strategy = getattr(args, "packing_strategy", None)
@@ -145,16 +148,22 @@ class PoplarDPOTrainer(_LocalMetrics, DPOTrainer):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        config = _named_arguments([DPOTrainer], args, kwargs).get("args")
-        loss_types = getattr(config, "loss_type", None) or []
-        for loss_type in [loss_types] if isinstance(loss_types, str) else loss_types:
-            if loss_type in _MICRO_BATCH_DPO_LOSSES:
-                raise ValueError(
-                    f"PoplarDPOTrainer: DPOConfig.loss_type: expected losses computed per pair, found {loss_type!r}, "
-                    f"which {_MICRO_BATCH_DPO_LOSSES[loss_type]}: its gradient depends on how the global batch is "
-                    "split into micro-batches, so no per-rank split equals one device training the global batch"
-                )
+        _refuse_micro_batch_losses(_named_arguments([DPOTrainer], args, kwargs).get("args"))
         super().__init__(*args, **kwargs)
+
+
+@ends_job_on_user_error
+def _refuse_micro_batch_losses(config: Any) -> None:
+    """DPO losses comparing the pairs of a micro-batch (`_MICRO_BATCH_DPO_LOSSES`), refused before the
+    mixin's refusals; as they do, it ends a restarting launcher's job."""
+    loss_types = getattr(config, "loss_type", None) or []
+    for loss_type in [loss_types] if isinstance(loss_types, str) else loss_types:
+        if loss_type in _MICRO_BATCH_DPO_LOSSES:
+            raise ValueError(
+                f"PoplarDPOTrainer: DPOConfig.loss_type: expected losses computed per pair, found {loss_type!r}, "
+                f"which {_MICRO_BATCH_DPO_LOSSES[loss_type]}: its gradient depends on how the global batch is "
+                "split into micro-batches, so no per-rank split equals one device training the global batch"
+            )
 
 
 __all__ = ["PoplarDPOTrainer", "PoplarSFTTrainer"]

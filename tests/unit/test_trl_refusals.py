@@ -1,4 +1,5 @@
-"""What PoplarSFTTrainer and PoplarDPOTrainer refuse, before anything is built (no process group)."""
+"""What PoplarSFTTrainer and PoplarDPOTrainer refuse, before anything is built (no process group); each
+refusal ends a restarting launcher's job (the same at every restart)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ from trl import DPOConfig, SFTConfig  # noqa: E402
 from poplar_ext.integrations.trl import PoplarDPOTrainer, PoplarSFTTrainer  # noqa: E402
 
 
+@pytest.fixture
+def ended(monkeypatch) -> list[BaseException]:
+    """The errors `poplar_ext.elastic.end_restarting_launcher` was asked to end the job for."""
+    import poplar_ext.elastic as elastic
+
+    asked: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", asked.append)
+    return asked
+
+
 def _gpt2(attention: str):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -20,12 +31,13 @@ def _gpt2(attention: str):
 
 
 @pytest.mark.parametrize("loss_type", ["aot", "aot_unpaired", "sft"])
-def test_dpo_losses_of_the_whole_micro_batch_are_refused(tmp_path, loss_type):
+def test_dpo_losses_of_the_whole_micro_batch_are_refused(tmp_path, ended, loss_type):
     args = DPOConfig(output_dir=str(tmp_path), loss_type=["sigmoid", loss_type], use_cpu=True, bf16=False)
     with pytest.raises(
         ValueError, match=f"DPOConfig.loss_type: expected losses computed per pair, found '{loss_type}'"
-    ):
+    ) as refused:
         PoplarDPOTrainer(model=None, args=args)
+    assert ended == [refused.value]
 
 
 def test_a_dpo_loss_of_the_whole_micro_batch_is_refused_from_a_config_given_by_position(tmp_path):
@@ -35,12 +47,13 @@ def test_a_dpo_loss_of_the_whole_micro_batch_is_refused_from_a_config_given_by_p
 
 
 @pytest.mark.parametrize("fields", [{"packing": True, "packing_strategy": "bfd"}, {"padding_free": True}])
-def test_padding_free_batches_without_flash_attention_are_refused(tmp_path, fields):
+def test_padding_free_batches_without_flash_attention_are_refused(tmp_path, ended, fields):
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **fields)
     with pytest.raises(
         ValueError, match=r"flattens each micro-batch into one sequence, and the model's attention \('sdpa'\)"
-    ):
+    ) as refused:
         PoplarSFTTrainer(model=_gpt2("sdpa"), args=args)
+    assert ended == [refused.value]
 
 
 @pytest.mark.parametrize("init_kwargs", [None, {"attn_implementation": "sdpa"}])
