@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import Cluster
 from poplar_ext.plan.pipeline_formats import (
+    PIPELINE_POLICY,
     PIPELINE_ZERO_STAGES,
     LayerProfile,
     PipelinePlan,
@@ -49,6 +50,12 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
         problems.append(
             f"{SECTION}.global_batch_size (or train_batch_size): expected the global batch to search a pipeline plan "
             "at start (no poplar.plan), found none"
+        )
+    if poplar_config.plan is None and poplar_config.policy != PIPELINE_POLICY:
+        # The search at start would silently run its own (a plan file's policy is checked where it is read).
+        problems.append(
+            f"{SECTION}.policy: expected {PIPELINE_POLICY} with pipelines (the pipeline search's one policy), "
+            f"found {poplar_config.policy}"
         )
     stage = requested_zero_stage(poplar_config, ds_config)
     if stage is not None and stage not in PIPELINE_ZERO_STAGES:

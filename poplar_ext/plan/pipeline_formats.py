@@ -50,6 +50,8 @@ PARALLELISMS = ("zero", "pipeline")
 """What a plan trains: ZeRO data parallelism (every rank the whole model) or pipelines."""
 PIPELINE_ZERO_STAGES = (0, 1)
 """DeepSpeed's pipeline engine refuses ZeRO stages 2 and 3."""
+PIPELINE_POLICY = "poplar"
+"""The pipeline search's one policy: the policy of the plans it makes (another is refused, not ignored)."""
 LAYERS_DIR = "layers"
 """Where a profile directory keeps its layer profiles."""
 MAX_LAYERS = 100_000

@@ -87,8 +87,9 @@ class PoplarConfig:
     into it), and used to check a plan (then it must exist: it is only read). Without a plan
     and without this, `default_profiles_dir` (the automatic mode: missing profiles are measured there)."""
     policy: str = "poplar"
-    """Search policy when searching at start. Beside a `plan` it must be the plan's own (a plan file fixes
-    the allocation: another policy would not be applied), so it is best left out there."""
+    """Search policy when searching at start (a pipeline job's search has only ``poplar``). Beside a `plan` it
+    must be the plan's own (a plan file fixes the allocation: another policy would not be applied), so it is
+    best left out there."""
     global_batch_size: int | str | None = None
     """Samples per optimizer step over all ranks; ``"auto"``: the search picks the batch with the
     highest predicted throughput; None: the DeepSpeed config's (see `requested_global_batch_size`)."""

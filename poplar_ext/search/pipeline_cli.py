@@ -16,6 +16,7 @@ from typing import Any
 from poplar_ext.plan.formats import Cluster, load_cluster, load_profiles, plan_to_dict
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import (
+    PIPELINE_POLICY,
     PipelinePlan,
     layer_profiles_dir,
     load_layer_profiles,
@@ -46,8 +47,8 @@ from .pipeline_sizing import MAX_SUMSET
 
 
 def _argument_problem(args: argparse.Namespace) -> str | None:
-    if args.policy != "poplar":
-        return f"--policy: expected poplar with --parallelism {args.parallelism}, found {args.policy}"
+    if args.policy != PIPELINE_POLICY:
+        return f"--policy: expected {PIPELINE_POLICY} with --parallelism {args.parallelism}, found {args.policy}"
     if args.parallelism == "pipeline" and args.global_batch_size is None:
         return "--global-batch-size: required with --parallelism pipeline (the pipeline search sizes a given batch)"
     batch, most = args.global_batch_size, args.max_global_batch_size
@@ -88,7 +89,7 @@ def _search(args: argparse.Namespace) -> tuple[SearchResult | None, SearchResult
             status="infeasible",
             message=reason,
             plan=None,
-            policy="poplar",
+            policy=PIPELINE_POLICY,
             zero_stage=None,
             stage_reports=(),
             parallelism="pipeline",

@@ -18,6 +18,7 @@ import numpy as np
 from poplar_ext.plan.formats import ZERO_STAGES, Cluster, Prediction
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import (
+    PIPELINE_POLICY,
     PIPELINE_ZERO_STAGES,
     LayerProfile,
     Pipeline,
@@ -137,7 +138,7 @@ def _plan(pipelines: list[Pipeline], context: _Context) -> PipelinePlan:
     not fit without it (the sizing allowed their count only so)."""
     pipelines = [checkpoint_where_needed(p, context.tables) for p in pipelines]
     draft = PipelinePlan(
-        policy="poplar",
+        policy=PIPELINE_POLICY,
         zero_stage=context.zero_stage,
         global_batch_size=context.batch,
         num_layers=context.num_layers,
@@ -441,7 +442,7 @@ def _result(outcomes: dict[int, _Outcome], auto: bool) -> SearchResult:
         last = list(outcomes.values())[-1]
         return SearchResult(
             status="infeasible",
-            policy="poplar",
+            policy=PIPELINE_POLICY,
             parallelism="pipeline",
             message=f"No pipeline plan. {reasons}",
             plan=None,
@@ -455,7 +456,7 @@ def _result(outcomes: dict[int, _Outcome], auto: bool) -> SearchResult:
     plan = best.plan
     return SearchResult(
         status="ok",
-        policy="poplar",
+        policy=PIPELINE_POLICY,
         parallelism="pipeline",
         message=_message(plan, chosen, auto, best),
         plan=plan,

@@ -88,6 +88,23 @@ def test_a_pipeline_job_without_a_plan_file_searches_one_given_a_global_batch():
     check_pipeline_config({"train_batch_size": 8}, poplar)
 
 
+@pytest.mark.parametrize("policy", ["uniform", "proportional"])
+def test_a_pipeline_search_at_start_refuses_another_policy(policy):
+    # The pipeline search has one policy: another was silently replaced by it (poplar-search refuses it too).
+    section = {"profiles": "profiles", "policy": policy}
+    with pytest.raises(
+        ValueError,
+        match=rf"^ds.json: this pipeline job cannot run: poplar.policy: expected poplar with pipelines \(the pipeline "
+        rf"search's one policy\), found {policy}$",
+    ):
+        check_pipeline_config(
+            {"train_batch_size": 8}, poplar_config_from_dict(section, base_dir=Path("."), source="ds.json")
+        )
+    check_pipeline_config(
+        {"train_batch_size": 8}, poplar_config_from_dict({**section, "policy": "poplar"}, base_dir=Path("."))
+    )
+
+
 def test_two_global_batches_in_one_pipeline_config_are_refused():
     # As in a ZeRO job: train_batch_size and poplar.global_batch_size must not say two things.
     with pytest.raises(
