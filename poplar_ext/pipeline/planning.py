@@ -22,7 +22,7 @@ from poplar_ext.plan.pipeline_formats import (
     pipeline_plan_from_dict,
     pipeline_plan_to_dict,
 )
-from poplar_ext.runtime.config import SECTION, PoplarConfig, deepspeed_train_batch_size, requested_zero_stage
+from poplar_ext.runtime.config import AUTO, SECTION, PoplarConfig, deepspeed_train_batch_size, requested_zero_stage
 from poplar_ext.runtime.job_start import read_plan_file
 
 if TYPE_CHECKING:
@@ -63,8 +63,12 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
             f"zero_optimization.stage (or {SECTION}.zero_stage): expected 0 or 1 with pipelines, found {stage} "
             "(DeepSpeed's pipeline engine refuses ZeRO stages 2 and 3)"
         )
-    if poplar_config.global_batch_size == "auto":
-        problems.append(f"{SECTION}.global_batch_size: expected a number or none with pipelines (the plan's)")
+    if poplar_config.global_batch_size == AUTO:
+        # Beside a plan it is refused where the section is read (`poplar_config_from_dict`).
+        problems.append(
+            f"{SECTION}.global_batch_size: expected a number or none with pipelines (the pipeline search sizes a "
+            f"given batch), found {AUTO!r}"
+        )
     if (
         isinstance(poplar_config.global_batch_size, int)
         and given is not None

@@ -92,7 +92,8 @@ class PoplarConfig:
     best left out there."""
     global_batch_size: int | str | None = None
     """Samples per optimizer step over all ranks; ``"auto"``: the search picks the batch with the
-    highest predicted throughput; None: the DeepSpeed config's (see `requested_global_batch_size`)."""
+    highest predicted throughput (refused beside a `plan`: nothing searches); None: the DeepSpeed config's
+    (see `requested_global_batch_size`)."""
     max_global_batch_size: int | None = None
     """Upper bound for the batch the search picks under ``"auto"``; a global batch the config sets, or a
     plan file's, above it is an error (the config would say two things)."""
@@ -175,9 +176,15 @@ def _optional_int(node: Node | None, minimum: int, maximum: int | None = None) -
     return None if node is None else node.integer(minimum=minimum, maximum=maximum)
 
 
-def _batch_or_auto(node: Node | None) -> int | str | None:
-    if node is None or node.value == AUTO:
+def _batch_or_auto(node: Node | None, *, beside_plan: bool) -> int | str | None:
+    if node is None or (node.value == AUTO and not beside_plan):
         return None if node is None else AUTO
+    if node.value == AUTO:  # it asks the search at start for the batch; beside a plan file nothing searches
+        where = f"beside {SECTION}.plan"
+        raise node.fail(
+            f"a number or none {where} (the plan's global batch; {AUTO!r} lets a search at start pick one)",
+            raw_found=f"{AUTO!r} {where}",
+        )
     if isinstance(node.value, bool) or not isinstance(node.value, int) or not 1 <= node.value <= MAX_GLOBAL_BATCH_SIZE:
         raise node.fail(f"an integer from 1 to {MAX_GLOBAL_BATCH_SIZE} or {AUTO!r}")
     return node.value
@@ -275,7 +282,7 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
         profiles_defaulted=profiles_defaulted,
         policy=defaults.policy if policy is None else policy.string(choices=POLICIES),
         policy_given=policy is not None,
-        global_batch_size=_batch_or_auto(root.optional("global_batch_size")),
+        global_batch_size=_batch_or_auto(root.optional("global_batch_size"), beside_plan=plan is not None),
         max_global_batch_size=_optional_int(root.optional("max_global_batch_size"), 1, MAX_GLOBAL_BATCH_SIZE),
         seed=defaults.seed if seed is None else seed.integer(minimum=0),
         shuffle=defaults.shuffle if shuffle is None else shuffle.boolean(),

@@ -328,7 +328,7 @@ def test_the_search_does_not_override_what_deepspeed_says():
         _parse(), {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4}, world_size=3
     )
     assert request.size == 96
-    assert requested_global_batch_size(_parse(global_batch_size="auto"), {}, world_size=3).size == "auto"
+    assert requested_global_batch_size(_parse(global_batch_size="auto", plan=None), {}, world_size=3).size == "auto"
     assert (
         requested_global_batch_size(_parse(global_batch_size=12), {"train_batch_size": "auto"}, world_size=3).size == 12
     )
@@ -342,7 +342,9 @@ def test_two_global_batches_are_an_error(poplar_batch):
         match=r"poplar.global_batch_size: expected the DeepSpeed config's global batch \(96, from "
         r"train_batch_size\) or no poplar.global_batch_size",
     ):
-        requested_global_batch_size(_parse(global_batch_size=poplar_batch), {"train_batch_size": 96}, world_size=3)
+        requested_global_batch_size(
+            _parse(global_batch_size=poplar_batch, plan=None), {"train_batch_size": 96}, world_size=3
+        )
 
 
 def test_drop_last_option():

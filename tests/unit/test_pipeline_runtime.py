@@ -73,7 +73,12 @@ def _poplar(**section):
     [
         ({"zero_optimization": {"stage": 2}}, {}, r"expected 0 or 1 with pipelines, found 2"),
         ({}, {"zero_stage": 3}, r"expected 0 or 1 with pipelines, found 3"),
-        ({}, {"global_batch_size": "auto"}, r"global_batch_size: expected a number or none with pipelines"),
+        # Beside a plan "auto" is refused where the section is read (both engines); without one, here.
+        (
+            {},
+            {"global_batch_size": "auto", "plan": None},
+            r"global_batch_size: expected a number or none with pipelines",
+        ),
     ],
 )
 def test_what_the_config_asks_and_pipelines_cannot_do_is_refused(ds_config, section, message):
@@ -139,6 +144,33 @@ def test_a_batch_above_the_bound_is_refused_alike_by_both_engines():
     )
     assert str(zero.value) == f"{config.source}: {detail}"
     assert str(pipeline.value) == f"{config.source}: this pipeline job cannot run: {detail}"
+
+
+def test_auto_global_batch_beside_a_plan_file_is_refused_alike_by_both_engines(tmp_path, monkeypatch):
+    # "auto" asks the search at start for the batch; beside a plan file nothing searches. A ZeRO job trained the
+    # plan's batch without a word where a pipeline job refused: one refusal, where every engine reads the section.
+    from poplar_ext.pipeline.job import prepare_pipeline_job
+    from poplar_ext.runtime.config import load_deepspeed_config
+    from poplar_ext.zero import initialize as zero_initialize
+
+    def accepted(**_):
+        raise AssertionError("the config was accepted: the job went on to join the process group")
+
+    monkeypatch.setattr(zero_initialize, "join_job", accepted)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"poplar": {"plan": "plan.json", "global_batch_size": "auto"}}))
+    expected = (
+        f"{config}: poplar.global_batch_size: expected a number or none beside poplar.plan (the plan's global batch; "
+        "'auto' lets a search at start pick one), found 'auto' beside poplar.plan"
+    )
+    for prepare, options in ((zero_initialize.prepare_job, {}), (prepare_pipeline_job, {"num_layers": 6})):
+        with pytest.raises(ValueError) as refused:
+            prepare(load_deepspeed_config(config), **options)
+        assert str(refused.value) == expected
+    # DeepSpeed's own "auto" batch keys beside a plan are the Trainer's and accelerate's to fill: still accepted.
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    with pytest.raises(AssertionError, match="the config was accepted"):
+        zero_initialize.prepare_job(load_deepspeed_config(examples / "ds_config_accelerate.json"))
 
 
 @pytest.mark.parametrize("given", ["14", 14.5, True, 0])

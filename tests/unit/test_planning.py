@@ -290,11 +290,10 @@ def test_a_max_global_batch_below_the_jobs_batch_is_refused(cluster_path, tmp_pa
         _resolve(cluster_path, section, global_batch=global_batch)
 
 
-@pytest.mark.parametrize("batch", [{}, {"global_batch_size": "auto"}])
-def test_a_plan_above_the_max_global_batch_is_refused(cluster_path, tmp_path, batch):
+def test_a_plan_above_the_max_global_batch_is_refused(cluster_path, tmp_path):
     directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
     plan = _searched_plan(cluster_path, directory, tmp_path)
-    section = {"plan": str(plan), "max_global_batch_size": 10, **batch}
+    section = {"plan": str(plan), "max_global_batch_size": 10}
     # The refusal of a batch the config sets (PoplarConfig.batch_above_bound), the plan file named as its origin.
     expected = (
         rf"^<DeepSpeed config dict>: poplar.max_global_batch_size: expected at least the global batch \(20, from "
