@@ -104,7 +104,8 @@ def pipeline_plan_problems(
         problems.append(
             f"The cluster description names {cluster.world_size} ranks but the job has {world_size} (WORLD_SIZE)."
         )
-    problems += cluster_problems(plan, cluster)  # as a ZeRO job's check_plan_for_job: the search's check
+    if not problems:  # the counts agree: each rank's type, as a ZeRO job's check_plan_for_job (the search's check)
+        problems += cluster_problems(plan, cluster)
     if plan.num_layers != num_layers:
         problems.append(
             f"The plan splits {plan.num_layers} layers but the model has {num_layers} (the layers given to "

@@ -428,8 +428,8 @@ def _plan_searched_at_start(
     if request.global_batch.size is None:
         left_auto = " and ".join(request.global_batch.left_auto)
         auto = (
-            f'"{AUTO}" in {left_auto} is filled in only by the Hugging Face Trainer and accelerate '
-            "(poplar_ext.initialize leaves it unset): give a number there instead, or "
+            f'"{AUTO}" in {left_auto} was not filled in (the Hugging Face Trainer and accelerate fill it from '
+            "their batch size; poplar_ext.initialize does not): give a number there instead, or "
         )
         raise ValueError(
             f"{poplar_config.source}: no global batch for the plan search: {auto if left_auto else ''}set "

@@ -217,6 +217,14 @@ def test_a_plan_that_does_not_fit_the_job_says_why(change, message):
     assert any(message in p for p in pipeline_plan_problems(plan, **arguments))
 
 
+def test_a_plan_for_another_number_of_ranks_says_so_once():
+    plan = pipeline_plan_from_dict(_pipeline_plan())  # 3 ranks, against a job and a cluster of 4
+    problems = pipeline_plan_problems(
+        plan, _cluster(("a", "b", "b", "b")), world_size=4, num_layers=6, zero_stage=1, global_batch=None
+    )
+    assert problems == ["The plan names 3 ranks but the job has 4 (WORLD_SIZE)."]
+
+
 def _resolve(tmp_path, plan_dict, **overrides):
     (tmp_path / "plan.json").write_text(json.dumps(plan_dict))
     arguments = dict(world_size=3, rank=0, num_layers=6, zero_stage=None, global_batch=None, broadcast=lambda o: o)

@@ -328,9 +328,9 @@ def test_a_batch_left_auto_under_plain_initialize_says_who_fills_it(cluster_path
     config = poplar_config_from_dict({"profiles": str(directory)}, base_dir=tmp_path)
     with pytest.raises(
         ValueError,
-        match=rf'no global batch for the plan search: "auto" in {left_auto} is filled in only by the Hugging Face '
-        r"Trainer and accelerate \(poplar_ext.initialize leaves it unset\): give a number there instead, or set "
-        r"train_batch_size",
+        match=rf'no global batch for the plan search: "auto" in {left_auto} was not filled in \(the Hugging Face '
+        r"Trainer and accelerate fill it from their batch size; poplar_ext.initialize does not\): give a number "
+        r"there instead, or set train_batch_size",
     ):
         _resolve(cluster_path, {"profiles": str(directory)}, global_batch=requested_global_batch_size(
             config, batch_keys, world_size=2))  # fmt: skip
