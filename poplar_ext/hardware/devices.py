@@ -74,13 +74,20 @@ DEVICE_NAME_TABLE: tuple[DeviceNameRule, ...] = (
 _VENDOR_PREFIXES = re.compile(r"^((nvidia|tesla|amd)\s+)+", re.IGNORECASE)
 
 
+NOMINAL_MEMORY_GIB = (2, 3, 4, 6, 8, 10, 11, 12, 16, 20, 24, 32, 40, 48, 64, 80, 94, 96, 128, 141, 192, 256, 288)
+"""The memory sizes cards are sold with (GiB), which a fallback device type names."""
+
+
 def fallback_device_type(reported_name: str, total_memory_bytes: int) -> str:
     """An unknown device's type: ``NVIDIA GeForce RTX 2080 Ti`` with 11 GB -> ``GeForce-RTX-2080-Ti-11GB``."""
     name = _VENDOR_PREFIXES.sub("", reported_name.strip())
     name = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") or "unknown-device"
-    # The table's sizes are nominal GiB (an "11GB" 2080 Ti has 11 GiB); the driver reports them less what it
-    # reserves (10.76 GiB, 11.55e9 bytes), so the whole GiB above names it as the table would.
-    return f"{name}-{math.ceil(total_memory_bytes / 2**30)}GB"
+    # The driver reports a card's nominal size less what it reserves: a little (a 2080 Ti's 11 GiB as 10.76),
+    # or up to 8% with ECC on (a T4's 16 as 14.75). The smallest sold size that holds it names it as the
+    # table would.
+    memory_gib = total_memory_bytes / 2**30
+    nominal = next((size for size in NOMINAL_MEMORY_GIB if size >= memory_gib), math.ceil(memory_gib))
+    return f"{name}-{nominal}GB"
 
 
 _MIG_SLICE = re.compile(r"\s+MIG\s+(\S+)\s*$", re.IGNORECASE)

@@ -65,6 +65,11 @@ def test_an_unknown_name_warns_and_falls_back_to_its_cleaned_name_and_memory() -
         ("NVIDIA GeForce RTX 2080 Ti", 11019 * 2**20, "GeForce-RTX-2080-Ti-11GB"),
         ("NVIDIA GeForce RTX 3060", 12050 * 2**20, "GeForce-RTX-3060-12GB"),
         ("NVIDIA Z100", int(79.2 * GiB), "Z100-80GB"),  # an A100 80GB's report: named as the table names it
+        # With ECC on the driver keeps more: a T4's, an L4's and an H200's reports under other names.
+        ("NVIDIA Z4", 15109 * 2**20, "Z4-16GB"),
+        ("NVIDIA Z14", 23034 * 2**20, "Z14-24GB"),
+        ("NVIDIA Z200", 149557477376, "Z200-141GB"),
+        ("NVIDIA Z9000", 300 * GiB, "Z9000-300GB"),  # above every sold size: the whole GiB above
     ],
 )
 def test_a_fallback_names_the_nominal_memory_as_the_table_does(reported, memory_bytes, expected) -> None:
