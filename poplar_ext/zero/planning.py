@@ -44,14 +44,17 @@ class StalePlanWarning(UserWarning):
 
 
 def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
-    """Device types whose profile at the plan's stage (and memory levers) is not the one the plan was made from."""
+    """Device types whose profile at the plan's stage (and memory levers) is not the one the plan was made from
+    (as `profile_of_plan` finds it: rescaled where the plan's calibration rescaled it, among several models')."""
     from poplar_ext.plan.levers import profiles_for_plan
 
-    at_stage = {p.device_type: p for p in profiles_for_plan(plan, profiles)}
+    at_stage = profiles_for_plan(plan, profiles)
+    present = {p.device_type for p in at_stage}
     return [
         device_type
         for device_type, fingerprint in plan.profile_fingerprints.items()
-        if device_type in at_stage and at_stage[device_type].fingerprint != fingerprint
+        if device_type in present
+        and getattr(profile_of_plan(plan, at_stage, device_type), "fingerprint", None) != fingerprint
     ]
 
 

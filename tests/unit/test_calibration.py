@@ -347,7 +347,7 @@ def test_re_balancing_predicts_from_the_rescaled_profiles_the_plan_was_searched_
     from poplar_ext.runtime.config import RebalanceConfig
     from poplar_ext.runtime.rebalance import DriftMonitor
     from poplar_ext.search import predict
-    from poplar_ext.zero.planning import load_rebalance_inputs
+    from poplar_ext.zero.planning import ProfileDirectory, load_rebalance_inputs, stale_profile_types
 
     slower_by = {"fast": 1.2345678, "slow": 1.0}  # as measured: not a round ratio
     plan, _ = _resolve_with_timer(cluster_path, tmp_path / "profiles", slower_by)
@@ -360,6 +360,8 @@ def test_re_balancing_predicts_from_the_rescaled_profiles_the_plan_was_searched_
     config = poplar_config_from_dict(
         {"profiles": str(tmp_path / "profiles"), "rebalance": {"enabled": True}}, base_dir=tmp_path
     )
+    # Nor is the plan stale against the very profiles it was searched from (a false StalePlanWarning).
+    assert stale_profile_types(plan, ProfileDirectory(config, load_cluster(cluster_path)).profiles()) == []
     profiles, _ = load_rebalance_inputs(config, load_cluster(cluster_path), plan)
     fast = {p.device_type: p for p in profiles}["fast"]
     assert fast.fingerprint == plan.profile_fingerprints["fast"], "the profile the plan was searched from"
