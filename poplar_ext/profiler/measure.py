@@ -236,7 +236,7 @@ class StageMeasurement:
     engine: Any = field(default=None, init=False)
     _batches: dict[int, Any] = field(default_factory=dict, init=False)
     error: tuple[str, type[Exception] | None] | None = field(default=None, init=False)
-    """This rank's error that is no out-of-memory, as `_every_ranks_error` takes it."""
+    """This rank's error that is no out-of-memory, as `every_ranks_error` takes it."""
 
     def _batch(self, size: int) -> Any:
         if size not in self._batches:
@@ -328,7 +328,7 @@ class StageMeasurement:
             return _EMULATED_OOM
         if is_out_of_memory(exc):
             return _REAL_OOM
-        self.error = _described(exc)
+        self.error = described_error(exc)
         return _ERROR
 
     def _agree(self, flag: int, peak: int, measured: bool) -> tuple[dict[str, int], dict[str, int], bool]:
@@ -345,7 +345,7 @@ class StageMeasurement:
         values[-1] = float(flag == _ERROR)
         agreed = agree_max(values, self.layout.device)
         if agreed[-1]:
-            errors, kind = _every_ranks_error(self.error)
+            errors, kind = every_ranks_error(self.error)
             raise kind(f"profiling failed: {errors}")
         flags = {t: int(agreed[i]) for i, t in enumerate(types)}
         peaks = {t: int(agreed[len(types) + i]) for i, t in enumerate(types)}
@@ -680,23 +680,23 @@ def place_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
         model.to(device)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement
         outcome = _REAL_OOM if is_out_of_memory(exc) else _ERROR
-        error = _described(exc)
+        error = described_error(exc)
     agreed = int(agree_max([float(outcome)], device)[0])
     if agreed == _OK:
         return model
-    errors, kind = _every_ranks_error(error)
+    errors, kind = every_ranks_error(error)
     if agreed == _REAL_OOM:
         raise _StageAbandoned(f"a real out-of-memory placing the model on the device ({errors})")
     raise kind(f"profiling failed placing the model on the device: {errors}")
 
 
-def _described(exc: Exception) -> tuple[str, type[Exception] | None]:
+def described_error(exc: Exception) -> tuple[str, type[Exception] | None]:
     """`exc` as every rank receives it: its type and message, and the `USER_ERRORS` type it is, if any."""
     return f"{type(exc).__name__}: {exc}", next((kind for kind in USER_ERRORS if isinstance(exc, kind)), None)
 
 
-def _every_ranks_error(error: tuple[str, type[Exception] | None] | None) -> tuple[str, type[Exception]]:
-    """Every rank's error (`_described`; None where it had none), one line, and the type every rank raises
+def every_ranks_error(error: tuple[str, type[Exception] | None] | None) -> tuple[str, type[Exception]]:
+    """Every rank's error (`described_error`; None where it had none), one line, and the type every rank raises
     for them (collective): a `USER_ERRORS` one on any rank (the model's, loss's or batch's code: a model
     that cannot take its batch) is raised as its type, the first rank's, so that `poplar_ext.elastic` ends a
     restarting launcher's job, which every restart would repeat; any other (a lost peer, a device fault) as

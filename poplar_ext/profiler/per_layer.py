@@ -43,7 +43,7 @@ from poplar_ext.profiler.layers import (
     pipeline_layers,
 )
 from poplar_ext.profiler.layout import build_layout
-from poplar_ext.profiler.measure import read_ds_config, training_dtype
+from poplar_ext.profiler.measure import described_error, every_ranks_error, read_ds_config, training_dtype
 from poplar_ext.profiler.options import ProfileOptions
 
 _TORCH_OPTIMIZERS = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD"}
@@ -125,22 +125,15 @@ def profile_layers(
     if missing_types:
         labels = ", ".join(device_label(t, layout.emulations[t]) for t in missing_types)
         say(f"layers: measuring {labels} (each layer alone, on its type's first rank)")
-    mine = None
-    if layout.my_type in missing_types and layout.rank == layout.ranks_of(layout.my_type)[0]:
-        measurement = LayerMeasurement(
-            make_batch=options.make_batch,
-            optimizer_factory=options.optimizer_factory or optimizer_factory_from_config(ds_config),
-            micro_batch_sizes=sizes,
-            warmup_micro_steps=options.warmup_micro_steps,
-            repeats=options.repeats,
-            device=device,
-        )
-        emulation = layout.emulations[layout.my_type]
-        # Several torch threads spin in the thread CPU time that times a CPU layer: one, as profile_with.
-        with cpu_threads(1) if device.type == "cpu" else contextlib.nullcontext():
-            base = base_memory_bytes(device)
-            costs = measure_layers(pipeline, measurement, slowdown=1.0 if emulation is None else emulation.slowdown)
-        mine = (layout.my_type, costs, base)
+    mine, error = None, None
+    try:
+        if layout.my_type in missing_types and layout.rank == layout.ranks_of(layout.my_type)[0]:
+            mine = _measure_my_type(pipeline, options, layout, sizes, device)
+    except Exception as exc:  # noqa: BLE001 - the other ranks wait in the gather below: every rank must learn of it
+        error = described_error(exc)
+    errors, kind = every_ranks_error(error)
+    if errors:
+        raise kind(f"profiling layers failed: {errors}")
     measured = {m[0]: m for m in gather_objects(mine) if m is not None}
     produced = dict(cached)
     if layout.rank == 0:
@@ -171,3 +164,21 @@ def profile_layers(
             produced[(t, stage)] = layer_profile_to_dict(profile)
     produced = broadcast_from_rank0(produced if layout.rank == 0 else None)
     return [layer_profile_from_dict(produced[w], source=f"<layer profile {w[0]} ZeRO-{w[1]}>") for w in wanted]
+
+
+def _measure_my_type(pipeline: Any, options: ProfileOptions, layout: Any, sizes: Any, device: torch.device) -> tuple:
+    """This rank's type measured layer by layer (its first rank's part): the type, the layer costs, base memory."""
+    measurement = LayerMeasurement(
+        make_batch=options.make_batch,
+        optimizer_factory=options.optimizer_factory or optimizer_factory_from_config(read_ds_config(options.ds_config)),
+        micro_batch_sizes=sizes,
+        warmup_micro_steps=options.warmup_micro_steps,
+        repeats=options.repeats,
+        device=device,
+    )
+    emulation = layout.emulations[layout.my_type]
+    # Several torch threads spin in the thread CPU time that times a CPU layer: one, as profile_with.
+    with cpu_threads(1) if device.type == "cpu" else contextlib.nullcontext():
+        base = base_memory_bytes(device)
+        costs = measure_layers(pipeline, measurement, slowdown=1.0 if emulation is None else emulation.slowdown)
+    return layout.my_type, costs, base

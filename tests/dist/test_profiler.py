@@ -625,6 +625,46 @@ def test_forced_out_of_memory_leaves_every_rank_alive_and_profiles_written(tmp_p
         assert tiny.max_micro_batch_size == 0 and tiny.samples == ()
 
 
+def _layers_failing_on_rank_1(cache_dir: str) -> str:
+    """profile_layers where rank 1's batch breaks a layer (the user's data): the error each rank raises."""
+    import torch
+    import torch.distributed as dist
+
+    from poplar_ext.models.toy_pipeline import mse, toy_layers
+    from poplar_ext.profiler.options import ProfileOptions
+    from poplar_ext.profiler.per_layer import profile_layers
+
+    def batch(n):
+        return ("not a tensor" if dist.get_rank() == 1 else torch.ones(n, 8), torch.ones(n, 1))
+
+    options = ProfileOptions(
+        model_factory=toy_layers,
+        make_batch=batch,
+        ds_config=DS_CONFIG,
+        cluster=_cluster([("a", 1.0, 4000 * MB), ("b", 1.0, 4000 * MB)]),
+        zero_stages=(0,),
+        cache_dir=cache_dir,
+        loss_fn=mse,
+        micro_batch_size_limit=2,
+        warmup_micro_steps=0,
+        repeats=1,
+        progress=None,
+    )
+    try:
+        profile_layers(options)
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_layer_failing_on_one_rank_is_the_same_users_error_on_every_rank(tmp_path) -> None:
+    # The measuring rank's TypeError reaches the others (which wait to gather the layer costs) as a
+    # TypeError, so that a restarting launcher's job ends (poplar_ext.elastic) instead of a lost peer.
+    results = run_ranks(_layers_failing_on_rank_1, world_size=2, tmp_path=tmp_path, args=(str(tmp_path / "c"),))
+    assert results[0] == results[1], results
+    assert results[0].startswith("TypeError: profiling layers failed: rank 1: TypeError: "), results[0]
+
+
 def test_the_smallest_type_is_also_measured_with_its_optimizer_offloaded(measured) -> None:
     results, cache_dir = measured
     profiles = results[0]["offload"]["profiles"]
