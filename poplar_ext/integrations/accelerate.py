@@ -201,6 +201,11 @@ class PoplarAccelerator(Accelerator):
         self.gradient_accumulation_steps = nominal["gradient_accumulation_steps"]  # what accumulate() counts
 
     # -- prepare -------------------------------------------------------------------------
+    @ends_job_on_user_error  # refusals of what it is given (accelerate's, these) and of the plan: the same at restart
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        """accelerate's; a ValueError or TypeError of it ends a restarting launcher's job (`poplar_ext.elastic`)."""
+        return super().prepare(*args, device_placement=device_placement)
+
     def _prepare_deepspeed(self, *args: Any) -> tuple:
         model = next((a for a in args if isinstance(a, torch.nn.Module)), None)
         optimizer = next((a for a in args if isinstance(a, torch.optim.Optimizer)), None)

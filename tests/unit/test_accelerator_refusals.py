@@ -1,12 +1,14 @@
-"""What PoplarAccelerator refuses when it is built ends a restarting launcher's job (one process, no DeepSpeed)."""
+"""What PoplarAccelerator and its prepare refuse ends a restarting launcher's job (one process, no process group)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("accelerate", reason="PoplarAccelerator needs pip install 'poplar-ext[accelerate]'")
 
 from accelerate.state import AcceleratorState  # noqa: E402
+from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 
 from poplar_ext.integrations.accelerate import PoplarAccelerator  # noqa: E402
 
@@ -14,7 +16,8 @@ from poplar_ext.integrations.accelerate import PoplarAccelerator  # noqa: E402
 @pytest.fixture
 def fresh_accelerate_state(monkeypatch):
     """accelerate's process-wide state, as a process that built no Accelerator has it, before and after."""
-    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    # Set, so that it is unset again after a DeepSpeed Accelerator set it.
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
     AcceleratorState._reset_state(reset_partial_state=True)
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -30,4 +33,33 @@ def test_an_accelerator_without_deepspeed_ends_a_restarting_launchers_job(monkey
         ValueError, match=r"PoplarAccelerator: expected DeepSpeed .* found DistributedType.NO"
     ) as refused:
         PoplarAccelerator(cpu=True)
+    assert ended == [refused.value]
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from range(8)
+
+
+@pytest.mark.parametrize(
+    ("args", "device_placement", "match"),
+    [
+        # A training DataLoader in a prepare after the one that settled the plan (`_plan_dataloader`).
+        ((torch.utils.data.DataLoader(_Stream()),), None, r"DataLoader: expected a map-style dataset .* found _Stream"),
+        # accelerate's own refusal of what prepare is given.
+        ((torch.nn.Linear(2, 1),), [True], "customize device placements with DeepSpeed"),
+    ],
+)
+def test_what_prepare_is_given_ends_a_restarting_launchers_job(
+    monkeypatch, fresh_accelerate_state, args, device_placement, match
+):
+    import poplar_ext.elastic as elastic
+
+    ended: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", ended.append)
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 1}, "poplar": {"plan": "plan.json"}}
+    accelerator = PoplarAccelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    accelerator.job = object()  # settled by an earlier prepare (a collective: none in one process here)
+    with pytest.raises(ValueError, match=match) as refused:
+        accelerator.prepare(*args, device_placement=device_placement)
     assert ended == [refused.value]
