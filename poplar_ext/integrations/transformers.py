@@ -139,6 +139,7 @@ def _refuse_own_training_data_order(cls: type) -> None:
                 )
 
 
+@ends_job_on_user_error  # the first refusal of a Trainer's arguments (the mixin's, TRL's): an error of the code
 def _named_arguments(below: list[type], positional: tuple, keywords: dict[str, Any]) -> dict[str, Any]:
     """`positional` named as the first ``__init__`` in `below` (the classes after the mixin, in MRO order)
     that names them takes them (one taking ``*args`` passes them on; TypeError as Python raises it for too

@@ -153,6 +153,22 @@ def test_the_refusals_before_settling_end_a_restarting_launchers_job(monkeypatch
 
 
 @pytest.mark.parametrize(
+    ("positional", "keywords", "match"),
+    [((None,), {"model": None}, "got multiple values for argument 'model'"), ((None,) * 30, {}, "too many")],
+)
+def test_arguments_python_refuses_end_a_restarting_launchers_job(monkeypatch, positional, keywords, match):
+    # Refused while the arguments are named, before the job is settled: the same at every restart.
+    import poplar_ext.elastic as elastic
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    ended: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", ended.append)
+    with pytest.raises(TypeError, match=match) as refused:
+        PoplarTrainer(*positional, **keywords)
+    assert ended == [refused.value]
+
+
+@pytest.mark.parametrize(
     ("arguments", "section"),
     [
         ({"dataloader_drop_last": True}, {"drop_last": True}),

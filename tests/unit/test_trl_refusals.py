@@ -83,3 +83,10 @@ def test_padding_free_batches_are_refused_also_for_a_model_and_config_given_by_p
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, padding_free=True)
     with pytest.raises(ValueError, match=r"padding_free=True flattens each micro-batch into one sequence"):
         PoplarSFTTrainer(_gpt2("sdpa"), args)
+
+
+@pytest.mark.parametrize("trainer", [PoplarSFTTrainer, PoplarDPOTrainer])
+def test_an_argument_given_twice_ends_a_restarting_launchers_job(ended, trainer):
+    with pytest.raises(TypeError, match="got multiple values for argument 'model'") as refused:
+        trainer(None, model=None)
+    assert ended == [refused.value]
