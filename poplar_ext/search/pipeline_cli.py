@@ -17,6 +17,7 @@ from poplar_ext.plan.formats import Cluster, load_cluster, load_profiles, plan_t
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import (
     PIPELINE_POLICY,
+    PIPELINE_ZERO_STAGES,
     PipelinePlan,
     layer_profiles_dir,
     load_layer_profiles,
@@ -55,9 +56,10 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
     if args.parallelism == "pipeline" and batch is not None and most is not None and batch > most:
         # As the ZeRO search holds its batch to the bound (the pipeline search itself never reads it).
         return f"--global-batch-size: expected at most --max-global-batch-size ({most}), found {batch}"
-    if args.parallelism == "pipeline" and args.zero_stage in (2, 3):
+    if args.parallelism == "pipeline" and args.zero_stage not in ("auto", *PIPELINE_ZERO_STAGES):
+        stages = " or ".join(map(str, PIPELINE_ZERO_STAGES))
         return (
-            f"--zero-stage: expected auto, 0 or 1 with --parallelism pipeline (DeepSpeed's pipeline engine refuses "
+            f"--zero-stage: expected auto, {stages} with --parallelism pipeline (DeepSpeed's pipeline engine refuses "
             f"stage {args.zero_stage})"
         )
     return None
