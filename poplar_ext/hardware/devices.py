@@ -119,8 +119,9 @@ def normalize_device_name(reported_name: str, *, total_memory_bytes: int) -> str
     memory_gib = total_memory_bytes / 2**30
     named = _NAMED_MEMORY_GB.search(whole_name)
     if profile is not None and named is not None:
-        # A slice reports its own memory; which model it was cut from (40 or 80 GB) is in the name.
-        memory_gib = max(memory_gib, int(named.group(1)) * 1e9 / 2**30)
+        # A slice reports its own memory; which model it was cut from (40 or 80 GB) is in the name, in
+        # nominal GiB as the table's names.
+        memory_gib = max(memory_gib, int(named.group(1)))
     suffix = "" if profile is None else f"-MIG-{profile}"
     for rule in DEVICE_NAME_TABLE:
         if memory_gib >= rule.min_memory_gib and re.search(rule.pattern, whole_name, re.IGNORECASE):

@@ -92,6 +92,12 @@ def test_an_unknown_mig_slice_warns_and_keeps_its_slice_in_the_type() -> None:
     assert name.endswith("-MIG-2g.45gb")
 
 
+def test_an_unknown_mig_slice_warns_with_the_whole_gpu_size_its_name_gives_in_gib() -> None:
+    # The name's "96GB" is a nominal GiB size, as in the table's names (A100-80GB: 80 GiB less what the driver keeps).
+    with pytest.warns(UnknownDeviceWarning, match=r"\(96\.0 GiB\)"):
+        normalize_device_name("NVIDIA X1 96GB MIG 1g.12gb", total_memory_bytes=11 * GiB)
+
+
 def test_an_empty_name_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="reported_name: expected the device name the hardware reports"):
         normalize_device_name("  ", total_memory_bytes=GiB)
