@@ -388,6 +388,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
     docs/trainer.md.
     """
 
+    @ends_job_on_user_error  # the Trainer's own refusals too: every restart would meet them again
     def __init__(self, *positional: Any, **kwargs: Any) -> None:
         # By name, positional ones in the order of the Trainer class mixed in (the Trainer's third is
         # data_collator, DPOTrainer's second ref_model).

@@ -168,6 +168,20 @@ def test_arguments_python_refuses_end_a_restarting_launchers_job(monkeypatch, po
     assert ended == [refused.value]
 
 
+def test_the_trainers_own_refusals_after_settling_end_a_restarting_launchers_job(monkeypatch):
+    import torch
+
+    import poplar_ext.elastic as elastic
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    args = _arguments_of_a_settled_job(monkeypatch, {}, {})
+    ended: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", ended.append)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'") as refused:
+        PoplarTrainer(model=torch.nn.Linear(2, 1), args=args, bogus=1)
+    assert ended == [refused.value]
+
+
 @pytest.mark.parametrize(
     ("arguments", "section"),
     [
