@@ -109,8 +109,9 @@ def _train_runs(runs: list[tuple[str, str, dict]], log_path: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The 4 stages, at ZeRO 2 the plan's per-rank activation checkpointing (also for the models
-    model_init builds) and optimizer offload, and at ZeRO 1 2 steps saved then resumed to 4: 9 Trainer
-    runs on one group of 3 forked ranks (the real launcher is the resume test's run on 2 ranks)."""
+    model_init builds) and optimizer offload, at ZeRO 1 2 steps saved then resumed to 4, and the automatic
+    mode: 10 Trainer runs on one group of 3 forked ranks (the real launcher is the resume test's run on 2
+    ranks)."""
     root = tmp_path_factory.mktemp("hf")
     jobs = [(str(_config(root / f"stage{stage}", stage)), str(root / f"stage{stage}"), {}) for stage in STAGES]
     variants = {
@@ -124,6 +125,12 @@ def runs(tmp_path_factory):
     jobs.append((resume_config, str(root / "resume" / "parts"), {"steps": 2, "save_steps": 2}))
     checkpoint = str(root / "resume" / "parts" / "checkpoint-2")
     jobs.append((resume_config, str(root / "resume" / "resumed"), {"steps": 4, "resume": checkpoint}))
+    # No plan: a cluster and a profile directory (the automatic mode).
+    (root / "auto").mkdir()
+    cluster = t.write_cluster(root / "auto" / "cluster.json", fast=1, slow=2, slowdown=1.0)
+    auto_config = root / "auto" / "ds.json"
+    auto_config.write_text(json.dumps(hf.trainer_ds_config(1, cluster=str(cluster), profiles=str(root / "profiles"))))
+    jobs.append((str(auto_config), str(root / "auto" / "out"), {}))
     run_ranks(_train_runs, world_size=3, tmp_path=root / "ranks", args=(jobs, str(root / "rank0.log")), timeout_s=400)
     log = (root / "rank0.log").read_text()
     return root, {stage: log for stage in STAGES}
@@ -221,15 +228,12 @@ def test_resume_from_checkpoint_equals_the_uninterrupted_run_also_on_fewer_ranks
     assert sorted(on_two) == sorted(stream.indices(2 * GLOBAL_BATCH, 2 * GLOBAL_BATCH))
 
 
-def test_automatic_mode_profiles_searches_and_trains_the_global_batch(tmp_path):
+def test_automatic_mode_profiles_searches_and_trains_the_global_batch(runs):
     # No plan: a cluster and a profile directory; the Trainer's model and data are profiled
     # (its ModelOutput's .loss, dict batches), a plan searched, and trained. Whatever the plan,
     # the parameters are those of one process on the same global batches.
-    cluster = t.write_cluster(tmp_path / "cluster.json", fast=1, slow=2, slowdown=1.0)
-    config = tmp_path / "ds.json"
-    config.write_text(json.dumps(hf.trainer_ds_config(1, cluster=str(cluster), profiles=str(tmp_path / "profiles"))))
-    _launch(config, tmp_path / "out")
+    root, _ = runs
     # cpu and cpu-slow at stage 1, without and with gradient checkpointing (GPT-2 supports it)
-    assert len(list((tmp_path / "profiles").glob("*.json"))) == 4
-    params = torch.load(tmp_path / "out" / "params.pt", weights_only=False)
+    assert len(list((root / "profiles").glob("*.json"))) == 4
+    params = torch.load(root / "auto" / "out" / "params.pt", weights_only=False)
     assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
