@@ -235,7 +235,7 @@ class StageMeasurement:
     on_trial: Callable[[TrialEvent], None] | None = None
     engine: Any = field(default=None, init=False)
     _batches: dict[int, Any] = field(default_factory=dict, init=False)
-    error: tuple[str, type[Exception] | None] | None = field(default=None, init=False)
+    error: Exception | None = field(default=None, init=False)
     """This rank's error that is no out-of-memory, as `every_ranks_error` takes it."""
 
     def _batch(self, size: int) -> Any:
@@ -328,7 +328,7 @@ class StageMeasurement:
             return _EMULATED_OOM
         if is_out_of_memory(exc):
             return _REAL_OOM
-        self.error = described_error(exc)
+        self.error = exc
         return _ERROR
 
     def _agree(self, flag: int, peak: int, measured: bool) -> tuple[dict[str, int], dict[str, int], bool]:
@@ -346,7 +346,7 @@ class StageMeasurement:
         agreed = agree_max(values, self.layout.device)
         if agreed[-1]:
             errors, kind = every_ranks_error(self.error)
-            raise kind(f"profiling failed: {errors}")
+            raise kind(f"profiling failed: {errors}") from self.error
         flags = {t: int(agreed[i]) for i, t in enumerate(types)}
         peaks = {t: int(agreed[len(types) + i]) for i, t in enumerate(types)}
         flags["__unmeasured__"] = int(agreed[-2])
@@ -680,14 +680,14 @@ def place_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
         model.to(device)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement
         outcome = _REAL_OOM if is_out_of_memory(exc) else _ERROR
-        error = described_error(exc)
+        error = exc
     agreed = int(agree_max([float(outcome)], device)[0])
     if agreed == _OK:
         return model
     errors, kind = every_ranks_error(error)
     if agreed == _REAL_OOM:
         raise _StageAbandoned(f"a real out-of-memory placing the model on the device ({errors})")
-    raise kind(f"profiling failed placing the model on the device: {errors}")
+    raise kind(f"profiling failed placing the model on the device: {errors}") from error
 
 
 def described_error(exc: Exception) -> tuple[str, type[Exception] | None]:
@@ -695,13 +695,14 @@ def described_error(exc: Exception) -> tuple[str, type[Exception] | None]:
     return f"{type(exc).__name__}: {exc}", next((kind for kind in USER_ERRORS if isinstance(exc, kind)), None)
 
 
-def every_ranks_error(error: tuple[str, type[Exception] | None] | None) -> tuple[str, type[Exception]]:
-    """Every rank's error (`described_error`; None where it had none), one line, and the type every rank raises
-    for them (collective): a `USER_ERRORS` one on any rank (the model's, loss's or batch's code: a model
-    that cannot take its batch) is raised as its type, the first rank's, so that `poplar_ext.elastic` ends a
-    restarting launcher's job, which every restart would repeat; any other (a lost peer, a device fault) as
-    a RuntimeError, which is restarted."""
-    errors = [(rank, *e) for rank, e in enumerate(gather_objects(error)) if e]
+def every_ranks_error(error: Exception | None) -> tuple[str, type[Exception]]:
+    """Every rank's error (None where it had none; its `described_error` travels), one line, and the type
+    every rank raises for them (collective): a `USER_ERRORS` one on any rank (the model's, loss's or batch's
+    code: a model that cannot take its batch) is raised as its type, the first rank's, so that
+    `poplar_ext.elastic` ends a restarting launcher's job, which every restart would repeat; any other (a lost
+    peer, a device fault) as a RuntimeError, which is restarted. The rank that had `error` raises `from error`:
+    only the text travels, and its own traceback shows the user's line."""
+    errors = [(rank, *e) for rank, e in enumerate(gather_objects(described_error(error) if error else None)) if e]
     kind = next((kind for _, _, kind in errors if kind is not None), RuntimeError)
     return "; ".join(f"rank {rank}: {text}" for rank, text, _ in errors), kind
 

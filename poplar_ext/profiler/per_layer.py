@@ -43,7 +43,7 @@ from poplar_ext.profiler.layers import (
     pipeline_layers,
 )
 from poplar_ext.profiler.layout import build_layout
-from poplar_ext.profiler.measure import described_error, every_ranks_error, read_ds_config, training_dtype
+from poplar_ext.profiler.measure import every_ranks_error, read_ds_config, training_dtype
 from poplar_ext.profiler.options import ProfileOptions
 
 _TORCH_OPTIMIZERS = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD"}
@@ -130,10 +130,10 @@ def profile_layers(
         if layout.my_type in missing_types and layout.rank == layout.ranks_of(layout.my_type)[0]:
             mine = _measure_my_type(pipeline, options, layout, sizes, device)
     except Exception as exc:  # noqa: BLE001 - the other ranks wait in the gather below: every rank must learn of it
-        error = described_error(exc)
+        error = exc
     errors, kind = every_ranks_error(error)
     if errors:
-        raise kind(f"profiling layers failed: {errors}")
+        raise kind(f"profiling layers failed: {errors}") from error
     measured = {m[0]: m for m in gather_objects(mine) if m is not None}
     produced = dict(cached)
     if layout.rank == 0:

@@ -625,8 +625,9 @@ def test_forced_out_of_memory_leaves_every_rank_alive_and_profiles_written(tmp_p
         assert tiny.max_micro_batch_size == 0 and tiny.samples == ()
 
 
-def _layers_failing_on_rank_1(cache_dir: str) -> str:
-    """profile_layers where rank 1's batch breaks a layer (the user's data): the error each rank raises."""
+def _layers_failing_on_rank_1(cache_dir: str) -> tuple[str, str]:
+    """profile_layers where rank 1's batch breaks a layer (the user's data): the error each rank raises, and
+    the type of the error it is chained from."""
     import torch
     import torch.distributed as dist
 
@@ -653,16 +654,19 @@ def _layers_failing_on_rank_1(cache_dir: str) -> str:
     try:
         profile_layers(options)
     except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+        return f"{type(exc).__name__}: {exc}", type(exc.__cause__).__name__
+    return "no error", ""
 
 
 def test_a_layer_failing_on_one_rank_is_the_same_users_error_on_every_rank(tmp_path) -> None:
     # The measuring rank's TypeError reaches the others (which wait to gather the layer costs) as a
     # TypeError, so that a restarting launcher's job ends (poplar_ext.elastic) instead of a lost peer.
     results = run_ranks(_layers_failing_on_rank_1, world_size=2, tmp_path=tmp_path, args=(str(tmp_path / "c"),))
-    assert results[0] == results[1], results
-    assert results[0].startswith("TypeError: profiling layers failed: rank 1: TypeError: "), results[0]
+    (text_0, cause_0), (text_1, cause_1) = results
+    assert text_0 == text_1, results
+    assert text_0.startswith("TypeError: profiling layers failed: rank 1: TypeError: "), text_0
+    # Rank 1 chains its own error: its traceback shows the layer's line; rank 0 has only the text.
+    assert (cause_0, cause_1) == ("NoneType", "TypeError")
 
 
 def test_the_smallest_type_is_also_measured_with_its_optimizer_offloaded(measured) -> None:

@@ -74,13 +74,14 @@ def test_micro_batch_one_runs_out_outside_the_boundary_and_is_agreed(monkeypatch
 
 
 class _Model(torch.nn.Linear):
-    def __init__(self, fails: bool) -> None:
+    def __init__(self, fails: bool, error: Exception = OOM) -> None:
         super().__init__(2, 2)
         self.fails = fails
+        self.error = error
 
     def to(self, *args, **kwargs):
         if self.fails:
-            raise OOM
+            raise self.error
         return super().to(*args, **kwargs)
 
 
@@ -129,6 +130,8 @@ def test_an_error_of_the_users_code_on_any_rank_ends_a_restarting_launchers_job(
     with pytest.raises(raised, match=match) as failed:
         settle({})
     assert type(failed.value) is raised
+    # The failing rank's own traceback (the user's line) is chained; another rank has only the text.
+    assert failed.value.__cause__ is mine
     assert ended == ([failed.value] if raised is not RuntimeError else [])
 
 
@@ -136,3 +139,10 @@ def test_a_user_error_placing_the_model_is_raised_as_the_users(monkeypatch) -> N
     _single_rank(monkeypatch, others=float(measure._ERROR), others_error=("TypeError: to() got dtype", TypeError))
     with pytest.raises(TypeError, match=r"placing the model on the device: rank 1: TypeError: to\(\) got dtype"):
         place_model(_Model(fails=False), torch.device("cpu"))
+
+
+def test_the_rank_whose_placing_failed_chains_its_own_error(monkeypatch) -> None:
+    _single_rank(monkeypatch)
+    with pytest.raises(TypeError, match=r"rank 0: TypeError: forward\(\) got an unexpected") as failed:
+        place_model(_Model(fails=True, error=KEYS), torch.device("cpu"))
+    assert failed.value.__cause__ is KEYS
