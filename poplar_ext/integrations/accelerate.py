@@ -22,7 +22,7 @@ from accelerate.utils import DistributedType, pad_across_processes, recursively_
 
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.runtime.config import AUTO, DICT_SOURCE, SECTION, GlobalBatchRequest, nominal_deepspeed_config
-from poplar_ext.runtime.data import PlanBatchSampler
+from poplar_ext.runtime.data import PlanBatchSampler, check_plan_dataset
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from poplar_ext.zero.engine import PoplarEngine
 from poplar_ext.zero.initialize import Job, prepare_job, set_up_rank, wrap_built_engine
@@ -250,11 +250,7 @@ class PoplarAccelerator(Accelerator):
     def _plan_dataloader(self, loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
         """`loader` rebuilt on this rank's plan sampler (its dataset, collate function and workers)."""
         dataset = loader.dataset
-        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
-            raise ValueError(
-                "the training DataLoader: expected a map-style dataset (with __len__), found "
-                f"{type(dataset).__name__}, which has no indices for the plan's sampler to split among the ranks"
-            )
+        check_plan_dataset(dataset, "the training DataLoader")
         config = self.job.poplar_config
         if self.poplar_engine is not None:
             sampler = self.poplar_engine.create_batch_sampler(len(dataset))

@@ -24,7 +24,7 @@ from poplar_ext.pipeline.job import PipelineJob
 from poplar_ext.pipeline.planning import pipeline_drift_monitor
 from poplar_ext.plan.pipeline_formats import PipelinePlan
 from poplar_ext.runtime.config import DICT_SOURCE, load_deepspeed_config, unsynchronised_throughput_timer
-from poplar_ext.runtime.data import plan_dataloader
+from poplar_ext.runtime.data import check_plan_dataset, plan_dataloader
 from poplar_ext.runtime.rebalance import job_rebalancer
 
 logger = logging.getLogger(__name__)
@@ -61,13 +61,7 @@ def _check_arguments(
             "poplar_ext.initialize: expected no mpu= or mesh_param= with a PoplarPipelineModule (its grid is the "
             "plan's)"
         )
-    if training_data is not None and (
-        isinstance(training_data, torch.utils.data.IterableDataset) or not hasattr(training_data, "__len__")
-    ):
-        raise ValueError(
-            f"training_data: expected a map-style dataset (with __len__ and __getitem__), found "
-            f"{type(training_data).__name__}, which has no indices to split among the pipelines by the plan"
-        )
+    check_plan_dataset(training_data, "training_data")
     if any(value is not None for value in (config, config_params, getattr(args, "deepspeed_config", None))):
         ds_config, _, source = load_deepspeed_config(config, config_params=config_params, args=args)
         if ds_config != job.ds_config:

@@ -368,6 +368,19 @@ class IterationLoader:
         return getattr(self.__dict__["loader"], name)
 
 
+def check_plan_dataset(dataset: Any, what: str, *, otherwise: str = "give a map-style Dataset") -> None:
+    """ValueError naming `what` (the argument given) unless `dataset` is map-style (or None: none given):
+    the plan's sampler cuts its indices, range(len(dataset)), into micro-batches of the plan's sizes."""
+    if dataset is not None and (
+        isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__")
+    ):
+        raise ValueError(
+            f"{what}: expected a map-style dataset (with __len__ and __getitem__), found {type(dataset).__name__}, "
+            "which has no indices to split: the plan's sampler cuts range(len(dataset)) into each rank's "
+            f"micro-batches, of the plan's sizes; {otherwise}"
+        )
+
+
 def plan_dataloader(
     training_data: Any, sampler: torch.utils.data.Sampler, *, collate_fn: Any, device: torch.device
 ) -> torch.utils.data.DataLoader:

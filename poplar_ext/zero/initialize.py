@@ -37,7 +37,7 @@ from poplar_ext.runtime.config import (
     requested_zero_stage,
     throughput_timer_synchronized,
 )
-from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, plan_dataloader
+from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, check_plan_dataset, plan_dataloader
 from poplar_ext.runtime.job_start import JobBase, agreed_job_cluster, read_poplar_section, steady_from_rank0
 from poplar_ext.runtime.process_settings import apply_cpu_process_settings, on_cpu_accelerator
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer, job_rebalancer
@@ -80,16 +80,10 @@ def _refuse_other_parallelism(*, mpu: Any, mesh_param: Any, model: Any, ds_confi
         )
 
 
-def _check_training_data(training_data: Any) -> None:
-    if training_data is None:
-        return
-    if isinstance(training_data, torch.utils.data.IterableDataset) or not hasattr(training_data, "__len__"):
-        raise ValueError(
-            f"training_data: expected a map-style dataset (with __len__ and __getitem__), found "
-            f"{type(training_data).__name__}, which has no indices to split among the ranks by the plan; "
-            "give a map-style Dataset, or pass no training_data and feed each rank its plan's micro-batches "
-            "(engine.rank_plan) yourself"
-        )
+_FEED_YOURSELF = (
+    "give a map-style Dataset, or pass no training_data and feed each rank its plan's micro-batches "
+    "(engine.rank_plan) yourself"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +136,7 @@ def prepare_job(
         loaded_config, needs="{} for the automatic mode, or with 'plan' or 'profiles'", otherwise="deepspeed.initialize"
     )
     _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
-    _check_training_data(training_data)
+    check_plan_dataset(training_data, "training_data", otherwise=_FEED_YOURSELF)
     # DeepSpeed's own discovery first (launcher, torchrun or mpirun), then this rank's device.
     device = join_job(**(init_options or {}))
     rank, world_size = process_group_rank()

@@ -45,7 +45,12 @@ class _Stream(torch.utils.data.IterableDataset):
     ("args", "device_placement", "match"),
     [
         # A training DataLoader in a prepare after the one that settled the plan (`_plan_dataloader`).
-        ((torch.utils.data.DataLoader(_Stream()),), None, r"DataLoader: expected a map-style dataset .* found _Stream"),
+        (
+            (torch.utils.data.DataLoader(_Stream()),),
+            None,
+            r"^the training DataLoader: expected a map-style dataset .* found _Stream, which has no indices to split: "
+            r"the plan's sampler cuts range\(len\(dataset\)\)",
+        ),
         # accelerate's own refusal of what prepare is given.
         ((torch.nn.Linear(2, 1),), [True], "customize device placements with DeepSpeed"),
     ],

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poplar_ext.runtime.data import PlanBatchSampler, SampleStream, rank_offsets
+from poplar_ext.runtime.data import PlanBatchSampler, SampleStream, check_plan_dataset, rank_offsets
 
 allocations = st.lists(
     st.tuples(st.integers(1, 7), st.integers(1, 4)), min_size=1, max_size=5
@@ -233,3 +233,29 @@ def test_the_training_loader_pins_host_memory_for_a_gpu_only():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a CPU-only torch warns that nothing can be pinned
         assert plan_dataloader(data, sampler, collate_fn=None, device=torch.device("cuda", 0)).pin_memory
+
+
+class _SizedStream(torch.utils.data.IterableDataset):
+    """A stream that knows its length but has no indices: the sampler cannot pick its samples."""
+
+    def __iter__(self):
+        yield from range(4)
+
+    def __len__(self) -> int:
+        return 4
+
+
+@pytest.mark.parametrize("dataset", [_SizedStream(), iter(range(4))])
+def test_a_dataset_without_indices_is_refused_naming_what_was_given_and_why(dataset):
+    what = type(dataset).__name__
+    with pytest.raises(
+        ValueError, match=rf"^training_data: expected a map-style dataset .*, found {what}, "
+    ) as refused:
+        check_plan_dataset(dataset, "training_data", otherwise="give a list")
+    assert "the plan's sampler cuts range(len(dataset)) into each rank's micro-batches" in str(refused.value)
+    assert str(refused.value).endswith("; give a list")
+
+
+@pytest.mark.parametrize("dataset", [None, [0, 1, 2], torch.utils.data.TensorDataset(torch.zeros(3))])
+def test_a_map_style_dataset_or_none_passes(dataset):
+    check_plan_dataset(dataset, "training_data")

@@ -321,7 +321,11 @@ def test_an_iterable_dataset_is_refused_with_what_to_do():
         def __iter__(self):
             yield torch.zeros(1)
 
-    with pytest.raises(ValueError, match=r"training_data: expected a map-style dataset .* found Stream"):
+    with pytest.raises(
+        ValueError,
+        match=r"training_data: expected a map-style dataset .* found Stream, which has no indices to split: "
+        r"the plan's sampler cuts range\(len\(dataset\)\) .*; give a map-style Dataset, or pass no training_data",
+    ):
         poplar_ext.initialize(model=torch.nn.Linear(1, 1), training_data=Stream(), config=_SECTION)
 
 
