@@ -43,6 +43,9 @@ class DeviceNameRule:
 # PCIe rows come before the SXM ones, which keep the plain names ("NVIDIA H100 80GB HBM3"): PCIe cards run at
 # a lower power limit (A100) or have fewer SMs and slower memory (H100), so their profiles differ.
 DEVICE_NAME_TABLE: tuple[DeviceNameRule, ...] = (
+    # A GH200's name states the superchip's host memory ("NVIDIA GH200 480GB"), not its HBM (96 or 144 GB).
+    DeviceNameRule(pattern=r"\bGH200\b", device_type="GH200-144GB", min_memory_gib=120),
+    DeviceNameRule(pattern=r"\bGH200\b", device_type="GH200-96GB"),
     DeviceNameRule(pattern=r"\bH200\b", device_type="H200-141GB"),
     DeviceNameRule(pattern=r"\bH100\b.*\bNVL\b", device_type="H100-94GB"),
     DeviceNameRule(pattern=r"\bH100\b.*\bPCIe\b", device_type="H100-PCIe-80GB"),
@@ -92,6 +95,8 @@ def fallback_device_type(reported_name: str, total_memory_bytes: int) -> str:
 
 _MIG_SLICE = re.compile(r"\s+MIG\s+(\S+)\s*$", re.IGNORECASE)
 _NAMED_MEMORY_GB = re.compile(r"\b(\d+)\s*GB\b", re.IGNORECASE)
+_NAMED_MEMORY_NOT_THE_GPUS = re.compile(r"\bGH200\b", re.IGNORECASE)
+"""Names whose "NNGB" is not the GPU's memory: a GH200's (``NVIDIA GH200 480GB``) is its host memory."""
 
 
 def mig_slice(reported_name: str) -> tuple[str, str | None]:
@@ -117,7 +122,7 @@ def normalize_device_name(reported_name: str, *, total_memory_bytes: int) -> str
         raise ValueError(f"total_memory_bytes: expected an integer >= 1, found {total_memory_bytes}")
     whole_name, profile = mig_slice(reported_name)
     memory_gib = total_memory_bytes / 2**30
-    named = _NAMED_MEMORY_GB.search(whole_name)
+    named = None if _NAMED_MEMORY_NOT_THE_GPUS.search(whole_name) else _NAMED_MEMORY_GB.search(whole_name)
     if profile is not None and named is not None:
         # A slice reports its own memory; which model it was cut from (40 or 80 GB) is in the name, in
         # nominal GiB as the table's names.

@@ -29,6 +29,9 @@ GiB = 2**30
         ("NVIDIA H100 PCIe", 79.1, "H100-PCIe-80GB"),
         ("NVIDIA H100 NVL", 93.1, "H100-94GB"),
         ("NVIDIA H200", 139.8, "H200-141GB"),
+        # A GH200's name states its host memory (480 GB LPDDR5X): the two HBM sizes told apart by the report.
+        ("NVIDIA GH200 480GB", 97871 / 1024, "GH200-96GB"),
+        ("NVIDIA GH200 144G HBM3e", 142.0, "GH200-144GB"),
         ("NVIDIA A800-SXM4-80GB", 79.2, "A800-80GB"),
         ("Tesla V100-SXM2-16GB", 15.8, "V100-16GB"),
         ("Tesla V100-SXM2-32GB", 31.7, "V100-32GB"),
@@ -44,6 +47,9 @@ GiB = 2**30
         ("NVIDIA A100 80GB PCIe MIG 7g.80gb", 79.2, "A100-PCIe-80GB-MIG-7g.80gb"),
         ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 39.5, "H100-80GB-MIG-3g.40gb"),
         ("NVIDIA H100 80GB HBM3 MIG 1g.10gb+me", 9.8, "H100-80GB-MIG-1g.10gb-me"),
+        # A GH200's "480GB" is its host memory, not the GPU's: the slice is sized by its own memory.
+        ("NVIDIA GH200 480GB MIG 1g.12gb", 11.0, "GH200-96GB-MIG-1g.12gb"),
+        ("NVIDIA GH200 480GB MIG 7g.96gb", 93.0, "GH200-96GB-MIG-7g.96gb"),
     ],
 )
 def test_known_names_are_normalised_without_a_warning(reported: str, memory_gib: float, expected: str) -> None:
