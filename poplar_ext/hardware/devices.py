@@ -81,10 +81,15 @@ NOMINAL_MEMORY_GIB = (2, 3, 4, 6, 8, 10, 11, 12, 16, 20, 24, 32, 40, 48, 64, 80,
 """The memory sizes cards are sold with (GiB), which a fallback device type names."""
 
 
+def _cleaned_name(reported_name: str) -> str:
+    """``NVIDIA GeForce RTX 2080 Ti`` -> ``GeForce-RTX-2080-Ti``."""
+    name = _VENDOR_PREFIXES.sub("", reported_name.strip())
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") or "unknown-device"
+
+
 def fallback_device_type(reported_name: str, total_memory_bytes: int) -> str:
     """An unknown device's type: ``NVIDIA GeForce RTX 2080 Ti`` with 11 GB -> ``GeForce-RTX-2080-Ti-11GB``."""
-    name = _VENDOR_PREFIXES.sub("", reported_name.strip())
-    name = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") or "unknown-device"
+    name = _cleaned_name(reported_name)
     # The driver reports a card's nominal size less what it reserves: a little (a 2080 Ti's 11 GiB as 10.76),
     # or up to 8% with ECC on (a T4's 16 as 14.75). The smallest sold size that holds it names it as the
     # table would.
@@ -131,7 +136,9 @@ def normalize_device_name(reported_name: str, *, total_memory_bytes: int) -> str
     for rule in DEVICE_NAME_TABLE:
         if memory_gib >= rule.min_memory_gib and re.search(rule.pattern, whole_name, re.IGNORECASE):
             return rule.device_type + suffix
-    fallback = fallback_device_type(whole_name, total_memory_bytes) + suffix
+    # A slice's profile (1g.12gb) states its memory: its type names no other (the whole GPU's only where the
+    # name states it, as the table's A100-80GB-MIG-1g.10gb).
+    fallback = _cleaned_name(whole_name) + suffix if profile else fallback_device_type(whole_name, total_memory_bytes)
     warnings.warn(
         f"unknown device {reported_name!r} ({memory_gib:.1f} GiB): using the device type {fallback!r}; "
         "add a row to poplar_ext.hardware.devices.DEVICE_NAME_TABLE to name it like the others",

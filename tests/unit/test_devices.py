@@ -98,6 +98,20 @@ def test_an_unknown_mig_slice_warns_and_keeps_its_slice_in_the_type() -> None:
     assert name.endswith("-MIG-2g.45gb")
 
 
+@pytest.mark.parametrize(
+    ("reported", "memory_bytes", "expected"),
+    [
+        # One size each: the whole GPU's where its name states one (as the table's A100-80GB-MIG-1g.10gb), and
+        # the slice's in its profile; the slice's reported memory is not appended (it was X1-96GB-11GB-MIG-...).
+        ("NVIDIA X1 96GB MIG 1g.12gb", 11 * GiB, "X1-96GB-MIG-1g.12gb"),
+        ("NVIDIA B300 MIG 2g.45gb", 45 * 10**9, "B300-MIG-2g.45gb"),
+    ],
+)
+def test_an_unknown_mig_slice_is_named_with_no_second_size(reported, memory_bytes, expected) -> None:
+    with pytest.warns(UnknownDeviceWarning, match=f"using the device type '{expected}'"):
+        assert normalize_device_name(reported, total_memory_bytes=memory_bytes) == expected
+
+
 def test_an_unknown_mig_slice_warns_with_the_whole_gpu_size_its_name_gives_in_gib() -> None:
     # The name's "96GB" is a nominal GiB size, as in the table's names (A100-80GB: 80 GiB less what the driver keeps).
     with pytest.warns(UnknownDeviceWarning, match=r"\(96\.0 GiB\)"):
