@@ -151,6 +151,8 @@ class PoplarAccelerator(Accelerator):
 
     def _start_job(self, model: Any, optimizer: Any, train_loader: Any) -> Job:
         """Resolve the plan on every rank and make the plugin's config this rank's (collective)."""
+        if train_loader is not None:  # named as given, before prepare_job names a training_data it was not given
+            check_plan_dataset(train_loader.dataset, "the training DataLoader")
         loaded = self._loaded_config()
         profiling = _without_auto(loaded[0])
         if isinstance(optimizer, torch.optim.Optimizer):

@@ -33,7 +33,7 @@ from poplar_ext.runtime.checkpoint import (
     write_state,
 )
 from poplar_ext.runtime.config import GlobalBatchRequest, PoplarConfig, load_deepspeed_config
-from poplar_ext.runtime.data import IterationSampler, MicroBatchesDataset, PlanBatchSampler
+from poplar_ext.runtime.data import IterationSampler, MicroBatchesDataset, PlanBatchSampler, check_plan_dataset
 from poplar_ext.runtime.evaluation import EvalBatchSampler, eval_batch_sizes
 from poplar_ext.runtime.job_start import read_poplar_section
 from poplar_ext.runtime.weighting import label_token_count
@@ -156,6 +156,7 @@ def _named_arguments(below: list[type], positional: tuple, keywords: dict[str, A
 
 def _settle_job(args: TrainingArguments, model: Any, train_dataset: Any, *, collate_fn: Any) -> Job:
     """The plan and its context, resolved alike on every rank (collective) before the Trainer is built."""
+    check_plan_dataset(train_dataset, "train_dataset")  # as given: prepare_job would name its training_data
     _ = args.device  # reading it makes Hugging Face and accelerate set up the process group
     from poplar_ext.collectives import process_group_rank
 

@@ -68,3 +68,19 @@ def test_what_prepare_is_given_ends_a_restarting_launchers_job(
     with pytest.raises(ValueError, match=match) as refused:
         accelerator.prepare(*args, device_placement=device_placement)
     assert ended == [refused.value]
+
+
+def test_the_first_prepare_names_the_dataloader_it_was_given(monkeypatch, fresh_accelerate_state):
+    # Refused before the plan is settled, in the words of what accelerate was given (no training_data,
+    # no engine.rank_plan: prepare_job's words for poplar_ext.initialize).
+    import poplar_ext.integrations.accelerate as integration
+
+    def settle(*args, **kwargs):
+        raise AssertionError("the job was settled")
+
+    monkeypatch.setattr(integration, "prepare_job", settle)
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 1}, "poplar": {"plan": "plan.json"}}
+    accelerator = PoplarAccelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    with pytest.raises(ValueError, match=r"^the training DataLoader: expected a map-style dataset") as refused:
+        accelerator.prepare(torch.nn.Linear(2, 1), torch.utils.data.DataLoader(_Stream()))
+    assert "training_data" not in str(refused.value)

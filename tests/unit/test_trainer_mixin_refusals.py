@@ -272,3 +272,23 @@ def test_a_dpo_trainers_config_by_position_is_its_third_argument(monkeypatch):
     with pytest.raises(_Settled) as settled:
         PoplarDPOTrainer(model, reference, config)
     assert (settled.value.args[0]["model"], settled.value.args[0]["args"]) == (model, config)
+
+
+def test_a_train_dataset_without_indices_is_named_as_given(monkeypatch):
+    # Refused before the job is settled, as train_dataset (prepare_job's words are initialize's training_data).
+    import torch
+
+    from poplar_ext.integrations import transformers as integration
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from range(8)
+
+    def settle(*args, **kwargs):
+        raise AssertionError("the job was settled")
+
+    monkeypatch.setattr(integration, "prepare_job", settle)
+    args = _training_arguments({}, {})
+    with pytest.raises(ValueError, match=r"^train_dataset: expected a map-style dataset .* found Stream"):
+        PoplarTrainer(model=torch.nn.Linear(2, 1), args=args, train_dataset=Stream())
