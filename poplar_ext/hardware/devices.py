@@ -44,6 +44,7 @@ class DeviceNameRule:
 # a lower power limit (A100) or have fewer SMs and slower memory (H100), so their profiles differ.
 DEVICE_NAME_TABLE: tuple[DeviceNameRule, ...] = (
     # A GH200's name states the superchip's host memory ("NVIDIA GH200 480GB"), not its HBM (96 or 144 GB).
+    DeviceNameRule(pattern=r"\bGH200\b.*\b144G", device_type="GH200-144GB"),  # its MIG slices report less
     DeviceNameRule(pattern=r"\bGH200\b", device_type="GH200-144GB", min_memory_gib=120),
     DeviceNameRule(pattern=r"\bGH200\b", device_type="GH200-96GB"),
     DeviceNameRule(pattern=r"\bH200\b", device_type="H200-141GB"),
@@ -77,7 +78,10 @@ DEVICE_NAME_TABLE: tuple[DeviceNameRule, ...] = (
 _VENDOR_PREFIXES = re.compile(r"^((nvidia|tesla|amd)\s+)+", re.IGNORECASE)
 
 
-NOMINAL_MEMORY_GIB = (2, 3, 4, 6, 8, 10, 11, 12, 16, 20, 24, 32, 40, 48, 64, 80, 94, 96, 128, 141, 192, 256, 288)
+NOMINAL_MEMORY_GIB = (
+    *(2, 3, 4, 5, 6, 8, 10, 11, 12, 16, 20, 24, 32, 40, 48, 64),
+    *(80, 94, 96, 128, 141, 180, 186, 192, 256, 288),
+)
 """The memory sizes cards are sold with (GiB), which a fallback device type names."""
 
 

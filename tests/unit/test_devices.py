@@ -50,6 +50,8 @@ GiB = 2**30
         # A GH200's "480GB" is its host memory, not the GPU's: the slice is sized by its own memory.
         ("NVIDIA GH200 480GB MIG 1g.12gb", 11.0, "GH200-96GB-MIG-1g.12gb"),
         ("NVIDIA GH200 480GB MIG 7g.96gb", 93.0, "GH200-96GB-MIG-7g.96gb"),
+        # The 144 GB part's name says so: every slice of it is of that GPU, however small.
+        ("NVIDIA GH200 144G HBM3e MIG 1g.18gb", 16.5, "GH200-144GB-MIG-1g.18gb"),
     ],
 )
 def test_known_names_are_normalised_without_a_warning(reported: str, memory_gib: float, expected: str) -> None:
@@ -76,6 +78,7 @@ def test_an_unknown_name_warns_and_falls_back_to_its_cleaned_name_and_memory() -
         ("NVIDIA Z14", 23034 * 2**20, "Z14-24GB"),
         ("NVIDIA Z200", 149557477376, "Z200-141GB"),
         ("NVIDIA Z9000", 300 * GiB, "Z9000-300GB"),  # above every sold size: the whole GiB above
+        ("NVIDIA Z300", 183359 * 2**20, "Z300-180GB"),  # a B200's report
     ],
 )
 def test_a_fallback_names_the_nominal_memory_as_the_table_does(reported, memory_bytes, expected) -> None:
