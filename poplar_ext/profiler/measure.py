@@ -702,7 +702,8 @@ def every_ranks_error(error: Exception | None) -> tuple[str, type[Exception]]:
     `poplar_ext.elastic` ends a restarting launcher's job, which every restart would repeat; any other (a lost
     peer, a device fault) as a RuntimeError, which is restarted. The rank that had `error` raises `from error`:
     only the text travels, and its own traceback shows the user's line."""
-    errors = [(rank, *e) for rank, e in enumerate(gather_objects(described_error(error) if error else None)) if e]
+    described = None if error is None else described_error(error)
+    errors = [(rank, *e) for rank, e in enumerate(gather_objects(described)) if e]
     kind = next((kind for _, _, kind in errors if kind is not None), RuntimeError)
     return "; ".join(f"rank {rank}: {text}" for rank, text, _ in errors), kind
 
