@@ -12,9 +12,15 @@ import json
 from operator import attrgetter
 from typing import Any
 
-from poplar_ext.plan.formats import Cluster, Plan, load_cluster, load_plan, load_profiles, read_json
+from poplar_ext.plan.formats import Cluster, Plan, load_cluster, load_profiles, plan_from_dict, read_json
 from poplar_ext.plan.network_format import NetworkProfile
-from poplar_ext.plan.pipeline_formats import PipelinePlan, layer_profiles_dir, load_layer_profiles, load_pipeline_plan
+from poplar_ext.plan.pipeline_formats import (
+    PipelinePlan,
+    layer_profiles_dir,
+    load_layer_profiles,
+    pipeline_plan_from_dict,
+)
+from poplar_ext.plan.validation import Node
 
 from .api import PlanPrediction, cluster_problems, predict
 from .cli_common import EXIT_OK, bad_input, chosen_network, error, rank_span, runs, table
@@ -25,10 +31,12 @@ from .pipeline_cost import BoundaryTransfer, PipelinePrediction, predict_pipelin
 def run_predict(args: argparse.Namespace) -> int:
     """Price the plan of ``args.predict``; print the table or JSON; returns the exit status."""
     try:
-        kind = "pipeline" if "pipelines" in read_json(args.predict) else "zero"
+        data = Node(read_json(args.predict), args.predict).obj().value  # not an object: bad input, not a TypeError
+        kind = "pipeline" if "pipelines" in data else "zero"
         cluster = load_cluster(args.cluster) if args.cluster else None
         network = chosen_network(args, cluster)
-        plan: Plan | PipelinePlan = load_pipeline_plan(args.predict) if kind == "pipeline" else load_plan(args.predict)
+        read = pipeline_plan_from_dict if kind == "pipeline" else plan_from_dict
+        plan: Plan | PipelinePlan = read(data, source=args.predict)
         # The cluster places the ranks on nodes and finds the network: it must be the plan's.
         problems = [] if cluster is None else cluster_problems(plan, cluster)
         if problems:

@@ -70,6 +70,15 @@ def test_a_bad_plan_names_its_file_and_field(tmp_path, capsys):
     assert str(bad) in err and "zero_stage" in err
 
 
+@pytest.mark.parametrize("text", ["null", "5", '"pipelines"'])
+def test_a_plan_file_that_is_not_an_object_is_bad_input(tmp_path, capsys, text):
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    assert main(["--example", "--predict", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: (top level): expected an object" in err and "internal error" not in err
+
+
 def test_a_plan_of_a_device_type_without_profiles_is_bad_input(tmp_path, capsys):
     searched = _searched(tmp_path, capsys)
     plan = searched["plan"]
