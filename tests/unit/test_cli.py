@@ -1,7 +1,9 @@
 """`poplar-search` (poplar_ext/search/cli.py): exit codes, output files, table and JSON output."""
 
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,18 @@ def test_output_is_written_and_valid(capsys, tmp_path):
     plan = load_plan(target)
     assert plan.global_batch_size == 256 and plan.zero_stage == 2
     assert json.loads(out) == json.loads(target.read_text())
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_output_file_gets_the_mode_the_umask_gives_a_new_file(capsys, tmp_path, umask, mode):
+    # A plan is read by the training job's ranks, maybe another user's: not a private 0600 temp file.
+    target = tmp_path / "plan.json"
+    previous = os.umask(umask)
+    try:
+        code, _, _ = run(capsys, "--example", "--global-batch-size", 64, "--output", target)
+    finally:
+        os.umask(previous)
+    assert code == 0 and stat.S_IMODE(target.stat().st_mode) == mode
 
 
 def test_policy_all_compares_and_prints_every_plan_as_json(capsys):
