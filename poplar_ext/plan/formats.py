@@ -701,7 +701,7 @@ def json_ready(data: dict[str, Any]) -> dict[str, Any]:
 
 def write_text_atomic(text: str, path: str | os.PathLike[str]) -> None:
     """Write `text` so that the file is either complete or untouched (temp file + rename)."""
-    path = Path(path)
+    path = Path(os.path.realpath(path))  # a symlink's target is written, as open() would; the rename keeps the link
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

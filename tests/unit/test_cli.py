@@ -64,6 +64,17 @@ def test_output_file_gets_the_mode_the_umask_gives_a_new_file(capsys, tmp_path, 
     assert code == 0 and stat.S_IMODE(target.stat().st_mode) == mode
 
 
+def test_output_through_a_symlink_writes_its_target_and_keeps_the_link(capsys, tmp_path):
+    target = tmp_path / "plans" / "plan.json"
+    target.parent.mkdir()
+    target.write_text("{}")
+    link = tmp_path / "current.json"
+    link.symlink_to(target)
+    code, out, _ = run(capsys, "--example", "--global-batch-size", 64, "--output", link, "--format", "json")
+    assert code == 0 and link.is_symlink()
+    assert json.loads(target.read_text()) == json.loads(out)
+
+
 def test_policy_all_compares_and_prints_every_plan_as_json(capsys):
     code, out, _ = run(
         capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 512, "--policy", "all"
