@@ -7,6 +7,7 @@ See profiles/README.md ("Layer profile", "Pipeline plan") and docs/pipeline.md.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -344,13 +345,14 @@ def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> Pi
     num_layers = root.field("num_layers").integer(minimum=1, maximum=MAX_LAYERS)
     pipeline_nodes = root.field("pipelines").items(min_length=1, max_length=MAX_WORLD_SIZE)
     pipelines = tuple(_pipeline_from_node(n, num_layers) for n in pipeline_nodes)
-    ranks = sorted(stage.rank for p in pipelines for stage in p.stages)
-    if ranks != list(range(len(ranks))):
-        missing = sorted(set(range(len(ranks))) - set(ranks))
-        repeated = sorted({r for r in ranks if ranks.count(r) > 1})
+    stages_of_rank = Counter(stage.rank for p in pipelines for stage in p.stages)
+    world_size = sum(stages_of_rank.values())
+    missing = [r for r in range(world_size) if r not in stages_of_rank]
+    if missing:  # a rank in two stages leaves another rank of 0..N-1 out
+        repeated = sorted(r for r, count in stages_of_rank.items() if count > 1)
         raise root.field("pipelines").fail(
-            f"every rank from 0 to {len(ranks) - 1} in exactly one stage (missing: {missing or 'none'}, "
-            f"in more than one stage: {repeated or 'none'})"
+            f"every rank from 0 to {world_size - 1} in exactly one stage (missing: {_ranks_text(missing)}, "
+            f"in more than one stage: {_ranks_text(repeated)})"
         )
     gbs_node = root.field("global_batch_size")
     global_batch_size = gbs_node.integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE)
@@ -367,6 +369,13 @@ def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> Pi
         predicted=_prediction(predicted),
         profile_fingerprints=_fingerprints(root),
     )
+
+
+def _ranks_text(ranks: list[int], limit: int = 8) -> str:
+    """``[1, 4]``; a long list cut after `limit` ranks, with its length (a message stays one line)."""
+    if not ranks:
+        return "none"
+    return str(ranks) if len(ranks) <= limit else f"[{', '.join(map(str, ranks[:limit]))}, ...] ({len(ranks)} ranks)"
 
 
 def pipeline_plan_to_dict(plan: PipelinePlan) -> dict[str, Any]:

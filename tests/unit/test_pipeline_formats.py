@@ -162,6 +162,21 @@ def test_a_bad_pipeline_plan_is_refused_naming_the_file_and_field(change, match)
         pipeline_plan_from_dict(_broken(change), source="plan.json")
 
 
+def test_many_misplaced_ranks_are_refused_with_a_short_message():
+    # 4096 one-stage pipelines on ranks 0..2047, each twice: the message shows a few ranks of each list, not all.
+    data = _plan()
+    one = {"stages": [_stage(0, "a", 0, 3)], "micro_batch_size": 1, "num_micro_batches": 1}
+    data["pipelines"] = [copy.deepcopy(one) for _ in range(4096)]
+    for index, pipeline in enumerate(data["pipelines"]):
+        pipeline["stages"][0]["rank"] = index // 2
+    with pytest.raises(FormatError) as caught:
+        pipeline_plan_from_dict(data, source="plan.json")
+    message = str(caught.value)
+    assert len(message) < 500, message[:500]
+    assert "(missing: [2048, 2049, 2050, " in message and "(2048 ranks)" in message
+    assert "in more than one stage: [0, 1, 2, " in message
+
+
 def _layer_profile(device_type="a", zero_stage=0) -> LayerProfile:
     layer = LayerCost(
         index=0,
