@@ -34,6 +34,7 @@ from .cli_common import (
     chosen_network,
     comparison_table,
     error,
+    output_problem,
     plan_table,
     write_plan,
 )
@@ -184,7 +185,9 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         help="price this plan (ZeRO or pipeline) instead of searching one: where each rank's time goes, from "
         "--profiles (and DIR/layers/ for a pipeline plan) and the network file; --cluster is optional here",
     )
-    parser.add_argument("--output", metavar="PLAN.json", help="write the (poplar) plan here, only on success")
+    parser.add_argument(
+        "--output", metavar="PLAN.json", help="write the (poplar) plan here, only on success; never over an input file"
+    )
     parser.add_argument("--format", choices=("table", "json"), default="table", help="what to print (default: table)")
     parser.add_argument("--debug", action="store_true", help="on an internal error, print the traceback")
     return parser
@@ -214,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
         if ignored:
             return error(f"{', '.join(ignored)}: not used with --predict, which prices the plan as it is (see --help)")
         return run_predict(args)
+    problem = args.output and output_problem(args)
+    if problem:
+        return error(f"{problem} (see --help)")
     if args.parallelism != "zero":
         return run_pipelines(args)
     try:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from collections.abc import Callable, Sequence
 from operator import attrgetter
+from pathlib import Path
 from typing import Any
 
 from poplar_ext.plan.errors import FormatError
-from poplar_ext.plan.formats import write_json_atomic
-from poplar_ext.plan.network_format import NetworkProfile, find_network, load_network
+from poplar_ext.plan.formats import read_json, write_json_atomic
+from poplar_ext.plan.network_format import NETWORK_DIRECTORY, NetworkProfile, find_network, load_network
+from poplar_ext.plan.pipeline_formats import layer_profiles_dir
 
 from .api import SearchResult, StageReport, predict
 
@@ -42,6 +45,28 @@ def write_plan(data: dict[str, Any], path: str) -> bool:
         error(f"{path}: cannot write the plan: {exc.strerror or exc}")
         return False
     return True
+
+
+def output_problem(args: Any) -> str | None:
+    """Why ``--output`` may not be written: it names a file the run reads (the cluster, the network file, a file of
+    the profile directory or its layers/ or network/ other than a plan), which the plan would replace."""
+    output = Path(os.path.realpath(args.output))  # as write_plan resolves it
+    if not output.is_file():
+        return None
+    profiles = Path(args.profiles)
+    folders = [profiles, layer_profiles_dir(profiles), profiles / NETWORK_DIRECTORY]
+    read = any(path and Path(path).is_file() and output.samefile(path) for path in (args.cluster, args.network))
+    if read or (any(f.is_dir() and output.parent.samefile(f) for f in folders) and not _is_plan(output)):
+        return f"--output: expected a file that is not one of the inputs, found {args.output}, which this run reads"
+    return None
+
+
+def _is_plan(path: Path) -> bool:
+    try:
+        data = read_json(path)
+    except FormatError:
+        return False
+    return isinstance(data, dict) and ("ranks" in data or "pipelines" in data)
 
 
 def chosen_network(args: Any, cluster: Any) -> NetworkProfile | None:

@@ -75,6 +75,22 @@ def test_output_through_a_symlink_writes_its_target_and_keeps_the_link(capsys, t
     assert json.loads(target.read_text()) == json.loads(out)
 
 
+def test_output_never_overwrites_an_input_but_may_replace_a_plan(capsys, tmp_path):
+    profiles = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, profiles)
+    cluster, profile = profiles / "cluster.json", next(profiles.glob("*a100*stage1.json"))
+    inputs = {path: path.read_bytes() for path in (cluster, profile, *profiles.glob("layers/*.json"))}
+    for target in inputs:
+        code, out, err = run(capsys, "--profiles", profiles, "--cluster", cluster, "--output", target)
+        assert code == 2 and out == ""
+        assert f"--output: expected a file that is not one of the inputs, found {target}" in err
+    assert all(path.read_bytes() == data for path, data in inputs.items())
+    plan = profiles / "plan.json"
+    for batch in (64, 128):  # a plan written beside the profiles is replaced by the next one
+        common = ("--profiles", profiles, "--cluster", cluster, "--global-batch-size", batch, "--output", plan)
+        assert run(capsys, *common)[0] == 0 and load_plan(plan).global_batch_size == batch
+
+
 def test_policy_all_compares_and_prints_every_plan_as_json(capsys):
     code, out, _ = run(
         capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 512, "--policy", "all"
