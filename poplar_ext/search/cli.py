@@ -111,6 +111,16 @@ def parse_positive_int(text: str) -> int:
     return value
 
 
+def parse_global_batch_size(text: str) -> int:
+    """argparse type: a positive integer within the search's limit (a larger one is the option's error)."""
+    value = parse_positive_int(text)
+    if value > MAX_GLOBAL_BATCH_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"expected at most {MAX_GLOBAL_BATCH_SIZE} (the search's limit), found {text!r}"
+        )
+    return value
+
+
 def parse_zero_stage(text: str) -> int | str:
     """argparse type: `auto` or a ZeRO stage 0..3."""
     if text == "auto":
@@ -137,13 +147,13 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
     )
     parser.add_argument(
         "--global-batch-size",
-        type=parse_positive_int,
+        type=parse_global_batch_size,
         metavar="N",
         help="samples per iteration over all ranks (default: the best predicted throughput)",
     )
     parser.add_argument(
         "--max-global-batch-size",
-        type=parse_positive_int,
+        type=parse_global_batch_size,
         metavar="N",
         help="upper bound for the automatic global batch",
     )

@@ -58,7 +58,7 @@ def _bad_exit(capsys, tmp_path, *argv, profiles=EXAMPLES, cluster=CLUSTER):
 )
 def test_a_global_batch_beyond_the_limit_is_bad_input(capsys, tmp_path, batch):
     err = _bad_exit(capsys, tmp_path, "--global-batch-size", batch, "--zero-stage", "0")
-    assert f"global_batch_size: expected None or an integer from 1 to {MAX_GLOBAL_BATCH_SIZE}" in err
+    assert f"argument --global-batch-size: expected at most {MAX_GLOBAL_BATCH_SIZE} (the search's limit)" in err
 
 
 def test_a_float_global_batch_is_an_argument_error(capsys, tmp_path):

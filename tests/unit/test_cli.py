@@ -170,6 +170,24 @@ def test_bad_arguments_exit_2_on_one_line(capsys, argv, match):
     assert match in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--global-batch-size", "2147483649"], "argument --global-batch-size: expected at most 2147483648 (the"),
+        (["--max-global-batch-size", "10000000000"], "argument --max-global-batch-size: expected at most 2147483648"),
+        (
+            ["--global-batch-size", "4194305", "--parallelism", "auto"],
+            "--global-batch-size: expected at most 4194304 with --parallelism auto (the pipeline search's limit), "
+            "found 4194305",
+        ),
+    ],
+)
+def test_a_batch_above_the_limit_is_the_options_error_not_the_files(capsys, extra, match):
+    code, out, err = run(capsys, "--example", *extra)
+    assert code == 2 and out == "" and match in err
+    assert "profiles:" not in err and "cluster:" not in err  # the files are not at fault
+
+
 def test_help_describes_formats_and_exit_codes(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0
