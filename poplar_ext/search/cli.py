@@ -121,6 +121,13 @@ def parse_global_batch_size(text: str) -> int:
     return value
 
 
+def parse_path(text: str) -> str:
+    """argparse type: a path, not empty (an unset variable in ``--output "$PLAN"`` would otherwise be ignored)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, found ''")
+    return text
+
+
 def parse_zero_stage(text: str) -> int | str:
     """argparse type: `auto` or a ZeRO stage 0..3."""
     if text == "auto":
@@ -137,8 +144,12 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         parser = _OneLineErrorParser(prog=PROG, **options)
     else:
         parser = subparsers.add_parser("search", help="search a plan from profiles and a cluster", **options)
-    parser.add_argument("--profiles", metavar="DIR", help="directory of profile JSON files (required unless --example)")
-    parser.add_argument("--cluster", metavar="FILE", help="cluster description JSON file (required unless --example)")
+    parser.add_argument(
+        "--profiles", type=parse_path, metavar="DIR", help="directory of profile JSON files (required unless --example)"
+    )
+    parser.add_argument(
+        "--cluster", type=parse_path, metavar="FILE", help="cluster description JSON file (required unless --example)"
+    )
     parser.add_argument(
         "--example",
         action="store_true",
@@ -182,6 +193,7 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
     network = parser.add_mutually_exclusive_group()
     network.add_argument(
         "--network",
+        type=parse_path,
         metavar="FILE",
         help="collective times (a network file, see profiles/README.md): communication is then priced for the "
         "cluster's world size; default: the network file in --profiles measured on this cluster, if there is one",
@@ -191,12 +203,16 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
     )
     parser.add_argument(
         "--predict",
+        type=parse_path,
         metavar="PLAN",
         help="price this plan (ZeRO or pipeline) instead of searching one: where each rank's time goes, from "
         "--profiles (and DIR/layers/ for a pipeline plan) and the network file; --cluster is optional here",
     )
     parser.add_argument(
-        "--output", metavar="PLAN.json", help="write the (poplar) plan here, only on success; never over an input file"
+        "--output",
+        type=parse_path,
+        metavar="PLAN.json",
+        help="write the (poplar) plan here, only on success; never over an input file",
     )
     parser.add_argument("--format", choices=("table", "json"), default="table", help="what to print (default: table)")
     parser.add_argument("--debug", action="store_true", help="on an internal error, print the traceback")

@@ -188,6 +188,14 @@ def test_a_batch_above_the_limit_is_the_options_error_not_the_files(capsys, extr
     assert "profiles:" not in err and "cluster:" not in err  # the files are not at fault
 
 
+@pytest.mark.parametrize("option", ["--profiles", "--cluster", "--network", "--predict", "--output"])
+def test_an_empty_path_is_refused_not_ignored(capsys, option):
+    # `--output "$PLAN"` with PLAN unset must not exit 0 without writing (nor search in place of --predict).
+    code, out, err = run(capsys, "--example", "--global-batch-size", 64, option, "")
+    assert code == 2 and out == ""
+    assert f"argument {option}: expected a path, found ''" in err
+
+
 def test_help_describes_formats_and_exit_codes(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0
