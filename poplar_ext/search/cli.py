@@ -243,6 +243,12 @@ def run(args: argparse.Namespace) -> int:
         if ignored:
             return error(f"{', '.join(ignored)}: not used with --predict, which prices the plan as it is (see --help)")
         return run_predict(args)
+    batch, most = args.global_batch_size, args.max_global_batch_size
+    if batch is not None and most is not None and batch > most:
+        # Every mode's: the option's error, not the input files' (the pipeline search itself never reads the bound).
+        return error(
+            f"--global-batch-size: expected at most --max-global-batch-size ({most}), found {batch} (see --help)"
+        )
     problem = args.output and output_problem(args)
     if problem:
         return error(f"{problem} (see --help)")

@@ -175,6 +175,13 @@ def test_bad_arguments_exit_2_on_one_line(capsys, argv, match):
     [
         (["--global-batch-size", "2147483649"], "argument --global-batch-size: expected at most 2147483648 (the"),
         (["--max-global-batch-size", "10000000000"], "argument --max-global-batch-size: expected at most 2147483648"),
+        *(
+            (
+                ["--global-batch-size", "64", "--max-global-batch-size", "10", "--parallelism", parallelism],
+                "--global-batch-size: expected at most --max-global-batch-size (10), found 64",
+            )
+            for parallelism in ("zero", "auto")
+        ),
         (
             ["--global-batch-size", "4194305", "--parallelism", "auto"],
             "--global-batch-size: expected at most 4194304 with --parallelism auto (the pipeline search's limit), "
