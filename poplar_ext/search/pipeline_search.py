@@ -519,9 +519,9 @@ def _gib(num_bytes: float) -> str:
 
 
 def check_pipeline_plan(
-    plan: PipelinePlan, cluster: Cluster, layer_profiles: Sequence[LayerProfile] | None = None
+    plan: PipelinePlan, cluster: Cluster | None, layer_profiles: Sequence[LayerProfile] | None = None
 ) -> list[str]:
-    """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
+    """Problems that make `plan` unusable on `cluster` (None: the plan alone), as full sentences ([] when fine).
 
     Checks the ranks against the cluster (count and device types), the ZeRO stage, that the pipelines' samples are the
     global batch and each pipeline's stages cover the layers in order; with `layer_profiles`, that every device type has
@@ -529,7 +529,7 @@ def check_pipeline_plan(
     (`search.pipeline_cost`: base, its layers, the 1F1B in-flight activations, or a checkpointed stage's inputs and one
     micro-batch's activations).
     """
-    problems = cluster_problems(plan, cluster) + _check_shape(plan)
+    problems = ([] if cluster is None else cluster_problems(plan, cluster)) + _check_shape(plan)
     if layer_profiles is not None and not problems:
         problems += _check_memory(plan, layer_profiles)
     return problems

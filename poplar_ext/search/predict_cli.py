@@ -26,6 +26,7 @@ from .api import PlanPrediction, cluster_problems, predict
 from .cli_common import EXIT_OK, bad_input, chosen_network, error, rank_span, runs, table
 from .examples import example_cluster_file
 from .pipeline_cost import BoundaryTransfer, PipelinePrediction, predict_pipeline
+from .pipeline_search import check_pipeline_plan
 
 
 def run_predict(args: argparse.Namespace) -> int:
@@ -46,6 +47,10 @@ def run_predict(args: argparse.Namespace) -> int:
         if kind == "pipeline":
             layers = load_layer_profiles(layer_profiles_dir(args.profiles))
             prediction: Any = predict_pipeline(plan, layers, network, cluster=cluster)
+            # Refused as a ZeRO plan beyond its profiles' largest micro-batch is: a time for a plan that cannot run.
+            problems = check_pipeline_plan(plan, None, layers)
+            if problems:
+                return error(f"{args.predict}: expected stages that fit their device's memory: {' '.join(problems)}")
         else:
             prediction = predict(plan, load_profiles(args.profiles), network)
     except ValueError as exc:

@@ -79,6 +79,19 @@ def test_a_plan_file_that_is_not_an_object_is_bad_input(tmp_path, capsys, text):
     assert f"{bad}: (top level): expected an object" in err and "internal error" not in err
 
 
+def test_a_pipeline_plan_whose_stage_does_not_fit_is_bad_input_as_a_zero_one(tmp_path, capsys):
+    # A ZeRO plan beyond a profile's largest micro-batch is refused; a pipeline stage beyond its memory alike.
+    plan = _searched(tmp_path, capsys, "--parallelism", "pipeline")["plan"]
+    plan["pipelines"][0]["micro_batch_size"] *= 1000
+    plan["global_batch_size"] = sum(p["micro_batch_size"] * p["num_micro_batches"] for p in plan["pipelines"])
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(plan))
+    assert main(["--example", "--predict", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"{path}: expected stages that fit their device's memory" in captured.err
+    assert "pipeline 0 stage 0 (rank " in captured.err
+
+
 def test_a_plan_of_a_device_type_without_profiles_is_bad_input(tmp_path, capsys):
     searched = _searched(tmp_path, capsys)
     plan = searched["plan"]
