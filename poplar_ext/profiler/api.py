@@ -7,6 +7,7 @@ cache and every rank returns the same list. `profile_with` takes one `ProfileOpt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import math
@@ -441,7 +442,9 @@ def _profile(
     network = _job_network(options, layout) if options.measure_network else None
     session = dataclasses.replace(_start_session(options, settings, layout), timeouts=timeouts, network=network)
     keys = {(t, run): session.key(t, run) for run in session.runs for t in session.types_of(run)}
-    cached = broadcast_from_rank0(cached_on_rank0(layout.rank, options, keys, find_cached_profile, profile_to_dict))
+    # A profile whose probe a lower --max-micro-batch-size stopped is measured again: more may fit.
+    find = functools.partial(find_cached_profile, micro_batch_size_limit=settings.micro_batch_size_limit)
+    cached = broadcast_from_rank0(cached_on_rank0(layout.rank, options, keys, find, profile_to_dict))
     reporter = _ProgressReporter(
         sink=options.progress,
         layout=layout,

@@ -175,9 +175,26 @@ def cached_on_rank0(
     return {what: to_dict(profile) for what, profile in found.items() if profile is not None}
 
 
-def find_cached_profile(cache_dir: str | Path, key: ProfileKey) -> Profile | None:
-    """The stored profile whose key equals `key`, or None."""
-    return next((p for _, p in _stored_profiles(Path(cache_dir)) if ProfileKey.of_profile(p) == key), None)
+def find_cached_profile(
+    cache_dir: str | Path, key: ProfileKey, *, micro_batch_size_limit: int | None = None
+) -> Profile | None:
+    """The stored profile whose key equals `key`, or None. With `micro_batch_size_limit`, one whose probe
+    stopped at a lower limit is None: its largest micro-batch is that limit, not what fits."""
+    return next(
+        (
+            p
+            for _, p in _stored_profiles(Path(cache_dir))
+            if ProfileKey.of_profile(p) == key and not _stopped_below(p, micro_batch_size_limit)
+        ),
+        None,
+    )
+
+
+def _stopped_below(profile: Profile, micro_batch_size_limit: int | None) -> bool:
+    """Whether `profile`'s probe was stopped by a micro-batch limit below `micro_batch_size_limit`."""
+    probe = profile.measured_with.get("largest_micro_batch_probe")
+    limited = isinstance(probe, Mapping) and probe.get("limited_by_micro_batch_size_limit") is True
+    return limited and micro_batch_size_limit is not None and profile.max_micro_batch_size < micro_batch_size_limit
 
 
 def profile_file_name(profile: Profile) -> str:

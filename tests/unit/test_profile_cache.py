@@ -148,3 +148,20 @@ def test_stored_json_holds_every_key(tmp_path: Path) -> None:
     data = json.loads(store_profile(tmp_path, _profile()).read_text())
     assert data["measured_with"]["torch"] == "2.13.0"
     assert data["model"]["fingerprint"] == "sha256:0123456789abcdef"
+
+
+def _probe(limited: bool) -> dict:
+    return {**_profile().measured_with, "largest_micro_batch_probe": {"limited_by_micro_batch_size_limit": limited}}
+
+
+def test_a_profile_a_lower_micro_batch_limit_stopped_is_measured_again_under_a_higher_one(tmp_path: Path) -> None:
+    # Measured with --max-micro-batch-size 4: its largest micro-batch is the limit, not what fits.
+    store_profile(tmp_path, _profile(measured_with=_probe(limited=True)))
+    assert find_cached_profile(tmp_path, _key(), micro_batch_size_limit=8) is None
+    assert find_cached_profile(tmp_path, _key(), micro_batch_size_limit=4) is not None
+    assert find_cached_profile(tmp_path, _key(), micro_batch_size_limit=2) is not None
+
+
+def test_a_profile_memory_stopped_is_reused_under_any_micro_batch_limit(tmp_path: Path) -> None:
+    store_profile(tmp_path, _profile(measured_with=_probe(limited=False)))
+    assert find_cached_profile(tmp_path, _key(), micro_batch_size_limit=256) is not None
