@@ -29,7 +29,7 @@ from poplar_ext.activation_checkpointing import (
     cannot_checkpoint_message,
     checkpointing_toggle,
 )
-from poplar_ext.collectives import ShortCollectiveTimeouts, broadcast_from_rank0, gather_objects
+from poplar_ext.collectives import ShortCollectiveTimeouts, broadcast_from_rank0, gather_objects, process_group_rank
 from poplar_ext.hardware.compute_clock import compute_window
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.devices import join_job
@@ -52,6 +52,7 @@ from poplar_ext.profiler.cache import (
     ds_config_fingerprint,
     find_cached_profile,
     store_profile,
+    writable_directory,
 )
 from poplar_ext.profiler.calibration import timed_as_training
 from poplar_ext.profiler.fingerprint import model_fingerprint
@@ -162,6 +163,8 @@ def profile_with(options: ProfileOptions) -> list[Profile]:
     # Checked before anything is measured, layer profiles too (they take `options` as given: a pipeline's
     # loss_fn None is its own loss, not `default_loss`).
     checked, settings = _checked(options)
+    device = join_job()
+    writable_directory(checked.cache_dir, rank=process_group_rank()[0])
     if options.per_layer is not False:
         from poplar_ext.profiler.layers import is_pipeline_model
         from poplar_ext.profiler.per_layer import profile_layers
@@ -172,7 +175,6 @@ def profile_with(options: ProfileOptions) -> list[Profile]:
             profile_layers(options, model=model)
         if pipeline_model:
             if options.measure_network:  # what prices the plan's transfers and all-reduces, as for any model
-                device = join_job()
                 with _measuring_process(device), _short_timeouts(checked, device):
                     _job_network(checked, build_layout(checked.cluster, device, bf16=_bf16(checked)))
             return []  # a pipeline model has no whole-model profile
@@ -181,7 +183,6 @@ def profile_with(options: ProfileOptions) -> list[Profile]:
         checked = dataclasses.replace(checked, model_factory=lambda: built.pop() if built else factory())
         if options.per_layer:
             checked = dataclasses.replace(checked, loss_fn=_sequential_loss(options.loss_fn))
-    device = join_job()
     with _measuring_process(device), _short_timeouts(checked, device) as timeouts:
         return _profile(checked, settings, device, timeouts)
 

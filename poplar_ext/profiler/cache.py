@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import copy
 import re
+import tempfile
 import warnings
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from poplar_ext.collectives import decided_by_rank0
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (
     Emulation,
@@ -152,6 +154,21 @@ def _stored(directory: Path, load: Callable[[Path], Any], kind: str) -> list[tup
         if loaded is not None:
             found.append((path, loaded))
     return found
+
+
+def writable_directory(directory: Path, *, rank: int, name: str = "cache_dir") -> None:
+    """`directory` made, and a file written there, by rank 0 before anything is measured (collective):
+    one that cannot be is a ValueError naming `name` on every rank, not rank 0's OSError after a stage."""
+
+    def check() -> None:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=directory).close()
+        except OSError as exc:
+            found = f"{directory} ({exc.strerror or exc})"
+            raise ValueError(f"{name}: expected a directory rank 0 can write profiles into, found {found}") from None
+
+    decided_by_rank0(check, rank=rank)
 
 
 def _load_profile(path: Path) -> Profile | None:

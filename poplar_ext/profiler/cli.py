@@ -295,18 +295,23 @@ def run(options: ProfileOptions) -> list[Any]:
 
     from poplar_ext.collectives import process_group_rank
     from poplar_ext.hardware.cpu_process import skip_deepspeed_shm_op
+    from poplar_ext.hardware.devices import join_job
     from poplar_ext.hardware.discovery import discover_cluster
     from poplar_ext.plan.formats import save_cluster
     from poplar_ext.profiler import profile_with
+    from poplar_ext.profiler.cache import writable_directory
 
     if get_accelerator().device_name() == "cpu":
         # This command owns its process: spare it DeepSpeed's compile of an op that
         # only inference uses (see poplar_ext.hardware.cpu_process).
         skip_deepspeed_shm_op()
 
+    join_job()
+    rank = process_group_rank()[0]
+    writable_directory(Path(options.cache_dir), rank=rank, name="--output-dir")
     if options.cluster is None:
         cluster = discover_cluster()
-        if process_group_rank()[0] == 0:
+        if rank == 0:
             target = Path(options.cache_dir) / DISCOVERED_CLUSTER_FILE
             save_cluster(cluster, target)
             if options.progress is not None:

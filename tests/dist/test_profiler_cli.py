@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from harness import run_ranks
 
@@ -129,41 +130,37 @@ def test_cli_config_deepspeed_refuses_exits_2_on_every_rank(tmp_path) -> None:
     )
 
 
-def test_cli_profiles_real_cpu_ranks(tmp_path) -> None:
+def _tiny_toy_gpt_on_two_cpu_ranks(tmp_path) -> tuple[Path, list[str]]:
+    """The DeepSpeed config written for two real CPU ranks, and the command line of a one-layer toy GPT on them
+    at ZeRO 0 (their cluster file beside it)."""
     cluster = tmp_path / "cluster.json"
     cluster.write_text(
         json.dumps({"schema_version": 1, "nodes": [{"name": "n0", "devices": [{"device_type": "cpu", "count": 2}]}]})
     )
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0}))
-    argv = [
-        "--deepspeed_config",
-        str(ds),
-        "--cluster",
-        str(cluster),
-        "--model",
-        "toy-gpt",
-        "--layers",
-        "1",
-        "--hidden-size",
-        "32",
-        "--heads",
-        "2",
-        "--vocab-size",
-        "128",
-        "--sequence-length",
-        "16",
-        "--zero-stages",
-        "0",
-        "--max-micro-batch-size",
-        "4",
-        "--repeats",
-        "1",
-        "--output-dir",
-        str(tmp_path / "p"),
-        "--activation-checkpointing",
-        "off",
+    sizes = ["--layers", "1", "--hidden-size", "32", "--heads", "2", "--vocab-size", "128", "--sequence-length", "16"]
+    return ds, [
+        *("--deepspeed_config", str(ds), "--cluster", str(cluster), "--model", "toy-gpt", *sizes),
+        *("--zero-stages", "0", "--repeats", "1", "--activation-checkpointing", "off"),
     ]
+
+
+def test_an_output_directory_rank_0_cannot_write_is_an_error_on_every_rank_before_any_stage(tmp_path) -> None:
+    ds, argv = _tiny_toy_gpt_on_two_cpu_ranks(tmp_path)
+    # Under a file: no rank can make it (root ignores a read-only mode, so that is not the test).
+    argv += ["--max-micro-batch-size", "2", "--no-network", "--output-dir", str(ds / "p")]
+    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [2, 2]
+    for log in tmp_path.rglob("rank*.log"):
+        text = log.read_text()
+        expected = "poplar-profile: error: --output-dir: expected a directory rank 0 can write profiles into"
+        assert f"{expected}, found {ds / 'p'} (" in text
+        assert "measuring" not in text, "refused before any stage is measured"
+
+
+def test_cli_profiles_real_cpu_ranks(tmp_path) -> None:
+    _, argv = _tiny_toy_gpt_on_two_cpu_ranks(tmp_path)
+    argv += ["--max-micro-batch-size", "4", "--output-dir", str(tmp_path / "p")]
     assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path, args=(argv,), timeout_s=120) == [0, 0]
     (profile,) = load_profiles(tmp_path / "p")
     from poplar_ext.hardware.memory import physical_memory_bytes
