@@ -480,7 +480,8 @@ class StageMeasurement:
         remaining = 0
         for record in records.values():
             s = record.search
-            target = s.largest_fitting if s.next_size() is None else (s.predicted or s.limit)
+            # The memory fit may predict far past the limit (or a failed size): no trial goes there.
+            target = s.largest_fitting if s.next_size() is None else min(s.predicted or s.limit, s.ceiling)
             todo = [b for b in self._sweep_sizes(max(target, 1)) if b not in record.peaks]
             remaining = max(remaining, len(todo) + (0 if s.next_size() is None else 2))
         return remaining

@@ -91,13 +91,13 @@ class LargestFitSearch:
             raise ValueError(f"capacity_bytes: expected an integer >= 1, found {self.capacity_bytes}")
 
     @property
-    def _ceiling(self) -> int:
+    def ceiling(self) -> int:
         """Largest size still worth trying (exclusive bound minus one)."""
         return self.limit if self.smallest_failing is None else min(self.limit, self.smallest_failing - 1)
 
     def next_size(self) -> int | None:
         """The next size to run, or None when the search is finished."""
-        lo, ceiling = self.largest_fitting, self._ceiling
+        lo, ceiling = self.largest_fitting, self.ceiling
         if lo >= ceiling:
             return None
         if lo == 0:

@@ -81,3 +81,31 @@ def test_nothing_fits_gives_zero() -> None:
 def test_search_rejects_a_zero_limit() -> None:
     with pytest.raises(ValueError, match="limit: expected an integer >= 1, found 0"):
         LargestFitSearch(capacity_bytes=MB, limit=0, exact=True)
+
+
+@pytest.mark.parametrize(("limit", "failing", "trials_left"), [(4, None, 4), (256, 7, 4)])
+def test_the_trials_left_for_progress_stop_at_the_limit_and_below_a_failed_size(limit, failing, trials_left) -> None:
+    from poplar_ext.profiler.measure import MeasureSettings, StageMeasurement, _TypeRecord
+
+    # A tiny model on 8 GB: the memory line predicts tens of thousands of samples fit.
+    search = LargestFitSearch(capacity_bytes=8000 * MB, limit=limit, exact=True)
+    record = _TypeRecord(search=search)
+    for size, peak in ((1, 400 * MB), (2, 400 * MB + 100_000), (4, 400 * MB + 300_000)):
+        if size < limit:
+            assert search.next_size() == size
+            search.record(size, fits=True, peak_memory_bytes=peak)
+            record.peaks[size] = peak
+    if failing is not None:
+        search.record(failing, fits=False)
+    assert search.next_size() is not None and search.predicted > 10_000
+    measurement = StageMeasurement(
+        layout=None,
+        zero_stage=0,
+        types_to_measure=("t",),
+        build_engine=None,
+        make_batch=None,
+        loss_fn=None,
+        settings=MeasureSettings(micro_batch_size_limit=limit),
+    )
+    # Sizes left up to the limit 4: 3 and 4; below the failed 7: 3 and 6; each + 2 for the probe still going.
+    assert measurement._remaining_estimate({"t": record}) == trials_left
