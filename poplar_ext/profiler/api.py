@@ -388,7 +388,7 @@ def _start_session(options: ProfileOptions, settings: MeasureSettings, layout: J
         ),
         toggle=toggle,
         versions={"torch": torch.__version__, "deepspeed": deepspeed.__version__},
-        config_fingerprint=ds_config_fingerprint(options.ds_config),
+        config_fingerprint=ds_config_fingerprint(options.ds_config, _client_optimizer(options, first_model)),
         offload_types=offload_types,
         runs=tuple(
             _Run(stage, checkpointing, offload)
@@ -399,6 +399,14 @@ def _start_session(options: ProfileOptions, settings: MeasureSettings, layout: J
         spare_models=[first_model],
         trainable_parameters=sum(p.numel() for p in first_model.parameters() if p.requires_grad),
     )
+
+
+def _client_optimizer(options: ProfileOptions, model: torch.nn.Module) -> str | None:
+    """The class `optimizer_factory` builds (None: none given), for the cache key: the config does not say it."""
+    if options.optimizer_factory is None:
+        return None
+    optimizer = options.optimizer_factory([p for p in model.parameters() if p.requires_grad])
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def _offload_types(layout: JobLayout, optimizer_offload: str) -> tuple[str, ...]:

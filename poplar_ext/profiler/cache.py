@@ -51,9 +51,12 @@ _CONFIG_KEYS_NOT_IN_KEY = frozenset(
 )
 
 
-def ds_config_fingerprint(ds_config: Mapping[str, Any]) -> str:
-    """Hash of the DeepSpeed settings that change speed or memory (not batch sizes, not the stage)."""
+def ds_config_fingerprint(ds_config: Mapping[str, Any], client_optimizer: str | None = None) -> str:
+    """Hash of the DeepSpeed settings that change speed or memory (not batch sizes, not the stage), and of
+    `client_optimizer`, the class of an optimizer the script builds (another one: another state and step)."""
     relevant = {k: copy.deepcopy(v) for k, v in ds_config.items() if k not in _CONFIG_KEYS_NOT_IN_KEY}
+    if client_optimizer is not None:
+        relevant["poplar_client_optimizer"] = client_optimizer
     zero = relevant.get("zero_optimization")
     if isinstance(zero, dict):
         zero.pop("stage", None)
@@ -78,7 +81,7 @@ class _Key:
     torch_version: str
     deepspeed_version: str
     ds_config_fingerprint: str
-    """`ds_config_fingerprint` of the DeepSpeed config (its optimizer decides the optimizer state)."""
+    """`ds_config_fingerprint` of the DeepSpeed config (its optimizer, or the script's, decides the optimizer state)."""
 
     @staticmethod
     def _shared(profile: Profile | LayerProfile) -> dict[str, Any] | None:

@@ -689,3 +689,39 @@ def test_the_smallest_type_is_also_measured_with_its_optimizer_offloaded(measure
     assert offloaded.optimizer_step_time_s > 0
     assert any(path.name.endswith("-zero1-offload.json") for path in (cache_dir / "offload").glob("*.json"))
     assert results[1]["offload"]["profiles"] == profiles
+
+
+def _client_optimizers_in_turn(cache_dir: str) -> list[int]:
+    """make_batch's calls under SGD, SGD again, then Adam, all passed as optimizer_factory (no config optimizer)."""
+    import torch
+
+    from poplar_ext import profile_model
+    from poplar_ext.models.toy_gpt import GPT
+
+    cfg = _model_config()
+    calls = []
+    for optimizer in (torch.optim.SGD, torch.optim.SGD, torch.optim.Adam):
+        batches = _Batches(cfg)
+        profile_model(
+            model_factory=lambda: GPT(cfg),
+            make_batch=batches,
+            ds_config={"zero_allow_untested_optimizer": True},
+            cluster=_cluster([("one", 1.0, 8 * 10**9)]),
+            zero_stages=(0,),
+            cache_dir=cache_dir,
+            optimizer_factory=lambda params, optimizer=optimizer: optimizer(params, lr=0.01),
+            micro_batch_size_limit=2,
+            repeats=1,
+            measure_network=False,
+            activation_checkpointing="off",
+        )
+        calls.append(batches.calls)
+    return calls
+
+
+def test_a_profile_measured_with_another_client_optimizer_is_not_reused(tmp_path) -> None:
+    # Adam keeps two moments per parameter and steps slower than SGD: another profile.
+    (calls,) = run_ranks(_client_optimizers_in_turn, world_size=1, tmp_path=tmp_path, args=(str(tmp_path / "c"),))
+    sgd, sgd_again, adam = calls
+    assert sgd > 0 and sgd_again == 0, "the same optimizer's profile is reused"
+    assert adam > 0, "Adam is measured, not given SGD's profile"
