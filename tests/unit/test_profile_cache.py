@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -165,3 +167,16 @@ def test_a_profile_a_lower_micro_batch_limit_stopped_is_measured_again_under_a_h
 def test_a_profile_memory_stopped_is_reused_under_any_micro_batch_limit(tmp_path: Path) -> None:
     store_profile(tmp_path, _profile(measured_with=_probe(limited=False)))
     assert find_cached_profile(tmp_path, _key(), micro_batch_size_limit=256) is not None
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
+def test_a_stored_profile_gets_the_mode_the_umask_gives_a_new_file(tmp_path: Path, umask: int, mode: int) -> None:
+    # A profile directory shared by users and jobs: not the temporary file's 0600.
+    old = os.umask(umask)
+    try:
+        path = store_profile(tmp_path, _profile())
+        replaced = store_profile(tmp_path, _profile(world_size=8))
+    finally:
+        os.umask(old)
+    assert replaced == path
+    assert stat.S_IMODE(path.stat().st_mode) == mode
