@@ -94,6 +94,8 @@ class _ProgressReporter:
     trials_done: int = 0
     trials_per_stage: float | None = None
     stage_trials: int = 0
+    title: str = ""
+    """The run measured now, e.g. ``ZeRO-1 with activation checkpointing``: its trial lines say it."""
 
     def say(self, line: str) -> None:
         if self.sink is not None and self.layout.rank == 0:
@@ -104,6 +106,7 @@ class _ProgressReporter:
             self.started_at = time.monotonic()
         self.stages_left -= 1
         self.stage_trials = 0
+        self.title = title
         labels = ", ".join(device_label(t, self.layout.emulations[t]) for t in types)
         self.say(f"{title}: measuring {labels}")
 
@@ -119,7 +122,7 @@ class _ProgressReporter:
         per_trial = elapsed / self.trials_done
         later = self.stages_left * (self.trials_per_stage or self.stage_trials + event.remaining_trials_estimate)
         left_s = per_trial * (event.remaining_trials_estimate + later)
-        self.say(f"ZeRO-{event.zero_stage} {event.phase}: {trial_outcome_text(event)}; about {left_s:.0f} s left")
+        self.say(f"{self.title} {event.phase}: {trial_outcome_text(event)}; about {left_s:.0f} s left")
 
 
 def trial_outcome_text(event: TrialEvent) -> str:

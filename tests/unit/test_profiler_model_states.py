@@ -123,3 +123,18 @@ def test_a_drift_schedule_does_not_keep_a_stored_profile_from_being_found(tmp_pa
     )
     stored = api._make_profile(result, session, run, stage_seconds=1.0)
     assert ProfileKey.of_profile(stored) == session.key("V100-16GB", run)
+
+
+def test_each_trial_line_names_the_run_its_memory_levers_included(tmp_path) -> None:
+    from poplar_ext.profiler.measure import TrialEvent
+
+    lines: list[str] = []
+    reporter = api._ProgressReporter(sink=lines.append, layout=_session(tmp_path).layout, stages_left=2)
+    for run in (api._Run(1, False, False), api._Run(1, True, True)):
+        reporter.stage_started(run.title, ["A100-80GB"])
+        reporter.trial(TrialEvent(zero_stage=1, phase="probe", sizes={"A100-80GB": 1}, remaining_trials_estimate=1))
+    # Otherwise the two runs' lines read alike, their peaks told apart by nothing.
+    assert lines[1].startswith("ZeRO-1 probe: A100-80GB micro-batch 1")
+    assert lines[3].startswith(
+        "ZeRO-1 with activation checkpointing and optimizer offload probe: A100-80GB micro-batch 1"
+    )
