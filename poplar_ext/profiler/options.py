@@ -185,8 +185,9 @@ class ProfileOptions:
     micro_batch_size_limit: int = _option(256, "--max-micro-batch-size", read=at_least(1), metavar="N")
     """The probe never tries a larger micro-batch."""
     measure_network: bool = _option(True, "--network", action=argparse.BooleanOptionalAction)
-    """Also time the collectives ZeRO issues (all-reduce, reduce-scatter, all-gather at 4 KiB-32 MiB,
-    about a second) on the job's process group and write a network file beside the profiles
+    """Also time the collectives ZeRO issues (all-reduce, reduce-scatter, all-gather from 4 KiB: to 32 MiB
+    on CPU, about a second; on GPUs to the config's largest ZeRO bucket, at most 1/8 of the smallest
+    device's memory) on the job's process group and write a network file beside the profiles
     (network/network-*.json, `poplar_ext.profiler.network`; reused when measured on the same
     cluster), with which the search prices communication."""
     activation_checkpointing: str = _option("auto", choices=CHECKPOINTING_MODES)

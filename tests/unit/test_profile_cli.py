@@ -148,6 +148,18 @@ def test_help_names_the_launcher(capsys) -> None:
     assert "deepspeed launcher" in capsys.readouterr().out
 
 
+def test_the_network_help_states_the_message_sizes_timed_on_cpu_and_on_gpus(capsys) -> None:
+    from poplar_ext.profiler.network import DEFAULT_MESSAGE_BYTES, message_sizes
+
+    # CPU: the defaults; a GPU: up to DeepSpeed's default bucket, 5e8 elements, 1 GB in bf16 (not 32 MiB).
+    assert (DEFAULT_MESSAGE_BYTES[0], DEFAULT_MESSAGE_BYTES[-1]) == (4 * 2**10, 32 * 2**20)
+    assert message_sizes({}, element_bytes=2, capacity_bytes=80 * 2**30)[-1] == 10**9
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "from 4 KiB: to 32 MiB on CPU, about a second; on GPUs to the config's largest ZeRO bucket" in text
+
+
 def test_a_deepspeed_config_that_is_not_utf8_is_named(files, tmp_path, capsys) -> None:
     bad = tmp_path / "latin1.json"
     bad.write_bytes('{"optimizer": {"type": "Adam"}, "note": "caf\u00e9"}'.encode("latin-1"))
