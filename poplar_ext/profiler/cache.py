@@ -47,6 +47,7 @@ _CONFIG_KEYS_NOT_IN_KEY = frozenset(
         "comet",
         "poplar",
         "checkpoint",
+        "scheduler",  # the learning rate's schedule: one cheap step per iteration, the same work per micro-step
     }
 )
 

@@ -132,13 +132,14 @@ def test_key_of_a_stored_profile_round_trips() -> None:
     assert ProfileKey.of_profile(_profile()) == _key()
 
 
-def test_config_fingerprint_ignores_batch_sizes_the_stage_and_the_poplar_section() -> None:
+def test_config_fingerprint_ignores_batch_sizes_the_stage_the_scheduler_and_the_poplar_section() -> None:
     other = {
         **CONFIG,
         "train_batch_size": 64,
         "gradient_accumulation_steps": 4,
         "zero_optimization": {"stage": 3},
         "poplar": {"cluster": "c.json"},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 100}},
     }
     assert ds_config_fingerprint(other) == ds_config_fingerprint(CONFIG)
     offload = {**CONFIG, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
