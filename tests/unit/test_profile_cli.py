@@ -57,6 +57,13 @@ def test_builtin_toy_gpt_with_size_options(files) -> None:
     assert command.ds_config["bf16"] == {"enabled": True}
 
 
+def test_the_output_dir_reads_a_tilde_as_the_home_folder(files, monkeypatch, tmp_path) -> None:
+    # "--output-dir=~/profiles" reaches the program unexpanded (the shell expands only a word's start).
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    command = parse_command(_args(files, "--model", "toy-gpt", "--output-dir=~/profiles"))
+    assert Path(command.cache_dir) == tmp_path / "home" / "profiles"
+
+
 def test_own_model_and_batch_factories_are_imported(files, monkeypatch) -> None:
     monkeypatch.chdir(files["dir"])
     command = parse_command(
