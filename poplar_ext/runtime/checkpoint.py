@@ -16,6 +16,12 @@ from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_to_dict
 STATE_FILE = "poplar_state.json"
 """poplar-ext's state, in a checkpoint's tag folder."""
 
+UNIVERSAL_SUFFIX = "_universal"
+"""``TAG_universal``: checkpoint TAG resharded for another number of ranks, beside it (`poplar_ext.runtime.reshard`)."""
+
+DEEPSPEED_RANK_FILES = ("*_model_states.pt", "*_optim_states.pt")
+"""DeepSpeed's files in a tag folder, some per rank (`remove_previous_save`)."""
+
 CLIENT_STATE_KEY = "poplar"
 """Where checkpoints of poplar-ext 0.1 kept the state, in DeepSpeed's client_state (still read)."""
 
@@ -83,6 +89,19 @@ def write_state(save_dir: str | Path, tag: str, state: dict) -> Path:
     path = Path(save_dir) / tag / STATE_FILE
     write_json_atomic(state, path)
     return path
+
+
+def remove_previous_save(save_dir: str | Path, tag: str) -> None:
+    """Remove what an earlier save into `tag` left (rank 0, before a save into it, every rank waiting):
+    its resharded copy ``TAG_universal``, which a resume on another number of ranks would load in place of
+    the new checkpoint, and DeepSpeed's files, of which a save on fewer ranks overwrites only some (a
+    resharding would read the others as the new checkpoint's)."""
+    import shutil
+
+    shutil.rmtree(Path(save_dir) / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
+    for pattern in DEEPSPEED_RANK_FILES:
+        for path in (Path(save_dir) / tag).glob(pattern):
+            path.unlink()
 
 
 def write_latest_when_saved(save_dir: str | Path, tag: str, *, rank: int) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from poplar_ext.runtime.checkpoint import UNIVERSAL_SUFFIX
+
 logger = logging.getLogger(__name__)
 
 SCALAR_STATES = ("step",)
@@ -302,7 +304,7 @@ def resharded_tag(
     """
     from poplar_ext.collectives import decided_by_rank0, gather_objects
 
-    source, universal = Path(load_dir) / tag, f"{tag}_universal"
+    source, universal = Path(load_dir) / tag, f"{tag}{UNIVERSAL_SUFFIX}"
     target = Path(load_dir) / universal
     zero_optimizer = deepspeed_engine.optimizer
     optimizer_name = type(getattr(zero_optimizer, "optimizer", zero_optimizer)).__name__

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from poplar_ext.collectives import agree_sum
+from poplar_ext.collectives import agree_sum, barrier
 from poplar_ext.hardware.emulation import OPTIMIZER_STEP_KEY, ComputeSlowdown, micro_step_key, warn_on_overrun
 from poplar_ext.hardware.optimizer_window import optimizer_compute_window
 from poplar_ext.plan.formats import Plan, one_accumulation_count, plan_from_dict, plan_to_dict
@@ -24,6 +24,7 @@ from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
     checkpoint_tag,
     read_state,
+    remove_previous_save,
     resume_decision,
     write_latest_when_saved,
     write_state,
@@ -421,7 +422,8 @@ class PoplarEngine(EngineCore):
         **kwargs: Any,
     ) -> Any:
         """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder (written by rank 0);
-        ``latest`` names the checkpoint once every rank has written its part (`write_latest_when_saved`)."""
+        ``latest`` names the checkpoint once every rank has written its part (`write_latest_when_saved`). A save
+        into a tag that holds a checkpoint replaces it (`remove_previous_save`)."""
         from deepspeed.checkpoint.constants import (
             UNIVERSAL_CHECKPOINT_INFO,
             UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -430,7 +432,9 @@ class PoplarEngine(EngineCore):
 
         tag = str(tag) if tag is not None else f"global_step{self.deepspeed_engine.global_steps}"  # DeepSpeed's default
         if self._rank == 0:
+            remove_previous_save(save_dir, tag)
             write_state(save_dir, tag, self._client_state())
+        barrier()  # no rank writes into the tag folder before rank 0 has emptied it
         client = dict(client_state or {})
         # DeepSpeed's own converter (ds_to_universal) requires this entry; poplar-ext's
         # (`poplar_ext.runtime.reshard`) does not, but keeps checkpoints usable by both.

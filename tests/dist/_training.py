@@ -91,6 +91,19 @@ def write_stage_files(folder: Path, allocations: dict[int, list[tuple[int, int]]
     return files
 
 
+def write_world_files(folder: Path, allocations: dict[int, dict[int, list[tuple[int, int]]]]) -> dict:
+    """``{(ranks, stage): (cluster path, plan path)}`` for `allocations` (ranks -> stage -> allocation): per
+    number of ranks, one real rank and the others emulated ``cpu-slow`` (no slowdown)."""
+    files = {}
+    for ranks, per_stage in allocations.items():
+        cluster = write_cluster(folder / f"cluster{ranks}.json", slow=ranks - 1, slowdown=1.0)
+        types = ["cpu"] + ["cpu-slow"] * (ranks - 1)
+        for stage, allocation in per_stage.items():
+            plan = write_plan(folder / f"plan{ranks}-{stage}.json", allocation, stage=stage, device_types=types)
+            files[ranks, stage] = (cluster, plan)
+    return files
+
+
 def write_profiles(directory: Path, fingerprint: str, types_and_caps: list[tuple[str, int, float]]) -> Path:
     """Synthetic ZeRO-1 profiles of the tiny GPT (by its `fingerprint`) in a new `directory`:
     ``(device_type, largest micro-batch, seconds per sample)`` each, for 3 ranks."""
