@@ -118,6 +118,27 @@ def write_latest_when_saved(save_dir: str | Path, tag: str, *, rank: int) -> Non
         write_text_atomic(tag, Path(save_dir) / "latest")
 
 
+def check_pattern_safe(folder: Path, *, caller: str) -> None:
+    """ValueError for a checkpoint folder DeepSpeed could not load: it finds a checkpoint's files by a glob
+    pattern of the folder's path, which a ``*``, ``?`` or ``[`` in it makes match other names."""
+    if any(character in str(folder) for character in "*?["):
+        raise ValueError(
+            f"{caller}: expected a checkpoint folder without the characters * ? [ (DeepSpeed finds its files by a "
+            f"glob pattern of its path, so it could not load it), found {folder}"
+        )
+
+
+def check_deepspeed_files(load_dir: str | Path, tag: str, *, named_by_latest: bool) -> None:
+    """ValueError unless the folder of `tag` holds DeepSpeed's model states (DeepSpeed would fail a bare
+    assertion): a ``latest`` naming a tag that was never written whole, or a mistyped tag."""
+    folder = Path(load_dir) / tag
+    check_pattern_safe(folder, caller="load_checkpoint")
+    if not any(folder.glob("*model_states.pt")):
+        named = f"{Path(load_dir) / 'latest'} names tag {tag!r}" if named_by_latest else f"tag {tag!r}"
+        found = "a folder without them" if folder.is_dir() else "no such folder"
+        raise ValueError(f"load_checkpoint: {named}: expected DeepSpeed's *model_states.pt in {folder}, found {found}")
+
+
 def read_state(load_dir: str | Path, tag: str | None) -> dict | None:
     """The saved state, or None when the checkpoint has none (not written by poplar-ext)."""
     if tag is None:

@@ -22,6 +22,8 @@ from poplar_ext.plan.formats import Plan, one_accumulation_count, plan_from_dict
 from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
     ResumeDecision,
+    check_deepspeed_files,
+    check_pattern_safe,
     checkpoint_tag,
     read_state,
     remove_previous_save,
@@ -431,6 +433,9 @@ class PoplarEngine(EngineCore):
         )
 
         tag = str(tag) if tag is not None else f"global_step{self.deepspeed_engine.global_steps}"  # DeepSpeed's default
+        check_pattern_safe(
+            Path(save_dir) / tag, caller="save_checkpoint"
+        )  # every rank passes the same folder (DeepSpeed checks the tag)
         if self._rank == 0:
             remove_previous_save(save_dir, tag)
             write_state(save_dir, tag, self._client_state())
@@ -470,7 +475,12 @@ class PoplarEngine(EngineCore):
         from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
 
         resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=self._rank)
-        saved = None if resolved is None else decided_by_rank0(lambda: read_state(load_dir, resolved), rank=self._rank)
+
+        def read_checked_state() -> dict | None:
+            check_deepspeed_files(load_dir, resolved, named_by_latest=tag is None)
+            return read_state(load_dir, resolved)
+
+        saved = None if resolved is None else decided_by_rank0(read_checked_state, rank=self._rank)
         where = str(Path(load_dir) / resolved) if resolved is not None else str(load_dir)
         decision = None
         load_tag = tag

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,13 @@ def _plan(allocation, stage=1):
             "profile_fingerprints": {},
         }
     )
+
+
+def write_model_states(save_dir, tag):
+    """The file by which DeepSpeed finds a checkpoint (poplar-ext checks it is there before loading)."""
+    folder = Path(save_dir) / tag
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "mp_rank_00_model_states.pt").touch()
 
 
 class FakeDeepSpeedEngine:
@@ -60,6 +68,7 @@ class FakeDeepSpeedEngine:
         self.micro_steps += 1
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, **kwargs):
+        write_model_states(save_dir, tag)
         self.saved = client_state
         self.events.append(("save", kwargs))
 
@@ -245,6 +254,7 @@ def test_checkpoint_with_another_seed_is_refused_before_deepspeed_loads(tmp_path
 def test_a_plain_deepspeed_checkpoint_starts_the_data_at_0_with_a_note(tmp_path, caplog):
     engine, fake = _engine(_plan([(2, 1)]))
     fake.saved = {"other": 1}  # no poplar state: saved by plain DeepSpeed
+    write_model_states(tmp_path, "t")
     with caplog.at_level(logging.INFO, logger="poplar_ext"):
         path, client_state = engine.load_checkpoint(tmp_path, tag="t")
     assert client_state == {"other": 1} and engine.data_position == 0
