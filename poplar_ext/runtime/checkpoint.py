@@ -182,6 +182,28 @@ class ResumeDecision:
     run had switched plans during training, and this job starts from the plan that run started from."""
 
 
+def _file_layout(zero_stage: int) -> int:
+    """Which of DeepSpeed's checkpoint layouts a ZeRO stage saves and loads: 0 (the optimizer in the model's
+    file), 1 (stages 1 and 2: each rank's flat partitions) or 3 (the parameters partitioned too)."""
+    return min(zero_stage, 1) if zero_stage < 3 else 3
+
+
+def _stages_like(zero_stage: int) -> str:
+    """The ZeRO stages of `zero_stage`'s checkpoint layout (``1 or 2``)."""
+    return " or ".join(str(s) for s in range(4) if _file_layout(s) == _file_layout(zero_stage))
+
+
+def check_zero_stage(saved_stage: int, stage: int, *, path: str) -> None:
+    """ValueError unless DeepSpeed can load a checkpoint saved at ZeRO `saved_stage` at `stage` (it fails
+    deep in its loader otherwise, or finds no file)."""
+    if _file_layout(saved_stage) != _file_layout(stage):
+        raise ValueError(
+            f"load_checkpoint: {path}: poplar_state.json: plan.zero_stage: expected a ZeRO stage whose files "
+            f"DeepSpeed loads at this job's stage {stage} ({_stages_like(stage)}), found {saved_stage}: resume it "
+            f"at ZeRO stage {_stages_like(saved_stage)} (zero_optimization.stage, or poplar.zero_stage)"
+        )
+
+
 def _shape(plan: dict) -> tuple:
     """What a re-balanced plan keeps: each rank's device type and memory levers, the stage, the global batch."""
     ranks = tuple(
@@ -228,6 +250,7 @@ def resume_decision(
             "this job trains every rank on the whole model: resume it with the same PoplarPipelineModule and plan"
         )
     check_data_order(saved, current, path=path)
+    check_zero_stage(saved["plan"]["zero_stage"], plan["zero_stage"], path=path)
     position = saved.get("data_position", saved["consumed_samples"])
     history = list(saved.get("plan_history") or [])
     notes: list[str] = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from poplar_ext.runtime.checkpoint import resume_decision
 
 
@@ -70,3 +72,21 @@ def test_a_job_whose_plan_checkpoints_otherwise_keeps_its_own_plan():
     assert decision.continue_plan is None
     assert decision.data_position == 160
     assert decision.plan_history[-1]["plan"]["ranks"][1]["activation_checkpointing"] is False
+
+
+def test_a_stage_deepspeed_cannot_load_the_files_at_is_refused_naming_both():
+    """DeepSpeed's loader fails deep inside (a bare assertion, a missing file, None.copy) across its layouts:
+    stage 0, stages 1-2, stage 3."""
+    saved = _saved(_plan(STARTED))
+    for saved_stage, stage, allowed in ((1, 3, "1 or 2"), (3, 2, "3"), (0, 1, "0"), (2, 0, "1 or 2")):
+        saved["plan"]["zero_stage"] = saved_stage
+        current = _plan(STARTED)
+        current["zero_stage"] = stage
+        with pytest.raises(ValueError) as refused:
+            resume_decision(saved, _current(current), path="ckpt/t", step=10)
+        assert str(refused.value).startswith("load_checkpoint: ckpt/t: poplar_state.json: plan.zero_stage: expected")
+        assert f"found {saved_stage}: resume it at ZeRO stage {allowed} (" in str(refused.value)
+    saved["plan"]["zero_stage"] = 1
+    current = _plan(STARTED)
+    current["zero_stage"] = 2  # the same files: DeepSpeed loads them
+    assert resume_decision(saved, _current(current), path="ckpt/t", step=10).data_position == 160
