@@ -155,8 +155,10 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
 
         Any position works, also one that is not a multiple of this global batch (a
         resume under another batch): the next iteration starts there. With
-        `drop_last`, a position where the rest of its epoch holds no whole iteration on
-        this batch's grid moves to the next epoch's start.
+        `drop_last`, whose iterations keep their places on this batch's grid in each epoch,
+        the next iteration is the grid's first at or after the position (the samples
+        between are skipped in this epoch, fewer than a batch), or the next epoch's first
+        where the rest of the epoch holds no whole iteration.
         """
         if isinstance(consumed_samples, bool) or not isinstance(consumed_samples, int) or consumed_samples < 0:
             raise ValueError(
@@ -167,9 +169,10 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             self._origin, self.next_iteration = consumed_samples % batch, consumed_samples // batch
         else:
             epoch, within = divmod(consumed_samples, num_samples)
-            if within % batch or within + batch > num_samples:
-                epoch, within = (epoch + 1, 0) if within else (epoch, 0)
-            self._origin, self.next_iteration = 0, epoch * self._iterations_per_epoch + within // batch
+            iteration = -(-within // batch)  # the grid's first iteration at or after the position
+            if iteration >= self._iterations_per_epoch:
+                epoch, iteration = epoch + 1, 0
+            self._origin, self.next_iteration = 0, epoch * self._iterations_per_epoch + iteration
         self.generated_until = self.consumed_samples
 
     def iteration_start(self, iteration: int) -> int:

@@ -138,6 +138,15 @@ def test_drop_last_moves_an_off_grid_position_to_the_next_epoch():
         sampler.set_position(-1)
 
 
+def test_drop_last_continues_an_off_grid_position_at_the_next_iteration_of_its_epoch():
+    """A resume under another global batch (12 then, 10 now) at position 12 of a 100-sample epoch: the grid's
+    next iteration (20) starts, not the next epoch (which would skip 88 samples)."""
+    (sampler,) = _samplers([(10, 1)], num_samples=100, drop_last=True)
+    for position, start in ((12, 20), (20, 20), (90, 90), (91, 100), (112, 120)):
+        sampler.set_position(position)
+        assert (position, sampler.consumed_samples) == (position, start)
+
+
 def test_rank_outside_the_allocation():
     with pytest.raises(ValueError, match="rank: expected 0..1, found 2"):
         PlanBatchSampler(num_samples=5, micro_batch_sizes=[1, 1], gradient_accumulation_steps=[1, 1], rank=2)
