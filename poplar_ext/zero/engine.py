@@ -460,7 +460,8 @@ class PoplarEngine(EngineCore):
         that cannot continue (another data order) stops before any weight is read, on
         every rank. Another plan, global batch or world size is fine: the data
         continues at the saved position, and the plan history records the resume.
-        When the number of ranks changed at ZeRO stages 1-3, rank 0 reshards the
+        When the number of ranks changed at ZeRO stages 1-3 (at stages 1-2 with the
+        optimizer state loaded; without it the model's file holds every weight), rank 0 reshards the
         checkpoint (`poplar_ext.runtime.reshard`: DeepSpeed's universal format with
         every per-parameter state of any optimizer, and `step`) into ``TAG_universal``
         next to it, unless that is there, and every rank loads it. An optimizer state
@@ -492,7 +493,7 @@ class PoplarEngine(EngineCore):
                 step=saved.get("step", 0),
                 load_module_only=bool(kwargs.get("load_module_only")),
             )
-            if decision.world_size_changed and self.plan.zero_stage >= 1 and not kwargs.get("load_module_only"):
+            if self._needs_resharding(decision, kwargs):
                 load_tag = resharded_tag(
                     Path(load_dir), resolved, deepspeed_engine=self.deepspeed_engine, rank=self._rank
                 )
@@ -512,6 +513,14 @@ class PoplarEngine(EngineCore):
             )
         self.continue_from(decision)
         return path, client_state
+
+    def _needs_resharding(self, decision: ResumeDecision, load_options: dict[str, Any]) -> bool:
+        """Whether DeepSpeed must load the checkpoint resharded: the ranks changed at ZeRO stages 1-3 and it reads
+        their partitions (at stages 1-2 without the optimizer state, the model's file holds every weight)."""
+        stage = self.plan.zero_stage
+        if not decision.world_size_changed or stage == 0 or load_options.get("load_module_only"):
+            return False
+        return stage == 3 or load_options.get("load_optimizer_states", True)
 
     def continue_from(
         self, decision: ResumeDecision, *, position_samplers: bool = True, next_iteration: int | None = None

@@ -147,6 +147,17 @@ def make_optimizer(name: str, params):
     raise ValueError(name)
 
 
+class OddStateSGD(torch.optim.SGD):
+    """SGD that also keeps a per-parameter state of one element, whatever the parameter's size."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["running_norm"] = p.detach().norm().reshape(1)
+        return loss
+
+
 def ds_config(*, cluster: Path, plan: Path | None, stage: int, **poplar) -> dict:
     if plan is not None:
         poplar["plan"] = str(plan)

@@ -39,17 +39,6 @@ REFUSED = [("odd", stage, 3) for stage in (1, 3)]
 CONVERTED_BY_COMMAND = ("sgd", 3, 3)
 
 
-class OddStateSGD(torch.optim.SGD):
-    """SGD that also keeps a per-parameter state of one element, whatever the parameter's size."""
-
-    def step(self, closure=None):
-        loss = super().step(closure)
-        for group in self.param_groups:
-            for p in group["params"]:
-                self.state[p]["running_norm"] = p.detach().norm().reshape(1)
-        return loss
-
-
 def _case_dir(files, case):
     name, stage, saved = case
     return files["root"] / f"{name}-stage{stage}-from{saved}"
@@ -60,7 +49,9 @@ def _engine(files, case, world_size):
 
     name, stage, _ = case
     model = t.GPT(t.TINY)
-    optimizer = OddStateSGD(model.parameters(), lr=0.1) if name == "odd" else t.make_optimizer(name, model.parameters())
+    optimizer = (
+        t.OddStateSGD(model.parameters(), lr=0.1) if name == "odd" else t.make_optimizer(name, model.parameters())
+    )
     config = t.ds_config(cluster=files["cluster", world_size], plan=files["plan", world_size, stage], stage=stage)
     engine, *_ = poplar_ext.initialize(model=model, optimizer=optimizer, config=config)
     data = t.dataset()
