@@ -12,6 +12,7 @@ from typing import Any
 
 from poplar_ext.plan.formats import Plan, plan_to_dict, read_json, write_json_atomic, write_text_atomic
 from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_to_dict, plan_parallelism
+from poplar_ext.plan.validation import Node
 
 STATE_FILE = "poplar_state.json"
 """poplar-ext's state, in a checkpoint's tag folder."""
@@ -144,7 +145,30 @@ def read_state(load_dir: str | Path, tag: str | None) -> dict | None:
     if tag is None:
         return None
     path = Path(load_dir) / tag / STATE_FILE
-    return read_json(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    state = read_json(path)
+    _check_state(Node(state, str(path)))
+    return state
+
+
+def _check_state(state: Node) -> None:
+    """FormatError (file, field, expected, found) for a state file without what a resume reads (a truncated
+    copy, a hand edit, another program's file), rather than a KeyError deep in the resume."""
+    state.field("seed").integer(minimum=0)
+    state.field("shuffle").boolean()
+    state.field("consumed_samples").integer(minimum=0)
+    for key in ("data_position", "step"):
+        if (value := state.optional(key)) is not None:
+            value.integer(minimum=0)
+    if (drop_last := state.optional("drop_last")) is not None:
+        drop_last.boolean()
+    if (history := state.optional("plan_history")) is not None:
+        for entry in history.items():
+            entry.field("plan").obj()
+    plan = state.field("plan")
+    plan.field("zero_stage").integer(minimum=0, maximum=3)
+    plan.field("global_batch_size").integer(minimum=1)
 
 
 def check_data_order(saved: dict, current: dict, *, path: str) -> None:

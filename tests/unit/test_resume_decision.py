@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
-from poplar_ext.runtime.checkpoint import resume_decision
+from poplar_ext.plan.errors import FormatError
+from poplar_ext.runtime.checkpoint import STATE_FILE, read_state, resume_decision
 
 
 def _plan(allocation, *, checkpointing=(False, False)):
@@ -90,3 +92,24 @@ def test_a_stage_deepspeed_cannot_load_the_files_at_is_refused_naming_both():
     current = _plan(STARTED)
     current["zero_stage"] = 2  # the same files: DeepSpeed loads them
     assert resume_decision(saved, _current(current), path="ckpt/t", step=10).data_position == 160
+
+
+def test_a_state_file_without_what_a_resume_reads_names_the_file_and_field(tmp_path):
+    """A truncated copy or a hand edit: a FormatError, not a KeyError deep in the resume."""
+    state = _saved(_plan(STARTED))
+    (tmp_path / "t").mkdir()
+    path = tmp_path / "t" / STATE_FILE
+    for field, value, expected in (
+        ("seed", None, "seed: expected a value, found "),
+        ("shuffle", "yes", "shuffle: expected true or false, found "),
+        ("plan", {"ranks": []}, "plan.zero_stage: expected a value, found "),
+    ):
+        broken = {k: v for k, v in state.items() if k != field}
+        if value is not None:
+            broken[field] = value
+        path.write_text(json.dumps(broken))
+        with pytest.raises(FormatError) as refused:
+            read_state(tmp_path, "t")
+        assert str(refused.value).startswith(f"{path}: {expected}")
+    path.write_text(json.dumps(state))
+    assert read_state(tmp_path, "t") == state
