@@ -143,7 +143,7 @@ def _convert_stage_1_2(source: Path, work: Path, *, fragments: Path, optimizer_n
             flat = {
                 "fp32": fp32,
                 **carried_states(
-                    states[group_id],
+                    states.get(group_id, {}),  # none before the first optimizer step
                     partition_numel=fp32.numel(),
                     optimizer_name=optimizer_name,
                     saved_ranks=checkpoint.dp_degree,
