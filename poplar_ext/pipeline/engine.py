@@ -42,6 +42,7 @@ from poplar_ext.pipeline.replan import (
 from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_from_dict
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
+    check_pattern_safe,
     checkpoint_tag,
     read_state,
     write_latest_when_saved,
@@ -369,6 +370,7 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         ``latest`` names TAG once every rank has written its part (collective). A save into a tag that
         holds a checkpoint replaces it whole (`remove_pipeline_files`)."""
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # DeepSpeed's default
+        check_pattern_safe(Path(save_dir) / tag, caller="save_checkpoint")  # every rank passes the same folder
         if self.global_rank == 0:
             remove_pipeline_files(Path(save_dir) / tag)
             write_state(save_dir, tag, self._client_state())

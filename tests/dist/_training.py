@@ -158,6 +158,15 @@ class OddStateSGD(torch.optim.SGD):
         return loss
 
 
+def refusal(call) -> str | None:
+    """The message of the ValueError `call()` raises (None when it raises none)."""
+    try:
+        call()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def ds_config(*, cluster: Path, plan: Path | None, stage: int, **poplar) -> dict:
     if plan is not None:
         poplar["plan"] = str(plan)

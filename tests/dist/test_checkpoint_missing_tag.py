@@ -14,14 +14,6 @@ from harness import run_ranks
 ALLOCATIONS = {2: {1: [(3, 2), (6, 1)]}}
 
 
-def _refusal(call):
-    try:
-        call()
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 def _run(files):
     import torch.distributed as dist
 
@@ -39,9 +31,9 @@ def _run(files):
         (root / "latest").write_text("step9")  # a save that never reached its files
     dist.barrier()
     return {
-        "latest": _refusal(lambda: engine.load_checkpoint(root)),
-        "mistyped": _refusal(lambda: engine.load_checkpoint(root, tag="step1")),
-        "glob": _refusal(lambda: engine.save_checkpoint(root, tag="run[1]")),
+        "latest": t.refusal(lambda: engine.load_checkpoint(root)),
+        "mistyped": t.refusal(lambda: engine.load_checkpoint(root, tag="step1")),
+        "glob": t.refusal(lambda: engine.save_checkpoint(root, tag="run[1]")),
         "steps": engine.global_steps,
     }
 
