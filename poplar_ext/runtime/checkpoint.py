@@ -309,8 +309,14 @@ def resume_decision(
         changes.append(f"global batch {old_plan['global_batch_size']} then, {plan['global_batch_size']} now")
         notes.append(
             f"the checkpoint trained global batches of {old_plan['global_batch_size']} samples, this job trains "
-            f"{plan['global_batch_size']}: the data continues at stream position {position} with the new batch, and "
-            "optimizer steps (and a learning-rate schedule that counts them) now take that many samples"
+            f"{plan['global_batch_size']}: the data continues at stream position {position} with the new batch"
+            + (
+                " (with drop_last, at the new batch's first iteration of the epoch at or after it: the samples "
+                "between, fewer than a batch, are skipped in this epoch)"
+                if saved.get("drop_last", False)
+                else ""
+            )
+            + ", and optimizer steps (and a learning-rate schedule that counts them) now take that many samples"
         )
     reason = f"resumed from {path} under another plan ({'; '.join(changes) or 'another allocation'})"
     resume_entry.update(data_position=position, reason=reason)

@@ -113,3 +113,14 @@ def test_a_state_file_without_what_a_resume_reads_names_the_file_and_field(tmp_p
         assert str(refused.value).startswith(f"{path}: {expected}")
     path.write_text(json.dumps(state))
     assert read_state(tmp_path, "t") == state
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_new_batch_says_where_the_data_continues(drop_last):
+    # With drop_last the sampler starts at the new batch's first iteration at or after the position
+    # (PlanBatchSampler.set_position): the note must not say the data continues exactly there.
+    saved = {**_saved(_plan(STARTED)), "drop_last": drop_last}
+    current = {**_current(_plan([(4, 2), (2, 1)])), "drop_last": drop_last}
+    notes = " ".join(resume_decision(saved, current, path="ckpt", step=10).notes)
+    assert "the data continues at stream position 160 with the new batch" in notes
+    assert ("fewer than a batch, are skipped in this epoch" in notes) is drop_last
