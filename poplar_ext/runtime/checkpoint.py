@@ -6,6 +6,7 @@ refuses. See docs/training.md (checkpoints) and docs/design.md (the data positio
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,9 @@ UNIVERSAL_SUFFIX = "_universal"
 """``TAG_universal``: checkpoint TAG resharded for another number of ranks, beside it (`poplar_ext.runtime.reshard`)."""
 
 DEEPSPEED_RANK_FILES = ("*_model_states.pt", "*_optim_states.pt")
-"""DeepSpeed's files in a tag folder, some per rank (`remove_previous_save`)."""
+"""DeepSpeed's files in a tag folder, some per rank (`remove_other_ranks_files`)."""
+_DP_RANK = re.compile(r"zero_pp_rank_(\d+)_")
+"""The data-parallel rank in a per-rank file's name (``zero_pp_rank_2_mp_rank_00_optim_states.pt``)."""
 
 CLIENT_STATE_KEY = "poplar"
 """Where checkpoints of poplar-ext 0.1 kept the state, in DeepSpeed's client_state (still read)."""
@@ -92,17 +95,23 @@ def write_state(save_dir: str | Path, tag: str, state: dict) -> Path:
     return path
 
 
-def remove_previous_save(save_dir: str | Path, tag: str) -> None:
-    """Remove what an earlier save into `tag` left (rank 0, before a save into it, every rank waiting):
-    its resharded copy ``TAG_universal``, which a resume on another number of ranks would load in place of
-    the new checkpoint, and DeepSpeed's files, of which a save on fewer ranks overwrites only some (a
-    resharding would read the others as the new checkpoint's)."""
+def remove_resharded_copy(save_dir: str | Path, tag: str) -> None:
+    """Remove ``TAG_universal`` (rank 0, before a save into `tag`, every rank waiting): a copy derived from an
+    earlier save into `tag`, which a resume on another number of ranks would load in place of the new one."""
     import shutil
 
     shutil.rmtree(Path(save_dir) / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
+
+
+def remove_other_ranks_files(save_dir: str | Path, tag: str, *, world_size: int) -> None:
+    """Remove the per-rank files of data-parallel ranks `world_size` and above (rank 0, once every rank has
+    saved into `tag`): left by an earlier save on more ranks, a resharding would read them as this save's.
+    Only after the save, so that a save that fails leaves the earlier checkpoint whole."""
     for pattern in DEEPSPEED_RANK_FILES:
         for path in (Path(save_dir) / tag).glob(pattern):
-            path.unlink()
+            found = _DP_RANK.search(path.name)
+            if found is not None and int(found.group(1)) >= world_size:
+                path.unlink()
 
 
 def write_latest_when_saved(save_dir: str | Path, tag: str, *, rank: int) -> None:

@@ -26,7 +26,8 @@ from poplar_ext.runtime.checkpoint import (
     check_pattern_safe,
     checkpoint_tag,
     read_state,
-    remove_previous_save,
+    remove_other_ranks_files,
+    remove_resharded_copy,
     resume_decision,
     write_latest_when_saved,
     write_state,
@@ -425,7 +426,7 @@ class PoplarEngine(EngineCore):
     ) -> Any:
         """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder (written by rank 0);
         ``latest`` names the checkpoint once every rank has written its part (`write_latest_when_saved`). A save
-        into a tag that holds a checkpoint replaces it (`remove_previous_save`)."""
+        into a tag that holds a checkpoint replaces it (`remove_resharded_copy`, `remove_other_ranks_files`)."""
         from deepspeed.checkpoint.constants import (
             UNIVERSAL_CHECKPOINT_INFO,
             UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -437,9 +438,8 @@ class PoplarEngine(EngineCore):
             Path(save_dir) / tag, caller="save_checkpoint"
         )  # every rank passes the same folder (DeepSpeed checks the tag)
         if self._rank == 0:
-            remove_previous_save(save_dir, tag)
-            write_state(save_dir, tag, self._client_state())
-        barrier()  # no rank writes into the tag folder before rank 0 has emptied it
+            remove_resharded_copy(save_dir, tag)
+        barrier()  # no rank saves before the earlier save's resharded copy is gone
         client = dict(client_state or {})
         # DeepSpeed's own converter (ds_to_universal) requires this entry; poplar-ext's
         # (`poplar_ext.runtime.reshard`) does not, but keeps checkpoints usable by both.
@@ -449,6 +449,10 @@ class PoplarEngine(EngineCore):
         saved = self.deepspeed_engine.save_checkpoint(
             save_dir, tag=tag, client_state=client, save_latest=False, **kwargs
         )
+        barrier()  # every rank's files written: what states them and what they replace can follow
+        if self._rank == 0:
+            remove_other_ranks_files(save_dir, tag, world_size=len(self.plan.ranks))
+            write_state(save_dir, tag, self._client_state())
         if save_latest:
             write_latest_when_saved(save_dir, tag, rank=self._rank)
         return saved

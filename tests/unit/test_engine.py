@@ -218,6 +218,41 @@ def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path
     assert fake.events == [("save", {"save_latest": False})] and (tmp_path / "latest").read_text() == "t"
 
 
+def test_a_save_into_a_tag_that_fails_leaves_the_earlier_checkpoint_whole(tmp_path):
+    # A re-save into a fixed tag ("last") whose DeepSpeed part fails (a peer lost): the earlier files and
+    # state stay, so a restart resumes them.
+    engine, fake = _engine(_plan([(2, 1)]))
+    engine.save_checkpoint(tmp_path, tag="last")
+    shard = tmp_path / "last" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.write_text("the optimizer shard of the first save")
+    before = sorted(p.name for p in (tmp_path / "last").iterdir())
+    state = (tmp_path / "last" / "poplar_state.json").read_text()
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("a peer was lost")
+
+    fake.save_checkpoint = lost
+    with pytest.raises(RuntimeError, match="a peer was lost"):
+        engine.save_checkpoint(tmp_path, tag="last")
+    assert sorted(p.name for p in (tmp_path / "last").iterdir()) == before
+    assert (tmp_path / "last" / "poplar_state.json").read_text() == state
+    assert (tmp_path / "latest").read_text() == "last"
+
+
+def test_a_save_removes_only_the_files_of_ranks_it_does_not_have(tmp_path):
+    # An earlier save on more ranks left shards of ranks 1 and 2 (a resharding would read them as this
+    # save's); this one-rank save rewrites rank 0's, and the stale resharded copy is gone.
+    engine, _ = _engine(_plan([(2, 1)]))
+    folder = tmp_path / "last"
+    folder.mkdir()
+    for rank in range(3):
+        (folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_text("old")
+    (tmp_path / "last_universal").mkdir()
+    engine.save_checkpoint(tmp_path, tag="last")
+    assert sorted(p.name for p in folder.glob("zero_pp_rank_*")) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert not (tmp_path / "last_universal").exists()
+
+
 def test_a_checkpoint_of_another_plan_continues_the_stream_and_says_so(tmp_path, caplog):
     engine, fake = _engine(_plan([(3, 2), (1, 3)]))  # B = 9
     for _ in range(2):
