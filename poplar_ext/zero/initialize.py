@@ -152,6 +152,8 @@ def prepare_job(
                 "(set poplar.profiles, or POPLAR_PROFILES_DIR, to keep them elsewhere)",
                 poplar_config.profiles,
             )
+    # The config profiles are measured with (the Trainer's has "auto" filled): its dtype is theirs.
+    profiling_ds_config = ds_config if profiling_ds_config is None else profiling_ds_config
     model_fingerprint = None
     if poplar_config.profiles is not None and model is not None:
         from poplar_ext.profiler.fingerprint import model_fingerprint as fingerprint_of
@@ -167,7 +169,7 @@ def prepare_job(
             training_data=training_data,
             collate_fn=collate_fn,
             optimizer=optimizer,
-            ds_config=ds_config if profiling_ds_config is None else profiling_ds_config,
+            ds_config=profiling_ds_config,
             profiles_dir=poplar_config.profiles,
             loss_fn=loss_fn,
             # No plan can give one rank more than the global batch.
@@ -178,7 +180,7 @@ def prepare_job(
             optimizer_offload=poplar_config.optimizer_offload,
             calibration_repeats=poplar_config.calibration.repeats,
         )
-    directory = ProfileDirectory(poplar_config, cluster)
+    directory = ProfileDirectory(poplar_config, cluster, dtype=training_dtype(profiling_ds_config))
     plan = resolve_plan(
         poplar_config,
         cluster,

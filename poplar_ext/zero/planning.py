@@ -184,15 +184,24 @@ class ProfileDirectory:
 
     poplar_config: PoplarConfig
     cluster: Cluster
+    dtype: str | None = None
+    """The job's training dtype (`training_dtype`); None: any. The model's fingerprint is taken before
+    DeepSpeed casts it, so a profile of the same model in another dtype is not this job's."""
     _stored: list[Profile] | None = field(default=None, init=False, repr=False)
     _measured: list[Profile] = field(default_factory=list, init=False, repr=False)
     _network: Any = field(default=_UNREAD, init=False, repr=False)
 
     def profiles(self, model_fingerprint: str | None = None) -> list[Profile]:
-        """The directory's profiles (of the model with `model_fingerprint` when given), then the measured ones."""
+        """The directory's profiles (of the model with `model_fingerprint` in the job's dtype when given), then
+        the measured ones."""
         if self._stored is None:
             self._stored = _read_profiles(self.poplar_config)
-        stored = [p for p in self._stored if model_fingerprint is None or p.model.fingerprint == model_fingerprint]
+        stored = [
+            p
+            for p in self._stored
+            if model_fingerprint is None
+            or (p.model.fingerprint == model_fingerprint and self.dtype in (None, p.model.dtype))
+        ]
         have = {(p.model.fingerprint, p.key) for p in stored}
         return stored + [p for p in self._measured if (p.model.fingerprint, p.key) not in have]
 

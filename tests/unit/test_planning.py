@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pytest
 
-from poplar_bench.synthetic import synthetic_profile
+from poplar_bench.synthetic import SYNTHETIC_MODEL, synthetic_profile
 from poplar_ext.plan.formats import load_cluster, save_profile
 from poplar_ext.runtime.config import poplar_config_from_dict
-from poplar_ext.zero.planning import resolve_plan
+from poplar_ext.zero.planning import ProfileDirectory, resolve_plan
 
 
 @pytest.fixture
@@ -138,19 +139,23 @@ def test_cluster_of_another_size(cluster_path, tmp_path):
         _resolve(cluster_path, {"profiles": str(directory), "global_batch_size": 20}, world_size=3)
 
 
-def _measurer(pairs_it_returns, calls):
-    """A stand-in for the profiler: records what it was asked, returns profiles of some (type, stage) pairs."""
+def _measurer(pairs_it_returns, calls, dtype="float32"):
+    """A stand-in for the profiler: records what it was asked, returns profiles of some (type, stage) pairs
+    measured in `dtype`."""
 
     def measure(missing, cluster):
         calls.append(sorted(missing))
         return [
-            synthetic_profile(
-                device_type,
-                zero_stage=stage,
-                max_micro_batch_size=16,
-                overhead_s=0.001,
-                seconds_per_sample=0.001,
-                world_size=2,
+            _in_dtype(
+                synthetic_profile(
+                    device_type,
+                    zero_stage=stage,
+                    max_micro_batch_size=16,
+                    overhead_s=0.001,
+                    seconds_per_sample=0.001,
+                    world_size=2,
+                ),
+                dtype,
             )
             for device_type, stage in missing
             if (device_type, stage) in pairs_it_returns
@@ -159,9 +164,13 @@ def _measurer(pairs_it_returns, calls):
     return measure
 
 
-def _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage=None):
-    """The plan `resolve_plan` searches at start with `measure` for the missing profiles, and the
-    profiles it handed the search."""
+def _in_dtype(profile, dtype):
+    return dataclasses.replace(profile, model=dataclasses.replace(profile.model, dtype=dtype))
+
+
+def _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage=None, dtype=None):
+    """The plan `resolve_plan` searches at start with `measure` for the missing profiles (of the synthetic
+    model, for a job training in `dtype`), and the profiles it handed the search."""
     import poplar_ext.search
 
     searched = []
@@ -184,6 +193,8 @@ def _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage
         zero_stage=zero_stage,
         broadcast=lambda o: o,
         measure_missing=measure,
+        model_fingerprint=SYNTHETIC_MODEL.fingerprint,
+        directory=ProfileDirectory(config, load_cluster(cluster_path), dtype=dtype),
     )
     return plan, searched[0]
 
@@ -197,6 +208,24 @@ def test_measured_stages_are_recounted_after_profiling(cluster_path, tmp_path, m
     assert len(calls) == 1 and len(calls[0]) == 8
     assert sorted((p.device_type, p.zero_stage) for p in profiles) == [("fast", 1), ("slow", 1)]
     assert plan.zero_stage == 1
+
+
+def test_stored_profiles_of_another_dtype_are_measured_again(cluster_path, tmp_path, monkeypatch):
+    # The model's fingerprint is taken before DeepSpeed casts it: a job switched from fp32 to bf16 finds
+    # the fp32 profiles of its model, whose times and memory are not its own. They are measured again.
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    calls = []
+    measure = _measurer({("fast", 1), ("slow", 1)}, calls, dtype="bfloat16")
+    _, profiles = _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage=1, dtype="bfloat16")
+    assert calls == [[("fast", 1), ("slow", 1)]]
+    assert sorted((p.device_type, p.model.dtype) for p in profiles) == [("fast", "bfloat16"), ("slow", "bfloat16")]
+
+
+def test_stored_profiles_of_the_jobs_dtype_are_reused(cluster_path, tmp_path, monkeypatch):
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    calls = []
+    _, profiles = _searched_at_start(cluster_path, directory, _measurer(set(), calls), monkeypatch, dtype="float32")
+    assert calls == [] and {p.model.dtype for p in profiles} == {"float32"}
 
 
 def test_profiling_that_brings_back_no_complete_stage_says_what_is_missing(cluster_path, tmp_path, monkeypatch):
@@ -237,7 +266,6 @@ def test_rank_0_reads_the_profiles_and_the_network_file_once(cluster_path, tmp_p
 
 
 # -- a plan file against the job's global batch and profiles -------------------------------
-import dataclasses  # noqa: E402
 import warnings  # noqa: E402
 
 from poplar_ext.plan.formats import load_profiles, save_plan  # noqa: E402
