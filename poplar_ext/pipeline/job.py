@@ -107,6 +107,7 @@ def prepare_pipeline_job(
         broadcast=broadcast_from_rank0,
         layers_fingerprint=None if layers is None else lambda: layers_fingerprint(pipeline_layers(layers)),
         measure_missing=_layer_measurer(poplar_config, ds_config, layers, loss_fn, training_data),
+        dtype=training_dtype(ds_config),
     )
     steady_stages = steady_from_rank0(cluster, lambda: steady_stage_times(plan, cluster, poplar_config), rank=rank)
     return PipelineJob(

@@ -136,12 +136,14 @@ def resolve_pipeline_plan(
     broadcast: Callable[[Any], Any],
     layers_fingerprint: Callable[[], str] | None = None,
     measure_missing: MeasureMissingLayers | None = None,
+    dtype: str | None = None,
 ) -> PipelinePlan:
     """The pipeline plan of ``poplar.plan``, read and checked by rank 0, on every rank; the same
     ValueError on every rank when it cannot run (`pipeline_plan_problems`, or a ZeRO plan).
 
     Without ``poplar.plan``, the plan searched at start (`plan_searched_at_start`):
-    `layers_fingerprint()` (called on rank 0) says which layer profiles are the model's,
+    `layers_fingerprint()` (called on rank 0) says which layer profiles are the model's (those measured
+    in `dtype`, the job's training dtype, when given: the fingerprint is taken before DeepSpeed casts),
     `measure_missing` measures those missing (None: they cannot be, the error says what to run)."""
     from poplar_ext.collectives import decided_by_rank0
 
@@ -159,6 +161,7 @@ def resolve_pipeline_plan(
             broadcast=broadcast,
             layers_fingerprint=layers_fingerprint,
             measure_missing=measure_missing,
+            dtype=dtype,
         )
 
     def read() -> dict[str, Any]:
@@ -198,6 +201,7 @@ def plan_searched_at_start(
     broadcast: Callable[[Any], Any],
     layers_fingerprint: Callable[[], str] | None,
     measure_missing: MeasureMissingLayers | None,
+    dtype: str | None = None,
 ) -> PipelinePlan:
     """Rank 0 says which device types lack layer profiles, every rank measures them (when it can),
     rank 0 searches and every rank receives the plan, or the same ValueError."""
@@ -207,7 +211,7 @@ def plan_searched_at_start(
     fingerprint = decided_by_rank0(lambda: layers_fingerprint and layers_fingerprint(), rank=rank, broadcast=broadcast)
 
     def missing() -> list[str]:
-        types = _types_without_layer_profiles(poplar_config, cluster, num_layers, fingerprint, stages)
+        types = _types_without_layer_profiles(poplar_config, cluster, num_layers, fingerprint, stages, dtype)
         if types and measure_missing is None:
             raise ValueError(_cannot_measure_message(poplar_config, types, stages))
         return types
@@ -220,7 +224,7 @@ def plan_searched_at_start(
         from poplar_ext.plan.network_format import find_network
         from poplar_ext.search.pipeline_search import search_pipeline_plan
 
-        profiles = _model_layer_profiles(poplar_config, num_layers, fingerprint)
+        profiles = _model_layer_profiles(poplar_config, num_layers, fingerprint, dtype)
         result = search_pipeline_plan(
             [p for p in profiles if p.zero_stage in stages],
             cluster,
@@ -306,8 +310,11 @@ def pipeline_drift_monitor(plan: PipelinePlan, cluster: Cluster, poplar_config: 
     )
 
 
-def _model_layer_profiles(poplar_config: PoplarConfig, num_layers: int, fingerprint: str | None) -> list[LayerProfile]:
-    """The layer profiles in ``poplar.profiles``/layers/ of this model: its fingerprint (when known) and layer count."""
+def _model_layer_profiles(
+    poplar_config: PoplarConfig, num_layers: int, fingerprint: str | None, dtype: str | None = None
+) -> list[LayerProfile]:
+    """The layer profiles in ``poplar.profiles``/layers/ of this model: its layer count, and its fingerprint
+    and training dtype when known (the dtype only with the fingerprint)."""
     directory = layer_profiles_dir(poplar_config.profiles)
     if not directory.is_dir():
         return []
@@ -318,14 +325,20 @@ def _model_layer_profiles(poplar_config: PoplarConfig, num_layers: int, fingerpr
     return [
         p
         for p in profiles
-        if p.num_layers == num_layers and (fingerprint is None or p.model.fingerprint == fingerprint)
+        if p.num_layers == num_layers
+        and (fingerprint is None or (p.model.fingerprint == fingerprint and dtype in (None, p.model.dtype)))
     ]
 
 
 def _types_without_layer_profiles(
-    poplar_config: PoplarConfig, cluster: Cluster, num_layers: int, fingerprint: str | None, stages: tuple[int, ...]
+    poplar_config: PoplarConfig,
+    cluster: Cluster,
+    num_layers: int,
+    fingerprint: str | None,
+    stages: tuple[int, ...],
+    dtype: str | None,
 ) -> list[str]:
-    have = {(p.device_type, p.zero_stage) for p in _model_layer_profiles(poplar_config, num_layers, fingerprint)}
+    have = {(p.device_type, p.zero_stage) for p in _model_layer_profiles(poplar_config, num_layers, fingerprint, dtype)}
     return [t for t in cluster.type_counts() if not all((t, s) in have for s in stages)]
 
 

@@ -555,6 +555,21 @@ def test_a_pipeline_jobs_bad_timers_section_is_named_in_its_config_file():
         pipeline_deepspeed_config({"timers": "on"}, plan, 0, source="ds.json")
 
 
+def _searched_at_start(poplar, **more):
+    """The pipeline plan a 3-rank job of 6 layers (types a, a, b) searches at start for a batch of 12."""
+    return resolve_pipeline_plan(
+        poplar,
+        _cluster(),
+        world_size=3,
+        rank=0,
+        num_layers=6,
+        zero_stage=None,
+        global_batch=(12, "poplar.global_batch_size"),
+        broadcast=lambda o: o,
+        **more,
+    )
+
+
 @pytest.mark.parametrize("cluster_file", [None, "cluster.json"])
 def test_missing_layer_profiles_name_a_command_that_runs(tmp_path, cluster_file):
     # poplar-profile requires --deepspeed_config; a job with a cluster file (emulated types, say) needs the
@@ -564,19 +579,47 @@ def test_missing_layer_profiles_name_a_command_that_runs(tmp_path, cluster_file)
         section["cluster"] = cluster_file
     poplar = poplar_config_from_dict(section, base_dir=tmp_path)
     with pytest.raises(ValueError, match=r"poplar-profile --per-layer ") as raised:
-        resolve_pipeline_plan(
-            poplar,
-            _cluster(),
-            world_size=3,
-            rank=0,
-            num_layers=6,
-            zero_stage=None,
-            global_batch=(12, "poplar.global_batch_size"),
-            broadcast=lambda o: o,
-        )
+        _searched_at_start(poplar)
     message = str(raised.value)
     assert "--deepspeed_config DS.json" in message
     if cluster_file is None:
         assert "--cluster" not in message
     else:
         assert f"--cluster {tmp_path / cluster_file} " in message
+
+
+def test_stored_layer_profiles_of_another_dtype_are_measured_again(tmp_path, monkeypatch):
+    # The layers' fingerprint is taken before DeepSpeed casts them: a job switched from fp32 to bf16
+    # finds its model's fp32 layer profiles, which are not its times or memory. They are measured again.
+    import dataclasses
+
+    import numpy as np
+
+    import poplar_ext.search.pipeline_search as pipeline_search
+    from poplar_bench.synthetic import SYNTHETIC_LAYERED_MODEL, random_layer_profiles
+    from poplar_ext.plan.pipeline_formats import layer_profiles_dir, save_layer_profile
+
+    def store(dtype):
+        layers = layer_profiles_dir(tmp_path / "profiles")
+        layers.mkdir(parents=True, exist_ok=True)
+        model = dataclasses.replace(SYNTHETIC_LAYERED_MODEL, dtype=dtype)
+        stored = random_layer_profiles(np.random.default_rng(0), ["a", "b"], num_layers=6, zero_stages=(0, 1))
+        for p in stored:  # the file measuring replaces (store_layer_profile: one per type, stage and model)
+            save_layer_profile(dataclasses.replace(p, model=model), layers / f"{p.device_type}-{p.zero_stage}.json")
+
+    store("float32")
+    measured, searched = [], []
+    search = pipeline_search.search_pipeline_plan
+    monkeypatch.setattr(
+        pipeline_search,
+        "search_pipeline_plan",
+        lambda profiles, *a, **k: searched.append(profiles) or search(profiles, *a, **k),
+    )
+    _searched_at_start(
+        poplar_config_from_dict({"profiles": str(tmp_path / "profiles"), "global_batch_size": 12}, base_dir=tmp_path),
+        layers_fingerprint=lambda: SYNTHETIC_LAYERED_MODEL.fingerprint,
+        measure_missing=lambda types, cluster, stages: measured.append(types) or store("bfloat16"),
+        dtype="bfloat16",
+    )
+    assert measured == [["a", "b"]]
+    assert {p.model.dtype for p in searched[0]} == {"bfloat16"}
