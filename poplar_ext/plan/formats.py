@@ -11,7 +11,8 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -700,27 +701,21 @@ def json_ready(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_text_atomic(text: str, path: str | os.PathLike[str]) -> None:
-    """Write `text` so that the file is either complete or untouched (temp file + rename)."""
+    """Write `text` so that the file is either complete or untouched (temp file + rename). A new file gets
+    the mode open() would give it (0666 less the umask, applied by the system); a replaced one keeps its own."""
     path = Path(os.path.realpath(path))  # a symlink's target is written, as open() would; the rename keeps the link
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # not mkstemp's private 0600
     try:
-        # mkstemp's file is private (0600); the file renamed into place gets what open() would give a new one.
-        os.chmod(tmp, 0o666 & ~_umask())
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-
-
-def _umask() -> int:
-    """The process's umask, read without setting it (os.umask would change it for every thread meanwhile)."""
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        with open("/proc/self/status", encoding="ascii") as status:
-            return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
-    return 0o022
 
 
 def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:

@@ -181,3 +181,15 @@ def test_a_stored_profile_gets_the_mode_the_umask_gives_a_new_file(tmp_path: Pat
         os.umask(old)
     assert replaced == path
     assert stat.S_IMODE(path.stat().st_mode) == mode
+
+
+def test_a_replaced_file_keeps_its_own_mode(tmp_path: Path) -> None:
+    # A mode the user chose (0600 for a private cache, 0640 for a group's) outlives the next write.
+    path = store_profile(tmp_path, _profile())
+    os.chmod(path, 0o600)
+    old = os.umask(0o022)
+    try:
+        assert store_profile(tmp_path, _profile(world_size=8)) == path
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
