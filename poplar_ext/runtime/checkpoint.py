@@ -226,15 +226,19 @@ def _stages_like(zero_stage: int) -> str:
     return " or ".join(str(s) for s in range(4) if _file_layout(s) == _file_layout(zero_stage))
 
 
-def check_zero_stage(saved_stage: int, stage: int, *, path: str) -> None:
+def check_zero_stage(saved_stage: int, stage: int, *, path: str, weights_only: bool = False) -> None:
     """ValueError unless DeepSpeed can load a checkpoint saved at ZeRO `saved_stage` at `stage` (it fails
-    deep in its loader otherwise, or finds no file)."""
-    if _file_layout(saved_stage) != _file_layout(stage):
-        raise ValueError(
-            f"load_checkpoint: {path}: poplar_state.json: plan.zero_stage: expected a ZeRO stage whose files "
-            f"DeepSpeed loads at this job's stage {stage} ({_stages_like(stage)}), found {saved_stage}: resume it "
-            f"at ZeRO stage {_stages_like(saved_stage)} (zero_optimization.stage, or poplar.zero_stage)"
-        )
+    deep in its loader otherwise, or finds no file). Its weights alone (`weights_only`) load across stages
+    0-2, whose model file holds every weight."""
+    layouts = {_file_layout(saved_stage), _file_layout(stage)}
+    if len(layouts) == 1 or (weights_only and 3 not in layouts):
+        return
+    weights = "" if 3 in layouts else ", or load its weights alone (load_optimizer_states=False)"
+    raise ValueError(
+        f"load_checkpoint: {path}: poplar_state.json: plan.zero_stage: expected a ZeRO stage whose files "
+        f"DeepSpeed loads at this job's stage {stage} ({_stages_like(stage)}), found {saved_stage}: resume it "
+        f"at ZeRO stage {_stages_like(saved_stage)} (zero_optimization.stage, or poplar.zero_stage){weights}"
+    )
 
 
 def _shape(plan: dict) -> tuple:
@@ -253,6 +257,7 @@ def resume_decision(
     path: str,
     step: int,
     load_module_only: bool = False,
+    load_optimizer_states: bool = True,
 ) -> ResumeDecision:
     """Decide how to continue from a checkpoint at `path` saved with `saved` (None: no poplar state).
 
@@ -283,7 +288,7 @@ def resume_decision(
             "this job trains every rank on the whole model: resume it with the same PoplarPipelineModule and plan"
         )
     check_data_order(saved, current, path=path)
-    check_zero_stage(saved["plan"]["zero_stage"], plan["zero_stage"], path=path)
+    check_zero_stage(saved["plan"]["zero_stage"], plan["zero_stage"], path=path, weights_only=not load_optimizer_states)
     position = saved.get("data_position", saved["consumed_samples"])
     history = list(saved.get("plan_history") or [])
     notes: list[str] = []

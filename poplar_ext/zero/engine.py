@@ -496,6 +496,7 @@ class PoplarEngine(EngineCore):
                 path=where,
                 step=saved.get("step", 0),
                 load_module_only=bool(kwargs.get("load_module_only")),
+                load_optimizer_states=bool(kwargs.get("load_optimizer_states", True)),
             )
             if self._needs_resharding(decision, kwargs):
                 load_tag = resharded_tag(

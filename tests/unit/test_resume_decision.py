@@ -124,3 +124,22 @@ def test_a_new_batch_says_where_the_data_continues(drop_last):
     notes = " ".join(resume_decision(saved, current, path="ckpt", step=10).notes)
     assert "the data continues at stream position 160 with the new batch" in notes
     assert ("fewer than a batch, are skipped in this epoch" in notes) is drop_last
+
+
+def test_the_weights_alone_load_across_stages_0_to_2_not_3():
+    # DeepSpeed's model file holds every weight at stages 0-2: load_optimizer_states=False loads it at any of
+    # them; stage 3 partitions the weights too.
+    saved = _saved(_plan(STARTED))
+    for saved_stage, stage in ((0, 1), (1, 0), (2, 0)):
+        saved["plan"]["zero_stage"] = saved_stage
+        current = _plan(STARTED)
+        current["zero_stage"] = stage
+        decision = resume_decision(saved, _current(current), path="ckpt/t", step=10, load_optimizer_states=False)
+        assert decision.data_position == 160
+        with pytest.raises(ValueError, match=r"or load its weights alone \(load_optimizer_states=False\)$"):
+            resume_decision(saved, _current(current), path="ckpt/t", step=10)
+    saved["plan"]["zero_stage"] = 1
+    current = _plan(STARTED)
+    current["zero_stage"] = 3
+    with pytest.raises(ValueError, match=r"resume it at ZeRO stage 1 or 2 \(zero_optimization.stage, or poplar"):
+        resume_decision(saved, _current(current), path="ckpt/t", step=10, load_optimizer_states=False)
