@@ -49,6 +49,7 @@ from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.profiler.cache import (
     ProfileKey,
     cached_on_rank0,
+    client_optimizer_class,
     ds_config_fingerprint,
     find_cached_profile,
     store_profile,
@@ -391,7 +392,10 @@ def _start_session(options: ProfileOptions, settings: MeasureSettings, layout: J
         ),
         toggle=toggle,
         versions={"torch": torch.__version__, "deepspeed": deepspeed.__version__},
-        config_fingerprint=ds_config_fingerprint(options.ds_config, _client_optimizer(options, first_model)),
+        config_fingerprint=ds_config_fingerprint(
+            options.ds_config,
+            client_optimizer_class(options.optimizer_factory, [p for p in first_model.parameters() if p.requires_grad]),
+        ),
         offload_types=offload_types,
         runs=tuple(
             _Run(stage, checkpointing, offload)
@@ -402,14 +406,6 @@ def _start_session(options: ProfileOptions, settings: MeasureSettings, layout: J
         spare_models=[first_model],
         trainable_parameters=sum(p.numel() for p in first_model.parameters() if p.requires_grad),
     )
-
-
-def _client_optimizer(options: ProfileOptions, model: torch.nn.Module) -> str | None:
-    """The class `optimizer_factory` builds (None: none given), for the cache key: the config does not say it."""
-    if options.optimizer_factory is None:
-        return None
-    optimizer = options.optimizer_factory([p for p in model.parameters() if p.requires_grad])
-    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def _offload_types(layout: JobLayout, optimizer_offload: str) -> tuple[str, ...]:

@@ -52,6 +52,15 @@ _CONFIG_KEYS_NOT_IN_KEY = frozenset(
 )
 
 
+def client_optimizer_class(optimizer_factory: Callable[[list], Any] | None, parameters: list) -> str | None:
+    """The class `optimizer_factory` builds on `parameters` (None: no factory), for the cache key: the
+    DeepSpeed config does not say it. A torch optimizer allocates no state before its first step."""
+    if optimizer_factory is None:
+        return None
+    optimizer = optimizer_factory(parameters)
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
 def ds_config_fingerprint(ds_config: Mapping[str, Any], client_optimizer: str | None = None) -> str:
     """Hash of the DeepSpeed settings that change speed or memory (not batch sizes, not the stage), and of
     `client_optimizer`, the class of an optimizer the script builds (another one: another state and step)."""

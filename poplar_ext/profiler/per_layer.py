@@ -29,6 +29,7 @@ from poplar_ext.plan.pipeline_formats import (
 from poplar_ext.profiler.cache import (
     LayerProfileKey,
     cached_on_rank0,
+    client_optimizer_class,
     ds_config_fingerprint,
     find_cached_layer_profile,
     store_layer_profile,
@@ -97,7 +98,9 @@ def profile_layers(
         sequence_length=options.sequence_length,
     )
     versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
-    config_fp = ds_config_fingerprint(ds_config)
+    # The optimizer _measure_my_type steps each layer with, as whole-model profiles key it.
+    first_layer = [p for p in pipeline.builders[0]().parameters() if p.requires_grad]
+    config_fp = ds_config_fingerprint(ds_config, client_optimizer_class(options.optimizer_factory, first_layer))
     wanted = [(t, s) for s in stages for t in layout.type_names if device_types is None or t in device_types]
     keys = {
         (t, stage): LayerProfileKey(

@@ -716,12 +716,55 @@ def _client_optimizers_in_turn(cache_dir: str) -> list[int]:
             activation_checkpointing="off",
         )
         calls.append(batches.calls)
+    return {"model": calls, "layers": _layer_optimizers_in_turn(cache_dir)}
+
+
+def _layer_optimizers_in_turn(cache_dir: str) -> list[int]:
+    """As `_client_optimizers_in_turn`, for a pipeline model's layer profiles."""
+    import torch
+
+    from poplar_ext.models.toy_pipeline import mse, toy_layers
+    from poplar_ext.profiler.options import ProfileOptions
+    from poplar_ext.profiler.per_layer import profile_layers
+
+    calls = []
+    for optimizer in (torch.optim.SGD, torch.optim.SGD, torch.optim.Adam):
+        made = []
+
+        def batch(n, made=made):
+            made.append(n)
+            return torch.ones(n, 8), torch.ones(n, 1)
+
+        options = ProfileOptions(
+            model_factory=toy_layers,
+            make_batch=batch,
+            ds_config={},
+            cluster=_cluster([("one", 1.0, 8 * 10**9)]),
+            zero_stages=(0,),
+            cache_dir=str(Path(cache_dir) / "pipeline"),
+            loss_fn=mse,
+            optimizer_factory=lambda params, optimizer=optimizer: optimizer(params, lr=0.01),
+            micro_batch_size_limit=2,
+            warmup_micro_steps=0,
+            repeats=1,
+            progress=None,
+        )
+        profile_layers(options)
+        calls.append(len(made))
     return calls
 
 
-def test_a_profile_measured_with_another_client_optimizer_is_not_reused(tmp_path) -> None:
-    # Adam keeps two moments per parameter and steps slower than SGD: another profile.
-    (calls,) = run_ranks(_client_optimizers_in_turn, world_size=1, tmp_path=tmp_path, args=(str(tmp_path / "c"),))
-    sgd, sgd_again, adam = calls
+@pytest.fixture(scope="module")
+def optimizer_runs(tmp_path_factory) -> dict:
+    """`_client_optimizers_in_turn` on one forked rank, for both kinds of profile."""
+    root = tmp_path_factory.mktemp("optimizers")
+    (result,) = run_ranks(_client_optimizers_in_turn, world_size=1, tmp_path=root, args=(str(root / "c"),))
+    return result
+
+
+@pytest.mark.parametrize("kind", ["model", "layers"])
+def test_a_profile_measured_with_another_client_optimizer_is_not_reused(optimizer_runs, kind) -> None:
+    # Adam keeps two moments per parameter and steps slower than SGD: another profile, whole-model or layers.
+    sgd, sgd_again, adam = optimizer_runs[kind]
     assert sgd > 0 and sgd_again == 0, "the same optimizer's profile is reused"
     assert adam > 0, "Adam is measured, not given SGD's profile"
