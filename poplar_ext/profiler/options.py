@@ -111,6 +111,8 @@ def _read_seconds(text: str) -> float | None:
 
 def _read_directory(text: str) -> Path:
     """A directory, or a path where none exists yet; ``~`` is the home folder, as the poplar section reads it."""
+    if not text:  # an unset shell variable: not the current folder
+        raise ValueError("expected a directory, found an empty path")
     path = Path(text).expanduser()  # "--output-dir=~/x" reaches us unexpanded: the shell expands only a word's start
     if path.exists() and not path.is_dir():
         raise ValueError(f"expected a directory, found the file {path}")

@@ -64,6 +64,12 @@ def test_the_output_dir_reads_a_tilde_as_the_home_folder(files, monkeypatch, tmp
     assert Path(command.cache_dir) == tmp_path / "home" / "profiles"
 
 
+def test_an_empty_output_dir_is_refused(files, capsys) -> None:
+    # "--output-dir $DIR" with DIR unset: not the current folder, silently.
+    assert main(_args(files, "--model", "toy-gpt", "--output-dir", "")) == 2
+    assert "--output-dir: expected a directory, found an empty path" in capsys.readouterr().err
+
+
 def test_own_model_and_batch_factories_are_imported(files, monkeypatch) -> None:
     monkeypatch.chdir(files["dir"])
     command = parse_command(
