@@ -98,9 +98,10 @@ def profile_layers(
         sequence_length=options.sequence_length,
     )
     versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
-    # The optimizer _measure_my_type steps each layer with, as whole-model profiles key it.
-    first_layer = [p for p in pipeline.builders[0]().parameters() if p.requires_grad]
-    config_fp = ds_config_fingerprint(ds_config, client_optimizer_class(options.optimizer_factory, first_layer))
+    # The optimizer _measure_my_type steps each layer with, as whole-model profiles key it; built on a
+    # parameter of its own, as a layer may have none (a callable, a frozen embedding).
+    probe = [nn.Parameter(torch.zeros(1))]
+    config_fp = ds_config_fingerprint(ds_config, client_optimizer_class(options.optimizer_factory, probe))
     wanted = [(t, s) for s in stages for t in layout.type_names if device_types is None or t in device_types]
     keys = {
         (t, stage): LayerProfileKey(

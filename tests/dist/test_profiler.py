@@ -716,7 +716,36 @@ def _client_optimizers_in_turn(cache_dir: str) -> list[int]:
             activation_checkpointing="off",
         )
         calls.append(batches.calls)
-    return {"model": calls, "layers": _layer_optimizers_in_turn(cache_dir)}
+    return {
+        "model": calls,
+        "layers": _layer_optimizers_in_turn(cache_dir),
+        "parameterless_first_layer": _parameterless_first_layer(cache_dir),
+    }
+
+
+def _parameterless_first_layer(cache_dir: str) -> list[int]:
+    """Layer profiles of layers whose first has no parameter, with an optimizer_factory: their layer counts."""
+    import torch
+    from torch import nn
+
+    from poplar_ext.profiler.options import ProfileOptions
+    from poplar_ext.profiler.per_layer import profile_layers
+
+    options = ProfileOptions(
+        model_factory=lambda: [nn.Flatten(), nn.Linear(8, 8), nn.Linear(8, 1)],
+        make_batch=lambda n: (torch.ones(n, 8), torch.ones(n, 1)),
+        ds_config={},
+        cluster=_cluster([("one", 1.0, 8 * 10**9)]),
+        zero_stages=(0,),
+        cache_dir=str(Path(cache_dir) / "parameterless"),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer_factory=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        micro_batch_size_limit=2,
+        warmup_micro_steps=0,
+        repeats=1,
+        progress=None,
+    )
+    return [profile.num_layers for profile in profile_layers(options)]
 
 
 def _layer_optimizers_in_turn(cache_dir: str) -> list[int]:
@@ -768,3 +797,8 @@ def test_a_profile_measured_with_another_client_optimizer_is_not_reused(optimize
     sgd, sgd_again, adam = optimizer_runs[kind]
     assert sgd > 0 and sgd_again == 0, "the same optimizer's profile is reused"
     assert adam > 0, "Adam is measured, not given SGD's profile"
+
+
+def test_layers_whose_first_has_no_parameter_are_profiled_with_an_optimizer_factory(optimizer_runs) -> None:
+    # The optimizer's class, for the cache key, is not read off the first layer (an nn.Flatten here).
+    assert optimizer_runs["parameterless_first_layer"] == [3]
