@@ -392,10 +392,7 @@ def _start_session(options: ProfileOptions, settings: MeasureSettings, layout: J
         ),
         toggle=toggle,
         versions={"torch": torch.__version__, "deepspeed": deepspeed.__version__},
-        config_fingerprint=ds_config_fingerprint(
-            options.ds_config,
-            client_optimizer_class(options.optimizer_factory, [p for p in first_model.parameters() if p.requires_grad]),
-        ),
+        config_fingerprint=ds_config_fingerprint(options.ds_config, client_optimizer_class(options.optimizer_factory)),
         offload_types=offload_types,
         runs=tuple(
             _Run(stage, checkpointing, offload)

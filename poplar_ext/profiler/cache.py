@@ -52,12 +52,14 @@ _CONFIG_KEYS_NOT_IN_KEY = frozenset(
 )
 
 
-def client_optimizer_class(optimizer_factory: Callable[[list], Any] | None, parameters: list) -> str | None:
-    """The class `optimizer_factory` builds on `parameters` (None: no factory), for the cache key: the
-    DeepSpeed config does not say it. A torch optimizer allocates no state before its first step."""
+def client_optimizer_class(optimizer_factory: Callable[[list], Any] | None) -> str | None:
+    """The class `optimizer_factory` builds (None: no factory), for the cache key: the DeepSpeed config does
+    not say it. Built on a parameter of its own: a model's may be many, a pipeline layer's none."""
     if optimizer_factory is None:
         return None
-    optimizer = optimizer_factory(parameters)
+    import torch
+
+    optimizer = optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 

@@ -98,10 +98,8 @@ def profile_layers(
         sequence_length=options.sequence_length,
     )
     versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
-    # The optimizer _measure_my_type steps each layer with, as whole-model profiles key it; built on a
-    # parameter of its own, as a layer may have none (a callable, a frozen embedding).
-    probe = [nn.Parameter(torch.zeros(1))]
-    config_fp = ds_config_fingerprint(ds_config, client_optimizer_class(options.optimizer_factory, probe))
+    # The optimizer _measure_my_type steps each layer with, as whole-model profiles key it.
+    config_fp = ds_config_fingerprint(ds_config, client_optimizer_class(options.optimizer_factory))
     wanted = [(t, s) for s in stages for t in layout.type_names if device_types is None or t in device_types]
     keys = {
         (t, stage): LayerProfileKey(

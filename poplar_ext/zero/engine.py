@@ -434,9 +434,8 @@ class PoplarEngine(EngineCore):
         )
 
         tag = str(tag) if tag is not None else f"global_step{self.deepspeed_engine.global_steps}"  # DeepSpeed's default
-        check_pattern_safe(
-            Path(save_dir) / tag, caller="save_checkpoint"
-        )  # every rank passes the same folder (DeepSpeed checks the tag)
+        # Every rank passes the same folder (DeepSpeed checks the tag), so every rank refuses alike.
+        check_pattern_safe(Path(save_dir) / tag, caller="save_checkpoint")
         if self._rank == 0:
             remove_resharded_copy(save_dir, tag)
         barrier()  # no rank saves before the earlier save's resharded copy is gone
