@@ -6,7 +6,7 @@ refuses. See docs/training.md (checkpoints) and docs/design.md (the data positio
 
 from __future__ import annotations
 
-import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,10 @@ STATE_FILE = "poplar_state.json"
 UNIVERSAL_SUFFIX = "_universal"
 """``TAG_universal``: checkpoint TAG resharded for another number of ranks, beside it (`poplar_ext.runtime.reshard`)."""
 
-DEEPSPEED_RANK_FILES = ("*_model_states.pt", "*_optim_states.pt")
-"""DeepSpeed's files in a tag folder, some per rank (`remove_other_ranks_files`)."""
-_DP_RANK = re.compile(r"zero_pp_rank_(\d+)_")
-"""The data-parallel rank in a per-rank file's name (``zero_pp_rank_2_mp_rank_00_optim_states.pt``)."""
+SAVING_SUFFIX = ".saving"
+"""``TAG.saving``: a save into TAG while its ranks write it, beside it (`save_whole`)."""
+REPLACED_SUFFIX = ".replaced"
+"""``TAG.replaced``: the checkpoint a save replaces, between the two renames that swap it out (`save_whole`)."""
 
 CLIENT_STATE_KEY = "poplar"
 """Where checkpoints of poplar-ext 0.1 kept the state, in DeepSpeed's client_state (still read)."""
@@ -95,23 +95,51 @@ def write_state(save_dir: str | Path, tag: str, state: dict) -> Path:
     return path
 
 
-def remove_resharded_copy(save_dir: str | Path, tag: str) -> None:
-    """Remove ``TAG_universal`` (rank 0, before a save into `tag`, every rank waiting): a copy derived from an
-    earlier save into `tag`, which a resume on another number of ranks would load in place of the new one."""
+def save_whole(
+    save_dir: str | Path,
+    tag: str,
+    save: Callable[[str], Any],
+    *,
+    state: Callable[[], dict],
+    storage_rank: int,
+    save_latest: bool,
+) -> Any:
+    """Save checkpoint `tag` whole or not at all (collective): `save` (every rank's DeepSpeed save, given the
+    tag ``TAG.saving``) writes that folder; once every rank has, the first rank of each storage (`storage_rank` 0: the
+    job's rank 0, each node's on node-local storage) writes `state` there, removes ``TAG_universal`` (derived
+    from the earlier save), puts the new folder in the place of TAG and names it in ``latest``. Returns what
+    `save` returns.
+
+    Why a new folder: a save into TAG in place would keep what an earlier save there wrote and this one did not
+    (other ranks' shards, another dtype's or ZeRO stage's files), which a load may read as this save's; and a
+    save failing on some rank would leave old and new files mixed. DeepSpeed writes ``latest`` right after
+    its own rank's files: a node lost meanwhile would leave it naming a checkpoint without that node's part.
+    """
     import shutil
 
-    shutil.rmtree(Path(save_dir) / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
+    from poplar_ext.collectives import barrier
 
-
-def remove_other_ranks_files(save_dir: str | Path, tag: str, *, world_size: int) -> None:
-    """Remove the per-rank files of data-parallel ranks `world_size` and above (rank 0, once every rank has
-    saved into `tag`): left by an earlier save on more ranks, a resharding would read them as this save's.
-    Only after the save, so that a save that fails leaves the earlier checkpoint whole."""
-    for pattern in DEEPSPEED_RANK_FILES:
-        for path in (Path(save_dir) / tag).glob(pattern):
-            found = _DP_RANK.search(path.name)
-            if found is not None and int(found.group(1)) >= world_size:
-                path.unlink()
+    folder = Path(save_dir) / tag
+    check_pattern_safe(folder, caller="save_checkpoint")  # every rank passes the same folder: all refuse alike
+    new_tag = tag + SAVING_SUFFIX
+    new, old = Path(save_dir) / new_tag, Path(save_dir) / f"{tag}{REPLACED_SUFFIX}"
+    if storage_rank == 0:
+        shutil.rmtree(new, ignore_errors=True)  # what a save that failed left
+    barrier()  # no rank writes into the new folder before it is empty
+    saved = save(new_tag)
+    barrier()  # every rank's files written: the new checkpoint is whole
+    if storage_rank == 0:
+        write_state(save_dir, new_tag, state())
+        shutil.rmtree(Path(save_dir) / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+        if folder.exists():
+            folder.rename(old)
+        new.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+        if save_latest:
+            write_text_atomic(tag, Path(save_dir) / "latest")
+    barrier()  # the checkpoint in its place before any rank reads it
+    return saved
 
 
 def write_latest_when_saved(save_dir: str | Path, tag: str, *, rank: int) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from poplar_ext.collectives import agree_sum, barrier
+from poplar_ext.collectives import agree_sum
 from poplar_ext.hardware.emulation import OPTIMIZER_STEP_KEY, ComputeSlowdown, micro_step_key, warn_on_overrun
 from poplar_ext.hardware.optimizer_window import optimizer_compute_window
 from poplar_ext.plan.formats import Plan, one_accumulation_count, plan_from_dict, plan_to_dict
@@ -23,14 +23,10 @@ from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
     ResumeDecision,
     check_deepspeed_files,
-    check_pattern_safe,
     checkpoint_tag,
     read_state,
-    remove_other_ranks_files,
-    remove_resharded_copy,
     resume_decision,
-    write_latest_when_saved,
-    write_state,
+    save_whole,
 )
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
@@ -424,37 +420,30 @@ class PoplarEngine(EngineCore):
         save_latest: bool = True,
         **kwargs: Any,
     ) -> Any:
-        """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder (written by rank 0);
-        ``latest`` names the checkpoint once every rank has written its part (`write_latest_when_saved`). A save
-        into a tag that holds a checkpoint replaces it (`remove_resharded_copy`, `remove_other_ranks_files`)."""
+        """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder; written into a new folder
+        that replaces the tag's once every rank has saved, and then named in ``latest`` (`save_whole`)."""
         from deepspeed.checkpoint.constants import (
             UNIVERSAL_CHECKPOINT_INFO,
             UNIVERSAL_CHECKPOINT_VERSION_KEY,
             UNIVERSAL_CHECKPOINT_VERSION_VALUE,
         )
 
-        tag = str(tag) if tag is not None else f"global_step{self.deepspeed_engine.global_steps}"  # DeepSpeed's default
-        # Every rank passes the same folder (DeepSpeed checks the tag), so every rank refuses alike.
-        check_pattern_safe(Path(save_dir) / tag, caller="save_checkpoint")
-        if self._rank == 0:
-            remove_resharded_copy(save_dir, tag)
-        barrier()  # no rank saves before the earlier save's resharded copy is gone
+        engine = self.deepspeed_engine
+        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
         client = dict(client_state or {})
         # DeepSpeed's own converter (ds_to_universal) requires this entry; poplar-ext's
         # (`poplar_ext.runtime.reshard`) does not, but keeps checkpoints usable by both.
         client.setdefault(
             UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
         )
-        saved = self.deepspeed_engine.save_checkpoint(
-            save_dir, tag=tag, client_state=client, save_latest=False, **kwargs
+
+        def save(new_tag: str) -> Any:
+            return engine.save_checkpoint(save_dir, tag=new_tag, client_state=client, save_latest=False, **kwargs)
+
+        storage_rank = engine.local_rank if engine.use_node_local_storage() else self._rank
+        return save_whole(
+            save_dir, tag, save, state=self._client_state, storage_rank=storage_rank, save_latest=save_latest
         )
-        barrier()  # every rank's files written: what states them and what they replace can follow
-        if self._rank == 0:
-            remove_other_ranks_files(save_dir, tag, world_size=len(self.plan.ranks))
-            write_state(save_dir, tag, self._client_state())
-        if save_latest:
-            write_latest_when_saved(save_dir, tag, rank=self._rank)
-        return saved
 
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:
         """DeepSpeed's load_checkpoint, continuing the data stream under this job's plan.

@@ -4,6 +4,8 @@
 ``last`` again; 3 ranks resume ``last``. They must get the 2 ranks' parameters: neither the resharded
 copy of the first save nor the first save's third optimizer shard (left beside the second save's two)
 may be taken for the second save. ZeRO stages 1 and 3, forked groups of 3, 2 and 3 ranks.
+Also on 2 ranks: a save at another ZeRO stage leaves only its own files in the tag, and a save that
+fails on one rank leaves the earlier checkpoint, which a resume loads.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import _training as t
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_ranks, run_ranks_outcomes
 
 STAGES = (1, 3)
 ALLOCATIONS = {
@@ -66,3 +68,52 @@ def test_a_resume_loads_the_last_save_into_a_tag(phases, stage):
     assert t.max_difference(first[0][stage], second[0][stage]) > 1e-3  # the two saves differ
     for rank in third:
         assert t.max_difference(rank[stage], second[0][stage]) <= 1e-6
+
+
+def _save_at_both_stages(files):
+    folder = files["root"] / "layouts"
+    for stage in (1, 3):  # stage 1's model file and shards, then stage 3's files of other names
+        engine, _ = _engine(files, stage)
+        engine.save_checkpoint(folder, tag="last")
+    engine.save_checkpoint(folder, tag="fresh")
+    return {tag: sorted(p.name for p in (folder / tag).iterdir()) for tag in ("last", "fresh")}
+
+
+def test_a_save_at_another_stage_leaves_only_its_own_files_in_the_tag(tmp_path):
+    files = {"root": tmp_path, **t.write_world_files(tmp_path, {2: ALLOCATIONS[2]})}
+    listings = run_ranks(_save_at_both_stages, world_size=2, tmp_path=tmp_path, args=(files,), timeout_s=180)
+    assert listings[0]["last"] == listings[0]["fresh"]
+
+
+def _save_then_fail(files):
+    engine, loader = _engine(files, 1)
+    t.train_steps(engine, loader, 1)
+    engine.save_checkpoint(files["root"] / "failed", tag="last")
+    earlier = t.full_parameters(engine)
+    t.train_steps(engine, loader, 2)
+    if os.environ["RANK"] == "1":  # rank 0 writes the model file and its shard; this rank fails at its own
+
+        def lost(*args, **kwargs):
+            raise OSError("disk full")
+
+        engine.deepspeed_engine._save_zero_checkpoint = lost
+    try:
+        engine.save_checkpoint(files["root"] / "failed", tag="last")
+    except Exception as exc:  # noqa: BLE001 - rank 1's error; rank 0's lost peer, in DeepSpeed's barrier
+        return earlier, str(exc)
+    return earlier, None
+
+
+def _resume(files):
+    engine, _ = _engine(files, 1)
+    engine.load_checkpoint(files["root"] / "failed")  # latest
+    return t.full_parameters(engine)
+
+
+def test_a_save_that_fails_on_a_rank_leaves_the_earlier_checkpoint(tmp_path):
+    files = {"root": tmp_path, **t.write_world_files(tmp_path, {2: ALLOCATIONS[2]})}
+    options = {"world_size": 2, "tmp_path": tmp_path, "args": (files,), "timeout_s": 180}
+    (earlier, _), (_, error) = [outcome.value for outcome in run_ranks_outcomes(_save_then_fail, **options)]
+    assert error == "disk full"
+    for rank in run_ranks(_resume, **options):
+        assert t.max_difference(rank, earlier) <= 1e-6

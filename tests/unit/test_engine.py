@@ -47,6 +47,10 @@ class FakeDeepSpeedEngine:
         self.gas, self.micro_steps, self.global_steps = gas, 0, 0
         self.backward_calls, self.saved, self.events = [], None, []
         self.some_attribute = "from deepspeed"
+        self.local_rank = 0
+
+    def use_node_local_storage(self):
+        return False
 
     def __call__(self, x):
         return x.sum()
@@ -204,18 +208,15 @@ def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path
     from poplar_ext import collectives
 
     engine, fake = _engine(_plan([(3, 2), (1, 3)]))
-
-    def barrier():
-        assert not (tmp_path / "latest").exists(), "latest written before every rank finished"
-        fake.events.append("barrier")
-
-    monkeypatch.setattr(collectives, "barrier", barrier)
+    monkeypatch.setattr(collectives, "barrier", lambda: fake.events.append(("barrier", (tmp_path / "latest").exists())))
     engine.save_checkpoint(tmp_path, tag="t")
-    assert fake.events == [("save", {"save_latest": False}), "barrier"]
+    saved = ("save", {"save_latest": False})
+    assert fake.events == [("barrier", False), saved, ("barrier", False), ("barrier", True)]
     assert (tmp_path / "latest").read_text() == "t"
     fake.events.clear()
     engine.save_checkpoint(tmp_path, tag="u", save_latest=False)
-    assert fake.events == [("save", {"save_latest": False})] and (tmp_path / "latest").read_text() == "t"
+    assert fake.events == [("barrier", True), saved, ("barrier", True), ("barrier", True)]
+    assert (tmp_path / "latest").read_text() == "t"
 
 
 def test_a_save_into_a_tag_that_fails_leaves_the_earlier_checkpoint_whole(tmp_path):
@@ -239,18 +240,20 @@ def test_a_save_into_a_tag_that_fails_leaves_the_earlier_checkpoint_whole(tmp_pa
     assert (tmp_path / "latest").read_text() == "last"
 
 
-def test_a_save_removes_only_the_files_of_ranks_it_does_not_have(tmp_path):
-    # An earlier save on more ranks left shards of ranks 1 and 2 (a resharding would read them as this
-    # save's); this one-rank save rewrites rank 0's, and the stale resharded copy is gone.
+def test_a_save_into_a_tag_keeps_only_what_it_wrote(tmp_path):
+    # An earlier save on more ranks, in bf16, at ZeRO 3, left files this save does not write (a load may read
+    # them as its own), and a resharded copy of itself; only this save's files stay.
     engine, _ = _engine(_plan([(2, 1)]))
     folder = tmp_path / "last"
     folder.mkdir()
     for rank in range(3):
-        (folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_text("old")
+        for prefix in ("zero", "bf16_zero"):
+            (folder / f"{prefix}_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_text("old")
+        (folder / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").write_text("old")
     (tmp_path / "last_universal").mkdir()
     engine.save_checkpoint(tmp_path, tag="last")
-    assert sorted(p.name for p in folder.glob("zero_pp_rank_*")) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]
-    assert not (tmp_path / "last_universal").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "latest"]
+    assert sorted(p.name for p in folder.iterdir()) == ["mp_rank_00_model_states.pt", STATE_FILE]
 
 
 def test_a_checkpoint_of_another_plan_continues_the_stream_and_says_so(tmp_path, caplog):
