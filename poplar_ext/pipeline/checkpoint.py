@@ -5,8 +5,6 @@ See docs/pipeline.md (checkpoints: the layout, what a resume carries over, what 
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 from typing import Any
 
 from poplar_ext.plan.pipeline_formats import PipelinePlan, plan_parallelism
@@ -22,17 +20,6 @@ PIPELINE_FOLDER = "pipeline{index}"
 
 def pipeline_folder(index: int) -> str:
     return PIPELINE_FOLDER.format(index=index)
-
-
-def remove_pipeline_files(tag_dir: Path) -> None:
-    """Remove what a pipeline checkpoint wrote in `tag_dir` (rank 0, before a save into it): a checkpoint of
-    another plan leaves other files behind (another pipeline's folder, a deeper pipeline's stage files,
-    its optimizer state per parameter), which a later resume would read as the new checkpoint's."""
-    if not tag_dir.is_dir():
-        return
-    for entry in tag_dir.iterdir():
-        if entry.is_dir() and (entry.name.startswith("pipeline") or entry.name.startswith(UNIVERSAL_FOLDER)):
-            shutil.rmtree(entry)
 
 
 def _splits(plan: dict[str, Any]) -> list[str]:

@@ -20,7 +20,7 @@ from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from poplar_ext.collectives import agree_sum, barrier, decided_by_rank0, gather_objects, sum_in_group
+from poplar_ext.collectives import agree_sum, decided_by_rank0, gather_objects, sum_in_group
 from poplar_ext.hardware.emulation import ComputeSlowdown
 from poplar_ext.pipeline.checkpoint import (
     UNIVERSAL_FOLDER,
@@ -29,7 +29,6 @@ from poplar_ext.pipeline.checkpoint import (
     parameter_differences,
     pipeline_folder,
     pipeline_resume_decision,
-    remove_pipeline_files,
 )
 from poplar_ext.pipeline.job import PipelineJob
 from poplar_ext.pipeline.replan import (
@@ -42,11 +41,9 @@ from poplar_ext.pipeline.replan import (
 from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_from_dict
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
-    check_pattern_safe,
     checkpoint_tag,
     read_state,
-    write_latest_when_saved,
-    write_state,
+    save_whole,
 )
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.engine_core import EngineCore
@@ -366,32 +363,26 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         save_latest: bool = True,
         **kwargs,
     ) -> Any:
-        """DeepSpeed's save, into ``save_dir/TAG/pipeline<P>``, with poplar-ext's state in ``save_dir/TAG``;
-        ``latest`` names TAG once every rank has written its part (collective). A save into a tag that
-        holds a checkpoint replaces it whole (`remove_pipeline_files`)."""
-        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # DeepSpeed's default
-        check_pattern_safe(Path(save_dir) / tag, caller="save_checkpoint")  # every rank passes the same folder
-        if self.global_rank == 0:
-            remove_pipeline_files(Path(save_dir) / tag)
-            write_state(save_dir, tag, self._client_state())
-        barrier()  # no rank writes into the tag folder before rank 0 has emptied it
-        self._job_tag = tag
+        """DeepSpeed's save, into ``save_dir/TAG/pipeline<P>``, with poplar-ext's state in ``save_dir/TAG``; written
+        into a new folder that replaces the tag's once every rank has saved, then named in ``latest`` (`save_whole`)."""
         client_state = dict(client_state or {})
         if self.optimizer is not None and not self.zero_optimization():  # DeepSpeed names them at ZeRO 1 only
             client_state[PARAMETER_SHAPES_KEY] = optimizer_parameter_shapes(self)
-        try:
-            saved = super().save_checkpoint(
-                str(Path(save_dir) / tag),
-                tag=pipeline_folder(self.pipeline_index),
-                client_state=client_state,
-                save_latest=False,
-                **kwargs,
-            )
-        finally:
-            self._job_tag = None
-        if save_latest:
-            write_latest_when_saved(save_dir, tag, rank=self.global_rank)
-        return saved
+
+        def save(new_tag: str) -> Any:
+            self._job_tag = new_tag
+            try:
+                return super(PoplarPipelineEngine, self).save_checkpoint(
+                    str(Path(save_dir) / new_tag),
+                    tag=pipeline_folder(self.pipeline_index),
+                    client_state=client_state,
+                    save_latest=False,
+                    **kwargs,
+                )
+            finally:
+                self._job_tag = None
+
+        return save_whole(save_dir, tag, save, deepspeed_engine=self, state=self._client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:
         """DeepSpeed's load from ``load_dir/TAG/pipeline<P>``, continuing the data stream (collective).

@@ -1,7 +1,8 @@
 """poplar-ext's state in a DeepSpeed checkpoint: where the data stream stands, and the plans.
 
-``poplar_state.json`` written by rank 0, and `resume_decision` (pure): what a resume continues, notes or
-refuses. See docs/training.md (checkpoints) and docs/design.md (the data position, the plan history).
+``poplar_state.json`` written by rank 0; `save_whole`: every engine's save, whole or not at all; and
+`resume_decision` (pure): what a resume continues, notes or refuses. See docs/training.md (checkpoints) and
+docs/design.md (the data position, the plan history).
 """
 
 from __future__ import annotations
@@ -97,18 +98,18 @@ def write_state(save_dir: str | Path, tag: str, state: dict) -> Path:
 
 def save_whole(
     save_dir: str | Path,
-    tag: str,
+    tag: Any,
     save: Callable[[str], Any],
     *,
+    deepspeed_engine: Any,
     state: Callable[[], dict],
-    storage_rank: int,
     save_latest: bool,
 ) -> Any:
     """Save checkpoint `tag` whole or not at all (collective): `save` (every rank's DeepSpeed save, given the
-    tag ``TAG.saving``) writes that folder; once every rank has, the first rank of each storage (`storage_rank` 0: the
-    job's rank 0, each node's on node-local storage) writes `state` there, removes ``TAG_universal`` (derived
-    from the earlier save), puts the new folder in the place of TAG and names it in ``latest``. Returns what
-    `save` returns.
+    tag ``TAG.saving``) writes that folder; once every rank has, the first rank of each storage (the job's
+    rank 0, each node's on DeepSpeed's node-local storage) writes `state` there, removes ``TAG_universal``
+    (derived from the earlier save), puts the new folder in the place of TAG and names it in ``latest``.
+    Returns what `save` returns.
 
     Why a new folder: a save into TAG in place would keep what an earlier save there wrote and this one did not
     (other ranks' shards, another dtype's or ZeRO stage's files), which a load may read as this save's; and a
@@ -119,6 +120,9 @@ def save_whole(
 
     from poplar_ext.collectives import barrier
 
+    engine = deepspeed_engine
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
+    storage_rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank  # as DeepSpeed's
     folder = Path(save_dir) / tag
     check_pattern_safe(folder, caller="save_checkpoint")  # every rank passes the same folder: all refuse alike
     new_tag = tag + SAVING_SUFFIX
@@ -140,20 +144,6 @@ def save_whole(
             write_text_atomic(tag, Path(save_dir) / "latest")
     barrier()  # the checkpoint in its place before any rank reads it
     return saved
-
-
-def write_latest_when_saved(save_dir: str | Path, tag: str, *, rank: int) -> None:
-    """Rank 0 names `tag` in ``latest`` once every rank has written its files (collective).
-
-    DeepSpeed's rank 0 writes ``latest`` right after its own files, so a node lost during
-    a save could leave ``latest`` naming a checkpoint without that node's part, which an
-    automatic restart would then fail to load.
-    """
-    from poplar_ext.collectives import barrier
-
-    barrier()
-    if rank == 0:
-        write_text_atomic(tag, Path(save_dir) / "latest")
 
 
 def check_pattern_safe(folder: Path, *, caller: str) -> None:

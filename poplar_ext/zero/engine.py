@@ -428,8 +428,6 @@ class PoplarEngine(EngineCore):
             UNIVERSAL_CHECKPOINT_VERSION_VALUE,
         )
 
-        engine = self.deepspeed_engine
-        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
         client = dict(client_state or {})
         # DeepSpeed's own converter (ds_to_universal) requires this entry; poplar-ext's
         # (`poplar_ext.runtime.reshard`) does not, but keeps checkpoints usable by both.
@@ -437,12 +435,13 @@ class PoplarEngine(EngineCore):
             UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
         )
 
+        engine = self.deepspeed_engine
+
         def save(new_tag: str) -> Any:
             return engine.save_checkpoint(save_dir, tag=new_tag, client_state=client, save_latest=False, **kwargs)
 
-        storage_rank = engine.local_rank if engine.use_node_local_storage() else self._rank
         return save_whole(
-            save_dir, tag, save, state=self._client_state, storage_rank=storage_rank, save_latest=save_latest
+            save_dir, tag, save, deepspeed_engine=engine, state=self._client_state, save_latest=save_latest
         )
 
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:

@@ -1,4 +1,5 @@
-"""A pipeline checkpoint DeepSpeed could not load is refused at its save; a missing tag names its folder.
+"""A pipeline checkpoint DeepSpeed could not load is refused at its save; a missing tag names its folder; a save
+into a tag that fails on one rank leaves the tag's earlier checkpoint, which a resume loads.
 
 DeepSpeed finds a checkpoint's files by a glob pattern of its path: a tag like ``run[1]`` would be saved
 and never loaded. 3 forked CPU ranks, a 2-stage pipeline beside a 1-stage one.
@@ -6,8 +7,10 @@ and never loaded. 3 forked CPU ranks, a 2-stage pipeline beside a 1-stage one.
 
 from __future__ import annotations
 
+import os
+
 import _training as t
-from harness import run_ranks
+from harness import run_ranks, run_ranks_outcomes
 from test_pipeline import write_pipeline_plan
 from test_pipeline_drop_last import PIPELINES, TYPES, _engine
 
@@ -33,3 +36,45 @@ def test_a_tag_deepspeed_could_not_load_is_refused_at_save(tmp_path):
         assert result["glob"].endswith("run[1]")
         assert "step9 holds no poplar_state.json" in result["missing"]
     assert not (files["checkpoints"] / "run[1]").exists()
+
+
+def _parameters(engine):
+    return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def _save_then_fail(files):
+    engine, _ = _engine(files)
+    engine.train_batch()
+    engine.save_checkpoint(files["checkpoints"], tag="last")
+    earlier = _parameters(engine)
+    engine.train_batch()
+    if os.environ["RANK"] == "1":  # pipeline 0's second stage fails at its files; the other ranks write theirs
+
+        def lost(*args, **kwargs):
+            raise OSError("disk full")
+
+        engine._save_checkpoint = lost
+    try:
+        engine.save_checkpoint(files["checkpoints"], tag="last")
+    except Exception as exc:  # noqa: BLE001 - rank 1's error; the others' lost peer, in DeepSpeed's barrier
+        return earlier, str(exc)
+    return earlier, None
+
+
+def _resume(files):
+    engine, _ = _engine(files)
+    engine.load_checkpoint(files["checkpoints"])  # latest
+    return _parameters(engine)
+
+
+def test_a_save_that_fails_on_a_rank_leaves_the_earlier_checkpoint(tmp_path):
+    files = {
+        "cluster": t.write_cluster(tmp_path / "cluster.json", fast=3, slow=0),
+        "plan": write_pipeline_plan(tmp_path / "plan.json", PIPELINES, stage=0, types=TYPES),
+        "checkpoints": tmp_path / "checkpoints",
+    }
+    options = {"world_size": 3, "tmp_path": tmp_path, "args": (files,), "init_process_group": False, "timeout_s": 180}
+    saved = [outcome.value for outcome in run_ranks_outcomes(_save_then_fail, **options)]
+    assert saved[1][1] == "disk full"
+    for (earlier, _), resumed in zip(saved, run_ranks(_resume, **options)):
+        assert t.max_difference(resumed, earlier) == 0

@@ -47,7 +47,7 @@ class FakeDeepSpeedEngine:
         self.gas, self.micro_steps, self.global_steps = gas, 0, 0
         self.backward_calls, self.saved, self.events = [], None, []
         self.some_attribute = "from deepspeed"
-        self.local_rank = 0
+        self.local_rank = self.global_rank = 0
 
     def use_node_local_storage(self):
         return False
