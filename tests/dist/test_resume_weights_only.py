@@ -2,7 +2,8 @@
 
 At ZeRO stages 1-2 the model's file holds every weight: nothing is resharded, so an optimizer whose state
 could not be resharded (one value per parameter, here) does not stop a resume that does not load it.
-3 ranks save at stage 1, 2 ranks load the weights; two forked groups.
+3 ranks save at stage 1, 2 ranks load the weights; two forked groups. In bf16 the optimizer's fp32 master
+copy follows the loaded weights (a third group, 2 ranks).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import pytest
 import torch
 from harness import run_ranks
 
-ALLOCATIONS = {3: {1: [(2, 2), (2, 2), (4, 1)]}, 2: {1: [(3, 2), (6, 1)]}}
+ALLOCATIONS = {3: {1: [(2, 2), (2, 2), (4, 1)]}, 2: {0: [(3, 2), (6, 1)], 1: [(3, 2), (6, 1)], 3: [(3, 1), (5, 1)]}}
+HALF_PRECISION_STAGES = (0, 1, 3)
 
 
 def _run(files, *, save):
@@ -41,11 +43,49 @@ def runs(tmp_path_factory):
     files = {"root": root / "checkpoints", **t.write_world_files(root, ALLOCATIONS)}
     saved = run_ranks(_run, world_size=3, tmp_path=root, args=(files,), kwargs={"save": True}, timeout_s=200)
     loaded = run_ranks(_run, world_size=2, tmp_path=root, args=(files,), kwargs={"save": False}, timeout_s=200)
-    return saved, loaded, files["root"]
+    half = run_ranks(_step_after_loading_bf16_weights, world_size=2, tmp_path=root, args=(files,), timeout_s=200)
+    return saved, loaded, files["root"], half
+
+
+def _step_after_loading_bf16_weights(files):
+    """Per stage in bf16: 2 steps, saved, 2 more, the saved weights loaded alone, then a step at learning rate 0;
+    how far the weights then are from the saved ones, and from those before the load."""
+    import poplar_ext
+
+    differences = {}
+    for stage in HALF_PRECISION_STAGES:
+        cluster, plan = files[2, stage]
+        model = t.GPT(t.TINY)
+        config = {**t.ds_config(cluster=cluster, plan=plan, stage=stage), "bf16": {"enabled": True}}
+        engine, *_ = poplar_ext.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
+        )
+        data = t.dataset()
+        loader = torch.utils.data.DataLoader(data, batch_sampler=engine.create_batch_sampler(len(data)))
+        t.train_steps(engine, loader, 2)
+        engine.save_checkpoint(files["root"], tag=f"bf16-{stage}")
+        saved = t.full_parameters(engine)
+        t.train_steps(engine, loader, 2)
+        before_load = t.full_parameters(engine)
+        engine.load_checkpoint(files["root"], tag=f"bf16-{stage}", load_optimizer_states=False)
+        for group in engine.optimizer.param_groups:
+            group["lr"] = 0.0
+        t.train_steps(engine, loader, 1)
+        after = t.full_parameters(engine)
+        differences[stage] = (t.max_difference(after, saved), t.max_difference(after, before_load))
+    return differences
 
 
 def test_the_weights_load_on_another_number_of_ranks_without_resharding(runs):
-    saved, loaded, root = runs
+    saved, loaded, root, _ = runs
     for rank in loaded:
         assert t.max_difference(rank, saved[0]) == 0.0
     assert not (root / "c_universal").exists()
+
+
+@pytest.mark.parametrize("stage", HALF_PRECISION_STAGES)
+def test_a_step_after_loading_bf16_weights_keeps_them(runs, stage):
+    # At ZeRO 0 the fp32 master copy held the weights from before the load, and the step copied them back.
+    for from_saved, from_before_load in (rank[stage] for rank in runs[3]):
+        assert from_saved == 0.0
+        assert from_before_load > 0.0
