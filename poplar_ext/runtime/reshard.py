@@ -348,6 +348,27 @@ def loading_resharded(deepspeed_engine: Any) -> Iterator[None]:
         config.load_universal_checkpoint = before
 
 
+@contextmanager
+def merging_weights_of(tag: str) -> Iterator[None]:
+    """While a ZeRO-3 engine loads checkpoint `tag`'s weights alone (``load_optimizer_states=False``).
+
+    DeepSpeed then merges the weights from every rank's partition, saved on any number of ranks
+    (`get_fp32_state_dict_from_zero_checkpoint`), but of the tag ``latest`` names, not of the tag it loads
+    (runtime/engine.py `_load_checkpoint`): another save's weights, or a ValueError without ``latest``.
+    Meanwhile its engine module's name for the merge reads `tag`.
+    """
+    import functools
+
+    from deepspeed.runtime import engine as deepspeed_engine_module
+
+    merge = deepspeed_engine_module.get_fp32_state_dict_from_zero_checkpoint
+    deepspeed_engine_module.get_fp32_state_dict_from_zero_checkpoint = functools.partial(merge, tag=tag)
+    try:
+        yield
+    finally:
+        deepspeed_engine_module.get_fp32_state_dict_from_zero_checkpoint = merge
+
+
 def command_line(source: str | Path, target: str | Path) -> str:
     """The command that writes `target` from `source` (what messages suggest)."""
     return f"python -m poplar_ext.runtime.reshard --input_folder {source} --output_folder {target}"

@@ -451,8 +451,9 @@ class PoplarEngine(EngineCore):
         that cannot continue (another data order) stops before any weight is read, on
         every rank. Another plan, global batch or world size is fine: the data
         continues at the saved position, and the plan history records the resume.
-        When the number of ranks changed at ZeRO stages 1-3 (at stages 1-2 with the
-        optimizer state loaded; without it the model's file holds every weight), rank 0 reshards the
+        When the number of ranks changed at ZeRO stages 1-3 with the optimizer state loaded
+        (the weights alone load on any number of ranks: at stages 1-2 from the model's file, at
+        stage 3 merged from every rank's partition, `merging_weights_of`), rank 0 reshards the
         checkpoint (`poplar_ext.runtime.reshard`: DeepSpeed's universal format with
         every per-parameter state of any optimizer, and `step`) into ``TAG_universal``
         next to it, unless that is there, and every rank loads it. An optimizer state
@@ -464,7 +465,7 @@ class PoplarEngine(EngineCore):
         Returns DeepSpeed's ``(path, client_state)``.
         """
         from poplar_ext.collectives import decided_by_rank0
-        from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
+        from poplar_ext.runtime.reshard import loading_resharded, merging_weights_of, resharded_tag
 
         resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=self._rank)
 
@@ -489,7 +490,11 @@ class PoplarEngine(EngineCore):
                 load_tag = resharded_tag(
                     Path(load_dir), resolved, deepspeed_engine=self.deepspeed_engine, rank=self._rank
                 )
-        with loading_resharded(self.deepspeed_engine) if load_tag is not tag else nullcontext():
+        if load_tag is not tag:
+            loading = loading_resharded(self.deepspeed_engine)
+        else:
+            loading = merging_weights_of(resolved) if resolved is not None else nullcontext()
+        with loading:
             path, client_state = self.deepspeed_engine.load_checkpoint(load_dir, tag=load_tag, **kwargs)
         if path is None:
             return path, client_state
@@ -513,12 +518,11 @@ class PoplarEngine(EngineCore):
         return path, client_state
 
     def _needs_resharding(self, decision: ResumeDecision, load_options: dict[str, Any]) -> bool:
-        """Whether DeepSpeed must load the checkpoint resharded: the ranks changed at ZeRO stages 1-3 and it reads
-        their partitions (at stages 1-2 without the optimizer state, the model's file holds every weight)."""
-        stage = self.plan.zero_stage
-        if not decision.world_size_changed or stage == 0 or load_options.get("load_module_only"):
+        """Whether DeepSpeed must load the checkpoint resharded: the ranks changed at ZeRO stages 1-3 and it loads
+        the optimizer state's partitions (the weights alone load on any number of ranks)."""
+        if not decision.world_size_changed or self.plan.zero_stage == 0 or load_options.get("load_module_only"):
             return False
-        return stage == 3 or load_options.get("load_optimizer_states", True)
+        return bool(load_options.get("load_optimizer_states", True))
 
     def continue_from(
         self, decision: ResumeDecision, *, position_samplers: bool = True, next_iteration: int | None = None
