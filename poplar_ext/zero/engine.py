@@ -490,6 +490,10 @@ class PoplarEngine(EngineCore):
                 load_tag = resharded_tag(
                     Path(load_dir), resolved, deepspeed_engine=self.deepspeed_engine, rank=self._rank
                 )
+        if kwargs.get("load_module_only") and self.plan.zero_stage == 3:
+            # The model's file holds empty partitions at stage 3: DeepSpeed would load no weight, silently.
+            # Without the optimizer state it merges them from every rank's partition (`merging_weights_of`).
+            kwargs["load_optimizer_states"] = False
         if load_tag is not tag:
             loading = loading_resharded(self.deepspeed_engine)
         else:
