@@ -26,6 +26,7 @@ from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.plan.formats import Plan, RankPlan
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
+    checkpoint_tag,
     history_entry,
     poplar_client_state,
     read_state,
@@ -614,7 +615,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         super()._save_checkpoint(model, trial)
         if self.job.rank == 0:
             folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
-            write_state(folder.parent, folder.name, self._poplar_state())
+            write_state(*_state_place(folder), self._poplar_state())
 
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
         """The Trainer's, with the loss accumulated since the last log averaged over the ranks first (as its
@@ -646,7 +647,9 @@ class PoplarTrainerMixin(_PlanEvaluation):
             )
             if folder is None:
                 return None, None
-            return str(folder), read_state(Path(folder).parent, Path(folder).name)
+            place = Path(folder)
+            # Beside the tag folder: where earlier poplar-ext versions wrote it (still read).
+            return str(folder), read_state(*_state_place(place)) or read_state(place.parent, place.name)
 
         folder, saved = decided_by_rank0(read, rank=self.job.rank)
         if saved is None:
@@ -741,6 +744,13 @@ class PoplarTrainerMixin(_PlanEvaluation):
             )
         if path is None:
             raise ValueError(f"resume_from_checkpoint: DeepSpeed found nothing to load in {resume_from_checkpoint}")
+
+
+def _state_place(folder: Path) -> tuple[Path, str]:
+    """Where a Trainer checkpoint `folder` keeps poplar_state.json (`write_state`'s folder and tag): in the tag folder
+    of the DeepSpeed checkpoint in it (its ``latest``), where `PoplarEngine.load_checkpoint` reads it too."""
+    tag = checkpoint_tag(folder, None)
+    return (folder, tag) if tag is not None else (folder.parent, folder.name)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -209,7 +209,8 @@ def _two_rank_config(root: Path, stage: int) -> Path:
 
 def test_resume_from_checkpoint_equals_the_uninterrupted_run_also_on_fewer_ranks(runs, tmp_path):
     root = runs[0] / "resume"
-    assert (root / "parts" / "checkpoint-2" / "poplar_state.json").is_file()
+    # In DeepSpeed's tag folder, where engine.load_checkpoint reads it too.
+    assert (root / "parts" / "checkpoint-2" / "global_step2" / "poplar_state.json").is_file()
     first = [i for r in range(3) for i in json.loads((root / "parts" / f"samples-rank{r}.json").read_text())]
     second = [i for r in range(3) for i in json.loads((root / "resumed" / f"samples-rank{r}.json").read_text())]
     expected = hf.reference_parameters(GLOBAL_BATCH, 4)  # the uninterrupted run: one process, 4 global batches

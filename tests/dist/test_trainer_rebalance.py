@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from harness import run_ranks
@@ -178,9 +179,35 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
                 ],
             }
             result["losses"] = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+            result["loaded_by_engine"] = _load_with_an_engine(config, f"{out}/{stage}/checkpoint-{SAVE_STEP}")
         results[stage] = result
         torch.distributed.barrier()
     return results
+
+
+def _load_with_an_engine(config: str, checkpoint: str) -> dict:
+    """The Trainer's checkpoint loaded by `poplar_ext.initialize`'s engine under the run's first plan (its weights:
+    the Trainer's AdamW has two parameter groups): where its data and plans continue."""
+    import os
+
+    import torch
+
+    import poplar_ext
+
+    _reset_accelerate()
+    files = {name: Path(os.path.dirname(config)) / f"{name}.json" for name in ("cluster", "plan1")}
+    model = hf.tiny_gpt2()
+    engine, *_ = poplar_ext.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        config=t.ds_config(cluster=files["cluster"], plan=files["plan1"], stage=1),
+    )
+    engine.load_checkpoint(checkpoint, load_optimizer_states=False)
+    return {
+        "data_position": engine.data_position,
+        "plan": [(r.micro_batch_size, r.gradient_accumulation_steps) for r in engine.plan.ranks],
+        "history": [h["start_step"] for h in engine.plan_history],
+    }
 
 
 EVAL_SAMPLES, PREDICT_SAMPLES, EVAL_BATCH = 23, 13, 3  # plan 1's micro-batches 2, 4, 2: batches 3, 6, 3
@@ -293,6 +320,16 @@ def test_a_resume_after_a_switch_continues_under_the_switched_plan(switching):
     assert resumed["history"][: len(applied) + 1] == [start for start, _ in first["history"][: len(applied) + 1]]
     expected = hf.reference_parameters(GLOBAL_BATCH, STEPS, schedule_warmup_steps=2)
     assert t.max_difference(resumed["params"], expected) <= 1e-5
+
+
+def test_an_engine_loading_a_trainer_checkpoint_continues_its_data_and_plans(switching):
+    # poplar_state.json was beside the DeepSpeed tag folder, where engine.load_checkpoint does not look: it
+    # started the data at 0 under its own plan, the history lost.
+    first = switching[0][1]
+    loaded, resumed = first["loaded_by_engine"], first["resumed"]
+    assert loaded["data_position"] == SAVE_STEP * GLOBAL_BATCH
+    assert loaded["plan"] == resumed["plan_at_resume"]
+    assert loaded["history"] == [start for start, _ in first["history"] if start <= SAVE_STEP]
 
 
 DRIFT_STEPS = 12
