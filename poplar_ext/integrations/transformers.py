@@ -20,7 +20,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
-from poplar_ext.collectives import agree_sum, agree_sums, decided_by_rank0
+from poplar_ext.collectives import agree_sum, agree_sums, barrier, decided_by_rank0
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.plan.formats import Plan, RankPlan
@@ -30,6 +30,8 @@ from poplar_ext.runtime.checkpoint import (
     history_entry,
     poplar_client_state,
     read_state,
+    remove_other_ranks_files,
+    remove_resharded_copy,
     resume_decision,
     write_state,
 )
@@ -612,9 +614,16 @@ class PoplarTrainerMixin(_PlanEvaluation):
         return state
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
+        """The Trainer's save (DeepSpeed's own save_checkpoint into checkpoint-N), replacing what an earlier save
+        into that folder left, then poplar-ext's state, as `PoplarEngine.save_checkpoint` does."""
+        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
         if self.job.rank == 0:
-            folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+            remove_resharded_copy(folder, f"global_step{self.model_wrapped.global_steps}")  # DeepSpeed's tag
+        barrier()  # no rank saves before it is gone
+        super()._save_checkpoint(model, trial)
+        barrier()  # every rank's files written
+        if self.job.rank == 0:
+            remove_other_ranks_files(*_state_place(folder), world_size=self.job.world_size)
             write_state(*_state_place(folder), self._poplar_state())
 
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:

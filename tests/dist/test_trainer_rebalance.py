@@ -137,6 +137,7 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
             callbacks=[_switching_callback(ref, template, SWITCHES[stage])],
         )
         ref.append(trainer)
+        stale = _plant_an_earlier_save(Path(f"{out}/{stage}/checkpoint-{SAVE_STEP}"))
         trainer.train()
         learning_rates = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
         result = {
@@ -147,6 +148,7 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
             "learning_rates": learning_rates,
             "steps": trainer.state.global_step,
             "tokens_seen": trainer.state.num_input_tokens_seen,
+            "stale_left": [str(path) for path in stale if path.exists()],
         }
         if stage == 1:
             result["eval"] = _evaluate(trainer)
@@ -183,6 +185,20 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
         results[stage] = result
         torch.distributed.barrier()
     return results
+
+
+def _plant_an_earlier_save(folder: Path) -> list[Path]:
+    """What an earlier save into checkpoint `folder` on 4 ranks, resumed on others, left (rank 0 writes it): a 4th
+    rank's optimizer file and the resharded copy. A resume on another number of ranks would read either."""
+    import os
+
+    tag = folder / f"global_step{SAVE_STEP}"
+    stale = [tag / "zero_pp_rank_3_mp_rank_00_optim_states.pt", Path(f"{tag}_universal")]
+    if os.environ["RANK"] == "0":
+        tag.mkdir(parents=True)
+        stale[0].write_bytes(b"")
+        (stale[1] / "zero").mkdir(parents=True)
+    return stale
 
 
 def _load_with_an_engine(config: str, checkpoint: str) -> dict:
@@ -330,6 +346,12 @@ def test_an_engine_loading_a_trainer_checkpoint_continues_its_data_and_plans(swi
     assert loaded["data_position"] == SAVE_STEP * GLOBAL_BATCH
     assert loaded["plan"] == resumed["plan_at_resume"]
     assert loaded["history"] == [start for start, _ in first["history"] if start <= SAVE_STEP]
+
+
+@pytest.mark.parametrize("stage", sorted(FIRST))
+def test_a_trainer_save_into_a_used_checkpoint_folder_replaces_it(switching, stage):
+    # The Trainer saves with DeepSpeed's own save_checkpoint, which leaves other ranks' files and the copy alone.
+    assert switching[0][stage]["stale_left"] == []
 
 
 DRIFT_STEPS = 12
