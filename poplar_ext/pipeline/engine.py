@@ -43,6 +43,7 @@ from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
     checkpoint_tag,
     read_state,
+    refresh_master_weights,
     save_whole,
 )
 from poplar_ext.runtime.data import PlanBatchSampler
@@ -408,6 +409,7 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         else:
             path, client_state = super().load_checkpoint(where, tag=pipeline_folder(self.pipeline_index), **kwargs)
         if path is not None:
+            refresh_master_weights(self.optimizer, kwargs)
             self._resume(decision)
         if client_state is not None:
             client_state.pop(PARAMETER_SHAPES_KEY, None)

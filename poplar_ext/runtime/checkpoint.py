@@ -146,6 +146,16 @@ def save_whole(
     return saved
 
 
+def refresh_master_weights(optimizer: Any, load_options: dict[str, Any]) -> None:
+    """After DeepSpeed loaded a checkpoint with `load_options` (load_checkpoint's keywords): without the optimizer
+    state, the bf16/fp16 optimizer's fp32 master copy is made the loaded weights. DeepSpeed 0.19.8 loads none at
+    ZeRO 0 (FP16_(Unfused)Optimizer, a pipeline's BF16_Optimizer): the first step would copy the pre-load weights
+    back into the model. ZeRO 1-3 restore it from the loaded weights already (the same copy), as does
+    load_module_only."""
+    if not load_options.get("load_optimizer_states", True) and hasattr(optimizer, "refresh_fp32_params"):
+        optimizer.refresh_fp32_params()
+
+
 def check_pattern_safe(folder: Path, *, caller: str) -> None:
     """ValueError for a checkpoint folder DeepSpeed could not load: it finds a checkpoint's files by a glob
     pattern of the folder's path, which a ``*``, ``?`` or ``[`` in it makes match other names."""

@@ -25,6 +25,7 @@ from poplar_ext.runtime.checkpoint import (
     check_deepspeed_files,
     checkpoint_tag,
     read_state,
+    refresh_master_weights,
     resume_decision,
     save_whole,
 )
@@ -502,12 +503,7 @@ class PoplarEngine(EngineCore):
             path, client_state = self.deepspeed_engine.load_checkpoint(load_dir, tag=load_tag, **kwargs)
         if path is None:
             return path, client_state
-        optimizer = getattr(self.deepspeed_engine, "optimizer", None)
-        if not kwargs.get("load_optimizer_states", True) and hasattr(optimizer, "refresh_fp32_params"):
-            # Without the optimizer state DeepSpeed loads no fp32 master copy at ZeRO 0 in bf16/fp16
-            # (FP16_(Unfused)Optimizer): its first step would copy the pre-load weights back into the model.
-            # ZeRO 1-3 restore the copy from the loaded weights already (the same copy; load_module_only too).
-            optimizer.refresh_fp32_params()
+        refresh_master_weights(getattr(self.deepspeed_engine, "optimizer", None), kwargs)
         client_state = dict(client_state or {})
         legacy = client_state.pop(CLIENT_STATE_KEY, None)
         if decision is None:  # no state file: poplar-ext 0.1's client_state entry, or a plain DeepSpeed checkpoint

@@ -15,7 +15,8 @@ a tiny GPT-2 (its head tied to its embedding, on other stages) in bf16 at ZeRO 0
 ``token_mean`` and no clipping (which would hide the division by the iteration's tokens), against
 the Hugging Face model in one DeepSpeed process in bf16: the tied module's and the token division's
 gradients in DeepSpeed's bf16 optimizer's own buffers. Resumes from a checkpoint equal the
-uninterrupted runs, but in bf16 at ZeRO 0, which is refused on every rank.
+uninterrupted runs, but in bf16 at ZeRO 0, which is refused on every rank; at ZeRO 0 the weights alone
+load in both dtypes, and the next step keeps them.
 
 DeepSpeed's CPU accelerator says fp16 is unsupported without AVX512-FP16 or AMX-FP16, as on
 the development machine; torch computes fp16 on any CPU, slowly. The ranks are told it is
@@ -268,6 +269,26 @@ def _resume_refused_under_another_split_in_fp16_at_zero_0(files) -> str:
         return str(exc)
 
 
+def _step_after_loading_the_weights_alone(files, dtype: str) -> tuple[float, float]:
+    """At ZeRO 0: a step, saved, a step, the saved weights loaded alone (what the refusal above offers), then a
+    step at learning rate 0; how far the weights then are from the saved ones, and from those before the load."""
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+
+    engine, folder = _engine(files, dtype, 0), files["checkpoints"] / f"{dtype}_zero0_weights"
+    engine.train_batch()
+    engine.save_checkpoint(folder)
+    saved = weights()
+    engine.train_batch()
+    before_load = weights()
+    engine.load_checkpoint(folder, load_optimizer_states=False)
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+    engine.train_batch()
+    return t.max_difference(weights(), saved), t.max_difference(weights(), before_load)
+
+
 def _all_cases(files) -> dict:
     _fp16_computes_here()
     results = {"refused": _fp16_refused_where_unsupported(files)}
@@ -283,6 +304,8 @@ def _all_cases(files) -> dict:
         results[("resume", *case)] = _resume(files, *case)
     results["resume_refused"] = _resume_refused_in_bf16_at_zero_0(files)
     results["split_refused"] = _resume_refused_under_another_split_in_fp16_at_zero_0(files)
+    for dtype in DTYPES:
+        results[("weights_only", dtype)] = _step_after_loading_the_weights_alone(files, dtype)
     return results
 
 
@@ -418,3 +441,11 @@ def test_moving_a_half_precision_optimizer_state_to_another_split_at_zero_0_is_r
     messages = {r["split_refused"] for r in results[0]}
     assert len(messages) == 1, messages
     assert "expected ZeRO stage 1 to move a bf16 or fp16 job's optimizer state between stages" in messages.pop()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_step_after_loading_the_weights_alone_at_zero_0_keeps_them(results, dtype):
+    # The fp32 master copies held the weights from before the load, and the step copied them back.
+    for rank in results[0]:
+        from_saved, from_before_load = rank[("weights_only", dtype)]
+        assert from_saved == 0.0 < from_before_load
