@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import logging
 import math
@@ -20,7 +21,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
-from poplar_ext.collectives import agree_sum, agree_sums, barrier, decided_by_rank0
+from poplar_ext.collectives import agree_sum, agree_sums, decided_by_rank0
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.plan.formats import Plan, RankPlan
@@ -30,10 +31,8 @@ from poplar_ext.runtime.checkpoint import (
     history_entry,
     poplar_client_state,
     read_state,
-    remove_other_ranks_files,
-    remove_resharded_copy,
     resume_decision,
-    write_state,
+    save_whole,
 )
 from poplar_ext.runtime.config import GlobalBatchRequest, PoplarConfig, load_deepspeed_config
 from poplar_ext.runtime.data import IterationSampler, MicroBatchesDataset, PlanBatchSampler, check_plan_dataset
@@ -613,18 +612,25 @@ class PoplarTrainerMixin(_PlanEvaluation):
         state["step"] = self.state.global_step
         return state
 
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """The Trainer's save (DeepSpeed's own save_checkpoint into checkpoint-N), replacing what an earlier save
-        into that folder left, then poplar-ext's state, as `PoplarEngine.save_checkpoint` does."""
-        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
-        if self.job.rank == 0:
-            remove_resharded_copy(folder, f"global_step{self.model_wrapped.global_steps}")  # DeepSpeed's tag
-        barrier()  # no rank saves before it is gone
-        super()._save_checkpoint(model, trial)
-        barrier()  # every rank's files written
-        if self.job.rank == 0:
-            remove_other_ranks_files(*_state_place(folder), world_size=self.job.world_size)
-            write_state(*_state_place(folder), self._poplar_state())
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's, with DeepSpeed's save into checkpoint-N going through `save_whole`, as
+        `PoplarEngine.save_checkpoint`'s does: the tag folder replaced whole once every rank has saved (nothing an
+        earlier run's save there left), poplar-ext's state in it, then ``latest``."""
+        engine = self.model_wrapped
+        if not self.is_deepspeed_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+
+        def save(tag: str) -> None:
+            # The Trainer calls engine.save_checkpoint(output_dir[, exclude_frozen_parameters]): this instance's
+            # attribute, shadowing the method for the call, gives it the new folder's tag.
+            engine.save_checkpoint = functools.partial(type(engine).save_checkpoint, engine, tag=tag, save_latest=False)
+            try:
+                super(PoplarTrainerMixin, self)._save_optimizer_and_scheduler(output_dir)
+            finally:
+                del engine.save_checkpoint
+
+        save_whole(output_dir, None, save, deepspeed_engine=engine, state=self._poplar_state, save_latest=True)
+        return None
 
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
         """The Trainer's, with the loss accumulated since the last log averaged over the ranks first (as its
