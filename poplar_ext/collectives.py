@@ -175,6 +175,42 @@ def ensure_process_group(**init_options: Any) -> None:
 
         deepspeed.init_distributed(**process_group_options(init_options))
     destroy_process_group_at_exit()
+    release_shared_memory_name()
+
+
+_SHM_DIR = "/dev/shm"
+_shm_name_released = False
+
+
+def release_shared_memory_name() -> None:
+    """Remove the name of DeepSpeed's shared-memory buffer for this rank once every rank has mapped it
+    (collective where that buffer exists; once per process).
+
+    DeepSpeed's CPU op (`deepspeed_shm_comm`, built where all ranks share one machine: ``LOCAL_SIZE`` equal to
+    the world size) names a 69 MB buffer per rank in /dev/shm and never removes it: every job on that
+    machine would keep its ranks' buffers in memory until it restarts. Every rank maps every other rank's
+    buffer before DeepSpeed's setup returns, so after a barrier the names can go: the memory stays mapped
+    while the ranks run and is freed when the last exits, however it exits.
+    """
+    global _shm_name_released
+    if _shm_name_released or not dist.is_initialized() or not os.path.isdir(_SHM_DIR):
+        return
+    _shm_name_released = True
+    from deepspeed.comm import comm as ds_comm
+
+    if getattr(getattr(ds_comm, "cdb", None), "shm_comm_op", None) is None:
+        return
+    if os.environ.get("LOCAL_SIZE") != str(dist.get_world_size()):
+        return  # DeepSpeed made no buffer (ranks on several machines)
+    barrier()
+    # DeepSpeed's name for it: deepspeed/ops/csrc/cpu/comm/shm.cpp, shm_initialize
+    name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), dist.get_rank()
+    )
+    try:
+        os.unlink(os.path.join(_SHM_DIR, name))
+    except FileNotFoundError:
+        pass  # removed already (by hand, or a cleaner of /dev/shm)
 
 
 def broadcast_from_rank0(obj: Any) -> Any:
@@ -338,5 +374,6 @@ __all__ = [
     "new_groups",
     "process_group_options",
     "process_group_rank",
+    "release_shared_memory_name",
     "sum_in_group",
 ]

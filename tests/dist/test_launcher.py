@@ -51,7 +51,11 @@ def _check(summary: dict, log: str) -> None:
 
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not on PATH")
 def test_deepspeed_launcher(tmp_path):
-    _check(*_launch(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port())], tmp_path))
+    port = free_port()
+    _check(*_launch(["deepspeed", "--num_gpus", "2", "--master_port", str(port)], tmp_path))
+    # DeepSpeed's CPU shared-memory op names a 69 MB buffer per rank in /dev/shm and never removes it:
+    # every job would keep its ranks' buffers in memory until the machine restarts.
+    assert sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")) == []
 
 
 def test_torchrun(tmp_path):
