@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from poplar_ext.plan.errors import FormatError
+from poplar_ext.search.cli_common import printing
 
 from .commands import (
     calibration,
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        return printing(f"poplar-bench {args.command}", args.run, args)  # stdout's failures as every CLI's
     except (ValueError, FormatError) as exc:
         print(f"poplar-bench {args.command}: {exc}", file=sys.stderr)
         return 2

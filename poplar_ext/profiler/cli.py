@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.profiler.options import NO_OPTIMIZER, ProfileOptions, at_least, log_progress, read_callable
+from poplar_ext.search.cli_common import printing
 
 BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
 HF_PREFIX = "hf:"
@@ -333,7 +334,11 @@ def summary(profiles: Sequence[Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``poplar-profile``; returns the exit status."""
+    """Entry point of ``poplar-profile``; returns the exit status (stdout's failures as every CLI's: `printing`)."""
+    return printing("poplar-profile", _profile, argv)
+
+
+def _profile(argv: Sequence[str] | None) -> int:
     try:  # UsageError is a ValueError
         options = parse_command(argv)
         profiles = run(options)

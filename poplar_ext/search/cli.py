@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -25,7 +24,6 @@ from poplar_ext.plan.formats import (
 from .api import search_plan
 from .cli_common import (
     EXIT_BAD_INPUT,
-    EXIT_BROKEN_PIPE,
     EXIT_INFEASIBLE,
     EXIT_INTERNAL_ERROR,
     EXIT_OK,
@@ -36,6 +34,7 @@ from .cli_common import (
     error,
     output_problem,
     plan_table,
+    printing,
     write_plan,
 )
 from .examples import example_cluster_file, example_profiles_dir
@@ -80,12 +79,14 @@ exit status:
   0  a plan was found (and written, with --output)
   1  infeasible: no plan satisfies the constraints; the reason is on stderr
   2  bad input: an unreadable or invalid file (the message names the file and the
-     field), an unknown device type, or bad arguments
+     field), an unknown device type, or bad arguments; or an output that cannot be
+     written (--output, or standard output on a full disk)
   3  an internal error of poplar-search (a bug: please report it with the output of
      --debug, which shows the traceback)
   141  the output's reader left before all of it was printed (e.g. | head), as a
      program ended by SIGPIPE; what it did before, writing --output included, stands
-No output file is written, not even partly, unless the exit status is 0 or 141.
+No output file is written, not even partly, unless the exit status is 0, 141, or 2 for
+a standard output that could not be written (the plan is written before it is printed).
 
 Limits (what the search is built for): global batches up to {MAX_GLOBAL_BATCH_SIZE} (with pipelines up to
 {MAX_SUMSET}), micro-batches up to {MAX_MICRO_BATCH_SIZE} samples, clusters up to {MAX_WORLD_SIZE} ranks; larger
@@ -316,14 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or an argument error (2, already printed)
         return int(exc.code or 0)
     try:
-        status = run(args)
-        sys.stdout.flush()  # a closed pipe found here, not in Python's own flush at exit
-        return status
-    except BrokenPipeError:
-        # Not a bug: the reader (| head) has what it wanted. Further writes, Python's own flush at
-        # exit included, go nowhere instead of failing again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
+        return printing(PROG, run, args)  # a reader gone or a full disk under stdout: not a bug
     except Exception as exc:  # noqa: BLE001 - anything run() did not expect is a bug: say so in one line
         if args.debug:
             traceback.print_exc()

@@ -26,6 +26,56 @@ EXIT_BROKEN_PIPE = 141
 """128 + SIGPIPE: what a shell reports for a program its output's reader left."""
 
 
+class _StdoutFailed(Exception):
+    """Writing standard output failed; its OSError is the cause (told apart from any other OSError)."""
+
+
+class _WatchedStdout:
+    """`sys.stdout` whose write and flush raise `_StdoutFailed` where they fail."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def write(self, text: str) -> int:
+        return self._checked(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._checked(self._stream.flush)
+
+    @staticmethod
+    def _checked(method: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return method(*args)
+        except OSError as exc:
+            raise _StdoutFailed from exc
+
+
+def printing(prog: str, command: Callable[..., int], *args: Any) -> int:
+    """`command(*args)`'s exit status, its standard output handled as a command-line tool's (every CLI's main):
+    its reader gone (``| head``) ends it quietly with `EXIT_BROKEN_PIPE`, like a program ended by SIGPIPE;
+    another failure to write it (a full disk) is one line on stderr and `EXIT_BAD_INPUT`. What `command` did
+    before, a file written included, stands."""
+    stdout = sys.stdout
+    sys.stdout = _WatchedStdout(stdout)
+    try:
+        status = command(*args)
+        sys.stdout.flush()  # a failure found here, not in Python's own flush at exit
+        return status
+    except _StdoutFailed as failure:
+        # What is left unwritten, Python's own flush at exit included, goes nowhere instead of failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        cause = failure.__cause__
+        if isinstance(cause, BrokenPipeError):
+            return EXIT_BROKEN_PIPE
+        print(f"{prog}: error: standard output: {getattr(cause, 'strerror', None) or cause}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        sys.stdout = stdout
+
+
 def error(message: str) -> int:
     """``poplar-search: error: message`` on stderr; the bad-input exit status."""
     print(f"{PROG}: error: {message}", file=sys.stderr)
