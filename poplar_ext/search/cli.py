@@ -69,7 +69,11 @@ stages, each stage's layers, the pipeline's micro-batch size and count; format i
 profiles/README.md), searched from the layer profiles in DIR/layers/; the table shows
 each stage's rank, device type, layers, busy time and idle share of the iteration.
 With --parallelism auto both are searched at the same global batch and the faster
-predicted plan is the one printed and written.
+predicted plan is the one printed and written. It needs a network file (--network, or
+the one in DIR/network/ measured on the cluster) and refuses to run without one: the
+choice turns on communication (ZeRO's collectives against a pipeline's transfers and
+all-reduces), which without one is priced for neither side alike (ZeRO keeps the
+collectives its profiles measured, pipelines would send everything for free).
 
 With --predict PLAN no search runs: the plan (ZeRO or pipeline, told apart by its
 file) is priced from the profiles and the network file, and the table shows where each
@@ -189,7 +193,7 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         default="zero",
         help="zero: every rank holds the model, ZeRO data parallelism (default); pipeline: pipelines of stages side "
         "by side (layer profiles from DIR/layers/, ZeRO stage 0 or 1, needs --global-batch-size); auto: both, the "
-        "faster predicted plan is written, the table shows both",
+        "faster predicted plan is written, the table shows both (needs a network file: see below)",
     )
     network = parser.add_mutually_exclusive_group()
     network.add_argument(

@@ -2,8 +2,9 @@
 
 `search.cli` hands over here when ``--parallelism`` is not ``zero``: layer profiles are read from
 ``<profiles>/layers/``, the network as for ZeRO (``--network``, or the profile directory's file for this cluster). With
-``auto`` the ZeRO search runs as well (at the given global batch, or its own choice, which the pipeline search then
-takes) and the faster predicted plan is printed and written; the table shows both.
+``auto`` (which needs that network file: it prices both sides' communication alike) the ZeRO search runs as well
+(at the given global batch, or its own choice, which the pipeline search then takes) and the faster predicted plan is
+printed and written; the table shows both.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def _search(args: argparse.Namespace) -> tuple[SearchResult | None, SearchResult
     cluster = load_cluster(args.cluster)
     layer_profiles = load_layer_profiles(layer_profiles_dir(args.profiles))
     network = chosen_network(args, cluster)
+    if args.parallelism == "auto" and network is None:
+        # Without one a pipeline's transfers and all-reduces would cost nothing while ZeRO's collectives stay in its
+        # profiles' measured times: a comparison leaning to pipelines, whatever the job's network.
+        raise ValueError(
+            "--parallelism auto: expected a network file (--network FILE, or one in DIR/network/ measured on the "
+            f"cluster), found {'--no-network' if args.no_network else 'none'}: the choice depends on communication, "
+            "which only a network file prices alike for both (--parallelism zero or pipeline searches one alone)"
+        )
     zero = None
     batch = args.global_batch_size
     if args.parallelism == "auto":
