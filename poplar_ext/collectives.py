@@ -228,8 +228,10 @@ def decided_by_rank0(
     """`decide()` run on rank 0 alone (it may read files only rank 0's node has), its result on
     every rank; what it raises is raised on every rank, so no rank waits for one that failed.
 
-    The result must be picklable. A `ValueError` (bad input) is a ValueError everywhere;
-    any other exception is a RuntimeError naming it on the other ranks.
+    The result must be picklable. Every rank raises the same type with the same message, so that a
+    restarting launcher ends or restarts all alike (`poplar_ext.elastic`): a ValueError or TypeError
+    (bad input, the user's code) as that type with its message, anything else as a RuntimeError naming
+    it. Rank 0 raises it from its own exception, whose traceback shows where the decision failed.
     """
     outcome: dict[str, Any] | None = None
     failure: BaseException | None = None
@@ -238,14 +240,12 @@ def decided_by_rank0(
             outcome = {"result": decide()}
         except Exception as exc:  # noqa: BLE001 - the other ranks wait in the broadcast: tell them
             failure = exc
-            outcome = {"error": str(exc), "value_error": isinstance(exc, ValueError), "type": type(exc).__name__}
+            kind = next((k for k in (ValueError, TypeError) if isinstance(exc, k)), RuntimeError)
+            message = str(exc) if kind is not RuntimeError else f"rank 0 failed: {type(exc).__name__}: {exc}"
+            outcome = {"error": message, "kind": kind}
     outcome = broadcast(outcome)
-    if failure is not None:
-        raise failure
     if "error" in outcome:
-        if outcome["value_error"]:
-            raise ValueError(outcome["error"])
-        raise RuntimeError(f"rank 0 failed: {outcome['type']}: {outcome['error']}")
+        raise outcome["kind"](outcome["error"]) from failure
     return outcome["result"]
 
 
