@@ -156,15 +156,24 @@ def _named_arguments(below: list[type], positional: tuple, keywords: dict[str, A
     return {**named, **keywords}
 
 
-def _settle_job(args: TrainingArguments, model: Any, train_dataset: Any, *, collate_fn: Any) -> Job:
-    """The plan and its context, resolved alike on every rank (collective) before the Trainer is built."""
+_Configured = tuple[tuple[dict, Path, str], PoplarConfig]
+"""The DeepSpeed config (`load_deepspeed_config`'s result) and its poplar section, read once."""
+
+
+def _settle_job(
+    args: TrainingArguments, model: Any, train_dataset: Any, *, collate_fn: Any, configured: _Configured
+) -> Job:
+    """The plan and its context, resolved alike on every rank (collective) before the Trainer is built;
+    `configured`: the DeepSpeed config and its poplar section as `_refuse_before_settling` read them."""
     check_plan_dataset(train_dataset, "train_dataset")  # as given: prepare_job would name its training_data
     _ = args.device  # reading it makes Hugging Face and accelerate set up the process group
     from poplar_ext.collectives import process_group_rank
 
     _, world_size = process_group_rank()
+    loaded, poplar_config = configured
     return prepare_job(
-        load_deepspeed_config(config=args.deepspeed),
+        loaded,
+        poplar_config=poplar_config,
         model=model,
         # Profiling (the automatic mode) measures the optimizer the Trainer will create.
         optimizer=_trainer_optimizer_factory(args, model),
@@ -239,10 +248,11 @@ def _refuse_data_order_of_arguments(args: TrainingArguments, poplar_config: Popl
 
 
 @ends_job_on_user_error
-def _refuse_before_settling(cls: type, args: TrainingArguments | None) -> None:
+def _refuse_before_settling(cls: type, args: TrainingArguments | None) -> _Configured:
     """What the mixin refuses from its class and `args` alone, before the job is settled: no collective, no
     profiling (the automatic mode measures at settling) is waited for. A refusal is an error of the job's
-    configuration or code, which ends a restarting launcher's job (`poplar_ext.elastic`)."""
+    configuration or code, which ends a restarting launcher's job (`poplar_ext.elastic`). Returns the
+    config and its poplar section it read, for `_settle_job`."""
     _refuse_own_training_data_order(cls)
     if args is None or not args.deepspeed:
         raise ValueError(
@@ -250,12 +260,14 @@ def _refuse_before_settling(cls: type, args: TrainingArguments | None) -> None:
             "'poplar' section, found none; use the Trainer without poplar-ext for a run without one"
         )
     _refuse_accumulation_of_accelerate(args)
+    loaded = load_deepspeed_config(config=args.deepspeed)
     poplar_config = read_poplar_section(
-        load_deepspeed_config(config=args.deepspeed),
+        loaded,
         needs="{} for the automatic mode, or with 'plan' or 'profiles'",
         otherwise="the Trainer without poplar-ext",
     )
     _refuse_data_order_of_arguments(args, poplar_config)
+    return loaded, poplar_config
 
 
 class _PlanEvaluation:
@@ -402,8 +414,10 @@ class PoplarTrainerMixin(_PlanEvaluation):
             kwargs.pop("args", None),
             kwargs.pop("train_dataset", None),
         )
-        _refuse_before_settling(type(self), args)
-        self.job = _settle_job(args, model, train_dataset, collate_fn=kwargs.get("data_collator"))
+        configured = _refuse_before_settling(type(self), args)
+        self.job = _settle_job(
+            args, model, train_dataset, collate_fn=kwargs.get("data_collator"), configured=configured
+        )
         self.poplar_engine: PoplarEngine | None = None
         """The `PoplarEngine` between accelerate and DeepSpeed's engine, once training built it: it times
         compute, re-balances (``poplar.rebalance``) and switches DeepSpeed's batch with the plan."""

@@ -31,6 +31,7 @@ from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.config import (
     DICT_SOURCE,
     GlobalBatchRequest,
+    PoplarConfig,
     load_deepspeed_config,
     nominal_deepspeed_config,
     requested_global_batch_size,
@@ -121,20 +122,25 @@ def prepare_job(
     loss_fn: Any = None,
     profiling_ds_config: dict | None = None,
     checkpointing_toggle: CheckpointingToggle | None = None,
+    poplar_config: PoplarConfig | None = None,
 ) -> Job:
     """Everything before DeepSpeed's engine: config, process group, cluster, plan (collective).
 
-    `loaded_config` is `load_deepspeed_config`'s result. `default_global_batch` is
-    the batch when neither the ``poplar`` section nor the DeepSpeed config sets one
+    `loaded_config` is `load_deepspeed_config`'s result; `poplar_config`, its poplar section where the
+    caller read it already (the Trainer refuses its arguments from it before the job is settled).
+    `default_global_batch` is the batch when neither the ``poplar`` section nor the DeepSpeed config sets one
     (the Hugging Face Trainer's own); `profiling_ds_config`, the config the automatic
     mode profiles with (default: the user's; the Trainer's has its "auto" values
     filled). `checkpointing_toggle` switches activation checkpointing in a model of the
     user's when the automatic mode profiles it. Raises the same ValueError on every rank.
     """
     ds_config, _, source = loaded_config
-    poplar_config = read_poplar_section(
-        loaded_config, needs="{} for the automatic mode, or with 'plan' or 'profiles'", otherwise="deepspeed.initialize"
-    )
+    if poplar_config is None:
+        poplar_config = read_poplar_section(
+            loaded_config,
+            needs="{} for the automatic mode, or with 'plan' or 'profiles'",
+            otherwise="deepspeed.initialize",
+        )
     _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
     check_plan_dataset(training_data, "training_data", otherwise=_FEED_YOURSELF)
     # DeepSpeed's own discovery first (launcher, torchrun or mpirun), then this rank's device.

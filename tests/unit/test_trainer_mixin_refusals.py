@@ -207,7 +207,7 @@ class _Settled(Exception):
 def _capture_settle_job(monkeypatch):
     from poplar_ext.integrations import transformers as integration
 
-    def settle(args, model, train_dataset, *, collate_fn):
+    def settle(args, model, train_dataset, *, collate_fn, configured):
         raise _Settled({"args": args, "model": model, "train_dataset": train_dataset, "collate_fn": collate_fn})
 
     monkeypatch.setattr(integration, "_settle_job", settle)
@@ -292,3 +292,34 @@ def test_a_train_dataset_without_indices_is_named_as_given(monkeypatch):
     args = _training_arguments({}, {})
     with pytest.raises(ValueError, match=r"^train_dataset: expected a map-style dataset .* found Stream"):
         PoplarTrainer(model=torch.nn.Linear(2, 1), args=args, train_dataset=Stream())
+
+
+def test_the_deepspeed_config_and_its_poplar_section_are_read_once(monkeypatch):
+    # Read before the job is settled (to refuse TrainingArguments from it), then handed to prepare_job.
+    from unittest import mock
+
+    import torch
+
+    import poplar_ext.zero.initialize as zero_initialize
+    from poplar_ext import collectives
+    from poplar_ext.integrations import transformers as integration
+    from poplar_ext.integrations.transformers import PoplarTrainer
+    from poplar_ext.runtime import config, job_start
+
+    load = mock.Mock(wraps=config.load_deepspeed_config)
+    section = mock.Mock(wraps=job_start.poplar_config_from_dict)
+    monkeypatch.setattr(integration, "load_deepspeed_config", load)
+    monkeypatch.setattr(zero_initialize, "load_deepspeed_config", load)
+    monkeypatch.setattr(job_start, "poplar_config_from_dict", section)
+
+    class Settling(Exception):
+        """prepare_job went past the section to the process group."""
+
+    def join_job(**options):
+        raise Settling
+
+    monkeypatch.setattr(zero_initialize, "join_job", join_job)
+    monkeypatch.setattr(collectives, "process_group_rank", lambda: (0, 1))  # one process, no process group
+    with pytest.raises(Settling):
+        PoplarTrainer(model=torch.nn.Linear(2, 1), args=_training_arguments({}, {}), train_dataset=[{"x": 1}] * 8)
+    assert (load.call_count, section.call_count) == (1, 1)
