@@ -151,8 +151,6 @@ class PoplarAccelerator(Accelerator):
 
     def _start_job(self, model: Any, optimizer: Any, train_loader: Any) -> Job:
         """Resolve the plan on every rank and make the plugin's config this rank's (collective)."""
-        if train_loader is not None:  # named as given, before prepare_job names a training_data it was not given
-            check_plan_dataset(train_loader.dataset, "the training DataLoader")
         loaded = self._loaded_config()
         profiling = _without_auto(loaded[0])
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -213,6 +211,8 @@ class PoplarAccelerator(Accelerator):
         optimizer = next((a for a in args if isinstance(a, torch.optim.Optimizer)), None)
         loaders = [a for a in args if isinstance(a, torch.utils.data.DataLoader)]
         train_loader = loaders[0] if loaders and self._train_loader is None else None
+        if train_loader is not None:  # named as given, before prepare_job names a training_data it was not given
+            check_plan_dataset(train_loader.dataset, "the training DataLoader")
         if self.job is None:
             self.job = self._start_job(model, optimizer, train_loader)
         if train_loader is not None:
@@ -252,7 +252,6 @@ class PoplarAccelerator(Accelerator):
     def _plan_dataloader(self, loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
         """`loader` rebuilt on this rank's plan sampler (its dataset, collate function and workers)."""
         dataset = loader.dataset
-        check_plan_dataset(dataset, "the training DataLoader")
         config = self.job.poplar_config
         if self.poplar_engine is not None:
             sampler = self.poplar_engine.create_batch_sampler(len(dataset))

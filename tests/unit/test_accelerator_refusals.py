@@ -44,7 +44,7 @@ class _Stream(torch.utils.data.IterableDataset):
 @pytest.mark.parametrize(
     ("args", "device_placement", "match"),
     [
-        # A training DataLoader in a prepare after the one that settled the plan (`_plan_dataloader`).
+        # A training DataLoader in a prepare after the one that settled the plan.
         (
             (torch.utils.data.DataLoader(_Stream()),),
             None,
@@ -84,3 +84,43 @@ def test_the_first_prepare_names_the_dataloader_it_was_given(monkeypatch, fresh_
     with pytest.raises(ValueError, match=r"^the training DataLoader: expected a map-style dataset") as refused:
         accelerator.prepare(torch.nn.Linear(2, 1), torch.utils.data.DataLoader(_Stream()))
     assert "training_data" not in str(refused.value)
+
+
+def test_the_first_prepare_checks_the_training_data_once(monkeypatch, fresh_accelerate_state):
+    # Checked where prepare takes the training DataLoader, for the first prepare (which settles the plan) and a later
+    # one alike; prepare_job (stubbed here: a one-rank job) has its own check for poplar_ext.initialize.
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import poplar_ext.integrations.accelerate as integration
+    from poplar_ext.plan.formats import plan_from_dict
+    from poplar_ext.runtime.config import poplar_config_from_dict
+
+    ranks = [{"rank": 0, "device_type": "cpu", "micro_batch_size": 2, "gradient_accumulation_steps": 2}]
+    predicted = {"iteration_time_s": 1.0, "samples_per_s": 4.0, "ideal_samples_per_s": 4.0}
+    plan = {"schema_version": 1, "policy": "uniform", "zero_stage": 1, "global_batch_size": 4, "ranks": ranks}
+    job = SimpleNamespace(
+        plan=plan_from_dict({**plan, "predicted": predicted, "profile_fingerprints": {}}, source="test"),
+        rank=0,
+        poplar_config=poplar_config_from_dict({"plan": "plan.json"}, base_dir=Path(".")),
+    )
+    checked = []
+
+    def check(dataset, what, **options):
+        checked.append(what)
+
+    class Settled(Exception):
+        """The training DataLoader is the plan's: the engine is built next."""
+
+    def set_up_rank(*args, **kwargs):
+        raise Settled
+
+    monkeypatch.setattr(integration, "check_plan_dataset", check)
+    monkeypatch.setattr(integration, "prepare_job", lambda *args, **kwargs: job)
+    monkeypatch.setattr(integration, "set_up_rank", set_up_rank)
+    monkeypatch.setattr(PoplarAccelerator, "_use_rank_config", lambda self, job: None)
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 1}, "poplar": {"plan": "plan.json"}}
+    accelerator = PoplarAccelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    with pytest.raises(Settled):
+        accelerator.prepare(torch.nn.Linear(2, 1), torch.utils.data.DataLoader(list(range(8))))
+    assert checked == ["the training DataLoader"]
