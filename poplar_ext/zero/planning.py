@@ -193,21 +193,27 @@ class ProfileDirectory:
 
     def profiles(self, model_fingerprint: str | None = None) -> list[Profile]:
         """The directory's profiles (of the model with `model_fingerprint` in the job's dtype when given), then
-        the measured ones."""
+        the measured ones, each in place of the stored one of its model and `Profile.key`: rank 0 stored it
+        over that file, which may hold another dtype's (`Profile.key` has none)."""
         if self._stored is None:
             self._stored = _read_profiles(self.poplar_config)
+        replaced = {(p.model.fingerprint, p.key) for p in self._measured}
         stored = [
             p
             for p in self._stored
-            if model_fingerprint is None
-            or (p.model.fingerprint == model_fingerprint and self.dtype in (None, p.model.dtype))
+            if (p.model.fingerprint, p.key) not in replaced
+            and (
+                model_fingerprint is None
+                or (p.model.fingerprint == model_fingerprint and self.dtype in (None, p.model.dtype))
+            )
         ]
-        have = {(p.model.fingerprint, p.key) for p in stored}
-        return stored + [p for p in self._measured if (p.model.fingerprint, p.key) not in have]
+        return stored + self._measured
 
     def add_measured(self, profiles: list[Profile]) -> None:
-        """Profiles measured since the directory was read: `profiles` returns them after the directory's."""
-        self._measured.extend(profiles)
+        """Profiles measured since the directory was read: `profiles` returns them in place of the directory's
+        (and of those measured before) of the same model and key."""
+        replaced = {(p.model.fingerprint, p.key) for p in profiles}
+        self._measured = [p for p in self._measured if (p.model.fingerprint, p.key) not in replaced] + profiles
 
     def network(self) -> NetworkProfile | None:
         """The network file measured on the cluster beside the profiles, or None."""

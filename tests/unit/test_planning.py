@@ -168,9 +168,10 @@ def _in_dtype(profile, dtype):
     return dataclasses.replace(profile, model=dataclasses.replace(profile.model, dtype=dtype))
 
 
-def _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage=None, dtype=None):
+def _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage=None, dtype=None, read=None):
     """The plan `resolve_plan` searches at start with `measure` for the missing profiles (of the synthetic
-    model, for a job training in `dtype`), and the profiles it handed the search."""
+    model, for a job training in `dtype`), and the profiles it handed the search. `read`: a list that gets
+    the job's `ProfileDirectory`, as re-balancing and steady emulation read it after."""
     import poplar_ext.search
 
     searched = []
@@ -185,6 +186,7 @@ def _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage
         {"cluster": str(cluster_path), "profiles": str(directory), "global_batch_size": 20},
         base_dir=cluster_path.parent,
     )
+    profile_directory = ProfileDirectory(config, load_cluster(cluster_path), dtype=dtype)
     plan = resolve_plan(
         config,
         load_cluster(cluster_path),
@@ -194,8 +196,10 @@ def _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage
         broadcast=lambda o: o,
         measure_missing=measure,
         model_fingerprint=SYNTHETIC_MODEL.fingerprint,
-        directory=ProfileDirectory(config, load_cluster(cluster_path), dtype=dtype),
+        directory=profile_directory,
     )
+    if read is not None:
+        read.append(profile_directory)
     return plan, searched[0]
 
 
@@ -218,6 +222,21 @@ def test_stored_profiles_of_another_dtype_are_measured_again(cluster_path, tmp_p
     measure = _measurer({("fast", 1), ("slow", 1)}, calls, dtype="bfloat16")
     _, profiles = _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage=1, dtype="bfloat16")
     assert calls == [[("fast", 1), ("slow", 1)]]
+    assert sorted((p.device_type, p.model.dtype) for p in profiles) == [("fast", "bfloat16"), ("slow", "bfloat16")]
+
+
+def test_re_balancing_re_plans_from_the_profiles_measured_in_the_jobs_dtype(cluster_path, tmp_path, monkeypatch):
+    # Re-balancing and steady emulation read the directory without a fingerprint, after the search: the
+    # bf16 profiles measured at start (stored over the fp32 files) are the job's, not the fp32 ones read before.
+    from poplar_ext.zero.planning import load_rebalance_inputs
+
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    measure, read = _measurer({("fast", 1), ("slow", 1)}, [], dtype="bfloat16"), []
+    plan, _ = _searched_at_start(
+        cluster_path, directory, measure, monkeypatch, zero_stage=1, dtype="bfloat16", read=read
+    )
+    assert {p.model.dtype for p in read[0].profiles()} == {"bfloat16"}
+    profiles, _ = load_rebalance_inputs(read[0].poplar_config, read[0].cluster, plan, directory=read[0])
     assert sorted((p.device_type, p.model.dtype) for p in profiles) == [("fast", "bfloat16"), ("slow", "bfloat16")]
 
 
