@@ -22,7 +22,7 @@ from poplar_ext.profiler.calibration import (
     with_calibration,
 )
 from poplar_ext.runtime.config import poplar_config_from_dict
-from poplar_ext.zero.planning import resolve_plan
+from poplar_ext.zero.planning import ProfileDirectory, resolve_plan
 
 
 @pytest.fixture
@@ -134,8 +134,9 @@ def _cached(directory):
     return profiles
 
 
-def _resolve_with_timer(cluster_path, directory, slower_by, *, action="rescale", measure=None):
-    """`resolve_plan` on rank 0 with a timer whose micro-steps run `slower_by[type]` x the cached profile."""
+def _resolve_with_timer(cluster_path, directory, slower_by, *, action="rescale", measure=None, read=None):
+    """`resolve_plan` on rank 0 with a timer whose micro-steps run `slower_by[type]` x the cached profile;
+    `read`: a list that gets the job's `ProfileDirectory`."""
     calls = []
     profiles = {p.device_type: p for p in _cached(directory).values()}
 
@@ -152,6 +153,7 @@ def _resolve_with_timer(cluster_path, directory, slower_by, *, action="rescale",
         },
         base_dir=cluster_path.parent,
     )
+    profile_directory = ProfileDirectory(config, load_cluster(cluster_path))
     plan = resolve_plan(
         config,
         load_cluster(cluster_path),
@@ -161,7 +163,10 @@ def _resolve_with_timer(cluster_path, directory, slower_by, *, action="rescale",
         broadcast=lambda o: o,
         measure_missing=measure,
         time_at_sizes=time_at_sizes,
+        directory=profile_directory,
     )
+    if read is not None:
+        read.append(profile_directory)
     return plan, calls
 
 
@@ -192,6 +197,25 @@ def test_a_stale_cached_profile_is_measured_again_with_remeasure(cluster_path, t
     assert asked == [([("fast", 1)], True)]
     assert plan.calibration["fast"]["outcome"] == "remeasured"
     assert {r.device_type: r.samples_per_iteration for r in plan.ranks}["fast"] <= 20
+
+
+def test_re_balancing_re_plans_from_the_profile_calibration_measured_again(cluster_path, tmp_path):
+    # Rank 0 stored the remeasured profile over the cached file: re-balancing (and steady emulation) get it
+    # from the job's directory, not the stale one read before.
+    from poplar_ext.zero.planning import load_rebalance_inputs
+
+    again = dataclasses.replace(_profile("fast", 0.004), measured_with={"source": "measured", "again": True})
+    read = []
+    plan, _ = _resolve_with_timer(
+        cluster_path,
+        tmp_path / "profiles",
+        {"fast": 4.0, "slow": 1.0},
+        action="remeasure",
+        measure=lambda missing, cluster, force=False: [again],
+        read=read,
+    )
+    profiles, _ = load_rebalance_inputs(read[0].poplar_config, read[0].cluster, plan, directory=read[0])
+    assert {p.device_type: p for p in profiles}["fast"] == again
 
 
 def test_a_calibration_outcome_is_logged_with_what_it_means():
