@@ -27,8 +27,10 @@ from poplar_ext.plan.formats import (
     save_profile,
 )
 from poplar_ext.plan.pipeline_formats import LayerProfile, layer_profiles_dir, load_layer_profile, save_layer_profile
+from poplar_ext.profiler.sizes import sweep_sizes
 
 if TYPE_CHECKING:
+    from poplar_ext.profiler.measure import MeasureSettings
     from poplar_ext.profiler.options import ProfileOptions
 
 # DeepSpeed settings that do not change per-micro-step speed or memory, or that the
@@ -208,25 +210,40 @@ def cached_on_rank0(
 
 
 def find_cached_profile(
-    cache_dir: str | Path, key: ProfileKey, *, micro_batch_size_limit: int | None = None
+    cache_dir: str | Path, key: ProfileKey, *, settings: MeasureSettings | None = None
 ) -> Profile | None:
-    """The stored profile whose key equals `key`, or None. With `micro_batch_size_limit`, one whose probe
-    stopped at a lower limit is None: its largest micro-batch is that limit, not what fits."""
+    """The stored profile whose key equals `key`, or None. With `settings`, one measured with less than they
+    ask (`_measured_less`) is None too."""
     return next(
         (
             p
             for _, p in _stored_profiles(Path(cache_dir))
-            if ProfileKey.of_profile(p) == key and not _stopped_below(p, micro_batch_size_limit)
+            if ProfileKey.of_profile(p) == key and (settings is None or not _measured_less(p, settings))
         ),
         None,
     )
 
 
-def _stopped_below(profile: Profile, micro_batch_size_limit: int | None) -> bool:
-    """Whether `profile`'s probe was stopped by a micro-batch limit below `micro_batch_size_limit`."""
+def _measured_less(profile: Profile, settings: MeasureSettings) -> bool:
+    """Whether `profile` holds less than `settings` would measure: a probe a lower micro-batch limit stopped
+    (its largest micro-batch is that limit, not what fits); fewer warm-up or timed micro-steps per size (or
+    none recorded: more are asked for a steadier median, less of the first steps' cost); a sweep without a
+    size they time up to its largest. A profile measured with more is as good: it is reused."""
     probe = profile.measured_with.get("largest_micro_batch_probe")
     limited = isinstance(probe, Mapping) and probe.get("limited_by_micro_batch_size_limit") is True
-    return limited and micro_batch_size_limit is not None and profile.max_micro_batch_size < micro_batch_size_limit
+    swept = {s.micro_batch_size for s in profile.samples}
+    unswept = not swept.issuperset(sweep_sizes(settings.micro_batch_sizes, profile.max_micro_batch_size))
+    stopped = limited and profile.max_micro_batch_size < settings.micro_batch_size_limit
+    return stopped or unswept or _fewer_micro_steps(profile, settings)
+
+
+def _fewer_micro_steps(profile: Profile | LayerProfile, settings: MeasureSettings | ProfileOptions) -> bool:
+    """Whether `profile` records fewer warm-up or timed micro-steps per size than `settings` ask, or none."""
+    recorded = profile.measured_with
+    return any(
+        not isinstance(recorded.get(name), int) or recorded[name] < getattr(settings, name)
+        for name in ("warmup_micro_steps", "repeats")
+    )
 
 
 def profile_file_name(profile: Profile) -> str:
@@ -257,10 +274,20 @@ def _stored_layer_profiles(cache_dir: Path) -> list[tuple[Path, LayerProfile]]:
     return _stored(layer_profiles_dir(cache_dir), load_layer_profile, "layer profile")
 
 
-def find_cached_layer_profile(cache_dir: str | Path, key: LayerProfileKey) -> LayerProfile | None:
-    """The layer profile in ``cache_dir/layers/`` whose key equals `key`, or None."""
+def find_cached_layer_profile(
+    cache_dir: str | Path, key: LayerProfileKey, *, settings: MeasureSettings | ProfileOptions | None = None
+) -> LayerProfile | None:
+    """The layer profile in ``cache_dir/layers/`` whose key equals `key`, or None; with `settings`, None too
+    for one timed over fewer micro-steps than they ask (its sizes are in the key)."""
     stored = _stored_layer_profiles(Path(cache_dir))
-    return next((p for _, p in stored if LayerProfileKey.of_profile(p) == key), None)
+    return next(
+        (
+            p
+            for _, p in stored
+            if LayerProfileKey.of_profile(p) == key and (settings is None or not _fewer_micro_steps(p, settings))
+        ),
+        None,
+    )
 
 
 def store_layer_profile(cache_dir: str | Path, profile: LayerProfile) -> Path:

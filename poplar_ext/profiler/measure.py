@@ -31,7 +31,7 @@ from poplar_ext.hardware.optimizer_window import optimizer_compute_window
 from poplar_ext.plan.formats import Sample, read_json
 from poplar_ext.profiler.layout import JobLayout
 from poplar_ext.profiler.options import LossFn, ProfileOptions
-from poplar_ext.profiler.sizes import LargestFitSearch, dense_sizes
+from poplar_ext.profiler.sizes import LargestFitSearch, sweep_sizes
 
 # Outcome of one trial on one rank; agreement takes the maximum over ranks.
 _OK, _EMULATED_OOM, _REAL_OOM, _ERROR = range(4)
@@ -487,9 +487,7 @@ class StageMeasurement:
         return remaining
 
     def _sweep_sizes(self, largest: int) -> list[int]:
-        if self.settings.micro_batch_sizes is not None:
-            return sorted({b for b in self.settings.micro_batch_sizes if b <= largest} | {largest})
-        return dense_sizes(largest)
+        return sweep_sizes(self.settings.micro_batch_sizes, largest)
 
     def _measure_group(self, group: tuple[str, ...], records: dict[str, _TypeRecord]) -> None:
         while True:

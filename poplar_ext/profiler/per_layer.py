@@ -7,6 +7,7 @@ The per-layer counterpart of `profile_with`, with the same `ProfileOptions`. See
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import platform
 from collections.abc import Callable, Collection, Mapping
@@ -116,9 +117,9 @@ def profile_layers(
         )
         for t, stage in wanted
     }
-    cached = broadcast_from_rank0(
-        cached_on_rank0(layout.rank, options, keys, find_cached_layer_profile, layer_profile_to_dict)
-    )
+    # One timed over fewer micro-steps than asked is measured again (its sizes are in the key).
+    find = functools.partial(find_cached_layer_profile, settings=options)
+    cached = broadcast_from_rank0(cached_on_rank0(layout.rank, options, keys, find, layer_profile_to_dict))
     missing_types = tuple(dict.fromkeys(t for t, s in wanted if (t, s) not in cached))
     say = options.progress if layout.rank == 0 and options.progress is not None else lambda line: None
     for t, stage in wanted:

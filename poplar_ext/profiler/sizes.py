@@ -6,6 +6,7 @@ from the same agreed numbers, and tests drive it without a model.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,14 @@ def dense_sizes(largest: int) -> list[int]:
     if largest >= 1:
         sizes.add(largest)
     return sorted(sizes)
+
+
+def sweep_sizes(micro_batch_sizes: Iterable[int] | None, largest: int) -> list[int]:
+    """The sizes timed for the curve up to `largest` (what fits): those of `micro_batch_sizes` up to it and
+    it, or `dense_sizes` (None); none when nothing fits."""
+    if micro_batch_sizes is None or largest < 1:
+        return dense_sizes(max(largest, 0))
+    return sorted({b for b in micro_batch_sizes if b <= largest} | {largest})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ from poplar_ext.profiler.cache import (
     profile_file_name,
     store_profile,
 )
+from poplar_ext.profiler.measure import MeasureSettings
 
 CONFIG = {"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
 
@@ -153,21 +154,67 @@ def test_stored_json_holds_every_key(tmp_path: Path) -> None:
     assert data["model"]["fingerprint"] == "sha256:0123456789abcdef"
 
 
-def _probe(limited: bool) -> dict:
-    return {**_profile().measured_with, "largest_micro_batch_probe": {"limited_by_micro_batch_size_limit": limited}}
+def _as_measured(limited: bool = False, sizes: tuple[int, ...] = (1, 2, 3, 4), **recorded: int) -> Profile:
+    """`_profile` with the samples and settings profile_model records (default: its own, sizes 1-4, largest 4)."""
+    samples = tuple(Sample(micro_batch_size=b, micro_step_time_s=0.1 * b, peak_memory_bytes=b * 10**8) for b in sizes)
+    measured_with = {
+        **_profile().measured_with,
+        "warmup_micro_steps": 1,
+        "repeats": 3,
+        "largest_micro_batch_probe": {"limited_by_micro_batch_size_limit": limited},
+        **recorded,
+    }
+    return _profile(samples=samples, measured_with=measured_with)
+
+
+def _found(tmp_path: Path, **settings) -> bool:
+    return find_cached_profile(tmp_path, _key(), settings=MeasureSettings(**settings)) is not None
 
 
 def test_a_profile_a_lower_micro_batch_limit_stopped_is_measured_again_under_a_higher_one(tmp_path: Path) -> None:
     # Measured with --max-micro-batch-size 4: its largest micro-batch is the limit, not what fits.
-    store_profile(tmp_path, _profile(measured_with=_probe(limited=True)))
-    assert find_cached_profile(tmp_path, _key(), micro_batch_size_limit=8) is None
-    assert find_cached_profile(tmp_path, _key(), micro_batch_size_limit=4) is not None
-    assert find_cached_profile(tmp_path, _key(), micro_batch_size_limit=2) is not None
+    store_profile(tmp_path, _as_measured(limited=True))
+    assert not _found(tmp_path, micro_batch_size_limit=8)
+    assert _found(tmp_path, micro_batch_size_limit=4)
+    assert _found(tmp_path, micro_batch_size_limit=2)
 
 
 def test_a_profile_memory_stopped_is_reused_under_any_micro_batch_limit(tmp_path: Path) -> None:
-    store_profile(tmp_path, _profile(measured_with=_probe(limited=False)))
-    assert find_cached_profile(tmp_path, _key(), micro_batch_size_limit=256) is not None
+    store_profile(tmp_path, _as_measured(limited=False))
+    assert _found(tmp_path, micro_batch_size_limit=256)
+
+
+@pytest.mark.parametrize(
+    ("settings", "found"),
+    [
+        ({}, True),
+        ({"repeats": 5}, False),  # a median over more micro-steps asked for
+        ({"repeats": 2}, True),
+        ({"warmup_micro_steps": 2}, False),
+        ({"warmup_micro_steps": 0}, True),
+        ({"micro_batch_sizes": (1, 3)}, True),
+        ({"micro_batch_sizes": (2, 8)}, True),  # 8 does not fit: the sweep is 2 and the largest, 4
+    ],
+)
+def test_a_profile_measured_with_fewer_micro_steps_than_asked_is_measured_again(
+    tmp_path: Path, settings: dict, found: bool
+) -> None:
+    store_profile(tmp_path, _as_measured())
+    assert _found(tmp_path, **settings) is found
+
+
+def test_a_profile_without_a_size_the_sweep_asks_for_is_measured_again(tmp_path: Path) -> None:
+    # Measured with --micro-batch-sizes 1,2 (the probe added 4, the largest): the default sweep wants 3 too.
+    store_profile(tmp_path, _as_measured(sizes=(1, 2, 4)))
+    assert not _found(tmp_path)
+    assert not _found(tmp_path, micro_batch_sizes=(3,))
+    assert _found(tmp_path, micro_batch_sizes=(1, 2))
+
+
+def test_a_profile_that_records_no_micro_step_counts_is_measured_again(tmp_path: Path) -> None:
+    store_profile(tmp_path, _profile(samples=_as_measured().samples))
+    assert find_cached_profile(tmp_path, _key()) is not None, "no settings asked: no counts compared"
+    assert not _found(tmp_path)
 
 
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])

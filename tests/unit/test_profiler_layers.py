@@ -25,6 +25,7 @@ from poplar_ext.profiler.layers import (
     measure_layers,
     pipeline_layers,
 )
+from poplar_ext.profiler.measure import MeasureSettings
 from poplar_ext.profiler.per_layer import optimizer_factory_from_config
 
 DIM = 48
@@ -139,6 +140,16 @@ def test_profiles_are_written_to_layers_and_load_and_are_found_by_their_key(cost
     # Stored again, it replaces its file instead of adding one the search would refuse.
     store_layer_profile(tmp_path, _profile(costs[0], stage=0))
     assert len(load_layer_profiles(tmp_path)) == 4
+
+
+def test_a_layer_profile_timed_over_fewer_micro_steps_than_asked_is_measured_again(costs, tmp_path) -> None:
+    profile = _profile(costs[0])
+    recorded = {**profile.measured_with, "warmup_micro_steps": 1, "repeats": 3}  # as profile_layers records them
+    store_layer_profile(tmp_path, dataclasses.replace(profile, measured_with=recorded))
+    key = LayerProfileKey.of_profile(profile)
+    for settings, found in [({}, True), ({"repeats": 5}, False), ({"warmup_micro_steps": 2}, False)]:
+        asked = MeasureSettings(**settings)
+        assert (find_cached_layer_profile(tmp_path, key, settings=asked) is not None) is found, settings
 
 
 def test_what_is_a_pipeline_model_and_which_sizes_are_timed() -> None:
