@@ -48,12 +48,12 @@ from poplar_ext.plan.formats import (
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.profiler.cache import (
     ProfileKey,
+    WritableBeforeMeasuring,
     cached_on_rank0,
     client_optimizer_class,
     ds_config_fingerprint,
     find_cached_profile,
     store_profile,
-    writable_directory,
 )
 from poplar_ext.profiler.calibration import timed_as_training
 from poplar_ext.profiler.fingerprint import model_fingerprint
@@ -162,13 +162,15 @@ profile_model.__signature__ = inspect.signature(ProfileOptions).replace(  # type
 )
 
 
-def profile_with(options: ProfileOptions) -> list[Profile]:
-    """`profile_model` with its arguments in one `ProfileOptions` (poplar-profile's way in); collective."""
+def profile_with(options: ProfileOptions, *, cache_dir_name: str = "cache_dir") -> list[Profile]:
+    """`profile_model` with its arguments in one `ProfileOptions` (poplar-profile's way in); collective.
+    `cache_dir_name`: what an error names ``options.cache_dir`` (poplar-profile: ``--output-dir``)."""
     # Checked before anything is measured, layer profiles too (they take `options` as given: a pipeline's
     # loss_fn None is its own loss, not `default_loss`).
     checked, settings = _checked(options)
     device = join_job()
-    writable_directory(checked.cache_dir, rank=process_group_rank()[0])
+    # A cache that has everything is read from a directory rank 0 cannot write; anything to measure is refused.
+    writable = WritableBeforeMeasuring(checked.cache_dir, rank=process_group_rank()[0], name=cache_dir_name)
     if options.per_layer is not False:
         from poplar_ext.profiler.layers import is_pipeline_model
         from poplar_ext.profiler.per_layer import profile_layers
@@ -176,11 +178,11 @@ def profile_with(options: ProfileOptions) -> list[Profile]:
         model = options.model_factory()
         pipeline_model = is_pipeline_model(model)
         if pipeline_model or options.per_layer:
-            profile_layers(options, model=model)
+            profile_layers(options, model=model, writable=writable)
         if pipeline_model:
             if options.measure_network:  # what prices the plan's transfers and all-reduces, as for any model
                 with _measuring_process(device), _short_timeouts(checked, device):
-                    _job_network(checked, build_layout(checked.cluster, device, bf16=_bf16(checked)))
+                    _job_network(checked, build_layout(checked.cluster, device, bf16=_bf16(checked)), writable)
             return []  # a pipeline model has no whole-model profile
         # The session's first engine takes it: the model is built no more often than before.
         built, factory = [model], options.model_factory
@@ -188,7 +190,7 @@ def profile_with(options: ProfileOptions) -> list[Profile]:
         if options.per_layer:
             checked = dataclasses.replace(checked, loss_fn=_sequential_loss(options.loss_fn))
     with _measuring_process(device), _short_timeouts(checked, device) as timeouts:
-        return _profile(checked, settings, device, timeouts)
+        return _profile(checked, settings, device, writable, timeouts)
 
 
 def _sequential_loss(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor]:
@@ -419,7 +421,7 @@ def _bf16(options: ProfileOptions) -> bool:
     return training_dtype(options.ds_config) == "bfloat16"
 
 
-def _job_network(options: ProfileOptions, layout: JobLayout) -> NetworkProfile:
+def _job_network(options: ProfileOptions, layout: JobLayout, writable: WritableBeforeMeasuring) -> NetworkProfile:
     """The job's network file: cached for this cluster (unless `force`), else measured and written (collective)."""
     # On CPU, gloo stands in for a network it is not, and gigabyte messages would take minutes.
     sizes = (
@@ -431,7 +433,9 @@ def _job_network(options: ProfileOptions, layout: JobLayout) -> NetworkProfile:
             capacity_bytes=min(layout.capacities_bytes.values()),
         )
     )
-    network, line = cached_or_measured_network(layout, options.cache_dir, force=options.force, message_bytes=sizes)
+    network, line = cached_or_measured_network(
+        layout, options.cache_dir, force=options.force, message_bytes=sizes, before_measuring=writable
+    )
     if layout.rank == 0 and options.progress is not None:
         options.progress(line)
     return network
@@ -441,10 +445,11 @@ def _profile(
     options: ProfileOptions,
     settings: MeasureSettings,
     device: torch.device,
+    writable: WritableBeforeMeasuring,
     timeouts: ShortCollectiveTimeouts | None = None,
 ) -> list[Profile]:
     layout = build_layout(options.cluster, device, bf16=_bf16(options))
-    network = _job_network(options, layout) if options.measure_network else None
+    network = _job_network(options, layout, writable) if options.measure_network else None
     session = dataclasses.replace(_start_session(options, settings, layout), timeouts=timeouts, network=network)
     keys = {(t, run): session.key(t, run) for run in session.runs for t in session.types_of(run)}
     # A profile whose probe a lower --max-micro-batch-size stopped is measured again: more may fit.
@@ -455,6 +460,8 @@ def _profile(
         layout=layout,
         stages_left=sum(1 for run in session.runs if _to_measure(session, run, cached)),
     )
+    if reporter.stages_left:  # agreed: `cached` is rank 0's
+        writable()
     produced = dict(cached)
     for run in session.runs:
         produced.update(_measure_run(session, run, cached, reporter))

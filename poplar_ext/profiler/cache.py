@@ -188,6 +188,23 @@ def writable_directory(directory: Path, *, rank: int, name: str = "cache_dir") -
     decided_by_rank0(check, rank=rank)
 
 
+@dataclass
+class WritableBeforeMeasuring:
+    """`writable_directory`, called where something is first to be measured and written: a cache with nothing
+    to measure is read from a directory rank 0 cannot write. Collective (every rank calls it at the same
+    agreed point); checked once."""
+
+    directory: Path
+    rank: int
+    name: str = "cache_dir"
+    checked: bool = False
+
+    def __call__(self) -> None:
+        if not self.checked:
+            writable_directory(self.directory, rank=self.rank, name=self.name)
+            self.checked = True
+
+
 def _load_profile(path: Path) -> Profile | None:
     data = read_json(path)
     # Not a profile: e.g. the cluster poplar-profile discovered.

@@ -294,7 +294,7 @@ def run(options: ProfileOptions) -> list[Any]:
     the hardware is measured and written beside the profiles (for poplar-search)."""
     from deepspeed.accelerator import get_accelerator
 
-    from poplar_ext.collectives import process_group_rank
+    from poplar_ext.collectives import decided_by_rank0, process_group_rank
     from poplar_ext.hardware.cpu_process import skip_deepspeed_shm_op
     from poplar_ext.hardware.devices import join_job
     from poplar_ext.hardware.discovery import discover_cluster
@@ -309,16 +309,27 @@ def run(options: ProfileOptions) -> list[Any]:
 
     join_job()
     rank = process_group_rank()[0]
-    writable_directory(Path(options.cache_dir), rank=rank, name="--output-dir")
     if options.cluster is None:
         cluster = discover_cluster()
-        if rank == 0:
-            target = Path(options.cache_dir) / DISCOVERED_CLUSTER_FILE
-            save_cluster(cluster, target)
-            if options.progress is not None:
-                options.progress(f"the cluster read from the hardware: {target}")
+        target = Path(options.cache_dir) / DISCOVERED_CLUSTER_FILE
+        if not decided_by_rank0(lambda: _holds_cluster(target, cluster), rank=rank):
+            writable_directory(Path(options.cache_dir), rank=rank, name="--output-dir")
+            if rank == 0:
+                save_cluster(cluster, target)
+        if rank == 0 and options.progress is not None:
+            options.progress(f"the cluster read from the hardware: {target}")
         options = dataclasses.replace(options, cluster=cluster)
-    return profile_with(options)
+    return profile_with(options, cache_dir_name="--output-dir")
+
+
+def _holds_cluster(path: Path, cluster: Any) -> bool:
+    """Whether `path` holds `cluster` already (a complete cache may sit in a directory rank 0 cannot write)."""
+    from poplar_ext.plan.formats import load_cluster
+
+    try:
+        return path.is_file() and load_cluster(path) == cluster
+    except (OSError, FormatError):
+        return False  # written again
 
 
 def summary(profiles: Sequence[Any]) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import platform
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -158,10 +158,15 @@ def measure_network(
 
 
 def cached_or_measured_network(
-    layout: JobLayout, cache_dir: Path, *, force: bool, message_bytes: tuple[int, ...] = DEFAULT_MESSAGE_BYTES
+    layout: JobLayout,
+    cache_dir: Path,
+    *,
+    force: bool,
+    message_bytes: tuple[int, ...] = DEFAULT_MESSAGE_BYTES,
+    before_measuring: Callable[[], None] = lambda: None,
 ) -> tuple[NetworkProfile | None, str]:
-    """The network file for this cluster from `cache_dir`, or measured and written there by rank 0
-    (collective), and a line for the progress log; None for a one-rank job (no collectives)."""
+    """The network file for this cluster from `cache_dir`, or measured (after `before_measuring`, every rank)
+    and written there by rank 0 (collective), and a line for the progress log; None for a one-rank job."""
     if layout.world_size == 1:
         return None, "network: one rank, no collectives to measure"
 
@@ -174,6 +179,7 @@ def cached_or_measured_network(
     path = network_path(cache_dir, layout.cluster)
     if found is not None:
         return network_from_dict(found, source=str(path)), f"network: from the cache ({path})"
+    before_measuring()
     network = measure_network(layout, message_bytes=message_bytes)
     if layout.rank == 0:
         save_network(network, path)  # makes the network/ folder

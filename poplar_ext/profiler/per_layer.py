@@ -11,6 +11,7 @@ import functools
 import inspect
 import platform
 from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from poplar_ext.plan.pipeline_formats import (
 )
 from poplar_ext.profiler.cache import (
     LayerProfileKey,
+    WritableBeforeMeasuring,
     cached_on_rank0,
     client_optimizer_class,
     ds_config_fingerprint,
@@ -70,12 +72,17 @@ def optimizer_factory_from_config(ds_config: Mapping[str, Any]) -> Callable[[lis
 
 
 def profile_layers(
-    options: ProfileOptions, *, model: Any = None, device_types: Collection[str] | None = None
+    options: ProfileOptions,
+    *,
+    model: Any = None,
+    device_types: Collection[str] | None = None,
+    writable: WritableBeforeMeasuring | None = None,
 ) -> list[LayerProfile]:
     """Layer profiles of every device type (or of `device_types`) at ZeRO stages 0/1 of `options.zero_stages`.
 
     Collective; the same list on every rank, stage by stage in job order of device types. `model`: what
-    `options.model_factory` builds (built here when None). Cached ones with the same keys are reused.
+    `options.model_factory` builds (built here when None). Cached ones with the same keys are reused; the
+    others measured once `writable` (default: ``options.cache_dir``'s) says rank 0 can write them.
     """
     import deepspeed
 
@@ -126,6 +133,7 @@ def profile_layers(
         if (t, stage) in cached:
             say(f"layers ZeRO-{stage}: {device_label(t, layout.emulations[t])} from the cache")
     if missing_types:
+        (writable or WritableBeforeMeasuring(Path(options.cache_dir), rank=layout.rank))()
         labels = ", ".join(device_label(t, layout.emulations[t]) for t in missing_types)
         say(f"layers: measuring {labels} (each layer alone, on its type's first rank)")
     mine, error = None, None

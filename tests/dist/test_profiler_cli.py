@@ -158,6 +158,46 @@ def test_an_output_directory_rank_0_cannot_write_is_an_error_on_every_rank_befor
         assert "measuring" not in text, "refused before any stage is measured"
 
 
+def _run_cli_read_only(directory: Path, argv: list[str]) -> int:
+    """`_run_cli` on a rank where no file can be made in `directory`, as in a read-only one (root ignores a
+    read-only mode, so the rank refuses what the kernel would)."""
+    import errno
+    import os
+
+    real_open = os.open
+
+    def read_only_open(path, flags, *args, **kwargs):
+        making = flags & os.O_CREAT or flags & os.O_TMPFILE == os.O_TMPFILE
+        if making and directory in (Path(path), *Path(path).parents):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    os.open = read_only_open
+    return _run_cli(argv)
+
+
+def test_a_complete_cache_in_a_read_only_output_directory_is_read_and_one_with_work_refused(tmp_path) -> None:
+    _, argv = _tiny_toy_gpt_on_two_cpu_ranks(tmp_path)
+    at = argv.index("--cluster")
+    del argv[at : at + 2]  # discovered and written beside the profiles: read back, not written again
+    out = tmp_path / "p"
+    argv += ["--max-micro-batch-size", "2", "--output-dir", str(out)]
+    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path / "fill", args=(argv,), timeout_s=120) == [0, 0]
+    files = {path: path.stat().st_mtime_ns for path in out.rglob("*")}
+    read_only = (out, argv)
+    assert run_ranks(_run_cli_read_only, world_size=2, tmp_path=tmp_path / "read", args=read_only) == [0, 0]
+    log = next((tmp_path / "read").rglob("rank0.log")).read_text()
+    assert "ZeRO-0: cpu (real) from the cache (not measured)" in log and "largest micro-batch" in log, "the summary"
+    assert {path: path.stat().st_mtime_ns for path in out.rglob("*")} == files, "nothing written"
+    more = (out, [*argv, "--zero-stages", "0,1"])  # stage 1 is not in the cache
+    assert run_ranks(_run_cli_read_only, world_size=2, tmp_path=tmp_path / "more", args=more) == [2, 2]
+    for log_path in (tmp_path / "more").rglob("rank*.log"):
+        text = log_path.read_text()
+        expected = "poplar-profile: error: --output-dir: expected a directory rank 0 can write profiles into"
+        assert f"{expected}, found {out} (Permission denied)" in text
+        assert "measuring" not in text, "refused before any stage is measured"
+
+
 def test_cli_profiles_real_cpu_ranks(tmp_path) -> None:
     _, argv = _tiny_toy_gpt_on_two_cpu_ranks(tmp_path)
     argv += ["--max-micro-batch-size", "4", "--output-dir", str(tmp_path / "p")]
