@@ -47,11 +47,10 @@ from poplar_ext.plan.formats import (
 )
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.profiler.cache import (
+    JobKey,
     ProfileKey,
     WritableBeforeMeasuring,
     cached_on_rank0,
-    client_optimizer_class,
-    ds_config_fingerprint,
     find_cached_profile,
     store_profile,
 )
@@ -303,8 +302,8 @@ class _Session:
     model: ModelInfo
     toggle: CheckpointingToggle | None
     """Switches activation checkpointing in a fresh model; None: the model cannot."""
-    versions: dict[str, str]
-    config_fingerprint: str
+    job_key: JobKey
+    """What every profile of the session is keyed with (the versions and config fingerprint it records)."""
     offload_types: tuple[str, ...]
     """The device types also measured with the optimizer offloaded."""
     runs: tuple[_Run, ...]
@@ -333,20 +332,7 @@ class _Session:
         return self.offload_types if run.offload else self.layout.type_names
 
     def key(self, device_type: str, run: _Run) -> ProfileKey:
-        return ProfileKey(
-            model_fingerprint=self.model.fingerprint,
-            device_type=device_type,
-            emulation=without_drift(self.layout.emulations[device_type]),
-            zero_stage=run.zero_stage,
-            world_size=self.layout.world_size,
-            dtype=self.model.dtype,
-            sequence_length=self.options.sequence_length,
-            torch_version=self.versions["torch"],
-            deepspeed_version=self.versions["deepspeed"],
-            ds_config_fingerprint=self.config_fingerprint,
-            activation_checkpointing=run.checkpointing,
-            optimizer_offload=run.offload,
-        )
+        return self.job_key.key(device_type, run.zero_stage, run.checkpointing, run.offload)
 
     def build_engine(self, run: _Run) -> Any:
         import deepspeed
@@ -373,28 +359,26 @@ class _Session:
 
 
 def _start_session(options: ProfileOptions, settings: MeasureSettings, layout: JobLayout) -> _Session:
-    import deepspeed
-
     first_model = options.model_factory()
     toggle = checkpointing_toggle(first_model, options.checkpointing_toggle)
     if toggle is None and options.activation_checkpointing == "both":
         raise ValueError(cannot_checkpoint_message(first_model, wanted_by="activation_checkpointing 'both'"))
     variants = (False, True) if toggle is not None and options.activation_checkpointing != "off" else (False,)
     offload_types = _offload_types(layout, options.optimizer_offload)
+    model = ModelInfo(
+        name=options.model_name or type(first_model).__name__.lower(),
+        fingerprint=model_fingerprint(first_model),
+        num_parameters=sum(p.numel() for p in first_model.parameters()),
+        dtype=training_dtype(options.ds_config),
+        sequence_length=options.sequence_length,
+    )
     return _Session(
         options=options,
         settings=settings,
         layout=layout,
-        model=ModelInfo(
-            name=options.model_name or type(first_model).__name__.lower(),
-            fingerprint=model_fingerprint(first_model),
-            num_parameters=sum(p.numel() for p in first_model.parameters()),
-            dtype=training_dtype(options.ds_config),
-            sequence_length=options.sequence_length,
-        ),
+        model=model,
         toggle=toggle,
-        versions={"torch": torch.__version__, "deepspeed": deepspeed.__version__},
-        config_fingerprint=ds_config_fingerprint(options.ds_config, client_optimizer_class(options.optimizer_factory)),
+        job_key=profiles_key(options, model.fingerprint, layout.world_size, layout.emulations),
         offload_types=offload_types,
         runs=tuple(
             _Run(stage, checkpointing, offload)
@@ -404,6 +388,23 @@ def _start_session(options: ProfileOptions, settings: MeasureSettings, layout: J
         ),
         spare_models=[first_model],
         trainable_parameters=sum(p.numel() for p in first_model.parameters() if p.requires_grad),
+    )
+
+
+def profiles_key(
+    options: ProfileOptions, model_fingerprint: str, world_size: int, emulations: Mapping[str, Any]
+) -> JobKey:
+    """What `profile_with(options)` keys the profiles of the model with `model_fingerprint` with, on `world_size`
+    ranks of the device types of `emulations`; the automatic mode matches stored profiles by it too."""
+    ds_config = read_ds_config(options.ds_config)
+    return JobKey.of_job(
+        ds_config,
+        options.optimizer_factory,
+        emulations=emulations,
+        model_fingerprint=model_fingerprint,
+        world_size=world_size,
+        dtype=training_dtype(ds_config),
+        sequence_length=options.sequence_length,
     )
 
 
@@ -566,7 +567,7 @@ def _skipped_run(
 
 
 def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stage_seconds: float) -> Profile:
-    layout, settings, config_fp = session.layout, session.settings, session.config_fingerprint
+    layout, settings, job_key = session.layout, session.settings, session.job_key
     t = result.device_type
     emulation = layout.emulations[t]
     cuda = layout.device.type == "cuda"
@@ -585,13 +586,14 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
         optimizer_offload=run.offload,
         measured_with={
             "source": "measured",
-            **session.versions,
+            "torch": job_key.torch_version,
+            "deepspeed": job_key.deepspeed_version,
             "python": platform.python_version(),
             "host": layout.hosts[t],
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "hardware": layout.hardware[t],
             "device": "emulated" if emulation is not None else "real",
-            "ds_config_fingerprint": config_fp,
+            "ds_config_fingerprint": job_key.ds_config_fingerprint,
             "timing": "CUDA events, median"
             if cuda
             else "the computing thread's CPU time (x the emulated slowdown), median",

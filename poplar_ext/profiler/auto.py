@@ -9,12 +9,15 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from poplar_ext.plan.formats import Cluster, Plan, Profile
 from poplar_ext.plan.levers import plan_levers
+
+if TYPE_CHECKING:
+    from poplar_ext.profiler.cache import JobKey
 
 MeasureMissing = Callable[..., list[Profile]]
 """``measure(missing, cluster, force=False) -> profiles``: the (device type, stage) pairs measured (`force`:
@@ -125,7 +128,8 @@ def missing_profiles_measurer(
 
     Micro-batch ``b`` is `batches_of` `training_data`; the largest tried is `micro_batch_size_limit` (the
     global batch when known); the other arguments are `profile_model`'s. Its ``time_at_sizes`` attribute is
-    a `TimeAtSizes` on the same model and data (`calibration_repeats` micro-steps per size).
+    a `TimeAtSizes` on the same model and data (`calibration_repeats` micro-steps per size); its
+    ``profiles_key(cluster)`` the `JobKey` its profiles get (`poplar_ext.profiler.api.profiles_key`).
     """
     from poplar_ext.profiler import log_progress, profile_model
     from poplar_ext.profiler.options import ProfileOptions
@@ -175,5 +179,13 @@ def missing_profiles_measurer(
             optimizer_offload=plan.ranks[0].optimizer_offload,
         )
 
+    def profiles_key(cluster: Cluster) -> JobKey:
+        from poplar_ext.profiler.api import profiles_key as key_of
+        from poplar_ext.profiler.fingerprint import model_fingerprint
+
+        emulations = {t: cluster.emulation_of(t) for t in cluster.type_counts()}
+        return key_of(ProfileOptions(**options(cluster)), model_fingerprint(model), cluster.world_size, emulations)
+
     measure.time_at_sizes = time_at_sizes  # type: ignore[attr-defined]  # the same inputs, for calibration
+    measure.profiles_key = profiles_key  # type: ignore[attr-defined]  # which stored profiles are the job's
     return measure

@@ -7,6 +7,7 @@ File names are for people only; lookups never parse them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import tempfile
 import warnings
@@ -140,6 +141,69 @@ class ProfileKey(_Key):
             activation_checkpointing=profile.activation_checkpointing,
             optimizer_offload=profile.optimizer_offload,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobKey:
+    """What a profiling job keys every profile with (the automatic mode's too, before it measures): `key`
+    completes it for a device type, stage and memory levers; `holds` says whether a stored profile is one
+    its cache lookup finds."""
+
+    model_fingerprint: str
+    emulations: Mapping[str, Emulation | None]
+    """Every device type of the job: its emulation without drift (`ProfileKey.emulation`), or None."""
+    world_size: int
+    dtype: str
+    sequence_length: int | None
+    torch_version: str
+    deepspeed_version: str
+    ds_config_fingerprint: str
+
+    @classmethod
+    def of_job(
+        cls,
+        ds_config: Mapping[str, Any],
+        optimizer_factory: Callable[[list], Any] | None,
+        *,
+        emulations: Mapping[str, Emulation | None],
+        **job: Any,
+    ) -> JobKey:
+        """The key of a job profiling with `ds_config` and `optimizer_factory` on the device types of
+        `emulations` (`job`: the other fields), under this process's torch and DeepSpeed."""
+        import deepspeed
+        import torch
+
+        from poplar_ext.hardware.emulation import without_drift
+
+        return cls(
+            emulations={t: without_drift(e) for t, e in emulations.items()},
+            torch_version=torch.__version__,
+            deepspeed_version=deepspeed.__version__,
+            ds_config_fingerprint=ds_config_fingerprint(ds_config, client_optimizer_class(optimizer_factory)),
+            **job,
+        )
+
+    def key(self, device_type: str, zero_stage: int, checkpointing: bool = False, offload: bool = False) -> ProfileKey:
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "emulations"}
+        return ProfileKey(
+            **shared,
+            device_type=device_type,
+            emulation=self.emulations[device_type],
+            zero_stage=zero_stage,
+            activation_checkpointing=checkpointing,
+            optimizer_offload=offload,
+        )
+
+    def holds(self, profile: Profile) -> bool:
+        """Whether `profile` is one this job's cache lookup finds (`find_cached_profile`, its settings aside).
+        A job that does not know its sequence length (None: the automatic mode's data) takes any."""
+        stored = ProfileKey.of_profile(profile)
+        if stored is None or profile.device_type not in self.emulations:
+            return False
+        wanted = self.key(profile.device_type, profile.zero_stage, *profile.levers)
+        if self.sequence_length is None:
+            wanted = dataclasses.replace(wanted, sequence_length=stored.sequence_length)
+        return stored == wanted
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -186,7 +186,13 @@ def prepare_job(
             optimizer_offload=poplar_config.optimizer_offload,
             calibration_repeats=poplar_config.calibration.repeats,
         )
-    directory = ProfileDirectory(poplar_config, cluster, dtype=training_dtype(profiling_ds_config))
+    directory = ProfileDirectory(
+        poplar_config,
+        cluster,
+        dtype=training_dtype(profiling_ds_config),
+        # The automatic mode reuses a stored profile where its profiler's cache would, not on the dtype alone.
+        job_key=None if measure_missing is None else measure_missing.profiles_key(cluster),
+    )
     plan = resolve_plan(
         poplar_config,
         cluster,

@@ -34,6 +34,7 @@ from poplar_ext.search.model_states import cannot_hold, model_states, shortfall
 
 if TYPE_CHECKING:
     from poplar_ext.plan.network_format import NetworkProfile
+    from poplar_ext.profiler.cache import JobKey
 
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,10 @@ class ProfileDirectory:
     dtype: str | None = None
     """The job's training dtype (`training_dtype`); None: any. The model's fingerprint is taken before
     DeepSpeed casts it, so a profile of the same model in another dtype is not this job's."""
+    job_key: JobKey | None = None
+    """What the automatic mode's profiler keys this job's profiles with: a stored profile of the model counts
+    only where its cache would reuse it (dtype, DeepSpeed config and optimizer, world size, emulation,
+    versions); None: the model's profiles in `dtype`."""
     _stored: list[Profile] | None = field(default=None, init=False, repr=False)
     _measured: list[Profile] = field(default_factory=list, init=False, repr=False)
     _network: Any = field(default=_UNREAD, init=False, repr=False)
@@ -202,12 +207,17 @@ class ProfileDirectory:
             p
             for p in self._stored
             if (p.model.fingerprint, p.key) not in replaced
-            and (
-                model_fingerprint is None
-                or (p.model.fingerprint == model_fingerprint and self.dtype in (None, p.model.dtype))
-            )
+            and (model_fingerprint is None or self._jobs(p, model_fingerprint))
         ]
         return stored + self._measured
+
+    def _jobs(self, profile: Profile, model_fingerprint: str) -> bool:
+        """Whether `profile` is one of this job's model (`model_fingerprint`)."""
+        if profile.model.fingerprint != model_fingerprint:
+            return False
+        if self.job_key is not None:
+            return self.job_key.holds(profile)
+        return self.dtype in (None, profile.model.dtype)
 
     def add_measured(self, profiles: list[Profile]) -> None:
         """Profiles measured since the directory was read: `profiles` returns them in place of the directory's

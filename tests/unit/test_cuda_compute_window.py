@@ -193,9 +193,8 @@ def test_the_profile_records_how_its_compute_was_timed(device_kind, zero_stage, 
     session = SimpleNamespace(
         layout=layout,
         settings=MeasureSettings(),
-        config_fingerprint="c",
+        job_key=SimpleNamespace(torch_version="t", deepspeed_version="d", ds_config_fingerprint="c"),
         model=SYNTHETIC_MODEL,
-        versions={},
         network=None,
     )
     result = TypeStageResult(

@@ -168,7 +168,9 @@ def _in_dtype(profile, dtype):
     return dataclasses.replace(profile, model=dataclasses.replace(profile.model, dtype=dtype))
 
 
-def _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage=None, dtype=None, read=None):
+def _searched_at_start(
+    cluster_path, directory, measure, monkeypatch, zero_stage=None, dtype=None, read=None, job_key=None
+):
     """The plan `resolve_plan` searches at start with `measure` for the missing profiles (of the synthetic
     model, for a job training in `dtype`), and the profiles it handed the search. `read`: a list that gets
     the job's `ProfileDirectory`, as re-balancing and steady emulation read it after."""
@@ -186,7 +188,7 @@ def _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage
         {"cluster": str(cluster_path), "profiles": str(directory), "global_batch_size": 20},
         base_dir=cluster_path.parent,
     )
-    profile_directory = ProfileDirectory(config, load_cluster(cluster_path), dtype=dtype)
+    profile_directory = ProfileDirectory(config, load_cluster(cluster_path), dtype=dtype, job_key=job_key)
     plan = resolve_plan(
         config,
         load_cluster(cluster_path),
@@ -245,6 +247,49 @@ def test_stored_profiles_of_the_jobs_dtype_are_reused(cluster_path, tmp_path, mo
     calls = []
     _, profiles = _searched_at_start(cluster_path, directory, _measurer(set(), calls), monkeypatch, dtype="float32")
     assert calls == [] and {p.model.dtype for p in profiles} == {"float32"}
+
+
+def _job_key(**changes):
+    """The key the automatic mode's profiler gives the synthetic model's profiles on the fixture's cluster."""
+    from poplar_ext.profiler.cache import JobKey
+
+    key = JobKey(
+        model_fingerprint=SYNTHETIC_MODEL.fingerprint,
+        emulations={"fast": None, "slow": None},
+        world_size=2,
+        dtype="float32",
+        sequence_length=None,
+        torch_version="2.13.0",
+        deepspeed_version="0.19.8",
+        ds_config_fingerprint="sha256:sgd",
+    )
+    return dataclasses.replace(key, **changes)
+
+
+@pytest.mark.parametrize(
+    ("stored_with", "measured_again"),
+    [
+        ({}, False),
+        ({"ds_config_fingerprint": "sha256:adam"}, True),  # another optimizer, ZeRO settings or offload section
+        ({"deepspeed": "0.19.7"}, True),
+        ({"sequence_length": 512}, False),  # initialize does not know the data's: poplar-profile's are reused
+    ],
+)
+def test_the_automatic_mode_reuses_a_stored_profile_as_the_profilers_cache_would(
+    cluster_path, tmp_path, monkeypatch, stored_with, measured_again
+):
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    provenance = {"source": "measured", "torch": "2.13.0", "deepspeed": "0.19.8", "ds_config_fingerprint": "sha256:sgd"}
+    sequence_length = stored_with.pop("sequence_length", None)
+    for path in directory.glob("*.json"):
+        data = json.loads(path.read_text())
+        data["measured_with"] = {**provenance, **stored_with}
+        data["model"]["sequence_length"] = sequence_length
+        path.write_text(json.dumps(data))
+    calls = []
+    measure = _measurer({("fast", 1), ("slow", 1)}, calls)
+    _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage=1, job_key=_job_key())
+    assert calls == ([[("fast", 1), ("slow", 1)]] if measured_again else [])
 
 
 def test_profiling_that_brings_back_no_complete_stage_says_what_is_missing(cluster_path, tmp_path, monkeypatch):

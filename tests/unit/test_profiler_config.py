@@ -130,3 +130,34 @@ def test_profile_model_takes_the_profile_options_fields_with_their_defaults() ->
     settings = MeasureSettings()
     for name in ("warmup_micro_steps", "repeats", "micro_batch_size_limit", "micro_batch_sizes"):
         assert getattr(settings, name) == getattr(ProfileOptions, name, None)
+
+
+def test_automatic_mode_keys_stored_profiles_as_the_profiler_does() -> None:
+    # One definition: a stored profile of another optimizer (the script's or the config's) is not the job's.
+    from poplar_bench.synthetic import simple_cluster
+    from poplar_ext.profiler.cache import client_optimizer_class, ds_config_fingerprint
+    from poplar_ext.profiler.fingerprint import model_fingerprint
+
+    model, cluster = torch.nn.Linear(2, 1), simple_cluster({"fast": 1, "slow": 2})
+    jobs = {
+        "sgd": (torch.optim.SGD(model.parameters(), lr=0.1), {"bf16": {"enabled": True}}),
+        "adamw": (torch.optim.AdamW(model.parameters(), lr=0.1), {"bf16": {"enabled": True}}),
+        "config's": (None, {"bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}),
+    }
+    fingerprints = set()
+    for optimizer, config in jobs.values():
+        measure = missing_profiles_measurer(
+            model=model,
+            training_data=[torch.ones(2)],
+            collate_fn=None,
+            optimizer=optimizer,
+            ds_config=config,
+            profiles_dir="p",
+            micro_batch_size_limit=8,
+        )
+        key = measure.profiles_key(cluster).key("slow", 1)
+        client = None if optimizer is None else client_optimizer_class(lambda p, o=optimizer: type(o)(p))
+        assert key.ds_config_fingerprint == ds_config_fingerprint(config, client)
+        assert (key.model_fingerprint, key.world_size, key.dtype) == (model_fingerprint(model), 3, "bfloat16")
+        fingerprints.add(key.ds_config_fingerprint)
+    assert len(fingerprints) == len(jobs)

@@ -10,27 +10,30 @@ import torch
 
 from poplar_ext.plan.formats import ModelInfo
 from poplar_ext.profiler import api
+from poplar_ext.profiler.cache import JobKey
 from poplar_ext.profiler.layout import JobLayout
 from poplar_ext.profiler.measure import MeasureSettings
 
 GIB = 2**30
 
 
-def _session(tmp_path, *, zero_stages=(0,)) -> api._Session:
+def _session(tmp_path, *, zero_stages=(0,), emulations=None) -> api._Session:
+    emulations = emulations or {"A100-80GB": None, "V100-16GB": None}
+    config = {"optimizer": {"type": "AdamW"}}
     layout = JobLayout(
         rank=0,
         world_size=2,
         device=torch.device("cpu"),
         cluster=None,
         rank_types=("A100-80GB", "V100-16GB"),
-        emulations={"A100-80GB": None, "V100-16GB": None},
+        emulations=emulations,
         capacities_bytes={"A100-80GB": 79 * GIB, "V100-16GB": 15 * GIB},
         hardware={"A100-80GB": "a100", "V100-16GB": "v100"},
         hosts={"A100-80GB": "node0", "V100-16GB": "node0"},
     )
     return api._Session(
         options=SimpleNamespace(
-            ds_config={"optimizer": {"type": "AdamW"}},
+            ds_config=config,
             cache_dir=tmp_path,
             sequence_length=None,
             make_batch=None,
@@ -41,8 +44,15 @@ def _session(tmp_path, *, zero_stages=(0,)) -> api._Session:
         # The main case: a 1B-parameter model in bf16, 20 bytes per parameter at ZeRO 0.
         model=ModelInfo(name="gpt-1b", fingerprint="f" * 16, num_parameters=10**9, dtype="bfloat16"),
         toggle=None,
-        versions={"torch": "2.13.0", "deepspeed": "0.19.8"},
-        config_fingerprint="c" * 16,
+        job_key=JobKey.of_job(
+            config,
+            None,
+            emulations=emulations,
+            model_fingerprint="f" * 16,
+            world_size=2,
+            dtype="bfloat16",
+            sequence_length=None,
+        ),
         offload_types=(),
         runs=(),
         spare_models=[],
@@ -112,11 +122,8 @@ def test_a_drift_schedule_does_not_keep_a_stored_profile_from_being_found(tmp_pa
     from poplar_ext.profiler.cache import ProfileKey
     from poplar_ext.profiler.measure import TypeStageResult
 
-    session = _session(tmp_path)
     drifting = Emulation(slowdown=2.0, memory_capacity_bytes=15 * GIB, slowdown_schedule=((5, 4.0, None),))
-    session.layout = dataclasses.replace(
-        session.layout, emulations={**session.layout.emulations, "V100-16GB": drifting}
-    )
+    session = _session(tmp_path, emulations={"A100-80GB": None, "V100-16GB": drifting})
     run = api._Run(0, False, False)
     result = TypeStageResult(
         device_type="V100-16GB", complete=True, max_micro_batch_size=0, samples=(), optimizer_step_time_s=0.0, probe={}
