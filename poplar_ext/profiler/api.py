@@ -453,7 +453,7 @@ def _profile(
     network = _job_network(options, layout, writable) if options.measure_network else None
     session = dataclasses.replace(_start_session(options, settings, layout), timeouts=timeouts, network=network)
     keys = {(t, run): session.key(t, run) for run in session.runs for t in session.types_of(run)}
-    # A profile whose probe a lower --max-micro-batch-size stopped is measured again: more may fit.
+    # One measured with less than `settings` ask (a lower micro-batch limit, fewer micro-steps or sizes) is not.
     find = functools.partial(find_cached_profile, settings=settings)
     cached = broadcast_from_rank0(cached_on_rank0(layout.rank, options, keys, find, profile_to_dict))
     reporter = _ProgressReporter(
