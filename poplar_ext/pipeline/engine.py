@@ -41,10 +41,10 @@ from poplar_ext.pipeline.replan import (
 from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_from_dict
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
-    checkpoint_tag,
     read_state,
     refresh_master_weights,
     save_whole,
+    tag_for_load,
 )
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.engine_core import EngineCore
@@ -395,7 +395,7 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         when `load_dir` has no ``latest``.
         """
         self._refuse_unreadable_optimizer_state(kwargs)
-        resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=self.global_rank)
+        resolved = tag_for_load(load_dir, tag, deepspeed_engine=self, rank=self.global_rank)
         if resolved is None:
             logger.warning("load_checkpoint: no 'latest' file in %s, nothing loaded", load_dir)
             return None, None

@@ -7,6 +7,7 @@ docs/design.md (the data position, the plan history).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,8 @@ REPLACED_SUFFIX = ".replaced"
 
 CLIENT_STATE_KEY = "poplar"
 """Where checkpoints of poplar-ext 0.1 kept the state, in DeepSpeed's client_state (still read)."""
+
+logger = logging.getLogger(__name__)
 
 
 def plan_as_dict(plan: Plan | PipelinePlan) -> dict[str, Any]:
@@ -122,11 +125,11 @@ def save_whole(
 
     engine = deepspeed_engine
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
-    storage_rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank  # as DeepSpeed's
     folder = Path(save_dir) / tag
     check_pattern_safe(folder, caller="save_checkpoint")  # every rank passes the same folder: all refuse alike
     new_tag = tag + SAVING_SUFFIX
     new, old = Path(save_dir) / new_tag, Path(save_dir) / f"{tag}{REPLACED_SUFFIX}"
+    storage_rank = _storage_rank(engine)
     if storage_rank == 0:
         shutil.rmtree(new, ignore_errors=True)  # what a save that failed left
     barrier()  # no rank writes into the new folder before it is empty
@@ -154,6 +157,40 @@ def refresh_master_weights(optimizer: Any, load_options: dict[str, Any]) -> None
     load_module_only."""
     if not load_options.get("load_optimizer_states", True) and hasattr(optimizer, "refresh_fp32_params"):
         optimizer.refresh_fp32_params()
+
+
+def _storage_rank(engine: Any) -> int:
+    """This rank's number among those writing one storage, as DeepSpeed numbers them for its saves (its rank 0
+    writes ``latest``): the local rank on DeepSpeed's node-local storage, else the global rank."""
+    return engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+
+
+def tag_for_load(load_dir: str | Path, tag: Any, *, deepspeed_engine: Any, rank: int) -> str | None:
+    """The tag a load reads, rank 0's `checkpoint_tag` (collective). A save whose storage rank stopped between
+    its two renames left no TAG and the tag's earlier checkpoint whole in ``TAG.replaced`` (its state file is
+    written last, `save_whole`): the first rank of each storage renames it back, with a warning, before any
+    rank reads TAG."""
+    from poplar_ext.collectives import barrier, decided_by_rank0
+
+    resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=rank)
+    if resolved is None:
+        return None
+    folder = Path(load_dir) / resolved
+    replaced = Path(load_dir) / f"{resolved}{REPLACED_SUFFIX}"
+    if _storage_rank(deepspeed_engine) == 0 and not folder.exists() and (replaced / STATE_FILE).is_file():
+        logger.warning(
+            "load_checkpoint: %s is missing and %s holds the checkpoint a save into it was replacing when it "
+            "stopped: restored as %s",
+            folder,
+            replaced,
+            folder,
+        )
+        try:
+            replaced.rename(folder)
+        except OSError as exc:  # no rank waits for this one: rank 0's check of TAG then refuses it on every rank
+            logger.error("load_checkpoint: could not restore %s as %s: %s", replaced, folder, exc)
+    barrier()  # restored on every storage before any rank reads it
+    return resolved
 
 
 def check_pattern_safe(folder: Path, *, caller: str) -> None:

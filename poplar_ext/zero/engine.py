@@ -23,11 +23,11 @@ from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
     ResumeDecision,
     check_deepspeed_files,
-    checkpoint_tag,
     read_state,
     refresh_master_weights,
     resume_decision,
     save_whole,
+    tag_for_load,
 )
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
@@ -468,7 +468,7 @@ class PoplarEngine(EngineCore):
         from poplar_ext.collectives import decided_by_rank0
         from poplar_ext.runtime.reshard import loading_resharded, merging_weights_of, resharded_tag
 
-        resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=self._rank)
+        resolved = tag_for_load(load_dir, tag, deepspeed_engine=self.deepspeed_engine, rank=self._rank)
 
         def read_checked_state() -> dict | None:
             check_deepspeed_files(load_dir, resolved, named_by_latest=tag is None)

@@ -8,8 +8,10 @@ and never loaded. 3 forked CPU ranks, a 2-stage pipeline beside a 1-stage one.
 from __future__ import annotations
 
 import os
+import shutil
 
 import _training as t
+import pytest
 from harness import run_ranks, run_ranks_outcomes
 from test_pipeline import write_pipeline_plan
 from test_pipeline_drop_last import PIPELINES, TYPES, _engine
@@ -67,14 +69,33 @@ def _resume(files):
     return _parameters(engine)
 
 
-def test_a_save_that_fails_on_a_rank_leaves_the_earlier_checkpoint(tmp_path):
+@pytest.fixture(scope="module")
+def failed_save(tmp_path_factory):
+    """Every rank's parameters at the first save, and what its second save raised; the options to run ranks."""
+    tmp_path = tmp_path_factory.mktemp("failed_save")
     files = {
         "cluster": t.write_cluster(tmp_path / "cluster.json", fast=3, slow=0),
         "plan": write_pipeline_plan(tmp_path / "plan.json", PIPELINES, stage=0, types=TYPES),
         "checkpoints": tmp_path / "checkpoints",
     }
     options = {"world_size": 3, "tmp_path": tmp_path, "args": (files,), "init_process_group": False, "timeout_s": 180}
-    saved = [outcome.value for outcome in run_ranks_outcomes(_save_then_fail, **options)]
+    return [outcome.value for outcome in run_ranks_outcomes(_save_then_fail, **options)], options
+
+
+def test_a_save_that_fails_on_a_rank_leaves_the_earlier_checkpoint(failed_save):
+    saved, options = failed_save
     assert saved[1][1] == "disk full"
     for (earlier, _), resumed in zip(saved, run_ranks(_resume, **options)):
         assert t.max_difference(resumed, earlier) == 0
+
+
+def test_a_tag_left_between_the_renames_of_a_save_is_restored_and_loads(failed_save, tmp_path):
+    # The storage rank stopped after renaming "last" to last.replaced, before last.saving became "last".
+    saved, options = failed_save
+    files = {**options["args"][0], "checkpoints": tmp_path / "checkpoints"}
+    shutil.copytree(options["args"][0]["checkpoints"], files["checkpoints"])
+    (files["checkpoints"] / "last").rename(files["checkpoints"] / "last.replaced")
+    resumed = run_ranks(_resume, **{**options, "tmp_path": tmp_path, "args": (files,)})
+    for (earlier, _), parameters in zip(saved, resumed):
+        assert t.max_difference(parameters, earlier) == 0
+    assert sorted(p.name for p in files["checkpoints"].iterdir()) == ["last", "last.saving", "latest"]

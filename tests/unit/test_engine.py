@@ -256,6 +256,27 @@ def test_a_save_into_a_tag_keeps_only_what_it_wrote(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["mp_rank_00_model_states.pt", STATE_FILE]
 
 
+def test_a_tag_the_storage_rank_left_between_its_renames_is_restored_and_loads(tmp_path, caplog):
+    # The storage rank stopped after renaming "last" to last.replaced and before last.saving became "last":
+    # last.replaced is the earlier checkpoint, whole; a load restores it with a warning and loads it.
+    engine, fake = _engine(_plan([(3, 2)]))
+    for _ in range(2):
+        engine.backward(engine(torch.ones(3)))
+        engine.step()
+    engine.save_checkpoint(tmp_path, tag="last")
+    (tmp_path / "last").rename(tmp_path / "last.replaced")
+    write_model_states(tmp_path, "last.saving")  # the save that stopped: whole but not named in latest
+    resumed, resumed_fake = _engine(_plan([(3, 2)]))
+    resumed_fake.saved = fake.saved
+    with caplog.at_level(logging.WARNING, logger="poplar_ext"):
+        resumed.load_checkpoint(tmp_path)  # latest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "last.saving", "latest"]
+    assert resumed.consumed_samples == 6  # one iteration of 3 x 2 samples
+    assert any(
+        "last.replaced holds the checkpoint a save into it was replacing" in r.getMessage() for r in caplog.records
+    )
+
+
 def test_a_checkpoint_of_another_plan_continues_the_stream_and_says_so(tmp_path, caplog):
     engine, fake = _engine(_plan([(3, 2), (1, 3)]))  # B = 9
     for _ in range(2):
