@@ -85,11 +85,27 @@ def poplar_client_state(
 
 
 def checkpoint_tag(load_dir: str | Path, tag: Any) -> str | None:
-    """`tag`, or the one DeepSpeed's ``latest`` file names (None when there is none)."""
-    if tag is not None:
-        return str(tag)
+    """`tag`, or the one DeepSpeed's ``latest`` file names (None when there is none); ValueError for the name of
+    a folder `save_whole` writes beside a tag (`check_tag_name`)."""
     latest = Path(load_dir) / "latest"
-    return latest.read_text().strip() if latest.is_file() else None
+    if tag is None and not latest.is_file():
+        return None
+    resolved = str(tag) if tag is not None else latest.read_text().strip()
+    check_tag_name(resolved, caller="load_checkpoint", named=f"{latest} names tag" if tag is None else "tag")
+    return resolved
+
+
+def check_tag_name(tag: str, *, caller: str, named: str = "tag") -> None:
+    """ValueError for a tag ending like a folder `save_whole` writes beside tag T: ``T.saving`` (a save not yet
+    whole, or one that failed) and ``T.replaced`` are no checkpoints of their own, and a save into T removes
+    them."""
+    for suffix in (SAVING_SUFFIX, REPLACED_SUFFIX):
+        if tag.endswith(suffix):
+            raise ValueError(
+                f"{caller}: {named} {tag!r}: expected a tag not ending in {suffix!r}, found one: the name of the "
+                f"folder poplar-ext writes beside tag {tag[: -len(suffix)]!r} while a save replaces it, never a "
+                "whole checkpoint of its own"
+            )
 
 
 def write_state(save_dir: str | Path, tag: str, state: dict) -> Path:
@@ -127,6 +143,7 @@ def save_whole(
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
     folder = Path(save_dir) / tag
     check_pattern_safe(folder, caller="save_checkpoint")  # every rank passes the same folder: all refuse alike
+    check_tag_name(tag, caller="save_checkpoint")
     new_tag = tag + SAVING_SUFFIX
     new, old = Path(save_dir) / new_tag, Path(save_dir) / f"{tag}{REPLACED_SUFFIX}"
     storage_rank = _storage_rank(engine)

@@ -277,6 +277,23 @@ def test_a_tag_the_storage_rank_left_between_its_renames_is_restored_and_loads(t
     )
 
 
+def test_the_folders_a_save_writes_beside_a_tag_are_never_loaded_nor_saved_into(tmp_path):
+    # A save that failed left last.saving with DeepSpeed's files in it: not whole, never a checkpoint to load;
+    # a save into "x.saving" would be emptied by the next save into "x".
+    engine, fake = _engine(_plan([(2, 1)]))
+    engine.save_checkpoint(tmp_path, tag="last")
+    write_model_states(tmp_path, "last.saving")
+    for tag in ("last.saving", "last.replaced"):
+        with pytest.raises(ValueError, match=f"load_checkpoint: tag '{tag}': expected a tag not ending in"):
+            engine.load_checkpoint(tmp_path, tag=tag)
+    (tmp_path / "latest").write_text("last.saving")
+    with pytest.raises(ValueError, match="latest names tag 'last.saving': expected a tag not ending in '.saving'"):
+        engine.load_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="save_checkpoint: tag 'x.saving': .*beside tag 'x' while a save replaces"):
+        engine.save_checkpoint(tmp_path, tag="x.saving")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "last.saving", "latest"]
+
+
 def test_a_checkpoint_of_another_plan_continues_the_stream_and_says_so(tmp_path, caplog):
     engine, fake = _engine(_plan([(3, 2), (1, 3)]))  # B = 9
     for _ in range(2):
