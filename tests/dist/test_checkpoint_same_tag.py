@@ -4,8 +4,8 @@
 ``last`` again; 3 ranks resume ``last``. They must get the 2 ranks' parameters: neither the resharded
 copy of the first save nor the first save's third optimizer shard (left beside the second save's two)
 may be taken for the second save. ZeRO stages 1 and 3, forked groups of 3, 2 and 3 ranks.
-Also on 2 ranks: a save at another ZeRO stage leaves only its own files in the tag, and a save that
-fails on one rank leaves the earlier checkpoint, which a resume loads.
+Also on 2 ranks: a save at another ZeRO stage or dtype (fp32, bf16) leaves only its own files in the tag, and a
+save that fails on one rank leaves the earlier checkpoint, which a resume loads.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ ALLOCATIONS = {
 }
 
 
-def _engine(files, stage):
+def _engine(files, stage, dtype="fp32"):
     import poplar_ext
 
     cluster, plan = files[int(os.environ["WORLD_SIZE"]), stage]
     model = t.GPT(t.TINY)
-    config = t.ds_config(cluster=cluster, plan=plan, stage=stage)
+    config = t.ds_config(cluster=cluster, plan=plan, stage=stage) | (
+        {"bf16": {"enabled": True}} if dtype == "bf16" else {}
+    )
     engine, *_ = poplar_ext.initialize(
         model=model, optimizer=t.make_optimizer("adam", model.parameters()), config=config
     )
@@ -70,19 +72,26 @@ def test_a_resume_loads_the_last_save_into_a_tag(phases, stage):
         assert t.max_difference(rank[stage], second[0][stage]) <= 1e-6
 
 
-def _save_at_both_stages(files):
+def _save_each(files, saves):
     folder = files["root"] / "layouts"
-    for stage in (1, 3):  # stage 1's model file and shards, then stage 3's files of other names
-        engine, _ = _engine(files, stage)
+    for stage, dtype in saves:  # each save's files, of other names than the earlier's (stage 1 and 3; bf16_ prefixes)
+        engine, _ = _engine(files, stage, dtype)
         engine.save_checkpoint(folder, tag="last")
     engine.save_checkpoint(folder, tag="fresh")
     return {tag: sorted(p.name for p in (folder / tag).iterdir()) for tag in ("last", "fresh")}
 
 
-def test_a_save_at_another_stage_leaves_only_its_own_files_in_the_tag(tmp_path):
+@pytest.mark.parametrize(
+    "saves",
+    [((1, "fp32"), (3, "fp32")), ((1, "fp32"), (1, "bf16")), ((1, "bf16"), (1, "fp32"))],
+    ids=["stage1-stage3", "fp32-bf16", "bf16-fp32"],
+)
+def test_a_save_at_another_stage_or_dtype_leaves_only_its_own_files_in_the_tag(tmp_path, saves):
     files = {"root": tmp_path, **t.write_world_files(tmp_path, {2: ALLOCATIONS[2]})}
-    listings = run_ranks(_save_at_both_stages, world_size=2, tmp_path=tmp_path, args=(files,), timeout_s=180)
+    listings = run_ranks(_save_each, world_size=2, tmp_path=tmp_path, args=(files, saves), timeout_s=180)
     assert listings[0]["last"] == listings[0]["fresh"]
+    bf16_shards = any(name.startswith("bf16_zero_pp_rank_") for name in listings[0]["fresh"])
+    assert bf16_shards == (saves[-1][1] == "bf16")  # each dtype's own names (DeepSpeed's _get_zero_ckpt_prefix)
 
 
 def _save_then_fail(files):
