@@ -33,11 +33,11 @@ def _plan(allocation, stage=1):
     )
 
 
-def write_model_states(save_dir, tag):
-    """The file by which DeepSpeed finds a checkpoint (poplar-ext checks it is there before loading)."""
+def write_model_states(save_dir, tag, name="mp_rank_00_model_states.pt"):
+    """The file by which DeepSpeed finds a checkpoint (poplar-ext checks it is there before loading), or `name`."""
     folder = Path(save_dir) / tag
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "mp_rank_00_model_states.pt").touch()
+    (folder / name).touch()
 
 
 class FakeDeepSpeedEngine:
@@ -292,6 +292,50 @@ def test_the_folders_a_save_writes_beside_a_tag_are_never_loaded_nor_saved_into(
     with pytest.raises(ValueError, match="save_checkpoint: tag 'x.saving': .*beside tag 'x' while a save replaces"):
         engine.save_checkpoint(tmp_path, tag="x.saving")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "last.saving", "latest"]
+
+
+def test_on_node_local_storage_each_nodes_first_rank_swaps_the_tag_in_and_writes_latest(tmp_path, monkeypatch):
+    # DeepSpeed's checkpoint.use_node_local_storage: each node saves into its own folder, its local rank 0 writing
+    # what rank 0 writes on shared storage. 2 nodes of 2 ranks as threads, meeting at the barriers.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from poplar_ext import collectives
+    from poplar_ext.runtime import checkpoint
+
+    ranks = {"0": (0, 0), "1": (0, 1), "2": (1, 0), "3": (1, 1)}  # global rank: (node, local rank)
+    engines, writers = {}, []
+    for name, (node, local_rank) in ranks.items():
+        engine, fake = _engine(_plan([(2, 1)] * 4), rank=int(name))
+        fake.global_rank, fake.local_rank, fake.use_node_local_storage = int(name), local_rank, lambda: True
+        fake.save_checkpoint = lambda save_dir, tag, name=name, **_: write_model_states(save_dir, tag, name)
+        engines[name] = engine, fake, tmp_path / f"node{node}"
+    meeting = threading.Barrier(len(ranks), timeout=10)
+    monkeypatch.setattr(collectives, "barrier", meeting.wait)
+    write_state = checkpoint.write_state
+    monkeypatch.setattr(
+        checkpoint, "write_state", lambda *a: writers.append(threading.current_thread().name) or write_state(*a)
+    )
+
+    def on_every_rank(work):
+        def run(name):
+            threading.current_thread().name = name
+            return work(*engines[name])
+
+        with ThreadPoolExecutor(len(ranks)) as pool:
+            return list(pool.map(run, ranks))
+
+    on_every_rank(lambda engine, fake, folder: engine.save_checkpoint(folder, tag="t"))
+    assert sorted(writers) == ["0", "2"]
+    for node, names in (("node0", ["0", "1"]), ("node1", ["2", "3"])):
+        assert sorted(p.name for p in (tmp_path / node).iterdir()) == ["latest", "t"]
+        assert sorted(p.name for p in (tmp_path / node / "t").iterdir()) == [*names, STATE_FILE]
+        assert (tmp_path / node / "latest").read_text() == "t"
+        (tmp_path / node / "t").rename(tmp_path / node / "t.replaced")  # stopped between the two renames
+    load = lambda engine, fake, folder: checkpoint.tag_for_load(folder, "t", deepspeed_engine=fake, rank=0)  # noqa: E731
+    assert on_every_rank(load) == ["t"] * 4
+    for node in ("node0", "node1"):
+        assert sorted(p.name for p in (tmp_path / node).iterdir()) == ["latest", "t"]
 
 
 def test_a_checkpoint_of_another_plan_continues_the_stream_and_says_so(tmp_path, caplog):
