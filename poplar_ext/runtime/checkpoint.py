@@ -155,8 +155,8 @@ def save_whole(
     if storage_rank == 0:
         write_state(save_dir, new_tag, state())
         shutil.rmtree(Path(save_dir) / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-        if folder.exists():
+        if folder.exists():  # else TAG.replaced, if there, is the last whole checkpoint: kept until TAG is again
+            shutil.rmtree(old, ignore_errors=True)
             folder.rename(old)
         new.rename(folder)
         shutil.rmtree(old, ignore_errors=True)

@@ -256,18 +256,31 @@ def test_a_save_into_a_tag_keeps_only_what_it_wrote(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["mp_rank_00_model_states.pt", STATE_FILE]
 
 
-def test_a_tag_the_storage_rank_left_between_its_renames_is_restored_and_loads(tmp_path, caplog):
-    # The storage rank stopped after renaming "last" to last.replaced and before last.saving became "last":
-    # last.replaced is the earlier checkpoint, whole; a load restores it with a warning and loads it.
+def _saved_then_left_between_renames(tmp_path):
+    """One iteration of 3 x 2 samples saved into "last", which a save stopped between its two renames left in
+    last.replaced (the earlier checkpoint, whole)."""
     engine, fake = _engine(_plan([(3, 2)]))
     for _ in range(2):
         engine.backward(engine(torch.ones(3)))
         engine.step()
     engine.save_checkpoint(tmp_path, tag="last")
     (tmp_path / "last").rename(tmp_path / "last.replaced")
-    write_model_states(tmp_path, "last.saving")  # the save that stopped: whole but not named in latest
+    return engine, fake
+
+
+def _resuming(fake):
+    """A new job's engine of the same plan, whose DeepSpeed part loads what `fake` saved."""
     resumed, resumed_fake = _engine(_plan([(3, 2)]))
     resumed_fake.saved = fake.saved
+    return resumed
+
+
+def test_a_tag_the_storage_rank_left_between_its_renames_is_restored_and_loads(tmp_path, caplog):
+    # The storage rank stopped after renaming "last" to last.replaced and before last.saving became "last":
+    # last.replaced is the earlier checkpoint, whole; a load restores it with a warning and loads it.
+    engine, fake = _saved_then_left_between_renames(tmp_path)
+    write_model_states(tmp_path, "last.saving")  # the save that stopped: whole but not named in latest
+    resumed = _resuming(fake)
     with caplog.at_level(logging.WARNING, logger="poplar_ext"):
         resumed.load_checkpoint(tmp_path)  # latest
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "last.saving", "latest"]
@@ -275,6 +288,28 @@ def test_a_tag_the_storage_rank_left_between_its_renames_is_restored_and_loads(t
     assert any(
         "last.replaced holds the checkpoint a save into it was replacing" in r.getMessage() for r in caplog.records
     )
+
+
+def test_a_save_into_a_tag_left_between_renames_keeps_the_earlier_checkpoint_until_its_own_is_in_place(
+    tmp_path, monkeypatch
+):
+    # "last" was left in last.replaced (a save stopped between its renames); the next save into "last" stops
+    # before its own folder takes the tag's place: the earlier checkpoint must still be there to restore.
+    engine, fake = _saved_then_left_between_renames(tmp_path)
+    rename = Path.rename
+
+    def stopped(self, target):
+        if self.name == "last.saving":
+            raise OSError("the storage rank stopped")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", stopped)
+    with pytest.raises(OSError, match="the storage rank stopped"):
+        engine.save_checkpoint(tmp_path, tag="last")
+    monkeypatch.setattr(Path, "rename", rename)
+    resumed = _resuming(fake)
+    resumed.load_checkpoint(tmp_path)
+    assert resumed.consumed_samples == 6
 
 
 def test_the_folders_a_save_writes_beside_a_tag_are_never_loaded_nor_saved_into(tmp_path):
