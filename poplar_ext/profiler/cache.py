@@ -66,6 +66,11 @@ def client_optimizer_class(optimizer_factory: Callable[[list], Any] | None) -> s
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
+_OPTIMIZER_PARAMS_NOT_IN_KEY = ("lr", "betas", "eps", "weight_decay")
+"""Optimizer settings that change neither its state nor the cost of its step: a learning-rate sweep (the Trainer
+fills ``lr: "auto"`` from --learning_rate) reuses the profiles. Others stay (momentum and amsgrad add state)."""
+
+
 def ds_config_fingerprint(ds_config: Mapping[str, Any], client_optimizer: str | None = None) -> str:
     """Hash of the DeepSpeed settings that change speed or memory (not batch sizes, not the stage), and of
     `client_optimizer`, the class of an optimizer the script builds (another one: another state and step)."""
@@ -75,6 +80,12 @@ def ds_config_fingerprint(ds_config: Mapping[str, Any], client_optimizer: str | 
     zero = relevant.get("zero_optimization")
     if isinstance(zero, dict):
         zero.pop("stage", None)
+    optimizer_params = (
+        relevant.get("optimizer", {}).get("params") if isinstance(relevant.get("optimizer"), dict) else None
+    )
+    if isinstance(optimizer_params, dict):
+        for name in _OPTIMIZER_PARAMS_NOT_IN_KEY:
+            optimizer_params.pop(name, None)
     return content_fingerprint(relevant)
 
 

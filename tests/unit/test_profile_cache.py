@@ -240,3 +240,16 @@ def test_a_replaced_file_keeps_its_own_mode(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_config_fingerprint_ignores_optimizer_settings_that_change_no_state_or_cost() -> None:
+    """A learning-rate sweep (the Trainer fills ``lr: "auto"`` from --learning_rate) must not re-measure every
+    profile; momentum adds a state, another optimizer type another step."""
+    adam = {**CONFIG, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8}}}
+    swept = {**CONFIG, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1, "eps": 1e-6}}}
+    assert ds_config_fingerprint(swept) == ds_config_fingerprint(adam)
+    sgd = {**CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    assert ds_config_fingerprint(sgd) != ds_config_fingerprint(adam)
+    momentum = {**CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
+    assert ds_config_fingerprint(momentum) != ds_config_fingerprint(sgd)
+    assert adam["optimizer"]["params"]["lr"] == 1e-3, "the caller's config is not modified"
