@@ -59,6 +59,8 @@ def printing(prog: str, command: Callable[..., int], *args: Any) -> int:
     another failure to write it (a full disk) is one line on stderr and `EXIT_BAD_INPUT`. What `command` did
     before, a file written included, stands."""
     stdout = sys.stdout
+    if stdout is None:  # started with stdout closed (``>&-``): print writes nothing, as without this guard
+        return command(*args)
     sys.stdout = _WatchedStdout(stdout)
     try:
         status = command(*args)

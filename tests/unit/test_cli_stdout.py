@@ -29,11 +29,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = {"poplar-search": SEARCH, "poplar-profile": PROFILE, "poplar-bench demo": BENCH}
 
 
-def start(program: str, stdout, cwd) -> subprocess.Popen:
+def start(program: str, stdout, cwd, **popen) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a shell's buffered stdout
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # this checkout
     command = "import sys; from types import SimpleNamespace; " + PROGRAMS[program]
-    return subprocess.Popen([sys.executable, "-c", command], stdout=stdout, stderr=subprocess.PIPE, env=env, cwd=cwd)
+    argv = [sys.executable, "-c", command]
+    return subprocess.Popen(argv, stdout=stdout, stderr=subprocess.PIPE, env=env, cwd=cwd, **popen)
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
@@ -51,4 +52,14 @@ def test_a_full_disk_under_the_output_is_one_line_and_status_2(program, tmp_path
     err = process.stderr.read().decode()
     assert (process.wait(timeout=120), err) == (2, f"{program}: error: standard output: No space left on device\n")
     if program == "poplar-search":  # written before the table was printed: it stands
+        assert load_plan(tmp_path / "plan.json").global_batch_size == 512
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_a_closed_standard_output_prints_nothing_and_fails_nothing(program, tmp_path):
+    """``program >&-``: Python's sys.stdout is None, where print writes nothing."""
+    process = start(program, None, tmp_path, preexec_fn=lambda: os.close(1))
+    err = process.stderr.read().decode()
+    assert (process.wait(timeout=120), err) == (0, "")
+    if program == "poplar-search":
         assert load_plan(tmp_path / "plan.json").global_batch_size == 512
