@@ -170,9 +170,12 @@ def ensure_process_group(**init_options: Any) -> None:
     DeepSpeed's setup also discovers rank and world size under ``mpirun`` (its MPI
     mode), so read them afterwards (`process_group_rank`), not from the environment.
     """
-    if not dist.is_initialized():
-        import deepspeed
+    import deepspeed
+    from deepspeed.comm import comm as ds_comm
 
+    if not dist.is_initialized() or ds_comm.cdb is None:
+        # A group the script started itself gets DeepSpeed's backend here too, so that its shared-memory
+        # buffers are made now (and their names released), not later inside deepspeed.initialize.
         deepspeed.init_distributed(**process_group_options(init_options))
     destroy_process_group_at_exit()
     release_shared_memory_name()
@@ -195,11 +198,11 @@ def release_shared_memory_name() -> None:
     global _shm_name_released
     if _shm_name_released or not dist.is_initialized() or not os.path.isdir(_SHM_DIR):
         return
-    _shm_name_released = True
     from deepspeed.comm import comm as ds_comm
 
     if getattr(getattr(ds_comm, "cdb", None), "shm_comm_op", None) is None:
         return
+    _shm_name_released = True
     if os.environ.get("LOCAL_SIZE") != str(dist.get_world_size()):
         return  # DeepSpeed made no buffer (ranks on several machines)
     barrier()

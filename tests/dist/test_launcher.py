@@ -141,3 +141,31 @@ def test_profiler_as_a_module_under_the_deepspeed_launcher(tmp_path):
     ], written
     profile = json.loads((tmp_path / "prof" / written[3]).read_text())
     assert profile["device_type"] == "cpu-slow" and profile["emulated"]["slowdown"] == 2.0
+
+
+_SCRIPT_STARTS_ITS_GROUP = """
+import os, torch.distributed as dist
+dist.init_process_group("gloo")  # the script's own group, before poplar-ext joins it
+from poplar_ext.collectives import ensure_process_group
+ensure_process_group(dist_backend="gloo")
+import deepspeed
+deepspeed.init_distributed(dist_backend="gloo")  # as deepspeed.initialize does when it builds the engine
+print(os.environ["MASTER_PORT"])
+"""
+
+
+def test_shared_memory_names_are_released_where_the_script_started_its_group(tmp_path):
+    """DeepSpeed's backend, made for a group the script started, leaves no /dev/shm buffer either."""
+    from poplar_bench.local_ranks import run_command_ranks
+
+    outcomes = run_command_ranks(
+        [sys.executable, "-c", _SCRIPT_STARTS_ITS_GROUP],
+        world_size=2,
+        log_dir=tmp_path,
+        timeout_s=120,
+        env={"LOCAL_SIZE": "2", "PYTHONPATH": str(REPO)},  # LOCAL_SIZE: as the deepspeed launcher sets it
+    )
+    assert [o.error for o in outcomes] == ["", ""]
+    port = (tmp_path / "rank0.out").read_text().split()[-1]  # its last line (DeepSpeed prints before it)
+    assert port.isdigit(), port
+    assert sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")) == []
