@@ -349,24 +349,34 @@ def loading_resharded(deepspeed_engine: Any) -> Iterator[None]:
 
 
 @contextmanager
-def merging_weights_of(tag: str) -> Iterator[None]:
+def merging_weights_of(tag: str, deepspeed_engine: Any) -> Iterator[None]:
     """While a ZeRO-3 engine loads checkpoint `tag`'s weights alone (``load_optimizer_states=False``).
 
     DeepSpeed then merges the weights from every rank's partition, saved on any number of ranks
     (`get_fp32_state_dict_from_zero_checkpoint`), but of the tag ``latest`` names, not of the tag it loads
     (runtime/engine.py `_load_checkpoint`): another save's weights, or a ValueError without ``latest``.
-    Meanwhile its engine module's name for the merge reads `tag`.
+    Meanwhile its engine module's name for the merge reads `tag`. And each rank reads its own model file
+    (``zero_pp_rank_R_...``) for the rest (step counts, buffers: alike in every rank's), which a rank beyond
+    the saved number lacks (DeepSpeed's bare assert): meanwhile every rank reads rank 0's, as DeepSpeed's
+    universal load does.
     """
     import functools
+    import glob
 
     from deepspeed.runtime import engine as deepspeed_engine_module
 
+    def rank0_model_file(checkpoints_path: str, tag: str) -> list[str]:
+        pattern = deepspeed_engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*", pp_placeholder="0")
+        return sorted(glob.glob(pattern))
+
     merge = deepspeed_engine_module.get_fp32_state_dict_from_zero_checkpoint
     deepspeed_engine_module.get_fp32_state_dict_from_zero_checkpoint = functools.partial(merge, tag=tag)
+    deepspeed_engine._get_all_ckpt_names = rank0_model_file  # this instance's, shadowing the method
     try:
         yield
     finally:
         deepspeed_engine_module.get_fp32_state_dict_from_zero_checkpoint = merge
+        del deepspeed_engine._get_all_ckpt_names
 
 
 def command_line(source: str | Path, target: str | Path) -> str:

@@ -498,7 +498,9 @@ class PoplarEngine(EngineCore):
         if load_tag is not tag:
             loading = loading_resharded(self.deepspeed_engine)
         else:
-            loading = merging_weights_of(resolved) if resolved is not None else nullcontext()
+            weights_merged = self.plan.zero_stage == 3 and not kwargs.get("load_optimizer_states", True)
+            weights_merged = weights_merged and resolved is not None
+            loading = merging_weights_of(resolved, self.deepspeed_engine) if weights_merged else nullcontext()
         with loading:
             path, client_state = self.deepspeed_engine.load_checkpoint(load_dir, tag=load_tag, **kwargs)
         if path is None:
