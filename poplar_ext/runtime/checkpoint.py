@@ -151,6 +151,11 @@ def save_whole(
         shutil.rmtree(new, ignore_errors=True)  # what a save that failed left
     barrier()  # no rank writes into the new folder before it is empty
     saved = save(new_tag)
+    writer = getattr(engine, "checkpoint_engine", None)
+    if writer is not None and writer.is_decoupled():
+        # An asynchronous writer (checkpoint.writer.decoupled, DataStates) writes at the next step's commit,
+        # when the folder it writes into would be gone: its files are written here, before the swap.
+        engine._commit_decoupled_checkpoint()
     barrier()  # every rank's files written: the new checkpoint is whole
     if storage_rank == 0:
         write_state(save_dir, new_tag, state())

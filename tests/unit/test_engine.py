@@ -240,6 +240,29 @@ def test_a_save_into_a_tag_that_fails_leaves_the_earlier_checkpoint_whole(tmp_pa
     assert (tmp_path / "latest").read_text() == "last"
 
 
+def test_an_asynchronous_checkpoint_writer_has_written_the_tag_before_it_takes_its_place(tmp_path):
+    # DeepSpeed's decoupled writers (checkpoint.writer.decoupled, DataStates) queue the files and write them at
+    # the next step's commit: by then the folder they were queued for was renamed, and the tag held none.
+    engine, fake = _engine(_plan([(2, 1)]))
+    queued = []
+
+    class DecoupledWriter:
+        def is_decoupled(self):
+            return True
+
+    def queue(save_dir, tag=None, client_state=None, **kwargs):
+        queued.append((save_dir, tag))
+
+    def commit():
+        while queued:
+            write_model_states(*queued.pop())
+
+    fake.checkpoint_engine, fake.save_checkpoint, fake._commit_decoupled_checkpoint = DecoupledWriter(), queue, commit
+    engine.save_checkpoint(tmp_path, tag="c")
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["mp_rank_00_model_states.pt", STATE_FILE]
+    assert (tmp_path / "latest").read_text() == "c"
+
+
 def test_a_save_into_a_tag_keeps_only_what_it_wrote(tmp_path):
     # An earlier save on more ranks, in bf16, at ZeRO 3, left files this save does not write (a load may read
     # them as its own), and a resharded copy of itself; only this save's files stay.
