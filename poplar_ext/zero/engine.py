@@ -477,7 +477,8 @@ class PoplarEngine(EngineCore):
         saved = None if resolved is None else decided_by_rank0(read_checked_state, rank=self._rank)
         where = str(Path(load_dir) / resolved) if resolved is not None else str(load_dir)
         decision = None
-        load_tag = tag
+        load_tag = resolved  # not the caller's None: on node-local storage each node's ``latest`` may differ
+        resharding = False
         if saved is not None:
             decision = resume_decision(
                 saved,
@@ -487,7 +488,8 @@ class PoplarEngine(EngineCore):
                 load_module_only=bool(kwargs.get("load_module_only")),
                 load_optimizer_states=bool(kwargs.get("load_optimizer_states", True)),
             )
-            if self._needs_resharding(decision, kwargs):
+            resharding = self._needs_resharding(decision, kwargs)
+            if resharding:
                 load_tag = resharded_tag(
                     Path(load_dir), resolved, deepspeed_engine=self.deepspeed_engine, rank=self._rank
                 )
@@ -495,7 +497,7 @@ class PoplarEngine(EngineCore):
             # The model's file holds empty partitions at stage 3: DeepSpeed would load no weight, silently.
             # Without the optimizer state it merges them from every rank's partition (`merging_weights_of`).
             kwargs["load_optimizer_states"] = False
-        if load_tag is not tag:
+        if resharding:
             loading = loading_resharded(self.deepspeed_engine)
         else:
             weights_merged = self.plan.zero_stage == 3 and not kwargs.get("load_optimizer_states", True)

@@ -396,6 +396,18 @@ def test_on_node_local_storage_each_nodes_first_rank_swaps_the_tag_in_and_writes
         assert sorted(p.name for p in (tmp_path / node).iterdir()) == ["latest", "t"]
 
 
+def test_a_load_gives_deepspeed_the_tag_rank_0_resolved(tmp_path):
+    # Without it DeepSpeed reads each rank's own ``latest``: on node-local storage a node whose save stopped
+    # before its ``latest`` would load an older checkpoint under the newer one's data position.
+    engine, fake = _engine(_plan([(2, 1)]))
+    engine.save_checkpoint(tmp_path, tag="global_step2")
+    asked = []
+    load = fake.load_checkpoint
+    fake.load_checkpoint = lambda load_dir, tag=None, **kwargs: asked.append(tag) or load(load_dir, tag, **kwargs)
+    engine.load_checkpoint(tmp_path)
+    assert asked == ["global_step2"]
+
+
 def test_a_checkpoint_of_another_plan_continues_the_stream_and_says_so(tmp_path, caplog):
     engine, fake = _engine(_plan([(3, 2), (1, 3)]))  # B = 9
     for _ in range(2):
