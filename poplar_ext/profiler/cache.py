@@ -207,9 +207,13 @@ class JobKey:
 
     def holds(self, profile: Profile) -> bool:
         """Whether `profile` is one this job's cache lookup finds (`find_cached_profile`, its settings aside).
-        A job that does not know its sequence length (None: the automatic mode's data) takes any."""
+        A job that does not know its sequence length (None: the automatic mode's data) takes any. A profile this
+        profiler did not measure (``modelled``, written by hand, or without the key's records) is the user's
+        word, taken as given in the job's dtype: there is nothing in it to compare."""
         stored = ProfileKey.of_profile(profile)
-        if stored is None or profile.device_type not in self.emulations:
+        if stored is None:
+            return profile.model.dtype == self.dtype
+        if profile.device_type not in self.emulations:
             return False
         wanted = self.key(profile.device_type, profile.zero_stage, *profile.levers)
         if self.sequence_length is None:

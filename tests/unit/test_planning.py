@@ -292,6 +292,19 @@ def test_the_automatic_mode_reuses_a_stored_profile_as_the_profilers_cache_would
     assert calls == ([[("fast", 1), ("slow", 1)]] if measured_again else [])
 
 
+@pytest.mark.parametrize(("dtype", "measured_again"), [("float32", False), ("bfloat16", True)])
+def test_the_automatic_mode_takes_profiles_it_did_not_measure_as_given_in_the_jobs_dtype(
+    cluster_path, tmp_path, monkeypatch, dtype, measured_again
+):
+    # Modelled (or hand-written) profiles hold nothing to compare with the job's key: the user's word.
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    assert {json.loads(p.read_text())["measured_with"]["source"] for p in directory.glob("*.json")} == {"modelled"}
+    calls = []
+    measure = _measurer({("fast", 1), ("slow", 1)}, calls)
+    _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage=1, job_key=_job_key(dtype=dtype))
+    assert calls == ([[("fast", 1), ("slow", 1)]] if measured_again else [])
+
+
 def test_profiling_that_brings_back_no_complete_stage_says_what_is_missing(cluster_path, tmp_path, monkeypatch):
     calls = []
     with pytest.raises(
