@@ -7,6 +7,7 @@ docs/pipeline.md (searched at start; what is refused).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from poplar_ext.plan.errors import FormatError
@@ -26,6 +27,7 @@ from poplar_ext.runtime.config import AUTO, SECTION, PoplarConfig, deepspeed_tra
 from poplar_ext.runtime.job_start import read_plan_file
 
 if TYPE_CHECKING:
+    from poplar_ext.profiler.cache import JobKey
     from poplar_ext.runtime.rebalance import PipelineDriftMonitor
 
 
@@ -209,9 +211,15 @@ def plan_searched_at_start(
 
     stages = PIPELINE_ZERO_STAGES if zero_stage is None else (zero_stage,)
     fingerprint = decided_by_rank0(lambda: layers_fingerprint and layers_fingerprint(), rank=rank, broadcast=broadcast)
+    # The automatic mode counts a stored layer profile where its profiler's cache would reuse it (the config,
+    # optimizer, emulation, versions too), not on the model and dtype alone.
+    key_of = getattr(measure_missing, "profiles_key", None)
+    job_key = None if key_of is None or fingerprint is None else key_of(cluster, fingerprint)
+    ours = _LayerProfilesOf(num_layers=num_layers, fingerprint=fingerprint, dtype=dtype, job_key=job_key)
 
     def missing() -> list[str]:
-        types = _types_without_layer_profiles(poplar_config, cluster, num_layers, fingerprint, stages, dtype)
+        have = {(p.device_type, p.zero_stage) for p in ours.stored(poplar_config)}
+        types = [t for t in cluster.type_counts() if not all((t, s) in have for s in stages)]
         if types and measure_missing is None:
             raise ValueError(_cannot_measure_message(poplar_config, types, stages))
         return types
@@ -224,7 +232,7 @@ def plan_searched_at_start(
         from poplar_ext.plan.network_format import find_network
         from poplar_ext.search.pipeline_search import search_pipeline_plan
 
-        profiles = _model_layer_profiles(poplar_config, num_layers, fingerprint, dtype)
+        profiles = ours.stored(poplar_config)
         result = search_pipeline_plan(
             [p for p in profiles if p.zero_stage in stages],
             cluster,
@@ -274,7 +282,7 @@ def plan_layer_profiles(plan: PipelinePlan, poplar_config: PoplarConfig) -> list
     wanted = plan.profile_fingerprints
     return [
         p
-        for p in _model_layer_profiles(poplar_config, plan.num_layers, None)
+        for p in _LayerProfilesOf(num_layers=plan.num_layers).stored(poplar_config)
         if p.zero_stage == plan.zero_stage and (p.device_type not in wanted or wanted[p.device_type] == p.fingerprint)
     ]
 
@@ -310,36 +318,33 @@ def pipeline_drift_monitor(plan: PipelinePlan, cluster: Cluster, poplar_config: 
     )
 
 
-def _model_layer_profiles(
-    poplar_config: PoplarConfig, num_layers: int, fingerprint: str | None, dtype: str | None = None
-) -> list[LayerProfile]:
-    """The layer profiles in ``poplar.profiles``/layers/ of this model: its layer count, and its fingerprint
-    and training dtype when known (the dtype only with the fingerprint)."""
-    directory = layer_profiles_dir(poplar_config.profiles)
-    if not directory.is_dir():
-        return []
-    try:
-        profiles = load_layer_profiles(directory)
-    except FormatError as exc:
-        raise ValueError(f"{SECTION}.profiles: {exc}") from exc
-    return [
-        p
-        for p in profiles
-        if p.num_layers == num_layers
-        and (fingerprint is None or (p.model.fingerprint == fingerprint and dtype in (None, p.model.dtype)))
-    ]
+@dataclass(frozen=True, kw_only=True)
+class _LayerProfilesOf:
+    """Which stored layer profiles are a model's: its layer count, and its fingerprint when known, then those
+    `job_key` holds (the automatic mode's), else those in its training `dtype` (None: any)."""
 
+    num_layers: int
+    fingerprint: str | None = None
+    dtype: str | None = None
+    job_key: JobKey | None = None
 
-def _types_without_layer_profiles(
-    poplar_config: PoplarConfig,
-    cluster: Cluster,
-    num_layers: int,
-    fingerprint: str | None,
-    stages: tuple[int, ...],
-    dtype: str | None,
-) -> list[str]:
-    have = {(p.device_type, p.zero_stage) for p in _model_layer_profiles(poplar_config, num_layers, fingerprint, dtype)}
-    return [t for t in cluster.type_counts() if not all((t, s) in have for s in stages)]
+    def stored(self, poplar_config: PoplarConfig) -> list[LayerProfile]:
+        """Those in ``poplar.profiles``/layers/."""
+        directory = layer_profiles_dir(poplar_config.profiles)
+        if not directory.is_dir():
+            return []
+        try:
+            profiles = load_layer_profiles(directory)
+        except FormatError as exc:
+            raise ValueError(f"{SECTION}.profiles: {exc}") from exc
+        return [p for p in profiles if p.num_layers == self.num_layers and self._models(p)]
+
+    def _models(self, profile: LayerProfile) -> bool:
+        if self.fingerprint is None:
+            return True
+        if profile.model.fingerprint != self.fingerprint:
+            return False
+        return self.job_key.holds(profile) if self.job_key is not None else self.dtype in (None, profile.model.dtype)
 
 
 def _cannot_measure_message(poplar_config: PoplarConfig, types: list[str], stages: tuple[int, ...]) -> str:

@@ -52,6 +52,7 @@ from poplar_ext.profiler.cache import (
     WritableBeforeMeasuring,
     cached_on_rank0,
     find_cached_profile,
+    profiles_key,
     store_profile,
 )
 from poplar_ext.profiler.calibration import timed_as_training
@@ -388,23 +389,6 @@ def _start_session(options: ProfileOptions, settings: MeasureSettings, layout: J
         ),
         spare_models=[first_model],
         trainable_parameters=sum(p.numel() for p in first_model.parameters() if p.requires_grad),
-    )
-
-
-def profiles_key(
-    options: ProfileOptions, model_fingerprint: str, world_size: int, emulations: Mapping[str, Any]
-) -> JobKey:
-    """What `profile_with(options)` keys the profiles of the model with `model_fingerprint` with, on `world_size`
-    ranks of the device types of `emulations`; the automatic mode matches stored profiles by it too."""
-    ds_config = read_ds_config(options.ds_config)
-    return JobKey.of_job(
-        ds_config,
-        options.optimizer_factory,
-        emulations=emulations,
-        model_fingerprint=model_fingerprint,
-        world_size=world_size,
-        dtype=training_dtype(ds_config),
-        sequence_length=options.sequence_length,
     )
 
 

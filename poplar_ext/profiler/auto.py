@@ -78,33 +78,41 @@ def missing_layer_profiles_measurer(
 ) -> Callable[[list[str], Cluster, tuple[int, ...]], None]:
     """``measure(device_types, cluster, stages)``: a pipeline model's missing layer profiles written into
     ``profiles_dir/layers/`` (collective), micro-batches as `missing_profiles_measurer`'s, the config's
-    optimizer (the module is built before any optimizer), sizes up to `micro_batch_size_limit`."""
+    optimizer (the module is built before any optimizer), sizes up to `micro_batch_size_limit`. Its
+    ``profiles_key(cluster, layers_fingerprint)`` is the `JobKey` its layer profiles get
+    (`poplar_ext.profiler.cache.profiles_key`)."""
     from poplar_ext.profiler import log_progress
+    from poplar_ext.profiler.cache import profiles_key as key_of
     from poplar_ext.profiler.options import ProfileOptions
     from poplar_ext.profiler.per_layer import optimizer_factory_from_config, profile_layers
 
     make_batch = batches_of(training_data, None)
 
-    def measure(device_types: list[str], cluster: Cluster, stages: tuple[int, ...]) -> None:
-        # Every rank reads the same config: a ValueError here is raised alike before any rank measures.
-        optimizer_factory = optimizer_factory_from_config(ds_config)
-        profile_layers(
-            ProfileOptions(
-                model_factory=lambda: layers,
-                make_batch=make_batch,
-                ds_config=ds_config,
-                cluster=cluster,
-                zero_stages=stages,
-                cache_dir=profiles_dir,
-                progress=log_progress if progress is None else progress,
-                loss_fn=loss_fn,
-                optimizer_factory=optimizer_factory,
-                micro_batch_size_limit=micro_batch_size_limit,
-                measure_network=False,
-            ),
-            device_types=device_types,
+    def options(cluster: Cluster, stages: tuple[int, ...] = ()) -> ProfileOptions:
+        # No optimizer_factory: the layers step the config's optimizer, keyed as poplar-profile --per-layer keys it.
+        return ProfileOptions(
+            model_factory=lambda: layers,
+            make_batch=make_batch,
+            ds_config=ds_config,
+            cluster=cluster,
+            zero_stages=stages,
+            cache_dir=profiles_dir,
+            progress=log_progress if progress is None else progress,
+            loss_fn=loss_fn,
+            micro_batch_size_limit=micro_batch_size_limit,
+            measure_network=False,
         )
 
+    def measure(device_types: list[str], cluster: Cluster, stages: tuple[int, ...]) -> None:
+        # Every rank reads the same config: a ValueError here is raised alike before any rank measures.
+        optimizer_factory_from_config(ds_config)
+        profile_layers(options(cluster, stages), device_types=device_types)
+
+    def profiles_key(cluster: Cluster, layers_fingerprint: str) -> JobKey:
+        emulations = {t: cluster.emulation_of(t) for t in cluster.type_counts()}
+        return key_of(options(cluster), layers_fingerprint, cluster.world_size, emulations)
+
+    measure.profiles_key = profiles_key  # type: ignore[attr-defined]  # which stored layer profiles are the job's
     return measure
 
 
@@ -129,7 +137,7 @@ def missing_profiles_measurer(
     Micro-batch ``b`` is `batches_of` `training_data`; the largest tried is `micro_batch_size_limit` (the
     global batch when known); the other arguments are `profile_model`'s. Its ``time_at_sizes`` attribute is
     a `TimeAtSizes` on the same model and data (`calibration_repeats` micro-steps per size); its
-    ``profiles_key(cluster)`` the `JobKey` its profiles get (`poplar_ext.profiler.api.profiles_key`).
+    ``profiles_key(cluster)`` the `JobKey` its profiles get (`poplar_ext.profiler.cache.profiles_key`).
     """
     from poplar_ext.profiler import log_progress, profile_model
     from poplar_ext.profiler.options import ProfileOptions
@@ -180,7 +188,7 @@ def missing_profiles_measurer(
         )
 
     def profiles_key(cluster: Cluster) -> JobKey:
-        from poplar_ext.profiler.api import profiles_key as key_of
+        from poplar_ext.profiler.cache import profiles_key as key_of
         from poplar_ext.profiler.fingerprint import model_fingerprint
 
         emulations = {t: cluster.emulation_of(t) for t in cluster.type_counts()}

@@ -194,31 +194,64 @@ class JobKey:
             **job,
         )
 
+    def _shared(self, device_type: str, zero_stage: int) -> dict[str, Any]:
+        """What a profile and a layer profile of `device_type` at `zero_stage` are both keyed with."""
+        not_shared = ("emulations", "world_size")
+        job = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in not_shared}
+        return {**job, "device_type": device_type, "emulation": self.emulations[device_type], "zero_stage": zero_stage}
+
     def key(self, device_type: str, zero_stage: int, checkpointing: bool = False, offload: bool = False) -> ProfileKey:
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "emulations"}
         return ProfileKey(
-            **shared,
-            device_type=device_type,
-            emulation=self.emulations[device_type],
-            zero_stage=zero_stage,
+            **self._shared(device_type, zero_stage),
+            world_size=self.world_size,
             activation_checkpointing=checkpointing,
             optimizer_offload=offload,
         )
 
-    def holds(self, profile: Profile) -> bool:
-        """Whether `profile` is one this job's cache lookup finds (`find_cached_profile`, its settings aside).
-        A job that does not know its sequence length (None: the automatic mode's data) takes any. A profile this
-        profiler did not measure (``modelled``, written by hand, or without the key's records) is the user's
-        word, taken as given in the job's dtype: there is nothing in it to compare."""
-        stored = ProfileKey.of_profile(profile)
+    def layer_key(self, device_type: str, zero_stage: int, micro_batch_sizes: tuple[int, ...]) -> LayerProfileKey:
+        """A layer profile's key: its layers are timed alone, so the world size is not in it."""
+        return LayerProfileKey(**self._shared(device_type, zero_stage), micro_batch_sizes=micro_batch_sizes)
+
+    def holds(self, profile: Profile | LayerProfile) -> bool:
+        """Whether `profile` is one this job's cache lookup finds (`find_cached_profile`, its settings aside;
+        a layer profile's sizes aside too, as the whole model's sizes are). A job that does not know its
+        sequence length (None: the automatic mode's data) takes any. A profile this profiler did not measure
+        (``modelled``, written by hand, or without the key's records) is the user's word, taken as given in the
+        job's dtype: there is nothing in it to compare."""
+        layers = isinstance(profile, LayerProfile)
+        stored = LayerProfileKey.of_profile(profile) if layers else ProfileKey.of_profile(profile)
         if stored is None:
             return profile.model.dtype == self.dtype
         if profile.device_type not in self.emulations:
             return False
-        wanted = self.key(profile.device_type, profile.zero_stage, *profile.levers)
+        if layers:
+            wanted = self.layer_key(profile.device_type, profile.zero_stage, stored.micro_batch_sizes)
+        else:
+            wanted = self.key(profile.device_type, profile.zero_stage, *profile.levers)
         if self.sequence_length is None:
             wanted = dataclasses.replace(wanted, sequence_length=stored.sequence_length)
         return stored == wanted
+
+
+def profiles_key(
+    options: ProfileOptions, model_fingerprint: str, world_size: int, emulations: Mapping[str, Any]
+) -> JobKey:
+    """What `profile_with(options)` keys the profiles of the model with `model_fingerprint` with, on `world_size`
+    ranks of the device types of `emulations` (`profile_layers` its layer profiles: `JobKey.layer_key`, the
+    fingerprint `layers_fingerprint`'s); the automatic mode matches stored profiles by it too."""
+    # Here, not at the top: the measurement imports torch, which a cache lookup does not need.
+    from poplar_ext.profiler.measure import read_ds_config, training_dtype
+
+    ds_config = read_ds_config(options.ds_config)
+    return JobKey.of_job(
+        ds_config,
+        options.optimizer_factory,
+        emulations=emulations,
+        model_fingerprint=model_fingerprint,
+        world_size=world_size,
+        dtype=training_dtype(ds_config),
+        sequence_length=options.sequence_length,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

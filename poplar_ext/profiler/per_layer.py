@@ -20,7 +20,7 @@ from torch import nn
 from poplar_ext.collectives import broadcast_from_rank0, gather_objects
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.devices import join_job
-from poplar_ext.hardware.emulation import device_label, without_drift
+from poplar_ext.hardware.emulation import device_label
 from poplar_ext.plan.formats import ModelInfo
 from poplar_ext.plan.pipeline_formats import (
     PIPELINE_ZERO_STAGES,
@@ -29,12 +29,10 @@ from poplar_ext.plan.pipeline_formats import (
     layer_profile_to_dict,
 )
 from poplar_ext.profiler.cache import (
-    LayerProfileKey,
     WritableBeforeMeasuring,
     cached_on_rank0,
-    client_optimizer_class,
-    ds_config_fingerprint,
     find_cached_layer_profile,
+    profiles_key,
     store_layer_profile,
 )
 from poplar_ext.profiler.layers import (
@@ -84,8 +82,6 @@ def profile_layers(
     `options.model_factory` builds (built here when None). Cached ones with the same keys are reused; the
     others measured once `writable` (default: ``options.cache_dir``'s) says rank 0 can write them.
     """
-    import deepspeed
-
     ds_config = read_ds_config(options.ds_config)
     stages = tuple(s for s in sorted(set(options.zero_stages)) if s in PIPELINE_ZERO_STAGES)
     if not stages:
@@ -105,25 +101,9 @@ def profile_layers(
         dtype=training_dtype(ds_config),
         sequence_length=options.sequence_length,
     )
-    versions = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
-    # The optimizer _measure_my_type steps each layer with, as whole-model profiles key it.
-    config_fp = ds_config_fingerprint(ds_config, client_optimizer_class(options.optimizer_factory))
+    job_key = profiles_key(options, info.fingerprint, layout.world_size, layout.emulations)
     wanted = [(t, s) for s in stages for t in layout.type_names if device_types is None or t in device_types]
-    keys = {
-        (t, stage): LayerProfileKey(
-            model_fingerprint=info.fingerprint,
-            device_type=t,
-            emulation=without_drift(layout.emulations[t]),
-            zero_stage=stage,
-            dtype=info.dtype,
-            sequence_length=info.sequence_length,
-            micro_batch_sizes=sizes,
-            torch_version=versions["torch"],
-            deepspeed_version=versions["deepspeed"],
-            ds_config_fingerprint=config_fp,
-        )
-        for t, stage in wanted
-    }
+    keys = {(t, stage): job_key.layer_key(t, stage, sizes) for t, stage in wanted}
     # One timed over fewer micro-steps than asked is measured again (its sizes are in the key).
     find = functools.partial(find_cached_layer_profile, settings=options)
     cached = broadcast_from_rank0(cached_on_rank0(layout.rank, options, keys, find, layer_profile_to_dict))
@@ -159,10 +139,11 @@ def profile_layers(
                 memory_capacity_bytes=layout.capacities_bytes[t],
                 base_memory=base,
                 model=info,
-                emulation=without_drift(layout.emulations[t]),
+                emulation=job_key.emulations[t],
                 provenance={
-                    **versions,
-                    "ds_config_fingerprint": config_fp,
+                    "torch": job_key.torch_version,
+                    "deepspeed": job_key.deepspeed_version,
+                    "ds_config_fingerprint": job_key.ds_config_fingerprint,
                     "host": layout.hosts[t],
                     "hardware": layout.hardware[t],
                     "warmup_micro_steps": options.warmup_micro_steps,

@@ -623,3 +623,60 @@ def test_stored_layer_profiles_of_another_dtype_are_measured_again(tmp_path, mon
     )
     assert measured == [["a", "b"]]
     assert {p.model.dtype for p in searched[0]} == {"bfloat16"}
+
+
+@pytest.mark.parametrize(("stored_optimizer", "measured_again"), [("SGD", True), ("Adam", False)])
+def test_the_automatic_mode_reuses_stored_layer_profiles_where_its_profilers_cache_would(
+    tmp_path, stored_optimizer, measured_again
+):
+    # Layer profiles of the model measured under another optimizer (other state, another step) are not this
+    # job's: the automatic mode measures them again, as its profiler's cache would; the same config's are reused.
+    import dataclasses
+
+    import numpy as np
+
+    from poplar_bench.synthetic import SYNTHETIC_LAYERED_MODEL, random_layer_profiles
+    from poplar_ext.plan.pipeline_formats import layer_profiles_dir, save_layer_profile
+    from poplar_ext.profiler.auto import missing_layer_profiles_measurer
+
+    def measurer(optimizer):
+        ds_config = {"train_batch_size": 12, "optimizer": {"type": optimizer, "params": {"lr": 0.1}}}
+        return missing_layer_profiles_measurer(
+            layers=[],
+            loss_fn=None,
+            training_data=[0],
+            ds_config=ds_config,
+            profiles_dir=tmp_path / "profiles",
+            micro_batch_size_limit=12,
+        )
+
+    layers = layer_profiles_dir(tmp_path / "profiles")
+    layers.mkdir(parents=True)
+    key = measurer(stored_optimizer).profiles_key(_cluster(), SYNTHETIC_LAYERED_MODEL.fingerprint)
+    provenance = {
+        "source": "measured",
+        "torch": key.torch_version,
+        "deepspeed": key.deepspeed_version,
+        "ds_config_fingerprint": key.ds_config_fingerprint,
+    }
+    for p in random_layer_profiles(np.random.default_rng(0), ["a", "b"], num_layers=6, zero_stages=(0, 1)):
+        stored = dataclasses.replace(p, model=SYNTHETIC_LAYERED_MODEL, measured_with=provenance)
+        save_layer_profile(stored, layers / f"{p.device_type}-{p.zero_stage}.json")
+    measured = []
+
+    def measure(types, cluster, stages):
+        measured.append(types)
+        raise RuntimeError("measuring")  # which types the job measures is what the test checks
+
+    measure.profiles_key = measurer("Adam").profiles_key
+    poplar = poplar_config_from_dict(
+        {"profiles": str(tmp_path / "profiles"), "global_batch_size": 12}, base_dir=tmp_path
+    )
+    fingerprint = SYNTHETIC_LAYERED_MODEL.fingerprint
+    if measured_again:
+        with pytest.raises(RuntimeError, match="measuring"):
+            _searched_at_start(poplar, layers_fingerprint=lambda: fingerprint, measure_missing=measure)
+        assert measured == [["a", "b"]]
+    else:
+        plan = _searched_at_start(poplar, layers_fingerprint=lambda: fingerprint, measure_missing=measure)
+        assert measured == [] and set(plan.profile_fingerprints) == {"a", "b"}
