@@ -357,10 +357,15 @@ def _measured_less(profile: Profile, settings: MeasureSettings) -> bool:
     """Whether `profile` holds less than `settings` would measure: a probe a lower micro-batch limit stopped
     (its largest micro-batch is that limit, not what fits); fewer warm-up or timed micro-steps per size (or
     none recorded: more are asked for a steadier median, less of the first steps' cost); a sweep without a
-    size they time up to its largest. A profile measured with more is as good: it is reused."""
+    size they time up to its largest (`sweep_sizes` of theirs to the profile's largest), unless the profile
+    records it ran out of memory there (memory not monotonic in the size: measuring again would miss it
+    again). A profile measured with more is as good: it is reused."""
     probe = profile.measured_with.get("largest_micro_batch_probe")
-    limited = isinstance(probe, Mapping) and probe.get("limited_by_micro_batch_size_limit") is True
-    swept = {s.micro_batch_size for s in profile.samples}
+    probe = probe if isinstance(probe, Mapping) else {}
+    limited = probe.get("limited_by_micro_batch_size_limit") is True
+    out_of_memory = probe.get("out_of_memory_in_sweep")
+    ran_out = {b for b in out_of_memory if isinstance(b, int)} if isinstance(out_of_memory, list) else set()
+    swept = {s.micro_batch_size for s in profile.samples} | ran_out
     unswept = not swept.issuperset(sweep_sizes(settings.micro_batch_sizes, profile.max_micro_batch_size))
     stopped = limited and profile.max_micro_batch_size < settings.micro_batch_size_limit
     return stopped or unswept or _fewer_micro_steps(profile, settings)

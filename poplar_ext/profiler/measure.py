@@ -219,6 +219,9 @@ class _TypeRecord:
     """The optimizer step at micro-batch 1 already ran out of memory: nothing fits."""
     boundary_peak_bytes: int | None = None
     """Peak memory of that first optimizer step (it allocates the optimizer state)."""
+    out_of_memory_in_sweep: set[int] = field(default_factory=set)
+    """Sizes below the largest that fits that ran out of memory in the sweep (memory not monotonic in the
+    size): recorded, so that a cache lookup does not take the profile for one that skipped them."""
 
 
 @dataclass(kw_only=True, eq=False)
@@ -453,6 +456,8 @@ class StageMeasurement:
                     records[t].own_times_s[size] = outcome.own_times_s
             if phase == "probe":
                 records[t].search.record(size, fits=fits, peak_memory_bytes=outcome.peaks[t] if fits else None)
+            elif not fits:
+                records[t].out_of_memory_in_sweep.add(size)
         if outcome.flags["__unmeasured__"] == _REAL_OOM:
             raise _StageAbandoned("a real out-of-memory on a rank running the unmeasured micro-batch 1")
         memory_after_rebuild = None
@@ -645,6 +650,7 @@ class StageMeasurement:
                 "limited_by_micro_batch_size_limit": search.limited_by_limit,
                 "probed_past_prediction": search.exact,
                 "optimizer_step_peak_memory_bytes": record.boundary_peak_bytes,
+                "out_of_memory_in_sweep": sorted(record.out_of_memory_in_sweep),
             }
             if abandoned is not None:
                 probe["abandoned"] = abandoned

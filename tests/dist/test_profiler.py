@@ -625,6 +625,50 @@ def test_forced_out_of_memory_leaves_every_rank_alive_and_profiles_written(tmp_p
         assert tiny.max_micro_batch_size == 0 and tiny.samples == ()
 
 
+def _out_of_memory_at_3_alone(cache_dir: str) -> dict:
+    """profile_model twice on one model whose micro-batch 3 runs out of memory while 4 fits (memory not monotonic
+    in the size: the sweep meets it after the probe found 4)."""
+    import torch
+
+    from poplar_ext.models.toy_gpt import GPT
+    from poplar_ext.profiler import profile_model
+
+    cfg = _model_config()
+
+    def model_factory():
+        def fail(module, inputs):
+            if inputs[0].shape[0] == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (forced by the test)")
+
+        model = GPT(cfg)
+        model.head.register_forward_pre_hook(fail)
+        return model
+
+    common = dict(
+        model_factory=model_factory,
+        ds_config=DS_CONFIG,
+        cluster=_cluster([("roomy", 1.0, _agreed_resident_bytes() + 2000 * MB)]),
+        cache_dir=cache_dir,
+        zero_stages=(0,),
+        micro_batch_size_limit=4,
+        repeats=1,
+        progress=None,
+        activation_checkpointing="off",
+    )
+    profiles = profile_model(make_batch=_Batches(cfg), **common)
+    again = _Batches(cfg)
+    return {"profiles": profiles, "reused": profile_model(make_batch=again, **common), "calls_again": again.calls}
+
+
+def test_a_profile_whose_sweep_ran_out_of_memory_below_its_largest_is_reused(tmp_path) -> None:
+    # Measured again, 3 would run out again: without the record, every run measured the profile again.
+    (run,) = run_ranks(_out_of_memory_at_3_alone, world_size=1, tmp_path=tmp_path, args=(str(tmp_path / "p"),))
+    (profile,) = run["profiles"]
+    assert [s.micro_batch_size for s in profile.samples] == [1, 2, 4] and profile.max_micro_batch_size == 4
+    assert profile.measured_with["largest_micro_batch_probe"]["out_of_memory_in_sweep"] == [3]
+    assert run["calls_again"] == 0 and run["reused"] == run["profiles"]
+
+
 def _layers_failing_on_rank_1(cache_dir: str) -> tuple[str, str]:
     """profile_layers where rank 1's batch breaks a layer (the user's data): the error each rank raises, and
     the type of the error it is chained from."""

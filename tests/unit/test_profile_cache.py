@@ -7,6 +7,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,7 +155,7 @@ def test_stored_json_holds_every_key(tmp_path: Path) -> None:
     assert data["model"]["fingerprint"] == "sha256:0123456789abcdef"
 
 
-def _as_measured(limited: bool = False, sizes: tuple[int, ...] = (1, 2, 3, 4), **recorded: int) -> Profile:
+def _as_measured(limited: bool = False, sizes: tuple[int, ...] = (1, 2, 3, 4), **recorded: Any) -> Profile:
     """`_profile` with the samples and settings profile_model records (default: its own, sizes 1-4, largest 4)."""
     samples = tuple(Sample(micro_batch_size=b, micro_step_time_s=0.1 * b, peak_memory_bytes=b * 10**8) for b in sizes)
     measured_with = {
@@ -209,6 +210,17 @@ def test_a_profile_without_a_size_the_sweep_asks_for_is_measured_again(tmp_path:
     assert not _found(tmp_path)
     assert not _found(tmp_path, micro_batch_sizes=(3,))
     assert _found(tmp_path, micro_batch_sizes=(1, 2))
+
+
+def test_a_profile_that_ran_out_of_memory_at_a_swept_size_below_its_largest_is_reused(tmp_path: Path) -> None:
+    # Memory not monotonic in the size: 3 ran out in the sweep while 4 fitted. Measured again, it would run out
+    # again: the size it records as out of memory counts as swept, and only that size.
+    probe = {"limited_by_micro_batch_size_limit": False, "out_of_memory_in_sweep": [3]}
+    store_profile(tmp_path, _as_measured(sizes=(1, 2, 4), largest_micro_batch_probe=probe))
+    assert _found(tmp_path)
+    assert _found(tmp_path, micro_batch_sizes=(3,))
+    store_profile(tmp_path, _as_measured(sizes=(1, 4)))
+    assert not _found(tmp_path), "2 neither timed nor recorded as out of memory"
 
 
 def test_a_profile_that_records_no_micro_step_counts_is_measured_again(tmp_path: Path) -> None:
