@@ -1,8 +1,8 @@
 """The process group, and every collective poplar-ext issues (rank 0 decides, all receive).
 
-`broadcast_from_rank0`, `decided_by_rank0`, `gather_objects`, `agree_max`, `agree_sum`, `barrier`, `new_groups`;
-`ensure_process_group` and the group ended at exit. See docs/design.md (decisions for the field) and
-docs/fault-tolerance.md (a finished job exits 0).
+`broadcast_from_rank0`, `decided_by_rank0`, `raise_if_any_failed`, `gather_objects`, `agree_max`, `agree_sum`,
+`barrier`, `new_groups`; `ensure_process_group` and the group ended at exit. See docs/design.md
+(decisions for the field) and docs/fault-tolerance.md (a finished job exits 0).
 """
 
 from __future__ import annotations
@@ -243,13 +243,28 @@ def decided_by_rank0(
             outcome = {"result": decide()}
         except Exception as exc:  # noqa: BLE001 - the other ranks wait in the broadcast: tell them
             failure = exc
-            kind = next((k for k in (ValueError, TypeError) if isinstance(exc, k)), RuntimeError)
-            message = str(exc) if kind is not RuntimeError else f"rank 0 failed: {type(exc).__name__}: {exc}"
-            outcome = {"error": message, "kind": kind}
+            outcome = _shared_error(exc, rank)
     outcome = broadcast(outcome)
     if "error" in outcome:
         raise outcome["kind"](outcome["error"]) from failure
     return outcome["result"]
+
+
+def _shared_error(exc: BaseException, rank: int) -> dict[str, Any]:
+    """`exc` as every rank raises it: a ValueError or TypeError as that type with its message, anything else as
+    a RuntimeError naming the rank and the exception's type."""
+    kind = next((k for k in (ValueError, TypeError) if isinstance(exc, k)), RuntimeError)
+    message = str(exc) if kind is not RuntimeError else f"rank {rank} failed: {type(exc).__name__}: {exc}"
+    return {"error": message, "kind": kind}
+
+
+def raise_if_any_failed(failure: BaseException | None, *, rank: int) -> None:
+    """Collective, in place of a barrier: every rank raises the lowest failing rank's `failure` (this rank's
+    exception, or None), as `decided_by_rank0` raises rank 0's, so that no rank waits for one that failed in a
+    collective it never reaches, nor goes on as if the work were done."""
+    failed = [outcome for outcome in gather_objects(failure and _shared_error(failure, rank)) if outcome]
+    if failed:
+        raise failed[0]["kind"](failed[0]["error"]) from failure
 
 
 def gather_objects(obj: Any) -> list[Any]:
@@ -377,6 +392,7 @@ __all__ = [
     "new_groups",
     "process_group_options",
     "process_group_rank",
+    "raise_if_any_failed",
     "release_shared_memory_name",
     "sum_in_group",
 ]

@@ -137,7 +137,7 @@ def save_whole(
     """
     import shutil
 
-    from poplar_ext.collectives import barrier
+    from poplar_ext.collectives import barrier, raise_if_any_failed
 
     engine = deepspeed_engine
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
@@ -145,10 +145,9 @@ def save_whole(
     check_pattern_safe(folder, caller="save_checkpoint")  # every rank passes the same folder: all refuse alike
     check_tag_name(tag, caller="save_checkpoint")
     new_tag = tag + SAVING_SUFFIX
-    new, old = Path(save_dir) / new_tag, Path(save_dir) / f"{tag}{REPLACED_SUFFIX}"
     storage_rank = _storage_rank(engine)
     if storage_rank == 0:
-        shutil.rmtree(new, ignore_errors=True)  # what a save that failed left
+        shutil.rmtree(Path(save_dir) / new_tag, ignore_errors=True)  # what a save that failed left
     barrier()  # no rank writes into the new folder before it is empty
     saved = save(new_tag)
     writer = getattr(engine, "checkpoint_engine", None)
@@ -157,18 +156,32 @@ def save_whole(
         # when the folder it writes into would be gone: its files are written here, before the swap.
         engine._commit_decoupled_checkpoint()
     barrier()  # every rank's files written: the new checkpoint is whole
+    failure = None
     if storage_rank == 0:
-        write_state(save_dir, new_tag, state())
-        shutil.rmtree(Path(save_dir) / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
-        if folder.exists():  # else TAG.replaced, if there, is the last whole checkpoint: kept until TAG is again
-            shutil.rmtree(old, ignore_errors=True)
-            folder.rename(old)
-        new.rename(folder)
-        shutil.rmtree(old, ignore_errors=True)
-        if save_latest:
-            write_text_atomic(tag, Path(save_dir) / "latest")
-    barrier()  # the checkpoint in its place before any rank reads it
+        try:
+            _swap_in(save_dir, tag, state(), save_latest=save_latest)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank, below
+            failure = exc
+    # the checkpoint in its place before any rank reads it; or every rank fails with the storage rank (disk full)
+    raise_if_any_failed(failure, rank=engine.global_rank)
     return saved
+
+
+def _swap_in(save_dir: str | Path, tag: str, state: dict, *, save_latest: bool) -> None:
+    """The storage rank's part of `save_whole` once ``TAG.saving`` is whole: the state file, the folder in TAG's
+    place, ``latest``."""
+    import shutil
+
+    folder, new, old = (Path(save_dir) / f"{tag}{suffix}" for suffix in ("", SAVING_SUFFIX, REPLACED_SUFFIX))
+    write_state(save_dir, new.name, state)
+    shutil.rmtree(Path(save_dir) / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
+    if folder.exists():  # else TAG.replaced, if there, is the last whole checkpoint: kept until TAG is again
+        shutil.rmtree(old, ignore_errors=True)
+        folder.rename(old)
+    new.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+    if save_latest:
+        write_text_atomic(tag, Path(save_dir) / "latest")
 
 
 def refresh_master_weights(optimizer: Any, load_options: dict[str, Any]) -> None:

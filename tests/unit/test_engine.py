@@ -209,13 +209,19 @@ def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path
 
     engine, fake = _engine(_plan([(3, 2), (1, 3)]))
     monkeypatch.setattr(collectives, "barrier", lambda: fake.events.append(("barrier", (tmp_path / "latest").exists())))
+    # the last collective gathers the storage rank's outcome: it also waits for every rank
+    monkeypatch.setattr(
+        collectives,
+        "gather_objects",
+        lambda obj: fake.events.append(("gather", (tmp_path / "latest").exists())) or [obj],
+    )
     engine.save_checkpoint(tmp_path, tag="t")
     saved = ("save", {"save_latest": False})
-    assert fake.events == [("barrier", False), saved, ("barrier", False), ("barrier", True)]
+    assert fake.events == [("barrier", False), saved, ("barrier", False), ("gather", True)]
     assert (tmp_path / "latest").read_text() == "t"
     fake.events.clear()
     engine.save_checkpoint(tmp_path, tag="u", save_latest=False)
-    assert fake.events == [("barrier", True), saved, ("barrier", True), ("barrier", True)]
+    assert fake.events == [("barrier", True), saved, ("barrier", True), ("gather", True)]
     assert (tmp_path / "latest").read_text() == "t"
 
 
@@ -327,7 +333,7 @@ def test_a_save_into_a_tag_left_between_renames_keeps_the_earlier_checkpoint_unt
         return rename(self, target)
 
     monkeypatch.setattr(Path, "rename", stopped)
-    with pytest.raises(OSError, match="the storage rank stopped"):
+    with pytest.raises(RuntimeError, match="rank 0 failed: OSError: the storage rank stopped"):  # as on every rank
         engine.save_checkpoint(tmp_path, tag="last")
     monkeypatch.setattr(Path, "rename", rename)
     resumed = _resuming(fake)
@@ -352,38 +358,61 @@ def test_the_folders_a_save_writes_beside_a_tag_are_never_loaded_nor_saved_into(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "last.saving", "latest"]
 
 
-def test_on_node_local_storage_each_nodes_first_rank_swaps_the_tag_in_and_writes_latest(tmp_path, monkeypatch):
-    # DeepSpeed's checkpoint.use_node_local_storage: each node saves into its own folder, its local rank 0 writing
-    # what rank 0 writes on shared storage. 2 nodes of 2 ranks as threads, meeting at the barriers.
+def _nodes_as_threads(tmp_path, monkeypatch):
+    """2 nodes of 2 ranks on DeepSpeed's node-local storage (checkpoint.use_node_local_storage: each node saves
+    into its own folder, its local rank 0 writing what rank 0 writes on shared storage), as threads meeting at
+    the collectives. Returns the engines by rank name and a function running work(engine, fake, folder) on
+    every rank, each rank's result or exception."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from poplar_ext import collectives
-    from poplar_ext.runtime import checkpoint
 
     ranks = {"0": (0, 0), "1": (0, 1), "2": (1, 0), "3": (1, 1)}  # global rank: (node, local rank)
-    engines, writers = {}, []
+    engines, boxes = {}, {}
     for name, (node, local_rank) in ranks.items():
         engine, fake = _engine(_plan([(2, 1)] * 4), rank=int(name))
         fake.global_rank, fake.local_rank, fake.use_node_local_storage = int(name), local_rank, lambda: True
         fake.save_checkpoint = lambda save_dir, tag, name=name, **_: write_model_states(save_dir, tag, name)
         engines[name] = engine, fake, tmp_path / f"node{node}"
     meeting = threading.Barrier(len(ranks), timeout=10)
+
+    def gather(obj):
+        boxes[threading.current_thread().name] = obj
+        meeting.wait()
+        gathered = [boxes[name] for name in ranks]
+        meeting.wait()
+        return gathered
+
     monkeypatch.setattr(collectives, "barrier", meeting.wait)
+    monkeypatch.setattr(collectives, "gather_objects", gather)
+
+    def outcome(work, name):
+        threading.current_thread().name = name
+        try:
+            return work(*engines[name])
+        except Exception as exc:  # noqa: BLE001 - the test reads each rank's
+            return exc
+
+    def on_every_rank(work):
+        with ThreadPoolExecutor(len(ranks)) as pool:
+            return list(pool.map(lambda name: outcome(work, name), ranks))
+
+    return engines, on_every_rank
+
+
+def test_on_node_local_storage_each_nodes_first_rank_swaps_the_tag_in_and_writes_latest(tmp_path, monkeypatch):
+    import threading
+
+    from poplar_ext.runtime import checkpoint
+
+    engines, on_every_rank = _nodes_as_threads(tmp_path, monkeypatch)
+    writers = []
     write_state = checkpoint.write_state
     monkeypatch.setattr(
         checkpoint, "write_state", lambda *a: writers.append(threading.current_thread().name) or write_state(*a)
     )
-
-    def on_every_rank(work):
-        def run(name):
-            threading.current_thread().name = name
-            return work(*engines[name])
-
-        with ThreadPoolExecutor(len(ranks)) as pool:
-            return list(pool.map(run, ranks))
-
-    on_every_rank(lambda engine, fake, folder: engine.save_checkpoint(folder, tag="t"))
+    assert on_every_rank(lambda engine, fake, folder: engine.save_checkpoint(folder, tag="t")) == [None] * 4
     assert sorted(writers) == ["0", "2"]
     for node, names in (("node0", ["0", "1"]), ("node1", ["2", "3"])):
         assert sorted(p.name for p in (tmp_path / node).iterdir()) == ["latest", "t"]
@@ -406,6 +435,34 @@ def test_a_load_gives_deepspeed_the_tag_rank_0_resolved(tmp_path):
     fake.load_checkpoint = lambda load_dir, tag=None, **kwargs: asked.append(tag) or load(load_dir, tag, **kwargs)
     engine.load_checkpoint(tmp_path)
     assert asked == ["global_step2"]
+
+
+@pytest.mark.parametrize("failing", ["0", "2"], ids=["rank0", "second-node"])
+def test_a_storage_rank_failing_to_swap_a_save_in_fails_the_save_on_every_rank_at_once(tmp_path, monkeypatch, failing):
+    # The storage rank of one node fails after every rank saved (its state file: disk full); the others must not
+    # wait for it in a collective it never reaches (the group's timeout: minutes), nor return as if saved.
+    import threading
+    import time
+
+    from poplar_ext.runtime import checkpoint
+
+    engines, on_every_rank = _nodes_as_threads(tmp_path, monkeypatch)
+    write_state = checkpoint.write_state
+
+    def full_disk(*args):
+        if threading.current_thread().name == failing:
+            raise OSError(28, "No space left on device")
+        return write_state(*args)
+
+    monkeypatch.setattr(checkpoint, "write_state", full_disk)
+    started = time.monotonic()
+    errors = on_every_rank(lambda engine, fake, folder: engine.save_checkpoint(folder, tag="t"))
+    assert time.monotonic() - started < 5
+    for error in errors:
+        assert isinstance(error, RuntimeError), error
+        assert str(error) == f"rank {failing} failed: OSError: [Errno 28] No space left on device"
+    assert isinstance(errors[int(failing)].__cause__, OSError)
+    assert not (tmp_path / ("node0" if failing == "0" else "node1") / "latest").exists()
 
 
 def test_a_checkpoint_of_another_plan_continues_the_stream_and_says_so(tmp_path, caplog):
