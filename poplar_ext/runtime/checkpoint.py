@@ -8,7 +8,8 @@ docs/design.md (the data position, the plan history).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,13 +150,15 @@ def save_whole(
     if storage_rank == 0:
         shutil.rmtree(Path(save_dir) / new_tag, ignore_errors=True)  # what a save that failed left
     barrier()  # no rank writes into the new folder before it is empty
-    saved = save(new_tag)
-    writer = getattr(engine, "checkpoint_engine", None)
-    if writer is not None and writer.is_decoupled():
-        # An asynchronous writer (checkpoint.writer.decoupled, DataStates) writes at the next step's commit,
-        # when the folder it writes into would be gone: its files are written here, before the swap.
-        engine._commit_decoupled_checkpoint()
-    barrier()  # every rank's files written: the new checkpoint is whole
+    with _writes_failing_at_the_end(engine) as write_failures:
+        saved = save(new_tag)
+        writer = getattr(engine, "checkpoint_engine", None)
+        if writer is not None and writer.is_decoupled():
+            # An asynchronous writer (checkpoint.writer.decoupled, DataStates) writes at the next step's commit,
+            # when the folder it writes into would be gone: its files are written here, before the swap.
+            engine._commit_decoupled_checkpoint()
+    # every rank's files written: the new checkpoint is whole; or every rank fails with the one that could not
+    raise_if_any_failed(write_failures[0] if write_failures else None, rank=engine.global_rank)
     failure = None
     if storage_rank == 0:
         try:
@@ -165,6 +168,35 @@ def save_whole(
     # the checkpoint in its place before any rank reads it; or every rank fails with the storage rank (disk full)
     raise_if_any_failed(failure, rank=engine.global_rank)
     return saved
+
+
+@contextmanager
+def _writes_failing_at_the_end(engine: Any) -> Iterator[list[Exception]]:
+    """Inside: a file DeepSpeed's checkpoint engine fails to write (disk full, permissions) is a failure in the
+    list yielded, and the rank writes no more, instead of an exception out of DeepSpeed's save. Why: DeepSpeed's
+    save ends in a barrier, which a rank raising from a write never reaches; the others would wait there until
+    the group's timeout (minutes; NCCL's 30 by default). A save failing otherwise still raises at once."""
+    failures: list[Exception] = []
+    writer = getattr(engine, "checkpoint_engine", None)
+    if writer is None:
+        yield failures
+        return
+    write = writer.save
+
+    def write_or_note(state_dict: Any, path: str) -> Any:
+        if failures:
+            return None
+        try:
+            return write(state_dict, path)
+        except Exception as exc:  # noqa: BLE001 - raised after DeepSpeed's save, on every rank
+            failures.append(exc)
+            return None
+
+    writer.save = write_or_note  # this instance's, shadowing the method while DeepSpeed saves
+    try:
+        yield failures
+    finally:
+        del writer.save
 
 
 def _swap_in(save_dir: str | Path, tag: str, state: dict, *, save_latest: bool) -> None:

@@ -5,7 +5,8 @@
 copy of the first save nor the first save's third optimizer shard (left beside the second save's two)
 may be taken for the second save. ZeRO stages 1 and 3, forked groups of 3, 2 and 3 ranks.
 Also on 2 ranks: a save at another ZeRO stage or dtype (fp32, bf16) leaves only its own files in the tag, and a
-save that fails on one rank leaves the earlier checkpoint, which a resume loads.
+save that fails on one rank leaves the earlier checkpoint, which a resume loads; one rank failing to write its
+file fails the save on every rank at once (not at the group's timeout).
 """
 
 from __future__ import annotations
@@ -94,12 +95,18 @@ def test_a_save_at_another_stage_or_dtype_leaves_only_its_own_files_in_the_tag(t
     assert bf16_shards == (saves[-1][1] == "bf16")  # each dtype's own names (DeepSpeed's _get_zero_ckpt_prefix)
 
 
-def _save_then_fail(files):
+def _saved_then_trained(files, folder):
+    """A ZeRO-1 engine that saved tag "last" into `folder` and trained on; the parameters it saved."""
     engine, loader = _engine(files, 1)
     t.train_steps(engine, loader, 1)
-    engine.save_checkpoint(files["root"] / "failed", tag="last")
+    engine.save_checkpoint(files["root"] / folder, tag="last")
     earlier = t.full_parameters(engine)
     t.train_steps(engine, loader, 2)
+    return engine, earlier
+
+
+def _save_then_fail(files):
+    engine, earlier = _saved_then_trained(files, "failed")
     if os.environ["RANK"] == "1":  # rank 0 writes the model file and its shard; this rank fails at its own
 
         def lost(*args, **kwargs):
@@ -113,9 +120,9 @@ def _save_then_fail(files):
     return earlier, None
 
 
-def _resume(files):
+def _resume(files, folder="failed"):
     engine, _ = _engine(files, 1)
-    engine.load_checkpoint(files["root"] / "failed")  # latest
+    engine.load_checkpoint(files["root"] / folder)  # latest
     return t.full_parameters(engine)
 
 
@@ -126,3 +133,42 @@ def test_a_save_that_fails_on_a_rank_leaves_the_earlier_checkpoint(tmp_path):
     assert error == "disk full"
     for rank in run_ranks(_resume, **options):
         assert t.max_difference(rank, earlier) <= 1e-6
+
+
+def _save_with_a_full_disk(files):
+    # Rank 1's shard cannot be written (disk full) and that rank lives on, as a rank whose caller catches the
+    # error does, or one under NCCL, whose peers no closed connection tells: rank 0 must not wait for it.
+    import time
+
+    engine, earlier = _saved_then_trained(files, "full")
+    checkpoints = engine.deepspeed_engine.checkpoint_engine
+    write = checkpoints.save
+
+    def full(state_dict, path):
+        if os.environ["RANK"] == "1" and "optim_states" in str(path):
+            raise OSError(28, "No space left on device")
+        return write(state_dict, path)
+
+    checkpoints.save = full
+    started = time.monotonic()
+    try:
+        engine.save_checkpoint(files["root"] / "full", tag="last")
+        error = None
+    except Exception as exc:  # noqa: BLE001 - what each rank was told
+        error = f"{type(exc).__name__}: {exc}"
+    waited_s = time.monotonic() - started
+    (files["root"] / f"failed{os.environ['RANK']}").touch()
+    while not all((files["root"] / f"failed{rank}").exists() for rank in "01") and time.monotonic() - started < 40:
+        time.sleep(0.1)
+    return earlier, error, waited_s
+
+
+def test_a_rank_failing_to_write_its_part_fails_the_save_on_every_rank_at_once(tmp_path):
+    files = {"root": tmp_path, **t.write_world_files(tmp_path, {2: ALLOCATIONS[2]})}
+    options = {"world_size": 2, "tmp_path": tmp_path, "args": (files,), "timeout_s": 180}
+    outcomes = run_ranks(_save_with_a_full_disk, **options, pg_timeout_s=20)
+    for _, error, waited_s in outcomes:
+        assert error == "RuntimeError: rank 1 failed: OSError: [Errno 28] No space left on device"
+        assert waited_s < 10
+    for rank in run_ranks(_resume, **options, kwargs={"folder": "full"}):
+        assert t.max_difference(rank, outcomes[0][0]) <= 1e-6

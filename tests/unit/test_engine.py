@@ -209,7 +209,7 @@ def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path
 
     engine, fake = _engine(_plan([(3, 2), (1, 3)]))
     monkeypatch.setattr(collectives, "barrier", lambda: fake.events.append(("barrier", (tmp_path / "latest").exists())))
-    # the last collective gathers the storage rank's outcome: it also waits for every rank
+    # the last two collectives gather each rank's outcome (its files, the swap): they also wait for every rank
     monkeypatch.setattr(
         collectives,
         "gather_objects",
@@ -217,11 +217,11 @@ def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path
     )
     engine.save_checkpoint(tmp_path, tag="t")
     saved = ("save", {"save_latest": False})
-    assert fake.events == [("barrier", False), saved, ("barrier", False), ("gather", True)]
+    assert fake.events == [("barrier", False), saved, ("gather", False), ("gather", True)]
     assert (tmp_path / "latest").read_text() == "t"
     fake.events.clear()
     engine.save_checkpoint(tmp_path, tag="u", save_latest=False)
-    assert fake.events == [("barrier", True), saved, ("barrier", True), ("gather", True)]
+    assert fake.events == [("barrier", True), saved, ("gather", True), ("gather", True)]
     assert (tmp_path / "latest").read_text() == "t"
 
 
