@@ -12,6 +12,7 @@ import functools
 import inspect
 import logging
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.trainer import TRAINER_STATE_NAME
 
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
 from poplar_ext.collectives import agree_sum, agree_sums, decided_by_rank0
@@ -33,6 +35,7 @@ from poplar_ext.runtime.checkpoint import (
     read_state,
     resume_decision,
     save_whole,
+    unfinished_save,
 )
 from poplar_ext.runtime.config import GlobalBatchRequest, PoplarConfig, load_deepspeed_config
 from poplar_ext.runtime.data import IterationSampler, MicroBatchesDataset, PlanBatchSampler, check_plan_dataset
@@ -654,13 +657,15 @@ class PoplarTrainerMixin(_PlanEvaluation):
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``; a resumed run is checked against the checkpoint's plan and data order first."""
+        """``Trainer.train``; a resumed run is checked against the checkpoint's plan and data order first, and
+        ``True`` resumes the newest whole checkpoint (`_whole_checkpoint`)."""
         if resume_from_checkpoint:
-            self._check_resume(resume_from_checkpoint)
+            resume_from_checkpoint = self._check_resume(resume_from_checkpoint) or resume_from_checkpoint
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def _check_resume(self, resume_from_checkpoint: str | bool) -> None:
-        """Decide, on rank 0 and before anything is loaded, whether the checkpoint can continue here.
+    def _check_resume(self, resume_from_checkpoint: str | bool) -> str | None:
+        """Decide, on rank 0 and before anything is loaded, whether the checkpoint can continue here; returns
+        the checkpoint folder (None: output_dir holds none).
 
         The Trainer resumes by its step count: the data continues at the saved position
         when the global batch is the checkpoint's, whatever the allocation or the number
@@ -668,12 +673,9 @@ class PoplarTrainerMixin(_PlanEvaluation):
         order, is refused. On another number of ranks at ZeRO stages 1-3 the optimizer
         state is resharded when the engine exists (`_prepare_for_training`).
         """
-        from transformers.trainer_utils import get_last_checkpoint
 
         def read() -> tuple[str | None, dict | None]:
-            folder = (
-                get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
-            )
+            folder = _whole_checkpoint(resume_from_checkpoint, self.args.output_dir)
             if folder is None:
                 return None, None
             place = Path(folder)
@@ -682,12 +684,12 @@ class PoplarTrainerMixin(_PlanEvaluation):
 
         folder, saved = decided_by_rank0(read, rank=self.job.rank)
         if saved is None:
-            if self.job.rank == 0:
+            if self.job.rank == 0 and folder is not None:
                 logger.info(
                     "resume_from_checkpoint: the checkpoint holds no poplar-ext state; the Trainer's own "
                     "step count decides where the data continues"
                 )
-            return
+            return folder
         current = self._poplar_state()
         decision = resume_decision(saved, current, path=folder, step=saved.get("step", 0))
         if saved["plan"]["global_batch_size"] != self.plan.global_batch_size:
@@ -704,6 +706,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if self.job.rank == 0:
             for note in decision.notes:
                 logger.info("resume_from_checkpoint: %s", note)
+        return folder
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
         """The Trainer's, with a checkpoint of another number of ranks loaded resharded.
@@ -773,6 +776,27 @@ class PoplarTrainerMixin(_PlanEvaluation):
             )
         if path is None:
             raise ValueError(f"resume_from_checkpoint: DeepSpeed found nothing to load in {resume_from_checkpoint}")
+
+
+def _whole_checkpoint(named: str | bool, output_dir: str) -> str | None:
+    """The checkpoint folder a resume reads (rank 0): the one `named`, refused (ValueError) when a save into it did
+    not finish; for ``True``, the newest whole ``checkpoint-N`` of `output_dir`, each newer one skipped with a
+    warning (the Trainer's own pick is the highest N, whole or not), None when there is none.
+
+    Whole: the Trainer's trainer_state.json, which it writes last, and, where a poplar-ext save began, ``latest``
+    naming a tag folder with poplar_state.json (`unfinished_save`)."""
+    numbered = [(int(m[1]), p) for p in Path(output_dir).iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
+    folders = [Path(named)] if named is not True else [p for _, p in sorted(numbered, reverse=True) if p.is_dir()]
+    for folder in folders:
+        state = folder / TRAINER_STATE_NAME
+        missing = unfinished_save(folder) or (None if state.is_file() else state)
+        if missing is None or not folder.is_dir():  # no folder: the Trainer's own error names it
+            return str(folder)
+        why = f"{folder}: expected a whole checkpoint, found a save into it that did not finish ({missing} missing)"
+        if folder == folders[-1]:
+            raise ValueError(f"resume_from_checkpoint: {why}")
+        logger.warning("resume_from_checkpoint: skipped %s; resuming from the newest whole one", why)
+    return None
 
 
 def _state_place(folder: Path) -> tuple[Path, str]:

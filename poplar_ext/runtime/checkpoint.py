@@ -216,6 +216,18 @@ def _swap_in(save_dir: str | Path, tag: str, state: dict, *, save_latest: bool) 
         write_text_atomic(tag, Path(save_dir) / "latest")
 
 
+def unfinished_save(folder: Path) -> Path | None:
+    """What checkpoint folder `folder` lacks when a `save_whole` into it did not finish (a ``TAG.saving`` folder
+    in it): ``latest``, or the state file of the tag folder it names (written before ``latest``, once every
+    rank's files are); None otherwise (a whole save, or none of poplar-ext's began there)."""
+    if not any(folder.glob(f"*{SAVING_SUFFIX}")):
+        return None
+    tag = checkpoint_tag(folder, None)
+    if tag is None:
+        return folder / "latest"
+    return None if (folder / tag / STATE_FILE).is_file() else folder / tag / STATE_FILE
+
+
 def refresh_master_weights(optimizer: Any, load_options: dict[str, Any]) -> None:
     """After DeepSpeed loaded a checkpoint with `load_options` (load_checkpoint's keywords): without the optimizer
     state, the bf16/fp16 optimizer's fp32 master copy is made the loaded weights. DeepSpeed 0.19.8 loads none at

@@ -222,7 +222,13 @@ def test_resume_from_checkpoint_equals_the_uninterrupted_run_also_on_fewer_ranks
     # under torchrun.
     fewer = tmp_path / "fewer"
     shutil.copytree(root / "parts" / "checkpoint-2", fewer / "checkpoint-2")
+    # and a later save that stopped in DeepSpeed's part: its files in global_step3.saving, no latest, no
+    # poplar_state.json, no trainer_state.json; the resume must skip it for checkpoint-2, saying so
+    unfinished = fewer / "checkpoint-3"
+    shutil.copytree(root / "parts" / "checkpoint-2", unfinished, ignore=shutil.ignore_patterns("latest", "*.json"))
+    (unfinished / "global_step2").rename(unfinished / "global_step3.saving")
     log = _launch(_two_rank_config(tmp_path / "two", 1), fewer, "--steps", "4", "--resume", ranks=2)
+    assert f"skipped {unfinished}: expected a whole checkpoint" in log
     assert "under another plan (3 ranks then, 2 now)" in log
     assert t.max_difference(torch.load(fewer / "params.pt", weights_only=False), expected) <= 1e-5
     on_two = [i for r in range(2) for i in json.loads((fewer / f"samples-rank{r}.json").read_text())]

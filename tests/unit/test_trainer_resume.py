@@ -54,11 +54,68 @@ def _trainer(plan, output_dir: Path) -> SimpleNamespace:
     return trainer
 
 
-def _checkpoint(output_dir: Path, plan, step: int) -> Path:
+def _checkpoint(output_dir: Path, plan, step: int, *, tag: str | None = None) -> Path:
+    """A Trainer checkpoint with poplar_state.json in DeepSpeed's tag folder `tag` named by ``latest`` (as
+    `save_whole` leaves it), or where earlier poplar-ext versions wrote it (no `tag`)."""
     state = poplar_client_state(plan, consumed_samples=step * plan.global_batch_size, seed=0, shuffle=True)
     state["step"] = step
-    write_state(output_dir, f"checkpoint-{step}", state)
-    return output_dir / f"checkpoint-{step}"
+    folder = output_dir / f"checkpoint-{step}"
+    write_state(*((folder, tag) if tag else (output_dir, folder.name)), state)
+    if tag:
+        (folder / "latest").write_text(tag)
+    (folder / "trainer_state.json").write_text("{}")  # the Trainer's, written last
+    return folder
+
+
+def _unfinished(output_dir: Path, step: int) -> Path:
+    """checkpoint-`step` as a save stopped in DeepSpeed's part leaves it: the model's files, the tag's new folder
+    with DeepSpeed's files, no poplar_state.json, ``latest`` nor trainer_state.json."""
+    folder = output_dir / f"checkpoint-{step}"
+    (folder / f"global_step{step}.saving").mkdir(parents=True)
+    (folder / f"global_step{step}.saving" / "mp_rank_00_model_states.pt").write_text("DeepSpeed's")
+    (folder / "model.safetensors").write_text("the model's")
+    return folder
+
+
+def test_a_resume_from_the_last_checkpoint_skips_one_whose_save_did_not_finish(tmp_path, caplog):
+    plan = _plan([(4, 2), (4, 1)])
+    whole = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
+    unfinished = _unfinished(tmp_path, step=4)
+    trainer = _trainer(plan, tmp_path)
+    with caplog.at_level("WARNING", logger="poplar_ext"):
+        assert PoplarTrainer._check_resume(trainer, True) == str(whole)
+    assert trainer._resume_decision.data_position == 2 * plan.global_batch_size  # checkpoint-2's state
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        f"resume_from_checkpoint: skipped {unfinished}: expected a whole checkpoint, found a save into it that did "
+        f"not finish ({unfinished / 'latest'} missing); resuming from the newest whole one"
+    ]
+
+
+def test_a_checkpoint_whose_save_did_not_finish_is_refused_by_name(tmp_path):
+    plan = _plan([(4, 2), (4, 1)])
+    _checkpoint(tmp_path, plan, step=2, tag="global_step2")
+    unfinished = _unfinished(tmp_path, step=4)
+    trainer = _trainer(plan, tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=f"resume_from_checkpoint: {unfinished}: expected a whole checkpoint, found a "
+        f"save into it that did not finish \\({unfinished / 'latest'} missing\\)",
+    ):
+        PoplarTrainer._check_resume(trainer, str(unfinished))
+    (unfinished / "latest").write_text("global_step4")  # DeepSpeed's own, before poplar-ext swapped the tag in
+    with pytest.raises(
+        ValueError,
+        match=f"did not finish \\({unfinished / 'global_step4' / 'poplar_state.json'} missing\\)",
+    ):
+        PoplarTrainer._check_resume(trainer, str(unfinished))
+    (unfinished / "global_step4.saving").rename(unfinished / "global_step4")
+    write_state(unfinished, "global_step4", {})  # swapped in; the Trainer stopped before its own state file
+    with pytest.raises(ValueError, match=f"\\({unfinished / 'trainer_state.json'} missing\\)"):
+        PoplarTrainer._check_resume(trainer, str(unfinished))
+    (tmp_path / "checkpoint-2" / "trainer_state.json").unlink()
+    with pytest.raises(ValueError, match=f"{tmp_path / 'checkpoint-2'}: expected a whole checkpoint"):
+        PoplarTrainer._check_resume(trainer, True)  # none whole: refused, not the Trainer's pick of checkpoint-4
 
 
 def test_fewer_ranks_with_the_same_global_batch_resume_resharded_and_recorded(tmp_path):
