@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from poplar_ext.plan.errors import FormatError
-from poplar_ext.search.cli_common import printing
+from poplar_ext.search.cli_common import CommandParser, printing
 
 from .commands import (
     calibration,
@@ -46,7 +46,7 @@ COMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="poplar-bench",
         description="poplar-ext benchmarks: the emulated-cluster demo, prediction error across stages and rank counts, "
         "cached profiles checked at start, "

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.profiler.options import NO_OPTIMIZER, ProfileOptions, at_least, log_progress, read_callable
-from poplar_ext.search.cli_common import printing
+from poplar_ext.search.cli_common import CommandParser, printing
 
 BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
 HF_PREFIX = "hf:"
@@ -32,7 +32,7 @@ class UsageError(ValueError):
     """Bad command-line input: reported in one line, exit status 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(CommandParser):
     def error(self, message: str) -> NoReturn:  # one line, not argparse's usage dump
         raise UsageError(message.removeprefix("argument "))
 

@@ -28,6 +28,7 @@ from .cli_common import (
     EXIT_INTERNAL_ERROR,
     EXIT_OK,
     PROG,
+    CommandParser,
     bad_input,
     chosen_network,
     comparison_table,
@@ -98,7 +99,7 @@ values are bad input.
 """
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
+class _OneLineErrorParser(CommandParser):
     """Argument errors as one line and exit status 2, like every other bad input."""
 
     def error(self, message: str) -> None:  # type: ignore[override]

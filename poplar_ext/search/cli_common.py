@@ -1,7 +1,9 @@
-"""What every mode of `poplar-search` shares: its exit statuses, its tables, the network its options choose."""
+"""What every mode of `poplar-search` shares: its exit statuses, its tables, the network its options choose; every
+CLI's standard output (its --help too) handled as a command-line tool's."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import sys
@@ -76,6 +78,16 @@ def printing(prog: str, command: Callable[..., int], *args: Any) -> int:
         return EXIT_BAD_INPUT
     finally:
         sys.stdout = stdout
+
+
+class CommandParser(argparse.ArgumentParser):
+    """Every CLI's parser (its sub-commands' too): --help printed as the commands' output is, through `printing`,
+    where argparse's own print_help ignores a failed write and exits 0."""
+
+    def print_help(self, file: Any = None) -> None:
+        status = printing(self.prog, lambda: argparse.ArgumentParser.print_help(self, file) or EXIT_OK)
+        if status != EXIT_OK:
+            self.exit(status)
 
 
 def error(message: str) -> int:

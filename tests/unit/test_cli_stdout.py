@@ -1,5 +1,6 @@
-"""Standard output that cannot be written, for every command line (poplar-search, poplar-profile, poplar-bench):
-its reader gone (``| head``) ends the program quietly, as SIGPIPE would; a full disk is one line and status 2."""
+"""Standard output that cannot be written, for every command line (poplar-search, poplar-profile, poplar-bench)
+and their --help: its reader gone (``| head``) ends the program quietly, as SIGPIPE would; a full disk is one line
+and status 2."""
 
 import os
 import subprocess
@@ -27,6 +28,13 @@ BENCH = (
 )
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = {"poplar-search": SEARCH, "poplar-profile": PROFILE, "poplar-bench demo": BENCH}
+# --help is output too (argparse's own print_help ignores a failed write and exits 0), a sub-command's included.
+PROGRAMS |= {
+    "poplar-search --help": "from poplar_ext.search.cli import main; sys.exit(main(['--help']))",
+    "poplar-profile --help": "from poplar_ext.profiler.cli import main; sys.exit(main(['--help']))",
+    "poplar-bench --help": "from poplar_bench.cli import main; sys.exit(main(['--help']))",
+    "poplar-bench demo --help": "from poplar_bench.cli import main; sys.exit(main(['demo', '--help']))",
+}
 
 
 def start(program: str, stdout, cwd, **popen) -> subprocess.Popen:
@@ -50,7 +58,8 @@ def test_a_full_disk_under_the_output_is_one_line_and_status_2(program, tmp_path
     with open("/dev/full", "w") as full:
         process = start(program, full, tmp_path)
     err = process.stderr.read().decode()
-    assert (process.wait(timeout=120), err) == (2, f"{program}: error: standard output: No space left on device\n")
+    prog = program.removesuffix(" --help")
+    assert (process.wait(timeout=120), err) == (2, f"{prog}: error: standard output: No space left on device\n")
     if program == "poplar-search":  # written before the table was printed: it stands
         assert load_plan(tmp_path / "plan.json").global_batch_size == 512
 
