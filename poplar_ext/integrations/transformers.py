@@ -282,21 +282,21 @@ class _PlanEvaluation:
         """This rank's evaluation batches (`poplar_ext.runtime.evaluation`): every sample once, in order."""
         if eval_dataset is None and self.eval_dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        given = "eval_dataset"
         if isinstance(eval_dataset, str):
+            given = f"eval_dataset[{eval_dataset!r}]"
             eval_dataset = self.eval_dataset[eval_dataset]
-        return self._evaluation_loader(eval_dataset if eval_dataset is not None else self.eval_dataset, "Evaluation")
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        return self._evaluation_loader(dataset, "Evaluation", given)
 
     def get_test_dataloader(self, test_dataset: Any) -> torch.utils.data.DataLoader:
         """This rank's prediction batches, as `get_eval_dataloader`."""
-        return self._evaluation_loader(test_dataset, "test")
+        return self._evaluation_loader(test_dataset, "test", "test_dataset")
 
-    def _evaluation_loader(self, dataset: Any, description: str) -> torch.utils.data.DataLoader:
+    def _evaluation_loader(self, dataset: Any, description: str, given: str) -> torch.utils.data.DataLoader:
+        """`given`: what the caller named `dataset`, for its refusal."""
+        check_plan_dataset(dataset, given)  # as given, like train_dataset
         dataset, collator = _dataset_and_collator(self, dataset, description)
-        if not hasattr(dataset, "__len__"):
-            raise ValueError(
-                f"the {description.lower()} data set: expected a map-style data set (with __len__), found "
-                f"{type(dataset).__name__}, which the plan cannot split among ranks of different batch sizes"
-            )
         sizes = eval_batch_sizes(self.job.plan, smallest_batch_size=self._eval_batch_asked)
         sampler = EvalBatchSampler(num_samples=len(dataset), batch_sizes=sizes, rank=self.job.rank)
         loader = torch.utils.data.DataLoader(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("transformers", reason="PoplarTrainerMixin needs pip install 'poplar-ext[hf]'")
@@ -292,6 +294,33 @@ def test_a_train_dataset_without_indices_is_named_as_given(monkeypatch):
     args = _training_arguments({}, {})
     with pytest.raises(ValueError, match=r"^train_dataset: expected a map-style dataset .* found Stream"):
         PoplarTrainer(model=torch.nn.Linear(2, 1), args=args, train_dataset=Stream())
+
+
+@pytest.mark.parametrize("sized", [False, True], ids=["no len", "IterableDataset with len"])
+@pytest.mark.parametrize(
+    ("given", "loader"),
+    [
+        ("eval_dataset", lambda trainer, stream: trainer.get_eval_dataloader(stream)),
+        ("eval_dataset['held_out']", lambda trainer, stream: trainer.get_eval_dataloader("held_out")),
+        ("test_dataset", lambda trainer, stream: trainer.get_test_dataloader(stream)),
+    ],
+    ids=["eval_dataset", "eval_dataset by name", "test_dataset"],
+)
+def test_an_evaluation_data_set_without_indices_is_named_as_given(monkeypatch, sized, given, loader):
+    # The check train_dataset has (runtime.data's): an IterableDataset with __len__ has no indices either.
+    import torch
+
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from range(8)
+
+    stream = type("Stream", (Stream,), {"__len__": lambda self: 8})() if sized else Stream()
+    args = _arguments_of_a_settled_job(monkeypatch, {}, {})
+    trainer = PoplarTrainer(model=torch.nn.Linear(2, 1), args=args, eval_dataset={"held_out": stream})
+    with pytest.raises(ValueError, match=rf"^{re.escape(given)}: expected a map-style dataset .* found Stream, "):
+        loader(trainer, stream)
 
 
 def test_the_deepspeed_config_and_its_poplar_section_are_read_once(monkeypatch):
