@@ -211,7 +211,7 @@ class PoplarAccelerator(Accelerator):
         optimizer = next((a for a in args if isinstance(a, torch.optim.Optimizer)), None)
         loaders = [a for a in args if isinstance(a, torch.utils.data.DataLoader)]
         train_loader = loaders[0] if loaders and self._train_loader is None else None
-        if train_loader is not None:  # named as given, before prepare_job names a training_data it was not given
+        if train_loader is not None:  # named as given: the only check (prepare_job leaves it to its callers)
             check_plan_dataset(train_loader.dataset, "the training DataLoader")
         if self.job is None:
             self.job = self._start_job(model, optimizer, train_loader)

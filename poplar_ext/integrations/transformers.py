@@ -168,7 +168,7 @@ def _settle_job(
 ) -> Job:
     """The plan and its context, resolved alike on every rank (collective) before the Trainer is built;
     `configured`: the DeepSpeed config and its poplar section as `_refuse_before_settling` read them."""
-    check_plan_dataset(train_dataset, "train_dataset")  # as given: prepare_job would name its training_data
+    check_plan_dataset(train_dataset, "train_dataset")  # as given: the only check (prepare_job leaves it to callers)
     _ = args.device  # reading it makes Hugging Face and accelerate set up the process group
     from poplar_ext.collectives import process_group_rank
 

@@ -132,7 +132,9 @@ def prepare_job(
     (the Hugging Face Trainer's own); `profiling_ds_config`, the config the automatic
     mode profiles with (default: the user's; the Trainer's has its "auto" values
     filled). `checkpointing_toggle` switches activation checkpointing in a model of the
-    user's when the automatic mode profiles it. Raises the same ValueError on every rank.
+    user's when the automatic mode profiles it. `training_data` is checked by the caller (`check_plan_dataset`,
+    named as its own caller gave it: training_data, train_dataset, the training DataLoader). Raises the same
+    ValueError on every rank.
     """
     ds_config, _, source = loaded_config
     if poplar_config is None:
@@ -142,7 +144,6 @@ def prepare_job(
             otherwise="deepspeed.initialize",
         )
     _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
-    check_plan_dataset(training_data, "training_data", otherwise=_FEED_YOURSELF)
     # DeepSpeed's own discovery first (launcher, torchrun or mpirun), then this rank's device.
     device = join_job(**(init_options or {}))
     rank, world_size = process_group_rank()
@@ -290,6 +291,7 @@ def initialize(
     A rank whose entry has ``optimizer_offload`` trains with DeepSpeed's
     ``offload_optimizer`` in its own config (`poplar_ext.optimizer_offload`).
     """
+    check_plan_dataset(training_data, "training_data", otherwise=_FEED_YOURSELF)
     job = prepare_job(
         load_deepspeed_config(config, config_params=config_params, args=args),
         model=model,

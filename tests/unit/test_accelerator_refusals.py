@@ -7,6 +7,7 @@ import torch
 
 pytest.importorskip("accelerate", reason="PoplarAccelerator needs pip install 'poplar-ext[accelerate]'")
 
+from _dataset_checks import Settling, counted_dataset_checks  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 
@@ -72,7 +73,7 @@ def test_what_prepare_is_given_ends_a_restarting_launchers_job(
 
 def test_the_first_prepare_names_the_dataloader_it_was_given(monkeypatch, fresh_accelerate_state):
     # Refused before the plan is settled, in the words of what accelerate was given (no training_data,
-    # no engine.rank_plan: prepare_job's words for poplar_ext.initialize).
+    # no engine.rank_plan: poplar_ext.initialize's words).
     import poplar_ext.integrations.accelerate as integration
 
     def settle(*args, **kwargs):
@@ -88,7 +89,7 @@ def test_the_first_prepare_names_the_dataloader_it_was_given(monkeypatch, fresh_
 
 def test_the_first_prepare_checks_the_training_data_once(monkeypatch, fresh_accelerate_state):
     # Checked where prepare takes the training DataLoader, for the first prepare (which settles the plan) and a later
-    # one alike; prepare_job (stubbed here: a one-rank job) has its own check for poplar_ext.initialize.
+    # one alike; prepare_job (stubbed here: a one-rank job) checks none (poplar_ext.initialize checks its own).
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -122,5 +123,18 @@ def test_the_first_prepare_checks_the_training_data_once(monkeypatch, fresh_acce
     config = {"train_batch_size": 4, "zero_optimization": {"stage": 1}, "poplar": {"plan": "plan.json"}}
     accelerator = PoplarAccelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     with pytest.raises(Settled):
+        accelerator.prepare(torch.nn.Linear(2, 1), torch.utils.data.DataLoader(list(range(8))))
+    assert checked == ["the training DataLoader"]
+
+
+def test_the_training_data_is_checked_once_with_prepare_job(monkeypatch, fresh_accelerate_state):
+    # prepare_job runs (up to the process group): the data set prepare checked, in its own words, is not checked
+    # again in poplar_ext.initialize's words.
+    import poplar_ext.integrations.accelerate as integration
+
+    checked = counted_dataset_checks(monkeypatch, integration)
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 1}, "poplar": {"plan": "plan.json"}}
+    accelerator = PoplarAccelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    with pytest.raises(Settling):
         accelerator.prepare(torch.nn.Linear(2, 1), torch.utils.data.DataLoader(list(range(8))))
     assert checked == ["the training DataLoader"]

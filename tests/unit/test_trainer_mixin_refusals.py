@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="PoplarTrainerMixin needs pip install 'poplar-ext[hf]'")
 
+from _dataset_checks import Settling, counted_dataset_checks  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
 from poplar_ext.integrations.transformers import PoplarTrainerMixin  # noqa: E402
@@ -277,7 +278,7 @@ def test_a_dpo_trainers_config_by_position_is_its_third_argument(monkeypatch):
 
 
 def test_a_train_dataset_without_indices_is_named_as_given(monkeypatch):
-    # Refused before the job is settled, as train_dataset (prepare_job's words are initialize's training_data).
+    # Refused before the job is settled, as train_dataset (not poplar_ext.initialize's training_data).
     import torch
 
     from poplar_ext.integrations import transformers as integration
@@ -352,3 +353,19 @@ def test_the_deepspeed_config_and_its_poplar_section_are_read_once(monkeypatch):
     with pytest.raises(Settling):
         PoplarTrainer(model=torch.nn.Linear(2, 1), args=_training_arguments({}, {}), train_dataset=[{"x": 1}] * 8)
     assert (load.call_count, section.call_count) == (1, 1)
+
+
+def test_the_train_dataset_is_checked_once(monkeypatch):
+    # prepare_job runs (up to the process group): train_dataset, checked in its own words before the job is
+    # settled, is not checked again in poplar_ext.initialize's (training_data).
+    import torch
+
+    from poplar_ext import collectives
+    from poplar_ext.integrations import transformers as integration
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    checked = counted_dataset_checks(monkeypatch, integration)
+    monkeypatch.setattr(collectives, "process_group_rank", lambda: (0, 1))  # one process, no process group
+    with pytest.raises(Settling):
+        PoplarTrainer(model=torch.nn.Linear(2, 1), args=_training_arguments({}, {}), train_dataset=[{"x": 1}] * 8)
+    assert checked == ["train_dataset"]
