@@ -87,6 +87,7 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
     config's batch values left for Hugging Face to fill from them ("auto"), and its
     activation checkpointing (`checkpointing`; None: the model cannot, args as given)."""
     rank_plan = job.plan.ranks[job.rank]
+    switched = {}  # one dataclasses.replace: each runs Hugging Face's __post_init__ (its DeepSpeed config read again)
     if checkpointing is not None:
         # transformers 5.24 renamed gradient_checkpointing* to activation_checkpointing* and
         # resolves the old names from the new ones: set the names this version reads.
@@ -98,13 +99,10 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
                 "rank %d: %s %s as the plan says (TrainingArguments said %s)", job.rank, name, checkpointing, given
             )
         # The Trainer enables it at train() from these arguments: they must say what the plan says.
-        args = dataclasses.replace(
-            args,
-            **{
-                name: checkpointing,
-                name + "_kwargs": {**(given_kwargs or {}), "use_reentrant": False} if checkpointing else given_kwargs,
-            },
-        )
+        switched = {
+            name: checkpointing,
+            name + "_kwargs": {**(given_kwargs or {}), "use_reentrant": False} if checkpointing else given_kwargs,
+        }
     config = {**job.ds_config, **dict.fromkeys(_BATCH_KEYS, "auto")}
     config["zero_optimization"] = {**config.get("zero_optimization", {}), "stage": job.plan.zero_stage}
     if rank_plan.optimizer_offload:
@@ -122,6 +120,7 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
         deepspeed=config,
         # poplar-ext agrees on the iteration's tokens itself (`_get_num_items_in_batch`).
         average_tokens_across_devices=False,
+        **switched,
     )
 
 
