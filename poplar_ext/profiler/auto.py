@@ -144,6 +144,7 @@ def missing_profiles_measurer(
 
     make_batch = batches_of(training_data, collate_fn)
     optimizer_factory = _optimizer_factory(optimizer, ds_config)
+    size_limit = micro_batch_size_limit or ProfileOptions.micro_batch_size_limit
 
     def options(cluster: Cluster, **more: Any) -> dict[str, Any]:
         """`profile_model`'s keywords (`ProfileOptions`' fields) on initialize's model and data."""
@@ -169,7 +170,7 @@ def missing_profiles_measurer(
                 cache_dir=profiles_dir,
                 force=force,
                 progress=log_progress if progress is None else progress,
-                micro_batch_size_limit=micro_batch_size_limit or ProfileOptions.micro_batch_size_limit,
+                micro_batch_size_limit=size_limit,
                 optimizer_offload=optimizer_offload,
             )
         )
@@ -192,7 +193,9 @@ def missing_profiles_measurer(
         from poplar_ext.profiler.fingerprint import model_fingerprint
 
         emulations = {t: cluster.emulation_of(t) for t in cluster.type_counts()}
-        return key_of(ProfileOptions(**options(cluster)), model_fingerprint(model), cluster.world_size, emulations)
+        # The limit `measure` probes up to: a stored profile a lower one stopped is measured again (`JobKey.holds`).
+        job = ProfileOptions(**options(cluster, micro_batch_size_limit=size_limit))
+        return key_of(job, model_fingerprint(model), cluster.world_size, emulations)
 
     measure.time_at_sizes = time_at_sizes  # type: ignore[attr-defined]  # the same inputs, for calibration
     measure.profiles_key = profiles_key  # type: ignore[attr-defined]  # which stored profiles are the job's

@@ -169,6 +169,9 @@ class JobKey:
     torch_version: str
     deepspeed_version: str
     ds_config_fingerprint: str
+    settings: MeasureSettings | None = None
+    """How much the job measures: a stored profile measured with less (`_measured_less`) is not held, as its
+    cache lookup measures it again; None: any. Not in the keys."""
 
     @classmethod
     def of_job(
@@ -196,7 +199,7 @@ class JobKey:
 
     def _shared(self, device_type: str, zero_stage: int) -> dict[str, Any]:
         """What a profile and a layer profile of `device_type` at `zero_stage` are both keyed with."""
-        not_shared = ("emulations", "world_size")
+        not_shared = ("emulations", "world_size", "settings")
         job = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in not_shared}
         return {**job, "device_type": device_type, "emulation": self.emulations[device_type], "zero_stage": zero_stage}
 
@@ -213,8 +216,8 @@ class JobKey:
         return LayerProfileKey(**self._shared(device_type, zero_stage), micro_batch_sizes=micro_batch_sizes)
 
     def holds(self, profile: Profile | LayerProfile) -> bool:
-        """Whether `profile` is one this job's cache lookup finds (`find_cached_profile`, its settings aside;
-        a layer profile's sizes aside too, as the whole model's sizes are). A job that does not know its
+        """Whether `profile` is one this job's cache lookup finds (`find_cached_profile` with `settings`;
+        a layer profile's sizes and settings aside, as the whole model's sizes are). A job that does not know its
         sequence length (None: the automatic mode's data) takes any. A profile this profiler did not measure
         (``modelled``, written by hand, or without the key's records) is the user's word, taken as given in the
         job's dtype: there is nothing in it to compare."""
@@ -230,7 +233,7 @@ class JobKey:
             wanted = self.key(profile.device_type, profile.zero_stage, *profile.levers)
         if self.sequence_length is None:
             wanted = dataclasses.replace(wanted, sequence_length=stored.sequence_length)
-        return stored == wanted
+        return _reusable(profile, wanted, None if layers else self.settings)
 
 
 def profiles_key(
@@ -240,7 +243,7 @@ def profiles_key(
     ranks of the device types of `emulations` (`profile_layers` its layer profiles: `JobKey.layer_key`, the
     fingerprint `layers_fingerprint`'s); the automatic mode matches stored profiles by it too."""
     # Here, not at the top: the measurement imports torch, which a cache lookup does not need.
-    from poplar_ext.profiler.measure import read_ds_config, training_dtype
+    from poplar_ext.profiler.measure import MeasureSettings, read_ds_config, training_dtype
 
     ds_config = read_ds_config(options.ds_config)
     return JobKey.of_job(
@@ -251,6 +254,12 @@ def profiles_key(
         world_size=world_size,
         dtype=training_dtype(ds_config),
         sequence_length=options.sequence_length,
+        settings=MeasureSettings(
+            warmup_micro_steps=options.warmup_micro_steps,
+            repeats=options.repeats,
+            micro_batch_size_limit=options.micro_batch_size_limit,
+            micro_batch_sizes=None if options.micro_batch_sizes is None else tuple(options.micro_batch_sizes),
+        ),
     )
 
 
@@ -344,13 +353,18 @@ def find_cached_profile(
     """The stored profile whose key equals `key`, or None. With `settings`, one measured with less than they
     ask (`_measured_less`) is None too."""
     return next(
-        (
-            p
-            for _, p in _stored_profiles(Path(cache_dir))
-            if ProfileKey.of_profile(p) == key and (settings is None or not _measured_less(p, settings))
-        ),
+        (p for _, p in _stored_profiles(Path(cache_dir)) if _reusable(p, key, settings)),
         None,
     )
+
+
+def _reusable(
+    profile: Profile | LayerProfile, key: ProfileKey | LayerProfileKey, settings: MeasureSettings | None
+) -> bool:
+    """Whether the cache reuses `profile` for `key`: its key is `key` and, with `settings`, it was not measured
+    with less than they ask (`_measured_less`)."""
+    stored = (LayerProfileKey if isinstance(profile, LayerProfile) else ProfileKey).of_profile(profile)
+    return stored == key and (settings is None or not _measured_less(profile, settings))
 
 
 def _measured_less(profile: Profile, settings: MeasureSettings) -> bool:

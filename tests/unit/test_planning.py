@@ -292,6 +292,30 @@ def test_the_automatic_mode_reuses_a_stored_profile_as_the_profilers_cache_would
     assert calls == ([[("fast", 1), ("slow", 1)]] if measured_again else [])
 
 
+@pytest.mark.parametrize(("size_limit", "measured_again"), [(16, False), (32, True)])
+def test_the_automatic_mode_measures_again_a_profile_a_lower_size_limit_stopped(
+    cluster_path, tmp_path, monkeypatch, size_limit, measured_again
+):
+    # Stopped at 16 by a run's lower limit: a job probing up to 32 would find more fit, as its cache would.
+    from poplar_ext.profiler.measure import MeasureSettings
+
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    settings = MeasureSettings(micro_batch_size_limit=size_limit, micro_batch_sizes=(1, 2, 4, 8, 16))
+    for path in directory.glob("*.json"):
+        data = json.loads(path.read_text())
+        data["measured_with"] = {
+            **{"source": "measured", "torch": "2.13.0", "deepspeed": "0.19.8", "ds_config_fingerprint": "sha256:sgd"},
+            **{"warmup_micro_steps": settings.warmup_micro_steps, "repeats": settings.repeats},
+            "largest_micro_batch_probe": {"limited_by_micro_batch_size_limit": True},
+        }
+        path.write_text(json.dumps(data))
+    calls = []
+    measure = _measurer({("fast", 1), ("slow", 1)}, calls)
+    job_key = _job_key(settings=settings)
+    _searched_at_start(cluster_path, directory, measure, monkeypatch, zero_stage=1, job_key=job_key)
+    assert calls == ([[("fast", 1), ("slow", 1)]] if measured_again else [])
+
+
 @pytest.mark.parametrize(("dtype", "measured_again"), [("float32", False), ("bfloat16", True)])
 def test_the_automatic_mode_takes_profiles_it_did_not_measure_as_given_in_the_jobs_dtype(
     cluster_path, tmp_path, monkeypatch, dtype, measured_again

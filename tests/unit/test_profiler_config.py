@@ -156,6 +156,8 @@ def test_automatic_mode_keys_stored_profiles_as_the_profiler_does() -> None:
             micro_batch_size_limit=8,
         )
         key = measure.profiles_key(cluster).key("slow", 1)
+        # A stored profile a lower limit stopped is not the job's: it probes up to its own (`JobKey.holds`).
+        assert measure.profiles_key(cluster).settings.micro_batch_size_limit == 8
         client = None if optimizer is None else client_optimizer_class(lambda p, o=optimizer: type(o)(p))
         assert key.ds_config_fingerprint == ds_config_fingerprint(config, client)
         assert (key.model_fingerprint, key.world_size, key.dtype) == (model_fingerprint(model), 3, "bfloat16")
