@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 MeasureMissing = Callable[..., list[Profile]]
 """``measure(missing, cluster, force=False) -> profiles``: the (device type, stage) pairs measured (`force`:
-even cached ones); collective. `poplar_ext.zero.planning` calls one when profiles are missing or stale."""
+even cached ones), returning every profile at their stages (others its cache refused are measured too);
+collective. `poplar_ext.zero.planning` calls one when profiles are missing or stale."""
 
 TimeAtSizes = Callable[[Mapping[str, list[int]], Plan, Cluster], dict[str, dict[int, float]]]
 """``time_at_sizes(sizes, plan, cluster) -> {device type: {size: seconds}}``: `time_micro_steps` at `plan`'s
@@ -174,8 +175,9 @@ def missing_profiles_measurer(
                 optimizer_offload=optimizer_offload,
             )
         )
-        wanted = set(missing)
-        return [p for p in profiles if (p.device_type, p.zero_stage) in wanted]
+        # Every one at those stages, not only `missing`: `profile_model` also measured again (and stored over)
+        # the other types' profiles its cache refused; the caller's copies of those are no longer on disk.
+        return profiles
 
     def time_at_sizes(sizes: Mapping[str, list[int]], plan: Plan, cluster: Cluster) -> dict[str, dict[int, float]]:
         from poplar_ext.profiler.api import time_micro_steps

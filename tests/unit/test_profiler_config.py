@@ -163,3 +163,33 @@ def test_automatic_mode_keys_stored_profiles_as_the_profiler_does() -> None:
         assert (key.model_fingerprint, key.world_size, key.dtype) == (model_fingerprint(model), 3, "bfloat16")
         fingerprints.add(key.ds_config_fingerprint)
     assert len(fingerprints) == len(jobs)
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_the_automatic_measurer_returns_every_profile_it_measured_at_the_stage(monkeypatch, force) -> None:
+    # profile_model also measures again (and stores over) the other types' profiles its cache refuses, and
+    # with force all of them: the planner's copies of those must be replaced, not kept beside a newer file.
+    import poplar_ext.profiler
+    from poplar_bench.synthetic import simple_cluster, synthetic_profile
+
+    def profile_model(**options):
+        stages = options["zero_stages"]
+        return [
+            synthetic_profile(t, zero_stage=s, max_micro_batch_size=4, overhead_s=0.001, seconds_per_sample=0.001)
+            for s in stages
+            for t in ("fast", "slow")
+        ]
+
+    monkeypatch.setattr(poplar_ext.profiler, "profile_model", profile_model)
+    model = torch.nn.Linear(2, 1)
+    measure = missing_profiles_measurer(
+        model=model,
+        training_data=[torch.ones(2)],
+        collate_fn=None,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        ds_config={},
+        profiles_dir="p",
+        micro_batch_size_limit=8,
+    )
+    measured = measure([("slow", 1)], simple_cluster({"fast": 1, "slow": 1}), force=force)
+    assert sorted((p.device_type, p.zero_stage) for p in measured) == [("fast", 1), ("slow", 1)]
