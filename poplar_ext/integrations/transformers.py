@@ -6,14 +6,14 @@ transformers (``pip install 'poplar-ext[hf]'``). See docs/trainer.md (each hook,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-import functools
 import inspect
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -628,25 +628,37 @@ class PoplarTrainerMixin(_PlanEvaluation):
         state["step"] = self.state.global_step
         return state
 
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's, with one DeepSpeed save per checkpoint, whole. At ZeRO 3 without
+        stage3_gather_16bit_weights_on_model_save, save_model falls back to a DeepSpeed save into checkpoint-N in
+        place, which `_save_optimizer_and_scheduler` then saved again: two full copies, twice the peak disk. The
+        fallback saves nothing where that save follows, and through `save_whole` where it does not
+        (save_only_model)."""
+        if not self.is_deepspeed_enabled:
+            return super()._save_checkpoint(model, trial)
+        fallback = self._save_deepspeed_whole if self.args.save_only_model else _no_deepspeed_save
+        with _shadowed_save(self.model_wrapped, fallback):
+            return super()._save_checkpoint(model, trial)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The Trainer's, with DeepSpeed's save into checkpoint-N going through `save_whole`, as
         `PoplarEngine.save_checkpoint`'s does: the tag folder replaced whole once every rank has saved (nothing an
         earlier run's save there left), poplar-ext's state in it, then ``latest``."""
-        engine = self.model_wrapped
         if not self.is_deepspeed_enabled:
             return super()._save_optimizer_and_scheduler(output_dir)
+        with _shadowed_save(self.model_wrapped, self._save_deepspeed_whole):
+            return super()._save_optimizer_and_scheduler(output_dir)
+
+    def _save_deepspeed_whole(self, save_dir: str, exclude_frozen_parameters: bool = False) -> None:
+        """What the Trainer's engine.save_checkpoint(save_dir[, exclude_frozen_parameters]) does here: `save_whole`."""
+        engine = self.model_wrapped
 
         def save(tag: str) -> None:
-            # The Trainer calls engine.save_checkpoint(output_dir[, exclude_frozen_parameters]): this instance's
-            # attribute, shadowing the method for the call, gives it the new folder's tag.
-            engine.save_checkpoint = functools.partial(type(engine).save_checkpoint, engine, tag=tag, save_latest=False)
-            try:
-                super(PoplarTrainerMixin, self)._save_optimizer_and_scheduler(output_dir)
-            finally:
-                del engine.save_checkpoint
+            type(engine).save_checkpoint(
+                engine, save_dir, tag=tag, save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters
+            )
 
-        save_whole(output_dir, None, save, deepspeed_engine=engine, state=self._poplar_state, save_latest=True)
-        return None
+        save_whole(save_dir, None, save, deepspeed_engine=engine, state=self._poplar_state, save_latest=True)
 
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
         """The Trainer's, with the loss accumulated since the last log averaged over the ranks first (as its
@@ -775,6 +787,26 @@ class PoplarTrainerMixin(_PlanEvaluation):
             )
         if path is None:
             raise ValueError(f"resume_from_checkpoint: DeepSpeed found nothing to load in {resume_from_checkpoint}")
+
+
+@contextlib.contextmanager
+def _shadowed_save(engine: Any, save: Callable[..., None]) -> Iterator[None]:
+    """Inside, the Trainer's calls of engine.save_checkpoint call `save` (this instance's attribute, shadowing the
+    method); the one before after (these nest)."""
+    before = engine.__dict__.get("save_checkpoint")
+    engine.save_checkpoint = save
+    try:
+        yield
+    finally:
+        if before is None:
+            del engine.save_checkpoint
+        else:
+            engine.save_checkpoint = before
+
+
+def _no_deepspeed_save(save_dir: str, exclude_frozen_parameters: bool = False) -> None:
+    """save_model's DeepSpeed save when `_save_optimizer_and_scheduler`'s follows into the same folder: none (the
+    Trainer reads this signature for exclude_frozen_parameters)."""
 
 
 def _whole_checkpoint(named: str | bool, output_dir: str) -> str | None:

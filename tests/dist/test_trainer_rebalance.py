@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -138,7 +140,8 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
         )
         ref.append(trainer)
         stale = _plant_an_earlier_save(Path(f"{out}/{stage}/checkpoint-{SAVE_STEP}"))
-        trainer.train()
+        with _counting_deepspeed_saves() as saves:
+            trainer.train()
         learning_rates = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
         result = {
             "params": hf.full_parameters(trainer.model_wrapped),
@@ -149,6 +152,7 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
             "steps": trainer.state.global_step,
             "tokens_seen": trainer.state.num_input_tokens_seen,
             "stale_left": [str(path) for path in stale if path.exists()],
+            "deepspeed_saves": saves,
         }
         if stage == 1:
             result["eval"] = _evaluate(trainer)
@@ -185,6 +189,26 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
         results[stage] = result
         torch.distributed.barrier()
     return results
+
+
+@contextmanager
+def _counting_deepspeed_saves():
+    """Inside: each DeepSpeed save of this rank's engine appends its tag to the list yielded."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    saves: list = []
+    save = DeepSpeedEngine.save_checkpoint
+
+    @functools.wraps(save)
+    def counted(engine, save_dir, *args, **kwargs):
+        saves.append(kwargs.get("tag"))
+        return save(engine, save_dir, *args, **kwargs)
+
+    DeepSpeedEngine.save_checkpoint = counted
+    try:
+        yield saves
+    finally:
+        DeepSpeedEngine.save_checkpoint = save
 
 
 def _plant_an_earlier_save(folder: Path) -> list[Path]:
@@ -352,6 +376,39 @@ def test_an_engine_loading_a_trainer_checkpoint_continues_its_data_and_plans(swi
 def test_a_trainer_save_into_a_used_checkpoint_folder_replaces_it(switching, stage):
     # The Trainer saves with DeepSpeed's own save_checkpoint, which leaves other ranks' files and the copy alone.
     assert switching[0][stage]["stale_left"] == []
+
+
+@pytest.mark.parametrize("stage", sorted(FIRST))
+def test_a_trainer_checkpoint_is_one_deepspeed_save(switching, stage):
+    # At ZeRO 3 without stage3_gather_16bit_weights_on_model_save, save_model fell back to a DeepSpeed save in place,
+    # then the optimizer's save wrote a second full copy beside it: two saves, twice the peak disk.
+    # Checkpoints at SAVE_STEP and at the last step (the Trainer saves the end of training too).
+    assert switching[0][stage]["deepspeed_saves"] == [f"global_step{step}.saving" for step in (SAVE_STEP, STEPS)]
+
+
+def _train_saving_the_model_only(config: str, out: str) -> list:
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    _reset_accelerate()
+    args = _arguments(out, config, max_steps=2, save_strategy="steps", save_steps=2, save_only_model=True)
+    trainer = PoplarTrainer(
+        model=hf.tiny_gpt2(), args=args, train_dataset=hf.RecordingVarLen(), data_collator=hf.collate
+    )
+    with _counting_deepspeed_saves() as saves:
+        trainer.train()
+    return saves
+
+
+def test_save_only_model_at_zero_3_saves_deepspeed_whole(tmp_path):
+    # No optimizer's save follows: save_model's fallback is the checkpoint's one DeepSpeed save, swapped in whole.
+    configs = hf.trainer_configs(tmp_path, {3: FIRST[3]}, TYPES)
+    out = tmp_path / "out"
+    results = run_ranks(
+        _train_saving_the_model_only, world_size=3, tmp_path=tmp_path / "ranks", args=(configs[3], str(out))
+    )
+    assert results[0] == ["global_step2.saving"]
+    assert (out / "checkpoint-2" / "latest").read_text() == "global_step2"
+    assert (out / "checkpoint-2" / "global_step2" / "poplar_state.json").is_file()
 
 
 DRIFT_STEPS = 12
