@@ -23,7 +23,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.trainer import TRAINER_STATE_NAME
 
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
-from poplar_ext.collectives import agree_sum, agree_sums, decided_by_rank0
+from poplar_ext.collectives import agree_sum, agree_sums, barrier, decided_by_rank0
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.plan.formats import Plan, RankPlan
@@ -33,6 +33,7 @@ from poplar_ext.runtime.checkpoint import (
     history_entry,
     poplar_client_state,
     read_state,
+    restore_replaced,
     resume_decision,
     save_whole,
     unfinished_save,
@@ -685,6 +686,8 @@ class PoplarTrainerMixin(_PlanEvaluation):
         state is resharded when the engine exists (`_prepare_for_training`).
         """
 
+        self._restore_replaced_tags(resume_from_checkpoint)
+
         def read() -> tuple[str | None, dict | None]:
             folder = _whole_checkpoint(resume_from_checkpoint, self.args.output_dir)
             if folder is None:
@@ -718,6 +721,22 @@ class PoplarTrainerMixin(_PlanEvaluation):
             for note in decision.notes:
                 logger.info("resume_from_checkpoint: %s", note)
         return folder
+
+    def _restore_replaced_tags(self, named: str | bool) -> None:
+        """`restore_replaced` (as the engines' loads do, `tag_for_load`) in the checkpoint folder a resume may read:
+        the one `named`, or for ``True`` each ``checkpoint-N`` of output_dir (collective)."""
+        folders = [Path(named)] if named is not True else list(Path(self.args.output_dir).glob("checkpoint-*"))
+        config = getattr(getattr(self.args, "hf_deepspeed_config", None), "config", None) or {}
+        node_local = config.get("checkpoint", {}).get("use_node_local_storage", False)
+        storage_rank = self.args.local_process_index if node_local else self.job.rank
+        for folder in folders:
+            try:
+                tag = checkpoint_tag(folder, None)
+            except (OSError, ValueError):  # refused by rank 0's reading below, on every rank
+                continue
+            if tag is not None:
+                restore_replaced(folder, tag, storage_rank=storage_rank, caller="resume_from_checkpoint")
+        barrier()  # restored on every storage before rank 0 reads it
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
         """The Trainer's, with a checkpoint of another number of ranks loaded resharded.

@@ -245,21 +245,30 @@ def _storage_rank(engine: Any) -> int:
 
 
 def tag_for_load(load_dir: str | Path, tag: Any, *, deepspeed_engine: Any, rank: int) -> str | None:
-    """The tag a load reads, rank 0's `checkpoint_tag` (collective). A save whose storage rank stopped between
-    its two renames left no TAG and the tag's earlier checkpoint whole in ``TAG.replaced`` (its state file is
-    written last, `save_whole`): the first rank of each storage renames it back, with a warning, before any
-    rank reads TAG."""
+    """The tag a load reads, rank 0's `checkpoint_tag` (collective), ``TAG.replaced`` restored first
+    (`restore_replaced`) on every storage before any rank reads TAG."""
     from poplar_ext.collectives import barrier, decided_by_rank0
 
     resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=rank)
     if resolved is None:
         return None
-    folder = Path(load_dir) / resolved
-    replaced = Path(load_dir) / f"{resolved}{REPLACED_SUFFIX}"
-    if _storage_rank(deepspeed_engine) == 0 and not folder.exists() and (replaced / STATE_FILE).is_file():
+    restore_replaced(load_dir, resolved, storage_rank=_storage_rank(deepspeed_engine), caller="load_checkpoint")
+    barrier()  # restored on every storage before any rank reads it
+    return resolved
+
+
+def restore_replaced(load_dir: str | Path, tag: str, *, storage_rank: int, caller: str) -> None:
+    """A save whose storage rank stopped between its two renames left no TAG and the tag's earlier checkpoint whole
+    in ``TAG.replaced`` (its state file is written last, `save_whole`): the first rank of each storage
+    (`storage_rank` 0) renames it back, with a warning. The caller waits for every storage (a barrier) before any
+    rank reads TAG."""
+    folder = Path(load_dir) / tag
+    replaced = Path(load_dir) / f"{tag}{REPLACED_SUFFIX}"
+    if storage_rank == 0 and not folder.exists() and (replaced / STATE_FILE).is_file():
         logger.warning(
-            "load_checkpoint: %s is missing and %s holds the checkpoint a save into it was replacing when it "
-            "stopped: restored as %s",
+            "%s: %s is missing and %s holds the checkpoint a save into it was replacing when it stopped: restored "
+            "as %s",
+            caller,
             folder,
             replaced,
             folder,
@@ -267,9 +276,7 @@ def tag_for_load(load_dir: str | Path, tag: Any, *, deepspeed_engine: Any, rank:
         try:
             replaced.rename(folder)
         except OSError as exc:  # no rank waits for this one: rank 0's check of TAG then refuses it on every rank
-            logger.error("load_checkpoint: could not restore %s as %s: %s", replaced, folder, exc)
-    barrier()  # restored on every storage before any rank reads it
-    return resolved
+            logger.error("%s: could not restore %s as %s: %s", caller, replaced, folder, exc)
 
 
 def check_pattern_safe(folder: Path, *, caller: str) -> None:

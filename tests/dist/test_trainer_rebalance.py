@@ -186,6 +186,7 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
             }
             result["losses"] = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
             result["loaded_by_engine"] = _load_with_an_engine(config, f"{out}/{stage}/checkpoint-{SAVE_STEP}")
+            result["resumed_replaced"] = _resume_a_replaced_tag(config, f"{out}/{stage}", f"{out}/replaced")
         results[stage] = result
         torch.distributed.barrier()
     return results
@@ -209,6 +210,40 @@ def _counting_deepspeed_saves():
         yield saves
     finally:
         DeepSpeedEngine.save_checkpoint = save
+
+
+def _resume_a_replaced_tag(config: str, saved: str, out: str) -> dict:
+    """checkpoint-SAVE_STEP as a save into it left it when it stopped between its renames (its tag folder renamed
+    to ``TAG.replaced``), resumed to STEPS: the parameters, and the warnings logged."""
+    import logging
+    import os
+    import shutil
+
+    import torch
+
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    if os.environ["RANK"] == "0":
+        folder = Path(out) / f"checkpoint-{SAVE_STEP}"
+        shutil.copytree(Path(saved) / folder.name, folder)
+        (folder / f"global_step{SAVE_STEP}").rename(folder / f"global_step{SAVE_STEP}.replaced")
+    torch.distributed.barrier()
+    _reset_accelerate()
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("poplar_ext").addHandler(handler)
+    try:
+        trainer = PoplarTrainer(
+            model=hf.tiny_gpt2(),
+            args=_arguments(out, config, save_strategy="no", logging_strategy="no"),
+            train_dataset=hf.RecordingVarLen(),
+            data_collator=hf.collate,
+        )
+        trainer.train(resume_from_checkpoint=f"{out}/checkpoint-{SAVE_STEP}")
+    finally:
+        logging.getLogger("poplar_ext").removeHandler(handler)
+    return {"params": hf.full_parameters(trainer.model_wrapped), "warnings": warnings}
 
 
 def _plant_an_earlier_save(folder: Path) -> list[Path]:
@@ -360,6 +395,14 @@ def test_a_resume_after_a_switch_continues_under_the_switched_plan(switching):
     assert resumed["history"][: len(applied) + 1] == [start for start, _ in first["history"][: len(applied) + 1]]
     expected = hf.reference_parameters(GLOBAL_BATCH, STEPS, schedule_warmup_steps=2)
     assert t.max_difference(resumed["params"], expected) <= 1e-5
+
+
+def test_a_resume_restores_a_tag_folder_a_stopped_save_renamed(switching):
+    # The Trainer's resume read no poplar_state.json and DeepSpeed's load failed a bare AssertionError on every rank.
+    resumed = switching[0][1]["resumed_replaced"]
+    expected = hf.reference_parameters(GLOBAL_BATCH, STEPS, schedule_warmup_steps=2)
+    assert t.max_difference(resumed["params"], expected) <= 1e-5
+    assert [w for w in resumed["warnings"] if "restored as" in w], resumed["warnings"]
 
 
 def test_an_engine_loading_a_trainer_checkpoint_continues_its_data_and_plans(switching):

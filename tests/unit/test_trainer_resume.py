@@ -51,6 +51,7 @@ def _trainer(plan, output_dir: Path) -> SimpleNamespace:
     )
     trainer._plan_history = [history_entry(plan, start_step=0, data_position=0, reason="the plan file p.json")]
     trainer._poplar_state = lambda: PoplarTrainer._poplar_state(trainer)
+    trainer._restore_replaced_tags = lambda named: PoplarTrainer._restore_replaced_tags(trainer, named)
     return trainer
 
 
@@ -116,6 +117,24 @@ def test_a_checkpoint_whose_save_did_not_finish_is_refused_by_name(tmp_path):
     (tmp_path / "checkpoint-2" / "trainer_state.json").unlink()
     with pytest.raises(ValueError, match=f"{tmp_path / 'checkpoint-2'}: expected a whole checkpoint"):
         PoplarTrainer._check_resume(trainer, True)  # none whole: refused, not the Trainer's pick of checkpoint-4
+
+
+@pytest.mark.parametrize("newest", [True, False])
+def test_a_tag_folder_a_stopped_save_renamed_is_restored(tmp_path, caplog, newest):
+    # A save stopped between its renames: global_step2 is global_step2.replaced; the resume read no state, and
+    # DeepSpeed's load then failed a bare AssertionError on every rank.
+    plan = _plan([(4, 2), (4, 1)])
+    folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
+    (folder / "global_step2").rename(folder / "global_step2.replaced")
+    trainer = _trainer(plan, tmp_path)
+    with caplog.at_level("WARNING", logger="poplar_ext"):
+        assert PoplarTrainer._check_resume(trainer, True if newest else str(folder)) == str(folder)
+    assert (folder / "global_step2" / "poplar_state.json").is_file()
+    assert trainer._resume_decision.data_position == 2 * plan.global_batch_size  # the saved state
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"resume_from_checkpoint: {folder / 'global_step2'} is missing and {folder / 'global_step2.replaced'} holds "
+        f"the checkpoint a save into it was replacing when it stopped: restored as {folder / 'global_step2'}"
+    ]
 
 
 def test_fewer_ranks_with_the_same_global_batch_resume_resharded_and_recorded(tmp_path):
