@@ -245,8 +245,8 @@ def _storage_rank(engine: Any) -> int:
 
 
 def tag_for_load(load_dir: str | Path, tag: Any, *, deepspeed_engine: Any, rank: int) -> str | None:
-    """The tag a load reads, rank 0's `checkpoint_tag` (collective), ``TAG.replaced`` restored first
-    (`restore_replaced`) on every storage before any rank reads TAG."""
+    """The tag a load reads, rank 0's `checkpoint_tag` (collective); a tag folder a stopped save left missing is
+    put back first (`restore_replaced`) on every storage before any rank reads TAG."""
     from poplar_ext.collectives import barrier, decided_by_rank0
 
     resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=rank)
@@ -258,25 +258,31 @@ def tag_for_load(load_dir: str | Path, tag: Any, *, deepspeed_engine: Any, rank:
 
 
 def restore_replaced(load_dir: str | Path, tag: str, *, storage_rank: int, caller: str) -> None:
-    """A save whose storage rank stopped between its two renames left no TAG and the tag's earlier checkpoint whole
-    in ``TAG.replaced`` (its state file is written last, `save_whole`): the first rank of each storage
-    (`storage_rank` 0) renames it back, with a warning. The caller waits for every storage (a barrier) before any
-    rank reads TAG."""
+    """A save whose storage rank stopped between its two renames left no TAG: the first rank of each storage
+    (`storage_rank` 0) renames into its place the save's own ``TAG.saving`` if whole (its state file is written
+    once every rank's files are, `save_whole`), else the earlier checkpoint in ``TAG.replaced``, with a warning.
+    The newer first: on node-local storage the other nodes may have swapped that save in, and every rank must load
+    the same one; on shared storage it is the newest whole checkpoint, all of its ranks having saved. The caller
+    waits for every storage (a barrier) before any rank reads TAG."""
+    import shutil
+
     folder = Path(load_dir) / tag
-    replaced = Path(load_dir) / f"{tag}{REPLACED_SUFFIX}"
-    if storage_rank == 0 and not folder.exists() and (replaced / STATE_FILE).is_file():
-        logger.warning(
-            "%s: %s is missing and %s holds the checkpoint a save into it was replacing when it stopped: restored "
-            "as %s",
-            caller,
-            folder,
-            replaced,
-            folder,
-        )
-        try:
-            replaced.rename(folder)
-        except OSError as exc:  # no rank waits for this one: rank 0's check of TAG then refuses it on every rank
-            logger.error("%s: could not restore %s as %s: %s", caller, replaced, folder, exc)
+    if storage_rank != 0 or folder.exists():
+        return
+    saving, replaced = (folder.with_name(f"{tag}{suffix}") for suffix in (SAVING_SUFFIX, REPLACED_SUFFIX))
+    for whole, holds in (
+        (saving, "the save into it that stopped, whole"),
+        (replaced, "the checkpoint a save into it was replacing when it stopped"),
+    ):
+        if (whole / STATE_FILE).is_file():
+            logger.warning("%s: %s is missing and %s holds %s: restored as %s", caller, folder, whole, holds, folder)
+            try:
+                whole.rename(folder)
+            except OSError as exc:  # no rank waits for this one: rank 0's check of TAG then refuses it on every rank
+                logger.error("%s: could not restore %s as %s: %s", caller, whole, folder, exc)
+                return
+            shutil.rmtree(replaced, ignore_errors=True)  # superseded, as at the end of `_swap_in`
+            return
 
 
 def check_pattern_safe(folder: Path, *, caller: str) -> None:

@@ -344,6 +344,27 @@ def test_a_save_into_a_tag_left_between_renames_keeps_the_earlier_checkpoint_unt
     assert resumed.consumed_samples == 6
 
 
+def test_a_save_stopped_between_renames_after_its_state_file_loads_as_the_newest_whole_checkpoint(
+    tmp_path, monkeypatch
+):
+    # The storage rank stopped after the state file of a second save (its every rank saved) and "last" ->
+    # last.replaced: last.saving is whole and newer than last.replaced; a load takes it.
+    engine, fake = _saved_then_left_between_renames(tmp_path)
+    (tmp_path / "last.replaced").rename(tmp_path / "last")
+    for _ in range(2):  # a second iteration
+        engine.backward(engine(torch.ones(3)))
+        engine.step()
+    rename = Path.rename  # the storage rank stops at the second rename, last.saving -> "last"
+    monkeypatch.setattr(Path, "rename", lambda self, target: rename(self, target) if self.name == "last" else 1 / 0)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        engine.save_checkpoint(tmp_path, tag="last")
+    monkeypatch.setattr(Path, "rename", rename)
+    resumed = _resuming(fake)
+    resumed.load_checkpoint(tmp_path)
+    assert resumed.consumed_samples == 12  # two iterations of 3 x 2 samples
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "latest"]
+
+
 def test_the_folders_a_save_writes_beside_a_tag_are_never_loaded_nor_saved_into(tmp_path):
     # A save that failed left last.saving with DeepSpeed's files in it: not whole, never a checkpoint to load;
     # a save into "x.saving" would be emptied by the next save into "x".
@@ -426,6 +447,36 @@ def test_on_node_local_storage_each_nodes_first_rank_swaps_the_tag_in_and_writes
     assert on_every_rank(load) == ["t"] * 4
     for node in ("node0", "node1"):
         assert sorted(p.name for p in (tmp_path / node).iterdir()) == ["latest", "t"]
+
+
+def test_on_node_local_storage_a_node_stopped_between_renames_loads_the_save_the_other_node_swapped_in(
+    tmp_path, monkeypatch
+):
+    # Node 0 swapped the second save into "t"; node 1's storage rank stopped between its renames (t.replaced
+    # the first save, t.saving the second, whole: its state file is written once every rank saved). Restoring
+    # t.replaced would have the nodes load different checkpoints.
+    from poplar_ext.runtime import checkpoint
+
+    engines, on_every_rank = _nodes_as_threads(tmp_path, monkeypatch)
+    save = lambda engine, fake, folder: engine.save_checkpoint(folder, tag="t")  # noqa: E731
+    assert on_every_rank(save) == [None] * 4
+    for node in ("node0", "node1"):
+        (tmp_path / node / "t" / "first_save").touch()
+    rename = Path.rename
+
+    def stopped(self, target):
+        if self == tmp_path / "node1" / "t.saving":
+            raise OSError("the storage rank stopped")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", stopped)
+    assert all(isinstance(error, RuntimeError) for error in on_every_rank(save))
+    monkeypatch.setattr(Path, "rename", rename)
+    load = lambda engine, fake, folder: checkpoint.tag_for_load(folder, "t", deepspeed_engine=fake, rank=0)  # noqa: E731
+    assert on_every_rank(load) == ["t"] * 4
+    for node, names in (("node0", ["0", "1"]), ("node1", ["2", "3"])):
+        assert sorted(p.name for p in (tmp_path / node).iterdir()) == ["latest", "t"]
+        assert sorted(p.name for p in (tmp_path / node / "t").iterdir()) == [*names, STATE_FILE]
 
 
 def test_a_load_gives_deepspeed_the_tag_rank_0_resolved(tmp_path):
