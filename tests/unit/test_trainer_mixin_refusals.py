@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -12,6 +13,8 @@ from _dataset_checks import Settling, counted_dataset_checks  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
 from poplar_ext.integrations.transformers import PoplarTrainerMixin  # noqa: E402
+
+ACCELERATE_USE_DEEPSPEED_BEFORE_ANY_TEST = os.environ.get("ACCELERATE_USE_DEEPSPEED")  # read at collection
 
 
 class CurriculumTrainer(Trainer):
@@ -369,3 +372,10 @@ def test_the_train_dataset_is_checked_once(monkeypatch):
     with pytest.raises(Settling):
         PoplarTrainer(model=torch.nn.Linear(2, 1), args=_training_arguments({}, {}), train_dataset=[{"x": 1}] * 8)
     assert checked == ["train_dataset"]
+
+
+def test_the_tests_above_leave_accelerate_off_deepspeed_for_the_tests_after():
+    # TrainingArguments(deepspeed=...) above set ACCELERATE_USE_DEEPSPEED=true in os.environ: left there, a plain
+    # Trainer later in the same pytest process went through DeepSpeed (tests/dist/test_trl.py's reference run,
+    # into DeepSpeed's MPI discovery: no mpi4py). Runs last in this file, after them.
+    assert os.environ.get("ACCELERATE_USE_DEEPSPEED") == ACCELERATE_USE_DEEPSPEED_BEFORE_ANY_TEST
