@@ -291,6 +291,8 @@ class _PlanEvaluation:
 
     def get_test_dataloader(self, test_dataset: Any) -> torch.utils.data.DataLoader:
         """This rank's prediction batches, as `get_eval_dataloader`."""
+        if test_dataset is None:
+            raise ValueError("Trainer: prediction requires a test_dataset.")
         return self._evaluation_loader(test_dataset, "test", "test_dataset")
 
     def _evaluation_loader(self, dataset: Any, description: str, given: str) -> torch.utils.data.DataLoader:

@@ -327,6 +327,18 @@ def test_an_evaluation_data_set_without_indices_is_named_as_given(monkeypatch, s
         loader(trainer, stream)
 
 
+def test_predicting_without_a_test_dataset_is_refused_by_name(monkeypatch):
+    # As the Trainer refuses evaluating without an eval_dataset, not a TypeError from len(None).
+    import torch
+
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    args = _arguments_of_a_settled_job(monkeypatch, {}, {})
+    trainer = PoplarTrainer(model=torch.nn.Linear(2, 1), args=args)
+    with pytest.raises(ValueError, match=r"^Trainer: prediction requires a test_dataset\.$"):
+        trainer.get_test_dataloader(None)
+
+
 def test_the_deepspeed_config_and_its_poplar_section_are_read_once(monkeypatch):
     # Read before the job is settled (to refuse TrainingArguments from it), then handed to prepare_job.
     from unittest import mock
