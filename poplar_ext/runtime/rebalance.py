@@ -1,8 +1,5 @@
-"""Re-balancing during training: when a device drifts, every rank switches to a better plan together.
-
-`DriftMonitor` (rank 0) and the checks every rank runs; pipelines use `PipelineDriftMonitor`. See
-docs/training.md (re-balancing when devices drift) and docs/pipeline.md (re-balancing).
-"""
+"""Re-balancing: when a device drifts, every rank switches to a better plan together (docs/training.md,
+docs/pipeline.md)."""
 
 from __future__ import annotations
 
@@ -37,13 +34,9 @@ MAX_CHECKS_KEPT = 1000
 def unmeasurable_reason(device_kind: str, zero_stage: int) -> str | None:
     """Why re-balancing cannot measure compute on `device_kind` at `zero_stage` (None: it can).
 
-    Training's compute windows run from forward to the gradient reduction with every rank at
-    once. On CPU the thread's CPU time leaves waits out. On CUDA the events count them: at
-    ZeRO-2/3 the windows hold collectives (ZeRO-3's parameter all-gathers all through forward and
-    backward, ZeRO-2's reduce-scatters of full buckets), in which a fast GPU waits for a slow one,
-    so every type would look as slow as the slowest and re-planning would drift toward uniform.
-    No part of a ZeRO-3 micro-step is free of them, and timing one type at a time (as profiling
-    does) would stop training: re-balancing is refused there.
+    On CPU the thread's CPU time leaves waits out. On CUDA the events count them: at ZeRO-2/3 the compute
+    windows hold collectives in which a fast GPU waits for a slow one, so every type would look as slow as the
+    slowest; timing one type at a time (as profiling does) would stop training.
     """
     if compute_window(device_kind, zero_stage).types_at_once:
         return None
@@ -97,10 +90,7 @@ class DriftMonitor:
     def observe(
         self, plan: Plan | PipelinePlan, busy_s: list[float], iterations: list[int], *, step: int
     ) -> dict[str, Any] | None:
-        """One check: every rank's busy time over its `iterations`; returns a switch decision or None.
-
-        A decision is ``{"plan": plan dict, "reason": str}``.
-        """
+        """One check: every rank's busy time over its `iterations`; a decision ``{"plan", "reason"}`` or None."""
         predicted = self.predicted_compute_s(plan)
         ratios: list[float | None] = []
         for busy, count, expected in zip(busy_s, iterations, predicted):
@@ -148,8 +138,7 @@ class PipelineDriftMonitor(DriftMonitor):
     micro-batches between the same pipelines (`search.pipeline_drift.recount_pipelines`)."""
 
     def predicted_compute_s(self, plan: PipelinePlan) -> list[float]:
-        """Each rank's predicted forward and backward time per iteration (its stage's, times its pipeline's
-        micro-batches) under `plan` and the assumed speeds."""
+        """Each rank's predicted forward and backward time per iteration under `plan` and the assumed speeds."""
         from poplar_ext.search.pipeline_drift import predict_drifted
 
         prediction = predict_drifted(plan, self.profiles, self.cluster, self.rank_scales, network=self.network)
@@ -190,24 +179,20 @@ class StepView:
 
 
 class FollowsRebalancing:
-    """What an engine that re-balances shares, ZeRO's (`PoplarEngine`) and the pipelines'
-    (`PoplarPipelineEngine`): the switch rank 0 decided waits in `pending_switch` for the iteration
-    it starts at, a check runs after every optimizer step, and each switch is recorded and logged.
+    """What every re-balancing engine shares: the switch rank 0 decided waits in `pending_switch` for the
+    iteration it starts at, a check runs after every optimizer step, and each switch is recorded and logged.
 
-    The engine provides ``_rebalancer`` (None when off), ``_samplers`` (its `PlanBatchSampler`s),
-    ``plan_history``, ``compute_timer``, ``trained_position`` (the stream position after the last
-    optimizer step), ``_step_view(step)`` and ``switch_plan(plan, *, reason, record)``, which makes its
-    DeepSpeed engine train the plan and calls `record_switch`.
+    The engine provides ``_rebalancer``, ``_samplers``, ``plan_history``, ``compute_timer``,
+    ``trained_position``, ``_step_view(step)`` and ``switch_plan(plan, *, reason, record)`` (which calls
+    `record_switch`).
     """
 
     pending_switch: SwitchOrder | None = None
     """A switch agreed by every rank, waiting for the iteration it starts at."""
 
     def schedule_switch(self, order: SwitchOrder, *, record: bool = True) -> None:
-        """Switch to the order's plan at the iteration that starts at its stream position (every rank alike).
-
-        `record`: add the switch to the plan history (not for a resume under the checkpoint's last plan).
-        """
+        """Switch to the order's plan at the iteration that starts at its stream position (every rank alike);
+        `record`: add it to the plan history (not for a resume under the checkpoint's last plan)."""
         for sampler in self._samplers:
             sampler.switch_plan(order.plan, from_position=order.position)
         if order.position <= self.trained_position:
@@ -241,11 +226,8 @@ class FollowsRebalancing:
 
 
 class Rebalancer:
-    """One rank's part: measure, report every check interval, and return the switch rank 0 decides.
-
-    It reads a `StepView` and the compute timer the engine gives it, and never the engine
-    itself: the engine applies what it returns (`FollowsRebalancing.schedule_switch`).
-    """
+    """One rank's part: measure, report every check interval, and return the switch rank 0 decides (it reads
+    a `StepView` and the compute timer, never the engine, which applies the switch)."""
 
     def __init__(self, config: RebalanceConfig, *, rank: int, monitor: DriftMonitor | None) -> None:
         assert (monitor is not None) == (rank == 0), "rank 0 alone holds the monitor"
@@ -318,38 +300,38 @@ class RebalanceUnavailable(ValueError):
 
 
 def job_rebalancer(job: Any, *, make_monitor: Callable[[], DriftMonitor]) -> Rebalancer | None:
-    """The job's re-balancing (`poplar_ext.runtime.rebalance`), or None when it is off; collective.
+    """The job's re-balancing, or None when it is off; collective.
 
-    `job`: a ZeRO `Job` or a pipeline job (its ``poplar_config``, ``source``, ``rank``, ``device`` and
-    ``plan``). Rank 0 makes the monitor it re-plans with: `make_monitor` (a ZeRO job's from the
-    profiles of the plan's stage, a pipeline job's from its layer profiles, and the network file
-    beside them), raising `RebalanceUnavailable` where they are missing. Then: off when ``enabled``
-    is ``"auto"`` (logged), the same ValueError on every rank when it is ``true``.
+    `job`: a ZeRO or pipeline job (its ``poplar_config``, ``source``, ``rank``, ``device`` and ``plan``). Rank 0
+    makes the monitor it re-plans with (`make_monitor`, raising `RebalanceUnavailable` where its profiles are
+    missing). Where it cannot run: off when ``enabled`` is ``"auto"`` (logged), the same ValueError on every
+    rank when it is ``true``.
     """
     config = job.poplar_config
     if config.rebalance.enabled is False:
         return None
     unmeasurable = unmeasurable_reason(job.device.type, job.plan.zero_stage)
+    refusal = None  # (where, why the error says, why the note says)
     if unmeasurable is not None:
-        if config.rebalance.enabled:
-            raise ValueError(
-                f"{job.source}: poplar.rebalance.enabled: expected false (or auto, which turns it off) on "
-                f"{job.device.type} at ZeRO stage {job.plan.zero_stage}, found true: {unmeasurable}"
-            )
-        if job.rank == 0:
-            logger.info("poplar rebalance (auto): off for this job: %s", unmeasurable)
-        return None
-    if config.drop_last:
+        refusal = (f"on {job.device.type} at ZeRO stage {job.plan.zero_stage}", unmeasurable, unmeasurable)
+    elif config.drop_last:
         # With drop_last an epoch's last positions are not trained, so iterations do not start a global
         # batch apart, which a switch's position (agreed from how far each rank's data has gone) assumes.
+        refusal = (
+            "with poplar.drop_last true",
+            "re-balancing switches plans at stream positions, which drop_last's skipped epoch tails break; set "
+            "drop_last false to re-balance",
+            "poplar.drop_last is true",
+        )
+    if refusal is not None:
+        where, error, note = refusal
         if config.rebalance.enabled:
             raise ValueError(
-                f"{job.source}: poplar.rebalance.enabled: expected false (or auto, which turns it off) with "
-                "poplar.drop_last true, found true: re-balancing switches plans at stream positions, which "
-                "drop_last's skipped epoch tails break; set drop_last false to re-balance"
+                f"{job.source}: poplar.rebalance.enabled: expected false (or auto, which turns it off) {where}, "
+                f"found true: {error}"
             )
         if job.rank == 0:
-            logger.info("poplar rebalance (auto): off for this job: poplar.drop_last is true")
+            logger.info("poplar rebalance (auto): off for this job: %s", note)
         return None
     made: dict[str, DriftMonitor] = {}
 

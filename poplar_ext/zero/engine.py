@@ -1,8 +1,4 @@
-"""`PoplarEngine`: the DeepSpeed engine, training a plan's per-rank batches with exact gradients.
-
-A thin proxy over ``DeepSpeedEngine``: the loss weight, samples counted and logged, emulation, checkpoints.
-See docs/training.md.
-"""
+"""`PoplarEngine`: a proxy over ``DeepSpeedEngine`` training a plan's per-rank batches exactly (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -128,12 +124,9 @@ class PoplarEngine(EngineCore):
             self._weight_direct_backward()
 
     def _weight_direct_backward(self) -> None:
-        # DeepSpeed lets `loss.backward()` and `engine.scale(loss).backward()` run on the
-        # engine's output (ZeRO stages 1-3; at stage 0 it refuses them itself): hooks on
-        # the output divide its gradient by this rank's accumulation count, which with
-        # uneven plans is not the global batch's mean. Its per-tensor hook is looked up
-        # at every forward; ours keeps DeepSpeed's decision of whether to scale (not on
-        # engine.backward's own graph) and applies the plan's weight instead.
+        # DeepSpeed lets `loss.backward()` run on the engine's output (ZeRO 1-3): hooks divide its gradient by
+        # this rank's accumulation count, not the global batch's mean under uneven plans. Its per-tensor hook is
+        # looked up at every forward; ours keeps DeepSpeed's decision whether to scale and applies the weight.
         engine = self.deepspeed_engine
         divide_by_accumulation = getattr(engine, "_backward_prologue_per_tensor", None)
         if divide_by_accumulation is None:  # a DeepSpeed without torch-style backward
@@ -148,11 +141,9 @@ class PoplarEngine(EngineCore):
         engine._backward_prologue_per_tensor = weight_instead_of_dividing
 
     def _end_emulated_compute_before_reduction(self) -> None:
-        # DeepSpeed's backward ends by calling allreduce_gradients (the boundary
-        # all-reduce at stages 0/1, the reduction epilogue at stage 2). A slow device
-        # finishes its compute before it communicates, so the emulated window ends (and
-        # its sleep happens) there: sleeping after the reduction would add this rank's
-        # sleep on top of its wait for the others, and count gloo's CPU time as compute.
+        # DeepSpeed's backward ends in allreduce_gradients (stages 0/1: the all-reduce, 2: the epilogue). A slow
+        # device finishes computing before it communicates, so the emulated window ends (and sleeps) there:
+        # after it, the sleep would add to the wait for the others and gloo's CPU time would count as compute.
         engine = self.deepspeed_engine
         reduce = engine.allreduce_gradients
 
@@ -163,9 +154,7 @@ class PoplarEngine(EngineCore):
 
         engine.allreduce_gradients = allreduce_after_emulated_compute
 
-    # -- delegation --------------------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        # Only called for names not found on the proxy itself.
+    def __getattr__(self, name: str) -> Any:  # names not found on the proxy itself
         engine = self.__dict__.get("deepspeed_engine")
         if engine is None:
             raise AttributeError(name)
@@ -183,7 +172,6 @@ class PoplarEngine(EngineCore):
 
     forward = __call__
 
-    # -- the training step -------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
         """DeepSpeed's backward of the weighted `loss` (see the class docstring)."""
         if not self._weights_loss:
@@ -197,7 +185,6 @@ class PoplarEngine(EngineCore):
         return self._timed_backward(weight_loss(loss, **self._weight_arguments()), scale_wrt_gas=False, **kwargs)
 
     def _timed_backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
-        """DeepSpeed's backward inside this rank's compute window."""
         self.start_compute_window()  # for a forward that did not go through the engine
         result = self.deepspeed_engine.backward(loss, **kwargs)
         if self._slowdown is not None:
@@ -218,13 +205,9 @@ class PoplarEngine(EngineCore):
         return arguments
 
     def set_token_counts(self, micro_batch_tokens: Sequence[int]) -> int:
-        """This rank's micro-batches' label tokens for the coming iteration (``loss_reduction: token_mean``).
-
-        One count per micro-batch of the iteration, in order; collective: every rank
-        calls it once before the iteration's first backward, and all agree on the
-        iteration's total. The dataloader `poplar_ext.initialize` returns calls it.
-        Returns the total.
-        """
+        """This rank's micro-batches' label tokens for the coming iteration (``loss_reduction: token_mean``), one
+        count per micro-batch in order; returns the total over all ranks. Collective: every rank calls it once
+        before the iteration's first backward (the dataloader `poplar_ext.initialize` returns does)."""
         counts = [int(n) for n in micro_batch_tokens]
         if len(counts) != self.rank_plan.gradient_accumulation_steps or any(n < 0 for n in counts):
             raise ValueError(
@@ -238,8 +221,7 @@ class PoplarEngine(EngineCore):
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's step; at an accumulation boundary also counts and logs the iteration."""
         boundary = self.deepspeed_engine.is_gradient_accumulation_boundary()
-        # The optimizer step is compute too: an emulated device runs it slower, as the
-        # profiler measures it (its optimizer_step_time_s), its collectives left out.
+        # The optimizer step is compute too: an emulated device runs it slower, its collectives left out.
         emulate = boundary and self._slowdown is not None and self._slowdown.emulation is not None
         if not emulate:
             result = self.deepspeed_engine.step(*args, **kwargs)
@@ -290,38 +272,32 @@ class PoplarEngine(EngineCore):
 
     def check_switch(self, plan: Plan) -> None:
         """ValueError unless `plan` can replace the current one mid-run (the same on every rank)."""
-        current = self.plan
-        problems = []
-        if (plan.global_batch_size, plan.world_size, plan.zero_stage) != (
-            current.global_batch_size,
-            current.world_size,
-            current.zero_stage,
-        ):
-            problems.append(
+        new, old = ((p.global_batch_size, p.world_size, p.zero_stage) for p in (plan, self.plan))
+        problem = None
+        if new != old:
+            problem = (
                 "a switch keeps the global batch, the world size and the ZeRO stage "
-                f"({current.global_batch_size}, {current.world_size}, {current.zero_stage}), found "
-                f"{plan.global_batch_size}, {plan.world_size}, {plan.zero_stage}"
+                f"({', '.join(map(str, old))}), found {', '.join(map(str, new))}"
             )
-        elif [r.device_type for r in plan.ranks] != [r.device_type for r in current.ranks]:
-            problems.append("each rank keeps its device type")
-        elif [r.activation_checkpointing for r in plan.ranks] != [r.activation_checkpointing for r in current.ranks]:
-            # Applied to the model once, before DeepSpeed wrapped it; search.drift.replan keeps it.
-            problems.append("each rank keeps its activation_checkpointing")
-        elif [r.optimizer_offload for r in plan.ranks] != [r.optimizer_offload for r in current.ranks]:
-            # Part of the DeepSpeed config the rank's engine was built with.
-            problems.append("each rank keeps its optimizer_offload")
-        elif one_accumulation_count(plan.zero_stage) and len({r.gradient_accumulation_steps for r in plan.ranks}) > 1:
-            problems.append(f"every rank has the same accumulation count at ZeRO stage {plan.zero_stage}")
-        if problems:
-            raise ValueError(f"plan: expected a plan that can replace the running one: {'; '.join(problems)}")
+        # Activation checkpointing was applied to the model, the offload to the config, before DeepSpeed's build.
+        for field, words in (
+            ("device_type", "device type"),
+            ("activation_checkpointing", "activation_checkpointing"),
+            ("optimizer_offload", "optimizer_offload"),
+        ):
+            if problem is None and [getattr(r, field) for r in plan.ranks] != [
+                getattr(r, field) for r in self.plan.ranks
+            ]:
+                problem = f"each rank keeps its {words}"
+        if problem is None and one_accumulation_count(plan.zero_stage):
+            if len({r.gradient_accumulation_steps for r in plan.ranks}) > 1:
+                problem = f"every rank has the same accumulation count at ZeRO stage {plan.zero_stage}"
+        if problem is not None:
+            raise ValueError(f"plan: expected a plan that can replace the running one: {problem}")
 
     def switch_plan(self, plan: Plan, *, reason: str, record: bool = True) -> None:
-        """Train `plan` from the next iteration on (every rank calls it at the same optimizer step).
-
-        `plan` re-balances the same global batch, world size and stage; the batch
-        samplers must already know from where (`PlanBatchSampler.switch_plan`).
-        `poplar_ext.runtime.rebalance` and a resume under the last plan call it.
-        """
+        """Train `plan` (the same global batch, world size and stage) from the next iteration on; every rank calls
+        it at the same optimizer step, its samplers knowing from where (`PlanBatchSampler.switch_plan`)."""
         self.check_switch(plan)
         engine, rank_plan = self.deepspeed_engine, plan.ranks[self._rank]
         set_deepspeed_batch(engine, plan, self._rank)
@@ -333,9 +309,8 @@ class PoplarEngine(EngineCore):
     def rebalance_to(self, plan: Plan, *, reason: str = "switched by the training script") -> None:
         """Every rank switches to rank 0's `plan` from the next iteration its samplers have not started (collective).
 
-        Call it on every rank right after the same optimizer step. `plan` re-balances
-        the same global batch among the same ranks at the same stage (e.g. from
-        `search.drift.replan`, or a plan of your own); gradients stay exact and the data
+        Call it on every rank right after the same optimizer step. `plan` re-balances the same global batch among
+        the same ranks at the same stage (e.g. from `search.drift.replan`); gradients stay exact and the data
         continues, every sample once. ``poplar.rebalance`` does this by itself.
         """
         from poplar_ext.collectives import broadcast_from_rank0, gather_objects
@@ -369,7 +344,6 @@ class PoplarEngine(EngineCore):
         """The batch samplers made by `create_batch_sampler` (they follow plan switches and resumes)."""
         return list(self._samplers)
 
-    # -- data --------------------------------------------------------------------
     def create_batch_sampler(self, num_samples: int, *, iterations_per_pass: int | None = None) -> PlanBatchSampler:
         """This rank's batch sampler for a DataLoader of your own
         (``DataLoader(dataset, batch_sampler=engine.create_batch_sampler(len(dataset)))``).
@@ -412,7 +386,6 @@ class PoplarEngine(EngineCore):
             return min(sampler.consumed_samples, trained)
         return self.trained_position
 
-    # -- checkpoints -------------------------------------------------------------
     def save_checkpoint(
         self,
         save_dir: str | Path,
@@ -448,21 +421,14 @@ class PoplarEngine(EngineCore):
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:
         """DeepSpeed's load_checkpoint, continuing the data stream under this job's plan.
 
-        Rank 0 reads poplar-ext's state before DeepSpeed loads anything, so a resume
-        that cannot continue (another data order) stops before any weight is read, on
-        every rank. Another plan, global batch or world size is fine: the data
-        continues at the saved position, and the plan history records the resume.
-        When the number of ranks changed at ZeRO stages 1-3 with the optimizer state loaded
-        (the weights alone load on any number of ranks: at stages 1-2 from the model's file, at
-        stage 3 merged from every rank's partition, `merging_weights_of`), rank 0 reshards the
-        checkpoint (`poplar_ext.runtime.reshard`: DeepSpeed's universal format with
-        every per-parameter state of any optimizer, and `step`) into ``TAG_universal``
-        next to it, unless that is there, and every rank loads it. An optimizer state
-        that cannot be resharded (not one value per parameter element) stops every
-        rank, naming the optimizer and the state, before any weight is loaded; a
-        ``TAG_universal`` some rank cannot see stops every rank with the command that
-        writes it. A plain DeepSpeed checkpoint, or
-        ``load_module_only=True``, starts the data at position 0, with a logged note.
+        Rank 0 reads poplar-ext's state first: a resume that cannot continue (another data order) stops every rank
+        before any weight is read. Another plan, global batch or world size is fine: the data continues at the
+        saved position, and the plan history records the resume. Where the number of ranks changed at ZeRO
+        stages 1-3 with the optimizer state loaded, rank 0 reshards the checkpoint (`poplar_ext.runtime.reshard`)
+        into ``TAG_universal`` beside it, unless there, and every rank loads that; a state that cannot be
+        resharded, or a ``TAG_universal`` some rank cannot see, stops every rank first. The weights alone load
+        on any number of ranks (at stage 3 merged from every rank's partition, `merging_weights_of`). A plain
+        DeepSpeed checkpoint, or ``load_module_only=True``, starts the data at position 0, with a logged note.
         Returns DeepSpeed's ``(path, client_state)``.
         """
         from poplar_ext.collectives import decided_by_rank0
@@ -476,6 +442,10 @@ class PoplarEngine(EngineCore):
 
         saved = None if resolved is None else decided_by_rank0(read_checked_state, rank=self._rank)
         where = str(Path(load_dir) / resolved) if resolved is not None else str(load_dir)
+        module_only, with_optimizer = (
+            bool(kwargs.get("load_module_only")),
+            bool(kwargs.get("load_optimizer_states", True)),
+        )
         decision = None
         load_tag = resolved  # not the caller's None: on node-local storage each node's ``latest`` may differ
         resharding = False
@@ -485,15 +455,16 @@ class PoplarEngine(EngineCore):
                 self._client_state(),
                 path=where,
                 step=saved.get("step", 0),
-                load_module_only=bool(kwargs.get("load_module_only")),
-                load_optimizer_states=bool(kwargs.get("load_optimizer_states", True)),
+                load_module_only=module_only,
+                load_optimizer_states=with_optimizer,
             )
-            resharding = self._needs_resharding(decision, kwargs)
+            # The weights alone load on any number of ranks; the optimizer's partitions at stages 1-3 do not.
+            resharding = decision.world_size_changed and self.plan.zero_stage > 0 and with_optimizer and not module_only
             if resharding:
                 load_tag = resharded_tag(
                     Path(load_dir), resolved, deepspeed_engine=self.deepspeed_engine, rank=self._rank
                 )
-        if kwargs.get("load_module_only") and self.plan.zero_stage == 3:
+        if module_only and self.plan.zero_stage == 3:
             # The model's file holds empty partitions at stage 3: DeepSpeed would load no weight, silently.
             # Without the optimizer state it merges them from every rank's partition (`merging_weights_of`).
             kwargs["load_optimizer_states"] = False
@@ -516,26 +487,17 @@ class PoplarEngine(EngineCore):
                 self._client_state(),
                 path=where,
                 step=self.deepspeed_engine.global_steps,
-                load_module_only=bool(kwargs.get("load_module_only")),
+                load_module_only=module_only,
             )
         self.continue_from(decision)
         return path, client_state
 
-    def _needs_resharding(self, decision: ResumeDecision, load_options: dict[str, Any]) -> bool:
-        """Whether DeepSpeed must load the checkpoint resharded: the ranks changed at ZeRO stages 1-3 and it loads
-        the optimizer state's partitions (the weights alone load on any number of ranks)."""
-        if not decision.world_size_changed or self.plan.zero_stage == 0 or load_options.get("load_module_only"):
-            return False
-        return bool(load_options.get("load_optimizer_states", True))
-
     def continue_from(
         self, decision: ResumeDecision, *, position_samplers: bool = True, next_iteration: int | None = None
     ) -> None:
-        """Continue from a checkpoint as `decision` says: its data position, samples, plan history, and its
-        last plan when the run had switched (every rank alike). `load_checkpoint` calls it; so does a trainer
-        that loads the DeepSpeed checkpoint itself (`poplar_ext.integrations.transformers`), with
-        `position_samplers` False when it moves its dataloader to the position itself, its first sampler's
-        `next_iteration` then (for `data_position`)."""
+        """Continue from a checkpoint as `decision` says: its data position, samples, plan history, and its last
+        plan when the run had switched (every rank alike). A trainer that loads the DeepSpeed checkpoint itself
+        and positions its dataloader itself passes `position_samplers` False and its sampler's `next_iteration`."""
         self._restore_position(decision, position_samplers=position_samplers)
         if not position_samplers and next_iteration is not None:
             self._first_sampler_base = next_iteration

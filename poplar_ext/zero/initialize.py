@@ -1,8 +1,4 @@
-"""DeepSpeed's initialize on ZeRO with a plan's per-rank batches (any model but a pipeline module).
-
-`prepare_job` settles the plan on every rank; each rank's DeepSpeed gets a nominal config of its own. See
-docs/training.md.
-"""
+"""DeepSpeed's initialize on ZeRO with a plan's per-rank batches (any model but a pipeline module; docs/training.md)."""
 
 from __future__ import annotations
 
@@ -45,7 +41,13 @@ from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer, job_rebalance
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from poplar_ext.search.model_states import optimizer_state_bytes
 from poplar_ext.zero.engine import PoplarEngine
-from poplar_ext.zero.planning import ProfileDirectory, check_stage_memory, resolve_plan, steady_compute_profiles
+from poplar_ext.zero.planning import (
+    ProfileDirectory,
+    check_stage_memory,
+    load_rebalance_inputs,
+    resolve_plan,
+    steady_compute_profiles,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -124,17 +126,13 @@ def prepare_job(
     checkpointing_toggle: CheckpointingToggle | None = None,
     poplar_config: PoplarConfig | None = None,
 ) -> Job:
-    """Everything before DeepSpeed's engine: config, process group, cluster, plan (collective).
-
-    `loaded_config` is `load_deepspeed_config`'s result; `poplar_config`, its poplar section where the
-    caller read it already (the Trainer refuses its arguments from it before the job is settled).
-    `default_global_batch` is the batch when neither the ``poplar`` section nor the DeepSpeed config sets one
-    (the Hugging Face Trainer's own); `profiling_ds_config`, the config the automatic
-    mode profiles with (default: the user's; the Trainer's has its "auto" values
-    filled). `checkpointing_toggle` switches activation checkpointing in a model of the
-    user's when the automatic mode profiles it. `training_data` is checked by the caller (`check_plan_dataset`,
-    named as its own caller gave it: training_data, train_dataset, the training DataLoader). Raises the same
+    """Everything before DeepSpeed's engine: config, process group, cluster, plan (collective); the same
     ValueError on every rank.
+
+    `loaded_config`: `load_deepspeed_config`'s result; `poplar_config`: its section, where the caller read it
+    already. `default_global_batch`: the batch where no config sets one (the Trainer's own);
+    `profiling_ds_config`: the config the automatic mode profiles with (default: the user's), and
+    `checkpointing_toggle` for a model of the user's there. The caller checks `training_data`.
     """
     ds_config, _, source = loaded_config
     if poplar_config is None:
@@ -226,8 +224,7 @@ def prepare_job(
 
 
 def _check_stage_memory(plan: Plan, *, cluster: Cluster, facts: list, model: Any, ds_config: dict) -> None:
-    """`planning.check_stage_memory` with every rank's memory (an emulated type's capacity, else its
-    share of its device, from the gathered facts): the same refusal on every rank."""
+    """`planning.check_stage_memory` with every rank's memory (an emulated type's capacity, else its device's)."""
     capacities = []
     for rank, device_type in enumerate(cluster.rank_device_types):
         emulation = cluster.emulation_of(device_type)
@@ -247,16 +244,14 @@ def _check_stage_memory(plan: Plan, *, cluster: Cluster, facts: list, model: Any
 def zero_rebalancer(job: Job) -> Rebalancer | None:
     """`job_rebalancer` for a ZeRO job: rank 0 re-plans from the profiles of the plan's stage and the
     network file beside them."""
-    return job_rebalancer(job, make_monitor=lambda: _zero_monitor(job))
 
+    def monitor() -> DriftMonitor:
+        profiles, network = load_rebalance_inputs(
+            job.poplar_config, job.cluster, job.plan, directory=job.profile_directory
+        )
+        return DriftMonitor(config=job.poplar_config.rebalance, profiles=profiles, cluster=job.cluster, network=network)
 
-def _zero_monitor(job: Job) -> DriftMonitor:
-    """Rank 0's monitor of a ZeRO job: the profiles of the plan's stage and the network file beside them."""
-    from poplar_ext.zero.planning import load_rebalance_inputs
-
-    config = job.poplar_config
-    profiles, network = load_rebalance_inputs(config, job.cluster, job.plan, directory=job.profile_directory)
-    return DriftMonitor(config=config.rebalance, profiles=profiles, cluster=job.cluster, network=network)
+    return job_rebalancer(job, make_monitor=monitor)
 
 
 def initialize(
@@ -277,19 +272,14 @@ def initialize(
     checkpointing_toggle: CheckpointingToggle | None = None,
 ) -> tuple[PoplarEngine, Any, torch.utils.data.DataLoader | None, Any]:
     """``deepspeed.initialize`` with the plan of the config's ``poplar`` section, on DeepSpeed ZeRO
-    (`poplar_ext.initialize` for every model but a `poplar_ext.pipeline.PoplarPipelineModule`: its
-    arguments, return values and errors; the engine is a `PoplarEngine`).
+    (`poplar_ext.initialize` for every model but a `PoplarPipelineModule`); the engine is a `PoplarEngine`.
 
-    `loss_fn(engine, batch) -> loss` is for the automatic mode's profiling when the
-    model does not return its loss (default: the output's ``.loss``, else the output).
-
-    Each rank's ``activation_checkpointing`` from the plan is applied to `model` before
-    DeepSpeed wraps it (`poplar_ext.activation_checkpointing`): the built-in GPT and
-    Hugging Face models switch by themselves; a model of your own needs
-    `checkpointing_toggle` (``toggle(model, enabled)``, the one given to the profiler).
-    A plan asking for checkpointing from a model that cannot is refused on every rank.
-    A rank whose entry has ``optimizer_offload`` trains with DeepSpeed's
-    ``offload_optimizer`` in its own config (`poplar_ext.optimizer_offload`).
+    `loss_fn(engine, batch) -> loss`: the automatic mode's profiling loss where the model does not return one
+    (default: the output's ``.loss``, else the output). Each rank's planned ``activation_checkpointing`` is
+    applied to `model` before DeepSpeed wraps it: the built-in GPT and Hugging Face models switch by
+    themselves, a model of your own needs `checkpointing_toggle` (``toggle(model, enabled)``); a model that
+    cannot is refused on every rank. A rank planned with ``optimizer_offload`` gets DeepSpeed's
+    ``offload_optimizer`` in its own config.
     """
     check_plan_dataset(training_data, "training_data", otherwise=_FEED_YOURSELF)
     job = prepare_job(
@@ -327,8 +317,7 @@ def initialize(
 def set_up_rank(
     job: Job, model: Any, *, toggle: CheckpointingToggle | None
 ) -> tuple[tuple[str, ...], ComputeSlowdown | None]:
-    """This rank's process settings (as asked) and activation checkpointing (as planned), logged;
-    every rank's device label, and this rank's emulated slowdown (None: a real device)."""
+    """`rank_devices`, and this rank's activation checkpointing (as planned), logged."""
     labels, slowdown = rank_devices(job)
     checkpointing = apply_plan_checkpointing(model, job.plan, job.rank, toggle=toggle, source=job.plan_reason)
     _log_rank_plan(job, labels[job.rank], checkpointing=checkpointing)
@@ -385,8 +374,8 @@ def _log_rank_plan(job: Job, label: str, *, checkpointing: bool) -> None:
 def _deepspeed_engine(
     nominal: dict, plan: Plan, *, args: Any, distributed_port: int | None, **deepspeed_arguments: Any
 ) -> tuple[Any, Any, Any]:
-    """``deepspeed.initialize`` on this rank's nominal config (the user's other arguments as given):
-    the engine, optimizer and scheduler; the engine then counts the plan's true global batch."""
+    """``deepspeed.initialize`` on this rank's nominal config: the engine (counting the true global batch),
+    optimizer and scheduler."""
     import deepspeed
     from deepspeed.utils import groups
 
@@ -405,12 +394,8 @@ def _deepspeed_engine(
 
 
 def count_true_global_batch(engine: Any, plan: Plan) -> None:
-    """Make a fresh DeepSpeedEngine's bookkeeping count the plan's true global batch.
-
-    DeepSpeed's samples/s lines and global_samples (monitors, checkpoints) read the batch
-    size it was given, each rank's nominal ``b_r * s_r * W``. Its batch checks ran during
-    initialize; nothing after them compares it with the per-rank values.
-    """
+    """Make a fresh DeepSpeedEngine's bookkeeping (samples/s, global_samples) count the plan's true global batch
+    instead of the rank's nominal ``b_r * s_r * W``: its batch checks ran already, nothing later compares them."""
     engine._config.train_batch_size = plan.global_batch_size
     if hasattr(engine, "tput_timer"):
         engine.tput_timer.batch_size = plan.global_batch_size
@@ -425,10 +410,8 @@ def wrap_built_engine(
     sampler: PlanBatchSampler | None = None,
     weights_loss: bool = True,
 ) -> PoplarEngine:
-    """The `PoplarEngine` over a DeepSpeed engine another library built (accelerate, for
-    PoplarAccelerator and the Hugging Face Trainer) on this rank's config: it counts the true
-    global batch, re-balances as the job says (collective), times this rank's compute from the
-    engine's training forwards, and follows `sampler` (built before the engine)."""
+    """The `PoplarEngine` over a DeepSpeed engine another library built (accelerate) on this rank's config:
+    counting the true batch, re-balancing (collective), timing training forwards, following `sampler`."""
     count_true_global_batch(engine, job.plan)
     follow_unsynchronised_throughput_timer(engine, job.ds_config, source=job.source)
     wrapped = poplar_engine(
@@ -442,9 +425,8 @@ def wrap_built_engine(
 
 
 def time_training_forwards(module: torch.nn.Module, wrapped: PoplarEngine) -> None:
-    """`wrapped`'s compute window opens at each training forward of `module` (another library calls it, not
-    the engine), keyed by the plan's micro-batch as the engine's own forward keys it; evaluation's forwards
-    are not timed."""
+    """`wrapped`'s compute window opens at each training forward of `module` (called by another library, not
+    the engine); evaluation's forwards are not timed."""
     module.register_forward_pre_hook(lambda m, _: wrapped.start_compute_window() if m.training else None)
 
 
@@ -465,9 +447,10 @@ def poplar_engine(
     rebalancer: Rebalancer | None,
     weights_loss: bool = True,
 ) -> PoplarEngine:
-    """The `PoplarEngine` over `engine` (a DeepSpeedEngine built on this rank's nominal config)
-    with `set_up_rank`'s labels and slowdown; logs where the plan came from."""
-    wrapped = PoplarEngine(
+    """The `PoplarEngine` over `engine` with `set_up_rank`'s labels and slowdown; logs where the plan came from."""
+    if job.rank == 0:
+        logger.info("poplar plan from step 0: %s", job.plan_reason)
+    return PoplarEngine(
         engine,
         plan=job.plan,
         rank=job.rank,
@@ -479,9 +462,6 @@ def poplar_engine(
         rebalancer=rebalancer,
         weights_loss=weights_loss,
     )
-    if job.rank == 0:
-        logger.info("poplar plan from step 0: %s", job.plan_reason)
-    return wrapped
 
 
 def _training_dataloader(

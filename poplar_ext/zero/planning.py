@@ -1,8 +1,4 @@
-"""Which plan a training job runs: from a plan file, or searched at start from profiles.
-
-`resolve_plan` (rank 0 decides, all receive), calibration of cached profiles, `StalePlanWarning`. See
-docs/training.md and docs/design.md.
-"""
+"""Which plan a ZeRO job runs: a plan file, or searched at start from profiles (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -45,8 +41,8 @@ class StalePlanWarning(UserWarning):
 
 
 def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
-    """Device types whose profile at the plan's stage (and memory levers) is not the one the plan was made from
-    (as `profile_of_plan` finds it: rescaled where the plan's calibration rescaled it, among several models')."""
+    """Device types whose profile at the plan's stage and levers is not the one the plan was made from
+    (as `profile_of_plan` finds it)."""
     from poplar_ext.plan.levers import profiles_for_plan
 
     at_stage = profiles_for_plan(plan, profiles)
@@ -59,22 +55,20 @@ def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
     ]
 
 
-def runtime_plan_problems(
+def check_plan_for_job(
     plan: Plan,
     cluster: Cluster,
     *,
     world_size: int,
     zero_stage: int | None,
+    profiles: list[Profile] | None = None,
+    source: str = "plan",
     global_batch: GlobalBatchRequest | None = None,
-) -> list[str]:
-    """What makes `plan` unrunnable in this job (sentences; [] when fine).
+) -> None:
+    """Raise ValueError listing every reason `plan` cannot run in this job: the job's world size, stage and
+    global batch, then the search's `check_plan` (device types, the stage 2/3 rule, micro-batch caps)."""
+    from poplar_ext.search import check_plan
 
-    Only what the runtime alone knows: the job's world size, the DeepSpeed config's stage and
-    global batch (a plan file's batch above ``poplar.max_global_batch_size`` is `read_plan_file`'s
-    refusal; the search keeps within it). The rest (device types, the stage 2/3 rule of one
-    accumulation count, whose breach would hang the job, micro-batch caps) is
-    `search.check_plan`'s.
-    """
     problems = []
     if global_batch is not None and isinstance(global_batch.size, int) and global_batch.size != plan.global_batch_size:
         problems.append(
@@ -92,33 +86,6 @@ def runtime_plan_problems(
             f"The plan is for ZeRO stage {plan.zero_stage} but the config asks for stage {zero_stage} "
             "(zero_optimization.stage or poplar.zero_stage)."
         )
-    return problems
-
-
-def check_plan_for_job(
-    plan: Plan,
-    cluster: Cluster,
-    *,
-    world_size: int,
-    zero_stage: int | None,
-    profiles: list[Profile] | None = None,
-    source: str = "plan",
-    global_batch: GlobalBatchRequest | None = None,
-) -> None:
-    """Raise ValueError listing every reason `plan` cannot run in this job.
-
-    Combines `runtime_plan_problems` with the search's `check_plan` (device types
-    against the cluster, the stage rule, micro-batch sizes against the profiles' largest).
-    """
-    from poplar_ext.search import check_plan
-
-    problems = runtime_plan_problems(
-        plan,
-        cluster,
-        world_size=world_size,
-        zero_stage=zero_stage,
-        global_batch=global_batch,
-    )
     problems += [p for p in check_plan(plan, cluster, profiles) if p not in problems]
     if problems:
         raise ValueError(f"{source}: this plan cannot run: " + " ".join(problems))
@@ -131,13 +98,8 @@ def obtain_missing_profiles(
     cluster: Cluster,
     measure_missing: MeasureMissing | None = None,
 ) -> list[Profile]:
-    """Profiles for the (device type, ZeRO stage) pairs in `missing`.
-
-    Measured by `measure_missing` when given: the automatic mode, where initialize
-    had the model and the training data (every rank calls it alike, it is
-    collective). Otherwise raises ValueError saying exactly what is missing and what
-    to run.
-    """
+    """Profiles for the (device type, ZeRO stage) pairs in `missing`, measured by `measure_missing` (collective;
+    the automatic mode); without it, a ValueError saying what is missing and what to run."""
     if measure_missing is not None:
         return measure_missing(missing, cluster)
     by_stage: dict[int, list[str]] = {}
@@ -158,17 +120,18 @@ def obtain_missing_profiles(
 
 def _read_profiles(poplar_config: PoplarConfig) -> list[Profile]:
     """Every profile in ``poplar.profiles`` ([] when there is no such directory)."""
-    if poplar_config.profiles is not None and poplar_config.profiles.exists() and not poplar_config.profiles.is_dir():
+    directory = poplar_config.profiles
+    if directory is None or not directory.exists():
+        return []
+    if not directory.is_dir():
         raise ValueError(
             f"{poplar_config.profiles_setting}: expected a directory of profiles (one is made when missing), "
-            f"found the file {poplar_config.profiles}"
+            f"found the file {directory}"
         )
-    if poplar_config.profiles is None or not poplar_config.profiles.is_dir():
-        return []
     try:
-        return load_profiles(poplar_config.profiles)
+        return load_profiles(directory)
     except FormatError as exc:
-        if not any(poplar_config.profiles.glob("*.json")):
+        if not any(directory.glob("*.json")):
             return []
         raise ValueError(f"poplar.profiles: {exc}") from exc
 
@@ -178,28 +141,24 @@ _UNREAD = object()
 
 @dataclass
 class ProfileDirectory:
-    """``poplar.profiles`` as rank 0 reads it during one job's start: its profiles and its network
-    file, each read once, on first use, then passed along (to the plan check, the search and
-    re-balancing). Profiles measured meanwhile (rank 0 also stored them there) are added, not read back.
-    """
+    """``poplar.profiles`` as rank 0 reads it during one job's start: its profiles and network file, each read
+    once, on first use, then passed along; profiles measured meanwhile are added, not read back."""
 
     poplar_config: PoplarConfig
     cluster: Cluster
     dtype: str | None = None
-    """The job's training dtype (`training_dtype`); None: any. The model's fingerprint is taken before
-    DeepSpeed casts it, so a profile of the same model in another dtype is not this job's."""
+    """The job's training dtype; None: any. The model's fingerprint is taken before DeepSpeed casts it, so a
+    profile of the same model in another dtype is not this job's."""
     job_key: JobKey | None = None
-    """What the automatic mode's profiler keys this job's profiles with: a stored profile of the model counts
-    only where its cache would reuse it (dtype, DeepSpeed config and optimizer, world size, emulation,
-    versions); None: the model's profiles in `dtype`."""
+    """The automatic mode's key of this job's profiles: a stored profile counts only where its cache would reuse
+    it; None: the model's profiles in `dtype`."""
     _stored: list[Profile] | None = field(default=None, init=False, repr=False)
     _measured: list[Profile] = field(default_factory=list, init=False, repr=False)
     _network: Any = field(default=_UNREAD, init=False, repr=False)
 
     def profiles(self, model_fingerprint: str | None = None) -> list[Profile]:
-        """The directory's profiles (of the model with `model_fingerprint` in the job's dtype when given), then
-        the measured ones, each in place of the stored one of its model and `Profile.key`: rank 0 stored it
-        over that file, which may hold another dtype's (`Profile.key` has none)."""
+        """The directory's profiles (of the model `model_fingerprint` when given), then the measured ones, each in
+        place of the stored one of its model and `Profile.key` (rank 0 stored it over that file)."""
         if self._stored is None:
             self._stored = _read_profiles(self.poplar_config)
         replaced = {(p.model.fingerprint, p.key) for p in self._measured}
@@ -212,7 +171,6 @@ class ProfileDirectory:
         return stored + self._measured
 
     def _jobs(self, profile: Profile, model_fingerprint: str) -> bool:
-        """Whether `profile` is one of this job's model (`model_fingerprint`)."""
         if profile.model.fingerprint != model_fingerprint:
             return False
         if self.job_key is not None:
@@ -220,8 +178,7 @@ class ProfileDirectory:
         return self.dtype in (None, profile.model.dtype)
 
     def add_measured(self, profiles: list[Profile]) -> None:
-        """Profiles measured since the directory was read: `profiles` returns them in place of the directory's
-        (and of those measured before) of the same model and key."""
+        """Profiles measured since the directory was read, returned in place of those of the same model and key."""
         replaced = {(p.model.fingerprint, p.key) for p in profiles}
         self._measured = [p for p in self._measured if (p.model.fingerprint, p.key) not in replaced] + profiles
 
@@ -239,12 +196,10 @@ def _profile_gaps(
     profiles: list[Profile], cluster: Cluster, zero_stage: int | None
 ) -> tuple[list[tuple[str, int]], list[int]]:
     """The (device type, stage) pairs without a profile, and the stages where no type lacks one."""
-    types = list(cluster.type_counts())
     stages = ZERO_STAGES if zero_stage is None else (zero_stage,)
     have = {(p.device_type, p.zero_stage) for p in profiles}
-    missing = [(t, s) for s in stages for t in types if (t, s) not in have]
-    complete = [s for s in stages if all(stage != s for _, stage in missing)]
-    return missing, complete
+    missing = [(t, s) for s in stages for t in cluster.type_counts() if (t, s) not in have]
+    return missing, [s for s in stages if all(stage != s for _, stage in missing)]
 
 
 def _searchable(profiles: list[Profile], cluster: Cluster, zero_stage: int | None) -> list[Profile]:
@@ -256,15 +211,12 @@ def _searchable(profiles: list[Profile], cluster: Cluster, zero_stage: int | Non
         raise ValueError(
             f"poplar.profiles: after profiling, no ZeRO stage has a profile of every device type (missing: {still})"
         )
-    types = set(cluster.type_counts())
-    return [p for p in profiles if p.zero_stage in complete and p.device_type in types]
+    return [p for p in profiles if p.zero_stage in complete and p.device_type in cluster.type_counts()]
 
 
 def profile_of_plan(plan: Plan, profiles: list[Profile], device_type: str) -> Profile | None:
-    """`device_type`'s profile among `profiles` (of the plan's stage and levers) as the plan was made from
-    it, or the only one there is; None when there is none or several and the plan names none of them
-    (several models' profiles may share a directory: the plan's fingerprints say which). Where the plan
-    records that calibration rescaled the type's cached profile, the profile comes rescaled, as searched."""
+    """`device_type`'s profile among `profiles` as the plan was made from it (rescaled where its calibration
+    rescaled it), or the only one there is; None when there is none, or several and the plan names none."""
     candidates = [p for p in profiles if p.device_type == device_type]
     named = plan.profile_fingerprints.get(device_type)
     check = plan.calibration.get(device_type, {})
@@ -279,8 +231,7 @@ def profile_of_plan(plan: Plan, profiles: list[Profile], device_type: str) -> Pr
 
 
 def steady_compute_profiles(plan: Plan, cluster: Cluster, directory: ProfileDirectory) -> dict[str, dict]:
-    """Rank 0: the profile (as a dict) each emulated device type's compute is made steady by: the one the
-    plan was made from (`poplar_ext.hardware.emulation.steady_reference`); types without one are left out."""
+    """Rank 0: each emulated device type's profile (a dict) the plan was made from, its compute made steady by."""
     from poplar_ext.plan.formats import profile_to_dict
     from poplar_ext.plan.levers import profiles_for_plan
 
@@ -298,14 +249,9 @@ def steady_compute_profiles(plan: Plan, cluster: Cluster, directory: ProfileDire
 def load_rebalance_inputs(
     poplar_config: PoplarConfig, cluster: Cluster, plan: Plan, *, directory: ProfileDirectory | None = None
 ) -> tuple[list[Profile], Any]:
-    """What re-balancing re-plans from (rank 0 reads it): the profiles of every device type of the
-    cluster at the plan's stage, and the network file measured on this cluster (or None).
-
-    ValueError when a profile is missing: re-balancing scales each rank's profiled curve.
-    Each type's profile is the one with the plan's memory levers (a re-plan keeps them), rescaled where
-    the plan's calibration record says so (`profile_of_plan`): drift is measured against what the plan predicted.
-    `directory`: what resolving the plan already read of ``poplar.profiles`` (default: read now).
-    """
+    """What re-balancing re-plans from (rank 0 reads it): each device type's profile at the plan's stage and
+    levers, as the plan was made from it (`profile_of_plan`), and the cluster's network file (or None).
+    `RebalanceUnavailable`/ValueError when a profile is missing or ambiguous. `directory`: default, read now."""
     from poplar_ext.plan.levers import profiles_for_plan
 
     where = f"{poplar_config.source}: {SECTION}.rebalance.enabled"
@@ -324,19 +270,16 @@ def load_rebalance_inputs(
             f"{poplar_config.profiles}, found none for {', '.join(missing)}",
             plain=f"{poplar_config.profiles} has no profile of {', '.join(missing)} at ZeRO stage {plan.zero_stage}",
         )
-    chosen: dict[str, Profile] = {}
-    for device_type in cluster.type_counts():
-        found = profile_of_plan(plan, profiles, device_type)
-        if found is not None:
-            chosen[device_type] = found
-            continue
-        candidates = [p for p in profiles if p.device_type == device_type]
-        raise ValueError(
-            f"{where}: expected one profile of {device_type} at ZeRO stage {plan.zero_stage} in "
-            f"{poplar_config.profiles}, or the one the plan was made from, found {len(candidates)} (several models?) "
-            "and a plan that names none of them"
-        )
-    return list(chosen.values()), directory.network()
+    chosen = [profile_of_plan(plan, profiles, device_type) for device_type in cluster.type_counts()]
+    for device_type, found in zip(cluster.type_counts(), chosen):
+        if found is None:
+            candidates = [p for p in profiles if p.device_type == device_type]
+            raise ValueError(
+                f"{where}: expected one profile of {device_type} at ZeRO stage {plan.zero_stage} in "
+                f"{poplar_config.profiles}, or the one the plan was made from, found {len(candidates)} "
+                "(several models?) and a plan that names none of them"
+            )
+    return chosen, directory.network()
 
 
 def resolve_plan(
@@ -355,20 +298,12 @@ def resolve_plan(
 ) -> Plan:
     """The plan this job runs, checked; raises the same ValueError on every rank if it cannot.
 
-    `zero_stage`: the stage the DeepSpeed config sets, or None to take the plan's (or
-    let the search choose). `global_batch`: the batch the config asks for
-    (`poplar_ext.runtime.config.requested_global_batch_size`; default: what
-    ``poplar.global_batch_size`` says): a plan file must have it, the search uses it
-    (``"auto"``: picks one). `broadcast(obj)` returns rank 0's `obj` on every rank.
-    `directory`: rank 0's reading of ``poplar.profiles``, to pass on to what reads it next
-    (re-balancing); default: a fresh one. `time_at_sizes`: times micro-steps as training runs
-    them (collective); given, a plan searched from cached profiles is checked against it first
-    (``poplar.calibration``, see docs/training.md).
-
-    Only rank 0 reads files (the plan, the profiles): the other ranks' nodes need
-    none of them. Rank 0 decides and broadcasts (`decided_by_rank0`): the plan, or
-    which profiles must be measured (every rank then measures, collectively), or the
-    error that every rank raises.
+    `zero_stage`: the config's stage, or None (the plan's, or the search's). `global_batch`: the batch the
+    config asks for (default: ``poplar.global_batch_size``): a plan file must have it, the search uses it.
+    `broadcast(obj)` returns rank 0's `obj` on every rank. `directory`: rank 0's reading of ``poplar.profiles``,
+    passed on to re-balancing (default: a fresh one). `time_at_sizes` (collective): given, a plan searched from
+    cached profiles is checked against timed micro-steps first (``poplar.calibration``, docs/training.md).
+    Only rank 0 reads files; it decides (`decided_by_rank0`) the plan, the profiles to measure, or the error.
     """
     assert directory is None or (directory.poplar_config, directory.cluster) == (poplar_config, cluster)
     request = _PlanRequest(
@@ -510,8 +445,8 @@ def _calibrated(
     time_at_sizes: TimeAtSizes,
     measure: MeasureMissing | None,
 ) -> Plan:
-    """`plan`, or the plan searched again from the cached profiles checked against micro-steps timed now
-    at `sizes` (device type -> the plan's sizes); collective. The result records the checks."""
+    """`plan`, or searched again from the cached profiles checked against micro-steps timed now at `sizes`
+    (collective); the result records the checks."""
     settings = request.poplar_config.calibration
     from poplar_ext.plan.levers import plan_levers
 
@@ -558,8 +493,7 @@ def _calibrated(
 
 
 def _profiles_to_measure(request: _PlanRequest, *, measurable: bool) -> list[tuple[str, int]]:
-    """The (device type, stage) pairs the directory lacks, read by rank 0; ValueError saying what
-    to run when they cannot be measured here."""
+    """The (device type, stage) pairs the directory lacks; ValueError when they cannot be measured here."""
     profiles = request.directory.profiles(request.model_fingerprint)
     missing, complete = _profile_gaps(profiles, request.cluster, request.zero_stage)
     if complete:
@@ -598,13 +532,9 @@ def check_stage_memory(
     dtype: str,
     optimizer_bytes_per_parameter: int,
 ) -> None:
-    """Refuse `plan` where a rank's memory (`capacities_bytes`, rank order) cannot hold the model states
-    alone at the plan's ZeRO stage (`poplar_ext.search.model_states`, with the rank's optimizer offload).
-
-    Run on every rank from gathered capacities, before DeepSpeed builds the engine: a rank running out
-    of memory inside ``deepspeed.initialize`` or the first optimizer step would leave the others waiting
-    in a collective. Raises the same ValueError everywhere, naming each such rank.
-    """
+    """Refuse `plan` where a rank's memory (`capacities_bytes`, rank order) cannot hold the model states alone at
+    the plan's stage, with the same ValueError on every rank naming each such rank: run before DeepSpeed builds
+    the engine, where running out of memory would leave the others waiting in a collective."""
     problems = []
     for rank_plan, capacity in zip(plan.ranks, capacities_bytes):
         states = model_states(
@@ -637,6 +567,5 @@ __all__ = [
     "obtain_missing_profiles",
     "ProfileDirectory",
     "resolve_plan",
-    "runtime_plan_problems",
     "stale_profile_types",
 ]
