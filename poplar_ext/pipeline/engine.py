@@ -1,6 +1,5 @@
 """`PoplarPipelineEngine`: DeepSpeed's PipelineEngine for one pipeline of a plan, exact over all of them.
 
-The seams: `allreduce_gradients`, `clip_fp32_gradients`, ``_INSTRUCTION_MAP``, `train_batch`, checkpoints.
 See docs/pipeline.md (what happens underneath) and docs/deepspeed-notes.md (pipeline engine).
 """
 
@@ -48,16 +47,15 @@ from poplar_ext.runtime.checkpoint import (
 )
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.engine_core import EngineCore
-from poplar_ext.runtime.rebalance import Rebalancer, StepView
+from poplar_ext.runtime.rebalance import Rebalancer
 from poplar_ext.runtime.weighting import pipeline_loss_weight
 
 logger = logging.getLogger(__name__)
 
 
 def _timed(instruction: Callable[..., Any], *, compute: bool = True) -> Callable[..., Any]:
-    """`instruction` run inside this rank's compute window: an emulated device slowed down, a real one
-    measured where re-balancing watches it. Not `compute`: the optimizer step, slowed on an emulated
-    device only and left out of the busy time re-balancing compares with the layers' forward and backward."""
+    """`instruction` run inside this rank's compute window. Not `compute` (the optimizer step): slowed on an
+    emulated device only, and left out of the busy time re-balancing compares with the layers' profiles."""
 
     def run(engine: PoplarPipelineEngine, **kwargs: Any) -> Any:
         timer = engine.compute_timer
@@ -76,7 +74,7 @@ def _timed(instruction: Callable[..., Any], *, compute: bool = True) -> Callable
 
 
 def _every_ranks(shapes: list[list[dict]]) -> list[dict]:
-    """The job's optimizer parameters per group (name -> shape) from each rank's (`optimizer_parameter_shapes`)."""
+    """The job's optimizer parameters per group (name -> shape) from each rank's."""
     merged: list[dict] = [{} for _ in range(max(len(groups) for groups in shapes))]
     for groups in shapes:
         for into, group in zip(merged, groups):
@@ -85,9 +83,8 @@ def _every_ranks(shapes: list[list[dict]]) -> list[dict]:
 
 
 def _exec_backward_pass(engine: PoplarPipelineEngine, **kwargs: Any) -> Any:
-    """DeepSpeed's backward instruction; on the last stage, the loss times the loss scale where DeepSpeed's
-    backward leaves it out (`PoplarPipelineEngine._unapplied_loss_scale`), as FP16_Optimizer.backward scales it:
-    in fp32. Earlier stages receive gradients scaled already."""
+    """DeepSpeed's backward instruction; on the last stage, the loss times the loss scale (in fp32, as
+    FP16_Optimizer.backward) where DeepSpeed's backward leaves it out (`_unapplied_loss_scale`)."""
     scale = engine._unapplied_loss_scale() if engine.is_last_stage() else None
     if scale is None:
         return PipelineEngine._exec_backward_pass(engine, **kwargs)
@@ -104,10 +101,9 @@ def agree_on_overflow(
 ) -> bool:
     """Whether any rank's `gradients` hold an inf or a NaN (collective: every rank calls it at ReduceGrads).
 
-    Where another rank's do and this rank's do not, this rank's are set to NaN: DeepSpeed's own check
-    then skips the step here too (fp16: and lowers the loss scale), on every rank alike. The sum across
-    pipelines spreads a non-finite gradient to every copy of its layer already; this holds where the
-    copies' sums would differ. `agree`: `poplar_ext.collectives.agree_sum` (the sum of an int over all ranks).
+    Where another rank's do and this rank's do not, this rank's are set to NaN: DeepSpeed's own check then
+    skips the step here too (fp16: and lowers the loss scale), on every rank alike. `agree`: the sum of an int
+    over all ranks.
     """
     local = any(not bool(torch.isfinite(gradient).all()) for gradient in gradients)
     overflow = agree(int(local), device) > 0
@@ -155,7 +151,6 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         )
         self.poplar_job = poplar_job
         self.pipeline_index, self.stage_index = poplar_job.pipeline_index, poplar_job.stage_index
-        self._fed_by_caller = False
         self._loader: Any = None
         self._own_iterator = False
         self._job_tag: str | None = None
@@ -166,7 +161,6 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         for timer in (self.tput_timer, self.batch_timer):
             timer.batch_size = plan.global_batch_size
 
-    # -- across pipelines ----------------------------------------------------------
     def allreduce_gradients(self, bucket_size: int = MEMORY_OPT_ALLREDUCE_SIZE) -> None:
         if self.is_gradient_accumulation_boundary():
             self._sum_across_pipelines()
@@ -191,10 +185,9 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
             agree_on_overflow(list(gradients.values()), device=self.device)
 
     def _accumulated_gradients(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        """Each trainable parameter of this stage and the tensor holding its gradient summed over the
-        iteration's micro-batches: the bf16 optimizer's own buffer, ZeRO's ``grad_accum`` where it
-        accumulates in another dtype than the parameters', else ``.grad`` (zeros where there is none: a
-        layer unused by this pipeline's forward still takes part in the sum)."""
+        """Each trainable parameter of this stage and the tensor holding its accumulated gradient: the bf16
+        optimizer's buffer, ZeRO's ``grad_accum``, else ``.grad`` (zeros where none: a layer unused by this
+        pipeline's forward still takes part in the sum)."""
         optimizer = self.optimizer
         holders: dict[torch.nn.Parameter, torch.Tensor] = {}
         if isinstance(optimizer, BF16_Optimizer):
@@ -266,7 +259,6 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         # folder (pipeline<P>, DeepSpeed's tag), so the job's tag is what must agree.
         super()._checkpoint_tag_validation(self._job_tag or tag)
 
-    # -- training ------------------------------------------------------------------
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """DeepSpeed's train_batch; returns the mean loss over the global batch, on every rank (collective)."""
         self.module.loss_fn.tokens = 0  # token_mean: counted afresh (an evaluation may have counted some)
@@ -298,15 +290,10 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
                 float(self.agg_train_loss),
             )
 
-    # -- re-balancing --------------------------------------------------------------
-    def _step_view(self, step: int) -> StepView:
-        return StepView(
-            step=step,
-            plan=self.plan,
-            data_reached=max([self.data_position] + [s.generated_until for s in self._samplers]),
-            has_sampler=bool(self._samplers) and not self._fed_by_caller,
-            switch_pending=self.pending_switch is not None,
-        )
+    @property
+    def data_reached(self) -> int:
+        """How far this pipeline's data has been handed out: no plan switch can start before it."""
+        return max([self.data_position] + [s.generated_until for s in self._samplers])
 
     def switch_plan(self, plan: PipelinePlan, *, reason: str, record: bool = True) -> None:
         """Train `plan`'s micro-batch counts from the next iteration on (every rank at the same step; the
@@ -329,7 +316,6 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         self.poplar_job = self.module.poplar_job = dataclasses.replace(self.poplar_job, plan=plan)
         self.record_switch(plan, step=self.global_steps, reason=reason, record=record, rank=self.global_rank)
 
-    # -- data ----------------------------------------------------------------------
     def create_batch_sampler(self, num_samples: int) -> PlanBatchSampler:
         """This pipeline's batch sampler: its share of every iteration from the shared stream, the
         pipelines taking the places ranks take in a ZeRO job (`poplar_ext.runtime.data`)."""
@@ -355,7 +341,6 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
             return self._samplers[0].iteration_start(self._first_sampler_base + self._steps_since_restore)
         return self.trained_position
 
-    # -- checkpoints ---------------------------------------------------------------
     def save_checkpoint(
         self,
         save_dir: str | Path,
@@ -388,11 +373,10 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:
         """DeepSpeed's load from ``load_dir/TAG/pipeline<P>``, continuing the data stream (collective).
 
-        Rank 0 reads poplar-ext's state first; a checkpoint that cannot continue here (another
-        data order or model, a ZeRO job's) stops every rank before anything is loaded. Under
-        another split the layers move by index and the optimizer state by parameter
-        (`_load_moving_layers`). Returns DeepSpeed's ``(path, client_state)``; ``(None, None)``
-        when `load_dir` has no ``latest``.
+        Rank 0 reads poplar-ext's state first; a checkpoint that cannot continue here (another data order or
+        model, a ZeRO job's) stops every rank before anything is loaded. Under another split the layers move by
+        index and the optimizer state by parameter. Returns DeepSpeed's ``(path, client_state)``; ``(None,
+        None)`` when `load_dir` has no ``latest``.
         """
         self._refuse_unreadable_optimizer_state(kwargs)
         resolved = tag_for_load(load_dir, tag, deepspeed_engine=self, rank=self.global_rank)
@@ -416,8 +400,8 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         return path, client_state
 
     def _load_moving_layers(self, where: str, saved_plan: dict, kwargs: dict) -> tuple[Any, dict | None]:
-        """Another split: every layer's weights from pipeline 0's folder (DeepSpeed's load, by layer index), the
-        optimizer state per parameter (`poplar_ext.pipeline.replan`), once every rank found it can (collective)."""
+        """Another split: every layer's weights from pipeline 0's folder (by layer index), the optimizer state
+        per parameter, once every rank found it can (collective)."""
         carry = not kwargs.get("load_module_only") and kwargs.get("load_optimizer_states", True)
         if carry and not self.zero_optimization() and half_precision_master_copies(self.optimizer):
             # Its fp32 copies would need the per-parameter states loaded into them; not done (the same config,
@@ -446,8 +430,8 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         return path, client_state
 
     def _check_parameter_states(self, where: str, saved_plan: dict) -> None:
-        """Rank 0 writes the checkpoint's optimizer state per parameter; every rank compares its parameters with
-        this job's (all ranks'): the same ValueError on every rank, before anything is loaded (collective)."""
+        """Rank 0 writes the checkpoint's optimizer state per parameter; every rank compares it with this job's
+        parameters: the same ValueError on every rank, before anything is loaded (collective)."""
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # ZeRO 1's wraps the user's
         zero_stage, stages = saved_plan["zero_stage"], len(saved_plan["pipelines"][0]["stages"])
         try:

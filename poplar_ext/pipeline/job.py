@@ -1,8 +1,4 @@
-"""A pipeline job settled on every rank before any layer is built: config, process group, cluster, plan.
-
-The steps of a ZeRO job (`poplar_ext.zero.initialize.prepare_job`) with a pipeline plan: the config's
-refusals, the process group and device, the cluster checked against the hardware, rank 0's plan for all.
-"""
+"""A pipeline job settled on every rank before any layer is built: config, process group, cluster, plan."""
 
 from __future__ import annotations
 
@@ -71,11 +67,9 @@ def prepare_pipeline_job(
     loss_fn: Callable[[Any, Any], Any] | None = None,
     training_data: Any = None,
 ) -> PipelineJob:
-    """Everything before the layers are built (collective). `loaded_config` is
-    `poplar_ext.runtime.config.load_deepspeed_config`'s result; `num_layers`, the model's.
-    Without a plan file, `layers` (the module's, for their fingerprint) pick the layer
-    profiles the plan is searched from, and with `training_data` missing ones are measured
-    (with `loss_fn`, the pipeline's). Raises the same ValueError on every rank."""
+    """Everything before the layers are built (collective; the same ValueError on every rank). `loaded_config`:
+    `load_deepspeed_config`'s result. Without a plan file, `layers` (by their fingerprint) pick the layer
+    profiles searched from, and with `training_data` missing ones are measured (with `loss_fn`)."""
     ds_config, _, source = loaded_config
     poplar_config = read_poplar_section(
         loaded_config,
@@ -85,9 +79,8 @@ def prepare_pipeline_job(
     check_pipeline_config(ds_config, poplar_config)
     _refuse_another_reduction(loss_fn, poplar_config.loss_reduction)
     device = join_job(**(init_options or {}))
-    # DeepSpeed's PipelineModule talks through DeepSpeed's communication backend, which
-    # deepspeed.initialize would set up only later; over a process group that exists, this
-    # only wraps it.
+    # DeepSpeed's PipelineModule talks through DeepSpeed's communication backend, which deepspeed.initialize
+    # would set up only later; over a process group that exists, this only wraps it.
     import deepspeed
 
     deepspeed.init_distributed(**(init_options or {}))
@@ -123,9 +116,8 @@ def prepare_pipeline_job(
 
 
 def _refuse_fp16_where_unsupported(ds_config: dict, *, source: str, device: Any, world_size: int) -> None:
-    """fp16 where some rank's DeepSpeed accelerator refuses it (its CPU accelerator without AVX512-FP16 or
-    AMX-FP16): the same ValueError on every rank now (collective), where DeepSpeed would raise on those
-    ranks alone when the engine is built and leave the others waiting in its first collective."""
+    """fp16 where some rank's DeepSpeed accelerator refuses it: the same ValueError on every rank now
+    (collective), where DeepSpeed would raise on those ranks alone and leave the others waiting."""
     if training_dtype(ds_config) != "float16":
         return
     from deepspeed.accelerator import get_accelerator
@@ -142,8 +134,7 @@ def _refuse_fp16_where_unsupported(ds_config: dict, *, source: str, device: Any,
 
 
 def _refuse_another_reduction(loss_fn: Any, reduction: str) -> None:
-    """A loss that says which reduction it computes (`CausalLMLoss`: token_mean) must get that one;
-    token_mean needs a loss_fn (the last stage counts the label tokens of the labels it gets)."""
+    """A loss that says which reduction it computes (`CausalLMLoss`) must get that one; token_mean needs a loss_fn."""
     if reduction == "token_mean" and loss_fn is None:
         raise ValueError(
             "poplar.loss_reduction: expected mean or sum without a loss_fn (the last layer's output as the "

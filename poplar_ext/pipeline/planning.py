@@ -1,8 +1,4 @@
-"""Which pipeline plan a job runs, and what it refuses before training: the same ValueError on every rank.
-
-`check_pipeline_config` (the config alone), `resolve_pipeline_plan` (a plan file, or searched at start). See
-docs/pipeline.md (searched at start; what is refused).
-"""
+"""Which pipeline plan a job runs, and what it refuses before training, alike on every rank (docs/pipeline.md)."""
 
 from __future__ import annotations
 
@@ -24,7 +20,7 @@ from poplar_ext.plan.pipeline_formats import (
     pipeline_plan_to_dict,
 )
 from poplar_ext.runtime.config import AUTO, SECTION, PoplarConfig, deepspeed_train_batch_size, requested_zero_stage
-from poplar_ext.runtime.job_start import read_plan_file
+from poplar_ext.runtime.job_start import job_plan_problems, read_plan_file
 
 if TYPE_CHECKING:
     from poplar_ext.profiler.cache import JobKey
@@ -33,9 +29,7 @@ if TYPE_CHECKING:
 
 def requested_pipeline_batch(poplar_config: PoplarConfig, ds_config: dict) -> tuple[int, str] | None:
     """The global batch the config sets explicitly, and where: ``poplar.global_batch_size``, else
-    ``train_batch_size``; None when neither does. The per-rank keys
-    (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``) are the plan's in a
-    pipeline job and replaced."""
+    ``train_batch_size``; None when neither does (the per-rank keys are the plan's in a pipeline job)."""
     if isinstance(poplar_config.global_batch_size, int):
         return poplar_config.global_batch_size, f"{SECTION}.global_batch_size"
     given = deepspeed_train_batch_size(ds_config, source=poplar_config.source)
@@ -96,32 +90,16 @@ def pipeline_plan_problems(
     zero_stage: int | None,
     global_batch: tuple[int, str] | None = None,
 ) -> list[str]:
-    """What makes `plan` unrunnable in this job, as sentences ([] when fine): its ranks against
-    the job's and the cluster's device types, its layers against the model's, its stage and
-    global batch against the config's."""
-    problems = []
-    if plan.world_size != world_size:
-        problems.append(f"The plan names {plan.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
-    if cluster.world_size != world_size:
-        problems.append(
-            f"The cluster description names {cluster.world_size} ranks but the job has {world_size} (WORLD_SIZE)."
-        )
-    if not problems:  # the counts agree: each rank's type, as a ZeRO job's check_plan_for_job (the search's check)
+    """What makes `plan` unrunnable in this job, as sentences ([] when fine): `job_plan_problems`, each rank's
+    device type against the cluster's (where the counts agree), its layers against the model's."""
+    counts_agree = plan.world_size == world_size == cluster.world_size
+    problems = job_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=global_batch)
+    if counts_agree:  # each rank's type, as a ZeRO job's check_plan_for_job (the search's check)
         problems += cluster_problems(plan, cluster)
     if plan.num_layers != num_layers:
         problems.append(
             f"The plan splits {plan.num_layers} layers but the model has {num_layers} (the layers given to "
             "PoplarPipelineModule): its stages would not cover the model."
-        )
-    if zero_stage is not None and zero_stage != plan.zero_stage:
-        problems.append(
-            f"The plan is for ZeRO stage {plan.zero_stage} but the config asks for stage {zero_stage} "
-            f"(zero_optimization.stage or {SECTION}.zero_stage)."
-        )
-    if global_batch is not None and global_batch[0] != plan.global_batch_size:
-        problems.append(
-            f"The plan's global batch is {plan.global_batch_size} but the config asks for {global_batch[0]} "
-            f"({global_batch[1]})."
         )
     return problems
 
@@ -140,13 +118,12 @@ def resolve_pipeline_plan(
     measure_missing: MeasureMissingLayers | None = None,
     dtype: str | None = None,
 ) -> PipelinePlan:
-    """The pipeline plan of ``poplar.plan``, read and checked by rank 0, on every rank; the same
-    ValueError on every rank when it cannot run (`pipeline_plan_problems`, or a ZeRO plan).
+    """The pipeline plan of ``poplar.plan``, read and checked by rank 0, on every rank; the same ValueError on
+    every rank when it cannot run (`pipeline_plan_problems`, or a ZeRO plan).
 
-    Without ``poplar.plan``, the plan searched at start (`plan_searched_at_start`):
-    `layers_fingerprint()` (called on rank 0) says which layer profiles are the model's (those measured
-    in `dtype`, the job's training dtype, when given: the fingerprint is taken before DeepSpeed casts),
-    `measure_missing` measures those missing (None: they cannot be, the error says what to run)."""
+    Without ``poplar.plan``, `plan_searched_at_start`: `layers_fingerprint()` (rank 0) says which layer profiles
+    are the model's (in `dtype` when given), `measure_missing` measures those missing (None: the error says
+    what to run)."""
     from poplar_ext.collectives import decided_by_rank0
 
     plan_path = poplar_config.plan
@@ -205,8 +182,8 @@ def plan_searched_at_start(
     measure_missing: MeasureMissingLayers | None,
     dtype: str | None = None,
 ) -> PipelinePlan:
-    """Rank 0 says which device types lack layer profiles, every rank measures them (when it can),
-    rank 0 searches and every rank receives the plan, or the same ValueError."""
+    """Rank 0 says which device types lack layer profiles, every rank measures them (when it can), rank 0
+    searches and every rank receives the plan, or the same ValueError."""
     from poplar_ext.collectives import decided_by_rank0
 
     stages = PIPELINE_ZERO_STAGES if zero_stage is None else (zero_stage,)
@@ -257,8 +234,8 @@ def plan_searched_at_start(
 
 
 def steady_stage_times(plan: PipelinePlan, cluster: Cluster, poplar_config: PoplarConfig) -> dict[int, dict]:
-    """Rank 0: each emulated rank's stage blocks (`search.pipeline_cost.stage_block_times`) from the layer
-    profiles the plan was made from, with the slowdown they were measured at; {} where there are none."""
+    """Rank 0: each emulated rank's stage blocks from the layer profiles the plan was made from, with the
+    slowdown they were measured at; {} where there are none."""
     from poplar_ext.search.pipeline_cost import stage_block_times
 
     emulated = {t for t in cluster.type_counts() if cluster.emulation_of(t) is not None}
@@ -288,9 +265,8 @@ def plan_layer_profiles(plan: PipelinePlan, poplar_config: PoplarConfig) -> list
 
 
 def pipeline_drift_monitor(plan: PipelinePlan, cluster: Cluster, poplar_config: PoplarConfig) -> PipelineDriftMonitor:
-    """Rank 0: the `PipelineDriftMonitor` that re-balances `plan` from the layer profiles it was made from
-    (`plan_layer_profiles`) and the network file beside them; `RebalanceUnavailable` where a device type
-    has none (`poplar_ext.runtime.rebalance.job_rebalancer` turns ``auto`` off then, with a note)."""
+    """Rank 0: the `PipelineDriftMonitor` that re-balances `plan` from the layer profiles it was made from and
+    the network file beside them; `RebalanceUnavailable` where a device type has none."""
     from poplar_ext.plan.network_format import find_network
     from poplar_ext.runtime.rebalance import PipelineDriftMonitor, RebalanceUnavailable
 
@@ -320,8 +296,8 @@ def pipeline_drift_monitor(plan: PipelinePlan, cluster: Cluster, poplar_config: 
 
 @dataclass(frozen=True, kw_only=True)
 class _LayerProfilesOf:
-    """Which stored layer profiles are a model's: its layer count, and its fingerprint when known, then those
-    `job_key` holds (the automatic mode's), else those in its training `dtype` (None: any)."""
+    """Which stored layer profiles are a model's: its layer count, fingerprint (when known), then those `job_key`
+    holds (the automatic mode's), else those in `dtype` (None: any)."""
 
     num_layers: int
     fingerprint: str | None = None
@@ -329,7 +305,6 @@ class _LayerProfilesOf:
     job_key: JobKey | None = None
 
     def stored(self, poplar_config: PoplarConfig) -> list[LayerProfile]:
-        """Those in ``poplar.profiles``/layers/."""
         directory = layer_profiles_dir(poplar_config.profiles)
         if not directory.is_dir():
             return []

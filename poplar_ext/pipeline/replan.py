@@ -1,12 +1,10 @@
-"""A pipeline checkpoint resumed under another pipeline plan: layers moved by index, optimizer state by parameter.
+"""A pipeline checkpoint resumed under another split: layers moved by index, optimizer state by parameter.
 
-`convert_pipeline_checkpoint`, `load_parameter_states`. See docs/pipeline.md (checkpoints) and
-docs/deepspeed-notes.md (pipeline engine: DeepSpeed's files).
+See docs/pipeline.md (checkpoints) and docs/deepspeed-notes.md (pipeline engine).
 """
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,7 @@ from typing import Any
 import torch
 
 from poplar_ext.pipeline.checkpoint import UNIVERSAL_FOLDER
-from poplar_ext.runtime.reshard import SCALAR_STATES, carried_states
+from poplar_ext.runtime.reshard import SCALAR_STATES, carried_states, partition_states, write_whole
 
 PARAMETER_SHAPES_KEY = "poplar_param_shapes"
 """DeepSpeed client state at ZeRO 0: per optimizer group, each parameter's name and shape, in the optimizer's order."""
@@ -73,27 +71,11 @@ def _zero0_states(model_states: dict, shapes: list[dict], *, optimizer_name: str
 
 def _zero1_states(zero_states: dict, shapes: list[dict], *, optimizer_name: str, path: Path) -> dict[str, dict]:
     """Each parameter's fp32 weight and states from a stage's ZeRO-1 flat partitions (one rank: the whole group)."""
-    from deepspeed.checkpoint.constants import (
-        BASE_OPTIMIZER_STATE,
-        GROUP_PADDINGS,
-        PARAM_SLICE_MAPPINGS,
-        SINGLE_PARTITION_OF_FP32_GROUPS,
-    )
+    from deepspeed.checkpoint.constants import PARAM_SLICE_MAPPINGS
 
     per_parameter: dict[str, dict] = {}
-    states = zero_states[BASE_OPTIMIZER_STATE]["state"]
-    for group_id, fp32 in enumerate(zero_states[SINGLE_PARTITION_OF_FP32_GROUPS]):
-        flat = {
-            "fp32": fp32,
-            **carried_states(
-                states.get(group_id, {}),
-                partition_numel=fp32.numel(),
-                optimizer_name=optimizer_name,
-                saved_ranks=1,
-                padding_numel=zero_states[GROUP_PADDINGS][group_id],
-                refusal=_refusal(path),
-            ),
-        }
+    groups = partition_states(zero_states, optimizer_name=optimizer_name, saved_ranks=1, refusal=_refusal(path))
+    for group_id, flat in enumerate(groups):
         for name, fragment in zero_states[PARAM_SLICE_MAPPINGS][group_id].items():
             shape = shapes[group_id][name]
             per_parameter[name] = {
@@ -115,23 +97,20 @@ def _write_parameter(folder: Path, states: Mapping[str, Any]) -> None:
 def convert_pipeline_checkpoint(
     tag_dir: str | Path, *, num_stages: int, zero_stage: int, optimizer_name: str
 ) -> list[dict[str, list[int]]]:
-    """Write the optimizer state of pipeline 0 of the checkpoint at `tag_dir` per parameter (rank 0's job).
-
-    `num_stages`: pipeline 0's in the saved plan. Writes ``tag_dir/universal`` unless it is
-    there (whole or not at all: written beside it and renamed). Returns the checkpoint's
-    parameters per optimizer group (name -> shape). ValueError, naming the checkpoint, for a
-    state that is not per parameter or a ZeRO-0 checkpoint without its parameters' names.
+    """Write the optimizer state of pipeline 0 (of `num_stages`) of the checkpoint at `tag_dir` per parameter
+    (rank 0's job) into ``tag_dir/universal``, whole or not at all, unless there. Returns the checkpoint's
+    parameters per optimizer group (name -> shape). ValueError, naming the checkpoint, for a state that is not
+    per parameter or a ZeRO-0 checkpoint without its parameters' names.
     """
     tag_dir = Path(tag_dir)
     target = tag_dir / UNIVERSAL_FOLDER
     if not target.is_dir():
-        work = tag_dir / f"{UNIVERSAL_FOLDER}.partial"
-        shutil.rmtree(work, ignore_errors=True)  # what a conversion that died left
-        try:
-            _convert(tag_dir, work, num_stages=num_stages, zero_stage=zero_stage, optimizer_name=optimizer_name)
-            work.rename(target)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        write_whole(
+            target,
+            lambda work: _convert(
+                tag_dir, work, num_stages=num_stages, zero_stage=zero_stage, optimizer_name=optimizer_name
+            ),
+        )
     return torch.load(target / "zero" / "optimizer_state.pt", weights_only=False)[PARAMETER_SHAPES_KEY]
 
 

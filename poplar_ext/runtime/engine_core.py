@@ -1,9 +1,4 @@
-"""`EngineCore`: what every engine keeps over DeepSpeed's, whichever engine it is.
-
-The plan and its history, samples trained and data position, the compute timer, plan switches
-(`FollowsRebalancing`) and checkpoint state; `PoplarEngine` and `PoplarPipelineEngine` build on it
-(docs/design.md, "Engines over one core").
-"""
+"""`EngineCore`: what every engine keeps over DeepSpeed's (docs/design.md, "Engines over one core")."""
 
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ from poplar_ext.plan.pipeline_formats import PipelinePlan
 from poplar_ext.runtime.checkpoint import ResumeDecision, history_entry, poplar_client_state
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.rebalance import FollowsRebalancing, Rebalancer, SwitchOrder
+from poplar_ext.runtime.rebalance import FollowsRebalancing, Rebalancer, StepView, SwitchOrder
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +21,12 @@ logger = logging.getLogger(__name__)
 class EngineCore(FollowsRebalancing):
     """The engine-independent half of an engine. The engine calls `_start_core` in its constructor and
     `_count_iteration` and `_iteration_time_s` after each optimizer step; it provides ``global_steps``,
-    ``switch_plan`` and ``_step_view`` (`FollowsRebalancing`)."""
+    ``switch_plan`` and ``data_reached`` (`FollowsRebalancing`)."""
 
     plan_from_dict: Callable[..., Plan | PipelinePlan]
     """How this engine's plans are read from JSON (a checkpoint's last plan)."""
+    _fed_by_caller = False
+    """The job feeds batches past the engine's samplers, where a plan switch cannot reach them."""
 
     def _start_core(
         self,
@@ -42,7 +39,7 @@ class EngineCore(FollowsRebalancing):
         on_cpu: Callable[[], bool],
         plan_reason: str,
     ) -> None:
-        """`on_cpu`: whether this rank's device is the CPU, asked only where re-balancing needs a timer."""
+        """`on_cpu`: whether this rank's device is the CPU (asked where re-balancing needs a timer)."""
         self.plan = plan
         """The plan every rank runs."""
         self.poplar_config = poplar_config
@@ -90,6 +87,15 @@ class EngineCore(FollowsRebalancing):
     def trained_position(self) -> int:
         """Stream position after the last optimizer step (a DataLoader may have read further)."""
         return self._restored_position + self._steps_since_restore * self.plan.global_batch_size
+
+    def _step_view(self, step: int) -> StepView:
+        return StepView(
+            step=step,
+            plan=self.plan,
+            data_reached=self.data_reached,
+            has_sampler=bool(self._samplers) and not self._fed_by_caller,
+            switch_pending=self.pending_switch is not None,
+        )
 
     def _follow_slowdown_schedule(self, optimizer_step: int) -> None:
         # An emulated drift (the cluster's slowdown_schedule) holds from its optimizer step on, also after a resume.

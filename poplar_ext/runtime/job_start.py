@@ -109,6 +109,36 @@ def read_plan_file(poplar_config: PoplarConfig, *, pipeline: bool) -> Plan | Pip
     return plan
 
 
+def job_plan_problems(
+    plan: Plan | PipelinePlan,
+    cluster: Cluster,
+    *,
+    world_size: int,
+    zero_stage: int | None,
+    global_batch: tuple[int, str] | None,
+) -> list[str]:
+    """What the job alone knows makes `plan` unrunnable, as sentences: the job's and the cluster's number of
+    ranks, the config's ZeRO stage and global batch (the number and its setting)."""
+    problems = []
+    if plan.world_size != world_size:
+        problems.append(f"The plan names {plan.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
+    if cluster.world_size != world_size:
+        problems.append(
+            f"The cluster description names {cluster.world_size} ranks but the job has {world_size} (WORLD_SIZE)."
+        )
+    if zero_stage is not None and zero_stage != plan.zero_stage:
+        problems.append(
+            f"The plan is for ZeRO stage {plan.zero_stage} but the config asks for stage {zero_stage} "
+            f"(zero_optimization.stage or {SECTION}.zero_stage)."
+        )
+    if global_batch is not None and global_batch[0] != plan.global_batch_size:
+        problems.append(
+            f"The plan's global batch is {plan.global_batch_size} but the config asks for {global_batch[0]} "
+            f"({global_batch[1]})."
+        )
+    return problems
+
+
 def steady_from_rank0(cluster: Cluster, compute: Callable[[], dict[Any, Steady]], *, rank: int) -> dict[Any, Steady]:
     """Rank 0's `compute` of the emulated types' steady blocks, sent to every rank; {} (and no collective,
     the same on every rank) where no device type is emulated."""

@@ -1,7 +1,7 @@
 """A ZeRO checkpoint resharded for another number of ranks, for any optimizer whose state is per-parameter.
 
-`convert_checkpoint`, `loading_every_state`; ``python -m poplar_ext.runtime.reshard --input_folder TAG_DIR
---output_folder TAG_DIR_universal`` by hand. See docs/deepspeed-notes.md (universal checkpoints).
+By hand: ``python -m poplar_ext.runtime.reshard --input_folder TAG_DIR --output_folder TAG_DIR_universal``
+(docs/deepspeed-notes.md, universal checkpoints).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import logging
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,17 +37,13 @@ def carried_states(
     padding_numel: int = 0,
     refusal: str | None = None,
 ) -> dict[str, Any]:
-    """The states of one flat partition (one parameter group of one rank) that are carried over.
+    """The states of one flat partition (one parameter group of one rank) that are carried over (None skipped).
 
-    `padding_numel`: the group's alignment padding on this rank, which DeepSpeed strips from
-    the saved fp32 partition (`partition_numel`) but not from the optimizer's states (at
-    stages 1-2 the last rank's states are longer by it; the padding is never read).
-    Raises ValueError, naming the optimizer and the key, for a state that is neither a
-    tensor of `partition_numel` (+ padding) elements nor a scalar `step`: it could not be cut for
-    another number of ranks; also for a key that is not a plain name or is ``fp32``, as
-    keys become file names beside the weights' ``fp32.pt``. A None state is skipped
-    (nothing to carry). `refusal` ends the message: what such a state cannot be, and what to do
-    instead (by default: resharded, and resumed on `saved_ranks` ranks).
+    `padding_numel`: the group's alignment padding, which DeepSpeed strips from the saved fp32 partition
+    (`partition_numel`) but not from the optimizer's states. ValueError, naming the optimizer and the key, for
+    a state that is neither a tensor of `partition_numel` (+ padding) elements nor a scalar `step`, or whose
+    key is no plain name or ``fp32`` (keys become file names beside ``fp32.pt``). `refusal` ends the message
+    (default: it cannot be resharded; resume on `saved_ranks` ranks).
     """
     default = f"resharded for another number of ranks; resume this checkpoint on {saved_ranks} ranks, as it was saved"
     carried = {}
@@ -72,6 +68,41 @@ def carried_states(
     return carried
 
 
+def partition_states(
+    shard: dict, *, optimizer_name: str, saved_ranks: int, refusal: str | None = None
+) -> list[dict[str, Any]]:
+    """Per group of one rank's ZeRO 1-2 optimizer state: its fp32 partition (``fp32``) and the states carried."""
+    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, GROUP_PADDINGS, SINGLE_PARTITION_OF_FP32_GROUPS
+
+    states = shard[BASE_OPTIMIZER_STATE]["state"]
+    return [
+        {
+            "fp32": fp32,
+            **carried_states(
+                states.get(group_id, {}),  # none before the first optimizer step
+                partition_numel=fp32.numel(),
+                optimizer_name=optimizer_name,
+                saved_ranks=saved_ranks,
+                padding_numel=shard[GROUP_PADDINGS][group_id],
+                refusal=refusal,
+            ),
+        }
+        for group_id, fp32 in enumerate(shard[SINGLE_PARTITION_OF_FP32_GROUPS])
+    ]
+
+
+def write_whole(target: Path, write: Callable[[Path], None]) -> None:
+    """`write(work)` into a folder beside `target`, renamed to it once done: a write that stopped half-way is
+    never taken for one that finished."""
+    work = target.with_name(target.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)  # what a write that died left
+    try:
+        write(work)
+        work.rename(target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _describe(value: Any) -> str:
     if torch.is_tensor(value):
         return f"a tensor of shape {tuple(value.shape)}"
@@ -79,26 +110,21 @@ def _describe(value: Any) -> str:
 
 
 def convert_checkpoint(source: str | Path, target: str | Path, *, optimizer_name: str = UNNAMED_OPTIMIZER) -> Path:
-    """Write the ZeRO checkpoint `source` (a tag folder) in DeepSpeed's universal format at `target`.
-
-    Every state `carried_states` accepts is written (ValueError otherwise). The folder
-    appears whole or not at all: it is written beside `target` and renamed, so a
-    conversion that stopped half-way is never taken for one that finished. Returns
-    `target`.
+    """Write the ZeRO checkpoint `source` (a tag folder) in DeepSpeed's universal format at `target`, whole or
+    not at all (`write_whole`), with every state `carried_states` accepts (ValueError otherwise). Returns `target`.
     """
     source, target = Path(source), Path(target)
     if target.exists():
         raise ValueError(f"{target} exists already: remove it, or load it as it is")
-    work = target.with_name(target.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)  # what a conversion that died left
-    try:
+
+    def convert(work: Path) -> None:
         stage = _zero_stage(source)
-        convert = _convert_stage_3 if stage == 3 else _convert_stage_1_2
-        convert(source, work, fragments=work / "fragments", optimizer_name=optimizer_name)
+        (_convert_stage_3 if stage == 3 else _convert_stage_1_2)(
+            source, work, fragments=work / "fragments", optimizer_name=optimizer_name
+        )
         shutil.rmtree(work / "fragments")
-        work.rename(target)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
+    write_whole(target, convert)
     return target
 
 
@@ -123,14 +149,7 @@ def _data_parallel_only(source: Path, *, tensor_parallel: int, pipeline_parallel
 def _convert_stage_1_2(source: Path, work: Path, *, fragments: Path, optimizer_name: str) -> None:
     """Stages 1-2: every rank's flat partition per group, cut into parameters by its slice mappings."""
     from deepspeed.checkpoint import DeepSpeedCheckpoint
-    from deepspeed.checkpoint.constants import (
-        BASE_OPTIMIZER_STATE,
-        GROUP_PADDINGS,
-        OPTIMIZER_STATE_DICT,
-        PARAM_SHAPES,
-        PARAM_SLICE_MAPPINGS,
-        SINGLE_PARTITION_OF_FP32_GROUPS,
-    )
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SHAPES, PARAM_SLICE_MAPPINGS
     from deepspeed.checkpoint.ds_to_universal import _save_optimizer_state, dump_param_fragment
 
     checkpoint = DeepSpeedCheckpoint(str(source))
@@ -138,18 +157,8 @@ def _convert_stage_1_2(source: Path, work: Path, *, fragments: Path, optimizer_n
     for dp_index in range(checkpoint.dp_degree):
         # Paddings kept: DeepSpeed's stripping narrows every tensor state, also one it cannot be.
         shard = checkpoint.get_zero_checkpoint_state(0, 0, dp_index, strip_tensor_paddings=False)[OPTIMIZER_STATE_DICT]
-        states = shard[BASE_OPTIMIZER_STATE]["state"]
-        for group_id, fp32 in enumerate(shard[SINGLE_PARTITION_OF_FP32_GROUPS]):
-            flat = {
-                "fp32": fp32,
-                **carried_states(
-                    states.get(group_id, {}),  # none before the first optimizer step
-                    partition_numel=fp32.numel(),
-                    optimizer_name=optimizer_name,
-                    saved_ranks=checkpoint.dp_degree,
-                    padding_numel=shard[GROUP_PADDINGS][group_id],
-                ),
-            }
+        groups = partition_states(shard, optimizer_name=optimizer_name, saved_ranks=checkpoint.dp_degree)
+        for group_id, flat in enumerate(groups):
             for name, fragment in shard[PARAM_SLICE_MAPPINGS][group_id].items():
                 for key, value in flat.items():
                     dump_param_fragment(str(fragments), 0, dp_index, key, value, name, fragment.start, fragment.numel)
@@ -227,11 +236,8 @@ def _merge_fragments(fragments: Path, zero_dir: Path, shapes: dict[str, torch.Si
 
 @contextmanager
 def loading_every_state(zero_optimizer: Any) -> Iterator[None]:
-    """While DeepSpeed loads a universal checkpoint: at stage 3, `load_stage3_checkpoint` is its loader.
-
-    The loader is replaced on this optimizer object only (an instance attribute
-    shadowing DeepSpeed's method), and only for the duration. Stages 1-2 need nothing.
-    """
+    """While DeepSpeed loads a universal checkpoint: at stage 3, `load_stage3_checkpoint` is this optimizer's
+    loader (an instance attribute shadowing DeepSpeed's method). Stages 1-2 need nothing."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     if not isinstance(zero_optimizer, DeepSpeedZeroOptimizer_Stage3):
@@ -252,13 +258,9 @@ def loading_every_state(zero_optimizer: Any) -> Iterator[None]:
 
 
 def load_stage3_checkpoint(zero_optimizer: Any, checkpoint_dir: str) -> None:
-    """DeepSpeed's stage-3 universal loader, for every state in the checkpoint rather than Adam's.
-
-    The weights are DeepSpeed's (`load_module_checkpoint_state_from_checkpoint_dir_stage3`,
-    from the fp32 copies); each state and `step` are put into the base optimizer's state
-    for each flat sub-group, cut to this rank by DeepSpeed's `load_hp_checkpoint_state`;
-    the hyper-parameters are the checkpoint's, as in DeepSpeed.
-    """
+    """DeepSpeed's stage-3 universal loader, for every state in the checkpoint rather than Adam's: the weights
+    DeepSpeed's (from the fp32 copies), each state cut to this rank by its `load_hp_checkpoint_state`, the
+    hyper-parameters the checkpoint's."""
     from deepspeed.checkpoint.constants import PARAM_GROUPS
 
     zero_dir = Path(checkpoint_dir) / "zero"
@@ -296,12 +298,9 @@ def _stage3_partition(
 def resharded_tag(
     load_dir: str | Path, tag: str, *, deepspeed_engine: Any, rank: int, caller: str = "load_checkpoint"
 ) -> str:
-    """The tag of checkpoint `tag` resharded for any number of ranks (collective).
-
-    Rank 0 writes ``TAG_universal`` beside the checkpoint unless it is there; a state
-    that cannot be resharded stops every rank here, before any weight is loaded, with a
-    ValueError naming `caller`; so does a resharded folder that some rank cannot see.
-    """
+    """The tag of checkpoint `tag` resharded for any number of ranks (collective): rank 0 writes ``TAG_universal``
+    beside it unless there. A state that cannot be resharded, or a folder some rank cannot see, is a ValueError
+    naming `caller` on every rank, before any weight is loaded."""
     from poplar_ext.collectives import decided_by_rank0, gather_objects
 
     source, universal = Path(load_dir) / tag, f"{tag}{UNIVERSAL_SUFFIX}"
@@ -331,13 +330,8 @@ def resharded_tag(
 
 @contextmanager
 def loading_resharded(deepspeed_engine: Any) -> Iterator[None]:
-    """While `deepspeed_engine` loads a checkpoint of `resharded_tag`.
-
-    DeepSpeed reads whether to load a universal checkpoint from its config
-    (``checkpoint.load_universal``), fixed when the engine is built; a resume on another
-    number of ranks decides it at load time. At stage 3 DeepSpeed's loader reads Adam's
-    states only: `loading_every_state` puts ours in its place meanwhile.
-    """
+    """While `deepspeed_engine` loads a checkpoint of `resharded_tag`: DeepSpeed's config says to load a universal
+    checkpoint (fixed when the engine is built; a resume decides it now), and at stage 3 `loading_every_state`."""
     config = deepspeed_engine._config
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
@@ -352,13 +346,10 @@ def loading_resharded(deepspeed_engine: Any) -> Iterator[None]:
 def merging_weights_of(tag: str, deepspeed_engine: Any) -> Iterator[None]:
     """While a ZeRO-3 engine loads checkpoint `tag`'s weights alone (``load_optimizer_states=False``).
 
-    DeepSpeed then merges the weights from every rank's partition, saved on any number of ranks
-    (`get_fp32_state_dict_from_zero_checkpoint`), but of the tag ``latest`` names, not of the tag it loads
-    (runtime/engine.py `_load_checkpoint`): another save's weights, or a ValueError without ``latest``.
-    Meanwhile its engine module's name for the merge reads `tag`. And each rank reads its own model file
-    (``zero_pp_rank_R_...``) for the rest (step counts, buffers: alike in every rank's), which a rank beyond
-    the saved number lacks (DeepSpeed's bare assert): meanwhile every rank reads rank 0's, as DeepSpeed's
-    universal load does.
+    DeepSpeed merges them from every rank's partition (`get_fp32_state_dict_from_zero_checkpoint`), but of the
+    tag ``latest`` names, not the one it loads (runtime/engine.py `_load_checkpoint`): meanwhile the merge reads
+    `tag`. Each rank reads its own model file for the rest (alike in every rank's), which a rank beyond the saved
+    number lacks (DeepSpeed's bare assert): meanwhile every rank reads rank 0's, as the universal load does.
     """
     import functools
     import glob

@@ -28,7 +28,7 @@ from poplar_ext.runtime.checkpoint import (
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.engine_core import EngineCore
-from poplar_ext.runtime.rebalance import Rebalancer, StepView, SwitchOrder
+from poplar_ext.runtime.rebalance import Rebalancer, SwitchOrder
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
 
 logger = logging.getLogger(__name__)
@@ -329,15 +329,6 @@ class PoplarEngine(EngineCore):
     def data_reached(self) -> int:
         """How far this rank's data has been handed out: no plan switch can start before it."""
         return max([self.trained_position] + [s.generated_until for s in self._samplers])
-
-    def _step_view(self, step: int) -> StepView:
-        return StepView(
-            step=step,
-            plan=self.plan,
-            data_reached=self.data_reached,
-            has_sampler=bool(self._samplers),
-            switch_pending=self.pending_switch is not None,
-        )
 
     @property
     def batch_samplers(self) -> list[PlanBatchSampler]:

@@ -24,7 +24,7 @@ from poplar_ext.profiler.calibration import (
     with_calibration,
 )
 from poplar_ext.runtime.config import AUTO, SECTION, GlobalBatchRequest, PoplarConfig
-from poplar_ext.runtime.job_start import read_plan_file
+from poplar_ext.runtime.job_start import job_plan_problems, read_plan_file
 from poplar_ext.runtime.rebalance import RebalanceUnavailable
 from poplar_ext.search.model_states import cannot_hold, model_states, shortfall
 
@@ -65,27 +65,13 @@ def check_plan_for_job(
     source: str = "plan",
     global_batch: GlobalBatchRequest | None = None,
 ) -> None:
-    """Raise ValueError listing every reason `plan` cannot run in this job: the job's world size, stage and
-    global batch, then the search's `check_plan` (device types, the stage 2/3 rule, micro-batch caps)."""
+    """Raise ValueError listing every reason `plan` cannot run in this job: `job_plan_problems`, then the
+    search's `check_plan` (device types, the stage 2/3 rule, micro-batch caps)."""
     from poplar_ext.search import check_plan
 
-    problems = []
-    if global_batch is not None and isinstance(global_batch.size, int) and global_batch.size != plan.global_batch_size:
-        problems.append(
-            f"The plan's global batch is {plan.global_batch_size} but the config asks for {global_batch.size} "
-            f"({global_batch.origin})."
-        )
-    if plan.world_size != world_size:
-        problems.append(f"The plan names {plan.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
-    if cluster.world_size != world_size:
-        problems.append(
-            f"The cluster description names {cluster.world_size} ranks but the job has {world_size} (WORLD_SIZE)."
-        )
-    if zero_stage is not None and zero_stage != plan.zero_stage:
-        problems.append(
-            f"The plan is for ZeRO stage {plan.zero_stage} but the config asks for stage {zero_stage} "
-            "(zero_optimization.stage or poplar.zero_stage)."
-        )
+    size = None if global_batch is None else global_batch.size
+    batch = (size, global_batch.origin) if isinstance(size, int) else None
+    problems = job_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=batch)
     problems += [p for p in check_plan(plan, cluster, profiles) if p not in problems]
     if problems:
         raise ValueError(f"{source}: this plan cannot run: " + " ".join(problems))
