@@ -1,8 +1,4 @@
-"""Hugging Face causal language models as pipeline layers: `causal_lm_layers(model)`.
-
-GPT-2, Llama, Qwen2 and Mistral, their loss (`CausalLMLoss`, token mean). See docs/pipeline.md (Hugging Face
-causal LMs).
-"""
+"""Hugging Face causal LMs (GPT-2, Llama, Qwen2, Mistral) as pipeline layers (docs/pipeline.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""A pipeline job's checkpoint: one folder per pipeline, poplar-ext's state beside them; resumed under any plan.
-
-See docs/pipeline.md (checkpoints: the layout, what a resume carries over, what it refuses).
-"""
+"""A pipeline job's checkpoint: one folder per pipeline, resumed under any plan (docs/pipeline.md)."""
 
 from __future__ import annotations
 

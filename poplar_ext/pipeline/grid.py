@@ -1,8 +1,4 @@
-"""Where a pipeline plan puts every rank, as DeepSpeed's grid; and the layers the pipelines share.
-
-`PlanGrid` (DeepSpeed's grid for one pipeline), `LayerSegments` (each layer's and tied module's group). See
-docs/pipeline.md (what happens underneath) and docs/deepspeed-notes.md (pipeline engine).
-"""
+"""Where a pipeline plan puts every rank, as DeepSpeed's grid; and the layers the pipelines share."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""`poplar_ext.initialize` for a `PoplarPipelineModule`: the pipeline engine, and each pipeline's data.
-
-DeepSpeed sees this rank's pipeline alone (data-parallel size 1). See docs/pipeline.md.
-"""
+"""`poplar_ext.initialize` for a `PoplarPipelineModule`: the pipeline engine, each pipeline's data."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""`PoplarPipelineModule`: DeepSpeed's PipelineModule, its stages and this rank's place taken from a pipeline plan.
-
-DeepSpeed's arguments less ``num_stages``, ``topology`` and ``partition_method``, plus the config. See
-docs/pipeline.md (what you write, what happens underneath, activation checkpointing per stage).
-"""
+"""`PoplarPipelineModule`: DeepSpeed's PipelineModule, its stages taken from a pipeline plan (docs/pipeline.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""The training core every engine shares, knowing nothing of which engine runs it.
-
-`config`, `weighting`, `data`, `evaluation`, `rebalance`, `checkpoint`, `reshard`, `process_settings`: each
-module's line in DEVELOPING.md's map. The engines over it: `poplar_ext.zero` and `poplar_ext.pipeline`.
-"""
+"""The training core every engine shares, knowing nothing of which engine runs it (DEVELOPING.md's map)."""
 
 from poplar_ext.runtime.data import PlanBatchSampler
 

@@ -1,13 +1,9 @@
-"""poplar-ext's state in a DeepSpeed checkpoint: where the data stream stands, and the plans.
-
-``poplar_state.json`` written by rank 0; `save_whole`: every engine's save, whole or not at all; and
-`resume_decision` (pure): what a resume continues, notes or refuses. See docs/training.md (checkpoints) and
-docs/design.md (the data position, the plan history).
-"""
+"""poplar-ext's state in a DeepSpeed checkpoint, saves whole or not at all, resumes (docs/training.md)."""
 
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,11 +48,8 @@ def _allocation(plan_dict: dict) -> dict:
 def history_entry(
     plan: Plan | PipelinePlan, *, start_step: int, data_position: int, reason: str, switched: bool = False
 ) -> dict[str, Any]:
-    """One plan of the history: from which optimizer step and stream position it ran, and why.
-
-    `switched`: the plan replaced another during the run (re-balancing), as opposed to a
-    plan the job started (or resumed) with.
-    """
+    """One plan of the history: from which optimizer step and stream position it ran, and why; `switched`: it
+    replaced another during the run (re-balancing), not one the job started or resumed with."""
     entry = {"start_step": start_step, "data_position": data_position, "reason": reason, "plan": plan_as_dict(plan)}
     if switched:
         entry["switched"] = True
@@ -125,19 +118,15 @@ def save_whole(
     state: Callable[[], dict],
     save_latest: bool,
 ) -> Any:
-    """Save checkpoint `tag` whole or not at all (collective): `save` (every rank's DeepSpeed save, given the
-    tag ``TAG.saving``) writes that folder; once every rank has, the first rank of each storage (the job's
-    rank 0, each node's on DeepSpeed's node-local storage) writes `state` there, removes ``TAG_universal``
-    (derived from the earlier save), puts the new folder in the place of TAG and names it in ``latest``.
-    Returns what `save` returns.
+    """Save checkpoint `tag` whole or not at all (collective): `save` (every rank's DeepSpeed save into tag
+    ``TAG.saving``) writes that folder; once every rank has, the first rank of each storage writes `state` there,
+    removes ``TAG_universal``, puts the new folder in TAG's place and names it in ``latest``. Returns `save`'s.
 
-    Why a new folder: a save into TAG in place would keep what an earlier save there wrote and this one did not
-    (other ranks' shards, another dtype's or ZeRO stage's files), which a load may read as this save's; and a
-    save failing on some rank would leave old and new files mixed. DeepSpeed writes ``latest`` right after
-    its own rank's files: a node lost meanwhile would leave it naming a checkpoint without that node's part.
+    Why a new folder: a save in place would keep files of an earlier save there (other ranks' shards, another
+    stage's), which a load may read as this save's, and a save failing on some rank would mix old and new.
+    DeepSpeed writes ``latest`` right after its own rank's files: a node lost meanwhile would leave it naming a
+    checkpoint without that node's part.
     """
-    import shutil
-
     from poplar_ext.collectives import barrier, raise_if_any_failed
 
     engine = deepspeed_engine
@@ -172,10 +161,9 @@ def save_whole(
 
 @contextmanager
 def _writes_failing_at_the_end(engine: Any) -> Iterator[list[Exception]]:
-    """Inside: a file DeepSpeed's checkpoint engine fails to write (disk full, permissions) is a failure in the
-    list yielded, and the rank writes no more, instead of an exception out of DeepSpeed's save. Why: DeepSpeed's
-    save ends in a barrier, which a rank raising from a write never reaches; the others would wait there until
-    the group's timeout (minutes; NCCL's 30 by default). A save failing otherwise still raises at once."""
+    """Inside: a file DeepSpeed's checkpoint engine fails to write is a failure in the list yielded (the rank
+    writes no more), not an exception: DeepSpeed's save ends in a barrier, which a rank raising from a write never
+    reaches, and the others would wait there until the group's timeout."""
     failures: list[Exception] = []
     writer = getattr(engine, "checkpoint_engine", None)
     if writer is None:
@@ -200,10 +188,7 @@ def _writes_failing_at_the_end(engine: Any) -> Iterator[list[Exception]]:
 
 
 def _swap_in(save_dir: str | Path, tag: str, state: dict, *, save_latest: bool) -> None:
-    """The storage rank's part of `save_whole` once ``TAG.saving`` is whole: the state file, the folder in TAG's
-    place, ``latest``."""
-    import shutil
-
+    """The storage rank's part of `save_whole` once ``TAG.saving`` is whole."""
     folder, new, old = (Path(save_dir) / f"{tag}{suffix}" for suffix in ("", SAVING_SUFFIX, REPLACED_SUFFIX))
     write_state(save_dir, new.name, state)
     shutil.rmtree(Path(save_dir) / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
@@ -217,9 +202,8 @@ def _swap_in(save_dir: str | Path, tag: str, state: dict, *, save_latest: bool) 
 
 
 def unfinished_save(folder: Path) -> Path | None:
-    """What checkpoint folder `folder` lacks when a `save_whole` into it did not finish (a ``TAG.saving`` folder
-    in it): ``latest``, or the state file of the tag folder it names (written before ``latest``, once every
-    rank's files are); None otherwise (a whole save, or none of poplar-ext's began there)."""
+    """What checkpoint folder `folder` lacks where a `save_whole` into it did not finish (a ``TAG.saving`` in it):
+    ``latest``, or the state file of the tag it names; None otherwise."""
     if not any(folder.glob(f"*{SAVING_SUFFIX}")):
         return None
     tag = checkpoint_tag(folder, None)
@@ -229,18 +213,15 @@ def unfinished_save(folder: Path) -> Path | None:
 
 
 def refresh_master_weights(optimizer: Any, load_options: dict[str, Any]) -> None:
-    """After DeepSpeed loaded a checkpoint with `load_options` (load_checkpoint's keywords): without the optimizer
-    state, the bf16/fp16 optimizer's fp32 master copy is made the loaded weights. DeepSpeed 0.19.8 loads none at
-    ZeRO 0 (FP16_(Unfused)Optimizer, a pipeline's BF16_Optimizer): the first step would copy the pre-load weights
-    back into the model. ZeRO 1-3 restore it from the loaded weights already (the same copy), as does
-    load_module_only."""
+    """After DeepSpeed loaded a checkpoint without the optimizer state (`load_options`): the bf16/fp16 optimizer's
+    fp32 master copy made the loaded weights. DeepSpeed 0.19.8 loads none at ZeRO 0, where the first step would
+    copy the pre-load weights back into the model (ZeRO 1-3 and load_module_only restore it already)."""
     if not load_options.get("load_optimizer_states", True) and hasattr(optimizer, "refresh_fp32_params"):
         optimizer.refresh_fp32_params()
 
 
 def _storage_rank(engine: Any) -> int:
-    """This rank's number among those writing one storage, as DeepSpeed numbers them for its saves (its rank 0
-    writes ``latest``): the local rank on DeepSpeed's node-local storage, else the global rank."""
+    """This rank's number among those writing one storage, as DeepSpeed numbers them for its saves."""
     return engine.local_rank if engine.use_node_local_storage() else engine.global_rank
 
 
@@ -259,13 +240,9 @@ def tag_for_load(load_dir: str | Path, tag: Any, *, deepspeed_engine: Any, rank:
 
 def restore_replaced(load_dir: str | Path, tag: str, *, storage_rank: int, caller: str) -> None:
     """A save whose storage rank stopped between its two renames left no TAG: the first rank of each storage
-    (`storage_rank` 0) renames into its place the save's own ``TAG.saving`` if whole (its state file is written
-    once every rank's files are, `save_whole`), else the earlier checkpoint in ``TAG.replaced``, with a warning.
-    The newer first: on node-local storage the other nodes may have swapped that save in, and every rank must load
-    the same one; on shared storage it is the newest whole checkpoint, all of its ranks having saved. The caller
-    waits for every storage (a barrier) before any rank reads TAG."""
-    import shutil
-
+    renames into its place the save's ``TAG.saving`` if whole (it has its state file), else the earlier
+    ``TAG.replaced``, with a warning. The newer first: on node-local storage other nodes may have swapped that
+    save in, and every rank must load the same one. The caller waits for every storage before any rank reads TAG."""
     folder = Path(load_dir) / tag
     if storage_rank != 0 or folder.exists():
         return
@@ -286,8 +263,7 @@ def restore_replaced(load_dir: str | Path, tag: str, *, storage_rank: int, calle
 
 
 def check_pattern_safe(folder: Path, *, caller: str) -> None:
-    """ValueError for a checkpoint folder DeepSpeed could not load: it finds a checkpoint's files by a glob
-    pattern of the folder's path, which a ``*``, ``?`` or ``[`` in it makes match other names."""
+    """ValueError for a checkpoint folder whose path has ``*``, ``?`` or ``[`` (DeepSpeed globs it)."""
     if any(character in str(folder) for character in "*?["):
         raise ValueError(
             f"{caller}: expected a checkpoint folder without the characters * ? [ (DeepSpeed finds its files by a "
@@ -296,8 +272,7 @@ def check_pattern_safe(folder: Path, *, caller: str) -> None:
 
 
 def check_deepspeed_files(load_dir: str | Path, tag: str, *, named_by_latest: bool) -> None:
-    """ValueError unless the folder of `tag` holds DeepSpeed's model states (DeepSpeed would fail a bare
-    assertion): a ``latest`` naming a tag that was never written whole, or a mistyped tag."""
+    """ValueError unless the folder of `tag` holds DeepSpeed's model states (DeepSpeed would fail a bare assert)."""
     folder = Path(load_dir) / tag
     check_pattern_safe(folder, caller="load_checkpoint")
     if not any(folder.glob("*model_states.pt")):
@@ -319,8 +294,7 @@ def read_state(load_dir: str | Path, tag: str | None) -> dict | None:
 
 
 def _check_state(state: Node) -> None:
-    """FormatError (file, field, expected, found) for a state file without what a resume reads (a truncated
-    copy, a hand edit, another program's file), rather than a KeyError deep in the resume."""
+    """FormatError for a state file without what a resume reads, rather than a KeyError deep in the resume."""
     state.field("seed").integer(minimum=0)
     state.field("shuffle").boolean()
     state.field("consumed_samples").integer(minimum=0)
@@ -338,8 +312,7 @@ def _check_state(state: Node) -> None:
 
 
 def check_data_order(saved: dict, current: dict, *, path: str) -> None:
-    """ValueError unless the saved state's data order (seed, shuffle, drop_last) is the job's:
-    another order would repeat or skip samples."""
+    """ValueError unless the saved data order (seed, shuffle, drop_last) is the job's."""
     saved_drop_last = saved.get("drop_last", False)  # absent in checkpoints of poplar-ext 0.1
     if (saved["seed"], saved["shuffle"], saved_drop_last) != (
         current["seed"],
@@ -373,8 +346,7 @@ class ResumeDecision:
 
 
 def _file_layout(zero_stage: int) -> int:
-    """Which of DeepSpeed's checkpoint layouts a ZeRO stage saves and loads: 0 (the optimizer in the model's
-    file), 1 (stages 1 and 2: each rank's flat partitions) or 3 (the parameters partitioned too)."""
+    """DeepSpeed's checkpoint layout of a ZeRO stage: 0 (all in the model's file), 1 (stages 1-2) or 3."""
     return min(zero_stage, 1) if zero_stage < 3 else 3
 
 
@@ -384,9 +356,8 @@ def _stages_like(zero_stage: int) -> str:
 
 
 def check_zero_stage(saved_stage: int, stage: int, *, path: str, weights_only: bool = False) -> None:
-    """ValueError unless DeepSpeed can load a checkpoint saved at ZeRO `saved_stage` at `stage` (it fails
-    deep in its loader otherwise, or finds no file). Its weights alone (`weights_only`) load across stages
-    0-2, whose model file holds every weight."""
+    """ValueError unless DeepSpeed can load a checkpoint saved at ZeRO `saved_stage` at `stage`; its weights alone
+    (`weights_only`) load across stages 0-2."""
     layouts = {_file_layout(saved_stage), _file_layout(stage)}
     if len(layouts) == 1 or (weights_only and 3 not in layouts):
         return
@@ -418,11 +389,9 @@ def resume_decision(
 ) -> ResumeDecision:
     """Decide how to continue from a checkpoint at `path` saved with `saved` (None: no poplar state).
 
-    `current` is this job's `poplar_client_state`; `step` the optimizer step the job
-    resumes at. Raises ValueError when the data order differs (every sample would not
-    be used once per epoch). When the saved run had switched plans during training
-    (re-balancing) and this job starts from the plan that run started from, the job
-    continues under the saved (last) plan: the allocation the run had reached.
+    `current`: this job's `poplar_client_state`; `step`: the optimizer step resumed at. ValueError where the data
+    order differs. Where the saved run had re-balanced and this job starts from the plan that run started from,
+    the job continues under the saved (last) plan.
     """
     plan = current["plan"]
     resume_entry = {"start_step": step, "reason": "", "plan": plan}

@@ -1,13 +1,10 @@
-"""The ``poplar`` section of a DeepSpeed config, and the per-rank config DeepSpeed gets.
-
-Each key's meaning and default: the fields of `PoplarConfig`, `RebalanceConfig` and `CalibrationConfig`.
-docs/training.md shows the whole section at its defaults (tests/unit/test_config.py holds it to them).
-"""
+"""The ``poplar`` section (each key: a field of `PoplarConfig`), and the per-rank config DeepSpeed gets."""
 
 from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -190,46 +187,42 @@ def _batch_or_auto(node: Node | None, *, beside_plan: bool) -> int | str | None:
     return node.value
 
 
-_REBALANCE_KEYS = tuple(f.name for f in fields(RebalanceConfig))
-
-
-def _enabled(node: Node | None) -> bool | None:
-    if node is None or node.value == AUTO:
+def _enabled(node: Node) -> bool | None:
+    if node.value == AUTO:
         return None
     if not isinstance(node.value, bool):
         raise node.fail(f"true, false or {AUTO!r}")
     return node.value
 
 
-def _rebalance(node: Node | None) -> RebalanceConfig:
+def _parsed(node: Node, defaults: Any, parsers: dict[str, Callable[[Node], Any]]) -> dict[str, Any]:
+    """Each key of `parsers` read from `node` by its parser, else `defaults`'."""
+    return {
+        key: getattr(defaults, key) if (child := node.optional(key)) is None else parse(child)
+        for key, parse in parsers.items()
+    }
+
+
+def _subsection(node: Node | None, cls: type, parsers: dict[str, Callable[[Node], Any]]) -> Any:
+    """A nested section (``rebalance``, ``calibration``): an object of `cls`'s keys, each read by its parser."""
     if node is None:
-        return RebalanceConfig()
-    node.obj().keys_within(_REBALANCE_KEYS)
-    defaults = RebalanceConfig()
-    enabled, interval, threshold, gain, sustained = (node.optional(key) for key in _REBALANCE_KEYS)
-    return RebalanceConfig(
-        enabled=_enabled(enabled),
-        check_interval_steps=defaults.check_interval_steps if interval is None else interval.integer(minimum=1),
-        threshold=defaults.threshold if threshold is None else threshold.number(positive=True, maximum=10.0),
-        min_gain=defaults.min_gain if gain is None else gain.number(minimum=0.0, maximum=10.0),
-        sustained_checks=defaults.sustained_checks if sustained is None else sustained.integer(minimum=1, maximum=1000),
-    )
+        return cls()
+    node.obj().keys_within(tuple(f.name for f in fields(cls)))
+    return cls(**_parsed(node, cls(), parsers))
 
 
-_CALIBRATION_KEYS = tuple(f.name for f in fields(CalibrationConfig))
-
-
-def _calibration(node: Node | None) -> CalibrationConfig:
-    if node is None:
-        return CalibrationConfig()
-    node.obj().keys_within(_CALIBRATION_KEYS)
-    defaults = CalibrationConfig()
-    action, threshold, repeats = (node.optional(key) for key in _CALIBRATION_KEYS)
-    return CalibrationConfig(
-        action=defaults.action if action is None else action.string(choices=CALIBRATION_ACTIONS),
-        threshold=defaults.threshold if threshold is None else threshold.number(positive=True, maximum=10.0),
-        repeats=defaults.repeats if repeats is None else repeats.integer(minimum=1, maximum=100),
-    )
+_REBALANCE_PARSERS = {
+    "enabled": _enabled,
+    "check_interval_steps": lambda n: n.integer(minimum=1),
+    "threshold": lambda n: n.number(positive=True, maximum=10.0),
+    "min_gain": lambda n: n.number(minimum=0.0, maximum=10.0),
+    "sustained_checks": lambda n: n.integer(minimum=1, maximum=1000),
+}
+_CALIBRATION_PARSERS = {
+    "action": lambda n: n.string(choices=CALIBRATION_ACTIONS),
+    "threshold": lambda n: n.number(positive=True, maximum=10.0),
+    "repeats": lambda n: n.integer(minimum=1, maximum=100),
+}
 
 
 PROFILES_DIR_VARIABLE = "POPLAR_PROFILES_DIR"
@@ -261,41 +254,35 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
     profiles_defaulted = plan is None and profiles is None
     if profiles_defaulted:
         profiles = default_profiles_dir()
-    policy = root.optional("policy")
-    reduction = root.optional("loss_reduction")
-    seed = root.optional("seed")
-    shuffle = root.optional("shuffle")
-    drop_last = root.optional("drop_last")
-    log_interval = root.optional("log_interval_steps")
-    steady = root.optional("steady_cpu_allocator")
-    offload = root.optional("optimizer_offload")
     zero_stage_node = root.optional("zero_stage")
     zero_stage = None if zero_stage_node is None else zero_stage_node.value
     if zero_stage_node is not None and zero_stage != "auto":
         if type(zero_stage) is not int or zero_stage not in ZERO_STAGES:
             raise zero_stage_node.fail("'auto' or an integer from 0 to 3")
-    defaults = PoplarConfig()
+    scalars = {
+        "policy": lambda n: n.string(choices=POLICIES),
+        "seed": lambda n: n.integer(minimum=0),
+        "shuffle": Node.boolean,
+        "drop_last": Node.boolean,
+        "loss_reduction": lambda n: n.string(choices=REDUCTIONS),
+        "log_interval_steps": lambda n: n.integer(minimum=0),
+        "steady_cpu_allocator": Node.boolean,
+        "optimizer_offload": lambda n: n.string(choices=OFFLOAD_MODES),
+    }
     return PoplarConfig(
         cluster=cluster,
         plan=plan,
         profiles=profiles,
         profiles_defaulted=profiles_defaulted,
-        policy=defaults.policy if policy is None else policy.string(choices=POLICIES),
-        policy_given=policy is not None,
+        policy_given=root.optional("policy") is not None,
         global_batch_size=_batch_or_auto(root.optional("global_batch_size"), beside_plan=plan is not None),
         max_global_batch_size=_optional_int(root.optional("max_global_batch_size"), 1, MAX_GLOBAL_BATCH_SIZE),
-        seed=defaults.seed if seed is None else seed.integer(minimum=0),
-        shuffle=defaults.shuffle if shuffle is None else shuffle.boolean(),
-        drop_last=defaults.drop_last if drop_last is None else drop_last.boolean(),
-        loss_reduction=defaults.loss_reduction if reduction is None else reduction.string(choices=REDUCTIONS),
-        log_interval_steps=defaults.log_interval_steps if log_interval is None else log_interval.integer(minimum=0),
         zero_stage=zero_stage,
         cpu_threads=_optional_int(root.optional("cpu_threads"), 1),
-        steady_cpu_allocator=defaults.steady_cpu_allocator if steady is None else steady.boolean(),
-        optimizer_offload=defaults.optimizer_offload if offload is None else offload.string(choices=OFFLOAD_MODES),
-        rebalance=_rebalance(root.optional("rebalance")),
-        calibration=_calibration(root.optional("calibration")),
+        rebalance=_subsection(root.optional("rebalance"), RebalanceConfig, _REBALANCE_PARSERS),
+        calibration=_subsection(root.optional("calibration"), CalibrationConfig, _CALIBRATION_PARSERS),
         source=source,
+        **_parsed(root, PoplarConfig(), scalars),
     )
 
 
@@ -487,13 +474,12 @@ def throughput_timer_synchronized(ds_config: dict, *, source: str = DICT_SOURCE)
     build the training dataloader (poplar-ext builds it), and synchronised it waits for the
     device twice per micro-step, stalling the queue of kernels; poplar-ext times compute itself.
     """
-    timers = ds_config.get("timers", {})
-    if not isinstance(timers, dict):
-        raise FormatError(source, "timers", "an object", type(timers).__name__)
-    throughput = timers.get("throughput", {})
-    if not isinstance(throughput, dict):
-        raise FormatError(source, "timers.throughput", "an object", type(throughput).__name__)
-    return bool(throughput.get("synchronized", False))
+    section = ds_config
+    for field in ("timers", "timers.throughput"):
+        section = section.get(field.rsplit(".", 1)[-1], {})
+        if not isinstance(section, dict):
+            raise FormatError(source, field, "an object", type(section).__name__)
+    return bool(section.get("synchronized", False))
 
 
 def unsynchronised_throughput_timer(ds_config: dict, *, source: str = DICT_SOURCE) -> None:

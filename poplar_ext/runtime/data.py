@@ -1,7 +1,4 @@
-"""Which samples each rank trains on: one seeded stream, cut into per-rank micro-batches (`PlanBatchSampler`).
-
-See docs/design.md (the data stream, every sample once) and docs/training.md (epochs, ``drop_last``).
-"""
+"""Which samples each rank trains on: one seeded stream, cut into per-rank micro-batches (docs/design.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Evaluation under a plan: every sample once, in order, each rank's batch sized for its device.
-
-Rounds of one batch per rank (`EvalBatchSampler`). See docs/trainer.md (evaluation and prediction).
-"""
+"""Evaluation under a plan: every sample once, each rank's batch sized for its device (docs/trainer.md)."""
 
 from __future__ import annotations
 

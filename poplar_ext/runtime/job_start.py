@@ -1,9 +1,4 @@
-"""What every engine's job settles first, in the same order: the ``poplar`` section read, the
-cluster agreed against every rank's hardware, and rank 0's steady compute sent to every rank.
-
-`poplar_ext.zero.initialize.prepare_job` and `poplar_ext.pipeline.job.prepare_pipeline_job`
-call these between their own steps (docs/design.md, "Engines over one core").
-"""
+"""What every engine's job settles first: the ``poplar`` section, the cluster, rank 0's steady compute."""
 
 from __future__ import annotations
 

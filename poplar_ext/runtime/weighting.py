@@ -1,8 +1,4 @@
-"""The one place where a rank's micro-batch loss is weighted for uneven batches.
-
-``W * b_r / B`` (mean), ``W / B`` (sum), ``W * n / T`` (token mean); `pipeline_loss_weight` for pipelines.
-See docs/design.md (gradient semantics) and docs/deepspeed-notes.md (what DeepSpeed does to the loss).
-"""
+"""The one place a rank's micro-batch loss is weighted for uneven batches (docs/design.md)."""
 
 from __future__ import annotations
 
