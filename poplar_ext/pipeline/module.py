@@ -21,12 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 class WeightedLoss:
-    """A pipeline's micro-batch loss times its weight: what its last stage hands to DeepSpeed's backward.
-
-    `loss_fn` None: the last layer's output is the loss (DeepSpeed's convention). With
-    ``token_mean`` the weight is per label token of the micro-batch (``s_p * n``), and the
-    tokens are counted in `tokens` for the engine to divide the iteration's gradients by.
-    """
+    """A pipeline's micro-batch loss times its weight, for its last stage's backward (`loss_fn` None: the last
+    layer's output). ``token_mean``: per label token (``s_p * n``), the tokens counted in `tokens`."""
 
     def __init__(
         self, loss_fn: Callable[[Any, Any], Any] | None, weight: float, *, reduction: Reduction = "mean"
@@ -109,8 +105,7 @@ def _stage_checkpointing(
 
 @contextmanager
 def _built_on(grid: PlanGrid) -> Iterator[None]:
-    # DeepSpeed falls short here: PipelineModule.__init__ builds its grid inline
-    # (PipelineParallelGrid(process_group=..., topology=...), runtime/pipe/module.py) and
+    # DeepSpeed falls short here: PipelineModule.__init__ builds its grid inline (runtime/pipe/module.py) and
     # takes no grid argument. The name it looks up is replaced for that call only.
     from deepspeed.runtime.pipe import module as deepspeed_pipe_module
 
@@ -125,16 +120,11 @@ def _built_on(grid: PlanGrid) -> Iterator[None]:
 class PoplarPipelineModule(PipelineModule):
     """DeepSpeed's PipelineModule with the stage boundaries and this rank's place from the plan (collective).
 
-    Arguments are DeepSpeed's (``layers``, ``loss_fn``, ``seed_layers``, ``seed_fn``,
-    ``base_seed``, ``activation_checkpoint_interval``, ``activation_checkpoint_func``,
-    ``checkpointable_layers``, ``dynamic_shape``) and `config` (a dict or a JSON file)
-    or `args` (``args.deepspeed_config``): the DeepSpeed config with a ``poplar``
-    section naming a pipeline plan, or ``poplar.profiles`` to search one at start from
-    their layer profiles; `training_data` (the dataset `poplar_ext.initialize` gets) lets
-    missing layer profiles be measured first (with the config's optimizer: Adam, AdamW or
-    SGD). ``num_stages``, ``topology`` and
-    ``partition_method`` are refused (the plan says them). Raises the same ValueError
-    on every rank when the plan cannot run in this job. `poplar_job` holds the plan.
+    Arguments are DeepSpeed's, and `config` (a dict or a JSON file) or `args`: the DeepSpeed config with a
+    ``poplar`` section naming a pipeline plan, or ``poplar.profiles`` to search one at start; `training_data`
+    (the dataset `poplar_ext.initialize` gets) lets missing layer profiles be measured first (with the config's
+    optimizer: Adam, AdamW or SGD). ``num_stages``, ``topology`` and ``partition_method`` are refused (the plan
+    says them). Raises the same ValueError on every rank when the plan cannot run. `poplar_job` holds the plan.
     """
 
     def __init__(

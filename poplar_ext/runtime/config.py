@@ -133,8 +133,7 @@ class PoplarConfig:
 
     @property
     def profiles_setting(self) -> str:
-        """Where `profiles` was set, for messages: the config's ``poplar.profiles``, or where the section names
-        neither a plan nor profiles, ``$POPLAR_PROFILES_DIR`` or the user cache (`default_profiles_dir`)."""
+        """Where `profiles` was set, for messages: ``poplar.profiles``, ``$POPLAR_PROFILES_DIR`` or the user cache."""
         if not self.profiles_defaulted:
             return f"{self.source}: {SECTION}.profiles"
         where = f"${PROFILES_DIR_VARIABLE}" if os.environ.get(PROFILES_DIR_VARIABLE) else "the user cache"
@@ -146,8 +145,8 @@ class PoplarConfig:
         return {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
 
     def batch_above_bound(self, batch: int | str | None, origin: str) -> FormatError | None:
-        """Either engine's refusal where `max_global_batch_size` is below the global batch the job asks for (`batch`,
-        from the setting `origin`), alike on every rank; None within it, without it, or with no number (auto, none)."""
+        """Either engine's refusal where `max_global_batch_size` is below the global batch `batch` (from the setting
+        `origin`); None otherwise."""
         limit, field = self.max_global_batch_size, f"{SECTION}.max_global_batch_size"
         if limit is None or not isinstance(batch, int) or batch <= limit:
             return None
@@ -240,10 +239,8 @@ def default_profiles_dir() -> Path:
 
 
 def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_SOURCE) -> PoplarConfig:
-    """Validate the ``poplar`` section; raises `FormatError` (a ValueError) naming `source` and the field.
-
-    `source` is the DeepSpeed config file the section came from (for messages).
-    """
+    """Validate the ``poplar`` section; raises `FormatError` (a ValueError) naming `source` (the DeepSpeed config
+    file) and the field."""
     root = Node(section, source, SECTION)
     if not isinstance(section, dict):
         raise root.fail("an object ({} for the automatic mode: the hardware read, profiled and a plan searched)")
@@ -287,11 +284,8 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
 
 
 def load_deepspeed_config(config: Any = None, *, config_params: Any = None, args: Any = None) -> tuple[dict, Path, str]:
-    """The DeepSpeed config as a dict, the directory relative paths start from, and its name for messages.
-
-    Accepts what ``deepspeed.initialize`` accepts: `config` (dict or path),
-    `config_params` (its older name) or ``args.deepspeed_config`` (a path).
-    """
+    """The DeepSpeed config as a dict, the directory relative paths start from, and its name for messages, from
+    what ``deepspeed.initialize`` accepts: `config` (dict or path), `config_params` or ``args.deepspeed_config``."""
     sources = [
         ("config", config),
         ("config_params", config_params),
@@ -328,12 +322,8 @@ def configured_zero_stage(ds_config: dict, *, source: str = DICT_SOURCE) -> int 
 
 
 def requested_zero_stage(poplar_config: PoplarConfig, ds_config: dict) -> int | None:
-    """The ZeRO stage to train at, or None for the plan's (or the search's) choice.
-
-    ``poplar.zero_stage`` wins when set; ``"auto"`` then needs zero_optimization.stage
-    absent (the search may pick any stage), and a number must agree with it.
-    Without ``poplar.zero_stage``, zero_optimization.stage decides; absent too: auto.
-    """
+    """The ZeRO stage to train at, or None for the plan's (or the search's) choice: ``poplar.zero_stage``, which
+    must agree with zero_optimization.stage (``"auto"``: none there), else zero_optimization.stage."""
     configured = configured_zero_stage(ds_config, source=poplar_config.source)
     requested = poplar_config.zero_stage
     if requested is None:
@@ -371,18 +361,14 @@ def _deepspeed_batch_value(root: Node, key: str) -> int | None:
 
 
 def deepspeed_train_batch_size(ds_config: dict, *, source: str = DICT_SOURCE) -> int | None:
-    """The DeepSpeed config's ``train_batch_size``; None where it is absent or ``"auto"`` (`FormatError` where it
-    is no batch)."""
+    """The DeepSpeed config's ``train_batch_size``; None where absent or ``"auto"``."""
     return _deepspeed_batch_value(Node(ds_config, source).obj(), "train_batch_size")
 
 
 def deepspeed_global_batch_size(ds_config: dict, *, world_size: int, source: str = DICT_SOURCE) -> GlobalBatchRequest:
-    """The global batch DeepSpeed would train with this config on `world_size` ranks.
-
-    ``train_batch_size`` when set; otherwise ``train_micro_batch_size_per_gpu x
-    gradient_accumulation_steps (default 1) x world_size``; ``"auto"`` values count
-    as unset, and an ``"auto"`` accumulation count leaves the batch unset too (its
-    filler decides it). When all three are set they must agree, as DeepSpeed requires.
+    """The global batch DeepSpeed would train with this config on `world_size` ranks: ``train_batch_size``, else
+    ``train_micro_batch_size_per_gpu x gradient_accumulation_steps (default 1) x world_size``; ``"auto"`` counts as
+    unset (an ``"auto"`` accumulation count leaves the batch unset). All three set must agree, as in DeepSpeed.
     """
     root = Node(ds_config, source).obj()
     total, micro, accumulation = (_deepspeed_batch_value(root, key) for key in _DEEPSPEED_BATCH_KEYS)
@@ -414,11 +400,8 @@ def deepspeed_global_batch_size(ds_config: dict, *, world_size: int, source: str
 
 
 def requested_global_batch_size(poplar_config: PoplarConfig, ds_config: dict, *, world_size: int) -> GlobalBatchRequest:
-    """The global batch the job trains: ``poplar.global_batch_size``, else DeepSpeed's.
-
-    Both set to different numbers, or ``"auto"`` beside a DeepSpeed batch, is a
-    `FormatError`: the config would say two things.
-    """
+    """The global batch the job trains: ``poplar.global_batch_size``, else DeepSpeed's; a `FormatError` where
+    both are set and differ (``"auto"`` beside a DeepSpeed batch too)."""
     deepspeed = deepspeed_global_batch_size(ds_config, world_size=world_size, source=poplar_config.source)
     requested = poplar_config.global_batch_size
     if requested is None:
@@ -437,14 +420,9 @@ def requested_global_batch_size(poplar_config: PoplarConfig, ds_config: dict, *,
 def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: str = DICT_SOURCE) -> dict:
     """The config DeepSpeed gets on `rank`: valid on its own, with this rank's batch values.
 
-    DeepSpeed only checks ``train_batch_size == micro * accumulation * W`` locally, so
-    each rank's nominal train_batch_size is ``b_r * s_r * W``; the true global batch is
-    the plan's and is what poplar-ext logs. A ``train_batch_size`` in the user's config
-    must equal the plan's global batch (it is then replaced). A rank whose plan entry
-    has ``optimizer_offload`` gets ``zero_optimization.offload_optimizer``
-    (`poplar_ext.optimizer_offload.offload_deepspeed_optimizer`); an
-    ``offload_optimizer`` of the user's config stays as it is on the other ranks. DeepSpeed's
-    throughput timer does not synchronise the device (`unsynchronised_throughput_timer`).
+    DeepSpeed only checks ``train_batch_size == micro * accumulation * W`` locally, so each rank's nominal
+    train_batch_size is ``b_r * s_r * W`` (a user's must equal the plan's global batch). A rank planned with
+    ``optimizer_offload`` gets ``zero_optimization.offload_optimizer``; the throughput timer is not synchronised.
     """
     given = ds_config.get("train_batch_size")
     if given is not None and given != AUTO and given != plan.global_batch_size:
@@ -468,11 +446,8 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
 
 def throughput_timer_synchronized(ds_config: dict, *, source: str = DICT_SOURCE) -> bool:
     """Whether DeepSpeed's throughput timer is to synchronise the device: only where the user's
-    ``timers.throughput.synchronized`` says so.
-
-    Why: the engine's throughput timer runs around every micro-step when DeepSpeed did not
-    build the training dataloader (poplar-ext builds it), and synchronised it waits for the
-    device twice per micro-step, stalling the queue of kernels; poplar-ext times compute itself.
+    ``timers.throughput.synchronized`` says so. It runs around every micro-step where DeepSpeed did not build the
+    dataloader, and synchronised it would wait for the device twice per micro-step.
     """
     section = ds_config
     for field in ("timers", "timers.throughput"):
@@ -483,8 +458,7 @@ def throughput_timer_synchronized(ds_config: dict, *, source: str = DICT_SOURCE)
 
 
 def unsynchronised_throughput_timer(ds_config: dict, *, source: str = DICT_SOURCE) -> None:
-    """Set ``timers.throughput.synchronized`` in `ds_config` to `throughput_timer_synchronized`'s answer
-    (`source`: the config file, for messages)."""
+    """Set ``timers.throughput.synchronized`` in `ds_config` to `throughput_timer_synchronized`'s answer."""
     synchronized = throughput_timer_synchronized(ds_config, source=source)
     ds_config.setdefault("timers", {}).setdefault("throughput", {})["synchronized"] = synchronized
 

@@ -63,16 +63,11 @@ def plan_shares(plan: Plan | PipelinePlan) -> tuple[list[int], list[int]]:
 
 
 class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
-    """Yields one rank's micro-batches (lists of sample indices) for a DataLoader.
+    """Yields one rank's micro-batches (lists of sample indices): ``DataLoader(dataset, batch_sampler=sampler)``.
 
-    Pass it as ``DataLoader(dataset, batch_sampler=sampler)``; each item is one
-    micro-batch of `micro_batch_size` samples, `gradient_accumulation_steps` of them
-    per iteration. Every rank builds its own sampler from the same plan and seed.
-
-    One pass (``iter``) is the rest of the current epoch (see docs/design.md):
-    a loop ``for epoch in range(E): for batch in loader:`` trains E epochs. With
-    `iterations_per_pass` a pass is that many iterations instead, continuing the
-    stream. `set_position` moves to a checkpointed position.
+    Each item is one micro-batch of `micro_batch_size` samples, `gradient_accumulation_steps` of them per
+    iteration; every rank builds its own from the same plan and seed. One pass (``iter``) is the rest of the
+    current epoch, or `iterations_per_pass` iterations; `set_position` moves to a checkpointed position.
     """
 
     def __init__(
@@ -148,15 +143,9 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         return self.iteration_start(self.next_iteration)
 
     def set_position(self, consumed_samples: int) -> None:
-        """Continue from a stream position saved in a checkpoint.
-
-        Any position works, also one that is not a multiple of this global batch (a
-        resume under another batch): the next iteration starts there. With
-        `drop_last`, whose iterations keep their places on this batch's grid in each epoch,
-        the next iteration is the grid's first at or after the position (the samples
-        between are skipped in this epoch, fewer than a batch), or the next epoch's first
-        where the rest of the epoch holds no whole iteration.
-        """
+        """Continue from a stream position saved in a checkpoint: the next iteration starts there, any position.
+        With `drop_last` (iterations on this batch's grid in each epoch) it is the grid's first at or after the
+        position, or the next epoch's first where the rest of the epoch holds no whole iteration."""
         if isinstance(consumed_samples, bool) or not isinstance(consumed_samples, int) or consumed_samples < 0:
             raise ValueError(
                 f"consumed_samples: expected a stream position (an integer >= 0), found {consumed_samples!r}"
@@ -209,11 +198,8 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
     def switch_plan(self, plan: Plan | PipelinePlan, *, from_position: int) -> None:
         """Train `plan`'s share for this rank from the iteration that starts at stream position `from_position` on.
 
-        The plan re-balances the same global batch among the ranks (the iterations keep
-        their places in the stream: every sample is still used once); every rank switches
-        at the same position. `from_position` must be an iteration start at or after
-        `generated_until` (what a DataLoader has already taken cannot change). A pipeline
-        plan's pipelines take the places of ranks (the sampler of pipeline p is that of "rank" p).
+        The plan re-balances the same global batch among the same ranks (a pipeline plan: pipelines), every rank
+        at the same position, an iteration start at or after `generated_until`.
         """
         sizes, steps = plan_shares(plan)
         per_rank = [b * s for b, s in zip(sizes, steps)]
@@ -231,9 +217,8 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.micro_batch_size, self.gradient_accumulation_steps = b, s
 
     def split(self, iteration: int) -> tuple[int, int, int]:
-        """``(b, s, offset)`` of this rank in `iteration`: micro-batch size, micro-batches and where its chunk
-        starts in the iteration, under the plan that trains it (`micro_batch_size` and
-        `gradient_accumulation_steps` are the last plan's, already when a switch is scheduled)."""
+        """``(b, s, offset)`` of this rank in `iteration` under the plan that trains it: micro-batch size,
+        micro-batches and where its chunk starts in the iteration."""
         start = self.iteration_start(iteration)
         # The first split starts at position 0: some split always matches.
         return next((b, s, offset) for from_position, b, s, offset in reversed(self._splits) if from_position <= start)
@@ -258,11 +243,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             yield batches[-1]
 
     def iterations(self) -> Iterator[list[list[int]]]:
-        """One pass an iteration at a time: each item is this rank's micro-batches of one iteration.
-
-        The same bookkeeping as iterating the sampler (`generated_until`, `next_iteration`);
-        a plan switch between iterations applies to the next one.
-        """
+        """One pass an iteration at a time: each item is this rank's micro-batches of one iteration."""
         first, end = self.next_iteration, self._pass_end()
         for iteration in range(first, end):
             batches = self.micro_batches(iteration)
@@ -283,13 +264,8 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
 
 
 class IterationSampler(torch.utils.data.Sampler[list[list[int]]]):
-    """A `PlanBatchSampler` handed to a DataLoader an iteration at a time.
-
-    Each item is one iteration's micro-batches (lists of sample indices), so a loop
-    that counts items counts optimizer steps, whatever the plan's accumulation count,
-    also across plan switches (the Hugging Face Trainer's loop fixes its count when it
-    starts). The DataLoader's dataset must take a list of indices (`MicroBatchesDataset`).
-    """
+    """A `PlanBatchSampler` handed to a DataLoader an iteration at a time (a list of micro-batches each), so a loop
+    counting items counts optimizer steps across plan switches; the dataset takes lists (`MicroBatchesDataset`)."""
 
     def __init__(self, sampler: PlanBatchSampler) -> None:
         self.plan_sampler = sampler
@@ -306,11 +282,7 @@ class IterationSampler(torch.utils.data.Sampler[list[list[int]]]):
 
 
 class MicroBatchesDataset(torch.utils.data.Dataset):
-    """`dataset` read a micro-batch at a time: item ``indices`` is the list of those samples.
-
-    With `IterationSampler` and a collate function that collates each micro-batch, a
-    DataLoader yields one iteration's collated micro-batches per item.
-    """
+    """`dataset` read a micro-batch at a time: item ``indices`` is the list of those samples."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
@@ -324,13 +296,8 @@ class MicroBatchesDataset(torch.utils.data.Dataset):
 
 
 class IterationLoader:
-    """A DataLoader of one rank's micro-batches, handed over an iteration at a time.
-
-    Before the first micro-batch of an iteration (`micro_batches_per_iteration` of
-    them) it calls ``before_iteration(micro_batches)``, e.g. to count the
-    iteration's label tokens and agree on them across ranks before any backward
-    needs the total. Iterating and ``len`` are the loader's.
-    """
+    """A DataLoader of one rank's micro-batches, handed over an iteration at a time: before the first micro-batch
+    of an iteration it calls ``before_iteration(micro_batches)`` (e.g. to agree on its label tokens)."""
 
     def __init__(
         self,
@@ -369,8 +336,7 @@ class IterationLoader:
 
 
 def check_plan_dataset(dataset: Any, what: str, *, otherwise: str = "give a map-style Dataset") -> None:
-    """ValueError naming `what` (the argument given) unless `dataset` is map-style (or None: none given):
-    the plan's sampler cuts its indices, range(len(dataset)), into micro-batches of the plan's sizes."""
+    """ValueError naming `what` unless `dataset` is map-style (or None): the plan's sampler cuts its indices."""
     if dataset is not None and (
         isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__")
     ):
@@ -384,8 +350,7 @@ def check_plan_dataset(dataset: Any, what: str, *, otherwise: str = "give a map-
 def plan_dataloader(
     training_data: Any, sampler: torch.utils.data.Sampler, *, collate_fn: Any, device: torch.device
 ) -> torch.utils.data.DataLoader:
-    """The training DataLoader of a plan's `sampler`; on CUDA its batches in pinned host memory,
-    so that copying them to the GPU does not wait for a staging copy."""
+    """The training DataLoader of a plan's `sampler`; on CUDA its batches in pinned host memory."""
     return torch.utils.data.DataLoader(
         training_data, batch_sampler=sampler, collate_fn=collate_fn, pin_memory=torch.device(device).type == "cuda"
     )

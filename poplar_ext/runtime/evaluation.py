@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 import torch.utils.data
 
 from poplar_ext.plan.formats import Plan
+from poplar_ext.runtime.data import rank_offsets
 
 PADDING_INDEX = 0
 """The sample a rank without a real one evaluates in the last round (its rows are dropped)."""
@@ -37,11 +38,7 @@ def evaluation_rounds(num_samples: int, batch_sizes: Sequence[int]) -> list[list
 
 
 def _round(start: int, counts: list[int]) -> list[tuple[int, int]]:
-    out, position = [], start
-    for count in counts:
-        out.append((position, count))
-        position += count
-    return out
+    return [(start + offset, count) for offset, count in zip(rank_offsets(counts), counts)]
 
 
 def _shares(total: int, weights: Sequence[int]) -> list[int]:

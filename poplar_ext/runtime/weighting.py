@@ -48,16 +48,11 @@ def loss_weight(
 def pipeline_loss_weight(
     *, micro_batch_size: int, num_micro_batches: int, global_batch_size: int, reduction: Reduction = "mean"
 ) -> float:
-    """The factor for a pipeline's micro-batch loss: ``s_p * b_p / B`` (mean), ``s_p / B`` (sum), or
-    ``s_p`` per label token (token_mean: times the micro-batch's ``n``).
+    """The factor for a pipeline's micro-batch loss: ``s_p * b_p / B`` (mean), ``s_p / B`` (sum), or ``s_p`` per
+    label token (token_mean: the engine divides the summed gradients by the iteration's tokens at the boundary).
 
-    DeepSpeed's pipeline engine divides every micro-batch loss by the pipeline's count
-    s_p (its gradient_accumulation_steps; it has no ``scale_wrt_gas=False``), and
-    poplar-ext sums each layer's gradient over the pipelines (DeepSpeed sees a
-    data-parallel size of 1, so no ``1/W``): the rank weight with ``W = 1``, times s_p.
-    ``token_mean`` cannot agree the iteration's ``T`` before the first backward inside
-    DeepSpeed's schedule; the pipeline engine divides the summed gradients by ``T`` instead,
-    at the boundary, once every last stage has counted its tokens (linear: the same gradient).
+    DeepSpeed's pipeline engine divides every micro-batch loss by s_p (no ``scale_wrt_gas=False``), and the
+    gradients are summed over the pipelines (no ``1/W``): the rank weight with ``W = 1``, times s_p.
     """
     if reduction == "token_mean":
         assert micro_batch_size >= 1 and global_batch_size >= micro_batch_size
@@ -68,13 +63,8 @@ def pipeline_loss_weight(
 
 
 def loss_shifts_labels(model: Any) -> bool:
-    """Whether `model`'s loss predicts ``labels[..., 1:]`` (a causal language model).
-
-    Asks the model which loss it computes: a Hugging Face model's ``loss_function``
-    (looked up by name, so the core never imports transformers) is the causal one, and
-    the model is not an encoder-decoder. A model can say so itself with a
-    ``loss_shifts_labels`` attribute.
-    """
+    """Whether `model`'s loss predicts ``labels[..., 1:]``: its own ``loss_shifts_labels``, else whether a Hugging
+    Face model's ``loss_function`` is the causal one (by name: the core never imports transformers)."""
     own = getattr(model, "loss_shifts_labels", None)
     if isinstance(own, bool):
         return own
@@ -115,12 +105,8 @@ def weight_loss(
     micro_batch_tokens: int | None = None,
     global_batch_tokens: int | None = None,
 ):
-    """`loss` times `loss_weight(...)`: what the engine passes to DeepSpeed's backward
-    (with ``scale_wrt_gas=False``).
-
-    A bf16 or fp16 loss is weighted in fp32 (the result is fp32): a weight like 3/11
-    rounded to bf16's 8 significant bits would be off by up to 0.4%.
-    """
+    """`loss` times `loss_weight(...)`, for DeepSpeed's backward with ``scale_wrt_gas=False``; a bf16 or fp16 loss
+    in fp32 (a weight like 3/11 rounded to bf16 would be off by up to 0.4%)."""
     weight = loss_weight(
         world_size=world_size,
         micro_batch_size=micro_batch_size,

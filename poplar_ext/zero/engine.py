@@ -53,21 +53,14 @@ def set_deepspeed_batch(engine: Any, plan: Plan, rank: int) -> None:
 
 
 class PoplarEngine(EngineCore):
-    """A DeepSpeedEngine that trains a plan's per-rank batches with exact gradients.
+    """A DeepSpeedEngine that trains a plan's per-rank batches with exact gradients; use it as the engine
+    ``deepspeed.initialize`` returns (every attribute not defined here is the DeepSpeed engine's). Differences:
 
-    Use it exactly like the engine ``deepspeed.initialize`` returns; every attribute
-    not defined here is the DeepSpeed engine's. Differences:
-
-    * `backward(loss)`: `loss` is this rank's micro-batch loss reduced as
-      ``poplar.loss_reduction`` says (a mean by default); the wrapper weights it and
-      calls DeepSpeed's backward with ``scale_wrt_gas=False``. Do not divide it by the
-      accumulation count yourself.
-    * `train_batch_size()`: the true global batch (the plan's), not DeepSpeed's
-      per-rank nominal value. `train_micro_batch_size_per_gpu()` and
-      `gradient_accumulation_steps()` are this rank's.
-    * `save_checkpoint` / `load_checkpoint` also store and restore the data position
-      and the plan history (`poplar_ext.runtime.checkpoint`); a checkpoint made under
-      another plan, on another cluster, or by plain DeepSpeed can be loaded.
+    * `backward(loss)`: `loss` is this rank's micro-batch loss reduced as ``poplar.loss_reduction`` says; the
+      wrapper weights it (``scale_wrt_gas=False``): do not divide it by the accumulation count yourself.
+    * `train_batch_size()`: the plan's true global batch; the micro-batch and accumulation count are this rank's.
+    * `save_checkpoint` / `load_checkpoint` also store and restore the data position and the plan history; a
+      checkpoint made under another plan, on another cluster, or by plain DeepSpeed can be loaded.
     * `plan_history`: every plan the job ran, with the step it started at and why.
     """
 
@@ -161,8 +154,7 @@ class PoplarEngine(EngineCore):
         return getattr(engine, name)
 
     def start_compute_window(self) -> None:
-        """Open this rank's compute window for a micro-step at the plan's micro-batch (a no-op while open):
-        the forward does it, or a hook on a model another library calls (`time_training_forwards`)."""
+        """Open this rank's compute window for a micro-step at the plan's micro-batch (a no-op while open)."""
         if self._slowdown is not None:
             self._slowdown.start(micro_step_key(self.rank_plan.micro_batch_size))
 
@@ -336,11 +328,8 @@ class PoplarEngine(EngineCore):
         return list(self._samplers)
 
     def create_batch_sampler(self, num_samples: int, *, iterations_per_pass: int | None = None) -> PlanBatchSampler:
-        """This rank's batch sampler for a DataLoader of your own
-        (``DataLoader(dataset, batch_sampler=engine.create_batch_sampler(len(dataset)))``).
-
-        It starts at the engine's data position and follows it on `load_checkpoint`.
-        """
+        """This rank's batch sampler for a DataLoader of your own, from the engine's data position on
+        (``DataLoader(dataset, batch_sampler=engine.create_batch_sampler(len(dataset)))``)."""
         sampler = PlanBatchSampler.from_plan(
             self.plan,
             rank=self._rank,
@@ -353,11 +342,8 @@ class PoplarEngine(EngineCore):
         return sampler
 
     def adopt_batch_sampler(self, sampler: PlanBatchSampler) -> None:
-        """Let a sampler built before the engine (from the same plan and ``poplar`` section) follow
-        plan switches and `load_checkpoint`'s data position, as `create_batch_sampler`'s do.
-
-        Hugging Face accelerate prepares a call's dataloaders before its model.
-        """
+        """Let a sampler built before the engine (accelerate prepares dataloaders first) follow plan switches and
+        `load_checkpoint`'s data position, as `create_batch_sampler`'s do."""
         if sampler.global_batch_size != self.plan.global_batch_size or sampler.rank != self._rank:
             raise ValueError(
                 f"sampler: expected rank {self._rank}'s sampler of global batch {self.plan.global_batch_size}, "
