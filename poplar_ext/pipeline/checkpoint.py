@@ -11,12 +11,10 @@ UNIVERSAL_FOLDER = "universal"
 """A pipeline checkpoint's optimizer state per parameter, in its tag folder (written at its first resume under
 another split: `poplar_ext.pipeline.replan`)."""
 
-PIPELINE_FOLDER = "pipeline{index}"
-"""The folder of pipeline `index` in a checkpoint's tag folder."""
-
 
 def pipeline_folder(index: int) -> str:
-    return PIPELINE_FOLDER.format(index=index)
+    """The folder of pipeline `index` in a checkpoint's tag folder."""
+    return f"pipeline{index}"
 
 
 def _splits(plan: dict[str, Any]) -> list[str]:
@@ -75,21 +73,6 @@ def _started_as_this_job(saved: dict[str, Any], plan: dict[str, Any]) -> bool:
     )
 
 
-def _under_the_last_plan(saved: dict[str, Any], path: str) -> ResumeDecision:
-    """A resume of a run that re-balanced: its last counts from the saved position on (`continue_plan`)."""
-    position = saved["data_position"]
-    return ResumeDecision(
-        data_position=position,
-        consumed_samples=saved["consumed_samples"],
-        plan_history=list(saved["plan_history"]),
-        notes=[
-            f"resumed from {path} under its last plan, re-balanced from this job's (see the plan history); the data "
-            f"continues at stream position {position}"
-        ],
-        continue_plan=saved["plan"],
-    )
-
-
 def pipeline_resume_decision(
     saved: dict | None, current: dict, *, path: str, load_module_only: bool = False
 ) -> ResumeDecision:
@@ -112,9 +95,20 @@ def pipeline_resume_decision(
         )
     check_data_order(saved, current, path=path)
     _refuse_what_cannot_move(saved["plan"], current["plan"], path=path, weights_only=load_module_only)
-    if plan_changes(saved["plan"], current["plan"]) and _started_as_this_job(saved, current["plan"]):
-        if not load_module_only:
-            return _under_the_last_plan(saved, path)
+    changes = plan_changes(saved["plan"], current["plan"])
+    if changes and not load_module_only and _started_as_this_job(saved, current["plan"]):
+        # A run that re-balanced: its last counts from the saved position on.
+        position, history = saved["data_position"], list(saved["plan_history"])
+        return ResumeDecision(
+            data_position=position,
+            consumed_samples=saved["consumed_samples"],
+            plan_history=history,
+            notes=[
+                f"resumed from {path} under its last plan, re-balanced from this job's (see the plan history); the "
+                f"data continues at stream position {position}"
+            ],
+            continue_plan=saved["plan"],
+        )
     if load_module_only:
         return ResumeDecision(
             data_position=0,
@@ -122,7 +116,6 @@ def pipeline_resume_decision(
             notes=[f"{path} was loaded for its weights only: the data starts at position 0"],
         )
     position, history = saved["data_position"], list(saved.get("plan_history") or [])
-    changes = plan_changes(saved["plan"], current["plan"])
     if not changes:
         return ResumeDecision(data_position=position, consumed_samples=saved["consumed_samples"], plan_history=history)
     reason = f"resumed from {path} under another pipeline plan ({'; '.join(changes)})"

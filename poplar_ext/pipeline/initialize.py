@@ -34,8 +34,7 @@ DEEPSPEED_PRINT_OFF = 2**62
 def pipeline_deepspeed_config(
     ds_config: dict, plan: PipelinePlan, pipeline_index: int, *, source: str = DICT_SOURCE
 ) -> dict:
-    """The config DeepSpeed gets on a rank of pipeline `pipeline_index`: valid for that pipeline alone
-    (`source`: the config file, for messages)."""
+    """The config DeepSpeed gets on a rank of pipeline `pipeline_index`: valid for that pipeline alone."""
     pipeline = plan.pipelines[pipeline_index]
     nominal = copy.deepcopy(ds_config)
     nominal["train_micro_batch_size_per_gpu"] = pipeline.micro_batch_size
@@ -49,28 +48,9 @@ def pipeline_deepspeed_config(
     return nominal
 
 
-def _check_arguments(
-    job: PipelineJob, *, mpu: Any, mesh_param: Any, training_data: Any, config: Any, config_params: Any, args: Any
-) -> None:
-    """ValueError for what a pipeline job cannot take (the same on every rank: it is the script's)."""
-    if mpu is not None or mesh_param is not None:
-        raise ValueError(
-            "poplar_ext.initialize: expected no mpu= or mesh_param= with a PoplarPipelineModule (its grid is the "
-            "plan's)"
-        )
-    check_plan_dataset(training_data, "training_data")
-    if any(value is not None for value in (config, config_params, getattr(args, "deepspeed_config", None))):
-        ds_config, _, source = load_deepspeed_config(config, config_params=config_params, args=args)
-        if ds_config != job.ds_config:
-            raise ValueError(
-                f"poplar_ext.initialize: expected the DeepSpeed config the PoplarPipelineModule was built with (its "
-                f"plan was settled then), found another one in {source}; give both the same, or none here"
-            )
-
-
 def check_token_mean_samples(training_data: Any, reduction: str) -> None:
-    """ValueError unless a token_mean job's samples are ``(inputs, labels)`` with labels one tensor: the
-    last stages count their tokens inside the schedule, where an error would leave the others waiting."""
+    """ValueError unless a token_mean job's samples are ``(inputs, labels)`` with labels a tensor (counted inside
+    the schedule, where an error would leave the others waiting)."""
     if reduction != "token_mean" or training_data is None or len(training_data) == 0:
         return
     sample = training_data[0]
@@ -160,22 +140,24 @@ def initialize_pipeline(
     config_params: Any = None,
     mesh_param: Any = None,
 ) -> tuple[PoplarPipelineEngine, Any, torch.utils.data.DataLoader | None, Any]:
-    """``(engine, optimizer, dataloader, lr_scheduler)`` for a `PoplarPipelineModule` (collective).
-
-    The config, if given, must be the one the module was built with. The dataloader (None
-    without `training_data`) yields this pipeline's micro-batches; ``engine.train_batch()``
-    reads it, as DeepSpeed's engine reads its own.
-    """
+    """``(engine, optimizer, dataloader, lr_scheduler)`` for a `PoplarPipelineModule` (collective). The config, if
+    given, must be the module's. The dataloader (None without `training_data`) yields this pipeline's
+    micro-batches; ``engine.train_batch()`` reads it."""
     job: PipelineJob = model.poplar_job
-    _check_arguments(
-        job,
-        mpu=mpu,
-        mesh_param=mesh_param,
-        training_data=training_data,
-        config=config,
-        config_params=config_params,
-        args=args,
-    )
+    # What a pipeline job cannot take: the same ValueError on every rank (it is the script's).
+    if mpu is not None or mesh_param is not None:
+        raise ValueError(
+            "poplar_ext.initialize: expected no mpu= or mesh_param= with a PoplarPipelineModule (its grid is the "
+            "plan's)"
+        )
+    check_plan_dataset(training_data, "training_data")
+    if any(value is not None for value in (config, config_params, getattr(args, "deepspeed_config", None))):
+        ds_config, _, source = load_deepspeed_config(config, config_params=config_params, args=args)
+        if ds_config != job.ds_config:
+            raise ValueError(
+                f"poplar_ext.initialize: expected the DeepSpeed config the PoplarPipelineModule was built with (its "
+                f"plan was settled then), found another one in {source}; give both the same, or none here"
+            )
     check_token_mean_samples(training_data, job.poplar_config.loss_reduction)
     # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
     ds_args = copy.copy(args)

@@ -71,11 +71,7 @@ def prepare_pipeline_job(
     `load_deepspeed_config`'s result. Without a plan file, `layers` (by their fingerprint) pick the layer
     profiles searched from, and with `training_data` missing ones are measured (with `loss_fn`)."""
     ds_config, _, source = loaded_config
-    poplar_config = read_poplar_section(
-        loaded_config,
-        needs="{} for the automatic mode, or with 'plan' or 'profiles'",
-        otherwise="deepspeed.pipe.PipelineModule",
-    )
+    poplar_config = read_poplar_section(loaded_config, otherwise="deepspeed.pipe.PipelineModule")
     check_pipeline_config(ds_config, poplar_config)
     _refuse_another_reduction(loss_fn, poplar_config.loss_reduction)
     device = join_job(**(init_options or {}))

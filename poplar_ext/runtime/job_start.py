@@ -35,7 +35,12 @@ class JobBase:
     """This rank's ``torch.device``."""
 
 
-def read_poplar_section(loaded_config: tuple[dict, Path, str], *, needs: str, otherwise: str) -> PoplarConfig:
+def read_poplar_section(
+    loaded_config: tuple[dict, Path, str],
+    *,
+    needs: str = "{} for the automatic mode, or with 'plan' or 'profiles'",
+    otherwise: str,
+) -> PoplarConfig:
     """The ``poplar`` section of `loaded_config` (`load_deepspeed_config`'s result), checked; a ValueError
     saying what it `needs` and what to use `otherwise` where the config has none."""
     ds_config, base_dir, source = loaded_config

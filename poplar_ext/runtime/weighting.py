@@ -11,7 +11,6 @@ from poplar_ext.reductions import REDUCTIONS, Reduction
 
 IGNORE_INDEX = -100
 """The label value losses skip (PyTorch's and Hugging Face's convention)."""
-_HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def loss_weight(
@@ -115,7 +114,7 @@ def weight_loss(
         micro_batch_tokens=micro_batch_tokens,
         global_batch_tokens=global_batch_tokens,
     )
-    if getattr(loss, "dtype", None) in _HALF_DTYPES:
+    if getattr(loss, "dtype", None) in (torch.bfloat16, torch.float16):
         return loss.float() * weight
     return loss * weight
 

@@ -136,11 +136,7 @@ def prepare_job(
     """
     ds_config, _, source = loaded_config
     if poplar_config is None:
-        poplar_config = read_poplar_section(
-            loaded_config,
-            needs="{} for the automatic mode, or with 'plan' or 'profiles'",
-            otherwise="deepspeed.initialize",
-        )
+        poplar_config = read_poplar_section(loaded_config, otherwise="deepspeed.initialize")
     _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
     # DeepSpeed's own discovery first (launcher, torchrun or mpirun), then this rank's device.
     device = join_job(**(init_options or {}))
