@@ -214,11 +214,11 @@ class PoplarEngine(EngineCore):
         """DeepSpeed's step; at an accumulation boundary also counts and logs the iteration."""
         boundary = self.deepspeed_engine.is_gradient_accumulation_boundary()
         # The optimizer step is compute too: an emulated device runs it slower, its collectives left out.
-        emulate = boundary and self._slowdown is not None and self._slowdown.emulation is not None
-        if not emulate:
+        slowdown = self.emulated_compute
+        if not boundary or slowdown is None:
             result = self.deepspeed_engine.step(*args, **kwargs)
         else:
-            slowdown, busy_before = self._slowdown, self._slowdown.busy_time_s
+            busy_before = slowdown.busy_time_s
             optimizer = getattr(self.deepspeed_engine, "optimizer", None)
             with optimizer_compute_window(
                 optimizer, start=lambda: slowdown.start(OPTIMIZER_STEP_KEY), stop=slowdown.stop
@@ -425,7 +425,7 @@ class PoplarEngine(EngineCore):
         )
         decision = None
         load_tag = resolved  # not the caller's None: on node-local storage each node's ``latest`` may differ
-        resharding = False
+        loading: Any = nullcontext()
         if saved is not None:
             decision = resume_decision(
                 saved,
@@ -436,21 +436,17 @@ class PoplarEngine(EngineCore):
                 load_optimizer_states=with_optimizer,
             )
             # The weights alone load on any number of ranks; the optimizer's partitions at stages 1-3 do not.
-            resharding = decision.world_size_changed and self.plan.zero_stage > 0 and with_optimizer and not module_only
-            if resharding:
+            if decision.world_size_changed and self.plan.zero_stage > 0 and with_optimizer and not module_only:
                 load_tag = resharded_tag(
                     Path(load_dir), resolved, deepspeed_engine=self.deepspeed_engine, rank=self._rank
                 )
+                loading = loading_resharded(self.deepspeed_engine)
         if module_only and self.plan.zero_stage == 3:
             # The model's file holds empty partitions at stage 3: DeepSpeed would load no weight, silently.
             # Without the optimizer state it merges them from every rank's partition (`merging_weights_of`).
             kwargs["load_optimizer_states"] = False
-        if resharding:
-            loading = loading_resharded(self.deepspeed_engine)
-        else:
-            weights_merged = self.plan.zero_stage == 3 and not kwargs.get("load_optimizer_states", True)
-            weights_merged = weights_merged and resolved is not None
-            loading = merging_weights_of(resolved, self.deepspeed_engine) if weights_merged else nullcontext()
+        if self.plan.zero_stage == 3 and resolved is not None and not kwargs.get("load_optimizer_states", True):
+            loading = merging_weights_of(resolved, self.deepspeed_engine)  # never while resharding: it loads them
         with loading:
             path, client_state = self.deepspeed_engine.load_checkpoint(load_dir, tag=load_tag, **kwargs)
         if path is None:
