@@ -38,13 +38,7 @@ from poplar_ext.pipeline.replan import (
     optimizer_parameter_shapes,
 )
 from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_from_dict
-from poplar_ext.runtime.checkpoint import (
-    ResumeDecision,
-    read_state,
-    refresh_master_weights,
-    save_whole,
-    tag_for_load,
-)
+from poplar_ext.runtime.checkpoint import ResumeDecision, read_state, refresh_master_weights, tag_for_load
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.engine_core import EngineCore
 from poplar_ext.runtime.rebalance import Rebalancer
@@ -341,34 +335,22 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
             return self._samplers[0].iteration_start(self._first_sampler_base + self._steps_since_restore)
         return self.trained_position
 
-    def save_checkpoint(
-        self,
-        save_dir: str | Path,
-        tag: Any = None,
-        client_state: dict | None = None,
-        save_latest: bool = True,
-        **kwargs,
-    ) -> Any:
-        """DeepSpeed's save, into ``save_dir/TAG/pipeline<P>``, with poplar-ext's state in ``save_dir/TAG``; written
-        into a new folder that replaces the tag's once every rank has saved, then named in ``latest`` (`save_whole`)."""
-        client_state = dict(client_state or {})
+    def _save_deepspeed(self, save_dir: str | Path, new_tag: str, client_state: dict, **kwargs: Any) -> Any:
+        """DeepSpeed's save into ``save_dir/TAG/pipeline<P>`` (`EngineCore.save_checkpoint`)."""
         if self.optimizer is not None and not self.zero_optimization():  # DeepSpeed names them at ZeRO 1 only
             client_state[PARAMETER_SHAPES_KEY] = optimizer_parameter_shapes(self)
-
-        def save(new_tag: str) -> Any:
-            self._job_tag = new_tag
-            try:
-                return super(PoplarPipelineEngine, self).save_checkpoint(
-                    str(Path(save_dir) / new_tag),
-                    tag=pipeline_folder(self.pipeline_index),
-                    client_state=client_state,
-                    save_latest=False,
-                    **kwargs,
-                )
-            finally:
-                self._job_tag = None
-
-        return save_whole(save_dir, tag, save, deepspeed_engine=self, state=self._client_state, save_latest=save_latest)
+        self._job_tag = new_tag
+        try:
+            return PipelineEngine.save_checkpoint(
+                self,
+                str(Path(save_dir) / new_tag),
+                tag=pipeline_folder(self.pipeline_index),
+                client_state=client_state,
+                save_latest=False,
+                **kwargs,
+            )
+        finally:
+            self._job_tag = None
 
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:
         """DeepSpeed's load from ``load_dir/TAG/pipeline<P>``, continuing the data stream (collective).

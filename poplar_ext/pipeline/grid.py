@@ -34,11 +34,8 @@ class PlanGrid(PipelineParallelGrid):
         alone_group = groups[len(pipelines) + rank]
         self.pipe_groups = [mine]
         # DeepSpeed's "model-parallel" group is the pipeline (as in its own grid without tensor slicing).
-        self.ds_model_proc_group, self.ds_model_world_size, self.ds_model_rank = (
-            self.pp_proc_group,
-            len(mine),
-            self.stage_id,
-        )
+        self.ds_model_proc_group, self.ds_model_world_size = self.pp_proc_group, len(mine)
+        self.ds_model_rank = self.stage_id
         # DeepSpeed's data-parallel group is this rank alone: the sum across pipelines is LayerSegments'.
         self.dp_group, self.dp_groups, self.dp_proc_group = [rank], [[r] for r in mine], alone_group
         self.slice_group, self.slice_proc_group = [rank], alone_group
@@ -66,13 +63,7 @@ def _parameters_by_layer(module: torch.nn.Module) -> dict[int, list[torch.nn.Par
 
 def tied_holders(plan: PipelinePlan, layers: list[int]) -> list[int]:
     """Every rank whose stage runs any of `layers` (a tied module's), pipeline 0's first."""
-    holders: list[int] = []
-    for pipeline_index in range(len(plan.pipelines)):
-        for layer in layers:
-            rank = _holder(plan, pipeline_index, layer)
-            if rank not in holders:
-                holders.append(rank)
-    return holders
+    return list(dict.fromkeys(_holder(plan, p, layer) for p in range(len(plan.pipelines)) for layer in layers))
 
 
 class LayerSegments:
@@ -119,11 +110,8 @@ class LayerSegments:
     def sum_gradients(
         self, module: torch.nn.Module, *, gradient_of: Callable[[torch.nn.Parameter], torch.Tensor] | None = None
     ) -> None:
-        """Each layer's gradient summed over the pipelines holding it (one flat tensor per segment).
-
-        `gradient_of(parameter)`: the tensor that holds the parameter's accumulated gradient, summed in
-        place (DeepSpeed's bf16 optimizer keeps it apart from ``.grad``); default ``.grad``, made zeros
-        where a layer unused by this pipeline's forward has none (it still takes part in the sum)."""
+        """Each layer's gradient summed over the pipelines holding it (one flat tensor per segment), in the tensor
+        `gradient_of(parameter)` (default ``.grad``, made zeros where a layer unused by this pipeline has none)."""
         gradient_of = gradient_of or _grad_attribute
         for _, group, parameters in self._mine(module):
             _sum_flat([gradient_of(p) for p in parameters if p.requires_grad], group)
@@ -136,14 +124,11 @@ def _grad_attribute(parameter: torch.nn.Parameter) -> torch.Tensor:
 
 
 def _sum_flat(gradients: list[torch.Tensor], group: Any) -> None:
-    if not gradients:
-        return
-    flat = torch.cat([g.reshape(-1) for g in gradients])
-    sum_in_group(flat, group)
-    offset = 0
-    for g in gradients:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if gradients:
+        flat = torch.cat([g.reshape(-1) for g in gradients])
+        sum_in_group(flat, group)
+        for g, summed in zip(gradients, flat.split([g.numel() for g in gradients])):
+            g.copy_(summed.view_as(g))
 
 
 __all__ = ["LayerSegments", "PlanGrid"]

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from poplar_ext.hardware.compute_clock import ComputeTimer, CudaEventTimer
 from poplar_ext.hardware.emulation import ComputeSlowdown, scheduled_slowdown
 from poplar_ext.plan.formats import Plan
 from poplar_ext.plan.pipeline_formats import PipelinePlan
-from poplar_ext.runtime.checkpoint import ResumeDecision, history_entry, poplar_client_state
+from poplar_ext.runtime.checkpoint import ResumeDecision, history_entry, poplar_client_state, save_whole
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.rebalance import FollowsRebalancing, Rebalancer, StepView, SwitchOrder
@@ -21,7 +23,7 @@ logger = logging.getLogger(__name__)
 class EngineCore(FollowsRebalancing):
     """The engine-independent half of an engine. The engine calls `_start_core` in its constructor and
     `_count_iteration` and `_iteration_time_s` after each optimizer step; it provides ``global_steps``,
-    ``switch_plan`` and ``data_reached`` (`FollowsRebalancing`)."""
+    ``switch_plan``, ``data_reached`` (`FollowsRebalancing`) and ``_save_deepspeed``."""
 
     plan_from_dict: Callable[..., Plan | PipelinePlan]
     """How this engine's plans are read from JSON (a checkpoint's last plan)."""
@@ -117,7 +119,23 @@ class EngineCore(FollowsRebalancing):
         previous, self._last_boundary_time = self._last_boundary_time, now
         return None if previous is None else now - previous
 
-    # -- checkpoints -------------------------------------------------------------
+    def save_checkpoint(
+        self,
+        save_dir: str | Path,
+        tag: Any = None,
+        client_state: dict | None = None,
+        save_latest: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder; written into a new folder
+        that replaces the tag's once every rank has saved, then named in ``latest`` (`save_whole`)."""
+        client = dict(client_state or {})
+
+        def save(new_tag: str) -> Any:
+            return self._save_deepspeed(save_dir, new_tag, client, **kwargs)
+
+        return save_whole(save_dir, tag, save, deepspeed_engine=self, state=self._client_state, save_latest=save_latest)
+
     def _client_state(self) -> dict:
         """What this job writes into a checkpoint's ``poplar_state.json``."""
         state = poplar_client_state(

@@ -22,7 +22,6 @@ from poplar_ext.runtime.checkpoint import (
     read_state,
     refresh_master_weights,
     resume_decision,
-    save_whole,
     tag_for_load,
 )
 from poplar_ext.runtime.config import PoplarConfig
@@ -363,36 +362,21 @@ class PoplarEngine(EngineCore):
             return min(sampler.consumed_samples, trained)
         return self.trained_position
 
-    def save_checkpoint(
-        self,
-        save_dir: str | Path,
-        tag: Any = None,
-        client_state: dict | None = None,
-        save_latest: bool = True,
-        **kwargs: Any,
-    ) -> Any:
-        """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder; written into a new folder
-        that replaces the tag's once every rank has saved, and then named in ``latest`` (`save_whole`)."""
+    def _save_deepspeed(self, save_dir: str | Path, new_tag: str, client_state: dict, **kwargs: Any) -> Any:
+        """DeepSpeed's save into ``save_dir/TAG`` (`EngineCore.save_checkpoint`)."""
         from deepspeed.checkpoint.constants import (
             UNIVERSAL_CHECKPOINT_INFO,
             UNIVERSAL_CHECKPOINT_VERSION_KEY,
             UNIVERSAL_CHECKPOINT_VERSION_VALUE,
         )
 
-        client = dict(client_state or {})
         # DeepSpeed's own converter (ds_to_universal) requires this entry; poplar-ext's
         # (`poplar_ext.runtime.reshard`) does not, but keeps checkpoints usable by both.
-        client.setdefault(
+        client_state.setdefault(
             UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
         )
-
-        engine = self.deepspeed_engine
-
-        def save(new_tag: str) -> Any:
-            return engine.save_checkpoint(save_dir, tag=new_tag, client_state=client, save_latest=False, **kwargs)
-
-        return save_whole(
-            save_dir, tag, save, deepspeed_engine=engine, state=self._client_state, save_latest=save_latest
+        return self.deepspeed_engine.save_checkpoint(
+            save_dir, tag=new_tag, client_state=client_state, save_latest=False, **kwargs
         )
 
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:
