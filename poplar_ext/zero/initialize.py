@@ -277,7 +277,11 @@ def initialize(
     cannot is refused on every rank. A rank planned with ``optimizer_offload`` gets DeepSpeed's
     ``offload_optimizer`` in its own config.
     """
+    import deepspeed
+    from deepspeed.utils import groups
+
     check_plan_dataset(training_data, "training_data", otherwise=_FEED_YOURSELF)
+    init_options = {} if distributed_port is None else {"distributed_port": distributed_port}
     job = prepare_job(
         load_deepspeed_config(config, config_params=config_params, args=args),
         model=model,
@@ -286,17 +290,23 @@ def initialize(
         collate_fn=collate_fn,
         mpu=mpu,
         mesh_param=mesh_param,
-        init_options={} if distributed_port is None else {"distributed_port": distributed_port},
+        init_options=init_options,
         loss_fn=loss_fn,
         checkpointing_toggle=checkpointing_toggle,
     )
     nominal = nominal_deepspeed_config(job.ds_config, job.plan, job.rank, source=job.source)
     labels, slowdown = set_up_rank(job, model, toggle=checkpointing_toggle)
-    engine, ds_optimizer, ds_scheduler = _deepspeed_engine(
-        nominal,
-        job.plan,
-        args=args,
-        distributed_port=distributed_port,
+    # DeepSpeed refuses a config both in args and in config=: it gets this rank's nominal one only.
+    ds_args = copy.copy(args)
+    if hasattr(ds_args, "deepspeed_config"):
+        ds_args.deepspeed_config = None
+    # DeepSpeed keeps the last engine's mpu in deepspeed.utils.groups and an engine given none (a ZeRO job takes
+    # none) reads its groups there: a pipeline engine built before in this process left its grid, whose pipelines
+    # would be this job's data-parallel groups (a crash, or ranks training apart).
+    groups.mpu = None
+    engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+        args=ds_args,
+        config=nominal,
         model=model,
         optimizer=optimizer,
         model_parameters=model_parameters,
@@ -304,7 +314,9 @@ def initialize(
         mpu=mpu,
         dist_init_required=dist_init_required,
         mesh_param=mesh_param,
+        **init_options,
     )
+    count_true_global_batch(engine, job.plan)
     wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=zero_rebalancer(job))
     dataloader = _training_dataloader(wrapped, training_data, collate_fn=collate_fn, model=model, job=job)
     return wrapped, ds_optimizer, dataloader, ds_scheduler
@@ -365,28 +377,6 @@ def _log_rank_plan(job: Job, label: str, *, checkpointing: bool) -> None:
         job.plan.global_batch_size,
         job.plan.zero_stage,
     )
-
-
-def _deepspeed_engine(
-    nominal: dict, plan: Plan, *, args: Any, distributed_port: int | None, **deepspeed_arguments: Any
-) -> tuple[Any, Any, Any]:
-    """``deepspeed.initialize`` on this rank's nominal config: the engine (counting the true global batch),
-    optimizer and scheduler."""
-    import deepspeed
-    from deepspeed.utils import groups
-
-    # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
-    ds_args = copy.copy(args)
-    if hasattr(ds_args, "deepspeed_config"):
-        ds_args.deepspeed_config = None
-    extra = {} if distributed_port is None else {"distributed_port": distributed_port}
-    # DeepSpeed keeps the last engine's mpu in deepspeed.utils.groups and an engine given none (a ZeRO job takes
-    # none) reads its groups there: a pipeline engine built before in this process left its grid, whose pipelines
-    # would be this job's data-parallel groups (a crash, or ranks training apart).
-    groups.mpu = None
-    engine, optimizer, _, scheduler = deepspeed.initialize(args=ds_args, config=nominal, **deepspeed_arguments, **extra)
-    count_true_global_batch(engine, plan)
-    return engine, optimizer, scheduler
 
 
 def count_true_global_batch(engine: Any, plan: Plan) -> None:

@@ -147,26 +147,17 @@ class ProfileDirectory:
         place of the stored one of its model and `Profile.key` (rank 0 stored it over that file)."""
         if self._stored is None:
             self._stored = _read_profiles(self.poplar_config)
-        replaced = {(p.model.fingerprint, p.key) for p in self._measured}
-        stored = [
-            p
-            for p in self._stored
-            if (p.model.fingerprint, p.key) not in replaced
-            and (model_fingerprint is None or self._jobs(p, model_fingerprint))
-        ]
-        return stored + self._measured
+        stored = _replaced_by(self._stored, self._measured)
+        return [p for p in stored if model_fingerprint is None or self._jobs(p, model_fingerprint)] + self._measured
 
     def _jobs(self, profile: Profile, model_fingerprint: str) -> bool:
         if profile.model.fingerprint != model_fingerprint:
             return False
-        if self.job_key is not None:
-            return self.job_key.holds(profile)
-        return self.dtype in (None, profile.model.dtype)
+        return self.job_key.holds(profile) if self.job_key is not None else self.dtype in (None, profile.model.dtype)
 
     def add_measured(self, profiles: list[Profile]) -> None:
         """Profiles measured since the directory was read, returned in place of those of the same model and key."""
-        replaced = {(p.model.fingerprint, p.key) for p in profiles}
-        self._measured = [p for p in self._measured if (p.model.fingerprint, p.key) not in replaced] + profiles
+        self._measured = _replaced_by(self._measured, profiles) + profiles
 
     def network(self) -> NetworkProfile | None:
         """The network file measured on the cluster beside the profiles, or None."""
@@ -176,6 +167,12 @@ class ProfileDirectory:
             profiles_dir = self.poplar_config.profiles
             self._network = None if profiles_dir is None else find_network(profiles_dir, self.cluster)
         return self._network
+
+
+def _replaced_by(profiles: list[Profile], newer: list[Profile]) -> list[Profile]:
+    """`profiles` without those of a model and `Profile.key` that `newer` holds."""
+    replaced = {(p.model.fingerprint, p.key) for p in newer}
+    return [p for p in profiles if (p.model.fingerprint, p.key) not in replaced]
 
 
 def _profile_gaps(
