@@ -67,15 +67,6 @@ def _timed(instruction: Callable[..., Any], *, compute: bool = True) -> Callable
     return run
 
 
-def _every_ranks(shapes: list[list[dict]]) -> list[dict]:
-    """The job's optimizer parameters per group (name -> shape) from each rank's."""
-    merged: list[dict] = [{} for _ in range(max(len(groups) for groups in shapes))]
-    for groups in shapes:
-        for into, group in zip(merged, groups):
-            into.update(group)
-    return merged
-
-
 def _exec_backward_pass(engine: PoplarPipelineEngine, **kwargs: Any) -> Any:
     """DeepSpeed's backward instruction; on the last stage, the loss times the loss scale (in fp32, as
     FP16_Optimizer.backward) where DeepSpeed's backward leaves it out (`_unapplied_loss_scale`)."""
@@ -426,7 +417,11 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         except ValueError as exc:
             raise ValueError(f"load_checkpoint: {where} was saved under another pipeline plan, and {exc}") from exc
         gathered = gather_objects((optimizer_parameter_shapes(self), (Path(where) / UNIVERSAL_FOLDER).is_dir()))
-        differences = parameter_differences(saved, _every_ranks([shapes for shapes, _ in gathered]))
+        every_rank: list[dict] = [{} for _ in range(max(len(shapes) for shapes, _ in gathered))]  # per group
+        for shapes, _ in gathered:
+            for into, group in zip(every_rank, shapes):
+                into.update(group)
+        differences = parameter_differences(saved, every_rank)
         if differences:
             more = f"; and {len(differences) - 5} more" if len(differences) > 5 else ""
             raise ValueError(

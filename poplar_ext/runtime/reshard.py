@@ -59,8 +59,9 @@ def carried_states(
                 and value.numel() in (partition_numel, partition_numel + padding_numel)
             )
         if not isinstance(key, str) or not key.isidentifier() or key == "fp32" or not fits:
+            kept = f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else f"a {type(value).__name__}"
             raise ValueError(
-                f"{optimizer_name} keeps the state {key!r} as {_describe(value)}: only states of one value per "
+                f"{optimizer_name} keeps the state {key!r} as {kept}: only states of one value per "
                 f"element of the parameters (a flat partition of {partition_numel} elements here) and a scalar "
                 f"'step' can be {refusal or default}"
             )
@@ -101,12 +102,6 @@ def write_whole(target: Path, write: Callable[[Path], None]) -> None:
         work.rename(target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _describe(value: Any) -> str:
-    if torch.is_tensor(value):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
 
 
 def convert_checkpoint(source: str | Path, target: str | Path, *, optimizer_name: str = UNNAMED_OPTIMIZER) -> Path:
