@@ -76,13 +76,10 @@ def _started_as_this_job(saved: dict[str, Any], plan: dict[str, Any]) -> bool:
 def pipeline_resume_decision(
     saved: dict | None, current: dict, *, path: str, load_module_only: bool = False
 ) -> ResumeDecision:
-    """How a pipeline job continues from the checkpoint at `path` (`saved`: its poplar state).
-
-    `current` is this job's state (`poplar_ext.runtime.checkpoint.poplar_client_state`).
-    ValueError, before any file is loaded, for a checkpoint without poplar-ext's state, a
-    ZeRO job's checkpoint, another data order, another number of layers or another ZeRO
-    stage. Another pipeline plan continues the data stream, with an entry in the plan history.
-    """
+    """How a pipeline job continues from the checkpoint at `path` (`saved`: its poplar state; `current`: this
+    job's). ValueError, before any file is loaded, for a checkpoint without poplar-ext's state, a ZeRO job's,
+    another data order, number of layers or ZeRO stage. Another pipeline plan continues the data stream, with an
+    entry in the plan history."""
     if saved is None:
         raise ValueError(
             f"load_checkpoint: {path} holds no poplar_state.json; expected a checkpoint saved by a poplar-ext "

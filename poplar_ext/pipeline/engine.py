@@ -99,13 +99,10 @@ def agree_on_overflow(
 
 
 class PoplarPipelineEngine(EngineCore, PipelineEngine):
-    """DeepSpeed's pipeline engine for this rank's pipeline (built by `poplar_ext.initialize`).
-
-    Use it as DeepSpeed's: ``loss = engine.train_batch(data_iter)``, or
-    ``engine.train_batch()`` to read the dataloader `poplar_ext.initialize` returned.
-    Differences: the returned loss is the global batch's mean; `train_batch_size()` is
-    the plan's global batch; checkpoints hold one folder per pipeline and the data position.
-    """
+    """DeepSpeed's pipeline engine for this rank's pipeline (built by `poplar_ext.initialize`), used as DeepSpeed's:
+    ``loss = engine.train_batch(data_iter)``, or ``engine.train_batch()`` to read the dataloader
+    `poplar_ext.initialize` returned. Differences: the loss is the global batch's mean; `train_batch_size()` is
+    the plan's global batch; checkpoints hold one folder per pipeline and the data position."""
 
     plan_from_dict = staticmethod(pipeline_plan_from_dict)
     _INSTRUCTION_MAP = {
