@@ -13,7 +13,7 @@ from poplar_ext.plan.formats import ModelInfo, content_fingerprint
 from poplar_ext.plan.network_format import COLLECTIVES, CollectiveFit, NetworkProfile, NetworkScope
 from poplar_ext.plan.pipeline_formats import LayerCost, LayerProfile, LayerSample
 
-from .gpu_model import Assumptions, GpuSpec, ModelShape, gpu_spec
+from .gpu_model import Assumptions, GpuSpec, ModelShape, gpu_spec, modelled_with
 from .gpu_model import modelled_network as whole_job_network
 
 LAYER_MODEL_VERSION = "bench.gpu_layer_model/1"
@@ -62,35 +62,13 @@ def model_layers(shape: ModelShape) -> list[ModelledLayer]:
     return [embedding] + [block] * shape.num_layers + [head]
 
 
-def _layer_cost(
-    index: int, layer: ModelledLayer, spec: GpuSpec, assumptions: Assumptions, num_layers: int
-) -> LayerCost:
-    fixed_s = 6.0 * layer.parameters / spec.memory_bandwidth_bytes_per_s + assumptions.kernel_overhead_s / num_layers
-    rate = spec.peak_flops * spec.mfu
-    return LayerCost(
-        index=index,
-        name=layer.name,
-        samples=tuple(
-            LayerSample(micro_batch_size=b, step_time_s=layer.flops_per_sample * b / rate + fixed_s)
-            for b in LAYER_SAMPLE_SIZES
-        ),
-        parameter_bytes=2 * layer.parameters,
-        optimizer_state_bytes=14 * layer.parameters,
-        activation_bytes_per_sample=layer.kept_bytes_per_sample,
-        output_bytes_per_sample=layer.output_bytes_per_sample,
-        optimizer_step_time_s=layer.parameters
-        * assumptions.optimizer_bytes_per_parameter
-        / spec.memory_bandwidth_bytes_per_s,
-    )
-
-
 def modelled_layer_profile(
     spec: GpuSpec, shape: ModelShape, *, zero_stage: int = 0, assumptions: Assumptions | None = None
 ) -> LayerProfile:
     """A `LayerProfile` of `shape` on `spec` (ZeRO stage 0 or 1: the same costs), labelled modelled."""
     assumptions = assumptions or Assumptions()
     layers = model_layers(shape)
-    costs = tuple(_layer_cost(i, layer, spec, assumptions, len(layers)) for i, layer in enumerate(layers))
+    rate, bandwidth = spec.peak_flops * spec.mfu, spec.memory_bandwidth_bytes_per_s
     return LayerProfile(
         device_type=spec.name,
         memory_capacity_bytes=spec.memory_capacity_bytes,
@@ -102,17 +80,35 @@ def modelled_layer_profile(
             dtype="float16",
             sequence_length=shape.sequence_length,
         ),
-        layers=costs,
+        layers=tuple(
+            LayerCost(
+                index=i,
+                name=layer.name,
+                samples=tuple(
+                    LayerSample(
+                        micro_batch_size=b,
+                        step_time_s=layer.flops_per_sample * b / rate
+                        + (6.0 * layer.parameters / bandwidth + assumptions.kernel_overhead_s / len(layers)),
+                    )
+                    for b in LAYER_SAMPLE_SIZES
+                ),
+                parameter_bytes=2 * layer.parameters,
+                optimizer_state_bytes=14 * layer.parameters,
+                activation_bytes_per_sample=layer.kept_bytes_per_sample,
+                output_bytes_per_sample=layer.output_bytes_per_sample,
+                optimizer_step_time_s=layer.parameters * assumptions.optimizer_bytes_per_parameter / bandwidth,
+            )
+            for i, layer in enumerate(layers)
+        ),
         base_memory_bytes=assumptions.reserved_bytes,
         emulated=None,
-        measured_with={
-            "source": "modelled",
-            "model": LAYER_MODEL_VERSION,
-            "note": "analytic model from vendor datasheet figures, not a measurement; see poplar_bench.gpu_layer_model",
-            "gpu_spec": asdict(spec),
-            "model_shape": asdict(shape),
-            "assumptions": asdict(assumptions),
-        },
+        measured_with=modelled_with(
+            LAYER_MODEL_VERSION,
+            spec,
+            shape,
+            assumptions,
+            note="analytic model from vendor datasheet figures, not a measurement; see poplar_bench.gpu_layer_model",
+        ),
     )
 
 

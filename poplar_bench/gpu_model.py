@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from poplar_ext.plan.formats import OFFLOAD_STAGES, ZERO_STAGES, ModelInfo, Profile, Sample, content_fingerprint
 from poplar_ext.plan.network_format import NetworkProfile
@@ -21,112 +22,82 @@ MODEL_VERSION = "bench.gpu_model/1"
 class GpuSpec:
     """Published facts about one GPU type, plus the one assumption (MFU) made about it."""
 
-    name: str
-    """Device type name as used in cluster descriptions, e.g. ``A100-80GB``."""
-    peak_flops: float
-    """Dense FP16/BF16 tensor-core peak in FLOP/s (datasheet, no sparsity)."""
-    memory_capacity_bytes: int
-    """Device memory (datasheet size in GiB)."""
+    name: str  # device type name as used in cluster descriptions, e.g. ``A100-80GB``
+    peak_flops: float  # dense FP16/BF16 tensor-core peak in FLOP/s (datasheet, no sparsity)
+    memory_capacity_bytes: int  # device memory (datasheet size in GiB)
     memory_bandwidth_bytes_per_s: float
-    """Device memory bandwidth (datasheet)."""
-    mfu: float
-    """Assumed achievable fraction of ``peak_flops`` on transformer training (not a datasheet figure)."""
-    datasheet: str
-    """Which datasheet variant the figures come from."""
-    mfu_reason: str
-    """Why that MFU was assumed."""
+    mfu: float  # assumed achievable fraction of ``peak_flops`` on transformer training (not a datasheet figure)
+    datasheet: str  # which datasheet variant the figures come from
+    mfu_reason: str  # why that MFU was assumed
 
 
-# Vendor datasheet figures (NVIDIA A100, A800, V100, V100S, T4 and H100 datasheets).
-# Ordered: one table, looked up by exact name; unknown names are an error, never a
-# silent default.
-GPU_SPECS: tuple[GpuSpec, ...] = (
-    GpuSpec(
-        name="H100-80GB",
-        peak_flops=989e12,
-        memory_capacity_bytes=80 * GIB,
-        memory_bandwidth_bytes_per_s=3.35e12,
-        mfu=0.40,
-        datasheet="NVIDIA H100 SXM5 datasheet: 989 TFLOPS BF16 dense, 80 GB HBM3, 3.35 TB/s",
-        mfu_reason="typical reported MFU for GPT training without FP8 is 35-45%",
-    ),
-    GpuSpec(
-        name="A100-80GB",
-        peak_flops=312e12,
-        memory_capacity_bytes=80 * GIB,
-        memory_bandwidth_bytes_per_s=2.039e12,
-        mfu=0.45,
-        datasheet="NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS BF16/FP16 dense, 80 GB HBM2e, 2,039 GB/s",
-        mfu_reason="Megatron-style GPT training commonly reports 40-55% MFU on A100",
-    ),
-    GpuSpec(
-        name="A100-40GB",
-        peak_flops=312e12,
-        memory_capacity_bytes=40 * GIB,
-        memory_bandwidth_bytes_per_s=1.555e12,
-        mfu=0.45,
-        datasheet="NVIDIA A100 SXM4 40GB datasheet: 312 TFLOPS BF16/FP16 dense, 40 GB HBM2, 1,555 GB/s",
-        mfu_reason="same compute as the 80GB part; same assumption",
-    ),
-    GpuSpec(
-        name="A800-80GB",
-        peak_flops=312e12,
-        memory_capacity_bytes=80 * GIB,
-        memory_bandwidth_bytes_per_s=2.039e12,
-        mfu=0.45,
-        datasheet="NVIDIA A800 SXM4 80GB datasheet: 312 TFLOPS BF16/FP16 dense, 80 GB HBM2e, 2,039 GB/s",
-        mfu_reason="an A100 with a slower NVLink; same compute, same assumption",
-    ),
-    GpuSpec(
-        name="V100S-32GB",
-        peak_flops=130e12,
-        memory_capacity_bytes=32 * GIB,
-        memory_bandwidth_bytes_per_s=1.134e12,
-        mfu=0.40,
-        datasheet="NVIDIA V100S PCIe datasheet: 130 TFLOPS FP16 tensor, 32 GB HBM2, 1,134 GB/s",
-        mfu_reason="Volta tensor cores reach a lower fraction than Ampere in reports (30-45%)",
-    ),
-    GpuSpec(
-        name="V100-16GB",
-        peak_flops=125e12,
-        memory_capacity_bytes=16 * GIB,
-        memory_bandwidth_bytes_per_s=900e9,
-        mfu=0.40,
-        datasheet="NVIDIA V100 SXM2 16GB datasheet: 125 TFLOPS FP16 tensor, 16 GB HBM2, 900 GB/s",
-        mfu_reason="Volta tensor cores reach a lower fraction than Ampere in reports (30-45%)",
-    ),
-    GpuSpec(
-        name="T4-16GB",
-        peak_flops=65e12,
-        memory_capacity_bytes=16 * GIB,
-        memory_bandwidth_bytes_per_s=320e9,
-        mfu=0.25,
-        datasheet="NVIDIA T4 datasheet: 65 TFLOPS FP16 mixed precision, 16 GB GDDR6, 320 GB/s",
-        mfu_reason="the 70 W power cap keeps clocks well below boost under sustained tensor-core load",
-    ),
+# Vendor datasheet figures (NVIDIA A100, A800, V100, V100S, T4 and H100 datasheets): name, peak FLOP/s,
+# memory GiB, memory bandwidth bytes/s, assumed MFU. One table, looked up by exact name; unknown names are
+# an error, never a silent default.
+_FIGURES = (
+    ("H100-80GB", 989e12, 80, 3.35e12, 0.40),
+    ("A100-80GB", 312e12, 80, 2.039e12, 0.45),
+    ("A100-40GB", 312e12, 40, 1.555e12, 0.45),
+    ("A800-80GB", 312e12, 80, 2.039e12, 0.45),
+    ("V100S-32GB", 130e12, 32, 1.134e12, 0.40),
+    ("V100-16GB", 125e12, 16, 900e9, 0.40),
+    ("T4-16GB", 65e12, 16, 320e9, 0.25),
 )
+_DATASHEETS = {
+    "H100-80GB": "NVIDIA H100 SXM5 datasheet: 989 TFLOPS BF16 dense, 80 GB HBM3, 3.35 TB/s",
+    "A100-80GB": "NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS BF16/FP16 dense, 80 GB HBM2e, 2,039 GB/s",
+    "A100-40GB": "NVIDIA A100 SXM4 40GB datasheet: 312 TFLOPS BF16/FP16 dense, 40 GB HBM2, 1,555 GB/s",
+    "A800-80GB": "NVIDIA A800 SXM4 80GB datasheet: 312 TFLOPS BF16/FP16 dense, 80 GB HBM2e, 2,039 GB/s",
+    "V100S-32GB": "NVIDIA V100S PCIe datasheet: 130 TFLOPS FP16 tensor, 32 GB HBM2, 1,134 GB/s",
+    "V100-16GB": "NVIDIA V100 SXM2 16GB datasheet: 125 TFLOPS FP16 tensor, 16 GB HBM2, 900 GB/s",
+    "T4-16GB": "NVIDIA T4 datasheet: 65 TFLOPS FP16 mixed precision, 16 GB GDDR6, 320 GB/s",
+}
+_VOLTA = "Volta tensor cores reach a lower fraction than Ampere in reports (30-45%)"
+_MFU_REASONS = {
+    "H100-80GB": "typical reported MFU for GPT training without FP8 is 35-45%",
+    "A100-80GB": "Megatron-style GPT training commonly reports 40-55% MFU on A100",
+    "A100-40GB": "same compute as the 80GB part; same assumption",
+    "A800-80GB": "an A100 with a slower NVLink; same compute, same assumption",
+    "V100S-32GB": _VOLTA,
+    "V100-16GB": _VOLTA,
+    "T4-16GB": "the 70 W power cap keeps clocks well below boost under sustained tensor-core load",
+}
+GPU_SPECS: tuple[GpuSpec, ...] = tuple(
+    GpuSpec(
+        name=name,
+        peak_flops=peak,
+        memory_capacity_bytes=gib * GIB,
+        memory_bandwidth_bytes_per_s=bandwidth,
+        mfu=mfu,
+        datasheet=_DATASHEETS[name],
+        mfu_reason=_MFU_REASONS[name],
+    )
+    for name, peak, gib, bandwidth, mfu in _FIGURES
+)
+
+
+def _named(items: tuple[Any, ...], name: str, field: str, what: str) -> Any:
+    """The item called `name`; ValueError listing the known names otherwise."""
+    for item in items:
+        if item.name == name:
+            return item
+    raise ValueError(f"{field}: expected one of {what} ({', '.join(i.name for i in items)}), found {name!r}")
 
 
 def gpu_spec(name: str) -> GpuSpec:
     """The spec of GPU type `name`; ValueError listing the known types otherwise."""
-    for spec in GPU_SPECS:
-        if spec.name == name:
-            return spec
-    known = ", ".join(s.name for s in GPU_SPECS)
-    raise ValueError(f"device_type: expected one of the modelled GPU types ({known}), found {name!r}")
+    return _named(GPU_SPECS, name, "device_type", "the modelled GPU types")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
     """A GPT-style decoder, described by the sizes the analytic model needs."""
 
-    name: str
-    """Human-readable name written into profiles."""
+    name: str  # human-readable name written into profiles
     num_layers: int
     hidden_size: int
     num_heads: int
-    sequence_length: int
-    """Tokens per sample."""
+    sequence_length: int  # tokens per sample
     vocab_size: int
 
     @property
@@ -141,25 +112,12 @@ class ModelShape:
         s, h = self.sequence_length, self.hidden_size
         return 6.0 * self.num_parameters * s + 12.0 * self.num_layers * s * s * h
 
-    @property
-    def activation_bytes_per_sample(self) -> int:
-        """Activations kept for backward, 16-bit, fused attention (see docs/bench.md, "Modelled GPUs")."""
-        s, h = self.sequence_length, self.hidden_size
-        return 34 * s * h * self.num_layers + 10 * s * self.vocab_size
-
-    @property
-    def checkpointed_activation_bytes_per_sample(self) -> int:
-        """With activation checkpointing per layer: each layer's 16-bit input kept, one layer's
-        activations alive while it is recomputed, and the head's."""
-        s, h = self.sequence_length, self.hidden_size
-        return 2 * s * h * self.num_layers + 34 * s * h + 10 * s * self.vocab_size
-
     def kept_bytes_per_sample(self, activation_checkpointing: bool) -> int:
-        return (
-            self.checkpointed_activation_bytes_per_sample
-            if activation_checkpointing
-            else self.activation_bytes_per_sample
-        )
+        """Activations kept for backward, 16-bit, fused attention (docs/bench.md, "Modelled GPUs"); with
+        checkpointing per layer: each layer's 16-bit input, one layer's activations while it is recomputed."""
+        s, h = self.sequence_length, self.hidden_size
+        layers = 2 * s * h * self.num_layers + 34 * s * h if activation_checkpointing else 34 * s * h * self.num_layers
+        return layers + 10 * s * self.vocab_size
 
     @property
     def fingerprint(self) -> str:
@@ -177,11 +135,7 @@ MODEL_SHAPES: tuple[ModelShape, ...] = (
 
 def model_shape(name: str) -> ModelShape:
     """The preset model shape `name`; ValueError listing the presets otherwise."""
-    for shape in MODEL_SHAPES:
-        if shape.name == name:
-            return shape
-    known = ", ".join(s.name for s in MODEL_SHAPES)
-    raise ValueError(f"model: expected one of the model presets ({known}), found {name!r}")
+    return _named(MODEL_SHAPES, name, "model", "the model presets")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,17 +148,19 @@ class Assumptions:
     """Latency of one ring hop. None assumed: ZeRO's collectives move whole buckets of
     megabytes, and NCCL switches to trees on large clusters, where a flat ring's
     per-hop latency (a few microseconds x 4095 hops) would overstate it."""
-    kernel_overhead_s: float = 0.010
-    """Fixed per-micro-step cost: kernel launches, Python and framework overhead."""
-    reserved_bytes: int = 2 * GIB
-    """Memory unavailable to training: CUDA context, communication buffers, fragmentation."""
-    optimizer_bytes_per_parameter: int = 28
-    """Bytes the Adam update reads and writes per parameter of the local shard."""
+    kernel_overhead_s: float = 0.010  # fixed per-micro-step cost: kernel launches, Python and framework overhead
+    reserved_bytes: int = 2 * GIB  # unavailable to training: CUDA context, communication buffers, fragmentation
+    optimizer_bytes_per_parameter: int = 28  # bytes the Adam update reads and writes per parameter of the shard
     host_adam_parameters_per_s: float = 1.0e9
     """Parameters per second an offloaded Adam updates for one GPU's shard on its share of
     the host's cores: an assumed order of magnitude for a vectorised CPU Adam, not a measurement."""
-    pcie_bytes_per_s: float = 12e9
-    """Host-device copy bandwidth: PCIe 3.0 x16 in practice (V100 and T4 are PCIe 3.0 cards)."""
+    pcie_bytes_per_s: float = 12e9  # host-device copies: PCIe 3.0 x16 in practice (V100 and T4 are PCIe 3.0 cards)
+
+
+# Bytes per parameter on a rank's device (ZeRO paper, K = 12): (whole, divided over the ranks), per stage;
+# with the optimizer offloaded (stages 1-2) the K bytes per parameter of the shard live on the host.
+_STATE_BYTES = {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}
+_OFFLOADED_STATE_BYTES = {1: (4, 0), 2: (2, 2)}
 
 
 def _check_offload(zero_stage: int, optimizer_offload: bool) -> None:
@@ -213,21 +169,13 @@ def _check_offload(zero_stage: int, optimizer_offload: bool) -> None:
 
 
 def state_bytes(num_parameters: int, zero_stage: int, world_size: int, optimizer_offload: bool = False) -> float:
-    """Parameters + gradients + optimizer states on one rank's device (ZeRO paper, K = 12;
-    with `optimizer_offload` the K bytes per parameter of the shard live on the host)."""
-    p, n = float(num_parameters), float(world_size)
+    """Parameters + gradients + optimizer states on one rank's device (`_STATE_BYTES`)."""
     _check_offload(zero_stage, optimizer_offload)
-    if optimizer_offload:
-        return 4 * p if zero_stage == 1 else 2 * p + 2 * p / n
-    if zero_stage == 0:
-        return 16 * p
-    if zero_stage == 1:
-        return 4 * p + 12 * p / n
-    if zero_stage == 2:
-        return 2 * p + 14 * p / n
-    if zero_stage == 3:
-        return 16 * p / n
-    raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, found {zero_stage!r}")
+    if zero_stage not in _STATE_BYTES:
+        raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, found {zero_stage!r}")
+    whole, divided = (_OFFLOADED_STATE_BYTES if optimizer_offload else _STATE_BYTES)[zero_stage]
+    p = float(num_parameters)
+    return whole * p + divided * p / world_size
 
 
 RECOMPUTE_FLOPS_FACTOR = 4.0 / 3.0
@@ -287,14 +235,12 @@ def micro_step_time_s(
     factor = RECOMPUTE_FLOPS_FACTOR if activation_checkpointing else 1.0
     compute = factor * shape.flops_per_sample * micro_batch_size / (spec.peak_flops * spec.mfu)
     weight_bytes = 2.0 * shape.num_parameters
-    weight_traffic = 3 * weight_bytes / spec.memory_bandwidth_bytes_per_s
     comm = 0.0
     if zero_stage >= 2:
         comm += _ring_s(weight_bytes, world_size, assumptions)  # gradient reduce-scatter
-    if zero_stage == 3:
-        gathers = 3 if activation_checkpointing else 2  # forward, (recomputed forward,) backward
-        comm += gathers * _ring_s(weight_bytes, world_size, assumptions)
-    return compute + weight_traffic + assumptions.kernel_overhead_s + comm
+    if zero_stage == 3:  # the gathers of the forward, (the recomputed forward,) the backward
+        comm += (3 if activation_checkpointing else 2) * _ring_s(weight_bytes, world_size, assumptions)
+    return compute + 3 * weight_bytes / spec.memory_bandwidth_bytes_per_s + assumptions.kernel_overhead_s + comm
 
 
 def optimizer_step_time_s(
@@ -313,14 +259,9 @@ def optimizer_step_time_s(
         update = shard / assumptions.host_adam_parameters_per_s + 4 * shard / assumptions.pcie_bytes_per_s
     else:
         update = shard * assumptions.optimizer_bytes_per_parameter / spec.memory_bandwidth_bytes_per_s
-    grad_bytes = 2.0 * shape.num_parameters
-    if zero_stage in (0, 1):
-        comm = 2 * _ring_s(grad_bytes, world_size, assumptions)  # all-reduce, or reduce-scatter + all-gather
-    elif zero_stage == 2:
-        comm = _ring_s(grad_bytes, world_size, assumptions)  # all-gather of the updated parameters
-    else:
-        comm = 0.0
-    return update + comm
+    # Stages 0-1: an all-reduce, or reduce-scatter + all-gather; stage 2: the updated parameters' all-gather.
+    rings = {0: 2, 1: 2, 2: 1}.get(zero_stage, 0)
+    return update + (rings * _ring_s(2.0 * shape.num_parameters, world_size, assumptions) if rings else 0.0)
 
 
 def max_micro_batch_size(
@@ -345,6 +286,18 @@ def sample_sizes(max_size: int) -> list[int]:
     return powers + [max_size] if max_size >= 1 else powers
 
 
+def modelled_with(version: str, spec: GpuSpec, shape: ModelShape, assumptions: Assumptions, **more: Any) -> dict:
+    """A modelled profile's ``measured_with``: who modelled it, from which spec, shape and assumptions."""
+    return {
+        "source": "modelled",
+        "model": version,
+        **more,
+        "gpu_spec": asdict(spec),
+        "model_shape": asdict(shape),
+        "assumptions": asdict(assumptions),
+    }
+
+
 def modelled_profile(
     spec: GpuSpec,
     shape: ModelShape,
@@ -359,16 +312,9 @@ def modelled_profile(
     if world_size < 1:
         raise ValueError(f"world_size: expected an integer >= 1, found {world_size!r}")
     assumptions = assumptions or Assumptions()
+    at = (shape, zero_stage, world_size)
     checkpointing, offload = activation_checkpointing, optimizer_offload
-    largest = max_micro_batch_size(spec, shape, zero_stage, world_size, assumptions, checkpointing, offload)
-    samples = tuple(
-        Sample(
-            micro_batch_size=b,
-            micro_step_time_s=micro_step_time_s(spec, shape, zero_stage, world_size, b, assumptions, checkpointing),
-            peak_memory_bytes=peak_memory_bytes(shape, zero_stage, world_size, b, assumptions, checkpointing, offload),
-        )
-        for b in sample_sizes(largest)
-    )
+    largest = max_micro_batch_size(spec, *at, assumptions, checkpointing, offload)
     return Profile(
         device_type=spec.name,
         memory_capacity_bytes=spec.memory_capacity_bytes,
@@ -382,21 +328,27 @@ def modelled_profile(
             sequence_length=shape.sequence_length,
         ),
         max_micro_batch_size=largest,
-        samples=samples,
-        optimizer_step_time_s=optimizer_step_time_s(spec, shape, zero_stage, world_size, assumptions, offload),
+        samples=tuple(
+            Sample(
+                micro_batch_size=b,
+                micro_step_time_s=micro_step_time_s(spec, *at, b, assumptions, checkpointing),
+                peak_memory_bytes=peak_memory_bytes(*at, b, assumptions, checkpointing, offload),
+            )
+            for b in sample_sizes(largest)
+        ),
+        optimizer_step_time_s=optimizer_step_time_s(spec, *at, assumptions, offload),
         emulated=None,
         activation_checkpointing=checkpointing,
         optimizer_offload=offload,
-        measured_with={
-            "source": "modelled",
-            "model": MODEL_VERSION,
-            # The modelled times hold their collectives (all exposed; see docs/bench.md, "Modelled GPUs").
-            "micro_step_times_include_communication": True,
-            "note": "analytic model from vendor datasheet figures, not a measurement; see poplar_bench/gpu_model.py",
-            "gpu_spec": asdict(spec),
-            "model_shape": asdict(shape),
-            "assumptions": asdict(assumptions),
-        },
+        # The modelled times hold their collectives (all exposed; see docs/bench.md, "Modelled GPUs").
+        measured_with=modelled_with(
+            MODEL_VERSION,
+            spec,
+            shape,
+            assumptions,
+            micro_step_times_include_communication=True,
+            note="analytic model from vendor datasheet figures, not a measurement; see poplar_bench/gpu_model.py",
+        ),
     )
 
 

@@ -75,28 +75,11 @@ def _loss_model(layers: Any, loss_fn: Callable[[Any, Any], Any]) -> Any:
     return LossModel()
 
 
-def _mlp_zero_model() -> Any:
-    from poplar_ext.models.toy_pipeline import mse, toy_sequential
+def _toy(name: str) -> Any:
+    """`name` of the toy pipeline MLP's module (imported when a rank needs it: the CLI imports no torch)."""
+    from poplar_ext.models import toy_pipeline
 
-    return _loss_model(toy_sequential(dim=DIM, num_layers=NUM_LAYERS), mse)
-
-
-def _mlp_pipeline() -> tuple[list[Any], Any]:
-    from poplar_ext.models.toy_pipeline import mse, toy_layers
-
-    return toy_layers(dim=DIM, num_layers=NUM_LAYERS), mse
-
-
-def _mlp_batch(micro_batch_size: int) -> Any:
-    from poplar_ext.models.toy_pipeline import toy_batch
-
-    return toy_batch(micro_batch_size, dim=DIM)
-
-
-def _mlp_data(num_samples: int) -> Any:
-    from poplar_ext.models.toy_pipeline import RegressionData
-
-    return RegressionData(num_samples=num_samples, dim=DIM)
+    return getattr(toy_pipeline, name)
 
 
 GPT_SIZES = {"n_layer": 4, "n_head": 4, "n_embd": 256, "vocab_size": 1024, "n_positions": 64}
@@ -157,30 +140,23 @@ def _gpt_batch(micro_batch_size: int) -> Any:
 class BenchModel:
     """One model the bench compares ZeRO and pipelines on."""
 
-    description: str
-    """What the report says the model is."""
-    zero_model: Callable[[], Any]
-    """The whole model, returning its loss from ``(inputs, labels)``: the ZeRO job's and the profile's."""
-    pipeline: Callable[[], tuple[list[Any], Any]]
-    """The same model as pipeline layers, and their loss function."""
-    make_batch: Callable[[int], Any]
-    """A profiling micro-batch of a given size."""
-    zero_data: Callable[[int], Any]
-    """The ZeRO job's training data set of a given number of samples."""
-    pipeline_data: Callable[[int], Any]
-    """The pipeline job's: the same samples, as its first and last layers take them."""
-    poplar: dict[str, Any]
-    """What the model needs in the ``poplar`` section of both jobs (its loss reduction)."""
+    description: str  # what the report says the model is
+    zero_model: Callable[[], Any]  # the whole model, its loss from ``(inputs, labels)``: the ZeRO job's, the profile's
+    pipeline: Callable[[], tuple[list[Any], Any]]  # the same model as pipeline layers, and their loss function
+    make_batch: Callable[[int], Any]  # a profiling micro-batch of a given size
+    zero_data: Callable[[int], Any]  # the ZeRO job's training data set of a given number of samples
+    pipeline_data: Callable[[int], Any]  # the pipeline job's: the same samples, as its first and last layers take them
+    poplar: dict[str, Any]  # what the model needs in the ``poplar`` section of both jobs (its loss reduction)
 
 
 BENCH_MODELS = {
     "mlp": BenchModel(
         description=f"toy pipeline MLP, {NUM_LAYERS} layers of width {DIM}, fp32, SGD",
-        zero_model=_mlp_zero_model,
-        pipeline=_mlp_pipeline,
-        make_batch=_mlp_batch,
-        zero_data=_mlp_data,
-        pipeline_data=_mlp_data,
+        zero_model=lambda: _loss_model(_toy("toy_sequential")(dim=DIM, num_layers=NUM_LAYERS), _toy("mse")),
+        pipeline=lambda: (_toy("toy_layers")(dim=DIM, num_layers=NUM_LAYERS), _toy("mse")),
+        make_batch=lambda size: _toy("toy_batch")(size, dim=DIM),
+        zero_data=lambda count: _toy("RegressionData")(num_samples=count, dim=DIM),
+        pipeline_data=lambda count: _toy("RegressionData")(num_samples=count, dim=DIM),
         poplar={},
     ),
     "gpt": BenchModel(

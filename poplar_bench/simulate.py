@@ -34,17 +34,12 @@ DEFAULT_SAMPLES_PER_RANK = 16
 class SimulationCase:
     """One cluster with the profiles of its device types."""
 
-    name: str
-    """Scenario name shown in reports."""
+    name: str  # scenario name shown in reports
     cluster: Cluster
-    profiles: tuple[Profile, ...]
-    """Profiles of every device type in the cluster (any stages the search should consider)."""
-    global_batch_size: int | None
-    """Samples per iteration; None lets each policy's search choose (not comparable across policies)."""
-    zero_stage: str | int = "auto"
-    """``auto`` (each policy keeps its fastest stage) or a stage 0-3."""
-    cluster_file: str | None = None
-    """Where the cluster came from, for the report."""
+    profiles: tuple[Profile, ...]  # of every device type in the cluster (any stages the search should consider)
+    global_batch_size: int | None  # None lets each policy's search choose (not comparable across policies)
+    zero_stage: str | int = "auto"  # ``auto`` (each policy keeps its fastest stage) or a stage 0-3
+    cluster_file: str | None = None  # where the cluster came from, for the report
     network: NetworkProfile | None = None
     """Collective times that price communication at the cluster's size (None: the profiles' boundary as is)."""
 
@@ -82,6 +77,17 @@ def modelled_case(
         zero_stage=zero_stage,
         cluster_file=cluster_file,
         network=gpu_model.modelled_network(assumptions),
+    )
+
+
+def _search(case: SimulationCase, profiles: list[Profile], zero_stage: str | int, policy: str = "poplar") -> Any:
+    return search_plan(
+        profiles,
+        case.cluster,
+        global_batch_size=case.global_batch_size,
+        zero_stage=zero_stage,
+        policy=policy,
+        network=case.network,
     )
 
 
@@ -152,19 +158,7 @@ def simulate_case(case: SimulationCase, *, policies: tuple[str, ...] = POLICIES)
     """Run the search for every policy on one case; returns a report scenario."""
     profiles = list(case.profiles)
     entries = [
-        policy_entry(
-            policy,
-            search_plan(
-                profiles,
-                case.cluster,
-                global_batch_size=case.global_batch_size,
-                zero_stage=case.zero_stage,
-                policy=policy,
-                network=case.network,
-            ),
-            profiles,
-            case.network,
-        )
+        policy_entry(policy, _search(case, profiles, case.zero_stage, policy), profiles, case.network)
         for policy in policies
     ]
     ok = [e for e in entries if e["status"] == "ok"]
@@ -211,14 +205,7 @@ def scaling_series(cases: list[SimulationCase]) -> list[dict[str, Any]]:
             world_size = case.cluster.world_size
             stages: dict[str, Any] = {}
             for stage in ZERO_STAGES:
-                result = search_plan(
-                    list(case.profiles),
-                    case.cluster,
-                    global_batch_size=case.global_batch_size,
-                    zero_stage=stage,
-                    policy="poplar",
-                    network=case.network,
-                )
+                result = _search(case, list(case.profiles), stage)
                 if not result.ok:
                     stages[str(stage)] = {"status": "infeasible", "reason": result.message}
                     continue
@@ -278,19 +265,15 @@ def simulation_report(
         for device_type, info in scenario["device_types"].items():
             if info["source"] == "modelled":
                 modelled.setdefault(info["modelled_by"], set()).add(device_type)
-    notes = [
-        "Every figure is a prediction of the search's cost model; nothing was run on these GPUs.",
-    ]
     networks = {c.network.measured_with.get("note", c.network.source) for c in cases if c.network is not None}
-    for network_note in sorted(networks):
-        notes.append(
-            f"Communication is priced by a network model for each cluster's size: MODELLED network ({network_note})."
-        )
+    notes = ["Every figure is a prediction of the search's cost model; nothing was run on these GPUs."] + [
+        f"Communication is priced by a network model for each cluster's size: MODELLED network ({note})."
+        for note in sorted(networks)
+    ]
     for modelled_by, types in sorted(modelled.items()):
         how = (
             "from vendor datasheet figures with the assumptions in poplar_bench.gpu_model (assumed MFU, network "
-            "bandwidth, "
-            "overheads)"
+            "bandwidth, overheads)"
             if modelled_by == gpu_model.MODEL_VERSION
             else f"by {modelled_by}"
         )
@@ -376,29 +359,15 @@ def _lever_effect(cases: list[SimulationCase], *, allowed: Any) -> list[dict[str
         for stage in ("auto", *ZERO_STAGES):
             cell: dict[str, Any] = {}
             for label, profiles in (("with_choice", chosen_from), ("without", plain)):
-                result = search_plan(
-                    profiles,
-                    case.cluster,
-                    global_batch_size=case.global_batch_size,
-                    zero_stage=stage,
-                    policy="poplar",
-                    network=case.network,
-                )
+                result = _search(case, profiles, stage)
                 if not result.ok:
                     cell[label] = {"status": "infeasible"}
                     continue
                 plan = result.plan
+                kept = ("micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing")
                 by_type: dict[str, dict[str, Any]] = {}
                 for r in plan.ranks:
-                    by_type.setdefault(
-                        r.device_type,
-                        {
-                            "micro_batch_size": r.micro_batch_size,
-                            "gradient_accumulation_steps": r.gradient_accumulation_steps,
-                            "activation_checkpointing": r.activation_checkpointing,
-                            "optimizer_offload": r.optimizer_offload,
-                        },
-                    )
+                    by_type.setdefault(r.device_type, {k: getattr(r, k) for k in (*kept, "optimizer_offload")})
                 cell[label] = {
                     "status": "ok",
                     "zero_stage": plan.zero_stage,
