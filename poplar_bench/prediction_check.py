@@ -21,13 +21,10 @@ MAX_MEDIAN_ABS_ERROR = 0.05
 
 @dataclass(frozen=True, kw_only=True)
 class PredictionCase:
-    name: str
-    """Report file stem under ``prediction_check/``."""
+    name: str  # report file stem under ``prediction_check/``
     zero_stage: int
-    slowdowns: tuple[float, ...] | None = None
-    """One rank per value (`bench.demo_config.devices_from_slowdowns`); None: the demo's default 3 ranks."""
-    global_batch_size: int | None = None
-    """Samples per iteration; None: the demo's default."""
+    slowdowns: tuple[float, ...] | None = None  # one rank per value (`devices_from_slowdowns`); None: the demo's 3
+    global_batch_size: int | None = None  # None: the demo's default
 
     @property
     def core_demand(self) -> float | None:
@@ -189,13 +186,10 @@ def render_markdown(summary: dict[str, Any], *, title: str = "Prediction error b
     lines = [
         f"# {title}",
         "",
-        (
-            f"Devices: {summary['devices']}; profiles: {summary.get('profiles', 'n/a')}; calibration at start: "
-            f"{summary.get('calibration', 'off')}. "
-            "Error = (predicted - measured) / measured iteration time, per "
-            "measured repetition; the goal is a median |error| of at most "
-            f"{100 * summary['goal']['median_abs_error_at_most']:.0f}% for every case and policy."
-        ),
+        f"Devices: {summary['devices']}; profiles: {summary.get('profiles', 'n/a')}; calibration at start: "
+        f"{summary.get('calibration', 'off')}. Error = (predicted - measured) / measured iteration time, per "
+        "measured repetition; the goal is a median |error| of at most "
+        f"{100 * summary['goal']['median_abs_error_at_most']:.0f}% for every case and policy.",
         "",
         *_cases_lines(summary),
         "| case | stage | ranks | policy | repetitions | median abs. error | median error | share of ideal |",
@@ -214,18 +208,8 @@ def render_markdown(summary: dict[str, Any], *, title: str = "Prediction error b
             f"{'' if share is None else f'{share:.3f}'} |"
         )
     worst = summary.get("worst")
-    lines += [
-        "",
-        (
-            "Worst median |error|: "
-            + (
-                "n/a"
-                if worst is None
-                else f"{100 * worst['median_abs_error']:.1f}% ({worst['case']}, {worst['policy']})"
-            )
-            + f"; goal {'met' if summary['goal_met'] else 'NOT met'}."
-        ),
-    ]
+    shown = "n/a" if worst is None else f"{100 * worst['median_abs_error']:.1f}% ({worst['case']}, {worst['policy']})"
+    lines += ["", f"Worst median |error|: {shown}; goal {'met' if summary['goal_met'] else 'NOT met'}."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,4 @@
-"""The engine wrapper's cost: `poplar_ext.initialize` against raw `deepspeed.initialize`.
-
-Run by ``poplar-bench overhead``. See docs/bench.md (how the blocks are paired, the goal).
-"""
+"""``poplar-bench overhead``: `poplar_ext.initialize` against raw `deepspeed.initialize` (docs/bench.md)."""
 
 from __future__ import annotations
 
@@ -167,13 +164,11 @@ def measure_wrapper_cost(*, iterations: int = 20_000, repeats: int = 5) -> dict[
                 engine.step()
         return (time.process_time() - start) / iterations
 
+    proxy = dict(plan=plan, rank=0, poplar_config=config, device_label="cpu (real)", slowdown=None)
     bare, wrapped = [], []
     for _ in range(repeats):
         bare.append(loop(_NoOpEngine(), with_sampler=False))
-        proxy = PoplarEngine(
-            _NoOpEngine(), plan=plan, rank=0, poplar_config=config, device_label="cpu (real)", slowdown=None
-        )
-        wrapped.append(loop(proxy, with_sampler=True))
+        wrapped.append(loop(PoplarEngine(_NoOpEngine(), **proxy), with_sampler=True))
     return {"added_cpu_per_iteration_s": statistics.median(wrapped) - statistics.median(bare)}
 
 
@@ -214,13 +209,11 @@ def summarise(
     warmup: int,
 ) -> dict[str, Any]:
     """The report from per-block wall times and per-iteration CPU times of both engines."""
-    raw_all = [t for block in blocks_s["raw"] for t in block]
-    wrapped_all = [t for block in blocks_s["wrapped"] for t in block]
+    every_s = {name: [t for block in blocks for t in block] for name, blocks in blocks_s.items()}
     # Paired by block: the machine's load drifts slowly, so a block of one engine is
     # compared with the neighbouring block of the other.
     block_ratios = [statistics.median(w) / statistics.median(r) for r, w in zip(blocks_s["raw"], blocks_s["wrapped"])]
     ratio = statistics.median(block_ratios)
-    cpu_ratio = statistics.median(cpu_s["wrapped"]) / statistics.median(cpu_s["raw"])
     return {
         "benchmark": "runtime_overhead",
         "created_utc": utc_now(),
@@ -235,19 +228,17 @@ def summarise(
             "(wrapper's block median / the paired raw block median); also the ratio of the medians of rank 0's "
             "process CPU time per iteration, which machine load disturbs less"
         ),
-        "raw_deepspeed": {
-            "median_iteration_s": statistics.median(raw_all),
-            "median_cpu_per_iteration_s": statistics.median(cpu_s["raw"]),
-            "iterations_s": raw_all,
-        },
-        "poplar_ext": {
-            "median_iteration_s": statistics.median(wrapped_all),
-            "median_cpu_per_iteration_s": statistics.median(cpu_s["wrapped"]),
-            "iterations_s": wrapped_all,
+        **{
+            key: {
+                "median_iteration_s": statistics.median(every_s[name]),
+                "median_cpu_per_iteration_s": statistics.median(cpu_s[name]),
+                "iterations_s": every_s[name],
+            }
+            for key, name in (("raw_deepspeed", "raw"), ("poplar_ext", "wrapped"))
         },
         "block_ratios": block_ratios,
         "overhead_ratio": ratio,
-        "cpu_time_ratio": cpu_ratio,
+        "cpu_time_ratio": statistics.median(cpu_s["wrapped"]) / statistics.median(cpu_s["raw"]),
         "goal": {
             "goal": "poplar_ext iteration time <= 1.02 x raw DeepSpeed's (median of paired blocks)",
             "target_ratio": GOAL_RATIO,
@@ -296,20 +287,18 @@ def render_markdown(report: dict[str, Any]) -> str:
             "",
             "| engine | median iteration (ms) | median CPU time per iteration, rank 0 (ms) | iterations measured |",
             "| --- | ---: | ---: | ---: |",
-            f"| raw DeepSpeed | {1000 * report['raw_deepspeed']['median_iteration_s']:.2f} | "
-            f"{1000 * report['raw_deepspeed']['median_cpu_per_iteration_s']:.2f} | "
-            f"{len(report['raw_deepspeed']['iterations_s'])} |",
-            f"| poplar_ext | {1000 * report['poplar_ext']['median_iteration_s']:.2f} | "
-            f"{1000 * report['poplar_ext']['median_cpu_per_iteration_s']:.2f} | "
-            f"{len(report['poplar_ext']['iterations_s'])} |",
+            *(
+                f"| {label} | {1000 * report[key]['median_iteration_s']:.2f} | "
+                f"{1000 * report[key]['median_cpu_per_iteration_s']:.2f} | {len(report[key]['iterations_s'])} |"
+                for key, label in (("raw_deepspeed", "raw DeepSpeed"), ("poplar_ext", "poplar_ext"))
+            ),
             "",
             f"CPU-time ratio (poplar_ext / raw): {report['cpu_time_ratio']:.4f}. Paired block ratios: quartiles "
             f"{', '.join(f'{q:.3f}' for q in statistics.quantiles(report['block_ratios'], n=4))} "
             f"over {len(report['block_ratios'])} blocks (their spread is the machine's noise).",
             "",
             f"Overhead ratio (poplar_ext / raw, median of paired blocks): **{report['overhead_ratio']:.4f}**; goal <= "
-            f"{goal['target_ratio']}: "
-            f"{'met' if goal['met'] else 'NOT met'}.",
+            f"{goal['target_ratio']}: {'met' if goal['met'] else 'NOT met'}.",
             "",
             _noise_note(report),
             "",

@@ -1,6 +1,6 @@
-"""How long `search.search_plan` takes, against cluster size, device types and global batch.
+"""``poplar-bench search-speed``: how long `search_plan` takes against cluster size, device types and global batch.
 
-Run by ``poplar-bench search-speed``. See docs/bench.md (the cells, large batches, memory levers, goals).
+See docs/bench.md (the cells, large batches, memory levers, goals).
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ def _problem(num_ranks: int, num_types: int, seed: int, *, levers: bool = False)
     return profiles, simple_cluster({n: c for n, c in counts.items() if c > 0})
 
 
-def _timed_search(repeats: int, *args: Any, **kwargs: Any) -> tuple[Any, list[float]]:
-    """One warm-up `search_plan` (which must find a plan), then the wall time of `repeats` more."""
+def _timed_search(repeats: int, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """One warm-up `search_plan` (which must find a plan), then the wall time of `repeats` more: their median
+    and each."""
     result = search_plan(*args, **kwargs)
     assert result.ok, result.message
     times = []
@@ -64,26 +65,20 @@ def _timed_search(repeats: int, *args: Any, **kwargs: Any) -> tuple[Any, list[fl
         start = time.perf_counter()
         search_plan(*args, **kwargs)
         times.append(time.perf_counter() - start)
-    return result, times
+    return result, {"median_s": statistics.median(times), "repetitions_s": times}
 
 
 def time_search(
     num_ranks: int, num_types: int, *, global_batch_size: int | None, repeats: int, seed: int = 0
 ) -> dict[str, Any]:
     """Median wall time of `search_plan` on one synthetic problem (plus every repetition)."""
-    profiles, cluster = _problem(num_ranks, num_types, seed)
-    result, times = _timed_search(repeats, profiles, cluster, global_batch_size=global_batch_size)
-    return {
-        "median_s": statistics.median(times),
-        "repetitions_s": times,
-        "global_batch_size": result.plan.global_batch_size,
-        "zero_stage": result.zero_stage,
-    }
+    result, timed = _timed_search(repeats, *_problem(num_ranks, num_types, seed), global_batch_size=global_batch_size)
+    return {**timed, "global_batch_size": result.plan.global_batch_size, "zero_stage": result.zero_stage}
 
 
 def time_large_batch(profiles, cluster, *, global_batch_size: int, zero_stage: int, repeats: int) -> dict[str, Any]:
     """Median wall time of `search_plan` at one stage and a fixed global batch, and its peak allocations."""
-    result, times = _timed_search(
+    result, timed = _timed_search(
         repeats, profiles, cluster, global_batch_size=global_batch_size, zero_stage=zero_stage
     )
     # Apart from the timed runs: tracing every allocation slows them down.
@@ -94,8 +89,7 @@ def time_large_batch(profiles, cluster, *, global_batch_size: int, zero_stage: i
     finally:
         tracemalloc.stop()
     return {
-        "median_s": statistics.median(times),
-        "repetitions_s": times,
+        **timed,
         "peak_memory_bytes": peak_bytes,
         "plan_global_batch_size": result.plan.global_batch_size,
         "predicted_iteration_time_s": result.plan.predicted.iteration_time_s,
@@ -106,10 +100,8 @@ def time_lever_search(
     num_ranks: int, num_types: int, *, zero_stage: int, global_batch_size: int | None, repeats: int, seed: int = 0
 ) -> dict[str, Any]:
     """Median wall time of `search_plan` at one stage on a problem whose every type has four lever variants."""
-    profiles, cluster = _problem(num_ranks, num_types, seed, levers=True)
-    result, times = _timed_search(
-        repeats, profiles, cluster, global_batch_size=global_batch_size, zero_stage=zero_stage
-    )
+    problem = _problem(num_ranks, num_types, seed, levers=True)
+    result, timed = _timed_search(repeats, *problem, global_batch_size=global_batch_size, zero_stage=zero_stage)
     levers = {r.device_type: r.levers for r in result.plan.ranks}
     return {
         "ranks": num_ranks,
@@ -118,8 +110,7 @@ def time_lever_search(
         "zero_stage": zero_stage,
         "global_batch_size": global_batch_size,
         "seed": seed,
-        "median_s": statistics.median(times),
-        "repetitions_s": times,
+        **timed,
         "plan_global_batch_size": result.plan.global_batch_size,
         "types_with_checkpointing": sum(on for on, _ in levers.values()),
         "types_with_offload": sum(on for _, on in levers.values()),
@@ -217,9 +208,9 @@ def run_search_speed(
         ),
         "profiles_note": (
             "No profile here is a measurement: the synthetic problems use seeded random profiles "
-            "(poplar_bench.synthetic, "
-            "measured_with.synthetic = true), and the shipped example's profiles are modelled from datasheet specs "
-            f"(poplar_bench/gpu_model.py). Sources the profiles declare: {', '.join(sources)}."
+            "(poplar_bench.synthetic, measured_with.synthetic = true), and the shipped example's profiles are "
+            "modelled from datasheet specs (poplar_bench/gpu_model.py). Sources the profiles declare: "
+            f"{', '.join(sources)}."
         ),
         "lever_method": (
             "search_plan(zero_stage=<0, 1 or 2>, policy='poplar') on seeded synthetic profiles with all four "
@@ -270,13 +261,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             "| problem | ZeRO stage | global batch | median ms | repetitions ms | peak MiB | predicted iteration s |",
             "| --- | ---: | ---: | ---: | --- | ---: | ---: |",
         ]
-        for cell in large:
-            repeats = ", ".join(f"{1000 * t:.1f}" for t in cell["repetitions_s"])
-            lines.append(
-                f"| {cell['problem']} | {cell['zero_stage']} | {cell['global_batch_size']} | "
-                f"{1000 * cell['median_s']:.1f} | "
-                f"{repeats} | {cell['peak_memory_bytes'] / 2**20:.1f} | {cell['predicted_iteration_time_s']:.6g} |"
-            )
+        lines += [
+            f"| {cell['problem']} | {cell['zero_stage']} | {cell['global_batch_size']} | {1000 * cell['median_s']:.1f} "
+            f"| {_ms(cell)} | {cell['peak_memory_bytes'] / 2**20:.1f} | {cell['predicted_iteration_time_s']:.6g} |"
+            for cell in large
+        ]
     levers = report.get("lever_cells", [])
     if levers:
         lines += [
@@ -289,19 +278,23 @@ def render_markdown(report: dict[str, Any]) -> str:
             "plan's batch | types checkpointed, offloaded |",
             "| ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: | --- |",
         ]
-        for cell in levers:
-            repeats = ", ".join(f"{1000 * t:.1f}" for t in cell["repetitions_s"])
-            lines.append(
-                f"| {cell['ranks']} | {cell['device_types']} | {cell['settings']} | {cell['zero_stage']} | "
-                f"{'automatic' if cell['global_batch_size'] is None else cell['global_batch_size']} | "
-                f"{cell.get('seed', 0)} | {1000 * cell['median_s']:.1f} | {repeats} | "
-                f"{cell['plan_global_batch_size']} | {cell['types_with_checkpointing']}, {cell['types_with_offload']} |"
-            )
+        lines += [
+            f"| {cell['ranks']} | {cell['device_types']} | {cell['settings']} | {cell['zero_stage']} | "
+            f"{'automatic' if cell['global_batch_size'] is None else cell['global_batch_size']} | "
+            f"{cell.get('seed', 0)} | {1000 * cell['median_s']:.1f} | {_ms(cell)} | "
+            f"{cell['plan_global_batch_size']} | {cell['types_with_checkpointing']}, {cell['types_with_offload']} |"
+            for cell in levers
+        ]
         lines += _lever_summary(levers)
-    lines += ["", "| goal | slowest median | met |", "| --- | ---: | --- |"]
-    for goal in report["goals"]:
-        lines.append(f"| {goal['goal']} | {1000 * goal['value_s']:.1f} ms | {'met' if goal['met'] else 'NOT met'} |")
+    lines += ["", "| goal | slowest median | met |", "| --- | ---: | --- |"] + [
+        f"| {goal['goal']} | {1000 * goal['value_s']:.1f} ms | {'met' if goal['met'] else 'NOT met'} |"
+        for goal in report["goals"]
+    ]
     return "\n".join(lines) + "\n"
+
+
+def _ms(cell: dict[str, Any]) -> str:
+    return ", ".join(f"{1000 * t:.1f}" for t in cell["repetitions_s"])
 
 
 def _lever_summary(levers: list[dict[str, Any]]) -> list[str]:

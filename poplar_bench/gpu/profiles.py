@@ -24,18 +24,14 @@ every micro-step): the two ends of what the probe must get right."""
 class ProfileRun:
     """What step 2 profiles."""
 
-    vocab_size: int
-    """The GPT's vocabulary (its embedding and output layer)."""
+    vocab_size: int  # the GPT's vocabulary (its embedding and output layer)
     sequence_length: int
     num_layers: int
     num_heads: int
     hidden_size: int
-    micro_batch_size_limit: int
-    """Largest micro-batch tried: above what the GPU holds, so that the probe meets a real out-of-memory error."""
-    repeats: int
-    """Timed micro-steps per size (median)."""
-    cpu_headroom_bytes: int = 256 * MIB
-    """Dry run only: the CPU stand-in's declared memory above the rank's resident size."""
+    micro_batch_size_limit: int  # above what the GPU holds, so that the probe meets a real out-of-memory error
+    repeats: int  # timed micro-steps per size (median)
+    cpu_headroom_bytes: int = 256 * MIB  # dry run only: the CPU stand-in's memory above the rank's resident size
 
     def model_config(self) -> dict[str, int]:
         return {
@@ -99,18 +95,14 @@ def profile_rank(run: ProfileRun, cache_dir: str, trials_path: str) -> dict[str,
         activation_checkpointing="off",  # the stages, not the memory levers, are what this step checks
         progress=trial_line,
     )
-    times_s = {}
-    profiles = {}
+    times_s, profiles = {}, {}
     for call in ("first", "second"):
         start = time.perf_counter()
         profiles[call] = profile_model(make_batch=make_batch(call), **common)
         times_s[call] = time.perf_counter() - start
-        if call == "first":
-            for profile in profiles[call]:
-                append_json_line(
-                    Path(trials_path),
-                    {"t_s": round(time.perf_counter() - started, 2), "profile": profile_to_dict(profile)},
-                )
+        for profile in profiles[call] if call == "first" else []:
+            trial = {"t_s": round(time.perf_counter() - started, 2), "profile": profile_to_dict(profile)}
+            append_json_line(Path(trials_path), trial)
     return {
         "profiles": [profile_to_dict(p) for p in profiles["first"]],
         "identical_from_cache": profiles["second"] == profiles["first"],
@@ -123,6 +115,7 @@ def profile_rank(run: ProfileRun, cache_dir: str, trials_path: str) -> dict[str,
 
 def _cluster(run: ProfileRun):
     """One device: the GPU as its hardware names it, or the dry run's emulated CPU stand-in."""
+    import psutil
     import torch
 
     from poplar_ext.hardware.devices import hardware_device_type
@@ -132,17 +125,10 @@ def _cluster(run: ProfileRun):
         device_type, types = hardware_device_type(torch.device("cuda", 0)), {}
     else:
         device_type = "cpu-standin"
-        capacity = _resident_bytes() + run.cpu_headroom_bytes
+        capacity = psutil.Process().memory_info().rss + run.cpu_headroom_bytes
         types = {device_type: {"emulation": {"slowdown": 1.0, "memory_capacity_bytes": capacity}}}
     nodes = [{"name": "gpu-node", "devices": [{"device_type": device_type, "count": 1}]}]
     return cluster_from_dict({"schema_version": 1, "nodes": nodes, "device_types": types})
-
-
-def _resident_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status: no VmRSS line (the dry run's CPU stand-in needs Linux)")
 
 
 def run_profile_step(context: StepContext) -> dict[str, Any]:
@@ -206,10 +192,7 @@ def _summary(profile: dict[str, Any]) -> dict[str, Any]:
         "max_micro_batch_size": profile["max_micro_batch_size"],
         "memory_capacity_bytes": profile["memory_capacity_bytes"],
         "sizes_measured": [s["micro_batch_size"] for s in profile["samples"]],
-        "largest_micro_batch_probe": measured.get("largest_micro_batch_probe"),
-        "stage_profiling_time_s": measured.get("stage_profiling_time_s"),
-        "hardware": measured.get("hardware"),
-        "device": measured.get("device"),
+        **{k: measured.get(k) for k in ("largest_micro_batch_probe", "stage_profiling_time_s", "hardware", "device")},
     }
 
 
