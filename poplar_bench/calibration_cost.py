@@ -1,11 +1,9 @@
-"""`poplar-bench calibration`: what checking cached profiles at start costs and what it finds.
-
-Three demo runs on one profile cache, or ``--check-only`` (`run_check_cost`); `summarize` and `render_markdown`
-are pure. See docs/bench.md.
-"""
+"""`poplar-bench calibration`: what checking cached profiles at start costs and finds: three demo runs on one
+profile cache, or ``--check-only`` (`run_check_cost`). See docs/bench.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import statistics
@@ -26,13 +24,12 @@ def summarize(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     for name, report in runs:
         scenario = report["scenarios"][0]
         timings = report["timings_s"]
-        check_s = [v for k, v in timings.items() if k.endswith("_calibration_s")]
         entries.append(
             {
                 "run": name,
                 "profiles_from_cache": scenario["profiles_from_cache"],
                 "calibration": scenario.get("calibration", {}),
-                "calibration_s": max(check_s) if check_s else None,
+                "calibration_s": max((v for k, v in timings.items() if k.endswith("_calibration_s")), default=None),
                 "profile_s": max((v for k, v in timings.items() if k.endswith("_profile_s")), default=None),
                 "prediction_error": {
                     e["policy"]: e.get("prediction_error") for e in scenario["policies"] if e["status"] == "ok"
@@ -82,8 +79,6 @@ def render_markdown(summary: dict[str, Any]) -> str:
 
 def run_calibration_check(*, out_dir: Path, rounds: int = 2, cache_dir: Path | None = None) -> list[Path]:
     """The three runs, then calibration.{json,md} in `out_dir` (each run's demo report under ``calibration/``)."""
-    import dataclasses
-
     from poplar_ext.plan.formats import read_json
 
     from . import demo
@@ -101,8 +96,7 @@ def run_calibration_check(*, out_dir: Path, rounds: int = 2, cache_dir: Path | N
     return write_json_and_markdown(summary, render_markdown(summary), out_dir, "calibration")
 
 
-CHECK_REPEATS = 3
-"""How many times `run_check_cost` runs the check in one forked group."""
+CHECK_REPEATS = 3  # how many times `run_check_cost` runs the check in one forked group
 
 
 def check_cost_rank(settings: Any, work: Path, repeats: int = CHECK_REPEATS) -> dict[str, Any]:

@@ -1,8 +1,5 @@
-"""`poplar-bench pipeline`: the best ZeRO plan against the best pipeline plan, measured and predicted,
-on an emulated CPU cluster of two nodes joined by a slow link and by a fast one.
-
-See docs/bench.md (poplar-bench pipeline).
-"""
+"""`poplar-bench pipeline`: the best ZeRO plan against the best pipeline plan, measured and predicted, on an
+emulated CPU cluster of two nodes joined by a slow link and by a fast one. See docs/bench.md."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ SLOW_SLOWDOWN = 12.0
 """Emulated slowdowns: 4 ranks on 2 cores, memory-bound layers and the engine's own work need this much
 room (at 3x and 6x the fast ranks' forward and backward ran ~60% past their steady times)."""
 ITERATIONS = 6
-SLOW_LINK_BYTES_PER_S = 50e6
-"""The slow link: 50 MB/s (0.4 Gb/s) each way."""
+SLOW_LINK_BYTES_PER_S = 50e6  # the slow link: 50 MB/s (0.4 Gb/s) each way
 LINKS = {"slow": SLOW_LINK_BYTES_PER_S, "fast": None}
 NODE_OF_RANK = (0, 0, 1, 1)
 SIZES = (2, 4, 8, 16, 24, 48)

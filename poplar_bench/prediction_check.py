@@ -1,8 +1,5 @@
-"""Prediction error beyond the tuned case: the CPU demo on cases drawn from a seed, or the fixed ones.
-
-`draw_cases`, `DEFAULT_CASES`; `summarize` and `render_markdown` are pure. See docs/bench.md (poplar-bench
-predictions).
-"""
+"""Prediction error beyond the tuned case: the CPU demo on cases drawn from a seed (`draw_cases`), or the
+fixed ones (`DEFAULT_CASES`). See docs/bench.md (poplar-bench predictions)."""
 
 from __future__ import annotations
 
@@ -32,14 +29,9 @@ class PredictionCase:
         return None if self.slowdowns is None else sum(1.0 / s for s in self.slowdowns)
 
 
-GLOBAL_BATCH_SIZES = (96, 144, 192, 288)
-"""The global batches `draw_cases` picks from."""
-
-MIN_SLOWDOWN, MAX_SLOWDOWN = 1.5, 16.0
-"""The slowdowns `draw_cases` gives a rank (drawn uniformly in log scale, to a tenth)."""
-
-MIN_CORE_DEMAND = 0.25
-"""The least sum of 1/slowdown `draw_cases` draws."""
+GLOBAL_BATCH_SIZES = (96, 144, 192, 288)  # the global batches `draw_cases` picks from
+MIN_SLOWDOWN, MAX_SLOWDOWN = 1.5, 16.0  # a rank's slowdown in `draw_cases` (uniform in log scale, to a tenth)
+MIN_CORE_DEMAND = 0.25  # the least sum of 1/slowdown `draw_cases` draws
 
 
 def max_core_demand(cores: int) -> float:

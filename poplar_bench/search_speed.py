@@ -1,7 +1,5 @@
-"""``poplar-bench search-speed``: how long `search_plan` takes against cluster size, device types and global batch.
-
-See docs/bench.md (the cells, large batches, memory levers, goals).
-"""
+"""``poplar-bench search-speed``: how long `search_plan` takes against cluster size, device types and global batch
+(docs/bench.md: the cells, large batches, memory levers, goals)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Compare the allocation policies by prediction on clusters of any size.
+"""Compare the allocation policies by prediction on clusters of any size (pure: search + numpy/scipy, no torch).
 
-Pure (search + numpy/scipy, no torch): a cluster plus profiles (measured, or modelled by `bench.gpu_model`)
-per scenario, each policy's plan and predictions in a `bench.report` scenario. Nothing here is a
-measurement; the report says so, and which profiles were modelled.
+Nothing here is a measurement; the report says so, and which profiles were modelled (docs/bench.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""ZeRO or pipelines: the best predicted plan of each on the shipped clusters, with the network slow and fast.
-
-See docs/bench.md (poplar-bench simulate).
-"""
+"""ZeRO or pipelines: the best predicted plan of each on the shipped clusters, network slow and fast (docs/bench.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The ``predictions`` step of `poplar-bench gpu`: the policies measured against their predictions on one GPU.
-
-See docs/gpu.md (the steps).
-"""
+"""The ``predictions`` step of `poplar-bench gpu`: the policies measured against their predictions on one GPU
+(docs/gpu.md)."""
 
 from __future__ import annotations
 

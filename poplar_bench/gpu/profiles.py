@@ -1,7 +1,5 @@
-"""The ``profile`` step of `poplar-bench gpu`: a GPT of ~136M parameters profiled in bf16 at ZeRO 1 and 3.
-
-See docs/gpu.md (the steps, ``profile_trials.jsonl``, the dry run).
-"""
+"""The ``profile`` step of `poplar-bench gpu`: a GPT of ~136M parameters profiled in bf16 at ZeRO 1 and 3
+(docs/gpu.md: the steps, ``profile_trials.jsonl``, the dry run)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ forking ranks (`poplar_bench.local_ranks` refuses), and the child's answer is th
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,13 +39,10 @@ print(json.dumps(info))
 def driver_version() -> str | None:
     """The NVIDIA driver's version, from its /proc entry (nvidia-smi need not be installed)."""
     try:
-        text = Path("/proc/driver/nvidia/version").read_text()
+        found = re.search(r"(?<!\S)\d+(?:\.\d+)+(?!\S)", Path("/proc/driver/nvidia/version").read_text())
     except OSError:
         return None
-    for word in text.split():
-        if word.count(".") >= 1 and word.replace(".", "").isdigit():
-            return word
-    return None
+    return found and found.group()
 
 
 def read_provenance(*, dry_run: bool) -> dict[str, Any]:
