@@ -1,9 +1,5 @@
-"""The shipped cluster descriptions (poplar_bench/clusters/*.json), patterned on Poplar's experiments.
-
-Poplar's pairs of GPU generations, half of the ranks of each type on nodes of up to 8 GPUs, 8 to 4096 GPUs.
-`python -m poplar_bench.cluster_files` rewrites the files; a unit test checks they are what
-`shipped_clusters()` generates.
-"""
+"""The shipped cluster descriptions (poplar_bench/clusters/*.json): Poplar's pairs of GPU generations, half of the
+ranks of each type, 8 to 4096 GPUs. `python -m poplar_bench.cluster_files` rewrites them."""
 
 from __future__ import annotations
 
@@ -63,7 +59,7 @@ def write_uniform_cpu_job(
     suffix: str = "",
 ) -> tuple[Path, Path]:
     """``cluster<suffix>.json`` and ``plan<suffix>.json`` in `directory`: a uniform plan on real CPU ranks of one
-    node, for the benches that measure rather than predict (the plan's prediction is a placeholder)."""
+    node (the plan's prediction is a placeholder)."""
     cluster = {
         "schema_version": 1,
         "nodes": [{"name": "localhost", "devices": [{"device_type": "cpu", "count": world_size}]}],

@@ -1,8 +1,6 @@
 """Regenerate the shipped example profiles, cluster and network (MODELLED by `bench.gpu_model`, not measured).
 
-    python -m poplar_bench.example_profiles
-
-See docs/bench.md (outside poplar-bench; modelled GPUs).
+``python -m poplar_bench.example_profiles``; see docs/bench.md (outside poplar-bench; modelled GPUs).
 """
 
 import argparse

@@ -1,8 +1,5 @@
-"""Layer profiles of GPUs we cannot measure, from the same analytic model as `bench.gpu_model` (labelled modelled).
-
-`two_level_network`: the network the pipeline comparison prices with. See docs/bench.md (modelled GPUs: the
-layers, their parameters, FLOPs and bytes).
-"""
+"""Layer profiles of GPUs we cannot measure, from the same analytic model as `bench.gpu_model` (labelled modelled),
+and the network the pipeline comparison prices with. See docs/bench.md (modelled GPUs)."""
 
 from __future__ import annotations
 

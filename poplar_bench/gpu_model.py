@@ -1,7 +1,6 @@
 """An analytic model of GPUs we cannot measure: profiles built from published specs (labelled modelled).
 
-The specs, and each GPU's assumed MFU with its reason: `GPU_SPECS`. See docs/bench.md (modelled GPUs:
-micro-step time, accumulation boundary, memory).
+See docs/bench.md (modelled GPUs: micro-step time, accumulation boundary, memory).
 """
 
 from __future__ import annotations
@@ -201,11 +200,8 @@ def peak_memory_bytes(
 
 
 def modelled_network(assumptions: Assumptions | None = None) -> NetworkProfile:
-    """The network these profiles assume, as a network file would hold it (labelled modelled).
-
-    The same ring model prices the collectives inside the modelled profiles
-    (`_ring_s`), so the search's cost model takes out exactly what the profile holds.
-    """
+    """The network these profiles assume, as a network file would hold it (labelled modelled): the same ring
+    model prices the collectives inside the profiles, so the cost model takes out exactly what they hold."""
     assumptions = assumptions or Assumptions()
     return search_network.modelled_network(
         bus_bandwidth_bytes_per_s=assumptions.network_bytes_per_s,

@@ -1,8 +1,6 @@
 """How far the pipeline search's heuristic falls from the exact optimum, on small random cases.
 
-    python -m poplar_bench.pipeline_search_gap     # writes bench/results/pipeline_search_gap.{json,md}
-
-See docs/bench.md (outside poplar-bench).
+``python -m poplar_bench.pipeline_search_gap`` writes bench/results/pipeline_search_gap.{json,md} (docs/bench.md).
 """
 
 from __future__ import annotations

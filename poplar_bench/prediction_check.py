@@ -90,10 +90,8 @@ def repetition_errors(entry: dict[str, Any]) -> list[float]:
 def summarize(
     cases: list[tuple[PredictionCase, dict[str, Any]]], *, seed: int | None = None, calibration: str = "off"
 ) -> dict[str, Any]:
-    """One row per case and policy from the cases' demo reports, and whether the goal holds.
-
-    `seed`: the seed the cases were drawn from (None: the fixed cases); `calibration`: the demo's
-    (`bench.demo_config.DemoSettings.calibration`), said in the report."""
+    """One row per case and policy from the cases' demo reports, and whether the goal holds (`seed`: None for the
+    fixed cases; `calibration`: the demo's, said in the report)."""
     rows = []
     for case, report in cases:
         scenario = report["scenarios"][0]
@@ -216,11 +214,8 @@ def run_prediction_check(
     seed: int | None = None,
     calibration: str = "off",
 ) -> list[Path]:
-    """Run the demo for each case and write prediction_check.{json,md} into `out_dir`.
-
-    By default every case profiles afresh: a profile cached from another day or machine would measure the
-    profile's staleness, not the cost model. `seed`, what the cases were drawn from, is said in the report.
-    """
+    """Run the demo for each case and write prediction_check.{json,md} into `out_dir` (`seed`: what the cases were
+    drawn from). Every case profiles afresh by default: a cached profile would measure its staleness, not the model."""
     from poplar_ext.plan.formats import read_json
 
     from . import demo

@@ -7,6 +7,7 @@ import os
 import statistics
 import tempfile
 import time
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +60,6 @@ def _iterations(engine, batches, count: int) -> tuple[list[float], list[float]]:
     return wall, cpu
 
 
-def _endless(loader):
-    while True:
-        yield from loader
-
-
 def _rank_main(directory: str, blocks: int, block_iterations: int, warmup: int) -> dict[str, Any] | None:
     """One rank (spawned: a clean interpreter, as a user's job has); rank 0 returns the times."""
     import deepspeed
@@ -86,7 +82,8 @@ def _rank_main(directory: str, blocks: int, block_iterations: int, warmup: int) 
     # The loader a user writes for raw DeepSpeed, in the main process like poplar_ext's
     # (DeepSpeed's own loader would start worker processes and measure those instead).
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=WORLD_SIZE, rank=rank, shuffle=True, seed=0)
-    engines["raw"] = (engine, _endless(torch.utils.data.DataLoader(data, batch_size=MICRO_BATCH_SIZE, sampler=sampler)))
+    loader = torch.utils.data.DataLoader(data, batch_size=MICRO_BATCH_SIZE, sampler=sampler)
+    engines["raw"] = (engine, chain.from_iterable(repeat(loader)))
     model = GPT(shape)
     engine, _, loader, _ = poplar_ext.initialize(
         model=model,
@@ -94,7 +91,7 @@ def _rank_main(directory: str, blocks: int, block_iterations: int, warmup: int) 
         training_data=data,
         config=configs["wrapped"],
     )
-    engines["wrapped"] = (engine, _endless(loader))
+    engines["wrapped"] = (engine, chain.from_iterable(repeat(loader)))
     times: dict[str, list[list[float]]] = {"raw": [], "wrapped": []}
     cpu_times: dict[str, list[float]] = {"raw": [], "wrapped": []}
     for block in range(blocks):
@@ -132,12 +129,8 @@ class _NoOpEngine:
 
 
 def measure_wrapper_cost(*, iterations: int = 20_000, repeats: int = 5) -> dict[str, float]:
-    """CPU time the wrapper adds per iteration, measured around a no-op engine.
-
-    The same loop (forward, backward, step per micro-step; the sampler's micro-batches
-    per iteration) runs on the bare no-op engine and through `PoplarEngine`; the
-    difference is what the wrapper itself costs, free of the noise of a real step.
-    """
+    """CPU time the wrapper adds per iteration: the same loop on a bare no-op engine and through `PoplarEngine`
+    (with the sampler), free of the noise of a real step."""
     import torch
 
     from poplar_ext.plan.formats import plan_from_dict

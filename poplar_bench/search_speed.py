@@ -143,11 +143,8 @@ def run_search_speed(
     lever_repeats: int | None = None,
     lever_seeds: tuple[int, ...] = (0,),
 ) -> dict[str, Any]:
-    """Time every (ranks, types) cell in both batch modes, every large-batch and lever cell; the report as plain data.
-
-    An `example_dir` without ``cluster.json`` (an installed package has none) leaves the shipped example out;
-    `lever_ranks` None leaves the memory-lever cells out.
-    """
+    """Time every (ranks, types) cell in both batch modes, every large-batch and lever cell; the report as plain data
+    (an `example_dir` without ``cluster.json`` leaves the shipped example out, `lever_ranks` None the lever cells)."""
     large_repeats = repeats if large_repeats is None else large_repeats
     lever_repeats = repeats if lever_repeats is None else lever_repeats
     cells = []

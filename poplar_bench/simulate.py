@@ -229,11 +229,9 @@ def scaling_series(cases: list[SimulationCase]) -> list[dict[str, Any]]:
             )
         stops = {}
         for stage in map(str, ZERO_STAGES):
-            rates = [(r["world_size"], r["stages"][stage]) for r in rows if r["stages"][stage]["status"] == "ok"]
-            first = rates[0][1]["samples_per_s_per_gpu"] if rates else None
-            stops[stage] = next(
-                (size for size, cell in rates if cell["samples_per_s_per_gpu"] < STOPS_PAYING_SHARE * first), None
-            )
+            cells = [(r["world_size"], r["stages"][stage]) for r in rows if r["stages"][stage]["status"] == "ok"]
+            rates = [(size, cell["samples_per_s_per_gpu"]) for size, cell in cells]
+            stops[stage] = next((size for size, rate in rates if rate < STOPS_PAYING_SHARE * rates[0][1]), None)
         series.append(
             {
                 "name": f"{pair}, {model_name}",
@@ -327,12 +325,8 @@ CHECKPOINTING_CLUSTERS = "v100-16gb+t4-16gb"
 
 
 def checkpointing_effect(cases: list[SimulationCase]) -> list[dict[str, Any]]:
-    """For cases profiled both ways: poplar with the per-type checkpointing choice against poplar without it.
-
-    Each stage alone and the fastest (``auto``), at the case's global batch: predicted
-    samples/s of both, which types checkpoint, and each type's micro-batch. Offloaded
-    profiles are left out of both (`offload_effect` shows that lever).
-    """
+    """For cases profiled both ways: poplar with the per-type checkpointing choice against poplar without it, at
+    each stage and ``auto`` (offloaded profiles left out of both: `offload_effect` shows that lever)."""
     return _lever_effect(cases, allowed=lambda p: not p.optimizer_offload)
 
 

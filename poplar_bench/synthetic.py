@@ -1,8 +1,5 @@
-"""Seeded synthetic profiles and clusters, for tests and the search-speed benchmark.
-
-Not measurements and not a GPU model: every profile says ``"source": "modelled"`` and ``"synthetic": true``
-in ``measured_with``. Micro-step times follow ``overhead + b / peak_rate`` with seeded random parameters.
-"""
+"""Seeded synthetic profiles and clusters, for tests and the search-speed benchmark: not measurements and not a
+GPU model (``measured_with``: ``"source": "modelled"``, ``"synthetic": true``)."""
 
 from __future__ import annotations
 
@@ -24,6 +21,7 @@ from poplar_ext.plan.levers import LEVERS_ORDER
 from poplar_ext.plan.pipeline_formats import LayerCost, LayerProfile, LayerSample
 
 SYNTHETIC_MODEL = ModelInfo(name="synthetic", fingerprint="synthetic-model", num_parameters=1_000_000, dtype="float32")
+_SYNTHETIC = {"source": "modelled", "synthetic": True, "note": "search.synthetic, not a measurement"}
 
 
 def synthetic_profile(
@@ -55,7 +53,7 @@ def synthetic_profile(
         samples=samples,
         optimizer_step_time_s=optimizer_step_time_s,
         emulated=None,
-        measured_with={"source": "modelled", "synthetic": True, "note": "search.synthetic, not a measurement"},
+        measured_with=dict(_SYNTHETIC),
     )
 
 
@@ -99,12 +97,8 @@ def random_layer_profiles(
     zero_stages: tuple[int, ...] = (0,),
     sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
 ) -> list[LayerProfile]:
-    """Seeded layer profiles of one random model on each device type (and stage).
-
-    Layers differ in work, parameters and activations; a type's layer time is
-    ``work x (overhead_s + seconds_per_sample x b)`` with the type's own figures. Memory is
-    drawn so that some types cannot hold the whole model and micro-batches are capped.
-    """
+    """Seeded layer profiles of one random model on each device type (and stage): a layer's time is ``work x
+    (overhead_s + seconds_per_sample x b)``; memory drawn so that some types cannot hold the whole model."""
     work = rng.uniform(0.5, 2.0, num_layers)
     parameters = rng.integers(10**6, 10**7, num_layers)
     kept = rng.integers(10**5, 10**6, num_layers)
@@ -139,7 +133,7 @@ def random_layer_profiles(
                 layers=layers,
                 base_memory_bytes=base,
                 emulated=None,
-                measured_with={"source": "modelled", "synthetic": True, "note": "search.synthetic, not a measurement"},
+                measured_with=dict(_SYNTHETIC),
             )
             for stage in zero_stages
         ]

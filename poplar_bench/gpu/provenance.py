@@ -1,7 +1,6 @@
 """What a GPU run ran on: the GPU's name, its driver, CUDA, torch and DeepSpeed, in every result file.
 
-Read in a child process: CUDA initialised in the bench's own process would keep it from
-forking ranks (`poplar_bench.local_ranks` refuses), and the child's answer is the same.
+Read in a child process: CUDA initialised in the bench's own process would keep it from forking ranks.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The steps of `poplar-bench gpu` that are tests of tests/gpu, run by pytest in a child process.
-
-``exact``: tests/gpu/test_runtime_gpu.py's equivalence tests, a line per (dtype, stage) in ``exact.jsonl`` as soon
-as it is known, so a time-out keeps what finished; ``launcher``: its launcher test (skipped in the dry run, where
-the equivalence tests run on CPU ranks). pytest's output goes into ``gpu_run.log``.
-"""
+"""The steps of `poplar-bench gpu` that are tests of tests/gpu (``exact``, ``launcher``), run by pytest in a child
+process whose output goes into ``gpu_run.log`` (docs/gpu.md)."""
 
 from __future__ import annotations
 
