@@ -21,7 +21,7 @@ INTRA_NODE_BYTES_PER_S = 25e9
 (NVLink nodes move more; the T4 and V100S PCIe 3.0 nodes about half)."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class ModelledLayer:
     """One layer of the analytic model (docs/bench.md, "Modelled GPUs")."""
 
@@ -35,27 +35,10 @@ class ModelledLayer:
 def model_layers(shape: ModelShape) -> list[ModelledLayer]:
     """The embedding, the blocks and the head of `shape`, as a ``PipelineModule`` lists them."""
     s, h, v = shape.sequence_length, shape.hidden_size, shape.vocab_size
-    embedding = ModelledLayer(
-        name="Embedding",
-        parameters=v * h + s * h,
-        flops_per_sample=0.0,
-        kept_bytes_per_sample=8 * s,
-        output_bytes_per_sample=2 * s * h,
-    )
-    block = ModelledLayer(
-        name="Block",
-        parameters=12 * h * h,
-        flops_per_sample=72.0 * s * h * h + 12.0 * s * s * h,
-        kept_bytes_per_sample=34 * s * h,
-        output_bytes_per_sample=2 * s * h,
-    )
-    head = ModelledLayer(
-        name="Head",
-        parameters=v * h,
-        flops_per_sample=6.0 * s * v * h,
-        kept_bytes_per_sample=10 * s * v + 2 * s * h,
-        output_bytes_per_sample=4,
-    )
+    # Name, parameters, FLOPs per sample (forward + backward), kept and sent bytes per sample.
+    embedding = ModelledLayer("Embedding", v * h + s * h, 0.0, 8 * s, 2 * s * h)
+    block = ModelledLayer("Block", 12 * h * h, 72.0 * s * h * h + 12.0 * s * s * h, 34 * s * h, 2 * s * h)
+    head = ModelledLayer("Head", v * h, 6.0 * s * v * h, 10 * s * v + 2 * s * h, 4)
     return [embedding] + [block] * shape.num_layers + [head]
 
 

@@ -21,8 +21,7 @@ from poplar_ext.search.pipeline_search import _exact_count, search_pipeline_plan
 from .report import machine_description, utc_now, write_json_and_markdown
 
 DEFAULT_CASES = 300
-MAX_EXACT_SPLITS = 4000
-"""Cases whose exact search would price more split combinations are drawn again."""
+MAX_EXACT_SPLITS = 4000  # cases whose exact search would price more split combinations are drawn again
 EQUAL = 1e-9
 
 
@@ -113,16 +112,11 @@ def measure_case(case: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+_STATISTICS = {"median": np.median, "p90": lambda gaps: np.quantile(gaps, 0.9), "max": np.max, "mean": np.mean}
+
+
 def _quantiles(gaps: list[float]) -> dict[str, float | None]:
-    if not gaps:
-        return {"median": None, "p90": None, "max": None, "mean": None}
-    values = np.array(gaps)
-    return {
-        "median": float(np.median(values)),
-        "p90": float(np.quantile(values, 0.9)),
-        "max": float(values.max()),
-        "mean": float(values.mean()),
-    }
+    return {name: float(statistic(np.array(gaps))) if gaps else None for name, statistic in _STATISTICS.items()}
 
 
 def _summary(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:

@@ -30,8 +30,7 @@ LARGE_BATCH_GOAL = {
     "goal": "any global batch up to 2^31, every stage, 4096 ranks x 6 types and the shipped example",
     "target_s": 1.0,
 }
-LEVER_STAGES = (0, 1, 2)
-"""The stages at which the policy chooses memory levers per device type (stage 3: all or none)."""
+LEVER_STAGES = (0, 1, 2)  # the stages at which the policy chooses memory levers per device type (stage 3: all or none)
 LEVER_GOAL = {
     "goal": "memory levers: {types} device types x 4 lever variants x {ranks} ranks, stages 0-2, fixed and "
     "automatic batch",
@@ -157,8 +156,8 @@ def run_search_speed(
     for goal in GOALS:
         chosen = [c for c in cells if c["ranks"] in goal["ranks"] and c["device_types"] in goal["types"]]
         if chosen:
-            medians = [{"median_s": c[mode]["median_s"]} for c in chosen for mode in ("fixed_batch", "auto_batch")]
-            goals.append(_goal(goal["goal"], goal["target_s"], medians))
+            modes = [c[mode] for c in chosen for mode in ("fixed_batch", "auto_batch")]
+            goals.append(_goal(goal["goal"], goal["target_s"], modes))
     problems, sources = _large_problems(example_dir)
     large_cells = [
         {

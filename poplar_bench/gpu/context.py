@@ -10,11 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STEPS = ("exact", "profile", "predictions", "launcher")
-"""The steps after the provenance, in order: evidence first."""
+STEPS = ("exact", "profile", "predictions", "launcher")  # the steps after the provenance, in order: evidence first
 
-BUDGET_S = 390.0
-"""The whole command: with the wheels' install (~20 s) it ends within 7 minutes."""
+BUDGET_S = 390.0  # the whole command: with the wheels' install (~20 s) it ends within 7 minutes
 
 
 @dataclass(frozen=True, kw_only=True)
