@@ -17,7 +17,7 @@ GIB = 1 << 30
 MODEL_VERSION = "bench.gpu_model/1"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class GpuSpec:
     """Published facts about one GPU type, plus the one assumption (MFU) made about it."""
 
@@ -62,15 +62,7 @@ _MFU_REASONS = {
     "T4-16GB": "the 70 W power cap keeps clocks well below boost under sustained tensor-core load",
 }
 GPU_SPECS: tuple[GpuSpec, ...] = tuple(
-    GpuSpec(
-        name=name,
-        peak_flops=peak,
-        memory_capacity_bytes=gib * GIB,
-        memory_bandwidth_bytes_per_s=bandwidth,
-        mfu=mfu,
-        datasheet=_DATASHEETS[name],
-        mfu_reason=_MFU_REASONS[name],
-    )
+    GpuSpec(name, peak, gib * GIB, bandwidth, mfu, _DATASHEETS[name], _MFU_REASONS[name])
     for name, peak, gib, bandwidth, mfu in _FIGURES
 )
 

@@ -3,12 +3,12 @@ fixed ones (`DEFAULT_CASES`). See docs/bench.md (poplar-bench predictions)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ MAX_MEDIAN_ABS_ERROR = 0.05
 """The goal on CPU: median |prediction error| of every case and policy (emulated compute steady: issue 35)."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PredictionCase:
     name: str  # report file stem under ``prediction_check/``
     zero_stage: int
@@ -121,10 +121,8 @@ def summarize(
         "seed": seed,
         "cases": [
             {
-                "name": case.name,
-                "zero_stage": case.zero_stage,
+                **dataclasses.asdict(case),
                 "slowdowns": None if case.slowdowns is None else list(case.slowdowns),
-                "global_batch_size": case.global_batch_size,
                 "core_demand": None if case.core_demand is None else round(case.core_demand, 3),
             }
             for case, _ in cases

@@ -71,19 +71,17 @@ def run(args: argparse.Namespace) -> int:
         if args.model:
             raise ValueError("--model: only for modelled profiles, found it together with --profiles")
         profiles = tuple(load_profiles(args.profiles))
-        cases = []
-        for path in cluster_paths:
-            cluster = load_cluster(path)
-            cases.append(
-                simulate.SimulationCase(
-                    name=Path(path).stem,
-                    cluster=cluster,
-                    profiles=profiles,
-                    global_batch_size=args.global_batch_size or samples_per_rank * cluster.world_size,
-                    zero_stage=args.zero_stage,
-                    cluster_file=_shown_path(path),
-                )
+        cases = [
+            simulate.SimulationCase(
+                name=Path(path).stem,
+                cluster=cluster,
+                profiles=profiles,
+                global_batch_size=args.global_batch_size or samples_per_rank * cluster.world_size,
+                zero_stage=args.zero_stage,
+                cluster_file=_shown_path(path),
             )
+            for path, cluster in ((path, load_cluster(path)) for path in cluster_paths)
+        ]
         checkpointing_cases = None
     else:
         shapes = [gpu_model.model_shape(name) for name in (args.model or [s.name for s in gpu_model.MODEL_SHAPES])]
@@ -130,7 +128,4 @@ def _shown_path(path: str | Path | None) -> str | None:
     if path is None:
         return None
     resolved = Path(path).resolve()
-    try:
-        return str(resolved.relative_to(_CHECKOUT))
-    except ValueError:
-        return str(path)
+    return str(resolved.relative_to(_CHECKOUT)) if resolved.is_relative_to(_CHECKOUT) else str(path)
