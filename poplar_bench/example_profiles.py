@@ -22,11 +22,13 @@ DEVICES = {"A100-80GB": 4, "V100-16GB": 4}
 
 
 def main(directory: Path = HERE) -> None:
-    world_size = sum(DEVICES.values())
     for name in DEVICES:
+        stem = f"{SHAPE.name}.{name.lower()}"
         for stage in ZERO_STAGES:
-            profile = modelled_profile(gpu_spec(name), SHAPE, zero_stage=stage, world_size=world_size)
-            save_profile(profile, directory / f"{SHAPE.name}.{name.lower()}.stage{stage}.json")
+            profile = modelled_profile(gpu_spec(name), SHAPE, zero_stage=stage, world_size=sum(DEVICES.values()))
+            save_profile(profile, directory / f"{stem}.stage{stage}.json")
+        layers = modelled_layer_profile(gpu_spec(name), SHAPE, zero_stage=0)
+        save_layer_profile(layers, layer_profiles_dir(directory) / f"{stem}.stage0.json")
     cluster = Cluster(
         nodes=tuple(
             ClusterNode(name=f"node{i}", devices=(DeviceGroup(device_type=name, count=count),))
@@ -34,9 +36,6 @@ def main(directory: Path = HERE) -> None:
         )
     )
     save_cluster(cluster, directory / "cluster.json")
-    for name in DEVICES:
-        layers = modelled_layer_profile(gpu_spec(name), SHAPE, zero_stage=0)
-        save_layer_profile(layers, layer_profiles_dir(directory) / f"{SHAPE.name}.{name.lower()}.stage0.json")
     network = two_level_network(gpus_per_node=max(DEVICES.values()))
     save_network(dataclasses.replace(network, cluster_key=cluster_key(cluster)), network_path(directory, cluster))
 

@@ -20,6 +20,8 @@ from poplar_ext.plan.formats import (
 from poplar_ext.plan.levers import LEVERS_ORDER
 from poplar_ext.plan.pipeline_formats import LayerCost, LayerProfile, LayerSample
 
+from .gpu_model import sample_sizes
+
 SYNTHETIC_MODEL = ModelInfo(name="synthetic", fingerprint="synthetic-model", num_parameters=1_000_000, dtype="float32")
 _SYNTHETIC = {"source": "modelled", "synthetic": True, "note": "search.synthetic, not a measurement"}
 
@@ -36,12 +38,9 @@ def synthetic_profile(
     sizes: list[int] | None = None,
 ) -> Profile:
     """A profile with ``t(b) = overhead_s + seconds_per_sample * b`` at `sizes` (default: powers of two and the max)."""
-    if sizes is None:
-        sizes = sorted({min(1 << k, max_micro_batch_size) for k in range(max_micro_batch_size.bit_length() + 1)})
-        sizes = [s for s in sizes if s >= 1] if max_micro_batch_size else []
     samples = tuple(
         Sample(micro_batch_size=b, micro_step_time_s=overhead_s + seconds_per_sample * b, peak_memory_bytes=1000 * b)
-        for b in sizes
+        for b in (sample_sizes(max_micro_batch_size) if sizes is None else sizes)
     )
     return Profile(
         device_type=device_type,
