@@ -21,7 +21,7 @@ INTRA_NODE_BYTES_PER_S = 25e9
 (NVLink nodes move more; the T4 and V100S PCIe 3.0 nodes about half)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelledLayer:
     """One layer of the analytic model (docs/bench.md, "Modelled GPUs")."""
 
@@ -32,13 +32,19 @@ class ModelledLayer:
     output_bytes_per_sample: int
 
 
+_FIELDS = ("name", "parameters", "flops_per_sample", "kept_bytes_per_sample", "output_bytes_per_sample")
+
+
 def model_layers(shape: ModelShape) -> list[ModelledLayer]:
     """The embedding, the blocks and the head of `shape`, as a ``PipelineModule`` lists them."""
     s, h, v = shape.sequence_length, shape.hidden_size, shape.vocab_size
     # Name, parameters, FLOPs per sample (forward + backward), kept and sent bytes per sample.
-    embedding = ModelledLayer("Embedding", v * h + s * h, 0.0, 8 * s, 2 * s * h)
-    block = ModelledLayer("Block", 12 * h * h, 72.0 * s * h * h + 12.0 * s * s * h, 34 * s * h, 2 * s * h)
-    head = ModelledLayer("Head", v * h, 6.0 * s * v * h, 10 * s * v + 2 * s * h, 4)
+    rows = (
+        ("Embedding", v * h + s * h, 0.0, 8 * s, 2 * s * h),
+        ("Block", 12 * h * h, 72.0 * s * h * h + 12.0 * s * s * h, 34 * s * h, 2 * s * h),
+        ("Head", v * h, 6.0 * s * v * h, 10 * s * v + 2 * s * h, 4),
+    )
+    embedding, block, head = (ModelledLayer(**dict(zip(_FIELDS, row))) for row in rows)
     return [embedding] + [block] * shape.num_layers + [head]
 
 

@@ -17,17 +17,24 @@ GIB = 1 << 30
 MODEL_VERSION = "bench.gpu_model/1"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GpuSpec:
     """Published facts about one GPU type, plus the one assumption (MFU) made about it."""
 
-    name: str  # device type name as used in cluster descriptions, e.g. ``A100-80GB``
-    peak_flops: float  # dense FP16/BF16 tensor-core peak in FLOP/s (datasheet, no sparsity)
-    memory_capacity_bytes: int  # device memory (datasheet size in GiB)
+    name: str
+    """Device type name as used in cluster descriptions, e.g. ``A100-80GB``."""
+    peak_flops: float
+    """Dense FP16/BF16 tensor-core peak in FLOP/s (datasheet, no sparsity)."""
+    memory_capacity_bytes: int
+    """Device memory (datasheet size in GiB)."""
     memory_bandwidth_bytes_per_s: float
-    mfu: float  # assumed achievable fraction of ``peak_flops`` on transformer training (not a datasheet figure)
-    datasheet: str  # which datasheet variant the figures come from
-    mfu_reason: str  # why that MFU was assumed
+    """Device memory bandwidth (datasheet)."""
+    mfu: float
+    """Assumed achievable fraction of ``peak_flops`` on transformer training (not a datasheet figure)."""
+    datasheet: str
+    """Which datasheet variant the figures come from."""
+    mfu_reason: str
+    """Why that MFU was assumed."""
 
 
 # Vendor datasheet figures (NVIDIA A100, A800, V100, V100S, T4 and H100 datasheets): name, peak FLOP/s,
@@ -62,7 +69,15 @@ _MFU_REASONS = {
     "T4-16GB": "the 70 W power cap keeps clocks well below boost under sustained tensor-core load",
 }
 GPU_SPECS: tuple[GpuSpec, ...] = tuple(
-    GpuSpec(name, peak, gib * GIB, bandwidth, mfu, _DATASHEETS[name], _MFU_REASONS[name])
+    GpuSpec(
+        name=name,
+        peak_flops=peak,
+        memory_capacity_bytes=gib * GIB,
+        memory_bandwidth_bytes_per_s=bandwidth,
+        mfu=mfu,
+        datasheet=_DATASHEETS[name],
+        mfu_reason=_MFU_REASONS[name],
+    )
     for name, peak, gib, bandwidth, mfu in _FIGURES
 )
 
@@ -84,11 +99,13 @@ def gpu_spec(name: str) -> GpuSpec:
 class ModelShape:
     """A GPT-style decoder, described by the sizes the analytic model needs."""
 
-    name: str  # human-readable name written into profiles
+    name: str
+    """Human-readable name written into profiles."""
     num_layers: int
     hidden_size: int
     num_heads: int
-    sequence_length: int  # tokens per sample
+    sequence_length: int
+    """Tokens per sample."""
     vocab_size: int
 
     @property
@@ -139,13 +156,17 @@ class Assumptions:
     """Latency of one ring hop. None assumed: ZeRO's collectives move whole buckets of
     megabytes, and NCCL switches to trees on large clusters, where a flat ring's
     per-hop latency (a few microseconds x 4095 hops) would overstate it."""
-    kernel_overhead_s: float = 0.010  # fixed per-micro-step cost: kernel launches, Python and framework overhead
-    reserved_bytes: int = 2 * GIB  # unavailable to training: CUDA context, communication buffers, fragmentation
-    optimizer_bytes_per_parameter: int = 28  # bytes the Adam update reads and writes per parameter of the shard
+    kernel_overhead_s: float = 0.010
+    """Fixed per-micro-step cost: kernel launches, Python and framework overhead."""
+    reserved_bytes: int = 2 * GIB
+    """Memory unavailable to training: CUDA context, communication buffers, fragmentation."""
+    optimizer_bytes_per_parameter: int = 28
+    """Bytes the Adam update reads and writes per parameter of the local shard."""
     host_adam_parameters_per_s: float = 1.0e9
     """Parameters per second an offloaded Adam updates for one GPU's shard on its share of
     the host's cores: an assumed order of magnitude for a vectorised CPU Adam, not a measurement."""
-    pcie_bytes_per_s: float = 12e9  # host-device copies: PCIe 3.0 x16 in practice (V100 and T4 are PCIe 3.0 cards)
+    pcie_bytes_per_s: float = 12e9
+    """Host-device copy bandwidth: PCIe 3.0 x16 in practice (V100 and T4 are PCIe 3.0 cards)."""
 
 
 # Bytes per parameter on a rank's device (ZeRO paper, K = 12): (whole, divided over the ranks), per stage;

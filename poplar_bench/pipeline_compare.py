@@ -136,13 +136,20 @@ def _gpt_batch(micro_batch_size: int) -> Any:
 class BenchModel:
     """One model the bench compares ZeRO and pipelines on."""
 
-    description: str  # what the report says the model is
-    zero_model: Callable[[], Any]  # the whole model, its loss from ``(inputs, labels)``: the ZeRO job's, the profile's
-    pipeline: Callable[[], tuple[list[Any], Any]]  # the same model as pipeline layers, and their loss function
-    make_batch: Callable[[int], Any]  # a profiling micro-batch of a given size
-    zero_data: Callable[[int], Any]  # the ZeRO job's training data set of a given number of samples
-    pipeline_data: Callable[[int], Any]  # the pipeline job's: the same samples, as its first and last layers take them
-    poplar: dict[str, Any]  # what the model needs in the ``poplar`` section of both jobs (its loss reduction)
+    description: str
+    """What the report says the model is."""
+    zero_model: Callable[[], Any]
+    """The whole model, returning its loss from ``(inputs, labels)``: the ZeRO job's and the profile's."""
+    pipeline: Callable[[], tuple[list[Any], Any]]
+    """The same model as pipeline layers, and their loss function."""
+    make_batch: Callable[[int], Any]
+    """A profiling micro-batch of a given size."""
+    zero_data: Callable[[int], Any]
+    """The ZeRO job's training data set of a given number of samples."""
+    pipeline_data: Callable[[int], Any]
+    """The pipeline job's: the same samples, as its first and last layers take them."""
+    poplar: dict[str, Any]
+    """What the model needs in the ``poplar`` section of both jobs (its loss reduction)."""
 
 
 BENCH_MODELS = {

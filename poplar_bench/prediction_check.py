@@ -18,10 +18,13 @@ MAX_MEDIAN_ABS_ERROR = 0.05
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PredictionCase:
-    name: str  # report file stem under ``prediction_check/``
+    name: str
+    """Report file stem under ``prediction_check/``."""
     zero_stage: int
-    slowdowns: tuple[float, ...] | None = None  # one rank per value (`devices_from_slowdowns`); None: the demo's 3
-    global_batch_size: int | None = None  # None: the demo's default
+    slowdowns: tuple[float, ...] | None = None
+    """One rank per value (`bench.demo_config.devices_from_slowdowns`); None: the demo's default 3 ranks."""
+    global_batch_size: int | None = None
+    """Samples per iteration; None: the demo's default."""
 
     @property
     def core_demand(self) -> float | None:

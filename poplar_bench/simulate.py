@@ -32,12 +32,17 @@ DEFAULT_SAMPLES_PER_RANK = 16
 class SimulationCase:
     """One cluster with the profiles of its device types."""
 
-    name: str  # scenario name shown in reports
+    name: str
+    """Scenario name shown in reports."""
     cluster: Cluster
-    profiles: tuple[Profile, ...]  # of every device type in the cluster (any stages the search should consider)
-    global_batch_size: int | None  # None lets each policy's search choose (not comparable across policies)
-    zero_stage: str | int = "auto"  # ``auto`` (each policy keeps its fastest stage) or a stage 0-3
-    cluster_file: str | None = None  # where the cluster came from, for the report
+    profiles: tuple[Profile, ...]
+    """Profiles of every device type in the cluster (any stages the search should consider)."""
+    global_batch_size: int | None
+    """Samples per iteration; None lets each policy's search choose (not comparable across policies)."""
+    zero_stage: str | int = "auto"
+    """``auto`` (each policy keeps its fastest stage) or a stage 0-3."""
+    cluster_file: str | None = None
+    """Where the cluster came from, for the report."""
     network: NetworkProfile | None = None
     """Collective times that price communication at the cluster's size (None: the profiles' boundary as is)."""
 

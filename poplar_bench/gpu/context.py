@@ -19,12 +19,18 @@ BUDGET_S = 390.0  # the whole command: with the wheels' install (~20 s) it ends 
 class GpuRunSettings:
     """One `poplar-bench gpu` call."""
 
-    output_dir: Path  # where the eight result files go (created)
-    dry_run: bool = False  # the same code paths on CPU with CPU stand-ins and tiny sizes (the test suite runs it)
-    repo: Path = field(default_factory=Path.cwd)  # the repository root: the exactness and launcher checks' tests/gpu
-    budget_s: float = BUDGET_S  # seconds the whole run may take; each step gets what is left, at most its limit
-    steps: tuple[str, ...] = STEPS  # which steps run (a subset of `STEPS`, in that order)
-    work_dir: Path | None = None  # the ranks' logs, profile caches and plans (None: a new temporary folder, kept)
+    output_dir: Path
+    """Where the eight result files go (created)."""
+    dry_run: bool = False
+    """The same code paths on CPU with CPU stand-ins and tiny sizes (the test suite runs it)."""
+    repo: Path = field(default_factory=Path.cwd)
+    """The repository root: the exactness and launcher checks are its tests/gpu (default: the current directory)."""
+    budget_s: float = BUDGET_S
+    """Seconds the whole run may take; each step gets what is left, at most its limit."""
+    steps: tuple[str, ...] = STEPS
+    """Which steps run (a subset of `STEPS`, in that order)."""
+    work_dir: Path | None = None
+    """The ranks' logs, profile caches and plans (None: a new temporary folder, left in place)."""
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.steps if s not in STEPS]
@@ -57,7 +63,8 @@ class StepContext:
     """What a step gets: the run's settings, its folders, its time limit and the log."""
 
     settings: GpuRunSettings
-    work_dir: Path  # this step's own folder for rank logs and caches (outside the output folder)
+    work_dir: Path
+    """This step's own folder for rank logs and caches (outside the output folder)."""
     timeout_s: float
     log: RunLog
     provenance: dict[str, Any]

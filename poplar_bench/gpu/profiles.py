@@ -22,14 +22,18 @@ every micro-step): the two ends of what the probe must get right."""
 class ProfileRun:
     """What step 2 profiles."""
 
-    vocab_size: int  # the GPT's vocabulary (its embedding and output layer)
+    vocab_size: int
+    """The GPT's vocabulary (its embedding and output layer)."""
     sequence_length: int
     num_layers: int
     num_heads: int
     hidden_size: int
-    micro_batch_size_limit: int  # above what the GPU holds, so that the probe meets a real out-of-memory error
-    repeats: int  # timed micro-steps per size (median)
-    cpu_headroom_bytes: int = 256 * MIB  # dry run only: the CPU stand-in's memory above the rank's resident size
+    micro_batch_size_limit: int
+    """Largest micro-batch tried: above what the GPU holds, so that the probe meets a real out-of-memory error."""
+    repeats: int
+    """Timed micro-steps per size (median)."""
+    cpu_headroom_bytes: int = 256 * MIB
+    """Dry run only: the CPU stand-in's declared memory above the rank's resident size."""
 
     def model_config(self) -> dict[str, int]:
         return {
