@@ -153,9 +153,7 @@ class PlanPrediction:
     """The boundary's optimizer step (without a network: the measured boundary, collectives included)."""
 
 
-# ----------------------------------------------------------------------------------
-# Input checks
-# ----------------------------------------------------------------------------------
+# -- Input checks
 def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants]]:
     """Profiles by stage, device type and memory levers; ValueError for mixed models or duplicates."""
     if isinstance(profiles, Profile) or not isinstance(profiles, Sequence):
@@ -231,9 +229,7 @@ def _check_arguments(
         )
 
 
-# ----------------------------------------------------------------------------------
-# search_plan
-# ----------------------------------------------------------------------------------
+# -- search_plan
 def _evaluate_stage(
     stage: int,
     by_stage: dict[int, dict[str, Variants]],
@@ -385,8 +381,7 @@ def check_covered(cluster: Cluster, by_stage: dict[int, dict[str, object]], kind
 
 
 def _stage_score(outcome: PolicyResult, stage: int, *, fixed_batch: bool) -> tuple[float, int]:
-    """Smaller is better: fixed batch, the shortest iteration; automatic batch, the highest throughput. Ties: the lower
-    stage."""
+    """Smaller is better: the shortest iteration (fixed batch) or the most samples/s; ties: the lower stage."""
     allocation = outcome.allocation
     assert allocation is not None
     return (allocation.iteration_time_s if fixed_batch else -allocation.samples_per_s), stage
@@ -461,9 +456,7 @@ def _plan_message(
     return message + _world_size_note(best.model, world_size)
 
 
-# ----------------------------------------------------------------------------------
-# check_plan, predict
-# ----------------------------------------------------------------------------------
+# -- check_plan, predict
 def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None = None) -> list[str]:
     """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
 

@@ -225,9 +225,7 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
     return parser
 
 
-# ----------------------------------------------------------------------------------
-# main
-# ----------------------------------------------------------------------------------
+# -- main
 def run(args: argparse.Namespace) -> int:
     """Run a parsed command line; returns the exit status."""
     if args.example:

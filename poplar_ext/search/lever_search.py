@@ -125,9 +125,7 @@ def search_levers(
     return _LeverSearch(variants, options, cluster, zero_stage, global_batch_size, max_global_batch_size, network).run()
 
 
-# ----------------------------------------------------------------------------------
-# Requirements and their knapsack over types
-# ----------------------------------------------------------------------------------
+# -- Requirements and their knapsack over types
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _Requirements:
     """Each row r: settings whose every optimizer step is at most ``betas[beta[r]]`` and whose
@@ -315,9 +313,7 @@ class _WorkCurve:
         return np.maximum(self.below, np.where(at > 0, self.running[np.maximum(at - 1, 0)], 0)).astype(float)
 
 
-# ----------------------------------------------------------------------------------
-# The search
-# ----------------------------------------------------------------------------------
+# -- The search
 def _price(
     variants: dict[str, Variants],
     options: list[list[Levers]],

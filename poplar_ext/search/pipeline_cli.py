@@ -163,9 +163,7 @@ def _plan_dict(result: Any) -> dict[str, Any] | None:
     return pipeline_plan_to_dict(result.plan) if isinstance(result.plan, PipelinePlan) else plan_to_dict(result.plan)
 
 
-# ----------------------------------------------------------------------------------
-# Tables
-# ----------------------------------------------------------------------------------
+# -- Tables
 def parallelism_table(zero: SearchResult | None, pipeline: SearchResult | None, chosen: str) -> str:
     """One row per parallelism: status, ZeRO stage, batch, predicted time and throughput."""
     rows = [["parallelism", "status", "stage", "global batch", "iteration s", "samples/s", "of ideal", "note"]]

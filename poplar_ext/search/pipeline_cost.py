@@ -29,9 +29,7 @@ RECOMPUTE_SHARE = 1.0 - BACKWARD_SHARE
 """What a checkpointed stage adds to its layers' step time: the forward again, a third of it."""
 
 
-# ----------------------------------------------------------------------------------
-# Layer profiles
-# ----------------------------------------------------------------------------------
+# -- Layer profiles
 def layer_profiles_by_stage(layer_profiles: Sequence[LayerProfile]) -> dict[int, dict[str, LayerProfile]]:
     """Layer profiles by ZeRO stage and device type; ValueError for mixed models, layer counts or duplicates."""
     if isinstance(layer_profiles, LayerProfile) or not isinstance(layer_profiles, Sequence):
@@ -165,9 +163,7 @@ def largest_profiled_size(profile: LayerProfile) -> int:
     return max(s.micro_batch_size for layer in profile.layers for s in layer.samples)
 
 
-# ----------------------------------------------------------------------------------
-# Prices of moving bytes
-# ----------------------------------------------------------------------------------
+# -- Prices of moving bytes
 @dataclass(frozen=True, kw_only=True)
 class LinkPrice:
     """One point-to-point transfer over one link: ``latency_s + bytes x seconds per byte``."""
@@ -215,8 +211,7 @@ class Links:
         return self.network.collectives[collective]
 
     def _bandwidth(self, fit: CollectiveFit, ranks: Sequence[int], same_node: bool) -> float:
-        """A ring across nodes runs at its slowest link: the slowest uplink of the nodes it spans, a node
-        that declares none at the fit's figure (so that without declared uplinks the fit is the price)."""
+        """A ring across nodes runs at its slowest uplink (a node declaring none: at the fit's figure)."""
         bandwidth = fit.bus_bandwidth_bytes_per_s
         if same_node or self.rank_nodes is None or not self.node_uplinks_bytes_per_s:
             return bandwidth
@@ -263,9 +258,7 @@ class Links:
         return min(prices)
 
 
-# ----------------------------------------------------------------------------------
-# One pipeline
-# ----------------------------------------------------------------------------------
+# -- One pipeline
 @dataclass(frozen=True, kw_only=True)
 class StageCost:
     """One stage of a pipeline at its micro-batch size (seconds per micro-batch, bytes)."""
@@ -352,9 +345,7 @@ def pipeline_time_s(num_stages: int, num_micro_batches: int, slowest_stage_s: fl
     return (num_micro_batches + num_stages - 1) * slowest_stage_s
 
 
-# ----------------------------------------------------------------------------------
-# The boundary
-# ----------------------------------------------------------------------------------
+# -- The boundary
 def segments(pipelines: Sequence[Pipeline], num_layers: int) -> list[tuple[int, int, tuple[int, ...]]]:
     """Runs of consecutive layers with the same holders: ``(first, last, holder ranks)``, in layer order."""
     holders = np.empty((num_layers, len(pipelines)), dtype=np.int64)
@@ -387,9 +378,7 @@ def all_reduce_finish_s(
     return ready
 
 
-# ----------------------------------------------------------------------------------
-# predict_pipeline
-# ----------------------------------------------------------------------------------
+# -- predict_pipeline
 @dataclass(frozen=True, kw_only=True)
 class BoundaryTransfer:
     """What one boundary between two stages of a pipeline carries over its link in an iteration."""

@@ -75,8 +75,7 @@ def _mixed(ranks_of: dict[str, list[int]], max_stages: int) -> Iterator[Layout]:
 
 
 def _shares(counts: dict[str, int], g: int, spread: bool) -> list[dict[str, int]] | None:
-    """Ranks of each type per pipeline: g alike pipelines of ``count // g`` each, and the ranks left over
-    either as one more pipeline or one each to the first pipelines (`spread`)."""
+    """Ranks of each type per pipeline: g alike ones, the rest one more pipeline or spread over the first."""
     per = {t: c // g for t, c in counts.items()}
     left = {t: c - g * per[t] for t, c in counts.items()}
     if spread:

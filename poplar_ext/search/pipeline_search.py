@@ -66,9 +66,7 @@ class _Outcome:
     layouts: int
 
 
-# ----------------------------------------------------------------------------------
-# Arguments
-# ----------------------------------------------------------------------------------
+# -- Arguments
 def _check_arguments(
     cluster: Cluster, global_batch_size: int, zero_stage: int | str, method: str, max_stages: int | None
 ) -> None:
@@ -102,9 +100,7 @@ def _sizes(global_batch_size: int, dense: bool) -> np.ndarray:
     return np.array(sizes, dtype=np.int64)
 
 
-# ----------------------------------------------------------------------------------
-# Building plans
-# ----------------------------------------------------------------------------------
+# -- Building plans
 def _pipeline(ranks: Sequence[int], types: Sequence[str], firsts: Sequence[int], num_layers: int, b: int, m: int):
     ends = [*firsts[1:], num_layers]
     stages = tuple(
@@ -134,8 +130,7 @@ class _Context:
 
 
 def _plan(pipelines: list[Pipeline], context: _Context) -> PipelinePlan:
-    """A plan of `pipelines` (listed by first rank) with its prediction; activation checkpointing on the stages that do
-    not fit without it (the sizing allowed their count only so)."""
+    """A plan of `pipelines` (listed by first rank) with its prediction."""
     pipelines = [checkpoint_where_needed(p, context.tables) for p in pipelines]
     draft = PipelinePlan(
         policy=PIPELINE_POLICY,
@@ -149,9 +144,7 @@ def _plan(pipelines: list[Pipeline], context: _Context) -> PipelinePlan:
     return dataclasses.replace(draft, predicted=evaluate_plan(draft, context.tables, context.links).summary)
 
 
-# ----------------------------------------------------------------------------------
-# Exact
-# ----------------------------------------------------------------------------------
+# -- Exact
 def _splits(num_layers: int, num_stages: int) -> list[tuple[int, ...]]:
     """Every split of the layers over `num_stages` stages, as each stage's first layer."""
     return [(0, *cut) for cut in itertools.combinations(range(1, num_layers), num_stages - 1)]
@@ -222,17 +215,14 @@ def _search_exact(layouts: list[Layout], context: _Context) -> tuple[list[Pipeli
     return best, len(layouts)
 
 
-# ----------------------------------------------------------------------------------
-# Heuristic
-# ----------------------------------------------------------------------------------
+# -- Heuristic
 REGIME_MAX_STAGES = 8
 """Pipelines of up to this many stages are also split for fewer micro-batches in flight (one DP per count)."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _ShapeSplits:
-    """A shape's balanced splits: for at least S micro-batches (stage s keeps S - s in flight) and, for short pipelines,
-    for each count k < S (stage s keeps min(k, S - s), so at most k micro-batches)."""
+    """A shape's balanced splits."""
 
     regimes: list[tuple[int, BalancedSplits]]
     """``(most micro-batches, splits)``; the first allows any count."""
@@ -316,9 +306,7 @@ def _search_heuristic(layouts: list[Layout], context: _Context) -> tuple[list[Pi
     return best, len(layouts)
 
 
-# ----------------------------------------------------------------------------------
-# search_pipeline_plan
-# ----------------------------------------------------------------------------------
+# -- search_pipeline_plan
 @dataclass(frozen=True, kw_only=True)
 class _Request:
     """What the caller asked for, the same at every ZeRO stage."""
@@ -511,9 +499,7 @@ def _message(plan: PipelinePlan, stage: int, auto: bool, outcome: _Outcome) -> s
     )
 
 
-# ----------------------------------------------------------------------------------
-# check_pipeline_plan
-# ----------------------------------------------------------------------------------
+# -- check_pipeline_plan
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.3g} GiB"
 

@@ -66,9 +66,7 @@ class Sizing:
     """Per class (as given), ``count`` pairs."""
 
 
-# ----------------------------------------------------------------------------------
-# Sumsets
-# ----------------------------------------------------------------------------------
+# -- Sumsets
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _Sumset:
     """The sums of `count` picks from one set, by doubling, kept for backtracking."""
@@ -133,9 +131,7 @@ def _split(total: int, left: np.ndarray, right: np.ndarray) -> int:
     return int(ys[np.argmax(fits)])
 
 
-# ----------------------------------------------------------------------------------
-# The exact split of B at a time
-# ----------------------------------------------------------------------------------
+# -- The exact split of B at a time
 def _value_set(options: PipelineOptions, m: np.ndarray, most: int, limit: int, as_deficit: bool) -> np.ndarray:
     """What one pipeline can give up (deficit) or run (total), as an indicator over 0..limit."""
     values = np.zeros(limit + 1, dtype=bool)
@@ -196,9 +192,7 @@ def _fastest_way(options: PipelineOptions, m: np.ndarray, work: int) -> tuple[in
     return best[1], best[2]
 
 
-# ----------------------------------------------------------------------------------
-# The smallest time
-# ----------------------------------------------------------------------------------
+# -- The smallest time
 def _next_breakpoint(classes: Sequence[PipelineOptions], time_s: float, global_batch_size: int) -> float:
     """The smallest ``(m + S - 1) tau(b)`` above `time_s` with m within the limits (inf when none)."""
     best = math.inf

@@ -156,9 +156,7 @@ def balanced_split(
     return BalancedSplits(sizes=sizes, slowest_stage_s=best[:, -1], choices=choices)
 
 
-# ----------------------------------------------------------------------------------
-# A given split
-# ----------------------------------------------------------------------------------
+# -- A given split
 UNLIMITED = np.iinfo(np.int64).max // 4
 """No memory limit on the number of micro-batches."""
 

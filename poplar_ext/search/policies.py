@@ -30,9 +30,7 @@ micro-steps of every rank at its largest micro-batch."""
 __all__ = ["AUTO_ACCUMULATION_STEPS", "Allocation", "PolicyResult", "allocate", "best_global_batch"]
 
 
-# ----------------------------------------------------------------------------------
-# uniform
-# ----------------------------------------------------------------------------------
+# -- uniform
 def _uniform(model: StageModel, global_batch_size: int) -> PolicyResult:
     world = model.world_size
     if global_batch_size % world:
@@ -67,21 +65,14 @@ def _uniform_best(model: StageModel, max_batch: int) -> PolicyResult:
     return _uniform_allocation(model, int(micro[best]), int(steps[best]))
 
 
-# ----------------------------------------------------------------------------------
-# proportional (Whale)
-# ----------------------------------------------------------------------------------
+# -- proportional (Whale)
 def _proportional_weights(model: StageModel) -> np.ndarray:
     """Measured throughput of each type at its largest micro-batch (samples/s)."""
     return np.array([d.max_micro_batch_size / d.step_time_table_s[-1] for d in model.devices])
 
 
 def _proportional_split(model: StageModel, total: int) -> list[list[tuple[int, int]]] | None:
-    """Split `total` samples per micro-step over ranks in proportion to throughput.
-
-    Shares are ``clip(scale * weight, 1, cap)`` with the scale found by bisection, then floored, and the remaining
-    samples go one each to the ranks with the largest remainders (ties: type order, then rank order). Returns per type a
-    list of ``(micro_batch, count)`` or None when `total` cannot fit.
-    """
+    """Split `total` samples per micro-step over ranks in proportion to throughput."""
     counts = model.counts
     caps = np.array([d.max_micro_batch_size for d in model.devices], dtype=np.int64)
     if total < counts.sum() or total > int(counts @ caps):
@@ -151,9 +142,7 @@ def _proportional_best(model: StageModel, max_batch: int) -> PolicyResult:
     return PolicyResult(allocation=finish(model, groups))
 
 
-# ----------------------------------------------------------------------------------
-# The one entry point per question
-# ----------------------------------------------------------------------------------
+# -- The one entry point per question
 _RUN = {  # (exactly a global batch, the best global batch up to a maximum)
     "uniform": (_uniform, _uniform_best),
     "proportional": (_proportional, _proportional_best),

@@ -126,9 +126,7 @@ class FlatTables:
                 low = mid
 
 
-# ----------------------------------------------------------------------------------
-# Exact sums by bitsets: every reachable deficit (or headroom) up to a small target
-# ----------------------------------------------------------------------------------
+# -- Exact sums by bitsets: every reachable deficit (or headroom) up to a small target
 def sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """{x + y} of two sets given as boolean masks over [0, cap], truncated to [0, cap]."""
     cap = len(a)
@@ -241,9 +239,7 @@ def _exact_by_bitsets(model: StageModel, options: list[_RankOptions], time_s: fl
     return groups
 
 
-# ----------------------------------------------------------------------------------
-# Per-rank works back to (micro-batch, micro-steps), and the two-level construction
-# ----------------------------------------------------------------------------------
+# -- Per-rank works back to (micro-batch, micro-steps), and the two-level construction
 def _realise(table: np.ndarray, work: int, time_s: float) -> tuple[int, int]:
     """(micro_batch, steps) with product `work` and the shortest busy time <= `time_s`."""
     sizes = np.arange(1, min(len(table), work) + 1)
@@ -377,9 +373,7 @@ def _two_level_at(
     return None
 
 
-# ----------------------------------------------------------------------------------
-# Exact sums by residues: the smallest deficit of the other ranks in each class
-# ----------------------------------------------------------------------------------
+# -- Exact sums by residues: the smallest deficit of the other ranks in each class
 @lru_cache(maxsize=64)
 def _cyclic_differences(modulus: int) -> np.ndarray:
     return (np.arange(modulus)[:, None] - np.arange(modulus)[None, :]) % modulus
@@ -542,9 +536,7 @@ def _exact_by_residues(
     return None
 
 
-# ----------------------------------------------------------------------------------
-# Exactness at one time, and the search over times
-# ----------------------------------------------------------------------------------
+# -- Exactness at one time, and the search over times
 def _exact_at(model: StageModel, time_s: float, total: int) -> Groups | None:
     """An allocation of exactly `total` samples with every rank busy <= `time_s`, or None (exact).
 

@@ -38,12 +38,9 @@ def _levels(model: StageModel) -> _Levels:
 
 
 def _trim(model: StageModel, caps: np.ndarray, total: int) -> list[list[tuple[int, int]]]:
-    """Lower per-type sizes from `caps` until they sum to `total`, slowest micro-step first.
-
-    Whole types are lowered one size at a time (so identical ranks stay equal); the
-    last step lowers only some ranks of one type (they then differ by one). Ties go
-    to the type at the smaller size, which keeps a faster device from getting less.
-    """
+    """Lower per-type sizes from `caps` until they sum to `total`, slowest micro-step first."""
+    # Whole types lowered a size at a time keep identical ranks equal; ties go to the smaller size, so that a faster
+    # device never gets less.
     sizes = caps.astype(np.int64).copy()
     counts = model.counts
     excess = int(counts @ sizes) - total
