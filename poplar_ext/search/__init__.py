@@ -1,9 +1,5 @@
-"""poplar-ext's search: profiles + cluster + global batch -> plan, ZeRO (`search_plan`) or pipelines
-(`search_pipeline_plan`), both returning a `SearchResult`; `predict` and `predict_pipeline` price a given
-plan. `poplar-search` is its command line (docs/search.md).
-
-Pure: imports numpy and scipy only (never torch or deepspeed), so it runs on a laptop.
-"""
+"""The search (numpy and scipy only, no torch): `search_plan` / `search_pipeline_plan` -> `SearchResult`;
+`predict` / `predict_pipeline` price a plan; `poplar-search` is its command line (docs/search.md)."""
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (

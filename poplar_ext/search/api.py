@@ -1,9 +1,4 @@
-"""The search's public entry points: `search_plan`, `check_plan`, `predict`.
-
-`search_plan` picks the ZeRO stage (or uses the one given) and the global batch (or uses the one given), runs one
-allocation policy, and returns a `SearchResult` whose status is ``ok`` or ``infeasible``; it raises only for bad input
-(`ValueError`).
-"""
+"""`search_plan`, `check_plan`, `predict`: infeasible is a status, bad input a ValueError (docs/search.md)."""
 
 from __future__ import annotations
 
@@ -54,26 +49,19 @@ class StageReport:
     """The stage."""
     status: str
     """``chosen``, ``slower`` or ``infeasible``."""
-    iteration_time_s: float | None
-    """Predicted iteration time of the stage's best allocation (None when infeasible)."""
-    samples_per_s: float | None
-    """Predicted throughput of that allocation (None when infeasible)."""
-    global_batch_size: int | None
-    """Global batch of that allocation (None when infeasible)."""
     reason: str
     """Why it won, why it lost (how much slower) or why it is infeasible; a full sentence."""
+    iteration_time_s: float | None = None
+    """Predicted iteration time of the stage's best allocation (None when infeasible)."""
+    samples_per_s: float | None = None
+    """Predicted throughput of that allocation (None when infeasible)."""
+    global_batch_size: int | None = None
+    """Global batch of that allocation (None when infeasible)."""
 
     @classmethod
     def infeasible(cls, zero_stage: int, reason: str) -> StageReport:
         """A stage with no feasible allocation, and why."""
-        return cls(
-            zero_stage=zero_stage,
-            status="infeasible",
-            iteration_time_s=None,
-            samples_per_s=None,
-            global_batch_size=None,
-            reason=reason,
-        )
+        return cls(zero_stage=zero_stage, status="infeasible", reason=reason)
 
     @classmethod
     def feasible(
@@ -326,13 +314,10 @@ def search_plan(
     max_global_batch_size: int | None = None,
     network: NetworkProfile | None = None,
 ) -> SearchResult:
-    """Per-rank micro-batches and accumulation counts for `cluster`, from `profiles` of one model.
+    """Per-rank micro-batches and accumulation counts for `cluster`, from `profiles` of one model (docs/search.md).
 
-    `global_batch_size` None picks the batch of the highest predicted throughput (up to `max_global_batch_size`:
-    `search.policies.best_global_batch`); `zero_stage` ``"auto"`` keeps the fastest stage; with a `network`,
-    communication is priced for the cluster's world size (`search.cost`), without, the boundary is the profiles'
-    measured one. An infeasible problem is a status with a reason; bad input (wrong types, profiles of several models, a
-    device type of the cluster that no profile covers) a ValueError.
+    `global_batch_size` None: the best predicted throughput up to `max_global_batch_size`; `zero_stage` ``"auto"``:
+    the fastest stage; with a `network` communication is priced for the cluster, without the boundary is as measured.
     """
     _check_arguments(cluster, global_batch_size, zero_stage, policy, max_global_batch_size)
     global_batch_size = None if global_batch_size is None else int(global_batch_size)
@@ -458,13 +443,8 @@ def _plan_message(
 
 # -- check_plan, predict
 def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None = None) -> list[str]:
-    """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine).
-
-    Checks the world size, each rank's device type, the stage rule (stages 2 and 3: one accumulation count on every
-    rank), the memory levers (one activation checkpointing and one optimizer offload per device type; at stage 3 one
-    checkpointing for every rank; offload only at stages 1-2) and, with `profiles`, that every device type has a profile
-    at the plan's stage with the plan's levers, and that no micro-batch exceeds its cap.
-    """
+    """Problems that make `plan` unusable on `cluster` (ranks, stage rule, levers; with `profiles` their coverage and
+    micro-batch caps), as full sentences ([] when fine)."""
     problems = cluster_problems(plan, cluster)
     if one_accumulation_count(plan.zero_stage):
         counts = sorted({r.gradient_accumulation_steps for r in plan.ranks})
@@ -474,13 +454,10 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
                 f"but the plan has {', '.join(map(str, counts))}."
             )
     settings = plan_levers(plan)
-    for index, name in enumerate(LEVER_NAMES):
-        mixed = mixed_lever_types(plan, index)
-        if mixed:
-            problems.append(
-                f"Ranks of one device type differ in {name} ({_some(mixed)}); the plan gives each device type one "
-                "setting."
-            )
+    problems += [
+        f"Ranks of one device type differ in {name} ({_some(mixed)}); the plan gives each device type one setting."
+        for name, mixed in _mixed_levers(plan)
+    ]
     offloading = [f"rank {r.rank}" for r in plan.ranks if r.optimizer_offload]
     if offloading and plan.zero_stage not in OFFLOAD_STAGES:
         problems.append(
@@ -511,22 +488,19 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
     return problems
 
 
-def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | None = None) -> PlanPrediction:
-    """Per-rank busy time and the iteration time the cost model predicts for `plan` (with `network`:
-    communication priced).
+def _mixed_levers(plan: Plan) -> list[tuple[str, list[str]]]:
+    """Each lever some device type's ranks differ in, with those types."""
+    return [(name, mixed) for index, name in enumerate(LEVER_NAMES) if (mixed := mixed_lever_types(plan, index))]
 
-    Each device type is priced with its profile at the plan's stage and memory levers
-    (activation checkpointing, optimizer offload). Raises ValueError when a device type
-    has no such profile, its ranks differ in a lever, or a micro-batch is outside
-    1..max_micro_batch_size of its profile.
-    """
+
+def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | None = None) -> PlanPrediction:
+    """Per-rank busy time and the iteration time the cost model predicts for `plan` (with `network`: communication
+    priced), each type from its profile at the plan's stage and levers; ValueError where there is none."""
     by_stage = _check_profiles(profiles)
     variants = by_stage.get(plan.zero_stage, {})
     settings = plan_levers(plan)
-    for index, name in enumerate(LEVER_NAMES):
-        mixed = mixed_lever_types(plan, index)
-        if mixed:
-            raise ValueError(f"plan: expected one {name} per device type, found both for {', '.join(mixed)}")
+    for name, mixed in _mixed_levers(plan):
+        raise ValueError(f"plan: expected one {name} per device type, found both for {', '.join(mixed)}")
     at_stage = {t: variants[t][levers] for t, levers in settings.items() if t in variants and levers in variants[t]}
     missing = [
         t + levers_text(*settings[t]) for t in settings if t not in at_stage or at_stage[t].max_micro_batch_size == 0

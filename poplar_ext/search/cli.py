@@ -1,7 +1,4 @@
-"""`poplar-search`: profiles + cluster description (+ global batch) -> plan.
-
-A thin shell around `search.search_plan`: parse, load, search, print, write.
-"""
+"""`poplar-search`: profiles + cluster (+ global batch) -> plan; parse, load, search, print, write."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The cost model: predicted iteration time of a per-rank allocation under one ZeRO stage.
-
-Formulas and the collectives priced per stage (`stage_communication`): profiles/README.md ("How the search
-reads a profile", "Communication in the cost model"); why the boundary and the per-type entries: docs/search.md
-("How a ZeRO plan is found").
-"""
+"""The ZeRO cost model: an allocation's iteration time at one stage (profiles/README.md, docs/search.md)."""
 
 from __future__ import annotations
 
@@ -65,15 +60,8 @@ def stage_communication(
     world_size: int,
     recomputes_forward: bool = False,
 ) -> StageCommunication:
-    """What DeepSpeed's ZeRO `zero_stage` communicates per micro-step and per boundary over `world_size` ranks.
-
-    Every collective moves the whole model's gradients or parameters in the training dtype (`model_states.DTYPE_BYTES`);
-    DeepSpeed's buckets split it into pieces, which the ring model prices alike (one latency per hop per bucket is left
-    out: buckets are large). Stage 2's per-micro-step reduce-scatter is exposed: DeepSpeed's ``overlap_comm`` defaults
-    to off below stage 3. Stage 3's forward all-gather is counted exposed (prefetching hides part of it: a conservative
-    choice). With `recomputes_forward` (activation checkpointing) stage 3's backward gathers the parameters once more
-    for the recomputed forward; the other stages communicate nothing in forward.
-    """
+    """What ZeRO `zero_stage` communicates per micro-step and per boundary over `world_size` ranks: the whole model in
+    the training dtype per collective (buckets priced alike: they are large; profiles/README.md)."""
     message_bytes = float(num_parameters) * DTYPE_BYTES[dtype]
 
     def time_s(collective: str) -> float:
@@ -84,10 +72,11 @@ def stage_communication(
         boundary = time_s("all_reduce")
     elif zero_stage == 1:
         boundary = time_s("reduce_scatter") + time_s("all_gather")
-    elif zero_stage == 2:
+    elif zero_stage == 2:  # DeepSpeed's overlap_comm defaults to off below stage 3
         exposed = time_s("reduce_scatter")
         boundary = time_s("all_gather")
     elif zero_stage == 3:
+        # The forward gather counted exposed (prefetching hides part: conservative); a recomputed forward gathers again.
         exposed = time_s("all_gather")
         backward = (2 if recomputes_forward else 1) * time_s("all_gather") + time_s("reduce_scatter")
         if network.overlaps_compute:
@@ -106,12 +95,8 @@ def stage_communication(
 
 
 def micro_step_times_include_communication(profile: Profile) -> bool:
-    """Whether a profile's micro-step times contain the stage's per-micro-step collectives.
-
-    The profiler writes ``measured_with.micro_step_times_include_communication``; older
-    profiles say it through their clock: a CPU rank's thread CPU time leaves out the
-    gloo threads that communicate, CUDA events and modelled times include it.
-    """
+    """Whether a profile's micro-step times contain the stage's per-micro-step collectives: its flag, or for older
+    profiles its clock (a CPU rank's thread CPU time leaves out gloo's threads)."""
     flag = profile.measured_with.get("micro_step_times_include_communication")
     if isinstance(flag, bool):
         return flag
@@ -235,12 +220,8 @@ def build_stage_model(
     zero_stage: int,
     network: NetworkProfile | None = None,
 ) -> StageModel:
-    """The cost model of ranks with `rank_device_types` at `zero_stage`, one profile per device type.
-
-    Every profile must fit at least one micro-batch (``max_micro_batch_size >= 1``); the caller reports stages where
-    some device fits none as infeasible. With a `network`, communication is priced for ``len(rank_device_types)`` ranks
-    (see `device_cost`).
-    """
+    """The cost model of ranks with `rank_device_types` at `zero_stage`, one profile (fitting a micro-batch) per
+    device type; with a `network` communication is priced for these ranks (`device_cost`)."""
     counts = Counter(rank_device_types)
     priced = [
         device_cost(
@@ -296,13 +277,11 @@ def device_cost(
     world_size: int,
     network: NetworkProfile | None,
 ) -> tuple[DeviceCost, StageCommunication | None]:
-    """Device type `device_type` (measured by `profile`) in a cluster of `world_size` ranks, and the stage's
-    communication (None without a network).
+    """Device type `device_type` (measured by `profile`) among `world_size` ranks, and the stage's communication
+    (None without a network: then the profile's times as measured).
 
-    With a `network`, the profile's own communication (at its ``world_size``) is taken out of its micro-step times
-    (where they include it) and of its boundary time, the optimizer step is scaled to the shard a rank updates at stages
-    1-3, and the cluster's communication is added. The communication depends on the model and, at stage 3, on activation
-    checkpointing: the same for every type of one setting.
+    With a `network`, the profile's own communication is taken out of its times, the optimizer step scaled to a rank's
+    shard, and the cluster's communication added (the same for every type of one setting).
     """
     curve = fit_curve(profile)
     assert curve is not None, "callers filter out profiles that fit no micro-batch"

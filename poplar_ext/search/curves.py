@@ -1,8 +1,5 @@
-"""Micro-step time as a continuous, monotone function of the micro-batch size (`fit_curve`, `StepTimeCurve`).
-
-Isotonic regression, PCHIP, straight lines outside the samples; evaluated at integer sizes through
-`StepTimeCurve.table`. See profiles/README.md ("How the search reads a profile") and docs/search.md (curves).
-"""
+"""Micro-step time as a monotone function of the micro-batch size: isotonic regression, PCHIP, straight lines
+outside the samples (profiles/README.md, docs/search.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Re-planning for drifted devices: each rank's curve scaled by how much slower (or faster) it runs.
-
-`scaled_problem` gives ranks of one type and speed factor a derived type (``a100@x2.50``); `replan` searches
-it and says whether the new plan wins. Pure: `poplar_ext.runtime.rebalance` decides when. See docs/search.md (drift).
-"""
+"""Re-planning for drifted devices: a derived type (``a100@x2.50``) per type and speed factor; pure, the runtime
+decides when (docs/search.md, drift)."""
 
 from __future__ import annotations
 
@@ -54,13 +51,8 @@ def scaled_problem(
     zero_stage: int,
     levers: Mapping[str, Levers | None] | None = None,
 ) -> tuple[list[Profile], Cluster, list[str]]:
-    """Profiles and cluster in which each rank's device runs `rank_scales[r]` times its profile's time.
-
-    `levers` gives the ``(activation_checkpointing, optimizer_offload)`` whose profile
-    each device type keeps (default: neither; `search.levers.plan_levers`), so a re-plan
-    keeps the running plan's setting: the runtime applies it once, before training. Returns them and
-    each rank's derived device type, in rank order (the cluster's nodes and rank order are kept).
-    """
+    """Profiles, cluster and each rank's derived type, each rank running `rank_scales[r]` times its profile's time;
+    each type keeps the profile of its `levers` (default none): the runtime applies them once, before training."""
     levers = levers or {}
     at_stage = {
         p.device_type: p

@@ -1,9 +1,5 @@
-"""The example profiles and cluster shipped with poplar-search.
-
-GPT-2 small on 4 A100-80GB and 4 V100-16GB at ZeRO stages 0-3, MODELLED from datasheet
-figures (`poplar_bench.example_profiles` regenerates them); each file says so. They are
-the package ``poplar_ext.search.example_profiles``, in a checkout and in a wheel alike.
-"""
+"""The shipped example: GPT-2 small on 4 A100-80GB + 4 V100-16GB, MODELLED profiles (each file says so;
+`poplar_bench.example_profiles` regenerates them), the package ``poplar_ext.search.example_profiles``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The best memory levers per device type, found exactly without trying all 4^k settings (`search_levers`).
-
-Returns the enumeration's outcome (`evaluate_settings` over `lever_choices`) by pricing each (type, setting)
-once, seeding from lower envelopes and branching and bounding over the types. Why it is exact:
-docs/search.md ("Memory levers").
-"""
+"""The enumeration's best memory levers per type without trying all 4^k settings: envelopes seed, branch and
+bound over the types (docs/search.md, "Memory levers", says why it is exact)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Networks for the search beside measured ones: the ring model fitted to measured collective
-times, and a network from assumed figures.
-
-The network file and its ring model are `poplar_ext.plan.network_format`'s; the measuring is
-`poplar_ext.profiler.network`'s. Pure Python + numpy/scipy, no torch.
-"""
+"""Networks beside measured ones: the ring model fitted to collective times, and one from assumed figures."""
 
 from __future__ import annotations
 
@@ -24,11 +19,8 @@ from poplar_ext.plan.network_format import (
 
 
 def fit_collective(collective: str, world_size: int, samples: Sequence[CollectiveSample]) -> CollectiveFit:
-    """Least-squares fit of ``time = hops * latency + volume * bytes / bandwidth`` with both terms >= 0.
-
-    Times are weighted by their inverse so that small messages (latency) and large
-    ones (bandwidth) count alike; scipy's NNLS keeps both coefficients non-negative.
-    """
+    """Non-negative least squares of ``time = hops * latency + volume * bytes / bandwidth``, weighted by 1 / time so
+    that small messages (latency) and large ones (bandwidth) count alike."""
     hops, volume = ring_factors(collective, world_size)
     if hops == 0 or not samples:
         return CollectiveFit(latency_s=0.0, bus_bandwidth_bytes_per_s=MAX_BANDWIDTH_BYTES_PER_S, samples=tuple(samples))

@@ -1,11 +1,5 @@
-"""`poplar-search --parallelism pipeline|auto`: the pipeline search, and pipelines against ZeRO.
-
-`search.cli` hands over here when ``--parallelism`` is not ``zero``: layer profiles are read from
-``<profiles>/layers/``, the network as for ZeRO (``--network``, or the profile directory's file for this cluster). With
-``auto`` (which needs that network file: it prices both sides' communication alike) the ZeRO search runs as well
-(at the given global batch, or its own choice, which the pipeline search then takes) and the faster predicted plan is
-printed and written; the table shows both.
-"""
+"""`poplar-search --parallelism pipeline|auto`: the pipeline search, or both searches and the faster plan
+(docs/search.md)."""
 
 from __future__ import annotations
 

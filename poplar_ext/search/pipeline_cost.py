@@ -1,9 +1,5 @@
-"""The cost model of a pipeline plan: stages from layer curves, 1F1B, transfers, per-layer all-reduces, memory.
-
-`predict_pipeline` prices a plan; `stage_costs`, `boundary_s` and `checkpoint_where_needed` serve the search.
-Formulas: docs/search.md ("How a pipeline plan is found") and profiles/README.md (layer profile, "How the
-search reads one"); the recompute: docs/pipeline.md (activation checkpointing per stage).
-"""
+"""The pipeline cost model: stages from layer curves, 1F1B, transfers, per-layer all-reduces, memory
+(docs/search.md, profiles/README.md, docs/pipeline.md)."""
 
 from __future__ import annotations
 
@@ -471,13 +467,8 @@ def predict_pipeline(
     *,
     cluster: Cluster | None = None,
 ) -> PipelinePrediction:
-    """Per-stage busy time and the iteration time the cost model (docs/search.md) predicts for `plan`.
-
-    With `network`, transfers and all-reduces are priced; with `cluster` too, ranks of one node exchange at the
-    network's within-node figures where it has them, and ranks of two nodes over their declared uplinks
-    (docs/search.md). Raises ValueError when a device type of the plan has no layer profile at the plan's ZeRO stage, or
-    the profiles' layer count is not the plan's.
-    """
+    """Per-stage busy time and the iteration time the cost model predicts for `plan` (docs/search.md): with `network`
+    transfers and all-reduces priced, with `cluster` per link; ValueError for missing or mismatched layer profiles."""
     if plan.zero_stage not in PIPELINE_ZERO_STAGES:
         raise ValueError(f"plan.zero_stage: expected 0 or 1, found {plan.zero_stage!r}")
     return evaluate_plan(plan, plan_tables(plan, layer_profiles), Links.of(network, cluster))
@@ -566,12 +557,9 @@ def _boundary_transfers(
 def boundary_lower_bound_s(
     tables: dict[str, LayerTable], links: Links, num_pipelines: int, fewest_stages: int
 ) -> float:
-    """No split of `num_pipelines` pipelines, the shortest of `fewest_stages` stages, has a shorter boundary.
-
-    Some stage of the shortest pipeline holds at least 1/S of the parameters, so its rank all-reduces at least that much
-    (the ring's price is affine with a non-negative latency: one all-reduce of the sum costs no more than the pieces),
-    and some stage holds at least 1/S of the optimizer step (on the quickest type).
-    """
+    """No split of `num_pipelines` pipelines, the shortest of `fewest_stages` stages, has a shorter boundary: some
+    stage holds 1/S of the parameters (a ring's price is affine: one all-reduce of a sum costs at most its pieces) and
+    1/S of the optimizer step."""
     any_table = next(iter(tables.values()))
     optimizer_s = min(float(t.optimizer_prefix_s[-1]) for t in tables.values()) / fewest_stages
     if links.network is None or num_pipelines <= 1:

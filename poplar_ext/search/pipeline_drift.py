@@ -1,8 +1,4 @@
-"""Re-counting a pipeline plan for drifted devices: the same pipelines and stages, each one's micro-batches moved.
-
-`recount_pipelines` scales drifted ranks' layer curves and sizes each pipeline's count again, exactly. Pure:
-`poplar_ext.runtime.rebalance` decides when. See docs/pipeline.md (re-balancing) and docs/search.md (drift).
-"""
+"""A pipeline plan re-counted for drifted ranks: the same pipelines, micro-batches moved (docs/pipeline.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Which ranks form which pipeline, in which stage order: every layout, or the heuristic's candidates.
-
-`all_layouts` (the exact search, small clusters) and `candidate_layouts` (the heuristic's list).
-See docs/search.md ("How a pipeline plan is found": layouts).
-"""
+"""Which ranks form which pipeline in which order: every layout, or the heuristic's candidates (docs/search.md)."""
 
 from __future__ import annotations
 

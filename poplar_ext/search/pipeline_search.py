@@ -1,8 +1,4 @@
-"""The pipeline search: `search_pipeline_plan` and `check_pipeline_plan`.
-
-Layouts, splits and sizing combined, exactly on small clusters (`EXACT_MAX_RANKS`, `EXACT_MAX_SPLITS`), heuristically
-beyond. See docs/search.md ("How a pipeline plan is found").
-"""
+"""`search_pipeline_plan` (exact on small clusters, heuristic beyond) and `check_pipeline_plan` (docs/search.md)."""
 
 from __future__ import annotations
 
@@ -390,12 +386,9 @@ def search_pipeline_plan(
 ) -> SearchResult:
     """The pipeline plan of `cluster` with the smallest predicted iteration time (docs/search.md).
 
-    `zero_stage` ``"auto"`` tries 0 and 1 where profiled (2 and 3 are infeasible: DeepSpeed's pipeline engine refuses
-    them); without a `network` transfers and all-reduces cost 0. `method` ``auto`` is exact where the space is small,
-    else heuristic; `layouts` are the heuristic's: ``all`` (up to `EXACT_MAX_RANKS` ranks), ``candidates``
-    (`pipeline_layouts.candidate_layouts`) or ``auto`` (all where the cluster is that small); `max_stages` defaults to
-    the number of layers. A plan that cannot be made is a status with a reason; bad input (types, profiles of several
-    models, a device type without layer profiles, an exact search too large to run) a ValueError.
+    `zero_stage` ``"auto"``: 0 and 1 where profiled (DeepSpeed's pipeline engine refuses 2 and 3); without a `network`
+    transfers and all-reduces cost 0; `method` ``auto``: exact where the space is small; `layouts` (the heuristic's):
+    ``all``, ``candidates`` or ``auto``; `max_stages`: default the number of layers. Bad input is a ValueError.
     """
     _check_arguments(cluster, global_batch_size, zero_stage, method, max_stages)
     if layouts not in LAYOUTS:
@@ -507,14 +500,8 @@ def _gib(num_bytes: float) -> str:
 def check_pipeline_plan(
     plan: PipelinePlan, cluster: Cluster | None, layer_profiles: Sequence[LayerProfile] | None = None
 ) -> list[str]:
-    """Problems that make `plan` unusable on `cluster` (None: the plan alone), as full sentences ([] when fine).
-
-    Checks the ranks against the cluster (count and device types), the ZeRO stage, that the pipelines' samples are the
-    global batch and each pipeline's stages cover the layers in order; with `layer_profiles`, that every device type has
-    a layer profile at the plan's stage with the plan's number of layers, and that every stage fits its device's memory
-    (`search.pipeline_cost`: base, its layers, the 1F1B in-flight activations, or a checkpointed stage's inputs and one
-    micro-batch's activations).
-    """
+    """Problems that make `plan` unusable on `cluster` (None: the plan alone), as full sentences ([] when fine): ranks,
+    stage, samples, layer coverage; with `layer_profiles` their coverage and every stage's memory."""
     problems = ([] if cluster is None else cluster_problems(plan, cluster)) + _check_shape(plan)
     if layer_profiles is not None and not problems:
         problems += _check_memory(plan, layer_profiles)

@@ -1,8 +1,4 @@
-"""Micro-batch size and count of every pipeline, so that they finish together and sum to the global batch.
-
-`size_pipelines` finds the smallest such time exactly (breakpoints, a lower bound, sumsets).
-See docs/search.md ("How a pipeline plan is found": sizing).
-"""
+"""Every pipeline's micro-batch size and count: they sum to the global batch in the least time (docs/search.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Layers split over a pipeline's stages: the balanced split by dynamic programming, and a given split priced.
-
-`balanced_split` (exact min-max split per shape, size and memory regime), `split_costs`, `split_options`.
-See docs/search.md ("How a pipeline plan is found": splits).
-"""
+"""Layers over a pipeline's stages: the balanced split (dynamic programming), a given split priced (docs/search.md)."""
 
 from __future__ import annotations
 
@@ -222,12 +218,8 @@ def split_costs(
     sizes: np.ndarray,
     checkpointing: Sequence[bool] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """For a given split: per size, the slowest stage's time and memory's limit on the micro-batch count.
-
-    The limit: stage s keeps ``min(m, S - s)`` micro-batches, so a size at which stage s
-    holds only k < S - s of them allows m <= k; 0 where not even one fits. The stages
-    `checkpointing` names (None: none) are priced with activation checkpointing.
-    """
+    """For a given split: per size, the slowest stage's time and memory's limit on the micro-batch count (stage s
+    keeps ``min(m, S - s)``; 0: none fits), the stages `checkpointing` names priced checkpointed."""
     terms = _SplitTerms.of(shape, first_layers, tables, sizes)
     on = np.zeros(shape.num_stages, dtype=bool) if checkpointing is None else np.asarray(checkpointing, dtype=bool)
     slowest = np.max(np.where(on[:, None], terms.checkpointed_s, terms.plain_s), axis=0)
@@ -239,12 +231,7 @@ def split_options(
     shape: Shape, first_layers: Sequence[int], tables: dict[str, LayerTable], sizes: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What a given split can run, each stage checkpointed only where the count needs it: entries
-    ``(size, slowest stage's time, most micro-batches)``, a few per size, only those that fit.
-
-    At a count m a stage runs without checkpointing where its memory allows m, else with it; between two consecutive
-    limits of any stage (with or without) that choice is the same, so one entry per limit covers every count: the stages
-    whose limit without is at least it run so, the others checkpointed (the entry is dropped where one of those cannot).
-    """
+    ``(size, slowest stage's time, most micro-batches)``, one per limit of any stage (the choice changes only there)."""
     terms = _SplitTerms.of(shape, first_layers, tables, sizes)
     entries = []
     for cap in np.concatenate([terms.plain_limit, terms.checkpointed_limit]):

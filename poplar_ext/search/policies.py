@@ -1,9 +1,4 @@
-"""Allocation policies: who runs how many samples per micro-step, and how many micro-steps.
-
-``uniform``, ``proportional`` and ``poplar`` behind one signature (`allocate`, `best_global_batch`),
-each returning a `PolicyResult`. See profiles/README.md ("How the search reads a profile") and docs/search.md
-("How a ZeRO plan is found").
-"""
+"""The allocation policies ``uniform``, ``proportional`` and ``poplar`` behind one signature (docs/search.md)."""
 
 from __future__ import annotations
 
@@ -169,14 +164,8 @@ def allocate(policy: str, model: StageModel, global_batch_size: int) -> PolicyRe
 
 
 def best_global_batch(policy: str, model: StageModel, max_global_batch_size: int | None = None) -> PolicyResult:
-    """The allocation with the highest predicted samples/s over global batches up to a maximum.
-
-    Without `max_global_batch_size` the maximum is `AUTO_ACCUMULATION_STEPS` micro-steps of every rank at its largest
-    micro-batch, at most `MAX_GLOBAL_BATCH_SIZE`. Candidates per policy: ``uniform`` every micro-batch up to the
-    smallest cap with the most accumulation steps that fit; ``proportional`` the largest per-micro-step batch whose
-    proportional shares fit, times the most accumulation steps that fit; ``poplar`` every capacity level (all ranks at
-    their most samples within a time level, the only batches that leave no rank idle) and the maximum itself.
-    """
+    """The allocation with the highest predicted samples/s over global batches up to a maximum (default:
+    `AUTO_ACCUMULATION_STEPS` micro-steps of every rank at its largest micro-batch, at most `MAX_GLOBAL_BATCH_SIZE`)."""
     max_batch = max_global_batch_size
     if max_batch is None:  # held to the search's limit: a large cluster of large micro-batches can exceed it
         max_batch = min(AUTO_ACCUMULATION_STEPS * model.total_max_micro_batch, MAX_GLOBAL_BATCH_SIZE)

@@ -1,8 +1,4 @@
-"""The ``poplar`` policy at ZeRO stages 0 and 1: per-rank accumulation counts, balanced busy time.
-
-The smallest time at which the ranks can run exactly B samples, found over breakpoints with an exact test
-(`_exact_at`) not sized by B. See docs/search.md ("How a ZeRO plan is found").
-"""
+"""``poplar`` at ZeRO stages 0-1: the least time at which the ranks run exactly B samples (docs/search.md)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The ``poplar`` policy at ZeRO stages 2 and 3: one accumulation count, balanced micro-steps.
-
-Every micro-step waits for the slowest rank, so for an accumulation count ``s`` the best split of ``B / s`` samples is
-the lowest time level T at which the ranks' largest micro-batches within T hold ``B / s`` (each type's step-time table
-is non-decreasing, so that is one `searchsorted`); the excess at that level is trimmed from the slowest micro-steps
-first. Every divisor ``s`` of ``B`` is tried: exact.
-"""
+"""``poplar`` at ZeRO stages 2-3: per divisor s of B, the lowest micro-step time level holding B / s samples,
+the excess trimmed from the slowest micro-steps: exact."""
 
 from __future__ import annotations
 

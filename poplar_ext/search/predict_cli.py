@@ -1,8 +1,4 @@
-"""`poplar-search --predict PLAN`: a given plan, ZeRO or pipeline, priced by the cost model.
-
-The table says where each rank's time goes; ``--format json`` prints the prediction whole.
-See docs/search.md ("Pricing a given plan").
-"""
+"""`poplar-search --predict PLAN`: where a given plan's time goes (docs/search.md, "Pricing a given plan")."""
 
 from __future__ import annotations
 
