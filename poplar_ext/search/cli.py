@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 from collections.abc import Sequence
@@ -23,17 +22,16 @@ from .cli_common import (
     EXIT_BAD_INPUT,
     EXIT_INFEASIBLE,
     EXIT_INTERNAL_ERROR,
-    EXIT_OK,
     PROG,
     CommandParser,
     bad_input,
     chosen_network,
     comparison_table,
+    emit,
     error,
     output_problem,
     plan_table,
     printing,
-    write_plan,
 )
 from .examples import example_cluster_file, example_profiles_dir
 from .pipeline_cli import run_pipelines
@@ -108,7 +106,7 @@ def parse_positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
     return value
@@ -133,11 +131,9 @@ def parse_path(text: str) -> str:
 
 def parse_zero_stage(text: str) -> int | str:
     """argparse type: `auto` or a ZeRO stage 0..3."""
-    if text == "auto":
-        return text
-    if text in ("0", "1", "2", "3"):
-        return int(text)
-    raise argparse.ArgumentTypeError(f"expected auto, 0, 1, 2 or 3, found {text!r}")
+    if text not in ("auto", "0", "1", "2", "3"):
+        raise argparse.ArgumentTypeError(f"expected auto, 0, 1, 2 or 3, found {text!r}")
+    return text if text == "auto" else int(text)
 
 
 def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
@@ -228,19 +224,25 @@ def run(args: argparse.Namespace) -> int:
     if args.example:
         args.profiles = args.profiles or str(example_profiles_dir())
         args.cluster = args.cluster or str(example_cluster_file())
-    required = (
-        (("--profiles", args.profiles),)
-        if args.predict
-        else (("--profiles", args.profiles), ("--cluster", args.cluster))
-    )
-    missing = [option for option, value in required if not value]
+    # --predict needs no cluster.
+    missing = [
+        o for o, value in (("--profiles", args.profiles), ("--cluster", args.cluster or args.predict)) if not value
+    ]
     if missing:
         return error(
             f"the following arguments are required: {', '.join(missing)} (or --example for the shipped example) "
             "(see --help)"
         )
     if args.predict:
-        ignored = _search_only_options(args)
+        given = {
+            "--global-batch-size": args.global_batch_size is not None,
+            "--max-global-batch-size": args.max_global_batch_size is not None,
+            "--zero-stage": args.zero_stage != "auto",
+            "--policy": args.policy != "poplar",
+            "--parallelism": args.parallelism != "zero",
+            "--output": args.output is not None,
+        }
+        ignored = [option for option, is_given in given.items() if is_given]
         if ignored:
             return error(f"{', '.join(ignored)}: not used with --predict, which prices the plan as it is (see --help)")
         return run_predict(args)
@@ -279,34 +281,14 @@ def run(args: argparse.Namespace) -> int:
     if not main_result.ok:
         print(f"{PROG}: infeasible: {main_result.message}", file=sys.stderr)
         return EXIT_INFEASIBLE
-    if args.output and not write_plan(plan_to_dict(main_result.plan), args.output):
-        return EXIT_BAD_INPUT
-    if args.format == "json":
-        if len(results) == 1:
-            data = plan_to_dict(main_result.plan)
-        else:
-            data = {name: None if r.plan is None else plan_to_dict(r.plan) for name, r in results.items()}
-        print(json.dumps(data, indent=2))
-    elif len(results) == 1:
-        print(plan_table(main_result, profiles, network))
-    else:
-        print(
-            comparison_table(results) + "\n\nPlan of the poplar policy:\n" + plan_table(main_result, profiles, network)
-        )
-    return EXIT_OK
+    data = plan_to_dict(main_result.plan)
+    every = {name: None if r.plan is None else plan_to_dict(r.plan) for name, r in results.items()}
 
+    def text() -> str:
+        plan = plan_table(main_result, profiles, network)
+        return plan if len(results) == 1 else comparison_table(results) + "\n\nPlan of the poplar policy:\n" + plan
 
-def _search_only_options(args: argparse.Namespace) -> list[str]:
-    """The options given that only a search uses."""
-    given = {
-        "--global-batch-size": args.global_batch_size is not None,
-        "--max-global-batch-size": args.max_global_batch_size is not None,
-        "--zero-stage": args.zero_stage != "auto",
-        "--policy": args.policy != "poplar",
-        "--parallelism": args.parallelism != "zero",
-        "--output": args.output is not None,
-    }
-    return [option for option, is_given in given.items() if is_given]
+    return emit(args, data, data if len(results) == 1 else every, text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

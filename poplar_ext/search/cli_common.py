@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -109,6 +110,14 @@ def write_plan(data: dict[str, Any], path: str) -> bool:
         error(f"{path}: cannot write the plan: {exc.strerror or exc}")
         return False
     return True
+
+
+def emit(args: Any, plan: dict[str, Any], shown: Any, text: Callable[[], str]) -> int:
+    """Write `plan` to ``--output`` (where given), then print `shown` as JSON or `text()`; the exit status."""
+    if args.output and not write_plan(plan, args.output):
+        return EXIT_BAD_INPUT
+    print(json.dumps(shown, indent=2) if args.format == "json" else text())
+    return EXIT_OK
 
 
 def output_problem(args: Any) -> str | None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -21,12 +20,11 @@ from poplar_ext.plan.pipeline_formats import (
 
 from .api import SearchResult, search_plan
 from .cli_common import (
-    EXIT_BAD_INPUT,
     EXIT_INFEASIBLE,
-    EXIT_OK,
     PROG,
     bad_input,
     chosen_network,
+    emit,
     error,
     or_dash,
     plan_row,
@@ -35,7 +33,6 @@ from .cli_common import (
     runs,
     stage_table,
     table,
-    write_plan,
 )
 from .pipeline_cost import predict_pipeline
 from .pipeline_search import search_pipeline_plan
@@ -113,7 +110,7 @@ def _chosen(zero: SearchResult | None, pipeline: SearchResult | None) -> str | N
         for name, result in (("zero", zero), ("pipeline", pipeline))
         if result is not None and result.ok
     }
-    return min(times, key=lambda name: (times[name], name != "zero")) if times else None
+    return min(times, key=times.get) if times else None  # ties: the first, ZeRO
 
 
 def run_pipelines(args: argparse.Namespace) -> int:
@@ -133,22 +130,17 @@ def run_pipelines(args: argparse.Namespace) -> int:
         print(f"{PROG}: infeasible: {' '.join(reasons)}", file=sys.stderr)
         return EXIT_INFEASIBLE
     data = _plan_dict(zero if chosen == "zero" else pipeline)
-    if args.output and not write_plan(data, args.output):
-        return EXIT_BAD_INPUT
-    if args.format == "json":
-        if args.parallelism == "auto":
-            data = {"chosen": chosen, "zero": _plan_dict(zero), "pipeline": _plan_dict(pipeline)}
-        print(json.dumps(data, indent=2))
-        return EXIT_OK
-    text = []
-    if args.parallelism == "auto":
-        text += [parallelism_table(zero, pipeline, chosen), ""]
-    if chosen == "zero":
-        text.append(plan_table(zero, load_profiles(args.profiles), network))
-    else:
-        text.append(pipeline_plan_table(pipeline, layer_profiles, network, cluster))
-    print("\n".join(text))
-    return EXIT_OK
+    auto = args.parallelism == "auto"
+    shown = {"chosen": chosen, "zero": _plan_dict(zero), "pipeline": _plan_dict(pipeline)} if auto else data
+
+    def text() -> str:
+        if chosen == "zero":
+            plan = plan_table(zero, load_profiles(args.profiles), network)
+        else:
+            plan = pipeline_plan_table(pipeline, layer_profiles, network, cluster)
+        return parallelism_table(zero, pipeline, chosen) + "\n\n" + plan if auto else plan
+
+    return emit(args, data, shown, text)
 
 
 def _plan_dict(result: Any) -> dict[str, Any] | None:
