@@ -3,6 +3,7 @@ bound over the types (docs/search.md, "Memory levers", says why it is exact)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from poplar_ext.plan.levers import Variants, fits, lever_count, lever_options
 from poplar_ext.plan.network_format import NetworkProfile
 
 from .allocation import PolicyResult, divisors, infeasible
-from .cost import DeviceCost, StageCommunication, StageModel, assemble_stage_model, build_stage_model, device_cost
+from .cost import DeviceCost, StageModel, assemble_stage_model, build_stage_model, device_cost
 from .policies import AUTO_ACCUMULATION_STEPS, allocate, best_global_batch
 from .poplar_independent import (
     MAX_BREAKPOINTS,
@@ -73,12 +74,8 @@ def evaluate_settings(
     max_global_batch_size: int | None,
     network: NetworkProfile | None = None,
 ) -> StageOutcome:
-    """The policy on every setting of `settings`, in order: the first strictly best wins (the enumeration).
-
-    A setting in which the model fits no micro-batch of some type is reported only when
-    it comes first. Each setting is one cost model and the policies are exact per model,
-    so over all of `lever_choices` this is the exact optimum of the joint choice.
-    """
+    """The policy on every setting of `settings`, in order: the first strictly best wins (the enumeration; a setting
+    that fits no micro-batch of some type is reported only when first)."""
     best: StageOutcome | None = None
     for setting in settings:
         chosen = {t: variants[t][levers] for t, levers in setting.items()}
@@ -105,12 +102,8 @@ def search_levers(
     max_global_batch_size: int | None,
     network: NetworkProfile | None = None,
 ) -> StageOutcome:
-    """``poplar``'s best allocation at `zero_stage` (0-2) over every per-type setting of the memory levers.
-
-    The same outcome as `evaluate_settings` over ``lever_choices(variants, zero_stage,
-    choose=True)`` (see docs/search.md, "Memory levers"), without a limit on the number of
-    settings. `variants` has every device type of `cluster`, in its order.
-    """
+    """``poplar``'s best allocation at `zero_stage` (0-2) over every per-type setting of the memory levers: the
+    outcome of `evaluate_settings` over ``lever_choices(variants, zero_stage, choose=True)`` (docs/search.md)."""
     assert zero_stage in (0, 1, 2), "stage 3 allows two settings: all checkpointed or none"
     options = lever_options(variants)
     if not all(fits(v, o[0]) for v, o in zip(variants.values(), options)):
@@ -130,13 +123,11 @@ class _Requirements:
     beta: np.ndarray
     """Index into `_LeverSearch.betas`."""
     time_s: np.ndarray
-    """Micro-step time (stage 2: capacity is the sum of the largest micro-batches within it) or busy
-    time (stages 0-1: the sum of the most samples each rank can run within it); inf: any."""
+    """Micro-step time (stage 2) or busy time (stages 0-1) at which capacity is counted; inf: any."""
     need: np.ndarray
     """Samples."""
     batch_need: np.ndarray | None = None
-    """Automatic batch without a maximum: the least global batch of a setting meeting the row, which its own
-    default maximum (`search.policies`) must reach; None: no such condition."""
+    """Automatic batch without a maximum: the least batch the setting's own default maximum must reach."""
 
     @staticmethod
     def none() -> _Requirements:
@@ -160,29 +151,21 @@ class _Requirements:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _Tables:
-    """Requirements laid out for the branch and bound over the types with a choice (`free`).
-
-    A node of the branch and bound keeps, for the rows some completion of its prefix may still meet,
-    its slack: capacity of the fixed types and of the prefix minus the need (and the same for the
-    default maximum batch). A child only looks at its parent's rows: meeting a row below a node
-    means meeting it at the node, since each suffix is the most its types can add.
-    """
+    """Requirements laid out for the branch and bound over the types with a choice (`free`): a node keeps the rows
+    some completion may still meet, with their slack (capacity minus need); a child needs only its parent's rows."""
 
     slack: np.ndarray
     """(R,) capacity of the types without a choice minus the need, in samples."""
     values: list[np.ndarray]
     """Per free type j, (options, R): the capacity of each option (-inf where not allowed)."""
     suffix: list[np.ndarray]
-    """Per j (and one past the last: zeros), (R,): the most capacity free types j.. can add, whatever the
-    number of levers (the branch and bound counts levers only at its leaves)."""
+    """Per j (and one past the last: zeros), (R,): the most capacity free types j.. can add, any number of levers."""
     batch_slack: np.ndarray
-    """(R,) the default maximum batch of the types without a choice minus the least one each row needs (0 when
-    it needs none)."""
+    """(R,) the default maximum batch of the types without a choice minus the least one each row needs."""
     batch_values: list[np.ndarray]
     """Per free type j, (options,): each option's share of the default maximum batch."""
     batch_suffix: list[float]
-    """Per j (and one past the last: 0), the largest default maximum free types j.. can add. Maximised apart
-    from the capacity: a relaxation, still necessary."""
+    """Per j (and one past the last: 0), the largest default maximum free types j.. can add (a relaxation)."""
 
     def root(self, prefix: Combo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every row, and the slacks once the first free types are fixed to `prefix`."""
@@ -191,8 +174,7 @@ class _Tables:
         return np.arange(len(slack)), slack, batch_slack
 
     def keep(self, j: int, rows: np.ndarray, slack: np.ndarray, batch_slack: np.ndarray) -> np.ndarray:
-        """Which of `rows` some completion of free types j.. may still meet (a NaN slack: a disallowed
-        option met an infinite capacity, so never)."""
+        """Which of `rows` some completion of free types j.. may still meet (a NaN slack: never)."""
         return (slack + self.suffix[j][rows] >= 0) & (batch_slack + self.batch_suffix[j] >= 0)
 
 
@@ -223,8 +205,7 @@ def _largest_time_within(limit_s: float, boundary_s: float) -> float:
 
 
 def _least_batch_reaching(rate: float, time_s: np.ndarray) -> np.ndarray:
-    """Per iteration time, the smallest integer batch B >= 1 with ``B / time >= rate``, as the samples/s of an
-    allocation is computed."""
+    """Per iteration time, the least integer batch B >= 1 with ``B / time >= rate`` (as samples/s is computed)."""
     batch = np.maximum(1.0, np.floor(rate * time_s) - 2.0)
     for _ in range(8):
         short = batch / time_s < rate
@@ -235,8 +216,7 @@ def _least_batch_reaching(rate: float, time_s: np.ndarray) -> np.ndarray:
 
 
 def _last_level_within(levels: np.ndarray, steps: np.ndarray, boundary_s: float, limit_s: float) -> np.ndarray:
-    """Per accumulation count s, the index of the last level T with ``s * T + boundary_s <= limit_s`` as the
-    cost model computes it; -1 when none."""
+    """Per accumulation count s, the last level T with ``s * T + boundary_s <= limit_s`` in floats; -1: none."""
 
     def within(i: np.ndarray) -> np.ndarray:
         total = steps * levels[np.clip(i, 0, len(levels) - 1)] + boundary_s
@@ -251,12 +231,8 @@ def _last_level_within(levels: np.ndarray, steps: np.ndarray, boundary_s: float,
 
 
 def most_work(table: np.ndarray, time_s: np.ndarray) -> np.ndarray:
-    """Per time, the most samples one rank with micro-step times `table` runs within it (stages 0-1):
-    the largest ``b * s`` with ``s * t(b) <= T`` (the cost model's float product); inf for an infinite time.
-
-    One pass over the rank's breakpoints ``s * t(b)`` between the smallest and largest time, then a
-    lookup per time: thousands of times cost about as much as one.
-    """
+    """Per time T, the most samples one rank with micro-step times `table` runs within it (stages 0-1): the largest
+    ``b * s`` with ``s * t(b) <= T`` in floats (inf for an infinite T), from one pass over the breakpoints."""
     most = np.full(len(time_s), np.inf)
     finite = np.isfinite(time_s)
     if np.any(finite):
@@ -266,8 +242,7 @@ def most_work(table: np.ndarray, time_s: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class _WorkCurve:
-    """`most_work` of one rank at any time in [low_s, high_s]: the breakpoints ``s * t(b)`` in that range,
-    sorted, and the most work at each (a running maximum)."""
+    """`most_work` of one rank in [low_s, high_s]: the sorted breakpoints ``s * t(b)`` and a running maximum."""
 
     table: np.ndarray
     low_s: float
@@ -310,33 +285,6 @@ class _WorkCurve:
 
 
 # -- The search
-def _price(
-    variants: dict[str, Variants],
-    options: list[list[Levers]],
-    counts: list[int],
-    zero_stage: int,
-    world_size: int,
-    network: NetworkProfile | None,
-) -> tuple[list[list[DeviceCost]], list[list[StageCommunication | None]]]:
-    """Each (type, option) priced once (`search.cost.device_cost`): per type, per option, its device and the
-    stage's communication."""
-    priced = [
-        [
-            device_cost(
-                variants[t][levers],
-                device_type=t,
-                num_ranks=n,
-                zero_stage=zero_stage,
-                world_size=world_size,
-                network=network,
-            )
-            for levers in type_options
-        ]
-        for t, n, type_options in zip(variants, counts, options)
-    ]
-    return [[d for d, _ in row] for row in priced], [[c for _, c in row] for row in priced]
-
-
 class _LeverSearch:
     """One stage's branch and bound (see docs/search.md, "Memory levers")."""
 
@@ -359,13 +307,27 @@ class _LeverSearch:
         self.batch = global_batch_size
         self.max_batch = max_global_batch_size
         self.counts = [cluster.type_counts()[t] for t in self.types]
-        self.devices, self.communication = _price(variants, options, self.counts, zero_stage, self.world_size, network)
+        # Each (type, option) priced once: its device and the stage's communication.
+        price = functools.partial(device_cost, zero_stage=zero_stage, world_size=self.world_size, network=network)
+        priced = [
+            [price(variants[t][levers], device_type=t, num_ranks=n) for levers in row]
+            for t, n, row in zip(variants, self.counts, options)
+        ]
+        self.devices = [[d for d, _ in row] for row in priced]
+        self.communication = [[c for _, c in row] for row in priced]
         self.step_s = [[d.optimizer_step_time_s for d in row] for row in self.devices]
         self.levers = [[lever_count(levers) for levers in row] for row in options]
         self.free = [d for d, row in enumerate(options) if len(row) > 1]
         self.fixed_levers = sum(self.levers[d][0] for d in range(len(options)) if d not in self.free)
         self.least_levers = [sum(min(self.levers[d]) for d in self.free[j:]) for j in range(len(self.free) + 1)]
-        self.size_limits(max_global_batch_size)
+        # Without a maximum each setting's automatic batch goes up to its own default (`search.policies`); the
+        # largest of those bounds them all (`batch_limit`); each option's share of its setting's (`batch_share`).
+        largest = sum(n * max(len(d.step_time_table_s) for d in row) for n, row in zip(self.counts, self.devices))
+        self.batch_limit = max_global_batch_size or min(AUTO_ACCUMULATION_STEPS * largest, MAX_GLOBAL_BATCH_SIZE)
+        self.batch_share = [
+            np.array([AUTO_ACCUMULATION_STEPS * n * dev.max_micro_batch_size for dev in row], dtype=float)
+            for n, row in zip(self.counts, self.devices)
+        ]
         # At stages 0-2 the communication depends on the model only: one boundary term for every setting.
         first = self.communication[0][0]
         self.communication_boundary_s = 0.0 if first is None else first.boundary_s
@@ -379,20 +341,6 @@ class _LeverSearch:
         self.envelopes: dict[float, StageModel] = {}
         self.curves: dict[tuple[int, int], _WorkCurve] = {}
 
-    def size_limits(self, max_global_batch_size: int | None) -> None:
-        """The largest automatic batch of any setting (`batch_limit`) and each option's share of its setting's
-        default maximum (`batch_share`)."""
-        # Without a maximum each setting's automatic batch goes up to its own default
-        # (`search.policies`: `AUTO_ACCUMULATION_STEPS` micro-steps of every rank at its largest micro-batch);
-        # the largest of those bounds them all.
-        largest = sum(n * max(len(d.step_time_table_s) for d in row) for n, row in zip(self.counts, self.devices))
-        self.batch_limit = max_global_batch_size or min(AUTO_ACCUMULATION_STEPS * largest, MAX_GLOBAL_BATCH_SIZE)
-        self.batch_share = [
-            np.array([AUTO_ACCUMULATION_STEPS * n * dev.max_micro_batch_size for dev in row], dtype=float)
-            for n, row in zip(self.counts, self.devices)
-        ]
-
-    # -- settings ----------------------------------------------------------------
     def model(self, combo: Combo) -> StageModel:
         devices = [self.devices[d][o] for d, o in enumerate(combo)]
         return assemble_stage_model(devices, self.rank_device_types, self.zero_stage, self.communication[-1][combo[-1]])
@@ -428,7 +376,6 @@ class _LeverSearch:
             if new != old:
                 self.tables = None  # the requirements follow the incumbent's value
 
-    # -- the run -----------------------------------------------------------------
     def run(self) -> StageOutcome:
         self.evaluate(tuple(0 for _ in self.types))  # the enumeration's first setting
         assert self.best is not None
@@ -446,9 +393,8 @@ class _LeverSearch:
         return {t: self.options[d][o] for d, (t, o) in enumerate(zip(self.types, combo))}
 
     def branch(self) -> None:
-        """Depth-first over the free types' options, each node keeping the requirement rows its settings
-        may still meet (`_Tables`); every setting that meets one is evaluated. The incumbent improves on
-        the way and the tables with it: a node reached under older tables starts again from every row."""
+        """Depth-first over the free types' options, each node keeping the rows its settings may still meet; a node
+        reached under older tables (the incumbent improved) starts again from every row."""
         stack: list[tuple[Combo, int, tuple | None]] = [((), 0, None)]
         while stack:
             prefix, used, parent = stack.pop()
@@ -476,9 +422,8 @@ class _LeverSearch:
         return tuple(chosen.get(d, 0) for d in range(len(self.types)))
 
     def after_proven_best(self, prefix: Combo, used: int) -> bool:
-        """Whether nothing under a node (the free types' options `prefix`, `used` levers among them) can win:
-        the incumbent is proven best (no setting is strictly better) and every setting under the node comes
-        after it in the enumeration's order, so none wins a tie either."""
+        """Whether nothing under a node (options `prefix`, `used` levers) can win: the incumbent is proven best and
+        every setting under the node comes after it in the enumeration's order (so none wins a tie either)."""
         if not self.proven:
             return False
         assert self.best is not None
@@ -514,8 +459,7 @@ class _LeverSearch:
         )
 
     def row_values(self, requirements: _Requirements, limit: np.ndarray) -> list[np.ndarray]:
-        """Per type, (options, R) each option's capacity at each row. A better incumbent keeps most rows (the
-        same level times, each needing more): those are copied from the last tables instead of looked up."""
+        """Per type, (options, R) each option's capacity at each row; rows kept from the last tables are copied."""
         if self.last_rows is None:
             source = np.full(len(requirements.need), -1)
             values = [np.empty((len(row), len(source))) for row in self.options]
@@ -529,8 +473,7 @@ class _LeverSearch:
         return values
 
     def option_capacities(self, d: int, time_s: np.ndarray, limit: np.ndarray) -> np.ndarray:
-        """(options, R) the capacity of each option of type `d` at each row's time; -inf where its optimizer
-        step is above the row's largest."""
+        """(options, R) each option of type `d`'s capacity at each row (-inf: its optimizer step above the row's)."""
         columns = [
             np.where(step <= limit, self.counts[d] * self.capacity(d, o, time_s), _NONE)
             for o, step in enumerate(self.step_s[d])
@@ -538,8 +481,7 @@ class _LeverSearch:
         return np.stack(columns) if len(time_s) else np.zeros((len(columns), 0))
 
     def capacity(self, d: int, o: int, time_s: np.ndarray) -> np.ndarray:
-        """Samples one rank of type `d` with option `o` can take within each time (-inf when none: then not
-        allowed). Stages 0-1: from a curve kept per option (the rows' times narrow as the incumbent improves)."""
+        """Samples one rank of type `d` with option `o` takes within each time (-inf: none, so not allowed)."""
         table = self.devices[d][o].step_time_table_s
         if self.synchronised:
             most = np.searchsorted(table, time_s, side="right").astype(float)
@@ -553,13 +495,9 @@ class _LeverSearch:
                 most[finite] = curve.at(time_s[finite])
         return np.where(most >= 1, most, _NONE)
 
-    # -- envelopes and seeds ---------------------------------------------------------
     def envelope(self, beta: float) -> StageModel:
-        """The stage model in which each type runs each micro-batch on the fastest of its options whose
-        optimizer step is at most `beta` (the lower envelope of their tables), with `beta`'s boundary.
-
-        Non-decreasing like each table: a larger micro-batch leaves fewer options, each no faster.
-        """
+        """The stage model of each type's lower envelope of its options with optimizer step at most `beta`, with
+        `beta`'s boundary (non-decreasing: a larger micro-batch leaves fewer options, each no faster)."""
         if beta not in self.envelopes:
             devices = []
             for d, device_type in enumerate(self.types):
@@ -583,27 +521,19 @@ class _LeverSearch:
         return self.envelopes[beta]
 
     def richest(self, beta: float, time_s: float) -> Combo:
-        """Per type, the option (optimizer step at most `beta`) that takes the most samples within `time_s`;
-        the first of equals."""
-        combo = []
-        for d in range(len(self.types)):
-            most = [
-                self.capacity(d, o, np.array([time_s]))[0] if step <= beta else _NONE
-                for o, step in enumerate(self.step_s[d])
-            ]
-            combo.append(int(np.argmax(most)))
-        return tuple(combo)
+        """Per type, the first option (optimizer step at most `beta`) taking the most samples within `time_s`."""
+        at = np.array([time_s])
+        return tuple(
+            int(np.argmax([self.capacity(d, o, at)[0] if step <= beta else _NONE for o, step in enumerate(steps)]))
+            for d, steps in enumerate(self.step_s)
+        )
 
     def seed(self) -> None:
-        """Per largest optimizer step, the envelope's bound and a setting that may reach it: evaluated best
-        bound first while a bound beats the incumbent. When the incumbent reaches the best bound, no setting
-        is strictly better (`proven`), and the branch and bound skips every setting after the incumbent.
+        """Per largest optimizer step, the envelope's bound and a setting that may reach it, evaluated best bound first;
+        an incumbent at the best bound is `proven` (the branch and bound then skips every setting after it).
 
-        The one shortcut that relies on the policies being exact: at stage 2 the bound is the ``poplar``
-        policy's value on the envelope (`envelope_bound`), a lower bound only because that policy returns
-        the optimum of the model it is given. With a policy that may miss the optimum, `proven` could hold
-        wrongly and a better setting after the incumbent would be skipped. Everything else (the requirement
-        rows, the bounds at stages 0-1) holds for any allocation, the policy's or not.
+        The one shortcut relying on the policies being exact: at stage 2 the bound is ``poplar``'s value on the
+        envelope, a lower bound only because that policy is optimal on its model (else `proven` could be wrong).
         """
         bounds = sorted(found for beta in self.betas if (found := self.envelope_bound(beta)) is not None)
         if not bounds:
@@ -643,11 +573,8 @@ class _LeverSearch:
         return self.independent_rate_bound(beta, envelope, flat)
 
     def independent_rate_bound(self, beta: float, envelope: StageModel, flat: FlatTables) -> tuple[float, Combo]:
-        """Stages 0-1, automatic batch: the most samples/s any setting of `beta` can reach, negated.
-
-        An allocation busy for T runs at most the envelope's capacity at T, and at most the maximum batch:
-        from the first time the capacity reaches the maximum, max / (T + boundary) bounds it; before, the
-        best capacity level does (levels below `cut` cannot beat the incumbent)."""
+        """Stages 0-1, automatic batch: the most samples/s any setting of `beta` can reach, negated (busy for T, it runs
+        at most the envelope's capacity at T and at most the maximum batch)."""
         assert self.best is not None
         boundary_s = envelope.boundary_s
         at_max_s = flat.min_time_for(self.batch_limit, self.world_size)
@@ -666,10 +593,8 @@ class _LeverSearch:
                     best_rate, best_time_s = float(rates.max()), float(times[int(np.argmax(rates))])
         return -best_rate, self.richest(beta, best_time_s)
 
-    # -- requirements ----------------------------------------------------------------
     def requirements(self, value: float | None) -> _Requirements:
-        """Rows at least one of which every setting meets whose value is at most `value` (None: every setting
-        with a plan). Necessary conditions only: they hold for any allocation that good, the policy's or not."""
+        """Rows one of which every setting of value at most `value` (None: any plan) meets, whatever its allocation."""
         if value is None:
             if self.synchronised and self.batch is not None:
                 return self.synchronised_fixed(None)
@@ -689,8 +614,8 @@ class _LeverSearch:
         return _Requirements.concat([self.independent_rate(i, -value) for i in range(len(self.betas))])
 
     def synchronised_fixed(self, value: float | None) -> _Requirements:
-        """Stage 2, fixed batch B: a setting finishes within `value` only if, for some accumulation count s dividing B,
-        its capacity reaches B / s at the last micro-step time T with ``s * T + boundary`` within `value`."""
+        """Stage 2, fixed batch B: for some count s dividing B, capacity B / s at the last T with ``s * T + boundary``
+        within `value`."""
         assert self.batch is not None
         steps = divisors(self.batch)
         steps = steps[self.batch // steps >= self.world_size]
@@ -714,9 +639,8 @@ class _LeverSearch:
         return np.unique(np.concatenate([dev.step_time_table_s for row in self.devices for dev in row]))
 
     def synchronised_rate(self, index: int, rate: float) -> _Requirements:
-        """Stage 2, automatic batch: a setting reaches `rate` samples/s at micro-step time T only with
-        s micro-steps of P samples, ``s * P <= max`` and ``s * P / (s * T + boundary) >= rate``; its capacity
-        at T must reach the least such P (over s: near the most micro-steps the maximum allows)."""
+        """Stage 2, automatic batch: capacity at micro-step time T reaching the least P with s micro-steps of P,
+        ``s * P <= max`` and ``s * P / (s * T + boundary) >= rate``."""
         envelope = self.envelope(self.betas[index])
         boundary_s = envelope.boundary_s
         floor_s = max(float(d.step_time_table_s[0]) for d in envelope.devices)
@@ -747,9 +671,8 @@ class _LeverSearch:
         )
 
     def independent_rate(self, index: int, rate: float) -> _Requirements:
-        """Stages 0-1, automatic batch: a setting reaches `rate` only with a batch B within its capacity at its busy
-        time T and ``B / (T + boundary) >= rate``. Between two of the envelope's capacity levels the least B is the one
-        at the earlier, and the setting's capacity at most its capacity just before the later."""
+        """Stages 0-1, automatic batch: a batch B within capacity at busy time T with ``B / (T + boundary) >= rate``
+        (between two envelope levels: the earlier's least B, the capacity just before the later)."""
         envelope = self.envelope(self.betas[index])
         flat = FlatTables(envelope)
         boundary_s = envelope.boundary_s

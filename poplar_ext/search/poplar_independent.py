@@ -137,11 +137,8 @@ def sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 class _TypeSums:
-    """Which reductions (below each rank's maximum) n identical ranks can make together.
-
-    ``powers[j]`` is the set of sums of ``2**j`` single-rank reductions; the n-fold set is the sum of the powers in n's
-    binary expansion. Kept so that a reachable total can be split back into per-rank reductions, as evenly as possible.
-    """
+    """Which reductions (below each rank's maximum) n identical ranks make together: ``powers[j]`` the sums of
+    ``2**j`` ranks' reductions, summed over n's binary digits; kept to split a total back evenly."""
 
     def __init__(self, single: np.ndarray, count: int) -> None:
         self.count = count
@@ -193,12 +190,8 @@ class _TypeSums:
 
 
 def _offsets_mask(options: _RankOptions, target: int, downward: bool) -> np.ndarray:
-    """One rank's reachable offsets up to `target`, as a mask over [0, target].
-
-    Downward the offset is the deficit below the rank's most work: ``gap_b + k * b`` for ``0 <= k < steps_b``; upward it
-    is the work above one sample: ``b - 1 + k * b``. Both are arithmetic progressions, one per size, so building the
-    mask costs O(target * log sizes), whatever the rank's most work.
-    """
+    """One rank's reachable offsets up to `target` as a mask: downward the deficit ``gap_b + k * b`` below its most
+    work, upward the work ``b - 1 + k * b`` above one sample (``0 <= k < steps_b``): one progression per size."""
     mask = np.zeros(target + 1, dtype=bool)
     starts = options.gaps if downward else options.sizes - 1
     for start, size, steps in zip(starts.tolist(), options.sizes.tolist(), options.steps.tolist()):
@@ -271,11 +264,8 @@ def _achievable_work(table: np.ndarray, time_s: float, most: int) -> np.ndarray:
 def _two_level_at(
     model: StageModel, time_s: float, total: int, maxima: list[int]
 ) -> list[list[tuple[int, int, int]]] | None:
-    """Fast path of `_exact_at`: within each type, every rank runs one of two adjacent achievable counts.
-
-    Type totals are proportional to capacity, clipped to what each type can run (water-filling); one type (each tried in
-    turn) absorbs the rounding. Returns None when this shape cannot hit `total`.
-    """
+    """Fast path of `_exact_at` (None: not found, no proof of none): every rank of a type at one of two adjacent
+    achievable counts, type totals water-filled by capacity, one type (each in turn) absorbing the rounding."""
     counts = [d.num_ranks for d in model.devices]
     values = [_achievable_work(d.step_time_table_s, time_s, m) for d, m in zip(model.devices, maxima)]
     low = np.array([n * int(v[0]) for n, v in zip(counts, values)], dtype=float)
@@ -292,10 +282,7 @@ def _two_level_at(
     share *= total / share.sum()
 
     def near(i: int, target: float, spread: int) -> list[tuple[int, int, int]]:
-        """Totals ``(total, level, ranks one level up)`` of type i around `target`, nearest first.
-
-        Level l puts every rank at ``a[l]`` and `up` of them at ``a[l + 1]``.
-        """
+        """Totals ``(total, level l, up)`` of type i near `target`, nearest first: ``a[l]`` each, `up` at ``a[l+1]``."""
         n, a = counts[i], values[i]
         clipped = min(max(target, n * a[0]), n * a[-1])
         centre = min(int(np.searchsorted(n * a, clipped, side="right")) - 1, len(a) - 1)
@@ -393,11 +380,8 @@ def _min_plus(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _single_residues(options: _RankOptions, modulus: int, deficit: int) -> np.ndarray:
-    """One rank's smallest deficit (at most `deficit`) in each residue class modulo `modulus` (_INF: none).
-
-    At size b the deficits are ``gap_b + k * b`` for ``0 <= k < steps_b``; their residues
-    repeat after `modulus` values of k, and the smallest of a class comes first.
-    """
+    """One rank's smallest deficit (at most `deficit`) in each residue class modulo `modulus` (_INF: none); at size b
+    the deficits ``gap_b + k * b`` repeat their residues after `modulus` values of k."""
     keep = options.gaps <= deficit
     gaps, sizes, steps = options.gaps[keep], options.sizes[keep], options.steps[keep]
     k = np.arange(modulus, dtype=np.int64)
@@ -409,17 +393,14 @@ def _single_residues(options: _RankOptions, modulus: int, deficit: int) -> np.nd
 
 
 class _ResidueSums:
-    """Smallest total deficit of `count` identical ranks in each residue class, with the way back.
-
-    Every rank adds one deficit of its own (0, the rank at its most work, among them). A smallest sum has at most
-    ``modulus - 1`` nonzero terms: among more, two partial sums share a residue and the terms between them could be
-    dropped for a smaller sum in the same class. So `count` is capped there, and the work depends on the modulus only.
-    ``powers[j]`` is the vector for ``2**j`` ranks, found by (min, +) squaring.
-    """
+    """Smallest total deficit of `count` identical ranks in each residue class, with the way back; ``powers[j]`` is
+    the vector for ``2**j`` ranks, by (min, +) squaring."""
 
     def __init__(self, single: np.ndarray, count: int) -> None:
         self.single = single
         self.modulus = len(single)
+        # A smallest sum has at most modulus - 1 nonzero terms (among more, two partial sums share a residue and the
+        # terms between them could be dropped), so the work depends on the modulus only.
         count = min(count, self.modulus - 1)
         self.powers = [single]
         self.power_splits: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
@@ -458,12 +439,8 @@ class _ResidueSums:
 
 
 def _residue_anchor(options: list[_RankOptions], deficit: int) -> int | None:
-    """The device type whose rank can take up what the others leave, or None.
-
-    `_exact_by_residues` puts the remainder of the deficit on one rank of this type; that rank can take any
-    ``gap_b + k * b`` up to ``most_work - b``, so the deficit must not exceed that for its largest size. Among such
-    types, the one with the least work (sum of squared moduli).
-    """
+    """The device type, of least work, one rank of which can take up any remainder of the deficit (at most
+    ``most_work - b`` at its largest size), or None."""
     best, best_cost = None, math.inf
     for index, o in enumerate(options):
         moduli = o.sizes[o.gaps <= deficit]
@@ -480,12 +457,8 @@ def _exact_by_residues(
 ) -> Groups | None:
     """`_exact_at` by residue classes, exact when `anchor` is `_residue_anchor`'s type.
 
-    Pick any rank of the anchor type (all are alike); in any split it runs some size b, with deficit ``gap_b + k * b``.
-    The other ranks must then make up ``deficit - gap_b`` minus a multiple of b, so a split with that size exists
-    exactly when the smallest deficit the others can make in the residue class of ``deficit - gap_b`` modulo b is at
-    most ``deficit - gap_b`` (the anchor rank takes the rest: a multiple of b, at most ``most_work - b`` by the anchor
-    condition). Every usable size b is tried, best first. Cost: per size, (min, +) products of length b, a few per type;
-    no array is sized by the batch or by the number of ranks.
+    An anchor rank at size b has deficit ``gap_b + k * b``, so a split exists exactly when the others' smallest deficit
+    in the class of ``deficit - gap_b`` modulo b is at most ``deficit - gap_b`` (the anchor rank takes the rest).
     """
     maxima = [o.most_work for o in options]
     deficit = int(model.counts @ np.array(maxima)) - total
@@ -534,13 +507,8 @@ def _exact_by_residues(
 
 # -- Exactness at one time, and the search over times
 def _exact_at(model: StageModel, time_s: float, total: int) -> Groups | None:
-    """An allocation of exactly `total` samples with every rank busy <= `time_s`, or None (exact).
-
-    Decided from the nearer end (deficit below every rank's most work, or headroom above one sample each): by bitsets
-    when that is within `SMALL_DELTA`; otherwise by residue classes where one rank can take up the remainder
-    (`_residue_anchor`); otherwise the two-level construction is tried (a quick way to find a split, not a proof that
-    there is none), then bitsets.
-    """
+    """An allocation of exactly `total` samples with every rank busy <= `time_s`, or None (exact): bitsets near an
+    end, else residue classes where an anchor exists, else the two-level fast path, then bitsets."""
     options = [_rank_options(d.step_time_table_s, time_s) for d in model.devices]
     maxima = [o.most_work for o in options]
     if min(maxima) < 1:
@@ -562,12 +530,8 @@ def _exact_at(model: StageModel, time_s: float, total: int) -> Groups | None:
 
 
 def _first_exact_time(model: StageModel, flat: FlatTables, total: int, infeasible_s: float) -> tuple[float, Groups]:
-    """The first breakpoint after `infeasible_s` at which `total` samples split exactly, and a split.
-
-    Whether a split exists only changes at breakpoints and never stops once it starts
-    (each rank's options grow with time), so galloping then bisecting over breakpoints
-    finds the first one with a logarithmic number of exact decisions.
-    """
+    """The first breakpoint after `infeasible_s` at which `total` samples split exactly, and a split: galloping then
+    bisecting, as feasibility only changes at breakpoints and never stops once it starts."""
     surplus = max(flat.capacity(infeasible_s) - total, max(d.max_micro_batch_size for d in model.devices), 1)
     while True:
         surplus *= 2
@@ -593,11 +557,8 @@ def _first_exact_time(model: StageModel, flat: FlatTables, total: int, infeasibl
 
 
 def poplar_independent(model: StageModel, global_batch_size: int) -> PolicyResult:
-    """The fastest allocation of exactly `global_batch_size` samples (stages 0 and 1).
-
-    Exact: the busy time is at least the first capacity breakpoint T0, and from there
-    `_first_exact_time` finds the first time at which the batch splits exactly.
-    """
+    """The fastest allocation of exactly `global_batch_size` samples (stages 0 and 1): exact, from the first
+    capacity breakpoint T0 (a lower bound) to the first time the batch splits exactly."""
     flat = FlatTables(model)
     time_s = flat.min_time_for(global_batch_size, model.world_size)
     groups = _exact_at(model, time_s, global_batch_size)
@@ -615,11 +576,8 @@ def first_steps_from(low_s: float, table: np.ndarray) -> np.ndarray:
 
 
 def capacity_levels(model: StageModel, low_s: float, high_s: float) -> tuple[np.ndarray, np.ndarray]:
-    """Every time ``s * t(b)`` in [low_s, high_s] and the capacity (samples of all ranks) at it.
-
-    A rank's most work within T is the largest ``b * s`` among its (b, s) with
-    ``s * t(b) <= T``; sorted by time, that is a running maximum per type.
-    """
+    """Every time ``s * t(b)`` in [low_s, high_s] and the capacity (samples of all ranks) at it: sorted by time, a
+    running maximum of ``b * s`` per type."""
     times, types, work, start = [], [], [], []
     for index, device in enumerate(model.devices):
         table = device.step_time_table_s
