@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .poplar_independent import sumset
+from .poplar_independent import TypeSums, sumset
 
 MAX_SUMSET = 1 << 22
 """The largest global batch the exact sizing handles (its sumsets are arrays of up to this many values)."""
@@ -63,54 +63,23 @@ class Sizing:
 
 
 # -- Sumsets
-@dataclass(frozen=True, kw_only=True, eq=False)
-class _Sumset:
-    """The sums of `count` picks from one set, by doubling, kept for backtracking."""
+def _picks(sums: TypeSums, total: int) -> list[int]:
+    """One pick per copy whose sum is `total` (which must be reachable)."""
+    picks: list[int] = []
+    for k in range(len(sums.bits) - 1, -1, -1):
+        part = _split(total, sums.partials[k], sums.powers[sums.bits[k]])
+        picks += _unfold(sums, part, sums.bits[k])
+        total -= part
+    assert total == 0
+    return picks
 
-    powers: list[np.ndarray]
-    """``powers[j]``: sums of 2^j picks."""
-    partial: list[np.ndarray]
-    """``partial[j]``: sums of the picks counted by the low j + 1 bits of count (empty set bits skipped)."""
-    bits: list[int]
 
-    @classmethod
-    def of(cls, one: np.ndarray, count: int, limit: int) -> _Sumset:
-        powers, partial, bits = [one], [], []
-        acc = np.zeros(limit + 1, dtype=bool)
-        acc[0] = True
-        j = 0
-        while True:
-            if count >> j & 1:
-                acc = sumset(acc, powers[j])
-                bits.append(j)
-                partial.append(acc)
-            if count >> (j + 1) == 0:
-                break
-            powers.append(sumset(powers[j], powers[j]))
-            j += 1
-        return cls(powers=powers, partial=partial, bits=bits)
-
-    @property
-    def sums(self) -> np.ndarray:
-        return self.partial[-1]
-
-    def picks(self, total: int) -> list[int]:
-        """One pick per copy whose sum is `total` (which must be in `sums`)."""
-        picks: list[int] = []
-        for k in range(len(self.bits) - 1, -1, -1):
-            before = self.partial[k - 1] if k else _only_zero(len(self.sums))
-            part = _split(total, before, self.powers[self.bits[k]])
-            picks += self._unfold(part, self.bits[k])
-            total -= part
-        assert total == 0
-        return picks
-
-    def _unfold(self, total: int, level: int) -> list[int]:
-        if level == 0 or total == 0:
-            # Nothing left to share out (deficits only: 0 is a pipeline at its most, in every deficit set).
-            return [total] + [0] * ((1 << level) - 1)
-        half = _split(total, self.powers[level - 1], self.powers[level - 1])
-        return self._unfold(total - half, level - 1) + self._unfold(half, level - 1)
+def _unfold(sums: TypeSums, total: int, level: int) -> list[int]:
+    if level == 0 or total == 0:
+        # Nothing left to share out (deficits only: 0 is a pipeline at its most, in every deficit set).
+        return [total] + [0] * ((1 << level) - 1)
+    half = _split(total, sums.powers[level - 1], sums.powers[level - 1])
+    return _unfold(sums, total - half, level - 1) + _unfold(sums, half, level - 1)
 
 
 def _only_zero(length: int) -> np.ndarray:
@@ -160,18 +129,18 @@ def _exact_at(
     running = _only_zero(target + 1)
     sumsets, partial = [], []
     for c, m, w in zip(classes, ms, most):
-        sums = _Sumset.of(_value_set(c, m, w, target, as_deficit), c.count, target)
+        sums = TypeSums(_value_set(c, m, w, target, as_deficit), c.count)
         sumsets.append(sums)
-        running = sumset(running, sums.sums)
+        running = sumset(running, sums.reachable)
         partial.append(running)
     if not running[target]:
         return None
     choices = []
     for k in range(len(classes) - 1, -1, -1):
         before = partial[k - 1] if k else _only_zero(target + 1)
-        mine = _split(target, before, sumsets[k].sums)
+        mine = _split(target, before, sumsets[k].reachable)
         target -= mine
-        works = [most[k] - v if as_deficit else v for v in sumsets[k].picks(mine)]
+        works = [most[k] - v if as_deficit else v for v in _picks(sumsets[k], mine)]
         choices.append(tuple(_fastest_way(classes[k], ms[k], work) for work in works))
     return tuple(reversed(choices))
 

@@ -136,9 +136,9 @@ def sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return product[:cap] > 0.5
 
 
-class _TypeSums:
-    """Which reductions (below each rank's maximum) n identical ranks make together: ``powers[j]`` the sums of
-    ``2**j`` ranks' reductions, summed over n's binary digits; kept to split a total back evenly."""
+class TypeSums:
+    """The sums of n picks from one set (n identical ranks' reductions, or pipelines' deficits): ``powers[j]`` those of
+    ``2**j`` picks, ``partials`` over n's binary digits; kept to split a total back (`split`: evenly)."""
 
     def __init__(self, single: np.ndarray, count: int) -> None:
         self.count = count
@@ -209,7 +209,7 @@ def _exact_by_bitsets(model: StageModel, options: list[_RankOptions], time_s: fl
     downward = deficit <= headroom
     target = deficit if downward else headroom
     singles = [_offsets_mask(o, target, downward) for o in options]
-    sums = [_TypeSums(single, device.num_ranks) for single, device in zip(singles, model.devices)]
+    sums = [TypeSums(single, device.num_ranks) for single, device in zip(singles, model.devices)]
     chain = [np.eye(1, target + 1, dtype=bool)[0]]
     for type_sums in sums:
         chain.append(sumset(chain[-1], type_sums.reachable))
@@ -219,7 +219,7 @@ def _exact_by_bitsets(model: StageModel, options: list[_RankOptions], time_s: fl
     left = target
     for i in range(len(sums) - 1, -1, -1):
         share = left * model.devices[i].num_ranks / sum(d.num_ranks for d in model.devices[: i + 1])
-        x = _TypeSums._closest_pair(sums[i].reachable, chain[i], left, share)
+        x = TypeSums._closest_pair(sums[i].reachable, chain[i], left, share)
         per_work: Counter = Counter()
         for delta, count in sums[i].split(x).items():
             per_work[maxima[i] - delta if downward else 1 + delta] += count
