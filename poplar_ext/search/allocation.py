@@ -69,6 +69,11 @@ def finish(model: StageModel, groups: list[list[tuple[int, int, int]]]) -> Alloc
     )
 
 
+def at_steps(model: StageModel, split: list[list[tuple[int, int]]], steps: int) -> PolicyResult:
+    """The allocation of per-type ``(micro_batch, count)`` groups, every rank at `steps` micro-steps."""
+    return PolicyResult(allocation=finish(model, [[(micro, steps, count) for micro, count in g] for g in split]))
+
+
 def batch_problem(model: StageModel, global_batch_size: int) -> str:
     """Why no policy can allocate `global_batch_size` (a sentence), or ``""``."""
     if global_batch_size < model.world_size:

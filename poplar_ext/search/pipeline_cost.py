@@ -56,13 +56,8 @@ def layer_profiles_by_stage(layer_profiles: Sequence[LayerProfile]) -> dict[int,
 @lru_cache(maxsize=4096)
 def _layer_curve_table(samples: tuple[tuple[int, float], ...], max_micro_batch_size: int) -> np.ndarray:
     """One layer's monotone times at sizes 1..max (identical layers share the fit)."""
-    curve = fit_points(
-        [b for b, _ in samples],
-        [t for _, t in samples],
-        device_type="layer",
-        zero_stage=0,
-        max_micro_batch_size=max_micro_batch_size,
-    )
+    sizes, times = zip(*samples)
+    curve = fit_points(sizes, times, device_type="layer", zero_stage=0, max_micro_batch_size=max_micro_batch_size)
     table = curve.table()
     table.flags.writeable = False
     return table

@@ -6,14 +6,7 @@ import numpy as np
 
 from poplar_ext.plan.formats import MAX_GLOBAL_BATCH_SIZE, POLICIES
 
-from .allocation import (
-    Allocation,
-    PolicyResult,
-    batch_problem,
-    divisors,
-    finish,
-    infeasible,
-)
+from .allocation import Allocation, PolicyResult, at_steps, batch_problem, divisors, infeasible
 from .cost import StageModel
 from .poplar_independent import poplar_independent, poplar_independent_best
 from .poplar_synchronised import poplar_synchronised, poplar_synchronised_best
@@ -37,12 +30,7 @@ def _uniform(model: StageModel, global_batch_size: int) -> PolicyResult:
     smallest_cap = min(d.max_micro_batch_size for d in model.devices)
     sizes = divisors(per_rank)
     micro = int(sizes[sizes <= smallest_cap].max())
-    return _uniform_allocation(model, micro, per_rank // micro)
-
-
-def _uniform_allocation(model: StageModel, micro: int, steps: int) -> PolicyResult:
-    groups = [[(micro, steps, d.num_ranks)] for d in model.devices]
-    return PolicyResult(allocation=finish(model, groups))
+    return at_steps(model, [[(micro, d.num_ranks)] for d in model.devices], per_rank // micro)
 
 
 def _uniform_best(model: StageModel, max_batch: int) -> PolicyResult:
@@ -57,7 +45,7 @@ def _uniform_best(model: StageModel, max_batch: int) -> PolicyResult:
     time = steps * slowest + model.boundary_s
     rate = np.where(valid, world * micro * steps / time, -1.0)
     best = int(np.argmax(rate))
-    return _uniform_allocation(model, int(micro[best]), int(steps[best]))
+    return at_steps(model, [[(int(micro[best]), d.num_ranks)] for d in model.devices], int(steps[best]))
 
 
 # -- proportional (Whale)
@@ -114,8 +102,7 @@ def _proportional(model: StageModel, global_batch_size: int) -> PolicyResult:
     for steps in divisors(global_batch_size):
         split = _proportional_split(model, global_batch_size // int(steps))
         if split is not None:
-            groups = [[(micro, int(steps), count) for micro, count in g] for g in split]
-            return PolicyResult(allocation=finish(model, groups))
+            return at_steps(model, split, int(steps))
     return infeasible(
         f"No accumulation count s divides the global batch {global_batch_size} so that B / s lies between "
         f"the {model.world_size} ranks and {model.total_max_micro_batch} (every rank at its largest micro-batch)."
@@ -133,8 +120,7 @@ def _proportional_best(model: StageModel, max_batch: int) -> PolicyResult:
     steps = max(1, max_batch // per_step)
     split = _proportional_split(model, per_step)
     assert split is not None, "per_step lies between the world size and the total cap"
-    groups = [[(micro, steps, count) for micro, count in g] for g in split]
-    return PolicyResult(allocation=finish(model, groups))
+    return at_steps(model, split, steps)
 
 
 # -- The one entry point per question

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .allocation import PolicyResult, batch_problem, divisors, finish, infeasible
+from .allocation import PolicyResult, at_steps, batch_problem, divisors, infeasible
 from .cost import StageModel
 
 
@@ -15,12 +15,9 @@ from .cost import StageModel
 class _Levels:
     """Micro-step time levels and, at each, how many samples every type can take."""
 
-    times_s: np.ndarray
-    """Candidate micro-step times (sorted): every table value at or above the slowest size-1 step."""
-    caps: np.ndarray
-    """caps[d, k]: largest micro-batch of type d whose time is <= times_s[k]."""
-    capacity: np.ndarray
-    """Samples per micro-step with every rank at its cap, per level (non-decreasing)."""
+    times_s: np.ndarray  # Candidate micro-step times (sorted): every table value at or above the slowest size-1 step.
+    caps: np.ndarray  # caps[d, k]: largest micro-batch of type d whose time is <= times_s[k].
+    capacity: np.ndarray  # Samples per micro-step with every rank at its cap, per level (non-decreasing).
 
 
 def _levels(model: StageModel) -> _Levels:
@@ -83,8 +80,7 @@ def poplar_synchronised(model: StageModel, global_batch_size: int) -> PolicyResu
     best = int(np.argmin(times))  # first minimum: the fewest micro-steps among ties
     level = int(np.searchsorted(levels.capacity, per_step[best], side="left"))
     split = _trim(model, levels.caps[:, level], int(per_step[best]))
-    groups = [[(micro, int(steps[best]), count) for micro, count in g] for g in split]
-    return PolicyResult(allocation=finish(model, groups))
+    return at_steps(model, split, int(steps[best]))
 
 
 def poplar_synchronised_best(model: StageModel, max_batch: int) -> PolicyResult:
