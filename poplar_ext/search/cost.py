@@ -252,11 +252,7 @@ def _priced_by(network: NetworkProfile, profile: Profile, zero_stage: int, world
 def included_communication(profile: Profile, network: NetworkProfile) -> IncludedCommunication:
     """What `profile`'s times hold when it was measured over `network` (the profiler records it)."""
     held = _priced_by(network, profile, profile.zero_stage, profile.world_size)
-    return IncludedCommunication(
-        micro_step_exposed_s=held.micro_step_exposed_s,
-        micro_step_overlapped_s=held.micro_step_overlapped_s,
-        boundary_s=held.boundary_s,
-    )
+    return IncludedCommunication(**{f.name: getattr(held, f.name) for f in dataclasses.fields(IncludedCommunication)})
 
 
 def profiled_communication(profile: Profile, network: NetworkProfile) -> StageCommunication:

@@ -343,13 +343,9 @@ def segments(pipelines: Sequence[Pipeline], num_layers: int) -> list[tuple[int, 
     for p, pipeline in enumerate(pipelines):
         for stage in pipeline.stages:
             holders[stage.first_layer : stage.last_layer + 1, p] = stage.rank
-    runs = []
-    start = 0
-    for layer in range(1, num_layers + 1):
-        if layer == num_layers or np.any(holders[layer] != holders[start]):
-            runs.append((start, layer - 1, tuple(holders[start].tolist())))
-            start = layer
-    return runs
+    rows = [tuple(row) for row in holders.tolist()]
+    starts = [0, *(layer for layer in range(1, num_layers) if rows[layer] != rows[layer - 1]), num_layers]
+    return [(first, end - 1, rows[first]) for first, end in zip(starts, starts[1:])]
 
 
 def all_reduce_finish_s(

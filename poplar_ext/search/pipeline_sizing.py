@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -191,11 +192,8 @@ def lower_bound_s(classes: Sequence[PipelineOptions], global_batch_size: int) ->
 
     listed = _listed_breakpoints(classes, global_batch_size)
     if listed is not None:
-        lo, hi = 0, len(listed)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if enough(float(listed[mid])) else (mid + 1, hi)
-        return float(listed[lo]) if lo < len(listed) else math.inf
+        first = bisect.bisect_left(listed, True, key=lambda time_s: enough(float(time_s)))
+        return float(listed[first]) if first < len(listed) else math.inf
     if not enough(_all_options_s(classes, global_batch_size)):
         return math.inf
     lo, hi = 0.0, _all_options_s(classes, global_batch_size)
