@@ -83,12 +83,6 @@ def _unfold(sums: TypeSums, total: int, level: int) -> list[int]:
     return _unfold(sums, total - half, level - 1) + _unfold(sums, half, level - 1)
 
 
-def _only_zero(length: int) -> np.ndarray:
-    zero = np.zeros(length, dtype=bool)
-    zero[0] = True
-    return zero
-
-
 def _split(total: int, left: np.ndarray, right: np.ndarray) -> int:
     """A value y in `right` with ``total - y`` in `left`."""
     ys = np.flatnonzero(right[: total + 1])
@@ -127,19 +121,15 @@ def _exact_at(
     as_deficit = surplus <= global_batch_size
     target = surplus if as_deficit else global_batch_size
     assert target <= MAX_SUMSET, "search_pipeline_plan holds the global batch to MAX_SUMSET"
-    running = _only_zero(target + 1)
-    sumsets, partial = [], []
-    for c, m, w in zip(classes, ms, most):
-        sums = TypeSums(_value_set(c, m, w, target, as_deficit), c.count)
-        sumsets.append(sums)
-        running = sumset(running, sums.reachable)
-        partial.append(running)
-    if not running[target]:
+    sumsets = [TypeSums(_value_set(c, m, w, target, as_deficit), c.count) for c, m, w in zip(classes, ms, most)]
+    partial = [np.eye(1, target + 1, dtype=bool)[0]]  # the sums of the first k classes' picks
+    for sums in sumsets:
+        partial.append(sumset(partial[-1], sums.reachable))
+    if not partial[-1][target]:
         return None
     choices = []
     for k in range(len(classes) - 1, -1, -1):
-        before = partial[k - 1] if k else _only_zero(target + 1)
-        mine = _split(target, before, sumsets[k].reachable)
+        mine = _split(target, partial[k], sumsets[k].reachable)
         target -= mine
         works = [most[k] - v if as_deficit else v for v in _picks(sumsets[k], mine)]
         choices.append(tuple(_fastest_way(classes[k], ms[k], work) for work in works))
