@@ -177,8 +177,8 @@ class StageModel:
         """Per-rank compute time per iteration: ``s_r * t_r(b_r)`` (seconds)."""
         return accumulation_steps * self.rank_micro_step_times_s(micro_batch_sizes)
 
-    def rank_micro_step_times_s(self, micro_batch_sizes: np.ndarray) -> np.ndarray:
-        """Per-rank time of one micro-step at its micro-batch size."""
+    def rank_micro_step_times_s(self, micro_batch_sizes: np.ndarray, *, compute: bool = False) -> np.ndarray:
+        """Per-rank time of one micro-step at its micro-batch size (`compute`: without communication)."""
         micro_batch_sizes = np.asarray(micro_batch_sizes, dtype=np.int64)
         times = np.empty(len(micro_batch_sizes))
         for index, device in enumerate(self.devices):
@@ -189,18 +189,13 @@ class StageModel:
                     f"micro_batch_size: expected 1 to {device.max_micro_batch_size} on {device.device_type} "
                     f"at ZeRO stage {self.zero_stage}, found {int(sizes.min())}..{int(sizes.max())}"
                 )
-            times[mask] = device.step_time_table_s[sizes - 1]
+            table = device.compute_step_time_table_s if compute else None
+            times[mask] = (device.step_time_table_s if table is None else table)[sizes - 1]
         return times
 
     def rank_compute_micro_step_times_s(self, micro_batch_sizes: np.ndarray) -> np.ndarray:
         """Per-rank micro-step time without communication (the same as `rank_micro_step_times_s` without a network)."""
-        times = self.rank_micro_step_times_s(micro_batch_sizes)
-        sizes = np.asarray(micro_batch_sizes, dtype=np.int64)
-        for index, device in enumerate(self.devices):
-            if device.compute_step_time_table_s is not None:
-                mask = self.rank_device_index == index
-                times[mask] = device.compute_step_time_table_s[sizes[mask] - 1]
-        return times
+        return self.rank_micro_step_times_s(micro_batch_sizes, compute=True)
 
     def iteration_time_s(self, micro_batch_sizes: np.ndarray, accumulation_steps: np.ndarray) -> float:
         """Predicted iteration time (seconds) of an allocation under this stage."""
