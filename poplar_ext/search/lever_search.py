@@ -120,9 +120,13 @@ class _Requirements:
     """Each row r: settings whose every optimizer step is at most ``betas[beta[r]]`` and whose
     capacity at ``time_s[r]`` is at least ``need[r]`` samples. A setting that can still win meets a row."""
 
-    beta: np.ndarray  # Index into `_LeverSearch.betas`.
-    time_s: np.ndarray  # Micro-step time (stage 2) or busy time (stages 0-1) at which capacity is counted; inf: any.
-    need: np.ndarray  # Samples.
+    beta: np.ndarray
+    """Index into `_LeverSearch.betas`."""
+    time_s: np.ndarray
+    """Micro-step time (stage 2: capacity is the sum of the largest micro-batches within it) or busy
+    time (stages 0-1: the sum of the most samples each rank can run within it); inf: any."""
+    need: np.ndarray
+    """Samples."""
     batch_need: np.ndarray | None = None
     """Automatic batch without a maximum: the least batch the setting's own default maximum must reach."""
 
@@ -151,13 +155,16 @@ class _Tables:
     """Requirements laid out for the branch and bound over the types with a choice (`free`): a node keeps the rows
     some completion may still meet, with their slack (capacity minus need); a child needs only its parent's rows."""
 
-    slack: np.ndarray  # (R,) capacity of the types without a choice minus the need, in samples.
-    values: list[np.ndarray]  # Per free type j, (options, R): the capacity of each option (-inf where not allowed).
+    slack: np.ndarray
+    """(R,) capacity of the types without a choice minus the need, in samples."""
+    values: list[np.ndarray]
+    """Per free type j, (options, R): the capacity of each option (-inf where not allowed)."""
     suffix: list[np.ndarray]
     """Per j (and one past the last: zeros), (R,): the most capacity free types j.. can add, any number of levers."""
     batch_slack: np.ndarray
     """(R,) the default maximum batch of the types without a choice minus the least one each row needs."""
-    batch_values: list[np.ndarray]  # Per free type j, (options,): each option's share of the default maximum batch.
+    batch_values: list[np.ndarray]
+    """Per free type j, (options,): each option's share of the default maximum batch."""
     batch_suffix: list[float]
     """Per j (and one past the last: 0), the largest default maximum free types j.. can add (a relaxation)."""
 
@@ -241,9 +248,11 @@ class _WorkCurve:
     table: np.ndarray
     low_s: float
     high_s: float
-    breakpoints_s: np.ndarray | None  # None: more than `MAX_BREAKPOINTS`; then each time is looked up on its own.
+    breakpoints_s: np.ndarray | None
+    """None: more than `MAX_BREAKPOINTS`; then each time is looked up on its own."""
     running: np.ndarray
-    below: int  # The most work of the (b, s) that finish before `low_s`.
+    below: int
+    """The most work of the (b, s) that finish before `low_s`."""
 
     @staticmethod
     def over(table: np.ndarray, times_s: np.ndarray) -> _WorkCurve:

@@ -65,9 +65,12 @@ def predict_drifted(
 class _Drifted:
     """A plan's device types priced at the drifted speeds."""
 
-    rank_types: list[str]  # Each rank's derived device type.
-    tables: dict  # Derived device type -> its `LayerTable`.
-    links: Links  # What transfers and all-reduces cost (the network's prices, the cluster's nodes).
+    rank_types: list[str]
+    """Each rank's derived device type."""
+    tables: dict
+    """Derived device type -> its `LayerTable`."""
+    links: Links
+    """What transfers and all-reduces cost (the network's prices, the cluster's nodes)."""
 
     @classmethod
     def of(cls, plan, layer_profiles, cluster, rank_scales, network) -> _Drifted:

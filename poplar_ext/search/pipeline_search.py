@@ -115,8 +115,10 @@ class _Context:
     links: Links
     sizes: np.ndarray
     batch: int
-    types: tuple[str, ...]  # Every rank's device type.
-    fingerprints: dict[str, str]  # Each device type's layer profile fingerprint (for plans).
+    types: tuple[str, ...]
+    """Every rank's device type."""
+    fingerprints: dict[str, str]
+    """Each device type's layer profile fingerprint (for plans)."""
 
     @property
     def num_layers(self) -> int:
@@ -218,7 +220,8 @@ REGIME_MAX_STAGES = 8
 class _ShapeSplits:
     """A shape's balanced splits."""
 
-    regimes: list[tuple[int, BalancedSplits]]  # ``(most micro-batches, splits)``; the first allows any count.
+    regimes: list[tuple[int, BalancedSplits]]
+    """``(most micro-batches, splits)``; the first allows any count."""
 
     @classmethod
     def of(cls, shape: Shape, context: _Context, type_costs: dict) -> _ShapeSplits:

@@ -34,14 +34,17 @@ def shape_of(ranks: Sequence[int], rank_device_types: Sequence[str], links: Link
 class _TypeCosts:
     """One device type's stage costs at every size and layer range, before transfers and memory regime."""
 
-    compute_s: np.ndarray  # ``[size, i, j]``: layers i..j-1 (inf where j <= i).
+    compute_s: np.ndarray
+    """``[size, i, j]``: layers i..j-1 (inf where j <= i)."""
     most_kept: np.ndarray
     """``[i, j]``: the most micro-batch samples (in-flight count x size) whose activations fit beside layers i..j-1."""
-    leaving_bytes: np.ndarray  # ``[l]``: what a boundary before layer l carries per sample (0 before layer 0).
+    leaving_bytes: np.ndarray
+    """``[l]``: what a boundary before layer l carries per sample (0 before layer 0)."""
     free_per_sample_bytes: np.ndarray
     """``[size, i, j]``: memory left beside layers i..j-1 per sample of a micro-batch (rounded down; negative
     where they do not fit)."""
-    kept_bytes: np.ndarray  # ``[i, j]``: kept activations per sample of layers i..j-1.
+    kept_bytes: np.ndarray
+    """``[i, j]``: kept activations per sample of layers i..j-1."""
     input_bytes: np.ndarray
     """``[i]``: what a checkpointed stage from layer i keeps per sample of an in-flight micro-batch."""
 
@@ -158,8 +161,10 @@ UNLIMITED = np.iinfo(np.int64).max // 4
 class _SplitTerms:
     """A given split's stages at every size, each without and with activation checkpointing (``[stage, size]``)."""
 
-    plain_s: np.ndarray  # Compute and transfers per micro-batch.
-    checkpointed_s: np.ndarray  # The same with the forward run again.
+    plain_s: np.ndarray
+    """Compute and transfers per micro-batch."""
+    checkpointed_s: np.ndarray
+    """The same with the forward run again."""
     plain_limit: np.ndarray
     """Memory's limit on the micro-batch count (`UNLIMITED` where S - s in flight fit; 0 where none does)."""
     checkpointed_limit: np.ndarray

@@ -44,9 +44,12 @@ def steps_within(time_s: float, table: np.ndarray) -> np.ndarray:
 class _RankOptions:
     """What one rank of a device type can run within a time: ``b * s`` for each usable ``b``, ``1 <= s <= steps``."""
 
-    sizes: np.ndarray  # Micro-batch sizes with at least one micro-step within the time, ascending.
-    steps: np.ndarray  # The most micro-steps within the time at each of those sizes.
-    most_work: int  # The most samples the rank can run within the time.
+    sizes: np.ndarray
+    """Micro-batch sizes with at least one micro-step within the time, ascending."""
+    steps: np.ndarray
+    """The most micro-steps within the time at each of those sizes."""
+    most_work: int
+    """The most samples the rank can run within the time."""
 
     @property
     def gaps(self) -> np.ndarray:

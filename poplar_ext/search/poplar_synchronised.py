@@ -15,9 +15,12 @@ from .cost import StageModel
 class _Levels:
     """Micro-step time levels and, at each, how many samples every type can take."""
 
-    times_s: np.ndarray  # Candidate micro-step times (sorted): every table value at or above the slowest size-1 step.
-    caps: np.ndarray  # caps[d, k]: largest micro-batch of type d whose time is <= times_s[k].
-    capacity: np.ndarray  # Samples per micro-step with every rank at its cap, per level (non-decreasing).
+    times_s: np.ndarray
+    """Candidate micro-step times (sorted): every table value at or above the slowest size-1 step."""
+    caps: np.ndarray
+    """caps[d, k]: largest micro-batch of type d whose time is <= times_s[k]."""
+    capacity: np.ndarray
+    """Samples per micro-step with every rank at its cap, per level (non-decreasing)."""
 
 
 def _levels(model: StageModel) -> _Levels:
