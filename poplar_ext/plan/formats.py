@@ -1,7 +1,6 @@
 """The three file formats that connect profiling, search and training: profile, cluster description, plan.
 
-All JSON, documented field by field in profiles/README.md. Loaders validate everything and raise `FormatError`
-(``file: field.path: expected X, found Y``); writers produce exactly what the loaders accept. Pure Python.
+JSON, field by field in profiles/README.md; loaders raise `FormatError`, writers produce what they accept.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import os
 import secrets
 import stat
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,94 @@ MAX_SLOWDOWN = 1e4
 """Largest compute slowdown of an emulated device type."""
 MAX_BANDWIDTH_BYTES_PER_S = 1e15
 """Largest bandwidth a file may state (1 PB/s: free); a network fit with no measurable size dependence gets it."""
+
+
+# ----------------------------------------------------------------------------------
+# Reading: every format's objects are read field by field by these
+# ----------------------------------------------------------------------------------
+Reader = Callable[[Node], Any]
+
+
+def _int(minimum: int | None = None, maximum: int | None = None) -> Reader:
+    return lambda node: node.integer(minimum=minimum, maximum=maximum)
+
+
+def _num(minimum: float | None = None, maximum: float | None = None, *, positive: bool = False) -> Reader:
+    return lambda node: node.number(minimum=minimum, maximum=maximum, positive=positive)
+
+
+def _keys(cls: type) -> tuple[str, ...]:
+    """The JSON keys of a format's object: its dataclass's fields (one source for both)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _values(node: Node, cls: type, optional: tuple[str, ...] = (), **readers: Reader) -> dict[str, Any]:
+    """`cls`'s fields read from `node` in the order of `readers`; a field with a default, or in `optional`
+    (then None), may be absent or null (files written before it existed)."""
+    values = {}
+    for name, read in readers.items():
+        spec = cls.__dataclass_fields__[name]  # type: ignore[attr-defined]
+        has_default = spec.default is not dataclasses.MISSING or spec.default_factory is not dataclasses.MISSING
+        child = node.optional(name) if has_default or name in optional else node.field(name)
+        if child is not None:
+            values[name] = read(child)
+        elif not has_default:
+            values[name] = None
+    return values
+
+
+def _read(node: Node, cls: type, optional: tuple[str, ...] = (), **readers: Reader) -> Any:
+    """A `cls` from an object holding no key but its fields (`_values`)."""
+    return cls(**_values(node.obj().keys_within(_keys(cls)), cls, optional, **readers))
+
+
+def _root(data: Any, source: str, cls: type, version: int, *more_keys: str) -> Node:
+    """The top-level object of a file of `cls`, its keys and its ``schema_version`` checked."""
+    root = Node(data, source).obj().keys_within((*_keys(cls), *more_keys))
+    found = root.field("schema_version")
+    if isinstance(found.value, bool) or found.value != version:
+        raise found.fail(f"schema_version {version}")
+    return root
+
+
+def _list(read: Reader, **length: int) -> Reader:
+    return lambda node: tuple(read(item) for item in node.items(**length))
+
+
+def _increasing(nodes: list[Node], sizes: list[int], *, show_previous: bool = True) -> None:
+    """Sample sizes strictly increasing: the curve fit relies on it, and a duplicate size means two
+    measurements were merged wrongly upstream."""
+    for node, size, previous in zip(nodes[1:], sizes[1:], sizes):
+        if size <= previous:
+            shown = f" ({previous})" if show_previous else ""
+            raise node.field("micro_batch_size").fail(f"a micro_batch_size larger than the previous sample's{shown}")
+
+
+def _measured_with(node: Node) -> dict[str, Any]:
+    """``measured_with``: free-form provenance with a ``source``, but JSON that the fingerprint can hash."""
+    node.obj().within_depth(MAX_JSON_DEPTH).field("source").string(choices=PROFILE_SOURCES)
+    return dict(node.value)
+
+
+def _fingerprints(node: Node) -> dict[str, str]:
+    """``profile_fingerprints``: device type -> the fingerprint of the profile a plan was made from."""
+    return {name: child.string() for name, child in node.entries()}
+
+
+def _offload(zero_stage: int) -> Reader:
+    """``optimizer_offload``, which only ZeRO stages 1-2 may set."""
+
+    def read(node: Node) -> bool:
+        if node.boolean() and zero_stage not in OFFLOAD_STAGES:
+            raise node.fail(f"false at ZeRO stage {zero_stage} (poplar-ext offloads the optimizer at stages 1-2 only)")
+        return node.value
+
+    return read
+
+
+def _with_schema_version_first(data: dict[str, Any]) -> dict[str, Any]:
+    """schema_version first: it is the first thing a reader of the file looks for."""
+    return {"schema_version": data.pop("schema_version"), **data}
 
 
 # ----------------------------------------------------------------------------------
@@ -193,35 +281,26 @@ class Profile:
         return content_fingerprint(data)
 
 
-def _keys(cls: type) -> tuple[str, ...]:
-    """The JSON keys of a format's object: its dataclass's fields (one source for both)."""
-    return tuple(f.name for f in dataclasses.fields(cls))
-
-
 MAX_SCHEDULE_ENTRIES = 10_000
 
 
-def _parse_slowdown_schedule(node: Node | None) -> tuple[tuple[int, float, int | None], ...]:
-    if node is None:
-        return ()
-    entries = []
-    for item in node.items(max_length=MAX_SCHEDULE_ENTRIES):
-        values = item.items(min_length=2, max_length=3) if isinstance(item.value, list) else None
-        if values is None:
-            raise item.fail("[optimizer_step, slowdown] or [optimizer_step, slowdown, rank]")
-        step = values[0].integer(minimum=0)
-        slowdown = values[1].number(positive=True, maximum=MAX_SLOWDOWN)
-        rank = values[2].integer(minimum=0, maximum=MAX_WORLD_SIZE - 1) if len(values) == 3 else None
-        entries.append((step, slowdown, rank))
-    return tuple(sorted(entries, key=lambda entry: entry[0]))
+def _schedule_entry(item: Node) -> tuple[int, float, int | None]:
+    if not isinstance(item.value, list):
+        raise item.fail("[optimizer_step, slowdown] or [optimizer_step, slowdown, rank]")
+    values = item.items(min_length=2, max_length=3)
+    step = values[0].integer(minimum=0)
+    slowdown = values[1].number(positive=True, maximum=MAX_SLOWDOWN)
+    return step, slowdown, values[2].integer(minimum=0, maximum=MAX_WORLD_SIZE - 1) if len(values) == 3 else None
 
 
-def _parse_emulation(node: Node) -> Emulation:
-    node.keys_within(_keys(Emulation))
-    return Emulation(
-        slowdown=node.field("slowdown").number(positive=True, maximum=MAX_SLOWDOWN),
-        memory_capacity_bytes=node.field("memory_capacity_bytes").integer(minimum=1, maximum=MAX_BYTES),
-        slowdown_schedule=_parse_slowdown_schedule(node.optional("slowdown_schedule")),
+def _emulation(node: Node) -> Emulation:
+    schedule = _list(_schedule_entry, max_length=MAX_SCHEDULE_ENTRIES)
+    return _read(
+        node,
+        Emulation,
+        slowdown=_num(positive=True, maximum=MAX_SLOWDOWN),
+        memory_capacity_bytes=_int(1, MAX_BYTES),
+        slowdown_schedule=lambda n: tuple(sorted(schedule(n), key=lambda entry: entry[0])),
     )
 
 
@@ -237,106 +316,58 @@ def emulation_to_dict(emulation: Emulation) -> dict[str, Any]:
     return data
 
 
-def _check_schema_version(root: Node, expected: int) -> None:
-    version = root.field("schema_version")
-    if isinstance(version.value, bool) or version.value != expected:
-        raise version.fail(f"schema_version {expected}")
+def _model_info(node: Node) -> ModelInfo:
+    """The ``model`` object of a profile or a layer profile."""
+    return _read(
+        node,
+        ModelInfo,
+        name=Node.string,
+        fingerprint=Node.string,
+        num_parameters=_int(1, MAX_BYTES),
+        dtype=lambda n: n.string(choices=DTYPES),
+        sequence_length=_int(1, MAX_BYTES),
+    )
 
 
 def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
     """Validate parsed JSON and build a `Profile`; raises `FormatError`."""
-    root = Node(data, source).obj().keys_within(_keys(Profile))
-    _check_schema_version(root, PROFILE_SCHEMA_VERSION)
+    root = _root(data, source, Profile, PROFILE_SCHEMA_VERSION)
     model = _model_info(root.field("model"))
     max_mbs_node = root.field("max_micro_batch_size")
     max_mbs = max_mbs_node.integer(minimum=0, maximum=MAX_MICRO_BATCH_SIZE)
     sample_nodes = root.field("samples").items(min_length=0 if max_mbs == 0 else 1)
-    samples: list[Sample] = []
-    for node in sample_nodes:
-        node.obj().keys_within(_keys(Sample))
-        samples.append(
-            Sample(
-                micro_batch_size=node.field("micro_batch_size").integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
-                micro_step_time_s=node.field("micro_step_time_s").number(minimum=MIN_TIME_S, maximum=MAX_TIME_S),
-                peak_memory_bytes=node.field("peak_memory_bytes").integer(minimum=1, maximum=MAX_BYTES),
-            )
-        )
-    _check_increasing(sample_nodes, [s.micro_batch_size for s in samples])
+    sample = {"micro_batch_size": _int(1, MAX_MICRO_BATCH_SIZE), "micro_step_time_s": _num(MIN_TIME_S, MAX_TIME_S)}
+    samples = [_read(node, Sample, **sample, peak_memory_bytes=_int(1, MAX_BYTES)) for node in sample_nodes]
+    _increasing(sample_nodes, [s.micro_batch_size for s in samples])
     if samples and samples[-1].micro_batch_size > max_mbs:
         raise max_mbs_node.fail(f"at least the largest sampled micro_batch_size ({samples[-1].micro_batch_size})")
-    emulated_node = root.optional("emulated")
-    provenance = _measured_with(root)
     zero_stage = root.field("zero_stage").integer(minimum=0, maximum=3)
-    return Profile(
-        device_type=root.field("device_type").string(),
-        memory_capacity_bytes=root.field("memory_capacity_bytes").integer(minimum=1, maximum=MAX_BYTES),
-        zero_stage=zero_stage,
-        world_size=root.field("world_size").integer(minimum=1, maximum=MAX_WORLD_SIZE),
-        model=model,
-        max_micro_batch_size=max_mbs,
-        samples=tuple(samples),
-        optimizer_step_time_s=root.field("optimizer_step_time_s").number(minimum=0.0, maximum=MAX_TIME_S),
-        emulated=None if emulated_node is None else _parse_emulation(emulated_node.obj()),
-        measured_with=provenance,
-        activation_checkpointing=_optional_boolean(root, "activation_checkpointing"),
-        optimizer_offload=_offload(root, zero_stage),
-        included_communication=_included_communication(root.optional("included_communication")),
+    included = {key: _num(0.0, MAX_TIME_S) for key in _keys(IncludedCommunication)}
+    values = _values(
+        root,
+        Profile,
+        ("emulated",),
+        measured_with=_measured_with,
+        device_type=Node.string,
+        memory_capacity_bytes=_int(1, MAX_BYTES),
+        world_size=_int(1, MAX_WORLD_SIZE),
+        optimizer_step_time_s=_num(0.0, MAX_TIME_S),
+        emulated=_emulation,
+        activation_checkpointing=Node.boolean,
+        optimizer_offload=_offload(zero_stage),
+        included_communication=lambda n: _read(n, IncludedCommunication, **included),
     )
-
-
-def _check_increasing(nodes: list[Node], sizes: list[int], *, show_previous: bool = True) -> None:
-    """Sample sizes strictly increasing: the curve fit relies on it, and a duplicate size means two
-    measurements were merged wrongly upstream."""
-    for node, size, previous in zip(nodes[1:], sizes[1:], sizes):
-        if size <= previous:
-            shown = f" ({previous})" if show_previous else ""
-            raise node.field("micro_batch_size").fail(f"a micro_batch_size larger than the previous sample's{shown}")
-
-
-def _model_info(node: Node) -> ModelInfo:
-    """The ``model`` object of a profile or a layer profile."""
-    node.obj().keys_within(_keys(ModelInfo))
-    seq = node.optional("sequence_length")
-    return ModelInfo(
-        name=node.field("name").string(),
-        fingerprint=node.field("fingerprint").string(),
-        num_parameters=node.field("num_parameters").integer(minimum=1, maximum=MAX_BYTES),
-        dtype=node.field("dtype").string(choices=DTYPES),
-        sequence_length=None if seq is None else seq.integer(minimum=1, maximum=MAX_BYTES),
-    )
-
-
-def _measured_with(root: Node) -> dict[str, Any]:
-    """``measured_with``: free-form provenance with a ``source``, but JSON that the fingerprint can hash."""
-    provenance = root.field("measured_with").obj().within_depth(MAX_JSON_DEPTH)
-    provenance.field("source").string(choices=PROFILE_SOURCES)
-    return dict(provenance.value)
-
-
-def _prediction(node: Node) -> Prediction:
-    """The ``predicted`` object of a plan or a pipeline plan."""
-    node.obj().keys_within(_keys(Prediction))
-    return Prediction(**{key: node.field(key).number(positive=True) for key in _keys(Prediction)})
-
-
-def _included_communication(node: Node | None) -> IncludedCommunication | None:
-    if node is None:
-        return None
-    node.obj().keys_within(_keys(IncludedCommunication))
-    return IncludedCommunication(
-        **{key: node.field(key).number(minimum=0.0, maximum=MAX_TIME_S) for key in _keys(IncludedCommunication)}
-    )
+    return Profile(**values, zero_stage=zero_stage, model=model, max_micro_batch_size=max_mbs, samples=tuple(samples))
 
 
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
     """The JSON form of a profile (the inverse of `profile_from_dict`)."""
     data = dataclasses.asdict(profile)
-    data["samples"] = [dataclasses.asdict(s) for s in profile.samples]
+    data["samples"] = list(data["samples"])
     data["emulated"] = None if profile.emulated is None else emulation_to_dict(profile.emulated)
     if profile.included_communication is None:
         del data["included_communication"]  # as files written before it: their fingerprints stay
-    # schema_version first: it is the first thing a reader of the file looks for.
-    return {"schema_version": data.pop("schema_version"), **data}
+    return _with_schema_version_first(data)
 
 
 # ----------------------------------------------------------------------------------
@@ -397,76 +428,60 @@ class Cluster:
 
 def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
     """Validate parsed JSON and build a `Cluster`; raises `FormatError`."""
-    root = Node(data, source).obj().keys_within(_keys(Cluster))
-    _check_schema_version(root, CLUSTER_SCHEMA_VERSION)
-    nodes: list[ClusterNode] = []
-    seen_names: set[str] = set()
+    root = _root(data, source, Cluster, CLUSTER_SCHEMA_VERSION)
+    names: set[str] = set()
     world_size = 0
-    for node in root.field("nodes").items(min_length=1):
-        node.obj().keys_within(_keys(ClusterNode))
-        name_node = node.field("name")
-        name = name_node.string()
-        if name in seen_names:
-            raise name_node.fail("a node name not used by an earlier node")
-        seen_names.add(name)
-        groups = []
-        for g in node.field("devices").items(min_length=1):
-            g.obj().keys_within(_keys(DeviceGroup))
-            count_node = g.field("count")
-            count = count_node.integer(minimum=1, maximum=MAX_WORLD_SIZE)
-            world_size += count
-            if world_size > MAX_WORLD_SIZE:
-                raise count_node.fail(
-                    f"a count that keeps the cluster within {MAX_WORLD_SIZE} ranks (the search's limit)"
-                )
-            groups.append(DeviceGroup(device_type=g.field("device_type").string(), count=count))
-        uplink = node.optional("uplink_bandwidth_bytes_per_s")
-        nodes.append(
-            ClusterNode(
-                name=name,
-                devices=tuple(groups),
-                uplink_bandwidth_bytes_per_s=(
-                    None if uplink is None else uplink.number(positive=True, maximum=MAX_BANDWIDTH_BYTES_PER_S)
-                ),
-            )
-        )
+
+    def name(node: Node) -> str:
+        if node.string() in names:
+            raise node.fail("a node name not used by an earlier node")
+        names.add(node.value)
+        return node.value
+
+    def count(node: Node) -> int:
+        nonlocal world_size
+        world_size += node.integer(minimum=1, maximum=MAX_WORLD_SIZE)
+        if world_size > MAX_WORLD_SIZE:
+            raise node.fail(f"a count that keeps the cluster within {MAX_WORLD_SIZE} ranks (the search's limit)")
+        return node.value
+
+    group = {"device_type": Node.string, "count": count}
+    nodes = _list(
+        lambda node: _read(
+            node,
+            ClusterNode,
+            name=name,
+            devices=_list(lambda g: _read(g, DeviceGroup, **group), min_length=1),
+            uplink_bandwidth_bytes_per_s=_num(positive=True, maximum=MAX_BANDWIDTH_BYTES_PER_S),
+        ),
+        min_length=1,
+    )(root.field("nodes"))
     device_types: dict[str, DeviceTypeInfo] = {}
     types_node = root.optional("device_types")
     used = {g.device_type for n in nodes for g in n.devices}
-    if types_node is not None:
-        for type_name, info in types_node.entries():
-            if type_name not in used:
-                raise info.fail("a device type that some node uses", raw_found=f"{type_name!r}, which no node lists")
-            emulation = info.obj().keys_within(_keys(DeviceTypeInfo)).optional("emulation")
-            device_types[type_name] = DeviceTypeInfo(
-                emulation=None if emulation is None else _parse_emulation(emulation.obj())
-            )
-    cluster = Cluster(nodes=tuple(nodes), device_types=device_types)
-    if types_node is not None:
-        _check_schedule_ranks(cluster, types_node)
+    for type_name, info in types_node.entries() if types_node is not None else ():
+        if type_name not in used:
+            raise info.fail("a device type that some node uses", raw_found=f"{type_name!r}, which no node lists")
+        device_types[type_name] = _read(info, DeviceTypeInfo, emulation=_emulation)
+    cluster = Cluster(nodes=nodes, device_types=device_types)
+    _check_schedule_ranks(cluster, types_node)
     return cluster
 
 
-def _check_schedule_ranks(cluster: Cluster, types_node: Node) -> None:
+def _check_schedule_ranks(cluster: Cluster, types_node: Node | None) -> None:
     """A ``slowdown_schedule`` entry for one rank must name a rank of its device type."""
-    rank_types = cluster.rank_device_types
     for type_name, info in cluster.device_types.items():
         schedule = info.emulation.slowdown_schedule if info.emulation else ()
         ranks = {rank for _, _, rank in schedule if rank is not None}
-        if not ranks:
-            continue
-        ranks_of_type = [r for r, t in enumerate(rank_types) if t == type_name]
+        ranks_of_type = [r for r, t in enumerate(cluster.rank_device_types) if t == type_name]
         stray = min(ranks - set(ranks_of_type), default=None)
-        if stray is not None:
+        if stray is not None and types_node is not None:
             shown = ", ".join(map(str, ranks_of_type[:8])) + (", ..." if len(ranks_of_type) > 8 else "")
             raise (
                 types_node.child(type_name)
                 .child("emulation")
                 .child("slowdown_schedule")
-                .fail(
-                    f"entries whose rank is one of {type_name!r}'s ranks ({shown})",
-                    raw_found=f"rank {stray}",
-                )
+                .fail(f"entries whose rank is one of {type_name!r}'s ranks ({shown})", raw_found=f"rank {stray}")
             )
 
 
@@ -553,53 +568,58 @@ class Plan:
         return tuple(r.device_type for r in self.ranks)
 
 
+def _prediction(node: Node) -> Prediction:
+    """The ``predicted`` object of a plan or a pipeline plan."""
+    return _read(node, Prediction, **dict.fromkeys(_keys(Prediction), _num(positive=True)))
+
+
+def _total(node: Node, total: int, what: str) -> int:
+    """``global_batch_size``, which must be `total`, the sum over the plan's `what`."""
+    if node.integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE) != total:
+        raise node.fail(f"the sum over {what} ({total})")
+    return total
+
+
 def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
     """Validate parsed JSON and build a `Plan`; raises `FormatError`.
 
     Checks the plan's own consistency (ranks numbered 0..N-1 in order, samples sum to the global batch). Whether it
     suits a given stage, cluster and device memory is checked where those are known (`search.check_plan`, the runtime).
     """
-    root = Node(data, source).obj()
-    parallelism = root.optional("parallelism")
+    parallelism = Node(data, source).obj().optional("parallelism")
     if parallelism is not None:
         # pipeline plans have their own reader: poplar_ext.plan.pipeline_formats.any_plan_from_dict
         parallelism.string(choices=("zero",))
-    root.keys_within((*_keys(Plan), "parallelism"))
-    _check_schema_version(root, PLAN_SCHEMA_VERSION)
+    root = _root(data, source, Plan, PLAN_SCHEMA_VERSION, "parallelism")
     zero_stage = root.field("zero_stage").integer(minimum=0, maximum=3)
-    ranks: list[RankPlan] = []
+    ranks = []
     for index, node in enumerate(root.field("ranks").items(min_length=1, max_length=MAX_WORLD_SIZE)):
-        node.obj().keys_within(_keys(RankPlan))
-        rank_node = node.field("rank")
-        if rank_node.integer(minimum=0) != index:
-            raise rank_node.fail(f"rank {index} (ranks listed in order from 0)")
-        ranks.append(
-            RankPlan(
-                rank=index,
-                device_type=node.field("device_type").string(),
-                micro_batch_size=node.field("micro_batch_size").integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
-                gradient_accumulation_steps=node.field("gradient_accumulation_steps").integer(
-                    minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE
-                ),
-                activation_checkpointing=_optional_boolean(node, "activation_checkpointing"),
-                optimizer_offload=_offload(node, zero_stage),
-            )
+        rank = _read(
+            node,
+            RankPlan,
+            rank=_int(0),
+            device_type=Node.string,
+            micro_batch_size=_int(1, MAX_MICRO_BATCH_SIZE),
+            gradient_accumulation_steps=_int(1, MAX_GLOBAL_BATCH_SIZE),
+            activation_checkpointing=Node.boolean,
+            optimizer_offload=_offload(zero_stage),
         )
-    gbs_node = root.field("global_batch_size")
-    global_batch_size = gbs_node.integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE)
+        if rank.rank != index:
+            raise node.field("rank").fail(f"rank {index} (ranks listed in order from 0)")
+        ranks.append(rank)
     total = sum(r.samples_per_iteration for r in ranks)
-    if total != global_batch_size:
-        raise gbs_node.fail(f"the sum over ranks of micro_batch_size * gradient_accumulation_steps ({total})")
-    predicted = root.field("predicted").obj().keys_within(_keys(Prediction))
-    profile_fingerprints = _fingerprints(root)
     return Plan(
-        policy=root.field("policy").string(choices=POLICIES),
+        **_values(
+            root,
+            Plan,
+            global_batch_size=lambda n: _total(n, total, "ranks of micro_batch_size * gradient_accumulation_steps"),
+            predicted=_prediction,
+            profile_fingerprints=_fingerprints,
+            policy=lambda n: n.string(choices=POLICIES),
+            calibration=_calibration,
+        ),
         zero_stage=zero_stage,
-        global_batch_size=global_batch_size,
         ranks=tuple(ranks),
-        predicted=_prediction(predicted),
-        profile_fingerprints=profile_fingerprints,
-        calibration=_calibration(root.optional("calibration")),
     )
 
 
@@ -607,10 +627,8 @@ CALIBRATION_OUTCOMES = ("trusted", "rescaled", "remeasured", "not checked")
 """`Plan.calibration`'s outcomes (`poplar_ext.profiler.calibration` decides them)."""
 
 
-def _calibration(node: Node | None) -> dict[str, dict[str, Any]]:
+def _calibration(node: Node) -> dict[str, dict[str, Any]]:
     """``calibration`` (absent in plans written before it, or made without a check: empty)."""
-    if node is None:
-        return {}
     checks = {}
     for device_type, entry in node.entries():
         entry.obj().keys_within(("outcome", "measured_over_profiled", "sizes"))
@@ -622,42 +640,20 @@ def _calibration(node: Node | None) -> dict[str, dict[str, Any]]:
     return checks
 
 
-def _fingerprints(root: Node) -> dict[str, str]:
-    """``profile_fingerprints``: device type -> the fingerprint of the profile a plan was made from."""
-    return {name: node.string() for name, node in root.field("profile_fingerprints").entries()}
-
-
-def _optional_boolean(node: Node, key: str) -> bool:
-    """A boolean field that files written before it existed leave out (false)."""
-    child = node.optional(key)
-    return False if child is None else child.boolean()
-
-
-def _offload(node: Node, zero_stage: int) -> bool:
-    """``optimizer_offload`` (absent: false), which only ZeRO stages 1-2 may set."""
-    offload = _optional_boolean(node, "optimizer_offload")
-    if offload and zero_stage not in OFFLOAD_STAGES:
-        raise node.field("optimizer_offload").fail(
-            f"false at ZeRO stage {zero_stage} (poplar-ext offloads the optimizer at stages 1-2 only)"
-        )
-    return offload
-
-
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """The JSON form of a plan."""
     data = dataclasses.asdict(plan)
-    data["ranks"] = [dataclasses.asdict(r) for r in plan.ranks]
+    data["ranks"] = list(data["ranks"])
     if not plan.calibration:
         del data["calibration"]  # plans without a check read as before
-    return {"schema_version": data.pop("schema_version"), **data}
+    return _with_schema_version_first(data)
 
 
 # ----------------------------------------------------------------------------------
 # Files
 # ----------------------------------------------------------------------------------
 class _DuplicateKey(Exception):
-    def __init__(self, key: str) -> None:
-        self.key = key
+    """A key given twice in a JSON object: ``args[0]``."""
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -687,7 +683,7 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     except json.JSONDecodeError as exc:
         raise FormatError(str(path), f"(line {exc.lineno}, column {exc.colno})", "valid JSON", exc.msg) from exc
     except _DuplicateKey as exc:
-        raise FormatError(str(path), "(file)", "each key once in an object", f"the key {exc.key!r} twice") from None
+        raise FormatError(str(path), "(file)", "each key once in an object", f"the key {exc.args[0]!r} twice") from None
     except RecursionError:
         data = None
     if data is None and text.strip() != "null" or json_depth(data) > MAX_JSON_DEPTH:

@@ -18,10 +18,14 @@ from poplar_ext.plan.formats import (
     MAX_BYTES,
     MAX_TIME_S,
     MAX_WORLD_SIZE,
-    PROFILE_SOURCES,
     Cluster,
-    _check_schema_version,
-    _keys,
+    _int,
+    _list,
+    _measured_with,
+    _num,
+    _read,
+    _root,
+    _values,
     cluster_to_dict,
     content_fingerprint,
     json_ready,
@@ -162,61 +166,34 @@ def network_to_dict(network: NetworkProfile) -> dict[str, Any]:
     return {"schema_version": data.pop("schema_version"), "kind": NETWORK_KIND, **data}
 
 
-def _parse_fits(node: Node) -> dict[str, CollectiveFit]:
-    collectives_node = node.obj().keys_within(COLLECTIVES)
-    collectives = {}
-    for name in COLLECTIVES:
-        fit_node = collectives_node.field(name).obj().keys_within(_keys(CollectiveFit))
-        samples_node = fit_node.optional("samples")
-        samples = ()
-        if samples_node is not None:
-            samples = tuple(
-                CollectiveSample(
-                    message_bytes=item.obj()
-                    .keys_within(_keys(CollectiveSample))
-                    .field("message_bytes")
-                    .integer(minimum=1, maximum=MAX_BYTES),
-                    time_s=item.field("time_s").number(positive=True, maximum=MAX_TIME_S),
-                )
-                for item in samples_node.items(max_length=1000)
-            )
-        collectives[name] = CollectiveFit(
-            latency_s=fit_node.field("latency_s").number(minimum=0.0, maximum=MAX_TIME_S),
-            bus_bandwidth_bytes_per_s=fit_node.field("bus_bandwidth_bytes_per_s").number(
-                positive=True, maximum=MAX_BANDWIDTH_BYTES_PER_S
-            ),
-            samples=samples,
-        )
-    return collectives
+def _fits(node: Node) -> dict[str, CollectiveFit]:
+    sample = {"message_bytes": _int(1, MAX_BYTES), "time_s": _num(positive=True, maximum=MAX_TIME_S)}
+    fit = {
+        "latency_s": _num(0.0, MAX_TIME_S),
+        "bus_bandwidth_bytes_per_s": _num(positive=True, maximum=MAX_BANDWIDTH_BYTES_PER_S),
+        "samples": _list(lambda n: _read(n, CollectiveSample, **sample), max_length=1000),
+    }
+    node.obj().keys_within(COLLECTIVES)
+    return {name: _read(node.field(name), CollectiveFit, **fit) for name in COLLECTIVES}
 
 
 def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile:
     """Validate parsed JSON and build a `NetworkProfile`; raises `FormatError`."""
-    root = Node(data, source).obj().keys_within((*_keys(NetworkProfile), "kind"))
-    _check_schema_version(root, NETWORK_SCHEMA_VERSION)
+    root = _root(data, source, NetworkProfile, NETWORK_SCHEMA_VERSION, "kind")
     root.field("kind").string(choices=(NETWORK_KIND,))
-    collectives = _parse_fits(root.field("collectives"))
-    scopes = {}
-    scopes_node = root.optional("scopes")
-    if scopes_node is not None:
-        scopes_node.obj().keys_within(SCOPES)
-        for name, scope_node in scopes_node.entries():
-            scope_node.obj().keys_within(_keys(NetworkScope))
-            scopes[name] = NetworkScope(
-                group_size=scope_node.field("group_size").integer(minimum=2, maximum=MAX_WORLD_SIZE),
-                collectives=_parse_fits(scope_node.field("collectives")),
-            )
-    provenance = root.field("measured_with").obj()
-    provenance.field("source").string(choices=PROFILE_SOURCES)
-    return NetworkProfile(
-        cluster_key=root.field("cluster_key").string(),
-        world_size=root.field("world_size").integer(minimum=1, maximum=MAX_WORLD_SIZE),
-        num_nodes=root.field("num_nodes").integer(minimum=1, maximum=MAX_WORLD_SIZE),
-        backend=root.field("backend").string(),
-        collectives=collectives,
-        measured_with=dict(provenance.value),
-        scopes=scopes,
+    scope = {"group_size": _int(2, MAX_WORLD_SIZE), "collectives": _fits}
+    values = _values(
+        root,
+        NetworkProfile,
+        collectives=_fits,
+        scopes=lambda n: {k: _read(v, NetworkScope, **scope) for k, v in n.obj().keys_within(SCOPES).entries()},
+        measured_with=_measured_with,
+        cluster_key=Node.string,
+        world_size=_int(1, MAX_WORLD_SIZE),
+        num_nodes=_int(1, MAX_WORLD_SIZE),
+        backend=Node.string,
     )
+    return NetworkProfile(**values)
 
 
 def load_network(path: str | os.PathLike[str]) -> NetworkProfile:

@@ -26,16 +26,21 @@ from .formats import (
     ModelInfo,
     Plan,
     Prediction,
-    _check_increasing,
+    _emulation,
     _fingerprints,
+    _increasing,
+    _int,
     _keys,
     _measured_with,
     _model_info,
     _not_a_directory,
-    _optional_boolean,
-    _parse_emulation,
+    _num,
     _prediction,
+    _read,
+    _root,
     _some,
+    _total,
+    _values,
     content_fingerprint,
     emulation_to_dict,
     json_ready,
@@ -56,12 +61,6 @@ PIPELINE_POLICY = "poplar"
 LAYERS_DIR = "layers"
 """Where a profile directory keeps its layer profiles."""
 MAX_LAYERS = 100_000
-
-
-def _check_version(root: Node, expected: int) -> None:
-    version = root.field("schema_version")
-    if version.integer() != expected:
-        raise version.fail(f"schema_version {expected}")
 
 
 def _pipeline_zero_stage(node: Node) -> int:
@@ -135,63 +134,56 @@ class LayerProfile:
         return content_fingerprint(layer_profile_to_dict(self))
 
 
-def _layer_from_node(node: Node, index: int) -> LayerCost:
-    node.obj().keys_within(_keys(LayerCost))
-    index_node = node.field("index")
-    if index_node.integer(minimum=0) != index:
-        raise index_node.fail(f"{index} (layers listed in order from 0)")
-    samples = []
-    sample_nodes = node.field("samples").items(min_length=1)
-    for sample_node in sample_nodes:
-        sample_node.obj().keys_within(_keys(LayerSample))
-        samples.append(
-            LayerSample(
-                micro_batch_size=sample_node.field("micro_batch_size").integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
-                step_time_s=sample_node.field("step_time_s").number(minimum=MIN_TIME_S, maximum=MAX_TIME_S),
-            )
-        )
-    _check_increasing(sample_nodes, [s.micro_batch_size for s in samples], show_previous=False)
-
-    def size(key: str) -> int:
-        return node.field(key).integer(minimum=0, maximum=MAX_BYTES)
-
-    return LayerCost(
-        index=index,
-        name=node.field("name").string(),
-        samples=tuple(samples),
-        parameter_bytes=size("parameter_bytes"),
-        optimizer_state_bytes=size("optimizer_state_bytes"),
-        activation_bytes_per_sample=size("activation_bytes_per_sample"),
-        output_bytes_per_sample=size("output_bytes_per_sample"),
-        optimizer_step_time_s=node.field("optimizer_step_time_s").number(minimum=0.0, maximum=MAX_TIME_S),
+def _layer(node: Node, index: int) -> LayerCost:
+    sample = {"micro_batch_size": _int(1, MAX_MICRO_BATCH_SIZE), "step_time_s": _num(MIN_TIME_S, MAX_TIME_S)}
+    sample_nodes = node.obj().keys_within(_keys(LayerCost)).field("samples").items(min_length=1)
+    samples = tuple(_read(n, LayerSample, **sample) for n in sample_nodes)
+    _increasing(sample_nodes, [s.micro_batch_size for s in samples], show_previous=False)
+    size = _int(0, MAX_BYTES)
+    layer = LayerCost(
+        **_values(
+            node,
+            LayerCost,
+            index=_int(0),
+            name=Node.string,
+            parameter_bytes=size,
+            optimizer_state_bytes=size,
+            activation_bytes_per_sample=size,
+            output_bytes_per_sample=size,
+            optimizer_step_time_s=_num(0.0, MAX_TIME_S),
+        ),
+        samples=samples,
     )
+    if layer.index != index:
+        raise node.field("index").fail(f"{index} (layers listed in order from 0)")
+    return layer
 
 
 def layer_profile_from_dict(data: Any, *, source: str = "<layer profile>") -> LayerProfile:
     """Validate parsed JSON and build a `LayerProfile`; raises `FormatError`."""
-    root = Node(data, source).obj().keys_within(_keys(LayerProfile))
-    _check_version(root, LAYER_PROFILE_SCHEMA_VERSION)
+    root = _root(data, source, LayerProfile, LAYER_PROFILE_SCHEMA_VERSION)
     model = _model_info(root.field("model"))
-    layer_nodes = root.field("layers").items(min_length=1, max_length=MAX_LAYERS)
-    provenance = _measured_with(root)
-    emulated = root.optional("emulated")
-    return LayerProfile(
-        device_type=root.field("device_type").string(),
-        memory_capacity_bytes=root.field("memory_capacity_bytes").integer(minimum=1, maximum=MAX_BYTES),
-        zero_stage=_pipeline_zero_stage(root.field("zero_stage")),
-        model=model,
-        layers=tuple(_layer_from_node(node, i) for i, node in enumerate(layer_nodes)),
-        base_memory_bytes=root.field("base_memory_bytes").integer(minimum=0, maximum=MAX_BYTES),
-        emulated=None if emulated is None else _parse_emulation(emulated.obj()),
-        measured_with=provenance,
+    layers = root.field("layers").items(min_length=1, max_length=MAX_LAYERS)
+    values = _values(
+        root,
+        LayerProfile,
+        ("emulated",),
+        measured_with=_measured_with,
+        device_type=Node.string,
+        memory_capacity_bytes=_int(1, MAX_BYTES),
+        zero_stage=_pipeline_zero_stage,
+        base_memory_bytes=_int(0, MAX_BYTES),
+        emulated=_emulation,
     )
+    return LayerProfile(**values, model=model, layers=tuple(_layer(node, i) for i, node in enumerate(layers)))
 
 
 def layer_profile_to_dict(profile: LayerProfile) -> dict[str, Any]:
     data = json_ready(asdict(profile))
-    data["emulated"] = None if profile.emulated is None else emulation_to_dict(profile.emulated)
-    if data["emulated"] is None:
+    if profile.emulated is None:
         del data["emulated"]
+    else:
+        data["emulated"] = emulation_to_dict(profile.emulated)
     return data
 
 
@@ -296,26 +288,26 @@ class PipelinePlan:
         return tuple(types[r] for r in range(self.world_size))
 
 
-def _stage_from_node(node: Node, num_layers: int) -> PipelineStage:
-    node.obj().keys_within(_keys(PipelineStage))
-    first = node.field("first_layer").integer(minimum=0, maximum=num_layers - 1)
-    last_node = node.field("last_layer")
-    last = last_node.integer(minimum=0, maximum=num_layers - 1)
-    if last < first:
-        raise last_node.fail(f"a layer at or after first_layer ({first})")
-    return PipelineStage(
-        rank=node.field("rank").integer(minimum=0, maximum=MAX_WORLD_SIZE - 1),
-        device_type=node.field("device_type").string(),
-        first_layer=first,
-        last_layer=last,
-        activation_checkpointing=_optional_boolean(node, "activation_checkpointing"),
+def _stage(node: Node, num_layers: int) -> PipelineStage:
+    layer = _int(0, num_layers - 1)
+    rank = _int(0, MAX_WORLD_SIZE - 1)
+    stage = _read(
+        node,
+        PipelineStage,
+        first_layer=layer,
+        last_layer=layer,
+        rank=rank,
+        device_type=Node.string,
+        activation_checkpointing=Node.boolean,
     )
+    if stage.last_layer < stage.first_layer:
+        raise node.field("last_layer").fail(f"a layer at or after first_layer ({stage.first_layer})")
+    return stage
 
 
-def _pipeline_from_node(node: Node, num_layers: int) -> Pipeline:
-    node.obj().keys_within(_keys(Pipeline))
-    stage_nodes = node.field("stages").items(min_length=1, max_length=num_layers)
-    stages = tuple(_stage_from_node(n, num_layers) for n in stage_nodes)
+def _pipeline(node: Node, num_layers: int) -> Pipeline:
+    stage_nodes = node.obj().keys_within(_keys(Pipeline)).field("stages").items(min_length=1, max_length=num_layers)
+    stages = tuple(_stage(n, num_layers) for n in stage_nodes)
     expected_first = 0
     for stage, stage_node in zip(stages, stage_nodes):
         if stage.first_layer != expected_first:
@@ -325,11 +317,8 @@ def _pipeline_from_node(node: Node, num_layers: int) -> Pipeline:
         expected_first = stage.last_layer + 1
     if expected_first != num_layers:
         raise stage_nodes[-1].field("last_layer").fail(f"{num_layers - 1}, the model's last layer (num_layers)")
-    return Pipeline(
-        stages=stages,
-        micro_batch_size=node.field("micro_batch_size").integer(minimum=1, maximum=MAX_MICRO_BATCH_SIZE),
-        num_micro_batches=node.field("num_micro_batches").integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE),
-    )
+    counts = {"micro_batch_size": _int(1, MAX_MICRO_BATCH_SIZE), "num_micro_batches": _int(1, MAX_GLOBAL_BATCH_SIZE)}
+    return Pipeline(**_values(node, Pipeline, **counts), stages=stages)
 
 
 def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> PipelinePlan:
@@ -339,12 +328,11 @@ def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> Pi
     layers in order, the global batch the pipelines' sum, ZeRO stage 0 or 1. Whether it suits a cluster and the devices'
     memory is checked where those are known (`poplar_ext.search.pipeline_search.check_pipeline_plan`, the runtime).
     """
-    root = Node(data, source).obj().keys_within(_keys(PipelinePlan))
-    _check_version(root, PIPELINE_PLAN_SCHEMA_VERSION)
+    root = _root(data, source, PipelinePlan, PIPELINE_PLAN_SCHEMA_VERSION)
     root.field("parallelism").string(choices=("pipeline",))
     num_layers = root.field("num_layers").integer(minimum=1, maximum=MAX_LAYERS)
     pipeline_nodes = root.field("pipelines").items(min_length=1, max_length=MAX_WORLD_SIZE)
-    pipelines = tuple(_pipeline_from_node(n, num_layers) for n in pipeline_nodes)
+    pipelines = tuple(_pipeline(n, num_layers) for n in pipeline_nodes)
     stages_of_rank = Counter(stage.rank for p in pipelines for stage in p.stages)
     world_size = sum(stages_of_rank.values())
     missing = [r for r in range(world_size) if r not in stages_of_rank]
@@ -354,21 +342,17 @@ def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> Pi
             f"every rank from 0 to {world_size - 1} in exactly one stage (missing: {_ranks_text(missing)}, "
             f"in more than one stage: {_ranks_text(repeated)})"
         )
-    gbs_node = root.field("global_batch_size")
-    global_batch_size = gbs_node.integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE)
     total = sum(p.samples_per_iteration for p in pipelines)
-    if total != global_batch_size:
-        raise gbs_node.fail(f"the sum over pipelines of micro_batch_size * num_micro_batches ({total})")
-    predicted = root.field("predicted").obj().keys_within(_keys(Prediction))
-    return PipelinePlan(
-        policy=root.field("policy").string(choices=POLICIES),
-        zero_stage=_pipeline_zero_stage(root.field("zero_stage")),
-        global_batch_size=global_batch_size,
-        num_layers=num_layers,
-        pipelines=pipelines,
-        predicted=_prediction(predicted),
-        profile_fingerprints=_fingerprints(root),
+    values = _values(
+        root,
+        PipelinePlan,
+        global_batch_size=lambda n: _total(n, total, "pipelines of micro_batch_size * num_micro_batches"),
+        predicted=_prediction,
+        policy=lambda n: n.string(choices=POLICIES),
+        zero_stage=_pipeline_zero_stage,
+        profile_fingerprints=_fingerprints,
     )
+    return PipelinePlan(**values, num_layers=num_layers, pipelines=pipelines)
 
 
 def _ranks_text(ranks: list[int], limit: int = 8) -> str:
