@@ -1,9 +1,5 @@
-"""The plan and what it is made from: profiles, clusters, network files, pipeline plans and layer profiles, their
-validation and their errors (numpy only, no torch).
-
-Every other part shares these formats: the profiler writes profiles, the search reads profiles and clusters and writes
-plans, the runtime reads plans. Their fields are described in profiles/README.md.
-"""
+"""The formats every part shares: profiles, clusters, plans, network files, pipeline plans (numpy only, no
+torch). Their fields: profiles/README.md."""
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (

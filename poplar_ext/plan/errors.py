@@ -1,8 +1,4 @@
-"""The one error type for bad input files.
-
-Every loader in `search.formats` raises `FormatError`, whose message always has the shape
-``source: field.path: expected X, found Y`` so that a user can go straight to the offending line of the offending file.
-"""
+"""`FormatError`, the one error of bad input files: ``source: field.path: expected X, found Y``."""
 
 from __future__ import annotations
 

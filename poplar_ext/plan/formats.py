@@ -1,7 +1,4 @@
-"""The three file formats that connect profiling, search and training: profile, cluster description, plan.
-
-JSON, field by field in profiles/README.md; loaders raise `FormatError`, writers produce what they accept.
-"""
+"""Profiles, cluster descriptions and plans: read (validated, `FormatError`) and written. See profiles/README.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The memory levers, activation checkpointing and optimizer offload, chosen per device type.
-
-The vocabulary, the settings a search may try (`lever_choices`), a plan's settings and profiles (`plan_levers`,
-`profiles_for_plan`); the pair itself and `OFFLOAD_STAGES` are `poplar_ext.plan.formats`'. Pure Python.
-The rules and why: profiles/README.md ("How the search reads a profile") and docs/profiling.md.
-"""
+"""The memory levers (activation checkpointing, optimizer offload) chosen per device type. See profiles/README.md
+("How the search reads a profile")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The network file: collective times measured on a job's process group, and the ring model they fit.
-
-Its contents, place in a profile directory, reading (validated) and writing; the fit is `poplar_ext.search.network`'s,
-the measuring `poplar_ext.profiler.network`'s. See profiles/README.md ("Network file").
-"""
+"""The network file: collective times and their ring-model fit, read and written. See profiles/README.md
+("Network file")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""The pipeline formats: per-layer profiles, and plans of pipelines side by side.
-
-`LayerProfile` and `PipelinePlan`, their reading (validated) and writing; `load_any_plan` reads either kind of plan.
-See profiles/README.md ("Layer profile", "Pipeline plan") and docs/pipeline.md.
-"""
+"""Layer profiles and pipeline plans, read (validated) and written. See profiles/README.md and docs/pipeline.md."""
 
 from __future__ import annotations
 

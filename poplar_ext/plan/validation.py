@@ -1,10 +1,5 @@
-"""Small typed accessors over parsed JSON that report errors with a field path.
-
-The one validation style of the project: the file formats (`search.formats`) and the ``poplar`` section of a DeepSpeed
-config (`poplar_ext.runtime.config`) read their fields through `Node`, so that every failure is a `FormatError` of one
-shape, ``FILE: field.path: expected X, found Y``. Kept apart from the schemas so that they read as lists of fields, not
-as isinstance checks.
-"""
+"""`Node`: typed accessors over parsed JSON whose every failure is a `FormatError` naming the field (every
+format and the ``poplar`` section read through it)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""`profile_model`: measure every device type of the job at every requested ZeRO stage (collective).
-
-Cached profiles are reused, the others measured in one DeepSpeed engine per stage; rank 0 reads and writes the
-cache and every rank returns the same list. `profile_with` takes one `ProfileOptions`. See docs/profiling.md.
-"""
+"""`profile_model` / `profile_with`: every device type of the job measured at each ZeRO stage (collective), cached
+profiles reused; rank 0 writes, every rank returns the same list. See docs/profiling.md."""
 
 from __future__ import annotations
 
@@ -128,16 +125,13 @@ class _ProgressReporter:
 
 def trial_outcome_text(event: TrialEvent) -> str:
     """Each size a trial ran and its outcome, and what a rebuild left: ``A100-80GB micro-batch 64: peak 41.2 GiB``."""
-    parts = []
-    for device_type, size in event.sizes.items():
-        if device_type not in event.fits:
-            outcome = ""
-        elif event.fits[device_type]:
-            outcome = f": peak {event.peak_memory_bytes.get(device_type, 0) / 2**30:.2f} GiB"
-        else:
-            outcome = ": out of memory"
-        parts.append(f"{device_type} micro-batch {size}{outcome}")
-    text = ", ".join(parts)
+
+    def outcome(t: str) -> str:
+        if t not in event.fits:
+            return ""
+        return f": peak {event.peak_memory_bytes.get(t, 0) / 2**30:.2f} GiB" if event.fits[t] else ": out of memory"
+
+    text = ", ".join(f"{t} micro-batch {size}{outcome(t)}" for t, size in event.sizes.items())
     if event.memory_after_rebuild_bytes is not None:
         text += f" (engine rebuilt: {event.memory_after_rebuild_bytes / 2**30:.2f} GiB in use after)"
     return text
@@ -499,13 +493,13 @@ def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _Pro
             reporter.say(f"{run.title}: {t} not profiled: {result.probe.get('abandoned')}")
             continue
         profile = _make_profile(result, session, run, stage_seconds=stage_seconds)
+        produced[(t, run)] = profile_to_dict(profile)
         if layout.rank == 0:
             path = store_profile(session.options.cache_dir, profile)
             reporter.say(
                 f"{run.title}: {t}: largest micro-batch {profile.max_micro_batch_size}, "
                 f"{len(profile.samples)} sizes, {stage_seconds:.1f} s -> {path}"
             )
-        produced[(t, run)] = profile_to_dict(profile)
     return produced
 
 
@@ -622,7 +616,7 @@ def time_micro_steps(
     device = join_job()
     settings = dataclasses.replace(settings, as_training=timed_as_training(zero_stage))
     with _measuring_process(device):
-        layout = build_layout(options.cluster, device, bf16=training_dtype(options.ds_config) == "bfloat16")
+        layout = build_layout(options.cluster, device, bf16=_bf16(options))
         session = _start_session(options, settings, layout)
         if isinstance(activation_checkpointing, Mapping):
             activation_checkpointing = activation_checkpointing.get(layout.my_type, False)

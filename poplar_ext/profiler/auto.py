@@ -1,8 +1,4 @@
-"""Profiles measured from inside `poplar_ext.initialize`, for the fully automatic mode.
-
-Turns initialize's arguments into what `profile_model` needs (`missing_profiles_measurer`,
-`missing_layer_profiles_measurer`). See docs/training.md.
-"""
+"""Profiles measured from inside `poplar_ext.initialize`, for the fully automatic mode. See docs/training.md."""
 
 from __future__ import annotations
 

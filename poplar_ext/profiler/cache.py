@@ -1,8 +1,5 @@
-"""The profile cache: a directory of profile JSON files, looked up by what is inside them.
-
-A profile is reused when every key that decides its numbers matches (`ProfileKey`, `LayerProfileKey`).
-File names are for people only; lookups never parse them.
-"""
+"""The profile cache: a directory of profile JSON files, looked up by what is inside them (`ProfileKey`,
+`LayerProfileKey`); file names are for people only. See profiles/README.md ("The cache")."""
 
 from __future__ import annotations
 
@@ -77,15 +74,12 @@ def ds_config_fingerprint(ds_config: Mapping[str, Any], client_optimizer: str | 
     relevant = {k: copy.deepcopy(v) for k, v in ds_config.items() if k not in _CONFIG_KEYS_NOT_IN_KEY}
     if client_optimizer is not None:
         relevant["poplar_client_optimizer"] = client_optimizer
-    zero = relevant.get("zero_optimization")
-    if isinstance(zero, dict):
-        zero.pop("stage", None)
-    optimizer_params = (
-        relevant.get("optimizer", {}).get("params") if isinstance(relevant.get("optimizer"), dict) else None
-    )
-    if isinstance(optimizer_params, dict):
+    if isinstance(relevant.get("zero_optimization"), dict):
+        relevant["zero_optimization"].pop("stage", None)
+    optimizer = relevant.get("optimizer")
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
         for name in _OPTIMIZER_PARAMS_NOT_IN_KEY:
-            optimizer_params.pop(name, None)
+            optimizer["params"].pop(name, None)
     return content_fingerprint(relevant)
 
 
@@ -109,24 +103,25 @@ class _Key:
     ds_config_fingerprint: str
     """`ds_config_fingerprint` of the DeepSpeed config (its optimizer, or the script's, decides the optimizer state)."""
 
-    @staticmethod
-    def _shared(profile: Profile | LayerProfile) -> dict[str, Any] | None:
-        """A stored profile's shared fields; None for one this profiler did not measure."""
+    @classmethod
+    def of_profile(cls, profile: Any) -> Any:
+        """The key of a stored profile; None for one that was not measured by this profiler."""
         provenance = profile.measured_with
         recorded = all(k in provenance for k in ("torch", "deepspeed", "ds_config_fingerprint"))
         if provenance.get("source") != "measured" or not recorded:
             return None
-        return {
-            "model_fingerprint": profile.model.fingerprint,
-            "device_type": profile.device_type,
-            "emulation": profile.emulated,
-            "zero_stage": profile.zero_stage,
-            "dtype": profile.model.dtype,
-            "sequence_length": profile.model.sequence_length,
-            "torch_version": str(provenance["torch"]),
-            "deepspeed_version": str(provenance["deepspeed"]),
-            "ds_config_fingerprint": str(provenance["ds_config_fingerprint"]),
-        }
+        return cls(
+            model_fingerprint=profile.model.fingerprint,
+            device_type=profile.device_type,
+            emulation=profile.emulated,
+            zero_stage=profile.zero_stage,
+            dtype=profile.model.dtype,
+            sequence_length=profile.model.sequence_length,
+            torch_version=str(provenance["torch"]),
+            deepspeed_version=str(provenance["deepspeed"]),
+            ds_config_fingerprint=str(provenance["ds_config_fingerprint"]),
+            **cls._own(profile),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,18 +135,25 @@ class ProfileKey(_Key):
     optimizer_offload: bool = False
     """Measured with the optimizer offloaded to the host (ZeRO stages 1-2)."""
 
-    @classmethod
-    def of_profile(cls, profile: Profile) -> ProfileKey | None:
-        """The key of a stored profile; None for one that was not measured by this profiler."""
-        shared = cls._shared(profile)
-        if shared is None:
-            return None
-        return cls(
-            **shared,
-            world_size=profile.world_size,
-            activation_checkpointing=profile.activation_checkpointing,
-            optimizer_offload=profile.optimizer_offload,
-        )
+    @staticmethod
+    def _own(profile: Profile) -> dict[str, Any]:
+        return {
+            "world_size": profile.world_size,
+            "activation_checkpointing": profile.activation_checkpointing,
+            "optimizer_offload": profile.optimizer_offload,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfileKey(_Key):
+    """Everything that must match for a stored layer profile to stand for a new measurement."""
+
+    micro_batch_sizes: tuple[int, ...]
+    """The sizes the layers were timed at: other sizes asked for are measured again."""
+
+    @staticmethod
+    def _own(profile: LayerProfile) -> dict[str, Any]:
+        return {"micro_batch_sizes": tuple(s.micro_batch_size for s in profile.layers[0].samples)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,9 +200,7 @@ class JobKey:
         )
 
     def _shared(self, device_type: str, zero_stage: int) -> dict[str, Any]:
-        """What a profile and a layer profile of `device_type` at `zero_stage` are both keyed with."""
-        not_shared = ("emulations", "world_size", "settings")
-        job = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in not_shared}
+        job = {f.name: getattr(self, f.name) for f in dataclasses.fields(_Key) if hasattr(self, f.name)}
         return {**job, "device_type": device_type, "emulation": self.emulations[device_type], "zero_stage": zero_stage}
 
     def key(self, device_type: str, zero_stage: int, checkpointing: bool = False, offload: bool = False) -> ProfileKey:
@@ -263,37 +263,6 @@ def profiles_key(
     )
 
 
-@dataclass(frozen=True, kw_only=True)
-class LayerProfileKey(_Key):
-    """Everything that must match for a stored layer profile to stand for a new measurement."""
-
-    micro_batch_sizes: tuple[int, ...]
-    """The sizes the layers were timed at: other sizes asked for are measured again."""
-
-    @classmethod
-    def of_profile(cls, profile: LayerProfile) -> LayerProfileKey | None:
-        """The key of a stored layer profile; None for one this profiler did not measure."""
-        shared = cls._shared(profile)
-        if shared is None:
-            return None
-        return cls(**shared, micro_batch_sizes=tuple(s.micro_batch_size for s in profile.layers[0].samples))
-
-
-def _stored(directory: Path, load: Callable[[Path], Any], kind: str) -> list[tuple[Path, Any]]:
-    """Every `kind` `load` reads from `directory` (None: another file, skipped)."""
-    found = []
-    for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
-        try:
-            loaded = load(path)
-        except FormatError as exc:
-            # Not fatal here: the profile is measured again and the bad file is named.
-            warnings.warn(f"profile cache: ignoring a file that is not a valid {kind}: {exc}", stacklevel=4)
-            continue
-        if loaded is not None:
-            found.append((path, loaded))
-    return found
-
-
 def writable_directory(directory: Path, *, rank: int, name: str = "cache_dir") -> None:
     """`directory` made, and a file written there, by rank 0 before anything is measured (collective):
     one that cannot be is a ValueError naming `name` on every rank, not rank 0's OSError after a stage."""
@@ -312,8 +281,7 @@ def writable_directory(directory: Path, *, rank: int, name: str = "cache_dir") -
 @dataclass
 class WritableBeforeMeasuring:
     """`writable_directory`, called where something is first to be measured and written: a cache with nothing
-    to measure is read from a directory rank 0 cannot write. Collective (every rank calls it at the same
-    agreed point); checked once."""
+    to measure is read from a directory rank 0 cannot write. Collective; checked once."""
 
     directory: Path
     rank: int
@@ -332,8 +300,21 @@ def _load_profile(path: Path) -> Profile | None:
     return None if is_cluster_or_plan(data) else profile_from_dict(data, source=str(path))
 
 
-def _stored_profiles(cache_dir: Path) -> list[tuple[Path, Profile]]:
-    return _stored(cache_dir, _load_profile, "profile")
+def _stored(directory: Path, *, layers: bool = False) -> list[tuple[Path, Any]]:
+    """Every profile (`layers`: layer profile) in `directory` (its ``layers/``), each with its path."""
+    directory, load = (layer_profiles_dir(directory), load_layer_profile) if layers else (directory, _load_profile)
+    found = []
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
+        try:
+            loaded = load(path)
+        except FormatError as exc:
+            # Not fatal here: the profile is measured again and the bad file is named.
+            kind = "layer profile" if layers else "profile"
+            warnings.warn(f"profile cache: ignoring a file that is not a valid {kind}: {exc}", stacklevel=3)
+            continue
+        if loaded is not None:
+            found.append((path, loaded))
+    return found
 
 
 def cached_on_rank0(
@@ -352,19 +333,18 @@ def find_cached_profile(
 ) -> Profile | None:
     """The stored profile whose key equals `key`, or None. With `settings`, one measured with less than they
     ask (`_measured_less`) is None too."""
-    return next(
-        (p for _, p in _stored_profiles(Path(cache_dir)) if _reusable(p, key, settings)),
-        None,
-    )
+    return next((p for _, p in _stored(Path(cache_dir)) if _reusable(p, key, settings)), None)
 
 
 def _reusable(
     profile: Profile | LayerProfile, key: ProfileKey | LayerProfileKey, settings: MeasureSettings | None
 ) -> bool:
     """Whether the cache reuses `profile` for `key`: its key is `key` and, with `settings`, it was not measured
-    with less than they ask (`_measured_less`)."""
-    stored = (LayerProfileKey if isinstance(profile, LayerProfile) else ProfileKey).of_profile(profile)
-    return stored == key and (settings is None or not _measured_less(profile, settings))
+    with less than they ask."""
+    layers = isinstance(profile, LayerProfile)
+    if (LayerProfileKey if layers else ProfileKey).of_profile(profile) != key:
+        return False
+    return settings is None or not (_fewer_micro_steps if layers else _measured_less)(profile, settings)
 
 
 def _measured_less(profile: Profile, settings: MeasureSettings) -> bool:
@@ -394,14 +374,14 @@ def _fewer_micro_steps(profile: Profile | LayerProfile, settings: MeasureSetting
     )
 
 
-def profile_file_name(profile: Profile) -> str:
+def profile_file_name(profile: Profile | LayerProfile) -> str:
     """A readable file name, e.g. ``gpt-a1b2c3d4-A100-80GB-zero2.json`` (``-ckpt`` with activation
     checkpointing, ``-offload`` with optimizer offload; never parsed)."""
-    levers = ("-ckpt" if profile.activation_checkpointing else "") + ("-offload" if profile.optimizer_offload else "")
-    return _file_name(profile, levers)
-
-
-def _file_name(profile: Profile | LayerProfile, levers: str = "") -> str:
+    levers = "".join(
+        suffix
+        for suffix, on in (("-ckpt", "activation_checkpointing"), ("-offload", "optimizer_offload"))
+        if getattr(profile, on, False)
+    )
     fingerprint = profile.model.fingerprint.split(":")[-1][:8]
     stem = f"{profile.model.name}-{fingerprint}-{profile.device_type}-zero{profile.zero_stage}{levers}"
     return re.sub(r"[^A-Za-z0-9._-]+", "_", stem) + ".json"
@@ -410,16 +390,7 @@ def _file_name(profile: Profile | LayerProfile, levers: str = "") -> str:
 def store_profile(cache_dir: str | Path, profile: Profile) -> Path:
     """Write `profile` atomically into `cache_dir` and return its path; a stored one with the same
     `Profile.key` and model (the search loads one per directory) is replaced, in its own file."""
-    key = (*profile.key, profile.model.fingerprint)
-    stored = _stored_profiles(Path(cache_dir))
-    target = next((p for p, s in stored if (*s.key, s.model.fingerprint) == key), None)
-    target = target or Path(cache_dir) / profile_file_name(profile)
-    save_profile(profile, target)
-    return target
-
-
-def _stored_layer_profiles(cache_dir: Path) -> list[tuple[Path, LayerProfile]]:
-    return _stored(layer_profiles_dir(cache_dir), load_layer_profile, "layer profile")
+    return _store(cache_dir, profile, lambda p: (*p.key, p.model.fingerprint), save_profile)
 
 
 def find_cached_layer_profile(
@@ -427,24 +398,21 @@ def find_cached_layer_profile(
 ) -> LayerProfile | None:
     """The layer profile in ``cache_dir/layers/`` whose key equals `key`, or None; with `settings`, None too
     for one timed over fewer micro-steps than they ask (its sizes are in the key)."""
-    stored = _stored_layer_profiles(Path(cache_dir))
-    return next(
-        (
-            p
-            for _, p in stored
-            if LayerProfileKey.of_profile(p) == key and (settings is None or not _fewer_micro_steps(p, settings))
-        ),
-        None,
-    )
+    return next((p for _, p in _stored(Path(cache_dir), layers=True) if _reusable(p, key, settings)), None)
 
 
 def store_layer_profile(cache_dir: str | Path, profile: LayerProfile) -> Path:
     """Write `profile` atomically into ``cache_dir/layers/`` and return its path; a stored one of the same
     device type, stage and model (the search reads one) is replaced."""
-    key = (profile.device_type, profile.zero_stage, profile.model.fingerprint)
-    stored = _stored_layer_profiles(Path(cache_dir))
-    target = next((p for p, s in stored if (s.device_type, s.zero_stage, s.model.fingerprint) == key), None)
-    target = target or layer_profiles_dir(cache_dir) / _file_name(profile)
+    return _store(cache_dir, profile, lambda p: (p.device_type, p.zero_stage, p.model.fingerprint), save_layer_profile)
+
+
+def _store(cache_dir: str | Path, profile: Any, key: Callable[[Any], tuple], save: Callable[[Any, Path], None]) -> Path:
+    """`profile` written over the stored one of the same `key`, else into a new file."""
+    layers = isinstance(profile, LayerProfile)
+    stored = _stored(Path(cache_dir), layers=layers)
+    target = next((path for path, s in stored if key(s) == key(profile)), None)
+    target = target or (layer_profiles_dir(cache_dir) if layers else Path(cache_dir)) / profile_file_name(profile)
     target.parent.mkdir(parents=True, exist_ok=True)
-    save_layer_profile(profile, target)
+    save(profile, target)
     return target

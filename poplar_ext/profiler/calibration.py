@@ -1,8 +1,5 @@
-"""Cached profiles checked before they are trusted: a few micro-steps timed at start, against the curve.
-
-Pure (numbers in, decisions out): the timing is collective and lives in the profiler's api (`time_micro_steps`);
-`poplar_ext.zero.planning` and the demo call both. See docs/training.md (``poplar.calibration``).
-"""
+"""Cached profiles checked against a few micro-steps timed at start (pure; the timing is the api's
+`time_micro_steps`). See docs/training.md (``poplar.calibration``)."""
 
 from __future__ import annotations
 

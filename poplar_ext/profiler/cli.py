@@ -1,8 +1,5 @@
-"""``poplar-profile``: measure every device type of a job at each ZeRO stage, like training.
-
-Thin: the options that build the model here, one option per other `ProfileOptions` field built from the field;
-the work in `poplar_ext.profiler.profile_with`. Usage: docs/profiling.md and profiles/README.md.
-"""
+"""``poplar-profile``: the model's options, then one option per `ProfileOptions` field; the work is
+`profile_with`'s. Usage: docs/profiling.md and profiles/README.md."""
 
 from __future__ import annotations
 

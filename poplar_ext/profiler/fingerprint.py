@@ -1,8 +1,5 @@
-"""Model fingerprint: which architecture a profile was measured with (`model_fingerprint`).
-
-Module classes, parameter and buffer names, shapes and dtypes; never the weights' values. Take it on the model
-as built, before DeepSpeed wraps it. See docs/profiling.md.
-"""
+"""Model fingerprint: which architecture a profile was measured with, never the weights' values. See
+docs/profiling.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Layer profiles measured: each layer of a pipeline model timed and sized on its own, per device type.
-
-`measure_layers` and `layer_profile`, used by `poplar_ext.profiler.per_layer.profile_layers`. How each figure
-is taken: profiles/README.md ("Layer profile") and docs/profiling.md.
-"""
+"""Layer profiles measured: each layer of a pipeline model timed and sized on its own. See profiles/README.md
+("Layer profile")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Which device type every rank of the job has, agreed collectively (`build_layout`).
-
-Every rank reads its device, all exchange what they found, rank 0 settles the cluster description, and
-each builds the same `JobLayout`; an error is raised on every rank.
-"""
+"""Which device type every rank of the job has, agreed by every rank (`build_layout`)."""
 
 from __future__ import annotations
 

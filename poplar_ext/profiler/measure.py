@@ -1,8 +1,5 @@
-"""The measurement loop: one DeepSpeed engine per ZeRO stage, trials agreed by all ranks.
-
-Run collectively by every rank. How trials, timing and out-of-memory agreement work: profiles/README.md
-("How profiles are measured") and docs/profiling.md.
-"""
+"""The measurement loop: one DeepSpeed engine per ZeRO stage, trials agreed by all ranks (collective). See
+profiles/README.md ("How profiles are measured") and docs/profiling.md."""
 
 from __future__ import annotations
 
@@ -78,12 +75,9 @@ class MeasureSettings:
     clock, so that waiting for a core counts (calibration). False: own compute time x slowdown (profiling)."""
 
     def __post_init__(self) -> None:
-        if self.warmup_micro_steps < 0:
-            raise ValueError(f"warmup_micro_steps: expected an integer >= 0, found {self.warmup_micro_steps}")
-        if self.repeats < 1:
-            raise ValueError(f"repeats: expected an integer >= 1, found {self.repeats}")
-        if self.micro_batch_size_limit < 1:
-            raise ValueError(f"micro_batch_size_limit: expected an integer >= 1, found {self.micro_batch_size_limit}")
+        for name, minimum in (("warmup_micro_steps", 0), ("repeats", 1), ("micro_batch_size_limit", 1)):
+            if getattr(self, name) < minimum:
+                raise ValueError(f"{name}: expected an integer >= {minimum}, found {getattr(self, name)}")
         if self.micro_batch_sizes is not None and (
             not self.micro_batch_sizes or any(b < 1 for b in self.micro_batch_sizes)
         ):
@@ -248,10 +242,7 @@ class StageMeasurement:
         return self._batches[size]
 
     def _drop_engine(self) -> None:
-        if self.engine is not None:
-            destroy = getattr(self.engine, "destroy", None)
-            if destroy is not None:
-                destroy()
+        getattr(self.engine, "destroy", lambda: None)()
         self.engine = None
         self._batches = {}
         release_memory(self.layout.device)
@@ -272,8 +263,7 @@ class StageMeasurement:
     @property
     def _slowdown(self) -> float:
         """This rank's emulated slowdown (1.0 for a real device; never below 1)."""
-        emulation = self.layout.emulations[self.layout.my_type]
-        return 1.0 if emulation is None else max(1.0, emulation.slowdown)
+        return max(1.0, getattr(self.layout.emulations[self.layout.my_type], "slowdown", 1.0))
 
     @property
     def window(self) -> ComputeWindow:
@@ -679,13 +669,11 @@ def place_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     there while the others wait. Here a real out-of-memory on any rank abandons the stage on every rank,
     another error is raised on every rank.
     """
-    outcome = _OK
-    error = None
+    outcome, error = _OK, None
     try:
         model.to(device)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement
-        outcome = _REAL_OOM if is_out_of_memory(exc) else _ERROR
-        error = exc
+        outcome, error = (_REAL_OOM if is_out_of_memory(exc) else _ERROR), exc
     agreed = int(agree_max([float(outcome)], device)[0])
     if agreed == _OK:
         return model
@@ -701,12 +689,9 @@ def described_error(exc: Exception) -> tuple[str, type[Exception] | None]:
 
 
 def every_ranks_error(error: Exception | None) -> tuple[str, type[Exception]]:
-    """Every rank's error (None where it had none; its `described_error` travels), one line, and the type
-    every rank raises for them (collective): a `USER_ERRORS` one on any rank (the model's, loss's or batch's
-    code: a model that cannot take its batch) is raised as its type, the first rank's, so that
-    `poplar_ext.elastic` ends a restarting launcher's job, which every restart would repeat; any other (a lost
-    peer, a device fault) as a RuntimeError, which is restarted. The rank that had `error` raises `from error`:
-    only the text travels, and its own traceback shows the user's line."""
+    """Every rank's error (None where it had none), one line, and the type every rank raises for them
+    (collective): the first rank's `USER_ERRORS` type where any has one (the user's code: `poplar_ext.elastic`
+    ends a restarting launcher's job, which every restart would repeat), else RuntimeError (restarted)."""
     described = None if error is None else described_error(error)
     errors = [(rank, *e) for rank, e in enumerate(gather_objects(described)) if e]
     kind = next((kind for _, _, kind in errors if kind is not None), RuntimeError)

@@ -1,8 +1,5 @@
-"""The job's network measured: collective times against message size, fitted (`search.network`).
-
-`measure_network` (collective) and `cached_or_measured_network`; rank 0 writes the file, reused on the same
-cluster. See profiles/README.md ("Network file") and docs/profiling.md.
-"""
+"""The job's network measured: collective times against message size, fitted; rank 0 writes the file. See
+profiles/README.md ("Network file")."""
 
 from __future__ import annotations
 

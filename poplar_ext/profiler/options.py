@@ -1,8 +1,5 @@
-"""`ProfileOptions`: what `profile_model` measures and how, one field per keyword argument.
-
-`profile_model`'s keywords and poplar-profile's options (`cli`: the field's option, its docstring the help)
-are these fields; every default is stated here once (`MeasureSettings`' too).
-"""
+"""`ProfileOptions`: `profile_model`'s keywords and poplar-profile's options (each field's docstring its help);
+every default stated once."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""`profile_layers`: every device type of the job measured layer by layer (collective), in ``<profiles>/layers/``.
-
-The per-layer counterpart of `profile_with`, with the same `ProfileOptions`. See profiles/README.md
-("Layer profile") and docs/profiling.md.
-"""
+"""`profile_layers`: every device type measured layer by layer (collective), in ``<profiles>/layers/``. See
+profiles/README.md ("Layer profile")."""
 
 from __future__ import annotations
 

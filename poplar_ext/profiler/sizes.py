@@ -1,8 +1,4 @@
-"""Which micro-batch sizes the profiler tries: the memory fit and the largest-size probe.
-
-Pure logic (numpy, no torch, no process group), so every rank computes the same decisions
-from the same agreed numbers, and tests drive it without a model.
-"""
+"""Which micro-batch sizes the profiler tries (pure: every rank decides alike from the same agreed numbers)."""
 
 from __future__ import annotations
 
