@@ -4,14 +4,8 @@ from __future__ import annotations
 
 
 class FormatError(ValueError):
-    """A profile, cluster description or plan that does not follow its schema.
-
-    Attributes:
-        source: the file (or other origin) the data came from.
-        field: the dotted path of the offending field, e.g. ``samples[2].micro_batch_size``.
-        expected: what the schema asks for.
-        found: what was there instead.
-    """
+    """A file that does not follow its schema: its `source`, the dotted path of the `field`
+    (``samples[2].micro_batch_size``), what the schema `expected` and what was `found`."""
 
     def __init__(self, source: str, field: str, expected: str, found: str) -> None:
         self.source = source

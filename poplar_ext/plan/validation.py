@@ -3,6 +3,7 @@ format and the ``poplar`` section read through it)."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 from typing import Any
@@ -58,22 +59,18 @@ class Node:
 
     def field(self, key: str) -> Node:
         """The child `key`; an error if it is missing."""
-        self.obj()
-        if key not in self.value:
-            raise FormatError(self.source, self._child_path(key), "a value", describe(_MISSING))
-        return Node(self.value[key], self.source, self._child_path(key))
+        child = self.child(key)
+        if child.value is _MISSING:
+            raise child.fail("a value")
+        return child
 
     def child(self, key: str) -> Node:
         """The child `key` whether or not it is there, to report on (a missing one says so)."""
-        self.obj()
-        return Node(self.value.get(key, _MISSING), self.source, self._child_path(key))
+        return Node(self.obj().value.get(key, _MISSING), self.source, self._child_path(key))
 
     def optional(self, key: str) -> Node | None:
         """The child `key`, or None when it is absent or null."""
-        self.obj()
-        if self.value.get(key) is None:
-            return None
-        return Node(self.value[key], self.source, self._child_path(key))
+        return None if self.obj().value.get(key) is None else self.child(key)
 
     def items(self, *, min_length: int = 0, max_length: int | None = None) -> list[Node]:
         if not isinstance(self.value, list):
@@ -108,9 +105,7 @@ class Node:
     def integer(self, *, minimum: int | None = None, maximum: int | None = None) -> int:
         v = self.value
         # bool is an int subclass in Python; true/false is never a count.
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise self.fail(_range_text("an integer", minimum, maximum))
-        if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
+        if isinstance(v, bool) or not isinstance(v, int) or not _within(v, minimum, maximum):
             raise self.fail(_range_text("an integer", minimum, maximum))
         return v
 
@@ -120,15 +115,11 @@ class Node:
             what = "a positive number" if maximum is None else f"a positive number <= {maximum:g}"
         else:
             what = _range_text("a number", minimum, maximum)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise self.fail(what)
-        try:
-            value = float(v)
-        except OverflowError:  # an integer too large for a float
-            raise self.fail(what) from None
-        if not math.isfinite(value) or (positive and value <= 0):
-            raise self.fail(what)
-        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        value = math.nan
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            with contextlib.suppress(OverflowError):  # an integer too large for a float
+                value = float(v)
+        if not math.isfinite(value) or (positive and value <= 0) or not _within(value, minimum, maximum):
             raise self.fail(what)
         return value
 
@@ -160,6 +151,10 @@ def json_depth(value: Any) -> int:
             deepest = max(deepest, depth)
             stack.extend((child, depth) for child in (item.values() if isinstance(item, dict) else item))
     return deepest
+
+
+def _within(value: float, minimum: float | None, maximum: float | None) -> bool:
+    return (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
 
 
 def _range_text(kind: str, minimum: float | None, maximum: float | None) -> str:

@@ -26,8 +26,7 @@ stage and memory levers; collective. `poplar_ext.zero.planning` calls one to che
 
 
 def _constructor_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's defaults that its constructor takes: ``defaults`` may hold more (torch's
-    AdamW keeps ``decoupled_weight_decay``, which ``AdamW.__init__`` refuses)."""
+    """The optimizer's defaults its constructor takes (torch's AdamW keeps ``decoupled_weight_decay``, refused)."""
     parameters = inspect.signature(type(optimizer).__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return dict(optimizer.defaults)
@@ -48,6 +47,10 @@ def _optimizer_factory(optimizer: Any, ds_config: Mapping[str, Any]) -> Callable
     if callable(optimizer):
         return optimizer  # DeepSpeed's own convention: a callable taking the parameters
     raise ValueError(f"optimizer: expected a torch optimizer or a callable, found {type(optimizer).__name__}")
+
+
+def _emulations(cluster: Cluster) -> dict[str, Any]:
+    return {t: cluster.emulation_of(t) for t in cluster.type_counts()}
 
 
 def batches_of(training_data: Any, collate_fn: Callable[[list], Any] | None) -> Callable[[int], Any]:
@@ -106,8 +109,7 @@ def missing_layer_profiles_measurer(
         profile_layers(options(cluster, stages), device_types=device_types)
 
     def profiles_key(cluster: Cluster, layers_fingerprint: str) -> JobKey:
-        emulations = {t: cluster.emulation_of(t) for t in cluster.type_counts()}
-        return key_of(options(cluster), layers_fingerprint, cluster.world_size, emulations)
+        return key_of(options(cluster), layers_fingerprint, cluster.world_size, _emulations(cluster))
 
     measure.profiles_key = profiles_key  # type: ignore[attr-defined]  # which stored layer profiles are the job's
     return measure
@@ -159,11 +161,12 @@ def missing_profiles_measurer(
         )
 
     def measure(missing: list[tuple[str, int]], cluster: Cluster, force: bool = False) -> list[Profile]:
-        stages = sorted({stage for _, stage in missing})
-        profiles = profile_model(
+        # Every one at those stages, not only `missing`: `profile_model` also measured again (and stored over)
+        # the other types' profiles its cache refused; the caller's copies of those are no longer on disk.
+        return profile_model(
             **options(
                 cluster,
-                zero_stages=stages,
+                zero_stages=sorted({stage for _, stage in missing}),
                 cache_dir=profiles_dir,
                 force=force,
                 progress=log_progress if progress is None else progress,
@@ -171,9 +174,6 @@ def missing_profiles_measurer(
                 optimizer_offload=optimizer_offload,
             )
         )
-        # Every one at those stages, not only `missing`: `profile_model` also measured again (and stored over)
-        # the other types' profiles its cache refused; the caller's copies of those are no longer on disk.
-        return profiles
 
     def time_at_sizes(sizes: Mapping[str, list[int]], plan: Plan, cluster: Cluster) -> dict[str, dict[int, float]]:
         from poplar_ext.profiler.api import time_micro_steps
@@ -190,10 +190,9 @@ def missing_profiles_measurer(
         from poplar_ext.profiler.cache import profiles_key as key_of
         from poplar_ext.profiler.fingerprint import model_fingerprint
 
-        emulations = {t: cluster.emulation_of(t) for t in cluster.type_counts()}
         # The limit `measure` probes up to: a stored profile a lower one stopped is measured again (`JobKey.holds`).
         job = ProfileOptions(**options(cluster, micro_batch_size_limit=size_limit))
-        return key_of(job, model_fingerprint(model), cluster.world_size, emulations)
+        return key_of(job, model_fingerprint(model), cluster.world_size, _emulations(cluster))
 
     measure.time_at_sizes = time_at_sizes  # type: ignore[attr-defined]  # the same inputs, for calibration
     measure.profiles_key = profiles_key  # type: ignore[attr-defined]  # which stored profiles are the job's

@@ -124,17 +124,9 @@ def training_dtype(ds_config: Mapping[str, Any]) -> str:
     return "float32"
 
 
-def loss_of(output: Any) -> torch.Tensor:
-    """The loss in a model's output: its ``.loss`` (Hugging Face), its ``"loss"`` entry, else the output."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    return output if loss is None else loss
-
-
 def default_loss(engine: Any, batch: Any) -> torch.Tensor:
-    """The loss (`loss_of`) of ``engine(**batch)``, ``engine(*batch)`` or ``engine(batch)``; a TypeError
-    says to pass ``loss_fn=`` where the model cannot be called so."""
+    """The loss of ``engine(**batch)``, ``engine(*batch)`` or ``engine(batch)``: its ``.loss`` (Hugging Face), its
+    ``"loss"`` entry, else the output; a TypeError says to pass ``loss_fn=`` where the model cannot be called so."""
     if isinstance(batch, Mapping):
         call, shape = (lambda: engine(**batch)), f"model(**batch) with the keys {', '.join(map(str, batch))}"
     elif isinstance(batch, (tuple, list)):
@@ -142,13 +134,17 @@ def default_loss(engine: Any, batch: Any) -> torch.Tensor:
     else:
         call, shape = (lambda: engine(batch)), "model(batch)"
     try:
-        return loss_of(call())
+        output = call()
     except TypeError as exc:
         raise TypeError(
             f"{exc} (poplar-ext called {shape}, as it does by default to profile and time micro-steps; for a model "
             "that takes its batch otherwise, or returns no loss, pass loss_fn=lambda engine, batch: loss to "
             "poplar_ext.initialize, or to profile_model)"
         ) from exc
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    return output if loss is None else loss
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -365,13 +361,9 @@ class StageMeasurement:
         return not real_oom
 
     def _first_micro_step_fits(self) -> bool:
-        """Micro-batch 1 without the boundary, agreed by all ranks: False when a rank ran out of memory.
-
-        At ZeRO 0/1 it communicates nothing, so a rank whose activations do not fit fails here and still
-        reaches the agreement, instead of failing in the boundary's forward while the others wait in its
-        gradient reduction. (The first boundary step's optimizer state comes after that reduction, so its
-        out-of-memory is caught before the agreement too.)
-        """
+        """Micro-batch 1 without the boundary, agreed by all ranks: False when a rank ran out of memory."""
+        # At ZeRO 0/1 it communicates nothing: a rank whose activations do not fit fails here and still reaches
+        # the agreement, not in the boundary's forward while the others wait in its gradient reduction.
         flag = _OK
         try:
             self._micro_step(1, boundary=False)
@@ -398,12 +390,10 @@ class StageMeasurement:
         return _TrialOutcome(flags=flags, peaks=peaks, own_times_s=own_times, rebuild=real_oom)
 
     def _micro_steps(self, size: int, measured: bool, *, memory: bool = True) -> tuple[int, int, list[float]]:
-        """One memory micro-step (unless not `memory`), then warm-up and timed ones: (flag, peak, own times).
-
-        The memory has its own micro-step: on CPU tracking the live peak maps every block afresh, whose
-        page faults would be timed as compute. Every rank runs every micro-step, also after an emulated
-        out-of-memory (ZeRO-2/3 communicate in each); a real one stops this rank (profiles/README.md).
-        """
+        """One memory micro-step (unless not `memory`), then warm-up and timed ones: (flag, peak, own times)."""
+        # Memory has its own micro-step: on CPU tracking the live peak maps every block afresh, page faults that
+        # would be timed as compute. Every rank runs every micro-step, also after an emulated out-of-memory
+        # (ZeRO-2/3 communicate in each); a real one stops this rank.
         flag, peak = _OK, 0
         own_times: list[float] = []
         if memory:
@@ -683,16 +673,13 @@ def place_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     raise kind(f"profiling failed placing the model on the device: {errors}") from error
 
 
-def described_error(exc: Exception) -> tuple[str, type[Exception] | None]:
-    """`exc` as every rank receives it: its type and message, and the `USER_ERRORS` type it is, if any."""
-    return f"{type(exc).__name__}: {exc}", next((kind for kind in USER_ERRORS if isinstance(exc, kind)), None)
-
-
 def every_ranks_error(error: Exception | None) -> tuple[str, type[Exception]]:
     """Every rank's error (None where it had none), one line, and the type every rank raises for them
     (collective): the first rank's `USER_ERRORS` type where any has one (the user's code: `poplar_ext.elastic`
     ends a restarting launcher's job, which every restart would repeat), else RuntimeError (restarted)."""
-    described = None if error is None else described_error(error)
+    described = None
+    if error is not None:  # only the text travels: the rank that had it raises `from error`, its own traceback
+        described = f"{type(error).__name__}: {error}", next((k for k in USER_ERRORS if isinstance(error, k)), None)
     errors = [(rank, *e) for rank, e in enumerate(gather_objects(described)) if e]
     kind = next((kind for _, _, kind in errors if kind is not None), RuntimeError)
     return "; ".join(f"rank {rank}: {text}" for rank, text, _ in errors), kind
