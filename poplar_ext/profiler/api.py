@@ -188,8 +188,7 @@ def profile_with(options: ProfileOptions, *, cache_dir_name: str = "cache_dir") 
 
 
 def _sequential_loss(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor]:
-    """An ``nn.Sequential`` profiled per layer too: its whole-model micro-steps take the layers' batch,
-    ``(inputs, labels)``, and loss, ``loss_fn(outputs, labels)`` (None: the output summed), as they do."""
+    """An ``nn.Sequential`` profiled per layer too: whole-model micro-steps take the layers' batch and loss."""
     from poplar_ext.profiler.layers import pipeline_loss
 
     return lambda engine, batch: pipeline_loss(engine(batch[0]), batch[1], loss_fn)
@@ -298,21 +297,18 @@ class _Session:
     toggle: CheckpointingToggle | None
     """Switches activation checkpointing in a fresh model; None: the model cannot."""
     job_key: JobKey
-    """What every profile of the session is keyed with (the versions and config fingerprint it records)."""
     offload_types: tuple[str, ...]
     """The device types also measured with the optimizer offloaded."""
     runs: tuple[_Run, ...]
     spare_models: list[torch.nn.Module]
     """The model built for the fingerprint, which the first engine takes instead of building one."""
     trainable_parameters: int
-    """Parameters with gradients (and optimizer state), of `model`'s ``num_parameters``."""
     timeouts: ShortCollectiveTimeouts | None = None
-    """The short collective timeouts, given to the groups each engine makes (None: not shortened)."""
+    """Given to the groups each engine makes (None: not shortened)."""
     network: NetworkProfile | None = None
     """The network measured (or found) for this cluster: what the profiles' times hold is priced by it."""
 
     def model_states(self, run: _Run) -> ModelStates:
-        """Every rank's static memory in `run` (`poplar_ext.search.model_states`)."""
         return model_states(
             num_parameters=self.model.num_parameters,
             num_trainable_parameters=self.trainable_parameters,
@@ -504,9 +500,9 @@ def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _Pro
 
 
 def _types_too_small(session: _Session, run: _Run) -> dict[str, str]:
-    """Real device type -> why it cannot hold `run`'s model states, for every type of the job (each rank
-    builds the engine): decided alike on every rank from the agreed capacities, before an engine whose
-    build could run out of memory on some ranks only. Emulated types are left to the measurement."""
+    """Real device type -> why it cannot hold `run`'s model states (every type: each rank builds the engine)."""
+    # Decided alike on every rank from the agreed capacities, before an engine whose build could run out of
+    # memory on some ranks only; emulated types are left to the measurement.
     states = session.model_states(run)
     layout = session.layout
     return {
@@ -519,8 +515,7 @@ def _types_too_small(session: _Session, run: _Run) -> dict[str, str]:
 def _skipped_run(
     session: _Session, run: _Run, to_measure: tuple[str, ...], too_small: dict[str, str], reporter: _ProgressReporter
 ) -> _Produced:
-    """A run no engine is built for: a type too small gets a profile that fits nothing (its reason in
-    ``largest_micro_batch_probe.skipped``); the other types are not profiled."""
+    """A run no engine is built for: a type too small gets a profile that fits nothing, the others none."""
     reason = "; ".join(f"{t}: {why}" for t, why in too_small.items())
     reporter.stages_left -= 1  # counted among the stages to measure
     reporter.say(f"{run.title}: skipped, no engine built: {reason}")

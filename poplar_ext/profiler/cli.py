@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan.formats import load_cluster, read_json, save_cluster
 from poplar_ext.profiler.options import NO_OPTIMIZER, ProfileOptions, at_least, log_progress, read_callable
 from poplar_ext.search.cli_common import CommandParser, printing
 
@@ -256,8 +257,6 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
 
 
 def _deepspeed_config(config_path: Path) -> dict[str, Any]:
-    from poplar_ext.plan.formats import read_json
-
     try:
         ds_config = read_json(config_path)  # names the file for unreadable, non-UTF-8 or invalid JSON
     except FormatError as exc:
@@ -295,7 +294,6 @@ def run(options: ProfileOptions) -> list[Any]:
     from poplar_ext.hardware.cpu_process import skip_deepspeed_shm_op
     from poplar_ext.hardware.devices import join_job
     from poplar_ext.hardware.discovery import discover_cluster
-    from poplar_ext.plan.formats import save_cluster
     from poplar_ext.profiler import profile_with
     from poplar_ext.profiler.cache import writable_directory
 
@@ -321,8 +319,6 @@ def run(options: ProfileOptions) -> list[Any]:
 
 def _holds_cluster(path: Path, cluster: Any) -> bool:
     """Whether `path` holds `cluster` already (a complete cache may sit in a directory rank 0 cannot write)."""
-    from poplar_ext.plan.formats import load_cluster
-
     try:
         return path.is_file() and load_cluster(path) == cluster
     except (OSError, FormatError):

@@ -18,6 +18,7 @@ from poplar_ext.hardware.compute_clock import time_compute
 from poplar_ext.hardware.memory import resident_memory_bytes
 from poplar_ext.plan.formats import Emulation, ModelInfo
 from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerCost, LayerProfile, LayerSample
+from poplar_ext.profiler.measure import map_tensors
 from poplar_ext.profiler.options import ProfileOptions
 from poplar_ext.profiler.sizes import dense_sizes
 
@@ -149,15 +150,6 @@ class LayerMeasurement:
     device: torch.device = torch.device("cpu")
 
 
-def _map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """`value` with `function` applied to every tensor in it (tensors nested in tuples and lists)."""
-    if torch.is_tensor(value):
-        return function(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map_tensors(function, v) for v in value)
-    return value
-
-
 def _tensors(value: Any) -> list[torch.Tensor]:
     if torch.is_tensor(value):
         return [value]
@@ -193,13 +185,13 @@ class _LayerRun:
 def _run_layer(
     layer: nn.Module, inputs: Any, labels: Any, *, last: bool, loss_fn: PipelineLossFn | None, device: torch.device
 ) -> _LayerRun:
-    leaf = _map_tensors(_received, inputs)
+    leaf = map_tensors(_received, inputs)
     parameter_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     kept: dict[int, int] = {}
 
     # What the forward gets: a copy, so that an in-place first operation (``ReLU(inplace=True)``) works,
     # as it does on DeepSpeed's stages, whose input is not a leaf there.
-    stage_input = _map_tensors(lambda t: t.clone() if t.requires_grad else t, leaf)
+    stage_input = map_tensors(lambda t: t.clone() if t.requires_grad else t, leaf)
     # The copy stands for the received activation: saved, it is the input the stage keeps anyway.
     same_as_input = {
         copied.untyped_storage().data_ptr(): received.untyped_storage().data_ptr()
@@ -233,7 +225,7 @@ def _run_layer(
     # A stage keeps the activation it received until its backward: the layer's input counts.
     for t in _tensors(leaf):
         kept[t.untyped_storage().data_ptr()] = max(kept.get(t.untyped_storage().data_ptr(), 0), _nbytes([t]))
-    output = _map_tensors(lambda t: t.to(device).detach(), result["output"])
+    output = map_tensors(lambda t: t.to(device).detach(), result["output"])
     return _LayerRun(time_s=time_s, kept_bytes=sum(kept.values()), output=output)
 
 
@@ -253,7 +245,7 @@ def measure_layers(
     output_per_sample = [0] * len(layers)
     factor = max(1.0, slowdown)
     for b in measurement.micro_batch_sizes:
-        batch = _map_tensors(lambda t: t.to(device), measurement.make_batch(b))
+        batch = map_tensors(lambda t: t.to(device), measurement.make_batch(b))
         inputs, labels = batch if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
         for step in range(measurement.warmup_micro_steps + measurement.repeats):
             x = inputs

@@ -61,13 +61,9 @@ class MeasureSettings:
     """How much to measure (`ProfileOptions`' fields of the same names, whose defaults these are)."""
 
     warmup_micro_steps: int = ProfileOptions.warmup_micro_steps
-    """Unmeasured micro-steps at each size before the measured ones."""
     repeats: int = ProfileOptions.repeats
-    """Measured micro-steps per size (their median is the sample's time)."""
     micro_batch_size_limit: int = ProfileOptions.micro_batch_size_limit
-    """Never try a micro-batch larger than this (the probe stops there)."""
     micro_batch_sizes: tuple[int, ...] | None = None
-    """Sizes for the time curve; None: a dense geometric set up to the largest that fits."""
     memory_margin: float = 0.1
     """Fraction of a real device's memory kept free where probing past the prediction is unsafe."""
     as_training: bool = False
@@ -147,15 +143,20 @@ def default_loss(engine: Any, batch: Any) -> torch.Tensor:
     return output if loss is None else loss
 
 
+def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """`value` with `function` applied to every tensor in it (nested in tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, Mapping):
+        return {k: map_tensors(function, v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(function, v) for v in value)
+    return value
+
+
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """`batch` (tensors, possibly nested in tuples, lists, dicts) on `device`."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: move_to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(move_to_device(v, device) for v in batch)
-    return batch
+    return map_tensors(lambda t: t.to(device), batch)
 
 
 @dataclass(kw_only=True)
@@ -180,9 +181,7 @@ class TrialEvent:
     phase: str
     """``probe`` (finding the largest micro-batch) or ``sweep`` (filling in the curve)."""
     sizes: dict[str, int]
-    """Micro-batch size tried per device type."""
     remaining_trials_estimate: int
-    """Rough count of trials left at this stage."""
     fits: dict[str, bool] = field(default_factory=dict)
     """Per device type tried: the micro-step ran without running out of memory (agreed by every rank)."""
     peak_memory_bytes: dict[str, int] = field(default_factory=dict)

@@ -3,6 +3,7 @@ profiles/README.md ("Network file")."""
 
 from __future__ import annotations
 
+import itertools
 import platform
 import statistics
 from collections.abc import Callable, Mapping
@@ -93,19 +94,10 @@ def _fits(
     return fits
 
 
-def node_ranks(layout: JobLayout) -> list[list[int]]:
-    """The ranks of each node of the job's cluster description, in rank order."""
-    groups, rank = [], 0
-    for node in layout.cluster.nodes:
-        count = sum(g.count for g in node.devices)
-        groups.append(list(range(rank, rank + count)))
-        rank += count
-    return groups
-
-
 def _scopes(layout: JobLayout, message_bytes: tuple[int, ...], warmup: int, repeats: int) -> dict[str, NetworkScope]:
     """With several nodes: the collectives within each node (all nodes at once) and among one rank per node."""
-    nodes = node_ranks(layout)
+    counts = [sum(g.count for g in node.devices) for node in layout.cluster.nodes]
+    nodes = [list(range(end - count, end)) for count, end in zip(counts, itertools.accumulate(counts))]
     if len(nodes) < 2:
         return {}
     scopes = {}

@@ -13,16 +13,9 @@ def dense_sizes(largest: int) -> list[int]:
     (powers of two and their midpoints: neighbours at most 50 % apart)."""
     if largest < 0:
         raise ValueError(f"largest: expected an integer >= 0, found {largest}")
-    sizes: set[int] = set()
-    power = 1
-    while power <= largest:
-        sizes.add(power)
-        if power >= 2 and power + power // 2 <= largest:
-            sizes.add(power + power // 2)
-        power *= 2
-    if largest >= 1:
-        sizes.add(largest)
-    return sorted(sizes)
+    powers = [2**i for i in range(largest.bit_length())]
+    midpoints = [p + p // 2 for p in powers if p >= 2 and p + p // 2 <= largest]
+    return sorted({*powers, *midpoints, *([largest] if largest else [])})
 
 
 def sweep_sizes(micro_batch_sizes: Iterable[int] | None, largest: int) -> list[int]:
