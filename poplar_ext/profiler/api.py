@@ -9,13 +9,11 @@ import inspect
 import logging
 import math
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +59,7 @@ from poplar_ext.profiler.measure import (
     TrialEvent,
     TypeStageResult,
     default_loss,
+    measured_provenance,
     place_model,
     read_ds_config,
     stage_ds_config,
@@ -231,6 +230,11 @@ def _checked(options: ProfileOptions) -> tuple[ProfileOptions, MeasureSettings]:
         raise ValueError(f"zero_stages: expected distinct stages among 0, 1, 2, 3, found {list(stages)}")
     if Path(options.cache_dir).exists() and not Path(options.cache_dir).is_dir():
         raise ValueError(f"cache_dir: expected a directory, found the file {options.cache_dir}")
+    ds_config = read_ds_config(options.ds_config)
+    if "optimizer" not in ds_config and options.optimizer_factory is None:
+        # DeepSpeed would stop at its first engine with a bare "must provide optimizer" assertion.
+        config_name = "ds_config" if isinstance(options.ds_config, Mapping) else str(options.ds_config)
+        raise ValueError(f"{config_name}: {NO_OPTIMIZER}; add one, or pass optimizer_factory to profile_model")
     sizes = None if options.micro_batch_sizes is None else tuple(options.micro_batch_sizes)
     settings = MeasureSettings(
         warmup_micro_steps=options.warmup_micro_steps,
@@ -240,22 +244,13 @@ def _checked(options: ProfileOptions) -> tuple[ProfileOptions, MeasureSettings]:
     )
     checked = dataclasses.replace(
         options,
-        ds_config=_read_ds_config(options),
+        ds_config=ds_config,
         zero_stages=tuple(sorted(stages)),
         micro_batch_sizes=sizes,
         cache_dir=Path(options.cache_dir),
         loss_fn=options.loss_fn or default_loss,
     )
     return checked, settings
-
-
-def _read_ds_config(options: ProfileOptions) -> Mapping[str, Any]:
-    ds_config = read_ds_config(options.ds_config)
-    if "optimizer" not in ds_config and options.optimizer_factory is None:
-        # DeepSpeed would stop at its first engine with a bare "must provide optimizer" assertion.
-        config_name = "ds_config" if isinstance(options.ds_config, Mapping) else str(options.ds_config)
-        raise ValueError(f"{config_name}: {NO_OPTIMIZER}; add one, or pass optimizer_factory to profile_model")
-    return ds_config
 
 
 @contextmanager
@@ -384,12 +379,10 @@ def _start_session(options: ProfileOptions, settings: MeasureSettings, layout: J
 
 def _offload_types(layout: JobLayout, optimizer_offload: str) -> tuple[str, ...]:
     """The device types `optimizer_offload` (``off``, ``smallest``, ``both``) measures offloaded too."""
-    if optimizer_offload == "both":
-        return layout.type_names
-    if optimizer_offload == "smallest":
-        least = min(layout.capacities_bytes[t] for t in layout.type_names)
-        return tuple(t for t in layout.type_names if layout.capacities_bytes[t] == least)
-    return ()
+    if optimizer_offload == "off":
+        return ()
+    least = min(layout.capacities_bytes[t] for t in layout.type_names)
+    return tuple(t for t in layout.type_names if optimizer_offload == "both" or layout.capacities_bytes[t] == least)
 
 
 def _bf16(options: ProfileOptions) -> bool:
@@ -558,12 +551,10 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
         activation_checkpointing=run.checkpointing,
         optimizer_offload=run.offload,
         measured_with={
-            "source": "measured",
+            **measured_provenance(),
             "torch": job_key.torch_version,
             "deepspeed": job_key.deepspeed_version,
-            "python": platform.python_version(),
             "host": layout.hosts[t],
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "hardware": layout.hardware[t],
             "device": "emulated" if emulation is not None else "real",
             "ds_config_fingerprint": job_key.ds_config_fingerprint,

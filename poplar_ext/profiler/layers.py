@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import copy
-import platform
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
@@ -18,7 +16,7 @@ from poplar_ext.hardware.compute_clock import time_compute
 from poplar_ext.hardware.memory import resident_memory_bytes
 from poplar_ext.plan.formats import Emulation, ModelInfo
 from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerCost, LayerProfile, LayerSample
-from poplar_ext.profiler.measure import map_tensors
+from poplar_ext.profiler.measure import map_tensors, measured_provenance
 from poplar_ext.profiler.options import ProfileOptions
 from poplar_ext.profiler.sizes import dense_sizes
 
@@ -323,9 +321,7 @@ def layer_profile(
         base_memory_bytes=base_memory,
         emulated=emulation,
         measured_with={
-            "source": "measured",
-            "python": platform.python_version(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            **measured_provenance(),
             "device": "emulated" if emulation is not None else "real",
             "timing": "each layer alone: forward + backward by the compute clock (x the emulated slowdown), median",
             "memory": "parameters and optimizer state from the tensors; kept activations from autograd's saved "

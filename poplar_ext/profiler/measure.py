@@ -6,10 +6,12 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import torch
@@ -82,6 +84,12 @@ class MeasureSettings:
             )
         if not 0.0 <= self.memory_margin < 1.0:
             raise ValueError(f"memory_margin: expected a fraction in [0, 1), found {self.memory_margin}")
+
+
+def measured_provenance() -> dict[str, Any]:
+    """What every ``measured_with`` says: measured, with this Python, now."""
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return {"source": "measured", "python": platform.python_version(), "date": now}
 
 
 def stage_ds_config(ds_config: Mapping[str, Any], *, zero_stage: int, world_size: int) -> dict[str, Any]:

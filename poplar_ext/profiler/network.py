@@ -4,10 +4,8 @@ profiles/README.md ("Network file")."""
 from __future__ import annotations
 
 import itertools
-import platform
 import statistics
 from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ from poplar_ext.plan.network_format import (
     save_network,
 )
 from poplar_ext.profiler.layout import JobLayout
+from poplar_ext.profiler.measure import measured_provenance
 from poplar_ext.search.network import fit_collective
 
 DEFAULT_MESSAGE_BYTES = (2**12, 2**16, 2**20, 2**23, 2**25)
@@ -134,10 +133,8 @@ def measure_network(
         collectives=fits,
         scopes=scopes,
         measured_with={
-            "source": "measured",
+            **measured_provenance(),
             "torch": torch.__version__,
-            "python": platform.python_version(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "device": layout.device.type,
             "timing": "wall clock after a barrier, median of repeats, slowest rank",
             "warmup": warmup,
