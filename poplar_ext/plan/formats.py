@@ -77,9 +77,7 @@ MAX_BANDWIDTH_BYTES_PER_S = 1e15
 """Largest bandwidth a file may state (1 PB/s: free); a network fit with no measurable size dependence gets it."""
 
 
-# ----------------------------------------------------------------------------------
-# Reading: every format's objects are read field by field by these
-# ----------------------------------------------------------------------------------
+# -- Reading: every format's objects are read field by field by these ----------------
 Reader = Callable[[Node], Any]
 
 
@@ -165,9 +163,7 @@ def _with_schema_version_first(data: dict[str, Any]) -> dict[str, Any]:
     return {"schema_version": data.pop("schema_version"), **data}
 
 
-# ----------------------------------------------------------------------------------
-# Profiles
-# ----------------------------------------------------------------------------------
+# -- Profiles ------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class ModelInfo:
     """Identity of the model a profile was taken with."""
@@ -361,9 +357,7 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     return _with_schema_version_first(data)
 
 
-# ----------------------------------------------------------------------------------
-# Cluster description
-# ----------------------------------------------------------------------------------
+# -- Cluster description -------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class DeviceGroup:
     """`count` devices of one type on a node."""
@@ -496,9 +490,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------------------------
-# Plans
-# ----------------------------------------------------------------------------------
+# -- Plans ---------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class RankPlan:
     """What one rank runs each iteration."""
@@ -640,9 +632,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     return _with_schema_version_first(data)
 
 
-# ----------------------------------------------------------------------------------
-# Files
-# ----------------------------------------------------------------------------------
+# -- Files ---------------------------------------------------------------------------
 class _DuplicateKey(Exception):
     """A key given twice in a JSON object: ``args[0]``."""
 
@@ -711,7 +701,6 @@ def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
-    """Load and validate one profile file."""
     return profile_from_dict(read_json(path), source=str(path))
 
 
@@ -744,8 +733,7 @@ def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
         raise FormatError(
             str(directory), "(directory)", "a directory of profile JSON files", _not_a_directory(directory)
         )
-    profiles: list[Profile] = []
-    origin: dict[tuple[str, int, bool, bool, str], Path] = {}
+    origin: dict[tuple[str, int, bool, bool, str], tuple[Path, Profile]] = {}
     for path in sorted(directory.glob("*.json")):
         data = read_json(path)
         if is_cluster_or_plan(data):
@@ -758,22 +746,19 @@ def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
                 "device_type",
                 "one profile per (device type, ZeRO stage, activation checkpointing, optimizer offload, model)",
                 f"a second profile for {key[0]!r} at stage {key[1]}{levers_text(key[2], key[3])} "
-                f"(the first is {origin[key].name})",
+                f"(the first is {origin[key][0].name})",
             )
-        origin[key] = path
-        profiles.append(profile)
-    if not profiles:
+        origin[key] = path, profile
+    if not origin:
         raise FormatError(str(directory), "(directory)", "at least one profile *.json file", "none")
-    return profiles
+    return [profile for _, profile in origin.values()]
 
 
 def load_cluster(path: str | os.PathLike[str]) -> Cluster:
-    """Load and validate a cluster description."""
     return cluster_from_dict(read_json(path), source=str(path))
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
-    """Load and validate a plan."""
     return plan_from_dict(read_json(path), source=str(path))
 
 

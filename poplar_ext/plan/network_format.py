@@ -150,9 +150,7 @@ def network_path(directory: str | os.PathLike[str], cluster: Cluster) -> Path:
     return Path(directory) / NETWORK_DIRECTORY / f"network-{cluster_key(cluster).split(':')[-1][:12]}.json"
 
 
-# ----------------------------------------------------------------------------------
-# JSON
-# ----------------------------------------------------------------------------------
+# -- JSON ----------------------------------------------------------------------------
 def network_to_dict(network: NetworkProfile) -> dict[str, Any]:
     data = json_ready(dataclasses.asdict(network))
     if not network.scopes:
@@ -191,7 +189,6 @@ def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile
 
 
 def load_network(path: str | os.PathLike[str]) -> NetworkProfile:
-    """Read one network file; `FormatError` names the file and field on bad input."""
     return network_from_dict(read_json(path), source=str(path))
 
 

@@ -66,9 +66,7 @@ def _pipeline_zero_stage(node: Node) -> int:
     return stage
 
 
-# ----------------------------------------------------------------------------------
-# Layer profiles
-# ----------------------------------------------------------------------------------
+# -- Layer profiles ------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class LayerSample:
     """One layer at one micro-batch size."""
@@ -203,9 +201,7 @@ def save_layer_profile(profile: LayerProfile, path: str | os.PathLike[str]) -> N
     write_json_atomic(layer_profile_to_dict(profile), path)
 
 
-# ----------------------------------------------------------------------------------
-# Pipeline plans
-# ----------------------------------------------------------------------------------
+# -- Pipeline plans ------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class PipelineStage:
     """One stage of a pipeline: a rank and the layers it holds."""

@@ -31,24 +31,11 @@ if TYPE_CHECKING:
     from poplar_ext.profiler.measure import MeasureSettings
     from poplar_ext.profiler.options import ProfileOptions
 
-# DeepSpeed settings that do not change per-micro-step speed or memory, or that the
-# profiler sets itself; everything else in the config is part of the cache key.
+# DeepSpeed settings that do not change per-micro-step speed or memory, or that the profiler sets itself (the
+# scheduler: one cheap step per iteration, the same work per micro-step); everything else is in the cache key.
 _CONFIG_KEYS_NOT_IN_KEY = frozenset(
-    {
-        "train_batch_size",
-        "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
-        "steps_per_print",
-        "wall_clock_breakdown",
-        "memory_breakdown",
-        "tensorboard",
-        "wandb",
-        "csv_monitor",
-        "comet",
-        "poplar",
-        "checkpoint",
-        "scheduler",  # the learning rate's schedule: one cheap step per iteration, the same work per micro-step
-    }
+    "train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps steps_per_print wall_clock_breakdown "
+    "memory_breakdown tensorboard wandb csv_monitor comet poplar checkpoint scheduler".split()
 )
 
 

@@ -474,12 +474,9 @@ class StageMeasurement:
             s = record.search
             # The memory fit may predict far past the limit (or a failed size): no trial goes there.
             target = s.largest_fitting if s.next_size() is None else min(s.predicted or s.limit, s.ceiling)
-            todo = [b for b in self._sweep_sizes(max(target, 1)) if b not in record.peaks]
+            todo = [b for b in sweep_sizes(self.settings.micro_batch_sizes, max(target, 1)) if b not in record.peaks]
             remaining = max(remaining, len(todo) + (0 if s.next_size() is None else 2))
         return remaining
-
-    def _sweep_sizes(self, largest: int) -> list[int]:
-        return sweep_sizes(self.settings.micro_batch_sizes, largest)
 
     def _measure_group(self, group: tuple[str, ...], records: dict[str, _TypeRecord]) -> None:
         while True:
@@ -489,7 +486,11 @@ class StageMeasurement:
                 break
             self._run_trial(sizes, records, "probe")
         todo = {
-            t: [b for b in self._sweep_sizes(records[t].search.largest_fitting) if b not in records[t].peaks]
+            t: [
+                b
+                for b in sweep_sizes(self.settings.micro_batch_sizes, records[t].search.largest_fitting)
+                if b not in records[t].peaks
+            ]
             for t in group
             if records[t].search.largest_fitting > 0 and not records[t].warmup_failed
         }
