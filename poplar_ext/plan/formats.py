@@ -564,11 +564,8 @@ def _total(node: Node, total: int, what: str) -> int:
 
 
 def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
-    """Validate parsed JSON and build a `Plan`; raises `FormatError`.
-
-    Checks the plan's own consistency (ranks numbered 0..N-1 in order, samples sum to the global batch). Whether it
-    suits a given stage, cluster and device memory is checked where those are known (`search.check_plan`, the runtime).
-    """
+    """Validate parsed JSON and build a `Plan`; raises `FormatError`. Checks its own consistency (ranks 0..N-1 in
+    order, samples summing to the global batch); cluster and memory where known (`search.check_plan`, the runtime)."""
     parallelism = Node(data, source).obj().optional("parallelism")
     if parallelism is not None:
         # pipeline plans have their own reader: poplar_ext.plan.pipeline_formats.any_plan_from_dict
@@ -723,11 +720,8 @@ def _not_a_directory(path: Path) -> str:
 
 
 def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
-    """Load every ``*.json`` profile directly in `directory` (sorted by file name).
-
-    Two files for the same `Profile.key` and model are an error (plans must not depend on file-name order);
-    clusters, plans and network files kept beside the profiles are skipped (`is_cluster_or_plan`).
-    """
+    """Every ``*.json`` profile directly in `directory`, by file name; clusters, plans and network files beside
+    them skipped. Two for the same `Profile.key` and model are an error (plans must not depend on file names)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FormatError(

@@ -311,12 +311,9 @@ def _pipeline(node: Node, num_layers: int) -> Pipeline:
 
 
 def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> PipelinePlan:
-    """Validate parsed JSON and build a `PipelinePlan`; raises `FormatError`.
-
-    Checks the plan's own consistency: every rank 0..N-1 in exactly one stage, each pipeline's stages covering the
-    layers in order, the global batch the pipelines' sum, ZeRO stage 0 or 1. Whether it suits a cluster and the devices'
-    memory is checked where those are known (`poplar_ext.search.pipeline_search.check_pipeline_plan`, the runtime).
-    """
+    """Validate parsed JSON and build a `PipelinePlan`; raises `FormatError`. Checks its own consistency (every rank
+    0..N-1 in one stage, stages covering the layers in order, the global batch the pipelines' sum, ZeRO stage 0 or 1);
+    cluster and memory where known (`search.pipeline_search.check_pipeline_plan`, the runtime)."""
     root = _root(data, source, PipelinePlan, PIPELINE_PLAN_SCHEMA_VERSION)
     root.field("parallelism").string(choices=("pipeline",))
     num_layers = root.field("num_layers").integer(minimum=1, maximum=MAX_LAYERS)

@@ -590,14 +590,10 @@ def time_micro_steps(
     activation_checkpointing: bool | Mapping[str, bool] = False,
     optimizer_offload: bool = False,
 ) -> dict[str, dict[int, float]]:
-    """Device type -> micro-batch size -> median micro-step time over its ranks, for calibration (collective).
-
-    One engine at `zero_stage` with the given memory levers, built as profiling builds it; every rank
-    runs its type's `sizes`, timed as training runs them where no collective is waited in
-    (`calibration.timed_as_training`), else as profiling times them. The same dict on every rank.
-    `activation_checkpointing` per device type (a plan's, which may differ by type at stages 0-2, as
-    training runs it) or one setting for all.
-    """
+    """Device type -> micro-batch size -> median micro-step time over its ranks, for calibration (collective; the
+    same dict on every rank). One engine at `zero_stage` with the given levers (`activation_checkpointing` per type,
+    as a plan's, or one for all), built as profiling builds it; timed as training runs them where no collective is
+    waited in (`calibration.timed_as_training`), else as profiling times them."""
     options, settings = _checked(dataclasses.replace(options, zero_stages=(zero_stage,)))
     device = join_job()
     settings = dataclasses.replace(settings, as_training=timed_as_training(zero_stage))
