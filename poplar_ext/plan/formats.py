@@ -169,10 +169,13 @@ class ModelInfo:
     """Identity of the model a profile was taken with."""
 
     name: str
+    """Human-readable model name, e.g. ``gpt-124m``."""
     fingerprint: str
     """Hash of the architecture and parameter shapes; profiles of another model never mix."""
     num_parameters: int
+    """Total parameter count."""
     dtype: str
+    """Training dtype: ``float32``, ``bfloat16`` or ``float16``."""
     sequence_length: int | None = None
     """Tokens per sample for sequence models (None when it does not apply)."""
 
@@ -182,9 +185,11 @@ class Sample:
     """One measured (or modelled) micro-batch size."""
 
     micro_batch_size: int
+    """Samples in one micro-step on one rank."""
     micro_step_time_s: float
     """One forward + backward at this size on this device under this stage (median)."""
     peak_memory_bytes: int
+    """Peak device memory during that micro-step."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,6 +199,7 @@ class Emulation:
     slowdown: float
     """Compute is slowed by this factor (1.0 = as fast as the real device)."""
     memory_capacity_bytes: int
+    """The memory the emulated device pretends to have."""
     slowdown_schedule: tuple[tuple[int, float, int | None], ...] = ()
     """Drift during training: ``(optimizer_step, slowdown, rank)`` entries (JSON: ``[step, slowdown]`` for every rank of
     the type, ``[step, slowdown, rank]`` for one rank of it); from that optimizer step on the rank runs at that slowdown

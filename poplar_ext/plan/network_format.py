@@ -80,12 +80,15 @@ class NetworkProfile:
     cluster_key: str
     """`cluster_key` of the cluster it was measured on: the cache key."""
     world_size: int
+    """Ranks in the process group measured."""
     num_nodes: int
     """Nodes that group spanned (1: every ring hop was within a node)."""
     backend: str
     """Process-group backend (``nccl``, ``gloo``): NCCL overlaps collectives with compute, gloo on CPU does not."""
     collectives: dict[str, CollectiveFit]
+    """One fit per name in `COLLECTIVES`."""
     measured_with: dict[str, Any]
+    """Provenance: ``source`` is ``measured`` or ``modelled``; the rest is free-form."""
     scopes: dict[str, NetworkScope] = field(default_factory=dict)
     """With several nodes: the same collectives within a node and between nodes (`SCOPES`)."""
     schema_version: int = NETWORK_SCHEMA_VERSION

@@ -86,6 +86,7 @@ class LayerCost:
     """The layer's kind, for people (e.g. ``Block``)."""
     samples: tuple[LayerSample, ...]
     parameter_bytes: int
+    """The layer's parameters in the training dtype."""
     optimizer_state_bytes: int
     """Everything else the layer's parameters keep on the rank that holds it: their gradients, master weights and
     optimizer state."""
@@ -94,6 +95,7 @@ class LayerCost:
     output_bytes_per_sample: int
     """The layer's output per sample: what a stage boundary after it sends forward (and its gradient back)."""
     optimizer_step_time_s: float
+    """The optimizer step for the layer's parameters."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +111,7 @@ class LayerProfile:
     """Memory a stage needs whatever its layers (the framework, buffers): the rest holds layers."""
     emulated: Emulation | None
     measured_with: dict[str, Any]
+    """Provenance: ``source`` is ``measured`` or ``modelled``; the rest is free-form."""
     schema_version: int = LAYER_PROFILE_SCHEMA_VERSION
 
     @property

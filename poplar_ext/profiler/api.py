@@ -292,12 +292,14 @@ class _Session:
     toggle: CheckpointingToggle | None
     """Switches activation checkpointing in a fresh model; None: the model cannot."""
     job_key: JobKey
+    """What every profile of the session is keyed with (the versions and config fingerprint it records)."""
     offload_types: tuple[str, ...]
     """The device types also measured with the optimizer offloaded."""
     runs: tuple[_Run, ...]
     spare_models: list[torch.nn.Module]
     """The model built for the fingerprint, which the first engine takes instead of building one."""
     trainable_parameters: int
+    """Parameters with gradients (and optimizer state), of `model`'s ``num_parameters``."""
     timeouts: ShortCollectiveTimeouts | None = None
     """Given to the groups each engine makes (None: not shortened)."""
     network: NetworkProfile | None = None

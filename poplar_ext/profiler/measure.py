@@ -63,9 +63,13 @@ class MeasureSettings:
     """How much to measure (`ProfileOptions`' fields of the same names, whose defaults these are)."""
 
     warmup_micro_steps: int = ProfileOptions.warmup_micro_steps
+    """Unmeasured micro-steps at each size before the measured ones."""
     repeats: int = ProfileOptions.repeats
+    """Measured micro-steps per size (their median is the sample's time)."""
     micro_batch_size_limit: int = ProfileOptions.micro_batch_size_limit
+    """Never try a micro-batch larger than this (the probe stops there)."""
     micro_batch_sizes: tuple[int, ...] | None = None
+    """Sizes for the time curve; None: a dense geometric set up to the largest that fits."""
     memory_margin: float = 0.1
     """Fraction of a real device's memory kept free where probing past the prediction is unsafe."""
     as_training: bool = False
@@ -189,7 +193,9 @@ class TrialEvent:
     phase: str
     """``probe`` (finding the largest micro-batch) or ``sweep`` (filling in the curve)."""
     sizes: dict[str, int]
+    """Micro-batch size tried per device type."""
     remaining_trials_estimate: int
+    """Rough count of trials left at this stage."""
     fits: dict[str, bool] = field(default_factory=dict)
     """Per device type tried: the micro-step ran without running out of memory (agreed by every rank)."""
     peak_memory_bytes: dict[str, int] = field(default_factory=dict)
