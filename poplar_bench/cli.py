@@ -67,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``poplar-bench`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "output_dir", False) is None:  # a command's --output-dir left out
+        args.output_dir = default_output_dir()
     try:
         return printing(f"poplar-bench {args.command}", args.run, args)  # stdout's failures as every CLI's
     except (ValueError, FormatError) as exc:

@@ -1,7 +1,6 @@
 """What the demo runs: the emulated cluster, the model, the DeepSpeed config, the schedule.
 
-Kept free of torch and deepspeed so that `poplar-bench --help` and the unit tests
-stay fast.
+Free of torch and deepspeed, so that `poplar-bench --help` and the unit tests stay fast.
 """
 
 from __future__ import annotations
@@ -23,20 +22,19 @@ from poplar_ext.plan.formats import (
 
 MIB = 1 << 20
 
-CALIBRATION_MODES = ("cached", "always", "off")
-"""`DemoSettings.calibration`'s values."""
+CALIBRATION_MODES = ("cached", "always", "off")  # `DemoSettings.calibration`'s values
+CALIBRATION_ACTIONS = ("rescale", "remeasure")
 
 
 @dataclass(frozen=True, kw_only=True)
 class DemoDevice:
-    """One emulated device type of the demo cluster (one rank each)."""
+    """One emulated device type of the demo cluster (one rank each): its compute `slowdown` against the real CPU
+    core the rank runs on, and `memory_headroom_bytes`, its emulated memory above the rank's baseline
+    (interpreter, libraries, model, optimizer: the CPU peak the profiler measures is the whole process's)."""
 
     name: str
     slowdown: float
-    """Compute slowdown against the real CPU core the rank runs on."""
     memory_headroom_bytes: int
-    """Emulated memory above the rank's baseline (interpreter, libraries, model,
-    optimizer: the CPU peak the profiler measures is the whole process's)."""
 
 
 def default_devices() -> tuple[DemoDevice, ...]:
@@ -74,18 +72,14 @@ MIN_HEADROOM_BYTES = 32 * MIB
 
 
 def devices_from_slowdowns(slowdowns: list[float] | tuple[float, ...]) -> tuple[DemoDevice, ...]:
-    """One emulated device type per rank, ``cpu<rank>-x<slowdown>``, for configurations nobody tuned.
-
-    Memory follows speed as in the default cluster: the fastest gets 192 MiB of
-    headroom, a device k times slower 1/k of that (at least 32 MiB).
-    """
+    """One emulated device type per rank, ``cpu<rank>-x<slowdown>``, for configurations nobody tuned. Memory follows
+    speed as in the default cluster: the fastest gets 192 MiB of headroom, one k times slower 1/k of it (>= 32 MiB)."""
     if len(slowdowns) < 2:
         raise ValueError(f"slowdowns: expected at least 2 values (one rank each), found {len(slowdowns)}")
     bad = [s for s in slowdowns if not (isinstance(s, (int, float)) and s >= 1.0)]
     if bad:
         raise ValueError(f"slowdowns: expected numbers >= 1 (compute slowdown against a CPU core), found {bad}")
-    cores_needed = sum(1.0 / s for s in slowdowns)
-    cores = os.cpu_count() or 1
+    cores_needed, cores = sum(1.0 / s for s in slowdowns), os.cpu_count() or 1
     if cores_needed > cores:
         # Ranks that compete for cores are slowed by each other, not by their emulation.
         raise ValueError(
@@ -116,50 +110,43 @@ class DemoModel:
     hidden_size: int = 128
 
 
+_POSITIVE_INTS = "global_batch_size max_micro_batch_size profile_repeats iterations rounds standalone_repeats".split()
+
+
 @dataclass(frozen=True, kw_only=True)
 class DemoSettings:
     """Everything the demo's behaviour depends on; the CLI sets a few of these."""
 
+    # One rank per device, in rank order (devices of one name are ranks of one type).
     devices: tuple[DemoDevice, ...] = field(default_factory=default_devices)
-    """One rank per device, in rank order (devices of one name are ranks of one type)."""
-    nodes: int = 1
-    """Emulated nodes the ranks are split over, in rank order and evenly (all on this machine)."""
+    nodes: int = 1  # emulated nodes the ranks are split over, in rank order and evenly (all on this machine)
     model: DemoModel = field(default_factory=DemoModel)
+    # ZeRO stage of every policy's run (default 1: it communicates only at the accumulation boundary, so each
+    # rank's busy time is measured apart from its waiting).
     zero_stage: int = 1
-    """ZeRO stage of every policy's run (default 1: it communicates only at the accumulation boundary, so each
-    rank's busy time is measured apart from its waiting)."""
-    global_batch_size: int = 192
-    """Samples per iteration, the same for every policy."""
-    max_micro_batch_size: int = 48
-    """Largest micro-batch the profiler tries on any device."""
+    global_batch_size: int = 192  # samples per iteration, the same for every policy
+    max_micro_batch_size: int = 48  # the largest micro-batch the profiler tries on any device
+    # Measured micro-steps per size when profiling (median): more than the profiler's 3, as the search picks the
+    # sizes whose profiled times look best, so noise turns into plans slower than predicted.
     profile_repeats: int = 5
-    """Measured micro-steps per size when profiling (median): more than the profiler's 3, as the search picks the
-    sizes whose profiled times look best, so noise turns into plans slower than predicted."""
-    iterations: int = 2
-    """Measured iterations per policy in each round."""
-    warmup_iterations: int = 1
-    """Unmeasured iterations of each policy at the start of every round (after the switch of engine)."""
-    rounds: int = 3
-    """Each round runs every policy in turn, so background load hits all policies alike."""
-    standalone_repeats: int = 5
-    """Micro-steps timed per size when measuring each device's standalone throughput."""
+    iterations: int = 2  # measured iterations per policy in each round
+    warmup_iterations: int = 1  # unmeasured ones of each policy at the start of every round (after the switch)
+    rounds: int = 3  # each round runs every policy in turn, so background load hits all policies alike
+    standalone_repeats: int = 5  # micro-steps timed per size when measuring each device's standalone throughput
+    # Where the demo keeps its emulated cluster (``cluster.json``) and the profiler's cache (``profiles/``).
+    # None: ``$XDG_CACHE_HOME/poplar-ext/demo`` (``~/.cache`` when unset).
     cache_dir: Path | None = None
-    """Where the demo keeps its emulated cluster (``cluster.json``) and the profiler's
-    cache (``profiles/``). None: ``$XDG_CACHE_HOME/poplar-ext/demo`` (``~/.cache`` when unset)."""
-    force_profile: bool = False
-    """Measure again even when cached profiles exist."""
+    force_profile: bool = False  # measure again even when cached profiles exist
+    # What the profiler measures (``activation_checkpointing``): ``off`` here, ``both`` for the checkpointing bench.
     activation_checkpointing: str = "off"
-    """What the profiler measures (``activation_checkpointing``): ``off`` here, ``both`` for the checkpointing bench."""
+    # Check profiles against micro-steps timed at start (`poplar_ext.profiler.calibration`): ``cached`` (cached
+    # profiles only, as a job does), ``always``, ``off`` (default: emulated compute is steady at its profile's times).
     calibration: str = "off"
-    """Check profiles against micro-steps timed at start (`poplar_ext.profiler.calibration`): ``cached`` (cached
-    profiles only, as a job does), ``always``, ``off`` (default: emulated compute is steady at its profile's times)."""
-    calibration_action: str = "rescale"
-    """``rescale`` or ``remeasure`` (``poplar.calibration.action``)."""
+    calibration_action: str = "rescale"  # ``poplar.calibration.action``
+    # Largest |measured / profiled - 1| a profile is trusted with (``poplar.calibration.threshold``).
     calibration_threshold: float = 0.1
-    """Largest |measured / profiled - 1| a profile is trusted with (``poplar.calibration.threshold``)."""
     seed: int = 0
-    timeout_s: float = 600.0
-    """The whole multi-rank run is abandoned (ranks killed) after this long."""
+    timeout_s: float = 600.0  # the whole multi-rank run is abandoned (ranks killed) after this long
 
     def __post_init__(self) -> None:
         if len(self.devices) < 2:
@@ -170,24 +157,13 @@ class DemoSettings:
             )
         if self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage: expected 0, 1, 2 or 3, found {self.zero_stage!r}")
-
-        for name in (
-            "global_batch_size",
-            "max_micro_batch_size",
-            "profile_repeats",
-            "iterations",
-            "rounds",
-            "standalone_repeats",
-        ):
+        for name in _POSITIVE_INTS:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, found {value!r}")
-        if self.calibration not in CALIBRATION_MODES:
-            raise ValueError(f"calibration: expected one of {', '.join(CALIBRATION_MODES)}, found {self.calibration!r}")
-        if self.calibration_action not in ("rescale", "remeasure"):
-            raise ValueError(
-                f"calibration_action: expected 'rescale' or 'remeasure', found {self.calibration_action!r}"
-            )
+        for name, choices in (("calibration", CALIBRATION_MODES), ("calibration_action", CALIBRATION_ACTIONS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}: expected one of {', '.join(choices)}, found {getattr(self, name)!r}")
         if not 0.0 < self.calibration_threshold <= 10.0:
             raise ValueError(
                 f"calibration_threshold: expected a number in (0, 10], found {self.calibration_threshold!r}"
@@ -227,11 +203,8 @@ def memory_capacity_bytes(device: DemoDevice, baseline_bytes: int) -> int:
 
 
 def demo_cluster(settings: DemoSettings, *, baseline_bytes: int) -> Cluster:
-    """`settings.nodes` nodes of the ranks in order, with the emulations declared.
-
-    `baseline_bytes` is the ranks' measured memory before any micro-batch; the
-    emulated capacities are set above it (see `memory_capacity_bytes`).
-    """
+    """`settings.nodes` nodes of the ranks in order, with the emulations declared: capacities above
+    `baseline_bytes`, the ranks' measured memory before any micro-batch (see `memory_capacity_bytes`)."""
     quotient, remainder = divmod(len(settings.devices), settings.nodes)
     nodes, first = [], 0
     for index in range(settings.nodes):

@@ -6,6 +6,7 @@ See docs/bench.md (local ranks).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import multiprocessing.connection
@@ -35,32 +36,24 @@ from torch.distributed.elastic.multiprocessing import (
 from poplar_ext.collectives import leave_process_group
 from poplar_ext.hardware.cpu_process import limit_cpu_threads, skip_deepspeed_shm_op
 
-LOG_TAIL_LINES = 30
-"""How many lines of each failed rank's log `RankFailure` shows."""
-
-_WAKE_S = 0.2
-"""The longest the parent sleeps between looks at the ranks (it wakes at once when one exits)."""
-
-_KILL_WAIT_S = 5
-"""How long the parent waits for a killed rank to be gone."""
+LOG_TAIL_LINES = 30  # lines of each failed rank's log `RankFailure` shows
+_WAKE_S = 0.2  # the longest the parent sleeps between looks at the ranks (it wakes at once when one exits)
+_KILL_WAIT_S = 5  # how long the parent waits for a killed rank to be gone
 
 
 @dataclass(frozen=True, kw_only=True)
 class RankOutcome:
-    """What one rank did."""
+    """What one rank (its ``RANK``) did. `ok`: its function returned (a command: exited with code 0), `value`
+    what it returned (None for a command); else `error`, the traceback or why no result came back (killed,
+    aborted, exit code). `exit_code`: negative when killed by that signal, None when it did not exit in time.
+    `log_path`: its captured stdout and stderr (a command's stderr); None when it wrote to the console."""
 
     rank: int
-    """The rank (its ``RANK``)."""
     ok: bool
-    """True when the function returned on this rank (a command: exited with code 0)."""
     value: Any
-    """The function's return value (None unless `ok`; always None for a command)."""
     error: str
-    """The traceback, or why no result came back (killed, aborted, exit code); "" when `ok`."""
     exit_code: int | None
-    """The process exit code (negative: killed by that signal; None: did not exit in time)."""
     log_path: Path | None
-    """The rank's captured stdout and stderr (a command's stderr); None when it wrote to the console."""
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last `lines` lines of the rank's log."""
@@ -89,20 +82,15 @@ class RankFailure(RuntimeError):
 
 
 def preimport_for_fork() -> None:
-    """Import what every forked rank would otherwise import after the fork (the slow part).
-
-    Idempotent: Python's import system makes a second call a no-op.
-    """
+    """Import what every forked rank would otherwise import after the fork (the slow part); idempotent."""
     import deepspeed  # noqa: F401
     import torch._dynamo  # noqa: F401  (imported lazily by the first deepspeed.initialize)
 
     # The ranks train on CPU: DeepSpeed's inference-only shared-memory op would cost
     # a ~50 s compile on a fresh machine.
     skip_deepspeed_shm_op()
-    try:
+    with contextlib.suppress(ImportError):  # a DeepSpeed without it: the first initialize is merely slower
         import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (same reason)
-    except ImportError:
-        pass  # a DeepSpeed without it: the first initialize is merely slower
 
 
 def free_port() -> int:
@@ -113,11 +101,8 @@ def free_port() -> int:
 
 
 def run_ranks(fn: Callable[..., Any], *, world_size: int, log_dir: str | os.PathLike[str], **options: Any) -> list[Any]:
-    """Run `fn` on `world_size` local ranks (see `run_ranks_outcomes` for `options`).
-
-    Returns the per-rank return values in rank order; raises `RankFailure` naming
-    every rank that failed, with its error, exit code and log tail.
-    """
+    """Run `fn` on `world_size` local ranks (`options`: see `run_ranks_outcomes`); the values in rank order.
+    Raises `RankFailure` naming every rank that failed, with its error, exit code and log tail."""
     outcomes = run_ranks_outcomes(fn, world_size=world_size, log_dir=log_dir, **options)
     if not all(o.ok for o in outcomes):
         raise RankFailure(outcomes)
@@ -138,13 +123,11 @@ def run_ranks_outcomes(
     capture_output: bool = True,
     stop_after_failure_s: float | None = None,
 ) -> list[RankOutcome]:
-    """Run ``fn(*args, **kwargs)`` on `world_size` local ranks; one `RankOutcome` per rank.
+    """Run ``fn(*args, **kwargs)`` (a top-level function) on `world_size` local ranks; a `RankOutcome` each.
 
-    `fn` must be a top-level function. `log_dir` receives ``rank<N>.log`` (with
-    `capture_output`) and ``rank<N>.error.json`` (the traceback of a failed rank).
-    `timeout_s` bounds the whole group; with `stop_after_failure_s`, the ranks still
-    running that long after a rank failed are killed too (instead of waiting in a
-    collective for the process-group timeout).
+    `log_dir` receives ``rank<N>.log`` (with `capture_output`) and ``rank<N>.error.json`` (a failed rank's
+    traceback). `timeout_s` bounds the whole group; with `stop_after_failure_s`, the ranks still running that
+    long after a rank failed are killed too (instead of waiting in a collective for the process-group timeout).
     """
     if start_method not in ("fork", "spawn"):
         raise ValueError(f"start_method: expected 'fork' or 'spawn', found {start_method!r}")
@@ -157,18 +140,14 @@ def run_ranks_outcomes(
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_paths = {rank: log_dir / f"rank{rank}.log" if capture_output else None for rank in range(world_size)}
-    starts = {
-        rank: _RankStart(
-            log_path=None if path is None else str(path),
-            forked=start_method == "fork",
-            pg_timeout_s=pg_timeout_s if init_process_group else None,
-        )
-        for rank, path in log_paths.items()
-    }
+    pg_timeout = pg_timeout_s if init_process_group else None
     context = _FunctionRanks(
         name=getattr(fn, "__qualname__", "rank"),
         entrypoint=_rank_main,
-        args={rank: (fn, args, kwargs or {}, start) for rank, start in starts.items()},
+        args={
+            rank: (fn, args, kwargs or {}, _RankStart(path and str(path), start_method == "fork", pg_timeout))
+            for rank, path in log_paths.items()
+        },
         envs=_rank_environments(world_size),
         start_method=start_method,
         logs_specs=_RankFiles(log_dir, command_output=False),
@@ -186,23 +165,19 @@ def run_command_ranks(
 ) -> list[RankOutcome]:
     """Run `command` (program and arguments) once per local rank; one `RankOutcome` per rank.
 
-    Each rank is a separate process with this process's environment, `env` and its rank's
-    variables; it writes its stderr to ``rank<N>.log`` and its stdout to ``rank<N>.out``
-    in `log_dir`. Every rank runs until it exits or `timeout_s` has passed, so that each
-    rank's own exit code is seen (a launcher stops the others at the first failure).
+    Each rank has this process's environment, `env` and its rank's variables; its stderr goes to
+    ``rank<N>.log``, its stdout to ``rank<N>.out`` in `log_dir`. Every rank runs until it exits or `timeout_s`
+    has passed, so that each rank's own exit code is seen (a launcher stops the others at the first failure).
     """
     if not command:
         raise ValueError("command: expected a program and its arguments, found nothing")
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    envs = _rank_environments(world_size)
-    for rank_env in envs.values():
-        rank_env.update(env or {})
     context = _CommandRanks(
         name=Path(command[0]).name,
         entrypoint=command[0],
         args={rank: tuple(command[1:]) for rank in range(world_size)},
-        envs=envs,
+        envs={rank: {**rank_env, **(env or {})} for rank, rank_env in _rank_environments(world_size).items()},
         logs_specs=_RankFiles(log_dir, command_output=True),
     )
     log_paths = {rank: log_dir / f"rank{rank}.log" for rank in range(world_size)}
@@ -232,22 +207,16 @@ def _rank_environments(world_size: int) -> dict[int, dict[str, str]]:
 # ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _RankStart:
-    """How `_rank_main` starts one rank."""
-
-    log_path: str | None
-    """Where the rank's stdout and stderr go (None: where the parent's went)."""
-    forked: bool
-    """The rank was forked (it holds a copy of the parent's heap)."""
-    pg_timeout_s: float | None
-    """The gloo process group's timeout (None: no group)."""
+    log_path: str | None  # the rank's stdout and stderr (None: where the parent's went)
+    forked: bool  # it holds a copy of the parent's heap
+    pg_timeout_s: float | None  # the gloo group's timeout (None: no group)
 
 
 def _rank_main(fn: Callable[..., Any], args: tuple, kwargs: dict, start: _RankStart) -> bytes:
     """One rank: its output, one torch thread, its process group, then `fn`.
 
-    Called by elastic inside its error recording (its ``record``): what this raises
-    becomes the rank's error file and exit code 1.
-    """
+    Called inside elastic's error recording (``record``): what this raises becomes the rank's error file and
+    exit code 1."""
     if start.log_path is not None:
         _write_output_to(start.log_path)
     if start.forked:
@@ -270,10 +239,8 @@ def _rank_main(fn: Callable[..., Any], args: tuple, kwargs: dict, start: _RankSt
 def _write_output_to(log_path: str) -> None:
     """This rank's stdout and stderr, Python's and the C libraries' alike, into its log file.
 
-    elastic: its redirect follows ``sys.stdout.fileno()``, which under pytest's capture is
-    pytest's file (or none at all); here the process's descriptors 1 and 2 are pointed at
-    one file, which keeps stdout and stderr in the order they were written.
-    """
+    elastic: its redirect follows ``sys.stdout.fileno()``, under pytest's capture pytest's file (or none);
+    descriptors 1 and 2 pointed at one file keep stdout and stderr in the order they were written."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -308,13 +275,11 @@ def _join_process_group(timeout_s: float) -> None:
 # In the parent
 # ----------------------------------------------------------------------------------
 class _RankFiles(LogsSpecs):
-    """elastic: where each rank's files go, flat in one folder instead of elastic's tree per run and attempt.
+    """elastic: each rank's files flat in one folder, not elastic's tree per run and attempt.
 
-    ``rank<N>.error.json``: the traceback elastic records when a rank's function raises.
-    A command's stderr goes to ``rank<N>.log`` and its stdout to ``rank<N>.out``; a
-    function's rank writes its own log (`_write_output_to`), so elastic leaves its
-    streams alone ("" is elastic's word for the console).
-    """
+    ``rank<N>.error.json``: elastic's traceback of a rank that raised. A command's stderr goes to ``rank<N>.log``,
+    its stdout to ``rank<N>.out``; a function's rank writes its own log (`_write_output_to`), so elastic leaves
+    its streams alone ("" is elastic's word for the console)."""
 
     def __init__(self, log_dir: Path, *, command_output: bool) -> None:
         super().__init__(log_dir=str(log_dir))
@@ -330,35 +295,30 @@ class _RankFiles(LogsSpecs):
         for rank, env in envs.items():
             Path(error_files[rank]).unlink(missing_ok=True)  # a stale one would read as this run's error
             env["TORCHELASTIC_ERROR_FILE"] = error_files[rank]
-        stdouts = {rank: str(root / f"rank{rank}.out") if self._command_output else "" for rank in envs}
-        stderrs = {rank: str(root / f"rank{rank}.log") if self._command_output else "" for rank in envs}
+        stdouts, stderrs = (
+            {rank: str(root / f"rank{rank}.{ext}") if self._command_output else "" for rank in envs}
+            for ext in ("out", "log")
+        )
         return LogsDest(stdouts=stdouts, stderrs=stderrs, error_files=error_files)
 
 
 class _EveryRank:
-    """elastic: its contexts follow torchrun's all-or-nothing rule, where the first rank that
-    fails ends the group (the agent then restarts all of it). Tests and benchmarks want each
-    rank's own outcome, so here every rank runs until it exits or the launcher stops it.
-
-    The seam is `_poll`, the hook in which elastic's contexts keep their waiting policy
-    (``PContext.wait`` calls it), with `exit_codes` and `received_values` underneath.
-    """
+    """elastic: its contexts follow torchrun's all-or-nothing rule (the first failed rank ends the group, the
+    agent restarts all of it); tests and benchmarks want each rank's own outcome, so every rank runs until it
+    exits or is stopped. The seam is `_poll`, where elastic keeps its waiting policy (``PContext.wait`` calls it)."""
 
     error_files: dict[int, str]
     stdouts: dict[int, str]
     stderrs: dict[int, str]
     pids: Callable[[], dict[int, int]]
 
-    def exit_codes(self) -> dict[int, int | None]:
-        """Each rank's exit code so far (None while it runs)."""
+    def exit_codes(self) -> dict[int, int | None]:  # None while the rank runs
         raise NotImplementedError
 
     def received_values(self) -> dict[int, bytes]:
-        """The return values received so far, by rank."""
         return {}
 
     def wait_for_an_exit(self, timeout_s: float) -> None:
-        """Sleep until a rank may have exited, `timeout_s` at most."""
         time.sleep(min(timeout_s, 0.05))
 
     def _poll(self) -> RunProcsResult | None:
@@ -376,11 +336,9 @@ class _EveryRank:
 
 
 class _FunctionRanks(_EveryRank, MultiprocessContext):
-    """elastic's context for function ranks, every rank to its end (`_EveryRank`).
-
-    It reads that context's own attributes (``_pc``, ``_ret_vals``, ``_return_values``,
-    ``_worker_finished_event``), as they are in torch 2.13: a torch upgrade checks them.
-    """
+    """elastic's context for function ranks, every rank to its end. It reads that context's own attributes
+    (``_pc``, ``_ret_vals``, ``_return_values``, ``_worker_finished_event``) as in torch 2.13: an upgrade
+    checks them."""
 
     def _start(self) -> None:
         # elastic holds a rank that returned until the parent has read every rank's value (its
@@ -415,7 +373,7 @@ class _FunctionRanks(_EveryRank, MultiprocessContext):
 
 
 class _CommandRanks(_EveryRank, SubprocessContext):
-    """elastic's context for command ranks, every rank to its end (`_EveryRank`)."""
+    """elastic's context for command ranks, every rank to its end."""
 
     def exit_codes(self) -> dict[int, int | None]:
         return {rank: handler.proc.poll() for rank, handler in self.subprocess_handlers.items()}
@@ -423,10 +381,9 @@ class _CommandRanks(_EveryRank, SubprocessContext):
 
 @contextmanager
 def _callers_signal_handlers() -> Iterator[None]:
-    """elastic: starting a context installs its handlers for SIGTERM, SIGINT, SIGHUP and
-    SIGQUIT in the calling process (torchrun's agent owns its process); the caller's are
-    put back once the ranks have started (forked ranks keep elastic's: a signal ends
-    them with a traceback)."""
+    """elastic: starting a context installs its SIGTERM, SIGINT, SIGHUP and SIGQUIT handlers in the caller
+    (torchrun's agent owns its process); the caller's come back once the ranks have started (forked ranks keep
+    elastic's: a signal ends them with a traceback)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -460,15 +417,10 @@ def _run(
     for rank in sorted(codes):
         exit_code = None if rank in stopped else codes[rank]
         ok = exit_code == 0 if command else values.get(rank) is not None
+        error = "" if ok else (why_stopped if rank in stopped else _error_text(context, rank, exit_code))
+        value = pickle.loads(values[rank]) if ok and not command else None
         outcomes.append(
-            RankOutcome(
-                rank=rank,
-                ok=ok,
-                value=pickle.loads(values[rank]) if ok and not command else None,
-                error="" if ok else (why_stopped if rank in stopped else _error_text(context, rank, exit_code)),
-                exit_code=exit_code,
-                log_path=log_paths[rank],
-            )
+            RankOutcome(rank=rank, ok=ok, value=value, error=error, exit_code=exit_code, log_path=log_paths[rank])
         )
     return outcomes
 

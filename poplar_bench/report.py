@@ -5,12 +5,14 @@ Derives the comparisons and renders; measures nothing. See docs/bench.md (report
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import importlib.metadata
 import os
 import platform
 import statistics
 import sys
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,20 +41,11 @@ _LIBRARIES = ("poplar-ext", "torch", "deepspeed", "numpy", "scipy", "matplotlib"
 
 def machine_description() -> dict[str, Any]:
     """The machine a report was made on; library versions read without importing them."""
-    versions = {}
-    for name in _LIBRARIES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
+    versions = {name: _version(name) for name in _LIBRARIES}
     cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass  # not Linux: platform.processor() below is the fallback
+    with contextlib.suppress(OSError):  # not Linux: platform.processor() below is the fallback
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu_model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
     return {
         "hostname": platform.node(),
         "platform": platform.platform(),
@@ -66,6 +59,13 @@ def machine_description() -> dict[str, Any]:
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "libraries": versions,
     }
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def utc_now() -> str:
@@ -88,9 +88,8 @@ def group_ranks(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: list[dict[str, Any]] = []
     for entry in ranks:
         content = {k: v for k, v in entry.items() if k not in ("rank", "count")}
-        last = groups[-1] if groups else None
-        if last is not None and {k: v for k, v in last.items() if k not in ("rank", "count")} == content:
-            last["count"] += entry.get("count", 1)
+        if groups and {k: v for k, v in groups[-1].items() if k not in ("rank", "count")} == content:
+            groups[-1]["count"] += entry.get("count", 1)
         else:
             groups.append({"rank": entry["rank"], "count": entry.get("count", 1), **content})
     return groups
@@ -98,11 +97,9 @@ def group_ranks(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def summarise_allocation(ranks: list[dict[str, Any]]) -> str:
     """``A100-80GB: 8x 12*2; A100-40GB: 8x 4*2`` (ranks x micro-batch*accumulation), per type."""
-    groups: dict[str, dict[tuple[int, int], int]] = {}
+    groups: dict[str, Counter[tuple[int, int]]] = defaultdict(Counter)
     for r in ranks:
-        key = (r["micro_batch_size"], r["gradient_accumulation_steps"])
-        by_type = groups.setdefault(r["device_type"], {})
-        by_type[key] = by_type.get(key, 0) + r.get("count", 1)
+        groups[r["device_type"]][r["micro_batch_size"], r["gradient_accumulation_steps"]] += r.get("count", 1)
     return "; ".join(
         f"{device_type}: " + ", ".join(f"{count}x {mbs}*{gas}" for (mbs, gas), count in combos.items())
         for device_type, combos in groups.items()
@@ -130,9 +127,7 @@ def derive_comparisons(scenario: dict[str, Any]) -> dict[str, Any]:
     uniform_rate, uniform_kind = _throughput(uniform) if uniform and uniform["status"] == "ok" else (None, "none")
     ideal = scenario.get("ideal_samples_per_s") or {}
     for entry in scenario["policies"]:
-        entry["prediction_error"] = None
-        entry["speedup_over_uniform"] = None
-        entry["share_of_ideal"] = None
+        entry.update(prediction_error=None, speedup_over_uniform=None, share_of_ideal=None)
         if entry["status"] != "ok":
             continue
         rate, kind = _throughput(entry)
@@ -202,15 +197,7 @@ def demo_goals(scenario: dict[str, Any]) -> list[dict[str, Any]]:
 
 def infeasible_entry(policy: str, status: str, message: str) -> dict[str, Any]:
     """A report entry for a policy without a plan."""
-    return {
-        "policy": policy,
-        "status": status,
-        "message": message,
-        "zero_stage": None,
-        "ranks": [],
-        "predicted": None,
-        "measured": None,
-    }
+    return dict(policy=policy, status=status, message=message, zero_stage=None, ranks=[], predicted=None, measured=None)
 
 
 def emulation_dict(emulation: Any) -> dict[str, Any] | None:
@@ -489,10 +476,6 @@ def _render_lever(rows: list[dict[str, Any]], *, lever: str, column: str, title:
         ]
         for stage, cell in row["stages"].items():
             without, chosen = cell["without"], cell["with_choice"]
-
-            def rate(c: dict[str, Any]) -> str:
-                return f"{c['samples_per_s']:.1f} (stage {c['zero_stage']})" if c["status"] == "ok" else "infeasible"
-
             on = ", ".join(t for t, v in chosen.get("types", {}).items() if v.get(lever)) or "none"
             shape = ", ".join(
                 f"{t} {v['micro_batch_size']}x{v['gradient_accumulation_steps']}"
@@ -500,10 +483,14 @@ def _render_lever(rows: list[dict[str, Any]], *, lever: str, column: str, title:
             )
             gain = "-" if cell["gain"] is None else f"{cell['gain']:.2f}x"
             lines.append(
-                f"| {stage} | {rate(without)} | {rate(chosen)} | {gain} | {on if chosen['status'] == 'ok' else '-'} | "
-                f"{shape} |"
+                f"| {stage} | {_lever_rate(without)} | {_lever_rate(chosen)} | {gain} | "
+                f"{on if chosen['status'] == 'ok' else '-'} | {shape} |"
             )
     return lines
+
+
+def _lever_rate(c: dict[str, Any]) -> str:
+    return f"{c['samples_per_s']:.1f} (stage {c['zero_stage']})" if c["status"] == "ok" else "infeasible"
 
 
 def render_scaling(series: list[dict[str, Any]]) -> list[str]:
@@ -583,21 +570,11 @@ def _plot_curves(ax: Any, scenarios: list[dict[str, Any]], featured: dict[str, A
                 continue
             shown.add(device_type)
             source = scenario["device_types"].get(device_type, {}).get("source", "?")
-            line = ax.plot(
-                [p["micro_batch_size"] for p in points],
-                [p["samples_per_s"] for p in points],
-                marker="o",
-                label=f"{device_type} ({source}), {scenario.get('curves_kind', 'profile')}",
-            )[0]
+            kind = scenario.get("curves_kind", "profile")
+            (line,) = ax.plot(*_xy(points), marker="o", label=f"{device_type} ({source}), {kind}")
             profiled = scenario.get("profiled_curves", {}).get(device_type)
             if profiled:
-                ax.plot(
-                    [p["micro_batch_size"] for p in profiled],
-                    [p["samples_per_s"] for p in profiled],
-                    linestyle=":",
-                    color=line.get_color(),
-                    label=f"{device_type} profile",
-                )
+                ax.plot(*_xy(profiled), linestyle=":", color=line.get_color(), label=f"{device_type} profile")
     ax.set_xlabel("micro-batch size")
     ax.set_ylabel("samples/s (one device, micro-steps only)")
     ax.set_title(
@@ -606,6 +583,10 @@ def _plot_curves(ax: Any, scenarios: list[dict[str, Any]], featured: dict[str, A
     )
     _legend(ax, 7)
     ax.grid(alpha=0.3)
+
+
+def _xy(curve: list[dict[str, float]]) -> tuple[list[float], list[float]]:
+    return [p["micro_batch_size"] for p in curve], [p["samples_per_s"] for p in curve]
 
 
 def _plot_rank_times(ax: Any, scenario: dict[str, Any]) -> None:

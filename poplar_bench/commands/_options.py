@@ -53,6 +53,11 @@ def add_positive_int(parser: argparse.ArgumentParser, flag: str, default: int, h
     parser.add_argument(flag, type=parse_positive_int, default=default, help=f"{help} (default {default})")
 
 
+def add_cache_dir(parser: argparse.ArgumentParser, help: str) -> None:
+    """The ``--cache-dir`` of the commands that profile (default None: each command's own)."""
+    parser.add_argument("--cache-dir", type=Path, default=None, help=help)
+
+
 def add_output_dir(parser: argparse.ArgumentParser) -> None:
     """The ``--output-dir`` every report-writing command takes (default: `default_output_dir`)."""
     parser.add_argument("--output-dir", type=Path, default=None, help=OUTPUT_HELP)

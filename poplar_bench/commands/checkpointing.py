@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from ._options import add_output_dir, add_positive_int, default_output_dir, print_paths
+from ._options import add_cache_dir, add_output_dir, add_positive_int, print_paths
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,17 +20,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_output_dir(p)
     add_positive_int(p, "--rounds", 3, "alternating training rounds per plan")
-    p.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help="profile cache root, one folder per case (default: beside the demo's cache)",
-    )
+    add_cache_dir(p, "profile cache root, one folder per case (default: beside the demo's cache)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from .. import checkpointing
 
-    out_dir = args.output_dir or default_output_dir()
-    return print_paths(checkpointing.run_checkpointing(out_dir=out_dir, cache_dir=args.cache_dir, rounds=args.rounds))
+    return print_paths(
+        checkpointing.run_checkpointing(out_dir=args.output_dir, cache_dir=args.cache_dir, rounds=args.rounds)
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._options import add_output_dir, add_positive_int, default_output_dir, print_paths
+from ._options import add_output_dir, add_positive_int, print_paths
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,4 +37,4 @@ def run(args: argparse.Namespace) -> int:
         cases=tuple(args.cases or clean_exit.CASES),
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
-    return print_paths(clean_exit.write_report(report, args.output_dir or default_output_dir()))
+    return print_paths(clean_exit.write_report(report, args.output_dir))

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from poplar_ext.plan.formats import ZERO_STAGES
 
-from ._options import add_output_dir, add_positive_int, default_output_dir, print_paths, warn_if_no_figure
+from ._options import add_cache_dir, add_output_dir, add_positive_int, print_paths, warn_if_no_figure
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,11 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_positive_int(p, "--iterations", defaults.iterations, "measured iterations per policy and round")
     add_positive_int(p, "--rounds", defaults.rounds, "rounds; each round runs every policy in turn")
     add_positive_int(p, "--global-batch-size", defaults.global_batch_size, "samples per iteration")
-    p.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help="where the emulated cluster and the cached profiles are kept; a second run reuses them "
+    add_cache_dir(
+        p,
+        "where the emulated cluster and the cached profiles are kept; a second run reuses them "
         "(default: $XDG_CACHE_HOME/poplar-ext/demo, ~/.cache/poplar-ext/demo when unset)",
     )
     p.add_argument("--force-profile", action="store_true", help="measure again even when cached profiles exist")
@@ -92,39 +89,34 @@ def run(args: argparse.Namespace) -> int:
     from .. import demo
     from ..demo_config import DemoSettings, default_devices, devices_from_slowdowns, eight_rank_devices
 
+    # A ValueError is bad input: cli.main says so and exits 2.
     if args.eight_ranks and args.slowdowns is not None:
-        print("poplar-bench demo: error: expected --eight-ranks or --slowdowns, found both", file=sys.stderr)
-        return 2
-    try:
-        devices = default_devices() if args.slowdowns is None else devices_from_slowdowns(args.slowdowns)
-        settings = DemoSettings(
-            devices=eight_rank_devices() if args.eight_ranks else devices,
-            nodes=2 if args.eight_ranks else 1,
-            zero_stage=args.zero_stage,
-            iterations=args.iterations,
-            rounds=args.rounds,
-            global_batch_size=args.global_batch_size,
-            cache_dir=args.cache_dir,
-            force_profile=args.force_profile,
-            calibration=args.calibration,
-            calibration_action=args.calibration_action,
-        )
-    except ValueError as exc:
-        print(f"poplar-bench demo: error: {exc}", file=sys.stderr)
-        return 2
+        raise ValueError("expected --eight-ranks or --slowdowns, found both")
+    devices = default_devices() if args.slowdowns is None else devices_from_slowdowns(args.slowdowns)
+    settings = DemoSettings(
+        devices=eight_rank_devices() if args.eight_ranks else devices,
+        nodes=2 if args.eight_ranks else 1,
+        zero_stage=args.zero_stage,
+        iterations=args.iterations,
+        rounds=args.rounds,
+        global_batch_size=args.global_batch_size,
+        cache_dir=args.cache_dir,
+        force_profile=args.force_profile,
+        calibration=args.calibration,
+        calibration_action=args.calibration_action,
+    )
     warn_if_no_figure("demo")
-    out_dir = args.output_dir or default_output_dir()
     try:
-        if args.repetitions > 1:
-            from ..steadiness import run_steadiness
+        if args.repetitions == 1:
+            return print_paths(demo.run_demo(settings, out_dir=args.output_dir, name=args.name))
+        from ..steadiness import run_steadiness
 
-            paths = run_steadiness(settings, out_dir=out_dir, repetitions=args.repetitions, name=args.name)
-        else:
-            paths = demo.run_demo(settings, out_dir=out_dir, name=args.name)
+        return print_paths(
+            run_steadiness(settings, out_dir=args.output_dir, repetitions=args.repetitions, name=args.name)
+        )
     except RuntimeError as exc:  # a rank failed: its traceback is in the message
         print(f"poplar-bench demo: {exc}", file=sys.stderr)
         return 1
-    return print_paths(paths)
 
 
 def _slowdowns(text: str) -> list[float]:

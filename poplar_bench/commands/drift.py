@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-from ._options import add_output_dir, add_positive_int, default_output_dir, print_paths, warn_if_no_figure
+from ._options import add_cache_dir, add_output_dir, add_positive_int, print_paths, warn_if_no_figure
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,32 +38,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_positive_int(
         p, "--check-interval-steps", defaults.check_interval_steps, "poplar.rebalance.check_interval_steps"
     )
-    p.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help="the demo's profile cache (default: the demo's; with --trainer its trainer/ folder)",
-    )
+    add_cache_dir(p, "the demo's profile cache (default: the demo's; with --trainer its trainer/ folder)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from .. import drift
 
-    try:
-        settings = drift.DriftSettings(
-            factor=args.factor,
-            drift_at=args.drift_at,
-            recover_at=args.recover_at,
-            drift_iterations=args.iterations,
-            check_interval_steps=args.check_interval_steps,
-            cache_dir=args.cache_dir,
-            timeout_s=1800.0,
-            loop="trainer" if args.trainer else "plain",
-        )
-    except ValueError as exc:
-        print(f"poplar-bench drift: error: {exc}", file=sys.stderr)
-        return 2
-    name = "drift_trainer" if args.trainer else "drift"
+    settings = drift.DriftSettings(  # a ValueError is bad input: cli.main says so and exits 2
+        factor=args.factor,
+        drift_at=args.drift_at,
+        recover_at=args.recover_at,
+        drift_iterations=args.iterations,
+        check_interval_steps=args.check_interval_steps,
+        cache_dir=args.cache_dir,
+        timeout_s=1800.0,
+        loop="trainer" if args.trainer else "plain",
+    )
     warn_if_no_figure("drift")
-    return print_paths(drift.run_drift(settings, out_dir=args.output_dir or default_output_dir(), name=name))
+    return print_paths(
+        drift.run_drift(settings, out_dir=args.output_dir, name="drift_trainer" if args.trainer else "drift")
+    )
