@@ -50,9 +50,9 @@ def run_ranks(
     target: Callable[[Any, Path], dict[str, Any]] | None = None,
     pg_timeout_s: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Fork the ranks, each running ``target(settings, work_dir)`` (`demo_worker.run_rank`), and return their
-    results in rank order. A failed rank stops the others a few seconds later, a hung one is killed at
-    `settings.timeout_s`; either way `local_ranks.RankFailure` (a RuntimeError) names every failed rank."""
+    """Fork the ranks, each running ``target(settings, work_dir)`` (`demo_worker.run_rank`); their results in rank
+    order. A failed rank stops the others a few seconds later, a hung one is killed at `settings.timeout_s`;
+    either way `local_ranks.RankFailure` (a RuntimeError) names every failed rank."""
     from poplar_bench.local_ranks import run_ranks as run_local_ranks
 
     from .demo_worker import PG_TIMEOUT_S, demo_rank, run_rank
@@ -76,26 +76,18 @@ def run_demo(settings: DemoSettings, *, out_dir: Path, name: str = "demo") -> li
     import_s = _preimport()
     progress(f"imports took {import_s:.1f} s; cache: {settings.cache_root()}")
     with tempfile.TemporaryDirectory(prefix="poplar-demo-") as tmp:
-        work_dir = Path(tmp)
-        rank_results = run_ranks(settings, work_dir)
-        plans = read_json(work_dir / "plans.json")
-    total_s = time.perf_counter() - started
-    report = assemble_report(settings, rank_results, plans, timings={"import_s": import_s, "total_s": total_s})
+        rank_results = run_ranks(settings, Path(tmp))
+        plans = read_json(Path(tmp) / "plans.json")
+    timings = {"import_s": import_s, "total_s": time.perf_counter() - started}
+    report = assemble_report(settings, rank_results, plans, timings=timings)
     paths = write_report(report, out_dir, name)
     progress(f"done in {time.perf_counter() - started:.0f} s")
-    for line in _goal_lines(report):
-        progress(line)
-    return paths
-
-
-def _goal_lines(report: dict[str, Any]) -> list[str]:
-    lines = []
     scenario = report["scenarios"][0]
     for entry in scenario["policies"]:
         if entry["status"] != "ok":
-            lines.append(f"{entry['policy']}: {entry['message']}")
+            progress(f"{entry['policy']}: {entry['message']}")
             continue
-        lines.append(
+        progress(
             f"{entry['policy']:>12}: {entry['measured']['samples_per_s']:.1f} samples/s measured, "
             f"{entry['predicted']['samples_per_s']:.1f} predicted"
             + (f", {entry['speedup_over_uniform']:.2f}x uniform" if entry.get("speedup_over_uniform") else "")
@@ -103,8 +95,8 @@ def _goal_lines(report: dict[str, Any]) -> list[str]:
         )
     for goal in scenario["goals"]:
         value = "-" if goal["value"] is None else f"{goal['value']:.3g}"
-        lines.append(f"goal {goal['goal']} {goal['target']}: {value} ({'met' if goal['met'] else 'MISSED'})")
-    return lines
+        progress(f"goal {goal['goal']} {goal['target']}: {value} ({'met' if goal['met'] else 'MISSED'})")
+    return paths
 
 
 # ----------------------------------------------------------------------------------
@@ -136,18 +128,27 @@ def _median_of(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+_MEASURED_PARTS = {
+    "busy_s": "busy_s",
+    "first_micro_step_s": "first_micro_step_s",
+    "later_micro_step_s": "later_micro_step_s",
+    "boundary_reduction_and_wait_s": "boundary_wait_s",
+    "step_s": "step_s",
+    "iteration_time_s": "iteration_time_s",
+}
+"""A decomposition's measured part -> the `PolicyRun.MEASURES` key it is the median of."""
+
+
 def rank_decomposition(
     info: dict[str, Any], rank_plan: dict[str, Any], measures: dict[str, list[Any]]
 ) -> dict[str, Any]:
     """One rank's iteration in parts, predicted and measured (medians over repetitions, seconds).
 
-    Predicted: compute (the profile's micro-steps), communication on micro-steps (stages
-    2-3), the boundary's collectives and optimizer step (from the network file and the
-    profile; without a network file both are the profile's measured boundary).
-    Measured: busy (micro-steps, with any per-micro-step communication), the first
-    micro-step after an optimizer step against the others, the boundary reduction
-    with the wait for the slowest rank, and the boundary ``engine.step``.
-    """
+    Predicted: compute (the profile's micro-steps), communication on micro-steps (stages 2-3), the boundary's
+    collectives and optimizer step (from the network file and the profile; without one, both are the profile's
+    measured boundary). Measured: busy (micro-steps, with any per-micro-step communication), the first
+    micro-step after an optimizer step against the others, the boundary reduction with the wait for the
+    slowest rank, and the boundary ``engine.step``."""
     rank = rank_plan["rank"]
     boundary = info.get("predicted_boundary") or {}
     compute = info.get("predicted_compute_s")
@@ -159,14 +160,7 @@ def rank_decomposition(
             "optimizer_step_s": boundary.get("optimizer_step_s"),
             "iteration_time_s": info["predicted"]["iteration_time_s"],
         },
-        "measured": {
-            "busy_s": _median_of(measures["busy_s"]),
-            "first_micro_step_s": _median_of(measures["first_micro_step_s"]),
-            "later_micro_step_s": _median_of(measures["later_micro_step_s"]),
-            "boundary_reduction_and_wait_s": _median_of(measures["boundary_wait_s"]),
-            "step_s": _median_of(measures["step_s"]),
-            "iteration_time_s": _median_of(measures["iteration_time_s"]),
-        },
+        "measured": {part: _median_of(measures[key]) for part, key in _MEASURED_PARTS.items()},
     }
 
 
@@ -179,12 +173,10 @@ def assemble_report(
 ) -> dict[str, Any]:
     """Build the demo report from the ranks' result files and the search's plans.
 
-    `plans` maps each policy to ``{status, message, plan (plan JSON or None),
-    predicted_busy_s (per rank), predicted {iteration_time_s, samples_per_s}}``,
-    written by rank 0 (see `bench.demo_worker`), plus ``cluster`` (the cluster
-    description JSON the ranks agreed on), ``profiles`` (device type -> curve at
-    the demo's stage and profile provenance) and ``ideal_predicted``.
-    """
+    `plans` (rank 0's, `bench.demo_worker.make_plans`) maps each policy to ``{status, message, plan (plan JSON
+    or None), predicted_busy_s (per rank), predicted {iteration_time_s, samples_per_s}}``, plus ``cluster``
+    (the cluster JSON the ranks agreed on), ``profiles`` (device type -> curve at the demo's stage and
+    profile provenance) and ``ideal_predicted``."""
     cluster = cluster_from_dict(plans["cluster"])
     scenario = {
         "name": f"{cluster.world_size} CPU ranks emulating " + ", ".join(cluster.type_counts()),

@@ -5,6 +5,7 @@ Profile, search, train every policy in interleaved rounds, measure the standalon
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -40,19 +41,14 @@ from .demo_config import (
 )
 from .report import profile_curve, progress
 
-PG_TIMEOUT_S = 180.0
-"""The demo's process-group timeout: a rank stuck in a collective fails after it."""
-
+PG_TIMEOUT_S = 180.0  # the demo's process-group timeout: a rank stuck in a collective fails after it
+# torch collectives DeepSpeed calls and torch deprecates (a FutureWarning on every rank).
 KNOWN_WARNINGS = ("all_gather_into_tensor", "reduce_scatter_tensor")
-"""torch collectives DeepSpeed calls and torch deprecates (a FutureWarning on every rank)."""
 
 
 def demo_rank(run: Callable[[Any, Path], dict[str, Any]], settings: Any, work: Path) -> dict[str, Any]:
-    """A rank of the demo, drift or checkpointing bench: `run(settings, work)` without the known warnings.
-
-    The warnings are DeepSpeed's business, not the demo reader's; they are filtered in
-    the bench's own ranks only, never in the library or a user's script.
-    """
+    """A rank of the demo, drift or checkpointing bench: `run(settings, work)` without the known warnings
+    (DeepSpeed's business, not the reader's: filtered in the bench's own ranks only, never in the library)."""
     for name in KNOWN_WARNINGS:
         warnings.filterwarnings(
             "ignore", message=rf"`torch\.distributed\.{name}` is deprecated", category=FutureWarning
@@ -98,14 +94,14 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     plans = read_json(work / "plans.json")
 
     policies = [p for p in POLICIES if plans["policies"][p]["status"] == "ok"]
-    engines = {}
-    for policy in policies:
-        plan_path = work / f"plan-{policy}.json"
-        engines[policy] = _timed(
+    engines = {
+        policy: _timed(
             timings,
             f"initialize_{policy}_s",
-            lambda plan_path=plan_path: build_engine(settings, cluster_path, plan_path),
+            lambda p=policy: build_engine(settings, cluster_path, work / f"plan-{p}.json"),
         )
+        for policy in policies
+    }
     first_s = timings.get(f"initialize_{policies[0]}_s", 0.0) if policies else 0.0
     progress(
         f"engines ready (first initialize {first_s:.1f} s); training {', '.join(policies)} for {settings.rounds} "
@@ -134,20 +130,13 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
 # Phase 0: the emulated cluster
 # ----------------------------------------------------------------------------------
 def measure_baseline_bytes(settings: DemoSettings) -> int:
-    """This rank's peak memory for the model, its gradients and Adam state at micro-batch 1.
-
-    The profiler measures the whole process on CPU (the CUDA allocator's peak on a GPU),
-    so emulated capacities are set above this baseline (which depends on the machine and
-    library versions).
-    """
+    """This rank's peak memory for the model, its gradients and Adam state at micro-batch 1: the profiler
+    measures the whole process on CPU (on a GPU the CUDA allocator's peak), so the emulated capacities are set
+    above this baseline (which depends on the machine and library versions)."""
     # The network fit's scipy.optimize, which profiling loads, is in the baseline (the search loaded
     # it before the network file moved to the plan): the headroom is the model's and DeepSpeed's.
     import poplar_ext.search.network  # noqa: F401
-    from poplar_ext.hardware.memory import (
-        peak_memory_bytes,
-        release_memory,
-        reset_peak_memory,
-    )
+    from poplar_ext.hardware.memory import peak_memory_bytes, release_memory, reset_peak_memory
 
     device = rank_device()
     reset_peak_memory(device)
@@ -178,22 +167,17 @@ def _baseline_of(cluster: Cluster, settings: DemoSettings) -> int | None:
 
 
 def agreed_cluster(settings: DemoSettings, cluster_path: Path) -> Cluster:
-    """The emulated cluster, the same on every rank, written to `cluster_path`.
-
-    The capacities depend on the measured baseline; the cluster is kept in the
-    cache directory and reused while every capacity is still above the baseline, so
-    the profiles cached for it (keyed by the emulation) are reused on the next run.
-    """
+    """The emulated cluster, the same on every rank, written to `cluster_path`. Its capacities depend on the
+    measured baseline; it is kept in the cache directory and reused while every capacity is still above the
+    baseline, so the profiles cached for it (keyed by the emulation) are reused on the next run."""
     baseline = torch.tensor([measure_baseline_bytes(settings)], dtype=torch.int64)
     dist.all_reduce(baseline, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         stored = settings.cluster_file()
-        cluster = None
+        cluster = candidate = None
         if stored.exists() and not settings.force_profile:
-            try:
+            with contextlib.suppress(FormatError):  # a damaged file is replaced below
                 candidate = load_cluster(stored)
-            except FormatError:
-                candidate = None  # a damaged file is replaced below
             stored_baseline = None if candidate is None else _baseline_of(candidate, settings)
             # Reused while every emulated capacity is still above today's baseline: the
             # baseline drifts by a few MiB from run to run, and a new cluster would
@@ -240,35 +224,43 @@ def _cached_fingerprints(cache_dir: Path) -> set[str]:
 
     found = set()
     for path in cache_dir.glob("*.json") if cache_dir.is_dir() else []:
-        try:
+        with contextlib.suppress(FormatError):  # damaged: the profiler measures again
             found.add(load_profile(path).fingerprint)
-        except FormatError:
-            continue  # damaged: the profiler measures again
     return found
 
 
-def profile_devices(settings: DemoSettings, cluster_path: Path) -> tuple[list[Profile], bool]:
-    """Profiles of every device type at the demo's stage from the profiler, and whether
-    all of them came from its cache."""
-    from poplar_ext.profiler import profile_model
+def _profile_options(settings: DemoSettings, cluster_path: Path, **options: Any) -> Any:
+    """The demo model's `ProfileOptions` on this job, with `options`."""
+    from poplar_ext.profiler import ProfileOptions
 
-    cache_dir = settings.profiles_dir()
-    before = _cached_fingerprints(cache_dir)
-    profiles = profile_model(
+    return ProfileOptions(
         model_factory=lambda: _make_model(settings),
         make_batch=lambda size: _batch(settings, size),
         ds_config=deepspeed_config(settings),
         cluster=cluster_path,
-        zero_stages=(settings.zero_stage,),
-        cache_dir=cache_dir,
-        force=settings.force_profile,
-        progress=lambda line: progress(f"profiler: {line}", rank=dist.get_rank()),
         model_name="toy-gpt",
         sequence_length=settings.model.sequence_length,
+        **options,
+    )
+
+
+def profile_devices(settings: DemoSettings, cluster_path: Path) -> tuple[list[Profile], bool]:
+    """Profiles of every device type at the demo's stage from the profiler, and whether all came from its cache."""
+    from poplar_ext.profiler import profile_with
+
+    before = _cached_fingerprints(settings.profiles_dir())
+    options = _profile_options(
+        settings,
+        cluster_path,
+        zero_stages=(settings.zero_stage,),
+        cache_dir=settings.profiles_dir(),
+        force=settings.force_profile,
+        progress=lambda line: progress(f"profiler: {line}", rank=dist.get_rank()),
         micro_batch_size_limit=settings.max_micro_batch_size,
         repeats=settings.profile_repeats,
         activation_checkpointing=settings.activation_checkpointing,
     )
+    profiles = profile_with(options)
     return profiles, all(p.fingerprint in before for p in profiles)
 
 
@@ -284,7 +276,6 @@ def calibrate_profiles(
     times as long (each trial lasts as long as its slowest type's micro-steps)."""
     from poplar_ext.collectives import broadcast_from_rank0
     from poplar_ext.plan.network_format import find_network
-    from poplar_ext.profiler import ProfileOptions
     from poplar_ext.profiler.api import time_micro_steps
     from poplar_ext.profiler.calibration import REMEASURED, apply_checks, check_profiles
 
@@ -293,16 +284,8 @@ def calibrate_profiles(
         sizes = calibration_sizes(
             search_policies(settings, profiles, cluster, find_network(settings.profiles_dir(), cluster))
         )
-    sizes = broadcast_from_rank0(sizes)
-    options = ProfileOptions(
-        model_factory=lambda: _make_model(settings),
-        make_batch=lambda size: _batch(settings, size),
-        ds_config=deepspeed_config(settings),
-        cluster=cluster_path,
-        model_name="toy-gpt",
-        sequence_length=settings.model.sequence_length,
-    )
-    measured = time_micro_steps(options, sizes, zero_stage=settings.zero_stage)
+    options = _profile_options(settings, cluster_path)
+    measured = time_micro_steps(options, broadcast_from_rank0(sizes), zero_stage=settings.zero_stage)
     checks = check_profiles(
         profiles, measured, threshold=settings.calibration_threshold, action=settings.calibration_action
     )
@@ -351,18 +334,20 @@ def make_plans(
     *,
     checks: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Search every policy, write each plan to ``plan-<policy>.json`` in `work`, and
-    return what `bench.demo.assemble_report` reads as ``plans``. `checks`: the profiles'
-    calibration (`calibrate_profiles`), recorded in every plan and in ``calibration``."""
+    """Search every policy, write each plan to ``plan-<policy>.json`` in `work`; what `bench.demo.assemble_report`
+    reads as ``plans``. `checks`: the profiles' calibration, recorded in every plan and in ``calibration``."""
     from poplar_ext.plan.network_format import find_network, network_to_dict
     from poplar_ext.profiler.calibration import with_calibration
     from poplar_ext.search import predict
 
     # The profiler measured the network beside the profiles: communication is priced.
     network = find_network(settings.profiles_dir(), cluster)
-    out: dict[str, Any] = {"policies": {}, "cluster": cluster_to_dict(cluster)}
-    out["calibration"] = {t: c.to_dict() for t, c in sorted((checks or {}).items())}
-    out["network"] = None
+    out: dict[str, Any] = {
+        "policies": {},
+        "cluster": cluster_to_dict(cluster),
+        "calibration": {t: c.to_dict() for t, c in sorted((checks or {}).items())},
+        "network": None,
+    }
     if network is not None:  # the fits, without the samples behind them
         out["network"] = network_to_dict(network)
         for fit in out["network"]["collectives"].values():
@@ -385,18 +370,11 @@ def make_plans(
                 "optimizer_step_s": float(prediction.optimizer_step_s),
                 "boundary_s": float(prediction.boundary_s),
             },
-            "predicted": {
-                "iteration_time_s": float(prediction.iteration_time_s),
-                "samples_per_s": float(prediction.samples_per_s),
-            },
+            "predicted": {key: float(getattr(prediction, key)) for key in ("iteration_time_s", "samples_per_s")},
         }
         out["ideal_predicted"] = max(out.get("ideal_predicted", 0.0), plan.predicted.ideal_samples_per_s)
-    first = profiles[0]
-    out["model"] = {
-        "name": first.model.name,
-        "num_parameters": first.model.num_parameters,
-        "fingerprint": first.model.fingerprint,
-    }
+    model = profiles[0].model
+    out["model"] = {"name": model.name, "num_parameters": model.num_parameters, "fingerprint": model.fingerprint}
     out["profiles"] = {
         p.device_type: {
             "curve": profile_curve(p),
@@ -540,16 +518,12 @@ def measure_standalone(
     model: torch.nn.Module | None = None,
     make_batch: Callable[[int], Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """This rank's micro-step time on its own (forward + backward, emulated slowdown, no
-    communication, so no waiting for other ranks), `settings.standalone_repeats` times
-    after one warm-up per size. The demo's toy GPT and batches unless `model` and
-    ``make_batch(size)`` are given (a batch the model takes as the profiler gives it: see
-    `poplar_ext.profiler.measure.default_loss`).
+    """This rank's micro-step time on its own (forward + backward, emulated slowdown, no communication, so no
+    waiting), `settings.standalone_repeats` times after one warm-up per size. The demo's toy GPT and batches
+    unless `model` and ``make_batch(size)`` are given (a batch as the profiler gives it: `default_loss`).
 
-    All ranks measure at the same time, as they train: the machine's shared caches
-    and memory bandwidth are then as busy as during training, and the ideal is
-    comparable with the training runs.
-    """
+    All ranks measure at the same time, as they train: the machine's shared caches and memory bandwidth are
+    then as busy as during training, and the ideal is comparable with the training runs."""
     from poplar_ext.hardware.emulation import ComputeSlowdown, emulation_for_rank, micro_step_key, steady_reference
     from poplar_ext.profiler.measure import default_loss, move_to_device
 

@@ -6,6 +6,7 @@ See docs/bench.md (the four runs, the ideal of each moment, the goals).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import statistics
 import time
@@ -17,8 +18,7 @@ from poplar_ext.plan.formats import write_json_atomic
 from .demo_config import DemoSettings
 from .drift_settings import DriftSettings, plan_history, poplar_section, timed_rebalancing
 
-RUNS = ("static-drift", "adaptive-drift", "static-steady", "adaptive-steady")
-"""(policy, scenario) pairs in the order they run."""
+RUNS = ("static-drift", "adaptive-drift", "static-steady", "adaptive-steady")  # policy-scenario, in order
 LOOP_TEXT = {
     "plain": "poplar_ext.initialize and a hand-written loop on the demo's toy GPT, one plan file searched on profiles "
     "measured first; iteration time from a barrier to the rank's last optimizer step, the slowest rank's",
@@ -80,14 +80,9 @@ def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
     train = drift_trainer.train if trainer else _train
     runs = {}
     for run in RUNS:
-        policy, scenario = run.split("-")
         progress(f"{run}: {settings.drift_iterations} iterations", "drift", rank)
-        runs[run] = train(
-            settings,
-            work,
-            cluster_path=drifting_path if scenario == "drift" else plain_path,
-            adaptive=policy == "adaptive",
-        )
+        path = drifting_path if run.endswith("-drift") else plain_path
+        runs[run] = train(settings, work, cluster_path=path, adaptive=run.startswith("adaptive"))
     progress("measuring each rank's standalone throughput (the ideal)", "drift", rank)
     device_type = cluster.rank_device_types[rank]
     if trainer:
@@ -130,18 +125,13 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
     loader = torch.utils.data.DataLoader(data, batch_sampler=engine.create_batch_sampler(len(data)))
     hook_s = timed_rebalancing(engine)
     iteration_s: list[float] = []
-    stream = iter(())
+    stream = itertools.chain.from_iterable(itertools.repeat(loader))  # the loader again at every pass's end
     warmup = 1
     for index in range(warmup + settings.drift_iterations):
-        steps = engine.rank_plan.gradient_accumulation_steps
         dist.barrier()
         start = time.perf_counter()
-        for _ in range(steps):
-            tokens = next(stream, None)
-            if tokens is None:
-                stream = iter(loader)
-                tokens = next(stream)
-            engine.backward(engine(tokens))
+        for _ in range(engine.rank_plan.gradient_accumulation_steps):
+            engine.backward(engine(next(stream)))
             engine.step()
         if index >= warmup:
             iteration_s.append(time.perf_counter() - start)

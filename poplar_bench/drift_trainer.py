@@ -12,8 +12,7 @@ from poplar_ext.plan.formats import Cluster
 
 from .drift_settings import DriftSettings, plan_history, poplar_section, timed_rebalancing
 
-WARMUP_ITERATIONS = 1
-"""Optimizer steps before the measured ones (the first has no previous step to time from)."""
+WARMUP_ITERATIONS = 1  # optimizer steps before the measured ones (the first has no previous step to time from)
 
 
 def gpt2(settings: DriftSettings) -> Any:
@@ -24,16 +23,8 @@ def gpt2(settings: DriftSettings) -> Any:
 
     m = settings.model
     torch.manual_seed(settings.seed)
-    sizes = dict(
-        vocab_size=m.vocab_size,
-        n_positions=m.sequence_length,
-        n_layer=m.num_layers,
-        n_head=m.num_heads,
-        n_embd=m.hidden_size,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return model_from_config("GPT2Config", sizes)
+    sizes = dict(n_positions=m.sequence_length, n_layer=m.num_layers, n_head=m.num_heads, n_embd=m.hidden_size)
+    return model_from_config("GPT2Config", dict(vocab_size=m.vocab_size, bos_token_id=0, eos_token_id=0, **sizes))
 
 
 def token_samples(settings: DriftSettings, count: int) -> list[dict[str, Any]]:
@@ -127,8 +118,8 @@ def train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive: 
 
 
 def measure_standalone(settings: DriftSettings, cluster: Cluster, rank: int) -> list[dict[str, Any]]:
-    """This rank's standalone micro-steps of the GPT-2 (`bench.demo_worker.measure_standalone`) at the sizes
-    its profile from the runs says are best and largest."""
+    """This rank's standalone micro-steps of the GPT-2 (`demo_worker.measure_standalone`) at the sizes its
+    profile from the runs says are best and largest."""
     from poplar_ext.plan.formats import load_profiles
     from poplar_ext.profiler.auto import batches_of
     from poplar_ext.profiler.fingerprint import model_fingerprint

@@ -305,11 +305,16 @@ def _scenario_lines(scenario: dict[str, Any]) -> list[str]:
     if scenario.get("network"):
         lines += _network_lines(scenario["network"])
     if scenario.get("goals"):
-        lines += ["", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
-        for g in scenario["goals"]:
-            lines.append(
-                f"| {_cell(g['goal'])} | {_fmt(g['value'])} | {_cell(g['target'])} | {'yes' if g['met'] else 'NO'} |"
-            )
+        lines += ["", *goals_table(scenario["goals"])]
+    return lines
+
+
+def goals_table(goals: list[dict[str, Any]], pattern: str = "{:.3g}") -> list[str]:
+    """The `goal_entry` goals as a markdown table, each value formatted with `pattern`."""
+    lines = ["| goal | value | target | met |", "| --- | --- | --- | --- |"]
+    for g in goals:
+        met = "yes" if g["met"] else "NO"
+        lines.append(f"| {_cell(g['goal'])} | {_fmt(g['value'], pattern)} | {_cell(g['target'])} | {met} |")
     return lines
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from poplar_ext.plan.formats import read_json
 
-from .report import _fmt, goal_entry, write_json_and_markdown
+from .report import _fmt, goal_entry, goals_table, write_json_and_markdown
 
 SHARE_SPREAD_GOAL = 0.02
 """Poplar's share of the measured ideal: largest - smallest over the runs, at most this."""
@@ -76,7 +76,6 @@ def summarize_steadiness(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def render_steadiness(summary: dict[str, Any]) -> str:
     """The runs and their spreads as markdown."""
-
     policies = sorted(summary["prediction_error_spread"])
     lines = [
         "# poplar-bench demo, repeated from a cold profile cache",
@@ -92,10 +91,7 @@ def render_steadiness(summary: dict[str, Any]) -> str:
             f"| {run['run']} | {_fmt(run['poplar_share_of_ideal'], '{:.3f}')} | {errors} | "
             f"{_fmt(run['emulation_overrun_share'], '{:.2%}')} |"
         )
-    lines += ["", "| goal | value | target | met |", "| --- | --- | --- | --- |"]
-    for goal in summary["goals"]:
-        met = "yes" if goal["met"] else "NO"
-        lines.append(f"| {goal['goal']} | {_fmt(goal['value'], '{:.3f}')} | {goal['target']} | {met} |")
+    lines += ["", *goals_table(summary["goals"], "{:.3f}")]
     return "\n".join(lines) + "\n"
 
 
