@@ -16,8 +16,8 @@ from .demo_config import MIB, DemoDevice, DemoModel, DemoSettings
 
 PLANS = ("poplar", "poplar-no-checkpointing")
 CASES = ("tight", "roomy")
+# What the report keeps of each rank of a plan.
 RANK_KEYS = ("device_type", "micro_batch_size", "gradient_accumulation_steps", "activation_checkpointing")
-"""What the report keeps of each rank of a plan."""
 
 
 def case_settings(case: str, *, cache_dir: Path | None = None, rounds: int = 3) -> DemoSettings:
@@ -27,11 +27,9 @@ def case_settings(case: str, *, cache_dir: Path | None = None, rounds: int = 3) 
     # The optimizer step alone peaks ~70 MiB above the rounded baseline on this model; a
     # plain micro-step adds ~9 MiB per sample, a checkpointed one ~3 MiB.
     fast_headroom = 96 * MIB if case == "tight" else 768 * MIB
-    headroom = 768 * MIB
-    devices = (
-        DemoDevice(name="cpu-fast", slowdown=3.0, memory_headroom_bytes=fast_headroom),
-        DemoDevice(name="cpu-medium", slowdown=6.0, memory_headroom_bytes=headroom),
-        DemoDevice(name="cpu-slow", slowdown=12.0, memory_headroom_bytes=headroom),
+    devices = tuple(
+        DemoDevice(name=name, slowdown=slowdown, memory_headroom_bytes=fast_headroom if slowdown == 3.0 else 768 * MIB)
+        for name, slowdown in (("cpu-fast", 3.0), ("cpu-medium", 6.0), ("cpu-slow", 12.0))
     )
     root = cache_dir if cache_dir is not None else DemoSettings().cache_root().parent / "checkpointing"
     return DemoSettings(
@@ -107,11 +105,8 @@ def search_plans(settings: DemoSettings, profiles: list[Any], cluster: Any, work
             for p in profiles
         ]
     }
-    candidates = {
-        "poplar": profiles,
-        "poplar-no-checkpointing": [p for p in profiles if not p.activation_checkpointing],
-    }
-    for name, chosen_from in candidates.items():
+    without = [p for p in profiles if not p.activation_checkpointing]
+    for name, chosen_from in zip(PLANS, (profiles, without)):
         result = search_policies(settings, chosen_from, cluster, network, policies=("poplar",))["poplar"]
         if not result.ok:
             raise RuntimeError(f"no {name} plan: {result.message}")
@@ -134,9 +129,7 @@ def run_case(case: str, *, cache_dir: Path | None = None, rounds: int = 3) -> di
     with tempfile.TemporaryDirectory(prefix=f"poplar-checkpointing-{case}-") as tmp:
         results = run_ranks(settings, Path(tmp), target=_run_rank, pg_timeout_s=600.0)
         plans = read_json(Path(tmp) / "plans.json")
-    rank_results = [
-        {"policies": {name: {"iteration_time_s": r["iteration_time_s"][name]} for name in PLANS}} for r in results
-    ]
+    rank_results = [{"policies": {n: {"iteration_time_s": r["iteration_time_s"][n]} for n in PLANS}} for r in results]
     out: dict[str, Any] = {
         "case": case,
         "settings": {
@@ -154,13 +147,12 @@ def run_case(case: str, *, cache_dir: Path | None = None, rounds: int = 3) -> di
     for name in PLANS:
         times = measured_iteration_times_s(rank_results, name)
         plan = plans[name]["plan"]
-        median_s = statistics.median(times)
         out["plans"][name] = {
             "message": plans[name]["message"],
             "ranks": [{k: r[k] for k in RANK_KEYS} for r in plan["ranks"]],
             "predicted_samples_per_s": plan["predicted"]["samples_per_s"],
             "measured_iteration_times_s": times,
-            "measured_samples_per_s": settings.global_batch_size / median_s,
+            "measured_samples_per_s": settings.global_batch_size / statistics.median(times),
         }
     chosen, without = (out["plans"][name] for name in PLANS)
     out["checkpointed_types"] = sorted({r["device_type"] for r in chosen["ranks"] if r["activation_checkpointing"]})

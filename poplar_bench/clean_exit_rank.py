@@ -23,43 +23,27 @@ def _torch_only(destroy: bool) -> None:
         dist.destroy_process_group()
 
 
-def _poplar_config(work_dir: Path, stage: int, world_size: int) -> dict:
-    """A uniform plan on real CPU ranks (the emulation plays no part in how a process exits)."""
-    from poplar_bench.cluster_files import write_uniform_cpu_job
+def _train_one_stage(stage: int, work_dir: Path) -> None:
+    """An engine at `stage`: two steps, a checkpoint, the parameters gathered."""
+    import deepspeed
+    import torch
 
+    import poplar_ext
+    from poplar_bench.cluster_files import write_uniform_cpu_job
+    from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
+
+    # A uniform plan on real CPU ranks (the emulation plays no part in how a process exits).
+    world_size, suffix = int(os.environ["WORLD_SIZE"]), os.environ["RANK"]
     cluster, plan = write_uniform_cpu_job(
-        work_dir,
-        world_size=world_size,
-        micro_batch_size=2,
-        accumulation_steps=2,
-        zero_stage=stage,
-        suffix=os.environ["RANK"],
+        work_dir, world_size=world_size, micro_batch_size=2, accumulation_steps=2, zero_stage=stage, suffix=suffix
     )
-    return {
+    config = {
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10_000,
         "poplar": {"cluster": str(cluster), "plan": str(plan), "log_interval_steps": 0},
     }
-
-
-def _poplar(work_dir: Path, handler: str) -> None:
-    """Train each ZeRO stage in turn in this process (an engine each), as a script that tries stages does."""
-    from poplar_ext.plan.formats import ZERO_STAGES
-
-    for stage in ZERO_STAGES:
-        _train_one_stage(stage, work_dir)
-    _choose_handler(handler)
-
-
-def _train_one_stage(stage: int, work_dir: Path) -> None:
-    import deepspeed
-    import torch
-
-    import poplar_ext
-    from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
-
     shape = GPTConfig(vocab_size=32, sequence_length=8, num_layers=1, num_heads=2, hidden_size=16)
     model = GPT(shape)
     data = SyntheticTokens(num_samples=64, sequence_length=shape.sequence_length, vocab_size=shape.vocab_size)
@@ -67,7 +51,7 @@ def _train_one_stage(stage: int, work_dir: Path) -> None:
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         training_data=data,
-        config=_poplar_config(work_dir, stage, int(os.environ["WORLD_SIZE"])),
+        config=config,
     )
     steps = 0
     for tokens in loader:
@@ -82,16 +66,20 @@ def _train_one_stage(stage: int, work_dir: Path) -> None:
         _ = [p.detach().clone() for p in params]
 
 
-def _choose_handler(handler: str) -> None:
+def _poplar(work_dir: Path, handler: str) -> None:
+    """Train each ZeRO stage in turn in this process (an engine each), as a script that tries stages does; then
+    keep poplar-ext's exit handler (full), put one that only destroys the group (destroy), or none."""
     import atexit
 
     import torch.distributed as dist
 
     from poplar_ext import collectives
+    from poplar_ext.plan.formats import ZERO_STAGES
 
-    if handler == "full":
-        return
-    atexit.unregister(collectives.leave_process_group)
+    for stage in ZERO_STAGES:
+        _train_one_stage(stage, work_dir)
+    if handler != "full":
+        atexit.unregister(collectives.leave_process_group)
     if handler == "destroy":
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 

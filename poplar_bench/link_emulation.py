@@ -25,12 +25,9 @@ _FACTORS = {
 class LinkEmulation:
     """Which emulated node each rank is on, and the link between nodes."""
 
-    node_of_rank: tuple[int, ...]
-    """Emulated node of every rank, rank 0 first."""
-    bandwidth_bytes_per_s: float
-    """What the link between two nodes carries per second (each direction)."""
-    latency_s: float = 0.0
-    """Added once per crossing operation."""
+    node_of_rank: tuple[int, ...]  # emulated node of every rank, rank 0 first
+    bandwidth_bytes_per_s: float  # what the link between two nodes carries per second (each direction)
+    latency_s: float = 0.0  # added once per crossing operation
 
     def __post_init__(self) -> None:
         if not self.node_of_rank:
@@ -96,13 +93,10 @@ def install_link_emulation(link: LinkEmulation) -> Callable[[], None]:
     """Cap the link between emulated nodes in this process (see docs/bench.md); returns the undo."""
     import torch.distributed as dist
 
-    originals = {}
-    for name, operation, position, keyword in _WRAPPED:
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
-        originals[name] = original
-        setattr(dist, name, _wrap(dist, link, original, name, operation, position, keyword))
+    originals = {name: getattr(dist, name) for name, *_ in _WRAPPED if hasattr(dist, name)}
+    for name, *how in _WRAPPED:
+        if name in originals:
+            setattr(dist, name, _wrap(dist, link, originals[name], name, *how))
 
     def undo() -> None:
         for name, original in originals.items():

@@ -302,8 +302,13 @@ def _scenario_lines(scenario: dict[str, Any]) -> list[str]:
     lines += _policy_table(scenario["policies"])
     lines += _busy_table(scenario["policies"])
     lines += _decomposition_table(scenario["policies"])
-    if scenario.get("network"):
-        lines += _network_lines(scenario["network"])
+    if network := scenario.get("network"):
+        fits = ", ".join(
+            f"{name} {fit['bus_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s + {fit['latency_s'] * 1e6:.0f} us/hop"
+            for name, fit in network["collectives"].items()
+        )
+        where = f"{network['measured_with']['source']}, {network['backend']}, {network['world_size']} ranks"
+        lines += ["", f"Network ({where}): {fits}."]
     if scenario.get("goals"):
         lines += ["", *goals_table(scenario["goals"])]
     return lines
@@ -319,32 +324,27 @@ def goals_table(goals: list[dict[str, Any]], pattern: str = "{:.3g}") -> list[st
 
 
 def _scenario_summary(scenario: dict[str, Any]) -> str:
-    devices = ", ".join(
-        f"{name} ({info['source']}{'' if not info.get('emulation') else ': ' + _emulation_text(info['emulation'])})"
-        for name, info in scenario["device_types"].items()
-    )
+    devices = []
+    for name, info in scenario["device_types"].items():
+        e = info.get("emulation")
+        emulation = f": slowdown {e['slowdown']:g}, memory {e['memory_capacity_bytes'] / 2**20:.0f} MiB" if e else ""
+        devices.append(f"{name} ({info['source']}{emulation})")
     ideal = scenario.get("ideal_samples_per_s") or {}
-    return (
-        f"{scenario['cluster']['world_size']} ranks: {devices}. Model {scenario['model']['name']} "
+    text = (
+        f"{scenario['cluster']['world_size']} ranks: {', '.join(devices)}. Model {scenario['model']['name']} "
         f"({scenario['model']['num_parameters']:,} parameters). Global batch {scenario['global_batch_size']}. "
         f"Ideal samples/s: measured {_fmt(ideal.get('measured'))}, predicted {_fmt(ideal.get('predicted'))}."
-        + (
-            ""
-            if "profiles_from_cache" not in scenario
-            else " Profiles: "
-            + ("reused from the cache." if scenario["profiles_from_cache"] else "measured in this run.")
+    )
+    if "profiles_from_cache" in scenario:
+        text += " Profiles: " + (
+            "reused from the cache." if scenario["profiles_from_cache"] else "measured in this run."
         )
-        + (
-            ""
-            if scenario.get("emulation_overrun_share") is None
-            else " Emulated compute steady at its profiles' times; past them: at most "
+    if scenario.get("emulation_overrun_share") is not None:
+        text += (
+            " Emulated compute steady at its profiles' times; past them: at most "
             f"{scenario['emulation_overrun_share'] * 100:.1f}% on any rank."
         )
-    )
-
-
-def _emulation_text(emulation: dict[str, Any]) -> str:
-    return f"slowdown {emulation['slowdown']:g}, memory {emulation['memory_capacity_bytes'] / 2**20:.0f} MiB"
+    return text
 
 
 def _policy_table(policies: list[dict[str, Any]]) -> list[str]:
@@ -425,17 +425,6 @@ def _decomposition_table(policies: list[dict[str, Any]]) -> list[str]:
             f"| {_fmt(p['iteration_time_s'])} / {_fmt(m['iteration_time_s'])} |"
         )
     return lines
-
-
-def _network_lines(network: dict[str, Any]) -> list[str]:
-    fits = ", ".join(
-        f"{name} {fit['bus_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s + {fit['latency_s'] * 1e6:.0f} us/hop"
-        for name, fit in network["collectives"].items()
-    )
-    return [
-        "",
-        f"Network ({network['measured_with']['source']}, {network['backend']}, {network['world_size']} ranks): {fits}.",
-    ]
 
 
 def render_checkpointing(rows: list[dict[str, Any]]) -> list[str]:
