@@ -1,7 +1,4 @@
-"""`poplar-bench checkpointing`: activation checkpointing chosen per device type, measured.
-
-See docs/bench.md (the cluster, the ``tight`` and ``roomy`` cases, what is reported).
-"""
+"""`poplar-bench checkpointing`: activation checkpointing chosen per device type, measured. See docs/bench.md."""
 
 from __future__ import annotations
 
@@ -49,9 +46,7 @@ def case_settings(case: str, *, cache_dir: Path | None = None, rounds: int = 3) 
     )
 
 
-# ----------------------------------------------------------------------------------
-# The ranks (forked by bench.demo.run_ranks)
-# ----------------------------------------------------------------------------------
+# --- The ranks (forked by bench.demo.run_ranks) ---
 def _run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -115,9 +110,7 @@ def search_plans(settings: DemoSettings, profiles: list[Any], cluster: Any, work
     return out
 
 
-# ----------------------------------------------------------------------------------
-# The parent
-# ----------------------------------------------------------------------------------
+# --- The parent ---
 def run_case(case: str, *, cache_dir: Path | None = None, rounds: int = 3) -> dict[str, Any]:
     """Profile, plan and train one case; its part of the report."""
     from poplar_ext.plan.formats import read_json

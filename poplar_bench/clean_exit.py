@@ -1,7 +1,5 @@
 """`poplar-bench clean-exit`: does a finished job exit 0? Every rank's exit code over many launches, busy CPU.
-
-See docs/bench.md (the cases) and docs/fault-tolerance.md (why a rank can abort at exit).
-"""
+See docs/bench.md (the cases) and docs/fault-tolerance.md (why a rank can abort at exit)."""
 
 from __future__ import annotations
 

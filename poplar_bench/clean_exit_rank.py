@@ -1,8 +1,5 @@
 """One rank of `bench.clean_exit`: a script that ends with a plain return, as users write them.
-
-``python -m poplar_bench.clean_exit_rank --kind torch|poplar ...``: the cases and options in docs/bench.md
-(poplar-bench clean-exit).
-"""
+``python -m poplar_bench.clean_exit_rank --kind torch|poplar ...``; docs/bench.md (poplar-bench clean-exit)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""`poplar-bench demo`: the policies compared on an emulated heterogeneous CPU cluster.
-
-The parent forks the ranks (`bench.demo_worker`) and builds the report (`assemble_report`, pure). See
-docs/bench.md (the demo, how it runs).
-"""
+"""`poplar-bench demo`: the parent forks the ranks (`demo_worker`) and builds the report (`assemble_report`, pure).
+See docs/bench.md (the demo, how it runs)."""
 
 from __future__ import annotations
 
@@ -99,9 +96,7 @@ def run_demo(settings: DemoSettings, *, out_dir: Path, name: str = "demo") -> li
     return paths
 
 
-# ----------------------------------------------------------------------------------
-# Pure: rank result files -> report
-# ----------------------------------------------------------------------------------
+# --- Pure: rank result files -> report ---
 def measured_iteration_times_s(rank_results: list[dict[str, Any]], policy: str) -> list[float]:
     """Per measured iteration, the slowest rank's time from the common start to the end of its step."""
     per_rank = [r["policies"][policy]["iteration_time_s"] for r in rank_results]

@@ -1,7 +1,5 @@
-"""What the demo runs: the emulated cluster, the model, the DeepSpeed config, the schedule.
-
-Free of torch and deepspeed, so that `poplar-bench --help` and the unit tests stay fast.
-"""
+"""What the demo runs: the emulated cluster, the model, the DeepSpeed config, the schedule (no torch: `--help` and
+the unit tests stay fast)."""
 
 from __future__ import annotations
 
@@ -53,12 +51,9 @@ def default_devices() -> tuple[DemoDevice, ...]:
 
 
 def eight_rank_devices() -> tuple[DemoDevice, ...]:
-    """`poplar-bench demo --eight-ranks`: 8 ranks of three types on a 2-core machine, compute mostly waiting.
-
-    Two ``cpu8-fast`` (6x slower than a core), three ``cpu8-medium`` (12x), three ``cpu8-slow`` (24x): together
-    they keep 2/6 + 3/12 + 3/24 = 0.71 of a core busy, so more ranks than cores still compute on a core each.
-    Their own type names keep their profiles apart from the default cluster's in the demo's cache.
-    """
+    """`poplar-bench demo --eight-ranks`: two ``cpu8-fast`` (6x slower than a core), three ``cpu8-medium`` (12x),
+    three ``cpu8-slow`` (24x): together 2/6 + 3/12 + 3/24 = 0.71 of a core, so more ranks than a 2-core machine's
+    cores still compute on a core each. Their own type names keep their profiles apart in the demo's cache."""
     kinds = (("cpu8-fast", 6.0, 2, 192 * MIB), ("cpu8-medium", 12.0, 3, 96 * MIB), ("cpu8-slow", 24.0, 3, 48 * MIB))
     return tuple(
         DemoDevice(name=name, slowdown=slowdown, memory_headroom_bytes=headroom)
@@ -225,13 +220,10 @@ def demo_cluster(settings: DemoSettings, *, baseline_bytes: int) -> Cluster:
 
 
 def deepspeed_config(settings: DemoSettings) -> dict[str, Any]:
-    """An ordinary DeepSpeed config for the demo; the true global batch is the only batch key.
-
-    poplar_ext gives each rank its nominal micro-batch and accumulation count from
-    the plan, and the profiler sets its own. Gradient clipping is set explicitly:
-    DeepSpeed 0.19.8 defaults it to 1.0. ``torch_adam`` makes DeepSpeed use torch's
-    Adam: its own Adam on CPU is a C++ op it compiles on first use (~70 s on 2 cores).
-    """
+    """An ordinary DeepSpeed config for the demo; the true global batch is the only batch key (poplar_ext gives
+    each rank its micro-batch and accumulation count from the plan, the profiler sets its own). Gradient clipping
+    is explicit: DeepSpeed 0.19.8 defaults it to 1.0. ``torch_adam``: DeepSpeed's own Adam on CPU is a C++ op it
+    compiles on first use (~70 s on 2 cores)."""
     return {
         "train_batch_size": settings.global_batch_size,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},

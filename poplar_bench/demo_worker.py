@@ -1,7 +1,5 @@
-"""One rank of `poplar-bench demo` (forked by `bench.demo` through `poplar_bench.local_ranks`).
-
-Profile, search, train every policy in interleaved rounds, measure the standalone ideal. See docs/bench.md.
-"""
+"""One rank of `poplar-bench demo`: profile, search, train every policy in interleaved rounds, measure the
+standalone ideal. See docs/bench.md."""
 
 from __future__ import annotations
 
@@ -126,9 +124,7 @@ def run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------------------------
-# Phase 0: the emulated cluster
-# ----------------------------------------------------------------------------------
+# --- Phase 0: the emulated cluster ---
 def measure_baseline_bytes(settings: DemoSettings) -> int:
     """This rank's peak memory for the model, its gradients and Adam state at micro-batch 1: the profiler
     measures the whole process on CPU (on a GPU the CUDA allocator's peak), so the emulated capacities are set
@@ -193,9 +189,7 @@ def agreed_cluster(settings: DemoSettings, cluster_path: Path) -> Cluster:
     return load_cluster(cluster_path)
 
 
-# ----------------------------------------------------------------------------------
-# Phase 1: profiles
-# ----------------------------------------------------------------------------------
+# --- Phase 1: profiles ---
 def rank_device() -> torch.device:
     """Where this rank computes: the CPU, or, on a machine with CUDA (`poplar-bench gpu`), the rank's
     GPU (`select_job_device`: ranks beyond the GPUs share them)."""
@@ -267,13 +261,11 @@ def profile_devices(settings: DemoSettings, cluster_path: Path) -> tuple[list[Pr
 def calibrate_profiles(
     settings: DemoSettings, cluster_path: Path, cluster: Cluster, profiles: list[Profile]
 ) -> tuple[list[Profile], dict[str, Any]]:
-    """`profiles` checked against micro-steps timed now at the sizes poplar's plan uses, as a job
-    checks its plan's (collective); returns the profiles to plan from (rescaled or measured again
-    beyond the threshold) and each type's check (`CalibrationCheck`).
+    """`profiles` checked against micro-steps timed now at the sizes poplar's plan uses, as a job checks its plan's
+    (collective); the profiles to plan from (rescaled or measured again beyond the threshold) and each type's check.
 
-    One size per type (`calibration_sizes`): a type's curve is rescaled by one factor either way,
-    which the other policies' plans use too. Timing every policy's sizes as well cost about three
-    times as long (each trial lasts as long as its slowest type's micro-steps)."""
+    One size per type (`calibration_sizes`): a type's curve is rescaled by one factor either way, which the other
+    policies' plans use too; timing every policy's sizes cost about three times as long."""
     from poplar_ext.collectives import broadcast_from_rank0
     from poplar_ext.plan.network_format import find_network
     from poplar_ext.profiler.api import time_micro_steps
@@ -304,9 +296,7 @@ def calibration_sizes(results: dict[str, Any]) -> dict[str, list[int]]:
     return plan_sizes([plans["poplar"]] if "poplar" in plans else list(plans.values()))
 
 
-# ----------------------------------------------------------------------------------
-# Phase 2: plans (rank 0)
-# ----------------------------------------------------------------------------------
+# --- Phase 2: plans (rank 0) ---
 def search_policies(
     settings: DemoSettings, profiles: list[Profile], cluster: Cluster, network: Any, policies: Any = POLICIES
 ) -> dict[str, Any]:
@@ -391,9 +381,7 @@ def make_plans(
     return out
 
 
-# ----------------------------------------------------------------------------------
-# Phase 3: training with each policy
-# ----------------------------------------------------------------------------------
+# --- Phase 3: training with each policy ---
 class PolicyRun:
     """One poplar_ext engine and this rank's share of a plan; times whole iterations and their parts."""
 
@@ -506,9 +494,7 @@ def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) ->
     return PolicyRun(engine, batch, rank_plan.gradient_accumulation_steps)
 
 
-# ----------------------------------------------------------------------------------
-# Phase 4: standalone throughput (the measured ideal)
-# ----------------------------------------------------------------------------------
+# --- Phase 4: standalone throughput (the measured ideal) ---
 def measure_standalone(
     settings: DemoSettings,
     cluster: Cluster,

@@ -1,7 +1,5 @@
-"""`poplar-bench drift`: static poplar against adaptive (``poplar.rebalance``) when a device drifts.
-
-See docs/bench.md (the four runs, the ideal of each moment, the goals).
-"""
+"""`poplar-bench drift`: static poplar against adaptive (``poplar.rebalance``) when a device drifts. See
+docs/bench.md (the four runs, the ideal of each moment, the goals)."""
 
 from __future__ import annotations
 
@@ -33,9 +31,7 @@ SHARE_GOAL = 0.9
 COST_GOAL = 0.01
 
 
-# ----------------------------------------------------------------------------------
-# The ranks (forked by bench.demo.run_ranks)
-# ----------------------------------------------------------------------------------
+# --- The ranks (forked by bench.demo.run_ranks) ---
 def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -145,9 +141,7 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
     }
 
 
-# ----------------------------------------------------------------------------------
-# The report (pure)
-# ----------------------------------------------------------------------------------
+# --- The report (pure) ---
 def summarize(settings: DriftSettings, rank_results: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-iteration throughput, the ideal of each moment, re-plans and the goals."""
     from .demo import measured_ideal_samples_per_s

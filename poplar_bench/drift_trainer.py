@@ -1,7 +1,4 @@
-"""`poplar-bench drift --trainer`: the drift bench's runs through `PoplarTrainer`.
-
-See docs/bench.md (poplar-bench drift).
-"""
+"""`poplar-bench drift --trainer`: the drift bench's runs through `PoplarTrainer` (docs/bench.md)."""
 
 from __future__ import annotations
 

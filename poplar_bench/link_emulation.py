@@ -1,8 +1,5 @@
-"""An emulated slow link between emulated nodes: a bandwidth cap on the bytes that cross it.
-
-`install_link_emulation`, for the bench (`poplar-bench pipeline`), not for training. See docs/bench.md
-(poplar-bench pipeline: what crosses the link and what it costs).
-"""
+"""An emulated slow link between emulated nodes, for `poplar-bench pipeline` (not training): a bandwidth cap on
+the bytes that cross it. See docs/bench.md (poplar-bench pipeline)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Local ranks: processes on this machine started as the ranks of one job, and what each did.
-
-`run_ranks`, `run_ranks_outcomes`, `run_command_ranks`; the seams on torch elastic are marked "elastic:" below.
-See docs/bench.md (local ranks).
-"""
+"""Local ranks: processes on this machine started as the ranks of one job, and what each did. The seams on torch
+elastic are marked "elastic:". See docs/bench.md (local ranks)."""
 
 from __future__ import annotations
 
@@ -202,9 +199,7 @@ def _rank_environments(world_size: int) -> dict[int, dict[str, str]]:
     }
 
 
-# ----------------------------------------------------------------------------------
-# In the rank
-# ----------------------------------------------------------------------------------
+# --- In the rank ---
 @dataclass(frozen=True)
 class _RankStart:
     log_path: str | None  # the rank's stdout and stderr (None: where the parent's went)
@@ -271,9 +266,7 @@ def _join_process_group(timeout_s: float) -> None:
     join_job(dist_backend="gloo", timeout=timedelta(seconds=timeout_s), verbose=False)
 
 
-# ----------------------------------------------------------------------------------
-# In the parent
-# ----------------------------------------------------------------------------------
+# --- In the parent ---
 class _RankFiles(LogsSpecs):
     """elastic: each rank's files flat in one folder, not elastic's tree per run and attempt.
 

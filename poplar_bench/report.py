@@ -1,7 +1,5 @@
-"""Benchmark reports: one JSON file, a markdown table and a PNG figure per report.
-
-Derives the comparisons and renders; measures nothing. See docs/bench.md (reports: the layout).
-"""
+"""Benchmark reports (JSON, markdown table, PNG figure): derives the comparisons and renders, measures nothing.
+See docs/bench.md (reports: the layout)."""
 
 from __future__ import annotations
 
@@ -80,11 +78,8 @@ def repetitions(values: list[float]) -> dict[str, Any]:
 
 
 def group_ranks(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Merge runs of consecutive ranks whose entries are equal apart from the rank number.
-
-    Each merged entry keeps the first ``rank`` and gets ``count``; large simulated
-    clusters stay a few entries long instead of thousands.
-    """
+    """Merge runs of consecutive ranks whose entries are equal apart from the rank number: each keeps the first
+    ``rank`` and gets ``count``, so large simulated clusters stay a few entries long instead of thousands."""
     groups: list[dict[str, Any]] = []
     for entry in ranks:
         content = {k: v for k, v in entry.items() if k not in ("rank", "count")}
@@ -116,12 +111,9 @@ def _throughput(entry: dict[str, Any]) -> tuple[float | None, str]:
 
 
 def derive_comparisons(scenario: dict[str, Any]) -> dict[str, Any]:
-    """Fill in prediction_error, speedup_over_uniform and share_of_ideal for each policy.
-
-    Measured figures are compared with the measured ideal and the measured uniform
-    run; predicted figures (simulation) with the predicted ones. The prediction
-    error is (predicted - measured) / measured iteration time.
-    """
+    """Fill in prediction_error ((predicted - measured) / measured iteration time), speedup_over_uniform and
+    share_of_ideal for each policy: measured figures against the measured ideal and uniform run, predicted ones
+    (simulation) against the predicted."""
     entries = {e["policy"]: e for e in scenario["policies"]}
     uniform = entries.get("uniform")
     uniform_rate, uniform_kind = _throughput(uniform) if uniform and uniform["status"] == "ok" else (None, "none")
@@ -217,9 +209,7 @@ def profile_curve(profile: Any) -> list[dict[str, float]]:
     return curve((s.micro_batch_size, s.micro_step_time_s) for s in profile.samples)
 
 
-# ----------------------------------------------------------------------------------
-# Markdown
-# ----------------------------------------------------------------------------------
+# --- Markdown ---
 def _fmt(value: float | None, pattern: str = "{:.3g}") -> str:
     return "-" if value is None else pattern.format(value)
 
@@ -531,9 +521,7 @@ def render_scaling(series: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-# ----------------------------------------------------------------------------------
-# Figure
-# ----------------------------------------------------------------------------------
+# --- Figure ---
 def render_figure(report: dict[str, Any], path: Path, *, featured: int = 0) -> None:
     """Device performance curves, per-rank time per iteration under each policy and,
     for multi-scenario reports, poplar's predicted speedup against world size."""

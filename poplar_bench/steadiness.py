@@ -1,8 +1,5 @@
-"""`poplar-bench demo --repetitions N`: the same demo N times, each profiled afresh, and how far apart they land.
-
-Whether the CPU instrument (emulated devices) is steady enough that one demo run says something: every run's
-poplar share of the measured ideal, prediction errors and emulation overrun, their spreads against the goals.
-"""
+"""`poplar-bench demo --repetitions N`: the demo N times, each profiled afresh; whether the emulated CPU
+instrument is steady enough that one run says something (the spreads against goals). See docs/bench.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,2 @@
-"""The commands of `poplar-bench`, one module each: `register(subparsers)` adds its parser, `run(args)` runs it.
-
-As in accelerate's ``commands/``: each module is light (argparse and the plan formats); the module doing
-the work is imported only when its command runs, so ``simulate`` never imports torch.
-"""
+"""`poplar-bench`'s commands, one light module each (as accelerate's ``commands/``): `register(subparsers)`,
+`run(args)`, which imports the module doing the work only then (``simulate`` never imports torch)."""
