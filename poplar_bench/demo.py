@@ -190,15 +190,8 @@ def assemble_report(
         "network": plans.get("network"),
         "policies": [_policy_entry(policy, plans["policies"][policy], rank_results) for policy in POLICIES],
     }
-    scenario["emulation_overrun_share"] = max(
-        (
-            r["emulation_overrun"]["overrun_share"]
-            for p in scenario["policies"]
-            for r in p["ranks"]
-            if r.get("emulation_overrun")
-        ),
-        default=None,
-    )
+    overruns = [r["emulation_overrun"] for p in scenario["policies"] for r in p["ranks"] if r.get("emulation_overrun")]
+    scenario["emulation_overrun_share"] = max((o["overrun_share"] for o in overruns), default=None)
     derive_comparisons(scenario)
     scenario["goals"] = demo_goals(scenario)
     return {
@@ -250,10 +243,7 @@ def _rank_entry(
     """One rank under one policy: its allocation, predicted and measured busy time, where its time went, and
     how far its emulated compute ran past its steady time (`ComputeSlowdown.overrun_report`; None: real)."""
     entry = {
-        "rank": rank_plan["rank"],
-        "device_type": rank_plan["device_type"],
-        "micro_batch_size": rank_plan["micro_batch_size"],
-        "gradient_accumulation_steps": rank_plan["gradient_accumulation_steps"],
+        **{k: rank_plan[k] for k in ("rank", "device_type", "micro_batch_size", "gradient_accumulation_steps")},
         "predicted_busy_s": info["predicted_busy_s"][rank_plan["rank"]],
         "measured_busy_s": repetitions(measures["busy_s"]),
         "measured_boundary_wait_s": repetitions(measures["boundary_wait_s"]),

@@ -145,45 +145,22 @@ def demo_goals(scenario: dict[str, Any]) -> list[dict[str, Any]]:
     if poplar is None:
         return [goal_entry("poplar policy produced a plan", None, None, False)]
     share = poplar.get("share_of_ideal")
-    goals = [
-        goal_entry(
-            "poplar share of the measured ideal",
-            share,
-            f">= {POPLAR_SHARE_GOAL}",
-            share is not None and share >= POPLAR_SHARE_GOAL,
-        )
-    ]
+    met = share is not None and share >= POPLAR_SHARE_GOAL
+    goals = [goal_entry("poplar share of the measured ideal", share, f">= {POPLAR_SHARE_GOAL}", met)]
+    band = f"between -{PREDICTION_ERROR_GOAL:.2f} and +{PREDICTION_ERROR_GOAL:.2f}"
     for entry in entries.values():
         error = entry.get("prediction_error")
-        goals.append(
-            goal_entry(
-                f"{entry['policy']} prediction error",
-                error,
-                f"between -{PREDICTION_ERROR_GOAL:.2f} and +{PREDICTION_ERROR_GOAL:.2f}",
-                error is not None and abs(error) <= PREDICTION_ERROR_GOAL,
-            )
-        )
+        met = error is not None and abs(error) <= PREDICTION_ERROR_GOAL
+        goals.append(goal_entry(f"{entry['policy']} prediction error", error, band, met))
     overrun = scenario.get("emulation_overrun_share")
     if overrun is not None:
-        goals.append(
-            goal_entry(
-                "emulated compute past its steady time (largest share of any rank)",
-                overrun,
-                f"<= {OVERRUN_GOAL}",
-                overrun <= OVERRUN_GOAL,
-            )
-        )
+        what = "emulated compute past its steady time (largest share of any rank)"
+        goals.append(goal_entry(what, overrun, f"<= {OVERRUN_GOAL}", overrun <= OVERRUN_GOAL))
     poplar_rate, _ = _throughput(poplar)
     for other in (p for p in POLICIES if p != "poplar" and p in entries):
         other_rate, _ = _throughput(entries[other])
-        goals.append(
-            goal_entry(
-                f"poplar faster than {other}",
-                poplar_rate / other_rate if other_rate else None,
-                "> 1 (ratio of samples/s)",
-                bool(other_rate) and poplar_rate > other_rate,
-            )
-        )
+        ratio, met = (poplar_rate / other_rate, poplar_rate > other_rate) if other_rate else (None, False)
+        goals.append(goal_entry(f"poplar faster than {other}", ratio, "> 1 (ratio of samples/s)", met))
     return goals
 
 
@@ -194,9 +171,7 @@ def infeasible_entry(policy: str, status: str, message: str) -> dict[str, Any]:
 
 def emulation_dict(emulation: Any) -> dict[str, Any] | None:
     """A device type's emulation as a report gives it (None: real)."""
-    if emulation is None:
-        return None
-    return {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes}
+    return emulation and {"slowdown": emulation.slowdown, "memory_capacity_bytes": emulation.memory_capacity_bytes}
 
 
 def curve(points: Any) -> list[dict[str, float]]:
@@ -603,10 +578,9 @@ def _plot_rank_times(ax: Any, scenario: dict[str, Any]) -> None:
         bars = ax.bar(xs, heights, width=width, label=f"{entry['policy']} (stage {entry['zero_stage']})")
         if has_measured:
             ax.scatter(xs, predicted, marker="_", s=200, color="black", zorder=3)
-        iteration = (entry.get("measured") or {}).get("iteration_time_s", {}).get("median") or entry["predicted"][
-            "iteration_time_s"
-        ]
-        ax.axhline(iteration, color=bars.patches[0].get_facecolor(), linestyle="--", linewidth=0.8)
+        iteration = (entry.get("measured") or {}).get("iteration_time_s", {}).get("median")
+        color = bars.patches[0].get_facecolor()
+        ax.axhline(iteration or entry["predicted"]["iteration_time_s"], color=color, linestyle="--", linewidth=0.8)
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, fontsize=7)
     what = (
@@ -629,8 +603,7 @@ def _plot_speedups(ax: Any, scenarios: list[dict[str, Any]]) -> None:
         key = f"{'+'.join(scenario['cluster']['type_counts'])}, {scenario['model']['name']}"
         series.setdefault(key, []).append((scenario["cluster"]["world_size"], poplar["speedup_over_uniform"]))
     for key, points in series.items():
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key)
+        ax.plot(*zip(*sorted(points)), marker="o", label=key)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs")
     ax.set_ylabel("poplar speedup over uniform (predicted)")
