@@ -370,10 +370,7 @@ def make_plans(
             "curve": profile_curve(p),
             "max_micro_batch_size": p.max_micro_batch_size,
             "optimizer_step_time_s": p.optimizer_step_time_s,
-            "provenance": {
-                **p.measured_with,
-                "emulated": None if p.emulated is None else dataclasses.asdict(p.emulated),
-            },
+            "provenance": {**p.measured_with, "emulated": p.emulated and dataclasses.asdict(p.emulated)},
         }
         for p in profiles
         if p.zero_stage == settings.zero_stage

@@ -232,13 +232,10 @@ def render_markdown(summary: dict[str, Any]) -> str:
         + (" through the Hugging Face Trainer" if s.get("loop") == "trainer" else ""),
         "",
         *_provenance_lines(summary),
-        (
-            f"Devices: {summary['devices']}. Rank {s['drift_rank']} ({summary['device_types'][s['drift_rank']]}) runs "
-            f"{s['factor']}x slower from optimizer step {s['drift_at']} to {s['recover_at']}; ZeRO stage "
-            f"{s['zero_stage']}, "
-            f"global batch {s['global_batch_size']}; checks every {s['check_interval_steps']} steps, threshold "
-            f"{s['threshold']}, {s['sustained_checks']} sustained checks, minimum gain {s['min_gain']}."
-        ),
+        f"Devices: {summary['devices']}. Rank {s['drift_rank']} ({summary['device_types'][s['drift_rank']]}) runs "
+        f"{s['factor']}x slower from optimizer step {s['drift_at']} to {s['recover_at']}; ZeRO stage "
+        f"{s['zero_stage']}, global batch {s['global_batch_size']}; checks every {s['check_interval_steps']} steps, "
+        f"threshold {s['threshold']}, {s['sustained_checks']} sustained checks, minimum gain {s['min_gain']}.",
         "",
         "## Goals",
         "",
@@ -261,8 +258,10 @@ def render_markdown(summary: dict[str, Any]) -> str:
             f"{statistics.median(data['share_of_ideal']):.3f} | {'' if not cost else f'{100 * cost:.2f}%'} |"
         )
     lines += ["", "## Plans of the adaptive run with drift", ""]
-    for entry in summary["runs"]["adaptive-drift"]["plan_history"]:
-        lines.append(f"- from step {entry['start_step']}: {entry['allocation']} ({entry['reason']})")
+    lines += [
+        f"- from step {h['start_step']}: {h['allocation']} ({h['reason']})"
+        for h in summary["runs"]["adaptive-drift"]["plan_history"]
+    ]
     lines += [
         "",
         "## Per iteration (samples/s; ideal in brackets)",
@@ -270,13 +269,9 @@ def render_markdown(summary: dict[str, Any]) -> str:
         "| iteration | " + " | ".join(RUNS) + " |",
         "| --- |" + " --- |" * len(RUNS),
     ]
-    first = summary["runs"][RUNS[0]]
-    for index, step in enumerate(first["steps_done"]):
-        cells = [
-            f"{summary['runs'][run]['samples_per_s'][index]:.1f} "
-            f"({summary['runs'][run]['ideal_samples_per_s'][index]:.0f})"
-            for run in RUNS
-        ]
+    runs = [summary["runs"][run] for run in RUNS]
+    for index, step in enumerate(runs[0]["steps_done"]):
+        cells = [f"{r['samples_per_s'][index]:.1f} ({r['ideal_samples_per_s'][index]:.0f})" for r in runs]
         lines.append(f"| {step + 1} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -297,9 +292,8 @@ def _provenance_lines(summary: dict[str, Any]) -> list[str]:
         end = " / ".join(f"{x:.1f}" for x in machine["load_average"])
         lines += [
             f"Machine: {machine['hostname']} ({machine['cpu']}, {machine['usable_cpus']} usable CPUs, GPUs: "
-            f"{machine.get('gpus') or 'none'}), shared "
-            f"with other work: load average (1 / 5 / 15 min) {load} at the start, {end} at the end; the run took "
-            f"{summary['total_s']:.0f} s.",
+            f"{machine.get('gpus') or 'none'}), shared with other work: load average (1 / 5 / 15 min) {load} at the "
+            f"start, {end} at the end; the run took {summary['total_s']:.0f} s.",
             "",
         ]
     return lines
@@ -316,9 +310,8 @@ def render_figure(summary: dict[str, Any], path: Path) -> None:
         data = summary["runs"][run]
         axis.plot([s + 1 for s in data["steps_done"]], data["samples_per_s"], style, label=run)
     drift = summary["runs"]["static-drift"]
-    axis.plot(
-        [s + 1 for s in drift["steps_done"]], drift["ideal_samples_per_s"], "k--", linewidth=1, label="ideal (drift)"
-    )
+    iterations = [s + 1 for s in drift["steps_done"]]
+    axis.plot(iterations, drift["ideal_samples_per_s"], "k--", linewidth=1, label="ideal (drift)")
     axis.set_xlabel("iteration")
     axis.set_ylabel("samples/s")
     through = " (PoplarTrainer)" if summary["settings"].get("loop") == "trainer" else ""

@@ -68,13 +68,12 @@ class RankFailure(RuntimeError):
 
     def __init__(self, outcomes: list[RankOutcome]) -> None:
         self.outcomes = outcomes
-        parts = []
-        for o in outcomes:
-            if not o.ok:
-                part = f"--- rank {o.rank} (exit code {o.exit_code}) ---\n{o.error}"
-                if o.log_path is not None:
-                    part += f"\n--- rank {o.rank} log tail ---\n{o.log_tail()}"
-                parts.append(part)
+        parts = [
+            f"--- rank {o.rank} (exit code {o.exit_code}) ---\n{o.error}"
+            + ("" if o.log_path is None else f"\n--- rank {o.rank} log tail ---\n{o.log_tail()}")
+            for o in outcomes
+            if not o.ok
+        ]
         super().__init__("ranks failed:\n" + "\n".join(parts))
 
 
