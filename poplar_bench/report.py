@@ -24,14 +24,9 @@ def progress(message: str, bench: str = "demo", rank: int = 0) -> None:
         print(f"[poplar-bench {bench}] {message}", file=sys.stderr, flush=True)
 
 
-POPLAR_SHARE_GOAL = 0.95
-"""The demo's goal for poplar's measured samples/s against the measured ideal (issue 15)."""
-
-PREDICTION_ERROR_GOAL = 0.05
-"""Every policy's predicted iteration time within this fraction of the measured one (issue 35)."""
-
-OVERRUN_GOAL = 0.02
-"""Emulated compute past its steady time, at most this share of it on every rank (else not steady)."""
+POPLAR_SHARE_GOAL = 0.95  # the demo's goal: poplar's measured samples/s against the measured ideal (issue 15)
+PREDICTION_ERROR_GOAL = 0.05  # every policy's predicted iteration time within this of the measured (issue 35)
+OVERRUN_GOAL = 0.02  # emulated compute past its steady time, at most this share of it on every rank (else unsteady)
 
 REPORT_SCHEMA = "poplar-bench-report/1"
 _LIBRARIES = ("poplar-ext", "torch", "deepspeed", "numpy", "scipy", "matplotlib")
@@ -637,8 +632,8 @@ def write_json_and_markdown(
     return paths
 
 
+# What the PNG figure needs; the JSON and markdown reports need nothing beyond poplar-ext.
 FIGURE_NEEDS = "matplotlib (pip install 'poplar-ext[bench]')"
-"""What the PNG figure needs; the JSON and markdown reports need nothing beyond poplar-ext."""
 
 
 def figure_available() -> bool:

@@ -11,11 +11,8 @@ from poplar_ext.plan.formats import read_json
 
 from .report import _fmt, goal_entry, goals_table, write_json_and_markdown
 
-SHARE_SPREAD_GOAL = 0.02
-"""Poplar's share of the measured ideal: largest - smallest over the runs, at most this."""
-
-ERROR_SPREAD_GOAL = 0.03
-"""Each policy's prediction error: largest - smallest over the runs, at most this (3 points)."""
+SHARE_SPREAD_GOAL = 0.02  # poplar's share of the measured ideal: largest - smallest over the runs, at most this
+ERROR_SPREAD_GOAL = 0.03  # each policy's prediction error: largest - smallest over the runs, at most (3 points)
 
 
 def _spread(values: list[float]) -> float | None:
