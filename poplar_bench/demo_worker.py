@@ -150,15 +150,11 @@ def _baseline_of(cluster: Cluster, settings: DemoSettings) -> int | None:
     """The baseline a stored demo cluster was made with, or None when it does not fit `settings`."""
     if cluster.rank_device_types != tuple(d.name for d in settings.devices):
         return None
-    baselines = set()
-    for device in settings.devices:
-        emulation = cluster.emulation_of(device.name)
-        if emulation is None or emulation.slowdown != device.slowdown:
-            return None
-        baselines.add(emulation.memory_capacity_bytes - device.memory_headroom_bytes)
-    if len(baselines) != 1:
+    pairs = [(cluster.emulation_of(d.name), d) for d in settings.devices]
+    if any(e is None or e.slowdown != d.slowdown for e, d in pairs):
         return None
-    (baseline,) = baselines
+    baselines = {e.memory_capacity_bytes - d.memory_headroom_bytes for e, d in pairs}
+    baseline = baselines.pop() if len(baselines) == 1 else 0
     return baseline if baseline > 0 and baseline % BASELINE_ROUNDING_BYTES == 0 else None
 
 
