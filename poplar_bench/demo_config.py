@@ -32,7 +32,10 @@ class DemoDevice:
 
     name: str
     slowdown: float
+    """Compute slowdown against the real CPU core the rank runs on."""
     memory_headroom_bytes: int
+    """Emulated memory above the rank's baseline (interpreter, libraries, model,
+    optimizer: the CPU peak the profiler measures is the whole process's)."""
 
 
 def default_devices() -> tuple[DemoDevice, ...]:
@@ -112,36 +115,46 @@ _POSITIVE_INTS = "global_batch_size max_micro_batch_size profile_repeats iterati
 class DemoSettings:
     """Everything the demo's behaviour depends on; the CLI sets a few of these."""
 
-    # One rank per device, in rank order (devices of one name are ranks of one type).
     devices: tuple[DemoDevice, ...] = field(default_factory=default_devices)
-    nodes: int = 1  # emulated nodes the ranks are split over, in rank order and evenly (all on this machine)
+    """One rank per device, in rank order (devices of one name are ranks of one type)."""
+    nodes: int = 1
+    """Emulated nodes the ranks are split over, in rank order and evenly (all on this machine)."""
     model: DemoModel = field(default_factory=DemoModel)
-    # ZeRO stage of every policy's run (default 1: it communicates only at the accumulation boundary, so each
-    # rank's busy time is measured apart from its waiting).
     zero_stage: int = 1
-    global_batch_size: int = 192  # samples per iteration, the same for every policy
-    max_micro_batch_size: int = 48  # the largest micro-batch the profiler tries on any device
-    # Measured micro-steps per size when profiling (median): more than the profiler's 3, as the search picks the
-    # sizes whose profiled times look best, so noise turns into plans slower than predicted.
+    """ZeRO stage of every policy's run (default 1: it communicates only at the accumulation boundary, so each
+    rank's busy time is measured apart from its waiting)."""
+    global_batch_size: int = 192
+    """Samples per iteration, the same for every policy."""
+    max_micro_batch_size: int = 48
+    """Largest micro-batch the profiler tries on any device."""
     profile_repeats: int = 5
-    iterations: int = 2  # measured iterations per policy in each round
-    warmup_iterations: int = 1  # unmeasured ones of each policy at the start of every round (after the switch)
-    rounds: int = 3  # each round runs every policy in turn, so background load hits all policies alike
-    standalone_repeats: int = 5  # micro-steps timed per size when measuring each device's standalone throughput
-    # Where the demo keeps its emulated cluster (``cluster.json``) and the profiler's cache (``profiles/``).
-    # None: ``$XDG_CACHE_HOME/poplar-ext/demo`` (``~/.cache`` when unset).
+    """Measured micro-steps per size when profiling (median): more than the profiler's 3, as the search picks the
+    sizes whose profiled times look best, so noise turns into plans slower than predicted."""
+    iterations: int = 2
+    """Measured iterations per policy in each round."""
+    warmup_iterations: int = 1
+    """Unmeasured iterations of each policy at the start of every round (after the switch of engine)."""
+    rounds: int = 3
+    """Each round runs every policy in turn, so background load hits all policies alike."""
+    standalone_repeats: int = 5
+    """Micro-steps timed per size when measuring each device's standalone throughput."""
     cache_dir: Path | None = None
-    force_profile: bool = False  # measure again even when cached profiles exist
-    # What the profiler measures (``activation_checkpointing``): ``off`` here, ``both`` for the checkpointing bench.
+    """Where the demo keeps its emulated cluster (``cluster.json``) and the profiler's
+    cache (``profiles/``). None: ``$XDG_CACHE_HOME/poplar-ext/demo`` (``~/.cache`` when unset)."""
+    force_profile: bool = False
+    """Measure again even when cached profiles exist."""
     activation_checkpointing: str = "off"
-    # Check profiles against micro-steps timed at start (`poplar_ext.profiler.calibration`): ``cached`` (cached
-    # profiles only, as a job does), ``always``, ``off`` (default: emulated compute is steady at its profile's times).
+    """What the profiler measures (``activation_checkpointing``): ``off`` here, ``both`` for the checkpointing bench."""
     calibration: str = "off"
-    calibration_action: str = "rescale"  # ``poplar.calibration.action``
-    # Largest |measured / profiled - 1| a profile is trusted with (``poplar.calibration.threshold``).
+    """Check profiles against micro-steps timed at start (`poplar_ext.profiler.calibration`): ``cached`` (cached
+    profiles only, as a job does), ``always``, ``off`` (default: emulated compute is steady at its profile's times)."""
+    calibration_action: str = "rescale"
+    """``rescale`` or ``remeasure`` (``poplar.calibration.action``)."""
     calibration_threshold: float = 0.1
+    """Largest |measured / profiled - 1| a profile is trusted with (``poplar.calibration.threshold``)."""
     seed: int = 0
-    timeout_s: float = 600.0  # the whole multi-rank run is abandoned (ranks killed) after this long
+    timeout_s: float = 600.0
+    """The whole multi-rank run is abandoned (ranks killed) after this long."""
 
     def __post_init__(self) -> None:
         if len(self.devices) < 2:

@@ -18,18 +18,23 @@ LOOPS = ("plain", "trainer")  # `DriftSettings.loop`'s values
 class DriftSettings(DemoSettings):
     """The demo's settings plus the drift and the re-balancing options."""
 
-    drift_rank: int = 0  # the rank that drifts (rank 0, the fastest device, carries the most samples)
-    factor: float = 2.5  # how much slower it becomes
-    drift_at: int = 8  # optimizer steps done when it slows down
-    recover_at: int = 24  # optimizer steps done when it is back to its own speed
-    drift_iterations: int = 36  # iterations of each run
+    drift_rank: int = 0
+    """The rank that drifts (rank 0, the fastest device, carries the most samples)."""
+    factor: float = 2.5
+    """How much slower it becomes."""
+    drift_at: int = 8
+    """Optimizer steps done when it slows down."""
+    recover_at: int = 24
+    """Optimizer steps done when it is back to its own speed."""
+    drift_iterations: int = 36
+    """Iterations of each run."""
     check_interval_steps: int = 4
     threshold: float = 0.2
     min_gain: float = 0.05
     sustained_checks: int = 2
-    # What trains: ``plain``, `poplar_ext.initialize` and a hand-written loop on the demo's toy GPT; ``trainer``,
-    # `PoplarTrainer` on a GPT-2 of the same shape in its automatic mode (`poplar_bench.drift.LOOP_TEXT`).
     loop: str = "plain"
+    """What trains: ``plain``, `poplar_ext.initialize` and a hand-written loop on the demo's toy GPT; ``trainer``,
+    `PoplarTrainer` on a GPT-2 of the same shape in its automatic mode (`poplar_bench.drift.LOOP_TEXT`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

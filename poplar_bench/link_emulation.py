@@ -22,9 +22,12 @@ _FACTORS = {
 class LinkEmulation:
     """Which emulated node each rank is on, and the link between nodes."""
 
-    node_of_rank: tuple[int, ...]  # emulated node of every rank, rank 0 first
-    bandwidth_bytes_per_s: float  # what the link between two nodes carries per second (each direction)
-    latency_s: float = 0.0  # added once per crossing operation
+    node_of_rank: tuple[int, ...]
+    """Emulated node of every rank, rank 0 first."""
+    bandwidth_bytes_per_s: float
+    """What the link between two nodes carries per second (each direction)."""
+    latency_s: float = 0.0
+    """Added once per crossing operation."""
 
     def __post_init__(self) -> None:
         if not self.node_of_rank:

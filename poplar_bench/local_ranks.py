@@ -46,11 +46,17 @@ class RankOutcome:
     `log_path`: its captured stdout and stderr (a command's stderr); None when it wrote to the console."""
 
     rank: int
+    """The rank (its ``RANK``)."""
     ok: bool
+    """True when the function returned on this rank (a command: exited with code 0)."""
     value: Any
+    """The function's return value (None unless `ok`; always None for a command)."""
     error: str
+    """The traceback, or why no result came back (killed, aborted, exit code); "" when `ok`."""
     exit_code: int | None
+    """The process exit code (negative: killed by that signal; None: did not exit in time)."""
     log_path: Path | None
+    """The rank's captured stdout and stderr (a command's stderr); None when it wrote to the console."""
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last `lines` lines of the rank's log."""
@@ -201,9 +207,12 @@ def _rank_environments(world_size: int) -> dict[int, dict[str, str]]:
 # --- In the rank ---
 @dataclass(frozen=True)
 class _RankStart:
-    log_path: str | None  # the rank's stdout and stderr (None: where the parent's went)
-    forked: bool  # it holds a copy of the parent's heap
-    pg_timeout_s: float | None  # the gloo group's timeout (None: no group)
+    log_path: str | None
+    """Where the rank's stdout and stderr go (None: where the parent's went)."""
+    forked: bool
+    """The rank was forked (it holds a copy of the parent's heap)."""
+    pg_timeout_s: float | None
+    """The gloo process group's timeout (None: no group)."""
 
 
 def _rank_main(fn: Callable[..., Any], args: tuple, kwargs: dict, start: _RankStart) -> bytes:
