@@ -18,6 +18,7 @@ from poplar_ext.search.network import modelled_network
 from poplar_ext.search.pipeline_layouts import all_layouts, candidate_layouts, rank_nodes
 from poplar_ext.search.pipeline_search import _exact_count, search_pipeline_plan
 
+from .commands._options import default_output_dir
 from .report import machine_description, utc_now, write_json_and_markdown
 
 DEFAULT_CASES = 300
@@ -224,11 +225,14 @@ def render(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=DEFAULT_CASES)
-    parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--cases", type=int, default=DEFAULT_CASES, help=f"seeded cases (default {DEFAULT_CASES})")
+    parser.add_argument(
+        "--output-dir", type=Path, help="where pipeline_search_gap.{json,md} go (default: the checkout's bench/results)"
+    )
     args = parser.parse_args(argv)
     report = gap_report(args.cases)
-    for path in write_json_and_markdown(report, render(report), args.output_dir, "pipeline_search_gap"):
+    output_dir = args.output_dir or default_output_dir()
+    for path in write_json_and_markdown(report, render(report), output_dir, "pipeline_search_gap"):
         print(path)
 
 
