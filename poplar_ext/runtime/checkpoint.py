@@ -233,29 +233,60 @@ def tag_for_load(load_dir: str | Path, tag: Any, *, deepspeed_engine: Any, rank:
     resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=rank)
     if resolved is None:
         return None
-    restore_replaced(load_dir, resolved, storage_rank=_storage_rank(deepspeed_engine), caller="load_checkpoint")
+    storage_rank = _storage_rank(deepspeed_engine)
+    restore_replaced(load_dir, resolved, storage_rank=storage_rank, caller="load_checkpoint")
     barrier()  # restored on every storage before any rank reads it
+    check_storages_agree(load_dir, resolved, storage_rank=storage_rank, caller="load_checkpoint")
     return resolved
 
 
+def check_storages_agree(load_dir: str | Path, tag: str, *, storage_rank: int, caller: str) -> None:
+    """ValueError on every rank when the storages (each node's, on node-local storage) hold different saves
+    under `tag` (collective): a save that stopped on some nodes before it was whole, which DeepSpeed would
+    load as one checkpoint. A save is told by its data position; the first rank of each storage reads it."""
+    from poplar_ext.collectives import gather_objects
+
+    held = None
+    if storage_rank == 0:
+        try:
+            state = read_state(load_dir, tag)
+            held = "no poplar_state.json" if state is None else f"data position {state['data_position']}"
+        except Exception as exc:  # noqa: BLE001 - told on every rank below, not raised on this one alone
+            held = f"an unreadable {STATE_FILE} ({exc})"
+    storages = [(rank, what) for rank, what in enumerate(gather_objects(held)) if what is not None]
+    if len({what for _, what in storages}) > 1:
+        holding = "; ".join(f"rank {rank}'s storage: {what}" for rank, what in storages)
+        raise ValueError(
+            f"{caller}: tag {tag!r}: expected one save under it on every node's storage, found different ones "
+            f"({holding}): a save into it stopped on some nodes before it was whole; load another tag, or copy one "
+            "node's folder to the others"
+        )
+
+
 def restore_replaced(load_dir: str | Path, tag: str, *, storage_rank: int, caller: str) -> None:
-    """A save whose storage rank stopped between its two renames left no TAG: the first rank of each storage
-    renames into its place the save's ``TAG.saving`` if whole (it has its state file), else the earlier
-    ``TAG.replaced``, with a warning. The newer first: on node-local storage other nodes may have swapped that
-    save in, and every rank must load the same one. The caller waits for every storage before any rank reads TAG."""
+    """A save whose storage rank stopped before its swap was done: the first rank of each storage puts in TAG's
+    place the save's ``TAG.saving`` if whole (it has its state file: every rank's files were written), else, where
+    TAG is missing, the earlier ``TAG.replaced``, with a warning. The newer first: on node-local storage other nodes
+    may have swapped that save in, and every rank must load the same one (`check_storages_agree`). The caller
+    waits for every storage before any rank reads TAG."""
     folder = Path(load_dir) / tag
-    if storage_rank != 0 or folder.exists():
-        return
     saving, replaced = (folder.with_name(f"{tag}{suffix}") for suffix in (SAVING_SUFFIX, REPLACED_SUFFIX))
+    whole_save = (saving / STATE_FILE).is_file()
+    if storage_rank != 0 or (folder.exists() and not whole_save):
+        return
     for whole, holds in (
         (saving, "the save into it that stopped, whole"),
         (replaced, "the checkpoint a save into it was replacing when it stopped"),
     ):
         if (whole / STATE_FILE).is_file():
-            logger.warning("%s: %s is missing and %s holds %s: restored as %s", caller, folder, whole, holds, folder)
+            state = "holds an older save" if folder.exists() else "is missing"
+            logger.warning("%s: %s %s and %s holds %s: restored as %s", caller, folder, state, whole, holds, folder)
             try:
+                if folder.exists():  # the save stopped before its first rename
+                    shutil.rmtree(replaced, ignore_errors=True)
+                    folder.rename(replaced)
                 whole.rename(folder)
-            except OSError as exc:  # no rank waits for this one: rank 0's check of TAG then refuses it on every rank
+            except OSError as exc:  # no rank waits for this one: the storages' check then refuses the load
                 logger.error("%s: could not restore %s as %s: %s", caller, whole, folder, exc)
                 return
             shutil.rmtree(replaced, ignore_errors=True)  # superseded, as at the end of `_swap_in`

@@ -479,6 +479,78 @@ def test_on_node_local_storage_a_node_stopped_between_renames_loads_the_save_the
         assert sorted(p.name for p in (tmp_path / node / "t").iterdir()) == [*names, STATE_FILE]
 
 
+def _two_saves_on_two_nodes(tmp_path, monkeypatch, stop):
+    """Two saves into tag "t" on 2 nodes, the second with `stop(path)` raising OSError where it says (node 1's
+    storage rank stopping); the first save's files are marked ``first_save``. Returns `on_every_rank`."""
+    engines, on_every_rank = _nodes_as_threads(tmp_path, monkeypatch)
+    save = lambda engine, fake, folder: engine.save_checkpoint(folder, tag="t")  # noqa: E731
+    assert on_every_rank(save) == [None] * 4
+    for node in ("node0", "node1"):
+        (tmp_path / node / "t" / "first_save").touch()
+    with monkeypatch.context() as patched:
+        stop(patched)
+        assert all(isinstance(error, RuntimeError) for error in on_every_rank(save))
+    return on_every_rank
+
+
+def test_on_node_local_storage_a_node_stopped_before_its_swap_loads_the_save_the_other_node_swapped_in(
+    tmp_path, monkeypatch
+):
+    # Node 1's storage rank wrote the second save's state file into t.saving (every rank's files were written)
+    # and stopped before its first rename: its "t" is still the first save while node 0's is the second.
+    from poplar_ext.runtime import checkpoint
+
+    rename = Path.rename
+
+    def stop(patched):
+        def stopped(self, target):
+            if self == tmp_path / "node1" / "t":
+                raise OSError("the storage rank stopped")
+            return rename(self, target)
+
+        patched.setattr(Path, "rename", stopped)
+
+    on_every_rank = _two_saves_on_two_nodes(tmp_path, monkeypatch, stop)
+    assert (tmp_path / "node1" / "t" / "first_save").exists() and (tmp_path / "node1" / "t.saving").exists()
+    load = lambda engine, fake, folder: checkpoint.tag_for_load(folder, "t", deepspeed_engine=fake, rank=0)  # noqa: E731
+    assert on_every_rank(load) == ["t"] * 4
+    for node, names in (("node0", ["0", "1"]), ("node1", ["2", "3"])):
+        assert sorted(p.name for p in (tmp_path / node).iterdir()) == ["latest", "t"]
+        assert sorted(p.name for p in (tmp_path / node / "t").iterdir()) == [*names, STATE_FILE]
+
+
+def test_on_node_local_storage_nodes_holding_different_saves_under_a_tag_are_refused_on_every_rank(
+    tmp_path, monkeypatch
+):
+    # Node 1's storage rank stopped before writing the second save's state file: its t.saving is not whole,
+    # its "t" the first save, node 0's "t" the second. Loading would mix two checkpoints without a word.
+    import threading
+
+    from poplar_ext.runtime import checkpoint
+
+    write_state = checkpoint.write_state
+
+    def stop(patched):
+        def stopped(*args):
+            if threading.current_thread().name == "2":
+                raise OSError("the storage rank stopped")
+            return write_state(*args)
+
+        patched.setattr(checkpoint, "write_state", stopped)
+
+    on_every_rank = _two_saves_on_two_nodes(tmp_path, monkeypatch, stop)
+    (tmp_path / "node0" / "t" / STATE_FILE).write_text(
+        (tmp_path / "node0" / "t" / STATE_FILE).read_text().replace('"data_position": 0', '"data_position": 4')
+    )
+    load = lambda engine, fake, folder: checkpoint.tag_for_load(folder, "t", deepspeed_engine=fake, rank=0)  # noqa: E731
+    errors = on_every_rank(load)
+    for error in errors:
+        assert isinstance(error, ValueError), error
+        assert str(error) == str(errors[0])
+    assert "load_checkpoint: " in str(errors[0]) and "rank 0" in str(errors[0]) and "rank 2" in str(errors[0])
+    assert "data position 4" in str(errors[0]) and "data position 0" in str(errors[0])
+
+
 def test_a_load_gives_deepspeed_the_tag_rank_0_resolved(tmp_path):
     # Without it DeepSpeed reads each rank's own ``latest``: on node-local storage a node whose save stopped
     # before its ``latest`` would load an older checkpoint under the newer one's data position.
