@@ -49,19 +49,26 @@ class StageReport:
     """The stage."""
     status: str
     """``chosen``, ``slower`` or ``infeasible``."""
+    iteration_time_s: float | None
+    """Predicted iteration time of the stage's best allocation (None when infeasible)."""
+    samples_per_s: float | None
+    """Predicted throughput of that allocation (None when infeasible)."""
+    global_batch_size: int | None
+    """Global batch of that allocation (None when infeasible)."""
     reason: str
     """Why it won, why it lost (how much slower) or why it is infeasible; a full sentence."""
-    iteration_time_s: float | None = None
-    """Predicted iteration time of the stage's best allocation (None when infeasible)."""
-    samples_per_s: float | None = None
-    """Predicted throughput of that allocation (None when infeasible)."""
-    global_batch_size: int | None = None
-    """Global batch of that allocation (None when infeasible)."""
 
     @classmethod
     def infeasible(cls, zero_stage: int, reason: str) -> StageReport:
         """A stage with no feasible allocation, and why."""
-        return cls(zero_stage=zero_stage, status="infeasible", reason=reason)
+        return cls(
+            zero_stage=zero_stage,
+            status="infeasible",
+            iteration_time_s=None,
+            samples_per_s=None,
+            global_batch_size=None,
+            reason=reason,
+        )
 
     @classmethod
     def feasible(
@@ -318,6 +325,8 @@ def search_plan(
 
     `global_batch_size` None: the best predicted throughput up to `max_global_batch_size`; `zero_stage` ``"auto"``:
     the fastest stage; with a `network` communication is priced for the cluster, without the boundary is as measured.
+    An infeasible problem is a status with a reason; bad input (wrong types, profiles of several models, a device
+    type of the cluster that no profile covers) a ValueError.
     """
     _check_arguments(cluster, global_batch_size, zero_stage, policy, max_global_batch_size)
     global_batch_size = None if global_batch_size is None else int(global_batch_size)
@@ -443,8 +452,10 @@ def _plan_message(
 
 # -- check_plan, predict
 def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None = None) -> list[str]:
-    """Problems that make `plan` unusable on `cluster` (ranks, stage rule, levers; with `profiles` their coverage and
-    micro-batch caps), as full sentences ([] when fine)."""
+    """Problems that make `plan` unusable on `cluster`, as full sentences ([] when fine): world size, device types,
+    the stage rule (stages 2-3: one accumulation count), the levers (one setting per device type, at stage 3 one
+    checkpointing for every rank, offload only at stages 1-2) and, with `profiles`, their coverage and micro-batch
+    caps."""
     problems = cluster_problems(plan, cluster)
     if one_accumulation_count(plan.zero_stage):
         counts = sorted({r.gradient_accumulation_steps for r in plan.ranks})
@@ -495,7 +506,8 @@ def _mixed_levers(plan: Plan) -> list[tuple[str, list[str]]]:
 
 def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | None = None) -> PlanPrediction:
     """Per-rank busy time and the iteration time the cost model predicts for `plan` (with `network`: communication
-    priced), each type from its profile at the plan's stage and levers; ValueError where there is none."""
+    priced), each type from its profile at the plan's stage and levers. ValueError when a type has no such profile,
+    its ranks differ in a lever, or a micro-batch is outside 1..max_micro_batch_size of its profile."""
     by_stage = _check_profiles(profiles)
     variants = by_stage.get(plan.zero_stage, {})
     settings = plan_levers(plan)

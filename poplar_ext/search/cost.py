@@ -95,8 +95,12 @@ def stage_communication(
 
 
 def micro_step_times_include_communication(profile: Profile) -> bool:
-    """Whether a profile's micro-step times contain the stage's per-micro-step collectives: its flag, or for older
-    profiles its clock (a CPU rank's thread CPU time leaves out gloo's threads)."""
+    """Whether a profile's micro-step times contain the stage's per-micro-step collectives.
+
+    The profiler writes ``measured_with.micro_step_times_include_communication``; older
+    profiles say it through their clock: a CPU rank's thread CPU time leaves out the
+    gloo threads that communicate, CUDA events and modelled times include it.
+    """
     flag = profile.measured_with.get("micro_step_times_include_communication")
     if isinstance(flag, bool):
         return flag

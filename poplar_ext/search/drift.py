@@ -51,8 +51,13 @@ def scaled_problem(
     zero_stage: int,
     levers: Mapping[str, Levers | None] | None = None,
 ) -> tuple[list[Profile], Cluster, list[str]]:
-    """Profiles, cluster and each rank's derived type, each rank running `rank_scales[r]` times its profile's time;
-    each type keeps the profile of its `levers` (default none): the runtime applies them once, before training."""
+    """Profiles and cluster in which each rank's device runs `rank_scales[r]` times its profile's time.
+
+    `levers` gives the ``(activation_checkpointing, optimizer_offload)`` whose profile
+    each device type keeps (default: neither; `search.levers.plan_levers`), so a re-plan
+    keeps the running plan's setting: the runtime applies it once, before training. Returns them and
+    each rank's derived device type, in rank order (the cluster's nodes and rank order are kept).
+    """
     levers = levers or {}
     at_stage = {
         p.device_type: p

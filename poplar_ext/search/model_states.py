@@ -63,8 +63,12 @@ def model_states(
     optimizer_offload: bool = False,
     num_trainable_parameters: int | None = None,
 ) -> ModelStates:
-    """One rank's static memory for `num_parameters` at `zero_stage` over `world_size` ranks (shards round up);
-    `optimizer_offload` keeps the optimizer on the host; frozen parameters have no gradients nor optimizer state."""
+    """One rank's static memory for a model of `num_parameters` at `zero_stage` over `world_size` ranks.
+
+    Shards round up (a rank holds at least its share). `optimizer_offload` puts the optimizer part on
+    the host (DeepSpeed's ``offload_optimizer``, stages 1-2). `num_trainable_parameters` (default: all)
+    have gradients and optimizer state; frozen ones only their weights.
+    """
     trainable = num_parameters if num_trainable_parameters is None else num_trainable_parameters
     if num_parameters < 0:
         raise ValueError(f"num_parameters: expected an integer >= 0, found {num_parameters}")

@@ -202,7 +202,8 @@ class Links:
         return self.network.collectives[collective]
 
     def _bandwidth(self, fit: CollectiveFit, ranks: Sequence[int], same_node: bool) -> float:
-        """A ring across nodes runs at its slowest uplink (a node declaring none: at the fit's figure)."""
+        """A ring across nodes runs at its slowest link: the slowest uplink of the nodes it spans, a node
+        that declares none at the fit's figure (so that without declared uplinks the fit is the price)."""
         bandwidth = fit.bus_bandwidth_bytes_per_s
         if same_node or self.rank_nodes is None or not self.node_uplinks_bytes_per_s:
             return bandwidth

@@ -126,7 +126,8 @@ class _Context:
 
 
 def _plan(pipelines: list[Pipeline], context: _Context) -> PipelinePlan:
-    """A plan of `pipelines` (listed by first rank) with its prediction."""
+    """A plan of `pipelines` (listed by first rank) with its prediction; activation checkpointing on the stages that do
+    not fit without it (the sizing allowed their count only so)."""
     pipelines = [checkpoint_where_needed(p, context.tables) for p in pipelines]
     draft = PipelinePlan(
         policy=PIPELINE_POLICY,
@@ -386,9 +387,12 @@ def search_pipeline_plan(
 ) -> SearchResult:
     """The pipeline plan of `cluster` with the smallest predicted iteration time (docs/search.md).
 
-    `zero_stage` ``"auto"``: 0 and 1 where profiled (DeepSpeed's pipeline engine refuses 2 and 3); without a `network`
-    transfers and all-reduces cost 0; `method` ``auto``: exact where the space is small; `layouts` (the heuristic's):
-    ``all``, ``candidates`` or ``auto``; `max_stages`: default the number of layers. Bad input is a ValueError.
+    `zero_stage` ``"auto"`` tries 0 and 1 where profiled (2 and 3 are infeasible: DeepSpeed's pipeline engine refuses
+    them); without a `network` transfers and all-reduces cost 0. `method` ``auto`` is exact where the space is small,
+    else heuristic; `layouts` are the heuristic's: ``all`` (up to `EXACT_MAX_RANKS` ranks), ``candidates``
+    (`pipeline_layouts.candidate_layouts`) or ``auto`` (all where the cluster is that small); `max_stages` defaults to
+    the number of layers. A plan that cannot be made is a status with a reason; bad input (types, profiles of several
+    models, a device type without layer profiles, an exact search too large to run) a ValueError.
     """
     _check_arguments(cluster, global_batch_size, zero_stage, method, max_stages)
     if layouts not in LAYOUTS:

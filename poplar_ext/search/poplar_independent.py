@@ -138,7 +138,8 @@ def sumset(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class TypeSums:
     """The sums of n picks from one set (n identical ranks' reductions, or pipelines' deficits): ``powers[j]`` those of
-    ``2**j`` picks, ``partials`` over n's binary digits; kept to split a total back (`split`: evenly)."""
+    ``2**j`` picks, ``bits`` the j of n's binary digits, ``partials[k]`` the sums of the picks of ``bits[:k]``
+    (``partials[0]``: only 0); kept to split a total back (`split`: evenly; pipeline sizing's `_picks` too)."""
 
     def __init__(self, single: np.ndarray, count: int) -> None:
         self.count = count
