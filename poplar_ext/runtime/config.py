@@ -168,13 +168,9 @@ def _path(node: Node | None, base_dir: Path) -> Path | None:
     return path if path.is_absolute() else base_dir / path
 
 
-def _optional_int(node: Node | None, minimum: int, maximum: int | None = None) -> int | None:
-    return None if node is None else node.integer(minimum=minimum, maximum=maximum)
-
-
-def _batch_or_auto(node: Node | None, *, beside_plan: bool) -> int | str | None:
-    if node is None or (node.value == AUTO and not beside_plan):
-        return None if node is None else AUTO
+def _batch_or_auto(node: Node, *, beside_plan: bool) -> int | str:
+    if node.value == AUTO and not beside_plan:
+        return AUTO
     if node.value == AUTO:  # it asks the search at start for the batch; beside a plan file nothing searches
         where = f"beside {SECTION}.plan"
         raise node.fail(
@@ -202,10 +198,8 @@ def _parsed(node: Node, defaults: Any, parsers: dict[str, Callable[[Node], Any]]
     }
 
 
-def _subsection(node: Node | None, cls: type, parsers: dict[str, Callable[[Node], Any]]) -> Any:
+def _subsection(node: Node, cls: type, parsers: dict[str, Callable[[Node], Any]]) -> Any:
     """A nested section (``rebalance``, ``calibration``): an object of `cls`'s keys, each read by its parser."""
-    if node is None:
-        return cls()
     node.obj().keys_within(tuple(f.name for f in fields(cls)))
     return cls(**_parsed(node, cls(), parsers))
 
@@ -256,15 +250,21 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
     if zero_stage_node is not None and zero_stage != "auto":
         if type(zero_stage) is not int or zero_stage not in ZERO_STAGES:
             raise zero_stage_node.fail("'auto' or an integer from 0 to 3")
-    scalars = {
+    # In the section's order: where several fields are wrong, the message names the first.
+    parsers = {
         "policy": lambda n: n.string(choices=POLICIES),
+        "global_batch_size": lambda n: _batch_or_auto(n, beside_plan=plan is not None),
+        "max_global_batch_size": lambda n: n.integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE),
         "seed": lambda n: n.integer(minimum=0),
         "shuffle": Node.boolean,
         "drop_last": Node.boolean,
         "loss_reduction": lambda n: n.string(choices=REDUCTIONS),
         "log_interval_steps": lambda n: n.integer(minimum=0),
+        "cpu_threads": lambda n: n.integer(minimum=1),
         "steady_cpu_allocator": Node.boolean,
         "optimizer_offload": lambda n: n.string(choices=OFFLOAD_MODES),
+        "rebalance": lambda n: _subsection(n, RebalanceConfig, _REBALANCE_PARSERS),
+        "calibration": lambda n: _subsection(n, CalibrationConfig, _CALIBRATION_PARSERS),
     }
     return PoplarConfig(
         cluster=cluster,
@@ -272,14 +272,9 @@ def poplar_config_from_dict(section: Any, *, base_dir: Path, source: str = DICT_
         profiles=profiles,
         profiles_defaulted=profiles_defaulted,
         policy_given=root.optional("policy") is not None,
-        global_batch_size=_batch_or_auto(root.optional("global_batch_size"), beside_plan=plan is not None),
-        max_global_batch_size=_optional_int(root.optional("max_global_batch_size"), 1, MAX_GLOBAL_BATCH_SIZE),
         zero_stage=zero_stage,
-        cpu_threads=_optional_int(root.optional("cpu_threads"), 1),
-        rebalance=_subsection(root.optional("rebalance"), RebalanceConfig, _REBALANCE_PARSERS),
-        calibration=_subsection(root.optional("calibration"), CalibrationConfig, _CALIBRATION_PARSERS),
         source=source,
-        **_parsed(root, PoplarConfig(), scalars),
+        **_parsed(root, PoplarConfig(), parsers),
     )
 
 

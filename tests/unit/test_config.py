@@ -406,3 +406,16 @@ def test_a_bad_timers_section_is_named_in_its_config_file():
         nominal_deepspeed_config({"timers": {"throughput": []}}, plan, 0, source="ds.json")
     with pytest.raises(ValueError, match=r"^ds\.json: timers: expected an object, found int"):
         nominal_deepspeed_config({"timers": 5}, plan, 0, source="ds.json")
+
+
+def test_several_wrong_fields_name_the_first_in_the_sections_order():
+    """policy, seed, ..., log_interval_steps are checked before cpu_threads, rebalance and calibration."""
+    wrong = {"cpu_threads": 0, "rebalance": {"threshold": -1}, "calibration": {"repeats": 0}}
+    with pytest.raises(ValueError, match=r"poplar\.policy"):
+        poplar_config_from_dict({"policy": "bogus", **wrong}, base_dir=BASE)
+    with pytest.raises(ValueError, match=r"poplar\.log_interval_steps"):
+        poplar_config_from_dict({"log_interval_steps": -1, **wrong}, base_dir=BASE)
+    with pytest.raises(ValueError, match=r"poplar\.global_batch_size"):
+        poplar_config_from_dict({"global_batch_size": 0, "seed": -1}, base_dir=BASE)
+    with pytest.raises(ValueError, match=r"poplar\.cpu_threads"):
+        poplar_config_from_dict({"cpu_threads": 0, "optimizer_offload": "bogus"}, base_dir=BASE)
