@@ -90,18 +90,19 @@ def pipeline_plan_problems(
     zero_stage: int | None,
     global_batch: tuple[int, str] | None = None,
 ) -> list[str]:
-    """What makes `plan` unrunnable in this job, as sentences ([] when fine): `job_plan_problems`, each rank's
-    device type against the cluster's (where the counts agree), its layers against the model's."""
-    counts_agree = plan.world_size == world_size == cluster.world_size
-    problems = job_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=global_batch)
-    if counts_agree:  # each rank's type, as a ZeRO job's check_plan_for_job (the search's check)
+    """What makes `plan` unrunnable in this job, as sentences ([] when fine), in this order: its ranks against the
+    job's and the cluster's (`job_plan_problems`), each rank's device type against the cluster's (where the counts
+    agree), its layers against the model's, its stage and global batch against the config's."""
+    job = job_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=global_batch)
+    problems = list(job["counts"])
+    if not problems:  # the counts agree: each rank's type, as a ZeRO job's check_plan_for_job (the search's check)
         problems += cluster_problems(plan, cluster)
     if plan.num_layers != num_layers:
         problems.append(
             f"The plan splits {plan.num_layers} layers but the model has {num_layers} (the layers given to "
             "PoplarPipelineModule): its stages would not cover the model."
         )
-    return problems
+    return problems + job["stage"] + job["batch"]
 
 
 def resolve_pipeline_plan(

@@ -116,23 +116,24 @@ def job_plan_problems(
     world_size: int,
     zero_stage: int | None,
     global_batch: tuple[int, str] | None,
-) -> list[str]:
-    """What the job alone knows makes `plan` unrunnable, as sentences: the job's and the cluster's number of
-    ranks, the config's ZeRO stage and global batch (the number and its setting)."""
-    problems = []
+) -> dict[str, list[str]]:
+    """What the job alone knows makes `plan` unrunnable, as sentences under what they concern, for each engine to
+    say in its order: ``counts`` (the job's and the cluster's number of ranks), ``stage`` (the config's ZeRO stage),
+    ``batch`` (the config's global batch: the number and its setting)."""
+    problems: dict[str, list[str]] = {"counts": [], "stage": [], "batch": []}
     if plan.world_size != world_size:
-        problems.append(f"The plan names {plan.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
+        problems["counts"].append(f"The plan names {plan.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
     if cluster.world_size != world_size:
-        problems.append(
+        problems["counts"].append(
             f"The cluster description names {cluster.world_size} ranks but the job has {world_size} (WORLD_SIZE)."
         )
     if zero_stage is not None and zero_stage != plan.zero_stage:
-        problems.append(
+        problems["stage"].append(
             f"The plan is for ZeRO stage {plan.zero_stage} but the config asks for stage {zero_stage} "
             f"(zero_optimization.stage or {SECTION}.zero_stage)."
         )
     if global_batch is not None and global_batch[0] != plan.global_batch_size:
-        problems.append(
+        problems["batch"].append(
             f"The plan's global batch is {plan.global_batch_size} but the config asks for {global_batch[0]} "
             f"({global_batch[1]})."
         )

@@ -55,6 +55,28 @@ def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
     ]
 
 
+def runtime_plan_problems(
+    plan: Plan,
+    cluster: Cluster,
+    *,
+    world_size: int,
+    zero_stage: int | None,
+    global_batch: GlobalBatchRequest | None = None,
+) -> list[str]:
+    """What makes `plan` unrunnable in this job (sentences; [] when fine), in this order: the config's global batch
+    (an ``"auto"`` one compares nothing), the job's and the cluster's number of ranks, the config's ZeRO stage.
+
+    Only what the runtime alone knows (`job_plan_problems`): a plan file's batch above
+    ``poplar.max_global_batch_size`` is `read_plan_file`'s refusal (the search keeps within it). The rest (device
+    types, the stage 2/3 rule of one accumulation count, whose breach would hang the job, micro-batch caps) is
+    `search.check_plan`'s.
+    """
+    size = None if global_batch is None else global_batch.size
+    batch = (size, global_batch.origin) if isinstance(size, int) else None
+    job = job_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=batch)
+    return job["batch"] + job["counts"] + job["stage"]
+
+
 def check_plan_for_job(
     plan: Plan,
     cluster: Cluster,
@@ -65,13 +87,13 @@ def check_plan_for_job(
     source: str = "plan",
     global_batch: GlobalBatchRequest | None = None,
 ) -> None:
-    """Raise ValueError listing every reason `plan` cannot run in this job: `job_plan_problems`, then the
+    """Raise ValueError listing every reason `plan` cannot run in this job: `runtime_plan_problems`, then the
     search's `check_plan` (device types, the stage 2/3 rule, micro-batch caps)."""
     from poplar_ext.search import check_plan
 
-    size = None if global_batch is None else global_batch.size
-    batch = (size, global_batch.origin) if isinstance(size, int) else None
-    problems = job_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=batch)
+    problems = runtime_plan_problems(
+        plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=global_batch
+    )
     problems += [p for p in check_plan(plan, cluster, profiles) if p not in problems]
     if problems:
         raise ValueError(f"{source}: this plan cannot run: " + " ".join(problems))
@@ -550,5 +572,6 @@ __all__ = [
     "obtain_missing_profiles",
     "ProfileDirectory",
     "resolve_plan",
+    "runtime_plan_problems",
     "stale_profile_types",
 ]

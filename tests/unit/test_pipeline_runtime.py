@@ -680,3 +680,23 @@ def test_the_automatic_mode_reuses_stored_layer_profiles_where_its_profilers_cac
     else:
         plan = _searched_at_start(poplar, layers_fingerprint=lambda: fingerprint, measure_missing=measure)
         assert measured == [] and set(plan.profile_fingerprints) == {"a", "b"}
+
+
+def test_a_plan_that_fits_nothing_says_so_in_the_checks_order():
+    """Counts, device types, layers, stage, batch: the order pipeline_plan_problems has always said them in."""
+    plan = pipeline_plan_from_dict(_pipeline_plan())
+    problems = pipeline_plan_problems(
+        plan, _cluster(("a", "b", "b")), world_size=3, num_layers=7, zero_stage=0, global_batch=(16, "x")
+    )
+    starts = ["Device types differ", "The plan splits", "The plan is for ZeRO stage", "The plan's global batch"]
+    assert [next(i for i, p in enumerate(problems) if p.startswith(s)) for s in starts] == [0, 1, 2, 3]
+    counts = pipeline_plan_problems(
+        plan, _cluster(("a", "b", "b", "b")), world_size=2, num_layers=6, zero_stage=0, global_batch=(16, "x")
+    )
+    assert [p.split(" ")[2] for p in counts] == ["names", "description", "is", "global"]
+
+
+def test_the_pipeline_folder_pattern_is_public():
+    from poplar_ext.pipeline.checkpoint import PIPELINE_FOLDER, pipeline_folder
+
+    assert PIPELINE_FOLDER.format(index=2) == pipeline_folder(2) == "pipeline2"

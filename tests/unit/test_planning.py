@@ -558,3 +558,30 @@ def test_missing_profiles_command_without_a_cluster_file_leaves_cluster_out(clus
         resolve_plan(config, load_cluster(cluster_path), world_size=2, rank=0, zero_stage=1, broadcast=lambda obj: obj)
     assert "--cluster" not in str(raised.value)
     assert "--module poplar_ext.profiler --deepspeed_config DS.json --model MODULE:FACTORY" in str(raised.value)
+
+
+def test_runtime_plan_problems_says_batch_counts_then_stage(cluster_path, tmp_path):
+    """The ZeRO job's own checks in their order: global batch, world size, cluster, stage; "auto" compares nothing."""
+    from poplar_ext.plan.formats import cluster_from_dict, load_plan
+    from poplar_ext.zero import planning
+    from poplar_ext.zero.planning import check_plan_for_job, runtime_plan_problems
+
+    assert "runtime_plan_problems" in planning.__all__
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    plan = load_plan(_searched_plan(cluster_path, directory, tmp_path))  # 2 ranks, stage 1, batch 20
+    node = {"name": "n0", "devices": [{"device_type": "fast", "count": 4}]}
+    cluster = cluster_from_dict({"schema_version": 1, "nodes": [node]})
+    batch = GlobalBatchRequest(size=32, origin="train_batch_size")
+    problems = runtime_plan_problems(plan, cluster, world_size=3, zero_stage=2, global_batch=batch)
+    assert [p.split(" ")[:3] for p in problems] == [
+        ["The", "plan's", "global"],
+        ["The", "plan", "names"],
+        ["The", "cluster", "description"],
+        ["The", "plan", "is"],
+    ]
+    auto = GlobalBatchRequest(size="auto", origin="poplar.global_batch_size")
+    assert (
+        runtime_plan_problems(plan, load_cluster(cluster_path), world_size=2, zero_stage=None, global_batch=auto) == []
+    )
+    with pytest.raises(ValueError, match=r"global batch is 20 .* names 2 ranks but the job has 3"):
+        check_plan_for_job(plan, cluster, world_size=3, zero_stage=2, global_batch=batch)
