@@ -12,9 +12,12 @@ UNIVERSAL_FOLDER = "universal"
 another split: `poplar_ext.pipeline.replan`)."""
 
 
+PIPELINE_FOLDER = "pipeline{index}"
+"""The folder of pipeline `index` in a checkpoint's tag folder."""
+
+
 def pipeline_folder(index: int) -> str:
-    """The folder of pipeline `index` in a checkpoint's tag folder."""
-    return f"pipeline{index}"
+    return PIPELINE_FOLDER.format(index=index)
 
 
 def _splits(plan: dict[str, Any]) -> list[str]:
