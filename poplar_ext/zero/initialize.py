@@ -277,9 +277,6 @@ def initialize(
     cannot is refused on every rank. A rank planned with ``optimizer_offload`` gets DeepSpeed's
     ``offload_optimizer`` in its own config.
     """
-    import deepspeed
-    from deepspeed.utils import groups
-
     check_plan_dataset(training_data, "training_data", otherwise=_FEED_YOURSELF)
     init_options = {} if distributed_port is None else {"distributed_port": distributed_port}
     job = prepare_job(
@@ -296,6 +293,10 @@ def initialize(
     )
     nominal = nominal_deepspeed_config(job.ds_config, job.plan, job.rank, source=job.source)
     labels, slowdown = set_up_rank(job, model, toggle=checkpointing_toggle)
+    # Imported here, once the job is settled: a call refused before (data, config, build locks) imports no deepspeed.
+    import deepspeed
+    from deepspeed.utils import groups
+
     # DeepSpeed refuses a config both in args and in config=: it gets this rank's nominal one only.
     ds_args = copy.copy(args)
     if hasattr(ds_args, "deepspeed_config"):
@@ -433,10 +434,9 @@ def poplar_engine(
     rebalancer: Rebalancer | None,
     weights_loss: bool = True,
 ) -> PoplarEngine:
-    """The `PoplarEngine` over `engine` with `set_up_rank`'s labels and slowdown; logs where the plan came from."""
-    if job.rank == 0:
-        logger.info("poplar plan from step 0: %s", job.plan_reason)
-    return PoplarEngine(
+    """The `PoplarEngine` over `engine` (a DeepSpeedEngine built on this rank's nominal config) with
+    `set_up_rank`'s labels and slowdown; logs where the plan came from once the engine is built."""
+    wrapped = PoplarEngine(
         engine,
         plan=job.plan,
         rank=job.rank,
@@ -448,6 +448,9 @@ def poplar_engine(
         rebalancer=rebalancer,
         weights_loss=weights_loss,
     )
+    if job.rank == 0:
+        logger.info("poplar plan from step 0: %s", job.plan_reason)
+    return wrapped
 
 
 def _training_dataloader(

@@ -1,0 +1,54 @@
+"""ZeRO initialize's order: a call refused before DeepSpeed's engine imports no deepspeed; the plan's origin is
+logged once the PoplarEngine exists."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_refused_call_imports_no_deepspeed():
+    script = (
+        "import sys, torch\n"
+        "from poplar_ext.zero.initialize import initialize\n"
+        "class Stream(torch.utils.data.IterableDataset):\n"
+        "    def __iter__(self):\n"
+        "        return iter(())\n"
+        "try:\n"
+        "    initialize(model=None, training_data=Stream(), config={'poplar': {}})\n"
+        "except ValueError as error:\n"
+        "    print('refused:', error)\n"
+        "print('deepspeed imported:', 'deepspeed' in sys.modules)\n"
+    )
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environment, cwd=ROOT, timeout=120
+    )
+    assert "refused: training_data" in result.stdout, result.stdout + result.stderr
+    assert "deepspeed imported: False" in result.stdout, result.stdout + result.stderr
+
+
+def test_the_plans_origin_is_logged_after_the_engine_is_built(monkeypatch, caplog):
+    from poplar_ext.zero import initialize as zero_initialize
+
+    def failing_engine(*args, **kwargs):
+        raise RuntimeError("engine not built")
+
+    monkeypatch.setattr(zero_initialize, "PoplarEngine", failing_engine)
+    job = SimpleNamespace(rank=0, plan=None, poplar_config=None, plan_reason="searched at start")
+    with caplog.at_level(logging.INFO, logger=zero_initialize.logger.name), pytest.raises(RuntimeError):
+        zero_initialize.poplar_engine(job, None, labels=("a",), slowdown=None, rebalancer=None)
+    assert "poplar plan from step 0" not in caplog.text
+
+    monkeypatch.setattr(zero_initialize, "PoplarEngine", lambda *args, **kwargs: "engine")
+    with caplog.at_level(logging.INFO, logger=zero_initialize.logger.name):
+        assert zero_initialize.poplar_engine(job, None, labels=("a",), slowdown=None, rebalancer=None) == "engine"
+    assert "poplar plan from step 0: searched at start" in caplog.text
