@@ -323,10 +323,14 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
             return self._samplers[0].iteration_start(self._first_sampler_base + self._steps_since_restore)
         return self.trained_position
 
+    def _client_state_before_save(self) -> dict:
+        """At ZeRO 0, each optimizer parameter's name and shape (DeepSpeed names them at ZeRO 1 only)."""
+        if self.optimizer is not None and not self.zero_optimization():
+            return {PARAMETER_SHAPES_KEY: optimizer_parameter_shapes(self)}
+        return {}
+
     def _save_deepspeed(self, save_dir: str | Path, new_tag: str, client_state: dict, **kwargs: Any) -> Any:
         """DeepSpeed's save into ``save_dir/TAG/pipeline<P>`` (`EngineCore.save_checkpoint`)."""
-        if self.optimizer is not None and not self.zero_optimization():  # DeepSpeed names them at ZeRO 1 only
-            client_state[PARAMETER_SHAPES_KEY] = optimizer_parameter_shapes(self)
         self._job_tag = new_tag
         try:
             return PipelineEngine.save_checkpoint(

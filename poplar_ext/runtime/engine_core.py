@@ -129,12 +129,16 @@ class EngineCore(FollowsRebalancing):
     ) -> Any:
         """DeepSpeed's save_checkpoint, with poplar-ext's state file in the tag folder; written into a new folder
         that replaces the tag's once every rank has saved, then named in ``latest`` (`save_whole`)."""
-        client = dict(client_state or {})
+        client = {**(client_state or {}), **self._client_state_before_save()}
 
         def save(new_tag: str) -> Any:
             return self._save_deepspeed(save_dir, new_tag, client, **kwargs)
 
         return save_whole(save_dir, tag, save, deepspeed_engine=self, state=self._client_state, save_latest=save_latest)
+
+    def _client_state_before_save(self) -> dict:
+        """What the engine adds to DeepSpeed's client state, taken before `save_whole` begins."""
+        return {}
 
     def _client_state(self) -> dict:
         """What this job writes into a checkpoint's ``poplar_state.json``."""

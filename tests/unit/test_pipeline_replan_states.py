@@ -112,3 +112,35 @@ def test_a_half_precision_optimizer_names_the_models_parameters_not_its_fp32_cop
     assert optimizer_parameter_shapes(engine) == [{"0.weight": [3, 2]}]
     assert half_precision_master_copies(optimizer)
     assert not half_precision_master_copies(SimpleNamespace(param_groups=[{"params": [copy]}]))
+
+
+def test_a_zero_0_save_takes_the_parameter_shapes_before_save_whole_begins(monkeypatch):
+    """The shapes enter the client state before the save's cleanup and barrier, as they always did."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from poplar_ext.pipeline import engine as pipeline_engine
+    from poplar_ext.runtime import engine_core
+
+    order = []
+
+    def shapes(engine):
+        order.append("shapes")
+        return [{"w": [2, 2]}]
+
+    def whole(save_dir, tag, save, **kwargs):
+        order.append("save_whole")
+        return save(f"{tag}.saving")
+
+    def deepspeed_save(self, save_dir, tag, client_state, **kwargs):
+        order.append("deepspeed")
+        return client_state
+
+    monkeypatch.setattr(pipeline_engine, "optimizer_parameter_shapes", shapes)
+    monkeypatch.setattr(engine_core, "save_whole", whole)
+    monkeypatch.setattr(PipelineEngine, "save_checkpoint", deepspeed_save)
+    engine = pipeline_engine.PoplarPipelineEngine.__new__(pipeline_engine.PoplarPipelineEngine)  # no DeepSpeed
+    for name, value in {"optimizer": object(), "zero_optimization": lambda: False, "pipeline_index": 0}.items():
+        object.__setattr__(engine, name, value)
+    client_state = engine.save_checkpoint("checkpoints", "t", client_state={"mine": 1})
+    assert order == ["shapes", "save_whole", "deepspeed"]
+    assert client_state == {"mine": 1, pipeline_engine.PARAMETER_SHAPES_KEY: [{"w": [2, 2]}]}
