@@ -119,13 +119,14 @@ def save_whole(
     save_latest: bool,
 ) -> Any:
     """Save checkpoint `tag` whole or not at all (collective): `save` (every rank's DeepSpeed save into tag
-    ``TAG.saving``) writes that folder; once every rank has, the first rank of each storage writes `state` there,
-    removes ``TAG_universal``, puts the new folder in TAG's place and names it in ``latest``. Returns `save`'s.
+    ``TAG.saving``) writes that folder; once every rank has, the first rank of each storage (rank 0, or each node's
+    on DeepSpeed's node-local storage) writes `state` there, removes ``TAG_universal``, puts the new folder in
+    TAG's place and names it in ``latest``. Returns `save`'s.
 
     Why a new folder: a save in place would keep files of an earlier save there (other ranks' shards, another
-    stage's), which a load may read as this save's, and a save failing on some rank would mix old and new.
-    DeepSpeed writes ``latest`` right after its own rank's files: a node lost meanwhile would leave it naming a
-    checkpoint without that node's part.
+    dtype's or ZeRO stage's files), which a load may read as this save's, and a save failing on some rank would
+    mix old and new. DeepSpeed writes ``latest`` right after its own rank's files: a node lost meanwhile would
+    leave it naming a checkpoint without that node's part.
     """
     from poplar_ext.collectives import barrier, raise_if_any_failed
 
@@ -163,7 +164,8 @@ def save_whole(
 def _writes_failing_at_the_end(engine: Any) -> Iterator[list[Exception]]:
     """Inside: a file DeepSpeed's checkpoint engine fails to write is a failure in the list yielded (the rank
     writes no more), not an exception: DeepSpeed's save ends in a barrier, which a rank raising from a write never
-    reaches, and the others would wait there until the group's timeout."""
+    reaches, and the others would wait there until the group's timeout (NCCL's: 30 minutes). A save failing
+    otherwise still raises at once."""
     failures: list[Exception] = []
     writer = getattr(engine, "checkpoint_engine", None)
     if writer is None:
@@ -214,8 +216,9 @@ def unfinished_save(folder: Path) -> Path | None:
 
 def refresh_master_weights(optimizer: Any, load_options: dict[str, Any]) -> None:
     """After DeepSpeed loaded a checkpoint without the optimizer state (`load_options`): the bf16/fp16 optimizer's
-    fp32 master copy made the loaded weights. DeepSpeed 0.19.8 loads none at ZeRO 0, where the first step would
-    copy the pre-load weights back into the model (ZeRO 1-3 and load_module_only restore it already)."""
+    fp32 master copy made the loaded weights. DeepSpeed 0.19.8 loads none at ZeRO 0 (FP16_(Unfused)Optimizer, a
+    pipeline's BF16_Optimizer), where the first step would copy the pre-load weights back into the model (ZeRO 1-3
+    and load_module_only restore it already)."""
     if not load_options.get("load_optimizer_states", True) and hasattr(optimizer, "refresh_fp32_params"):
         optimizer.refresh_fp32_params()
 
@@ -267,8 +270,9 @@ def restore_replaced(load_dir: str | Path, tag: str, *, storage_rank: int, calle
     """A save whose storage rank stopped before its swap was done: the first rank of each storage puts in TAG's
     place the save's ``TAG.saving`` if whole (it has its state file: every rank's files were written), else, where
     TAG is missing, the earlier ``TAG.replaced``, with a warning. The newer first: on node-local storage other nodes
-    may have swapped that save in, and every rank must load the same one (`check_storages_agree`). The caller
-    waits for every storage before any rank reads TAG."""
+    may have swapped that save in, and every rank must load the same one (`check_storages_agree`); on shared
+    storage it is the newest whole checkpoint, all of its ranks having saved. The caller waits for every storage
+    before any rank reads TAG."""
     folder = Path(load_dir) / tag
     saving, replaced = (folder.with_name(f"{tag}{suffix}") for suffix in (SAVING_SUFFIX, REPLACED_SUFFIX))
     whole_save = (saving / STATE_FILE).is_file()
@@ -343,7 +347,8 @@ def _check_state(state: Node) -> None:
 
 
 def check_data_order(saved: dict, current: dict, *, path: str) -> None:
-    """ValueError unless the saved data order (seed, shuffle, drop_last) is the job's."""
+    """ValueError unless the saved data order (seed, shuffle, drop_last) is the job's: another order would repeat or
+    skip samples."""
     saved_drop_last = saved.get("drop_last", False)  # absent in checkpoints of poplar-ext 0.1
     if (saved["seed"], saved["shuffle"], saved_drop_last) != (
         current["seed"],
@@ -387,8 +392,9 @@ def _stages_like(zero_stage: int) -> str:
 
 
 def check_zero_stage(saved_stage: int, stage: int, *, path: str, weights_only: bool = False) -> None:
-    """ValueError unless DeepSpeed can load a checkpoint saved at ZeRO `saved_stage` at `stage`; its weights alone
-    (`weights_only`) load across stages 0-2."""
+    """ValueError unless DeepSpeed can load a checkpoint saved at ZeRO `saved_stage` at `stage` (it fails deep in
+    its loader otherwise, or finds no file); its weights alone (`weights_only`) load across stages 0-2, whose model
+    file holds every weight."""
     layouts = {_file_layout(saved_stage), _file_layout(stage)}
     if len(layouts) == 1 or (weights_only and 3 not in layouts):
         return
@@ -421,8 +427,8 @@ def resume_decision(
     """Decide how to continue from a checkpoint at `path` saved with `saved` (None: no poplar state).
 
     `current`: this job's `poplar_client_state`; `step`: the optimizer step resumed at. ValueError where the data
-    order differs. Where the saved run had re-balanced and this job starts from the plan that run started from,
-    the job continues under the saved (last) plan.
+    order differs (every sample would not be used once per epoch). Where the saved run had re-balanced and this
+    job starts from the plan that run started from, the job continues under the saved (last) plan.
     """
     plan = current["plan"]
     resume_entry = {"start_step": step, "reason": "", "plan": plan}

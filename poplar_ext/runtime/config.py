@@ -146,7 +146,7 @@ class PoplarConfig:
 
     def batch_above_bound(self, batch: int | str | None, origin: str) -> FormatError | None:
         """Either engine's refusal where `max_global_batch_size` is below the global batch `batch` (from the setting
-        `origin`); None otherwise."""
+        `origin`), alike on every rank; None within it, without it, or with no number (auto, none)."""
         limit, field = self.max_global_batch_size, f"{SECTION}.max_global_batch_size"
         if limit is None or not isinstance(batch, int) or batch <= limit:
             return None
@@ -356,7 +356,8 @@ def _deepspeed_batch_value(root: Node, key: str) -> int | None:
 
 
 def deepspeed_train_batch_size(ds_config: dict, *, source: str = DICT_SOURCE) -> int | None:
-    """The DeepSpeed config's ``train_batch_size``; None where absent or ``"auto"``."""
+    """The DeepSpeed config's ``train_batch_size``; None where absent or ``"auto"``; `FormatError` where it is no
+    batch."""
     return _deepspeed_batch_value(Node(ds_config, source).obj(), "train_batch_size")
 
 
@@ -417,7 +418,8 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
 
     DeepSpeed only checks ``train_batch_size == micro * accumulation * W`` locally, so each rank's nominal
     train_batch_size is ``b_r * s_r * W`` (a user's must equal the plan's global batch). A rank planned with
-    ``optimizer_offload`` gets ``zero_optimization.offload_optimizer``; the throughput timer is not synchronised.
+    ``optimizer_offload`` gets ``zero_optimization.offload_optimizer``, a user's ``offload_optimizer`` stays as it
+    is on the other ranks; the throughput timer is not synchronised (`unsynchronised_throughput_timer`).
     """
     given = ds_config.get("train_batch_size")
     if given is not None and given != AUTO and given != plan.global_batch_size:
@@ -442,7 +444,8 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
 def throughput_timer_synchronized(ds_config: dict, *, source: str = DICT_SOURCE) -> bool:
     """Whether DeepSpeed's throughput timer is to synchronise the device: only where the user's
     ``timers.throughput.synchronized`` says so. It runs around every micro-step where DeepSpeed did not build the
-    dataloader, and synchronised it would wait for the device twice per micro-step.
+    dataloader, and synchronised it would wait for the device twice per micro-step, stalling the queue of kernels
+    (poplar-ext times compute itself).
     """
     section = ds_config
     for field in ("timers", "timers.throughput"):

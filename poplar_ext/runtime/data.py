@@ -198,8 +198,9 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
     def switch_plan(self, plan: Plan | PipelinePlan, *, from_position: int) -> None:
         """Train `plan`'s share for this rank from the iteration that starts at stream position `from_position` on.
 
-        The plan re-balances the same global batch among the same ranks (a pipeline plan: pipelines), every rank
-        at the same position, an iteration start at or after `generated_until`.
+        The plan re-balances the same global batch among the same ranks (a pipeline plan: pipelines; the
+        iterations keep their places in the stream, every sample still used once), every rank at the same
+        position, an iteration start at or after `generated_until` (what a DataLoader took cannot change).
         """
         sizes, steps = plan_shares(plan)
         per_rank = [b * s for b, s in zip(sizes, steps)]
@@ -218,7 +219,8 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def split(self, iteration: int) -> tuple[int, int, int]:
         """``(b, s, offset)`` of this rank in `iteration` under the plan that trains it: micro-batch size,
-        micro-batches and where its chunk starts in the iteration."""
+        micro-batches and where its chunk starts in the iteration (`micro_batch_size` and
+        `gradient_accumulation_steps` are the last plan's already once a switch is scheduled)."""
         start = self.iteration_start(iteration)
         # The first split starts at position 0: some split always matches.
         return next((b, s, offset) for from_position, b, s, offset in reversed(self._splits) if from_position <= start)
@@ -243,7 +245,9 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             yield batches[-1]
 
     def iterations(self) -> Iterator[list[list[int]]]:
-        """One pass an iteration at a time: each item is this rank's micro-batches of one iteration."""
+        """One pass an iteration at a time: each item is this rank's micro-batches of one iteration, with the
+        bookkeeping of iterating the sampler (`generated_until`, `next_iteration`); a plan switch between
+        iterations applies to the next one."""
         first, end = self.next_iteration, self._pass_end()
         for iteration in range(first, end):
             batches = self.micro_batches(iteration)
@@ -265,7 +269,8 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
 
 class IterationSampler(torch.utils.data.Sampler[list[list[int]]]):
     """A `PlanBatchSampler` handed to a DataLoader an iteration at a time (a list of micro-batches each), so a loop
-    counting items counts optimizer steps across plan switches; the dataset takes lists (`MicroBatchesDataset`)."""
+    counting items counts optimizer steps whatever the accumulation count, also across plan switches (the Hugging
+    Face Trainer fixes its step count when it starts); the dataset takes lists (`MicroBatchesDataset`)."""
 
     def __init__(self, sampler: PlanBatchSampler) -> None:
         self.plan_sampler = sampler
@@ -282,7 +287,8 @@ class IterationSampler(torch.utils.data.Sampler[list[list[int]]]):
 
 
 class MicroBatchesDataset(torch.utils.data.Dataset):
-    """`dataset` read a micro-batch at a time: item ``indices`` is the list of those samples."""
+    """`dataset` read a micro-batch at a time: item ``indices`` is the list of those samples (with
+    `IterationSampler` and a collate function per micro-batch, a DataLoader yields an iteration per item)."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
@@ -350,7 +356,8 @@ def check_plan_dataset(dataset: Any, what: str, *, otherwise: str = "give a map-
 def plan_dataloader(
     training_data: Any, sampler: torch.utils.data.Sampler, *, collate_fn: Any, device: torch.device
 ) -> torch.utils.data.DataLoader:
-    """The training DataLoader of a plan's `sampler`; on CUDA its batches in pinned host memory."""
+    """The training DataLoader of a plan's `sampler`; on CUDA its batches in pinned host memory, so that copying
+    them to the GPU does not wait for a staging copy."""
     return torch.utils.data.DataLoader(
         training_data, batch_sampler=sampler, collate_fn=collate_fn, pin_memory=torch.device(device).type == "cuda"
     )

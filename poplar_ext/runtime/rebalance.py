@@ -35,8 +35,10 @@ def unmeasurable_reason(device_kind: str, zero_stage: int) -> str | None:
     """Why re-balancing cannot measure compute on `device_kind` at `zero_stage` (None: it can).
 
     On CPU the thread's CPU time leaves waits out. On CUDA the events count them: at ZeRO-2/3 the compute
-    windows hold collectives in which a fast GPU waits for a slow one, so every type would look as slow as the
-    slowest; timing one type at a time (as profiling does) would stop training.
+    windows hold collectives (ZeRO-3's all-gathers all through forward and backward, ZeRO-2's reduce-scatters
+    of full buckets) in which a fast GPU waits for a slow one, so every type would look as slow as the slowest
+    and re-planning would drift toward uniform. No part of a ZeRO-3 micro-step is free of them, and timing one
+    type at a time (as profiling does) would stop training: re-balancing is refused there.
     """
     if compute_window(device_kind, zero_stage).types_at_once:
         return None
@@ -182,9 +184,9 @@ class FollowsRebalancing:
     """What every re-balancing engine shares: the switch rank 0 decided waits in `pending_switch` for the
     iteration it starts at, a check runs after every optimizer step, and each switch is recorded and logged.
 
-    The engine provides ``_rebalancer``, ``_samplers``, ``plan_history``, ``compute_timer``,
-    ``trained_position``, ``_step_view(step)`` and ``switch_plan(plan, *, reason, record)`` (which calls
-    `record_switch`).
+    Its subclass provides ``_rebalancer`` (None when off), ``_samplers``, ``plan_history``, ``compute_timer``,
+    ``trained_position`` and ``_step_view(step)`` (`EngineCore`: from the engine's ``data_reached``), and the
+    engine ``switch_plan(plan, *, reason, record)`` (which calls `record_switch`).
     """
 
     pending_switch: SwitchOrder | None = None

@@ -40,7 +40,8 @@ def carried_states(
     """The states of one flat partition (one parameter group of one rank) that are carried over (None skipped).
 
     `padding_numel`: the group's alignment padding, which DeepSpeed strips from the saved fp32 partition
-    (`partition_numel`) but not from the optimizer's states. ValueError, naming the optimizer and the key, for
+    (`partition_numel`) but not from the optimizer's states (at stages 1-2 the last rank's states are longer by
+    it; the padding is never read). ValueError, naming the optimizer and the key, for
     a state that is neither a tensor of `partition_numel` (+ padding) elements nor a scalar `step`, or whose
     key is no plain name or ``fp32`` (keys become file names beside ``fp32.pt``). `refusal` ends the message
     (default: it cannot be resharded; resume on `saved_ranks` ranks).
@@ -326,7 +327,8 @@ def resharded_tag(
 @contextmanager
 def loading_resharded(deepspeed_engine: Any) -> Iterator[None]:
     """While `deepspeed_engine` loads a checkpoint of `resharded_tag`: DeepSpeed's config says to load a universal
-    checkpoint (fixed when the engine is built; a resume decides it now), and at stage 3 `loading_every_state`."""
+    checkpoint (fixed when the engine is built; a resume decides it now), and at stage 3, where DeepSpeed's loader
+    reads Adam's states only, `loading_every_state` puts ours in its place."""
     config = deepspeed_engine._config
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
@@ -342,8 +344,9 @@ def merging_weights_of(tag: str, deepspeed_engine: Any) -> Iterator[None]:
     """While a ZeRO-3 engine loads checkpoint `tag`'s weights alone (``load_optimizer_states=False``).
 
     DeepSpeed merges them from every rank's partition (`get_fp32_state_dict_from_zero_checkpoint`), but of the
-    tag ``latest`` names, not the one it loads (runtime/engine.py `_load_checkpoint`): meanwhile the merge reads
-    `tag`. Each rank reads its own model file for the rest (alike in every rank's), which a rank beyond the saved
+    tag ``latest`` names, not the one it loads (runtime/engine.py `_load_checkpoint`: another save's weights, or a
+    ValueError without ``latest``): meanwhile the merge reads `tag`. Each rank reads its own model file for the
+    rest (step counts, buffers: alike in every rank's), which a rank beyond the saved
     number lacks (DeepSpeed's bare assert): meanwhile every rank reads rank 0's, as the universal load does.
     """
     import functools

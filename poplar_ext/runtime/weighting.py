@@ -51,7 +51,9 @@ def pipeline_loss_weight(
     label token (token_mean: the engine divides the summed gradients by the iteration's tokens at the boundary).
 
     DeepSpeed's pipeline engine divides every micro-batch loss by s_p (no ``scale_wrt_gas=False``), and the
-    gradients are summed over the pipelines (no ``1/W``): the rank weight with ``W = 1``, times s_p.
+    gradients are summed over the pipelines (no ``1/W``): the rank weight with ``W = 1``, times s_p. token_mean's
+    total ``T`` cannot be agreed before the first backward inside DeepSpeed's schedule, hence the division after
+    (linear: the same gradient).
     """
     if reduction == "token_mean":
         assert micro_batch_size >= 1 and global_batch_size >= micro_batch_size
@@ -63,7 +65,8 @@ def pipeline_loss_weight(
 
 def loss_shifts_labels(model: Any) -> bool:
     """Whether `model`'s loss predicts ``labels[..., 1:]``: its own ``loss_shifts_labels``, else whether a Hugging
-    Face model's ``loss_function`` is the causal one (by name: the core never imports transformers)."""
+    Face model's ``loss_function`` is the causal one (by name: the core never imports transformers) and the model
+    is not an encoder-decoder."""
     own = getattr(model, "loss_shifts_labels", None)
     if isinstance(own, bool):
         return own
