@@ -116,9 +116,10 @@ class PoplarEngine(EngineCore):
             self._weight_direct_backward()
 
     def _weight_direct_backward(self) -> None:
-        # DeepSpeed lets `loss.backward()` run on the engine's output (ZeRO 1-3): hooks divide its gradient by
-        # this rank's accumulation count, not the global batch's mean under uneven plans. Its per-tensor hook is
-        # looked up at every forward; ours keeps DeepSpeed's decision whether to scale and applies the weight.
+        # DeepSpeed lets `loss.backward()` and `engine.scale(loss).backward()` run on the engine's output (ZeRO 1-3;
+        # at stage 0 it refuses them itself): hooks divide its gradient by this rank's accumulation count, not the
+        # global batch's mean under uneven plans. Its per-tensor hook is looked up at every forward; ours keeps
+        # DeepSpeed's decision whether to scale (not on engine.backward's own graph) and applies the weight.
         engine = self.deepspeed_engine
         divide_by_accumulation = getattr(engine, "_backward_prologue_per_tensor", None)
         if divide_by_accumulation is None:  # a DeepSpeed without torch-style backward
@@ -386,8 +387,10 @@ class PoplarEngine(EngineCore):
         before any weight is read. Another plan, global batch or world size is fine: the data continues at the
         saved position, and the plan history records the resume. Where the number of ranks changed at ZeRO
         stages 1-3 with the optimizer state loaded, rank 0 reshards the checkpoint (`poplar_ext.runtime.reshard`)
-        into ``TAG_universal`` beside it, unless there, and every rank loads that; a state that cannot be
-        resharded, or a ``TAG_universal`` some rank cannot see, stops every rank first. The weights alone load
+        into ``TAG_universal`` beside it, unless there, and every rank loads that. An optimizer state that cannot
+        be resharded (not one value per parameter element) stops every rank before any weight is loaded, naming
+        the optimizer and the state; a ``TAG_universal`` some rank cannot see stops every rank with the command
+        that writes it. The weights alone load
         on any number of ranks (at stage 3 merged from every rank's partition, `merging_weights_of`). A plain
         DeepSpeed checkpoint, or ``load_module_only=True``, starts the data at position 0, with a logged note.
         Returns DeepSpeed's ``(path, client_state)``.

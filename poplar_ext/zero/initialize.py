@@ -132,7 +132,8 @@ def prepare_job(
     `loaded_config`: `load_deepspeed_config`'s result; `poplar_config`: its section, where the caller read it
     already. `default_global_batch`: the batch where no config sets one (the Trainer's own);
     `profiling_ds_config`: the config the automatic mode profiles with (default: the user's), and
-    `checkpointing_toggle` for a model of the user's there. The caller checks `training_data`.
+    `checkpointing_toggle` for a model of the user's there. The caller checks `training_data` (`check_plan_dataset`,
+    named as its own caller gave it: training_data, train_dataset, the training DataLoader).
     """
     ds_config, _, source = loaded_config
     if poplar_config is None:
@@ -268,7 +269,8 @@ def initialize(
     checkpointing_toggle: CheckpointingToggle | None = None,
 ) -> tuple[PoplarEngine, Any, torch.utils.data.DataLoader | None, Any]:
     """``deepspeed.initialize`` with the plan of the config's ``poplar`` section, on DeepSpeed ZeRO
-    (`poplar_ext.initialize` for every model but a `PoplarPipelineModule`); the engine is a `PoplarEngine`.
+    (`poplar_ext.initialize` for every model but a `PoplarPipelineModule`: its arguments, return values and
+    errors); the engine is a `PoplarEngine`.
 
     `loss_fn(engine, batch) -> loss`: the automatic mode's profiling loss where the model does not return one
     (default: the output's ``.loss``, else the output). Each rank's planned ``activation_checkpointing`` is
@@ -326,7 +328,8 @@ def initialize(
 def set_up_rank(
     job: Job, model: Any, *, toggle: CheckpointingToggle | None
 ) -> tuple[tuple[str, ...], ComputeSlowdown | None]:
-    """`rank_devices`, and this rank's activation checkpointing (as planned), logged."""
+    """This rank's process settings (as asked) and activation checkpointing (as planned), logged; returns every
+    rank's device label and this rank's emulated slowdown (None on a real device)."""
     labels, slowdown = rank_devices(job)
     checkpointing = apply_plan_checkpointing(model, job.plan, job.rank, toggle=toggle, source=job.plan_reason)
     _log_rank_plan(job, labels[job.rank], checkpointing=checkpointing)
@@ -397,8 +400,9 @@ def wrap_built_engine(
     sampler: PlanBatchSampler | None = None,
     weights_loss: bool = True,
 ) -> PoplarEngine:
-    """The `PoplarEngine` over a DeepSpeed engine another library built (accelerate) on this rank's config:
-    counting the true batch, re-balancing (collective), timing training forwards, following `sampler`."""
+    """The `PoplarEngine` over a DeepSpeed engine another library built (accelerate, for PoplarAccelerator and the
+    Hugging Face Trainer) on this rank's config: counting the true batch, re-balancing (collective), timing
+    training forwards, following `sampler` (built before the engine)."""
     count_true_global_batch(engine, job.plan)
     follow_unsynchronised_throughput_timer(engine, job.ds_config, source=job.source)
     wrapped = poplar_engine(
@@ -413,7 +417,8 @@ def wrap_built_engine(
 
 def time_training_forwards(module: torch.nn.Module, wrapped: PoplarEngine) -> None:
     """`wrapped`'s compute window opens at each training forward of `module` (called by another library, not
-    the engine); evaluation's forwards are not timed."""
+    the engine), keyed by the plan's micro-batch as the engine's own forward keys it; evaluation's forwards are
+    not timed."""
     module.register_forward_pre_hook(lambda m, _: wrapped.start_compute_window() if m.training else None)
 
 

@@ -42,7 +42,7 @@ class StalePlanWarning(UserWarning):
 
 def stale_profile_types(plan: Plan, profiles: list[Profile]) -> list[str]:
     """Device types whose profile at the plan's stage and levers is not the one the plan was made from
-    (as `profile_of_plan` finds it)."""
+    (as `profile_of_plan` finds it: rescaled where the plan's calibration rescaled it, among several models')."""
     from poplar_ext.plan.levers import profiles_for_plan
 
     at_stage = profiles_for_plan(plan, profiles)
@@ -166,7 +166,8 @@ class ProfileDirectory:
 
     def profiles(self, model_fingerprint: str | None = None) -> list[Profile]:
         """The directory's profiles (of the model `model_fingerprint` when given), then the measured ones, each in
-        place of the stored one of its model and `Profile.key` (rank 0 stored it over that file)."""
+        place of the stored one of its model and `Profile.key`: rank 0 stored it over that file, which may hold
+        another dtype's (`Profile.key` has none)."""
         if self._stored is None:
             self._stored = _read_profiles(self.poplar_config)
         stored = _replaced_by(self._stored, self._measured)
@@ -255,8 +256,9 @@ def load_rebalance_inputs(
     poplar_config: PoplarConfig, cluster: Cluster, plan: Plan, *, directory: ProfileDirectory | None = None
 ) -> tuple[list[Profile], Any]:
     """What re-balancing re-plans from (rank 0 reads it): each device type's profile at the plan's stage and
-    levers, as the plan was made from it (`profile_of_plan`), and the cluster's network file (or None).
-    `RebalanceUnavailable`/ValueError when a profile is missing or ambiguous. `directory`: default, read now."""
+    levers, as the plan was made from it (`profile_of_plan`: drift is measured against what the plan predicted),
+    and the cluster's network file (or None). `RebalanceUnavailable`/ValueError when a profile is missing
+    (re-balancing scales each rank's profiled curve) or ambiguous. `directory`: default, read now."""
     from poplar_ext.plan.levers import profiles_for_plan
 
     where = f"{poplar_config.source}: {SECTION}.rebalance.enabled"
@@ -308,7 +310,8 @@ def resolve_plan(
     `broadcast(obj)` returns rank 0's `obj` on every rank. `directory`: rank 0's reading of ``poplar.profiles``,
     passed on to re-balancing (default: a fresh one). `time_at_sizes` (collective): given, a plan searched from
     cached profiles is checked against timed micro-steps first (``poplar.calibration``, docs/training.md).
-    Only rank 0 reads files; it decides (`decided_by_rank0`) the plan, the profiles to measure, or the error.
+    Only rank 0 reads files (the other ranks' nodes need none of them); it decides (`decided_by_rank0`) the plan,
+    the profiles to measure, or the error.
     """
     assert directory is None or (directory.poplar_config, directory.cluster) == (poplar_config, cluster)
     request = _PlanRequest(
