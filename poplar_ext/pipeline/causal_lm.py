@@ -83,8 +83,9 @@ class DecoderLayer(nn.Module):
 
 class CausalLMLoss:
     """A causal LM's loss on one micro-batch, the model's own: the mean over its label tokens of the next-token
-    cross entropy (``-100`` ignored); 0 without label tokens (the model's would be NaN). ``poplar_loss_reduction``
-    says which reduction the config must ask for, ``loss_shifts_labels`` how its tokens are counted."""
+    cross entropy (``labels[..., 1:]`` against the logits before them, ``-100`` ignored); 0 without label tokens
+    (the model's would be NaN). ``poplar_loss_reduction`` says which reduction the config must ask for,
+    ``loss_shifts_labels`` how its tokens are counted."""
 
     poplar_loss_reduction = "token_mean"
     loss_shifts_labels = True

@@ -48,8 +48,9 @@ logger = logging.getLogger(__name__)
 
 
 def _timed(instruction: Callable[..., Any], *, compute: bool = True) -> Callable[..., Any]:
-    """`instruction` run inside this rank's compute window. Not `compute` (the optimizer step): slowed on an
-    emulated device only, and left out of the busy time re-balancing compares with the layers' profiles."""
+    """`instruction` run inside this rank's compute window: an emulated device slowed down, a real one measured
+    where re-balancing watches it. Not `compute` (the optimizer step): slowed on an emulated device only, and left
+    out of the busy time re-balancing compares with the layers' profiles."""
 
     def run(engine: PoplarPipelineEngine, **kwargs: Any) -> Any:
         timer = engine.compute_timer
@@ -69,7 +70,8 @@ def _timed(instruction: Callable[..., Any], *, compute: bool = True) -> Callable
 
 def _exec_backward_pass(engine: PoplarPipelineEngine, **kwargs: Any) -> Any:
     """DeepSpeed's backward instruction; on the last stage, the loss times the loss scale (in fp32, as
-    FP16_Optimizer.backward) where DeepSpeed's backward leaves it out (`_unapplied_loss_scale`)."""
+    FP16_Optimizer.backward) where DeepSpeed's backward leaves it out (`_unapplied_loss_scale`). Earlier stages
+    receive gradients scaled already."""
     scale = engine._unapplied_loss_scale() if engine.is_last_stage() else None
     if scale is None:
         return PipelineEngine._exec_backward_pass(engine, **kwargs)
@@ -87,8 +89,9 @@ def agree_on_overflow(
     """Whether any rank's `gradients` hold an inf or a NaN (collective: every rank calls it at ReduceGrads).
 
     Where another rank's do and this rank's do not, this rank's are set to NaN: DeepSpeed's own check then
-    skips the step here too (fp16: and lowers the loss scale), on every rank alike. `agree`: the sum of an int
-    over all ranks.
+    skips the step here too (fp16: and lowers the loss scale), on every rank alike. The sum across pipelines
+    spreads a non-finite gradient to every copy of its layer already; this holds where the copies' sums would
+    differ. `agree`: the sum of an int over all ranks.
     """
     local = any(not bool(torch.isfinite(gradient).all()) for gradient in gradients)
     overflow = agree(int(local), device) > 0
@@ -167,9 +170,10 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
             agree_on_overflow(list(gradients.values()), device=self.device)
 
     def _accumulated_gradients(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        """Each trainable parameter of this stage and the tensor holding its accumulated gradient: the bf16
-        optimizer's buffer, ZeRO's ``grad_accum``, else ``.grad`` (zeros where none: a layer unused by this
-        pipeline's forward still takes part in the sum)."""
+        """Each trainable parameter of this stage and the tensor holding its gradient summed over the iteration's
+        micro-batches: the bf16 optimizer's own buffer (it keeps its gradients apart from ``.grad``), ZeRO's
+        ``grad_accum`` where it accumulates in another dtype than the parameters', else ``.grad`` (zeros where
+        none: a layer unused by this pipeline's forward still takes part in the sum)."""
         optimizer = self.optimizer
         holders: dict[torch.nn.Parameter, torch.Tensor] = {}
         if isinstance(optimizer, BF16_Optimizer):

@@ -110,8 +110,10 @@ class LayerSegments:
     def sum_gradients(
         self, module: torch.nn.Module, *, gradient_of: Callable[[torch.nn.Parameter], torch.Tensor] | None = None
     ) -> None:
-        """Each layer's gradient summed over the pipelines holding it (one flat tensor per segment), in the tensor
-        `gradient_of(parameter)` (default ``.grad``, made zeros where a layer unused by this pipeline has none)."""
+        """Each layer's gradient summed over the pipelines holding it (one flat tensor per segment), in place in the
+        tensor `gradient_of(parameter)` (DeepSpeed's bf16 optimizer keeps it apart from ``.grad``; ZeRO's
+        ``grad_accum`` only where its dtype differs); default ``.grad``, made zeros where a layer unused by this
+        pipeline's forward has none (it still takes part in the sum)."""
         gradient_of = gradient_of or _grad_attribute
         for _, group, parameters in self._mine(module):
             _sum_flat([gradient_of(p) for p in parameters if p.requires_grad], group)

@@ -112,8 +112,9 @@ def prepare_pipeline_job(
 
 
 def _refuse_fp16_where_unsupported(ds_config: dict, *, source: str, device: Any, world_size: int) -> None:
-    """fp16 where some rank's DeepSpeed accelerator refuses it: the same ValueError on every rank now
-    (collective), where DeepSpeed would raise on those ranks alone and leave the others waiting."""
+    """fp16 where some rank's DeepSpeed accelerator refuses it (its CPU accelerator without AVX512-FP16 or
+    AMX-FP16): the same ValueError on every rank now (collective), where DeepSpeed would raise on those ranks
+    alone when the engine is built and leave the others waiting in its first collective."""
     if training_dtype(ds_config) != "float16":
         return
     from deepspeed.accelerator import get_accelerator
@@ -130,7 +131,8 @@ def _refuse_fp16_where_unsupported(ds_config: dict, *, source: str, device: Any,
 
 
 def _refuse_another_reduction(loss_fn: Any, reduction: str) -> None:
-    """A loss that says which reduction it computes (`CausalLMLoss`) must get that one; token_mean needs a loss_fn."""
+    """A loss that says which reduction it computes (`CausalLMLoss`) must get that one; token_mean needs a loss_fn
+    (the last stage counts the label tokens of the labels it gets)."""
     if reduction == "token_mean" and loss_fn is None:
         raise ValueError(
             "poplar.loss_reduction: expected mean or sum without a loss_fn (the last layer's output as the "

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 class WeightedLoss:
     """A pipeline's micro-batch loss times its weight, for its last stage's backward (`loss_fn` None: the last
-    layer's output). ``token_mean``: per label token (``s_p * n``), the tokens counted in `tokens`."""
+    layer's output, DeepSpeed's convention). ``token_mean``: per label token (``s_p * n``), the tokens counted in
+    `tokens` for the engine to divide the iteration's gradients by."""
 
     def __init__(
         self, loss_fn: Callable[[Any, Any], Any] | None, weight: float, *, reduction: Reduction = "mean"

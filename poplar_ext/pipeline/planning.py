@@ -123,8 +123,8 @@ def resolve_pipeline_plan(
     every rank when it cannot run (`pipeline_plan_problems`, or a ZeRO plan).
 
     Without ``poplar.plan``, `plan_searched_at_start`: `layers_fingerprint()` (rank 0) says which layer profiles
-    are the model's (in `dtype` when given), `measure_missing` measures those missing (None: the error says
-    what to run)."""
+    are the model's (in `dtype`, the job's training dtype, when given: the fingerprint is taken before DeepSpeed
+    casts), `measure_missing` measures those missing (None: the error says what to run)."""
     from poplar_ext.collectives import decided_by_rank0
 
     plan_path = poplar_config.plan
@@ -267,7 +267,8 @@ def plan_layer_profiles(plan: PipelinePlan, poplar_config: PoplarConfig) -> list
 
 def pipeline_drift_monitor(plan: PipelinePlan, cluster: Cluster, poplar_config: PoplarConfig) -> PipelineDriftMonitor:
     """Rank 0: the `PipelineDriftMonitor` that re-balances `plan` from the layer profiles it was made from and
-    the network file beside them; `RebalanceUnavailable` where a device type has none."""
+    the network file beside them; `RebalanceUnavailable` where a device type has none (`job_rebalancer` turns
+    ``auto`` off then, with a note)."""
     from poplar_ext.plan.network_format import find_network
     from poplar_ext.runtime.rebalance import PipelineDriftMonitor, RebalanceUnavailable
 
