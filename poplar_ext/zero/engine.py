@@ -213,7 +213,8 @@ class PoplarEngine(EngineCore):
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's step; at an accumulation boundary also counts and logs the iteration."""
         boundary = self.deepspeed_engine.is_gradient_accumulation_boundary()
-        # The optimizer step is compute too: an emulated device runs it slower, its collectives left out.
+        # The optimizer step is compute too: an emulated device runs it slower, as the profiler measures it (its
+        # optimizer_step_time_s), its collectives left out.
         slowdown = self.emulated_compute
         if not boundary or slowdown is None:
             result = self.deepspeed_engine.step(*args, **kwargs)
