@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
+import itertools
 import logging
 import math
 import re
@@ -21,6 +23,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_pt_utils import find_batch_size
 
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
 from poplar_ext.collectives import agree_sum, agree_sums, barrier, decided_by_rank0
@@ -51,36 +54,6 @@ logger = logging.getLogger(__name__)
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 MICRO_BATCHES = "poplar_micro_batches"
 """The key of the one item the training dataloader yields per optimizer step: this rank's micro-batches."""
-
-
-def _trainer_global_batch(args: TrainingArguments, world_size: int) -> GlobalBatchRequest:
-    """The global batch a plain Trainer would train with `args` (when the configs set none)."""
-    size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
-    return GlobalBatchRequest(
-        size=size,
-        origin=(
-            "TrainingArguments per_device_train_batch_size x gradient_accumulation_steps x world size "
-            f"({args.per_device_train_batch_size} x {args.gradient_accumulation_steps} x {world_size})"
-        ),
-    )
-
-
-def _filled_deepspeed_config(args: TrainingArguments, model: Any) -> dict | None:
-    """The DeepSpeed config with Hugging Face's "auto" values filled, as the Trainer fills them
-    (what profiling must run: DeepSpeed itself takes no "auto")."""
-    if model is None or getattr(args, "hf_deepspeed_config", None) is None:
-        return None
-    filled = copy.deepcopy(args.hf_deepspeed_config)
-    filled.trainer_config_finalize(args, model, num_training_steps=max(1, args.max_steps))
-    return filled.config
-
-
-def _trainer_optimizer_factory(args: TrainingArguments, model: Any) -> Any:
-    """``factory(params) -> optimizer``: the optimizer the Trainer builds from `args` (its own choice)."""
-    if model is None:
-        return None
-    optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-    return lambda params: optimizer_cls(params, **optimizer_kwargs)
 
 
 def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | None) -> TrainingArguments:
@@ -125,25 +98,6 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
     )
 
 
-_DATA_ORDER_METHODS = ("get_train_dataloader", "_get_train_sampler")
-
-
-def _refuse_own_training_data_order(cls: type) -> None:
-    """A Trainer subclass below the mixin that chooses its own training batches would have
-    them replaced by the plan's without a word: refused, naming the method."""
-    mro = cls.__mro__
-    for klass in mro[mro.index(PoplarTrainerMixin) + 1 :]:
-        if klass is Trainer:
-            return
-        for name in _DATA_ORDER_METHODS:
-            if name in vars(klass):
-                raise ValueError(
-                    f"{cls.__name__}: {klass.__name__}.{name}: expected the Trainer's own (the plan's sampler replaces "
-                    f"it: each rank's micro-batches are the plan's), found one of {klass.__name__}'s, whose batches "
-                    "would not be trained; give the data through train_dataset and data_collator instead"
-                )
-
-
 @ends_job_on_user_error  # the first refusal of a Trainer's arguments (the mixin's, TRL's): an error of the code
 def _named_arguments(below: list[type], positional: tuple, keywords: dict[str, Any]) -> dict[str, Any]:
     """`positional` named as the first ``__init__`` in `below` (the classes after the mixin, in MRO order)
@@ -159,75 +113,43 @@ def _named_arguments(below: list[type], positional: tuple, keywords: dict[str, A
     return {**named, **keywords}
 
 
-_Configured = tuple[tuple[dict, Path, str], PoplarConfig]
-"""The DeepSpeed config (`load_deepspeed_config`'s result) and its poplar section, read once."""
-
-
-def _settle_job(
-    args: TrainingArguments, model: Any, train_dataset: Any, *, collate_fn: Any, configured: _Configured
-) -> Job:
-    """The plan and its context, resolved alike on every rank (collective) before the Trainer is built;
-    `configured`: the DeepSpeed config and its poplar section as `_refuse_before_settling` read them."""
-    check_plan_dataset(train_dataset, "train_dataset")  # as given: the only check (prepare_job leaves it to callers)
-    _ = args.device  # reading it makes Hugging Face and accelerate set up the process group
-    from poplar_ext.collectives import process_group_rank
-
-    _, world_size = process_group_rank()
-    loaded, poplar_config = configured
-    return prepare_job(
-        loaded,
-        poplar_config=poplar_config,
-        model=model,
-        # Profiling (the automatic mode) measures the optimizer the Trainer will create.
-        optimizer=_trainer_optimizer_factory(args, model),
-        training_data=train_dataset,
-        collate_fn=collate_fn,
-        default_global_batch=_trainer_global_batch(args, world_size),
-        profiling_ds_config=_filled_deepspeed_config(args, model),
-    )
-
-
-def _rank_checkpointing(job: Job, model: Any) -> bool | None:
-    """This rank's activation checkpointing, applied to `model` (None: the model cannot checkpoint).
-    Without a model (model_init) the arguments carry the plan's setting: the Trainer applies it to each
-    model model_init builds, at train()."""
-    if model is None:
-        return job.plan.ranks[job.rank].activation_checkpointing
-    checkpointing = apply_plan_checkpointing(model, job.plan, job.rank, source=job.plan_reason)
-    return checkpointing if can_checkpoint(model) else None
-
-
-def _log_rank_plan(job: Job) -> None:
-    rank_plan = job.plan.ranks[job.rank]
-    if job.rank == 0:
-        logger.info("poplar plan from step 0: %s", job.plan_reason)
-    logger.info(
-        "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
-        job.rank,
-        rank_plan.micro_batch_size,
-        rank_plan.gradient_accumulation_steps,
-        job.plan.global_batch_size,
-        job.plan.zero_stage,
-    )
-
-
-def _refuse_accumulation_of_accelerate(args: TrainingArguments) -> None:
-    """accelerate's own accumulation count would make the Trainer join that many of the plan's optimizer
-    steps into one (each dataloader item is one optimizer step's micro-batches)."""
+def _refuse_before_settling(cls: type, args: TrainingArguments | None) -> tuple[tuple[dict, Path, str], PoplarConfig]:
+    """What the mixin refuses from its class and `args` alone, before the job is settled: no collective, no
+    profiling (the automatic mode measures at settling) is waited for. Returns the DeepSpeed config
+    (`load_deepspeed_config`'s result) and its poplar section, read once."""
+    mro = cls.__mro__
+    for klass in itertools.takewhile(lambda k: k is not Trainer, mro[mro.index(PoplarTrainerMixin) + 1 :]):
+        # A subclass below the mixin choosing its own training batches would have them replaced by the plan's.
+        for name in ("get_train_dataloader", "_get_train_sampler"):
+            if name in vars(klass):
+                raise ValueError(
+                    f"{cls.__name__}: {klass.__name__}.{name}: expected the Trainer's own (the plan's sampler replaces "
+                    f"it: each rank's micro-batches are the plan's), found one of {klass.__name__}'s, whose batches "
+                    "would not be trained; give the data through train_dataset and data_collator instead"
+                )
+    if args is None or not args.deepspeed:
+        raise ValueError(
+            f"{cls.__name__}: expected TrainingArguments(deepspeed=...) naming a DeepSpeed config with a "
+            "'poplar' section, found none; use the Trainer without poplar-ext for a run without one"
+        )
     config = getattr(args, "accelerator_config", None)
-    kwargs = getattr(config, "gradient_accumulation_kwargs", None) or {}
-    if "num_steps" in kwargs:
+    accumulation = getattr(config, "gradient_accumulation_kwargs", None) or {}
+    if "num_steps" in accumulation:
+        # accelerate's own count would make the Trainer join that many of the plan's optimizer steps into one.
         raise ValueError(
             "TrainingArguments.accelerator_config: gradient_accumulation_kwargs: expected no 'num_steps' with a "
-            f"poplar plan (each rank's accumulation count is the plan's), found num_steps={kwargs['num_steps']}; "
+            f"poplar plan (each rank's accumulation count is the plan's), found num_steps={accumulation['num_steps']}; "
             "set the global batch in the DeepSpeed config or the poplar section instead"
         )
-
-
-def _refuse_data_order_of_arguments(args: TrainingArguments, poplar_config: PoplarConfig) -> None:
-    """The plan's sampler orders the training data from the poplar section (``seed``, ``shuffle``,
-    ``drop_last``): TrainingArguments asking for another order would be ignored without a word."""
+    loaded = load_deepspeed_config(config=args.deepspeed)
+    poplar_config = read_poplar_section(
+        loaded,
+        needs="{} for the automatic mode, or with 'plan' or 'profiles'",
+        otherwise="the Trainer without poplar-ext",
+    )
     strategy = getattr(args, "train_sampling_strategy", "random")
+    # The plan's sampler orders the training data from the poplar section (seed, shuffle, drop_last): TrainingArguments
+    # asking for another order would be ignored without a word.
     refused = None  # (argument, what is expected, its value, what to do instead)
     if args.dataloader_drop_last and not poplar_config.drop_last:
         refused = ("dataloader_drop_last", "False while poplar.drop_last is false", True, "set poplar.drop_last true")
@@ -248,29 +170,42 @@ def _refuse_data_order_of_arguments(args: TrainingArguments, poplar_config: Popl
             f"TrainingArguments.{name}: expected {expected} (the plan's sampler orders the training data from the "
             f"DeepSpeed config's poplar section: seed, shuffle, drop_last), found {found}; {instead}"
         )
-
-
-@ends_job_on_user_error
-def _refuse_before_settling(cls: type, args: TrainingArguments | None) -> _Configured:
-    """What the mixin refuses from its class and `args` alone, before the job is settled: no collective, no
-    profiling (the automatic mode measures at settling) is waited for. A refusal is an error of the job's
-    configuration or code, which ends a restarting launcher's job (`poplar_ext.elastic`). Returns the
-    config and its poplar section it read, for `_settle_job`."""
-    _refuse_own_training_data_order(cls)
-    if args is None or not args.deepspeed:
-        raise ValueError(
-            f"{cls.__name__}: expected TrainingArguments(deepspeed=...) naming a DeepSpeed config with a "
-            "'poplar' section, found none; use the Trainer without poplar-ext for a run without one"
-        )
-    _refuse_accumulation_of_accelerate(args)
-    loaded = load_deepspeed_config(config=args.deepspeed)
-    poplar_config = read_poplar_section(
-        loaded,
-        needs="{} for the automatic mode, or with 'plan' or 'profiles'",
-        otherwise="the Trainer without poplar-ext",
-    )
-    _refuse_data_order_of_arguments(args, poplar_config)
     return loaded, poplar_config
+
+
+def _settle_job(args: TrainingArguments, model: Any, train_dataset: Any, *, collate_fn: Any, configured: Any) -> Job:
+    """The plan and its context, resolved alike on every rank (collective) before the Trainer is built;
+    `configured`: what `_refuse_before_settling` read."""
+    check_plan_dataset(train_dataset, "train_dataset")  # as given: the only check (prepare_job leaves it to callers)
+    _ = args.device  # reading it makes Hugging Face and accelerate set up the process group
+    from poplar_ext.collectives import process_group_rank
+
+    _, world_size = process_group_rank()
+    loaded, poplar_config = configured
+    optimizer = filled = None
+    if model is not None:
+        # Profiling (the automatic mode) measures the optimizer the Trainer will create.
+        optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        optimizer = functools.partial(optimizer_cls, **optimizer_kwargs)
+        if getattr(args, "hf_deepspeed_config", None) is not None:
+            # Hugging Face's "auto" values filled as the Trainer fills them: DeepSpeed itself takes no "auto".
+            filled = copy.deepcopy(args.hf_deepspeed_config)
+            filled.trainer_config_finalize(args, model, num_training_steps=max(1, args.max_steps))
+    per_device, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    return prepare_job(
+        loaded,
+        poplar_config=poplar_config,
+        model=model,
+        optimizer=optimizer,
+        training_data=train_dataset,
+        collate_fn=collate_fn,
+        default_global_batch=GlobalBatchRequest(
+            size=per_device * steps * world_size,
+            origin="TrainingArguments per_device_train_batch_size x gradient_accumulation_steps x world size "
+            f"({per_device} x {steps} x {world_size})",
+        ),
+        profiling_ds_config=None if filled is None else filled.config,
+    )
 
 
 class _PlanEvaluation:
@@ -301,13 +236,7 @@ class _PlanEvaluation:
         dataset, collator = _dataset_and_collator(self, dataset, description)
         sizes = eval_batch_sizes(self.job.plan, smallest_batch_size=self._eval_batch_asked)
         sampler = EvalBatchSampler(num_samples=len(dataset), batch_sizes=sizes, rank=self.job.rank)
-        loader = torch.utils.data.DataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=collator,
-            **self._dataloader_options(training=False),
-        )
-        return _prepared_as_this_ranks(self, loader, sampler)
+        return self._prepared_loader(dataset, sampler, collator, training=False)
 
     def evaluation_loop(
         self,
@@ -357,8 +286,6 @@ class _PlanEvaluation:
         """What the batch's loss is a mean over: its label tokens (as training counts them) or its samples."""
         if self._loss_is_a_token_mean(inputs):
             return label_token_count(inputs, shifted=self._loss_shifts_labels_truly())
-        from transformers.trainer_pt_utils import find_batch_size
-
         return int(find_batch_size(inputs) or 0)
 
     def _loss_is_a_token_mean(self, batch: Any) -> bool:
@@ -426,8 +353,23 @@ class PoplarTrainerMixin(_PlanEvaluation):
         self.poplar_engine: PoplarEngine | None = None
         """The `PoplarEngine` between accelerate and DeepSpeed's engine, once training built it: it times
         compute, re-balances (``poplar.rebalance``) and switches DeepSpeed's batch with the plan."""
-        checkpointing = _rank_checkpointing(self.job, model)
-        _log_rank_plan(self.job)
+        rank_plan = self.job.plan.ranks[self.job.rank]
+        # Without a model (model_init) the arguments carry the plan's setting: the Trainer applies it to each
+        # model model_init builds, at train(). None: the model cannot checkpoint.
+        checkpointing = rank_plan.activation_checkpointing
+        if model is not None:
+            checkpointing = apply_plan_checkpointing(model, self.job.plan, self.job.rank, source=self.job.plan_reason)
+            checkpointing = checkpointing if can_checkpoint(model) else None
+        if self.job.rank == 0:
+            logger.info("poplar plan from step 0: %s", self.job.plan_reason)
+        logger.info(
+            "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
+            self.job.rank,
+            rank_plan.micro_batch_size,
+            rank_plan.gradient_accumulation_steps,
+            self.job.plan.global_batch_size,
+            self.job.plan.zero_stage,
+        )
         self._eval_batch_asked: int = args.per_device_eval_batch_size
         """``per_device_eval_batch_size`` as given: the rank with the smallest plan micro-batch's."""
         super().__init__(
@@ -479,19 +421,22 @@ class PoplarTrainerMixin(_PlanEvaluation):
             **self.job.poplar_config.data_order,
         )
         iterations = IterationSampler(self._train_sampler)
-        loader = torch.utils.data.DataLoader(
-            MicroBatchesDataset(dataset),
-            batch_sampler=iterations,
-            collate_fn=_CollateEach(collator),
-            **self._dataloader_options(training=True),
-        )
-        return _prepared_as_this_ranks(self, loader, iterations)
+        return self._prepared_loader(MicroBatchesDataset(dataset), iterations, _CollateEach(collator), training=True)
+
+    def _prepared_loader(self, dataset: Any, batch_sampler: Any, collate_fn: Any, *, training: bool) -> Any:
+        """A DataLoader of `batch_sampler` (already this rank's) prepared by the Trainer's accelerator, passed through
+        accelerate's shard wrapper (what the Trainer does for its own rank-aware batch sampler)."""
+        options = self._dataloader_options(training=training)
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, **options)
+        prepared = self.accelerator.prepare(loader)
+        shard = getattr(prepared, "batch_sampler", None)
+        if shard is not None and getattr(shard, "batch_sampler", None) is batch_sampler:
+            shard.num_processes, shard.process_index = 1, 0
+        return prepared
 
     def _dataloader_options(self, *, training: bool) -> dict[str, Any]:
         """The DataLoader settings the Trainer gives its own loaders (``TrainingArguments.dataloader_*``;
         training also seeds each worker as the Trainer does); the plan's sampler replaces the rest."""
-        from functools import partial
-
         from transformers.trainer_utils import seed_worker
 
         args = self.args
@@ -505,7 +450,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if hasattr(args, "dataloader_in_order"):
             options["in_order"] = args.dataloader_in_order
         if training:
-            options["worker_init_fn"] = partial(
+            options["worker_init_fn"] = functools.partial(
                 seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
             )
         return options
@@ -695,8 +640,10 @@ class PoplarTrainerMixin(_PlanEvaluation):
             if folder is None:
                 return None, None
             place = Path(folder)
-            # Beside the tag folder: where earlier poplar-ext versions wrote it (still read).
-            return str(folder), read_state(*_state_place(place)) or read_state(place.parent, place.name)
+            # In the tag folder of the DeepSpeed checkpoint in it (its ``latest``), where PoplarEngine.load_checkpoint
+            # reads it too; else beside the tag folder: where earlier poplar-ext versions wrote it (still read).
+            tag = checkpoint_tag(place, None)
+            return str(folder), (tag is not None and read_state(place, tag)) or read_state(place.parent, place.name)
 
         folder, saved = decided_by_rank0(read, rank=self.job.rank)
         if saved is None:
@@ -790,7 +737,6 @@ class PoplarTrainerMixin(_PlanEvaluation):
         self.poplar_engine = wrapped
 
     def _load_resharded(self, resume_from_checkpoint: str) -> None:
-        from poplar_ext.runtime.checkpoint import checkpoint_tag
         from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
 
         engine = self.model_wrapped
@@ -851,24 +797,14 @@ def _whole_checkpoint(named: str | bool, output_dir: str) -> str | None:
     return None
 
 
-def _state_place(folder: Path) -> tuple[Path, str]:
-    """Where a Trainer checkpoint `folder` keeps poplar_state.json (`write_state`'s folder and tag): in the tag folder
-    of the DeepSpeed checkpoint in it (its ``latest``), where `PoplarEngine.load_checkpoint` reads it too."""
-    tag = checkpoint_tag(folder, None)
-    return (folder, tag) if tag is not None else (folder.parent, folder.name)
-
-
 @dataclasses.dataclass(kw_only=True)
 class _EvalRound:
     """Where a plan's evaluation loop is: its sampler, the round of the batch in hand, the loss so far."""
 
     sampler: EvalBatchSampler
-    index: int = -1
-    """The round whose batch the loop handles now (prediction_step counts them)."""
-    loss_sum: float = 0.0
-    """Sum over this rank's real batches of loss x what it is a mean over."""
-    loss_count: float = 0.0
-    """Sum over this rank's real batches of what their loss is a mean over (tokens or samples)."""
+    index: int = -1  # the round whose batch the loop handles now (prediction_step counts them)
+    loss_sum: float = 0.0  # over this rank's real batches: loss x what it is a mean over (tokens or samples)
+    loss_count: float = 0.0  # over this rank's real batches: what their loss is a mean over
 
 
 class _CollateEach:
@@ -891,16 +827,6 @@ def _dataset_and_collator(trainer: Any, dataset: Any, description: str) -> tuple
     if datasets is not None and isinstance(dataset, datasets.Dataset):
         return trainer._remove_unused_columns(dataset, description=description), trainer.data_collator
     return dataset, trainer._get_collator_with_removed_columns(trainer.data_collator, description=description)
-
-
-def _prepared_as_this_ranks(trainer: Any, loader: Any, batch_sampler: Any) -> Any:
-    """`loader` prepared by the Trainer's accelerator with its batch sampler, already this rank's, passed
-    through accelerate's shard wrapper (what the Trainer does for its own rank-aware batch sampler)."""
-    prepared = trainer.accelerator.prepare(loader)
-    shard = getattr(prepared, "batch_sampler", None)
-    if shard is not None and getattr(shard, "batch_sampler", None) is batch_sampler:
-        shard.num_processes, shard.process_index = 1, 0
-    return prepared
 
 
 def _eval_sampler_of(loader: Any) -> EvalBatchSampler | None:
