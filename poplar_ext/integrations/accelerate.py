@@ -72,15 +72,6 @@ class _PlanPasses(torch.utils.data.Sampler[list[int]]):
         return len(self.plan_sampler)
 
 
-def _without_auto(config: dict) -> dict:
-    """`config` without accelerate's "auto" values (top level and ``zero_optimization``):
-    what the automatic mode's profiling gives DeepSpeed, which takes no "auto"."""
-    result = {k: v for k, v in config.items() if v != AUTO}
-    if isinstance(result.get("zero_optimization"), dict):
-        result["zero_optimization"] = {k: v for k, v in result["zero_optimization"].items() if v != AUTO}
-    return result
-
-
 class PoplarAccelerator(Accelerator):
     """``accelerate.Accelerator`` training the plan of the DeepSpeed config's ``poplar`` section.
 
@@ -141,18 +132,19 @@ class PoplarAccelerator(Accelerator):
             raise ValueError("PoplarAccelerator: the plan is resolved by the first prepare(...); call it first")
         return self.plan
 
-    def _loaded_config(self) -> tuple[dict, Path, str]:
-        """The DeepSpeed config accelerate holds, the folder its relative paths start from, its name."""
-        plugin = self.state.deepspeed_plugin
-        config_file = os.environ.get(_CONFIG_FILE_VARIABLE)
-        if config_file and config_file != "none":
-            return copy.deepcopy(plugin.deepspeed_config), Path(config_file).resolve().parent, config_file
-        return copy.deepcopy(plugin.deepspeed_config), Path.cwd(), f"DeepSpeedPlugin's {DICT_SOURCE}"
-
     def _start_job(self, model: Any, optimizer: Any, train_loader: Any) -> Job:
         """Resolve the plan on every rank and make the plugin's config this rank's (collective)."""
-        loaded = self._loaded_config()
-        profiling = _without_auto(loaded[0])
+        # The DeepSpeed config accelerate holds, the folder its relative paths start from, its name.
+        config, config_file = self.state.deepspeed_plugin.deepspeed_config, os.environ.get(_CONFIG_FILE_VARIABLE)
+        if config_file and config_file != "none":
+            loaded = copy.deepcopy(config), Path(config_file).resolve().parent, config_file
+        else:
+            loaded = copy.deepcopy(config), Path.cwd(), f"DeepSpeedPlugin's {DICT_SOURCE}"
+        # Without accelerate's "auto" values (top level and zero_optimization): what the automatic mode's
+        # profiling gives DeepSpeed, which takes no "auto".
+        profiling = {k: v for k, v in loaded[0].items() if v != AUTO}
+        if isinstance(profiling.get("zero_optimization"), dict):
+            profiling["zero_optimization"] = {k: v for k, v in profiling["zero_optimization"].items() if v != AUTO}
         if isinstance(optimizer, torch.optim.Optimizer):
             profiling["zero_allow_untested_optimizer"] = True  # as accelerate's _prepare_deepspeed sets it
         job = prepare_job(
@@ -173,19 +165,17 @@ class PoplarAccelerator(Accelerator):
         section = ds_config.get(SECTION)
         if not isinstance(section, dict) or "plan" in section or train_loader is None or not train_loader.batch_size:
             return None
+        batch, steps = train_loader.batch_size, self.gradient_accumulation_steps
         if self.split_batches:  # a plain Accelerator cuts each batch among its processes
             return GlobalBatchRequest(
-                size=train_loader.batch_size * self.gradient_accumulation_steps,
-                origin="the DataLoader's batch_size x gradient_accumulation_steps with split_batches "
-                f"({train_loader.batch_size} x {self.gradient_accumulation_steps})",
+                size=batch * steps,
+                origin=f"the DataLoader's batch_size x gradient_accumulation_steps with split_batches "
+                f"({batch} x {steps})",
             )
-        size = train_loader.batch_size * self.gradient_accumulation_steps * self.num_processes
         return GlobalBatchRequest(
-            size=size,
-            origin=(
-                f"the DataLoader's batch_size x gradient_accumulation_steps x processes ({train_loader.batch_size} x "
-                f"{self.gradient_accumulation_steps} x {self.num_processes})"
-            ),
+            size=batch * steps * self.num_processes,
+            origin="the DataLoader's batch_size x gradient_accumulation_steps x processes "
+            f"({batch} x {steps} x {self.num_processes})",
         )
 
     def _use_rank_config(self, job: Job) -> None:
@@ -227,18 +217,15 @@ class PoplarAccelerator(Accelerator):
         result = super()._prepare_deepspeed(*args)
         wrapper = self.deepspeed_engine_wrapped
         if wrapper is not None and wrapper is not previous:
-            self._wrap_engine(wrapper, labels=labels, slowdown=slowdown)
+            # A PoplarEngine between accelerate and the DeepSpeed engine it just built; its compute window opens
+            # at the forward of the model prepare returned (DeepSpeed's engine).
+            engine = wrapper.engine
+            wrapped = wrap_built_engine(self.job, engine, labels=labels, slowdown=slowdown, sampler=self._train_sampler)
+            wrapped.switch_listeners.append(self._follow_plan_switch)
+            wrapper.engine = wrapped  # accelerator.backward: weighted backward, then the counting step
+            self._models[self._models.index(engine)] = wrapped  # save_state/load_state: the data position too
+            self.poplar_engine = wrapped
         return result
-
-    def _wrap_engine(self, wrapper: Any, *, labels: Any, slowdown: Any) -> None:
-        """Put a `PoplarEngine` between accelerate and the DeepSpeed engine it just built."""
-        engine = wrapper.engine
-        # Its compute window opens at the forward of the model prepare returned (DeepSpeed's engine).
-        wrapped = wrap_built_engine(self.job, engine, labels=labels, slowdown=slowdown, sampler=self._train_sampler)
-        wrapped.switch_listeners.append(self._follow_plan_switch)
-        wrapper.engine = wrapped  # accelerator.backward: weighted backward, then the counting step
-        self._models[self._models.index(engine)] = wrapped  # save_state/load_state: the data position too
-        self.poplar_engine = wrapped
 
     def _follow_plan_switch(self, plan: Any) -> None:
         """A new plan from the next iteration on (re-balancing, or ``load_state`` resuming under the checkpoint's
@@ -283,14 +270,12 @@ class PoplarAccelerator(Accelerator):
             return super().prepare_data_loader(
                 data_loader, device_placement=device_placement, slice_fn_for_dispatch=slice_fn_for_dispatch
             )
-        if device_placement is None:
-            device_placement = self.device_placement
         prepared = prepare_data_loader(
             data_loader,
             self.device,
             num_processes=1,
             process_index=0,
-            put_on_device=device_placement,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
             rng_types=None,
             dispatch_batches=False,
             even_batches=False,

@@ -36,7 +36,7 @@ class _LocalMetrics(PoplarTrainerMixin):
         # gather per micro-step would pair one rank's k-th micro-step with another's k-th
         # of another optimizer step, wait for one that never comes, or meet other shapes.
         # Evaluating, every rank runs one batch per round, of its own size: gathered whole.
-        gather = _local if self.model.training else self.gather_round_metrics
+        gather = (lambda data, use_gather_object=False: data) if self.model.training else self.gather_round_metrics
         self.accelerator.gather_for_metrics = gather
         self.accelerator.gather = gather
         try:
@@ -82,11 +82,6 @@ def merged_training_metrics(every_rank: list[dict[str, tuple[float, int]]]) -> d
         elif count:
             merged[key] = [total / count]
     return merged
-
-
-def _local(input_data: Any, use_gather_object: bool = False) -> Any:
-    """``gather`` / ``gather_for_metrics`` of one process: its own values."""
-    return input_data
 
 
 class PoplarSFTTrainer(_LocalMetrics, SFTTrainer):
@@ -147,23 +142,18 @@ class PoplarDPOTrainer(_LocalMetrics, DPOTrainer):
     compares the pairs of a micro-batch is refused.
     """
 
+    @ends_job_on_user_error  # as the mixin's refusals, which come after this one's
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _refuse_micro_batch_losses(_named_arguments([DPOTrainer], args, kwargs).get("args"))
+        # DPO losses comparing the pairs of a micro-batch (`_MICRO_BATCH_DPO_LOSSES`) are refused.
+        loss_types = getattr(_named_arguments([DPOTrainer], args, kwargs).get("args"), "loss_type", None) or []
+        for loss_type in [loss_types] if isinstance(loss_types, str) else loss_types:
+            if loss_type in _MICRO_BATCH_DPO_LOSSES:
+                raise ValueError(
+                    f"PoplarDPOTrainer: DPOConfig.loss_type: expected losses computed per pair, found {loss_type!r}, "
+                    f"which {_MICRO_BATCH_DPO_LOSSES[loss_type]}: its gradient depends on how the global batch is "
+                    "split into micro-batches, so no per-rank split equals one device training the global batch"
+                )
         super().__init__(*args, **kwargs)
-
-
-@ends_job_on_user_error
-def _refuse_micro_batch_losses(config: Any) -> None:
-    """DPO losses comparing the pairs of a micro-batch (`_MICRO_BATCH_DPO_LOSSES`), refused before the
-    mixin's refusals; as they do, it ends a restarting launcher's job."""
-    loss_types = getattr(config, "loss_type", None) or []
-    for loss_type in [loss_types] if isinstance(loss_types, str) else loss_types:
-        if loss_type in _MICRO_BATCH_DPO_LOSSES:
-            raise ValueError(
-                f"PoplarDPOTrainer: DPOConfig.loss_type: expected losses computed per pair, found {loss_type!r}, "
-                f"which {_MICRO_BATCH_DPO_LOSSES[loss_type]}: its gradient depends on how the global batch is "
-                "split into micro-batches, so no per-rank split equals one device training the global batch"
-            )
 
 
 __all__ = ["PoplarDPOTrainer", "PoplarSFTTrainer"]
