@@ -79,7 +79,12 @@ class ShortCollectiveTimeouts:
         for group in list(c10d._world.pg_map):
             if group is c10d.GroupMember.NON_GROUP_MEMBER or group in self._previous:
                 continue
-            previous = _group_timeout(group)
+            # The collective timeout of the group's backend (a timedelta), none where it says none.
+            options = (
+                getattr(group._get_backend(torch.device(d)), "options", None)
+                for d in getattr(group, "_device_types", ())
+            )
+            previous = next((t for t in (getattr(o, "_timeout", None) for o in options) if t is not None), None)
             if previous is None:
                 continue
             self._previous[group] = previous
@@ -94,16 +99,6 @@ class ShortCollectiveTimeouts:
             if group in c10d._world.pg_map:  # not destroyed meanwhile
                 c10d._set_pg_timeout(previous, group)
         self._previous = {}
-
-
-def _group_timeout(group: Any) -> Any:
-    """The collective timeout of `group`'s backend (a ``timedelta``), None where it says none."""
-    for device_type in getattr(group, "_device_types", ()):
-        options = getattr(group._get_backend(torch.device(device_type)), "options", None)
-        timeout = getattr(options, "_timeout", None)
-        if timeout is not None:
-            return timeout
-    return None
 
 
 def destroy_process_group_at_exit() -> None:

@@ -69,13 +69,12 @@ def compute_window(device_kind: str, zero_stage: int) -> ComputeWindow:
     reduce-scatter runs at the reduction (one type at a time, up to it); ZeRO-3's all-gathers run all
     through the micro-step (one type at a time, all of it, the cost model subtracting its communication).
     """
-    if device_kind != "cuda":
-        return ComputeWindow(clock="thread", ends_at_reduction=True, types_at_once=True, includes_communication=False)
-    if zero_stage in (0, 1):
-        return ComputeWindow(clock="cuda", ends_at_reduction=True, types_at_once=True, includes_communication=False)
-    stage_3 = zero_stage == 3
+    cuda, stage_3 = device_kind == "cuda", zero_stage == 3
     return ComputeWindow(
-        clock="cuda", ends_at_reduction=not stage_3, types_at_once=False, includes_communication=stage_3
+        clock="cuda" if cuda else "thread",
+        ends_at_reduction=not (cuda and stage_3),
+        types_at_once=not (cuda and zero_stage >= 2),
+        includes_communication=cuda and stage_3,
     )
 
 
@@ -129,15 +128,11 @@ def clock_now(clock: Clock) -> tuple[float, float]:
 
 def time_compute(device: Any, run: Callable[[], Any]) -> float:
     """Seconds of `device`'s compute that ``run()`` takes (CUDA events on a GPU, else thread CPU time)."""
-    if getattr(device, "type", "cpu") == "cuda":
-        start = _recorded_event()
-        run()
-        end = _recorded_event()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000.0
-    started = time.thread_time()
+    span = ComputeSpan("cuda" if getattr(device, "type", "cpu") == "cuda" else "thread")
+    span.start()
     run()
-    return time.thread_time() - started
+    span.end()
+    return span.elapsed_s()
 
 
 class CudaEventTimer:

@@ -6,6 +6,7 @@ declared, not read (`declared_type_problem`). See profiles/README.md (cluster de
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -108,18 +109,6 @@ _NAMED_MEMORY_NOT_THE_GPUS = re.compile(r"\bGH200\b", re.IGNORECASE)
 """Names whose "NNGB" is not the GPU's memory: a GH200's (``NVIDIA GH200 480GB``) is its host memory."""
 
 
-def mig_slice(reported_name: str) -> tuple[str, str | None]:
-    """The whole GPU's reported name and the MIG slice's profile (``1g.10gb-me``), or None.
-
-    ``NVIDIA A100-SXM4-40GB MIG 1g.5gb`` -> (``NVIDIA A100-SXM4-40GB``, ``1g.5gb``).
-    """
-    found = _MIG_SLICE.search(reported_name)
-    if found is None:
-        return reported_name, None
-    profile = re.sub(r"[^A-Za-z0-9.]+", "-", found.group(1)).strip("-")
-    return reported_name[: found.start()], profile
-
-
 def normalize_device_name(reported_name: str, *, total_memory_bytes: int) -> str:
     """The device type through `DEVICE_NAME_TABLE`; an unknown name warns and gets `fallback_device_type`.
 
@@ -129,7 +118,12 @@ def normalize_device_name(reported_name: str, *, total_memory_bytes: int) -> str
         raise ValueError("reported_name: expected the device name the hardware reports, found an empty string")
     if total_memory_bytes < 1:
         raise ValueError(f"total_memory_bytes: expected an integer >= 1, found {total_memory_bytes}")
-    whole_name, profile = mig_slice(reported_name)
+    # A MIG slice: ``NVIDIA A100-SXM4-40GB MIG 1g.5gb`` -> the whole GPU's name and the slice's profile (1g.5gb).
+    whole_name, profile = reported_name, None
+    found = _MIG_SLICE.search(reported_name)
+    if found is not None:
+        whole_name = reported_name[: found.start()]
+        profile = re.sub(r"[^A-Za-z0-9.]+", "-", found.group(1)).strip("-")
     memory_gib = total_memory_bytes / 2**30
     named = None if _NAMED_MEMORY_NOT_THE_GPUS.search(whole_name) else _NAMED_MEMORY_GB.search(whole_name)
     if profile is not None and named is not None:
@@ -172,19 +166,11 @@ def hardware_description(device: torch.device) -> str:
             f"torch built for {' '.join(torch.cuda.get_arch_list()) or 'no CUDA architecture'}"
         )
     if device.type == "cpu":
-        return f"CPU {_cpu_model_name()} ({platform.machine()})"
+        model = platform.processor() or "unknown"
+        with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+        return f"CPU {model} ({platform.machine()})"
     raise ValueError(f"device: expected a 'cpu' or 'cuda' device, found {device}")
-
-
-def _cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def declared_type_problem(declared: str, emulation: Emulation | None, hardware_type: str) -> str | None:
@@ -241,18 +227,15 @@ def select_job_device() -> torch.device:
     accelerator = get_accelerator()
     if accelerator.device_name() != "cuda":
         return torch.device(accelerator.current_device_name())
-    index = cuda_device_index(_launcher_local_rank(), torch.cuda.device_count())
+    # The launcher's LOCAL_RANK (the original, when this already rewrote it).
+    text = os.environ.get(LAUNCHER_LOCAL_RANK_VARIABLE, os.environ.get("LOCAL_RANK", "0"))
+    try:
+        local_rank = int(text)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK: expected an integer >= 0, found {text!r}") from None
+    index = cuda_device_index(local_rank, torch.cuda.device_count())
     if str(index) != os.environ.get("LOCAL_RANK"):
         os.environ.setdefault(LAUNCHER_LOCAL_RANK_VARIABLE, os.environ.get("LOCAL_RANK", "0"))
         os.environ["LOCAL_RANK"] = str(index)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
-
-
-def _launcher_local_rank() -> int:
-    """The launcher's LOCAL_RANK (the original, when `select_job_device` already rewrote it)."""
-    text = os.environ.get(LAUNCHER_LOCAL_RANK_VARIABLE, os.environ.get("LOCAL_RANK", "0"))
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"LOCAL_RANK: expected an integer >= 0, found {text!r}") from None

@@ -7,6 +7,7 @@ See docs/design.md (the hardware is the truth) and docs/training.md.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -65,18 +66,6 @@ def node_key(host: str, machine_id: str, network_namespace: str) -> str:
     return f"{host}/{machine_id}/{network_namespace}"
 
 
-def _first_readable(paths: tuple[str, ...]) -> str:
-    for path in paths:
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text:
-            return text
-    return "unknown"
-
-
 def local_node_key() -> str:
     """This rank's node key (`node_key`), read from the kernel (no collective)."""
     try:
@@ -84,7 +73,13 @@ def local_node_key() -> str:
     except OSError:
         # Without /proc (not Linux) the host name and machine identity must do.
         namespace = "unknown"
-    return node_key(socket.gethostname(), _first_readable(_BOOT_ID_FILES), namespace)
+    machine_id = "unknown"
+    for path in _BOOT_ID_FILES:
+        with contextlib.suppress(OSError), open(path, encoding="utf-8") as f:
+            machine_id = f.read().strip() or machine_id
+        if machine_id != "unknown":
+            break
+    return node_key(socket.gethostname(), machine_id, namespace)
 
 
 def local_device_facts(device: torch.device, *, rank: int) -> DeviceFacts:
@@ -164,17 +159,12 @@ def has_kernels_for(capability: tuple[int, int], arch_list: tuple[str, ...] | li
     ``sm_XY`` runs on X.Y and later minors of major X; ``compute_XY`` (PTX) on any device >= X.Y;
     an arch-specific entry (``sm_90a``, ``compute_100a``) on exactly that capability.
     """
-    for entry in arch_list:
-        found = _ARCH.match(entry)
-        if found is None:
-            continue
-        kind, built = found.group(1), (int(found.group(2)), int(found.group(3)))
-        if found.group(4):
+    for found in filter(None, map(_ARCH.match, arch_list)):
+        built = (int(found[2]), int(found[3]))
+        if found[4]:
             covered = built == capability
-        elif kind == "sm":
-            covered = built[0] == capability[0] and built[1] <= capability[1]
         else:
-            covered = built <= capability
+            covered = built <= capability and (found[1] != "sm" or built[0] == capability[0])
         if covered:
             return True
     return False

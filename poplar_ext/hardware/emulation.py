@@ -36,17 +36,6 @@ def core_demand(slowdowns: Iterable[float]) -> float:
     return sum(1.0 / max(1.0, s) for s in slowdowns)
 
 
-def node_slowdowns(cluster: Cluster) -> dict[str, list[float]]:
-    """Node name -> the slowdown of each of its emulated ranks (nodes without any left out)."""
-    found: dict[str, list[float]] = {}
-    for node in cluster.nodes:
-        for group in node.devices:
-            emulation = cluster.emulation_of(group.device_type)
-            if emulation is not None:
-                found.setdefault(node.name, []).extend([emulation.slowdown] * group.count)
-    return found
-
-
 def check_emulation_range(
     cluster: Cluster, *, cores: int | None = None, load_average: float | None = None
 ) -> dict[str, float]:
@@ -58,7 +47,13 @@ def check_emulation_range(
     cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if load_average is None:
         load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    demands = {name: core_demand(slowdowns) for name, slowdowns in node_slowdowns(cluster).items()}
+    slowdowns: dict[str, list[float]] = {}  # node name -> the slowdown of each of its emulated ranks
+    for node in cluster.nodes:
+        for group in node.devices:
+            emulation = cluster.emulation_of(group.device_type)
+            if emulation is not None:
+                slowdowns.setdefault(node.name, []).extend([emulation.slowdown] * group.count)
+    demands = {name: core_demand(node_slowdowns) for name, node_slowdowns in slowdowns.items()}
     for name, demand in demands.items():
         if demand > cores:
             warnings.warn(
@@ -133,29 +128,22 @@ def host_resident_optimizer_bytes(engine: Any) -> int:
     optimizer = getattr(engine, "optimizer", None)
     if not getattr(optimizer, "cpu_offload", False):
         return 0
-    seen: set[int] = set()
-    total = 0
-
-    def add(tensor: Any) -> None:
-        nonlocal total
-        if torch.is_tensor(tensor) and tensor.device.type == "cpu" and tensor.numel() and tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            total += tensor.numel() * tensor.element_size()
-
-    for master in getattr(optimizer, "single_partition_of_fp32_groups", None) or []:
-        add(master)
-        add(master.grad)
-    for accumulated in (getattr(optimizer, "accumulated_grads_in_cpu", None) or {}).values():
-        add(accumulated)
-    # The host-side staging buffers DeepSpeed allocates only to offload.
-    for buffer in getattr(optimizer, "param_buffer_of_bit16_for_cpu_offload_groups", None) or []:
-        add(buffer)
-    add(getattr(optimizer, "temp_grad_buffer_for_cpu_offload", None))
-    inner = getattr(optimizer, "optimizer", None)
-    for state in getattr(inner, "state", {}).values():
-        for value in state.values():
-            add(value)
-    return total
+    masters = getattr(optimizer, "single_partition_of_fp32_groups", None) or []
+    states = getattr(getattr(optimizer, "optimizer", None), "state", {}).values()
+    tensors = [
+        *(t for master in masters for t in (master, master.grad)),
+        *(getattr(optimizer, "accumulated_grads_in_cpu", None) or {}).values(),
+        # The host-side staging buffers DeepSpeed allocates only to offload.
+        *(getattr(optimizer, "param_buffer_of_bit16_for_cpu_offload_groups", None) or []),
+        getattr(optimizer, "temp_grad_buffer_for_cpu_offload", None),
+        *(value for state in states for value in state.values()),
+    ]
+    on_host = {
+        t.data_ptr(): t.numel() * t.element_size()
+        for t in reversed(tensors)  # the first tensor at an address counts
+        if torch.is_tensor(t) and t.device.type == "cpu" and t.numel()
+    }
+    return sum(on_host.values())
 
 
 LEARNED_BLOCKS = 3
@@ -266,24 +254,17 @@ class ComputeSlowdown:
         self.window_waits = window_waits
         self.slowdown = 1.0 if emulation is None else emulation.slowdown
         """The factor applied now (the engine follows the emulation's ``slowdown_schedule``)."""
-        self.compute_time_s = 0.0
-        """Compute clock time of the last block."""
+        self.compute_time_s = 0.0  # compute clock time of the last block
         self.busy_time_s = 0.0
         """Sum of the blocks' steady times: the busy time a profile predicts (callers reset it)."""
-        self.delay_s = 0.0
-        """Time slept after the last block."""
-        self.steady_s = 0.0
-        """Sum of every block's steady time since the start (never reset)."""
-        self.overrun_s = 0.0
-        """Sum of the time blocks ran past their steady time (never reset)."""
-        self.overrun_blocks = 0
-        """Blocks that ran past their steady time."""
-        self.blocks = 0
-        """Blocks timed."""
+        self.delay_s = 0.0  # time slept after the last block
+        self.steady_s = 0.0  # sum of every block's steady time since the start (never reset)
+        self.overrun_s = 0.0  # sum of the time blocks ran past their steady time (never reset)
+        self.overrun_blocks = 0  # blocks that ran past their steady time
+        self.blocks = 0  # blocks timed
         self._learned: dict[Hashable, list[float]] = {}
         self._overrun_by_kind: dict[str, float] = {}
-        self._started_at: tuple[float, float] | None = None
-        """(compute clock, wall clock) at `start()`."""
+        self._started_at: tuple[float, float] | None = None  # (compute clock, wall clock) at start()
         self._key: Hashable = None
 
     @property
