@@ -29,7 +29,7 @@ from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_ch
 from poplar_ext.collectives import agree_sum, agree_sums, barrier, decided_by_rank0
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
-from poplar_ext.plan.formats import Plan, RankPlan
+from poplar_ext.plan.formats import Plan
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
     checkpoint_tag,
@@ -304,22 +304,17 @@ class _PlanEvaluation:
         evaluation loop's gather; Trainer subclasses that gather metrics in ``compute_loss`` (TRL's) are
         given it there too."""
         real = self._eval_round.sampler.real_counts(self._eval_round.index)
-        whole = [None if count else 0 for count in real]
-        return _map_tensors(lambda tensor: self._gather_rows(tensor, whole), data)
-
-    def _gather_rows(self, tensor: torch.Tensor, keep: list[int | None]) -> torch.Tensor:
-        """Each rank's first ``keep[r]`` rows (None: all), rank 0's first (collective)."""
-        if tensor.dim() == 0:
-            tensor = tensor[None]
         accelerator = self.accelerator
-        gather = type(accelerator).gather  # the class's: a subclass may have replaced the instance's
-        rows = gather(accelerator, torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
-        gathered = gather(accelerator, accelerator.pad_across_processes(tensor, dim=0))
-        width = max(rows)
-        kept = [
-            gathered[r * width : r * width + (n if keep[r] is None else min(n, keep[r]))] for r, n in enumerate(rows)
-        ]
-        return torch.cat(kept)
+        gather = functools.partial(type(accelerator).gather, accelerator)  # the class's: a subclass may replace it
+
+        def every_ranks_rows(tensor: torch.Tensor) -> torch.Tensor:
+            tensor = tensor[None] if tensor.dim() == 0 else tensor
+            rows = gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
+            gathered = gather(accelerator.pad_across_processes(tensor, dim=0))
+            width = max(rows)
+            return torch.cat([gathered[r * width : r * width + (n if real[r] else 0)] for r, n in enumerate(rows)])
+
+        return _map_tensors(every_ranks_rows, data)
 
 
 class PoplarTrainerMixin(_PlanEvaluation):
@@ -401,23 +396,22 @@ class PoplarTrainerMixin(_PlanEvaluation):
         return self.job.plan if engine is None else engine.plan
 
     # -- data ------------------------------------------------------------------------
-    def _iterations_per_epoch(self, num_samples: int) -> int:
-        # The Trainer needs every epoch to have the same number of steps: the stream's
-        # first epoch has ceil(N / B) iterations (with drop_last, floor).
-        batch = self.plan.global_batch_size
-        return num_samples // batch if self.job.poplar_config.drop_last else math.ceil(num_samples / batch)
-
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """This rank's micro-batches of the plan (one pass: one epoch of the true global batch), one item
         per optimizer step: ``{MICRO_BATCHES: [micro-batch, ...]}``, each collated by the data collator."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         dataset, collator = _dataset_and_collator(self, self.train_dataset, "Training")
+        batch = self.plan.global_batch_size
         self._train_sampler = PlanBatchSampler.from_plan(
             self.plan,
             rank=self.job.rank,
             num_samples=len(dataset),
-            iterations_per_pass=self._iterations_per_epoch(len(dataset)),
+            # The Trainer needs every epoch to have the same number of steps: the stream's first epoch has
+            # ceil(N / B) iterations (with drop_last, floor).
+            iterations_per_pass=len(dataset) // batch
+            if self.job.poplar_config.drop_last
+            else math.ceil(len(dataset) / batch),
             **self.job.poplar_config.data_order,
         )
         iterations = IterationSampler(self._train_sampler)
@@ -496,20 +490,29 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if not model.training:
             return result
         loss, outputs = result if return_outputs else (result, None)
-        if self._loss_is_token_normalised(num_items_in_batch):
+        # Whether the subclass's loss is its token sum over num_items_in_batch (True) or a micro-batch sample mean
+        # (False), as the Trainer's loss_is_scaled_for_ga says.
+        normalised = self._inner_loss_is_scaled_for_ga
+        if normalised is None:
+            normalised = num_items_in_batch is not None
+        elif normalised and num_items_in_batch is None:
+            raise ValueError(
+                f"{type(self).__name__}: loss_is_scaled_for_ga is True (the loss is normalised over the accumulated "
+                "batch) but the batches carry no 'labels' to count, so poplar-ext cannot tell over what; set "
+                "loss_is_scaled_for_ga = False and return a micro-batch mean, or give the batches labels"
+            )
+        if normalised:
             weight = 1.0  # the loss divided its token sum by T / W: W * sum / T already
         else:
-            weight = self.job.world_size * self._rank_plan().micro_batch_size / self.plan.global_batch_size
+            # This rank's share of the iteration training now (the engine switches it with the plan).
+            engine = self.poplar_engine
+            rank_plan = self.job.plan.ranks[self.job.rank] if engine is None else engine.rank_plan
+            weight = self.job.world_size * rank_plan.micro_batch_size / self.plan.global_batch_size
         # Always a new tensor: at ZeRO stage 0, DeepSpeed's hook on the engine's own output
         # (the model's loss) divides its gradient by the accumulation count even with
         # scale_wrt_gas=False, which an uneven plan must not get.
         loss = loss * weight
         return (loss, outputs) if return_outputs else loss
-
-    def _rank_plan(self) -> RankPlan:
-        """This rank's share of the iteration training now (the engine switches it with the plan)."""
-        engine = self.poplar_engine
-        return self.job.plan.ranks[self.job.rank] if engine is None else engine.rank_plan
 
     def training_step(self, model: Any, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
         """One optimizer step's micro-batches (`MICRO_BATCHES`), each through the Trainer's ``training_step``;
@@ -545,20 +548,6 @@ class PoplarTrainerMixin(_PlanEvaluation):
             batches = [merged]
         for batch in batches:
             super()._track_num_input_tokens(batch)
-
-    def _loss_is_token_normalised(self, num_items_in_batch: Any) -> bool:
-        """Whether the subclass's loss is its token sum over ``num_items_in_batch`` (True) or a
-        micro-batch sample mean (False), as the Trainer's ``loss_is_scaled_for_ga`` says."""
-        declared = self._inner_loss_is_scaled_for_ga
-        if declared is None:
-            return num_items_in_batch is not None
-        if declared and num_items_in_batch is None:
-            raise ValueError(
-                f"{type(self).__name__}: loss_is_scaled_for_ga is True (the loss is normalised over the accumulated "
-                "batch) but the batches carry no 'labels' to count, so poplar-ext cannot tell over what; set "
-                "loss_is_scaled_for_ga = False and return a micro-batch mean, or give the batches labels"
-            )
-        return declared
 
     # -- checkpoints -------------------------------------------------------------------
     def _poplar_state(self) -> dict:
