@@ -1,8 +1,5 @@
-"""poplar-ext: DeepSpeed ZeRO with per-rank micro-batches for mixed GPU clusters.
-
-`initialize` stands in for `deepspeed.initialize`. Importing `poplar_ext` imports no torch: the names below load
-their modules on first use. The package tree: DEVELOPING.md; the design: docs/design.md.
-"""
+"""poplar-ext: DeepSpeed ZeRO with per-rank micro-batches for mixed GPU clusters; `initialize` stands in for
+`deepspeed.initialize`. Importing it imports no torch (the names below load lazily). See DEVELOPING.md."""
 
 import importlib
 import logging

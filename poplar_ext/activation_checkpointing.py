@@ -1,8 +1,5 @@
-"""Turning a model's activation checkpointing on or off, for the profiler and the runtime.
-
-The built-in GPT, Hugging Face models, or a user's ``toggle(model, enabled)``. See docs/profiling.md
-(which models can, and why ranks may differ in it at ZeRO stages 0-2 only).
-"""
+"""Switching a model's activation checkpointing (the built-in GPT, Hugging Face, a user's toggle) for the profiler
+and the runtime. See docs/profiling.md (which models can, and why ranks may differ in it at ZeRO stages 0-2 only)."""
 
 from __future__ import annotations
 
@@ -16,22 +13,6 @@ CheckpointingToggle = Callable[[torch.nn.Module, bool], None]
 """``toggle(model, enabled)``: turn activation checkpointing on or off in `model`, in place."""
 
 
-def _attribute_toggle(model: torch.nn.Module, enabled: bool) -> None:
-    model.activation_checkpointing = enabled
-
-
-def _declares_the_attribute(model: torch.nn.Module) -> bool:
-    # Declared on the class (not merely set on one object): the forward is written to read it.
-    return isinstance(getattr(type(model), "activation_checkpointing", None), bool)
-
-
-def _hugging_face_toggle(model: torch.nn.Module, enabled: bool) -> None:
-    if enabled:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
-
-
 def checkpointing_toggle(
     model: torch.nn.Module, toggle: CheckpointingToggle | None = None
 ) -> CheckpointingToggle | None:
@@ -42,10 +23,15 @@ def checkpointing_toggle(
                 f"checkpointing_toggle: expected a callable toggle(model, enabled), found {type(toggle).__name__}"
             )
         return toggle
-    if _declares_the_attribute(model):
-        return _attribute_toggle
+    # Declared on the class (not merely set on one object): the forward is written to read it.
+    if isinstance(getattr(type(model), "activation_checkpointing", None), bool):
+        return lambda model, enabled: setattr(model, "activation_checkpointing", enabled)
     if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
-        return _hugging_face_toggle
+        return lambda model, enabled: (
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if enabled
+            else model.gradient_checkpointing_disable()
+        )
     return None
 
 

@@ -1,9 +1,5 @@
-"""The process group, and every collective poplar-ext issues (rank 0 decides, all receive).
-
-`broadcast_from_rank0`, `decided_by_rank0`, `raise_if_any_failed`, `gather_objects`, `agree_max`, `agree_sum`,
-`barrier`, `new_groups`; `ensure_process_group` and the group ended at exit. See docs/design.md
-(decisions for the field) and docs/fault-tolerance.md (a finished job exits 0).
-"""
+"""The process group, and every collective poplar-ext issues (rank 0 decides, all receive). See docs/design.md
+(decisions for the field) and docs/fault-tolerance.md (a finished job exits 0)."""
 
 from __future__ import annotations
 

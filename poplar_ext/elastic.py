@@ -1,8 +1,5 @@
-"""A job under torchrun's restarting agent ends at once on an error of its configuration or code.
-
-A ``ValueError`` or ``TypeError`` while the job is settled stops the agent instead of being restarted
-``--max-restarts`` times; a lost node is still restarted. See docs/fault-tolerance.md.
-"""
+"""A job under torchrun's restarting agent ends at once on an error of its configuration or code (a ValueError or
+TypeError while it is settled); a lost node is still restarted. See docs/fault-tolerance.md."""
 
 from __future__ import annotations
 

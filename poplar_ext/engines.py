@@ -1,8 +1,5 @@
-"""`poplar_ext.initialize`: the engine a model trains on, DeepSpeed pipelines for a
-`poplar_ext.pipeline.PoplarPipelineModule` (`poplar_ext.pipeline.initialize`), DeepSpeed ZeRO for
-any other model (`poplar_ext.zero.initialize`). Both build on `poplar_ext.runtime`; an engine
-is one more folder beside them and one more branch here. See docs/design.md ("Engines over one core").
-"""
+"""`poplar_ext.initialize`: DeepSpeed pipelines for a `PoplarPipelineModule`, DeepSpeed ZeRO for any other model
+(an engine is one more folder and one more branch here). See docs/design.md ("Engines over one core")."""
 
 from __future__ import annotations
 

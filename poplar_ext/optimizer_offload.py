@@ -1,7 +1,5 @@
-"""Offloading a rank's ZeRO-1/2 optimizer to the host (DeepSpeed's ``offload_optimizer``), for profiler and runtime.
-
-See docs/profiling.md (the memory levers: why ranks may differ in it at stages 1-2).
-"""
+"""A rank's ZeRO-1/2 optimizer offloaded to the host (DeepSpeed's ``offload_optimizer``), for profiler and runtime.
+See docs/profiling.md (the memory levers: why ranks may differ in it at stages 1-2)."""
 
 from __future__ import annotations
 

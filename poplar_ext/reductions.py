@@ -1,9 +1,5 @@
-"""How a training loss reduces over a micro-batch: the names poplar-ext knows.
-
-The one vocabulary for ``poplar.loss_reduction``, the loss weighting
-(`poplar_ext.runtime.weighting`) and the built-in model's loss. It sits below every
-other module so that a model and the runtime can both name it.
-"""
+"""How a training loss reduces over a micro-batch: one vocabulary for ``poplar.loss_reduction``, the loss weighting
+and the built-in model's loss, below every other module so that models and the runtime can both name it."""
 
 from __future__ import annotations
 

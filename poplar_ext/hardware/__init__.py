@@ -1,4 +1,1 @@
-"""The devices a rank runs on: device types, discovery, memory, compute clocks, emulation.
-
-DEVELOPING.md's map lists the modules.
-"""
+"""The devices a rank runs on: device types, discovery, memory, compute clocks, emulation (DEVELOPING.md)."""

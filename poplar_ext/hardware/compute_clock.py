@@ -1,9 +1,5 @@
-"""Timing a rank's compute: the one place that reads a device's compute clock.
-
-Thread CPU time on CPU, CUDA events on a GPU; `compute_window` says where a micro-step's window ends. Used by
-the profiler (`ComputeSpan`, `time_compute`), emulation (`clock_now`) and re-balancing (`CudaEventTimer`).
-See profiles/README.md ("Timing is each rank's own work").
-"""
+"""Timing a rank's compute, the one place that reads a device's compute clock: thread CPU time on CPU, CUDA events
+on a GPU. See profiles/README.md ("Timing is each rank's own work")."""
 
 from __future__ import annotations
 

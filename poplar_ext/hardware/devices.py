@@ -1,8 +1,5 @@
-"""Device identity: the one table (`DEVICE_NAME_TABLE`) that turns what the hardware reports into a device type.
-
-Read in order, first match wins; an unknown name warns and gets an explicit fallback. Emulated types are
-declared, not read (`declared_type_problem`). See profiles/README.md (cluster description).
-"""
+"""Device identity: the one table (`DEVICE_NAME_TABLE`) from what the hardware reports to a device type; emulated
+types are declared, not read. See profiles/README.md (cluster description)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The job's devices as the hardware reports them, gathered from every rank (`discover_cluster`).
-
-Each rank reads its own device, one collective gathers them, the rest is pure: `cluster_from_facts`,
-`cluster_mismatches`, `memory_capacity_bytes`, `check_device_support`, `agreed_cluster`.
-See docs/design.md (the hardware is the truth) and docs/training.md.
-"""
+"""The job's devices as the hardware reports them, gathered from every rank (`discover_cluster`). See docs/design.md
+(the hardware is the truth) and docs/training.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """Emulated device types: a real rank made slower and given a smaller memory; the only place that applies one.
-
-Steady compute (`ComputeSlowdown`, `SteadyReference`), drift (`scheduled_slowdown`), the cores it needs
-(`check_emulation_range`) and memory (`check_emulated_memory`). See docs/limits.md (what the emulation models).
-"""
+See docs/limits.md (what the emulation models)."""
 
 from __future__ import annotations
 

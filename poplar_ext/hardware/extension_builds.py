@@ -1,8 +1,5 @@
-"""Build locks of torch's C++ extensions, checked before a job starts (`check_extension_build_locks`).
-
-A lock older than `STALE_AFTER_S` (a killed build) is refused with the command that removes it; a younger one
-is logged. See docs/limits.md (what a first start builds).
-"""
+"""Build locks of torch's C++ extensions checked before a job starts: a stale one refused. See docs/limits.md
+(what a first start builds)."""
 
 from __future__ import annotations
 

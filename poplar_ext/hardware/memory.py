@@ -1,8 +1,5 @@
-"""Peak memory of one block of work (`MeasuredPeak`), and the memory a rank may use.
-
-CUDA: the caching allocator's peak reserved memory; CPU: the process's resident-set high-water mark.
-See profiles/README.md ("Peak memory") and docs/deepspeed-notes.md (measuring).
-"""
+"""Peak memory of one block of work (`MeasuredPeak`), the memory a rank may use, glibc's allocator. See
+profiles/README.md ("Peak memory") and docs/deepspeed-notes.md (measuring)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Which part of DeepSpeed's optimizer step is compute, so that an emulated device slows that part alone.
-
-`optimizer_compute_window`: a ZeRO 1/2 step's partition updates, its collectives left out; other optimizers
-are timed whole. See docs/deepspeed-notes.md (measuring) and docs/limits.md (emulation).
-"""
+"""The compute part of DeepSpeed's optimizer step, which an emulated device slows alone. See
+docs/deepspeed-notes.md (measuring) and docs/limits.md (emulation)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,1 @@
-"""Integrations with training frameworks, each importing its framework (never imported by the core).
-
-`transformers` (`PoplarTrainer`, ``poplar-ext[hf]``), `trl` (`PoplarSFTTrainer`, `PoplarDPOTrainer`,
-``poplar-ext[trl]``) and `accelerate` (`PoplarAccelerator`, ``poplar-ext[accelerate]``).
-"""
+"""Integrations with training frameworks, each the only importer of its framework (never imported by the core)."""

@@ -1,9 +1,5 @@
-"""`PoplarAccelerator`: Hugging Face accelerate's Accelerator with a plan's per-rank batches and exact gradients.
-
-``Accelerator(...)`` -> ``PoplarAccelerator(...)`` (same arguments); the only module of poplar-ext that imports
-accelerate (``pip install 'poplar-ext[accelerate]'``). See docs/accelerate.md (usage, limits, and where each
-method below extends accelerate, and why there).
-"""
+"""`PoplarAccelerator`: accelerate's Accelerator with a plan's per-rank batches; the only importer of accelerate
+(``pip install 'poplar-ext[accelerate]'``). See docs/accelerate.md (usage, limits, each extended method and why)."""
 
 from __future__ import annotations
 

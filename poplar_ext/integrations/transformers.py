@@ -1,8 +1,5 @@
-"""`PoplarTrainer`: the Hugging Face Trainer with a plan's per-rank batches and exact gradients.
-
-`PoplarTrainerMixin` brings the same to any Trainer subclass; the only module of poplar-ext that imports
-transformers (``pip install 'poplar-ext[hf]'``). See docs/trainer.md (each hook, re-balancing, evaluation).
-"""
+"""`PoplarTrainer`, `PoplarTrainerMixin` (any Trainer subclass): the Hugging Face Trainer on a plan; the only importer
+of transformers (``pip install 'poplar-ext[hf]'``). See docs/trainer.md (each hook, re-balancing, evaluation)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""TRL's SFTTrainer and DPOTrainer on a plan: `PoplarSFTTrainer`, `PoplarDPOTrainer`.
-
-`PoplarTrainerMixin` on each TRL trainer, its loss weighted to the global batch as the trainer declares it;
-what cannot be exact is refused when the trainer is built. The only module that imports trl
-(``pip install 'poplar-ext[trl]'``). See docs/trainer.md (refused settings, TRL's logged metrics).
-"""
+"""`PoplarSFTTrainer`, `PoplarDPOTrainer`: TRL's trainers on a plan, what cannot be exact refused; the only importer
+of trl (``pip install 'poplar-ext[trl]'``). See docs/trainer.md (refused settings, TRL's logged metrics)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Hugging Face models built from a transformers config, random weights (nothing is downloaded).
-
-What ``poplar-profile --model hf:GPT2Config --hf-config ...`` profiles, and its batches;
-`PaddedTokens`, padded token samples for a causal LM in pipelines (example, tests).
-transformers is imported only when a model is built (``pip install 'poplar-ext[hf]'``).
-"""
+"""Hugging Face models from a transformers config, random weights, and their batches (``poplar-profile --model
+hf:GPT2Config``); transformers is imported only when a model is built (``pip install 'poplar-ext[hf]'``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Random token ids for the synthetic data and the profilers' batches (nothing is downloaded).
-
-Every maker of random tokens in poplar-ext (the toy GPT's data set, ``poplar-profile``'s
-batches for the toy GPT and for Hugging Face models, the demo's) draws them here, so that
-the same seed gives the same tokens everywhere.
-"""
+"""Random token ids: every maker of synthetic tokens in poplar-ext draws them here, so one seed gives the same
+tokens everywhere (nothing is downloaded)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""A small GPT-style language model and a synthetic token data set, written here.
-
-Used by the demo, the examples and the tests: nothing is downloaded. The same class
-scales from a few thousand parameters (CPU tests) to >100M (GPU profiling).
-"""
+"""A small GPT-style language model and a synthetic token data set (nothing is downloaded), from a few thousand
+parameters (CPU tests) to >100M (GPU profiling)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""A small MLP given as pipeline layers, and a seeded regression data set (nothing is downloaded).
-
-`toy_layers`: DeepSpeed LayerSpecs for a PipelineModule; `toy_sequential`: the same layers in one process,
-each seeded by its index as ``seed_layers=True`` seeds it in any stage (a replay from the pipelines' weights).
-"""
+"""A small MLP as pipeline LayerSpecs (`toy_layers`; `toy_sequential`: the same in one process, seeded as
+``seed_layers=True`` seeds them), and a seeded regression data set."""
 
 from __future__ import annotations
 
