@@ -58,8 +58,7 @@ def set_activation_checkpointing(
 ) -> None:
     """Switch `model`'s activation checkpointing; ValueError naming `wanted_by` when it must be on and cannot be.
 
-    Turning it off on a model that cannot checkpoint does nothing: such a model never does.
-    """
+    Turning it off on a model that cannot checkpoint does nothing: such a model never does."""
     switch = checkpointing_toggle(model, toggle)
     if switch is None:
         if enabled:
@@ -78,11 +77,9 @@ def apply_plan_checkpointing(
 ) -> bool:
     """Give `model` this rank's ``activation_checkpointing`` from `plan`, before DeepSpeed wraps it; returns it.
 
-    Every rank calls it. A model that can switch gets its rank's setting (on or off:
-    the profiles the plan was made from were measured with it set so). One that cannot
-    is left alone, unless some rank's entry asks for checkpointing: then ValueError,
-    on every rank alike, since every rank holds the same plan and builds the same model.
-    """
+    Every rank calls it. A model that can switch gets its rank's setting (on or off: the profiles the plan was made from
+    were measured with it set so). One that cannot is left alone, unless some rank's entry asks for checkpointing: then
+    ValueError, on every rank alike, since every rank holds the same plan and builds the same model."""
     switch = checkpointing_toggle(model, toggle)
     wanting = [r.rank for r in plan.ranks if r.activation_checkpointing]
     if switch is None:

@@ -23,11 +23,9 @@ logger = logging.getLogger(__name__)
 def leave_process_group() -> None:
     """Destroy this process's default group if it is up, and free the gloo groups it leaves behind.
 
-    An NCCL group is aborted instead when the process leaves on an uncaught exception: its
-    communicators may be broken (a peer lost, a collective left half done), and destroying them
-    waits for their pending work, which can hang; torch's ``_abort_process_group`` aborts every
-    group without waiting.
-    """
+    An NCCL group is aborted instead when the process leaves on an uncaught exception: its communicators may be broken
+    (a peer lost, a collective left half done), and destroying them waits for their pending work, which can hang;
+    torch's ``_abort_process_group`` aborts every group without waiting."""
     if dist.is_available() and dist.is_initialized():
         # The interpreter sets sys.last_value for an uncaught exception before the exit handlers run.
         failed = getattr(sys, "last_value", None) is not None
@@ -51,16 +49,14 @@ def leave_process_group() -> None:
 
 
 class ShortCollectiveTimeouts:
-    """Every process group this rank is in times out its collectives after `timeout_s` while inside
-    ``with``, each group's own timeout again afterwards.
+    """Every process group this rank is in times out its collectives after `timeout_s` while inside ``with``, each
+    group's own timeout again afterwards.
 
-    Why: profiling runs out of memory on purpose. A rank that dies outside the agreed points (in an
-    engine's build, in a collective DeepSpeed issues) leaves the others waiting in a collective
-    until the group's timeout (30 minutes by DeepSpeed's default); with a short one, NCCL's watchdog
-    (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default) tears the waiting ranks down within it, and
-    the launcher ends the job. Groups made inside (each DeepSpeed engine's) get it at the next
-    `apply`. torch's ``_set_pg_timeout`` (gloo and NCCL) does the setting.
-    """
+    Why: profiling runs out of memory on purpose. A rank that dies outside the agreed points (in an engine's build, in a
+    collective DeepSpeed issues) leaves the others waiting in a collective until the group's timeout (30 minutes by
+    DeepSpeed's default); with a short one, NCCL's watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default) tears
+    the waiting ranks down within it, and the launcher ends the job. Groups made inside (each DeepSpeed engine's) get it
+    at the next `apply`. torch's ``_set_pg_timeout`` (gloo and NCCL) does the setting."""
 
     def __init__(self, timeout_s: float) -> None:
         if timeout_s <= 0:
@@ -98,17 +94,14 @@ class ShortCollectiveTimeouts:
 
 
 def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group (and its subgroups) when the interpreter exits, if it is
-    still up then; calling this again registers nothing new.
+    """Destroy the default process group (and its subgroups) when the interpreter exits, if it is still up then; calling
+    this again registers nothing new.
 
-    Why: a gloo group still alive when the interpreter shuts down can abort a rank
-    ("terminate called without an active exception", SIGABRT, exit -6) after the job
-    finished and wrote everything (about 1 launch in 10 under CPU load, torch alone,
-    pytorch/pytorch#179291), and the launcher then reports the whole job as failed. The
-    group destroyed first, the race is gone. Harmless when the script destroyed it itself.
-    No barrier: the handler also runs when a rank leaves on an exception, and waiting for
-    the other ranks then could hang.
-    """
+    Why: a gloo group still alive when the interpreter shuts down can abort a rank ("terminate called without an active
+    exception", SIGABRT, exit -6) after the job finished and wrote everything (about 1 launch in 10 under CPU load,
+    torch alone, pytorch/pytorch#179291), and the launcher then reports the whole job as failed. The group destroyed
+    first, the race is gone. Harmless when the script destroyed it itself. No barrier: the handler also runs when a rank
+    leaves on an exception, and waiting for the other ranks then could hang."""
     # unregister first: registering the same function twice would run it twice
     atexit.unregister(leave_process_group)
     atexit.register(leave_process_group)
@@ -130,8 +123,7 @@ def discover_launch_environment(
     would; the other keywords of `ensure_process_group` are accepted and ignored.
 
     Why before the group: the rank's device is chosen from LOCAL_RANK before the group starts
-    (`poplar_ext.hardware.devices.join_job`).
-    """
+    (`poplar_ext.hardware.devices.join_job`)."""
     if dist.is_initialized() or not auto_mpi_discovery or all(v in os.environ for v in _LAUNCH_VARIABLES):
         return
     from deepspeed.comm import comm as ds_comm
@@ -159,8 +151,7 @@ def ensure_process_group(**init_options: Any) -> None:
     (`poplar_ext.hardware.devices.join_job` does both, in that order).
 
     DeepSpeed's setup also discovers rank and world size under ``mpirun`` (its MPI
-    mode), so read them afterwards (`process_group_rank`), not from the environment.
-    """
+    mode), so read them afterwards (`process_group_rank`), not from the environment."""
     import deepspeed
     from deepspeed.comm import comm as ds_comm
 
@@ -184,8 +175,7 @@ def release_shared_memory_name() -> None:
     the world size) names a 69 MB buffer per rank in /dev/shm and never removes it: every job on that
     machine would keep its ranks' buffers in memory until it restarts. Every rank maps every other rank's
     buffer before DeepSpeed's setup returns, so after a barrier the names can go: the memory stays mapped
-    while the ranks run and is freed when the last exits, however it exits.
-    """
+    while the ranks run and is freed when the last exits, however it exits."""
     global _shm_name_released
     if _shm_name_released or not dist.is_initialized() or not os.path.isdir(_SHM_DIR):
         return
@@ -225,8 +215,7 @@ def decided_by_rank0(
     The result must be picklable. Every rank raises the same type with the same message, so that a
     restarting launcher ends or restarts all alike (`poplar_ext.elastic`): a ValueError or TypeError
     (bad input, the user's code) as that type with its message, anything else as a RuntimeError naming
-    it. Rank 0 raises it from its own exception, whose traceback shows where the decision failed.
-    """
+    it. Rank 0 raises it from its own exception, whose traceback shows where the decision failed."""
     outcome: dict[str, Any] | None = None
     failure: BaseException | None = None
     if rank == 0:
@@ -299,12 +288,9 @@ def agree_max(values: list[float], device: Any) -> list[float]:
 def timed_collective(collective: str, message_bytes: int, device: Any, *, group: Any = None) -> float:
     """Seconds this rank spends in one `collective` of a `message_bytes` tensor, after a barrier.
 
-    ``all_reduce`` of the tensor, ``reduce_scatter`` of it into 1/W shards,
-    ``all_gather`` of 1/W shards into it: the collectives ZeRO issues, as
-    `plan.network_format` models them. float32 elements; the tensor is rounded up to a
-    multiple of the world size. `group`: a subgroup (this rank must be in it), default
-    the whole job.
-    """
+    ``all_reduce`` of the tensor, ``reduce_scatter`` of it into 1/W shards, ``all_gather`` of 1/W shards into it: the
+    collectives ZeRO issues, as `plan.network_format` models them. float32 elements; the tensor is rounded up to a
+    multiple of the world size. `group`: a subgroup (this rank must be in it), default the whole job."""
     world_size = dist.get_world_size(group)
     on = _collective_device(device)
     elements = -(-max(1, message_bytes // 4) // world_size) * world_size

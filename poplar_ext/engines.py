@@ -28,16 +28,14 @@ def initialize(
 ) -> tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize`` with the plan of the config's ``poplar`` section (collective).
 
-    Same arguments and return values as DeepSpeed's: ``(engine, optimizer, training_dataloader,
-    lr_scheduler)``; the dataloader (None without `training_data`) yields this rank's
-    micro-batches. A `poplar_ext.pipeline.PoplarPipelineModule` gets a `PoplarPipelineEngine`
-    (its plan was settled when the module was built); any other model a `PoplarEngine` over
-    DeepSpeed ZeRO, where `loss_fn` and `checkpointing_toggle` serve its automatic profiling and
-    the plan's activation checkpointing (`poplar_ext.zero.initialize.initialize`). Raises
-    ValueError, on every rank alike and before any collective, for a bad config or a plan that
-    cannot run; under torchrun's restarting agent, a ValueError or TypeError it raises ends the job
-    instead of a restart (`poplar_ext.elastic`).
-    """
+    Same arguments and return values as DeepSpeed's: ``(engine, optimizer, training_dataloader, lr_scheduler)``; the
+    dataloader (None without `training_data`) yields this rank's micro-batches. A
+    `poplar_ext.pipeline.PoplarPipelineModule` gets a `PoplarPipelineEngine` (its plan was settled when the module was
+    built); any other model a `PoplarEngine` over DeepSpeed ZeRO, where `loss_fn` and `checkpointing_toggle` serve its
+    automatic profiling and the plan's activation checkpointing (`poplar_ext.zero.initialize.initialize`). Raises
+    ValueError, on every rank alike and before any collective, for a bad config or a plan that cannot run; under
+    torchrun's restarting agent, a ValueError or TypeError it raises ends the job instead of a restart
+    (`poplar_ext.elastic`)."""
     common = dict(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
         lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn,

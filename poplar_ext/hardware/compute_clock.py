@@ -61,8 +61,7 @@ def compute_window(device_kind: str, zero_stage: int) -> ComputeWindow:
     The thread's CPU time (CPU) ignores waits: every type at once, up to the reduction. CUDA events count
     waits: at ZeRO-0/1 nothing is communicated (all types at once, up to the reduction); at ZeRO-2 the
     reduce-scatter runs at the reduction (one type at a time, up to it); ZeRO-3's all-gathers run all
-    through the micro-step (one type at a time, all of it, the cost model subtracting its communication).
-    """
+    through the micro-step (one type at a time, all of it, the cost model subtracting its communication)."""
     cuda, stage_3 = device_kind == "cuda", zero_stage == 3
     return ComputeWindow(
         clock="cuda" if cuda else "thread",

@@ -36,8 +36,7 @@ def skip_deepspeed_shm_op() -> None:
     """Tell DeepSpeed not to build its CPU shared-memory op (call before its process group starts).
 
     DeepSpeed builds it where `deepspeed.ops.__compatible_ops__` (built once per process) marks it
-    compatible; it serves ``deepspeed.comm.inference_all_reduce`` alone, not ZeRO training.
-    """
+    compatible; it serves ``deepspeed.comm.inference_all_reduce`` alone, not ZeRO training."""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__[DEEPSPEED_SHM_OP] = False

@@ -106,8 +106,7 @@ _NAMED_MEMORY_NOT_THE_GPUS = re.compile(r"\bGH200\b", re.IGNORECASE)
 def normalize_device_name(reported_name: str, *, total_memory_bytes: int) -> str:
     """The device type through `DEVICE_NAME_TABLE`; an unknown name warns and gets `fallback_device_type`.
 
-    A MIG slice gets the whole GPU's type followed by ``-MIG-`` and its profile.
-    """
+    A MIG slice gets the whole GPU's type followed by ``-MIG-`` and its profile."""
     if not reported_name.strip():
         raise ValueError("reported_name: expected the device name the hardware reports, found an empty string")
     if total_memory_bytes < 1:
@@ -196,8 +195,7 @@ def join_job(**init_options: object) -> torch.device:
     """This rank's device selected, then the process group set up (`init_options`: ``deepspeed.init_distributed``'s).
 
     The order matters on CUDA: DeepSpeed binds the group to ``cuda:$LOCAL_RANK`` when it
-    starts it, so LOCAL_RANK must name a visible device by then (`select_job_device`).
-    """
+    starts it, so LOCAL_RANK must name a visible device by then (`select_job_device`)."""
     from poplar_ext.collectives import discover_launch_environment, ensure_process_group
     from poplar_ext.hardware.extension_builds import check_extension_build_locks
 
@@ -214,8 +212,7 @@ def select_job_device() -> torch.device:
 
     DeepSpeed takes LOCAL_RANK as a CUDA device index (the group's ``device_id``, the engine's device,
     ZeRO-3's partitioning): where it differs from `cuda_device_index`, LOCAL_RANK is rewritten to the
-    index and the launcher's value kept in ``POPLAR_LAUNCHER_LOCAL_RANK``.
-    """
+    index and the launcher's value kept in ``POPLAR_LAUNCHER_LOCAL_RANK``."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

@@ -112,8 +112,7 @@ def cluster_from_facts(facts: list[DeviceFacts]) -> Cluster:
     """The cluster description of the job the facts came from, in rank order.
 
     A node is a run of consecutive ranks with one node key; a host whose ranks are not consecutive, or
-    a host name several machines share, appears once per run (``host#2``, ...).
-    """
+    a host name several machines share, appears once per run (``host#2``, ...)."""
     assert [f.rank for f in facts] == list(range(len(facts))), "facts come in rank order"
     seen: Counter = Counter()
     nodes = []
@@ -148,8 +147,7 @@ def has_kernels_for(capability: tuple[int, int], arch_list: tuple[str, ...] | li
     """Whether a torch build with `arch_list` runs on a device of `capability`.
 
     ``sm_XY`` runs on X.Y and later minors of major X; ``compute_XY`` (PTX) on any device >= X.Y;
-    an arch-specific entry (``sm_90a``, ``compute_100a``) on exactly that capability.
-    """
+    an arch-specific entry (``sm_90a``, ``compute_100a``) on exactly that capability."""
     for found in filter(None, map(_ARCH.match, arch_list)):
         built = (int(found[2]), int(found[3]))
         if found[4]:
@@ -205,8 +203,7 @@ def agreed_cluster(
 
     `cluster`: a description, a cluster file (read by rank 0 alone), or None (built from `facts`). A real
     type that is not what the hardware reports: one ValueError on every rank. `name`: the setting's name
-    in messages (``poplar.cluster``, ``--cluster``).
-    """
+    in messages (``poplar.cluster``, ``--cluster``)."""
     from poplar_ext.collectives import broadcast_from_rank0, decided_by_rank0
 
     def decide() -> dict[str, Any]:

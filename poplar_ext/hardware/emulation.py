@@ -39,8 +39,7 @@ def check_emulation_range(
     """Each node's core demand (`core_demand` of its emulated ranks), on nodes taken to be like this machine.
 
     Beyond its `cores` (default: its usable cores): `EmulationRangeWarning`; beyond them with `load_average`
-    (default: its 1-minute load average) on top: a logged warning, since the load may pass.
-    """
+    (default: its 1-minute load average) on top: a logged warning, since the load may pass."""
     cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if load_average is None:
         load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -228,8 +227,7 @@ class ComputeSlowdown:
     ``with slowdown: ...``, or `start(key)` / `stop()` for a block spanning calls; the key names the kind
     of block (`micro_step_key`, `OPTIMIZER_STEP_KEY`, any hashable), whose base comes from `reference` or
     is learned. With `emulation` None it only measures. `window_waits`: True, or the keys of the blocks
-    that may wait in collectives: only their compute clock counts towards an overrun.
-    """
+    that may wait in collectives: only their compute clock counts towards an overrun."""
 
     def __init__(
         self,

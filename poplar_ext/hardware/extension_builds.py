@@ -32,8 +32,7 @@ def extension_build_locks(root: Path | None = None) -> list[Path]:
 def check_extension_build_locks(*, root: Path | None = None, stale_after_s: float = STALE_AFTER_S) -> None:
     """Refuse to start when a stale extension build lock would make every rank wait forever; log a fresh one.
 
-    Raises RuntimeError naming each stale lock, its age and how to remove it.
-    """
+    Raises RuntimeError naming each stale lock, its age and how to remove it."""
     now = time.time()
     stale = []
     for lock in extension_build_locks(root):

@@ -82,8 +82,7 @@ def steady_cpu_allocator() -> bool:
 
     By default each micro-step on CPU faults its activation memory in again: the kernel's page zeroing
     counts as CPU time (up to half of it on small models), depending on the sizes run before. With fixed
-    thresholds every step reuses the same pages, as a GPU's caching allocator does.
-    """
+    thresholds every step reuses the same pages, as a GPU's caching allocator does."""
     return _mallopt(_MMAP_THRESHOLD_MAX_BYTES, _TRIM_THRESHOLD_BYTES)
 
 
@@ -97,8 +96,7 @@ def default_cpu_allocator() -> bool:
 class MeasuredPeak:
     """Peak memory of the block it wraps: ``with MeasuredPeak(device) as peak: ...; peak.bytes``.
 
-    On CPU glibc tracks live memory inside it (slower: time the steps outside it), steady after it.
-    """
+    On CPU glibc tracks live memory inside it (slower: time the steps outside it), steady after it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -153,8 +151,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory on `device` since the last `reset_peak_memory`, in bytes.
 
     CUDA: the caching allocator's peak *reserved* memory: fragmentation and cached blocks are memory a
-    micro-batch at the edge also needs. The CUDA context and NCCL's buffers (`non_torch_bytes`) are not in it.
-    """
+    micro-batch at the edge also needs. The CUDA context and NCCL's buffers (`non_torch_bytes`) are not in it."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_reserved(device))
     if device.type != "cpu":

@@ -41,8 +41,7 @@ class _PlanPasses(torch.utils.data.Sampler[list[int]]):
 
     With `count_tokens` (``token_mean``), each iteration's micro-batches are taken from the
     sampler together (indices only) and ``count_tokens(position, micro_batches)`` is called
-    before the first is handed out, `position` being the iteration's stream position.
-    """
+    before the first is handed out, `position` being the iteration's stream position."""
 
     def __init__(self, sampler: PlanBatchSampler, count_tokens: Callable[[int, list], None] | None = None) -> None:
         self.plan_sampler = sampler
@@ -71,11 +70,9 @@ class _PlanPasses(torch.utils.data.Sampler[list[int]]):
 class PoplarAccelerator(Accelerator):
     """``accelerate.Accelerator`` training the plan of the DeepSpeed config's ``poplar`` section.
 
-    Same arguments as ``Accelerator``; DeepSpeed must be on (accelerate's config file, or
-    ``deepspeed_plugin=``). See docs/accelerate.md for what differs. After the first
-    ``prepare``: `plan` (every rank's), `poplar_engine` (after the model's), this rank's
-    `micro_batch_size` and ``gradient_accumulation_steps``, and `global_batch_size`.
-    """
+    Same arguments as ``Accelerator``; DeepSpeed must be on (accelerate's config file, or ``deepspeed_plugin=``). See
+    docs/accelerate.md for what differs. After the first ``prepare``: `plan` (every rank's), `poplar_engine` (after the
+    model's), this rank's `micro_batch_size` and ``gradient_accumulation_steps``, and `global_batch_size`."""
 
     @ends_job_on_user_error  # accelerate's refusals of its arguments and these: the same at every restart
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -223,10 +220,9 @@ class PoplarAccelerator(Accelerator):
         return result
 
     def _follow_plan_switch(self, plan: Any) -> None:
-        """A new plan from the next iteration on (re-balancing, or ``load_state`` resuming under the checkpoint's
-        last plan): ``accumulate()`` counts its accumulation count. It syncs when its micro-step counter
-        `step` is a multiple of the count, so the counter moves to the next multiple, as
-        `PoplarEngine.switch_plan` moves DeepSpeed's."""
+        """A new plan from the next iteration on (re-balancing, or ``load_state`` resuming under the checkpoint's last
+        plan): ``accumulate()`` counts its accumulation count. It syncs when its micro-step counter `step` is a multiple
+        of the count, so the counter moves to the next multiple, as `PoplarEngine.switch_plan` moves DeepSpeed's."""
         steps = plan.ranks[self.process_index].gradient_accumulation_steps
         self.gradient_accumulation_steps = steps
         self.step = -(-self.step // steps) * steps

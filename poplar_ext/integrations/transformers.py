@@ -296,10 +296,9 @@ class _PlanEvaluation:
         )
 
     def gather_round_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
-        """The gather during a plan's evaluation (``accelerator.gather``'s arguments): every rank's tensors
-        whole, rank 0's first, whatever their first dimension, except a padding batch's (collective). The
-        evaluation loop's gather; Trainer subclasses that gather metrics in ``compute_loss`` (TRL's) are
-        given it there too."""
+        """The gather during a plan's evaluation (``accelerator.gather``'s arguments): every rank's tensors whole, rank
+        0's first, whatever their first dimension, except a padding batch's (collective). The evaluation loop's gather;
+        Trainer subclasses that gather metrics in ``compute_loss`` (TRL's) are given it there too."""
         real = self._eval_round.sampler.real_counts(self._eval_round.index)
         accelerator = self.accelerator
         gather = functools.partial(type(accelerator).gather, accelerator)  # the class's: a subclass may replace it
@@ -317,15 +316,12 @@ class _PlanEvaluation:
 class PoplarTrainerMixin(_PlanEvaluation):
     """Everything `PoplarTrainer` does, for any ``transformers.Trainer`` subclass.
 
-    Put it first in the bases: ``class MyTrainer(PoplarTrainerMixin, SFTTrainer)``. Its
-    methods call ``super()``, so the subclass's own ``__init__``, ``compute_loss`` and
-    data collator run inside them: the subclass's loss is computed first and then weighted
-    to the global batch, and the train dataloader is the plan's (the subclass's dataset
-    preparation in ``__init__`` is kept; a ``get_train_dataloader`` of its own is
-    refused). A subclass that overrides these methods itself (a class *derived from*
-    the mixed class) must call ``super()`` in them for the plan to apply; see
-    docs/trainer.md.
-    """
+    Put it first in the bases: ``class MyTrainer(PoplarTrainerMixin, SFTTrainer)``. Its methods call ``super()``, so the
+    subclass's own ``__init__``, ``compute_loss`` and data collator run inside them: the subclass's loss is computed
+    first and then weighted to the global batch, and the train dataloader is the plan's (the subclass's dataset
+    preparation in ``__init__`` is kept; a ``get_train_dataloader`` of its own is refused). A subclass that overrides
+    these methods itself (a class *derived from* the mixed class) must call ``super()`` in them for the plan to apply;
+    see docs/trainer.md."""
 
     @ends_job_on_user_error  # the Trainer's own refusals too: every restart would meet them again
     def __init__(self, *positional: Any, **kwargs: Any) -> None:
@@ -333,11 +329,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         # data_collator, DPOTrainer's second ref_model).
         mro = type(self).__mro__
         kwargs = _named_arguments(list(mro[mro.index(PoplarTrainerMixin) + 1 :]), positional, kwargs)
-        model, args, train_dataset = (
-            kwargs.pop("model", None),
-            kwargs.pop("args", None),
-            kwargs.pop("train_dataset", None),
-        )
+        model, args, train_dataset = (kwargs.pop(name, None) for name in ("model", "args", "train_dataset"))
         configured = _refuse_before_settling(type(self), args)
         self.job = _settle_job(
             args, model, train_dataset, collate_fn=kwargs.get("data_collator"), configured=configured
@@ -412,7 +404,9 @@ class PoplarTrainerMixin(_PlanEvaluation):
             **self.job.poplar_config.data_order,
         )
         iterations = IterationSampler(self._train_sampler)
-        return self._prepared_loader(MicroBatchesDataset(dataset), iterations, _CollateEach(collator), training=True)
+        return self._prepared_loader(
+            MicroBatchesDataset(dataset), iterations, functools.partial(_collate_each, collator), training=True
+        )
 
     def _prepared_loader(self, dataset: Any, batch_sampler: Any, collate_fn: Any, *, training: bool) -> Any:
         """A DataLoader of `batch_sampler` (already this rank's) prepared by the Trainer's accelerator, passed through
@@ -564,10 +558,9 @@ class PoplarTrainerMixin(_PlanEvaluation):
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's, with one DeepSpeed save per checkpoint, whole. At ZeRO 3 without
-        stage3_gather_16bit_weights_on_model_save, save_model falls back to a DeepSpeed save into checkpoint-N in
-        place, which `_save_optimizer_and_scheduler` then saved again: two full copies, twice the peak disk. The
-        fallback saves nothing where that save follows, and through `save_whole` where it does not
-        (save_only_model)."""
+        stage3_gather_16bit_weights_on_model_save, save_model falls back to a DeepSpeed save into checkpoint-N in place,
+        which `_save_optimizer_and_scheduler` then saved again: two full copies, twice the peak disk. The fallback saves
+        nothing where that save follows, and through `save_whole` where it does not (save_only_model)."""
         if not self.is_deepspeed_enabled:
             return super()._save_checkpoint(model, trial)
         fallback = self._save_deepspeed_whole if self.args.save_only_model else _no_deepspeed_save
@@ -609,15 +602,13 @@ class PoplarTrainerMixin(_PlanEvaluation):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _check_resume(self, resume_from_checkpoint: str | bool) -> str | None:
-        """Decide, on rank 0 and before anything is loaded, whether the checkpoint can continue here; returns
-        the checkpoint folder (None: output_dir holds none).
+        """Decide, on rank 0 and before anything is loaded, whether the checkpoint can continue here; returns the
+        checkpoint folder (None: output_dir holds none).
 
-        The Trainer resumes by its step count: the data continues at the saved position
-        when the global batch is the checkpoint's, whatever the allocation or the number
-        of ranks (a lost node, an elastic restart); another global batch, or another data
-        order, is refused. On another number of ranks at ZeRO stages 1-3 the optimizer
-        state is resharded when the engine exists (`_prepare_for_training`).
-        """
+        The Trainer resumes by its step count: the data continues at the saved position when the global batch is the
+        checkpoint's, whatever the allocation or the number of ranks (a lost node, an elastic restart); another global
+        batch, or another data order, is refused. On another number of ranks at ZeRO stages 1-3 the optimizer state is
+        resharded when the engine exists (`_prepare_for_training`)."""
 
         self._restore_replaced_tags(resume_from_checkpoint)
 
@@ -676,12 +667,10 @@ class PoplarTrainerMixin(_PlanEvaluation):
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
         """The Trainer's, with a checkpoint of another number of ranks loaded resharded.
 
-        The Trainer loads the DeepSpeed checkpoint right after building the engine, as it
-        was saved; on another number of ranks the ZeRO optimizer state must be resharded
-        first (`poplar_ext.runtime.reshard`), so here the engine is built without the load
-        and the resharded checkpoint loaded into it (the smallest seam the Trainer has
-        between the two).
-        """
+        The Trainer loads the DeepSpeed checkpoint right after building the engine, as it was saved; on another number
+        of ranks the ZeRO optimizer state must be resharded first (`poplar_ext.runtime.reshard`), so here the engine is
+        built without the load and the resharded checkpoint loaded into it (the smallest seam the Trainer has between
+        the two)."""
         if resume_from_checkpoint is None or not self._reshard_on_resume:
             prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         else:
@@ -793,14 +782,9 @@ class _EvalRound:
     loss_count: float = 0.0  # over this rank's real batches: what their loss is a mean over
 
 
-class _CollateEach:
+def _collate_each(collator: Any, micro_batches: list[list[Any]]) -> dict:
     """The data collator applied to each micro-batch of an iteration (`MicroBatchesDataset` items)."""
-
-    def __init__(self, collator: Any) -> None:
-        self.collator = collator
-
-    def __call__(self, micro_batches: list[list[Any]]) -> dict:
-        return {MICRO_BATCHES: [self.collator(samples) for samples in micro_batches]}
+    return {MICRO_BATCHES: [collator(samples) for samples in micro_batches]}
 
 
 def _dataset_and_collator(trainer: Any, dataset: Any, description: str) -> tuple[Any, Any]:
@@ -850,8 +834,7 @@ class PoplarTrainer(PoplarTrainerMixin, Trainer):
 
     Same arguments as ``Trainer``; ``args.deepspeed`` must name a DeepSpeed config (file
     or dict) with a ``poplar`` section. See docs/trainer.md for what differs.
-    ``self.plan`` is the plan every rank runs; ``self.args`` are this rank's arguments.
-    """
+    ``self.plan`` is the plan every rank runs; ``self.args`` are this rank's arguments."""
 
 
 __all__ = ["PoplarTrainer", "PoplarTrainerMixin"]

@@ -83,11 +83,9 @@ def merged_training_metrics(every_rank: list[dict[str, tuple[float, int]]]) -> d
 class PoplarSFTTrainer(_LocalMetrics, SFTTrainer):
     """``trl.SFTTrainer`` training the plan of the DeepSpeed config's ``poplar`` section.
 
-    Same arguments as ``SFTTrainer`` (by keyword); see docs/trainer.md. Padding-free
-    batches (``padding_free``, or ``packing`` with a ``bfd`` strategy) need an attention
-    that keeps the sequences of a flattened micro-batch apart (flash attention), or they
-    are refused.
-    """
+    Same arguments as ``SFTTrainer`` (by keyword); see docs/trainer.md. Padding-free batches (``padding_free``, or
+    ``packing`` with a ``bfd`` strategy) need an attention that keeps the sequences of a flattened micro-batch apart
+    (flash attention), or they are refused."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         given = _named_arguments([SFTTrainer], args, kwargs)
@@ -111,10 +109,9 @@ def _attention_to_be(model: Any, args: Any) -> str | None:
 
 @ends_job_on_user_error
 def _refuse_padding_free_across_sequences(args: Any, attention: str | None) -> None:
-    """Padding-free batches flatten a micro-batch into one row; an attention that does not
-    keep its sequences apart lets each attend to the others of its micro-batch, so the
-    loss depends on how the global batch is split (which poplar-ext changes per rank).
-    Refused before the mixin's refusals, and as they do, it ends a restarting launcher's job."""
+    """Padding-free batches flatten a micro-batch into one row; an attention that does not keep its sequences apart lets
+    each attend to the others of its micro-batch, so the loss depends on how the global batch is split (which poplar-ext
+    changes per rank). Refused before the mixin's refusals, and as they do, it ends a restarting launcher's job."""
     if args is None or attention is None:
         return
     strategy = getattr(args, "packing_strategy", None)
@@ -135,8 +132,7 @@ class PoplarDPOTrainer(_LocalMetrics, DPOTrainer):
     """``trl.DPOTrainer`` training the plan of the DeepSpeed config's ``poplar`` section.
 
     Same arguments as ``DPOTrainer`` (pass ``ref_model`` or let TRL build it); a loss type that
-    compares the pairs of a micro-batch is refused.
-    """
+    compares the pairs of a micro-batch is refused."""
 
     @ends_job_on_user_error  # as the mixin's refusals, which come after this one's
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -54,10 +54,8 @@ class _Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only transformer. ``model(tokens)`` returns the mean next-token loss.
 
-    ``activation_checkpointing = True`` recomputes each block's forward in backward
-    (torch.utils.checkpoint, non-reentrant) instead of keeping its activations: the
-    same gradients, less memory, more compute.
-    """
+    ``activation_checkpointing = True`` recomputes each block's forward in backward (torch.utils.checkpoint,
+    non-reentrant) instead of keeping its activations: the same gradients, less memory, more compute."""
 
     activation_checkpointing: bool = False
     """Read by forward; declared on the class, which is how `poplar_ext.activation_checkpointing` knows
@@ -119,8 +117,7 @@ class SyntheticTokens(torch.utils.data.Dataset):
     """A deterministic data set of random token sequences (sample i is the same everywhere).
 
     Each item is a LongTensor of ``sequence_length + 1`` tokens, so the model sees
-    ``sequence_length`` inputs and as many targets.
-    """
+    ``sequence_length`` inputs and as many targets."""
 
     def __init__(self, *, num_samples: int, sequence_length: int, vocab_size: int, seed: int = 0) -> None:
         if num_samples < 1:
