@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
@@ -36,15 +37,13 @@ def leave_process_group() -> None:
                 dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - at exit nothing is left to tell but the log
             logger.debug("ending the process group at exit failed: %s: %s", type(exc).__name__, exc)
-    # A gloo group's worker threads end only when the last Python reference to the group
-    # goes (destroy_process_group unregisters it; shutdown does not stop gloo's threads),
-    # and objects holding groups sit in reference cycles that only the collector frees.
-    # Left to the interpreter's final collection, a worker still releasing a finished
-    # collective asks for the GIL while the interpreter is finalizing and the process
-    # aborts. Collected here, the groups' destructors join their threads while the
-    # interpreter still serves them. Not every group: a ZeRO 1-3 DeepSpeed engine stays
-    # alive with its groups: torch's collector does not follow the hooks over its optimizer
-    # that DeepSpeed registers on the parameters (post-accumulate-grad, at least).
+    # A gloo group's worker threads end only when the last Python reference to the group goes (destroy_process_group
+    # unregisters it; shutdown does not stop gloo's threads), and objects holding groups sit in reference cycles that
+    # only the collector frees. Left to the interpreter's final collection, a worker still releasing a finished
+    # collective asks for the GIL while the interpreter is finalizing and the process aborts. Collected here, the
+    # groups' destructors join their threads while the interpreter still serves them. Not every group: a ZeRO 1-3
+    # DeepSpeed engine stays alive with its groups: torch's collector does not follow the hooks over its optimizer that
+    # DeepSpeed registers on the parameters (post-accumulate-grad, at least).
     gc.collect()
 
 
@@ -191,10 +190,8 @@ def release_shared_memory_name() -> None:
     name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
         os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), dist.get_rank()
     )
-    try:
+    with contextlib.suppress(FileNotFoundError):  # removed already (by hand, or a cleaner of /dev/shm)
         os.unlink(os.path.join(_SHM_DIR, name))
-    except FileNotFoundError:
-        pass  # removed already (by hand, or a cleaner of /dev/shm)
 
 
 def broadcast_from_rank0(obj: Any) -> Any:

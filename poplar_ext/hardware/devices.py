@@ -89,9 +89,8 @@ def _cleaned_name(reported_name: str) -> str:
 def fallback_device_type(reported_name: str, total_memory_bytes: int) -> str:
     """An unknown device's type: ``NVIDIA GeForce RTX 2080 Ti`` with 11 GB -> ``GeForce-RTX-2080-Ti-11GB``."""
     name = _cleaned_name(reported_name)
-    # The driver reports a card's nominal size less what it reserves: a little (a 2080 Ti's 11 GiB as 10.76),
-    # or up to 8% with ECC on (a T4's 16 as 14.75). The smallest sold size that holds it names it as the
-    # table would.
+    # The driver reports a card's nominal size less what it reserves: a little (a 2080 Ti's 11 GiB as 10.76), or up to
+    # 8% with ECC on (a T4's 16 as 14.75). The smallest sold size that holds it names it as the table would.
     memory_gib = total_memory_bytes / 2**30
     nominal = next((size for size in NOMINAL_MEMORY_GIB if size >= memory_gib), math.ceil(memory_gib))
     return f"{name}-{nominal}GB"

@@ -218,11 +218,7 @@ def agreed_cluster(
                 raise ValueError(f"{name}: {exc}") from exc
         problems = cluster_mismatches(found, facts)
         if problems:
-            source = (
-                "the discovered cluster"
-                if cluster is None
-                else (name if isinstance(cluster, Cluster) else str(cluster))
-            )
+            source = name if isinstance(cluster, Cluster) else str(cluster or "the discovered cluster")
             raise ValueError(f"{name}: {source} does not match the hardware: " + " ".join(problems))
         return cluster_to_dict(found)
 

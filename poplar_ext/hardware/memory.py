@@ -69,10 +69,10 @@ _DEFAULT_THRESHOLD_BYTES = 128 * 2**10  # glibc's default for both
 
 def _mallopt(mmap_threshold_bytes: int, trim_threshold_bytes: int) -> bool:
     mallopt = _libc_function("mallopt")
-    if mallopt is None:
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes)
+    return (
+        mallopt is not None
+        and bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes))
+        and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold_bytes))
     )
 
 

@@ -83,10 +83,9 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
         args,
         per_device_train_batch_size=rank_plan.micro_batch_size,
         per_device_eval_batch_size=eval_batch,
-        # Each item of the training dataloader is one optimizer step's micro-batches
-        # (`MICRO_BATCHES`): the Trainer counts optimizer steps, and the accumulation count
-        # can change when the plan does. DeepSpeed gets the rank's count once built
-        # (`PoplarTrainerMixin._wrap_engine`).
+        # Each item of the training dataloader is one optimizer step's micro-batches (`MICRO_BATCHES`): the Trainer
+        # counts optimizer steps, and the accumulation count can change when the plan does. DeepSpeed gets the rank's
+        # count once built (`PoplarTrainerMixin._wrap_engine`).
         gradient_accumulation_steps=1,
         deepspeed=config,
         # poplar-ext agrees on the iteration's tokens itself (`_get_num_items_in_batch`).
@@ -499,9 +498,8 @@ class PoplarTrainerMixin(_PlanEvaluation):
             engine = self.poplar_engine
             rank_plan = self.job.plan.ranks[self.job.rank] if engine is None else engine.rank_plan
             weight = self.job.world_size * rank_plan.micro_batch_size / self.plan.global_batch_size
-        # Always a new tensor: at ZeRO stage 0, DeepSpeed's hook on the engine's own output
-        # (the model's loss) divides its gradient by the accumulation count even with
-        # scale_wrt_gas=False, which an uneven plan must not get.
+        # Always a new tensor: at ZeRO stage 0, DeepSpeed's hook on the engine's own output (the model's loss) divides
+        # its gradient by the accumulation count even with scale_wrt_gas=False, which an uneven plan must not get.
         loss = loss * weight
         return (loss, outputs) if return_outputs else loss
 
@@ -542,19 +540,16 @@ class PoplarTrainerMixin(_PlanEvaluation):
 
     # -- checkpoints -------------------------------------------------------------------
     def _poplar_state(self) -> dict:
-        position = self.state.global_step * self.plan.global_batch_size
-        if self._train_sampler is not None:
-            position = self._train_sampler.iteration_start(self.state.global_step)
-        engine = self.poplar_engine
+        step, engine, sampler = self.state.global_step, self.poplar_engine, self._train_sampler
+        consumed = step * self.plan.global_batch_size
         state = poplar_client_state(
             self.plan,
-            consumed_samples=self.state.global_step * self.plan.global_batch_size,
-            data_position=position,
+            consumed_samples=consumed,
+            data_position=consumed if sampler is None else sampler.iteration_start(step),
             **self.job.poplar_config.data_order,
             plan_history=self._plan_history if engine is None else engine.plan_history,
         )
-        state["step"] = self.state.global_step
-        return state
+        return {**state, "step": step}
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's, with one DeepSpeed save per checkpoint, whole. At ZeRO 3 without

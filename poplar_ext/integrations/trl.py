@@ -28,10 +28,9 @@ class _LocalMetrics(PoplarTrainerMixin):
         if not self.model.training and self._eval_round is None:
             yield
             return
-        # Under a plan, ranks take different numbers of micro-steps of different sizes: a
-        # gather per micro-step would pair one rank's k-th micro-step with another's k-th
-        # of another optimizer step, wait for one that never comes, or meet other shapes.
-        # Evaluating, every rank runs one batch per round, of its own size: gathered whole.
+        # Under a plan, ranks take different numbers of micro-steps of different sizes: a gather per micro-step would
+        # pair one rank's k-th micro-step with another's k-th of another optimizer step, wait for one that never comes,
+        # or meet other shapes. Evaluating, every rank runs one batch per round, of its own size: gathered whole.
         gather = (lambda data, use_gather_object=False: data) if self.model.training else self.gather_round_metrics
         self.accelerator.gather_for_metrics = gather
         self.accelerator.gather = gather

@@ -133,6 +133,5 @@ class SyntheticTokens(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> torch.Tensor:
         if not 0 <= index < self.num_samples:
             raise IndexError(index)
-        # A generator per item keeps items independent of access order, which the
-        # exactly-once data tests rely on.
+        # A generator per item keeps items independent of access order, which the exactly-once data tests rely on.
         return random_tokens(self.vocab_size, (self.sequence_length + 1,), seed=self.seed * 1_000_003 + index)
