@@ -604,7 +604,6 @@ class PoplarTrainerMixin(_PlanEvaluation):
         checkpoint's, whatever the allocation or the number of ranks (a lost node, an elastic restart); another global
         batch, or another data order, is refused. On another number of ranks at ZeRO stages 1-3 the optimizer state is
         resharded when the engine exists (`_prepare_for_training`)."""
-
         self._restore_replaced_tags(resume_from_checkpoint)
 
         def read() -> tuple[str | None, dict | None]:
@@ -625,8 +624,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
                     "step count decides where the data continues"
                 )
             return folder
-        current = self._poplar_state()
-        decision = resume_decision(saved, current, path=folder, step=saved.get("step", 0))
+        decision = resume_decision(saved, self._poplar_state(), path=folder, step=saved.get("step", 0))
         if saved["plan"]["global_batch_size"] != self.plan.global_batch_size:
             raise ValueError(
                 "resume_from_checkpoint: the checkpoint trained global batches of "
@@ -669,25 +667,31 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if resume_from_checkpoint is None or not self._reshard_on_resume:
             prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         else:
-            prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
-            self._load_resharded(resume_from_checkpoint)
-        self._wrap_engine()
-        if resume_from_checkpoint is not None:
-            self._position_for_resume()
-        return prepared
+            from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
 
-    def _position_for_resume(self) -> None:
-        """Start the plan's sampler at the first iteration of the epoch the Trainer resumes in: the Trainer
-        then skips that epoch's trained steps (accelerate's skip_first_batches), through a wrapper its own
-        ``set_epoch`` does not reach."""
-        if self._train_sampler is None:
-            return
-        step = self.state.global_step
-        iterations = self._train_sampler.iterations_per_pass
-        if iterations:
-            self._train_sampler.set_epoch(step // iterations)
-        if self._resume_decision is not None and self.poplar_engine is not None:
-            self.poplar_engine.continue_from(self._resume_decision, position_samplers=False, next_iteration=step)
+            prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
+            engine, rank, caller = self.model_wrapped, self.job.rank, "resume_from_checkpoint"
+            tag = decided_by_rank0(lambda: checkpoint_tag(resume_from_checkpoint, None), rank=rank)
+            if tag is None:
+                raise ValueError(f"{caller}: {resume_from_checkpoint} holds no DeepSpeed checkpoint ('latest')")
+            universal = resharded_tag(resume_from_checkpoint, tag, deepspeed_engine=engine, rank=rank, caller=caller)
+            with loading_resharded(engine):
+                path, _ = engine.load_checkpoint(
+                    resume_from_checkpoint, tag=universal, load_optimizer_states=True, load_lr_scheduler_states=True
+                )
+            if path is None:
+                raise ValueError(f"{caller}: DeepSpeed found nothing to load in {resume_from_checkpoint}")
+        self._wrap_engine()
+        if resume_from_checkpoint is not None and self._train_sampler is not None:
+            # The plan's sampler starts at the first iteration of the epoch the Trainer resumes in: the Trainer then
+            # skips that epoch's trained steps (accelerate's skip_first_batches), through a wrapper its own set_epoch
+            # does not reach.
+            step, iterations = self.state.global_step, self._train_sampler.iterations_per_pass
+            if iterations:
+                self._train_sampler.set_epoch(step // iterations)
+            if self._resume_decision is not None and self.poplar_engine is not None:
+                self.poplar_engine.continue_from(self._resume_decision, position_samplers=False, next_iteration=step)
+        return prepared
 
     def _wrap_engine(self) -> None:
         """Put a `PoplarEngine` between accelerate and the DeepSpeed engine the Trainer just built (the
@@ -705,25 +709,6 @@ class PoplarTrainerMixin(_PlanEvaluation):
         )
         wrapper.engine = wrapped
         self.poplar_engine = wrapped
-
-    def _load_resharded(self, resume_from_checkpoint: str) -> None:
-        from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
-
-        engine = self.model_wrapped
-        tag = decided_by_rank0(lambda: checkpoint_tag(resume_from_checkpoint, None), rank=self.job.rank)
-        if tag is None:
-            raise ValueError(
-                f"resume_from_checkpoint: {resume_from_checkpoint} holds no DeepSpeed checkpoint ('latest')"
-            )
-        universal = resharded_tag(
-            resume_from_checkpoint, tag, deepspeed_engine=engine, rank=self.job.rank, caller="resume_from_checkpoint"
-        )
-        with loading_resharded(engine):
-            path, _ = engine.load_checkpoint(
-                resume_from_checkpoint, tag=universal, load_optimizer_states=True, load_lr_scheduler_states=True
-            )
-        if path is None:
-            raise ValueError(f"resume_from_checkpoint: DeepSpeed found nothing to load in {resume_from_checkpoint}")
 
 
 @contextlib.contextmanager
