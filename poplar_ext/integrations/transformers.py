@@ -3,7 +3,6 @@ of transformers (``pip install 'poplar-ext[hf]'``). See docs/trainer.md (each ho
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -12,7 +11,7 @@ import itertools
 import logging
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import find_batch_size
+from transformers.trainer_utils import seed_worker
 
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
 from poplar_ext.collectives import agree_sum, agree_sums, barrier, decided_by_rank0
@@ -42,6 +42,7 @@ from poplar_ext.runtime.config import GlobalBatchRequest, PoplarConfig, load_dee
 from poplar_ext.runtime.data import IterationSampler, MicroBatchesDataset, PlanBatchSampler, check_plan_dataset
 from poplar_ext.runtime.evaluation import EvalBatchSampler, eval_batch_sizes
 from poplar_ext.runtime.job_start import read_poplar_section
+from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
 from poplar_ext.runtime.weighting import label_token_count
 from poplar_ext.zero.engine import PoplarEngine, set_deepspeed_batch
 from poplar_ext.zero.initialize import Job, prepare_job, rank_devices, wrap_built_engine
@@ -421,8 +422,6 @@ class PoplarTrainerMixin(_PlanEvaluation):
     def _dataloader_options(self, *, training: bool) -> dict[str, Any]:
         """The DataLoader settings the Trainer gives its own loaders (``TrainingArguments.dataloader_*``;
         training also seeds each worker as the Trainer does); the plan's sampler replaces the rest."""
-        from transformers.trainer_utils import seed_worker
-
         args = self.args
         options: dict[str, Any] = {
             "num_workers": args.dataloader_num_workers,
@@ -556,20 +555,30 @@ class PoplarTrainerMixin(_PlanEvaluation):
         stage3_gather_16bit_weights_on_model_save, save_model falls back to a DeepSpeed save into checkpoint-N in place,
         which `_save_optimizer_and_scheduler` then saved again: two full copies, twice the peak disk. The fallback saves
         nothing where that save follows, and through `save_whole` where it does not (save_only_model)."""
-        if not self.is_deepspeed_enabled:
-            return super()._save_checkpoint(model, trial)
         fallback = self._save_deepspeed_whole if self.args.save_only_model else _no_deepspeed_save
-        with _shadowed_save(self.model_wrapped, fallback):
-            return super()._save_checkpoint(model, trial)
+        return self._with_deepspeed_save(fallback, super()._save_checkpoint, model, trial)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The Trainer's, with DeepSpeed's save into checkpoint-N going through `save_whole`, as
         `PoplarEngine.save_checkpoint`'s does: the tag folder replaced whole once every rank has saved (nothing an
         earlier run's save there left), poplar-ext's state in it, then ``latest``."""
+        return self._with_deepspeed_save(self._save_deepspeed_whole, super()._save_optimizer_and_scheduler, output_dir)
+
+    def _with_deepspeed_save(self, save: Callable[..., None], method: Callable[..., Any], *args: Any) -> Any:
+        """`method(*args)` with the Trainer's calls of engine.save_checkpoint calling `save` (the engine's attribute,
+        shadowing the method; the one before after: these nest); as it is without DeepSpeed."""
         if not self.is_deepspeed_enabled:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        with _shadowed_save(self.model_wrapped, self._save_deepspeed_whole):
-            return super()._save_optimizer_and_scheduler(output_dir)
+            return method(*args)
+        engine = self.model_wrapped
+        before = engine.__dict__.get("save_checkpoint")
+        engine.save_checkpoint = save
+        try:
+            return method(*args)
+        finally:
+            if before is None:
+                del engine.save_checkpoint
+            else:
+                engine.save_checkpoint = before
 
     def _save_deepspeed_whole(self, save_dir: str, exclude_frozen_parameters: bool = False) -> None:
         """What the Trainer's engine.save_checkpoint(save_dir[, exclude_frozen_parameters]) does here: `save_whole`."""
@@ -667,8 +676,6 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if resume_from_checkpoint is None or not self._reshard_on_resume:
             prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         else:
-            from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
-
             prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
             engine, rank, caller = self.model_wrapped, self.job.rank, "resume_from_checkpoint"
             tag = decided_by_rank0(lambda: checkpoint_tag(resume_from_checkpoint, None), rank=rank)
@@ -709,21 +716,6 @@ class PoplarTrainerMixin(_PlanEvaluation):
         )
         wrapper.engine = wrapped
         self.poplar_engine = wrapped
-
-
-@contextlib.contextmanager
-def _shadowed_save(engine: Any, save: Callable[..., None]) -> Iterator[None]:
-    """Inside, the Trainer's calls of engine.save_checkpoint call `save` (this instance's attribute, shadowing the
-    method); the one before after (these nest)."""
-    before = engine.__dict__.get("save_checkpoint")
-    engine.save_checkpoint = save
-    try:
-        yield
-    finally:
-        if before is None:
-            del engine.save_checkpoint
-        else:
-            engine.save_checkpoint = before
 
 
 def _no_deepspeed_save(save_dir: str, exclude_frozen_parameters: bool = False) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from trl import DPOTrainer, SFTTrainer
 
+from poplar_ext.collectives import gather_objects
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.integrations.transformers import PoplarTrainerMixin, _named_arguments
 
@@ -44,8 +45,6 @@ class _LocalMetrics(PoplarTrainerMixin):
         logs them. Every rank logs at the same steps (the Trainer's logging), so the gather meets."""
         metrics = getattr(self, "_metrics", None)
         if metrics is not None and self.model.training and metrics.get("train"):
-            from poplar_ext.collectives import gather_objects
-
             mine = {key: (float(sum(values)), len(values)) for key, values in metrics["train"].items()}
             metrics["train"].clear()
             metrics["train"].update(merged_training_metrics(gather_objects(mine)))
