@@ -100,8 +100,7 @@ def device_label(device_type: str, emulation: Emulation | None) -> str:
     """How logs and results name a device: ``a100 (real)``, ``cpu-slow (emulated: 3.0x slower, 2.0 GB)``."""
     if emulation is None:
         return f"{device_type} (real)"
-    memory_gb = emulation.memory_capacity_bytes / 1e9
-    return f"{device_type} (emulated: {emulation.slowdown:g}x slower, {memory_gb:.1f} GB)"
+    return f"{device_type} (emulated: {emulation.slowdown:g}x slower, {emulation.memory_capacity_bytes / 1e9:.1f} GB)"
 
 
 def check_emulated_memory(emulation: Emulation | None, peak_memory_bytes: int, *, device_type: str = "") -> None:
@@ -176,9 +175,8 @@ def steady_reference(profile: Profile) -> SteadyReference | None:
     table = curve.table()
 
     def time_at(key: Hashable) -> float | None:
-        if not (isinstance(key, tuple) and len(key) == 2 and key[0] == "micro_step"):
-            return None
-        return float(table[key[1] - 1]) if 1 <= key[1] <= len(table) else None
+        at_size = isinstance(key, tuple) and len(key) == 2 and key[0] == "micro_step" and 1 <= key[1] <= len(table)
+        return float(table[key[1] - 1]) if at_size else None
 
     return SteadyReference(
         block_time_s=time_at,

@@ -39,10 +39,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     `MemoryError`, and a `RuntimeError` whose message holds one of `OUT_OF_MEMORY_MESSAGES`."""
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
-    if isinstance(exc, RuntimeError):
-        text = str(exc).lower()
-        return any(message in text for message in OUT_OF_MEMORY_MESSAGES)
-    return False
+    return isinstance(exc, RuntimeError) and any(message in str(exc).lower() for message in OUT_OF_MEMORY_MESSAGES)
 
 
 def _libc_function(name: str) -> Any:
@@ -193,6 +190,4 @@ def release_memory(device: torch.device) -> None:
 
 def allocated_device_bytes(device: torch.device) -> int | None:
     """The bytes torch's allocator holds for tensors on a CUDA `device` now; None on CPU (no such count)."""
-    if device.type != "cuda":
-        return None
-    return int(torch.cuda.memory_allocated(device))
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None

@@ -330,8 +330,7 @@ class PoplarAccelerator(Accelerator):
         return recursively_apply(self._gather_rows, input_data)
 
     def _gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dim() == 0:
-            tensor = tensor[None]
+        tensor = tensor[None] if tensor.dim() == 0 else tensor
         rows = self.gather(torch.tensor([tensor.shape[0]], device=tensor.device)).tolist()
         if len(set(rows)) == 1:  # even: accelerate's own (its evaluation remainder handling included)
             return super().gather_for_metrics(tensor)

@@ -11,13 +11,13 @@ import itertools
 import logging
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainingArguments
-from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import seed_worker
@@ -43,7 +43,7 @@ from poplar_ext.runtime.data import IterationSampler, MicroBatchesDataset, PlanB
 from poplar_ext.runtime.evaluation import EvalBatchSampler, eval_batch_sizes
 from poplar_ext.runtime.job_start import read_poplar_section
 from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
-from poplar_ext.runtime.weighting import label_token_count
+from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from poplar_ext.zero.engine import PoplarEngine, set_deepspeed_batch
 from poplar_ext.zero.initialize import Job, prepare_job, rank_devices, wrap_built_engine
 
@@ -216,8 +216,7 @@ class _PlanEvaluation:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         given = "eval_dataset"
         if isinstance(eval_dataset, str):
-            given = f"eval_dataset[{eval_dataset!r}]"
-            eval_dataset = self.eval_dataset[eval_dataset]
+            given, eval_dataset = f"eval_dataset[{eval_dataset!r}]", self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         return self._evaluation_loader(dataset, "Evaluation", given)
 
@@ -461,12 +460,9 @@ class PoplarTrainerMixin(_PlanEvaluation):
 
     def _loss_shifts_labels_truly(self) -> bool:
         if self._shifts_labels is None:
-            model = self.accelerator.unwrap_model(self.model)
-            # The loss the model computes (its loss_function property, the one it calls),
-            # not its loss_type: GPT2LMHeadModel has none and still uses ForCausalLMLoss.
-            self._shifts_labels = getattr(model, "loss_function", None) is ForCausalLMLoss and not getattr(
-                getattr(model, "config", None), "is_encoder_decoder", False
-            )
+            # The loss the model computes (its loss_function property, the one it calls), not its loss_type:
+            # GPT2LMHeadModel has none and still uses ForCausalLMLoss.
+            self._shifts_labels = loss_shifts_labels(self.accelerator.unwrap_model(self.model))
         return self._shifts_labels
 
     def compute_loss(
@@ -762,10 +758,7 @@ def _collate_each(collator: Any, micro_batches: list[list[Any]]) -> dict:
 def _dataset_and_collator(trainer: Any, dataset: Any, description: str) -> tuple[Any, Any]:
     """`dataset` and the data collator with the columns the model does not take removed, as the Trainer
     removes them for its own dataloaders (from a Hugging Face dataset, else in the collator)."""
-    try:
-        import datasets
-    except ImportError:
-        datasets = None
+    datasets = sys.modules.get("datasets")  # not imported: `dataset` is none of its
     if datasets is not None and isinstance(dataset, datasets.Dataset):
         return trainer._remove_unused_columns(dataset, description=description), trainer.data_collator
     return dataset, trainer._get_collator_with_removed_columns(trainer.data_collator, description=description)

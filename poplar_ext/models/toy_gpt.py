@@ -102,10 +102,8 @@ class GPT(nn.Module):
         per_sample = per_token.view(targets.shape).mean(dim=1)
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected one of {', '.join(map(repr, REDUCTIONS))}, found {reduction!r}")
-        if reduction == "sum":
-            return per_sample.sum()
-        # every sample has as many label tokens: the token mean is the sample mean
-        return per_sample.mean()
+        # token_mean: every sample has as many label tokens, so the token mean is the sample mean
+        return per_sample.sum() if reduction == "sum" else per_sample.mean()
 
 
 def num_parameters(model: nn.Module) -> int:
