@@ -8,7 +8,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-Clock = Literal["thread", "cuda"]  # ``thread``: this thread's CPU time; ``cuda``: the GPU's time (synchronised).
+Clock = Literal["thread", "cuda"]
+"""``thread``: this thread's CPU time; ``cuda``: the GPU's time (synchronised)."""
 
 
 class ComputeTimer(Protocol):
@@ -34,7 +35,8 @@ class ComputeTimer(Protocol):
 class ComputeWindow:
     """How a micro-step's compute is timed on one kind of device at one ZeRO stage (`compute_window`)."""
 
-    clock: Clock  # ``thread``: the computing thread's CPU time (waits cost none); ``cuda``: CUDA events (waits count).
+    clock: Clock
+    """``thread``: the computing thread's CPU time (waits cost none); ``cuda``: CUDA events (waits count)."""
     ends_at_reduction: bool
     """The window ends where DeepSpeed's gradient reduction starts (``allreduce_gradients``), as
     training's compute window does; False: at the micro-step's end."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-DEEPSPEED_SHM_OP = "deepspeed_shm_comm"  # The name DeepSpeed's op builder gives its CPU shared-memory communication op.
+DEEPSPEED_SHM_OP = "deepspeed_shm_comm"
+"""The name DeepSpeed's op builder gives its CPU shared-memory communication op."""
 
 
 def limit_cpu_threads(threads: int = 1) -> int:

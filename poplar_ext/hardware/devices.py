@@ -15,7 +15,8 @@ import torch
 
 from poplar_ext.plan.formats import Emulation
 
-CPU_DEVICE_TYPE = "cpu"  # The device type of a rank that trains on the CPU (real, not emulated).
+CPU_DEVICE_TYPE = "cpu"
+"""The device type of a rank that trains on the CPU (real, not emulated)."""
 
 
 class UnknownDeviceWarning(UserWarning):
@@ -26,8 +27,10 @@ class UnknownDeviceWarning(UserWarning):
 class DeviceNameRule:
     """One row of the normalising table."""
 
-    pattern: str  # Regular expression searched (case-insensitively) in the name the hardware reports.
-    device_type: str  # The device type a matching device gets, e.g. ``A100-80GB``.
+    pattern: str
+    """Regular expression searched (case-insensitively) in the name the hardware reports."""
+    device_type: str
+    """The device type a matching device gets, e.g. ``A100-80GB``."""
     min_memory_gib: float = 0.0
     """Match only devices with at least this much total memory (GiB): tells apart
     models whose reported name omits the memory size (``NVIDIA A100`` 40 vs 80 GB)."""

@@ -29,16 +29,21 @@ from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup, cluster_f
 class DeviceFacts:
     """What one rank's hardware says about the device it runs on."""
 
-    rank: int  # The rank (process group numbering).
-    host: str  # Host name of the rank's machine (what node names and messages show).
+    rank: int
+    """The rank (process group numbering)."""
+    host: str
+    """Host name of the rank's machine (what node names and messages show)."""
     node: str
     """Which machine and network namespace the rank runs in (`node_key`): containers that
     share a host name on two machines have two keys, ranks of one container one."""
     device_type: str
     """Device type through the device table (`poplar_ext.hardware.devices`), e.g. ``A100-80GB``; ``cpu``."""
-    hardware: str  # One line for people: the name the hardware reports, memory, capability.
-    memory_bytes: int  # Total memory of the physical device (the machine's RAM for a CPU rank).
-    device_id: str  # Which physical device on the host: the CUDA device's UUID, or ``cpu``.
+    hardware: str
+    """One line for people: the name the hardware reports, memory, capability."""
+    memory_bytes: int
+    """Total memory of the physical device (the machine's RAM for a CPU rank)."""
+    device_id: str
+    """Which physical device on the host: the CUDA device's UUID, or ``cpu``."""
     compute_capability: tuple[int, int] | None
     """(major, minor) of a CUDA device, e.g. (8, 0) for an A100; None for a CPU rank."""
     cuda_arch_list: tuple[str, ...]

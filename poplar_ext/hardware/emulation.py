@@ -141,7 +141,8 @@ def host_resident_optimizer_bytes(engine: Any) -> int:
     return sum(on_host.values())
 
 
-LEARNED_BLOCKS = 3  # Blocks of one kind timed by the compute clock before their median becomes the kind's base.
+LEARNED_BLOCKS = 3
+"""Blocks of one kind timed by the compute clock before their median becomes the kind's base."""
 
 OVERRUN_WARNING_SHARE = 0.02
 """Overrun above this share of the steady compute makes an emulated result suspect (`overrun_share`)."""
@@ -154,8 +155,10 @@ class SteadyReference:
     block_time_s: Callable[[Hashable], float | None]
     """Seconds of a block of that kind *at the profile's slowdown*, or None where the profile does not say
     (another kind of block, or a micro-batch beyond its largest)."""
-    profile_slowdown: float  # The slowdown the profile's times include (its emulation's ``slowdown``).
-    source: str  # Where the times come from, for logs (``the profile of cpu-slow at ZeRO stage 1``).
+    profile_slowdown: float
+    """The slowdown the profile's times include (its emulation's ``slowdown``)."""
+    source: str
+    """Where the times come from, for logs (``the profile of cpu-slow at ZeRO stage 1``)."""
 
     def base_s(self, key: Hashable) -> float | None:
         """The block's compute on the real device, or None."""
@@ -216,7 +219,8 @@ def micro_step_key(micro_batch_size: int) -> tuple[str, int]:
     return ("micro_step", int(micro_batch_size))
 
 
-OPTIMIZER_STEP_KEY = ("optimizer_step",)  # The block key of the optimizer step at an accumulation boundary.
+OPTIMIZER_STEP_KEY = ("optimizer_step",)
+"""The block key of the optimizer step at an accumulation boundary."""
 
 
 class ComputeSlowdown:
@@ -244,7 +248,8 @@ class ComputeSlowdown:
         self.slowdown = 1.0 if emulation is None else emulation.slowdown
         """The factor applied now (the engine follows the emulation's ``slowdown_schedule``)."""
         self.compute_time_s = 0.0  # compute clock time of the last block
-        self.busy_time_s = 0.0  # Sum of the blocks' steady times: the busy time a profile predicts (callers reset it).
+        self.busy_time_s = 0.0
+        """Sum of the blocks' steady times: the busy time a profile predicts (callers reset it)."""
         self.delay_s = 0.0  # time slept after the last block
         self.steady_s = 0.0  # sum of every block's steady time since the start (never reset)
         self.overrun_s = 0.0  # sum of the time blocks ran past their steady time (never reset)

@@ -97,7 +97,8 @@ class MeasuredPeak:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.bytes = 0  # The peak, in bytes (set when the block ends, also when it raised).
+        self.bytes = 0
+        """The peak, in bytes (set when the block ends, also when it raised)."""
 
     def __enter__(self) -> MeasuredPeak:
         if self.device.type == "cpu":

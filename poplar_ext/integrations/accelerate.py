@@ -90,7 +90,8 @@ class PoplarAccelerator(Accelerator):
                 f"{self.num_processes}: accelerate chose no distributed backend for DeepSpeed on this device (on CPU "
                 "it has none by default); pass kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')]"
             )
-        self.job: Job | None = None  # The plan and its context, settled by the first ``prepare`` on every rank.
+        self.job: Job | None = None
+        """The plan and its context, settled by the first ``prepare`` on every rank."""
         self.poplar_engine: PoplarEngine | None = None
         """The `PoplarEngine` over the DeepSpeed engine (what backward and checkpoints go through)."""
         self._train_sampler: PlanBatchSampler | None = None

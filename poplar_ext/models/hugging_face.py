@@ -9,7 +9,8 @@ import torch
 
 from poplar_ext.models.synthetic import random_tokens
 
-HF_TASKS = ("causal-lm", "masked-lm")  # what the built model predicts: the next token, or a seeded 15% of masked tokens
+HF_TASKS = ("causal-lm", "masked-lm")
+"""What the built model predicts: the next token, or a seeded 15% of masked tokens."""
 
 
 def model_from_config(config_class: str, sizes: dict[str, Any], *, task: str = "causal-lm") -> Any:

@@ -18,11 +18,14 @@ from poplar_ext.reductions import REDUCTIONS
 class GPTConfig:
     """Shape of the model."""
 
-    vocab_size: int = 256  # Number of token ids.
-    sequence_length: int = 32  # Tokens per sample (the context length).
+    vocab_size: int = 256
+    """Number of token ids."""
+    sequence_length: int = 32
+    """Tokens per sample (the context length)."""
     num_layers: int = 2
     num_heads: int = 2
-    hidden_size: int = 64  # Width of the residual stream; must divide by num_heads.
+    hidden_size: int = 64
+    """Width of the residual stream; must divide by num_heads."""
 
     @classmethod
     def gpt2_small(cls, *, sequence_length: int = 512) -> GPTConfig:
