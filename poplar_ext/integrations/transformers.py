@@ -745,9 +745,12 @@ class _EvalRound:
     """Where a plan's evaluation loop is: its sampler, the round of the batch in hand, the loss so far."""
 
     sampler: EvalBatchSampler
-    index: int = -1  # the round whose batch the loop handles now (prediction_step counts them)
-    loss_sum: float = 0.0  # over this rank's real batches: loss x what it is a mean over (tokens or samples)
-    loss_count: float = 0.0  # over this rank's real batches: what their loss is a mean over
+    index: int = -1
+    """The round whose batch the loop handles now (prediction_step counts them)."""
+    loss_sum: float = 0.0
+    """Sum over this rank's real batches of loss x what it is a mean over."""
+    loss_count: float = 0.0
+    """Sum over this rank's real batches of what their loss is a mean over (tokens or samples)."""
 
 
 def _collate_each(collator: Any, micro_batches: list[list[Any]]) -> dict:
