@@ -114,10 +114,13 @@ def _read(node: Node, cls: type, optional: tuple[str, ...] = (), **readers: Read
     return cls(**_values(node.obj().keys_within(_keys(cls)), cls, optional, **readers))
 
 
-def _root(data: Any, source: str, cls: type, version: int, *more_keys: str) -> Node:
-    """The top-level object of a file of `cls`, its keys and its ``schema_version`` checked."""
+def _root(data: Any, source: str, cls: type, version: int, *more_keys: str, integer: bool = False) -> Node:
+    """The top-level object of a file of `cls`, its keys and its ``schema_version`` checked (`integer`: first
+    an integer, as the pipeline formats have always asked: 1.0 is refused there)."""
     root = Node(data, source).obj().keys_within((*_keys(cls), *more_keys))
     found = root.field("schema_version")
+    if integer:
+        found.integer()
     if isinstance(found.value, bool) or found.value != version:
         raise found.fail(f"schema_version {version}")
     return root

@@ -155,7 +155,7 @@ def _layer(node: Node, index: int) -> LayerCost:
 
 def layer_profile_from_dict(data: Any, *, source: str = "<layer profile>") -> LayerProfile:
     """Validate parsed JSON and build a `LayerProfile`; raises `FormatError`."""
-    root = _root(data, source, LayerProfile, LAYER_PROFILE_SCHEMA_VERSION)
+    root = _root(data, source, LayerProfile, LAYER_PROFILE_SCHEMA_VERSION, integer=True)
     model = _model_info(root.field("model"))
     layers = root.field("layers").items(min_length=1, max_length=MAX_LAYERS)
     values = _values(
@@ -317,7 +317,7 @@ def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> Pi
     """Validate parsed JSON and build a `PipelinePlan`; raises `FormatError`. Checks its own consistency (every rank
     0..N-1 in one stage, stages covering the layers in order, the global batch the pipelines' sum, ZeRO stage 0 or 1);
     cluster and memory where known (`search.pipeline_search.check_pipeline_plan`, the runtime)."""
-    root = _root(data, source, PipelinePlan, PIPELINE_PLAN_SCHEMA_VERSION)
+    root = _root(data, source, PipelinePlan, PIPELINE_PLAN_SCHEMA_VERSION, integer=True)
     root.field("parallelism").string(choices=("pipeline",))
     num_layers = root.field("num_layers").integer(minimum=1, maximum=MAX_LAYERS)
     pipeline_nodes = root.field("pipelines").items(min_length=1, max_length=MAX_WORLD_SIZE)

@@ -232,3 +232,18 @@ def test_a_bad_layer_profile_is_refused_naming_the_field(change, match):
     change(data)
     with pytest.raises(FormatError, match=r"^l\.json: " + match):
         layer_profile_from_dict(data, source="l.json")
+
+
+@pytest.mark.parametrize("version", [1.0, None, "1", True, 1.5])
+@pytest.mark.parametrize("kind", ["pipeline plan", "layer profile"])
+def test_a_pipeline_format_wants_an_integer_schema_version(kind, version):
+    if kind == "pipeline plan":
+        data, read = _plan(), pipeline_plan_from_dict
+    else:
+        data, read = layer_profile_to_dict(_layer_profile()), layer_profile_from_dict
+    data["schema_version"] = version
+    with pytest.raises(FormatError, match=r"^f\.json: schema_version: expected an integer, found "):
+        read(data, source="f.json")
+    data["schema_version"] = 2
+    with pytest.raises(FormatError, match=r"^f\.json: schema_version: expected schema_version 1, found number 2$"):
+        read(data, source="f.json")
