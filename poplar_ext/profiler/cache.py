@@ -287,8 +287,9 @@ def _load_profile(path: Path) -> Profile | None:
     return None if is_cluster_or_plan(data) else profile_from_dict(data, source=str(path))
 
 
-def _stored(directory: Path, *, layers: bool = False) -> list[tuple[Path, Any]]:
-    """Every profile (`layers`: layer profile) in `directory` (its ``layers/``), each with its path."""
+def _stored(directory: Path, *, layers: bool = False, stacklevel: int = 3) -> list[tuple[Path, Any]]:
+    """Every profile (`layers`: layer profile) in `directory` (its ``layers/``), each with its path; a bad file's
+    warning points `stacklevel` frames up: at the caller of the public lookup (3) or store (4, through `_store`)."""
     directory, load = (layer_profiles_dir(directory), load_layer_profile) if layers else (directory, _load_profile)
     found = []
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
@@ -297,7 +298,7 @@ def _stored(directory: Path, *, layers: bool = False) -> list[tuple[Path, Any]]:
         except FormatError as exc:
             # Not fatal here: the profile is measured again and the bad file is named.
             kind = "layer profile" if layers else "profile"
-            warnings.warn(f"profile cache: ignoring a file that is not a valid {kind}: {exc}", stacklevel=3)
+            warnings.warn(f"profile cache: ignoring a file that is not a valid {kind}: {exc}", stacklevel=stacklevel)
             continue
         if loaded is not None:
             found.append((path, loaded))
@@ -397,7 +398,7 @@ def store_layer_profile(cache_dir: str | Path, profile: LayerProfile) -> Path:
 def _store(cache_dir: str | Path, profile: Any, key: Callable[[Any], tuple], save: Callable[[Any, Path], None]) -> Path:
     """`profile` written over the stored one of the same `key`, else into a new file."""
     layers = isinstance(profile, LayerProfile)
-    stored = _stored(Path(cache_dir), layers=layers)
+    stored = _stored(Path(cache_dir), layers=layers, stacklevel=4)
     target = next((path for path, s in stored if key(s) == key(profile)), None)
     target = target or (layer_profiles_dir(cache_dir) if layers else Path(cache_dir)) / profile_file_name(profile)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -12,11 +12,15 @@ from typing import Any
 import pytest
 
 from poplar_ext.plan.formats import Emulation, ModelInfo, Profile, Sample, load_profiles
+from poplar_ext.plan.pipeline_formats import LayerCost, LayerProfile, LayerSample
 from poplar_ext.profiler.cache import (
+    LayerProfileKey,
     ProfileKey,
     ds_config_fingerprint,
+    find_cached_layer_profile,
     find_cached_profile,
     profile_file_name,
+    store_layer_profile,
     store_profile,
 )
 from poplar_ext.profiler.measure import MeasureSettings
@@ -104,6 +108,40 @@ def test_a_broken_file_is_ignored_with_a_warning_naming_it(tmp_path: Path) -> No
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.warns(UserWarning, match="profile cache: ignoring .*broken.json"):
         assert find_cached_profile(tmp_path, _key()) == _profile()
+
+
+def _layer_profile() -> LayerProfile:
+    zero = _profile(zero_stage=1)
+    layer = LayerCost(
+        index=0,
+        name="Block",
+        samples=(LayerSample(micro_batch_size=1, step_time_s=0.01),),
+        parameter_bytes=4096,
+        optimizer_state_bytes=8192,
+        activation_bytes_per_sample=1000,
+        output_bytes_per_sample=256,
+        optimizer_step_time_s=0.001,
+    )
+    fields = ("device_type", "memory_capacity_bytes", "zero_stage", "model", "emulated", "measured_with")
+    return LayerProfile(**{f: getattr(zero, f) for f in fields}, layers=(layer,), base_memory_bytes=10**6)
+
+
+@pytest.mark.parametrize("layers", [False, True], ids=["profile", "layer profile"])
+def test_a_broken_file_is_reported_at_the_caller_of_a_lookup_and_a_store(tmp_path: Path, layers: bool) -> None:
+    folder = tmp_path / "layers" if layers else tmp_path
+    folder.mkdir(exist_ok=True)
+    (folder / "broken.json").write_text("{not json")
+    if layers:
+        calls = (
+            lambda: store_layer_profile(tmp_path, _layer_profile()),
+            lambda: find_cached_layer_profile(tmp_path, LayerProfileKey.of_profile(_layer_profile())),
+        )
+    else:
+        calls = (lambda: store_profile(tmp_path, _profile()), lambda: find_cached_profile(tmp_path, _key()))
+    for call in calls:
+        with pytest.warns(UserWarning, match="profile cache: ignoring .*broken.json") as caught:
+            call()
+        assert [w.filename for w in caught] == [__file__]
 
 
 def test_a_missing_directory_is_an_empty_cache(tmp_path: Path) -> None:
