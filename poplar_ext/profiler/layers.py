@@ -183,13 +183,13 @@ class _LayerRun:
 def _run_layer(
     layer: nn.Module, inputs: Any, labels: Any, *, last: bool, loss_fn: PipelineLossFn | None, device: torch.device
 ) -> _LayerRun:
-    leaf = map_tensors(_received, inputs)
+    leaf = map_tensors(_received, inputs, walk_dicts=False)
     parameter_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     kept: dict[int, int] = {}
 
     # What the forward gets: a copy, so that an in-place first operation (``ReLU(inplace=True)``) works,
     # as it does on DeepSpeed's stages, whose input is not a leaf there.
-    stage_input = map_tensors(lambda t: t.clone() if t.requires_grad else t, leaf)
+    stage_input = map_tensors(lambda t: t.clone() if t.requires_grad else t, leaf, walk_dicts=False)
     # The copy stands for the received activation: saved, it is the input the stage keeps anyway.
     same_as_input = {
         copied.untyped_storage().data_ptr(): received.untyped_storage().data_ptr()
@@ -223,7 +223,7 @@ def _run_layer(
     # A stage keeps the activation it received until its backward: the layer's input counts.
     for t in _tensors(leaf):
         kept[t.untyped_storage().data_ptr()] = max(kept.get(t.untyped_storage().data_ptr(), 0), _nbytes([t]))
-    output = map_tensors(lambda t: t.to(device).detach(), result["output"])
+    output = map_tensors(lambda t: t.to(device).detach(), result["output"], walk_dicts=False)
     return _LayerRun(time_s=time_s, kept_bytes=sum(kept.values()), output=output)
 
 
@@ -243,7 +243,7 @@ def measure_layers(
     output_per_sample = [0] * len(layers)
     factor = max(1.0, slowdown)
     for b in measurement.micro_batch_sizes:
-        batch = map_tensors(lambda t: t.to(device), measurement.make_batch(b))
+        batch = map_tensors(lambda t: t.to(device), measurement.make_batch(b), walk_dicts=False)
         inputs, labels = batch if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
         for step in range(measurement.warmup_micro_steps + measurement.repeats):
             x = inputs

@@ -155,14 +155,15 @@ def default_loss(engine: Any, batch: Any) -> torch.Tensor:
     return output if loss is None else loss
 
 
-def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """`value` with `function` applied to every tensor in it (nested in tuples, lists, dicts)."""
+def map_tensors(function: Callable[[torch.Tensor], Any], value: Any, *, walk_dicts: bool = True) -> Any:
+    """`value` with `function` applied to every tensor in it, nested in tuples, lists and (`walk_dicts`, made plain
+    dicts) mappings; layer profiling leaves a mapping untouched, its type and its tensors' graphs kept."""
     if isinstance(value, torch.Tensor):
         return function(value)
-    if isinstance(value, Mapping):
+    if walk_dicts and isinstance(value, Mapping):
         return {k: map_tensors(function, v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return type(value)(map_tensors(function, v) for v in value)
+        return type(value)(map_tensors(function, v, walk_dicts=walk_dicts) for v in value)
     return value
 
 

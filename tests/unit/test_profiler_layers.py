@@ -263,3 +263,40 @@ def test_a_pipeline_models_options_are_checked_as_any_models(tmp_path, bad, mess
             progress=None,
             **options,
         )
+
+
+class _Outputs(dict):
+    """A dict subclass a layer returns (as a BatchEncoding or a ModelOutput is)."""
+
+
+class _DictBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: dict) -> dict:
+        return _Outputs(h=torch.relu(self.lin(x["h"])))
+
+
+def test_a_layer_passing_a_dict_gets_it_as_it_was_returned() -> None:
+    # Layer profiling walks tuples and lists only (as it always has): a dict between layers, and the batch's
+    # dict, reach the next layer untouched: the same object, its type kept, its tensors neither made leaves
+    # nor detached.
+    batch = {"h": torch.randn(2, 4)}
+    seen = []
+
+    def spy(x):
+        seen.append((x, x["h"].requires_grad, x["h"].grad_fn))
+        return x
+
+    measurement = LayerMeasurement(
+        make_batch=lambda b: (batch, None),
+        optimizer_factory=lambda parameters: torch.optim.SGD(parameters, lr=0.1),
+        micro_batch_sizes=(2,),
+        warmup_micro_steps=0,
+        repeats=1,
+    )
+    measure_layers(pipeline_layers([spy, _DictBlock(), spy, lambda x: x["h"]]), measurement)
+    (first, first_grad, _), (between, _, grad_fn) = seen
+    assert first is batch and not first_grad
+    assert type(between) is _Outputs and "Relu" in grad_fn.name()
