@@ -132,9 +132,17 @@ def training_dtype(ds_config: Mapping[str, Any]) -> str:
     return "float32"
 
 
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in a model's output: its ``.loss`` (Hugging Face), its ``"loss"`` entry, else the output."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    return output if loss is None else loss
+
+
 def default_loss(engine: Any, batch: Any) -> torch.Tensor:
-    """The loss of ``engine(**batch)``, ``engine(*batch)`` or ``engine(batch)``: its ``.loss`` (Hugging Face), its
-    ``"loss"`` entry, else the output; a TypeError says to pass ``loss_fn=`` where the model cannot be called so."""
+    """The loss (`loss_of`) of ``engine(**batch)``, ``engine(*batch)`` or ``engine(batch)``; a TypeError
+    says to pass ``loss_fn=`` where the model cannot be called so."""
     if isinstance(batch, Mapping):
         call, shape = (lambda: engine(**batch)), f"model(**batch) with the keys {', '.join(map(str, batch))}"
     elif isinstance(batch, (tuple, list)):
@@ -142,17 +150,13 @@ def default_loss(engine: Any, batch: Any) -> torch.Tensor:
     else:
         call, shape = (lambda: engine(batch)), "model(batch)"
     try:
-        output = call()
+        return loss_of(call())
     except TypeError as exc:
         raise TypeError(
             f"{exc} (poplar-ext called {shape}, as it does by default to profile and time micro-steps; for a model "
             "that takes its batch otherwise, or returns no loss, pass loss_fn=lambda engine, batch: loss to "
             "poplar_ext.initialize, or to profile_model)"
         ) from exc
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    return output if loss is None else loss
 
 
 def map_tensors(function: Callable[[torch.Tensor], Any], value: Any, *, walk_dicts: bool = True) -> Any:
@@ -688,13 +692,18 @@ def place_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     raise kind(f"profiling failed placing the model on the device: {errors}") from error
 
 
+def described_error(exc: Exception) -> tuple[str, type[Exception] | None]:
+    """`exc` as every rank receives it: its type and message, and the `USER_ERRORS` type it is, if any."""
+    return f"{type(exc).__name__}: {exc}", next((kind for kind in USER_ERRORS if isinstance(exc, kind)), None)
+
+
 def every_ranks_error(error: Exception | None) -> tuple[str, type[Exception]]:
-    """Every rank's error (None where it had none), one line, and the type every rank raises for them
-    (collective): the first rank's `USER_ERRORS` type where any has one (the user's code: `poplar_ext.elastic`
-    ends a restarting launcher's job, which every restart would repeat), else RuntimeError (restarted)."""
-    described = None
-    if error is not None:  # only the text travels: the rank that had it raises `from error`, its own traceback
-        described = f"{type(error).__name__}: {error}", next((k for k in USER_ERRORS if isinstance(error, k)), None)
+    """Every rank's error (None where it had none; its `described_error` travels), one line, and the type every
+    rank raises for them (collective): the first rank's `USER_ERRORS` type where any has one (the user's code, e.g.
+    a model that cannot take its batch: `poplar_ext.elastic` ends a restarting launcher's job, which every restart
+    would repeat), else RuntimeError (a lost peer, a device fault: restarted). Only the text travels: the rank that
+    had `error` raises `from error`, its own traceback showing the user's line."""
+    described = None if error is None else described_error(error)
     errors = [(rank, *e) for rank, e in enumerate(gather_objects(described)) if e]
     kind = next((kind for _, _, kind in errors if kind is not None), RuntimeError)
     return "; ".join(f"rank {rank}: {text}" for rank, text, _ in errors), kind

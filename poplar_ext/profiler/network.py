@@ -93,10 +93,15 @@ def _fits(
     return fits
 
 
+def node_ranks(layout: JobLayout) -> list[list[int]]:
+    """The ranks of each node of the job's cluster description, in rank order."""
+    counts = [sum(g.count for g in node.devices) for node in layout.cluster.nodes]
+    return [list(range(end - count, end)) for count, end in zip(counts, itertools.accumulate(counts))]
+
+
 def _scopes(layout: JobLayout, message_bytes: tuple[int, ...], warmup: int, repeats: int) -> dict[str, NetworkScope]:
     """With several nodes: the collectives within each node (all nodes at once) and among one rank per node."""
-    counts = [sum(g.count for g in node.devices) for node in layout.cluster.nodes]
-    nodes = [list(range(end - count, end)) for count, end in zip(counts, itertools.accumulate(counts))]
+    nodes = node_ranks(layout)
     if len(nodes) < 2:
         return {}
     scopes = {}

@@ -193,3 +193,29 @@ def test_the_automatic_measurer_returns_every_profile_it_measured_at_the_stage(m
     )
     measured = measure([("slow", 1)], simple_cluster({"fast": 1, "slow": 1}), force=force)
     assert sorted((p.device_type, p.zero_stage) for p in measured) == [("fast", 1), ("slow", 1)]
+
+
+def test_the_loss_in_a_models_output_and_an_error_as_every_rank_receives_it() -> None:
+    from types import SimpleNamespace
+
+    from poplar_ext.profiler.measure import described_error, loss_of
+
+    loss = torch.tensor(2.0)
+    assert loss_of(SimpleNamespace(loss=loss)) is loss  # Hugging Face's output
+    assert loss_of({"loss": loss, "logits": torch.ones(2)}) is loss
+    assert loss_of(loss) is loss
+    assert described_error(ValueError("bad batch")) == ("ValueError: bad batch", ValueError)
+    assert described_error(OSError("lost peer")) == ("OSError: lost peer", None)
+
+
+def test_the_ranks_of_each_node_in_rank_order() -> None:
+    from types import SimpleNamespace
+
+    from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup
+    from poplar_ext.profiler.network import node_ranks
+
+    def node(name: str, *counts: int) -> ClusterNode:
+        return ClusterNode(name=name, devices=tuple(DeviceGroup(device_type=f"t{c}", count=c) for c in counts))
+
+    cluster = Cluster(nodes=(node("a", 2, 1), node("b", 1), node("c", 2)))
+    assert node_ranks(SimpleNamespace(cluster=cluster)) == [[0, 1, 2], [3], [4, 5]]
