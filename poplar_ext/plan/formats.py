@@ -1,4 +1,5 @@
-"""Profiles, cluster descriptions and plans: read (validated, `FormatError`) and written. See profiles/README.md."""
+"""Profiles, cluster descriptions and plans: read (validated, `FormatError`) and written, the writers producing
+exactly what the loaders accept. See profiles/README.md."""
 
 from __future__ import annotations
 
@@ -707,6 +708,7 @@ def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
+    """Load and validate one profile file."""
     return profile_from_dict(read_json(path), source=str(path))
 
 
@@ -758,10 +760,12 @@ def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
 
 
 def load_cluster(path: str | os.PathLike[str]) -> Cluster:
+    """Load and validate a cluster description."""
     return cluster_from_dict(read_json(path), source=str(path))
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Load and validate a plan."""
     return plan_from_dict(read_json(path), source=str(path))
 
 

@@ -59,11 +59,16 @@ def lever_options(variants_by_type: dict[str, Variants]) -> list[list[Levers]]:
 def lever_choices(variants_by_type: dict[str, Variants], zero_stage: int, *, choose: bool) -> list[dict[str, Levers]]:
     """The per-type memory levers a search at `zero_stage` tries, fewest levers first.
 
-    With `choose` (the ``poplar`` policy) every combination of the fitting variants (`lever_options`), stably sorted
-    by levers used; at stage 3 checkpointing is all-or-none and nothing offloads. Without `choose` (``uniform``,
-    ``proportional``) each type's first profiled variant (at stage 3 the first checkpointing setting every type has;
-    none when no setting has a profile for every type). At stages 0-2 this is the whole product: `search.lever_search`
-    finds its outcome without listing it, and this list stays its definition and its tests' oracle.
+    With `choose` (the ``poplar`` policy) every combination of the variants each type has that fit the model
+    (`lever_options`), sorted by the number of levers used, stably, so that among equally fast settings the first has
+    the fewest. At stage 3 activation checkpointing is all-or-none and no profile offloads: at most two settings.
+    Without `choose` (``uniform``, ``proportional``: what DeepSpeed or Whale would run) one setting per type: its first
+    profiled variant in `LEVERS_ORDER` (no lever where profiled so; at stage 3 the first checkpointing setting every
+    type has). Empty at stage 3 when no single checkpointing setting has a profile for every type.
+
+    At stages 0-2 with `choose` this is the whole product (``4 ** types`` settings when every type has all four):
+    `search.lever_search` finds the same outcome without listing it (search_plan never lists it), and this list
+    stays its definition and its tests' oracle.
     """
     types = list(variants_by_type)
     if zero_stage == 3:

@@ -192,6 +192,7 @@ def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile
 
 
 def load_network(path: str | os.PathLike[str]) -> NetworkProfile:
+    """Read one network file; `FormatError` names the file and field on bad input."""
     return network_from_dict(read_json(path), source=str(path))
 
 
