@@ -187,7 +187,8 @@ def profile_with(options: ProfileOptions, *, cache_dir_name: str = "cache_dir") 
 
 
 def _sequential_loss(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor]:
-    """An ``nn.Sequential`` profiled per layer too: whole-model micro-steps take the layers' batch and loss."""
+    """An ``nn.Sequential`` profiled per layer too: its whole-model micro-steps take the layers' batch,
+    ``(inputs, labels)``, and loss, ``loss_fn(outputs, labels)`` (None: the output summed), as they do."""
     from poplar_ext.profiler.layers import pipeline_loss
 
     return lambda engine, batch: pipeline_loss(engine(batch[0]), batch[1], loss_fn)
@@ -301,11 +302,12 @@ class _Session:
     trainable_parameters: int
     """Parameters with gradients (and optimizer state), of `model`'s ``num_parameters``."""
     timeouts: ShortCollectiveTimeouts | None = None
-    """Given to the groups each engine makes (None: not shortened)."""
+    """The short collective timeouts, given to the groups each engine makes (None: not shortened)."""
     network: NetworkProfile | None = None
     """The network measured (or found) for this cluster: what the profiles' times hold is priced by it."""
 
     def model_states(self, run: _Run) -> ModelStates:
+        """Every rank's static memory in `run` (`poplar_ext.search.model_states`)."""
         return model_states(
             num_parameters=self.model.num_parameters,
             num_trainable_parameters=self.trainable_parameters,
@@ -510,7 +512,8 @@ def _types_too_small(session: _Session, run: _Run) -> dict[str, str]:
 def _skipped_run(
     session: _Session, run: _Run, to_measure: tuple[str, ...], too_small: dict[str, str], reporter: _ProgressReporter
 ) -> _Produced:
-    """A run no engine is built for: a type too small gets a profile that fits nothing, the others none."""
+    """A run no engine is built for: a type too small gets a profile that fits nothing (its reason in
+    ``largest_micro_batch_probe.skipped``); the other types are not profiled."""
     reason = "; ".join(f"{t}: {why}" for t, why in too_small.items())
     reporter.stages_left -= 1  # counted among the stages to measure
     reporter.say(f"{run.title}: skipped, no engine built: {reason}")

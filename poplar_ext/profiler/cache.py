@@ -187,6 +187,7 @@ class JobKey:
         )
 
     def _shared(self, device_type: str, zero_stage: int) -> dict[str, Any]:
+        """What a profile and a layer profile of `device_type` at `zero_stage` are both keyed with."""
         job = {f.name: getattr(self, f.name) for f in dataclasses.fields(_Key) if hasattr(self, f.name)}
         return {**job, "device_type": device_type, "emulation": self.emulations[device_type], "zero_stage": zero_stage}
 
@@ -268,7 +269,8 @@ def writable_directory(directory: Path, *, rank: int, name: str = "cache_dir") -
 @dataclass
 class WritableBeforeMeasuring:
     """`writable_directory`, called where something is first to be measured and written: a cache with nothing
-    to measure is read from a directory rank 0 cannot write. Collective; checked once."""
+    to measure is read from a directory rank 0 cannot write. Collective (every rank calls it at the same
+    agreed point); checked once."""
 
     directory: Path
     rank: int

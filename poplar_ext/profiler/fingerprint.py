@@ -1,4 +1,5 @@
-"""Model fingerprint: which architecture a profile was measured with, never the weights' values. See
+"""Model fingerprint: which architecture a profile was measured with (module classes, parameter and buffer names,
+shapes and dtypes; never the weights' values), taken on the model as built, before DeepSpeed wraps it. See
 docs/profiling.md."""
 
 from __future__ import annotations

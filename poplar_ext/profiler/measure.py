@@ -381,7 +381,9 @@ class StageMeasurement:
     def _first_micro_step_fits(self) -> bool:
         """Micro-batch 1 without the boundary, agreed by all ranks: False when a rank ran out of memory."""
         # At ZeRO 0/1 it communicates nothing: a rank whose activations do not fit fails here and still reaches
-        # the agreement, not in the boundary's forward while the others wait in its gradient reduction.
+        # the agreement, not in the boundary's forward while the others wait in its gradient reduction. (The first
+        # boundary step's optimizer state comes after that reduction, so its out-of-memory is caught before the
+        # agreement too.)
         flag = _OK
         try:
             self._micro_step(1, boundary=False)
@@ -411,7 +413,7 @@ class StageMeasurement:
         """One memory micro-step (unless not `memory`), then warm-up and timed ones: (flag, peak, own times)."""
         # Memory has its own micro-step: on CPU tracking the live peak maps every block afresh, page faults that
         # would be timed as compute. Every rank runs every micro-step, also after an emulated out-of-memory
-        # (ZeRO-2/3 communicate in each); a real one stops this rank.
+        # (ZeRO-2/3 communicate in each); a real one stops this rank (profiles/README.md).
         flag, peak = _OK, 0
         own_times: list[float] = []
         if memory:
