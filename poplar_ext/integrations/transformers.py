@@ -29,6 +29,7 @@ from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.plan.formats import Plan
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
+    check_storages_agree,
     checkpoint_tag,
     history_entry,
     poplar_client_state,
@@ -611,17 +612,22 @@ class PoplarTrainerMixin(_PlanEvaluation):
         resharded when the engine exists (`_prepare_for_training`)."""
         self._restore_replaced_tags(resume_from_checkpoint)
 
-        def read() -> tuple[str | None, dict | None]:
+        def read() -> tuple[str | None, str | None, dict | None]:
             folder = _whole_checkpoint(resume_from_checkpoint, self.args.output_dir)
             if folder is None:
-                return None, None
+                return None, None, None
             place = Path(folder)
             # In the tag folder of the DeepSpeed checkpoint in it (its ``latest``), where PoplarEngine.load_checkpoint
             # reads it too; else beside the tag folder: where earlier poplar-ext versions wrote it (still read).
             tag = checkpoint_tag(place, None)
-            return str(folder), (tag is not None and read_state(place, tag)) or read_state(place.parent, place.name)
+            state = (tag is not None and read_state(place, tag)) or read_state(place.parent, place.name)
+            return str(folder), tag, state
 
-        folder, saved = decided_by_rank0(read, rank=self.job.rank)
+        folder, tag, saved = decided_by_rank0(read, rank=self.job.rank)
+        if tag is not None:  # each node's DeepSpeed load reads its own storage's files
+            check_storages_agree(
+                folder, tag, storage_rank=_storage_rank(self.args, self.job.rank), caller="resume_from_checkpoint"
+            )
         if saved is None:
             if self.job.rank == 0 and folder is not None:
                 logger.info(
@@ -650,9 +656,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         """`restore_replaced` (as the engines' loads do, `tag_for_load`) in the checkpoint folder a resume may read:
         the one `named`, or for ``True`` each ``checkpoint-N`` of output_dir (collective)."""
         folders = [Path(named)] if named is not True else list(Path(self.args.output_dir).glob("checkpoint-*"))
-        config = getattr(getattr(self.args, "hf_deepspeed_config", None), "config", None) or {}
-        node_local = config.get("checkpoint", {}).get("use_node_local_storage", False)
-        storage_rank = self.args.local_process_index if node_local else self.job.rank
+        storage_rank = _storage_rank(self.args, self.job.rank)
         for folder in folders:
             try:
                 tag = checkpoint_tag(folder, None)
@@ -717,6 +721,13 @@ class PoplarTrainerMixin(_PlanEvaluation):
 def _no_deepspeed_save(save_dir: str, exclude_frozen_parameters: bool = False) -> None:
     """save_model's DeepSpeed save when `_save_optimizer_and_scheduler`'s follows into the same folder: none (the
     Trainer reads this signature for exclude_frozen_parameters)."""
+
+
+def _storage_rank(args: TrainingArguments, rank: int) -> int:
+    """This rank's number among those writing its checkpoint storage, as DeepSpeed numbers them."""
+    config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
+    node_local = config.get("checkpoint", {}).get("use_node_local_storage", False)
+    return args.local_process_index if node_local else rank
 
 
 def _whole_checkpoint(named: str | bool, output_dir: str) -> str | None:

@@ -159,3 +159,18 @@ def test_another_global_batch_is_refused(tmp_path):
     trainer = _trainer(_plan([(2, 2), (2, 3)]), tmp_path)
     with pytest.raises(ValueError, match="trained global batches of 12 samples, this job's plan has 10"):
         PoplarTrainer._check_resume(trainer, str(folder))
+
+
+def test_a_resume_is_refused_where_the_nodes_storages_hold_different_saves(tmp_path, monkeypatch):
+    # Node-local storage: another node's first rank holds another save under the tag (its own stopped before it
+    # was whole); DeepSpeed would load each node's files as one checkpoint.
+    from poplar_ext import collectives
+
+    plan = _plan([(4, 2), (4, 1)])
+    folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
+    trainer = _trainer(plan, tmp_path)
+    monkeypatch.setattr(collectives, "gather_objects", lambda held: [held, "data position 999"])
+    with pytest.raises(ValueError, match=r"^resume_from_checkpoint: tag 'global_step2': expected one save under it"):
+        PoplarTrainer._check_resume(trainer, str(folder))
+    monkeypatch.setattr(collectives, "gather_objects", lambda held: [held, held])
+    assert PoplarTrainer._check_resume(trainer, str(folder)) == str(folder)
