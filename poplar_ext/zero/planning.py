@@ -412,8 +412,16 @@ def _plan_searched_at_start(
     missing = decided_by_rank0(
         lambda: _profiles_to_measure(request, measurable=measure_missing is not None), rank=rank, broadcast=broadcast
     )
+    measured_now: set[str] = set()  # every type the measurer measured, not only those missing
     if missing:
+        # Rank 0 reads the profiles, before and after: a type whose cache entry it refused is measured too.
+        before = request.directory.profiles(request.model_fingerprint) if rank == 0 else []
         request.directory.add_measured(measure_missing(missing, request.cluster))  # collective
+
+        def anew() -> set[str]:
+            return {p.device_type for p in request.directory.profiles(request.model_fingerprint) if p not in before}
+
+        measured_now = decided_by_rank0(anew, rank=rank, broadcast=broadcast)
 
     def search() -> dict[str, Any]:
         profiles = _searchable(
@@ -424,7 +432,7 @@ def _plan_searched_at_start(
     plan = plan_from_dict(decided_by_rank0(search, rank=rank, broadcast=broadcast), source=_SEARCHED_AT_START)
     if time_at_sizes is None or poplar_config.calibration.action == "off":
         return plan
-    cached = {t: s for t, s in plan_sizes([plan]).items() if all(t != measured for measured, _ in missing)}
+    cached = {t: s for t, s in plan_sizes([plan]).items() if t not in measured_now}
     if not cached:
         return plan  # every profile was measured just now
     return _calibrated(

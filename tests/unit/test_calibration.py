@@ -199,6 +199,35 @@ def test_a_stale_cached_profile_is_measured_again_with_remeasure(cluster_path, t
     assert {r.device_type: r.samples_per_iteration for r in plan.ranks}["fast"] <= 20
 
 
+def test_a_profile_the_measurer_measured_anew_beside_a_missing_one_is_not_calibrated(cluster_path, tmp_path):
+    # Measuring the missing "slow" profile also measured "fast" again (its cache entry refused, say): both
+    # profiles are this job's own, so none is timed against itself and called "trusted".
+    directory = tmp_path / "profiles"
+    _cached(directory)
+    (directory / "slow.json").unlink()
+    measured = [
+        dataclasses.replace(_profile("fast", 0.002), measured_with={"source": "measured", "again": True}),
+        dataclasses.replace(_profile("slow", 0.004), measured_with={"source": "measured", "again": True}),
+    ]
+    timed = []
+    config = poplar_config_from_dict(
+        {"cluster": str(cluster_path), "profiles": str(directory), "global_batch_size": 40},
+        base_dir=cluster_path.parent,
+    )
+    plan = resolve_plan(
+        config,
+        load_cluster(cluster_path),
+        world_size=2,
+        rank=0,
+        zero_stage=1,
+        broadcast=lambda o: o,
+        measure_missing=lambda missing, cluster, force=False: measured,
+        time_at_sizes=lambda sizes, plan, cluster: timed.append(sorted(sizes)) or {},
+    )
+    assert timed == []
+    assert plan.calibration == {}
+
+
 def test_re_balancing_re_plans_from_the_profile_calibration_measured_again(cluster_path, tmp_path):
     # Rank 0 stored the remeasured profile over the cached file: re-balancing (and steady emulation) get it
     # from the job's directory, not the stale one read before.
