@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from poplar_ext.runtime.checkpoint import UNIVERSAL_SUFFIX
+from poplar_ext.search.cli_common import EXIT_BAD_INPUT, EXIT_OK, CommandParser, printing
 
 logger = logging.getLogger(__name__)
 
@@ -373,9 +374,12 @@ def command_line(source: str | Path, target: str | Path) -> str:
     return f"python -m poplar_ext.runtime.reshard --input_folder {source} --output_folder {target}"
 
 
+PROG = "python -m poplar_ext.runtime.reshard"
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(
-        prog="python -m poplar_ext.runtime.reshard",
+    parser = parser or CommandParser(
+        prog=PROG,
         description="Write a ZeRO checkpoint (stages 1-3) in DeepSpeed's universal format with every optimizer "
         "state, for a resume on another number of ranks.",
     )
@@ -387,14 +391,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The command line; its exit status (stdout's failures as every CLI's: `printing`)."""
+    return printing(PROG, _convert, build_parser().parse_args(argv))
+
+
+def _convert(args: argparse.Namespace) -> int:
     try:
         target = convert_checkpoint(args.input_folder, args.output_folder)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(f"wrote {target}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -26,14 +26,26 @@ BENCH = (
     "args = SimpleNamespace(command='demo', run=lambda args: print_paths(['report.json'])); "
     "cli.build_parser = lambda: SimpleNamespace(parse_args=lambda argv: args); sys.exit(cli.main([]))"
 )
+RESHARD = (
+    "from poplar_ext.runtime import reshard; reshard.convert_checkpoint = lambda source, target: target; "
+    "sys.exit(reshard.main(['--input_folder', 'ckpt/t', '--output_folder', 'ckpt/t_universal']))"
+)
 ROOT = Path(__file__).resolve().parents[2]
-PROGRAMS = {"poplar-search": SEARCH, "poplar-profile": PROFILE, "poplar-bench demo": BENCH}
+PROGRAMS = {
+    "poplar-search": SEARCH,
+    "poplar-profile": PROFILE,
+    "poplar-bench demo": BENCH,
+    "python -m poplar_ext.runtime.reshard": RESHARD,
+}
 # --help is output too (argparse's own print_help ignores a failed write and exits 0), a sub-command's included.
 PROGRAMS |= {
     "poplar-search --help": "from poplar_ext.search.cli import main; sys.exit(main(['--help']))",
     "poplar-profile --help": "from poplar_ext.profiler.cli import main; sys.exit(main(['--help']))",
     "poplar-bench --help": "from poplar_bench.cli import main; sys.exit(main(['--help']))",
     "poplar-bench demo --help": "from poplar_bench.cli import main; sys.exit(main(['demo', '--help']))",
+    "python -m poplar_ext.runtime.reshard --help": (
+        "from poplar_ext.runtime.reshard import main; sys.exit(main(['--help']))"
+    ),
 }
 
 
