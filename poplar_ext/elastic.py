@@ -1,5 +1,6 @@
 """A job under torchrun's restarting agent ends at once on an error of its configuration or code (a ValueError or
-TypeError while it is settled); a lost node is still restarted. See docs/fault-tolerance.md."""
+TypeError while it is settled) instead of being restarted ``--max-restarts`` times; a lost node is still restarted.
+See docs/fault-tolerance.md."""
 
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def compute_window(device_kind: str, zero_stage: int) -> ComputeWindow:
     return ComputeWindow(
         clock="cuda" if cuda else "thread",
         ends_at_reduction=not (cuda and stage_3),
-        types_at_once=not (cuda and zero_stage >= 2),
+        types_at_once=not cuda or zero_stage in (0, 1),
         includes_communication=cuda and stage_3,
     )
 

@@ -1,4 +1,5 @@
-"""Process-wide CPU settings (torch threads, DeepSpeed's shm op), applied only when asked. Why they matter:
+"""Process-wide CPU settings (torch threads, DeepSpeed's shm op), applied only by programs that own their process,
+by `initialize` when the ``poplar`` section asks and by `profile_model` while it measures. Why they matter:
 docs/training.md (end), docs/deepspeed-notes.md (the shm op)."""
 
 from __future__ import annotations

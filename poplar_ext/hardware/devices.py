@@ -1,5 +1,5 @@
-"""Device identity: the one table (`DEVICE_NAME_TABLE`) from what the hardware reports to a device type; emulated
-types are declared, not read. See profiles/README.md (cluster description)."""
+"""Device identity: the one table (`DEVICE_NAME_TABLE`) from what the hardware reports to a device type, read in
+order, first match wins; emulated types are declared, not read. See profiles/README.md (cluster description)."""
 
 from __future__ import annotations
 
@@ -161,10 +161,11 @@ def hardware_description(device: torch.device) -> str:
             f"torch built for {' '.join(torch.cuda.get_arch_list()) or 'no CUDA architecture'}"
         )
     if device.type == "cpu":
-        model = platform.processor() or "unknown"
+        model = None
         with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-        return f"CPU {model} ({platform.machine()})"
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+        # Only as the fallback: on Linux platform.processor() runs `uname -p` in a child process.
+        return f"CPU {model or platform.processor() or 'unknown'} ({platform.machine()})"
     raise ValueError(f"device: expected a 'cpu' or 'cuda' device, found {device}")
 
 

@@ -247,17 +247,24 @@ class ComputeSlowdown:
         self.window_waits = window_waits
         self.slowdown = 1.0 if emulation is None else emulation.slowdown
         """The factor applied now (the engine follows the emulation's ``slowdown_schedule``)."""
-        self.compute_time_s = 0.0  # compute clock time of the last block
+        self.compute_time_s = 0.0
+        """Compute clock time of the last block."""
         self.busy_time_s = 0.0
         """Sum of the blocks' steady times: the busy time a profile predicts (callers reset it)."""
-        self.delay_s = 0.0  # time slept after the last block
-        self.steady_s = 0.0  # sum of every block's steady time since the start (never reset)
-        self.overrun_s = 0.0  # sum of the time blocks ran past their steady time (never reset)
-        self.overrun_blocks = 0  # blocks that ran past their steady time
-        self.blocks = 0  # blocks timed
+        self.delay_s = 0.0
+        """Time slept after the last block."""
+        self.steady_s = 0.0
+        """Sum of every block's steady time since the start (never reset)."""
+        self.overrun_s = 0.0
+        """Sum of the time blocks ran past their steady time (never reset)."""
+        self.overrun_blocks = 0
+        """Blocks that ran past their steady time."""
+        self.blocks = 0
+        """Blocks timed."""
         self._learned: dict[Hashable, list[float]] = {}
         self._overrun_by_kind: dict[str, float] = {}
-        self._started_at: tuple[float, float] | None = None  # (compute clock, wall clock) at start()
+        self._started_at: tuple[float, float] | None = None
+        """(compute clock, wall clock) at `start()`."""
         self._key: Hashable = None
 
     @property

@@ -1,5 +1,6 @@
-"""`PoplarSFTTrainer`, `PoplarDPOTrainer`: TRL's trainers on a plan, what cannot be exact refused; the only importer
-of trl (``pip install 'poplar-ext[trl]'``). See docs/trainer.md (refused settings, TRL's logged metrics)."""
+"""`PoplarSFTTrainer`, `PoplarDPOTrainer`: TRL's trainers on a plan, the loss weighted to the global batch as each
+trainer declares it, what cannot be exact refused; the only importer of trl (``pip install 'poplar-ext[trl]'``).
+See docs/trainer.md (refused settings, TRL's logged metrics)."""
 
 from __future__ import annotations
 

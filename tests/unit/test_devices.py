@@ -150,3 +150,24 @@ def test_a_real_rank_declared_as_another_device_is_a_problem() -> None:
         "the cluster description says 'slow'; name it 'cpu' as its hardware reports it, or declare it emulated under "
         "device_types"
     )
+
+
+def test_a_cpu_is_described_from_proc_cpuinfo_without_asking_platform_processor(monkeypatch):
+    # On Linux platform.processor() runs `uname -p` in a child process: a rank with its process group up
+    # asks it only where /proc/cpuinfo names no model.
+    import platform
+    from pathlib import Path
+
+    import torch
+
+    from poplar_ext.hardware.devices import hardware_description
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    model = next((line for line in lines if line.startswith("model name")), None)
+    if model is None:
+        pytest.skip("/proc/cpuinfo names no CPU model here")
+    asked = []
+    monkeypatch.setattr(platform, "processor", lambda: asked.append(True) or "from uname")
+    assert hardware_description(torch.device("cpu")) == f"CPU {model.split(':', 1)[1].strip()} ({platform.machine()})"
+    assert asked == []
