@@ -561,6 +561,14 @@ class PoplarTrainerMixin(_PlanEvaluation):
         earlier run's save there left), poplar-ext's state in it, then ``latest``."""
         return self._with_deepspeed_save(self._save_deepspeed_whole, super()._save_optimizer_and_scheduler, output_dir)
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's. Where it falls back to the engine's DeepSpeed save into `output_dir` (ZeRO 3 without
+        stage3_gather_16bit_weights_on_model_save), that save goes through `save_whole`, poplar-ext's state in it,
+        as a checkpoint's does; inside a checkpoint's save, `_save_checkpoint` has chosen it already."""
+        if not self.is_deepspeed_enabled or "save_checkpoint" in vars(self.model_wrapped):
+            return super().save_model(output_dir, _internal_call)
+        return self._with_deepspeed_save(self._save_deepspeed_whole, super().save_model, output_dir, _internal_call)
+
     def _with_deepspeed_save(self, save: Callable[..., None], method: Callable[..., Any], *args: Any) -> Any:
         """`method(*args)` with the Trainer's calls of engine.save_checkpoint calling `save` (the engine's attribute,
         shadowing the method; the one before after: these nest); as it is without DeepSpeed."""

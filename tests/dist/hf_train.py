@@ -61,10 +61,12 @@ def train(
     resume: bool | str = False,
     model_init: bool = False,
     gradient_checkpointing: bool = False,
+    save_model: bool = False,
 ) -> None:
     """One PoplarTrainer run; each rank writes what it trained, rank 0 the parameters and the Trainer's metrics.
     Also called on forked ranks (tests/dist/test_hf_trainer.py), several runs per group. `resume`: True for
-    the output folder's last checkpoint, or a checkpoint's path."""
+    the output folder's last checkpoint, or a checkpoint's path. `save_model`: trainer.save_model(out / "model")
+    once trained."""
     from transformers import TrainingArguments
 
     from poplar_ext.integrations.transformers import MICRO_BATCHES, PoplarTrainer
@@ -109,6 +111,8 @@ def train(
     offloading = bool(getattr(trainer.model_wrapped.optimizer, "cpu_offload", False))
     (out / f"offload-rank{rank}.json").write_text(json.dumps(offloading))
     params = hf.full_parameters(trainer.model_wrapped)
+    if save_model:
+        trainer.save_model(str(out / "model"))
     if rank == 0:
         torch.save(params, out / "params.pt")
         (out / "metrics.json").write_text(json.dumps(result.metrics))

@@ -114,6 +114,7 @@ def runs(tmp_path_factory):
     ranks)."""
     root = tmp_path_factory.mktemp("hf")
     jobs = [(str(_config(root / f"stage{stage}", stage)), str(root / f"stage{stage}"), {}) for stage in STAGES]
+    jobs[STAGES.index(3)][2]["save_model"] = True  # its weights not gathered: save_model's DeepSpeed save
     variants = {
         "checkpointing": ({"checkpointing": [False, True, True]}, {"gradient_checkpointing": True}),
         "model_init": ({"checkpointing": [True, False, False]}, {"model_init": True}),
@@ -134,6 +135,15 @@ def runs(tmp_path_factory):
     run_ranks(_train_runs, world_size=3, tmp_path=root / "ranks", args=(jobs, str(root / "rank0.log")), timeout_s=400)
     log = (root / "rank0.log").read_text()
     return root, {stage: log for stage in STAGES}
+
+
+def test_save_model_at_zero_3_without_gathered_weights_saves_a_whole_checkpoint(runs):
+    # The Trainer then falls back to the engine's save_checkpoint(output_dir) in place: through save_whole, as a
+    # checkpoint's save, it is whole, with poplar-ext's state beside DeepSpeed's files and nothing half-written.
+    model = runs[0] / "stage3" / "model"
+    tag = (model / "latest").read_text().strip()
+    assert (model / tag / "poplar_state.json").is_file()
+    assert not [p.name for p in model.iterdir() if p.name.endswith((".saving", ".replaced"))]
 
 
 @pytest.mark.parametrize("stage", STAGES)
