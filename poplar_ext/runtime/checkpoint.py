@@ -189,9 +189,14 @@ def _writes_failing_at_the_end(engine: Any) -> Iterator[list[Exception]]:
         del writer.save
 
 
+def _tag_folders(checkpoint_dir: str | Path, tag: str) -> tuple[Path, Path, Path]:
+    """TAG's folder and the two `save_whole` writes beside it: ``TAG.saving`` and ``TAG.replaced``."""
+    return tuple(Path(checkpoint_dir) / f"{tag}{suffix}" for suffix in ("", SAVING_SUFFIX, REPLACED_SUFFIX))
+
+
 def _swap_in(save_dir: str | Path, tag: str, state: dict, *, save_latest: bool) -> None:
     """The storage rank's part of `save_whole` once ``TAG.saving`` is whole."""
-    folder, new, old = (Path(save_dir) / f"{tag}{suffix}" for suffix in ("", SAVING_SUFFIX, REPLACED_SUFFIX))
+    folder, new, old = _tag_folders(save_dir, tag)
     write_state(save_dir, new.name, state)
     shutil.rmtree(Path(save_dir) / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
     if folder.exists():  # else TAG.replaced, if there, is the last whole checkpoint: kept until TAG is again
@@ -273,8 +278,7 @@ def restore_replaced(load_dir: str | Path, tag: str, *, storage_rank: int, calle
     may have swapped that save in, and every rank must load the same one (`check_storages_agree`); on shared
     storage it is the newest whole checkpoint, all of its ranks having saved. The caller waits for every storage
     before any rank reads TAG."""
-    folder = Path(load_dir) / tag
-    saving, replaced = (folder.with_name(f"{tag}{suffix}") for suffix in (SAVING_SUFFIX, REPLACED_SUFFIX))
+    folder, saving, replaced = _tag_folders(load_dir, tag)
     whole_save = (saving / STATE_FILE).is_file()
     if storage_rank != 0 or (folder.exists() and not whole_save):
         return
