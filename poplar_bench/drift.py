@@ -4,7 +4,6 @@ docs/bench.md (the four runs, the ideal of each moment, the goals)."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import statistics
 import time
@@ -104,6 +103,7 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
     from poplar_ext.models.toy_gpt import SyntheticTokens
 
     from . import demo_worker
+    from .local_ranks import endless_batches
 
     config = demo_worker.deepspeed_config(settings)
     config["poplar"] = {
@@ -121,7 +121,7 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
     loader = torch.utils.data.DataLoader(data, batch_sampler=engine.create_batch_sampler(len(data)))
     hook_s = timed_rebalancing(engine)
     iteration_s: list[float] = []
-    stream = itertools.chain.from_iterable(itertools.repeat(loader))  # the loader again at every pass's end
+    stream = endless_batches(loader, "the drift run's DataLoader (engine.create_batch_sampler)")
     warmup = 1
     for index in range(warmup + settings.drift_iterations):
         dist.barrier()

@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -93,6 +93,18 @@ def preimport_for_fork() -> None:
     skip_deepspeed_shm_op()
     with contextlib.suppress(ImportError):  # a DeepSpeed without it: the first initialize is merely slower
         import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (same reason)
+
+
+def endless_batches(loader: Iterable[Any], name: str) -> Iterator[Any]:
+    """`loader`'s batches, pass after pass, for a loop of any length; a pass yielding nothing fails at once
+    (RuntimeError naming `name`) where a plain repeat would spin for ever."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise RuntimeError(f"{name}: a pass over it yielded no batch")
 
 
 def free_port() -> int:
@@ -460,6 +472,7 @@ __all__ = [
     "LOG_TAIL_LINES",
     "RankFailure",
     "RankOutcome",
+    "endless_batches",
     "free_port",
     "preimport_for_fork",
     "run_command_ranks",

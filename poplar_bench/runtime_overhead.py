@@ -7,7 +7,6 @@ import os
 import statistics
 import tempfile
 import time
-from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +69,8 @@ def _rank_main(directory: str, blocks: int, block_iterations: int, warmup: int) 
     from poplar_ext.collectives import broadcast_from_rank0
     from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
 
+    from .local_ranks import endless_batches
+
     rank = dist.get_rank()
     configs = broadcast_from_rank0(_files(Path(directory)) if rank == 0 else None)
     shape = GPTConfig(**MODEL_SHAPE)
@@ -83,7 +84,7 @@ def _rank_main(directory: str, blocks: int, block_iterations: int, warmup: int) 
     # (DeepSpeed's own loader would start worker processes and measure those instead).
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=WORLD_SIZE, rank=rank, shuffle=True, seed=0)
     loader = torch.utils.data.DataLoader(data, batch_size=MICRO_BATCH_SIZE, sampler=sampler)
-    engines["raw"] = (engine, chain.from_iterable(repeat(loader)))
+    engines["raw"] = (engine, endless_batches(loader, "raw DeepSpeed's DataLoader (DistributedSampler)"))
     model = GPT(shape)
     engine, _, loader, _ = poplar_ext.initialize(
         model=model,
@@ -91,7 +92,7 @@ def _rank_main(directory: str, blocks: int, block_iterations: int, warmup: int) 
         training_data=data,
         config=configs["wrapped"],
     )
-    engines["wrapped"] = (engine, chain.from_iterable(repeat(loader)))
+    engines["wrapped"] = (engine, endless_batches(loader, "poplar_ext.initialize's DataLoader"))
     times: dict[str, list[list[float]]] = {"raw": [], "wrapped": []}
     cpu_times: dict[str, list[float]] = {"raw": [], "wrapped": []}
     for block in range(blocks):

@@ -122,3 +122,23 @@ def test_the_report_says_what_trained_and_on_which_machine():
     assert "load average (1 / 5 / 15 min) 2.5 / 2.0 / 1.5 at the start, 3.0 / 2.2 / 1.6 at the end" in text
     with pytest.raises(ValueError, match="loop: expected one of plain, trainer"):
         DriftSettings(loop="accelerate")
+
+
+class _EmptyLoader:
+    """A loader whose passes yield nothing; a third pass means the stream spins (fails instead of hanging)."""
+
+    passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        assert self.passes < 3, "the stream asked for pass after empty pass"
+        return iter(())
+
+
+def test_an_endless_stream_over_an_empty_loader_fails_at_once_naming_it():
+    from poplar_bench.local_ranks import endless_batches
+
+    stream = endless_batches([[1], [2]], "the two-batch loader")
+    assert [next(stream) for _ in range(5)] == [[1], [2], [1], [2], [1]]
+    with pytest.raises(RuntimeError, match="the empty loader: a pass over it yielded no batch"):
+        next(endless_batches(_EmptyLoader(), "the empty loader"))
