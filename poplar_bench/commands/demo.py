@@ -89,22 +89,25 @@ def run(args: argparse.Namespace) -> int:
     from .. import demo
     from ..demo_config import DemoSettings, default_devices, devices_from_slowdowns, eight_rank_devices
 
-    # A ValueError is bad input: cli.main says so and exits 2.
-    if args.eight_ranks and args.slowdowns is not None:
-        raise ValueError("expected --eight-ranks or --slowdowns, found both")
-    devices = default_devices() if args.slowdowns is None else devices_from_slowdowns(args.slowdowns)
-    settings = DemoSettings(
-        devices=eight_rank_devices() if args.eight_ranks else devices,
-        nodes=2 if args.eight_ranks else 1,
-        zero_stage=args.zero_stage,
-        iterations=args.iterations,
-        rounds=args.rounds,
-        global_batch_size=args.global_batch_size,
-        cache_dir=args.cache_dir,
-        force_profile=args.force_profile,
-        calibration=args.calibration,
-        calibration_action=args.calibration_action,
-    )
+    try:  # bad input reads as argparse's own errors for the command
+        if args.eight_ranks and args.slowdowns is not None:
+            raise ValueError("expected --eight-ranks or --slowdowns, found both")
+        devices = default_devices() if args.slowdowns is None else devices_from_slowdowns(args.slowdowns)
+        settings = DemoSettings(
+            devices=eight_rank_devices() if args.eight_ranks else devices,
+            nodes=2 if args.eight_ranks else 1,
+            zero_stage=args.zero_stage,
+            iterations=args.iterations,
+            rounds=args.rounds,
+            global_batch_size=args.global_batch_size,
+            cache_dir=args.cache_dir,
+            force_profile=args.force_profile,
+            calibration=args.calibration,
+            calibration_action=args.calibration_action,
+        )
+    except ValueError as exc:
+        print(f"poplar-bench demo: error: {exc}", file=sys.stderr)
+        return 2
     warn_if_no_figure("demo")
     try:
         if args.repetitions == 1:

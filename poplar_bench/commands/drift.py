@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ._options import add_cache_dir, add_output_dir, add_positive_int, print_paths, warn_if_no_figure
 
@@ -45,16 +46,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import drift
 
-    settings = drift.DriftSettings(  # a ValueError is bad input: cli.main says so and exits 2
-        factor=args.factor,
-        drift_at=args.drift_at,
-        recover_at=args.recover_at,
-        drift_iterations=args.iterations,
-        check_interval_steps=args.check_interval_steps,
-        cache_dir=args.cache_dir,
-        timeout_s=1800.0,
-        loop="trainer" if args.trainer else "plain",
-    )
+    try:  # bad input reads as argparse's own errors for the command
+        settings = drift.DriftSettings(
+            factor=args.factor,
+            drift_at=args.drift_at,
+            recover_at=args.recover_at,
+            drift_iterations=args.iterations,
+            check_interval_steps=args.check_interval_steps,
+            cache_dir=args.cache_dir,
+            timeout_s=1800.0,
+            loop="trainer" if args.trainer else "plain",
+        )
+    except ValueError as exc:
+        print(f"poplar-bench drift: error: {exc}", file=sys.stderr)
+        return 2
     warn_if_no_figure("drift")
     return print_paths(
         drift.run_drift(settings, out_dir=args.output_dir, name="drift_trainer" if args.trainer else "drift")

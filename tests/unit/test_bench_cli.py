@@ -226,3 +226,16 @@ def test_demo_refuses_slowdowns_that_need_more_cores_than_the_machine_has(monkey
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert cli.main(["demo", "--output-dir", str(tmp_path), "--slowdowns", "1,1,2"]) == 2
     assert "need 2.50 cores together" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--eight-ranks", "--slowdowns", "2,3"], "expected --eight-ranks or --slowdowns, found both"),
+        (["drift", "--drift-at", "10", "--recover-at", "5"], "expected 0 < drift_at < recover_at"),
+    ],
+)
+def test_demo_and_drift_bad_input_reads_as_argparse_errors(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"poplar-bench {argv[0]}: error: ") and message in err
