@@ -120,12 +120,24 @@ class ModelShape:
         s, h = self.sequence_length, self.hidden_size
         return 6.0 * self.num_parameters * s + 12.0 * self.num_layers * s * s * h
 
-    def kept_bytes_per_sample(self, activation_checkpointing: bool) -> int:
-        """Activations kept for backward, 16-bit, fused attention (docs/bench.md, "Modelled GPUs"); with
-        checkpointing per layer: each layer's 16-bit input, one layer's activations while it is recomputed."""
+    @property
+    def activation_bytes_per_sample(self) -> int:
+        """Activations kept for backward, 16-bit, fused attention (see docs/bench.md, "Modelled GPUs")."""
         s, h = self.sequence_length, self.hidden_size
-        layers = 2 * s * h * self.num_layers + 34 * s * h if activation_checkpointing else 34 * s * h * self.num_layers
-        return layers + 10 * s * self.vocab_size
+        return 34 * s * h * self.num_layers + 10 * s * self.vocab_size
+
+    @property
+    def checkpointed_activation_bytes_per_sample(self) -> int:
+        """With activation checkpointing per layer: each layer's 16-bit input kept, one layer's
+        activations alive while it is recomputed, and the head's."""
+        s, h = self.sequence_length, self.hidden_size
+        return 2 * s * h * self.num_layers + 34 * s * h + 10 * s * self.vocab_size
+
+    def kept_bytes_per_sample(self, activation_checkpointing: bool) -> int:
+        """`checkpointed_activation_bytes_per_sample` or `activation_bytes_per_sample`."""
+        if activation_checkpointing:
+            return self.checkpointed_activation_bytes_per_sample
+        return self.activation_bytes_per_sample
 
     @property
     def fingerprint(self) -> str:

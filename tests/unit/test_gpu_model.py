@@ -139,3 +139,14 @@ def test_the_generators_help_writes_nothing():
     )
     assert (done.returncode, "--output-dir" in done.stdout) == (0, True), done.stderr
     assert {p: p.stat().st_mtime_ns for p in example_profiles.HERE.rglob("*.json")} == before
+
+
+def test_activation_bytes_per_sample_with_and_without_checkpointing():
+    from poplar_bench.gpu_model import model_shape
+
+    shape = model_shape("gpt2-xl-1.5b")  # s 1024, h 1600, 48 layers, vocab 50257
+    head = 10 * 1024 * 50257
+    assert shape.activation_bytes_per_sample == 34 * 1024 * 1600 * 48 + head
+    assert shape.checkpointed_activation_bytes_per_sample == 2 * 1024 * 1600 * 48 + 34 * 1024 * 1600 + head
+    assert shape.kept_bytes_per_sample(False) == shape.activation_bytes_per_sample
+    assert shape.kept_bytes_per_sample(True) == shape.checkpointed_activation_bytes_per_sample
