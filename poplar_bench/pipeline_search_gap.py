@@ -1,6 +1,7 @@
 """How far the pipeline search's heuristic falls from the exact optimum, on small random cases.
 
-``python -m poplar_bench.pipeline_search_gap`` writes bench/results/pipeline_search_gap.{json,md} (docs/bench.md).
+``python -m poplar_bench.pipeline_search_gap`` writes pipeline_search_gap.{json,md} (docs/bench.md) to --output-dir:
+by default bench/results of an editable checkout, otherwise the current directory.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import argparse
 import collections
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,7 @@ from poplar_ext.search.network import modelled_network
 from poplar_ext.search.pipeline_layouts import all_layouts, candidate_layouts, rank_nodes
 from poplar_ext.search.pipeline_search import _exact_count, search_pipeline_plan
 
-from .commands._options import default_output_dir
+from .commands._options import add_output_dir, default_output_dir
 from .report import machine_description, utc_now, write_json_and_markdown
 
 DEFAULT_CASES = 300
@@ -226,9 +226,7 @@ def render(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=DEFAULT_CASES, help=f"seeded cases (default {DEFAULT_CASES})")
-    parser.add_argument(
-        "--output-dir", type=Path, help="where pipeline_search_gap.{json,md} go (default: the checkout's bench/results)"
-    )
+    add_output_dir(parser)
     args = parser.parse_args(argv)
     report = gap_report(args.cases)
     output_dir = args.output_dir or default_output_dir()
