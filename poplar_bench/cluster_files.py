@@ -1,5 +1,6 @@
 """The shipped cluster descriptions (poplar_bench/clusters/*.json): Poplar's pairs of GPU generations, half of the
-ranks of each type, 8 to 4096 GPUs. `python -m poplar_bench.cluster_files` rewrites them."""
+ranks of each type on nodes of up to 8 GPUs, 8 to 4096 GPUs. `python -m poplar_bench.cluster_files` rewrites them;
+a unit test checks they equal `shipped_clusters()`."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def write_uniform_cpu_job(
     suffix: str = "",
 ) -> tuple[Path, Path]:
     """``cluster<suffix>.json`` and ``plan<suffix>.json`` in `directory`: a uniform plan on real CPU ranks of one
-    node (the plan's prediction is a placeholder)."""
+    node, for the benches that measure rather than predict (the plan's prediction is a placeholder)."""
     cluster = {
         "schema_version": 1,
         "nodes": [{"name": "localhost", "devices": [{"device_type": "cpu", "count": world_size}]}],

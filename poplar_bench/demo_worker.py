@@ -261,7 +261,8 @@ def calibrate_profiles(
     (collective); the profiles to plan from (rescaled or measured again beyond the threshold) and each type's check.
 
     One size per type (`calibration_sizes`): a type's curve is rescaled by one factor either way, which the other
-    policies' plans use too; timing every policy's sizes cost about three times as long."""
+    policies' plans use too; timing every policy's sizes cost about three times as long (each trial lasts as
+    long as its slowest type's micro-steps)."""
     from poplar_ext.collectives import broadcast_from_rank0
     from poplar_ext.plan.network_format import find_network
     from poplar_ext.profiler.api import time_micro_steps

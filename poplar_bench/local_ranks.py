@@ -219,6 +219,8 @@ def _rank_environments(world_size: int) -> dict[int, dict[str, str]]:
 # --- In the rank ---
 @dataclass(frozen=True)
 class _RankStart:
+    """How `_rank_main` starts one rank."""
+
     log_path: str | None
     """Where the rank's stdout and stderr go (None: where the parent's went)."""
     forked: bool

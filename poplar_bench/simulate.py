@@ -331,7 +331,8 @@ CHECKPOINTING_CLUSTERS = "v100-16gb+t4-16gb"
 
 def checkpointing_effect(cases: list[SimulationCase]) -> list[dict[str, Any]]:
     """For cases profiled both ways: poplar with the per-type checkpointing choice against poplar without it, at
-    each stage and ``auto`` (offloaded profiles left out of both: `offload_effect` shows that lever)."""
+    each stage and ``auto``: a row holds both's predicted samples/s, which types checkpoint and each type's
+    micro-batch (offloaded profiles left out of both: `offload_effect` shows that lever)."""
     return _lever_effect(cases, allowed=lambda p: not p.optimizer_offload)
 
 

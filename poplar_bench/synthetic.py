@@ -1,5 +1,6 @@
 """Seeded synthetic profiles and clusters, for tests and the search-speed benchmark: not measurements and not a
-GPU model (``measured_with``: ``"source": "modelled"``, ``"synthetic": true``)."""
+GPU model (``measured_with``: ``"source": "modelled"``, ``"synthetic": true``). Micro-step times follow
+``overhead + b / peak_rate`` with seeded random parameters."""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def random_layer_profiles(
     sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
 ) -> list[LayerProfile]:
     """Seeded layer profiles of one random model on each device type (and stage): a layer's time is ``work x
-    (overhead_s + seconds_per_sample x b)``; memory drawn so that some types cannot hold the whole model."""
+    (overhead_s + seconds_per_sample x b)``; memory drawn so that some types cannot hold the whole model and
+    micro-batches are capped."""
     work = rng.uniform(0.5, 2.0, num_layers)
     parameters = rng.integers(10**6, 10**7, num_layers)
     kept = rng.integers(10**5, 10**6, num_layers)

@@ -1,6 +1,7 @@
 """What a GPU run ran on: the GPU's name, its driver, CUDA, torch and DeepSpeed, in every result file.
 
-Read in a child process: CUDA initialised in the bench's own process would keep it from forking ranks.
+Read in a child process: CUDA initialised in the bench's own process would keep it from forking ranks
+(`poplar_bench.local_ranks` refuses), and the child's answer is the same.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The steps of `poplar-bench gpu` that are tests of tests/gpu (``exact``, ``launcher``), run by pytest in a child
-process whose output goes into ``gpu_run.log`` (docs/gpu.md)."""
+"""The steps of `poplar-bench gpu` that are tests of tests/gpu, run by pytest in a child process whose output goes
+into ``gpu_run.log`` (docs/gpu.md): ``exact``, the equivalence tests, written to ``exact.jsonl`` per (dtype, stage)
+as soon as known, so a time-out keeps what finished; ``launcher``, the launcher test (skipped in the dry run)."""
 
 from __future__ import annotations
 
