@@ -29,7 +29,7 @@ from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.plan.formats import Plan
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
-    check_storages_agree,
+    agree_storages,
     checkpoint_tag,
     history_entry,
     poplar_client_state,
@@ -620,22 +620,22 @@ class PoplarTrainerMixin(_PlanEvaluation):
         resharded when the engine exists (`_prepare_for_training`)."""
         self._restore_replaced_tags(resume_from_checkpoint)
 
-        def read() -> tuple[str | None, str | None, dict | None]:
+        def chosen() -> tuple[str | None, str | None]:
             folder = _whole_checkpoint(resume_from_checkpoint, self.args.output_dir)
-            if folder is None:
-                return None, None, None
+            return (None, None) if folder is None else (str(folder), checkpoint_tag(Path(folder), None))
+
+        folder, tag = decided_by_rank0(chosen, rank=self.job.rank)
+        if tag is not None:  # each node's DeepSpeed load reads its own storage's files: one save on all
+            storage_rank = _storage_rank(self.args, self.job.rank)
+            agree_storages(folder, tag, storage_rank=storage_rank, rank=self.job.rank, caller="resume_from_checkpoint")
+
+        def read() -> dict | None:
             place = Path(folder)
             # In the tag folder of the DeepSpeed checkpoint in it (its ``latest``), where PoplarEngine.load_checkpoint
             # reads it too; else beside the tag folder: where earlier poplar-ext versions wrote it (still read).
-            tag = checkpoint_tag(place, None)
-            state = (tag is not None and read_state(place, tag)) or read_state(place.parent, place.name)
-            return str(folder), tag, state
+            return (tag is not None and read_state(place, tag)) or read_state(place.parent, place.name)
 
-        folder, tag, saved = decided_by_rank0(read, rank=self.job.rank)
-        if tag is not None:  # each node's DeepSpeed load reads its own storage's files
-            check_storages_agree(
-                folder, tag, storage_rank=_storage_rank(self.args, self.job.rank), caller="resume_from_checkpoint"
-            )
+        saved = None if folder is None else decided_by_rank0(read, rank=self.job.rank)
         if saved is None:
             if self.job.rank == 0 and folder is not None:
                 logger.info(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -128,7 +130,7 @@ def save_whole(
     mix old and new. DeepSpeed writes ``latest`` right after its own rank's files: a node lost meanwhile would
     leave it naming a checkpoint without that node's part.
     """
-    from poplar_ext.collectives import barrier, raise_if_any_failed
+    from poplar_ext.collectives import gather_objects, raise_if_any_failed
 
     engine = deepspeed_engine
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"  # DeepSpeed's default
@@ -137,9 +139,12 @@ def save_whole(
     check_tag_name(tag, caller="save_checkpoint")
     new_tag = tag + SAVING_SUFFIX
     storage_rank = _storage_rank(engine)
-    if storage_rank == 0:
-        shutil.rmtree(Path(save_dir) / new_tag, ignore_errors=True)  # what a save that failed left
-    barrier()  # no rank writes into the new folder before it is empty
+    if storage_rank == 0:  # what a save that failed left; its state file first, so no part of it reads as whole
+        (Path(save_dir) / new_tag / STATE_FILE).unlink(missing_ok=True)
+        shutil.rmtree(Path(save_dir) / new_tag, ignore_errors=True)
+    # Rank 0's id for this save, on every storage: a load tells two saves apart by it (`agree_storages`). The
+    # gather also waits for every rank: none writes into the new folder before it is empty.
+    save_id = gather_objects(uuid.uuid4().hex if engine.global_rank == 0 else None)[0]
     with _writes_failing_at_the_end(engine) as write_failures:
         saved = save(new_tag)
         writer = getattr(engine, "checkpoint_engine", None)
@@ -152,7 +157,7 @@ def save_whole(
     failure = None
     if storage_rank == 0:
         try:
-            _swap_in(save_dir, tag, state(), save_latest=save_latest)
+            _swap_in(save_dir, tag, {**state(), "save_id": save_id}, save_latest=save_latest)
         except Exception as exc:  # noqa: BLE001 - raised on every rank, below
             failure = exc
     # the checkpoint in its place before any rank reads it; or every rank fails with the storage rank (disk full)
@@ -244,57 +249,82 @@ def tag_for_load(load_dir: str | Path, tag: Any, *, deepspeed_engine: Any, rank:
     storage_rank = _storage_rank(deepspeed_engine)
     restore_replaced(load_dir, resolved, storage_rank=storage_rank, caller="load_checkpoint")
     barrier()  # restored on every storage before any rank reads it
-    check_storages_agree(load_dir, resolved, storage_rank=storage_rank, caller="load_checkpoint")
+    agree_storages(load_dir, resolved, storage_rank=storage_rank, rank=rank, caller="load_checkpoint")
     return resolved
 
 
-def check_storages_agree(load_dir: str | Path, tag: str, *, storage_rank: int, caller: str) -> None:
-    """ValueError on every rank when the storages (each node's, on node-local storage) hold different saves
-    under `tag` (collective): a save that stopped on some nodes before it was whole, which DeepSpeed would
-    load as one checkpoint. A save is told by its data position; the first rank of each storage reads it."""
-    from poplar_ext.collectives import gather_objects
+def agree_storages(load_dir: str | Path, tag: str, *, storage_rank: int, rank: int, caller: str) -> None:
+    """Every storage (each node's, on node-local storage) loads the same save under `tag` (collective).
 
-    held = None
-    if storage_rank == 0:
-        try:
-            state = read_state(load_dir, tag)
-            held = "no poplar_state.json" if state is None else f"data position {state['data_position']}"
-        except Exception as exc:  # noqa: BLE001 - told on every rank below, not raised on this one alone
-            held = f"an unreadable {STATE_FILE} ({exc})"
-    storages = [(rank, what) for rank, what in enumerate(gather_objects(held)) if what is not None]
-    if len({what for _, what in storages}) > 1:
-        holding = "; ".join(f"rank {rank}'s storage: {what}" for rank, what in storages)
+    A save that stopped after some nodes swapped it in leaves the others' TAG the earlier save: where one save
+    is on every storage, as TAG or as a whole ``TAG.saving`` (its state file is written once every rank's files
+    are), the storages without it in TAG swap it in; where none is, one ValueError on every rank rather than
+    DeepSpeed loading two checkpoints as one. A save is told by its state file (``save_id``); a storage whose
+    TAG has none (a plain DeepSpeed checkpoint, an older poplar-ext's node) is not compared."""
+    from poplar_ext.collectives import gather_objects, raise_if_any_failed
+
+    folder, saving, replaced = _tag_folders(load_dir, tag)
+    held = (_save_of(folder), _save_of(saving)) if storage_rank == 0 else None
+    storages = [(rank, saves) for rank, saves in enumerate(gather_objects(held)) if saves is not None]
+    in_tag = {saves[0] for _, saves in storages if saves[0] is not None}
+    if len(in_tag) <= 1:
+        return
+    everywhere = [save for save in in_tag if all(save in saves for _, saves in storages)]
+    if len(everywhere) != 1:
+        holding = "; ".join(
+            f"rank {rank}'s storage: {(saves[0] or (None, 'no state file'))[1]}" for rank, saves in storages
+        )
         raise ValueError(
             f"{caller}: tag {tag!r}: expected one save under it on every node's storage, found different ones "
-            f"({holding}): a save into it stopped on some nodes before it was whole; load another tag, or copy one "
-            "node's folder to the others"
+            f"({holding}) and no save whole on all of them: a save into it stopped on some nodes before it was "
+            "whole; load another checkpoint"
         )
+    failure = None
+    if held is not None and held[0] != everywhere[0]:
+        logger.warning("%s: %s holds an older save than other nodes; swapped in %s, whole", caller, folder, saving)
+        try:
+            shutil.rmtree(replaced, ignore_errors=True)
+            folder.rename(replaced)
+            saving.rename(folder)
+            shutil.rmtree(replaced, ignore_errors=True)
+        except OSError as exc:  # noqa: BLE001 - raised on every rank, below
+            failure = exc
+    raise_if_any_failed(failure, rank=rank)
+
+
+def _save_of(folder: Path) -> tuple[str, str] | None:
+    """Which save `folder` holds, by its state file: (its id, words for people); None without one."""
+    try:
+        state = read_json(folder / STATE_FILE) if (folder / STATE_FILE).is_file() else None
+    except Exception as exc:  # noqa: BLE001 - told on every rank by the caller, not raised on this one alone
+        return f"unreadable: {exc}", f"an unreadable {STATE_FILE} ({exc})"
+    if not isinstance(state, dict):
+        return None if state is None else (f"not a state: {state!r}", f"a {STATE_FILE} that holds no state")
+    position = state.get("data_position", state.get("consumed_samples"))
+    save_id = state.get("save_id") or json.dumps(state, sort_keys=True)  # older saves: their whole state
+    return save_id, f"the save at data position {position}" + (
+        f" ({state['save_id'][:8]})" if "save_id" in state else ""
+    )
 
 
 def restore_replaced(load_dir: str | Path, tag: str, *, storage_rank: int, caller: str) -> None:
-    """A save whose storage rank stopped before its swap was done: the first rank of each storage puts in TAG's
-    place the save's ``TAG.saving`` if whole (it has its state file: every rank's files were written), else, where
-    TAG is missing, the earlier ``TAG.replaced``, with a warning. The newer first: on node-local storage other nodes
-    may have swapped that save in, and every rank must load the same one (`check_storages_agree`); on shared
-    storage it is the newest whole checkpoint, all of its ranks having saved. The caller waits for every storage
-    before any rank reads TAG."""
+    """A save whose storage rank stopped between its two renames left no TAG: the first rank of each storage
+    renames into its place the save's ``TAG.saving`` if whole (it has its state file), else the earlier
+    ``TAG.replaced``, with a warning. The newer first: on node-local storage other nodes may have swapped that
+    save in, and every rank must load the same one (`agree_storages`); on shared storage it is the newest whole
+    checkpoint, all of its ranks having saved. The caller waits for every storage before any rank reads TAG."""
     folder, saving, replaced = _tag_folders(load_dir, tag)
-    whole_save = (saving / STATE_FILE).is_file()
-    if storage_rank != 0 or (folder.exists() and not whole_save):
+    if storage_rank != 0 or folder.exists():
         return
     for whole, holds in (
         (saving, "the save into it that stopped, whole"),
         (replaced, "the checkpoint a save into it was replacing when it stopped"),
     ):
         if (whole / STATE_FILE).is_file():
-            state = "holds an older save" if folder.exists() else "is missing"
-            logger.warning("%s: %s %s and %s holds %s: restored as %s", caller, folder, state, whole, holds, folder)
+            logger.warning("%s: %s is missing and %s holds %s: restored as %s", caller, folder, whole, holds, folder)
             try:
-                if folder.exists():  # the save stopped before its first rename
-                    shutil.rmtree(replaced, ignore_errors=True)
-                    folder.rename(replaced)
                 whole.rename(folder)
-            except OSError as exc:  # no rank waits for this one: the storages' check then refuses the load
+            except OSError as exc:  # no rank waits for this one: rank 0's check of TAG then refuses it on every rank
                 logger.error("%s: could not restore %s as %s: %s", caller, whole, folder, exc)
                 return
             shutil.rmtree(replaced, ignore_errors=True)  # superseded, as at the end of `_swap_in`

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from poplar_ext.collectives import decided_by_rank0
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import ZERO_STAGES, Cluster, Plan, Profile, load_profiles, plan_from_dict, plan_to_dict
+from poplar_ext.plan.levers import plan_levers
 from poplar_ext.profiler.auto import MeasureMissing, TimeAtSizes
 from poplar_ext.profiler.calibration import (
     REMEASURED,
@@ -412,14 +413,14 @@ def _plan_searched_at_start(
     missing = decided_by_rank0(
         lambda: _profiles_to_measure(request, measurable=measure_missing is not None), rank=rank, broadcast=broadcast
     )
-    measured_now: set[str] = set()  # every type the measurer measured, not only those missing
+    measured_now: set[tuple] = set()  # every profile key the measurer measured, not only those missing
     if missing:
         # Rank 0 reads the profiles, before and after: a type whose cache entry it refused is measured too.
         before = request.directory.profiles(request.model_fingerprint) if rank == 0 else []
         request.directory.add_measured(measure_missing(missing, request.cluster))  # collective
 
-        def anew() -> set[str]:
-            return {p.device_type for p in request.directory.profiles(request.model_fingerprint) if p not in before}
+        def anew() -> set[tuple]:
+            return {p.key for p in request.directory.profiles(request.model_fingerprint) if p not in before}
 
         measured_now = decided_by_rank0(anew, rank=rank, broadcast=broadcast)
 
@@ -432,7 +433,10 @@ def _plan_searched_at_start(
     plan = plan_from_dict(decided_by_rank0(search, rank=rank, broadcast=broadcast), source=_SEARCHED_AT_START)
     if time_at_sizes is None or poplar_config.calibration.action == "off":
         return plan
-    cached = {t: s for t, s in plan_sizes([plan]).items() if t not in measured_now}
+    levers = plan_levers(plan)  # the profile the plan was made from: its type's, at its stage and levers
+    cached = {
+        t: s for t, s in plan_sizes([plan]).items() if (t, plan.zero_stage, *(levers[t] or (None,))) not in measured_now
+    }
     if not cached:
         return plan  # every profile was measured just now
     return _calibrated(
@@ -464,8 +468,6 @@ def _calibrated(
     """`plan`, or searched again from the cached profiles checked against micro-steps timed now at `sizes`
     (collective); the result records the checks."""
     settings = request.poplar_config.calibration
-    from poplar_ext.plan.levers import plan_levers
-
     levers = plan_levers(plan)
     if None in levers.values() or len({offload for _, offload in levers.values()}) > 1:
         # One engine config times every rank: their optimizer offload must agree (checkpointing may differ by type).

@@ -228,6 +228,33 @@ def test_a_profile_the_measurer_measured_anew_beside_a_missing_one_is_not_calibr
     assert plan.calibration == {}
 
 
+def test_a_cached_profile_the_plan_uses_is_calibrated_though_another_of_its_types_was_measured(cluster_path, tmp_path):
+    # Measuring the missing "slow" also measured fast's activation-checkpointing variant; the plan runs fast's
+    # cached plain profile, which is still checked.
+    directory = tmp_path / "profiles"
+    _cached(directory)
+    (directory / "slow.json").unlink()
+    checkpointed = dataclasses.replace(_profile("fast", 0.003), activation_checkpointing=True)
+    measured = [checkpointed, _profile("slow", 0.004)]
+    timed = []
+    config = poplar_config_from_dict(
+        {"cluster": str(cluster_path), "profiles": str(directory), "global_batch_size": 40},
+        base_dir=cluster_path.parent,
+    )
+    plan = resolve_plan(
+        config,
+        load_cluster(cluster_path),
+        world_size=2,
+        rank=0,
+        zero_stage=1,
+        broadcast=lambda o: o,
+        measure_missing=lambda missing, cluster, force=False: measured,
+        time_at_sizes=lambda sizes, plan, cluster: timed.append(sorted(sizes)) or {},
+    )
+    assert not any(r.activation_checkpointing for r in plan.ranks)
+    assert timed == [["fast"]]
+
+
 def test_re_balancing_re_plans_from_the_profile_calibration_measured_again(cluster_path, tmp_path):
     # Rank 0 stored the remeasured profile over the cached file: re-balancing (and steady emulation) get it
     # from the job's directory, not the stale one read before.

@@ -217,11 +217,12 @@ def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path
     )
     engine.save_checkpoint(tmp_path, tag="t")
     saved = ("save", {"save_latest": False})
-    assert fake.events == [("barrier", False), saved, ("gather", False), ("gather", True)]
+    # the first gathers the save's id from rank 0: it also waits for every rank before any writes
+    assert fake.events == [("gather", False), saved, ("gather", False), ("gather", True)]
     assert (tmp_path / "latest").read_text() == "t"
     fake.events.clear()
     engine.save_checkpoint(tmp_path, tag="u", save_latest=False)
-    assert fake.events == [("barrier", True), saved, ("gather", True), ("gather", True)]
+    assert fake.events == [("gather", True), saved, ("gather", True), ("gather", True)]
     assert (tmp_path / "latest").read_text() == "t"
 
 
@@ -539,16 +540,50 @@ def test_on_node_local_storage_nodes_holding_different_saves_under_a_tag_are_ref
         patched.setattr(checkpoint, "write_state", stopped)
 
     on_every_rank = _two_saves_on_two_nodes(tmp_path, monkeypatch, stop)
-    (tmp_path / "node0" / "t" / STATE_FILE).write_text(
-        (tmp_path / "node0" / "t" / STATE_FILE).read_text().replace('"data_position": 0', '"data_position": 4')
-    )
     load = lambda engine, fake, folder: checkpoint.tag_for_load(folder, "t", deepspeed_engine=fake, rank=0)  # noqa: E731
-    errors = on_every_rank(load)
+    errors = on_every_rank(load)  # both saves at data position 0: told apart by their ids
     for error in errors:
         assert isinstance(error, ValueError), error
         assert str(error) == str(errors[0])
-    assert "load_checkpoint: " in str(errors[0]) and "rank 0" in str(errors[0]) and "rank 2" in str(errors[0])
-    assert "data position 4" in str(errors[0]) and "data position 0" in str(errors[0])
+    assert str(errors[0]).startswith("load_checkpoint: tag 't': expected one save under it on every node's storage")
+    assert "rank 0's storage: the save at data position 0 (" in str(errors[0]) and "rank 2's storage" in str(errors[0])
+    for node, names in (("node0", ["0", "1"]), ("node1", ["2", "3", "first_save"])):
+        assert sorted(p.name for p in (tmp_path / node / "t").iterdir()) == [*names, STATE_FILE]  # nothing moved
+
+
+def test_on_node_local_storage_a_save_whole_on_no_node_leaves_every_nodes_earlier_save(tmp_path, monkeypatch):
+    # Node 0's storage rank stopped before writing the second save's state file, node 1's after writing it but
+    # before its first rename: every node's "t" is still the first save, loaded as it is, nothing removed; a
+    # t.saving holding only a state file (a removal that stopped) is not taken for a save either.
+    import threading
+
+    from poplar_ext.runtime import checkpoint
+
+    write_state, rename = checkpoint.write_state, Path.rename
+
+    def stop(patched):
+        def no_state(*args):
+            if threading.current_thread().name == "0":
+                raise OSError("the storage rank stopped")
+            return write_state(*args)
+
+        def stopped(self, target):
+            if self == tmp_path / "node1" / "t":
+                raise OSError("the storage rank stopped")
+            return rename(self, target)
+
+        patched.setattr(checkpoint, "write_state", no_state)
+        patched.setattr(Path, "rename", stopped)
+
+    on_every_rank = _two_saves_on_two_nodes(tmp_path, monkeypatch, stop)
+    (tmp_path / "node0" / "t.saving" / STATE_FILE).write_text((tmp_path / "node0" / "t" / STATE_FILE).read_text())
+    for child in (tmp_path / "node0" / "t.saving").iterdir():
+        if child.name != STATE_FILE:
+            child.unlink()
+    load = lambda engine, fake, folder: checkpoint.tag_for_load(folder, "t", deepspeed_engine=fake, rank=0)  # noqa: E731
+    assert on_every_rank(load) == ["t"] * 4
+    for node, names in (("node0", ["0", "1"]), ("node1", ["2", "3"])):
+        assert sorted(p.name for p in (tmp_path / node / "t").iterdir()) == [*names, "first_save", STATE_FILE]
 
 
 def test_a_load_gives_deepspeed_the_tag_rank_0_resolved(tmp_path):
