@@ -199,16 +199,12 @@ def test_a_stale_cached_profile_is_measured_again_with_remeasure(cluster_path, t
     assert {r.device_type: r.samples_per_iteration for r in plan.ranks}["fast"] <= 20
 
 
-def test_a_profile_the_measurer_measured_anew_beside_a_missing_one_is_not_calibrated(cluster_path, tmp_path):
-    # Measuring the missing "slow" profile also measured "fast" again (its cache entry refused, say): both
-    # profiles are this job's own, so none is timed against itself and called "trusted".
+def _resolve_with_slow_missing(cluster_path, tmp_path, measured):
+    """`resolve_plan` on rank 0 where "slow" has no cached profile and the measurer returns `measured`; the plan
+    and the device types calibration timed (each call's)."""
     directory = tmp_path / "profiles"
     _cached(directory)
     (directory / "slow.json").unlink()
-    measured = [
-        dataclasses.replace(_profile("fast", 0.002), measured_with={"source": "measured", "again": True}),
-        dataclasses.replace(_profile("slow", 0.004), measured_with={"source": "measured", "again": True}),
-    ]
     timed = []
     config = poplar_config_from_dict(
         {"cluster": str(cluster_path), "profiles": str(directory), "global_batch_size": 40},
@@ -224,6 +220,15 @@ def test_a_profile_the_measurer_measured_anew_beside_a_missing_one_is_not_calibr
         measure_missing=lambda missing, cluster, force=False: measured,
         time_at_sizes=lambda sizes, plan, cluster: timed.append(sorted(sizes)) or {},
     )
+    return plan, timed
+
+
+def test_a_profile_the_measurer_measured_anew_beside_a_missing_one_is_not_calibrated(cluster_path, tmp_path):
+    # Measuring the missing "slow" profile also measured "fast" again (its cache entry refused, say): both
+    # profiles are this job's own, so none is timed against itself and called "trusted".
+    again = {"source": "measured", "again": True}
+    measured = [dataclasses.replace(_profile(t, s), measured_with=again) for t, s in (("fast", 0.002), ("slow", 0.004))]
+    plan, timed = _resolve_with_slow_missing(cluster_path, tmp_path, measured)
     assert timed == []
     assert plan.calibration == {}
 
@@ -231,26 +236,8 @@ def test_a_profile_the_measurer_measured_anew_beside_a_missing_one_is_not_calibr
 def test_a_cached_profile_the_plan_uses_is_calibrated_though_another_of_its_types_was_measured(cluster_path, tmp_path):
     # Measuring the missing "slow" also measured fast's activation-checkpointing variant; the plan runs fast's
     # cached plain profile, which is still checked.
-    directory = tmp_path / "profiles"
-    _cached(directory)
-    (directory / "slow.json").unlink()
     checkpointed = dataclasses.replace(_profile("fast", 0.003), activation_checkpointing=True)
-    measured = [checkpointed, _profile("slow", 0.004)]
-    timed = []
-    config = poplar_config_from_dict(
-        {"cluster": str(cluster_path), "profiles": str(directory), "global_batch_size": 40},
-        base_dir=cluster_path.parent,
-    )
-    plan = resolve_plan(
-        config,
-        load_cluster(cluster_path),
-        world_size=2,
-        rank=0,
-        zero_stage=1,
-        broadcast=lambda o: o,
-        measure_missing=lambda missing, cluster, force=False: measured,
-        time_at_sizes=lambda sizes, plan, cluster: timed.append(sorted(sizes)) or {},
-    )
+    plan, timed = _resolve_with_slow_missing(cluster_path, tmp_path, [checkpointed, _profile("slow", 0.004)])
     assert not any(r.activation_checkpointing for r in plan.ranks)
     assert timed == [["fast"]]
 
