@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,7 +139,8 @@ def save_whole(
     new_tag = tag + SAVING_SUFFIX
     storage_rank = _storage_rank(engine)
     if storage_rank == 0:  # what a save that failed left; its state file first, so no part of it reads as whole
-        (Path(save_dir) / new_tag / STATE_FILE).unlink(missing_ok=True)
+        with suppress(OSError):  # one that stays (not a folder, read-only) fails DeepSpeed's writes, on every rank
+            (Path(save_dir) / new_tag / STATE_FILE).unlink(missing_ok=True)
         shutil.rmtree(Path(save_dir) / new_tag, ignore_errors=True)
     # Rank 0's id for this save, on every storage: a load tells two saves apart by it (`agree_storages`). The
     # gather also waits for every rank: none writes into the new folder before it is empty.
@@ -154,14 +154,21 @@ def save_whole(
             engine._commit_decoupled_checkpoint()
     # every rank's files written: the new checkpoint is whole; or every rank fails with the one that could not
     raise_if_any_failed(write_failures[0] if write_failures else None, rank=engine.global_rank)
-    failure = None
-    if storage_rank == 0:
-        try:
-            _swap_in(save_dir, tag, {**state(), "save_id": save_id}, save_latest=save_latest)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank, below
-            failure = exc
-    # the checkpoint in its place before any rank reads it; or every rank fails with the storage rank (disk full)
-    raise_if_any_failed(failure, rank=engine.global_rank)
+    for step in (
+        lambda: write_state(save_dir, new_tag, {**state(), "save_id": save_id}),
+        lambda: _swap_in(save_dir, tag, save_latest=save_latest),
+    ):
+        failure = None
+        if storage_rank == 0:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank, below
+                failure = exc
+        # First: every storage holds the new save whole (its state file) before any replaces TAG with it, so a
+        # node stopping from then on leaves it on every node, which a load swaps in everywhere (`agree_storages`).
+        # Then: the checkpoint in its place before any rank reads it. Either fails on every rank with the storage
+        # rank that could not (disk full).
+        raise_if_any_failed(failure, rank=engine.global_rank)
     return saved
 
 
@@ -199,10 +206,9 @@ def _tag_folders(checkpoint_dir: str | Path, tag: str) -> tuple[Path, Path, Path
     return tuple(Path(checkpoint_dir) / f"{tag}{suffix}" for suffix in ("", SAVING_SUFFIX, REPLACED_SUFFIX))
 
 
-def _swap_in(save_dir: str | Path, tag: str, state: dict, *, save_latest: bool) -> None:
-    """The storage rank's part of `save_whole` once ``TAG.saving`` is whole."""
+def _swap_in(save_dir: str | Path, tag: str, *, save_latest: bool) -> None:
+    """The storage rank's part of `save_whole` once ``TAG.saving`` is whole on every storage."""
     folder, new, old = _tag_folders(save_dir, tag)
-    write_state(save_dir, new.name, state)
     shutil.rmtree(Path(save_dir) / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
     if folder.exists():  # else TAG.replaced, if there, is the last whole checkpoint: kept until TAG is again
         shutil.rmtree(old, ignore_errors=True)
@@ -256,35 +262,40 @@ def tag_for_load(load_dir: str | Path, tag: Any, *, deepspeed_engine: Any, rank:
 def agree_storages(load_dir: str | Path, tag: str, *, storage_rank: int, rank: int, caller: str) -> None:
     """Every storage (each node's, on node-local storage) loads the same save under `tag` (collective).
 
-    A save that stopped after some nodes swapped it in leaves the others' TAG the earlier save: where one save
-    is on every storage, as TAG or as a whole ``TAG.saving`` (its state file is written once every rank's files
-    are), the storages without it in TAG swap it in; where none is, one ValueError on every rank rather than
-    DeepSpeed loading two checkpoints as one. A save is told by its state file (``save_id``); a storage whose
-    TAG has none (a plain DeepSpeed checkpoint, an older poplar-ext's node) is not compared."""
+    Where a save stopped after some nodes swapped it in, the others still hold the earlier save in TAG and the
+    new one whole in ``TAG.saving`` (`save_whole` swaps only once every storage holds it whole): those swap it
+    in. Where no one save is on every storage, one ValueError on every rank rather than DeepSpeed loading two
+    checkpoints as one (or failing on some ranks). A save is told by its state file's ``save_id`` (older ones:
+    their data position); a TAG without a state file (a plain DeepSpeed checkpoint, an older poplar-ext's
+    node) is not compared, a missing TAG is."""
     from poplar_ext.collectives import gather_objects, raise_if_any_failed
 
     folder, saving, replaced = _tag_folders(load_dir, tag)
-    held = (_save_of(folder), _save_of(saving)) if storage_rank == 0 else None
+    held = None
+    if storage_rank == 0:
+        held = (_save_of(folder) if folder.is_dir() else _MISSING, _save_of(saving) if saving.is_dir() else None)
     storages = [(rank, saves) for rank, saves in enumerate(gather_objects(held)) if saves is not None]
-    in_tag = {saves[0] for _, saves in storages if saves[0] is not None}
-    if len(in_tag) <= 1:
-        return
-    everywhere = [save for save in in_tag if all(save in saves for _, saves in storages)]
+    in_tag = {saves[0][0] for _, saves in storages}
+    if in_tag == {_MISSING[0]} or (_MISSING[0] not in in_tag and len(in_tag - {None}) <= 1):
+        return  # the same on every storage (missing everywhere: the engine's own check names it)
+    whole = {save[0] for _, saves in storages for save in saves if save is not None and save[0] not in (None, "")}
+    everywhere = [
+        s for s in whole if all(s in {save[0] for save in saves if save is not None} for _, saves in storages)
+    ]
     if len(everywhere) != 1:
-        holding = "; ".join(
-            f"rank {rank}'s storage: {(saves[0] or (None, 'no state file'))[1]}" for rank, saves in storages
-        )
+        holding = "; ".join(f"rank {rank}'s storage: {saves[0][1]}" for rank, saves in storages)
         raise ValueError(
             f"{caller}: tag {tag!r}: expected one save under it on every node's storage, found different ones "
             f"({holding}) and no save whole on all of them: a save into it stopped on some nodes before it was "
             "whole; load another checkpoint"
         )
     failure = None
-    if held is not None and held[0] != everywhere[0]:
-        logger.warning("%s: %s holds an older save than other nodes; swapped in %s, whole", caller, folder, saving)
+    if held is not None and held[0][0] != everywhere[0]:
+        logger.warning("%s: %s does not hold the save other nodes do; swapped in %s, whole", caller, folder, saving)
         try:
             shutil.rmtree(replaced, ignore_errors=True)
-            folder.rename(replaced)
+            if folder.is_dir():
+                folder.rename(replaced)
             saving.rename(folder)
             shutil.rmtree(replaced, ignore_errors=True)
         except OSError as exc:  # noqa: BLE001 - raised on every rank, below
@@ -292,19 +303,23 @@ def agree_storages(load_dir: str | Path, tag: str, *, storage_rank: int, rank: i
     raise_if_any_failed(failure, rank=rank)
 
 
-def _save_of(folder: Path) -> tuple[str, str] | None:
-    """Which save `folder` holds, by its state file: (its id, words for people); None without one."""
+_MISSING = ("", "no folder for the tag")
+"""What `agree_storages` gathers for a storage without TAG's folder."""
+
+
+def _save_of(folder: Path) -> tuple[str | None, str]:
+    """Which save `folder` holds, by its state file: (its id, or None without one; words for people)."""
+    if not (folder / STATE_FILE).is_file():
+        return None, f"a folder without {STATE_FILE}"
     try:
-        state = read_json(folder / STATE_FILE) if (folder / STATE_FILE).is_file() else None
+        state = read_json(folder / STATE_FILE)
+        position = state.get("data_position", state["consumed_samples"])
     except Exception as exc:  # noqa: BLE001 - told on every rank by the caller, not raised on this one alone
         return f"unreadable: {exc}", f"an unreadable {STATE_FILE} ({exc})"
-    if not isinstance(state, dict):
-        return None if state is None else (f"not a state: {state!r}", f"a {STATE_FILE} that holds no state")
-    position = state.get("data_position", state.get("consumed_samples"))
-    save_id = state.get("save_id") or json.dumps(state, sort_keys=True)  # older saves: their whole state
-    return save_id, f"the save at data position {position}" + (
-        f" ({state['save_id'][:8]})" if "save_id" in state else ""
-    )
+    if "save_id" in state:
+        return str(state["save_id"]), f"the save at data position {position} ({str(state['save_id'])[:8]})"
+    # An older save: each node wrote its own state (its plan history may name its own paths): its position.
+    return f"data position {position}", f"the save at data position {position}"
 
 
 def restore_replaced(load_dir: str | Path, tag: str, *, storage_rank: int, caller: str) -> None:

@@ -217,12 +217,13 @@ def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path
     )
     engine.save_checkpoint(tmp_path, tag="t")
     saved = ("save", {"save_latest": False})
-    # the first gathers the save's id from rank 0: it also waits for every rank before any writes
-    assert fake.events == [("gather", False), saved, ("gather", False), ("gather", True)]
+    # the first gathers the save's id from rank 0: it also waits for every rank before any writes; the next
+    # three: every rank's files, every storage's state file (before any swap), every storage's swap
+    assert fake.events == [("gather", False), saved, ("gather", False), ("gather", False), ("gather", True)]
     assert (tmp_path / "latest").read_text() == "t"
     fake.events.clear()
     engine.save_checkpoint(tmp_path, tag="u", save_latest=False)
-    assert fake.events == [("gather", True), saved, ("gather", True), ("gather", True)]
+    assert fake.events == [("gather", True), saved, ("gather", True), ("gather", True), ("gather", True)]
     assert (tmp_path / "latest").read_text() == "t"
 
 
@@ -523,8 +524,35 @@ def test_on_node_local_storage_a_node_stopped_before_its_swap_loads_the_save_the
 def test_on_node_local_storage_nodes_holding_different_saves_under_a_tag_are_refused_on_every_rank(
     tmp_path, monkeypatch
 ):
-    # Node 1's storage rank stopped before writing the second save's state file: its t.saving is not whole,
-    # its "t" the first save, node 0's "t" the second. Loading would mix two checkpoints without a word.
+    # Folders no save of this version leaves (its swap waits for every storage's state file), as an older
+    # version's stopped save or a hand's copy may: node 0's "t" one save, node 1's another at the same data
+    # position, neither whole on both nodes; then node 1 without "t" at all. Loading would mix two checkpoints,
+    # or fail on node 1's ranks alone.
+    import json
+
+    from poplar_ext.runtime import checkpoint
+
+    engines, on_every_rank = _nodes_as_threads(tmp_path, monkeypatch)
+    save = lambda engine, fake, folder: engine.save_checkpoint(folder, tag="t")  # noqa: E731
+    assert on_every_rank(save) == [None] * 4
+    state_file = tmp_path / "node1" / "t" / STATE_FILE
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "save_id": "another save"}))
+    load = lambda engine, fake, folder: checkpoint.tag_for_load(folder, "t", deepspeed_engine=fake, rank=0)  # noqa: E731
+    for node1_holds in ("rank 2's storage: the save at data position 0 (another ", "rank 2's storage: no folder"):
+        if node1_holds.endswith("no folder"):
+            (tmp_path / "node1" / "t").rename(tmp_path / "node1" / "elsewhere")
+        errors = on_every_rank(load)
+        for error in errors:
+            assert isinstance(error, ValueError), error
+            assert str(error) == str(errors[0])
+        assert str(errors[0]).startswith("load_checkpoint: tag 't': expected one save under it on every node's")
+        assert "rank 0's storage: the save at data position 0 (" in str(errors[0]) and node1_holds in str(errors[0])
+        assert sorted(p.name for p in (tmp_path / "node0" / "t").iterdir()) == ["0", "1", STATE_FILE]  # untouched
+
+
+def test_on_node_local_storage_no_node_swaps_a_save_in_before_every_node_holds_it_whole(tmp_path, monkeypatch):
+    # Node 1's storage rank fails to write the second save's state file: node 0 must not have replaced its "t",
+    # which would leave the first save on node 1 alone and the second whole nowhere.
     import threading
 
     from poplar_ext.runtime import checkpoint
@@ -532,23 +560,33 @@ def test_on_node_local_storage_nodes_holding_different_saves_under_a_tag_are_ref
     write_state = checkpoint.write_state
 
     def stop(patched):
-        def stopped(*args):
+        def no_state(*args):
             if threading.current_thread().name == "2":
                 raise OSError("the storage rank stopped")
             return write_state(*args)
 
-        patched.setattr(checkpoint, "write_state", stopped)
+        patched.setattr(checkpoint, "write_state", no_state)
 
-    on_every_rank = _two_saves_on_two_nodes(tmp_path, monkeypatch, stop)
+    _two_saves_on_two_nodes(tmp_path, monkeypatch, stop)
+    for node in ("node0", "node1"):
+        assert (tmp_path / node / "t" / "first_save").exists()
+
+
+def test_on_node_local_storage_an_older_versions_save_is_told_by_its_data_position(tmp_path, monkeypatch):
+    # Without save_id each node wrote its own state, whose plan history may name its own paths: one save.
+    import json
+
+    from poplar_ext.runtime import checkpoint
+
+    engines, on_every_rank = _nodes_as_threads(tmp_path, monkeypatch)
+    assert on_every_rank(lambda engine, fake, folder: engine.save_checkpoint(folder, tag="t")) == [None] * 4
+    for node in ("node0", "node1"):
+        state_file = tmp_path / node / "t" / STATE_FILE
+        state = {k: v for k, v in json.loads(state_file.read_text()).items() if k != "save_id"}
+        state["plan_history"] = [{**state["plan_history"][0], "reason": f"resumed from /{node}/t"}]
+        state_file.write_text(json.dumps(state))
     load = lambda engine, fake, folder: checkpoint.tag_for_load(folder, "t", deepspeed_engine=fake, rank=0)  # noqa: E731
-    errors = on_every_rank(load)  # both saves at data position 0: told apart by their ids
-    for error in errors:
-        assert isinstance(error, ValueError), error
-        assert str(error) == str(errors[0])
-    assert str(errors[0]).startswith("load_checkpoint: tag 't': expected one save under it on every node's storage")
-    assert "rank 0's storage: the save at data position 0 (" in str(errors[0]) and "rank 2's storage" in str(errors[0])
-    for node, names in (("node0", ["0", "1"]), ("node1", ["2", "3", "first_save"])):
-        assert sorted(p.name for p in (tmp_path / node / "t").iterdir()) == [*names, STATE_FILE]  # nothing moved
+    assert on_every_rank(load) == ["t"] * 4
 
 
 def test_on_node_local_storage_a_save_whole_on_no_node_leaves_every_nodes_earlier_save(tmp_path, monkeypatch):
