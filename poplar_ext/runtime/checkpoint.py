@@ -121,8 +121,8 @@ def save_whole(
 ) -> Any:
     """Save checkpoint `tag` whole or not at all (collective): `save` (every rank's DeepSpeed save into tag
     ``TAG.saving``) writes that folder; once every rank has, the first rank of each storage (rank 0, or each node's
-    on DeepSpeed's node-local storage) writes `state` there, removes ``TAG_universal``, puts the new folder in
-    TAG's place and names it in ``latest``. Returns `save`'s.
+    on DeepSpeed's node-local storage) writes `state` there with the save's id, and once every storage has, removes
+    ``TAG_universal``, puts the new folder in TAG's place and names it in ``latest``. Returns `save`'s.
 
     Why a new folder: a save in place would keep files of an earlier save there (other ranks' shards, another
     dtype's or ZeRO stage's files), which a load may read as this save's, and a save failing on some rank would
