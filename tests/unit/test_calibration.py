@@ -134,11 +134,13 @@ def _cached(directory):
     return profiles
 
 
-def _resolve_with_timer(cluster_path, directory, slower_by, *, action="rescale", measure=None, read=None):
+def _resolve_with_timer(cluster_path, directory, slower_by, *, action="rescale", measure=None, read=None, missing=()):
     """`resolve_plan` on rank 0 with a timer whose micro-steps run `slower_by[type]` x the cached profile;
-    `read`: a list that gets the job's `ProfileDirectory`."""
+    `read`: a list that gets the job's `ProfileDirectory`; `missing`: types whose cached profile is removed."""
     calls = []
     profiles = {p.device_type: p for p in _cached(directory).values()}
+    for device_type in missing:
+        (directory / f"{device_type}.json").unlink()
 
     def time_at_sizes(sizes, plan, cluster):
         calls.append({t: list(v) for t, v in sizes.items()})
@@ -200,27 +202,16 @@ def test_a_stale_cached_profile_is_measured_again_with_remeasure(cluster_path, t
 
 
 def _resolve_with_slow_missing(cluster_path, tmp_path, measured):
-    """`resolve_plan` on rank 0 where "slow" has no cached profile and the measurer returns `measured`; the plan
-    and the device types calibration timed (each call's)."""
-    directory = tmp_path / "profiles"
-    _cached(directory)
-    (directory / "slow.json").unlink()
-    timed = []
-    config = poplar_config_from_dict(
-        {"cluster": str(cluster_path), "profiles": str(directory), "global_batch_size": 40},
-        base_dir=cluster_path.parent,
+    """`resolve_plan` where "slow" has no cached profile and the measurer returns `measured`: the plan and the
+    device types calibration timed (each call's)."""
+    plan, calls = _resolve_with_timer(
+        cluster_path,
+        tmp_path / "profiles",
+        {"fast": 1.0, "slow": 1.0},
+        measure=lambda missing, cluster, force=False: measured,
+        missing=("slow",),
     )
-    plan = resolve_plan(
-        config,
-        load_cluster(cluster_path),
-        world_size=2,
-        rank=0,
-        zero_stage=1,
-        broadcast=lambda o: o,
-        measure_missing=lambda missing, cluster, force=False: measured,
-        time_at_sizes=lambda sizes, plan, cluster: timed.append(sorted(sizes)) or {},
-    )
-    return plan, timed
+    return plan, [sorted(call) for call in calls]
 
 
 def test_a_profile_the_measurer_measured_anew_beside_a_missing_one_is_not_calibrated(cluster_path, tmp_path):
