@@ -270,7 +270,7 @@ def agree_storages(load_dir: str | Path, tag: str, *, storage_rank: int, rank: i
     node) is not compared, a missing TAG is."""
     from poplar_ext.collectives import gather_objects, raise_if_any_failed
 
-    folder, saving, replaced = _tag_folders(load_dir, tag)
+    folder, saving, _ = _tag_folders(load_dir, tag)
     held = None
     if storage_rank == 0:
         held = (_save_of(folder) if folder.is_dir() else _MISSING, _save_of(saving) if saving.is_dir() else None)
@@ -278,10 +278,10 @@ def agree_storages(load_dir: str | Path, tag: str, *, storage_rank: int, rank: i
     in_tag = {saves[0][0] for _, saves in storages}
     if in_tag == {_MISSING[0]} or (_MISSING[0] not in in_tag and len(in_tag - {None}) <= 1):
         return  # the same on every storage (missing everywhere: the engine's own check names it)
-    whole = {save[0] for _, saves in storages for save in saves if save is not None and save[0] not in (None, "")}
-    everywhere = [
-        s for s in whole if all(s in {save[0] for save in saves if save is not None} for _, saves in storages)
-    ]
+    # The saves each storage holds whole, in TAG or TAG.saving; the one they all hold, if one.
+    everywhere = set.intersection(
+        *({save[0] for save in saves if save is not None} - {None, _MISSING[0]} for _, saves in storages)
+    )
     if len(everywhere) != 1:
         holding = "; ".join(f"rank {rank}'s storage: {saves[0][1]}" for rank, saves in storages)
         raise ValueError(
@@ -290,14 +290,10 @@ def agree_storages(load_dir: str | Path, tag: str, *, storage_rank: int, rank: i
             "whole; load another checkpoint"
         )
     failure = None
-    if held is not None and held[0][0] != everywhere[0]:
+    if held is not None and held[0][0] not in everywhere:
         logger.warning("%s: %s does not hold the save other nodes do; swapped in %s, whole", caller, folder, saving)
         try:
-            shutil.rmtree(replaced, ignore_errors=True)
-            if folder.is_dir():
-                folder.rename(replaced)
-            saving.rename(folder)
-            shutil.rmtree(replaced, ignore_errors=True)
+            _swap_in(load_dir, tag, save_latest=False)  # the stopped save's own last step
         except OSError as exc:  # noqa: BLE001 - raised on every rank, below
             failure = exc
     raise_if_any_failed(failure, rank=rank)
