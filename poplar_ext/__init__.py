@@ -17,16 +17,23 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'poplar_ext' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # looked up once
-    return value
+def _lazy_attributes(module_name: str, names: dict[str, str], namespace: dict[str, Any]) -> tuple[Any, Any]:
+    """``__getattr__`` and ``__dir__`` for a package whose `names` (name: the module that defines it) load at
+    their first use (PEP 562), so that importing the package imports no torch."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(names[name]), name)
+        namespace[name] = value  # looked up once
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted([*namespace, *names])
+
+    return __getattr__, __dir__
 
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
-
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY, globals())
 
 __all__ = ["PlanBatchSampler", "PoplarEngine", "StalePlanWarning", "discover_cluster", "initialize", "profile_model"]

@@ -47,3 +47,26 @@ def test_the_blocker_really_blocks():
         timeout=120,
     )
     assert proc.returncode != 0 and "torch is blocked in this test" in proc.stderr
+
+
+HELP_SCRIPT = (
+    SCRIPT.split("import poplar_ext.search")[0]
+    + """
+from poplar_ext.profiler.cli import main
+code = main(sys.argv[1:])
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "deepspeed"))
+print("LOADED", loaded, "EXIT", code)
+"""
+)
+
+
+def test_poplar_profile_answers_help_and_bad_input_without_importing_torch():
+    """`poplar-profile --help` and a refused command line answer at once: torch is imported only for work."""
+    helped = subprocess.run([sys.executable, "-c", HELP_SCRIPT, "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert helped.returncode == 0, helped.stderr
+    assert "usage: poplar-profile" in helped.stdout and "--deepspeed_config" in helped.stdout
+    refused = subprocess.run(
+        [sys.executable, "-c", HELP_SCRIPT, "--model", "toy-gpt"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert "LOADED [] EXIT 2" in refused.stdout, refused.stderr
+    assert refused.stderr.startswith("poplar-profile: error: ") and "--deepspeed_config" in refused.stderr
