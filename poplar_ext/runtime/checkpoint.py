@@ -122,7 +122,9 @@ def save_whole(
     """Save checkpoint `tag` whole or not at all (collective): `save` (every rank's DeepSpeed save into tag
     ``TAG.saving``) writes that folder; once every rank has, the first rank of each storage (rank 0, or each node's
     on DeepSpeed's node-local storage) writes `state` there with the save's id, and once every storage has, removes
-    ``TAG_universal``, puts the new folder in TAG's place and names it in ``latest``. Returns `save`'s.
+    ``TAG_universal``, puts the new folder in TAG's place and names it in ``latest``. Returns `save`'s. On
+    node-local storage the storages first agree on the save under TAG (`agree_storages`): one whole only beside
+    TAG on some node is swapped in before this save empties ``TAG.saving``.
 
     Why a new folder: a save in place would keep files of an earlier save there (other ranks' shards, another
     dtype's or ZeRO stage's files), which a load may read as this save's, and a save failing on some rank would
@@ -138,6 +140,13 @@ def save_whole(
     check_tag_name(tag, caller="save_checkpoint")
     new_tag = tag + SAVING_SUFFIX
     storage_rank = _storage_rank(engine)
+    if engine.use_node_local_storage():
+        # The save every node holds may be whole only in some node's TAG.saving (a save that failed after other
+        # nodes swapped it in) or TAG.replaced: swapped in before this save empties TAG.saving.
+        restore_replaced(save_dir, tag, storage_rank=storage_rank, caller="save_checkpoint", node_local=True)
+        agree_storages(
+            save_dir, tag, storage_rank=storage_rank, rank=engine.global_rank, caller="save_checkpoint", refuse=False
+        )
     if storage_rank == 0:  # what a save that failed left; its state file first, so no part of it reads as whole
         with suppress(OSError):  # one that stays (not a folder, read-only) fails DeepSpeed's writes, on every rank
             (Path(save_dir) / new_tag / STATE_FILE).unlink(missing_ok=True)
@@ -209,7 +218,7 @@ def _tag_folders(checkpoint_dir: str | Path, tag: str) -> tuple[Path, Path, Path
 def _swap_in(save_dir: str | Path, tag: str, *, save_latest: bool) -> None:
     """The storage rank's part of `save_whole` once ``TAG.saving`` is whole on every storage."""
     folder, new, old = _tag_folders(save_dir, tag)
-    shutil.rmtree(Path(save_dir) / f"{tag}{UNIVERSAL_SUFFIX}", ignore_errors=True)
+    _remove(Path(save_dir) / f"{tag}{UNIVERSAL_SUFFIX}")
     if folder.exists():  # else TAG.replaced, if there, is the last whole checkpoint: kept until TAG is again
         shutil.rmtree(old, ignore_errors=True)
         folder.rename(old)
@@ -217,6 +226,16 @@ def _swap_in(save_dir: str | Path, tag: str, *, save_latest: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
     if save_latest:
         write_text_atomic(tag, Path(save_dir) / "latest")
+
+
+def _remove(folder: Path) -> None:
+    """`folder` removed, renamed aside first: a removal that stops leaves no part of it under its name (a load
+    would take a part of ``TAG_universal`` for the whole; `resharded_tag` looks only for the folder)."""
+    aside = folder.with_name(folder.name + REPLACED_SUFFIX)
+    shutil.rmtree(aside, ignore_errors=True)
+    if folder.exists():
+        folder.rename(aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def unfinished_save(folder: Path) -> Path | None:
@@ -252,48 +271,48 @@ def tag_for_load(load_dir: str | Path, tag: Any, *, deepspeed_engine: Any, rank:
     resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=rank)
     if resolved is None:
         return None
-    storage_rank = _storage_rank(deepspeed_engine)
-    restore_replaced(load_dir, resolved, storage_rank=storage_rank, caller="load_checkpoint")
+    storage_rank, node_local = _storage_rank(deepspeed_engine), deepspeed_engine.use_node_local_storage()
+    restore_replaced(load_dir, resolved, storage_rank=storage_rank, caller="load_checkpoint", node_local=node_local)
     barrier()  # restored on every storage before any rank reads it
     agree_storages(load_dir, resolved, storage_rank=storage_rank, rank=rank, caller="load_checkpoint")
     return resolved
 
 
-def agree_storages(load_dir: str | Path, tag: str, *, storage_rank: int, rank: int, caller: str) -> None:
-    """Every storage (each node's, on node-local storage) loads the same save under `tag` (collective).
+def agree_storages(
+    load_dir: str | Path, tag: str, *, storage_rank: int, rank: int, caller: str, refuse: bool = True
+) -> None:
+    """Every storage (each node's, on node-local storage) holds the same save under `tag` (collective).
 
-    Where a save stopped after some nodes swapped it in, the others still hold the earlier save in TAG and the
-    new one whole in ``TAG.saving`` (`save_whole` swaps only once every storage holds it whole): those swap it
-    in. Where no one save is on every storage, one ValueError on every rank rather than DeepSpeed loading two
-    checkpoints as one (or failing on some ranks). A save is told by its state file's ``save_id`` (older ones:
-    their data position); a TAG without a state file (a plain DeepSpeed checkpoint, an older poplar-ext's
-    node) is not compared, a missing TAG is."""
+    Each storage's first rank tells which saves it holds whole: in TAG, in ``TAG.saving`` and in ``TAG.replaced``
+    (`save_whole` swaps a save in only once every storage holds it whole, so a save stopped on some nodes is whole
+    on all of them beside TAG). Where the TAGs differ, the newest save every storage holds is brought into TAG on
+    each, and ``TAG.replaced`` dropped once it is. Where no save is on every storage, one ValueError on every rank
+    (`refuse`; else each storage keeps what it holds: a save about to replace them all) rather than DeepSpeed
+    loading two checkpoints as one, or failing on some ranks. A save is told by its state file's ``save_id``
+    (older ones: their data position); a TAG without a state file (a plain DeepSpeed checkpoint, an older
+    poplar-ext's node) is taken for the save the others hold unless it holds that save whole beside it."""
     from poplar_ext.collectives import gather_objects, raise_if_any_failed
 
-    folder, saving, _ = _tag_folders(load_dir, tag)
+    folders = _tag_folders(load_dir, tag)
     held = None
     if storage_rank == 0:
-        held = (_save_of(folder) if folder.is_dir() else _MISSING, _save_of(saving) if saving.is_dir() else None)
-    storages = [(rank, saves) for rank, saves in enumerate(gather_objects(held)) if saves is not None]
-    in_tag = {saves[0][0] for _, saves in storages}
-    if in_tag == {_MISSING[0]} or (_MISSING[0] not in in_tag and len(in_tag - {None}) <= 1):
-        return  # the same on every storage (missing everywhere: the engine's own check names it)
-    # The saves each storage holds whole, in TAG or TAG.saving; the one they all hold, if one.
-    everywhere = set.intersection(
-        *({save[0] for save in saves if save is not None} - {None, _MISSING[0]} for _, saves in storages)
-    )
-    if len(everywhere) != 1:
-        holding = "; ".join(f"rank {rank}'s storage: {saves[0][1]}" for rank, saves in storages)
-        raise ValueError(
-            f"{caller}: tag {tag!r}: expected one save under it on every node's storage, found different ones "
-            f"({holding}) and no save whole on all of them: a save into it stopped on some nodes before it was "
-            "whole; load another checkpoint"
+        held = tuple(
+            _save_of(f) if f.is_dir() else (_MISSING if place == 0 else None) for place, f in enumerate(folders)
         )
+    storages = [(rank, saves) for rank, saves in enumerate(gather_objects(held)) if saves is not None]
+    chosen = _newest_on_every_storage([saves for _, saves in storages])
+    if chosen is _NONE_EVERYWHERE:
+        if refuse:
+            raise ValueError(
+                f"{caller}: tag {tag!r}: expected one save under it on every node's storage, found different ones "
+                f"({_holding(storages)}) and no save whole on all of them: a save into it stopped on some nodes "
+                "before it was whole; load another checkpoint"
+            )
+        return
     failure = None
-    if held is not None and held[0][0] not in everywhere:
-        logger.warning("%s: %s does not hold the save other nodes do; swapped in %s, whole", caller, folder, saving)
+    if held is not None and chosen is not None:
         try:
-            _swap_in(load_dir, tag, save_latest=False)  # the stopped save's own last step
+            _bring_in(load_dir, tag, held, chosen, caller=caller)
         except OSError as exc:  # noqa: BLE001 - raised on every rank, below
             failure = exc
     raise_if_any_failed(failure, rank=rank)
@@ -301,6 +320,57 @@ def agree_storages(load_dir: str | Path, tag: str, *, storage_rank: int, rank: i
 
 _MISSING = ("", "no folder for the tag")
 """What `agree_storages` gathers for a storage without TAG's folder."""
+_NONE_EVERYWHERE = ""
+"""`_newest_on_every_storage`'s answer where no save is on every storage."""
+
+
+def _newest_on_every_storage(storages: list[tuple]) -> str | None:
+    """The save every storage is to hold in TAG, from each one's (TAG, ``TAG.saving``, ``TAG.replaced``) saves
+    (`_save_of`): None where each loads TAG as it is (the same save in every TAG, TAGs without a state file
+    taken for it, or TAG missing on every storage: the engine's own check names it); `_NONE_EVERYWHERE` where
+    no one save is on every storage. Of several, the newest: one a save was writing beside TAG, then TAG's."""
+    in_tag = {saves[0][0] for saves in storages}
+    if in_tag == {_MISSING[0]}:
+        return None
+    identified = in_tag - {None}
+    if _MISSING[0] not in identified and len(identified) <= 1:
+        (only,) = identified or {None}
+        return only  # brought in where a TAG without a state file holds it whole beside it (`_bring_in`)
+    everywhere = set.intersection(*({s[0] for s in saves if s} - {None, _MISSING[0]} for saves in storages))
+    if not everywhere:
+        return _NONE_EVERYWHERE
+    recency = {place: age for age, place in enumerate((2, 0, 1))}  # TAG.replaced, TAG, TAG.saving
+    newest = {
+        save: max(recency[place] for saves in storages for place, s in enumerate(saves) if s and s[0] == save)
+        for save in everywhere
+    }
+    return max(sorted(everywhere), key=newest.__getitem__)
+
+
+def _bring_in(load_dir: str | Path, tag: str, held: tuple, chosen: str, *, caller: str) -> None:
+    """This storage's TAG made to hold save `chosen` (from ``TAG.saving`` or ``TAG.replaced``, where `held`
+    says it is), and ``TAG.replaced`` dropped once TAG holds it."""
+    folder, saving, replaced = _tag_folders(load_dir, tag)
+    if held[0][0] != chosen and held[1] and held[1][0] == chosen:
+        logger.warning("%s: %s does not hold the save other nodes do; swapped in %s, whole", caller, folder, saving)
+        _swap_in(load_dir, tag, save_latest=False)  # the stopped save's own last step; drops TAG.replaced
+    elif held[0][0] != chosen and held[2] and held[2][0] == chosen:
+        logger.warning("%s: %s does not hold the save other nodes do; restored %s, whole", caller, folder, replaced)
+        if folder.exists():
+            (folder / STATE_FILE).unlink(missing_ok=True)  # a removal that stops leaves no save to take it for
+            shutil.rmtree(folder)
+        replaced.rename(folder)
+    elif held[0][0] == chosen:
+        shutil.rmtree(replaced, ignore_errors=True)  # superseded, as at the end of `_swap_in`
+
+
+def _holding(storages: list[tuple[int, tuple]]) -> str:
+    """What each storage holds, for people: its TAG, then any save whole beside it."""
+    described = []
+    for rank, (in_tag, saving, replaced) in storages:
+        beside = [f"{s[1]} in {name}" for s, name in ((saving, "TAG.saving"), (replaced, "TAG.replaced")) if s and s[0]]
+        described.append(f"rank {rank}'s storage: {in_tag[1]}" + (f" ({', '.join(beside)})" if beside else ""))
+    return "; ".join(described)
 
 
 def _save_of(folder: Path) -> tuple[str | None, str]:
@@ -318,12 +388,15 @@ def _save_of(folder: Path) -> tuple[str | None, str]:
     return f"data position {position}", f"the save at data position {position}"
 
 
-def restore_replaced(load_dir: str | Path, tag: str, *, storage_rank: int, caller: str) -> None:
+def restore_replaced(
+    load_dir: str | Path, tag: str, *, storage_rank: int, caller: str, node_local: bool = False
+) -> None:
     """A save whose storage rank stopped between its two renames left no TAG: the first rank of each storage
     renames into its place the save's ``TAG.saving`` if whole (it has its state file), else the earlier
-    ``TAG.replaced``, with a warning. The newer first: on node-local storage other nodes may have swapped that
-    save in, and every rank must load the same one (`agree_storages`); on shared storage it is the newest whole
-    checkpoint, all of its ranks having saved. The caller waits for every storage before any rank reads TAG."""
+    ``TAG.replaced``, with a warning. The newer first: on shared storage it is the newest whole checkpoint, all of
+    its ranks having saved, and ``TAG.replaced`` is dropped; on node-local storage (`node_local`) other nodes may
+    not hold it, and ``TAG.replaced`` stays for `agree_storages` to choose the save every node holds. The caller
+    waits for every storage before any rank reads TAG."""
     folder, saving, replaced = _tag_folders(load_dir, tag)
     if storage_rank != 0 or folder.exists():
         return
@@ -338,7 +411,8 @@ def restore_replaced(load_dir: str | Path, tag: str, *, storage_rank: int, calle
             except OSError as exc:  # no rank waits for this one: rank 0's check of TAG then refuses it on every rank
                 logger.error("%s: could not restore %s as %s: %s", caller, whole, folder, exc)
                 return
-            shutil.rmtree(replaced, ignore_errors=True)  # superseded, as at the end of `_swap_in`
+            if not node_local:
+                shutil.rmtree(replaced, ignore_errors=True)  # superseded, as at the end of `_swap_in`
             return
 
 

@@ -846,3 +846,121 @@ def test_a_resumed_rank_runs_at_its_drift_schedules_slowdown_from_the_first_step
     assert resumed.emulated_compute.slowdown == 2.0
     resumed.load_checkpoint(tmp_path, tag="t")
     assert resumed.emulated_compute.slowdown == 5.0, "the drift holds from its step on, also after a resume"
+
+
+def _saved_once_on_two_nodes(tmp_path, monkeypatch):
+    """`_nodes_as_threads`, with one save into tag "t" on every rank; returns `on_every_rank` and that save."""
+    engines, on_every_rank = _nodes_as_threads(tmp_path, monkeypatch)
+    save = lambda engine, fake, folder: engine.save_checkpoint(folder, tag="t")  # noqa: E731
+    assert on_every_rank(save) == [None] * 4
+    return on_every_rank, save
+
+
+def _save_id(folder):
+    return json.loads((folder / STATE_FILE).read_text())["save_id"]
+
+
+def _load_every_rank(on_every_rank):
+    from poplar_ext.runtime import checkpoint
+
+    load = lambda engine, fake, folder: checkpoint.tag_for_load(folder, "t", deepspeed_engine=fake, rank=0)  # noqa: E731
+    return on_every_rank(load)
+
+
+def _failing_on(patched, path, *, name="rename", error=None):
+    """Path.rename of `path` (or the checkpoint module's write_state into `path`) raising `error`: the storage
+    rank of `path`'s node failing there."""
+    from poplar_ext.runtime import checkpoint
+
+    error = error or OSError("the storage rank stopped")
+    rename, write_state = Path.rename, checkpoint.write_state
+
+    def failing_rename(self, target):
+        if self == path:
+            raise error
+        return rename(self, target)
+
+    def failing_write_state(save_dir, tag, state):
+        if Path(save_dir) == path:
+            raise error
+        return write_state(save_dir, tag, state)
+
+    if name == "rename":
+        patched.setattr(Path, "rename", failing_rename)
+    else:
+        patched.setattr(checkpoint, "write_state", failing_write_state)
+
+
+def test_on_node_local_storage_a_save_after_a_failed_one_keeps_the_save_every_node_holds(tmp_path, monkeypatch):
+    # Save 2 fails on node 1 after node 0 swapped it in (node 1: save 1 in "t", save 2 whole in t.saving); the job
+    # goes on and save 3 fails on node 1 before its state file. Emptying node 1's t.saving at the start of save 3
+    # would leave save 2 on node 0 alone and save 1 on node 1 alone: no load possible. Save 2 must stay on both.
+    on_every_rank, save = _saved_once_on_two_nodes(tmp_path, monkeypatch)
+    with monkeypatch.context() as patched:
+        _failing_on(patched, tmp_path / "node1" / "t")
+        assert all(isinstance(error, RuntimeError) for error in on_every_rank(save))
+    second = _save_id(tmp_path / "node0" / "t")
+    with monkeypatch.context() as patched:
+        _failing_on(patched, tmp_path / "node1", name="write_state", error=OSError(28, "No space left on device"))
+        assert all(isinstance(error, RuntimeError) for error in on_every_rank(save))
+    assert _load_every_rank(on_every_rank) == ["t"] * 4
+    for node in ("node0", "node1"):
+        assert _save_id(tmp_path / node / "t") == second
+
+
+def test_on_node_local_storage_a_load_keeps_the_save_every_node_holds_over_a_restored_newer_one(tmp_path, monkeypatch):
+    # Save 2 stopped with node 0 before its swap and node 1 between its renames (t.replaced: save 1, t.saving:
+    # save 2 whole); then a save 3 emptied node 0's t.saving and stopped. Save 1 is on both nodes (node 0's "t",
+    # node 1's t.replaced), save 2 on node 1 alone: restoring node 1's t.saving and dropping t.replaced would
+    # leave no save on both.
+    on_every_rank, save = _saved_once_on_two_nodes(tmp_path, monkeypatch)
+    first = _save_id(tmp_path / "node0" / "t")
+    with monkeypatch.context() as patched:
+        _failing_on(patched, tmp_path / "node0" / "t")
+        _failing_on(patched, tmp_path / "node1" / "t.saving")
+        assert all(isinstance(error, RuntimeError) for error in on_every_rank(save))
+    (tmp_path / "node0" / "t.saving" / STATE_FILE).unlink()  # save 3's start, stopped there on node 0
+    assert sorted(p.name for p in (tmp_path / "node1").iterdir()) == ["latest", "t.replaced", "t.saving"]
+    assert _load_every_rank(on_every_rank) == ["t"] * 4
+    for node in ("node0", "node1"):
+        assert _save_id(tmp_path / node / "t") == first
+        assert not (tmp_path / node / "t.replaced").exists()
+
+
+def test_on_node_local_storage_a_tag_without_state_file_takes_the_save_the_other_nodes_swapped_in(
+    tmp_path, monkeypatch
+):
+    # "t" held a plain DeepSpeed checkpoint (no state file); the first poplar-ext save into it swapped in on node 1
+    # and stopped before node 0's swap: node 0's old files must not load beside node 1's new ones.
+    on_every_rank, save = _saved_once_on_two_nodes(tmp_path, monkeypatch)
+    for node in ("node0", "node1"):
+        (tmp_path / node / "t" / STATE_FILE).unlink()
+    with monkeypatch.context() as patched:
+        _failing_on(patched, tmp_path / "node0" / "t")
+        assert all(isinstance(error, RuntimeError) for error in on_every_rank(save))
+    assert _load_every_rank(on_every_rank) == ["t"] * 4
+    assert _save_id(tmp_path / "node0" / "t") == _save_id(tmp_path / "node1" / "t")
+
+
+def test_a_save_stopped_while_removing_the_resharded_tag_leaves_no_part_of_it_under_its_name(tmp_path, monkeypatch):
+    # A save into "last" drops last_universal (resharded from the checkpoint it replaces); stopped while deleting
+    # that folder, a part of it under its name would later be loaded as a whole resharded checkpoint.
+    from poplar_ext.runtime import checkpoint
+
+    engine, fake = _engine(_plan([(2, 1)]))
+    engine.save_checkpoint(tmp_path, tag="last")
+    universal = tmp_path / "last_universal"
+    for name in ("zero", "mp_rank_00_model_states.pt"):
+        (universal / name).mkdir(parents=True) if name == "zero" else (universal / name).touch()
+    rmtree = checkpoint.shutil.rmtree
+
+    def stopped_midway(path, *args, **kwargs):
+        if Path(path).name.startswith("last_universal") and Path(path).exists():
+            (Path(path) / "mp_rank_00_model_states.pt").unlink()
+            raise OSError("the storage rank stopped")
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", stopped_midway)
+    with pytest.raises(RuntimeError, match="the storage rank stopped"):
+        engine.save_checkpoint(tmp_path, tag="last")
+    assert not universal.exists()

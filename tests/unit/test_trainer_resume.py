@@ -169,7 +169,7 @@ def test_a_resume_is_refused_where_the_nodes_storages_hold_different_saves(tmp_p
     plan = _plan([(4, 2), (4, 1)])
     folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
     trainer = _trainer(plan, tmp_path)
-    other = (("another save", "the save at data position 999"), None)
+    other = (("another save", "the save at data position 999"), None, None)  # (TAG, TAG.saving, TAG.replaced)
     monkeypatch.setattr(collectives, "gather_objects", lambda held: [held, other])
     with pytest.raises(ValueError, match=r"^resume_from_checkpoint: tag 'global_step2': expected one save under it"):
         PoplarTrainer._check_resume(trainer, str(folder))
