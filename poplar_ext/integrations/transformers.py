@@ -139,7 +139,23 @@ def _refuse_before_settling(cls: type, args: TrainingArguments | None) -> tuple[
             f"poplar plan (each rank's accumulation count is the plan's), found num_steps={accumulation['num_steps']}; "
             "set the global batch in the DeepSpeed config or the poplar section instead"
         )
+    for option in ("dispatch_batches", "split_batches"):
+        if getattr(config, option, None):
+            # Each rank's micro-batches are the plan's, of uneven sizes: accelerate's rank-0 dispatcher refuses
+            # batches of different sizes at the first step (the other ranks then wait), and a batch split evenly
+            # is not the plan's.
+            raise ValueError(
+                f"TrainingArguments.accelerator_config: {option}: expected False with a poplar plan (each rank reads "
+                f"its own micro-batches, of the plan's sizes), found True; leave it unset"
+            )
     loaded = load_deepspeed_config(config=args.deepspeed)
+    if loaded[0].get("checkpoint", {}).get("use_node_local_storage") and not args.save_on_each_node:
+        raise ValueError(
+            "TrainingArguments.save_on_each_node: expected True with the DeepSpeed config's "
+            "checkpoint.use_node_local_storage (DeepSpeed writes each node's part of a checkpoint into that node's "
+            "storage; the Trainer writes trainer_state.json, which a resume reads on every rank, on the first node "
+            "alone), found False; set it True, or drop use_node_local_storage on storage the nodes share"
+        )
     poplar_config = read_poplar_section(
         loaded,
         needs="{} for the automatic mode, or with 'plan' or 'profiles'",

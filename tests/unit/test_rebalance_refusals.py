@@ -106,3 +106,40 @@ def test_rebalancing_asked_for_without_profiles_is_still_an_error_naming_the_fie
     )
     with pytest.raises(ValueError, match=r"poplar.rebalance.enabled: expected poplar.profiles too"):
         job_rebalancer(job)
+
+
+@pytest.mark.parametrize("option", ["dispatch_batches", "split_batches"])
+def test_accelerates_batch_dispatching_and_splitting_are_refused_by_the_trainer(option):
+    # Each rank's micro-batches are the plan's, of uneven sizes: accelerate's rank-0 dispatcher refuses batches of
+    # different sizes at the first step (the other ranks then wait), and splitting one batch evenly is not the plan.
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    args = TrainingArguments(
+        output_dir="unused",
+        use_cpu=True,
+        deepspeed={"zero_optimization": {"stage": 0}, "poplar": {}},
+        accelerator_config={option: True},
+    )
+    with pytest.raises(
+        ValueError, match=rf"^TrainingArguments.accelerator_config: {option}: expected False .* found True"
+    ):
+        PoplarTrainer(model=None, args=args)
+
+
+def test_node_local_checkpoints_without_save_on_each_node_are_refused_by_the_trainer():
+    # DeepSpeed writes each node's part into its own storage, the Trainer its trainer_state.json on the first node
+    # alone: a resume would fail on every other node's ranks.
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    config = {"zero_optimization": {"stage": 0}, "checkpoint": {"use_node_local_storage": True}, "poplar": {}}
+    args = TrainingArguments(output_dir="unused", use_cpu=True, deepspeed=config)
+    with pytest.raises(
+        ValueError, match=r"^TrainingArguments.save_on_each_node: expected True with the DeepSpeed config's checkpoint"
+    ):
+        PoplarTrainer(model=None, args=args)
