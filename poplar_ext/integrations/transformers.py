@@ -623,7 +623,10 @@ class PoplarTrainerMixin(_PlanEvaluation):
         """``Trainer.train``; a resumed run is checked against the checkpoint's plan and data order first, and
         ``True`` resumes the newest whole checkpoint (`_whole_checkpoint`)."""
         if resume_from_checkpoint:
-            resume_from_checkpoint = self._check_resume(resume_from_checkpoint) or resume_from_checkpoint
+            folder = self._check_resume(resume_from_checkpoint)
+            if folder is None and resume_from_checkpoint is True:  # decided alike on every rank
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+            resume_from_checkpoint = folder or resume_from_checkpoint
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _check_resume(self, resume_from_checkpoint: str | bool) -> str | None:
@@ -634,15 +637,17 @@ class PoplarTrainerMixin(_PlanEvaluation):
         checkpoint's, whatever the allocation or the number of ranks (a lost node, an elastic restart); another global
         batch, or another data order, is refused. On another number of ranks at ZeRO stages 1-3 the optimizer state is
         resharded when the engine exists (`_prepare_for_training`)."""
+        from poplar_ext.collectives import gather_objects
+
         self._restore_replaced_tags(resume_from_checkpoint)
-
-        def chosen() -> tuple[str | None, str | None]:
-            folder = _whole_checkpoint(resume_from_checkpoint, self.args.output_dir)
-            return (None, None) if folder is None else (str(folder), checkpoint_tag(Path(folder), None))
-
-        folder, tag = decided_by_rank0(chosen, rank=self.job.rank)
+        storage_rank = _storage_rank(self.args, self.job.rank)
+        here = _resumable_here(resume_from_checkpoint, self.args.output_dir) if storage_rank == 0 else None
+        storages = [(rank, view) for rank, view in enumerate(gather_objects(here)) if view is not None]
+        folder = _whole_checkpoint(resume_from_checkpoint, storages)  # the same on every rank
+        tag = (
+            None if folder is None else decided_by_rank0(lambda: checkpoint_tag(Path(folder), None), rank=self.job.rank)
+        )
         if tag is not None:  # each node's DeepSpeed load reads its own storage's files: one save on all
-            storage_rank = _storage_rank(self.args, self.job.rank)
             agree_storages(folder, tag, storage_rank=storage_rank, rank=self.job.rank, caller="resume_from_checkpoint")
 
         def read() -> dict | None:
@@ -680,14 +685,16 @@ class PoplarTrainerMixin(_PlanEvaluation):
         """`restore_replaced` (as the engines' loads do, `tag_for_load`) in the checkpoint folder a resume may read:
         the one `named`, or for ``True`` each ``checkpoint-N`` of output_dir (collective)."""
         folders = [Path(named)] if named is not True else list(Path(self.args.output_dir).glob("checkpoint-*"))
-        storage_rank = _storage_rank(self.args, self.job.rank)
+        storage_rank, node_local = _storage_rank(self.args, self.job.rank), _node_local(self.args)
         for folder in folders:
             try:
                 tag = checkpoint_tag(folder, None)
             except (OSError, ValueError):  # refused by rank 0's reading below, on every rank
                 continue
             if tag is not None:
-                restore_replaced(folder, tag, storage_rank=storage_rank, caller="resume_from_checkpoint")
+                restore_replaced(
+                    folder, tag, storage_rank=storage_rank, caller="resume_from_checkpoint", node_local=node_local
+                )
         barrier()  # restored on every storage before rank 0 reads it
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
@@ -747,28 +754,74 @@ def _no_deepspeed_save(save_dir: str, exclude_frozen_parameters: bool = False) -
     Trainer reads this signature for exclude_frozen_parameters)."""
 
 
+def _node_local(args: TrainingArguments) -> bool:
+    """Whether the DeepSpeed config saves each node's part of a checkpoint into that node's own storage."""
+    config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
+    return bool(config.get("checkpoint", {}).get("use_node_local_storage", False))
+
+
 def _storage_rank(args: TrainingArguments, rank: int) -> int:
     """This rank's number among those writing its checkpoint storage, as DeepSpeed numbers them."""
-    config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
-    node_local = config.get("checkpoint", {}).get("use_node_local_storage", False)
-    return args.local_process_index if node_local else rank
+    return args.local_process_index if _node_local(args) else rank
 
 
-def _whole_checkpoint(named: str | bool, output_dir: str) -> str | None:
-    """The checkpoint folder a resume reads (rank 0): the one `named`, refused (ValueError) when a save into it did
-    not finish; for ``True``, the newest whole ``checkpoint-N`` of `output_dir`, each newer one skipped with a
-    warning (the Trainer's own pick is the highest N, whole or not), None when there is none.
+def _resumable_here(named: str | bool, output_dir: str) -> list[tuple[str, str | None]] | str:
+    """The checkpoint folders of this storage a resume may read, newest first (the one `named`; for ``True`` each
+    ``checkpoint-N`` of `output_dir`), each with the file it lacks to be whole (None: whole; ``""``: no such
+    folder); or, where they cannot be read, why.
 
     Whole: the Trainer's trainer_state.json, which it writes last, and, where a poplar-ext save began, ``latest``
     naming a tag folder with poplar_state.json (`unfinished_save`)."""
-    numbered = [(int(m[1]), p) for p in Path(output_dir).iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
-    folders = [Path(named)] if named is not True else [p for _, p in sorted(numbered, reverse=True) if p.is_dir()]
+    try:
+        if named is not True:
+            folders = [Path(named)]
+        else:
+            found = [(int(m[1]), p) for p in _entries(output_dir) if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
+            folders = [p for _, p in sorted(found, reverse=True) if p.is_dir()]
+        return [(str(folder), _lacking(folder)) for folder in folders]
+    except (OSError, ValueError) as exc:  # said on every rank by `_whole_checkpoint`, not raised on this one alone
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _entries(output_dir: str) -> list[Path]:
+    """`output_dir`'s entries; none where it does not exist (no checkpoint yet)."""
+    return list(Path(output_dir).iterdir()) if Path(output_dir).is_dir() else []
+
+
+def _lacking(folder: Path) -> str | None:
+    """The file `folder` lacks to be a whole checkpoint (see `_resumable_here`), ``""`` for no such folder, or
+    None."""
+    if not folder.is_dir():
+        return ""
+    state = folder / TRAINER_STATE_NAME
+    missing = unfinished_save(folder) or (None if state.is_file() else state)
+    return None if missing is None else str(missing)
+
+
+def _whole_checkpoint(named: str | bool, storages: list[tuple[int, list | str]]) -> str | None:
+    """The checkpoint folder a resume reads, from what each storage's first rank found (`_resumable_here`; rank 0
+    alone on storage the nodes share): the one `named`, refused (ValueError) when a save into it did not finish
+    on some storage; for ``True``, the newest ``checkpoint-N`` whole on every storage, each newer one skipped with
+    a warning (the Trainer's own pick is the highest N, whole or not, on each node), None when there is none."""
+    unreadable = [(rank, view) for rank, view in storages if isinstance(view, str)]
+    if unreadable:
+        rank, why = unreadable[0]
+        raise ValueError(f"resume_from_checkpoint: could not read the checkpoints on rank {rank}'s storage: {why}")
+    views = [(rank, dict(view)) for rank, view in storages]
+    names = {name for _, view in views for name in view}
+    folders = [named] if named is not True else sorted(names, key=lambda n: int(n.rsplit("-", 1)[1]), reverse=True)
+    where = (lambda rank: f" on rank {rank}'s storage") if len(views) > 1 else (lambda rank: "")
     for folder in folders:
-        state = folder / TRAINER_STATE_NAME
-        missing = unfinished_save(folder) or (None if state.is_file() else state)
-        if missing is None or not folder.is_dir():  # no folder: the Trainer's own error names it
-            return str(folder)
-        why = f"{folder}: expected a whole checkpoint, found a save into it that did not finish ({missing} missing)"
+        lacking = [(rank, view.get(folder, "")) for rank, view in views if view.get(folder, "") is not None]
+        if not lacking or all(missing == "" for _, missing in lacking) and len(lacking) == len(views):
+            return str(folder)  # whole everywhere; or named and nowhere: the Trainer's own error names it
+        rank, missing = lacking[0]
+        why = (
+            f"{folder}: expected a whole checkpoint, found no such folder{where(rank)}"
+            if missing == ""
+            else f"{folder}: expected a whole checkpoint, found a save into it that did not finish "
+            f"({missing} missing{where(rank)})"
+        )
         if folder == folders[-1]:
             raise ValueError(f"resume_from_checkpoint: {why}")
         logger.warning("resume_from_checkpoint: skipped %s; resuming from the newest whole one", why)

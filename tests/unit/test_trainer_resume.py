@@ -170,8 +170,61 @@ def test_a_resume_is_refused_where_the_nodes_storages_hold_different_saves(tmp_p
     folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
     trainer = _trainer(plan, tmp_path)
     other = (("another save", "the save at data position 999"), None, None)  # (TAG, TAG.saving, TAG.replaced)
-    monkeypatch.setattr(collectives, "gather_objects", lambda held: [held, other])
+    # The other node holds the same checkpoint folders, whole (a list: what each node can resume).
+    monkeypatch.setattr(collectives, "gather_objects", lambda held: [held, held if isinstance(held, list) else other])
     with pytest.raises(ValueError, match=r"^resume_from_checkpoint: tag 'global_step2': expected one save under it"):
         PoplarTrainer._check_resume(trainer, str(folder))
     monkeypatch.setattr(collectives, "gather_objects", lambda held: [held, held])
     assert PoplarTrainer._check_resume(trainer, str(folder)) == str(folder)
+
+
+def _on_two_node_storages(trainer, monkeypatch, other_node):
+    """`trainer` as rank 0 of a job on DeepSpeed's node-local storage (save_on_each_node: each node writes its own
+    output_dir); the other node's first rank sees what `other_node(named)` returns for the collective reads."""
+    from poplar_ext import collectives
+
+    trainer.args.hf_deepspeed_config = SimpleNamespace(config={"checkpoint": {"use_node_local_storage": True}})
+    trainer.args.local_process_index = 0
+
+    def gather(held):
+        return [held, other_node(held) if isinstance(held, list) else held]  # a list: what each node can resume
+
+    monkeypatch.setattr(collectives, "gather_objects", gather)
+
+
+def test_a_resume_on_node_local_storage_takes_the_newest_checkpoint_whole_on_every_node(tmp_path, monkeypatch):
+    # The other node stopped after the save of checkpoint-4 and before its trainer_state.json: resuming
+    # checkpoint-4 would fail on that node's ranks alone (the Trainer reads trainer_state.json on every rank).
+    plan = _plan([(4, 2), (4, 1)])
+    older = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
+    newer = _checkpoint(tmp_path, plan, step=4, tag="global_step4")
+    trainer = _trainer(plan, tmp_path)
+
+    def other_node(held):
+        return [(name, f"{name}/trainer_state.json" if name == str(newer) else lacking) for name, lacking in held]
+
+    _on_two_node_storages(trainer, monkeypatch, other_node)
+    assert PoplarTrainer._check_resume(trainer, True) == str(older)
+    with pytest.raises(
+        ValueError, match=rf"{newer}: expected a whole checkpoint.*trainer_state.json missing on rank 1"
+    ):
+        PoplarTrainer._check_resume(trainer, str(newer))
+
+
+def test_a_resume_where_the_first_node_has_no_checkpoint_is_refused_on_every_rank(tmp_path, monkeypatch):
+    # A replacement node became rank 0 and its output_dir is empty: the Trainer's own pick would raise on rank 0 and
+    # have the other node's ranks resume their newest checkpoint and wait.
+    plan = _plan([(4, 2), (4, 1)])
+    trainer = _trainer(plan, tmp_path / "empty")
+    theirs = str(tmp_path / "empty" / "checkpoint-2")
+    _on_two_node_storages(trainer, monkeypatch, lambda held: [(theirs, None)])
+    with pytest.raises(ValueError, match=rf"{theirs}: expected a whole checkpoint.*on rank 0's storage"):
+        PoplarTrainer._check_resume(trainer, True)
+
+
+def test_resume_from_checkpoint_true_without_any_checkpoint_is_refused_alike_on_every_rank(tmp_path):
+    plan = _plan([(4, 2), (4, 1)])
+    trainer = _trainer(plan, tmp_path / "missing")
+    trainer._check_resume = lambda named: PoplarTrainer._check_resume(trainer, named)
+    with pytest.raises(ValueError, match=r"No valid checkpoint found in output directory \(.*missing\)"):
+        PoplarTrainer.train(trainer, resume_from_checkpoint=True)
