@@ -23,7 +23,7 @@ from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import seed_worker
 
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
-from poplar_ext.collectives import agree_sum, agree_sums, barrier, decided_by_rank0
+from poplar_ext.collectives import agree_sum, agree_sums, decided_by_rank0
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.plan.formats import Plan
@@ -684,18 +684,24 @@ class PoplarTrainerMixin(_PlanEvaluation):
     def _restore_replaced_tags(self, named: str | bool) -> None:
         """`restore_replaced` (as the engines' loads do, `tag_for_load`) in the checkpoint folder a resume may read:
         the one `named`, or for ``True`` each ``checkpoint-N`` of output_dir (collective)."""
+        from poplar_ext.collectives import raise_if_any_failed
+
         folders = [Path(named)] if named is not True else list(Path(self.args.output_dir).glob("checkpoint-*"))
         storage_rank, node_local = _storage_rank(self.args, self.job.rank), _node_local(self.args)
+        failure = None
         for folder in folders:
             try:
                 tag = checkpoint_tag(folder, None)
             except (OSError, ValueError):  # refused by rank 0's reading below, on every rank
                 continue
-            if tag is not None:
-                restore_replaced(
-                    folder, tag, storage_rank=storage_rank, caller="resume_from_checkpoint", node_local=node_local
-                )
-        barrier()  # restored on every storage before rank 0 reads it
+            try:
+                if tag is not None:
+                    restore_replaced(
+                        folder, tag, storage_rank=storage_rank, caller="resume_from_checkpoint", node_local=node_local
+                    )
+            except OSError as exc:  # noqa: BLE001 - raised on every rank, below
+                failure = failure or exc
+        raise_if_any_failed(failure, rank=self.job.rank)  # restored on every storage before rank 0 reads it
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
         """The Trainer's, with a checkpoint of another number of ranks loaded resharded.

@@ -143,10 +143,7 @@ def save_whole(
     if engine.use_node_local_storage():
         # The save every node holds may be whole only in some node's TAG.saving (a save that failed after other
         # nodes swapped it in) or TAG.replaced: swapped in before this save empties TAG.saving.
-        restore_replaced(save_dir, tag, storage_rank=storage_rank, caller="save_checkpoint", node_local=True)
-        agree_storages(
-            save_dir, tag, storage_rank=storage_rank, rank=engine.global_rank, caller="save_checkpoint", refuse=False
-        )
+        _settle_tag(save_dir, tag, storage_rank=storage_rank, rank=engine.global_rank, caller="save_checkpoint")
     if storage_rank == 0:  # what a save that failed left; its state file first, so no part of it reads as whole
         with suppress(OSError):  # one that stays (not a folder, read-only) fails DeepSpeed's writes, on every rank
             (Path(save_dir) / new_tag / STATE_FILE).unlink(missing_ok=True)
@@ -266,16 +263,35 @@ def _storage_rank(engine: Any) -> int:
 def tag_for_load(load_dir: str | Path, tag: Any, *, deepspeed_engine: Any, rank: int) -> str | None:
     """The tag a load reads, rank 0's `checkpoint_tag` (collective); a tag folder a stopped save left missing is
     put back first (`restore_replaced`) on every storage before any rank reads TAG."""
-    from poplar_ext.collectives import barrier, decided_by_rank0
+    from poplar_ext.collectives import decided_by_rank0
 
     resolved = decided_by_rank0(lambda: checkpoint_tag(load_dir, tag), rank=rank)
     if resolved is None:
         return None
     storage_rank, node_local = _storage_rank(deepspeed_engine), deepspeed_engine.use_node_local_storage()
-    restore_replaced(load_dir, resolved, storage_rank=storage_rank, caller="load_checkpoint", node_local=node_local)
-    barrier()  # restored on every storage before any rank reads it
-    agree_storages(load_dir, resolved, storage_rank=storage_rank, rank=rank, caller="load_checkpoint")
+    _settle_tag(
+        load_dir, resolved, storage_rank=storage_rank, rank=rank, caller="load_checkpoint", node_local=node_local
+    )
     return resolved
+
+
+def _settle_tag(
+    load_dir: str | Path, tag: str, *, storage_rank: int, rank: int, caller: str, node_local: bool = True
+) -> None:
+    """`restore_replaced`, then `agree_storages` (collective; at a save, `caller` save_checkpoint, without its
+    refusal: the save replaces what the storages hold). A storage rank that cannot do its part (a permission or
+    I/O error) fails every rank at once, in place of a barrier: restored on every storage before any rank reads
+    TAG."""
+    from poplar_ext.collectives import raise_if_any_failed
+
+    failure = None
+    try:
+        restore_replaced(load_dir, tag, storage_rank=storage_rank, caller=caller, node_local=node_local)
+    except OSError as exc:  # noqa: BLE001 - raised on every rank, below
+        failure = exc
+    raise_if_any_failed(failure, rank=rank)
+    refuse = caller != "save_checkpoint"
+    agree_storages(load_dir, tag, storage_rank=storage_rank, rank=rank, caller=caller, refuse=refuse)
 
 
 def agree_storages(
@@ -296,10 +312,17 @@ def agree_storages(
     folders = _tag_folders(load_dir, tag)
     held = None
     if storage_rank == 0:
-        held = tuple(
-            _save_of(f) if f.is_dir() else (_MISSING if place == 0 else None) for place, f in enumerate(folders)
-        )
-    storages = [(rank, saves) for rank, saves in enumerate(gather_objects(held)) if saves is not None]
+        try:
+            held = tuple(
+                _save_of(f) if f.is_dir() else (_MISSING if place == 0 else None) for place, f in enumerate(folders)
+            )
+        except OSError as exc:  # noqa: BLE001 - raised on every rank, below
+            held = f"rank {rank} failed: {type(exc).__name__}: {exc}"
+    gathered = gather_objects(held)
+    unreadable = [saves for saves in gathered if isinstance(saves, str)]
+    if unreadable:
+        raise RuntimeError(unreadable[0])
+    storages = [(rank, saves) for rank, saves in enumerate(gathered) if saves is not None]
     chosen = _newest_on_every_storage([saves for _, saves in storages])
     if chosen is _NONE_EVERYWHERE:
         if refuse:

@@ -964,3 +964,31 @@ def test_a_save_stopped_while_removing_the_resharded_tag_leaves_no_part_of_it_un
     with pytest.raises(RuntimeError, match="the storage rank stopped"):
         engine.save_checkpoint(tmp_path, tag="last")
     assert not universal.exists()
+
+
+@pytest.mark.parametrize("where", ["restore_replaced", "_save_of"])
+def test_on_node_local_storage_a_storage_that_cannot_be_read_fails_the_load_on_every_rank_at_once(
+    tmp_path, monkeypatch, where
+):
+    # A permission or I/O error on one node's first rank (its tag folder unreadable) must not leave the other
+    # ranks waiting in the collective that follows.
+    import threading
+    import time
+
+    from poplar_ext.runtime import checkpoint
+
+    on_every_rank, save = _saved_once_on_two_nodes(tmp_path, monkeypatch)
+    original = getattr(checkpoint, where)
+
+    def unreadable(*args, **kwargs):
+        if threading.current_thread().name == "2":
+            raise PermissionError(13, "Permission denied")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, where, unreadable)
+    started = time.monotonic()
+    errors = _load_every_rank(on_every_rank)
+    assert time.monotonic() - started < 5
+    for error in errors:  # (the threads all pass rank=0 to tag_for_load: the rank named is 0)
+        assert isinstance(error, RuntimeError), error
+        assert str(error) == "rank 0 failed: PermissionError: [Errno 13] Permission denied"

@@ -170,8 +170,9 @@ def test_a_resume_is_refused_where_the_nodes_storages_hold_different_saves(tmp_p
     folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
     trainer = _trainer(plan, tmp_path)
     other = (("another save", "the save at data position 999"), None, None)  # (TAG, TAG.saving, TAG.replaced)
-    # The other node holds the same checkpoint folders, whole (a list: what each node can resume).
-    monkeypatch.setattr(collectives, "gather_objects", lambda held: [held, held if isinstance(held, list) else other])
+    # The other node holds the same checkpoint folders, whole (a list: what each node can resume), another save
+    # under the tag (a tuple) and no failure (None).
+    monkeypatch.setattr(collectives, "gather_objects", lambda held: [held, other if isinstance(held, tuple) else held])
     with pytest.raises(ValueError, match=r"^resume_from_checkpoint: tag 'global_step2': expected one save under it"):
         PoplarTrainer._check_resume(trainer, str(folder))
     monkeypatch.setattr(collectives, "gather_objects", lambda held: [held, held])
