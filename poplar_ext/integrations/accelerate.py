@@ -228,6 +228,17 @@ class PoplarAccelerator(Accelerator):
         self.gradient_accumulation_steps = steps
         self.step = -(-self.step // steps) * steps
 
+    def load_state(self, input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        """accelerate's, then ``accumulate()``'s micro-step counter `step` back to 0: the training data resumes at
+        an iteration start (the checkpoint's data position), whatever micro-step the saved run had reached."""
+        loaded = super().load_state(input_dir, *args, **kwargs)
+        # accelerate restores `step` from the RNG file: a multiple of the saved plan's count (another plan's
+        # would sync off its iterations), a micro-step inside an iteration (a save mid-iteration), or none
+        # (a rank the saved run did not have). DeepSpeed's boundary follows `sync_gradients`, so only these count.
+        self.step = 0
+        self._micro_steps_in_iteration = 0
+        return loaded
+
     def _plan_dataloader(self, loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
         """`loader` rebuilt on this rank's plan sampler (its dataset, collate function and workers)."""
         dataset = loader.dataset

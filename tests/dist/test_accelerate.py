@@ -4,7 +4,8 @@
 clipping, ZeRO stages 0-3 (uneven accumulation counts at 0/1): the parameters after 3
 optimizer steps equal one process training the same global batches (fp32, 1e-5); every
 sample is trained once; gather_for_metrics returns every rank's rows; save_state and
-load_state in a fresh Accelerator continue the data and equal the uninterrupted run.
+load_state in a fresh Accelerator continue the data and equal the uninterrupted run, also under
+another plan of the same global batch.
 Re-balancing: a ``slowdown_schedule`` makes rank 1 4x slower mid-run (ZeRO-1 with uneven
 accumulation counts, ZeRO-2 with one): one re-plan moves samples away from it, accumulate()
 follows each rank's new count, and the parameters, also after save_state and load_state across
@@ -54,6 +55,9 @@ GLOBAL_BATCH = 12
 STEPS = 3
 STAGES = (0, 1, 2, 3)
 RESUME_STAGES = (1, 3)
+OTHER_PLAN = [(2, 3), (3, 1), (3, 1)]
+"""A stage-1 plan of the same global batch that a resume switches to: after one step of ALLOCATIONS[1], accelerate's
+saved micro-step counters (2, 3, 1) are not multiples of its counts (3, 1, 1)."""
 TOKEN_MEAN_STAGES = (1, 2)
 DROP_LAST_STEPS = 6  # 50 samples, B = 12: 4 iterations an epoch and its last 2 samples dropped
 
@@ -135,7 +139,15 @@ def _cases(files, checkpoints):
         config = t.ds_config(cluster=files["cluster"], plan=files[stage], stage=stage)
         _, first, _ = _train(_accelerator(config), 1, checkpoint=checkpoints / f"stage{stage}")
         model, rest, _ = _train(_accelerator(config), STEPS - 1, checkpoint=checkpoints / f"stage{stage}", resume=True)
-        results[f"resumed{stage}"] = {"params": t.full_parameters(model), "seen": first + rest}
+        results[f"resumed{stage}"] = {"params": t.full_parameters(model), "seen": first + rest, "first": first}
+    # The stage-1 checkpoint resumed under another plan of the same global batch.
+    accelerator = _accelerator(t.ds_config(cluster=files["cluster"], plan=files["other_plan"], stage=1))
+    model, rest, _ = _train(accelerator, STEPS - 1, checkpoint=checkpoints / "stage1", resume=True)
+    results["resumed_other_plan"] = {
+        "params": t.full_parameters(model),
+        "seen": results["resumed1"]["first"] + rest,
+        "steps": accelerator.poplar_engine.global_steps,
+    }
     return results
 
 
@@ -182,6 +194,7 @@ def results(tmp_path_factory):
     files["profiles"] = t.write_profiles(
         tmp / "profiles", model_fingerprint(GPT(t.TINY)), [("cpu", 16, 0.001), ("cpu-slow", 4, 0.003)]
     )
+    files["other_plan"] = t.write_plan(tmp / "other_plan.json", OTHER_PLAN, stage=1, device_types=TYPES)
     return run_ranks(_cases, world_size=3, tmp_path=tmp, args=(files, tmp / "checkpoints"), timeout_s=300)
 
 
@@ -257,6 +270,15 @@ def test_load_state_continues_the_data_and_equals_the_uninterrupted_run(results,
     seen = [i for r in results for i in r[f"resumed{stage}"]["seen"]]
     assert sorted(seen) == sorted(_stream_indices(STEPS))
     assert t.max_difference(results[0][f"resumed{stage}"]["params"], results[0][stage]["params"]) <= 1e-5
+
+
+def test_load_state_under_another_plan_equals_one_process(results, reference):
+    # accelerate restores its micro-step counter from the checkpoint; the data resumes at an iteration
+    # start, so accumulate() counts the new plan's micro-steps from 0 on every rank.
+    assert [r["resumed_other_plan"]["steps"] for r in results] == [STEPS] * len(results)
+    assert t.max_difference(results[0]["resumed_other_plan"]["params"], reference) <= 1e-5
+    seen = [i for r in results for i in r["resumed_other_plan"]["seen"]]
+    assert sorted(seen) == sorted(_stream_indices(STEPS))
 
 
 # -- the LR scheduler: how often each kind steps, whatever each rank's accumulation count -------------
