@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
@@ -101,6 +102,9 @@ class PoplarAccelerator(Accelerator):
         self._iteration_tokens: dict[int, list[int]] = {}
         """``token_mean``: each counted iteration's micro-batch label tokens, by its stream position."""
         self._micro_steps_in_iteration = 0
+        self._accumulate_calls = 0
+        """``accumulate()`` blocks entered; `backward` needs one since its previous call (`_check_accumulating`)."""
+        self._accumulate_calls_at_backward = 0
 
     # -- the plan ----------------------------------------------------------------------
     @property
@@ -303,14 +307,44 @@ class PoplarAccelerator(Accelerator):
         return super().skip_first_batches(dataloader, num_batches)
 
     # -- the loss ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulate(self, *models: Any):
+        """accelerate's; counted, so that `backward` can tell a loop that does not use it."""
+        self._accumulate_calls += 1
+        with super().accumulate(*models):
+            yield
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """accelerate's (its DeepSpeed wrapper calls the `PoplarEngine`, which weights `loss`); with
-        ``token_mean``, the iteration's label tokens are agreed across ranks before its first backward."""
+        ``token_mean``, the iteration's label tokens are agreed across ranks before its first backward.
+        Refused outside ``accumulate()`` when any rank of the plan accumulates (every rank alike)."""
+        self._check_accumulating()
         if self.job is not None and self.job.poplar_config.loss_reduction == "token_mean":
             if self._micro_steps_in_iteration == 0:
                 self._agree_iteration_tokens()
             self._micro_steps_in_iteration = 0 if self.sync_gradients else self._micro_steps_in_iteration + 1
         super().backward(loss, **kwargs)
+
+    @ends_job_on_user_error  # the loop's code: the same refusal at every restart
+    def _check_accumulating(self) -> None:
+        """Without ``accumulate()`` `sync_gradients` stays True: every micro-batch would be an optimizer step of
+        a partial batch, and ranks of different counts would step different numbers of times (a hang). Decided
+        from the plan, which every rank shares, so that every rank refuses at the same backward, before any
+        collective (a rank of count 1 alone would train right, but its peers would not)."""
+        plan = self.plan
+        counts = [] if plan is None else [r.gradient_accumulation_steps for r in plan.ranks]
+        if self._accumulate_calls > self._accumulate_calls_at_backward or max(counts, default=1) == 1:
+            self._accumulate_calls_at_backward = self._accumulate_calls
+            return
+        accumulating = [rank for rank, count in enumerate(counts) if count > 1]
+        raise ValueError(
+            "PoplarAccelerator.backward: expected each micro-batch's backward inside `with "
+            "accelerator.accumulate(model):`, since the plan gives ranks "
+            f"{accumulating} accumulation counts above 1 (counts by rank: {counts}); found a backward "
+            "without accumulate() since the previous one, which would make every micro-batch an optimizer "
+            "step of a partial batch. Wrap the forward, accelerator.backward, optimizer.step() and "
+            "optimizer.zero_grad() of each batch in accelerator.accumulate(model)"
+        )
 
     def _agree_iteration_tokens(self) -> None:
         engine = self.poplar_engine

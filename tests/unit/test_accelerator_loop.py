@@ -1,9 +1,14 @@
-"""PoplarAccelerator's counters around accelerate's loop: accumulate()'s micro-step counter after load_state
-(one process, no process group; accelerate's own methods stubbed where they would need DeepSpeed's engine)."""
+"""PoplarAccelerator's counters around accelerate's loop: accumulate()'s micro-step counter after load_state, and
+a backward outside accumulate() (one process, no process group; accelerate's own methods stubbed where they would
+need DeepSpeed's engine)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 pytest.importorskip("accelerate", reason="PoplarAccelerator needs pip install 'poplar-ext[accelerate]'")
 
@@ -12,6 +17,8 @@ from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 
 from poplar_ext.integrations.accelerate import PoplarAccelerator  # noqa: E402
+from poplar_ext.plan.formats import plan_from_dict  # noqa: E402
+from poplar_ext.runtime.config import poplar_config_from_dict  # noqa: E402
 
 CONFIG = {"train_batch_size": 4, "zero_optimization": {"stage": 1}, "poplar": {"plan": "plan.json"}}
 
@@ -40,3 +47,80 @@ def test_load_state_counts_micro_steps_from_the_iteration_start(monkeypatch, acc
     assert accelerator.load_state("checkpoint") == "loaded"
     assert (accelerator.step, accelerator._micro_steps_in_iteration) == (0, 0)
     assert accelerator.gradient_accumulation_steps == 3
+
+
+def _settled(accelerator, counts: list[int]) -> None:
+    """`accelerator` as a first prepare leaves it, on a plan of micro-batch 2 and `counts` (rank 0 is this process)."""
+    ranks = [
+        {"rank": r, "device_type": "cpu", "micro_batch_size": 2, "gradient_accumulation_steps": s}
+        for r, s in enumerate(counts)
+    ]
+    plan = {
+        "schema_version": 1,
+        "policy": "poplar",
+        "zero_stage": 1,
+        "global_batch_size": 2 * sum(counts),
+        "ranks": ranks,
+        "predicted": {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0},
+        "profile_fingerprints": {},
+    }
+    accelerator.job = SimpleNamespace(
+        plan=plan_from_dict(plan, source="test"),
+        rank=0,
+        poplar_config=poplar_config_from_dict({"plan": "plan.json"}, base_dir=Path(".")),
+    )
+    accelerator.gradient_accumulation_steps = counts[0]
+
+
+@pytest.fixture
+def backwards(monkeypatch):
+    """The losses accelerate's backward was given (it would call DeepSpeed's engine)."""
+    given: list[float] = []
+    monkeypatch.setattr(Accelerator, "backward", lambda self, loss, **kwargs: given.append(float(loss)))
+    return given
+
+
+@pytest.mark.parametrize("counts", [[2, 1], [1, 3]])
+def test_a_backward_outside_accumulate_is_refused_when_any_rank_accumulates(accelerator, backwards, counts):
+    # accelerate's nlp_example loop: sync_gradients stays True, so each micro-batch would be an optimizer step.
+    # Refused on a rank of count 1 too ([1, 3]): its peer refuses at the same backward, before any collective.
+    _settled(accelerator, counts)
+    with pytest.raises(ValueError) as refused:
+        accelerator.backward(torch.tensor(1.0))
+    message = str(refused.value)
+    assert message.startswith("PoplarAccelerator.backward: expected each micro-batch's backward inside `with ")
+    assert f"accumulation counts above 1 (counts by rank: {counts})" in message
+    assert "Wrap the forward, accelerator.backward" in message and "accelerator.accumulate(model)" in message
+    assert backwards == []
+
+
+def test_backward_inside_accumulate_once_per_block(accelerator, backwards):
+    _settled(accelerator, [2, 1])
+    for loss in (1.0, 2.0, 3.0):
+        with accelerator.accumulate():
+            accelerator.backward(torch.tensor(loss))
+    assert backwards == [1.0, 2.0, 3.0]
+    assert accelerator.step == 3 and accelerator.sync_gradients is False  # 3 micro-steps of count 2
+    with accelerator.accumulate():
+        accelerator.backward(torch.tensor(4.0))
+        with pytest.raises(ValueError, match="found a backward without accumulate\\(\\) since the previous one"):
+            accelerator.backward(torch.tensor(5.0))
+    assert backwards == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_plan_without_accumulation_needs_no_accumulate(accelerator, backwards):
+    _settled(accelerator, [1, 1])
+    accelerator.backward(torch.tensor(1.0))
+    accelerator.backward(torch.tensor(2.0))
+    assert backwards == [1.0, 2.0]
+
+
+def test_the_refusal_ends_a_restarting_launchers_job(monkeypatch, accelerator, backwards):
+    import poplar_ext.elastic as elastic
+
+    ended: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", ended.append)
+    _settled(accelerator, [2, 2])
+    with pytest.raises(ValueError, match="accumulate") as refused:
+        accelerator.backward(torch.tensor(1.0))
+    assert ended == [refused.value]
