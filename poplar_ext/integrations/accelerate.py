@@ -224,6 +224,19 @@ class PoplarAccelerator(Accelerator):
             self.poplar_engine = wrapped
         return result
 
+    def free_memory(self, *objects: Any) -> Any:
+        """accelerate's (``clear`` calls it), then the training state of the last ``prepare`` forgotten: the next
+        ``prepare`` plans its first DataLoader and wraps its engine again, under the job's plan (resolved once)."""
+        released = super().free_memory(*objects)
+        self.poplar_engine = None
+        self._train_sampler = self._train_loader = self._prepared_train_loader = self._model = None
+        self._iteration_tokens.clear()
+        self._micro_steps_in_iteration = 0
+        self._accumulate_calls = self._accumulate_calls_at_backward = 0
+        if self.job is not None:  # a re-balanced plan's count back to the job's plan, which the next engine starts on
+            self._use_rank_config(self.job)
+        return released
+
     def _follow_plan_switch(self, plan: Any) -> None:
         """A new plan from the next iteration on (re-balancing, or ``load_state`` resuming under the checkpoint's last
         plan): ``accumulate()`` counts its accumulation count. It syncs when its micro-step counter `step` is a multiple

@@ -5,7 +5,7 @@ clipping, ZeRO stages 0-3 (uneven accumulation counts at 0/1): the parameters af
 optimizer steps equal one process training the same global batches (fp32, 1e-5); every
 sample is trained once; gather_for_metrics returns every rank's rows; save_state and
 load_state in a fresh Accelerator continue the data and equal the uninterrupted run, also under
-another plan of the same global batch.
+another plan of the same global batch; after free_memory() a second prepare trains the plan again.
 Re-balancing: a ``slowdown_schedule`` makes rank 1 4x slower mid-run (ZeRO-1 with uneven
 accumulation counts, ZeRO-2 with one): one re-plan moves samples away from it, accumulate()
 follows each rank's new count, and the parameters, also after save_state and load_state across
@@ -148,6 +148,10 @@ def _cases(files, checkpoints):
         "seen": results["resumed1"]["first"] + rest,
         "steps": accelerator.poplar_engine.global_steps,
     }
+    # accelerate's free_memory() between two trainings: the second prepare's DataLoader is on the plan again.
+    accelerator.free_memory()
+    model, seen, _ = _train(accelerator, STEPS)
+    results["after_free_memory"] = {"params": t.full_parameters(model), "seen": seen}
     return results
 
 
@@ -278,6 +282,13 @@ def test_load_state_under_another_plan_equals_one_process(results, reference):
     assert [r["resumed_other_plan"]["steps"] for r in results] == [STEPS] * len(results)
     assert t.max_difference(results[0]["resumed_other_plan"]["params"], reference) <= 1e-5
     seen = [i for r in results for i in r["resumed_other_plan"]["seen"]]
+    assert sorted(seen) == sorted(_stream_indices(STEPS))
+
+
+def test_a_prepare_after_free_memory_trains_the_plan_again(results, reference):
+    # A second training from the start (accelerate's find_executable_batch_size pattern, or a second phase).
+    assert t.max_difference(results[0]["after_free_memory"]["params"], reference) <= 1e-5
+    seen = [i for r in results for i in r["after_free_memory"]["seen"]]
     assert sorted(seen) == sorted(_stream_indices(STEPS))
 
 

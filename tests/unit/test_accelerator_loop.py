@@ -1,6 +1,6 @@
-"""PoplarAccelerator's counters around accelerate's loop: accumulate()'s micro-step counter after load_state, and
-a backward outside accumulate() (one process, no process group; accelerate's own methods stubbed where they would
-need DeepSpeed's engine)."""
+"""PoplarAccelerator's counters around accelerate's loop: accumulate()'s micro-step counter after load_state, a
+backward outside accumulate(), free_memory() before another prepare (one process, no process group; accelerate's
+own methods stubbed where they would need DeepSpeed's engine)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,8 @@ def _settled(accelerator, counts: list[int]) -> None:
         plan=plan_from_dict(plan, source="test"),
         rank=0,
         poplar_config=poplar_config_from_dict({"plan": "plan.json"}, base_dir=Path(".")),
+        ds_config={**CONFIG, "train_batch_size": 2 * sum(counts)},
+        source="test",
     )
     accelerator.gradient_accumulation_steps = counts[0]
 
@@ -124,3 +126,21 @@ def test_the_refusal_ends_a_restarting_launchers_job(monkeypatch, accelerator, b
     with pytest.raises(ValueError, match="accumulate") as refused:
         accelerator.backward(torch.tensor(1.0))
     assert ended == [refused.value]
+
+
+def test_free_memory_forgets_the_last_prepare_s_training_state(accelerator):
+    # accelerate's find_executable_batch_size / a second training phase: free_memory(), then prepare again. The next
+    # prepare's first DataLoader is the training one again (planned), and accumulate() counts the job's plan.
+    _settled(accelerator, [2, 1])
+    accelerator._train_loader = accelerator._prepared_train_loader = accelerator._train_sampler = object()
+    accelerator.poplar_engine, accelerator._model = object(), object()
+    accelerator._iteration_tokens[0] = [3, 4]
+    accelerator._micro_steps_in_iteration, accelerator._accumulate_calls = 1, 5
+    accelerator.gradient_accumulation_steps = 4  # a re-balanced plan's count
+    accelerator.free_memory()
+    assert (accelerator._train_loader, accelerator._prepared_train_loader, accelerator._train_sampler) == (None,) * 3
+    assert (accelerator.poplar_engine, accelerator._model, accelerator._iteration_tokens) == (None, None, {})
+    assert (accelerator._micro_steps_in_iteration, accelerator._accumulate_calls, accelerator.step) == (0, 0, 0)
+    assert accelerator.gradient_accumulation_steps == 2
+    assert accelerator.state.deepspeed_plugin.deepspeed_config["train_batch_size"] == 2 * 2 * 2  # b_r x s_r x W
+    assert accelerator.plan is accelerator.job.plan
