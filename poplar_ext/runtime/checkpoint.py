@@ -143,7 +143,10 @@ def save_whole(
     if engine.use_node_local_storage():
         # The save every node holds may be whole only in some node's TAG.saving (a save that failed after other
         # nodes swapped it in) or TAG.replaced: swapped in before this save empties TAG.saving.
-        _settle_tag(save_dir, tag, storage_rank=storage_rank, rank=engine.global_rank, caller="save_checkpoint")
+        # Without the refusal: this save replaces whatever the storages hold.
+        _settle_tag(
+            save_dir, tag, storage_rank=storage_rank, rank=engine.global_rank, caller="save_checkpoint", refuse=False
+        )
     if storage_rank == 0:  # what a save that failed left; its state file first, so no part of it reads as whole
         with suppress(OSError):  # one that stays (not a folder, read-only) fails DeepSpeed's writes, on every rank
             (Path(save_dir) / new_tag / STATE_FILE).unlink(missing_ok=True)
@@ -276,12 +279,18 @@ def tag_for_load(load_dir: str | Path, tag: Any, *, deepspeed_engine: Any, rank:
 
 
 def _settle_tag(
-    load_dir: str | Path, tag: str, *, storage_rank: int, rank: int, caller: str, node_local: bool = True
+    load_dir: str | Path,
+    tag: str,
+    *,
+    storage_rank: int,
+    rank: int,
+    caller: str,
+    node_local: bool = True,
+    refuse: bool = True,
 ) -> None:
-    """`restore_replaced`, then `agree_storages` (collective; at a save, `caller` save_checkpoint, without its
-    refusal: the save replaces what the storages hold). A storage rank that cannot do its part (a permission or
-    I/O error) fails every rank at once, in place of a barrier: restored on every storage before any rank reads
-    TAG."""
+    """`restore_replaced`, then `agree_storages` (collective; `refuse`: its). A storage rank that cannot do its
+    part (a permission or I/O error) fails every rank at once, in place of a barrier: restored on every storage
+    before any rank reads TAG."""
     from poplar_ext.collectives import raise_if_any_failed
 
     failure = None
@@ -290,7 +299,6 @@ def _settle_tag(
     except OSError as exc:  # noqa: BLE001 - raised on every rank, below
         failure = exc
     raise_if_any_failed(failure, rank=rank)
-    refuse = caller != "save_checkpoint"
     agree_storages(load_dir, tag, storage_rank=storage_rank, rank=rank, caller=caller, refuse=refuse)
 
 
@@ -324,7 +332,7 @@ def agree_storages(
         raise RuntimeError(unreadable[0])
     storages = [(rank, saves) for rank, saves in enumerate(gathered) if saves is not None]
     chosen = _newest_on_every_storage([saves for _, saves in storages])
-    if chosen is _NONE_EVERYWHERE:
+    if chosen == _NONE_EVERYWHERE:
         if refuse:
             raise ValueError(
                 f"{caller}: tag {tag!r}: expected one save under it on every node's storage, found different ones "
@@ -343,8 +351,9 @@ def agree_storages(
 
 _MISSING = ("", "no folder for the tag")
 """What `agree_storages` gathers for a storage without TAG's folder."""
-_NONE_EVERYWHERE = ""
-"""`_newest_on_every_storage`'s answer where no save is on every storage."""
+_NONE_EVERYWHERE = "no save on every storage"
+"""`_newest_on_every_storage`'s answer where no save is on every storage (no save id: those are hex or
+"data position N")."""
 
 
 def _newest_on_every_storage(storages: list[tuple]) -> str | None:
