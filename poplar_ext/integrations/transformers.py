@@ -815,7 +815,10 @@ def _whole_checkpoint(named: str | bool, storages: list[tuple[int, list | str]])
         raise ValueError(f"resume_from_checkpoint: could not read the checkpoints on rank {rank}'s storage: {why}")
     views = [(rank, dict(view)) for rank, view in storages]
     names = {name for _, view in views for name in view}
-    folders = [named] if named is not True else sorted(names, key=lambda n: int(n.rsplit("-", 1)[1]), reverse=True)
+    # A named folder as `_resumable_here` wrote it (a trailing "/" dropped).
+    folders = (
+        [str(Path(named))] if named is not True else sorted(names, key=lambda n: int(n.rsplit("-", 1)[1]), reverse=True)
+    )
     where = (lambda rank: f" on rank {rank}'s storage") if len(views) > 1 else (lambda rank: "")
     for folder in folders:
         lacking = [(rank, view.get(folder, "")) for rank, view in views if view.get(folder, "") is not None]

@@ -206,10 +206,9 @@ def test_a_resume_on_node_local_storage_takes_the_newest_checkpoint_whole_on_eve
 
     _on_two_node_storages(trainer, monkeypatch, other_node)
     assert PoplarTrainer._check_resume(trainer, True) == str(older)
-    with pytest.raises(
-        ValueError, match=rf"{newer}: expected a whole checkpoint.*trainer_state.json missing on rank 1"
-    ):
-        PoplarTrainer._check_resume(trainer, str(newer))
+    for named in (str(newer), f"{newer}/"):
+        with pytest.raises(ValueError, match=rf"{newer}: expected a whole checkpoint.*state.json missing on rank 1"):
+            PoplarTrainer._check_resume(trainer, named)
 
 
 def test_a_resume_where_the_first_node_has_no_checkpoint_is_refused_on_every_rank(tmp_path, monkeypatch):
