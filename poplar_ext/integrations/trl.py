@@ -135,8 +135,14 @@ class PoplarDPOTrainer(_LocalMetrics, DPOTrainer):
 
     @ends_job_on_user_error  # as the mixin's refusals, which come after this one's
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        config = _named_arguments([DPOTrainer], args, kwargs).get("args")
+        # The batch sizes as given, before the plan makes them each rank's own (`_precompute_ref_logps`).
+        self._precompute_batch_sizes = (
+            getattr(config, "per_device_train_batch_size", None),
+            getattr(config, "per_device_eval_batch_size", None),
+        )
         # DPO losses comparing the pairs of a micro-batch (`_MICRO_BATCH_DPO_LOSSES`) are refused.
-        loss_types = getattr(_named_arguments([DPOTrainer], args, kwargs).get("args"), "loss_type", None) or []
+        loss_types = getattr(config, "loss_type", None) or []
         for loss_type in [loss_types] if isinstance(loss_types, str) else loss_types:
             if loss_type in _MICRO_BATCH_DPO_LOSSES:
                 raise ValueError(
@@ -145,6 +151,16 @@ class PoplarDPOTrainer(_LocalMetrics, DPOTrainer):
                     "split into micro-batches, so no per-rank split equals one device training the global batch"
                 )
         super().__init__(*args, **kwargs)
+
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
+        """TRL's, in batches of one size on every rank. TRL batches a set of its own (accelerate's even split, each
+        batch gathered from every rank) in ``precompute_ref_batch_size`` or else this rank's
+        ``per_device_*_batch_size``, which the plan makes differ per rank (the gathers would not match): without
+        ``precompute_ref_batch_size`` the batch size given in the arguments, as the plain trainer uses it."""
+        if self.args.precompute_ref_batch_size is None:
+            train, evaluation = self._precompute_batch_sizes
+            batch_size = train if dataset is self.train_dataset else evaluation
+        return super()._precompute_ref_logps(dataset, name, batch_size)
 
 
 __all__ = ["PoplarDPOTrainer", "PoplarSFTTrainer"]

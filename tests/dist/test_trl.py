@@ -9,7 +9,9 @@ TRL trainer (fp32, 1e-5), every sample (or packed row) trained once:
   (per-rank accumulation counts);
 * SFT with packing (``wrapped``: rows of ``max_length`` tokens) at ZeRO 3;
 * DPO with its reference model (sigmoid loss, a mean over pairs) at ZeRO 1 (per-rank
-  accumulation counts) and 3 (the reference model partitioned too).
+  accumulation counts) and 3 (the reference model partitioned too);
+* DPO with the reference log-probs precomputed at construction at ZeRO 1 (TRL batches
+  them alike on every rank, whatever each rank's micro-batch).
 
 (ZeRO 2 is the custom subclass's, tests/dist/test_trainer_mixin.py.)
 
@@ -51,6 +53,7 @@ CASES = [
     ),
     ("dpo-1", "dpo", 1, {}),
     ("dpo-3", "dpo", 3, {}),
+    ("dpo-precompute-1", "dpo", 1, {"precompute_ref_log_probs": True}),
 ]
 WORDS = 62  # the vocabulary: <pad>, <eos> and w0..w61 (64 embeddings)
 
@@ -133,9 +136,9 @@ def tiny_llama():
     return LlamaForCausalLM(config)
 
 
-def _build(trainer_class, kind: str, args):
+def _build(trainer_class, kind: str, args, data=None):
     model = tiny_llama()
-    data = dataset(kind)
+    data = dataset(kind) if data is None else data
     common = dict(model=model, args=args, train_dataset=data, eval_dataset=data, processing_class=tokenizer())
     if kind == "dpo":
         common["ref_model"] = tiny_llama()
@@ -151,7 +154,11 @@ def _reset_accelerate() -> None:
     datasets.disable_progress_bars()  # this test's processes only
 
 
-def _train_cases(configs: dict[int, str], out: str) -> dict:
+def _train_cases(configs: dict[int, str], out: str, saved_dpo: str) -> dict:
+    """`saved_dpo`: the DPO set saved to disk: TRL writes precomputed reference log-probs to the set's cache file,
+    which every rank reads (an in-memory set's is in a temporary folder of each process's own)."""
+    import datasets
+
     from poplar_ext.integrations.trl import PoplarDPOTrainer, PoplarSFTTrainer
 
     results = {}
@@ -175,7 +182,8 @@ def _train_cases(configs: dict[int, str], out: str) -> dict:
             per_device_train_batch_size=4,
             per_device_eval_batch_size=2,
         )
-        trainer = _build(Recording, kind, args)
+        data = datasets.load_from_disk(saved_dpo) if fields.get("precompute_ref_log_probs") else None
+        trainer = _build(Recording, kind, args, data)
         trainer.train()
         evaluated = trainer.evaluate()  # rounds of batches of 2 x each rank's plan micro-batch over the smallest
         # The loader reads ahead: the iterations trained are the first STEPS (an item per optimizer step).
@@ -186,6 +194,7 @@ def _train_cases(configs: dict[int, str], out: str) -> dict:
             "eval_loss": evaluated["eval_loss"],
             "seen": [i for iteration in trained for batch in iteration for i in batch],
             "logged_num_tokens": _logged(trainer, "num_tokens"),
+            "ref_chosen_logps": _precomputed(trainer),
         }
     return results
 
@@ -195,10 +204,17 @@ def _logged(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry and "eval_loss" not in entry]
 
 
-_references: dict[str, tuple[dict[str, torch.Tensor], int, float, list[float]]] = {}
+def _precomputed(trainer) -> list[float] | None:
+    """The reference log-probs of the chosen completions TRL precomputed, row by row (None: none were)."""
+    columns = getattr(trainer.train_dataset, "column_names", None) or []
+    return list(trainer.train_dataset["ref_chosen_logps"]) if "ref_chosen_logps" in columns else None
 
 
-def _reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tensor], int, float, list[float]]:
+_Reference = tuple[dict[str, torch.Tensor], int, float, list[float], list[float] | None]
+_references: dict[str, _Reference] = {}
+
+
+def _reference(kind: str, fields: dict, out: Path) -> _Reference:
     """`_train_reference`, once per trainer and configuration (the DPO cases share theirs)."""
     key = json.dumps([kind, fields], sort_keys=True)
     if key not in _references:
@@ -206,7 +222,7 @@ def _reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tens
     return _references[key]
 
 
-def _train_reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torch.Tensor], int, float, list[float]]:
+def _train_reference(kind: str, fields: dict, out: Path) -> _Reference:
     """One process, the plain TRL trainer, the stream's global batches in order; then its evaluation of
     the whole data set in one batch (the loss TRL computes over all of it)."""
     from trl import DPOTrainer, SFTTrainer
@@ -226,10 +242,11 @@ def _train_reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torc
             kind, fields, output_dir=str(out), per_device_train_batch_size=GLOBAL_BATCH, per_device_eval_batch_size=1000
         )
         trainer = _build(InStreamOrder, kind, args)
+        precomputed = _precomputed(trainer)
         trainer.train()
         params = {name: p.detach().float().clone() for name, p in trainer.model.named_parameters()}
         logged_tokens = _logged(trainer, "num_tokens")
-        return params, len(trainer.train_dataset), trainer.evaluate()["eval_loss"], logged_tokens
+        return params, len(trainer.train_dataset), trainer.evaluate()["eval_loss"], logged_tokens, precomputed
     finally:
         _reset_accelerate()
 
@@ -237,11 +254,12 @@ def _train_reference(kind: str, fields: dict, out: Path) -> tuple[dict[str, torc
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("trl")
+    dataset("dpo").save_to_disk(str(root / "dpo-data"))
     ranks = run_ranks(
         _train_cases,
         world_size=3,
         tmp_path=root,
-        args=(hf.trainer_configs(root, ALLOCATIONS, TYPES), str(root / "out")),
+        args=(hf.trainer_configs(root, ALLOCATIONS, TYPES), str(root / "out"), str(root / "dpo-data")),
         timeout_s=400,
     )
     return root, ranks
@@ -251,7 +269,7 @@ def trained(tmp_path_factory):
 def test_parameters_equal_the_plain_trl_trainer_on_one_process(trained, case):
     root, ranks = trained
     name, kind, _, fields = case
-    expected, rows, _, _ = _reference(kind, fields, root / f"reference-{name}")
+    expected, rows, _, _, _ = _reference(kind, fields, root / f"reference-{name}")
     assert ranks[0][name]["rows"] == rows
     assert t.max_difference(ranks[0][name]["params"], expected) <= 1e-5
 
@@ -271,7 +289,7 @@ def test_evaluate_equals_the_plain_trl_trainer_on_the_whole_set(trained, case):
     # once, the loss the exact mean over the whole set, as one process computes it in one batch.
     root, ranks = trained
     name, kind, _, fields = case
-    _, _, expected, _ = _reference(kind, fields, root / f"reference-{name}")
+    _, _, expected, _, _ = _reference(kind, fields, root / f"reference-{name}")
     assert ranks[0][name]["eval_loss"] == pytest.approx(expected, rel=1e-4)
 
 
@@ -279,5 +297,16 @@ def test_evaluate_equals_the_plain_trl_trainer_on_the_whole_set(trained, case):
 def test_the_logged_token_count_is_the_jobs_not_rank_0s(trained, case):
     root, ranks = trained
     name, kind, _, fields = case
-    _, _, _, expected = _reference(kind, fields, root / f"reference-{name}")
+    _, _, _, expected, _ = _reference(kind, fields, root / f"reference-{name}")
     assert len(expected) == STEPS and ranks[0][name]["logged_num_tokens"] == expected
+
+
+def test_precomputed_reference_log_probs_equal_the_plain_trl_trainers(trained):
+    # TRL precomputes them at construction, each batch split over the ranks and gathered: in batches of one size on
+    # every rank (each rank's own micro-batch would make the gathers differ), every row as one process computes it.
+    root, ranks = trained
+    name, kind, _, fields = next(c for c in CASES if c[3].get("precompute_ref_log_probs"))
+    expected = _reference(kind, fields, root / f"reference-{name}")[4]
+    assert expected is not None and len(expected) == ranks[0][name]["rows"]
+    assert all(rank[name]["ref_chosen_logps"] == ranks[0][name]["ref_chosen_logps"] for rank in ranks)
+    assert ranks[0][name]["ref_chosen_logps"] == pytest.approx(expected, abs=1e-4)
