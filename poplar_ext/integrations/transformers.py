@@ -290,7 +290,9 @@ class _PlanEvaluation:
         progress.index += 1
         counted = self._eval_loss_count(inputs)  # before the Trainer's step may change the batch
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        if loss is not None and progress.sampler.real_counts(progress.index)[self.job.rank] > 0:
+        # A padding batch, or one without label tokens (a completion truncated away): its loss, a mean over
+        # nothing (0/0, NaN), adds nothing to the sum nor the count, as the plain Trainer's NaN filter drops it.
+        if loss is not None and counted > 0 and progress.sampler.real_counts(progress.index)[self.job.rank] > 0:
             progress.loss_sum += float(loss.detach().float().mean()) * counted
             progress.loss_count += counted
         return loss, logits, labels
