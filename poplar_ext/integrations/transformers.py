@@ -187,6 +187,18 @@ def _refuse_before_settling(cls: type, args: TrainingArguments | None) -> tuple[
     return loaded, poplar_config
 
 
+def _refuse_per_rank_retries(args: TrainingArguments) -> None:
+    """What the mixin refuses beside `_refuse_before_settling`, from `args` alone and alike on every rank."""
+    if getattr(args, "auto_find_batch_size", False):
+        # After an out-of-memory error only that rank would halve its batch and retry, while the plan's sampler keeps
+        # its micro-batch and the other ranks wait in collectives.
+        raise ValueError(
+            "TrainingArguments.auto_find_batch_size: expected False with a poplar plan (the plan already sizes each "
+            "rank's micro-batch to its device's memory), found True; leave it False (a rank that runs out of memory "
+            "needs a smaller micro-batch in the plan: profile its device type again, or edit the plan)"
+        )
+
+
 def _settle_job(args: TrainingArguments, model: Any, train_dataset: Any, *, collate_fn: Any, configured: Any) -> Job:
     """The plan and its context, resolved alike on every rank (collective) before the Trainer is built;
     `configured`: what `_refuse_before_settling` read."""
@@ -349,6 +361,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         kwargs = _named_arguments(list(mro[mro.index(PoplarTrainerMixin) + 1 :]), positional, kwargs)
         model, args, train_dataset = (kwargs.pop(name, None) for name in ("model", "args", "train_dataset"))
         configured = _refuse_before_settling(type(self), args)
+        _refuse_per_rank_retries(args)
         self.job = _settle_job(
             args, model, train_dataset, collate_fn=kwargs.get("data_collator"), configured=configured
         )

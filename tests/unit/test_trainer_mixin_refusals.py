@@ -147,6 +147,31 @@ def test_training_arguments_choosing_the_data_order_are_refused_before_the_job_i
     assert ended == [refused.value]
 
 
+def test_auto_find_batch_size_is_refused_before_the_job_is_settled(monkeypatch):
+    # After an out-of-memory error only that rank would halve its batch and retry, the plan's sampler keeping its
+    # micro-batch and the other ranks waiting in collectives: refused on every rank alike, before any collective.
+    import torch
+
+    import poplar_ext.elastic as elastic
+    from poplar_ext.integrations import transformers as integration
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    def settle(*args, **kwargs):
+        raise AssertionError("the job was settled before the refusal")
+
+    monkeypatch.setattr(integration, "_settle_job", settle)
+    ended: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", ended.append)
+    args = _training_arguments({"auto_find_batch_size": True}, {})
+    match = (
+        r"TrainingArguments\.auto_find_batch_size: expected False with a poplar plan \(the plan already sizes each "
+        r"rank's micro-batch to its device's memory\), found True; leave it False"
+    )
+    with pytest.raises(ValueError, match=match) as refused:
+        PoplarTrainer(model=torch.nn.Linear(2, 1), args=args, train_dataset=[{"x": 1}] * 8)
+    assert ended == [refused.value]
+
+
 def test_the_refusals_before_settling_end_a_restarting_launchers_job(monkeypatch):
     import poplar_ext.elastic as elastic
     from poplar_ext.integrations.transformers import PoplarTrainer
