@@ -768,6 +768,12 @@ class PoplarTrainerMixin(_PlanEvaluation):
         )
         wrapper.engine = wrapped
         self.poplar_engine = wrapped
+        wrapped.switch_listeners.append(self._follow_plan_switch)
+
+    def _follow_plan_switch(self, plan: Plan) -> None:
+        """A new plan from the next iteration on (re-balancing, or a resume under the checkpoint's last plan):
+        ``args.per_device_train_batch_size`` is the rank's micro-batch in it, as it was in the first plan."""
+        self.args.per_device_train_batch_size = plan.ranks[self.job.rank].micro_batch_size
 
 
 def _no_deepspeed_save(save_dir: str, exclude_frozen_parameters: bool = False) -> None:

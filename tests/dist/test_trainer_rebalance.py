@@ -148,6 +148,7 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
             "seen": [i for iteration in seen[:STEPS] for batch in iteration for i in batch],
             "history": [(h["start_step"], h["reason"]) for h in trainer.poplar_engine.plan_history],
             "last": [(r.micro_batch_size, r.gradient_accumulation_steps) for r in trainer.plan.ranks],
+            "args_micro_batch": trainer.args.per_device_train_batch_size,
             "learning_rates": learning_rates,
             "steps": trainer.state.global_step,
             "tokens_seen": trainer.state.num_input_tokens_seen,
@@ -175,6 +176,7 @@ def _train_switching(configs: dict[int, str], out: str) -> dict:
                     (r["micro_batch_size"], r["gradient_accumulation_steps"]) for r in history[-1]["plan"]["ranks"]
                 ],
                 "history": [h["start_step"] for h in history],
+                "args_micro_batch": resumed.args.per_device_train_batch_size,
                 "train_loss": output.metrics["train_loss"],
                 # The Trainer skips the epoch's trained iterations through the sampler (they pass the recorder).
                 "seen": [
@@ -372,6 +374,8 @@ def test_every_rank_switches_at_the_same_step_and_every_sample_once(switching, s
     assert all(start > at for (start, _), at in zip(history[1:], ordered)), (history, ordered)
     assert all(r[stage]["history"] == history for r in switching), "every rank switched at the same step"
     assert [r[stage]["last"] for r in switching][0] == SWITCHES[stage][ordered[-1]]
+    # trainer.args.per_device_train_batch_size follows: each rank's micro-batch in the plan it trains now.
+    assert [r[stage]["args_micro_batch"] for r in switching] == [b for b, _ in SWITCHES[stage][ordered[-1]]]
     trained = sorted(i for r in switching for i in r[stage]["seen"])
     assert trained == sorted(t.SampleStream(num_samples=hf.NUM_SAMPLES, seed=0).indices(0, STEPS * GLOBAL_BATCH))
 
@@ -392,6 +396,7 @@ def test_a_resume_after_a_switch_continues_under_the_switched_plan(switching):
     assert applied, "the test needs a switch applied before the checkpoint"
     ordered = sorted(SWITCHES[1])
     assert resumed["plan_at_resume"] == SWITCHES[1][ordered[applied[-1]]]
+    assert [r[1]["resumed"]["args_micro_batch"] for r in switching] == [b for b, _ in resumed["plan_at_resume"]]
     assert resumed["history"][: len(applied) + 1] == [start for start, _ in first["history"][: len(applied) + 1]]
     expected = hf.reference_parameters(GLOBAL_BATCH, STEPS, schedule_warmup_steps=2)
     assert t.max_difference(resumed["params"], expected) <= 1e-5
