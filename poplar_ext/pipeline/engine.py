@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,9 @@ from poplar_ext.runtime.rebalance import Rebalancer
 from poplar_ext.runtime.weighting import pipeline_loss_weight
 
 logger = logging.getLogger(__name__)
+
+EVAL_LOSS_EVENT = "Train/Samples/eval_loss"
+"""The event DeepSpeed's monitor (csv, TensorBoard, wandb, comet) gets from eval_batch."""
 
 
 def _timed(instruction: Callable[..., Any], *, compute: bool = True) -> Callable[..., Any]:
@@ -262,6 +266,61 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         self.agg_train_loss = total.to(share.dtype)
         self._end_of_iteration()
         return self.agg_train_loss
+
+    def eval_batch(
+        self,
+        data_iter: Any,
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ) -> Any:
+        """DeepSpeed's eval_batch (collective: every rank); with `compute_loss` and ``reduce_output="avg"``
+        (its defaults) it returns the loss of the whole batch evaluated by every pipeline, on every rank
+        (docs/pipeline.md, Evaluation), and DeepSpeed's monitor gets the same value."""
+        weighted = self.module.loss_fn
+        size = self.plan.pipelines[self.pipeline_index].micro_batch_size
+        with weighted.evaluating(device=self.device, micro_batch_size=size) as totals:
+            with self._monitor_event_held(EVAL_LOSS_EVENT):
+                result = super().eval_batch(
+                    data_iter,
+                    return_logits=return_logits,
+                    compute_loss=compute_loss,
+                    reduce_output=reduce_output,
+                    bcast_loss=bcast_loss,
+                    num_micro_batches=num_micro_batches,
+                )
+        if not compute_loss or reduce_output is None:
+            return result  # DeepSpeed's: the outputs, or each micro-batch's loss unweighted
+        sum_in_group(totals)  # the other stages add zeros
+        weighted_sum, count = totals.tolist()
+        if count <= 0:
+            raise ValueError(
+                "eval_batch: expected at least one label token in the evaluated batch (loss_reduction "
+                "token_mean), found none: evaluate micro-batches with labels that are not all -100"
+            )
+        loss = torch.tensor(weighted_sum / count, dtype=torch.float32, device=self.device)
+        self._write_monitor_event(EVAL_LOSS_EVENT, loss)
+        return (loss, result[1]) if return_logits else loss
+
+    @contextmanager
+    def _monitor_event_held(self, name: str) -> Iterator[None]:
+        # DeepSpeed writes `name` with one pipeline's value inside its train_batch and eval_batch;
+        # the job's value is known only after, written by _write_monitor_event.
+        monitor = self.monitor
+        write = monitor.write_events
+        monitor.write_events = lambda events: write([event for event in events if event[0] != name])
+        try:
+            yield
+        finally:
+            monitor.write_events = write
+
+    def _write_monitor_event(self, name: str, value: torch.Tensor) -> None:
+        # As DeepSpeed writes it: rank 0, the samples trained so far as the step.
+        if self.global_rank == 0 and self.monitor.enabled:
+            self.summary_events = [(name, float(value), self.global_samples)]
+            self.monitor.write_events(self.summary_events)
 
     def _end_of_iteration(self) -> None:
         self._count_iteration(self.global_steps)

@@ -34,6 +34,8 @@ class WeightedLoss:
         self.shifts_labels = loss_fn is not None and loss_shifts_labels(loss_fn)
         self.tokens = 0
         """token_mean: label tokens of the micro-batches weighted since the engine last took them."""
+        self.evaluation: torch.Tensor | None = None
+        self._micro_batch_size = 1
         # DeepSpeed's module prints the loss function's name.
         self.__name__ = (
             "the last layer's output" if loss_fn is None else getattr(loss_fn, "__name__", type(loss_fn).__name__)
@@ -41,6 +43,8 @@ class WeightedLoss:
 
     def __call__(self, outputs: Any, labels: Any) -> Any:
         loss = outputs if self.loss_fn is None else self.loss_fn(outputs, labels)
+        if self.evaluation is not None:
+            return self._evaluated(loss, labels)
         if getattr(loss, "dtype", None) in (torch.float16, torch.bfloat16):
             # Weighted in fp32, as the ZeRO path's weight_loss: a weight like 8/14 rounded to bf16's 8
             # significant bits is off by up to 0.4%; fp16's loss scale multiplies the result, in fp32 too.
@@ -50,6 +54,42 @@ class WeightedLoss:
         tokens = label_tokens(labels, shifted=self.shifts_labels)
         self.tokens += tokens
         return loss * (self.weight * tokens)
+
+    @contextmanager
+    def evaluating(self, *, device: Any, micro_batch_size: int) -> Iterator[torch.Tensor]:
+        """Inside: each loss returned unweighted (DeepSpeed's eval_batch), and added to the tensor yielded,
+        ``[sum of loss x count, count]`` (float64), the count a micro-batch's samples (mean; sum: the loss
+        unmultiplied) or label tokens (token_mean). `micro_batch_size`: the samples where labels hold no tensor."""
+        self.evaluation = torch.zeros(2, dtype=torch.float64, device=device)
+        self._micro_batch_size = micro_batch_size
+        try:
+            yield self.evaluation
+        finally:
+            self.evaluation = None
+
+    def _evaluated(self, loss: Any, labels: Any) -> Any:
+        # DeepSpeed's eval_batch averages its micro-batches' losses alike; the engine needs each one's
+        # share of the evaluated batch over every pipeline instead (docs/pipeline.md, Evaluation).
+        assert self.evaluation is not None
+        if self.reduction == "token_mean":
+            count = label_tokens(labels, shifted=self.shifts_labels)
+        else:
+            count = _samples(labels, default=self._micro_batch_size)
+        self.evaluation[0] += loss.detach().double() * (1 if self.reduction == "sum" else count)
+        self.evaluation[1] += count
+        return loss
+
+
+def _samples(labels: Any, *, default: int) -> int:
+    """A micro-batch's samples: its labels' first dimension (their first tensor where they are a tuple, list or
+    dict), else `default`."""
+    if isinstance(labels, dict):
+        labels = list(labels.values())
+    if isinstance(labels, (tuple, list)):
+        labels = next((item for item in labels if isinstance(item, torch.Tensor)), None)
+    if isinstance(labels, torch.Tensor) and labels.dim() > 0:
+        return int(labels.shape[0])
+    return default
 
 
 def _refuse_placement(**arguments: Any) -> None:

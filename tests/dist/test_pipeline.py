@@ -92,12 +92,15 @@ def _plan_key(name, stage):
     return name if stage == 0 else f"{name}_{stage}"
 
 
-def _engine(files, name, *, stage, seed_layers=True):
+def _engine(files, name, *, stage, seed_layers=True, monitor=False):
     import poplar_ext
     from poplar_ext.models.toy_pipeline import toy_layers
     from poplar_ext.pipeline import PoplarPipelineModule
 
-    config = _config(files, _plan_key(name, stage), stage=stage)
+    extra = {}
+    if monitor:  # DeepSpeed's csv monitor, rank 0 writing
+        extra["csv_monitor"] = {"enabled": True, "output_path": str(files["monitor"]), "job_name": f"{name}{stage}"}
+    config = _config(files, _plan_key(name, stage), stage=stage, **extra)
     model = PoplarPipelineModule(toy_layers(), loss_fn=mse, seed_layers=seed_layers, config=config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = RecordingData(num_samples=NUM_SAMPLES)
@@ -110,9 +113,26 @@ def _parameters(engine):
 
 
 def _train(files, name, stage):
-    engine, data = _engine(files, name, stage=stage)
+    engine, data = _engine(files, name, stage=stage, monitor=True)
     losses = [float(engine.train_batch()) for _ in range(STEPS)]
-    return {"params": _parameters(engine), "losses": losses, "seen": data.seen, "position": engine.data_position}
+    return {
+        "params": _parameters(engine),
+        "losses": losses,
+        "seen": data.seen,
+        "position": engine.data_position,
+        "eval": _evaluate(engine),
+    }
+
+
+def _evaluate(engine):
+    """eval_batch on this pipeline's share of samples 0..B-1 in its plan micro-batches (pipeline 0 first)."""
+    data, pipelines = RegressionData(num_samples=NUM_SAMPLES), engine.plan.pipelines
+    start = sum(p.micro_batch_size * p.num_micro_batches for p in pipelines[: engine.pipeline_index])
+    size, count = pipelines[engine.pipeline_index].micro_batch_size, pipelines[engine.pipeline_index].num_micro_batches
+    batches = [
+        (data.inputs[i : i + size], data.targets[i : i + size]) for i in range(start, start + size * count, size)
+    ]
+    return float(engine.eval_batch(iter(batches)))
 
 
 REFUSALS = {
@@ -286,6 +306,7 @@ def ranks_and_files(tmp_path_factory):
         "wrong_types": write_pipeline_plan(tmp / "types.json", PLANS["two_by_two"], stage=0, types=["cpu-slow"] * 4),
         "zero_plan": t.write_plan(tmp / "zero.json", [(2, 1)] * 4, stage=0, device_types=TYPES),
         "checkpoints": tmp / "checkpoints",
+        "monitor": tmp / "monitor",
         "profiles": tmp / "profiles",
         "cli_profiles": tmp / "cli_profiles",
         "sequential_profiles": tmp / "sequential_profiles",
@@ -362,6 +383,29 @@ def test_pipelines_match_one_process_on_the_global_batch(results, name, stage):
     for run in runs:  # every rank returns the global batch's mean loss
         assert run["losses"] == pytest.approx(losses, abs=1e-6)
         assert run["position"] == STEPS * global_batch
+
+
+def _monitored(files, name, stage, event):
+    """The (step, value) rows DeepSpeed's csv monitor wrote for `event` in the run of `name` at `stage`."""
+    path = files["monitor"] / f"{name}{stage}" / f"{event.replace('/', '_')}.csv"
+    return [(int(step), float(value)) for step, value in (line.split(",") for line in path.read_text().split()[1:])]
+
+
+@pytest.mark.parametrize("name,stage", TRAINED)
+def test_eval_batch_returns_the_loss_of_the_batch_every_pipeline_evaluated(ranks_and_files, name, stage):
+    # Pipelines of different micro-batch sizes and counts: the mean over all B samples, on every rank.
+    results, files = ranks_and_files
+    global_batch = _global_batch(name)
+    model = toy_sequential()
+    model.load_state_dict(_reference(global_batch, STEPS)[0])
+    data = RegressionData(num_samples=NUM_SAMPLES)
+    with torch.no_grad():
+        expected = float(mse(model(data.inputs[:global_batch]), data.targets[:global_batch]))
+    evaluated = [r[(name, stage)]["eval"] for r in results]
+    assert evaluated == pytest.approx([expected] * len(results), abs=1e-5)
+    assert _monitored(files, name, stage, "Train/Samples/eval_loss") == [
+        (STEPS * global_batch, pytest.approx(evaluated[0], abs=1e-6))
+    ]
 
 
 @pytest.mark.parametrize("name", list(PLANS))

@@ -356,6 +356,29 @@ def test_a_pipelines_loss_weight_is_its_count_times_its_share_of_the_batch():
     )
 
 
+def test_an_evaluated_loss_is_unweighted_and_counted_by_its_share_of_the_evaluated_batch():
+    from poplar_ext.pipeline.module import WeightedLoss
+
+    def loss_of(outputs, labels):
+        return outputs
+
+    ids = torch.tensor([[5, -100, 7], [8, 9, -100]])  # 4 label tokens, 2 samples
+    for reduction, count in (("mean", 2), ("sum", 2), ("token_mean", 4)):
+        weighted = WeightedLoss(loss_of, 6 / 11, reduction=reduction)
+        with weighted.evaluating(device="cpu", micro_batch_size=3) as totals:
+            assert float(weighted(torch.tensor(0.5), ids)) == 0.5  # not times the training weight
+            labels = ids[:1] if reduction == "token_mean" else {"n": 2, "y": ids[:1]}  # its first tensor's rows
+            assert float(weighted(torch.tensor(0.25), labels)) == 0.25
+        summed = 0.5 + 0.25 if reduction == "sum" else 0.5 * count + 0.25 * (count // 2)
+        assert totals.tolist() == [summed, count + count // 2], reduction
+        assert weighted.evaluation is None and weighted.tokens == 0  # training's weighting is back, nothing counted
+        assert float(weighted(torch.tensor(0.5), ids)) == pytest.approx(0.5 * 6 / 11 * (4 if count == 4 else 1))
+    weighted = WeightedLoss(None, 1.0)
+    with weighted.evaluating(device="cpu", micro_batch_size=3) as totals:  # labels without a tensor: the plan's size
+        weighted(torch.tensor(2.0), None)
+    assert totals.tolist() == [6.0, 3.0]
+
+
 def test_deepspeed_gets_a_config_valid_for_the_pipeline_alone():
     plan = pipeline_plan_from_dict(_pipeline_plan())
     user = {"train_batch_size": 12, "zero_optimization": {"stage": 1}, "poplar": {}}
