@@ -47,8 +47,8 @@ from poplar_ext.runtime.weighting import pipeline_loss_weight
 
 logger = logging.getLogger(__name__)
 
-EVAL_LOSS_EVENT = "Train/Samples/eval_loss"
-"""The event DeepSpeed's monitor (csv, TensorBoard, wandb, comet) gets from eval_batch."""
+TRAIN_LOSS_EVENT, EVAL_LOSS_EVENT = "Train/Samples/train_loss", "Train/Samples/eval_loss"
+"""The events DeepSpeed's monitor (csv, TensorBoard, wandb, comet) gets from train_batch and eval_batch."""
 
 
 def _timed(instruction: Callable[..., Any], *, compute: bool = True) -> Callable[..., Any]:
@@ -250,20 +250,23 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         super()._checkpoint_tag_validation(self._job_tag or tag)
 
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
-        """DeepSpeed's train_batch; returns the mean loss over the global batch, on every rank (collective)."""
-        self.module.loss_fn.tokens = 0  # token_mean: counted afresh (an evaluation may have counted some)
+        """DeepSpeed's train_batch; returns the mean loss over the global batch, on every rank (collective), the
+        value DeepSpeed's monitor gets too."""
+        self.module.loss_fn.tokens = 0  # token_mean: counted afresh (an iteration that raised may have left some)
         reads_data = self.is_first_stage() or self.is_last_stage()
         self._fed_by_caller = self._fed_by_caller or data_iter is not None  # a switch cannot reach its data
         if data_iter is None and reads_data and self.data_iterator is None and self._loader is not None:
             self._own_iterator = True
             self.set_dataiterator(iter(RepeatingLoader(self._loader)))
-        share = super().train_batch(data_iter)
+        with self._monitor_event_held(TRAIN_LOSS_EVENT):  # it would get rank 0's pipeline's share
+            share = super().train_batch(data_iter)
         # Each stage of pipeline p holds its share; each share counted once over all ranks.
         total = share.detach().double() / self.num_stages
         sum_in_group(total)
         if self.poplar_config.loss_reduction == "token_mean":
             total /= self._iteration_tokens  # the shares are token sums (WeightedLoss)
         self.agg_train_loss = total.to(share.dtype)
+        self._write_monitor_event(TRAIN_LOSS_EVENT, self.agg_train_loss)
         self._end_of_iteration()
         return self.agg_train_loss
 

@@ -408,6 +408,16 @@ def test_eval_batch_returns_the_loss_of_the_batch_every_pipeline_evaluated(ranks
     ]
 
 
+@pytest.mark.parametrize("name,stage", TRAINED)
+def test_deepspeeds_monitor_gets_the_loss_train_batch_returns(ranks_and_files, name, stage):
+    results, files = ranks_and_files
+    global_batch, losses = _global_batch(name), results[0][(name, stage)]["losses"]
+    expected = [(step * global_batch, pytest.approx(loss, abs=1e-6)) for step, loss in enumerate(losses, 1)]
+    assert _monitored(files, name, stage, "Train/Samples/train_loss") == expected
+    # DeepSpeed's other events of train_batch still written, once a step
+    assert [step for step, _ in _monitored(files, name, stage, "Train/Samples/lr")] == [s for s, _ in expected]
+
+
 @pytest.mark.parametrize("name", list(PLANS))
 def test_each_pipeline_reads_its_share_of_the_stream_once(results, name):
     runs = [r[(name, 0)] for r in results]
