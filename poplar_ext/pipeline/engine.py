@@ -216,16 +216,36 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         # gradient is that of the global batch's token sum; the tokens T of the whole iteration
         # are known only now, every last stage having counted its own (collective: every rank).
         weighted = self.module.loss_fn
-        tokens = torch.tensor(weighted.tokens if self.is_last_stage() else 0, dtype=torch.int64, device=self.device)
+        counts = [weighted.tokens if self.is_last_stage() else 0, self._labels_refused()]
         weighted.tokens = 0
-        sum_in_group(tokens)
-        self._iteration_tokens = int(tokens.item())
+        summed = torch.tensor(counts, dtype=torch.int64, device=self.device)
+        sum_in_group(summed)
+        self._iteration_tokens, refusing = summed.tolist()
+        self._refuse_labels("train_batch", refusing)
         if self._iteration_tokens < 1:
             raise ValueError(
                 "loss_reduction token_mean: expected at least one label token in the iteration, found none"
             )
         for gradient in gradients:
             gradient.div_(self._iteration_tokens)
+
+    def _labels_refused(self) -> int:
+        """1 where this (last) stage found token_mean labels it could not count (logged here), else 0."""
+        weighted = self.module.loss_fn
+        reason, weighted.refused = weighted.refused, None
+        if reason is None:
+            return 0
+        logger.error("rank %d (pipeline %d's last stage): %s", self.global_rank, self.pipeline_index, reason)
+        return 1
+
+    def _refuse_labels(self, call: str, refusing: int) -> None:
+        # After an all-reduce: the same count, the same error on every rank.
+        if refusing:
+            raise ValueError(
+                f"{call}: expected micro-batches (inputs, labels) with labels one tensor of token ids with "
+                f"poplar.loss_reduction token_mean, found another type on the last stage of {refusing} of "
+                f"{len(self.plan.pipelines)} pipelines (logged there): give labels as one tensor per micro-batch"
+            )
 
     def clip_fp32_gradients(self) -> None:
         # DeepSpeed falls short here: its clip_grad_norm_ (runtime/utils.py) counts a gradient
@@ -252,7 +272,8 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """DeepSpeed's train_batch; returns the mean loss over the global batch, on every rank (collective), the
         value DeepSpeed's monitor gets too."""
-        self.module.loss_fn.tokens = 0  # token_mean: counted afresh (an iteration that raised may have left some)
+        # token_mean: counted afresh (an iteration that raised may have left some)
+        self.module.loss_fn.tokens, self.module.loss_fn.refused = 0, None
         reads_data = self.is_first_stage() or self.is_last_stage()
         self._fed_by_caller = self._fed_by_caller or data_iter is not None  # a switch cannot reach its data
         if data_iter is None and reads_data and self.data_iterator is None and self._loader is not None:
@@ -296,8 +317,10 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
                 )
         if not compute_loss or reduce_output is None:
             return result  # DeepSpeed's: the outputs, or each micro-batch's loss unweighted
+        totals[2] = self._labels_refused()
         sum_in_group(totals)  # the other stages add zeros
-        weighted_sum, count = totals.tolist()
+        weighted_sum, count, refusing = totals.tolist()
+        self._refuse_labels("eval_batch", int(refusing))
         if count <= 0:
             raise ValueError(
                 "eval_batch: expected at least one label token in the evaluated batch (loss_reduction "

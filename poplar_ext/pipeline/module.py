@@ -36,6 +36,8 @@ class WeightedLoss:
         """token_mean: label tokens of the micro-batches weighted since the engine last took them."""
         self.evaluation: torch.Tensor | None = None
         self._micro_batch_size = 1
+        self.refused: str | None = None
+        """token_mean: why labels could not be counted, for the engine to raise on every rank alike."""
         # DeepSpeed's module prints the loss function's name.
         self.__name__ = (
             "the last layer's output" if loss_fn is None else getattr(loss_fn, "__name__", type(loss_fn).__name__)
@@ -51,16 +53,27 @@ class WeightedLoss:
             loss = loss.float()
         if self.reduction != "token_mean":
             return loss * self.weight
-        tokens = label_tokens(labels, shifted=self.shifts_labels)
+        tokens = self._label_tokens(labels)
         self.tokens += tokens
         return loss * (self.weight * tokens)
+
+    def _label_tokens(self, labels: Any) -> int:
+        # Raised here, on the last stages alone, it would leave the other stages waiting in the schedule:
+        # the engine raises it on every rank after the all-reduce that sums the tokens instead.
+        try:
+            return label_tokens(labels, shifted=self.shifts_labels)
+        except ValueError as exc:
+            self.refused = str(exc)
+            return 0
 
     @contextmanager
     def evaluating(self, *, device: Any, micro_batch_size: int) -> Iterator[torch.Tensor]:
         """Inside: each loss returned unweighted (DeepSpeed's eval_batch), and added to the tensor yielded,
-        ``[sum of loss x count, count]`` (float64), the count a micro-batch's samples (mean; sum: the loss
-        unmultiplied) or label tokens (token_mean). `micro_batch_size`: the samples where labels hold no tensor."""
-        self.evaluation = torch.zeros(2, dtype=torch.float64, device=device)
+        ``[sum of loss x count, count, 0]`` (float64), the count a micro-batch's samples (mean; sum: the loss
+        unmultiplied) or label tokens (token_mean; the last element for the engine's `refused`). `micro_batch_size`:
+        the samples where labels hold no tensor."""
+        self.evaluation = torch.zeros(3, dtype=torch.float64, device=device)
+        self.refused = None
         self._micro_batch_size = micro_batch_size
         try:
             yield self.evaluation
@@ -72,7 +85,7 @@ class WeightedLoss:
         # share of the evaluated batch over every pipeline instead (docs/pipeline.md, Evaluation).
         assert self.evaluation is not None
         if self.reduction == "token_mean":
-            count = label_tokens(labels, shifted=self.shifts_labels)
+            count = self._label_tokens(labels)
         else:
             count = _samples(labels, default=self._micro_batch_size)
         self.evaluation[0] += loss.detach().double() * (1 if self.reduction == "sum" else count)

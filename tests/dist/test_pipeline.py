@@ -280,6 +280,32 @@ def _sequential_per_layer(files):
     return sorted((p.device_type, p.zero_stage) for p in profiles)
 
 
+def _labels_of_a_dict(outputs, labels):
+    return mse(outputs, labels["y"])
+
+
+def _token_mean_labels_not_a_tensor(files):
+    """token_mean with micro-batches whose labels are a dict, given to train_batch and eval_batch: what each raises."""
+    import poplar_ext
+    from poplar_ext.models.toy_pipeline import toy_layers
+    from poplar_ext.pipeline import PoplarPipelineModule
+
+    config = _config(files, "two_by_two", stage=0)
+    config["poplar"]["loss_reduction"] = "token_mean"
+    model = PoplarPipelineModule(toy_layers(), loss_fn=_labels_of_a_dict, config=config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, _, _, _ = poplar_ext.initialize(model=model, optimizer=optimizer, config=config)
+    data, size = RegressionData(num_samples=NUM_SAMPLES), engine.poplar_job.pipeline.micro_batch_size
+    messages = []
+    for call in (engine.train_batch, engine.eval_batch):
+        try:
+            call(iter([(data.inputs[:size], {"y": data.targets[:size]})] * 4))
+            messages.append("accepted")
+        except Exception as exc:  # noqa: BLE001 - the old code's gloo error on the stages left waiting, too
+            messages.append(f"{type(exc).__name__}: {exc}")
+    return messages
+
+
 def _all_cases(files):
     # First: a pipeline engine leaves DeepSpeed state behind that a later plain engine trips over.
     results = {"sequential": _sequential_per_layer(files)}
@@ -292,6 +318,7 @@ def _all_cases(files):
     results["searched"] = _searched_at_start(files)
     results["searched"]["seconds"] = time.monotonic() - started
     results["cli"] = _per_layer_cli(files)
+    results["token_mean_labels"] = _token_mean_labels_not_a_tensor(files)  # last: on old code it broke the group
     return results
 
 
@@ -371,6 +398,17 @@ def _one_message(results, case):
 )
 def test_what_cannot_run_is_refused_alike_on_every_rank(results, case, expected):
     assert expected in _one_message(results, case)
+
+
+def test_token_mean_labels_that_are_no_tensor_are_refused_alike_on_every_rank(results):
+    # Only the last stages count labels: the others, left waiting in the schedule, raised gloo's error.
+    for call, messages in zip(("train_batch", "eval_batch"), zip(*(r["token_mean_labels"] for r in results))):
+        assert len(set(messages)) == 1, messages
+        assert messages[0] == (
+            f"ValueError: {call}: expected micro-batches (inputs, labels) with labels one tensor of token ids with "
+            "poplar.loss_reduction token_mean, found another type on the last stage of 2 of 2 pipelines (logged "
+            "there): give labels as one tensor per micro-batch"
+        )
 
 
 @pytest.mark.parametrize("name,stage", TRAINED)

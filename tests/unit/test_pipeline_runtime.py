@@ -370,13 +370,13 @@ def test_an_evaluated_loss_is_unweighted_and_counted_by_its_share_of_the_evaluat
             labels = ids[:1] if reduction == "token_mean" else {"n": 2, "y": ids[:1]}  # its first tensor's rows
             assert float(weighted(torch.tensor(0.25), labels)) == 0.25
         summed = 0.5 + 0.25 if reduction == "sum" else 0.5 * count + 0.25 * (count // 2)
-        assert totals.tolist() == [summed, count + count // 2], reduction
+        assert totals.tolist() == [summed, count + count // 2, 0.0], reduction
         assert weighted.evaluation is None and weighted.tokens == 0  # training's weighting is back, nothing counted
         assert float(weighted(torch.tensor(0.5), ids)) == pytest.approx(0.5 * 6 / 11 * (4 if count == 4 else 1))
     weighted = WeightedLoss(None, 1.0)
     with weighted.evaluating(device="cpu", micro_batch_size=3) as totals:  # labels without a tensor: the plan's size
         weighted(torch.tensor(2.0), None)
-    assert totals.tolist() == [6.0, 3.0]
+    assert totals.tolist() == [6.0, 3.0, 0.0]
 
 
 def test_deepspeed_gets_a_config_valid_for_the_pipeline_alone():
@@ -570,6 +570,38 @@ def test_a_token_mean_job_refuses_samples_whose_labels_are_not_one_tensor():
         check_token_mean_samples([{"input_ids": ids, "labels": ids}], "token_mean")
     with pytest.raises(ValueError, match=expected + " tuple"):
         check_token_mean_samples([(ids, (ids, ids))], "token_mean")
+
+
+def test_token_mean_labels_no_last_stage_can_count_are_refused_by_every_rank_after_the_token_sum(monkeypatch):
+    from types import SimpleNamespace
+
+    from poplar_ext.pipeline import engine as engine_module
+    from poplar_ext.pipeline.engine import PoplarPipelineEngine
+    from poplar_ext.pipeline.module import WeightedLoss
+
+    refusing = WeightedLoss(lambda outputs, labels: outputs, 2.0, reduction="token_mean")
+    assert float(refusing(torch.tensor(0.5), {"y": torch.zeros(2)})) == 0.0  # inside the schedule: not raised
+    assert refusing.refused.endswith("expected labels that are a tensor of token ids, found dict")
+    # A last stage whose labels were counted learns of the other pipeline's in the tokens' all-reduce.
+    counting = WeightedLoss(lambda outputs, labels: outputs, 2.0, reduction="token_mean")
+    counting(torch.tensor(0.5), torch.ones(3, dtype=torch.long))
+    monkeypatch.setattr(engine_module, "sum_in_group", lambda summed: summed.add_(torch.tensor([0, 1])))
+    engine = SimpleNamespace(
+        module=SimpleNamespace(loss_fn=counting),
+        is_last_stage=lambda: True,
+        device="cpu",
+        plan=SimpleNamespace(pipelines=[None, None]),
+    )
+    engine._labels_refused = lambda: PoplarPipelineEngine._labels_refused(engine)
+    engine._refuse_labels = lambda call, count: PoplarPipelineEngine._refuse_labels(engine, call, count)
+    gradient = torch.ones(2)
+    with pytest.raises(
+        ValueError,
+        match=r"^train_batch: expected micro-batches \(inputs, labels\) with labels one tensor of token ids with "
+        r"poplar.loss_reduction token_mean, found another type on the last stage of 1 of 2 pipelines",
+    ):
+        PoplarPipelineEngine._divide_by_iteration_tokens(engine, [gradient])
+    assert gradient.tolist() == [1.0, 1.0] and counting.tokens == 0
 
 
 def test_a_pipeline_jobs_bad_timers_section_is_named_in_its_config_file():
