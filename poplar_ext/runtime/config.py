@@ -413,6 +413,26 @@ def requested_global_batch_size(poplar_config: PoplarConfig, ds_config: dict, *,
     return GlobalBatchRequest(size=requested, origin=f"{SECTION}.global_batch_size")
 
 
+def refuse_unweighted_modes(ds_config: dict, *, source: str = DICT_SOURCE) -> None:
+    """FormatError for the DeepSpeed modes the loss weights and the iteration count do not hold under."""
+    if ds_config.get("gradient_allreduce_op", "mean") != "mean":
+        raise FormatError(
+            source,
+            "gradient_allreduce_op",
+            "'mean' (the loss weights take DeepSpeed's mean over the ranks: a sum makes every gradient the number "
+            "of ranks times the global batch's)",
+            repr(ds_config["gradient_allreduce_op"]),
+        )
+    if ds_config.get("managed_gradient_accumulation", True) is not True:
+        raise FormatError(
+            source,
+            "managed_gradient_accumulation",
+            "true (poplar-ext ends each rank's iteration at DeepSpeed's accumulation boundary, which DeepSpeed "
+            "reports only while it steps otherwise: no iteration would be counted, nor a data position saved)",
+            repr(ds_config["managed_gradient_accumulation"]),
+        )
+
+
 def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: str = DICT_SOURCE) -> dict:
     """The config DeepSpeed gets on `rank`: valid on its own, with this rank's batch values.
 

@@ -30,6 +30,7 @@ from poplar_ext.runtime.config import (
     PoplarConfig,
     load_deepspeed_config,
     nominal_deepspeed_config,
+    refuse_unweighted_modes,
     requested_global_batch_size,
     requested_zero_stage,
     throughput_timer_synchronized,
@@ -139,6 +140,7 @@ def prepare_job(
     if poplar_config is None:
         poplar_config = read_poplar_section(loaded_config, otherwise="deepspeed.initialize")
     _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
+    refuse_unweighted_modes(ds_config, source=source)
     # DeepSpeed's own discovery first (launcher, torchrun or mpirun), then this rank's device.
     device = join_job(**(init_options or {}))
     rank, world_size = process_group_rank()

@@ -758,6 +758,28 @@ def test_other_parallelism_is_refused(kwargs, config, message):
         poplar_ext.initialize(model=torch.nn.Linear(1, 1), config={**config, **_SECTION}, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"gradient_allreduce_op": "sum"},
+            r"<DeepSpeed config dict>: gradient_allreduce_op: expected 'mean' \(the loss weights .*\), found 'sum'",
+        ),
+        (
+            {"managed_gradient_accumulation": False},
+            r"<DeepSpeed config dict>: managed_gradient_accumulation: expected true \(.*\), found False",
+        ),
+    ],
+)
+def test_deepspeed_modes_the_loss_weights_do_not_hold_under_are_refused(config, message):
+    # A sum over the ranks makes every gradient W times the global batch's; without managed accumulation
+    # DeepSpeed says no boundary before its step, so no iteration is counted (a resume trains data again).
+    import poplar_ext
+
+    with pytest.raises(ValueError, match=message):
+        poplar_ext.initialize(model=torch.nn.Linear(1, 1), config={**config, **_SECTION})
+
+
 def test_moe_layers_are_refused():
     from deepspeed.moe.layer import MoE
 
