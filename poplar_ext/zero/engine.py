@@ -107,6 +107,8 @@ class PoplarEngine(EngineCore):
         """Each called with the new plan at the end of every `switch_plan`: after the optimizer step that ends the
         old plan's last iteration, or in `load_checkpoint` (a resume under the checkpoint's last plan). What
         counts this rank's micro-steps outside DeepSpeed follows the switch there (accelerate's ``accumulate``)."""
+        self._outputs_with_gradients = 0
+        """Tensors with a gradient in the last forward's outputs: DeepSpeed hooks each (`_weight_direct_backward`)."""
         self._token_counts: collections.deque[int] = collections.deque()
         self.iteration_tokens = 0
         """``token_mean``: the current iteration's label tokens over all ranks (`set_token_counts`)."""
@@ -129,6 +131,14 @@ class PoplarEngine(EngineCore):
             scaled = divide_by_accumulation(grad)
             if scaled is grad:  # DeepSpeed leaves this gradient alone (engine.backward weighted it)
                 return grad
+            if self._outputs_with_gradients > 1:
+                # Each output is hooked: the loss's gradient would meet the weight again at the logits it came from
+                # (DeepSpeed divides twice alike), and a token_mean count would be used up per output.
+                raise ValueError(
+                    "loss.backward(): expected the model's forward to return one tensor with a gradient (the loss), "
+                    f"found {self._outputs_with_gradients} (e.g. a loss and logits), each of which would get the "
+                    "loss weight; call engine.backward(loss) instead, which weights the loss once"
+                )
             return (grad.float() * loss_weight(**self._weight_arguments())).to(grad.dtype)
 
         engine._backward_prologue_per_tensor = weight_instead_of_dividing
@@ -160,7 +170,9 @@ class PoplarEngine(EngineCore):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.start_compute_window()
-        return self.deepspeed_engine(*args, **kwargs)
+        outputs = self.deepspeed_engine(*args, **kwargs)
+        self._outputs_with_gradients = _tensors_with_gradients(outputs)
+        return outputs
 
     forward = __call__
 
@@ -466,3 +478,14 @@ class PoplarEngine(EngineCore):
 
 
 __all__ = ["CLIENT_STATE_KEY", "PoplarEngine", "set_deepspeed_batch"]
+
+
+def _tensors_with_gradients(outputs: Any) -> int:
+    """The tensors with a grad_fn in `outputs` (tensors, tuples, lists, dicts), as DeepSpeed hooks them."""
+    if isinstance(outputs, torch.Tensor):
+        return int(outputs.grad_fn is not None)
+    if isinstance(outputs, (tuple, list)):
+        return sum(_tensors_with_gradients(item) for item in outputs)
+    if isinstance(outputs, dict):
+        return sum(_tensors_with_gradients(value) for value in outputs.values())
+    return 0

@@ -1014,3 +1014,50 @@ def test_on_node_local_storage_a_storage_that_cannot_be_read_fails_the_load_on_e
     for error in errors:  # (the threads all pass rank=0 to tag_for_load: the rank named is 0)
         assert isinstance(error, RuntimeError), error
         assert str(error) == "rank 0 failed: PermissionError: [Errno 13] Permission denied"
+
+
+class _HookedDeepSpeedEngine(FakeDeepSpeedEngine):
+    """The fake engine with DeepSpeed 0.19.8's hooks for a backward outside engine.backward: each output tensor
+    with a gradient gets its per-tensor prologue, looked up at every forward (ZeRO 1-3)."""
+
+    def __init__(self, gas, model):
+        super().__init__(gas)
+        self.model = model
+
+    def _backward_prologue_per_tensor(self, grad):
+        return grad / self.gas  # DeepSpeed's division by the accumulation count
+
+    def __call__(self, x):
+        from deepspeed.runtime.utils import OutputBackwardHookManager
+
+        outputs = self.model(x)
+        hooks = OutputBackwardHookManager(lambda: None, self._backward_prologue_per_tensor)
+        hooks.register_hooks_on_outputs(outputs)
+        self.hooks = hooks  # kept while the outputs live
+        return outputs
+
+
+@pytest.mark.parametrize("outputs", ["loss", "loss and logits"])
+def test_a_backward_of_the_loss_itself_is_weighted_once_or_refused(outputs):
+    # DeepSpeed hooks every output tensor with a gradient: with the loss and the logits both returned (any Hugging
+    # Face model given labels), loss.backward() met the weight at the loss and again at the logits.
+    linear = torch.nn.Linear(3, 1, bias=False)
+
+    def model(x):
+        logits = linear(x)
+        loss = logits.sum()
+        return loss if outputs == "loss" else {"loss": loss, "logits": logits}
+
+    plan = _plan([(3, 2), (1, 2)])  # rank 0: 3 x 2 of a global batch of 8
+    config = poplar_config_from_dict({"cluster": "c.json", "plan": "p.json"}, base_dir=Path("."))
+    fake = _HookedDeepSpeedEngine(2, model)
+    engine = PoplarEngine(fake, plan=plan, rank=0, poplar_config=config, device_label="x (real)", slowdown=None)
+    result = engine(torch.ones(3, 3))
+    loss = result if outputs == "loss" else result["loss"]
+    if outputs == "loss":
+        loss.backward()
+        # The rank's share of the global batch's mean, weighted once: W * b / B = 2 * 3 / 8.
+        assert linear.weight.grad == pytest.approx(torch.full((1, 3), 3.0 * 2 * 3 / 8))
+    else:
+        with pytest.raises(ValueError, match=r"loss.backward\(\): expected the model's forward to return one tensor"):
+            loss.backward()
