@@ -169,7 +169,8 @@ class PoplarEngine(EngineCore):
             self._slowdown.start(micro_step_key(self.rank_plan.micro_batch_size))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.start_compute_window()
+        if getattr(getattr(self.deepspeed_engine, "module", None), "training", True):  # evaluation is not timed
+            self.start_compute_window()
         outputs = self.deepspeed_engine(*args, **kwargs)
         self._outputs_with_gradients = _tensors_with_gradients(outputs)
         return outputs

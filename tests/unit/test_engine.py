@@ -1061,3 +1061,19 @@ def test_a_backward_of_the_loss_itself_is_weighted_once_or_refused(outputs):
     else:
         with pytest.raises(ValueError, match=r"loss.backward\(\): expected the model's forward to return one tensor"):
             loss.backward()
+
+
+def test_an_evaluation_forward_opens_no_compute_window(monkeypatch):
+    # Timed, an evaluation's forwards would count as this rank's training compute until its next backward: a rank
+    # that evaluates alone would look slower, and re-balancing would move work off it.
+    from poplar_ext.hardware import emulation
+
+    _one_second_of_compute_per_reading(monkeypatch, emulation)
+    slowdown = ComputeSlowdown(Emulation(slowdown=3.0, memory_capacity_bytes=1))
+    engine, fake = _engine(_plan([(2, 1)]), slowdown=slowdown)
+    fake.module = torch.nn.Linear(1, 1).eval()
+    engine(torch.ones(2))
+    assert not slowdown.running
+    fake.module.train()
+    engine(torch.ones(2))
+    assert slowdown.running
