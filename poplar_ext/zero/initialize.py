@@ -22,6 +22,7 @@ from poplar_ext.hardware.emulation import (
     emulation_for_rank,
     steady_reference,
 )
+from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import Cluster, Emulation, Plan, profile_from_dict
 from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.config import (
@@ -283,8 +284,11 @@ def initialize(
     """
     check_plan_dataset(training_data, "training_data", otherwise=_FEED_YOURSELF)
     init_options = {} if distributed_port is None else {"distributed_port": distributed_port}
+    loaded = load_deepspeed_config(config, config_params=config_params, args=args)
+    if training_data is not None:
+        _refuse_another_drop_last(*loaded)
     job = prepare_job(
-        load_deepspeed_config(config, config_params=config_params, args=args),
+        loaded,
         model=model,
         optimizer=optimizer,
         training_data=training_data,
@@ -325,6 +329,19 @@ def initialize(
     wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=zero_rebalancer(job))
     dataloader = _training_dataloader(wrapped, training_data, collate_fn=collate_fn, model=model, job=job)
     return wrapped, ds_optimizer, dataloader, ds_scheduler
+
+
+def _refuse_another_drop_last(ds_config: dict, _: Any, source: str) -> None:
+    """Refuse DeepSpeed's ``dataloader_drop_last``, which the plan's sampler ignores, unless poplar.drop_last agrees."""
+    section = ds_config.get("poplar")
+    drop_last = isinstance(section, dict) and section.get("drop_last") is True
+    if ds_config.get("dataloader_drop_last", False) is not False and not drop_last:
+        raise FormatError(
+            source,
+            "dataloader_drop_last",
+            "false or unset with training_data (the plan's sampler ends each epoch by poplar.drop_last)",
+            f"{ds_config['dataloader_drop_last']!r}; set poplar.drop_last true instead",
+        )
 
 
 def set_up_rank(

@@ -780,6 +780,20 @@ def test_deepspeed_modes_the_loss_weights_do_not_hold_under_are_refused(config, 
         poplar_ext.initialize(model=torch.nn.Linear(1, 1), config={**config, **_SECTION})
 
 
+def test_deepspeeds_dataloader_drop_last_unlike_the_poplar_section_is_refused():
+    # The plan's sampler ends each epoch by poplar.drop_last: DeepSpeed's own setting would be ignored silently.
+    import poplar_ext
+
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 1))
+    with pytest.raises(
+        ValueError,
+        match=r"<DeepSpeed config dict>: dataloader_drop_last: expected false .*poplar.drop_last.*, found True",
+    ):
+        poplar_ext.initialize(
+            model=torch.nn.Linear(1, 1), training_data=data, config={"dataloader_drop_last": True, **_SECTION}
+        )
+
+
 def test_moe_layers_are_refused():
     from deepspeed.moe.layer import MoE
 
