@@ -401,7 +401,7 @@ def requested_global_batch_size(poplar_config: PoplarConfig, ds_config: dict, *,
     deepspeed = deepspeed_global_batch_size(ds_config, world_size=world_size, source=poplar_config.source)
     requested = poplar_config.global_batch_size
     if requested is None:
-        return deepspeed
+        return _at_least_one_per_rank(deepspeed, world_size, source=poplar_config.source)
     if deepspeed.size is not None and requested != deepspeed.size:
         raise FormatError(
             poplar_config.source,
@@ -410,7 +410,17 @@ def requested_global_batch_size(poplar_config: PoplarConfig, ds_config: dict, *,
             f"{SECTION}.global_batch_size",
             repr(requested),
         )
-    return GlobalBatchRequest(size=requested, origin=f"{SECTION}.global_batch_size")
+    request = GlobalBatchRequest(size=requested, origin=f"{SECTION}.global_batch_size")
+    return _at_least_one_per_rank(request, world_size, source=poplar_config.source)
+
+
+def _at_least_one_per_rank(request: GlobalBatchRequest, world_size: int, *, source: str) -> GlobalBatchRequest:
+    """`request`, or a FormatError for a batch below one sample per rank (known before any profiling)."""
+    if isinstance(request.size, int) and request.size < world_size:
+        raise FormatError(
+            source, request.origin, f"at least one sample per rank ({world_size} ranks)", repr(request.size)
+        )
+    return request
 
 
 def refuse_unweighted_modes(ds_config: dict, *, source: str = DICT_SOURCE) -> None:

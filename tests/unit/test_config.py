@@ -419,3 +419,19 @@ def test_several_wrong_fields_name_the_first_in_the_sections_order():
         poplar_config_from_dict({"global_batch_size": 0, "seed": -1}, base_dir=BASE)
     with pytest.raises(ValueError, match=r"poplar\.cpu_threads"):
         poplar_config_from_dict({"cpu_threads": 0, "optimizer_offload": "bogus"}, base_dir=BASE)
+
+
+@pytest.mark.parametrize(
+    ("section", "ds_config", "field", "found"),
+    [
+        ({"global_batch_size": 1}, {}, "poplar.global_batch_size", 1),
+        ({}, {"train_batch_size": 2}, "train_batch_size", 2),
+    ],
+)
+def test_a_global_batch_smaller_than_the_ranks_is_refused_before_any_profiling(section, ds_config, field, found):
+    # Every rank trains at least one sample an iteration: the search would find no plan, after the automatic
+    # mode had profiled every device type.
+    with pytest.raises(
+        ValueError, match=rf"{field}: expected at least one sample per rank \(3 ranks\), found {found}$"
+    ):
+        requested_global_batch_size(_parse(**section), ds_config, world_size=3)
