@@ -114,6 +114,17 @@ an agreed point ends the job in minutes instead of DeepSpeed's default 30."""
 _LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
+MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
+"""What mpirun sets (Open MPI; MPICH, Intel MPI): DeepSpeed's MPI discovery reads the ranks from them."""
+
+
+def launched() -> bool:
+    """Whether a launcher gave this process its rank: torchrun's or the deepspeed launcher's ``RANK``, mpirun's
+    variables, or a process group already up. Without one, DeepSpeed's MPI discovery fails deep inside."""
+    in_environment = "RANK" in os.environ or any(v in os.environ for v in MPI_RANK_VARIABLES)
+    return in_environment or (dist.is_available() and dist.is_initialized())
+
+
 def discover_launch_environment(
     *, auto_mpi_discovery: bool = True, distributed_port: int = 29500, verbose: bool = True, **_: Any
 ) -> None:

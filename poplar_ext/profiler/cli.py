@@ -302,6 +302,7 @@ def run(options: ProfileOptions) -> list[Any]:
         # only inference uses (see poplar_ext.hardware.cpu_process).
         skip_deepspeed_shm_op()
 
+    _require_launcher()
     join_job()
     rank = process_group_rank()[0]
     if options.cluster is None:
@@ -315,6 +316,20 @@ def run(options: ProfileOptions) -> list[Any]:
             options.progress(f"the cluster read from the hardware: {target}")
         options = dataclasses.replace(options, cluster=cluster)
     return profile_with(options, cache_dir_name="--output-dir")
+
+
+def _require_launcher() -> None:
+    """`UsageError` for a command started by hand: DeepSpeed's MPI discovery would fail with a traceback
+    ending in ``No module named 'mpi4py'``."""
+    from poplar_ext.collectives import launched
+
+    if launched():
+        return
+    raise UsageError(
+        "no launcher: expected the environment torchrun or the deepspeed launcher sets (RANK, WORLD_SIZE, "
+        "MASTER_ADDR), found none; run it as torchrun --nproc_per_node N -m poplar_ext.profiler ... "
+        "(one device: --nproc_per_node 1)"
+    )
 
 
 def _holds_cluster(path: Path, cluster: Any) -> bool:

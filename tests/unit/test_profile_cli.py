@@ -372,3 +372,28 @@ def test_a_collective_timeout_that_is_no_number_of_seconds_is_refused_by_its_opt
     # Refused when read and named by its option, not by the ProfileOptions field after the job started.
     with pytest.raises(ValueError, match=f"--collective-timeout: expected a number of seconds >= 0.*found '{text}'"):
         parse_command(_args(files, "--model", "toy-gpt", "--collective-timeout", text))
+
+
+def test_a_command_started_without_a_launcher_exits_2_with_one_line(files, monkeypatch, capsys) -> None:
+    # Not DeepSpeed's MPI discovery's 20-line "No module named 'mpi4py'" traceback.
+    from poplar_ext.collectives import MPI_RANK_VARIABLES
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", *MPI_RANK_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
+    assert main(_args(files, "--model", "toy-gpt", "--output-dir", files["dir"])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("poplar-profile: error: no launcher: expected the environment torchrun or the deepspeed ")
+    assert "found none; run it as torchrun --nproc_per_node N -m poplar_ext.profiler" in err
+
+
+@pytest.mark.parametrize("variable", ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"])
+def test_a_launchers_environment_passes_the_launcher_check(monkeypatch, variable) -> None:
+    # mpirun's variables too: DeepSpeed's MPI discovery reads the ranks from them.
+    from poplar_ext.collectives import MPI_RANK_VARIABLES
+    from poplar_ext.profiler.cli import _require_launcher
+
+    for name in ("RANK", *MPI_RANK_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "0")
+    _require_launcher()  # no UsageError
