@@ -74,6 +74,8 @@ collectives its profiles measured, pipelines would send everything for free).
 With --predict PLAN no search runs: the plan (ZeRO or pipeline, told apart by its
 file) is priced from the profiles and the network file, and the table shows where each
 rank's time goes: compute, communication or activation transfers, the boundary, idle.
+Without --cluster (or --network) no network file is found: a ZeRO boundary is then shown
+as profiled, its optimizer step and collectives not told apart.
 
 exit status:
   0  a plan was found (and written, with --output)
@@ -147,7 +149,12 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         "--profiles", type=parse_path, metavar="DIR", help="directory of profile JSON files (required unless --example)"
     )
     parser.add_argument(
-        "--cluster", type=parse_path, metavar="FILE", help="cluster description JSON file (required unless --example)"
+        "--cluster",
+        type=parse_path,
+        metavar="FILE",
+        help="cluster description JSON file (required unless --example; optional with --predict, but without it "
+        "the network file in --profiles is not found, so unless --network names one the network is not priced "
+        "apart)",
     )
     parser.add_argument(
         "--example",
@@ -205,7 +212,9 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         type=parse_path,
         metavar="PLAN",
         help="price this plan (ZeRO or pipeline) instead of searching one: where each rank's time goes, from "
-        "--profiles (and DIR/layers/ for a pipeline plan) and the network file; --cluster is optional here",
+        "--profiles (and DIR/layers/ for a pipeline plan) and the network file; --cluster is optional here, but "
+        "without it (or --network) the network is not priced apart: a ZeRO boundary is shown as profiled, its "
+        "optimizer step and collectives not told apart",
     )
     parser.add_argument(
         "--output",

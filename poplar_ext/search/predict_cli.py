@@ -53,12 +53,27 @@ def run_predict(args: argparse.Namespace) -> int:
         return bad_input(exc, f"plan: {args.predict}, profiles: {args.profiles}")
     if args.format == "json":
         data = {"plan": str(args.predict), "parallelism": kind, "network_priced": network is not None}
-        print(json.dumps({**data, "prediction": dataclasses.asdict(prediction)}, indent=2))
+        print(json.dumps({**data, "prediction": _prediction_json(prediction, network)}, indent=2))
     elif kind == "pipeline":
         print(pipeline_prediction_table(plan, prediction, network, cluster))
     else:
         print(zero_prediction_table(plan, prediction, network))
     return EXIT_OK
+
+
+NOT_SEPARATED = "optimizer step and collectives not told apart: no --cluster/network file"
+"""Why a ZeRO boundary priced without a network is shown as profiled, whole."""
+
+
+def _prediction_json(prediction: Any, network: NetworkProfile | None) -> dict[str, Any]:
+    """The prediction as JSON; without a network a ZeRO boundary's parts are null, not a false 0 for the
+    collectives (they are inside the measured ``boundary_s``), and ``boundary_separated`` says so."""
+    data = dataclasses.asdict(prediction)
+    if isinstance(prediction, PlanPrediction):
+        data["boundary_separated"] = network is not None
+        if network is None:
+            data["optimizer_step_s"] = data["boundary_communication_s"] = None
+    return data
 
 
 def _summary(prediction: Any, network: NetworkProfile | None) -> list[str]:
@@ -86,6 +101,8 @@ def zero_prediction_table(plan: Plan, prediction: PlanPrediction, network: Netwo
     boundary = (
         f"boundary {prediction.boundary_s:.4g} s: optimizer step {prediction.optimizer_step_s:.4g} s, "
         f"collectives {prediction.boundary_communication_s:.4g} s"
+        if network is not None
+        else f"boundary {prediction.boundary_s:.4g} s as profiled ({NOT_SEPARATED})"
     )
     header = f"ZeRO stage {plan.zero_stage}, global batch {plan.global_batch_size}, {plan.world_size} ranks"
     return "\n".join([header, *_summary(prediction, network), "", table(rows), "", boundary])

@@ -143,3 +143,29 @@ def test_a_plan_of_another_cluster_under_example_is_told_to_name_its_own(tmp_pat
     assert main(["--example", "--predict", str(plan)]) == 2
     assert "(the example's: give the plan's own with --cluster)" in capsys.readouterr().err
     assert main(["--example", "--cluster", str(cluster), "--predict", str(plan)]) == 0
+
+
+def test_without_a_cluster_the_zero_boundary_is_shown_as_profiled_not_as_0_s_of_collectives(tmp_path, capsys):
+    # The network file is found by the cluster: without --cluster the collectives are inside the measured boundary.
+    searched = _searched(tmp_path, capsys)
+    predict = ["--profiles", str(example_profiles_dir()), "--predict", str(searched["path"])]
+    assert main(predict) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("boundary ") and " s as profiled (optimizer step and collectives not told apart: no " in last
+    assert "collectives 0 s" not in last, last
+    assert main([*predict, "--format", "json"]) == 0
+    priced = json.loads(capsys.readouterr().out)
+    assert priced["network_priced"] is False and priced["prediction"]["boundary_separated"] is False
+    assert priced["prediction"]["boundary_communication_s"] is None and priced["prediction"]["optimizer_step_s"] is None
+    assert priced["prediction"]["boundary_s"] > 0
+    # With the cluster, its network file prices the collectives apart.
+    assert main(["--example", "--predict", str(searched["path"]), "--format", "json"]) == 0
+    with_cluster = json.loads(capsys.readouterr().out)["prediction"]
+    assert with_cluster["boundary_separated"] is True and with_cluster["boundary_communication_s"] > 0
+
+
+def test_the_predict_and_cluster_help_say_the_network_is_not_priced_apart_without_a_cluster(capsys):
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--cluster is optional here, but without it (or --network) the network is not priced apart" in text
+    assert "optional with --predict, but without it the network file in --profiles is not found" in text
