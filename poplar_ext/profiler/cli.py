@@ -85,7 +85,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def _add_field_options(parser: argparse.ArgumentParser) -> None:
-    """One option per `ProfileOptions` field not built by hand: its flag, reader, default and docstring."""
+    """One option per `ProfileOptions` field not built by hand: its flag, reader, default and help (its
+    ``cli_help``, else its docstring)."""
     helps = _field_docstrings()
     for f in dataclasses.fields(ProfileOptions):
         if f.metadata["cli"] is None:
@@ -94,8 +95,10 @@ def _add_field_options(parser: argparse.ArgumentParser) -> None:
         flag, read = spec.pop("flag") or "--" + f.name.replace("_", "-"), spec.pop("read")
         if read is not None:
             spec["type"] = _argparse_type(read)
-        text = helps[f.name]
-        if f.default is not None and f.default is not False:
+        text = f.metadata["cli_help"] or helps[f.name]
+        if f.default is True:  # a --flag/--no-flag pair: the default is the flag, not Python's True
+            text += f" (default: {flag})"
+        elif f.default is not None and f.default is not False:
             shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
             text += f" (default: {shown})"
         parser.add_argument(flag, dest=f.name, default=f.default, help=text.replace("%", "%%"), **spec)

@@ -1,5 +1,5 @@
-"""`ProfileOptions`: `profile_model`'s keywords and poplar-profile's options (each field's docstring its help);
-every default stated once."""
+"""`ProfileOptions`: `profile_model`'s keywords and poplar-profile's options (each field's docstring its help,
+or its ``cli_help`` where the docstring's Python wording does not fit a command line); every default stated once."""
 
 from __future__ import annotations
 
@@ -43,10 +43,18 @@ def log_progress(line: str) -> None:
     print(f"[poplar-profile] {line}", file=sys.stderr, flush=True)
 
 
-def _option(default: Any, flag: str | None = None, *, read: Callable[[str], Any] | None = None, **kwargs: Any) -> Any:
+def _option(
+    default: Any,
+    flag: str | None = None,
+    *,
+    read: Callable[[str], Any] | None = None,
+    cli_help: str | None = None,
+    **kwargs: Any,
+) -> Any:
     """A field with its poplar-profile option: `flag` (None: ``--field-name``), `read` the option's text into
-    the value (ValueError: wrong text), `kwargs` argparse's."""
-    return field(default=default, metadata={"cli": {"flag": flag, "read": read, **kwargs}})
+    the value (ValueError: wrong text), `cli_help` its help where the docstring speaks of the Python API (None,
+    True, exceptions; None: the docstring), `kwargs` argparse's."""
+    return field(default=default, metadata={"cli": {"flag": flag, "read": read, **kwargs}, "cli_help": cli_help})
 
 
 def _by_hand(default: Any = MISSING) -> Any:
@@ -150,14 +158,27 @@ class ProfileOptions:
     ds_config: Mapping[str, Any] | str | os.PathLike[str] = _by_hand()
     """The DeepSpeed config (dict or JSON file); batch sizes and the stage are set per engine,
     everything else (dtype, optimizer, offload) is used as it is."""
-    cluster: Cluster | str | os.PathLike[str] | None = _option(None, read=Path, metavar="FILE")
+    cluster: Cluster | str | os.PathLike[str] | None = _option(
+        None,
+        read=Path,
+        metavar="FILE",
+        cli_help="The cluster description file (read by rank 0 alone): the device type of every rank, and the "
+        "emulation of emulated types; real types must be what the hardware reports. Left out: the cluster is read "
+        "from the hardware and written as cluster.json in --output-dir, for poplar-search.",
+    )
     """The cluster description, or its file (read by rank 0 alone), or None to discover it from the
     hardware (poplar-profile then writes it as cluster.json beside the profiles, for poplar-search):
     the device type of every rank, and the emulation of emulated types. Real types must be what the
     hardware reports."""
     zero_stages: Iterable[int] = _option(ZERO_STAGES, read=_read_stages, metavar="LIST")
     """The ZeRO stages to profile (distinct, among 0-3; comma-separated on the command line)."""
-    micro_batch_sizes: Iterable[int] | None = _option(None, read=_read_sizes, metavar="LIST")
+    micro_batch_sizes: Iterable[int] | None = _option(
+        None,
+        read=_read_sizes,
+        metavar="LIST",
+        cli_help="Micro-batch sizes (samples) for the time curve, comma-separated, e.g. 1,2,4,8. Left out: 1, 2, "
+        "3, 4, 6, 8, 12, ... up to the largest that fits (at most --max-micro-batch-size).",
+    )
     """Sizes for the time curve; None: 1, 2, 3, 4, 6, 8, 12, ... up to the largest that fits."""
     cache_dir: str | os.PathLike[str] = _option("profiles", "--output-dir", read=_read_directory, metavar="DIR")
     """The profile directory: profiles there with the same keys are reused, new ones written there by
@@ -167,14 +188,34 @@ class ProfileOptions:
     progress: Progress | None = _by_hand(log_progress)
     """Called on rank 0 with one line per trial (device type, stage, size, estimated time left);
     None for silence."""
-    loss_fn: LossFn | None = _option(None, "--loss", read=read_callable, metavar="MODULE:FN")
+    loss_fn: LossFn | None = _option(
+        None,
+        "--loss",
+        read=read_callable,
+        metavar="MODULE:FN",
+        cli_help="loss_fn(engine, batch) -> loss, for a model whose forward does not return the loss. Left out: "
+        "the output's .loss, else the output itself. With layer profiles (see --per-layer) it is DeepSpeed's "
+        "pipeline loss_fn(outputs, labels); left out there: the PipelineModule's own, else the last layer's "
+        "output summed.",
+    )
     """``loss_fn(engine, batch) -> loss`` when the model does not return it (None: the output's
     ``.loss``, else the output); for a pipeline model, see per_layer."""
     optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = _by_hand(None)
     """Builds the optimizer from the parameters when the DeepSpeed config has no ``optimizer`` section."""
-    model_name: str | None = _option(None, metavar="NAME")
+    model_name: str | None = _option(
+        None,
+        metavar="NAME",
+        cli_help="The model's name in progress lines and profile file names. Left out: the built-in model's "
+        "(gpt2-small, toy-gpt-LAYERSxWIDTH, or the config class's for hf:), else the model's class name.",
+    )
     """For people and file names (None: the model's class name, or the built-in model's)."""
-    sequence_length: int | None = _option(None, read=at_least(1), metavar="N")
+    sequence_length: int | None = _option(
+        None,
+        read=at_least(1),
+        metavar="N",
+        cli_help="Tokens per sample, part of the cache key. Left out: the built-in models' context length (512 "
+        "for gpt2-small, 64 for toy-gpt; hf: the config's, at most 128), else none (not a sequence model).",
+    )
     """Tokens per sample, part of the cache key (None: not a sequence model; the built-in models:
     their context length, 512 for gpt2-small, 64 for toy-gpt)."""
     warmup_micro_steps: int = _option(1, "--warmup", read=at_least(0), metavar="N")
@@ -189,12 +230,26 @@ class ProfileOptions:
     device's memory) on the job's process group and write a network file beside the profiles
     (network/network-*.json, `poplar_ext.profiler.network`; reused when measured on the same
     cluster), with which the search prices communication."""
-    activation_checkpointing: str = _option("auto", choices=CHECKPOINTING_MODES)
+    activation_checkpointing: str = _option(
+        "auto",
+        choices=CHECKPOINTING_MODES,
+        cli_help="auto measures each device type and stage without and with activation checkpointing where the "
+        "model can do both (the built-in GPT, Hugging Face models, or a model with --checkpointing-toggle), so the "
+        "search can choose per device type; both does so and stops with an error when the model cannot; off "
+        "measures without only (half the time).",
+    )
     """``auto`` measures each type and stage without and with activation checkpointing where the
     model can do both (the built-in GPT, Hugging Face models, or checkpointing_toggle given), so
     the search can choose per device type; ``both`` does so or raises ValueError when the model
     cannot; ``off`` measures without only (half the time)."""
-    checkpointing_toggle: CheckpointingToggle | None = _option(None, read=read_callable, metavar="MODULE:FN")
+    checkpointing_toggle: CheckpointingToggle | None = _option(
+        None,
+        read=read_callable,
+        metavar="MODULE:FN",
+        cli_help="toggle(model, enabled) that turns activation checkpointing on or off in a model of your own "
+        "(poplar_ext.activation_checkpointing); training needs the same one. Left out: only the built-in and "
+        "Hugging Face models are measured with checkpointing.",
+    )
     """``toggle(model, enabled)`` that turns activation checkpointing on or off in a model of your
     own (`poplar_ext.activation_checkpointing`); pass the same one to `initialize`."""
     optimizer_offload: str = _option("off", choices=OFFLOAD_MODES)
@@ -204,7 +259,15 @@ class ProfileOptions:
     offloaded profile's memory leaves out the host's optimizer state and fp32 master weights (on
     CPU, for an emulated type, they are taken off the measured peak); its boundary includes the
     host's optimizer step."""
-    per_layer: bool | None = _option(None, action="store_true")
+    per_layer: bool | None = _option(
+        None,
+        action=argparse.BooleanOptionalAction,
+        cli_help="--per-layer writes layer profiles for the pipeline search into DIR/layers/ (DIR: --output-dir) "
+        "for an nn.Sequential too, beside its whole-model profiles; --no-per-layer never writes them (every model "
+        "is profiled whole). Left out: a pipeline model (a PipelineModule or PoplarPipelineModule, or a list of "
+        "LayerSpecs or modules) gets layer profiles only, any other model none. With layer profiles --batch "
+        "returns (inputs, labels) and --loss is DeepSpeed's pipeline loss_fn(outputs, labels).",
+    )
     """Layer profiles for the pipeline search (`poplar_ext.profiler.per_layer`, written to
     ``<profile directory>/layers/``): None measures them when the model is a pipeline model (a
     PipelineModule or PoplarPipelineModule, or a list of LayerSpecs or modules), which then gets
@@ -212,7 +275,17 @@ class ProfileOptions:
     False never. With a pipeline model, or True, loss_fn is DeepSpeed's pipeline ``loss_fn(outputs,
     labels)`` (None: the PipelineModule's own, else the last layer's output summed) and
     make_batch returns ``(inputs, labels)``, for an ``nn.Sequential``'s whole-model profiles too."""
-    collective_timeout_s: float | None = _option(300.0, "--collective-timeout", read=_read_seconds, metavar="SECONDS")
+    collective_timeout_s: float | None = _option(
+        300.0,
+        "--collective-timeout",
+        read=_read_seconds,
+        metavar="SECONDS",
+        cli_help="While profiling, every process group's collectives time out after this many seconds instead of "
+        "the group's own timeout (DeepSpeed's default: 30 minutes), so that a rank lost outside the agreed points "
+        "(an out-of-memory in a collective DeepSpeed issues, a crash) ends the job in minutes through NCCL's "
+        "asynchronous error handling; 0 keeps the groups' own. It must exceed the longest trial of the slowest "
+        "device type (the other ranks wait that long in its agreement).",
+    )
     """While profiling, every process group's collectives time out after this many seconds instead
     of the group's own timeout (DeepSpeed's default: 30 minutes), so that a rank lost outside the
     agreed points (an out-of-memory in a collective DeepSpeed issues, a crash) ends the job in

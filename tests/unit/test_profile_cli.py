@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -338,7 +339,9 @@ def test_every_profile_option_is_a_command_line_option_with_the_fields_default_a
             continue
         action = by_dest[f.name]
         assert action.default == f.default, f.name
-        assert action.help and len(action.help) > 30, f.name  # the field's docstring
+        assert action.help and len(action.help) > 30, f.name  # the field's docstring, or its command-line wording
+        wording = f.metadata["cli_help"]
+        assert wording is None or action.help.startswith(wording.replace("%", "%%")), f.name
     assert "--no-network" in parser._option_string_actions and "--network" in parser._option_string_actions
     help_text = parser.format_help()
     assert "Measured micro-steps per size (their median is the sample's time). (default: 3)" in " ".join(
@@ -397,3 +400,32 @@ def test_a_launchers_environment_passes_the_launcher_check(monkeypatch, variable
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(variable, "0")
     _require_launcher()  # no UsageError
+
+
+API_WORDS = re.compile(r"\b(None|True|False|raises|ValueError)\b")
+"""The Python API's wording, which a command line cannot give: what omitting an option does is said instead."""
+
+
+def test_the_options_help_speaks_of_the_command_line_not_of_the_python_api() -> None:
+    import dataclasses
+
+    from poplar_ext.profiler import ProfileOptions
+    from poplar_ext.profiler.cli import build_parser
+
+    by_dest = {action.dest: action for action in build_parser()._actions}
+    for f in dataclasses.fields(ProfileOptions):
+        if f.metadata["cli"] is not None:
+            assert not API_WORDS.search(by_dest[f.name].help), (f.name, by_dest[f.name].help)
+    help_text = " ".join(build_parser().format_help().split())
+    assert "--per-layer, --no-per-layer" in help_text
+    assert "Left out: the cluster is read from the hardware and written as cluster.json in --output-dir" in help_text
+    assert "communication. (default: --network)" in help_text
+    assert "0 keeps the groups' own." in help_text
+
+
+def test_per_layer_is_automatic_unless_given_either_way(files) -> None:
+    # store_true could not say "never": a pipeline model could not be profiled whole from the command line.
+    base = _args(files, "--model", "toy-gpt")
+    assert parse_command(base).per_layer is None
+    assert parse_command([*base, "--per-layer"]).per_layer is True
+    assert parse_command([*base, "--no-per-layer"]).per_layer is False
