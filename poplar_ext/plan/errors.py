@@ -18,3 +18,8 @@ class FormatError(ValueError):
     def detail(self) -> str:
         """The message without its source, for a list of problems that names the file once."""
         return f"{self.field}: expected {self.expected}, found {self.found}"
+
+
+class WrongFormatError(FormatError):
+    """A file of another of the project's formats where one format is read (a profile given as the cluster):
+    `expected` names the format read, `found` the one the file is (`poplar_ext.plan.kinds`)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import FormatError
+from .kinds import refuse_other_format
 from .validation import MAX_JSON_DEPTH, Node, json_depth
 
 PROFILE_SCHEMA_VERSION = 1
@@ -117,8 +118,11 @@ def _read(node: Node, cls: type, optional: tuple[str, ...] = (), **readers: Read
 
 def _root(data: Any, source: str, cls: type, version: int, *more_keys: str, integer: bool = False) -> Node:
     """The top-level object of a file of `cls`, its keys and its ``schema_version`` checked (`integer`: first
-    an integer, as the pipeline formats have always asked: 1.0 is refused there)."""
-    root = Node(data, source).obj().keys_within((*_keys(cls), *more_keys))
+    an integer, as the pipeline formats have always asked: 1.0 is refused there); a file of another format is
+    named as such (`kinds.refuse_other_format`), its keys not taken for misspelt ones."""
+    root = Node(data, source).obj()
+    refuse_other_format(data, source, cls.__name__)
+    root.keys_within((*_keys(cls), *more_keys))
     found = root.field("schema_version")
     if integer:
         found.integer()

@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
             for policy in policies
         }
     except ValueError as exc:
-        return bad_input(exc, f"profiles: {args.profiles}, cluster: {args.cluster}")
+        return bad_input(exc, f"profiles: {args.profiles}, cluster: {args.cluster}", args)
     # With --policy all, poplar's plan is the one reported on and written.
     main_result = results["poplar" if args.policy == "all" else args.policy]
     if not main_result.ok:

@@ -13,7 +13,8 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
-from poplar_ext.plan.errors import FormatError
+from poplar_ext.plan import kinds
+from poplar_ext.plan.errors import FormatError, WrongFormatError
 from poplar_ext.plan.formats import read_json, write_json_atomic
 from poplar_ext.plan.network_format import NETWORK_DIRECTORY, NetworkProfile, find_network, load_network
 from poplar_ext.plan.pipeline_formats import layer_profiles_dir
@@ -97,9 +98,23 @@ def error(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def bad_input(exc: ValueError, context: str) -> int:
-    """A `FormatError` (it names the file and field) as it is, another ValueError with the files in `context`."""
-    return error(str(exc) if isinstance(exc, FormatError) else f"{exc} ({context})")
+def bad_input(exc: ValueError, context: str, args: Any = None) -> int:
+    """A `FormatError` (it names the file and field) as it is, another ValueError with the files in `context`; a file
+    of another format given to an option of `args` (a profile as ``--cluster``) with the format that option takes."""
+    if not isinstance(exc, FormatError):
+        return error(f"{exc} ({context})")
+    option = _OPTION_OF.get(exc.expected) if isinstance(exc, WrongFormatError) else None
+    given = option is not None and getattr(args, option[2:], None) == exc.source
+    return error(f"{exc}: pass {exc.expected} to {option}" if given else str(exc))
+
+
+_OPTION_OF = {
+    kinds.CLUSTER.name: "--cluster",
+    kinds.NETWORK.name: "--network",
+    kinds.PLAN.name: "--predict",
+    kinds.PIPELINE_PLAN.name: "--predict",
+}
+"""The option that names a file of each format (a profile's is a folder: a file there is no option's)."""
 
 
 def write_plan(data: dict[str, Any], path: str) -> bool:

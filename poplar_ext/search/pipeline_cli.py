@@ -121,7 +121,7 @@ def run_pipelines(args: argparse.Namespace) -> int:
     try:
         zero, pipeline, (cluster, layer_profiles, network) = _search(args)
     except ValueError as exc:
-        return bad_input(exc, f"profiles: {args.profiles}, cluster: {args.cluster}")
+        return bad_input(exc, f"profiles: {args.profiles}, cluster: {args.cluster}", args)
     chosen = _chosen(zero, pipeline)
     if chosen is None:
         reasons = [f"{name}: {r.message}" for name, r in (("zero", zero), ("pipeline", pipeline)) if r is not None]

@@ -50,7 +50,7 @@ def run_predict(args: argparse.Namespace) -> int:
         else:
             prediction = predict(plan, load_profiles(args.profiles), network)
     except ValueError as exc:
-        return bad_input(exc, f"plan: {args.predict}, profiles: {args.profiles}")
+        return bad_input(exc, f"plan: {args.predict}, profiles: {args.profiles}", args)
     if args.format == "json":
         data = {"plan": str(args.predict), "parallelism": kind, "network_priced": network is not None}
         print(json.dumps({**data, "prediction": _prediction_json(prediction, network)}, indent=2))

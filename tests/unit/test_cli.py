@@ -235,3 +235,30 @@ def test_a_network_file_and_no_network_together_are_refused(capsys):
     code, out, err = run(capsys, "--example", "--global-batch-size", 512, "--network", network, "--no-network")
     assert code == 2 and out == ""
     assert "--no-network: not allowed with argument --network" in err
+
+
+PROFILE = EXAMPLES / "gpt2-small-124m.v100-16gb.stage1.json"
+PROFILE_FOUND = "a profile (its keys 'max_micro_batch_size', 'optimizer_step_time_s', 'samples')"
+CLUSTER_FOUND = "a cluster description (its keys 'device_types', 'nodes')"
+
+
+@pytest.mark.parametrize(
+    ("argv", "given", "expected", "found", "option"),
+    [
+        (["--profiles", EXAMPLES, "--cluster", PROFILE, "--global-batch-size", 64], PROFILE, "a cluster description",
+         PROFILE_FOUND, "--cluster"),
+        (["--profiles", EXAMPLES, "--cluster", PROFILE, "--global-batch-size", 64, "--parallelism", "pipeline"],
+         PROFILE, "a cluster description", PROFILE_FOUND, "--cluster"),
+        (["--example", "--network", CLUSTER, "--global-batch-size", 64], CLUSTER, "a network file", CLUSTER_FOUND,
+         "--network"),
+        (["--profiles", EXAMPLES, "--predict", CLUSTER], CLUSTER, "a plan", CLUSTER_FOUND, "--predict"),
+    ],
+)  # fmt: skip
+def test_a_file_of_another_format_is_named_with_what_its_option_takes(capsys, argv, given, expected, found, option):
+    # Not "device_type: expected one of the keys 'device_types', ... (did you mean 'device_types'?)".
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert (
+        err
+        == f"poplar-search: error: {given}: (file): expected {expected}, found {found}: pass {expected} to {option}\n"
+    )
