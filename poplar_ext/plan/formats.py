@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import kinds
 from .errors import FormatError
 from .kinds import refuse_other_format
 from .validation import MAX_JSON_DEPTH, Node, json_depth
@@ -717,11 +718,18 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 
 
 def is_cluster_or_plan(data: Any) -> bool:
-    """Whether parsed JSON is a cluster description, a plan or a network file (kept beside profiles, not one)."""
+    """Whether parsed JSON is a cluster description, a plan, a network file or a DeepSpeed config (kept beside
+    profiles, not one)."""
     return (
         isinstance(data, dict)
         and "device_type" not in data
-        and ("nodes" in data or "ranks" in data or "pipelines" in data or data.get("kind") == "network")
+        and (
+            "nodes" in data
+            or "ranks" in data
+            or "pipelines" in data
+            or data.get("kind") == "network"
+            or kinds.recognised(data) is kinds.DEEPSPEED_CONFIG
+        )
     )
 
 
@@ -735,8 +743,9 @@ def _not_a_directory(path: Path) -> str:
 
 
 def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
-    """Every ``*.json`` profile directly in `directory`, by file name; clusters, plans and network files beside
-    them skipped. Two for the same `Profile.key` and model are an error (plans must not depend on file names)."""
+    """Every ``*.json`` profile directly in `directory`, by file name; clusters, plans, network files and DeepSpeed
+    configs beside them skipped. Two for the same `Profile.key` and model are an error (plans must not depend on
+    file names)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FormatError(

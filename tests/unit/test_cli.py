@@ -262,3 +262,13 @@ def test_a_file_of_another_format_is_named_with_what_its_option_takes(capsys, ar
         err
         == f"poplar-search: error: {given}: (file): expected {expected}, found {found}: pass {expected} to {option}\n"
     )
+
+
+def test_a_deepspeed_config_in_the_profiles_folder_is_skipped(capsys, tmp_path):
+    profiles = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, profiles)
+    (profiles / "ds.json").write_text(json.dumps({"gradient_clipping": 1.0, "zero_optimization": {"stage": 1}}))
+    code, out, err = run(
+        capsys, "--profiles", profiles, "--cluster", profiles / "cluster.json", "--global-batch-size", 64
+    )
+    assert code == 0 and err == "" and "global batch 64" in out

@@ -3,13 +3,24 @@
 
 import dataclasses
 import json
+import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 
 from poplar_ext.plan import kinds
 from poplar_ext.plan.errors import FormatError, WrongFormatError
-from poplar_ext.plan.formats import Cluster, Plan, Profile, cluster_from_dict, plan_from_dict, profile_from_dict
+from poplar_ext.plan.formats import (
+    Cluster,
+    Plan,
+    Profile,
+    cluster_from_dict,
+    is_cluster_or_plan,
+    load_profiles,
+    plan_from_dict,
+    profile_from_dict,
+)
 from poplar_ext.plan.network_format import NetworkProfile, network_from_dict
 from poplar_ext.plan.pipeline_formats import (
     LayerProfile,
@@ -142,3 +153,30 @@ def test_each_formats_own_keys_are_its_alone():
         assert fmt.keys and (fmt.reader == "" or set(fmt.keys) <= fields[fmt.reader]), fmt.name
         others = set().union(*(keys for reader, keys in fields.items() if reader != fmt.reader))
         assert not set(fmt.keys) & others, fmt.name
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        DS_CONFIG,
+        {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}},
+        {"poplar": {"profiles": "prof"}, "fp16": {"enabled": True}, "steps_per_print": 10},
+    ],
+)
+def test_a_deepspeed_config_beside_the_profiles_is_skipped_like_a_cluster(tmp_path, config):
+    folder = tmp_path / "prof"
+    shutil.copytree(EXAMPLES, folder)
+    (folder / "ds.json").write_text(json.dumps(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # skipped without a word, as the cluster.json beside them is
+        profiles = load_profiles(folder)
+    assert len(profiles) == 8 and {p.device_type for p in profiles} == {"A100-80GB", "V100-16GB"}
+    assert is_cluster_or_plan(config)  # the profile cache skips it alike
+
+
+def test_a_profile_with_a_deepspeed_key_is_still_a_broken_profile(tmp_path):
+    profile = {**_files()["profile"], "fp16": {"enabled": True}}
+    assert not is_cluster_or_plan(profile)
+    (tmp_path / "p.json").write_text(json.dumps(profile))
+    with pytest.raises(FormatError, match=r"p.json: fp16: expected one of the keys .*found the unknown key 'fp16'$"):
+        load_profiles(tmp_path)
