@@ -13,12 +13,13 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from poplar_ext.runtime.checkpoint import UNIVERSAL_SUFFIX
 from poplar_ext.search.cli_common import EXIT_BAD_INPUT, EXIT_OK, CommandParser, printing
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ def carried_states(
     key is no plain name or ``fp32`` (keys become file names beside ``fp32.pt``). `refusal` ends the message
     (default: it cannot be resharded; resume on `saved_ranks` ranks).
     """
+    import torch
+
     default = f"resharded for another number of ranks; resume this checkpoint on {saved_ranks} ranks, as it was saved"
     carried = {}
     for key, value in state.items():
@@ -145,6 +148,7 @@ def _data_parallel_only(source: Path, *, tensor_parallel: int, pipeline_parallel
 
 def _convert_stage_1_2(source: Path, work: Path, *, fragments: Path, optimizer_name: str) -> None:
     """Stages 1-2: every rank's flat partition per group, cut into parameters by its slice mappings."""
+    import torch
     from deepspeed.checkpoint import DeepSpeedCheckpoint
     from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SHAPES, PARAM_SLICE_MAPPINGS
     from deepspeed.checkpoint.ds_to_universal import _save_optimizer_state, dump_param_fragment
@@ -169,6 +173,7 @@ def _convert_stage_1_2(source: Path, work: Path, *, fragments: Path, optimizer_n
 
 def _convert_stage_3(source: Path, work: Path, *, fragments: Path, optimizer_name: str) -> None:
     """Stage 3: every rank's flat partition per sub-group, each parameter's padded share in turn."""
+    import torch
     from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
     from deepspeed.checkpoint.ds_to_universal import (
         _build_zero3_rank_grid,
@@ -215,6 +220,7 @@ def _convert_stage_3(source: Path, work: Path, *, fragments: Path, optimizer_nam
 
 def _merge_fragments(fragments: Path, zero_dir: Path, shapes: dict[str, torch.Size]) -> None:
     """Each parameter's fragments, in rank order, as DeepSpeed's ``zero/<param>/<key>.pt``."""
+    import torch
     from deepspeed.checkpoint.constants import CAT_DIM, PARAM
     from deepspeed.checkpoint.ds_to_universal import _merge_zero_shards
 
@@ -258,6 +264,7 @@ def load_stage3_checkpoint(zero_optimizer: Any, checkpoint_dir: str) -> None:
     """DeepSpeed's stage-3 universal loader, for every state in the checkpoint rather than Adam's: the weights
     DeepSpeed's (from the fp32 copies), each state cut to this rank by its `load_hp_checkpoint_state`, the
     hyper-parameters the checkpoint's."""
+    import torch
     from deepspeed.checkpoint.constants import PARAM_GROUPS
 
     zero_dir = Path(checkpoint_dir) / "zero"
@@ -283,6 +290,8 @@ def _stage3_partition(
     zero_optimizer: Any, folders: Sequence[Path], params: Sequence[Any], key: str, *, like: torch.Tensor
 ) -> torch.Tensor:
     """This rank's flat sub-group partition of state `key`: each parameter's share, in order."""
+    import torch
+
     partition = torch.zeros_like(like)
     offset = 0
     for folder, param in zip(folders, params):

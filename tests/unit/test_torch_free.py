@@ -70,3 +70,14 @@ def test_poplar_profile_answers_help_and_bad_input_without_importing_torch():
     )
     assert "LOADED [] EXIT 2" in refused.stdout, refused.stderr
     assert refused.stderr.startswith("poplar-profile: error: ") and "--deepspeed_config" in refused.stderr
+
+
+def test_the_reshard_command_answers_help_without_importing_torch():
+    script = (
+        SCRIPT.split("import poplar_ext.search")[0]
+        + "from poplar_ext.runtime.reshard import main\n"
+        + "code = main(['--help'])\n"
+    )
+    helped = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0, helped.stderr
+    assert "--input_folder" in helped.stdout and "--output_folder" in helped.stdout
