@@ -116,6 +116,9 @@ def convert_checkpoint(source: str | Path, target: str | Path, *, optimizer_name
     source, target = Path(source), Path(target)
     if target.exists():
         raise ValueError(f"{target} exists already: remove it, or load it as it is")
+    if not source.is_dir():
+        found = "a file" if source.exists() else "no such folder"
+        raise ValueError(f"{source}: expected a checkpoint's tag folder, found {found}")
 
     def convert(work: Path) -> None:
         stage = _zero_stage(source)

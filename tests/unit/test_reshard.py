@@ -63,3 +63,17 @@ def test_an_existing_output_folder_is_refused(tmp_path, capsys):
         convert_checkpoint(tmp_path / "in", tmp_path)
     assert main(["--input_folder", str(tmp_path / "in"), "--output_folder", str(tmp_path)]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_an_input_folder_that_is_not_a_folder_is_named_as_such(tmp_path, capsys, kind):
+    # It read "holds no ZeRO optimizer state", as if the folder were a checkpoint of the wrong stage.
+    source = tmp_path / "ckpt" / "global_step2"
+    if kind == "file":
+        source.parent.mkdir()
+        source.write_text("")
+    found = "no such folder" if kind == "missing" else "a file"
+    with pytest.raises(ValueError, match=rf"^{source}: expected a checkpoint's tag folder, found {found}$"):
+        convert_checkpoint(source, tmp_path / "out")
+    assert main(["--input_folder", str(source), "--output_folder", str(tmp_path / "out")]) == 2
+    assert f"found {found}" in capsys.readouterr().err
