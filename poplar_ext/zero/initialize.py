@@ -285,10 +285,12 @@ def initialize(
     check_plan_dataset(training_data, "training_data", otherwise=_FEED_YOURSELF)
     init_options = {} if distributed_port is None else {"distributed_port": distributed_port}
     loaded = load_deepspeed_config(config, config_params=config_params, args=args)
+    poplar_config = read_poplar_section(loaded, otherwise="deepspeed.initialize")
     if training_data is not None:
-        _refuse_another_drop_last(*loaded)
+        _refuse_another_drop_last(loaded[0], poplar_config)
     job = prepare_job(
         loaded,
+        poplar_config=poplar_config,
         model=model,
         optimizer=optimizer,
         training_data=training_data,
@@ -331,13 +333,11 @@ def initialize(
     return wrapped, ds_optimizer, dataloader, ds_scheduler
 
 
-def _refuse_another_drop_last(ds_config: dict, _: Any, source: str) -> None:
+def _refuse_another_drop_last(ds_config: dict, poplar_config: PoplarConfig) -> None:
     """Refuse DeepSpeed's ``dataloader_drop_last``, which the plan's sampler ignores, unless poplar.drop_last agrees."""
-    section = ds_config.get("poplar")
-    drop_last = isinstance(section, dict) and section.get("drop_last") is True
-    if ds_config.get("dataloader_drop_last", False) is not False and not drop_last:
+    if ds_config.get("dataloader_drop_last", False) is not False and not poplar_config.drop_last:
         raise FormatError(
-            source,
+            poplar_config.source,
             "dataloader_drop_last",
             "false or unset with training_data (the plan's sampler ends each epoch by poplar.drop_last)",
             f"{ds_config['dataloader_drop_last']!r}; set poplar.drop_last true instead",
