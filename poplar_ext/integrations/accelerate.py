@@ -102,9 +102,8 @@ class PoplarAccelerator(Accelerator):
         self._iteration_tokens: dict[int, list[int]] = {}
         """``token_mean``: each counted iteration's micro-batch label tokens, by its stream position."""
         self._micro_steps_in_iteration = 0
-        self._accumulate_calls = 0
-        """``accumulate()`` blocks entered; `backward` needs one since its previous call (`_check_accumulating`)."""
-        self._accumulate_calls_at_backward = 0
+        self._accumulated_since_backward = False
+        """An ``accumulate()`` block entered since the last `backward`, which needs one (`_check_accumulating`)."""
 
     # -- the plan ----------------------------------------------------------------------
     @property
@@ -232,7 +231,7 @@ class PoplarAccelerator(Accelerator):
         self._train_sampler = self._train_loader = self._prepared_train_loader = self._model = None
         self._iteration_tokens.clear()
         self._micro_steps_in_iteration = 0
-        self._accumulate_calls = self._accumulate_calls_at_backward = 0
+        self._accumulated_since_backward = False
         if self.job is not None:  # a re-balanced plan's count back to the job's plan, which the next engine starts on
             self._use_rank_config(self.job)
         return released
@@ -323,7 +322,7 @@ class PoplarAccelerator(Accelerator):
     @contextlib.contextmanager
     def accumulate(self, *models: Any):
         """accelerate's; counted, so that `backward` can tell a loop that does not use it."""
-        self._accumulate_calls += 1
+        self._accumulated_since_backward = True
         with super().accumulate(*models):
             yield
 
@@ -346,8 +345,8 @@ class PoplarAccelerator(Accelerator):
         collective (a rank of count 1 alone would train right, but its peers would not)."""
         plan = self.plan
         counts = [] if plan is None else [r.gradient_accumulation_steps for r in plan.ranks]
-        if self._accumulate_calls > self._accumulate_calls_at_backward or max(counts, default=1) == 1:
-            self._accumulate_calls_at_backward = self._accumulate_calls
+        if self._accumulated_since_backward or max(counts, default=1) == 1:
+            self._accumulated_since_backward = False
             return
         accumulating = [rank for rank, count in enumerate(counts) if count > 1]
         raise ValueError(

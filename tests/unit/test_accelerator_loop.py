@@ -135,12 +135,16 @@ def test_free_memory_forgets_the_last_prepare_s_training_state(accelerator):
     accelerator._train_loader = accelerator._prepared_train_loader = accelerator._train_sampler = object()
     accelerator.poplar_engine, accelerator._model = object(), object()
     accelerator._iteration_tokens[0] = [3, 4]
-    accelerator._micro_steps_in_iteration, accelerator._accumulate_calls = 1, 5
+    accelerator._micro_steps_in_iteration, accelerator._accumulated_since_backward = 1, True
     accelerator.gradient_accumulation_steps = 4  # a re-balanced plan's count
     accelerator.free_memory()
     assert (accelerator._train_loader, accelerator._prepared_train_loader, accelerator._train_sampler) == (None,) * 3
     assert (accelerator.poplar_engine, accelerator._model, accelerator._iteration_tokens) == (None, None, {})
-    assert (accelerator._micro_steps_in_iteration, accelerator._accumulate_calls, accelerator.step) == (0, 0, 0)
+    assert (accelerator._micro_steps_in_iteration, accelerator._accumulated_since_backward, accelerator.step) == (
+        0,
+        False,
+        0,
+    )
     assert accelerator.gradient_accumulation_steps == 2
     assert accelerator.state.deepspeed_plugin.deepspeed_config["train_batch_size"] == 2 * 2 * 2  # b_r x s_r x W
     assert accelerator.plan is accelerator.job.plan
