@@ -18,7 +18,6 @@ from typing import Any
 
 from . import kinds
 from .errors import FormatError
-from .kinds import refuse_other_format
 from .validation import MAX_JSON_DEPTH, Node, json_depth
 
 PROFILE_SCHEMA_VERSION = 1
@@ -122,7 +121,7 @@ def _root(data: Any, source: str, cls: type, version: int, *more_keys: str, inte
     an integer, as the pipeline formats have always asked: 1.0 is refused there); a file of another format is
     named as such (`kinds.refuse_other_format`), its keys not taken for misspelt ones."""
     root = Node(data, source).obj()
-    refuse_other_format(data, source, cls.__name__)
+    kinds.refuse_other_format(data, source, cls.__name__)
     root.keys_within((*_keys(cls), *more_keys))
     found = root.field("schema_version")
     if integer:

@@ -172,7 +172,8 @@ class PoplarEngine(EngineCore):
         if getattr(getattr(self.deepspeed_engine, "module", None), "training", True):  # evaluation is not timed
             self.start_compute_window()
         outputs = self.deepspeed_engine(*args, **kwargs)
-        self._outputs_with_gradients = _tensors_with_gradients(outputs)
+        if self._weights_loss:  # what `_weight_direct_backward`'s hook reads; nothing else does
+            self._outputs_with_gradients = _tensors_with_gradients(outputs)
         return outputs
 
     forward = __call__
