@@ -74,13 +74,17 @@ def at_steps(model: StageModel, split: list[list[tuple[int, int]]], steps: int) 
     return PolicyResult(allocation=finish(model, [[(micro, steps, count) for micro, count in g] for g in split]))
 
 
-def batch_problem(model: StageModel, global_batch_size: int) -> str:
-    """Why no policy can allocate `global_batch_size` (a sentence), or ``""``."""
+def batch_problem(model: StageModel, global_batch_size: int, *, upper_bound: bool = False) -> str:
+    """Why no policy can allocate `global_batch_size` (a sentence), or ``""``; `upper_bound`: the batch is the
+    largest one allowed (a maximum given for the automatic global batch), and the sentence says so."""
     if global_batch_size < model.world_size:
-        return (
-            f"The global batch {global_batch_size} is smaller than the {model.world_size} ranks; "
-            "every rank needs at least one sample per iteration."
+        batch = (
+            f"largest global batch allowed ({global_batch_size})"
+            if upper_bound
+            else f"global batch {global_batch_size}"
         )
+        ranks = model.world_size
+        return f"The {batch} is smaller than the {ranks} ranks; every rank needs at least one sample per iteration."
     return ""
 
 

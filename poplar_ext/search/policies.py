@@ -40,7 +40,7 @@ def _uniform_best(model: StageModel, max_batch: int) -> PolicyResult:
     steps = max_batch // (world * micro)
     valid = steps >= 1
     if not np.any(valid):
-        return infeasible(batch_problem(model, max_batch))
+        return infeasible(batch_problem(model, max_batch, upper_bound=True))
     slowest = np.max([d.step_time_table_s[:smallest_cap] for d in model.devices], axis=0)
     time = steps * slowest + model.boundary_s
     rate = np.where(valid, world * micro * steps / time, -1.0)
@@ -116,7 +116,7 @@ def _proportional_best(model: StageModel, max_batch: int) -> PolicyResult:
     per_step = int(model.counts @ np.maximum(1, np.floor(scale * weights + 1e-9)).astype(np.int64))
     per_step = min(per_step, max_batch)
     if per_step < model.world_size:
-        return infeasible(batch_problem(model, max_batch))
+        return infeasible(batch_problem(model, max_batch, upper_bound=True))
     steps = max(1, max_batch // per_step)
     split = _proportional_split(model, per_step)
     assert split is not None, "per_step lies between the world size and the total cap"
@@ -135,7 +135,7 @@ _RUN = {  # (exactly a global batch, the best global batch up to a maximum)
 def _run(policy: str, model: StageModel, batch: int, *, best: bool) -> PolicyResult:
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {', '.join(map(repr, POLICIES))}, found {policy!r}")
-    reason = batch_problem(model, batch)
+    reason = batch_problem(model, batch, upper_bound=best)
     if reason:
         return infeasible(reason)
     if policy == "poplar":

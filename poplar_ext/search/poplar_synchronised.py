@@ -99,7 +99,7 @@ def poplar_synchronised_best(model: StageModel, max_batch: int) -> PolicyResult:
     steps = np.concatenate([steps, edge_steps[keep]])
     per_step = np.concatenate([per_step, edge_per_step[keep]])
     if len(steps) == 0:
-        return infeasible(batch_problem(model, max_batch))
+        return infeasible(batch_problem(model, max_batch, upper_bound=True))
     rate = steps * per_step / _synchronised_time(levels, model, steps, per_step)
     best = int(np.argmax(rate))
     return poplar_synchronised(model, int(steps[best] * per_step[best]))

@@ -127,6 +127,12 @@ def test_infeasible_exits_1_with_reason_and_writes_nothing(capsys, tmp_path):
     assert not target.exists()
 
 
+def test_infeasible_maximum_is_named_as_the_maximum(capsys):
+    code, out, err = run(capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--max-global-batch-size", 3)
+    assert code == 1 and out == ""
+    assert "largest global batch allowed (3) is smaller than the 8 ranks" in err
+
+
 def test_bad_profile_exits_2_naming_file_and_field(capsys, tmp_path):
     profiles = tmp_path / "profiles"
     shutil.copytree(EXAMPLES, profiles)
