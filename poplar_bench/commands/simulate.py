@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         if args.model:
             raise ValueError("--model: only for modelled profiles, found it together with --profiles")
         profiles = tuple(load_profiles(args.profiles))
+        clusters = [(path, load_cluster(path)) for path in cluster_paths]
+        _refuse_unprofiled_types(clusters, profiles, args)
         cases = [
             simulate.SimulationCase(
                 name=Path(path).stem,
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                 zero_stage=args.zero_stage,
                 cluster_file=_shown_path(path),
             )
-            for path, cluster in ((path, load_cluster(path)) for path in cluster_paths)
+            for path, cluster in clusters
         ]
         checkpointing_cases = None
     else:
@@ -116,6 +118,19 @@ def run(args: argparse.Namespace) -> int:
         )
     report = simulate.simulation_report(cases, checkpointing_cases=checkpointing_cases, parallelism=parallelism)
     return print_paths(write_report(report, args.output_dir or default_output_dir(), args.name))
+
+
+def _refuse_unprofiled_types(clusters: list, profiles: tuple, args: argparse.Namespace) -> None:
+    """A cluster with a device type that `--profiles` does not cover, named with its file before any search."""
+    profiled = sorted({profile.device_type for profile in profiles})
+    for path, cluster in clusters:
+        missing = [name for name in cluster.type_counts() if name not in profiled]
+        if missing:
+            given = "" if args.cluster else " (a shipped cluster: without --cluster every shipped one is simulated)"
+            raise ValueError(
+                f"{_shown_path(path)}{given}: device type {missing[0]!r} has no profile in {args.profiles} "
+                f"(its profiles cover {', '.join(profiled)}); give --cluster FILE for a cluster of those types"
+            )
 
 
 def _cluster_sort_key(path: Path) -> tuple[str, int]:

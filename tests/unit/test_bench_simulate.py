@@ -235,3 +235,15 @@ def test_global_batch_size_reaches_the_zero_or_pipelines_comparison(tmp_path):
     report = json.loads((tmp_path / "sim.json").read_text())
     assert [s["global_batch_size"] for s in report["scenarios"]] == [96]
     assert [row["global_batch_size"] for row in report["parallelism"]] == [96, 96]
+
+
+def test_profiles_without_cluster_name_the_shipped_cluster_they_do_not_cover(tmp_path, capsys):
+    from poplar_bench.cli import main
+    from poplar_ext.search.examples import example_profiles_dir
+
+    argv = ["simulate", "--profiles", str(example_profiles_dir()), "--output-dir", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "poplar_bench/clusters/a100-80gb+a100-40gb-x8.json (a shipped cluster" in err
+    assert "'A100-40GB' has no profile" in err and "--cluster FILE" in err
+    assert not list(tmp_path.iterdir())
