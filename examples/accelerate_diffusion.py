@@ -39,7 +39,9 @@ logger = logging.getLogger("accelerate_diffusion")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--output_dir", default="accelerate-diffusion-out")
     parser.add_argument("--num_images", type=int, default=96, help="synthetic training images")
     parser.add_argument("--resolution", type=int, default=16)
@@ -55,7 +57,11 @@ def parse_args() -> argparse.Namespace:
         help="without accelerate launch (torchrun, deepspeed): the DeepSpeed config, as accelerate's config names it",
     )
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
-    return parser.parse_args()
+    args = parser.parse_args()
+    for name in ("num_images", "resolution", "max_train_steps", "num_train_timesteps", "checkpointing_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}: expected a positive integer, found {getattr(args, name)}")
+    return args
 
 
 class SyntheticImages(torch.utils.data.Dataset):

@@ -56,7 +56,9 @@ def collate(items: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--deepspeed", required=True, help="DeepSpeed config with a poplar section")
     parser.add_argument("--cpu", action="store_true", help="train on CPU ranks (gloo)")
     parser.add_argument("--steps", type=int, default=20)
@@ -70,6 +72,9 @@ def main() -> None:
     )
     parser.add_argument("--local_rank", type=int, default=-1)  # appended by the deepspeed launcher
     args = parser.parse_args()
+    for name in ("steps",):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, found {getattr(args, name)}")
     logging.basicConfig(level=logging.INFO)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64))
     training = TrainingArguments(

@@ -24,7 +24,9 @@ from poplar_ext.pipeline import PoplarPipelineModule
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     # The deepspeed launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead.
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train")
@@ -37,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    for name in ("steps", "num_samples"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, found {getattr(args, name)}")
     # poplar_ext logs each rank's place in the plan and the true samples/s at INFO; the script decides where.
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(name)s] %(message)s")
     # Collective, as DeepSpeed's PipelineModule: builds this rank's stage of its pipeline only.

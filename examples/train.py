@@ -27,7 +27,9 @@ from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     # The deepspeed launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead.
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train")
@@ -47,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    for name in ("steps", "num_samples"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, found {getattr(args, name)}")
     # poplar_ext logs each rank's allocation and the true samples/s at INFO; the script decides where.
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(name)s] %(message)s")
     shape = GPTConfig(vocab_size=64, sequence_length=16, num_layers=2, num_heads=2, hidden_size=32)

@@ -1,0 +1,44 @@
+"""The examples' command lines: a count below one is refused with the option named, and --help shows defaults."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+CASES = [
+    ("train.py", "main", ["--steps", "-1"], "--steps: expected a positive integer, found -1"),
+    ("pipeline_train.py", "main", ["--num-samples", "0"], "--num-samples: expected a positive integer, found 0"),
+    ("pipeline_gpt.py", "main", ["--layers", "0"], "--layers: expected a positive integer, found 0"),
+    ("hf_trainer.py", "main", ["--deepspeed", "x.json", "--steps", "0"], "--steps: expected a positive integer"),
+    ("accelerate_diffusion.py", "parse_args", ["--max_train_steps", "0"], "--max_train_steps: expected a positive"),
+]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"poplar_example_{Path(name).stem}", EXAMPLES / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("name", "entry", "argv", "message"), CASES, ids=[case[0] for case in CASES])
+def test_a_count_below_one_is_refused_naming_the_option(name, entry, argv, message, monkeypatch, capsys):
+    module = _load(name)
+    monkeypatch.setattr(sys, "argv", [name, *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        getattr(module, entry)()
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults(monkeypatch, capsys):
+    module = _load("train.py")
+    monkeypatch.setattr(sys, "argv", ["train.py", "--help"])
+    with pytest.raises(SystemExit):
+        module.main()
+    assert "(default: 20)" in capsys.readouterr().out
