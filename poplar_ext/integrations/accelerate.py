@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 _CONFIG_FILE_VARIABLE = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
 _DATALOADER_OPTIONS = (
     "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
-    "persistent_workers", "pin_memory_device",
+    "persistent_workers", "pin_memory_device", "generator",
 )  # fmt: skip
 
 

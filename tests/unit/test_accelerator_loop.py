@@ -148,3 +148,16 @@ def test_free_memory_forgets_the_last_prepare_s_training_state(accelerator):
     assert accelerator.gradient_accumulation_steps == 2
     assert accelerator.state.deepspeed_plugin.deepspeed_config["train_batch_size"] == 2 * 2 * 2  # b_r x s_r x W
     assert accelerator.plan is accelerator.job.plan
+
+
+def test_the_planned_dataloader_keeps_the_loaders_generator_and_worker_settings(accelerator):
+    # The generator seeds the workers' base seed (random augmentation in workers): a rebuilt loader without it
+    # would draw another seed from the global RNG than the user's loader.
+    _settled(accelerator, [2, 1])
+    generator = torch.Generator().manual_seed(7)
+    loader = torch.utils.data.DataLoader(
+        list(range(12)), batch_size=2, shuffle=True, generator=generator, num_workers=1, prefetch_factor=3
+    )
+    planned = accelerator._plan_dataloader(loader)
+    assert planned.generator is generator
+    assert (planned.num_workers, planned.prefetch_factor) == (1, 3)
