@@ -44,7 +44,7 @@ class RebalanceConfig:
     prediction (two small collectives)."""
     threshold: float = 0.2
     """A rank has drifted when its measured compute time is off its prediction by more than this
-    share (0.2: 20% slower or faster)."""
+    share, either way (0.2: slower than 1.2x its prediction, or faster than 1/1.2x)."""
     min_gain: float = 0.05
     """Switch plans only when the new plan's predicted iteration time is shorter by more than this
     share of the current plan's, both under the drifted speeds."""

@@ -100,7 +100,9 @@ class DriftMonitor:
         self.checks.append({"step": step, "ratios": list(ratios), "scales": list(self.rank_scales)})
         threshold = self.config.threshold
         for rank, ratio in enumerate(ratios):
-            self.streaks[rank] = self.streaks[rank] + 1 if ratio is not None and abs(ratio - 1.0) > threshold else 0
+            # Slower and faster alike: 1.25x and 0.8x are one drift (a recovery must undo what a slowdown did).
+            off = ratio is not None and max(ratio, 1.0 / ratio) - 1.0 > threshold
+            self.streaks[rank] = self.streaks[rank] + 1 if off else 0
         drifted = [rank for rank, streak in enumerate(self.streaks) if streak >= self.config.sustained_checks]
         if not drifted:
             return None

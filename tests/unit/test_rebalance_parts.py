@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from pathlib import Path
 
@@ -385,3 +386,17 @@ def test_a_real_gpu_is_timed_with_events_read_only_at_a_check(monkeypatch):
     assert timer.busy_time_s == pytest.approx(0.0025)
     timer.busy_time_s = 0.0
     assert timer.busy_time_s == 0.0 and timer.emulation is None
+
+
+@pytest.mark.parametrize("threshold", [0.2, 1.0])
+def test_a_speed_up_is_a_drift_as_large_as_the_slow_down_it_undoes(threshold):
+    # 0.25x is the recovery from a 4x slow-down: off by 3 (|1 - 0.25| = 0.75 would miss it at threshold 1.0).
+    monitor, plan = _monitor()
+    monitor.config = dataclasses.replace(monitor.config, threshold=threshold)
+    decisions, final = run_checks(monitor, plan, [[4, 1, 1]] * 4 + [[1, 1, 1]] * 4)
+    assert len(decisions) == 2 and monitor.rank_scales[0] == pytest.approx(1.0, rel=0.05)
+    # 1.15x and 1/1.15x are both within 0.2: neither is a drift.
+    for factor in (1.15, 1 / 1.15):
+        monitor, plan = _monitor()
+        monitor.config = dataclasses.replace(monitor.config, threshold=0.2)
+        assert run_checks(monitor, plan, [[factor, 1, 1]] * 6)[0] == []
