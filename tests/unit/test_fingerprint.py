@@ -1,4 +1,4 @@
-"""Model fingerprints: same architecture -> same hash; any architectural change -> another."""
+"""Model fingerprints: same architecture -> same hash; any architectural change (a setting too) -> another."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from poplar_ext.activation_checkpointing import set_activation_checkpointing
 from poplar_ext.models.toy_gpt import GPT, GPTConfig
 from poplar_ext.profiler.fingerprint import model_description, model_fingerprint
 
@@ -21,6 +22,7 @@ def test_same_architecture_with_other_weights_has_the_same_fingerprint() -> None
         GPTConfig(num_layers=3),
         GPTConfig(vocab_size=128),
         GPTConfig(sequence_length=16),
+        GPTConfig(num_heads=4),
     ],
 )
 def test_a_changed_shape_changes_the_fingerprint(changed: GPTConfig) -> None:
@@ -35,6 +37,41 @@ def test_a_changed_module_class_changes_the_fingerprint() -> None:
     relu = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     gelu = nn.Sequential(nn.Linear(4, 4), nn.GELU())
     assert model_fingerprint(relu) != model_fingerprint(gelu)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (nn.Dropout(0.0), nn.Dropout(0.1)),
+        (nn.MultiheadAttention(16, 2), nn.MultiheadAttention(16, 8)),
+        (nn.Conv1d(2, 2, 3, stride=1), nn.Conv1d(2, 2, 3, stride=2)),
+    ],
+)
+def test_a_changed_setting_with_the_same_shapes_changes_the_fingerprint(a: nn.Module, b: nn.Module) -> None:
+    assert model_fingerprint(a) != model_fingerprint(b)
+
+
+def _gpt2(**changed: object) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    shape = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**shape, **changed}))
+
+
+@pytest.mark.parametrize("changed", [{"n_head": 16}, {"attn_implementation": "eager"}, {"attn_pdrop": 0.0}])
+def test_a_changed_hugging_face_config_changes_the_fingerprint(changed: dict) -> None:
+    # Heads, attention implementation and dropout change no shape: a 16-head model once reused a 2-head profile.
+    assert model_fingerprint(_gpt2(**changed)) != model_fingerprint(_gpt2())
+
+
+def test_what_a_trainer_or_the_profiler_switches_keeps_the_fingerprint() -> None:
+    gpt, hf = GPT(GPTConfig()), _gpt2()
+    before = model_fingerprint(gpt), model_fingerprint(hf)
+    for model in (gpt, hf):
+        set_activation_checkpointing(model, True)  # keyed apart: the profile's activation_checkpointing
+        model.eval()
+    hf.config.use_cache, hf.config.pad_token_id = False, 0  # what the Trainer and TRL set
+    assert (model_fingerprint(gpt), model_fingerprint(hf)) == before
+    assert model_fingerprint(hf) == model_fingerprint(_gpt2(name_or_path="elsewhere"))
 
 
 def test_renamed_parameters_change_the_fingerprint() -> None:
