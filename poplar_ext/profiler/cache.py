@@ -39,34 +39,39 @@ _CONFIG_KEYS_NOT_IN_KEY = frozenset(
 )
 
 
-def client_optimizer_class(optimizer_factory: Callable[[list], Any] | None) -> str | None:
-    """The class `optimizer_factory` builds (None: no factory), for the cache key: the DeepSpeed config does
-    not say it. Built on a parameter of its own: a model's may be many, a pipeline layer's none."""
-    if optimizer_factory is None:
-        return None
-    import torch
-
-    optimizer = optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
-    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-
-
 _OPTIMIZER_PARAMS_NOT_IN_KEY = ("lr", "betas", "eps", "weight_decay")
 """Optimizer settings that change neither its state nor the cost of its step: a learning-rate sweep (the Trainer
 fills ``lr: "auto"`` from --learning_rate) reuses the profiles. Others stay (momentum and amsgrad add state)."""
 
 
-def ds_config_fingerprint(ds_config: Mapping[str, Any], client_optimizer: str | None = None) -> str:
+def client_optimizer(optimizer_factory: Callable[[list], Any] | None) -> dict[str, Any] | None:
+    """The optimizer `optimizer_factory` builds (None: no factory) as a DeepSpeed config's ``optimizer`` section
+    would say it, for the cache key: its class (``type``) and ``defaults`` (``params``, the JSON ones). Built
+    on a parameter of its own: a model's may be many, a pipeline layer's none."""
+    if optimizer_factory is None:
+        return None
+    import torch
+
+    from poplar_ext.profiler.fingerprint import json_settings
+
+    optimizer = optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    return {"type": kind, "params": json_settings(optimizer.defaults)}
+
+
+def ds_config_fingerprint(ds_config: Mapping[str, Any], client_optimizer: Mapping[str, Any] | None = None) -> str:
     """Hash of the DeepSpeed settings that change speed or memory (not batch sizes, not the stage), and of
-    `client_optimizer`, the class of an optimizer the script builds (another one: another state and step)."""
+    `client_optimizer`, an optimizer the script builds (`client_optimizer`'s result): in either optimizer's
+    ``params``, those `_OPTIMIZER_PARAMS_NOT_IN_KEY` names left out."""
     relevant = {k: copy.deepcopy(v) for k, v in ds_config.items() if k not in _CONFIG_KEYS_NOT_IN_KEY}
     if client_optimizer is not None:
-        relevant["poplar_client_optimizer"] = client_optimizer
+        relevant["poplar_client_optimizer"] = copy.deepcopy(dict(client_optimizer))
     if isinstance(relevant.get("zero_optimization"), dict):
         relevant["zero_optimization"].pop("stage", None)
-    optimizer = relevant.get("optimizer")
-    if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
-        for name in _OPTIMIZER_PARAMS_NOT_IN_KEY:
-            optimizer["params"].pop(name, None)
+    for optimizer in (relevant.get("optimizer"), relevant.get("poplar_client_optimizer")):
+        if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
+            for name in _OPTIMIZER_PARAMS_NOT_IN_KEY:
+                optimizer["params"].pop(name, None)
     return content_fingerprint(relevant)
 
 
@@ -182,7 +187,7 @@ class JobKey:
             emulations={t: without_drift(e) for t, e in emulations.items()},
             torch_version=torch.__version__,
             deepspeed_version=deepspeed.__version__,
-            ds_config_fingerprint=ds_config_fingerprint(ds_config, client_optimizer_class(optimizer_factory)),
+            ds_config_fingerprint=ds_config_fingerprint(ds_config, client_optimizer(optimizer_factory)),
             **job,
         )
 

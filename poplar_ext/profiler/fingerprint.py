@@ -23,21 +23,21 @@ _NOT_IN_FINGERPRINT = frozenset(
 )
 
 
-def _settings(values: Mapping[Any, Any]) -> dict[str, Any]:
-    """The JSON scalars of `values` (lists of them, mappings of them), and the configs among them (a dataclass,
-    or a Hugging Face config with its attention implementation), less those that do not change the compute:
-    `_NOT_IN_FINGERPRINT`, token ids (the data's) and private names (``_``)."""
+def json_settings(values: Mapping[Any, Any]) -> dict[str, Any]:
+    """The JSON scalars of `values` (a module's attributes, an optimizer's defaults; lists of them, mappings of
+    them) and the configs among them (a dataclass, or a Hugging Face config with its attention implementation),
+    less those that do not change the compute: `_NOT_IN_FINGERPRINT`, token ids (the data's) and private names."""
     kept = {}
     for name, value in values.items():
         name = str(name)
         if name.startswith("_") or name in _NOT_IN_FINGERPRINT or name.endswith("_token_id"):
             continue
-        if callable(getattr(value, "to_dict", None)):
-            value = _settings({**value.to_dict(), "attn_implementation": getattr(value, "_attn_implementation", None)})
+        if callable(getattr(value, "to_dict", None)):  # a Hugging Face config: to_dict() leaves its attention out
+            value = {**value.to_dict(), "attn_implementation": getattr(value, "_attn_implementation", None)}
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            value = _settings(dataclasses.asdict(value))
-        elif isinstance(value, Mapping):
-            value = _settings(value)
+            value = dataclasses.asdict(value)
+        if isinstance(value, Mapping):
+            value = json_settings(value)
         elif isinstance(value, (list, tuple)) and all(_is_scalar(v) for v in value):
             value = list(value)
         elif not _is_scalar(value):
@@ -62,7 +62,7 @@ def model_description(model: nn.Module) -> dict[str, Any]:
         ],
         "buffers": [[name, list(b.shape), str(b.dtype).removeprefix("torch.")] for name, b in model.named_buffers()],
         # Hyper-parameters no shape shows: attention heads, dropout, attention implementation, strides, ...
-        "settings": [[name, s] for name, m in model.named_modules() if (s := _settings(vars(m)))],
+        "settings": [[name, s] for name, m in model.named_modules() if (s := json_settings(vars(m)))],
     }
 
 

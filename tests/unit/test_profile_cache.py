@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from poplar_ext.plan.formats import Emulation, ModelInfo, Profile, Sample, load_profiles
 from poplar_ext.plan.pipeline_formats import LayerCost, LayerProfile, LayerSample
 from poplar_ext.profiler.cache import (
     LayerProfileKey,
     ProfileKey,
+    client_optimizer,
     ds_config_fingerprint,
     find_cached_layer_profile,
     find_cached_profile,
@@ -303,3 +305,14 @@ def test_config_fingerprint_ignores_optimizer_settings_that_change_no_state_or_c
     momentum = {**CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
     assert ds_config_fingerprint(momentum) != ds_config_fingerprint(sgd)
     assert adam["optimizer"]["params"]["lr"] == 1e-3, "the caller's config is not modified"
+
+
+def test_a_script_built_optimizer_is_keyed_by_its_settings_as_the_configs_is() -> None:
+    # Keyed by its class alone, SGD without and with momentum (a buffer per parameter) shared profiles.
+    def key(optimizer_class: type, **settings: object) -> str:
+        return ds_config_fingerprint(CONFIG, client_optimizer(lambda p: optimizer_class(p, **settings)))
+
+    assert key(torch.optim.SGD, lr=0.1, momentum=0.9) != key(torch.optim.SGD, lr=0.1)
+    assert key(torch.optim.Adam, amsgrad=True) != key(torch.optim.Adam)
+    assert key(torch.optim.Adam, lr=0.5, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1) == key(torch.optim.Adam)
+    assert key(torch.optim.Adam) != key(torch.optim.AdamW) != ds_config_fingerprint(CONFIG)

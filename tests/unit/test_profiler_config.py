@@ -135,12 +135,13 @@ def test_profile_model_takes_the_profile_options_fields_with_their_defaults() ->
 def test_automatic_mode_keys_stored_profiles_as_the_profiler_does() -> None:
     # One definition: a stored profile of another optimizer (the script's or the config's) is not the job's.
     from poplar_bench.synthetic import simple_cluster
-    from poplar_ext.profiler.cache import client_optimizer_class, ds_config_fingerprint
+    from poplar_ext.profiler.cache import client_optimizer, ds_config_fingerprint
     from poplar_ext.profiler.fingerprint import model_fingerprint
 
     model, cluster = torch.nn.Linear(2, 1), simple_cluster({"fast": 1, "slow": 2})
     jobs = {
         "sgd": (torch.optim.SGD(model.parameters(), lr=0.1), {"bf16": {"enabled": True}}),
+        "sgd momentum": (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), {"bf16": {"enabled": True}}),
         "adamw": (torch.optim.AdamW(model.parameters(), lr=0.1), {"bf16": {"enabled": True}}),
         "config's": (None, {"bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}),
     }
@@ -158,7 +159,7 @@ def test_automatic_mode_keys_stored_profiles_as_the_profiler_does() -> None:
         key = measure.profiles_key(cluster).key("slow", 1)
         # A stored profile a lower limit stopped is not the job's: it probes up to its own (`JobKey.holds`).
         assert measure.profiles_key(cluster).settings.micro_batch_size_limit == 8
-        client = None if optimizer is None else client_optimizer_class(lambda p, o=optimizer: type(o)(p))
+        client = None if optimizer is None else client_optimizer(lambda p, o=optimizer: o)  # the script's settings
         assert key.ds_config_fingerprint == ds_config_fingerprint(config, client)
         assert (key.model_fingerprint, key.world_size, key.dtype) == (model_fingerprint(model), 3, "bfloat16")
         fingerprints.add(key.ds_config_fingerprint)
