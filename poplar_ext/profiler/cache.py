@@ -72,7 +72,10 @@ def ds_config_fingerprint(ds_config: Mapping[str, Any], client_optimizer: Mappin
         if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
             for name in _OPTIMIZER_PARAMS_NOT_IN_KEY:
                 optimizer["params"].pop(name, None)
-    return content_fingerprint(relevant)
+            if not optimizer["params"]:
+                del optimizer["params"]
+    # A section left empty (``zero_optimization`` that only set the stage) is absent: DeepSpeed's defaults either way.
+    return content_fingerprint({k: v for k, v in relevant.items() if v != {}})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -307,6 +307,16 @@ def test_config_fingerprint_ignores_optimizer_settings_that_change_no_state_or_c
     assert adam["optimizer"]["params"]["lr"] == 1e-3, "the caller's config is not modified"
 
 
+def test_a_config_that_only_sets_what_is_not_keyed_matches_one_without_those_sections() -> None:
+    # A job whose config added only its ZeRO stage re-measured (and overwrote) the profiles made without one.
+    plain = {"optimizer": {"type": "SGD"}, "bf16": {"enabled": True}}
+    staged = {**plain, "zero_optimization": {"stage": 1}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    assert ds_config_fingerprint(staged) == ds_config_fingerprint(plain)
+    assert ds_config_fingerprint({**plain, "zero_optimization": {"stage": 1, "overlap_comm": True}}) != (
+        ds_config_fingerprint(plain)
+    )
+
+
 def test_a_script_built_optimizer_is_keyed_by_its_settings_as_the_configs_is() -> None:
     # Keyed by its class alone, SGD without and with momentum (a buffer per parameter) shared profiles.
     def key(optimizer_class: type, **settings: object) -> str:
