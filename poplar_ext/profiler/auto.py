@@ -66,6 +66,22 @@ def batches_of(training_data: Any, collate_fn: Callable[[list], Any] | None) -> 
     return make_batch
 
 
+def sequence_length_of(batch: Any) -> int | None:
+    """Tokens per sample of a micro-batch, for the cache key (None: it holds no token ids): the last dimension of a
+    mapping's ``input_ids`` (Hugging Face's), of the first of a tuple's tensors (inputs, then targets), or that of a
+    token tensor alone less one: the built-in GPT's samples end with the last input's next-token target
+    (``sequence_length + 1`` tokens, counted as poplar-profile's ``--sequence-length`` counts them)."""
+    if isinstance(batch, Mapping):
+        tokens, targets_in_it = batch.get("input_ids"), 0
+    elif isinstance(batch, (tuple, list)) and batch:
+        tokens, targets_in_it = batch[0], 0
+    else:
+        tokens, targets_in_it = batch, 1
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32) or tokens.dim() < 1:
+        return None
+    return tokens.shape[-1] - targets_in_it or None
+
+
 def missing_layer_profiles_measurer(
     *,
     layers: list[Any],
@@ -87,6 +103,7 @@ def missing_layer_profiles_measurer(
     from poplar_ext.profiler.per_layer import optimizer_factory_from_config, profile_layers
 
     make_batch = batches_of(training_data, None)
+    sequence_length = sequence_length_of(make_batch(1))
 
     def options(cluster: Cluster, stages: tuple[int, ...] = ()) -> ProfileOptions:
         # No optimizer_factory: the layers step the config's optimizer, keyed as poplar-profile --per-layer keys it.
@@ -101,6 +118,7 @@ def missing_layer_profiles_measurer(
             loss_fn=loss_fn,
             micro_batch_size_limit=micro_batch_size_limit,
             measure_network=False,
+            sequence_length=sequence_length,
         )
 
     def measure(device_types: list[str], cluster: Cluster, stages: tuple[int, ...]) -> None:
@@ -133,7 +151,8 @@ def missing_profiles_measurer(
     """A `MeasureMissing` with initialize's model and data (collective); call it before DeepSpeed sees `model`
     (each measured stage gets a deep copy).
 
-    Micro-batch ``b`` is `batches_of` `training_data`; the largest tried is `micro_batch_size_limit` (the
+    Micro-batch ``b`` is `batches_of` `training_data` (its sequence length: `sequence_length_of` micro-batch 1's,
+    in the key); the largest tried is `micro_batch_size_limit` (the
     global batch when known); the other arguments are `profile_model`'s. Its ``time_at_sizes`` attribute is
     a `TimeAtSizes` on the same model and data (`calibration_repeats` micro-steps per size); its
     ``profiles_key(cluster)`` the `JobKey` its profiles get (`poplar_ext.profiler.cache.profiles_key`).
@@ -142,6 +161,7 @@ def missing_profiles_measurer(
     from poplar_ext.profiler.options import ProfileOptions
 
     make_batch = batches_of(training_data, collate_fn)
+    sequence_length = sequence_length_of(make_batch(1))
     optimizer_factory = _optimizer_factory(optimizer, ds_config)
     size_limit = micro_batch_size_limit or ProfileOptions.micro_batch_size_limit
 
@@ -156,6 +176,7 @@ def missing_profiles_measurer(
             optimizer_factory=optimizer_factory,
             loss_fn=loss_fn,
             model_name=type(model).__name__.lower(),
+            sequence_length=sequence_length,
             checkpointing_toggle=checkpointing_toggle,
             **more,
         )

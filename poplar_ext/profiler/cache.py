@@ -214,9 +214,9 @@ class JobKey:
     def holds(self, profile: Profile | LayerProfile) -> bool:
         """Whether `profile` is one this job's cache lookup finds (`find_cached_profile` with `settings`;
         a layer profile's sizes and settings aside, as the whole model's sizes are). A job that does not know its
-        sequence length (None: the automatic mode's data) takes any. A profile this profiler did not measure
-        (``modelled``, written by hand, or without the key's records) is the user's word, taken as given in the
-        job's dtype: there is nothing in it to compare."""
+        sequence length (None: data without token ids, `poplar_ext.profiler.auto.sequence_length_of`) takes any.
+        A profile this profiler did not measure (``modelled``, written by hand, or without the key's records) is
+        the user's word, taken as given in the job's dtype: there is nothing in it to compare."""
         layers = isinstance(profile, LayerProfile)
         stored = LayerProfileKey.of_profile(profile) if layers else ProfileKey.of_profile(profile)
         if stored is None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from poplar_ext.profiler import training_dtype
-from poplar_ext.profiler.auto import missing_profiles_measurer
+from poplar_ext.profiler.auto import missing_profiles_measurer, sequence_length_of
 from poplar_ext.profiler.measure import MeasureSettings, default_loss, move_to_device, stage_ds_config
 
 USER_CONFIG = {
@@ -164,6 +164,42 @@ def test_automatic_mode_keys_stored_profiles_as_the_profiler_does() -> None:
         assert (key.model_fingerprint, key.world_size, key.dtype) == (model_fingerprint(model), 3, "bfloat16")
         fingerprints.add(key.ds_config_fingerprint)
     assert len(fingerprints) == len(jobs)
+
+
+def test_automatic_mode_keys_profiles_with_the_datas_sequence_length() -> None:
+    # Keyed without one, a job on 64-token samples took the profiles measured on 8-token ones.
+    from poplar_bench.synthetic import simple_cluster
+    from poplar_ext.models.toy_gpt import GPT, GPTConfig, SyntheticTokens
+
+    model, cluster = GPT(GPTConfig(sequence_length=64)), simple_cluster({"fast": 1, "slow": 1})
+    keys = {}
+    for tokens in (8, 64):
+        measure = missing_profiles_measurer(
+            model=model,
+            training_data=SyntheticTokens(num_samples=2, sequence_length=tokens, vocab_size=256),
+            collate_fn=None,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            ds_config={},
+            profiles_dir="p",
+            micro_batch_size_limit=8,
+        )
+        keys[tokens] = measure.profiles_key(cluster).key("slow", 1)
+    assert (keys[8].sequence_length, keys[64].sequence_length) == (8, 64)
+
+
+@pytest.mark.parametrize(
+    ("batch", "tokens"),
+    [
+        (torch.zeros(1, 17, dtype=torch.long), 16),  # the built-in GPT's: 16 inputs and the last one's target
+        ({"input_ids": torch.zeros(1, 12, dtype=torch.long), "labels": torch.zeros(1, 12, dtype=torch.long)}, 12),
+        ((torch.zeros(1, 9, dtype=torch.int32), torch.zeros(1, 9, dtype=torch.long)), 9),
+        (torch.zeros(1, 4), None),  # no token ids: not a sequence model
+        ((torch.zeros(1, 4), torch.zeros(1, 1)), None),
+        ({"pixel_values": torch.zeros(1, 3, 8, 8)}, None),
+    ],
+)
+def test_the_sequence_length_is_read_from_a_micro_batch(batch, tokens) -> None:
+    assert sequence_length_of(batch) == tokens
 
 
 @pytest.mark.parametrize("force", [False, True])
