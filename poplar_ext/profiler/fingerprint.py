@@ -32,7 +32,7 @@ def json_settings(values: Mapping[Any, Any]) -> dict[str, Any]:
         name = str(name)
         if name.startswith("_") or name in _NOT_IN_FINGERPRINT or name.endswith("_token_id"):
             continue
-        if callable(getattr(value, "to_dict", None)):  # a Hugging Face config: to_dict() leaves its attention out
+        if callable(getattr(value, "to_diff_dict", None)):  # a Hugging Face config; to_dict() leaves out its attention
             value = {**value.to_dict(), "attn_implementation": getattr(value, "_attn_implementation", None)}
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             value = dataclasses.asdict(value)

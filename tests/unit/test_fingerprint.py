@@ -51,6 +51,16 @@ def test_a_changed_setting_with_the_same_shapes_changes_the_fingerprint(a: nn.Mo
     assert model_fingerprint(a) != model_fingerprint(b)
 
 
+def test_an_attribute_with_a_to_dict_of_its_own_is_not_taken_for_a_config() -> None:
+    class Table:  # say a data frame: to_dict takes arguments and holds no setting of the model
+        def to_dict(self, orient: str) -> dict:
+            return {}
+
+    model = nn.Linear(2, 2)
+    model.table = Table()
+    assert model_fingerprint(model) == model_fingerprint(nn.Linear(2, 2))
+
+
 def _gpt2(**changed: object) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     shape = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
