@@ -163,7 +163,10 @@ def cached_or_measured_network(
 
     def cached() -> dict[str, Any] | None:
         network = None if force else find_network(cache_dir, layout.cluster)
-        return None if network is None else network_to_dict(network)
+        # A file measured over another backend (gloo on CPU, then NCCL on the GPUs) times another network.
+        if network is None or network.backend != process_group_backend():
+            return None
+        return network_to_dict(network)
 
     # Rank 0 alone reads the file: a bad one is an error on every rank, not rank 0's alone.
     found = decided_by_rank0(cached, rank=layout.rank)

@@ -344,3 +344,22 @@ def test_scopes_round_trip_and_a_bad_scope_names_its_field(tmp_path):
     data["scopes"]["across_racks"] = data["scopes"].pop("between_nodes")
     with pytest.raises(FormatError, match=r"n.json: scopes.across_racks: expected one of the keys"):
         network_from_dict(data, source="n.json")
+
+
+@pytest.mark.parametrize(("backend", "reused"), [("gloo", True), ("nccl", False)])
+def test_a_cached_network_file_is_reused_only_over_the_backend_it_was_measured_with(
+    tmp_path, monkeypatch, backend, reused
+):
+    from types import SimpleNamespace
+
+    from poplar_ext.profiler import network as profiler_network
+
+    cluster = _cluster({"a": 1, "b": 1})
+    stored = dataclasses.replace(_network(), cluster_key=cluster_key(cluster), world_size=2, backend="gloo")
+    save_network(stored, network_path(tmp_path, cluster))
+    measured = dataclasses.replace(stored, backend=backend)
+    monkeypatch.setattr(profiler_network, "process_group_backend", lambda: backend)
+    monkeypatch.setattr(profiler_network, "measure_network", lambda layout, message_bytes: measured)
+    layout = SimpleNamespace(world_size=2, rank=0, cluster=cluster)
+    network, line = profiler_network.cached_or_measured_network(layout, tmp_path, force=False)
+    assert network.backend == backend and line.startswith("network: from the cache" if reused else "network: measured")
