@@ -128,9 +128,16 @@ def layers_fingerprint(pipeline: PipelineLayers) -> str:
 
 
 def layer_micro_batch_sizes(micro_batch_sizes: Sequence[int] | None, micro_batch_size_limit: int) -> tuple[int, ...]:
-    """The given sizes, else `dense_sizes` up to the limit or `DEFAULT_LARGEST_LAYER_MICRO_BATCH`."""
+    """The given sizes up to the limit (as the whole model's sweep keeps them), else `dense_sizes` up to the limit
+    or `DEFAULT_LARGEST_LAYER_MICRO_BATCH`."""
     if micro_batch_sizes is not None:
-        return tuple(sorted(set(micro_batch_sizes)))
+        kept = tuple(sorted({b for b in micro_batch_sizes if b <= micro_batch_size_limit}))
+        if not kept:
+            raise ValueError(
+                f"--micro-batch-sizes: expected a size of at most --max-micro-batch-size ({micro_batch_size_limit}), "
+                f"found {sorted(set(micro_batch_sizes))}"
+            )
+        return kept
     return tuple(dense_sizes(min(micro_batch_size_limit, DEFAULT_LARGEST_LAYER_MICRO_BATCH)))
 
 

@@ -160,6 +160,11 @@ def test_what_is_a_pipeline_model_and_which_sizes_are_timed() -> None:
     assert layer_micro_batch_sizes(None, 256)[-1] == 64
     assert layer_micro_batch_sizes(None, 5) == (1, 2, 3, 4, 5)
     assert layer_micro_batch_sizes((4, 2), 256) == (2, 4)
+    assert layer_micro_batch_sizes((512, 2, 8), 4) == (2,), "--max-micro-batch-size holds given sizes too"
+    with pytest.raises(
+        ValueError, match=r"--micro-batch-sizes: expected a size of at most --max-micro-batch-size \(4\)"
+    ):
+        layer_micro_batch_sizes((8, 16), 4)
     with pytest.raises(ValueError, match="optimizer.type"):
         optimizer_factory_from_config({"optimizer": {"type": "Lamb"}})
 
