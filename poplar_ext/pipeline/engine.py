@@ -404,14 +404,6 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         """The loader `train_batch()` reads when it is given no iterator (repeated over epochs)."""
         self._loader = loader
 
-    @property
-    def data_position(self) -> int:
-        """Stream position where the next iteration starts (see `poplar_ext.runtime.data`): with ``drop_last``
-        the sampler's, whose iterations skip each epoch's tail (not a global batch apart across it)."""
-        if self._samplers:
-            return self._samplers[0].iteration_start(self._first_sampler_base + self._steps_since_restore)
-        return self.trained_position
-
     def _client_state_before_save(self) -> dict:
         """At ZeRO 0, each optimizer parameter's name and shape (DeepSpeed names them at ZeRO 1 only)."""
         if self.optimizer is not None and not self.zero_optimization():

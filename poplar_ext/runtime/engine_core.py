@@ -59,8 +59,9 @@ class EngineCore(FollowsRebalancing):
         self.pending_switch: SwitchOrder | None = None
         """A plan switch agreed by every rank, waiting for the iteration it starts at."""
         self._samplers: list[PlanBatchSampler] = []
-        self._first_sampler_base = 0
-        """The first sampler's iteration trained by the first optimizer step since the restore (`data_position`)."""
+        self._restored_iteration = 0
+        """The iteration trained by the first optimizer step since the restore, numbered as every sampler of the
+        job numbers them (`data_position`)."""
         self._restored_position = 0
         self._steps_since_restore = 0
         self._last_boundary_time: float | None = None
@@ -89,6 +90,16 @@ class EngineCore(FollowsRebalancing):
     def trained_position(self) -> int:
         """Stream position after the last optimizer step (a DataLoader may have read further)."""
         return self._restored_position + self._steps_since_restore * self.plan.global_batch_size
+
+    @property
+    def data_position(self) -> int:
+        """Stream position where the next iteration starts (see `poplar_ext.runtime.data`): the first one no
+        optimizer step has trained. Counted in steps, not read from a sampler: a DataLoader reading ahead
+        (accelerate's, workers) has begun later iterations, and a sampler never read (or one per pass) lags. With
+        ``drop_last`` the samplers' iterations skip each epoch's tail: their start, not a global batch apart."""
+        if self._samplers:
+            return self._samplers[0].iteration_start(self._restored_iteration + self._steps_since_restore)
+        return self.trained_position
 
     def _step_view(self, step: int) -> StepView:
         return StepView(
@@ -162,12 +173,12 @@ class EngineCore(FollowsRebalancing):
             for sampler in self._samplers:
                 sampler.set_position(decision.data_position)
             if self._samplers:
-                self._first_sampler_base = self._samplers[0].next_iteration
+                self._restored_iteration = self._samplers[0].next_iteration
 
     def _add_sampler(self, sampler: PlanBatchSampler) -> None:
-        """A batch sampler that follows plan switches and resumes (`data_position` reads the first)."""
+        """A batch sampler that follows plan switches and resumes."""
         if not self._samplers:  # its next iteration is the one the next optimizer step trains
-            self._first_sampler_base = sampler.next_iteration - self._steps_since_restore
+            self._restored_iteration = sampler.next_iteration - self._steps_since_restore
         self._samplers.append(sampler)
 
     def _continue_plans(self, decision: ResumeDecision) -> None:

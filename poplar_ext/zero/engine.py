@@ -366,18 +366,6 @@ class PoplarEngine(EngineCore):
             )
         self._add_sampler(sampler)
 
-    @property
-    def data_position(self) -> int:
-        """Stream position where the next iteration starts (see `poplar_ext.runtime.data`): the first one no
-        optimizer step has trained, also where a DataLoader has read further."""
-        if self._samplers:
-            sampler = self._samplers[0]
-            # A DataLoader reading ahead (accelerate's fetches the next micro-batch before it hands one
-            # out, workers fetch several) may have begun iterations that no step has trained yet.
-            trained = sampler.iteration_start(self._first_sampler_base + self._steps_since_restore)
-            return min(sampler.consumed_samples, trained)
-        return self.trained_position
-
     def _save_deepspeed(self, save_dir: str | Path, new_tag: str, client_state: dict, **kwargs: Any) -> Any:
         """DeepSpeed's save into ``save_dir/TAG`` (`EngineCore.save_checkpoint`)."""
         from deepspeed.checkpoint.constants import (
@@ -475,7 +463,7 @@ class PoplarEngine(EngineCore):
         and positions its dataloader itself passes `position_samplers` False and its sampler's `next_iteration`."""
         self._restore_position(decision, position_samplers=position_samplers)
         if not position_samplers and next_iteration is not None:
-            self._first_sampler_base = next_iteration
+            self._restored_iteration = next_iteration
         self._continue_plans(decision)
 
 

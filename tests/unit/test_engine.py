@@ -204,6 +204,25 @@ def test_the_saved_data_position_is_the_first_iteration_no_step_trained(tmp_path
     assert json.loads((tmp_path / "t" / STATE_FILE).read_text())["data_position"] == 8
 
 
+def _train_a_pass(engine, sampler):
+    for _ in sampler:
+        engine.backward(engine(torch.ones(2)))
+        engine.step()
+
+
+def test_the_data_position_follows_the_sampler_that_trains_not_the_first_made(tmp_path):
+    engine, _ = _engine(_plan([(2, 1), (3, 2)]))  # B = 8; 20 samples: passes of 3, 2, 3 iterations
+    engine.create_batch_sampler(20)  # initialize's dataloader, never read
+    starts = []
+    for _ in range(3):  # a new sampler (a new DataLoader) every pass
+        sampler = engine.create_batch_sampler(20)
+        starts.append(sampler.consumed_samples)
+        _train_a_pass(engine, sampler)
+    assert starts == [0, 24, 40] and engine.data_position == engine.consumed_samples == 64
+    engine.save_checkpoint(tmp_path, tag="t")
+    assert json.loads((tmp_path / "t" / STATE_FILE).read_text())["data_position"] == 64
+
+
 def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path, monkeypatch):
     from poplar_ext import collectives
 
