@@ -318,10 +318,17 @@ class PoplarEngine(EngineCore):
 
         Call it on every rank right after the same optimizer step. `plan` re-balances the same global batch among
         the same ranks at the same stage (e.g. from `search.drift.replan`); gradients stay exact and the data
-        continues, every sample once. ``poplar.rebalance`` does this by itself.
+        continues, every sample once. ``poplar.rebalance`` does this by itself. A ValueError while an earlier
+        switch waits for its iteration (`pending_switch`, the same on every rank).
         """
         from poplar_ext.collectives import broadcast_from_rank0, gather_objects
 
+        if (pending := self.pending_switch) is not None:
+            raise ValueError(
+                f"rebalance_to: expected no plan switch pending, found one ({pending.reason}) waiting for stream "
+                f"position {pending.position} (the samplers had handed out data up to it): call rebalance_to once "
+                "engine.pending_switch is None, after the optimizer step that trains up to that position"
+            )
         if self.poplar_config.drop_last:  # the same on every rank: one config
             raise ValueError(
                 "rebalance_to: expected poplar.drop_last false, found true: a switch starts at a stream "

@@ -223,6 +223,24 @@ def test_the_data_position_follows_the_sampler_that_trains_not_the_first_made(tm
     assert json.loads((tmp_path / "t" / STATE_FILE).read_text())["data_position"] == 64
 
 
+def _read_ahead_then_switch(engine, allocation, *, iterations=2):
+    """A DataLoader that has handed out `iterations` more than trained when the switch is agreed: it waits."""
+    handed_out = iter(engine.create_batch_sampler(50))
+    for _ in range(iterations):
+        next(handed_out)
+    engine.rebalance_to(_plan(allocation), reason="first")
+    return handed_out
+
+
+def test_a_switch_while_another_waits_for_its_iteration_is_refused():
+    engine, _ = _engine(_plan([(2, 1), (3, 2)]))
+    _read_ahead_then_switch(engine, [(1, 2), (3, 2)])
+    assert engine.pending_switch.position == 16
+    with pytest.raises(ValueError, match=r"rebalance_to: expected no plan switch pending, found one .* position 16"):
+        engine.rebalance_to(_plan([(4, 1), (2, 2)]), reason="second")
+    assert engine.pending_switch.reason == "first"
+
+
 def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path, monkeypatch):
     from poplar_ext import collectives
 
