@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from poplar_ext.plan.pipeline_formats import PipelinePlan, plan_parallelism
-from poplar_ext.runtime.checkpoint import ResumeDecision, check_data_order, plan_as_dict
+from poplar_ext.runtime.checkpoint import ResumeDecision, check_data_order, plan_as_dict, rebalancing_of
 
 UNIVERSAL_FOLDER = "universal"
 """A pipeline checkpoint's optimizer state per parameter, in its tag folder (written at its first resume under
@@ -108,6 +108,7 @@ def pipeline_resume_decision(
                 f"data continues at stream position {position}"
             ],
             continue_plan=saved["plan"],
+            rebalancing=rebalancing_of(saved),
         )
     if load_module_only:
         return ResumeDecision(
@@ -117,7 +118,12 @@ def pipeline_resume_decision(
         )
     position, history = saved["data_position"], list(saved.get("plan_history") or [])
     if not changes:
-        return ResumeDecision(data_position=position, consumed_samples=saved["consumed_samples"], plan_history=history)
+        return ResumeDecision(
+            data_position=position,
+            consumed_samples=saved["consumed_samples"],
+            plan_history=history,
+            rebalancing=rebalancing_of(saved),
+        )
     reason = f"resumed from {path} under another pipeline plan ({'; '.join(changes)})"
     entry = {"start_step": saved.get("step", 0), "data_position": position, "reason": reason, "plan": current["plan"]}
     return ResumeDecision(

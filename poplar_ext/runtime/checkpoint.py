@@ -492,6 +492,10 @@ def _check_state(state: Node) -> None:
     if (history := state.optional("plan_history")) is not None:
         for entry in history.items():
             entry.field("plan").obj()
+    if (pending := state.optional("pending_switch")) is not None:
+        pending.field("plan").obj()
+        pending.field("position").integer(minimum=0)
+        pending.field("reason").string()
     plan = state.field("plan")
     plan.field("zero_stage").integer(minimum=0, maximum=3)
     plan.field("global_batch_size").integer(minimum=1)
@@ -530,6 +534,18 @@ class ResumeDecision:
     continue_plan: dict | None = None
     """The checkpoint's last plan (JSON) when the job continues under it rather than its own: the
     run had switched plans during training, and this job starts from the plan that run started from."""
+    rebalancing: dict = field(default_factory=dict)
+    """The saved run's re-balancing where this job continues its last plan on the same device types
+    (`FollowsRebalancing.rebalancing_state`; empty otherwise)."""
+
+
+REBALANCING_KEYS = ("pending_switch",)
+"""The state file's keys of re-balancing (`FollowsRebalancing.rebalancing_state`), absent where it has none."""
+
+
+def rebalancing_of(saved: dict) -> dict:
+    """The re-balancing state a saved run left (`REBALANCING_KEYS`), for a resume that continues its last plan."""
+    return {key: saved[key] for key in REBALANCING_KEYS if key in saved}
 
 
 def _file_layout(zero_stage: int) -> int:
@@ -608,7 +624,12 @@ def resume_decision(
     notes: list[str] = []
     old_plan = saved["plan"]
     if _allocation(old_plan) == _allocation(plan) and len(old_plan["ranks"]) == len(plan["ranks"]):
-        return ResumeDecision(data_position=position, consumed_samples=saved["consumed_samples"], plan_history=history)
+        return ResumeDecision(
+            data_position=position,
+            consumed_samples=saved["consumed_samples"],
+            plan_history=history,
+            rebalancing=rebalancing_of(saved) if _shape(old_plan) == _shape(plan) else {},
+        )
     started_from = next((h["plan"] for h in reversed(history) if not h.get("switched")), None)
     if (
         started_from is not None
@@ -626,6 +647,7 @@ def resume_decision(
                 )
             ],
             continue_plan=old_plan,
+            rebalancing=rebalancing_of(saved),
         )
     world_before, world_now = len(old_plan["ranks"]), len(plan["ranks"])
     changes = []

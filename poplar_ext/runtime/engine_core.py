@@ -160,8 +160,7 @@ class EngineCore(FollowsRebalancing):
             **self.poplar_config.data_order,
             plan_history=self.plan_history,
         )
-        state["step"] = self.global_steps
-        return state
+        return {**state, "step": self.global_steps, **self.rebalancing_state()}
 
     def _restore_position(self, decision: ResumeDecision, *, position_samplers: bool = True) -> None:
         """The samples and the data position of a resume (then `_continue_plans`); the emulated drift
@@ -179,6 +178,8 @@ class EngineCore(FollowsRebalancing):
         """A batch sampler that follows plan switches and resumes."""
         if not self._samplers:  # its next iteration is the one the next optimizer step trains
             self._restored_iteration = sampler.next_iteration - self._steps_since_restore
+        if self.pending_switch is not None:  # made at the data position, before the switch's
+            sampler.switch_plan(self.pending_switch.plan, from_position=self.pending_switch.position)
         self._samplers.append(sampler)
 
     def _continue_plans(self, decision: ResumeDecision) -> None:
@@ -188,6 +189,7 @@ class EngineCore(FollowsRebalancing):
             plan = self.plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")
             order = SwitchOrder(plan=plan, position=decision.data_position, reason="the checkpoint's last plan")
             self.schedule_switch(order, record=False)
+        self.continue_rebalancing(decision.rebalancing)
         if self._core_rank == 0:
             for note in decision.notes:
                 logger.info("load_checkpoint: %s", note)

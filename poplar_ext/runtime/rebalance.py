@@ -204,6 +204,24 @@ class FollowsRebalancing:
         else:
             self.pending_switch = order
 
+    def rebalancing_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of re-balancing (``poplar_state.json``): ``pending_switch``, the switch agreed
+        whose iteration no step has reached."""
+        state: dict[str, Any] = {}
+        if (pending := self.pending_switch) is not None:
+            state["pending_switch"] = {
+                "plan": plan_as_dict(pending.plan),
+                "position": pending.position,
+                "reason": pending.reason,
+            }
+        return state
+
+    def continue_rebalancing(self, saved: dict[str, Any]) -> None:
+        """A resume that continues the saved run's last plan takes over its `rebalancing_state` (`saved`)."""
+        if (pending := saved.get("pending_switch")) is not None:
+            plan = any_plan_from_dict(pending["plan"], source="<the checkpoint's pending switch>")
+            self.schedule_switch(SwitchOrder(plan=plan, position=pending["position"], reason=pending["reason"]))
+
     def follow_rebalancing(self, step: int) -> None:
         """After optimizer step `step`: a switch agreed earlier whose iteration has come, then a check
         (collective at check steps: every rank calls it)."""

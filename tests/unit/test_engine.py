@@ -241,6 +241,21 @@ def test_a_switch_while_another_waits_for_its_iteration_is_refused():
     assert engine.pending_switch.reason == "first"
 
 
+def test_a_switch_pending_at_a_save_waits_again_after_the_resume(tmp_path):
+    plan, switched = _plan([(2, 1), (3, 2)]), [(1, 2), (3, 2)]
+    engine, fake = _engine(plan)
+    _read_ahead_then_switch(engine, switched)
+    engine.save_checkpoint(tmp_path, tag="t")
+    resumed, resumed_fake = _engine(plan)
+    before = resumed.create_batch_sampler(50)
+    resumed_fake.saved = fake.saved
+    resumed.load_checkpoint(tmp_path, tag="t")
+    after = resumed.create_batch_sampler(50)
+    assert (resumed.pending_switch.plan, resumed.pending_switch.position) == (_plan(switched), 16)
+    sizes = [[[len(b) for b in s.micro_batches(i)] for i in (1, 2)] for s in (before, after)]
+    assert sizes == [[[2], [1, 1]]] * 2, "iteration 1 (from 8) under the job's plan, 2 (from 16) the switched one's"
+
+
 def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path, monkeypatch):
     from poplar_ext import collectives
 

@@ -136,14 +136,17 @@ def test_a_resume_of_a_rebalanced_run_continues_under_its_last_counts():
         history_entry(rebalanced, start_step=4, data_position=64, reason="re-balanced", switched=True),
     ]
     current = _saved(started, history[:1])
-    decision = pipeline_resume_decision(_saved(rebalanced, history), current, path="ckpt/step6")
+    pending = {"plan": pipeline_plan_to_dict(_plan((2, 6))), "position": 112, "reason": "re-balanced again"}
+    saved = {**_saved(rebalanced, history), "pending_switch": pending}
+    decision = pipeline_resume_decision(saved, current, path="ckpt/step6")
     assert decision.continue_plan == pipeline_plan_to_dict(rebalanced)
     assert (decision.data_position, decision.plan_history) == (96, history)
+    assert decision.rebalancing == {"pending_switch": pending}, "the switch agreed before the save still waits"
     assert "under its last plan" in decision.notes[0]
     # A job started from another split continues under its own plan (the layers move), not the checkpoint's.
     other = _saved(_plan(firsts=((0, 1), (0, 2))), history[:1])
-    moved = pipeline_resume_decision(_saved(rebalanced, history), other, path="ckpt/step6")
-    assert moved.continue_plan is None and moved.data_position == 96
+    moved = pipeline_resume_decision(saved, other, path="ckpt/step6")
+    assert moved.continue_plan is None and moved.data_position == 96 and moved.rebalancing == {}
     assert "under another pipeline plan" in moved.plan_history[-1]["reason"]
 
 

@@ -103,6 +103,7 @@ def test_a_state_file_without_what_a_resume_reads_names_the_file_and_field(tmp_p
         ("seed", None, "seed: expected a value, found "),
         ("shuffle", "yes", "shuffle: expected true or false, found "),
         ("plan", {"ranks": []}, "plan.zero_stage: expected a value, found "),
+        ("pending_switch", {"plan": {}, "position": -16, "reason": "r"}, "pending_switch.position: expected an"),
     ):
         broken = {k: v for k, v in state.items() if k != field}
         if value is not None:
@@ -113,6 +114,21 @@ def test_a_state_file_without_what_a_resume_reads_names_the_file_and_field(tmp_p
         assert str(refused.value).startswith(f"{path}: {expected}")
     path.write_text(json.dumps(state))
     assert read_state(tmp_path, "t") == state
+
+
+def test_the_saved_rebalancing_goes_on_only_where_the_job_continues_the_last_plan_on_the_same_device_types():
+    pending = {"plan": _plan([(4, 1), (2, 6)]), "position": 176, "reason": "re-balanced again"}
+    saved = {**_saved(_plan(STARTED)), "pending_switch": pending}
+    other_types = copy.deepcopy(saved["plan"])
+    other_types["ranks"][1]["device_type"] = "other"
+    for current, continued in (
+        (copy.deepcopy(saved["plan"]), True),  # the last plan
+        (_plan(STARTED), True),  # the plan the run started from: continues under the last
+        (other_types, False),
+        (_plan([(4, 2), (2, 1)]), False),  # another global batch
+    ):
+        decision = resume_decision(saved, _current(current), path="ckpt", step=10)
+        assert decision.rebalancing == ({"pending_switch": pending} if continued else {})
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
