@@ -496,6 +496,11 @@ def _check_state(state: Node) -> None:
         pending.field("plan").obj()
         pending.field("position").integer(minimum=0)
         pending.field("reason").string()
+    if (speeds := state.optional("drift_monitor")) is not None:
+        scales = [scale.number(positive=True) for scale in speeds.field("rank_scales").items(min_length=1)]
+        streaks = speeds.field("streaks").items(min_length=len(scales), max_length=len(scales))
+        for streak in streaks:
+            streak.integer(minimum=0)
     plan = state.field("plan")
     plan.field("zero_stage").integer(minimum=0, maximum=3)
     plan.field("global_batch_size").integer(minimum=1)
@@ -539,7 +544,7 @@ class ResumeDecision:
     (`FollowsRebalancing.rebalancing_state`; empty otherwise)."""
 
 
-REBALANCING_KEYS = ("pending_switch",)
+REBALANCING_KEYS = ("pending_switch", "drift_monitor")
 """The state file's keys of re-balancing (`FollowsRebalancing.rebalancing_state`), absent where it has none."""
 
 

@@ -206,7 +206,7 @@ class FollowsRebalancing:
 
     def rebalancing_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of re-balancing (``poplar_state.json``): ``pending_switch``, the switch agreed
-        whose iteration no step has reached."""
+        whose iteration no step has reached; ``drift_monitor``, rank 0's assumed speeds (which rank 0 writes)."""
         state: dict[str, Any] = {}
         if (pending := self.pending_switch) is not None:
             state["pending_switch"] = {
@@ -214,13 +214,21 @@ class FollowsRebalancing:
                 "position": pending.position,
                 "reason": pending.reason,
             }
+        if (monitor := self._monitor()) is not None:
+            state["drift_monitor"] = {"rank_scales": list(monitor.rank_scales), "streaks": list(monitor.streaks)}
         return state
 
     def continue_rebalancing(self, saved: dict[str, Any]) -> None:
-        """A resume that continues the saved run's last plan takes over its `rebalancing_state` (`saved`)."""
+        """A resume that continues the saved run's last plan takes over its `rebalancing_state` (`saved`): without
+        its speeds, a device that drifted before the save would never be seen to recover."""
         if (pending := saved.get("pending_switch")) is not None:
             plan = any_plan_from_dict(pending["plan"], source="<the checkpoint's pending switch>")
             self.schedule_switch(SwitchOrder(plan=plan, position=pending["position"], reason=pending["reason"]))
+        if (monitor := self._monitor()) is not None and (speeds := saved.get("drift_monitor")) is not None:
+            monitor.rank_scales, monitor.streaks = list(speeds["rank_scales"]), list(speeds["streaks"])
+
+    def _monitor(self) -> DriftMonitor | None:
+        return None if self._rebalancer is None else self._rebalancer.monitor
 
     def follow_rebalancing(self, step: int) -> None:
         """After optimizer step `step`: a switch agreed earlier whose iteration has come, then a check

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from poplar_ext.hardware.emulation import ComputeSlowdown
-from poplar_ext.plan.formats import Emulation, plan_from_dict, plan_to_dict
+from poplar_ext.plan.formats import Cluster, ClusterNode, DeviceGroup, Emulation, plan_from_dict, plan_to_dict
 from poplar_ext.runtime.checkpoint import STATE_FILE
-from poplar_ext.runtime.config import poplar_config_from_dict
+from poplar_ext.runtime.config import RebalanceConfig, poplar_config_from_dict
+from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer
 from poplar_ext.zero.engine import PoplarEngine
 
 
@@ -48,6 +49,7 @@ class FakeDeepSpeedEngine:
         self.backward_calls, self.saved, self.events = [], None, []
         self.some_attribute = "from deepspeed"
         self.local_rank = self.global_rank = 0
+        self.device = torch.device("cpu")
 
     def use_node_local_storage(self):
         return False
@@ -80,13 +82,19 @@ class FakeDeepSpeedEngine:
         return ("path/to/ckpt", dict(self.saved)) if self.saved is not None else (None, None)
 
 
-def _engine(plan, rank=0, slowdown=None, **poplar):
+def _engine(plan, rank=0, slowdown=None, rebalancer=None, **poplar):
     config = poplar_config_from_dict(
         {"cluster": "c.json", "plan": "p.json", **poplar}, base_dir=__import__("pathlib").Path(".")
     )
     fake = FakeDeepSpeedEngine(plan.ranks[rank].gradient_accumulation_steps)
     return PoplarEngine(
-        fake, plan=plan, rank=rank, poplar_config=config, device_label="x (real)", slowdown=slowdown
+        fake,
+        plan=plan,
+        rank=rank,
+        poplar_config=config,
+        device_label="x (real)",
+        slowdown=slowdown,
+        rebalancer=rebalancer,
     ), fake
 
 
@@ -254,6 +262,26 @@ def test_a_switch_pending_at_a_save_waits_again_after_the_resume(tmp_path):
     assert (resumed.pending_switch.plan, resumed.pending_switch.position) == (_plan(switched), 16)
     sizes = [[[len(b) for b in s.micro_batches(i)] for i in (1, 2)] for s in (before, after)]
     assert sizes == [[[2], [1, 1]]] * 2, "iteration 1 (from 8) under the job's plan, 2 (from 16) the switched one's"
+
+
+def _watched(plan):
+    """Rank 0's engine with re-balancing on: its monitor assumes each rank as fast as profiled."""
+    cluster = Cluster(nodes=(ClusterNode(name="n", devices=(DeviceGroup(device_type="x", count=2),)),))
+    monitor = DriftMonitor(config=RebalanceConfig(enabled=True), profiles=[], cluster=cluster)
+    return _engine(plan, rebalancer=Rebalancer(monitor.config, rank=0, monitor=monitor))
+
+
+def test_rank_0s_speed_factors_go_on_where_a_resume_continues_the_last_plan(tmp_path):
+    plan = _plan([(2, 1), (3, 2)])
+    engine, fake = _watched(plan)
+    monitor = engine.rebalancer.monitor
+    monitor.rank_scales, monitor.streaks = [4.0, 1.0], [0, 1]  # rank 0 drifted, then rank 1 once off
+    engine.save_checkpoint(tmp_path, tag="t")
+    for job_plan, scales, streaks in ((plan, [4.0, 1.0], [0, 1]), (_plan([(1, 2), (3, 2)]), [1.0, 1.0], [0, 0])):
+        resumed, resumed_fake = _watched(job_plan)
+        resumed_fake.saved = fake.saved
+        resumed.load_checkpoint(tmp_path, tag="t")
+        assert (resumed.rebalancer.monitor.rank_scales, resumed.rebalancer.monitor.streaks) == (scales, streaks)
 
 
 def test_latest_names_a_checkpoint_only_after_every_rank_wrote_its_part(tmp_path, monkeypatch):

@@ -104,6 +104,7 @@ def test_a_state_file_without_what_a_resume_reads_names_the_file_and_field(tmp_p
         ("shuffle", "yes", "shuffle: expected true or false, found "),
         ("plan", {"ranks": []}, "plan.zero_stage: expected a value, found "),
         ("pending_switch", {"plan": {}, "position": -16, "reason": "r"}, "pending_switch.position: expected an"),
+        ("drift_monitor", {"rank_scales": [4.0, 0], "streaks": [0, 0]}, "drift_monitor.rank_scales[1]: expected a"),
     ):
         broken = {k: v for k, v in state.items() if k != field}
         if value is not None:
@@ -118,7 +119,8 @@ def test_a_state_file_without_what_a_resume_reads_names_the_file_and_field(tmp_p
 
 def test_the_saved_rebalancing_goes_on_only_where_the_job_continues_the_last_plan_on_the_same_device_types():
     pending = {"plan": _plan([(4, 1), (2, 6)]), "position": 176, "reason": "re-balanced again"}
-    saved = {**_saved(_plan(STARTED)), "pending_switch": pending}
+    rebalancing = {"pending_switch": pending, "drift_monitor": {"rank_scales": [1.0, 0.5], "streaks": [1, 0]}}
+    saved = {**_saved(_plan(STARTED)), **rebalancing}
     other_types = copy.deepcopy(saved["plan"])
     other_types["ranks"][1]["device_type"] = "other"
     for current, continued in (
@@ -128,7 +130,7 @@ def test_the_saved_rebalancing_goes_on_only_where_the_job_continues_the_last_pla
         (_plan([(4, 2), (2, 1)]), False),  # another global batch
     ):
         decision = resume_decision(saved, _current(current), path="ckpt", step=10)
-        assert decision.rebalancing == ({"pending_switch": pending} if continued else {})
+        assert decision.rebalancing == (rebalancing if continued else {})
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
