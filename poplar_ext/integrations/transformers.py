@@ -576,7 +576,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
             **self.job.poplar_config.data_order,
             plan_history=self._plan_history if engine is None else engine.plan_history,
         )
-        return {**state, "step": step}
+        return {**state, "step": step, **({} if engine is None else engine.rebalancing_state())}
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's, with one DeepSpeed save per checkpoint, whole. At ZeRO 3 without

@@ -228,3 +228,17 @@ def test_resume_from_checkpoint_true_without_any_checkpoint_is_refused_alike_on_
     trainer._check_resume = lambda named: PoplarTrainer._check_resume(trainer, named)
     with pytest.raises(ValueError, match=r"No valid checkpoint found in output directory \(.*missing\)"):
         PoplarTrainer.train(trainer, resume_from_checkpoint=True)
+
+
+def test_the_engines_rebalancing_is_saved_and_goes_on_at_a_resume(tmp_path):
+    plan = _plan([(4, 2), (4, 1)])
+    trainer = _trainer(plan, tmp_path)
+    speeds = {"drift_monitor": {"rank_scales": [4.0, 1.0], "streaks": [0, 1]}}
+    trainer.poplar_engine = SimpleNamespace(plan_history=trainer._plan_history, rebalancing_state=lambda: speeds)
+    folder = tmp_path / "checkpoint-2"
+    write_state(folder, "global_step2", PoplarTrainer._poplar_state(trainer))
+    (folder / "latest").write_text("global_step2")
+    (folder / "trainer_state.json").write_text("{}")
+    trainer.poplar_engine = None  # the resumed job's, built after the decision
+    PoplarTrainer._check_resume(trainer, str(folder))
+    assert trainer._resume_decision.rebalancing == speeds
