@@ -21,6 +21,7 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from poplar_ext.collectives import agree_sum, decided_by_rank0, gather_objects, sum_in_group
+from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.hardware.emulation import ComputeSlowdown
 from poplar_ext.pipeline.checkpoint import (
     UNIVERSAL_FOLDER,
@@ -425,6 +426,7 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         finally:
             self._job_tag = None
 
+    @ends_job_on_user_error  # a refusal of the checkpoint: every restart would load it again
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:
         """DeepSpeed's load from ``load_dir/TAG/pipeline<P>``, continuing the data stream (collective).
 

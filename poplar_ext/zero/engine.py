@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from poplar_ext.collectives import agree_sum
+from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.hardware.emulation import OPTIMIZER_STEP_KEY, ComputeSlowdown, micro_step_key, warn_on_overrun
 from poplar_ext.hardware.optimizer_window import optimizer_compute_window
 from poplar_ext.plan.formats import Plan, one_accumulation_count, plan_from_dict, plan_to_dict
@@ -390,6 +391,7 @@ class PoplarEngine(EngineCore):
             save_dir, tag=new_tag, client_state=client_state, save_latest=False, **kwargs
         )
 
+    @ends_job_on_user_error  # a refusal of the checkpoint: every restart would load it again
     def load_checkpoint(self, load_dir: str | Path, tag: Any = None, **kwargs: Any) -> tuple[Any, dict | None]:
         """DeepSpeed's load_checkpoint, continuing the data stream under this job's plan.
 

@@ -53,10 +53,14 @@ def test_settling_a_job_ends_the_job_on_a_user_error_and_reraises_it(monkeypatch
 
 
 def test_the_places_that_settle_a_job_end_it_on_user_errors():
+    from poplar_ext.pipeline.engine import PoplarPipelineEngine
     from poplar_ext.pipeline.job import prepare_pipeline_job
+    from poplar_ext.zero.engine import PoplarEngine
     from poplar_ext.zero.initialize import prepare_job
 
-    for settle in (prepare_job, prepare_pipeline_job):
+    # A checkpoint's refusal (another seed, a state that cannot be resharded) meets every restart's load again.
+    loads = (PoplarEngine.load_checkpoint, PoplarPipelineEngine.load_checkpoint)
+    for settle in (prepare_job, prepare_pipeline_job, *loads):
         assert settle.__wrapped__.__name__ == settle.__name__
 
 
