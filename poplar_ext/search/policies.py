@@ -54,41 +54,31 @@ def _proportional_weights(model: StageModel) -> np.ndarray:
     return np.array([d.max_micro_batch_size / d.step_time_table_s[-1] for d in model.devices])
 
 
-def _proportional_split(model: StageModel, total: int) -> list[list[tuple[int, int]]] | None:
-    """Split `total` samples per micro-step over ranks in proportion to throughput."""
+def _proportional_amounts(model: StageModel, totals: np.ndarray) -> np.ndarray:
+    """Each type's samples per micro-step (one row per total, each from the world size to the total cap), in
+    proportion to throughput: every rank's share clipped to [1, its cap], largest-remainder rounding."""
     counts = model.counts
     caps = np.array([d.max_micro_batch_size for d in model.devices], dtype=np.int64)
-    if total < counts.sum() or total > int(counts @ caps):
-        return None
     weights = _proportional_weights(model)
-
-    def shares(scale: float) -> np.ndarray:
-        return np.clip(scale * weights, 1.0, caps)
-
-    lo, hi = 0.0, float(caps.max() / weights.min())
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if counts @ shares(mid) < total:
-            lo = mid
-        else:
-            hi = mid
-    exact = counts * shares(hi)
+    # The samples at a scale of the weights are linear between the scales where a share reaches 1 or its cap:
+    # interpolating between those kinks gives each total's scale exactly.
+    kinks = np.sort(np.concatenate([1.0 / weights, caps / weights]))
+    scales = np.interp(totals, np.clip(np.outer(kinks, weights), 1, caps) @ counts, kinks)
+    exact = counts * np.clip(np.outer(scales, weights), 1, caps)
     amounts = np.clip(np.floor(exact).astype(np.int64), counts, counts * caps)
-    # Largest remainder over type totals (ranks of one type are interchangeable); the
-    # loop also absorbs the bisection's last-digit error, so it may run more than once.
-    order = sorted(range(len(counts)), key=lambda i: (-(exact[i] - amounts[i]), i))
-    left = total - int(amounts.sum())
-    while left > 0:
-        for i in order:
-            if left > 0 and amounts[i] < counts[i] * caps[i]:
-                amounts[i] += 1
-                left -= 1
-    while left < 0:
-        for i in reversed(order):
-            if left < 0 and amounts[i] > counts[i]:
-                amounts[i] -= 1
-                left += 1
-    return [_even_split(int(a), int(n)) for a, n in zip(amounts, counts)]
+    # The samples left go one each to the largest remainders, ties to the first type (ranks of one type are
+    # interchangeable); a type at its cap takes none.
+    remainders = np.where(amounts < counts * caps, exact - amounts, -1.0)
+    places = np.argsort(np.argsort(-remainders, axis=1, kind="stable"), axis=1)
+    return amounts + (places < (totals - amounts.sum(axis=1))[:, None])
+
+
+def _proportional_split(model: StageModel, total: int) -> list[list[tuple[int, int]]] | None:
+    """Split `total` samples per micro-step over ranks in proportion to throughput."""
+    if total < model.world_size or total > model.total_max_micro_batch:
+        return None
+    amounts = _proportional_amounts(model, np.array([total]))[0]
+    return [_even_split(int(a), int(n)) for a, n in zip(amounts, model.counts)]
 
 
 def _even_split(amount: int, count: int) -> list[tuple[int, int]]:
@@ -110,17 +100,15 @@ def _proportional(model: StageModel, global_batch_size: int) -> PolicyResult:
 
 
 def _proportional_best(model: StageModel, max_batch: int) -> PolicyResult:
-    weights = _proportional_weights(model)
-    caps = np.array([d.max_micro_batch_size for d in model.devices])
-    scale = float(np.min(caps / weights))
-    per_step = int(model.counts @ np.maximum(1, np.floor(scale * weights + 1e-9)).astype(np.int64))
-    per_step = min(per_step, max_batch)
-    if per_step < model.world_size:
-        return infeasible(batch_problem(model, max_batch, upper_bound=True))
-    steps = max(1, max_batch // per_step)
-    split = _proportional_split(model, per_step)
-    assert split is not None, "per_step lies between the world size and the total cap"
-    return at_steps(model, split, steps)
+    # Every per-step total, each at as many micro-steps as fit under the maximum (more steps of one split only
+    # spread the boundary further).
+    totals = np.arange(model.world_size, min(model.total_max_micro_batch, max_batch) + 1, dtype=np.int64)
+    amounts = _proportional_amounts(model, totals)
+    largest = -(-amounts // model.counts)  # a type's larger micro-batch sets its micro-step
+    micro_s = np.max([d.step_time_table_s[largest[:, i] - 1] for i, d in enumerate(model.devices)], axis=0)
+    steps = max_batch // totals
+    best = int(np.argmax(totals * steps / (steps * micro_s + model.boundary_s)))
+    return at_steps(model, [_even_split(int(a), int(n)) for a, n in zip(amounts[best], model.counts)], int(steps[best]))
 
 
 # -- The one entry point per question

@@ -84,6 +84,22 @@ def test_poplar_auto_batch_beats_every_batch_up_to_the_maximum(seed):
     assert result.allocation.samples_per_s == pytest.approx(best_rate, rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_proportional_auto_batch_beats_every_batch_up_to_the_maximum(seed):
+    # Whale's split at every batch allowed: the automatic batch is at least as fast as each.
+    rng = np.random.default_rng(150 + seed)
+    model = random_model(
+        rng, stage=seed % 4, num_ranks=int(rng.integers(1, 7)), num_types=int(rng.integers(1, 4)), max_cap=40
+    )
+    limit = int(rng.integers(model.world_size, 400))
+    result = best_global_batch("proportional", model, limit)
+    check_allocation(model, result.allocation)
+    assert model.world_size <= result.allocation.global_batch_size <= limit
+    every = [allocate("proportional", model, batch) for batch in range(model.world_size, limit + 1)]
+    best_rate = max(r.allocation.samples_per_s for r in every if r.ok)
+    assert result.allocation.samples_per_s >= best_rate * (1 - 1e-12)
+
+
 @pytest.mark.parametrize("seed", range(25))
 @pytest.mark.parametrize("policy", ["poplar", "uniform", "proportional"])
 def test_allocations_are_exact_capped_and_follow_the_stage_rule(seed, policy):
