@@ -456,31 +456,9 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
     the stage rule (stages 2-3: one accumulation count), the levers (one setting per device type, at stage 3 one
     checkpointing for every rank, offload only at stages 1-2) and, with `profiles`, their coverage and micro-batch
     caps."""
-    problems = cluster_problems(plan, cluster)
-    if one_accumulation_count(plan.zero_stage):
-        counts = sorted({r.gradient_accumulation_steps for r in plan.ranks})
-        if len(counts) > 1:
-            problems.append(
-                f"ZeRO stage {plan.zero_stage} needs the same gradient_accumulation_steps on every rank, "
-                f"but the plan has {', '.join(map(str, counts))}."
-            )
-    settings = plan_levers(plan)
-    problems += [
-        f"Ranks of one device type differ in {name} ({_some(mixed)}); the plan gives each device type one setting."
-        for name, mixed in _mixed_levers(plan)
-    ]
-    offloading = [f"rank {r.rank}" for r in plan.ranks if r.optimizer_offload]
-    if offloading and plan.zero_stage not in OFFLOAD_STAGES:
-        problems.append(
-            f"optimizer_offload is set at {_some(offloading)}, but poplar-ext offloads the optimizer at ZeRO stages "
-            f"1-2 only (the plan has stage {plan.zero_stage})."
-        )
-    if plan.zero_stage == 3 and len({r.activation_checkpointing for r in plan.ranks}) > 1:
-        problems.append(
-            "ZeRO stage 3 needs the same activation_checkpointing on every rank (a recomputed forward gathers "
-            "parameters again, and every rank must issue the same gathers), but the plan mixes them."
-        )
+    problems = cluster_problems(plan, cluster) + rule_problems(plan)
     if profiles is not None:
+        settings = plan_levers(plan)
         models = {p.model.fingerprint for p in profiles}
         if len(models) > 1:
             problems.append(f"The profiles describe {len(models)} different models; expected one.")
@@ -496,6 +474,35 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
         ]
         if over:
             problems.append(f"micro_batch_size is above the profile's max_micro_batch_size at {_some(over)}.")
+    return problems
+
+
+def rule_problems(plan: Plan) -> list[str]:
+    """The rules of its stage and levers that `plan` breaks (`check_plan`'s, without a cluster or profiles), as
+    full sentences."""
+    problems = []
+    if one_accumulation_count(plan.zero_stage):
+        counts = sorted({r.gradient_accumulation_steps for r in plan.ranks})
+        if len(counts) > 1:
+            problems.append(
+                f"ZeRO stage {plan.zero_stage} needs the same gradient_accumulation_steps on every rank, "
+                f"but the plan has {', '.join(map(str, counts))}."
+            )
+    problems += [
+        f"Ranks of one device type differ in {name} ({_some(mixed)}); the plan gives each device type one setting."
+        for name, mixed in _mixed_levers(plan)
+    ]
+    offloading = [f"rank {r.rank}" for r in plan.ranks if r.optimizer_offload]
+    if offloading and plan.zero_stage not in OFFLOAD_STAGES:
+        problems.append(
+            f"optimizer_offload is set at {_some(offloading)}, but poplar-ext offloads the optimizer at ZeRO stages "
+            f"1-2 only (the plan has stage {plan.zero_stage})."
+        )
+    if plan.zero_stage == 3 and len({r.activation_checkpointing for r in plan.ranks}) > 1:
+        problems.append(
+            "ZeRO stage 3 needs the same activation_checkpointing on every rank (a recomputed forward gathers "
+            "parameters again, and every rank must issue the same gathers), but the plan mixes them."
+        )
     return problems
 
 

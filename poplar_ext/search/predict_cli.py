@@ -18,7 +18,7 @@ from poplar_ext.plan.pipeline_formats import (
 )
 from poplar_ext.plan.validation import Node
 
-from .api import PlanPrediction, cluster_problems, predict
+from .api import PlanPrediction, cluster_problems, predict, rule_problems
 from .cli_common import EXIT_OK, bad_input, chosen_network, error, rank_span, runs, table
 from .examples import example_cluster_file
 from .pipeline_cost import BoundaryTransfer, PipelinePrediction, predict_pipeline
@@ -48,6 +48,9 @@ def run_predict(args: argparse.Namespace) -> int:
             if problems:
                 return error(f"{args.predict}: expected stages that fit their device's memory: {' '.join(problems)}")
         else:
+            problems = rule_problems(plan)  # check_plan's and the runtime's: a time for a plan that cannot run
+            if problems:
+                return error(f"{args.predict}: expected a plan that keeps its stage's rules: {' '.join(problems)}")
             prediction = predict(plan, load_profiles(args.profiles), network)
     except ValueError as exc:
         return bad_input(exc, f"plan: {args.predict}, profiles: {args.profiles}", args)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 
 import pytest
 
+from poplar_ext.plan.formats import load_profiles, save_profile
 from poplar_ext.search.cli import main
-from poplar_ext.search.examples import example_profiles_dir
+from poplar_ext.search.examples import example_cluster_file, example_profiles_dir
 
 
 def _searched(tmp_path, capsys, *extra: str) -> dict:
@@ -90,6 +93,33 @@ def test_a_pipeline_plan_whose_stage_does_not_fit_is_bad_input_as_a_zero_one(tmp
     captured = capsys.readouterr()
     assert captured.out == "" and f"{path}: expected stages that fit their device's memory" in captured.err
     assert "pipeline 0 stage 0 (rank " in captured.err
+
+
+@pytest.mark.parametrize("cluster", [True, False])
+@pytest.mark.parametrize("broken", ["stage 2 counts", "stage 3 checkpointing"])
+def test_a_zero_plan_that_breaks_its_stages_rules_is_bad_input_as_check_plan_says(tmp_path, capsys, cluster, broken):
+    plan = _searched(tmp_path, capsys)["plan"]
+    plan["zero_stage"] = 2 if broken == "stage 2 counts" else 3
+    for rank in plan["ranks"]:
+        rank["gradient_accumulation_steps"] = 3 if rank["rank"] == 0 and broken == "stage 2 counts" else 1
+        rank["activation_checkpointing"] = rank["device_type"] == "A100-80GB" and broken == "stage 3 checkpointing"
+    plan["global_batch_size"] = sum(r["micro_batch_size"] * r["gradient_accumulation_steps"] for r in plan["ranks"])
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(plan))
+    # Stage 3 profiles with checkpointing as well, so that only the rule can refuse the plan.
+    profiles = tmp_path / "profiles"
+    shutil.copytree(example_profiles_dir(), profiles, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    for profile in load_profiles(profiles):
+        if profile.zero_stage == 3:
+            save_profile(
+                dataclasses.replace(profile, activation_checkpointing=True), profiles / f"{profile.device_type}.ck.json"
+            )
+    where = ["--profiles", str(profiles)] + (["--cluster", str(example_cluster_file())] if cluster else [])
+    assert main([*where, "--predict", str(path)]) == 2
+    captured = capsys.readouterr()
+    expected = "gradient_accumulation_steps on every rank" if broken == "stage 2 counts" else "activation_checkpointing"
+    assert captured.out == "" and f"{path}: expected a plan that keeps its stage's rules: ZeRO stage" in captured.err
+    assert expected in captured.err
 
 
 def test_a_plan_of_a_device_type_without_profiles_is_bad_input(tmp_path, capsys):
