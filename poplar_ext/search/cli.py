@@ -75,7 +75,8 @@ With --predict PLAN no search runs: the plan (ZeRO or pipeline, told apart by it
 file) is priced from the profiles and the network file, and the table shows where each
 rank's time goes: compute, communication or activation transfers, the boundary, idle.
 Without --cluster (or --network) no network file is found: a ZeRO boundary is then shown
-as profiled, its optimizer step and collectives not told apart.
+as profiled, its optimizer step and collectives not told apart, and so is a stage 2-3
+micro-step's compute and communication ("-").
 
 exit status:
   0  a plan was found (and written, with --output)

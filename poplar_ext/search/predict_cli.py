@@ -68,14 +68,23 @@ NOT_SEPARATED = "optimizer step and collectives not told apart: no --cluster/net
 """Why a ZeRO boundary priced without a network is shown as profiled, whole."""
 
 
+def _micro_step_separated(zero_stage: int, network: NetworkProfile | None) -> bool:
+    """Whether a ZeRO micro-step's compute and collectives are told apart: without a network, stages 2-3 have
+    theirs inside the measured micro-step (stages 0-1 have none there)."""
+    return network is not None or zero_stage < 2
+
+
 def _prediction_json(prediction: Any, network: NetworkProfile | None) -> dict[str, Any]:
     """The prediction as JSON; without a network a ZeRO boundary's parts are null, not a false 0 for the
-    collectives (they are inside the measured ``boundary_s``), and ``boundary_separated`` says so."""
+    collectives (they are inside the measured ``boundary_s``), and ``boundary_separated`` says so; so are a
+    micro-step's compute and collectives where they are measured together."""
     data = dataclasses.asdict(prediction)
     if isinstance(prediction, PlanPrediction):
         data["boundary_separated"] = network is not None
         if network is None:
             data["optimizer_step_s"] = data["boundary_communication_s"] = None
+        if not _micro_step_separated(prediction.zero_stage, network):
+            data["rank_compute_time_s"] = data["micro_step_communication_s"] = None
     return data
 
 
@@ -92,14 +101,15 @@ def zero_prediction_table(plan: Plan, prediction: PlanPrediction, network: Netwo
     then the boundary (optimizer step and collectives)."""
     rows = [["ranks", "device type", "micro-batch", "accumulation", "compute s", "communication s", "busy s", "idle"]]
     compute = prediction.rank_compute_time_s or prediction.rank_busy_time_s
+    separated = _micro_step_separated(plan.zero_stage, network)
     slowest = max(prediction.rank_busy_time_s)
     for start, end in runs(plan.ranks, attrgetter("device_type", "micro_batch_size", "gradient_accumulation_steps")):
         first = plan.ranks[start]
         busy = prediction.rank_busy_time_s[start]
+        parts = [f"{compute[start]:.4g}", f"{busy - compute[start]:.4g}"] if separated else ["-", "-"]
         rows.append(
             [rank_span(start, end - 1), first.device_type, str(first.micro_batch_size)]
-            + [str(first.gradient_accumulation_steps), f"{compute[start]:.4g}", f"{busy - compute[start]:.4g}"]
-            + [f"{busy:.4g}", f"{100 * (1 - busy / slowest):.1f}%"]
+            + [str(first.gradient_accumulation_steps), *parts, f"{busy:.4g}", f"{100 * (1 - busy / slowest):.1f}%"]
         )
     boundary = (
         f"boundary {prediction.boundary_s:.4g} s: optimizer step {prediction.optimizer_step_s:.4g} s, "

@@ -194,6 +194,23 @@ def test_without_a_cluster_the_zero_boundary_is_shown_as_profiled_not_as_0_s_of_
     assert with_cluster["boundary_separated"] is True and with_cluster["boundary_communication_s"] > 0
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_without_a_network_a_micro_steps_collectives_are_not_shown_as_0_s(tmp_path, capsys, stage):
+    # Stages 2-3 measured their micro-step collectives inside the micro-step; stages 0-1 have none there.
+    searched = _searched(tmp_path, capsys, "--zero-stage", str(stage))
+    predict = ["--profiles", str(example_profiles_dir()), "--predict", str(searched["path"])]
+    assert main(predict) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if "GB " in line]
+    assert main([*predict, "--format", "json"]) == 0
+    priced = json.loads(capsys.readouterr().out)["prediction"]
+    if stage == 3:
+        assert all(row[4:6] == ["-", "-"] for row in rows), rows
+        assert priced["micro_step_communication_s"] is None and priced["rank_compute_time_s"] is None
+    else:
+        assert all(row[5] == "0" for row in rows), rows
+        assert priced["micro_step_communication_s"] == 0 and priced["rank_compute_time_s"] == priced["rank_busy_time_s"]
+
+
 def test_the_predict_and_cluster_help_say_the_network_is_not_priced_apart_without_a_cluster(capsys):
     assert main(["--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
