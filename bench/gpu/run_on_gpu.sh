@@ -22,8 +22,13 @@ OUTPUT_DIR="$1"
 shift
 
 ls "$WHEELS"/*.whl >/dev/null  # fails with the folder's name when the wheelhouse was not carried
+mkdir -p "$OUTPUT_DIR"
+# An install that fails still returns what it said and which GPU it was (poplar-bench gpu never started).
+trap 'status=$?; if [ $status -ne 0 ]; then { echo "run_on_gpu.sh: the wheel install failed (exit $status)";
+    nvidia-smi 2>&1 || true; } >> "$OUTPUT_DIR/install_failed.txt"; fi' EXIT
 if "$PYTHON" -m pip --version >/dev/null 2>&1; then
-    "$PYTHON" -m pip install --quiet --no-index --no-deps --upgrade --target "$SITE" "$WHEELS"/*.whl
+    "$PYTHON" -m pip install --quiet --no-index --no-deps --upgrade --target "$SITE" "$WHEELS"/*.whl \
+        2> >(tee -a "$OUTPUT_DIR/install_failed.txt" >&2)
 else
     # No pip in the image: a wheel is a zip of what goes into site-packages (the deepspeed launcher
     # script is then missing, and the tier's launcher test is skipped, saying so).
@@ -38,6 +43,8 @@ rm -rf "$LINKS"/*
 ln -sfn "$REPO/poplar_ext" "$LINKS/poplar_ext"
 ln -sfn "$REPO/poplar_bench" "$LINKS/poplar_bench"
 
+trap - EXIT
+rm -f "$OUTPUT_DIR/install_failed.txt"  # pip's warnings of an install that went through
 export PYTHONPATH="$LINKS:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$SITE/bin:$PATH"  # the deepspeed launcher, for the tier's launcher test
 export DS_BUILD_OPS=0 DS_SKIP_CUDA_CHECK=1 PYTORCH_NVML_BASED_CUDA_CHECK=1

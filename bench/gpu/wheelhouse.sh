@@ -10,7 +10,7 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:-$REPO/.gpu-wheelhouse}"
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
 DEEPSPEED_VERSION=0.19.8
 mkdir -p "$OUT"
 

@@ -106,8 +106,9 @@ def label_report(report: dict[str, Any], *, dry_run: bool, provenance: dict[str,
         notes.append(
             "Both ranks share one GPU: kernels of different ranks can overlap or wait for each other, which neither "
             "the profiles nor the predictions model. Their collectives run through gloo on CUDA tensors (copied "
-            "through host memory): NCCL refuses two ranks on one device. Compute is timed by CUDA events; an "
-            "emulated rank sleeps (slowdown - 1) x its CUDA-timed compute; memory is the CUDA allocator's peak."
+            "through host memory): NCCL refuses two ranks on one device. Compute is timed by CUDA events; each "
+            "rank pads each micro-step's compute to its slowdown x the profile's time for it (steady emulation: "
+            "the GPU type's slowdown is 1); memory is the CUDA allocator's peak."
         )
     # The demo's notes describe CPU ranks (thread CPU time): kept for the dry run only, which is that.
     report["notes"] = notes + [

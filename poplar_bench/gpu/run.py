@@ -74,12 +74,13 @@ def run_step(name: str, step: Callable[[], dict[str, Any]], log: RunLog) -> dict
     start = time.perf_counter()
     try:
         result = step()
-        status = "failed" if result.get("error") else "ok"
+        status = "failed" if result.get("error") else "skipped" if result.get("skipped") else "ok"
     except Exception as exc:  # a failed step must not stop the others: it is recorded
         result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-8000:]}
         status = "failed"
     seconds = time.perf_counter() - start
-    log.say(f"step {name}: {status} in {seconds:.1f} s" + (f": {result['error'][-3000:]}" if status != "ok" else ""))
+    told = result.get("error", "")[-3000:] or result.get("reason", "")
+    log.say(f"step {name}: {status} in {seconds:.1f} s" + (f": {told}" if told else ""))
     return {"status": status, "seconds": seconds, **result}
 
 

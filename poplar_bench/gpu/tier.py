@@ -1,6 +1,7 @@
 """The steps of `poplar-bench gpu` that are tests of tests/gpu, run by pytest in a child process whose output goes
 into ``gpu_run.log`` (docs/gpu.md): ``exact``, the equivalence tests, written to ``exact.jsonl`` per (dtype, stage)
-as soon as known, so a time-out keeps what finished; ``launcher``, the launcher test (skipped in the dry run)."""
+as soon as known, so a time-out keeps what finished; ``launcher``, the launcher test (skipped in the dry run, and
+then reported as skipped)."""
 
 from __future__ import annotations
 
@@ -44,15 +45,29 @@ def run_exactness(context: StepContext) -> dict[str, Any]:
 
 def run_launcher(context: StepContext) -> dict[str, Any]:
     """The deepspeed launcher with bf16 and the cluster read from the hardware (skipped by pytest in the dry run)."""
-    exit_code = _pytest(context, selection="launcher", extra_env={})
+    report = context.work_dir / "launcher.xml"
+    exit_code = _pytest(context, selection="launcher", extra_env={}, more=[f"--junitxml={report}"])
     result: dict[str, Any] = {"pytest_exit_code": exit_code}
     if exit_code != 0:
         stopped = f"stopped after {context.timeout_s:.0f} s; " if exit_code is None else ""
         result["error"] = f"{stopped}pytest exit code {exit_code} (pytest's output: gpu_run.log)"
+    elif reason := _skip_reason(report):  # pytest exits 0 when it skipped every test: not a launcher that ran
+        result.update(skipped=True, reason=reason)
     return result
 
 
-def _pytest(context: StepContext, *, selection: str, extra_env: dict[str, str]) -> int | None:
+def _skip_reason(junit_xml: Path) -> str | None:
+    """pytest's reason where it skipped every test of its JUnit report `junit_xml`, else None."""
+    import xml.etree.ElementTree as ElementTree
+
+    cases = list(ElementTree.parse(junit_xml).iter("testcase")) if junit_xml.is_file() else []
+    skips = [case.find("skipped") for case in cases]
+    if not cases or any(skip is None for skip in skips):
+        return None
+    return skips[0].get("message") or "skipped by pytest"
+
+
+def _pytest(context: StepContext, *, selection: str, extra_env: dict[str, str], more: list[str] = ()) -> int | None:
     repo = context.settings.repo
     if not (repo / TIER_MODULE).is_file():
         raise ValueError(f"{repo / TIER_MODULE}: expected the GPU checks (run from the repository root)")
@@ -62,7 +77,7 @@ def _pytest(context: StepContext, *, selection: str, extra_env: dict[str, str]) 
         env["POPLAR_GPU_TIER_ON_CPU"] = "1"
     command = [
         sys.executable, "-m", "pytest", str(TIER_MODULE), "-k", selection, "-p", "no:cacheprovider", "-q", "-rA",
-        f"--basetemp={context.work_dir / 'pytest'}",
+        f"--basetemp={context.work_dir / 'pytest'}", *more,
     ]  # fmt: skip
     context.log.say(" ".join(command))
     with context.log.path.open("a") as log:

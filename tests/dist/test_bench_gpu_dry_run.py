@@ -45,9 +45,13 @@ def test_dry_run_writes_every_result_with_its_provenance(tmp_path, monkeypatch):
     _provenance_ok(json.loads((out / "provenance.json").read_text()))
     summary = json.loads((out / "gpu_run.json").read_text())
     _provenance_ok(summary["provenance"])
-    assert {name: step["status"] for name, step in summary["steps"].items()} == dict.fromkeys(
-        ("exact", "profile", "predictions", "launcher"), "ok"
-    )
+    assert {name: step["status"] for name, step in summary["steps"].items()} == {
+        **dict.fromkeys(("exact", "profile", "predictions"), "ok"),
+        "launcher": "skipped",  # pytest skips it on CPU: reported as such, not as a launcher that ran
+    }
+    reasons = ("dry run on CPU: the launcher test needs GPUs", "the deepspeed launcher is not on PATH")
+    assert summary["steps"]["launcher"]["reason"] in reasons
+    assert "## launcher: skipped" in (out / "gpu_run.md").read_text()
     for name in ("gpu_run.md", "gpu_run.log", "predictions.md"):
         text = (out / name).read_text()
         assert f"torch {VERSIONS['torch']}" in text and f"DeepSpeed {VERSIONS['deepspeed']}" in text, name

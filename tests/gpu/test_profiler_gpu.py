@@ -82,6 +82,9 @@ def test_profiles_a_real_gpu_in_bf16_and_reuses_them(tmp_path) -> None:
         args=(str(tmp_path / "profiles"),),
         init_process_group=False,
         timeout_s=600,
+        # Spawned, as test_runtime_gpu.py's ranks: this module's is_available() may have initialised the CUDA
+        # driver in the pytest process, and a forked rank then dies at its first CUDA call.
+        start_method="spawn",
     )
     result = results[0]
     assert len(result["first"]) == 2
