@@ -231,6 +231,23 @@ def test_the_data_position_follows_the_sampler_that_trains_not_the_first_made(tm
     assert json.loads((tmp_path / "t" / STATE_FILE).read_text())["data_position"] == 64
 
 
+def test_steps_on_batches_of_the_scripts_own_take_nothing_from_the_stream(tmp_path):
+    engine, _ = _engine(_plan([(2, 1), (3, 2)]))  # B = 8
+    sampler = engine.create_batch_sampler(64)  # initialize's dataloader, made at start
+    for _ in range(3):  # warm-up steps on batches of the script's own
+        engine.backward(engine(torch.ones(2)))
+        engine.step()
+    handed_out = iter(sampler)
+    for _ in range(2):  # two iterations from the loader
+        for _ in range(engine.rank_plan.gradient_accumulation_steps):
+            next(handed_out)
+            engine.backward(engine(torch.ones(2)))
+        engine.step()
+    assert sampler.consumed_samples == engine.data_position == 16
+    engine.save_checkpoint(tmp_path, tag="t")
+    assert json.loads((tmp_path / "t" / STATE_FILE).read_text())["data_position"] == 16
+
+
 def _read_ahead_then_switch(engine, allocation, *, iterations=2):
     """A DataLoader that has handed out `iterations` more than trained when the switch is agreed: it waits."""
     handed_out = iter(engine.create_batch_sampler(50))
