@@ -19,7 +19,10 @@ _NOT_IN_FINGERPRINT = frozenset(
     "name_or_path transformers_version architectures dtype torch_dtype generation_config "
     # Set by a Trainer (use_cache: a cache of the keys and values backward keeps anyway) or by the first forward
     # (problem_type), and label names: none changes the compute.
-    "use_cache problem_type id2label label2id".split()
+    "use_cache problem_type id2label label2id "
+    # What a hub config.json or resize_token_embeddings adds beside the shapes (which hold the vocabulary),
+    # initialisation, and GPT-2's unused n_ctx.
+    "vocab_size task_specific_params initializer_range n_ctx".split()
 )
 
 
@@ -35,7 +38,8 @@ def json_settings(values: Mapping[Any, Any]) -> dict[str, Any]:
         if callable(getattr(value, "to_diff_dict", None)):  # a Hugging Face config; to_dict() leaves out its attention
             value = {**value.to_dict(), "attn_implementation": getattr(value, "_attn_implementation", None)}
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            value = dataclasses.asdict(value)
+            # Its fields as they are: asdict would deep-copy them, and a lock or process group cannot be copied.
+            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         if isinstance(value, Mapping):
             value = json_settings(value)
         elif isinstance(value, (list, tuple)) and all(_is_scalar(v) for v in value):

@@ -99,3 +99,25 @@ def test_fingerprint_is_a_short_sha256() -> None:
 def test_not_a_module_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="model: expected a torch.nn.Module, found dict"):
         model_fingerprint({})  # type: ignore[arg-type]
+
+
+def test_a_config_dataclass_holding_a_lock_is_read_by_its_json_fields() -> None:
+    import dataclasses
+    import threading
+
+    @dataclasses.dataclass
+    class Settings:
+        heads: int
+        lock: object  # not JSON (a process group, a lock): left out, not copied
+
+    model, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    model.cfg, other.cfg = Settings(2, threading.Lock()), Settings(4, threading.Lock())
+    assert model_fingerprint(model) != model_fingerprint(other)
+
+
+def test_what_a_hub_config_or_a_same_size_resize_adds_keeps_the_fingerprint() -> None:
+    hub = _gpt2(n_ctx=1024, task_specific_params={"text-generation": {"max_length": 50}}, initializer_range=0.05)
+    assert model_fingerprint(hub) == model_fingerprint(_gpt2())
+    resized = _gpt2()
+    resized.resize_token_embeddings(64)  # to the same size: sets a top-level vocab_size
+    assert model_fingerprint(resized) == model_fingerprint(_gpt2())
