@@ -108,7 +108,7 @@ def pipeline_resume_decision(
                 f"data continues at stream position {position}"
             ],
             continue_plan=saved["plan"],
-            rebalancing=rebalancing_of(saved),
+            rebalancing=rebalancing_of(saved, current["plan"]),
         )
     if load_module_only:
         return ResumeDecision(
@@ -122,7 +122,7 @@ def pipeline_resume_decision(
             data_position=position,
             consumed_samples=saved["consumed_samples"],
             plan_history=history,
-            rebalancing=rebalancing_of(saved),
+            rebalancing=rebalancing_of(saved, current["plan"]),
         )
     reason = f"resumed from {path} under another pipeline plan ({'; '.join(changes)})"
     entry = {"start_step": saved.get("step", 0), "data_position": position, "reason": reason, "plan": current["plan"]}

@@ -548,9 +548,20 @@ REBALANCING_KEYS = ("pending_switch", "drift_monitor")
 """The state file's keys of re-balancing (`FollowsRebalancing.rebalancing_state`), absent where it has none."""
 
 
-def rebalancing_of(saved: dict) -> dict:
-    """The re-balancing state a saved run left (`REBALANCING_KEYS`), for a resume that continues its last plan."""
+def rebalancing_of(saved: dict, plan: dict) -> dict:
+    """The re-balancing state a saved run left (`REBALANCING_KEYS`), for a resume that continues its last plan
+    under `plan` (JSON, ZeRO or pipeline); none where a rank has another device type (its speeds are another
+    device's)."""
+    if _rank_device_types(saved["plan"]) != _rank_device_types(plan):
+        return {}
     return {key: saved[key] for key in REBALANCING_KEYS if key in saved}
+
+
+def _rank_device_types(plan: dict) -> list[str]:
+    if "ranks" in plan:
+        return [r["device_type"] for r in plan["ranks"]]
+    stages = {s["rank"]: s["device_type"] for pipeline in plan["pipelines"] for s in pipeline["stages"]}
+    return [stages[rank] for rank in sorted(stages)]
 
 
 def _file_layout(zero_stage: int) -> int:
@@ -633,7 +644,7 @@ def resume_decision(
             data_position=position,
             consumed_samples=saved["consumed_samples"],
             plan_history=history,
-            rebalancing=rebalancing_of(saved) if _shape(old_plan) == _shape(plan) else {},
+            rebalancing=rebalancing_of(saved, plan) if _shape(old_plan) == _shape(plan) else {},
         )
     started_from = next((h["plan"] for h in reversed(history) if not h.get("switched")), None)
     if (
@@ -652,7 +663,7 @@ def resume_decision(
                 )
             ],
             continue_plan=old_plan,
-            rebalancing=rebalancing_of(saved),
+            rebalancing=rebalancing_of(saved, plan),
         )
     world_before, world_now = len(old_plan["ranks"]), len(plan["ranks"])
     changes = []

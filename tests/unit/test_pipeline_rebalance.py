@@ -168,3 +168,17 @@ def test_rank_0_recounts_from_the_layer_profiles_the_plan_was_made_from(tmp_path
     with pytest.raises(RebalanceUnavailable) as error:
         pipeline_drift_monitor(_plan(), CLUSTER, plain)
     assert error.value.plain == "no poplar.profiles is named (this job runs a plan file alone)"
+
+
+def test_a_resume_on_other_device_types_takes_none_of_the_saved_rebalancing():
+    plan = _plan()
+    speeds = {"rank_scales": [3.0] + [1.0] * (plan.world_size - 1), "streaks": [0] * plan.world_size}
+    pending = {"plan": pipeline_plan_to_dict(_plan((2, 6))), "position": 112, "reason": "re-balanced"}
+    saved = {**_saved(plan, []), "pending_switch": pending, "drift_monitor": speeds}
+    same = pipeline_resume_decision(saved, _saved(plan, []), path="ckpt/step6")
+    assert same.rebalancing == {"pending_switch": pending, "drift_monitor": speeds}
+    other = _saved(plan, [])
+    for pipeline in other["plan"]["pipelines"]:
+        for stage in pipeline["stages"]:
+            stage["device_type"] = "h100"  # the same plan on other hardware: the saved speeds are another device's
+    assert pipeline_resume_decision(saved, other, path="ckpt/step6").rebalancing == {}
