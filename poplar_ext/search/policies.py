@@ -101,14 +101,25 @@ def _proportional(model: StageModel, global_batch_size: int) -> PolicyResult:
 
 def _proportional_best(model: StageModel, max_batch: int) -> PolicyResult:
     # Every per-step total, each at as many micro-steps as fit under the maximum (more steps of one split only
-    # spread the boundary further).
-    totals = np.arange(model.world_size, min(model.total_max_micro_batch, max_batch) + 1, dtype=np.int64)
-    amounts = _proportional_amounts(model, totals)
-    largest = -(-amounts // model.counts)  # a type's larger micro-batch sets its micro-step
-    micro_s = np.max([d.step_time_table_s[largest[:, i] - 1] for i, d in enumerate(model.devices)], axis=0)
-    steps = max_batch // totals
-    best = int(np.argmax(totals * steps / (steps * micro_s + model.boundary_s)))
-    return at_steps(model, [_even_split(int(a), int(n)) for a, n in zip(amounts[best], model.counts)], int(steps[best]))
+    # spread the boundary further), in chunks: memory stays bounded at millions of totals.
+    best_rate, best_amounts, best_steps = -1.0, None, 0
+    last = min(model.total_max_micro_batch, max_batch)
+    for first in range(model.world_size, last + 1, _TOTALS_PER_CHUNK):
+        totals = np.arange(first, min(first + _TOTALS_PER_CHUNK - 1, last) + 1, dtype=np.int64)
+        amounts = _proportional_amounts(model, totals)
+        largest = -(-amounts // model.counts)  # a type's larger micro-batch sets its micro-step
+        micro_s = np.max([d.step_time_table_s[largest[:, i] - 1] for i, d in enumerate(model.devices)], axis=0)
+        steps = max_batch // totals
+        rates = totals * steps / (steps * micro_s + model.boundary_s)
+        best = int(np.argmax(rates))
+        if rates[best] > best_rate:
+            best_rate, best_amounts, best_steps = float(rates[best]), amounts[best], int(steps[best])
+    split = [_even_split(int(a), int(n)) for a, n in zip(best_amounts, model.counts)]
+    return at_steps(model, split, best_steps)
+
+
+_TOTALS_PER_CHUNK = 2**16
+"""Per-step totals `_proportional_best` prices at once (about 10 MB per device type)."""
 
 
 # -- The one entry point per question
