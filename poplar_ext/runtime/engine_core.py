@@ -95,14 +95,15 @@ class EngineCore(FollowsRebalancing):
     def data_position(self) -> int:
         """Stream position where the next iteration starts (see `poplar_ext.runtime.data`): the first one no
         optimizer step has trained, counted in steps (a DataLoader reading ahead, accelerate's or workers', has
-        begun later iterations), but never beyond what the samplers handed out: steps trained on batches of the
-        script's own took nothing from the stream. The furthest-read sampler counts (a sampler never read, or one
-        per pass, lags). With ``drop_last`` the samplers' iterations skip each epoch's tail: their start, not a
-        global batch apart."""
-        if self._samplers:
-            trained = self._samplers[0].iteration_start(self._restored_iteration + self._steps_since_restore)
-            return min(trained, max(sampler.consumed_samples for sampler in self._samplers))
-        return self.trained_position
+        begun later iterations), but, once a sampler has handed out data, never beyond the furthest one read:
+        steps trained on batches of the script's own took nothing from the stream (a sampler never read, or one
+        per pass, lags; a pipeline's middle stages read none). With ``drop_last`` the samplers' iterations skip
+        each epoch's tail: their start, not a global batch apart."""
+        if not self._samplers:
+            return self.trained_position
+        trained = self._samplers[0].iteration_start(self._restored_iteration + self._steps_since_restore)
+        read = max(sampler.consumed_samples for sampler in self._samplers)
+        return min(trained, read) if read > self._restored_position else trained
 
     def _step_view(self, step: int) -> StepView:
         return StepView(
