@@ -305,7 +305,14 @@ def _drifting(config: dict) -> dict:
     }
 
 
-def _drift_config(tmp_path, schedule, *, enabled=True) -> dict:
+@pytest.fixture(scope="module")
+def drift_profiles(tmp_path_factory):
+    """One profile folder for the drift tests: the first measures at start, the next reuses (a schedule is
+    not part of a profile's key: profiling runs without the drift)."""
+    return tmp_path_factory.mktemp("drift-profiles")
+
+
+def _drift_config(tmp_path, profiles, schedule, *, enabled=True) -> dict:
     cluster = json.loads(
         t.write_cluster(tmp_path / "cluster.json", fast=1, slow=2, slowdown=2.0, fast_type="cpu-fast").read_text()
     )
@@ -316,7 +323,7 @@ def _drift_config(tmp_path, schedule, *, enabled=True) -> dict:
         cluster=tmp_path / "cluster.json",
         plan=None,
         stage=1,
-        profiles=str(tmp_path / "profiles"),
+        profiles=str(profiles),
         # Threshold 1.0 (2x off): an emulated rank that sleeps between micro-steps runs its compute
         # up to ~1.5x its profile on this model (cold caches), a 4x drift is far beyond.
         rebalance={"enabled": enabled, "check_interval_steps": 2, "threshold": 1.0, "sustained_checks": 2},
@@ -334,13 +341,13 @@ def _trained_once(results) -> bool:
     return trained == sorted(SampleStream(num_samples=DRIFT_SAMPLES, seed=0).indices(0, STEPS * DRIFT_BATCH))
 
 
-def test_a_scheduled_drift_triggers_exactly_one_replan(tmp_path):
+def test_a_scheduled_drift_triggers_exactly_one_replan(tmp_path, drift_profiles):
     # Rank 0, which trains the most samples, runs 4x slower from optimizer step 4 on.
     results = run_ranks(
         _drifting,
         world_size=3,
         tmp_path=tmp_path / "ranks",
-        args=(_drift_config(tmp_path, [[DRIFT_STEP, 4.0, 0]]),),
+        args=(_drift_config(tmp_path, drift_profiles, [[DRIFT_STEP, 4.0, 0]]),),
         timeout_s=300,
     )
     first = results[0]
@@ -360,12 +367,12 @@ def test_a_scheduled_drift_triggers_exactly_one_replan(tmp_path):
     assert _trained_once(results), "every position of the stream once, across the switch"
 
 
-def test_no_drift_no_replan_and_on_by_default_where_the_profiles_are(tmp_path):
+def test_no_drift_no_replan_and_on_by_default_where_the_profiles_are(tmp_path, drift_profiles):
     results = run_ranks(
         _drifting,
         world_size=3,
         tmp_path=tmp_path / "ranks",
-        args=(_drift_config(tmp_path, None, enabled="auto"),),
+        args=(_drift_config(tmp_path, drift_profiles, None, enabled="auto"),),
         timeout_s=300,
     )
     assert [c["step"] for c in results[0]["checks"]] == list(range(2, STEPS + 1, 2)), "checked every 2 steps"
