@@ -29,7 +29,7 @@ import psutil
 from harness import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 600
+STEPS = 300
 CHECKPOINT_INTERVAL = 150
 GLOBAL_BATCH = 12
 
