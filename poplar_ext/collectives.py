@@ -142,8 +142,25 @@ def discover_launch_environment(
         ds_comm.patch_aml_env_for_torch_nccl_backend(verbose=verbose)
     elif ds_comm.in_aws_sm():
         ds_comm.patch_aws_sm_env_for_torch_nccl_backend(verbose=verbose)
-    else:
+    elif launched() or any(v in os.environ for v in _LAUNCH_VARIABLES):
         ds_comm.mpi_discovery(distributed_port=distributed_port, verbose=verbose)
+    else:
+        _one_process_environment()
+
+
+def _one_process_environment() -> None:
+    """A script started by hand (``python train.py``) trains as one rank, as the Trainer and accelerate do,
+    instead of failing in DeepSpeed's MPI discovery (``No module named 'mpi4py'``). The port is a free one:
+    nothing else joins this group."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    logger.info("no launcher set RANK or WORLD_SIZE: training as one process (start several with torchrun)")
 
 
 def process_group_options(init_options: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ faked here: the order of the calls and the environment they see are what is chec
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import pytest
@@ -116,4 +117,30 @@ def test_launch_variables_are_discovered_only_where_no_launcher_set_them(monkeyp
     collectives.discover_launch_environment(distributed_port=1234)
     assert discovered == [1234]
     collectives.discover_launch_environment(auto_mpi_discovery=False)
+    assert discovered == [1234]
+
+
+def test_a_script_started_by_hand_trains_as_one_process(monkeypatch):
+    from deepspeed.comm import comm as ds_comm
+
+    discovered: list[int] = []
+    monkeypatch.setattr(ds_comm, "in_aml", lambda: False)
+    monkeypatch.setattr(ds_comm, "in_aws_sm", lambda: False)
+    monkeypatch.setattr(ds_comm, "mpi_discovery", lambda distributed_port, verbose: discovered.append(distributed_port))
+    for name in (*collectives._LAUNCH_VARIABLES, *collectives.MPI_RANK_VARIABLES, "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    collectives.discover_launch_environment(distributed_port=1234)
+    assert discovered == [], "no MPI discovery: it fails without mpi4py"
+    assert {v: os.environ[v] for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")} == {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    assert 0 < int(os.environ["MASTER_PORT"]) < 65536
+    # Under mpirun (its rank variables set) DeepSpeed's discovery still reads the ranks.
+    for name in (*collectives._LAUNCH_VARIABLES, "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    collectives.discover_launch_environment(distributed_port=1234)
     assert discovered == [1234]
