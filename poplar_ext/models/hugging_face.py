@@ -29,8 +29,22 @@ def model_from_config(config_class: str, sizes: dict[str, Any], *, task: str = "
         config = cls(**sizes)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"--hf-config: {config_class} refused {sizes}: {exc}") from exc
+    _check_config_keys(config, config_class, sizes)
     auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForMaskedLM
     return auto.from_config(config)
+
+
+def _check_config_keys(config: Any, config_class: str, sizes: dict[str, Any]) -> None:
+    """A key the config keeps only as an extra attribute (one its model never reads) is refused: a
+    misspelt size (``n_layers`` for ``n_layer``) would otherwise silently leave the default model."""
+    import difflib
+
+    known = set(type(config)().to_dict())
+    for key in sizes:
+        if key in config.to_dict() and key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"--hf-config: {config_class} has no field {key!r}{hint}")
 
 
 def random_lm_batch(vocab_size: int, micro_batch_size: int, sequence_length: int, *, task: str = "causal-lm") -> dict:

@@ -132,7 +132,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         "--hf-config",
         default=None,
         metavar="KEY=VALUE,...",
-        help="the config's sizes, e.g. n_layer=12,n_embd=768,n_head=12,vocab_size=50257 (values as JSON)",
+        help="the config's sizes, e.g. n_layer=12,n_embd=768,n_head=12,vocab_size=50257 (values as JSON; a key "
+        "the config class does not use is refused)",
     )
     hf.add_argument(
         "--hf-task",

@@ -220,6 +220,11 @@ def test_a_transformers_model_from_its_config(files) -> None:
     [
         (["--model", "hf:NoSuchConfig"], "--model hf:NoSuchConfig: expected the name of a transformers config class"),
         (["--model", "hf:GPT2Config", "--hf-config", "n_layer"], "--hf-config: expected KEY=VALUE pairs"),
+        # A config keeps any keyword: a misspelt size would leave GPT-2's default 12 layers.
+        (
+            ["--model", "hf:GPT2Config", "--hf-config", "n_layers=1,n_embd=32"],
+            "--hf-config: GPT2Config has no field 'n_layers' (did you mean n_layer?)",
+        ),
         (
             ["--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2, "--batch", "my_models:batch"],
             "--batch: the model hf:GPT2Config makes its own batches",
