@@ -169,9 +169,18 @@ def hardware_description(device: torch.device) -> str:
     raise ValueError(f"device: expected a 'cpu' or 'cuda' device, found {device}")
 
 
+REAL_DEVICE_TYPES = frozenset({CPU_DEVICE_TYPE, *(rule.device_type for rule in DEVICE_NAME_TABLE)})
+"""The names the hardware's types get (`DEVICE_NAME_TABLE`): no emulated type may take one."""
+
+
 def declared_type_problem(declared: str, emulation: Emulation | None, hardware_type: str) -> str | None:
     """Why a rank whose hardware is `hardware_type` cannot be the `declared` type, or None (the one rule:
     a real type is what the hardware reports, an emulated one whatever the cluster description declares)."""
+    if emulation is not None and declared in REAL_DEVICE_TYPES:
+        return (
+            f"the cluster description declares {declared!r} emulated, the name of a real type: its profiles would "
+            f"replace the real {declared!r} profiles in a shared cache; name it e.g. {declared + '-emulated'!r}"
+        )
     if emulation is not None or declared == hardware_type:
         return None
     return (

@@ -144,6 +144,16 @@ def test_an_emulated_type_is_declared_and_a_real_one_read_from_the_hardware() ->
     assert declared_type_problem("cpu", None, "cpu") is None
 
 
+@pytest.mark.parametrize("declared", ["cpu", "A100-80GB"])
+def test_an_emulated_type_named_as_a_real_one_is_a_problem(declared) -> None:
+    # Profiles are keyed by the type's name: an emulated "A100-80GB" measured on a CPU replaced the real one's.
+    from poplar_ext.plan.formats import Emulation
+
+    problem = declared_type_problem(declared, Emulation(slowdown=2.0, memory_capacity_bytes=10**9), "cpu")
+    assert problem is not None and f"declares {declared!r} emulated, the name of a real type" in problem
+    assert f"name it e.g. '{declared}-emulated'" in problem
+
+
 def test_a_real_rank_declared_as_another_device_is_a_problem() -> None:
     problem = declared_type_problem("slow", None, hardware_device_type(torch.device("cpu")))
     assert problem == (
