@@ -322,6 +322,15 @@ def _all_cases(files):
     return results
 
 
+def _load_deepspeeds_adam_op():
+    """DeepSpeed's Adam (the profiled cases' config optimizer) loads its CPU op at its first use in a process,
+    asking py-cpuinfo twice for the CPU's flags (a child process each, ~3 s a rank): loaded once here, before
+    the fork, every rank finds it loaded (DeepSpeed keeps loaded ops per process). The op is the same."""
+    from deepspeed.ops.op_builder import FusedAdamBuilder
+
+    FusedAdamBuilder().load()
+
+
 @pytest.fixture(scope="module")
 def ranks_and_files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
@@ -341,6 +350,7 @@ def ranks_and_files(tmp_path_factory):
     for name, pipelines in PLANS.items():
         for stage in (0, 1):
             files[_plan_key(name, stage)] = write_pipeline_plan(tmp / f"{name}{stage}.json", pipelines, stage=stage)
+    _load_deepspeeds_adam_op()
     return run_ranks(
         _all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=180
     ), files
