@@ -6,11 +6,12 @@ import json
 import math
 
 import _training as t
+import pytest
 from harness import run_ranks
 
 from poplar_ext.plan.formats import load_profiles
 
-GLOBAL_BATCH = 12
+GLOBAL_BATCH = 8  # also the largest micro-batch profiled: 6 sizes a run, against 7 and a third more compute at 12
 CONFIG = t.GPTConfig(vocab_size=256, sequence_length=32, num_layers=2, num_heads=2, hidden_size=64)
 
 
@@ -104,13 +105,27 @@ def _two_types() -> dict:
     }
 
 
-def test_initialize_profiles_searches_and_trains_from_nothing(tmp_path) -> None:
+def _both_jobs(cluster_path: str, profiles_dir: str, cache_home: str) -> dict:
+    """Both tests' jobs in one forked group, each from nothing into its own folder: one fork, process group and
+    first engine's one-off costs for both. The second sets the user's cache (XDG_CACHE_HOME) once the first,
+    which names its folder, has ended."""
+    twice = _train_twice(cluster_path, profiles_dir)
+    return {"twice": twice, "smallest": _train_from_the_smallest_section(cluster_path, cache_home)}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict:
+    tmp_path = tmp_path_factory.mktemp("profiler_auto")
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps(_two_types()))
-    profiles_dir = tmp_path / "profiles"
-    both = run_ranks(
-        _train_twice, world_size=2, tmp_path=tmp_path, args=(str(cluster), str(profiles_dir)), timeout_s=300
-    )
+    folders = {"profiles": tmp_path / "profiles", "cache_home": tmp_path / "cache"}
+    args = (str(cluster), str(folders["profiles"]), str(folders["cache_home"]))
+    ranks = run_ranks(_both_jobs, world_size=2, tmp_path=tmp_path, args=args, timeout_s=300)
+    return {"ranks": ranks, **folders}
+
+
+def test_initialize_profiles_searches_and_trains_from_nothing(jobs) -> None:
+    both, profiles_dir = [r["twice"] for r in jobs["ranks"]], jobs["profiles"]
     results = [runs[0] for runs in both]
     written = {(p.device_type, p.zero_stage) for p in load_profiles(profiles_dir)}
     assert written == {(d, s) for d in ("fast", "slow") for s in (0, 1, 2, 3)}, "every stage profiled for the search"
@@ -130,17 +145,8 @@ def test_initialize_profiles_searches_and_trains_from_nothing(tmp_path) -> None:
     assert again[0]["history_calibration"] == checks and again[0]["steps"] == 3
 
 
-def test_the_smallest_section_the_docs_show_trains_with_profiles_in_the_users_cache(tmp_path) -> None:
-    cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps(_two_types()))
-    cache_home = tmp_path / "cache"
-    results = run_ranks(
-        _train_from_the_smallest_section,
-        world_size=2,
-        tmp_path=tmp_path,
-        args=(str(cluster), str(cache_home)),
-        timeout_s=300,
-    )
+def test_the_smallest_section_the_docs_show_trains_with_profiles_in_the_users_cache(jobs) -> None:
+    results, cache_home = [r["smallest"] for r in jobs["ranks"]], jobs["cache_home"]
     expected = cache_home / "poplar-ext" / "profiles"
     assert [r["steps"] for r in results] == [2, 2]
     assert all(r["profiles"] == str(expected) for r in results)
