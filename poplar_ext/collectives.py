@@ -142,7 +142,7 @@ def discover_launch_environment(
         ds_comm.patch_aml_env_for_torch_nccl_backend(verbose=verbose)
     elif ds_comm.in_aws_sm():
         ds_comm.patch_aws_sm_env_for_torch_nccl_backend(verbose=verbose)
-    elif launched() or any(v in os.environ for v in _LAUNCH_VARIABLES):
+    elif any(v in os.environ for v in (*_LAUNCH_VARIABLES, *MPI_RANK_VARIABLES)):
         ds_comm.mpi_discovery(distributed_port=distributed_port, verbose=verbose)
     else:
         _one_process_environment()

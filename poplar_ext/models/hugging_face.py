@@ -43,8 +43,9 @@ def _check_config_keys(config: Any, config_class: str, sizes: dict[str, Any]) ->
         known = set(type(config)().to_dict())
     except Exception:  # noqa: BLE001 - a config that cannot be built without arguments: nothing to compare with
         return
+    stored = config.to_dict()
     for key in sizes:
-        if key in config.to_dict() and key not in known:
+        if key in stored and key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ValueError(f"--hf-config: {config_class} has no field {key!r}{hint}")
