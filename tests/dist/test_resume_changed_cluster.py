@@ -6,6 +6,10 @@ stages 0-3 (stages 1-3 reshard the optimizer state into DeepSpeed's universal
 checkpoint format: poplar_ext.runtime.reshard; other optimizers, and 2 -> 3 ranks, are
 in test_resume_any_optimizer.py). The parameters equal one process replaying the same 6 global batches,
 no sample is trained twice, and the resumed run starts where the first stopped.
+
+The resume is the torchrun launch; the first run, whose checkpoints no launcher changes, is
+`resume_train.run_phase` on 3 forked ranks: a torchrun launch of 3 fresh interpreters cost ~10 s
+more (imports), and checkpoints saved under torchrun are test_elastic_restart's.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from pathlib import Path
 import _training as t
 import pytest
 import torch
-from harness import assert_launch_finished, free_port
+from harness import assert_launch_finished, free_port, run_ranks
+from resume_train import run_phase
 
 HERE = Path(__file__).resolve().parent
 STEPS = 3
@@ -92,7 +97,7 @@ def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     _phase_files(root, "first", FIRST)
     _phase_files(root, "resumed", RESUMED)
-    _launch(root, "first", 3)
+    run_ranks(run_phase, world_size=3, tmp_path=root, args=("first", root), timeout_s=300)
     _launch(root, "resumed", 2)
     return root
 
