@@ -10,6 +10,7 @@ global ones; a run resumed from a checkpoint equals the uninterrupted one.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -26,6 +27,12 @@ pytest.importorskip("transformers", reason="the Hugging Face tests need pip inst
 import _hf_common as hf
 import _training as t
 
+# Imported here, in the pytest process, so that the forked ranks start with them: each rank's first
+# Trainer run imported them otherwise (seconds of CPU a rank, three ranks on two cores).
+from transformers import GPT2LMHeadModel  # noqa: F401
+
+from poplar_ext.integrations.transformers import PoplarTrainer  # noqa: F401
+
 HERE = Path(__file__).resolve().parent
 TYPES = ["cpu", "cpu-slow", "cpu-slow"]
 ALLOCATIONS = {
@@ -36,6 +43,12 @@ ALLOCATIONS = {
 }
 GLOBAL_BATCH = 12
 STAGES = (0, 1, 2, 3)
+
+
+@functools.cache
+def _reference(global_batch: int, steps: int) -> dict[str, torch.Tensor]:
+    """`hf.reference_parameters`, computed once per module for the several tests that compare with it."""
+    return hf.reference_parameters(global_batch, steps)
 
 
 def _config(root: Path, stage: int, checkpointing: list[bool] | None = None, offload: list[bool] | None = None) -> Path:
@@ -150,7 +163,7 @@ def test_save_model_at_zero_3_without_gathered_weights_saves_a_whole_checkpoint(
 def test_parameters_equal_one_process_on_the_global_batches(runs, stage):
     root, _ = runs
     params = torch.load(root / f"stage{stage}" / "params.pt", weights_only=False)
-    assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
+    assert t.max_difference(params, _reference(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -187,14 +200,14 @@ def test_each_rank_takes_its_gradient_checkpointing_from_the_plan(runs):
     out = runs[0] / "checkpointing"
     assert [json.loads((out / f"checkpointing-rank{r}.json").read_text()) for r in range(3)] == [False, True, True]
     params = torch.load(out / "params.pt", weights_only=False)
-    assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
+    assert t.max_difference(params, _reference(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
 
 
 def test_the_models_model_init_builds_take_the_plans_checkpointing(runs):
     out = runs[0] / "model_init"
     assert [json.loads((out / f"checkpointing-rank{r}.json").read_text()) for r in range(3)] == [True, False, False]
     params = torch.load(out / "params.pt", weights_only=False)
-    assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
+    assert t.max_difference(params, _reference(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
 
 
 def test_each_rank_takes_its_optimizer_offload_from_the_plan(runs):
@@ -202,7 +215,7 @@ def test_each_rank_takes_its_optimizer_offload_from_the_plan(runs):
     out = runs[0] / "offload"
     assert [json.loads((out / f"offload-rank{r}.json").read_text()) for r in range(3)] == [False, True, True]
     params = torch.load(out / "params.pt", weights_only=False)
-    assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
+    assert t.max_difference(params, _reference(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
 
 
 def _two_rank_config(root: Path, stage: int) -> Path:
@@ -223,7 +236,7 @@ def test_resume_from_checkpoint_equals_the_uninterrupted_run_also_on_fewer_ranks
     assert (root / "parts" / "checkpoint-2" / "global_step2" / "poplar_state.json").is_file()
     first = [i for r in range(3) for i in json.loads((root / "parts" / f"samples-rank{r}.json").read_text())]
     second = [i for r in range(3) for i in json.loads((root / "resumed" / f"samples-rank{r}.json").read_text())]
-    expected = hf.reference_parameters(GLOBAL_BATCH, 4)  # the uninterrupted run: one process, 4 global batches
+    expected = _reference(GLOBAL_BATCH, 4)  # the uninterrupted run: one process, 4 global batches
     assert t.max_difference(torch.load(root / "resumed" / "params.pt", weights_only=False), expected) <= 1e-5
     stream = t.SampleStream(num_samples=hf.NUM_SAMPLES, seed=0)
     assert sorted(first) == sorted(stream.indices(0, 2 * GLOBAL_BATCH))
@@ -253,4 +266,4 @@ def test_automatic_mode_profiles_searches_and_trains_the_global_batch(runs):
     # cpu and cpu-slow at stage 1, without and with gradient checkpointing (GPT-2 supports it)
     assert len(list((root / "profiles").glob("*.json"))) == 4
     params = torch.load(root / "auto" / "out" / "params.pt", weights_only=False)
-    assert t.max_difference(params, hf.reference_parameters(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
+    assert t.max_difference(params, _reference(GLOBAL_BATCH, hf.STEPS)) <= 1e-5
