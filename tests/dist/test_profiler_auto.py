@@ -12,6 +12,7 @@ from harness import run_ranks
 from poplar_ext.plan.formats import load_profiles
 
 GLOBAL_BATCH = 8  # also the largest micro-batch profiled: 6 sizes a run, against 7 and a third more compute at 12
+SMALLEST_SECTION_BATCH = 4  # its test checks where the profiles go and that the job trains: fewer sizes to profile
 CONFIG = t.GPTConfig(vocab_size=256, sequence_length=32, num_layers=2, num_heads=2, hidden_size=64)
 
 
@@ -80,7 +81,7 @@ def _train_from_the_smallest_section(cluster_path: str, cache_home: str) -> dict
     model = t.GPT(CONFIG)
     data = SyntheticTokens(num_samples=64, sequence_length=CONFIG.sequence_length, vocab_size=CONFIG.vocab_size)
     section = {"cluster": cluster_path, "cpu_threads": 1}
-    config = {"train_batch_size": GLOBAL_BATCH, "zero_allow_untested_optimizer": True, "poplar": section}
+    config = {"train_batch_size": SMALLEST_SECTION_BATCH, "zero_allow_untested_optimizer": True, "poplar": section}
     engine, _, loader, _ = poplar_ext.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), training_data=data, config=config
     )
