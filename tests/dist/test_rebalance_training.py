@@ -341,6 +341,7 @@ def _trained_once(results) -> bool:
     return trained == sorted(SampleStream(num_samples=DRIFT_SAMPLES, seed=0).indices(0, STEPS * DRIFT_BATCH))
 
 
+@pytest.mark.exclusive  # asserts on the drift its ranks measure in wall time
 def test_a_scheduled_drift_triggers_exactly_one_replan(tmp_path, drift_profiles):
     # Rank 0, which trains the most samples, runs 4x slower from optimizer step 4 on.
     results = run_ranks(
@@ -367,6 +368,7 @@ def test_a_scheduled_drift_triggers_exactly_one_replan(tmp_path, drift_profiles)
     assert _trained_once(results), "every position of the stream once, across the switch"
 
 
+@pytest.mark.exclusive  # asserts on the drift its ranks measure in wall time
 def test_no_drift_no_replan_and_on_by_default_where_the_profiles_are(tmp_path, drift_profiles):
     results = run_ranks(
         _drifting,

@@ -482,6 +482,7 @@ def _train_drifting(config: str, out: str) -> dict:
     }
 
 
+@pytest.mark.exclusive  # asserts on the drift its ranks measure in wall time
 def test_a_drifting_rank_is_re_balanced_inside_the_trainer(tmp_path):
     cluster = json.loads(
         t.write_cluster(tmp_path / "cluster.json", fast=1, slow=2, slowdown=2.0, fast_type="cpu-fast").read_text()

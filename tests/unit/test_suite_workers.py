@@ -1,0 +1,124 @@
+"""The suite's lock between pytest-xdist workers (tests/conftest.py): an ``exclusive`` test runs alone."""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+
+
+def _suite_conftest():
+    spec = importlib.util.spec_from_file_location("suite_conftest", CONFTEST)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _held(path: Path) -> bool:
+    with open(path, "a") as probe:
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(probe, fcntl.LOCK_UN)
+        return False
+
+
+def _wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_an_exclusive_holder_waits_for_the_shared_one_and_shared_ones_queue_behind_it(tmp_path):
+    machine_share = _suite_conftest().machine_share
+    order: list[str] = []
+    release = {name: threading.Event() for name in ("first", "exclusive", "second")}
+
+    def hold(name: str, exclusive: bool) -> None:
+        with machine_share(tmp_path, exclusive=exclusive):
+            order.append(name)
+            release[name].wait(30)
+
+    first = threading.Thread(target=hold, args=("first", False))
+    first.start()
+    _wait_until(lambda: order == ["first"])
+    exclusive = threading.Thread(target=hold, args=("exclusive", True))
+    exclusive.start()
+    _wait_until(lambda: _held(tmp_path / "turnstile"))  # it waits for the machine, holding the turnstile
+    second = threading.Thread(target=hold, args=("second", False))
+    second.start()
+    time.sleep(0.2)
+    assert order == ["first"], "neither runs beside a shared holder's test"
+    release["first"].set()
+    _wait_until(lambda: len(order) == 2)
+    time.sleep(0.2)
+    assert order == ["first", "exclusive"], "the exclusive test runs alone"
+    release["exclusive"].set()
+    _wait_until(lambda: len(order) == 3)
+    release["second"].set()
+    for thread in (first, exclusive, second):
+        thread.join(30)
+    assert order == ["first", "exclusive", "second"]
+
+
+_TESTS = """
+import json, os, time
+from pathlib import Path
+import pytest
+
+def _record(name):
+    start = time.monotonic()
+    time.sleep(0.3)
+    Path(os.environ["RECORDS"], name).write_text(json.dumps([start, time.monotonic()]))
+
+@pytest.mark.exclusive
+def test_alone():  # first: the other worker starts a shared test at the same time
+    _record("alone")
+
+@pytest.mark.parametrize("n", range(6))
+def test_shared(n):
+    _record(f"shared{n}")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xdist") is None, reason="pytest-xdist is not installed")
+def test_under_two_workers_the_exclusive_test_overlaps_no_other(tmp_path):
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    shutil.copy(CONFTEST, suite / "conftest.py")
+    (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    exclusive: runs alone\n")
+    (suite / "test_timed.py").write_text(_TESTS)
+    records = tmp_path / "records"
+    records.mkdir()
+    lock_dirs_before = set(Path(tempfile.gettempdir()).glob("poplar-tests-*"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", str(suite)],
+        cwd=suite,
+        env={**os.environ, "RECORDS": str(records)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    spans = {p.name: json.loads(p.read_text()) for p in records.iterdir()}
+    assert len(spans) == 7
+    alone_start, alone_end = spans.pop("alone")
+    assert all(end <= alone_start or start >= alone_end for start, end in spans.values()), spans
+    # Shared tests did run side by side: the two workers were both used.
+    ordered = sorted(spans.values())
+    assert any(later[0] < earlier[1] for earlier, later in zip(ordered, ordered[1:])), ordered
+    assert set(Path(tempfile.gettempdir()).glob("poplar-tests-*")) <= lock_dirs_before, "its lock files removed"
