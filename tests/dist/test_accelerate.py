@@ -355,9 +355,10 @@ of up to 12 samples each (with 8 at most, 8 + 8 + 8 in one micro-step beat movin
 
 
 def _drift_config(files, stage: int) -> dict:
-    # Threshold 1.0 (2x off), as the plain path's test: the 4x drift is far beyond an emulated
-    # rank's noise on a shared machine. Stage 1 asks for re-balancing, stage 2 has the default (auto).
-    rebalance = {"check_interval_steps": 2, "threshold": 1.0, "sustained_checks": 2}
+    # Threshold 2.0 (3x off): rank 0 is a real CPU rank, timed as it runs, and its first checks once
+    # read 2.02x its profile (cold caches) twice running; the emulated rank's 4x drift is beyond 3x.
+    # Stage 1 asks for re-balancing, stage 2 has the default (auto).
+    rebalance = {"check_interval_steps": 2, "threshold": 2.0, "sustained_checks": 2}
     if stage == 1:
         rebalance["enabled"] = True
     return t.ds_config(

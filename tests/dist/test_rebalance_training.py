@@ -293,9 +293,11 @@ def _drifting(config: dict) -> dict:
     loader = torch.utils.data.DataLoader(
         data, batch_sampler=t.RecordingSampler(engine.create_batch_sampler(len(data)), seen)
     )
-    t.train_steps(engine, loader, STEPS)
+    with t.logged_lines("poplar_ext.runtime.rebalance") as logged:
+        t.train_steps(engine, loader, STEPS)
     monitor = engine._rebalancer.monitor
     return {
+        "logged": logged,
         "first": first,
         "last": [(r.micro_batch_size, r.gradient_accumulation_steps) for r in engine.plan.ranks],
         "history": [(h["start_step"], h["reason"]) for h in engine.plan_history],
@@ -352,7 +354,7 @@ def test_a_scheduled_drift_triggers_exactly_one_replan(tmp_path, drift_profiles)
         timeout_s=300,
     )
     first = results[0]
-    assert len(first["history"]) == 2, (first["history"], first["checks"])
+    assert len(first["history"]) == 2, (first["history"], first["logged"], first["checks"])
     start_step, reason = first["history"][1]
     # Checks at steps 6 and 8 see the drift (two sustained checks); the switch is at 8.
     assert start_step == DRIFT_STEP + 4 and "rank 0" in reason, first["history"]
@@ -378,5 +380,5 @@ def test_no_drift_no_replan_and_on_by_default_where_the_profiles_are(tmp_path, d
         timeout_s=300,
     )
     assert [c["step"] for c in results[0]["checks"]] == list(range(2, STEPS + 1, 2)), "checked every 2 steps"
-    assert len(results[0]["history"]) == 1, (results[0]["history"], results[0]["checks"])
+    assert len(results[0]["history"]) == 1, (results[0]["history"], results[0]["logged"], results[0]["checks"])
     assert results[0]["first"] == results[0]["last"] and _trained_once(results)

@@ -1,4 +1,4 @@
-"""The README's test command collects every tier of the suite.
+"""The README's test command collects every tier of the suite, and CI runs the README's two commands.
 
 pytest skips directories named ``dist`` unless told otherwise (its default
 ``norecursedirs``), and tests/dist holds the multi-process tests: this guards the
@@ -39,3 +39,11 @@ def test_the_test_command_collects_unit_dist_and_gpu_tests(request):
         files = _collected_by_the_test_command()
     assert _tiers(files) == {"unit", "dist", "gpu"}, sorted(files)
     assert expected <= files, sorted(expected - files)
+
+
+def test_ci_runs_the_readmes_install_and_test_commands():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("```", 2)[1].strip().splitlines()  # the first screen's two commands
+    install, test = block[0].split(" && ")[0], block[1]
+    ci_commands = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and line[0] not in "#"]
+    assert ci_commands[-2:] == [install, test], (ci_commands, block)
