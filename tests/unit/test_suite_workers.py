@@ -83,7 +83,8 @@ import pytest
 def _record(name):
     start = time.monotonic()
     time.sleep(0.3)
-    Path(os.environ["RECORDS"], name).write_text(json.dumps([start, time.monotonic()]))
+    worker = os.environ["PYTEST_XDIST_WORKER"]
+    Path(os.environ["RECORDS"], name).write_text(json.dumps([start, time.monotonic(), worker]))
 
 @pytest.mark.exclusive
 def test_alone():  # first: the other worker starts a shared test at the same time
@@ -116,9 +117,7 @@ def test_under_two_workers_the_exclusive_test_overlaps_no_other(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     spans = {p.name: json.loads(p.read_text()) for p in records.iterdir()}
     assert len(spans) == 7
-    alone_start, alone_end = spans.pop("alone")
-    assert all(end <= alone_start or start >= alone_end for start, end in spans.values()), spans
-    # Shared tests did run side by side: the two workers were both used.
-    ordered = sorted(spans.values())
-    assert any(later[0] < earlier[1] for earlier, later in zip(ordered, ordered[1:])), ordered
+    assert {worker for _, _, worker in spans.values()} == {"gw0", "gw1"}, "both workers ran tests"
+    alone_start, alone_end, _ = spans.pop("alone")
+    assert all(end <= alone_start or start >= alone_end for start, end, _ in spans.values()), spans
     assert set(Path(tempfile.gettempdir()).glob("poplar-tests-*")) <= lock_dirs_before, "its lock files removed"
