@@ -37,6 +37,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _LOCK_DIR = pytest.StashKey[str]()
+_COLLECTED_FILES = pytest.StashKey[frozenset]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Before `-m`/`-k` deselect any: the files this session's collection reached.
+    config.stash[_COLLECTED_FILES] = frozenset(item.nodeid.split("::")[0] for item in items)
+
+
+@pytest.fixture
+def collected_test_files(request: pytest.FixtureRequest) -> frozenset:
+    """The test files this session collected, also those `-m` or `-k` then deselected."""
+    return request.config.stash[_COLLECTED_FILES]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -30,11 +30,12 @@ def _tiers(files: set[str]) -> set[str]:
     return {Path(f).parts[1] for f in files if f.startswith("tests/")}
 
 
-def test_the_test_command_collects_unit_dist_and_gpu_tests(request):
-    # Run as the README's command, this session's own collection is the answer (a collection error
-    # leaves its file out); run as a narrower tier, collect the whole suite apart (about 12 s).
+def test_the_test_command_collects_unit_dist_and_gpu_tests(collected_test_files):
+    # Run as the README's command or as the fast tier (`-m "not dist"` deselects after collecting),
+    # this session's own collection is the answer (a collection error leaves its file out); run on
+    # fewer paths, collect the whole suite apart (about 12 s).
     expected = {f"tests/dist/{p.name}" for p in (ROOT / "tests" / "dist").glob("test_*.py")}
-    files = {item.nodeid.split("::")[0] for item in request.session.items}
+    files = set(collected_test_files)
     if _tiers(files) != {"unit", "dist", "gpu"} or not expected <= files:
         files = _collected_by_the_test_command()
     assert _tiers(files) == {"unit", "dist", "gpu"}, sorted(files)
