@@ -19,6 +19,9 @@ import pytest
 
 LOCK_DIR_VARIABLE = "POPLAR_TEST_LOCK_DIR"
 """Where the controller puts the lock files its workers share (they inherit its environment)."""
+_LOCK_DIR = pytest.StashKey[str]()
+"""The lock folder this process made and removes (the controller's; workers only inherit it)."""
+_COLLECTED_FILES = pytest.StashKey[frozenset]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -34,10 +37,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if lock_dir is not None:
         os.environ.pop(LOCK_DIR_VARIABLE, None)
         shutil.rmtree(lock_dir, ignore_errors=True)
-
-
-_LOCK_DIR = pytest.StashKey[str]()
-_COLLECTED_FILES = pytest.StashKey[frozenset]()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -17,7 +17,6 @@ launcher run a script's own DeepSpeedPlugin.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -393,24 +392,9 @@ def _measure_drift_profiles(files) -> None:
         )
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def _drift_run(accelerator, steps: int, **train) -> dict:
-    lines = _Lines()
-    poplar_logger = logging.getLogger("poplar_ext")
-    poplar_logger.setLevel(logging.INFO)  # this forked rank's own logger
-    poplar_logger.addHandler(lines)
-    try:
+    with t.logged_lines("poplar_ext") as logged:  # this forked rank's own logger
         model, seen, _ = _train(accelerator, steps, data=t.dataset(DRIFT_GPT, DRIFT_SAMPLES), gpt=DRIFT_GPT, **train)
-    finally:
-        poplar_logger.removeHandler(lines)
     plan = accelerator.plan
     return {
         "params": t.full_parameters(model),
@@ -419,7 +403,7 @@ def _drift_run(accelerator, steps: int, **train) -> dict:
         "counted": (accelerator.micro_batch_size, accelerator.gradient_accumulation_steps),
         "history": [(h["start_step"], h["reason"]) for h in accelerator.poplar_engine.plan_history],
         "steps": accelerator.poplar_engine.global_steps,
-        "logged": lines.lines,
+        "logged": logged,
     }
 
 
