@@ -107,26 +107,41 @@ def write_world_files(folder: Path, allocations: dict[int, dict[int, list[tuple[
     return files
 
 
-def write_profiles(directory: Path, fingerprint: str, types_and_caps: list[tuple[str, int, float]]) -> Path:
-    """Synthetic ZeRO-1 profiles of the tiny GPT (by its `fingerprint`) in a new `directory`:
-    ``(device_type, largest micro-batch, seconds per sample)`` each, for 3 ranks."""
+def write_profiles(
+    directory: Path,
+    fingerprint: str,
+    types_and_caps: list[tuple[str, int, float]],
+    *,
+    slowdowns: dict[str, float] | None = None,
+    zero_stage: int = 1,
+) -> Path:
+    """Synthetic profiles at `zero_stage` of the tiny GPT (by its `fingerprint`) in `directory` (made if missing):
+    ``(device_type, largest micro-batch, seconds per sample)`` each, for 3 ranks. `slowdowns`: device type ->
+    the emulated slowdown its times include, its micro-steps compute alone, as a profile measured on that emulated
+    CPU type says; such a type's compute is steady at the profile (default: none)."""
     import dataclasses
 
     from poplar_bench.synthetic import synthetic_profile
-    from poplar_ext.plan.formats import ModelInfo, save_profile
+    from poplar_ext.plan.formats import Emulation, ModelInfo, save_profile
 
-    directory.mkdir()
+    directory.mkdir(exist_ok=True)
     model = ModelInfo(name="tiny-gpt", fingerprint=fingerprint, num_parameters=1, dtype="float32")
     for device_type, cap, seconds_per_sample in types_and_caps:
         profile = synthetic_profile(
             device_type,
-            zero_stage=1,
+            zero_stage=zero_stage,
             max_micro_batch_size=cap,
             overhead_s=0.001,
             seconds_per_sample=seconds_per_sample,
             world_size=3,
         )
-        save_profile(dataclasses.replace(profile, model=model), directory / f"{device_type}-stage1.json")
+        slowdown = (slowdowns or {}).get(device_type)
+        emulated = None if slowdown is None else Emulation(slowdown=slowdown, memory_capacity_bytes=2_000_000_000)
+        measured_with = dict(profile.measured_with)
+        if emulated is not None:
+            measured_with["micro_step_times_include_communication"] = False
+        profile = dataclasses.replace(profile, model=model, emulated=emulated, measured_with=measured_with)
+        save_profile(profile, directory / f"{device_type}-stage{zero_stage}.json")
     return directory
 
 
