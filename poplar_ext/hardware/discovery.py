@@ -140,7 +140,40 @@ def cluster_mismatches(cluster: Cluster, facts: list[DeviceFacts]) -> list[str]:
         problem = declared_type_problem(declared, cluster.emulation_of(declared), fact.device_type)
         if problem is not None:
             problems.append(f"Rank {fact.rank} on {fact.host} has {fact.hardware} ({problem}).")
+    if not any(cluster.emulation_of(t) for t in cluster.type_counts()):
+        problems += node_split_mismatch(cluster, facts)
     return problems
+
+
+def node_split_mismatch(cluster: Cluster, facts: list[DeviceFacts]) -> list[str]:
+    """Where a cluster of real types groups the ranks into nodes other than the machines they run on: the
+    search prices the network and pipeline links by the nodes. (Emulated types may stand for nodes that
+    share one machine.)"""
+    declared = _rank_nodes(cluster)
+    machines = _rank_nodes(cluster_from_facts(facts))
+    if len(set(zip(declared, machines))) == len(set(machines)) == len(set(declared)):
+        return []
+    return [
+        f"Its nodes ({_node_split(declared)}) are not the machines the ranks run on ({_node_split(machines)}): "
+        "declare one node per machine, or leave the cluster out to read it from the hardware."
+    ]
+
+
+def _rank_nodes(cluster: Cluster) -> list[tuple[int, str]]:
+    """Each rank's node: (index, name); an index each, as two nodes may share a name."""
+    return [
+        (i, node.name) for i, node in enumerate(cluster.nodes) for group in node.devices for _ in range(group.count)
+    ]
+
+
+def _node_split(rank_nodes: list[tuple[int, str]]) -> str:
+    """``a: ranks 0-2; b: rank 3``: a node's ranks are consecutive (cluster files and `cluster_from_facts`)."""
+    ranks: dict[tuple[int, str], list[int]] = {}
+    for rank, node in enumerate(rank_nodes):
+        ranks.setdefault(node, []).append(rank)
+    return "; ".join(
+        f"{name}: ranks {r[0]}-{r[-1]}" if len(r) > 1 else f"{name}: rank {r[0]}" for (_, name), r in ranks.items()
+    )
 
 
 _ARCH = re.compile(r"^(sm|compute)_(\d+)(\d)([a-z]?)$")

@@ -199,6 +199,51 @@ def test_emulated_types_are_declared_not_read():
     assert cluster_mismatches(declared, _facts(("a", "cpu", "cpu", 64), ("a", "cpu", "cpu", 64))) == []
 
 
+def _real_cluster(*nodes: tuple[str, list[tuple[str, int]]]):
+    return cluster_from_dict(
+        {
+            "schema_version": 1,
+            "nodes": [
+                {"name": name, "devices": [{"device_type": t, "count": n} for t, n in devices]}
+                for name, devices in nodes
+            ],
+        }
+    )
+
+
+def test_real_types_split_over_nodes_other_than_their_machines_are_named():
+    # MIXED runs ranks 0-2 on machine a, 3-4 on b: the network would be priced by the file's nodes.
+    merged = _real_cluster(("all", [("A100-80GB", 2), ("V100-16GB", 3)]))
+    assert cluster_mismatches(merged, MIXED) == [
+        "Its nodes (all: ranks 0-4) are not the machines the ranks run on (a: ranks 0-2; b: ranks 3-4): declare "
+        "one node per machine, or leave the cluster out to read it from the hardware."
+    ]
+    moved = _real_cluster(("x", [("A100-80GB", 2)]), ("y", [("V100-16GB", 3)]))
+    assert cluster_mismatches(moved, MIXED) == [
+        "Its nodes (x: ranks 0-1; y: ranks 2-4) are not the machines the ranks run on (a: ranks 0-2; b: ranks "
+        "3-4): declare one node per machine, or leave the cluster out to read it from the hardware."
+    ]
+
+
+def test_a_real_cluster_split_as_its_machines_passes_under_any_node_names():
+    renamed = _real_cluster(("x", [("A100-80GB", 2), ("V100-16GB", 1)]), ("y", [("V100-16GB", 2)]))
+    assert cluster_mismatches(renamed, MIXED) == []
+
+
+def test_emulated_types_may_stand_for_nodes_on_one_machine():
+    declared = cluster_from_dict(
+        {
+            "schema_version": 1,
+            "nodes": [
+                {"name": "n0", "devices": [{"device_type": "cpu", "count": 1}]},
+                {"name": "n1", "devices": [{"device_type": "slow", "count": 1}]},
+            ],
+            "device_types": {"slow": {"emulation": {"slowdown": 2.0, "memory_capacity_bytes": GIB}}},
+        }
+    )
+    assert cluster_mismatches(declared, _facts(("a", "cpu", "cpu", 64), ("a", "cpu", "cpu", 64))) == []
+
+
 def test_a_cluster_of_another_size_is_named():
     declared = cluster_from_facts(MIXED[:3])
     assert cluster_mismatches(declared, MIXED) == ["The cluster description names 3 ranks but the job has 5."]
