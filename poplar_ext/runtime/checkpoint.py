@@ -151,9 +151,18 @@ def save_whole(
         with suppress(OSError):  # one that stays (not a folder, read-only) fails DeepSpeed's writes, on every rank
             (Path(save_dir) / new_tag / STATE_FILE).unlink(missing_ok=True)
         shutil.rmtree(Path(save_dir) / new_tag, ignore_errors=True)
+    node_local, token = engine.use_node_local_storage(), uuid.uuid4().hex
+    marker = _mark_storage(save_dir, token, rank=engine.global_rank) if node_local and storage_rank == 0 else None
     # Rank 0's id for this save, on every storage: a load tells two saves apart by it (`agree_storages`). The
     # gather also waits for every rank: none writes into the new folder before it is empty.
-    save_id = gather_objects(uuid.uuid4().hex if engine.global_rank == 0 else None)[0]
+    gathered = gather_objects((token if engine.global_rank == 0 else None, marker and marker.name))
+    save_id = gathered[0][0]
+    if node_local:
+        try:
+            _refuse_shared_storage(save_dir, marker, [name for _, name in gathered], rank=engine.global_rank)
+        finally:
+            if marker is not None:
+                marker.unlink(missing_ok=True)
     with _writes_failing_at_the_end(engine) as write_failures:
         saved = save(new_tag)
         writer = getattr(engine, "checkpoint_engine", None)
@@ -179,6 +188,37 @@ def save_whole(
         # rank that could not (disk full).
         raise_if_any_failed(failure, rank=engine.global_rank)
     return saved
+
+
+def _mark_storage(save_dir: str | Path, token: str, *, rank: int) -> Path | None:
+    """A file naming this save and rank in `save_dir`, for `_refuse_shared_storage` (None where it cannot be
+    written: the save's own writes then fail with the reason)."""
+    marker = Path(save_dir) / f".poplar-storage-rank{rank}-{token}"
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        return None
+    return marker
+
+
+def _refuse_shared_storage(save_dir: str | Path, own: Path | None, markers: list[str | None], *, rank: int) -> None:
+    """On node-local storage, a ValueError on every rank (collective) where a storage rank sees another node's
+    marker of this save (`markers`: every rank's, by rank): its nodes share `save_dir`. Without the refusal every
+    node's first rank renames the same folders and the save fails with a rename error on every rank."""
+    from poplar_ext.collectives import raise_if_any_failed
+
+    failure = None
+    seen = [r for r, name in enumerate(markers) if own is not None and name and name != own.name]
+    seen = [r for r in seen if (Path(save_dir) / str(markers[r])).exists()]
+    if seen:
+        failure = ValueError(
+            f"save_checkpoint: {save_dir} is one storage for several nodes (rank {rank} sees the file rank "
+            f"{seen[0]}, another node's first rank, wrote there), but DeepSpeed's checkpoint.use_node_local_storage "
+            "is true, which has each node's first rank write the files rank 0 writes; set it false for shared "
+            "storage, or give each node a folder of its own"
+        )
+    raise_if_any_failed(failure, rank=rank)
 
 
 @contextmanager

@@ -548,6 +548,18 @@ def test_on_node_local_storage_each_nodes_first_rank_swaps_the_tag_in_and_writes
         assert sorted(p.name for p in (tmp_path / node).iterdir()) == ["latest", "t"]
 
 
+def test_node_local_storage_that_the_nodes_share_is_refused_on_every_rank_before_any_write(tmp_path, monkeypatch):
+    _, on_every_rank = _nodes_as_threads(tmp_path, monkeypatch)
+    shared = tmp_path / "shared"
+    errors = on_every_rank(lambda engine, fake, folder: engine.save_checkpoint(shared, tag="t"))
+    assert all(isinstance(error, ValueError) for error in errors), errors
+    message = str(errors[0])
+    assert message.startswith(f"save_checkpoint: {shared} is one storage for several nodes (rank 0 sees the file ")
+    assert "checkpoint.use_node_local_storage is true" in message and "set it false for shared storage" in message
+    assert all(str(error) == message for error in errors), "every rank raises the same"
+    assert list(shared.iterdir()) == [], "nothing written, no marker left"
+
+
 def test_on_node_local_storage_a_node_stopped_between_renames_loads_the_save_the_other_node_swapped_in(
     tmp_path, monkeypatch
 ):
