@@ -153,9 +153,13 @@ def node_split_mismatch(cluster: Cluster, facts: list[DeviceFacts]) -> list[str]
     machines = _rank_nodes(cluster_from_facts(facts))
     if len(set(zip(declared, machines))) == len(set(machines)) == len(set(declared)):
         return []
+    apart = len({name for _, name in machines}) > len({f.node for f in facts})
+    # A node's ranks are consecutive: a machine whose ranks the launcher placed apart (cyclic placement) is one
+    # node per run of its ranks, as the discovered cluster names them (host#2).
+    how = "one node per run of consecutive ranks on a machine" if apart else "one node per machine"
     return [
         f"Its nodes ({_node_split(declared)}) are not the machines the ranks run on ({_node_split(machines)}): "
-        "declare one node per machine, or leave the cluster out to read it from the hardware."
+        f"declare {how}, or leave the cluster out to read it from the hardware."
     ]
 
 

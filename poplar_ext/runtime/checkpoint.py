@@ -208,15 +208,19 @@ def _refuse_shared_storage(save_dir: str | Path, own: Path | None, markers: list
     node's first rank renames the same folders and the save fails with a rename error on every rank."""
     from poplar_ext.collectives import raise_if_any_failed
 
+    seen = []
+    if own is not None:
+        others = [r for r, name in enumerate(markers) if name and name != own.name]
+        with suppress(OSError):  # a folder it cannot look into: not known to be shared (every rank must agree below)
+            seen = [r for r in others if (Path(save_dir) / str(markers[r])).exists()]
     failure = None
-    seen = [r for r, name in enumerate(markers) if own is not None and name and name != own.name]
-    seen = [r for r in seen if (Path(save_dir) / str(markers[r])).exists()]
     if seen:
         failure = ValueError(
-            f"save_checkpoint: {save_dir} is one storage for several nodes (rank {rank} sees the file rank "
-            f"{seen[0]}, another node's first rank, wrote there), but DeepSpeed's checkpoint.use_node_local_storage "
-            "is true, which has each node's first rank write the files rank 0 writes; set it false for shared "
-            "storage, or give each node a folder of its own"
+            f"save_checkpoint: {save_dir} is one storage for several nodes: rank {rank} sees the file that rank "
+            f"{seen[0]} wrote there, both first ranks of a node (LOCAL_RANK 0), but DeepSpeed's "
+            "checkpoint.use_node_local_storage is true, which has each node's first rank write the files rank 0 "
+            "writes; set it false for shared storage, or give each node a folder of its own (or, where both run on "
+            "one machine, have the launcher set each process's LOCAL_RANK)"
         )
     raise_if_any_failed(failure, rank=rank)
 

@@ -225,6 +225,19 @@ def test_real_types_split_over_nodes_other_than_their_machines_are_named():
     ]
 
 
+def test_a_machine_whose_ranks_the_launcher_placed_apart_is_one_node_per_run_of_its_ranks():
+    # Cyclic placement (srun --distribution=cyclic, mpirun --map-by node): ranks 0 and 2 on a, 1 and 3 on b.
+    ranks = [("a", "A100-80GB", "GPU-a0", 80), ("b", "A100-80GB", "GPU-b0", 80)] * 2
+    facts = _facts(*ranks)
+    per_machine = _real_cluster(("a", [("A100-80GB", 2)]), ("b", [("A100-80GB", 2)]))
+    assert cluster_mismatches(per_machine, facts) == [
+        "Its nodes (a: ranks 0-1; b: ranks 2-3) are not the machines the ranks run on (a: rank 0; b: rank 1; "
+        "a#2: rank 2; b#2: rank 3): declare one node per run of consecutive ranks on a machine, or leave the "
+        "cluster out to read it from the hardware."
+    ]
+    assert cluster_mismatches(cluster_from_facts(facts), facts) == []
+
+
 def test_a_real_cluster_split_as_its_machines_passes_under_any_node_names():
     renamed = _real_cluster(("x", [("A100-80GB", 2), ("V100-16GB", 1)]), ("y", [("V100-16GB", 2)]))
     assert cluster_mismatches(renamed, MIXED) == []

@@ -554,10 +554,24 @@ def test_node_local_storage_that_the_nodes_share_is_refused_on_every_rank_before
     errors = on_every_rank(lambda engine, fake, folder: engine.save_checkpoint(shared, tag="t"))
     assert all(isinstance(error, ValueError) for error in errors), errors
     message = str(errors[0])
-    assert message.startswith(f"save_checkpoint: {shared} is one storage for several nodes (rank 0 sees the file ")
+    assert message.startswith(f"save_checkpoint: {shared} is one storage for several nodes: rank 0 sees the file ")
     assert "checkpoint.use_node_local_storage is true" in message and "set it false for shared storage" in message
     assert all(str(error) == message for error in errors), "every rank raises the same"
     assert list(shared.iterdir()) == [], "nothing written, no marker left"
+
+
+def test_a_storage_rank_that_cannot_look_for_the_other_nodes_marker_still_meets_the_others(tmp_path, monkeypatch):
+    # Path.exists raises on EACCES: a rank raising there would skip the agreement the others wait in.
+    _, on_every_rank = _nodes_as_threads(tmp_path, monkeypatch)
+    exists = Path.exists
+
+    def denied(self):
+        if self.name.startswith(".poplar-storage-rank"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return exists(self)
+
+    monkeypatch.setattr(Path, "exists", denied)
+    assert on_every_rank(lambda engine, fake, folder: engine.save_checkpoint(folder, tag="t")) == [None] * 4
 
 
 def test_on_node_local_storage_a_node_stopped_between_renames_loads_the_save_the_other_node_swapped_in(
