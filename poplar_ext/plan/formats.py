@@ -663,9 +663,7 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise FormatError(
-            str(path), "(file)", "a readable JSON file", f"{type(exc).__name__}: {exc.strerror or exc}"
-        ) from exc
+        raise FormatError(str(path), "(file)", "a readable JSON file", _unreadable(exc)) from exc
     except UnicodeDecodeError as exc:
         raise FormatError(
             str(path), "(file)", "a UTF-8 JSON file", f"a byte that is not UTF-8 at offset {exc.start}"
@@ -673,7 +671,10 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     try:
         data = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
-        raise FormatError(str(path), f"(line {exc.lineno}, column {exc.colno})", "valid JSON", exc.msg) from exc
+        # json's own words ("Expecting value") read oddly after "found"; a file cut short says so.
+        cut_short = exc.pos >= len(text.rstrip())
+        found = "the end of the file (it stops early)" if cut_short else f"a syntax error ({exc.msg})"
+        raise FormatError(str(path), f"(line {exc.lineno}, column {exc.colno})", "valid JSON", found) from exc
     except _DuplicateKey as exc:
         raise FormatError(str(path), "(file)", "each key once in an object", f"the key {exc.args[0]!r} twice") from None
     except RecursionError:
@@ -681,6 +682,17 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     if data is None and text.strip() != "null" or json_depth(data) > MAX_JSON_DEPTH:
         raise FormatError(str(path), "(file)", f"JSON nested at most {MAX_JSON_DEPTH} deep", "deeper nesting")
     return data
+
+
+def _unreadable(exc: OSError) -> str:
+    """What a file that cannot be read is, in words (an ``OSError``'s name and text for the rarer ones)."""
+    if isinstance(exc, FileNotFoundError):
+        return "no such file"
+    if isinstance(exc, IsADirectoryError):
+        return "a folder"
+    if isinstance(exc, PermissionError):
+        return "a file this user may not read"
+    return f"{type(exc).__name__}: {exc.strerror or exc}"
 
 
 def json_ready(data: dict[str, Any]) -> dict[str, Any]:

@@ -131,6 +131,34 @@ def test_read_json_names_the_file_for_every_failure(tmp_path):
         read_json(path)
 
 
+@pytest.mark.parametrize(
+    ("write", "field", "expected", "found"),
+    [
+        (
+            lambda p: p.write_text('{"nodes": '),
+            "(line 1, column 11)",
+            "valid JSON",
+            "the end of the file (it stops early)",
+        ),
+        (
+            lambda p: p.write_text('{"nodes": ,}'),
+            "(line 1, column 11)",
+            "valid JSON",
+            "a syntax error (Expecting value)",
+        ),
+        (lambda p: None, "(file)", "a readable JSON file", "no such file"),
+        (lambda p: p.mkdir(), "(file)", "a readable JSON file", "a folder"),
+    ],
+    ids=["cut short", "syntax", "missing", "folder"],
+)
+def test_unreadable_json_is_said_in_words(tmp_path, write, field, expected, found):
+    path = tmp_path / "x.json"
+    write(path)
+    with pytest.raises(FormatError) as caught:
+        read_json(path)
+    assert str(caught.value) == f"{path}: {field}: expected {expected}, found {found}"
+
+
 def test_a_key_given_twice_is_an_error_not_the_last_one_kept(tmp_path, capsys):
     # json keeps the last of a key given twice: a second "emulation" would replace the first without a word
     cluster = tmp_path / "cluster.json"
