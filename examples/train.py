@@ -77,12 +77,17 @@ def main() -> None:
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             if boundary:
-                losses.append(float(loss))
+                losses.append(loss.detach().item())
                 if args.checkpoint_dir and engine.global_steps % args.checkpoint_interval_steps == 0:
                     engine.save_checkpoint(args.checkpoint_dir)
                 if engine.global_steps == args.steps:
                     break
     elapsed_s = time.perf_counter() - started
+    if engine.global_rank == 0 and losses:
+        print(
+            f"steps {first_step + 1}-{engine.global_steps}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+            f"{engine.train_batch_size() * len(losses) / elapsed_s:.1f} samples/s"
+        )
     if engine.global_rank == 0 and args.result:
         summary = {
             "steps": engine.global_steps,

@@ -93,7 +93,17 @@ def run_demo(settings: DemoSettings, *, out_dir: Path, name: str = "demo") -> li
     for goal in scenario["goals"]:
         value = "-" if goal["value"] is None else f"{goal['value']:.3g}"
         progress(f"goal {goal['goal']} {goal['target']}: {value} ({'met' if goal['met'] else 'MISSED'})")
+    progress(goals_summary(scenario["goals"]))
     return paths
+
+
+def goals_summary(goals: list[dict[str, Any]]) -> str:
+    """One line: how many goals were met, which were missed, and that the exit status does not say it."""
+    missed = [f"{g['goal']} {g['target']}" for g in goals if not g["met"]]
+    line = f"{len(goals) - len(missed)} of {len(goals)} goals met"
+    if missed:
+        line += f" (missed: {'; '.join(missed)}); a goal is a measurement, reported here, not in the exit status"
+    return line
 
 
 # --- Pure: rank result files -> report ---

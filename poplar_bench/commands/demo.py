@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from poplar_ext.plan.formats import ZERO_STAGES
 
-from ._options import add_cache_dir, add_output_dir, add_positive_int, print_paths, warn_if_no_figure
+from ._options import (
+    add_cache_dir,
+    add_output_dir,
+    add_positive_int,
+    default_output_dir,
+    print_paths,
+    warn_if_no_figure,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,13 +26,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="train on an emulated 3-rank heterogeneous CPU cluster with each policy and compare",
         description=(
-            "Three CPU ranks emulate three device types (cpu-fast; cpu-medium, 2x slower; cpu-slow, 4x slower "
-            "with the least memory). With the project's toy GPT and real DeepSpeed ZeRO, it profiles each type "
-            "(reusing cached profiles), searches a plan per policy (uniform, proportional, poplar), trains "
-            "each for a fixed number of iterations in one launch, and reports measured against predicted "
-            "iteration time, speedup over uniform and share of the measured ideal. Writes NAME.json, "
-            "NAME.md and NAME.png (the figure needs matplotlib: pip install 'poplar-ext[bench]'). On a 2-core "
-            "VM: about 3 minutes the first time (profiling), 1.5-2.5 minutes when the profiles come from the cache."
+            "Three CPU ranks emulate three device types (cpu-fast, 3x slower than a CPU core; cpu-medium, 6x; "
+            "cpu-slow, 12x, with the least memory). With the project's toy GPT and real DeepSpeed ZeRO, it "
+            "profiles each type (reusing cached profiles), searches a plan per policy (uniform, proportional, "
+            "poplar), trains each for a fixed number of iterations in one launch, and reports measured against "
+            "predicted iteration time, speedup over uniform and share of the measured ideal, with its goals met or "
+            "MISSED (reported, not in the exit status). Writes NAME.json, NAME.md and NAME.png (the figure needs "
+            "matplotlib: pip install 'poplar-ext[bench]'), replacing those in the output directory, and prints "
+            "their paths. On a 2-core VM: a few minutes the first time (profiling), less when the profiles come "
+            "from the cache."
         ),
     )
     add_output_dir(p)
@@ -111,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
     warn_if_no_figure("demo")
     try:
         if args.repetitions == 1:
-            return print_paths(demo.run_demo(settings, out_dir=args.output_dir, name=args.name))
+            paths = demo.run_demo(settings, out_dir=args.output_dir, name=args.name)
+            demo.progress(written_line(paths, args.output_dir))
+            return print_paths(paths)
         from ..steadiness import run_steadiness
 
         return print_paths(
@@ -130,3 +142,11 @@ def _slowdowns(text: str) -> list[float]:
     if len(values) < 2 or any(not v >= 1.0 for v in values):
         raise argparse.ArgumentTypeError(f"expected at least 2 comma-separated numbers >= 1, found {text!r}")
     return values
+
+
+def written_line(paths: list[Path], output_dir: Path) -> str:
+    """Where the report went; in the checkout's bench/results it replaced the committed report."""
+    line = f"report written into {output_dir}: {', '.join(Path(p).name for p in paths)}"
+    if Path(output_dir).resolve() == default_output_dir().resolve() and default_output_dir() != Path.cwd():
+        line += " (this checkout's bench/results, replacing the committed report; --output-dir DIR writes elsewhere)"
+    return line

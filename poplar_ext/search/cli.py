@@ -221,7 +221,7 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         "--output",
         type=parse_path,
         metavar="PLAN.json",
-        help="write the (poplar) plan here, only on success; never over an input file",
+        help="write the (poplar) plan here (its folder made if missing), only on success; never over an input file",
     )
     parser.add_argument("--format", choices=("table", "json"), default="table", help="what to print (default: table)")
     parser.add_argument("--debug", action="store_true", help="on an internal error, print the traceback")

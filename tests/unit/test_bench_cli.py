@@ -103,6 +103,41 @@ def test_demo_help_says_where_reports_go(capsys):
     assert "bench/results" in out and "--iterations" in out and "--cache-dir" in out
 
 
+def test_demo_help_states_the_default_devices_slowdowns(capsys):
+    from poplar_bench.demo_config import default_devices
+
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    fast, medium, slow = (d.slowdown for d in default_devices())
+    assert f"cpu-fast, {fast:g}x slower than a CPU core; cpu-medium, {medium:g}x; cpu-slow, {slow:g}x" in out
+
+
+def test_the_demo_says_where_its_report_went_and_that_it_replaced_the_checkouts(monkeypatch, tmp_path, capsys):
+    from poplar_bench import demo
+
+    monkeypatch.setattr(demo, "run_demo", lambda settings, *, out_dir, name: [out_dir / f"{name}.json"])
+    assert cli.main(["demo", "--output-dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{tmp_path / 'demo.json'}\n", "stdout: the paths alone"
+    assert err.endswith(f"[poplar-bench demo] report written into {tmp_path}: demo.json\n"), err
+    monkeypatch.setattr(demo, "run_demo", lambda settings, *, out_dir, name: [])
+    assert cli.main(["demo"]) == 0
+    assert "(this checkout's bench/results, replacing the committed report;" in capsys.readouterr().err
+
+
+def test_the_demo_s_goal_summary_names_what_was_missed():
+    from poplar_bench.demo import goals_summary
+
+    met = {"goal": "prediction error", "target": "<= 0.05", "met": True}
+    missed = {"goal": "poplar share of the measured ideal", "target": ">= 0.95", "met": False}
+    assert goals_summary([met, met]) == "2 of 2 goals met"
+    assert goals_summary([met, missed]) == (
+        "1 of 2 goals met (missed: poplar share of the measured ideal >= 0.95); a goal is a measurement, "
+        "reported here, not in the exit status"
+    )
+
+
 def test_simulate_never_imports_torch(tmp_path):
     code = (
         "import sys; from poplar_bench import cli; "
