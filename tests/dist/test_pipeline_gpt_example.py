@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import free_port
+from harness import assert_launch_finished, free_port
 
 pytest.importorskip("transformers", reason="a Hugging Face model: pip install 'poplar-ext[hf]'")
 
@@ -68,7 +68,9 @@ def test_the_gpt_pipeline_example_searches_its_plan_and_trains_the_models_loss(t
                 ranks.kill()
                 ranks.wait()
     log = output.read_text()
-    assert returncode == 0, log[-4000:]
+    # Rank 0's summary follows the last (collective) step: gloo's exit race may abort a rank after it
+    # (pytorch/pytorch#179291, docs/fault-tolerance.md).
+    assert_launch_finished(returncode, log, [tmp_path / "result.json"], log[-4000:])
     assert sorted(p.name.split("-", 2)[2] for p in (tmp_path / "profiles" / "layers").glob("*.json")) == [
         "cpu-slow-zero0.json",
         "cpu-zero0.json",
