@@ -146,7 +146,8 @@ def _slowdowns(text: str) -> list[float]:
 
 def written_line(paths: list[Path], output_dir: Path) -> str:
     """Where the report went; in the checkout's bench/results it replaced the committed report."""
-    line = f"report written into {output_dir}: {', '.join(Path(p).name for p in paths)}"
-    if Path(output_dir).resolve() == default_output_dir().resolve() and default_output_dir() != Path.cwd():
+    line = f"report written into {output_dir}: {', '.join(path.name for path in paths)}"
+    checkout_results = default_output_dir()  # the current directory outside a checkout
+    if checkout_results != Path.cwd() and Path(output_dir).resolve() == checkout_results.resolve():
         line += " (this checkout's bench/results, replacing the committed report; --output-dir DIR writes elsewhere)"
     return line

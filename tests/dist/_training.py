@@ -145,6 +145,25 @@ def write_profiles(
     return directory
 
 
+def write_steady_profiles(
+    directory: Path,
+    model: torch.nn.Module,
+    slowdowns: dict[str, float],
+    *,
+    fast_s_per_sample: float,
+    largest: int = 16,
+    zero_stage: int = 1,
+) -> Path:
+    """`write_profiles` of `model` for emulated types, each `slowdowns[type]` x `fast_s_per_sample` per sample, so
+    that every rank's compute is steady at its profile: a drift test's checks then read exactly the schedule's
+    factor, whatever the machine's load. `fast_s_per_sample` must exceed the model's real compute per sample,
+    or steady emulation cannot pad a micro-step to its profile."""
+    from poplar_ext.profiler.fingerprint import model_fingerprint
+
+    types = [(device_type, largest, fast_s_per_sample * slowdown) for device_type, slowdown in slowdowns.items()]
+    return write_profiles(directory, model_fingerprint(model), types, slowdowns=slowdowns, zero_stage=zero_stage)
+
+
 def make_optimizer(name: str, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)

@@ -351,9 +351,6 @@ DRIFT_LARGEST_SIZES = {1: 4, 2: 12}
 """Each stage's largest micro-batch in the profiles, the largest a re-plan may use: at stage 1 the fast ranks'
 new share takes 3 or more micro-steps (accumulate()'s counter moves to a multiple); at stage 2 one micro-step
 of up to 12 samples each (with 8 at most, 8 + 8 + 8 in one micro-step beat moving samples)."""
-DRIFT_S_PER_SAMPLE = 0.008
-"""Synthetic compute per sample of both types: above the drift model's real compute, so that steady emulation
-pads every micro-step to its profile and a rank's measured drift is its schedule's factor alone."""
 
 
 def _drift_config(files, stage: int) -> dict:
@@ -373,10 +370,15 @@ def _drift_config(files, stage: int) -> dict:
 
 def _write_drift_profiles(directory) -> None:
     """Synthetic profiles of the drift model, both types alike and emulated: what a re-plan starts from."""
-    fingerprint = model_fingerprint(GPT(DRIFT_GPT))
     for stage, largest in DRIFT_LARGEST_SIZES.items():
-        types = [(device_type, largest, DRIFT_S_PER_SAMPLE) for device_type in ("cpu-fast", "cpu-slow")]
-        t.write_profiles(directory, fingerprint, types, slowdowns={"cpu-fast": 1.0, "cpu-slow": 1.0}, zero_stage=stage)
+        t.write_steady_profiles(
+            directory,
+            GPT(DRIFT_GPT),
+            {"cpu-fast": 1.0, "cpu-slow": 1.0},
+            fast_s_per_sample=0.008,
+            largest=largest,
+            zero_stage=stage,
+        )
 
 
 def _drift_run(accelerator, steps: int, **train) -> dict:

@@ -309,21 +309,13 @@ def _drifting(config: dict) -> dict:
     }
 
 
-FAST_S_PER_SAMPLE = 0.008
-"""The emulated fast type's synthetic compute per sample: above the drift model's real compute, so that steady
-emulation pads every micro-step to its profile and a rank's measured drift is its schedule's factor alone."""
-
-
 @pytest.fixture(scope="module")
 def drift_profiles(tmp_path_factory):
     """Synthetic ZeRO-1 profiles of the drift model, the slow type 2x the fast: the plan at start and each
     re-plan come from clean curves, not from curves measured on a loaded machine."""
-    from poplar_ext.profiler.fingerprint import model_fingerprint
-
-    fingerprint = model_fingerprint(t.GPT(DRIFT_MODEL))
-    types = [("cpu-fast", 16, FAST_S_PER_SAMPLE), ("cpu-slow", 16, 2 * FAST_S_PER_SAMPLE)]
     directory = tmp_path_factory.mktemp("drift") / "profiles"
-    return t.write_profiles(directory, fingerprint, types, slowdowns={"cpu-fast": 1.0, "cpu-slow": 2.0})
+    slowdowns = {"cpu-fast": 1.0, "cpu-slow": 2.0}
+    return t.write_steady_profiles(directory, t.GPT(DRIFT_MODEL), slowdowns, fast_s_per_sample=0.008)
 
 
 def _drift_config(tmp_path, profiles, schedule, *, enabled=True) -> dict:

@@ -484,18 +484,10 @@ def _train_drifting(config: str, out: str) -> dict:
     }
 
 
-DRIFT_S_PER_SAMPLE = 0.01
-"""The fast type's synthetic compute per sample: above the model's real compute, so that steady emulation pads
-every micro-step to its profile and the drift the checks read is the schedule's factor alone."""
-
-
 def test_a_drifting_rank_is_re_balanced_inside_the_trainer(tmp_path):
-    from poplar_ext.profiler.fingerprint import model_fingerprint
-
     # Synthetic profiles, every rank emulated and steady at them: what the checks read does not depend on the load.
-    types = [("cpu-fast", 16, DRIFT_S_PER_SAMPLE), ("cpu-slow", 16, 2 * DRIFT_S_PER_SAMPLE)]
-    fingerprint = model_fingerprint(hf.gpt2(width=96))
-    t.write_profiles(tmp_path / "profiles", fingerprint, types, slowdowns={"cpu-fast": 1.0, "cpu-slow": 2.0})
+    slowdowns = {"cpu-fast": 1.0, "cpu-slow": 2.0}
+    t.write_steady_profiles(tmp_path / "profiles", hf.gpt2(width=96), slowdowns, fast_s_per_sample=0.01)
     cluster = json.loads(
         t.write_cluster(tmp_path / "cluster.json", fast=1, slow=2, slowdown=2.0, fast_type="cpu-fast").read_text()
     )
