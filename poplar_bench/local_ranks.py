@@ -10,7 +10,6 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
@@ -30,7 +29,7 @@ from torch.distributed.elastic.multiprocessing import (
     SubprocessContext,
 )
 
-from poplar_ext.collectives import leave_process_group
+from poplar_ext.collectives import free_port, leave_process_group
 from poplar_ext.hardware.cpu_process import limit_cpu_threads, skip_deepspeed_shm_op
 
 LOG_TAIL_LINES = 30  # lines of each failed rank's log `RankFailure` shows
@@ -105,13 +104,6 @@ def endless_batches(loader: Iterable[Any], name: str) -> Iterator[Any]:
             yield batch
         if empty:
             raise RuntimeError(f"{name}: a pass over it yielded no batch")
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(fn: Callable[..., Any], *, world_size: int, log_dir: str | os.PathLike[str], **options: Any) -> list[Any]:

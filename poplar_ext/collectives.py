@@ -8,10 +8,13 @@ import contextlib
 import gc
 import logging
 import os
+import random
+import socket
 import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -148,15 +151,37 @@ def discover_launch_environment(
         _one_process_environment()
 
 
+EPHEMERAL_PORTS_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago, for a process group's rendezvous.
+
+    Taken from below the kernel's ephemeral range where there is room: a port the kernel hands out (a bind to
+    port 0, an outgoing connection, each of gloo's pair listeners) can be taken by another process between this
+    probe and the launcher's bind, and once was, by a gloo job beside it (its client: "Connection reset by
+    peer"). A port no program binds is still free then. Where the range leaves no room, the kernel picks."""
+    try:
+        low, _ = (int(v) for v in EPHEMERAL_PORTS_FILE.read_text().split())
+    except (OSError, ValueError):
+        low = 32768  # Linux's default
+    candidates = list(range(20000, low))
+    random.Random(os.urandom(8)).shuffle(candidates)
+    for port in [*candidates[:100], 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise OSError(f"no free TCP port on {host}")
+
+
 def _one_process_environment() -> None:
     """A script started by hand (``python train.py``) trains as one rank, as the Trainer and accelerate do,
     instead of failing in DeepSpeed's MPI discovery (``No module named 'mpi4py'``). The port is a free one:
     nothing else joins this group."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     os.environ.update(
         RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
