@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -152,29 +153,42 @@ def discover_launch_environment(
 
 
 EPHEMERAL_PORTS_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIXED_PORTS_FROM = 20000
+"""The lowest port `free_port` picks outside the kernel's range (below: the ports services tend to use)."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that was free a moment ago, for a process group's rendezvous.
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a process group's rendezvous.
 
-    Taken from below the kernel's ephemeral range where there is room: a port the kernel hands out (a bind to
-    port 0, an outgoing connection, each of gloo's pair listeners) can be taken by another process between this
-    probe and the launcher's bind, and once was, by a gloo job beside it (its client: "Connection reset by
-    peer"). A port no program binds is still free then. Where the range leaves no room, the kernel picks."""
-    try:
-        low, _ = (int(v) for v in EPHEMERAL_PORTS_FILE.read_text().split())
-    except (OSError, ValueError):
-        low = 32768  # Linux's default
-    candidates = list(range(20000, low))
-    random.Random(os.urandom(8)).shuffle(candidates)
-    for port in [*candidates[:100], 0]:
+    Taken outside the kernel's ephemeral range where there is room (`candidate_ports`): a port the kernel hands
+    out (a bind to port 0, an outgoing connection, each of gloo's pair listeners) can be taken by another process
+    between this probe and the launcher's bind, and once was, by a gloo job beside it (its client: "Connection
+    reset by peer"). A port no program binds is still free then. Where there is no room, the kernel picks."""
+    for port in candidate_ports():
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-            return probe.getsockname()[1]
-    raise OSError(f"no free TCP port on {host}")
+                probe.bind(("127.0.0.1", port))
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    continue
+                raise
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def candidate_ports(tries: int = 100, least_room: int = 256) -> list[int]:
+    """Up to `tries` ports at random (from the OS's randomness: forked processes share Python's state) below the
+    ephemeral range, else above it, where either leaves `least_room` ports; else none."""
+    try:
+        low, high = (int(v) for v in EPHEMERAL_PORTS_FILE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    for first, end in ((FIXED_PORTS_FROM, low), (high + 1, 65536)):
+        if end - first >= least_room:
+            return random.SystemRandom().sample(range(first, end), min(tries, end - first))
+    return []
 
 
 def _one_process_environment() -> None:
@@ -409,11 +423,13 @@ __all__ = [
     "agree_sum",
     "barrier",
     "broadcast_from_rank0",
+    "candidate_ports",
     "broadcast_in_group",
     "decided_by_rank0",
     "destroy_process_group_at_exit",
     "discover_launch_environment",
     "ensure_process_group",
+    "free_port",
     "gather_objects",
     "leave_process_group",
     "new_groups",

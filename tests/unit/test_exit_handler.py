@@ -12,17 +12,15 @@ import sys
 import textwrap
 
 _PRELUDE = """
-import atexit, socket
+import atexit
 import torch.distributed as dist
+from poplar_ext.collectives import free_port
 
 def report():  # registered before poplar-ext's handler, so it runs after it (atexit is LIFO)
     print("group up at exit:", dist.is_initialized(), flush=True)
 
 atexit.register(report)
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
 """
 
 
