@@ -157,7 +157,10 @@ def test_search_speed_runs_the_search_engineers_benchmark(tmp_path, monkeypatch)
 
     def small(**kwargs):
         calls.append(kwargs)
-        return real(rank_counts=(8,), type_counts=(1,), repeats=kwargs["repeats"])
+        # Every kind of cell, each at one small size: the command is under test here, not the search.
+        return real(
+            rank_counts=(8,), type_counts=(1,), repeats=kwargs["repeats"], large_batches=(2**22,), lever_ranks=64
+        )
 
     monkeypatch.setattr(search_speed, "run_search_speed", small)
     assert cli.main(["search-speed", "--repeats", "1", "--output-dir", str(tmp_path)]) == 0
