@@ -165,16 +165,20 @@ def free_port() -> int:
     between this probe and the launcher's bind, and once was, by a gloo job beside it (its client: "Connection
     reset by peer"). A port no program binds is still free then. Where there is no room, the kernel picks."""
     for port in candidate_ports():
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError as exc:
-                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                    continue
-                raise
+        if _bound_port(port) is not None:
             return port
+    return _bound_port(0)
+
+
+def _bound_port(port: int) -> int | None:
+    """The port a bind to `port` on 127.0.0.1 got (0: the kernel's pick); None where `port` is in use."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            if port and exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                return None
+            raise
         return probe.getsockname()[1]
 
 
@@ -423,8 +427,8 @@ __all__ = [
     "agree_sum",
     "barrier",
     "broadcast_from_rank0",
-    "candidate_ports",
     "broadcast_in_group",
+    "candidate_ports",
     "decided_by_rank0",
     "destroy_process_group_at_exit",
     "discover_launch_environment",
