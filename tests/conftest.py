@@ -1,7 +1,7 @@
 """The suite's two workers (pytest-xdist, the README's `-n 2`) and the tests that must run alone.
 
-A test marked ``exclusive`` asserts on wall-clock times or timeouts a starved process misses
-(the elastic agents' keep-alive): under xdist it runs while no other test runs. Every other
+A test marked ``exclusive`` asserts on wall-clock times or timeouts a starved process misses:
+under xdist it runs while no other test runs. Every other
 test shares the machine. Without xdist nothing is locked. See DEVELOPING.md ("Tests").
 """
 
