@@ -25,6 +25,11 @@ _COLLECTED_FILES = pytest.StashKey[frozenset]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):
+        # xdist's loadfile would queue files by number of tests, most first: the heavy one-test
+        # files (launchers, the elastic restart) ran last, and one worker ended ~40 s after the
+        # other. `_multi_process_files_first` orders them.
+        config.option.loadscopereorder = False
     is_worker = hasattr(config, "workerinput")
     if not is_worker and config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
         lock_dir = tempfile.mkdtemp(prefix="poplar-tests-")
@@ -43,6 +48,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Before `-m`/`-k` deselect any: the files this session's collection reached.
     config.stash[_COLLECTED_FILES] = frozenset(item.nodeid.split("::")[0] for item in items)
+    _multi_process_files_first(items)
+
+
+MULTI_PROCESS_FOLDER = Path(__file__).parent / "dist"
+
+
+def _multi_process_files_first(items: list[pytest.Item]) -> None:
+    """The long files (tests/dist: ranks, launchers) first, the many short ones after: whichever
+    worker ends its last long file first takes more short ones, so both end within seconds."""
+    items.sort(key=lambda item: MULTI_PROCESS_FOLDER not in item.path.parents)  # stable: files stay whole
 
 
 @pytest.fixture
