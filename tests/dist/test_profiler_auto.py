@@ -81,7 +81,13 @@ def _train_from_the_smallest_section(cluster_path: str, cache_home: str) -> dict
     model = t.GPT(CONFIG)
     data = SyntheticTokens(num_samples=64, sequence_length=CONFIG.sequence_length, vocab_size=CONFIG.vocab_size)
     section = {"cluster": cluster_path, "cpu_threads": 1}
-    config = {"train_batch_size": SMALLEST_SECTION_BATCH, "zero_allow_untested_optimizer": True, "poplar": section}
+    config = {
+        "train_batch_size": SMALLEST_SECTION_BATCH,
+        # A stage of the user's: one stage profiled (the first job profiles all four, for the search).
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "poplar": section,
+    }
     engine, _, loader, _ = poplar_ext.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), training_data=data, config=config
     )
@@ -151,4 +157,4 @@ def test_the_smallest_section_the_docs_show_trains_with_profiles_in_the_users_ca
     expected = cache_home / "poplar-ext" / "profiles"
     assert [r["steps"] for r in results] == [2, 2]
     assert all(r["profiles"] == str(expected) for r in results)
-    assert {p.device_type for p in load_profiles(expected)} == {"fast", "slow"}
+    assert {(p.device_type, p.zero_stage) for p in load_profiles(expected)} == {("fast", 1), ("slow", 1)}
