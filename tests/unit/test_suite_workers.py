@@ -1,4 +1,4 @@
-"""The suite's lock between pytest-xdist workers (tests/conftest.py): an ``exclusive`` test runs alone."""
+"""The suite's worker machinery (tests/conftest.py): an ``exclusive`` test runs alone; the files' order."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -78,6 +79,7 @@ def test_an_exclusive_holder_waits_for_the_shared_one_and_shared_ones_queue_behi
 _TESTS = """
 import json, os, time
 from pathlib import Path
+from types import SimpleNamespace
 import pytest
 
 def _record(name):
@@ -121,3 +123,26 @@ def test_under_two_workers_the_exclusive_test_overlaps_no_other(tmp_path):
     alone_start, alone_end, _ = spans.pop("alone")
     assert all(end <= alone_start or start >= alone_end for start, end, _ in spans.values()), spans
     assert set(Path(tempfile.gettempdir()).glob("poplar-tests-*")) <= lock_dirs_before, "its lock files removed"
+
+
+def test_the_multi_process_files_are_queued_first_in_collection_order():
+    """xdist's loadfile takes files in the order collected once its reorder (most tests first) is off."""
+    conftest = _suite_conftest()
+    config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=True), workerinput={})
+    conftest.pytest_configure(config)
+    assert config.option.loadscopereorder is False
+
+    tests = CONFTEST.parent
+    names = ["unit/test_a.py::x", "unit/test_a.py::y", "dist/test_b.py::x", "dist/test_b.py::y"]
+    names += ["gpu/test_c.py::x", "dist/test_d.py::x", "unit/test_e.py::x"]
+    items = [SimpleNamespace(path=tests / name.split("::")[0], nodeid=name) for name in names]
+    conftest._multi_process_files_first(items)
+    assert [item.nodeid for item in items] == [
+        "dist/test_b.py::x",
+        "dist/test_b.py::y",
+        "dist/test_d.py::x",
+        "unit/test_a.py::x",
+        "unit/test_a.py::y",
+        "gpu/test_c.py::x",
+        "unit/test_e.py::x",
+    ]
