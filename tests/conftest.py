@@ -1,8 +1,8 @@
 """The suite's two workers (pytest-xdist, the README's `-n 2`) and the tests that must run alone.
 
 A test marked ``exclusive`` asserts on wall-clock times or timeouts a starved process misses:
-under xdist it runs while no other test runs. Every other
-test shares the machine. Without xdist nothing is locked. See DEVELOPING.md ("Tests").
+under xdist it runs while no other test runs. Every other test shares the machine. Without
+xdist nothing is locked. See DEVELOPING.md ("Tests").
 """
 
 from __future__ import annotations

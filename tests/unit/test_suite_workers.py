@@ -79,7 +79,6 @@ def test_an_exclusive_holder_waits_for_the_shared_one_and_shared_ones_queue_behi
 _TESTS = """
 import json, os, time
 from pathlib import Path
-from types import SimpleNamespace
 import pytest
 
 def _record(name):
