@@ -4,7 +4,7 @@ profiles/README.md ("Peak memory") and docs/deepspeed-notes.md (measuring)."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import gc
 import os
 from pathlib import Path
@@ -42,10 +42,11 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(message in str(exc).lower() for message in OUT_OF_MEMORY_MESSAGES)
 
 
+@functools.cache
 def _libc_function(name: str) -> Any:
-    """The C library's function `name`, or None (no C library found, or not glibc's)."""
-    library = ctypes.util.find_library("c")
-    return None if library is None else getattr(ctypes.CDLL(library), name, None)
+    """The C library's function `name`, or None (not glibc's). The process's own symbols: looking the
+    library up by name (`ctypes.util.find_library`) would start `ldconfig` at every peak reset."""
+    return getattr(ctypes.CDLL(None), name, None)
 
 
 def _malloc_trim() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
@@ -72,6 +74,18 @@ def test_a_cpu_allocation_failure_is_recognised_as_out_of_memory() -> None:
 )
 def test_out_of_memory_classification(exc: BaseException, expected: bool) -> None:
     assert memory.is_out_of_memory(exc) is expected
+
+
+def test_a_peak_reset_and_the_allocator_settings_start_no_process(monkeypatch) -> None:
+    # The profiler resets the peak at every trial, in a process that may hold CUDA and NCCL threads.
+    def no_process(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", no_process)
+    memory._libc_function.cache_clear()
+    memory.reset_peak_memory(CPU)
+    memory.steady_cpu_allocator()
+    memory.default_cpu_allocator()
 
 
 def test_steady_allocator_is_set_on_glibc() -> None:
