@@ -138,8 +138,9 @@ def test_the_automatic_mode_measures_with_the_sections_offload(monkeypatch, tmp_
         seen.update(kwargs)
         return []
 
-    monkeypatch.setattr(api, "profile_model", fake_profile_model)
+    # The package's name first: its lazy lookup reads api's, which must still be the real one to restore.
     monkeypatch.setattr("poplar_ext.profiler.profile_model", fake_profile_model)
+    monkeypatch.setattr(api, "profile_model", fake_profile_model)
     measure = missing_profiles_measurer(
         model=torch.nn.Linear(2, 1),
         training_data=[torch.ones(2)],
