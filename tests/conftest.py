@@ -1,16 +1,20 @@
-"""The suite's two workers (pytest-xdist, the README's `-n 2`) and the tests that must run alone.
+"""The suite's two workers (pytest-xdist, the README's `-n 2`), the tests that must run alone, the fast tier.
 
 A test marked ``exclusive`` asserts on wall-clock times or timeouts a starved process misses:
 under xdist it runs while no other test runs. Every other test shares the machine. Without
-xdist nothing is locked. See DEVELOPING.md ("Tests").
+xdist nothing is locked. The fast tier (``-m "not multiprocess"``) fails a test that starts a
+process without the ``multiprocess`` mark. See DEVELOPING.md ("Tests").
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import multiprocessing.process
 import os
+import platform
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +26,9 @@ LOCK_DIR_VARIABLE = "POPLAR_TEST_LOCK_DIR"
 _LOCK_DIR = pytest.StashKey[str]()
 """The lock folder this process made and removes (the controller's; workers only inherit it)."""
 _COLLECTED_FILES = pytest.StashKey[frozenset]()
+_FAST_TIER = pytest.StashKey[bool]()
+MULTIPROCESS = "multiprocess"
+"""The mark of a test that starts processes (ranks, launchers, a fresh interpreter): outside the fast tier."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -30,6 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
         # files (launchers, the elastic restart) ran last, and one worker ended ~40 s after the
         # other. `_multi_process_files_first` orders them.
         config.option.loadscopereorder = False
+    config.stash[_FAST_TIER] = deselects_multiprocess(config.option.markexpr)
+    if config.stash[_FAST_TIER]:
+        platform.platform()  # asks `uname -p` once per process (cached): not a test's process
     is_worker = hasattr(config, "workerinput")
     if not is_worker and config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
         lock_dir = tempfile.mkdtemp(prefix="poplar-tests-")
@@ -69,11 +79,41 @@ def collected_test_files(request: pytest.FixtureRequest) -> frozenset:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     # The whole protocol, so that a module fixture set up or torn down by this test is inside the lock.
-    lock_dir = os.environ.get(LOCK_DIR_VARIABLE)
-    if lock_dir is None or not hasattr(item.config, "workerinput"):
+    with contextlib.ExitStack() as stack:
+        if item.config.stash.get(_FAST_TIER, False) and item.get_closest_marker(MULTIPROCESS) is None:
+            stack.enter_context(refusing_new_processes(item.nodeid))
+        lock_dir = os.environ.get(LOCK_DIR_VARIABLE)
+        if lock_dir is not None and hasattr(item.config, "workerinput"):
+            exclusive = item.get_closest_marker("exclusive") is not None
+            stack.enter_context(machine_share(Path(lock_dir), exclusive=exclusive))
         yield
-        return
-    with machine_share(Path(lock_dir), exclusive=item.get_closest_marker("exclusive") is not None):
+
+
+def deselects_multiprocess(mark_expression: str | None) -> bool:
+    """Whether `-m mark_expression` leaves out a test marked only ``multiprocess``: the fast tier."""
+    if not mark_expression:
+        return False
+    from _pytest.mark import MarkMatcher  # pytest's own evaluation of `-m`
+    from _pytest.mark.expression import Expression
+
+    marked = MarkMatcher.from_markers([getattr(pytest.mark, MULTIPROCESS).mark])
+    return not Expression.compile(mark_expression).evaluate(marked)
+
+
+@contextlib.contextmanager
+def refusing_new_processes(nodeid: str) -> Iterator[None]:
+    """A test of the fast tier fails where it would start a process: its mark is missing, and the
+    tier would grow slow unseen. A failure, not an exception the test could catch."""
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{nodeid} starts a process: mark it `{MULTIPROCESS}`, which the fast tier leaves out")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+            if hasattr(os, name):
+                patch.setattr(os, name, refuse)
         yield
 
 

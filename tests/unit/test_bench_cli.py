@@ -138,6 +138,7 @@ def test_the_demo_s_goal_summary_names_what_was_missed():
     )
 
 
+@pytest.mark.multiprocess
 def test_simulate_never_imports_torch(tmp_path):
     code = (
         "import sys; from poplar_bench import cli; "

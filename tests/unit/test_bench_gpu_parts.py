@@ -111,6 +111,7 @@ def test_the_exactness_step_judges_every_line(tmp_path, monkeypatch, lines, wron
         assert wrong in result["error"]
 
 
+@pytest.mark.multiprocess
 def test_a_step_past_its_limit_is_killed_with_what_it_started(tmp_path):
     import os
     import time

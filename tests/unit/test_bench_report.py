@@ -274,6 +274,7 @@ def _rank1_fails_others_hang(settings, work_dir):
     time.sleep(60)  # stands for a rank stuck in a collective
 
 
+@pytest.mark.multiprocess
 @pytest.mark.dist  # six local ranks: a multi-process run, outside the fast tier
 def test_a_failed_rank_stops_the_others_and_is_named(tmp_path):
     settings = DemoSettings(devices=SETTINGS.devices * 2, global_batch_size=12, timeout_s=50)

@@ -11,6 +11,8 @@ import pytest
 
 from poplar_ext.plan.formats import load_plan
 
+pytestmark = pytest.mark.multiprocess  # every test here starts a process
+
 # Each program's main, in a fresh interpreter; poplar-profile's and poplar-bench's work stubbed: what is
 # tested is what their main does with the lines they print.
 SEARCH = (

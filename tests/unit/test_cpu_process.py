@@ -35,6 +35,7 @@ def test_cpu_threads_gives_the_count_back_also_after_an_error():
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.multiprocess
 def test_skipping_deepspeeds_shm_op_means_no_build():
     # In a fresh interpreter: the op is marked incompatible, so DeepSpeed's builder returns None at once.
     code = (

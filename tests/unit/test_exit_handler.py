@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _PRELUDE = """
 import atexit
 import torch.distributed as dist
@@ -29,6 +31,7 @@ def _run(body: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.multiprocess
 def test_the_group_ensure_process_group_saw_is_destroyed_before_shutdown():
     done = _run("""
         from poplar_ext.collectives import ensure_process_group
@@ -38,6 +41,7 @@ def test_the_group_ensure_process_group_saw_is_destroyed_before_shutdown():
     assert "group up at exit: False" in done.stdout
 
 
+@pytest.mark.multiprocess
 def test_without_poplar_ext_the_group_is_still_up_at_shutdown():
     # the control: what the handler changes
     done = _run("")
@@ -45,6 +49,7 @@ def test_without_poplar_ext_the_group_is_still_up_at_shutdown():
     assert "group up at exit: True" in done.stdout
 
 
+@pytest.mark.multiprocess
 def test_a_script_that_destroyed_its_group_itself_exits_cleanly():
     done = _run("""
         from poplar_ext.collectives import ensure_process_group

@@ -128,6 +128,7 @@ def test_pair_cluster_rejects_an_odd_size():
         cluster_files.pair_cluster("A100-80GB", "A100-40GB", world_size=7)
 
 
+@pytest.mark.multiprocess
 def test_the_generators_help_writes_nothing():
     # `python -m poplar_bench.example_profiles --help` once regenerated the shipped files over themselves.
     import subprocess

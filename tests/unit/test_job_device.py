@@ -82,13 +82,14 @@ def test_join_job_starts_the_group_after_the_device_is_chosen(fake_cuda, monkeyp
 
 def test_the_harness_chooses_the_device_before_its_gloo_group(monkeypatch):
     calls: list[str] = []
+    monkeypatch.setattr(local_ranks, "skip_deepspeed_shm_op", lambda: calls.append("no shm op"))
     monkeypatch.setattr(collectives, "discover_launch_environment", lambda **options: calls.append("discover"))
     monkeypatch.setattr(devices, "select_job_device", lambda: calls.append("device"))
     monkeypatch.setattr(
         collectives, "ensure_process_group", lambda **options: calls.append(f"group {options['dist_backend']}")
     )
     local_ranks._join_process_group(5.0)
-    assert calls == ["discover", "device", "group gloo"]
+    assert calls == ["no shm op", "discover", "device", "group gloo"]
 
 
 def test_the_process_group_fails_in_minutes_unless_the_user_chose_a_timeout(monkeypatch):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess  # every test here starts a process
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

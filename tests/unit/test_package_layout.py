@@ -95,6 +95,7 @@ def test_stages_and_policy_names_are_spelled_out_once():
     ], found
 
 
+@pytest.mark.multiprocess
 def test_importing_poplar_ext_configures_no_logging():
     code = (
         "import logging, poplar_ext\n"

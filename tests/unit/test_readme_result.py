@@ -6,6 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from poplar_bench.report import readme_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +29,7 @@ def _demo_reports() -> list[dict]:
     return reports
 
 
+@pytest.mark.multiprocess
 def test_the_readme_shows_the_committed_demo_run():
     readme = (ROOT / "README.md").read_text()
     tables = [readme_table(report) for report in _demo_reports()]

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,9 +32,10 @@ def _tiers(files: set[str]) -> set[str]:
     return {Path(f).parts[1] for f in files if f.startswith("tests/")}
 
 
+@pytest.mark.multiprocess  # run on fewer paths, it collects the suite in a fresh interpreter
 def test_the_test_command_collects_unit_dist_and_gpu_tests(collected_test_files):
-    # Run as the README's command or as the fast tier (`-m "not dist"` deselects after collecting),
-    # this session's own collection is the answer (a collection error leaves its file out); run on
+    # Run as the README's command or with `-m` (which deselects after collecting), this session's
+    # own collection is the answer (a collection error leaves its file out); run on
     # fewer paths, collect the whole suite apart (about 12 s).
     expected = {f"tests/dist/{p.name}" for p in (ROOT / "tests" / "dist").glob("test_*.py")}
     files = set(collected_test_files)

@@ -1,10 +1,12 @@
-"""The suite's worker machinery (tests/conftest.py): an ``exclusive`` test runs alone; the files' order."""
+"""The suite's worker machinery (tests/conftest.py): an ``exclusive`` test runs alone; the files' order;
+the fast tier refuses an unmarked test's processes."""
 
 from __future__ import annotations
 
 import fcntl
 import importlib.util
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -97,6 +99,7 @@ def test_shared(n):
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(importlib.util.find_spec("xdist") is None, reason="pytest-xdist is not installed")
 def test_under_two_workers_the_exclusive_test_overlaps_no_other(tmp_path):
     suite = tmp_path / "suite"
@@ -127,7 +130,7 @@ def test_under_two_workers_the_exclusive_test_overlaps_no_other(tmp_path):
 def test_the_multi_process_files_are_queued_first_in_collection_order():
     """xdist's loadfile takes files in the order collected once its reorder (most tests first) is off."""
     conftest = _suite_conftest()
-    config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=True), workerinput={})
+    config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=True, markexpr=""), workerinput={}, stash={})
     conftest.pytest_configure(config)
     assert config.option.loadscopereorder is False
 
@@ -145,3 +148,60 @@ def test_the_multi_process_files_are_queued_first_in_collection_order():
         "gpu/test_c.py::x",
         "unit/test_e.py::x",
     ]
+
+
+@pytest.mark.parametrize(
+    ("mark_expression", "fast_tier"),
+    [
+        ("not multiprocess", True),
+        ("not multiprocess and not gpu", True),
+        ("gpu or not multiprocess", True),
+        ("not dist", False),
+        ("multiprocess", False),
+        ("", False),
+        (None, False),
+    ],
+)
+def test_the_fast_tier_is_any_selection_that_leaves_multiprocess_tests_out(mark_expression, fast_tier):
+    assert _suite_conftest().deselects_multiprocess(mark_expression) is fast_tier
+
+
+def _protocol_of(conftest, *, fast_tier: bool, marks: tuple[str, ...]):
+    item = SimpleNamespace(
+        nodeid="tests/unit/test_x.py::test_y",
+        config=SimpleNamespace(stash={conftest._FAST_TIER: fast_tier}),
+        get_closest_marker=lambda name: name if name in marks else None,
+    )
+    return conftest.pytest_runtest_protocol(item, None)
+
+
+def test_in_the_fast_tier_an_unmarked_test_fails_where_it_starts_a_process(monkeypatch):
+    conftest = _suite_conftest()
+    monkeypatch.delenv(conftest.LOCK_DIR_VARIABLE, raising=False)
+    popen_init, fork = subprocess.Popen.__init__, os.fork
+    protocol = _protocol_of(conftest, fast_tier=True, marks=())
+    next(protocol)  # inside: the test's setup, call and teardown
+    starts = {
+        "subprocess": lambda: subprocess.run([sys.executable, "-c", "pass"]),
+        "fork": lambda: os.fork() or os._exit(0),  # a child, were one started, leaves at once
+        "multiprocessing": lambda: multiprocessing.get_context("spawn").Process(target=print).start(),
+        "system": lambda: os.system("true"),
+    }
+    for start in starts.values():
+        with pytest.raises(pytest.fail.Exception, match="test_x.py::test_y starts a process: mark it `multiprocess`"):
+            start()
+    with pytest.raises(StopIteration):
+        next(protocol)
+    assert (subprocess.Popen.__init__, os.fork) == (popen_init, fork), "restored after the test"
+
+
+@pytest.mark.parametrize(("fast_tier", "marks"), [(True, ("multiprocess",)), (False, ())])
+def test_a_marked_test_or_the_whole_suite_starts_processes_unhindered(fast_tier, marks, monkeypatch):
+    conftest = _suite_conftest()
+    monkeypatch.delenv(conftest.LOCK_DIR_VARIABLE, raising=False)
+    popen_init, fork = subprocess.Popen.__init__, os.fork
+    protocol = _protocol_of(conftest, fast_tier=fast_tier, marks=marks)
+    next(protocol)
+    assert (subprocess.Popen.__init__, os.fork) == (popen_init, fork)
+    with pytest.raises(StopIteration):
+        next(protocol)

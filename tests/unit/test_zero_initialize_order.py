@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.multiprocess
 def test_a_refused_call_imports_no_deepspeed():
     script = (
         "import sys, torch\n"
