@@ -23,6 +23,7 @@ from poplar_ext.plan.formats import (
     profile_from_dict,
     read_json,
     save_profile,
+    write_text_atomic,
 )
 from poplar_ext.plan.pipeline_formats import LayerProfile, layer_profiles_dir, load_layer_profile, save_layer_profile
 from poplar_ext.profiler.sizes import sweep_sizes
@@ -330,8 +331,24 @@ def find_cached_profile(
     cache_dir: str | Path, key: ProfileKey, *, settings: MeasureSettings | None = None
 ) -> Profile | None:
     """The stored profile whose key equals `key`, or None. With `settings`, one measured with less than they
-    ask (`_measured_less`) is None too."""
-    return next((p for _, p in _stored(Path(cache_dir)) if _reusable(p, key, settings)), None)
+    ask (`_measured_less`) is None too. One found among the profiles of `key`'s world size that another world
+    size replaced (`parked_profiles_dir`) is moved back into `cache_dir`, where the search reads it (rank 0's
+    lookup: the only writer)."""
+    directory = Path(cache_dir)
+    found = next((p for _, p in _stored(directory) if _reusable(p, key, settings)), None)
+    if found is not None:
+        return found
+    parked_dir = parked_profiles_dir(directory, key.world_size)
+    parked = next(((path, p) for path, p in _stored(parked_dir) if _reusable(p, key, settings)), None)
+    if parked is None:
+        return None
+    path, profile = parked
+    try:
+        store_profile(directory, profile)
+        path.unlink()
+    except OSError as exc:  # a read-only cache: the job still reuses it, the directory stays as it is
+        warnings.warn(f"profile cache: could not move {path} back into {directory}: {exc}", stacklevel=2)
+    return profile
 
 
 def _reusable(
@@ -385,10 +402,26 @@ def profile_file_name(profile: Profile | LayerProfile) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", stem) + ".json"
 
 
+PARKED_PROFILES_DIR = "other-world-sizes"
+"""Sub-directory of a profile cache: the profiles another world size's replaced (the search does not read them)."""
+
+
+def parked_profiles_dir(cache_dir: str | Path, world_size: int) -> Path:
+    """Where `store_profile` keeps the profiles of `world_size` ranks that another world size's replaced, so that
+    an elastic job going from one size to another and back measures each size once (`find_cached_profile`)."""
+    return Path(cache_dir) / PARKED_PROFILES_DIR / f"world-size-{world_size}"
+
+
 def store_profile(cache_dir: str | Path, profile: Profile) -> Path:
     """Write `profile` atomically into `cache_dir` and return its path; a stored one with the same
-    `Profile.key` and model (the search loads one per directory) is replaced, in its own file."""
-    return _store(cache_dir, profile, lambda p: (*p.key, p.model.fingerprint), save_profile)
+    `Profile.key` and model (the search loads one per directory) is replaced, in its own file: kept in
+    `parked_profiles_dir` where it was measured on another number of ranks."""
+
+    def park(replaced: Profile, path: Path) -> None:
+        if replaced.world_size != profile.world_size:
+            write_text_atomic(path.read_text(), parked_profiles_dir(cache_dir, replaced.world_size) / path.name)
+
+    return _store(cache_dir, profile, lambda p: (*p.key, p.model.fingerprint), save_profile, before_replacing=park)
 
 
 def find_cached_layer_profile(
@@ -405,11 +438,21 @@ def store_layer_profile(cache_dir: str | Path, profile: LayerProfile) -> Path:
     return _store(cache_dir, profile, lambda p: (p.device_type, p.zero_stage, p.model.fingerprint), save_layer_profile)
 
 
-def _store(cache_dir: str | Path, profile: Any, key: Callable[[Any], tuple], save: Callable[[Any, Path], None]) -> Path:
-    """`profile` written over the stored one of the same `key`, else into a new file."""
+def _store(
+    cache_dir: str | Path,
+    profile: Any,
+    key: Callable[[Any], tuple],
+    save: Callable[[Any, Path], None],
+    before_replacing: Callable[[Any, Path], None] | None = None,
+) -> Path:
+    """`profile` written over the stored one of the same `key` (given first to `before_replacing`), else into a
+    new file."""
     layers = isinstance(profile, LayerProfile)
     stored = _stored(Path(cache_dir), layers=layers, stacklevel=4)
-    target = next((path for path, s in stored if key(s) == key(profile)), None)
+    replaced = next(((path, s) for path, s in stored if key(s) == key(profile)), None)
+    if replaced is not None and before_replacing is not None:
+        before_replacing(replaced[1], replaced[0])
+    target = replaced[0] if replaced is not None else None
     target = target or (layer_profiles_dir(cache_dir) if layers else Path(cache_dir)) / profile_file_name(profile)
     target.parent.mkdir(parents=True, exist_ok=True)
     save(profile, target)

@@ -159,6 +159,60 @@ def test_storing_replaces_the_profile_with_the_same_type_stage_and_model(tmp_pat
     assert [p.world_size for p in load_profiles(tmp_path)] == [8]
 
 
+def _files(directory: Path) -> list[str]:
+    return sorted(str(path.relative_to(directory)) for path in directory.rglob("*.json"))
+
+
+def test_an_elastic_job_back_at_a_world_size_reuses_its_profile(tmp_path: Path) -> None:
+    # 4 ranks, then 8, then 4 again: each size measured once, the directory's one profile always the job's size.
+    store_profile(tmp_path, _profile(world_size=4))
+    store_profile(tmp_path, _profile(world_size=8, optimizer_step_time_s=0.02))
+    assert [p.world_size for p in load_profiles(tmp_path)] == [8]
+    assert _files(tmp_path) == [
+        "gpt-01234567-A100-80GB-zero2.json",
+        "other-world-sizes/world-size-4/gpt-01234567-A100-80GB-zero2.json",
+    ]
+
+    back = find_cached_profile(tmp_path, _key(world_size=4))
+    assert back == _profile(world_size=4)
+    assert [p.world_size for p in load_profiles(tmp_path)] == [4], "moved back where the search reads it"
+    assert _files(tmp_path) == [
+        "gpt-01234567-A100-80GB-zero2.json",
+        "other-world-sizes/world-size-8/gpt-01234567-A100-80GB-zero2.json",
+    ]
+    assert find_cached_profile(tmp_path, _key(world_size=8)) == _profile(world_size=8, optimizer_step_time_s=0.02)
+    assert find_cached_profile(tmp_path, _key(world_size=2)) is None
+
+
+def test_a_parked_profile_is_reused_only_as_a_stored_one_would_be(tmp_path: Path) -> None:
+    store_profile(tmp_path, _as_measured(limited=True))  # 4 ranks, its probe stopped by a limit of 4
+    store_profile(tmp_path, _profile(world_size=8))
+    assert find_cached_profile(tmp_path, _key(world_size=4), settings=MeasureSettings(micro_batch_size_limit=8)) is None
+    assert find_cached_profile(tmp_path, _key(world_size=4, zero_stage=3)) is None
+    assert [p.world_size for p in load_profiles(tmp_path)] == [8], "nothing moved for a miss"
+
+
+def test_a_measurement_on_the_same_world_size_replaces_without_keeping(tmp_path: Path) -> None:
+    store_profile(tmp_path, _profile())
+    store_profile(tmp_path, _profile(optimizer_step_time_s=0.02))
+    assert _files(tmp_path) == ["gpt-01234567-A100-80GB-zero2.json"]
+
+
+def test_a_parked_profile_in_a_cache_that_cannot_be_written_is_still_reused(tmp_path: Path, monkeypatch) -> None:
+    from poplar_ext.profiler import cache
+
+    store_profile(tmp_path, _profile(world_size=4))
+    store_profile(tmp_path, _profile(world_size=8))
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cache, "store_profile", read_only)
+    with pytest.warns(UserWarning, match="could not move .*world-size-4.* back into"):
+        assert find_cached_profile(tmp_path, _key(world_size=4)) == _profile(world_size=4)
+    assert [p.world_size for p in load_profiles(tmp_path)] == [8]
+
+
 def test_other_stages_and_types_sit_side_by_side(tmp_path: Path) -> None:
     store_profile(tmp_path, _profile())
     store_profile(tmp_path, _profile(zero_stage=3))
