@@ -16,3 +16,11 @@ def _environment_restored():
     discovery, without mpi4py)."""
     with mock.patch.dict(os.environ):
         yield
+
+
+@pytest.fixture
+def in_tmp_path(tmp_path, monkeypatch):
+    """The test runs in its own folder: what it writes to relative paths (a Trainer's ``output_dir``,
+    which the Trainer creates) stays out of the repository."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

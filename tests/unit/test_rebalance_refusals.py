@@ -12,6 +12,8 @@ from poplar_ext.runtime.config import poplar_config_from_dict
 from poplar_ext.runtime.rebalance import unmeasurable_reason
 from poplar_ext.zero.initialize import zero_rebalancer as job_rebalancer
 
+pytestmark = pytest.mark.usefixtures("in_tmp_path")  # the Trainer creates output_dir
+
 
 def _job(device_kind="cpu", zero_stage=0, **section):
     config = poplar_config_from_dict({"plan": "p.json", "profiles": "profiles", **section}, base_dir=Path("."))

@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("in_tmp_path")  # the Trainer creates output_dir
+
 
 def test_the_plan_s_dataloaders_take_the_trainer_s_dataloader_settings():
     pytest.importorskip("transformers")

@@ -14,6 +14,8 @@ from transformers import Trainer  # noqa: E402
 
 from poplar_ext.integrations.transformers import PoplarTrainerMixin  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("in_tmp_path")  # the Trainer creates output_dir
+
 ACCELERATE_USE_DEEPSPEED_BEFORE_ANY_TEST = os.environ.get("ACCELERATE_USE_DEEPSPEED")  # read at collection
 
 

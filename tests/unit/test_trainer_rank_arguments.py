@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("in_tmp_path")  # the Trainer creates output_dir
+
 pytest.importorskip("transformers", reason="PoplarTrainer needs pip install 'poplar-ext[hf]'")
 
 
