@@ -28,6 +28,9 @@ from pathlib import Path
 import psutil
 from harness import free_port
 
+from poplar_ext.plan.formats import load_profiles
+from poplar_ext.profiler.cache import parked_profiles_dir
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 300
 CHECKPOINT_INTERVAL = 150
@@ -142,3 +145,9 @@ def test_a_killed_node_restarts_the_job_on_the_node_left(tmp_path):
     assert moved is not None, log[-5000:]
     assert int(moved.group(1)) == resumed_at * GLOBAL_BATCH
     assert result["consumed_samples"] == STEPS * GLOBAL_BATCH
+    # Profiled once per world size: the 1-rank profiles where the search reads, the 2-rank ones kept for a rejoin.
+    profiles = tmp_path / "profiles"
+    on_one, on_two = load_profiles(profiles), load_profiles(parked_profiles_dir(profiles, 2))
+    assert on_one and {p.world_size for p in on_one} == {1}, sorted(profiles.rglob("*.json"))
+    assert {p.world_size for p in on_two} == {2}, sorted(profiles.rglob("*.json"))
+    assert sorted(p.key for p in on_two) == sorted(p.key for p in on_one)
