@@ -160,6 +160,7 @@ def test_the_multi_process_files_are_queued_first_in_collection_order():
         ("multiprocess", False),
         ("", False),
         (None, False),
+        ("not (", False),  # pytest itself reports the bad expression
     ],
 )
 def test_the_fast_tier_is_any_selection_that_leaves_multiprocess_tests_out(mark_expression, fast_tier):
