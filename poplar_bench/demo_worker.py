@@ -208,14 +208,17 @@ def _batch(settings: DemoSettings, micro_batch_size: int) -> torch.Tensor:
     return random_tokens(settings.model.vocab_size, shape, seed=settings.seed * 7919 + micro_batch_size)
 
 
-def _cached_fingerprints(cache_dir: Path) -> set[str]:
-    """Fingerprints of the profiles already in the cache (to tell reuse from measurement)."""
+def _cached_fingerprints(cache_dir: Path, world_size: int) -> set[str]:
+    """Fingerprints of the profiles already in the cache, also those of `world_size` ranks it keeps apart (to tell
+    reuse from measurement)."""
     from poplar_ext.plan.formats import load_profile
+    from poplar_ext.profiler.cache import parked_profiles_dir
 
     found = set()
-    for path in cache_dir.glob("*.json") if cache_dir.is_dir() else []:
-        with contextlib.suppress(FormatError):  # damaged: the profiler measures again
-            found.add(load_profile(path).fingerprint)
+    for directory in (cache_dir, parked_profiles_dir(cache_dir, world_size)):
+        for path in directory.glob("*.json") if directory.is_dir() else []:
+            with contextlib.suppress(FormatError):  # damaged: the profiler measures again
+                found.add(load_profile(path).fingerprint)
     return found
 
 
@@ -238,7 +241,7 @@ def profile_devices(settings: DemoSettings, cluster_path: Path) -> tuple[list[Pr
     """Profiles of every device type at the demo's stage from the profiler, and whether all came from its cache."""
     from poplar_ext.profiler import profile_with
 
-    before = _cached_fingerprints(settings.profiles_dir())
+    before = _cached_fingerprints(settings.profiles_dir(), dist.get_world_size())
     options = _profile_options(
         settings,
         cluster_path,

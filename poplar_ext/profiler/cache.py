@@ -344,10 +344,12 @@ def find_cached_profile(
         return None
     path, profile = parked
     try:
+        # Over a top-level profile of the same key and world size, if any (not reusable here: a dtype or
+        # settings of another job), as a new measurement would be.
         store_profile(directory, profile)
         path.unlink()
-    except OSError as exc:  # a read-only cache: the job still reuses it, the directory stays as it is
-        warnings.warn(f"profile cache: could not move {path} back into {directory}: {exc}", stacklevel=2)
+    except OSError as exc:  # a read-only cache: the job still reuses it, from where it is
+        warnings.warn(f"profile cache: reused {path} but could not move it back into {directory}: {exc}", stacklevel=2)
     return profile
 
 
@@ -410,6 +412,12 @@ def parked_profiles_dir(cache_dir: str | Path, world_size: int) -> Path:
     """Where `store_profile` keeps the profiles of `world_size` ranks that another world size's replaced, so that
     an elastic job going from one size to another and back measures each size once (`find_cached_profile`)."""
     return Path(cache_dir) / PARKED_PROFILES_DIR / f"world-size-{world_size}"
+
+
+def parked_profiles(cache_dir: str | Path, world_size: int) -> list[Profile]:
+    """The profiles of `world_size` ranks kept in `parked_profiles_dir`: what a lookup on that many ranks moves
+    back counts as reused, not measured (calibration checks it)."""
+    return [profile for _, profile in _stored(parked_profiles_dir(cache_dir, world_size))]
 
 
 def store_profile(cache_dir: str | Path, profile: Profile) -> Path:

@@ -179,6 +179,16 @@ class ProfileDirectory:
             return False
         return self.job_key.holds(profile) if self.job_key is not None else self.dtype in (None, profile.model.dtype)
 
+    def parked(self, model_fingerprint: str | None = None) -> list[Profile]:
+        """The profiles of this cluster's world size that another world size's replaced in the directory
+        (`poplar_ext.profiler.cache.parked_profiles`): the profiler's lookup moves them back, cached."""
+        from poplar_ext.profiler.cache import parked_profiles
+
+        if self.poplar_config.profiles is None:
+            return []
+        parked = parked_profiles(self.poplar_config.profiles, self.cluster.world_size)
+        return [p for p in parked if model_fingerprint is None or p.model.fingerprint == model_fingerprint]
+
     def add_measured(self, profiles: list[Profile]) -> None:
         """Profiles measured since the directory was read, returned in place of those of the same model and key."""
         self._measured = _replaced_by(self._measured, profiles) + profiles
@@ -415,8 +425,10 @@ def _plan_searched_at_start(
     )
     measured_now: set[tuple] = set()  # every profile key the measurer measured, not only those missing
     if missing:
-        # Rank 0 reads the profiles, before and after: a type whose cache entry it refused is measured too.
-        before = request.directory.profiles(request.model_fingerprint) if rank == 0 else []
+        # Rank 0 reads the profiles, before and after: a type whose cache entry it refused is measured too;
+        # one the profiler moves back from another world size's folder is cached, not measured.
+        fingerprint = request.model_fingerprint
+        before = request.directory.profiles(fingerprint) + request.directory.parked(fingerprint) if rank == 0 else []
         request.directory.add_measured(measure_missing(missing, request.cluster))  # collective
 
         def anew() -> set[tuple]:

@@ -134,13 +134,22 @@ def _cached(directory):
     return profiles
 
 
-def _resolve_with_timer(cluster_path, directory, slower_by, *, action="rescale", measure=None, read=None, missing=()):
+def _resolve_with_timer(
+    cluster_path, directory, slower_by, *, action="rescale", measure=None, read=None, missing=(), parked=()
+):
     """`resolve_plan` on rank 0 with a timer whose micro-steps run `slower_by[type]` x the cached profile;
-    `read`: a list that gets the job's `ProfileDirectory`; `missing`: types whose cached profile is removed."""
+    `read`: a list that gets the job's `ProfileDirectory`; `missing`: types whose cached profile is removed;
+    `parked`: those whose cached profile another world size's replaced (kept in the cache's own folder)."""
+    from poplar_ext.profiler.cache import parked_profiles_dir
+
     calls = []
     profiles = {p.device_type: p for p in _cached(directory).values()}
     for device_type in missing:
         (directory / f"{device_type}.json").unlink()
+    for device_type in parked:
+        kept = parked_profiles_dir(directory, 2) / f"{device_type}.json"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        (directory / f"{device_type}.json").rename(kept)
 
     def time_at_sizes(sizes, plan, cluster):
         calls.append({t: list(v) for t, v in sizes.items()})
@@ -222,6 +231,21 @@ def test_a_profile_the_measurer_measured_anew_beside_a_missing_one_is_not_calibr
     plan, timed = _resolve_with_slow_missing(cluster_path, tmp_path, measured)
     assert timed == []
     assert plan.calibration == {}
+
+
+def test_a_profile_the_profiler_moved_back_from_another_world_sizes_folder_is_calibrated(cluster_path, tmp_path):
+    # An elastic job back at 2 ranks: slow's 2-rank profile was kept apart while another world size's stood in the
+    # directory, and the profiler's lookup brings it back (here, the measurer returns it as the profiler would).
+    slow = _profile("slow", 0.004)
+    plan, timed = _resolve_with_timer(
+        cluster_path,
+        tmp_path / "profiles",
+        {"fast": 1.0, "slow": 3.0},
+        measure=lambda missing, cluster, force=False: [slow] if missing == [("slow", 1)] else [],
+        parked=("slow",),
+    )
+    assert [sorted(call) for call in timed] == [["fast", "slow"]], "cached, so checked before it is trusted"
+    assert plan.calibration["slow"]["outcome"] == "rescaled"
 
 
 def test_a_cached_profile_the_plan_uses_is_calibrated_though_another_of_its_types_was_measured(cluster_path, tmp_path):

@@ -216,3 +216,17 @@ def test_the_calibration_report_says_what_the_check_cost_and_found():
     text = render_calibration(summary)
     assert "| cached, checked | cached | 3.0 | t0 1.25 rescaled |" in text
     assert "| cached, unchecked | cached |  | not checked |" in text and "| -20.0% | 6.0 |" in text
+
+
+def test_the_demo_counts_a_profile_kept_for_its_world_size_as_cached(tmp_path):
+    # The demo's profiles folder serves runs of 3 and 6 ranks: the profiler moves a kept 3-rank profile back, a
+    # reuse that the report must not call a measurement (nor skip calibration="cached" for).
+    from poplar_bench.demo_worker import _cached_fingerprints
+    from poplar_bench.synthetic import synthetic_profile
+    from poplar_ext.plan.formats import save_profile
+    from poplar_ext.profiler.cache import parked_profiles_dir
+
+    kept = synthetic_profile("fast", zero_stage=1, max_micro_batch_size=4, overhead_s=0.001, seconds_per_sample=0.01)
+    save_profile(kept, parked_profiles_dir(tmp_path, 3) / "fast.json")
+    assert _cached_fingerprints(tmp_path, 3) == {kept.fingerprint}
+    assert _cached_fingerprints(tmp_path, 6) == set()

@@ -208,7 +208,7 @@ def test_a_parked_profile_in_a_cache_that_cannot_be_written_is_still_reused(tmp_
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(cache, "store_profile", read_only)
-    with pytest.warns(UserWarning, match="could not move .*world-size-4.* back into"):
+    with pytest.warns(UserWarning, match="reused .*world-size-4.* but could not move it back into"):
         assert find_cached_profile(tmp_path, _key(world_size=4)) == _profile(world_size=4)
     assert [p.world_size for p in load_profiles(tmp_path)] == [8]
 
