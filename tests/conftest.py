@@ -21,6 +21,11 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import _posixsubprocess
+except ImportError:  # not POSIX
+    _posixsubprocess = None
+
 LOCK_DIR_VARIABLE = "POPLAR_TEST_LOCK_DIR"
 """Where the controller puts the lock files its workers share (they inherit its environment)."""
 _LOCK_DIR = pytest.StashKey[str]()
@@ -93,12 +98,10 @@ def deselects_multiprocess(mark_expression: str | None) -> bool:
     """Whether `-m mark_expression` leaves out a test marked only ``multiprocess``: the fast tier."""
     if not mark_expression:
         return False
-    from _pytest.mark import MarkMatcher  # pytest's own evaluation of `-m`
-    from _pytest.mark.expression import Expression
+    from _pytest.mark.expression import Expression  # pytest's own evaluation of `-m`
 
-    marked = MarkMatcher.from_markers([getattr(pytest.mark, MULTIPROCESS).mark])
     try:
-        return not Expression.compile(mark_expression).evaluate(marked)
+        return not Expression.compile(mark_expression).evaluate(lambda name, **kwargs: name == MULTIPROCESS)
     except Exception:  # SyntaxError (pytest 9) or ParseError: pytest names the bad expression when it deselects
         return False
 
@@ -114,6 +117,8 @@ def refusing_new_processes(nodeid: str) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess.Popen, "__init__", refuse)
         patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        if _posixsubprocess is not None:  # multiprocessing's helpers (resource tracker, forkserver) start through it
+            patch.setattr(_posixsubprocess, "fork_exec", refuse)
         for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
             if hasattr(os, name):
                 patch.setattr(os, name, refuse)

@@ -44,9 +44,13 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 @functools.cache
 def _libc_function(name: str) -> Any:
-    """The C library's function `name`, or None (not glibc's). The process's own symbols: looking the
-    library up by name (`ctypes.util.find_library`) would start `ldconfig` at every peak reset."""
-    return getattr(ctypes.CDLL(None), name, None)
+    """The allocator's function `name` among the process's own symbols (glibc's, or a preloaded allocator's), or
+    None where there is none (musl, macOS; Windows has no such lookup). By name (`ctypes.util.find_library`) the
+    lookup would start `ldconfig` at every peak reset."""
+    try:
+        return getattr(ctypes.CDLL(None), name, None)
+    except (OSError, TypeError):
+        return None
 
 
 def _malloc_trim() -> None:
