@@ -212,13 +212,12 @@ def _cached_fingerprints(cache_dir: Path, world_size: int) -> set[str]:
     """Fingerprints of the profiles already in the cache, also those of `world_size` ranks it keeps apart (to tell
     reuse from measurement)."""
     from poplar_ext.plan.formats import load_profile
-    from poplar_ext.profiler.cache import parked_profiles_dir
+    from poplar_ext.profiler.cache import parked_profiles
 
-    found = set()
-    for directory in (cache_dir, parked_profiles_dir(cache_dir, world_size)):
-        for path in directory.glob("*.json") if directory.is_dir() else []:
-            with contextlib.suppress(FormatError):  # damaged: the profiler measures again
-                found.add(load_profile(path).fingerprint)
+    found = {p.fingerprint for p in parked_profiles(cache_dir, world_size)}
+    for path in cache_dir.glob("*.json") if cache_dir.is_dir() else []:
+        with contextlib.suppress(FormatError):  # damaged: the profiler measures again
+            found.add(load_profile(path).fingerprint)
     return found
 
 

@@ -63,10 +63,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Before `-m`/`-k` deselect any: the files this session's collection reached.
     config.stash[_COLLECTED_FILES] = frozenset(item.nodeid.split("::")[0] for item in items)
+    for item in items:
+        if any(folder in item.path.parents for folder in _WHOLLY_MULTIPROCESS):
+            item.add_marker(MULTIPROCESS)
     _multi_process_files_first(items)
 
 
 MULTI_PROCESS_FOLDER = Path(__file__).parent / "dist"
+_WHOLLY_MULTIPROCESS = (MULTI_PROCESS_FOLDER, Path(__file__).parent / "gpu")
+"""Folders whose every test starts ranks (tests/gpu: on CUDA): marked ``multiprocess`` here, before `-m` deselects."""
 
 
 def _multi_process_files_first(items: list[pytest.Item]) -> None:

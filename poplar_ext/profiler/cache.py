@@ -335,11 +335,14 @@ def find_cached_profile(
     size replaced (`parked_profiles_dir`) is moved back into `cache_dir`, where the search reads it (rank 0's
     lookup: the only writer)."""
     directory = Path(cache_dir)
-    found = next((p for _, p in _stored(directory) if _reusable(p, key, settings)), None)
+
+    def reusable_in(folder: Path) -> tuple[Path, Profile] | None:
+        return next(((path, p) for path, p in _stored(folder, stacklevel=4) if _reusable(p, key, settings)), None)
+
+    found = reusable_in(directory)
     if found is not None:
-        return found
-    parked_dir = parked_profiles_dir(directory, key.world_size)
-    parked = next(((path, p) for path, p in _stored(parked_dir) if _reusable(p, key, settings)), None)
+        return found[1]
+    parked = reusable_in(parked_profiles_dir(directory, key.world_size))
     if parked is None:
         return None
     path, profile = parked
@@ -457,11 +460,11 @@ def _store(
     new file."""
     layers = isinstance(profile, LayerProfile)
     stored = _stored(Path(cache_dir), layers=layers, stacklevel=4)
-    replaced = next(((path, s) for path, s in stored if key(s) == key(profile)), None)
-    if replaced is not None and before_replacing is not None:
-        before_replacing(replaced[1], replaced[0])
-    target = replaced[0] if replaced is not None else None
-    target = target or (layer_profiles_dir(cache_dir) if layers else Path(cache_dir)) / profile_file_name(profile)
+    target, replaced = next(((path, s) for path, s in stored if key(s) == key(profile)), (None, None))
+    if target is None:
+        target = (layer_profiles_dir(cache_dir) if layers else Path(cache_dir)) / profile_file_name(profile)
+    elif before_replacing is not None:
+        before_replacing(replaced, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     save(profile, target)
     return target

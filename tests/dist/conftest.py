@@ -1,4 +1,5 @@
-"""Shared setup of the multi-process tests: every test here is marked ``dist`` and ``multiprocess``.
+"""Shared setup of the multi-process tests: every test here is marked ``dist`` (and, by
+tests/conftest.py, ``multiprocess``).
 
 The ranks are forked by ``harness.run_ranks`` (this directory is on ``sys.path``
 in its tests, so ``from harness import run_ranks`` works).
@@ -17,4 +18,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _HERE in Path(item.path).parents:
             item.add_marker(pytest.mark.dist)
-            item.add_marker(pytest.mark.multiprocess)

@@ -9,13 +9,4 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
-_HERE = Path(__file__).parent
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:  # ranks and CUDA starts: outside the fast tier
-        if _HERE in Path(item.path).parents:
-            item.add_marker(pytest.mark.multiprocess)
