@@ -46,7 +46,7 @@ def case_settings(case: str, *, cache_dir: Path | None = None, rounds: int = 3) 
     )
 
 
-# --- The ranks (forked by bench.demo.run_ranks) ---
+# --- The ranks (forked by poplar_bench.demo.run_ranks) ---
 def _run_rank(settings: DemoSettings, work: Path) -> dict[str, Any]:
     import torch.distributed as dist
 

@@ -1,4 +1,4 @@
-"""One rank of `bench.clean_exit`: a script that ends with a plain return, as users write them.
+"""One rank of `poplar_bench.clean_exit`: a script that ends with a plain return, as users write them.
 ``python -m poplar_bench.clean_exit_rank --kind torch|poplar ...``; docs/bench.md (poplar-bench clean-exit)."""
 
 from __future__ import annotations

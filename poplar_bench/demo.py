@@ -178,7 +178,7 @@ def assemble_report(
 ) -> dict[str, Any]:
     """Build the demo report from the ranks' result files and the search's plans.
 
-    `plans` (rank 0's, `bench.demo_worker.make_plans`) maps each policy to ``{status, message, plan (plan JSON
+    `plans` (rank 0's, `poplar_bench.demo_worker.make_plans`) maps each policy to ``{status, message, plan (plan JSON
     or None), predicted_busy_s (per rank), predicted {iteration_time_s, samples_per_s}}``, plus ``cluster``
     (the cluster JSON the ranks agreed on), ``profiles`` (device type -> curve at the demo's stage and
     profile provenance) and ``ideal_predicted``."""

@@ -323,8 +323,9 @@ def make_plans(
     *,
     checks: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Search every policy, write each plan to ``plan-<policy>.json`` in `work`; what `bench.demo.assemble_report`
-    reads as ``plans``. `checks`: the profiles' calibration, recorded in every plan and in ``calibration``."""
+    """Search every policy, write each plan to ``plan-<policy>.json`` in `work`; what
+    `poplar_bench.demo.assemble_report` reads as ``plans``. `checks`: the profiles' calibration, recorded in every
+    plan and in ``calibration``."""
     from poplar_ext.plan.network_format import find_network, network_to_dict
     from poplar_ext.profiler.calibration import with_calibration
     from poplar_ext.search import predict

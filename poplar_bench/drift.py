@@ -30,7 +30,7 @@ SHARE_GOAL = 0.9
 COST_GOAL = 0.01
 
 
-# --- The ranks (forked by bench.demo.run_ranks) ---
+# --- The ranks (forked by poplar_bench.demo.run_ranks) ---
 def _run_rank(settings: DriftSettings, work: Path) -> dict[str, Any]:
     import torch.distributed as dist
 

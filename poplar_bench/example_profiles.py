@@ -1,4 +1,4 @@
-"""Regenerate the shipped example profiles, cluster and network (MODELLED by `bench.gpu_model`, not measured).
+"""Regenerate the shipped example profiles, cluster and network (MODELLED by `poplar_bench.gpu_model`, not measured).
 
 ``python -m poplar_bench.example_profiles``; see docs/bench.md (outside poplar-bench; modelled GPUs).
 """

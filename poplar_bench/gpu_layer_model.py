@@ -1,5 +1,5 @@
-"""Layer profiles of GPUs we cannot measure, from the same analytic model as `bench.gpu_model` (labelled modelled),
-and the network the pipeline comparison prices with. See docs/bench.md (modelled GPUs)."""
+"""Layer profiles of GPUs we cannot measure, from the same analytic model as `poplar_bench.gpu_model` (labelled
+modelled), and the network the pipeline comparison prices with. See docs/bench.md (modelled GPUs)."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def two_level_network(
     gpus_per_node: int,
     intra_node_bytes_per_s: float = INTRA_NODE_BYTES_PER_S,
 ) -> NetworkProfile:
-    """`bench.gpu_model.modelled_network` with within-node and between-node scopes (labelled modelled)."""
+    """`poplar_bench.gpu_model.modelled_network` with within-node and between-node scopes (labelled modelled)."""
     assumptions = assumptions or Assumptions()
     job = whole_job_network(assumptions)
 

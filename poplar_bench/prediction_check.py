@@ -22,7 +22,7 @@ class PredictionCase:
     """Report file stem under ``prediction_check/``."""
     zero_stage: int
     slowdowns: tuple[float, ...] | None = None
-    """One rank per value (`bench.demo_config.devices_from_slowdowns`); None: the demo's default 3 ranks."""
+    """One rank per value (`poplar_bench.demo_config.devices_from_slowdowns`); None: the demo's default 3 ranks."""
     global_batch_size: int | None = None
     """Samples per iteration; None: the demo's default."""
 

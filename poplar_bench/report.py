@@ -448,7 +448,7 @@ def _lever_rate(c: dict[str, Any]) -> str:
 
 
 def render_scaling(series: list[dict[str, Any]]) -> list[str]:
-    """Markdown: each stage alone as the cluster grows (see `bench.simulate.scaling_series`)."""
+    """Markdown: each stage alone as the cluster grows (see `poplar_bench.simulate.scaling_series`)."""
     rows = [row for item in series for row in item["rows"]]
     per_gpu = {row["global_batch_size"] / row["world_size"] for row in rows}
     batches = {row["global_batch_size"] for row in rows}

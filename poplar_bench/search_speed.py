@@ -25,7 +25,7 @@ GOALS = (
     {"goal": "64 ranks (1 to 6 device types)", "ranks": (64,), "types": TYPE_COUNTS, "target_s": 0.05},
 )
 LARGE_BATCHES = (2**22, 10**9, 2**31)
-"""Global batches of the large-batch cells: 2^31 is the search's limit (search.formats)."""
+"""Global batches of the large-batch cells: 2^31 is the search's limit (poplar_ext.plan.formats)."""
 LARGE_BATCH_GOAL = {
     "goal": "any global batch up to 2^31, every stage, 4096 ranks x 6 types and the shipped example",
     "target_s": 1.0,

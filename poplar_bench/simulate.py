@@ -103,7 +103,7 @@ def _device_sources(case: SimulationCase) -> dict[str, dict[str, Any]]:
         source = "modelled" if modelled else "measured" if emulation is None else "emulated"
         sources[device_type] = {
             "source": source,
-            # Who made a modelled profile: bench.gpu_model, or whatever its file says.
+            # Who made a modelled profile: poplar_bench.gpu_model, or whatever its file says.
             "modelled_by": None
             if source != "modelled"
             else str(profile.measured_with.get("model", "unknown (see the profile's measured_with)")),
@@ -256,9 +256,9 @@ def simulation_report(
     checkpointing_cases: list[SimulationCase] | None = None,
     parallelism: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A full report over `cases` (see `bench.report` for the layout); with `scaling`, each stage as clusters grow;
-    with `checkpointing_cases` (profiled both ways), `checkpointing_effect` on them, and `offload_effect`
-    where they also have offloaded profiles; with `parallelism` (`bench.simulate_pipelines`), ZeRO against
+    """A full report over `cases` (see `poplar_bench.report` for the layout); with `scaling`, each stage as clusters
+    grow; with `checkpointing_cases` (profiled both ways), `checkpointing_effect` on them, and `offload_effect`
+    where they also have offloaded profiles; with `parallelism` (`poplar_bench.simulate_pipelines`), ZeRO against
     pipelines."""
     scenarios = [simulate_case(case) for case in cases]
     modelled: dict[str, set[str]] = {}

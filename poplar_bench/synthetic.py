@@ -24,7 +24,7 @@ from poplar_ext.plan.pipeline_formats import LayerCost, LayerProfile, LayerSampl
 from .gpu_model import sample_sizes
 
 SYNTHETIC_MODEL = ModelInfo(name="synthetic", fingerprint="synthetic-model", num_parameters=1_000_000, dtype="float32")
-_SYNTHETIC = {"source": "modelled", "synthetic": True, "note": "search.synthetic, not a measurement"}
+_SYNTHETIC = {"source": "modelled", "synthetic": True, "note": "poplar_bench.synthetic, not a measurement"}
 
 
 def synthetic_profile(

@@ -152,10 +152,14 @@ class PlanPrediction:
 def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants]]:
     """Profiles by stage, device type and memory levers; ValueError for mixed models or duplicates."""
     if isinstance(profiles, Profile) or not isinstance(profiles, Sequence):
-        raise ValueError(f"profiles: expected a list of search.formats.Profile, found {type(profiles).__name__}")
+        raise ValueError(
+            f"profiles: expected a list of poplar_ext.plan.formats.Profile, found {type(profiles).__name__}"
+        )
     for index, profile in enumerate(profiles):
         if not isinstance(profile, Profile):
-            raise ValueError(f"profiles[{index}]: expected a search.formats.Profile, found {type(profile).__name__}")
+            raise ValueError(
+                f"profiles[{index}]: expected a poplar_ext.plan.formats.Profile, found {type(profile).__name__}"
+            )
         if profile.max_micro_batch_size > MAX_MICRO_BATCH_SIZE:
             # Profiles made in Python skip the file checks; the step-time table has one entry per size.
             raise ValueError(
@@ -194,7 +198,7 @@ def _check_arguments(
     max_global_batch_size: int | None,
 ) -> None:
     if not isinstance(cluster, Cluster):
-        raise ValueError(f"cluster: expected a search.formats.Cluster, found {type(cluster).__name__}")
+        raise ValueError(f"cluster: expected a poplar_ext.plan.formats.Cluster, found {type(cluster).__name__}")
     for name, value in (("global_batch_size", global_batch_size), ("max_global_batch_size", max_global_batch_size)):
         if value is not None and (
             isinstance(value, bool)

@@ -44,7 +44,7 @@ class StepTimeCurve:
             low_slope = min((times[1] - times[0]) / (sizes[1] - sizes[0]), times[0] / sizes[0])
             high_slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
             # Imported here: scipy.interpolate takes ~0.7 s to import, and `import poplar_ext.search`
-            # (which every user of search.formats pays) should not.
+            # (which every user of poplar_ext.plan.formats pays) should not.
             from scipy.interpolate import PchipInterpolator
 
             inside = PchipInterpolator(sizes, times, extrapolate=False)(np.clip(x, sizes[0], sizes[-1]))

@@ -54,7 +54,7 @@ def scaled_problem(
     """Profiles and cluster in which each rank's device runs `rank_scales[r]` times its profile's time.
 
     `levers` gives the ``(activation_checkpointing, optimizer_offload)`` whose profile
-    each device type keeps (default: neither; `search.levers.plan_levers`), so a re-plan
+    each device type keeps (default: neither; `poplar_ext.plan.levers.plan_levers`), so a re-plan
     keeps the running plan's setting: the runtime applies it once, before training. Returns them and
     each rank's derived device type, in rank order (the cluster's nodes and rank order are kept).
     """

@@ -67,7 +67,7 @@ def _check_arguments(
     cluster: Cluster, global_batch_size: int, zero_stage: int | str, method: str, max_stages: int | None
 ) -> None:
     if not isinstance(cluster, Cluster):
-        raise ValueError(f"cluster: expected a search.formats.Cluster, found {type(cluster).__name__}")
+        raise ValueError(f"cluster: expected a poplar_ext.plan.formats.Cluster, found {type(cluster).__name__}")
     if (
         isinstance(global_batch_size, bool)
         or not isinstance(global_batch_size, (int, np.integer))

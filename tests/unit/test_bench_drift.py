@@ -1,4 +1,4 @@
-"""bench.drift's report from rank results (no processes), and its command line."""
+"""poplar_bench.drift's report from rank results (no processes), and its command line."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`bench.simulate`: policies compared by prediction on modelled and given profiles."""
+"""`poplar_bench.simulate`: policies compared by prediction on modelled and given profiles."""
 
 import dataclasses
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,104 @@ def test_public_api(name):
     import poplar_ext
 
     assert name in poplar_ext.__all__ and getattr(poplar_ext, name) is not None
+
+
+# -- Names in prose: what a reader is told to import exists under that name
+_BACKTICKED = re.compile(r"`{1,2}([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(\))?`{1,2}")
+_SHORT_HEADS = ("search", "plan", "profiler", "runtime", "hardware", "zero", "integrations", "models")
+"""Backticked names that start with a folder of poplar_ext name that folder (``pipeline.`` is left out: it is also
+the DeepSpeed config's section)."""
+_RETIRED = re.compile(r"\bsearch\.formats\b|\bfrom search import\b|(?<![\w./-])bench\.(?!md\b|json\b)[a-z_]+\b(?!/)")
+"""Names from before the one package: ``search`` and ``bench`` installed under other names (``bench.gpu_model/1``
+stays: a version written into profiles)."""
+
+
+def _prose_files() -> list[Path]:
+    docs = [p for p in ROOT.rglob("*.md") if not {".git", "results", "node_modules"} & set(p.parts)]
+    return sorted(docs + [p for package in PACKAGES for p in _modules(package)])
+
+
+def _top_level_names(path: Path) -> tuple[set[str], dict[str, ast.ClassDef]]:
+    names, classes = set(), {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+            if isinstance(node.value, ast.Dict):  # a package's lazily loaded names (PEP 562)
+                names.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+        elif isinstance(node, ast.If):  # names defined under TYPE_CHECKING or a version test
+            names.update(_top_level_names_of(node.body + node.orelse))
+    return names, classes
+
+
+def _top_level_names_of(body: list[ast.stmt]) -> set[str]:
+    return {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
+        t.id for n in body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
+    }
+
+
+def _class_has(node: ast.ClassDef, member: str) -> bool:
+    """Whether the class defines `member` (a method, a field, an attribute), or inherits from outside the file."""
+    if any(
+        not (isinstance(b, ast.Name) and b.id in {"object", "Exception", "ValueError", "Protocol"}) for b in node.bases
+    ):
+        return True  # inherited members: not followed
+    for item in ast.walk(node):
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and item.name == member:
+            return True
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.target.id == member:
+            return True
+        if isinstance(item, (ast.Attribute, ast.Name)) and member in (
+            getattr(item, "attr", None),
+            getattr(item, "id", None),
+        ):
+            return True
+    return False
+
+
+def _module_file(dotted: str) -> Path | None:
+    base = ROOT.joinpath(*dotted.split("."))
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+
+
+def _resolves(name: str) -> bool:
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        path = _module_file(".".join(parts[:cut]))
+        if path is None:
+            continue
+        rest = parts[cut:]
+        if not rest:
+            return True
+        names, classes = _top_level_names(path)
+        if rest[0] not in names:
+            return False
+        return len(rest) == 1 or rest[0] not in classes or _class_has(classes[rest[0]], rest[1])
+    return False
+
+
+def _named_in_prose() -> list[tuple[str, int, str]]:
+    found = []
+    for path in _prose_files():
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            for match in _BACKTICKED.finditer(line):
+                name = match.group(1)
+                if name.split(".")[0] in _SHORT_HEADS:
+                    name = "poplar_ext." + name
+                if name.split(".")[0] in PACKAGES and name.rsplit(".", 1)[1] not in {"py", "md", "json"}:
+                    found.append((f"{path.relative_to(ROOT)}:{number}", 0, name))
+            found += [(f"{path.relative_to(ROOT)}:{number}", 1, m.group(0)) for m in _RETIRED.finditer(line)]
+    return found
+
+
+def test_names_in_docs_and_docstrings_are_the_names_that_import():
+    named = _named_in_prose()
+    assert sum(1 for _, retired, _ in named if not retired) > 100, "the scan found the backticked names"
+    wrong = [f"{where}: {name}" for where, retired, name in named if retired or not _resolves(name)]
+    assert not wrong, "names that do not import as written (the module or name moved?):\n" + "\n".join(wrong)

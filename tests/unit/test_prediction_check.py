@@ -1,4 +1,4 @@
-"""bench.prediction_check: the summary of demo reports across stages and rank counts (no runs)."""
+"""poplar_bench.prediction_check: the summary of demo reports across stages and rank counts (no runs)."""
 
 from __future__ import annotations
 

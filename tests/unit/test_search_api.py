@@ -139,9 +139,9 @@ def test_bad_arguments(profiles, cluster, kwargs, match):
 
 
 def test_bad_argument_types(profiles, cluster):
-    with pytest.raises(ValueError, match=r"cluster: expected a search.formats.Cluster, found dict"):
+    with pytest.raises(ValueError, match=r"cluster: expected a poplar_ext.plan.formats.Cluster, found dict"):
         search_plan(profiles, {"nodes": []})
-    with pytest.raises(ValueError, match=r"profiles\[1\]: expected a search.formats.Profile, found str"):
+    with pytest.raises(ValueError, match=r"profiles\[1\]: expected a poplar_ext.plan.formats.Profile, found str"):
         search_plan([profiles[0], "p.json"], cluster)
 
 
