@@ -316,8 +316,9 @@ def _notes(settings: DemoSettings) -> list[str]:
         "The engine ends each emulated micro-step (and its sleep) before the gradient reduction, as a slow device "
         "finishes computing before it communicates.",
         "Ideal: sum over ranks of each rank's best standalone throughput (micro-steps only, no communication, so "
-        "no waiting; all ranks at once, as in training), measured in this run at the profile's best and largest "
-        "micro-batch.",
+        "no waiting; all ranks at once, as in training), measured in this run at the largest micro-batch and at "
+        "the one of highest throughput on the profile's fitted curve (the times the plans and the steady "
+        "emulation use).",
         "Predictions come from the profiles (each micro-step timed by thread CPU time x slowdown, the median of "
         "repeats) and from the network file the profiler measured (collective times on these ranks, fitted to a "
         "ring model; none: the boundary as profiled); measurements are wall time. Compute runs at the profiles' "

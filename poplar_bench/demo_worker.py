@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -492,6 +493,19 @@ def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) ->
 
 
 # --- Phase 4: standalone throughput (the measured ideal) ---
+def standalone_sizes(profile: Profile) -> list[int]:
+    """The micro-batch sizes whose standalone throughput is measured: the one of highest throughput on the
+    profile's fitted curve and the largest. The curve is what the search plans with and what steady
+    emulation runs at, so the ideal is measured on the same times as the plans; a raw sample that ran fast
+    by chance (pooled away by the fit) would not be run at its own time, and a size between samples where
+    the curve runs faster would be missed."""
+    from poplar_ext.search.curves import fit_curve
+
+    table = fit_curve(profile).table()
+    best = int(np.argmax(np.arange(1, len(table) + 1) / table)) + 1
+    return sorted({best, profile.max_micro_batch_size})
+
+
 def measure_standalone(
     settings: DemoSettings,
     cluster: Cluster,
@@ -518,9 +532,7 @@ def measure_standalone(
     )
     model = (model if model is not None else _make_model(settings)).to(device)
     make_batch = make_batch or (lambda size: _batch(settings, size))
-    # The profiled size of best throughput and the largest: the best measured one is the ideal.
-    best = max(profile.samples, key=lambda s: s.micro_batch_size / s.micro_step_time_s).micro_batch_size
-    sizes = sorted({best, profile.max_micro_batch_size})
+    sizes = standalone_sizes(profile)
     batches = {size: move_to_device(make_batch(size), device) for size in sizes}
     times: dict[int, list[float]] = {size: [] for size in sizes}
     # One size at a time, as the profiler and training run them: the first steps
