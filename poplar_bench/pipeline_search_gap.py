@@ -16,7 +16,7 @@ import numpy as np
 from poplar_bench.synthetic import random_layer_profiles, simple_cluster
 from poplar_ext.search.network import modelled_network
 from poplar_ext.search.pipeline_layouts import all_layouts, candidate_layouts, rank_nodes
-from poplar_ext.search.pipeline_search import _exact_count, search_pipeline_plan
+from poplar_ext.search.pipeline_search import exact_count, search_pipeline_plan
 
 from .commands._options import add_output_dir, default_output_dir
 from .report import machine_description, utc_now, write_json_and_markdown
@@ -81,7 +81,7 @@ def measure_case(case: dict[str, Any]) -> dict[str, Any] | None:
     cluster, profiles = case["cluster"], case["profiles"]
     num_layers = profiles[0].num_layers
     every = all_layouts(cluster, num_layers)
-    if _exact_count(every, num_layers) > MAX_EXACT_SPLITS:
+    if exact_count(every, num_layers) > MAX_EXACT_SPLITS:
         return None
     kwargs = dict(global_batch_size=case["global_batch_size"], network=case["network"])
     started = time.perf_counter()

@@ -180,7 +180,8 @@ def profile_curve(profile: Any) -> list[dict[str, float]]:
 
 
 # --- Markdown ---
-def _fmt(value: float | None, pattern: str = "{:.3g}") -> str:
+def num_text(value: float | None, pattern: str = "{:.3g}") -> str:
+    """`value` by `pattern` for a report's tables, "-" for none."""
     return "-" if value is None else pattern.format(value)
 
 
@@ -209,8 +210,8 @@ def readme_table(report: dict[str, Any]) -> str:
         measured_s = entry["measured"]["iteration_time_s"]["median"]
         lines.append(
             f"| {entry['policy']} | {allocation} | {measured_s:.2f} / {entry['predicted']['iteration_time_s']:.2f} | "
-            f"{entry['measured']['samples_per_s']:.3g} | {_fmt(entry.get('speedup_over_uniform'), '{:.2f}x')} | "
-            f"{_fmt(entry.get('share_of_ideal'), '{:.3f}')} |"
+            f"{entry['measured']['samples_per_s']:.3g} | {num_text(entry.get('speedup_over_uniform'), '{:.2f}x')} | "
+            f"{num_text(entry.get('share_of_ideal'), '{:.3f}')} |"
         )
     return "\n".join(lines)
 
@@ -279,7 +280,7 @@ def goals_table(goals: list[dict[str, Any]], pattern: str = "{:.3g}") -> list[st
     lines = ["| goal | value | target | met |", "| --- | --- | --- | --- |"]
     for g in goals:
         met = "yes" if g["met"] else "NO"
-        lines.append(f"| {_cell(g['goal'])} | {_fmt(g['value'], pattern)} | {_cell(g['target'])} | {met} |")
+        lines.append(f"| {_cell(g['goal'])} | {num_text(g['value'], pattern)} | {_cell(g['target'])} | {met} |")
     return lines
 
 
@@ -293,7 +294,7 @@ def _scenario_summary(scenario: dict[str, Any]) -> str:
     text = (
         f"{scenario['cluster']['world_size']} ranks: {', '.join(devices)}. Model {scenario['model']['name']} "
         f"({scenario['model']['num_parameters']:,} parameters). Global batch {scenario['global_batch_size']}. "
-        f"Ideal samples/s: measured {_fmt(ideal.get('measured'))}, predicted {_fmt(ideal.get('predicted'))}."
+        f"Ideal samples/s: measured {num_text(ideal.get('measured'))}, predicted {num_text(ideal.get('predicted'))}."
     )
     if "profiles_from_cache" in scenario:
         text += " Profiles: " + (
@@ -323,10 +324,11 @@ def _policy_table(policies: list[dict[str, Any]]) -> list[str]:
         predicted = e["predicted"]
         lines.append(
             f"| {e['policy']} | {e['zero_stage']} | {summarise_allocation(e['ranks'])} | "
-            f"{_fmt(measured.get('iteration_time_s', {}).get('median'))} | {_fmt(predicted['iteration_time_s'])} | "
-            f"{_pct(e.get('prediction_error'))} | {_fmt(measured.get('samples_per_s'))} | "
-            f"{_fmt(predicted['samples_per_s'])} | {_fmt(e.get('speedup_over_uniform'), '{:.2f}x')} | "
-            f"{_fmt(e.get('share_of_ideal'), '{:.2f}')} |"
+            f"{num_text(measured.get('iteration_time_s', {}).get('median'))} | "
+            f"{num_text(predicted['iteration_time_s'])} | "
+            f"{_pct(e.get('prediction_error'))} | {num_text(measured.get('samples_per_s'))} | "
+            f"{num_text(predicted['samples_per_s'])} | {num_text(e.get('speedup_over_uniform'), '{:.2f}x')} | "
+            f"{num_text(e.get('share_of_ideal'), '{:.2f}')} |"
         )
     return lines
 
@@ -352,7 +354,7 @@ def _busy_table(policies: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {e['policy']} | {r['rank']} | {r['device_type']} | {r['micro_batch_size']} * "
             f"{r['gradient_accumulation_steps']} "
-            f"| {_fmt(r['measured_busy_s']['median'])} | {_fmt(r['predicted_busy_s'])} |"
+            f"| {num_text(r['measured_busy_s']['median'])} | {num_text(r['predicted_busy_s'])} |"
         )
     return lines
 
@@ -376,13 +378,13 @@ def _decomposition_table(policies: list[dict[str, Any]]) -> list[str]:
     for e, r in decomposed:
         p, m = r["decomposition"]["predicted"], r["decomposition"]["measured"]
         lines.append(
-            f"| {e['policy']} | {r['rank']} ({r['device_type']}) | {_fmt(p['compute_s'])} / "
-            f"{_fmt(m['busy_s'])} "
-            f"| {_fmt(p['micro_step_communication_s'])} "
-            f"| {_fmt(p['boundary_communication_s'])} + {_fmt(p['optimizer_step_s'])} "
-            f"| {_fmt(m['boundary_reduction_and_wait_s'])} / {_fmt(m['step_s'])} "
-            f"| {_fmt(m['first_micro_step_s'])} / {_fmt(m['later_micro_step_s'])} "
-            f"| {_fmt(p['iteration_time_s'])} / {_fmt(m['iteration_time_s'])} |"
+            f"| {e['policy']} | {r['rank']} ({r['device_type']}) | {num_text(p['compute_s'])} / "
+            f"{num_text(m['busy_s'])} "
+            f"| {num_text(p['micro_step_communication_s'])} "
+            f"| {num_text(p['boundary_communication_s'])} + {num_text(p['optimizer_step_s'])} "
+            f"| {num_text(m['boundary_reduction_and_wait_s'])} / {num_text(m['step_s'])} "
+            f"| {num_text(m['first_micro_step_s'])} / {num_text(m['later_micro_step_s'])} "
+            f"| {num_text(p['iteration_time_s'])} / {num_text(m['iteration_time_s'])} |"
         )
     return lines
 
@@ -481,7 +483,7 @@ def render_scaling(series: list[dict[str, Any]]) -> list[str]:
                 f"({100 * cell['communication_share']:.0f}%)"
                 for cell in (row["stages"][str(stage)] for stage in ZERO_STAGES)
             ]
-            lines.append(f"| {row['world_size']} | {' | '.join(cells)} | {_fmt(row['fastest_stage'], '{}')} |")
+            lines.append(f"| {row['world_size']} | {' | '.join(cells)} | {num_text(row['fastest_stage'], '{}')} |")
         stops = ", ".join(
             f"stage {stage}: {'never (in this range)' if at is None else f'{at} GPUs'}"
             for stage, at in item["stops_paying_at_world_size"].items()

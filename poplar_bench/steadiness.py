@@ -9,7 +9,7 @@ from typing import Any
 
 from poplar_ext.plan.formats import read_json
 
-from .report import _fmt, goal_entry, goals_table, write_json_and_markdown
+from .report import goal_entry, goals_table, num_text, write_json_and_markdown
 
 SHARE_SPREAD_GOAL = 0.02  # poplar's share of the measured ideal: largest - smallest over the runs, at most this
 ERROR_SPREAD_GOAL = 0.03  # each policy's prediction error: largest - smallest over the runs, at most (3 points)
@@ -75,10 +75,10 @@ def render_steadiness(summary: dict[str, Any]) -> str:
         "| --- | --- | " + " | ".join("---" for _ in policies) + " | --- |",
     ]
     for run in summary["runs"]:
-        errors = " | ".join(_fmt(run["prediction_error"].get(p), "{:+.3f}") for p in policies)
+        errors = " | ".join(num_text(run["prediction_error"].get(p), "{:+.3f}") for p in policies)
         lines.append(
-            f"| {run['run']} | {_fmt(run['poplar_share_of_ideal'], '{:.3f}')} | {errors} | "
-            f"{_fmt(run['emulation_overrun_share'], '{:.2%}')} |"
+            f"| {run['run']} | {num_text(run['poplar_share_of_ideal'], '{:.3f}')} | {errors} | "
+            f"{num_text(run['emulation_overrun_share'], '{:.2%}')} |"
         )
     lines += ["", *goals_table(summary["goals"], "{:.3f}")]
     return "\n".join(lines) + "\n"

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from poplar_ext.plan.formats import read_json
 
 from ..demo_config import MIB, DemoDevice, DemoModel, DemoSettings
-from ..report import _fmt
+from ..report import num_text
 
 if TYPE_CHECKING:
     from .context import StepContext
@@ -144,6 +144,6 @@ def predictions_markdown(result: dict[str, Any]) -> list[str]:
     ]
     for policy, p in result["policies"].items():
         cells = [p["samples_per_s_measured"], p["speedup_over_uniform"], p["share_of_ideal"], p["prediction_error"]]
-        times = f"{_fmt(p.get('iteration_s_measured'))} / {_fmt(p.get('iteration_s_predicted'))}"
-        lines.append(f"| {policy} | {p['status']} | {times} | {' | '.join(map(_fmt, cells))} |")
+        times = f"{num_text(p.get('iteration_s_measured'))} / {num_text(p.get('iteration_s_predicted'))}"
+        lines.append(f"| {policy} | {p['status']} | {times} | {' | '.join(map(num_text, cells))} |")
     return lines + ["", f"Full report: {', '.join(result['files'])}"]

@@ -97,7 +97,7 @@ def _rank_arguments(args: TrainingArguments, job: Job, *, checkpointing: bool | 
 
 
 @ends_job_on_user_error  # the first refusal of a Trainer's arguments (the mixin's, TRL's): an error of the code
-def _named_arguments(below: list[type], positional: tuple, keywords: dict[str, Any]) -> dict[str, Any]:
+def named_arguments(below: list[type], positional: tuple, keywords: dict[str, Any]) -> dict[str, Any]:
     """`positional` named as the first ``__init__`` in `below` (the classes after the mixin, in MRO order)
     that names them takes them (one taking ``*args`` passes them on; TypeError as Python raises it for too
     many or for one given twice), beside `keywords`."""
@@ -358,7 +358,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         # By name, positional ones in the order of the Trainer class mixed in (the Trainer's third is
         # data_collator, DPOTrainer's second ref_model).
         mro = type(self).__mro__
-        kwargs = _named_arguments(list(mro[mro.index(PoplarTrainerMixin) + 1 :]), positional, kwargs)
+        kwargs = named_arguments(list(mro[mro.index(PoplarTrainerMixin) + 1 :]), positional, kwargs)
         model, args, train_dataset = (kwargs.pop(name, None) for name in ("model", "args", "train_dataset"))
         configured = _refuse_before_settling(type(self), args)
         _refuse_per_rank_retries(args)

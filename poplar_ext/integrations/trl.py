@@ -12,7 +12,7 @@ from trl import DPOTrainer, SFTTrainer
 
 from poplar_ext.collectives import gather_objects
 from poplar_ext.elastic import ends_job_on_user_error
-from poplar_ext.integrations.transformers import PoplarTrainerMixin, _named_arguments
+from poplar_ext.integrations.transformers import PoplarTrainerMixin, named_arguments
 
 # DPO loss types whose value for a pair depends on the other pairs of its micro-batch.
 _MICRO_BATCH_DPO_LOSSES = {
@@ -87,7 +87,7 @@ class PoplarSFTTrainer(_LocalMetrics, SFTTrainer):
     (flash attention), or they are refused."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        given = _named_arguments([SFTTrainer], args, kwargs)
+        given = named_arguments([SFTTrainer], args, kwargs)
         model, config = given.get("model"), given.get("args")
         # From the arguments, before the plan is resolved on every rank (a collective).
         _refuse_padding_free_across_sequences(config, _attention_to_be(model, config))
@@ -135,7 +135,7 @@ class PoplarDPOTrainer(_LocalMetrics, DPOTrainer):
 
     @ends_job_on_user_error  # as the mixin's refusals, which come after this one's
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        config = _named_arguments([DPOTrainer], args, kwargs).get("args")
+        config = named_arguments([DPOTrainer], args, kwargs).get("args")
         # The batch sizes as given, before the plan makes them each rank's own (`_precompute_ref_logps`).
         self._precompute_batch_sizes = (
             getattr(config, "per_device_train_batch_size", None),

@@ -41,7 +41,8 @@ def levers_text(activation_checkpointing: bool, optimizer_offload: bool = False)
     return f" with {' and '.join(used)}" if used else ""
 
 
-def _some(items: list[str], limit: int = 3) -> str:
+def listed(items: list[str], limit: int = 3) -> str:
+    """The first `limit` items joined by commas, then how many more (for messages)."""
     shown = ", ".join(items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
@@ -83,20 +84,22 @@ MAX_BANDWIDTH_BYTES_PER_S = 1e15
 Reader = Callable[[Node], Any]
 
 
-def _int(minimum: int | None = None, maximum: int | None = None) -> Reader:
+def int_reader(minimum: int | None = None, maximum: int | None = None) -> Reader:
+    """A field's reader: an integer within the bounds."""
     return lambda node: node.integer(minimum=minimum, maximum=maximum)
 
 
-def _num(minimum: float | None = None, maximum: float | None = None, *, positive: bool = False) -> Reader:
+def number_reader(minimum: float | None = None, maximum: float | None = None, *, positive: bool = False) -> Reader:
+    """A field's reader: a number within the bounds (`positive`: above 0)."""
     return lambda node: node.number(minimum=minimum, maximum=maximum, positive=positive)
 
 
-def _keys(cls: type) -> tuple[str, ...]:
+def field_names(cls: type) -> tuple[str, ...]:
     """The JSON keys of a format's object: its dataclass's fields (one source for both)."""
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
-def _values(node: Node, cls: type, optional: tuple[str, ...] = (), **readers: Reader) -> dict[str, Any]:
+def read_values(node: Node, cls: type, optional: tuple[str, ...] = (), **readers: Reader) -> dict[str, Any]:
     """`cls`'s fields read from `node` in the order of `readers`; a field with a default, or in `optional`
     (then None), may be absent or null (files written before it existed)."""
     values = {}
@@ -111,18 +114,18 @@ def _values(node: Node, cls: type, optional: tuple[str, ...] = (), **readers: Re
     return values
 
 
-def _read(node: Node, cls: type, optional: tuple[str, ...] = (), **readers: Reader) -> Any:
-    """A `cls` from an object holding no key but its fields (`_values`)."""
-    return cls(**_values(node.obj().keys_within(_keys(cls)), cls, optional, **readers))
+def read_object(node: Node, cls: type, optional: tuple[str, ...] = (), **readers: Reader) -> Any:
+    """A `cls` from an object holding no key but its fields (`read_values`)."""
+    return cls(**read_values(node.obj().keys_within(field_names(cls)), cls, optional, **readers))
 
 
-def _root(data: Any, source: str, cls: type, version: int, *more_keys: str, integer: bool = False) -> Node:
+def read_root(data: Any, source: str, cls: type, version: int, *more_keys: str, integer: bool = False) -> Node:
     """The top-level object of a file of `cls`, its keys and its ``schema_version`` checked (`integer`: first
     an integer, as the pipeline formats have always asked: 1.0 is refused there); a file of another format is
     named as such (`kinds.refuse_other_format`), its keys not taken for misspelt ones."""
     root = Node(data, source).obj()
     kinds.refuse_other_format(data, source, cls.__name__)
-    root.keys_within((*_keys(cls), *more_keys))
+    root.keys_within((*field_names(cls), *more_keys))
     found = root.field("schema_version")
     if integer:
         found.integer()
@@ -131,11 +134,12 @@ def _root(data: Any, source: str, cls: type, version: int, *more_keys: str, inte
     return root
 
 
-def _list(read: Reader, **length: int) -> Reader:
+def list_reader(read: Reader, **length: int) -> Reader:
+    """A field's reader: a list (of `length`: ``min_length``, ``max_length``) of items each read by `read`."""
     return lambda node: tuple(read(item) for item in node.items(**length))
 
 
-def _increasing(nodes: list[Node], sizes: list[int], *, show_previous: bool = True) -> None:
+def check_increasing(nodes: list[Node], sizes: list[int], *, show_previous: bool = True) -> None:
     """Sample sizes strictly increasing: the curve fit relies on it, and a duplicate size means two
     measurements were merged wrongly upstream."""
     for node, size, previous in zip(nodes[1:], sizes[1:], sizes):
@@ -144,13 +148,13 @@ def _increasing(nodes: list[Node], sizes: list[int], *, show_previous: bool = Tr
             raise node.field("micro_batch_size").fail(f"a micro_batch_size larger than the previous sample's{shown}")
 
 
-def _measured_with(node: Node) -> dict[str, Any]:
+def read_measured_with(node: Node) -> dict[str, Any]:
     """``measured_with``: free-form provenance with a ``source``, but JSON that the fingerprint can hash."""
     node.obj().within_depth(MAX_JSON_DEPTH).field("source").string(choices=PROFILE_SOURCES)
     return dict(node.value)
 
 
-def _fingerprints(node: Node) -> dict[str, str]:
+def read_fingerprints(node: Node) -> dict[str, str]:
     """``profile_fingerprints``: device type -> the fingerprint of the profile a plan was made from."""
     return {name: child.string() for name, child in node.entries()}
 
@@ -294,13 +298,13 @@ def _schedule_entry(item: Node) -> tuple[int, float, int | None]:
     return step, slowdown, values[2].integer(minimum=0, maximum=MAX_WORLD_SIZE - 1) if len(values) == 3 else None
 
 
-def _emulation(node: Node) -> Emulation:
-    schedule = _list(_schedule_entry, max_length=MAX_SCHEDULE_ENTRIES)
-    return _read(
+def read_emulation(node: Node) -> Emulation:
+    schedule = list_reader(_schedule_entry, max_length=MAX_SCHEDULE_ENTRIES)
+    return read_object(
         node,
         Emulation,
-        slowdown=_num(positive=True, maximum=MAX_SLOWDOWN),
-        memory_capacity_bytes=_int(1, MAX_BYTES),
+        slowdown=number_reader(positive=True, maximum=MAX_SLOWDOWN),
+        memory_capacity_bytes=int_reader(1, MAX_BYTES),
         slowdown_schedule=lambda n: tuple(sorted(schedule(n), key=lambda entry: entry[0])),
     )
 
@@ -317,46 +321,49 @@ def emulation_to_dict(emulation: Emulation) -> dict[str, Any]:
     return data
 
 
-def _model_info(node: Node) -> ModelInfo:
+def read_model_info(node: Node) -> ModelInfo:
     """The ``model`` object of a profile or a layer profile."""
-    return _read(
+    return read_object(
         node,
         ModelInfo,
         name=Node.string,
         fingerprint=Node.string,
-        num_parameters=_int(1, MAX_BYTES),
+        num_parameters=int_reader(1, MAX_BYTES),
         dtype=lambda n: n.string(choices=DTYPES),
-        sequence_length=_int(1, MAX_BYTES),
+        sequence_length=int_reader(1, MAX_BYTES),
     )
 
 
 def profile_from_dict(data: Any, *, source: str = "<profile>") -> Profile:
     """Validate parsed JSON and build a `Profile`; raises `FormatError`."""
-    root = _root(data, source, Profile, PROFILE_SCHEMA_VERSION)
-    model = _model_info(root.field("model"))
+    root = read_root(data, source, Profile, PROFILE_SCHEMA_VERSION)
+    model = read_model_info(root.field("model"))
     max_mbs_node = root.field("max_micro_batch_size")
     max_mbs = max_mbs_node.integer(minimum=0, maximum=MAX_MICRO_BATCH_SIZE)
     sample_nodes = root.field("samples").items(min_length=0 if max_mbs == 0 else 1)
-    sample = {"micro_batch_size": _int(1, MAX_MICRO_BATCH_SIZE), "micro_step_time_s": _num(MIN_TIME_S, MAX_TIME_S)}
-    samples = [_read(node, Sample, **sample, peak_memory_bytes=_int(1, MAX_BYTES)) for node in sample_nodes]
-    _increasing(sample_nodes, [s.micro_batch_size for s in samples])
+    sample = {
+        "micro_batch_size": int_reader(1, MAX_MICRO_BATCH_SIZE),
+        "micro_step_time_s": number_reader(MIN_TIME_S, MAX_TIME_S),
+    }
+    samples = [read_object(node, Sample, **sample, peak_memory_bytes=int_reader(1, MAX_BYTES)) for node in sample_nodes]
+    check_increasing(sample_nodes, [s.micro_batch_size for s in samples])
     if samples and samples[-1].micro_batch_size > max_mbs:
         raise max_mbs_node.fail(f"at least the largest sampled micro_batch_size ({samples[-1].micro_batch_size})")
     zero_stage = root.field("zero_stage").integer(minimum=0, maximum=3)
-    included = {key: _num(0.0, MAX_TIME_S) for key in _keys(IncludedCommunication)}
-    values = _values(
+    included = {key: number_reader(0.0, MAX_TIME_S) for key in field_names(IncludedCommunication)}
+    values = read_values(
         root,
         Profile,
         ("emulated",),
-        measured_with=_measured_with,
+        measured_with=read_measured_with,
         device_type=Node.string,
-        memory_capacity_bytes=_int(1, MAX_BYTES),
-        world_size=_int(1, MAX_WORLD_SIZE),
-        optimizer_step_time_s=_num(0.0, MAX_TIME_S),
-        emulated=_emulation,
+        memory_capacity_bytes=int_reader(1, MAX_BYTES),
+        world_size=int_reader(1, MAX_WORLD_SIZE),
+        optimizer_step_time_s=number_reader(0.0, MAX_TIME_S),
+        emulated=read_emulation,
         activation_checkpointing=Node.boolean,
         optimizer_offload=_offload(zero_stage),
-        included_communication=lambda n: _read(n, IncludedCommunication, **included),
+        included_communication=lambda n: read_object(n, IncludedCommunication, **included),
     )
     return Profile(**values, zero_stage=zero_stage, model=model, max_micro_batch_size=max_mbs, samples=tuple(samples))
 
@@ -427,7 +434,7 @@ class Cluster:
 
 def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
     """Validate parsed JSON and build a `Cluster`; raises `FormatError`."""
-    root = _root(data, source, Cluster, CLUSTER_SCHEMA_VERSION)
+    root = read_root(data, source, Cluster, CLUSTER_SCHEMA_VERSION)
     names: set[str] = set()
     world_size = 0
 
@@ -445,13 +452,13 @@ def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
         return node.value
 
     group = {"device_type": Node.string, "count": count}
-    nodes = _list(
-        lambda node: _read(
+    nodes = list_reader(
+        lambda node: read_object(
             node,
             ClusterNode,
             name=name,
-            devices=_list(lambda g: _read(g, DeviceGroup, **group), min_length=1),
-            uplink_bandwidth_bytes_per_s=_num(positive=True, maximum=MAX_BANDWIDTH_BYTES_PER_S),
+            devices=list_reader(lambda g: read_object(g, DeviceGroup, **group), min_length=1),
+            uplink_bandwidth_bytes_per_s=number_reader(positive=True, maximum=MAX_BANDWIDTH_BYTES_PER_S),
         ),
         min_length=1,
     )(root.field("nodes"))
@@ -461,7 +468,7 @@ def cluster_from_dict(data: Any, *, source: str = "<cluster>") -> Cluster:
     for type_name, info in types_node.entries() if types_node is not None else ():
         if type_name not in used:
             raise info.fail("a device type that some node uses", raw_found=f"{type_name!r}, which no node lists")
-        device_types[type_name] = _read(info, DeviceTypeInfo, emulation=_emulation)
+        device_types[type_name] = read_object(info, DeviceTypeInfo, emulation=read_emulation)
     cluster = Cluster(nodes=nodes, device_types=device_types)
     _check_schedule_ranks(cluster, types_node)
     return cluster
@@ -565,12 +572,12 @@ class Plan:
         return tuple(r.device_type for r in self.ranks)
 
 
-def _prediction(node: Node) -> Prediction:
+def read_prediction(node: Node) -> Prediction:
     """The ``predicted`` object of a plan or a pipeline plan."""
-    return _read(node, Prediction, **dict.fromkeys(_keys(Prediction), _num(positive=True)))
+    return read_object(node, Prediction, **dict.fromkeys(field_names(Prediction), number_reader(positive=True)))
 
 
-def _total(node: Node, total: int, what: str) -> int:
+def read_total(node: Node, total: int, what: str) -> int:
     """``global_batch_size``, which must be `total`, the sum over the plan's `what`."""
     if node.integer(minimum=1, maximum=MAX_GLOBAL_BATCH_SIZE) != total:
         raise node.fail(f"the sum over {what} ({total})")
@@ -584,17 +591,17 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
     if parallelism is not None:
         # pipeline plans have their own reader: poplar_ext.plan.pipeline_formats.any_plan_from_dict
         parallelism.string(choices=("zero",))
-    root = _root(data, source, Plan, PLAN_SCHEMA_VERSION, "parallelism")
+    root = read_root(data, source, Plan, PLAN_SCHEMA_VERSION, "parallelism")
     zero_stage = root.field("zero_stage").integer(minimum=0, maximum=3)
     ranks = []
     for index, node in enumerate(root.field("ranks").items(min_length=1, max_length=MAX_WORLD_SIZE)):
-        rank = _read(
+        rank = read_object(
             node,
             RankPlan,
-            rank=_int(0),
+            rank=int_reader(0),
             device_type=Node.string,
-            micro_batch_size=_int(1, MAX_MICRO_BATCH_SIZE),
-            gradient_accumulation_steps=_int(1, MAX_GLOBAL_BATCH_SIZE),
+            micro_batch_size=int_reader(1, MAX_MICRO_BATCH_SIZE),
+            gradient_accumulation_steps=int_reader(1, MAX_GLOBAL_BATCH_SIZE),
             activation_checkpointing=Node.boolean,
             optimizer_offload=_offload(zero_stage),
         )
@@ -603,12 +610,12 @@ def plan_from_dict(data: Any, *, source: str = "<plan>") -> Plan:
         ranks.append(rank)
     total = sum(r.samples_per_iteration for r in ranks)
     return Plan(
-        **_values(
+        **read_values(
             root,
             Plan,
-            global_batch_size=lambda n: _total(n, total, "ranks of micro_batch_size * gradient_accumulation_steps"),
-            predicted=_prediction,
-            profile_fingerprints=_fingerprints,
+            global_batch_size=lambda n: read_total(n, total, "ranks of micro_batch_size * gradient_accumulation_steps"),
+            predicted=read_prediction,
+            profile_fingerprints=read_fingerprints,
             policy=lambda n: n.string(choices=POLICIES),
             calibration=_calibration,
         ),
@@ -744,7 +751,7 @@ def is_cluster_or_plan(data: Any) -> bool:
     )
 
 
-def _not_a_directory(path: Path) -> str:
+def not_a_directory(path: Path) -> str:
     """What a path that should be a directory is instead, for `FormatError`'s *found* (a folder inside
     a file, ``cluster.json/layers``, names the file)."""
     if path.exists():
@@ -760,7 +767,7 @@ def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
     directory = Path(directory)
     if not directory.is_dir():
         raise FormatError(
-            str(directory), "(directory)", "a directory of profile JSON files", _not_a_directory(directory)
+            str(directory), "(directory)", "a directory of profile JSON files", not_a_directory(directory)
         )
     origin: dict[tuple[str, int, bool, bool, str], tuple[Path, Profile]] = {}
     for path in sorted(directory.glob("*.json")):

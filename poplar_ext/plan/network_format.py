@@ -16,17 +16,17 @@ from poplar_ext.plan.formats import (
     MAX_TIME_S,
     MAX_WORLD_SIZE,
     Cluster,
-    _int,
-    _list,
-    _measured_with,
-    _num,
-    _read,
-    _root,
-    _values,
     cluster_to_dict,
     content_fingerprint,
+    int_reader,
     json_ready,
+    list_reader,
+    number_reader,
     read_json,
+    read_measured_with,
+    read_object,
+    read_root,
+    read_values,
     write_json_atomic,
 )
 from poplar_ext.plan.validation import Node
@@ -162,30 +162,30 @@ def network_to_dict(network: NetworkProfile) -> dict[str, Any]:
 
 
 def _fits(node: Node) -> dict[str, CollectiveFit]:
-    sample = {"message_bytes": _int(1, MAX_BYTES), "time_s": _num(positive=True, maximum=MAX_TIME_S)}
+    sample = {"message_bytes": int_reader(1, MAX_BYTES), "time_s": number_reader(positive=True, maximum=MAX_TIME_S)}
     fit = {
-        "latency_s": _num(0.0, MAX_TIME_S),
-        "bus_bandwidth_bytes_per_s": _num(positive=True, maximum=MAX_BANDWIDTH_BYTES_PER_S),
-        "samples": _list(lambda n: _read(n, CollectiveSample, **sample), max_length=1000),
+        "latency_s": number_reader(0.0, MAX_TIME_S),
+        "bus_bandwidth_bytes_per_s": number_reader(positive=True, maximum=MAX_BANDWIDTH_BYTES_PER_S),
+        "samples": list_reader(lambda n: read_object(n, CollectiveSample, **sample), max_length=1000),
     }
     node.obj().keys_within(COLLECTIVES)
-    return {name: _read(node.field(name), CollectiveFit, **fit) for name in COLLECTIVES}
+    return {name: read_object(node.field(name), CollectiveFit, **fit) for name in COLLECTIVES}
 
 
 def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile:
     """Validate parsed JSON and build a `NetworkProfile`; raises `FormatError`."""
-    root = _root(data, source, NetworkProfile, NETWORK_SCHEMA_VERSION, "kind")
+    root = read_root(data, source, NetworkProfile, NETWORK_SCHEMA_VERSION, "kind")
     root.field("kind").string(choices=(NETWORK_KIND,))
-    scope = {"group_size": _int(2, MAX_WORLD_SIZE), "collectives": _fits}
-    values = _values(
+    scope = {"group_size": int_reader(2, MAX_WORLD_SIZE), "collectives": _fits}
+    values = read_values(
         root,
         NetworkProfile,
         collectives=_fits,
-        scopes=lambda n: {k: _read(v, NetworkScope, **scope) for k, v in n.obj().keys_within(SCOPES).entries()},
-        measured_with=_measured_with,
+        scopes=lambda n: {k: read_object(v, NetworkScope, **scope) for k, v in n.obj().keys_within(SCOPES).entries()},
+        measured_with=read_measured_with,
         cluster_key=Node.string,
-        world_size=_int(1, MAX_WORLD_SIZE),
-        num_nodes=_int(1, MAX_WORLD_SIZE),
+        world_size=int_reader(1, MAX_WORLD_SIZE),
+        num_nodes=int_reader(1, MAX_WORLD_SIZE),
         backend=Node.string,
     )
     return NetworkProfile(**values)

@@ -22,26 +22,26 @@ from .formats import (
     ModelInfo,
     Plan,
     Prediction,
-    _emulation,
-    _fingerprints,
-    _increasing,
-    _int,
-    _keys,
-    _measured_with,
-    _model_info,
-    _not_a_directory,
-    _num,
-    _prediction,
-    _read,
-    _root,
-    _some,
-    _total,
-    _values,
+    check_increasing,
     content_fingerprint,
     emulation_to_dict,
+    field_names,
+    int_reader,
     json_ready,
+    listed,
+    not_a_directory,
+    number_reader,
     plan_from_dict,
+    read_emulation,
+    read_fingerprints,
     read_json,
+    read_measured_with,
+    read_model_info,
+    read_object,
+    read_prediction,
+    read_root,
+    read_total,
+    read_values,
     write_json_atomic,
 )
 from .validation import Node
@@ -129,22 +129,25 @@ class LayerProfile:
 
 
 def _layer(node: Node, index: int) -> LayerCost:
-    sample = {"micro_batch_size": _int(1, MAX_MICRO_BATCH_SIZE), "step_time_s": _num(MIN_TIME_S, MAX_TIME_S)}
-    sample_nodes = node.obj().keys_within(_keys(LayerCost)).field("samples").items(min_length=1)
-    samples = tuple(_read(n, LayerSample, **sample) for n in sample_nodes)
-    _increasing(sample_nodes, [s.micro_batch_size for s in samples], show_previous=False)
-    size = _int(0, MAX_BYTES)
+    sample = {
+        "micro_batch_size": int_reader(1, MAX_MICRO_BATCH_SIZE),
+        "step_time_s": number_reader(MIN_TIME_S, MAX_TIME_S),
+    }
+    sample_nodes = node.obj().keys_within(field_names(LayerCost)).field("samples").items(min_length=1)
+    samples = tuple(read_object(n, LayerSample, **sample) for n in sample_nodes)
+    check_increasing(sample_nodes, [s.micro_batch_size for s in samples], show_previous=False)
+    size = int_reader(0, MAX_BYTES)
     layer = LayerCost(
-        **_values(
+        **read_values(
             node,
             LayerCost,
-            index=_int(0),
+            index=int_reader(0),
             name=Node.string,
             parameter_bytes=size,
             optimizer_state_bytes=size,
             activation_bytes_per_sample=size,
             output_bytes_per_sample=size,
-            optimizer_step_time_s=_num(0.0, MAX_TIME_S),
+            optimizer_step_time_s=number_reader(0.0, MAX_TIME_S),
         ),
         samples=samples,
     )
@@ -155,19 +158,19 @@ def _layer(node: Node, index: int) -> LayerCost:
 
 def layer_profile_from_dict(data: Any, *, source: str = "<layer profile>") -> LayerProfile:
     """Validate parsed JSON and build a `LayerProfile`; raises `FormatError`."""
-    root = _root(data, source, LayerProfile, LAYER_PROFILE_SCHEMA_VERSION, integer=True)
-    model = _model_info(root.field("model"))
+    root = read_root(data, source, LayerProfile, LAYER_PROFILE_SCHEMA_VERSION, integer=True)
+    model = read_model_info(root.field("model"))
     layers = root.field("layers").items(min_length=1, max_length=MAX_LAYERS)
-    values = _values(
+    values = read_values(
         root,
         LayerProfile,
         ("emulated",),
-        measured_with=_measured_with,
+        measured_with=read_measured_with,
         device_type=Node.string,
-        memory_capacity_bytes=_int(1, MAX_BYTES),
+        memory_capacity_bytes=int_reader(1, MAX_BYTES),
         zero_stage=_pipeline_zero_stage,
-        base_memory_bytes=_int(0, MAX_BYTES),
-        emulated=_emulation,
+        base_memory_bytes=int_reader(0, MAX_BYTES),
+        emulated=read_emulation,
     )
     return LayerProfile(**values, model=model, layers=tuple(_layer(node, i) for i, node in enumerate(layers)))
 
@@ -196,7 +199,7 @@ def load_layer_profiles(directory: str | os.PathLike[str]) -> list[LayerProfile]
     if (directory / LAYERS_DIR).is_dir():
         directory = directory / LAYERS_DIR
     if not directory.is_dir():
-        raise FormatError(str(directory), "(directory)", "a directory of layer profiles", _not_a_directory(directory))
+        raise FormatError(str(directory), "(directory)", "a directory of layer profiles", not_a_directory(directory))
     return [load_layer_profile(path) for path in sorted(directory.glob("*.json"))]
 
 
@@ -281,9 +284,9 @@ class PipelinePlan:
 
 
 def _stage(node: Node, num_layers: int) -> PipelineStage:
-    layer = _int(0, num_layers - 1)
-    rank = _int(0, MAX_WORLD_SIZE - 1)
-    stage = _read(
+    layer = int_reader(0, num_layers - 1)
+    rank = int_reader(0, MAX_WORLD_SIZE - 1)
+    stage = read_object(
         node,
         PipelineStage,
         first_layer=layer,
@@ -298,7 +301,9 @@ def _stage(node: Node, num_layers: int) -> PipelineStage:
 
 
 def _pipeline(node: Node, num_layers: int) -> Pipeline:
-    stage_nodes = node.obj().keys_within(_keys(Pipeline)).field("stages").items(min_length=1, max_length=num_layers)
+    stage_nodes = (
+        node.obj().keys_within(field_names(Pipeline)).field("stages").items(min_length=1, max_length=num_layers)
+    )
     stages = tuple(_stage(n, num_layers) for n in stage_nodes)
     expected_first = 0
     for stage, stage_node in zip(stages, stage_nodes):
@@ -309,15 +314,18 @@ def _pipeline(node: Node, num_layers: int) -> Pipeline:
         expected_first = stage.last_layer + 1
     if expected_first != num_layers:
         raise stage_nodes[-1].field("last_layer").fail(f"{num_layers - 1}, the model's last layer (num_layers)")
-    counts = {"micro_batch_size": _int(1, MAX_MICRO_BATCH_SIZE), "num_micro_batches": _int(1, MAX_GLOBAL_BATCH_SIZE)}
-    return Pipeline(**_values(node, Pipeline, **counts), stages=stages)
+    counts = {
+        "micro_batch_size": int_reader(1, MAX_MICRO_BATCH_SIZE),
+        "num_micro_batches": int_reader(1, MAX_GLOBAL_BATCH_SIZE),
+    }
+    return Pipeline(**read_values(node, Pipeline, **counts), stages=stages)
 
 
 def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> PipelinePlan:
     """Validate parsed JSON and build a `PipelinePlan`; raises `FormatError`. Checks its own consistency (every rank
     0..N-1 in one stage, stages covering the layers in order, the global batch the pipelines' sum, ZeRO stage 0 or 1);
     cluster and memory where known (`search.pipeline_search.check_pipeline_plan`, the runtime)."""
-    root = _root(data, source, PipelinePlan, PIPELINE_PLAN_SCHEMA_VERSION, integer=True)
+    root = read_root(data, source, PipelinePlan, PIPELINE_PLAN_SCHEMA_VERSION, integer=True)
     root.field("parallelism").string(choices=("pipeline",))
     num_layers = root.field("num_layers").integer(minimum=1, maximum=MAX_LAYERS)
     pipeline_nodes = root.field("pipelines").items(min_length=1, max_length=MAX_WORLD_SIZE)
@@ -332,14 +340,14 @@ def pipeline_plan_from_dict(data: Any, *, source: str = "<pipeline plan>") -> Pi
             f"in more than one stage: {_ranks_text(repeated)})"
         )
     total = sum(p.samples_per_iteration for p in pipelines)
-    values = _values(
+    values = read_values(
         root,
         PipelinePlan,
-        global_batch_size=lambda n: _total(n, total, "pipelines of micro_batch_size * num_micro_batches"),
-        predicted=_prediction,
+        global_batch_size=lambda n: read_total(n, total, "pipelines of micro_batch_size * num_micro_batches"),
+        predicted=read_prediction,
         policy=lambda n: n.string(choices=POLICIES),
         zero_stage=_pipeline_zero_stage,
-        profile_fingerprints=_fingerprints,
+        profile_fingerprints=read_fingerprints,
     )
     return PipelinePlan(**values, num_layers=num_layers, pipelines=pipelines)
 
@@ -405,5 +413,5 @@ def cluster_problems(plan: Plan | PipelinePlan, cluster: Cluster) -> list[str]:
         if planned != actual
     ]
     if wrong:
-        problems.append(f"Device types differ from the cluster's at {_some(wrong)}.")
+        problems.append(f"Device types differ from the cluster's at {listed(wrong)}.")
     return problems

@@ -19,8 +19,8 @@ from poplar_ext.plan.formats import (
     Prediction,
     Profile,
     RankPlan,
-    _some,
     levers_text,
+    listed,
     one_accumulation_count,
 )
 from poplar_ext.plan.levers import (
@@ -477,7 +477,7 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
             if r.device_type in at_stage and r.micro_batch_size > at_stage[r.device_type].max_micro_batch_size
         ]
         if over:
-            problems.append(f"micro_batch_size is above the profile's max_micro_batch_size at {_some(over)}.")
+            problems.append(f"micro_batch_size is above the profile's max_micro_batch_size at {listed(over)}.")
     return problems
 
 
@@ -493,13 +493,13 @@ def rule_problems(plan: Plan) -> list[str]:
                 f"but the plan has {', '.join(map(str, counts))}."
             )
     problems += [
-        f"Ranks of one device type differ in {name} ({_some(mixed)}); the plan gives each device type one setting."
+        f"Ranks of one device type differ in {name} ({listed(mixed)}); the plan gives each device type one setting."
         for name, mixed in _mixed_levers(plan)
     ]
     offloading = [f"rank {r.rank}" for r in plan.ranks if r.optimizer_offload]
     if offloading and plan.zero_stage not in OFFLOAD_STAGES:
         problems.append(
-            f"optimizer_offload is set at {_some(offloading)}, but poplar-ext offloads the optimizer at ZeRO stages "
+            f"optimizer_offload is set at {listed(offloading)}, but poplar-ext offloads the optimizer at ZeRO stages "
             f"1-2 only (the plan has stage {plan.zero_stage})."
         )
     if plan.zero_stage == 3 and len({r.activation_checkpointing for r in plan.ranks}) > 1:

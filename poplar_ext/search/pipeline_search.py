@@ -22,7 +22,7 @@ from poplar_ext.plan.pipeline_formats import (
     PipelineStage,
 )
 
-from .api import SearchResult, StageReport, _some, check_covered, cluster_problems
+from .api import SearchResult, StageReport, check_covered, cluster_problems, listed
 from .pipeline_cost import (
     LayerTable,
     Links,
@@ -147,7 +147,7 @@ def _splits(num_layers: int, num_stages: int) -> list[tuple[int, ...]]:
     return [(0, *cut) for cut in itertools.combinations(range(1, num_layers), num_stages - 1)]
 
 
-def _exact_count(layouts: list[Layout], num_layers: int) -> int:
+def exact_count(layouts: list[Layout], num_layers: int) -> int:
     return sum(math.prod(math.comb(num_layers - 1, len(p) - 1) for p in layout) for layout in layouts)
 
 
@@ -322,7 +322,7 @@ def _method_and_layouts(request: _Request, num_layers: int) -> tuple[bool, list[
     stages = min(num_layers, request.max_stages or num_layers)
     small = cluster.world_size <= EXACT_MAX_RANKS
     every = all_layouts(cluster, stages) if small else None
-    count = _exact_count(every, num_layers) if every is not None else None
+    count = exact_count(every, num_layers) if every is not None else None
     if method == "exact" and (count is None or count > EXACT_HARD_LIMIT):
         raise ValueError(
             f"method: 'exact' searches at most {EXACT_MAX_RANKS} ranks and {EXACT_HARD_LIMIT} split combinations, "
@@ -481,7 +481,7 @@ def checkpointing_summary(plan: PipelinePlan) -> str:
     if not ranks:
         return ""
     plural = "s" if len(ranks) > 1 else ""
-    return f"activation checkpointing on {len(ranks)} stage{plural} (rank{plural} {_some([str(r) for r in ranks])})"
+    return f"activation checkpointing on {len(ranks)} stage{plural} (rank{plural} {listed([str(r) for r in ranks])})"
 
 
 def _message(plan: PipelinePlan, stage: int, auto: bool, outcome: _Outcome) -> str:
@@ -533,7 +533,7 @@ def _check_shape(plan: PipelinePlan) -> list[str]:
     ]
     if gaps:
         problems.append(
-            f"The stages of {_some(gaps)} do not cover layers 0 to {plan.num_layers - 1} in order, each from where "
+            f"The stages of {listed(gaps)} do not cover layers 0 to {plan.num_layers - 1} in order, each from where "
             "the last ended."
         )
     return problems
@@ -547,7 +547,9 @@ def _check_memory(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]) ->
         return [f"No layer profile at ZeRO stage {plan.zero_stage} for {', '.join(missing)}."]
     other = [f"{t} ({at_stage[t].num_layers})" for t in types if at_stage[t].num_layers != plan.num_layers]
     if other:
-        return [f"The plan has {plan.num_layers} layers, but the layer profiles of {_some(other)} have another number."]
+        return [
+            f"The plan has {plan.num_layers} layers, but the layer profiles of {listed(other)} have another number."
+        ]
     largest = max(p.micro_batch_size for p in plan.pipelines)
     tables = {t: layer_table(at_stage[t], largest) for t in types}
     links = Links(network=None)
@@ -564,6 +566,6 @@ def _check_memory(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]) ->
         return [
             f"Stages do not fit their device's memory (base, their layers' parameters and optimizer state, the "
             f"activations of the micro-batches 1F1B keeps in flight, or a checkpointed stage's inputs and one "
-            f"micro-batch's activations) at {_some(over)}."
+            f"micro-batch's activations) at {listed(over)}."
         ]
     return []

@@ -214,3 +214,18 @@ def test_names_in_docs_and_docstrings_are_the_names_that_import():
     assert sum(1 for _, retired, _ in named if not retired) > 100, "the scan found the backticked names"
     wrong = [f"{where}: {name}" for where, retired, name in named if retired or not _resolves(name)]
     assert not wrong, "names that do not import as written (the module or name moved?):\n" + "\n".join(wrong)
+
+
+def test_no_module_imports_another_modules_private_names():
+    """What one module takes from another is public there: a private name shared across modules (the pipeline
+    package once took `_on_cpu` from the ZeRO initialize) is coupling no reader of the owner can see. The one
+    exception: the package root's `_lazy_attributes`, which its subpackages' __init__ use for their own lazy names."""
+    shared = []
+    for package in PACKAGES:
+        for path in _modules(package):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(PACKAGES)):
+                    private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                    if private and not (node.module == "poplar_ext" and private == ["_lazy_attributes"]):
+                        shared.append(f"{path.relative_to(ROOT)}:{node.lineno}: {private}")
+    assert not shared, "\n".join(shared)
