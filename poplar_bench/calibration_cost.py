@@ -190,7 +190,7 @@ def run_check_cost(
     from .demo_config import DemoSettings
     from .report import machine_description
 
-    demo._preimport()
+    demo.preimport()
     before = list(os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="poplar-calibration-check-") as tmp:
         settings = DemoSettings(cache_dir=cache_dir or Path(tmp) / "cache", calibration="cached")

@@ -29,7 +29,7 @@ from .report import (
 )
 
 
-def _preimport() -> float:
+def preimport() -> float:
     """Import what every rank needs before forking, so that each rank starts fast; the seconds it took."""
     start = time.perf_counter()
     from poplar_bench.local_ranks import preimport_for_fork
@@ -70,7 +70,7 @@ def run_demo(settings: DemoSettings, *, out_dir: Path, name: str = "demo") -> li
     """Run the whole demo and write its report; returns the report's paths."""
     started = time.perf_counter()
     progress(f"importing torch and deepspeed; {settings.world_size} ranks will be forked")
-    import_s = _preimport()
+    import_s = preimport()
     progress(f"imports took {import_s:.1f} s; cache: {settings.cache_root()}")
     with tempfile.TemporaryDirectory(prefix="poplar-demo-") as tmp:
         rank_results = run_ranks(settings, Path(tmp))

@@ -137,7 +137,7 @@ def measure_baseline_bytes(settings: DemoSettings) -> int:
 
     device = rank_device()
     reset_peak_memory(device)
-    model = _make_model(settings).to(device)
+    model = make_model(settings).to(device)
     optimizer = torch.optim.Adam(model.parameters())
     model(_batch(settings, 1).to(device)).backward()
     optimizer.step()
@@ -197,7 +197,8 @@ def rank_device() -> torch.device:
     return select_job_device()
 
 
-def _make_model(settings: DemoSettings) -> torch.nn.Module:
+def make_model(settings: DemoSettings) -> torch.nn.Module:
+    """The demo's toy GPT (`DemoModel`'s shape), seeded as every rank seeds it."""
     from poplar_ext.models.toy_gpt import GPT, GPTConfig
 
     return GPT(GPTConfig(**dataclasses.asdict(settings.model)), seed=settings.seed)
@@ -227,7 +228,7 @@ def _profile_options(settings: DemoSettings, cluster_path: Path, **options: Any)
     from poplar_ext.profiler import ProfileOptions
 
     return ProfileOptions(
-        model_factory=lambda: _make_model(settings),
+        model_factory=lambda: make_model(settings),
         make_batch=lambda size: _batch(settings, size),
         ds_config=deepspeed_config(settings),
         cluster=cluster_path,
@@ -486,7 +487,7 @@ def build_engine(settings: DemoSettings, cluster_path: Path, plan_path: Path) ->
         "profiles": str(settings.profiles_dir()),
         "rebalance": {"enabled": False},
     }
-    model = _make_model(settings)
+    model = make_model(settings)
     engine, _, _, _ = poplar_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
     batch = _batch(settings, rank_plan.micro_batch_size).to(engine.device)
     return PolicyRun(engine, batch, rank_plan.gradient_accumulation_steps)
@@ -530,7 +531,7 @@ def measure_standalone(
         clock="cuda" if device.type == "cuda" else "thread",
         reference=steady_reference(profile),  # steady as in training
     )
-    model = (model if model is not None else _make_model(settings)).to(device)
+    model = (model if model is not None else make_model(settings)).to(device)
     make_batch = make_batch or (lambda size: _batch(settings, size))
     sizes = standalone_sizes(profile)
     batches = {size: move_to_device(make_batch(size), device) for size in sizes}

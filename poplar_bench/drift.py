@@ -110,7 +110,7 @@ def _train(settings: DriftSettings, work: Path, *, cluster_path: Path, adaptive:
         **poplar_section(settings, cluster_path=cluster_path, adaptive=adaptive),
         "plan": str(work / "plan.json"),
     }
-    model = demo_worker._make_model(settings)
+    model = demo_worker.make_model(settings)
     engine, _, _, _ = poplar_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
     data = SyntheticTokens(
         num_samples=settings.global_batch_size * 4,
@@ -331,7 +331,7 @@ def run_drift(settings: DriftSettings, *, out_dir: Path, name: str = "drift") ->
 
     started = time.perf_counter()
     load_at_start = list(os.getloadavg())
-    demo._preimport()
+    demo.preimport()
     with tempfile.TemporaryDirectory(prefix="poplar-drift-") as tmp:
         rank_results = demo.run_ranks(settings, Path(tmp), target=_run_rank, pg_timeout_s=300.0)
     out_dir.mkdir(parents=True, exist_ok=True)
