@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -500,11 +499,9 @@ def standalone_sizes(profile: Profile) -> list[int]:
     emulation runs at, so the ideal is measured on the same times as the plans; a raw sample that ran fast
     by chance (pooled away by the fit) would not be run at its own time, and a size between samples where
     the curve runs faster would be missed."""
-    from poplar_ext.search.curves import fit_curve
+    from poplar_ext.search.curves import fastest_size, fit_curve
 
-    table = fit_curve(profile).table()
-    best = int(np.argmax(np.arange(1, len(table) + 1) / table)) + 1
-    return sorted({best, profile.max_micro_batch_size})
+    return sorted({fastest_size(fit_curve(profile).table()), profile.max_micro_batch_size})
 
 
 def measure_standalone(

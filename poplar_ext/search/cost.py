@@ -12,7 +12,7 @@ import numpy as np
 from poplar_ext.plan.formats import MIN_TIME_S, IncludedCommunication, Profile, one_accumulation_count
 from poplar_ext.plan.network_format import NetworkProfile
 
-from .curves import fit_curve
+from .curves import fastest_size, fit_curve
 from .model_states import DTYPE_BYTES
 
 BACKWARD_SHARE = 2.0 / 3.0
@@ -132,8 +132,8 @@ class DeviceCost:
     @property
     def best_samples_per_s(self) -> float:
         """Best throughput of one rank over integer micro-batches (boundary excluded)."""
-        sizes = np.arange(1, self.max_micro_batch_size + 1)
-        return float(np.max(sizes / self.step_time_table_s))
+        size = fastest_size(self.step_time_table_s)
+        return float(size / self.step_time_table_s[size - 1])
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -58,6 +58,11 @@ class StepTimeCurve:
         return np.maximum.accumulate(times)
 
 
+def fastest_size(table_s: np.ndarray) -> int:
+    """The micro-batch size of highest throughput in a step-time table (index i holds size i + 1, as `table`)."""
+    return int(np.argmax(np.arange(1, len(table_s) + 1) / table_s)) + 1
+
+
 def fit_curve(profile: Profile) -> StepTimeCurve | None:
     """The monotone curve of `profile`, or None when the model fits no micro-batch (max 0)."""
     if profile.max_micro_batch_size == 0:

@@ -11,6 +11,7 @@ import numpy as np
 
 from .allocation import PolicyResult, finish
 from .cost import StageModel
+from .curves import fastest_size
 
 SMALL_DELTA = 4096
 """Exact sums within this many samples of either end are decided by sumsets directly."""
@@ -78,10 +79,7 @@ class FlatTables:
         self.ideal_samples_per_s = model.ideal_samples_per_s
         # Rank r runs at least floor(T / t(b*)) * b* > T * rate_r - b* samples within T
         # (b* its best size), so capacity >= T * ideal - slack.
-        self.slack = sum(
-            d.num_ranks * int(np.argmax(np.arange(1, d.max_micro_batch_size + 1) / d.step_time_table_s) + 1)
-            for d in model.devices
-        )
+        self.slack = sum(d.num_ranks * fastest_size(d.step_time_table_s) for d in model.devices)
 
     def capacity(self, time_s: float) -> int:
         """Samples all ranks can run within `time_s`, each at its most."""
