@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -125,14 +126,29 @@ _RETIRED = re.compile(r"\bsearch\.formats\b|\bfrom search import\b|(?<![\w./-])b
 stays: a version written into profiles)."""
 
 
+def _markdown_files() -> list[Path]:
+    """Every .md file of the tree, outside dot-folders (.git, caches, a virtual environment) and build metadata."""
+    return sorted(
+        p
+        for p in ROOT.rglob("*.md")
+        if not any(part.startswith(".") or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts[:-1])
+    )
+
+
 def _prose_files() -> list[Path]:
-    docs = [p for p in ROOT.rglob("*.md") if not {".git", "results", "node_modules"} & set(p.parts)]
-    return sorted(docs + [p for package in PACKAGES for p in _modules(package)])
+    docs = [p for p in _markdown_files() if "results" not in p.parts]
+    return docs + [p for package in PACKAGES for p in _modules(package)]
 
 
+@functools.cache
 def _top_level_names(path: Path) -> tuple[set[str], dict[str, ast.ClassDef]]:
-    names, classes = set(), {}
-    for node in ast.parse(path.read_text()).body:
+    """What a module defines at its top level, also under an ``if`` or ``try`` there (TYPE_CHECKING, an
+    optional import), and its classes by name."""
+    names: set[str] = set()
+    classes: dict[str, ast.ClassDef] = {}
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
             if isinstance(node, ast.ClassDef):
@@ -144,15 +160,10 @@ def _top_level_names(path: Path) -> tuple[set[str], dict[str, ast.ClassDef]]:
             names.update(t.id for t in targets if isinstance(t, ast.Name))
             if isinstance(node.value, ast.Dict):  # a package's lazily loaded names (PEP 562)
                 names.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
-        elif isinstance(node, ast.If):  # names defined under TYPE_CHECKING or a version test
-            names.update(_top_level_names_of(node.body + node.orelse))
+        elif isinstance(node, (ast.If, ast.Try)):
+            body += node.body + node.orelse + getattr(node, "finalbody", [])
+            body += [stmt for handler in getattr(node, "handlers", []) for stmt in handler.body]
     return names, classes
-
-
-def _top_level_names_of(body: list[ast.stmt]) -> set[str]:
-    return {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
-        t.id for n in body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
-    }
 
 
 def _class_has(node: ast.ClassDef, member: str) -> bool:
@@ -257,12 +268,7 @@ _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 def test_every_relative_link_in_the_docs_names_a_file_in_the_tree():
     """A link to a file that moved or left (a one-off script git now keeps) reads as a promise the tree breaks."""
-    docs = [
-        p
-        for p in ROOT.rglob("*.md")
-        if not any(part.startswith(".") or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts[:-1])
-    ]
-    links = [(doc, m.group(1).partition("#")[0]) for doc in docs for m in _LINK.finditer(doc.read_text())]
+    links = [(doc, m.group(1).partition("#")[0]) for doc in _markdown_files() for m in _LINK.finditer(doc.read_text())]
     relative = [(doc, target) for doc, target in links if target and not target.startswith(("http:", "https:"))]
     assert len(relative) > 100, "the scan found the links"
     broken = [f"{doc.relative_to(ROOT)}: {target}" for doc, target in relative if not (doc.parent / target).exists()]
