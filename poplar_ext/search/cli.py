@@ -57,7 +57,7 @@ Without --global-batch-size the global batch with the highest predicted throughp
 chosen, up to --max-global-batch-size or, without it, up to {AUTO_ACCUMULATION_STEPS}
 micro-steps of every rank at its largest micro-batch.
 With --policy all, every policy is run and compared; the poplar plan is the one
-written to --output, and --format json prints an object mapping each policy to its
+written to --output, and --json (--format json) prints an object mapping each policy to its
 plan (null when infeasible).
 
 With --parallelism pipeline the plan is pipelines side by side (each the ranks of its
@@ -223,7 +223,12 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         metavar="PLAN.json",
         help="write the (poplar) plan here (its folder made if missing), only on success; never over an input file",
     )
-    parser.add_argument("--format", choices=("table", "json"), default="table", help="what to print (default: table)")
+    output_format = parser.add_mutually_exclusive_group()
+    # No default value: argparse refuses two of a group only when the value given is not the default object.
+    output_format.add_argument("--format", choices=("table", "json"), help="what to print (default: table)")
+    output_format.add_argument(
+        "--json", dest="format", action="store_const", const="json", help="print JSON: the same as --format json"
+    )
     parser.add_argument("--debug", action="store_true", help="on an internal error, print the traceback")
     return parser
 

@@ -31,6 +31,18 @@ def test_a_searched_plan_is_priced_as_the_search_predicted_it(tmp_path, capsys, 
     assert priced["prediction"]["samples_per_s"] == pytest.approx(predicted["samples_per_s"], rel=1e-9)
 
 
+@pytest.mark.parametrize("parallelism", ["zero", "pipeline"])
+def test_json_is_the_short_spelling_of_format_json(tmp_path, capsys, parallelism):
+    searched = _searched(tmp_path, capsys, "--parallelism", parallelism)
+    printed = []
+    for spelling in (["--format", "json"], ["--json"]):
+        assert main(["--example", "--predict", str(searched["path"]), *spelling]) == 0
+        printed.append(json.loads(capsys.readouterr().out))
+    assert printed[0] == printed[1] and printed[0]["parallelism"] == parallelism
+    assert main(["--example", "--json", "--format", "table"]) == 2  # one output format at a time
+    assert "not allowed with" in capsys.readouterr().err
+
+
 def test_the_zero_table_says_where_each_ranks_time_goes(tmp_path, capsys):
     searched = _searched(tmp_path, capsys)
     assert main(["--example", "--predict", str(searched["path"])]) == 0
