@@ -273,3 +273,27 @@ def test_every_relative_link_in_the_docs_names_a_file_in_the_tree():
     assert len(relative) > 100, "the scan found the links"
     broken = [f"{doc.relative_to(ROOT)}: {target}" for doc, target in relative if not (doc.parent / target).exists()]
     assert not broken, "\n".join(broken)
+
+
+_SCRIPT_NAME = re.compile(r"`([\w./<>-]+\.(?:py|sh))`")
+
+
+def test_every_script_a_result_names_is_in_the_tree_or_named_with_its_commit():
+    """bench/results keeps measurements, not the one-off scripts behind them (git keeps those): a README
+    telling a reader to run `run_all.sh` that left the tree breaks that promise."""
+    results = ROOT / "bench" / "results"
+    named = [
+        (doc, paragraph, name)
+        for doc in _markdown_files()
+        if results in doc.parents
+        for paragraph in doc.read_text().split("\n\n")
+        for name in _SCRIPT_NAME.findall(paragraph)
+    ]
+    assert len(named) > 5, "the scan found the scripts named"
+    missing = [
+        f"{doc.relative_to(ROOT)}: {name}"
+        for doc, paragraph, name in named
+        if "git show" not in paragraph
+        and not any((base / name).exists() for base in (doc.parent, ROOT, ROOT / "poplar_ext", ROOT / "poplar_bench"))
+    ]
+    assert missing == [], "not in the tree (say `git show REV:PATH` where git keeps them):\n" + "\n".join(missing)
