@@ -16,7 +16,15 @@ from typing import Any, NoReturn
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import load_cluster, read_json, save_cluster
-from poplar_ext.profiler.options import NO_OPTIMIZER, ProfileOptions, at_least, log_progress, read_callable
+from poplar_ext.profiler.options import (
+    BUILT_IN_SEQUENCE_LENGTHS,
+    HF_MAX_SEQUENCE_LENGTH,
+    NO_OPTIMIZER,
+    ProfileOptions,
+    at_least,
+    log_progress,
+    read_callable,
+)
 from poplar_ext.search.cli_common import CommandParser, printing
 
 BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
@@ -143,10 +151,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     toy = parser.add_argument_group("built-in models (--model toy-gpt)")
     positive = _argparse_type(at_least(1))
-    toy.add_argument("--layers", type=positive, metavar="N", help="transformer blocks (default: 2)")
-    toy.add_argument("--hidden-size", type=positive, metavar="N", help="width (default: 128)")
-    toy.add_argument("--heads", type=positive, metavar="N", help="attention heads (default: 4)")
-    toy.add_argument("--vocab-size", type=positive, metavar="N", help="token ids (default: 1024)")
+    toy_options = {"layers": "transformer blocks", "hidden_size": "width", "heads": "attention heads"}
+    for dest, what in {**toy_options, "vocab_size": "token ids"}.items():
+        default = _MODEL_OPTIONS[dest][1]
+        toy.add_argument("--" + dest.replace("_", "-"), type=positive, metavar="N", help=f"{what} (default: {default})")
 
 
 _MODEL_OPTIONS = {
@@ -182,13 +190,13 @@ def _builtin_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callabl
     from poplar_ext.models.toy_gpt import GPT, GPTConfig
 
     if args.model == "gpt2-small":
-        cfg = GPTConfig.gpt2_small(sequence_length=args.sequence_length or 512)
+        cfg = GPTConfig.gpt2_small(sequence_length=args.sequence_length or BUILT_IN_SEQUENCE_LENGTHS["gpt2-small"])
     else:
         if args.hidden_size % args.heads:
             raise UsageError(f"--hidden-size: expected a multiple of --heads ({args.heads}), found {args.hidden_size}")
         cfg = GPTConfig(
             vocab_size=args.vocab_size,
-            sequence_length=args.sequence_length or 64,
+            sequence_length=args.sequence_length or BUILT_IN_SEQUENCE_LENGTHS["toy-gpt"],
             num_layers=args.layers,
             num_heads=args.heads,
             hidden_size=args.hidden_size,
@@ -228,9 +236,8 @@ def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[in
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     vocab_size = int(probe.config.vocab_size)
-    sequence_length = args.sequence_length or min(
-        128, int(getattr(probe.config, "max_position_embeddings", None) or getattr(probe.config, "n_positions", 128))
-    )
+    context = getattr(probe.config, "max_position_embeddings", None) or getattr(probe.config, "n_positions", None)
+    sequence_length = args.sequence_length or min(HF_MAX_SEQUENCE_LENGTH, int(context or HF_MAX_SEQUENCE_LENGTH))
     del probe
 
     def make_batch(micro_batch_size: int) -> Any:

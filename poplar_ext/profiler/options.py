@@ -30,6 +30,10 @@ CHECKPOINTING_MODES = ("auto", "both", "off")
 """`ProfileOptions.activation_checkpointing`: both variants where the model can do both, both or
 an error, or only without checkpointing."""
 
+BUILT_IN_SEQUENCE_LENGTHS = {"gpt2-small": 512, "toy-gpt": 64}
+"""The built-in models' tokens per sample where `ProfileOptions.sequence_length` is left out."""
+HF_MAX_SEQUENCE_LENGTH = 128
+"""An ``hf:`` model's tokens per sample where left out: its config's context length, at most this."""
 
 NO_OPTIMIZER = (
     "optimizer: expected an 'optimizer' section (the optimizer training uses: its step is part of every profile), "
@@ -213,11 +217,12 @@ class ProfileOptions:
         None,
         read=at_least(1),
         metavar="N",
-        cli_help="Tokens per sample, part of the cache key. Left out: the built-in models' context length (512 "
-        "for gpt2-small, 64 for toy-gpt; hf: the config's, at most 128), else none (not a sequence model).",
+        cli_help="Tokens per sample, part of the cache key. Left out: the built-in models' context length ("
+        + ", ".join(f"{length} for {model}" for model, length in BUILT_IN_SEQUENCE_LENGTHS.items())
+        + f"; hf: the config's, at most {HF_MAX_SEQUENCE_LENGTH}), else none (not a sequence model).",
     )
     """Tokens per sample, part of the cache key (None: not a sequence model; the built-in models:
-    their context length, 512 for gpt2-small, 64 for toy-gpt)."""
+    their context length, `BUILT_IN_SEQUENCE_LENGTHS`)."""
     warmup_micro_steps: int = _option(1, "--warmup", read=at_least(0), metavar="N")
     """Unmeasured micro-steps at each size before the measured ones."""
     repeats: int = _option(3, read=at_least(1), metavar="N")

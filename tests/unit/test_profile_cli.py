@@ -434,3 +434,22 @@ def test_per_layer_is_automatic_unless_given_either_way(files) -> None:
     assert parse_command(base).per_layer is None
     assert parse_command([*base, "--per-layer"]).per_layer is True
     assert parse_command([*base, "--no-per-layer"]).per_layer is False
+
+
+def test_the_help_states_the_defaults_the_built_in_models_get(files, capsys) -> None:
+    """One spelling of each default: what --help says is what a command without the option builds."""
+    with pytest.raises(SystemExit):
+        parse_command(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    stated = {
+        flag: int(value)
+        for flag, value in re.findall(
+            r"(--layers|--hidden-size|--heads|--vocab-size) N .*?\(default: (\d+)\)", help_text
+        )
+    }
+    lengths = dict((model, int(n)) for n, model in re.findall(r"(\d+) for (gpt2-small|toy-gpt)", help_text))
+    toy = parse_command(_args(files, "--model", "toy-gpt")).model_factory().cfg
+    built = {"--layers": toy.num_layers, "--hidden-size": toy.hidden_size, "--heads": toy.num_heads}
+    assert stated == {**built, "--vocab-size": toy.vocab_size}
+    assert lengths == {"toy-gpt": toy.sequence_length, "gpt2-small": 512}
+    assert parse_command(_args(files, "--model", "gpt2-small")).sequence_length == lengths["gpt2-small"]
