@@ -53,13 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
         "re-balancing under drift, activation checkpointing per device type, ZeRO against pipelines, "
         "large-cluster simulation, search speed, runtime overhead, clean exit, the CUDA path on a GPU.",
     )
-    subparsers = parser.add_subparsers(
-        dest="command",
-        required=True,
-        metavar="{demo,predictions,calibration,drift,checkpointing,pipeline,simulate,search-speed,overhead,clean-exit,gpu}",
-    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(subparsers)
+    subparsers.metavar = "{" + ",".join(subparsers.choices) + "}"  # also what a missing command's error names
     return parser
 
 

@@ -90,6 +90,10 @@ def test_a_subcommand_is_required(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([])
     assert exit_info.value.code == 2
+    # The error lists every command each module registered, and only those.
+    listed = capsys.readouterr().err.rsplit("required: ", 1)[1].strip()
+    registered = [a for a in cli.build_parser()._actions if a.dest == "command"][0].choices
+    assert listed == "{" + ",".join(registered) + "}" and len(registered) == len(cli.COMMANDS)
 
 
 def test_default_output_dir_is_the_checkouts_bench_results():
