@@ -163,5 +163,5 @@ def _layer_measurer(
         training_data=training_data,
         ds_config=ds_config,
         profiles_dir=poplar_config.profiles,
-        micro_batch_size_limit=batch[0],
+        micro_batch_size_limit=batch.size,
     )

@@ -19,7 +19,14 @@ from poplar_ext.plan.pipeline_formats import (
     pipeline_plan_from_dict,
     pipeline_plan_to_dict,
 )
-from poplar_ext.runtime.config import AUTO, SECTION, PoplarConfig, deepspeed_train_batch_size, requested_zero_stage
+from poplar_ext.runtime.config import (
+    AUTO,
+    SECTION,
+    GlobalBatchRequest,
+    PoplarConfig,
+    deepspeed_train_batch_size,
+    requested_zero_stage,
+)
 from poplar_ext.runtime.job_start import job_plan_problems, read_plan_file
 
 if TYPE_CHECKING:
@@ -27,13 +34,13 @@ if TYPE_CHECKING:
     from poplar_ext.runtime.rebalance import PipelineDriftMonitor
 
 
-def requested_pipeline_batch(poplar_config: PoplarConfig, ds_config: dict) -> tuple[int, str] | None:
-    """The global batch the config sets explicitly, and where: ``poplar.global_batch_size``, else
-    ``train_batch_size``; None when neither does (the per-rank keys are the plan's in a pipeline job)."""
+def requested_pipeline_batch(poplar_config: PoplarConfig, ds_config: dict) -> GlobalBatchRequest | None:
+    """The global batch the config sets explicitly: ``poplar.global_batch_size``, else ``train_batch_size``; None
+    when neither does (the per-rank keys are the plan's in a pipeline job)."""
     if isinstance(poplar_config.global_batch_size, int):
-        return poplar_config.global_batch_size, f"{SECTION}.global_batch_size"
+        return GlobalBatchRequest(size=poplar_config.global_batch_size, origin=f"{SECTION}.global_batch_size")
     given = deepspeed_train_batch_size(ds_config, source=poplar_config.source)
-    return None if given is None else (given, "train_batch_size")
+    return None if given is None else GlobalBatchRequest(size=given, origin="train_batch_size")
 
 
 def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
@@ -75,7 +82,7 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
             f"{SECTION}.global_batch_size: expected train_batch_size's {given} or no {SECTION}.global_batch_size, "
             f"found {poplar_config.global_batch_size}"
         )
-    if requested is not None and (above := poplar_config.batch_above_bound(*requested)) is not None:
+    if requested is not None and (above := poplar_config.batch_above_bound(requested)) is not None:
         problems.append(above.detail)  # the file is named once, before every problem
     if problems:
         raise ValueError(f"{source}: this pipeline job cannot run: " + "; ".join(problems))
@@ -88,7 +95,7 @@ def pipeline_plan_problems(
     world_size: int,
     num_layers: int,
     zero_stage: int | None,
-    global_batch: tuple[int, str] | None = None,
+    global_batch: GlobalBatchRequest | None = None,
 ) -> list[str]:
     """What makes `plan` unrunnable in this job, as sentences ([] when fine), in this order: its ranks against the
     job's and the cluster's (`job_plan_problems`), each rank's device type against the cluster's (where the counts
@@ -113,7 +120,7 @@ def resolve_pipeline_plan(
     rank: int,
     num_layers: int,
     zero_stage: int | None,
-    global_batch: tuple[int, str] | None,
+    global_batch: GlobalBatchRequest | None,
     broadcast: Callable[[Any], Any],
     layers_fingerprint: Callable[[], str] | None = None,
     measure_missing: MeasureMissingLayers | None = None,
@@ -177,7 +184,7 @@ def plan_searched_at_start(
     rank: int,
     num_layers: int,
     zero_stage: int | None,
-    global_batch: tuple[int, str],
+    global_batch: GlobalBatchRequest,
     broadcast: Callable[[Any], Any],
     layers_fingerprint: Callable[[], str] | None,
     measure_missing: MeasureMissingLayers | None,
@@ -214,7 +221,7 @@ def plan_searched_at_start(
         result = search_pipeline_plan(
             [p for p in profiles if p.zero_stage in stages],
             cluster,
-            global_batch_size=global_batch[0],
+            global_batch_size=global_batch.size,
             zero_stage="auto" if zero_stage is None else zero_stage,
             network=find_network(poplar_config.profiles, cluster),
         )

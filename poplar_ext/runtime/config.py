@@ -144,13 +144,13 @@ class PoplarConfig:
         """The options fixing the order of the data stream: ``seed``, ``shuffle``, ``drop_last``."""
         return {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
 
-    def batch_above_bound(self, batch: int | str | None, origin: str) -> FormatError | None:
-        """Either engine's refusal where `max_global_batch_size` is below the global batch `batch` (from the setting
-        `origin`), alike on every rank; None within it, without it, or with no number (auto, none)."""
+    def batch_above_bound(self, request: GlobalBatchRequest) -> FormatError | None:
+        """Either engine's refusal where `max_global_batch_size` is below the global batch `request` asks for,
+        alike on every rank; None within it, without it, or with no number (auto, none)."""
         limit, field = self.max_global_batch_size, f"{SECTION}.max_global_batch_size"
-        if limit is None or not isinstance(batch, int) or batch <= limit:
+        if limit is None or not isinstance(request.size, int) or request.size <= limit:
             return None
-        expected = f"at least the global batch ({batch}, from {origin}) or no {field}"
+        expected = f"at least the global batch ({request.size}, from {request.origin}) or no {field}"
         return FormatError(self.source, field, expected, f"number {limit}")
 
 

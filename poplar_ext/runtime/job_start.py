@@ -13,7 +13,7 @@ from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import Cluster, Plan
 from poplar_ext.plan.pipeline_formats import PipelinePlan, load_any_plan
 from poplar_ext.profiler.measure import training_dtype
-from poplar_ext.runtime.config import SECTION, PoplarConfig, poplar_config_from_dict
+from poplar_ext.runtime.config import SECTION, GlobalBatchRequest, PoplarConfig, poplar_config_from_dict
 
 Steady = TypeVar("Steady")
 
@@ -103,7 +103,9 @@ def read_plan_file(poplar_config: PoplarConfig, *, pipeline: bool) -> Plan | Pip
             f"{poplar_config.policy!r} beside {SECTION}.plan",
         )
     # The plan's batch is the job's, held to the bound as a batch the config sets (PoplarConfig.max_global_batch_size).
-    above = poplar_config.batch_above_bound(plan.global_batch_size, f"{SECTION}.plan {plan_path}")
+    above = poplar_config.batch_above_bound(
+        GlobalBatchRequest(size=plan.global_batch_size, origin=f"{SECTION}.plan {plan_path}")
+    )
     if above is not None:
         raise above
     return plan
@@ -115,11 +117,11 @@ def job_plan_problems(
     *,
     world_size: int,
     zero_stage: int | None,
-    global_batch: tuple[int, str] | None,
+    global_batch: GlobalBatchRequest | None,
 ) -> dict[str, list[str]]:
     """What the job alone knows makes `plan` unrunnable, as sentences under what they concern, for each engine to
     say in its order: ``counts`` (the job's and the cluster's number of ranks), ``stage`` (the config's ZeRO stage),
-    ``batch`` (the config's global batch: the number and its setting)."""
+    ``batch`` (the config's global batch; one without a number, ``"auto"`` or none, compares nothing)."""
     problems: dict[str, list[str]] = {"counts": [], "stage": [], "batch": []}
     if plan.world_size != world_size:
         problems["counts"].append(f"The plan names {plan.world_size} ranks but the job has {world_size} (WORLD_SIZE).")
@@ -132,10 +134,11 @@ def job_plan_problems(
             f"The plan is for ZeRO stage {plan.zero_stage} but the config asks for stage {zero_stage} "
             f"(zero_optimization.stage or {SECTION}.zero_stage)."
         )
-    if global_batch is not None and global_batch[0] != plan.global_batch_size:
+    size = None if global_batch is None else global_batch.size
+    if isinstance(size, int) and size != plan.global_batch_size:
         problems["batch"].append(
-            f"The plan's global batch is {plan.global_batch_size} but the config asks for {global_batch[0]} "
-            f"({global_batch[1]})."
+            f"The plan's global batch is {plan.global_batch_size} but the config asks for {size} "
+            f"({global_batch.origin})."
         )
     return problems
 

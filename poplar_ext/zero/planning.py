@@ -72,9 +72,7 @@ def runtime_plan_problems(
     types, the stage 2/3 rule of one accumulation count, whose breach would hang the job, micro-batch caps) is
     `search.check_plan`'s.
     """
-    size = None if global_batch is None else global_batch.size
-    batch = (size, global_batch.origin) if isinstance(size, int) else None
-    job = job_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=batch)
+    job = job_plan_problems(plan, cluster, world_size=world_size, zero_stage=zero_stage, global_batch=global_batch)
     return job["batch"] + job["counts"] + job["stage"]
 
 
@@ -336,7 +334,7 @@ def resolve_plan(
         else global_batch,
         model_fingerprint=model_fingerprint,
     )
-    above = poplar_config.batch_above_bound(request.global_batch.size, request.global_batch.origin)
+    above = poplar_config.batch_above_bound(request.global_batch)
     if above is not None:
         raise above
     if poplar_config.plan is not None:

@@ -15,7 +15,7 @@ from poplar_ext.pipeline.planning import check_pipeline_config, pipeline_plan_pr
 from poplar_ext.plan.formats import cluster_from_dict, plan_from_dict
 from poplar_ext.plan.pipeline_formats import pipeline_plan_from_dict
 from poplar_ext.runtime.checkpoint import poplar_client_state, resume_decision
-from poplar_ext.runtime.config import poplar_config_from_dict
+from poplar_ext.runtime.config import GlobalBatchRequest, poplar_config_from_dict
 from poplar_ext.runtime.weighting import pipeline_loss_weight
 
 PREDICTED = {"iteration_time_s": 1.0, "samples_per_s": 1.0, "ideal_samples_per_s": 1.0}
@@ -129,7 +129,6 @@ def test_a_pipeline_batch_above_the_configs_bound_is_refused():
 
 def test_a_batch_above_the_bound_is_refused_alike_by_both_engines():
     # One refusal, two engines: a ZeRO job raises it, a pipeline job lists it after its file.
-    from poplar_ext.runtime.config import GlobalBatchRequest
     from poplar_ext.zero.planning import resolve_plan
 
     config = _poplar(max_global_batch_size=4)
@@ -193,7 +192,15 @@ def test_rebalancing_asked_for_is_accepted_by_a_pipeline_job():
 def test_a_plan_that_fits_the_job_has_no_problems():
     plan = pipeline_plan_from_dict(_pipeline_plan())
     assert (
-        pipeline_plan_problems(plan, _cluster(), world_size=3, num_layers=6, zero_stage=1, global_batch=(12, "x")) == []
+        pipeline_plan_problems(
+            plan,
+            _cluster(),
+            world_size=3,
+            num_layers=6,
+            zero_stage=1,
+            global_batch=GlobalBatchRequest(size=12, origin="x"),
+        )
+        == []
     )
 
 
@@ -205,7 +212,7 @@ def test_a_plan_that_fits_the_job_has_no_problems():
         ({"num_layers": 7}, "The plan splits 6 layers but the model has 7"),
         ({"zero_stage": 0}, "The plan is for ZeRO stage 1 but the config asks for stage 0"),
         (
-            {"global_batch": (16, "train_batch_size")},
+            {"global_batch": GlobalBatchRequest(size=16, origin="train_batch_size")},
             "global batch is 12 but the config asks for 16 (train_batch_size)",
         ),
     ],
@@ -262,7 +269,7 @@ def test_a_missing_profiles_folder_names_the_config_with_or_without_a_pipeline_p
     with pytest.raises(ValueError, match=rf"^ds.json: {message}"):
         resolve_pipeline_plan(
             config, _cluster(), world_size=3, rank=0, num_layers=6, zero_stage=None,
-            global_batch=(12, "train_batch_size"), broadcast=lambda o: o,
+            global_batch=GlobalBatchRequest(size=12, origin="train_batch_size"), broadcast=lambda o: o,
         )  # fmt: skip
 
 
@@ -619,7 +626,7 @@ def _searched_at_start(poplar, **more):
         rank=0,
         num_layers=6,
         zero_stage=None,
-        global_batch=(12, "poplar.global_batch_size"),
+        global_batch=GlobalBatchRequest(size=12, origin="poplar.global_batch_size"),
         broadcast=lambda o: o,
         **more,
     )
@@ -741,12 +748,22 @@ def test_a_plan_that_fits_nothing_says_so_in_the_checks_order():
     """Counts, device types, layers, stage, batch: the order pipeline_plan_problems has always said them in."""
     plan = pipeline_plan_from_dict(_pipeline_plan())
     problems = pipeline_plan_problems(
-        plan, _cluster(("a", "b", "b")), world_size=3, num_layers=7, zero_stage=0, global_batch=(16, "x")
+        plan,
+        _cluster(("a", "b", "b")),
+        world_size=3,
+        num_layers=7,
+        zero_stage=0,
+        global_batch=GlobalBatchRequest(size=16, origin="x"),
     )
     starts = ["Device types differ", "The plan splits", "The plan is for ZeRO stage", "The plan's global batch"]
     assert [next(i for i, p in enumerate(problems) if p.startswith(s)) for s in starts] == [0, 1, 2, 3]
     counts = pipeline_plan_problems(
-        plan, _cluster(("a", "b", "b", "b")), world_size=2, num_layers=6, zero_stage=0, global_batch=(16, "x")
+        plan,
+        _cluster(("a", "b", "b", "b")),
+        world_size=2,
+        num_layers=6,
+        zero_stage=0,
+        global_batch=GlobalBatchRequest(size=16, origin="x"),
     )
     assert [p.split(" ")[2] for p in counts] == ["names", "description", "is", "global"]
 
