@@ -15,6 +15,7 @@ from poplar_ext.plan.formats import (
     POLICIES,
     ZERO_STAGES,
     Cluster,
+    Emulation,
     Plan,
     Prediction,
     Profile,
@@ -34,7 +35,7 @@ from poplar_ext.plan.levers import (
     profiles_for_plan,
 )
 from poplar_ext.plan.network_format import NetworkProfile
-from poplar_ext.plan.pipeline_formats import PipelinePlan, cluster_problems
+from poplar_ext.plan.pipeline_formats import LayerProfile, PipelinePlan, cluster_problems
 
 from .allocation import PolicyResult, infeasible
 from .cost import StageModel, build_stage_model
@@ -337,6 +338,7 @@ def search_plan(
     max_global_batch_size = None if max_global_batch_size is None else int(max_global_batch_size)
     by_stage = _check_profiles(profiles)
     check_covered(cluster, by_stage, "profile")
+    check_emulation(cluster, profiles, "profile")
     stages = list(ZERO_STAGES) if zero_stage == "auto" else [int(zero_stage)]
     evaluated = {
         stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size, network)
@@ -375,6 +377,40 @@ def check_covered(cluster: Cluster, by_stage: dict[int, dict[str, object]], kind
         raise ValueError(
             f"cluster: expected device types that the {kind}s cover ({', '.join(sorted(covered))}), "
             f"found {', '.join(repr(t) for t in unknown)} with no {kind}"
+        )
+
+
+def _emulation_key(emulation: Emulation | None) -> tuple[float, int] | None:
+    """What a profile's times and memory depend on: the slowdown and capacity (a drift schedule aside)."""
+    return None if emulation is None else (emulation.slowdown, emulation.memory_capacity_bytes)
+
+
+def _emulation_text(key: tuple[float, int] | None) -> str:
+    return "a real device (no emulation)" if key is None else f"slowdown {key[0]:g}, {key[1]} bytes of memory"
+
+
+def check_emulation(cluster: Cluster, profiles: Sequence[Profile | LayerProfile], kind: str) -> None:
+    """A ValueError where a device type of `cluster` has a profile (of `kind`) measured emulated under another
+    emulation than the cluster declares for it (or none): its times and largest micro-batch are not that device's,
+    and the job would emulate the cluster's. A profile that says no emulation (a real device's, a modelled or
+    hand-written one) is taken as the cluster's type."""
+    measured_under: dict[str, set[tuple[float, int] | None]] = {}
+    for profile in profiles:
+        if profile.emulated is not None and profile.device_type in cluster.type_counts():
+            measured_under.setdefault(profile.device_type, set()).add(_emulation_key(profile.emulated))
+    problems = []
+    for device_type, keys in sorted(measured_under.items()):
+        declared = _emulation_key(cluster.emulation_of(device_type))
+        other = sorted(keys - {declared}, key=repr)
+        if other:
+            problems.append(
+                f"{device_type}: expected {kind}s measured as the cluster declares it ({_emulation_text(declared)}), "
+                f"found {kind}s measured as {' and as '.join(map(_emulation_text, other))}"
+            )
+    if problems:
+        raise ValueError(
+            "cluster: " + "; ".join(problems) + f"; measure the {kind}s on this cluster again (poplar-profile), or "
+            "declare the emulation they were measured under"
         )
 
 

@@ -22,7 +22,7 @@ from poplar_ext.plan.pipeline_formats import (
     PipelineStage,
 )
 
-from .api import SearchResult, StageReport, check_covered, cluster_problems, listed
+from .api import SearchResult, StageReport, check_covered, check_emulation, cluster_problems, listed
 from .pipeline_cost import (
     LayerTable,
     Links,
@@ -411,6 +411,7 @@ def search_pipeline_plan(
     )
     by_stage = layer_profiles_by_stage(layer_profiles)
     check_covered(cluster, by_stage, "layer profile")
+    check_emulation(cluster, layer_profiles, "layer profile")
     if zero_stage in (2, 3):
         reason = f"DeepSpeed's pipeline engine refuses ZeRO stage {zero_stage} (pipelines run at stage 0 or 1)."
         return _result({int(zero_stage): _Outcome(plan=None, reason=reason, method="none", layouts=0)}, False)

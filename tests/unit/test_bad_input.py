@@ -254,3 +254,54 @@ def test_debug_shows_the_traceback(capsys, monkeypatch):
     code, _, err = run(capsys, "--profiles", EXAMPLES, "--cluster", CLUSTER, "--global-batch-size", 512, "--debug")
     assert code == 3
     assert "Traceback (most recent call last)" in err and "_broken_search" in err
+
+
+# -- profiles measured under another emulation than the cluster declares ------------------
+def _emulated_examples(tmp_path: Path, slowdown: float, capacity: int) -> Path:
+    """The example profiles (whole-model and layer), as if V100-16GB had been measured emulated."""
+    directory = _copy_examples(tmp_path)
+    for path in [*directory.glob("*v100*.json"), *(directory / "layers").glob("*v100*.json")]:
+        data = json.loads(path.read_text())
+        data["emulated"] = {"slowdown": slowdown, "memory_capacity_bytes": capacity}
+        path.write_text(json.dumps(data))
+    return directory
+
+
+def _cluster_emulating_v100(tmp_path: Path, emulation: dict | None) -> Path:
+    data = json.loads(CLUSTER.read_text())
+    data["device_types"] = {} if emulation is None else {"V100-16GB": {"emulation": emulation}}
+    path = tmp_path / f"cluster-{len(list(tmp_path.glob('cluster-*')))}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("parallelism", ["zero", "pipeline"])
+@pytest.mark.parametrize(
+    "declared, found",
+    [
+        ({"slowdown": 4.0, "memory_capacity_bytes": 17179869184}, "slowdown 2, 17179869184 bytes"),
+        ({"slowdown": 2.0, "memory_capacity_bytes": 100_000_000}, "slowdown 2, 17179869184 bytes"),
+        (None, "slowdown 2, 17179869184 bytes"),
+    ],
+)
+def test_profiles_measured_under_another_emulation_than_the_clusters_are_refused(
+    capsys, tmp_path, parallelism, declared, found
+):
+    profiles = _emulated_examples(tmp_path, 2.0, 17179869184)
+    cluster = _cluster_emulating_v100(tmp_path, declared)
+    args = ("--parallelism", parallelism, "--global-batch-size", "512")
+    err = _bad_exit(capsys, tmp_path, *args, profiles=profiles, cluster=cluster)
+    assert "V100-16GB: expected" in err and f"measured as {found}" in err and "poplar-profile" in err, err
+    if declared is None:
+        assert "as the cluster declares it (a real device (no emulation))" in err
+    # As measured: the plan is searched.
+    matching = _cluster_emulating_v100(tmp_path, {"slowdown": 2.0, "memory_capacity_bytes": 17179869184})
+    code, _, err = run(capsys, "--profiles", profiles, "--cluster", matching, *args)
+    assert code == 0, err
+
+
+def test_profiles_that_say_no_emulation_are_taken_as_the_clusters_type(capsys, tmp_path):
+    """Modelled or hand-written profiles (no ``emulated``) for an emulated type: as before, searched."""
+    cluster = _cluster_emulating_v100(tmp_path, {"slowdown": 1.0, "memory_capacity_bytes": 17179869184})
+    code, _, err = run(capsys, "--profiles", EXAMPLES, "--cluster", cluster, "--global-batch-size", "512")
+    assert code == 0, err
