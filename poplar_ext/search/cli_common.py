@@ -16,7 +16,7 @@ from typing import Any
 from poplar_ext.plan import kinds
 from poplar_ext.plan.errors import FormatError, WrongFormatError
 from poplar_ext.plan.formats import read_json, write_json_atomic
-from poplar_ext.plan.network_format import NETWORK_DIRECTORY, NetworkProfile, find_network, load_network
+from poplar_ext.plan.network_format import NETWORK_DIRECTORY, NetworkProfile, cluster_key, find_network, load_network
 from poplar_ext.plan.pipeline_formats import layer_profiles_dir
 
 from .api import SearchResult, StageReport, predict
@@ -163,7 +163,16 @@ def chosen_network(args: Any, cluster: Any) -> NetworkProfile | None:
     if args.no_network:
         return None
     if args.network:
-        return load_network(args.network)
+        network = load_network(args.network)
+        if cluster is not None and network.cluster_key != cluster_key(cluster):
+            # Allowed (pricing a cluster not measured yet), but its fits are another network's: say so.
+            print(
+                f"{PROG}: note: --network {args.network} was measured on another cluster "
+                f"({network.world_size} ranks, {network.num_nodes} node(s), {network.backend}); its collectives are "
+                f"priced for this one's {cluster.world_size} ranks as if its network were the same",
+                file=sys.stderr,
+            )
+        return network
     return None if cluster is None else find_network(args.profiles, cluster)
 
 

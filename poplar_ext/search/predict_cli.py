@@ -60,12 +60,17 @@ def run_predict(args: argparse.Namespace) -> int:
     elif kind == "pipeline":
         print(pipeline_prediction_table(plan, prediction, network, cluster))
     else:
-        print(zero_prediction_table(plan, prediction, network))
+        print(zero_prediction_table(plan, prediction, network, without_network=_without_network(args, cluster)))
     return EXIT_OK
 
 
-NOT_SEPARATED = "optimizer step and collectives not told apart: no --cluster/network file"
-"""Why a ZeRO boundary priced without a network is shown as profiled, whole."""
+def _without_network(args: argparse.Namespace, cluster: Cluster | None) -> str:
+    """Why no network file prices this prediction, as the table says it."""
+    if args.no_network:
+        return "--no-network"
+    if cluster is None:
+        return "no --cluster or --network to find a network file by"
+    return f"no network file in {args.profiles} measured on this cluster"
 
 
 def _micro_step_separated(zero_stage: int, network: NetworkProfile | None) -> bool:
@@ -96,9 +101,11 @@ def _summary(prediction: Any, network: NetworkProfile | None) -> list[str]:
     ]
 
 
-def zero_prediction_table(plan: Plan, prediction: PlanPrediction, network: NetworkProfile | None) -> str:
+def zero_prediction_table(
+    plan: Plan, prediction: PlanPrediction, network: NetworkProfile | None, *, without_network: str = ""
+) -> str:
     """Where a ZeRO plan's time goes: each group of alike ranks' compute, communication and idle share,
-    then the boundary (optimizer step and collectives)."""
+    then the boundary (optimizer step and collectives; without `network` as profiled, `without_network` why)."""
     rows = [["ranks", "device type", "micro-batch", "accumulation", "compute s", "communication s", "busy s", "idle"]]
     compute = prediction.rank_compute_time_s or prediction.rank_busy_time_s
     separated = _micro_step_separated(plan.zero_stage, network)
@@ -115,7 +122,8 @@ def zero_prediction_table(plan: Plan, prediction: PlanPrediction, network: Netwo
         f"boundary {prediction.boundary_s:.4g} s: optimizer step {prediction.optimizer_step_s:.4g} s, "
         f"collectives {prediction.boundary_communication_s:.4g} s"
         if network is not None
-        else f"boundary {prediction.boundary_s:.4g} s as profiled ({NOT_SEPARATED})"
+        else f"boundary {prediction.boundary_s:.4g} s as profiled (optimizer step and collectives not told apart: "
+        f"{without_network or 'no network file'})"
     )
     header = f"ZeRO stage {plan.zero_stage}, global batch {plan.global_batch_size}, {plan.world_size} ranks"
     return "\n".join([header, *_summary(prediction, network), "", table(rows), "", boundary])

@@ -278,3 +278,23 @@ def test_a_deepspeed_config_in_the_profiles_folder_is_skipped(capsys, tmp_path):
         capsys, "--profiles", profiles, "--cluster", profiles / "cluster.json", "--global-batch-size", 64
     )
     assert code == 0 and err == "" and "global batch 64" in out
+
+
+@pytest.mark.parametrize("mode", [[], ["--parallelism", "pipeline"], ["--predict", "PLAN"]])
+def test_a_network_file_of_another_cluster_is_used_with_a_note(tmp_path, capsys, mode):
+    measured_here = next((EXAMPLES / "network").glob("*.json"))
+    data = json.loads(measured_here.read_text())
+    data["cluster_key"] = "sha256:" + "0" * 64  # measured on some other cluster
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(data))
+    plan = tmp_path / "plan.json"
+    assert main(["--example", "--global-batch-size", "512", "--output", str(plan)]) == 0
+    capsys.readouterr()
+    mode = [str(plan) if arg == "PLAN" else arg for arg in mode]
+    extra = [] if "--predict" in mode else ["--global-batch-size", "512"]
+    for network, noted in ((elsewhere, True), (measured_here, False)):
+        assert main(["--example", *extra, *mode, "--network", str(network)]) == 0
+        err = capsys.readouterr().err
+        assert (f"note: --network {network} was measured on another cluster" in err) is noted, err
+        if noted:  # the file's own figures
+            assert f"({data['world_size']} ranks, {data['num_nodes']} node(s), {data['backend']})" in err

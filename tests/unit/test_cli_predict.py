@@ -198,12 +198,32 @@ def test_without_a_cluster_the_zero_boundary_is_shown_as_profiled_not_as_0_s_of_
     assert main([*predict, "--format", "json"]) == 0
     priced = json.loads(capsys.readouterr().out)
     assert priced["network_priced"] is False and priced["prediction"]["boundary_separated"] is False
+    assert last.endswith("not told apart: no --cluster or --network to find a network file by)"), last
     assert priced["prediction"]["boundary_communication_s"] is None and priced["prediction"]["optimizer_step_s"] is None
     assert priced["prediction"]["boundary_s"] > 0
     # With the cluster, its network file prices the collectives apart.
     assert main(["--example", "--predict", str(searched["path"]), "--format", "json"]) == 0
     with_cluster = json.loads(capsys.readouterr().out)["prediction"]
     assert with_cluster["boundary_separated"] is True and with_cluster["boundary_communication_s"] > 0
+
+
+@pytest.mark.parametrize("cause", ["no file for this cluster", "--no-network"])
+def test_the_unpriced_boundary_says_why_where_the_cluster_was_given(tmp_path, capsys, cause):
+    # With --cluster given, the table blamed a missing --cluster.
+    searched = _searched(tmp_path, capsys)
+    profiles = tmp_path / "profiles"
+    shutil.copytree(example_profiles_dir(), profiles)
+    if cause == "--no-network":
+        flags = ["--no-network"]
+        why = "--no-network"
+    else:
+        shutil.rmtree(profiles / "network")
+        flags = []
+        why = f"no network file in {profiles} measured on this cluster"
+    command = ["--profiles", str(profiles), "--cluster", str(example_cluster_file())]
+    assert main([*command, "--predict", str(searched["path"]), *flags]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.endswith(f"not told apart: {why})"), last
 
 
 @pytest.mark.parametrize("stage", [1, 3])
