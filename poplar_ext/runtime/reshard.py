@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from poplar_ext.plan.formats import listed
 from poplar_ext.runtime.checkpoint import UNIVERSAL_SUFFIX
 from poplar_ext.search.cli_common import EXIT_BAD_INPUT, EXIT_OK, CommandParser, printing
 
@@ -119,6 +120,15 @@ def convert_checkpoint(source: str | Path, target: str | Path, *, optimizer_name
     if not source.is_dir():
         found = "a file" if source.exists() else "no such folder"
         raise ValueError(f"{source}: expected a checkpoint's tag folder, found {found}")
+    tags = sorted(p.name for p in source.iterdir() if p.is_dir() and any(p.glob("*optim_states.pt")))
+    if (source / "latest").is_file() or tags:
+        # The save_dir a training job writes into, one level above the tags: its own optimizer files are none.
+        latest = (source / "latest").read_text().strip() if (source / "latest").is_file() else None
+        example = source / (latest or tags[-1])
+        raise ValueError(
+            f"{source}: expected a checkpoint's tag folder, found the folder holding the tags ({listed(tags)}"
+            f"{f'; latest: {latest}' if latest else ''}); pass one of them, e.g. {example}"
+        )
 
     def convert(work: Path) -> None:
         stage = _zero_stage(source)

@@ -77,3 +77,24 @@ def test_an_input_folder_that_is_not_a_folder_is_named_as_such(tmp_path, capsys,
         convert_checkpoint(source, tmp_path / "out")
     assert main(["--input_folder", str(source), "--output_folder", str(tmp_path / "out")]) == 2
     assert f"found {found}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("with_latest", [True, False])
+def test_the_folder_holding_the_tags_is_named_as_such_with_a_tag_to_pass(tmp_path, capsys, with_latest):
+    # It read "holds no ZeRO optimizer state (...): nothing to reshard", as if there were nothing to do.
+    save_dir = tmp_path / "ckpt"
+    for tag in ("global_step1", "global_step2"):
+        (save_dir / tag).mkdir(parents=True)
+        (save_dir / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    if with_latest:
+        (save_dir / "latest").write_text("global_step2\n")
+    expected = (
+        f"{save_dir}: expected a checkpoint's tag folder, found the folder holding the tags (global_step1, "
+        f"global_step2{'; latest: global_step2' if with_latest else ''}); pass one of them, e.g. "
+        f"{save_dir / 'global_step2'}"
+    )
+    with pytest.raises(ValueError) as raised:
+        convert_checkpoint(save_dir, tmp_path / "out")
+    assert str(raised.value) == expected
+    assert main(["--input_folder", str(save_dir), "--output_folder", str(tmp_path / "out")]) == 2
+    assert expected in capsys.readouterr().err and not (tmp_path / "out").exists()
