@@ -176,6 +176,12 @@ def chosen_network(args: Any, cluster: Any) -> NetworkProfile | None:
     return None if cluster is None else find_network(args.profiles, cluster)
 
 
+def idle_text(busy_s: float, span_s: float) -> str:
+    """The idle column of every table: the share of `span_s` (before the boundary: the slowest rank's busy time,
+    or the slowest pipeline's 1F1B time) a rank busy for `busy_s` waits; the boundary is shown apart."""
+    return f"{100 * (1 - busy_s / span_s):.1f}%"
+
+
 def table(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
@@ -227,7 +233,7 @@ def plan_table(result: SearchResult, profiles: Sequence, network: NetworkProfile
         rows.append(
             [rank_span(start, end - 1), first.device_type, str(first.micro_batch_size)]
             + [str(first.gradient_accumulation_steps), str(first.samples_per_iteration), f"{busy[start]:.4g}"]
-            + [f"{100 * (1 - busy[start] / slowest):.1f}%"]
+            + [idle_text(busy[start], slowest)]
             + (["on" if first.activation_checkpointing else "off"] if checkpointing else [])
             + (["on" if first.optimizer_offload else "off"] if offload else [])
         )

@@ -26,6 +26,7 @@ from .cli_common import (
     chosen_network,
     emit,
     error,
+    idle_text,
     or_dash,
     plan_row,
     plan_table,
@@ -192,12 +193,11 @@ def pipeline_plan_table(
         for s, stage in enumerate(group[0].stages):
             r = stage.rank
             busy = predicted.rank_busy_time_s[r]
-            idle = 1 - busy / predicted.iteration_time_s
             recompute = predicted.rank_recompute_time_s[r] if predicted.rank_activation_checkpointing[r] else None
             rows.append(
                 [rank_span(start, end - 1) if s == 0 else "", str(s), _ranks_text([p.stages[s].rank for p in group])]
                 + [stage.device_type, f"{stage.first_layer}-{stage.last_layer}", str(group[0].micro_batch_size)]
-                + [str(group[0].num_micro_batches), f"{busy:.4g}", f"{100 * idle:.1f}%"]
+                + [str(group[0].num_micro_batches), f"{busy:.4g}", idle_text(busy, max(predicted.pipeline_time_s))]
                 + [f"{predicted.rank_memory_bytes[r] / 2**30:.3g}", or_dash(recompute, ".4g")]
             )
     text = [result.message]

@@ -19,7 +19,7 @@ from poplar_ext.plan.pipeline_formats import (
 from poplar_ext.plan.validation import Node
 
 from .api import PlanPrediction, cluster_problems, predict, rule_problems
-from .cli_common import EXIT_OK, bad_input, chosen_network, error, rank_span, runs, table
+from .cli_common import EXIT_OK, bad_input, chosen_network, error, idle_text, rank_span, runs, table
 from .examples import example_cluster_file
 from .pipeline_cost import BoundaryTransfer, PipelinePrediction, predict_pipeline
 from .pipeline_search import check_pipeline_plan
@@ -116,7 +116,7 @@ def zero_prediction_table(
         parts = [f"{compute[start]:.4g}", f"{busy - compute[start]:.4g}"] if separated else ["-", "-"]
         rows.append(
             [rank_span(start, end - 1), first.device_type, str(first.micro_batch_size)]
-            + [str(first.gradient_accumulation_steps), *parts, f"{busy:.4g}", f"{100 * (1 - busy / slowest):.1f}%"]
+            + [str(first.gradient_accumulation_steps), *parts, f"{busy:.4g}", idle_text(busy, slowest)]
         )
     boundary = (
         f"boundary {prediction.boundary_s:.4g} s: optimizer step {prediction.optimizer_step_s:.4g} s, "
@@ -149,7 +149,7 @@ def pipeline_prediction_table(
                 + [f"{stage.first_layer}-{stage.last_layer}", f"{prediction.rank_compute_time_s[r]:.4g}"]
                 + [f"{prediction.rank_recompute_time_s[r]:.4g}" if stage.activation_checkpointing else "-"]
                 + [f"{prediction.rank_transfer_time_s[r]:.4g}", f"{busy:.4g}"]
-                + [f"{100 * (1 - busy / prediction.iteration_time_s):.1f}%", f"{prediction.rank_all_reduce_s[r]:.4g}"]
+                + [idle_text(busy, max(prediction.pipeline_time_s)), f"{prediction.rank_all_reduce_s[r]:.4g}"]
                 + [f"{prediction.rank_optimizer_step_s[r]:.4g}"]
             )
     pipelines = ", ".join(f"{t:.4g}" for t in prediction.pipeline_time_s)

@@ -154,3 +154,21 @@ def test_auto_without_a_batch_keeps_the_zero_plan_when_its_batch_is_beyond_the_p
     code, out, _ = run(capsys, *argv)
     pipeline_row = next(line for line in out.splitlines() if line.startswith("pipeline "))
     assert code == 0 and "infeasible" in pipeline_row and f"limit ({MAX_SUMSET})" in pipeline_row
+
+
+def test_the_idle_column_is_the_share_of_the_slowest_pipeline_a_stage_waits(capsys, tmp_path):
+    """As the ZeRO table's (of the slowest rank's busy time): the boundary is shown apart, not counted as idle.
+    A single one-stage pipeline never waits; it read ~50% idle when the optimizer step counted."""
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"schema_version": 1, "nodes": [{"name": "a", "devices": [
+        {"device_type": "A100-80GB", "count": 1}]}]}))  # fmt: skip
+    plan = tmp_path / "plan.json"
+    args = ["--profiles", EXAMPLES, "--network", NETWORK, "--parallelism", "pipeline", "--global-batch-size", 32]
+    code, out, err = run(capsys, *args, "--cluster", one, "--output", plan)
+    assert code == 0, err
+    idle = [line.split()[8] for line in out.splitlines() if line.split()[:1] == ["0"]]
+    assert idle == ["0.0%"], out
+    code, out, err = run(capsys, "--profiles", EXAMPLES, "--cluster", one, "--predict", plan)
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if line.split()[:4] == ["0", "0", "0", "A100-80GB"]]
+    assert len(rows) == 1 and rows[0][9] == "0.0%", out
