@@ -164,7 +164,8 @@ def chosen_network(args: Any, cluster: Any) -> NetworkProfile | None:
         return None
     if args.network:
         network = load_network(args.network)
-        if cluster is not None and network.cluster_key != cluster_key(cluster):
+        measured = network.measured_with.get("source") != "modelled"  # a modelled one is for any cluster
+        if measured and cluster is not None and network.cluster_key != cluster_key(cluster):
             # Allowed (pricing a cluster not measured yet), but its fits are another network's: say so.
             print(
                 f"{PROG}: note: --network {args.network} was measured on another cluster "

@@ -285,6 +285,7 @@ def test_a_network_file_of_another_cluster_is_used_with_a_note(tmp_path, capsys,
     measured_here = next((EXAMPLES / "network").glob("*.json"))
     data = json.loads(measured_here.read_text())
     data["cluster_key"] = "sha256:" + "0" * 64  # measured on some other cluster
+    data["measured_with"]["source"] = "measured"  # the example's is modelled: for any cluster, no note
     elsewhere = tmp_path / "elsewhere.json"
     elsewhere.write_text(json.dumps(data))
     plan = tmp_path / "plan.json"
@@ -292,7 +293,9 @@ def test_a_network_file_of_another_cluster_is_used_with_a_note(tmp_path, capsys,
     capsys.readouterr()
     mode = [str(plan) if arg == "PLAN" else arg for arg in mode]
     extra = [] if "--predict" in mode else ["--global-batch-size", "512"]
-    for network, noted in ((elsewhere, True), (measured_here, False)):
+    modelled = tmp_path / "modelled.json"
+    modelled.write_text(json.dumps({**data, "measured_with": {"source": "modelled"}}))
+    for network, noted in ((elsewhere, True), (measured_here, False), (modelled, False)):
         assert main(["--example", *extra, *mode, "--network", str(network)]) == 0
         err = capsys.readouterr().err
         assert (f"note: --network {network} was measured on another cluster" in err) is noted, err
