@@ -26,7 +26,15 @@ def checkpointing_toggle(
     # Declared on the class (not merely set on one object): the forward is written to read it.
     if isinstance(getattr(type(model), "activation_checkpointing", None), bool):
         return lambda model, enabled: setattr(model, "activation_checkpointing", enabled)
-    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return None
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24 deprecated the gradient_* names
+        return lambda model, enabled: (
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            if enabled
+            else model.activation_checkpointing_disable()
+        )
+    if hasattr(model, "gradient_checkpointing_enable"):
         return lambda model, enabled: (
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if enabled
