@@ -61,7 +61,14 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
 def _search(args: argparse.Namespace) -> tuple[SearchResult | None, SearchResult | None, Any]:
     """Both searches (ZeRO only with auto); raises FormatError / ValueError for bad input."""
     cluster = load_cluster(args.cluster)
-    layer_profiles = load_layer_profiles(layer_profiles_dir(args.profiles))
+    layers = layer_profiles_dir(args.profiles)
+    if args.parallelism == "auto" and not layers.exists():
+        raise ValueError(
+            f"{layers}: expected a directory of layer profiles for --parallelism auto (pipelines are searched "
+            "from them: poplar-profile --per-layer), found no such directory; --parallelism zero searches "
+            f"{args.profiles} without them"
+        )
+    layer_profiles = load_layer_profiles(layers)
     network = chosen_network(args, cluster)
     if args.parallelism == "auto" and network is None:
         # Without one a pipeline's transfers and all-reduces would cost nothing while ZeRO's collectives stay in its

@@ -446,7 +446,7 @@ def plan_tables(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]) -> d
     if wrong:
         raise ValueError(
             f"layer_profiles: expected {plan.num_layers} layers (the plan's num_layers), found "
-            f"{at_stage[wrong[0]].num_layers} in {wrong[0]!r}'s"
+            f"{at_stage[wrong[0]].num_layers} in the layer profile of {wrong[0]}"
         )
     largest = max(p.micro_batch_size for p in plan.pipelines)
     return {t: layer_table(at_stage[t], max(largest, largest_profiled_size(at_stage[t]))) for t in types}

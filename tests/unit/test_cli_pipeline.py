@@ -172,3 +172,17 @@ def test_the_idle_column_is_the_share_of_the_slowest_pipeline_a_stage_waits(caps
     assert code == 0, err
     rows = [line.split() for line in out.splitlines() if line.split()[:4] == ["0", "0", "0", "A100-80GB"]]
     assert len(rows) == 1 and rows[0][9] == "0.0%", out
+
+
+def test_auto_without_layer_profiles_points_to_parallelism_zero(capsys, tmp_path):
+    profiles = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, profiles)
+    shutil.rmtree(profiles / "layers")
+    code, out, err = run(
+        capsys, "--profiles", profiles, "--cluster", CLUSTER, "--parallelism", "auto", "--global-batch-size", 512
+    )
+    assert code == 2 and out == ""
+    assert f"{profiles / 'layers'}: expected a directory of layer profiles for --parallelism auto" in err
+    assert "--parallelism zero searches" in err and len(err.strip().splitlines()) == 1, err
+    code, out, err = run(capsys, "--profiles", profiles, "--cluster", CLUSTER, "--global-batch-size", 512)
+    assert code == 0, err

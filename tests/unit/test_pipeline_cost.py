@@ -184,7 +184,9 @@ def test_a_layer_curve_is_made_monotone_before_it_is_summed():
 def test_predicting_without_a_fitting_layer_profile_is_a_value_error():
     with pytest.raises(ValueError, match=r"at ZeRO stage 1 for every device type of the plan, found none for a, b"):
         predict_pipeline(dataclasses.replace(PLAN, zero_stage=1), PROFILES)
-    with pytest.raises(ValueError, match=r"expected 4 layers \(the plan's num_layers\), found 6"):
+    with pytest.raises(
+        ValueError, match=r"expected 4 layers \(the plan's num_layers\), found 6 in the layer profile of a$"
+    ):
         predict_pipeline(PLAN, [layer_profile("a", 0.01, num_layers=6), layer_profile("b", 0.02, num_layers=6)])
     with pytest.raises(ValueError, match=r"one layer profile per \(device type, ZeRO stage\), found two for 'a'"):
         predict_pipeline(PLAN, [*PROFILES, layer_profile("a", 0.03)])
