@@ -28,7 +28,8 @@ def checkpointing_toggle(
         return lambda model, enabled: setattr(model, "activation_checkpointing", enabled)
     if not getattr(model, "supports_gradient_checkpointing", False):
         return None
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24 deprecated the gradient_* names
+    if hasattr(model, "activation_checkpointing_enable") and not _overrides_old_switch(model):
+        # transformers 5.24 deprecated the gradient_* names.
         return lambda model, enabled: (
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             if enabled
@@ -41,6 +42,17 @@ def checkpointing_toggle(
             else model.gradient_checkpointing_disable()
         )
     return None
+
+
+def _overrides_old_switch(model: torch.nn.Module) -> bool:
+    """Whether a class of `model` below the one defining ``activation_checkpointing_enable`` defines its own
+    ``gradient_checkpointing_enable``: the new name would call it with arguments it may not take."""
+    owners = {name: next((k for k in type(model).__mro__ if name in vars(k)), None) for name in _SWITCHES}
+    old, new = owners["gradient_checkpointing_enable"], owners["activation_checkpointing_enable"]
+    return old is not None and new is not None and old is not new and issubclass(old, new)
+
+
+_SWITCHES = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
 
 
 def can_checkpoint(model: torch.nn.Module, toggle: CheckpointingToggle | None = None) -> bool:

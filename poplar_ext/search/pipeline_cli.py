@@ -64,9 +64,9 @@ def _search(args: argparse.Namespace) -> tuple[SearchResult | None, SearchResult
     layers = layer_profiles_dir(args.profiles)
     if args.parallelism == "auto" and not layers.exists():
         raise ValueError(
-            f"{layers}: expected a directory of layer profiles for --parallelism auto (pipelines are searched "
-            "from them: poplar-profile --per-layer), found no such directory; --parallelism zero searches "
-            f"{args.profiles} without them"
+            f"{layers}: (directory): expected a directory of layer profiles, found no such directory; "
+            f"--parallelism auto searches pipelines from them (poplar-profile --per-layer), --parallelism zero "
+            f"searches {args.profiles} without them"
         )
     layer_profiles = load_layer_profiles(layers)
     network = chosen_network(args, cluster)

@@ -64,6 +64,25 @@ def test_a_hugging_face_model_switches_through_its_own_methods():
             assert getattr(model, name) is enabled
 
 
+def test_a_hugging_face_model_overriding_the_old_switch_is_switched_through_it():
+    """transformers 5.24's activation_checkpointing_enable calls an override of gradient_checkpointing_enable with
+    arguments an override written for the old signature does not take."""
+    transformers = pytest.importorskip("transformers")
+
+    class Overriding(transformers.GPT2LMHeadModel):
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            self.switched_on_by_override = gradient_checkpointing_kwargs
+            super().gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+
+    model = Overriding(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the override calls the deprecated name itself
+        set_activation_checkpointing(model, True)
+        assert model.switched_on_by_override == {"use_reentrant": False} and model.is_gradient_checkpointing
+        set_activation_checkpointing(model, False)
+        assert not model.is_gradient_checkpointing
+
+
 class Opaque(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -182,7 +182,7 @@ def test_auto_without_layer_profiles_points_to_parallelism_zero(capsys, tmp_path
         capsys, "--profiles", profiles, "--cluster", CLUSTER, "--parallelism", "auto", "--global-batch-size", 512
     )
     assert code == 2 and out == ""
-    assert f"{profiles / 'layers'}: expected a directory of layer profiles for --parallelism auto" in err
+    assert f"{profiles / 'layers'}: (directory): expected a directory of layer profiles, found no such" in err
     assert "--parallelism zero searches" in err and len(err.strip().splitlines()) == 1, err
     code, out, err = run(capsys, "--profiles", profiles, "--cluster", CLUSTER, "--global-batch-size", 512)
     assert code == 0, err
