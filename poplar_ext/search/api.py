@@ -338,8 +338,8 @@ def search_plan(
     max_global_batch_size = None if max_global_batch_size is None else int(max_global_batch_size)
     by_stage = _check_profiles(profiles)
     check_covered(cluster, by_stage, "profile")
-    check_emulation(cluster, profiles, "profile")
     stages = list(ZERO_STAGES) if zero_stage == "auto" else [int(zero_stage)]
+    check_emulation(cluster, [p for p in profiles if p.zero_stage in stages], "profile")
     evaluated = {
         stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size, network)
         for stage in stages

@@ -18,7 +18,7 @@ from poplar_ext.plan.pipeline_formats import (
 )
 from poplar_ext.plan.validation import Node
 
-from .api import PlanPrediction, cluster_problems, predict, rule_problems
+from .api import PlanPrediction, check_emulation, cluster_problems, predict, rule_problems
 from .cli_common import EXIT_OK, bad_input, chosen_network, error, idle_text, rank_span, runs, table
 from .examples import example_cluster_file
 from .pipeline_cost import BoundaryTransfer, PipelinePrediction, predict_pipeline
@@ -42,6 +42,7 @@ def run_predict(args: argparse.Namespace) -> int:
             return error(f"{args.predict}: expected a plan of the cluster {which}: {' '.join(problems)}")
         if kind == "pipeline":
             layers = load_layer_profiles(layer_profiles_dir(args.profiles))
+            _check_emulation(cluster, plan, layers, "layer profile")
             prediction: Any = predict_pipeline(plan, layers, network, cluster=cluster)
             # Refused as a ZeRO plan beyond its profiles' largest micro-batch is: a time for a plan that cannot run.
             problems = check_pipeline_plan(plan, None, layers)
@@ -51,7 +52,9 @@ def run_predict(args: argparse.Namespace) -> int:
             problems = rule_problems(plan)  # check_plan's and the runtime's: a time for a plan that cannot run
             if problems:
                 return error(f"{args.predict}: expected a plan that keeps its stage's rules: {' '.join(problems)}")
-            prediction = predict(plan, load_profiles(args.profiles), network)
+            profiles = load_profiles(args.profiles)
+            _check_emulation(cluster, plan, profiles, "profile")
+            prediction = predict(plan, profiles, network)
     except ValueError as exc:
         return bad_input(exc, f"plan: {args.predict}, profiles: {args.profiles}", args)
     if args.format == "json":
@@ -62,6 +65,13 @@ def run_predict(args: argparse.Namespace) -> int:
     else:
         print(zero_prediction_table(plan, prediction, network, without_network=_without_network(args, cluster)))
     return EXIT_OK
+
+
+def _check_emulation(cluster: Cluster | None, plan: Plan | PipelinePlan, profiles: list, kind: str) -> None:
+    """The search's refusal of profiles measured under another emulation (`check_emulation`), at the plan's stage;
+    without --cluster no emulation is declared to hold them to."""
+    if cluster is not None:
+        check_emulation(cluster, [p for p in profiles if p.zero_stage == plan.zero_stage], kind)
 
 
 def _without_network(args: argparse.Namespace, cluster: Cluster | None) -> str:

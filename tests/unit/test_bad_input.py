@@ -294,10 +294,33 @@ def test_profiles_measured_under_another_emulation_than_the_clusters_are_refused
     assert "V100-16GB: expected" in err and f"measured as {found}" in err and "poplar-profile" in err, err
     if declared is None:
         assert "as the cluster declares it (a real device (no emulation))" in err
-    # As measured: the plan is searched.
+    # As measured: the plan is searched, and --predict prices it; with the cluster declaring otherwise it refuses.
     matching = _cluster_emulating_v100(tmp_path, {"slowdown": 2.0, "memory_capacity_bytes": 17179869184})
-    code, _, err = run(capsys, "--profiles", profiles, "--cluster", matching, *args)
+    plan = tmp_path / "searched.json"
+    code, _, err = run(capsys, "--profiles", profiles, "--cluster", matching, *args, "--output", plan)
     assert code == 0, err
+    code, _, err = run(capsys, "--profiles", profiles, "--cluster", matching, "--predict", plan)
+    assert code == 0, err
+    code, out, err = run(capsys, "--profiles", profiles, "--cluster", cluster, "--predict", plan)
+    assert code == 2 and out == "" and f"V100-16GB: expected {'layer ' * (parallelism == 'pipeline')}profiles" in err
+
+
+def test_only_the_stages_searched_are_held_to_the_clusters_emulation(capsys, tmp_path):
+    """A type re-profiled at one stage after its emulation changed keeps older files of other stages."""
+    profiles = _emulated_examples(tmp_path, 2.0, 17179869184)
+    for path in profiles.glob("*v100*stage1.json"):
+        data = json.loads(path.read_text())
+        data["emulated"]["slowdown"] = 4.0
+        path.write_text(json.dumps(data))
+    cluster = _cluster_emulating_v100(tmp_path, {"slowdown": 4.0, "memory_capacity_bytes": 17179869184})
+    code, _, err = run(
+        capsys, "--profiles", profiles, "--cluster", cluster, "--zero-stage", "1", "--global-batch-size", 512
+    )
+    assert code == 0, err
+    err = _bad_exit(
+        capsys, tmp_path, "--zero-stage", "0", "--global-batch-size", "512", profiles=profiles, cluster=cluster
+    )
+    assert "found profiles measured as slowdown 2," in err
 
 
 def test_profiles_that_say_no_emulation_are_taken_as_the_clusters_type(capsys, tmp_path):
