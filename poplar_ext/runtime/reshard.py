@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -120,7 +121,7 @@ def convert_checkpoint(source: str | Path, target: str | Path, *, optimizer_name
     if not source.is_dir():
         found = "a file" if source.exists() else "no such folder"
         raise ValueError(f"{source}: expected a checkpoint's tag folder, found {found}")
-    tags = sorted(p.name for p in source.iterdir() if p.is_dir() and any(p.glob("*optim_states.pt")))
+    tags = sorted((p.name for p in source.iterdir() if p.is_dir() and any(p.glob("*_states.pt"))), key=_natural)
     if (source / "latest").is_file() or tags:
         # The save_dir a training job writes into, one level above the tags: its own optimizer files are none.
         latest = (source / "latest").read_text().strip() if (source / "latest").is_file() else None
@@ -139,6 +140,11 @@ def convert_checkpoint(source: str | Path, target: str | Path, *, optimizer_name
 
     write_whole(target, convert)
     return target
+
+
+def _natural(name: str) -> list:
+    """``global_step9`` before ``global_step10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def _zero_stage(source: Path) -> int:

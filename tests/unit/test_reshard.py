@@ -83,15 +83,17 @@ def test_an_input_folder_that_is_not_a_folder_is_named_as_such(tmp_path, capsys,
 def test_the_folder_holding_the_tags_is_named_as_such_with_a_tag_to_pass(tmp_path, capsys, with_latest):
     # It read "holds no ZeRO optimizer state (...): nothing to reshard", as if there were nothing to do.
     save_dir = tmp_path / "ckpt"
-    for tag in ("global_step1", "global_step2"):
+    for tag in ("global_step9", "global_step10"):
         (save_dir / tag).mkdir(parents=True)
         (save_dir / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (save_dir / "global_step2").mkdir()  # a ZeRO-0 save: its optimizer state is in the model states file
+    (save_dir / "global_step2" / "mp_rank_00_model_states.pt").write_bytes(b"")
     if with_latest:
-        (save_dir / "latest").write_text("global_step2\n")
+        (save_dir / "latest").write_text("global_step9\n")
     expected = (
-        f"{save_dir}: expected a checkpoint's tag folder, found the folder holding the tags (global_step1, "
-        f"global_step2{'; latest: global_step2' if with_latest else ''}); pass one of them, e.g. "
-        f"{save_dir / 'global_step2'}"
+        f"{save_dir}: expected a checkpoint's tag folder, found the folder holding the tags (global_step2, "
+        f"global_step9, global_step10{'; latest: global_step9' if with_latest else ''}); pass one of them, e.g. "
+        f"{save_dir / ('global_step9' if with_latest else 'global_step10')}"
     )
     with pytest.raises(ValueError) as raised:
         convert_checkpoint(save_dir, tmp_path / "out")
