@@ -172,6 +172,17 @@ def test_the_idle_column_is_the_share_of_the_slowest_pipeline_a_stage_waits(caps
     assert code == 0, err
     rows = [line.split() for line in out.splitlines() if line.split()[:4] == ["0", "0", "0", "A100-80GB"]]
     assert len(rows) == 1 and rows[0][9] == "0.0%", out
+    # Pipelines of two types: each stage's share of the slowest pipeline's 1F1B time, boundary apart.
+    code, _, err = run(capsys, "--example", "--parallelism", "pipeline", "--global-batch-size", 256, "--output", plan)
+    assert code == 0, err
+    code, out, err = run(capsys, "--example", "--predict", plan, "--json")
+    prediction = json.loads(out)["prediction"]
+    code, out, err = run(capsys, "--example", "--predict", plan)
+    rows = [line.split() for line in out.splitlines()]
+    idle = {int(row[2]): row[9] for row in rows if len(row) > 9 and row[2].isdigit()}
+    slowest = max(prediction["pipeline_time_s"])
+    expected = {r: f"{100 * (1 - busy / slowest):.1f}%" for r, busy in enumerate(prediction["rank_busy_time_s"])}
+    assert idle == expected and any(share != "0.0%" for share in idle.values()), out
 
 
 def test_auto_without_layer_profiles_points_to_parallelism_zero(capsys, tmp_path):
