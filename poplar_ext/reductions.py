@@ -1,5 +1,6 @@
 """How a training loss reduces over a micro-batch: one vocabulary for ``poplar.loss_reduction``, the loss weighting
-and the built-in model's loss, below every other module so that models and the runtime can both name it."""
+and the built-in model's loss, below every other module so that models and the runtime can both name it.
+See docs/training.md."""
 
 from __future__ import annotations
 

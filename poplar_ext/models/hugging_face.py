@@ -1,5 +1,6 @@
 """Hugging Face models from a transformers config, random weights, and their batches (``poplar-profile --model
-hf:GPT2Config``); transformers is imported only when a model is built (``pip install 'poplar-ext[hf]'``)."""
+hf:GPT2Config``); transformers is imported only when a model is built (``pip install 'poplar-ext[hf]'``).
+See docs/profiling.md."""
 
 from __future__ import annotations
 

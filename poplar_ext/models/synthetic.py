@@ -1,5 +1,5 @@
 """Random token ids: every maker of synthetic tokens in poplar-ext draws them here, so one seed gives the same
-tokens everywhere (nothing is downloaded)."""
+tokens everywhere (nothing is downloaded). See docs/profiling.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A small GPT-style language model and a synthetic token data set (nothing is downloaded), from a few thousand
-parameters (CPU tests) to >100M (GPU profiling)."""
+parameters (CPU tests) to >100M (GPU profiling). See docs/profiling.md."""
 
 from __future__ import annotations
 

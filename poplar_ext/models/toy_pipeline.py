@@ -1,5 +1,5 @@
 """A small MLP as pipeline LayerSpecs (`toy_layers`; `toy_sequential`: the same in one process, seeded as
-``seed_layers=True`` seeds them), and a seeded regression data set."""
+``seed_layers=True`` seeds them), and a seeded regression data set. See docs/pipeline.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Where a pipeline plan puts every rank, as DeepSpeed's grid; and the layers the pipelines share."""
+"""Where a pipeline plan puts every rank, as DeepSpeed's grid; and the layers the pipelines share.
+See docs/pipeline.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`poplar_ext.initialize` for a `PoplarPipelineModule`: the pipeline engine, each pipeline's data; DeepSpeed sees
-this rank's pipeline alone (data-parallel size 1)."""
+this rank's pipeline alone (data-parallel size 1). See docs/pipeline.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A pipeline job settled on every rank before any layer is built: config, process group, cluster, plan."""
+"""A pipeline job settled on every rank before any layer is built: config, process group, cluster, plan.
+See docs/pipeline.md."""
 
 from __future__ import annotations
 

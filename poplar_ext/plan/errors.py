@@ -1,4 +1,5 @@
-"""`FormatError`, the one error of bad input files: ``source: field.path: expected X, found Y``."""
+"""`FormatError`, the one error of bad input files: ``source: field.path: expected X, found Y``.
+See profiles/README.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Which of the project's file formats a parsed JSON file is, told by the top-level keys only that format has: a file
-given where another format is read is named for what it is, not reported as a misspelt key of the expected one."""
+given where another format is read is named for what it is, not reported as a misspelt key of the expected one.
+See profiles/README.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`Node`: typed accessors over parsed JSON whose every failure is a `FormatError` naming the field (every
-format and the ``poplar`` section read through it)."""
+format and the ``poplar`` section read through it). See profiles/README.md."""
 
 from __future__ import annotations
 

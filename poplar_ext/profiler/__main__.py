@@ -1,4 +1,5 @@
-"""``python -m poplar_ext.profiler`` (and ``deepspeed --module poplar_ext.profiler``): `poplar-profile`."""
+"""``python -m poplar_ext.profiler`` (and ``deepspeed --module poplar_ext.profiler``): `poplar-profile`.
+See docs/profiling.md."""
 
 import sys
 

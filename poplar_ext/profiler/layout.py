@@ -1,4 +1,4 @@
-"""Which device type every rank of the job has, agreed by every rank (`build_layout`)."""
+"""Which device type every rank of the job has, agreed by every rank (`build_layout`). See docs/profiling.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """`ProfileOptions`: `profile_model`'s keywords and poplar-profile's options (each field's docstring its help,
-or its ``cli_help`` where the docstring's Python wording does not fit a command line); every default stated once."""
+or its ``cli_help`` where the docstring's Python wording does not fit a command line); every default stated once.
+See docs/profiling.md."""
 
 from __future__ import annotations
 

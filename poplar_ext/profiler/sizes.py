@@ -1,4 +1,5 @@
-"""Which micro-batch sizes the profiler tries (pure: every rank decides alike from the same agreed numbers)."""
+"""Which micro-batch sizes the profiler tries (pure: every rank decides alike from the same agreed numbers).
+See docs/profiling.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The training core every engine shares, knowing nothing of which engine runs it (DEVELOPING.md's map).
+"""The training core every engine shares (DEVELOPING.md's map). A few pieces still serve one engine: `reshard`
+and `checkpoint.resume_decision` ZeRO's, `rebalance.PipelineDriftMonitor` and `weighting.pipeline_loss_weight`
+pipelines'.
 
 Importing it imports no torch (`PlanBatchSampler` loads lazily): ``python -m poplar_ext.runtime.reshard --help``
 answers at once."""

@@ -1,4 +1,5 @@
-"""The ``poplar`` section (each key: a field of `PoplarConfig`), and the per-rank config DeepSpeed gets."""
+"""The ``poplar`` section (each key: a field of `PoplarConfig`), and the per-rank config DeepSpeed gets.
+See docs/training.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What every engine's job settles first: the ``poplar`` section, the cluster, rank 0's steady compute."""
+"""What every engine's job settles first: the ``poplar`` section, the cluster, rank 0's steady compute.
+See docs/training.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What every allocation policy returns, and the helpers they share."""
+"""What every allocation policy returns, and the helpers they share. See docs/search.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`poplar-search`: profiles + cluster (+ global batch) -> plan; parse, load, search, print, write."""
+"""`poplar-search`: profiles + cluster (+ global batch) -> plan; parse, load, search, print, write.
+See docs/search.md."""
 
 from __future__ import annotations
 

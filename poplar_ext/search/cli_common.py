@@ -1,5 +1,5 @@
 """What every mode of `poplar-search` shares: its exit statuses, its tables, the network its options choose; every
-CLI's standard output (its --help too) handled as a command-line tool's."""
+CLI's standard output (its --help too) handled as a command-line tool's. See docs/search.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The shipped example: GPT-2 small on 4 A100-80GB + 4 V100-16GB, MODELLED profiles (each file says so;
-`poplar_bench.example_profiles` regenerates them), the package ``poplar_ext.search.example_profiles``."""
+`poplar_bench.example_profiles` regenerates them), the package ``poplar_ext.search.example_profiles``.
+See docs/search.md."""
 
 from __future__ import annotations
 

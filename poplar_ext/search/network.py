@@ -1,4 +1,5 @@
-"""Networks beside measured ones: the ring model fitted to collective times, and one from assumed figures."""
+"""Networks beside measured ones: the ring model fitted to collective times, and one from assumed figures.
+See docs/search.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``poplar`` at ZeRO stages 2-3: per divisor s of B, the lowest micro-step time level holding B / s samples,
-the excess trimmed from the slowest micro-steps: exact."""
+the excess trimmed from the slowest micro-steps: exact. See docs/search.md."""
 
 from __future__ import annotations
 

@@ -297,3 +297,20 @@ def test_every_script_a_result_names_is_in_the_tree_or_named_with_its_commit():
         and not any((base / name).exists() for base in (doc.parent, ROOT, ROOT / "poplar_ext", ROOT / "poplar_bench"))
     ]
     assert missing == [], "not in the tree (say `git show REV:PATH` where git keeps them):\n" + "\n".join(missing)
+
+
+_DOC_PATH = re.compile(r"(?:docs/[\w.-]+\.md|profiles/README\.md|DEVELOPING\.md|README\.md)")
+
+
+def test_every_library_module_says_what_it_is_for_and_points_to_a_doc_that_exists():
+    """The style the issue sets: a module docstring says what the module is for and points to the docs."""
+    problems = []
+    for path in _modules("poplar_ext"):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        named = _DOC_PATH.findall(doc)
+        if not doc.strip() or not named:
+            problems.append(f"{path.relative_to(ROOT)}: {'no docstring' if not doc.strip() else 'names no doc'}")
+        problems += [
+            f"{path.relative_to(ROOT)}: {name} is not in the tree" for name in named if not (ROOT / name).exists()
+        ]
+    assert problems == [], "\n".join(problems)
