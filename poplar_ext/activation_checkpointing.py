@@ -26,30 +26,30 @@ def checkpointing_toggle(
     # Declared on the class (not merely set on one object): the forward is written to read it.
     if isinstance(getattr(type(model), "activation_checkpointing", None), bool):
         return lambda model, enabled: setattr(model, "activation_checkpointing", enabled)
+    prefix = _hugging_face_switch(model)
+    if prefix is None:
+        return None
+
+    def switch(model: torch.nn.Module, enabled: bool) -> None:
+        if enabled:
+            getattr(model, f"{prefix}_enable")(**{f"{prefix}_kwargs": {"use_reentrant": False}})
+        else:
+            getattr(model, f"{prefix}_disable")()
+
+    return switch
+
+
+def _hugging_face_switch(model: torch.nn.Module) -> str | None:
+    """The prefix of the Hugging Face methods that switch `model`: ``activation_checkpointing`` (transformers 5.24
+    deprecated the ``gradient_checkpointing`` ones), the old one before 5.24 and for a class overriding the old
+    method (5.24's new one would call the override with arguments it may not take); None where it cannot."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         return None
-    if hasattr(model, "activation_checkpointing_enable") and not _overrides_old_switch(model):
-        # transformers 5.24 deprecated the gradient_* names.
-        return lambda model, enabled: (
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            if enabled
-            else model.activation_checkpointing_disable()
-        )
-    if hasattr(model, "gradient_checkpointing_enable"):
-        return lambda model, enabled: (
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if enabled
-            else model.gradient_checkpointing_disable()
-        )
-    return None
-
-
-def _overrides_old_switch(model: torch.nn.Module) -> bool:
-    """Whether a class of `model` below the one defining ``activation_checkpointing_enable`` defines its own
-    ``gradient_checkpointing_enable``: the new name would call it with arguments it may not take."""
-    owners = {name: next((k for k in type(model).__mro__ if name in vars(k)), None) for name in _SWITCHES}
-    old, new = owners["gradient_checkpointing_enable"], owners["activation_checkpointing_enable"]
-    return old is not None and new is not None and old is not new and issubclass(old, new)
+    owner = {name: next((k for k in type(model).__mro__ if name in vars(k)), None) for name in _SWITCHES}
+    old, new = owner["gradient_checkpointing_enable"], owner["activation_checkpointing_enable"]
+    if new is not None and not (old is not None and old is not new and issubclass(old, new)):
+        return "activation_checkpointing"
+    return "gradient_checkpointing" if old is not None else None
 
 
 _SWITCHES = ("gradient_checkpointing_enable", "activation_checkpointing_enable")

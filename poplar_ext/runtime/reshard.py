@@ -122,9 +122,9 @@ def convert_checkpoint(source: str | Path, target: str | Path, *, optimizer_name
         found = "a file" if source.exists() else "no such folder"
         raise ValueError(f"{source}: expected a checkpoint's tag folder, found {found}")
     tags = sorted((p.name for p in source.iterdir() if p.is_dir() and any(p.glob("*_states.pt"))), key=_natural)
-    if (source / "latest").is_file() or tags:
+    latest = (source / "latest").read_text().strip() if (source / "latest").is_file() else None
+    if latest or tags:
         # The save_dir a training job writes into, one level above the tags: its own optimizer files are none.
-        latest = (source / "latest").read_text().strip() if (source / "latest").is_file() else None
         example = source / (latest or tags[-1])
         raise ValueError(
             f"{source}: expected a checkpoint's tag folder, found the folder holding the tags ({listed(tags)}"

@@ -339,7 +339,7 @@ def search_plan(
     by_stage = _check_profiles(profiles)
     check_covered(cluster, by_stage, "profile")
     stages = list(ZERO_STAGES) if zero_stage == "auto" else [int(zero_stage)]
-    check_emulation(cluster, [p for p in profiles if p.zero_stage in stages], "profile")
+    check_emulation(cluster, profiles, "profile", stages=stages)
     evaluated = {
         stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size, network)
         for stage in stages
@@ -389,14 +389,18 @@ def _emulation_text(key: tuple[float, int] | None) -> str:
     return "a real device (no emulation)" if key is None else f"slowdown {key[0]:g}, {key[1]} bytes of memory"
 
 
-def check_emulation(cluster: Cluster, profiles: Sequence[Profile | LayerProfile], kind: str) -> None:
-    """A ValueError where a device type of `cluster` has a profile (of `kind`) measured emulated under another
-    emulation than the cluster declares for it (or none): its times and largest micro-batch are not that device's,
-    and the job would emulate the cluster's. A profile that says no emulation (a real device's, a modelled or
-    hand-written one) is taken as the cluster's type."""
+def check_emulation(
+    cluster: Cluster, profiles: Sequence[Profile | LayerProfile], kind: str, *, stages: Sequence[int]
+) -> None:
+    """A ValueError where a device type of `cluster` has a profile (of `kind`) at one of `stages` measured emulated
+    under another emulation than the cluster declares for it (or none): its times and largest micro-batch are not
+    that device's, and the job would emulate the cluster's. A profile that says no emulation (a real device's, a
+    modelled or hand-written one) is taken as the cluster's type; other stages' files are not read (a type
+    re-profiled at one stage keeps older files of the others)."""
     measured_under: dict[str, set[tuple[float, int] | None]] = {}
+    types = cluster.type_counts()
     for profile in profiles:
-        if profile.emulated is not None and profile.device_type in cluster.type_counts():
+        if profile.emulated is not None and profile.zero_stage in stages and profile.device_type in types:
             measured_under.setdefault(profile.device_type, set()).add(_emulation_key(profile.emulated))
     problems = []
     for device_type, keys in sorted(measured_under.items()):

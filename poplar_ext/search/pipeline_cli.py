@@ -195,6 +195,7 @@ def pipeline_plan_table(
         stages = tuple((s.device_type, s.first_layer, s.last_layer, s.activation_checkpointing) for s in p.stages)
         return stages, p.micro_batch_size, p.num_micro_batches
 
+    slowest = max(predicted.pipeline_time_s)
     for start, end in runs(plan.pipelines, alike):
         group = plan.pipelines[start:end]
         for s, stage in enumerate(group[0].stages):
@@ -204,7 +205,7 @@ def pipeline_plan_table(
             rows.append(
                 [rank_span(start, end - 1) if s == 0 else "", str(s), _ranks_text([p.stages[s].rank for p in group])]
                 + [stage.device_type, f"{stage.first_layer}-{stage.last_layer}", str(group[0].micro_batch_size)]
-                + [str(group[0].num_micro_batches), f"{busy:.4g}", idle_text(busy, max(predicted.pipeline_time_s))]
+                + [str(group[0].num_micro_batches), f"{busy:.4g}", idle_text(busy, slowest)]
                 + [f"{predicted.rank_memory_bytes[r] / 2**30:.3g}", or_dash(recompute, ".4g")]
             )
     text = [result.message]

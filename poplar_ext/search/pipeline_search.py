@@ -415,7 +415,7 @@ def search_pipeline_plan(
         reason = f"DeepSpeed's pipeline engine refuses ZeRO stage {zero_stage} (pipelines run at stage 0 or 1)."
         return _result({int(zero_stage): _Outcome(plan=None, reason=reason, method="none", layouts=0)}, False)
     stages = [s for s in PIPELINE_ZERO_STAGES if s in by_stage] if zero_stage == "auto" else [int(zero_stage)]
-    check_emulation(cluster, [p for p in layer_profiles if p.zero_stage in stages], "layer profile")
+    check_emulation(cluster, layer_profiles, "layer profile", stages=stages)
     outcomes = {s: _search_stage(by_stage.get(s, {}), s, request) for s in stages}
     return _result(outcomes, zero_stage == "auto")
 

@@ -42,7 +42,8 @@ def run_predict(args: argparse.Namespace) -> int:
             return error(f"{args.predict}: expected a plan of the cluster {which}: {' '.join(problems)}")
         if kind == "pipeline":
             layers = load_layer_profiles(layer_profiles_dir(args.profiles))
-            _check_emulation(cluster, plan, layers, "layer profile")
+            if cluster is not None:  # without it no emulation is declared to hold the profiles to
+                check_emulation(cluster, layers, "layer profile", stages=[plan.zero_stage])
             prediction: Any = predict_pipeline(plan, layers, network, cluster=cluster)
             # Refused as a ZeRO plan beyond its profiles' largest micro-batch is: a time for a plan that cannot run.
             problems = check_pipeline_plan(plan, None, layers)
@@ -53,7 +54,8 @@ def run_predict(args: argparse.Namespace) -> int:
             if problems:
                 return error(f"{args.predict}: expected a plan that keeps its stage's rules: {' '.join(problems)}")
             profiles = load_profiles(args.profiles)
-            _check_emulation(cluster, plan, profiles, "profile")
+            if cluster is not None:
+                check_emulation(cluster, profiles, "profile", stages=[plan.zero_stage])
             prediction = predict(plan, profiles, network)
     except ValueError as exc:
         return bad_input(exc, f"plan: {args.predict}, profiles: {args.profiles}", args)
@@ -65,13 +67,6 @@ def run_predict(args: argparse.Namespace) -> int:
     else:
         print(zero_prediction_table(plan, prediction, network, without_network=_without_network(args, cluster)))
     return EXIT_OK
-
-
-def _check_emulation(cluster: Cluster | None, plan: Plan | PipelinePlan, profiles: list, kind: str) -> None:
-    """The search's refusal of profiles measured under another emulation (`check_emulation`), at the plan's stage;
-    without --cluster no emulation is declared to hold them to."""
-    if cluster is not None:
-        check_emulation(cluster, [p for p in profiles if p.zero_stage == plan.zero_stage], kind)
 
 
 def _without_network(args: argparse.Namespace, cluster: Cluster | None) -> str:
@@ -150,6 +145,7 @@ def pipeline_prediction_table(
         + ["idle"]
         + ["all-reduce ends s", "optimizer s"]
     ]
+    slowest = max(prediction.pipeline_time_s)
     for index, pipeline in enumerate(plan.pipelines):
         for s, stage in enumerate(pipeline.stages):
             r = stage.rank
@@ -159,7 +155,7 @@ def pipeline_prediction_table(
                 + [f"{stage.first_layer}-{stage.last_layer}", f"{prediction.rank_compute_time_s[r]:.4g}"]
                 + [f"{prediction.rank_recompute_time_s[r]:.4g}" if stage.activation_checkpointing else "-"]
                 + [f"{prediction.rank_transfer_time_s[r]:.4g}", f"{busy:.4g}"]
-                + [idle_text(busy, max(prediction.pipeline_time_s)), f"{prediction.rank_all_reduce_s[r]:.4g}"]
+                + [idle_text(busy, slowest), f"{prediction.rank_all_reduce_s[r]:.4g}"]
                 + [f"{prediction.rank_optimizer_step_s[r]:.4g}"]
             )
     pipelines = ", ".join(f"{t:.4g}" for t in prediction.pipeline_time_s)
