@@ -26,9 +26,7 @@ CALIBRATION_ACTIONS = ("rescale", "remeasure")
 
 @dataclass(frozen=True, kw_only=True)
 class DemoDevice:
-    """One emulated device type of the demo cluster (one rank each): its compute `slowdown` against the real CPU
-    core the rank runs on, and `memory_headroom_bytes`, its emulated memory above the rank's baseline
-    (interpreter, libraries, model, optimizer: the CPU peak the profiler measures is the whole process's)."""
+    """One emulated device type of the demo cluster (one rank each)."""
 
     name: str
     slowdown: float

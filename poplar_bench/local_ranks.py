@@ -39,10 +39,7 @@ _KILL_WAIT_S = 5  # how long the parent waits for a killed rank to be gone
 
 @dataclass(frozen=True, kw_only=True)
 class RankOutcome:
-    """What one rank (its ``RANK``) did. `ok`: its function returned (a command: exited with code 0), `value`
-    what it returned (None for a command); else `error`, the traceback or why no result came back (killed,
-    aborted, exit code). `exit_code`: negative when killed by that signal, None when it did not exit in time.
-    `log_path`: its captured stdout and stderr (a command's stderr); None when it wrote to the console."""
+    """What one rank did (a function's rank or a command's)."""
 
     rank: int
     """The rank (its ``RANK``)."""

@@ -190,10 +190,6 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|")
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:+.1f}%"
-
-
 def readme_table(report: dict[str, Any]) -> str:
     """The README's result table, made from a demo report (its first scenario): a test keeps the README's
     table equal to this one of bench/results/demo.json, so the README shows a run and not a memory of one."""
@@ -326,7 +322,7 @@ def _policy_table(policies: list[dict[str, Any]]) -> list[str]:
             f"| {e['policy']} | {e['zero_stage']} | {summarise_allocation(e['ranks'])} | "
             f"{num_text(measured.get('iteration_time_s', {}).get('median'))} | "
             f"{num_text(predicted['iteration_time_s'])} | "
-            f"{_pct(e.get('prediction_error'))} | {num_text(measured.get('samples_per_s'))} | "
+            f"{num_text(e.get('prediction_error'), '{:+.1%}')} | {num_text(measured.get('samples_per_s'))} | "
             f"{num_text(predicted['samples_per_s'])} | {num_text(e.get('speedup_over_uniform'), '{:.2f}x')} | "
             f"{num_text(e.get('share_of_ideal'), '{:.2f}')} |"
         )

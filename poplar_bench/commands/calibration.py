@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from ._options import add_output_dir, add_positive_int, default_output_dir, print_paths
+from ._options import add_cache_dir, add_output_dir, add_positive_int, default_output_dir, print_paths
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "calibration/. About 2 minutes per run on a 2-core VM.",
     )
     add_positive_int(p, "--rounds", 2, "rounds per run")
-    p.add_argument("--cache-dir", type=Path, default=None, help="the profile cache (default: a fresh temporary one)")
+    add_cache_dir(p, "the profile cache (default: a fresh temporary one)")
     p.add_argument(
         "--check-only",
         action="store_true",
