@@ -25,13 +25,11 @@ def limit_cpu_threads(threads: int = 1) -> int:
 @contextmanager
 def cpu_threads(threads: int = 1) -> Iterator[None]:
     """`threads` torch intra-op threads inside the block, the previous count after it."""
-    import torch
-
     previous = limit_cpu_threads(threads)
     try:
         yield
     finally:
-        torch.set_num_threads(previous)
+        limit_cpu_threads(previous)
 
 
 def skip_deepspeed_shm_op() -> None:

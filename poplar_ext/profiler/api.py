@@ -11,7 +11,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,7 +165,7 @@ def profile_with(options: ProfileOptions, *, cache_dir_name: str = "cache_dir") 
     # A cache that has everything is read from a directory rank 0 cannot write; anything to measure is refused.
     writable = WritableBeforeMeasuring(checked.cache_dir, rank=process_group_rank()[0], name=cache_dir_name)
     if options.per_layer is not False:
-        from poplar_ext.profiler.layers import is_pipeline_model
+        from poplar_ext.profiler.layers import is_pipeline_model, pipeline_loss
         from poplar_ext.profiler.per_layer import profile_layers
 
         model = options.model_factory()
@@ -181,17 +181,13 @@ def profile_with(options: ProfileOptions, *, cache_dir_name: str = "cache_dir") 
         built, factory = [model], options.model_factory
         checked = dataclasses.replace(checked, model_factory=lambda: built.pop() if built else factory())
         if options.per_layer:
-            checked = dataclasses.replace(checked, loss_fn=_sequential_loss(options.loss_fn))
+            # An nn.Sequential profiled per layer too: its whole-model micro-steps take the layers' batch,
+            # ``(inputs, labels)``, and loss, ``loss_fn(outputs, labels)`` (None: the output summed), as they do.
+            checked = dataclasses.replace(
+                checked, loss_fn=lambda engine, batch: pipeline_loss(engine(batch[0]), batch[1], options.loss_fn)
+            )
     with _measuring_process(device), _short_timeouts(checked, device) as timeouts:
         return _profile(checked, settings, device, writable, timeouts)
-
-
-def _sequential_loss(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor]:
-    """An ``nn.Sequential`` profiled per layer too: its whole-model micro-steps take the layers' batch,
-    ``(inputs, labels)``, and loss, ``loss_fn(outputs, labels)`` (None: the output summed), as they do."""
-    from poplar_ext.profiler.layers import pipeline_loss
-
-    return lambda engine, batch: pipeline_loss(engine(batch[0]), batch[1], loss_fn)
 
 
 _ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -236,18 +232,12 @@ def _checked(options: ProfileOptions) -> tuple[ProfileOptions, MeasureSettings]:
         # DeepSpeed would stop at its first engine with a bare "must provide optimizer" assertion.
         config_name = "ds_config" if isinstance(options.ds_config, Mapping) else str(options.ds_config)
         raise ValueError(f"{config_name}: {NO_OPTIMIZER}; add one, or pass optimizer_factory to profile_model")
-    sizes = None if options.micro_batch_sizes is None else tuple(options.micro_batch_sizes)
-    settings = MeasureSettings(
-        warmup_micro_steps=options.warmup_micro_steps,
-        repeats=options.repeats,
-        micro_batch_size_limit=options.micro_batch_size_limit,
-        micro_batch_sizes=sizes,
-    )
+    settings = MeasureSettings.of(options)
     checked = dataclasses.replace(
         options,
         ds_config=ds_config,
         zero_stages=tuple(sorted(stages)),
-        micro_batch_sizes=sizes,
+        micro_batch_sizes=settings.micro_batch_sizes,
         cache_dir=Path(options.cache_dir),
         loss_fn=options.loss_fn or default_loss,
     )

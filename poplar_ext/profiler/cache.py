@@ -251,12 +251,7 @@ def profiles_key(
         world_size=world_size,
         dtype=training_dtype(ds_config),
         sequence_length=options.sequence_length,
-        settings=MeasureSettings(
-            warmup_micro_steps=options.warmup_micro_steps,
-            repeats=options.repeats,
-            micro_batch_size_limit=options.micro_batch_size_limit,
-            micro_batch_sizes=None if options.micro_batch_sizes is None else tuple(options.micro_batch_sizes),
-        ),
+        settings=MeasureSettings.of(options),
     )
 
 

@@ -89,6 +89,17 @@ class MeasureSettings:
         if not 0.0 <= self.memory_margin < 1.0:
             raise ValueError(f"memory_margin: expected a fraction in [0, 1), found {self.memory_margin}")
 
+    @classmethod
+    def of(cls, options: ProfileOptions) -> MeasureSettings:
+        """The settings `options` ask for (checked: ValueError naming the field)."""
+        sizes = options.micro_batch_sizes
+        return cls(
+            warmup_micro_steps=options.warmup_micro_steps,
+            repeats=options.repeats,
+            micro_batch_size_limit=options.micro_batch_size_limit,
+            micro_batch_sizes=None if sizes is None else tuple(sizes),
+        )
+
 
 def measured_provenance() -> dict[str, Any]:
     """What every ``measured_with`` says: measured, with this Python, now."""
