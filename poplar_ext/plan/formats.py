@@ -738,17 +738,10 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 def is_cluster_or_plan(data: Any) -> bool:
     """Whether parsed JSON is a cluster description, a plan, a network file or a DeepSpeed config (kept beside
     profiles, not one)."""
-    return (
-        isinstance(data, dict)
-        and "device_type" not in data
-        and (
-            "nodes" in data
-            or "ranks" in data
-            or "pipelines" in data
-            or data.get("kind") == "network"
-            or kinds.recognised(data) is kinds.DEEPSPEED_CONFIG
-        )
-    )
+    if not isinstance(data, dict) or "device_type" in data:
+        return False
+    marked = any(key in data for key in ("nodes", "ranks", "pipelines")) or data.get("kind") == "network"
+    return marked or kinds.recognised(data) is kinds.DEEPSPEED_CONFIG
 
 
 def not_a_directory(path: Path) -> str:

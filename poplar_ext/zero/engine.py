@@ -288,15 +288,11 @@ class PoplarEngine(EngineCore):
                 f"({', '.join(map(str, old))}), found {', '.join(map(str, new))}"
             )
         # Activation checkpointing was applied to the model, the offload to the config, before DeepSpeed's build.
-        for field, words in (
-            ("device_type", "device type"),
-            ("activation_checkpointing", "activation_checkpointing"),
-            ("optimizer_offload", "optimizer_offload"),
-        ):
+        for field in ("device_type", "activation_checkpointing", "optimizer_offload"):
             if problem is None and [getattr(r, field) for r in plan.ranks] != [
                 getattr(r, field) for r in self.plan.ranks
             ]:
-                problem = f"each rank keeps its {words}"
+                problem = f"each rank keeps its {'device type' if field == 'device_type' else field}"
         if problem is None and one_accumulation_count(plan.zero_stage):
             if len({r.gradient_accumulation_steps for r in plan.ranks}) > 1:
                 problem = f"every rank has the same accumulation count at ZeRO stage {plan.zero_stage}"
