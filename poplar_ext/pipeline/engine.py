@@ -31,6 +31,7 @@ from poplar_ext.pipeline.checkpoint import (
     pipeline_folder,
     pipeline_resume_decision,
 )
+from poplar_ext.pipeline.grid import grad_or_zeros
 from poplar_ext.pipeline.job import PipelineJob
 from poplar_ext.pipeline.replan import (
     PARAMETER_SHAPES_KEY,
@@ -196,9 +197,7 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
                     parameter.grad_accum = torch.zeros_like(parameter, dtype=optimizer.gradient_accumulation_dtype)
                 holders[parameter] = parameter.grad_accum
             else:
-                if parameter.grad is None:
-                    parameter.grad = torch.zeros_like(parameter)
-                holders[parameter] = parameter.grad
+                holders[parameter] = grad_or_zeros(parameter)
         return holders
 
     def _unapplied_loss_scale(self) -> float | None:

@@ -113,14 +113,14 @@ class LayerSegments:
     ) -> None:
         """Each layer's gradient summed over the pipelines holding it (one flat tensor per segment), in place in the
         tensor `gradient_of(parameter)` (DeepSpeed's bf16 optimizer keeps it apart from ``.grad``; ZeRO's
-        ``grad_accum`` only where its dtype differs); default ``.grad``, made zeros where a layer unused by this
-        pipeline's forward has none (it still takes part in the sum)."""
-        gradient_of = gradient_of or _grad_attribute
+        ``grad_accum`` only where its dtype differs); default `grad_or_zeros`."""
+        gradient_of = gradient_of or grad_or_zeros
         for _, group, parameters in self._mine(module):
             _sum_flat([gradient_of(p) for p in parameters if p.requires_grad], group)
 
 
-def _grad_attribute(parameter: torch.nn.Parameter) -> torch.Tensor:
+def grad_or_zeros(parameter: torch.nn.Parameter) -> torch.Tensor:
+    """``.grad``, zeros where none: a layer unused by this pipeline's forward still takes part in the sum."""
     if parameter.grad is None:
         parameter.grad = torch.zeros_like(parameter)
     return parameter.grad
