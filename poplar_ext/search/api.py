@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -119,6 +120,19 @@ class SearchResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @classmethod
+    def infeasible(cls, message: str, policy: str, stage_reports: tuple[StageReport, ...], **more: Any) -> SearchResult:
+        """No plan, and `message` says why (`more`: the fields that have defaults)."""
+        return cls(
+            status="infeasible",
+            message=message,
+            plan=None,
+            policy=policy,
+            zero_stage=None,
+            stage_reports=stage_reports,
+            **more,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -434,14 +448,8 @@ def _infeasible_result(evaluated: dict[int, StageOutcome], policy: str) -> Searc
         f"Stage{'s' if len(group) > 1 else ''} {', '.join(map(str, group))}: {reason}"
         for reason, group in by_reason.items()
     )
-    return SearchResult(
-        status="infeasible",
-        message=f"No feasible plan ({policy}). {reasons}",
-        plan=None,
-        policy=policy,
-        zero_stage=None,
-        stage_reports=tuple(StageReport.infeasible(stage, e.outcome.reason) for stage, e in evaluated.items()),
-    )
+    reports = tuple(StageReport.infeasible(stage, e.outcome.reason) for stage, e in evaluated.items())
+    return SearchResult.infeasible(f"No feasible plan ({policy}). {reasons}", policy, reports)
 
 
 def _stage_reports(

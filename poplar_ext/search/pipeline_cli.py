@@ -95,15 +95,7 @@ def _search(args: argparse.Namespace) -> tuple[SearchResult | None, SearchResult
     if batch is not None and args.global_batch_size is None and batch > MAX_SUMSET:
         # The ZeRO search's own batch, not the user's: beyond the pipeline sizing, not bad input.
         reason = f"The ZeRO search's global batch {batch} is above the pipeline search's limit ({MAX_SUMSET})."
-        pipeline = SearchResult(
-            status="infeasible",
-            message=reason,
-            plan=None,
-            policy=PIPELINE_POLICY,
-            zero_stage=None,
-            stage_reports=(),
-            parallelism="pipeline",
-        )
+        pipeline = SearchResult.infeasible(reason, PIPELINE_POLICY, (), parallelism="pipeline")
     elif batch is not None:
         pipeline = search_pipeline_plan(
             layer_profiles, cluster, global_batch_size=batch, zero_stage=args.zero_stage, network=network

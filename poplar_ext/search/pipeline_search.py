@@ -426,14 +426,11 @@ def _result(outcomes: dict[int, _Outcome], auto: bool) -> SearchResult:
         reasons = " ".join(f"Stage {s}: {o.reason}" for s, o in outcomes.items())
         reports = tuple(StageReport.infeasible(s, o.reason) for s, o in outcomes.items())
         last = list(outcomes.values())[-1]
-        return SearchResult(
-            status="infeasible",
-            policy=PIPELINE_POLICY,
+        return SearchResult.infeasible(
+            f"No pipeline plan. {reasons}",
+            PIPELINE_POLICY,
+            reports,
             parallelism="pipeline",
-            message=f"No pipeline plan. {reasons}",
-            plan=None,
-            zero_stage=None,
-            stage_reports=reports,
             method=last.method,
             layouts_evaluated=last.layouts,
         )
