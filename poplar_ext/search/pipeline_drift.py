@@ -57,8 +57,7 @@ def predict_drifted(
     network: NetworkProfile | None = None,
 ) -> PipelinePrediction:
     """What the cost model predicts for `plan` with each rank's layers `rank_scales[r]` times as long."""
-    drifted = _Drifted.of(plan, layer_profiles, cluster, rank_scales, network)
-    return drifted.predict(plan)
+    return _Drifted.of(plan, layer_profiles, cluster, rank_scales, network).predict(plan)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)

@@ -184,9 +184,9 @@ def lower_bound_s(classes: Sequence[PipelineOptions], global_batch_size: int) ->
     if listed is not None:
         first = bisect.bisect_left(listed, True, key=lambda time_s: enough(float(time_s)))
         return float(listed[first]) if first < len(listed) else math.inf
-    if not enough(_all_options_s(classes, global_batch_size)):
-        return math.inf
     lo, hi = 0.0, _all_options_s(classes, global_batch_size)
+    if not enough(hi):
+        return math.inf
     while lo < (mid := (lo + hi) / 2) < hi:
         lo, hi = (lo, mid) if enough(mid) else (mid, hi)
     return hi
