@@ -274,16 +274,13 @@ class _PlanEvaluation:
         """The Trainer's loop over this rank's rounds; every rank's rows gathered once, in order, and the loss
         the exact mean over the whole data set (token or sample mean, as training counts it)."""
         sampler = _eval_sampler_of(dataloader)
+        loop_arguments = (dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         if sampler is None:  # a dataloader of the caller's own: the Trainer's even split
-            return super().evaluation_loop(
-                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
-            )
+            return super().evaluation_loop(*loop_arguments)
         self._eval_round = _EvalRound(sampler=sampler)
         self.gather_function = self.gather_round_metrics
         try:
-            output = super().evaluation_loop(
-                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
-            )
+            output = super().evaluation_loop(*loop_arguments)
         finally:
             progress, self._eval_round = self._eval_round, None
             self.gather_function = self.accelerator.gather_for_metrics
@@ -803,16 +800,12 @@ def _resumable_here(named: str | bool, output_dir: str) -> list[tuple[str, str |
         if named is not True:
             folders = [Path(named)]
         else:
-            found = [(int(m[1]), p) for p in _entries(output_dir) if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
+            entries = Path(output_dir).iterdir() if Path(output_dir).is_dir() else ()  # none yet: no checkpoint
+            found = [(int(m[1]), p) for p in entries if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
             folders = [p for _, p in sorted(found, reverse=True) if p.is_dir()]
         return [(str(folder), _lacking(folder)) for folder in folders]
     except (OSError, ValueError) as exc:  # said on every rank by `_whole_checkpoint`, not raised on this one alone
         return f"{type(exc).__name__}: {exc}"
-
-
-def _entries(output_dir: str) -> list[Path]:
-    """`output_dir`'s entries; none where it does not exist (no checkpoint yet)."""
-    return list(Path(output_dir).iterdir()) if Path(output_dir).is_dir() else []
 
 
 def _lacking(folder: Path) -> str | None:

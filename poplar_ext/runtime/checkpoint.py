@@ -554,11 +554,8 @@ def check_data_order(saved: dict, current: dict, *, path: str) -> None:
     """ValueError unless the saved data order (seed, shuffle, drop_last) is the job's: another order would repeat or
     skip samples."""
     saved_drop_last = saved.get("drop_last", False)  # absent in checkpoints of poplar-ext 0.1
-    if (saved["seed"], saved["shuffle"], saved_drop_last) != (
-        current["seed"],
-        current["shuffle"],
-        current["drop_last"],
-    ):
+    job_order = (current["seed"], current["shuffle"], current["drop_last"])
+    if (saved["seed"], saved["shuffle"], saved_drop_last) != job_order:
         raise ValueError(
             f"load_checkpoint: {path} was saved with poplar.seed {saved['seed']}, shuffle {saved['shuffle']} and "
             f"drop_last {saved_drop_last}; this job has {current['seed']}, {current['shuffle']} and "
@@ -701,10 +698,8 @@ def resume_decision(
             consumed_samples=saved["consumed_samples"],
             plan_history=history,
             notes=[
-                (
-                    f"resumed from {path} under its last plan (see the plan history); the data continues at stream "
-                    f"position {position}"
-                )
+                f"resumed from {path} under its last plan (see the plan history); the data continues at stream "
+                f"position {position}"
             ],
             continue_plan=old_plan,
             rebalancing=rebalancing_of(saved, plan),

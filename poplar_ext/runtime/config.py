@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from poplar_ext.optimizer_offload import OFFLOAD_MODES
+from poplar_ext.optimizer_offload import OFFLOAD_MODES, offload_deepspeed_optimizer
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import MAX_GLOBAL_BATCH_SIZE, POLICIES, ZERO_STAGES, Plan, read_json
 from poplar_ext.plan.validation import Node
@@ -369,12 +369,7 @@ def deepspeed_global_batch_size(ds_config: dict, *, world_size: int, source: str
     """
     root = Node(ds_config, source).obj()
     total, micro, accumulation = (_deepspeed_batch_value(root, key) for key in _DEEPSPEED_BATCH_KEYS)
-    if (
-        total is not None
-        and micro is not None
-        and accumulation is not None
-        and total != micro * accumulation * world_size
-    ):
+    if None not in (total, micro, accumulation) and total != micro * accumulation * world_size:
         raise root.child("train_batch_size").fail(
             f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size "
             f"({micro} x {accumulation} x {world_size} = {micro * accumulation * world_size}), as DeepSpeed requires"
@@ -466,8 +461,6 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
     zero["stage"] = plan.zero_stage
     unsynchronised_throughput_timer(nominal, source=source)
     if rank_plan.optimizer_offload:
-        from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
-
         offload_deepspeed_optimizer(nominal)
     return nominal
 
