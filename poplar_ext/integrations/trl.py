@@ -141,7 +141,6 @@ class PoplarDPOTrainer(_LocalMetrics, DPOTrainer):
             getattr(config, "per_device_train_batch_size", None),
             getattr(config, "per_device_eval_batch_size", None),
         )
-        # DPO losses comparing the pairs of a micro-batch (`_MICRO_BATCH_DPO_LOSSES`) are refused.
         loss_types = getattr(config, "loss_type", None) or []
         for loss_type in [loss_types] if isinstance(loss_types, str) else loss_types:
             if loss_type in _MICRO_BATCH_DPO_LOSSES:

@@ -378,17 +378,14 @@ def deepspeed_global_batch_size(ds_config: dict, *, world_size: int, source: str
         return GlobalBatchRequest(size=total, origin="train_batch_size")
     # Whoever fills "auto" (the Trainer, accelerate) decides it; a search without a batch says which keys.
     left_auto = tuple(key for key in _DEEPSPEED_BATCH_KEYS if ds_config.get(key) == AUTO)
-    unset = GlobalBatchRequest(size=None, origin="", left_auto=left_auto)
-    if micro is not None and "gradient_accumulation_steps" in left_auto:
-        return unset  # the filled-in count decides the batch
-    if micro is not None:
-        steps = 1 if accumulation is None else accumulation
-        return GlobalBatchRequest(
-            size=micro * steps * world_size,
-            origin=f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size ({micro} x {steps} x "
-            f"{world_size})",
-        )
-    return unset
+    if micro is None or "gradient_accumulation_steps" in left_auto:  # an "auto" count: the filled-in one decides
+        return GlobalBatchRequest(size=None, origin="", left_auto=left_auto)
+    steps = 1 if accumulation is None else accumulation
+    return GlobalBatchRequest(
+        size=micro * steps * world_size,
+        origin=f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size ({micro} x {steps} x "
+        f"{world_size})",
+    )
 
 
 def requested_global_batch_size(poplar_config: PoplarConfig, ds_config: dict, *, world_size: int) -> GlobalBatchRequest:

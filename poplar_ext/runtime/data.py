@@ -184,10 +184,8 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         """Move to the first iteration of pass `epoch` (how a trainer that counts epochs resumes)."""
         if epoch < 0:
             raise ValueError(f"epoch: expected an integer >= 0, found {epoch}")
-        if self.iterations_per_pass is not None:
-            self.next_iteration = epoch * self.iterations_per_pass
-        else:
-            self.next_iteration = self.first_iteration_of(epoch)
+        per_pass = self.iterations_per_pass
+        self.next_iteration = self.first_iteration_of(epoch) if per_pass is None else epoch * per_pass
 
     def _pass_end(self) -> int:
         """The iteration after the last one of the pass that starts at `next_iteration`."""
@@ -317,16 +315,13 @@ class IterationLoader:
         """A count, or a function that says it when an iteration begins (it follows plan switches)."""
         self.before_iteration = before_iteration
 
-    def _group_size(self) -> int:
-        size = self.micro_batches_per_iteration
-        return size() if callable(size) else size
-
     def __iter__(self) -> Iterator[Any]:
         group: list[Any] = []
         size = 0
         for batch in self.loader:
             if not group:
-                size = self._group_size()
+                size = self.micro_batches_per_iteration
+                size = size() if callable(size) else size
             group.append(batch)
             if len(group) == size:
                 self.before_iteration(group)
