@@ -84,19 +84,21 @@ def partition_states(
 
     states = shard[BASE_OPTIMIZER_STATE]["state"]
     return [
-        {
-            "fp32": fp32,
-            **carried_states(
-                states.get(group_id, {}),  # none before the first optimizer step
-                partition_numel=fp32.numel(),
-                optimizer_name=optimizer_name,
-                saved_ranks=saved_ranks,
-                padding_numel=shard[GROUP_PADDINGS][group_id],
-                refusal=refusal,
-            ),
-        }
+        _flat_group(
+            fp32,
+            states.get(group_id, {}),  # none before the first optimizer step
+            optimizer_name=optimizer_name,
+            saved_ranks=saved_ranks,
+            padding_numel=shard[GROUP_PADDINGS][group_id],
+            refusal=refusal,
+        )
         for group_id, fp32 in enumerate(shard[SINGLE_PARTITION_OF_FP32_GROUPS])
     ]
+
+
+def _flat_group(fp32: torch.Tensor, states: dict[Any, Any], **carried_options: Any) -> dict[str, Any]:
+    """One flat partition's fp32 copy (``fp32``) and its states that `carried_states` carries (its options)."""
+    return {"fp32": fp32, **carried_states(states, partition_numel=fp32.numel(), **carried_options)}
 
 
 def write_whole(target: Path, write: Callable[[Path], None]) -> None:
@@ -215,15 +217,7 @@ def _convert_stage_3(source: Path, work: Path, *, fragments: Path, optimizer_nam
         states = shard[OPTIMIZER_STATE_DICT]["state"]
         for group_id, shapes in enumerate(shapes_per_group):
             fp32 = shard["fp32_flat_groups"][group_id]
-            flat = {
-                "fp32": fp32,
-                **carried_states(
-                    states.get(group_id, {}),
-                    partition_numel=fp32.numel(),
-                    optimizer_name=optimizer_name,
-                    saved_ranks=dp_degree,
-                ),
-            }
+            flat = _flat_group(fp32, states.get(group_id, {}), optimizer_name=optimizer_name, saved_ranks=dp_degree)
             offset = 0
             for name, shape in shapes.items():
                 partitioned_numel, _ = _zero_partitioned_param_info(shape.numel(), dp_degree)
