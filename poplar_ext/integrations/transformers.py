@@ -809,8 +809,7 @@ def _resumable_here(named: str | bool, output_dir: str) -> list[tuple[str, str |
 
 
 def _lacking(folder: Path) -> str | None:
-    """The file `folder` lacks to be a whole checkpoint (see `_resumable_here`), ``""`` for no such folder, or
-    None."""
+    """The file `folder` lacks to be a whole checkpoint (see `_resumable_here`), ``""`` for no such folder, or None."""
     if not folder.is_dir():
         return ""
     state = folder / TRAINER_STATE_NAME

@@ -91,9 +91,8 @@ def checkpoint_tag(load_dir: str | Path, tag: Any) -> str | None:
 
 
 def check_tag_name(tag: str, *, caller: str, named: str = "tag") -> None:
-    """ValueError for a tag ending like a folder `save_whole` writes beside tag T: ``T.saving`` (a save not yet
-    whole, or one that failed) and ``T.replaced`` are no checkpoints of their own, and a save into T removes
-    them."""
+    """ValueError for a tag ending like a folder `save_whole` writes beside tag T: ``T.saving`` (a save not yet whole,
+    or one that failed) and ``T.replaced`` are no checkpoints of their own; a save into T removes them."""
     for suffix in (SAVING_SUFFIX, REPLACED_SUFFIX):
         if tag.endswith(suffix):
             raise ValueError(
@@ -590,9 +589,8 @@ REBALANCING_KEYS = ("pending_switch", "drift_monitor")
 
 
 def rebalancing_of(saved: dict, plan: dict) -> dict:
-    """The re-balancing state a saved run left (`REBALANCING_KEYS`), for a resume that continues its last plan
-    under `plan` (JSON, ZeRO or pipeline); none where a rank has another device type (its speeds are another
-    device's)."""
+    """The re-balancing state a saved run left (`REBALANCING_KEYS`), for a resume that continues its last plan under
+    `plan` (JSON, ZeRO or pipeline); none where a rank has another device type (its speeds are another device's)."""
     if _rank_device_types(saved["plan"]) != _rank_device_types(plan):
         return {}
     return {key: saved[key] for key in REBALANCING_KEYS if key in saved}

@@ -50,8 +50,7 @@ class RebalanceConfig:
     """Switch plans only when the new plan's predicted iteration time is shorter by more than this
     share of the current plan's, both under the drifted speeds."""
     sustained_checks: int = 2
-    """A drift counts only when it holds over this many consecutive checks (one noisy interval is
-    not a drift)."""
+    """A drift counts only when it holds over this many consecutive checks (one noisy interval is no drift)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -357,8 +356,7 @@ def _deepspeed_batch_value(root: Node, key: str) -> int | None:
 
 
 def deepspeed_train_batch_size(ds_config: dict, *, source: str = DICT_SOURCE) -> int | None:
-    """The DeepSpeed config's ``train_batch_size``; None where absent or ``"auto"``; `FormatError` where it is no
-    batch."""
+    """The DeepSpeed config's ``train_batch_size``; None where absent or ``"auto"``; `FormatError` for no batch."""
     return _deepspeed_batch_value(Node(ds_config, source).obj(), "train_batch_size")
 
 

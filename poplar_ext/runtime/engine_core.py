@@ -167,8 +167,7 @@ class EngineCore(FollowsRebalancing):
         return {**state, "step": self.global_steps, **self.rebalancing_state()}
 
     def _restore_position(self, decision: ResumeDecision, *, position_samplers: bool = True) -> None:
-        """The samples and the data position of a resume (then `_continue_plans`); the emulated drift
-        of the restored step."""
+        """The samples and data position of a resume (then `_continue_plans`); the restored step's emulated drift."""
         self._follow_slowdown_schedule(self.global_steps)
         self.consumed_samples = decision.consumed_samples
         self._restored_position, self._steps_since_restore = decision.data_position, 0

@@ -56,9 +56,8 @@ def read_poplar_section(
 def agreed_job_cluster(
     device: Any, ds_config: dict, poplar_config: PoplarConfig, *, rank: int
 ) -> tuple[list[DeviceFacts], Cluster]:
-    """Every rank's device facts and the cluster agreed from them (collective). The hardware is the truth:
-    every rank's device must run the job (kernels, bf16), and the cluster file (rank 0's) is checked
-    against it."""
+    """Every rank's device facts and the cluster agreed from them (collective). The hardware is the truth: every rank's
+    device must run the job (kernels, bf16); the cluster file (rank 0's) is checked against it."""
     source = str(poplar_config.source)
     facts = gather_device_facts(device)
     check_device_support(facts, bf16=training_dtype(ds_config) == "bfloat16", source=source)
