@@ -230,8 +230,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         return [chunk[k * b : (k + 1) * b] for k in range(s)]
 
     def __iter__(self) -> Iterator[list[int]]:
-        first, end = self.next_iteration, self._pass_end()
-        for iteration in range(first, end):
+        for iteration in range(self.next_iteration, self._pass_end()):
             # Read when the iteration begins, not when the pass does: a plan switch
             # (`switch_plan`) between iterations applies to the next one.
             batches = self.micro_batches(iteration)
@@ -246,8 +245,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         """One pass an iteration at a time: each item is this rank's micro-batches of one iteration, with the
         bookkeeping of iterating the sampler (`generated_until`, `next_iteration`); a plan switch between
         iterations applies to the next one."""
-        first, end = self.next_iteration, self._pass_end()
-        for iteration in range(first, end):
+        for iteration in range(self.next_iteration, self._pass_end()):
             batches = self.micro_batches(iteration)
             self.generated_until = max(self.generated_until, self.iteration_start(iteration) + self.global_batch_size)
             self.next_iteration = iteration + 1
