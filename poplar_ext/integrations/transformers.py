@@ -737,6 +737,10 @@ class PoplarTrainerMixin(_PlanEvaluation):
                 )
             if path is None:
                 raise ValueError(f"{caller}: DeepSpeed found nothing to load in {resume_from_checkpoint}")
+            # What the Trainer loads after DeepSpeed's checkpoint: its scheduler.pt (the Trainer's own
+            # scheduler, which DeepSpeed does not hold) and its grad scaler, as a resume on the same ranks.
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+            self._load_scaler(resume_from_checkpoint)
         self._wrap_engine()
         if resume_from_checkpoint is not None and self._train_sampler is not None:
             # The plan's sampler starts at the first iteration of the epoch the Trainer resumes in: the Trainer then

@@ -117,6 +117,9 @@ def train(
         torch.save(params, out / "params.pt")
         (out / "metrics.json").write_text(json.dumps(result.metrics))
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+        # The scheduler's step count: a resume that restored scheduler.pt continues it (the constant
+        # schedule's learning rate would not tell)
+        (out / "scheduler.json").write_text(json.dumps({"last_epoch": trainer.lr_scheduler.last_epoch}))
     (out / f"done-rank{rank}").touch()  # everything written: what an exit abort cannot undo
 
 

@@ -254,6 +254,9 @@ def test_resume_from_checkpoint_equals_the_uninterrupted_run_also_on_fewer_ranks
     assert f"skipped {unfinished}: expected a whole checkpoint" in log
     assert "under another plan (3 ranks then, 2 now)" in log
     assert t.max_difference(torch.load(fewer / "params.pt", weights_only=False), expected) <= 1e-5
+    # the Trainer's own scheduler.pt restored too: its schedule continues at step 2 instead of starting over
+    for resumed in (root / "resumed", fewer):
+        assert json.loads((resumed / "scheduler.json").read_text()) == {"last_epoch": 4}, resumed
     on_two = [i for r in range(2) for i in json.loads((fewer / f"samples-rank{r}.json").read_text())]
     assert sorted(on_two) == sorted(stream.indices(2 * GLOBAL_BATCH, 2 * GLOBAL_BATCH))
 
