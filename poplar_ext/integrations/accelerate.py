@@ -71,13 +71,16 @@ class _PlanPasses(torch.utils.data.Sampler[list[int]]):
 class PoplarAccelerator(Accelerator):
     """``accelerate.Accelerator`` training the plan of the DeepSpeed config's ``poplar`` section.
 
-    Same arguments as ``Accelerator``; DeepSpeed must be on (accelerate's config file, or ``deepspeed_plugin=``). See
-    docs/accelerate.md for what differs. After the first ``prepare``: `plan` (every rank's), `poplar_engine` (after the
-    model's), this rank's `micro_batch_size` and ``gradient_accumulation_steps``, and `global_batch_size`."""
+    Same arguments as ``Accelerator``, and `loss_fn(engine, batch) -> loss`: the automatic mode's profiling loss
+    where the model does not return one from its batch (default: as `poplar_ext.initialize`'s). DeepSpeed must be on
+    (accelerate's config file, or ``deepspeed_plugin=``). See docs/accelerate.md for what differs. After the first
+    ``prepare``: `plan` (every rank's), `poplar_engine` (after the model's), this rank's `micro_batch_size` and
+    ``gradient_accumulation_steps``, and `global_batch_size`."""
 
     @ends_job_on_user_error  # accelerate's refusals of its arguments and these: the same at every restart
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, loss_fn: Callable[[Any, Any], Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._profiling_loss_fn = loss_fn
         if self.distributed_type != DistributedType.DEEPSPEED:
             raise ValueError(
                 f"PoplarAccelerator: expected DeepSpeed (accelerate's config with distributed_type DEEPSPEED and a "
@@ -151,6 +154,7 @@ class PoplarAccelerator(Accelerator):
             collate_fn=None if train_loader is None else train_loader.collate_fn,
             default_global_batch=self._default_global_batch(loaded[0], train_loader),
             profiling_ds_config=profiling,
+            loss_fn=self._profiling_loss_fn,
         )
         self._use_rank_config(job)
         return job

@@ -166,7 +166,7 @@ def default_loss(engine: Any, batch: Any) -> torch.Tensor:
         raise TypeError(
             f"{exc} (poplar-ext called {shape}, as it does by default to profile and time micro-steps; for a model "
             "that takes its batch otherwise, or returns no loss, pass loss_fn=lambda engine, batch: loss to "
-            "poplar_ext.initialize, or to profile_model)"
+            "poplar_ext.initialize, or to profile_model; under accelerate, to PoplarAccelerator)"
         ) from exc
 
 

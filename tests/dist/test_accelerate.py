@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import assert_launch_finished, free_port, run_ranks
+from harness import EXIT_ABORT, assert_launch_finished, free_port, run_ranks
 
 pytest.importorskip("accelerate", reason="PoplarAccelerator needs pip install 'poplar-ext[accelerate]'")
 pytest.importorskip(
@@ -44,6 +44,7 @@ from poplar_ext.models.toy_gpt import GPT
 from poplar_ext.profiler.fingerprint import model_fingerprint
 
 HERE = Path(__file__).resolve().parent
+EXAMPLES = HERE.parents[1] / "examples"
 TYPES = ["cpu", "cpu-slow", "cpu-slow"]
 ALLOCATIONS = {
     0: [(3, 2), (1, 3), (3, 1)],
@@ -529,3 +530,24 @@ def test_under_the_deepspeed_launcher_with_a_deepspeed_plugin(tmp_path, referenc
     assert t.max_difference(torch.load(out / "params.pt", weights_only=False), reference) <= 1e-5
     seen = [i for r in range(2) for i in json.loads((out / f"samples-rank{r}.json").read_text())]
     assert sorted(seen) == sorted(_stream_indices(STEPS))
+
+
+def test_the_diffusion_example_in_the_automatic_mode_profiles_with_its_loss_fn(tmp_path):
+    # No plan: the example's model returns no loss, so profiling calls the loss_fn it gives PoplarAccelerator.
+    config = json.loads((EXAMPLES / "ds_config_accelerate.json").read_text())
+    profiles = tmp_path / "profiles"
+    config["poplar"] = {
+        "cluster": str(EXAMPLES / "cluster.json"), "profiles": str(profiles), "global_batch_size": 8, "cpu_threads": 1,
+    }  # fmt: skip
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps(config))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        str(EXAMPLES / "accelerate_diffusion.py"), "--deepspeed_config", str(ds_config),
+        "--output_dir", str(tmp_path / "out"), "--max_train_steps", "2",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    log = done.stdout + done.stderr
+    assert "step 2: loss" in log and (done.returncode == 0 or EXIT_ABORT in log), log[-4000:]
+    assert f"searched at start by the poplar policy from {profiles}" in log
+    assert sorted(p.name.split("-", 2)[2] for p in profiles.glob("*.json")) == ["cpu-slow-zero1.json", "cpu-zero1.json"]

@@ -1,4 +1,5 @@
-"""The global batch PoplarAccelerator searches a plan for when no config sets one: a plain Accelerator's."""
+"""What PoplarAccelerator gives the plan search at start: a plain Accelerator's global batch when no config sets one,
+and the profiling loss_fn it was built with."""
 
 from __future__ import annotations
 
@@ -21,3 +22,22 @@ def test_the_default_global_batch_is_what_a_plain_accelerator_trains(split_batch
     request = PoplarAccelerator._default_global_batch(accelerator, {"poplar": {"profiles": "p"}}, loader)
     assert request.size == expected
     assert request.origin.startswith("the DataLoader's batch_size")
+
+
+def test_loss_fn_reaches_the_automatic_modes_profiling(monkeypatch):
+    # A diffusers-style model returns no loss from model(**batch): its loss_fn is what profiling calls.
+    import poplar_ext.integrations.accelerate as integration
+
+    def loss_fn(engine, batch):
+        return engine(batch["x"]).pow(2).mean()
+
+    given = {}
+    monkeypatch.setattr(integration, "prepare_job", lambda loaded, **options: given.update(options) or "job")
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config={"poplar": {}})),
+        _default_global_batch=lambda ds_config, loader: None,
+        _use_rank_config=lambda job: None,
+        _profiling_loss_fn=loss_fn,
+    )
+    assert PoplarAccelerator._start_job(accelerator, torch.nn.Linear(2, 1), None, None) == "job"
+    assert given["loss_fn"] is loss_fn

@@ -90,4 +90,6 @@ def test_a_model_that_cannot_take_the_batch_is_told_to_pass_loss_fn():
         default_loss(model, batch)
     with pytest.raises(TypeError, match="pass loss_fn=lambda engine, batch: loss to poplar_ext.initialize"):
         default_loss(model, batch)
+    with pytest.raises(TypeError, match="under accelerate, to PoplarAccelerator"):
+        default_loss(model, batch)
     assert default_loss(lambda x: x.sum(), torch.ones(2)) == 2.0
