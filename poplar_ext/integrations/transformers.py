@@ -10,6 +10,7 @@ import inspect
 import itertools
 import logging
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -207,6 +208,14 @@ def _settle_job(args: TrainingArguments, model: Any, train_dataset: Any, *, coll
     from poplar_ext.collectives import process_group_rank
 
     _, world_size = process_group_rank()
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    # Otherwise the Trainer gives DeepSpeed the batch of its own count of processes, which DeepSpeed refuses late.
+    if launched > 1 and args.world_size != launched:
+        raise ValueError(
+            f"PoplarTrainer: expected the {launched} processes of WORLD_SIZE in TrainingArguments.world_size, found "
+            f"{args.world_size}: accelerate chose no distributed backend for DeepSpeed on this device (on CPU it has "
+            "none by default); pass TrainingArguments(use_cpu=True, ddp_backend='gloo')"
+        )
     loaded, poplar_config = configured
     optimizer = filled = None
     if model is not None:

@@ -418,3 +418,24 @@ def test_the_tests_above_leave_accelerate_off_deepspeed_for_the_tests_after():
     # Trainer later in the same pytest process went through DeepSpeed (tests/dist/test_trl.py's reference run,
     # into DeepSpeed's MPI discovery: no mpi4py). Runs last in this file, after them.
     assert os.environ.get("ACCELERATE_USE_DEEPSPEED") == ACCELERATE_USE_DEEPSPEED_BEFORE_ANY_TEST
+
+
+def test_a_trainer_that_sees_fewer_processes_than_launched_is_refused_before_planning(monkeypatch):
+    # Launched as 2 on CPU without ddp_backend="gloo": accelerate builds no process group, the Trainer
+    # counts 1 process and would give DeepSpeed that one's batch; each rank would have planned alone.
+    from types import SimpleNamespace
+
+    import poplar_ext.collectives as collectives
+    from poplar_ext.integrations import transformers as integration
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(collectives, "process_group_rank", lambda: (0, 2))
+    arguments = SimpleNamespace(device="cpu", world_size=1)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "PoplarTrainer: expected the 2 processes of WORLD_SIZE in TrainingArguments.world_size, found 1"
+        )
+        + r".*pass TrainingArguments\(use_cpu=True, ddp_backend='gloo'\)",
+    ):
+        integration._settle_job(arguments, None, list(range(8)), collate_fn=None, configured=None)
