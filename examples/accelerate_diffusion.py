@@ -42,16 +42,16 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--output_dir", default="accelerate-diffusion-out")
+    parser.add_argument("--output_dir", default="accelerate-diffusion-out", help="checkpoints (save_state) go here")
     parser.add_argument("--num_images", type=int, default=96, help="synthetic training images")
-    parser.add_argument("--resolution", type=int, default=16)
+    parser.add_argument("--resolution", type=int, default=16, help="image side, in pixels")
     parser.add_argument("--max_train_steps", type=int, default=6, help="optimizer steps of the true global batch")
-    parser.add_argument("--learning_rate", type=float, default=1e-3)
-    parser.add_argument("--lr_warmup_steps", type=int, default=2)
-    parser.add_argument("--num_train_timesteps", type=int, default=100)
-    parser.add_argument("--checkpointing_steps", type=int, default=3)
+    parser.add_argument("--learning_rate", type=float, default=1e-3, help="AdamW's, after the warm-up")
+    parser.add_argument("--lr_warmup_steps", type=int, default=2, help="optimizer steps of linear warm-up")
+    parser.add_argument("--num_train_timesteps", type=int, default=100, help="noise levels of the DDPM schedule")
+    parser.add_argument("--checkpointing_steps", type=int, default=3, help="optimizer steps between save_state calls")
     parser.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest'")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="for the data, the model and the noise")
     parser.add_argument(
         "--deepspeed_config",
         help="without accelerate launch (torchrun, deepspeed): the DeepSpeed config, as accelerate's config names it",

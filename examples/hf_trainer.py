@@ -61,20 +61,22 @@ def main() -> None:
     )
     parser.add_argument("--deepspeed", required=True, help="DeepSpeed config with a poplar section")
     parser.add_argument("--cpu", action="store_true", help="train on CPU ranks (gloo)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--output-dir", default="hf-trainer-output")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train")
+    parser.add_argument("--output-dir", default="hf-trainer-output", help="the Trainer's output_dir: checkpoints")
     parser.add_argument(
         "--save-steps",
         type=int,
         default=0,
-        help="save a checkpoint every this many steps and resume from the latest one in --output-dir (default 0: "
-        "never); after a lost node, the steps since the last checkpoint are trained again",
+        help="save a checkpoint every this many steps and resume from the latest one in --output-dir (0: never); "
+        "after a lost node, the steps since the last checkpoint are trained again",
     )
     parser.add_argument("--local_rank", type=int, default=-1)  # appended by the deepspeed launcher
     args = parser.parse_args()
     for name in ("steps",):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected a positive integer, found {getattr(args, name)}")
+    if args.save_steps < 0:
+        parser.error(f"--save-steps: expected 0 (never) or a positive integer, found {args.save_steps}")
     logging.basicConfig(level=logging.INFO)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64))
     training = TrainingArguments(

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-interval-steps",
         type=int,
         default=10,
-        help="optimizer steps between checkpoints (default 10): after a lost node, the steps since the last "
+        help="optimizer steps between checkpoints: after a lost node, the steps since the last "
         "checkpoint are trained again; each checkpoint costs a save",
     )
     deepspeed.add_config_arguments(parser)
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
-    for name in ("steps", "num_samples"):
+    for name in ("steps", "num_samples", "checkpoint_interval_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected a positive integer, found {getattr(args, name)}")
     # poplar_ext logs each rank's allocation and the true samples/s at INFO; the script decides where.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -16,6 +17,13 @@ CASES = [
     ("pipeline_gpt.py", "main", ["--layers", "0"], "--layers: expected a positive integer, found 0"),
     ("hf_trainer.py", "main", ["--deepspeed", "x.json", "--steps", "0"], "--steps: expected a positive integer"),
     ("accelerate_diffusion.py", "parse_args", ["--max_train_steps", "0"], "--max_train_steps: expected a positive"),
+    (
+        "train.py",
+        "main",
+        ["--checkpoint-interval-steps", "0"],
+        "--checkpoint-interval-steps: expected a positive integer, found 0",
+    ),
+    ("hf_trainer.py", "main", ["--deepspeed", "x.json", "--save-steps", "-1"], "--save-steps: expected 0 (never)"),
 ]
 
 
@@ -42,3 +50,24 @@ def test_help_shows_the_defaults(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         module.main()
     assert "(default: 20)" in capsys.readouterr().out
+
+
+HELP_CASES = [
+    ("hf_trainer.py", "main", ["--deepspeed", "x.json"], ["--steps", "--output-dir", "--save-steps"]),
+    ("accelerate_diffusion.py", "parse_args", [], ["--output_dir", "--resolution", "--seed", "--checkpointing_steps"]),
+    ("train.py", "main", [], ["--steps", "--checkpoint-interval-steps"]),
+]
+
+
+@pytest.mark.parametrize(("name", "entry", "argv", "options"), HELP_CASES, ids=[case[0] for case in HELP_CASES])
+def test_help_explains_each_option_with_its_default_once(name, entry, argv, options, monkeypatch, capsys):
+    # ArgumentDefaultsHelpFormatter shows a default only beside a help text, and adds it to one that has its own.
+    module = _load(name)
+    monkeypatch.setattr(sys, "argv", [name, *argv, "--help"])
+    with pytest.raises(SystemExit):
+        getattr(module, entry)()
+    help_text = capsys.readouterr().out
+    assert "(default " not in " ".join(help_text.split())
+    entries = {item.split()[0]: " ".join(item.split()) for item in re.split(r"\n  (?=-)", help_text)[1:]}
+    for option in options:
+        assert "(default: " in entries[option], entries[option]
