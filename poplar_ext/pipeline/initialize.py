@@ -22,7 +22,7 @@ from poplar_ext.pipeline.job import PipelineJob
 from poplar_ext.pipeline.planning import pipeline_drift_monitor
 from poplar_ext.plan.pipeline_formats import PipelinePlan
 from poplar_ext.runtime.config import DICT_SOURCE, load_deepspeed_config, unsynchronised_throughput_timer
-from poplar_ext.runtime.data import check_plan_dataset, plan_dataloader
+from poplar_ext.runtime.data import check_holds_global_batch, check_plan_dataset, plan_dataloader
 from poplar_ext.runtime.rebalance import job_rebalancer
 
 logger = logging.getLogger(__name__)
@@ -160,6 +160,8 @@ def initialize_pipeline(
                 f"plan was settled then), found another one in {source}; give both the same, or none here"
             )
     check_token_mean_samples(training_data, job.poplar_config.loss_reduction)
+    if training_data is not None:  # before DeepSpeed builds the engine
+        check_holds_global_batch(len(training_data), job.plan.global_batch_size, "training_data")
     # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
     ds_args = copy.copy(args)
     if hasattr(ds_args, "deepspeed_config"):

@@ -74,7 +74,7 @@ def prepare_pipeline_job(
     ds_config, _, source = loaded_config
     poplar_config = read_poplar_section(loaded_config, otherwise="deepspeed.pipe.PipelineModule")
     check_pipeline_config(ds_config, poplar_config)
-    _refuse_another_reduction(loss_fn, poplar_config.loss_reduction)
+    _refuse_another_reduction(loss_fn, poplar_config.loss_reduction, source=source)
     device = join_job(**(init_options or {}))
     # DeepSpeed's PipelineModule talks through DeepSpeed's communication backend, which deepspeed.initialize
     # would set up only later; over a process group that exists, this only wraps it.
@@ -131,19 +131,19 @@ def _refuse_fp16_where_unsupported(ds_config: dict, *, source: str, device: Any,
         )
 
 
-def _refuse_another_reduction(loss_fn: Any, reduction: str) -> None:
+def _refuse_another_reduction(loss_fn: Any, reduction: str, *, source: str) -> None:
     """A loss that says which reduction it computes (`CausalLMLoss`) must get that one; token_mean needs a loss_fn
     (the last stage counts the label tokens of the labels it gets)."""
     if reduction == "token_mean" and loss_fn is None:
         raise ValueError(
-            "poplar.loss_reduction: expected mean or sum without a loss_fn (the last layer's output as the "
+            f"{source}: poplar.loss_reduction: expected mean or sum without a loss_fn (the last layer's output as the "
             "loss), found token_mean (a micro-batch's label tokens are counted from the labels a loss_fn gets)"
         )
     wanted = getattr(loss_fn, "poplar_loss_reduction", None)
     if wanted is not None and wanted != reduction:
         name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
         raise ValueError(
-            f"poplar.loss_reduction: expected {wanted} with loss_fn {name}, found {reduction} (the loss is a "
+            f"{source}: poplar.loss_reduction: expected {wanted} with loss_fn {name}, found {reduction} (the loss is a "
             f"{wanted}; weighted as a {reduction}, the optimizer would see another loss than the model's)"
         )
 

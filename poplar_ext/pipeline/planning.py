@@ -49,7 +49,7 @@ def check_pipeline_config(ds_config: dict, poplar_config: PoplarConfig) -> None:
     given = deepspeed_train_batch_size(ds_config, source=source)  # FormatError where it is no batch
     problems = []
     requested = requested_pipeline_batch(poplar_config, ds_config)
-    if poplar_config.plan is None and requested is None:
+    if poplar_config.plan is None and requested is None and poplar_config.global_batch_size != AUTO:
         problems.append(
             f"{SECTION}.global_batch_size (or train_batch_size): expected the global batch to search a pipeline plan "
             "at start (no poplar.plan), found none"

@@ -100,12 +100,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         samples_per_rank = [b * s for b, s in zip(micro_batch_sizes, gradient_accumulation_steps)]
         self.global_batch_size = sum(samples_per_rank)
         """Samples per iteration over all ranks (B)."""
-        if num_samples < self.global_batch_size:
-            raise ValueError(
-                f"num_samples: expected at least the global batch ({self.global_batch_size} samples), found "
-                f"{num_samples}: "
-                "one iteration would train some samples twice; use a larger data set or a smaller global batch"
-            )
+        check_holds_global_batch(num_samples, self.global_batch_size, "num_samples")
         self._world_size = len(samples_per_rank)
         if iterations_per_pass is not None and iterations_per_pass < 1:
             raise ValueError(f"iterations_per_pass: expected an integer >= 1, found {iterations_per_pass}")
@@ -343,6 +338,15 @@ def check_plan_dataset(dataset: Any, what: str, *, otherwise: str = "give a map-
             f"{what}: expected a map-style dataset (with __len__ and __getitem__), found {type(dataset).__name__}, "
             "which has no indices to split: the plan's sampler cuts range(len(dataset)) into each rank's "
             f"micro-batches, of the plan's sizes; {otherwise}"
+        )
+
+
+def check_holds_global_batch(num_samples: int, global_batch_size: int, name: str) -> None:
+    """ValueError naming `name` for a data set of fewer than `global_batch_size` samples."""
+    if num_samples < global_batch_size:
+        raise ValueError(
+            f"{name}: expected at least the global batch ({global_batch_size} samples), found {num_samples}: "
+            "one iteration would train some samples twice; use a larger data set or a smaller global batch"
         )
 
 

@@ -36,7 +36,13 @@ from poplar_ext.runtime.config import (
     requested_zero_stage,
     throughput_timer_synchronized,
 )
-from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, check_plan_dataset, plan_dataloader
+from poplar_ext.runtime.data import (
+    IterationLoader,
+    PlanBatchSampler,
+    check_holds_global_batch,
+    check_plan_dataset,
+    plan_dataloader,
+)
 from poplar_ext.runtime.job_start import JobBase, agreed_job_cluster, read_poplar_section, steady_from_rank0
 from poplar_ext.runtime.process_settings import apply_cpu_process_settings, on_cpu_accelerator
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer, job_rebalancer
@@ -301,6 +307,8 @@ def initialize(
         loss_fn=loss_fn,
         checkpointing_toggle=checkpointing_toggle,
     )
+    if training_data is not None:  # before DeepSpeed builds the engine
+        check_holds_global_batch(len(training_data), job.plan.global_batch_size, "training_data")
     nominal = nominal_deepspeed_config(job.ds_config, job.plan, job.rank, source=job.source)
     labels, slowdown = set_up_rank(job, model, toggle=checkpointing_toggle)
     # Imported here, once the job is settled: a call refused before (data, config, build locks) imports no deepspeed.

@@ -86,6 +86,12 @@ def test_what_the_config_asks_and_pipelines_cannot_do_is_refused(ds_config, sect
         check_pipeline_config(ds_config, _poplar(**section))
 
 
+def test_an_auto_global_batch_is_refused_once_not_also_as_missing():
+    with pytest.raises(ValueError) as refused:
+        check_pipeline_config({}, _poplar(global_batch_size="auto", plan=None))
+    assert "found 'auto'" in str(refused.value) and "found none" not in str(refused.value)
+
+
 def test_a_pipeline_job_without_a_plan_file_searches_one_given_a_global_batch():
     poplar = poplar_config_from_dict({"profiles": "profiles"}, base_dir=Path("."))
     with pytest.raises(ValueError, match=r"expected the global batch to search a pipeline plan at start"):
@@ -331,11 +337,17 @@ def test_token_mean_and_a_loss_that_does_not_fit_it_are_refused_before_the_job_s
     from poplar_ext.pipeline import PoplarPipelineModule
     from poplar_ext.pipeline.causal_lm import CausalLMLoss
 
-    message = r"poplar.loss_reduction: expected token_mean with loss_fn causal_lm_loss, found mean"
+    message = (
+        r"^<DeepSpeed config dict>: poplar.loss_reduction: expected token_mean with loss_fn causal_lm_loss, found mean"
+    )
     with pytest.raises(ValueError, match=message):  # no process group exists: it was refused before one
         PoplarPipelineModule([torch.nn.Linear(1, 1)], loss_fn=CausalLMLoss(), config={"poplar": {"plan": "p.json"}})
     token_mean = {"poplar": {"plan": "p.json", "loss_reduction": "token_mean"}}
-    with pytest.raises(ValueError, match=r"expected mean or sum without a loss_fn .*, found token_mean"):
+    with pytest.raises(
+        ValueError,
+        match=r"^<DeepSpeed config dict>: poplar.loss_reduction: expected mean or sum without a loss_fn .*, "
+        r"found token_mean",
+    ):
         PoplarPipelineModule([torch.nn.Linear(1, 1)], config=token_mean)
 
 
@@ -523,6 +535,19 @@ def test_initialize_refuses_what_a_pipeline_job_cannot_take(arguments, message):
 
     with pytest.raises(ValueError, match=message):
         initialize_pipeline(model=_built_module({"poplar": {"plan": "p.json"}}), **arguments)
+
+
+def test_initialize_refuses_training_data_smaller_than_the_global_batch_before_building_the_engine():
+    from types import SimpleNamespace
+
+    from poplar_ext.pipeline.initialize import initialize_pipeline
+
+    module = _built_module({"poplar": {"plan": "p.json"}})
+    module.poplar_job.poplar_config = SimpleNamespace(loss_reduction="mean")
+    module.poplar_job.plan = SimpleNamespace(global_batch_size=10)
+    message = r"^training_data: expected at least the global batch \(10 samples\), found 5: one iteration would train"
+    with pytest.raises(ValueError, match=message):
+        initialize_pipeline(model=module, training_data=list(range(5)))
 
 
 def test_an_emulated_rank_runs_forward_backward_and_step_in_its_slowed_window():
