@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import random
 from pathlib import Path
 
@@ -229,6 +230,19 @@ def run_checks(monitor, plan, factors_per_check, *, noise: float = 0.0, seed: in
             plan = any_plan_from_dict(decision["plan"])
             decisions.append((2 * (check + 1), decision))
     return decisions, plan
+
+
+def test_a_drift_measured_against_ranks_that_are_off_too_says_so(caplog):
+    # Rank 0 off by 1.4x from the first check, ranks 1-2 by 2.5x from the second: rank 0 drifted first, and
+    # against the others it is faster (its factor falls) though it is slower than its own prediction.
+    monitor, plan = _monitor()
+    with caplog.at_level(logging.INFO, logger="poplar_ext.runtime.rebalance"):
+        decisions, _ = run_checks(monitor, plan, [[1.4, 1, 1], [1.4, 2.5, 2.5]])
+    described = (decisions[0][1]["reason"] if decisions else "") + caplog.text
+    assert "rank 0 (a) at 1.40x its predicted compute (2.50x for the ranks that did not drift) (speed factor " in (
+        described
+    ), described
+    assert monitor.rank_scales[0] == pytest.approx(1.4 / 2.5)
 
 
 def test_a_drift_triggers_exactly_one_replan_after_sustained_checks():
