@@ -381,9 +381,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if model is not None:
             checkpointing = apply_plan_checkpointing(model, self.job.plan, self.job.rank, source=self.job.plan_reason)
             checkpointing = checkpointing if can_checkpoint(model) else None
-        if self.job.rank == 0:
-            logger.info("poplar plan from step 0: %s", self.job.plan_reason)
-        logger.info(
+        logger.info(  # the plan's origin is logged with the engine (poplar_ext.zero.initialize.poplar_engine)
             "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
             self.job.rank,
             rank_plan.micro_batch_size,

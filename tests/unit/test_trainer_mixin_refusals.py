@@ -439,3 +439,19 @@ def test_a_trainer_that_sees_fewer_processes_than_launched_is_refused_before_pla
         + r".*pass TrainingArguments\(use_cpu=True, ddp_backend='gloo'\)",
     ):
         integration._settle_job(arguments, None, list(range(8)), collate_fn=None, configured=None)
+
+
+def test_the_plans_origin_is_logged_once_by_the_engine_not_also_when_the_trainer_is_built(monkeypatch, caplog):
+    # zero.initialize logs it once the engine exists (tests/unit/test_zero_initialize_order.py): the Trainer's
+    # start logged it twice.
+    import logging
+
+    import torch
+
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    args = _arguments_of_a_settled_job(monkeypatch, {}, {})
+    with caplog.at_level(logging.INFO, logger="poplar_ext"):
+        PoplarTrainer(model=torch.nn.Linear(2, 1), args=args, train_dataset=[{"x": 1}] * 8)
+    assert "rank 0: micro-batch 2 x 2 accumulation steps" in caplog.text
+    assert "poplar plan from step 0" not in caplog.text
