@@ -136,8 +136,9 @@ def main() -> None:
     model = TinyDenoiser(num_train_timesteps=args.num_train_timesteps)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=1e-2)
     dataset = SyntheticImages(args.num_images, args.resolution, seed=args.seed)
-    # batch_size and shuffle are what a plain script has; the plan's sampler replaces them.
-    train_dataloader = torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True)
+    # batch_size and shuffle are what a plain script has; the plan's sampler replaces them (a batch_size x
+    # processes other than examples/plan_accelerate.json's global batch of 12 is logged as replaced).
+    train_dataloader = torch.utils.data.DataLoader(dataset, batch_size=6, shuffle=True)
     # accelerate's convention (as in diffusers): the scheduler steps once per process per optimizer step.
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / (args.lr_warmup_steps * accelerator.num_processes))

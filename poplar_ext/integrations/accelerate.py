@@ -68,6 +68,23 @@ class _PlanPasses(torch.utils.data.Sampler[list[int]]):
         return len(self.plan_sampler)
 
 
+def _plain_global_batch(accelerator: Any, train_loader: Any) -> GlobalBatchRequest | None:
+    """What a plain Accelerator trains per optimizer step with `train_loader` (None: it has no batch_size)."""
+    if not train_loader.batch_size:
+        return None
+    batch, steps = train_loader.batch_size, accelerator.gradient_accumulation_steps
+    if accelerator.split_batches:  # a plain Accelerator cuts each batch among its processes
+        return GlobalBatchRequest(
+            size=batch * steps,
+            origin=f"the DataLoader's batch_size x gradient_accumulation_steps with split_batches ({batch} x {steps})",
+        )
+    return GlobalBatchRequest(
+        size=batch * steps * accelerator.num_processes,
+        origin="the DataLoader's batch_size x gradient_accumulation_steps x processes "
+        f"({batch} x {steps} x {accelerator.num_processes})",
+    )
+
+
 class PoplarAccelerator(Accelerator):
     """``accelerate.Accelerator`` training the plan of the DeepSpeed config's ``poplar`` section.
 
@@ -156,27 +173,25 @@ class PoplarAccelerator(Accelerator):
             profiling_ds_config=profiling,
             loss_fn=self._profiling_loss_fn,
         )
+        plain = None if train_loader is None else _plain_global_batch(self, train_loader)  # before the plan's counts
         self._use_rank_config(job)
+        if plain is not None and job.rank == 0 and plain.size != job.plan.global_batch_size:
+            # The plan's batch is trained, as documented; a learning rate tuned for the script's may not fit it.
+            logger.warning(
+                "PoplarAccelerator: the plan's global batch of %d samples replaces the %d of %s",
+                job.plan.global_batch_size,
+                plain.size,
+                plain.origin,
+            )
         return job
 
     def _default_global_batch(self, ds_config: dict, train_loader: Any) -> GlobalBatchRequest | None:
         """A plain Accelerator's global batch (the DataLoader's batch_size per process), for a plan searched
         at start when neither the poplar section nor the DeepSpeed config sets one; a plan file's is its own."""
         section = ds_config.get(SECTION)
-        if not isinstance(section, dict) or "plan" in section or train_loader is None or not train_loader.batch_size:
+        if not isinstance(section, dict) or "plan" in section or train_loader is None:
             return None
-        batch, steps = train_loader.batch_size, self.gradient_accumulation_steps
-        if self.split_batches:  # a plain Accelerator cuts each batch among its processes
-            return GlobalBatchRequest(
-                size=batch * steps,
-                origin=f"the DataLoader's batch_size x gradient_accumulation_steps with split_batches "
-                f"({batch} x {steps})",
-            )
-        return GlobalBatchRequest(
-            size=batch * steps * self.num_processes,
-            origin="the DataLoader's batch_size x gradient_accumulation_steps x processes "
-            f"({batch} x {steps} x {self.num_processes})",
-        )
+        return _plain_global_batch(self, train_loader)
 
     def _use_rank_config(self, job: Job) -> None:
         """This rank's nominal DeepSpeed config (its b_r, s_r, the plan's stage) in the plugin accelerate reads."""

@@ -41,3 +41,33 @@ def test_loss_fn_reaches_the_automatic_modes_profiling(monkeypatch):
     )
     assert PoplarAccelerator._start_job(accelerator, torch.nn.Linear(2, 1), None, None) == "job"
     assert given["loss_fn"] is loss_fn
+
+
+@pytest.mark.parametrize(("batch_size", "steps", "warned"), [(4, 4, True), (6, 1, False)])
+def test_a_plan_file_replacing_the_scripts_global_batch_is_said(monkeypatch, caplog, batch_size, steps, warned):
+    # Documented (the plan's batch is trained), but a learning rate tuned for the script's may not fit it.
+    import logging
+
+    import poplar_ext.integrations.accelerate as integration
+
+    job = SimpleNamespace(rank=0, plan=SimpleNamespace(global_batch_size=12))
+    monkeypatch.setattr(integration, "prepare_job", lambda loaded, **options: job)
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config={"poplar": {"plan": "p.json"}})),
+        gradient_accumulation_steps=steps,
+        num_processes=2,
+        split_batches=False,
+        _default_global_batch=lambda ds_config, loader: None,
+        _profiling_loss_fn=None,
+    )
+    # The real one sets this rank's plan count: the script's was read before.
+    accelerator._use_rank_config = lambda job: setattr(accelerator, "gradient_accumulation_steps", 3)
+    loader = torch.utils.data.DataLoader(list(range(100)), batch_size=batch_size)
+    with caplog.at_level(logging.WARNING, logger=integration.logger.name):
+        assert PoplarAccelerator._start_job(accelerator, torch.nn.Linear(2, 1), None, loader) is job
+    expected = (
+        "the plan's global batch of 12 samples replaces the 32 of the DataLoader's batch_size x "
+        "gradient_accumulation_steps x processes (4 x 4 x 2)"
+    )
+    assert (expected in caplog.text) is warned, caplog.text
+    assert ("replaces" in caplog.text) is warned
