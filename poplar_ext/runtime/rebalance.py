@@ -116,10 +116,10 @@ class DriftMonitor:
         self.streaks = [0] * len(self.streaks)
         # Where the other ranks are off their predictions too, the factor follows the ratio against them, which
         # may even point the other way: say so, or a rank read as slower would be seen to get more samples.
-        against = "" if f"{reference:.2f}" == "1.00" else f" ({reference:.2f}x for the ranks that did not drift)"
+        against = "" if f"{reference:.2f}" == "1.00" else f" against {reference:.2f}x for the ranks that did not drift"
         described = ", ".join(
-            f"rank {rank} ({self.cluster.rank_device_types[rank]}) at {ratios[rank]:.2f}x its predicted compute"
-            f"{against} (speed factor {before[rank]:.2f} -> {self.rank_scales[rank]:.2f})"
+            f"rank {rank} ({self.cluster.rank_device_types[rank]}) at {ratios[rank]:.2f}x its predicted compute "
+            f"(speed factor {before[rank]:.2f} -> {self.rank_scales[rank]:.2f}){against}"
             for rank in drifted
         )
         try:

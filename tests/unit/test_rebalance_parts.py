@@ -239,8 +239,9 @@ def test_a_drift_measured_against_ranks_that_are_off_too_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="poplar_ext.runtime.rebalance"):
         decisions, _ = run_checks(monitor, plan, [[1.4, 1, 1], [1.4, 2.5, 2.5]])
     described = (decisions[0][1]["reason"] if decisions else "") + caplog.text
-    assert "rank 0 (a) at 1.40x its predicted compute (2.50x for the ranks that did not drift) (speed factor " in (
-        described
+    assert (
+        "rank 0 (a) at 1.40x its predicted compute (speed factor 1.00 -> 0.56) against 2.50x for the ranks that did "
+        "not drift" in described
     ), described
     assert monitor.rank_scales[0] == pytest.approx(1.4 / 2.5)
 
