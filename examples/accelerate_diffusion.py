@@ -58,7 +58,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     args = parser.parse_args()
-    for name in ("num_images", "resolution", "max_train_steps", "num_train_timesteps", "checkpointing_steps"):
+    counts = ("num_images", "resolution", "max_train_steps", "lr_warmup_steps", "num_train_timesteps")
+    for name in (*counts, "checkpointing_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name}: expected a positive integer, found {getattr(args, name)}")
     return args

@@ -24,6 +24,7 @@ CASES = [
         "--checkpoint-interval-steps: expected a positive integer, found 0",
     ),
     ("hf_trainer.py", "main", ["--deepspeed", "x.json", "--save-steps", "-1"], "--save-steps: expected 0 (never)"),
+    ("accelerate_diffusion.py", "parse_args", ["--lr_warmup_steps", "0"], "--lr_warmup_steps: expected a positive"),
 ]
 
 
