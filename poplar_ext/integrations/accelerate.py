@@ -19,7 +19,7 @@ from accelerate.utils import DistributedType, pad_across_processes, recursively_
 
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.runtime.config import AUTO, DICT_SOURCE, SECTION, GlobalBatchRequest, nominal_deepspeed_config
-from poplar_ext.runtime.data import PlanBatchSampler, check_plan_dataset
+from poplar_ext.runtime.data import PlanBatchSampler, check_holds_global_batch, check_plan_dataset
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from poplar_ext.zero.engine import PoplarEngine
 from poplar_ext.zero.initialize import Job, prepare_job, set_up_rank, wrap_built_engine
@@ -173,9 +173,13 @@ class PoplarAccelerator(Accelerator):
             profiling_ds_config=profiling,
             loss_fn=self._profiling_loss_fn,
         )
+        if train_loader is not None:  # before the engine is built
+            size = len(train_loader.dataset)
+            check_holds_global_batch(size, job.plan.global_batch_size, "the training DataLoader: num_samples")
         plain = None if train_loader is None else _plain_global_batch(self, train_loader)  # before the plan's counts
         self._use_rank_config(job)
-        if plain is not None and job.rank == 0 and plain.size != job.plan.global_batch_size:
+        given = plain is not None and job.poplar_config.plan is not None  # a searched plan's batch is the config's
+        if given and job.rank == 0 and plain.size != job.plan.global_batch_size:
             # The plan's batch is trained, as documented; a learning rate tuned for the script's may not fit it.
             logger.warning(
                 "PoplarAccelerator: the plan's global batch of %d samples replaces the %d of %s",

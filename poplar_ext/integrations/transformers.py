@@ -41,7 +41,13 @@ from poplar_ext.runtime.checkpoint import (
     unfinished_save,
 )
 from poplar_ext.runtime.config import GlobalBatchRequest, PoplarConfig, load_deepspeed_config
-from poplar_ext.runtime.data import IterationSampler, MicroBatchesDataset, PlanBatchSampler, check_plan_dataset
+from poplar_ext.runtime.data import (
+    IterationSampler,
+    MicroBatchesDataset,
+    PlanBatchSampler,
+    check_holds_global_batch,
+    check_plan_dataset,
+)
 from poplar_ext.runtime.evaluation import EvalBatchSampler, eval_batch_sizes
 from poplar_ext.runtime.job_start import read_poplar_section
 from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
@@ -200,21 +206,29 @@ def _refuse_per_rank_retries(args: TrainingArguments) -> None:
         )
 
 
-def _settle_job(args: TrainingArguments, model: Any, train_dataset: Any, *, collate_fn: Any, configured: Any) -> Job:
+def _settle_job(
+    args: TrainingArguments,
+    model: Any,
+    train_dataset: Any,
+    *,
+    collate_fn: Any,
+    configured: Any,
+    caller: str = "PoplarTrainer",
+) -> Job:
     """The plan and its context, resolved alike on every rank (collective) before the Trainer is built;
-    `configured`: what `_refuse_before_settling` read."""
+    `configured`: what `_refuse_before_settling` read; `caller`: the Trainer class, for messages."""
     check_plan_dataset(train_dataset, "train_dataset")  # as given: the only check (prepare_job leaves it to callers)
     _ = args.device  # reading it makes Hugging Face and accelerate set up the process group
     from poplar_ext.collectives import process_group_rank
 
     _, world_size = process_group_rank()
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = int(os.environ.get("WORLD_SIZE", world_size))  # a launcher without it (mpirun): the group's
     # Otherwise the Trainer gives DeepSpeed the batch of its own count of processes, which DeepSpeed refuses late.
     if launched > 1 and args.world_size != launched:
         raise ValueError(
-            f"PoplarTrainer: expected the {launched} processes of WORLD_SIZE in TrainingArguments.world_size, found "
+            f"{caller}: expected the {launched} processes of WORLD_SIZE in TrainingArguments.world_size, found "
             f"{args.world_size}: accelerate chose no distributed backend for DeepSpeed on this device (on CPU it has "
-            "none by default); pass TrainingArguments(use_cpu=True, ddp_backend='gloo')"
+            "none by default); on CPU ranks pass TrainingArguments(use_cpu=True, ddp_backend='gloo')"
         )
     loaded, poplar_config = configured
     optimizer = filled = None
@@ -227,7 +241,7 @@ def _settle_job(args: TrainingArguments, model: Any, train_dataset: Any, *, coll
             filled = copy.deepcopy(args.hf_deepspeed_config)
             filled.trainer_config_finalize(args, model, num_training_steps=max(1, args.max_steps))
     per_device, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    return prepare_job(
+    job = prepare_job(
         loaded,
         poplar_config=poplar_config,
         model=model,
@@ -241,6 +255,9 @@ def _settle_job(args: TrainingArguments, model: Any, train_dataset: Any, *, coll
         ),
         profiling_ds_config=None if filled is None else filled.config,
     )
+    if train_dataset is not None:  # before the Trainer is built, not at train()
+        check_holds_global_batch(len(train_dataset), job.plan.global_batch_size, "train_dataset: num_samples")
+    return job
 
 
 class _PlanEvaluation:
@@ -381,7 +398,9 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if model is not None:
             checkpointing = apply_plan_checkpointing(model, self.job.plan, self.job.rank, source=self.job.plan_reason)
             checkpointing = checkpointing if can_checkpoint(model) else None
-        logger.info(  # the plan's origin is logged with the engine (poplar_ext.zero.initialize.poplar_engine)
+        if self.job.rank == 0:  # here, not when train() wraps an engine: evaluate() alone builds none
+            logger.info("poplar plan from step 0: %s", self.job.plan_reason)
+        logger.info(
             "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
             self.job.rank,
             rank_plan.micro_batch_size,
@@ -772,7 +791,13 @@ class PoplarTrainerMixin(_PlanEvaluation):
         labels, slowdown = rank_devices(job)
         set_deepspeed_batch(engine, job.plan, job.rank)  # the Trainer's arguments gave DeepSpeed 1 x b_r
         wrapped = wrap_built_engine(
-            job, engine, labels=labels, slowdown=slowdown, sampler=self._train_sampler, weights_loss=False
+            job,
+            engine,
+            labels=labels,
+            slowdown=slowdown,
+            sampler=self._train_sampler,
+            weights_loss=False,
+            log_origin=False,
         )
         wrapper.engine = wrapped
         self.poplar_engine = wrapped

@@ -161,7 +161,7 @@ def initialize_pipeline(
             )
     check_token_mean_samples(training_data, job.poplar_config.loss_reduction)
     if training_data is not None:  # before DeepSpeed builds the engine
-        check_holds_global_batch(len(training_data), job.plan.global_batch_size, "training_data")
+        check_holds_global_batch(len(training_data), job.plan.global_batch_size, "training_data: num_samples")
     # DeepSpeed refuses a config both in args and in config=: it gets the nominal one only.
     ds_args = copy.copy(args)
     if hasattr(ds_args, "deepspeed_config"):

@@ -308,7 +308,7 @@ def initialize(
         checkpointing_toggle=checkpointing_toggle,
     )
     if training_data is not None:  # before DeepSpeed builds the engine
-        check_holds_global_batch(len(training_data), job.plan.global_batch_size, "training_data")
+        check_holds_global_batch(len(training_data), job.plan.global_batch_size, "training_data: num_samples")
     nominal = nominal_deepspeed_config(job.ds_config, job.plan, job.rank, source=job.source)
     labels, slowdown = set_up_rank(job, model, toggle=checkpointing_toggle)
     # Imported here, once the job is settled: a call refused before (data, config, build locks) imports no deepspeed.
@@ -426,14 +426,22 @@ def wrap_built_engine(
     slowdown: ComputeSlowdown | None,
     sampler: PlanBatchSampler | None = None,
     weights_loss: bool = True,
+    log_origin: bool = True,
 ) -> PoplarEngine:
     """The `PoplarEngine` over a DeepSpeed engine another library built (accelerate, for PoplarAccelerator and the
     Hugging Face Trainer) on this rank's config: counting the true batch, re-balancing (collective), timing
-    training forwards, following `sampler` (built before the engine)."""
+    training forwards, following `sampler` (built before the engine). `log_origin`: False where the caller logged
+    the plan's origin already."""
     count_true_global_batch(engine, job.plan)
     follow_unsynchronised_throughput_timer(engine, job.ds_config, source=job.source)
     wrapped = poplar_engine(
-        job, engine, labels=labels, slowdown=slowdown, rebalancer=zero_rebalancer(job), weights_loss=weights_loss
+        job,
+        engine,
+        labels=labels,
+        slowdown=slowdown,
+        rebalancer=zero_rebalancer(job),
+        weights_loss=weights_loss,
+        log_origin=log_origin,
     )
     if wrapped.compute_timer is not None:  # an emulated device's slowdown, or re-balancing's measurement
         time_training_forwards(engine, wrapped)
@@ -465,9 +473,10 @@ def poplar_engine(
     slowdown: ComputeSlowdown | None,
     rebalancer: Rebalancer | None,
     weights_loss: bool = True,
+    log_origin: bool = True,
 ) -> PoplarEngine:
     """The `PoplarEngine` over `engine` (a DeepSpeedEngine built on this rank's nominal config) with
-    `set_up_rank`'s labels and slowdown; logs where the plan came from once the engine is built."""
+    `set_up_rank`'s labels and slowdown; logs where the plan came from once the engine is built (`log_origin`)."""
     wrapped = PoplarEngine(
         engine,
         plan=job.plan,
@@ -480,7 +489,7 @@ def poplar_engine(
         rebalancer=rebalancer,
         weights_loss=weights_loss,
     )
-    if job.rank == 0:
+    if job.rank == 0 and log_origin:
         logger.info("poplar plan from step 0: %s", job.plan_reason)
     return wrapped
 

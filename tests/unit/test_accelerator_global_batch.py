@@ -43,14 +43,22 @@ def test_loss_fn_reaches_the_automatic_modes_profiling(monkeypatch):
     assert given["loss_fn"] is loss_fn
 
 
-@pytest.mark.parametrize(("batch_size", "steps", "warned"), [(4, 4, True), (6, 1, False)])
-def test_a_plan_file_replacing_the_scripts_global_batch_is_said(monkeypatch, caplog, batch_size, steps, warned):
+@pytest.mark.parametrize(
+    ("plan_file", "batch_size", "steps", "warned"),
+    [("p.json", 4, 4, True), ("p.json", 6, 1, False), (None, 4, 4, False)],
+)
+def test_a_plan_file_replacing_the_scripts_global_batch_is_said(
+    monkeypatch, caplog, plan_file, batch_size, steps, warned
+):
     # Documented (the plan's batch is trained), but a learning rate tuned for the script's may not fit it.
     import logging
 
     import poplar_ext.integrations.accelerate as integration
 
-    job = SimpleNamespace(rank=0, plan=SimpleNamespace(global_batch_size=12))
+    # Without a plan file the plan was searched for the config's batch, which the user set (not the script's).
+    job = SimpleNamespace(
+        rank=0, plan=SimpleNamespace(global_batch_size=12), poplar_config=SimpleNamespace(plan=plan_file)
+    )
     monkeypatch.setattr(integration, "prepare_job", lambda loaded, **options: job)
     accelerator = SimpleNamespace(
         state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config={"poplar": {"plan": "p.json"}})),
@@ -71,3 +79,23 @@ def test_a_plan_file_replacing_the_scripts_global_batch_is_said(monkeypatch, cap
     )
     assert (expected in caplog.text) is warned, caplog.text
     assert ("replaces" in caplog.text) is warned
+
+
+def test_a_training_dataloader_smaller_than_the_global_batch_is_refused_before_the_engine(monkeypatch):
+    import poplar_ext.integrations.accelerate as integration
+
+    job = SimpleNamespace(rank=0, plan=SimpleNamespace(global_batch_size=12), poplar_config=SimpleNamespace(plan=None))
+    monkeypatch.setattr(integration, "prepare_job", lambda loaded, **options: job)
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config={"poplar": {}})),
+        gradient_accumulation_steps=1,
+        num_processes=2,
+        split_batches=False,
+        _default_global_batch=lambda ds_config, loader: None,
+        _use_rank_config=lambda job: None,
+        _profiling_loss_fn=None,
+    )
+    loader = torch.utils.data.DataLoader(list(range(5)), batch_size=2)
+    message = r"^the training DataLoader: num_samples: expected at least the global batch \(12 samples\), found 5"
+    with pytest.raises(ValueError, match=message):
+        PoplarAccelerator._start_job(accelerator, torch.nn.Linear(2, 1), None, loader)

@@ -545,7 +545,7 @@ def test_initialize_refuses_training_data_smaller_than_the_global_batch_before_b
     module = _built_module({"poplar": {"plan": "p.json"}})
     module.poplar_job.poplar_config = SimpleNamespace(loss_reduction="mean")
     module.poplar_job.plan = SimpleNamespace(global_batch_size=10)
-    message = r"^training_data: expected at least the global batch \(10 samples\), found 5: one iteration would train"
+    message = r"^training_data: num_samples: expected at least the global batch \(10 samples\), found 5: one iteration"
     with pytest.raises(ValueError, match=message):
         initialize_pipeline(model=module, training_data=list(range(5)))
 

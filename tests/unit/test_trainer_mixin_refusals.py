@@ -413,13 +413,6 @@ def test_the_train_dataset_is_checked_once(monkeypatch):
     assert checked == ["train_dataset"]
 
 
-def test_the_tests_above_leave_accelerate_off_deepspeed_for_the_tests_after():
-    # TrainingArguments(deepspeed=...) above set ACCELERATE_USE_DEEPSPEED=true in os.environ: left there, a plain
-    # Trainer later in the same pytest process went through DeepSpeed (tests/dist/test_trl.py's reference run,
-    # into DeepSpeed's MPI discovery: no mpi4py). Runs last in this file, after them.
-    assert os.environ.get("ACCELERATE_USE_DEEPSPEED") == ACCELERATE_USE_DEEPSPEED_BEFORE_ANY_TEST
-
-
 def test_a_trainer_that_sees_fewer_processes_than_launched_is_refused_before_planning(monkeypatch):
     # Launched as 2 on CPU without ddp_backend="gloo": accelerate builds no process group, the Trainer
     # counts 1 process and would give DeepSpeed that one's batch; each rank would have planned alone.
@@ -441,9 +434,29 @@ def test_a_trainer_that_sees_fewer_processes_than_launched_is_refused_before_pla
         integration._settle_job(arguments, None, list(range(8)), collate_fn=None, configured=None)
 
 
-def test_the_plans_origin_is_logged_once_by_the_engine_not_also_when_the_trainer_is_built(monkeypatch, caplog):
-    # zero.initialize logs it once the engine exists (tests/unit/test_zero_initialize_order.py): the Trainer's
-    # start logged it twice.
+def test_a_train_dataset_smaller_than_the_global_batch_is_refused_before_the_trainer_is_built(monkeypatch):
+    # Not at train(), after the Trainer (and in the automatic mode the profiling) is done, as "num_samples" alone.
+    from types import SimpleNamespace
+
+    import poplar_ext.collectives as collectives
+    from poplar_ext.integrations import transformers as integration
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(collectives, "process_group_rank", lambda: (0, 1))
+    job = SimpleNamespace(plan=SimpleNamespace(global_batch_size=10))
+    monkeypatch.setattr(integration, "prepare_job", lambda *args, **kwargs: job)
+    arguments = SimpleNamespace(
+        device="cpu", world_size=1, per_device_train_batch_size=2, gradient_accumulation_steps=1
+    )
+    message = r"^train_dataset: num_samples: expected at least the global batch \(10 samples\), found 5"
+    with pytest.raises(ValueError, match=message):
+        integration._settle_job(arguments, None, list(range(5)), collate_fn=None, configured=(({}, ".", "ds"), None))
+    assert integration._settle_job(arguments, None, list(range(10)), collate_fn=None, configured=(({}, ".", "d"), None))
+
+
+def test_the_plans_origin_is_logged_once_when_the_trainer_is_built(monkeypatch, caplog):
+    # Here, for evaluate() alone builds no engine; train()'s engine does not log it again (log_origin=False,
+    # tests/unit/test_zero_initialize_order.py).
     import logging
 
     import torch
@@ -454,4 +467,11 @@ def test_the_plans_origin_is_logged_once_by_the_engine_not_also_when_the_trainer
     with caplog.at_level(logging.INFO, logger="poplar_ext"):
         PoplarTrainer(model=torch.nn.Linear(2, 1), args=args, train_dataset=[{"x": 1}] * 8)
     assert "rank 0: micro-batch 2 x 2 accumulation steps" in caplog.text
-    assert "poplar plan from step 0" not in caplog.text
+    assert caplog.text.count("poplar plan from step 0: the plan file p.json") == 1
+
+
+def test_the_tests_above_leave_accelerate_off_deepspeed_for_the_tests_after():
+    # TrainingArguments(deepspeed=...) above set ACCELERATE_USE_DEEPSPEED=true in os.environ: left there, a plain
+    # Trainer later in the same pytest process went through DeepSpeed (tests/dist/test_trl.py's reference run,
+    # into DeepSpeed's MPI discovery: no mpi4py). Runs last in this file, after them.
+    assert os.environ.get("ACCELERATE_USE_DEEPSPEED") == ACCELERATE_USE_DEEPSPEED_BEFORE_ANY_TEST

@@ -53,6 +53,10 @@ def test_the_plans_origin_is_logged_after_the_engine_is_built(monkeypatch, caplo
     with caplog.at_level(logging.INFO, logger=zero_initialize.logger.name):
         assert zero_initialize.poplar_engine(job, None, labels=("a",), slowdown=None, rebalancer=None) == "engine"
     assert "poplar plan from step 0: searched at start" in caplog.text
+    caplog.clear()  # a caller that logged it already (PoplarTrainer, when it was built)
+    with caplog.at_level(logging.INFO, logger=zero_initialize.logger.name):
+        zero_initialize.poplar_engine(job, None, labels=("a",), slowdown=None, rebalancer=None, log_origin=False)
+    assert "poplar plan from step 0" not in caplog.text
 
 
 def test_training_data_smaller_than_the_global_batch_is_refused_naming_it_before_the_engine(monkeypatch):
@@ -65,6 +69,6 @@ def test_training_data_smaller_than_the_global_batch_is_refused_naming_it_before
     monkeypatch.setattr(zero_initialize, "read_poplar_section", lambda *args, **kwargs: None)
     monkeypatch.setattr(zero_initialize, "_refuse_another_drop_last", lambda *args: None)
     monkeypatch.setattr(zero_initialize, "prepare_job", lambda *args, **kwargs: job)
-    message = r"^training_data: expected at least the global batch \(10 samples\), found 5: one iteration would train"
+    message = r"^training_data: num_samples: expected at least the global batch \(10 samples\), found 5: one iteration"
     with pytest.raises(ValueError, match=message):
         zero_initialize.initialize(model=torch.nn.Linear(2, 1), training_data=list(range(5)), config={})
