@@ -319,7 +319,7 @@ def run(options: ProfileOptions) -> list[Any]:
     if options.cluster is None:
         cluster = discover_cluster()
         target = Path(options.cache_dir) / DISCOVERED_CLUSTER_FILE
-        if not decided_by_rank0(lambda: _holds_cluster(target, cluster), rank=rank):
+        if not decided_by_rank0(lambda: _holds_cluster(target, cluster), rank=rank):  # UsageError: another one
             writable_directory(Path(options.cache_dir), rank=rank, name="--output-dir")
             if rank == 0:
                 save_cluster(cluster, target)
@@ -344,11 +344,32 @@ def _require_launcher() -> None:
 
 
 def _holds_cluster(path: Path, cluster: Any) -> bool:
-    """Whether `path` holds `cluster` already (a complete cache may sit in a directory rank 0 cannot write)."""
+    """Whether `path` holds `cluster` already (a complete cache may sit in a directory rank 0 cannot write);
+    `UsageError` where it holds something else, which writing the hardware's would lose (a hand-written cluster
+    with its emulated types, or a file that is none)."""
+    if not path.exists():
+        return False
+    move = "move it away to have the hardware's written there"
     try:
-        return path.is_file() and load_cluster(path) == cluster
-    except (OSError, FormatError):
-        return False  # written again
+        existing = load_cluster(path)
+    except (OSError, FormatError) as exc:
+        raise UsageError(
+            f"--output-dir: {path} exists and is no cluster description ({exc}); mend it, or {move}"
+        ) from None
+    if existing != cluster:
+        raise UsageError(
+            f"--output-dir: {path} holds another cluster ({_type_text(existing)}) than the hardware's "
+            f"({_type_text(cluster)}); pass --cluster {path} to profile the cluster it describes, or {move}"
+        )
+    return True
+
+
+def _type_text(cluster: Any) -> str:
+    """``2 x cpu, 1 x cpu-slow (emulated)``."""
+    return ", ".join(
+        f"{count} x {t}{' (emulated)' if cluster.emulation_of(t) is not None else ''}"
+        for t, count in cluster.type_counts().items()
+    )
 
 
 def summary(profiles: Sequence[Any]) -> str:

@@ -453,3 +453,26 @@ def test_the_help_states_the_defaults_the_built_in_models_get(files, capsys) -> 
     assert stated == {**built, "--vocab-size": toy.vocab_size}
     assert lengths == {"toy-gpt": toy.sequence_length, "gpt2-small": 512}
     assert parse_command(_args(files, "--model", "gpt2-small")).sequence_length == lengths["gpt2-small"]
+
+
+def test_a_cluster_file_in_the_output_dir_is_never_replaced_by_the_hardwares(tmp_path):
+    # Without --cluster the hardware's cluster is written as DIR/cluster.json: the same one is kept as it is,
+    # another (a hand-written one with emulated types) or a file that is none is refused, not overwritten.
+    from poplar_ext.plan.formats import cluster_from_dict, save_cluster
+    from poplar_ext.profiler.cli import UsageError, _holds_cluster
+
+    def cluster(types: dict):
+        nodes = [{"name": "n", "devices": [{"device_type": t, "count": 1} for t in types]}]
+        emulated = {t: {"emulation": e} for t, e in types.items() if e}
+        return cluster_from_dict({"schema_version": 1, "nodes": nodes, "device_types": emulated})
+
+    hardware, target = cluster({"cpu": None}), tmp_path / "cluster.json"
+    assert _holds_cluster(target, hardware) is False  # none yet: written
+    save_cluster(hardware, target)
+    assert _holds_cluster(target, hardware) is True
+    save_cluster(cluster({"cpu": None, "cpu-slow": {"slowdown": 2.0, "memory_capacity_bytes": 2 * 10**9}}), target)
+    with pytest.raises(UsageError, match=r"holds another cluster \(1 x cpu, 1 x cpu-slow \(emulated\)\) than the "):
+        _holds_cluster(target, hardware)
+    target.write_text('{"nodes": [')
+    with pytest.raises(UsageError, match=r"cluster.json exists and is no cluster description \(.*\); mend it, or mo"):
+        _holds_cluster(target, hardware)
