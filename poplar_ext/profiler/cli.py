@@ -394,7 +394,9 @@ def _profile(argv: Sequence[str] | None) -> int:
         options = parse_command(argv)
         profiles = run(options)
     except (ValueError, FormatError) as exc:
-        print(f"poplar-profile: error: {exc}", file=sys.stderr)
+        # One write: every rank prints it, and print's two writes let the ranks' lines run together.
+        sys.stderr.write(f"poplar-profile: error: {exc}\n")
+        sys.stderr.flush()
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         # A pipeline model gets layer profiles only (their progress lines name each file).

@@ -476,3 +476,14 @@ def test_a_cluster_file_in_the_output_dir_is_never_replaced_by_the_hardwares(tmp
     target.write_text('{"nodes": [')
     with pytest.raises(UsageError, match=r"cluster.json exists and is no cluster description \(.*\); mend it, or mo"):
         _holds_cluster(target, hardware)
+
+
+def test_an_error_is_one_write_so_that_the_ranks_lines_do_not_run_together(files, monkeypatch) -> None:
+    # Every rank prints it to the one stderr the launcher shares: print's text and newline are two writes.
+    import sys
+
+    writes: list[str] = []
+    monkeypatch.setattr(sys, "stderr", type("Recorder", (), {"write": writes.append, "flush": lambda self: None})())
+    assert main(_args(files, "--model", "toy-gpt", "--output-dir", "")) == 2
+    assert len(writes) == 1 and writes[0].startswith("poplar-profile: error: --output-dir:"), writes
+    assert writes[0].endswith("\n") and writes[0].count("\n") == 1
