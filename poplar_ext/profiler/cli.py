@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import json
 import os
@@ -289,6 +290,12 @@ def _model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int],
             raise UsageError(f"--batch: {kind} {args.model} makes its own batches; leave --batch out")
         build = _hf_model if args.model.startswith(HF_PREFIX) else _builtin_model
         return build(args)
+    if ":" not in args.model:  # neither MODULE:FACTORY nor hf:CONFIG: a misspelt built-in name, most likely
+        close = difflib.get_close_matches(args.model, BUILTIN_MODELS, n=1, cutoff=0.6)
+        raise UsageError(
+            f"--model: expected MODULE:FACTORY (e.g. mymodels:build), found {args.model!r}; or a built-in model: "
+            f"{', '.join(BUILTIN_MODELS)}{f' (did you mean {close[0]!r}?)' if close else ''}; or {HF_PREFIX}CONFIG"
+        )
     if args.batch is None:
         raise UsageError("--batch: required with a --model of your own (MODULE:FACTORY taking the micro-batch size)")
     model_factory = _imported(args.model, option="--model")

@@ -96,6 +96,12 @@ def test_own_model_and_batch_factories_are_imported(files, monkeypatch) -> None:
             "--hidden-size: expected a multiple of --heads",
         ),
         (["--model", "my_models:build"], "--batch: required with a --model of your own"),
+        # A misspelt built-in name, with or without --batch: not the --batch message.
+        (
+            ["--model", "toy_gpt"],
+            "--model: expected MODULE:FACTORY (e.g. mymodels:build), found 'toy_gpt'; or a "
+            "built-in model: toy-gpt, gpt2-small (did you mean 'toy-gpt'?); or hf:CONFIG",
+        ),  # fmt: skip
         (["--model", "nomodule:build", "--batch", "x:y"], "--model: cannot import module 'nomodule'"),
         (
             ["--model", "my_models:missing", "--batch", "my_models:batch"],
