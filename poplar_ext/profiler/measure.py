@@ -160,14 +160,24 @@ def default_loss(engine: Any, batch: Any) -> torch.Tensor:
         call, shape = (lambda: engine(*batch)), f"model(*batch) with {len(batch)} items"
     else:
         call, shape = (lambda: engine(batch)), "model(batch)"
+    advice = (
+        "pass loss_fn=lambda engine, batch: loss to poplar_ext.initialize, or to profile_model; under accelerate, to "
+        "PoplarAccelerator; poplar-profile: --loss MODULE:FN"
+    )
     try:
-        return loss_of(call())
+        loss = loss_of(call())
     except TypeError as exc:
         raise TypeError(
             f"{exc} (poplar-ext called {shape}, as it does by default to profile and time micro-steps; for a model "
-            "that takes its batch otherwise, or returns no loss, pass loss_fn=lambda engine, batch: loss to "
-            "poplar_ext.initialize, or to profile_model; under accelerate, to PoplarAccelerator)"
+            f"that takes its batch otherwise, or returns no loss, {advice})"
         ) from exc
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:  # DeepSpeed's backward would assert it: a traceback
+        found = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss_fn: expected the model's output from {shape} to be a one-element loss (or to hold one as "
+            f".loss), found {found}; for a model that returns no loss, {advice}"
+        )
+    return loss
 
 
 def map_tensors(function: Callable[[torch.Tensor], Any], value: Any, *, walk_dicts: bool = True) -> Any:

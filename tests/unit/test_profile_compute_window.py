@@ -93,3 +93,19 @@ def test_a_model_that_cannot_take_the_batch_is_told_to_pass_loss_fn():
     with pytest.raises(TypeError, match="under accelerate, to PoplarAccelerator"):
         default_loss(model, batch)
     assert default_loss(lambda x: x.sum(), torch.ones(2)) == 2.0
+
+
+def test_a_model_output_that_is_no_loss_is_refused_naming_loss_fn():
+    # DeepSpeed's backward asserts a one-element tensor: poplar-profile showed its 80-line traceback.
+    import pytest
+    import torch
+
+    from poplar_ext.profiler.measure import default_loss
+
+    with pytest.raises(ValueError, match=r"^loss_fn: expected the model's output from model\(batch\) to be a one-elem"):
+        default_loss(torch.nn.Linear(2, 3), torch.zeros(4, 2))
+    with pytest.raises(ValueError, match=r"found a tensor of shape \(4, 3\); .* poplar-profile: --loss MODULE:FN"):
+        default_loss(torch.nn.Linear(2, 3), torch.zeros(4, 2))
+    with pytest.raises(ValueError, match=r"found tuple"):
+        default_loss(lambda x: (x, x), torch.zeros(2))
+    assert default_loss(lambda x: x.sum().reshape(1), torch.ones(2)) == 2.0  # one element: what DeepSpeed takes
