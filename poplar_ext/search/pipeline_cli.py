@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import Any
 
+from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import Cluster, load_cluster, load_profiles, plan_to_dict
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import (
@@ -81,8 +82,16 @@ def _search(args: argparse.Namespace) -> tuple[SearchResult | None, SearchResult
     zero = None
     batch = args.global_batch_size
     if args.parallelism == "auto":
+        try:
+            profiles = load_profiles(args.profiles)
+        except FormatError as exc:
+            if not (layer_profiles and exc.field == "(directory)" and exc.found == "none"):
+                raise
+            # A pipeline model's folder: its layer profiles alone.
+            hint = f"none; --parallelism pipeline searches {layers} alone"
+            raise FormatError(exc.source, exc.field, exc.expected, hint) from None
         zero = search_plan(
-            load_profiles(args.profiles),
+            profiles,
             cluster,
             global_batch_size=batch,
             zero_stage=args.zero_stage,

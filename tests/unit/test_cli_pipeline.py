@@ -197,3 +197,20 @@ def test_auto_without_layer_profiles_points_to_parallelism_zero(capsys, tmp_path
     assert "--parallelism zero searches" in err and len(err.strip().splitlines()) == 1, err
     code, out, err = run(capsys, "--profiles", profiles, "--cluster", CLUSTER, "--global-batch-size", 512)
     assert code == 0, err
+
+
+def test_auto_with_layer_profiles_alone_points_to_parallelism_pipeline(capsys, tmp_path):
+    # A pipeline model's folder: poplar-profile wrote layers/ and no whole-model profile.
+    profiles = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES / "layers", profiles / "layers")
+    shutil.copytree(EXAMPLES / "network", profiles / "network")
+    code, out, err = run(
+        capsys, "--profiles", profiles, "--cluster", CLUSTER, "--parallelism", "auto", "--global-batch-size", 512
+    )
+    assert code == 2 and out == ""
+    assert f"{profiles}: (directory): expected at least one profile *.json file, found none; " in err
+    assert f"--parallelism pipeline searches {profiles / 'layers'} alone" in err and len(err.splitlines()) == 1, err
+    code, out, err = run(
+        capsys, "--profiles", profiles, "--cluster", CLUSTER, "--parallelism", "pipeline", "--global-batch-size", 512
+    )
+    assert code == 0, err
