@@ -133,7 +133,9 @@ class Node:
         if not isinstance(v, str) or not v.strip():
             raise self.fail("a non-empty string" if choices is None else _choices_text(choices))
         if choices is not None and v not in choices:
-            raise self.fail(_choices_text(choices))
+            close = difflib.get_close_matches(v, list(choices), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise self.fail(_choices_text(choices), raw_found=describe(v) + hint)
         return v
 
 

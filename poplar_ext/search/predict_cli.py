@@ -11,6 +11,7 @@ from typing import Any
 from poplar_ext.plan.formats import Cluster, Plan, load_cluster, load_profiles, plan_from_dict, read_json
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import (
+    PARALLELISMS,
     PipelinePlan,
     layer_profiles_dir,
     load_layer_profiles,
@@ -28,7 +29,11 @@ from .pipeline_search import check_pipeline_plan
 def run_predict(args: argparse.Namespace) -> int:
     """Price the plan of ``args.predict``; print the table or JSON; returns the exit status."""
     try:
-        data = Node(read_json(args.predict), args.predict).obj().value  # not an object: bad input, not a TypeError
+        root = Node(read_json(args.predict), args.predict).obj()  # not an object: bad input, not a TypeError
+        parallelism = root.optional("parallelism")
+        if parallelism is not None:  # either kind: each reader alone names only its own
+            parallelism.string(choices=PARALLELISMS)
+        data = root.value
         kind = "pipeline" if "pipelines" in data else "zero"
         cluster = load_cluster(args.cluster) if args.cluster else None
         network = chosen_network(args, cluster)

@@ -301,3 +301,14 @@ def test_a_network_file_of_another_cluster_is_used_with_a_note(tmp_path, capsys,
         assert (f"note: --network {network} was measured on another cluster" in err) is noted, err
         if noted:  # the file's own figures
             assert f"({data['world_size']} ranks, {data['num_nodes']} node(s), {data['backend']})" in err
+
+
+def test_predict_names_both_kinds_of_plan_for_a_misspelt_parallelism(capsys, tmp_path):
+    # The ZeRO reader alone offered only 'zero' for "pipelines".
+    plan = json.loads((Path(__file__).resolve().parents[2] / "examples" / "plan.json").read_text())
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**plan, "parallelism": "pipelines"}))
+    code, out, err = run(capsys, "--example", "--predict", path)
+    assert code == 2 and out == ""
+    expected = "parallelism: expected one of 'zero', 'pipeline', found string 'pipelines' (did you mean 'pipeline'?)"
+    assert expected in err, err
