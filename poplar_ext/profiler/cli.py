@@ -400,6 +400,15 @@ def _profile(argv: Sequence[str] | None) -> int:
     try:  # UsageError is a ValueError
         options = parse_command(argv)
         profiles = run(options)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("torch", "deepspeed"):
+            raise
+        sys.stderr.write(
+            f"poplar-profile: error: expected torch and deepspeed installed, found no module {exc.name!r}: profiling "
+            "trains the model (pip install poplar-ext with its dependencies; the --no-deps install serves "
+            "poplar-search alone)\n"
+        )
+        return 2
     except (ValueError, FormatError) as exc:
         # One write: every rank prints it, and print's two writes let the ranks' lines run together.
         sys.stderr.write(f"poplar-profile: error: {exc}\n")

@@ -493,3 +493,17 @@ def test_an_error_is_one_write_so_that_the_ranks_lines_do_not_run_together(files
     assert main(_args(files, "--model", "toy-gpt", "--output-dir", "")) == 2
     assert len(writes) == 1 and writes[0].startswith("poplar-profile: error: --output-dir:"), writes
     assert writes[0].endswith("\n") and writes[0].count("\n") == 1
+
+
+def test_without_torch_it_says_what_to_install_in_one_line(files, monkeypatch, capsys) -> None:
+    # The documented torch-free install (pip install --no-deps poplar-ext numpy scipy) serves poplar-search only.
+    import poplar_ext.profiler.cli as cli
+
+    def no_torch(args):
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    monkeypatch.setattr(cli, "_builtin_model", no_torch)
+    assert main(_args(files, "--model", "toy-gpt")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("poplar-profile: error: expected torch and deepspeed installed, ")
+    assert "the --no-deps install serves poplar-search alone" in err
