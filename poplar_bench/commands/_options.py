@@ -19,6 +19,11 @@ OUTPUT_HELP = (
 )
 
 
+def checkout_root() -> Path | None:
+    """The checkout poplar_bench runs from (an editable install), or None (installed as a package)."""
+    return _BENCH_DIR.parent if (_BENCH_DIR.parent / "pyproject.toml").is_file() else None
+
+
 def default_output_dir() -> Path:
     """``bench/results`` of the checkout when running from one (an editable install),
     otherwise the current directory."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ._options import checkout_root
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ..gpu.context import BUDGET_S, STEPS
@@ -48,10 +50,11 @@ def run(args: argparse.Namespace) -> int:
     from ..gpu.run import run_gpu
 
     chosen = [s.strip() for s in args.steps.split(",") if s.strip()]
+    checkout = checkout_root()  # its tests/gpu, from any folder; installed as a package, the current folder's
     settings = GpuRunSettings(
         output_dir=args.output_dir,
         dry_run=args.dry_run,
-        repo=Path.cwd(),
+        repo=Path.cwd() if checkout is None else checkout,
         budget_s=args.budget_s,
         steps=tuple(s for s in STEPS if s in chosen) + tuple(s for s in chosen if s not in STEPS),
         work_dir=args.work_dir,

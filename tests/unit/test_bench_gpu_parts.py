@@ -159,3 +159,23 @@ def test_the_comparison_report_names_the_gpu_and_drops_the_cpu_notes_on_a_gpu():
     dry = _report()
     label_report(dry, dry_run=True, provenance=provenance | {"gpu": None})
     assert "DRY RUN" in dry["data_source"] and any("CPU process" in n for n in dry["notes"])
+
+
+def test_the_gpu_command_finds_its_checkouts_gpu_checks_from_any_folder(monkeypatch, tmp_path):
+    # From another folder the exactness and launcher steps failed: "expected the GPU checks (run from the
+    # repository root)", after the other steps had run.
+    import argparse
+    from pathlib import Path
+
+    import poplar_bench.gpu.run as gpu_run
+    from poplar_bench.commands import gpu
+
+    given = []
+    monkeypatch.setattr(gpu_run, "run_gpu", lambda settings: given.append(settings) or 0)
+    monkeypatch.chdir(tmp_path)
+    arguments = argparse.Namespace(
+        output_dir=tmp_path / "out", dry_run=True, budget_s=60.0, steps="exact", work_dir=None
+    )
+    assert gpu.run(arguments) == 0
+    root = Path(__file__).resolve().parents[2]
+    assert given[0].repo == root and (root / "tests" / "gpu" / "test_runtime_gpu.py").is_file()
