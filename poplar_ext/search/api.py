@@ -186,7 +186,10 @@ def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants
     models = sorted({(p.model.fingerprint, p.model.name) for p in profiles})
     if len(models) > 1:
         shown = ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
-        raise ValueError(f"profiles: expected profiles of one model, found {len(models)} models: {shown}")
+        raise ValueError(
+            f"profiles: expected profiles of one model, found {len(models)} models: {shown} (poplar-search: --model "
+            "NAME picks one)"
+        )
     by_stage: dict[int, dict[str, Variants]] = {}
     for profile in profiles:
         variants = by_stage.setdefault(profile.zero_stage, {}).setdefault(profile.device_type, {})

@@ -14,7 +14,6 @@ from poplar_ext.plan.formats import (
     MAX_WORLD_SIZE,
     POLICIES,
     load_cluster,
-    load_profiles,
     plan_to_dict,
 )
 
@@ -30,6 +29,7 @@ from .cli_common import (
     comparison_table,
     emit,
     error,
+    model_profiles,
     output_problem,
     plan_table,
     printing,
@@ -165,6 +165,12 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         "and their cluster, for --profiles and --cluster where those are not given",
     )
     parser.add_argument(
+        "--model",
+        metavar="NAME",
+        help="the model whose profiles to plan from, by its name or fingerprint, where --profiles holds several "
+        "models' (the automatic mode's cache does); default: the folder's one model",
+    )
+    parser.add_argument(
         "--global-batch-size",
         type=parse_global_batch_size,
         metavar="N",
@@ -274,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     if args.parallelism != "zero":
         return run_pipelines(args)
     try:
-        profiles = load_profiles(args.profiles)
+        profiles = model_profiles(args)
         cluster = load_cluster(args.cluster)
         network = chosen_network(args, cluster)
         policies = list(POLICIES) if args.policy == "all" else [args.policy]

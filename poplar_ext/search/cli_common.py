@@ -15,7 +15,7 @@ from typing import Any
 
 from poplar_ext.plan import kinds
 from poplar_ext.plan.errors import FormatError, WrongFormatError
-from poplar_ext.plan.formats import read_json, write_json_atomic
+from poplar_ext.plan.formats import Profile, load_profiles, read_json, write_json_atomic
 from poplar_ext.plan.network_format import NETWORK_DIRECTORY, NetworkProfile, cluster_key, find_network, load_network
 from poplar_ext.plan.pipeline_formats import layer_profiles_dir
 
@@ -155,6 +155,20 @@ def _is_plan(path: Path) -> bool:
     except FormatError:
         return False
     return isinstance(data, dict) and ("ranks" in data or "pipelines" in data)
+
+
+def model_profiles(args: Any) -> list[Profile]:
+    """``--profiles``' profiles; with ``--model``, that model's alone (a folder may hold several models', as the
+    automatic mode's cache does)."""
+    profiles = load_profiles(args.profiles)
+    if getattr(args, "model", None) is None:
+        return profiles
+    chosen = [p for p in profiles if args.model in (p.model.name, p.model.fingerprint)]
+    if not chosen:
+        there = ", ".join(sorted({f"{p.model.name} ({p.model.fingerprint})" for p in profiles}))
+        raise ValueError(f"--model: expected the name or fingerprint of a model in {args.profiles}, found "
+                         f"{args.model!r}; there: {there}")  # fmt: skip
+    return chosen
 
 
 def chosen_network(args: Any, cluster: Any) -> NetworkProfile | None:

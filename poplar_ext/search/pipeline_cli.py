@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from poplar_ext.plan.errors import FormatError
-from poplar_ext.plan.formats import Cluster, load_cluster, load_profiles, plan_to_dict
+from poplar_ext.plan.formats import Cluster, load_cluster, plan_to_dict
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import (
     PIPELINE_POLICY,
@@ -28,6 +28,7 @@ from .cli_common import (
     emit,
     error,
     idle_text,
+    model_profiles,
     or_dash,
     plan_row,
     plan_table,
@@ -83,7 +84,7 @@ def _search(args: argparse.Namespace) -> tuple[SearchResult | None, SearchResult
     batch = args.global_batch_size
     if args.parallelism == "auto":
         try:
-            profiles = load_profiles(args.profiles)
+            profiles = model_profiles(args)
         except FormatError as exc:
             if not (layer_profiles and exc.field == "(directory)" and exc.found == "none"):
                 raise
@@ -144,7 +145,7 @@ def run_pipelines(args: argparse.Namespace) -> int:
 
     def text() -> str:
         if chosen == "zero":
-            plan = plan_table(zero, load_profiles(args.profiles), network)
+            plan = plan_table(zero, model_profiles(args), network)
         else:
             plan = pipeline_plan_table(pipeline, layer_profiles, network, cluster)
         return parallelism_table(zero, pipeline, chosen) + "\n\n" + plan if auto else plan

@@ -8,7 +8,7 @@ import json
 from operator import attrgetter
 from typing import Any
 
-from poplar_ext.plan.formats import Cluster, Plan, load_cluster, load_profiles, plan_from_dict, read_json
+from poplar_ext.plan.formats import Cluster, Plan, load_cluster, plan_from_dict, read_json
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import (
     PARALLELISMS,
@@ -20,7 +20,7 @@ from poplar_ext.plan.pipeline_formats import (
 from poplar_ext.plan.validation import Node
 
 from .api import PlanPrediction, check_emulation, cluster_problems, predict, rule_problems
-from .cli_common import EXIT_OK, bad_input, chosen_network, error, idle_text, rank_span, runs, table
+from .cli_common import EXIT_OK, bad_input, chosen_network, error, idle_text, model_profiles, rank_span, runs, table
 from .examples import example_cluster_file
 from .pipeline_cost import BoundaryTransfer, PipelinePrediction, predict_pipeline
 from .pipeline_search import check_pipeline_plan
@@ -58,7 +58,7 @@ def run_predict(args: argparse.Namespace) -> int:
             problems = rule_problems(plan)  # check_plan's and the runtime's: a time for a plan that cannot run
             if problems:
                 return error(f"{args.predict}: expected a plan that keeps its stage's rules: {' '.join(problems)}")
-            profiles = load_profiles(args.profiles)
+            profiles = model_profiles(args)
             if cluster is not None:
                 check_emulation(cluster, profiles, "profile", stages=[plan.zero_stage])
             prediction = predict(plan, profiles, network)

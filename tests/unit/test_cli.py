@@ -312,3 +312,25 @@ def test_predict_names_both_kinds_of_plan_for_a_misspelt_parallelism(capsys, tmp
     assert code == 2 and out == ""
     expected = "parallelism: expected one of 'zero', 'pipeline', found string 'pipelines' (did you mean 'pipeline'?)"
     assert expected in err, err
+
+
+def test_model_picks_one_models_profiles_from_a_folder_of_several(capsys, tmp_path):
+    # A folder with two models' profiles (the automatic mode's cache holds every model's): refused without
+    # --model, naming it; searched with it, by name or fingerprint.
+    folder = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, folder, ignore=shutil.ignore_patterns("layers", "cluster.json"))
+    for path in list(folder.glob("*.json")):
+        data = json.loads(path.read_text())
+        data["model"] = {**data["model"], "name": "other-model", "fingerprint": "sha256:other"}
+        (folder / f"other-{path.name}").write_text(json.dumps(data))
+    common = ["--profiles", folder, "--cluster", CLUSTER, "--global-batch-size", 512, "--no-network"]
+    code, out, err = run(capsys, *common)
+    assert code == 2 and "expected profiles of one model, found 2 models" in err
+    assert "(poplar-search: --model NAME picks one)" in err
+    name = json.loads(next(EXAMPLES.glob("*.json")).read_text())["model"]["name"]
+    for chosen in (name, "sha256:other"):
+        code, out, err = run(capsys, *common, "--model", chosen, "--format", "json")
+        assert code == 0, err
+        assert json.loads(out)["global_batch_size"] == 512
+    code, out, err = run(capsys, *common, "--model", "gpt2")
+    assert code == 2 and "--model: expected the name or fingerprint of a model in" in err and "other-model" in err
