@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from poplar_ext.plan import kinds
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import load_cluster, read_json, save_cluster
 from poplar_ext.profiler.options import (
@@ -277,6 +278,10 @@ def _deepspeed_config(config_path: Path) -> dict[str, Any]:
         raise UsageError(
             f"--deepspeed_config: expected a JSON object in {config_path}, found {type(ds_config).__name__}"
         )
+    try:  # another of the project's files given here: named for what it is, not for its missing optimizer
+        kinds.refuse_other_format(ds_config, str(config_path), kinds.DEEPSPEED_CONFIG.reader)
+    except FormatError as exc:
+        raise UsageError(f"--deepspeed_config: {exc}") from None
     if "optimizer" not in ds_config:
         raise UsageError(f"--deepspeed_config: {config_path}: {NO_OPTIMIZER}")
     return ds_config

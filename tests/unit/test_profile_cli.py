@@ -96,6 +96,12 @@ def test_own_model_and_batch_factories_are_imported(files, monkeypatch) -> None:
             "--hidden-size: expected a multiple of --heads",
         ),
         (["--model", "my_models:build"], "--batch: required with a --model of your own"),
+        # The cluster file given as the DeepSpeed config: named for what it is, not for its missing optimizer.
+        (
+            ["--model", "toy-gpt", "--deepspeed_config", "cluster.json"],
+            "--deepspeed_config: cluster.json: (file): "
+            "expected a DeepSpeed config, found a cluster description (its keys 'nodes')",
+        ),  # fmt: skip
         # A misspelt built-in name, with or without --batch: not the --batch message.
         (
             ["--model", "toy_gpt"],
