@@ -256,6 +256,12 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
     if args.checkpointing_toggle is not None and args.activation_checkpointing == "off":
         raise UsageError("--checkpointing-toggle: not used with --activation-checkpointing off; leave one out")
     _fill_model_options(args)
+    sizes, limit = args.micro_batch_sizes, args.micro_batch_size_limit
+    above = [size for size in sizes or () if size > limit]
+    if above and not args.quiet and int(os.environ.get("RANK", "0")) == 0:  # the limit holds given sizes too
+        log_progress(
+            f"--micro-batch-sizes: {','.join(map(str, above))} above --max-micro-batch-size ({limit}), not measured"
+        )
     ds_config = _deepspeed_config(Path(args.deepspeed_config))
     model_factory, make_batch, name, sequence_length = _model(args)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ProfileOptions) if f.metadata["cli"] is not None}

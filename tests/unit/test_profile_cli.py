@@ -513,3 +513,13 @@ def test_without_torch_it_says_what_to_install_in_one_line(files, monkeypatch, c
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("poplar-profile: error: expected torch and deepspeed installed, ")
     assert "the --no-deps install serves poplar-search alone" in err
+
+
+def test_given_sizes_above_the_limit_are_said_to_be_left_out(files, capsys, monkeypatch) -> None:
+    # The limit holds given sizes too (as the layer profiles' sweep does), but not without a word.
+    monkeypatch.delenv("RANK", raising=False)
+    args = _args(files, "--model", "toy-gpt", "--micro-batch-sizes", "1,4,8", "--max-micro-batch-size", "2")
+    assert parse_command(args).micro_batch_sizes == (1, 4, 8)
+    assert "--micro-batch-sizes: 4,8 above --max-micro-batch-size (2), not measured" in capsys.readouterr().err
+    parse_command([*args, "--quiet"])
+    assert capsys.readouterr().err == ""
