@@ -49,7 +49,16 @@ def layer_profiles_by_stage(layer_profiles: Sequence[LayerProfile]) -> dict[int,
         raise ValueError(f"layer_profiles: expected layer profiles of one model, found {len(models)}: {shown}")
     counts = sorted({p.num_layers for p in layer_profiles})
     if len(counts) > 1:
-        raise ValueError(f"layer_profiles: expected the same number of layers in every layer profile, found {counts}")
+        holders = {
+            count: ", ".join(
+                f"{p.device_type} at stage {p.zero_stage}" for p in layer_profiles if p.num_layers == count
+            )
+            for count in counts
+        }  # which files: the objects do not know their paths
+        which = "; ".join(f"{count} in {names}" for count, names in holders.items())
+        raise ValueError(
+            f"layer_profiles: expected the same number of layers in every layer profile, found {counts}: {which}"
+        )
     return by_stage
 
 

@@ -360,3 +360,19 @@ def test_a_heuristic_plan_of_a_larger_cluster_is_a_valid_plan_file():
     for pipeline, time_s in zip(result.plan.pipelines, predicted.pipeline_time_s):
         stage = max(predicted.rank_stage_time_s[r] for r in pipeline.ranks)
         assert time_s > slowest - stage - 1e-12
+
+
+def test_layer_profiles_of_different_depths_are_refused_naming_which():
+    # A layer profile's objects do not know their files: the message names each count's types and stages.
+    from poplar_ext.search.pipeline_cost import layer_profiles_by_stage
+
+    rng = np.random.default_rng(0)
+    five = random_layer_profiles(rng, ["a"], num_layers=5, zero_stages=(0, 1))
+    six = random_layer_profiles(rng, ["b"], num_layers=6, zero_stages=(0,))
+    six = [dataclasses.replace(p, model=five[0].model) for p in six]  # one model: only the depth differs
+    with pytest.raises(
+        ValueError,
+        match=r"expected the same number of layers in every layer profile, found \[5, 6\]: 5 in a at stage 0, a at "
+        r"stage 1; 6 in b at stage 0$",
+    ):
+        layer_profiles_by_stage([*five, *six])
