@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -261,8 +262,14 @@ def _evaluate_stage(
     types = list(cluster.type_counts())
     missing = [t for t in types if t not in profiles]
     if missing:
+        # A profile of a type the cluster lacks, close to a missing one's name: a misspelt device_type, likely.
+        strangers = [t for t in profiles if t not in types]
+        close = {t: difflib.get_close_matches(t, strangers, n=1, cutoff=0.6) for t in missing}
+        hints = "".join(
+            f" A profile of {c[0]!r} (not in the cluster) is there: {t!r} misspelt?" for t, c in close.items() if c
+        )
         return StageOutcome(
-            model=None, outcome=infeasible(f"No profile for {', '.join(missing)} at stage {stage}."), levers={}
+            model=None, outcome=infeasible(f"No profile for {', '.join(missing)} at stage {stage}.{hints}"), levers={}
         )
     variants = {t: profiles[t] for t in types}
     if policy == "poplar" and stage != 3:

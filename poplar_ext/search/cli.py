@@ -30,6 +30,7 @@ from .cli_common import (
     emit,
     error,
     model_profiles,
+    note_unused_types,
     output_problem,
     plan_table,
     printing,
@@ -282,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         profiles = model_profiles(args)
         cluster = load_cluster(args.cluster)
+        note_unused_types(args, profiles, cluster)
         network = chosen_network(args, cluster)
         policies = list(POLICIES) if args.policy == "all" else [args.policy]
         results = {

@@ -4,6 +4,7 @@ CLI's standard output (its --help too) handled as a command-line tool's. See doc
 from __future__ import annotations
 
 import argparse
+import difflib
 import itertools
 import json
 import os
@@ -169,6 +170,20 @@ def model_profiles(args: Any) -> list[Profile]:
         raise ValueError(f"--model: expected the name or fingerprint of a model in {args.profiles}, found "
                          f"{args.model!r}; there: {there}")  # fmt: skip
     return chosen
+
+
+def note_unused_types(args: Any, profiles: Sequence[Any], cluster: Any) -> None:
+    """A note on stderr for profiles of a type the cluster lacks but nearly names (a misspelt ``device_type``):
+    the search ignores them, as it does a folder's other GPUs'."""
+    types = list(cluster.type_counts())
+    for stranger in sorted({p.device_type for p in profiles} - set(types)):
+        close = difflib.get_close_matches(stranger, types, n=1, cutoff=0.6)
+        if close:
+            print(
+                f"{PROG}: note: {args.profiles} has profiles of {stranger!r}, a device type the cluster does not "
+                f"have (not used): a misspelt {close[0]!r}?",
+                file=sys.stderr,
+            )
 
 
 def chosen_network(args: Any, cluster: Any) -> NetworkProfile | None:

@@ -334,3 +334,25 @@ def test_model_picks_one_models_profiles_from_a_folder_of_several(capsys, tmp_pa
         assert json.loads(out)["global_batch_size"] == 512
     code, out, err = run(capsys, *common, "--model", "gpt2")
     assert code == 2 and "--model: expected the name or fingerprint of a model in" in err and "other-model" in err
+
+
+def test_a_profile_whose_device_type_is_misspelt_is_said_to_be_unused(capsys, tmp_path):
+    # One V100 profile renamed 'V100-16G': the search ignores it (as a folder's other GPUs'), with a note; where
+    # its stage then has no profile of the type, the reason names it too.
+    folder = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, folder, ignore=shutil.ignore_patterns("layers", "cluster.json"))
+    path = folder / "gpt2-small-124m.v100-16gb.stage2.json"
+    data = json.loads(path.read_text())
+    assert data["device_type"] == "V100-16GB"
+    path.write_text(json.dumps({**data, "device_type": "V100-16G"}))
+    code, out, err = run(capsys, "--profiles", folder, "--cluster", CLUSTER, "--global-batch-size", 512)
+    assert code == 0, err
+    assert f"note: {folder} has profiles of 'V100-16G', a device type the cluster does not have (not used): a " in err
+    assert "misspelt 'V100-16GB'?" in err
+    code, out, err = run(
+        capsys, "--profiles", folder, "--cluster", CLUSTER, "--global-batch-size", 512, "--zero-stage", 2
+    )
+    assert code == 1
+    assert (
+        "No profile for V100-16GB at stage 2. A profile of 'V100-16G' (not in the cluster) is there: 'V100-16GB'" in err
+    )
