@@ -479,11 +479,21 @@ def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _Pro
         produced[(t, run)] = profile_to_dict(profile)
         if layout.rank == 0:
             path = store_profile(session.options.cache_dir, profile)
+            fits_nothing = "" if profile.max_micro_batch_size else _fits_nothing(result.probe, layout, t)
             reporter.say(
                 f"{run.title}: {t}: largest micro-batch {profile.max_micro_batch_size}, "
-                f"{len(profile.samples)} sizes, {stage_seconds:.1f} s -> {path}"
+                f"{len(profile.samples)} sizes, {stage_seconds:.1f} s -> {path}{fits_nothing}"
             )
     return produced
+
+
+def _fits_nothing(probe: dict[str, Any], layout: Any, device_type: str) -> str:
+    """Why a type's profile fits no micro-batch, for its progress line (the profile's probe holds the figures)."""
+    capacity_gib = layout.capacities_bytes[device_type] / 2**30
+    failing, peak = probe.get("smallest_failing"), probe.get("optimizer_step_peak_memory_bytes")
+    why = f"micro-batch {failing} ran out of memory" if failing else "its warm-up ran out of memory"
+    step = f", the optimizer step alone peaking at {peak / 2**30:.2f} GiB" if peak else ""
+    return f" (no micro-batch fits its {capacity_gib:.2f} GiB: {why}{step})"
 
 
 def _types_too_small(session: _Session, run: _Run) -> dict[str, str]:

@@ -109,3 +109,22 @@ def test_a_model_output_that_is_no_loss_is_refused_naming_loss_fn():
     with pytest.raises(ValueError, match=r"found tuple"):
         default_loss(lambda x: (x, x), torch.zeros(2))
     assert default_loss(lambda x: x.sum().reshape(1), torch.ones(2)) == 2.0  # one element: what DeepSpeed takes
+
+
+def test_a_type_that_fits_no_micro_batch_is_told_why_in_its_progress_line():
+    # "cpu-slow: largest micro-batch 0, 0 sizes" said nothing of the 100 MB emulated memory below the engine's own.
+    from types import SimpleNamespace
+
+    from poplar_ext.profiler.api import _fits_nothing
+
+    layout = SimpleNamespace(capacities_bytes={"cpu-slow": 2**29})
+    warmup = {"smallest_failing": None, "optimizer_step_peak_memory_bytes": 2**30}
+    assert _fits_nothing(warmup, layout, "cpu-slow") == (
+        " (no micro-batch fits its 0.50 GiB: its warm-up ran out of memory, the optimizer step alone peaking at "
+        "1.00 GiB)"
+    )
+    first = {"smallest_failing": 1, "optimizer_step_peak_memory_bytes": None}
+    assert (
+        _fits_nothing(first, layout, "cpu-slow")
+        == " (no micro-batch fits its 0.50 GiB: micro-batch 1 ran out of memory)"
+    )
