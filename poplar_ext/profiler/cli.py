@@ -237,6 +237,10 @@ def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[in
         probe = model_from_config(config_class, sizes, task=args.hf_task)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    except ImportError:
+        raise
+    except Exception as exc:  # transformers' own checks of the values (huggingface_hub's strict dataclasses)
+        raise UsageError(f"--hf-config: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
     vocab_size = int(probe.config.vocab_size)
     context = getattr(probe.config, "max_position_embeddings", None) or getattr(probe.config, "n_positions", None)
     sequence_length = args.sequence_length or min(HF_MAX_SEQUENCE_LENGTH, int(context or HF_MAX_SEQUENCE_LENGTH))

@@ -241,6 +241,11 @@ def test_a_transformers_model_from_its_config(files) -> None:
             ["--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2, "--batch", "my_models:batch"],
             "--batch: the model hf:GPT2Config makes its own batches",
         ),
+        # transformers' own check of a value's type: one line, not its traceback.
+        (
+            ["--model", "hf:GPT2Config", "--hf-config", "n_layer=two,n_embd=32"],
+            "--hf-config: StrictDataclassFieldValidationError: Validation error for field 'n_layer': TypeError:",
+        ),
     ],
 )
 def test_bad_transformers_models_exit_2(files, monkeypatch, capsys, extra, message) -> None:
