@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from poplar_ext.plan import kinds
 from poplar_ext.plan.errors import FormatError
-from poplar_ext.plan.formats import load_cluster, read_json, save_cluster
+from poplar_ext.plan.formats import OFFLOAD_STAGES, load_cluster, read_json, save_cluster
 from poplar_ext.profiler.options import (
     BUILT_IN_SEQUENCE_LENGTHS,
     HF_MAX_SEQUENCE_LENGTH,
@@ -262,9 +262,16 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
     _fill_model_options(args)
     sizes, limit = args.micro_batch_sizes, args.micro_batch_size_limit
     above = [size for size in sizes or () if size > limit]
-    if above and not args.quiet and int(os.environ.get("RANK", "0")) == 0:  # the limit holds given sizes too
+    noting = not args.quiet and int(os.environ.get("RANK", "0")) == 0
+    if above and noting:  # the limit holds given sizes too
         log_progress(
             f"--micro-batch-sizes: {','.join(map(str, above))} above --max-micro-batch-size ({limit}), not measured"
+        )
+    if args.optimizer_offload != "off" and not set(args.zero_stages) & set(OFFLOAD_STAGES) and noting:
+        stages = ",".join(map(str, args.zero_stages))
+        log_progress(
+            f"--optimizer-offload {args.optimizer_offload}: nothing offloaded at --zero-stages {stages} (DeepSpeed "
+            f"offloads the optimizer at stages {' and '.join(map(str, OFFLOAD_STAGES))} only)"
         )
     ds_config = _deepspeed_config(Path(args.deepspeed_config))
     model_factory, make_batch, name, sequence_length = _model(args)

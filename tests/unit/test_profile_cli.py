@@ -528,3 +528,15 @@ def test_given_sizes_above_the_limit_are_said_to_be_left_out(files, capsys, monk
     assert "--micro-batch-sizes: 4,8 above --max-micro-batch-size (2), not measured" in capsys.readouterr().err
     parse_command([*args, "--quiet"])
     assert capsys.readouterr().err == ""
+
+
+def test_an_offload_mode_without_a_stage_that_offloads_is_said_to_do_nothing(files, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    parse_command(_args(files, "--model", "toy-gpt", "--zero-stages", "0,3", "--optimizer-offload", "both"))
+    err = capsys.readouterr().err
+    assert (
+        "--optimizer-offload both: nothing offloaded at --zero-stages 0,3 (DeepSpeed offloads the optimizer at " in err
+    )
+    assert "stages 1 and 2 only)" in err
+    parse_command(_args(files, "--model", "toy-gpt", "--zero-stages", "0,1", "--optimizer-offload", "both"))
+    assert capsys.readouterr().err == ""
