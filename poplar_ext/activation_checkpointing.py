@@ -65,7 +65,8 @@ def cannot_checkpoint_message(model: torch.nn.Module, *, wanted_by: str) -> str:
     return (
         f"{wanted_by}: expected a model that can turn activation checkpointing on (the built-in GPT, a Hugging Face "
         f"model with supports_gradient_checkpointing, or a checkpointing_toggle(model, enabled) of yours), found "
-        f"{type(model).__name__} with none; pass checkpointing_toggle, or search without its checkpointed profiles"
+        f"{type(model).__name__} with none; pass checkpointing_toggle, or search without its checkpointed profiles "
+        "(poplar-profile: --checkpointing-toggle MODULE:FN, or --activation-checkpointing off)"
     )
 
 

@@ -98,6 +98,8 @@ def test_other_models_need_a_toggle():
     set_activation_checkpointing(model, False)  # off is what such a model always does
     with pytest.raises(ValueError, match="Opaque with none; pass checkpointing_toggle"):
         set_activation_checkpointing(model, True, wanted_by="the plan")
+    with pytest.raises(ValueError, match=r"\(poplar-profile: --checkpointing-toggle MODULE:FN, or --activation-che"):
+        set_activation_checkpointing(model, True, wanted_by="the plan")
 
     def toggle(m, enabled):
         m.inner.activation_checkpointing = enabled
