@@ -262,12 +262,16 @@ def simulation_report(
     pipelines."""
     scenarios = [simulate_case(case) for case in cases]
     modelled: dict[str, set[str]] = {}
+    measured = False
     for scenario in scenarios:
         for device_type, info in scenario["device_types"].items():
             if info["source"] == "modelled":
                 modelled.setdefault(info["modelled_by"], set()).add(device_type)
+            measured = measured or info["source"] != "modelled"
     networks = {c.network.measured_with.get("note", c.network.source) for c in cases if c.network is not None}
-    notes = ["Every figure is a prediction of the search's cost model; nothing was run on these GPUs."] + [
+    # Measured profiles were run, on their devices, before: this report ran nothing.
+    ran = "nothing was run for this report" if measured else "nothing was run on these GPUs"
+    notes = [f"Every figure is a prediction of the search's cost model; {ran}."] + [
         f"Communication is priced by a network model for each cluster's size: MODELLED network ({note})."
         for note in sorted(networks)
     ]

@@ -117,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
             cluster_paths, shapes, samples_per_rank=samples_per_rank, global_batch_size=args.global_batch_size
         )
     report = simulate.simulation_report(cases, checkpointing_cases=checkpointing_cases, parallelism=parallelism)
+    for scenario in report["scenarios"]:  # written all the same: the report shows why, row by row
+        if all(entry["status"] != "ok" for entry in scenario["policies"]):
+            reason = scenario["policies"][0]["message"]
+            print(f"poplar-bench simulate: {scenario['name']}: no policy has a plan: {reason}", file=sys.stderr)
     return print_paths(write_report(report, args.output_dir or default_output_dir(), args.name))
 
 

@@ -100,6 +100,11 @@ def test_given_measured_profiles_are_labelled_measured():
     )
     scenario = simulate.simulate_case(dataclasses.replace(case, profiles=relabelled))
     assert {info["source"] for info in scenario["device_types"].values()} == {"measured"}
+    # Measured profiles were run on their devices: the report ran nothing, but not "on these GPUs".
+    notes = simulate.simulation_report([dataclasses.replace(case, profiles=relabelled)], scaling=False)["notes"]
+    assert notes[0] == "Every figure is a prediction of the search's cost model; nothing was run for this report."
+    modelled = simulate.simulation_report([case], scaling=False)["notes"]
+    assert modelled[0] == "Every figure is a prediction of the search's cost model; nothing was run on these GPUs."
 
 
 def test_a_large_cluster_simulates_and_reports_per_type_means(tmp_path):
@@ -247,3 +252,19 @@ def test_profiles_without_cluster_name_the_shipped_cluster_they_do_not_cover(tmp
     assert "poplar_bench/clusters/a100-80gb+a100-40gb-x8.json (a shipped cluster" in err
     assert "'A100-40GB' has no profile" in err and "--cluster FILE" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_case_no_policy_can_plan_is_said_on_stderr(tmp_path, capsys):
+    # The report is written all the same (its rows say why), but not with only its paths printed.
+    import shutil
+
+    from poplar_bench.cli import main
+    from poplar_ext.search.examples import example_profiles_dir
+
+    profiles = tmp_path / "profiles"
+    shutil.copytree(example_profiles_dir(), profiles, ignore=shutil.ignore_patterns("*stage1.json", "layers"))
+    argv = ["simulate", "--profiles", str(profiles), "--cluster", str(profiles / "cluster.json"), "--zero-stage", "1"]
+    assert main([*argv, "--no-pipelines", "--output-dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "poplar-bench simulate: " in err and ": no policy has a plan: " in err and "stage 1" in err, err
+    assert (tmp_path / "simulation.json").is_file()
