@@ -236,7 +236,9 @@ def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[in
     try:
         probe = model_from_config(config_class, sizes, task=args.hf_task)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        own = str(exc).startswith("--")  # model_from_config's own messages name their option
+        first = str(exc).splitlines()[0]  # transformers' goes on with every config class the task takes
+        raise UsageError(str(exc) if own else f"--model {args.model} (--hf-task {args.hf_task}): {first}") from None
     except ImportError:
         raise
     except Exception as exc:  # transformers' own checks of the values (huggingface_hub's strict dataclasses)

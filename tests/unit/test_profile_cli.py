@@ -241,6 +241,11 @@ def test_a_transformers_model_from_its_config(files) -> None:
             ["--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2, "--batch", "my_models:batch"],
             "--batch: the model hf:GPT2Config makes its own batches",
         ),
+        # A config no model of the task takes: transformers' first line, with the options it came from.
+        (
+            ["--model", "hf:T5Config"],
+            "--model hf:T5Config (--hf-task causal-lm): Unrecognized configuration class",
+        ),
         # transformers' own check of a value's type: one line, not its traceback.
         (
             ["--model", "hf:GPT2Config", "--hf-config", "n_layer=two,n_embd=32"],
