@@ -3,6 +3,7 @@ and the runtime. See docs/profiling.md (which models can, and why ranks may diff
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,7 @@ def checkpointing_toggle(
             raise ValueError(
                 f"checkpointing_toggle: expected a callable toggle(model, enabled), found {type(toggle).__name__}"
             )
+        check_toggle_signature(toggle)
         return toggle
     # Declared on the class (not merely set on one object): the forward is written to read it.
     if isinstance(getattr(type(model), "activation_checkpointing", None), bool):
@@ -53,6 +55,22 @@ def _hugging_face_switch(model: torch.nn.Module) -> str | None:
 
 
 _SWITCHES = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
+
+
+def check_toggle_signature(toggle: Callable[..., object]) -> None:
+    """ValueError for a `toggle` that cannot be called as ``toggle(model, enabled)``: found now, not once a
+    first stage was measured."""
+    try:
+        signature = inspect.signature(toggle)
+    except (TypeError, ValueError):  # a builtin without one: called as it is
+        return
+    try:
+        signature.bind(None, True)
+    except TypeError:
+        name = getattr(toggle, "__name__", type(toggle).__name__)
+        raise ValueError(
+            f"checkpointing_toggle: expected a callable toggle(model, enabled), found {name}{signature}"
+        ) from None
 
 
 def can_checkpoint(model: torch.nn.Module, toggle: CheckpointingToggle | None = None) -> bool:

@@ -261,6 +261,13 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
     args = build_parser().parse_args(argv)
     if args.checkpointing_toggle is not None and args.activation_checkpointing == "off":
         raise UsageError("--checkpointing-toggle: not used with --activation-checkpointing off; leave one out")
+    if args.checkpointing_toggle is not None:
+        from poplar_ext.activation_checkpointing import check_toggle_signature  # imports torch: not at start
+
+        try:
+            check_toggle_signature(args.checkpointing_toggle)
+        except ValueError as exc:
+            raise UsageError(f"--{exc}".replace("--checkpointing_toggle", "--checkpointing-toggle", 1)) from None
     _fill_model_options(args)
     sizes, limit = args.micro_batch_sizes, args.micro_batch_size_limit
     above = [size for size in sizes or () if size > limit]

@@ -159,3 +159,9 @@ def test_profile_model_checks_its_checkpointing_mode_first(tmp_path):
             cache_dir=tmp_path,
             activation_checkpointing="on",
         )
+
+
+def test_a_toggle_that_cannot_take_model_and_enabled_is_refused_before_any_use():
+    with pytest.raises(ValueError, match=r"expected a callable toggle\(model, enabled\), found <lambda>\(model\)"):
+        checkpointing_toggle(Opaque(), lambda model: None)
+    assert checkpointing_toggle(Opaque(), print) is print  # no signature to read: called as it is

@@ -140,6 +140,11 @@ def test_own_model_and_batch_factories_are_imported(files, monkeypatch) -> None:
             ],
             "--checkpointing-toggle: not used with --activation-checkpointing off",
         ),
+        # A toggle that cannot take (model, enabled): refused now, not once a first stage was measured.
+        (
+            ["--model", "my_models:build", "--batch", "my_models:batch", "--checkpointing-toggle", "my_models:build"],
+            "--checkpointing-toggle: expected a callable toggle(model, enabled), found build()",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(files, monkeypatch, capsys, extra, message) -> None:
