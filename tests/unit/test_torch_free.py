@@ -85,3 +85,19 @@ def test_the_reshard_command_answers_help_without_importing_torch():
     helped = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0, helped.stderr
     assert "--input_folder" in helped.stdout and "--output_folder" in helped.stdout
+
+
+def test_poplar_profile_without_torch_installed_says_what_to_install(tmp_path):
+    # As under `pip install --no-deps poplar-ext numpy scipy`: torch is not there at all (ModuleNotFoundError).
+    config = tmp_path / "ds.json"
+    config.write_text('{"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}')
+    script = (
+        "import sys\n"
+        "sys.modules['torch'] = sys.modules['deepspeed'] = None\n"
+        "from poplar_ext.profiler.cli import main\n"
+        f"sys.exit(main(['--deepspeed_config', {str(config)!r}, '--model', 'toy-gpt']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("poplar-profile: error: expected torch and deepspeed installed, found no module")
+    assert done.stderr.count("\n") == 1, done.stderr
