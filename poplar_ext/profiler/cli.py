@@ -236,12 +236,17 @@ def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[in
     try:
         probe = model_from_config(config_class, sizes, task=args.hf_task)
     except ValueError as exc:
-        own = str(exc).startswith("--")  # model_from_config's own messages name their option
-        first = str(exc).splitlines()[0]  # transformers' goes on with every config class the task takes
-        raise UsageError(str(exc) if own else f"--model {args.model} (--hf-task {args.hf_task}): {first}") from None
-    except ImportError:
-        raise
+        if str(exc).startswith("--"):  # model_from_config's own messages name their option
+            raise UsageError(str(exc)) from None
+        # transformers' refusal of the config for the task goes on with every config class the task takes
+        text = str(exc).splitlines()[0] if len(str(exc)) > 500 else " ".join(str(exc).split())
+        raise UsageError(f"--model {args.model} (--hf-task {args.hf_task}): {text}") from None
     except Exception as exc:  # transformers' own checks of the values (huggingface_hub's strict dataclasses)
+        if not isinstance(exc, TypeError) and type(exc).__module__.split(".")[0] not in (
+            "huggingface_hub",
+            "transformers",
+        ):
+            raise
         raise UsageError(f"--hf-config: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
     vocab_size = int(probe.config.vocab_size)
     context = getattr(probe.config, "max_position_embeddings", None) or getattr(probe.config, "n_positions", None)
@@ -321,8 +326,8 @@ def _model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int],
             raise UsageError(f"--batch: {kind} {args.model} makes its own batches; leave --batch out")
         build = _hf_model if args.model.startswith(HF_PREFIX) else _builtin_model
         return build(args)
-    if ":" not in args.model:  # neither MODULE:FACTORY nor hf:CONFIG: a misspelt built-in name, most likely
-        close = difflib.get_close_matches(args.model, BUILTIN_MODELS, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(args.model, BUILTIN_MODELS, n=1, cutoff=0.6)
+    if ":" not in args.model and (close or args.batch is not None):  # a misspelt built-in name, or no model at all
         raise UsageError(
             f"--model: expected MODULE:FACTORY (e.g. mymodels:build), found {args.model!r}; or a built-in model: "
             f"{', '.join(BUILTIN_MODELS)}{f' (did you mean {close[0]!r}?)' if close else ''}; or {HF_PREFIX}CONFIG"
@@ -383,23 +388,28 @@ def _require_launcher() -> None:
 
 def _holds_cluster(path: Path, cluster: Any) -> bool:
     """Whether `path` holds `cluster` already (a complete cache may sit in a directory rank 0 cannot write);
-    `UsageError` where it holds something else, which writing the hardware's would lose (a hand-written cluster
-    with its emulated types, or a file that is none)."""
-    if not path.exists():
+    `UsageError` where writing the hardware's would lose what it holds: a cluster with emulated types (written
+    by hand), or a file that is no cluster. An earlier run's hardware cluster (other hosts, other ranks) is
+    replaced."""
+    if not path.is_file():
         return False
     move = "move it away to have the hardware's written there"
     try:
         existing = load_cluster(path)
-    except (OSError, FormatError) as exc:
+    except OSError:
+        return False  # written again: the write says why it cannot
+    except FormatError as exc:
         raise UsageError(
             f"--output-dir: {path} exists and is no cluster description ({exc}); mend it, or {move}"
         ) from None
-    if existing != cluster:
+    if existing == cluster:
+        return True
+    if any(existing.emulation_of(t) is not None for t in existing.type_counts()):
         raise UsageError(
             f"--output-dir: {path} holds another cluster ({_type_text(existing)}) than the hardware's "
             f"({_type_text(cluster)}); pass --cluster {path} to profile the cluster it describes, or {move}"
         )
-    return True
+    return False
 
 
 def _type_text(cluster: Any) -> str:

@@ -169,8 +169,8 @@ class ProfileOptions:
         metavar="FILE",
         cli_help="The cluster description file (read by rank 0 alone): the device type of every rank, and the "
         "emulation of emulated types; real types must be what the hardware reports. Left out: the cluster is read "
-        "from the hardware and written as cluster.json in --output-dir, for poplar-search (another cluster.json "
-        "there is refused, never replaced).",
+        "from the hardware and written as cluster.json in --output-dir, for poplar-search (a cluster.json there "
+        "with emulated types is refused, never replaced).",
     )
     """The cluster description, or its file (read by rank 0 alone), or None to discover it from the
     hardware (poplar-profile then writes it as cluster.json beside the profiles, for poplar-search):

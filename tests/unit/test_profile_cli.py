@@ -484,7 +484,7 @@ def test_the_help_states_the_defaults_the_built_in_models_get(files, capsys) -> 
 
 def test_a_cluster_file_in_the_output_dir_is_never_replaced_by_the_hardwares(tmp_path):
     # Without --cluster the hardware's cluster is written as DIR/cluster.json: the same one is kept as it is,
-    # another (a hand-written one with emulated types) or a file that is none is refused, not overwritten.
+    # one with emulated types (written by hand) or a file that is none is refused, not overwritten.
     from poplar_ext.plan.formats import cluster_from_dict, save_cluster
     from poplar_ext.profiler.cli import UsageError, _holds_cluster
 
@@ -497,6 +497,9 @@ def test_a_cluster_file_in_the_output_dir_is_never_replaced_by_the_hardwares(tmp
     assert _holds_cluster(target, hardware) is False  # none yet: written
     save_cluster(hardware, target)
     assert _holds_cluster(target, hardware) is True
+    # An earlier run's hardware cluster (other hosts or rank counts, no emulation): replaced, as before.
+    save_cluster(cluster({"cpu": None, "gpu": None}), target)
+    assert _holds_cluster(target, hardware) is False
     save_cluster(cluster({"cpu": None, "cpu-slow": {"slowdown": 2.0, "memory_capacity_bytes": 2 * 10**9}}), target)
     with pytest.raises(UsageError, match=r"holds another cluster \(1 x cpu, 1 x cpu-slow \(emulated\)\) than the "):
         _holds_cluster(target, hardware)
