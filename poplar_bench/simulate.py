@@ -270,8 +270,8 @@ def simulation_report(
             measured = measured or info["source"] != "modelled"
     networks = {c.network.measured_with.get("note", c.network.source) for c in cases if c.network is not None}
     # Measured profiles were run, on their devices, before: this report ran nothing.
-    ran = "nothing was run for this report" if measured else "nothing was run on these GPUs"
-    notes = [f"Every figure is a prediction of the search's cost model; {ran}."] + [
+    ran = " for this report (its measured profiles were, before)" if measured else ""
+    notes = [f"Every figure is a prediction of the search's cost model; nothing was run on these GPUs{ran}."] + [
         f"Communication is priced by a network model for each cluster's size: MODELLED network ({note})."
         for note in sorted(networks)
     ]

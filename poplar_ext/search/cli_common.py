@@ -161,13 +161,17 @@ def _is_plan(path: Path) -> bool:
 def model_profiles(args: Any) -> list[Profile]:
     """``--profiles``' profiles; with ``--model``, that model's alone (a folder may hold several models', as the
     automatic mode's cache does)."""
-    profiles = load_profiles(args.profiles)
+    return of_model(args, load_profiles(args.profiles), args.profiles)
+
+
+def of_model(args: Any, profiles: list[Any], folder: Any) -> list[Any]:
+    """`profiles` (whole-model or layer profiles, read from `folder`) of ``--model``'s model; all without it."""
     if getattr(args, "model", None) is None:
         return profiles
     chosen = [p for p in profiles if args.model in (p.model.name, p.model.fingerprint)]
     if not chosen:
         there = ", ".join(sorted({f"{p.model.name} ({p.model.fingerprint})" for p in profiles}))
-        raise ValueError(f"--model: expected the name or fingerprint of a model in {args.profiles}, found "
+        raise ValueError(f"--model: expected the name or fingerprint of a model in {folder}, found "
                          f"{args.model!r}; there: {there}")  # fmt: skip
     return chosen
 

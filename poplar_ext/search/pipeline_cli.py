@@ -29,6 +29,7 @@ from .cli_common import (
     error,
     idle_text,
     model_profiles,
+    of_model,
     or_dash,
     plan_row,
     plan_table,
@@ -70,7 +71,7 @@ def _search(args: argparse.Namespace) -> tuple[SearchResult | None, SearchResult
             f"--parallelism auto searches pipelines from them (poplar-profile --per-layer), --parallelism zero "
             f"searches {args.profiles} without them"
         )
-    layer_profiles = load_layer_profiles(layers)
+    layer_profiles = of_model(args, load_layer_profiles(layers), layers)
     network = chosen_network(args, cluster)
     if args.parallelism == "auto" and network is None:
         # Without one a pipeline's transfers and all-reduces would cost nothing while ZeRO's collectives stay in its

@@ -20,7 +20,18 @@ from poplar_ext.plan.pipeline_formats import (
 from poplar_ext.plan.validation import Node
 
 from .api import PlanPrediction, check_emulation, cluster_problems, predict, rule_problems
-from .cli_common import EXIT_OK, bad_input, chosen_network, error, idle_text, model_profiles, rank_span, runs, table
+from .cli_common import (
+    EXIT_OK,
+    bad_input,
+    chosen_network,
+    error,
+    idle_text,
+    model_profiles,
+    of_model,
+    rank_span,
+    runs,
+    table,
+)
 from .examples import example_cluster_file
 from .pipeline_cost import BoundaryTransfer, PipelinePrediction, predict_pipeline
 from .pipeline_search import check_pipeline_plan
@@ -46,7 +57,8 @@ def run_predict(args: argparse.Namespace) -> int:
             which = f"{args.cluster} (the example's: give the plan's own with --cluster)" if example else args.cluster
             return error(f"{args.predict}: expected a plan of the cluster {which}: {' '.join(problems)}")
         if kind == "pipeline":
-            layers = load_layer_profiles(layer_profiles_dir(args.profiles))
+            folder = layer_profiles_dir(args.profiles)
+            layers = of_model(args, load_layer_profiles(folder), folder)
             if cluster is not None:  # without it no emulation is declared to hold the profiles to
                 check_emulation(cluster, layers, "layer profile", stages=[plan.zero_stage])
             prediction: Any = predict_pipeline(plan, layers, network, cluster=cluster)

@@ -102,7 +102,10 @@ def test_given_measured_profiles_are_labelled_measured():
     assert {info["source"] for info in scenario["device_types"].values()} == {"measured"}
     # Measured profiles were run on their devices: the report ran nothing, but not "on these GPUs".
     notes = simulate.simulation_report([dataclasses.replace(case, profiles=relabelled)], scaling=False)["notes"]
-    assert notes[0] == "Every figure is a prediction of the search's cost model; nothing was run for this report."
+    assert notes[0] == (
+        "Every figure is a prediction of the search's cost model; nothing was run on these GPUs for this report "
+        "(its measured profiles were, before)."
+    )
     modelled = simulate.simulation_report([case], scaling=False)["notes"]
     assert modelled[0] == "Every figure is a prediction of the search's cost model; nothing was run on these GPUs."
 

@@ -214,3 +214,14 @@ def test_auto_with_layer_profiles_alone_points_to_parallelism_pipeline(capsys, t
         capsys, "--profiles", profiles, "--cluster", CLUSTER, "--parallelism", "pipeline", "--global-batch-size", 512
     )
     assert code == 0, err
+
+
+def test_model_picks_the_layer_profiles_too(capsys, tmp_path):
+    # --model filtered the whole-model profiles only: the pipeline search took whatever layer profiles were there.
+    layers = json.loads(next((EXAMPLES / "layers").glob("*.json")).read_text())["model"]
+    common = ["--example", "--parallelism", "pipeline", "--global-batch-size", 512]
+    code, out, err = run(capsys, *common, "--model", layers["name"])
+    assert code == 0, err
+    code, out, err = run(capsys, *common, "--model", "gpt2-small-124m")
+    assert code == 2 and "--model: expected the name or fingerprint of a model in " in err
+    assert f"layers, found 'gpt2-small-124m'; there: {layers['name']} ({layers['fingerprint']})" in err, err
