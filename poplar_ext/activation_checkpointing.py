@@ -57,9 +57,9 @@ def _hugging_face_switch(model: torch.nn.Module) -> str | None:
 _SWITCHES = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
 
 
-def check_toggle_signature(toggle: Callable[..., object]) -> None:
-    """ValueError for a `toggle` that cannot be called as ``toggle(model, enabled)``: found now, not once a
-    first stage was measured."""
+def check_toggle_signature(toggle: Callable[..., object], *, name: str = "checkpointing_toggle") -> None:
+    """ValueError (naming the toggle as `name`) for a `toggle` that cannot be called as ``toggle(model, enabled)``:
+    found now, not once a first stage was measured."""
     try:
         signature = inspect.signature(toggle)
     except (TypeError, ValueError):  # a builtin without one: called as it is
@@ -67,10 +67,8 @@ def check_toggle_signature(toggle: Callable[..., object]) -> None:
     try:
         signature.bind(None, True)
     except TypeError:
-        name = getattr(toggle, "__name__", type(toggle).__name__)
-        raise ValueError(
-            f"checkpointing_toggle: expected a callable toggle(model, enabled), found {name}{signature}"
-        ) from None
+        function = getattr(toggle, "__name__", type(toggle).__name__)
+        raise ValueError(f"{name}: expected a callable toggle(model, enabled), found {function}{signature}") from None
 
 
 def can_checkpoint(model: torch.nn.Module, toggle: CheckpointingToggle | None = None) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from poplar_ext.models.synthetic import random_tokens
+from poplar_ext.plan.validation import closest
 
 HF_TASKS = ("causal-lm", "masked-lm")
 """What the built model predicts: the next token, or a seeded 15% of masked tokens."""
@@ -38,7 +39,6 @@ def model_from_config(config_class: str, sizes: dict[str, Any], *, task: str = "
 def _check_config_keys(config: Any, config_class: str, sizes: dict[str, Any]) -> None:
     """A key the config keeps only as an extra attribute (one its model never reads) is refused: a
     misspelt size (``n_layers`` for ``n_layer``) would otherwise silently leave the default model."""
-    import difflib
 
     try:
         known = set(type(config)().to_dict())
@@ -47,8 +47,8 @@ def _check_config_keys(config: Any, config_class: str, sizes: dict[str, Any]) ->
     stored = config.to_dict()
     for key in sizes:
         if key in stored and key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+            close = closest(key, sorted(known))
+            hint = "" if close is None else f" (did you mean {close}?)"
             raise ValueError(f"--hf-config: {config_class} has no field {key!r}{hint}")
 
 

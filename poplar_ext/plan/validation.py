@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from .errors import FormatError
@@ -133,9 +134,7 @@ class Node:
         if not isinstance(v, str) or not v.strip():
             raise self.fail("a non-empty string" if choices is None else _choices_text(choices))
         if choices is not None and v not in choices:
-            close = difflib.get_close_matches(v, list(choices), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise self.fail(_choices_text(choices), raw_found=describe(v) + hint)
+            raise self.fail(_choices_text(choices), raw_found=describe(v) + did_you_mean(v, choices))
         return v
 
 
@@ -170,10 +169,20 @@ def _range_text(kind: str, minimum: float | None, maximum: float | None) -> str:
     return kind
 
 
+def closest(name: str, known: Iterable[str]) -> str | None:
+    """The one of `known` that `name` most likely misspells, or None: every "did you mean" of the package."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for `closest`'s answer, or ''."""
+    close = closest(name, known)
+    return "" if close is None else f" (did you mean {close!r}?)"
+
+
 def _known_keys_text(key: str, known: tuple[str, ...] | list[str]) -> str:
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"one of the keys {', '.join(map(repr, sorted(known)))}{hint}"
+    return f"one of the keys {', '.join(map(repr, sorted(known)))}{did_you_mean(key, known)}"
 
 
 def _choices_text(choices: tuple[str, ...]) -> str:

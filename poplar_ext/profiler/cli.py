@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import difflib
 import inspect
 import json
 import os
@@ -18,6 +17,7 @@ from typing import Any, NoReturn
 from poplar_ext.plan import kinds
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import OFFLOAD_STAGES, load_cluster, read_json, save_cluster
+from poplar_ext.plan.validation import did_you_mean
 from poplar_ext.profiler.options import (
     BUILT_IN_SEQUENCE_LENGTHS,
     HF_MAX_SEQUENCE_LENGTH,
@@ -270,9 +270,9 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
         from poplar_ext.activation_checkpointing import check_toggle_signature  # imports torch: not at start
 
         try:
-            check_toggle_signature(args.checkpointing_toggle)
+            check_toggle_signature(args.checkpointing_toggle, name="--checkpointing-toggle")
         except ValueError as exc:
-            raise UsageError(f"--{exc}".replace("--checkpointing_toggle", "--checkpointing-toggle", 1)) from None
+            raise UsageError(str(exc)) from None
     _fill_model_options(args)
     sizes, limit = args.micro_batch_sizes, args.micro_batch_size_limit
     above = [size for size in sizes or () if size > limit]
@@ -326,11 +326,11 @@ def _model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int],
             raise UsageError(f"--batch: {kind} {args.model} makes its own batches; leave --batch out")
         build = _hf_model if args.model.startswith(HF_PREFIX) else _builtin_model
         return build(args)
-    close = difflib.get_close_matches(args.model, BUILTIN_MODELS, n=1, cutoff=0.6)
-    if ":" not in args.model and (close or args.batch is not None):  # a misspelt built-in name, or no model at all
+    hint = did_you_mean(args.model, BUILTIN_MODELS)
+    if ":" not in args.model and (hint or args.batch is not None):  # a misspelt built-in name, or no model at all
         raise UsageError(
             f"--model: expected MODULE:FACTORY (e.g. mymodels:build), found {args.model!r}; or a built-in model: "
-            f"{', '.join(BUILTIN_MODELS)}{f' (did you mean {close[0]!r}?)' if close else ''}; or {HF_PREFIX}CONFIG"
+            f"{', '.join(BUILTIN_MODELS)}{hint}; or {HF_PREFIX}CONFIG"
         )
     if args.batch is None:
         raise UsageError("--batch: required with a --model of your own (MODULE:FACTORY taking the micro-batch size)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ from poplar_ext.plan.levers import (
 )
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import LayerProfile, PipelinePlan, cluster_problems
+from poplar_ext.plan.validation import closest
 
 from .allocation import PolicyResult, infeasible
 from .cost import StageModel, build_stage_model
@@ -264,9 +264,9 @@ def _evaluate_stage(
     if missing:
         # A profile of a type the cluster lacks, close to a missing one's name: a misspelt device_type, likely.
         strangers = [t for t in profiles if t not in types]
-        close = {t: difflib.get_close_matches(t, strangers, n=1, cutoff=0.6) for t in missing}
+        close = {t: closest(t, strangers) for t in missing}
         hints = "".join(
-            f" A profile of {c[0]!r} (not in the cluster) is there: {t!r} misspelt?" for t, c in close.items() if c
+            f" A profile of {c!r} (not in the cluster) is there: {t!r} misspelt?" for t, c in close.items() if c
         )
         return StageOutcome(
             model=None, outcome=infeasible(f"No profile for {', '.join(missing)} at stage {stage}.{hints}"), levers={}

@@ -4,7 +4,6 @@ CLI's standard output (its --help too) handled as a command-line tool's. See doc
 from __future__ import annotations
 
 import argparse
-import difflib
 import itertools
 import json
 import os
@@ -19,6 +18,7 @@ from poplar_ext.plan.errors import FormatError, WrongFormatError
 from poplar_ext.plan.formats import Profile, load_profiles, read_json, write_json_atomic
 from poplar_ext.plan.network_format import NETWORK_DIRECTORY, NetworkProfile, cluster_key, find_network, load_network
 from poplar_ext.plan.pipeline_formats import layer_profiles_dir
+from poplar_ext.plan.validation import closest
 
 from .api import SearchResult, StageReport, predict
 
@@ -181,11 +181,11 @@ def note_unused_types(args: Any, profiles: Sequence[Any], cluster: Any) -> None:
     the search ignores them, as it does a folder's other GPUs'."""
     types = list(cluster.type_counts())
     for stranger in sorted({p.device_type for p in profiles} - set(types)):
-        close = difflib.get_close_matches(stranger, types, n=1, cutoff=0.6)
-        if close:
+        close = closest(stranger, types)
+        if close is not None:
             print(
                 f"{PROG}: note: {args.profiles} has profiles of {stranger!r}, a device type the cluster does not "
-                f"have (not used): a misspelt {close[0]!r}?",
+                f"have (not used): a misspelt {close!r}?",
                 file=sys.stderr,
             )
 
