@@ -81,7 +81,7 @@ def _search(args: argparse.Namespace) -> tuple[SearchResult | None, SearchResult
             f"cluster), found {'--no-network' if args.no_network else 'none'}: the choice depends on communication, "
             "which only a network file prices alike for both (--parallelism zero or pipeline searches one alone)"
         )
-    zero = None
+    zero, profiles = None, None
     batch = args.global_batch_size
     if args.parallelism == "auto":
         try:
@@ -111,7 +111,7 @@ def _search(args: argparse.Namespace) -> tuple[SearchResult | None, SearchResult
         pipeline = search_pipeline_plan(
             layer_profiles, cluster, global_batch_size=batch, zero_stage=args.zero_stage, network=network
         )
-    return zero, pipeline, (cluster, layer_profiles, network)
+    return zero, pipeline, (cluster, layer_profiles, network, profiles)
 
 
 def _chosen(zero: SearchResult | None, pipeline: SearchResult | None) -> str | None:
@@ -130,7 +130,7 @@ def run_pipelines(args: argparse.Namespace) -> int:
     if problem:
         return error(f"{problem} (see --help)")
     try:
-        zero, pipeline, (cluster, layer_profiles, network) = _search(args)
+        zero, pipeline, (cluster, layer_profiles, network, profiles) = _search(args)
     except ValueError as exc:
         return bad_input(exc, f"profiles: {args.profiles}, cluster: {args.cluster}", args)
     chosen = _chosen(zero, pipeline)
@@ -146,7 +146,7 @@ def run_pipelines(args: argparse.Namespace) -> int:
 
     def text() -> str:
         if chosen == "zero":
-            plan = plan_table(zero, model_profiles(args), network)
+            plan = plan_table(zero, profiles, network)  # the ZeRO plan exists with --parallelism auto alone
         else:
             plan = pipeline_plan_table(pipeline, layer_profiles, network, cluster)
         return parallelism_table(zero, pipeline, chosen) + "\n\n" + plan if auto else plan
