@@ -445,6 +445,18 @@ def _lever_rate(c: dict[str, Any]) -> str:
     return f"{c['samples_per_s']:.1f} (stage {c['zero_stage']})" if c["status"] == "ok" else "infeasible"
 
 
+def _stops_paying_text(rows: list[dict[str, Any]], stage: str, at: int | None) -> str:
+    """Where `stage` stops paying, against the smallest cluster it can train on: a stage infeasible on the
+    series' smallest clusters is measured from its own first feasible size, and one never feasible says so."""
+    feasible = [row["world_size"] for row in rows if row["stages"][stage]["status"] == "ok"]
+    if not feasible:
+        return "infeasible at every size"
+    text = "never (in this range)" if at is None else f"{at} GPUs"
+    if feasible[0] != rows[0]["world_size"]:
+        text += f" (against {feasible[0]} GPUs, its smallest feasible cluster)"
+    return text
+
+
 def render_scaling(series: list[dict[str, Any]]) -> list[str]:
     """Markdown: each stage alone as the cluster grows (see `poplar_bench.simulate.scaling_series`)."""
     rows = [row for item in series for row in item["rows"]]
@@ -481,7 +493,7 @@ def render_scaling(series: list[dict[str, Any]]) -> list[str]:
             ]
             lines.append(f"| {row['world_size']} | {' | '.join(cells)} | {num_text(row['fastest_stage'], '{}')} |")
         stops = ", ".join(
-            f"stage {stage}: {'never (in this range)' if at is None else f'{at} GPUs'}"
+            f"stage {stage}: {_stops_paying_text(item['rows'], stage, at)}"
             for stage, at in item["stops_paying_at_world_size"].items()
         )
         lines.append("")

@@ -189,6 +189,31 @@ def test_the_scaling_tables_say_the_global_batch_they_ran(global_batches, said):
     assert said + "." in text and "16 samples per GPU" not in text
 
 
+def test_stops_paying_says_where_a_stage_is_infeasible_instead_of_never():
+    from poplar_bench.report import render_scaling
+
+    def cell(rate):
+        if rate is None:
+            return {"status": "infeasible", "reason": "out of memory"}
+        return {"status": "ok", "samples_per_s_per_gpu": rate, "share_of_ideal": 0.9, "communication_share": 0.1}
+
+    rates = {8: (10.0, None, None, None), 16: (8.0, 6.0, None, None), 32: (7.0, 5.0, None, None)}  # stages 0-3
+    rows = [
+        {
+            "world_size": w,
+            "global_batch_size": 4 * w,
+            "stages": {str(s): cell(r) for s, r in enumerate(stage_rates)},
+            "fastest_stage": 0,
+        }
+        for w, stage_rates in rates.items()
+    ]
+    series = {"name": "pair, m", "rows": rows, "stops_paying_at_world_size": {"0": 16, "1": 32, "2": None, "3": None}}
+    text = "\n".join(render_scaling([series]))
+    assert "stage 0: 16 GPUs, " in text
+    assert "stage 1: 32 GPUs (against 16 GPUs, its smallest feasible cluster)" in text
+    assert "stage 2: infeasible at every size, stage 3: infeasible at every size." in text
+
+
 # ----------------------------------------------------------------------------------
 # ZeRO or pipelines (poplar_bench/simulate_pipelines.py)
 # ----------------------------------------------------------------------------------
