@@ -13,6 +13,18 @@ from poplar_ext.plan.validation import closest
 
 HF_TASKS = ("causal-lm", "masked-lm")
 """What the built model predicts: the next token, or a seeded 15% of masked tokens."""
+SIZE_KEYS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_size",
+    "intermediate_size",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
+"""A config's sizes by transformers' common names (a class's own spellings, GPT-2's ``n_layer``, through its
+``attribute_map``): each an integer of 1 or more."""
 
 
 def model_from_config(config_class: str, sizes: dict[str, Any], *, task: str = "causal-lm") -> Any:
@@ -27,6 +39,7 @@ def model_from_config(config_class: str, sizes: dict[str, Any], *, task: str = "
         )
     if task not in HF_TASKS:
         raise ValueError(f"--hf-task: expected one of {', '.join(HF_TASKS)}, found {task!r}")
+    _check_sizes(cls, sizes)
     try:
         config = cls(**sizes)
     except (TypeError, ValueError) as exc:
@@ -34,6 +47,14 @@ def model_from_config(config_class: str, sizes: dict[str, Any], *, task: str = "
     _check_config_keys(config, config_class, sizes)
     auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForMaskedLM
     return auto.from_config(config)
+
+
+def _check_sizes(cls: type, sizes: dict[str, Any]) -> None:
+    """A size below 1 is refused: transformers keeps it, and ``n_layer=-1`` builds a model without layers."""
+    common = {own: name for name, own in getattr(cls, "attribute_map", {}).items()}
+    for key, value in sizes.items():
+        if common.get(key, key) in SIZE_KEYS and isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"--hf-config: {key}: expected an integer >= 1, found {value}")
 
 
 def _check_config_keys(config: Any, config_class: str, sizes: dict[str, Any]) -> None:

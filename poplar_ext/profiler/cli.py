@@ -143,7 +143,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="KEY=VALUE,...",
         help="the config's sizes, e.g. n_layer=12,n_embd=768,n_head=12,vocab_size=50257 (values as JSON; a key "
-        "the config class does not use is refused)",
+        "the config class does not use is refused, and so is a size below 1)",
     )
     hf.add_argument(
         "--hf-task",

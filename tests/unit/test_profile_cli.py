@@ -256,6 +256,19 @@ def test_a_transformers_model_from_its_config(files) -> None:
             ["--model", "hf:GPT2Config", "--hf-config", "n_layer=two,n_embd=32"],
             "--hf-config: StrictDataclassFieldValidationError: Validation error for field 'n_layer': TypeError:",
         ),
+        # A size below 1 builds a model without layers (or fails deep in torch): refused by its key, as given.
+        (
+            ["--model", "hf:GPT2Config", "--hf-config", "n_layer=-1,n_embd=32,n_head=2"],
+            "--hf-config: n_layer: expected an integer >= 1, found -1",
+        ),
+        (
+            ["--model", "hf:GPT2Config", "--hf-config", "n_layer=1,n_embd=32,n_head=2,vocab_size=0"],
+            "--hf-config: vocab_size: expected an integer >= 1, found 0",
+        ),
+        (
+            ["--model", "hf:BertConfig", "--hf-task", "masked-lm", "--hf-config", "num_hidden_layers=0,hidden_size=32"],
+            "--hf-config: num_hidden_layers: expected an integer >= 1, found 0",
+        ),
     ],
 )
 def test_bad_transformers_models_exit_2(files, monkeypatch, capsys, extra, message) -> None:
