@@ -27,6 +27,7 @@ from poplar_ext.profiler.options import (
     log_progress,
     read_callable,
 )
+from poplar_ext.runtime.config import SECTION, PoplarConfig, poplar_config_from_dict
 from poplar_ext.search.cli_common import CommandParser, printing
 
 BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
@@ -34,10 +35,23 @@ HF_PREFIX = "hf:"
 """``--model hf:CONFIG_CLASS``: a transformers model built from its config (random weights)."""
 DISCOVERED_CLUSTER_FILE = "cluster.json"
 """Where, in the output directory, a run without --cluster writes the cluster it discovered."""
+SECTION_DEFAULTS = {"cluster": "cluster", "cache_dir": "profiles"}
+"""The `ProfileOptions` fields whose option defaults to the DeepSpeed config's poplar section: the section's key."""
+GIVEN = "given_options"
+"""The parsed arguments' set of the `SECTION_DEFAULTS` fields whose option was given."""
 
 
 class UsageError(ValueError):
     """Bad command-line input: reported in one line, exit status 2."""
+
+
+class _Given(argparse.Action):
+    """Stores the option's value and records that it was given: the section's value is the default only where it
+    was not, and a value equal to the field's default cannot tell."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {self.dest})
 
 
 class _Parser(CommandParser):
@@ -102,16 +116,29 @@ def _add_field_options(parser: argparse.ArgumentParser) -> None:
         if f.metadata["cli"] is None:
             continue
         spec = dict(f.metadata["cli"])
-        flag, read = spec.pop("flag") or "--" + f.name.replace("_", "-"), spec.pop("read")
+        flag, read = _flag(f.name), spec.pop("read")
+        del spec["flag"]
         if read is not None:
             spec["type"] = _argparse_type(read)
         text = f.metadata["cli_help"] or helps[f.name]
+        shown = None
         if f.default is True:  # a --flag/--no-flag pair: the default is the flag, not Python's True
-            text += f" (default: {flag})"
+            shown = flag
         elif f.default is not None and f.default is not False:
             shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+        if f.name in SECTION_DEFAULTS:
+            spec["action"] = _Given
+            section = f"{SECTION}.{SECTION_DEFAULTS[f.name]} in the --deepspeed_config file"
+            shown = f"{section}, else {shown}" if shown is not None else f"{section}, where it has one"
+        if shown is not None:
             text += f" (default: {shown})"
         parser.add_argument(flag, dest=f.name, default=f.default, help=text.replace("%", "%%"), **spec)
+
+
+def _flag(name: str) -> str:
+    """The option of the `ProfileOptions` field `name`."""
+    field = next(f for f in dataclasses.fields(ProfileOptions) if f.name == name)
+    return field.metadata["cli"]["flag"] or "--" + name.replace("_", "-")
 
 
 def _field_docstrings() -> dict[str, str]:
@@ -288,6 +315,7 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
             f"offloads the optimizer at stages {' and '.join(map(str, OFFLOAD_STAGES))} only)"
         )
     ds_config = _deepspeed_config(Path(args.deepspeed_config))
+    _take_section_defaults(args, _poplar_section(ds_config, Path(args.deepspeed_config)), noting=noting)
     model_factory, make_batch, name, sequence_length = _model(args)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ProfileOptions) if f.metadata["cli"] is not None}
     given |= {"model_name": args.model_name or name, "sequence_length": sequence_length}
@@ -316,6 +344,38 @@ def _deepspeed_config(config_path: Path) -> dict[str, Any]:
     if "optimizer" not in ds_config:
         raise UsageError(f"--deepspeed_config: {config_path}: {NO_OPTIMIZER}")
     return ds_config
+
+
+def _poplar_section(ds_config: dict[str, Any], config_path: Path) -> PoplarConfig | None:
+    """The config's poplar section checked as training checks it, its paths from the config's folder as training
+    reads them (None: it has none); `UsageError` naming the file and the field."""
+    if SECTION not in ds_config:
+        return None
+    try:
+        return poplar_config_from_dict(
+            ds_config[SECTION], base_dir=config_path.resolve().parent, source=str(config_path)
+        )
+    except FormatError as exc:
+        raise UsageError(f"--deepspeed_config: {exc}") from None
+
+
+def _take_section_defaults(args: argparse.Namespace, section: PoplarConfig | None, *, noting: bool) -> None:
+    """Each `SECTION_DEFAULTS` option not given takes the section's value, so that the profiles and the cluster are
+    training's; one given that differs is noted (training will not read what it names)."""
+    if section is None:
+        return
+    for dest, key in SECTION_DEFAULTS.items():
+        value = getattr(section, key)
+        # Only a path the section names: not the automatic mode's directory, which stands in for none.
+        if value is None or (key == "profiles" and section.profiles_defaulted):
+            continue
+        if dest not in getattr(args, GIVEN, ()):
+            setattr(args, dest, value)
+        elif noting and Path(getattr(args, dest)).resolve() != value.resolve():
+            log_progress(
+                f"{_flag(dest)} {getattr(args, dest)} (the command line) used, not {SECTION}.{key} of "
+                f"{section.source} ({value}), which training uses"
+            )
 
 
 def _model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int], Any], str | None, int | None]:

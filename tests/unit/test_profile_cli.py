@@ -566,3 +566,73 @@ def test_an_offload_mode_without_a_stage_that_offloads_is_said_to_do_nothing(fil
     assert "stages 1 and 2 only)" in err
     parse_command(_args(files, "--model", "toy-gpt", "--zero-stages", "0,1", "--optimizer-offload", "both"))
     assert capsys.readouterr().err == ""
+
+
+def _config_with_section(tmp_path: Path, section: object) -> Path:
+    """A DeepSpeed config with a poplar section, in a folder of its own (relative paths start there)."""
+    folder = tmp_path / "conf"
+    folder.mkdir(exist_ok=True)
+    ds = folder / "ds.json"
+    ds.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "poplar": section}))
+    return ds
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"profile": "p"}, "poplar.profile: expected one of the keys"),
+        ({"cluster": 3}, "poplar.cluster: expected a path (a non-empty string), found number 3"),
+        ({"policy": "fastest"}, "poplar.policy: expected one of"),
+    ],
+)
+def test_a_bad_poplar_section_is_refused_naming_the_file_and_the_field(tmp_path, capsys, section, message) -> None:
+    # Checked as training checks it: a typo fails now, not at the training job's start.
+    ds = _config_with_section(tmp_path, section)
+    assert main(["--deepspeed_config", str(ds), "--model", "toy-gpt"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"poplar-profile: error: --deepspeed_config: {ds}: {message}" in err, err
+
+
+def test_the_poplar_section_gives_the_cluster_and_the_output_dir(tmp_path, monkeypatch, capsys) -> None:
+    # Resolved from the config's folder, as training resolves them: the profiles land where training looks.
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    ds = _config_with_section(tmp_path, {"cluster": "cluster.json", "profiles": "measured"})
+    options = parse_command(["--deepspeed_config", str(ds.relative_to(tmp_path)), "--model", "toy-gpt"])
+    assert Path(options.cluster) == tmp_path / "conf" / "cluster.json"
+    assert Path(options.cache_dir) == tmp_path / "conf" / "measured"
+    assert capsys.readouterr().err == ""
+    # A section without them (the automatic mode's profiles, a plan's): the options' own defaults.
+    options = parse_command(["--deepspeed_config", str(_config_with_section(tmp_path, {})), "--model", "toy-gpt"])
+    assert options.cluster is None and options.cache_dir == Path("profiles")
+
+
+def test_an_option_given_on_the_command_line_wins_over_the_section_with_a_note(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    ds = str(_config_with_section(tmp_path, {"cluster": "cluster.json", "profiles": "measured"}))
+    args = ["--deepspeed_config", ds, "--model", "toy-gpt", "--cluster", "mine.json", "--output-dir", "out"]
+    options = parse_command(args)
+    assert Path(options.cluster) == Path("mine.json") and Path(options.cache_dir) == Path("out")
+    notes = capsys.readouterr().err.splitlines()
+    assert notes == [
+        f"[poplar-profile] --cluster mine.json (the command line) used, not poplar.cluster of {ds} "
+        f"({tmp_path / 'conf' / 'cluster.json'}), which training uses",
+        f"[poplar-profile] --output-dir out (the command line) used, not poplar.profiles of {ds} "
+        f"({tmp_path / 'conf' / 'measured'}), which training uses",
+    ]
+    # The section's own values given again: nothing to say; rank 1 and --quiet say nothing either.
+    same = ["--cluster", "conf/cluster.json", "--output-dir", str(tmp_path / "conf" / "measured")]
+    parse_command(["--deepspeed_config", ds, "--model", "toy-gpt", *same])
+    parse_command([*args, "--quiet"])
+    monkeypatch.setenv("RANK", "1")
+    parse_command(args)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_help_says_the_poplar_section_gives_the_defaults(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: poplar.cluster in the --deepspeed_config file, where it has one)" in text
+    assert "(default: poplar.profiles in the --deepspeed_config file, else profiles)" in text
