@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainingArguments
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import seed_worker
 
@@ -682,6 +682,8 @@ class PoplarTrainerMixin(_PlanEvaluation):
         here = _resumable_here(resume_from_checkpoint, self.args.output_dir) if storage_rank == 0 else None
         storages = [(rank, view) for rank, view in enumerate(gather_objects(here)) if view is not None]
         folder = _whole_checkpoint(resume_from_checkpoint, storages)  # the same on every rank
+        if folder is not None:  # the Trainer would fail on it only once the engine is built, deep in its load
+            decided_by_rank0(lambda: _check_trainer_schedule(Path(folder), self.args), rank=self.job.rank)
         tag = (
             None if folder is None else decided_by_rank0(lambda: checkpoint_tag(Path(folder), None), rank=self.job.rank)
         )
@@ -814,10 +816,34 @@ def _no_deepspeed_save(save_dir: str, exclude_frozen_parameters: bool = False) -
     Trainer reads this signature for exclude_frozen_parameters)."""
 
 
+def _deepspeed_config(args: TrainingArguments) -> dict:
+    """The DeepSpeed config the Trainer builds its engine from (this rank's, `_rank_arguments`)."""
+    return getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
+
+
 def _node_local(args: TrainingArguments) -> bool:
     """Whether the DeepSpeed config saves each node's part of a checkpoint into that node's own storage."""
-    config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
-    return bool(config.get("checkpoint", {}).get("use_node_local_storage", False))
+    return bool(_deepspeed_config(args).get("checkpoint", {}).get("use_node_local_storage", False))
+
+
+def _check_trainer_schedule(folder: Path, args: TrainingArguments) -> None:
+    """ValueError where a resume from `folder` needs the Trainer's scheduler.pt and it has none.
+
+    Under DeepSpeed the Trainer torch.loads it (on the same ranks, and after a resharded load) unless its scheduler
+    is DeepSpeed's (a DeepSpeedSchedulerWrapper, whose state DeepSpeed's own files hold): transformers'
+    deepspeed_optim_sched gives DeepSpeed the scheduler where the config has a 'scheduler' section, or an
+    'optimizer' one (DeepSpeed then builds the Trainer's schedule itself)."""
+    config = _deepspeed_config(args)
+    if "scheduler" in config or "optimizer" in config or (folder / SCHEDULER_NAME).is_file():
+        return
+    raise ValueError(
+        f"resume_from_checkpoint: {folder}: expected {folder / SCHEDULER_NAME}, the Trainer's learning-rate schedule "
+        "(a Trainer's checkpoints save it there where the DeepSpeed config has no 'scheduler' or 'optimizer' "
+        "section, as this job's has none), found no such file: this folder was not written by a Trainer under such "
+        "a config (engine.save_checkpoint of a poplar_ext.initialize loop writes none; a Trainer with a DeepSpeed "
+        "scheduler keeps it in DeepSpeed's files); resume it under the DeepSpeed config it was saved with, or "
+        "continue it with poplar_ext.initialize and engine.load_checkpoint"
+    )
 
 
 def _storage_rank(args: TrainingArguments, rank: int) -> int:

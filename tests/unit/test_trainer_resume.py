@@ -6,6 +6,7 @@ the global batch is the checkpoint's, whatever the allocation or the number of r
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,6 +48,7 @@ def _trainer(plan, output_dir: Path) -> SimpleNamespace:
         job=SimpleNamespace(rank=0, poplar_config=config, plan_reason="the plan file p.json"),
         state=SimpleNamespace(global_step=0),
         _reshard_on_resume=False,
+        _resume_decision=None,
         poplar_engine=None,
     )
     trainer._plan_history = [history_entry(plan, start_step=0, data_position=0, reason="the plan file p.json")]
@@ -64,7 +66,8 @@ def _checkpoint(output_dir: Path, plan, step: int, *, tag: str | None = None) ->
     write_state(*((folder, tag) if tag else (output_dir, folder.name)), state)
     if tag:
         (folder / "latest").write_text(tag)
-    (folder / "trainer_state.json").write_text("{}")  # the Trainer's, written last
+    (folder / "scheduler.pt").write_text("the Trainer's schedule")  # its own scheduler's, no DeepSpeed one
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))  # the Trainer's, written last
     return folder
 
 
@@ -238,7 +241,42 @@ def test_the_engines_rebalancing_is_saved_and_goes_on_at_a_resume(tmp_path):
     folder = tmp_path / "checkpoint-2"
     write_state(folder, "global_step2", PoplarTrainer._poplar_state(trainer))
     (folder / "latest").write_text("global_step2")
+    (folder / "scheduler.pt").write_text("the Trainer's schedule")
     (folder / "trainer_state.json").write_text("{}")
     trainer.poplar_engine = None  # the resumed job's, built after the decision
     PoplarTrainer._check_resume(trainer, str(folder))
     assert trainer._resume_decision.rebalancing == speeds
+
+
+def _without_the_trainers_schedule(tmp_path: Path) -> tuple[Path, SimpleNamespace]:
+    """A checkpoint folder whole but for scheduler.pt (as engine.save_checkpoint leaves one, with a
+    trainer_state.json beside it), and a trainer whose DeepSpeed config has no scheduler of DeepSpeed's."""
+    plan = _plan([(4, 2), (4, 1)])
+    folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
+    (folder / "scheduler.pt").unlink()
+    trainer = _trainer(plan, tmp_path)
+    trainer.args.hf_deepspeed_config = SimpleNamespace(config={"zero_optimization": {"stage": 1}})
+    return folder, trainer
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_checkpoint_without_the_trainers_schedule_is_refused_before_anything_is_loaded(tmp_path, named):
+    # The Trainer torch.loads scheduler.pt when its scheduler is not DeepSpeed's: a FileNotFoundError deep in
+    # transformers once the engine was built (on the resharding path, after DeepSpeed's load).
+    folder, trainer = _without_the_trainers_schedule(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        PoplarTrainer._check_resume(trainer, True if named else str(folder))
+    message = str(refused.value)
+    assert message.startswith(f"resume_from_checkpoint: {folder}: expected {folder / 'scheduler.pt'}")
+    assert "the Trainer's learning-rate schedule" in message
+    assert "not written by a Trainer" in message
+    assert trainer._resume_decision is None  # refused before the decision
+
+
+@pytest.mark.parametrize("section", ["scheduler", "optimizer"])
+def test_a_checkpoint_without_scheduler_pt_resumes_where_deepspeed_holds_the_schedule(tmp_path, section):
+    # With DeepSpeed's scheduler (its own, or the Trainer's built by DeepSpeed for its optimizer) the schedule is
+    # in DeepSpeed's files, and the Trainer reads no scheduler.pt.
+    folder, trainer = _without_the_trainers_schedule(tmp_path)
+    trainer.args.hf_deepspeed_config.config[section] = {"type": "WarmupLR" if section == "scheduler" else "AdamW"}
+    assert PoplarTrainer._check_resume(trainer, str(folder)) == str(folder)
