@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import json
 import logging
 import math
 import os
@@ -699,6 +700,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         saved = None if folder is None else decided_by_rank0(read, rank=self.job.rank)
         if saved is None:
             if self.job.rank == 0 and folder is not None:
+                _log_resumed_plan(folder, saved=None, decision=None, plan_reason=self.job.plan_reason)
                 logger.info(
                     "resume_from_checkpoint: the checkpoint holds no poplar-ext state; the Trainer's own "
                     "step count decides where the data continues"
@@ -717,6 +719,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         self._resume_decision = decision
         self._reshard_on_resume = decision.world_size_changed and self.plan.zero_stage >= 1
         if self.job.rank == 0:
+            _log_resumed_plan(folder, saved=saved, decision=decision, plan_reason=self.job.plan_reason)
             for note in decision.notes:
                 logger.info("resume_from_checkpoint: %s", note)
         return folder
@@ -814,6 +817,21 @@ class PoplarTrainerMixin(_PlanEvaluation):
 def _no_deepspeed_save(save_dir: str, exclude_frozen_parameters: bool = False) -> None:
     """save_model's DeepSpeed save when `_save_optimizer_and_scheduler`'s follows into the same folder: none (the
     Trainer reads this signature for exclude_frozen_parameters)."""
+
+
+def _log_resumed_plan(folder: str, *, saved: dict | None, decision: ResumeDecision | None, plan_reason: str) -> None:
+    """Rank 0's line of the step a resume starts at and the plan from there (`saved`: the checkpoint's poplar state,
+    None without one): the Trainer logged "poplar plan from step 0" when built, before it knew of the resume."""
+    step = saved.get("step") if saved is not None else None
+    if step is None:  # no poplar state (or one without the step): the Trainer resumes at its own state's step
+        try:
+            step = json.loads((Path(folder) / TRAINER_STATE_NAME).read_text()).get("global_step", 0)
+        except (OSError, ValueError, AttributeError):  # the Trainer's own read of it fails next, naming what is wrong
+            return
+    reason = plan_reason
+    if decision is not None and decision.continue_plan is not None:  # the plan the saved run had switched to
+        reason = f"the checkpoint's last plan ({decision.plan_history[-1].get('reason', '')})"
+    logger.info("poplar plan from step %s (resumed from %s): %s", step, folder, reason)
 
 
 def _deepspeed_config(args: TrainingArguments) -> dict:

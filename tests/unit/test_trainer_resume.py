@@ -280,3 +280,61 @@ def test_a_checkpoint_without_scheduler_pt_resumes_where_deepspeed_holds_the_sch
     folder, trainer = _without_the_trainers_schedule(tmp_path)
     trainer.args.hf_deepspeed_config.config[section] = {"type": "WarmupLR" if section == "scheduler" else "AdamW"}
     assert PoplarTrainer._check_resume(trainer, str(folder)) == str(folder)
+
+
+def _plan_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("poplar plan from step")]
+
+
+def test_a_resume_logs_the_step_it_resumed_at_and_the_plan_from_there(tmp_path, caplog):
+    # The Trainer logged "poplar plan from step 0: ..." when built, and nothing of the resume's step.
+    plan = _plan([(4, 2), (4, 1)])
+    folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
+    trainer = _trainer(plan, tmp_path)
+    with caplog.at_level("INFO", logger="poplar_ext"):
+        PoplarTrainer._check_resume(trainer, str(folder))
+    assert _plan_lines(caplog) == [f"poplar plan from step 2 (resumed from {folder}): the plan file p.json"]
+
+
+def test_a_resume_under_another_plan_logs_the_step_beside_what_changed(tmp_path, caplog):
+    folder = _checkpoint(tmp_path, _plan([(2, 2), (2, 2), (4, 1)]), step=2)
+    trainer = _trainer(_plan([(3, 2), (2, 3)]), tmp_path)
+    with caplog.at_level("INFO", logger="poplar_ext"):
+        PoplarTrainer._check_resume(trainer, str(folder))
+    assert _plan_lines(caplog) == [f"poplar plan from step 2 (resumed from {folder}): the plan file p.json"]
+    assert f"resume_from_checkpoint: resumed from {folder} under another plan (3 ranks then, 2 now)" in caplog.text
+
+
+def test_a_resume_under_the_checkpoints_last_plan_names_it(tmp_path, caplog):
+    # The saved run re-balanced at step 1; this job starts from the plan that run started from.
+    first, switched = _plan([(4, 2), (4, 1)]), _plan([(2, 3), (3, 2)])
+    history = [
+        history_entry(first, start_step=0, data_position=0, reason="the plan file p.json"),
+        history_entry(switched, start_step=1, data_position=12, reason="re-balanced at step 1: a test", switched=True),
+    ]
+    state = poplar_client_state(switched, consumed_samples=24, seed=0, shuffle=True, plan_history=history)
+    folder = tmp_path / "checkpoint-2"
+    write_state(folder, "global_step2", {**state, "step": 2})
+    (folder / "latest").write_text("global_step2")
+    (folder / "scheduler.pt").write_text("the Trainer's schedule")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    trainer = _trainer(first, tmp_path)
+    with caplog.at_level("INFO", logger="poplar_ext"):
+        PoplarTrainer._check_resume(trainer, str(folder))
+    assert trainer._resume_decision.continue_plan is not None
+    assert _plan_lines(caplog) == [
+        f"poplar plan from step 2 (resumed from {folder}): the checkpoint's last plan (re-balanced at step 1: a test)"
+    ]
+
+
+def test_a_resume_without_poplar_state_logs_the_trainers_step(tmp_path, caplog):
+    plan = _plan([(4, 2), (4, 1)])
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    (folder / "scheduler.pt").write_text("the Trainer's schedule")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    trainer = _trainer(plan, tmp_path)
+    with caplog.at_level("INFO", logger="poplar_ext"):
+        assert PoplarTrainer._check_resume(trainer, str(folder)) == str(folder)
+    assert _plan_lines(caplog) == [f"poplar plan from step 3 (resumed from {folder}): the plan file p.json"]
+    assert "the checkpoint holds no poplar-ext state" in caplog.text
