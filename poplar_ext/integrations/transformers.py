@@ -897,6 +897,13 @@ def _lacking(folder: Path) -> str | None:
     return None if missing is None else str(missing)
 
 
+_NOT_A_TRAINER_CHECKPOINT = (
+    ", or a folder no Trainer saved (engine.save_checkpoint writes no trainer_state.json): continue such a "
+    "checkpoint with poplar_ext.initialize and engine.load_checkpoint"
+)
+"""Why a folder lacks only the Trainer's state file, besides a save that stopped before writing it."""
+
+
 def _whole_checkpoint(named: str | bool, storages: list[tuple[int, list | str]]) -> str | None:
     """The checkpoint folder a resume reads, from what each storage's first rank found (`_resumable_here`; rank 0
     alone on storage the nodes share): the one `named`, refused (ValueError) when a save into it did not finish
@@ -924,6 +931,8 @@ def _whole_checkpoint(named: str | bool, storages: list[tuple[int, list | str]])
             else f"{folder}: expected a whole checkpoint, found a save into it that did not finish "
             f"({missing} missing{where(rank)})"
         )
+        if named is not True and missing.endswith(TRAINER_STATE_NAME):  # a folder named, perhaps by no Trainer
+            why += _NOT_A_TRAINER_CHECKPOINT
         if folder == folders[-1]:
             raise ValueError(f"resume_from_checkpoint: {why}")
         logger.warning("resume_from_checkpoint: skipped %s; resuming from the newest whole one", why)

@@ -122,6 +122,20 @@ def test_a_checkpoint_whose_save_did_not_finish_is_refused_by_name(tmp_path):
         PoplarTrainer._check_resume(trainer, True)  # none whole: refused, not the Trainer's pick of checkpoint-4
 
 
+def test_a_folder_no_trainer_saved_is_refused_with_where_to_resume_it(tmp_path):
+    plan = _plan([(4, 2), (4, 1)])
+    folder = tmp_path / "engine-save"  # engine.save_checkpoint's: DeepSpeed's tag and latest, no Trainer files
+    write_state(folder, "global_step2", {})
+    (folder / "latest").write_text("global_step2")
+    trainer = _trainer(plan, tmp_path)
+    with pytest.raises(ValueError) as refused:
+        PoplarTrainer._check_resume(trainer, str(folder))
+    assert f"did not finish ({folder / 'trainer_state.json'} missing), or a folder no Trainer saved" in str(
+        refused.value
+    )
+    assert "continue such a checkpoint with poplar_ext.initialize and engine.load_checkpoint" in str(refused.value)
+
+
 @pytest.mark.parametrize("newest", [True, False])
 def test_a_tag_folder_a_stopped_save_renamed_is_restored(tmp_path, caplog, newest):
     # A save stopped between its renames: global_step2 is global_step2.replaced; the resume read no state, and
