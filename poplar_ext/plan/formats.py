@@ -732,7 +732,46 @@ def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> None:
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
     """Load and validate one profile file."""
-    return profile_from_dict(read_json(path), source=str(path))
+    return mark_loaded(profile_from_dict(read_json(path), source=str(path)), path)
+
+
+_LOADED_FROM = "_poplar_loaded_from"
+
+
+def mark_loaded(item: Any, path: str | os.PathLike[str]) -> Any:
+    """`item` (a profile or layer profile just read from `path`) remembering its file for `loaded_from`."""
+    # Not a dataclass field: JSON, equality and fingerprints stay the content's, and dataclasses.replace (a
+    # rescaled or renamed profile, no longer the file's) drops it.
+    object.__setattr__(item, _LOADED_FROM, str(path))
+    return item
+
+
+def loaded_from(item: Any) -> str | None:
+    """The file a profile or layer profile was loaded from (`load_profiles`, `load_layer_profiles`, ...), or None
+    for one made in Python."""
+    return getattr(item, _LOADED_FROM, None)
+
+
+def models_text(profiles: Any) -> str:
+    """Each model of `profiles` (profiles or layer profiles) as ``name (fingerprint)``, followed by the files its
+    profiles were loaded from where known (``: a.json, b.json``); ``; `` between models. For messages on mixed
+    models: the fingerprints alone do not say which files to move."""
+    files: dict[tuple[str, str], list[str]] = {}
+    for profile in profiles:
+        named = files.setdefault((profile.model.fingerprint, profile.model.name), [])
+        path = loaded_from(profile)
+        if path is not None:
+            named.append(path)
+    return "; ".join(
+        f"{name} ({fingerprint})" + (f": {listed(sorted(paths))}" if paths else "")
+        for (fingerprint, name), paths in sorted(files.items())
+    )
+
+
+def files_text(profiles: Any) -> str:
+    """``; the files: `models_text```, appended to a message on mixed models that named them already; '' where
+    no profile was loaded from a file."""
+    return f"; the files: {models_text(profiles)}" if any(loaded_from(p) for p in profiles) else ""
 
 
 def is_cluster_or_plan(data: Any) -> bool:
@@ -767,7 +806,7 @@ def load_profiles(directory: str | os.PathLike[str]) -> list[Profile]:
         data = read_json(path)
         if is_cluster_or_plan(data):
             continue
-        profile = profile_from_dict(data, source=str(path))
+        profile = mark_loaded(profile_from_dict(data, source=str(path)), path)
         key = (*profile.key, profile.model.fingerprint)
         if key in origin:
             raise FormatError(

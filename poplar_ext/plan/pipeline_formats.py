@@ -29,6 +29,7 @@ from .formats import (
     int_reader,
     json_ready,
     listed,
+    mark_loaded,
     not_a_directory,
     number_reader,
     plan_from_dict,
@@ -190,7 +191,7 @@ def layer_profiles_dir(profiles_dir: str | os.PathLike[str]) -> Path:
 
 
 def load_layer_profile(path: str | os.PathLike[str]) -> LayerProfile:
-    return layer_profile_from_dict(read_json(path), source=str(path))
+    return mark_loaded(layer_profile_from_dict(read_json(path), source=str(path)), path)
 
 
 def load_layer_profiles(directory: str | os.PathLike[str]) -> list[LayerProfile]:

@@ -21,8 +21,10 @@ from poplar_ext.plan.formats import (
     Prediction,
     Profile,
     RankPlan,
+    files_text,
     levers_text,
     listed,
+    models_text,
     one_accumulation_count,
 )
 from poplar_ext.plan.levers import (
@@ -189,7 +191,7 @@ def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants
         shown = ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
         raise ValueError(
             f"profiles: expected profiles of one model, found {len(models)} models: {shown} (poplar-search: --model "
-            "NAME picks one)"
+            f"NAME picks one){files_text(profiles)}"
         )
     by_stage: dict[int, dict[str, Variants]] = {}
     for profile in profiles:
@@ -523,7 +525,10 @@ def check_plan(plan: Plan, cluster: Cluster, profiles: Sequence[Profile] | None 
         settings = plan_levers(plan)
         models = {p.model.fingerprint for p in profiles}
         if len(models) > 1:
-            problems.append(f"The profiles describe {len(models)} different models; expected one.")
+            problems.append(
+                f"The profiles describe {len(models)} different models; expected one. The models: "
+                f"{models_text(profiles)}."
+            )
         at_stage = {p.device_type: p for p in profiles_for_plan(plan, profiles)}
         types = list(dict.fromkeys(plan.rank_device_types))
         missing = [t + levers_text(*(settings.get(t) or NO_LEVERS)) for t in types if t not in at_stage]

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from poplar_ext.plan.formats import Cluster, Prediction
+from poplar_ext.plan.formats import Cluster, Prediction, files_text
 from poplar_ext.plan.network_format import CollectiveFit, NetworkProfile, ring_time_s
 from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerProfile, Pipeline, PipelinePlan
 
@@ -32,10 +32,19 @@ def layer_profiles_by_stage(layer_profiles: Sequence[LayerProfile]) -> dict[int,
         raise ValueError(f"layer_profiles: expected a list of LayerProfile, found {type(layer_profiles).__name__}")
     if not layer_profiles:
         raise ValueError("layer_profiles: expected at least one layer profile, found none")
-    by_stage: dict[int, dict[str, LayerProfile]] = {}
     for index, profile in enumerate(layer_profiles):
         if not isinstance(profile, LayerProfile):
             raise ValueError(f"layer_profiles[{index}]: expected a LayerProfile, found {type(profile).__name__}")
+    # Models first: two models' folders hold a layer profile per type each, and that is what to tell.
+    models = sorted({(p.model.fingerprint, p.model.name) for p in layer_profiles})
+    if len(models) > 1:
+        shown = ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
+        raise ValueError(
+            f"layer_profiles: expected layer profiles of one model, found {len(models)}: {shown}"
+            f"{files_text(layer_profiles)}"
+        )
+    by_stage: dict[int, dict[str, LayerProfile]] = {}
+    for profile in layer_profiles:
         at_stage = by_stage.setdefault(profile.zero_stage, {})
         if profile.device_type in at_stage:
             raise ValueError(
@@ -43,10 +52,6 @@ def layer_profiles_by_stage(layer_profiles: Sequence[LayerProfile]) -> dict[int,
                 f"{profile.device_type!r} at stage {profile.zero_stage}"
             )
         at_stage[profile.device_type] = profile
-    models = sorted({(p.model.fingerprint, p.model.name) for p in layer_profiles})
-    if len(models) > 1:
-        shown = ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
-        raise ValueError(f"layer_profiles: expected layer profiles of one model, found {len(models)}: {shown}")
     counts = sorted({p.num_layers for p in layer_profiles})
     if len(counts) > 1:
         holders = {

@@ -356,3 +356,36 @@ def test_a_profile_whose_device_type_is_misspelt_is_said_to_be_unused(capsys, tm
     assert (
         "No profile for V100-16GB at stage 2. A profile of 'V100-16G' (not in the cluster) is there: 'V100-16GB'" in err
     )
+
+
+def _two_models_folder(tmp_path, *, layers=False):
+    """The example profiles (or layer profiles) of one model, copied as another model's beside them: each model's
+    files are known (`other-` names the second's)."""
+    folder = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, folder, ignore=shutil.ignore_patterns("cluster.json"))
+    files = folder / "layers" if layers else folder
+    for path in list(files.glob("*.json")):
+        data = json.loads(path.read_text())
+        data["model"] = {**data["model"], "fingerprint": "sha256:other"}  # same name: only the fingerprint differs
+        (files / f"other-{path.name}").write_text(json.dumps(data))
+    return folder, sorted(p.name for p in files.glob("*.json"))
+
+
+def test_profiles_of_two_models_are_refused_naming_their_files(capsys, tmp_path):
+    # The message named the models' fingerprints only: which of the folder's files are the other model's?
+    folder, names = _two_models_folder(tmp_path)
+    common = ["--profiles", folder, "--cluster", CLUSTER, "--global-batch-size", 512, "--no-network"]
+    code, out, err = run(capsys, *common)
+    assert code == 2 and "expected profiles of one model, found 2 models" in err, err
+    assert "(poplar-search: --model NAME picks one); the files: " in err, err
+    first_of_each = [next(n for n in names if n.startswith("other-")), next(n for n in names if "other" not in n)]
+    assert all(f"{folder / name}" in err for name in first_of_each), err
+    assert "sha256:other): " in err and "and 5 more" in err, err  # 8 files each: 3 named
+
+
+def test_layer_profiles_of_two_models_are_refused_naming_their_files(capsys, tmp_path):
+    folder, names = _two_models_folder(tmp_path, layers=True)
+    common = ["--profiles", folder, "--cluster", CLUSTER, "--global-batch-size", 64, "--no-network"]
+    code, out, err = run(capsys, *common, "--parallelism", "pipeline")
+    assert code == 2 and "expected layer profiles of one model, found 2" in err, err
+    assert all(f"{folder / 'layers' / name}" in err for name in names), err

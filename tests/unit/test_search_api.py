@@ -109,6 +109,26 @@ def test_profiles_of_two_models_are_bad_input(profiles, cluster):
         search_plan(profiles[1:] + [other], cluster)
 
 
+def test_check_plan_names_the_files_of_profiles_of_two_models(profiles, cluster, tmp_path):
+    # check_plan said how many models, not which nor where: the files of each are named, as loaded.
+    from poplar_ext.plan.formats import load_profiles, save_profile
+
+    plan = search_plan(profiles, cluster, global_batch_size=120, zero_stage=2).plan
+    other = dataclasses.replace(
+        profiles[0], model=ModelInfo(name="other", fingerprint="f2", num_parameters=3, dtype="float32")
+    )
+    for index, profile in enumerate([*profiles, other]):
+        save_profile(profile, tmp_path / f"p{index:02}.json")
+    problems = check_plan(plan, cluster, load_profiles(tmp_path))
+    mixed = next(p for p in problems if p.startswith("The profiles describe 2 different models; expected one."))
+    assert f"other (f2): {tmp_path / f'p{len(profiles):02}.json'}" in mixed, mixed
+    assert f"({profiles[1].model.fingerprint}): {tmp_path / 'p00.json'}" in mixed, mixed
+    # Made in Python, they have no files: the models alone.
+    mixed = next(p for p in check_plan(plan, cluster, [*profiles, other]) if "different models" in p)
+    model = profiles[0].model
+    assert mixed.endswith(f"The models: other (f2); {model.name} ({model.fingerprint})."), mixed
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
