@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poplar_ext.plan.formats import MIN_TIME_S, IncludedCommunication, Profile, one_accumulation_count
+from poplar_ext.plan.formats import MIN_TIME_S, IncludedCommunication, Profile, listed, one_accumulation_count
 from poplar_ext.plan.network_format import NetworkProfile
 
 from .curves import fastest_size, fit_curve
@@ -188,10 +188,13 @@ class StageModel:
         for index, device in enumerate(self.devices):
             mask = self.rank_device_index == index
             sizes = micro_batch_sizes[mask]
-            if np.any(sizes < 1) or np.any(sizes > device.max_micro_batch_size):
+            outside = mask & ((micro_batch_sizes < 1) | (micro_batch_sizes > device.max_micro_batch_size))
+            if np.any(outside):
+                # Which ranks too: a plan gives each rank its own size, and a rank's is what to change.
+                at = listed([f"rank {r} ({micro_batch_sizes[r]})" for r in np.flatnonzero(outside)])
                 raise ValueError(
                     f"micro_batch_size: expected 1 to {device.max_micro_batch_size} on {device.device_type} "
-                    f"at ZeRO stage {self.zero_stage}, found {int(sizes.min())}..{int(sizes.max())}"
+                    f"at ZeRO stage {self.zero_stage}, found {int(sizes.min())}..{int(sizes.max())} at {at}"
                 )
             table = device.compute_step_time_table_s if compute else None
             times[mask] = (device.step_time_table_s if table is None else table)[sizes - 1]

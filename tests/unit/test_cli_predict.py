@@ -248,3 +248,19 @@ def test_the_predict_and_cluster_help_say_the_network_is_not_priced_apart_withou
     text = " ".join(capsys.readouterr().out.split())
     assert "--cluster is optional here, but without it (or --network) the network is not priced apart" in text
     assert "optional with --predict, but without it the network file in --profiles is not found" in text
+
+
+def test_a_micro_batch_above_its_profiles_largest_is_refused_naming_the_rank(tmp_path, capsys):
+    # The refusal named the device type and the sizes found, not which of its ranks the plan gave too many.
+    searched = _searched(tmp_path, capsys, "--zero-stage", "1")
+    plan = searched["plan"]
+    too_big = 10_000
+    last = plan["ranks"][-1]
+    plan["global_batch_size"] += (too_big - last["micro_batch_size"]) * last["gradient_accumulation_steps"]
+    last["micro_batch_size"] = too_big
+    path = tmp_path / "oversize.json"
+    path.write_text(json.dumps(plan))
+    assert main(["--example", "--predict", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "micro_batch_size: expected 1 to " in err and f"on {last['device_type']} at ZeRO stage 1, found " in err
+    assert f"..{too_big} at rank {last['rank']} ({too_big})" in err, err
