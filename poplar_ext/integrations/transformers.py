@@ -781,7 +781,9 @@ class PoplarTrainerMixin(_PlanEvaluation):
             if iterations:
                 self._train_sampler.set_epoch(step // iterations)
             if self._resume_decision is not None and self.poplar_engine is not None:
-                self.poplar_engine.continue_from(self._resume_decision, position_samplers=False, next_iteration=step)
+                self.poplar_engine.continue_from(  # its notes: logged by _check_resume, as resume_from_checkpoint's
+                    self._resume_decision, position_samplers=False, next_iteration=step, log_notes=False
+                )
         return prepared
 
     def _wrap_engine(self) -> None:

@@ -185,14 +185,15 @@ class EngineCore(FollowsRebalancing):
             sampler.switch_plan(self.pending_switch.plan, from_position=self.pending_switch.position)
         self._samplers.append(sampler)
 
-    def _continue_plans(self, decision: ResumeDecision) -> None:
-        """The plan history of a resume, and its last plan when the run had switched (every rank alike)."""
+    def _continue_plans(self, decision: ResumeDecision, *, log_notes: bool = True) -> None:
+        """The plan history of a resume, and its last plan when the run had switched (every rank alike); rank 0
+        logs the decision's notes unless the caller logged them (`log_notes` False)."""
         self.plan_history = decision.plan_history or self.plan_history
         if decision.continue_plan is not None:
             plan = self.plan_from_dict(decision.continue_plan, source="<the checkpoint's last plan>")
             order = SwitchOrder(plan=plan, position=decision.data_position, reason="the checkpoint's last plan")
             self.schedule_switch(order, record=False)
         self.continue_rebalancing(decision.rebalancing)
-        if self._core_rank == 0:
+        if self._core_rank == 0 and log_notes:
             for note in decision.notes:
                 logger.info("load_checkpoint: %s", note)

@@ -461,15 +461,21 @@ class PoplarEngine(EngineCore):
         return path, client_state
 
     def continue_from(
-        self, decision: ResumeDecision, *, position_samplers: bool = True, next_iteration: int | None = None
+        self,
+        decision: ResumeDecision,
+        *,
+        position_samplers: bool = True,
+        next_iteration: int | None = None,
+        log_notes: bool = True,
     ) -> None:
         """Continue from a checkpoint as `decision` says: its data position, samples, plan history, and its last
         plan when the run had switched (every rank alike). A trainer that loads the DeepSpeed checkpoint itself
-        and positions its dataloader itself passes `position_samplers` False and its sampler's `next_iteration`."""
+        and positions its dataloader itself passes `position_samplers` False and its sampler's `next_iteration`;
+        one that logged the decision's notes when it made it passes `log_notes` False."""
         self._restore_position(decision, position_samplers=position_samplers)
         if not position_samplers and next_iteration is not None:
             self._restored_iteration = next_iteration
-        self._continue_plans(decision)
+        self._continue_plans(decision, log_notes=log_notes)
 
 
 __all__ = ["CLIENT_STATE_KEY", "PoplarEngine", "set_deepspeed_batch"]

@@ -104,6 +104,18 @@ def test_backward_weights_the_loss_and_disables_deepspeeds_scaling():
     assert fake.backward_calls == [(pytest.approx(1.5 * 2 * 3 / 9), {"scale_wrt_gas": False})]
 
 
+@pytest.mark.parametrize("log_notes", [True, False])
+def test_continue_from_logs_the_decisions_notes_unless_the_caller_did(caplog, log_notes):
+    from poplar_ext.runtime.checkpoint import ResumeDecision
+
+    engine, _ = _engine(_plan([(3, 2), (1, 3)]), rank=0)
+    decision = ResumeDecision(data_position=9, consumed_samples=9, notes=["the saved plan differs"])
+    with caplog.at_level("INFO", logger="poplar_ext"):
+        engine.continue_from(decision, log_notes=log_notes)
+    assert ("load_checkpoint: the saved plan differs" in caplog.text) == log_notes
+    assert engine.consumed_samples == 9
+
+
 def test_sum_reduced_loss_weight():
     engine, fake = _engine(_plan([(3, 2), (1, 3)]), rank=1, loss_reduction="sum")
     engine.backward(torch.tensor(1.0))
