@@ -363,7 +363,7 @@ def test_a_heuristic_plan_of_a_larger_cluster_is_a_valid_plan_file():
 
 
 def test_layer_profiles_of_different_depths_are_refused_naming_which():
-    # A layer profile's objects do not know their files: the message names each count's types and stages.
+    # Made in Python, the layer profiles have no files: the message names each count's types and stages.
     from poplar_ext.search.pipeline_cost import layer_profiles_by_stage
 
     rng = np.random.default_rng(0)
@@ -376,3 +376,21 @@ def test_layer_profiles_of_different_depths_are_refused_naming_which():
         r"stage 1; 6 in b at stage 0$",
     ):
         layer_profiles_by_stage([*five, *six])
+
+
+def test_layer_profiles_of_different_depths_name_their_files(tmp_path):
+    from poplar_ext.plan.pipeline_formats import load_layer_profiles, save_layer_profile
+    from poplar_ext.search.pipeline_cost import layer_profiles_by_stage
+
+    rng = np.random.default_rng(0)
+    five = random_layer_profiles(rng, ["a"], num_layers=5, zero_stages=(0,))
+    six = random_layer_profiles(rng, ["b"], num_layers=6, zero_stages=(0,))
+    six = [dataclasses.replace(p, model=five[0].model) for p in six]
+    for name, profile in (("a.json", five[0]), ("b.json", six[0])):
+        save_layer_profile(profile, tmp_path / name)
+    with pytest.raises(ValueError) as refused:
+        layer_profiles_by_stage(load_layer_profiles(tmp_path))
+    assert str(refused.value).endswith(
+        f"5 in a at stage 0; 6 in b at stage 0; the files: 5 layers: {tmp_path / 'a.json'}; "
+        f"6 layers: {tmp_path / 'b.json'}"
+    )
