@@ -14,6 +14,9 @@ import torch
 from poplar_ext.pipeline.checkpoint import UNIVERSAL_FOLDER
 from poplar_ext.runtime.reshard import SCALAR_STATES, carried_states, partition_states, write_whole
 
+ZERO_FILE_PREFIXES = ("", "bf16_")
+"""How DeepSpeed's ZeRO optimizer files of a stage begin: fp32 and fp16, then bf16 (its ``_get_zero_ckpt_prefix``)."""
+
 PARAMETER_SHAPES_KEY = "poplar_param_shapes"
 """DeepSpeed client state at ZeRO 0: per optimizer group, each parameter's name and shape, in the optimizer's order."""
 
@@ -114,6 +117,19 @@ def convert_pipeline_checkpoint(
     return torch.load(target / "zero" / "optimizer_state.pt", weights_only=False)[PARAMETER_SHAPES_KEY]
 
 
+def _zero_file(source: Path, stage: int) -> Path:
+    """Stage `stage`'s ZeRO-1 optimizer state as DeepSpeed names it: ``bf16_zero_pp_rank_0_...`` in bf16,
+    ``zero_pp_rank_0_...`` otherwise; ValueError naming both where neither is there."""
+    names = [source / f"{prefix}zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt" for prefix in ZERO_FILE_PREFIXES]
+    for name in names:
+        if name.is_file():
+            return name
+    raise ValueError(
+        f"{source}: expected stage {stage}'s ZeRO-1 optimizer state in {names[0].name} (or {names[1].name}, "
+        "as DeepSpeed names it in bf16), found neither"
+    )
+
+
 def _stage_states(source: Path, stage: int, *, zero_stage: int, optimizer_name: str) -> tuple[dict, list, dict, dict]:
     """Stage `stage` of the saved pipeline: its parameters' states, shapes and optimizer groups, and (ZeRO 1)
     the ZeRO optimizer's own state (what DeepSpeed's universal ``optimizer_state.pt`` keeps of it)."""
@@ -137,7 +153,7 @@ def _stage_states(source: Path, stage: int, *, zero_stage: int, optimizer_name: 
     if not zero_stage:
         states = _zero0_states(model_states, shapes, optimizer_name=optimizer_name, path=model_file)
         return states, shapes, model_states["optimizer"][PARAM_GROUPS], {}
-    zero_file = source / f"zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt"
+    zero_file = _zero_file(source, stage)
     saved = torch.load(zero_file, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT]
     states = _zero1_states(saved, shapes, optimizer_name=optimizer_name, path=zero_file)
     sharded = (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)  # as DeepSpeed's

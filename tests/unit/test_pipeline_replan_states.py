@@ -5,7 +5,8 @@ writes per stage (``mp_rank_<stage>_model_states.pt``: the torch state_dict, and
 parameters' names poplar-ext records); the conversion writes each parameter's states, and
 an optimizer over another split of the layers loads its own, equal to those saved. States
 that are not per parameter, and a checkpoint without the names, are refused before anything
-is written.
+is written. A ZeRO-1 stage's flat partitions are read from the file DeepSpeed names
+(``bf16_zero_pp_rank_0_...`` in bf16).
 """
 
 from __future__ import annotations
@@ -144,3 +145,77 @@ def test_a_zero_0_save_takes_the_parameter_shapes_before_save_whole_begins(monke
     client_state = engine.save_checkpoint("checkpoints", "t", client_state={"mine": 1})
     assert order == ["shapes", "save_whole", "deepspeed"]
     assert client_state == {"mine": 1, pipeline_engine.PARAMETER_SHAPES_KEY: [{"w": [2, 2]}]}
+
+
+def _save_zero1_stages(tag_dir, *, prefix):
+    """Two stages of a ZeRO-1 job after one step of Adam, as DeepSpeed's pipeline engine saves them: the
+    parameters' shapes in ``mp_rank_<stage>_model_states.pt``, the flat fp32 partition and its states in
+    ``<prefix>zero_pp_rank_0_mp_rank_<stage>_optim_states.pt``; returns each parameter's fp32 weight and states."""
+    from deepspeed.checkpoint.constants import (
+        BASE_OPTIMIZER_STATE,
+        GROUP_PADDINGS,
+        OPTIMIZER_STATE_DICT,
+        PARAM_SLICE_MAPPINGS,
+        SINGLE_PARTITION_OF_FP32_GROUPS,
+    )
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    model = toy_sequential(dim=3, num_layers=4)
+    folder = tag_dir / "pipeline0"
+    folder.mkdir(parents=True)
+    expected = {}
+    for stage, layers in enumerate(SAVED_SPLIT):
+        named = _named(model, layers)
+        flat = torch.cat([p.detach().reshape(-1) for _, p in named]).clone()
+        optimizer = torch.optim.Adam([torch.nn.Parameter(flat.clone())], lr=0.01)
+        optimizer.param_groups[0]["params"][0].grad = torch.linspace(-1, 1, flat.numel())
+        optimizer.step()
+        state = optimizer.state_dict()
+        mappings, start = {}, 0
+        for name, p in named:
+            mappings[name] = fragment_address(numel=p.numel(), start=start)
+            expected[name] = {
+                key: state["state"][0][key].narrow(0, start, p.numel()).reshape(p.shape)
+                for key in ("exp_avg", "exp_avg_sq")
+            }
+            start += p.numel()
+        torch.save(
+            {"param_shapes": [{name: p.shape for name, p in named}]}, folder / f"mp_rank_{stage:02d}_model_states.pt"
+        )
+        saved = {
+            BASE_OPTIMIZER_STATE: state,
+            SINGLE_PARTITION_OF_FP32_GROUPS: [flat],
+            GROUP_PADDINGS: [0],
+            PARAM_SLICE_MAPPINGS: [mappings],
+        }
+        torch.save(
+            {OPTIMIZER_STATE_DICT: saved}, folder / f"{prefix}zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt"
+        )
+    return expected
+
+
+@pytest.mark.parametrize("prefix", ["", "bf16_"], ids=["fp32", "bf16"])
+def test_a_zero1_checkpoint_is_read_under_the_name_deepspeed_gave_it(tmp_path, prefix):
+    # In bf16 DeepSpeed names a stage's ZeRO optimizer file bf16_zero_pp_rank_0_...: a resume under another
+    # split failed with FileNotFoundError for zero_pp_rank_0_... on a tied GPT-2 in bf16 at ZeRO 1.
+    tag_dir = tmp_path / "global_step1"
+    expected = _save_zero1_stages(tag_dir, prefix=prefix)
+    shapes = convert_pipeline_checkpoint(tag_dir, num_stages=2, zero_stage=1, optimizer_name="Adam")
+    assert set(shapes[0]) == set(expected)
+    for name, states in expected.items():
+        for key, value in states.items():
+            saved = torch.load(tag_dir / UNIVERSAL_FOLDER / "zero" / name / f"{key}.pt", weights_only=False)
+            assert torch.equal(saved["param"], value), (name, key)
+
+
+def test_a_zero1_checkpoint_without_its_optimizer_file_names_both_names(tmp_path):
+    tag_dir = tmp_path / "global_step1"
+    _save_zero1_stages(tag_dir, prefix="")
+    (tag_dir / "pipeline0" / "zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink()
+    with pytest.raises(ValueError) as error:
+        convert_pipeline_checkpoint(tag_dir, num_stages=2, zero_stage=1, optimizer_name="Adam")
+    assert (
+        f"{tag_dir / 'pipeline0'}: expected stage 1's ZeRO-1 optimizer state in zero_pp_rank_0_mp_rank_01_optim_states"
+        ".pt (or bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt, as DeepSpeed names it in bf16), found neither"
+    ) in str(error.value)
+    assert not (tag_dir / UNIVERSAL_FOLDER).exists()
