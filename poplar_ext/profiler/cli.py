@@ -33,6 +33,14 @@ from poplar_ext.search.cli_common import CommandParser, printing
 BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
 HF_PREFIX = "hf:"
 """``--model hf:CONFIG_CLASS``: a transformers model built from its config (random weights)."""
+
+HF_PER_LAYER = (
+    "--per-layer: expected a pipeline model to profile layer by layer, found --model {model}, a whole Hugging Face "
+    "model (profiled whole: leave --per-layer out); for layer profiles of a causal LM give --model MODULE:FACTORY "
+    "returning poplar_ext.pipeline.causal_lm_layers(model).layers, --batch MODULE:FACTORY returning (input_ids, "
+    "labels) and --loss MODULE:NAME naming a poplar_ext.pipeline.causal_lm.CausalLMLoss() (docs/profiling.md)"
+)
+"""Why ``--model hf:... --per-layer`` is refused before any rank joins (its model is no list of layers)."""
 DISCOVERED_CLUSTER_FILE = "cluster.json"
 """Where, in the output directory, a run without --cluster writes the cluster it discovered."""
 SECTION_DEFAULTS = {"cluster": "cluster", "cache_dir": "profiles"}
@@ -301,6 +309,8 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     _fill_model_options(args)
+    if args.per_layer and args.model.startswith(HF_PREFIX):
+        raise UsageError(HF_PER_LAYER.format(model=args.model))
     sizes, limit = args.micro_batch_sizes, args.micro_batch_size_limit
     above = [size for size in sizes or () if size > limit]
     noting = not args.quiet and int(os.environ.get("RANK", "0")) == 0

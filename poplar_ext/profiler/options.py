@@ -273,7 +273,8 @@ class ProfileOptions:
         "for an nn.Sequential too, beside its whole-model profiles; --no-per-layer never writes them (every model "
         "is profiled whole). Left out: a pipeline model (a PipelineModule or PoplarPipelineModule, or a list of "
         "LayerSpecs or modules) gets layer profiles only, any other model none. With layer profiles --batch "
-        "returns (inputs, labels) and --loss is DeepSpeed's pipeline loss_fn(outputs, labels).",
+        "returns (inputs, labels) and --loss is DeepSpeed's pipeline loss_fn(outputs, labels). A Hugging Face causal "
+        "LM: a --model returning causal_lm_layers(model).layers (--model hf:... is profiled whole).",
     )
     """Layer profiles for the pipeline search (`poplar_ext.profiler.per_layer`, written to
     ``<profile directory>/layers/``): None measures them when the model is a pipeline model (a

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from poplar_ext.profiler.cli import main, parse_command
+from poplar_ext.profiler.cli import UsageError, main, parse_command
 
 
 @pytest.fixture
@@ -636,3 +636,16 @@ def test_the_help_says_the_poplar_section_gives_the_defaults(capsys) -> None:
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: poplar.cluster in the --deepspeed_config file, where it has one)" in text
     assert "(default: poplar.profiles in the --deepspeed_config file, else profiles)" in text
+
+
+def test_a_hugging_face_model_per_layer_is_refused_before_any_rank_joins_with_the_recipe(files) -> None:
+    # It was refused on every rank after the job joined and built the model ("model: expected a PipelineModule,
+    # ... found GPT2LMHeadModel"), without a word on how a causal LM is profiled layer by layer.
+    with pytest.raises(UsageError) as error:
+        parse_command(_args(files, "--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2, "--per-layer"))
+    message = str(error.value)
+    assert message.startswith("--per-layer: expected a pipeline model to profile layer by layer, found --model ")
+    assert "causal_lm_layers(model).layers" in message and "(input_ids, labels)" in message
+    assert "CausalLMLoss()" in message
+    # profiled whole, as before
+    assert parse_command(_args(files, "--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2)).per_layer is None
