@@ -40,8 +40,8 @@ def layer_profiles_by_stage(layer_profiles: Sequence[LayerProfile]) -> dict[int,
     if len(models) > 1:
         shown = ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
         raise ValueError(
-            f"layer_profiles: expected layer profiles of one model, found {len(models)}: {shown}"
-            f"{files_text(layer_profiles)}"
+            f"layer_profiles: expected layer profiles of one model, found {len(models)}: {shown} (poplar-search: "
+            f"--model NAME or FINGERPRINT picks one){files_text(layer_profiles)}"
         )
     by_stage: dict[int, dict[str, LayerProfile]] = {}
     for profile in layer_profiles:

@@ -192,6 +192,19 @@ def test_predicting_without_a_fitting_layer_profile_is_a_value_error():
         predict_pipeline(PLAN, [*PROFILES, layer_profile("a", 0.03)])
 
 
+def test_two_models_layer_profiles_of_one_type_are_named_as_two_models_with_the_option_that_picks_one():
+    # A folder of layers/ with a model profiled twice (another dropout: another fingerprint, the same name
+    # "pipeline") was refused as "found two for 'a' at stage 0", no model named, no word of --model.
+    other = ModelInfo(name="toy", fingerprint="sha256:other", num_parameters=10_000, dtype="float32")
+    again = [dataclasses.replace(p, model=other) for p in PROFILES]
+    with pytest.raises(ValueError) as error:
+        predict_pipeline(PLAN, [*PROFILES, *again])
+    assert str(error.value) == (
+        "layer_profiles: expected layer profiles of one model, found 2: toy (sha256:other), toy (sha256:toy) "
+        "(poplar-search: --model NAME or FINGERPRINT picks one)"
+    )
+
+
 def test_each_stage_blocks_are_its_layers_times_at_its_pipelines_micro_batch():
     from poplar_ext.search.pipeline_cost import stage_block_times
 
