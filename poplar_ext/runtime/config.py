@@ -109,7 +109,8 @@ class PoplarConfig:
     ``token_mean`` (of label tokens, ``-100`` ignored: the language-model loss; the optimizer then sees
     the mean over the global batch's tokens)."""
     log_interval_steps: int = 10
-    """Log the true global batch and samples/s every this many optimizer steps (0: never)."""
+    """Log the true global batch and samples/s every this many optimizer steps (0: never), from step 2 (the
+    first has no iteration time)."""
     cpu_threads: int | None = None
     """On CPU, torch intra-op threads for this process (``torch.set_num_threads``); None: leave
     torch's setting. Emulated device types need 1 (their compute is timed by the thread's CPU time)."""
