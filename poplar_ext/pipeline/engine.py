@@ -107,6 +107,24 @@ def agree_on_overflow(
     return overflow
 
 
+def optimizer_state_unloadable(engine: Any) -> bool:
+    """Whether `engine` (a pipeline's) saves an optimizer state its loading cannot read: DeepSpeed 0.19.8's bf16
+    optimizer without ZeRO (bf16 at ZeRO 0), whose state `load_checkpoint` refuses."""
+    return isinstance(engine.optimizer, BF16_Optimizer) and not engine.zero_optimization()
+
+
+def warn_unloadable_optimizer_state(engine: Any, *, rank: int) -> None:
+    """At the start of a job whose checkpoints will not resume with their optimizer state, say so (rank 0): the
+    refusal comes only at the load, after the run that saved them."""
+    if rank == 0 and optimizer_state_unloadable(engine):
+        logger.warning(
+            "bf16 at ZeRO stage 0: this job's checkpoints will not resume with their optimizer state "
+            "(DeepSpeed 0.19.8 cannot read the state it saves there; load_checkpoint refuses it, or loads the "
+            "weights alone with load_optimizer_states=False); zero_optimization.stage 1 (a plan searched with "
+            "--zero-stage 1) resumes exactly and costs no memory in a pipeline"
+        )
+
+
 class PoplarPipelineEngine(EngineCore, PipelineEngine):
     """DeepSpeed's pipeline engine for this rank's pipeline (built by `poplar_ext.initialize`), used as DeepSpeed's:
     ``loss = engine.train_batch(data_iter)``, or ``engine.train_batch()`` to read the dataloader
@@ -524,7 +542,7 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         # pipeline) whole, and loads it as a list of partitions (KeyError: 0 in _load_legacy_checkpoint).
         # The config is the same on every rank: every rank raises, before anything is read.
         reads_state = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
-        if reads_state and isinstance(self.optimizer, BF16_Optimizer) and not self.zero_optimization():
+        if reads_state and optimizer_state_unloadable(self):
             raise ValueError(
                 "load_checkpoint: expected ZeRO stage 1 to load a bf16 pipeline's optimizer state, found stage 0 "
                 "(DeepSpeed 0.19.8 cannot read the state it saves there); train with zero_optimization.stage 1, "

@@ -17,7 +17,7 @@ from poplar_ext.hardware.emulation import (
     emulation_for_rank,
     pipeline_reference,
 )
-from poplar_ext.pipeline.engine import PoplarPipelineEngine
+from poplar_ext.pipeline.engine import PoplarPipelineEngine, warn_unloadable_optimizer_state
 from poplar_ext.pipeline.job import PipelineJob
 from poplar_ext.pipeline.planning import pipeline_drift_monitor
 from poplar_ext.plan.pipeline_formats import PipelinePlan
@@ -177,6 +177,7 @@ def initialize_pipeline(
         dist_init_required=dist_init_required,
         collate_fn=None,
     )
+    warn_unloadable_optimizer_state(engine, rank=job.rank)
     if job.rank == 0 and "steps_per_print" in job.ds_config:
         logger.info(
             "steps_per_print: DeepSpeed's own loss line is off for a poplar pipeline job (it would show one "

@@ -89,3 +89,27 @@ class _ZeroOptimizer(ZeROOptimizer):
 
 def test_the_loss_scale_of_a_zero_optimizer_is_left_to_deepspeed():
     assert PoplarPipelineEngine._unapplied_loss_scale(_engine(fp16=True, optimizer=_ZeroOptimizer())) is None
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_a_bf16_job_at_zero_0_is_told_at_start_that_its_checkpoints_will_not_resume_their_optimizer(
+    caplog, rank, zero_stage
+):
+    # A tiny GPT-2 in bf16, its plan searched at ZeRO 0 (the search's auto: stage 1 predicts the same), trained
+    # and saved without a word; only the resume refused its optimizer state, after the run.
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from poplar_ext.pipeline.engine import warn_unloadable_optimizer_state
+
+    engine = SimpleNamespace(optimizer=object.__new__(BF16_Optimizer), zero_optimization=lambda: zero_stage > 0)
+    with caplog.at_level("WARNING", logger="poplar_ext.pipeline.engine"):
+        warn_unloadable_optimizer_state(engine, rank=rank)
+    warned = [r.getMessage() for r in caplog.records if "will not resume" in r.getMessage()]
+    assert len(warned) == (rank == 0 and zero_stage == 0)
+    if warned:
+        assert warned[0].startswith("bf16 at ZeRO stage 0: this job's checkpoints will not resume with their")
+        assert "zero_optimization.stage 1 (a plan searched with --zero-stage 1) resumes exactly" in warned[0]
+    caplog.clear()
+    warn_unloadable_optimizer_state(SimpleNamespace(optimizer=object(), zero_optimization=lambda: False), rank=0)
+    assert not caplog.records  # fp32, fp16: nothing to say
