@@ -140,6 +140,8 @@ def run_pipelines(args: argparse.Namespace) -> int:
             reasons.append("pipeline: not searched (no global batch: the ZeRO search found none to take)")
         print(f"{PROG}: infeasible: {' '.join(reasons)}", file=sys.stderr)
         return EXIT_INFEASIBLE
+    if chosen == "pipeline":
+        note_bf16_zero0(args, pipeline.plan, layer_profiles)
     data = _plan_dict(zero if chosen == "zero" else pipeline)
     auto = args.parallelism == "auto"
     shown = {"chosen": chosen, "zero": _plan_dict(zero), "pipeline": _plan_dict(pipeline)} if auto else data
@@ -152,6 +154,22 @@ def run_pipelines(args: argparse.Namespace) -> int:
         return parallelism_table(zero, pipeline, chosen) + "\n\n" + plan if auto else plan
 
     return emit(args, data, shown, text)
+
+
+def note_bf16_zero0(args: argparse.Namespace, plan: PipelinePlan, layer_profiles: Any) -> None:
+    """A note on stderr for a plan whose stage the search chose (``--zero-stage auto``) at 0 from bf16 layer
+    profiles: such a job's checkpoints do not resume with their optimizer state (the runtime refuses it at the
+    load, after the run; at ZeRO 1, which shards nothing in a pipeline, they do)."""
+    if args.zero_stage != "auto" or plan.zero_stage != 0:
+        return
+    if not any(p.model.dtype == "bfloat16" and p.zero_stage == 0 for p in layer_profiles):
+        return
+    print(
+        f"{PROG}: note: the plan is at ZeRO stage 0 from bfloat16 layer profiles: DeepSpeed 0.19.8 cannot load the "
+        "optimizer state a bf16 pipeline saves at stage 0, so its checkpoints resume with the weights alone; "
+        "--zero-stage 1 plans one that resumes exactly (ZeRO 1 shards nothing in a pipeline: no memory cost)",
+        file=sys.stderr,
+    )
 
 
 def _plan_dict(result: Any) -> dict[str, Any] | None:

@@ -225,3 +225,24 @@ def test_model_picks_the_layer_profiles_too(capsys, tmp_path):
     code, out, err = run(capsys, *common, "--model", "gpt2-small-124m")
     assert code == 2 and "--model: expected the name or fingerprint of a model in " in err
     assert f"layers, found 'gpt2-small-124m'; there: {layers['name']} ({layers['fingerprint']})" in err, err
+
+
+def test_a_bf16_plan_the_search_put_at_zero_0_comes_with_a_note_that_its_checkpoints_will_not_resume(capsys, tmp_path):
+    # A tiny GPT-2's bf16 layer profiles: the auto stage was 0 (stage 1 predicted the same), the job trained and
+    # saved, and only its resume refused the optimizer state. The search now says so where it chooses.
+    profiles = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, profiles)
+    for path in (profiles / "layers").glob("*.json"):
+        data = json.loads(path.read_text())
+        data["model"]["dtype"] = "bfloat16"
+        path.write_text(json.dumps(data))
+    argv = ["--profiles", profiles, "--cluster", CLUSTER, "--parallelism", "pipeline", "--global-batch-size", 256]
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and out.startswith("pipelines at ZeRO stage 0 (auto)")
+    assert err == (
+        "poplar-search: note: the plan is at ZeRO stage 0 from bfloat16 layer profiles: DeepSpeed 0.19.8 cannot "
+        "load the optimizer state a bf16 pipeline saves at stage 0, so its checkpoints resume with the weights "
+        "alone; --zero-stage 1 plans one that resumes exactly (ZeRO 1 shards nothing in a pipeline: no memory cost)\n"
+    )
+    code, out, err = run(capsys, *argv, "--zero-stage", "0")  # asked for: no note
+    assert code == 0 and err == ""
