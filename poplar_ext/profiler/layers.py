@@ -251,11 +251,15 @@ def measure_layers(
     factor = max(1.0, slowdown)
     for b in measurement.micro_batch_sizes:
         batch = map_tensors(lambda t: t.to(device), measurement.make_batch(b), walk_dicts=False)
-        inputs, labels = batch if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
+        paired = isinstance(batch, (tuple, list)) and len(batch) == 2
+        inputs, labels = batch if paired else (batch, None)
         for step in range(measurement.warmup_micro_steps + measurement.repeats):
             x = inputs
             for index, layer in enumerate(layers):
-                run = _run_layer(layer, x, labels, last=index == last, loss_fn=pipeline.loss_fn, device=device)
+                try:
+                    run = _run_layer(layer, x, labels, last=index == last, loss_fn=pipeline.loss_fn, device=device)
+                except Exception as exc:
+                    raise _with_layer(exc, index, layer, x, batch=None if paired else batch) from exc
                 layer.zero_grad(set_to_none=True)
                 if step >= measurement.warmup_micro_steps:
                     times[index][b].append(run.time_s * factor)
@@ -277,6 +281,37 @@ def measure_layers(
         }
         for index, layer in enumerate(layers)
     ]
+
+
+def _described(value: Any) -> str:
+    """``a tensor of shape (4, 32) int64``, ``a dict with keys input_ids, labels``, ``a tuple of 3``."""
+    if torch.is_tensor(value):
+        return f"a tensor of shape {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, dict):
+        return f"a dict with keys {', '.join(map(str, value))}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def _with_layer(exc: Exception, index: int, layer: nn.Module, given: Any, *, batch: Any) -> Exception:
+    """`exc` of layer `index` said again, of its own type (a user's error stays one on every rank: a restarting
+    launcher's job ends): the layer, the error, what it was given and, for a batch that is not a pair, what a
+    layer profile's batch is. `exc` itself where its type cannot be made from a message, or out of memory."""
+    name = getattr(layer, "layer_name", type(layer).__name__)
+    text = f"layer {index} ({name}): {exc}; its input: {_described(given)}"
+    if batch is not None:
+        text += (
+            f"; the batch (make_batch, poplar-profile's --batch) is {_described(batch)}: expected (inputs, labels), "
+            "the first layer's input and the loss's labels"
+        )
+    if isinstance(exc, torch.OutOfMemoryError):
+        return exc
+    try:
+        said = type(exc)(text)
+    except Exception:  # noqa: BLE001 - an exception whose constructor takes more than a message: as it was
+        return exc
+    return said if str(said) == text else exc
 
 
 def _optimizer_figures(

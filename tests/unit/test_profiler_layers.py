@@ -305,3 +305,24 @@ def test_a_layer_passing_a_dict_gets_it_as_it_was_returned() -> None:
     (first, first_grad, _), (between, _, grad_fn) = seen
     assert first is batch and not first_grad
     assert type(between) is _Outputs and "Relu" in grad_fn.name()
+
+
+def test_a_layer_that_fails_is_named_with_what_it_got_and_a_batch_that_is_no_pair_says_what_is_expected() -> None:
+    # A Hugging Face style batch (a dict) for causal_lm_layers: every rank stopped with a traceback ending in
+    # "TypeError: embedding(): argument 'indices' (position 2) must be Tensor, not dict", no layer, no --batch.
+    layers = [torch.nn.Embedding(16, 4), torch.nn.Linear(4, 16)]
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(TypeError) as error:  # its own type: a user's error on every rank (poplar_ext.elastic)
+        _measure_model(layers, lambda b: {"input_ids": ids[:b], "labels": ids[:b]})
+    message = str(error.value)
+    assert message.startswith("layer 0 (Embedding): embedding(): ")
+    assert message.endswith(
+        "; its input: a dict with keys input_ids, labels; the batch (make_batch, poplar-profile's --batch) is a dict "
+        "with keys input_ids, labels: expected (inputs, labels), the first layer's input and the loss's labels"
+    )
+    assert isinstance(error.value.__cause__, TypeError)
+    # A pair whose layer fails deeper: the layer and its input, no word of the batch.
+    with pytest.raises(RuntimeError) as error:
+        _measure_model([torch.nn.Embedding(16, 4), torch.nn.Linear(5, 16)], lambda b: (ids[:b], ids[:b]))
+    assert str(error.value).startswith("layer 1 (Linear): mat1 and mat2 shapes cannot be multiplied")
+    assert str(error.value).endswith("; its input: a tensor of shape (1, 3, 4) float32")
