@@ -451,6 +451,8 @@ def _stops_paying_text(rows: list[dict[str, Any]], stage: str, at: int | None) -
     feasible = [row["world_size"] for row in rows if row["stages"][stage]["status"] == "ok"]
     if not feasible:
         return "infeasible at every size"
+    if len(feasible) == 1 and len(rows) > 1:  # nothing to compare it with
+        return f"feasible only at {feasible[0]} GPUs"
     text = "never (in this range)" if at is None else f"{at} GPUs"
     if feasible[0] != rows[0]["world_size"]:
         text += f" (against {feasible[0]} GPUs, its smallest feasible cluster)"

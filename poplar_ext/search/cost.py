@@ -194,7 +194,7 @@ class StageModel:
                 at = listed([f"rank {r} ({micro_batch_sizes[r]})" for r in np.flatnonzero(outside)])
                 raise ValueError(
                     f"micro_batch_size: expected 1 to {device.max_micro_batch_size} on {device.device_type} "
-                    f"at ZeRO stage {self.zero_stage}, found {int(sizes.min())}..{int(sizes.max())} at {at}"
+                    f"at ZeRO stage {self.zero_stage}, found {int(sizes.min())}..{int(sizes.max())}; outside it: {at}"
                 )
             table = device.compute_step_time_table_s if compute else None
             times[mask] = (device.step_time_table_s if table is None else table)[sizes - 1]

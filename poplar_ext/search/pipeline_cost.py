@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from poplar_ext.plan.formats import Cluster, Prediction, files_text, loaded_from
+from poplar_ext.plan.formats import Cluster, Prediction, files_text, listed, loaded_from
 from poplar_ext.plan.network_format import CollectiveFit, NetworkProfile, ring_time_s
 from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerProfile, Pipeline, PipelinePlan
 
@@ -65,7 +65,7 @@ def layer_profiles_by_stage(layer_profiles: Sequence[LayerProfile]) -> dict[int,
             count: [path for p in layer_profiles if p.num_layers == count and (path := loaded_from(p)) is not None]
             for count in counts
         }
-        where = "; ".join(f"{count} layers: {', '.join(paths)}" for count, paths in files.items() if paths)
+        where = "; ".join(f"{count} layers: {listed(sorted(paths))}" for count, paths in files.items() if paths)
         raise ValueError(
             f"layer_profiles: expected the same number of layers in every layer profile, found {counts}: {which}"
             + (f"; the files: {where}" if where else "")

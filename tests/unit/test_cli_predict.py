@@ -263,4 +263,4 @@ def test_a_micro_batch_above_its_profiles_largest_is_refused_naming_the_rank(tmp
     assert main(["--example", "--predict", str(path)]) == 2
     err = capsys.readouterr().err
     assert "micro_batch_size: expected 1 to " in err and f"on {last['device_type']} at ZeRO stage 1, found " in err
-    assert f"..{too_big} at rank {last['rank']} ({too_big})" in err, err
+    assert f"..{too_big}; outside it: rank {last['rank']} ({too_big})" in err, err
