@@ -169,7 +169,8 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         "--model",
         metavar="NAME",
         help="the model whose profiles to plan from, by its name or fingerprint, where --profiles holds several "
-        "models' (the automatic mode's cache does); default: the folder's one model",
+        "models' (the automatic mode's cache does); default: the folder's one model. A fingerprint may be cut "
+        "to its first 8 or more digits, as profile file names show it",
     )
     parser.add_argument(
         "--global-batch-size",

@@ -170,10 +170,28 @@ def of_model(args: Any, profiles: list[Any], folder: Any) -> list[Any]:
         return profiles
     chosen = [p for p in profiles if args.model in (p.model.name, p.model.fingerprint)]
     if not chosen:
-        there = ", ".join(sorted({f"{p.model.name} ({p.model.fingerprint})" for p in profiles}))
+        chosen = _of_fingerprint_prefix(args.model, profiles)
+    there = ", ".join(sorted({f"{p.model.name} ({p.model.fingerprint})" for p in chosen or profiles}))
+    if not chosen:
         raise ValueError(f"--model: expected the name or fingerprint of a model in {folder}, found "
                          f"{args.model!r}; there: {there}")  # fmt: skip
+    if len({p.model.fingerprint for p in chosen}) > 1 and args.model not in {p.model.name for p in chosen}:
+        raise ValueError(f"--model: {args.model!r} begins the fingerprints of several models in {folder}: {there}; "
+                         "expected more of one")  # fmt: skip
     return chosen
+
+
+FINGERPRINT_PREFIX_MIN = 8
+"""The fewest hex digits of a fingerprint ``--model`` takes: the 8 that profile file names show."""
+
+
+def _of_fingerprint_prefix(wanted: str, profiles: list[Any]) -> list[Any]:
+    """`profiles` whose fingerprint's digits begin with `wanted` (with or without its ``sha256:``), as a profile's
+    file name shows them; none for a shorter `wanted`."""
+    digits = wanted.split(":")[-1].lower()
+    if len(digits) < FINGERPRINT_PREFIX_MIN:
+        return []
+    return [p for p in profiles if p.model.fingerprint.split(":")[-1].lower().startswith(digits)]
 
 
 def note_unused_types(args: Any, profiles: Sequence[Any], cluster: Any) -> None:

@@ -336,6 +336,29 @@ def test_model_picks_one_models_profiles_from_a_folder_of_several(capsys, tmp_pa
     assert code == 2 and "--model: expected the name or fingerprint of a model in" in err and "other-model" in err
 
 
+def test_model_takes_the_fingerprint_as_profile_file_names_show_it(capsys, tmp_path):
+    # The cache's file names show 8 digits of the fingerprint (gpt-a1b2c3d4-...json); --model took only the whole.
+    folder = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, folder, ignore=shutil.ignore_patterns("layers", "cluster.json"))
+    for tag, fingerprint in (("one", "sha256:0123456789ab"), ("two", "sha256:0123456799ff")):
+        for path in EXAMPLES.glob("*.json"):
+            data = json.loads(path.read_text())
+            if "model" not in data:
+                continue
+            data["model"] = {**data["model"], "name": "same", "fingerprint": fingerprint}
+            (folder / f"{tag}-{path.name}").write_text(json.dumps(data))
+    common = ["--profiles", folder, "--cluster", CLUSTER, "--global-batch-size", 512, "--no-network"]
+    for chosen in ("01234567", "sha256:01234567"):  # both models': more digits needed
+        code, out, err = run(capsys, *common, "--model", chosen)
+        assert code == 2 and f"--model: {chosen!r} begins the fingerprints of several models in" in err, err
+        assert "expected more of one" in err
+    for chosen in ("012345678", "sha256:012345679"):
+        code, out, err = run(capsys, *common, "--model", chosen, "--format", "json")
+        assert code == 0, err
+    code, out, err = run(capsys, *common, "--model", "0123456")  # fewer than 8 digits: not a fingerprint
+    assert code == 2 and "--model: expected the name or fingerprint of a model in" in err
+
+
 def test_a_profile_whose_device_type_is_misspelt_is_said_to_be_unused(capsys, tmp_path):
     # One V100 profile renamed 'V100-16G': the search ignores it (as a folder's other GPUs'), with a note; where
     # its stage then has no profile of the type, the reason names it too.
