@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainingArguments
+from transformers.integrations.deepspeed import HfDeepSpeedConfig
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import seed_worker
@@ -683,8 +684,6 @@ class PoplarTrainerMixin(_PlanEvaluation):
         here = _resumable_here(resume_from_checkpoint, self.args.output_dir) if storage_rank == 0 else None
         storages = [(rank, view) for rank, view in enumerate(gather_objects(here)) if view is not None]
         folder = _whole_checkpoint(resume_from_checkpoint, storages)  # the same on every rank
-        if folder is not None:  # the Trainer would fail on it only once the engine is built, deep in its load
-            decided_by_rank0(lambda: _check_trainer_schedule(Path(folder), self.args), rank=self.job.rank)
         tag = (
             None if folder is None else decided_by_rank0(lambda: checkpoint_tag(Path(folder), None), rank=self.job.rank)
         )
@@ -698,6 +697,21 @@ class PoplarTrainerMixin(_PlanEvaluation):
             return (tag is not None and read_state(place, tag)) or read_state(place.parent, place.name)
 
         saved = None if folder is None else decided_by_rank0(read, rank=self.job.rank)
+        decision = None
+        if saved is not None:
+            decision = resume_decision(saved, self._poplar_state(), path=folder, step=saved.get("step", 0))
+            if saved["plan"]["global_batch_size"] != self.plan.global_batch_size:
+                raise ValueError(
+                    "resume_from_checkpoint: the checkpoint trained global batches of "
+                    f"{saved['plan']['global_batch_size']} "
+                    f"samples, this job's plan has {self.plan.global_batch_size}: the Trainer resumes by its step "
+                    "count, which names another stream position under another global batch; resume with the "
+                    "checkpoint's global batch (or load it with poplar_ext.initialize and engine.load_checkpoint, "
+                    "which continue the stream)"
+                )
+        if folder is not None and _deepspeed_config_object(self.args) is not None:
+            # The Trainer would fail on it only once the engine is built, deep in its load: the other refusals first.
+            decided_by_rank0(lambda: _check_trainer_schedule(Path(folder), self.args), rank=self.job.rank)
         if saved is None:
             if self.job.rank == 0 and folder is not None:
                 _log_resumed_plan(folder, saved=None, decision=None, plan_reason=self.job.plan_reason)
@@ -706,15 +720,6 @@ class PoplarTrainerMixin(_PlanEvaluation):
                     "step count decides where the data continues"
                 )
             return folder
-        decision = resume_decision(saved, self._poplar_state(), path=folder, step=saved.get("step", 0))
-        if saved["plan"]["global_batch_size"] != self.plan.global_batch_size:
-            raise ValueError(
-                "resume_from_checkpoint: the checkpoint trained global batches of "
-                f"{saved['plan']['global_batch_size']} "
-                f"samples, this job's plan has {self.plan.global_batch_size}: the Trainer resumes by its step count, "
-                "which names another stream position under another global batch; resume with the checkpoint's global "
-                "batch (or load it with poplar_ext.initialize and engine.load_checkpoint, which continue the stream)"
-            )
         self._plan_history = decision.plan_history
         self._resume_decision = decision
         self._reshard_on_resume = decision.world_size_changed and self.plan.zero_stage >= 1
@@ -839,6 +844,13 @@ def _log_resumed_plan(folder: str, *, saved: dict | None, decision: ResumeDecisi
 def _deepspeed_config(args: TrainingArguments) -> dict:
     """The DeepSpeed config the Trainer builds its engine from (this rank's, `_rank_arguments`)."""
     return getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
+
+
+def _deepspeed_config_object(args: TrainingArguments) -> HfDeepSpeedConfig | None:
+    """The Trainer's DeepSpeed config object (TrainingArguments builds one from its `deepspeed` argument; a
+    PoplarTrainer, under DeepSpeed, always has one), None where there is none."""
+    config = getattr(args, "hf_deepspeed_config", None)
+    return config if isinstance(config, HfDeepSpeedConfig) else None
 
 
 def _node_local(args: TrainingArguments) -> bool:

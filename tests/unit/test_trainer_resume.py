@@ -66,8 +66,7 @@ def _checkpoint(output_dir: Path, plan, step: int, *, tag: str | None = None) ->
     write_state(*((folder, tag) if tag else (output_dir, folder.name)), state)
     if tag:
         (folder / "latest").write_text(tag)
-    (folder / "scheduler.pt").write_text("the Trainer's schedule")  # its own scheduler's, no DeepSpeed one
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))  # the Trainer's, written last
+    (folder / "trainer_state.json").write_text("{}")  # the Trainer's, written last
     return folder
 
 
@@ -255,21 +254,26 @@ def test_the_engines_rebalancing_is_saved_and_goes_on_at_a_resume(tmp_path):
     folder = tmp_path / "checkpoint-2"
     write_state(folder, "global_step2", PoplarTrainer._poplar_state(trainer))
     (folder / "latest").write_text("global_step2")
-    (folder / "scheduler.pt").write_text("the Trainer's schedule")
     (folder / "trainer_state.json").write_text("{}")
     trainer.poplar_engine = None  # the resumed job's, built after the decision
     PoplarTrainer._check_resume(trainer, str(folder))
     assert trainer._resume_decision.rebalancing == speeds
 
 
-def _without_the_trainers_schedule(tmp_path: Path) -> tuple[Path, SimpleNamespace]:
-    """A checkpoint folder whole but for scheduler.pt (as engine.save_checkpoint leaves one, with a
-    trainer_state.json beside it), and a trainer whose DeepSpeed config has no scheduler of DeepSpeed's."""
-    plan = _plan([(4, 2), (4, 1)])
+def _under_deepspeed(trainer: SimpleNamespace, config: dict) -> SimpleNamespace:
+    """`trainer` with the DeepSpeed config object TrainingArguments builds from `config`."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    trainer.args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(config)
+    return trainer
+
+
+def _without_the_trainers_schedule(tmp_path: Path, plan=None) -> tuple[Path, SimpleNamespace]:
+    """A Trainer checkpoint folder without scheduler.pt (as `_checkpoint` writes it), and a trainer whose
+    DeepSpeed config has no scheduler of DeepSpeed's."""
+    plan = plan or _plan([(4, 2), (4, 1)])
     folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
-    (folder / "scheduler.pt").unlink()
-    trainer = _trainer(plan, tmp_path)
-    trainer.args.hf_deepspeed_config = SimpleNamespace(config={"zero_optimization": {"stage": 1}})
+    trainer = _under_deepspeed(_trainer(plan, tmp_path), {"zero_optimization": {"stage": 1}})
     return folder, trainer
 
 
@@ -352,3 +356,20 @@ def test_a_resume_without_poplar_state_logs_the_trainers_step(tmp_path, caplog):
         assert PoplarTrainer._check_resume(trainer, str(folder)) == str(folder)
     assert _plan_lines(caplog) == [f"poplar plan from step 3 (resumed from {folder}): the plan file p.json"]
     assert "the checkpoint holds no poplar-ext state" in caplog.text
+
+
+def test_a_checkpoint_without_the_trainers_schedule_resumes_without_a_deepspeed_config_object(tmp_path):
+    # No DeepSpeed config object: not the Trainer under DeepSpeed, which reads no scheduler.pt there.
+    folder, trainer = _without_the_trainers_schedule(tmp_path)
+    trainer.args.hf_deepspeed_config = None
+    assert PoplarTrainer._check_resume(trainer, str(folder)) == str(folder)
+    assert not (folder / "scheduler.pt").exists()
+
+
+def test_the_other_refusals_of_a_resume_come_before_the_trainers_schedule(tmp_path):
+    # Another global batch is the refusal to fix first; the schedule is a matter of the DeepSpeed config.
+    folder, trainer = _without_the_trainers_schedule(tmp_path, plan=_plan([(4, 2), (2, 2)]))
+    trainer.plan = _plan([(4, 2), (2, 1)])
+    with pytest.raises(ValueError, match="trained global batches of 12 samples, this job's plan has 10"):
+        PoplarTrainer._check_resume(trainer, str(folder))
+    assert trainer._resume_decision is None
