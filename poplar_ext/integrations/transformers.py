@@ -868,6 +868,8 @@ def _check_trainer_schedule(folder: Path, args: TrainingArguments) -> None:
     config = _deepspeed_config(args)
     if "scheduler" in config or "optimizer" in config or (folder / SCHEDULER_NAME).is_file():
         return
+    if not folder.is_dir():  # named, and on no storage (`_whole_checkpoint`): the Trainer's own error names it
+        return
     raise ValueError(
         f"resume_from_checkpoint: {folder}: expected {folder / SCHEDULER_NAME}, the Trainer's learning-rate schedule "
         "(a Trainer's checkpoints save it there where the DeepSpeed config has no 'scheduler' or 'optimizer' "

@@ -373,3 +373,11 @@ def test_the_other_refusals_of_a_resume_come_before_the_trainers_schedule(tmp_pa
     with pytest.raises(ValueError, match="trained global batches of 12 samples, this job's plan has 10"):
         PoplarTrainer._check_resume(trainer, str(folder))
     assert trainer._resume_decision is None
+
+
+def test_a_named_folder_on_no_storage_is_left_to_the_trainers_own_error(tmp_path):
+    # The Trainer's "Can't find a valid checkpoint at ..." names it; it is no folder a Trainer did not write.
+    _, trainer = _without_the_trainers_schedule(tmp_path)
+    missing = tmp_path / "checkpoint-9"
+    assert PoplarTrainer._check_resume(trainer, str(missing)) == str(missing)
+    assert trainer._resume_decision is None
