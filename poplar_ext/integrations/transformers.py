@@ -874,9 +874,9 @@ def _check_trainer_schedule(folder: Path, args: TrainingArguments) -> None:
         f"resume_from_checkpoint: {folder}: expected {folder / SCHEDULER_NAME}, the Trainer's learning-rate schedule "
         "(a Trainer's checkpoints save it there where the DeepSpeed config has no 'scheduler' or 'optimizer' "
         "section, as this job's has none), found no such file: this folder was not written by a Trainer under such "
-        "a config (engine.save_checkpoint of a poplar_ext.initialize loop writes none; a Trainer with a DeepSpeed "
-        "scheduler keeps it in DeepSpeed's files); resume it under the DeepSpeed config it was saved with, or "
-        "continue it with poplar_ext.initialize and engine.load_checkpoint"
+        "a config (a Trainer's checkpoint saved under a DeepSpeed config with a 'scheduler' or 'optimizer' section "
+        "keeps the schedule in DeepSpeed's files instead, which a resume under a config without one does not read); "
+        "resume it under the DeepSpeed config it was saved with"
     )
 
 

@@ -288,6 +288,9 @@ def test_a_checkpoint_without_the_trainers_schedule_is_refused_before_anything_i
     assert message.startswith(f"resume_from_checkpoint: {folder}: expected {folder / 'scheduler.pt'}")
     assert "the Trainer's learning-rate schedule" in message
     assert "not written by a Trainer" in message
+    assert "saved under a DeepSpeed config with a 'scheduler' or 'optimizer' section" in message
+    assert message.endswith("; resume it under the DeepSpeed config it was saved with")
+    assert "engine.save_checkpoint" not in message  # its folders have no trainer_state.json: refused before this
     assert trainer._resume_decision is None  # refused before the decision
 
 
