@@ -947,7 +947,8 @@ def _whole_checkpoint(named: str | bool, storages: list[tuple[int, list | str]])
             else f"{folder}: expected a whole checkpoint, found a save into it that did not finish "
             f"({missing} missing{where(rank)})"
         )
-        if named is not True and missing.endswith(TRAINER_STATE_NAME):  # a folder named, perhaps by no Trainer
+        # A folder named, perhaps by no Trainer: where some storage has the Trainer's file, a Trainer saved it.
+        if named is not True and all((view.get(folder) or "").endswith(TRAINER_STATE_NAME) for _, view in views):
             why += _NOT_A_TRAINER_CHECKPOINT
         if folder == folders[-1]:
             raise ValueError(f"resume_from_checkpoint: {why}")

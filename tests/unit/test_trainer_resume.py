@@ -384,3 +384,24 @@ def test_a_named_folder_on_no_storage_is_left_to_the_trainers_own_error(tmp_path
     missing = tmp_path / "checkpoint-9"
     assert PoplarTrainer._check_resume(trainer, str(missing)) == str(missing)
     assert trainer._resume_decision is None
+
+
+@pytest.mark.parametrize("on_both", [False, True])
+def test_a_trainer_state_missing_on_one_node_only_is_not_named_a_folder_no_trainer_saved(
+    tmp_path, monkeypatch, on_both
+):
+    # Node-local storage without save_on_each_node: the Trainer wrote trainer_state.json on the first node alone.
+    # That node's folder is a Trainer's: "a folder no Trainer saved" would point the wrong way. Missing on every
+    # node, the folder may be one no Trainer saved.
+    plan = _plan([(4, 2), (4, 1)])
+    folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
+    if on_both:
+        (folder / "trainer_state.json").unlink()
+    trainer = _trainer(plan, tmp_path)
+    state = f"{folder}/trainer_state.json"
+    _on_two_node_storages(trainer, monkeypatch, lambda held: [(name, state) for name, _ in held])
+    with pytest.raises(ValueError) as refused:
+        PoplarTrainer._check_resume(trainer, str(folder))
+    message = str(refused.value)
+    assert f"did not finish ({state} missing on rank {0 if on_both else 1}'s storage)" in message
+    assert ("or a folder no Trainer saved" in message) == on_both
