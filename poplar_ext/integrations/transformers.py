@@ -712,21 +712,12 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if folder is not None and _deepspeed_config_object(self.args) is not None:
             # The Trainer would fail on it only once the engine is built, deep in its load: the other refusals first.
             decided_by_rank0(lambda: _check_trainer_schedule(Path(folder), self.args), rank=self.job.rank)
-        if saved is None:
-            if self.job.rank == 0 and folder is not None:
-                _log_resumed_plan(folder, saved=None, decision=None, plan_reason=self.job.plan_reason)
-                logger.info(
-                    "resume_from_checkpoint: the checkpoint holds no poplar-ext state; the Trainer's own "
-                    "step count decides where the data continues"
-                )
-            return folder
-        self._plan_history = decision.plan_history
-        self._resume_decision = decision
-        self._reshard_on_resume = decision.world_size_changed and self.plan.zero_stage >= 1
-        if self.job.rank == 0:
-            _log_resumed_plan(folder, saved=saved, decision=decision, plan_reason=self.job.plan_reason)
-            for note in decision.notes:
-                logger.info("resume_from_checkpoint: %s", note)
+        if decision is not None:
+            self._plan_history = decision.plan_history
+            self._resume_decision = decision
+            self._reshard_on_resume = decision.world_size_changed and self.plan.zero_stage >= 1
+        if self.job.rank == 0 and folder is not None:
+            _log_resume(folder, saved=saved, decision=decision, plan_reason=self.job.plan_reason)
         return folder
 
     def _restore_replaced_tags(self, named: str | bool) -> None:
@@ -824,6 +815,19 @@ class PoplarTrainerMixin(_PlanEvaluation):
 def _no_deepspeed_save(save_dir: str, exclude_frozen_parameters: bool = False) -> None:
     """save_model's DeepSpeed save when `_save_optimizer_and_scheduler`'s follows into the same folder: none (the
     Trainer reads this signature for exclude_frozen_parameters)."""
+
+
+def _log_resume(folder: str, *, saved: dict | None, decision: ResumeDecision | None, plan_reason: str) -> None:
+    """Rank 0's lines of the resume `_check_resume` decided: the plan from the step it starts at, and the decision's
+    notes (`saved`: the checkpoint's poplar state; None without one, where the Trainer's step count decides)."""
+    _log_resumed_plan(folder, saved=saved, decision=decision, plan_reason=plan_reason)
+    if saved is None:
+        logger.info(
+            "resume_from_checkpoint: the checkpoint holds no poplar-ext state; the Trainer's own "
+            "step count decides where the data continues"
+        )
+    for note in decision.notes if decision is not None else ():
+        logger.info("resume_from_checkpoint: %s", note)
 
 
 def _log_resumed_plan(folder: str, *, saved: dict | None, decision: ResumeDecision | None, plan_reason: str) -> None:
