@@ -10,10 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poplar_ext.plan.formats import Plan, Profile
-
-CALIBRATION_ACTIONS = ("rescale", "remeasure", "off")
-"""What a profile off by more than the threshold gets: its curve rescaled, measured again, or nothing
-(``off`` also skips the timing)."""
+from poplar_ext.section import CALIBRATION_ACTIONS  # the poplar section's values: it lives below the profiler
 
 TRUSTED, RESCALED, REMEASURED, NOT_CHECKED = "trusted", "rescaled", "remeasured", "not checked"
 """What happened to a device type's profile, as the plan records it."""

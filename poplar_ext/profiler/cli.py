@@ -27,8 +27,8 @@ from poplar_ext.profiler.options import (
     log_progress,
     read_callable,
 )
-from poplar_ext.runtime.config import SECTION, PoplarConfig, poplar_config_from_dict
 from poplar_ext.search.cli_common import CommandParser, printing
+from poplar_ext.section import SECTION, PoplarConfig, poplar_config_from_dict
 
 BUILTIN_MODELS = ("toy-gpt", "gpt2-small")
 HF_PREFIX = "hf:"
