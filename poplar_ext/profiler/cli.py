@@ -136,8 +136,8 @@ def _add_field_options(parser: argparse.ArgumentParser) -> None:
             shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
         if f.name in SECTION_DEFAULTS:
             spec["action"] = _Given
-            section = f"{SECTION}.{SECTION_DEFAULTS[f.name]} in the --deepspeed_config file"
-            shown = f"{section}, else {shown}" if shown is not None else f"{section}, where it has one"
+            if shown is None:  # a shown default keeps its words: the help's body says the section comes first
+                shown = f"{SECTION}.{SECTION_DEFAULTS[f.name]} in the --deepspeed_config file, where it has one"
         if shown is not None:
             text += f" (default: {shown})"
         parser.add_argument(flag, dest=f.name, default=f.default, help=text.replace("%", "%%"), **spec)

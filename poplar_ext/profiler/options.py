@@ -170,7 +170,8 @@ class ProfileOptions:
         cli_help="The cluster description file (read by rank 0 alone): the device type of every rank, and the "
         "emulation of emulated types; real types must be what the hardware reports. Left out: the cluster is read "
         "from the hardware and written as cluster.json in --output-dir, for poplar-search (a cluster.json there "
-        "with emulated types is refused, never replaced).",
+        "with emulated types is refused, never replaced), unless the --deepspeed_config file's poplar section names "
+        "one: its poplar.cluster comes first.",
     )
     """The cluster description, or its file (read by rank 0 alone), or None to discover it from the
     hardware (poplar-profile then writes it as cluster.json beside the profiles, for poplar-search):
@@ -186,7 +187,14 @@ class ProfileOptions:
         "3, 4, 6, 8, 12, ... up to the largest that fits (at most --max-micro-batch-size).",
     )
     """Sizes for the time curve; None: 1, 2, 3, 4, 6, 8, 12, ... up to the largest that fits."""
-    cache_dir: str | os.PathLike[str] = _option("profiles", "--output-dir", read=_read_directory, metavar="DIR")
+    cache_dir: str | os.PathLike[str] = _option(
+        "profiles",
+        "--output-dir",
+        read=_read_directory,
+        metavar="DIR",
+        cli_help="The profile directory: profiles there with the same keys are reused, new ones written there by "
+        "rank 0. The --deepspeed_config file's poplar.profiles comes first, where its poplar section names one.",
+    )
     """The profile directory: profiles there with the same keys are reused, new ones written there by
     rank 0."""
     force: bool = _option(False, action="store_true")

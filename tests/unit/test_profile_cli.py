@@ -635,7 +635,18 @@ def test_the_help_says_the_poplar_section_gives_the_defaults(capsys) -> None:
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: poplar.cluster in the --deepspeed_config file, where it has one)" in text
-    assert "(default: poplar.profiles in the --deepspeed_config file, else profiles)" in text
+    # The words --help said before the section came keep their place: the section's rule is added to them.
+    output_dir = text.rsplit("--output-dir DIR", 1)[1].split(" --force", 1)[0]
+    assert output_dir.endswith(
+        "rank 0. The --deepspeed_config file's poplar.profiles comes first, where its poplar "
+        "section names one. (default: profiles)"
+    ), output_dir
+    cluster = text.rsplit("--cluster FILE", 1)[1].split("(default:", 1)[0]
+    assert (
+        "Left out: the cluster is read from the hardware and written as cluster.json in --output-dir, for "
+        "poplar-search (a cluster.json there with emulated types is refused, never replaced), unless the "
+        "--deepspeed_config file's poplar section names one: its poplar.cluster comes first"
+    ) in cluster, cluster
 
 
 def test_a_hugging_face_model_per_layer_is_refused_before_any_rank_joins_with_the_recipe(files) -> None:
