@@ -53,6 +53,16 @@ class UsageError(ValueError):
     """Bad command-line input: reported in one line, exit status 2."""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommandOptions(ProfileOptions):
+    """`ProfileOptions` with what the command alone does with them."""
+
+    cluster_setting: str | None = None
+    """``poplar.cluster of FILE`` where `cluster` is the file the --deepspeed_config's poplar section names (not
+    --cluster's): one not there yet is written with the cluster read from the hardware (profile first, then
+    train with that config). None: --cluster, or no cluster."""
+
+
 class _Given(argparse.Action):
     """Stores the option's value and records that it was given: the section's value is the default only where it
     was not, and a value equal to the field's default cannot tell."""
@@ -145,8 +155,12 @@ def _add_field_options(parser: argparse.ArgumentParser) -> None:
 
 def _flag(name: str) -> str:
     """The option of the `ProfileOptions` field `name`."""
-    field = next(f for f in dataclasses.fields(ProfileOptions) if f.name == name)
-    return field.metadata["cli"]["flag"] or "--" + name.replace("_", "-")
+    return _field(name).metadata["cli"]["flag"] or "--" + name.replace("_", "-")
+
+
+def _field(name: str) -> dataclasses.Field[Any]:
+    """The `ProfileOptions` field `name`."""
+    return next(f for f in dataclasses.fields(ProfileOptions) if f.name == name)
 
 
 def _field_docstrings() -> dict[str, str]:
@@ -295,9 +309,9 @@ def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[in
     return (lambda: model_from_config(config_class, sizes, task=args.hf_task)), make_batch, name, sequence_length
 
 
-def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
-    """The command line checked, as `ProfileOptions` (`cluster` None: `run` discovers it); `UsageError`
-    (one line) on bad input."""
+def parse_command(argv: Sequence[str] | None = None) -> CommandOptions:
+    """The command line checked, as `ProfileOptions` (a `CommandOptions`; `cluster` None: `run` discovers it);
+    `UsageError` (one line) on bad input."""
     args = build_parser().parse_args(argv)
     if args.checkpointing_toggle is not None and args.activation_checkpointing == "off":
         raise UsageError("--checkpointing-toggle: not used with --activation-checkpointing off; leave one out")
@@ -325,16 +339,17 @@ def parse_command(argv: Sequence[str] | None = None) -> ProfileOptions:
             f"offloads the optimizer at stages {' and '.join(map(str, OFFLOAD_STAGES))} only)"
         )
     ds_config = _deepspeed_config(Path(args.deepspeed_config))
-    _take_section_defaults(args, _poplar_section(ds_config, Path(args.deepspeed_config)), noting=noting)
+    taken = _take_section_defaults(args, _poplar_section(ds_config, Path(args.deepspeed_config)), noting=noting)
     model_factory, make_batch, name, sequence_length = _model(args)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ProfileOptions) if f.metadata["cli"] is not None}
     given |= {"model_name": args.model_name or name, "sequence_length": sequence_length}
-    return ProfileOptions(
+    return CommandOptions(
         **given,
         progress=None if args.quiet else log_progress,
         model_factory=model_factory,
         make_batch=make_batch,
         ds_config=ds_config,
+        cluster_setting=taken.get("cluster"),
     )
 
 
@@ -369,23 +384,32 @@ def _poplar_section(ds_config: dict[str, Any], config_path: Path) -> PoplarConfi
         raise UsageError(f"--deepspeed_config: {exc}") from None
 
 
-def _take_section_defaults(args: argparse.Namespace, section: PoplarConfig | None, *, noting: bool) -> None:
+def _take_section_defaults(args: argparse.Namespace, section: PoplarConfig | None, *, noting: bool) -> dict[str, str]:
     """Each `SECTION_DEFAULTS` option not given takes the section's value, so that the profiles and the cluster are
-    training's; one given that differs is noted (training will not read what it names)."""
+    training's; one given that differs is noted (training will not read what it names). The value is checked as
+    the option's reader checks the option (`UsageError` naming the section's field). Returns each option taken
+    from the section (its dest): ``poplar.KEY of FILE``."""
+    taken: dict[str, str] = {}
     if section is None:
-        return
+        return taken
     for dest, key in SECTION_DEFAULTS.items():
         value = getattr(section, key)
         # Only a path the section names: not the automatic mode's directory, which stands in for none.
         if value is None or (key == "profiles" and section.profiles_defaulted):
             continue
         if dest not in getattr(args, GIVEN, ()):
+            try:  # e.g. --output-dir's: a file is no directory (found now, not after the launcher)
+                _field(dest).metadata["cli"]["read"](str(value))
+            except ValueError as exc:
+                raise UsageError(f"--deepspeed_config: {section.source}: {SECTION}.{key}: {exc}") from None
             setattr(args, dest, value)
+            taken[dest] = f"{SECTION}.{key} of {section.source}"
         elif noting and Path(getattr(args, dest)).resolve() != value.resolve():
             log_progress(
                 f"{_flag(dest)} {getattr(args, dest)} (the command line) used, not {SECTION}.{key} of "
                 f"{section.source} ({value}), which training uses"
             )
+    return taken
 
 
 def _model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int], Any], str | None, int | None]:
@@ -411,7 +435,8 @@ def _model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[int],
 
 def run(options: ProfileOptions) -> list[Any]:
     """Profile as `options` say (collective); returns the profiles. Without a cluster, the one read from
-    the hardware is measured and written beside the profiles (for poplar-search)."""
+    the hardware is measured and written beside the profiles (for poplar-search); a poplar.cluster not there
+    yet (`CommandOptions.cluster_setting`) is written with it."""
     from deepspeed.accelerator import get_accelerator
 
     from poplar_ext.collectives import decided_by_rank0, process_group_rank
@@ -429,6 +454,8 @@ def run(options: ProfileOptions) -> list[Any]:
     _require_launcher()
     join_job()
     rank = process_group_rank()[0]
+    setting = getattr(options, "cluster_setting", None)
+    unwritten = setting is not None and decided_by_rank0(lambda: not Path(options.cluster).exists(), rank=rank)
     if options.cluster is None:
         cluster = discover_cluster()
         target = Path(options.cache_dir) / DISCOVERED_CLUSTER_FILE
@@ -438,6 +465,12 @@ def run(options: ProfileOptions) -> list[Any]:
                 save_cluster(cluster, target)
         if rank == 0 and options.progress is not None:
             options.progress(f"the cluster read from the hardware: {target}")
+        options = dataclasses.replace(options, cluster=cluster)
+    elif unwritten:  # the section's cluster.json, which this run makes: training reads it from there
+        cluster, target = discover_cluster(), Path(options.cluster)
+        decided_by_rank0(lambda: _write_section_cluster(cluster, target, setting), rank=rank)
+        if rank == 0 and options.progress is not None:
+            options.progress(f"the cluster read from the hardware: {target} ({setting}, not there yet)")
         options = dataclasses.replace(options, cluster=cluster)
     return profile_with(options, cache_dir_name="--output-dir")
 
@@ -454,6 +487,19 @@ def _require_launcher() -> None:
         "MASTER_ADDR), found none; run it as torchrun --nproc_per_node N -m poplar_ext.profiler ... "
         "(one device: --nproc_per_node 1)"
     )
+
+
+def _write_section_cluster(cluster: Any, path: Path, setting: str) -> None:
+    """`cluster` written as `path` (its folder made), or `UsageError` naming `setting` (``poplar.cluster of
+    FILE``): a path rank 0 cannot write."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_cluster(cluster, path)
+    except OSError as exc:
+        raise UsageError(
+            f"--deepspeed_config: {setting}: expected a file rank 0 can write the cluster read from the hardware "
+            f"into, found {path} ({exc.strerror or exc}); write it there, or give --cluster"
+        ) from None
 
 
 def _holds_cluster(path: Path, cluster: Any) -> bool:

@@ -647,6 +647,72 @@ def test_the_help_says_the_poplar_section_gives_the_defaults(capsys) -> None:
         "poplar-search (a cluster.json there with emulated types is refused, never replaced), unless the "
         "--deepspeed_config file's poplar section names one: its poplar.cluster comes first"
     ) in cluster, cluster
+    assert "(a file not there yet is written with the cluster read from the hardware)" in cluster
+
+
+def test_a_poplar_profiles_naming_a_file_is_refused_at_once_naming_the_section(tmp_path, capsys) -> None:
+    # The check --output-dir gets, before the launcher and any measurement: named by the section's field.
+    ds = _config_with_section(tmp_path, {"profiles": "measured"})
+    (tmp_path / "conf" / "measured").write_text("not a folder")
+    assert main(["--deepspeed_config", str(ds), "--model", "toy-gpt"]) == 2
+    err = capsys.readouterr().err
+    expected = f"--deepspeed_config: {ds}: poplar.profiles: expected a directory, found the file "
+    assert err.count("\n") == 1 and f"poplar-profile: error: {expected}{tmp_path / 'conf' / 'measured'}" in err, err
+    # --output-dir given: the section's folder is not used (the note says so), nothing to refuse.
+    options = parse_command(["--deepspeed_config", str(ds), "--model", "toy-gpt", "--output-dir", "out", "--quiet"])
+    assert Path(options.cache_dir) == Path("out")
+
+
+def _run_on_one_rank(monkeypatch, hardware):
+    """`run`'s collectives on one rank without a process group; the cluster discovered is `hardware`; returns
+    the options `profile_with` gets."""
+    from poplar_ext import collectives, profiler
+    from poplar_ext.hardware import devices, discovery
+    from poplar_ext.profiler import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_require_launcher", lambda: None)
+    monkeypatch.setattr(devices, "join_job", lambda: None)
+    monkeypatch.setattr(collectives, "process_group_rank", lambda: (0, 1))
+    monkeypatch.setattr(collectives, "decided_by_rank0", lambda decide, rank: decide())
+    monkeypatch.setattr(discovery, "discover_cluster", lambda: hardware)
+    monkeypatch.setattr(profiler, "profile_with", lambda options, cache_dir_name: seen.append(options) or [])
+    return seen
+
+
+def test_a_poplar_cluster_not_there_yet_is_written_with_the_hardwares(tmp_path, monkeypatch, capsys) -> None:
+    # Profile first, then train: the config's poplar.cluster names the cluster.json this run writes.
+    from poplar_ext.plan.formats import cluster_from_dict, load_cluster, save_cluster
+    from poplar_ext.profiler.cli import run
+
+    monkeypatch.delenv("RANK", raising=False)
+    hardware = cluster_from_dict(
+        {"schema_version": 1, "nodes": [{"name": "n", "devices": [{"device_type": "cpu", "count": 1}]}]}
+    )
+    seen = _run_on_one_rank(monkeypatch, hardware)
+    ds = _config_with_section(tmp_path, {"cluster": "clusters/cpu.json", "profiles": "measured"})
+    target = tmp_path / "conf" / "clusters" / "cpu.json"
+    run(parse_command(["--deepspeed_config", str(ds), "--model", "toy-gpt"]))
+    assert seen[-1].cluster == hardware and load_cluster(target) == hardware
+    assert not (tmp_path / "conf" / "measured" / "cluster.json").exists()  # training reads poplar.cluster
+    assert f"the cluster read from the hardware: {target} (poplar.cluster of {ds}, not there yet)" in (
+        capsys.readouterr().err
+    )
+    # There now (or written by hand): read as --cluster is, never replaced.
+    emulated = cluster_from_dict(
+        {
+            "schema_version": 1,
+            "nodes": [{"name": "n", "devices": [{"device_type": "cpu-slow", "count": 1}]}],
+            "device_types": {"cpu-slow": {"emulation": {"slowdown": 2.0, "memory_capacity_bytes": 10**9}}},
+        }
+    )
+    save_cluster(emulated, target)
+    run(parse_command(["--deepspeed_config", str(ds), "--model", "toy-gpt"]))
+    assert Path(seen[-1].cluster) == target and load_cluster(target) == emulated
+    # --cluster naming a file not there: no cluster is written for it (a typo is reported, as before).
+    missing = tmp_path / "typo.json"
+    run(parse_command(["--deepspeed_config", str(ds), "--model", "toy-gpt", "--cluster", str(missing), "--quiet"]))
+    assert Path(seen[-1].cluster) == missing and not missing.exists()
 
 
 def test_a_hugging_face_model_per_layer_is_refused_before_any_rank_joins_with_the_recipe(files) -> None:
