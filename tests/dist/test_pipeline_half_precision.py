@@ -15,8 +15,9 @@ a tiny GPT-2 (its head tied to its embedding, on other stages) in bf16 at ZeRO 0
 ``token_mean`` and no clipping (which would hide the division by the iteration's tokens), against
 the Hugging Face model in one DeepSpeed process in bf16: the tied module's and the token division's
 gradients in DeepSpeed's bf16 optimizer's own buffers. Resumes from a checkpoint equal the
-uninterrupted runs, but in bf16 at ZeRO 0, which is refused on every rank; at ZeRO 0 the weights alone
-load in both dtypes, and the next step keeps them.
+uninterrupted runs, also in bf16 at ZeRO 1 under another split (its optimizer state moved between stages),
+but in bf16 at ZeRO 0, which is refused on every rank; at ZeRO 0 the weights alone load in both dtypes, and
+the next step keeps them.
 
 DeepSpeed's CPU accelerator says fp16 is unsupported without AVX512-FP16 or AMX-FP16, as on
 the development machine; torch computes fp16 on any CPU, slowly. The ranks are told it is
@@ -247,6 +248,25 @@ def _resume(files, dtype: str, stage: int, accumulation: str | None) -> dict:
     return {"uninterrupted": uninterrupted, "resumed": _outcome(engine, [float(engine.train_batch())])}
 
 
+MOVED = "two_by_two_moved"
+MOVED_PIPELINES = [([(0, 0, 2), (1, 3, 5)], 2, 4), ([(2, 0, 0), (3, 1, 5)], 3, 2)]
+"""`PLAN`'s pipelines with their stages split at other layers (the same micro-batches, B = 14)."""
+
+
+def _resume_in_bf16_at_zero_1_under_another_split(files) -> dict:
+    """Save after 2 steps under `PLAN` and train a third; a new engine under `MOVED` loads the checkpoint (its
+    optimizer state moved between stages) and trains the third again."""
+    folder = files["checkpoints"] / "bf16_zero1_split"
+    engine = _engine(files, "bf16", 1)
+    for _ in range(STEPS - 1):
+        engine.train_batch()
+    engine.save_checkpoint(folder)
+    uninterrupted = _outcome(engine, [float(engine.train_batch())])
+    engine = _engine(files, "bf16", 1, plan=MOVED)
+    engine.load_checkpoint(folder)
+    return {"uninterrupted": uninterrupted, "resumed": _outcome(engine, [float(engine.train_batch())])}
+
+
 def _resume_refused_in_bf16_at_zero_0(files) -> str:
     engine = _engine(files, "bf16", 0)
     engine.train_batch()
@@ -302,6 +322,10 @@ def _all_cases(files) -> dict:
     results["gpt2_alike"] = _gpt2_in_bf16(files, micro_batches_alike=True)
     for case in RESUMED:
         results[("resume", *case)] = _resume(files, *case)
+    try:
+        results["moved"] = _resume_in_bf16_at_zero_1_under_another_split(files)
+    except (OSError, ValueError) as exc:  # refused or a file not found: every rank reports, none hangs
+        results["moved"] = f"{type(exc).__name__}: {exc}"
     results["resume_refused"] = _resume_refused_in_bf16_at_zero_0(files)
     results["split_refused"] = _resume_refused_under_another_split_in_fp16_at_zero_0(files)
     for dtype in DTYPES:
@@ -355,6 +379,7 @@ def results(tmp_path_factory):
         files[_plan_key(PLAN, stage)] = write_pipeline_plan(tmp / f"plan{stage}.json", PLANS[PLAN], stage=stage)
     other = "three_and_one"
     files[_plan_key(other, 0)] = write_pipeline_plan(tmp / "other0.json", PLANS[other], stage=0)
+    files[_plan_key(MOVED, 1)] = write_pipeline_plan(tmp / "moved1.json", MOVED_PIPELINES, stage=1)
     files[(PLAN, 0)] = files[_plan_key(PLAN, 0)]  # as test_pipeline_causal_lm names it (the same 6-layer splits)
     ranks = run_ranks(_all_cases, world_size=4, tmp_path=tmp, args=(files,), init_process_group=False, timeout_s=300)
     references = run_ranks(_all_references, world_size=1, tmp_path=tmp, init_process_group=False, timeout_s=120)[0]
@@ -429,6 +454,22 @@ def test_a_resumed_half_precision_run_equals_the_uninterrupted_one(results, case
         assert (after["losses"], after["scale"], after["skipped"]) == (before["losses"], before["scale"], 0)
         assert before["masters"].keys() == after["masters"].keys()
         assert all(torch.equal(after["masters"][name], value) for name, value in before["masters"].items())
+
+
+def test_a_bf16_run_at_zero_1_resumed_under_another_split_continues_it(results):
+    # DeepSpeed names a bf16 stage's ZeRO file bf16_zero_pp_rank_...: the move between stages looked for the
+    # fp32 name and every rank stopped with FileNotFoundError.
+    for rank in results[0]:
+        assert isinstance(rank["moved"], dict), rank["moved"]
+        before, after = rank["moved"]["uninterrupted"], rank["moved"]["resumed"]
+        assert after["losses"] == pytest.approx(before["losses"], rel=1e-3) and after["skipped"] == 0
+    # Each pipeline's layers (by their names in the whole model), gathered from its two stages: the same after
+    # the move between stages as without it.
+    for pipeline in (results[0][:2], results[0][2:]):
+        gathered = {name: v for rank in pipeline for name, v in rank["moved"]["uninterrupted"]["masters"].items()}
+        moved = _max_difference([rank["moved"]["resumed"]["masters"] for rank in pipeline], gathered)
+        print(f"bf16 ZeRO 1 resumed under another split: largest master weight difference {moved:.3g}")
+        assert moved <= TOLERANCE
 
 
 def test_a_resume_in_bf16_at_zero_0_is_refused_on_every_rank(results):
