@@ -146,10 +146,16 @@ class LayerProfileKey(_Key):
 
     micro_batch_sizes: tuple[int, ...]
     """The sizes the layers were timed at: other sizes asked for are measured again."""
+    measured_dtype: str = "float32"
+    """The dtype the layers ran in (``measured_with.measured_dtype``): before they were cast to the job's,
+    a half-precision job's layer profiles were timed in fp32, and such a stored one is measured again."""
 
     @staticmethod
     def _own(profile: LayerProfile) -> dict[str, Any]:
-        return {"micro_batch_sizes": tuple(s.micro_batch_size for s in profile.layers[0].samples)}
+        return {
+            "micro_batch_sizes": tuple(s.micro_batch_size for s in profile.layers[0].samples),
+            "measured_dtype": str(profile.measured_with.get("measured_dtype", "float32")),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,7 +216,9 @@ class JobKey:
 
     def layer_key(self, device_type: str, zero_stage: int, micro_batch_sizes: tuple[int, ...]) -> LayerProfileKey:
         """A layer profile's key: its layers are timed alone, so the world size is not in it."""
-        return LayerProfileKey(**self._shared(device_type, zero_stage), micro_batch_sizes=micro_batch_sizes)
+        return LayerProfileKey(
+            **self._shared(device_type, zero_stage), micro_batch_sizes=micro_batch_sizes, measured_dtype=self.dtype
+        )
 
     def holds(self, profile: Profile | LayerProfile) -> bool:
         """Whether `profile` is one this job's cache lookup finds (`find_cached_profile` with `settings`;

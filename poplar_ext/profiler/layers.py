@@ -153,6 +153,10 @@ class LayerMeasurement:
     warmup_micro_steps: int = ProfileOptions.warmup_micro_steps
     repeats: int = ProfileOptions.repeats
     device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    """The dtype the job trains in (DeepSpeed's ``bf16`` or ``fp16`` section): each layer and the batch's
+    floating-point inputs are cast to it, as DeepSpeed casts a stage, and the optimizer steps fp32 master
+    copies beside it, as DeepSpeed's mixed-precision optimizers do."""
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -243,7 +247,7 @@ def measure_layers(
     """Each layer's `LayerCost` fields (as a dict), measured in this process (not collective); times x
     `slowdown` (an emulated type's; at least 1)."""
     device = measurement.device
-    layers = [builder().to(device) for builder in pipeline.builders]
+    layers = [builder().to(device=device, dtype=measurement.dtype) for builder in pipeline.builders]
     last = len(layers) - 1
     times: list[dict[int, list[float]]] = [{b: [] for b in measurement.micro_batch_sizes} for _ in layers]
     kept_per_sample = [0] * len(layers)
@@ -253,6 +257,9 @@ def measure_layers(
         batch = map_tensors(lambda t: t.to(device), measurement.make_batch(b), walk_dicts=False)
         paired = isinstance(batch, (tuple, list)) and len(batch) == 2
         inputs, labels = batch if paired else (batch, None)
+        inputs = map_tensors(
+            lambda t: t.to(measurement.dtype) if t.is_floating_point() else t, inputs, walk_dicts=False
+        )
         for step in range(measurement.warmup_micro_steps + measurement.repeats):
             x = inputs
             for index, layer in enumerate(layers):
@@ -317,18 +324,26 @@ def _with_layer(exc: Exception, index: int, layer: nn.Module, given: Any, *, bat
 def _optimizer_figures(
     layer: nn.Module, pipeline: PipelineLayers, measurement: LayerMeasurement, factor: float, last: bool
 ) -> dict[str, Any]:
-    """The layer's optimizer state (gradients included) and its step time (median, x the slowdown)."""
+    """The layer's optimizer state (gradients included) and its step time (median, x the slowdown); in a half
+    precision, the step of fp32 master copies, which count with their gradients besides the layer's own."""
     parameters = [p for p in layer.parameters() if p.requires_grad]
     if not parameters:
         return {"optimizer_state_bytes": 0, "optimizer_step_time_s": 0.0}
+    half_grads = [torch.zeros_like(p) for p in parameters] if measurement.dtype != torch.float32 else []
+    if half_grads:
+        parameters = [p.detach().float().requires_grad_(True) for p in parameters]
     optimizer = measurement.optimizer_factory(parameters)
     for p in parameters:
         p.grad = torch.zeros_like(p)
     steps = [time_compute(measurement.device, optimizer.step) for _ in range(measurement.repeats + 1)]
     # Gradients plus the optimizer's per-parameter state after a step.
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    masters = parameters if half_grads else []
     return {
-        "optimizer_state_bytes": _nbytes([p.grad for p in parameters if p.grad is not None]) + _nbytes(state),
+        "optimizer_state_bytes": _nbytes([p.grad for p in parameters if p.grad is not None])
+        + _nbytes(state)
+        + _nbytes(masters)
+        + _nbytes(half_grads),
         "optimizer_step_time_s": statistics.median(steps[1:]) * factor,
     }
 

@@ -146,6 +146,7 @@ def profile_layers(
                     "warmup_micro_steps": options.warmup_micro_steps,
                     "repeats": options.repeats,
                     "platform": platform.platform(),
+                    "measured_dtype": info.dtype,
                 },
             )
             path = store_layer_profile(options.cache_dir, profile)
@@ -164,6 +165,7 @@ def _measure_my_type(pipeline: Any, options: ProfileOptions, layout: Any, sizes:
         warmup_micro_steps=options.warmup_micro_steps,
         repeats=options.repeats,
         device=device,
+        dtype=getattr(torch, training_dtype(read_ds_config(options.ds_config))),
     )
     emulation = layout.emulations[layout.my_type]
     # Several torch threads spin in the thread CPU time that times a CPU layer: one, as profile_with.

@@ -152,6 +152,33 @@ def test_a_layer_profile_timed_over_fewer_micro_steps_than_asked_is_measured_aga
         assert (find_cached_layer_profile(tmp_path, key, settings=asked) is not None) is found, settings
 
 
+@pytest.mark.parametrize(("recorded", "reused"), [(None, False), ("bfloat16", True)])
+def test_a_half_precision_layer_profile_timed_in_fp32_is_measured_again(costs, tmp_path, recorded, reused) -> None:
+    # Before layers ran in the job's dtype, a bf16 job's layer profiles were timed in fp32 and record no
+    # measured_dtype: the cache must not hand them to a bf16 job.
+    from poplar_ext.profiler.cache import JobKey
+
+    profile = _profile(costs[0])
+    model = dataclasses.replace(profile.model, dtype="bfloat16")
+    measured_with = {**profile.measured_with, **({"measured_dtype": recorded} if recorded else {})}
+    store_layer_profile(tmp_path, dataclasses.replace(profile, model=model, measured_with=measured_with))
+    stored = load_layer_profiles(tmp_path)[0]
+    job = JobKey(
+        model_fingerprint="sha256:abc",
+        emulations={"cpu": None},
+        world_size=2,
+        dtype="bfloat16",
+        sequence_length=None,
+        torch_version=torch.__version__,
+        deepspeed_version="0.19.8",
+        ds_config_fingerprint="sha256:cfg",
+    )
+    key = job.layer_key("cpu", 0, LayerProfileKey.of_profile(stored).micro_batch_sizes)
+    assert key.measured_dtype == "bfloat16"
+    assert (find_cached_layer_profile(tmp_path, key) is not None) is reused
+    assert job.holds(stored) is reused
+
+
 def test_what_is_a_pipeline_model_and_which_sizes_are_timed() -> None:
     assert is_pipeline_model(toy_layers())
     assert not is_pipeline_model(torch.nn.Linear(2, 2))
@@ -224,19 +251,49 @@ def test_tied_layers_are_profiled_each_use_with_the_tied_module() -> None:
     assert costs[2]["output_bytes_per_sample"] == 3 * 10 * 4  # the head's logits
 
 
+def _one_step_of_4_to_2(optimizer: dict, **changes) -> LayerMeasurement:
+    """One timed micro-step of size 1 on (4 inputs, 2 targets) with the DeepSpeed `optimizer` section."""
+    return LayerMeasurement(
+        make_batch=lambda b: (torch.randn(b, 4), torch.randn(b, 2)),
+        optimizer_factory=optimizer_factory_from_config({"optimizer": optimizer}),
+        micro_batch_sizes=(1,),
+        warmup_micro_steps=0,
+        repeats=1,
+        **changes,
+    )
+
+
+def test_layers_are_measured_in_the_jobs_dtype_with_fp32_master_copies() -> None:
+    # A bf16 job's layer profiles were labelled bfloat16 but measured in fp32 (the layers as built), about 22%
+    # slower for a tiny GPT-2 block on a CPU, far more on a GPU's bf16 units; memory counted fp32 weights.
+    seen = []
+
+    class Recording(torch.nn.Linear):
+        def forward(self, x):
+            seen.append((x.dtype, self.weight.dtype))
+            return super().forward(x)
+
+    model = [Recording(4, 4), torch.nn.Linear(4, 2)]
+    before = [p.detach().clone() for layer in model for p in layer.parameters()]
+    figures = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        measurement = _one_step_of_4_to_2({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, dtype=dtype)
+        with cpu_threads(1):
+            figures[dtype] = measure_layers(pipeline_layers(model, loss_fn=mse), measurement)
+    assert seen[0] == (torch.float32, torch.float32) and seen[-1] == (torch.bfloat16, torch.bfloat16)
+    n = 4 * 4 + 4  # the first layer's parameters
+    full, half = figures[torch.float32][0], figures[torch.bfloat16][0]
+    assert (full["parameter_bytes"], half["parameter_bytes"]) == (4 * n, 2 * n)
+    # fp32: gradients and momentum; bf16: the layer's bf16 gradients, the fp32 masters, their gradients, momentum
+    assert (full["optimizer_state_bytes"], half["optimizer_state_bytes"]) == (8 * n, 14 * n)
+    assert all(torch.equal(p, b) for p, b in zip((p for layer in model for p in layer.parameters()), before))
+
+
 def test_measuring_layers_leaves_the_models_own_modules_as_they_were() -> None:
     # causal_lm_layers hands the model's modules over; AdamW's decay would move them at a step.
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     before = [p.detach().clone() for p in model.parameters()]
-    measurement = LayerMeasurement(
-        make_batch=lambda b: (torch.randn(b, 4), torch.randn(b, 2)),
-        optimizer_factory=optimizer_factory_from_config(
-            {"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.5}}}
-        ),
-        micro_batch_sizes=(1,),
-        warmup_micro_steps=0,
-        repeats=1,
-    )
+    measurement = _one_step_of_4_to_2({"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.5}})
     with cpu_threads(1):
         measure_layers(pipeline_layers(list(model), loss_fn=mse), measurement)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
