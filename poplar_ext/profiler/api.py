@@ -416,7 +416,13 @@ def _profile(
     keys = {(t, run): session.key(t, run) for run in session.runs for t in session.types_of(run)}
     # One measured with less than `settings` ask (a lower micro-batch limit, fewer micro-steps or sizes) is not.
     find = functools.partial(find_cached_profile, settings=settings)
-    cached = broadcast_from_rank0(cached_on_rank0(layout.rank, options, keys, find, profile_to_dict))
+
+    def on_miss(what: tuple[str, _Run], why: str) -> None:
+        if options.progress is not None:
+            t, run = what
+            options.progress(f"{run.title}: {device_label(t, layout.emulations[t])} measured again: {why}")
+
+    cached = broadcast_from_rank0(cached_on_rank0(layout.rank, options, keys, find, profile_to_dict, on_miss=on_miss))
     reporter = _ProgressReporter(
         sink=options.progress,
         layout=layout,

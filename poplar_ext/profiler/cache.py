@@ -320,14 +320,56 @@ def _stored(directory: Path, *, layers: bool = False, stacklevel: int = 3) -> li
 
 
 def cached_on_rank0(
-    rank: int, options: ProfileOptions, keys: Mapping[Hashable, Any], find: Callable, to_dict: Callable
+    rank: int,
+    options: ProfileOptions,
+    keys: Mapping[Hashable, Any],
+    find: Callable,
+    to_dict: Callable,
+    *,
+    on_miss: Callable[[Any, str], None] | None = None,
 ) -> dict[Any, dict[str, Any]]:
     """What `find` finds in ``options.cache_dir`` for each of `keys` (what -> key), as dicts: read by rank 0
-    ({} on the other ranks, and with ``options.force``)."""
+    ({} on the other ranks, and with ``options.force``). `on_miss` hears, for each key not found where the
+    cache holds a profile of its model, type and stage, why that one is not reused (`not_reused_because`)."""
     if rank != 0 or options.force:
         return {}
     found = {what: find(options.cache_dir, key) for what, key in keys.items()}
+    for what, key in keys.items():
+        why = None if on_miss is None or found[what] is not None else not_reused_because(options.cache_dir, key)
+        if why is not None:
+            on_miss(what, why)
     return {what: to_dict(profile) for what, profile in found.items() if profile is not None}
+
+
+def not_reused_because(cache_dir: str | Path, key: ProfileKey | LayerProfileKey) -> str | None:
+    """Why the stored profile of `key`'s model, device type, stage (and memory levers) closest to `key` is not
+    reused: the key fields it differs in, or that it was measured with less; None where none is stored. A job
+    measuring again at every start is most often a DeepSpeed config or version changed, and says which."""
+    layers = isinstance(key, LayerProfileKey)
+    levers = [] if layers else [(key.activation_checkpointing, key.optimizer_offload)]
+    same = (key.model_fingerprint, key.device_type, key.zero_stage, *levers)
+    differences = []
+    for path, profile in _stored(Path(cache_dir), layers=layers, stacklevel=4):
+        ours = (profile.model.fingerprint, profile.device_type, profile.zero_stage)
+        if (*ours, *([] if layers else [profile.levers])) != same:
+            continue
+        stored = (LayerProfileKey if layers else ProfileKey).of_profile(profile)
+        if stored is None:
+            differences.append((1, f"{path.name} was not measured by this profiler"))
+            continue
+        changed = [_changed(f.name, getattr(stored, f.name), getattr(key, f.name)) for f in dataclasses.fields(key)]
+        changed = [text for text in changed if text is not None]
+        what = f"differs in {', '.join(changed)}" if changed else "was measured with less than asked"
+        differences.append((len(changed), f"{path.name} {what}"))
+    return min(differences)[1] if differences else None
+
+
+def _changed(name: str, stored: Any, wanted: Any) -> str | None:
+    """A key field that differs, with both values where they are short enough to read."""
+    if stored == wanted:
+        return None
+    short = all(len(str(v)) <= 24 for v in (stored, wanted))
+    return f"{name} ({stored} stored, {wanted} now)" if short else name
 
 
 def find_cached_profile(

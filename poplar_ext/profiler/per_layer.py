@@ -103,7 +103,15 @@ def profile_layers(
     keys = {(t, stage): job_key.layer_key(t, stage, sizes) for t, stage in wanted}
     # One timed over fewer micro-steps than asked is measured again (its sizes are in the key).
     find = functools.partial(find_cached_layer_profile, settings=options)
-    cached = broadcast_from_rank0(cached_on_rank0(layout.rank, options, keys, find, layer_profile_to_dict))
+
+    def on_miss(what: tuple[str, int], why: str) -> None:
+        if options.progress is not None:
+            t, stage = what
+            options.progress(f"layers ZeRO-{stage}: {device_label(t, layout.emulations[t])} measured again: {why}")
+
+    cached = broadcast_from_rank0(
+        cached_on_rank0(layout.rank, options, keys, find, layer_profile_to_dict, on_miss=on_miss)
+    )
     missing_types = tuple(dict.fromkeys(t for t, s in wanted if (t, s) not in cached))
     say = options.progress if layout.rank == 0 and options.progress is not None else lambda line: None
     for t, stage in wanted:

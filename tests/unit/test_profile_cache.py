@@ -21,6 +21,7 @@ from poplar_ext.profiler.cache import (
     ds_config_fingerprint,
     find_cached_layer_profile,
     find_cached_profile,
+    not_reused_because,
     profile_file_name,
     store_layer_profile,
     store_profile,
@@ -92,6 +93,44 @@ def test_a_stored_profile_is_found_by_its_key(tmp_path: Path) -> None:
 def test_any_changed_key_misses(tmp_path: Path, change: dict) -> None:
     store_profile(tmp_path, _profile())
     assert find_cached_profile(tmp_path, _key(**change)) is None
+
+
+def test_a_miss_says_which_key_fields_the_stored_profile_differs_in(tmp_path: Path) -> None:
+    # A job that measured again at every start said only "measuring": nothing told that its DeepSpeed config
+    # or DeepSpeed itself had changed since the stored profile.
+    path = store_profile(tmp_path, _profile())
+    changed = _key(deepspeed_version="0.19.9", ds_config_fingerprint="sha256:" + "f" * 64)
+    assert not_reused_because(tmp_path, changed) == (
+        f"{path.name} differs in deepspeed_version (0.19.8 stored, 0.19.9 now), ds_config_fingerprint"
+    )
+    asked_more = _key()
+    assert find_cached_profile(tmp_path, asked_more, settings=MeasureSettings(repeats=50)) is None
+    assert not_reused_because(tmp_path, asked_more) == f"{path.name} was measured with less than asked"
+    # None stored of this model, type, stage and levers: nothing to say.
+    assert not_reused_because(tmp_path, _key(device_type="V100-16GB")) is None
+    assert not_reused_because(tmp_path, _key(activation_checkpointing=True)) is None
+    layer = _layer_profile()
+    layer_path = store_layer_profile(tmp_path, layer)
+    layer_key = dataclasses.replace(LayerProfileKey.of_profile(layer), torch_version="2.12.0")
+    assert not_reused_because(tmp_path, layer_key) == (
+        f"{layer_path.name} differs in torch_version ({layer.measured_with['torch']} stored, 2.12.0 now)"
+    )
+
+
+def test_the_cache_lookup_tells_each_miss_why_on_rank_0(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from poplar_ext.profiler.cache import cached_on_rank0
+
+    path = store_profile(tmp_path, _profile())
+    keys = {"same": _key(), "newer": _key(torch_version="2.14.0"), "other type": _key(device_type="V100-16GB")}
+    options, heard = SimpleNamespace(cache_dir=tmp_path, force=False), []
+    found = cached_on_rank0(0, options, keys, find_cached_profile, lambda p: p, on_miss=lambda *a: heard.append(a))
+    assert list(found) == ["same"]
+    assert heard == [("newer", f"{path.name} differs in torch_version (2.13.0 stored, 2.14.0 now)")]
+    heard.clear()
+    assert cached_on_rank0(1, options, keys, find_cached_profile, lambda p: p, on_miss=heard.append) == {}
+    assert heard == []
 
 
 def test_file_names_are_never_parsed(tmp_path: Path) -> None:
