@@ -154,9 +154,10 @@ class LayerMeasurement:
     repeats: int = ProfileOptions.repeats
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
-    """The dtype the job trains in (DeepSpeed's ``bf16`` or ``fp16`` section): each layer and the batch's
-    floating-point inputs are cast to it, as DeepSpeed casts a stage, and the optimizer steps fp32 master
-    copies beside it, as DeepSpeed's mixed-precision optimizers do."""
+    """The dtype the job trains in (DeepSpeed's ``bf16`` or ``fp16`` section): each layer is cast to it, as
+    DeepSpeed casts a stage's parameters, and so are the batch's floating-point inputs (DeepSpeed casts none: a
+    job's data comes in its dtype, a profiling batch may not); the optimizer steps fp32 master copies beside
+    it, as DeepSpeed's mixed-precision optimizers do."""
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -170,9 +170,9 @@ class ProfileOptions:
         cli_help="The cluster description file (read by rank 0 alone): the device type of every rank, and the "
         "emulation of emulated types; real types must be what the hardware reports. Left out: the cluster is read "
         "from the hardware and written as cluster.json in --output-dir, for poplar-search (a cluster.json there "
-        "with emulated types is refused, never replaced), unless the --deepspeed_config file's poplar section names "
-        "one: its poplar.cluster comes first (a file not there yet is written with the cluster read from the "
-        "hardware).",
+        "with emulated types is refused, never replaced). The --deepspeed_config file's poplar.cluster comes "
+        "first, where its poplar section names one (a file not there yet is written with the cluster read from "
+        "the hardware).",
     )
     """The cluster description, or its file (read by rank 0 alone), or None to discover it from the
     hardware (poplar-profile then writes it as cluster.json beside the profiles, for poplar-search):

@@ -197,7 +197,7 @@ def test_stops_paying_says_where_a_stage_is_infeasible_instead_of_never():
             return {"status": "infeasible", "reason": "out of memory"}
         return {"status": "ok", "samples_per_s_per_gpu": rate, "share_of_ideal": 0.9, "communication_share": 0.1}
 
-    rates = {8: (10.0, None, None, None), 16: (8.0, 6.0, None, None), 32: (7.0, 5.0, None, 3.0)}  # stages 0-3
+    rates = {8: (10.0, None, None, None), 16: (8.0, 6.0, None, None), 32: (7.0, 5.0, None, None)}  # stages 0-3
     rows = [
         {
             "world_size": w,
@@ -211,7 +211,9 @@ def test_stops_paying_says_where_a_stage_is_infeasible_instead_of_never():
     text = "\n".join(render_scaling([series]))
     assert "stage 0: 16 GPUs, " in text
     assert "stage 1: 32 GPUs (against 16 GPUs, its smallest feasible cluster)" in text
-    assert "stage 2: infeasible at every size, stage 3: feasible only at 32 GPUs." in text
+    assert "stage 2: infeasible at every size, stage 3: infeasible at every size." in text
+    rows[-1]["stages"]["3"] = cell(3.0)  # feasible at the largest size alone: nothing to compare it with
+    assert "stage 3: feasible only at 32 GPUs." in "\n".join(render_scaling([series]))
 
 
 # ----------------------------------------------------------------------------------

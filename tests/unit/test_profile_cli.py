@@ -644,8 +644,8 @@ def test_the_help_says_the_poplar_section_gives_the_defaults(capsys) -> None:
     cluster = text.rsplit("--cluster FILE", 1)[1].split("(default:", 1)[0]
     assert (
         "Left out: the cluster is read from the hardware and written as cluster.json in --output-dir, for "
-        "poplar-search (a cluster.json there with emulated types is refused, never replaced), unless the "
-        "--deepspeed_config file's poplar section names one: its poplar.cluster comes first"
+        "poplar-search (a cluster.json there with emulated types is refused, never replaced). The "
+        "--deepspeed_config file's poplar.cluster comes first, where its poplar section names one"
     ) in cluster, cluster
     assert "(a file not there yet is written with the cluster read from the hardware)" in cluster
 

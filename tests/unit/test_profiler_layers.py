@@ -152,14 +152,19 @@ def test_a_layer_profile_timed_over_fewer_micro_steps_than_asked_is_measured_aga
         assert (find_cached_layer_profile(tmp_path, key, settings=asked) is not None) is found, settings
 
 
-@pytest.mark.parametrize(("recorded", "reused"), [(None, False), ("bfloat16", True)])
-def test_a_half_precision_layer_profile_timed_in_fp32_is_measured_again(costs, tmp_path, recorded, reused) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "recorded", "reused"),
+    [("bfloat16", None, False), ("bfloat16", "bfloat16", True), ("float32", None, True)],
+)
+def test_a_half_precision_layer_profile_timed_in_fp32_is_measured_again(
+    costs, tmp_path, dtype, recorded, reused
+) -> None:
     # Before layers ran in the job's dtype, a bf16 job's layer profiles were timed in fp32 and record no
-    # measured_dtype: the cache must not hand them to a bf16 job.
+    # measured_dtype: the cache must not hand them to a bf16 job. An fp32 job's older ones stand.
     from poplar_ext.profiler.cache import JobKey
 
     profile = _profile(costs[0])
-    model = dataclasses.replace(profile.model, dtype="bfloat16")
+    model = dataclasses.replace(profile.model, dtype=dtype)
     measured_with = {**profile.measured_with, **({"measured_dtype": recorded} if recorded else {})}
     store_layer_profile(tmp_path, dataclasses.replace(profile, model=model, measured_with=measured_with))
     stored = load_layer_profiles(tmp_path)[0]
@@ -167,14 +172,14 @@ def test_a_half_precision_layer_profile_timed_in_fp32_is_measured_again(costs, t
         model_fingerprint="sha256:abc",
         emulations={"cpu": None},
         world_size=2,
-        dtype="bfloat16",
+        dtype=dtype,
         sequence_length=None,
         torch_version=torch.__version__,
         deepspeed_version="0.19.8",
         ds_config_fingerprint="sha256:cfg",
     )
     key = job.layer_key("cpu", 0, LayerProfileKey.of_profile(stored).micro_batch_sizes)
-    assert key.measured_dtype == "bfloat16"
+    assert key.measured_dtype == dtype
     assert (find_cached_layer_profile(tmp_path, key) is not None) is reused
     assert job.holds(stored) is reused
 
