@@ -417,10 +417,13 @@ def search_pipeline_plan(
     stages = [s for s in PIPELINE_ZERO_STAGES if s in by_stage] if zero_stage == "auto" else [int(zero_stage)]
     check_emulation(cluster, layer_profiles, "layer profile", stages=stages)
     outcomes = {s: _search_stage(by_stage.get(s, {}), s, request) for s in stages}
-    return _result(outcomes, zero_stage == "auto")
+    # On a tie a bf16 job takes ZeRO 1: DeepSpeed 0.19.8 cannot load the optimizer state a bf16 pipeline saves at
+    # stage 0, and stage 1 shards nothing in a pipeline (its layer profiles are stage 0's measurement).
+    resumable_first = any(p.model.dtype == "bfloat16" for p in layer_profiles)
+    return _result(outcomes, zero_stage == "auto", higher_stage_on_ties=resumable_first)
 
 
-def _result(outcomes: dict[int, _Outcome], auto: bool) -> SearchResult:
+def _result(outcomes: dict[int, _Outcome], auto: bool, *, higher_stage_on_ties: bool = False) -> SearchResult:
     feasible = {s: o for s, o in outcomes.items() if o.plan is not None}
     if not feasible:
         reasons = " ".join(f"Stage {s}: {o.reason}" for s, o in outcomes.items())
@@ -434,7 +437,9 @@ def _result(outcomes: dict[int, _Outcome], auto: bool) -> SearchResult:
             method=last.method,
             layouts_evaluated=last.layouts,
         )
-    chosen = min(feasible, key=lambda s: (feasible[s].plan.predicted.iteration_time_s, s))
+    chosen = min(
+        feasible, key=lambda s: (feasible[s].plan.predicted.iteration_time_s, -s if higher_stage_on_ties else s)
+    )
     best = feasible[chosen]
     plan = best.plan
     return SearchResult(

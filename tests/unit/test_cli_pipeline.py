@@ -246,3 +246,20 @@ def test_a_bf16_plan_the_search_put_at_zero_0_comes_with_a_note_that_its_checkpo
     )
     code, out, err = run(capsys, *argv, "--zero-stage", "0")  # asked for: no note
     assert code == 0 and err == ""
+
+
+@pytest.mark.parametrize(("dtype", "stage"), [("bfloat16", 1), ("float32", 0)])
+def test_a_bf16_search_takes_zero_1_where_it_ties_with_zero_0(capsys, tmp_path, dtype, stage):
+    # poplar-profile --per-layer writes stage 1 as stage 0's measurement: the auto stage tied and took 0, where a
+    # bf16 pipeline's optimizer state cannot be loaded again. Other dtypes keep the lower stage.
+    profiles = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, profiles)
+    for path in list((profiles / "layers").glob("*.json")):
+        data = json.loads(path.read_text())
+        data["model"]["dtype"] = dtype
+        path.write_text(json.dumps(data))
+        (path.parent / path.name.replace("stage0", "stage1")).write_text(json.dumps({**data, "zero_stage": 1}))
+    argv = ["--profiles", profiles, "--cluster", CLUSTER, "--parallelism", "pipeline", "--global-batch-size", 256]
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and out.startswith(f"pipelines at ZeRO stage {stage} (auto)"), out
+    assert err == ""
