@@ -117,6 +117,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="make_batch(micro_batch_size) -> one micro-batch; required unless --model is built in",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument(
+        "--optimizer",
+        dest="optimizer",
+        type=_argparse_type(read_callable),
+        metavar="MODULE:FACTORY",
+        help="optimizer_factory(parameters) -> the torch optimizer, for a --deepspeed_config without an 'optimizer' "
+        "section: the one a training script that builds its own optimizer passes to initialize (e.g. "
+        "torch.optim.AdamW(parameters, lr=1e-3)), so that the profiles are keyed as that job looks them up "
+        "(default: the config's 'optimizer' section)",
+    )
     _add_field_options(parser)
     _add_model_options(parser)
     # Appended by the deepspeed launcher; the rank comes from the environment.
@@ -338,7 +348,7 @@ def parse_command(argv: Sequence[str] | None = None) -> CommandOptions:
             f"--optimizer-offload {args.optimizer_offload}: nothing offloaded at --zero-stages {stages} (DeepSpeed "
             f"offloads the optimizer at stages {' and '.join(map(str, OFFLOAD_STAGES))} only)"
         )
-    ds_config = _deepspeed_config(Path(args.deepspeed_config))
+    ds_config = _deepspeed_config(Path(args.deepspeed_config), optimizer_given=args.optimizer is not None)
     taken = _take_section_defaults(args, _poplar_section(ds_config, Path(args.deepspeed_config)), noting=noting)
     model_factory, make_batch, name, sequence_length = _model(args)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ProfileOptions) if f.metadata["cli"] is not None}
@@ -349,11 +359,12 @@ def parse_command(argv: Sequence[str] | None = None) -> CommandOptions:
         model_factory=model_factory,
         make_batch=make_batch,
         ds_config=ds_config,
+        optimizer_factory=args.optimizer,
         cluster_setting=taken.get("cluster"),
     )
 
 
-def _deepspeed_config(config_path: Path) -> dict[str, Any]:
+def _deepspeed_config(config_path: Path, *, optimizer_given: bool = False) -> dict[str, Any]:
     try:
         ds_config = read_json(config_path)  # names the file for unreadable, non-UTF-8 or invalid JSON
     except FormatError as exc:
@@ -366,8 +377,17 @@ def _deepspeed_config(config_path: Path) -> dict[str, Any]:
         kinds.refuse_other_format(ds_config, str(config_path), kinds.DEEPSPEED_CONFIG.reader)
     except FormatError as exc:
         raise UsageError(f"--deepspeed_config: {exc}") from None
-    if "optimizer" not in ds_config:
-        raise UsageError(f"--deepspeed_config: {config_path}: {NO_OPTIMIZER}")
+    if "optimizer" not in ds_config and not optimizer_given:
+        raise UsageError(
+            f"--deepspeed_config: {config_path}: {NO_OPTIMIZER}; or pass --optimizer MODULE:FACTORY, the optimizer "
+            "a script that builds its own trains with"
+        )
+    if "optimizer" in ds_config and optimizer_given:
+        # DeepSpeed refuses an optimizer in both places too; a job trains with one of them.
+        raise UsageError(
+            f"--optimizer: expected either it or an 'optimizer' section in {config_path}, found both (the script's "
+            "own optimizer: --optimizer and no section; the config's: the section alone)"
+        )
     return ds_config
 
 

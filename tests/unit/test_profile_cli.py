@@ -376,7 +376,7 @@ def test_every_profile_option_is_a_command_line_option_with_the_fields_default_a
     parser = build_parser()
     by_dest = {action.dest: action for action in parser._actions}
     built_by_hand = {"model_factory": "--model", "make_batch": "--batch", "ds_config": "--deepspeed_config"}
-    built_by_hand |= {"progress": "--quiet", "optimizer_factory": None}  # the DeepSpeed config's optimizer
+    built_by_hand |= {"progress": "--quiet", "optimizer_factory": "--optimizer"}  # else the config's optimizer
     for f in dataclasses.fields(ProfileOptions):
         if f.name in built_by_hand:
             assert f.metadata["cli"] is None, f.name
@@ -726,3 +726,36 @@ def test_a_hugging_face_model_per_layer_is_refused_before_any_rank_joins_with_th
     assert "CausalLMLoss()" in message
     # profiled whole, as before
     assert parse_command(_args(files, "--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2)).per_layer is None
+
+
+def test_profiles_for_a_script_that_builds_its_own_optimizer_are_keyed_as_its_job_looks_them_up(
+    files, tmp_path, capsys, monkeypatch
+) -> None:
+    # Seen: poplar-profile needed an 'optimizer' section, which a script passing its own optimizer to initialize
+    # cannot have (DeepSpeed refuses both): that job measured every profile poplar-profile had made again.
+    import torch
+
+    from poplar_ext.profiler.auto import _optimizer_factory
+    from poplar_ext.profiler.cache import client_optimizer, ds_config_fingerprint
+
+    monkeypatch.chdir(files["dir"])
+    (tmp_path / "my_optimizers.py").write_text(
+        "import torch\ndef adamw(parameters):\n    return torch.optim.AdamW(parameters, lr=1e-3)\n"
+    )
+    config = {"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}
+    no_optimizer = tmp_path / "no_optimizer.json"
+    no_optimizer.write_text(json.dumps(config))
+    base = ["--cluster", files["cluster"], "--model", "my_models:build", "--batch", "my_models:batch"]
+    command = parse_command(["--deepspeed_config", str(no_optimizer), *base, "--optimizer", "my_optimizers:adamw"])
+    scripts = torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), lr=5e-4)
+    assert ds_config_fingerprint(command.ds_config, client_optimizer(command.optimizer_factory)) == (
+        ds_config_fingerprint(config, client_optimizer(_optimizer_factory(scripts, config)))
+    )
+    # Both an optimizer section and --optimizer: the job trains with one of them.
+    assert main(["--deepspeed_config", files["ds"], *base, "--optimizer", "my_optimizers:adamw"]) == 2
+    assert "--optimizer: expected either it or an 'optimizer' section in" in capsys.readouterr().err
+    assert main(["--deepspeed_config", str(no_optimizer), *base]) == 2
+    err = capsys.readouterr().err
+    assert f"--deepspeed_config: {no_optimizer}: optimizer: expected an 'optimizer' section" in err
+    assert "or pass --optimizer MODULE:FACTORY" in err
+    assert main(["--deepspeed_config", str(no_optimizer), *base, "--optimizer", "my_optimizers:nope"]) == 2
