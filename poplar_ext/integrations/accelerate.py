@@ -172,6 +172,7 @@ class PoplarAccelerator(Accelerator):
             default_global_batch=self._default_global_batch(loaded[0], train_loader),
             profiling_ds_config=profiling,
             loss_fn=self._profiling_loss_fn,
+            training_data_name="the training DataLoader",
         )
         if train_loader is not None:  # before the engine is built
             size = len(train_loader.dataset)

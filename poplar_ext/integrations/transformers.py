@@ -256,6 +256,7 @@ def _settle_job(
             f"({per_device} x {steps} x {world_size})",
         ),
         profiling_ds_config=None if filled is None else filled.config,
+        training_data_name="train_dataset",
     )
     if train_dataset is not None:  # before the Trainer is built, not at train()
         check_holds_global_batch(len(train_dataset), job.plan.global_batch_size, "train_dataset: num_samples")

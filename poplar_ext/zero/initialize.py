@@ -133,6 +133,7 @@ def prepare_job(
     profiling_ds_config: dict | None = None,
     checkpointing_toggle: CheckpointingToggle | None = None,
     poplar_config: PoplarConfig | None = None,
+    training_data_name: str = "training_data",
 ) -> Job:
     """Everything before DeepSpeed's engine: config, process group, cluster, plan (collective); the same
     ValueError on every rank.
@@ -141,7 +142,9 @@ def prepare_job(
     already. `default_global_batch`: the batch where no config sets one (the Trainer's own);
     `profiling_ds_config`: the config the automatic mode profiles with (default: the user's), and
     `checkpointing_toggle` for a model of the user's there. The caller checks `training_data` (`check_plan_dataset`,
-    named as its own caller gave it: training_data, train_dataset, the training DataLoader).
+    named as its own caller gave it: training_data, train_dataset, the training DataLoader); a `training_data`
+    smaller than the global batch the config sets is refused here, named `training_data_name`, before any profile
+    is measured or plan searched (the caller checks it against the plan's batch again).
     """
     ds_config, _, source = loaded_config
     if poplar_config is None:
@@ -152,6 +155,9 @@ def prepare_job(
     device = join_job(**(init_options or {}))
     rank, world_size = process_group_rank()
     global_batch = requested_global_batch_size(poplar_config, ds_config, world_size=world_size)
+    if training_data is not None and global_batch.size is not None:
+        # The config's batch (a plan file's is the same): known now, not after profiling and the search.
+        check_holds_global_batch(len(training_data), global_batch.size, f"{training_data_name}: num_samples")
     if global_batch.size is None and default_global_batch is not None:
         global_batch = default_global_batch
     facts, cluster = agreed_job_cluster(device, ds_config, poplar_config, rank=rank)

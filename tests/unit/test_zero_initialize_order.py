@@ -72,3 +72,34 @@ def test_training_data_smaller_than_the_global_batch_is_refused_naming_it_before
     message = r"^training_data: num_samples: expected at least the global batch \(10 samples\), found 5: one iteration"
     with pytest.raises(ValueError, match=message):
         zero_initialize.initialize(model=torch.nn.Linear(2, 1), training_data=list(range(5)), config={})
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [({}, "training_data: num_samples"), ({"training_data_name": "train_dataset"}, "train_dataset: num_samples")],
+)
+def test_data_smaller_than_the_configs_global_batch_is_refused_before_the_cluster_profiles_or_plan(
+    monkeypatch, tmp_path, name, expected
+):
+    # Seen: 5 samples under train_batch_size 8 were refused only after the automatic mode had profiled a stage,
+    # checked the cache and searched a plan; the config said the batch before any of it.
+    import torch
+
+    from poplar_ext.zero import initialize as zero_initialize
+
+    monkeypatch.setenv("POPLAR_PROFILES_DIR", str(tmp_path))
+    monkeypatch.setattr(zero_initialize, "join_job", lambda **kwargs: torch.device("cpu"))
+    monkeypatch.setattr(zero_initialize, "process_group_rank", lambda: (0, 2))
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the cluster was settled before the data was checked")
+
+    monkeypatch.setattr(zero_initialize, "agreed_job_cluster", too_late)
+    loaded = ({"train_batch_size": 8, "poplar": {}}, tmp_path, "ds.json")
+    message = rf"^{expected}: expected at least the global batch \(8 samples\), found 5: one iteration"
+    with pytest.raises(ValueError, match=message):
+        zero_initialize.prepare_job(loaded, model=torch.nn.Linear(2, 1), training_data=list(range(5)), **name)
+    # A batch the config leaves to the plan ("auto"): the plan's is checked after it.
+    auto = ({"train_micro_batch_size_per_gpu": "auto", "poplar": {}}, tmp_path, "ds.json")
+    with pytest.raises(AssertionError, match="the cluster was settled"):
+        zero_initialize.prepare_job(auto, model=torch.nn.Linear(2, 1), training_data=list(range(5)))
