@@ -101,7 +101,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         required=True,
         metavar="FILE",
         help="the DeepSpeed JSON config training uses (dtype, optimizer, ZeRO settings; batch sizes are set per "
-        "measurement)",
+        "measurement). Its poplar section, if any, is checked as training checks it, and gives --cluster and "
+        "--output-dir their defaults",
     )
     parser.add_argument(
         "--model",

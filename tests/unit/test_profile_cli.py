@@ -648,6 +648,10 @@ def test_the_help_says_the_poplar_section_gives_the_defaults(capsys) -> None:
         "--deepspeed_config file's poplar.cluster comes first, where its poplar section names one"
     ) in cluster, cluster
     assert "(a file not there yet is written with the cluster read from the hardware)" in cluster
+    assert (
+        "batch sizes are set per measurement). Its poplar section, if any, is checked as training checks it, and "
+        "gives --cluster and --output-dir their defaults"
+    ) in text
 
 
 def test_a_poplar_profiles_naming_a_file_is_refused_at_once_naming_the_section(tmp_path, capsys) -> None:
