@@ -49,6 +49,11 @@ class _LocalMetrics(PoplarTrainerMixin):
             mine = {key: (float(sum(values)), len(values)) for key, values in metrics["train"].items()}
             metrics["train"].clear()
             metrics["train"].update(merged_training_metrics(gather_objects(mine)))
+        elif metrics is not None and not self.model.training and _running_totals_in(metrics.get("eval")):
+            # TRL logs its training token count with the evaluation's metrics too: this rank's share of it, since
+            # training kept it per rank. Every rank logs the evaluation (`evaluate`), so the gather meets.
+            totals = {key: (float(metrics["eval"][key][-1]), 1) for key in _running_totals_in(metrics["eval"])}
+            metrics["eval"].update(merged_training_metrics(gather_objects(totals)))
         super().log(logs, *args, **kwargs)
 
     def compute_loss(
@@ -62,6 +67,11 @@ class _LocalMetrics(PoplarTrainerMixin):
 
 RUNNING_TOTALS = ("num_tokens",)
 """TRL metrics that are a running count on each rank: the job's is their sum over the ranks."""
+
+
+def _running_totals_in(metrics: Any) -> list[str]:
+    """The `RUNNING_TOTALS` TRL keeps in `metrics` (one mode's lists), in that order."""
+    return [key for key in RUNNING_TOTALS if metrics and metrics.get(key)]
 
 
 def merged_training_metrics(every_rank: list[dict[str, tuple[float, int]]]) -> dict[str, list[float]]:

@@ -22,3 +22,34 @@ def test_a_mean_is_over_every_micro_step_of_every_rank_and_a_token_count_is_the_
 def test_a_metric_only_some_ranks_have_and_an_empty_one():
     merged = merged_training_metrics([{"rewards/chosen": (2.0, 2)}, {"rewards/chosen": (0.0, 0), "x": (0.0, 0)}])
     assert merged == {"rewards/chosen": [1.0]}
+
+
+def test_the_token_count_logged_with_an_evaluation_is_the_jobs_not_rank_0s(monkeypatch):
+    # TRL logs its running count of training tokens as eval_num_tokens; training kept it per rank (rank 0's
+    # 381 of the job's 580 were logged). The evaluation's own metrics are already every rank's: left alone.
+    from types import SimpleNamespace
+
+    import poplar_ext.integrations.trl as trl_integration
+
+    class Logged:
+        def log(self, logs, *args, **kwargs):
+            self.logged = dict(self._metrics["eval"])
+
+    class Probe(trl_integration._LocalMetrics, Logged):
+        pass
+
+    sent = []
+    monkeypatch.setattr(
+        trl_integration, "gather_objects", lambda mine: sent.append(mine) or [mine, {"num_tokens": (199.0, 1)}]
+    )
+    probe = object.__new__(Probe)
+    probe.model = SimpleNamespace(training=False)
+    probe._metrics = {"train": {}, "eval": {"num_tokens": [381.0], "entropy": [4.0, 4.2]}}
+    probe.log({"eval_loss": 1.0})
+    assert sent == [{"num_tokens": (381.0, 1)}]
+    assert probe.logged == {"num_tokens": [580.0], "entropy": [4.0, 4.2]}
+
+    sent.clear()  # the Trainer's last log after an evaluation: nothing of TRL's left, no gather
+    probe._metrics = {"train": {}, "eval": {}}
+    probe.log({"train_runtime": 1.0})
+    assert sent == []
