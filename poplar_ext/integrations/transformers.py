@@ -379,6 +379,12 @@ class PoplarTrainerMixin(_PlanEvaluation):
     these methods itself (a class *derived from* the mixed class) must call ``super()`` in them for the plan to apply;
     see docs/trainer.md."""
 
+    def _profiling_collator(self, data_collator: Any, train_dataset: Any) -> Any:
+        """What puts `train_dataset`'s samples together into the micro-batches the automatic mode profiles (before
+        the Trainer is built): the data collator as given. A subclass that prepares its data in ``__init__`` (TRL's)
+        says here why its raw samples cannot be profiled."""
+        return data_collator
+
     @ends_job_on_user_error  # the Trainer's own refusals too: every restart would meet them again
     def __init__(self, *positional: Any, **kwargs: Any) -> None:
         # By name, positional ones in the order of the Trainer class mixed in (the Trainer's third is
@@ -389,7 +395,11 @@ class PoplarTrainerMixin(_PlanEvaluation):
         configured = _refuse_before_settling(type(self), args)
         _refuse_per_rank_retries(args)
         self.job = _settle_job(
-            args, model, train_dataset, collate_fn=kwargs.get("data_collator"), configured=configured
+            args,
+            model,
+            train_dataset,
+            collate_fn=self._profiling_collator(kwargs.get("data_collator"), train_dataset),
+            configured=configured,
         )
         self.poplar_engine: PoplarEngine | None = None
         """The `PoplarEngine` between accelerate and DeepSpeed's engine, once training built it: it times

@@ -64,6 +64,21 @@ class _LocalMetrics(PoplarTrainerMixin):
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
 
+    def _profiling_collator(self, data_collator: Any, train_dataset: Any) -> Any:
+        """A collator that refuses: the automatic mode profiles micro-batches of the data set as given, before
+        TRL's ``__init__`` tokenizes it and builds its collator (and a DPO step is not the model's own loss)."""
+        trainer = type(self).__name__
+
+        def refuse(samples: list) -> Any:
+            raise ValueError(
+                f"{trainer}: the DeepSpeed config's poplar section has no plan, so the plan is searched from profiles "
+                "measured on micro-batches of train_dataset before the trainer is built, and TRL prepares its data "
+                "(tokens, collator) only while it is built: expected poplar.plan (a plan file: poplar-search "
+                "--profiles DIR --cluster FILE --output plan.json, or one written by hand), found none"
+            )
+
+        return refuse
+
 
 RUNNING_TOTALS = ("num_tokens",)
 """TRL metrics that are a running count on each rank: the job's is their sum over the ranks."""
@@ -104,6 +119,13 @@ class PoplarSFTTrainer(_LocalMetrics, SFTTrainer):
         super().__init__(*args, **kwargs)
         if isinstance(model, str):  # the model TRL loaded: its attention as it came out
             _refuse_padding_free_across_sequences(self.args, _attention_to_be(self.model, self.args))
+
+    def _profiling_collator(self, data_collator: Any, train_dataset: Any) -> Any:
+        """Your collator where your data set is already tokens (``input_ids``), as TRL then takes it; else refused."""
+        first = train_dataset[0] if train_dataset is not None and len(train_dataset) else {}
+        if data_collator is not None and isinstance(first, dict) and "input_ids" in first:
+            return data_collator
+        return super()._profiling_collator(data_collator, train_dataset)
 
 
 def _attention_to_be(model: Any, args: Any) -> str | None:

@@ -90,3 +90,70 @@ def test_an_argument_given_twice_ends_a_restarting_launchers_job(ended, trainer)
     with pytest.raises(TypeError, match="got multiple values for argument 'model'") as refused:
         trainer(None, model=None)
     assert ended == [refused.value]
+
+
+class _Settled(Exception):
+    """Raised by the stand-in for `_settle_job` once it has what the trainer passed it."""
+
+
+@pytest.fixture
+def profiling_collator(monkeypatch, ended):
+    """The collate function a TRL trainer gives the job's settling (what the automatic mode profiles with)."""
+    from poplar_ext.integrations import transformers as integration
+
+    passed = {}
+
+    def settle(*args, collate_fn, **kwargs):
+        passed["collate_fn"] = collate_fn
+        raise _Settled
+
+    monkeypatch.setattr(integration, "_settle_job", settle)
+    return passed
+
+
+def _automatic(config_class, tmp_path, **fields):
+    return config_class(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        deepspeed={"zero_optimization": {"stage": 1}, "poplar": {}},
+        **fields,
+    )
+
+
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_the_automatic_mode_refuses_trls_raw_data_before_profiling_it(tmp_path, profiling_collator, trainer):
+    # TRL tokenizes its data set and builds its collator while it is built, after the plan is settled: profiling
+    # the raw rows failed late (after the network was measured) with the model's "You must specify exactly one of
+    # input_ids or inputs_embeds". The first micro-batch the profiler asks for is refused, saying what to give.
+    from datasets import Dataset
+
+    if trainer == "sft":
+        build, args, rows = PoplarSFTTrainer, _automatic(SFTConfig, tmp_path), [{"text": "w1 w2"}]
+    else:
+        build, args, rows = (
+            PoplarDPOTrainer,
+            _automatic(DPOConfig, tmp_path),
+            [{"prompt": "a", "chosen": "b", "rejected": "c"}],
+        )
+    with pytest.raises(_Settled):
+        build(model=_gpt2("sdpa"), args=args, train_dataset=Dataset.from_list(rows))
+    with pytest.raises(
+        ValueError, match=rf"{build.__name__}: the DeepSpeed config's poplar section has no plan.*expected poplar\.plan"
+    ):
+        profiling_collator["collate_fn"](rows)
+
+
+def test_the_automatic_mode_profiles_sft_token_rows_with_the_collator_given(tmp_path, profiling_collator):
+    from datasets import Dataset
+
+    def collate(samples):
+        return samples
+
+    data = Dataset.from_list([{"input_ids": [1, 2, 3]}])
+    with pytest.raises(_Settled):
+        PoplarSFTTrainer(
+            model=_gpt2("sdpa"), args=_automatic(SFTConfig, tmp_path), train_dataset=data, data_collator=collate
+        )
+    assert profiling_collator["collate_fn"] is collate
