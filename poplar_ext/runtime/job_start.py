@@ -138,7 +138,7 @@ def job_plan_problems(
     if isinstance(size, int) and size != plan.global_batch_size:
         problems["batch"].append(
             f"The plan's global batch is {plan.global_batch_size} but the config asks for {size} "
-            f"({global_batch.origin})."
+            f"({global_batch.origin}). Make that {plan.global_batch_size}, or use a plan for {size}."
         )
     return problems
 

@@ -386,7 +386,9 @@ def test_a_plan_for_another_global_batch_is_refused(cluster_path, tmp_path):
     plan = _searched_plan(cluster_path, directory, tmp_path)
     config = poplar_config_from_dict({"cluster": str(cluster_path), "plan": str(plan)}, base_dir=tmp_path)
     with pytest.raises(
-        ValueError, match=r"The plan's global batch is 20 but the config asks for 32 \(train_batch_size\)"
+        ValueError,
+        match=r"The plan's global batch is 20 but the config asks for 32 \(train_batch_size\)\. Make that 20, or "
+        r"use a plan for 32\.",
     ):
         resolve_plan(
             config,
