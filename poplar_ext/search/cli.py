@@ -29,6 +29,7 @@ from .cli_common import (
     comparison_table,
     emit,
     error,
+    labelled,
     model_profiles,
     note_unused_types,
     output_problem,
@@ -311,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
 
     def text() -> str:
         plan = plan_table(main_result, profiles, network)
-        return plan if len(results) == 1 else comparison_table(results) + "\n\nPlan of the poplar policy:\n" + plan
+        shown = plan if len(results) == 1 else comparison_table(results) + "\n\nPlan of the poplar policy:\n" + plan
+        return labelled(shown, profiles, list(cluster.type_counts()))
 
     return emit(args, data, data if len(results) == 1 else every, text)
 

@@ -208,6 +208,24 @@ def note_unused_types(args: Any, profiles: Sequence[Any], cluster: Any) -> None:
             )
 
 
+def labelled(text: str, profiles: Sequence[Any], types: Sequence[str]) -> str:
+    """`text` (a table's headline block, a blank line, the rest) with a line after its headline block where the
+    profiles of `types` it was priced from are modelled (``measured_with.source``), as the shipped example's are:
+    nothing else in the table tells an analytic model's times from measured ones. The line names no device type
+    (a table's rows are told by theirs)."""
+    priced = set(types)
+    modelled = {p.device_type for p in profiles if p.source == "modelled" and p.device_type in priced}
+    if not modelled:
+        return text
+    which = "" if modelled == priced else f" for {len(modelled)} of {len(priced)} device types"
+    line = (
+        f'Profiles: MODELLED{which} (measured_with.source "modelled": an analytic model\'s times, not measured on '
+        "a device); the predictions rest on that model."
+    )
+    head, blank, rest = text.partition("\n\n")
+    return f"{head}\n{line}{blank}{rest}"
+
+
 def chosen_network(args: Any, cluster: Any) -> NetworkProfile | None:
     """The network file the options name: none with ``--no-network``, ``--network FILE``, else the one in
     ``--profiles`` measured on `cluster` (none without a cluster)."""

@@ -28,6 +28,7 @@ from .cli_common import (
     emit,
     error,
     idle_text,
+    labelled,
     model_profiles,
     of_model,
     or_dash,
@@ -151,7 +152,8 @@ def run_pipelines(args: argparse.Namespace) -> int:
             plan = plan_table(zero, profiles, network)  # the ZeRO plan exists with --parallelism auto alone
         else:
             plan = pipeline_plan_table(pipeline, layer_profiles, network, cluster)
-        return parallelism_table(zero, pipeline, chosen) + "\n\n" + plan if auto else plan
+        shown = parallelism_table(zero, pipeline, chosen) + "\n\n" + plan if auto else plan
+        return labelled(shown, [*layer_profiles, *(profiles or [])], list(cluster.type_counts()))
 
     return emit(args, data, shown, text)
 

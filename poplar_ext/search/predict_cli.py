@@ -26,6 +26,7 @@ from .cli_common import (
     chosen_network,
     error,
     idle_text,
+    labelled,
     model_profiles,
     of_model,
     rank_span,
@@ -80,10 +81,18 @@ def run_predict(args: argparse.Namespace) -> int:
         data = {"plan": str(args.predict), "parallelism": kind, "network_priced": network is not None}
         print(json.dumps({**data, "prediction": _prediction_json(prediction, network)}, indent=2))
     elif kind == "pipeline":
-        print(pipeline_prediction_table(plan, prediction, network, cluster))
+        print(labelled(pipeline_prediction_table(plan, prediction, network, cluster), layers, _plan_types(plan)))
     else:
-        print(zero_prediction_table(plan, prediction, network, without_network=_without_network(args, cluster)))
+        text = zero_prediction_table(plan, prediction, network, without_network=_without_network(args, cluster))
+        print(labelled(text, profiles, _plan_types(plan)))
     return EXIT_OK
+
+
+def _plan_types(plan: Plan | PipelinePlan) -> list[str]:
+    """The device types of the plan's ranks."""
+    if isinstance(plan, PipelinePlan):
+        return list(plan.rank_device_types)
+    return [rank.device_type for rank in plan.ranks]
 
 
 def _without_network(args: argparse.Namespace, cluster: Cluster | None) -> str:

@@ -1,0 +1,43 @@
+"""`poplar-search` tables say when the profiles they price are modelled (the shipped example's), not measured."""
+
+import json
+import shutil
+
+from test_cli import EXAMPLES, run
+
+LABEL = "Profiles: MODELLED (measured_with.source"
+
+
+def test_the_example_table_says_its_profiles_are_modelled(capsys, tmp_path):
+    code, out, err = run(capsys, "--example", "--global-batch-size", 512, "--output", tmp_path / "plan.json")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].startswith("poplar at ZeRO stage 1 (auto): global batch 512") and lines[1].startswith(LABEL)
+    code, out, _ = run(capsys, "--example", "--predict", tmp_path / "plan.json")
+    assert code == 0 and out.splitlines()[2].startswith(LABEL)
+    code, out, _ = run(capsys, "--example", "--parallelism", "auto", "--global-batch-size", 512)
+    assert code == 0 and LABEL in out
+    code, out, _ = run(capsys, "--example", "--global-batch-size", 512, "--json")
+    assert code == 0 and json.loads(out)["global_batch_size"] == 512  # JSON unchanged
+
+
+def test_measured_profiles_get_no_label(capsys, tmp_path):
+    profiles = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, profiles)
+    for path in profiles.glob("*.stage*.json"):
+        data = json.loads(path.read_text())
+        data["measured_with"]["source"] = "measured"
+        path.write_text(json.dumps(data))
+    code, out, err = run(capsys, "--profiles", profiles, "--cluster", profiles / "cluster.json")
+    assert code == 0 and "MODELLED" not in out, out
+
+
+def test_some_modelled_types_are_counted(capsys, tmp_path):
+    profiles = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, profiles)
+    for path in profiles.glob("*v100*.stage*.json"):
+        data = json.loads(path.read_text())
+        data["measured_with"]["source"] = "measured"
+        path.write_text(json.dumps(data))
+    code, out, _ = run(capsys, "--profiles", profiles, "--cluster", profiles / "cluster.json")
+    assert code == 0 and out.splitlines()[1].startswith("Profiles: MODELLED for 1 of 2 device types ("), out
