@@ -79,22 +79,38 @@ def run_demo(settings: DemoSettings, *, out_dir: Path, name: str = "demo") -> li
     report = assemble_report(settings, rank_results, plans, timings=timings)
     paths = write_report(report, out_dir, name)
     progress(f"done in {time.perf_counter() - started:.0f} s")
+    for line in console_summary(report):
+        progress(line)
+    return paths
+
+
+def console_summary(report: dict[str, Any]) -> list[str]:
+    """The run's result as the console shows it: what ran (devices emulated), each policy's allocation and
+    throughput, the goals."""
     scenario = report["scenarios"][0]
+    lines = [
+        f"{scenario['name']}, global batch {scenario['global_batch_size']}: {report['data_source']}; "
+        "samples/s: the global batch over the iteration time, measured (wall time) and predicted (cost model)"
+    ]
     for entry in scenario["policies"]:
         if entry["status"] != "ok":
-            progress(f"{entry['policy']}: {entry['message']}")
+            lines.append(f"{entry['policy']}: {entry['message']}")
             continue
-        progress(
+        allocation = ", ".join(
+            f"{r['device_type']} {r['micro_batch_size']}x{r['gradient_accumulation_steps']}" for r in entry["ranks"]
+        )
+        lines.append(
             f"{entry['policy']:>12}: {entry['measured']['samples_per_s']:.1f} samples/s measured, "
             f"{entry['predicted']['samples_per_s']:.1f} predicted"
             + (f", {entry['speedup_over_uniform']:.2f}x uniform" if entry.get("speedup_over_uniform") else "")
             + (f", {entry['share_of_ideal']:.2f} of ideal" if entry.get("share_of_ideal") else "")
+            + f" (ZeRO {entry['zero_stage']}, micro-batch x accumulation: {allocation})"
         )
     for goal in scenario["goals"]:
         value = "-" if goal["value"] is None else f"{goal['value']:.3g}"
-        progress(f"goal {goal['goal']} {goal['target']}: {value} ({'met' if goal['met'] else 'MISSED'})")
-    progress(goals_summary(scenario["goals"]))
-    return paths
+        lines.append(f"goal {goal['goal']} {goal['target']}: {value} ({'met' if goal['met'] else 'MISSED'})")
+    lines.append(goals_summary(scenario["goals"]))
+    return lines
 
 
 def goals_summary(goals: list[dict[str, Any]]) -> str:

@@ -142,6 +142,46 @@ def test_the_demo_s_goal_summary_names_what_was_missed():
     )
 
 
+def test_the_demo_s_console_summary_says_the_devices_are_emulated_and_what_each_policy_ran():
+    # The console ended with samples/s per policy alone: nothing said the devices were emulated (on a cached run no
+    # line did) nor which allocation each policy trained with.
+    from poplar_bench.demo import console_summary
+
+    ranks = [
+        {"device_type": "cpu-fast", "micro_batch_size": 22, "gradient_accumulation_steps": 5},
+        {"device_type": "cpu-slow", "micro_batch_size": 13, "gradient_accumulation_steps": 2},
+    ]
+    poplar = {
+        "policy": "poplar",
+        "status": "ok",
+        "zero_stage": 1,
+        "ranks": ranks,
+        "measured": {"samples_per_s": 135.6},
+        "predicted": {"samples_per_s": 135.5},
+        "speedup_over_uniform": 2.4,
+        "share_of_ideal": 0.96,
+    }
+    report = {
+        "data_source": "measured on CPU ranks with EMULATED device types (compute slowdown, memory capacity)",
+        "scenarios": [
+            {
+                "name": "2 CPU ranks emulating cpu-fast, cpu-slow",
+                "global_batch_size": 136,
+                "policies": [poplar, {"policy": "uniform", "status": "infeasible", "message": "no plan"}],
+                "goals": [{"goal": "g", "target": "> 1", "value": 2.4, "met": True}],
+            }
+        ],
+    }
+    lines = console_summary(report)
+    assert lines[0].startswith("2 CPU ranks emulating cpu-fast, cpu-slow, global batch 136: measured on CPU ranks ")
+    assert "EMULATED" in lines[0]
+    assert lines[1] == (
+        "      poplar: 135.6 samples/s measured, 135.5 predicted, 2.40x uniform, 0.96 of ideal "
+        "(ZeRO 1, micro-batch x accumulation: cpu-fast 22x5, cpu-slow 13x2)"
+    )
+    assert lines[2:] == ["uniform: no plan", "goal g > 1: 2.4 (met)", "1 of 1 goals met"]
+
+
 @pytest.mark.multiprocess
 def test_simulate_never_imports_torch(tmp_path):
     code = (
