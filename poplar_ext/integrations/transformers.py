@@ -28,6 +28,7 @@ from transformers.trainer_utils import seed_worker
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
 from poplar_ext.collectives import agree_sum, agree_sums, decided_by_rank0
 from poplar_ext.elastic import ends_job_on_user_error
+from poplar_ext.hardware.emulation import device_label
 from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.plan.formats import Plan
 from poplar_ext.runtime.checkpoint import (
@@ -414,12 +415,13 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if self.job.rank == 0:  # here, not when train() wraps an engine: evaluate() alone builds none
             logger.info("poplar plan from step 0: %s", self.job.plan_reason)
         logger.info(
-            "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d",
+            "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d; device %s",
             self.job.rank,
             rank_plan.micro_batch_size,
             rank_plan.gradient_accumulation_steps,
             self.job.plan.global_batch_size,
             self.job.plan.zero_stage,
+            _device_of(self.job, rank_plan.device_type),
         )
         self._eval_batch_asked: int = args.per_device_eval_batch_size
         """``per_device_eval_batch_size`` as given: the rank with the smallest plan micro-batch's."""
@@ -839,6 +841,12 @@ def _log_resume(folder: str, *, saved: dict | None, decision: ResumeDecision | N
         )
     for note in decision.notes if decision is not None else ():
         logger.info("resume_from_checkpoint: %s", note)
+
+
+def _device_of(job: Any, device_type: str) -> str:
+    """`device_type` labelled real or emulated by the job's cluster (the type alone for a job without one)."""
+    cluster = getattr(job, "cluster", None)
+    return device_type if cluster is None else device_label(device_type, cluster.emulation_of(device_type))
 
 
 def _log_resumed_plan(folder: str, *, saved: dict | None, decision: ResumeDecision | None, plan_reason: str) -> None:

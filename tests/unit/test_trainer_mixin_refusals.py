@@ -468,6 +468,38 @@ def test_the_plans_origin_is_logged_once_when_the_trainer_is_built(monkeypatch, 
         PoplarTrainer(model=torch.nn.Linear(2, 1), args=args, train_dataset=[{"x": 1}] * 8)
     assert "rank 0: micro-batch 2 x 2 accumulation steps" in caplog.text
     assert caplog.text.count("poplar plan from step 0: the plan file p.json") == 1
+    assert "rank 0: micro-batch 2 x 2 accumulation steps; true global batch 4, ZeRO stage 0; device cpu" in caplog.text
+
+
+def test_the_trainers_rank_line_says_whether_its_device_is_real_or_emulated(monkeypatch, caplog):
+    # The ZeRO loop's line said "cpu-slow (emulated ...)"; the Trainer's gave the micro-batch alone.
+    import logging
+
+    import torch
+
+    from poplar_ext.integrations import transformers as integration
+    from poplar_ext.integrations.transformers import PoplarTrainer
+    from poplar_ext.plan.formats import cluster_from_dict
+
+    args = _arguments_of_a_settled_job(monkeypatch, {}, {})
+    emulated = {"cpu": {"emulation": {"slowdown": 2.0, "memory_capacity_bytes": 10**9}}}
+    cluster = cluster_from_dict(
+        {
+            "schema_version": 1,
+            "nodes": [{"name": "n", "devices": [{"device_type": "cpu", "count": 1}]}],
+            "device_types": emulated,
+        }  # fmt: skip
+    )
+    settle = integration._settle_job
+    monkeypatch.setattr(integration, "_settle_job", lambda *a, **k: _with_cluster(settle(*a, **k), cluster))
+    with caplog.at_level(logging.INFO, logger="poplar_ext"):
+        PoplarTrainer(model=torch.nn.Linear(2, 1), args=args, train_dataset=[{"x": 1}] * 8)
+    assert re.search(r"ZeRO stage 0; device cpu \(emulated[^)]*2", caplog.text), caplog.text
+
+
+def _with_cluster(job, cluster):
+    job.cluster = cluster
+    return job
 
 
 def test_the_tests_above_leave_accelerate_off_deepspeed_for_the_tests_after():
