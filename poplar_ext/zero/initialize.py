@@ -155,7 +155,7 @@ def prepare_job(
     device = join_job(**(init_options or {}))
     rank, world_size = process_group_rank()
     global_batch = requested_global_batch_size(poplar_config, ds_config, world_size=world_size)
-    if training_data is not None and global_batch.size is not None:
+    if training_data is not None and isinstance(global_batch.size, int):  # "auto": the plan's, checked later
         # The config's batch (a plan file's is the same): known now, not after profiling and the search.
         check_holds_global_batch(len(training_data), global_batch.size, f"{training_data_name}: num_samples")
     if global_batch.size is None and default_global_batch is not None:

@@ -103,3 +103,7 @@ def test_data_smaller_than_the_configs_global_batch_is_refused_before_the_cluste
     auto = ({"train_micro_batch_size_per_gpu": "auto", "poplar": {}}, tmp_path, "ds.json")
     with pytest.raises(AssertionError, match="the cluster was settled"):
         zero_initialize.prepare_job(auto, model=torch.nn.Linear(2, 1), training_data=list(range(5)))
+    # poplar.global_batch_size "auto" too (it was compared with the data as a number: a TypeError).
+    auto = ({"poplar": {"global_batch_size": "auto"}}, tmp_path, "ds.json")
+    with pytest.raises(AssertionError, match="the cluster was settled"):
+        zero_initialize.prepare_job(auto, model=torch.nn.Linear(2, 1), training_data=list(range(5)))
