@@ -49,9 +49,10 @@ class _LocalMetrics(PoplarTrainerMixin):
             mine = {key: (float(sum(values)), len(values)) for key, values in metrics["train"].items()}
             metrics["train"].clear()
             metrics["train"].update(merged_training_metrics(gather_objects(mine)))
-        elif metrics is not None and not self.model.training and _running_totals_in(metrics.get("eval")):
+        elif _is_evaluation_log(logs) and metrics is not None and _running_totals_in(metrics.get("eval")):
             # TRL logs its training token count with the evaluation's metrics too: this rank's share of it, since
-            # training kept it per rank. Every rank logs the evaluation (`evaluate`), so the gather meets.
+            # training kept it per rank. Every rank logs an evaluation (`evaluate`), so the gather meets; other
+            # logs (after predict(), which logs nothing, a user's own on one rank) start no collective.
             totals = {key: (float(metrics["eval"][key][-1]), 1) for key in _running_totals_in(metrics["eval"])}
             metrics["eval"].update(merged_training_metrics(gather_objects(totals)))
         super().log(logs, *args, **kwargs)
@@ -82,6 +83,12 @@ class _LocalMetrics(PoplarTrainerMixin):
 
 RUNNING_TOTALS = ("num_tokens",)
 """TRL metrics that are a running count on each rank: the job's is their sum over the ranks."""
+
+
+def _is_evaluation_log(logs: Any) -> bool:
+    """Whether `logs` are an evaluation's metrics (``evaluate``'s, whatever its ``metric_key_prefix``): the Trainer
+    adds ``<prefix>_runtime`` to them, and ``train_runtime`` to training's summary alone."""
+    return isinstance(logs, dict) and any(str(k).endswith("_runtime") and k != "train_runtime" for k in logs)
 
 
 def _running_totals_in(metrics: Any) -> list[str]:
@@ -122,7 +129,9 @@ class PoplarSFTTrainer(_LocalMetrics, SFTTrainer):
 
     def _profiling_collator(self, data_collator: Any, train_dataset: Any) -> Any:
         """Your collator where your data set is already tokens (``input_ids``), as TRL then takes it; else refused."""
-        first = train_dataset[0] if train_dataset is not None and len(train_dataset) else {}
+        # Only a map-style data set has a first sample to look at; `_settle_job` refuses any other with its reason.
+        map_style = hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")
+        first = train_dataset[0] if map_style and len(train_dataset) else {}
         if data_collator is not None and isinstance(first, dict) and "input_ids" in first:
             return data_collator
         return super()._profiling_collator(data_collator, train_dataset)

@@ -45,7 +45,7 @@ def test_the_token_count_logged_with_an_evaluation_is_the_jobs_not_rank_0s(monke
     probe = object.__new__(Probe)
     probe.model = SimpleNamespace(training=False)
     probe._metrics = {"train": {}, "eval": {"num_tokens": [381.0], "entropy": [4.0, 4.2]}}
-    probe.log({"eval_loss": 1.0})
+    probe.log({"eval_loss": 1.0, "eval_runtime": 0.5})
     assert sent == [{"num_tokens": (381.0, 1)}]
     assert probe.logged == {"num_tokens": [580.0], "entropy": [4.0, 4.2]}
 
@@ -53,3 +53,11 @@ def test_the_token_count_logged_with_an_evaluation_is_the_jobs_not_rank_0s(monke
     probe._metrics = {"train": {}, "eval": {}}
     probe.log({"train_runtime": 1.0})
     assert sent == []
+
+    # predict() leaves TRL's eval token count and logs nothing: a log of the user's own afterwards (perhaps on one
+    # rank) starts no gather, which the other ranks would never meet.
+    probe._metrics = {"train": {}, "eval": {"num_tokens": [381.0]}}
+    probe.log({"my_metric": 1.0})
+    assert sent == []
+    probe.log({"test_loss": 1.0, "test_runtime": 0.5})  # evaluate(metric_key_prefix="test")
+    assert sent == [{"num_tokens": (381.0, 1)}]

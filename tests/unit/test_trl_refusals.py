@@ -145,6 +145,16 @@ def test_the_automatic_mode_refuses_trls_raw_data_before_profiling_it(tmp_path, 
         profiling_collator["collate_fn"](rows)
 
 
+def test_an_iterable_data_set_reaches_the_jobs_own_refusal(tmp_path, profiling_collator):
+    # The SFT hook looked at train_dataset[0]: an IterableDataset failed "has no len()" before the job's own
+    # "expected a map-style dataset".
+    from datasets import Dataset
+
+    data = Dataset.from_list([{"input_ids": [1, 2, 3]}]).to_iterable_dataset()
+    with pytest.raises(_Settled):
+        PoplarSFTTrainer(model=_gpt2("sdpa"), args=_automatic(SFTConfig, tmp_path), train_dataset=data)
+
+
 def test_the_automatic_mode_profiles_sft_token_rows_with_the_collator_given(tmp_path, profiling_collator):
     from datasets import Dataset
 
