@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     def text() -> str:
         plan = plan_table(main_result, profiles, network)
         shown = plan if len(results) == 1 else comparison_table(results) + "\n\nPlan of the poplar policy:\n" + plan
-        return labelled(shown, profiles, list(cluster.type_counts()))
+        return labelled(shown, profiles, list(cluster.type_counts()), under_table=len(results) > 1)
 
     return emit(args, data, data if len(results) == 1 else every, text)
 

@@ -208,11 +208,12 @@ def note_unused_types(args: Any, profiles: Sequence[Any], cluster: Any) -> None:
             )
 
 
-def labelled(text: str, profiles: Sequence[Any], types: Sequence[str]) -> str:
+def labelled(text: str, profiles: Sequence[Any], types: Sequence[str], *, under_table: bool = False) -> str:
     """`text` (a table's headline block, a blank line, the rest) with a line after its headline block where the
     profiles of `types` it was priced from are modelled (``measured_with.source``), as the shipped example's are:
     nothing else in the table tells an analytic model's times from measured ones. The line names no device type
-    (a table's rows are told by theirs)."""
+    (a table's rows are told by theirs). `under_table`: the first block is a table (``--policy all``'s comparison),
+    and the line goes apart from its rows."""
     priced = set(types)
     modelled = {p.device_type for p in profiles if p.source == "modelled" and p.device_type in priced}
     if not modelled:
@@ -223,7 +224,8 @@ def labelled(text: str, profiles: Sequence[Any], types: Sequence[str]) -> str:
         "a device); the predictions rest on that model."
     )
     head, blank, rest = text.partition("\n\n")
-    return f"{head}\n{line}{blank}{rest}"
+    before = blank if under_table else "\n"
+    return f"{head}{before}{line}{blank}{rest}"
 
 
 def chosen_network(args: Any, cluster: Any) -> NetworkProfile | None:

@@ -17,6 +17,8 @@ def test_the_example_table_says_its_profiles_are_modelled(capsys, tmp_path):
     assert code == 0 and out.splitlines()[2].startswith(LABEL)
     code, out, _ = run(capsys, "--example", "--parallelism", "auto", "--global-batch-size", 512)
     assert code == 0 and LABEL in out
+    code, out, _ = run(capsys, "--example", "--policy", "all")  # under the comparison table, apart from its rows
+    assert code == 0 and "poplar speed-up\n" in out and f"\n\n{LABEL}" in out and "-\n" + LABEL not in out
     code, out, _ = run(capsys, "--example", "--global-batch-size", 512, "--json")
     assert code == 0 and json.loads(out)["global_batch_size"] == 512  # JSON unchanged
 
