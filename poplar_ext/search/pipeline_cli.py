@@ -153,7 +153,8 @@ def run_pipelines(args: argparse.Namespace) -> int:
         else:
             plan = pipeline_plan_table(pipeline, layer_profiles, network, cluster)
         shown = parallelism_table(zero, pipeline, chosen) + "\n\n" + plan if auto else plan
-        return labelled(shown, [*layer_profiles, *(profiles or [])], list(cluster.type_counts()))
+        priced = layer_profiles if not auto else [*layer_profiles, *(profiles or [])]  # auto compares both kinds
+        return labelled(shown, priced, list(cluster.type_counts()), under_table=auto)
 
     return emit(args, data, shown, text)
 

@@ -16,7 +16,7 @@ def test_the_example_table_says_its_profiles_are_modelled(capsys, tmp_path):
     code, out, _ = run(capsys, "--example", "--predict", tmp_path / "plan.json")
     assert code == 0 and out.splitlines()[2].startswith(LABEL)
     code, out, _ = run(capsys, "--example", "--parallelism", "auto", "--global-batch-size", 512)
-    assert code == 0 and LABEL in out
+    assert code == 0 and f"\n\n{LABEL}" in out  # apart from the comparison table's rows
     code, out, _ = run(capsys, "--example", "--policy", "all")  # under the comparison table, apart from its rows
     assert code == 0 and "poplar speed-up\n" in out and f"\n\n{LABEL}" in out and "-\n" + LABEL not in out
     code, out, _ = run(capsys, "--example", "--global-batch-size", 512, "--json")
@@ -43,3 +43,18 @@ def test_some_modelled_types_are_counted(capsys, tmp_path):
         path.write_text(json.dumps(data))
     code, out, _ = run(capsys, "--profiles", profiles, "--cluster", profiles / "cluster.json")
     assert code == 0 and out.splitlines()[1].startswith("Profiles: MODELLED for 1 of 2 device types ("), out
+
+
+def test_a_pipeline_plan_is_labelled_by_its_layer_profiles_alone(capsys, tmp_path):
+    # --parallelism pipeline prices layer profiles only: the folder's modelled whole-model ones labelled it.
+    profiles = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, profiles)
+    for path in (profiles / "layers").glob("*.json"):
+        data = json.loads(path.read_text())
+        data["measured_with"]["source"] = "measured"
+        path.write_text(json.dumps(data))
+    common = ["--profiles", profiles, "--cluster", profiles / "cluster.json", "--global-batch-size", 256]
+    code, out, _ = run(capsys, *common, "--parallelism", "pipeline")
+    assert code == 0 and "MODELLED" not in out, out
+    code, out, _ = run(capsys, *common, "--parallelism", "auto")  # the ZeRO plan beside it is priced modelled
+    assert code == 0 and "Profiles: MODELLED for" in out or LABEL in out, out
