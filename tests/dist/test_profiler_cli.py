@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from harness import run_ranks
@@ -93,6 +94,13 @@ def test_cli_profiles_the_toy_gpt_and_then_reuses_it(tmp_path, capfd) -> None:
     logs = "\n".join(path.read_text() for path in (tmp_path / "second").rglob("rank0.log"))
     assert "from the cache (not measured)" in logs and "largest micro-batch" in logs
     assert f"network: from the cache ({network_file})" in logs
+    # More repeats asked for: measured again, and the progress says why the stored ones were not reused.
+    again = [*argv[: argv.index("--repeats")], "--repeats", "2", "--activation-checkpointing", "off",
+             *argv[argv.index("--repeats") + 2 :]]  # fmt: skip
+    assert run_ranks(_run_cli, world_size=2, tmp_path=tmp_path / "third", args=(again,), timeout_s=120) == [0, 0]
+    logs = "\n".join(path.read_text() for path in (tmp_path / "third").rglob("rank0.log"))
+    for label in ("big (emulated", "small (emulated"):
+        assert re.search(rf"ZeRO-1: {re.escape(label)}[^\n]* measured again: \S+\.json was measured with less", logs)
 
 
 def test_cli_bad_input_exits_2_on_every_rank(tmp_path) -> None:
