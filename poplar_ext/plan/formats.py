@@ -768,6 +768,15 @@ def models_text(profiles: Any) -> str:
     )
 
 
+def mixed_models(profiles: Any) -> tuple[int, str] | None:
+    """How many models `profiles` (profiles or layer profiles) are of, and them as ``name (fingerprint), ...``,
+    where they are more than one; None for one model."""
+    models = sorted({(p.model.fingerprint, p.model.name) for p in profiles})
+    if len(models) < 2:
+        return None
+    return len(models), ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
+
+
 def files_text(profiles: Any) -> str:
     """``; the files: `models_text```, appended to a message on mixed models that named them already; '' where
     no profile was loaded from a file."""

@@ -24,6 +24,7 @@ from poplar_ext.plan.formats import (
     files_text,
     levers_text,
     listed,
+    mixed_models,
     models_text,
     one_accumulation_count,
 )
@@ -186,11 +187,10 @@ def _check_profiles(profiles: Sequence[Profile]) -> dict[int, dict[str, Variants
             )
     if not profiles:
         raise ValueError("profiles: expected at least one profile, found none")
-    models = sorted({(p.model.fingerprint, p.model.name) for p in profiles})
-    if len(models) > 1:
-        shown = ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
+    mixed = mixed_models(profiles)
+    if mixed is not None:
         raise ValueError(
-            f"profiles: expected profiles of one model, found {len(models)} models: {shown} (poplar-search: --model "
+            f"profiles: expected profiles of one model, found {mixed[0]} models: {mixed[1]} (poplar-search: --model "
             f"NAME picks one){files_text(profiles)}"
         )
     by_stage: dict[int, dict[str, Variants]] = {}

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from poplar_ext.plan.formats import Cluster, Prediction, files_text, listed, loaded_from
+from poplar_ext.plan.formats import Cluster, Prediction, files_text, listed, loaded_from, mixed_models
 from poplar_ext.plan.network_format import CollectiveFit, NetworkProfile, ring_time_s
 from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerProfile, Pipeline, PipelinePlan
 
@@ -36,11 +36,10 @@ def layer_profiles_by_stage(layer_profiles: Sequence[LayerProfile]) -> dict[int,
         if not isinstance(profile, LayerProfile):
             raise ValueError(f"layer_profiles[{index}]: expected a LayerProfile, found {type(profile).__name__}")
     # Models first: two models' folders hold a layer profile per type each, and that is what to tell.
-    models = sorted({(p.model.fingerprint, p.model.name) for p in layer_profiles})
-    if len(models) > 1:
-        shown = ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
+    mixed = mixed_models(layer_profiles)
+    if mixed is not None:
         raise ValueError(
-            f"layer_profiles: expected layer profiles of one model, found {len(models)}: {shown} (poplar-search: "
+            f"layer_profiles: expected layer profiles of one model, found {mixed[0]}: {mixed[1]} (poplar-search: "
             f"--model NAME or FINGERPRINT picks one){files_text(layer_profiles)}"
         )
     by_stage: dict[int, dict[str, LayerProfile]] = {}
