@@ -17,6 +17,7 @@ from poplar_ext.collectives import decided_by_rank0
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import (
     Emulation,
+    Levers,
     Profile,
     content_fingerprint,
     is_cluster_or_plan,
@@ -130,6 +131,11 @@ class ProfileKey(_Key):
     """Measured with the model recomputing its activations in backward."""
     optimizer_offload: bool = False
     """Measured with the optimizer offloaded to the host (ZeRO stages 1-2)."""
+
+    @property
+    def levers(self) -> Levers:
+        """``(activation_checkpointing, optimizer_offload)``, as a profile's `levers`."""
+        return (self.activation_checkpointing, self.optimizer_offload)
 
     @staticmethod
     def _own(profile: Profile) -> dict[str, Any]:
@@ -334,30 +340,46 @@ def cached_on_rank0(
     if rank != 0 or options.force:
         return {}
     found = {what: find(options.cache_dir, key) for what, key in keys.items()}
+    stored_by_kind: dict[bool, list[tuple[Path, Any]]] = {}  # the directory read once for all misses of a kind
     for what, key in keys.items():
-        why = None if on_miss is None or found[what] is not None else not_reused_because(options.cache_dir, key)
+        if on_miss is None or found[what] is not None:
+            continue
+        layers = isinstance(key, LayerProfileKey)
+        if layers not in stored_by_kind:
+            stored_by_kind[layers] = _stored(Path(options.cache_dir), layers=layers)
+        why = not_reused_because(options.cache_dir, key, stored=stored_by_kind[layers])
         if why is not None:
             on_miss(what, why)
     return {what: to_dict(profile) for what, profile in found.items() if profile is not None}
 
 
-def not_reused_because(cache_dir: str | Path, key: ProfileKey | LayerProfileKey) -> str | None:
+def not_reused_because(
+    cache_dir: str | Path, key: ProfileKey | LayerProfileKey, *, stored: list[tuple[Path, Any]] | None = None
+) -> str | None:
     """Why the stored profile of `key`'s model, device type, stage (and memory levers) closest to `key` is not
     reused: the key fields it differs in, or that it was measured with less; None where none is stored. A job
-    measuring again at every start is most often a DeepSpeed config or version changed, and says which."""
+    measuring again at every start is most often a DeepSpeed config or version changed, and says which.
+    `stored`: the cache's profiles of `key`'s kind with their paths, where the caller read them already."""
     layers = isinstance(key, LayerProfileKey)
-    levers = [] if layers else [(key.activation_checkpointing, key.optimizer_offload)]
-    same = (key.model_fingerprint, key.device_type, key.zero_stage, *levers)
+    if stored is None:
+        stored = _stored(Path(cache_dir), layers=layers, stacklevel=4)
+
+    # A layer profile has no levers: its slot is its model, type and stage.
+    wanted = (key.model_fingerprint, key.device_type, key.zero_stage, getattr(key, "levers", None))
     differences = []
-    for path, profile in _stored(Path(cache_dir), layers=layers, stacklevel=4):
-        ours = (profile.model.fingerprint, profile.device_type, profile.zero_stage)
-        if (*ours, *([] if layers else [profile.levers])) != same:
+    for path, profile in stored:
+        if (
+            profile.model.fingerprint,
+            profile.device_type,
+            profile.zero_stage,
+            getattr(profile, "levers", None),
+        ) != wanted:
             continue
-        stored = (LayerProfileKey if layers else ProfileKey).of_profile(profile)
-        if stored is None:
+        recorded = (LayerProfileKey if layers else ProfileKey).of_profile(profile)
+        if recorded is None:
             differences.append((1, f"{path.name} was not measured by this profiler"))
             continue
-        changed = [_changed(f.name, getattr(stored, f.name), getattr(key, f.name)) for f in dataclasses.fields(key)]
+        changed = [_changed(f.name, getattr(recorded, f.name), getattr(key, f.name)) for f in dataclasses.fields(key)]
         changed = [text for text in changed if text is not None]
         what = f"differs in {', '.join(changed)}" if changed else "was measured with less than asked"
         differences.append((len(changed), f"{path.name} {what}"))
