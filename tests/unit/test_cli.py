@@ -15,6 +15,18 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "poplar_ext" / "search" / "exam
 CLUSTER = EXAMPLES / "cluster.json"
 
 
+def examples_with(tmp_path, pattern: str, change) -> Path:
+    """A copy of the shipped example profiles in ``tmp_path/profiles``, `change(data)` applied to each file of it
+    matching the glob `pattern`."""
+    folder = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, folder)
+    for path in folder.glob(pattern):
+        data = json.loads(path.read_text())
+        change(data)
+        path.write_text(json.dumps(data))
+    return folder
+
+
 def run(capsys, *argv):
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()

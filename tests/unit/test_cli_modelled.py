@@ -1,11 +1,14 @@
 """`poplar-search` tables say when the profiles they price are modelled (the shipped example's), not measured."""
 
 import json
-import shutil
 
-from test_cli import EXAMPLES, run
+from test_cli import examples_with, run
 
 LABEL = "Profiles: MODELLED (measured_with.source"
+
+
+def _measured(data):
+    data["measured_with"]["source"] = "measured"
 
 
 def test_the_example_table_says_its_profiles_are_modelled(capsys, tmp_path):
@@ -24,35 +27,20 @@ def test_the_example_table_says_its_profiles_are_modelled(capsys, tmp_path):
 
 
 def test_measured_profiles_get_no_label(capsys, tmp_path):
-    profiles = tmp_path / "profiles"
-    shutil.copytree(EXAMPLES, profiles)
-    for path in profiles.glob("*.stage*.json"):
-        data = json.loads(path.read_text())
-        data["measured_with"]["source"] = "measured"
-        path.write_text(json.dumps(data))
+    profiles = examples_with(tmp_path, "*.stage*.json", _measured)
     code, out, err = run(capsys, "--profiles", profiles, "--cluster", profiles / "cluster.json")
     assert code == 0 and "MODELLED" not in out, out
 
 
 def test_some_modelled_types_are_counted(capsys, tmp_path):
-    profiles = tmp_path / "profiles"
-    shutil.copytree(EXAMPLES, profiles)
-    for path in profiles.glob("*v100*.stage*.json"):
-        data = json.loads(path.read_text())
-        data["measured_with"]["source"] = "measured"
-        path.write_text(json.dumps(data))
+    profiles = examples_with(tmp_path, "*v100*.stage*.json", _measured)
     code, out, _ = run(capsys, "--profiles", profiles, "--cluster", profiles / "cluster.json")
     assert code == 0 and out.splitlines()[1].startswith("Profiles: MODELLED for 1 of 2 device types ("), out
 
 
 def test_a_pipeline_plan_is_labelled_by_its_layer_profiles_alone(capsys, tmp_path):
     # --parallelism pipeline prices layer profiles only: the folder's modelled whole-model ones labelled it.
-    profiles = tmp_path / "profiles"
-    shutil.copytree(EXAMPLES, profiles)
-    for path in (profiles / "layers").glob("*.json"):
-        data = json.loads(path.read_text())
-        data["measured_with"]["source"] = "measured"
-        path.write_text(json.dumps(data))
+    profiles = examples_with(tmp_path, "layers/*.json", _measured)
     common = ["--profiles", profiles, "--cluster", profiles / "cluster.json", "--global-batch-size", 256]
     code, out, _ = run(capsys, *common, "--parallelism", "pipeline")
     assert code == 0 and "MODELLED" not in out, out

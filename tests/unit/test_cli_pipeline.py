@@ -4,7 +4,7 @@ import json
 import shutil
 
 import pytest
-from test_cli import CLUSTER, EXAMPLES, run
+from test_cli import CLUSTER, EXAMPLES, examples_with, run
 
 from poplar_ext.plan.formats import Plan, load_cluster
 from poplar_ext.plan.pipeline_formats import PipelinePlan, load_any_plan, load_layer_profiles
@@ -230,12 +230,7 @@ def test_model_picks_the_layer_profiles_too(capsys, tmp_path):
 def test_a_bf16_plan_the_search_put_at_zero_0_comes_with_a_note_that_its_checkpoints_will_not_resume(capsys, tmp_path):
     # A tiny GPT-2's bf16 layer profiles: the auto stage was 0 (stage 1 predicted the same), the job trained and
     # saved, and only its resume refused the optimizer state. The search now says so where it chooses.
-    profiles = tmp_path / "profiles"
-    shutil.copytree(EXAMPLES, profiles)
-    for path in (profiles / "layers").glob("*.json"):
-        data = json.loads(path.read_text())
-        data["model"]["dtype"] = "bfloat16"
-        path.write_text(json.dumps(data))
+    profiles = examples_with(tmp_path, "layers/*.json", lambda data: data["model"].update(dtype="bfloat16"))
     argv = ["--profiles", profiles, "--cluster", CLUSTER, "--parallelism", "pipeline", "--global-batch-size", 256]
     code, out, err = run(capsys, *argv)
     assert code == 0 and out.startswith("pipelines at ZeRO stage 0 (auto)")
