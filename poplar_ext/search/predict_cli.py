@@ -81,18 +81,11 @@ def run_predict(args: argparse.Namespace) -> int:
         data = {"plan": str(args.predict), "parallelism": kind, "network_priced": network is not None}
         print(json.dumps({**data, "prediction": _prediction_json(prediction, network)}, indent=2))
     elif kind == "pipeline":
-        print(labelled(pipeline_prediction_table(plan, prediction, network, cluster), layers, _plan_types(plan)))
+        print(labelled(pipeline_prediction_table(plan, prediction, network, cluster), layers, plan.rank_device_types))
     else:
         text = zero_prediction_table(plan, prediction, network, without_network=_without_network(args, cluster))
-        print(labelled(text, profiles, _plan_types(plan)))
+        print(labelled(text, profiles, plan.rank_device_types))
     return EXIT_OK
-
-
-def _plan_types(plan: Plan | PipelinePlan) -> list[str]:
-    """The device types of the plan's ranks."""
-    if isinstance(plan, PipelinePlan):
-        return list(plan.rank_device_types)
-    return [rank.device_type for rank in plan.ranks]
 
 
 def _without_network(args: argparse.Namespace, cluster: Cluster | None) -> str:
