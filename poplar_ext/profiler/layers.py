@@ -330,8 +330,10 @@ def _optimizer_figures(
     parameters = [p for p in layer.parameters() if p.requires_grad]
     if not parameters:
         return {"optimizer_state_bytes": 0, "optimizer_step_time_s": 0.0}
-    half_grads = [torch.zeros_like(p) for p in parameters] if measurement.dtype != torch.float32 else []
-    if half_grads:
+    # In a half precision the layer keeps its own gradients (as large as its parameters) besides fp32 master
+    # copies and their gradients, which the optimizer steps.
+    half_bytes = _nbytes(parameters) if measurement.dtype != torch.float32 else 0
+    if half_bytes:
         parameters = [p.detach().float().requires_grad_(True) for p in parameters]
     optimizer = measurement.optimizer_factory(parameters)
     for p in parameters:
@@ -339,12 +341,12 @@ def _optimizer_figures(
     steps = [time_compute(measurement.device, optimizer.step) for _ in range(measurement.repeats + 1)]
     # Gradients plus the optimizer's per-parameter state after a step.
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    masters = parameters if half_grads else []
+    masters_bytes = _nbytes(parameters) if half_bytes else 0
     return {
         "optimizer_state_bytes": _nbytes([p.grad for p in parameters if p.grad is not None])
         + _nbytes(state)
-        + _nbytes(masters)
-        + _nbytes(half_grads),
+        + masters_bytes
+        + half_bytes,
         "optimizer_step_time_s": statistics.median(steps[1:]) * factor,
     }
 
