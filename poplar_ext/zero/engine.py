@@ -52,6 +52,26 @@ def set_deepspeed_batch(engine: Any, plan: Plan, rank: int) -> None:
     engine.micro_steps = -(-engine.micro_steps // steps) * steps
 
 
+def unapplied_loss_scale(engine: Any) -> float | None:
+    """The fp16 loss scale DeepSpeed's backward leaves out of the loss on `engine` (a DeepSpeedEngine), or None
+    where it applies it or none is used.
+
+    DeepSpeed falls short at ZeRO stage 0 in fp16: its backward multiplies the loss by the loss scale for its ZeRO
+    optimizers only (deepspeed/runtime/engine.py ``backward``; deepspeedai/DeepSpeed#8393, open), while the steps of
+    FP16_Optimizer and FP16_UnfusedOptimizer divide the gradients by it: every update would be the loss scale times
+    too small (65536 by default). The pipeline engine puts it in likewise (``_unapplied_loss_scale``)."""
+    fp16_enabled = getattr(engine, "fp16_enabled", None)
+    if fp16_enabled is None or not fp16_enabled():
+        return None
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    optimizer = getattr(engine, "optimizer", None)
+    config = getattr(optimizer, "loss_scale_config", None)
+    if isinstance(optimizer, ZeROOptimizer) or config is None or not config.use_grad_scaling:
+        return None
+    return float(config.cur_scale)
+
+
 class PoplarEngine(EngineCore):
     """A DeepSpeedEngine that trains a plan's per-rank batches with exact gradients; use it as the engine
     ``deepspeed.initialize`` returns (every attribute not defined here is the DeepSpeed engine's). Differences:
@@ -193,7 +213,13 @@ class PoplarEngine(EngineCore):
 
     def _timed_backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
         self.start_compute_window()  # for a forward that did not go through the engine
-        result = self.deepspeed_engine.backward(loss, **kwargs)
+        scale = unapplied_loss_scale(self.deepspeed_engine)
+        if scale is None:
+            result = self.deepspeed_engine.backward(loss, **kwargs)
+        else:
+            result = self.deepspeed_engine.backward(loss.float() * scale, **kwargs)
+            if isinstance(result, torch.Tensor):  # DeepSpeed returns the loss it was given: the caller's, unscaled
+                result = result / scale
         if self._slowdown is not None:
             self._slowdown.stop()  # a no-op unless no reduction ended the window (no_sync)
         return result
@@ -478,7 +504,7 @@ class PoplarEngine(EngineCore):
         self._continue_plans(decision, log_notes=log_notes)
 
 
-__all__ = ["CLIENT_STATE_KEY", "PoplarEngine", "set_deepspeed_batch"]
+__all__ = ["CLIENT_STATE_KEY", "PoplarEngine", "set_deepspeed_batch", "unapplied_loss_scale"]
 
 
 def _tensors_with_gradients(outputs: Any) -> int:

@@ -116,6 +116,46 @@ def test_continue_from_logs_the_decisions_notes_unless_the_caller_did(caplog, lo
     assert engine.consumed_samples == 9
 
 
+class _LossScaleConfig:
+    def __init__(self, use_grad_scaling, cur_scale):
+        self.use_grad_scaling, self.cur_scale = use_grad_scaling, cur_scale
+
+
+class _FP16UnfusedOptimizer:
+    """Stands in for DeepSpeed's FP16_(Unfused)Optimizer (fp16 at ZeRO 0): its step divides by the loss scale."""
+
+    def __init__(self, use_grad_scaling=True, cur_scale=256.0):
+        self.loss_scale_config = _LossScaleConfig(use_grad_scaling, cur_scale)
+
+
+def test_fp16_at_zero_0_puts_in_the_loss_scale_deepspeeds_backward_leaves_out():
+    # DeepSpeed 0.19.8's backward scales the loss for ZeRO optimizers only; FP16_UnfusedOptimizer.step then
+    # divides by the scale: without it every update was the loss scale (256 here, 65536 by default) times too small.
+    engine, fake = _engine(_plan([(3, 2), (1, 3)], stage=0), rank=0)  # W=2, b=3, B=9
+    fake.fp16_enabled = lambda: True
+    fake.optimizer = _FP16UnfusedOptimizer(cur_scale=256.0)
+    engine.backward(torch.tensor(1.5))
+    assert fake.backward_calls == [(pytest.approx(1.5 * 2 * 3 / 9 * 256.0), {"scale_wrt_gas": False})]
+
+
+def test_no_loss_scale_is_added_without_fp16_or_where_deepspeed_applies_it():
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    class _ZeroOptimizer(ZeROOptimizer, _FP16UnfusedOptimizer):
+        pass
+
+    for fp16, optimizer in [
+        (False, _FP16UnfusedOptimizer()),  # bf16 or fp32
+        (True, _FP16UnfusedOptimizer(use_grad_scaling=False)),
+        (True, _ZeroOptimizer()),  # ZeRO 1-3: DeepSpeed's backward scales the loss itself
+    ]:
+        engine, fake = _engine(_plan([(3, 2), (1, 3)], stage=0), rank=0)
+        fake.fp16_enabled = lambda fp16=fp16: fp16
+        fake.optimizer = optimizer
+        engine.backward(torch.tensor(1.5))
+        assert fake.backward_calls == [(pytest.approx(1.5 * 2 * 3 / 9), {"scale_wrt_gas": False})]
+
+
 def test_sum_reduced_loss_weight():
     engine, fake = _engine(_plan([(3, 2), (1, 3)]), rank=1, loss_reduction="sum")
     engine.backward(torch.tensor(1.0))
