@@ -66,8 +66,9 @@ DEVICE_NAME_TABLE: tuple[DeviceNameRule, ...] = (
     DeviceNameRule(pattern=r"\bA10\b", device_type="A10-24GB"),
     DeviceNameRule(pattern=r"\bA40\b", device_type="A40-48GB"),
     DeviceNameRule(pattern=r"\bRTX A6000\b", device_type="RTXA6000-48GB"),
-    DeviceNameRule(pattern=r"\bRTX 4090\b", device_type="RTX4090-24GB"),
-    DeviceNameRule(pattern=r"\bRTX 3090\b", device_type="RTX3090-24GB"),
+    # Nothing after the model number: a 3090 Ti, a 4090 D (fewer SMs) and a 4090 Laptop GPU (16 GB) are other cards.
+    DeviceNameRule(pattern=r"\bRTX 4090(?!\s*\w)", device_type="RTX4090-24GB"),
+    DeviceNameRule(pattern=r"\bRTX 3090(?!\s*\w)", device_type="RTX3090-24GB"),
     DeviceNameRule(pattern=r"\bT4\b", device_type="T4-16GB"),
     DeviceNameRule(pattern=r"\bP100\b", device_type="P100-16GB", min_memory_gib=14),
     DeviceNameRule(pattern=r"\bP100\b", device_type="P100-12GB"),

@@ -41,6 +41,7 @@ GiB = 2**30
         ("NVIDIA A10", 22.0, "A10-24GB"),
         ("NVIDIA L4", 22.0, "L4-24GB"),
         ("NVIDIA GeForce RTX 4090", 23.6, "RTX4090-24GB"),
+        ("NVIDIA GeForce RTX 3090", 23.7, "RTX3090-24GB"),
         # A MIG slice reports its own memory: the whole GPU's size comes from the name.
         ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", 4.8, "A100-40GB-MIG-1g.5gb"),
         ("NVIDIA A100-SXM4-80GB MIG 3g.40gb", 39.5, "A100-80GB-MIG-3g.40gb"),
@@ -79,6 +80,10 @@ def test_an_unknown_name_warns_and_falls_back_to_its_cleaned_name_and_memory() -
         ("NVIDIA Z200", 149557477376, "Z200-141GB"),
         ("NVIDIA Z9000", 300 * GiB, "Z9000-300GB"),  # above every sold size: the whole GiB above
         ("NVIDIA Z300", 183359 * 2**20, "Z300-180GB"),  # a B200's report
+        # Variants of a card the table names are other cards: not the table's RTX3090-24GB or RTX4090-24GB.
+        ("NVIDIA GeForce RTX 3090 Ti", 24247 * 2**20, "GeForce-RTX-3090-Ti-24GB"),
+        ("NVIDIA GeForce RTX 4090 D", 24082 * 2**20, "GeForce-RTX-4090-D-24GB"),
+        ("NVIDIA GeForce RTX 4090 Laptop GPU", 16376 * 2**20, "GeForce-RTX-4090-Laptop-GPU-16GB"),
     ],
 )
 def test_a_fallback_names_the_nominal_memory_as_the_table_does(reported, memory_bytes, expected) -> None:
