@@ -133,7 +133,7 @@ class PoplarEngine(EngineCore):
         self._token_counts: collections.deque[int] = collections.deque()
         self.iteration_tokens = 0
         """``token_mean``: the current iteration's label tokens over all ranks (`set_token_counts`)."""
-        if slowdown is not None:
+        if self._slowdown is not None:  # emulated, or a real device timed for re-balancing (`_start_core`)
             self._end_emulated_compute_before_reduction()
         if weights_loss:
             self._weight_direct_backward()

@@ -340,6 +340,23 @@ def _watched(plan):
     return _engine(plan, rebalancer=Rebalancer(monitor.config, rank=0, monitor=monitor))
 
 
+def test_a_real_devices_compute_window_ends_before_the_gradient_reduction():
+    # Re-balancing compares each rank's busy time with its profile, which ends a micro-step's compute at the
+    # reduction: a window left open through it would count the wait for the slowest rank as this rank's compute.
+    engine, fake = _watched(_plan([(2, 1), (3, 1)]))
+    timer = engine.compute_timer
+    assert timer is not None and engine.emulated_compute is None  # a real device, timed for re-balancing
+    stop = timer.stop
+
+    def recorded_stop():
+        fake.events.append("window ends" if timer.running else "no window")
+        return stop()
+
+    timer.stop = recorded_stop
+    engine.backward(engine(torch.ones(2)))
+    assert fake.events[:2] == ["window ends", "reduce"]
+
+
 def test_rank_0s_speed_factors_go_on_where_a_resume_continues_the_last_plan(tmp_path):
     plan = _plan([(2, 1), (3, 2)])
     engine, fake = _watched(plan)
