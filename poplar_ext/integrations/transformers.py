@@ -209,6 +209,24 @@ def _refuse_per_rank_retries(args: TrainingArguments) -> None:
         )
 
 
+_PRECISION_SECTIONS = ("fp16", "bf16")
+"""The DeepSpeed config's sections whose ``enabled`` Hugging Face fills from TrainingArguments (fp16, bf16)."""
+
+
+def _precision_as_filled(loaded: tuple[dict, Path, str], args: Any) -> tuple[dict, Path, str]:
+    """`loaded` with each precision section's ``"enabled": "auto"`` as TrainingArguments filled it already
+    (``args.hf_deepspeed_config``): the job's dtype is read from the config (every device checked for bf16, the
+    memory each rank needs), where "auto" would read as enabled, and Hugging Face's own configs say "auto" for both."""
+    ds_config, base_dir, source = loaded
+    filled = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
+    resolved = dict(ds_config)
+    for name in _PRECISION_SECTIONS:
+        section, value = ds_config.get(name), (filled.get(name) or {}).get("enabled")
+        if isinstance(section, dict) and section.get("enabled") == "auto" and isinstance(value, bool):
+            resolved[name] = {**section, "enabled": value}
+    return resolved, base_dir, source
+
+
 def _settle_job(
     args: TrainingArguments,
     model: Any,
@@ -234,6 +252,7 @@ def _settle_job(
             "none by default); on CPU ranks pass TrainingArguments(use_cpu=True, ddp_backend='gloo')"
         )
     loaded, poplar_config = configured
+    loaded = _precision_as_filled(loaded, args)
     optimizer = filled = None
     if model is not None:
         # Profiling (the automatic mode) measures the optimizer the Trainer will create.

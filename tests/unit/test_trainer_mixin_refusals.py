@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -432,6 +433,67 @@ def test_a_trainer_that_sees_fewer_processes_than_launched_is_refused_before_pla
         + r".*pass TrainingArguments\(use_cpu=True, ddp_backend='gloo'\)",
     ):
         integration._settle_job(arguments, None, list(range(8)), collate_fn=None, configured=None)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [(False, "float32"), (True, "float16")])
+def test_the_job_trains_in_the_precision_the_trainer_fills_in_for_auto(monkeypatch, precision, dtype):
+    # Hugging Face's own configs say "enabled": "auto" for fp16 and bf16 alike; read as they stand, "auto" was
+    # bf16 for the device check: a V100 (7.0) training in fp32 or fp16 was refused as below bf16's 8.0.
+    from types import SimpleNamespace
+
+    import poplar_ext.collectives as collectives
+    from poplar_ext.hardware.discovery import DeviceFacts, check_device_support
+    from poplar_ext.integrations import transformers as integration
+    from poplar_ext.profiler.measure import training_dtype
+
+    section = {"plan": "p.json"}
+    config = {"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 1}}
+    from transformers import TrainingArguments
+
+    # TrainingArguments fills "auto" from its own fields (fp16=True, refused on a CPU, set as it fills it on a GPU).
+    filled = TrainingArguments(output_dir="unused", use_cpu=True, deepspeed={**config, "poplar": section}, report_to=[])
+    assert filled.hf_deepspeed_config.config["bf16"]["enabled"] is False
+    if precision:
+        filled.hf_deepspeed_config.config["fp16"]["enabled"] = True
+    monkeypatch.setattr(collectives, "process_group_rank", lambda: (0, 1))
+    seen = {}
+
+    def prepare_job(loaded, **_):
+        seen["ds_config"] = loaded[0]
+        raise Settling
+
+    monkeypatch.setattr(integration, "prepare_job", prepare_job)
+    arguments = SimpleNamespace(
+        device="cpu",
+        world_size=1,
+        hf_deepspeed_config=filled.hf_deepspeed_config,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+    )
+    from poplar_ext.runtime.config import poplar_config_from_dict
+
+    loaded = (config, Path("."), "ds_config.json")
+    with pytest.raises(Settling):
+        integration._settle_job(
+            arguments,
+            None,
+            list(range(8)),
+            collate_fn=None,
+            configured=(loaded, poplar_config_from_dict(section, base_dir=Path("."))),
+        )
+    assert training_dtype(seen["ds_config"]) == dtype
+    v100 = DeviceFacts(
+        rank=0,
+        host="h",
+        node="h/x/y",
+        device_type="V100-16GB",
+        hardware="Tesla V100-SXM2-16GB",
+        memory_bytes=16 * 2**30,
+        device_id="u",
+        compute_capability=(7, 0),
+        cuda_arch_list=("sm_70",),
+    )
+    check_device_support([v100], bf16=training_dtype(seen["ds_config"]) == "bfloat16", source="ds_config.json")
 
 
 def test_a_train_dataset_smaller_than_the_global_batch_is_refused_before_the_trainer_is_built(monkeypatch):
