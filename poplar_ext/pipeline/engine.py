@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.dataloader import RepeatingLoader
 from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
@@ -43,7 +42,7 @@ from poplar_ext.pipeline.replan import (
 from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_from_dict
 from poplar_ext.runtime.checkpoint import ResumeDecision, read_state, refresh_master_weights, tag_for_load
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.engine_core import EngineCore
+from poplar_ext.runtime.engine_core import EngineCore, unapplied_loss_scale
 from poplar_ext.runtime.rebalance import Rebalancer
 from poplar_ext.runtime.weighting import pipeline_loss_weight
 
@@ -219,15 +218,8 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         return holders
 
     def _unapplied_loss_scale(self) -> float | None:
-        """The loss scale DeepSpeed's backward leaves out of the loss (None where it applies it, or where none is used).
-
-        DeepSpeed falls short here: its backward multiplies the loss by the loss scale for its ZeRO
-        optimizers only (deepspeed/runtime/engine.py ``backward``; deepspeedai/DeepSpeed#8393, open), while the
-        steps of FP16_Optimizer and FP16_UnfusedOptimizer (fp16 at ZeRO 0) divide the gradients by it."""
-        config = getattr(self.optimizer, "loss_scale_config", None)
-        if not self.fp16_enabled() or isinstance(self.optimizer, ZeROOptimizer) or config is None:
-            return None
-        return config.cur_scale if config.use_grad_scaling else None
+        """The loss scale DeepSpeed's backward leaves out of the loss (`unapplied_loss_scale`)."""
+        return unapplied_loss_scale(self)
 
     def _divide_by_iteration_tokens(self, gradients: Collection[torch.Tensor]) -> None:
         # token_mean: each micro-batch loss was weighted by s_p * n (WeightedLoss), so the summed

@@ -20,6 +20,26 @@ from poplar_ext.runtime.rebalance import FollowsRebalancing, Rebalancer, StepVie
 logger = logging.getLogger(__name__)
 
 
+def unapplied_loss_scale(engine: Any) -> float | None:
+    """The fp16 loss scale DeepSpeed's backward leaves out of the loss on `engine` (a DeepSpeedEngine), or None
+    where it applies it or none is used.
+
+    DeepSpeed falls short in fp16 at ZeRO stage 0: its backward multiplies the loss by the loss scale for its ZeRO
+    optimizers only (deepspeed/runtime/engine.py ``backward``; deepspeedai/DeepSpeed#8393, open), while the steps of
+    FP16_Optimizer and FP16_UnfusedOptimizer divide the gradients by it: every update would be the loss scale times
+    too small (65536 by default). Both engines put it in themselves."""
+    fp16_enabled = getattr(engine, "fp16_enabled", None)
+    if fp16_enabled is None or not fp16_enabled():
+        return None
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    optimizer = getattr(engine, "optimizer", None)
+    config = getattr(optimizer, "loss_scale_config", None)
+    if isinstance(optimizer, ZeROOptimizer) or config is None or not config.use_grad_scaling:
+        return None
+    return float(config.cur_scale)
+
+
 class EngineCore(FollowsRebalancing):
     """The engine-independent half of an engine. The engine calls `_start_core` in its constructor and
     `_count_iteration` and `_iteration_time_s` after each optimizer step; it provides ``global_steps``,

@@ -27,7 +27,7 @@ from poplar_ext.runtime.checkpoint import (
 )
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.engine_core import EngineCore
+from poplar_ext.runtime.engine_core import EngineCore, unapplied_loss_scale
 from poplar_ext.runtime.rebalance import Rebalancer, SwitchOrder
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
 
@@ -50,26 +50,6 @@ def set_deepspeed_batch(engine: Any, plan: Plan, rank: int) -> None:
     # DeepSpeed finds the boundary as (micro_steps + 1) % accumulation == 0 over all
     # micro-steps so far: the count must start the new plan's first iteration at a multiple.
     engine.micro_steps = -(-engine.micro_steps // steps) * steps
-
-
-def unapplied_loss_scale(engine: Any) -> float | None:
-    """The fp16 loss scale DeepSpeed's backward leaves out of the loss on `engine` (a DeepSpeedEngine), or None
-    where it applies it or none is used.
-
-    DeepSpeed falls short at ZeRO stage 0 in fp16: its backward multiplies the loss by the loss scale for its ZeRO
-    optimizers only (deepspeed/runtime/engine.py ``backward``; deepspeedai/DeepSpeed#8393, open), while the steps of
-    FP16_Optimizer and FP16_UnfusedOptimizer divide the gradients by it: every update would be the loss scale times
-    too small (65536 by default). The pipeline engine puts it in likewise (``_unapplied_loss_scale``)."""
-    fp16_enabled = getattr(engine, "fp16_enabled", None)
-    if fp16_enabled is None or not fp16_enabled():
-        return None
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
-
-    optimizer = getattr(engine, "optimizer", None)
-    config = getattr(optimizer, "loss_scale_config", None)
-    if isinstance(optimizer, ZeROOptimizer) or config is None or not config.use_grad_scaling:
-        return None
-    return float(config.cur_scale)
 
 
 class PoplarEngine(EngineCore):
