@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from poplar_ext.plan.formats import Plan, plan_to_dict, read_json, write_json_atomic, write_text_atomic
+from poplar_ext.plan.formats import Plan, listed, plan_to_dict, read_json, write_json_atomic, write_text_atomic
 from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_to_dict, plan_parallelism
 from poplar_ext.plan.validation import Node
 
@@ -508,6 +508,85 @@ def check_deepspeed_files(load_dir: str | Path, tag: str, *, named_by_latest: bo
         named = f"{Path(load_dir) / 'latest'} names tag {tag!r}" if named_by_latest else f"tag {tag!r}"
         found = "a folder without them" if folder.is_dir() else "no such folder"
         raise ValueError(f"load_checkpoint: {named}: expected DeepSpeed's *model_states.pt in {folder}, found {found}")
+
+
+def model_states_file(load_dir: str | Path, tag: str) -> Path | None:
+    """Rank 0's DeepSpeed model states file of `tag` (``mp_rank_00_model_states.pt``, or at ZeRO stage 3
+    ``zero_pp_rank_0_mp_rank_00_model_states.pt``); None where the folder holds none."""
+    files = sorted((Path(load_dir) / tag).glob("*model_states.pt"))
+    return files[0] if files else None
+
+
+def saved_parameter_shapes(path: Path) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """Each parameter's full shape in DeepSpeed's model states file `path`, from its module state dict (empty
+    ZeRO-3 partitions left out; buffers too) and its ``param_shapes`` and ``frozen_param_shapes`` (ZeRO 1-3);
+    and the names of the latter two, parameters alone. ValueError naming the file where torch cannot read it."""
+    import torch
+
+    try:
+        # mmap: the shapes alone are read, not the weights (the file may hold the whole model)
+        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - a file torch cannot read: refused naming it
+        raise ValueError(
+            f"load_checkpoint: {path}: expected a model states file that torch can read, found one it cannot "
+            f"({type(exc).__name__}: {exc}): the checkpoint is damaged (a save that stopped, a copy cut short); "
+            "load another checkpoint"
+        ) from exc
+    shapes: dict[str, tuple[int, ...]] = {}
+    module = saved.get("module") if isinstance(saved, dict) else None
+    for name, value in (module or {}).items():
+        if torch.is_tensor(value) and value.numel() > 0:
+            shapes[name] = tuple(value.shape)
+    groups = saved.get("param_shapes") if isinstance(saved, dict) else None
+    frozen = saved.get("frozen_param_shapes") if isinstance(saved, dict) else None
+    parameters: set[str] = set()
+    for group in [*(groups or []), frozen or {}]:
+        shapes.update({name: tuple(shape) for name, shape in group.items()})
+        parameters.update(group)
+    return shapes, parameters
+
+
+def check_parameter_shapes(
+    load_dir: str | Path,
+    tag: str,
+    model_shapes: dict[str, tuple[int, ...]],
+    *,
+    strict: bool = True,
+    frozen: frozenset[str] = frozenset(),
+) -> None:
+    """ValueError, before any weight is loaded, unless checkpoint `tag` holds this job's parameters:
+    `model_shapes` (each parameter's name and full shape) against rank 0's model states file. Every parameter
+    in both must have its shape; with `strict` (DeepSpeed's ``load_module_strict``) the names must match too
+    (a `frozen` parameter may be missing: DeepSpeed's ``exclude_frozen_parameters`` leaves it out). DeepSpeed
+    fails on another shape deep in its loader on some ranks, or, where a ZeRO-3 checkpoint is resharded, pads
+    or cuts each saved tensor to the parameter's size without a word."""
+    path = model_states_file(load_dir, tag)
+    if path is None or not model_shapes:
+        return
+    saved, parameters = saved_parameter_shapes(path)
+    if not saved:
+        return
+    differ = [
+        f"{name}: expected {list(shape)}, found {list(saved[name])}"
+        for name, shape in model_shapes.items()
+        if name in saved and tuple(saved[name]) != tuple(shape)
+    ]
+    missing = [name for name in model_shapes if name not in saved and name not in frozen] if strict else []
+    unknown = [name for name in sorted(parameters) if name not in model_shapes] if strict else []
+    if not (differ or missing or unknown):
+        return
+    found = []
+    if differ:
+        found.append(f"{len(differ)} parameters of another shape ({listed(differ)})")
+    if missing:
+        found.append(f"{len(missing)} of the model's parameters missing ({listed(missing)})")
+    if unknown:
+        found.append(f"{len(unknown)} parameters the model lacks ({listed(unknown)})")
+    raise ValueError(
+        f"load_checkpoint: {path}: expected the parameters of this job's model ({len(model_shapes)}, each "
+        f"shape as the model has it), found {'; '.join(found)}: the checkpoint was saved from another model; "
+        "build the model it was saved from"
+    )
 
 
 def read_state(load_dir: str | Path, tag: str | None) -> dict | None:

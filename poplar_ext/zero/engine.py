@@ -20,6 +20,7 @@ from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
     ResumeDecision,
     check_deepspeed_files,
+    check_parameter_shapes,
     read_state,
     refresh_master_weights,
     resume_decision,
@@ -398,8 +399,9 @@ class PoplarEngine(EngineCore):
         """DeepSpeed's load_checkpoint, continuing the data stream under this job's plan.
 
         Rank 0 reads poplar-ext's state first: a resume that cannot continue (another data order) stops every rank
-        before any weight is read. Another plan, global batch or world size is fine: the data continues at the
-        saved position, and the plan history records the resume. Where the number of ranks changed at ZeRO
+        before any weight is read, and so does a checkpoint of another model (`check_parameter_shapes`). Another
+        plan, global batch or world size is fine: the data continues at the saved position, and the plan history
+        records the resume. Where the number of ranks changed at ZeRO
         stages 1-3 with the optimizer state loaded, rank 0 reshards the checkpoint (`poplar_ext.runtime.reshard`)
         into ``TAG_universal`` beside it, unless there, and every rank loads that. An optimizer state that cannot
         be resharded (not one value per parameter element) stops every rank before any weight is loaded, naming
@@ -416,6 +418,9 @@ class PoplarEngine(EngineCore):
 
         def read_checked_state() -> dict | None:
             check_deepspeed_files(load_dir, resolved, named_by_latest=tag is None)
+            strict = bool(kwargs.get("load_module_strict", True))
+            shapes, frozen = self._parameter_shapes()
+            check_parameter_shapes(load_dir, resolved, shapes, strict=strict, frozen=frozen)
             return read_state(load_dir, resolved)
 
         saved = None if resolved is None else decided_by_rank0(read_checked_state, rank=self._rank)
@@ -465,6 +470,17 @@ class PoplarEngine(EngineCore):
             )
         self.continue_from(decision)
         return path, client_state
+
+    def _parameter_shapes(self) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+        """Each of the model's parameters and its full shape (at ZeRO stage 3 not its partition's), by the names
+        DeepSpeed saves them under, and the names of those without a gradient; none where the engine has no
+        module."""
+        module = getattr(self.deepspeed_engine, "module", None)
+        if module is None:
+            return {}, frozenset()
+        named = list(module.named_parameters())
+        shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in named}
+        return shapes, frozenset(name for name, p in named if not p.requires_grad)
 
     def continue_from(
         self,

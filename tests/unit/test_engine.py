@@ -1283,3 +1283,89 @@ def test_an_evaluation_forward_opens_no_compute_window(monkeypatch):
     fake.module.train()
     engine(torch.ones(2))
     assert slowdown.running
+
+
+class FakeEngineWithModel(FakeDeepSpeedEngine):
+    """A stand-in DeepSpeed engine around a real module, its parameters shaped as `module`'s."""
+
+    def __init__(self, gas, module):
+        super().__init__(gas)
+        self.module = module
+        self.loads = 0
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        self.loads += 1
+        return super().load_checkpoint(load_dir, tag, **kwargs)
+
+
+def _saved_model_states(folder, module, *, zero_stage):
+    """DeepSpeed's model states file of `module` as ZeRO `zero_stage` writes it: at stage 0 the module's
+    weights; at stage 3 empty partitions, the full shapes in ``param_shapes``."""
+    folder.mkdir(parents=True)
+    if zero_stage == 3:
+        states = {
+            "module": {name: torch.empty(0) for name in module.state_dict()},
+            "param_shapes": [{name: p.shape for name, p in module.named_parameters()}],
+            "frozen_param_shapes": {},
+        }
+        name = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    else:
+        states, name = {"module": module.state_dict(), "param_shapes": None}, "mp_rank_00_model_states.pt"
+    torch.save(states, folder / name)
+    return folder / name
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_a_checkpoint_of_another_model_is_refused_naming_the_file_before_any_weight_loads(tmp_path, zero_stage):
+    # A ZeRO-3 checkpoint resharded for another number of ranks loaded into a model twice as wide without a word
+    # (DeepSpeed pads each saved tensor to the parameter's partition); elsewhere DeepSpeed failed deep in its loader.
+    saved = _saved_model_states(tmp_path / "t", torch.nn.Linear(4, 3), zero_stage=zero_stage)
+    fake = FakeEngineWithModel(1, torch.nn.Linear(8, 3))
+    config = poplar_config_from_dict({"cluster": "c.json", "plan": "p.json"}, base_dir=Path("."))
+    engine = PoplarEngine(fake, plan=_plan([(2, 1)]), rank=0, poplar_config=config, device_label="x", slowdown=None)
+    with pytest.raises(ValueError) as refused:
+        engine.load_checkpoint(tmp_path, tag="t")
+    assert str(refused.value) == (
+        f"load_checkpoint: {saved}: expected the parameters of this job's model (2, each shape as the model has "
+        "it), found 1 parameters of another shape (weight: expected [3, 8], found [3, 4]): the checkpoint was "
+        "saved from another model; build the model it was saved from"
+    )
+    assert fake.loads == 0
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_a_checkpoint_of_the_same_model_passes_the_shape_check(tmp_path, zero_stage):
+    _saved_model_states(tmp_path / "t", torch.nn.Linear(4, 3), zero_stage=zero_stage)
+    fake = FakeEngineWithModel(1, torch.nn.Linear(4, 3))
+    config = poplar_config_from_dict({"cluster": "c.json", "plan": "p.json"}, base_dir=Path("."))
+    engine = PoplarEngine(fake, plan=_plan([(2, 1)]), rank=0, poplar_config=config, device_label="x", slowdown=None)
+    engine.load_checkpoint(tmp_path, tag="t")
+    assert fake.loads == 1
+
+
+def test_parameters_missing_from_a_checkpoint_are_refused_unless_the_load_is_not_strict(tmp_path):
+    from poplar_ext.runtime.checkpoint import check_parameter_shapes
+
+    _saved_model_states(tmp_path / "t", torch.nn.Linear(4, 3, bias=False), zero_stage=0)
+    shapes = {"weight": (3, 4), "bias": (3,)}
+    with pytest.raises(ValueError, match=r"found 1 of the model's parameters missing \(bias\)"):
+        check_parameter_shapes(tmp_path, "t", shapes)
+    check_parameter_shapes(tmp_path, "t", shapes, strict=False)
+
+
+def test_a_model_states_file_torch_cannot_read_is_refused_naming_it(tmp_path):
+    from poplar_ext.runtime.checkpoint import check_parameter_shapes
+
+    saved = _saved_model_states(tmp_path / "t", torch.nn.Linear(4, 3), zero_stage=0)
+    saved.write_bytes(saved.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"load_checkpoint: {saved}: expected a model states file that torch can"):
+        check_parameter_shapes(tmp_path, "t", {"weight": (3, 4)})
+
+
+def test_buffers_and_frozen_parameters_left_out_of_a_checkpoint_pass_the_shape_check(tmp_path):
+    from poplar_ext.runtime.checkpoint import check_parameter_shapes
+
+    module = torch.nn.BatchNorm1d(3)  # running_mean, running_var, num_batches_tracked: buffers in the state dict
+    _saved_model_states(tmp_path / "t", module, zero_stage=0)
+    check_parameter_shapes(tmp_path, "t", {"weight": (3,), "bias": (3,)})
+    check_parameter_shapes(tmp_path, "t", {"weight": (3,), "bias": (3,), "frozen": (2,)}, frozen=frozenset({"frozen"}))
