@@ -510,6 +510,32 @@ def check_deepspeed_files(load_dir: str | Path, tag: str, *, named_by_latest: bo
         raise ValueError(f"load_checkpoint: {named}: expected DeepSpeed's *model_states.pt in {folder}, found {found}")
 
 
+def check_rank_files(load_dir: str | Path, tag: str, saved: dict | None, *, reads_optimizer: bool) -> None:
+    """ValueError, before any weight is loaded, unless the folder of `tag` holds the ZeRO files of every rank that
+    saved it (`saved`: its state file; the number of ranks its plan's) where it holds some rank's: each rank's
+    optimizer states at stages 1-2 where the load reads them (`reads_optimizer`), and at stage 3 (its weights
+    are in them) each rank's model states too. Without them DeepSpeed fails on the rank that reads the missing
+    file while the others wait for it, or, resharding, misreads the files there are. The caller leaves out
+    node-local storage, where each node holds its own ranks' files."""
+    plan = (saved or {}).get("plan") or {}
+    if "ranks" not in plan:  # no state file, or a pipeline plan's (refused later)
+        return
+    stage, ranks = plan["zero_stage"], len(plan["ranks"])
+    kinds = (["optim"] if stage == 3 or (stage > 0 and reads_optimizer) else []) + (["model"] if stage == 3 else [])
+    folder, missing = Path(load_dir) / tag, []
+    for kind in kinds:
+        held = [any(folder.glob(f"*zero_pp_rank_{rank}_mp_rank_*_{kind}_states.pt")) for rank in range(ranks)]
+        if any(held):  # none at all: DeepSpeed's own error, the same on every rank
+            missing += [f"*zero_pp_rank_{rank}_mp_rank_*_{kind}_states.pt" for rank in range(ranks) if not held[rank]]
+    if missing:
+        raise ValueError(
+            f"load_checkpoint: {folder}: expected the ZeRO stage {stage} files of each of the {ranks} ranks that "
+            f"saved it ({STATE_FILE}: plan.ranks), found {len(missing)} missing ({listed(missing)}): the "
+            "checkpoint is incomplete (a file lost, or not copied); copy the missing files from where it was "
+            "saved, or load another checkpoint"
+        )
+
+
 def model_states_file(load_dir: str | Path, tag: str) -> Path | None:
     """Rank 0's DeepSpeed model states file of `tag` (``mp_rank_00_model_states.pt``, or at ZeRO stage 3
     ``zero_pp_rank_0_mp_rank_00_model_states.pt``); None where the folder holds none."""

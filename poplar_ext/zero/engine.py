@@ -21,6 +21,7 @@ from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
     check_deepspeed_files,
     check_parameter_shapes,
+    check_rank_files,
     read_state,
     refresh_master_weights,
     resume_decision,
@@ -421,7 +422,11 @@ class PoplarEngine(EngineCore):
             strict = bool(kwargs.get("load_module_strict", True))
             shapes, frozen = self._parameter_shapes()
             check_parameter_shapes(load_dir, resolved, shapes, strict=strict, frozen=frozen)
-            return read_state(load_dir, resolved)
+            saved = read_state(load_dir, resolved)
+            if not self.deepspeed_engine.use_node_local_storage():  # there, each node holds its own ranks' files
+                reads_optimizer = bool(kwargs.get("load_optimizer_states", True)) and not kwargs.get("load_module_only")
+                check_rank_files(load_dir, resolved, saved, reads_optimizer=reads_optimizer)
+            return saved
 
         saved = None if resolved is None else decided_by_rank0(read_checked_state, rank=self._rank)
         where = str(Path(load_dir) / resolved) if resolved is not None else str(load_dir)

@@ -1369,3 +1369,33 @@ def test_buffers_and_frozen_parameters_left_out_of_a_checkpoint_pass_the_shape_c
     _saved_model_states(tmp_path / "t", module, zero_stage=0)
     check_parameter_shapes(tmp_path, "t", {"weight": (3,), "bias": (3,)})
     check_parameter_shapes(tmp_path, "t", {"weight": (3,), "bias": (3,), "frozen": (2,)}, frozen=frozenset({"frozen"}))
+
+
+@pytest.mark.parametrize(
+    ("stage", "lost"),
+    [(1, "zero_pp_rank_2_mp_rank_00_optim_states.pt"), (3, "zero_pp_rank_1_mp_rank_00_model_states.pt")],
+)
+def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_it_before_deepspeed_loads(tmp_path, stage, lost):
+    # Before: at the same number of ranks the rank reading the lost file raised FileNotFoundError while the others
+    # died in a collective ("Connection closed by peer"); resharded, rank 0 failed with "RuntimeError: shape
+    # '[16, 64]' is invalid for input of size 96".
+    plan = _plan([(2, 1), (2, 1), (2, 1)], stage=stage)
+    engine, fake = _engine(plan)
+    engine.save_checkpoint(tmp_path, tag="t")
+    names = ["optim"] + (["model"] if stage == 3 else [])
+    for rank in range(3):
+        for kind in names:
+            (tmp_path / "t" / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt").touch()
+    (tmp_path / "t" / lost).unlink()
+    resumed, resumed_fake = _engine(plan)
+    resumed_fake.saved = fake.saved
+    pattern = lost.replace("_00_", "_*_")
+    with pytest.raises(ValueError) as refused:
+        resumed.load_checkpoint(tmp_path, tag="t")
+    assert str(refused.value) == (
+        f"load_checkpoint: {tmp_path / 't'}: expected the ZeRO stage {stage} files of each of the 3 ranks that "
+        f"saved it (poplar_state.json: plan.ranks), found 1 missing (*{pattern}): the checkpoint is incomplete (a "
+        "file lost, or not copied); copy the missing files from where it was saved, or load another checkpoint"
+    )
+    if stage == 1:  # the weights alone read no optimizer file at stages 1-2
+        resumed.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)
