@@ -510,9 +510,12 @@ def check_deepspeed_files(load_dir: str | Path, tag: str, *, named_by_latest: bo
         raise ValueError(f"load_checkpoint: {named}: expected DeepSpeed's *model_states.pt in {folder}, found {found}")
 
 
-def check_rank_files(load_dir: str | Path, tag: str, saved: dict | None, *, reads_optimizer: bool) -> None:
+def check_rank_files(
+    load_dir: str | Path, tag: str, saved: dict | None, *, reads_optimizer: bool, caller: str = "load_checkpoint"
+) -> None:
     """ValueError, before any weight is loaded, unless the folder of `tag` holds the ZeRO files of every rank that
-    saved it (`saved`: its state file; the number of ranks its plan's) where it holds some rank's: each rank's
+    saved it (`saved`: its state file; the number of ranks its plan's) where it holds some rank's (the message
+    starts with `caller`, none where empty): each rank's
     optimizer states at stages 1-2 where the load reads them (`reads_optimizer`), and at stage 3 (its weights
     are in them) each rank's model states too. Without them DeepSpeed fails on the rank that reads the missing
     file while the others wait for it, or, resharding, misreads the files there are. The caller leaves out
@@ -529,8 +532,8 @@ def check_rank_files(load_dir: str | Path, tag: str, saved: dict | None, *, read
             missing += [f"*zero_pp_rank_{rank}_mp_rank_*_{kind}_states.pt" for rank in range(ranks) if not held[rank]]
     if missing:
         raise ValueError(
-            f"load_checkpoint: {folder}: expected the ZeRO stage {stage} files of each of the {ranks} ranks that "
-            f"saved it ({STATE_FILE}: plan.ranks), found {len(missing)} missing ({listed(missing)}): the "
+            f"{caller}{': ' if caller else ''}{folder}: expected the ZeRO stage {stage} files of each of the {ranks} "
+            f"ranks that saved it ({STATE_FILE}: plan.ranks), found {len(missing)} missing ({listed(missing)}): the "
             "checkpoint is incomplete (a file lost, or not copied); copy the missing files from where it was "
             "saved, or load another checkpoint"
         )

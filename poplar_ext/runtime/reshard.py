@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from poplar_ext.plan.formats import listed
-from poplar_ext.runtime.checkpoint import UNIVERSAL_SUFFIX
+from poplar_ext.runtime.checkpoint import UNIVERSAL_SUFFIX, check_rank_files, read_state
 from poplar_ext.search.cli_common import EXIT_BAD_INPUT, EXIT_OK, CommandParser, printing
 
 if TYPE_CHECKING:
@@ -132,6 +132,11 @@ def convert_checkpoint(source: str | Path, target: str | Path, *, optimizer_name
             f"{source}: expected a checkpoint's tag folder, found the folder holding the tags ({listed(tags)}"
             f"{f'; latest: {latest}' if latest else ''}); pass one of them, e.g. {example}"
         )
+
+    # A rank's file missing: DeepSpeed's converter would take the files there for a checkpoint of fewer ranks.
+    check_rank_files(
+        source.parent, source.name, read_state(source.parent, source.name), reads_optimizer=True, caller=""
+    )
 
     def convert(work: Path) -> None:
         stage = _zero_stage(source)

@@ -100,3 +100,28 @@ def test_the_folder_holding_the_tags_is_named_as_such_with_a_tag_to_pass(tmp_pat
     assert str(raised.value) == expected
     assert main(["--input_folder", str(save_dir), "--output_folder", str(tmp_path / "out")]) == 2
     assert expected in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_missing_a_ranks_optimizer_file_is_refused_naming_it(tmp_path, capsys):
+    # It failed with "RuntimeError: shape '[16, 64]' is invalid for input of size 96" and a traceback: DeepSpeed's
+    # converter took the two files there for a checkpoint of two ranks.
+    import json
+
+    source = tmp_path / "ckpt" / "global_step3"
+    source.mkdir(parents=True)
+    (source / "mp_rank_00_model_states.pt").write_bytes(b"")
+    for rank in (0, 1):  # rank 2's lost
+        (source / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    plan = {"zero_stage": 1, "global_batch_size": 12, "ranks": [{"device_type": "cpu"}] * 3}
+    state = {"seed": 0, "shuffle": True, "consumed_samples": 36, "plan": plan}
+    (source / "poplar_state.json").write_text(json.dumps(state))
+    expected = (
+        f"{source}: expected the ZeRO stage 1 files of each of the 3 ranks that saved it (poplar_state.json: "
+        "plan.ranks), found 1 missing (*zero_pp_rank_2_mp_rank_*_optim_states.pt): the checkpoint is incomplete (a "
+        "file lost, or not copied); copy the missing files from where it was saved, or load another checkpoint"
+    )
+    with pytest.raises(ValueError) as raised:
+        convert_checkpoint(source, tmp_path / "out")
+    assert str(raised.value) == expected
+    assert main(["--input_folder", str(source), "--output_folder", str(tmp_path / "out")]) == 2
+    assert expected in capsys.readouterr().err and not (tmp_path / "out").exists()
