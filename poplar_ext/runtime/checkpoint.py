@@ -539,6 +539,24 @@ def check_rank_files(
         )
 
 
+def check_optimizer_precision(load_dir: str | Path, tag: str, *, bf16: bool) -> None:
+    """ValueError, before any weight is loaded, where the ZeRO optimizer files of `tag` are another precision's
+    than this job's (`bf16`: DeepSpeed's ``bf16.enabled``) and DeepSpeed reads them as they are (the same number
+    of ranks): it names them ``bf16_zero_pp_rank_*`` under bf16 and ``zero_pp_rank_*`` otherwise, and fails on
+    every rank with a bare FileNotFoundError for the other's. (Resharded, a checkpoint loads in either.)"""
+    folder = Path(load_dir) / tag
+    files = sorted(path.name for path in folder.glob("*zero_pp_rank_*_optim_states.pt"))
+    if not files or any(name.startswith("bf16_") == bf16 for name in files):
+        return
+    saved, now = ("bf16", "fp32 or fp16") if not bf16 else ("fp32 or fp16", "bf16")
+    raise ValueError(
+        f"load_checkpoint: {folder}: expected the optimizer states of a {now} job, as this one trains "
+        f"(bf16.enabled {str(bf16).lower()}), found those of a {saved} job ({listed(files)}), which DeepSpeed "
+        f"cannot load in {now} on the number of ranks that saved it: resume it with bf16.enabled "
+        f"{str(not bf16).lower()}, as it was saved"
+    )
+
+
 def model_states_file(load_dir: str | Path, tag: str) -> Path | None:
     """Rank 0's DeepSpeed model states file of `tag` (``mp_rank_00_model_states.pt``, or at ZeRO stage 3
     ``zero_pp_rank_0_mp_rank_00_model_states.pt``); None where the folder holds none."""

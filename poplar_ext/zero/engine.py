@@ -20,6 +20,7 @@ from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
     ResumeDecision,
     check_deepspeed_files,
+    check_optimizer_precision,
     check_parameter_shapes,
     check_rank_files,
     read_state,
@@ -426,14 +427,18 @@ class PoplarEngine(EngineCore):
             if not self.deepspeed_engine.use_node_local_storage():  # there, each node holds its own ranks' files
                 reads_optimizer = bool(kwargs.get("load_optimizer_states", True)) and not kwargs.get("load_module_only")
                 check_rank_files(load_dir, resolved, saved, reads_optimizer=reads_optimizer)
+            bf16 = getattr(self.deepspeed_engine, "bfloat16_enabled", None)
+            saved_ranks = len(((saved or {}).get("plan") or {}).get("ranks") or ())
+            if bf16 is not None and saved_ranks == self.plan.world_size and with_optimizer and not module_only:
+                check_optimizer_precision(load_dir, resolved, bf16=bool(bf16()))
             return saved
 
-        saved = None if resolved is None else decided_by_rank0(read_checked_state, rank=self._rank)
-        where = str(Path(load_dir) / resolved) if resolved is not None else str(load_dir)
         module_only, with_optimizer = (
             bool(kwargs.get("load_module_only")),
             bool(kwargs.get("load_optimizer_states", True)),
         )
+        saved = None if resolved is None else decided_by_rank0(read_checked_state, rank=self._rank)
+        where = str(Path(load_dir) / resolved) if resolved is not None else str(load_dir)
         decision = None
         load_tag = resolved  # not the caller's None: on node-local storage each node's ``latest`` may differ
         loading: Any = nullcontext()

@@ -1399,3 +1399,35 @@ def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_it_before_deepspeed
     )
     if stage == 1:  # the weights alone read no optimizer file at stages 1-2
         resumed.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)
+
+
+@pytest.mark.parametrize("saved_bf16", [False, True])
+def test_optimizer_states_of_another_precision_on_as_many_ranks_are_refused_before_deepspeed_loads(
+    tmp_path, saved_bf16
+):
+    # Before: DeepSpeed failed on every rank with a bare FileNotFoundError for
+    # '.../bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt' (or the name without bf16_), saying not why.
+    plan = _plan([(2, 1), (2, 1)], stage=1)
+    engine, fake = _engine(plan)
+    engine.save_checkpoint(tmp_path, tag="t")
+    prefix = "bf16_" if saved_bf16 else ""
+    for rank in range(2):
+        (tmp_path / "t" / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
+    for bf16 in (saved_bf16, not saved_bf16):
+        resumed, resumed_fake = _engine(plan)
+        resumed_fake.saved = fake.saved
+        resumed_fake.bfloat16_enabled = lambda bf16=bf16: bf16
+        if bf16 == saved_bf16:
+            resumed.load_checkpoint(tmp_path, tag="t")
+            continue
+        saved, now = ("bf16", "fp32 or fp16") if saved_bf16 else ("fp32 or fp16", "bf16")
+        files = ", ".join(f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in range(2))
+        with pytest.raises(ValueError) as refused:
+            resumed.load_checkpoint(tmp_path, tag="t")
+        assert str(refused.value) == (
+            f"load_checkpoint: {tmp_path / 't'}: expected the optimizer states of a {now} job, as this one trains "
+            f"(bf16.enabled {str(bf16).lower()}), found those of a {saved} job ({files}), which DeepSpeed cannot "
+            f"load in {now} on the number of ranks that saved it: resume it with bf16.enabled "
+            f"{str(saved_bf16).lower()}, as it was saved"
+        )
+        resumed.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)  # the weights alone: any precision
