@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 from transformers.integrations.deepspeed import HfDeepSpeedConfig
-from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, _is_peft_model
 from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import seed_worker
 
@@ -34,8 +34,10 @@ from poplar_ext.plan.formats import Plan
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
     agree_storages,
+    check_parameter_shapes,
     checkpoint_tag,
     history_entry,
+    module_parameter_shapes,
     poplar_client_state,
     read_state,
     restore_replaced,
@@ -744,6 +746,16 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if folder is not None and _deepspeed_config_object(self.args) is not None:
             # The Trainer would fail on it only once the engine is built, deep in its load: the other refusals first.
             decided_by_rank0(lambda: _check_trainer_schedule(Path(folder), self.args), rank=self.job.rank)
+        if tag is not None and getattr(self, "model", None) is not None:
+            # DeepSpeed's load would pad a resharded ZeRO-3 checkpoint of another model to this one's sizes, silently.
+            shapes, frozen = module_parameter_shapes(self.model)
+            strict = not _is_peft_model(self.model)  # as the Trainer loads it
+            decided_by_rank0(
+                lambda: check_parameter_shapes(
+                    folder, tag, shapes, strict=strict, frozen=frozen, caller="resume_from_checkpoint"
+                ),
+                rank=self.job.rank,
+            )
         if decision is not None:
             self._plan_history = decision.plan_history
             self._resume_decision = decision

@@ -564,7 +564,19 @@ def model_states_file(load_dir: str | Path, tag: str) -> Path | None:
     return files[0] if files else None
 
 
-def saved_parameter_shapes(path: Path) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+def module_parameter_shapes(module: Any) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    """Each of `module`'s parameters and its full shape (at ZeRO stage 3 not its partition's), by the names
+    DeepSpeed saves them under, and the names of those without a gradient; none where there is no module."""
+    if module is None:
+        return {}, frozenset()
+    named = list(module.named_parameters())
+    shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in named}
+    return shapes, frozenset(name for name, p in named if not p.requires_grad)
+
+
+def saved_parameter_shapes(
+    path: Path, *, caller: str = "load_checkpoint"
+) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Each parameter's full shape in DeepSpeed's model states file `path`, from its module state dict (empty
     ZeRO-3 partitions left out; buffers too) and its ``param_shapes`` and ``frozen_param_shapes`` (ZeRO 1-3);
     and the names of the latter two, parameters alone. ValueError naming the file where torch cannot read it."""
@@ -575,7 +587,7 @@ def saved_parameter_shapes(path: Path) -> tuple[dict[str, tuple[int, ...]], set[
         saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as exc:  # noqa: BLE001 - a file torch cannot read: refused naming it
         raise ValueError(
-            f"load_checkpoint: {path}: expected a model states file that torch can read, found one it cannot "
+            f"{caller}: {path}: expected a model states file that torch can read, found one it cannot "
             f"({type(exc).__name__}: {exc}): the checkpoint is damaged (a save that stopped, a copy cut short); "
             "load another checkpoint"
         ) from exc
@@ -600,6 +612,7 @@ def check_parameter_shapes(
     *,
     strict: bool = True,
     frozen: frozenset[str] = frozenset(),
+    caller: str = "load_checkpoint",
 ) -> None:
     """ValueError, before any weight is loaded, unless checkpoint `tag` holds this job's parameters:
     `model_shapes` (each parameter's name and full shape) against rank 0's model states file. Every parameter
@@ -610,7 +623,7 @@ def check_parameter_shapes(
     path = model_states_file(load_dir, tag)
     if path is None or not model_shapes:
         return
-    saved, parameters = saved_parameter_shapes(path)
+    saved, parameters = saved_parameter_shapes(path, caller=caller)
     if not saved:
         return
     differ = [
@@ -630,7 +643,7 @@ def check_parameter_shapes(
     if unknown:
         found.append(f"{len(unknown)} parameters the model lacks ({listed(unknown)})")
     raise ValueError(
-        f"load_checkpoint: {path}: expected the parameters of this job's model ({len(model_shapes)}, each "
+        f"{caller}: {path}: expected the parameters of this job's model ({len(model_shapes)}, each "
         f"shape as the model has it), found {'; '.join(found)}: the checkpoint was saved from another model; "
         "build the model it was saved from"
     )

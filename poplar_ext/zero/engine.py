@@ -23,6 +23,7 @@ from poplar_ext.runtime.checkpoint import (
     check_optimizer_precision,
     check_parameter_shapes,
     check_rank_files,
+    module_parameter_shapes,
     read_state,
     refresh_master_weights,
     resume_decision,
@@ -421,7 +422,7 @@ class PoplarEngine(EngineCore):
         def read_checked_state() -> dict | None:
             check_deepspeed_files(load_dir, resolved, named_by_latest=tag is None)
             strict = bool(kwargs.get("load_module_strict", True))
-            shapes, frozen = self._parameter_shapes()
+            shapes, frozen = module_parameter_shapes(getattr(self.deepspeed_engine, "module", None))
             check_parameter_shapes(load_dir, resolved, shapes, strict=strict, frozen=frozen)
             saved = read_state(load_dir, resolved)
             if not self.deepspeed_engine.use_node_local_storage():  # there, each node holds its own ranks' files
@@ -480,17 +481,6 @@ class PoplarEngine(EngineCore):
             )
         self.continue_from(decision)
         return path, client_state
-
-    def _parameter_shapes(self) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
-        """Each of the model's parameters and its full shape (at ZeRO stage 3 not its partition's), by the names
-        DeepSpeed saves them under, and the names of those without a gradient; none where the engine has no
-        module."""
-        module = getattr(self.deepspeed_engine, "module", None)
-        if module is None:
-            return {}, frozenset()
-        named = list(module.named_parameters())
-        shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in named}
-        return shapes, frozenset(name for name, p in named if not p.requires_grad)
 
     def continue_from(
         self,

@@ -405,3 +405,34 @@ def test_a_trainer_state_missing_on_one_node_only_is_not_named_a_folder_no_train
     message = str(refused.value)
     assert f"did not finish ({state} missing on rank {0 if on_both else 1}'s storage)" in message
     assert ("or a folder no Trainer saved" in message) == on_both
+
+
+def _with_model_states(folder: Path, tag: str, saved_module) -> None:
+    """`folder`/`tag` holding DeepSpeed's model states file as a ZeRO 1-2 save writes it for `saved_module`."""
+    import torch
+
+    shapes = {name: p.shape for name, p in saved_module.named_parameters()}
+    torch.save(
+        {"module": saved_module.state_dict(), "param_shapes": [shapes]}, folder / tag / "mp_rank_00_model_states.pt"
+    )
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_the_trainer_loads_it(tmp_path):
+    # DeepSpeed pads a resharded ZeRO-3 checkpoint of another model to this one's sizes, and trains.
+    import torch
+
+    plan = _plan([(4, 2), (4, 1)])
+    folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
+    _with_model_states(folder, "global_step2", torch.nn.Linear(4, 2))
+    trainer = _trainer(plan, tmp_path)
+    trainer.model = torch.nn.Linear(4, 3)
+    with pytest.raises(ValueError) as refused:
+        PoplarTrainer._check_resume(trainer, str(folder))
+    message = str(refused.value)
+    assert message.startswith(f"resume_from_checkpoint: {folder / 'global_step2' / 'mp_rank_00_model_states.pt'}: ")
+    assert "weight: expected [3, 4], found [2, 4]" in message
+    assert trainer._resume_decision is None  # refused before the decision
+
+    trainer.model = torch.nn.Linear(4, 2)  # the model it was saved from
+    assert PoplarTrainer._check_resume(trainer, str(folder)) == str(folder)
+    assert trainer._resume_decision is not None
