@@ -777,6 +777,33 @@ def mixed_models(profiles: Any) -> tuple[int, str] | None:
     return len(models), ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
 
 
+MEASURED_ALIKE = ("dtype", "sequence_length")
+"""The `ModelInfo` fields a model's profiles share beside its fingerprint, which is taken from the model before
+DeepSpeed casts it, not from the batch: one job trains in one of each, while a cache may keep one type's profiles in
+one and another type's in another."""
+
+
+def check_measured_alike(profiles: Any, kind: str) -> None:
+    """A ValueError where `profiles` (of `kind`: the ones a search or prediction uses, one model's) differ in the
+    model's dtype or sequence length: their times are not one job's, and the search would mix them unnoticed."""
+    for name in MEASURED_ALIKE:
+        values: dict[Any, list[str]] = {}
+        for profile in profiles:
+            path = loaded_from(profile)
+            where = f"{profile.device_type} at stage {profile.zero_stage}" + (f" ({path})" if path else "")
+            values.setdefault(getattr(profile.model, name), []).append(where)
+        if len(values) > 1:
+            found = "; ".join(
+                f"{'null' if value is None else value} in {listed(wheres)}"
+                for value, wheres in sorted(values.items(), key=lambda item: repr(item[0]))
+            )
+            raise ValueError(
+                f"{kind}s: expected one model.{name} over the {kind}s used, found {found}: a job trains in one "
+                f"{name.replace('_', ' ')}; measure the {kind}s again in the job's (poplar-profile), or move the "
+                "others out of the folder"
+            )
+
+
 def files_text(profiles: Any) -> str:
     """``; the files: `models_text```, appended to a message on mixed models that named them already; '' where
     no profile was loaded from a file."""

@@ -21,6 +21,7 @@ from poplar_ext.plan.formats import (
     Prediction,
     Profile,
     RankPlan,
+    check_measured_alike,
     files_text,
     levers_text,
     listed,
@@ -366,6 +367,8 @@ def search_plan(
     check_covered(cluster, by_stage, "profile")
     stages = list(ZERO_STAGES) if zero_stage == "auto" else [int(zero_stage)]
     check_emulation(cluster, profiles, "profile", stages=stages)
+    types = cluster.type_counts()
+    check_measured_alike([p for p in profiles if p.device_type in types and p.zero_stage in stages], "profile")
     evaluated = {
         stage: _evaluate_stage(stage, by_stage, cluster, policy, global_batch_size, max_global_batch_size, network)
         for stage in stages
@@ -596,6 +599,7 @@ def predict(plan: Plan, profiles: Sequence[Profile], network: NetworkProfile | N
             f"profiles: expected a profile that fits the model at ZeRO stage {plan.zero_stage} for every device "
             f"type of the plan, found none for {', '.join(missing)}"
         )
+    check_measured_alike(list(at_stage.values()), "profile")
     model = build_stage_model(at_stage, plan.rank_device_types, plan.zero_stage, network)
     sizes = np.array([r.micro_batch_size for r in plan.ranks], dtype=np.int64)
     steps = np.array([r.gradient_accumulation_steps for r in plan.ranks], dtype=np.int64)

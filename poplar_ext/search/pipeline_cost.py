@@ -11,7 +11,15 @@ from typing import Any
 
 import numpy as np
 
-from poplar_ext.plan.formats import Cluster, Prediction, files_text, listed, loaded_from, mixed_models
+from poplar_ext.plan.formats import (
+    Cluster,
+    Prediction,
+    check_measured_alike,
+    files_text,
+    listed,
+    loaded_from,
+    mixed_models,
+)
 from poplar_ext.plan.network_format import CollectiveFit, NetworkProfile, ring_time_s
 from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerProfile, Pipeline, PipelinePlan
 
@@ -467,6 +475,7 @@ def plan_tables(plan: PipelinePlan, layer_profiles: Sequence[LayerProfile]) -> d
             f"layer_profiles: expected {plan.num_layers} layers (the plan's num_layers), found "
             f"{at_stage[wrong[0]].num_layers} in the layer profile of {wrong[0]}"
         )
+    check_measured_alike([at_stage[t] for t in types], "layer profile")
     largest = max(p.micro_batch_size for p in plan.pipelines)
     return {t: layer_table(at_stage[t], max(largest, largest_profiled_size(at_stage[t]))) for t in types}
 

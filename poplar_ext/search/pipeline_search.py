@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poplar_ext.plan.formats import ZERO_STAGES, Cluster, Prediction
+from poplar_ext.plan.formats import ZERO_STAGES, Cluster, Prediction, check_measured_alike
 from poplar_ext.plan.network_format import NetworkProfile
 from poplar_ext.plan.pipeline_formats import (
     PIPELINE_POLICY,
@@ -416,6 +416,9 @@ def search_pipeline_plan(
         return _result({int(zero_stage): _Outcome(plan=None, reason=reason, method="none", layouts=0)}, False)
     stages = [s for s in PIPELINE_ZERO_STAGES if s in by_stage] if zero_stage == "auto" else [int(zero_stage)]
     check_emulation(cluster, layer_profiles, "layer profile", stages=stages)
+    types = cluster.type_counts()
+    used = [p for p in layer_profiles if p.device_type in types and p.zero_stage in stages]
+    check_measured_alike(used, "layer profile")
     outcomes = {s: _search_stage(by_stage.get(s, {}), s, request) for s in stages}
     # On a tie a bf16 job takes ZeRO 1: DeepSpeed 0.19.8 cannot load the optimizer state a bf16 pipeline saves at
     # stage 0, and stage 1 shards nothing in a pipeline (its layer profiles are stage 0's measurement).

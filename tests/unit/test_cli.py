@@ -424,3 +424,22 @@ def test_layer_profiles_of_two_models_are_refused_naming_their_files(capsys, tmp
     code, out, err = run(capsys, *common, "--parallelism", "pipeline")
     assert code == 2 and "expected layer profiles of one model, found 2" in err, err
     assert all(f"{folder / 'layers' / name}" in err for name in names), err
+
+
+@pytest.mark.parametrize("pattern", ["*v100*.json", "layers/*v100*.json"])
+def test_profiles_of_one_model_in_two_dtypes_are_refused(capsys, tmp_path, pattern):
+    # The V100's profiles in bfloat16 beside the A100's in float16, one fingerprint (taken before DeepSpeed casts):
+    # every mode planned and priced from both, exit 0, nothing said.
+    folder = examples_with(tmp_path, pattern, lambda data: data["model"].update(dtype="bfloat16"))
+    kind = "layer profile" if pattern.startswith("layers") else "profile"
+    expected = f"{kind}s: expected one model.dtype over the {kind}s used, found bfloat16 in V100-16GB at stage "
+    common = ["--profiles", folder, "--cluster", CLUSTER]
+    parallelism = "pipeline" if kind == "layer profile" else "zero"
+    code, out, err = run(capsys, *common, "--global-batch-size", 512, "--parallelism", parallelism)
+    assert code == 2 and expected in err and "float16 in A100-80GB at stage " in err, err
+    plan = "pplan.json" if kind == "layer profile" else "plan.json"
+    code, _, _ = run(capsys, "--example", "--global-batch-size", 512, "--parallelism", parallelism, "--output",
+                     tmp_path / plan)  # fmt: skip
+    assert code == 0
+    code, out, err = run(capsys, *common, "--predict", tmp_path / plan)
+    assert code == 2 and expected in err, err

@@ -109,6 +109,23 @@ def test_profiles_of_two_models_are_bad_input(profiles, cluster):
         search_plan(profiles[1:] + [other], cluster)
 
 
+@pytest.mark.parametrize("field, other", [("dtype", "bfloat16"), ("sequence_length", 512)])
+def test_profiles_of_one_model_measured_two_ways_are_bad_input(profiles, cluster, field, other):
+    # One fingerprint in two dtypes (taken before DeepSpeed casts) or sequence lengths: a cache may hold both, one
+    # type in each; the search mixed them silently (and priced every type's collectives in the last type's dtype).
+    v100 = [dataclasses.replace(p, model=dataclasses.replace(p.model, **{field: other})) for p in profiles if
+            p.device_type == "V100"]  # fmt: skip
+    mixed = [p for p in profiles if p.device_type != "V100"] + v100
+    with pytest.raises(ValueError, match=rf"profiles: expected one model\.{field} over the profiles used, found "):
+        search_plan(mixed, cluster, global_batch_size=120)
+    plan = search_plan(profiles, cluster, global_batch_size=120, zero_stage=2).plan
+    with pytest.raises(ValueError, match=rf"profiles: expected one model\.{field} over the profiles used, found "):
+        predict(plan, mixed)
+    # A type the cluster does not have is not used: its profiles may be another job's.
+    others = [dataclasses.replace(p, device_type="H100") for p in v100]
+    assert search_plan(profiles + others, cluster, global_batch_size=120).ok
+
+
 def test_check_plan_names_the_files_of_profiles_of_two_models(profiles, cluster, tmp_path):
     # check_plan said how many models, not which nor where: the files of each are named, as loaded.
     from poplar_ext.plan.formats import load_profiles, save_profile
