@@ -812,11 +812,11 @@ def files_text(profiles: Any) -> str:
 
 def is_cluster_or_plan(data: Any) -> bool:
     """Whether parsed JSON is a cluster description, a plan, a network file or a DeepSpeed config (kept beside
-    profiles, not one)."""
+    profiles, not one), or poplar-search's JSON of several plans."""
     if not isinstance(data, dict) or "device_type" in data:
         return False
     marked = any(key in data for key in ("nodes", "ranks", "pipelines")) or data.get("kind") == "network"
-    return marked or kinds.recognised(data) is kinds.DEEPSPEED_CONFIG
+    return marked or kinds.recognised(data) in (kinds.DEEPSPEED_CONFIG, *kinds.SEARCH_OUTPUTS)
 
 
 def not_a_directory(path: Path) -> str:

@@ -45,12 +45,28 @@ DEEPSPEED_CONFIG = FileFormat(
         "zero_allow_untested_optimizer",
     ),
 )
-FORMATS = (PROFILE, LAYER_PROFILE, CLUSTER, PLAN, PIPELINE_PLAN, NETWORK, DEEPSPEED_CONFIG)
+POLICY_PLANS = FileFormat(
+    "the JSON that poplar-search --policy all prints (a plan per policy: its 'poplar' entry is the plan, which "
+    "--output writes alone)",
+    "",  # never read: named where a plan is expected (it holds plans), and skipped beside profiles
+    ("uniform", "proportional"),
+)
+PARALLELISM_PLANS = FileFormat(
+    "the JSON that poplar-search --parallelism auto prints (its 'zero' and 'pipeline' plans: the one 'chosen' "
+    "names is the plan, which --output writes alone)",
+    "",
+    ("chosen",),
+)
+SEARCH_OUTPUTS = (POLICY_PLANS, PARALLELISM_PLANS)
+"""poplar-search's JSON of several plans: a file of one of them is a plan's kin, never one of the formats above."""
+FORMATS = (PROFILE, LAYER_PROFILE, CLUSTER, PLAN, PIPELINE_PLAN, NETWORK, DEEPSPEED_CONFIG, *SEARCH_OUTPUTS)
 
 
 def _keys_of(data: dict[str, Any], fmt: FileFormat) -> list[str]:
     """`fmt`'s own keys in `data` (a network file's ``kind`` counts, its value naming it)."""
     found = [key for key in fmt.keys if key in data]
+    if fmt is DEEPSPEED_CONFIG and _keys_of(data, POLICY_PLANS):
+        found = [key for key in found if key != "poplar"]  # the poplar policy's plan beside the others', no section
     return found + ["kind"] if fmt is NETWORK and data.get("kind") == "network" else found
 
 
@@ -66,9 +82,9 @@ def refuse_other_format(data: Any, source: str, reader: str) -> None:
     """Raise `WrongFormatError` where `data`, read to build a `reader`, clearly is another format's file (then it holds
     keys the reader does not know, whose closest known key would be a misleading suggestion)."""
     found = recognised(data)
-    if found is None or found.reader == reader:
-        return
     expected = next(fmt for fmt in FORMATS if fmt.reader == reader)
+    if found is None or found is expected:
+        return
     keys = sorted(_keys_of(data, found), key=str)
     shown = ", ".join(map(repr, keys[:3])) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
     raise WrongFormatError(source, "(file)", expected.name, f"{found.name} (its keys {shown})")

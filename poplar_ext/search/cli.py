@@ -73,6 +73,9 @@ the one in DIR/network/ measured on the cluster) and refuses to run without one:
 choice turns on communication (ZeRO's collectives against a pipeline's transfers and
 all-reduces), which without one is priced for neither side alike (ZeRO keeps the
 collectives its profiles measured, pipelines would send everything for free).
+There --json (--format json) prints an object: "chosen" ("zero" or "pipeline") and each
+search's plan under "zero" and "pipeline" (null when infeasible); --output writes the
+chosen plan alone, which --predict and training read.
 
 With --predict PLAN no search runs: the plan (ZeRO or pipeline, told apart by its
 file) is priced from the profiles and the network file, and the table shows where each

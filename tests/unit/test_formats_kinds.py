@@ -180,3 +180,31 @@ def test_a_profile_with_a_deepspeed_key_is_still_a_broken_profile(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(profile))
     with pytest.raises(FormatError, match=r"p.json: fp16: expected one of the keys .*found the unknown key 'fp16'$"):
         load_profiles(tmp_path)
+
+
+def _search_outputs() -> dict[str, dict]:
+    """What ``poplar-search --json`` prints with ``--policy all`` (a plan per policy) and ``--parallelism auto`` (the
+    ZeRO and the pipeline plan, and which was chosen): not plans, though made of them."""
+    files = _files()
+    return {
+        "--policy all": {"uniform": None, "proportional": files["plan"], "poplar": files["plan"]},
+        "--parallelism auto": {"chosen": "pipeline", "zero": files["plan"], "pipeline": files["pipeline plan"]},
+    }
+
+
+@pytest.mark.parametrize("option", ["--policy all", "--parallelism auto"])
+def test_the_search_json_of_several_plans_is_named_where_a_plan_is_read(tmp_path, option):
+    # `--policy all --json > plan.json` was read as "a DeepSpeed config (its keys 'poplar')", and
+    # `--parallelism auto --json` as a plan with the unknown key 'chosen'; beside the profiles, the latter was
+    # refused as a profile with that unknown key.
+    data = _search_outputs()[option]
+    named = f"found the JSON that poplar-search {option} prints"
+    for read in (plan_from_dict, any_plan_from_dict, pipeline_plan_from_dict):
+        with pytest.raises(WrongFormatError, match=rf"^p.json: \(file\): expected a (pipeline )?plan, {named}"):
+            read(data, source="p.json")
+    folder = tmp_path / "prof"
+    shutil.copytree(EXAMPLES, folder)
+    (folder / "out.json").write_text(json.dumps(data))
+    assert is_cluster_or_plan(data) and len(load_profiles(folder)) == 8  # skipped, as a plan beside them is
+    with pytest.raises(WrongFormatError, match=rf"^p.json: \(file\): expected a cluster description, {named}"):
+        cluster_from_dict(data, source="p.json")
