@@ -149,8 +149,12 @@ def check_increasing(nodes: list[Node], sizes: list[int], *, show_previous: bool
 
 
 def read_measured_with(node: Node) -> dict[str, Any]:
-    """``measured_with``: free-form provenance with a ``source``, but JSON that the fingerprint can hash."""
+    """``measured_with``: free-form provenance with a ``source``, but JSON that the fingerprint can hash; the one
+    other key the cost model reads, ``micro_step_times_include_communication``, a boolean where it is given."""
     node.obj().within_depth(MAX_JSON_DEPTH).field("source").string(choices=PROFILE_SOURCES)
+    flag = node.optional("micro_step_times_include_communication")
+    if flag is not None:
+        flag.boolean()  # anything else was ignored for the clock's guess
     return dict(node.value)
 
 

@@ -90,6 +90,22 @@ def test_profile_errors_name_file_and_field(mutate, match):
         profile_from_dict(data, source="f.json")
 
 
+@pytest.mark.parametrize("flag", ["false", "yes", 0, 1, []])
+def test_a_profile_whose_communication_flag_is_no_boolean_is_refused(flag):
+    # The cost model reads measured_with.micro_step_times_include_communication only when it is a boolean, else it
+    # goes by the clock: "false" on a profile timed by CUDA events was taken as true, unnoticed.
+    data = copy.deepcopy(good_profile())
+    data["measured_with"]["micro_step_times_include_communication"] = flag
+    with pytest.raises(
+        FormatError,
+        match=r"^f.json: measured_with.micro_step_times_include_communication: expected true or false, found ",
+    ):
+        profile_from_dict(data, source="f.json")
+    for flag in (True, False, None):  # null: as absent, the clock says
+        data["measured_with"]["micro_step_times_include_communication"] = flag
+        assert profile_from_dict(data, source="f.json").measured_with["micro_step_times_include_communication"] is flag
+
+
 def test_cluster_rank_order_and_round_trip():
     cluster = cluster_from_dict(
         {
