@@ -123,9 +123,17 @@ def write_plan(data: dict[str, Any], path: str) -> bool:
     try:
         write_json_atomic(data, path)
     except OSError as exc:
-        error(f"{path}: cannot write the plan: {exc.strerror or exc}")
+        error(f"{path}: cannot write the plan: {exc.strerror or exc}{_unwritable_why(Path(path))}")
         return False
     return True
+
+
+def _unwritable_why(path: Path) -> str:
+    """What the OS error of writing `path` leaves unsaid: the file among its folders, or that it is a folder."""
+    if path.is_dir():
+        return f" (a folder: --output takes the plan's file name, e.g. {path / 'plan.json'})"
+    blocking = next((parent for parent in path.parents if parent.exists()), None)
+    return f" (its folder {blocking} is a file)" if blocking is not None and not blocking.is_dir() else ""
 
 
 def emit(args: Any, plan: dict[str, Any], shown: Any, text: Callable[[], str]) -> int:

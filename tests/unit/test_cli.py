@@ -443,3 +443,15 @@ def test_profiles_of_one_model_in_two_dtypes_are_refused(capsys, tmp_path, patte
     assert code == 0
     code, out, err = run(capsys, *common, "--predict", tmp_path / plan)
     assert code == 2 and expected in err, err
+
+
+def test_an_output_that_cannot_be_a_file_says_why(capsys, tmp_path):
+    # "plan.json/x.json: cannot write the plan: File exists": which file? (mkdir of the folder plan.json, a file)
+    (tmp_path / "plan.json").write_text("{}")
+    target = tmp_path / "plan.json" / "x.json"
+    code, out, err = run(capsys, "--example", "--global-batch-size", 64, "--output", target)
+    assert code == 2 and out == ""
+    assert f"{target}: cannot write the plan: " in err and f"(its folder {tmp_path / 'plan.json'} is a file)" in err
+    code, out, err = run(capsys, "--example", "--global-batch-size", 64, "--output", tmp_path)
+    assert code == 2 and f"{tmp_path}: cannot write the plan: " in err, err
+    assert "(a folder: --output takes the plan's file name, e.g. " in err, err
