@@ -247,7 +247,7 @@ class FollowsRebalancing:
     def record_switch(self, plan: Plan | PipelinePlan, *, step: int, reason: str, record: bool, rank: int) -> None:
         """What follows every switch: a new measurement, the plan history (`record`), the log line on rank 0."""
         if self._rebalancer is not None:
-            self._rebalancer.restart_measurement(self.compute_timer)
+            self._rebalancer.restart_measurement(self.compute_timer, after_step=step)
         if record:
             entry = history_entry(
                 plan, start_step=step, data_position=self.trained_position, reason=reason, switched=True
@@ -270,18 +270,26 @@ class Rebalancer:
         self.active = True
         """False once the job turned out unable to re-balance (see `after_step`); the same on every rank."""
         self._iterations = 0
+        self._restarted_after_step: int | None = None
+        """The optimizer step a new plan's measurement starts after: that step's iteration (the old plan's,
+        its busy time dropped) is not counted when `after_step` sees it."""
 
-    def restart_measurement(self, timer: ComputeTimer | None) -> None:
-        """A new plan starts: the next check measures only its iterations."""
+    def restart_measurement(self, timer: ComputeTimer | None, *, after_step: int | None = None) -> None:
+        """A new plan starts (after optimizer step `after_step`): the next check measures only its iterations."""
         if timer is not None:
             timer.busy_time_s = 0.0
         self._iterations = 0
+        self._restarted_after_step = after_step
 
     def after_step(self, view: StepView, timer: ComputeTimer) -> SwitchOrder | None:
         """At every optimizer step, after DeepSpeed's (collective at check steps: every rank calls it)."""
         if not self.active:
             return None
-        self._iterations += 1
+        # A switch that waited for its iteration starts at this step, before this call: this step's iteration
+        # ran the old plan and its busy time is gone; counting it would halve every rank's measured speed.
+        if view.step != self._restarted_after_step:
+            self._iterations += 1
+        self._restarted_after_step = None
         if view.step % self.config.check_interval_steps:
             return None
         report = {

@@ -26,7 +26,7 @@ from poplar_ext.plan.formats import (
 from poplar_ext.plan.pipeline_formats import any_plan_from_dict
 from poplar_ext.runtime.config import RebalanceConfig, poplar_config_from_dict
 from poplar_ext.runtime.data import IterationLoader, PlanBatchSampler, SampleStream
-from poplar_ext.runtime.rebalance import DriftMonitor
+from poplar_ext.runtime.rebalance import DriftMonitor, FollowsRebalancing, Rebalancer, StepView, SwitchOrder
 from poplar_ext.search.api import predict, search_plan
 from poplar_ext.search.drift import derived_type, replan, scaled_problem, with_rank_types
 
@@ -415,3 +415,63 @@ def test_a_speed_up_is_a_drift_as_large_as_the_slow_down_it_undoes(threshold):
         monitor, plan = _monitor()
         monitor.config = dataclasses.replace(monitor.config, threshold=0.2)
         assert run_checks(monitor, plan, [[factor, 1, 1]] * 6)[0] == []
+
+
+# -- the engine's side: what a check measures across a switch ----------------------------
+class _Timer:
+    busy_time_s = 0.0
+    emulation = None
+
+
+class _RecordingMonitor:
+    """Rank 0's monitor reduced to what it is handed: every check's busy times and iteration counts."""
+
+    def __init__(self):
+        self.observed = []
+        self.rank_scales, self.streaks = [1.0], [0]
+
+    def observe(self, plan, busy_s, iterations, *, step):
+        self.observed.append((step, busy_s, iterations))
+
+
+class _OneRankEngine(FollowsRebalancing):
+    """`FollowsRebalancing` on one rank: each optimizer step trains one iteration of 1 s of compute."""
+
+    def __init__(self, rebalancer, plan, global_batch):
+        self._rebalancer, self.plan, self.global_batch = rebalancer, plan, global_batch
+        self._samplers, self.plan_history, self.steps, self.timer = [], [], 0, _Timer()
+
+    compute_timer = property(lambda self: self.timer)
+    trained_position = property(lambda self: self.steps * self.global_batch)
+
+    def _step_view(self, step):
+        return StepView(
+            step=step,
+            plan=self.plan,
+            data_reached=self.trained_position,
+            has_sampler=True,
+            switch_pending=self.pending_switch is not None,
+        )
+
+    def switch_plan(self, plan, *, reason, record=True):
+        self.plan = plan
+        self.record_switch(plan, step=self.steps, reason=reason, record=record, rank=0)
+
+    def train_step(self):
+        self.timer.busy_time_s += 1.0
+        self.steps += 1
+        self.follow_rebalancing(self.steps)
+
+
+def test_a_switch_reached_between_checks_measures_only_the_new_plans_iterations():
+    # A switch agreed earlier (a DataLoader had read ahead) starts after step 3; the check at step 4 must see
+    # 1 s over 1 iteration (the one under the new plan), not 1 s over 2, which reads as every rank at 0.5x.
+    plan = search_plan(_profiles(), _cluster(), global_batch_size=96, zero_stage=1).plan
+    monitor = _RecordingMonitor()
+    config = RebalanceConfig(enabled=True, check_interval_steps=4, threshold=0.3, min_gain=0.05, sustained_checks=1)
+    engine = _OneRankEngine(Rebalancer(config, rank=0, monitor=monitor), plan, plan.global_batch_size)
+    engine.pending_switch = SwitchOrder(plan=plan, position=3 * plan.global_batch_size, reason="agreed before")
+    for _ in range(8):
+        engine.train_step()
+    assert engine.pending_switch is None and [h["start_step"] for h in engine.plan_history] == [3]
+    assert monitor.observed == [(4, [1.0], [1]), (8, [4.0], [4])]
