@@ -138,7 +138,17 @@ class EngineCore(FollowsRebalancing):
         # An emulated drift (the cluster's slowdown_schedule) holds from its optimizer step on, also after a resume.
         timer = self._slowdown
         if timer is not None and timer.emulation is not None and timer.emulation.slowdown_schedule:
+            before = timer.slowdown
             timer.slowdown = scheduled_slowdown(timer.emulation, optimizer_step=optimizer_step, rank=self._core_rank)
+            if timer.slowdown != before:  # each rank says its own: the step lines are rank 0's, its type's factor
+                logger.info(
+                    "rank %d: emulated compute now %gx slower (was %gx) after %d optimizer steps, as the cluster's "
+                    "slowdown_schedule says",
+                    self._core_rank,
+                    timer.slowdown,
+                    before,
+                    optimizer_step,
+                )
 
     def _count_iteration(self, step: int) -> None:
         """After optimizer step `step`: the samples counted, the emulated drift and re-balancing followed

@@ -272,9 +272,13 @@ class PoplarEngine(EngineCore):
         if interval and step % interval == 0 and not self._overrun_warned:
             self._overrun_warned = warn_on_overrun(self.emulated_compute, rank=self._rank)  # once per job
         if interval and self._rank == 0 and step % interval == 0 and self.last_samples_per_s is not None:
+            emulated = self.emulated_compute
+            drifted = ""  # the label names the type's slowdown: a slowdown_schedule may have changed this rank's
+            if emulated is not None and emulated.slowdown != emulated.emulation.slowdown:
+                drifted = f"; rank 0 now {emulated.slowdown:g}x slower (the cluster's slowdown_schedule)"
             logger.info(
                 "poplar step %d: true global batch %d samples, %.2f samples/s, %.4f s/iteration "
-                "(rank 0: %s, micro-batch %d x %d)",
+                "(rank 0: %s, micro-batch %d x %d)%s",
                 step,
                 self.plan.global_batch_size,
                 self.last_samples_per_s,
@@ -282,6 +286,7 @@ class PoplarEngine(EngineCore):
                 self.device_label,
                 self.rank_plan.micro_batch_size,
                 self.rank_plan.gradient_accumulation_steps,
+                drifted,
             )
 
     def train_batch_size(self) -> int:

@@ -1431,3 +1431,26 @@ def test_optimizer_states_of_another_precision_on_as_many_ranks_are_refused_befo
             f"{str(saved_bf16).lower()}, as it was saved"
         )
         resumed.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)  # the weights alone: any precision
+
+
+def test_a_scheduled_drift_is_logged_when_it_starts_and_on_rank_0s_step_lines(caplog):
+    # The step lines name the device type's emulated slowdown (2x); after 3 steps rank 0 runs 5x slower.
+    emulation = Emulation(slowdown=2.0, memory_capacity_bytes=10**9, slowdown_schedule=((3, 5.0, None),))
+    engine, _ = _engine(_plan([(3, 1)]), slowdown=ComputeSlowdown(emulation), log_interval_steps=1)
+    engine.device_label = "x (emulated: 2x slower, 1.0 GB)"
+    with caplog.at_level(logging.INFO, logger="poplar_ext"):
+        for _ in range(4):
+            engine.backward(engine(torch.ones(3)))
+            engine.step()
+    drift = [r.getMessage() for r in caplog.records if "slowdown_schedule says" in r.getMessage()]
+    assert drift == [
+        "rank 0: emulated compute now 5x slower (was 2x) after 3 optimizer steps, as the cluster's "
+        "slowdown_schedule says"
+    ]
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("poplar step")]
+    assert [line.endswith("(rank 0: x (emulated: 2x slower, 1.0 GB), micro-batch 3 x 1)") for line in steps] == [
+        True,
+        False,
+        False,
+    ], "steps 2, 3 (the drift's start), 4"
+    assert steps[-1].endswith("micro-batch 3 x 1); rank 0 now 5x slower (the cluster's slowdown_schedule)")
