@@ -63,6 +63,8 @@ from poplar_ext.zero.initialize import Job, prepare_job, rank_devices, wrap_buil
 logger = logging.getLogger(__name__)
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_BATCH_MISMATCHES = tuple(f"- ds {key}=" for key in _BATCH_KEYS)
+"""How Hugging Face's check of the DeepSpeed config against TrainingArguments words a batch value's mismatch."""
 MICRO_BATCHES = "poplar_micro_batches"
 """The key of the one item the training dataloader yields per optimizer step: this rank's micro-batches."""
 
@@ -263,6 +265,9 @@ def _settle_job(
         if getattr(args, "hf_deepspeed_config", None) is not None:
             # Hugging Face's "auto" values filled as the Trainer fills them: DeepSpeed itself takes no "auto".
             filled = copy.deepcopy(args.hf_deepspeed_config)
+            # Its batch values are each rank's from the plan (`_rank_arguments`), not the arguments': a config's
+            # batch differing from per_device_train_batch_size x gradient_accumulation_steps x ranks is the job's.
+            filled.mismatches = [m for m in filled.mismatches if not m.startswith(_BATCH_MISMATCHES)]
             filled.trainer_config_finalize(args, model, num_training_steps=max(1, args.max_steps))
     per_device, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
     job = prepare_job(

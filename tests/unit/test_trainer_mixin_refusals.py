@@ -516,6 +516,47 @@ def test_a_train_dataset_smaller_than_the_global_batch_is_refused_before_the_tra
     assert integration._settle_job(arguments, None, list(range(10)), collate_fn=None, configured=(({}, ".", "d"), None))
 
 
+def test_a_deepspeed_config_with_its_own_global_batch_is_not_refused_for_the_arguments_batch(monkeypatch):
+    # train_batch_size 10 in the config is the job's global batch (docs/training.md; per_device_train_batch_size x
+    # gradient_accumulation_steps x ranks only where the config has none), which the plan splits per rank. Hugging
+    # Face's own check of that config against the arguments (8 x 1 x 1 here), run for the profiling config,
+    # refused it: "ds train_batch_size=10 vs hf train_batch_size (calculated)=8". Its other checks stay.
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import TrainingArguments
+
+    import poplar_ext.collectives as collectives
+    from poplar_ext.integrations import transformers as integration
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(collectives, "process_group_rank", lambda: (0, 1))
+    job = SimpleNamespace(plan=SimpleNamespace(global_batch_size=10))
+    asked = {}
+
+    def prepare_job(loaded, **options):
+        asked.update(batch=loaded[0]["train_batch_size"], profiling=options["profiling_ds_config"])
+        return job
+
+    monkeypatch.setattr(integration, "prepare_job", prepare_job)
+
+    def arguments(**config):
+        auto = dict.fromkeys(("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"), "auto")
+        deepspeed = {**auto, "zero_optimization": {"stage": 0}, "poplar": {}, **config}
+        return TrainingArguments(output_dir="unused", use_cpu=True, deepspeed=deepspeed, report_to=[])
+
+    args = arguments(train_batch_size=10)
+    configured = integration._refuse_before_settling(PoplarTrainer, args)
+    model = torch.nn.Linear(2, 1)
+    assert integration._settle_job(args, model, list(range(10)), collate_fn=None, configured=configured) is job
+    assert asked["batch"] == 10 and asked["profiling"]["zero_optimization"]["stage"] == 0
+    args = arguments(train_batch_size=10, gradient_clipping=0.5)  # max_grad_norm 1.0: still Hugging Face's refusal
+    configured = integration._refuse_before_settling(PoplarTrainer, args)
+    with pytest.raises(ValueError, match=r"- ds gradient_clipping=0\.5 vs hf max_grad_norm=1\.0"):
+        integration._settle_job(args, model, list(range(10)), collate_fn=None, configured=configured)
+
+
 def test_the_plans_origin_is_logged_once_when_the_trainer_is_built(monkeypatch, caplog):
     # Here, for evaluate() alone builds no engine; train()'s engine does not log it again (log_origin=False,
     # tests/unit/test_zero_initialize_order.py).
