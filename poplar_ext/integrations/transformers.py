@@ -468,6 +468,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         self.loss_is_scaled_for_ga = True
         self._train_sampler: PlanBatchSampler | None = None
         self._shifts_labels: bool | None = None
+        self._label_mean: bool | None = None
         self._plan_history = [history_entry(self.plan, start_step=0, data_position=0, reason=self.job.plan_reason)]
         self._reshard_on_resume = False
         self._resume_decision: ResumeDecision | None = None
@@ -561,10 +562,33 @@ class PoplarTrainerMixin(_PlanEvaluation):
             self._shifts_labels = loss_shifts_labels(self.accelerator.unwrap_model(self.model))
         return self._shifts_labels
 
+    def _model_loss_is_a_label_mean(self) -> bool:
+        """Whether the loss compute_loss gets is the model's own mean over a micro-batch's labels although the Trainer
+        counts it normalised by num_items_in_batch (its rule, `loss_is_scaled_for_ga` None: a model whose forward
+        takes ``**kwargs``): the model's, with no label smoother, compute_loss_func or compute_loss of a subclass
+        between, from a model that ignores num_items_in_batch (`_model_loss_ignores`)."""
+        if self._label_mean is None:
+            mro = type(self).__mro__
+            below = next(k for k in mro[mro.index(PoplarTrainerMixin) + 1 :] if "compute_loss" in vars(k))
+            self._label_mean = (
+                self._inner_loss_is_scaled_for_ga is None
+                and below is Trainer
+                and self.model_accepts_loss_kwargs
+                and self.compute_loss_func is None
+                and self.label_smoother is None
+                and _model_loss_ignores(self.accelerator.unwrap_model(self.model))
+            )
+        return self._label_mean
+
     def compute_loss(
         self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         """The Trainer's loss, weighted to the global batch when training (see docs/trainer.md)."""
+        # A model given num_items_in_batch that returns its micro-batch's label mean anyway (`_model_loss_ignores`):
+        # its labels counted before the Trainer's compute_loss may pop them.
+        counted = None
+        if model.training and num_items_in_batch is not None and self._model_loss_is_a_label_mean():
+            counted = label_token_count(inputs, shifted=self._loss_shifts_labels_truly())
         result = super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
@@ -582,7 +606,10 @@ class PoplarTrainerMixin(_PlanEvaluation):
                 "batch) but the batches carry no 'labels' to count, so poplar-ext cannot tell over what; set "
                 "loss_is_scaled_for_ga = False and return a micro-batch mean, or give the batches labels"
             )
-        if normalised:
+        if counted is not None:
+            # The mean over this micro-batch's n labels: n * W / T makes it W * sum / T, as a normalised loss is.
+            weight = counted / float(num_items_in_batch)
+        elif normalised:
             weight = 1.0  # the loss divided its token sum by T / W: W * sum / T already
         else:
             # This rank's share of the iteration training now (the engine switches it with the plan).
@@ -859,6 +886,23 @@ class PoplarTrainerMixin(_PlanEvaluation):
         """A new plan from the next iteration on (re-balancing, or a resume under the checkpoint's last plan):
         ``args.per_device_train_batch_size`` is the rank's micro-batch in it, as it was in the first plan."""
         self.args.per_device_train_batch_size = plan.ranks[self.job.rank].micro_batch_size
+
+
+def _model_loss_ignores(model: Any) -> bool:
+    """Whether `model` is a transformers model whose forward takes ``**kwargs`` (the Trainer then passes it
+    num_items_in_batch and takes its loss for a sum over that count) but computes its loss without them: a forward
+    that never calls the model's ``loss_function``, the one way transformers' models hand num_items_in_batch to a
+    loss, returns torch's mean over the micro-batch's labels (``CrossEntropyLoss``, ``-100`` ignored: in transformers
+    5 BERT's, RoBERTa's, DistilBERT's heads, T5, BART). A model of another library, or whose source cannot be read,
+    is taken at the Trainer's word."""
+    forward = type(model).forward
+    if not (getattr(forward, "__module__", None) or "").startswith("transformers."):
+        return False
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    return "loss_function" not in source and "num_items_in_batch" not in source
 
 
 def _no_deepspeed_save(save_dir: str, exclude_frozen_parameters: bool = False) -> None:

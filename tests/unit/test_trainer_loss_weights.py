@@ -1,0 +1,99 @@
+"""What PoplarTrainer weights each training micro-batch's loss by, for the gradients of the global batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("transformers", reason="PoplarTrainer needs pip install 'poplar-ext[hf]'")
+
+import torch  # noqa: E402
+from transformers import TrainingArguments  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("in_tmp_path")  # the Trainer creates output_dir
+
+
+def _trainer(monkeypatch, model):
+    """A one-rank PoplarTrainer of a plan of 2 micro-batches of 2 (global batch 4), without a process group."""
+    from poplar_ext.integrations import transformers as integration
+    from poplar_ext.plan.formats import plan_from_dict
+    from poplar_ext.runtime.config import poplar_config_from_dict
+
+    plan = plan_from_dict(
+        {
+            "schema_version": 1,
+            "policy": "uniform",
+            "zero_stage": 0,
+            "global_batch_size": 4,
+            "ranks": [{"rank": 0, "device_type": "cpu", "micro_batch_size": 2, "gradient_accumulation_steps": 2}],
+            "predicted": {"iteration_time_s": 1.0, "samples_per_s": 4.0, "ideal_samples_per_s": 4.0},
+            "profile_fingerprints": {},
+        },
+        source="test",
+    )
+    job = SimpleNamespace(
+        plan=plan,
+        rank=0,
+        world_size=1,
+        poplar_config=poplar_config_from_dict({"plan": "p.json"}, base_dir=Path(".")),
+        plan_reason="the plan file p.json",
+        ds_config={"zero_optimization": {"stage": 0}},
+    )
+    monkeypatch.setattr(integration, "_settle_job", lambda *args, **kwargs: job)
+    args = TrainingArguments(
+        output_dir="unused", use_cpu=True, deepspeed={"zero_optimization": {"stage": 0}, "poplar": {}}, report_to=[]
+    )
+    return integration.PoplarTrainer(model=model, args=args)
+
+
+def _bert_classifier():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForSequenceClassification(config)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    return GPT2LMHeadModel(config)
+
+
+def test_a_model_whose_loss_ignores_num_items_in_batch_is_weighted_by_its_share_of_the_labels(monkeypatch):
+    # BertForSequenceClassification's forward takes **kwargs, so the Trainer passes it num_items_in_batch and
+    # counts its loss a sum over them; it returns CrossEntropyLoss's mean over its own labels instead. Taken at the
+    # Trainer's word (weight 1), each rank's accumulation steps added up their means: the logged loss and the
+    # gradients of a 2-rank job (micro-batches 3 x 2 and 2 x 2) were twice one device's on the global batch.
+    model = _bert_classifier().train()
+    trainer = _trainer(monkeypatch, model)
+    batch = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]]), "labels": torch.tensor([0, 2])}
+    own = model(**batch).loss
+    # The global batch's labels over the world size: 4 (this micro-batch's 2 and the next one's).
+    weighted = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(4.0))
+    torch.testing.assert_close(weighted, own * 2 / 4)
+
+
+def test_a_model_whose_loss_takes_num_items_in_batch_is_left_as_it_normalised_it(monkeypatch):
+    model = _gpt2().train()
+    trainer = _trainer(monkeypatch, model)
+    ids = torch.tensor([[5, 6, 7, 8], [8, 9, 10, 11]])
+    batch = {"input_ids": ids, "labels": ids}
+    normalised = model(**batch, num_items_in_batch=torch.tensor(12.0)).loss  # its token sum over 12
+    weighted = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(12.0))
+    torch.testing.assert_close(weighted, normalised)
