@@ -3,6 +3,7 @@ of transformers (``pip install 'poplar-ext[hf]'``). See docs/trainer.md (each ho
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import functools
@@ -14,6 +15,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -893,8 +895,9 @@ def _model_loss_ignores(model: Any) -> bool:
     num_items_in_batch and takes its loss for a sum over that count) but computes its loss without them: a forward
     that never calls the model's ``loss_function``, the one way transformers' models hand num_items_in_batch to a
     loss, returns torch's mean over the micro-batch's labels (``CrossEntropyLoss``, ``-100`` ignored: in transformers
-    5 BERT's, RoBERTa's, DistilBERT's heads, T5, BART). A model of another library, or whose source cannot be read,
-    is taken at the Trainer's word."""
+    5 BERT's, RoBERTa's, DistilBERT's heads, T5, BART). A model of another library, whose source cannot be read, or
+    whose forward hands its labels and ``**kwargs`` on to another module (BLIP's, Kosmos-2's, MusicGen's: that one
+    may count them) is taken at the Trainer's word."""
     forward = type(model).forward
     if not (getattr(forward, "__module__", None) or "").startswith("transformers."):
         return False
@@ -902,7 +905,15 @@ def _model_loss_ignores(model: Any) -> bool:
         source = inspect.getsource(forward)
     except (OSError, TypeError):
         return False
-    return "loss_function" not in source and "num_items_in_batch" not in source
+    if "loss_function" in source or "num_items_in_batch" in source:
+        return False
+    try:
+        calls = [node for node in ast.walk(ast.parse(textwrap.dedent(source))) if isinstance(node, ast.Call)]
+    except SyntaxError:
+        return False
+    return not any(
+        any(k.arg is None for k in call.keywords) and any(k.arg == "labels" for k in call.keywords) for call in calls
+    )
 
 
 def _no_deepspeed_save(save_dir: str, exclude_frozen_parameters: bool = False) -> None:

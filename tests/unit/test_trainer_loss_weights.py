@@ -97,3 +97,35 @@ def test_a_model_whose_loss_takes_num_items_in_batch_is_left_as_it_normalised_it
     normalised = model(**batch, num_items_in_batch=torch.tensor(12.0)).loss  # its token sum over 12
     weighted = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(12.0))
     torch.testing.assert_close(weighted, normalised)
+
+
+class _Inner(torch.nn.Module):
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        return labels
+
+
+class _Delegating(torch.nn.Module):
+    """A transformers-like model handing its labels and loss kwargs on (as BLIP's and Kosmos-2's forward do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.text_decoder = _Inner()
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        return self.text_decoder(input_ids=input_ids, labels=labels, **kwargs)
+
+
+class _OwnMean(torch.nn.Module):
+    """A transformers-like model taking **kwargs whose loss is its labels' mean, as BERT's heads."""
+
+    def forward(self, logits=None, labels=None, **kwargs):
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize(("model_class", "ignores"), [(_Delegating, False), (_OwnMean, True)])
+def test_a_forward_handing_its_labels_and_kwargs_on_is_taken_at_the_trainers_word(monkeypatch, model_class, ignores):
+    # The inner module gets num_items_in_batch and may normalise by it: weighting its loss again would divide twice.
+    from poplar_ext.integrations.transformers import _model_loss_ignores
+
+    monkeypatch.setattr(model_class.forward, "__module__", "transformers.models.fake.modeling_fake")
+    assert _model_loss_ignores(model_class()) is ignores
