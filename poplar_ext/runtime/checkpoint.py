@@ -583,8 +583,11 @@ def saved_parameter_shapes(
     import torch
 
     try:
-        # mmap: the shapes alone are read, not the weights (the file may hold the whole model)
-        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        with path.open("rb") as file:
+            zipped = file.read(4) == b"PK\x03\x04"
+        # mmap: the shapes alone are read, not the weights (the file may hold the whole model). torch maps its zip
+        # format only; DeepSpeed writes the legacy one under "checkpoint": {"checkpoint_serialization": false}.
+        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=zipped)
     except Exception as exc:  # noqa: BLE001 - a file torch cannot read: refused naming it
         raise ValueError(
             f"{caller}: {path}: expected a model states file that torch can read, found one it cannot "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -1369,6 +1370,20 @@ def test_buffers_and_frozen_parameters_left_out_of_a_checkpoint_pass_the_shape_c
     _saved_model_states(tmp_path / "t", module, zero_stage=0)
     check_parameter_shapes(tmp_path, "t", {"weight": (3,), "bias": (3,)})
     check_parameter_shapes(tmp_path, "t", {"weight": (3,), "bias": (3,), "frozen": (2,)}, frozen=frozenset({"frozen"}))
+
+
+def test_a_model_states_file_in_torchs_legacy_format_passes_the_shape_check(tmp_path):
+    # DeepSpeed writes it under "checkpoint": {"checkpoint_serialization": false}; torch maps only its zip format,
+    # and a resume of the same model was refused as "damaged" ("mmap can only be used with files saved with ...").
+    from poplar_ext.runtime.checkpoint import check_parameter_shapes
+
+    (tmp_path / "t").mkdir()
+    states = {"module": torch.nn.Linear(4, 3).state_dict(), "param_shapes": None}
+    saved = tmp_path / "t" / "mp_rank_00_model_states.pt"
+    torch.save(states, saved, _use_new_zipfile_serialization=False)
+    check_parameter_shapes(tmp_path, "t", {"weight": (3, 4), "bias": (3,)})
+    with pytest.raises(ValueError, match=rf"^load_checkpoint: {re.escape(str(saved))}: .*weight: expected \[3, 8\]"):
+        check_parameter_shapes(tmp_path, "t", {"weight": (3, 8), "bias": (3,)})
 
 
 @pytest.mark.parametrize(
