@@ -143,7 +143,8 @@ def test_no_loss_scale_is_added_without_fp16_or_where_deepspeed_applies_it():
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
     class _ZeroOptimizer(ZeROOptimizer, _FP16UnfusedOptimizer):
-        pass
+        def __init__(self):  # ZeROOptimizer.__init__ calls no other: the loss scale config is set here
+            _FP16UnfusedOptimizer.__init__(self)
 
     for fp16, optimizer in [
         (False, _FP16UnfusedOptimizer()),  # bf16 or fp32
