@@ -795,11 +795,13 @@ def check_measured_alike(profiles: Any, kind: str) -> None:
         for profile in profiles:
             path = loaded_from(profile)
             where = f"{profile.device_type} at stage {profile.zero_stage}" + (f" ({path})" if path else "")
-            values.setdefault(getattr(profile.model, name), []).append(where)
+            value = getattr(profile.model, name)
+            if value is not None:  # a sequence length of None (data without token ids) goes with any, as cached
+                values.setdefault(value, []).append(where)
         if len(values) > 1:
             found = "; ".join(
-                f"{'null' if value is None else value} in {listed(wheres)}"
-                for value, wheres in sorted(values.items(), key=lambda item: repr(item[0]))
+                f"{value} in {listed(wheres)}"
+                for value, wheres in sorted(values.items(), key=lambda item: str(item[0]))
             )
             raise ValueError(
                 f"{kind}s: expected one model.{name} over the {kind}s used, found {found}: a job trains in one "

@@ -113,6 +113,7 @@ def test_profiles_of_two_models_are_bad_input(profiles, cluster):
 def test_profiles_of_one_model_measured_two_ways_are_bad_input(profiles, cluster, field, other):
     # One fingerprint in two dtypes (taken before DeepSpeed casts) or sequence lengths: a cache may hold both, one
     # type in each; the search mixed them silently (and priced every type's collectives in the last type's dtype).
+    profiles = [dataclasses.replace(p, model=dataclasses.replace(p.model, sequence_length=256)) for p in profiles]
     v100 = [dataclasses.replace(p, model=dataclasses.replace(p.model, **{field: other})) for p in profiles if
             p.device_type == "V100"]  # fmt: skip
     mixed = [p for p in profiles if p.device_type != "V100"] + v100
@@ -212,3 +213,13 @@ def test_predict_rejects_plans_outside_the_profiles(profiles, cluster):
     ranks[0] = dataclasses.replace(ranks[0], micro_batch_size=10_000)
     with pytest.raises(ValueError, match=r"micro_batch_size: expected 1 to \d+ on A100 at ZeRO stage 1, found"):
         predict(dataclasses.replace(plan, ranks=tuple(ranks)), profiles)
+
+
+def test_profiles_without_a_sequence_length_go_with_any(profiles, cluster):
+    # A sequence length of None (data without token ids) reuses cached profiles of any length
+    # (ProfileCache.holds): the search must not then refuse the mix the cache made.
+    a100 = [dataclasses.replace(p, model=dataclasses.replace(p.model, sequence_length=512)) for p in profiles if
+            p.device_type != "V100"]  # fmt: skip
+    mixed = a100 + [p for p in profiles if p.device_type == "V100"]
+    assert {p.model.sequence_length for p in mixed} == {512, None}
+    assert search_plan(mixed, cluster, global_batch_size=120).ok
