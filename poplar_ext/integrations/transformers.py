@@ -33,10 +33,13 @@ from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.hardware.emulation import device_label
 from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
 from poplar_ext.plan.formats import Plan
+from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
     agree_storages,
+    check_optimizer_precision,
     check_parameter_shapes,
+    check_rank_files,
     checkpoint_tag,
     history_entry,
     module_parameter_shapes,
@@ -790,6 +793,11 @@ class PoplarTrainerMixin(_PlanEvaluation):
                 ),
                 rank=self.job.rank,
             )
+        if tag is not None and saved is not None:
+            decided_by_rank0(
+                lambda: _check_zero_files(Path(folder), tag, saved, self.args, world_size=self.plan.world_size),
+                rank=self.job.rank,
+            )
         if decision is not None:
             self._plan_history = decision.plan_history
             self._resume_decision = decision
@@ -970,6 +978,19 @@ def _deepspeed_config_object(args: TrainingArguments) -> HfDeepSpeedConfig | Non
 def _node_local(args: TrainingArguments) -> bool:
     """Whether the DeepSpeed config saves each node's part of a checkpoint into that node's own storage."""
     return bool(_deepspeed_config(args).get("checkpoint", {}).get("use_node_local_storage", False))
+
+
+def _check_zero_files(folder: Path, tag: str, saved: dict, args: TrainingArguments, *, world_size: int) -> None:
+    """The engine's refusals of DeepSpeed files it cannot load (`PoplarEngine.load_checkpoint`), for the Trainer's
+    load of `folder`'s `tag`: a rank's ZeRO file missing (not on node-local storage, where each node holds its own
+    ranks'), and on as many ranks as saved it (`world_size` now), optimizer states of another precision."""
+    caller = "resume_from_checkpoint"
+    if not _node_local(args):
+        check_rank_files(folder, tag, saved, reads_optimizer=True, caller=caller)
+    config = _deepspeed_config(args)
+    saved_ranks = len((saved.get("plan") or {}).get("ranks") or ())
+    if config and saved_ranks == world_size:
+        check_optimizer_precision(folder, tag, bf16=training_dtype(config) == "bfloat16", caller=caller)
 
 
 def _check_trainer_schedule(folder: Path, args: TrainingArguments) -> None:

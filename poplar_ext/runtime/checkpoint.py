@@ -539,7 +539,7 @@ def check_rank_files(
         )
 
 
-def check_optimizer_precision(load_dir: str | Path, tag: str, *, bf16: bool) -> None:
+def check_optimizer_precision(load_dir: str | Path, tag: str, *, bf16: bool, caller: str = "load_checkpoint") -> None:
     """ValueError, before any weight is loaded, where the ZeRO optimizer files of `tag` are another precision's
     than this job's (`bf16`: DeepSpeed's ``bf16.enabled``) and DeepSpeed reads them as they are (the same number
     of ranks): it names them ``bf16_zero_pp_rank_*`` under bf16 and ``zero_pp_rank_*`` otherwise, and fails on
@@ -550,7 +550,7 @@ def check_optimizer_precision(load_dir: str | Path, tag: str, *, bf16: bool) -> 
         return
     saved, now = ("bf16", "fp32 or fp16") if not bf16 else ("fp32 or fp16", "bf16")
     raise ValueError(
-        f"load_checkpoint: {folder}: expected the optimizer states of a {now} job, as this one trains "
+        f"{caller}: {folder}: expected the optimizer states of a {now} job, as this one trains "
         f"(bf16.enabled {str(bf16).lower()}), found those of a {saved} job ({listed(files)}), which DeepSpeed "
         f"cannot load in {now} on the number of ranks that saved it: resume it with bf16.enabled "
         f"{str(not bf16).lower()}, as it was saved"

@@ -436,3 +436,36 @@ def test_a_checkpoint_of_another_model_is_refused_before_the_trainer_loads_it(tm
     trainer.model = torch.nn.Linear(4, 2)  # the model it was saved from
     assert PoplarTrainer._check_resume(trainer, str(folder)) == str(folder)
     assert trainer._resume_decision is not None
+
+
+def test_a_checkpoint_missing_a_ranks_zero_file_is_refused_before_the_trainer_loads_it(tmp_path):
+    # The Trainer's DeepSpeed load failed on the rank reading the missing file while the others waited.
+    plan = _plan([(4, 2), (4, 1)])
+    folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
+    (folder / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_text("DeepSpeed's")
+    trainer = _trainer(plan, tmp_path)
+    with pytest.raises(ValueError) as refused:
+        PoplarTrainer._check_resume(trainer, str(folder))
+    message = str(refused.value)
+    assert message.startswith(f"resume_from_checkpoint: {folder / 'global_step2'}: expected the ZeRO stage 1 files")
+    assert "*zero_pp_rank_1_mp_rank_*_optim_states.pt" in message
+    assert trainer._resume_decision is None
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_optimizer_states_of_another_precision_are_refused_before_the_trainer_loads_them(tmp_path, bf16):
+    # DeepSpeed names bf16 optimizer files bf16_zero_pp_rank_*: on the ranks that saved them, the other precision
+    # failed on every rank with a bare FileNotFoundError once the engine was built.
+    plan = _plan([(4, 2), (4, 1)])
+    folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
+    (folder / "scheduler.pt").write_text("the Trainer's schedule")
+    saved_prefix = "" if bf16 else "bf16_"
+    for rank in range(2):
+        (folder / "global_step2" / f"{saved_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_text("")
+    config = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": bf16}}
+    trainer = _under_deepspeed(_trainer(plan, tmp_path), config)
+    with pytest.raises(ValueError, match=rf"^resume_from_checkpoint: {folder / 'global_step2'}: expected the "):
+        PoplarTrainer._check_resume(trainer, str(folder))
+    config["bf16"]["enabled"] = not bf16  # the precision it was saved in
+    trainer = _under_deepspeed(_trainer(plan, tmp_path), config)
+    assert PoplarTrainer._check_resume(trainer, str(folder)) == str(folder)
