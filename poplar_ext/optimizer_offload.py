@@ -3,7 +3,15 @@ See docs/profiling.md (the memory levers: why ranks may differ in it at stages 1
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from poplar_ext.plan.errors import FormatError
+
+if TYPE_CHECKING:
+    from poplar_ext.plan.formats import Plan
+
+HOST_OPTIMIZERS = ("DeepSpeedCPUAdam", "DeepSpeedCPULion")
+"""The client optimizers DeepSpeed offloads while ``zero_force_ds_cpu_optimizer`` is true (its own, by class)."""
 
 OFFLOAD_MODES = ("off", "smallest", "both")
 """What the profiler measures offloaded (``optimizer_offload`` of `profile_model` and of the
@@ -26,3 +34,29 @@ def offload_deepspeed_optimizer(ds_config: dict[str, Any]) -> dict[str, Any]:
     zero["offload_optimizer"] = options
     ds_config.setdefault("zero_force_ds_cpu_optimizer", False)
     return ds_config
+
+
+def check_client_optimizer_offloads(
+    ds_config: dict[str, Any], plan: Plan, optimizer: Any, *, source: str, plan_source: str = "the plan"
+) -> None:
+    """FormatError, on every rank alike, where `plan` offloads some rank's optimizer and DeepSpeed would refuse the
+    client `optimizer` there: ``zero_force_ds_cpu_optimizer`` true in `ds_config` (`source`) and an optimizer that
+    is not one of `HOST_OPTIMIZERS`. DeepSpeed raises on the offloading ranks alone, inside its initialize, while
+    the others go on into their first collective. A factory (not yet an optimizer) is left to DeepSpeed."""
+    offloading = [r.rank for r in plan.ranks if r.optimizer_offload]
+    force = ds_config.get("zero_force_ds_cpu_optimizer", False)
+    if not offloading or not force or optimizer is None or not hasattr(optimizer, "param_groups"):
+        return
+    if any(k.__name__ in HOST_OPTIMIZERS for k in type(optimizer).__mro__):
+        return
+    kind = type(optimizer)
+    ranks = ", ".join(f"ranks[{r}].optimizer_offload" for r in offloading)
+    raise FormatError(
+        source,
+        "zero_force_ds_cpu_optimizer",
+        f"false (or unset) where {plan_source} offloads the optimizer ({ranks}) of a client optimizer other than "
+        f"{' or '.join(HOST_OPTIMIZERS)} (DeepSpeed refuses it on the offloading ranks alone, the others left "
+        "waiting)",
+        f"{force!r} with the client optimizer {kind.__module__}.{kind.__qualname__}; set it false, pass "
+        "DeepSpeedCPUAdam, or train a plan without optimizer offload",
+    )

@@ -153,3 +153,56 @@ def test_the_automatic_mode_measures_with_the_sections_offload(monkeypatch, tmp_
     )
     assert measure([("cpu", 1)], cluster=None) == []
     assert seen["optimizer_offload"] == "smallest" and seen["zero_stages"] == [1]
+
+
+def test_a_client_optimizer_deepspeed_would_not_offload_is_refused_on_every_rank_before_the_engine(monkeypatch):
+    # DeepSpeed raises ZeRORuntimeException on the offloading rank alone, inside its initialize: the other
+    # ranks went on and died on a closed connection (gloo) or would wait in a collective (NCCL).
+    from types import SimpleNamespace
+
+    import torch
+
+    from poplar_ext.plan.errors import FormatError
+    from poplar_ext.zero import initialize as zero_initialize
+
+    def engine_build(*args, **kwargs):
+        raise RuntimeError("reached the engine's build")
+
+    job = SimpleNamespace(
+        plan=_plan([False, True]),
+        ds_config={"zero_optimization": {"stage": 2}, "zero_force_ds_cpu_optimizer": True},
+        source="ds.json",
+        rank=0,
+        plan_reason="the plan file plan.json",
+    )
+    monkeypatch.setattr(zero_initialize, "load_deepspeed_config", lambda *args, **kwargs: ({}, Path("."), "ds.json"))
+    monkeypatch.setattr(zero_initialize, "read_poplar_section", lambda *args, **kwargs: None)
+    monkeypatch.setattr(zero_initialize, "prepare_job", lambda *args, **kwargs: job)
+    monkeypatch.setattr(zero_initialize, "set_up_rank", engine_build)
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(FormatError) as refused:
+        zero_initialize.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config={})
+    assert str(refused.value).startswith(
+        "ds.json: zero_force_ds_cpu_optimizer: expected false (or unset) where the plan file plan.json offloads the "
+        "optimizer (ranks[1].optimizer_offload) of a client optimizer other than DeepSpeedCPUAdam or "
+        "DeepSpeedCPULion"
+    ), str(refused.value)
+    assert "found True with the client optimizer torch.optim.adam.Adam" in str(refused.value)
+
+
+def test_what_deepspeed_offloads_passes_the_client_optimizer_check():
+    import torch
+
+    from poplar_ext.optimizer_offload import check_client_optimizer_offloads
+
+    class DeepSpeedCPUAdam(torch.optim.Adam):  # DeepSpeed's own host optimizer, by class name
+        pass
+
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    force = {"zero_force_ds_cpu_optimizer": True}
+    offloading, plain = _plan([False, True]), _plan([False, False])
+    check_client_optimizer_offloads(force, offloading, DeepSpeedCPUAdam(params), source="ds.json")
+    check_client_optimizer_offloads({}, offloading, torch.optim.Adam(params), source="ds.json")  # set false for it
+    check_client_optimizer_offloads(force, plain, torch.optim.Adam(params), source="ds.json")
+    check_client_optimizer_offloads(force, offloading, None, source="ds.json")  # the config's optimizer section
+    check_client_optimizer_offloads(force, offloading, torch.optim.Adam, source="ds.json")  # a factory: DeepSpeed's
