@@ -200,7 +200,10 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         choices=(*POLICIES, "all"),
         default="poplar",
         help="poplar: fastest predicted allocation (default); uniform: DeepSpeed's one micro-batch "
-        "for all; proportional: Whale's throughput-proportional shares; all: compare them",
+        "for all; proportional: Whale's throughput-proportional shares; all: compare them. Where DIR "
+        "holds a type's profiles with memory levers (activation checkpointing, optimizer offload: "
+        "poplar-profile), poplar also chooses them per device type (at ZeRO 3 one checkpointing setting for "
+        "all); uniform and proportional take each type's first profiled setting, no lever where profiled so",
     )
     parser.add_argument(
         "--parallelism",

@@ -227,6 +227,16 @@ def test_help_describes_formats_and_exit_codes(capsys):
     assert "profiles/README.md" in out and "exit status" in out and "1  infeasible" in out
 
 
+def test_help_says_which_policies_choose_the_memory_levers(capsys):
+    # A user short of memory on one type read --help and found no word on checkpointing or offload.
+    code, out, _ = run(capsys, "--help")
+    text = " ".join(out.split())
+    assert code == 0
+    assert "memory levers (activation checkpointing, optimizer offload: poplar-profile)" in text
+    assert "poplar also chooses them per device type" in text
+    assert "uniform and proportional take each type's first profiled setting" in text
+
+
 def test_parser_works_as_a_subcommand():
     import argparse
 
