@@ -88,9 +88,11 @@ def label_tokens(labels: Any, *, shifted: bool) -> int:
 def label_token_count(batch: Any, *, shifted: bool) -> int:
     """Label tokens in a micro-batch, as its loss counts them (``-100`` ignored)."""
     if not isinstance(batch, Mapping) or ("labels" not in batch and "shift_labels" not in batch):
+        keys = f" with keys {', '.join(map(repr, batch))}" if isinstance(batch, Mapping) else ""
         raise ValueError(
             "loss_reduction token_mean: expected micro-batches that are dicts with 'labels' (or 'shift_labels'), "
-            f"found {type(batch).__name__}"
+            f"found {type(batch).__name__}{keys}: the label tokens are counted from that key (-100 ignored); "
+            "have the collate_fn name the labels 'labels'"
         )
     if "shift_labels" in batch:
         return label_tokens(batch["shift_labels"], shifted=False)

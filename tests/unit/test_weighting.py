@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poplar_ext.runtime.weighting import loss_weight, weight_loss
+from poplar_ext.runtime.weighting import label_token_count, loss_weight, weight_loss
 
 
 def test_mean_weight():
@@ -57,3 +57,11 @@ def test_a_half_precision_loss_is_weighted_in_fp32(dtype):
     assert weighted.dtype == torch.float32
     assert float(weighted) == pytest.approx(9 / 11, rel=1e-7)  # bf16 would be off by up to 0.4%
     assert abs(float(loss * (9 / 11)) - 9 / 11) > 1e-4  # what multiplying in the loss's dtype gives
+
+
+def test_a_micro_batch_whose_labels_are_named_otherwise_is_refused_naming_its_keys():
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "targets": torch.ones(2, 3, dtype=torch.long)}
+    with pytest.raises(ValueError, match="found dict with keys 'input_ids', 'targets'.*name the labels 'labels'"):
+        label_token_count(batch, shifted=True)
+    with pytest.raises(ValueError, match=r"dicts with 'labels' \(or 'shift_labels'\), found tuple: "):
+        label_token_count((batch["input_ids"], batch["targets"]), shifted=True)
