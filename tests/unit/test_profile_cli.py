@@ -342,8 +342,10 @@ def test_activation_checkpointing_options(files, monkeypatch) -> None:
     )
 
 
-def test_the_command_line_builds_profile_options_with_their_defaults(files) -> None:
+def test_the_command_line_builds_profile_options_with_their_defaults(files, monkeypatch) -> None:
     import dataclasses
+
+    monkeypatch.chdir(files["dir"])  # my_models is imported from where the command runs, not from an earlier test
 
     from poplar_ext.profiler import ProfileOptions, log_progress
 
