@@ -901,11 +901,14 @@ class PoplarTrainerMixin(_PlanEvaluation):
 def _model_loss_ignores(model: Any) -> bool:
     """Whether `model` is a transformers model whose forward takes ``**kwargs`` (the Trainer then passes it
     num_items_in_batch and takes its loss for a sum over that count) but computes its loss without them: a forward
-    that never calls the model's ``loss_function``, the one way transformers' models hand num_items_in_batch to a
-    loss, returns torch's mean over the micro-batch's labels (``CrossEntropyLoss``, ``-100`` ignored: in transformers
-    5 BERT's, RoBERTa's, DistilBERT's heads, T5, BART). A model of another library, whose source cannot be read, or
-    whose forward hands its labels and ``**kwargs`` on to another module (BLIP's, Kosmos-2's, MusicGen's: that one
-    may count them) is taken at the Trainer's word."""
+    that never hands them to the model's ``loss_function``, the one way transformers' models pass num_items_in_batch
+    to a loss, returns torch's mean over the micro-batch's labels (``CrossEntropyLoss``, ``-100`` ignored). In
+    transformers 5: BERT's, RoBERTa's, DistilBERT's heads, T5, BART, which never call it, and
+    GenericForSequenceClassification and GenericForTokenClassification (Llama's, Mistral's, Qwen's heads), GPT-NeoX's
+    and the image classifiers, which call it without ``**kwargs``. A model of another library, whose source cannot
+    be read, that names num_items_in_batch, refers to ``loss_function`` other than in such a call, or whose forward
+    hands its labels and ``**kwargs`` on to another module (BLIP's, Kosmos-2's, MusicGen's: that one may count them)
+    is taken at the Trainer's word."""
     forward = type(model).forward
     if not (getattr(forward, "__module__", None) or "").startswith("transformers."):
         return False
@@ -913,11 +916,22 @@ def _model_loss_ignores(model: Any) -> bool:
         source = inspect.getsource(forward)
     except (OSError, TypeError):
         return False
-    if "loss_function" in source or "num_items_in_batch" in source:
+    if "num_items_in_batch" in source:
         return False
     try:
-        calls = [node for node in ast.walk(ast.parse(textwrap.dedent(source))) if isinstance(node, ast.Call)]
+        tree = ast.parse(textwrap.dedent(source))
     except SyntaxError:
+        return False
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    # Every mention of loss_function a call of it that hands on no ``**kwargs`` (none: it is not called).
+    called_bare = {id(call.func) for call in calls if all(k.arg is not None for k in call.keywords)}
+    mentions = [
+        node
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Attribute) and node.attr == "loss_function")
+        or (isinstance(node, ast.Name) and node.id == "loss_function")
+    ]
+    if any(id(node) not in called_bare for node in mentions):
         return False
     return not any(
         any(k.arg is None for k in call.keywords) and any(k.arg == "labels" for k in call.keywords) for call in calls

@@ -129,3 +129,41 @@ def test_a_forward_handing_its_labels_and_kwargs_on_is_taken_at_the_trainers_wor
 
     monkeypatch.setattr(model_class.forward, "__module__", "transformers.models.fake.modeling_fake")
     assert _model_loss_ignores(model_class()) is ignores
+
+
+def _llama_classifier(**config):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        **config,
+    )
+    return LlamaForSequenceClassification(config)
+
+
+@pytest.mark.parametrize(
+    ("config", "labels"),
+    [({"num_labels": 3}, [[0, 2], [1, 1]]), ({"num_labels": 1}, [[0.5, -1.0], [2.0, 1.5]])],
+    ids=["single-label", "regression"],
+)
+def test_a_forward_calling_loss_function_without_its_kwargs_is_weighted_by_its_share_of_the_labels(
+    monkeypatch, config, labels
+):
+    # transformers 5.24's GenericForSequenceClassification (Llama's, Mistral's, Qwen's ... classifiers) calls
+    # self.loss_function(logits=..., labels=..., pooled_logits=..., config=...) without **kwargs: the loss never
+    # sees num_items_in_batch and is its micro-batch's mean. Taken at the Trainer's word, 2 accumulation steps gave
+    # twice the global batch's loss (single-label: 2.1591 where one device has 1.0795).
+    model = _llama_classifier(**config).train()
+    trainer = _trainer(monkeypatch, model)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]])
+    batches = [{"input_ids": ids[2 * i : 2 * i + 2], "labels": torch.tensor(labels[i])} for i in range(2)]
+    weighted = sum(trainer.compute_loss(model, dict(b), num_items_in_batch=torch.tensor(4.0)) for b in batches)
+    whole = model(input_ids=ids, labels=torch.tensor(labels[0] + labels[1])).loss  # the global batch's mean
+    torch.testing.assert_close(weighted, whole)
