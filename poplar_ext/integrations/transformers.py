@@ -25,7 +25,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.integrations.deepspeed import HfDeepSpeedConfig
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, _is_peft_model
 from transformers.trainer_pt_utils import find_batch_size
-from transformers.trainer_utils import seed_worker
+from transformers.trainer_utils import seed_worker, unwrap_peft_model
 
 from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_checkpoint
 from poplar_ext.collectives import agree_sum, agree_sums, decided_by_rank0
@@ -581,7 +581,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
                 and self.model_accepts_loss_kwargs
                 and self.compute_loss_func is None
                 and self.label_smoother is None
-                and _model_loss_ignores(self.accelerator.unwrap_model(self.model))
+                and _model_loss_ignores(unwrap_peft_model(self.accelerator.unwrap_model(self.model)))
             )
         return self._label_mean
 

@@ -167,3 +167,30 @@ def test_a_forward_calling_loss_function_without_its_kwargs_is_weighted_by_its_s
     weighted = sum(trainer.compute_loss(model, dict(b), num_items_in_batch=torch.tensor(4.0)) for b in batches)
     whole = model(input_ids=ids, labels=torch.tensor(labels[0] + labels[1])).loss  # the global batch's mean
     torch.testing.assert_close(weighted, whole)
+
+
+class _PeftLike(torch.nn.Module):
+    """A stand-in for peft's PeftModel (peft is not installed here): a wrapper whose forward is peft's."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base_model = base
+
+    def forward(self, *args, **kwargs):
+        return self.base_model(*args, **kwargs)
+
+
+def test_a_peft_wrapped_model_is_judged_by_its_base_model(monkeypatch):
+    # The Trainer decides model_accepts_loss_kwargs on unwrap_peft_model(model); the label-mean rule read the
+    # wrapper's forward (peft's, not transformers') and left LoRA on BERT with its micro-batch means summed.
+    from poplar_ext.integrations import transformers as integration
+
+    monkeypatch.setattr(_PeftLike.forward, "__module__", "peft.peft_model")
+    unwrap = lambda m: m.base_model if isinstance(m, _PeftLike) else m  # noqa: E731
+    monkeypatch.setattr(integration, "unwrap_peft_model", unwrap, raising=False)
+    model = _PeftLike(_bert_classifier()).train()
+    trainer = _trainer(monkeypatch, model)
+    batch = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]]), "labels": torch.tensor([0, 2])}
+    own = model(**batch).loss
+    weighted = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(4.0))
+    torch.testing.assert_close(weighted, own * 2 / 4)
