@@ -20,6 +20,7 @@ from accelerate.utils import DistributedType, pad_across_processes, recursively_
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.runtime.config import AUTO, DICT_SOURCE, SECTION, GlobalBatchRequest, nominal_deepspeed_config
 from poplar_ext.runtime.data import PlanBatchSampler, check_holds_global_batch, check_plan_dataset
+from poplar_ext.runtime.engine_core import undo_initial_zero_step
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from poplar_ext.zero.engine import PoplarEngine
 from poplar_ext.zero.initialize import Job, prepare_job, set_up_rank, wrap_built_engine
@@ -240,6 +241,7 @@ class PoplarAccelerator(Accelerator):
             # A PoplarEngine between accelerate and the DeepSpeed engine it just built; its compute window opens
             # at the forward of the model prepare returned (DeepSpeed's engine).
             engine = wrapper.engine
+            undo_initial_zero_step(engine)  # fp16 at ZeRO 0: DeepSpeed's zero-gradient step at its build
             wrapped = wrap_built_engine(self.job, engine, labels=labels, slowdown=slowdown, sampler=self._train_sampler)
             wrapped.switch_listeners.append(self._follow_plan_switch)
             wrapper.engine = wrapped  # accelerator.backward: weighted backward, then the counting step

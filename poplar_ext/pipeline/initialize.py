@@ -23,6 +23,7 @@ from poplar_ext.pipeline.planning import pipeline_drift_monitor
 from poplar_ext.plan.pipeline_formats import PipelinePlan
 from poplar_ext.runtime.config import DICT_SOURCE, load_deepspeed_config, unsynchronised_throughput_timer
 from poplar_ext.runtime.data import check_holds_global_batch, check_plan_dataset, plan_dataloader
+from poplar_ext.runtime.engine_core import undo_initial_zero_step
 from poplar_ext.runtime.rebalance import job_rebalancer
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def _build_engine(job: PipelineJob, model: Any, **arguments: Any) -> PoplarPipel
     finally:
         partition_parameters.restore_init_context()
         groups.mpu = previous_mpu
+    undo_initial_zero_step(engine)  # fp16 at ZeRO 0: DeepSpeed's zero-gradient step at its build
     engine._configure_python_gc()
     return engine
 

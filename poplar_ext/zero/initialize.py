@@ -44,6 +44,7 @@ from poplar_ext.runtime.data import (
     check_plan_dataset,
     plan_dataloader,
 )
+from poplar_ext.runtime.engine_core import undo_initial_zero_step
 from poplar_ext.runtime.job_start import JobBase, agreed_job_cluster, read_poplar_section, steady_from_rank0
 from poplar_ext.runtime.process_settings import apply_cpu_process_settings, on_cpu_accelerator
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer, job_rebalancer
@@ -343,6 +344,7 @@ def initialize(
         mesh_param=mesh_param,
         **init_options,
     )
+    undo_initial_zero_step(engine)  # fp16 at ZeRO 0: DeepSpeed's zero-gradient step at its build
     count_true_global_batch(engine, job.plan)
     wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=zero_rebalancer(job))
     dataloader = _training_dataloader(wrapped, training_data, collate_fn=collate_fn, model=model, job=job)

@@ -158,6 +158,61 @@ def test_no_loss_scale_is_added_without_fp16_or_where_deepspeed_applies_it():
         assert fake.backward_calls == [(pytest.approx(1.5 * 2 * 3 / 9), {"scale_wrt_gas": False})]
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of this one process (no process started), which DeepSpeed's fp16 optimizers ask for."""
+    import datetime
+
+    import deepspeed.comm.comm as comm
+    import torch.distributed as dist
+
+    class _TorchDistributed:  # deepspeed.comm over this group; its own backend builds ops (a compiler process)
+        def is_initialized(self):
+            return True
+
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    timeout = datetime.timedelta(minutes=5)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+    previous, comm.cdb = comm.cdb, _TorchDistributed()
+    yield
+    comm.cdb = previous
+    dist.destroy_process_group()
+
+
+def test_fp16_at_zero_0_starts_the_optimizer_as_torch_does(one_rank_group):
+    # DeepSpeed's FP16_UnfusedOptimizer (fp16 at ZeRO 0) steps the user's optimizer on zero gradients when built:
+    # AdamW then decayed every master weight by lr x weight_decay and counted a step, so that a 3-rank fp16 job
+    # at ZeRO 0 ended 1.5e-2 away from one fp32 process (1.1e-3 at ZeRO 1), its first update another size.
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from poplar_ext.runtime.engine_core import undo_initial_zero_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    reference = torch.nn.Linear(4, 3)
+    reference.load_state_dict(model.state_dict())
+    model.half()
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.5)
+    optimizer = FP16_UnfusedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5))
+    engine = type("Engine", (), {"optimizer": optimizer})()
+    assert undo_initial_zero_step(engine)
+    with torch.no_grad():  # the same start: the reference at the fp16 weights
+        for low, high in zip(model.parameters(), reference.parameters()):
+            high.copy_(low.float())
+    for low, high in zip(model.parameters(), reference.parameters()):
+        grad = torch.full_like(high, 0.25)
+        high.grad, low.grad = grad, grad.half()
+    reference_optimizer.step()
+    optimizer.step()
+    for master, high in zip(optimizer.fp32_groups[0], reference.parameters()):
+        assert torch.allclose(master, high, atol=1e-6), (master, high)
+    assert [s["step"] for s in optimizer.optimizer.state.values()] == [1.0, 1.0]
+    assert not undo_initial_zero_step(type("Engine", (), {"optimizer": reference_optimizer})())
+
+
 def test_sum_reduced_loss_weight():
     engine, fake = _engine(_plan([(3, 2), (1, 3)]), rank=1, loss_reduction="sum")
     engine.backward(torch.tensor(1.0))
