@@ -41,26 +41,30 @@ def unapplied_loss_scale(engine: Any) -> float | None:
 
 
 def undo_initial_zero_step(engine: Any) -> bool:
-    """Undo the optimizer step of zero gradients DeepSpeed's FP16_UnfusedOptimizer takes when it is built (fp16 at
-    ZeRO stage 0 with an optimizer DeepSpeed does not fuse, such as torch's Adam, AdamW or SGD); True where it did.
+    """Undo the optimizer step of zero gradients DeepSpeed's fp16 optimizers at ZeRO stage 0 take when they are
+    built (FP16_UnfusedOptimizer around a torch optimizer such as Adam, AdamW or SGD; FP16_Optimizer around a fused
+    one such as the FusedAdam of a config's ``optimizer`` section on a GPU); True where it did.
 
-    DeepSpeed 0.19.8 builds that optimizer's state with ``initialize_optimizer_states``: every gradient zero, then
-    the user's ``optimizer.step()``. Adam and AdamW then count a step that never was (their bias correction makes
-    every later update another size than one process training the same batches), and AdamW's weight decay
-    shrinks every fp32 master weight by lr x weight_decay before any training. Call it on a freshly built `engine`
-    (a DeepSpeedEngine), before any step or checkpoint load: each fp32 master weight is set back to its fp16
+    DeepSpeed 0.19.8 builds their state with ``initialize_optimizer_states``: every gradient zero, then the user's
+    ``optimizer.step()``. Adam and AdamW then count a step that never was (their bias correction makes every later
+    update another size than one process training the same batches), and AdamW's weight decay shrinks every fp32
+    master weight by lr x weight_decay before any training. Call it on a freshly built `engine` (a
+    DeepSpeedEngine), before any step or checkpoint load: each fp32 master weight is set back to its fp16
     parameter (DeepSpeed made it from that, which the zero step did not touch) and the state that step created
     is dropped, so the optimizer starts as torch's would."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
     optimizer = getattr(engine, "optimizer", None)
-    if not isinstance(optimizer, FP16_UnfusedOptimizer) or optimizer.fused_lamb_legacy:
+    if isinstance(optimizer, FP16_UnfusedOptimizer) and not optimizer.fused_lamb_legacy:
+        pairs = [pair for groups in zip(optimizer.fp16_groups, optimizer.fp32_groups) for pair in zip(*groups)]
+    elif isinstance(optimizer, FP16_Optimizer):  # one flat master per group
+        pairs = list(zip(optimizer.fp16_groups_flat, optimizer.fp32_groups_flat))
+    else:
         return False
-    inner = optimizer.optimizer
-    for lows, highs in zip(optimizer.fp16_groups, optimizer.fp32_groups):
-        for low, high in zip(lows, highs):
-            high.data.copy_(low.data)
-            inner.state.pop(high, None)
+    for low, high in pairs:
+        high.data.copy_(low.data)
+        optimizer.optimizer.state.pop(high, None)
     return True
 
 

@@ -1525,3 +1525,21 @@ def test_a_scheduled_drift_is_logged_when_it_starts_and_on_rank_0s_step_lines(ca
         False,
     ], "steps 2, 3 (the drift's start), 4"
     assert steps[-1].endswith("micro-batch 3 x 1); rank 0 now 5x slower (the cluster's slowdown_schedule)")
+
+
+def test_fp16_at_zero_0_with_a_fused_optimizer_starts_as_torch_does(one_rank_group):
+    # FP16_Optimizer (fp16 at ZeRO 0 around a fused optimizer: a config's Adam on a GPU is FusedAdam) steps it on
+    # zero gradients when built as FP16_UnfusedOptimizer does, on one flat fp32 master per group.
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+
+    from poplar_ext.runtime.engine_core import undo_initial_zero_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).half()
+    start = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    optimizer = FP16_Optimizer(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5))
+    decayed = optimizer.fp32_groups_flat[0].detach().clone()
+    assert not torch.allclose(decayed, start)  # DeepSpeed's zero step decayed the master
+    assert undo_initial_zero_step(type("Engine", (), {"optimizer": optimizer})())
+    assert torch.equal(optimizer.fp32_groups_flat[0], start)
+    assert dict(optimizer.optimizer.state) == {}  # no step counted
