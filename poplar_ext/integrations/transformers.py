@@ -58,6 +58,7 @@ from poplar_ext.runtime.data import (
     check_holds_global_batch,
     check_plan_dataset,
 )
+from poplar_ext.runtime.engine_core import undo_initial_zero_step
 from poplar_ext.runtime.evaluation import EvalBatchSampler, eval_batch_sizes
 from poplar_ext.runtime.job_start import read_poplar_section
 from poplar_ext.runtime.reshard import loading_resharded, resharded_tag
@@ -837,6 +838,8 @@ class PoplarTrainerMixin(_PlanEvaluation):
         the two)."""
         if resume_from_checkpoint is None or not self._reshard_on_resume:
             prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+            if resume_from_checkpoint is None:  # a loaded checkpoint replaced what the zero step did
+                undo_initial_zero_step(self.model_wrapped)
         else:
             prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
             engine, rank, caller = self.model_wrapped, self.job.rank, "resume_from_checkpoint"
