@@ -42,7 +42,7 @@ from poplar_ext.pipeline.replan import (
 from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_from_dict
 from poplar_ext.runtime.checkpoint import ResumeDecision, read_state, refresh_master_weights, tag_for_load
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.engine_core import EngineCore, unapplied_loss_scale
+from poplar_ext.runtime.engine_core import EngineCore, unapplied_loss_scale, unscale_reported_grad_norm
 from poplar_ext.runtime.rebalance import Rebalancer
 from poplar_ext.runtime.weighting import pipeline_loss_weight
 
@@ -71,6 +71,15 @@ def _timed(instruction: Callable[..., Any], *, compute: bool = True) -> Callable
                 timer.busy_time_s = busy_before
 
     return run
+
+
+def _exec_optimizer_step(engine: PoplarPipelineEngine, **kwargs: Any) -> Any:
+    """DeepSpeed's optimizer step instruction, its reported gradient norm without the loss scale the engine put in
+    itself (`unscale_reported_grad_norm`; every stage's gradients carry it)."""
+    scale = unapplied_loss_scale(engine)
+    result = PipelineEngine._exec_optimizer_step(engine, **kwargs)
+    unscale_reported_grad_norm(engine, scale)
+    return result
 
 
 def _exec_backward_pass(engine: PoplarPipelineEngine, **kwargs: Any) -> Any:
@@ -135,7 +144,7 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         **PipelineEngine._INSTRUCTION_MAP,
         schedule.ForwardPass: _timed(PipelineEngine._exec_forward_pass),
         schedule.BackwardPass: _timed(_exec_backward_pass),
-        schedule.OptimizerStep: _timed(PipelineEngine._exec_optimizer_step, compute=False),
+        schedule.OptimizerStep: _timed(_exec_optimizer_step, compute=False),
     }
 
     def __init__(

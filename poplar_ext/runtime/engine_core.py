@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,20 @@ def unapplied_loss_scale(engine: Any) -> float | None:
     if isinstance(optimizer, ZeROOptimizer) or config is None or not config.use_grad_scaling:
         return None
     return float(config.cur_scale)
+
+
+def unscale_reported_grad_norm(engine: Any, scale: float | None) -> None:
+    """`engine`'s reported gradient norm (a DeepSpeedEngine's ``get_global_grad_norm``, the Trainer's logged
+    grad_norm) divided by `scale`, the loss scale the engine put in itself before this step
+    (`unapplied_loss_scale`; None: nothing to undo). DeepSpeed's fp16 optimizers at ZeRO 0 record the norm of the
+    gradients as they hold them, scaled (their clipping divides it by the scale itself): with the scale put into
+    the loss it read as the loss scale times the true norm. A skipped step's norm (negative, infinite) is left."""
+    norm = getattr(engine, "_global_grad_norm", None)
+    if scale is None or norm is None:
+        return
+    value = float(norm)
+    if value > 0 and math.isfinite(value):
+        engine._global_grad_norm = norm / scale
 
 
 def undo_initial_zero_step(engine: Any) -> bool:

@@ -31,7 +31,7 @@ from poplar_ext.runtime.checkpoint import (
 )
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.engine_core import EngineCore, unapplied_loss_scale
+from poplar_ext.runtime.engine_core import EngineCore, unapplied_loss_scale, unscale_reported_grad_norm
 from poplar_ext.runtime.rebalance import Rebalancer, SwitchOrder
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
 
@@ -238,6 +238,7 @@ class PoplarEngine(EngineCore):
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's step; at an accumulation boundary also counts and logs the iteration."""
         boundary = self.deepspeed_engine.is_gradient_accumulation_boundary()
+        scale = unapplied_loss_scale(self.deepspeed_engine) if boundary else None  # before the step changes it
         # The optimizer step is compute too: an emulated device runs it slower, as the profiler measures it (its
         # optimizer_step_time_s), its collectives left out.
         slowdown = self.emulated_compute
@@ -259,6 +260,7 @@ class PoplarEngine(EngineCore):
             # Re-balancing compares micro-step compute with the profile's micro-steps.
             slowdown.busy_time_s = busy_before
         if boundary:
+            unscale_reported_grad_norm(self.deepspeed_engine, scale)
             self._end_of_iteration()
         return result
 

@@ -1543,3 +1543,42 @@ def test_fp16_at_zero_0_with_a_fused_optimizer_starts_as_torch_does(one_rank_gro
     assert undo_initial_zero_step(type("Engine", (), {"optimizer": optimizer})())
     assert torch.equal(optimizer.fp32_groups_flat[0], start)
     assert dict(optimizer.optimizer.state) == {}  # no step counted
+
+
+def test_fp16_at_zero_0_reports_the_gradient_norm_without_the_loss_scale():
+    # DeepSpeed's fp16 optimizers at ZeRO 0 record the norm of the gradients they hold, scaled: with the scale put
+    # into the loss (above), the Trainer logged grad_norm 338.9 where ZeRO 1 logged 1.32 (scale 256).
+    engine, fake = _engine(_plan([(3, 1), (1, 1)], stage=0), rank=0)
+    fake.fp16_enabled = lambda: True
+    fake.optimizer = _FP16UnfusedOptimizer(cur_scale=256.0)
+    real_step = fake.step
+
+    def step():
+        real_step()
+        fake._global_grad_norm = 512.0  # the scaled gradients' norm
+        fake.optimizer.loss_scale_config.cur_scale = 512.0  # DeepSpeed may raise the scale in its step
+
+    fake.step = step
+    engine.step()
+    assert fake._global_grad_norm == pytest.approx(2.0)  # divided by the scale the gradients carried
+    fake._global_grad_norm = -1  # a skipped step's: left as it is
+    from poplar_ext.runtime.engine_core import unscale_reported_grad_norm
+
+    unscale_reported_grad_norm(fake, 256.0)
+    assert fake._global_grad_norm == -1
+
+
+def test_a_pipeline_optimizer_step_reports_the_gradient_norm_without_the_loss_scale(monkeypatch):
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from poplar_ext.pipeline import engine as pipeline_engine
+
+    def take_step(engine, **kwargs):
+        engine._global_grad_norm = 768.0
+
+    monkeypatch.setattr(PipelineEngine, "_exec_optimizer_step", take_step)
+    engine = type(
+        "Engine", (), {"fp16_enabled": lambda self: True, "optimizer": _FP16UnfusedOptimizer(cur_scale=256.0)}
+    )()
+    pipeline_engine._exec_optimizer_step(engine)
+    assert engine._global_grad_norm == pytest.approx(3.0)
