@@ -42,7 +42,12 @@ from poplar_ext.pipeline.replan import (
 from poplar_ext.plan.pipeline_formats import PipelinePlan, pipeline_plan_from_dict
 from poplar_ext.runtime.checkpoint import ResumeDecision, read_state, refresh_master_weights, tag_for_load
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.engine_core import EngineCore, unapplied_loss_scale, unscale_reported_grad_norm
+from poplar_ext.runtime.engine_core import (
+    EngineCore,
+    unapplied_loss_scale,
+    unscale_reported_grad_norm,
+    warn_if_step_skipped,
+)
 from poplar_ext.runtime.rebalance import Rebalancer
 from poplar_ext.runtime.weighting import pipeline_loss_weight
 
@@ -368,6 +373,7 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
             self.monitor.write_events(self.summary_events)
 
     def _end_of_iteration(self) -> None:
+        warn_if_step_skipped(self, step=self.global_steps, rank=self.global_rank)
         self._count_iteration(self.global_steps)
         iteration_s = self._iteration_time_s()  # with re-balancing's check: the logged steps are check steps
         interval = self.poplar_config.log_interval_steps

@@ -55,6 +55,26 @@ def unscale_reported_grad_norm(engine: Any, scale: float | None) -> None:
         engine._global_grad_norm = norm / scale
 
 
+def warn_if_step_skipped(engine: Any, *, step: int, rank: int) -> bool:
+    """After optimizer step `step` of `engine` (a DeepSpeedEngine): True where DeepSpeed skipped it (gradients not
+    finite: an fp16 overflow, the same on every rank), with a warning on rank 0. DeepSpeed logs its own at INFO,
+    below its logger's level, so the step's data went untrained without a word."""
+    applied = getattr(engine, "was_step_applied", None)
+    if applied is None or applied():
+        return False
+    if rank == 0:
+        loss_scale = getattr(getattr(engine, "optimizer", None), "loss_scale", None)  # DeepSpeed's fp16 optimizers'
+        scale = f", the loss scale now {float(loss_scale):g}" if isinstance(loss_scale, (int, float)) else ""
+        logger.warning(
+            "poplar step %d: DeepSpeed skipped the optimizer step (gradients not finite: an fp16 overflow)%s; "
+            "its data is not trained again (%d steps skipped so far)",
+            step,
+            scale,
+            getattr(engine, "skipped_steps", 0),
+        )
+    return True
+
+
 def undo_initial_zero_step(engine: Any) -> bool:
     """Undo the optimizer step of zero gradients DeepSpeed's fp16 optimizers at ZeRO stage 0 take when they are
     built (FP16_UnfusedOptimizer around a torch optimizer such as Adam, AdamW or SGD; FP16_Optimizer around a fused

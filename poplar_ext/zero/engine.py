@@ -31,7 +31,12 @@ from poplar_ext.runtime.checkpoint import (
 )
 from poplar_ext.runtime.config import PoplarConfig
 from poplar_ext.runtime.data import PlanBatchSampler
-from poplar_ext.runtime.engine_core import EngineCore, unapplied_loss_scale, unscale_reported_grad_norm
+from poplar_ext.runtime.engine_core import (
+    EngineCore,
+    unapplied_loss_scale,
+    unscale_reported_grad_norm,
+    warn_if_step_skipped,
+)
 from poplar_ext.runtime.rebalance import Rebalancer, SwitchOrder
 from poplar_ext.runtime.weighting import loss_weight, weight_loss
 
@@ -266,6 +271,7 @@ class PoplarEngine(EngineCore):
 
     def _end_of_iteration(self) -> None:
         step = self.deepspeed_engine.global_steps
+        warn_if_step_skipped(self.deepspeed_engine, step=step, rank=self._rank)
         self.last_iteration_time_s = self._iteration_time_s()  # before re-balancing's check, which waits
         self._count_iteration(step)
         if self.last_iteration_time_s is not None:

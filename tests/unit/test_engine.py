@@ -1582,3 +1582,25 @@ def test_a_pipeline_optimizer_step_reports_the_gradient_norm_without_the_loss_sc
     )()
     pipeline_engine._exec_optimizer_step(engine)
     assert engine._global_grad_norm == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_step_deepspeed_skips_is_said_on_rank_0(caplog, rank):
+    # DeepSpeed's "OVERFLOW! Skipping step" is logged at INFO, below its logger's WARNING: an fp16 overflow
+    # skipped a step, its data untrained, while poplar logged the step like any other.
+    engine, fake = _engine(_plan([(3, 1), (1, 1)], stage=1), rank=rank)
+    fake.optimizer = _FP16UnfusedOptimizer(cur_scale=128.0)
+    fake.optimizer.loss_scale = 128.0  # as DeepSpeed's fp16 and ZeRO optimizers give it
+    fake.skipped_steps = 1
+    fake.was_step_applied = lambda: False
+    with caplog.at_level("WARNING", logger="poplar_ext"):
+        engine.step()
+    said = "poplar step 1: DeepSpeed skipped the optimizer step (gradients not finite: an fp16 overflow)"
+    assert (said in caplog.text) == (rank == 0)
+    if rank == 0:
+        assert "the loss scale now 128; its data is not trained again (1 steps skipped so far)" in caplog.text
+    caplog.clear()
+    fake.was_step_applied = lambda: True
+    with caplog.at_level("WARNING", logger="poplar_ext"):
+        engine.step()
+    assert "skipped the optimizer step" not in caplog.text
