@@ -68,16 +68,21 @@ def main() -> None:
     if args.checkpoint_dir and os.path.isfile(os.path.join(args.checkpoint_dir, "latest")):
         # The data, the plan history and the optimizer state continue, also on another number of ranks.
         engine.load_checkpoint(args.checkpoint_dir)
-    first_step, losses = engine.global_steps, []
+    first_step, losses, iteration_loss = engine.global_steps, [], 0.0
     started = time.perf_counter()
     while engine.global_steps < args.steps:
         for tokens in loader:
             loss = engine(tokens.to(engine.device))
-            engine.backward(loss)
+            # backward returns the loss weighted to the global batch: its sum over every rank's micro-batches is
+            # world_size times the global batch's mean loss (a rank's own micro-batch loss is not the job's).
+            iteration_loss += float(engine.backward(loss))
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             if boundary:
-                losses.append(loss.detach().item())
+                summed = torch.tensor([iteration_loss], device=engine.device)
+                deepspeed.comm.all_reduce(summed)
+                losses.append(summed.item() / engine.world_size)
+                iteration_loss = 0.0
                 if args.checkpoint_dir and engine.global_steps % args.checkpoint_interval_steps == 0:
                     engine.save_checkpoint(args.checkpoint_dir)
                 if engine.global_steps == args.steps:
