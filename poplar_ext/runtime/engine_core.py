@@ -44,11 +44,14 @@ def unapplied_loss_scale(engine: Any) -> float | None:
 def unscale_reported_grad_norm(engine: Any, scale: float | None) -> None:
     """`engine`'s reported gradient norm (a DeepSpeedEngine's ``get_global_grad_norm``, the Trainer's logged
     grad_norm) divided by `scale`, the loss scale the engine put in itself before this step
-    (`unapplied_loss_scale`; None: nothing to undo). DeepSpeed's fp16 optimizers at ZeRO 0 record the norm of the
-    gradients as they hold them, scaled (their clipping divides it by the scale itself): with the scale put into
-    the loss it read as the loss scale times the true norm. A skipped step's norm (negative, infinite) is left."""
+    (`unapplied_loss_scale`; None: nothing to undo). DeepSpeed's FP16_UnfusedOptimizer (fp16 at ZeRO 0) records the
+    norm of the gradients as it holds them, scaled (its clipping divides it by the scale itself): with the scale put
+    into the loss it read as the loss scale times the true norm. FP16_Optimizer (around a fused optimizer) records
+    it divided by the scale already: left as it is, as is a skipped step's norm (negative, infinite)."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+
     norm = getattr(engine, "_global_grad_norm", None)
-    if scale is None or norm is None:
+    if scale is None or norm is None or isinstance(getattr(engine, "optimizer", None), FP16_Optimizer):
         return
     value = float(norm)
     if value > 0 and math.isfinite(value):

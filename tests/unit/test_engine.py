@@ -1568,6 +1568,36 @@ def test_fp16_at_zero_0_reports_the_gradient_norm_without_the_loss_scale():
     assert fake._global_grad_norm == -1
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_reported_gradient_norm_is_the_true_one_with_deepspeeds_fp16_optimizers(one_rank_group, fused):
+    # FP16_UnfusedOptimizer records the norm of the scaled gradients; FP16_Optimizer (around a fused optimizer, a
+    # config's Adam on a GPU) records it already divided by the loss scale: dividing it again reported 0.03 for 7.75.
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).half()
+    reference = torch.nn.Linear(4, 3)
+    reference.load_state_dict({name: value.float() for name, value in model.state_dict().items()})
+    reference(torch.ones(2, 4)).sum().backward()
+    true_norm = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item()
+    wrapper = FP16_Optimizer if fused else FP16_UnfusedOptimizer
+    engine, fake = _engine(_plan([(3, 1), (1, 1)], stage=0), rank=0)
+    fake.fp16_enabled = lambda: True
+    fake.optimizer = wrapper(torch.optim.SGD(model.parameters(), lr=0.0), static_loss_scale=256.0)
+    real_step = fake.step
+
+    def step():  # as DeepSpeed's _take_model_step
+        real_step()
+        fake.optimizer.step()
+        fake._global_grad_norm = fake.optimizer._global_grad_norm
+
+    fake.step = step
+    (model(torch.ones(2, 4).half()).float().sum() * 256.0).backward()  # the loss scale engine.backward puts in
+    engine.step()
+    assert float(fake._global_grad_norm) == pytest.approx(true_norm, rel=1e-3)
+
+
 def test_a_pipeline_optimizer_step_reports_the_gradient_norm_without_the_loss_scale(monkeypatch):
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
