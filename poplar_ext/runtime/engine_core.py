@@ -60,18 +60,23 @@ def unscale_reported_grad_norm(engine: Any, scale: float | None) -> None:
 
 def warn_if_step_skipped(engine: Any, *, step: int, rank: int) -> bool:
     """After optimizer step `step` of `engine` (a DeepSpeedEngine): True where DeepSpeed skipped it (gradients not
-    finite: an fp16 overflow, the same on every rank), with a warning on rank 0. DeepSpeed logs its own at INFO,
-    below its logger's level, so the step's data went untrained without a word."""
+    finite, the same on every rank: an fp16 overflow, or NaN or inf in bf16 and fp32 too), with a warning on rank 0.
+    DeepSpeed logs its own at INFO, below its logger's level, so the step's data went untrained without a word."""
     applied = getattr(engine, "was_step_applied", None)
     if applied is None or applied():
         return False
     if rank == 0:
-        loss_scale = getattr(getattr(engine, "optimizer", None), "loss_scale", None)  # DeepSpeed's fp16 optimizers'
-        scale = f", the loss scale now {float(loss_scale):g}" if isinstance(loss_scale, (int, float)) else ""
+        fp16_enabled = getattr(engine, "fp16_enabled", None)
+        cause, scale = "NaN or inf", ""  # bf16, fp32: no loss scale to lower
+        if fp16_enabled is not None and fp16_enabled():
+            loss_scale = getattr(getattr(engine, "optimizer", None), "loss_scale", None)  # DeepSpeed's optimizers'
+            cause = "an fp16 overflow"
+            scale = f", the loss scale now {float(loss_scale):g}" if isinstance(loss_scale, (int, float)) else ""
         logger.warning(
-            "poplar step %d: DeepSpeed skipped the optimizer step (gradients not finite: an fp16 overflow)%s; "
+            "poplar step %d: DeepSpeed skipped the optimizer step (gradients not finite: %s)%s; "
             "its data is not trained again (%d steps skipped so far)",
             step,
+            cause,
             scale,
             getattr(engine, "skipped_steps", 0),
         )

@@ -1621,6 +1621,7 @@ def test_a_step_deepspeed_skips_is_said_on_rank_0(caplog, rank):
     engine, fake = _engine(_plan([(3, 1), (1, 1)], stage=1), rank=rank)
     fake.optimizer = _FP16UnfusedOptimizer(cur_scale=128.0)
     fake.optimizer.loss_scale = 128.0  # as DeepSpeed's fp16 and ZeRO optimizers give it
+    fake.fp16_enabled = lambda: True
     fake.skipped_steps = 1
     fake.was_step_applied = lambda: False
     with caplog.at_level("WARNING", logger="poplar_ext"):
@@ -1634,3 +1635,21 @@ def test_a_step_deepspeed_skips_is_said_on_rank_0(caplog, rank):
     with caplog.at_level("WARNING", logger="poplar_ext"):
         engine.step()
     assert "skipped the optimizer step" not in caplog.text
+
+
+def test_a_step_skipped_outside_fp16_is_not_said_to_be_an_fp16_overflow(caplog):
+    # bf16 (and fp32 ZeRO) skip a step whose gradients hold NaN or inf too; their loss scale is 1 and fixed. The
+    # warning said "an fp16 overflow, the loss scale now 1" for a bf16 job at ZeRO 0 and 1 (one rank, a NaN loss).
+    engine, fake = _engine(_plan([(3, 1), (1, 1)], stage=1), rank=0)
+    fake.optimizer = _FP16UnfusedOptimizer(use_grad_scaling=False, cur_scale=1.0)
+    fake.optimizer.loss_scale = 1.0  # as DeepSpeed's ZeRO optimizers give it in bf16
+    fake.fp16_enabled = lambda: False
+    fake.skipped_steps = 1
+    fake.was_step_applied = lambda: False
+    with caplog.at_level("WARNING", logger="poplar_ext"):
+        engine.step()
+    assert (
+        "poplar step 1: DeepSpeed skipped the optimizer step (gradients not finite: NaN or inf); its data is not "
+        "trained again (1 steps skipped so far)" in caplog.text
+    )
+    assert "fp16" not in caplog.text and "loss scale" not in caplog.text
