@@ -20,6 +20,7 @@ from .report import (
     demo_goals,
     derive_comparisons,
     emulation_dict,
+    goal_value_text,
     infeasible_entry,
     machine_description,
     progress,
@@ -107,7 +108,7 @@ def console_summary(report: dict[str, Any]) -> list[str]:
             + f" (ZeRO {entry['zero_stage']}, micro-batch x accumulation: {allocation})"
         )
     for goal in scenario["goals"]:
-        value = "-" if goal["value"] is None else f"{goal['value']:.3g}"
+        value = goal_value_text(goal)
         lines.append(f"goal {goal['goal']} {goal['target']}: {value} ({'met' if goal['met'] else 'MISSED'})")
     lines.append(goals_summary(scenario["goals"]))
     return lines

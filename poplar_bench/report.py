@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import importlib.metadata
+import math
 import os
 import platform
+import re
 import statistics
 import sys
 from collections import Counter, defaultdict
@@ -272,12 +274,37 @@ def _scenario_lines(scenario: dict[str, Any]) -> list[str]:
 
 
 def goals_table(goals: list[dict[str, Any]], pattern: str = "{:.3g}") -> list[str]:
-    """The `goal_entry` goals as a markdown table, each value formatted with `pattern`."""
+    """The `goal_entry` goals as a markdown table, each value formatted with `pattern` (`goal_value_text`)."""
     lines = ["| goal | value | target | met |", "| --- | --- | --- | --- |"]
     for g in goals:
         met = "yes" if g["met"] else "NO"
-        lines.append(f"| {_cell(g['goal'])} | {num_text(g['value'], pattern)} | {_cell(g['target'])} | {met} |")
+        lines.append(f"| {_cell(g['goal'])} | {goal_value_text(g, pattern)} | {_cell(g['target'])} | {met} |")
     return lines
+
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def goal_value_text(goal: dict[str, Any], pattern: str = "{:.3g}") -> str:
+    """A goal's value by `pattern`, with more digits where the rounded text would read as a bound of its target
+    that the value is not (0.94997 against ">= 0.95" reads 0.94997, not 0.95, beside "missed")."""
+    value = goal.get("value")
+    text = num_text(value, pattern)
+    if not isinstance(value, float) or not math.isfinite(value):
+        return text
+    bounds = {float(number) for number in _NUMBER.findall(str(goal.get("target") or ""))}
+    digits = 4
+    while digits <= 17 and value not in bounds and _parsed(text) in bounds:
+        text = f"{value:.{digits}g}"
+        digits += 1
+    return text
+
+
+def _parsed(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def _scenario_summary(scenario: dict[str, Any]) -> str:

@@ -350,3 +350,23 @@ def test_the_ideal_is_measured_where_the_fitted_curve_runs_fastest_not_at_a_raw_
     throughput = {size: size / table[size - 1] for size in range(1, 49)}
     assert standalone_sizes(profile) == [38, 48]
     assert throughput[38] == max(throughput.values()) > 32 / 0.3571 > throughput[32]
+
+
+def test_a_goal_value_just_short_of_its_bound_does_not_read_as_the_bound():
+    # 0.94997 by "{:.3g}" is "0.95": a table row "0.95 | >= 0.95 | NO" and a console line
+    # "goal ... >= 0.95: 0.95 (MISSED)" contradict themselves; the value gets the digits that tell them apart.
+    missed = report.goal_entry("poplar share of the measured ideal", 0.9499747078793709, ">= 0.95", False)
+    met = report.goal_entry("poplar prediction error", 0.0123, "between -0.05 and +0.05", True)
+    ratio = report.goal_entry("poplar faster than uniform", 1.0001, "> 1 (ratio of samples/s)", True)
+    table = "\n".join(report.goals_table([missed, met, ratio]))
+    assert "| poplar share of the measured ideal | 0.94997 | >= 0.95 | NO |" in table
+    assert "| 0.0123 |" in table  # a value away from its bounds keeps its 3 digits
+    assert "| poplar faster than uniform | 1.0001 |" in table
+    scenario = {
+        "name": "s",
+        "global_batch_size": 12,
+        "policies": [],
+        "goals": [missed],
+    }
+    console = "\n".join(demo.console_summary({"data_source": "measured", "scenarios": [scenario]}))
+    assert "goal poplar share of the measured ideal >= 0.95: 0.94997 (MISSED)" in console
