@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.search.cli_common import CommandParser, printing
@@ -27,7 +28,7 @@ from .commands import (
     search_speed,
     simulate,
 )
-from .commands._options import default_output_dir
+from .commands._options import check_output_dir, default_output_dir
 
 COMMANDS = (
     demo,
@@ -67,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "output_dir", False) is None:  # a command's --output-dir left out
         args.output_dir = default_output_dir()
     try:
+        if getattr(args, "output_dir", None) is not None:  # refused now, not after the run's minutes of work
+            check_output_dir(Path(args.output_dir))
         return printing(f"poplar-bench {args.command}", args.run, args)  # stdout's failures as every CLI's
     except (ValueError, FormatError) as exc:
         print(f"poplar-bench {args.command}: {exc}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,6 +32,21 @@ def default_output_dir() -> Path:
     if (_BENCH_DIR.parent / "pyproject.toml").is_file() and results.is_dir():
         return results
     return Path.cwd()
+
+
+def check_output_dir(path: Path) -> None:
+    """Refuse, before any work, an ``--output-dir`` the reports could not be written into: a file, or a folder
+    (or the nearest existing folder above one to be made) this user cannot write. ValueError names it."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--output-dir: expected a directory for the report files, found a file: {path}")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--output-dir: expected a directory for the report files, found a file: {existing}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "a directory" if existing == path else f"{path}, to be made in a directory"
+        raise ValueError(f"--output-dir: expected {what} this user can write, found {existing} not writable")
 
 
 def warn_if_no_figure(command: str) -> None:

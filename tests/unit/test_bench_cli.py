@@ -1,6 +1,7 @@
 """`poplar-bench` command line (poplar_bench/cli.py): options, exit codes, output files."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -322,3 +323,23 @@ def test_demo_and_drift_bad_input_reads_as_argparse_errors(argv, message, capsys
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"poplar-bench {argv[0]}: error: ") and message in err
+
+
+def test_an_output_dir_that_cannot_take_the_reports_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    # It was found only when the reports were written, after the whole run: a FileExistsError traceback.
+    from poplar_bench import search_speed
+
+    monkeypatch.setattr(search_speed, "run_search_speed", lambda *a, **k: pytest.fail("the run started"))
+    a_file = tmp_path / "results.md"
+    a_file.write_text("")
+    assert cli.main(["search-speed", "--output-dir", str(a_file)]) == 2
+    err = capsys.readouterr().err
+    expected = "poplar-bench search-speed: --output-dir: expected a directory for the report files, found a file"
+    assert err == f"{expected}: {a_file}\n"
+    assert cli.main(["search-speed", "--output-dir", str(a_file / "below")]) == 2
+    assert f"found a file: {a_file}" in capsys.readouterr().err
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not os.access(locked, os.W_OK):  # root writes anywhere
+        assert cli.main(["search-speed", "--output-dir", str(locked / "new")]) == 2
+        assert f"found {locked} not writable" in capsys.readouterr().err
