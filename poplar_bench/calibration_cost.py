@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .report import utc_now, write_json_and_markdown
+from .report import made_line, summary_provenance, utc_now, write_json_and_markdown
 
 RUNS = (("fresh", "off", True), ("cached, unchecked", "off", False), ("cached, checked", "cached", False))
 """(name, the demo's calibration, profile afresh) of each run, in order."""
@@ -39,6 +39,7 @@ def summarize(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         )
     return {
         "kind": "calibration",
+        **summary_provenance([report for _, report in runs]),
         "devices": "emulated CPU ranks (gloo), the demo's default cluster (slowdowns 3, 6, 12)",
         "runs": entries,
     }
@@ -51,6 +52,8 @@ def _percent(value: float | None) -> str:
 def render_markdown(summary: dict[str, Any]) -> str:
     lines = [
         "# Cached profiles checked at start: cost and findings",
+        "",
+        made_line(summary.get("created_utc"), summary.get("machine")) + " (the last run's report)",
         "",
         f"Devices: {summary['devices']}. Three demo runs on one profile cache (poplar_bench/calibration_cost.py); the "
         "check times a few micro-steps per device type at poplar's plan's sizes as training runs them. Prediction "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .demo_config import MIB, DemoDevice, DemoModel, DemoSettings
+from .report import made_line
 
 PLANS = ("poplar", "poplar-no-checkpointing")
 CASES = ("tight", "roomy")
@@ -161,6 +162,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         report["data_source"],
         "",
+        made_line(report.get("created_utc"), report.get("machine")),
+        "",
         "| case | plan | checkpointing on | per-rank micro-batch x steps | predicted samples/s | measured samples/s |",
         "| --- | --- | --- | --- | ---: | ---: |",
     ]
@@ -193,7 +196,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def run_checkpointing(*, out_dir: Path, cache_dir: Path | None = None, rounds: int = 3) -> list[Path]:
     """Both cases; writes ``checkpointing.json`` and ``checkpointing.md`` into `out_dir`."""
-    from .report import progress, write_json_and_markdown
+    from .report import machine_description, progress, write_json_and_markdown
 
     cases = []
     for case in CASES:
@@ -202,6 +205,7 @@ def run_checkpointing(*, out_dir: Path, cache_dir: Path | None = None, rounds: i
     report = {
         "kind": "checkpointing",
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_description(),
         "data_source": "Measured on emulated devices: 3 CPU ranks (gloo, one thread each), compute slowed 3x/6x/12x "
         "against a core, memory capped by emulation (the profiler's process peak against the emulated "
         "capacity); real DeepSpeed 0.19.8 ZeRO-2, the project's toy GPT with random weights.",

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .report import made_line, summary_provenance
+
 MAX_MEDIAN_ABS_ERROR = 0.05
 """The goal on CPU: median |prediction error| of every case and policy (emulated compute steady: issue 35)."""
 
@@ -121,6 +123,7 @@ def summarize(
     worst = max(measured, key=lambda r: r["median_abs_error"], default=None)
     return {
         "kind": "prediction_check",
+        **summary_provenance([report for _, report in cases]),
         "seed": seed,
         "cases": [
             {
@@ -176,6 +179,8 @@ def _cases_lines(summary: dict[str, Any]) -> list[str]:
 def render_markdown(summary: dict[str, Any], *, title: str = "Prediction error beyond the tuned case") -> str:
     lines = [
         f"# {title}",
+        "",
+        made_line(summary.get("created_utc"), summary.get("machine")) + " (the last case's report)",
         "",
         f"Devices: {summary['devices']}; profiles: {summary.get('profiles', 'n/a')}; calibration at start: "
         f"{summary.get('calibration', 'off')}. Error = (predicted - measured) / measured iteration time, per "

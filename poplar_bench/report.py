@@ -232,20 +232,34 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _provenance_lines(report: dict[str, Any]) -> list[str]:
-    """The title, where the data comes from, the machine and libraries, the run's time, the notes."""
-    machine = report["machine"]
+def made_line(created_utc: str | None, machine: dict[str, Any] | None) -> str:
+    """``- made WHEN on MACHINE (cpu, usable CPUs, GPUs, load average; python, torch, deepspeed)``."""
+    machine = machine or {}
+    libraries = machine.get("libraries") or {}
     load = machine.get("load_average")
     load_text = " / ".join(f"{x:.1f}" for x in load) + " (1 / 5 / 15 min)" if load else "unknown"
+    return (
+        f"- made {created_utc} on {machine.get('hostname')} ({machine.get('cpu')}, "
+        f"{machine.get('usable_cpus')} usable CPUs, GPUs: {machine.get('gpus') or 'none'}, "
+        f"load average {load_text}; "
+        f"python {machine.get('python')}, torch {libraries.get('torch')}, "
+        f"deepspeed {libraries.get('deepspeed')})"
+    )
+
+
+def summary_provenance(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """When and where a summary of demo reports was made: the last report's time and machine (pure)."""
+    last = reports[-1] if reports else {}
+    return {"created_utc": last.get("created_utc"), "machine": last.get("machine")}
+
+
+def _provenance_lines(report: dict[str, Any]) -> list[str]:
+    """The title, where the data comes from, the machine and libraries, the run's time, the notes."""
     lines = [
         f"# {report['title']}",
         "",
         f"- data: **{report['data_source']}**",
-        f"- made {report['created_utc']} on {machine.get('hostname')} ({machine.get('cpu')}, "
-        f"{machine.get('usable_cpus')} usable CPUs, GPUs: {machine.get('gpus') or 'none'}, "
-        f"load average {load_text}; "
-        f"python {machine.get('python')}, torch {machine['libraries'].get('torch')}, "
-        f"deepspeed {machine['libraries'].get('deepspeed')})",
+        made_line(report["created_utc"], report["machine"]),
     ]
     timings = report.get("timings_s") or {}
     if "total_s" in timings:

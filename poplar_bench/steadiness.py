@@ -9,7 +9,7 @@ from typing import Any
 
 from poplar_ext.plan.formats import read_json
 
-from .report import goal_entry, goals_table, num_text, write_json_and_markdown
+from .report import goal_entry, goals_table, made_line, num_text, summary_provenance, write_json_and_markdown
 
 SHARE_SPREAD_GOAL = 0.02  # poplar's share of the measured ideal: largest - smallest over the runs, at most this
 ERROR_SPREAD_GOAL = 0.03  # each policy's prediction error: largest - smallest over the runs, at most (3 points)
@@ -56,6 +56,7 @@ def summarize_steadiness(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "kind": "steadiness",
         "data_source": reports[0]["data_source"] if reports else None,
         "machine": reports[0]["machine"] if reports else None,
+        "created_utc": summary_provenance(reports)["created_utc"],
         "runs": runs,
         "poplar_share_spread": share_spread,
         "prediction_error_spread": error_spreads,
@@ -70,6 +71,7 @@ def render_steadiness(summary: dict[str, Any]) -> str:
         "# poplar-bench demo, repeated from a cold profile cache",
         "",
         f"- data: **{summary['data_source']}**",
+        made_line(summary.get("created_utc"), summary.get("machine")) + f", the last of {len(summary['runs'])} runs",
         "",
         "| run | poplar share of ideal | " + " | ".join(f"{p} prediction error" for p in policies) + " | overrun |",
         "| --- | --- | " + " | ".join("---" for _ in policies) + " | --- |",

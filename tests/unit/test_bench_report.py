@@ -370,3 +370,46 @@ def test_a_goal_value_just_short_of_its_bound_does_not_read_as_the_bound():
     }
     console = "\n".join(demo.console_summary({"data_source": "measured", "scenarios": [scenario]}))
     assert "goal poplar share of the measured ideal >= 0.95: 0.94997 (MISSED)" in console
+
+
+def test_the_summaries_of_demo_runs_and_the_checkpointing_report_say_when_and_on_which_machine():
+    # prediction_check.md, demo-steadiness.md, calibration.md and checkpointing.md named neither the date nor
+    # the machine (CPU, load, library versions): a committed result could not say where it came from.
+    from poplar_bench import calibration_cost, checkpointing, prediction_check, steadiness
+
+    machine = {
+        "hostname": "vm",
+        "cpu": "Some CPU",
+        "usable_cpus": 2,
+        "load_average": [0.5, 0.6, 0.7],
+        "python": "3.11.7",
+        "libraries": {"torch": "2.13.0+cpu", "deepspeed": "0.19.8"},
+    }
+    made = (
+        "- made 2026-11-29T10:00:00+00:00 on vm (Some CPU, 2 usable CPUs, GPUs: none, load average 0.5 / 0.6 / 0.7 "
+        "(1 / 5 / 15 min); python 3.11.7, torch 2.13.0+cpu, deepspeed 0.19.8)"
+    )
+    policy = {
+        "policy": "poplar",
+        "status": "ok",
+        "share_of_ideal": 0.9,
+        "prediction_error": 0.01,
+        "predicted": {"iteration_time_s": 1.0},
+        "measured": {"iteration_time_s": {"median": 1.0, "repetitions": [1.0]}},
+    }
+    scenario = {"device_types": {"t": {}}, "policies": [policy], "profiles_from_cache": False, "calibration": {}}
+    earlier = {"data_source": "emulated", "created_utc": "2026-11-29T09:00:00+00:00", "machine": machine}
+    last = {**earlier, "created_utc": "2026-11-29T10:00:00+00:00"}
+    reports = [{**r, "scenarios": [scenario], "timings_s": {}} for r in (earlier, last)]
+
+    case = prediction_check.PredictionCase(name="a", zero_stage=1)
+    summary = prediction_check.summarize([(case, reports[0]), (case, reports[1])])
+    assert summary["created_utc"] == last["created_utc"] and summary["machine"] == machine
+    assert made in prediction_check.render_markdown(summary)
+    summary = steadiness.summarize_steadiness(reports)
+    assert summary["created_utc"] == last["created_utc"]
+    assert made in steadiness.render_steadiness(summary)
+    summary = calibration_cost.summarize([("fresh", reports[0]), ("cached", reports[1])])
+    assert made in calibration_cost.render_markdown(summary)
+    report = {"data_source": "emulated", "notes": "n", "cases": [], **last}
+    assert made in checkpointing.markdown(report)
