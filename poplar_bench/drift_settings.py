@@ -49,6 +49,14 @@ class DriftSettings(DemoSettings):
                 "drift_at, recover_at, drift_iterations: expected 0 < drift_at < recover_at <= drift_iterations, found "
                 f"{self.drift_at}, {self.recover_at}, {self.drift_iterations}"
             )
+        if not self.recover_at > self.drift_at + 2 * self.check_interval_steps:
+            # The adaptive goal is judged from two check intervals after the change until the recovery.
+            raise ValueError(
+                "drift_at, recover_at, check_interval_steps (--drift-at, --recover-at, --check-interval-steps): "
+                "expected recover_at > drift_at + 2 x check_interval_steps, so that the adaptive goal (judged from "
+                "two check intervals after the change until the recovery) has iterations to judge, found "
+                f"{self.drift_at}, {self.recover_at}, {self.check_interval_steps}"
+            )
 
     def cache_root(self) -> Path:
         """The demo's cache, or for the Trainer its ``trainer`` folder: its GPT-2 ranks carry transformers, so

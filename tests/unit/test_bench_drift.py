@@ -142,3 +142,20 @@ def test_an_endless_stream_over_an_empty_loader_fails_at_once_naming_it():
     assert [next(stream) for _ in range(5)] == [[1], [2], [1], [2], [1]]
     with pytest.raises(RuntimeError, match="the empty loader: a pass over it yielded no batch"):
         next(endless_batches(_EmptyLoader(), "the empty loader"))
+
+
+def test_the_drift_command_refuses_a_schedule_too_short_to_judge_the_adaptive_goal(capsys, tmp_path, monkeypatch):
+    from poplar_bench import drift
+
+    monkeypatch.setattr(drift, "run_drift", lambda *a, **k: pytest.fail("the runs started"))
+    # --drift-at 2 --recover-at 4 --check-interval-steps 1 ran a whole launch, then reported the goal as
+    # "median share over iterations 5-4 (static: nan) ... None (NOT met)": no iteration to judge.
+    argv = ["drift", "--iterations", "6", "--drift-at", "2", "--recover-at", "4", "--check-interval-steps", "1"]
+    argv += ["--output-dir", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
+    assert bench_main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("poplar-bench drift: error: ") and "expected recover_at > drift_at + 2 x check_interval" in err
+    )
+    assert "found 2, 4, 1" in err
+    DriftSettings(drift_at=2, recover_at=5, drift_iterations=6, check_interval_steps=1)  # one iteration to judge
