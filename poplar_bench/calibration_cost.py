@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .report import made_line, summary_provenance, utc_now, write_json_and_markdown
+from .report import code_lines, made_line, summary_provenance, utc_now, write_json_and_markdown
 
 RUNS = (("fresh", "off", True), ("cached, unchecked", "off", False), ("cached, checked", "cached", False))
 """(name, the demo's calibration, profile afresh) of each run, in order."""
@@ -162,6 +162,7 @@ def render_check_cost(summary: dict[str, Any]) -> str:
         "",
         f"- made {summary.get('created_utc')} on {machine.get('cpu')} ({machine.get('usable_cpus')} usable CPUs), "
         f"python {machine.get('python')}{'; ' + summary['note'] if summary.get('note') else ''}",
+        *code_lines(machine),
         "",
         f"Devices: {summary['devices']}. The demo's check (poplar_bench/demo_worker.py `calibrate_profiles`: rank 0 "
         "searches the policies, every rank times micro-steps at the sizes checked, each type's measured / "

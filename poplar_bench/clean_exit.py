@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .report import code_text
+
 _CASE_ARGS = {
     "torch": ["--kind", "torch"],
     "torch-destroyed": ["--kind", "torch", "--destroy"],
@@ -111,7 +113,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Made {report['made']}, {report['world_size']} local ranks per launch beside {report['busy_processes']} "
         f"spinning processes, {report['devices']}; {report['duration_s']:.0f} s in all. Every script ends with a "
-        "plain return; each rank's own exit code is counted (poplar_bench/clean_exit.py).",
+        "plain return; each rank's own exit code is counted (poplar_bench/clean_exit.py)."
+        + (f" The {code}." if (code := code_text(report.get("machine"))) else ""),
         "",
         "| case | launches | rank exits | exit codes (code: ranks) | launches with a failed rank | failed ranks said |",
         "| --- | --- | --- | --- | --- | --- |",

@@ -14,6 +14,7 @@ from poplar_ext.plan.formats import write_json_atomic
 
 from .demo_config import DemoSettings
 from .drift_settings import DriftSettings, plan_history, poplar_section, timed_rebalancing
+from .report import code_text
 
 RUNS = ("static-drift", "adaptive-drift", "static-steady", "adaptive-steady")  # policy-scenario, in order
 LOOP_TEXT = {
@@ -293,7 +294,8 @@ def _provenance_lines(summary: dict[str, Any]) -> list[str]:
         lines += [
             f"Machine: {machine['hostname']} ({machine['cpu']}, {machine['usable_cpus']} usable CPUs, GPUs: "
             f"{machine.get('gpus') or 'none'}), shared with other work: load average (1 / 5 / 15 min) {load} at the "
-            f"start, {end} at the end; the run took {summary['total_s']:.0f} s.",
+            f"start, {end} at the end; the run took {summary['total_s']:.0f} s."
+            + (f" The {code}." if (code := code_text(machine)) else ""),
             "",
         ]
     return lines

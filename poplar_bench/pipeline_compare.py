@@ -385,7 +385,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Model: {report['model']}. Link: {report['link_emulation']}.",
         "",
         f"Load average of the {f'{cores}-core ' if cores else ''}machine at the end (the bench's 4 ranks included): "
-        f"{', '.join(f'{x:.1f}' for x in load) if load else 'unknown'}.",
+        f"{', '.join(f'{x:.1f}' for x in load) if load else 'unknown'}."
+        + (f" The {code}." if (code := report_module.code_text(report["machine"])) else ""),
         "",
         "| link | parallelism | plan (searched at start) | measured s/iter | predicted s/iter | measured/predicted "
         "| each run's measured/predicted |",

@@ -19,7 +19,7 @@ from poplar_ext.search.pipeline_layouts import all_layouts, candidate_layouts, r
 from poplar_ext.search.pipeline_search import exact_count, search_pipeline_plan
 
 from .commands._options import add_output_dir, default_output_dir
-from .report import machine_description, utc_now, write_json_and_markdown
+from .report import code_lines, machine_description, utc_now, write_json_and_markdown
 
 DEFAULT_CASES = 300
 MAX_EXACT_SPLITS = 4000  # cases whose exact search would price more split combinations are drawn again
@@ -210,6 +210,7 @@ def render(report: dict[str, Any]) -> str:
         f"- made {report['created_utc']}; {report['cases']} seeded cases (seeds {report['seeds'][0]}-"
         f"{report['seeds'][1]}; cases whose exact search prices more than {MAX_EXACT_SPLITS} split combinations "
         "skipped); `python -m poplar_bench.pipeline_search_gap`",
+        *code_lines(report.get("machine")),
         "- gap = the heuristic's predicted iteration time / the exact optimum's - 1, both by the same cost model "
         "(`poplar_ext/search/pipeline_cost.py`); the exact search is tested against brute force in "
         "tests/unit/test_pipeline_search.py",

@@ -53,7 +53,55 @@ def machine_description() -> dict[str, Any]:
         # (1, 5 and 15 minute averages when the report was written).
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "libraries": versions,
+        # Which code made the report: the checkout's commit (None where poplar-ext is not run from a checkout).
+        "code": source_commit(),
     }
+
+
+def source_commit() -> dict[str, Any] | None:
+    """The commit checked out (HEAD) in the git checkout poplar_bench runs from, read from the repository's files
+    (no git process); None outside a checkout or where HEAD cannot be read. Uncommitted changes are not seen."""
+    root = Path(__file__).resolve().parents[1]
+    with contextlib.suppress(OSError, ValueError):
+        git_dir = root / ".git"
+        if git_dir.is_file():  # a worktree or submodule: "gitdir: PATH"
+            git_dir = (root / git_dir.read_text().split("gitdir:", 1)[1].strip()).resolve()
+        if not git_dir.is_dir():
+            return None
+        common = git_dir
+        if (git_dir / "commondir").is_file():  # a worktree's refs live in the main repository
+            common = (git_dir / (git_dir / "commondir").read_text().strip()).resolve()
+        head = (git_dir / "HEAD").read_text().strip()
+        if not head.startswith("ref:"):
+            return {"commit": head, "ref": None}
+        ref = head.split(":", 1)[1].strip()
+        for base in (git_dir, common):
+            if (base / ref).is_file():
+                return {"commit": (base / ref).read_text().strip(), "ref": ref}
+        if (common / "packed-refs").is_file():
+            for line in (common / "packed-refs").read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 2 and parts[1] == ref:
+                    return {"commit": parts[0], "ref": ref}
+    return None
+
+
+def code_text(machine: dict[str, Any] | None) -> str | None:
+    """``code: commit SHA (the checkout's HEAD)`` from a report's machine;
+    ``code: not a git checkout, poplar-ext VERSION`` without one; None for a report made before this was kept."""
+    machine = machine or {}
+    if "code" not in machine:
+        return None
+    code = machine["code"]
+    if not code:
+        return f"code: not a git checkout, poplar-ext {(machine.get('libraries') or {}).get('poplar-ext')}"
+    return f"code: commit {code.get('commit')} (the checkout's HEAD)"
+
+
+def code_lines(machine: dict[str, Any] | None) -> list[str]:
+    """``- code: ...`` as a markdown list item (`code_text`), or nothing for an older report."""
+    text = code_text(machine)
+    return [] if text is None else [f"- {text}"]
 
 
 def _version(name: str) -> str | None:
@@ -243,7 +291,7 @@ def made_line(created_utc: str | None, machine: dict[str, Any] | None) -> str:
         f"{machine.get('usable_cpus')} usable CPUs, GPUs: {machine.get('gpus') or 'none'}, "
         f"load average {load_text}; "
         f"python {machine.get('python')}, torch {libraries.get('torch')}, "
-        f"deepspeed {libraries.get('deepspeed')})"
+        f"deepspeed {libraries.get('deepspeed')})" + (f"; {code}" if (code := code_text(machine)) else "")
     )
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .cluster_files import write_uniform_cpu_job
-from .report import machine_description, utc_now, write_json_and_markdown
+from .report import code_lines, machine_description, utc_now, write_json_and_markdown
 
 GOAL_RATIO = 1.02
 WORLD_SIZE = 2
@@ -275,6 +275,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             "",
             f"- made {report['created_utc']} on {machine.get('cpu')} ({machine.get('usable_cpus')} usable CPUs), "
             f"torch {libraries.get('torch')}, deepspeed {libraries.get('deepspeed')}",
+            *code_lines(machine),
             f"- device: {report['device']}",
             f"- {report['method']}",
             f"- load average (1, 5, 15 min) when the run ended: {report['load_average_1_5_15_min']}",

@@ -16,7 +16,7 @@ from poplar_bench.synthetic import random_lever_profiles, random_profiles, simpl
 from poplar_ext.plan.formats import ZERO_STAGES, load_cluster, load_profiles
 from poplar_ext.search import search_plan
 
-from .report import machine_description, utc_now, write_json_and_markdown
+from .report import code_lines, machine_description, utc_now, write_json_and_markdown
 
 RANK_COUNTS = (8, 16, 64, 256, 1024, 4096)
 TYPE_COUNTS = (1, 2, 3, 4, 5, 6)
@@ -230,6 +230,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"- made {report['created_utc']} on {machine.get('cpu')} ({machine.get('usable_cpus')} usable CPUs), "
             f"python {machine.get('python')}, numpy {libraries.get('numpy')}, scipy {libraries.get('scipy')}"
         ),
+        *code_lines(machine),
         f"- {report['method']}",
         f"- load average (1, 5, 15 min) when the run ended: {report.get('load_average_1_5_15_min')}",
         *_load_note(report),

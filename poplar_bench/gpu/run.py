@@ -15,7 +15,7 @@ from typing import Any
 
 from poplar_ext.plan.formats import write_json_atomic
 
-from ..report import machine_description, utc_now, write_json_and_markdown
+from ..report import code_lines, machine_description, utc_now, write_json_and_markdown
 from .context import GpuRunSettings, RunLog, StepContext
 from .provenance import provenance_line
 
@@ -153,6 +153,7 @@ def render_summary(report: dict[str, Any]) -> str:
         f"{', '.join(provenance.get('torch_arch_list') or []) or '-'}",
         f"- made {report['created_utc']}, {report['total_s']:.0f} s in all (budget {report['budget_s']:.0f} s); "
         f"load average {report['machine'].get('load_average')}",
+        *code_lines(report["machine"]),
     ]
     render_step = {
         "exact": exactness_markdown,

@@ -413,3 +413,49 @@ def test_the_summaries_of_demo_runs_and_the_checkpointing_report_say_when_and_on
     assert made in calibration_cost.render_markdown(summary)
     report = {"data_source": "emulated", "notes": "n", "cases": [], **last}
     assert made in checkpointing.markdown(report)
+
+
+def test_every_report_names_the_commit_of_the_code_that_made_it(tmp_path):
+    # No report kept the commit: a committed result could not say which code made it.
+    from poplar_bench import search_speed
+
+    root = report.Path(report.__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("poplar_bench does not run from a git checkout here")
+    machine = report.machine_description()
+    head = machine["code"]["commit"]
+    assert len(head) == 40 and int(head, 16) >= 0
+    assert report.made_line("t", machine).endswith(f"; code: commit {head} (the checkout's HEAD)")
+
+    installed = {**machine, "code": None, "libraries": {"poplar-ext": "0.1.0"}}
+    assert report.code_text(installed) == "code: not a git checkout, poplar-ext 0.1.0"
+    assert report.code_text({"hostname": "h"}) is None  # a report from before the commit was kept
+
+    small = search_speed.run_search_speed(
+        rank_counts=(8,), type_counts=(1,), repeats=1, large_batches=(), lever_ranks=None
+    )
+    search_speed.write_report(small, tmp_path)
+    assert f"- code: commit {head} (the checkout's HEAD)" in (tmp_path / "search_speed.md").read_text()
+
+
+def test_the_commit_is_read_from_a_worktree_a_branch_packed_or_a_detached_head(tmp_path, monkeypatch):
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    main = tmp_path / "main" / ".git"
+    (main / "worktrees" / "wt").mkdir(parents=True)
+    (main / "packed-refs").write_text(f"# pack-refs with: peeled\n{sha} refs/heads/packed\n")
+    (main / "refs" / "heads").mkdir(parents=True)
+    (main / "refs" / "heads" / "loose").write_text(sha.replace("0", "f") + "\n")
+    wt_git = main / "worktrees" / "wt"
+    (wt_git / "commondir").write_text("../..\n")
+    checkout = tmp_path / "wt"
+    (checkout / "poplar_bench").mkdir(parents=True)
+    (checkout / ".git").write_text(f"gitdir: {wt_git}\n")
+    monkeypatch.setattr(report, "__file__", str(checkout / "poplar_bench" / "report.py"))
+    (wt_git / "HEAD").write_text("ref: refs/heads/packed\n")
+    assert report.source_commit() == {"commit": sha, "ref": "refs/heads/packed"}
+    (wt_git / "HEAD").write_text("ref: refs/heads/loose\n")
+    assert report.source_commit()["commit"] == sha.replace("0", "f")
+    (wt_git / "HEAD").write_text(sha + "\n")
+    assert report.source_commit() == {"commit": sha, "ref": None}
+    (checkout / ".git").unlink()
+    assert report.source_commit() is None
