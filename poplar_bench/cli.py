@@ -28,7 +28,7 @@ from .commands import (
     search_speed,
     simulate,
 )
-from .commands._options import check_output_dir, default_output_dir
+from .commands._options import check_output_dir, checkout_root, default_output_dir
 
 COMMANDS = (
     demo,
@@ -65,15 +65,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``poplar-bench`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "output_dir", False) is None:  # a command's --output-dir left out
+    defaulted = getattr(args, "output_dir", False) is None
+    if defaulted:  # a command's --output-dir left out
         args.output_dir = default_output_dir()
     try:
         if getattr(args, "output_dir", None) is not None:  # refused now, not after the run's minutes of work
             check_output_dir(Path(args.output_dir))
-        return printing(f"poplar-bench {args.command}", args.run, args)  # stdout's failures as every CLI's
+        code = printing(f"poplar-bench {args.command}", args.run, args)  # stdout's failures as every CLI's
     except (ValueError, FormatError) as exc:
         print(f"poplar-bench {args.command}: {exc}", file=sys.stderr)
         return 2
+    says_it = args.command == "demo" and getattr(args, "repetitions", 1) == 1  # the demo's own line says it
+    root = checkout_root()
+    if code == 0 and defaulted and not says_it and root is not None and args.output_dir == root / "bench" / "results":
+        print(
+            f"poplar-bench {args.command}: the report went into this checkout's bench/results ({args.output_dir}), "
+            "replacing the committed one (git diff bench/results shows the change; --output-dir DIR writes elsewhere)",
+            file=sys.stderr,
+        )
+    return code
 
 
 __all__ = ["COMMANDS", "build_parser", "default_output_dir", "main"]

@@ -343,3 +343,26 @@ def test_an_output_dir_that_cannot_take_the_reports_is_refused_before_any_work(t
     if not os.access(locked, os.W_OK):  # root writes anywhere
         assert cli.main(["search-speed", "--output-dir", str(locked / "new")]) == 2
         assert f"found {locked} not writable" in capsys.readouterr().err
+
+
+def test_a_command_writing_into_the_checkouts_results_says_it_replaced_the_committed_one(monkeypatch, capsys):
+    # Only the demo said it had replaced the committed report; drift, predictions, pipeline, search-speed and the
+    # rest replaced bench/results/NAME.* without a word.
+    from poplar_bench import search_speed
+    from poplar_bench.commands._options import checkout_root
+
+    if checkout_root() is None or cli.default_output_dir() == Path.cwd():
+        pytest.skip("poplar_bench does not run from a checkout with bench/results here")
+    notice = "replacing the committed one (git diff bench/results shows the change; --output-dir DIR writes elsewhere)"
+    written = []
+    monkeypatch.setattr(search_speed, "run_search_speed", lambda **kwargs: {})
+    monkeypatch.setattr(search_speed, "write_report", lambda result, out_dir: written.append(out_dir) or [])
+    assert cli.main(["search-speed"]) == 0
+    assert written == [cli.default_output_dir()]
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"poplar-bench search-speed: the report went into this checkout's bench/results ({written[0]}), {notice}\n"
+    )
+    assert cli.main(["search-speed", "--output-dir", str(cli.default_output_dir())]) == 0
+    assert notice not in capsys.readouterr().err  # asked for: nothing to say
