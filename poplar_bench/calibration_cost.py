@@ -76,7 +76,12 @@ def render_markdown(summary: dict[str, Any]) -> str:
             f"{_percent(errors.get('uniform'))} | {_percent(errors.get('proportional'))} | "
             f"{_percent(errors.get('poplar'))} | {'' if not load else f'{load[0]:.1f}'} |"
         )
-    lines += ["", "The machine (2 cores) was shared with other sessions; its load shows in the errors.", ""]
+    cpus = (summary.get("machine") or {}).get("usable_cpus") or "unknown"
+    lines += [
+        "",
+        f"The machine has {cpus} usable CPUs; its load (the last column, the ranks' own included) shows in the errors.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -174,7 +179,7 @@ def render_check_cost(summary: dict[str, Any]) -> str:
         f"- profiles {'from the cache' if summary['profiles_from_cache'] else 'measured in this run'}; "
         f"sizes timed and findings: {found or 'none'}",
         f"- load average (1, 5, 15 min) before: {load.get('before')}, after: {load.get('after')} "
-        "(2 CPUs, shared with other sessions)",
+        f"({machine.get('usable_cpus') or 'unknown'} usable CPUs; the ranks' own load included)",
         "",
     ]
     return "\n".join(lines)

@@ -230,3 +230,20 @@ def test_the_demo_counts_a_profile_kept_for_its_world_size_as_cached(tmp_path):
     save_profile(kept, parked_profiles_dir(tmp_path, 3) / "fast.json")
     assert _cached_fingerprints(tmp_path, 3) == {kept.fingerprint}
     assert _cached_fingerprints(tmp_path, 6) == set()
+
+
+def test_the_calibration_reports_give_the_machines_cpus_without_guessing_who_else_ran():
+    # Both said "2 cores"/"2 CPUs, shared with other sessions" whatever the machine and whoever ran beside.
+    from poplar_bench.calibration_cost import render_check_cost, render_markdown, summarize, summarize_check_cost
+
+    report = _report(3, {"poplar": (1.0, [1.0])})
+    report |= {"timings_s": {}, "machine": {"usable_cpus": 16, "load_average": [0.1, 0.2, 0.3]}}
+    report["scenarios"][0] |= {"profiles_from_cache": False, "calibration": {}}
+    text = render_markdown(summarize([("fresh", report)]))
+    assert "16 usable CPUs" in text and "2 cores" not in text and "other sessions" not in text
+    rank = {"check_s": [1.0], "profiles_from_cache": True, "checks": {}}
+    summary = summarize_check_cost(
+        [rank], devices="d", load_average={"before": [0.1], "after": [0.2]}, machine={"usable_cpus": 16}
+    )
+    text = render_check_cost(summary)
+    assert "(16 usable CPUs; the ranks' own load included)" in text and "other sessions" not in text
