@@ -69,9 +69,31 @@ def print_paths(paths: Iterable[Path] | None) -> int:
     return 0
 
 
-def add_positive_int(parser: argparse.ArgumentParser, flag: str, default: int, help: str) -> None:
-    """An integer option >= 1 whose help ends with its default."""
-    parser.add_argument(flag, type=parse_positive_int, default=default, help=f"{help} (default {default})")
+def add_positive_int(
+    parser: argparse.ArgumentParser, flag: str, default: int, help: str, action: type[argparse.Action] | None = None
+) -> None:
+    """An integer option >= 1 whose help ends with its default (`Given` as `action`: recorded when given)."""
+    more = {} if action is None else {"action": action}
+    parser.add_argument(flag, type=parse_positive_int, default=default, help=f"{help} (default {default})", **more)
+
+
+class Given(argparse.Action):
+    """Store the value, as ``store`` does, and record the option in ``given_options``: whether it was given, for
+    options another option makes meaningless (a default cannot tell)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001 (argparse's signature)
+        setattr(namespace, self.dest, values)
+        namespace.given_options = frozenset(getattr(namespace, "given_options", frozenset())) | {option_string}
+
+
+def refuse_ignored(command: str, args: argparse.Namespace, mode: str, ignored: Iterable[str], why: str) -> bool:
+    """Say on stderr, as argparse's errors read, that the given options among `ignored` have no effect `mode`
+    ("with --fixed"), and `why`; whether any was given."""
+    given = [flag for flag in ignored if flag in getattr(args, "given_options", frozenset())]
+    if given:
+        verb = "has" if len(given) == 1 else "have"
+        print(f"poplar-bench {command}: error: {' and '.join(given)} {verb} no effect {mode} ({why})", file=sys.stderr)
+    return bool(given)
 
 
 def add_cache_dir(parser: argparse.ArgumentParser, help: str) -> None:

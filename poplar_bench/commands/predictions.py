@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._options import add_output_dir, add_positive_int, default_output_dir, print_paths, warn_if_no_figure
+from ._options import (
+    Given,
+    add_output_dir,
+    add_positive_int,
+    default_output_dir,
+    print_paths,
+    refuse_ignored,
+    warn_if_no_figure,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,8 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "prediction_check.json and .md, and each case's demo report under prediction_check/. "
         "About 2-3 minutes per case on a 2-core VM.",
     )
-    p.add_argument("--seed", type=int, default=27, help="what the cases are drawn from (default 27)")
-    add_positive_int(p, "--cases", 6, "cases to draw")
+    p.add_argument("--seed", type=int, default=27, action=Given, help="what the cases are drawn from (default 27)")
+    add_positive_int(p, "--cases", 6, "cases to draw", action=Given)
     p.add_argument("--fixed", action="store_true", help="run the fixed cases instead of drawing them")
     p.add_argument(
         "--calibration",
@@ -46,6 +54,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import prediction_check
 
+    if args.fixed and refuse_ignored(
+        "predictions",
+        args,
+        "with --fixed",
+        ("--seed", "--cases"),
+        "--fixed runs the fixed cases; --seed and --cases draw cases",
+    ):
+        return 2
     warn_if_no_figure("demo")
     paths = prediction_check.run_prediction_check(
         prediction_check.DEFAULT_CASES if args.fixed else prediction_check.draw_cases(args.seed, args.cases),

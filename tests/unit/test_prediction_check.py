@@ -247,3 +247,42 @@ def test_the_calibration_reports_give_the_machines_cpus_without_guessing_who_els
     )
     text = render_check_cost(summary)
     assert "(16 usable CPUs; the ranks' own load included)" in text and "other sessions" not in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["predictions", "--fixed", "--seed", "3"], "--seed has no effect with --fixed"),
+        (["predictions", "--fixed", "--cases", "2", "--seed", "4"], "--seed and --cases have no effect with --fixed"),
+        (["calibration", "--repeats", "3"], "--repeats has no effect without --check-only"),
+        (["calibration", "--check-only", "--rounds", "1"], "--rounds has no effect with --check-only"),
+    ],
+)
+def test_an_option_the_chosen_mode_ignores_is_refused_before_any_work(argv, message, tmp_path, monkeypatch, capsys):
+    # Each ran the whole bench (minutes) as if the option had not been given.
+    from poplar_bench import calibration_cost, cli, prediction_check
+
+    for module, name in (
+        (prediction_check, "run_prediction_check"),
+        (calibration_cost, "run_check_cost"),
+        (calibration_cost, "run_calibration_check"),
+    ):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("the bench started"))
+    assert cli.main([*argv, "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"poplar-bench {argv[0]}: error: ") and message in err
+
+
+def test_the_options_of_each_mode_still_run_it(tmp_path, monkeypatch):
+    from poplar_bench import calibration_cost, cli, prediction_check
+
+    calls = []
+    monkeypatch.setattr(prediction_check, "run_prediction_check", lambda cases, **k: calls.append(len(cases)) or [])
+    monkeypatch.setattr(calibration_cost, "run_check_cost", lambda **k: calls.append(k["repeats"]) or [])
+    monkeypatch.setattr(calibration_cost, "run_calibration_check", lambda **k: calls.append(k["rounds"]) or [])
+    out = ["--output-dir", str(tmp_path)]
+    assert cli.main(["predictions", "--fixed", *out]) == 0
+    assert cli.main(["predictions", "--seed", "3", "--cases", "2", *out]) == 0
+    assert cli.main(["calibration", "--check-only", "--repeats", "4", *out]) == 0
+    assert cli.main(["calibration", "--rounds", "5", *out]) == 0
+    assert calls == [len(prediction_check.DEFAULT_CASES), 2, 4, 5]
