@@ -78,6 +78,11 @@ def run_clean_exit(
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         raise ValueError(f"cases: expected some of {', '.join(CASES)}, found {', '.join(unknown)}")
+    repeated = sorted({case for case in cases if cases.count(case) > 1})
+    if repeated:  # each launch would run it twice, its row given twice with both counts
+        raise ValueError(
+            f"cases: expected each case once (--launches sets how often), found {', '.join(repeated)} more than once"
+        )
     results: dict[str, list] = {case: [] for case in cases}
     # Each spins until its parent is gone, so that none outlives an interrupted bench.
     spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"

@@ -366,3 +366,16 @@ def test_a_command_writing_into_the_checkouts_results_says_it_replaced_the_commi
     )
     assert cli.main(["search-speed", "--output-dir", str(cli.default_output_dir())]) == 0
     assert notice not in capsys.readouterr().err  # asked for: nothing to say
+
+
+def test_clean_exit_refuses_a_case_given_twice(tmp_path, capsys):
+    # --case torch --case torch --launches 1 ran torch twice per launch and reported two equal rows, each
+    # "torch | 2 |" launches: neither what was asked nor one row per case.
+    argv = ["clean-exit", "--case", "torch", "--case", "torch", "--launches", "1", "--output-dir", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "poplar-bench clean-exit: cases: expected each case once (--launches sets how often), "
+        "found torch more than once\n"
+    )
+    assert list(tmp_path.iterdir()) == []
