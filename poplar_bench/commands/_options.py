@@ -96,6 +96,16 @@ def refuse_ignored(command: str, args: argparse.Namespace, mode: str, ignored: I
     return bool(given)
 
 
+def file_stem(text: str) -> str:
+    """``--name``: the reports' file stem (NAME.json, NAME.md, NAME.png in --output-dir), a plain file name."""
+    if not text or text in (".", "..") or text.startswith(".") or any(sep in text for sep in ("/", "\\", "\0")):
+        raise argparse.ArgumentTypeError(
+            f"expected a file name without a folder or a leading dot (NAME.json, NAME.md in --output-dir), "
+            f"found {text!r}"
+        )
+    return text
+
+
 def add_cache_dir(parser: argparse.ArgumentParser, help: str) -> None:
     """The ``--cache-dir`` of the commands that profile (default None: each command's own)."""
     parser.add_argument("--cache-dir", type=Path, default=None, help=help)

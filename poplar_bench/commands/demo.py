@@ -13,6 +13,7 @@ from ._options import (
     add_output_dir,
     add_positive_int,
     default_output_dir,
+    file_stem,
     print_paths,
     warn_if_no_figure,
 )
@@ -38,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     add_output_dir(p)
-    p.add_argument("--name", default="demo", help="report file stem (default: demo)")
+    p.add_argument("--name", type=file_stem, default="demo", help="report file stem (default: demo)")
     add_positive_int(p, "--iterations", defaults.iterations, "measured iterations per policy and round")
     add_positive_int(p, "--rounds", defaults.rounds, "rounds; each round runs every policy in turn")
     add_positive_int(p, "--global-batch-size", defaults.global_batch_size, "samples per iteration")

@@ -10,7 +10,7 @@ from pathlib import Path
 from poplar_ext.search.cli import parse_positive_int as _positive_int
 from poplar_ext.search.cli import parse_zero_stage as _stage
 
-from ._options import add_output_dir, default_output_dir, print_paths, warn_if_no_figure
+from ._options import add_output_dir, default_output_dir, file_stem, print_paths, warn_if_no_figure
 
 _CHECKOUT = Path(__file__).resolve().parents[2]
 """The checkout (in an editable install): report paths inside it are written relative to it."""
@@ -53,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the network slow and fast)",
     )
     add_output_dir(p)
-    p.add_argument("--name", default="simulation", help="report file stem (default: simulation)")
+    p.add_argument("--name", type=file_stem, default="simulation", help="report file stem (default: simulation)")
     p.set_defaults(run=run)
 
 

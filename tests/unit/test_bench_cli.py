@@ -379,3 +379,16 @@ def test_clean_exit_refuses_a_case_given_twice(tmp_path, capsys):
         "found torch more than once\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["", ".hidden", "a/b", "../outside"])
+def test_a_report_name_that_is_not_a_plain_file_name_is_refused(name, tmp_path, capsys):
+    # --name "" wrote .json and .md (hidden files) and .png.png, while printing a .png path that did not exist;
+    # "../outside" wrote beside --output-dir, not in it.
+    for command in ("simulate", "demo"):
+        with pytest.raises(SystemExit) as caught:
+            cli.main([command, "--name", name, "--output-dir", str(tmp_path / "out")])
+        assert caught.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --name: expected a file name without a folder or a leading dot" in err and repr(name) in err
+    assert not (tmp_path / "out").exists() and sorted(tmp_path.iterdir()) == []
