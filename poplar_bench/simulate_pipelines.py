@@ -94,9 +94,9 @@ def parallelism_comparison(
 
 
 NOTES = (
-    "ZeRO or pipelines, predicted from MODELLED profiles (whole-model: poplar_bench/gpu_model.py; layer by layer: "
-    "poplar_bench.gpu_layer_model, whose head keeps its own copy of the vocabulary matrix, as pipelines do not tie it "
-    "yet). Both at the same global batch, priced by the same modelled network: between nodes as named, within a node "
+    "ZeRO or pipelines, predicted from MODELLED profiles (whole-model: poplar_bench.gpu_model; layer by layer: "
+    "poplar_bench.gpu_layer_model, whose head is modelled untied: its own copy of the vocabulary matrix). Both at "
+    "the same global batch, priced by the same modelled network: between nodes as named, within a node "
     f"{gpu_layer_model.INTRA_NODE_BYTES_PER_S / 1e9:.0f} GB/s; every GPU its own link (per-stage all-reduces of "
     "pipelines do not share one). Pipelines at ZeRO stage 0 (stage 1 shards nothing in poplar-ext's pipelines)."
 )
