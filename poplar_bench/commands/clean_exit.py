@@ -20,7 +20,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_positive_int(p, "--launches", 30, "launches per case")
     add_positive_int(p, "--ranks", 3, "ranks per launch")
     p.add_argument("--busy-processes", type=int, default=2, help="spinning processes beside the ranks (default 2)")
-    p.add_argument("--case", action="append", dest="cases", help="a case to run (repeatable; default: all)")
+    from ..clean_exit import CASES  # no torch: cheap at --help
+
+    p.add_argument(
+        "--case",
+        action="append",
+        dest="cases",
+        help=f"a case to run (repeatable; default: all): {', '.join(CASES)}",
+    )
     add_output_dir(p)
     p.set_defaults(run=run)
 

@@ -392,3 +392,13 @@ def test_a_report_name_that_is_not_a_plain_file_name_is_refused(name, tmp_path, 
         err = capsys.readouterr().err
         assert "argument --name: expected a file name without a folder or a leading dot" in err and repr(name) in err
     assert not (tmp_path / "out").exists() and sorted(tmp_path.iterdir()) == []
+
+
+def test_clean_exit_help_names_its_cases(capsys, monkeypatch):
+    # --case took names that only the refusal of a wrong one listed.
+    from poplar_bench.clean_exit import CASES
+
+    monkeypatch.setenv("COLUMNS", "400")  # argparse wraps at hyphens otherwise
+    with pytest.raises(SystemExit):
+        cli.main(["clean-exit", "--help"])
+    assert f"a case to run (repeatable; default: all): {', '.join(CASES)}" in capsys.readouterr().out
