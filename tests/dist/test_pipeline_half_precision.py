@@ -10,11 +10,13 @@ master weights are
 compared, within a tolerance that the pipelines weighted alike (DeepSpeed's own data-parallel
 mean, no loss weight) exceed. Then fp16 overflows, every rank skipping the step and keeping one
 loss scale: one pipeline's gradients overflowing, and one rank's alone after the sum across
-pipelines. An fp16 job where one rank's accelerator refuses fp16 is refused on every rank. Last,
-a tiny GPT-2 (its head tied to its embedding, on other stages) in bf16 at ZeRO 0 with
-``token_mean`` and no clipping (which would hide the division by the iteration's tokens), against
-the Hugging Face model in one DeepSpeed process in bf16: the tied module's and the token division's
-gradients in DeepSpeed's bf16 optimizer's own buffers. Resumes from a checkpoint equal the
+pipelines. An fp16 job where one rank's accelerator refuses fp16 is refused on every rank. AdamW with weight decay
+in fp16 at ZeRO 0 (DeepSpeed's build takes an optimizer step on zero gradients there, which poplar-ext undoes)
+against one fp32 process: its master weights, its gradient norm without the loss scale, an inf in one stage's
+micro-batch skipped on every rank with one warning, and a resume. Last, a tiny GPT-2 (its head tied to its
+embedding, on other stages) in bf16 at ZeRO 0 with ``token_mean`` and no clipping (which would hide the division by
+the iteration's tokens), against the Hugging Face model in one DeepSpeed process in bf16: the tied module's and the
+token division's gradients in DeepSpeed's bf16 optimizer's own buffers. Resumes from a checkpoint equal the
 uninterrupted runs, also in bf16 at ZeRO 1 under another split (its optimizer state moved between stages),
 but in bf16 at ZeRO 0, which is refused on every rank; at ZeRO 0 the weights alone load in both dtypes, and
 the next step keeps them.
@@ -26,6 +28,7 @@ supported (`_fp16_computes_here`): the test checks poplar's fp16 path, not the C
 
 from __future__ import annotations
 
+import logging
 import os
 
 import _training as t
@@ -91,7 +94,13 @@ def _masters(engine) -> dict[str, torch.Tensor]:
     return masters
 
 
-def _engine(files, dtype: str, stage: int, accumulation: str | None = None, *, plan: str = PLAN):
+ADAMW = {"lr": 0.01, "weight_decay": 0.1}
+ADAMW_TOLERANCE = 1e-3
+"""Largest difference of an fp16 AdamW master weight from the fp32 reference's (seen 1.6e-4; 1.8e-2 with DeepSpeed's
+zero step at the build left in)."""
+
+
+def _engine(files, dtype: str, stage: int, accumulation: str | None = None, *, plan: str = PLAN, adamw: bool = False):
     import poplar_ext
     from poplar_ext.models.toy_pipeline import toy_layers
     from poplar_ext.pipeline import PoplarPipelineModule
@@ -100,7 +109,10 @@ def _engine(files, dtype: str, stage: int, accumulation: str | None = None, *, p
     if accumulation is not None:
         config["data_types"] = {"grad_accum_dtype": accumulation}
     model = PoplarPipelineModule(toy_layers(), loss_fn=mse, seed_layers=True, config=config)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if adamw:
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = TypedData(num_samples=NUM_SAMPLES, dtype=DTYPES[dtype])
     engine, _, _, _ = poplar_ext.initialize(model=model, optimizer=optimizer, training_data=data, config=config)
     return engine
@@ -151,6 +163,69 @@ def _overflow_on_one_rank(files) -> dict:
     if int(os.environ["RANK"]) == 3:
         segments.sum_gradients = sum_then_overflow
     return _outcome(engine, [float(engine.train_batch()) for _ in range(STEPS)])
+
+
+def _optimizer_state(engine) -> list[dict]:
+    """The torch optimizer's state of each parameter, in its groups' order (fp16 at ZeRO 0: of the fp32 masters)."""
+    optimizer = engine.optimizer.optimizer
+    return [
+        {key: value.clone() if torch.is_tensor(value) else value for key, value in optimizer.state[p].items()}
+        for group in optimizer.param_groups
+        for p in group["params"]
+    ]
+
+
+class _SkipWarnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "DeepSpeed skipped the optimizer step" in record.getMessage():
+            self.messages.append(record.getMessage())
+
+
+def _adamw_in_fp16_at_zero_0(files) -> dict:
+    """fp16 at ZeRO 0 with AdamW: 3 steps with each step's gradient norm; then 3 steps where rank 2's (stage 0 of
+    pipeline 1) gradients turn infinite in its second micro-batch of step `OVERFLOW_STEP`, with the skip warnings
+    seen; then a resume from a checkpoint after 2 steps."""
+
+    def train(engine) -> dict:
+        losses, norms = [], []
+        for _ in range(STEPS):
+            losses.append(float(engine.train_batch()))
+            norms.append(float(engine.get_global_grad_norm()))
+        return {**_outcome(engine, losses), "norms": norms, "state": _optimizer_state(engine)}
+
+    engine = _engine(files, "fp16", 0, adamw=True)
+    results = {"built": [sorted(state) for state in _optimizer_state(engine)], "trained": train(engine)}
+    engine, warnings = _engine(files, "fp16", 0, adamw=True), _SkipWarnings()
+    if int(os.environ["RANK"]) == 2:
+        forwards = []
+
+        def infinite_in_one_micro_batch(module, inputs, output):
+            if module.training and engine.global_steps == OVERFLOW_STEP:
+                forwards.append(output)
+                if len(forwards) == 2:
+                    output.register_hook(lambda gradient: gradient * float("inf"))
+
+        engine.module.forward_funcs[0].register_forward_hook(infinite_in_one_micro_batch)
+    logging.getLogger("poplar_ext").addHandler(warnings)
+    try:
+        results["overflow"] = {**train(engine), "warnings": warnings.messages}
+    finally:
+        logging.getLogger("poplar_ext").removeHandler(warnings)
+    folder = files["checkpoints"] / "fp16_zero0_adamw"
+    engine = _engine(files, "fp16", 0, adamw=True)
+    for _ in range(STEPS - 1):
+        engine.train_batch()
+    engine.save_checkpoint(folder)
+    uninterrupted = {**_outcome(engine, [float(engine.train_batch())]), "state": _optimizer_state(engine)}
+    engine = _engine(files, "fp16", 0, adamw=True)
+    engine.load_checkpoint(folder)
+    resumed = {**_outcome(engine, [float(engine.train_batch())]), "state": _optimizer_state(engine)}
+    results["resume"] = {"uninterrupted": uninterrupted, "resumed": resumed}
+    return results
 
 
 def _fp16_refused_where_unsupported(files) -> str:
@@ -318,6 +393,7 @@ def _all_cases(files) -> dict:
         results[("alike", dtype, stage)] = _train(files, dtype, stage, weight_alike=True)
     results["overflow_in_one_pipeline"] = _overflow_in_one_pipeline(files)
     results["overflow_on_one_rank"] = _overflow_on_one_rank(files)
+    results["adamw"] = _adamw_in_fp16_at_zero_0(files)
     results["gpt2"] = _gpt2_in_bf16(files)
     results["gpt2_alike"] = _gpt2_in_bf16(files, micro_batches_alike=True)
     for case in RESUMED:
@@ -368,7 +444,37 @@ def _references() -> dict:
             norms.append(float(engine.get_global_grad_norm()))
         references[dtype] = {"masters": _masters(engine), "losses": losses, "norms": norms}
         references[dtype]["skipped"] = engine.skipped_steps
+    references["adamw"] = _adamw_reference()
     return references
+
+
+def _adamw_reference() -> dict:
+    """One DeepSpeed process in fp32 (no optimizer wrapper, no zero step) with AdamW, and each step's gradient norm
+    before clipping."""
+    import deepspeed
+
+    config = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**6,
+    }
+    model = toy_sequential()
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), **ADAMW), config=config
+    )
+    data, stream = RegressionData(num_samples=NUM_SAMPLES), SampleStream(num_samples=NUM_SAMPLES, seed=0)
+    losses, norms = [], []
+    for step in range(STEPS):
+        indices = stream.indices(step * GLOBAL_BATCH, GLOBAL_BATCH)
+        loss = mse(engine(data.inputs[indices]), data.targets[indices])
+        engine.backward(loss)
+        norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+        engine.step()
+        losses.append(float(loss))
+    masters = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    return {"masters": masters, "losses": losses, "norms": norms}
 
 
 @pytest.fixture(scope="module")
@@ -482,6 +588,47 @@ def test_moving_a_half_precision_optimizer_state_to_another_split_at_zero_0_is_r
     messages = {r["split_refused"] for r in results[0]}
     assert len(messages) == 1, messages
     assert "expected ZeRO stage 1 to move a bf16 or fp16 job's optimizer state between stages" in messages.pop()
+
+
+def test_adamw_in_fp16_at_zero_0_matches_one_fp32_process_with_the_true_gradient_norm(results):
+    # DeepSpeed's build of FP16_UnfusedOptimizer steps AdamW on zero gradients: every master decayed by lr x
+    # weight_decay and a step counted before training, unless undone (1.8e-2 from the reference then).
+    ranks, reference = results[0], results[1]["adamw"]
+    runs = [r["adamw"]["trained"] for r in ranks]
+    difference = _max_difference([run["masters"] for run in runs], reference["masters"])
+    print(f"fp16 ZeRO 0 AdamW: largest master weight difference from fp32 {difference:.3g}")
+    assert difference <= ADAMW_TOLERANCE
+    for rank, run in zip(ranks, runs):
+        assert rank["adamw"]["built"] == [[]] * len(rank["adamw"]["built"]), "the build's zero step left state"
+        assert run["optimizer"] == "FP16_UnfusedOptimizer" and run["skipped"] == 0
+        assert [state["step"] for state in run["state"]] == [STEPS] * len(run["state"])
+        assert run["losses"] == pytest.approx(reference["losses"], rel=1e-3)
+        # the norm of the global batch's gradient, not the loss scale (256) times it
+        assert run["norms"] == pytest.approx(reference["norms"], rel=1e-2)
+
+
+def test_an_inf_in_one_stages_micro_batch_skips_the_adamw_step_on_every_rank_with_one_warning(results):
+    runs = [r["adamw"]["overflow"] for r in results[0]]
+    assert [run["skipped"] for run in runs] == [1] * 4
+    assert [run["scale"] for run in runs] == [SCALE_AFTER_OVERFLOW] * 4
+    assert [[state["step"] for state in run["state"]] for run in runs] == [
+        [STEPS - 1] * len(run["state"]) for run in runs
+    ]
+    assert _copies_differ(runs) <= 1e-6, "a step taken by one pipeline and skipped by the other"
+    assert [len(run["warnings"]) for run in runs] == [1, 0, 0, 0]
+    assert runs[0]["warnings"][0].startswith(f"poplar step {OVERFLOW_STEP + 1}: DeepSpeed skipped the optimizer step")
+
+
+def test_a_resumed_fp16_adamw_run_at_zero_0_equals_the_uninterrupted_one(results):
+    for rank in results[0]:
+        before, after = rank["adamw"]["resume"]["uninterrupted"], rank["adamw"]["resume"]["resumed"]
+        assert (after["losses"], after["scale"], after["skipped"]) == (before["losses"], before["scale"], 0)
+        assert all(torch.equal(after["masters"][name], value) for name, value in before["masters"].items())
+        assert len(after["state"]) == len(before["state"]) > 0
+        for was, now in zip(before["state"], after["state"]):
+            assert was.keys() == now.keys() and all(
+                torch.equal(torch.as_tensor(was[k]), torch.as_tensor(now[k])) for k in was
+            )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
