@@ -37,12 +37,9 @@ from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.checkpoint import (
     ResumeDecision,
     agree_storages,
-    check_optimizer_precision,
-    check_parameter_shapes,
-    check_rank_files,
+    check_deepspeed_load,
     checkpoint_tag,
     history_entry,
-    module_parameter_shapes,
     poplar_client_state,
     read_state,
     restore_replaced,
@@ -781,22 +778,12 @@ class PoplarTrainerMixin(_PlanEvaluation):
                     "checkpoint's global batch (or load it with poplar_ext.initialize and engine.load_checkpoint, "
                     "which continue the stream)"
                 )
-        if folder is not None and _deepspeed_config_object(self.args) is not None:
-            # The Trainer would fail on it only once the engine is built, deep in its load: the other refusals first.
-            decided_by_rank0(lambda: _check_trainer_schedule(Path(folder), self.args), rank=self.job.rank)
-        if tag is not None and getattr(self, "model", None) is not None:
-            # DeepSpeed's load would pad a resharded ZeRO-3 checkpoint of another model to this one's sizes, silently.
-            shapes, frozen = module_parameter_shapes(self.model)
-            strict = not _is_peft_model(self.model)  # as the Trainer loads it
+        if folder is not None:
+            # The Trainer would fail on these only once the engine is built, deep in its load: the other refusals
+            # first, then one round of rank 0's file checks.
+            model, world_size = getattr(self, "model", None), self.plan.world_size
             decided_by_rank0(
-                lambda: check_parameter_shapes(
-                    folder, tag, shapes, strict=strict, frozen=frozen, caller="resume_from_checkpoint"
-                ),
-                rank=self.job.rank,
-            )
-        if tag is not None and saved is not None:
-            decided_by_rank0(
-                lambda: _check_zero_files(Path(folder), tag, saved, self.args, world_size=self.plan.world_size),
+                lambda: _check_files(Path(folder), tag, saved, self.args, model=model, world_size=world_size),
                 rank=self.job.rank,
             )
         if decision is not None:
@@ -997,17 +984,29 @@ def _node_local(args: TrainingArguments) -> bool:
     return bool(_deepspeed_config(args).get("checkpoint", {}).get("use_node_local_storage", False))
 
 
-def _check_zero_files(folder: Path, tag: str, saved: dict, args: TrainingArguments, *, world_size: int) -> None:
-    """The engine's refusals of DeepSpeed files it cannot load (`PoplarEngine.load_checkpoint`), for the Trainer's
-    load of `folder`'s `tag`: a rank's ZeRO file missing (not on node-local storage, where each node holds its own
-    ranks'), and on as many ranks as saved it (`world_size` now), optimizer states of another precision."""
-    caller = "resume_from_checkpoint"
-    if not _node_local(args):
-        check_rank_files(folder, tag, saved, reads_optimizer=True, caller=caller)
+def _check_files(
+    folder: Path, tag: str | None, saved: dict | None, args: TrainingArguments, *, model: Any, world_size: int
+) -> None:
+    """Rank 0's refusals of the checkpoint files a Trainer resume would load: its scheduler.pt where the Trainer
+    needs one (under a DeepSpeed config object), and what the engine's load refuses (`check_deepspeed_load`, strict
+    as the Trainer loads: not for a PEFT model)."""
+    if _deepspeed_config_object(args) is not None:
+        _check_trainer_schedule(folder, args)
+    if tag is None:
+        return
     config = _deepspeed_config(args)
-    saved_ranks = len((saved.get("plan") or {}).get("ranks") or ())
-    if config and saved_ranks == world_size:
-        check_optimizer_precision(folder, tag, bf16=training_dtype(config) == "bfloat16", caller=caller)
+    check_deepspeed_load(
+        folder,
+        tag,
+        saved,
+        module=model,
+        strict=not _is_peft_model(model),
+        reads_optimizer=True,
+        node_local=_node_local(args),
+        bf16=training_dtype(config) == "bfloat16" if config else None,
+        world_size=world_size,
+        caller="resume_from_checkpoint",
+    )
 
 
 def _check_trainer_schedule(folder: Path, args: TrainingArguments) -> None:

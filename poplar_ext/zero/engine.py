@@ -20,10 +20,7 @@ from poplar_ext.runtime.checkpoint import (
     CLIENT_STATE_KEY,
     ResumeDecision,
     check_deepspeed_files,
-    check_optimizer_precision,
-    check_parameter_shapes,
-    check_rank_files,
-    module_parameter_shapes,
+    check_deepspeed_load,
     read_state,
     refresh_master_weights,
     resume_decision,
@@ -415,7 +412,8 @@ class PoplarEngine(EngineCore):
         """DeepSpeed's load_checkpoint, continuing the data stream under this job's plan.
 
         Rank 0 reads poplar-ext's state first: a resume that cannot continue (another data order) stops every rank
-        before any weight is read, and so does a checkpoint of another model (`check_parameter_shapes`). Another
+        before any weight is read, and so does a checkpoint DeepSpeed would load wrong or fail on some ranks (another
+        model, a rank's file missing, optimizer states of another precision: `check_deepspeed_load`). Another
         plan, global batch or world size is fine: the data continues at the saved position, and the plan history
         records the resume. Where the number of ranks changed at ZeRO
         stages 1-3 with the optimizer state loaded, rank 0 reshards the checkpoint (`poplar_ext.runtime.reshard`)
@@ -432,25 +430,28 @@ class PoplarEngine(EngineCore):
 
         resolved = tag_for_load(load_dir, tag, deepspeed_engine=self.deepspeed_engine, rank=self._rank)
 
-        def read_checked_state() -> dict | None:
-            check_deepspeed_files(load_dir, resolved, named_by_latest=tag is None)
-            strict = bool(kwargs.get("load_module_strict", True))
-            shapes, frozen = module_parameter_shapes(getattr(self.deepspeed_engine, "module", None))
-            check_parameter_shapes(load_dir, resolved, shapes, strict=strict, frozen=frozen)
-            saved = read_state(load_dir, resolved)
-            if not self.deepspeed_engine.use_node_local_storage():  # there, each node holds its own ranks' files
-                reads_optimizer = bool(kwargs.get("load_optimizer_states", True)) and not kwargs.get("load_module_only")
-                check_rank_files(load_dir, resolved, saved, reads_optimizer=reads_optimizer)
-            bf16 = getattr(self.deepspeed_engine, "bfloat16_enabled", None)
-            saved_ranks = len(((saved or {}).get("plan") or {}).get("ranks") or ())
-            if bf16 is not None and saved_ranks == self.plan.world_size and with_optimizer and not module_only:
-                check_optimizer_precision(load_dir, resolved, bf16=bool(bf16()))
-            return saved
-
         module_only, with_optimizer = (
             bool(kwargs.get("load_module_only")),
             bool(kwargs.get("load_optimizer_states", True)),
         )
+
+        def read_checked_state() -> dict | None:
+            check_deepspeed_files(load_dir, resolved, named_by_latest=tag is None)
+            saved = read_state(load_dir, resolved)
+            bf16 = getattr(self.deepspeed_engine, "bfloat16_enabled", None)
+            check_deepspeed_load(
+                load_dir,
+                resolved,
+                saved,
+                module=getattr(self.deepspeed_engine, "module", None),
+                strict=bool(kwargs.get("load_module_strict", True)),
+                reads_optimizer=with_optimizer and not module_only,
+                node_local=self.deepspeed_engine.use_node_local_storage(),
+                bf16=None if bf16 is None else bool(bf16()),
+                world_size=self.plan.world_size,
+            )
+            return saved
+
         saved = None if resolved is None else decided_by_rank0(read_checked_state, rank=self._rank)
         where = str(Path(load_dir) / resolved) if resolved is not None else str(load_dir)
         decision = None
