@@ -55,8 +55,7 @@ def summarize_steadiness(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "kind": "steadiness",
         "data_source": reports[0]["data_source"] if reports else None,
-        "machine": reports[0]["machine"] if reports else None,
-        "created_utc": summary_provenance(reports)["created_utc"],
+        **summary_provenance(reports),  # the last run's time and machine, together
         "runs": runs,
         "poplar_share_spread": share_spread,
         "prediction_error_spread": error_spreads,

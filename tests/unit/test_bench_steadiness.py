@@ -53,3 +53,12 @@ def test_the_demo_takes_a_number_of_repetitions():
     assert parser.parse_args(["demo", "--repetitions", "5"]).repetitions == 5
     with pytest.raises(SystemExit):
         parser.parse_args(["demo", "--repetitions", "0"])
+
+
+def test_the_summary_gives_the_time_and_machine_of_one_run():
+    # The summary's line says "the last of N runs": its machine (load average included) came from the first.
+    first, last = _report(0.96, {"poplar": 0.0}), _report(0.96, {"poplar": 0.0})
+    first.update(created_utc="2026-11-29T10:00:00+00:00", machine={"hostname": "h", "load_average": [9.0]})
+    last.update(created_utc="2026-11-29T11:00:00+00:00", machine={"hostname": "h", "load_average": [1.0]})
+    summary = steadiness.summarize_steadiness([first, last])
+    assert (summary["created_utc"], summary["machine"]) == (last["created_utc"], last["machine"])
