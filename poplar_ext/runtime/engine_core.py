@@ -92,7 +92,8 @@ def undo_initial_zero_step(engine: Any) -> bool:
     ``optimizer.step()``. Adam and AdamW then count a step that never was (their bias correction makes every later
     update another size than one process training the same batches), and AdamW's weight decay shrinks every fp32
     master weight by lr x weight_decay before any training. Call it on a freshly built `engine` (a
-    DeepSpeedEngine), before any step or checkpoint load: each fp32 master weight is set back to its fp16
+    DeepSpeedEngine), before any step and never after a checkpoint load (which replaces that state; PoplarTrainer
+    calls it only where the Trainer's build loaded none): each fp32 master weight is set back to its fp16
     parameter (DeepSpeed made it from that, which the zero step did not touch) and the state that step created
     is dropped, so the optimizer starts as torch's would."""
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer

@@ -238,7 +238,8 @@ class PoplarEngine(EngineCore):
         return self.iteration_tokens
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
-        """DeepSpeed's step; at an accumulation boundary also counts and logs the iteration."""
+        """DeepSpeed's step; at an accumulation boundary also counts and logs the iteration, warns of a step
+        DeepSpeed skipped, and reports the gradient norm without a loss scale the engine put in itself."""
         boundary = self.deepspeed_engine.is_gradient_accumulation_boundary()
         scale = unapplied_loss_scale(self.deepspeed_engine) if boundary else None  # before the step changes it
         # The optimizer step is compute too: an emulated device runs it slower, as the profiler measures it (its
