@@ -612,6 +612,10 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if counted is not None:
             # The mean over this micro-batch's n labels: n * W / T makes it W * sum / T, as a normalised loss is.
             weight = counted / float(num_items_in_batch)
+            if counted == 0:
+                # No label tokens (an empty target): the model's mean over none is 0/0, NaN, which the weight 0 keeps
+                # NaN; it adds nothing to the global batch's loss (nor gradients: no label reaches the loss).
+                loss = torch.nan_to_num(loss, nan=0.0)
         elif normalised:
             weight = 1.0  # the loss divided its token sum by T / W: W * sum / T already
         else:

@@ -194,3 +194,67 @@ def test_a_peft_wrapped_model_is_judged_by_its_base_model(monkeypatch):
     own = model(**batch).loss
     weighted = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(4.0))
     torch.testing.assert_close(weighted, own * 2 / 4)
+
+
+def _t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=32,
+        d_model=8,
+        d_kv=4,
+        d_ff=16,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
+    return T5ForConditionalGeneration(config)
+
+
+def _seq2seq_batches() -> tuple[dict, list[dict]]:
+    """A global batch of 4 source/target pairs, targets padded with -100, and its 2 micro-batches (each padded to
+    its own longest target): the second holds one pair with no target tokens."""
+    sources = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]])
+    targets = [[3, 4, 5], [6], [7, 8], []]
+
+    def padded(rows: list[list[int]]) -> torch.Tensor:
+        labels = torch.full((len(rows), max(1, *map(len, rows))), -100)
+        for row, target in enumerate(rows):
+            labels[row, : len(target)] = torch.tensor(target, dtype=torch.long)
+        return labels
+
+    whole = {"input_ids": sources, "labels": padded(targets)}
+    parts = [{"input_ids": sources[i : i + 2], "labels": padded(targets[i : i + 2])} for i in (0, 2)]
+    return whole, parts
+
+
+def test_a_seq2seq_models_label_mean_over_padded_targets_is_weighted_by_its_share_of_the_tokens(monkeypatch):
+    # T5's forward takes **kwargs and returns CrossEntropyLoss's mean over its labels that are not -100: each
+    # micro-batch weighted by its share of the global batch's target tokens (6: 4 and 2) sums to the whole mean.
+    model = _t5().train()
+    trainer = _trainer(monkeypatch, model)
+    whole, parts = _seq2seq_batches()
+    weighted = sum(trainer.compute_loss(model, dict(b), num_items_in_batch=torch.tensor(6.0)) for b in parts)
+    torch.testing.assert_close(weighted, model(**whole).loss)
+
+
+def test_a_micro_batch_without_label_tokens_adds_nothing_to_a_label_mean_loss(monkeypatch):
+    # A micro-batch of a model's own label mean whose labels are all -100 (a pair with an empty target) has the loss
+    # 0/0 = NaN; weighted by its share, 0, it stayed NaN: 3 ranks of T5 (micro-batches 3, 1, 2) logged 3.4681 where
+    # one device on the global batch has 4.2734 (the Trainer's NaN filter replaced the rank's whole step).
+    model = _t5().train()
+    trainer = _trainer(monkeypatch, model)
+    whole, parts = _seq2seq_batches()
+    empty = {"input_ids": parts[1]["input_ids"][1:], "labels": parts[1]["labels"][1:]}
+    assert int(empty["labels"].ne(-100).sum()) == 0
+    nothing = trainer.compute_loss(model, dict(empty), num_items_in_batch=torch.tensor(6.0))
+    assert float(nothing.detach()) == 0.0
+    nothing.backward()
+    assert all(p.grad is None or not p.grad.isnan().any() for p in model.parameters())
+    model.zero_grad()
+    pieces = [parts[0], {k: v[:1] for k, v in parts[1].items()}, empty]
+    weighted = sum(trainer.compute_loss(model, dict(b), num_items_in_batch=torch.tensor(6.0)) for b in pieces)
+    torch.testing.assert_close(weighted, model(**whole).loss)
