@@ -2,50 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import SimpleNamespace
-
 import pytest
 
 pytest.importorskip("transformers", reason="PoplarTrainer needs pip install 'poplar-ext[hf]'")
 
 import torch  # noqa: E402
-from transformers import TrainingArguments  # noqa: E402
+from test_trainer_mixin_refusals import _arguments_of_a_settled_job  # noqa: E402  (a one-rank job, no group)
 
 pytestmark = pytest.mark.usefixtures("in_tmp_path")  # the Trainer creates output_dir
 
 
 def _trainer(monkeypatch, model):
     """A one-rank PoplarTrainer of a plan of 2 micro-batches of 2 (global batch 4), without a process group."""
-    from poplar_ext.integrations import transformers as integration
-    from poplar_ext.plan.formats import plan_from_dict
-    from poplar_ext.runtime.config import poplar_config_from_dict
+    from poplar_ext.integrations.transformers import PoplarTrainer
 
-    plan = plan_from_dict(
-        {
-            "schema_version": 1,
-            "policy": "uniform",
-            "zero_stage": 0,
-            "global_batch_size": 4,
-            "ranks": [{"rank": 0, "device_type": "cpu", "micro_batch_size": 2, "gradient_accumulation_steps": 2}],
-            "predicted": {"iteration_time_s": 1.0, "samples_per_s": 4.0, "ideal_samples_per_s": 4.0},
-            "profile_fingerprints": {},
-        },
-        source="test",
-    )
-    job = SimpleNamespace(
-        plan=plan,
-        rank=0,
-        world_size=1,
-        poplar_config=poplar_config_from_dict({"plan": "p.json"}, base_dir=Path(".")),
-        plan_reason="the plan file p.json",
-        ds_config={"zero_optimization": {"stage": 0}},
-    )
-    monkeypatch.setattr(integration, "_settle_job", lambda *args, **kwargs: job)
-    args = TrainingArguments(
-        output_dir="unused", use_cpu=True, deepspeed={"zero_optimization": {"stage": 0}, "poplar": {}}, report_to=[]
-    )
-    return integration.PoplarTrainer(model=model, args=args)
+    return PoplarTrainer(model=model, args=_arguments_of_a_settled_job(monkeypatch, {}, {}))
 
 
 def _bert_classifier():
