@@ -48,14 +48,18 @@ class _StepWindow:
         self._started = (0.0, 0.0)
 
     def start(self) -> None:
+        self._synchronize()  # kernels queued before the step (the gradients' last reduction) are not its time
         self._started = (time.perf_counter(), time.thread_time())
 
     def stop(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._synchronize()
         wall, cpu = self._started
         self.wall_s += time.perf_counter() - wall
         self.cpu_s += time.thread_time() - cpu
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -68,3 +68,25 @@ def test_an_optimizer_it_cannot_split_is_left_alone():
     with _window(optimizer, events) as split:
         optimizer.step()
     assert split is False and events == [] and not hasattr(optimizer, "_optimizer_step")
+
+
+def test_the_profilers_window_waits_for_queued_kernels_at_both_ends(monkeypatch):
+    # On a GPU the step's first update is queued behind the gradients' last reduction: a window opened
+    # without waiting for it would count that reduction as optimizer compute.
+    import torch
+
+    from poplar_ext.profiler.measure import _StepWindow
+
+    events: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(f"synchronize {device}"))
+    window = _StepWindow(torch.device("cuda", 0))
+    window.start()
+    events.append("update")
+    window.stop()
+    assert events == ["synchronize cuda:0", "update", "synchronize cuda:0"]
+    cpu_events: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: cpu_events.append(device))
+    cpu_window = _StepWindow(torch.device("cpu"))
+    cpu_window.start()
+    cpu_window.stop()
+    assert cpu_events == [] and cpu_window.wall_s >= 0.0
