@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 HOST_OPTIMIZERS = ("DeepSpeedCPUAdam", "DeepSpeedCPULion")
 """The client optimizers DeepSpeed offloads while ``zero_force_ds_cpu_optimizer`` is true (its own, by class)."""
 
+ACCELERATE_MAPPED = ("Adam", "AdamW", "Adagrad")
+"""The torch optimizers accelerate replaces, where it offloads under ``zero_force_ds_cpu_optimizer``, by DeepSpeed's
+CPU optimizer of the same rule (``map_pytorch_optim_to_deepspeed``, keeping their parameter groups)."""
+
 OFFLOAD_MODES = ("off", "smallest", "both")
 """What the profiler measures offloaded (``optimizer_offload`` of `profile_model` and of the
 ``poplar`` section): nothing, the device type(s) with the least memory, or every type (at ZeRO
@@ -37,26 +41,55 @@ def offload_deepspeed_optimizer(ds_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_client_optimizer_offloads(
-    ds_config: dict[str, Any], plan: Plan, optimizer: Any, *, source: str, plan_source: str = "the plan"
+    ds_config: dict[str, Any],
+    plan: Plan,
+    optimizer: Any,
+    *,
+    source: str,
+    plan_source: str = "the plan",
+    accelerate_maps: bool = False,
 ) -> None:
     """FormatError, on every rank alike, where `plan` offloads some rank's optimizer and DeepSpeed would refuse the
     client `optimizer` there: ``zero_force_ds_cpu_optimizer`` true in `ds_config` (`source`) and an optimizer that
     is not one of `HOST_OPTIMIZERS`. DeepSpeed raises on the offloading ranks alone, inside its initialize, while
-    the others go on into their first collective. A factory (not yet an optimizer) is left to DeepSpeed."""
+    the others go on into their first collective. A factory (not yet an optimizer) is left to DeepSpeed.
+
+    `accelerate_maps`: the optimizer goes through accelerate (PoplarAccelerator, PoplarTrainer), which replaces it
+    on the offloading ranks alone by DeepSpeed's CPU optimizer of the same rule (`ACCELERATE_MAPPED`); any other
+    becomes DeepSpeedCPUAdam there, silently, so only those are refused."""
     offloading = [r.rank for r in plan.ranks if r.optimizer_offload]
     force = ds_config.get("zero_force_ds_cpu_optimizer", False)
     if not offloading or not force or optimizer is None or not hasattr(optimizer, "param_groups"):
         return
-    if any(k.__name__ in HOST_OPTIMIZERS for k in type(optimizer).__mro__):
+    accepted = HOST_OPTIMIZERS + (ACCELERATE_MAPPED if accelerate_maps else ())
+    if any(k.__name__ in accepted for k in type(optimizer).__mro__):
         return
     kind = type(optimizer)
     ranks = ", ".join(f"ranks[{r}].optimizer_offload" for r in offloading)
+    why = (
+        "accelerate trains it as DeepSpeedCPUAdam on the offloading ranks alone, as itself on the others"
+        if accelerate_maps
+        else "DeepSpeed refuses it on the offloading ranks alone, the others left waiting"
+    )
     raise FormatError(
         source,
         "zero_force_ds_cpu_optimizer",
         f"false (or unset) where {plan_source} offloads the optimizer ({ranks}) of a client optimizer other than "
-        f"{' or '.join(HOST_OPTIMIZERS)} (DeepSpeed refuses it on the offloading ranks alone, the others left "
-        "waiting)",
+        f"{' or '.join(accepted)} ({why})",
         f"{force!r} with the client optimizer {kind.__module__}.{kind.__qualname__}; set it false, pass "
         "DeepSpeedCPUAdam, or train a plan without optimizer offload",
     )
+
+
+def check_job_optimizer_offloads(job: Any, optimizer: Any, *, accelerate_maps: bool = False) -> None:
+    """`check_client_optimizer_offloads` for a settled job: its DeepSpeed config, plan and the plan's source (read
+    only where the plan offloads some rank)."""
+    if any(r.optimizer_offload for r in job.plan.ranks):
+        check_client_optimizer_offloads(
+            job.ds_config,
+            job.plan,
+            optimizer,
+            source=job.source,
+            plan_source=job.plan_reason,
+            accelerate_maps=accelerate_maps,
+        )

@@ -18,6 +18,7 @@ from accelerate.data_loader import prepare_data_loader
 from accelerate.utils import DistributedType, pad_across_processes, recursively_apply
 
 from poplar_ext.elastic import ends_job_on_user_error
+from poplar_ext.optimizer_offload import check_job_optimizer_offloads
 from poplar_ext.runtime.config import AUTO, DICT_SOURCE, SECTION, GlobalBatchRequest, nominal_deepspeed_config
 from poplar_ext.runtime.data import PlanBatchSampler, check_holds_global_batch, check_plan_dataset
 from poplar_ext.runtime.engine_core import undo_initial_zero_step
@@ -226,6 +227,7 @@ class PoplarAccelerator(Accelerator):
             check_plan_dataset(train_loader.dataset, "the training DataLoader")
         if self.job is None:
             self.job = self._start_job(model, optimizer, train_loader)
+        check_job_optimizer_offloads(self.job, optimizer, accelerate_maps=True)
         if train_loader is not None:
             planned = self._plan_dataloader(train_loader)
             args = tuple(planned if a is train_loader else a for a in args)

@@ -31,7 +31,7 @@ from poplar_ext.activation_checkpointing import apply_plan_checkpointing, can_ch
 from poplar_ext.collectives import agree_sum, agree_sums, decided_by_rank0
 from poplar_ext.elastic import ends_job_on_user_error
 from poplar_ext.hardware.emulation import device_label
-from poplar_ext.optimizer_offload import offload_deepspeed_optimizer
+from poplar_ext.optimizer_offload import check_job_optimizer_offloads, offload_deepspeed_optimizer
 from poplar_ext.plan.formats import Plan
 from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.checkpoint import (
@@ -582,6 +582,12 @@ class PoplarTrainerMixin(_PlanEvaluation):
                 and _model_loss_ignores(unwrap_peft_model(self.accelerator.unwrap_model(self.model)))
             )
         return self._label_mean
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's, refused on every rank where accelerate would swap it on the offloading ranks alone."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        check_job_optimizer_offloads(self.job, optimizer, accelerate_maps=True)
+        return optimizer
 
     def compute_loss(
         self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None

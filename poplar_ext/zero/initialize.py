@@ -22,7 +22,7 @@ from poplar_ext.hardware.emulation import (
     emulation_for_rank,
     steady_reference,
 )
-from poplar_ext.optimizer_offload import check_client_optimizer_offloads
+from poplar_ext.optimizer_offload import check_job_optimizer_offloads
 from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import Cluster, Emulation, Plan, profile_from_dict
 from poplar_ext.profiler.measure import training_dtype
@@ -317,7 +317,7 @@ def initialize(
     )
     if training_data is not None:  # before DeepSpeed builds the engine
         check_holds_global_batch(len(training_data), job.plan.global_batch_size, "training_data: num_samples")
-    check_client_optimizer_offloads(job.ds_config, job.plan, optimizer, source=job.source, plan_source=job.plan_reason)
+    check_job_optimizer_offloads(job, optimizer)
     nominal = nominal_deepspeed_config(job.ds_config, job.plan, job.rank, source=job.source)
     labels, slowdown = set_up_rank(job, model, toggle=checkpointing_toggle)
     # Imported here, once the job is settled: a call refused before (data, config, build locks) imports no deepspeed.

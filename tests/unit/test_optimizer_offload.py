@@ -206,3 +206,75 @@ def test_what_deepspeed_offloads_passes_the_client_optimizer_check():
     check_client_optimizer_offloads(force, plain, torch.optim.Adam(params), source="ds.json")
     check_client_optimizer_offloads(force, offloading, None, source="ds.json")  # the config's optimizer section
     check_client_optimizer_offloads(force, offloading, torch.optim.Adam, source="ds.json")  # a factory: DeepSpeed's
+
+
+def _offloading_job():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        plan=_plan([False, True]),
+        ds_config={"zero_optimization": {"stage": 2}, "zero_force_ds_cpu_optimizer": True},
+        source="ds.json",
+        rank=0,
+        plan_reason="the plan file plan.json",
+    )
+
+
+def test_accelerate_maps_adam_adamw_and_adagrad_faithfully_and_anything_else_is_refused():
+    # accelerate (map_pytorch_optim_to_deepspeed) swaps a client optimizer for DeepSpeedCPUAdam where it offloads
+    # under zero_force_ds_cpu_optimizer: where the plan offloads some ranks alone, an SGD trained as Adam there.
+    import torch
+
+    from poplar_ext.optimizer_offload import check_client_optimizer_offloads
+    from poplar_ext.plan.errors import FormatError
+
+    job, params = _offloading_job(), [torch.nn.Parameter(torch.zeros(1))]
+    for kind in (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad):
+        check_client_optimizer_offloads(job.ds_config, job.plan, kind(params), source="ds.json", accelerate_maps=True)
+    with pytest.raises(FormatError) as refused:
+        check_client_optimizer_offloads(
+            job.ds_config, job.plan, torch.optim.SGD(params, lr=0.1), source="ds.json", accelerate_maps=True
+        )
+    message = str(refused.value)
+    assert message.startswith(
+        "ds.json: zero_force_ds_cpu_optimizer: expected false (or unset) where the plan offloads the optimizer "
+        "(ranks[1].optimizer_offload) of a client optimizer other than DeepSpeedCPUAdam or DeepSpeedCPULion or "
+        "Adam or AdamW or Adagrad (accelerate trains it as DeepSpeedCPUAdam on the offloading ranks alone"
+    ), message
+    assert "found True with the client optimizer torch.optim.sgd.SGD" in message
+
+
+def test_poplar_trainer_refuses_the_optimizer_accelerate_would_swap_on_offloading_ranks():
+    import torch
+
+    from poplar_ext.integrations.transformers import PoplarTrainerMixin
+    from poplar_ext.plan.errors import FormatError
+
+    class TrainerLike:
+        chosen = torch.optim.SGD
+
+        def create_optimizer(self, model=None):
+            return self.chosen([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    class Mixed(PoplarTrainerMixin, TrainerLike):
+        pass
+
+    trainer = object.__new__(Mixed)
+    trainer.job = _offloading_job()
+    with pytest.raises(FormatError, match="torch.optim.sgd.SGD"):
+        trainer.create_optimizer()
+    trainer.chosen = torch.optim.AdamW
+    assert isinstance(trainer.create_optimizer(), torch.optim.AdamW)
+
+
+def test_poplar_accelerator_refuses_the_optimizer_accelerate_would_swap_on_offloading_ranks():
+    import torch
+
+    from poplar_ext.integrations.accelerate import PoplarAccelerator
+    from poplar_ext.plan.errors import FormatError
+
+    accelerator = object.__new__(PoplarAccelerator)
+    accelerator.job = _offloading_job()
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(FormatError, match="zero_force_ds_cpu_optimizer.*torch.optim.sgd.SGD"):
+        accelerator._prepare_deepspeed(model, torch.optim.SGD(model.parameters(), lr=0.1))
