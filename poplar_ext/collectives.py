@@ -405,8 +405,14 @@ def broadcast_in_group(tensor: Any, *, src: int, group: Any) -> None:
 
 
 def process_group_backend() -> str:
-    """The default process group's backend (``nccl``, ``gloo``)."""
-    return str(dist.get_backend())
+    """The default process group's backend (``nccl``, ``gloo``). A group with a backend per device (what
+    ``dist.init_process_group()`` without one makes; torch names it ``undefined``): the one of the device its
+    collectives run on, CUDA where there is one."""
+    backend = str(dist.get_backend())
+    if backend != "undefined":
+        return backend
+    per_device = dict(part.split(":", 1) for part in str(dist.get_backend_config()).split(",") if ":" in part)
+    return per_device.get("cuda" if torch.cuda.is_available() else "cpu", backend)
 
 
 def barrier() -> None:

@@ -363,3 +363,20 @@ def test_a_cached_network_file_is_reused_only_over_the_backend_it_was_measured_w
     layout = SimpleNamespace(world_size=2, rank=0, cluster=cluster)
     network, line = profiler_network.cached_or_measured_network(layout, tmp_path, force=False)
     assert network.backend == backend and line.startswith("network: from the cache" if reused else "network: measured")
+
+
+@pytest.mark.parametrize(("cuda", "expected"), [(True, "nccl"), (False, "gloo")])
+def test_a_process_group_with_a_backend_per_device_is_named_by_the_device_in_use(monkeypatch, cuda, expected):
+    # dist.init_process_group() without a backend gives one per device, and torch names it "undefined": a
+    # network file measured so would read as not overlapping collectives with compute on a GPU (only "nccl" does).
+    import torch
+    import torch.distributed as dist
+
+    from poplar_ext.collectives import process_group_backend
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "undefined")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert process_group_backend() == expected
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert process_group_backend() == "nccl"
