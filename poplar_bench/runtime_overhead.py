@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .cluster_files import write_uniform_cpu_job
-from .report import code_lines, machine_description, utc_now, write_json_and_markdown
+from .report import code_lines, machine_description, progress, utc_now, write_json_and_markdown
 
 GOAL_RATIO = 1.02
 WORLD_SIZE = 2
@@ -172,6 +172,10 @@ def run_overhead(
     """Measure both engines (see docs/bench.md); returns the report as a dict."""
     from poplar_bench.local_ranks import run_ranks
 
+    progress(
+        f"{WORLD_SIZE} ranks: {blocks} blocks of {block_iterations} iterations per engine",
+        bench="overhead",
+    )
     with tempfile.TemporaryDirectory() as directory:
         times = run_ranks(
             _rank_main,
@@ -184,6 +188,7 @@ def run_overhead(
             capture_output=False,
         )[0]
     report = summarise(times["blocks"], times["cpu"], blocks=blocks, block_iterations=block_iterations, warmup=warmup)
+    progress("the wrapper's own cost, around a no-op engine", bench="overhead")
     added_s = measure_wrapper_cost()["added_cpu_per_iteration_s"]
     report["wrapper_cost"] = {
         "added_cpu_per_iteration_s": added_s,

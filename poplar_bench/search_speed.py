@@ -16,7 +16,7 @@ from poplar_bench.synthetic import random_lever_profiles, random_profiles, simpl
 from poplar_ext.plan.formats import ZERO_STAGES, load_cluster, load_profiles
 from poplar_ext.search import search_plan
 
-from .report import code_lines, machine_description, utc_now, write_json_and_markdown
+from .report import code_lines, machine_description, progress, utc_now, write_json_and_markdown
 
 RANK_COUNTS = (8, 16, 64, 256, 1024, 4096)
 TYPE_COUNTS = (1, 2, 3, 4, 5, 6)
@@ -149,6 +149,7 @@ def run_search_speed(
     cells = []
     for num_ranks in rank_counts:
         for num_types in type_counts:
+            progress(f"{num_ranks} ranks x {num_types} device types ({repeats} repeats)", bench="search-speed")
             fixed = time_search(num_ranks, num_types, global_batch_size=32 * num_ranks + 7, repeats=repeats)
             auto = time_search(num_ranks, num_types, global_batch_size=None, repeats=repeats)
             cells.append({"ranks": num_ranks, "device_types": num_types, "fixed_batch": fixed, "auto_batch": auto})
@@ -159,6 +160,8 @@ def run_search_speed(
             modes = [c[mode] for c in chosen for mode in ("fixed_batch", "auto_batch")]
             goals.append(_goal(goal["goal"], goal["target_s"], modes))
     problems, sources = _large_problems(example_dir)
+    if problems and large_batches:
+        progress(f"large batches: {len(problems)} problems x {len(large_batches)} batches", bench="search-speed")
     large_cells = [
         {
             "problem": name,
@@ -174,6 +177,10 @@ def run_search_speed(
     ]
     if large_cells:
         goals.append(_goal(LARGE_BATCH_GOAL["goal"], LARGE_BATCH_GOAL["target_s"], large_cells))
+    if lever_ranks is not None and lever_seeds:
+        progress(
+            f"memory levers: {lever_types} types x {lever_ranks} ranks, seeds {list(lever_seeds)}", bench="search-speed"
+        )
     lever_cells = [
         time_lever_search(
             lever_ranks, lever_types, zero_stage=stage, global_batch_size=batch, repeats=lever_repeats, seed=seed

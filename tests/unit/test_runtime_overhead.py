@@ -43,3 +43,20 @@ def test_markdown_warns_when_blocks_scatter():
 def test_wrapper_cost_is_measured():
     cost = measure_wrapper_cost(iterations=200, repeats=1)["added_cpu_per_iteration_s"]
     assert math.isfinite(cost)
+
+
+def test_the_overhead_bench_shows_its_progress_on_stderr(monkeypatch, capsys):
+    import poplar_bench.local_ranks as local_ranks
+    from poplar_bench import runtime_overhead
+
+    monkeypatch.setattr(local_ranks, "run_ranks", lambda *args, **kwargs: [{"blocks": {}, "cpu": {}}])
+    monkeypatch.setattr(
+        runtime_overhead, "summarise", lambda *args, **kwargs: {"raw_deepspeed": {"median_iteration_s": 1.0}}
+    )
+    monkeypatch.setattr(runtime_overhead, "measure_wrapper_cost", lambda: {"added_cpu_per_iteration_s": 0.01})
+    report = runtime_overhead.run_overhead(blocks=3, block_iterations=2)
+    assert report["wrapper_cost"]["fraction_of_raw_median_iteration"] == 0.01
+    assert capsys.readouterr().err.splitlines() == [
+        f"[poplar-bench overhead] {runtime_overhead.WORLD_SIZE} ranks: 3 blocks of 2 iterations per engine",
+        "[poplar-bench overhead] the wrapper's own cost, around a no-op engine",
+    ]

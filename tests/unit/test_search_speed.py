@@ -210,3 +210,13 @@ def test_the_shipped_example_at_large_batches_cannot_split_any_earlier(stage, ba
     model = build_stage_model(profiles, load_cluster(EXAMPLES / "cluster.json").rank_device_types, stage)
     busy_s = _check_exact_split(model, allocate("poplar", model, batch).allocation, batch)
     assert not _splits_at(model, _previous_breakpoint(model, busy_s), batch)
+
+
+def test_search_speed_shows_its_progress_on_stderr(capsys):
+    run_search_speed(rank_counts=(8,), type_counts=(1, 2), repeats=1, large_batches=(), lever_ranks=16, lever_types=2)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "[poplar-bench search-speed] 8 ranks x 1 device types (1 repeats)",
+        "[poplar-bench search-speed] 8 ranks x 2 device types (1 repeats)",
+        "[poplar-bench search-speed] memory levers: 2 types x 16 ranks, seeds [0]",
+    ], lines
