@@ -320,6 +320,7 @@ def initialize(
     check_job_optimizer_offloads(job, optimizer)
     nominal = nominal_deepspeed_config(job.ds_config, job.plan, job.rank, source=job.source)
     labels, slowdown = set_up_rank(job, model, toggle=checkpointing_toggle)
+    rebalancer = zero_rebalancer(job)  # collective; before the build, so that its refusal costs no engine
     # Imported here, once the job is settled: a call refused before (data, config, build locks) imports no deepspeed.
     import deepspeed
     from deepspeed.utils import groups
@@ -346,7 +347,7 @@ def initialize(
     )
     undo_initial_zero_step(engine)  # fp16 at ZeRO 0: DeepSpeed's zero-gradient step at its build
     count_true_global_batch(engine, job.plan)
-    wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=zero_rebalancer(job))
+    wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=rebalancer)
     dataloader = _training_dataloader(wrapped, training_data, collate_fn=collate_fn, model=model, job=job)
     return wrapped, ds_optimizer, dataloader, ds_scheduler
 

@@ -145,3 +145,29 @@ def test_node_local_checkpoints_without_save_on_each_node_are_refused_by_the_tra
         ValueError, match=r"^TrainingArguments.save_on_each_node: expected True with the DeepSpeed config's checkpoint"
     ):
         PoplarTrainer(model=None, args=args)
+
+
+def test_poplar_ext_initialize_refuses_rebalancing_before_deepspeed_builds_the_engine(monkeypatch):
+    # poplar.rebalance.enabled true that cannot run was refused after deepspeed.initialize: the engine's build
+    # (and its logs) came first, for an error in the config.
+    import deepspeed
+    import torch
+
+    from poplar_ext.zero import initialize as zero_initialize
+
+    def refused(job):
+        raise ValueError("ds.json: poplar.rebalance.enabled: refused")
+
+    def built(*args, **kwargs):
+        raise AssertionError("DeepSpeed built the engine before the refusal")
+
+    job = SimpleNamespace(plan=SimpleNamespace(ranks=[]), ds_config={}, source="ds.json", rank=0)
+    monkeypatch.setattr(zero_initialize, "load_deepspeed_config", lambda *args, **kwargs: ({}, Path("."), "ds.json"))
+    monkeypatch.setattr(zero_initialize, "read_poplar_section", lambda *args, **kwargs: None)
+    monkeypatch.setattr(zero_initialize, "prepare_job", lambda *args, **kwargs: job)
+    monkeypatch.setattr(zero_initialize, "nominal_deepspeed_config", lambda *args, **kwargs: {})
+    monkeypatch.setattr(zero_initialize, "set_up_rank", lambda *args, **kwargs: ((), None))
+    monkeypatch.setattr(zero_initialize, "zero_rebalancer", refused)
+    monkeypatch.setattr(deepspeed, "initialize", built)
+    with pytest.raises(ValueError, match="poplar.rebalance.enabled: refused"):
+        zero_initialize.initialize(model=torch.nn.Linear(2, 1), config={})
