@@ -303,6 +303,15 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         if data_iter is None and reads_data and self.data_iterator is None and self._loader is not None:
             self._own_iterator = True
             self.set_dataiterator(iter(RepeatingLoader(self._loader)))
+        if data_iter is None and reads_data and self.data_iterator is None and self.batch_fn is None:
+            # DeepSpeed would read None as the micro-batch and fail inside its schedule ("'NoneType' object
+            # is not subscriptable"); only the stages that read data can tell, before any transfer.
+            raise ValueError(
+                f"train_batch: expected micro-batches to train on, found none on rank {self.global_rank} "
+                f"(pipeline {self.pipeline_index}'s {'first' if self.is_first_stage() else 'last'} stage, which "
+                "reads them): give poplar_ext.initialize training_data (train_batch() then reads its dataloader), "
+                "or call train_batch(data_iter) or engine.set_dataiterator(data_iter)"
+            )
         with self._monitor_event_held(TRAIN_LOSS_EVENT):  # it would get rank 0's pipeline's share
             share = super().train_batch(data_iter)
         # Each stage of pipeline p holds its share; each share counted once over all ranks.

@@ -375,6 +375,34 @@ def test_a_pipelines_loss_weight_is_its_count_times_its_share_of_the_batch():
     )
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_train_batch_without_data_says_where_the_data_comes_from_before_deepspeeds_schedule(first):
+    # Without training_data nor data_iter, DeepSpeed read None as the micro-batch inside its schedule:
+    # "TypeError: 'NoneType' object is not subscriptable" on the stages that read data.
+    from types import SimpleNamespace
+
+    from poplar_ext.pipeline.engine import PoplarPipelineEngine
+
+    engine = SimpleNamespace(
+        module=SimpleNamespace(loss_fn=SimpleNamespace(tokens=0, refused=None)),
+        is_first_stage=lambda: first,
+        is_last_stage=lambda: not first,
+        _fed_by_caller=False,
+        data_iterator=None,
+        _loader=None,
+        batch_fn=None,
+        global_rank=3,
+        pipeline_index=1,
+    )
+    stage = "first" if first else "last"
+    message = (
+        rf"^train_batch: expected micro-batches to train on, found none on rank 3 \(pipeline 1's {stage} stage, "
+        r"which reads them\): give poplar_ext.initialize training_data .*train_batch\(data_iter\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        PoplarPipelineEngine.train_batch(engine)
+
+
 def test_an_evaluated_loss_is_unweighted_and_counted_by_its_share_of_the_evaluated_batch():
     from poplar_ext.pipeline.module import WeightedLoss
 
