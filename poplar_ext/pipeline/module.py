@@ -157,6 +157,15 @@ def _stage_checkpointing(
     return stage.num_layers, func or checkpointing.non_reentrant_checkpoint
 
 
+def _embeds_tokens(layer: Any) -> bool:
+    """Whether `layer` (a built layer) is an ``nn.Embedding`` or wraps one alone (`TokenEmbedding`): its inputs are
+    token ids."""
+    if isinstance(layer, torch.nn.Embedding):
+        return True
+    children = list(layer.children()) if isinstance(layer, torch.nn.Module) else []
+    return len(children) == 1 and isinstance(children[0], torch.nn.Embedding)
+
+
 @contextmanager
 def _built_on(grid: PlanGrid) -> Iterator[None]:
     # DeepSpeed falls short here: PipelineModule.__init__ builds its grid inline (runtime/pipe/module.py) and
@@ -252,6 +261,17 @@ class PoplarPipelineModule(PipelineModule):
         segments = getattr(self, "layer_segments", None)
         if segments is not None:
             segments.broadcast_parameters(self, ties_only=True)
+
+    def _is_checkpointable(self, funcs: list[Any]) -> bool:
+        # DeepSpeed's reentrant checkpoint of the block that reads the data from a token embedding (layer 0 on a
+        # first stage) detaches it: token ids cannot require a gradient, so the stage's backward fails ("element
+        # 0 of tensors does not require grad"). DeepSpeed leaves that block out for its own GPT pipes alone
+        # (PipelineModule._is_checkpointable, by class name); here for any model whose first layer embeds tokens.
+        reentrant = self.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint
+        if reentrant and self._local_start == 0 and funcs and funcs[0] is self.forward_funcs[0]:
+            if _embeds_tokens(funcs[0]):
+                return False
+        return super()._is_checkpointable(funcs)
 
     def _index_tied_modules(self) -> dict:
         # DeepSpeed makes a tied module's groups here from its own grid, per pipeline depth; pipelines of

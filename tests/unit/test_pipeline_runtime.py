@@ -403,6 +403,31 @@ def test_train_batch_without_data_says_where_the_data_comes_from_before_deepspee
         PoplarPipelineEngine.train_batch(engine)
 
 
+def test_a_users_reentrant_interval_leaves_out_the_block_that_embeds_the_token_ids():
+    # DeepSpeed's reentrant checkpoint of a first stage's token embedding detached it: with causal_lm_layers and
+    # activation_checkpoint_interval=1 the first stages failed "element 0 of tensors does not require grad".
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    from poplar_ext.pipeline.causal_lm import TokenEmbedding
+    from poplar_ext.pipeline.module import PoplarPipelineModule
+
+    module = PoplarPipelineModule.__new__(PoplarPipelineModule)  # the decision alone: no process group
+    torch.nn.Module.__init__(module)
+    embedding, block = TokenEmbedding(torch.nn.Embedding(8, 4)), torch.nn.Linear(4, 4)
+    module.forward_funcs, module._local_start, module.checkpointable_layers = [embedding, block], 0, None
+    module.activation_checkpoint_func = checkpointing.checkpoint
+    assert not module._is_checkpointable([embedding])
+    assert not module._is_checkpointable([embedding, block])
+    assert module._is_checkpointable([block])
+    module.forward_funcs = [torch.nn.Embedding(8, 4)]  # a plain embedding as layer 0 alike
+    assert not module._is_checkpointable(module.forward_funcs)
+    module.forward_funcs, module._local_start = [embedding, block], 2  # not the data's layer: DeepSpeed's rule
+    assert module._is_checkpointable([embedding])
+    module._local_start = 0
+    module.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint  # takes token ids: checkpointed
+    assert module._is_checkpointable([embedding, block])
+
+
 def test_an_evaluated_loss_is_unweighted_and_counted_by_its_share_of_the_evaluated_batch():
     from poplar_ext.pipeline.module import WeightedLoss
 
