@@ -351,10 +351,19 @@ def check_holds_global_batch(num_samples: int, global_batch_size: int, name: str
 
 
 def plan_dataloader(
-    training_data: Any, sampler: torch.utils.data.Sampler, *, collate_fn: Any, device: torch.device
+    training_data: Any,
+    sampler: torch.utils.data.Sampler,
+    *,
+    collate_fn: Any,
+    device: torch.device,
+    num_workers: int = 0,
 ) -> torch.utils.data.DataLoader:
     """The training DataLoader of a plan's `sampler`; on CUDA its batches in pinned host memory, so that copying
     them to the GPU does not wait for a staging copy."""
     return torch.utils.data.DataLoader(
-        training_data, batch_sampler=sampler, collate_fn=collate_fn, pin_memory=torch.device(device).type == "cuda"
+        training_data,
+        batch_sampler=sampler,
+        collate_fn=collate_fn,
+        pin_memory=torch.device(device).type == "cuda",
+        num_workers=num_workers,
     )

@@ -27,7 +27,13 @@ from poplar_ext.runtime.checkpoint import (
     tag_for_load,
 )
 from poplar_ext.runtime.config import PoplarConfig
-from poplar_ext.runtime.data import PlanBatchSampler
+from poplar_ext.runtime.data import (
+    IterationLoader,
+    PlanBatchSampler,
+    check_holds_global_batch,
+    check_plan_dataset,
+    plan_dataloader,
+)
 from poplar_ext.runtime.engine_core import (
     EngineCore,
     unapplied_loss_scale,
@@ -35,7 +41,7 @@ from poplar_ext.runtime.engine_core import (
     warn_if_step_skipped,
 )
 from poplar_ext.runtime.rebalance import Rebalancer, SwitchOrder
-from poplar_ext.runtime.weighting import loss_weight, weight_loss
+from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels, loss_weight, weight_loss
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,7 @@ class PoplarEngine(EngineCore):
     * `backward(loss)`: `loss` is this rank's micro-batch loss reduced as ``poplar.loss_reduction`` says; the
       wrapper weights it (``scale_wrt_gas=False``): do not divide it by the accumulation count yourself.
     * `train_batch_size()`: the plan's true global batch; the micro-batch and accumulation count are this rank's.
+    * `deepspeed_io(dataset)`: for training, this rank's micro-batches of the plan.
     * `save_checkpoint` / `load_checkpoint` also store and restore the data position and the plan history; a
       checkpoint made under another plan, on another cluster, or by plain DeepSpeed can be loaded.
     * `plan_history`: every plan the job ran, with the step it started at and why.
@@ -380,6 +387,70 @@ class PoplarEngine(EngineCore):
         )
         self._add_sampler(sampler)
         return sampler
+
+    def deepspeed_io(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Any = None,
+        num_local_io_workers: int | None = None,
+    ) -> Any:
+        """DeepSpeed's ``deepspeed_io``; for training (`route` ``"train"``, its default) the loader is this rank's
+        micro-batches of the plan, as the dataloader `poplar_ext.initialize` returns for ``training_data``
+        (DeepSpeed's would give every rank an equal share of `dataset` in batches of this rank's micro-batch size:
+        a partial last micro-batch, iterations that end on different ranks at different samples, samples trained
+        twice or not at all). `collate_fn` defaults to the one given to ``initialize``; `pin_memory` follows the
+        device. For training, `batch_size` can only be this rank's micro-batch and `data_sampler` none (the plan
+        splits the data). Other routes (``"eval"``, ``"predict"``) are DeepSpeed's."""
+        if route != "train":
+            return self.deepspeed_engine.deepspeed_io(
+                dataset,
+                batch_size=batch_size,
+                route=route,
+                pin_memory=pin_memory,
+                data_sampler=data_sampler,
+                collate_fn=collate_fn,
+                num_local_io_workers=num_local_io_workers,
+            )
+        if batch_size is not None and batch_size != self.rank_plan.micro_batch_size:
+            raise ValueError(
+                f"deepspeed_io: batch_size: expected None or this rank's micro-batch size in the plan "
+                f"({self.rank_plan.micro_batch_size}), found {batch_size!r}: the plan gives each rank its own "
+                "micro-batch; change the plan (or poplar.global_batch_size) to change it"
+            )
+        if data_sampler is not None:
+            raise ValueError(
+                f"deepspeed_io: data_sampler: expected None for training, found {type(data_sampler).__name__}: the "
+                "plan's batch sampler splits the data among the ranks (engine.create_batch_sampler), every sample "
+                "once per epoch"
+            )
+        check_plan_dataset(dataset, "deepspeed_io: dataset", otherwise="or feed each rank its plan's micro-batches")
+        check_holds_global_batch(len(dataset), self.plan.global_batch_size, "deepspeed_io: dataset: num_samples")
+        if collate_fn is None:
+            collate_fn = getattr(self.deepspeed_engine, "collate_fn", None)
+        return self.plan_training_loader(dataset, collate_fn=collate_fn, num_workers=num_local_io_workers or 0)
+
+    def plan_training_loader(self, dataset: Any, *, collate_fn: Any = None, num_workers: int = 0) -> Any:
+        """This rank's micro-batches of `dataset` by a new batch sampler of the engine (`create_batch_sampler`);
+        under ``loss_reduction: token_mean`` an iteration at a time, its label tokens agreed before its first
+        micro-batch (`set_token_counts`)."""
+        sampler = self.create_batch_sampler(len(dataset))
+        loader = plan_dataloader(
+            dataset, sampler, collate_fn=collate_fn, device=self.deepspeed_engine.device, num_workers=num_workers
+        )
+        if self.poplar_config.loss_reduction != "token_mean":
+            return loader
+        shifted = loss_shifts_labels(getattr(self.deepspeed_engine, "module", None))
+        return IterationLoader(
+            loader,
+            micro_batches_per_iteration=lambda: self.rank_plan.gradient_accumulation_steps,
+            before_iteration=lambda group: self.set_token_counts(
+                [label_token_count(b, shifted=shifted) for b in group]
+            ),
+        )
 
     def adopt_batch_sampler(self, sampler: PlanBatchSampler) -> None:
         """Let a sampler built before the engine (accelerate prepares dataloaders first) follow plan switches and

@@ -42,13 +42,11 @@ from poplar_ext.runtime.data import (
     PlanBatchSampler,
     check_holds_global_batch,
     check_plan_dataset,
-    plan_dataloader,
 )
 from poplar_ext.runtime.engine_core import undo_initial_zero_step
 from poplar_ext.runtime.job_start import JobBase, agreed_job_cluster, read_poplar_section, steady_from_rank0
 from poplar_ext.runtime.process_settings import apply_cpu_process_settings, on_cpu_accelerator
 from poplar_ext.runtime.rebalance import DriftMonitor, Rebalancer, job_rebalancer
-from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from poplar_ext.search.model_states import optimizer_state_bytes
 from poplar_ext.zero.engine import PoplarEngine
 from poplar_ext.zero.planning import (
@@ -342,13 +340,14 @@ def initialize(
         lr_scheduler=lr_scheduler,
         mpu=mpu,
         dist_init_required=dist_init_required,
+        collate_fn=collate_fn,  # DeepSpeed's engine.collate_fn, deepspeed_io's default, as the caller gave it
         mesh_param=mesh_param,
         **init_options,
     )
     undo_initial_zero_step(engine)  # fp16 at ZeRO 0: DeepSpeed's zero-gradient step at its build
     count_true_global_batch(engine, job.plan)
     wrapped = poplar_engine(job, engine, labels=labels, slowdown=slowdown, rebalancer=rebalancer)
-    dataloader = _training_dataloader(wrapped, training_data, collate_fn=collate_fn, model=model, job=job)
+    dataloader = _training_dataloader(wrapped, training_data, collate_fn=collate_fn)
     return wrapped, ds_optimizer, dataloader, ds_scheduler
 
 
@@ -506,21 +505,12 @@ def poplar_engine(
 
 
 def _training_dataloader(
-    engine: PoplarEngine, training_data: Any, *, collate_fn: Any, model: Any, job: Job
+    engine: PoplarEngine, training_data: Any, *, collate_fn: Any
 ) -> torch.utils.data.DataLoader | IterationLoader | None:
     """This rank's micro-batches of `training_data` (None without it), by the engine's batch sampler."""
     if training_data is None:
         return None
-    sampler = engine.create_batch_sampler(len(training_data))
-    dataloader = plan_dataloader(training_data, sampler, collate_fn=collate_fn, device=job.device)
-    if job.poplar_config.loss_reduction != "token_mean":
-        return dataloader
-    shifted = loss_shifts_labels(model)
-    return IterationLoader(
-        dataloader,
-        micro_batches_per_iteration=lambda: engine.rank_plan.gradient_accumulation_steps,
-        before_iteration=lambda group: engine.set_token_counts([label_token_count(b, shifted=shifted) for b in group]),
-    )
+    return engine.plan_training_loader(training_data, collate_fn=collate_fn)
 
 
 __all__ = [

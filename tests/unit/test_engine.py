@@ -1653,3 +1653,55 @@ def test_a_step_skipped_outside_fp16_is_not_said_to_be_an_fp16_overflow(caplog):
         "trained again (1 steps skipped so far)" in caplog.text
     )
     assert "fp16" not in caplog.text and "loss scale" not in caplog.text
+
+
+def _deepspeeds_own_io(plan, rank):
+    """What DeepSpeed 0.19.8's ``deepspeed_io`` gives for training: an equal share of the data set per rank
+    (DistributedSampler) in batches of the rank's configured micro-batch."""
+
+    def deepspeed_io(dataset, batch_size=None, route="train", data_sampler=None, **kwargs):
+        sampler = data_sampler or torch.utils.data.DistributedSampler(dataset, num_replicas=plan.world_size, rank=rank)
+        batch_size = batch_size or plan.ranks[rank].micro_batch_size
+        return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+    return deepspeed_io
+
+
+def test_deepspeed_io_for_training_gives_the_plans_micro_batches_every_sample_once():
+    # A DeepSpeed script that builds its loader with engine.deepspeed_io(dataset) got DeepSpeed's even split: with
+    # micro-batches 3 x 1 and 1 x 3 of 20 samples, rank 0 trained 4 batches (the last of 1 sample, weighted as 3)
+    # and rank 1 ten, so iterations mixed samples of two epochs and trained some twice (a max parameter
+    # difference of 8e-3 from one process after 6 AdamW steps), without an error.
+    plan = _plan([(3, 1), (1, 3)])
+    data = torch.utils.data.TensorDataset(torch.arange(20))
+    loaders = []
+    for rank in (0, 1):
+        engine, fake = _engine(plan, rank=rank)
+        fake.deepspeed_io = _deepspeeds_own_io(plan, rank)
+        loaders.append(engine.deepspeed_io(data))
+    batches = [[batch[0].tolist() for batch in loader] for loader in loaders]
+    assert [len(b) for b in batches[0]] == [3] * len(batches[0])
+    assert [len(b) for b in batches[1]] == [1] * len(batches[1])
+    assert len(batches[1]) == 3 * len(batches[0])  # the same iterations on both ranks
+    first_epoch = sorted(sum(batches[0][:3], []) + sum(batches[1][:9], []))
+    assert first_epoch == sorted(set(first_epoch)) and len(first_epoch) == 18  # no sample twice in an epoch
+    assert len(engine.batch_samplers) == 1  # the engine's: it follows resumes and re-balancing
+
+
+def test_deepspeed_io_refuses_what_contradicts_the_plan_and_passes_evaluation_on():
+    plan = _plan([(3, 1), (1, 3)])
+    engine, fake = _engine(plan, rank=1)
+    fake.deepspeed_io = _deepspeeds_own_io(plan, 1)
+    data = torch.utils.data.TensorDataset(torch.arange(20))
+    with pytest.raises(ValueError, match=r"deepspeed_io: batch_size: expected None or this rank's micro-batch .*\(1\)"):
+        engine.deepspeed_io(data, batch_size=3)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=1)
+    with pytest.raises(ValueError, match="deepspeed_io: data_sampler: expected None for training, found Distributed"):
+        engine.deepspeed_io(data, data_sampler=sampler)
+    with pytest.raises(ValueError, match=r"deepspeed_io: dataset: num_samples: expected at least the global batch"):
+        engine.deepspeed_io(torch.utils.data.TensorDataset(torch.arange(5)))
+    assert [len(b[0]) for b in engine.deepspeed_io(data, batch_size=1)] == [1] * len(engine.deepspeed_io(data))
+    samplers = len(engine.batch_samplers)
+    evaluation = engine.deepspeed_io(data, batch_size=4, route="eval")
+    assert [len(b[0]) for b in evaluation] == [4, 4, 2]  # DeepSpeed's own, as asked
+    assert len(engine.batch_samplers) == samplers  # evaluation made no training sampler
