@@ -71,6 +71,7 @@ class PoplarEngine(EngineCore):
     * `backward(loss)`: `loss` is this rank's micro-batch loss reduced as ``poplar.loss_reduction`` says; the
       wrapper weights it (``scale_wrt_gas=False``): do not divide it by the accumulation count yourself.
     * `train_batch_size()`: the plan's true global batch; the micro-batch and accumulation count are this rank's.
+    * `set_train_batch_size` / `set_train_micro_batch_size`: refused unless they keep the plan's values.
     * `deepspeed_io(dataset)`: for training, this rank's micro-batches of the plan.
     * `save_checkpoint` / `load_checkpoint` also store and restore the data position and the plan history; a
       checkpoint made under another plan, on another cluster, or by plain DeepSpeed can be loaded.
@@ -305,6 +306,29 @@ class PoplarEngine(EngineCore):
     def train_batch_size(self) -> int:
         """The true global batch: the plan's, the same on every rank."""
         return self.plan.global_batch_size
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's batch-size setter, refused unless it keeps the plan's global batch (then a no-op): under a plan
+        each rank's micro-batch and accumulation count are the plan's, and DeepSpeed's setter would change this
+        rank's accumulation count alone while the loss weights and the data stay the plan's."""
+        if train_batch_size != self.plan.global_batch_size:
+            raise ValueError(
+                f"set_train_batch_size: expected the plan's global batch ({self.plan.global_batch_size}), found "
+                f"{train_batch_size!r}: each rank's micro-batch and accumulation count are the plan's; to train "
+                "another global batch, save a checkpoint and resume it under a plan of that batch "
+                "(poplar.global_batch_size); to move samples between ranks, engine.rebalance_to(plan)"
+            )
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's micro-batch setter, refused unless it keeps this rank's micro-batch of the plan (then a
+        no-op): see `set_train_batch_size`."""
+        if micro_batch_size != self.rank_plan.micro_batch_size:
+            raise ValueError(
+                f"set_train_micro_batch_size: expected this rank's micro-batch in the plan "
+                f"({self.rank_plan.micro_batch_size}), found {micro_batch_size!r}: each rank's micro-batch and "
+                "accumulation count are the plan's; to change them, engine.rebalance_to(plan) on every rank (the "
+                "same global batch), or resume a checkpoint under another plan"
+            )
 
     def check_switch(self, plan: Plan) -> None:
         """ValueError unless `plan` can replace the current one mid-run (the same on every rank)."""

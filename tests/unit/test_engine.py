@@ -1705,3 +1705,41 @@ def test_deepspeed_io_refuses_what_contradicts_the_plan_and_passes_evaluation_on
     evaluation = engine.deepspeed_io(data, batch_size=4, route="eval")
     assert [len(b[0]) for b in evaluation] == [4, 4, 2]  # DeepSpeed's own, as asked
     assert len(engine.batch_samplers) == samplers  # evaluation made no training sampler
+
+
+class _BatchSettingDeepSpeedEngine(FakeDeepSpeedEngine):
+    """DeepSpeed 0.19.8's batch setters: a new global batch changes this rank's accumulation count alone."""
+
+    def __init__(self, gas, micro_batch_size, world_size):
+        super().__init__(gas)
+        self.micro_batch_size, self.world_size = micro_batch_size, world_size
+
+    def set_train_batch_size(self, train_batch_size):
+        self.gas = train_batch_size // (self.micro_batch_size * self.world_size)
+
+    def set_train_micro_batch_size(self, micro_batch_size):
+        self.micro_batch_size = micro_batch_size
+
+
+@pytest.mark.parametrize(
+    "setter, value, message",
+    [
+        ("set_train_batch_size", 12, r"set_train_batch_size: expected the plan's global batch \(6\), found 12"),
+        ("set_train_micro_batch_size", 2, r"set_train_micro_batch_size: expected this rank's micro-batch in the plan "),
+    ],
+)
+def test_deepspeeds_batch_setters_that_would_leave_the_plan_are_refused(setter, value, message):
+    # engine.set_train_batch_size(12) under micro-batches 3 x 1 and 1 x 3 made DeepSpeed accumulate 2 and 6
+    # micro-batches on the two ranks while the loss weights stayed those of the plan's batch of 6: every step
+    # trained the sum of two global batches' mean gradients (a gradient norm of 2.55 where the mean's was about
+    # 1.2), and engine.train_batch_size() still said 6, without an error.
+    plan = _plan([(3, 1), (1, 3)])
+    engine, _ = _engine(plan, rank=0)
+    fake = _BatchSettingDeepSpeedEngine(1, 3, 2)
+    engine.deepspeed_engine = fake
+    with pytest.raises(ValueError, match=message):
+        getattr(engine, setter)(value)
+    assert (fake.gas, fake.micro_batch_size) == (1, 3)
+    engine.set_train_batch_size(6)  # the plan's: nothing to change
+    engine.set_train_micro_batch_size(3)
+    assert (fake.gas, fake.micro_batch_size) == (1, 3)
