@@ -428,8 +428,13 @@ class PoplarEngine(EngineCore):
         a partial last micro-batch, iterations that end on different ranks at different samples, samples trained
         twice or not at all). `collate_fn` defaults to the one given to ``initialize``; `pin_memory` follows the
         device. For training, `batch_size` can only be this rank's micro-batch and `data_sampler` none (the plan
-        splits the data). Other routes (``"eval"``, ``"predict"``) are DeepSpeed's."""
+        splits the data). Other routes (``"eval"``, ``"predict"``) are DeepSpeed's (an equal share of `dataset` per
+        rank, padded with repeated samples), in batches of `batch_size`, by default the plan's smallest micro-batch
+        on every rank: DeepSpeed's default, this rank's micro-batch, would give the ranks different numbers of
+        batches, and at ZeRO stage 3, where every forward gathers the parameters from every rank, hang."""
         if route != "train":
+            if batch_size is None:
+                batch_size = min(r.micro_batch_size for r in self.plan.ranks)
             return self.deepspeed_engine.deepspeed_io(
                 dataset,
                 batch_size=batch_size,

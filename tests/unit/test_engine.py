@@ -1743,3 +1743,17 @@ def test_deepspeeds_batch_setters_that_would_leave_the_plan_are_refused(setter, 
     engine.set_train_batch_size(6)  # the plan's: nothing to change
     engine.set_train_micro_batch_size(3)
     assert (fake.gas, fake.micro_batch_size) == (1, 3)
+
+
+def test_deepspeed_io_for_evaluation_gives_every_rank_as_many_batches():
+    # engine.deepspeed_io(eval_set, route="eval") took DeepSpeed's default batch, this rank's micro-batch: with
+    # micro-batches 4 and 2 over 13 samples rank 0 evaluated 2 batches and rank 1 four, and at ZeRO stage 3 (every
+    # forward gathers the parameters from every rank) the job hung until the launcher's timeout.
+    plan = _plan([(4, 1), (2, 1)], stage=3)
+    data = torch.utils.data.TensorDataset(torch.arange(13))
+    counts = []
+    for rank in (0, 1):
+        engine, fake = _engine(plan, rank=rank)
+        fake.deepspeed_io = _deepspeeds_own_io(plan, rank)
+        counts.append([len(batch[0]) for batch in engine.deepspeed_io(data, route="eval")])
+    assert counts == [[2, 2, 2, 1]] * 2
