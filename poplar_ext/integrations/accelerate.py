@@ -55,6 +55,7 @@ class _PlanPasses(torch.utils.data.Sampler[list[int]]):
             yield from self.plan_sampler
             return
         sampler = self.plan_sampler
+        sampler.begin_pass()  # where the pass starts, before it is read here
         micro_batches = iter(sampler)
         while True:
             iteration = sampler.next_iteration

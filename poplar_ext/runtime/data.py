@@ -121,6 +121,14 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.generated_until = 0
         """Stream position after the last iteration this sampler has begun handing out (a DataLoader with
         workers runs ahead of training): a plan switch can start no earlier."""
+        self.trained_position: Callable[[], int] | None = None
+        """Where training has reached: the stream position of the first iteration no optimizer step trained,
+        set by the engine that follows this sampler (`EngineCore._add_sampler`); None for a sampler of its own.
+        A pass that begins after earlier passes handed out more than was trained (a DataLoader's workers and
+        accelerate's loader read ahead; the loop left the pass early) starts there, so that the iterations
+        handed out but never trained are handed out again rather than skipped."""
+        self._read_ahead = False
+        """Passes have moved `next_iteration` since the last `set_position` or `set_epoch`."""
         self.set_position(consumed_samples)
 
     @classmethod
@@ -155,6 +163,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
                 epoch, iteration = epoch + 1, 0
             self._origin, self.next_iteration = 0, epoch * self._iterations_per_epoch + iteration
         self.generated_until = self.consumed_samples
+        self._read_ahead = False
 
     def iteration_start(self, iteration: int) -> int:
         """Stream position of the first sample of `iteration`."""
@@ -181,6 +190,25 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             raise ValueError(f"epoch: expected an integer >= 0, found {epoch}")
         per_pass = self.iterations_per_pass
         self.next_iteration = self.first_iteration_of(epoch) if per_pass is None else epoch * per_pass
+        self._read_ahead = False
+
+    def _first_iteration_from(self, position: int) -> int:
+        """The first iteration that starts at or after stream `position`."""
+        if not self.drop_last:
+            return max(0, -(-(position - self._origin) // self.global_batch_size))
+        epoch, within = divmod(position, self.stream.num_samples)
+        iteration = -(-within // self.global_batch_size)
+        if iteration >= self._iterations_per_epoch:
+            epoch, iteration = epoch + 1, 0
+        return epoch * self._iterations_per_epoch + iteration
+
+    def begin_pass(self) -> None:
+        """Where the next pass starts: back at the first iteration training has not reached where earlier passes
+        handed out more (see `trained_position`); a position set by `set_position` or `set_epoch` since is kept.
+        Iterating calls it; a wrapper that reads `next_iteration` before iterating calls it first."""
+        if self._read_ahead and self.trained_position is not None:
+            self.next_iteration = min(self.next_iteration, self._first_iteration_from(self.trained_position()))
+        self._read_ahead = False
 
     def _pass_end(self) -> int:
         """The iteration after the last one of the pass that starts at `next_iteration`."""
@@ -225,6 +253,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         return [chunk[k * b : (k + 1) * b] for k in range(s)]
 
     def __iter__(self) -> Iterator[list[int]]:
+        self.begin_pass()
         for iteration in range(self.next_iteration, self._pass_end()):
             # Read when the iteration begins, not when the pass does: a plan switch
             # (`switch_plan`) between iterations applies to the next one.
@@ -233,17 +262,18 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             yield from batches[:-1]
             # Advanced before the last micro-batch is handed out: a consumer that
             # breaks right after it has finished the iteration.
-            self.next_iteration = iteration + 1
+            self.next_iteration, self._read_ahead = iteration + 1, True
             yield batches[-1]
 
     def iterations(self) -> Iterator[list[list[int]]]:
         """One pass an iteration at a time: each item is this rank's micro-batches of one iteration, with the
         bookkeeping of iterating the sampler (`generated_until`, `next_iteration`); a plan switch between
         iterations applies to the next one."""
+        self.begin_pass()
         for iteration in range(self.next_iteration, self._pass_end()):
             batches = self.micro_batches(iteration)
             self.generated_until = max(self.generated_until, self.iteration_start(iteration) + self.global_batch_size)
-            self.next_iteration = iteration + 1
+            self.next_iteration, self._read_ahead = iteration + 1, True
             yield batches
 
     def iterations_in_pass(self) -> int:

@@ -193,7 +193,7 @@ class EngineCore(FollowsRebalancing):
         each epoch's tail: their start, not a global batch apart."""
         if not self._samplers:
             return self.trained_position
-        trained = self._samplers[0].iteration_start(self._restored_iteration + self._steps_since_restore)
+        trained = self._next_untrained_position()
         read = max(sampler.consumed_samples for sampler in self._samplers)
         return min(trained, read) if read > self._restored_position else trained
 
@@ -285,7 +285,13 @@ class EngineCore(FollowsRebalancing):
             self._restored_iteration = sampler.next_iteration - self._steps_since_restore
         if self.pending_switch is not None:  # made at the data position, before the switch's
             sampler.switch_plan(self.pending_switch.plan, from_position=self.pending_switch.position)
+        # A pass begun after a pass read ahead of training (or left early) starts at the first iteration untrained.
+        sampler.trained_position = self._next_untrained_position
         self._samplers.append(sampler)
+
+    def _next_untrained_position(self) -> int:
+        """Stream position of the iteration the next optimizer step trains (as `data_position` counts steps)."""
+        return self._samplers[0].iteration_start(self._restored_iteration + self._steps_since_restore)
 
     def _continue_plans(self, decision: ResumeDecision, *, log_notes: bool = True) -> None:
         """The plan history of a resume, and its last plan when the run had switched (every rank alike); rank 0

@@ -340,6 +340,30 @@ def test_the_data_position_follows_the_sampler_that_trains_not_the_first_made(tm
     assert json.loads((tmp_path / "t" / STATE_FILE).read_text())["data_position"] == 64
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_pass_after_one_left_early_hands_out_again_what_was_read_ahead_but_not_trained(rank):
+    # A loop that leaves a pass (a break every few steps) while the DataLoader has read ahead (its workers;
+    # accelerate's loader always fetches the next micro-batch): rank 0, one micro-batch per iteration, had begun
+    # later iterations than rank 1, and skipped them in the next pass while rank 1 did not.
+    plan = _plan([(2, 1), (3, 2)])  # B = 8
+    engine, _ = _engine(plan, rank=rank)
+    sampler = engine.create_batch_sampler(50)  # passes of 7 iterations
+    handed_out = iter(sampler)
+    for _ in range(plan.ranks[rank].gradient_accumulation_steps):  # iteration 0 trained
+        next(handed_out)
+        engine.backward(engine(torch.ones(2)))
+        engine.step()
+    for _ in range(4):  # read ahead: iterations 1 and 2 (rank 1: iteration 1), then the loop leaves the pass
+        next(handed_out, None)
+    assert engine.data_position == 8
+    again = list(sampler)
+    assert again[0] == sampler.micro_batches(1)[0] and len(again) == 6 * plan.ranks[rank].gradient_accumulation_steps
+    # A position the loop sets itself is kept.
+    next(iter(sampler))
+    sampler.set_epoch(1)
+    assert next(iter(sampler)) == sampler.micro_batches(7)[0]
+
+
 def test_steps_on_batches_of_the_scripts_own_take_nothing_from_the_stream(tmp_path):
     engine, _ = _engine(_plan([(2, 1), (3, 2)]))  # B = 8
     sampler = engine.create_batch_sampler(64)  # initialize's dataloader, made at start
