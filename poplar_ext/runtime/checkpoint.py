@@ -886,7 +886,9 @@ def resume_decision(
             f"{plan['global_batch_size']}: the data continues at stream position {position} with the new batch"
             + (
                 " (with drop_last, at the new batch's first iteration of the epoch at or after it: the samples "
-                "between, fewer than a batch, are skipped in this epoch)"
+                "between, fewer than a batch, are skipped in this epoch; where the epoch holds no whole iteration of "
+                "the new batch after it, at the next epoch's first, and the rest of this epoch is skipped too: up to "
+                "twice the new batch less 2 samples)"
                 if saved.get("drop_last", False)
                 else ""
             )

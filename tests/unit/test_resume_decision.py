@@ -142,6 +142,9 @@ def test_a_new_batch_says_where_the_data_continues(drop_last):
     notes = " ".join(resume_decision(saved, current, path="ckpt", step=10).notes)
     assert "the data continues at stream position 160 with the new batch" in notes
     assert ("fewer than a batch, are skipped in this epoch" in notes) is drop_last
+    # The new batch's grid may leave no whole iteration in the rest of the epoch: 17 samples, 7 trained by a batch of
+    # 7, then a batch of 6 (iterations at 0 and 6 in each epoch) skips the other 10, not fewer than a batch.
+    assert ("the rest of this epoch is skipped too: up to twice the new batch less 2 samples" in notes) is drop_last
 
 
 def test_the_weights_alone_load_across_stages_0_to_2_not_3():
