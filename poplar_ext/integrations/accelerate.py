@@ -294,6 +294,8 @@ class PoplarAccelerator(Accelerator):
             sampler = PlanBatchSampler.from_plan(
                 self.job.plan, rank=self.job.rank, num_samples=len(dataset), **config.data_order
             )
+        if self.poplar_engine is None and self.job.rank == 0:
+            _warn_of_replaced_order(loader, shuffle=config.shuffle, drop_last=config.drop_last)
         options = {name: getattr(loader, name) for name in _DATALOADER_OPTIONS if hasattr(loader, name)}
         if loader.num_workers > 0:
             options["prefetch_factor"] = loader.prefetch_factor
@@ -424,3 +426,23 @@ class PoplarAccelerator(Accelerator):
         gathered = self.gather(pad_across_processes(tensor, dim=0))
         width = max(rows)
         return torch.cat([gathered[r * width : r * width + n] for r, n in enumerate(rows)])
+
+
+def _warn_of_replaced_order(loader: torch.utils.data.DataLoader, *, shuffle: bool, drop_last: bool) -> None:
+    """Warn where the training DataLoader asked for another order than the poplar section's, which the plan's
+    sampler follows instead (the Trainer refuses such arguments; a DataLoader's ``shuffle`` defaults to False)."""
+    sampler = getattr(loader, "sampler", None)
+    given = {torch.utils.data.RandomSampler: True, torch.utils.data.SequentialSampler: False}.get(type(sampler))
+    replaced = []
+    if given is not None and given != shuffle:
+        replaced.append(f"shuffle={given} by poplar.shuffle {str(shuffle).lower()}")
+    elif given is None and sampler is not None:
+        replaced.append(f"its sampler {type(sampler).__name__} by the plan's (poplar.shuffle {str(shuffle).lower()})")
+    if bool(getattr(loader, "drop_last", False)) != drop_last:
+        replaced.append(f"drop_last={loader.drop_last} by poplar.drop_last {str(drop_last).lower()}")
+    if replaced:
+        logger.warning(
+            "PoplarAccelerator: the training DataLoader's %s: the plan's sampler orders the training data from the "
+            "DeepSpeed config's poplar section (seed, shuffle, drop_last); set them there",
+            " and ".join(replaced),
+        )
