@@ -310,6 +310,13 @@ def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[in
         raise UsageError(f"--hf-config: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
     vocab_size = int(probe.config.vocab_size)
     context = getattr(probe.config, "max_position_embeddings", None) or getattr(probe.config, "n_positions", None)
+    if args.sequence_length is not None and context and args.sequence_length > int(context):
+        # Past its positions the model fails in every rank's first forward (GPT-2, BERT: "index out of range").
+        key = "n_positions" if "n_positions" in probe.config.to_dict() else "max_position_embeddings"
+        raise UsageError(
+            f"--sequence-length: expected at most {int(context)}, the positions of {config_class} ({key}), found "
+            f"{args.sequence_length}; give --hf-config {key}={args.sequence_length}, or a shorter --sequence-length"
+        )
     sequence_length = args.sequence_length or min(HF_MAX_SEQUENCE_LENGTH, int(context or HF_MAX_SEQUENCE_LENGTH))
     del probe
 

@@ -230,7 +230,8 @@ class ProfileOptions:
         metavar="N",
         cli_help="Tokens per sample, part of the cache key. Left out: the built-in models' context length ("
         + ", ".join(f"{length} for {model}" for model, length in BUILT_IN_SEQUENCE_LENGTHS.items())
-        + f"; hf: the config's, at most {HF_MAX_SEQUENCE_LENGTH}), else none (not a sequence model).",
+        + f"; hf: the config's, at most {HF_MAX_SEQUENCE_LENGTH}), else none (not a sequence model). An hf: model "
+        "takes at most its config's positions (n_positions or max_position_embeddings).",
     )
     """Tokens per sample, part of the cache key (None: not a sequence model; the built-in models:
     their context length, `BUILT_IN_SEQUENCE_LENGTHS`)."""

@@ -269,6 +269,26 @@ def test_a_transformers_model_from_its_config(files) -> None:
             ["--model", "hf:BertConfig", "--hf-task", "masked-lm", "--hf-config", "num_hidden_layers=0,hidden_size=32"],
             "--hf-config: num_hidden_layers: expected an integer >= 1, found 0",
         ),
+        # Longer than the model's positions: every rank's first forward would fail with "index out of range".
+        (
+            ["--model", "hf:GPT2Config", "--hf-config", _TINY_GPT2, "--sequence-length", "33"],
+            "--sequence-length: expected at most 32, the positions of GPT2Config (n_positions), found 33; give "
+            "--hf-config n_positions=33",
+        ),
+        (
+            [
+                "--model",
+                "hf:BertConfig",
+                "--hf-task",
+                "masked-lm",
+                "--hf-config",
+                "num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,vocab_size=64,"
+                "max_position_embeddings=16",
+                "--sequence-length",
+                "17",
+            ],
+            "--sequence-length: expected at most 16, the positions of BertConfig (max_position_embeddings), found 17",
+        ),
     ],
 )
 def test_bad_transformers_models_exit_2(files, monkeypatch, capsys, extra, message) -> None:
