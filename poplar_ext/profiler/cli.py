@@ -581,9 +581,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return printing("poplar-profile", _profile, argv)
 
 
+def _noting_pipeline(factory: Callable[[], Any], noted: list[bool]) -> Callable[[], Any]:
+    """`factory`, noting in `noted` whether its first model is a pipeline model (one that gets layer profiles
+    only, and no whole-model profile: `profile_with` returns [] for it)."""
+
+    def build() -> Any:
+        model = factory()
+        if not noted:
+            from poplar_ext.profiler.layers import is_pipeline_model
+
+            noted.append(is_pipeline_model(model))
+        return model
+
+    return build
+
+
 def _profile(argv: Sequence[str] | None) -> int:
+    pipeline: list[bool] = []
     try:  # UsageError is a ValueError
         options = parse_command(argv)
+        options = dataclasses.replace(options, model_factory=_noting_pipeline(options.model_factory, pipeline))
         profiles = run(options)
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in ("torch", "deepspeed"):
@@ -599,7 +616,19 @@ def _profile(argv: Sequence[str] | None) -> int:
         sys.stderr.write(f"poplar-profile: error: {exc}\n")
         sys.stderr.flush()
         return 2
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if not profiles and not any(pipeline):
+        # Every stage asked for was abandoned before any type was measured (each progress line says why): the
+        # same on every rank, since every rank returns the same profiles.
+        if rank0:
+            stages = ",".join(map(str, options.zero_stages))
+            why = "run it without --quiet to see why" if options.progress is None else "the lines above say why"
+            sys.stderr.write(
+                f"poplar-profile: no profile written: no device type could be measured at --zero-stages {stages} "
+                f"(e.g. a real out-of-memory at micro-batch 1); {why}\n"
+            )
+        return 1
+    if rank0:
         # A pipeline model gets layer profiles only (their progress lines name each file).
         print(summary(profiles) if profiles else f"layer profiles in {Path(options.cache_dir) / 'layers'}")
     return 0

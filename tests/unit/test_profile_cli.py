@@ -554,6 +554,36 @@ def test_an_error_is_one_write_so_that_the_ranks_lines_do_not_run_together(files
     assert writes[0].endswith("\n") and writes[0].count("\n") == 1
 
 
+def test_a_run_that_writes_no_profile_says_so_and_exits_1(files, monkeypatch, capsys) -> None:
+    # Every stage abandoned (a real out-of-memory at micro-batch 1): profile_with returns [], as it does for a
+    # pipeline model, whose layer profiles are written. Only the pipeline model's run may say so.
+    import poplar_ext.profiler.cli as cli
+
+    monkeypatch.chdir(files["dir"])
+    monkeypatch.delenv("RANK", raising=False)
+    (Path(files["dir"]) / "my_layers.py").write_text(
+        "import torch\ndef layers():\n    return [torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)]\n"
+    )
+
+    def run(options):
+        options.model_factory()  # as profile_with builds it first
+        return []
+
+    monkeypatch.setattr(cli, "run", run)
+    own = _args(files, "--model", "my_models:build", "--batch", "my_models:batch", "--zero-stages", "0,1")
+    assert main(own) == 1
+    out, err = capsys.readouterr()
+    assert "layer profiles" not in out
+    assert err == (
+        "poplar-profile: no profile written: no device type could be measured at --zero-stages 0,1 (e.g. a real "
+        "out-of-memory at micro-batch 1); the lines above say why\n"
+    )
+    assert main([*own, "--quiet"]) == 1
+    assert "run it without --quiet to see why" in capsys.readouterr().err
+    assert main(_args(files, "--model", "my_layers:layers", "--batch", "my_models:batch", "--zero-stages", "0")) == 0
+    assert capsys.readouterr().out == f"layer profiles in {Path('profiles') / 'layers'}\n"
+
+
 def test_without_torch_it_says_what_to_install_in_one_line(files, monkeypatch, capsys) -> None:
     # The documented torch-free install (pip install --no-deps poplar-ext numpy scipy) serves poplar-search only.
     import poplar_ext.profiler.cli as cli
