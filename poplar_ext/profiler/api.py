@@ -333,6 +333,11 @@ class _Session:
         except AssertionError as exc:
             # DeepSpeed checks configs with assert; the same config fails alike on every rank.
             raise ValueError(f"ds_config: DeepSpeed refused it at ZeRO stage {run.zero_stage}: {exc}") from exc
+        except ValueError as exc:
+            # Its other refusals of the config (pydantic's validation errors, "Type fp16 is not supported on
+            # your device"): named as the config's, on one line (pydantic's run over several).
+            text = " ".join(str(exc).split())
+            raise ValueError(f"ds_config: DeepSpeed refused it at ZeRO stage {run.zero_stage}: {text}") from exc
         if self.timeouts is not None:
             self.timeouts.apply()  # the engine's own groups (data parallel, ZeRO's)
         return engine

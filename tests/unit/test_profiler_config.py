@@ -256,3 +256,57 @@ def test_the_ranks_of_each_node_in_rank_order() -> None:
 
     cluster = Cluster(nodes=(node("a", 2, 1), node("b", 1), node("c", 2)))
     assert node_ranks(SimpleNamespace(cluster=cluster)) == [[0, 1, 2], [3], [4, 5]]
+
+
+@pytest.mark.parametrize(
+    ("refusal", "message"),
+    [
+        (
+            AssertionError("You are using an untested ZeRO Optimizer."),
+            "ds_config: DeepSpeed refused it at ZeRO stage 2: You are using an untested ZeRO Optimizer.",
+        ),
+        # DeepSpeed's pydantic checks of its sections run over several lines; its device check is a ValueError.
+        (
+            ValueError(
+                "1 validation error for DeepSpeedZeroConfig\noverlap_comm\n  Input should be a valid boolean "
+                "[type=bool_parsing, input_value='maybe', input_type=str]"
+            ),
+            "ds_config: DeepSpeed refused it at ZeRO stage 2: 1 validation error for DeepSpeedZeroConfig "
+            "overlap_comm Input should be a valid boolean [type=bool_parsing, input_value='maybe', input_type=str]",
+        ),
+        (
+            ValueError("Type fp16 is not supported on your device."),
+            "ds_config: DeepSpeed refused it at ZeRO stage 2: Type fp16 is not supported on your device.",
+        ),
+    ],
+)
+def test_a_config_deepspeed_refuses_is_named_as_the_configs_on_one_line(monkeypatch, refusal, message) -> None:
+    from types import SimpleNamespace
+
+    import deepspeed
+
+    from poplar_ext.plan.formats import ModelInfo
+    from poplar_ext.profiler import api
+    from poplar_ext.profiler.fingerprint import model_fingerprint
+
+    def refuse(**_kwargs):
+        raise refusal
+
+    monkeypatch.setattr(deepspeed, "initialize", refuse)
+    monkeypatch.setattr(api, "place_model", lambda model, device: model)  # collective: no group here
+    model = torch.nn.Linear(2, 1)
+    session = api._Session(
+        options=SimpleNamespace(ds_config={"optimizer": {"type": "AdamW"}}, optimizer_factory=None),
+        settings=MeasureSettings(),
+        layout=SimpleNamespace(device=torch.device("cpu"), world_size=2),
+        model=ModelInfo(name="linear", fingerprint=model_fingerprint(model), num_parameters=3, dtype="float32"),
+        toggle=None,
+        job_key=None,
+        offload_types=(),
+        runs=(),
+        spare_models=[model],
+        trainable_parameters=3,
+    )
+    with pytest.raises(ValueError) as caught:
+        session.build_engine(api._Run(2, False, False))
+    assert str(caught.value) == message and caught.value.__cause__ is refusal
