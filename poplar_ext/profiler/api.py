@@ -62,6 +62,7 @@ from poplar_ext.profiler.measure import (
     measured_provenance,
     place_model,
     read_ds_config,
+    sequence_length_of,
     stage_ds_config,
     training_dtype,
 )
@@ -158,6 +159,8 @@ profile_model.__signature__ = inspect.signature(ProfileOptions).replace(  # type
 def profile_with(options: ProfileOptions, *, cache_dir_name: str = "cache_dir") -> list[Profile]:
     """`profile_model` with its arguments in one `ProfileOptions` (poplar-profile's way in); collective.
     `cache_dir_name`: what an error names ``options.cache_dir`` (poplar-profile: ``--output-dir``)."""
+    # Every batch measured (layer profiles' too) has the tokens per sample the profiles are keyed with.
+    options = _with_checked_lengths(options)
     # Checked before anything is measured, layer profiles too (they take `options` as given: a pipeline's
     # loss_fn None is its own loss, not `default_loss`).
     checked, settings = _checked(options)
@@ -188,6 +191,33 @@ def profile_with(options: ProfileOptions, *, cache_dir_name: str = "cache_dir") 
             )
     with _measuring_process(device), _short_timeouts(checked, device) as timeouts:
         return _profile(checked, settings, device, writable, timeouts)
+
+
+def _with_checked_lengths(options: ProfileOptions) -> ProfileOptions:
+    """`options` whose ``make_batch``, at its first call, raises ValueError where micro-batch 1 has other tokens
+    per sample (`poplar_ext.profiler.auto.sequence_length_of`) than ``sequence_length``: the profiles are keyed
+    with it, and a job whose data has that length (micro-batch 1's, as the automatic mode reads a job's) would
+    reuse times and memory measured on another. As given where no length is given; a batch without token ids
+    is not checked."""
+    expected, make_batch = options.sequence_length, options.make_batch
+    if expected is None:
+        return options
+    checked_once: list[bool] = []
+
+    def checked(micro_batch_size: int) -> Any:
+        batch = make_batch(micro_batch_size)
+        if not checked_once:
+            found = sequence_length_of(batch if micro_batch_size == 1 else make_batch(1))
+            if found is not None and found != expected:
+                raise ValueError(
+                    f"sequence_length: expected the micro-batches of make_batch (poplar-profile: --batch) to hold "
+                    f"{expected} tokens per sample, as sequence_length (--sequence-length) keys the profiles, found "
+                    f"{found} in make_batch(1); give the length its samples have"
+                )
+            checked_once.append(True)
+        return batch
+
+    return dataclasses.replace(options, make_batch=checked)
 
 
 _ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"

@@ -11,6 +11,7 @@ import torch
 
 from poplar_ext.plan.formats import Cluster, Plan, Profile
 from poplar_ext.plan.levers import plan_levers
+from poplar_ext.profiler.measure import sequence_length_of
 
 if TYPE_CHECKING:
     from poplar_ext.profiler.cache import JobKey
@@ -64,22 +65,6 @@ def batches_of(training_data: Any, collate_fn: Callable[[list], Any] | None) -> 
         return collate([training_data[i % len(training_data)] for i in range(micro_batch_size)])
 
     return make_batch
-
-
-def sequence_length_of(batch: Any) -> int | None:
-    """Tokens per sample of a micro-batch, for the cache key (None: it holds no token ids): the last dimension of a
-    mapping's ``input_ids`` (Hugging Face's), of the first of a tuple's tensors (inputs, then targets), or that of a
-    token tensor alone less one: the built-in GPT's samples end with the last input's next-token target
-    (``sequence_length + 1`` tokens, counted as poplar-profile's ``--sequence-length`` counts them)."""
-    if isinstance(batch, Mapping):
-        tokens, targets_in_it = batch.get("input_ids"), 0
-    elif isinstance(batch, (tuple, list)) and batch:
-        tokens, targets_in_it = batch[0], 0
-    else:
-        tokens, targets_in_it = batch, 1
-    if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32) or tokens.dim() < 1:
-        return None
-    return tokens.shape[-1] - targets_in_it or None
 
 
 def missing_layer_profiles_measurer(

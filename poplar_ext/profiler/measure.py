@@ -184,6 +184,22 @@ def default_loss(engine: Any, batch: Any) -> torch.Tensor:
     return loss
 
 
+def sequence_length_of(batch: Any) -> int | None:
+    """Tokens per sample of a micro-batch, for the cache key (None: it holds no token ids): the last dimension of a
+    mapping's ``input_ids`` (Hugging Face's), of the first of a tuple's tensors (inputs, then targets), or that of a
+    token tensor alone less one: the built-in GPT's samples end with the last input's next-token target
+    (``sequence_length + 1`` tokens, counted as poplar-profile's ``--sequence-length`` counts them)."""
+    if isinstance(batch, Mapping):
+        tokens, targets_in_it = batch.get("input_ids"), 0
+    elif isinstance(batch, (tuple, list)) and batch:
+        tokens, targets_in_it = batch[0], 0
+    else:
+        tokens, targets_in_it = batch, 1
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32) or tokens.dim() < 1:
+        return None
+    return tokens.shape[-1] - targets_in_it or None
+
+
 def map_tensors(function: Callable[[torch.Tensor], Any], value: Any, *, walk_dicts: bool = True) -> Any:
     """`value` with `function` applied to every tensor in it, nested in tuples, lists and (`walk_dicts`, made plain
     dicts) mappings; layer profiling leaves a mapping untouched, its type and its tensors' graphs kept."""

@@ -231,10 +231,12 @@ class ProfileOptions:
         cli_help="Tokens per sample, part of the cache key. Left out: the built-in models' context length ("
         + ", ".join(f"{length} for {model}" for model, length in BUILT_IN_SEQUENCE_LENGTHS.items())
         + f"; hf: the config's, at most {HF_MAX_SEQUENCE_LENGTH}), else none (not a sequence model). An hf: model "
-        "takes at most its config's positions (n_positions or max_position_embeddings).",
+        "takes at most its config's positions (n_positions or max_position_embeddings). With --batch, the length its "
+        "micro-batch 1's token ids have (input_ids, or the first tensor of a tuple), or an error.",
     )
     """Tokens per sample, part of the cache key (None: not a sequence model; the built-in models:
-    their context length, `BUILT_IN_SEQUENCE_LENGTHS`)."""
+    their context length, `BUILT_IN_SEQUENCE_LENGTHS`). Given, it is the length of make_batch(1)'s token ids
+    (`poplar_ext.profiler.auto.sequence_length_of`), or the first measurement raises ValueError."""
     warmup_micro_steps: int = _option(1, "--warmup", read=at_least(0), metavar="N")
     """Unmeasured micro-steps at each size before the measured ones."""
     repeats: int = _option(3, read=at_least(1), metavar="N")

@@ -310,3 +310,49 @@ def test_a_config_deepspeed_refuses_is_named_as_the_configs_on_one_line(monkeypa
     with pytest.raises(ValueError) as caught:
         session.build_engine(api._Run(2, False, False))
     assert str(caught.value) == message and caught.value.__cause__ is refusal
+
+
+def _tokens(length_of):
+    """make_batch of `length_of(b)` token ids per sample."""
+    return lambda b: {"input_ids": torch.zeros(b, length_of(b), dtype=torch.long)}
+
+
+def test_micro_batches_of_another_length_than_the_sequence_length_are_refused(monkeypatch, tmp_path) -> None:
+    # The profiles are keyed with sequence_length: a job of that length would reuse times measured on another.
+    from contextlib import nullcontext
+    from dataclasses import replace
+
+    from poplar_ext.profiler import api
+    from poplar_ext.profiler.options import ProfileOptions
+
+    def measure(options, settings, device, writable, timeouts=None):
+        return [options.make_batch(size)["input_ids"].shape[-1] for size in (1, 4)]
+
+    monkeypatch.setattr(api, "join_job", lambda: torch.device("cpu"))
+    monkeypatch.setattr(api, "_measuring_process", lambda device: nullcontext())
+    monkeypatch.setattr(api, "_short_timeouts", lambda options, device: nullcontext())
+    monkeypatch.setattr(api, "_profile", measure)
+    monkeypatch.setattr(api, "process_group_rank", lambda: (0, 1))
+    options = ProfileOptions(
+        model_factory=lambda: torch.nn.Linear(2, 1),
+        make_batch=_tokens(lambda b: 16),
+        ds_config={"optimizer": {"type": "AdamW"}},
+        sequence_length=64,
+        cache_dir=tmp_path,
+        per_layer=False,
+    )
+    with pytest.raises(ValueError) as caught:
+        api.profile_with(options)
+    assert str(caught.value) == (
+        "sequence_length: expected the micro-batches of make_batch (poplar-profile: --batch) to hold 64 tokens per "
+        "sample, as sequence_length (--sequence-length) keys the profiles, found 16 in make_batch(1); give the "
+        "length its samples have"
+    )
+    assert api.profile_with(replace(options, sequence_length=16)) == [16, 16]
+    assert api.profile_with(replace(options, sequence_length=None)) == [16, 16], "no length given: any"
+    # Micro-batch 1's length is the data's, as the automatic mode reads it: a collate that pads to a batch's longest
+    # sample makes longer ones.
+    padded = replace(options, make_batch=_tokens(lambda b: 15 + b), sequence_length=16)
+    assert api.profile_with(padded) == [16, 19]
+    no_token_ids = replace(options, make_batch=lambda b: {"input_ids": torch.ones(b, 3)})
+    assert api.profile_with(no_token_ids) == [3, 3], "a batch without token ids is not checked"
