@@ -573,7 +573,19 @@ def summary(profiles: Sequence[Any]) -> str:
             f"{'on' if p.optimizer_offload else 'off':>17}  "
             f"{p.max_micro_batch_size:>19}  {len(p.samples):>5}  {p.optimizer_step_time_s * 1e3:>11.1f} ms"
         )
+    # Whether each type was measured on itself or emulated (a CPU made slower, its memory capped): the table's
+    # names are the cluster's, which say neither.
+    devices = {p.device_type: _device_label(p) for p in profiles}
+    if devices:
+        lines.append(f"devices: {', '.join(devices.values())}")
     return "\n".join(lines)
+
+
+def _device_label(profile: Any) -> str:
+    """``cpu (real)``, ``slow (emulated: 3x slower, 1.5 GB)`` (`poplar_ext.hardware.emulation.device_label`)."""
+    from poplar_ext.hardware.emulation import device_label
+
+    return device_label(profile.device_type, profile.emulated)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

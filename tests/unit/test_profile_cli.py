@@ -815,3 +815,29 @@ def test_profiles_for_a_script_that_builds_its_own_optimizer_are_keyed_as_its_jo
     assert f"--deepspeed_config: {no_optimizer}: optimizer: expected an 'optimizer' section" in err
     assert "or pass --optimizer MODULE:FACTORY" in err
     assert main(["--deepspeed_config", str(no_optimizer), *base, "--optimizer", "my_optimizers:nope"]) == 2
+
+
+def test_the_summary_says_which_device_types_were_emulated() -> None:
+    # The table names types as the cluster does ("fast", "slow"): nothing in a name says emulated or real.
+    from poplar_bench.synthetic import SYNTHETIC_MODEL
+    from poplar_ext.plan.formats import Emulation, Profile, Sample
+    from poplar_ext.profiler.cli import summary
+
+    def profile(device_type, emulated, zero_stage=0):
+        return Profile(
+            device_type=device_type,
+            memory_capacity_bytes=1_500_000_000,
+            zero_stage=zero_stage,
+            world_size=2,
+            model=SYNTHETIC_MODEL,
+            max_micro_batch_size=1,
+            samples=(Sample(micro_batch_size=1, micro_step_time_s=0.1, peak_memory_bytes=1),),
+            optimizer_step_time_s=0.01,
+            emulated=emulated,
+            measured_with={"source": "measured"},
+        )
+
+    slow = Emulation(slowdown=3.0, memory_capacity_bytes=1_500_000_000)
+    lines = summary([profile("cpu", None), profile("slow", slow), profile("slow", slow, 1)]).splitlines()
+    assert lines[0].startswith("device type       stage") and len(lines) == 5
+    assert lines[-1] == "devices: cpu (real), slow (emulated: 3x slower, 1.5 GB)"
