@@ -161,6 +161,11 @@ def profile_with(options: ProfileOptions, *, cache_dir_name: str = "cache_dir") 
     `cache_dir_name`: what an error names ``options.cache_dir`` (poplar-profile: ``--output-dir``)."""
     # Every batch measured (layer profiles' too) has the tokens per sample the profiles are keyed with.
     options = _with_checked_lengths(options)
+    # Read once here: layer profiles take `options` as given, after `_checked` has read them (a generator, empty).
+    sizes = options.micro_batch_sizes
+    options = dataclasses.replace(
+        options, zero_stages=tuple(options.zero_stages), micro_batch_sizes=None if sizes is None else tuple(sizes)
+    )
     # Checked before anything is measured, layer profiles too (they take `options` as given: a pipeline's
     # loss_fn None is its own loss, not `default_loss`).
     checked, settings = _checked(options)

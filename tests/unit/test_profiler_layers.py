@@ -388,3 +388,33 @@ def test_a_layer_that_fails_is_named_with_what_it_got_and_a_batch_that_is_no_pai
         _measure_model([torch.nn.Embedding(16, 4), torch.nn.Linear(5, 16)], lambda b: (ids[:b], ids[:b]))
     assert str(error.value).startswith("layer 1 (Linear): mat1 and mat2 shapes cannot be multiplied")
     assert str(error.value).endswith("; its input: a tensor of shape (1, 3, 4) float32")
+
+
+def test_stages_and_sizes_given_as_generators_reach_the_layer_profiles(tmp_path, monkeypatch) -> None:
+    # The argument check read them first: layer profiling then saw both empty.
+    import poplar_ext.profiler.api as api
+    import poplar_ext.profiler.per_layer as per_layer
+
+    seen = {}
+
+    def profile_layers(options, **kwargs):
+        seen.update(zero_stages=list(options.zero_stages), micro_batch_sizes=list(options.micro_batch_sizes))
+
+    monkeypatch.setattr(api, "join_job", lambda: torch.device("cpu"))
+    monkeypatch.setattr(api, "process_group_rank", lambda: (0, 1))
+    monkeypatch.setattr(per_layer, "profile_layers", profile_layers)
+    assert (
+        api.profile_model(
+            model_factory=lambda: toy_layers(dim=8, num_layers=2),
+            make_batch=lambda b: toy_batch(b, dim=8),
+            loss_fn=mse,
+            ds_config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+            cache_dir=tmp_path,
+            measure_network=False,
+            progress=None,
+            zero_stages=(s for s in (0, 1)),
+            micro_batch_sizes=(b for b in (1, 2)),
+        )
+        == []
+    )
+    assert seen == {"zero_stages": [0, 1], "micro_batch_sizes": [1, 2]}
