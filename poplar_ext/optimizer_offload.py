@@ -13,9 +13,15 @@ if TYPE_CHECKING:
 HOST_OPTIMIZERS = ("DeepSpeedCPUAdam", "DeepSpeedCPULion")
 """The client optimizers DeepSpeed offloads while ``zero_force_ds_cpu_optimizer`` is true (its own, by class)."""
 
-ACCELERATE_MAPPED = ("Adam", "AdamW", "Adagrad")
+ACCELERATE_MAPPED = ("Adam", "AdamW")
 """The torch optimizers accelerate replaces, where it offloads under ``zero_force_ds_cpu_optimizer``, by DeepSpeed's
-CPU optimizer of the same rule (``map_pytorch_optim_to_deepspeed``, keeping their parameter groups)."""
+CPU optimizer of the same rule (``map_pytorch_optim_to_deepspeed``, keeping their parameter groups): torch's own
+classes, without ``amsgrad`` (DeepSpeedCPUAdam raises) or ``maximize`` (ignored), and Adam without
+``decoupled_weight_decay`` (accelerate maps only AdamW to decoupled weight decay). Any other optimizer becomes
+DeepSpeedCPUAdam of L2 weight decay there, Adagrad and DeepSpeed's own CPU optimizers too (accelerate 1.15 passes
+DeepSpeedCPUAdagrad an ``adamw_mode`` it does not take: a TypeError)."""
+
+_TORCH_ADAM = {"Adam": "torch.optim.adam.Adam", "AdamW": "torch.optim.adamw.AdamW"}
 
 OFFLOAD_MODES = ("off", "smallest", "both")
 """What the profiler measures offloaded (``optimizer_offload`` of `profile_model` and of the
@@ -56,18 +62,28 @@ def check_client_optimizer_offloads(
 
     `accelerate_maps`: the optimizer goes through accelerate (PoplarAccelerator, PoplarTrainer), which replaces it
     on the offloading ranks alone by DeepSpeed's CPU optimizer of the same rule (`ACCELERATE_MAPPED`); any other
-    becomes DeepSpeedCPUAdam there, silently, so only those are refused."""
+    becomes DeepSpeedCPUAdam there, silently, so only those are refused. A DeepSpeedCPUAdam given passes only without
+    decoupled weight decay (accelerate rebuilds it with ``adamw_mode`` false); Adagrad, DeepSpeedCPULion,
+    ``amsgrad`` and ``maximize`` are refused (accelerate fails on them or changes their rule there)."""
     offloading = [r.rank for r in plan.ranks if r.optimizer_offload]
     force = ds_config.get("zero_force_ds_cpu_optimizer", False)
     if not offloading or not force or optimizer is None or not hasattr(optimizer, "param_groups"):
         return
-    accepted = HOST_OPTIMIZERS + (ACCELERATE_MAPPED if accelerate_maps else ())
-    if any(k.__name__ in accepted for k in type(optimizer).__mro__):
-        return
     kind = type(optimizer)
+    setting = None
+    if accelerate_maps:
+        accepted = ("DeepSpeedCPUAdam", *ACCELERATE_MAPPED)
+        setting = _changed_by_accelerate(optimizer)
+        if setting is None:
+            return
+    else:
+        accepted = HOST_OPTIMIZERS
+        if any(k.__name__ in accepted for k in kind.__mro__):
+            return
     ranks = ", ".join(f"ranks[{r}].optimizer_offload" for r in offloading)
     why = (
-        "accelerate trains it as DeepSpeedCPUAdam on the offloading ranks alone, as itself on the others"
+        "accelerate trains it as DeepSpeedCPUAdam on the offloading ranks alone, as itself on the others; Adagrad "
+        "and amsgrad fail there, the others left waiting"
         if accelerate_maps
         else "DeepSpeed refuses it on the offloading ranks alone, the others left waiting"
     )
@@ -76,9 +92,33 @@ def check_client_optimizer_offloads(
         "zero_force_ds_cpu_optimizer",
         f"false (or unset) where {plan_source} offloads the optimizer ({ranks}) of a client optimizer other than "
         f"{' or '.join(accepted)} ({why})",
-        f"{force!r} with the client optimizer {kind.__module__}.{kind.__qualname__}; set it false, pass "
+        f"{force!r} with the client optimizer {kind.__module__}.{kind.__qualname__}"
+        + ("" if not setting else f" ({setting})")
+        + "; set it false, pass "
         "DeepSpeedCPUAdam, or train a plan without optimizer offload",
     )
+
+
+def _changed_by_accelerate(optimizer: Any) -> str | None:
+    """None where accelerate's ``map_pytorch_optim_to_deepspeed`` gives `optimizer`'s own rule on an offloading rank;
+    else what it changes: the setting (``amsgrad=True``, ...) it drops, or "" for another class."""
+    kind = type(optimizer)
+    groups = optimizer.param_groups
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if name in _TORCH_ADAM.values():
+        for key in ("amsgrad", "maximize"):
+            if any(group.get(key) for group in groups):
+                return f"{key}=True"
+        if name == _TORCH_ADAM["Adam"] and any(
+            g.get("decoupled_weight_decay") and g.get("weight_decay") for g in groups
+        ):
+            return "decoupled_weight_decay=True with weight decay: accelerate makes it L2"
+        return None
+    if any(k.__name__ == "DeepSpeedCPUAdam" for k in kind.__mro__):
+        if getattr(optimizer, "adam_w_mode", False) and any(group.get("weight_decay") for group in groups):
+            return "adamw_mode=True with weight decay: accelerate makes it L2"
+        return None
+    return ""  # another class: the message names it
 
 
 def check_job_optimizer_offloads(job: Any, optimizer: Any, *, accelerate_maps: bool = False) -> None:

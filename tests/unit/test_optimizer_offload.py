@@ -220,7 +220,7 @@ def _offloading_job():
     )
 
 
-def test_accelerate_maps_adam_adamw_and_adagrad_faithfully_and_anything_else_is_refused():
+def test_accelerate_maps_adam_and_adamw_faithfully_and_anything_else_is_refused():
     # accelerate (map_pytorch_optim_to_deepspeed) swaps a client optimizer for DeepSpeedCPUAdam where it offloads
     # under zero_force_ds_cpu_optimizer: where the plan offloads some ranks alone, an SGD trained as Adam there.
     import torch
@@ -229,7 +229,7 @@ def test_accelerate_maps_adam_adamw_and_adagrad_faithfully_and_anything_else_is_
     from poplar_ext.plan.errors import FormatError
 
     job, params = _offloading_job(), [torch.nn.Parameter(torch.zeros(1))]
-    for kind in (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad):
+    for kind in (torch.optim.Adam, torch.optim.AdamW):
         check_client_optimizer_offloads(job.ds_config, job.plan, kind(params), source="ds.json", accelerate_maps=True)
     with pytest.raises(FormatError) as refused:
         check_client_optimizer_offloads(
@@ -238,10 +238,66 @@ def test_accelerate_maps_adam_adamw_and_adagrad_faithfully_and_anything_else_is_
     message = str(refused.value)
     assert message.startswith(
         "ds.json: zero_force_ds_cpu_optimizer: expected false (or unset) where the plan offloads the optimizer "
-        "(ranks[1].optimizer_offload) of a client optimizer other than DeepSpeedCPUAdam or DeepSpeedCPULion or "
-        "Adam or AdamW or Adagrad (accelerate trains it as DeepSpeedCPUAdam on the offloading ranks alone"
+        "(ranks[1].optimizer_offload) of a client optimizer other than DeepSpeedCPUAdam or "
+        "Adam or AdamW (accelerate trains it as DeepSpeedCPUAdam on the offloading ranks alone"
     ), message
     assert "found True with the client optimizer torch.optim.sgd.SGD" in message
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        # accelerate 1.15 builds DeepSpeedCPUAdagrad(..., adamw_mode=False): a TypeError on the offloading ranks alone
+        (lambda torch, params, _: torch.optim.Adagrad(params), "torch.optim.adagrad.Adagrad; "),
+        # DeepSpeedCPUAdam refuses the AMSGrad variant: a RuntimeError on the offloading ranks alone
+        (lambda torch, params, _: torch.optim.Adam(params, amsgrad=True), "(amsgrad=True)"),
+        (lambda torch, params, _: torch.optim.AdamW(params, maximize=True), "(maximize=True)"),
+        # accelerate makes every optimizer but torch's AdamW L2 Adam (adamw_mode False)
+        (
+            lambda torch, params, _: torch.optim.Adam(params, weight_decay=0.1, decoupled_weight_decay=True),
+            "(decoupled_weight_decay=True with weight decay",
+        ),
+        (lambda torch, params, host: host["DeepSpeedCPUAdam"](params, weight_decay=0.1), "(adamw_mode=True with"),
+        (lambda torch, params, host: host["DeepSpeedCPULion"](params), "DeepSpeedCPULion; "),
+    ],
+    ids=["adagrad", "amsgrad", "maximize", "adam-decoupled", "cpu-adam-adamw-mode", "cpu-lion"],
+)
+def test_what_accelerate_cannot_swap_for_the_same_rule_is_refused(make, said):
+    # Through accelerate, an optimizer DeepSpeed itself would offload is replaced too (map_pytorch_optim_to_deepspeed):
+    # Adagrad and amsgrad failed on the offloading ranks alone (the others left waiting), maximize, Adam's decoupled
+    # weight decay and DeepSpeedCPUAdam's adamw_mode became L2 Adam there, DeepSpeedCPULion became DeepSpeedCPUAdam.
+    import torch
+
+    from poplar_ext.optimizer_offload import check_client_optimizer_offloads
+    from poplar_ext.plan.errors import FormatError
+
+    class DeepSpeedCPUAdam(torch.optim.Adam):  # DeepSpeed's host optimizers, by class name (no op build)
+        def __init__(self, params, weight_decay=0.0, adamw_mode=True):
+            super().__init__(params, weight_decay=weight_decay)
+            self.adam_w_mode = adamw_mode
+
+    class DeepSpeedCPULion(torch.optim.SGD):
+        def __init__(self, params):
+            super().__init__(params, lr=0.1)
+
+    host = {"DeepSpeedCPUAdam": DeepSpeedCPUAdam, "DeepSpeedCPULion": DeepSpeedCPULion}
+    job, params = _offloading_job(), [torch.nn.Parameter(torch.zeros(1))]
+    with pytest.raises(FormatError) as refused:
+        check_client_optimizer_offloads(
+            job.ds_config, job.plan, make(torch, params, host), source="ds.json", accelerate_maps=True
+        )
+    assert said in str(refused.value), str(refused.value)
+    # What accelerate swaps for the same rule passes.
+    for faithful in (
+        torch.optim.AdamW(params, weight_decay=0.1),
+        torch.optim.Adam(params, weight_decay=0.1),
+        torch.optim.Adam(params, decoupled_weight_decay=True),  # no weight decay to decouple
+        DeepSpeedCPUAdam(params, weight_decay=0.1, adamw_mode=False),
+        DeepSpeedCPUAdam(params),
+    ):
+        check_client_optimizer_offloads(job.ds_config, job.plan, faithful, source="ds.json", accelerate_maps=True)
+    # Without accelerate DeepSpeed offloads its own as given.
+    check_client_optimizer_offloads(job.ds_config, job.plan, DeepSpeedCPULion(params), source="ds.json")
 
 
 def test_poplar_trainer_refuses_the_optimizer_accelerate_would_swap_on_offloading_ranks():
