@@ -400,6 +400,29 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         """How far this pipeline's data has been handed out: no plan switch can start before it."""
         return max([self.data_position] + [s.generated_until for s in self._samplers])
 
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's batch-size setter, refused unless it keeps the plan's global batch (then a no-op): DeepSpeed's
+        would make this pipeline's micro-batch count the new batch over its micro-batch (its data-parallel group is
+        this rank alone) while the loss weights and the other pipelines stay the plan's."""
+        if train_batch_size != self.plan.global_batch_size:
+            raise ValueError(
+                f"set_train_batch_size: expected the plan's global batch ({self.plan.global_batch_size}), found "
+                f"{train_batch_size!r}: each pipeline's micro-batch size and count are the plan's; to train "
+                "another global batch, save a checkpoint and resume it under a plan of that batch "
+                "(poplar.global_batch_size)"
+            )
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's micro-batch setter, refused unless it keeps this pipeline's micro-batch of the plan (then a
+        no-op): see `set_train_batch_size`."""
+        own = self.plan.pipelines[self.pipeline_index].micro_batch_size
+        if micro_batch_size != own:
+            raise ValueError(
+                f"set_train_micro_batch_size: expected this pipeline's micro-batch in the plan ({own}), found "
+                f"{micro_batch_size!r}: each pipeline's micro-batch size and count are the plan's; to change them, "
+                "resume a checkpoint under another pipeline plan"
+            )
+
     def switch_plan(self, plan: PipelinePlan, *, reason: str, record: bool = True) -> None:
         """Train `plan`'s micro-batch counts from the next iteration on (every rank at the same step; the
         samplers already know from where). `plan` keeps the pipelines, their stages and micro-batch sizes."""
@@ -407,7 +430,7 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         pipeline = plan.pipelines[self.pipeline_index]
         # DeepSpeed's own setter, as for a batch-size schedule: the pipeline's accumulation count and
         # micro_batches (its schedule's length); then the true global batch again for its bookkeeping.
-        self.set_train_batch_size(pipeline.samples_per_iteration)
+        PipelineEngine.set_train_batch_size(self, pipeline.samples_per_iteration)  # this engine's refuses it
         self._config.train_batch_size = plan.global_batch_size
         if hasattr(self.optimizer, "gradient_accumulation_steps"):  # ZeRO 1's optimizer keeps its own
             self.optimizer.gradient_accumulation_steps = pipeline.num_micro_batches

@@ -403,6 +403,37 @@ def test_train_batch_without_data_says_where_the_data_comes_from_before_deepspee
         PoplarPipelineEngine.train_batch(engine)
 
 
+@pytest.mark.parametrize(
+    ("setter", "value", "message"),
+    [
+        ("set_train_batch_size", 24, r"^set_train_batch_size: expected the plan's global batch \(12\), found 24"),
+        ("set_train_micro_batch_size", 2, r"^set_train_micro_batch_size: expected this pipeline's micro-batch in the "),
+    ],
+)
+def test_deepspeeds_batch_setters_on_a_pipeline_keep_the_plan(setter, value, message):
+    # engine.set_train_batch_size(engine.train_batch_size()), a no-op under plain DeepSpeed, made each pipeline of
+    # micro-batches 2 x 1 and 1 x 2 (B = 4) run 2 and 4 micro-batches per step, the loss weights still those of the
+    # plan: each step trained the sum of two global batches' mean gradients, without an error.
+    from types import SimpleNamespace
+
+    from poplar_ext.pipeline.engine import PoplarPipelineEngine
+
+    plan = pipeline_plan_from_dict(_pipeline_plan())  # pipelines of 2 x 3 and 3 x 2: B = 12
+    engine = PoplarPipelineEngine.__new__(PoplarPipelineEngine)  # DeepSpeed's setters alone: no process group
+    torch.nn.Module.__init__(engine)
+    engine._config = SimpleNamespace(
+        train_batch_size=12, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2
+    )
+    engine.dp_world_size, engine.micro_batches, engine.plan, engine.pipeline_index = 1, 2, plan, 1
+    engine.set_train_batch_size(12)  # the plan's: nothing to change
+    engine.set_train_micro_batch_size(3)
+    assert (engine.micro_batches, engine._config.gradient_accumulation_steps) == (2, 2)
+    with pytest.raises(ValueError, match=message):
+        getattr(engine, setter)(value)
+    assert (engine.micro_batches, engine._config.gradient_accumulation_steps) == (2, 2)
+    assert engine._config.train_micro_batch_size_per_gpu == 3
+
+
 def test_a_users_reentrant_interval_leaves_out_the_block_that_embeds_the_token_ids():
     # DeepSpeed's reentrant checkpoint of a first stage's token embedding detached it: with causal_lm_layers and
     # activation_checkpoint_interval=1 the first stages failed "element 0 of tensors does not require grad".
