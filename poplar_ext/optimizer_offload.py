@@ -95,7 +95,8 @@ def check_client_optimizer_offloads(
         f"{force!r} with the client optimizer {kind.__module__}.{kind.__qualname__}"
         + ("" if not setting else f" ({setting})")
         + "; set it false, pass "
-        "DeepSpeedCPUAdam, or train a plan without optimizer offload",
+        "DeepSpeedCPUAdam, or train a plan without optimizer offload"
+        + ("" if len(offloading) == len(plan.ranks) else _HOST_ALONE),
     )
 
 
@@ -121,10 +122,37 @@ def _changed_by_accelerate(optimizer: Any) -> str | None:
     return ""  # another class: the message names it
 
 
+_HOST_ALONE = " (DeepSpeedCPUAdam on GPUs only where every rank offloads: it steps on the host alone)"
+
+
+def check_host_optimizer_placement(plan: Plan, optimizer: Any, *, device_type: str, plan_source: str) -> None:
+    """ValueError, on every rank alike, where `plan` offloads some ranks' optimizer and not others' on GPUs and the
+    client `optimizer` steps on the host alone (`HOST_OPTIMIZERS`): DeepSpeedCPUAdam asserts its parameters are on
+    the CPU, so the ranks keeping their partitions on the GPU would fail at their first step, the others waiting."""
+    kept = [r.rank for r in plan.ranks if not r.optimizer_offload]
+    if device_type != "cuda" or not kept or len(kept) == len(plan.ranks) or not hasattr(optimizer, "param_groups"):
+        return
+    kind = type(optimizer)
+    if not any(k.__name__ in HOST_OPTIMIZERS for k in kind.__mro__):
+        return
+    raise ValueError(
+        f"{plan_source}: expected a client optimizer that steps where each rank keeps its optimizer state, as the "
+        f"plan offloads it on some ranks alone, found {kind.__module__}.{kind.__qualname__}, which steps on the host "
+        f"alone: the ranks that keep it on the GPU ({', '.join(f'ranks[{r}]' for r in kept)}) would fail at their "
+        "first step (DeepSpeed: 'CPUAdam param is on cuda'), the others left waiting; pass a torch optimizer "
+        "(DeepSpeed steps it on the host where the plan offloads, with zero_force_ds_cpu_optimizer false), or name "
+        "it in the DeepSpeed config's optimizer section (DeepSpeed's CPU Adam where the plan offloads, its GPU Adam "
+        "elsewhere)"
+    )
+
+
 def check_job_optimizer_offloads(job: Any, optimizer: Any, *, accelerate_maps: bool = False) -> None:
-    """`check_client_optimizer_offloads` for a settled job: its DeepSpeed config, plan and the plan's source (read
-    only where the plan offloads some rank)."""
+    """`check_client_optimizer_offloads` and `check_host_optimizer_placement` for a settled job: its DeepSpeed
+    config, plan, the plan's source and its device (read only where the plan offloads some rank)."""
     if any(r.optimizer_offload for r in job.plan.ranks):
+        device = getattr(job, "device", None)
+        if device is not None:
+            check_host_optimizer_placement(job.plan, optimizer, device_type=device.type, plan_source=job.plan_reason)
         check_client_optimizer_offloads(
             job.ds_config,
             job.plan,

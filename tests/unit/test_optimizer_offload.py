@@ -334,3 +334,47 @@ def test_poplar_accelerator_refuses_the_optimizer_accelerate_would_swap_on_offlo
     model = torch.nn.Linear(2, 1)
     with pytest.raises(FormatError, match="zero_force_ds_cpu_optimizer.*torch.optim.sgd.SGD"):
         accelerator._prepare_deepspeed(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("accelerate_maps", [False, True])
+def test_a_host_optimizer_on_a_plan_that_offloads_some_gpu_ranks_alone_is_refused(accelerate_maps):
+    # DeepSpeedCPUAdam asserts its parameters are on the CPU: on a GPU, the ranks that keep their partitions there
+    # would fail at their first step ("CPUAdam param is on cuda:0 and must be 'cpu'") while the others wait.
+    import torch
+
+    from poplar_ext.optimizer_offload import check_job_optimizer_offloads
+
+    class DeepSpeedCPUAdam(torch.optim.Adam):  # DeepSpeed's own host optimizer, by class name
+        pass
+
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    job = _offloading_job()
+    job.ds_config = {"zero_optimization": {"stage": 2}}
+    job.device = torch.device("cuda", 0)
+    with pytest.raises(ValueError) as refused:
+        check_job_optimizer_offloads(job, DeepSpeedCPUAdam(params), accelerate_maps=accelerate_maps)
+    message = str(refused.value)
+    assert message.startswith("the plan file plan.json: expected a client optimizer that steps where each rank"), (
+        message
+    )
+    assert "the ranks that keep it on the GPU (ranks[0])" in message
+    check_job_optimizer_offloads(job, torch.optim.AdamW(params), accelerate_maps=accelerate_maps)
+    job.device = torch.device("cpu")  # every partition on the host: it steps them all
+    check_job_optimizer_offloads(job, DeepSpeedCPUAdam(params), accelerate_maps=accelerate_maps)
+    job.device, job.plan = torch.device("cuda", 0), _plan([True, True])  # every rank offloads
+    check_job_optimizer_offloads(job, DeepSpeedCPUAdam(params), accelerate_maps=accelerate_maps)
+
+
+def test_the_force_refusal_of_a_mixed_plan_says_where_deepspeeds_cpu_adam_fits():
+    import torch
+
+    from poplar_ext.optimizer_offload import check_client_optimizer_offloads
+    from poplar_ext.plan.errors import FormatError
+
+    job, params = _offloading_job(), [torch.nn.Parameter(torch.zeros(1))]
+    with pytest.raises(FormatError) as refused:
+        check_client_optimizer_offloads(job.ds_config, job.plan, torch.optim.SGD(params, lr=0.1), source="ds.json")
+    assert str(refused.value).endswith(
+        "set it false, pass DeepSpeedCPUAdam, or train a plan without optimizer offload (DeepSpeedCPUAdam on GPUs "
+        "only where every rank offloads: it steps on the host alone)"
+    ), str(refused.value)
