@@ -310,8 +310,14 @@ def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[in
         raise UsageError(f"--hf-config: {type(exc).__name__}: {' '.join(str(exc).split())}") from None
     vocab_size = int(probe.config.vocab_size)
     context = getattr(probe.config, "max_position_embeddings", None) or getattr(probe.config, "n_positions", None)
-    if args.sequence_length is not None and context and args.sequence_length > int(context):
-        # Past its positions the model fails in every rank's first forward (GPT-2, BERT: "index out of range").
+    if (
+        args.sequence_length is not None
+        and context
+        and args.sequence_length > int(context)
+        and _position_table(probe, int(context))
+    ):
+        # Past its positions the model fails in every rank's first forward (GPT-2, BERT: "index out of range");
+        # one without a table of learned positions (rotary: Llama, Qwen2, Mistral) runs longer samples.
         key = "n_positions" if "n_positions" in probe.config.to_dict() else "max_position_embeddings"
         raise UsageError(
             f"--sequence-length: expected at most {int(context)}, the positions of {config_class} ({key}), found "
@@ -325,6 +331,18 @@ def _hf_model(args: argparse.Namespace) -> tuple[Callable[[], Any], Callable[[in
 
     name = f"{config_class.removesuffix('Config').lower()}-{args.hf_task}"
     return (lambda: model_from_config(config_class, sizes, task=args.hf_task)), make_batch, name, sequence_length
+
+
+def _position_table(model: Any, positions: int) -> bool:
+    """Whether `model` has a table of learned positions: an embedding beside its token embedding of at least
+    `positions` rows (GPT-2's ``wpe``, BERT's ``position_embeddings``, OPT's ``embed_positions``), which a longer
+    sample indexes past. A rotary model (Llama, Qwen2, Mistral) has none and runs longer samples."""
+    import torch
+
+    tokens = model.get_input_embeddings()
+    return any(
+        isinstance(m, torch.nn.Embedding) and m is not tokens and m.num_embeddings >= positions for m in model.modules()
+    )
 
 
 def parse_command(argv: Sequence[str] | None = None) -> CommandOptions:

@@ -231,7 +231,8 @@ class ProfileOptions:
         cli_help="Tokens per sample, part of the cache key. Left out: the built-in models' context length ("
         + ", ".join(f"{length} for {model}" for model, length in BUILT_IN_SEQUENCE_LENGTHS.items())
         + f"; hf: the config's, at most {HF_MAX_SEQUENCE_LENGTH}), else none (not a sequence model). An hf: model "
-        "takes at most its config's positions (n_positions or max_position_embeddings). With --batch, the length its "
+        "takes at most its config's positions (n_positions or max_position_embeddings) where it learns a table of "
+        "them (GPT-2, BERT; a rotary one, e.g. Llama, takes more). With --batch, the length its "
         "micro-batch 1's token ids have (input_ids, or the first tensor of a tuple), or an error.",
     )
     """Tokens per sample, part of the cache key (None: not a sequence model; the built-in models:

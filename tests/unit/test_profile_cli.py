@@ -299,6 +299,21 @@ def test_bad_transformers_models_exit_2(files, monkeypatch, capsys, extra, messa
     assert err.count("\n") == 1 and message in err
 
 
+def test_a_rotary_transformers_model_takes_samples_past_its_configs_positions(files) -> None:
+    # Llama's positions are rotary, computed for any length: no table to index past, as GPT-2's and BERT's have.
+    pytest.importorskip("transformers", reason="pip install 'poplar-ext[hf]'")
+    sizes = (
+        "hidden_size=32,intermediate_size=64,num_hidden_layers=1,num_attention_heads=2,num_key_value_heads=2,"
+        "vocab_size=64,max_position_embeddings=16"
+    )
+    command = parse_command(_args(files, "--model", "hf:LlamaConfig", "--hf-config", sizes, "--sequence-length", "24"))
+    batch = command.make_batch(2)
+    assert command.sequence_length == 24 and tuple(batch["input_ids"].shape) == (2, 24)
+    from poplar_ext.profiler.measure import default_loss
+
+    assert default_loss(command.model_factory(), batch).dim() == 0  # the model runs them
+
+
 def test_a_loss_function_of_your_own(files, monkeypatch) -> None:
     monkeypatch.chdir(files["dir"])
     (Path(files["dir"]) / "my_loss.py").write_text("def loss(engine, batch):\n    return engine(batch).sum()\n")
