@@ -431,18 +431,20 @@ class PoplarAccelerator(Accelerator):
 def _warn_of_replaced_order(loader: torch.utils.data.DataLoader, *, shuffle: bool, drop_last: bool) -> None:
     """Warn where the training DataLoader asked for another order than the poplar section's, which the plan's
     sampler follows instead (the Trainer refuses such arguments; a DataLoader's ``shuffle`` defaults to False)."""
-    sampler = getattr(loader, "sampler", None)
+    sampler, batches = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
     given = {torch.utils.data.RandomSampler: True, torch.utils.data.SequentialSampler: False}.get(type(sampler))
     replaced = []
-    if given is not None and given != shuffle:
+    if batches is not None and type(batches) is not torch.utils.data.BatchSampler:
+        replaced.append(f"batch_sampler {type(batches).__name__} (poplar.shuffle {str(shuffle).lower()})")
+    elif given is not None and given != shuffle:
         replaced.append(f"shuffle={given} by poplar.shuffle {str(shuffle).lower()}")
     elif given is None and sampler is not None:
-        replaced.append(f"its sampler {type(sampler).__name__} by the plan's (poplar.shuffle {str(shuffle).lower()})")
+        replaced.append(f"sampler {type(sampler).__name__} (poplar.shuffle {str(shuffle).lower()})")
     if bool(getattr(loader, "drop_last", False)) != drop_last:
         replaced.append(f"drop_last={loader.drop_last} by poplar.drop_last {str(drop_last).lower()}")
     if replaced:
         logger.warning(
-            "PoplarAccelerator: the training DataLoader's %s: the plan's sampler orders the training data from the "
-            "DeepSpeed config's poplar section (seed, shuffle, drop_last); set them there",
+            "PoplarAccelerator: the plan's sampler replaces the training DataLoader's %s: it orders the training "
+            "data from the DeepSpeed config's poplar section (seed, shuffle, drop_last); set them there",
             " and ".join(replaced),
         )

@@ -168,16 +168,22 @@ def test_the_planned_dataloader_keeps_the_loaders_generator_and_worker_settings(
     [
         ({"shuffle": False}, "shuffle=False by poplar.shuffle true"),
         ({"shuffle": True, "drop_last": True}, "drop_last=True by poplar.drop_last false"),
-        ({"sampler": torch.utils.data.SubsetRandomSampler(range(8))}, "its sampler SubsetRandomSampler by the plan's"),
+        ({"batch_sampler": [[0, 1], [2, 3]]}, "batch_sampler list (poplar.shuffle true)"),
+        ({"sampler": torch.utils.data.SubsetRandomSampler(range(8))}, "sampler SubsetRandomSampler (poplar.shuffle"),
     ],
 )
 def test_a_training_dataloader_order_the_plan_replaces_is_warned_of(accelerator, caplog, loader_options, words):
     # The Trainer refuses such arguments; accelerate's DataLoader defaults to shuffle=False, so here it is a warning.
     _settled(accelerator, [2])
-    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, **loader_options)
+    options = {"batch_size": 2, **loader_options}
+    if "batch_sampler" in options:
+        options.pop("batch_size")
+    loader = torch.utils.data.DataLoader(list(range(8)), **options)
     with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
         accelerator._plan_dataloader(loader)
-    assert f"PoplarAccelerator: the training DataLoader's {words}" in caplog.text, caplog.text
+    assert f"PoplarAccelerator: the plan's sampler replaces the training DataLoader's {words}" in caplog.text, (
+        caplog.text
+    )
     caplog.clear()
     accelerator.poplar_engine = None
     with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
