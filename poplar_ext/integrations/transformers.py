@@ -839,17 +839,11 @@ class PoplarTrainerMixin(_PlanEvaluation):
                 undo_initial_zero_step(self.model_wrapped)
         else:
             prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
-            engine, rank, caller = self.model_wrapped, self.job.rank, "resume_from_checkpoint"
-            tag = decided_by_rank0(lambda: checkpoint_tag(resume_from_checkpoint, None), rank=rank)
+            caller = "resume_from_checkpoint"
+            tag = decided_by_rank0(lambda: checkpoint_tag(resume_from_checkpoint, None), rank=self.job.rank)
             if tag is None:
                 raise ValueError(f"{caller}: {resume_from_checkpoint} holds no DeepSpeed checkpoint ('latest')")
-            universal = resharded_tag(resume_from_checkpoint, tag, deepspeed_engine=engine, rank=rank, caller=caller)
-            with loading_resharded(engine):
-                path, _ = engine.load_checkpoint(
-                    resume_from_checkpoint, tag=universal, load_optimizer_states=True, load_lr_scheduler_states=True
-                )
-            if path is None:
-                raise ValueError(f"{caller}: DeepSpeed found nothing to load in {resume_from_checkpoint}")
+            self._load_resharded(resume_from_checkpoint, tag, caller=caller)
             # What the Trainer loads after DeepSpeed's checkpoint: its scheduler.pt (the Trainer's own
             # scheduler, which DeepSpeed does not hold) and its grad scaler, as a resume on the same ranks.
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
@@ -867,6 +861,42 @@ class PoplarTrainerMixin(_PlanEvaluation):
                     self._resume_decision, position_samplers=False, next_iteration=step, log_notes=False
                 )
         return prepared
+
+    def _load_resharded(self, folder: str, tag: str, *, caller: str) -> None:
+        """DeepSpeed checkpoint `tag` of `folder`, saved on another number of ranks, loaded resharded into the
+        Trainer's engine (`resharded_tag`; collective), its optimizer and DeepSpeed's schedule with it."""
+        engine, rank = self.model_wrapped, self.job.rank
+        universal = resharded_tag(folder, tag, deepspeed_engine=engine, rank=rank, caller=caller)
+        with loading_resharded(engine):
+            path, _ = engine.load_checkpoint(
+                folder, tag=universal, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+        if path is None:
+            raise ValueError(f"{caller}: DeepSpeed found nothing to load in {folder}")
+
+    def _load_best_model(self) -> None:
+        """The Trainer's (``load_best_model_at_end``), with a best checkpoint saved on another number of ranks (a
+        run resumed on fewer or more) loaded resharded at ZeRO stages 1-3, as a resume loads one: DeepSpeed's own
+        load refuses another number of ranks, after the whole run."""
+        folder = self.state.best_model_checkpoint
+        if not self.is_deepspeed_enabled or self.plan.zero_stage == 0 or not folder:
+            return super()._load_best_model()
+        rank = self.job.rank
+        tag = decided_by_rank0(lambda: checkpoint_tag(Path(folder), None), rank=rank)
+        saved = None if tag is None else decided_by_rank0(lambda: read_state(Path(folder), tag), rank=rank)
+        saved_ranks = None if saved is None else len(saved["plan"]["ranks"])
+        if saved_ranks is None or saved_ranks == self.job.world_size:
+            return super()._load_best_model()
+        if rank == 0:
+            logger.info(
+                "load_best_model_at_end: loading the best model from %s (score: %s), saved on %d ranks, resharded "
+                "for %d",
+                folder,
+                self.state.best_metric,
+                saved_ranks,
+                self.job.world_size,
+            )
+        self._load_resharded(folder, tag, caller="load_best_model_at_end")
 
     def _wrap_engine(self) -> None:
         """Put a `PoplarEngine` between accelerate and the DeepSpeed engine the Trainer just built (the

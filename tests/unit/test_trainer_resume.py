@@ -469,3 +469,32 @@ def test_optimizer_states_of_another_precision_are_refused_before_the_trainer_lo
     config["bf16"]["enabled"] = not bf16  # the precision it was saved in
     trainer = _under_deepspeed(_trainer(plan, tmp_path), config)
     assert PoplarTrainer._check_resume(trainer, str(folder)) == str(folder)
+
+
+@pytest.mark.parametrize(("saved_on", "resharded"), [([(2, 2), (2, 2), (4, 1)], True), ([(4, 2), (4, 1)], False)])
+def test_the_best_model_saved_on_another_number_of_ranks_is_loaded_resharded(
+    tmp_path, monkeypatch, saved_on, resharded
+):
+    # load_best_model_at_end after a resume on 2 ranks of a run whose best checkpoint 3 ranks saved: DeepSpeed's own
+    # load (the Trainer's) refuses another DP world size at the very end of the run.
+    from transformers import Trainer
+
+    folder = _checkpoint(tmp_path, _plan(saved_on), step=2, tag="global_step2")
+    plan = _plan([(3, 2), (2, 3)])
+    trainer = PoplarTrainer.__new__(PoplarTrainer)
+    trainer.__dict__.update(
+        is_deepspeed_enabled=True,
+        job=SimpleNamespace(rank=0, world_size=2, plan=plan),
+        state=SimpleNamespace(best_model_checkpoint=str(folder), best_metric=0.5),
+    )
+    loads = []
+    monkeypatch.setattr(Trainer, "_load_best_model", lambda self: loads.append("as saved"))
+    monkeypatch.setattr(
+        PoplarTrainer,
+        "_load_resharded",
+        lambda self, folder, tag, caller: loads.append((folder, tag, caller)),
+        raising=False,
+    )
+    PoplarTrainer._load_best_model(trainer)
+    expected = [(str(folder), "global_step2", "load_best_model_at_end")] if resharded else ["as saved"]
+    assert loads == expected
