@@ -671,6 +671,9 @@ class PoplarTrainerMixin(_PlanEvaluation):
 
     # -- checkpoints -------------------------------------------------------------------
     def _poplar_state(self) -> dict:
+        best = self.__dict__.get("_best_state")
+        if best is not None:  # load_best_model_at_end loaded the best checkpoint: its state, not the last step's
+            return {key: value for key, value in best.items() if key != "save_id"}
         step, engine, sampler = self.state.global_step, self.poplar_engine, self._train_sampler
         consumed = step * self.plan.global_batch_size
         state = poplar_client_state(
@@ -741,6 +744,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; a resumed run is checked against the checkpoint's plan and data order first, and
         ``True`` resumes the newest whole checkpoint (`_whole_checkpoint`)."""
+        self._best_state = None  # training again: a save holds this run's state
         if resume_from_checkpoint:
             folder = self._check_resume(resume_from_checkpoint)
             if folder is None and resume_from_checkpoint is True:  # decided alike on every rank
@@ -879,15 +883,23 @@ class PoplarTrainerMixin(_PlanEvaluation):
         run resumed on fewer or more) loaded resharded at ZeRO stages 1-3, as a resume loads one: DeepSpeed's own
         load refuses another number of ranks, after the whole run."""
         folder = self.state.best_model_checkpoint
-        if not self.is_deepspeed_enabled or self.plan.zero_stage == 0 or not folder:
+        if not self.is_deepspeed_enabled or not folder:
             return super()._load_best_model()
         rank = self.job.rank
         tag = decided_by_rank0(lambda: checkpoint_tag(Path(folder), None), rank=rank)
         saved = None if tag is None else decided_by_rank0(lambda: read_state(Path(folder), tag), rank=rank)
         saved_ranks = None if saved is None else len(saved["plan"]["ranks"])
-        if saved_ranks is None or saved_ranks == self.job.world_size:
-            return super()._load_best_model()
-        if rank == 0:
+        if saved_ranks is None or saved_ranks == self.job.world_size or self.plan.zero_stage == 0:
+            super()._load_best_model()
+        else:
+            self._load_best_resharded(folder, tag, saved_ranks)
+        # The engine now holds the best checkpoint's weights, optimizer and DeepSpeed step count: a DeepSpeed save
+        # from here on (save_model's at ZeRO 3) is that checkpoint's, its data position and plan history with it.
+        self._best_state = saved
+
+    def _load_best_resharded(self, folder: str, tag: str, saved_ranks: int) -> None:
+        """`_load_best_model`'s load of a best checkpoint saved on `saved_ranks` ranks, another number (collective)."""
+        if self.job.rank == 0:
             logger.info(
                 "load_best_model_at_end: loading the best model from %s (score: %s), saved on %d ranks, resharded "
                 "for %d",

@@ -498,3 +498,24 @@ def test_the_best_model_saved_on_another_number_of_ranks_is_loaded_resharded(
     PoplarTrainer._load_best_model(trainer)
     expected = [(str(folder), "global_step2", "load_best_model_at_end")] if resharded else ["as saved"]
     assert loads == expected
+
+
+def test_a_save_after_the_best_model_is_loaded_holds_the_best_checkpoints_poplar_state(tmp_path, monkeypatch):
+    # At the end of the run the engine holds checkpoint-2's weights, optimizer and DeepSpeed step (its tag
+    # global_step2): trainer.save_model's DeepSpeed save at ZeRO 3 must not say step 8 and the data of step 8.
+    from transformers import Trainer
+
+    plan = _plan([(4, 2), (4, 1)])
+    folder = _checkpoint(tmp_path, plan, step=2, tag="global_step2")
+    trainer = PoplarTrainer.__new__(PoplarTrainer)
+    fields = vars(_trainer(plan, tmp_path))
+    trainer.__dict__.update({k: v for k, v in fields.items() if k not in ("_poplar_state", "_restore_replaced_tags")})
+    trainer.__dict__.update(
+        is_deepspeed_enabled=True, state=SimpleNamespace(global_step=8, best_model_checkpoint=str(folder))
+    )
+    trainer.job.world_size, trainer.job.plan = 2, plan
+    monkeypatch.setattr(Trainer, "_load_best_model", lambda self: None)
+    assert trainer._poplar_state()["step"] == 8
+    PoplarTrainer._load_best_model(trainer)
+    state = trainer._poplar_state()
+    assert (state["step"], state["consumed_samples"], state["data_position"]) == (2, 24, 24)
