@@ -284,7 +284,9 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         norms = torch.stack([torch.linalg.vector_norm(g).double() for g in counted]) if counted else None
         squares = torch.zeros((), dtype=torch.float64, device=self.device) if norms is None else norms.pow(2).sum()
         sum_in_group(squares, self.grid.get_pipe_parallel_group())
-        coefficient = min(1.0, self.gradient_clipping() / (float(squares.sqrt()) + 1e-6))
+        # DeepSpeed's own ZeRO-0 fp32 clip drops the norm: get_global_grad_norm() would say None.
+        self._global_grad_norm = float(squares.sqrt())
+        coefficient = min(1.0, self.gradient_clipping() / (self._global_grad_norm + 1e-6))
         for parameter in parameters:
             parameter.grad.mul_(coefficient)
 

@@ -64,6 +64,22 @@ def set_deepspeed_batch(engine: Any, plan: Plan, rank: int) -> None:
     engine.micro_steps = -(-engine.micro_steps // steps) * steps
 
 
+def keep_fp32_clip_norm(engine: Any) -> None:
+    """DeepSpeed's fp32 ZeRO-0 clip (``clip_fp32_gradients``) drops the norm it computes, so that
+    ``get_global_grad_norm()`` says None there and the Trainer logs no ``grad_norm``: `engine`'s clip keeps it."""
+    if "clip_fp32_gradients" in vars(engine) or not callable(getattr(type(engine), "clip_fp32_gradients", None)):
+        return
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_keeping_the_norm() -> None:
+        norm = clip_grad_norm_(
+            parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu
+        )
+        engine._global_grad_norm = float(norm)
+
+    engine.clip_fp32_gradients = clip_keeping_the_norm
+
+
 class PoplarEngine(EngineCore):
     """A DeepSpeedEngine that trains a plan's per-rank batches with exact gradients; use it as the engine
     ``deepspeed.initialize`` returns (every attribute not defined here is the DeepSpeed engine's). Differences:
@@ -131,6 +147,7 @@ class PoplarEngine(EngineCore):
             self._end_emulated_compute_before_reduction()
         if weights_loss:
             self._weight_direct_backward()
+        keep_fp32_clip_norm(engine)
 
     def _weight_direct_backward(self) -> None:
         # DeepSpeed lets `loss.backward()` and `engine.scale(loss).backward()` run on the engine's output (ZeRO 1-3;

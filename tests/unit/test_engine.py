@@ -1781,3 +1781,32 @@ def test_deepspeed_io_for_evaluation_gives_every_rank_as_many_batches():
         fake.deepspeed_io = _deepspeeds_own_io(plan, rank)
         counts.append([len(batch[0]) for batch in engine.deepspeed_io(data, route="eval")])
     assert counts == [[2, 2, 2, 1]] * 2
+
+
+def test_the_fp32_zero_0_clip_keeps_the_norm_deepspeed_drops(monkeypatch):
+    # DeepSpeed's clip_fp32_gradients computes the norm and drops it: get_global_grad_norm() said None at fp32
+    # ZeRO 0 with gradient_clipping on, and the Trainer logged no grad_norm.
+    import deepspeed.runtime.utils as ds_utils
+
+    from poplar_ext.zero.engine import keep_fp32_clip_norm
+
+    clipped = []
+
+    def clip_grad_norm_(parameters, max_norm, mpu=None):
+        clipped.append((len(list(parameters)), max_norm, mpu))
+        return torch.tensor([5.0])
+
+    class Engine:
+        module, mpu, _global_grad_norm = torch.nn.Linear(2, 1), None, None
+
+        def gradient_clipping(self):
+            return 1.0
+
+        def clip_fp32_gradients(self):  # DeepSpeed's, which returns nothing
+            clip_grad_norm_(self.module.parameters(), self.gradient_clipping(), self.mpu)
+
+    monkeypatch.setattr(ds_utils, "clip_grad_norm_", clip_grad_norm_)
+    engine = Engine()
+    keep_fp32_clip_norm(engine)
+    engine.clip_fp32_gradients()
+    assert engine._global_grad_norm == 5.0 and clipped == [(2, 1.0, None)]

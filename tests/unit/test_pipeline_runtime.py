@@ -881,3 +881,25 @@ def test_the_pipeline_folder_pattern_is_public():
     from poplar_ext.pipeline.checkpoint import PIPELINE_FOLDER, pipeline_folder
 
     assert PIPELINE_FOLDER.format(index=2) == pipeline_folder(2) == "pipeline2"
+
+
+def test_the_zero_0_fp32_clip_reports_the_norm_it_clipped_by(monkeypatch):
+    # DeepSpeed's get_global_grad_norm() said None for an fp32 pipeline at ZeRO 0 with clipping on: its clip
+    # dropped the norm it computed (the Trainer logs no grad_norm, a loop has none to log).
+    from types import SimpleNamespace
+
+    import poplar_ext.pipeline.engine as pipeline_engine
+    from poplar_ext.pipeline.engine import PoplarPipelineEngine
+
+    monkeypatch.setattr(pipeline_engine, "sum_in_group", lambda tensor, group=None: None)  # one pipeline stage
+    weight = torch.nn.Parameter(torch.zeros(2))
+    weight.grad = torch.tensor([3.0, 4.0])
+    engine = SimpleNamespace(
+        module=torch.nn.ParameterList([weight]),
+        device=torch.device("cpu"),
+        grid=SimpleNamespace(get_pipe_parallel_group=lambda: None),
+        gradient_clipping=lambda: 1.0,
+    )
+    PoplarPipelineEngine.clip_fp32_gradients(engine)
+    assert engine._global_grad_norm == pytest.approx(5.0)
+    assert torch.allclose(weight.grad, torch.tensor([0.6, 0.8]), atol=1e-5)
