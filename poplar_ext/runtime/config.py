@@ -173,6 +173,40 @@ def refuse_unweighted_modes(ds_config: dict, *, source: str = DICT_SOURCE) -> No
         )
 
 
+_FLOAT16_NAMES = ("fp16", "float16", "half", "torch.float16")
+"""How DeepSpeed's config spells float16 (deepspeed/runtime/config.py ``DtypeEnum``)."""
+DEEPSPEED_GRADIENT_CLIPPING_DEFAULT = 1.0
+"""DeepSpeed 0.19.8's ``gradient_clipping`` where the config sets none (runtime/constants.py)."""
+
+
+def refuse_unclipped_autocast_scaler(ds_config: dict, *, zero_stage: Any, source: str = DICT_SOURCE) -> None:
+    """FormatError for ``torch_autocast`` in float16 with ``gradient_clipping`` (on by default) at ZeRO stages 1-3.
+
+    There DeepSpeed 0.19.8's ZeRO optimizers scale the loss by their own ``torch.amp.GradScaler`` (65536 at first)
+    but clip with their fp16 loss scale, 1: the norm they clip is the GradScaler's scale times the true one, and the
+    scaler divides by its scale again after the clip, so every step moves the parameters by about
+    gradient_clipping / 65536 of the clipped step (the same in plain DeepSpeed, on any number of ranks). At stage 0
+    the engine's own GradScaler unscales before clipping. `zero_stage`: the stage trained (anything but 1-3, an
+    unknown stage, checks nothing)."""
+    autocast = ds_config.get("torch_autocast")
+    if not isinstance(autocast, dict) or autocast.get("enabled") is not True:
+        return
+    if str(autocast.get("dtype")) not in _FLOAT16_NAMES or zero_stage not in (1, 2, 3):
+        return
+    clipping = ds_config.get("gradient_clipping", DEEPSPEED_GRADIENT_CLIPPING_DEFAULT)
+    if isinstance(clipping, (int, float)) and not isinstance(clipping, bool) and clipping <= 0:
+        return
+    found = repr(clipping) if "gradient_clipping" in ds_config else f"none (DeepSpeed's default, {clipping!r})"
+    raise FormatError(
+        source,
+        "gradient_clipping",
+        f"0 beside torch_autocast.dtype {autocast.get('dtype')!r} at ZeRO stage {zero_stage} (DeepSpeed 0.19.8 "
+        "clips the gradients there still multiplied by its GradScaler's scale, 65536 at first, and divides them by "
+        "the scale after: every step is about 65536 times too small); or torch_autocast in bfloat16, or ZeRO stage 0",
+        found,
+    )
+
+
 def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: str = DICT_SOURCE) -> dict:
     """The config DeepSpeed gets on `rank`: valid on its own, with this rank's batch values.
 
@@ -186,6 +220,7 @@ def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: 
         raise FormatError(
             source, "train_batch_size", f"the plan's global batch ({plan.global_batch_size}) or no value", repr(given)
         )
+    refuse_unclipped_autocast_scaler(ds_config, zero_stage=plan.zero_stage, source=source)
     rank_plan = plan.ranks[rank]
     nominal = copy.deepcopy(ds_config)
     nominal["train_micro_batch_size_per_gpu"] = rank_plan.micro_batch_size
@@ -234,6 +269,7 @@ __all__ = [
     "load_deepspeed_config",
     "nominal_deepspeed_config",
     "poplar_config_from_dict",
+    "refuse_unclipped_autocast_scaler",
     "requested_global_batch_size",
     "requested_zero_stage",
     "throughput_timer_synchronized",

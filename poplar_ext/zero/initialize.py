@@ -32,6 +32,7 @@ from poplar_ext.runtime.config import (
     PoplarConfig,
     load_deepspeed_config,
     nominal_deepspeed_config,
+    refuse_unclipped_autocast_scaler,
     refuse_unweighted_modes,
     requested_global_batch_size,
     requested_zero_stage,
@@ -151,6 +152,11 @@ def prepare_job(
         poplar_config = read_poplar_section(loaded_config, otherwise="deepspeed.initialize")
     _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
     refuse_unweighted_modes(ds_config, source=source)
+    # Where the config names the stage, before any profiling or search (nominal_deepspeed_config checks the plan's).
+    zero = ds_config.get("zero_optimization")
+    refuse_unclipped_autocast_scaler(
+        ds_config, zero_stage=zero.get("stage") if isinstance(zero, dict) else None, source=source
+    )
     # DeepSpeed's own discovery first (launcher, torchrun or mpirun), then this rank's device.
     device = join_job(**(init_options or {}))
     rank, world_size = process_group_rank()

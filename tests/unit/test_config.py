@@ -216,6 +216,37 @@ def test_nominal_config_refuses_another_global_batch():
         nominal_deepspeed_config({"train_batch_size": 12}, _plan([(4, 1), (2, 3)]), 0)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("clipping", [{}, {"gradient_clipping": 0.3}])
+def test_nominal_config_refuses_float16_autocast_with_clipping_at_zero_1_to_3(stage, clipping):
+    # DeepSpeed 0.19.8's ZeRO optimizers clip the GradScaler-scaled gradients, then unscale: measured on one process
+    # at ZeRO 1, 3 SGD steps moved the tiny GPT by 8.6e-7 (clipping 1.0) where the global batch moves it by 1.6e-2.
+    user = {"torch_autocast": {"enabled": True, "dtype": "float16"}, **clipping}
+    found = "0.3" if clipping else r"none \(DeepSpeed's default, 1.0\)"
+    with pytest.raises(
+        ValueError,
+        match=rf"gradient_clipping: expected 0 beside torch_autocast.dtype 'float16' at ZeRO stage {stage} .*, "
+        rf"found {found}",
+    ):
+        nominal_deepspeed_config(user, _plan([(4, 2), (2, 2)], stage=stage), 0)
+
+
+@pytest.mark.parametrize(
+    ("stage", "user"),
+    [
+        (0, {"torch_autocast": {"enabled": True, "dtype": "fp16"}}),  # the engine's own GradScaler unscales first
+        (1, {"torch_autocast": {"enabled": True, "dtype": "fp16"}, "gradient_clipping": 0.0}),
+        (1, {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}),
+        (1, {"torch_autocast": {"enabled": False, "dtype": "float16"}}),
+    ],
+)
+def test_nominal_config_keeps_autocast_where_deepspeed_clips_right(stage, user):
+    assert (
+        nominal_deepspeed_config(user, _plan([(4, 2), (2, 2)], stage=stage), 0)["torch_autocast"]
+        == user["torch_autocast"]
+    )
+
+
 def test_cpu_process_options_default_to_leaving_the_process_alone():
     cfg = _parse()
     assert cfg.cpu_threads is None and cfg.steady_cpu_allocator is False

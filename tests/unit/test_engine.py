@@ -1042,6 +1042,11 @@ def test_other_parallelism_is_refused(kwargs, config, message):
             {"managed_gradient_accumulation": False},
             r"<DeepSpeed config dict>: managed_gradient_accumulation: expected true \(.*\), found False",
         ),
+        (
+            {"torch_autocast": {"enabled": True, "dtype": "float16"}, "zero_optimization": {"stage": 2}},
+            r"<DeepSpeed config dict>: gradient_clipping: expected 0 beside torch_autocast.dtype 'float16' at ZeRO "
+            r"stage 2 .*, found none \(DeepSpeed's default, 1.0\)",
+        ),
     ],
 )
 def test_deepspeed_modes_the_loss_weights_do_not_hold_under_are_refused(config, message):
