@@ -27,6 +27,7 @@ from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import Cluster, Emulation, Plan, profile_from_dict
 from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.config import (
+    DEEPSPEED_GRADIENT_CLIPPING_DEFAULT,
     DICT_SOURCE,
     GlobalBatchRequest,
     PoplarConfig,
@@ -92,6 +93,42 @@ def _refuse_other_parallelism(*, mpu: Any, mesh_param: Any, model: Any, ds_confi
         )
 
 
+def _refuse_wrong_sparse_gradients(*, model: Any, ds_config: dict, source: str) -> None:
+    """FormatError for the DeepSpeed 0.19.8 settings that train an embedding's sparse gradient wrong (one built with
+    ``sparse=True``), in plain DeepSpeed on any number of ranks alike."""
+    if not isinstance(model, torch.nn.Module):
+        return
+    sparse = [
+        name or type(module).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse
+    ]
+    if not sparse:
+        return
+    modules = ", ".join(sparse)
+    predivide = ds_config.get("gradient_predivide_factor", 1.0)
+    if ds_config.get("prescale_gradients", False) is not True and predivide != 1.0:
+        raise FormatError(
+            source,
+            "gradient_predivide_factor",
+            f"1.0, or prescale_gradients true, where the model has embeddings with sparse gradients ({modules}): "
+            "DeepSpeed 0.19.8 multiplies a sparse gradient by gradient_predivide_factor / world size where a dense "
+            "one gets 1 / world size (runtime/engine.py sparse_allreduce)",
+            repr(predivide),
+        )
+    clipping = ds_config.get("gradient_clipping", DEEPSPEED_GRADIENT_CLIPPING_DEFAULT)
+    if not (isinstance(clipping, (int, float)) and clipping <= 0):
+        found = repr(clipping) if "gradient_clipping" in ds_config else f"none (DeepSpeed's default, {clipping!r})"
+        raise FormatError(
+            source,
+            "gradient_clipping",
+            f"0 where the model has embeddings with sparse gradients ({modules}): DeepSpeed 0.19.8 counts a sparse "
+            "gradient in the norm but leaves it unclipped (runtime/utils.py clip_grad_norm_ scales p.grad.data, "
+            "which a sparse tensor does not pass on)",
+            found,
+        )
+
+
 _FEED_YOURSELF = (
     "give a map-style Dataset, or pass no training_data and feed each rank its plan's micro-batches "
     "(engine.rank_plan) yourself"
@@ -152,6 +189,7 @@ def prepare_job(
         poplar_config = read_poplar_section(loaded_config, otherwise="deepspeed.initialize")
     _refuse_other_parallelism(mpu=mpu, mesh_param=mesh_param, model=model, ds_config=ds_config, source=source)
     refuse_unweighted_modes(ds_config, source=source)
+    _refuse_wrong_sparse_gradients(model=model, ds_config=ds_config, source=source)
     # Where the config names the stage, before any profiling or search (nominal_deepspeed_config checks the plan's).
     zero = ds_config.get("zero_optimization")
     refuse_unclipped_autocast_scaler(

@@ -1058,6 +1058,36 @@ def test_deepspeed_modes_the_loss_weights_do_not_hold_under_are_refused(config, 
         poplar_ext.initialize(model=torch.nn.Linear(1, 1), config={**config, **_SECTION})
 
 
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"gradient_clipping": 0.0, "gradient_predivide_factor": 4.0},
+            r"<DeepSpeed config dict>: gradient_predivide_factor: expected 1.0, or prescale_gradients true, where the "
+            r"model has embeddings with sparse gradients \(0\): .*, found 4.0",
+        ),
+        (
+            {},
+            r"<DeepSpeed config dict>: gradient_clipping: expected 0 where the model has embeddings with sparse "
+            r"gradients \(0\): .*, found none \(DeepSpeed's default, 1.0\)",
+        ),
+        (
+            {"gradient_clipping": 0.3, "prescale_gradients": True, "gradient_predivide_factor": 4.0},
+            r"gradient_clipping: expected 0 where .*, found 0.3",
+        ),
+    ],
+)
+def test_settings_deepspeed_trains_sparse_gradients_wrong_with_are_refused(config, message):
+    # Measured on one plain DeepSpeed process at ZeRO 0 (SGD, 3 steps, against the global batch in torch): an
+    # nn.Embedding(sparse=True) with gradient_predivide_factor 4 ended 3.2e-2 off, with gradient_clipping 0.3
+    # 5.3e-3 off (unclipped), exact (2e-7) with neither.
+    import poplar_ext
+
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4, sparse=True), torch.nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=message):
+        poplar_ext.initialize(model=model, config={**config, **_SECTION})
+
+
 def test_deepspeeds_dataloader_drop_last_unlike_the_poplar_section_is_refused():
     # The plan's sampler ends each epoch by poplar.drop_last: DeepSpeed's own setting would be ignored silently.
     import poplar_ext
