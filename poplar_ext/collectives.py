@@ -74,12 +74,7 @@ class ShortCollectiveTimeouts:
         for group in list(c10d._world.pg_map):
             if group is c10d.GroupMember.NON_GROUP_MEMBER or group in self._previous:
                 continue
-            # The collective timeout of the group's backend (a timedelta), none where it says none.
-            options = (
-                getattr(group._get_backend(torch.device(d)), "options", None)
-                for d in getattr(group, "_device_types", ())
-            )
-            previous = next((t for t in (getattr(o, "_timeout", None) for o in options) if t is not None), None)
+            previous = _group_timeout(group)
             if previous is None:
                 continue
             self._previous[group] = previous
@@ -114,6 +109,35 @@ PROCESS_GROUP_TIMEOUT_S = 600.0
 """How long a collective may wait for the other ranks before the job fails (unless the caller
 passes ``timeout`` or sets DeepSpeed's ``DEEPSPEED_TIMEOUT``, in minutes): a rank that died outside
 an agreed point ends the job in minutes instead of DeepSpeed's default 30."""
+
+
+def _group_timeout(group: Any) -> timedelta | None:
+    """The collective timeout of `group`'s backend, None where it says none."""
+    devices = getattr(group, "_device_types", ())
+    options = (getattr(group._get_backend(torch.device(d)), "options", None) for d in devices)
+    return next((t for t in (getattr(o, "_timeout", None) for o in options) if t is not None), None)
+
+
+def job_timeout_on_every_group() -> None:
+    """Every process group of this rank made without a timeout of its own times out its collectives as the default
+    group does: after the job's timeout (`process_group_options`).
+
+    Why: DeepSpeed makes its engines' groups (the data-parallel group every gradient reduction goes through, its copy
+    of the world group, a pipeline's) without a timeout, and torch gives those its own default, 30 minutes on gloo,
+    not the job's: a rank that stopped answering without closing its connections (a node cut off, a stopped process)
+    left the others waiting in a gradient reduction for 30 minutes, whatever ``DEEPSPEED_TIMEOUT`` said."""
+    if not dist.is_initialized():
+        return
+    job = _group_timeout(c10d._get_default_group())
+    if job is None:
+        return
+    for group in list(c10d._world.pg_map):
+        if group is c10d.GroupMember.NON_GROUP_MEMBER:
+            continue
+        current = _group_timeout(group)
+        if current is not None and current != job and current == c10d._get_default_timeout(dist.get_backend(group)):
+            c10d._set_pg_timeout(job, group)
+
 
 _LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
@@ -441,6 +465,7 @@ __all__ = [
     "ensure_process_group",
     "free_port",
     "gather_objects",
+    "job_timeout_on_every_group",
     "leave_process_group",
     "new_groups",
     "process_group_options",

@@ -134,6 +134,9 @@ class EngineCore(FollowsRebalancing):
         plan_reason: str,
     ) -> None:
         """`on_cpu`: whether this rank's device is the CPU (asked where re-balancing needs a timer)."""
+        from poplar_ext.collectives import job_timeout_on_every_group
+
+        job_timeout_on_every_group()  # the groups DeepSpeed made for the engine: the job's timeout, not torch's
         self.plan = plan
         """The plan every rank runs."""
         self.poplar_config = poplar_config

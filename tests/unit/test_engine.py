@@ -182,6 +182,23 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
+def test_the_groups_deepspeed_made_for_the_engine_time_out_as_the_job_does(one_rank_group):
+    # DeepSpeed makes its data-parallel group (every gradient reduction) without a timeout: torch gave it 30 minutes
+    # on gloo, the job's 5 ignored, so the ranks left by one that stopped answering waited in it for 30 minutes.
+    import datetime
+
+    import torch.distributed as dist
+
+    def timeout(group):
+        return group._get_backend(torch.device("cpu")).options._timeout
+
+    made_by_deepspeed = dist.new_group([0])
+    own = dist.new_group([0], timeout=datetime.timedelta(minutes=45))  # a timeout of its own stays
+    _engine(_plan([(2, 1)]))
+    assert timeout(made_by_deepspeed) == datetime.timedelta(minutes=5)
+    assert timeout(own) == datetime.timedelta(minutes=45)
+
+
 def test_fp16_at_zero_0_starts_the_optimizer_as_torch_does(one_rank_group):
     # DeepSpeed's FP16_UnfusedOptimizer (fp16 at ZeRO 0) steps the user's optimizer on zero gradients when built:
     # AdamW then decayed every master weight by lr x weight_decay and counted a step, so that a 3-rank fp16 job
