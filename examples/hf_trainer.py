@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
+from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer import TRAINER_STATE_NAME
 
 from poplar_ext.integrations.transformers import PoplarTrainer
 
@@ -53,6 +55,16 @@ def collate(items: list[dict]) -> dict:
         n = len(item["input_ids"])
         ids[row, :n], mask[row, :n], labels[row, :n] = item["input_ids"], 1, item["input_ids"]
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def holds_whole_checkpoint(output_dir: str) -> bool:
+    """Whether `output_dir` holds a ``checkpoint-N`` whose save finished: the Trainer writes its
+    ``trainer_state.json`` last. A node lost during the first save leaves a ``checkpoint-N`` without it, which
+    ``resume_from_checkpoint=True`` refuses: every restart would fail on it, instead of starting afresh."""
+    return any(
+        re.fullmatch(r"checkpoint-\d+", folder.name) and (folder / TRAINER_STATE_NAME).is_file()
+        for folder in (Path(output_dir).iterdir() if os.path.isdir(output_dir) else ())
+    )
 
 
 def main() -> None:
@@ -95,7 +107,7 @@ def main() -> None:
     trainer = PoplarTrainer(
         model=model, args=training, train_dataset=RandomSequences(400, 256, 64), data_collator=collate
     )
-    resume = args.save_steps > 0 and os.path.isdir(args.output_dir) and get_last_checkpoint(args.output_dir) is not None
+    resume = args.save_steps > 0 and holds_whole_checkpoint(args.output_dir)
     trainer.train(resume_from_checkpoint=True if resume else None)
 
 
