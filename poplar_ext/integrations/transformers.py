@@ -746,10 +746,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
         ``True`` resumes the newest whole checkpoint (`_whole_checkpoint`)."""
         self._best_state = None  # training again: a save holds this run's state
         if resume_from_checkpoint:
-            folder = self._check_resume(resume_from_checkpoint)
-            if folder is None and resume_from_checkpoint is True:  # decided alike on every rank
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-            resume_from_checkpoint = folder or resume_from_checkpoint
+            resume_from_checkpoint = _checkpoint_to_resume(self, resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _check_resume(self, resume_from_checkpoint: str | bool) -> str | None:
@@ -1086,6 +1083,15 @@ def _check_trainer_schedule(folder: Path, args: TrainingArguments) -> None:
 def _storage_rank(args: TrainingArguments, rank: int) -> int:
     """This rank's number among those writing its checkpoint storage, as DeepSpeed numbers them."""
     return args.local_process_index if _node_local(args) else rank
+
+
+@ends_job_on_user_error  # a refusal of the checkpoint: every restart would meet it again, as the engines' loads
+def _checkpoint_to_resume(trainer: Any, resume_from_checkpoint: str | bool) -> str | bool:
+    """The checkpoint folder `trainer`'s ``train`` resumes (its `_check_resume`); ``True`` without one refused."""
+    folder = trainer._check_resume(resume_from_checkpoint)
+    if folder is None and resume_from_checkpoint is True:  # decided alike on every rank
+        raise ValueError(f"No valid checkpoint found in output directory ({trainer.args.output_dir})")
+    return folder or resume_from_checkpoint
 
 
 def _resumable_here(named: str | bool, output_dir: str) -> list[tuple[str, str | None]] | str:

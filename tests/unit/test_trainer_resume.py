@@ -177,6 +177,21 @@ def test_another_global_batch_is_refused(tmp_path):
         PoplarTrainer._check_resume(trainer, str(folder))
 
 
+@pytest.mark.parametrize("refusal", ["another global batch", "no checkpoint"])
+def test_a_refused_resume_ends_a_restarting_launchers_job(tmp_path, monkeypatch, refusal):
+    # As the engines' load_checkpoint: every restart would meet the same refusal, --max-restarts times over.
+    from poplar_ext import elastic
+
+    ended: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", ended.append)
+    folder = _checkpoint(tmp_path, _plan([(2, 2), (2, 2), (4, 1)]), step=2)
+    trainer = _trainer(_plan([(2, 2), (2, 3)]), tmp_path if refusal == "another global batch" else tmp_path / "none")
+    trainer._check_resume = lambda named: PoplarTrainer._check_resume(trainer, named)
+    with pytest.raises(ValueError, match="trained global batches of 12|No valid checkpoint found") as refused:
+        PoplarTrainer.train(trainer, resume_from_checkpoint=str(folder) if refusal == "another global batch" else True)
+    assert ended == [refused.value]
+
+
 def test_a_resume_is_refused_where_the_nodes_storages_hold_different_saves(tmp_path, monkeypatch):
     # Node-local storage: another node's first rank holds another save under the tag (its own stopped before it
     # was whole); DeepSpeed would load each node's files as one checkpoint.
