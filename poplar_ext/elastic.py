@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,36 @@ def restarts_left(env: Mapping[str, str] = os.environ) -> int:
         return 0
 
 
+PROC = Path("/proc")
+"""Where `launcher_process` reads the processes above this one (Linux's)."""
+
+
+def launcher_process(parent: int, env: Mapping[str, str] = os.environ) -> int:
+    """torchrun's agent among this worker's ancestors: `parent`, or where the worker's command runs the script
+    through a wrapper (``torchrun --no-python ./run.sh``: a shell started with the worker's environment), the
+    nearest ancestor whose environment is not a worker's of this run (its ``TORCHELASTIC_RUN_ID`` and
+    ``TORCHELASTIC_RESTART_COUNT``). `parent` where ``/proc`` does not tell.
+
+    Why: the wrapper, signalled in the agent's place, ends; the agent reads a worker stopped by a signal and
+    restarts it, ``--max-restarts`` times."""
+    marks = {
+        f"TORCHELASTIC_RUN_ID={env.get('TORCHELASTIC_RUN_ID', '')}".encode(),
+        f"TORCHELASTIC_RESTART_COUNT={env.get('TORCHELASTIC_RESTART_COUNT', '')}".encode(),
+    }
+    pid = parent
+    for _ in range(8):  # a wrapper or two, not a deep tree
+        try:
+            if not marks <= set((PROC / str(pid) / "environ").read_bytes().split(b"\0")):
+                return pid
+            # /proc/PID/stat: "PID (name) STATE PPID ...", the name may hold spaces and parentheses
+            pid = int((PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return parent
+        if pid <= 1:
+            return parent
+    return parent
+
+
 def end_restarting_launcher(
     error: BaseException,
     *,
@@ -41,7 +72,7 @@ def end_restarting_launcher(
     left = restarts_left(env)
     if left <= 0:
         return False
-    agent = parent()
+    agent = launcher_process(parent(), env)
     message = (
         f"poplar-ext: {type(error).__name__}: {error}. An error of the job's configuration or code, which a "
         f"restart would repeat: asking the launcher (process {agent}) to end the job instead of restarting it "

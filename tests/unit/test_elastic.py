@@ -28,6 +28,33 @@ def test_with_restarts_left_the_agent_is_asked_to_end_the_job():
     assert asked and signals == [(4242, signal.SIGTERM)]
 
 
+def _process(proc, pid: int, parent: int, environ: dict[str, str]) -> None:
+    """A process as Linux's /proc shows it: its environment at start, its parent in its stat line."""
+    folder = proc / str(pid)
+    folder.mkdir()
+    (folder / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in environ.items()))
+    (folder / "stat").write_text(f"{pid} (sh (wrapper)) S {parent} {pid} {pid} 0 -1\n")
+
+
+def test_a_wrapper_between_the_agent_and_the_script_is_passed_over(tmp_path, monkeypatch):
+    # torchrun --no-python ./run.sh: the shell running the script was signalled in the agent's place, ended, and
+    # the agent restarted the job --max-restarts times (seen: 3 starts with --max-restarts 2).
+    import poplar_ext.elastic as elastic
+
+    monkeypatch.setattr(elastic, "PROC", tmp_path, raising=False)
+    _process(tmp_path, 300, 200, {"PATH": "/bin", **UNDER_TORCHRUN})  # the wrapper: the worker's environment
+    _process(tmp_path, 200, 100, {"PATH": "/bin"})  # the agent
+    signals: list[tuple[int, int]] = []
+    asked = end_restarting_launcher(
+        ValueError("x"), env=UNDER_TORCHRUN, kill=lambda *a: signals.append(a), parent=lambda: 300
+    )
+    assert asked and signals == [(200, signal.SIGTERM)]
+    signals.clear()  # an agent of another run started this one: the parent is asked
+    _process(tmp_path, 301, 1, {**UNDER_TORCHRUN, "TORCHELASTIC_RUN_ID": "outer"})
+    end_restarting_launcher(ValueError("x"), env=UNDER_TORCHRUN, kill=lambda *a: signals.append(a), parent=lambda: 301)
+    assert signals == [(301, signal.SIGTERM)]
+
+
 def test_without_restarts_nothing_is_signalled():
     signals: list[tuple[int, int]] = []
     assert not end_restarting_launcher(ValueError("x"), env={}, kill=lambda *a: signals.append(a), parent=lambda: 1)
