@@ -74,9 +74,10 @@ def end_restarting_launcher(
         return False
     agent = launcher_process(parent(), env)
     message = (
-        f"poplar-ext: {type(error).__name__}: {error}. An error of the job's configuration or code, which a "
-        f"restart would repeat: asking the launcher (process {agent}) to end the job instead of restarting it "
-        f"{left} more times"
+        # One full stop between the error's sentence and this one (hardware mismatches end in their own).
+        f"poplar-ext: {type(error).__name__}: {str(error).removesuffix('.')}. An error of the job's configuration "
+        f"or code, which a restart would repeat: asking the launcher (process {agent}) to end the job instead of "
+        f"restarting it {left} more times"
     )
     logger.error("%s", message)
     # On stderr too: the process is about to end, and the application may have configured no logging.

@@ -55,6 +55,18 @@ def test_a_wrapper_between_the_agent_and_the_script_is_passed_over(tmp_path, mon
     assert signals == [(301, signal.SIGTERM)]
 
 
+def test_an_error_ending_in_a_full_stop_is_told_with_one(capsys):
+    # Seen: "... names 2 ranks but the job has 1.. An error of the job's configuration or code"
+    end_restarting_launcher(
+        ValueError("The cluster description names 2 ranks but the job has 1."),
+        env=UNDER_TORCHRUN,
+        kill=lambda *a: None,
+        parent=lambda: 4242,
+    )
+    said = capsys.readouterr().err
+    assert "but the job has 1. An error of the job's configuration or code" in said, said
+
+
 def test_without_restarts_nothing_is_signalled():
     signals: list[tuple[int, int]] = []
     assert not end_restarting_launcher(ValueError("x"), env={}, kill=lambda *a: signals.append(a), parent=lambda: 1)
