@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -110,11 +109,13 @@ def test_under_two_workers_the_exclusive_test_overlaps_no_other(tmp_path):
     (suite / "test_timed.py").write_text(_TESTS)
     records = tmp_path / "records"
     records.mkdir()
-    lock_dirs_before = set(Path(tempfile.gettempdir()).glob("poplar-tests-*"))
+    # The run's own temporary folder: another pytest session on the machine makes its lock folder in the shared one.
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", str(suite)],
         cwd=suite,
-        env={**os.environ, "RECORDS": str(records)},
+        env={**os.environ, "RECORDS": str(records), "TMPDIR": str(private_tmp)},
         capture_output=True,
         text=True,
         timeout=120,
@@ -125,7 +126,7 @@ def test_under_two_workers_the_exclusive_test_overlaps_no_other(tmp_path):
     assert {worker for _, _, worker in spans.values()} == {"gw0", "gw1"}, "both workers ran tests"
     alone_start, alone_end, _ = spans.pop("alone")
     assert all(end <= alone_start or start >= alone_end for start, end, _ in spans.values()), spans
-    assert set(Path(tempfile.gettempdir()).glob("poplar-tests-*")) <= lock_dirs_before, "its lock files removed"
+    assert not list(private_tmp.glob("poplar-tests-*")), "its lock files removed"
 
 
 def test_the_multi_process_files_are_queued_first_in_collection_order():
