@@ -75,7 +75,7 @@ def main() -> None:
             loss = engine(tokens.to(engine.device))
             # backward returns the loss weighted to the global batch: its sum over every rank's micro-batches is
             # world_size times the global batch's mean loss (a rank's own micro-batch loss is not the job's).
-            iteration_loss += float(engine.backward(loss))
+            iteration_loss += engine.backward(loss).item()
             boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
             if boundary:
