@@ -56,7 +56,12 @@ def parse_args() -> argparse.Namespace:
         "--deepspeed_config",
         help="without accelerate launch (torchrun, deepspeed): the DeepSpeed config, as accelerate's config names it",
     )
-    parser.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
+    parser.add_argument(
+        "--local_rank",
+        type=int,
+        default=-1,
+        help="set by the deepspeed launcher (--local_rank=N); torchrun sets LOCAL_RANK instead",
+    )
     args = parser.parse_args()
     counts = ("num_images", "resolution", "max_train_steps", "lr_warmup_steps", "num_train_timesteps")
     for name in (*counts, "checkpointing_steps"):

@@ -82,7 +82,12 @@ def main() -> None:
         help="save a checkpoint every this many steps and resume from the latest one in --output-dir (0: never); "
         "after a lost node, the steps since the last checkpoint are trained again",
     )
-    parser.add_argument("--local_rank", type=int, default=-1)  # appended by the deepspeed launcher
+    parser.add_argument(
+        "--local_rank",
+        type=int,
+        default=-1,
+        help="set by the deepspeed launcher (--local_rank=N); torchrun sets LOCAL_RANK instead",
+    )
     args = parser.parse_args()
     for name in ("steps",):
         if getattr(args, name) < 1:

@@ -32,8 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    # The deepspeed launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead.
-    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument(
+        "--local_rank",
+        type=int,
+        default=-1,
+        help="set by the deepspeed launcher (--local_rank=N); torchrun sets LOCAL_RANK instead",
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train")
     parser.add_argument("--num-samples", type=int, default=400, help="size of the synthetic data set")
     parser.add_argument("--layers", type=int, default=4, help="GPT-2 blocks")

@@ -27,11 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    # The deepspeed launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead.
-    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument(
+        "--local_rank",
+        type=int,
+        default=-1,
+        help="set by the deepspeed launcher (--local_rank=N); torchrun sets LOCAL_RANK instead",
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train")
     parser.add_argument("--num-samples", type=int, default=200, help="size of the synthetic data set")
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.1, help="SGD's learning rate (momentum 0.9)")
     parser.add_argument("--save-dir", help="save a checkpoint here at the end")
     parser.add_argument("--result", help="rank 0 writes a JSON summary of the run here")
     deepspeed.add_config_arguments(parser)

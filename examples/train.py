@@ -30,11 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    # The deepspeed launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead.
-    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument(
+        "--local_rank",
+        type=int,
+        default=-1,
+        help="set by the deepspeed launcher (--local_rank=N); torchrun sets LOCAL_RANK instead",
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train")
     parser.add_argument("--num-samples", type=int, default=500, help="size of the synthetic data set")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
     parser.add_argument("--result", help="rank 0 writes a JSON summary of the run here")
     parser.add_argument("--checkpoint-dir", help="save checkpoints here, and start from the latest one found here")
     parser.add_argument(

@@ -56,7 +56,11 @@ def test_help_shows_the_defaults(monkeypatch, capsys):
 HELP_CASES = [
     ("hf_trainer.py", "main", ["--deepspeed", "x.json"], ["--steps", "--output-dir", "--save-steps"]),
     ("accelerate_diffusion.py", "parse_args", [], ["--output_dir", "--resolution", "--seed", "--checkpointing_steps"]),
-    ("train.py", "main", [], ["--steps", "--checkpoint-interval-steps"]),
+    ("train.py", "main", [], ["--steps", "--checkpoint-interval-steps", "--lr", "--local_rank"]),
+    ("pipeline_train.py", "main", [], ["--steps", "--num-samples", "--lr", "--local_rank"]),
+    ("pipeline_gpt.py", "main", [], ["--steps", "--layers", "--local_rank"]),
+    ("hf_trainer.py", "main", ["--deepspeed", "x.json"], ["--local_rank"]),
+    ("accelerate_diffusion.py", "parse_args", [], ["--local_rank"]),
 ]
 
 
