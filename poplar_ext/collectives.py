@@ -171,7 +171,12 @@ def discover_launch_environment(
     elif ds_comm.in_aws_sm():
         ds_comm.patch_aws_sm_env_for_torch_nccl_backend(verbose=verbose)
     elif any(v in os.environ for v in (*_LAUNCH_VARIABLES, *MPI_RANK_VARIABLES)):
-        ds_comm.mpi_discovery(distributed_port=distributed_port, verbose=verbose)
+        try:
+            ds_comm.mpi_discovery(distributed_port=distributed_port, verbose=verbose)
+        except ModuleNotFoundError as error:
+            if error.name != "mpi4py":
+                raise
+            raise ValueError(_partial_launch_message()) from error
     else:
         _one_process_environment()
 
@@ -217,6 +222,25 @@ def candidate_ports(tries: int = 100, least_room: int = 256) -> list[int]:
         if end - first >= least_room:
             return random.SystemRandom().sample(range(first, end), min(tries, end - first))
     return []
+
+
+def _partial_launch_message() -> str:
+    """Why DeepSpeed's MPI discovery ran, and what to change, where it failed for want of mpi4py."""
+    mpirun = [v for v in MPI_RANK_VARIABLES if v in os.environ]
+    if mpirun:
+        return (
+            f"the environment sets {', '.join(mpirun)} (mpirun's ranks): DeepSpeed's MPI discovery reads them "
+            "through mpi4py, which is not installed: pip install mpi4py (or start the job with torchrun or the "
+            "deepspeed launcher)"
+        )
+    found = [v for v in _LAUNCH_VARIABLES if v in os.environ]
+    missing = [v for v in _LAUNCH_VARIABLES if v not in os.environ]
+    return (
+        f"the environment sets {', '.join(found)} but not {', '.join(missing)}: no launcher set this process's rank "
+        "(torchrun and the deepspeed launcher set all of them), so DeepSpeed's MPI discovery ran, and it needs "
+        "mpi4py, which is not installed. Start the script with torchrun or the deepspeed launcher; or unset "
+        f"{', '.join(found)} to train as one process; or, under mpirun, pip install mpi4py"
+    )
 
 
 def _one_process_environment() -> None:

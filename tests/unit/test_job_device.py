@@ -145,3 +145,26 @@ def test_a_script_started_by_hand_trains_as_one_process(monkeypatch):
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
     collectives.discover_launch_environment(distributed_port=1234)
     assert discovered == [1234]
+
+
+def test_a_stray_launch_variable_without_mpi4py_names_what_to_change(monkeypatch):
+    # MASTER_PORT left in the shell, the script started by hand: DeepSpeed's MPI discovery runs and, without
+    # mpi4py, failed with a bare "No module named 'mpi4py'" that named neither the variable nor a launcher.
+    from deepspeed.comm import comm as ds_comm
+
+    def no_mpi4py(distributed_port, verbose):
+        raise ModuleNotFoundError("No module named 'mpi4py'", name="mpi4py")
+
+    monkeypatch.setattr(ds_comm, "in_aml", lambda: False)
+    monkeypatch.setattr(ds_comm, "in_aws_sm", lambda: False)
+    monkeypatch.setattr(ds_comm, "mpi_discovery", no_mpi4py)
+    for name in (*collectives._LAUNCH_VARIABLES, *collectives.MPI_RANK_VARIABLES, "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ValueError, match=r"MASTER_PORT.*RANK.*torchrun.*mpi4py") as error:
+        collectives.discover_launch_environment(distributed_port=1234)
+    assert isinstance(error.value.__cause__, ModuleNotFoundError)
+    monkeypatch.delenv("MASTER_PORT")
+    monkeypatch.setenv("PMI_RANK", "0")
+    with pytest.raises(ValueError, match=r"PMI_RANK \(mpirun's ranks\).*pip install mpi4py"):
+        collectives.discover_launch_environment(distributed_port=1234)
