@@ -50,7 +50,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr_warmup_steps", type=int, default=2, help="optimizer steps of linear warm-up")
     parser.add_argument("--num_train_timesteps", type=int, default=100, help="noise levels of the DDPM schedule")
     parser.add_argument("--checkpointing_steps", type=int, default=3, help="optimizer steps between save_state calls")
-    parser.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest'")
+    parser.add_argument(
+        "--resume_from_checkpoint",
+        default=None,
+        help="a checkpoint folder, or 'latest' (the last in --output_dir; none there yet: a new run)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="for the data, the model and the noise")
     parser.add_argument(
         "--deepspeed_config",
@@ -162,11 +166,13 @@ def main() -> None:
         accelerator.global_batch_size,
     )
     global_step = 0
-    if args.resume_from_checkpoint:
-        path = args.resume_from_checkpoint
-        if path == "latest":
-            folders = sorted(Path(args.output_dir).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-            path = str(folders[-1])
+    path = args.resume_from_checkpoint
+    if path == "latest":
+        folders = sorted(Path(args.output_dir).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        path = str(folders[-1]) if folders else None
+        if path is None:  # as diffusers' scripts do: nothing saved yet in --output_dir
+            logger.info("Checkpoint 'latest' does not exist. Starting a new training run.")
+    if path:
         accelerator.load_state(path)  # the data continues where it stopped: no skip_first_batches needed
         global_step = int(Path(path).name.split("-")[1])
         logger.info("resumed from %s at step %d", path, global_step)

@@ -545,9 +545,12 @@ def test_the_diffusion_example_in_the_automatic_mode_profiles_with_its_loss_fn(t
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
         str(EXAMPLES / "accelerate_diffusion.py"), "--deepspeed_config", str(ds_config),
         "--output_dir", str(tmp_path / "out"), "--max_train_steps", "2",
+        # diffusers' scripts start a new run where 'latest' finds no checkpoint yet (the output dir is new here).
+        "--resume_from_checkpoint", "latest",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     log = done.stdout + done.stderr
     assert "step 2: loss" in log and (done.returncode == 0 or EXIT_ABORT in log), log[-4000:]
+    assert "Checkpoint 'latest' does not exist. Starting a new training run." in log
     assert f"searched at start by the poplar policy from {profiles}" in log
     assert sorted(p.name.split("-", 2)[2] for p in profiles.glob("*.json")) == ["cpu-slow-zero1.json", "cpu-zero1.json"]
