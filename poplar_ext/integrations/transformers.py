@@ -35,6 +35,7 @@ from poplar_ext.optimizer_offload import check_job_optimizer_offloads, offload_d
 from poplar_ext.plan.formats import Plan
 from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.checkpoint import (
+    REBALANCING_KEYS,
     ResumeDecision,
     agree_storages,
     check_deepspeed_load,
@@ -673,7 +674,23 @@ class PoplarTrainerMixin(_PlanEvaluation):
     def _poplar_state(self) -> dict:
         best = self.__dict__.get("_best_state")
         if best is not None:  # load_best_model_at_end loaded the best checkpoint: its state, not the last step's
-            return {key: value for key, value in best.items() if key != "save_id"}
+            state = {key: value for key, value in best.items() if key != "save_id"}
+            if len(best["plan"]["ranks"]) == self.plan.world_size:
+                return state
+            # Saved on another number of ranks and loaded resharded: a save from here on writes this job's ranks'
+            # files, so its state names this job's plan, and the history a resume here from the best checkpoint
+            # records (as `_check_resume`'s decision); with the saving ranks' plan, a load on that many ranks let
+            # DeepSpeed refuse these files.
+            del self._best_state
+            try:
+                current = self._poplar_state()
+            finally:
+                self._best_state = best
+            decision = resume_decision(
+                best, current, path=str(self.state.best_model_checkpoint), step=best.get("step", 0)
+            )
+            state = {key: value for key, value in state.items() if key not in REBALANCING_KEYS}
+            return {**state, "plan": current["plan"], "plan_history": decision.plan_history}
         step, engine, sampler = self.state.global_step, self.poplar_engine, self._train_sampler
         consumed = step * self.plan.global_batch_size
         state = poplar_client_state(

@@ -534,3 +534,33 @@ def test_a_save_after_the_best_model_is_loaded_holds_the_best_checkpoints_poplar
     PoplarTrainer._load_best_model(trainer)
     state = trainer._poplar_state()
     assert (state["step"], state["consumed_samples"], state["data_position"]) == (2, 24, 24)
+
+
+def test_a_save_after_a_best_model_loaded_resharded_names_this_jobs_ranks(tmp_path, monkeypatch):
+    # The best checkpoint saved on 3 ranks, loaded resharded on 2 (a run resumed on fewer): a DeepSpeed save from
+    # here on (save_model's at ZeRO 3) writes 2 ranks' files, so its state must name this job's 2-rank plan. With
+    # the best checkpoint's 3-rank plan, a load on 3 ranks let DeepSpeed refuse the 2-rank files, and one on 2
+    # resharded files already of its own ranks.
+    from transformers import Trainer
+
+    from poplar_ext.runtime.checkpoint import resume_decision
+
+    saved_on, plan = _plan([(2, 2), (2, 2), (4, 1)]), _plan([(3, 2), (2, 3)])
+    folder = _checkpoint(tmp_path, saved_on, step=2, tag="global_step2")
+    trainer = PoplarTrainer.__new__(PoplarTrainer)
+    fields = vars(_trainer(plan, tmp_path))
+    trainer.__dict__.update({k: v for k, v in fields.items() if k not in ("_poplar_state", "_restore_replaced_tags")})
+    trainer.__dict__.update(
+        is_deepspeed_enabled=True,
+        state=SimpleNamespace(global_step=8, best_model_checkpoint=str(folder), best_metric=0.5),
+    )
+    trainer.job.world_size, trainer.job.plan = 2, plan
+    monkeypatch.setattr(Trainer, "_load_best_model", lambda self: None)
+    monkeypatch.setattr(PoplarTrainer, "_load_resharded", lambda self, folder, tag, caller: None, raising=False)
+    PoplarTrainer._load_best_model(trainer)
+    state = trainer._poplar_state()
+    assert (state["step"], state["consumed_samples"], state["data_position"]) == (2, 24, 24)
+    assert len(state["plan"]["ranks"]) == 2
+    again = resume_decision(state, trainer._poplar_state(), path=str(folder), step=2)
+    assert not again.world_size_changed and again.data_position == 24
+    assert state["plan_history"][-1]["start_step"] == 2  # the resharded load, as a resume on 2 ranks records it
