@@ -203,8 +203,14 @@ def refuse_unclipped_autocast_scaler(ds_config: dict, *, zero_stage: Any, source
         f"0 beside torch_autocast.dtype {autocast.get('dtype')!r} at ZeRO stage {zero_stage} (DeepSpeed 0.19.8 "
         "clips the gradients there still multiplied by its GradScaler's scale, 65536 at first, and divides them by "
         "the scale after: every step is about 65536 times too small); or torch_autocast in bfloat16, or ZeRO stage 0",
-        found,
+        found + _AUTOCAST_SCALE_STUCK,
     )
+
+
+_AUTOCAST_SCALE_STUCK = (
+    "; bfloat16 or ZeRO stage 0 are the safe choices: at ZeRO stages 1-3 DeepSpeed skips its GradScaler's update "
+    "on an overflow, so a first overflow can repeat at every step (seen on CPU at clipping 0)"
+)
 
 
 def nominal_deepspeed_config(ds_config: dict, plan: Plan, rank: int, *, source: str = DICT_SOURCE) -> dict:
