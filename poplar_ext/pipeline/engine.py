@@ -44,6 +44,7 @@ from poplar_ext.runtime.checkpoint import ResumeDecision, read_state, refresh_ma
 from poplar_ext.runtime.data import PlanBatchSampler
 from poplar_ext.runtime.engine_core import (
     EngineCore,
+    refuse_leaving_plan,
     unapplied_loss_scale,
     unscale_reported_grad_norm,
     warn_if_step_skipped,
@@ -406,24 +407,27 @@ class PoplarPipelineEngine(EngineCore, PipelineEngine):
         """DeepSpeed's batch-size setter, refused unless it keeps the plan's global batch (then a no-op): DeepSpeed's
         would make this pipeline's micro-batch count the new batch over its micro-batch (its data-parallel group is
         this rank alone) while the loss weights and the other pipelines stay the plan's."""
-        if train_batch_size != self.plan.global_batch_size:
-            raise ValueError(
-                f"set_train_batch_size: expected the plan's global batch ({self.plan.global_batch_size}), found "
-                f"{train_batch_size!r}: each pipeline's micro-batch size and count are the plan's; to train "
-                "another global batch, save a checkpoint and resume it under a plan of that batch "
-                "(poplar.global_batch_size)"
-            )
+        refuse_leaving_plan(
+            "set_train_batch_size",
+            train_batch_size,
+            self.plan.global_batch_size,
+            planned_as="the plan's global batch",
+            holds="each pipeline's micro-batch size and count are the plan's",
+            instead="to train another global batch, save a checkpoint and resume it under a plan of that batch "
+            "(poplar.global_batch_size)",
+        )
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """DeepSpeed's micro-batch setter, refused unless it keeps this pipeline's micro-batch of the plan (then a
         no-op): see `set_train_batch_size`."""
-        own = self.plan.pipelines[self.pipeline_index].micro_batch_size
-        if micro_batch_size != own:
-            raise ValueError(
-                f"set_train_micro_batch_size: expected this pipeline's micro-batch in the plan ({own}), found "
-                f"{micro_batch_size!r}: each pipeline's micro-batch size and count are the plan's; to change them, "
-                "resume a checkpoint under another pipeline plan"
-            )
+        refuse_leaving_plan(
+            "set_train_micro_batch_size",
+            micro_batch_size,
+            self.plan.pipelines[self.pipeline_index].micro_batch_size,
+            planned_as="this pipeline's micro-batch in the plan",
+            holds="each pipeline's micro-batch size and count are the plan's",
+            instead="to change them, resume a checkpoint under another pipeline plan",
+        )
 
     def switch_plan(self, plan: PipelinePlan, *, reason: str, record: bool = True) -> None:
         """Train `plan`'s micro-batch counts from the next iteration on (every rank at the same step; the

@@ -112,6 +112,15 @@ def undo_initial_zero_step(engine: Any) -> bool:
     return True
 
 
+def refuse_leaving_plan(setter: str, found: Any, planned: int, *, planned_as: str, holds: str, instead: str) -> None:
+    """ValueError from DeepSpeed's batch setter `setter` (``set_train_batch_size``, ``set_train_micro_batch_size``)
+    unless `found` keeps the plan's value `planned` (then a no-op): DeepSpeed's setter would change one rank's counts
+    while the loss weights and the data stay the plan's. `planned_as` names the value, `holds` says what the plan
+    fixes, `instead` what to do."""
+    if found != planned:
+        raise ValueError(f"{setter}: expected {planned_as} ({planned}), found {found!r}: {holds}; {instead}")
+
+
 class EngineCore(FollowsRebalancing):
     """The engine-independent half of an engine. The engine calls `_start_core` in its constructor and
     `_count_iteration` and `_iteration_time_s` after each optimizer step; it provides ``global_steps``,

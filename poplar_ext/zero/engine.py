@@ -36,6 +36,7 @@ from poplar_ext.runtime.data import (
 )
 from poplar_ext.runtime.engine_core import (
     EngineCore,
+    refuse_leaving_plan,
     unapplied_loss_scale,
     unscale_reported_grad_norm,
     warn_if_step_skipped,
@@ -328,24 +329,28 @@ class PoplarEngine(EngineCore):
         """DeepSpeed's batch-size setter, refused unless it keeps the plan's global batch (then a no-op): under a plan
         each rank's micro-batch and accumulation count are the plan's, and DeepSpeed's setter would change this
         rank's accumulation count alone while the loss weights and the data stay the plan's."""
-        if train_batch_size != self.plan.global_batch_size:
-            raise ValueError(
-                f"set_train_batch_size: expected the plan's global batch ({self.plan.global_batch_size}), found "
-                f"{train_batch_size!r}: each rank's micro-batch and accumulation count are the plan's; to train "
-                "another global batch, save a checkpoint and resume it under a plan of that batch "
-                "(poplar.global_batch_size); to move samples between ranks, engine.rebalance_to(plan)"
-            )
+        refuse_leaving_plan(
+            "set_train_batch_size",
+            train_batch_size,
+            self.plan.global_batch_size,
+            planned_as="the plan's global batch",
+            holds="each rank's micro-batch and accumulation count are the plan's",
+            instead="to train another global batch, save a checkpoint and resume it under a plan of that batch "
+            "(poplar.global_batch_size); to move samples between ranks, engine.rebalance_to(plan)",
+        )
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """DeepSpeed's micro-batch setter, refused unless it keeps this rank's micro-batch of the plan (then a
         no-op): see `set_train_batch_size`."""
-        if micro_batch_size != self.rank_plan.micro_batch_size:
-            raise ValueError(
-                f"set_train_micro_batch_size: expected this rank's micro-batch in the plan "
-                f"({self.rank_plan.micro_batch_size}), found {micro_batch_size!r}: each rank's micro-batch and "
-                "accumulation count are the plan's; to change them, engine.rebalance_to(plan) on every rank (the "
-                "same global batch), or resume a checkpoint under another plan"
-            )
+        refuse_leaving_plan(
+            "set_train_micro_batch_size",
+            micro_batch_size,
+            self.rank_plan.micro_batch_size,
+            planned_as="this rank's micro-batch in the plan",
+            holds="each rank's micro-batch and accumulation count are the plan's",
+            instead="to change them, engine.rebalance_to(plan) on every rank (the same global batch), or resume a "
+            "checkpoint under another plan",
+        )
 
     def check_switch(self, plan: Plan) -> None:
         """ValueError unless `plan` can replace the current one mid-run (the same on every rank)."""
