@@ -1690,16 +1690,23 @@ def test_a_pipeline_optimizer_step_reports_the_gradient_norm_without_the_loss_sc
     assert engine._global_grad_norm == pytest.approx(3.0)
 
 
+def _engine_skipping_a_step(rank, *, fp16, loss_scale):
+    """An engine whose next DeepSpeed step is skipped (its first), with the optimizer's loss scale as DeepSpeed's
+    fp16 and ZeRO optimizers give it."""
+    engine, fake = _engine(_plan([(3, 1), (1, 1)], stage=1), rank=rank)
+    fake.optimizer = _FP16UnfusedOptimizer(use_grad_scaling=fp16, cur_scale=loss_scale)
+    fake.optimizer.loss_scale = loss_scale
+    fake.fp16_enabled = lambda: fp16
+    fake.skipped_steps = 1
+    fake.was_step_applied = lambda: False
+    return engine, fake
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_step_deepspeed_skips_is_said_on_rank_0(caplog, rank):
     # DeepSpeed's "OVERFLOW! Skipping step" is logged at INFO, below its logger's WARNING: an fp16 overflow
     # skipped a step, its data untrained, while poplar logged the step like any other.
-    engine, fake = _engine(_plan([(3, 1), (1, 1)], stage=1), rank=rank)
-    fake.optimizer = _FP16UnfusedOptimizer(cur_scale=128.0)
-    fake.optimizer.loss_scale = 128.0  # as DeepSpeed's fp16 and ZeRO optimizers give it
-    fake.fp16_enabled = lambda: True
-    fake.skipped_steps = 1
-    fake.was_step_applied = lambda: False
+    engine, fake = _engine_skipping_a_step(rank, fp16=True, loss_scale=128.0)
     with caplog.at_level("WARNING", logger="poplar_ext"):
         engine.step()
     said = "poplar step 1: DeepSpeed skipped the optimizer step (gradients not finite: an fp16 overflow)"
@@ -1716,12 +1723,7 @@ def test_a_step_deepspeed_skips_is_said_on_rank_0(caplog, rank):
 def test_a_step_skipped_outside_fp16_is_not_said_to_be_an_fp16_overflow(caplog):
     # bf16 (and fp32 ZeRO) skip a step whose gradients hold NaN or inf too; their loss scale is 1 and fixed. The
     # warning said "an fp16 overflow, the loss scale now 1" for a bf16 job at ZeRO 0 and 1 (one rank, a NaN loss).
-    engine, fake = _engine(_plan([(3, 1), (1, 1)], stage=1), rank=0)
-    fake.optimizer = _FP16UnfusedOptimizer(use_grad_scaling=False, cur_scale=1.0)
-    fake.optimizer.loss_scale = 1.0  # as DeepSpeed's ZeRO optimizers give it in bf16
-    fake.fp16_enabled = lambda: False
-    fake.skipped_steps = 1
-    fake.was_step_applied = lambda: False
+    engine, _ = _engine_skipping_a_step(0, fp16=False, loss_scale=1.0)  # bf16: DeepSpeed's ZeRO scale of 1
     with caplog.at_level("WARNING", logger="poplar_ext"):
         engine.step()
     assert (

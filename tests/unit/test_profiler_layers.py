@@ -316,20 +316,24 @@ def test_measuring_layers_leaves_the_models_own_modules_as_they_were() -> None:
 def test_a_pipeline_models_options_are_checked_as_any_models(tmp_path, bad, message) -> None:
     """profile_model checks its arguments before measuring, for a pipeline model too (not a StatisticsError
     or a ZeroDivisionError from inside the layer timing, nor a stage 7 silently left out)."""
+    with pytest.raises(ValueError, match=message):
+        _profile_toy_layers(tmp_path, **{"zero_stages": (0,), **bad})
+
+
+def _profile_toy_layers(cache_dir, **options):
+    """`profile_model` of a two-layer pipeline model with `options`."""
     from poplar_ext.profiler import profile_model
 
-    options = {"zero_stages": (0,), **bad}
-    with pytest.raises(ValueError, match=message):
-        profile_model(
-            model_factory=lambda: toy_layers(dim=8, num_layers=2),
-            make_batch=lambda b: toy_batch(b, dim=8),
-            loss_fn=mse,
-            ds_config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
-            cache_dir=tmp_path,
-            measure_network=False,
-            progress=None,
-            **options,
-        )
+    return profile_model(
+        model_factory=lambda: toy_layers(dim=8, num_layers=2),
+        make_batch=lambda b: toy_batch(b, dim=8),
+        loss_fn=mse,
+        ds_config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+        cache_dir=cache_dir,
+        measure_network=False,
+        progress=None,
+        **options,
+    )
 
 
 class _Outputs(dict):
@@ -403,18 +407,6 @@ def test_stages_and_sizes_given_as_generators_reach_the_layer_profiles(tmp_path,
     monkeypatch.setattr(api, "join_job", lambda: torch.device("cpu"))
     monkeypatch.setattr(api, "process_group_rank", lambda: (0, 1))
     monkeypatch.setattr(per_layer, "profile_layers", profile_layers)
-    assert (
-        api.profile_model(
-            model_factory=lambda: toy_layers(dim=8, num_layers=2),
-            make_batch=lambda b: toy_batch(b, dim=8),
-            loss_fn=mse,
-            ds_config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
-            cache_dir=tmp_path,
-            measure_network=False,
-            progress=None,
-            zero_stages=(s for s in (0, 1)),
-            micro_batch_sizes=(b for b in (1, 2)),
-        )
-        == []
-    )
+    profiled = _profile_toy_layers(tmp_path, zero_stages=(s for s in (0, 1)), micro_batch_sizes=(b for b in (1, 2)))
+    assert profiled == []
     assert seen == {"zero_stages": [0, 1], "micro_batch_sizes": [1, 2]}
