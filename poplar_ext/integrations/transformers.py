@@ -673,34 +673,20 @@ class PoplarTrainerMixin(_PlanEvaluation):
     # -- checkpoints -------------------------------------------------------------------
     def _poplar_state(self) -> dict:
         best = self.__dict__.get("_best_state")
-        if best is not None:  # load_best_model_at_end loaded the best checkpoint: its state, not the last step's
-            state = {key: value for key, value in best.items() if key != "save_id"}
-            if len(best["plan"]["ranks"]) == self.plan.world_size:
-                return state
-            # Saved on another number of ranks and loaded resharded: a save from here on writes this job's ranks'
-            # files, so its state names this job's plan, and the history a resume here from the best checkpoint
-            # records (as `_check_resume`'s decision); with the saving ranks' plan, a load on that many ranks let
-            # DeepSpeed refuse these files.
-            del self._best_state
-            try:
-                current = self._poplar_state()
-            finally:
-                self._best_state = best
-            decision = resume_decision(
-                best, current, path=str(self.state.best_model_checkpoint), step=best.get("step", 0)
-            )
-            state = {key: value for key, value in state.items() if key not in REBALANCING_KEYS}
-            return {**state, "plan": current["plan"], "plan_history": decision.plan_history}
-        step, engine, sampler = self.state.global_step, self.poplar_engine, self._train_sampler
-        consumed = step * self.plan.global_batch_size
-        state = poplar_client_state(
-            self.plan,
-            consumed_samples=consumed,
-            data_position=consumed if sampler is None else sampler.iteration_start(step),
-            **self.job.poplar_config.data_order,
-            plan_history=self._plan_history if engine is None else engine.plan_history,
-        )
-        return {**state, "step": step, **({} if engine is None else engine.rebalancing_state())}
+        if best is None:
+            return _trained_state(self)
+        # load_best_model_at_end loaded the best checkpoint: its state, not the last step's.
+        state = {key: value for key, value in best.items() if key != "save_id"}
+        if len(best["plan"]["ranks"]) == self.plan.world_size:
+            return state
+        # Saved on another number of ranks and loaded resharded: a save from here on writes this job's ranks' files,
+        # so its state names this job's plan, and the history a resume here from the best checkpoint records (as
+        # `_check_resume`'s decision); with the saving ranks' plan, a load on that many ranks let DeepSpeed refuse
+        # these files.
+        current = _trained_state(self)
+        decision = resume_decision(best, current, path=str(self.state.best_model_checkpoint), step=best.get("step", 0))
+        state = {key: value for key, value in state.items() if key not in REBALANCING_KEYS}
+        return {**state, "plan": current["plan"], "plan_history": decision.plan_history}
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's, with one DeepSpeed save per checkpoint, whole. At ZeRO 3 without
@@ -1100,6 +1086,21 @@ def _check_trainer_schedule(folder: Path, args: TrainingArguments) -> None:
 def _storage_rank(args: TrainingArguments, rank: int) -> int:
     """This rank's number among those writing its checkpoint storage, as DeepSpeed numbers them."""
     return args.local_process_index if _node_local(args) else rank
+
+
+def _trained_state(trainer: Any) -> dict:
+    """poplar-ext's state of `trainer`'s training run at its current step (a module function: the tests call
+    `PoplarTrainerMixin._poplar_state` on stand-ins)."""
+    step, engine, sampler = trainer.state.global_step, trainer.poplar_engine, trainer._train_sampler
+    consumed = step * trainer.plan.global_batch_size
+    state = poplar_client_state(
+        trainer.plan,
+        consumed_samples=consumed,
+        data_position=consumed if sampler is None else sampler.iteration_start(step),
+        **trainer.job.poplar_config.data_order,
+        plan_history=trainer._plan_history if engine is None else engine.plan_history,
+    )
+    return {**state, "step": step, **({} if engine is None else engine.rebalancing_state())}
 
 
 @ends_job_on_user_error  # a refusal of the checkpoint: every restart would meet it again, as the engines' loads
