@@ -179,6 +179,15 @@ DEEPSPEED_GRADIENT_CLIPPING_DEFAULT = 1.0
 """DeepSpeed 0.19.8's ``gradient_clipping`` where the config sets none (runtime/constants.py)."""
 
 
+def clipping_in_effect(ds_config: dict) -> str | None:
+    """``gradient_clipping`` of `ds_config` as an error's "found" names it (DeepSpeed's default where unset), or None
+    where it is off (0 or less)."""
+    clipping = ds_config.get("gradient_clipping", DEEPSPEED_GRADIENT_CLIPPING_DEFAULT)
+    if isinstance(clipping, (int, float)) and not isinstance(clipping, bool) and clipping <= 0:
+        return None
+    return repr(clipping) if "gradient_clipping" in ds_config else f"none (DeepSpeed's default, {clipping!r})"
+
+
 def refuse_unclipped_autocast_scaler(ds_config: dict, *, zero_stage: Any, source: str = DICT_SOURCE) -> None:
     """FormatError for ``torch_autocast`` in float16 with ``gradient_clipping`` (on by default) at ZeRO stages 1-3.
 
@@ -193,10 +202,9 @@ def refuse_unclipped_autocast_scaler(ds_config: dict, *, zero_stage: Any, source
         return
     if str(autocast.get("dtype")) not in _FLOAT16_NAMES or zero_stage not in (1, 2, 3):
         return
-    clipping = ds_config.get("gradient_clipping", DEEPSPEED_GRADIENT_CLIPPING_DEFAULT)
-    if isinstance(clipping, (int, float)) and not isinstance(clipping, bool) and clipping <= 0:
+    found = clipping_in_effect(ds_config)
+    if found is None:
         return
-    found = repr(clipping) if "gradient_clipping" in ds_config else f"none (DeepSpeed's default, {clipping!r})"
     raise FormatError(
         source,
         "gradient_clipping",
@@ -267,6 +275,7 @@ __all__ = [
     "GlobalBatchRequest",
     "PoplarConfig",
     "RebalanceConfig",
+    "clipping_in_effect",
     "configured_zero_stage",
     "PROFILES_DIR_VARIABLE",
     "deepspeed_global_batch_size",

@@ -27,10 +27,10 @@ from poplar_ext.plan.errors import FormatError
 from poplar_ext.plan.formats import Cluster, Emulation, Plan, profile_from_dict
 from poplar_ext.profiler.measure import training_dtype
 from poplar_ext.runtime.config import (
-    DEEPSPEED_GRADIENT_CLIPPING_DEFAULT,
     DICT_SOURCE,
     GlobalBatchRequest,
     PoplarConfig,
+    clipping_in_effect,
     load_deepspeed_config,
     nominal_deepspeed_config,
     refuse_unclipped_autocast_scaler,
@@ -116,9 +116,8 @@ def _refuse_wrong_sparse_gradients(*, model: Any, ds_config: dict, source: str) 
             "one gets 1 / world size (runtime/engine.py sparse_allreduce)",
             repr(predivide),
         )
-    clipping = ds_config.get("gradient_clipping", DEEPSPEED_GRADIENT_CLIPPING_DEFAULT)
-    if not (isinstance(clipping, (int, float)) and clipping <= 0):
-        found = repr(clipping) if "gradient_clipping" in ds_config else f"none (DeepSpeed's default, {clipping!r})"
+    found = clipping_in_effect(ds_config)
+    if found is not None:
         raise FormatError(
             source,
             "gradient_clipping",
