@@ -29,6 +29,12 @@ OFFLOAD_MODES = ("off", "smallest", "both")
 stages 1-2; each also measured without)."""
 
 
+def _of_class(optimizer: Any, names: tuple[str, ...]) -> bool:
+    """Whether `optimizer` is of a class named in `names`, or derives from one (DeepSpeed's optimizers are told by
+    name: importing them would build their extensions)."""
+    return any(k.__name__ in names for k in type(optimizer).__mro__)
+
+
 def offload_deepspeed_optimizer(ds_config: dict[str, Any]) -> dict[str, Any]:
     """`ds_config` (changed in place) with its ZeRO optimizer offloaded to the host's memory.
 
@@ -78,7 +84,7 @@ def check_client_optimizer_offloads(
             return
     else:
         accepted = HOST_OPTIMIZERS
-        if any(k.__name__ in accepted for k in kind.__mro__):
+        if _of_class(optimizer, accepted):
             return
     ranks = ", ".join(f"ranks[{r}].optimizer_offload" for r in offloading)
     why = (
@@ -115,7 +121,7 @@ def _changed_by_accelerate(optimizer: Any) -> str | None:
         ):
             return "decoupled_weight_decay=True with weight decay: accelerate makes it L2"
         return None
-    if any(k.__name__ == "DeepSpeedCPUAdam" for k in kind.__mro__):
+    if _of_class(optimizer, ("DeepSpeedCPUAdam",)):
         if getattr(optimizer, "adam_w_mode", False) and any(group.get("weight_decay") for group in groups):
             return "adamw_mode=True with weight decay: accelerate makes it L2"
         return None
@@ -132,9 +138,9 @@ def check_host_optimizer_placement(plan: Plan, optimizer: Any, *, device_type: s
     kept = [r.rank for r in plan.ranks if not r.optimizer_offload]
     if device_type != "cuda" or not kept or len(kept) == len(plan.ranks) or not hasattr(optimizer, "param_groups"):
         return
-    kind = type(optimizer)
-    if not any(k.__name__ in HOST_OPTIMIZERS for k in kind.__mro__):
+    if not _of_class(optimizer, HOST_OPTIMIZERS):
         return
+    kind = type(optimizer)
     raise ValueError(
         f"{plan_source}: expected a client optimizer that steps where each rank keeps its optimizer state, as the "
         f"plan offloads it on some ranks alone, found {kind.__module__}.{kind.__qualname__}, which steps on the host "
