@@ -153,15 +153,11 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
             raise ValueError(
                 f"consumed_samples: expected a stream position (an integer >= 0), found {consumed_samples!r}"
             )
-        batch, num_samples = self.global_batch_size, self.stream.num_samples
+        batch = self.global_batch_size
         if not self.drop_last:
             self._origin, self.next_iteration = consumed_samples % batch, consumed_samples // batch
         else:
-            epoch, within = divmod(consumed_samples, num_samples)
-            iteration = -(-within // batch)  # the grid's first iteration at or after the position
-            if iteration >= self._iterations_per_epoch:
-                epoch, iteration = epoch + 1, 0
-            self._origin, self.next_iteration = 0, epoch * self._iterations_per_epoch + iteration
+            self._origin, self.next_iteration = 0, self._first_iteration_from(consumed_samples)
         self.generated_until = self.consumed_samples
         self._read_ahead = False
 
@@ -197,7 +193,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         if not self.drop_last:
             return max(0, -(-(position - self._origin) // self.global_batch_size))
         epoch, within = divmod(position, self.stream.num_samples)
-        iteration = -(-within // self.global_batch_size)
+        iteration = -(-within // self.global_batch_size)  # the grid's first iteration at or after the position
         if iteration >= self._iterations_per_epoch:
             epoch, iteration = epoch + 1, 0
         return epoch * self._iterations_per_epoch + iteration
