@@ -433,13 +433,13 @@ def _warn_of_replaced_order(loader: torch.utils.data.DataLoader, *, shuffle: boo
     sampler follows instead (the Trainer refuses such arguments; a DataLoader's ``shuffle`` defaults to False)."""
     sampler, batches = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
     given = {torch.utils.data.RandomSampler: True, torch.utils.data.SequentialSampler: False}.get(type(sampler))
-    replaced = []
+    replaced, section_shuffle = [], f"poplar.shuffle {str(shuffle).lower()}"
     if batches is not None and type(batches) is not torch.utils.data.BatchSampler:
-        replaced.append(f"batch_sampler {type(batches).__name__} (poplar.shuffle {str(shuffle).lower()})")
+        replaced.append(f"batch_sampler {type(batches).__name__} ({section_shuffle})")
     elif given is not None and given != shuffle:
-        replaced.append(f"shuffle={given} by poplar.shuffle {str(shuffle).lower()}")
+        replaced.append(f"shuffle={given} by {section_shuffle}")
     elif given is None and sampler is not None:
-        replaced.append(f"sampler {type(sampler).__name__} (poplar.shuffle {str(shuffle).lower()})")
+        replaced.append(f"sampler {type(sampler).__name__} ({section_shuffle})")
     if bool(getattr(loader, "drop_last", False)) != drop_last:
         replaced.append(f"drop_last={loader.drop_last} by poplar.drop_last {str(drop_last).lower()}")
     if replaced:

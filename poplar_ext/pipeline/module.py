@@ -268,9 +268,9 @@ class PoplarPipelineModule(PipelineModule):
         # 0 of tensors does not require grad"). DeepSpeed leaves that block out for its own GPT pipes alone
         # (PipelineModule._is_checkpointable, by class name); here for any model whose first layer embeds tokens.
         reentrant = self.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint
-        if reentrant and self._local_start == 0 and funcs and funcs[0] is self.forward_funcs[0]:
-            if _embeds_tokens(funcs[0]):
-                return False
+        first = self._local_start == 0 and funcs and funcs[0] is self.forward_funcs[0]
+        if reentrant and first and _embeds_tokens(funcs[0]):
+            return False
         return super()._is_checkpointable(funcs)
 
     def _index_tied_modules(self) -> dict:
