@@ -515,17 +515,11 @@ class PoplarEngine(EngineCore):
 
     def _save_deepspeed(self, save_dir: str | Path, new_tag: str, client_state: dict, **kwargs: Any) -> Any:
         """DeepSpeed's save into ``save_dir/TAG`` (`EngineCore.save_checkpoint`)."""
-        from deepspeed.checkpoint.constants import (
-            UNIVERSAL_CHECKPOINT_INFO,
-            UNIVERSAL_CHECKPOINT_VERSION_KEY,
-            UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        )
+        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
         # DeepSpeed's own converter (ds_to_universal) requires this entry; poplar-ext's
         # (`poplar_ext.runtime.reshard`) does not, but keeps checkpoints usable by both.
-        client_state.setdefault(
-            UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
-        )
+        client_state.setdefault(UNIVERSAL_CHECKPOINT_INFO, _added_universal_info())
         return self.deepspeed_engine.save_checkpoint(
             save_dir, tag=new_tag, client_state=client_state, save_latest=False, **kwargs
         )
@@ -606,11 +600,10 @@ class PoplarEngine(EngineCore):
         if path is None:
             return path, client_state
         refresh_master_weights(getattr(self.deepspeed_engine, "optimizer", None), kwargs)
-        client_state = dict(client_state or {})
-        legacy = client_state.pop(CLIENT_STATE_KEY, None)
+        client_state = without_added_universal_info(client_state)
         if decision is None:  # no state file: poplar-ext 0.1's client_state entry, or a plain DeepSpeed checkpoint
             decision = resume_decision(
-                legacy,
+                client_state.pop(CLIENT_STATE_KEY, None),
                 self._client_state(),
                 path=where,
                 step=self.deepspeed_engine.global_steps,
@@ -635,6 +628,23 @@ class PoplarEngine(EngineCore):
         if not position_samplers and next_iteration is not None:
             self._restored_iteration = next_iteration
         self._continue_plans(decision, log_notes=log_notes)
+
+
+def _added_universal_info() -> dict:
+    """The universal-checkpoint entry `PoplarEngine` adds to a client state that has none."""
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE
+
+    return {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+
+
+def without_added_universal_info(client_state: dict | None) -> dict:
+    """A loaded client state as the script saved it: without the entry poplar-ext added to it at save."""
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    client_state = dict(client_state or {})
+    if client_state.get(UNIVERSAL_CHECKPOINT_INFO) == _added_universal_info():
+        del client_state[UNIVERSAL_CHECKPOINT_INFO]
+    return client_state
 
 
 __all__ = ["CLIENT_STATE_KEY", "PoplarEngine", "set_deepspeed_batch", "unapplied_loss_scale"]

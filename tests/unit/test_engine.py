@@ -324,6 +324,16 @@ def test_checkpoint_keeps_plan_and_position(tmp_path):
     assert resumed.consumed_samples == 18 and sampler.consumed_samples == 18
 
 
+def test_a_client_state_key_named_poplar_comes_back_from_a_checkpoint_with_a_state_file(tmp_path):
+    plan = _plan([(2, 1)])
+    engine, fake = _engine(plan)
+    engine.save_checkpoint(tmp_path, tag="t", client_state={"poplar": {"mine": 1}, "other": 2})
+    resumed, resumed_fake = _engine(plan)
+    resumed_fake.saved = fake.saved
+    path, client_state = resumed.load_checkpoint(tmp_path, tag="t")
+    assert client_state == {"poplar": {"mine": 1}, "other": 2}
+
+
 def test_the_saved_data_position_is_the_first_iteration_no_step_trained(tmp_path):
     engine, _ = _engine(_plan([(2, 1), (3, 2)]))  # rank 0: one micro-batch per iteration, B = 8
     handed_out = iter(engine.create_batch_sampler(50))
