@@ -218,22 +218,37 @@ def note_unused_types(args: Any, profiles: Sequence[Any], cluster: Any) -> None:
 
 def labelled(text: str, profiles: Sequence[Any], types: Sequence[str], *, under_table: bool = False) -> str:
     """`text` (a table's headline block, a blank line, the rest) with a line after its headline block where the
-    profiles of `types` it was priced from are modelled (``measured_with.source``), as the shipped example's are:
-    nothing else in the table tells an analytic model's times from measured ones. The line names no device type
-    (a table's rows are told by theirs). `under_table`: the first block is a table (``--policy all``'s comparison),
-    and the line goes apart from its rows."""
+    profiles of `types` it was priced from are modelled (``measured_with.source``), as the shipped example's are,
+    and one where they were measured on emulated devices (their ``emulated`` field): nothing else in the table
+    tells an analytic model's times, or an emulated device's, from a real device's measured ones. The lines name
+    no device type (a table's rows are told by theirs). `under_table`: the first block is a table (``--policy
+    all``'s comparison), and the lines go apart from its rows."""
     priced = set(types)
     modelled = {p.device_type for p in profiles if p.source == "modelled" and p.device_type in priced}
-    if not modelled:
+    emulated = {p.device_type for p in profiles if p.emulated is not None and p.device_type in priced}
+    lines = []
+    if modelled:
+        lines.append(
+            f'Profiles: MODELLED{_of_types(modelled, priced)} (measured_with.source "modelled": an analytic '
+            "model's times, not measured on a device); the predictions rest on that model."
+        )
+    if emulated:
+        lines.append(
+            f"Profiles: EMULATED{_of_types(emulated, priced)} (their emulated field: measured on other hardware, "
+            "its compute slowed down and its memory capped to stand for the device type); the predictions are "
+            "for the emulated devices, not for real ones."
+        )
+    if not lines:
         return text
-    which = "" if modelled == priced else f" for {len(modelled)} of {len(priced)} device types"
-    line = (
-        f'Profiles: MODELLED{which} (measured_with.source "modelled": an analytic model\'s times, not measured on '
-        "a device); the predictions rest on that model."
-    )
+    label = "\n".join(lines)
     head, blank, rest = text.partition("\n\n")
     before = blank if under_table else "\n"
-    return f"{head}{before}{line}{blank}{rest}"
+    return f"{head}{before}{label}{blank}{rest}"
+
+
+def _of_types(labelled_types: set[str], priced: set[str]) -> str:
+    """`` for k of n device types`` where a label holds for some of the priced types only; '' for all."""
+    return "" if labelled_types == priced else f" for {len(labelled_types)} of {len(priced)} device types"
 
 
 def chosen_network(args: Any, cluster: Any) -> NetworkProfile | None:

@@ -46,3 +46,26 @@ def test_a_pipeline_plan_is_labelled_by_its_layer_profiles_alone(capsys, tmp_pat
     assert code == 0 and "MODELLED" not in out, out
     code, out, _ = run(capsys, *common, "--parallelism", "auto")  # the ZeRO plan beside it is priced modelled
     assert code == 0 and "Profiles: MODELLED for" in out or LABEL in out, out
+
+
+def test_emulated_profiles_are_labelled_so(capsys, tmp_path):
+    # Measured on a CPU rank slowed down to stand for a V100: nothing else in the table says so.
+    emulation = {"slowdown": 3.0, "memory_capacity_bytes": 16 * 10**9}
+
+    def emulated(data):
+        _measured(data)
+        if data["device_type"] == "V100-16GB":
+            data["emulated"] = emulation
+
+    profiles = examples_with(tmp_path, "**/*.stage*.json", emulated)
+    cluster = json.loads((profiles / "cluster.json").read_text())
+    cluster["device_types"] = {"V100-16GB": {"emulation": emulation}}
+    (profiles / "cluster.json").write_text(json.dumps(cluster))
+    common = ["--profiles", profiles, "--cluster", profiles / "cluster.json"]
+    code, out, _ = run(capsys, *common, "--global-batch-size", 512, "--output", tmp_path / "plan.json")
+    assert code == 0 and out.splitlines()[1].startswith("Profiles: EMULATED for 1 of 2 device types ("), out
+    assert "MODELLED" not in out
+    code, out, _ = run(capsys, *common, "--predict", tmp_path / "plan.json")
+    assert code == 0 and out.splitlines()[2].startswith("Profiles: EMULATED for 1 of 2 device types ("), out
+    code, out, _ = run(capsys, *common, "--global-batch-size", 256, "--parallelism", "pipeline")  # layer profiles
+    assert code == 0 and "\nProfiles: EMULATED for 1 of 2 device types (" in out, out
