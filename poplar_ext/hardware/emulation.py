@@ -96,6 +96,11 @@ def without_drift(emulation: Emulation | None) -> Emulation | None:
     return None if emulation is None else dataclasses.replace(emulation, slowdown_schedule=())
 
 
+EMULATED_TIMES = " (x the emulated slowdown)"
+"""What a profile's ``measured_with.timing`` adds to its clock where the device is emulated (a real one's times are
+the clock's alone)."""
+
+
 def device_label(device_type: str, emulation: Emulation | None) -> str:
     """How logs and results name a device: ``a100 (real)``, ``cpu-slow (emulated: 3.0x slower, 2.0 GB)``."""
     if emulation is None:

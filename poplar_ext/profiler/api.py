@@ -28,7 +28,7 @@ from poplar_ext.collectives import ShortCollectiveTimeouts, broadcast_from_rank0
 from poplar_ext.hardware.compute_clock import compute_window
 from poplar_ext.hardware.cpu_process import cpu_threads
 from poplar_ext.hardware.devices import join_job
-from poplar_ext.hardware.emulation import device_label, without_drift
+from poplar_ext.hardware.emulation import EMULATED_TIMES, device_label, without_drift
 from poplar_ext.hardware.memory import default_cpu_allocator, steady_cpu_allocator
 from poplar_ext.optimizer_offload import OFFLOAD_MODES, offload_deepspeed_optimizer
 from poplar_ext.plan.formats import (
@@ -611,7 +611,7 @@ def _make_profile(result: TypeStageResult, session: _Session, run: _Run, *, stag
             "ds_config_fingerprint": job_key.ds_config_fingerprint,
             "timing": "CUDA events, median"
             if cuda
-            else "the computing thread's CPU time (x the emulated slowdown), median",
+            else f"the computing thread's CPU time{EMULATED_TIMES if emulation is not None else ''}, median",
             # Which clock, where the window ends, whether types ran at once (compute_window); the
             # cost model subtracts the micro-step's communication only where the window holds it.
             "compute_window": window.to_dict(),

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from poplar_ext.hardware.compute_clock import time_compute
+from poplar_ext.hardware.emulation import EMULATED_TIMES
 from poplar_ext.hardware.memory import resident_memory_bytes
 from poplar_ext.plan.formats import Emulation, ModelInfo
 from poplar_ext.plan.pipeline_formats import PIPELINE_ZERO_STAGES, LayerCost, LayerProfile, LayerSample
@@ -383,7 +384,9 @@ def layer_profile(
         measured_with={
             **measured_provenance(),
             "device": "emulated" if emulation is not None else "real",
-            "timing": "each layer alone: forward + backward by the compute clock (x the emulated slowdown), median",
+            "timing": "each layer alone: forward + backward by the compute clock"
+            + (EMULATED_TIMES if emulation is not None else "")
+            + ", median",
             "memory": "parameters and optimizer state from the tensors; kept activations from autograd's saved "
             "tensors (input included); output from the layer's output",
             "zero1": "the same measurement as stage 0: a pipeline's data-parallel group is one rank",

@@ -119,6 +119,14 @@ def test_an_emulated_slowdown_multiplies_every_time(monkeypatch) -> None:
         assert slowed_layer["optimizer_step_time_s"] == pytest.approx(3.0 * plain_layer["optimizer_step_time_s"])
 
 
+def test_the_timing_names_the_emulated_slowdown_on_emulated_types_alone(costs) -> None:
+    plain, _ = costs
+    clock = "each layer alone: forward + backward by the compute clock"
+    assert _profile(plain).measured_with["timing"] == f"{clock}, median"  # a real device: the clock's times
+    emulated = _profile(plain, Emulation(slowdown=3.0, memory_capacity_bytes=2 * 10**9))
+    assert emulated.measured_with["timing"] == f"{clock} (x the emulated slowdown), median"
+
+
 def test_profiles_are_written_to_layers_and_load_and_are_found_by_their_key(costs, tmp_path) -> None:
     emulation = Emulation(slowdown=3.0, memory_capacity_bytes=2 * 10**9)
     for stage in (0, 1):

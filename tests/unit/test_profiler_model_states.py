@@ -145,3 +145,27 @@ def test_each_trial_line_names_the_run_its_memory_levers_included(tmp_path) -> N
     assert lines[3].startswith(
         "ZeRO-1 with activation checkpointing and optimizer offload probe: A100-80GB micro-batch 1"
     )
+
+
+def test_the_timing_names_the_emulated_slowdown_on_emulated_types_alone(tmp_path) -> None:
+    from poplar_ext.hardware.emulation import Emulation
+    from poplar_ext.profiler.measure import TypeStageResult
+
+    emulated = Emulation(slowdown=2.0, memory_capacity_bytes=15 * GIB)
+    session = _session(tmp_path, emulations={"A100-80GB": None, "V100-16GB": emulated})
+    run = api._Run(0, False, False)
+
+    def timing(device_type: str) -> str:
+        result = TypeStageResult(
+            device_type=device_type,
+            complete=True,
+            max_micro_batch_size=0,
+            samples=(),
+            optimizer_step_time_s=0.0,
+            probe={},
+        )
+        return api._make_profile(result, session, run, stage_seconds=1.0).measured_with["timing"]
+
+    # A real CPU's times are its thread's CPU time as measured: no slowdown multiplies them.
+    assert timing("A100-80GB") == "the computing thread's CPU time, median"
+    assert timing("V100-16GB") == "the computing thread's CPU time (x the emulated slowdown), median"
