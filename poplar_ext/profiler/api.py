@@ -105,8 +105,11 @@ class _ProgressReporter:
         self.stages_left -= 1
         self.stage_trials = 0
         self.title = title
+        types = list(types)
         labels = ", ".join(device_label(t, self.layout.emulations[t]) for t in types)
-        self.say(f"{title}: measuring {labels}")
+        # In GiB, as the trial lines give the peaks (a label's emulated capacity is in GB, as declared).
+        memory = ", ".join(f"{t} {self.layout.capacities_bytes[t] / 2**30:.2f} GiB" for t in types)
+        self.say(f"{title}: measuring {labels}; memory for micro-batches: {memory}")
 
     def stage_finished(self) -> None:
         self.trials_per_stage = (

@@ -169,3 +169,31 @@ def test_the_timing_names_the_emulated_slowdown_on_emulated_types_alone(tmp_path
     # A real CPU's times are its thread's CPU time as measured: no slowdown multiplies them.
     assert timing("A100-80GB") == "the computing thread's CPU time, median"
     assert timing("V100-16GB") == "the computing thread's CPU time (x the emulated slowdown), median"
+
+
+def test_the_measuring_line_gives_each_types_memory_in_gib_as_the_peaks(tmp_path) -> None:
+    from poplar_ext.hardware.emulation import Emulation
+    from poplar_ext.profiler.measure import TrialEvent
+
+    # An emulated capacity is declared in bytes and labelled in GB (2.0 GB); the peaks are in GiB.
+    emulated = Emulation(slowdown=3.0, memory_capacity_bytes=2 * 10**9)
+    session = _session(tmp_path, emulations={"A100-80GB": None, "V100-16GB": emulated})
+    layout = dataclasses.replace(session.layout, capacities_bytes={"A100-80GB": 79 * GIB, "V100-16GB": 2 * 10**9})
+    lines: list[str] = []
+    reporter = api._ProgressReporter(sink=lines.append, layout=layout, stages_left=1)
+    reporter.stage_started("ZeRO-0", iter(["A100-80GB", "V100-16GB"]))
+    reporter.trial(
+        TrialEvent(
+            zero_stage=0,
+            phase="probe",
+            sizes={"V100-16GB": 8},
+            remaining_trials_estimate=1,
+            fits={"V100-16GB": True},
+            peak_memory_bytes={"V100-16GB": 19 * 10**8},
+        )
+    )
+    assert lines[0] == (
+        "ZeRO-0: measuring A100-80GB (real), V100-16GB (emulated: 3x slower, 2.0 GB); "
+        "memory for micro-batches: A100-80GB 79.00 GiB, V100-16GB 1.86 GiB"
+    )
+    assert lines[1].startswith("ZeRO-0 probe: V100-16GB micro-batch 8: peak 1.77 GiB;"), lines
