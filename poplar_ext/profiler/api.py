@@ -532,8 +532,18 @@ def _measure_run(session: _Session, run: _Run, cached: _Produced, reporter: _Pro
             reporter.say(
                 f"{run.title}: {t}: largest micro-batch {profile.max_micro_batch_size}, "
                 f"{len(profile.samples)} sizes, {stage_seconds:.1f} s -> {path}{fits_nothing}"
+                + _sizes_above(session.settings.micro_batch_sizes, profile.max_micro_batch_size)
             )
     return produced
+
+
+def _sizes_above(asked: Iterable[int] | None, largest: int) -> str:
+    """For a profile's progress line: the sizes ``--micro-batch-sizes`` asked for above the type's largest
+    micro-batch (none measured: they do not fit, or pass ``--max-micro-batch-size``), else ''."""
+    above = sorted(b for b in asked or () if b > largest)
+    if not above:
+        return ""
+    return f"; --micro-batch-sizes {','.join(map(str, above))} above its largest micro-batch, not measured"
 
 
 def _fits_nothing(probe: dict[str, Any], layout: Any, device_type: str) -> str:

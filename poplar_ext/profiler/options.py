@@ -185,7 +185,8 @@ class ProfileOptions:
         read=_read_sizes,
         metavar="LIST",
         cli_help="Micro-batch sizes (samples) for the time curve, comma-separated, e.g. 1,2,4,8. Left out: 1, 2, "
-        "3, 4, 6, 8, 12, ... up to the largest that fits (at most --max-micro-batch-size).",
+        "3, 4, 6, 8, 12, ... up to the largest that fits (at most --max-micro-batch-size). Given: those up to a "
+        "type's largest that fits, and that largest; each profile's progress line names the ones above it.",
     )
     """Sizes for the time curve; None: 1, 2, 3, 4, 6, 8, 12, ... up to the largest that fits."""
     cache_dir: str | os.PathLike[str] = _option(

@@ -197,3 +197,41 @@ def test_the_measuring_line_gives_each_types_memory_in_gib_as_the_peaks(tmp_path
         "memory for micro-batches: A100-80GB 79.00 GiB, V100-16GB 1.86 GiB"
     )
     assert lines[1].startswith("ZeRO-0 probe: V100-16GB micro-batch 8: peak 1.77 GiB;"), lines
+
+
+def test_sizes_asked_above_a_types_largest_micro_batch_are_named(tmp_path, monkeypatch) -> None:
+    from poplar_ext.plan.formats import Sample
+    from poplar_ext.profiler.measure import TypeStageResult
+
+    def _sample(b: int) -> Sample:
+        return Sample(micro_batch_size=b, micro_step_time_s=0.01 * b, peak_memory_bytes=GIB + b)
+
+    class Measured:
+        def __init__(self, **kwargs):
+            pass
+
+        def run(self):
+            samples = tuple(_sample(b) for b in (1, 2, 8, 12))
+            fits = {"A100-80GB": 12, "V100-16GB": 64}
+            return {
+                t: TypeStageResult(
+                    device_type=t,
+                    complete=True,
+                    max_micro_batch_size=largest,
+                    samples=samples if largest == 12 else (*samples, _sample(64)),
+                    optimizer_step_time_s=0.01,
+                    probe={},
+                )
+                for t, largest in fits.items()
+            }
+
+    monkeypatch.setattr(api, "StageMeasurement", Measured)
+    session = _session(tmp_path, zero_stages=(3,))
+    session = dataclasses.replace(session, settings=MeasureSettings(micro_batch_sizes=(1, 2, 8, 64, 32)))
+    lines: list[str] = []
+    reporter = api._ProgressReporter(sink=lines.append, layout=session.layout, stages_left=1)
+    api._measure_run(session, api._Run(3, False, False), {}, reporter)
+    written = {line.split(":")[1].strip(): line for line in lines if "largest micro-batch" in line}
+    # 32 and 64 were asked for; the A100's 12 is its largest: they were left out, which its line now says.
+    assert written["A100-80GB"].endswith("; --micro-batch-sizes 32,64 above its largest micro-batch, not measured")
+    assert "--micro-batch-sizes" not in written["V100-16GB"], written
