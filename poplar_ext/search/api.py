@@ -85,8 +85,10 @@ class StageReport:
         if zero_stage == chosen:
             status, reason = "chosen", chosen_reason
         else:
-            slower = 100.0 * (1.0 - predicted.samples_per_s / best_samples_per_s)
-            status, reason = "slower", f"{slower:.1f}% lower predicted throughput than stage {chosen}."
+            share = 1.0 - predicted.samples_per_s / best_samples_per_s
+            tie = " (a tie: the lower stage is chosen)" if abs(share) <= STAGE_TIE_TOLERANCE else ""
+            slower = 100.0 * max(share, 0.0)
+            status, reason = "slower", f"{slower:.1f}% lower predicted throughput than stage {chosen}{tie}."
         return cls(
             zero_stage=zero_stage,
             status=status,
@@ -377,7 +379,7 @@ def search_plan(
     if not feasible:
         return _infeasible_result(evaluated, policy)
     fixed_batch = global_batch_size is not None
-    chosen = min(feasible, key=lambda stage: _stage_score(evaluated[stage].outcome, stage, fixed_batch=fixed_batch))
+    chosen = _fastest_stage({stage: evaluated[stage].outcome for stage in feasible}, fixed_batch=fixed_batch)
     best = evaluated[chosen]
     assert best.model is not None, "a feasible stage has a cost model"
     plan = _plan(best.model, best.outcome, policy)
@@ -445,6 +447,19 @@ def check_emulation(
             "cluster: " + "; ".join(problems) + f"; measure the {kind}s on this cluster again (poplar-profile), or "
             "declare the emulation they were measured under"
         )
+
+
+STAGE_TIE_TOLERANCE = 1e-9
+"""Stages whose predictions differ by at most this share tie, and the lower stage wins: the cost model prices the
+same work at two stages in another order of float sums (stages 1 and 2 at one accumulation step: one
+reduce-scatter and one all-gather each), so an equal price may differ in its last digits."""
+
+
+def _fastest_stage(outcomes: dict[int, PolicyResult], *, fixed_batch: bool) -> int:
+    """The stage of the best of `outcomes` (feasible ones, by stage); ties within `STAGE_TIE_TOLERANCE`: the lower."""
+    scores = {stage: _stage_score(outcome, stage, fixed_batch=fixed_batch)[0] for stage, outcome in outcomes.items()}
+    best = min(scores.values())
+    return min(stage for stage, score in scores.items() if score - best <= STAGE_TIE_TOLERANCE * abs(best))
 
 
 def _stage_score(outcome: PolicyResult, stage: int, *, fixed_batch: bool) -> tuple[float, int]:

@@ -94,6 +94,23 @@ def test_unreachable_batch_is_infeasible(profiles, cluster):
     assert result.status == "infeasible" and "smaller than the 5 ranks" in result.message
 
 
+def test_stages_that_price_the_same_work_tie_and_the_lower_stage_wins():
+    # At one accumulation step stages 1 and 2 issue the same collectives; their float sums differ in the last
+    # digits (0.16471656099997936 s at stage 2, 0.1647165609999794 s at stage 1), which chose stage 2, reported
+    # "0.0% lower predicted throughput than stage 2" for stage 1, against the documented tie rule.
+    from poplar_ext.plan.formats import load_cluster, load_profiles
+    from poplar_ext.plan.network_format import find_network
+    from poplar_ext.search.examples import example_cluster_file, example_profiles_dir
+
+    cluster = load_cluster(example_cluster_file())
+    network = find_network(example_profiles_dir(), cluster)
+    result = search_plan(load_profiles(example_profiles_dir()), cluster, global_batch_size=100, network=network)
+    reports = {r.zero_stage: r for r in result.stage_reports}
+    assert reports[1].iteration_time_s == pytest.approx(reports[2].iteration_time_s, rel=1e-12)
+    assert result.zero_stage == 1 and reports[1].status == "chosen"
+    assert reports[2].reason == "0.0% lower predicted throughput than stage 1 (a tie: the lower stage is chosen)."
+
+
 def test_unknown_device_type_is_bad_input(profiles):
     with pytest.raises(
         ValueError, match=r"cluster: expected device types that the profiles cover \(A100, V100\), found 'H100'"
