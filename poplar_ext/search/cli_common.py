@@ -204,11 +204,16 @@ def _of_fingerprint_prefix(wanted: str, profiles: list[Any]) -> list[Any]:
 
 def note_unused_types(args: Any, profiles: Sequence[Any], cluster: Any) -> None:
     """A note on stderr for profiles of a type the cluster lacks but nearly names (a misspelt ``device_type``):
-    the search ignores them, as it does a folder's other GPUs'."""
+    the search ignores them, as it does a folder's other GPUs'. A type whose every (stage, memory levers) the
+    nearly named one has profiled too stands for nothing that is missing: another GPU of a folder that holds
+    several (the automatic mode's cache: V100-16GB's or A100-40GB's beside a cluster of A100-80GB), no note."""
     types = list(cluster.type_counts())
-    for stranger in sorted({p.device_type for p in profiles} - set(types)):
+    settings: dict[str, set[tuple[int, Any]]] = {}
+    for profile in profiles:
+        settings.setdefault(profile.device_type, set()).add((profile.zero_stage, profile.levers))
+    for stranger in sorted(set(settings) - set(types)):
         close = closest(stranger, types)
-        if close is not None:
+        if close is not None and not settings[stranger] <= settings.get(close, set()):
             print(
                 f"{PROG}: note: {args.profiles} has profiles of {stranger!r}, a device type the cluster does not "
                 f"have (not used): a misspelt {close!r}?",

@@ -381,6 +381,22 @@ def test_model_takes_the_fingerprint_as_profile_file_names_show_it(capsys, tmp_p
     assert code == 2 and "--model: expected the name or fingerprint of a model in" in err
 
 
+def test_another_gpus_profiles_beside_the_clusters_are_not_called_misspelt(capsys, tmp_path):
+    # A cluster of the A100s alone, planned from the example folder (as from a cache that holds every GPU's):
+    # "a misspelt 'A100-80GB'?" was said of V100-16GB, and of an A100-40GB profiled as fully as the A100-80GB.
+    folder = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, folder, ignore=shutil.ignore_patterns("layers", "cluster.json"))
+    for path in folder.glob("*.a100-80gb.stage*.json"):
+        data = json.loads(path.read_text())
+        (folder / path.name.replace("80gb", "40gb")).write_text(json.dumps({**data, "device_type": "A100-40GB"}))
+    cluster = tmp_path / "a100s.json"
+    nodes = [{"name": "node0", "devices": [{"device_type": "A100-80GB", "count": 4}]}]
+    cluster.write_text(json.dumps({"schema_version": 1, "nodes": nodes}))
+    code, out, err = run(capsys, "--profiles", folder, "--cluster", cluster, "--global-batch-size", 512)
+    assert code == 0 and "global batch 512" in out
+    assert err == "", err
+
+
 def test_a_profile_whose_device_type_is_misspelt_is_said_to_be_unused(capsys, tmp_path):
     # One V100 profile renamed 'V100-16G': the search ignores it (as a folder's other GPUs'), with a note; where
     # its stage then has no profile of the type, the reason names it too.
