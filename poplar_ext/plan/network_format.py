@@ -186,9 +186,17 @@ def network_from_dict(data: Any, *, source: str = "<network>") -> NetworkProfile
         cluster_key=Node.string,
         world_size=int_reader(1, MAX_WORLD_SIZE),
         num_nodes=int_reader(1, MAX_WORLD_SIZE),
-        backend=Node.string,
+        backend=_backend,
     )
     return NetworkProfile(**values)
+
+
+def _backend(node: Node) -> str:
+    """A torch process-group backend as torch names it (lower case): ``"NCCL"`` would be priced as not overlapping."""
+    name = node.string()
+    if name != name.lower():
+        raise node.fail(f"a backend as torch names it, in lower case (here {name.lower()!r})")
+    return name
 
 
 def load_network(path: str | os.PathLike[str]) -> NetworkProfile:

@@ -131,6 +131,10 @@ def test_load_profiles_skips_a_network_file_beside_the_profiles(tmp_path):
         (lambda d: d.update(latency=1), r"latency"),
         (lambda d: d["measured_with"].update(source="guessed"), r"measured_with\.source"),
         (lambda d: d.update(schema_version=2), r"schema_version"),
+        (
+            lambda d: d.update(backend="NCCL"),
+            r"backend: expected a backend as torch names it, in lower case \(here 'nccl'\)",
+        ),
     ],
 )
 def test_a_bad_network_file_names_the_file_and_the_field(tmp_path, edit, match):
