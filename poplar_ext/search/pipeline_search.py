@@ -370,8 +370,22 @@ def _infeasible_reason(layouts: list[Layout], context: _Context) -> str:
         )
     return (
         f"In none of the {len(layouts)} layouts tried do the stages fit the devices' memory at any micro-batch size "
-        f"(up to {int(context.sizes[-1])})."
+        f"(up to {int(context.sizes[-1])}).{_types_holding_no_layer(context)}"
     )
+
+
+def _types_holding_no_layer(context: _Context) -> str:
+    """The device types that cannot hold even a one-layer stage of one sample: what makes every layout fail."""
+    named = []
+    for device_type, table in context.tables.items():
+        smallest = min(table.memory_bytes(layer, layer, 1, 1, checkpointed=True) for layer in range(table.num_layers))
+        capacity = table.profile.memory_capacity_bytes
+        if smallest > capacity:
+            named.append(
+                f"{device_type} holds no stage: its smallest, one layer of one sample, needs {_gib(smallest)} of "
+                f"its {_gib(capacity)} (base memory {_gib(table.profile.base_memory_bytes)})"
+            )
+    return "".join(f" {text}." for text in named)
 
 
 def search_pipeline_plan(

@@ -273,6 +273,19 @@ def test_a_plan_that_cannot_be_made_is_a_status_with_its_reason():
     assert not refused.ok and "DeepSpeed's pipeline engine refuses ZeRO stage 2" in refused.message
 
 
+def test_an_infeasible_pipeline_search_names_the_type_that_holds_no_stage():
+    profiles, cluster = _small()
+    only_b_tiny = [
+        dataclasses.replace(p, memory_capacity_bytes=p.base_memory_bytes + 1) if p.device_type == "b" else p
+        for p in profiles
+    ]
+    result = search_pipeline_plan(only_b_tiny, cluster, global_batch_size=4, zero_stage=0)
+    assert result.status == "infeasible"
+    assert "do the stages fit the devices' memory" in result.message
+    assert " b holds no stage: its smallest, one layer of one sample, needs " in result.message
+    assert " a holds no stage" not in result.message
+
+
 def test_auto_evaluates_both_stages_and_keeps_the_faster():
     profiles, cluster = _small()
     slower = [
