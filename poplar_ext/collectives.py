@@ -382,8 +382,10 @@ def _reduced(values: list, dtype: torch.dtype, op: Any, device: Any) -> list:
 
 
 def _collective_device(device: Any) -> torch.device:
-    """Where the default group reduces: NCCL reduces CUDA tensors only; gloo reduces CPU tensors."""
-    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+    """Where the default group reduces: NCCL reduces CUDA tensors only; gloo reduces CPU tensors. A group with a
+    backend per device (``undefined``) is read as `process_group_backend` names it, NCCL where CUDA is available:
+    its collectives on this rank's CUDA device, which the group sends through NCCL, not through gloo on the host."""
+    return device if process_group_backend() == "nccl" else torch.device("cpu")
 
 
 def agree_sum(value: int, device: Any) -> int:

@@ -384,3 +384,20 @@ def test_a_process_group_with_a_backend_per_device_is_named_by_the_device_in_use
     assert process_group_backend() == expected
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     assert process_group_backend() == "nccl"
+
+
+@pytest.mark.parametrize(("cuda", "expected"), [(True, "cuda:1"), (False, "cpu")])
+def test_a_group_with_a_backend_per_device_times_its_collectives_on_the_device_it_names(monkeypatch, cuda, expected):
+    # A network file measured under such a group on a GPU says "nccl" (process_group_backend): its collectives must
+    # then run on the rank's CUDA device, which the group sends through NCCL, not on the host through gloo.
+    import torch
+    import torch.distributed as dist
+
+    from poplar_ext.collectives import _collective_device
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "undefined")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert str(_collective_device(torch.device("cuda", 1) if cuda else torch.device("cpu"))) == expected
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert str(_collective_device(torch.device("cuda", 1))) == "cpu"
