@@ -35,7 +35,8 @@ def leave_process_group() -> None:
         # The interpreter sets sys.last_value for an uncaught exception before the exit handlers run.
         failed = getattr(sys, "last_value", None) is not None
         try:
-            if failed and dist.get_backend() == "nccl":
+            # A group with a backend per device (``undefined``) runs NCCL for CUDA tensors: aborted alike.
+            if failed and process_group_backend() == "nccl":
                 c10d._abort_process_group()
             else:
                 dist.destroy_process_group()

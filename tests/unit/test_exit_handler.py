@@ -88,3 +88,15 @@ def test_an_nccl_group_is_aborted_when_the_process_leaves_on_an_exception(monkey
 def test_a_normal_exit_and_gloo_still_destroy(monkeypatch):
     assert _leave_with(monkeypatch, backend="nccl", failed=False) == ["destroy"]
     assert _leave_with(monkeypatch, backend="gloo", failed=True) == ["destroy"]
+
+
+def test_a_group_with_a_backend_per_device_is_aborted_where_it_runs_nccl(monkeypatch):
+    # dist.init_process_group() without a backend: torch names it "undefined" and runs NCCL for CUDA tensors.
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _leave_with(monkeypatch, backend="undefined", failed=True) == ["abort"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _leave_with(monkeypatch, backend="undefined", failed=True) == ["destroy"]
