@@ -179,3 +179,60 @@ def test_the_gpu_command_finds_its_checkouts_gpu_checks_from_any_folder(monkeypa
     assert gpu.run(arguments) == 0
     root = Path(__file__).resolve().parents[2]
     assert given[0].repo == root and (root / "tests" / "gpu" / "test_runtime_gpu.py").is_file()
+
+
+_FAKE_PIP = """\
+import os, sys, zipfile
+from pathlib import Path
+
+args = sys.argv[1:]
+if args[:2] != ["-m", "pip"]:  # the script's own Python (its checks): the real interpreter
+    os.execv(os.environ["REAL_PYTHON"], [os.environ["REAL_PYTHON"], *args])
+command, rest = args[2], args[3:]
+folder = Path(rest[rest.index("-d" if "-d" in rest else "-w") + 1])
+v = os.environ["FAKE_RELEASE"]  # the registry's latest release of each unpinned package
+if command == "wheel":
+    wheels = {"deepspeed-0.19.8": ""} if rest[-1].startswith("deepspeed==") else {"poplar_ext-0.1.0": ""}
+else:
+    wheels = {f"pydantic-2.{v}.0": f"Requires-Dist: pydantic-core==2.{v}0.0\\n", f"pydantic_core-2.{v}0.0": "",
+              f"typing_extensions-4.{v}.0": "", f"pytest-9.{v}.0": "", "hjson-3.1.0": ""}
+for stem, requires in wheels.items():
+    name, version = stem.split("-")
+    with zipfile.ZipFile(folder / f"{stem}-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(f"{name}-{version}.dist-info/METADATA", f"Name: {name}\\nVersion: {version}\\n{requires}")
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_wheelhouse_filled_again_after_new_releases_holds_one_version_of_each(tmp_path):
+    # Two versions of one package in the folder stop run_on_gpu.sh's whole install on the GPU machine ("Cannot
+    # install typing-extensions 4.15.0 and typing-extensions 4.16.0"): the rare GPU session would train nothing.
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    fake = tmp_path / "python3"
+    fake.write_text(f"#!{sys.executable}\n" + _FAKE_PIP)
+    fake.chmod(0o755)
+    folder = tmp_path / "wheelhouse"
+    for release in ("9", "10"):  # filled once, then again after every unpinned package had a new release
+        env = {**os.environ, "PYTHON": str(fake), "REAL_PYTHON": sys.executable, "FAKE_RELEASE": release}
+        done = subprocess.run(
+            ["bash", str(root / "bench" / "gpu" / "wheelhouse.sh"), str(folder)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    names = sorted(p.name.split("-")[0] + "-" + p.name.split("-")[1] for p in folder.glob("*.whl"))
+    assert names == [
+        "deepspeed-0.19.8",
+        "hjson-3.1.0",
+        "poplar_ext-0.1.0",
+        "pydantic-2.10.0",
+        "pydantic_core-2.100.0",
+        "pytest-9.10.0",
+        "typing_extensions-4.10.0",
+    ]
