@@ -23,6 +23,7 @@ shift
 
 ls "$WHEELS"/*.whl >/dev/null  # fails with the folder's name when the wheelhouse was not carried
 mkdir -p "$OUTPUT_DIR"
+OUTPUT_DIR="$(cd "$OUTPUT_DIR" && pwd)"  # named from here: the run starts in the checkout
 # An install that fails still returns what it said and which GPU it was (poplar-bench gpu never started).
 trap 'status=$?; if [ $status -ne 0 ]; then { echo "run_on_gpu.sh: the wheel install failed (exit $status)";
     nvidia-smi 2>&1 || true; } >> "$OUTPUT_DIR/install_failed.txt"; fi' EXIT

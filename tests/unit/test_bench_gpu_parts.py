@@ -236,3 +236,51 @@ def test_the_wheelhouse_filled_again_after_new_releases_holds_one_version_of_eac
         "pytest-9.10.0",
         "typing_extensions-4.10.0",
     ]
+
+
+_FAKE_RUN = """\
+import os, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+if args[:2] == ["-m", "pip"]:  # --version, install: the wheels' install went through
+    sys.exit(0)
+if args[:2] == ["-m", "poplar_bench.cli"]:  # where the run would write its files
+    folder = args[args.index("--output-dir") + 1]
+    Path(os.environ["RECORD"]).write_text(os.path.abspath(folder))
+    sys.exit(0)
+sys.exit(f"unexpected: {args}")
+"""
+
+
+@pytest.mark.multiprocess
+def test_run_on_gpu_writes_into_the_output_folder_named_from_any_folder(tmp_path):
+    # The script changes into the checkout before the run: a relative OUTPUT_DIR named another folder there.
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    fake = tmp_path / "python3"
+    fake.write_text(f"#!{sys.executable}\n" + _FAKE_RUN)
+    fake.chmod(0o755)
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "a-1.0-py3-none-any.whl").write_text("")
+    record = tmp_path / "record"
+    env = {
+        **os.environ,
+        "PYTHON": str(fake),
+        "RECORD": str(record),
+        "POPLAR_WHEELHOUSE": str(tmp_path / "wheels"),
+        "POPLAR_GPU_SITE": str(tmp_path / "site"),
+    }
+    done = subprocess.run(
+        ["bash", str(root / "bench" / "gpu" / "run_on_gpu.sh"), "out", "--dry-run"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert record.read_text() == str(tmp_path / "out")
