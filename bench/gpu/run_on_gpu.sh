@@ -21,12 +21,18 @@ fi
 OUTPUT_DIR="$1"
 shift
 
-ls "$WHEELS"/*.whl >/dev/null  # fails with the folder's name when the wheelhouse was not carried
 mkdir -p "$OUTPUT_DIR"
 OUTPUT_DIR="$(cd "$OUTPUT_DIR" && pwd)"  # named from here: the run starts in the checkout
 # An install that fails still returns what it said and which GPU it was (poplar-bench gpu never started).
 trap 'status=$?; if [ $status -ne 0 ]; then { echo "run_on_gpu.sh: the wheel install failed (exit $status)";
     nvidia-smi 2>&1 || true; } >> "$OUTPUT_DIR/install_failed.txt"; fi' EXIT
+# Fails with the folder's name when the wheelhouse was not carried (it is git-ignored), in install_failed.txt too.
+if ! missing="$(ls "$WHEELS"/*.whl 2>&1 >/dev/null)"; then
+    printf '%s\n' "$missing" "run_on_gpu.sh: $WHEELS: expected the wheels of bench/gpu/wheelhouse.sh, found none:" \
+        "fill it where the package registries answer and carry it to this machine (.gpu-wheelhouse is git-ignored)" |
+        tee -a "$OUTPUT_DIR/install_failed.txt" >&2
+    exit 2
+fi
 if "$PYTHON" -m pip --version >/dev/null 2>&1; then
     "$PYTHON" -m pip install --quiet --no-index --no-deps --upgrade --target "$SITE" "$WHEELS"/*.whl \
         2> >(tee -a "$OUTPUT_DIR/install_failed.txt" >&2)

@@ -284,3 +284,25 @@ def test_run_on_gpu_writes_into_the_output_folder_named_from_any_folder(tmp_path
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert record.read_text() == str(tmp_path / "out")
+
+
+@pytest.mark.multiprocess
+def test_run_on_gpu_without_the_wheelhouse_says_what_to_carry_and_leaves_it_in_the_output(tmp_path):
+    # The wheelhouse is git-ignored: a GPU call that did not carry it got ls's line on stderr alone, and no file.
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "wheels").mkdir()
+    env = {**os.environ, "POPLAR_WHEELHOUSE": str(tmp_path / "wheels"), "POPLAR_GPU_SITE": str(tmp_path / "site")}
+    done = subprocess.run(
+        ["bash", str(root / "bench" / "gpu" / "run_on_gpu.sh"), str(tmp_path / "out")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    said = f"{tmp_path / 'wheels'}: expected the wheels of bench/gpu/wheelhouse.sh, found none"
+    assert done.returncode == 2 and said in done.stderr
+    assert said in (tmp_path / "out" / "install_failed.txt").read_text()
+    assert not (tmp_path / "site").exists()
