@@ -193,6 +193,9 @@ def declared_type_problem(declared: str, emulation: Emulation | None, hardware_t
 LAUNCHER_LOCAL_RANK_VARIABLE = "POPLAR_LAUNCHER_LOCAL_RANK"
 """Where `select_job_device` keeps the launcher's LOCAL_RANK when it rewrites LOCAL_RANK to the device index."""
 
+OPEN_MPI_LOCAL_RANK_VARIABLE = "OMPI_COMM_WORLD_LOCAL_RANK"
+"""Open MPI's local rank: DeepSpeed's engine asserts LOCAL_RANK equals it where it is set."""
+
 
 def cuda_device_index(local_rank: int, device_count: int) -> int:
     """The CUDA device a rank uses: its local rank modulo the devices it sees (ranks may share GPUs, or
@@ -225,7 +228,9 @@ def select_job_device() -> torch.device:
 
     DeepSpeed takes LOCAL_RANK as a CUDA device index (the group's ``device_id``, the engine's device,
     ZeRO-3's partitioning): where it differs from `cuda_device_index`, LOCAL_RANK is rewritten to the
-    index and the launcher's value kept in ``POPLAR_LAUNCHER_LOCAL_RANK``."""
+    index and the launcher's value kept in ``POPLAR_LAUNCHER_LOCAL_RANK``. Under Open MPI's mpirun,
+    ``OMPI_COMM_WORLD_LOCAL_RANK`` (equal to the launcher's LOCAL_RANK) is rewritten alike: DeepSpeed's
+    engine asserts the two are equal."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -240,6 +245,8 @@ def select_job_device() -> torch.device:
     index = cuda_device_index(local_rank, torch.cuda.device_count())
     if str(index) != os.environ.get("LOCAL_RANK"):
         os.environ.setdefault(LAUNCHER_LOCAL_RANK_VARIABLE, os.environ.get("LOCAL_RANK", "0"))
+        if os.environ.get(OPEN_MPI_LOCAL_RANK_VARIABLE) == os.environ.get("LOCAL_RANK"):
+            os.environ[OPEN_MPI_LOCAL_RANK_VARIABLE] = str(index)
         os.environ["LOCAL_RANK"] = str(index)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)

@@ -168,3 +168,19 @@ def test_a_stray_launch_variable_without_mpi4py_names_what_to_change(monkeypatch
     monkeypatch.setenv("PMI_RANK", "0")
     with pytest.raises(ValueError, match=r"PMI_RANK \(mpirun's ranks\).*pip install mpi4py"):
         collectives.discover_launch_environment(distributed_port=1234)
+
+
+def test_under_open_mpi_deepspeeds_engine_accepts_the_rewritten_local_rank(fake_cuda, monkeypatch):
+    # mpirun with one GPU visible to each process (CUDA_VISIBLE_DEVICES per rank): local rank 1 is device 0, and
+    # DeepSpeed's engine asserts OMPI_COMM_WORLD_LOCAL_RANK equals LOCAL_RANK ("not sure how to proceed").
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert devices.select_job_device() == torch.device("cuda", 0)
+    engine = SimpleNamespace()
+    DeepSpeedEngine._configure_with_arguments(engine, SimpleNamespace(), None)  # what the engine's build does
+    assert engine.local_rank == 0
+    assert devices.os.environ[devices.LAUNCHER_LOCAL_RANK_VARIABLE] == "1"
