@@ -18,6 +18,18 @@ if [ $# -lt 1 ]; then
     echo "usage: bench/gpu/run_on_gpu.sh OUTPUT_DIR [--budget-s S] [--steps A,B] [--dry-run]" >&2
     exit 2
 fi
+case "$1" in
+    -h | --help)  # this file's opening comment; the run's options: poplar-bench gpu --help, docs/gpu.md
+        sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"
+        echo "The options after OUTPUT_DIR are poplar-bench gpu's (poplar-bench gpu --help); see docs/gpu.md."
+        exit 0
+        ;;
+    -*)
+        echo "run_on_gpu.sh: OUTPUT_DIR: expected the output folder first, found the option $1" >&2
+        echo "usage: bench/gpu/run_on_gpu.sh OUTPUT_DIR [--budget-s S] [--steps A,B] [--dry-run]" >&2
+        exit 2
+        ;;
+esac
 OUTPUT_DIR="$1"
 shift
 

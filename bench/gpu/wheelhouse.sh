@@ -6,8 +6,21 @@
 # bench/gpu/run_on_gpu.sh installs the folder on the GPU machine.
 #
 #   bench/gpu/wheelhouse.sh [FOLDER]      (default: .gpu-wheelhouse in the repository root)
+#
+# Filled again, this run's wheels take the place of every version of their packages there.
 set -euo pipefail
 
+case "${1:-}" in
+    -h | --help)  # this file's opening comment
+        sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"
+        exit 0
+        ;;
+    -*)
+        echo "wheelhouse.sh: FOLDER: expected the folder to fill, found the option $1" >&2
+        echo "usage: bench/gpu/wheelhouse.sh [FOLDER]" >&2
+        exit 2
+        ;;
+esac
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:-$REPO/.gpu-wheelhouse}"
 PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"

@@ -306,3 +306,35 @@ def test_run_on_gpu_without_the_wheelhouse_says_what_to_carry_and_leaves_it_in_t
     assert done.returncode == 2 and said in done.stderr
     assert said in (tmp_path / "out" / "install_failed.txt").read_text()
     assert not (tmp_path / "site").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("script", "opening", "argument"),
+    [("run_on_gpu.sh", "`poplar-bench gpu` on the GPU machine", "OUTPUT_DIR"), ("wheelhouse.sh", "Fill a", "FOLDER")],
+)
+def test_the_gpu_scripts_explain_themselves_and_refuse_an_option_for_their_folder(tmp_path, script, opening, argument):
+    # --help went to mkdir: its own help, then run_on_gpu.sh failed in `cd --help` and wheelhouse.sh went on to
+    # download into a folder named --help; an option first (the folder forgotten) was mkdir's error.
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    fake = tmp_path / "python3"
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.exit('no Python should run')\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "POPLAR_WHEELHOUSE": str(tmp_path), "POPLAR_GPU_SITE": str(tmp_path)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        command = ["bash", str(root / "bench" / "gpu" / script), *args]
+        return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+    for flag in ("--help", "-h"):
+        done = run(flag)
+        assert done.returncode == 0 and done.stdout.startswith(opening)
+        assert f"bench/gpu/{script}" in done.stdout and argument in done.stdout
+    done = run("--dry-run")
+    assert done.returncode == 2
+    assert f"{script}: {argument}: expected the " in done.stderr and "found the option --dry-run" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["python3"]
