@@ -6,6 +6,18 @@
 #   bench/gpu/pipeline_on_gpu.sh DTYPE
 set -u
 DTYPE="${1:?usage: bench/gpu/pipeline_on_gpu.sh bf16|fp16|fp32}"
+case "$DTYPE" in
+    bf16 | fp16 | fp32) ;;
+    -h | --help)  # this file's opening comment
+        sed -n '2,/^set -u/{/^set -u/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"
+        exit 0
+        ;;
+    *)  # another word would be a config key DeepSpeed ignores: the run would train fp32 under its name
+        echo "pipeline_on_gpu.sh: DTYPE: expected bf16, fp16 or fp32, found '$DTYPE'" >&2
+        echo "usage: bench/gpu/pipeline_on_gpu.sh bf16|fp16|fp32" >&2
+        exit 2
+        ;;
+esac
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 SITE="${POPLAR_GPU_SITE:-$REPO/.gpu-site}"
 PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"

@@ -338,3 +338,24 @@ def test_the_gpu_scripts_explain_themselves_and_refuse_an_option_for_their_folde
     assert done.returncode == 2
     assert f"{script}: {argument}: expected the " in done.stderr and "found the option --dry-run" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["python3"]
+
+
+@pytest.mark.multiprocess
+def test_the_pipeline_script_refuses_a_dtype_it_would_not_train_in(tmp_path):
+    # Any word went into the config as a key DeepSpeed ignores ({"bf16x": {"enabled": true}}): the run trained fp32
+    # and printed "pipeline_gpt on one GPU rank, bf16x: exit code 0".
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    fake = tmp_path / "python3"
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.exit('no Python should run')\n")
+    fake.chmod(0o755)
+    script = root / "bench" / "gpu" / "pipeline_on_gpu.sh"
+    env = {**os.environ, "PYTHON": str(fake), "POPLAR_GPU_SITE": str(tmp_path)}
+    done = subprocess.run(["bash", str(script), "bf16x"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "DTYPE: expected bf16, fp16 or fp32, found 'bf16x'" in done.stderr
+    assert "no Python should run" not in done.stderr
+    done = subprocess.run(["bash", str(script), "--help"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("One rank trains examples/pipeline_gpt.py")
