@@ -219,6 +219,25 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
         iterations keep their places in the stream, every sample still used once), every rank at the same
         position, an iteration start at or after `generated_until` (what a DataLoader took cannot change).
         """
+        b, s, offset = self._share(plan)
+        if from_position < self.generated_until or (from_position - self._origin) % self.global_batch_size:
+            raise ValueError(
+                f"from_position: expected an iteration start at or after {self.generated_until}, found {from_position}"
+            )
+        self._splits.append((from_position, b, s, offset))
+        self.micro_batch_size, self.gradient_accumulation_steps = b, s
+
+    def restart_plan(self, plan: Plan | PipelinePlan) -> None:
+        """Train `plan`'s share for this rank at every iteration, the switches scheduled before forgotten: what an
+        engine that restores a checkpoint's position trains from there (its plan now; the switches of the run
+        before the load, at positions the resumed stream reaches again, are not this run's)."""
+        b, s, offset = self._share(plan)
+        self._splits = [(0, b, s, offset)]
+        self.micro_batch_size, self.gradient_accumulation_steps = b, s
+
+    def _share(self, plan: Plan | PipelinePlan) -> tuple[int, int, int]:
+        """``(b, s, offset)`` of this rank under `plan`; ValueError unless it splits this sampler's global batch
+        among its ranks."""
         sizes, steps = plan_shares(plan)
         per_rank = [b * s for b, s in zip(sizes, steps)]
         if len(per_rank) != self._world_size or sum(per_rank) != self.global_batch_size:
@@ -226,13 +245,7 @@ class PlanBatchSampler(torch.utils.data.Sampler[list[int]]):
                 f"plan: expected {self._world_size} ranks and the global batch {self.global_batch_size}, "
                 f"found {len(per_rank)} ranks and {sum(per_rank)}"
             )
-        if from_position < self.generated_until or (from_position - self._origin) % self.global_batch_size:
-            raise ValueError(
-                f"from_position: expected an iteration start at or after {self.generated_until}, found {from_position}"
-            )
-        b, s, offset = sizes[self.rank], steps[self.rank], rank_offsets(per_rank)[self.rank]
-        self._splits.append((from_position, b, s, offset))
-        self.micro_batch_size, self.gradient_accumulation_steps = b, s
+        return sizes[self.rank], steps[self.rank], rank_offsets(per_rank)[self.rank]
 
     def split(self, iteration: int) -> tuple[int, int, int]:
         """``(b, s, offset)`` of this rank in `iteration` under the plan that trains it: micro-batch size,

@@ -285,6 +285,12 @@ class EngineCore(FollowsRebalancing):
         self._follow_slowdown_schedule(self.global_steps)
         self.consumed_samples = decision.consumed_samples
         self._restored_position, self._steps_since_restore = decision.data_position, 0
+        # A load into an engine that trained already (a roll-back): its switches, made or pending, were agreed at
+        # positions of the run before the load, which the resumed stream reaches again. From the restored position
+        # the samplers hand out the plan the engine trains now (`_continue_plans` then schedules the checkpoint's).
+        self.pending_switch = None
+        for sampler in self._samplers:
+            sampler.restart_plan(self.plan)
         if position_samplers:
             for sampler in self._samplers:
                 sampler.set_position(decision.data_position)

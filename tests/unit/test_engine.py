@@ -441,6 +441,41 @@ def test_a_switch_pending_at_a_save_waits_again_after_the_resume(tmp_path):
     assert sizes == [[[2], [1, 1]]] * 2, "iteration 1 (from 8) under the job's plan, 2 (from 16) the switched one's"
 
 
+def test_a_load_into_an_engine_that_switched_since_the_save_hands_out_its_plan_from_there(tmp_path, monkeypatch):
+    # A roll-back: a checkpoint saved before a switch, loaded into the engine that made it and agreed another since.
+    # From the restored position the samplers hand out the plan the engine trains, and no switch of the run before the
+    # load waits: the stale switch positions gave rank 0 the first plan's 2-sample micro-batch at position 8 while
+    # DeepSpeed trained the switched 1 x 2 (one process against 3 ranks: parameters off by 0.04, samples twice).
+    def deepspeed_batch(fake, plan, rank):  # what DeepSpeed's batch setters do to the stand-in
+        fake.gas = plan.ranks[rank].gradient_accumulation_steps
+        fake.micro_steps = -(-fake.micro_steps // fake.gas) * fake.gas
+
+    monkeypatch.setattr("poplar_ext.zero.engine.set_deepspeed_batch", deepspeed_batch)
+    plan, switched, later = _plan([(2, 1), (3, 2)]), _plan([(1, 2), (3, 2)]), _plan([(4, 1), (2, 2)])
+    engine, _ = _engine(plan)
+    sampler = engine.create_batch_sampler(50)
+    handed_out = iter(sampler)
+
+    def train_iteration():
+        for _ in range(engine.rank_plan.gradient_accumulation_steps):
+            next(handed_out)
+            engine.backward(engine(torch.ones(2)))
+            engine.step()
+
+    train_iteration()
+    engine.save_checkpoint(tmp_path, tag="t")  # at stream position 8, under the first plan
+    train_iteration()
+    engine.rebalance_to(switched, reason="switched at 16")
+    train_iteration()
+    next(handed_out)  # read ahead: the next switch waits for position 32
+    engine.rebalance_to(later, reason="agreed for 32")
+    assert (engine.plan, engine.pending_switch.position) == (switched, 32)
+    engine.load_checkpoint(tmp_path, tag="t")
+    assert engine.plan == switched and engine.pending_switch is None
+    assert sampler.consumed_samples == engine.data_position == 8
+    assert [[len(b) for b in sampler.micro_batches(i)] for i in (1, 2, 4)] == [[1, 1]] * 3, "the switched plan's 1 x 2"
+
+
 def _watched(plan):
     """Rank 0's engine with re-balancing on: its monitor assumes each rank as fast as profiled."""
     cluster = Cluster(nodes=(ClusterNode(name="n", devices=(DeviceGroup(device_type="x", count=2),)),))
