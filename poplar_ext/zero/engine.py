@@ -363,13 +363,16 @@ class PoplarEngine(EngineCore):
             )
         # Activation checkpointing was applied to the model, the offload to the config, before DeepSpeed's build.
         for field in ("device_type", "activation_checkpointing", "optimizer_offload"):
-            if problem is None and [getattr(r, field) for r in plan.ranks] != [
-                getattr(r, field) for r in self.plan.ranks
-            ]:
-                problem = f"each rank keeps its {'device type' if field == 'device_type' else field}"
+            kept, found = ([str(getattr(r, field)) for r in p.ranks] for p in (self.plan, plan))
+            if problem is None and kept != found:
+                problem = (
+                    f"each rank keeps its {'device type' if field == 'device_type' else field} "
+                    f"({', '.join(kept)}), found {', '.join(found)}"
+                )
         if problem is None and one_accumulation_count(plan.zero_stage):
             if len({r.gradient_accumulation_steps for r in plan.ranks}) > 1:
-                problem = f"every rank has the same accumulation count at ZeRO stage {plan.zero_stage}"
+                counts = ", ".join(str(r.gradient_accumulation_steps) for r in plan.ranks)
+                problem = f"every rank has the same accumulation count at ZeRO stage {plan.zero_stage}, found {counts}"
         if problem is not None:
             raise ValueError(f"plan: expected a plan that can replace the running one: {problem}")
 
@@ -404,6 +407,11 @@ class PoplarEngine(EngineCore):
             raise ValueError(
                 "rebalance_to: expected poplar.drop_last false, found true: a switch starts at a stream "
                 "position, which drop_last's skipped epoch tails break; set drop_last false to switch plans"
+            )
+        if not isinstance(plan, Plan):
+            raise TypeError(
+                f"rebalance_to: plan: expected a ZeRO plan (poplar_ext.plan.formats.Plan: load_plan(path), "
+                f"plan_from_dict(data), or a search's result.plan), found {type(plan).__name__}"
             )
         chosen = plan_from_dict(broadcast_from_rank0(plan_to_dict(plan)), source="<plan from rank 0>")
         self.check_switch(chosen)  # the same verdict on every rank: rank 0's plan

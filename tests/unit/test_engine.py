@@ -426,6 +426,25 @@ def test_a_switch_while_another_waits_for_its_iteration_is_refused():
     assert engine.pending_switch.reason == "first"
 
 
+def test_a_plan_that_cannot_replace_the_running_one_is_refused_naming_what_it_found():
+    import dataclasses
+
+    plan = _plan([(2, 2), (3, 2)], stage=2)
+    engine, _ = _engine(plan)
+    other_type = dataclasses.replace(plan, ranks=(plan.ranks[0], dataclasses.replace(plan.ranks[1], device_type="y")))
+    refusals = {
+        r"each rank keeps its device type \(x, x\), found x, y": other_type,
+        r"every rank has the same accumulation count at ZeRO stage 2, found 2, 6": _plan([(2, 2), (1, 6)], stage=2),
+    }
+    for message, refused in refusals.items():
+        with pytest.raises(ValueError, match=r"plan: expected a plan that can replace the running one: " + message):
+            engine.rebalance_to(refused)
+    # A plan read as JSON but not made a Plan: before, asdict()'s "should be called on dataclass instances".
+    with pytest.raises(TypeError, match=r"rebalance_to: plan: expected a ZeRO plan .*load_plan.*, found dict"):
+        engine.rebalance_to(plan_to_dict(plan))
+    assert engine.plan == plan and engine.pending_switch is None
+
+
 def test_a_switch_pending_at_a_save_waits_again_after_the_resume(tmp_path):
     plan, switched = _plan([(2, 1), (3, 2)]), [(1, 2), (3, 2)]
     engine, fake = _engine(plan)
