@@ -43,11 +43,11 @@ class DriftSettings(DemoSettings):
         if not 0 <= self.drift_rank < len(self.devices):
             raise ValueError(f"drift_rank: expected 0..{len(self.devices) - 1}, found {self.drift_rank}")
         if not self.factor >= 1.0:
-            raise ValueError(f"factor: expected a number >= 1, found {self.factor}")
+            raise ValueError(f"factor: expected a number >= 1, found {self.factor} (--factor)")
         if not 0 < self.drift_at < self.recover_at <= self.drift_iterations:
             raise ValueError(
                 "drift_at, recover_at, drift_iterations: expected 0 < drift_at < recover_at <= drift_iterations, found "
-                f"{self.drift_at}, {self.recover_at}, {self.drift_iterations}"
+                f"{self.drift_at}, {self.recover_at}, {self.drift_iterations} (--drift-at, --recover-at, --iterations)"
             )
         if not self.recover_at > self.drift_at + 2 * self.check_interval_steps:
             # The adaptive goal is judged from two check intervals after the change until the recovery.

@@ -87,6 +87,14 @@ def test_the_drift_command_refuses_a_schedule_that_ends_before_it_starts(capsys)
     assert "expected 0 < drift_at < recover_at" in capsys.readouterr().err
 
 
+def test_the_drift_command_names_the_options_of_a_schedule_it_refuses(capsys):
+    # The settings' field drift_iterations is the option --iterations: each refusal names the options too.
+    assert bench_main(["drift", "--recover-at", "100", "--iterations", "36"]) == 2
+    assert "found 8, 100, 36 (--drift-at, --recover-at, --iterations)" in capsys.readouterr().err
+    assert bench_main(["drift", "--factor", "0.5"]) == 2
+    assert "factor: expected a number >= 1, found 0.5 (--factor)" in capsys.readouterr().err
+
+
 def test_drift_trainer_runs_through_the_trainer_into_its_own_report_and_cache(tmp_path, monkeypatch):
     from poplar_bench import drift
 
