@@ -258,11 +258,21 @@ def _merge_fragments(fragments: Path, zero_dir: Path, shapes: dict[str, torch.Si
 @contextmanager
 def loading_every_state(zero_optimizer: Any) -> Iterator[None]:
     """While DeepSpeed loads a universal checkpoint: at stage 3, `load_stage3_checkpoint` is this optimizer's
-    loader (an instance attribute shadowing DeepSpeed's method). Stages 1-2 need nothing."""
+    loader (an instance attribute shadowing DeepSpeed's method); at stages 1-2 (and bf16's optimizer),
+    `load_flat_checkpoint`, for a rank whose partition of a parameter group holds no parameter."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     if not isinstance(zero_optimizer, DeepSpeedZeroOptimizer_Stage3):
-        yield
+        if not hasattr(zero_optimizer, "load_hp_checkpoint_state_from_checkpoint_dir"):
+            yield
+            return
+        zero_optimizer.load_hp_checkpoint_state_from_checkpoint_dir = lambda groups, checkpoint_dir: (
+            load_flat_checkpoint(zero_optimizer, groups, checkpoint_dir)
+        )
+        try:
+            yield
+        finally:
+            del zero_optimizer.load_hp_checkpoint_state_from_checkpoint_dir
         return
     if zero_optimizer.swap_optimizer:
         raise ValueError(
@@ -276,6 +286,56 @@ def loading_every_state(zero_optimizer: Any) -> Iterator[None]:
         yield
     finally:
         del zero_optimizer.load_hp_checkpoint_state_from_checkpoint_dir_stage3
+
+
+def load_flat_checkpoint(zero_optimizer: Any, lp_groups_name: str, checkpoint_dir: str) -> None:
+    """DeepSpeed 0.19.8's universal loader of a flat-partition optimizer (ZeRO 1-2, bf16's;
+    `ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir`), also on a rank whose partition of a parameter
+    group holds only alignment padding (a group of a few elements over many ranks: ``Linear(1, 1)`` on 3 ranks),
+    where DeepSpeed's reads the first of no steps (IndexError). Such a partition gets the state the other ranks'
+    hold, at zero: each of the group's keys, and its ``step``, as the rank had before the save."""
+    import torch
+    from deepspeed.runtime.base_optimizer import _get_universal_checkpoint_ep_info
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
+    from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
+
+    zero_dir = Path(checkpoint_dir) / "zero"
+    saved = torch.load(zero_dir / "optimizer_state.pt", weights_only=False)
+    zero_optimizer._load_global_state(saved)
+    mpu = zero_optimizer.mpu
+    tp_rank = bwc_tensor_model_parallel_rank(mpu=mpu)
+    if mpu is None:
+        tp_world_size = 1
+    elif hasattr(mpu, "get_slice_parallel_world_size"):
+        tp_world_size = mpu.get_slice_parallel_world_size()
+    else:
+        tp_world_size = mpu.get_tensor_model_parallel_world_size()
+    ep_rank, ep_size = _get_universal_checkpoint_ep_info()
+    lp_groups = getattr(zero_optimizer, lp_groups_name)
+    state = zero_optimizer.optimizer.state
+    for group_id, (group, saved_group) in enumerate(zip(zero_optimizer.optimizer.param_groups, saved["param_groups"])):
+        flat = group["params"][0]
+        keys, steps = set(), []
+        for lp in lp_groups[group_id]:
+            if lp._hp_mapping is not None:
+                folder = zero_dir / zero_optimizer.param_names[lp]
+                steps.append(
+                    lp.load_hp_checkpoint_state(str(folder), tp_rank, tp_world_size, ep_rank=ep_rank, ep_size=ep_size)
+                )
+                keys.update(lp._hp_mapping.get_optim_state_keys())
+        if steps:
+            assert all(step == steps[0] for step in steps), f"Steps {steps} are not equal"
+            if steps[0] is not None:
+                state[flat]["step"] = steps[0]
+            map_to_flat_opt_states(flat, lp_groups[group_id], state, keys)
+        elif lp_groups[group_id]:  # padding alone here: the group's keys at zero, its step
+            folder = zero_dir / zero_optimizer.param_names[lp_groups[group_id][0]]
+            for key in sorted({path.stem for path in folder.glob("*.pt")} - {"fp32"}):
+                if key in SCALAR_STATES:
+                    state[flat][key] = torch.load(folder / f"{key}.pt", weights_only=False)
+                else:
+                    state[flat][key] = torch.zeros_like(flat)
+        group.update({name: value for name, value in saved_group.items() if name != "params"})
 
 
 def load_stage3_checkpoint(zero_optimizer: Any, checkpoint_dir: str) -> None:
@@ -440,6 +500,7 @@ __all__ = [
     "carried_states",
     "command_line",
     "convert_checkpoint",
+    "load_flat_checkpoint",
     "load_stage3_checkpoint",
     "loading_every_state",
     "loading_resharded",
