@@ -539,6 +539,26 @@ def check_rank_files(
         )
 
 
+def saved_world_size(load_dir: str | Path, tag: str) -> int | None:
+    """The number of data-parallel ranks that saved `tag`, as DeepSpeed records it in the tag's model states file
+    (``dp_world_size``, which its own load compares with the job's): how many ranks saved a checkpoint without a
+    state file, such as a plain DeepSpeed one. None where the folder holds no model states file or it records none
+    (a file torch cannot read is refused by `saved_parameter_shapes`, which every load runs first)."""
+    import torch
+
+    path = model_states_file(load_dir, tag)
+    if path is None:
+        return None
+    try:
+        with path.open("rb") as file:
+            zipped = file.read(4) == b"PK\x03\x04"
+        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=zipped)  # mmap: not the weights
+    except Exception:  # noqa: BLE001 - not known; DeepSpeed's load says what is wrong with the file
+        return None
+    world_size = saved.get("dp_world_size") if isinstance(saved, dict) else None
+    return world_size if isinstance(world_size, int) else None
+
+
 def check_optimizer_precision(load_dir: str | Path, tag: str, *, bf16: bool, caller: str = "load_checkpoint") -> None:
     """ValueError, before any weight is loaded, where the ZeRO optimizer files of `tag` are another precision's
     than this job's (`bf16`: DeepSpeed's ``bf16.enabled``) and DeepSpeed reads them as they are (the same number

@@ -24,6 +24,7 @@ from poplar_ext.runtime.checkpoint import (
     read_state,
     refresh_master_weights,
     resume_decision,
+    saved_world_size,
     tag_for_load,
 )
 from poplar_ext.runtime.config import PoplarConfig
@@ -547,7 +548,8 @@ class PoplarEngine(EngineCore):
         the optimizer and the state; a ``TAG_universal`` some rank cannot see stops every rank with the command
         that writes it. The weights alone load
         on any number of ranks (at stage 3 merged from every rank's partition, `merging_weights_of`). A plain
-        DeepSpeed checkpoint, or ``load_module_only=True``, starts the data at position 0, with a logged note.
+        DeepSpeed checkpoint, or ``load_module_only=True``, starts the data at position 0, with a logged note; a
+        plain one's optimizer state saved on another number of ranks (told by its ZeRO files) is resharded too.
         Returns DeepSpeed's ``(path, client_state)``.
         """
         from poplar_ext.collectives import decided_by_rank0
@@ -582,6 +584,15 @@ class PoplarEngine(EngineCore):
         decision = None
         load_tag = resolved  # not the caller's None: on node-local storage each node's ``latest`` may differ
         loading: Any = nullcontext()
+        reshards = self.plan.zero_stage > 0 and with_optimizer and not module_only
+        if saved is None and resolved is not None and reshards:
+            # No state file (a plain DeepSpeed checkpoint): how many ranks saved it, as DeepSpeed recorded.
+            saved_ranks = decided_by_rank0(lambda: saved_world_size(load_dir, resolved), rank=self._rank)
+            if saved_ranks not in (None, self.plan.world_size):
+                load_tag = resharded_tag(
+                    Path(load_dir), resolved, deepspeed_engine=self.deepspeed_engine, rank=self._rank
+                )
+                loading = loading_resharded(self.deepspeed_engine)
         if saved is not None:
             decision = resume_decision(
                 saved,
@@ -592,7 +603,7 @@ class PoplarEngine(EngineCore):
                 load_optimizer_states=with_optimizer,
             )
             # The weights alone load on any number of ranks; the optimizer's partitions at stages 1-3 do not.
-            if decision.world_size_changed and self.plan.zero_stage > 0 and with_optimizer and not module_only:
+            if decision.world_size_changed and reshards:
                 load_tag = resharded_tag(
                     Path(load_dir), resolved, deepspeed_engine=self.deepspeed_engine, rank=self._rank
                 )
