@@ -46,6 +46,7 @@ from poplar_ext.runtime.checkpoint import (
     restore_replaced,
     resume_decision,
     save_whole,
+    saved_world_size,
     unfinished_save,
 )
 from poplar_ext.runtime.config import GlobalBatchRequest, PoplarConfig, load_deepspeed_config
@@ -804,6 +805,10 @@ class PoplarTrainerMixin(_PlanEvaluation):
             self._plan_history = decision.plan_history
             self._resume_decision = decision
             self._reshard_on_resume = decision.world_size_changed and self.plan.zero_stage >= 1
+        elif tag is not None and self.plan.zero_stage >= 1:
+            # No state file (a plain Trainer's checkpoint): how many ranks saved it, as DeepSpeed recorded.
+            saved_ranks = decided_by_rank0(lambda: saved_world_size(Path(folder), tag), rank=self.job.rank)
+            self._reshard_on_resume = saved_ranks not in (None, self.plan.world_size)
         if self.job.rank == 0 and folder is not None:
             _log_resume(folder, saved=saved, decision=decision, plan_reason=self.job.plan_reason)
         return folder
