@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import uuid
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -518,7 +519,8 @@ def check_rank_files(
     starts with `caller`, none where empty): each rank's
     optimizer states at stages 1-2 where the load reads them (`reads_optimizer`), and at stage 3 (its weights
     are in them) each rank's model states too. Without them DeepSpeed fails on the rank that reads the missing
-    file while the others wait for it, or, resharding, misreads the files there are. The caller leaves out
+    file while the others wait for it, or, resharding, misreads the files there are. So is one of those files cut
+    short (`_cut_short`): the rank reading it failed alone while the others went on. The caller leaves out
     node-local storage, where each node holds its own ranks' files."""
     plan = (saved or {}).get("plan") or {}
     if "ranks" not in plan:  # no state file, or a pipeline plan's (refused later)
@@ -537,6 +539,34 @@ def check_rank_files(
             "checkpoint is incomplete (a file lost, or not copied); copy the missing files from where it was "
             "saved, or load another checkpoint"
         )
+    cut = [
+        path.name
+        for kind in kinds
+        for rank in range(ranks)
+        for path in sorted(folder.glob(f"*zero_pp_rank_{rank}_mp_rank_*_{kind}_states.pt"))
+        if _cut_short(path)
+    ]
+    if cut:
+        raise ValueError(
+            f"{caller}{': ' if caller else ''}{folder}: expected whole ZeRO files, found {len(cut)} cut short "
+            f"({listed(cut)}: a zip file without its end, which torch cannot read): the checkpoint is damaged (a "
+            "copy cut short); copy those files again from where it was saved, or load another checkpoint"
+        )
+
+
+def _cut_short(path: Path) -> bool:
+    """Whether `path`, a file in torch's zip format, lacks the zip's central directory at its end (a copy cut
+    short: torch fails to read it). Read from its end, not whole; a file in torch's legacy format is not judged."""
+    try:
+        with path.open("rb") as file:
+            if file.read(4) != b"PK\x03\x04":
+                return False
+        with zipfile.ZipFile(path):
+            return False
+    except zipfile.BadZipFile:
+        return True
+    except OSError:  # unreadable here: DeepSpeed's load says so
+        return False
 
 
 def saved_world_size(load_dir: str | Path, tag: str) -> int | None:

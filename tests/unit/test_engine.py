@@ -1612,6 +1612,30 @@ def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_it_before_deepspeed
         resumed.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_ranks_zero_file_cut_short_is_refused_naming_it_before_deepspeed_loads(tmp_path, stage):
+    # Before: on as many ranks as saved it, the rank reading the file failed alone ("PytorchStreamReader failed
+    # reading zip archive: failed finding central directory") while rank 0 loaded and went on to train.
+    plan = _plan([(2, 1), (2, 1)], stage=stage)
+    engine, fake = _engine(plan)
+    engine.save_checkpoint(tmp_path, tag="t")
+    kinds = ["optim"] + (["model"] if stage == 3 else [])
+    for rank in range(2):
+        for kind in kinds:
+            torch.save({"state": torch.zeros(64)}, tmp_path / "t" / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt")
+    cut = tmp_path / "t" / f"zero_pp_rank_1_mp_rank_00_{kinds[-1]}_states.pt"
+    cut.write_bytes(cut.read_bytes()[:200])
+    resumed, resumed_fake = _engine(plan)
+    resumed_fake.saved = fake.saved
+    with pytest.raises(ValueError) as refused:
+        resumed.load_checkpoint(tmp_path, tag="t")
+    assert str(refused.value) == (
+        f"load_checkpoint: {tmp_path / 't'}: expected whole ZeRO files, found 1 cut short ({cut.name}: a zip file "
+        "without its end, which torch cannot read): the checkpoint is damaged (a copy cut short); copy those files "
+        "again from where it was saved, or load another checkpoint"
+    )
+
+
 @pytest.mark.parametrize("saved_bf16", [False, True])
 def test_optimizer_states_of_another_precision_on_as_many_ranks_are_refused_before_deepspeed_loads(
     tmp_path, saved_bf16
