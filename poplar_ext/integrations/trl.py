@@ -1,5 +1,6 @@
-"""`PoplarSFTTrainer`, `PoplarDPOTrainer`: TRL's trainers on a plan, the loss weighted to the global batch as each
-trainer declares it, what cannot be exact refused; the only importer of trl (``pip install 'poplar-ext[trl]'``).
+"""`PoplarSFTTrainer`, `PoplarDPOTrainer`, `PoplarRewardTrainer`: TRL's trainers on a plan, the loss weighted to the
+global batch as each trainer declares it, what cannot be exact refused; the only importer of trl
+(``pip install 'poplar-ext[trl]'``).
 See docs/trainer.md (refused settings, TRL's logged metrics)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from trl import DPOTrainer, SFTTrainer
+from trl import DPOTrainer, RewardTrainer, SFTTrainer
 
 from poplar_ext.collectives import gather_objects
 from poplar_ext.elastic import ends_job_on_user_error
@@ -203,4 +204,13 @@ class PoplarDPOTrainer(_LocalMetrics, DPOTrainer):
         return super()._precompute_ref_logps(dataset, name, batch_size)
 
 
-__all__ = ["PoplarDPOTrainer", "PoplarSFTTrainer"]
+class PoplarRewardTrainer(_LocalMetrics, RewardTrainer):
+    """``trl.RewardTrainer`` training the plan of the DeepSpeed config's ``poplar`` section.
+
+    Same arguments as ``RewardTrainer``; its loss (with ``margin`` and ``center_rewards_coefficient`` too) is a mean
+    over a micro-batch's pairs (``loss_is_scaled_for_ga`` False), weighted ``W * b_r / B``. Its metric gathers
+    (rewards, accuracy, margin, token count) are kept per rank while training and merged when the Trainer logs, as
+    the other TRL trainers'; with ``PoplarTrainerMixin`` alone the ranks' gathers met with other shapes or never."""
+
+
+__all__ = ["PoplarDPOTrainer", "PoplarRewardTrainer", "PoplarSFTTrainer"]

@@ -1,4 +1,4 @@
-"""PoplarSFTTrainer and PoplarDPOTrainer (TRL) under uneven plans, on forked ranks.
+"""PoplarSFTTrainer, PoplarDPOTrainer and PoplarRewardTrainer (TRL) under uneven plans, on forked ranks.
 
 3 ranks (one real CPU type, two emulated), a tiny Llama from its config and a word-level
 tokenizer made here (nothing downloaded). Each case trains 3 optimizer steps of a global
@@ -11,7 +11,8 @@ TRL trainer (fp32, 1e-5), every sample (or packed row) trained once:
 * DPO with its reference model (sigmoid loss, a mean over pairs) at ZeRO 1 (per-rank
   accumulation counts) and 3 (the reference model partitioned too);
 * DPO with the reference log-probs precomputed at construction at ZeRO 1 (TRL batches
-  them alike on every rank, whatever each rank's micro-batch).
+  them alike on every rank, whatever each rank's micro-batch);
+* a reward model (a sequence classifier, a mean over pairs) at ZeRO 0.
 
 (ZeRO 2 is the custom subclass's, tests/dist/test_trainer_mixin.py.)
 
@@ -54,6 +55,7 @@ CASES = [
     ("dpo-1", "dpo", 1, {}),
     ("dpo-3", "dpo", 3, {}),
     ("dpo-precompute-1", "dpo", 1, {"precompute_ref_log_probs": True}),
+    ("reward-0", "reward", 0, {}),
 ]
 WORDS = 62  # the vocabulary: <pad>, <eos> and w0..w61 (64 embeddings)
 
@@ -74,23 +76,23 @@ def _words(rng: random.Random, low: int, high: int) -> str:
 
 
 def dataset(kind: str):
-    """50 prompt-completion examples (SFT) or prompt-chosen-rejected pairs (DPO), seeded."""
+    """50 prompt-completion examples (SFT) or prompt-chosen-rejected pairs (DPO, reward), seeded."""
     from datasets import Dataset
 
     rng = random.Random(0)
     rows = []
     for _ in range(hf.NUM_SAMPLES):
         row = {"prompt": _words(rng, 2, 6), "completion": " " + _words(rng, 1, 5)}
-        if kind == "dpo":
+        if kind in ("dpo", "reward"):
             row = {"prompt": row["prompt"], "chosen": row["completion"], "rejected": " " + _words(rng, 1, 5)}
         rows.append(row)
     return Dataset.from_list(rows)
 
 
 def _config_class(kind: str):
-    from trl import DPOConfig, SFTConfig
+    from trl import DPOConfig, RewardConfig, SFTConfig
 
-    return SFTConfig if kind == "sft" else DPOConfig
+    return {"sft": SFTConfig, "dpo": DPOConfig, "reward": RewardConfig}[kind]
 
 
 # Plain SGD, no clipping: a loss off by a uniform factor (a token count off by one per
@@ -114,11 +116,12 @@ def _arguments(kind: str, fields: dict, **extra):
     )
 
 
-def tiny_llama():
+def tiny_llama(head: str = "causal"):
     """A Llama from its config, seeded alike everywhere. Not GPT-2: transformers 5 gives
     GPT-2 no loss_type, so a plain Trainer counts its label tokens unshifted (one per
-    sequence too many) and the plain TRL trainer would not train the true token mean."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    sequence too many) and the plain TRL trainer would not train the true token mean.
+    `head` "reward": a sequence classifier of one score (a reward model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -132,12 +135,13 @@ def tiny_llama():
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=1,
+        num_labels=1,
     )
-    return LlamaForCausalLM(config)
+    return (LlamaForSequenceClassification if head == "reward" else LlamaForCausalLM)(config)
 
 
 def _build(trainer_class, kind: str, args, data=None):
-    model = tiny_llama()
+    model = tiny_llama(kind)
     data = dataset(kind) if data is None else data
     common = dict(model=model, args=args, train_dataset=data, eval_dataset=data, processing_class=tokenizer())
     if kind == "dpo":
@@ -159,14 +163,15 @@ def _train_cases(configs: dict[int, str], out: str, saved_dpo: str) -> dict:
     which every rank reads (an in-memory set's is in a temporary folder of each process's own)."""
     import datasets
 
-    from poplar_ext.integrations.trl import PoplarDPOTrainer, PoplarSFTTrainer
+    from poplar_ext.integrations.trl import PoplarDPOTrainer, PoplarRewardTrainer, PoplarSFTTrainer
 
+    trainers = {"sft": PoplarSFTTrainer, "dpo": PoplarDPOTrainer, "reward": PoplarRewardTrainer}
     results = {}
     for name, kind, stage, fields in CASES:
         _reset_accelerate()
         seen: list[list[int]] = []
 
-        class Recording(PoplarSFTTrainer if kind == "sft" else PoplarDPOTrainer):
+        class Recording(trainers[kind]):
             def get_train_dataloader(self):
                 loader = super().get_train_dataloader()
                 # the class is built and used within this iteration: `seen` is the iteration's own
@@ -225,11 +230,11 @@ def _reference(kind: str, fields: dict, out: Path) -> _Reference:
 def _train_reference(kind: str, fields: dict, out: Path) -> _Reference:
     """One process, the plain TRL trainer, the stream's global batches in order; then its evaluation of
     the whole data set in one batch (the loss TRL computes over all of it)."""
-    from trl import DPOTrainer, SFTTrainer
+    from trl import DPOTrainer, RewardTrainer, SFTTrainer
 
     from poplar_ext.runtime.data import SampleStream
 
-    base = SFTTrainer if kind == "sft" else DPOTrainer
+    base = {"sft": SFTTrainer, "dpo": DPOTrainer, "reward": RewardTrainer}[kind]
 
     class InStreamOrder(base):
         def _get_train_sampler(self, train_dataset=None):
