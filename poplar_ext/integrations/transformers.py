@@ -130,12 +130,40 @@ def named_arguments(below: list[type], positional: tuple, keywords: dict[str, An
     return {**named, **keywords}
 
 
+_TRL_TRAINERS = ("SFTTrainer", "DPOTrainer", "RewardTrainer")
+"""TRL's trainers that poplar_ext.integrations.trl puts on a plan (as Poplar<name>), in the order its docs give."""
+
+
 def _refuse_before_settling(cls: type, args: TrainingArguments | None) -> tuple[tuple[dict, Path, str], PoplarConfig]:
     """What the mixin refuses from its class and `args` alone, before the job is settled: no collective, no
     profiling (the automatic mode measures at settling) is waited for. Returns the DeepSpeed config
     (`load_deepspeed_config`'s result) and its poplar section, read once."""
     mro = cls.__mro__
-    for klass in itertools.takewhile(lambda k: k is not Trainer, mro[mro.index(PoplarTrainerMixin) + 1 :]):
+    below = list(itertools.takewhile(lambda k: k is not Trainer, mro[mro.index(PoplarTrainerMixin) + 1 :]))
+    trl = next((k for k in below if k.__module__.split(".")[0] == "trl"), None)
+    if trl is not None and not cls._trl_metrics_on_each_rank:
+        # TRL's trainers gather their logged metrics from every rank in each compute_loss: under a plan the ranks reach
+        # those gathers with micro-batches of other sizes (gloo aborts) or not at all (the others wait), at step 1.
+        names = {k.__name__ for k in trl.__mro__}
+        ours = [f"Poplar{name}" for name in _TRL_TRAINERS if name in names]
+        if not ours:
+            expected = "one of poplar_ext.integrations.trl's classes (" + ", ".join(
+                f"Poplar{name}" for name in _TRL_TRAINERS
+            )
+            expected += f"), which have no counterpart for {trl.__name__}"
+        else:
+            mixed = next(k for k in below if issubclass(k, Trainer))  # the Trainer class the mixin was put on
+            expected = f"poplar_ext.integrations.trl's {ours[0]} in its place"
+            if mixed is not trl:
+                expected = f"poplar_ext.integrations.trl's {ours[0]} first in the bases: {cls.__name__}({ours[0]}, "
+                expected += f"{mixed.__name__})"
+        raise ValueError(
+            f"{cls.__name__}: PoplarTrainerMixin on trl's {trl.__name__}: expected {expected}, found the mixin alone; "
+            f"{trl.__name__} gathers its logged metrics from every rank in each compute_loss, and the ranks of a plan "
+            "reach those gathers with micro-batches of other sizes or other numbers of them (the job hangs or aborts "
+            "at its first step)"
+        )
+    for klass in below:
         # A subclass below the mixin choosing its own training batches would have them replaced by the plan's.
         for name in ("get_train_dataloader", "_get_train_sampler"):
             if name in vars(klass):
@@ -404,12 +432,17 @@ class _PlanEvaluation:
 class PoplarTrainerMixin(_PlanEvaluation):
     """Everything `PoplarTrainer` does, for any ``transformers.Trainer`` subclass.
 
-    Put it first in the bases: ``class MyTrainer(PoplarTrainerMixin, SFTTrainer)``. Its methods call ``super()``, so the
-    subclass's own ``__init__``, ``compute_loss`` and data collator run inside them: the subclass's loss is computed
-    first and then weighted to the global batch, and the train dataloader is the plan's (the subclass's dataset
-    preparation in ``__init__`` is kept; a ``get_train_dataloader`` of its own is refused). A subclass that overrides
-    these methods itself (a class *derived from* the mixed class) must call ``super()`` in them for the plan to apply;
-    see docs/trainer.md."""
+    Put it first in the bases: ``class MyTrainer(PoplarTrainerMixin, MyOwnTrainer)`` (TRL's trainers: the classes of
+    ``poplar_ext.integrations.trl``, which keep TRL's metric gathers on each rank; the mixin alone on one is
+    refused). Its methods call ``super()``, so the subclass's own ``__init__``, ``compute_loss`` and data collator run
+    inside them: the subclass's loss is computed first and then weighted to the global batch, and the train dataloader
+    is the plan's (the subclass's dataset preparation in ``__init__`` is kept; a ``get_train_dataloader`` of its own is
+    refused). A subclass that overrides these methods itself (a class *derived from* the mixed class) must call
+    ``super()`` in them for the plan to apply; see docs/trainer.md."""
+
+    _trl_metrics_on_each_rank: bool = False
+    """Whether TRL's metric gathers in compute_loss are kept on each rank while training (poplar_ext.integrations.trl's
+    classes); a TRL trainer under the mixin without it is refused."""
 
     def _profiling_collator(self, data_collator: Any, train_dataset: Any) -> Any:
         """What puts `train_dataset`'s samples together into the micro-batches the automatic mode profiles (before

@@ -26,6 +26,8 @@ _MICRO_BATCH_DPO_LOSSES = {
 class _LocalMetrics(PoplarTrainerMixin):
     """TRL's metric gathers kept on this rank while training (see docs/trainer.md)."""
 
+    _trl_metrics_on_each_rank = True
+
     @contextlib.contextmanager
     def _metrics_on_this_rank(self) -> Iterator[None]:
         if not self.model.training and self._eval_round is None:

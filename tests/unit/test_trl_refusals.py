@@ -167,3 +167,51 @@ def test_the_automatic_mode_profiles_sft_token_rows_with_the_collator_given(tmp_
             model=_gpt2("sdpa"), args=_automatic(SFTConfig, tmp_path), train_dataset=data, data_collator=collate
         )
     assert profiling_collator["collate_fn"] is collate
+
+
+def _mixed_alone(*bases):
+    from poplar_ext.integrations.transformers import PoplarTrainerMixin
+
+    return type("Mixed", (PoplarTrainerMixin, *bases), {})
+
+
+@pytest.mark.parametrize("trainer", ["SFTTrainer", "DPOTrainer", "RewardTrainer"])
+def test_the_mixin_alone_on_a_trl_trainer_is_refused_naming_its_poplar_class(ended, trainer):
+    # TRL gathers its metrics from every rank in each compute_loss: `class Mixed(PoplarTrainerMixin, SFTTrainer)` hung
+    # at its first step on 2 ranks of micro-batches 3 and 1 (RewardTrainer's aborted in gloo: "Received data size
+    # doesn't match expected size"), after the job was settled.
+    import trl
+
+    with pytest.raises(
+        ValueError,
+        match=rf"Mixed: PoplarTrainerMixin on trl's {trainer}: expected poplar_ext.integrations.trl's "
+        rf"Poplar{trainer} in its place, found the mixin alone; {trainer} gathers its logged metrics",
+    ) as refused:
+        _mixed_alone(getattr(trl, trainer))(model=None, args=None)
+    assert ended == [refused.value]
+
+
+def test_the_mixin_alone_on_a_subclass_of_a_trl_trainer_is_shown_the_bases_to_use():
+    from trl import SFTTrainer
+
+    class MySFT(SFTTrainer):
+        pass
+
+    with pytest.raises(
+        ValueError, match=r"expected .*PoplarSFTTrainer first in the bases: Mixed\(PoplarSFTTrainer, MySFT\)"
+    ):
+        _mixed_alone(MySFT)(model=None, args=None)
+
+    class Mine(PoplarSFTTrainer, MySFT):
+        pass
+
+    # The bases the refusal names pass it: only the missing deepspeed config stops this one.
+    with pytest.raises(ValueError, match=r"Mine: expected TrainingArguments\(deepspeed=...\)"):
+        Mine(model=None, args=None)
+
+
+def test_the_mixin_alone_on_a_trl_trainer_without_a_poplar_class_is_refused():
+    from trl import KTOTrainer
+
+    with pytest.raises(ValueError, match=r"PoplarRewardTrainer\), which have no counterpart for KTOTrainer"):
+        _mixed_alone(KTOTrainer)(model=None, args=None)
