@@ -136,10 +136,20 @@ def job_plan_problems(
         )
     size = None if global_batch is None else global_batch.size
     if isinstance(size, int) and size != plan.global_batch_size:
-        problems["batch"].append(
-            f"The plan's global batch is {plan.global_batch_size} but the config asks for {size} "
-            f"({global_batch.origin}). Make that {plan.global_batch_size}, or use a plan for {size}."
+        batch = plan.global_batch_size
+        problem = (
+            f"The plan's global batch is {batch} but the config asks for {size} "
+            f"({global_batch.origin}). Make that {batch}, or use a plan for {size}."
         )
+        if global_batch.origin.startswith("TrainingArguments"):
+            # The Trainer's product over the ranks: a plan's batch need not be a multiple of them (3 x 2 and 1 x 3
+            # make 9 on 2 ranks), and a DeepSpeed config's train_batch_size, beside its "auto" micro-batch and
+            # accumulation count, sets it alone.
+            problem += f" Or set train_batch_size {batch} in the DeepSpeed config"
+            if batch % world_size:
+                problem += f" ({batch} is no multiple of the {world_size} ranks, so those arguments cannot make it)"
+            problem += "."
+        problems["batch"].append(problem)
     return problems
 
 

@@ -401,6 +401,33 @@ def test_a_plan_for_another_global_batch_is_refused(cluster_path, tmp_path):
         )
 
 
+@pytest.mark.parametrize("batch", [20, 21])
+def test_a_plan_against_the_trainers_batch_names_the_deepspeed_batch_that_sets_it(cluster_path, tmp_path, batch):
+    # A plan of 9 (3 x 2 and 1 x 3) on 2 ranks was told "Make that 9" of per_device_train_batch_size x
+    # gradient_accumulation_steps x 2, which no arguments make; the config's train_batch_size does.
+    directory = _profiles(tmp_path / "profiles", [("fast", 0.001), ("slow", 0.004)])
+    plan = _searched_plan(cluster_path, directory, tmp_path, batch=batch)
+    config = poplar_config_from_dict({"cluster": str(cluster_path), "plan": str(plan)}, base_dir=tmp_path)
+    origin = "TrainingArguments per_device_train_batch_size x gradient_accumulation_steps x world size (2 x 1 x 2)"
+    with pytest.raises(ValueError) as refused:
+        resolve_plan(
+            config,
+            load_cluster(cluster_path),
+            world_size=2,
+            rank=0,
+            zero_stage=1,
+            broadcast=lambda o: o,
+            global_batch=GlobalBatchRequest(size=4, origin=origin),
+        )
+    message = str(refused.value)
+    assert (
+        f"The plan's global batch is {batch} but the config asks for 4 ({origin}). Make that {batch}, or use a "
+        in message
+    )
+    assert f"Or set train_batch_size {batch} in the DeepSpeed config" in message
+    assert ("no multiple of the 2 ranks" in message) == (batch % 2 == 1)
+
+
 @pytest.mark.parametrize(
     ("section", "global_batch", "found"),
     [
