@@ -199,7 +199,9 @@ class PoplarDPOTrainer(_LocalMetrics, DPOTrainer):
         """TRL's, in batches of one size on every rank. TRL batches a set of its own (accelerate's even split, each
         batch gathered from every rank) in ``precompute_ref_batch_size`` or else this rank's
         ``per_device_*_batch_size``, which the plan makes differ per rank (the gathers would not match): without
-        ``precompute_ref_batch_size`` the batch size given in the arguments, as the plain trainer uses it."""
+        ``precompute_ref_batch_size`` the batch size given in the arguments, as the plain trainer uses it. A set held
+        in memory on several ranks is refused on every rank alike (`_refuse_a_set_in_memory`)."""
+        _refuse_a_set_in_memory(dataset, name, self.accelerator.num_processes)
         if self.args.precompute_ref_batch_size is None:
             train, evaluation = self._precompute_batch_sizes
             batch_size = train if dataset is self.train_dataset else evaluation
@@ -213,6 +215,21 @@ class PoplarRewardTrainer(_LocalMetrics, RewardTrainer):
     over a micro-batch's pairs (``loss_is_scaled_for_ga`` False), weighted ``W * b_r / B``. Its metric gathers
     (rewards, accuracy, margin, token count) are kept per rank while training and merged when the Trainer logs, as
     the other TRL trainers'; with ``PoplarTrainerMixin`` alone the ranks' gathers met with other shapes or never."""
+
+
+def _refuse_a_set_in_memory(dataset: Any, name: str, ranks: int) -> None:
+    """TRL writes the precomputed reference log-probs to the set's cache file on the main process, and every rank
+    reads them from it: a set held in memory has that file in a temporary folder of each process's own, where the
+    other ranks failed on it ("Failed to open local file '/tmp/hf_datasets-.../cache-....arrow'")."""
+    if ranks > 1 and getattr(dataset, "cache_files", None) == []:
+        others = "the other rank does" if ranks == 2 else f"the other {ranks - 1} ranks do"
+        raise ValueError(
+            f"PoplarDPOTrainer: DPOConfig.precompute_ref_log_probs: expected the {name} data set in files every "
+            "rank reads (TRL writes the reference log-probs into its cache file on the first rank, and every rank "
+            "reads them from there), found one held in memory, whose cache file goes to a temporary folder of each "
+            f"process's own, where {others} not find the first rank's; give a set saved to disk "
+            "(save_to_disk, then datasets.load_from_disk) or loaded from files, or set precompute_ref_log_probs=False"
+        )
 
 
 __all__ = ["PoplarDPOTrainer", "PoplarRewardTrainer", "PoplarSFTTrainer"]

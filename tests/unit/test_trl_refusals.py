@@ -215,3 +215,24 @@ def test_the_mixin_alone_on_a_trl_trainer_without_a_poplar_class_is_refused():
 
     with pytest.raises(ValueError, match=r"PoplarRewardTrainer\), which have no counterpart for KTOTrainer"):
         _mixed_alone(KTOTrainer)(model=None, args=None)
+
+
+@pytest.mark.parametrize(("ranks", "others"), [(2, "the other rank does"), (3, "the other 2 ranks do")])
+def test_precomputed_reference_log_probs_of_a_set_in_memory_are_refused_on_several_ranks(ranks, others):
+    # TRL writes them to the set's cache file on the first rank and every rank reads it: on 2 ranks a set from
+    # Dataset.from_list failed on the other rank with "FileNotFoundError: Failed to open local file
+    # '/tmp/hf_datasets-.../cache-....arrow'" (and the first with a gloo "Connection closed by peer").
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(precompute_ref_batch_size=2), accelerator=SimpleNamespace(num_processes=ranks)
+    )
+    in_memory = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    with pytest.raises(
+        ValueError,
+        match=rf"DPOConfig.precompute_ref_log_probs: expected the eval data set in files every rank reads .* found one "
+        rf"held in memory, .* where {others} not find the first rank's; give a set saved to disk",
+    ):
+        PoplarDPOTrainer._precompute_ref_logps(trainer, in_memory, "eval", 2)
