@@ -130,6 +130,13 @@ def named_arguments(below: list[type], positional: tuple, keywords: dict[str, An
     return {**named, **keywords}
 
 
+def _trains(model: Any) -> bool:
+    """Whether `model` (what the Trainer hands compute_loss) is in training mode. A DeepSpeed engine's ``eval()`` and
+    ``train()`` set its module's mode alone, its own ``training`` staying True: evaluate() before train() hands
+    compute_loss such an engine (DeepSpeed's inference engine at ZeRO 3), whose loss was weighted as training's."""
+    return bool(getattr(model, "module", model).training)
+
+
 _TRL_TRAINERS = ("SFTTrainer", "DPOTrainer", "RewardTrainer")
 """TRL's trainers that poplar_ext.integrations.trl puts on a plan (as Poplar<name>), in the order its docs give."""
 
@@ -631,12 +638,13 @@ class PoplarTrainerMixin(_PlanEvaluation):
         # A model given num_items_in_batch that returns its micro-batch's label mean anyway (`_model_loss_ignores`):
         # its labels counted before the Trainer's compute_loss may pop them.
         counted = None
-        if model.training and num_items_in_batch is not None and self._model_loss_is_a_label_mean():
+        training = _trains(model)
+        if training and num_items_in_batch is not None and self._model_loss_is_a_label_mean():
             counted = label_token_count(inputs, shifted=self._loss_shifts_labels_truly())
         result = super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
-        if not model.training:
+        if not training:
             return result
         loss, outputs = result if return_outputs else (result, None)
         # Whether the subclass's loss is its token sum over num_items_in_batch (True) or a micro-batch sample mean

@@ -229,3 +229,41 @@ def test_a_micro_batch_without_label_tokens_adds_nothing_to_a_label_mean_loss(mo
     pieces = [parts[0], {k: v[:1] for k, v in parts[1].items()}, empty]
     weighted = sum(trainer.compute_loss(model, dict(b), num_items_in_batch=torch.tensor(6.0)) for b in pieces)
     torch.testing.assert_close(weighted, model(**whole).loss)
+
+
+class _EngineLike(torch.nn.Module):
+    """A DeepSpeed engine's modes: its ``train()`` and ``eval()`` set its module's alone (DeepSpeedEngine's), so its own
+    ``training`` stays True."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        self.module.train(False)
+        return self
+
+
+def test_an_evaluation_through_an_engine_is_not_weighted_as_training(monkeypatch):
+    # evaluate() before train() at ZeRO 3 hands compute_loss DeepSpeed's inference engine, whose `training` stays True
+    # after eval(): its losses were weighted as training's (W * b_r / B), and on 2 ranks (micro-batches 3 x 2, 1 x 2)
+    # PoplarSFTTrainer's eval_loss was 2.5950 where one process evaluating the set has 4.1702 (DPO 0.4332 for 0.6931,
+    # a reward model 0.4337 for 0.6941).
+    model = _gpt2()
+    trainer = _trainer(monkeypatch, model)
+    engine = _EngineLike(model)
+    engine.eval()
+    assert engine.training and not model.training
+    ids = torch.tensor([[5, 6, 7, 8], [8, 9, 10, 11]])
+    batch = {"input_ids": ids, "labels": ids}
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.compute_loss(engine, dict(batch)), model(**batch).loss)
+        engine.train()  # training through the engine is weighted still: a sample mean of 2 of the global batch of 4
+        torch.testing.assert_close(trainer.compute_loss(engine, dict(batch)), model(**batch).loss * 2 / 4)
