@@ -250,6 +250,7 @@ class PoplarAccelerator(Accelerator):
             wrapper.engine = wrapped  # accelerator.backward: weighted backward, then the counting step
             self._models[self._models.index(engine)] = wrapped  # save_state/load_state: the data position too
             self.poplar_engine = wrapped
+            _route_plan_calls(engine, wrapped)
         return result
 
     def free_memory(self, *objects: Any) -> Any:
@@ -426,6 +427,19 @@ class PoplarAccelerator(Accelerator):
         gathered = self.gather(pad_across_processes(tensor, dim=0))
         width = max(rows)
         return torch.cat([gathered[r * width : r * width + n] for r, n in enumerate(rows)])
+
+
+_PLAN_CALLS = ("deepspeed_io", "set_train_batch_size", "set_train_micro_batch_size")
+"""What the DeepSpeed engine ``prepare`` returns answers as the `PoplarEngine` does (`_route_plan_calls`)."""
+
+
+def _route_plan_calls(engine: Any, wrapped: PoplarEngine) -> None:
+    """The script holds DeepSpeed's `engine` (the model ``prepare`` returned), not `wrapped`: its ``deepspeed_io``
+    would split the data evenly in batches of this rank's micro-batch, and its batch setters would change one
+    rank's accumulation count, silently. They go to `wrapped` (the plan's loader, the setters' refusals), which
+    reaches DeepSpeed's own (`poplar_ext.zero.engine.deepspeed_own`)."""
+    for name in _PLAN_CALLS:
+        setattr(engine, name, getattr(wrapped, name))
 
 
 def _warn_of_replaced_order(loader: torch.utils.data.DataLoader, *, shuffle: bool, drop_last: bool) -> None:

@@ -48,6 +48,14 @@ from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels, 
 logger = logging.getLogger(__name__)
 
 
+def deepspeed_own(engine: Any, name: str) -> Callable[..., Any]:
+    """DeepSpeed's method `name` of `engine` as its class defines it, past an instance attribute of that name:
+    `PoplarAccelerator` routes the batch setters and ``deepspeed_io`` of the DeepSpeed engine it returns to the
+    `PoplarEngine`, which reaches DeepSpeed's own through this."""
+    method = getattr(type(engine), name, None)
+    return getattr(engine, name) if method is None else method.__get__(engine, type(engine))
+
+
 def set_deepspeed_batch(engine: Any, plan: Plan, rank: int) -> None:
     """Make the DeepSpeed `engine` train `rank`'s micro-batch and accumulation count of `plan` from its
     next iteration (called between iterations), counting the plan's true global batch."""
@@ -55,8 +63,8 @@ def set_deepspeed_batch(engine: Any, plan: Plan, rank: int) -> None:
     steps = rank_plan.gradient_accumulation_steps
     # DeepSpeed's own setters, as for a batch-size schedule; then the true global batch
     # again for its bookkeeping (see poplar_ext.initialize).
-    engine.set_train_micro_batch_size(rank_plan.micro_batch_size)
-    engine.set_train_batch_size(rank_plan.samples_per_iteration * plan.world_size)
+    deepspeed_own(engine, "set_train_micro_batch_size")(rank_plan.micro_batch_size)
+    deepspeed_own(engine, "set_train_batch_size")(rank_plan.samples_per_iteration * plan.world_size)
     engine._config.train_batch_size = plan.global_batch_size
     optimizer = getattr(engine, "optimizer", None)
     if hasattr(optimizer, "gradient_accumulation_steps"):
@@ -466,7 +474,7 @@ class PoplarEngine(EngineCore):
         if route != "train":
             if batch_size is None:
                 batch_size = min(r.micro_batch_size for r in self.plan.ranks)
-            return self.deepspeed_engine.deepspeed_io(
+            return deepspeed_own(self.deepspeed_engine, "deepspeed_io")(
                 dataset,
                 batch_size=batch_size,
                 route=route,

@@ -17,7 +17,7 @@ from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 
 from poplar_ext.integrations.accelerate import PoplarAccelerator  # noqa: E402
-from poplar_ext.plan.formats import plan_from_dict  # noqa: E402
+from poplar_ext.plan.formats import plan_from_dict, plan_to_dict  # noqa: E402
 from poplar_ext.runtime.config import poplar_config_from_dict  # noqa: E402
 
 CONFIG = {"train_batch_size": 4, "zero_optimization": {"stage": 1}, "poplar": {"plan": "plan.json"}}
@@ -189,3 +189,79 @@ def test_a_training_dataloader_order_the_plan_replaces_is_warned_of(accelerator,
     with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
         accelerator._plan_dataloader(torch.utils.data.DataLoader(list(range(8)), batch_size=2, shuffle=True))
     assert "DataLoader's" not in caplog.text
+
+
+class _DeepSpeedEngine(torch.nn.Module):
+    """DeepSpeed 0.19.8's batch setters and training ``deepspeed_io`` on the engine accelerate builds: an equal
+    share of the data per rank in batches of the rank's micro-batch, a new global batch changing this rank's
+    accumulation count alone."""
+
+    def __init__(self, micro_batch_size: int, gas: int, world_size: int) -> None:
+        super().__init__()
+        self.micro_batch_size, self.gas, self.world_size = micro_batch_size, gas, world_size
+        self.micro_steps = self.global_steps = self.global_rank = 0
+        self._config = SimpleNamespace(train_batch_size=0)
+        self.device = torch.device("cpu")
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        self.gas = train_batch_size // (self.micro_batch_size * self.world_size)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        self.micro_batch_size = micro_batch_size
+
+    def deepspeed_io(self, dataset, batch_size=None, route="train", data_sampler=None, **kwargs):
+        sampler = data_sampler or torch.utils.data.DistributedSampler(dataset, num_replicas=self.world_size, rank=0)
+        return torch.utils.data.DataLoader(dataset, batch_size=batch_size or self.micro_batch_size, sampler=sampler)
+
+
+def test_the_deepspeed_engine_prepare_returns_answers_as_the_plan_does(monkeypatch, accelerator):
+    # The script's `model` is DeepSpeed's engine, not the PoplarEngine: on a plan of micro-batches 2 x 3 and 2 x 1,
+    # model.set_train_batch_size(24) made DeepSpeed accumulate 6 on rank 0 while accumulate() and the loss weights
+    # kept 3, and model.deepspeed_io(data) gave DeepSpeed's even split (10 of 20 samples, every rank alike), silently.
+    import poplar_ext.integrations.accelerate as integration
+    from poplar_ext.zero.engine import PoplarEngine
+
+    _settled(accelerator, [3, 1])
+    raw = _DeepSpeedEngine(micro_batch_size=2, gas=3, world_size=2)
+
+    def build(self, *args):
+        self.deepspeed_engine_wrapped = SimpleNamespace(engine=raw)
+        self._models.append(raw)
+        return (raw,)
+
+    monkeypatch.setattr(Accelerator, "_prepare_deepspeed", build)
+    monkeypatch.setattr(integration, "check_job_optimizer_offloads", lambda *args, **kwargs: None)
+    monkeypatch.setattr(integration, "set_up_rank", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(integration, "undo_initial_zero_step", lambda engine: None)
+    job = accelerator.job
+    monkeypatch.setattr(
+        integration,
+        "wrap_built_engine",
+        lambda job, engine, **kwargs: PoplarEngine(
+            engine, plan=job.plan, rank=0, poplar_config=job.poplar_config, device_label="cpu (real)", slowdown=None
+        ),
+    )
+    (model,) = accelerator._prepare_deepspeed(torch.nn.Linear(2, 1))
+    assert model is raw
+    with pytest.raises(ValueError, match=r"^set_train_batch_size: expected the plan's global batch \(8\), found 24"):
+        model.set_train_batch_size(24)
+    with pytest.raises(ValueError, match=r"^set_train_micro_batch_size: expected this rank's micro-batch in the plan"):
+        model.set_train_micro_batch_size(4)
+    model.set_train_batch_size(8)  # the plan's: nothing to change
+    assert (raw.micro_batch_size, raw.gas) == (2, 3)
+    data = torch.utils.data.TensorDataset(torch.arange(20))
+    batches = [batch[0].tolist() for batch in model.deepspeed_io(data)]
+    assert [len(b) for b in batches] == [2] * 9  # 3 iterations of 3 micro-batches: 6 of each 8 samples are rank 0's
+    assert len(set(sum(batches[:6], []))) == 12  # the first epoch's 2 whole iterations: no sample twice
+    assert [len(b[0]) for b in model.deepspeed_io(data, batch_size=5, route="eval")] == [5, 5]  # DeepSpeed's own
+    # A plan switch (re-balancing, a resume under another plan) still sets DeepSpeed's own batch.
+    other = plan_from_dict(
+        {
+            **plan_to_dict(job.plan),
+            "ranks": [{**r, "gradient_accumulation_steps": 2} for r in plan_to_dict(job.plan)["ranks"]],
+        },
+        source="test",
+    )
+    accelerator.poplar_engine.switch_plan(other, reason="test")
+    assert (raw.micro_batch_size, raw.gas) == (2, 2)
+    assert accelerator.gradient_accumulation_steps == 2
