@@ -22,6 +22,7 @@ from poplar_ext.optimizer_offload import check_job_optimizer_offloads
 from poplar_ext.runtime.config import AUTO, DICT_SOURCE, SECTION, GlobalBatchRequest, nominal_deepspeed_config
 from poplar_ext.runtime.data import PlanBatchSampler, check_holds_global_batch, check_plan_dataset
 from poplar_ext.runtime.engine_core import undo_initial_zero_step
+from poplar_ext.runtime.job_start import read_poplar_section
 from poplar_ext.runtime.weighting import label_token_count, loss_shifts_labels
 from poplar_ext.zero.engine import PoplarEngine
 from poplar_ext.zero.initialize import Job, prepare_job, set_up_rank, wrap_built_engine
@@ -166,8 +167,12 @@ class PoplarAccelerator(Accelerator):
             profiling["zero_optimization"] = {k: v for k, v in profiling["zero_optimization"].items() if v != AUTO}
         if isinstance(optimizer, torch.optim.Optimizer):
             profiling["zero_allow_untested_optimizer"] = True  # as accelerate's _prepare_deepspeed sets it
+        # Without the section, what this script runs instead is a plain Accelerator (prepare_job's words name
+        # deepspeed.initialize).
+        poplar_config = read_poplar_section(loaded, otherwise="accelerate's Accelerator (not PoplarAccelerator)")
         job = prepare_job(
             loaded,
+            poplar_config=poplar_config,
             model=model,
             optimizer=optimizer,
             training_data=None if train_loader is None else train_loader.dataset,

@@ -138,3 +138,16 @@ def test_the_training_data_is_checked_once_with_prepare_job(monkeypatch, fresh_a
     with pytest.raises(Settling):
         accelerator.prepare(torch.nn.Linear(2, 1), torch.utils.data.DataLoader(list(range(8))))
     assert checked == ["the training DataLoader"]
+
+
+def test_a_deepspeed_config_without_the_poplar_section_names_accelerates_accelerator(fresh_accelerate_state):
+    # The refusal told an accelerate script to "use deepspeed.initialize for a run without one": what runs such a
+    # script without poplar-ext is accelerate's own Accelerator.
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 1}}
+    accelerator = PoplarAccelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    with pytest.raises(ValueError) as refused:
+        accelerator.prepare(torch.nn.Linear(2, 1), torch.utils.data.DataLoader(list(range(8)), batch_size=2))
+    message = str(refused.value)
+    assert message.startswith("DeepSpeed config: expected a top-level 'poplar' section ({} for the automatic mode")
+    assert message.endswith("; use accelerate's Accelerator (not PoplarAccelerator) for a run without one")
+    assert "deepspeed.initialize" not in message
