@@ -279,6 +279,31 @@ class PoplarAccelerator(Accelerator):
         self.gradient_accumulation_steps = steps
         self.step = -(-self.step // steps) * steps
 
+    def save_state(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        """accelerate's; refused between two optimizer steps of this rank when the plan's ranks accumulate
+        different counts (`_check_saving_at_a_sync_point`)."""
+        self._check_saving_at_a_sync_point()
+        return super().save_state(output_dir, *args, **kwargs)
+
+    @ends_job_on_user_error  # the loop's code: the same refusal at every restart
+    def _check_saving_at_a_sync_point(self) -> None:
+        """Where ranks accumulate different counts, a rank between two of its optimizer steps has other ranks at other
+        micro-batches (accelerate's examples save every N batches): save_state's collectives would meet their
+        gradient reduction, and the job would hang until the process group's timeout. Refused before any collective
+        (where every rank accumulates alike, a save mid-iteration is fine: the data resumes at the iteration start)."""
+        plan = self.plan
+        counts = [] if plan is None else [r.gradient_accumulation_steps for r in plan.ranks]
+        if len(set(counts)) <= 1 or self.sync_gradients:
+            return
+        steps = self.gradient_accumulation_steps
+        raise ValueError(
+            "PoplarAccelerator.save_state: expected a call at an optimizer step (accelerator.sync_gradients True), "
+            f"since the plan gives ranks different accumulation counts (counts by rank: {counts}); found one after "
+            f"micro-batch {self.step % steps} of this rank's {steps}: the other ranks are at other micro-batches, "
+            "where save_state's collectives would meet their gradient reduction and hang. Save under `if "
+            "accelerator.sync_gradients:`, counting optimizer steps, not batches"
+        )
+
     def load_state(self, input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
         """accelerate's, then ``accumulate()``'s micro-step counter `step` back to 0: the training data resumes at
         an iteration start (the checkpoint's data position), whatever micro-step the saved run had reached."""

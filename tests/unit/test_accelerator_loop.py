@@ -265,3 +265,48 @@ def test_the_deepspeed_engine_prepare_returns_answers_as_the_plan_does(monkeypat
     accelerator.poplar_engine.switch_plan(other, reason="test")
     assert (raw.micro_batch_size, raw.gas) == (2, 2)
     assert accelerator.gradient_accumulation_steps == 2
+
+
+@pytest.fixture
+def saves(monkeypatch):
+    """The folders accelerate's save_state was given (it would call DeepSpeed's engine)."""
+    given: list[str] = []
+    monkeypatch.setattr(Accelerator, "save_state", lambda self, output_dir=None, **kwargs: given.append(output_dir))
+    return given
+
+
+def test_a_save_between_optimizer_steps_is_refused_when_ranks_accumulate_differently(
+    monkeypatch, accelerator, backwards, saves
+):
+    # accelerate's examples (checkpointing.py) save every N batches: with counts 2, 3 and 1 and N = 2, rank 1 called
+    # save_state after 2 of its 3 micro-batches while ranks 0 and 2 waited in the gradient reduction: the job hung
+    # until it was killed, without a word.
+    import poplar_ext.elastic as elastic
+
+    ended: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", ended.append)
+    _settled(accelerator, [3, 2, 1])
+    for loss in (1.0, 2.0):
+        with accelerator.accumulate():
+            accelerator.backward(torch.tensor(loss))
+    with pytest.raises(ValueError) as refused:
+        accelerator.save_state("step_2")
+    message = str(refused.value)
+    assert message.startswith("PoplarAccelerator.save_state: expected a call at an optimizer step")
+    assert "(counts by rank: [3, 2, 1]); found one after micro-batch 2 of this rank's 3" in message
+    assert "`if accelerator.sync_gradients:`" in message
+    assert saves == [] and ended == [refused.value]
+    with accelerator.accumulate():
+        accelerator.backward(torch.tensor(3.0))
+    assert accelerator.sync_gradients
+    accelerator.save_state("step_1")  # at the optimizer step: every rank is at its own
+    assert saves == ["step_1"]
+
+
+def test_a_save_mid_iteration_is_fine_where_every_rank_accumulates_alike(accelerator, backwards, saves):
+    _settled(accelerator, [2, 2])
+    with accelerator.accumulate():
+        accelerator.backward(torch.tensor(1.0))
+    assert not accelerator.sync_gradients
+    accelerator.save_state("mid")  # every rank at the same micro-batch: the data resumes at the iteration start
+    assert saves == ["mid"]
