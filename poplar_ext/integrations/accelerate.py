@@ -291,8 +291,7 @@ class PoplarAccelerator(Accelerator):
         micro-batches (accelerate's examples save every N batches): save_state's collectives would meet their
         gradient reduction, and the job would hang until the process group's timeout. Refused before any collective
         (where every rank accumulates alike, a save mid-iteration is fine: the data resumes at the iteration start)."""
-        plan = self.plan
-        counts = [] if plan is None else [r.gradient_accumulation_steps for r in plan.ranks]
+        counts = self._accumulation_counts()
         if len(set(counts)) <= 1 or self.sync_gradients:
             return
         steps = self.gradient_accumulation_steps
@@ -436,6 +435,42 @@ class PoplarAccelerator(Accelerator):
         for stale in [p for p in self._iteration_tokens if p < position]:
             del self._iteration_tokens[stale]
         engine.set_token_counts(counts)
+
+    # -- collectives ---------------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        """accelerate's; refused between two optimizer steps of this rank when the plan's ranks accumulate different
+        counts (`_check_collective_at_sync_point`)."""
+        self._check_collective_at_sync_point("gather")
+        return super().gather(tensor)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """accelerate's (``check_trigger`` calls it); refused as `gather` is."""
+        self._check_collective_at_sync_point("reduce")
+        return super().reduce(tensor, reduction=reduction, scale=scale)
+
+    @ends_job_on_user_error  # the loop's code: the same refusal at every restart
+    def _check_collective_at_sync_point(self, call: str) -> None:
+        """Where ranks accumulate different counts, they run different numbers of micro-batches per optimizer step: a
+        collective on every micro-batch (diffusers' scripts gather the loss inside ``accumulate()``) pairs different
+        micro-batches across ranks with each other and with the gradient reduction, and gloo aborts or hangs. Refused
+        on a rank between two of its optimizer steps, before the collective; at an optimizer step
+        (``sync_gradients``) every rank is at its own, and a plan of one count runs every rank alike."""
+        counts = self._accumulation_counts()
+        if len(set(counts)) <= 1 or self.sync_gradients:
+            return
+        steps = self.gradient_accumulation_steps
+        raise ValueError(
+            f"PoplarAccelerator.{call}: expected a call at an optimizer step (accelerator.sync_gradients True), "
+            f"since the plan gives ranks different accumulation counts (counts by rank: {counts}); found one at "
+            f"micro-batch {self.step % steps} of this rank's {steps}: the other ranks are at other micro-batches, "
+            "where this collective would meet other calls of it or their gradient reduction (a crash or a hang). "
+            "Sum locally and call it under `if accelerator.sync_gradients:`"
+        )
+
+    def _accumulation_counts(self) -> list[int]:
+        """Every rank's accumulation count in the plan it runs now (none before the first ``prepare``)."""
+        plan = self.plan
+        return [] if plan is None else [r.gradient_accumulation_steps for r in plan.ranks]
 
     # -- metrics -------------------------------------------------------------------------
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:

@@ -310,3 +310,53 @@ def test_a_save_mid_iteration_is_fine_where_every_rank_accumulates_alike(acceler
     assert not accelerator.sync_gradients
     accelerator.save_state("mid")  # every rank at the same micro-batch: the data resumes at the iteration start
     assert saves == ["mid"]
+
+
+@pytest.fixture
+def collectives(monkeypatch):
+    """The calls of accelerate's gather and reduce (they would need a process group)."""
+    called: list[str] = []
+    monkeypatch.setattr(Accelerator, "gather", lambda self, tensor: called.append("gather") or tensor)
+    monkeypatch.setattr(
+        Accelerator, "reduce", lambda self, tensor, reduction="sum", scale=1.0: called.append("reduce") or tensor
+    )
+    return called
+
+
+@pytest.mark.parametrize("call", ["gather", "reduce"])
+def test_a_collective_between_optimizer_steps_is_refused_when_ranks_accumulate_differently(
+    monkeypatch, accelerator, backwards, collectives, call
+):
+    # diffusers' train_text_to_image.py gathers the loss inside accumulate() on every micro-batch: with counts 2, 3
+    # and 1 (accelerate launch, 3 ranks, ZeRO-1) rank 1 aborted in gloo (exit code -6) and rank 0 ended with
+    # "Connection reset by peer", before any optimizer step, without a word of why.
+    import poplar_ext.elastic as elastic
+
+    ended: list[BaseException] = []
+    monkeypatch.setattr(elastic, "end_restarting_launcher", ended.append)
+    _settled(accelerator, [2, 3, 1])
+    with accelerator.accumulate():
+        with pytest.raises(ValueError) as refused:
+            getattr(accelerator, call)(torch.tensor([1.0]))
+        accelerator.backward(torch.tensor(1.0))
+    message = str(refused.value)
+    assert message.startswith(f"PoplarAccelerator.{call}: expected a call at an optimizer step")
+    assert "(counts by rank: [2, 3, 1]); found one at micro-batch 1 of this rank's 2" in message
+    assert "under `if accelerator.sync_gradients:`" in message
+    assert collectives == [] and ended == [refused.value]
+    with accelerator.accumulate():
+        accelerator.backward(torch.tensor(2.0))
+    assert accelerator.sync_gradients
+    getattr(accelerator, call)(torch.tensor([1.0]))  # at the optimizer step: every rank is at its own
+    assert collectives == [call]
+
+
+def test_collectives_on_every_micro_batch_are_fine_where_every_rank_accumulates_alike(
+    accelerator, backwards, collectives
+):
+    _settled(accelerator, [2, 2])
+    with accelerator.accumulate():
+        accelerator.gather(torch.tensor([1.0]))
+        accelerator.reduce(torch.tensor([1.0]))
+        accelerator.backward(torch.tensor(1.0))
+    assert not accelerator.sync_gradients and collectives == ["gather", "reduce"]
