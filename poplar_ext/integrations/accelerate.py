@@ -122,6 +122,8 @@ class PoplarAccelerator(Accelerator):
         self._train_sampler: PlanBatchSampler | None = None
         self._train_loader: Any = None
         self._prepared_train_loader: Any = None
+        self._data_position_loaded = False
+        """``load_state`` moved the training data to a checkpoint's position (what ``skip_first_batches`` would do)."""
         self._model: Any = None
         self._iteration_tokens: dict[int, list[int]] = {}
         """``token_mean``: each counted iteration's micro-batch label tokens, by its stream position."""
@@ -264,6 +266,7 @@ class PoplarAccelerator(Accelerator):
         released = super().free_memory(*objects)
         self.poplar_engine = None
         self._train_sampler = self._train_loader = self._prepared_train_loader = self._model = None
+        self._data_position_loaded = False
         self._iteration_tokens.clear()
         self._micro_steps_in_iteration = 0
         self._accumulated_since_backward = False
@@ -312,6 +315,7 @@ class PoplarAccelerator(Accelerator):
         # (a rank the saved run did not have). DeepSpeed's boundary follows `sync_gradients`, so only these count.
         self.step = 0
         self._micro_steps_in_iteration = 0
+        self._data_position_loaded = True
         return loaded
 
     def _plan_dataloader(self, loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
@@ -370,7 +374,16 @@ class PoplarAccelerator(Accelerator):
         """accelerate's, except for the training dataloader, which ``load_state`` already moved to the saved
         data position (skipping again would skip data)."""
         if dataloader is self._prepared_train_loader:
-            if num_batches:
+            if num_batches and not self._data_position_loaded:
+                # Nothing moved the data: a resume by the script's own means would train the skipped batches again.
+                logger.warning(
+                    "skip_first_batches(%d): the training dataloader is not skipped: no load_state ran since prepare, "
+                    "and only load_state moves its data (to a checkpoint's position); it continues at stream position "
+                    "%d; returned as it is (resume with load_state to continue a saved run's data)",
+                    num_batches,
+                    0 if self.poplar_engine is None else self.poplar_engine.data_position,
+                )
+            elif num_batches:
                 logger.info(
                     "skip_first_batches(%d): the training dataloader already continues where load_state left the "
                     "data; returned as it is",

@@ -360,3 +360,32 @@ def test_collectives_on_every_micro_batch_are_fine_where_every_rank_accumulates_
         accelerator.reduce(torch.tensor([1.0]))
         accelerator.backward(torch.tensor(1.0))
     assert not accelerator.sync_gradients and collectives == ["gather", "reduce"]
+
+
+def test_skip_first_batches_of_the_training_dataloader_without_load_state_is_warned_of(accelerator, caplog):
+    # A script resuming by its own means (weights loaded without load_state) called skip_first_batches(loader, 4):
+    # the loader was returned as it was, and only an INFO line, which said it "already continues where load_state
+    # left the data", told of it: the skipped batches were trained again.
+    _settled(accelerator, [2, 1])
+    loader = accelerator._plan_dataloader(torch.utils.data.DataLoader(list(range(12)), batch_size=2, shuffle=True))
+    accelerator._prepared_train_loader = loader
+    with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
+        assert accelerator.skip_first_batches(loader, 4) is loader
+    assert "skip_first_batches(4): the training dataloader is not skipped: no load_state ran since prepare" in (
+        caplog.text
+    )
+    assert "it continues at stream position 0" in caplog.text
+    caplog.clear()
+    accelerator._data_position_loaded = True  # what load_state sets
+    with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
+        assert accelerator.skip_first_batches(loader, 4) is loader
+    assert caplog.text == ""
+
+
+def test_load_state_marks_the_training_data_moved(monkeypatch, accelerator):
+    monkeypatch.setattr(Accelerator, "load_state", lambda self, input_dir=None, **kwargs: None)
+    assert not accelerator._data_position_loaded
+    accelerator.load_state("checkpoint")
+    assert accelerator._data_position_loaded
+    accelerator.free_memory()
+    assert not accelerator._data_position_loaded
