@@ -258,7 +258,28 @@ class PoplarAccelerator(Accelerator):
             self._models[self._models.index(engine)] = wrapped  # save_state/load_state: the data position too
             self.poplar_engine = wrapped
             _route_plan_calls(engine, wrapped)
+        if model is None:
+            self._warn_of_unwrapped_schedulers(args)
         return result
+
+    def _warn_of_unwrapped_schedulers(self, args: tuple) -> None:
+        """Under DeepSpeed accelerate wraps only a scheduler prepared with the model: one prepared alone stays the
+        script's, stepped at every ``lr_scheduler.step()``. Where ranks accumulate different counts, a loop stepping
+        it on every micro-batch (as it steps a prepared one) steps it a different number of times on each rank."""
+        counts = self._accumulation_counts()
+        if self.job is None or self.job.rank != 0 or len(set(counts)) <= 1:
+            return
+        for scheduler in args:
+            if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+                logger.warning(
+                    "PoplarAccelerator: the LR scheduler %s was prepared without the model, so accelerate leaves it as "
+                    "it is (under DeepSpeed it wraps only a scheduler prepared with the model): each "
+                    "lr_scheduler.step() steps it, and on every micro-batch ranks of different accumulation counts "
+                    "(counts by rank: %s) would step it different numbers of times, each rank at its own learning "
+                    "rate; prepare it with the model, or step it under `if accelerator.sync_gradients:`",
+                    type(scheduler).__name__,
+                    counts,
+                )
 
     def free_memory(self, *objects: Any) -> Any:
         """accelerate's (``clear`` calls it), then the training state of the last ``prepare`` forgotten: the next

@@ -389,3 +389,25 @@ def test_load_state_marks_the_training_data_moved(monkeypatch, accelerator):
     assert accelerator._data_position_loaded
     accelerator.free_memory()
     assert not accelerator._data_position_loaded
+
+
+def test_a_scheduler_prepared_without_the_model_is_warned_of_where_ranks_accumulate_differently(
+    monkeypatch, accelerator, caplog
+):
+    # accelerate wraps a scheduler under DeepSpeed only when the model is in the same prepare call: prepared alone it
+    # stayed a LambdaLR, stepped on every micro-batch inside accumulate(). With counts 2, 3 and 1 the three ranks had
+    # stepped it 8, 12 and 4 times after 4 optimizer steps (learning rates 0.0078, 0.01 and 0.0044 at step 3), each
+    # updating its ZeRO-1 partition at its own rate, without a word.
+    monkeypatch.setattr(Accelerator, "_prepare_deepspeed", lambda self, *args: args)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    _settled(accelerator, [2, 3, 1])
+    with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
+        assert accelerator._prepare_deepspeed(scheduler) == (scheduler,)
+    assert "PoplarAccelerator: the LR scheduler LambdaLR was prepared without the model" in caplog.text
+    assert "(counts by rank: [2, 3, 1])" in caplog.text and "`if accelerator.sync_gradients:`" in caplog.text
+    caplog.clear()
+    _settled(accelerator, [2, 2, 2])  # every rank steps it alike, as with a plain Accelerator
+    with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
+        accelerator._prepare_deepspeed(scheduler)
+    assert caplog.text == ""
