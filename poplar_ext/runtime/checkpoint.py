@@ -520,14 +520,20 @@ def check_rank_files(
     optimizer states at stages 1-2 where the load reads them (`reads_optimizer`), and at stage 3 (its weights
     are in them) each rank's model states too. Without them DeepSpeed fails on the rank that reads the missing
     file while the others wait for it, or, resharding, misreads the files there are. So is one of those files cut
-    short (`_cut_short`): the rank reading it failed alone while the others went on. The caller leaves out
-    node-local storage, where each node holds its own ranks' files."""
+    short (`_cut_short`): the rank reading it failed alone while the others went on. Without a state file (a
+    plain DeepSpeed checkpoint) the ranks are the ``dp_world_size`` DeepSpeed records in the model states file
+    (`plain_checkpoint_layout`). The caller leaves out node-local storage, where each node holds its own ranks'
+    files."""
     plan = (saved or {}).get("plan") or {}
-    if "ranks" not in plan:  # no state file, or a pipeline plan's (refused later)
-        return
-    stage, ranks = plan["zero_stage"], len(plan["ranks"])
-    kinds = (["optim"] if stage == 3 or (stage > 0 and reads_optimizer) else []) + (["model"] if stage == 3 else [])
     folder, missing = Path(load_dir) / tag, []
+    if saved is None and (layout := plain_checkpoint_layout(load_dir, tag)) is not None:
+        (stage, ranks), told_by = layout, f"{model_states_file(load_dir, tag).name}: dp_world_size"
+    elif "ranks" not in plan:  # no state file nor a recorded world size, or a pipeline plan's (refused later)
+        return
+    else:
+        stage, ranks, told_by = plan["zero_stage"], len(plan["ranks"]), f"{STATE_FILE}: plan.ranks"
+    stage_3 = stage == 3
+    kinds = (["optim"] if stage_3 or (stage != 0 and reads_optimizer) else []) + (["model"] if stage_3 else [])
     for kind in kinds:
         held = [any(folder.glob(f"*zero_pp_rank_{rank}_mp_rank_*_{kind}_states.pt")) for rank in range(ranks)]
         if any(held):  # none at all: DeepSpeed's own error, the same on every rank
@@ -535,7 +541,7 @@ def check_rank_files(
     if missing:
         raise ValueError(
             f"{caller}{': ' if caller else ''}{folder}: expected the ZeRO stage {stage} files of each of the {ranks} "
-            f"ranks that saved it ({STATE_FILE}: plan.ranks), found {len(missing)} missing ({listed(missing)}): the "
+            f"ranks that saved it ({told_by}), found {len(missing)} missing ({listed(missing)}): the "
             "checkpoint is incomplete (a file lost, or not copied); copy the missing files from where it was "
             "saved, or load another checkpoint"
         )
@@ -567,6 +573,18 @@ def _cut_short(path: Path) -> bool:
         return True
     except OSError:  # unreadable here: DeepSpeed's load says so
         return False
+
+
+def plain_checkpoint_layout(load_dir: str | Path, tag: str) -> tuple[int | str, int] | None:
+    """``(ZeRO stage, ranks)`` of DeepSpeed checkpoint `tag` without a state file, as `check_rank_files` needs
+    them: the ranks that saved it (`saved_world_size`), the stage told by its files (DeepSpeed names stage 3's
+    model states ``zero_pp_rank_*``; otherwise ``"1-2"``, whose ZeRO files are optimizer states alone). None
+    where the model states file records no world size."""
+    ranks = saved_world_size(load_dir, tag)
+    if ranks is None:
+        return None
+    stage_3 = any((Path(load_dir) / tag).glob("*zero_pp_rank_*_mp_rank_*_model_states.pt"))
+    return (3 if stage_3 else "1-2"), ranks
 
 
 def saved_world_size(load_dir: str | Path, tag: str) -> int | None:

@@ -1636,6 +1636,53 @@ def test_a_ranks_zero_file_cut_short_is_refused_naming_it_before_deepspeed_loads
     )
 
 
+@pytest.mark.parametrize(("stage", "damage"), [(1, "cut"), (1, "lost"), (3, "cut"), (3, "lost")])
+def test_a_plain_deepspeed_checkpoint_with_a_ranks_zero_file_damaged_is_refused_before_deepspeed_loads(
+    tmp_path, stage, damage
+):
+    # A checkpoint without poplar_state.json (plain DeepSpeed's) was not checked: on 2 ranks, as it was saved, the
+    # rank reading the file failed alone ("PytorchStreamReader failed reading zip archive", FileNotFoundError)
+    # while rank 0 loaded and went on to train; resharded on 2 of 3 ranks' files, every rank failed with
+    # "RuntimeError: shape '[16, 64]' is invalid for input of size 96". Its ranks: DeepSpeed's dp_world_size.
+    module = torch.nn.Linear(4, 3)
+    (tmp_path / "t").mkdir()
+    if stage == 3:
+        states = {"module": {}, "param_shapes": [{n: p.shape for n, p in module.named_parameters()}]}
+        model_file, kinds = "zero_pp_rank_0_mp_rank_00_model_states.pt", ["optim", "model"]
+    else:
+        states = {"module": module.state_dict(), "param_shapes": None}
+        model_file, kinds = "mp_rank_00_model_states.pt", ["optim"]
+    torch.save({**states, "dp_world_size": 2}, tmp_path / "t" / model_file)
+    for rank in range(2):
+        for kind in kinds:
+            name = f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"
+            if (tmp_path / "t" / name).exists():
+                continue
+            torch.save({"state": torch.zeros(64)}, tmp_path / "t" / name)
+    damaged = tmp_path / "t" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    if damage == "cut":
+        damaged.write_bytes(damaged.read_bytes()[:200])
+    else:
+        damaged.unlink()
+    fake = FakeEngineWithModel(1, module)
+    config = poplar_config_from_dict({"cluster": "c.json", "plan": "p.json"}, base_dir=Path("."))
+    plan = _plan([(2, 1), (2, 1)], stage=stage)
+    engine = PoplarEngine(fake, plan=plan, rank=0, poplar_config=config, device_label="x", slowdown=None)
+    with pytest.raises(ValueError) as refused:
+        engine.load_checkpoint(tmp_path, tag="t")
+    if damage == "cut":
+        assert str(refused.value).startswith(
+            f"load_checkpoint: {tmp_path / 't'}: expected whole ZeRO files, found 1 cut short ({damaged.name}: "
+        )
+    else:
+        assert str(refused.value).startswith(
+            f"load_checkpoint: {tmp_path / 't'}: expected the ZeRO stage {3 if stage == 3 else '1-2'} files of each "
+            f"of the 2 ranks that saved it ({model_file}: dp_world_size), found 1 missing "
+            "(*zero_pp_rank_1_mp_rank_*_optim_states.pt): the checkpoint is incomplete"
+        )
+    assert fake.loads == 0
+
+
 @pytest.mark.parametrize("saved_bf16", [False, True])
 def test_optimizer_states_of_another_precision_on_as_many_ranks_are_refused_before_deepspeed_loads(
     tmp_path, saved_bf16
