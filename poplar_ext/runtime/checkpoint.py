@@ -737,14 +737,16 @@ def check_deepspeed_load(
     DeepSpeed would fail on some ranks or load it wrong: parameters of another model than `module`
     (`check_parameter_shapes`, `strict` as DeepSpeed's ``load_module_strict``); a rank's ZeRO file missing
     (`check_rank_files`; not on `node_local` storage, where each node holds its own ranks'); and, loading the
-    optimizer (`reads_optimizer`) on as many ranks as saved it (`world_size` now), optimizer states of another
-    precision than `bf16` (`check_optimizer_precision`; None: not known). The engine's load and the Trainer's
-    resume both run it."""
+    optimizer (`reads_optimizer`) on as many ranks as saved it (`world_size` now; without a state file, the
+    ``dp_world_size`` DeepSpeed recorded: `saved_world_size`), optimizer states of another precision than `bf16`
+    (`check_optimizer_precision`; None: not known). The engine's load and the Trainer's resume both run it."""
     shapes, frozen = module_parameter_shapes(module)
     check_parameter_shapes(load_dir, tag, shapes, strict=strict, frozen=frozen, caller=caller)
     if not node_local:
         check_rank_files(load_dir, tag, saved, reads_optimizer=reads_optimizer, caller=caller)
     saved_ranks = len(((saved or {}).get("plan") or {}).get("ranks") or ())
+    if saved is None and bf16 is not None and reads_optimizer:  # a plain DeepSpeed checkpoint: as DeepSpeed recorded
+        saved_ranks = saved_world_size(load_dir, tag) or 0
     if bf16 is not None and reads_optimizer and saved_ranks == world_size:
         check_optimizer_precision(load_dir, tag, bf16=bf16, caller=caller)
 

@@ -1715,6 +1715,33 @@ def test_optimizer_states_of_another_precision_on_as_many_ranks_are_refused_befo
         resumed.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)  # the weights alone: any precision
 
 
+def test_a_plain_deepspeed_checkpoints_optimizer_states_of_another_precision_are_refused_before_it_loads(tmp_path):
+    # Without poplar_state.json the check never ran: a plain bf16 ZeRO-1 checkpoint of 2 ranks loaded into an fp32
+    # job of 2 failed on every rank with DeepSpeed's bare "FileNotFoundError: ... zero_pp_rank_0_mp_rank_00_optim_
+    # states.pt". The ranks that saved it: the dp_world_size DeepSpeed records in the model states file.
+    module = torch.nn.Linear(4, 3)
+    (tmp_path / "t").mkdir()
+    states = {"module": module.state_dict(), "param_shapes": None, "dp_world_size": 2}
+    torch.save(states, tmp_path / "t" / "mp_rank_00_model_states.pt")
+    files = [f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in range(2)]
+    for name in files:
+        torch.save({"state": torch.zeros(4)}, tmp_path / "t" / name)
+    fake = FakeEngineWithModel(1, module)
+    fake.bfloat16_enabled = lambda: False
+    config = poplar_config_from_dict({"cluster": "c.json", "plan": "p.json"}, base_dir=Path("."))
+    engine = PoplarEngine(
+        fake, plan=_plan([(2, 1), (2, 1)]), rank=0, poplar_config=config, device_label="x", slowdown=None
+    )
+    with pytest.raises(ValueError) as refused:
+        engine.load_checkpoint(tmp_path, tag="t")
+    assert str(refused.value) == (
+        f"load_checkpoint: {tmp_path / 't'}: expected the optimizer states of a fp32 or fp16 job, as this one trains "
+        f"(bf16.enabled false), found those of a bf16 job ({', '.join(files)}), which DeepSpeed cannot load in fp32 "
+        "or fp16 on the number of ranks that saved it: resume it with bf16.enabled true, as it was saved"
+    )
+    assert fake.loads == 0
+
+
 def test_a_scheduled_drift_is_logged_when_it_starts_and_on_rank_0s_step_lines(caplog):
     # The step lines name the device type's emulated slowdown (2x); after 3 steps rank 0 runs 5x slower.
     emulation = Emulation(slowdown=2.0, memory_capacity_bytes=10**9, slowdown_schedule=((3, 5.0, None),))
