@@ -935,6 +935,10 @@ class PoplarTrainerMixin(_PlanEvaluation):
         tag = decided_by_rank0(lambda: checkpoint_tag(Path(folder), None), rank=rank)
         saved = None if tag is None else decided_by_rank0(lambda: read_state(Path(folder), tag), rank=rank)
         saved_ranks = None if saved is None else len(saved["plan"]["ranks"])
+        if saved is None and tag is not None and self.plan.zero_stage > 0:
+            # No state file (a plain Trainer's checkpoint, still the best of a run resumed from it): as DeepSpeed
+            # recorded.
+            saved_ranks = decided_by_rank0(lambda: saved_world_size(Path(folder), tag), rank=rank)
         if saved_ranks is None or saved_ranks == self.job.world_size or self.plan.zero_stage == 0:
             super()._load_best_model()
         else:

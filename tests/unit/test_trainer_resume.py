@@ -515,6 +515,37 @@ def test_the_best_model_saved_on_another_number_of_ranks_is_loaded_resharded(
     assert loads == expected
 
 
+def test_a_plain_trainers_best_model_saved_on_another_number_of_ranks_is_loaded_resharded(tmp_path, monkeypatch):
+    # A plain Trainer's run (no poplar_state.json) resumed by PoplarTrainer on 2 ranks, its best checkpoint still the
+    # plain run's of 3: the best model went to DeepSpeed's own load as saved, which refuses another DP world size
+    # ("ZeRORuntimeException: The checkpoint being loaded used a DP world size of 3 ...") at the end of the run.
+    from transformers import Trainer
+
+    folder = tmp_path / "checkpoint-2"
+    (folder / "global_step2").mkdir(parents=True)
+    (folder / "latest").write_text("global_step2")
+    import torch
+
+    torch.save({"module": {}, "dp_world_size": 3}, folder / "global_step2" / "mp_rank_00_model_states.pt")
+    plan = _plan([(3, 2), (2, 3)])
+    trainer = PoplarTrainer.__new__(PoplarTrainer)
+    trainer.__dict__.update(
+        is_deepspeed_enabled=True,
+        job=SimpleNamespace(rank=0, world_size=2, plan=plan),
+        state=SimpleNamespace(best_model_checkpoint=str(folder), best_metric=0.5),
+    )
+    loads = []
+    monkeypatch.setattr(Trainer, "_load_best_model", lambda self: loads.append("as saved"))
+    monkeypatch.setattr(
+        PoplarTrainer,
+        "_load_resharded",
+        lambda self, folder, tag, caller: loads.append((folder, tag, caller)),
+        raising=False,
+    )
+    PoplarTrainer._load_best_model(trainer)
+    assert loads == [(str(folder), "global_step2", "load_best_model_at_end")]
+
+
 def test_a_save_after_the_best_model_is_loaded_holds_the_best_checkpoints_poplar_state(tmp_path, monkeypatch):
     # At the end of the run the engine holds checkpoint-2's weights, optimizer and DeepSpeed step (its tag
     # global_step2): trainer.save_model's DeepSpeed save at ZeRO 3 must not say step 8 and the data of step 8.
