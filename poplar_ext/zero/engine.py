@@ -557,7 +557,8 @@ class PoplarEngine(EngineCore):
         that writes it. The weights alone load
         on any number of ranks (at stage 3 merged from every rank's partition, `merging_weights_of`). A plain
         DeepSpeed checkpoint, or ``load_module_only=True``, starts the data at position 0, with a logged note; a
-        plain one's optimizer state saved on another number of ranks (told by its ZeRO files) is resharded too.
+        plain one's optimizer state saved on another number of ranks (told by the ``dp_world_size`` DeepSpeed
+        records in its model states file) is resharded too.
         Returns DeepSpeed's ``(path, client_state)``.
         """
         from poplar_ext.collectives import decided_by_rank0

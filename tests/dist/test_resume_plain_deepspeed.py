@@ -2,8 +2,8 @@
 
 Plain DeepSpeed saves a ZeRO checkpoint on 2 ranks after 3 optimizer steps (Adam), at stages 1 and 3; poplar-ext
 loads it on 3 ranks under a plan. Its optimizer state is resharded as a poplar-ext checkpoint's is (the number of
-ranks that saved it told by its ZeRO files), where DeepSpeed alone refuses another world size
-(ZeRORuntimeException); the data starts at position 0, as for a plain checkpoint on as many ranks. Two forked
+ranks that saved it told by the dp_world_size of its model states file), where DeepSpeed alone refuses another
+world size (ZeRORuntimeException); the data starts at position 0, as for a plain checkpoint on as many ranks. Two forked
 groups (2 ranks, then 3). The same for the Trainer: a plain Hugging Face Trainer's checkpoint (ZeRO 1, 2 ranks)
 resumed by PoplarTrainer on 3 (two more groups).
 """
