@@ -457,13 +457,15 @@ def broadcast_in_group(tensor: Any, *, src: int, group: Any) -> None:
 
 def process_group_backend() -> str:
     """The default process group's backend (``nccl``, ``gloo``). A group with a backend per device (what
-    ``dist.init_process_group()`` without one makes; torch names it ``undefined``): the one of the device its
-    collectives run on, CUDA where there is one."""
+    ``dist.init_process_group()`` without one makes; torch names it ``undefined``; or one started with such a
+    list, ``"cpu:gloo,cuda:nccl"``, which torch names by that string): the one of the device its collectives run
+    on, CUDA where there is one and the group has a backend for it."""
     backend = str(dist.get_backend())
-    if backend != "undefined":
+    if backend != "undefined" and ":" not in backend:
         return backend
     per_device = dict(part.split(":", 1) for part in str(dist.get_backend_config()).split(",") if ":" in part)
-    return per_device.get("cuda" if torch.cuda.is_available() else "cpu", backend)
+    device = "cuda" if torch.cuda.is_available() and "cuda" in per_device else "cpu"
+    return per_device.get(device, backend)
 
 
 def barrier() -> None:

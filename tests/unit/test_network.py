@@ -386,6 +386,28 @@ def test_a_process_group_with_a_backend_per_device_is_named_by_the_device_in_use
     assert process_group_backend() == "nccl"
 
 
+@pytest.mark.parametrize(
+    ("spelled", "cuda", "expected"),
+    [("cpu:gloo,cuda:nccl", True, "nccl"), ("cpu:gloo,cuda:nccl", False, "gloo"), ("cpu:gloo", True, "gloo")],
+)
+def test_a_process_group_started_with_a_backend_per_device_is_named_by_the_device_in_use(
+    monkeypatch, spelled, cuda, expected
+):
+    # dist.init_process_group("cpu:gloo,cuda:nccl"), torch's documented spelling: torch names the group by that
+    # string (get_backend() == "cpu:gloo,cuda:nccl", not "undefined"), which process_group_backend returned as it
+    # was: the network file said "cpu:gloo,cuda:nccl", priced as not overlapping, timed on the host through gloo.
+    import torch
+    import torch.distributed as dist
+
+    from poplar_ext.collectives import _collective_device, process_group_backend
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: spelled)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: spelled)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert process_group_backend() == expected
+    assert str(_collective_device(torch.device("cuda", 1))) == ("cuda:1" if expected == "nccl" else "cpu")
+
+
 @pytest.mark.parametrize(("cuda", "expected"), [(True, "cuda:1"), (False, "cpu")])
 def test_a_group_with_a_backend_per_device_times_its_collectives_on_the_device_it_names(monkeypatch, cuda, expected):
     # A network file measured under such a group on a GPU says "nccl" (process_group_backend): its collectives must
