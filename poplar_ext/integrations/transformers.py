@@ -837,9 +837,11 @@ class PoplarTrainerMixin(_PlanEvaluation):
         if folder is not None:
             # The Trainer would fail on these only once the engine is built, deep in its load: the other refusals
             # first, then one round of rank 0's file checks.
-            model, world_size = getattr(self, "model", None), self.plan.world_size
+            model, world_size, zero_stage = getattr(self, "model", None), self.plan.world_size, self.plan.zero_stage
             decided_by_rank0(
-                lambda: _check_files(Path(folder), tag, saved, self.args, model=model, world_size=world_size),
+                lambda: _check_files(
+                    Path(folder), tag, saved, self.args, model=model, world_size=world_size, zero_stage=zero_stage
+                ),
                 rank=self.job.rank,
             )
         if decision is not None:
@@ -1087,7 +1089,14 @@ def _node_local(args: TrainingArguments) -> bool:
 
 
 def _check_files(
-    folder: Path, tag: str | None, saved: dict | None, args: TrainingArguments, *, model: Any, world_size: int
+    folder: Path,
+    tag: str | None,
+    saved: dict | None,
+    args: TrainingArguments,
+    *,
+    model: Any,
+    world_size: int,
+    zero_stage: int | None = None,
 ) -> None:
     """Rank 0's refusals of the checkpoint files a Trainer resume would load: its scheduler.pt where the Trainer
     needs one (under a DeepSpeed config object), and what the engine's load refuses (`check_deepspeed_load`, strict
@@ -1108,6 +1117,7 @@ def _check_files(
         bf16=training_dtype(config) == "bfloat16" if config else None,
         world_size=world_size,
         caller="resume_from_checkpoint",
+        zero_stage=zero_stage,
     )
 
 

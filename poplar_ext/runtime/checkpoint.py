@@ -592,19 +592,33 @@ def saved_world_size(load_dir: str | Path, tag: str) -> int | None:
     (``dp_world_size``, which its own load compares with the job's): how many ranks saved a checkpoint without a
     state file, such as a plain DeepSpeed one. None where the folder holds no model states file or it records none
     (a file torch cannot read is refused by `saved_parameter_shapes`, which every load runs first)."""
+    world_size = _model_states_record(load_dir, tag).get("dp_world_size")
+    return world_size if isinstance(world_size, int) else None
+
+
+def saved_zero_stage(load_dir: str | Path, tag: str) -> int | None:
+    """The ZeRO stage of the DeepSpeed config recorded in `tag`'s model states file (``ds_config``, where the
+    engine was given a dict: a path is not read); None where it records none."""
+    config = _model_states_record(load_dir, tag).get("ds_config")
+    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    return stage if isinstance(stage, int) and 0 <= stage <= 3 else None
+
+
+def _model_states_record(load_dir: str | Path, tag: str) -> dict:
+    """The entries of `tag`'s model states file but its weights (mapped, not read); empty where none is read."""
     import torch
 
     path = model_states_file(load_dir, tag)
     if path is None:
-        return None
+        return {}
     try:
         with path.open("rb") as file:
             zipped = file.read(4) == b"PK\x03\x04"
         saved = torch.load(path, map_location="cpu", weights_only=False, mmap=zipped)  # mmap: not the weights
     except Exception:  # noqa: BLE001 - not known; DeepSpeed's load says what is wrong with the file
-        return None
-    world_size = saved.get("dp_world_size") if isinstance(saved, dict) else None
-    return world_size if isinstance(world_size, int) else None
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def check_optimizer_precision(load_dir: str | Path, tag: str, *, bf16: bool, caller: str = "load_checkpoint") -> None:
@@ -732,6 +746,7 @@ def check_deepspeed_load(
     bf16: bool | None,
     world_size: int,
     caller: str = "load_checkpoint",
+    zero_stage: int | None = None,
 ) -> None:
     """Rank 0's refusals, before any weight is loaded, of DeepSpeed checkpoint `tag` (`saved`: its state file) where
     DeepSpeed would fail on some ranks or load it wrong: parameters of another model than `module`
@@ -739,9 +754,20 @@ def check_deepspeed_load(
     (`check_rank_files`; not on `node_local` storage, where each node holds its own ranks'); and, loading the
     optimizer (`reads_optimizer`) on as many ranks as saved it (`world_size` now; without a state file, the
     ``dp_world_size`` DeepSpeed recorded: `saved_world_size`), optimizer states of another precision than `bf16`
-    (`check_optimizer_precision`; None: not known). The engine's load and the Trainer's resume both run it."""
+    (`check_optimizer_precision`; None: not known); a checkpoint without a state file saved at a ZeRO stage whose
+    files DeepSpeed cannot load at this job's `zero_stage` (`saved_zero_stage`; None: not known). The engine's
+    load and the Trainer's resume both run it."""
     shapes, frozen = module_parameter_shapes(module)
     check_parameter_shapes(load_dir, tag, shapes, strict=strict, frozen=frozen, caller=caller)
+    if saved is None and zero_stage is not None and (saved_stage := saved_zero_stage(load_dir, tag)) is not None:
+        check_zero_stage(
+            saved_stage,
+            zero_stage,
+            path=str(Path(load_dir) / tag),
+            weights_only=not reads_optimizer,
+            field=f"{model_states_file(load_dir, tag).name}: ds_config.zero_optimization.stage",
+            caller=caller,
+        )
     if not node_local:
         check_rank_files(load_dir, tag, saved, reads_optimizer=reads_optimizer, caller=caller)
     saved_ranks = len(((saved or {}).get("plan") or {}).get("ranks") or ())
@@ -854,16 +880,24 @@ def _stages_like(zero_stage: int) -> str:
     return " or ".join(str(s) for s in range(4) if _file_layout(s) == _file_layout(zero_stage))
 
 
-def check_zero_stage(saved_stage: int, stage: int, *, path: str, weights_only: bool = False) -> None:
+def check_zero_stage(
+    saved_stage: int,
+    stage: int,
+    *,
+    path: str,
+    weights_only: bool = False,
+    field: str = "poplar_state.json: plan.zero_stage",
+    caller: str = "load_checkpoint",
+) -> None:
     """ValueError unless DeepSpeed can load a checkpoint saved at ZeRO `saved_stage` at `stage` (it fails deep in
     its loader otherwise, or finds no file); its weights alone (`weights_only`) load across stages 0-2, whose model
-    file holds every weight."""
+    file holds every weight. `field` names where the saved stage was read."""
     layouts = {_file_layout(saved_stage), _file_layout(stage)}
     if len(layouts) == 1 or (weights_only and 3 not in layouts):
         return
     weights = "" if 3 in layouts else ", or load its weights alone (load_optimizer_states=False)"
     raise ValueError(
-        f"load_checkpoint: {path}: poplar_state.json: plan.zero_stage: expected a ZeRO stage whose files "
+        f"{caller}: {path}: {field}: expected a ZeRO stage whose files "
         f"DeepSpeed loads at this job's stage {stage} ({_stages_like(stage)}), found {saved_stage}: resume it "
         f"at ZeRO stage {_stages_like(saved_stage)} (zero_optimization.stage, or poplar.zero_stage){weights}"
     )

@@ -585,6 +585,7 @@ class PoplarEngine(EngineCore):
                 node_local=self.deepspeed_engine.use_node_local_storage(),
                 bf16=None if bf16 is None else bool(bf16()),
                 world_size=self.plan.world_size,
+                zero_stage=self.plan.zero_stage,
             )
             return saved
 

@@ -1742,6 +1742,40 @@ def test_a_plain_deepspeed_checkpoints_optimizer_states_of_another_precision_are
     assert fake.loads == 0
 
 
+@pytest.mark.parametrize(("saved_stage", "job_stage"), [(1, 3), (3, 1), (1, 0)])
+def test_a_plain_deepspeed_checkpoint_of_a_stage_whose_files_this_job_cannot_load_is_refused(
+    tmp_path, saved_stage, job_stage
+):
+    # Before, DeepSpeed failed on every rank with a bare AssertionError (stages 1 and 3 either way) or
+    # "AttributeError: 'NoneType' object has no attribute 'copy'" (a stage-1 checkpoint at stage 0). The saved
+    # stage: the ds_config DeepSpeed records in the model states file.
+    module = torch.nn.Linear(4, 3)
+    (tmp_path / "t").mkdir()
+    model_file = "zero_pp_rank_0_mp_rank_00_model_states.pt" if saved_stage == 3 else "mp_rank_00_model_states.pt"
+    states = {"module": module.state_dict(), "dp_world_size": 2}
+    torch.save({**states, "ds_config": {"zero_optimization": {"stage": saved_stage}}}, tmp_path / "t" / model_file)
+    for rank in range(2):
+        for kind in ["optim", "model"] if saved_stage == 3 else ["optim"]:
+            if not (tmp_path / "t" / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt").exists():
+                torch.save(
+                    {"state": torch.zeros(4)}, tmp_path / "t" / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"
+                )
+    fake = FakeEngineWithModel(1, module)
+    config = poplar_config_from_dict({"cluster": "c.json", "plan": "p.json"}, base_dir=Path("."))
+    plan = _plan([(2, 1), (2, 1)], stage=job_stage)
+    engine = PoplarEngine(fake, plan=plan, rank=0, poplar_config=config, device_label="x", slowdown=None)
+    with pytest.raises(ValueError) as refused:
+        engine.load_checkpoint(tmp_path, tag="t")
+    assert str(refused.value).startswith(
+        f"load_checkpoint: {tmp_path / 't'}: {model_file}: ds_config.zero_optimization.stage: expected a ZeRO stage "
+        f"whose files DeepSpeed loads at this job's stage {job_stage} "
+    )
+    assert f"found {saved_stage}: resume it at ZeRO stage " in str(refused.value)
+    assert fake.loads == 0
+    if 3 not in (saved_stage, job_stage):  # the weights alone load across stages 0-2
+        engine.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)
+
+
 def test_a_scheduled_drift_is_logged_when_it_starts_and_on_rank_0s_step_lines(caplog):
     # The step lines name the device type's emulated slowdown (2x); after 3 steps rank 0 runs 5x slower.
     emulation = Emulation(slowdown=2.0, memory_capacity_bytes=10**9, slowdown_schedule=((3, 5.0, None),))
