@@ -237,6 +237,8 @@ class PoplarAccelerator(Accelerator):
             self.job = self._start_job(model, optimizer, train_loader)
         check_job_optimizer_offloads(self.job, optimizer, accelerate_maps=True)
         if train_loader is not None:
+            if self.job.rank == 0:
+                _warn_of_a_later_shuffling_loader(loaders)
             planned = self._plan_dataloader(train_loader)
             args = tuple(planned if a is train_loader else a for a in args)
         labels = slowdown = None
@@ -530,6 +532,24 @@ class PoplarAccelerator(Accelerator):
 
 _PLAN_CALLS = ("deepspeed_io", "set_train_batch_size", "set_train_micro_batch_size")
 """What the DeepSpeed engine ``prepare`` returns answers as the `PoplarEngine` does (`_route_plan_calls`)."""
+
+
+def _warn_of_a_later_shuffling_loader(loaders: list) -> None:
+    """The first DataLoader of a ``prepare`` is the training one; where it reads in order and a later one shuffles,
+    the script likely passed its evaluation DataLoader first, which leaves the training one split evenly by
+    accelerate: ranks of uneven counts then wait on each other at the first optimizer step."""
+    random = torch.utils.data.RandomSampler
+    if isinstance(loaders[0].sampler, random):
+        return
+    shuffling = [index for index, loader in enumerate(loaders) if isinstance(loader.sampler, random)]
+    if shuffling:
+        logger.warning(
+            "PoplarAccelerator: prepare takes its first DataLoader, which reads in order, as the training one, yet "
+            "its DataLoader number %d shuffles: if that one trains, pass it to prepare first (an evaluation "
+            "DataLoader taken as the training one leaves the training one split evenly by accelerate, and ranks of "
+            "different accumulation counts then wait on each other at the first optimizer step)",
+            shuffling[0] + 1,
+        )
 
 
 def _route_plan_calls(engine: Any, wrapped: PoplarEngine) -> None:

@@ -411,3 +411,25 @@ def test_a_scheduler_prepared_without_the_model_is_warned_of_where_ranks_accumul
     with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
         accelerator._prepare_deepspeed(scheduler)
     assert caplog.text == ""
+
+
+def test_an_evaluation_dataloader_passed_before_a_shuffling_one_is_warned_of(caplog):
+    # prepare(model, optimizer, eval_dl, train_dl) took eval_dl (shuffle=False) as the training DataLoader, as
+    # documented, and left train_dl to accelerate's even split: with counts 2, 3 and 1 the job hung at the first
+    # optimizer step (3 ranks, killed after 300 s), its only hints the global batch and shuffle warnings.
+    from poplar_ext.integrations.accelerate import _warn_of_a_later_shuffling_loader
+
+    def loader(shuffle):
+        return torch.utils.data.DataLoader(list(range(8)), batch_size=2, shuffle=shuffle)
+
+    with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
+        _warn_of_a_later_shuffling_loader([loader(False), loader(True)])
+    assert "prepare takes its first DataLoader, which reads in order, as the training one, yet its DataLoader " in (
+        caplog.text
+    )
+    assert "number 2 shuffles: if that one trains, pass it to prepare first" in caplog.text
+    for quiet in ([loader(True), loader(False)], [loader(False), loader(False)], [loader(False)]):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
+            _warn_of_a_later_shuffling_loader(quiet)
+        assert caplog.text == ""
