@@ -110,7 +110,9 @@ def weight_loss(
     global_batch_tokens: int | None = None,
 ):
     """`loss` times `loss_weight(...)`, for DeepSpeed's backward with ``scale_wrt_gas=False``; a bf16 or fp16 loss
-    in fp32 (a weight like 3/11 rounded to bf16 would be off by up to 0.4%)."""
+    in fp32 (a weight like 3/11 rounded to bf16 would be off by up to 0.4%). A ``token_mean`` micro-batch without
+    label tokens (weight 0) gives 0 where its loss, a mean over none, is NaN: what it adds to the global batch's
+    loss, which the weighted losses sum to (its gradients are those the loss gives, zero for torch's mean)."""
     weight = loss_weight(
         world_size=world_size,
         micro_batch_size=micro_batch_size,
@@ -120,8 +122,11 @@ def weight_loss(
         global_batch_tokens=global_batch_tokens,
     )
     if getattr(loss, "dtype", None) in (torch.bfloat16, torch.float16):
-        return loss.float() * weight
-    return loss * weight
+        loss = loss.float()
+    weighted = loss * weight
+    if weight == 0 and isinstance(weighted, torch.Tensor):
+        weighted = torch.nan_to_num(weighted, nan=0.0)
+    return weighted
 
 
 __all__ = [

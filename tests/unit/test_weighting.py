@@ -65,3 +65,21 @@ def test_a_micro_batch_whose_labels_are_named_otherwise_is_refused_naming_its_ke
         label_token_count(batch, shifted=True)
     with pytest.raises(ValueError, match=r"dicts with 'labels' \(or 'shift_labels'\), found tuple: "):
         label_token_count((batch["input_ids"], batch["targets"]), shifted=True)
+
+
+def test_a_token_mean_micro_batch_without_label_tokens_adds_zero_to_the_summed_loss():
+    # A micro-batch whose labels are all -100 (a prompt whose completion was cut away): torch's (and Hugging
+    # Face's) mean over no token is NaN. Its weight is 0, and the weighted losses summed over the iteration are
+    # the global batch's loss (docs/training.md, examples/train.py): 0 there, not NaN, with the zero gradients
+    # the loss gives.
+    logits = torch.randn(1, 4, 5, requires_grad=True)
+    labels = torch.full((1, 4), -100)
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, 5), labels.view(-1), ignore_index=-100)
+    assert torch.isnan(loss)
+    arguments = dict(world_size=3, micro_batch_size=1, global_batch_size=11, reduction="token_mean")
+    weighted = weight_loss(loss, **arguments, micro_batch_tokens=0, global_batch_tokens=30)
+    assert float(weighted) == 0.0
+    weighted.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+    other = torch.tensor(2.0)
+    assert float(weight_loss(other, **arguments, micro_batch_tokens=6, global_batch_tokens=30)) == pytest.approx(1.2)
