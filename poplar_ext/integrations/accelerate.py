@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import itertools
@@ -70,6 +71,22 @@ class _PlanPasses(torch.utils.data.Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self.plan_sampler)
+
+
+class _CountedCollate:
+    """A training DataLoader's collate function that hands out the micro-batches `hand_out` was given (the ones
+    ``token_mean`` counted, in the sampler's order), else collates with the user's `user_collate_fn`."""
+
+    def __init__(self, user_collate_fn: Callable[[list], Any]) -> None:
+        self.user_collate_fn = user_collate_fn
+        self._batches: collections.deque = collections.deque()
+
+    def hand_out(self, batches: list) -> None:
+        self._batches.clear()  # what a pass left early had collated and not handed out
+        self._batches.extend(batches)
+
+    def __call__(self, samples: list) -> Any:
+        return self._batches.popleft() if self._batches else self.user_collate_fn(samples)
 
 
 def _plain_global_batch(accelerator: Any, train_loader: Any) -> GlobalBatchRequest | None:
@@ -358,14 +375,22 @@ class PoplarAccelerator(Accelerator):
             options["prefetch_factor"] = loader.prefetch_factor
         count = None
         if config.loss_reduction == "token_mean":
-            collate = loader.collate_fn
+            # A loader this method planned before, prepared again (after free_memory): its user's collate_fn.
+            collate = getattr(loader.collate_fn, "user_collate_fn", loader.collate_fn)
+            # In this process (no workers) the micro-batches counted are the ones handed out, in the sampler's order:
+            # a collate_fn that draws random numbers (an MLM collator's masking) would otherwise be counted from
+            # another draw than the one trained. Workers collate in their own processes, again.
+            in_process = not options.get("num_workers")
+            counted = _CountedCollate(collate)
 
             def count(position: int, micro_batches: list) -> None:
                 shifted = loss_shifts_labels(self._model)
-                self._iteration_tokens[position] = [
-                    label_token_count(collate([dataset[i] for i in indices]), shifted=shifted)
-                    for indices in micro_batches
-                ]
+                batches = [collate([dataset[i] for i in indices]) for indices in micro_batches]
+                self._iteration_tokens[position] = [label_token_count(b, shifted=shifted) for b in batches]
+                if in_process:
+                    counted.hand_out(batches)
+
+            options["collate_fn"] = counted if in_process else collate
 
         planned = torch.utils.data.DataLoader(dataset, batch_sampler=_PlanPasses(sampler, count), **options)
         self._train_sampler, self._train_loader = sampler, planned

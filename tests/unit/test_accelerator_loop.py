@@ -433,3 +433,38 @@ def test_an_evaluation_dataloader_passed_before_a_shuffling_one_is_warned_of(cap
         with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
             _warn_of_a_later_shuffling_loader(quiet)
         assert caplog.text == ""
+def _masking_collate(items: list[dict]) -> dict:
+    """A collate_fn that draws random numbers, as an MLM collator's masking does: each label kept with p 0.5."""
+    ids = torch.tensor([item["input_ids"] for item in items])
+    labels = torch.where(torch.rand(ids.shape) < 0.5, ids, torch.full_like(ids, -100))
+    return {"input_ids": ids, "labels": labels}
+
+
+def test_token_mean_counts_the_micro_batches_it_hands_out_under_a_random_collate_fn(accelerator):
+    # The label tokens of an iteration are counted before its first backward; a second collate of its micro-batches
+    # for the count would draw other masks than the batches trained, and weight them by another count.
+    _settled(accelerator, [2])
+    accelerator.job.poplar_config = poplar_config_from_dict(
+        {"plan": "plan.json", "loss_reduction": "token_mean"}, base_dir=Path(".")
+    )
+    data = [{"input_ids": list(range(i, i + 6))} for i in range(8)]
+    loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True, collate_fn=_masking_collate)
+    torch.manual_seed(0)
+    trained = [int(batch["labels"].ne(-100).sum()) for batch in accelerator._plan_dataloader(loader)]
+    assert len(trained) == 4  # two iterations of 2 micro-batches of 2
+    assert accelerator._iteration_tokens == {0: trained[:2], 4: trained[2:]}
+    # A pass left inside an iteration: the micro-batch it collated and did not hand out is not the next pass's.
+    accelerator._iteration_tokens.clear()
+    planned = accelerator._plan_dataloader(loader)
+    next(iter(planned))
+    rest = [int(batch["labels"].ne(-100).sum()) for batch in planned]
+    assert accelerator._iteration_tokens[4] == rest
+    # That loader planned again (prepared again after free_memory), once left inside an iteration.
+    accelerator._iteration_tokens.clear()
+    planned = accelerator._plan_dataloader(loader)
+    next(iter(planned))
+    again = accelerator._plan_dataloader(planned)
+    batches = list(again)
+    trained = [int(batch["labels"].ne(-100).sum()) for batch in batches]
+    assert accelerator._iteration_tokens == {0: trained[:2], 4: trained[2:]}
+    assert sorted(int(first) for batch in batches for first in batch["input_ids"][:, 0]) == list(range(8))
