@@ -39,7 +39,10 @@ def loss_weight(
         )
     if global_batch_tokens < 1:
         raise ValueError(
-            f"global_batch_tokens: expected at least one label token in the iteration, found {global_batch_tokens}"
+            f"global_batch_tokens: expected at least one label token in the iteration, found {global_batch_tokens}: "
+            "under poplar.loss_reduction token_mean the loss is the mean over the global batch's label tokens, and "
+            "every label of this iteration's samples on every rank is -100 (a causal LM's first label is not "
+            "counted either); leave samples without label tokens out of the training data"
         )
     return world_size * micro_batch_tokens / global_batch_tokens
 

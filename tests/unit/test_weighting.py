@@ -83,3 +83,21 @@ def test_a_token_mean_micro_batch_without_label_tokens_adds_zero_to_the_summed_l
     assert torch.equal(logits.grad, torch.zeros_like(logits))
     other = torch.tensor(2.0)
     assert float(weight_loss(other, **arguments, micro_batch_tokens=6, global_batch_tokens=30)) == pytest.approx(1.2)
+
+
+def test_an_iteration_without_label_tokens_is_refused_naming_the_setting_and_the_cure():
+    with pytest.raises(ValueError) as refusal:
+        weight_loss(
+            torch.tensor(float("nan")),
+            world_size=2,
+            micro_batch_size=1,
+            global_batch_size=4,
+            reduction="token_mean",
+            micro_batch_tokens=0,
+            global_batch_tokens=0,
+        )
+    message = str(refusal.value)
+    assert message.startswith("global_batch_tokens: expected at least one label token in the iteration, found 0")
+    assert "poplar.loss_reduction token_mean" in message
+    assert "every label of this iteration's samples on every rank is -100" in message
+    assert "leave samples without label tokens out of the training data" in message
