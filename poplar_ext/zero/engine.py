@@ -261,7 +261,9 @@ class PoplarEngine(EngineCore):
     def set_token_counts(self, micro_batch_tokens: Sequence[int]) -> int:
         """This rank's micro-batches' label tokens for the coming iteration (``loss_reduction: token_mean``), one
         count per micro-batch in order; returns the total over all ranks. Collective: every rank calls it once
-        before the iteration's first backward (the dataloader `poplar_ext.initialize` returns does)."""
+        before the iteration's first backward (the dataloader `poplar_ext.initialize` returns does). Count each as
+        the model's loss counts its tokens: ``label_token_count(batch, shifted=loss_shifts_labels(model))``
+        (`poplar_ext.runtime.weighting`; a causal LM does not count each sequence's first label)."""
         counts = [int(n) for n in micro_batch_tokens]
         if len(counts) != self.rank_plan.gradient_accumulation_steps or any(n < 0 for n in counts):
             raise ValueError(
