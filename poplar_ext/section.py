@@ -121,7 +121,8 @@ class PoplarConfig:
     loss_reduction: str = "mean"
     """How the loss given to backward reduces over the micro-batch: ``mean`` (of samples), ``sum``, or
     ``token_mean`` (of label tokens, ``-100`` ignored: the language-model loss; the optimizer then sees
-    the mean over the global batch's tokens)."""
+    the mean over the global batch's tokens). Read by `poplar_ext.initialize`'s engine and `PoplarAccelerator`; a
+    Hugging Face Trainer weights its loss as its ``loss_is_scaled_for_ga`` says (docs/trainer.md)."""
     log_interval_steps: int = 10
     """Log the true global batch and samples/s every this many optimizer steps (0: never), from step 2 (the
     first has no iteration time)."""

@@ -271,6 +271,21 @@ def _precision_as_filled(loaded: tuple[dict, Path, str], args: Any) -> tuple[dic
     return resolved, base_dir, source
 
 
+def _warn_of_unread_loss_reduction(caller: str, ds_config: Any) -> None:
+    """A warning where the DeepSpeed config's poplar section names ``loss_reduction``, which a Trainer does not read:
+    the loss it weights is what the Trainer's ``loss_is_scaled_for_ga`` says (see `PoplarTrainerMixin.compute_loss`)."""
+    section = ds_config.get("poplar") if isinstance(ds_config, dict) else None
+    if isinstance(section, dict) and "loss_reduction" in section:
+        logger.warning(
+            "%s: poplar.loss_reduction %r is not read by a Trainer (it is the plain loop's and PoplarAccelerator's): "
+            "each micro-batch's loss is weighted as the Trainer's loss_is_scaled_for_ga says, the token mean over "
+            "the global batch's label tokens where the model takes loss kwargs and the batches have labels, else "
+            "the sample mean; leave loss_reduction out of this config (docs/trainer.md)",
+            caller,
+            section["loss_reduction"],
+        )
+
+
 def _settle_job(
     args: TrainingArguments,
     model: Any,
@@ -485,6 +500,7 @@ class PoplarTrainerMixin(_PlanEvaluation):
             checkpointing = checkpointing if can_checkpoint(model) else None
         if self.job.rank == 0:  # here, not when train() wraps an engine: evaluate() alone builds none
             logger.info("poplar plan from step 0: %s", self.job.plan_reason)
+            _warn_of_unread_loss_reduction(type(self).__name__, configured[0][0])
         logger.info(
             "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d; device %s",
             self.job.rank,

@@ -267,3 +267,18 @@ def test_an_evaluation_through_an_engine_is_not_weighted_as_training(monkeypatch
         torch.testing.assert_close(trainer.compute_loss(engine, dict(batch)), model(**batch).loss)
         engine.train()  # training through the engine is weighted still: a sample mean of 2 of the global batch of 4
         torch.testing.assert_close(trainer.compute_loss(engine, dict(batch)), model(**batch).loss * 2 / 4)
+
+
+def test_a_loss_reduction_in_the_poplar_section_which_the_trainer_does_not_read_is_warned_of(monkeypatch, caplog):
+    # The Trainer weights its loss as loss_is_scaled_for_ga says: a config asking for the sum trained the token mean
+    # without a word.
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    arguments = _arguments_of_a_settled_job(monkeypatch, {}, {"loss_reduction": "sum"})
+    with caplog.at_level("WARNING", logger="poplar_ext.integrations.transformers"):
+        PoplarTrainer(model=_gpt2(), args=arguments)
+    assert "PoplarTrainer: poplar.loss_reduction 'sum' is not read by a Trainer" in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="poplar_ext.integrations.transformers"):
+        PoplarTrainer(model=_gpt2(), args=_arguments_of_a_settled_job(monkeypatch, {}, {}))
+    assert "loss_reduction" not in caplog.text
