@@ -433,6 +433,8 @@ def test_an_evaluation_dataloader_passed_before_a_shuffling_one_is_warned_of(cap
         with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
             _warn_of_a_later_shuffling_loader(quiet)
         assert caplog.text == ""
+
+
 def _masking_collate(items: list[dict]) -> dict:
     """A collate_fn that draws random numbers, as an MLM collator's masking does: each label kept with p 0.5."""
     ids = torch.tensor([item["input_ids"] for item in items])
