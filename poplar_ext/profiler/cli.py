@@ -414,7 +414,44 @@ def _deepspeed_config(config_path: Path, *, optimizer_given: bool = False) -> di
             f"--optimizer: expected either it or an 'optimizer' section in {config_path}, found both (the script's "
             "own optimizer: --optimizer and no section; the config's: the section alone)"
         )
+    unfilled = _unfilled_auto_fields(ds_config)
+    if unfilled:
+        # DeepSpeed takes no "auto": the first engine would fail deep inside it (gradient_clipping: a TypeError in
+        # its step), and bf16/fp16 "enabled": "auto" would read as enabled, the profiles keyed in another dtype.
+        raise UsageError(
+            f'--deepspeed_config: {config_path}: {", ".join(unfilled)}: expected a value, found "auto" (Hugging '
+            "Face's Trainer and accelerate fill it when they start; poplar-profile runs neither): write the value "
+            "the job trains with (the Trainer's: gradient_clipping its max_grad_norm, 1.0 by default; bf16/fp16 "
+            "enabled as its --bf16/--fp16), in this file or a copy of it for profiling. The batch keys may stay "
+            '"auto": each measurement sets them'
+        )
     return ds_config
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+"""The DeepSpeed config's batch keys: set per measurement (`poplar_ext.profiler.measure.stage_ds_config`), so an
+"auto" there is never read."""
+
+
+def _unfilled_auto_fields(ds_config: dict[str, Any]) -> list[str]:
+    """The dotted fields of `ds_config` holding Hugging Face's ``"auto"``, other than the batch keys and the poplar
+    section (whose ``global_batch_size`` takes "auto" of its own)."""
+    found: list[str] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}.{key}" if path else str(key))
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                walk(item, f"{path}[{index}]")
+        elif value == "auto":
+            found.append(path)
+
+    for key, value in ds_config.items():
+        if key not in (*_BATCH_KEYS, SECTION):
+            walk(value, str(key))
+    return found
 
 
 def _poplar_section(ds_config: dict[str, Any], config_path: Path) -> PoplarConfig | None:

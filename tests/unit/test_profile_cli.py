@@ -347,6 +347,30 @@ def test_a_deepspeed_config_without_an_optimizer_is_refused_before_any_engine(fi
         )
 
 
+def test_hugging_face_auto_values_are_refused_before_any_engine_but_batch_keys(files, tmp_path, capsys) -> None:
+    # A Trainer's config (examples/ds_config_hf.json) holds "auto" values, which DeepSpeed never fills: its first
+    # engine failed at the first step (gradient_clipping: TypeError '>' between str and float), after the network.
+    hf = tmp_path / "ds_hf.json"
+    config = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 1},
+        "poplar": {"global_batch_size": "auto"},
+    }
+    hf.write_text(json.dumps(config))
+    args = ["--deepspeed_config", str(hf), "--cluster", files["cluster"], "--model", "toy-gpt"]
+    assert main([*args, "--optimizer", "torch.optim:AdamW"]) == 2
+    err = capsys.readouterr().err
+    assert f'--deepspeed_config: {hf}: gradient_clipping, bf16.enabled: expected a value, found "auto"' in err
+    assert "train_batch_size" not in err and "global_batch_size" not in err
+    config.update(gradient_clipping=1.0, bf16={"enabled": False})
+    hf.write_text(json.dumps(config))
+    assert parse_command([*args, "--optimizer", "torch.optim:AdamW"]).ds_config["gradient_clipping"] == 1.0
+
+
 def test_activation_checkpointing_options(files, monkeypatch) -> None:
     monkeypatch.chdir(files["dir"])
     (Path(files["dir"]) / "my_toggle.py").write_text("def toggle(model, enabled):\n    model.recompute = enabled\n")
