@@ -502,13 +502,16 @@ class PoplarTrainerMixin(_PlanEvaluation):
             logger.info("poplar plan from step 0: %s", self.job.plan_reason)
             _warn_of_unread_loss_reduction(type(self).__name__, configured[0][0])
         logger.info(
-            "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d; device %s",
+            "rank %d: micro-batch %d x %d accumulation steps; true global batch %d, ZeRO stage %d; device %s%s%s",
             self.job.rank,
             rank_plan.micro_batch_size,
             rank_plan.gradient_accumulation_steps,
             self.job.plan.global_batch_size,
             self.job.plan.zero_stage,
             _device_of(self.job, rank_plan.device_type),
+            # The plan's memory levers for this rank, as poplar_ext.initialize's line names them.
+            "; activation checkpointing" if checkpointing else "",
+            "; optimizer offloaded to the host" if rank_plan.optimizer_offload else "",
         )
         self._eval_batch_asked: int = args.per_device_eval_batch_size
         """``per_device_eval_batch_size`` as given: the rank with the smallest plan micro-batch's."""

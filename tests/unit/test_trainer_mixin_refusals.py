@@ -600,6 +600,27 @@ def test_the_trainers_rank_line_says_whether_its_device_is_real_or_emulated(monk
     assert re.search(r"ZeRO stage 0; device cpu \(emulated[^)]*2", caplog.text), caplog.text
 
 
+def test_the_trainers_rank_line_names_the_plans_memory_levers(monkeypatch, caplog):
+    # poplar_ext.initialize's line says "activation checkpointing" and "optimizer offloaded to the host" where the
+    # plan sets them; the Trainer's said neither, so its log could not show that the plan's levers were applied.
+    import dataclasses
+    import logging
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from poplar_ext.integrations import transformers as integration
+    from poplar_ext.integrations.transformers import PoplarTrainer
+
+    args = _arguments_of_a_settled_job(monkeypatch, {}, {})
+    job = integration._settle_job(None, None, None, collate_fn=None, configured=None)
+    levers = dataclasses.replace(job.plan.ranks[0], activation_checkpointing=True, optimizer_offload=True)
+    job.plan = dataclasses.replace(job.plan, ranks=(levers,))
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+    with caplog.at_level(logging.INFO, logger="poplar_ext"):
+        PoplarTrainer(model=model, args=args, train_dataset=[{"x": 1}] * 8)
+    assert "ZeRO stage 0; device cpu; activation checkpointing; optimizer offloaded to the host" in caplog.text
+
+
 def _with_cluster(job, cluster):
     job.cluster = cluster
     return job
