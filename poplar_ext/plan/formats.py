@@ -774,11 +774,17 @@ def models_text(profiles: Any) -> str:
 
 def mixed_models(profiles: Any) -> tuple[int, str] | None:
     """How many models `profiles` (profiles or layer profiles) are of, and them as ``name (fingerprint), ...``,
-    where they are more than one; None for one model."""
-    models = sorted({(p.model.fingerprint, p.model.name) for p in profiles})
+    where they are more than one; None for one model. A model is its fingerprint: profiles of one fingerprint under
+    two names (``poplar-profile --model hf:...``'s name beside the class name the automatic mode gives the stages it
+    measures into the same folder) are one model's, its names joined by `` / ``."""
+    models: dict[str, set[str]] = {}
+    for profile in profiles:
+        models.setdefault(profile.model.fingerprint, set()).add(profile.model.name)
     if len(models) < 2:
         return None
-    return len(models), ", ".join(f"{name} ({fingerprint})" for fingerprint, name in models)
+    return len(models), ", ".join(
+        f"{' / '.join(sorted(names))} ({fingerprint})" for fingerprint, names in sorted(models.items())
+    )
 
 
 MEASURED_ALIKE = ("dtype", "sequence_length")

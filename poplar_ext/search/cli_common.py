@@ -177,6 +177,9 @@ def of_model(args: Any, profiles: list[Any], folder: Any) -> list[Any]:
     if getattr(args, "model", None) is None:
         return profiles
     chosen = [p for p in profiles if args.model in (p.model.name, p.model.fingerprint)]
+    # A model is its fingerprint: its profiles under another name (one measured by the automatic mode) go with it.
+    fingerprints = {p.model.fingerprint for p in chosen}
+    chosen = [p for p in profiles if p.model.fingerprint in fingerprints]
     if not chosen:
         chosen = _of_fingerprint_prefix(args.model, profiles)
     there = ", ".join(sorted({f"{p.model.name} ({p.model.fingerprint})" for p in chosen or profiles}))

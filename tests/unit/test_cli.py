@@ -358,6 +358,24 @@ def test_model_picks_one_models_profiles_from_a_folder_of_several(capsys, tmp_pa
     assert code == 2 and "--model: expected the name or fingerprint of a model in" in err and "other-model" in err
 
 
+def test_profiles_of_one_fingerprint_under_two_names_are_one_model(capsys, tmp_path):
+    # poplar-profile --model hf:GPT2Config names its profiles gpt2-causal-lm; a PoplarTrainer job searching from that
+    # folder measured its missing stage again under the class name, gpt2lmheadmodel, the same fingerprint. The folder
+    # was then refused as "2 models" with or without --model, even by the fingerprint both share.
+    folder = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, folder, ignore=shutil.ignore_patterns("layers", "cluster.json"))
+    for path in folder.glob("*stage1.json"):
+        data = json.loads(path.read_text())
+        data["model"] = {**data["model"], "name": "renamed"}
+        path.write_text(json.dumps(data))
+    name = json.loads(next(folder.glob("*stage0.json")).read_text())["model"]
+    common = ["--profiles", folder, "--cluster", CLUSTER, "--global-batch-size", 512, "--no-network"]
+    for chosen in ((), ("--model", name["name"]), ("--model", "renamed"), ("--model", name["fingerprint"])):
+        code, out, err = run(capsys, *common, *chosen, "--format", "json")
+        assert code == 0, err
+        assert json.loads(out)["zero_stage"] == 1  # the renamed stage is searched beside the others
+
+
 def test_model_takes_the_fingerprint_as_profile_file_names_show_it(capsys, tmp_path):
     # The cache's file names show 8 digits of the fingerprint (gpt-a1b2c3d4-...json); --model took only the whole.
     folder = tmp_path / "profiles"
