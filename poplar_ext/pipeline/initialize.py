@@ -180,6 +180,8 @@ def initialize_pipeline(
         collate_fn=None,
     )
     warn_unloadable_optimizer_state(engine, rank=job.rank)
+    if job.rank == 0:  # as a ZeRO job's engine logs it: a plan file, or searched at start from which profiles
+        logger.info("poplar plan from step 0: %s", job.plan_reason)
     if job.rank == 0 and "steps_per_print" in job.ds_config:
         logger.info(
             "steps_per_print: DeepSpeed's own loss line is off for a poplar pipeline job (it would show one "

@@ -903,3 +903,38 @@ def test_the_zero_0_fp32_clip_reports_the_norm_it_clipped_by(monkeypatch):
     PoplarPipelineEngine.clip_fp32_gradients(engine)
     assert engine._global_grad_norm == pytest.approx(5.0)
     assert torch.allclose(weight.grad, torch.tensor([0.6, 0.8]), atol=1e-5)
+
+
+def test_a_pipeline_job_logs_where_its_plan_came_from(monkeypatch, caplog):
+    # A ZeRO job and a PoplarTrainer log "poplar plan from step 0: the plan file ..." or "searched at start from
+    # ..."; a pipeline job logged its ranks' places alone, so its log never said which plan it trained.
+    import logging
+    from types import SimpleNamespace
+
+    from poplar_ext.pipeline import initialize as pipeline_initialize
+
+    plan = pipeline_plan_from_dict(_pipeline_plan(), source="p.json")
+    cluster = cluster_from_dict(
+        {
+            "schema_version": 1,
+            "nodes": [{"name": "n", "devices": [{"device_type": "a", "count": 2}, {"device_type": "b", "count": 1}]}],
+        }  # fmt: skip
+    )
+    job = SimpleNamespace(
+        rank=0,
+        plan=plan,
+        pipeline_index=0,
+        stage_index=0,
+        pipeline=plan.pipelines[0],
+        cluster=cluster,
+        ds_config={},
+        plan_reason="searched at start from the layer profiles in profiles",
+        poplar_config=SimpleNamespace(log_interval_steps=10, loss_reduction="mean"),
+    )
+    engine = SimpleNamespace(optimizer=None, lr_scheduler=None)
+    monkeypatch.setattr(pipeline_initialize, "_build_engine", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(pipeline_initialize, "warn_unloadable_optimizer_state", lambda *args, **kwargs: None)
+    with caplog.at_level(logging.INFO, logger=pipeline_initialize.logger.name):
+        assert pipeline_initialize.initialize_pipeline(model=SimpleNamespace(poplar_job=job))[0] is engine
+    assert "poplar plan from step 0: searched at start from the layer profiles in profiles" in caplog.text
+    assert "rank 0: a (real), pipeline 0 stage 0 of 2 (layers 0-1)" in caplog.text
