@@ -31,6 +31,7 @@ from .cli_common import (
     error,
     labelled,
     model_profiles,
+    note_mixed_config_keys,
     note_unused_types,
     output_problem,
     plan_table,
@@ -292,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         profiles = model_profiles(args)
         cluster = load_cluster(args.cluster)
         note_unused_types(args, profiles, cluster)
+        note_mixed_config_keys(args, profiles, cluster)
         network = chosen_network(args, cluster)
         policies = list(POLICIES) if args.policy == "all" else [args.policy]
         results = {

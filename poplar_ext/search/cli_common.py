@@ -224,6 +224,27 @@ def note_unused_types(args: Any, profiles: Sequence[Any], cluster: Any) -> None:
             )
 
 
+def note_mixed_config_keys(args: Any, profiles: Sequence[Any], cluster: Any) -> None:
+    """A note on stderr where the cluster's profiles were measured under several DeepSpeed configs (their
+    ``measured_with.ds_config_fingerprint``: the optimizer and the config's fields that change a step's time or
+    memory): a job re-measuring under its own config (the automatic mode) keys some stages anew, and the search
+    would compare stages measured under different optimizers without a word."""
+    types = set(cluster.type_counts())
+    keys: dict[str, set[int]] = {}
+    for profile in profiles:
+        key = profile.measured_with.get("ds_config_fingerprint")
+        if profile.device_type in types and isinstance(key, str):
+            keys.setdefault(key, set()).add(profile.zero_stage)
+    if len(keys) > 1:
+        found = "; ".join(f"{key} at ZeRO stage {', '.join(map(str, sorted(keys[key])))}" for key in sorted(keys))
+        print(
+            f"{PROG}: note: {args.profiles} holds profiles measured under {len(keys)} DeepSpeed configs "
+            f"(measured_with.ds_config_fingerprint: {found}): their stages are compared as they are; profile "
+            "again with the job's config (optimizer included) for a like-for-like comparison",
+            file=sys.stderr,
+        )
+
+
 def labelled(text: str, profiles: Sequence[Any], types: Sequence[str], *, under_table: bool = False) -> str:
     """`text` (a table's headline block, a blank line, the rest) with a line after its headline block where the
     profiles of `types` it was priced from are modelled (``measured_with.source``), as the shipped example's are,

@@ -415,6 +415,26 @@ def test_another_gpus_profiles_beside_the_clusters_are_not_called_misspelt(capsy
     assert err == "", err
 
 
+def test_profiles_measured_under_several_deepspeed_configs_are_noted(capsys, tmp_path):
+    # A PoplarTrainer job re-measured ZeRO 1 under its own config (transformers' fused AdamW) beside profiles of
+    # poplar-profile's plain AdamW: the search compared the stages without a word.
+    folder = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, folder, ignore=shutil.ignore_patterns("layers", "cluster.json"))
+    for key in ("sha256:aaaa", "sha256:bbbb"):
+        for path in folder.glob("*.json"):
+            data = json.loads(path.read_text())
+            if data.get("kind", "profile") == "profile" and "zero_stage" in data:
+                data["measured_with"]["ds_config_fingerprint"] = "sha256:aaaa" if data["zero_stage"] != 1 else key
+                path.write_text(json.dumps(data))
+        code, out, err = run(capsys, "--profiles", folder, "--cluster", CLUSTER, "--global-batch-size", 512)
+        assert code == 0, err
+        if key == "sha256:aaaa":
+            assert "DeepSpeed configs" not in err, err
+            continue
+        assert f"note: {folder} holds profiles measured under 2 DeepSpeed configs (measured_with.ds_config_" in err
+        assert "sha256:aaaa at ZeRO stage 0, 2, 3; sha256:bbbb at ZeRO stage 1)" in err
+
+
 def test_a_profile_whose_device_type_is_misspelt_is_said_to_be_unused(capsys, tmp_path):
     # One V100 profile renamed 'V100-16G': the search ignores it (as a folder's other GPUs'), with a note; where
     # its stage then has no profile of the type, the reason names it too.
