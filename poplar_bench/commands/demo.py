@@ -18,6 +18,9 @@ from ._options import (
     warn_if_no_figure,
 )
 
+EIGHT_RANKS_NAME = "demo_eight_ranks"
+"""``--eight-ranks``' default report stem: bench/results/demo_eight_ranks.md, beside the 3-rank demo.md."""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ..demo_config import CALIBRATION_MODES, DemoSettings
@@ -39,7 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     add_output_dir(p)
-    p.add_argument("--name", type=file_stem, default="demo", help="report file stem (default: demo)")
+    p.add_argument(
+        "--name",
+        type=file_stem,
+        default=None,
+        help=f"report file stem (default: demo); {EIGHT_RANKS_NAME} with --eight-ranks, so that it does not "
+        "replace the 3-rank report",
+    )
     add_positive_int(p, "--iterations", defaults.iterations, "measured iterations per policy and round")
     add_positive_int(p, "--rounds", defaults.rounds, "rounds; each round runs every policy in turn")
     add_positive_int(p, "--global-batch-size", defaults.global_batch_size, "samples per iteration")
@@ -119,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"poplar-bench demo: error: {exc}", file=sys.stderr)
         return 2
+    if args.name is None:
+        args.name = EIGHT_RANKS_NAME if args.eight_ranks else "demo"
     warn_if_no_figure("demo")
     try:
         if args.repetitions == 1:

@@ -291,6 +291,19 @@ def test_demo_takes_a_stage_and_one_rank_per_slowdown(monkeypatch, tmp_path):
     assert [d.name for d in seen["settings"].devices] == ["cpu-fast", "cpu-medium", "cpu-slow"]
 
 
+def test_eight_ranks_write_their_own_report_beside_the_three_rank_one(monkeypatch, tmp_path):
+    # `--eight-ranks` wrote demo.json, demo.md and demo.png, replacing the 3-rank report (which the README's table
+    # shows) instead of demo_eight_ranks.md, where docs/bench.md and bench/results/README.md say its results are.
+    from poplar_bench import demo
+
+    names = []
+    monkeypatch.setattr(demo, "run_demo", lambda settings, *, out_dir, name: names.append(name) or [])
+    assert cli.main(["demo", "--output-dir", str(tmp_path), "--eight-ranks"]) == 0
+    assert cli.main(["demo", "--output-dir", str(tmp_path), "--eight-ranks", "--name", "mine"]) == 0
+    assert cli.main(["demo", "--output-dir", str(tmp_path)]) == 0
+    assert names == ["demo_eight_ranks", "mine", "demo"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
