@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .demo_config import default_devices
 from .report import made_line, summary_provenance
 
 MAX_MEDIAN_ABS_ERROR = 0.05
@@ -93,10 +94,15 @@ def repetition_errors(entry: dict[str, Any]) -> list[float]:
 
 
 def summarize(
-    cases: list[tuple[PredictionCase, dict[str, Any]]], *, seed: int | None = None, calibration: str = "off"
+    cases: list[tuple[PredictionCase, dict[str, Any]]],
+    *,
+    seed: int | None = None,
+    calibration: str = "off",
+    failed: list[tuple[PredictionCase, str]] | tuple = (),
 ) -> dict[str, Any]:
     """One row per case and policy from the cases' demo reports, and whether the goal holds (`seed`: None for the
-    fixed cases; `calibration`: the demo's, said in the report)."""
+    fixed cases; `calibration`: the demo's, said in the report; `failed`: the cases whose demo failed, each with
+    why, a row each: the goal is not met without them)."""
     rows = []
     for case, report in cases:
         scenario = report["scenarios"][0]
@@ -119,6 +125,18 @@ def summarize(
                     "share_of_ideal": entry.get("share_of_ideal"),
                 }
             rows.append(row)
+    for case, error in failed:
+        rows.append(
+            {
+                "case": case.name,
+                "zero_stage": case.zero_stage,
+                "ranks": len(case.slowdowns) if case.slowdowns else len(default_devices()),
+                "slowdowns": list(case.slowdowns) if case.slowdowns else None,
+                "policy": None,
+                "status": "failed",
+                "error": error,
+            }
+        )
     measured = [r for r in rows if "median_abs_error" in r]
     worst = max(measured, key=lambda r: r["median_abs_error"], default=None)
     return {
@@ -131,8 +149,9 @@ def summarize(
                 "slowdowns": None if case.slowdowns is None else list(case.slowdowns),
                 "core_demand": None if case.core_demand is None else round(case.core_demand, 3),
             }
-            for case, _ in cases
+            for case in [case for case, _ in cases] + [case for case, _ in failed]
         ],
+        "failed_cases": [{"case": case.name, "error": error} for case, error in failed],
         "calibration": calibration,
         "load_average": [report.get("machine", {}).get("load_average") for _, report in cases],
         "usable_cpus": next((report.get("machine", {}).get("usable_cpus") for _, report in cases), None),
@@ -144,7 +163,9 @@ def summarize(
         "rows": rows,
         "worst_median_abs_error": None if worst is None else worst["median_abs_error"],
         "worst": None if worst is None else {k: worst[k] for k in ("case", "policy", "median_abs_error")},
-        "goal_met": bool(measured) and all(r["median_abs_error"] <= MAX_MEDIAN_ABS_ERROR for r in measured),
+        "goal_met": bool(measured)
+        and not failed
+        and all(r["median_abs_error"] <= MAX_MEDIAN_ABS_ERROR for r in measured),
     }
 
 
@@ -192,6 +213,12 @@ def render_markdown(summary: dict[str, Any], *, title: str = "Prediction error b
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in summary["rows"]:
+        if row["status"] == "failed":
+            lines.append(
+                f"| {row['case']} | {row['zero_stage']} | {row['ranks']} | every policy | failed: "
+                f"{row['error'].replace('|', '/')} | | | |"
+            )
+            continue
         if "median_abs_error" not in row:
             lines.append(
                 f"| {row['case']} | {row['zero_stage']} | {row['ranks']} | {row['policy']} | {row['status']} | | | |"
@@ -206,7 +233,32 @@ def render_markdown(summary: dict[str, Any], *, title: str = "Prediction error b
     worst = summary.get("worst")
     shown = "n/a" if worst is None else f"{100 * worst['median_abs_error']:.1f}% ({worst['case']}, {worst['policy']})"
     lines += ["", f"Worst median |error|: {shown}; goal {'met' if summary['goal_met'] else 'NOT met'}."]
+    failed = summary.get("failed_cases") or []
+    if failed:
+        lines += [
+            "",
+            f"**{len(failed)} of {len(summary['cases'])} cases failed** and were not measured (the goal is not met "
+            f"without them): {', '.join(f['case'] for f in failed)}.",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def failure_text(exc: BaseException) -> str:
+    """Why a case's demo failed, in one line: each failed rank's exit code and last line (a `RankFailure`, whose
+    full tracebacks the ranks printed), else the error's last line."""
+    outcomes = [o for o in getattr(exc, "outcomes", []) if not o.ok]
+    if outcomes:
+        return "; ".join(f"rank {o.rank} (exit code {o.exit_code}): {_last_line(o.error)}" for o in outcomes)
+    return _last_line(str(exc))
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "(no message)"
+
+
+class CasesFailed(RuntimeError):
+    """Some cases' demos failed; the summary of every case, the failed ones named, was written all the same."""
 
 
 def run_prediction_check(
@@ -221,14 +273,16 @@ def run_prediction_check(
     calibration: str = "off",
 ) -> list[Path]:
     """Run the demo for each case and write prediction_check.{json,md} into `out_dir` (`seed`: what the cases were
-    drawn from). Every case profiles afresh by default: a cached profile would measure its staleness, not the model."""
+    drawn from). Every case profiles afresh by default: a cached profile would measure its staleness, not the model.
+    A case whose demo fails is named in the summary and the next case runs; the summary written, `CasesFailed`
+    says which failed."""
     from poplar_ext.plan.formats import read_json
 
     from . import demo
     from .demo_config import DemoSettings, default_devices, devices_from_slowdowns
     from .report import write_json_and_markdown
 
-    reports = []
+    reports, failed = [], []
     for number, case in enumerate(cases, start=1):
         started = time.perf_counter()
         demo.progress(f"case {number}/{len(cases)}: {case.name}")
@@ -243,8 +297,19 @@ def run_prediction_check(
             calibration=calibration,
             **batch,
         )
-        paths = demo.run_demo(settings, out_dir=out_dir / "prediction_check", name=case.name)
+        try:
+            paths = demo.run_demo(settings, out_dir=out_dir / "prediction_check", name=case.name)
+        except RuntimeError as exc:  # its ranks failed or hung (local_ranks.RankFailure): the other cases still run
+            failed.append((case, failure_text(exc)))
+            demo.progress(f"case {case.name} FAILED after {time.perf_counter() - started:.0f} s: {failed[-1][1]}")
+            continue
         reports.append((case, read_json(paths[0])))
         demo.progress(f"case {case.name} done in {time.perf_counter() - started:.0f} s")
-    summary = summarize(reports, seed=seed, calibration=calibration)
-    return write_json_and_markdown(summary, render_markdown(summary), out_dir, "prediction_check")
+    summary = summarize(reports, seed=seed, calibration=calibration, failed=failed)
+    paths = write_json_and_markdown(summary, render_markdown(summary), out_dir, "prediction_check")
+    if failed:
+        raise CasesFailed(
+            f"{len(failed)} of {len(cases)} cases failed ({', '.join(case.name for case, _ in failed)}); the summary "
+            f"of every case, the failed ones named, is in {paths[1]}"
+        )
+    return paths

@@ -286,3 +286,40 @@ def test_the_options_of_each_mode_still_run_it(tmp_path, monkeypatch):
     assert cli.main(["calibration", "--check-only", "--repeats", "4", *out]) == 0
     assert cli.main(["calibration", "--rounds", "5", *out]) == 0
     assert calls == [len(prediction_check.DEFAULT_CASES), 2, 4, 5]
+
+
+def test_a_case_whose_ranks_fail_is_named_in_the_summary_and_the_other_cases_still_count(tmp_path, monkeypatch, capsys):
+    # A failed case ended the command with a traceback, and no prediction_check.json or .md was written: the cases
+    # measured before it (minutes each) were summarised nowhere, and the ones after it never ran.
+    import json
+
+    from poplar_bench import cli, demo
+    from poplar_bench.local_ranks import RankFailure, RankOutcome
+    from poplar_bench.prediction_check import draw_cases
+
+    first, second = draw_cases(11, 2, cores=2)
+
+    def fake_demo(settings, *, out_dir, name):
+        if name == first.name:
+            error = "Traceback ...\nEmulatedOutOfMemoryError: over"
+            raise RankFailure([RankOutcome(rank=1, ok=False, value=None, error=error, exit_code=1, log_path=None)])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{name}.json"
+        path.write_text(json.dumps(_report(len(second.slowdowns), {"poplar": (1.0, [1.0, 1.01, 0.99])})))
+        return [path]
+
+    monkeypatch.setattr(demo, "run_demo", fake_demo)
+    code = cli.main(["predictions", "--seed", "11", "--cases", "2", "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"poplar-bench predictions: 1 of 2 cases failed ({first.name})" in err and "Traceback" not in err
+    summary = json.loads((tmp_path / "prediction_check.json").read_text())
+    assert [c["name"] for c in summary["cases"]] == [second.name, first.name]
+    assert summary["failed_cases"] == [
+        {"case": first.name, "error": "rank 1 (exit code 1): EmulatedOutOfMemoryError: over"}
+    ]
+    assert [r["case"] for r in summary["rows"] if "median_abs_error" in r] == [second.name]
+    assert summary["goal_met"] is False, "a case not measured cannot meet the goal"
+    text = (tmp_path / "prediction_check.md").read_text()
+    assert f"| {first.name} | {first.zero_stage} | {len(first.slowdowns)} | every policy | failed: rank 1" in text
+    assert f"**1 of 2 cases failed** and were not measured (the goal is not met without them): {first.name}." in text
