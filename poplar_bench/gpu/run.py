@@ -48,7 +48,10 @@ def run_gpu(settings: GpuRunSettings) -> int:
     work_dir = settings.work_dir or Path(tempfile.mkdtemp(prefix="poplar-bench-gpu-"))
     log.say(f"work folder (rank logs, caches): {work_dir}")
     results: dict[str, Any] = {}
-    for name in settings.steps:
+    for index, name in enumerate(settings.steps):
+        # Before the step too: a run killed while it runs (the machine's time up, Ctrl-C) leaves a summary that says
+        # it did not finish and which steps it never ended.
+        write_summary(settings, provenance, results, total_s=log.elapsed_s(), not_finished=settings.steps[index:])
         left_s = settings.budget_s - log.elapsed_s()
         if left_s < STEP_MINIMUM_S[name]:
             results[name] = {"status": "skipped", "seconds": 0.0, "reason": f"{left_s:.0f} s left of the budget"}
@@ -62,7 +65,7 @@ def run_gpu(settings: GpuRunSettings) -> int:
                 provenance=provenance,
             )
             results[name] = run_step(name, partial(STEP_FUNCTIONS[name], context), log)
-        write_summary(settings, provenance, results, total_s=log.elapsed_s())
+        write_summary(settings, provenance, results, total_s=log.elapsed_s(), not_finished=settings.steps[index + 1 :])
     failed = [name for name, r in results.items() if r["status"] == "failed"]
     log.say(f"done in {log.elapsed_s():.0f} s; failed steps: {', '.join(failed) or 'none'}")
     return 1 if failed else 0
@@ -109,9 +112,15 @@ STEP_FUNCTIONS: dict[str, Callable[[StepContext], dict[str, Any]]] = {
 
 
 def write_summary(
-    settings: GpuRunSettings, provenance: dict[str, Any], results: dict[str, Any], *, total_s: float
+    settings: GpuRunSettings,
+    provenance: dict[str, Any],
+    results: dict[str, Any],
+    *,
+    total_s: float,
+    not_finished: tuple[str, ...] | list[str] = (),
 ) -> list[Path]:
-    """``gpu_run.json`` and ``gpu_run.md``: provenance, then every step's outcome so far."""
+    """``gpu_run.json`` and ``gpu_run.md``: provenance, then every step's outcome so far (`not_finished`: the steps
+    still to end when it is written, the first of them running; none once the run is over)."""
     report = {
         "schema": "poplar-bench-gpu/2",
         "kind": "gpu",
@@ -122,6 +131,8 @@ def write_summary(
         "machine": machine_description(),
         "total_s": total_s,
         "steps": results,
+        "finished": not not_finished,
+        "steps_not_finished": list(not_finished),
     }
     return write_json_and_markdown(report, render_summary(report), settings.output_dir, "gpu_run")
 
@@ -155,6 +166,13 @@ def render_summary(report: dict[str, Any]) -> str:
         f"load average {report['machine'].get('load_average')}",
         *code_lines(report["machine"]),
     ]
+    not_finished = report.get("steps_not_finished") or []
+    if not_finished:
+        lines.append(
+            f"- **UNFINISHED**: written while the run went on, before {', '.join(not_finished)} ended ("
+            f"{not_finished[0]} running or about to); a run that left this file so was stopped (interrupted, killed "
+            "or out of time) and has no results for them"
+        )
     render_step = {
         "exact": exactness_markdown,
         "profile": profiles_markdown,

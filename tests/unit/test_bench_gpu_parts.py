@@ -66,6 +66,32 @@ def test_steps_run_in_order_within_the_budget_and_the_rest_are_skipped(tmp_path,
     assert written == ["gpu_run.json", "gpu_run.log", "gpu_run.md", "provenance.json"]
 
 
+def test_a_run_stopped_in_a_step_leaves_a_summary_that_says_it_did_not_finish(tmp_path, monkeypatch):
+    # gpu_run.md was written after each step only and listed the steps done: a run killed in step 2 of 4 (the GPU
+    # machine's time up, Ctrl-C) left a summary of step 1 that read as a whole run, and one killed in step 1 none.
+    def stopped(context) -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("poplar_bench.gpu.provenance.read_provenance", lambda dry_run: _provenance())
+    steps = {"exact": lambda context: {}, "profile": stopped, "predictions": lambda c: {}, "launcher": lambda c: {}}
+    monkeypatch.setattr(gpu_run, "STEP_FUNCTIONS", steps)
+    settings = GpuRunSettings(output_dir=tmp_path / "out", budget_s=300.0, work_dir=tmp_path / "work")
+    with pytest.raises(KeyboardInterrupt):
+        gpu_run.run_gpu(settings)
+    summary = json.loads((tmp_path / "out" / "gpu_run.json").read_text())
+    assert summary["steps"]["exact"]["status"] == "ok" and list(summary["steps"]) == ["exact"]
+    assert summary["finished"] is False
+    assert summary["steps_not_finished"] == ["profile", "predictions", "launcher"]
+    text = (tmp_path / "out" / "gpu_run.md").read_text()
+    assert "**UNFINISHED**: written while the run went on, before profile, predictions, launcher ended" in text
+
+    monkeypatch.setattr(gpu_run, "STEP_FUNCTIONS", {**steps, "profile": lambda context: {}})
+    assert gpu_run.run_gpu(settings) == 0
+    summary = json.loads((tmp_path / "out" / "gpu_run.json").read_text())
+    assert summary["finished"] is True and summary["steps_not_finished"] == []
+    assert "UNFINISHED" not in (tmp_path / "out" / "gpu_run.md").read_text()
+
+
 def _provenance() -> dict:
     versions = {"torch": "2", "deepspeed": "0.19", "python": "3"}
     return {"gpu": None, "driver": None, "cuda": None, "devices": "dry run", **versions}
