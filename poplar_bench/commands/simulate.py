@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model:
             raise ValueError("--model: only for modelled profiles, found it together with --profiles")
         profiles = tuple(load_profiles(args.profiles))
+        _refuse_mixed_models(profiles, args)
         clusters = [(path, load_cluster(path)) for path in cluster_paths]
         _refuse_unprofiled_types(clusters, profiles, args)
         cases = [
@@ -122,6 +123,20 @@ def run(args: argparse.Namespace) -> int:
             reason = scenario["policies"][0]["message"]
             print(f"poplar-bench simulate: {scenario['name']}: no policy has a plan: {reason}", file=sys.stderr)
     return print_paths(write_report(report, args.output_dir or default_output_dir(), args.name))
+
+
+def _refuse_mixed_models(profiles: tuple, args: argparse.Namespace) -> None:
+    """Profiles of several models in `--profiles`, refused before any search with what simulate can do about it:
+    the search's own message names poplar-search's --model, which simulate has only for modelled profiles."""
+    from poplar_ext.plan.formats import files_text, mixed_models
+
+    mixed = mixed_models(profiles)
+    if mixed is not None:
+        raise ValueError(
+            f"profiles: expected profiles of one model, found {mixed[0]} models: {mixed[1]} (poplar-search: --model "
+            f"NAME picks one){files_text(profiles)}; poplar-bench simulate cannot pick one (its --model is for "
+            f"modelled profiles only): give --profiles a folder holding one model's profiles, not {args.profiles}"
+        )
 
 
 def _refuse_unprofiled_types(clusters: list, profiles: tuple, args: argparse.Namespace) -> None:

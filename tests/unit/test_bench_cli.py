@@ -80,6 +80,29 @@ def test_profiles_and_model_together_exit_2(tmp_path, capsys):
     assert "--model: only for modelled profiles" in capsys.readouterr().err
 
 
+def test_profiles_of_two_models_are_refused_with_what_simulate_can_do(tmp_path, capsys):
+    # The search's message said "(poplar-search: --model NAME picks one)"; simulate refuses --model with --profiles.
+    from poplar_bench import gpu_model
+    from poplar_ext.plan.formats import save_profile
+
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    for shape in gpu_model.MODEL_SHAPES:
+        for index, profile in enumerate(
+            gpu_model.modelled_profiles(["A100-80GB", "A100-40GB"], shape, world_size=8, zero_stages=(1,))
+        ):
+            save_profile(profile, folder / f"{shape.name}-{index}.json")
+    argv = ["simulate", "--profiles", str(folder), "--cluster", str(SMALL_CLUSTER), "--output-dir", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "profiles: expected profiles of one model, found 2 models" in err
+    assert err.rstrip().endswith(
+        "poplar-bench simulate cannot pick one (its --model is for modelled profiles only): give --profiles a "
+        f"folder holding one model's profiles, not {folder}"
+    )
+    assert "[1/1]" not in err, "refused before any search"
+
+
 def test_a_bad_stage_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["simulate", "--zero-stage", "5"])
