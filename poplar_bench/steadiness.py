@@ -19,10 +19,26 @@ def _spread(values: list[float]) -> float | None:
     return max(values) - min(values) if values else None
 
 
-def summarize_steadiness(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every run's figures and their spreads, with the goals evaluated (reported, never asserted)."""
+def summarize_steadiness(reports: list[dict[str, Any]], *, failed: dict[int, str] | None = None) -> dict[str, Any]:
+    """Every run's figures and their spreads, with the goals evaluated (reported, never asserted); `failed`: the
+    runs (numbered from 1 among all of them) whose demo failed, with why: a row each, and no goal is met."""
+    failed = failed or {}
     runs = []
-    for number, report in enumerate(reports, start=1):
+    measured = iter(reports)
+    for number in range(1, len(reports) + len(failed) + 1):
+        if number in failed:
+            runs.append(
+                {
+                    "run": number,
+                    "failed": failed[number],
+                    "poplar_share_of_ideal": None,
+                    "prediction_error": {},
+                    "emulation_overrun_share": None,
+                    "profiles_from_cache": None,
+                }
+            )
+            continue
+        report = next(measured)
         scenario = report["scenarios"][0]
         entries = {e["policy"]: e for e in scenario["policies"] if e["status"] == "ok"}
         runs.append(
@@ -48,7 +64,7 @@ def summarize_steadiness(reports: list[dict[str, Any]]) -> dict[str, Any]:
         )
     ]
     for policy, spread in error_spreads.items():
-        met = spread is not None and spread <= ERROR_SPREAD_GOAL
+        met = spread is not None and spread <= ERROR_SPREAD_GOAL and not failed
         goals.append(
             goal_entry(f"{policy} prediction error: spread over the runs", spread, f"<= {ERROR_SPREAD_GOAL}", met)
         )
@@ -57,6 +73,7 @@ def summarize_steadiness(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "data_source": reports[0]["data_source"] if reports else None,
         **summary_provenance(reports),  # the last run's time and machine, together
         "runs": runs,
+        "failed_runs": sorted(failed),
         "poplar_share_spread": share_spread,
         "prediction_error_spread": error_spreads,
         "goals": goals,
@@ -76,12 +93,25 @@ def render_steadiness(summary: dict[str, Any]) -> str:
         "| --- | --- | " + " | ".join("---" for _ in policies) + " | --- |",
     ]
     for run in summary["runs"]:
+        if run.get("failed"):
+            lines.append(
+                f"| {run['run']} | failed: {run['failed'].replace('|', '/')} | "
+                + " | ".join("" for _ in policies)
+                + " |"
+            )
+            continue
         errors = " | ".join(num_text(run["prediction_error"].get(p), "{:+.3f}") for p in policies)
         lines.append(
             f"| {run['run']} | {num_text(run['poplar_share_of_ideal'], '{:.3f}')} | {errors} | "
             f"{num_text(run['emulation_overrun_share'], '{:.2%}')} |"
         )
     lines += ["", *goals_table(summary["goals"], "{:.3f}")]
+    if summary.get("failed_runs"):
+        lines += [
+            "",
+            f"**{len(summary['failed_runs'])} of {len(summary['runs'])} runs failed** and were not measured (no goal "
+            f"is met without them): run {', '.join(map(str, summary['failed_runs']))}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -89,16 +119,26 @@ def run_steadiness(settings: Any, *, out_dir: Path, repetitions: int, name: str 
     """The demo `repetitions` times, each profiled afresh (``force_profile``); each run's report under
     ``OUT/<name>-steadiness/``, the summary as ``<name>-steadiness.json`` and ``.md`` in `out_dir`."""
     from . import demo
+    from .prediction_check import failure_text
 
     settings = dataclasses.replace(settings, force_profile=True)
-    reports = []
+    reports, failed = [], {}
     for number in range(1, repetitions + 1):
         demo.progress(f"repetition {number}/{repetitions}, profiled afresh")
-        reports.append(
-            read_json(demo.run_demo(settings, out_dir=out_dir / f"{name}-steadiness", name=f"{name}-{number}")[0])
-        )
-    summary = summarize_steadiness(reports)
+        try:
+            paths = demo.run_demo(settings, out_dir=out_dir / f"{name}-steadiness", name=f"{name}-{number}")
+        except RuntimeError as exc:  # its ranks failed or hung (local_ranks.RankFailure): the other runs still run
+            failed[number] = failure_text(exc)
+            demo.progress(f"repetition {number}/{repetitions} FAILED: {failed[number]}")
+            continue
+        reports.append(read_json(paths[0]))
+    summary = summarize_steadiness(reports, failed=failed)
     paths = write_json_and_markdown(summary, render_steadiness(summary), out_dir, f"{name}-steadiness")
     for goal in summary["goals"]:
         demo.progress(f"goal {goal['goal']} {goal['target']}: {goal['value']} ({'met' if goal['met'] else 'MISSED'})")
+    if failed:
+        raise RuntimeError(
+            f"{len(failed)} of {repetitions} runs failed (run {', '.join(map(str, failed))}); the summary of every "
+            f"run, the failed ones named, is in {paths[1]}"
+        )
     return paths

@@ -62,3 +62,37 @@ def test_the_summary_gives_the_time_and_machine_of_one_run():
     last.update(created_utc="2026-11-29T11:00:00+00:00", machine={"hostname": "h", "load_average": [1.0]})
     summary = steadiness.summarize_steadiness([first, last])
     assert (summary["created_utc"], summary["machine"]) == (last["created_utc"], last["machine"])
+
+
+def test_a_run_whose_ranks_fail_is_named_in_the_summary_and_the_others_still_count(tmp_path, monkeypatch, capsys):
+    # A failed run ended `demo --repetitions N` with "poplar-bench demo: ranks failed: ..." and no summary: the runs
+    # made before it (minutes each) were summarised nowhere, and the ones after it never ran.
+    import json
+
+    from poplar_bench import cli, demo
+    from poplar_bench.local_ranks import RankFailure, RankOutcome
+
+    made = []
+
+    def fake_demo(settings, *, out_dir, name):
+        made.append(name)
+        if len(made) == 2:
+            error = "Traceback ...\nRuntimeError: Connection closed by peer"
+            raise RankFailure([RankOutcome(rank=2, ok=False, value=None, error=error, exit_code=1, log_path=None)])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{name}.json"
+        path.write_text(json.dumps(_report(0.96, {"poplar": 0.01})))
+        return [path]
+
+    monkeypatch.setattr(demo, "run_demo", fake_demo)
+    assert cli.main(["demo", "--repetitions", "3", "--output-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "poplar-bench demo: 1 of 3 runs failed (run 2); the summary of every run" in err
+    assert made == ["demo-1", "demo-2", "demo-3"]
+    summary = json.loads((tmp_path / "demo-steadiness.json").read_text())
+    assert [r["run"] for r in summary["runs"]] == [1, 2, 3] and summary["failed_runs"] == [2]
+    assert summary["runs"][1]["failed"] == "rank 2 (exit code 1): RuntimeError: Connection closed by peer"
+    assert not any(goal["met"] for goal in summary["goals"]), "a run not measured cannot show a steady instrument"
+    text = (tmp_path / "demo-steadiness.md").read_text()
+    assert "| 2 | failed: rank 2 (exit code 1): RuntimeError: Connection closed by peer |" in text
+    assert "**1 of 3 runs failed** and were not measured (no goal is met without them): run 2." in text
