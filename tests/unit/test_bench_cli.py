@@ -404,6 +404,35 @@ def test_a_command_writing_into_the_checkouts_results_says_it_replaced_the_commi
     assert notice not in capsys.readouterr().err  # asked for: nothing to say
 
 
+def test_overhead_and_search_speed_help_say_what_they_run_and_how_it_is_judged(capsys):
+    # Their --help said only "Per-iteration overhead of ... writes runtime_overhead.json and .md" and "Time
+    # search_plan for 8 to 4096 ranks and 1 to 6 device types": not on which devices, how long, which cells, the goals.
+    import inspect
+
+    from poplar_bench import runtime_overhead, search_speed
+
+    def help_of(command: str) -> str:
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        return " ".join(capsys.readouterr().out.split())
+
+    text = help_of("overhead")
+    defaults = inspect.signature(runtime_overhead.run_overhead).parameters
+    assert f"{'Two' if runtime_overhead.WORLD_SIZE == 2 else runtime_overhead.WORLD_SIZE} REAL CPU ranks" in text
+    assert (
+        f"(micro-batch {runtime_overhead.MICRO_BATCH_SIZE}, {runtime_overhead.ACCUMULATION_STEPS} accumulation "
+        f"steps, ZeRO {runtime_overhead.ZERO_STAGE}, fp32)" in text
+    )
+    assert f"in {defaults['blocks'].default} blocks of {defaults['block_iterations'].default} iterations" in text
+    assert f"goal <= {runtime_overhead.GOAL_RATIO}" in text
+    text = help_of("search-speed")
+    assert "global batches 2^22, 10^9 and 2^31" in text
+    assert search_speed.LARGE_BATCHES == (2**22, 10**9, 2**31)
+    assert [goal["target_s"] for goal in search_speed.GOALS] == [1.0, 0.05]
+    assert "4096 ranks x 6 types under 1 s, 64 ranks under 50 ms, every large-batch and lever cell under 1 s" in text
+    assert "No profile is a measurement" in text
+
+
 def test_clean_exit_refuses_a_case_given_twice(tmp_path, capsys):
     # --case torch --case torch --launches 1 ran torch twice per launch and reported two equal rows, each
     # "torch | 2 |" launches: neither what was asked nor one row per case.
