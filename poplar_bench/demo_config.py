@@ -67,6 +67,15 @@ FASTEST_HEADROOM_BYTES = 192 * MIB
 MIN_HEADROOM_BYTES = 32 * MIB
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a container's cpuset), which can be fewer than
+    the machine's ``os.cpu_count()``; the reports' ``usable_cpus``."""
+    cores = os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        cores = min(cores, len(os.sched_getaffinity(0)) or cores)
+    return cores
+
+
 def devices_from_slowdowns(slowdowns: list[float] | tuple[float, ...]) -> tuple[DemoDevice, ...]:
     """One emulated device type per rank, ``cpu<rank>-x<slowdown>``, for configurations nobody tuned. Memory follows
     speed as in the default cluster: the fastest gets 192 MiB of headroom, one k times slower 1/k of it (>= 32 MiB)."""
@@ -75,7 +84,7 @@ def devices_from_slowdowns(slowdowns: list[float] | tuple[float, ...]) -> tuple[
     bad = [s for s in slowdowns if not (isinstance(s, (int, float)) and s >= 1.0)]
     if bad:
         raise ValueError(f"slowdowns: expected numbers >= 1 (compute slowdown against a CPU core), found {bad}")
-    cores_needed, cores = sum(1.0 / s for s in slowdowns), os.cpu_count() or 1
+    cores_needed, cores = sum(1.0 / s for s in slowdowns), usable_cores()
     if cores_needed > cores:
         # Ranks that compete for cores are slowed by each other, not by their emulation.
         raise ValueError(

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import random
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from .demo_config import default_devices
+from .demo_config import default_devices, usable_cores
 from .report import made_line, summary_provenance
 
 MAX_MEDIAN_ABS_ERROR = 0.05
@@ -56,10 +55,11 @@ def _slowdowns(rng: random.Random, ranks: int, cores: int) -> tuple[float, ...]:
 
 
 def draw_cases(seed: int, count: int, *, cores: int | None = None) -> tuple[PredictionCase, ...]:
-    """`count` cases drawn from `seed` alone (the same cases for the same seed and core count)."""
+    """`count` cases drawn from `seed` alone (the same cases for the same seed and core count; `cores`: default the
+    cores this process may use, `demo_config.usable_cores`)."""
     if count < 1:
         raise ValueError(f"count: expected at least 1 case, found {count}")
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     rng = random.Random(seed)
     cases = []
     for number in range(1, count + 1):

@@ -348,6 +348,21 @@ def test_demo_refuses_slowdowns_that_need_more_cores_than_the_machine_has(monkey
     assert "need 2.50 cores together" in capsys.readouterr().err
 
 
+def test_slowdowns_and_drawn_cases_count_the_cores_this_process_may_use(monkeypatch, tmp_path, capsys):
+    # Under `taskset -c 0` on a 2-core machine (os.cpu_count() 2, one usable CPU, as the reports say) the demo took
+    # --slowdowns 1.5,1.5 (1.33 cores of steady compute on one) and predictions drew cases of up to 0.97 cores,
+    # beyond half the usable ones: ranks slowed by each other, not by their emulation.
+    from poplar_bench import demo
+    from poplar_bench.prediction_check import draw_cases, max_core_demand
+
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **k: pytest.fail("the demo started"))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
+    assert cli.main(["demo", "--output-dir", str(tmp_path), "--slowdowns", "1.5,1.5"]) == 2
+    assert "need 1.33 cores together (sum of 1/slowdown), this machine has 1" in capsys.readouterr().err
+    assert max(case.core_demand for case in draw_cases(27, 20)) <= max_core_demand(1)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
