@@ -380,7 +380,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"`poplar-bench pipeline`, {report['date']}. Devices **emulated**: {report['cluster']}. "
         f"Times **measured** (wall clock, median of {ITERATIONS} iterations after one, the slowest rank; the "
         f"median over {report.get('repetitions', 1)} run(s), each run's in the last column) and **predicted** "
-        "(the plan's own prediction from the measured profiles and network).",
+        "(the plan's own prediction from the measured profiles and network). measured/predicted: the median of "
+        "each run's, against the prediction of the plan that run searched.",
         "",
         f"Model: {report['model']}. Link: {report['link_emulation']}.",
         "",
@@ -400,11 +401,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         )
         for kind in ("zero", "pipeline"):
             r = row[kind]
-            ratio = r["measured_iteration_s"] / r["predicted_iteration_s"]
-            # Each run against its own plan's prediction (a run may have searched another plan).
+            # Each run against its own plan's prediction (a run may have searched another plan), and the row's
+            # ratio their median: the median time over runs of different plans against the first plan's prediction
+            # would compare runs with a plan they did not run.
             measured = r.get("measured_runs_s", [])
             predicted = r.get("predicted_runs_s", [r["predicted_iteration_s"]] * len(measured))
-            each = ", ".join(f"{m / p:.2f}" for m, p in zip(measured, predicted))
+            ratios = [m / p for m, p in zip(measured, predicted)]
+            ratio = statistics.median(ratios) if ratios else r["measured_iteration_s"] / r["predicted_iteration_s"]
+            each = ", ".join(f"{x:.2f}" for x in ratios)
             plan = r["plan"] + "".join(f"; another run: {other}" for other in r.get("other_plans", []))
             lines.append(
                 f"| {link} | {kind} | {plan} | {r['measured_iteration_s']:.3f} | {r['predicted_iteration_s']:.3f} "

@@ -80,6 +80,21 @@ def test_each_run_is_compared_with_its_own_plans_prediction():
     assert "| 1.00, 1.00, 1.10 |" in text
 
 
+def test_the_rows_ratio_is_the_median_of_each_runs_against_its_own_plan():
+    # The row's measured/predicted was the median time over the runs over the first run's prediction: with one run
+    # of another, slower plan (3.0 s predicted, 3.0 measured) every run ran at its prediction, yet the row read 1.10.
+    first = _run(1.0, 2.0)
+    other = _run(1.0, 3.0, "Q")
+    other["pipeline"]["predicted_iteration_s"] = 3.0
+    last = _run(1.0, 3.0, "Q")
+    last["pipeline"]["predicted_iteration_s"] = 3.0
+    row = pipeline_compare.combined_row([first, other, last])
+    report = {"date": "d", "cluster": "c", "model": "m", "link_emulation": "l", "machine": {}, "repetitions": 3}
+    text = pipeline_compare.render_markdown({**report, "rows": [row]})
+    assert "| fast (uncapped) | pipeline | P; another run: Q | 3.000 | 2.000 | 1.00 | 1.00, 1.00, 1.00 |" in text
+    assert "measured/predicted: the median of each run's, against the prediction of the plan that run searched" in text
+
+
 def test_fewer_than_one_repetition_is_refused(tmp_path):
     with pytest.raises(ValueError, match="repetitions: expected at least 1, found 0"):
         pipeline_compare.run_pipeline_bench(out_dir=tmp_path, repetitions=0)
