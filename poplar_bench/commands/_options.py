@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -44,9 +45,18 @@ def check_output_dir(path: Path) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ValueError(f"--output-dir: expected a directory for the report files, found a file: {existing}")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not os.access(existing, os.W_OK | os.X_OK) or not _can_write_in(existing):
         what = "a directory" if existing == path else f"{path}, to be made in a directory"
         raise ValueError(f"--output-dir: expected {what} this user can write, found {existing} not writable")
+
+
+def _can_write_in(folder: Path) -> bool:
+    """Whether a file can be made in `folder`: for root `os.access` says yes even of /proc or a read-only mount."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
 
 
 def warn_if_no_figure(command: str) -> None:

@@ -396,6 +396,16 @@ def test_an_output_dir_that_cannot_take_the_reports_is_refused_before_any_work(t
         assert f"found {locked} not writable" in capsys.readouterr().err
 
 
+def test_an_output_dir_where_no_file_can_be_made_is_refused_for_root_too(monkeypatch, capsys):
+    # os.access says yes to root everywhere: overhead --output-dir /proc/x ran its whole bench (about 25 s) and
+    # then failed in mkdir with a FileNotFoundError traceback.
+    from poplar_bench import search_speed
+
+    monkeypatch.setattr(search_speed, "run_search_speed", lambda *a, **k: pytest.fail("the run started"))
+    assert cli.main(["search-speed", "--output-dir", "/proc/poplar-bench-results"]) == 2
+    assert "found /proc not writable" in capsys.readouterr().err
+
+
 def test_a_command_writing_into_the_checkouts_results_says_it_replaced_the_committed_one(monkeypatch, capsys):
     # Only the demo said it had replaced the committed report; drift, predictions, pipeline, search-speed and the
     # rest replaced bench/results/NAME.* without a word.
