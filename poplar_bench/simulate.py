@@ -271,7 +271,15 @@ def simulation_report(
     networks = {c.network.measured_with.get("note", c.network.source) for c in cases if c.network is not None}
     # Measured profiles were run, on their devices, before: this report ran nothing.
     ran = " for this report (its measured profiles were, before)" if measured else ""
-    notes = [f"Every figure is a prediction of the search's cost model; nothing was run on these GPUs{ran}."] + [
+    emulated = sorted({p.device_type for c in cases for p in c.profiles if p.emulated is not None})
+    devices = "devices" if emulated else "GPUs"
+    notes = [f"Every figure is a prediction of the search's cost model; nothing was run on these {devices}{ran}."]
+    if emulated:
+        notes.append(
+            f"Profiles of {', '.join(emulated)} were measured on EMULATED devices (a CPU slowed down, its memory "
+            "capped: poplar_ext.hardware.emulation), not on the devices they name."
+        )
+    notes += [
         f"Communication is priced by a network model for each cluster's size: MODELLED network ({note})."
         for note in sorted(networks)
     ]

@@ -110,6 +110,37 @@ def test_given_measured_profiles_are_labelled_measured():
     assert modelled[0] == "Every figure is a prediction of the search's cost model; nothing was run on these GPUs."
 
 
+def test_profiles_measured_on_emulated_devices_are_said_to_be(monkeypatch):
+    # The demo's cache (a real cpu and an emulated cpu-slow) read "nothing was run on these GPUs" and nothing else.
+    from poplar_ext.plan.formats import Emulation
+
+    case = _case()
+    measured = simulate.simulate_case(
+        dataclasses.replace(
+            case, profiles=tuple(dataclasses.replace(p, measured_with={"source": "measured"}) for p in case.profiles)
+        )
+    )
+    monkeypatch.setattr(simulate, "simulate_case", lambda case: measured)  # the notes alone: no search
+    first = case.profiles[0].device_type
+    relabelled = tuple(
+        dataclasses.replace(
+            p,
+            measured_with={"source": "measured", "host": "test"},
+            emulated=Emulation(slowdown=3.0, memory_capacity_bytes=2 * 10**9) if p.device_type == first else None,
+        )
+        for p in case.profiles
+    )
+    notes = simulate.simulation_report([dataclasses.replace(case, profiles=relabelled)], scaling=False)["notes"]
+    assert notes[0] == (
+        "Every figure is a prediction of the search's cost model; nothing was run on these devices for this report "
+        "(its measured profiles were, before)."
+    )
+    assert notes[1] == (
+        f"Profiles of {first} were measured on EMULATED devices (a CPU slowed down, its memory capped: "
+        "poplar_ext.hardware.emulation), not on the devices they name."
+    )
+
+
 def test_a_large_cluster_simulates_and_reports_per_type_means(tmp_path):
     report = simulate.simulation_report([_case(world_size=8), _case(world_size=512)])
     assert report["scenarios"][1]["cluster"]["world_size"] == 512
