@@ -536,11 +536,16 @@ class PoplarAccelerator(Accelerator):
     # -- metrics -------------------------------------------------------------------------
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """accelerate's, with tensors whose first dimension differs across ranks (the plan's micro-batches)
-        gathered whole: every rank's rows, rank 0's first, nothing dropped or repeated (collective)."""
+        gathered whole: every rank's rows, rank 0's first, nothing dropped or repeated (collective). Refused between
+        two optimizer steps of this rank where ranks accumulate different counts, objects (accelerate's
+        ``gather_object``) as tensors (`gather`): `_check_collective_at_sync_point`."""
         try:
             recursively_apply(lambda x: x, input_data, error_on_other_type=True)
         except TypeError:
             use_gather_object = True
+        if use_gather_object:
+            # accelerate's gather_object, past `gather`: refused between optimizer steps as a tensor's gather is.
+            self._check_collective_at_sync_point("gather_for_metrics")
         if use_gather_object or self.num_processes == 1:
             return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
         return recursively_apply(self._gather_rows, input_data)

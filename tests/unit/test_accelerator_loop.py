@@ -362,6 +362,36 @@ def test_collectives_on_every_micro_batch_are_fine_where_every_rank_accumulates_
     assert not accelerator.sync_gradients and collectives == ["gather", "reduce"]
 
 
+def test_gather_for_metrics_of_objects_between_optimizer_steps_is_refused_too(
+    monkeypatch, accelerator, backwards, collectives
+):
+    # gather_for_metrics of objects (strings, lists of ids) goes to accelerate's gather_object, past `gather`: inside
+    # accumulate() on uneven counts it started its collective on every micro-batch while docs/accelerate.md says
+    # gather_for_metrics is refused there, as a tensor's is.
+    import accelerate.accelerator as accelerate_module
+
+    import poplar_ext.elastic as elastic
+
+    gathered: list = []
+    monkeypatch.setattr(accelerate_module, "gather_object", lambda data: gathered.append(data) or data)
+    monkeypatch.setattr(elastic, "end_restarting_launcher", lambda error: None)
+    _settled(accelerator, [2, 3, 1])
+    with accelerator.accumulate():
+        with pytest.raises(ValueError) as refused:
+            accelerator.gather_for_metrics(["a sample's text"])
+        accelerator.backward(torch.tensor(1.0))
+    assert str(refused.value).startswith("PoplarAccelerator.gather_for_metrics: expected a call at an optimizer step")
+    assert "(counts by rank: [2, 3, 1]); found one at micro-batch 1 of this rank's 2" in str(refused.value)
+    assert gathered == [] and collectives == []
+    with pytest.raises(ValueError, match=r"^PoplarAccelerator\.gather: expected a call at an optimizer step"):
+        accelerator.gather_for_metrics(torch.tensor([1.0]))  # a tensor's: refused by gather, as before
+    with accelerator.accumulate():
+        accelerator.backward(torch.tensor(2.0))
+    assert accelerator.sync_gradients
+    assert accelerator.gather_for_metrics(["a sample's text"]) == ["a sample's text"]  # at the optimizer step
+    assert gathered == [["a sample's text"]]
+
+
 def test_skip_first_batches_of_the_training_dataloader_without_load_state_is_warned_of(accelerator, caplog):
     # A script resuming by its own means (weights loaded without load_state) called skip_first_batches(loader, 4):
     # the loader was returned as it was, and only an INFO line, which said it "already continues where load_state
