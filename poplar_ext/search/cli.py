@@ -175,7 +175,8 @@ def build_parser(subparsers: argparse._SubParsersAction | None = None) -> argpar
         metavar="NAME",
         help="the model whose profiles to plan from, by its name or fingerprint, where --profiles holds several "
         "models' (the automatic mode's cache does); default: the folder's one model. A fingerprint may be cut "
-        "to its first 8 or more digits, as profile file names show it",
+        "to its first 8 or more digits, as profile file names show it. A model is its fingerprint: a name picks "
+        "its profiles under other names too (the automatic mode names them by the model's class)",
     )
     parser.add_argument(
         "--global-batch-size",
