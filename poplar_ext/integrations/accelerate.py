@@ -509,6 +509,16 @@ class PoplarAccelerator(Accelerator):
         self._check_collective_at_sync_point("reduce")
         return super().reduce(tensor, reduction=reduction, scale=scale)
 
+    def wait_for_everyone(self) -> None:
+        """accelerate's barrier; refused as `gather` is."""
+        self._check_collective_at_sync_point("wait_for_everyone")
+        super().wait_for_everyone()
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """accelerate's (it gathers every rank's sizes); refused as `gather` is."""
+        self._check_collective_at_sync_point("pad_across_processes")
+        return super().pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
     @ends_job_on_user_error  # the loop's code: the same refusal at every restart
     def _check_collective_at_sync_point(self, call: str) -> None:
         """Where ranks accumulate different counts, they run different numbers of micro-batches per optimizer step: a

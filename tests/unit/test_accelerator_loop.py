@@ -351,6 +351,33 @@ def test_a_collective_between_optimizer_steps_is_refused_when_ranks_accumulate_d
     assert collectives == [call]
 
 
+@pytest.mark.parametrize("call", ["wait_for_everyone", "pad_across_processes"])
+def test_a_barrier_or_padding_between_optimizer_steps_is_refused_when_ranks_accumulate_differently(
+    monkeypatch, accelerator, backwards, call
+):
+    # accelerate's barrier and pad_across_processes (which gathers every rank's sizes) are collectives too: inside
+    # accumulate() on counts 2, 3 and 1 they met other micro-batches' calls or the gradient reduction.
+    import poplar_ext.elastic as elastic
+
+    called: list[str] = []
+    monkeypatch.setattr(Accelerator, "wait_for_everyone", lambda self: called.append("wait_for_everyone"))
+    monkeypatch.setattr(
+        Accelerator, "pad_across_processes", lambda self, tensor, **kwargs: called.append(call) or tensor
+    )
+    monkeypatch.setattr(elastic, "end_restarting_launcher", lambda error: None)
+    arguments = () if call == "wait_for_everyone" else (torch.tensor([1.0]),)
+    _settled(accelerator, [2, 3, 1])
+    with accelerator.accumulate():
+        with pytest.raises(ValueError, match=rf"^PoplarAccelerator\.{call}: expected a call at an optimizer step"):
+            getattr(accelerator, call)(*arguments)
+        accelerator.backward(torch.tensor(1.0))
+    assert called == []
+    with accelerator.accumulate():
+        accelerator.backward(torch.tensor(2.0))
+    getattr(accelerator, call)(*arguments)  # at the optimizer step
+    assert called == [call]
+
+
 def test_collectives_on_every_micro_batch_are_fine_where_every_rank_accumulates_alike(
     accelerator, backwards, collectives
 ):
