@@ -88,7 +88,7 @@ def run_predictions(context: StepContext) -> dict[str, Any]:
 
 def label_report(report: dict[str, Any], *, dry_run: bool, provenance: dict[str, Any]) -> None:
     """Say what the ranks ran on and how their speeds differed, in the report's provenance fields."""
-    from .provenance import provenance_line, provenance_short
+    from .provenance import provenance_short
 
     if dry_run:
         how = "DRY RUN: emulated CPU ranks, tiny sizes; nothing measured on a GPU"
@@ -100,7 +100,7 @@ def label_report(report: dict[str, Any], *, dry_run: bool, provenance: dict[str,
     report["title"] = f"poplar-bench gpu: the policies on ranks sharing one GPU; {provenance_short(provenance)}"
     report["data_source"] = f"measured, {how}, real DeepSpeed"
     report["provenance"] = provenance
-    report["machine"]["gpus"] = provenance_line(provenance)
+    report["machine"]["gpus"] = provenance_short(provenance)  # after "GPUs: " in the report's machine line
     notes = [f"{len(report['scenarios'][0]['policies'])} policies; ranks: {how}."]
     if not dry_run:
         notes.append(

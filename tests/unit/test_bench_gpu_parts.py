@@ -185,6 +185,9 @@ def test_the_comparison_report_names_the_gpu_and_drops_the_cpu_notes_on_a_gpu():
     dry = _report()
     label_report(dry, dry_run=True, provenance=provenance | {"gpu": None})
     assert "DRY RUN" in dry["data_source"] and any("CPU process" in n for n in dry["notes"])
+    # After "GPUs: " in the machine line: "GPUs: GPU no GPU (driver -, ...)" before.
+    assert report["machine"]["gpus"].startswith("NVIDIA H200 (driver 580.1, CUDA 13.0; torch 2.11.0")
+    assert dry["machine"]["gpus"].startswith("no GPU (dry run on CPU) (driver 580.1")
 
 
 def test_the_gpu_command_finds_its_checkouts_gpu_checks_from_any_folder(monkeypatch, tmp_path):
