@@ -228,12 +228,15 @@ def note_mixed_config_keys(args: Any, profiles: Sequence[Any], cluster: Any) -> 
     """A note on stderr where the cluster's profiles were measured under several DeepSpeed configs (their
     ``measured_with.ds_config_fingerprint``: the optimizer and the config's fields that change a step's time or
     memory): a job re-measuring under its own config (the automatic mode) keys some stages anew, and the search
-    would compare stages measured under different optimizers without a word."""
+    would compare stages measured under different optimizers without a word. With ``--zero-stage N`` only
+    stage N's profiles are searched, so only theirs count."""
     types = set(cluster.type_counts())
+    stage = getattr(args, "zero_stage", "auto")
     keys: dict[str, set[int]] = {}
     for profile in profiles:
         key = profile.measured_with.get("ds_config_fingerprint")
-        if profile.device_type in types and isinstance(key, str):
+        searched = stage == "auto" or profile.zero_stage == stage
+        if profile.device_type in types and isinstance(key, str) and searched:
             keys.setdefault(key, set()).add(profile.zero_stage)
     if len(keys) > 1:
         found = "; ".join(f"{key} at ZeRO stage {', '.join(map(str, sorted(keys[key])))}" for key in sorted(keys))

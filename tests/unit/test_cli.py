@@ -435,6 +435,27 @@ def test_profiles_measured_under_several_deepspeed_configs_are_noted(capsys, tmp
         assert "sha256:aaaa at ZeRO stage 0, 2, 3; sha256:bbbb at ZeRO stage 1)" in err
 
 
+def test_profiles_of_stages_not_searched_are_not_noted_as_measured_under_another_config(capsys, tmp_path):
+    # Stage 1's profiles keyed sha256:bbbb, the others sha256:aaaa: with --zero-stage 0 only stage 0's (one key) are
+    # searched, yet the note said the stages were compared under 2 DeepSpeed configs.
+    folder = tmp_path / "profiles"
+    shutil.copytree(EXAMPLES, folder, ignore=shutil.ignore_patterns("layers", "cluster.json"))
+    for path in folder.glob("*.json"):
+        data = json.loads(path.read_text())
+        if data.get("kind", "profile") == "profile" and "zero_stage" in data:
+            data["measured_with"]["ds_config_fingerprint"] = "sha256:bbbb" if data["zero_stage"] == 1 else "sha256:aaaa"
+            path.write_text(json.dumps(data))
+    for stage in ("0", "2"):
+        code, out, err = run(
+            capsys, "--profiles", folder, "--cluster", CLUSTER, "--global-batch-size", 512, "--zero-stage", stage
+        )
+        assert code == 0, err
+        assert "DeepSpeed configs" not in err, err
+    code, out, err = run(capsys, "--profiles", folder, "--cluster", CLUSTER, "--global-batch-size", 512)
+    assert code == 0, err
+    assert "sha256:aaaa at ZeRO stage 0, 2, 3; sha256:bbbb at ZeRO stage 1)" in err
+
+
 def test_a_profile_whose_device_type_is_misspelt_is_said_to_be_unused(capsys, tmp_path):
     # One V100 profile renamed 'V100-16G': the search ignores it (as a folder's other GPUs'), with a note; where
     # its stage then has no profile of the type, the reason names it too.
