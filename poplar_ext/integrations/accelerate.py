@@ -579,7 +579,7 @@ def _warn_of_a_later_shuffling_loader(loaders: list) -> None:
     the script likely passed its evaluation DataLoader first, which leaves the training one split evenly by
     accelerate: ranks of uneven counts then wait on each other at the first optimizer step."""
     random = torch.utils.data.RandomSampler
-    if isinstance(loaders[0].sampler, random):
+    if not _reads_in_order(loaders[0]):
         return
     shuffling = [index for index, loader in enumerate(loaders) if isinstance(loader.sampler, random)]
     if shuffling:
@@ -590,6 +590,14 @@ def _warn_of_a_later_shuffling_loader(loaders: list) -> None:
             "different accumulation counts then wait on each other at the first optimizer step)",
             shuffling[0] + 1,
         )
+
+
+def _reads_in_order(loader: torch.utils.data.DataLoader) -> bool:
+    """Whether `loader` reads its dataset in order: a ``SequentialSampler`` in plain batches (a sampler or batch
+    sampler of the script's own, such as a ``SubsetRandomSampler`` or a length-grouped one, may shuffle)."""
+    batches = getattr(loader, "batch_sampler", None)
+    plain = batches is None or type(batches) is torch.utils.data.BatchSampler
+    return plain and isinstance(getattr(loader, "sampler", None), torch.utils.data.SequentialSampler)
 
 
 def _route_plan_calls(engine: Any, wrapped: PoplarEngine) -> None:

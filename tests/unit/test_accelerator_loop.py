@@ -527,3 +527,32 @@ def test_token_mean_counts_the_micro_batches_it_hands_out_under_a_random_collate
     trained = [int(batch["labels"].ne(-100).sum()) for batch in batches]
     assert accelerator._iteration_tokens == {0: trained[:2], 4: trained[2:]}
     assert sorted(int(first) for batch in batches for first in batch["input_ids"][:, 0]) == list(range(8))
+
+
+def test_a_first_dataloader_with_a_sampler_of_its_own_is_not_said_to_read_in_order(caplog):
+    # A training DataLoader over a SubsetRandomSampler, or a shuffling batch sampler of the script's own, passed
+    # first beside a shuffled evaluation one: rank 0 warned that the first one "reads in order".
+    from poplar_ext.integrations.accelerate import _warn_of_a_later_shuffling_loader
+
+    data = list(range(8))
+    subset = torch.utils.data.DataLoader(data, batch_size=2, sampler=torch.utils.data.SubsetRandomSampler(range(8)))
+    batches = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(data), batch_size=2, drop_last=False)
+    own_batches = torch.utils.data.DataLoader(data, batch_sampler=_OwnBatches(batches))
+    for first in (subset, own_batches):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="poplar_ext.integrations.accelerate"):
+            _warn_of_a_later_shuffling_loader([first, torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)])
+        assert caplog.text == ""
+
+
+class _OwnBatches:
+    """A script's batch sampler (a length-grouped one, say): not torch's ``BatchSampler``."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
