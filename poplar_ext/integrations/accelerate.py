@@ -324,27 +324,16 @@ class PoplarAccelerator(Accelerator):
 
     def save_state(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
         """accelerate's; refused between two optimizer steps of this rank when the plan's ranks accumulate
-        different counts (`_check_saving_at_a_sync_point`)."""
-        self._check_saving_at_a_sync_point()
-        return super().save_state(output_dir, *args, **kwargs)
-
-    @ends_job_on_user_error  # the loop's code: the same refusal at every restart
-    def _check_saving_at_a_sync_point(self) -> None:
-        """Where ranks accumulate different counts, a rank between two of its optimizer steps has other ranks at other
-        micro-batches (accelerate's examples save every N batches): save_state's collectives would meet their
-        gradient reduction, and the job would hang until the process group's timeout. Refused before any collective
-        (where every rank accumulates alike, a save mid-iteration is fine: the data resumes at the iteration start)."""
-        counts = self._accumulation_counts()
-        if len(set(counts)) <= 1 or self.sync_gradients:
-            return
-        steps = self.gradient_accumulation_steps
-        raise ValueError(
-            "PoplarAccelerator.save_state: expected a call at an optimizer step (accelerator.sync_gradients True), "
-            f"since the plan gives ranks different accumulation counts (counts by rank: {counts}); found one after "
-            f"micro-batch {self.step % steps} of this rank's {steps}: the other ranks are at other micro-batches, "
-            "where save_state's collectives would meet their gradient reduction and hang. Save under `if "
-            "accelerator.sync_gradients:`, counting optimizer steps, not batches"
+        different counts (accelerate's examples save every N batches: its collectives would meet the other ranks'
+        gradient reduction and hang; `_check_collective_at_sync_point`). Where every rank accumulates alike, a save
+        mid-iteration is fine: the data resumes at the iteration start."""
+        self._check_collective_at_sync_point(
+            "save_state",
+            found="after",
+            effect="save_state's collectives would meet their gradient reduction and hang. Save under `if "
+            "accelerator.sync_gradients:`, counting optimizer steps, not batches",
         )
+        return super().save_state(output_dir, *args, **kwargs)
 
     def load_state(self, input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
         """accelerate's, then ``accumulate()``'s micro-step counter `step` back to 0: the training data resumes at
@@ -520,7 +509,14 @@ class PoplarAccelerator(Accelerator):
         return super().pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
 
     @ends_job_on_user_error  # the loop's code: the same refusal at every restart
-    def _check_collective_at_sync_point(self, call: str) -> None:
+    def _check_collective_at_sync_point(
+        self,
+        call: str,
+        *,
+        found: str = "at",
+        effect: str = "this collective would meet other calls of it or their gradient reduction (a crash or a hang). "
+        "Sum locally and call it under `if accelerator.sync_gradients:`",
+    ) -> None:
         """Where ranks accumulate different counts, they run different numbers of micro-batches per optimizer step: a
         collective on every micro-batch (diffusers' scripts gather the loss inside ``accumulate()``) pairs different
         micro-batches across ranks with each other and with the gradient reduction, and gloo aborts or hangs. Refused
@@ -532,10 +528,9 @@ class PoplarAccelerator(Accelerator):
         steps = self.gradient_accumulation_steps
         raise ValueError(
             f"PoplarAccelerator.{call}: expected a call at an optimizer step (accelerator.sync_gradients True), "
-            f"since the plan gives ranks different accumulation counts (counts by rank: {counts}); found one at "
+            f"since the plan gives ranks different accumulation counts (counts by rank: {counts}); found one {found} "
             f"micro-batch {self.step % steps} of this rank's {steps}: the other ranks are at other micro-batches, "
-            "where this collective would meet other calls of it or their gradient reduction (a crash or a hang). "
-            "Sum locally and call it under `if accelerator.sync_gradients:`"
+            f"where {effect}"
         )
 
     def _accumulation_counts(self) -> list[int]:
