@@ -564,9 +564,8 @@ def _cut_short(path: Path) -> bool:
     """Whether `path`, a file in torch's zip format, lacks the zip's central directory at its end (a copy cut
     short: torch fails to read it). Read from its end, not whole; a file in torch's legacy format is not judged."""
     try:
-        with path.open("rb") as file:
-            if file.read(4) != b"PK\x03\x04":
-                return False
+        if not _in_zip_format(path):
+            return False
         with zipfile.ZipFile(path):
             return False
     except zipfile.BadZipFile:
@@ -607,18 +606,30 @@ def saved_zero_stage(load_dir: str | Path, tag: str) -> int | None:
 
 def _model_states_record(load_dir: str | Path, tag: str) -> dict:
     """The entries of `tag`'s model states file but its weights (mapped, not read); empty where none is read."""
-    import torch
 
     path = model_states_file(load_dir, tag)
     if path is None:
         return {}
     try:
-        with path.open("rb") as file:
-            zipped = file.read(4) == b"PK\x03\x04"
-        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=zipped)  # mmap: not the weights
+        saved = _load_model_states(path)
     except Exception:  # noqa: BLE001 - not known; DeepSpeed's load says what is wrong with the file
         return {}
     return saved if isinstance(saved, dict) else {}
+
+
+def _in_zip_format(path: Path) -> bool:
+    """Whether `path` begins as torch's zip format does (DeepSpeed writes the legacy one under
+    ``"checkpoint": {"checkpoint_serialization": false}``)."""
+    with path.open("rb") as file:
+        return file.read(4) == b"PK\x03\x04"
+
+
+def _load_model_states(path: Path) -> Any:
+    """DeepSpeed's model states file `path` as torch loads it, mapped where torch can (its zip format): the entries
+    and shapes are read, not the weights (the file may hold the whole model)."""
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=_in_zip_format(path))
 
 
 def check_optimizer_precision(load_dir: str | Path, tag: str, *, bf16: bool, caller: str = "load_checkpoint") -> None:
@@ -665,11 +676,7 @@ def saved_parameter_shapes(
     import torch
 
     try:
-        with path.open("rb") as file:
-            zipped = file.read(4) == b"PK\x03\x04"
-        # mmap: the shapes alone are read, not the weights (the file may hold the whole model). torch maps its zip
-        # format only; DeepSpeed writes the legacy one under "checkpoint": {"checkpoint_serialization": false}.
-        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=zipped)
+        saved = _load_model_states(path)
     except Exception as exc:  # noqa: BLE001 - a file torch cannot read: refused naming it
         raise ValueError(
             f"{caller}: {path}: expected a model states file that torch can read, found one it cannot "
